@@ -1,0 +1,24 @@
+"""Shared test set-up: an isolated torchport cache for the whole session (inherited by children)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Set before torchport is imported anywhere so every process of the run shares one cache.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="torchport-test-cache-")
+os.environ.setdefault("TORCHPORT_CACHE_DIR", _SESSION_CACHE)
+os.environ.setdefault("TORCHPORT_PROGRESS", "0")
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """A private, empty cache directory for one test."""
+    from torchport.autotune import choice_cache
+
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "cache"))
+    choice_cache.clear_memory()
+    yield tmp_path / "cache"
+    choice_cache.clear_memory()

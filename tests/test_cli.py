@@ -1,0 +1,82 @@
+"""The torchport command: info, bench discovery, and a short real demo run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from torchport import cli, demo
+
+
+def test_info_prints_cpu_features(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "features" in out and "AVX2:" in out and "AVX512-BF16:" in out and "AMX-TILE:" in out
+    assert "compiler" in out and "cache" in out
+
+
+def test_bench_list_and_unknown(capsys):
+    assert cli.main(["bench", "list"]) == 0
+    assert "elementwise" in capsys.readouterr().out.split()
+    assert cli.main(["bench", "no-such-bench"]) == 2
+    assert "unknown benchmark 'no-such-bench'" in capsys.readouterr().err
+
+
+def test_bench_runs_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "el.json"
+    assert cli.main(["bench", "elementwise", "--quick", "--reps", "3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["machine"]["torch"] and data["rows"]
+    assert all(r["anchor_s"] > 0 and r["ours_s"] > 0 for r in data["rows"])
+    assert "ratio" in capsys.readouterr().out
+
+
+def test_python_dash_m_entry_point():
+    res = subprocess.run(
+        [sys.executable, "-m", "torchport", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0 and "demo" in res.stdout
+
+
+def test_demo_trains_samples_and_reports(tmp_path):
+    argv = [
+        "demo",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "12",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "64",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--eval-every",
+        "6",
+        "--corpus-mb",
+        "0.5",
+        "--sample-tokens",
+        "40",
+    ]
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    titles = [s["title"] for s in report]
+    assert any(t.startswith("training") for t in titles)
+    train = next(s for s in report if s["title"].startswith("training"))
+    curve = train["data"]["val_curve"]
+    assert curve[-1][1] < curve[0][1]  # learning happened
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((tmp_path / "sample.txt").read_bytes()) >= 40
+
+
+def test_demo_rejects_unknown_stage(tmp_path):
+    args = cli.build_parser().parse_args(["demo", "--out", str(tmp_path), "--stages", "warp"])
+    with pytest.raises(ValueError, match=r"unknown demo stage\(s\) \['warp'\]"):
+        demo.run(args)

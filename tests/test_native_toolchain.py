@@ -1,0 +1,218 @@
+"""The native toolchain: compile, content-addressed cache, concurrency, corruption, no compiler."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchport import config, native
+from torchport.native import (
+    CompileError,
+    CompilerNotFoundError,
+    CorruptCacheWarning,
+    IntArg,
+    Kernel,
+    KernelArgumentError,
+    TensorArg,
+)
+
+SRC = """
+TP_EXPORT int tp_fill(float *out, int64_t n, double value, int64_t nthreads) {
+    #pragma omp parallel for num_threads(nthreads)
+    for (int64_t i = 0; i < n; ++i) out[i] = (float)value + (float)i;
+    return 0;
+}
+"""
+
+
+def _source(tag: str) -> str:
+    return native.render(SRC + "/* ${tag} */\n", tag=tag)
+
+
+def _fill(tag: str, n: int = 1000) -> torch.Tensor:
+    lib = native.build(_source(tag), name="fill")
+    k = Kernel(
+        lib,
+        "tp_fill",
+        (TensorArg("out", (torch.float32,)), IntArg("n"), native.FloatArg("v"), IntArg("nt")),
+    )
+    out = torch.empty(n)
+    k(out, n, 2.5, 2)
+    return out
+
+
+def test_build_and_run(fresh_cache):
+    out = _fill("basic")
+    assert torch.equal(out, 2.5 + torch.arange(1000, dtype=torch.float32))
+    assert list(Path(fresh_cache, "native").rglob("*.so"))
+
+
+def test_second_process_hits_cache_without_compiler(fresh_cache):
+    code = textwrap.dedent(
+        """
+        import sys, json
+        sys.path.insert(0, %r)
+        from tests.test_native_toolchain import _fill
+        from torchport import native
+        out = _fill("xproc")
+        print(json.dumps(vars(native.stats())))
+        """
+    ) % str(Path(__file__).parent.parent)
+    env = {**os.environ, "TORCHPORT_CACHE_DIR": str(fresh_cache)}
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        for _ in range(2)
+    ]
+    assert runs[0]["compiles"] == 1 and runs[0]["disk_hits"] == 0
+    assert runs[1]["compiles"] == 0 and runs[1]["disk_hits"] == 1
+
+
+def _build_in_child(args: tuple[str, str]) -> list[float]:
+    cache, tag = args
+    os.environ["TORCHPORT_CACHE_DIR"] = cache
+    return _fill(tag, 64).tolist()
+
+
+def test_concurrent_builds_of_one_kernel(fresh_cache):
+    ctx = multiprocessing.get_context("spawn")  # fork after OpenMP is unsafe
+    with ProcessPoolExecutor(max_workers=4, mp_context=ctx) as ex:
+        results = list(ex.map(_build_in_child, [(str(fresh_cache), "race")] * 8, timeout=180))
+    expect = (2.5 + torch.arange(64, dtype=torch.float32)).tolist()
+    assert all(r == expect for r in results)
+    sos = list(Path(fresh_cache, "native").rglob("fill-*.so"))
+    assert len(sos) == 1
+    assert not list(Path(fresh_cache, "native").rglob(".build-*"))  # no temp dirs left
+
+
+def test_corrupt_entry_is_rebuilt_with_warning(fresh_cache, monkeypatch):
+    src = _source("corrupt")
+    lib = native.build(src, name="fill")
+    del lib
+    (so,) = Path(fresh_cache, "native").rglob("fill-*.so")
+    # New inode: this process still maps the old object, which must stay intact.
+    bad = so.with_name("bad.tmp")
+    bad.write_bytes(b"\x7fELF garbage")
+    os.replace(bad, so)
+    # a fresh in-process view, as a new process would have
+    monkeypatch.setattr(native.toolchain, "_loaded", {})
+    before = native.stats().corrupt_rebuilds
+    with pytest.warns(CorruptCacheWarning, match="failed verification"):
+        out = _fill("corrupt")
+    assert native.stats().corrupt_rebuilds == before + 1
+    assert out[3].item() == 5.5
+    record = json.loads(so.with_suffix(".json").read_text())
+    assert record["sha256"] == native.toolchain._digest(so)
+
+
+def test_missing_record_counts_as_corrupt(fresh_cache, monkeypatch):
+    native.build(_source("norecord"), name="fill")
+    (meta,) = Path(fresh_cache, "native").rglob("fill-*.json")
+    meta.write_text("{not json")
+    monkeypatch.setattr(native.toolchain, "_loaded", {})
+    with pytest.warns(CorruptCacheWarning):
+        assert _fill("norecord")[0].item() == 2.5
+
+
+def test_missing_compiler_is_typed_error(fresh_cache):
+    with (
+        config.override(cc="/nonexistent/bin/cc-404"),
+        pytest.raises(
+            CompilerNotFoundError,
+            match=r"no C compiler found \(tried \['/nonexistent/bin/cc-404'\]\)",
+        ),
+    ):
+        native.build(_source("nocc"), name="fill")
+
+
+def test_compile_error_carries_compiler_message(fresh_cache):
+    bad = native.render("TP_EXPORT int broken(void) { return undefined_symbol_xyz; }\n")
+    with pytest.raises(CompileError, match=r"undefined_symbol_xyz"):
+        native.build(bad, name="broken")
+
+
+def test_ops_fall_back_visibly_without_compiler(fresh_cache, monkeypatch):
+    from torchport.ops import elementwise
+
+    elementwise._kernel.cache_clear()
+    monkeypatch.setattr(native.toolchain, "_warned_fallback", set())
+    before = native.stats().fallbacks
+    x, y = torch.randn(100), torch.randn(100)
+    with config.override(cc="/nonexistent/cc"):
+        with pytest.warns(native.NativeFallbackWarning, match="axpy unavailable, using ATen"):
+            out = elementwise.axpy(2.0, x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once only
+            elementwise.axpy(2.0, x, y)
+    elementwise._kernel.cache_clear()
+    assert torch.allclose(out, 2.0 * x + y)
+    assert native.stats().fallbacks == before + 2
+    assert native.toolchain.fallback_counts["axpy"] >= 2
+
+
+def test_kernel_argument_validation(fresh_cache):
+    lib = native.build(_source("args"), name="fill")
+    k = Kernel(
+        lib,
+        "tp_fill",
+        (
+            TensorArg("out", (torch.float32,), ndim=1),
+            IntArg("n"),
+            native.FloatArg("v"),
+            IntArg("nt"),
+        ),
+    )
+    with pytest.raises(
+        KernelArgumentError,
+        match=r"argument 'out' must have dtype in \(torch.float32\), got torch.float64",
+    ):
+        k(torch.empty(4, dtype=torch.float64), 4, 1.0, 1)
+    with pytest.raises(KernelArgumentError, match=r"'out' must be 1-D, got 2-D"):
+        k(torch.empty(2, 2), 4, 1.0, 1)
+    with pytest.raises(KernelArgumentError, match=r"'out' must be contiguous"):
+        k(torch.empty(8)[::2], 4, 1.0, 1)
+    with pytest.raises(KernelArgumentError, match=r"'n' must be an int, got 2.0"):
+        k(torch.empty(4), 2.0, 1.0, 1)
+    with pytest.raises(KernelArgumentError, match=r"takes 4 arguments"):
+        k(torch.empty(4))
+    with pytest.raises(KernelArgumentError, match=r"must be a torch.Tensor, got list"):
+        k([1.0], 1, 1.0, 1)
+
+
+def test_template_parameters_must_match():
+    with pytest.raises(ValueError, match=r"missing \['b'\]"):
+        native.render("int ${a}; int ${b};", a=1)
+    with pytest.raises(ValueError, match=r"unused \['c'\]"):
+        native.render("int ${a};", a=1, c=2)
+
+
+def test_cpu_features_and_isa_override():
+    info = native.cpu_info()
+    assert info.cores >= 1
+    assert info.max_isa in ("scalar", "avx2", "avx512")
+    with config.override(isa="scalar"):
+        assert native.cpu_info().isa == "scalar"
+    with config.override(isa="avx512"):  # can only lower what the hardware has
+        assert native.cpu_info().isa == info.max_isa or info.max_isa == "avx512"
+    assert native.compile_flags("scalar") == list(native.toolchain.BASE_FLAGS)
+    assert "-mavx512f" in native.compile_flags("avx512")

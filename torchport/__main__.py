@@ -1,0 +1,5 @@
+"""``python -m torchport`` runs the CLI."""
+
+from torchport.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Persistent JSON cache of autotuning choices, safe for concurrent writers.
+
+One file, ``<cache_dir>/autotune/choices-v1.json``, maps a content hash of (op, problem key,
+machine identity, torch and torchport versions) to the chosen candidate and its timings. Reads are
+served from memory (a hit is a dict lookup); a miss re-reads the file once in case another process
+added the entry. Writes take an ``flock`` on a side lock file, merge with what is on disk, write a
+temporary file and ``os.replace`` it, so no writer loses another's entries and no reader sees a
+partial file. A corrupt or foreign file is ignored with a warning and rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchport import config
+from torchport.native.cpu import cpu_info
+from torchport.version import __version__
+
+FORMAT = "torchport-autotune-v1"
+
+
+class CorruptChoiceCacheWarning(UserWarning):
+    """The choice cache file was unreadable and is being rewritten."""
+
+
+def machine_identity() -> dict[str, Any]:
+    """What a timing depends on beyond the problem itself."""
+    return {
+        **cpu_info().identity(),
+        "isa": cpu_info().isa,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torchport": __version__,
+    }
+
+
+def entry_key(op: str, key: Mapping[str, Any]) -> str:
+    """Stable hash of an op's problem key plus machine identity and versions."""
+    blob = json.dumps(
+        {"op": op, "key": key, "machine": machine_identity()}, sort_keys=True, default=str
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class ChoiceCache:
+    """In-memory view of the persistent choice file."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._path = path
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._loaded_from: tuple[str, float] | None = None
+        self._lock = threading.Lock()
+        # (op, key json) → entry, for hits without hashing the machine identity again
+        self._memo: dict[tuple[str, str], dict[str, Any]] = {}
+
+    @property
+    def path(self) -> Path:
+        if self._path is not None:
+            return self._path
+        return config.cache_path("autotune") / "choices-v1.json"
+
+    def _read_disk(self) -> dict[str, dict[str, Any]]:
+        p = self.path
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            warnings.warn(f"torchport: cannot read {p}: {e}", CorruptChoiceCacheWarning, 2)
+            return {}
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError("unexpected format")
+            entries = data["entries"]
+            if not isinstance(entries, dict):
+                raise ValueError("entries is not an object")
+            return {k: v for k, v in entries.items() if isinstance(v, dict) and "choice" in v}
+        except (ValueError, KeyError) as e:
+            warnings.warn(
+                f"torchport: ignoring corrupt autotune cache {p} ({e}); it will be rewritten",
+                CorruptChoiceCacheWarning,
+                stacklevel=3,
+            )
+            return {}
+
+    def _refresh(self) -> None:
+        p = self.path
+        try:
+            stamp = (str(p), p.stat().st_mtime)
+        except OSError:
+            stamp = (str(p), -1.0)
+        if stamp != self._loaded_from:
+            self._entries = self._read_disk()
+            self._loaded_from = stamp
+
+    def get(self, op: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The cached entry for (op, key) on this machine, or None."""
+        if not config.get("autotune_cache"):
+            return None
+        memo_key = (op, json.dumps(key, sort_keys=True, default=str))
+        hit = self._memo.get(memo_key)
+        if hit is not None:
+            return hit
+        k = entry_key(op, key)
+        with self._lock:
+            hit = self._entries.get(k)
+            if hit is None:
+                self._refresh()
+                hit = self._entries.get(k)
+            if hit is not None:
+                self._memo[memo_key] = hit
+            return hit
+
+    @contextlib.contextmanager
+    def _file_lock(self) -> Iterator[None]:
+        lock_path = self.path.with_suffix(".lock")
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def put(
+        self, op: str, key: Mapping[str, Any], choice: str, timings: Mapping[str, float]
+    ) -> None:
+        """Record a choice (merged atomically with the entries other processes wrote)."""
+        k = entry_key(op, key)
+        entry = {
+            "op": op,
+            "key": json.loads(json.dumps(key, default=str)),
+            "choice": choice,
+            "timings_s": dict(timings),
+            "time": time.time(),
+        }
+        with self._lock:
+            self._entries[k] = entry
+            if not config.get("autotune_cache"):
+                return
+            p = self.path
+            with self._file_lock():
+                merged = self._read_disk()
+                merged[k] = entry
+                fd, tmp = tempfile.mkstemp(prefix=".choices-", dir=p.parent)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(
+                            {"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True
+                        )
+                    os.replace(tmp, p)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
+                self._entries = merged
+                self._loaded_from = (str(p), p.stat().st_mtime)
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """All entries currently on disk (for `torchport info` and reports)."""
+        with self._lock:
+            self._refresh()
+            return dict(self._entries)
+
+    def clear_memory(self) -> None:
+        """Forget the in-memory view (next lookup re-reads the file)."""
+        with self._lock:
+            self._entries = {}
+            self._memo = {}
+            self._loaded_from = None
+
+
+choice_cache = ChoiceCache()

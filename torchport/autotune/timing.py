@@ -1,0 +1,89 @@
+"""Timing primitives shared by the autotuner and the benchmarks.
+
+``measure`` runs a callable over a rotation of input sets: with one set the caches stay hot; with
+enough copies to exceed the last-level cache (:func:`cold_copies`) each call reads its operands
+from memory, as a layer does in a real model whose weights do not fit in L3.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torchport import config
+
+L3_BYTES = 32 << 20  # this machine's L3; cold timing rotates more than this
+
+
+def nbytes(obj: Any) -> int:
+    """Total bytes of the tensors in a (nested) tuple/list of arguments."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(nbytes(o) for o in obj.values())
+    return 0
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, tuple):
+        return tuple(_clone(o) for o in obj)
+    if isinstance(obj, list):
+        return [_clone(o) for o in obj]
+    return obj
+
+
+def cold_copies(
+    args: tuple[Any, ...], *, budget: int | None = None, max_copies: int = 64
+) -> list[tuple[Any, ...]]:
+    """Copies of ``args`` whose total size exceeds ``budget`` bytes (default: config).
+
+    Returns ``[args]`` alone when the arguments are already larger than the budget.
+    """
+    budget = config.get("cold_cache_bytes") if budget is None else budget
+    size = max(1, nbytes(args))
+    n = min(max_copies, max(1, math.ceil(budget / size)))
+    return [args] + [_clone(args) for _ in range(n - 1)]
+
+
+def measure(
+    fn: Callable[..., Any],
+    arg_sets: Sequence[tuple[Any, ...]],
+    *,
+    reps: int,
+    warmup: int = 2,
+    min_time_s: float = 0.0,
+    max_time_s: float = 10.0,
+) -> list[float]:
+    """Seconds per call for ``reps`` calls (more while under ``min_time_s``), rotating arg sets."""
+    n = len(arg_sets)
+    for i in range(warmup):
+        fn(*arg_sets[i % n])
+    times: list[float] = []
+    start = time.perf_counter()
+    i = 0
+    while True:
+        args = arg_sets[i % n]
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+        i += 1
+        elapsed = time.perf_counter() - start
+        if i >= reps and elapsed >= min_time_s:
+            break
+        if elapsed >= max_time_s and i >= 3:
+            break
+    return times
+
+
+def median(times: Sequence[float]) -> float:
+    """Median of a non-empty sequence of timings."""
+    return float(statistics.median(times))

@@ -1,0 +1,188 @@
+"""The autotuner: profile candidates for one operation, keep the winner.
+
+Candidates are data (:class:`Candidate`, frozen). An op supplies a ``factory`` that turns a
+candidate into a callable, raising :class:`InvalidCandidate` for a configuration that cannot serve
+the problem (the search skips it). The ATen candidate is the anchor: it is always timed in the
+same run, and a non-ATen candidate is chosen only if it is correct (checked against the anchor's
+output) and faster than the anchor by more than ``config.autotune_noise``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from torchport import config
+from torchport.autotune.cache import ChoiceCache, choice_cache
+from torchport.autotune.timing import cold_copies, measure, median
+
+ATEN = "ATEN"
+NATIVE = "NATIVE"
+
+
+class InvalidCandidate(Exception):
+    """A candidate configuration cannot serve this problem; the search skips it."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of an op's search space."""
+
+    name: str
+    backend: str = NATIVE
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def param(self, key: str, default: Any = None) -> Any:
+        """Look up one parameter by name."""
+        for k, v in self.params:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def is_anchor(self) -> bool:
+        return self.backend == ATEN
+
+
+@dataclass
+class Choice:
+    """The outcome of tuning one problem."""
+
+    op: str
+    candidate: Candidate
+    timings_s: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    from_cache: bool = False
+    tune_time_s: float = 0.0
+
+
+@dataclass
+class TunerStats:
+    """Counters readable from Python: ``torchport.autotune.stats``."""
+
+    tuned: int = 0
+    cache_hits: int = 0
+    candidates_timed: int = 0
+    candidates_failed: int = 0
+
+
+stats = TunerStats()
+
+
+def allowed_backends() -> set[str]:
+    """Backends enabled by ``config.max_autotune_gemm_backends`` and ``config.native``."""
+    allowed = set(config.get("max_autotune_gemm_backends").split(","))
+    if not config.get("native"):
+        allowed.discard(NATIVE)
+    return allowed
+
+
+def select(
+    op: str,
+    key: Mapping[str, Any],
+    candidates: Sequence[Candidate],
+    factory: Callable[[Candidate], Callable[..., Any]],
+    make_args: Callable[[], tuple[Any, ...]],
+    *,
+    cold: bool = True,
+    check: Callable[[Any, Any], bool] | None = None,
+    cache: ChoiceCache | None = None,
+    backends: set[str] | None = None,
+) -> Choice:
+    """Choose the fastest valid candidate for ``(op, key)``, using and filling the choice cache.
+
+    ``make_args`` builds representative arguments (called only when timing is needed);
+    ``check(out, anchor_out)`` accepts a candidate's result. Backends outside ``backends``
+    (default: :func:`allowed_backends`) are never chosen, but the ATen anchor is always timed.
+    """
+    cache = cache or choice_cache
+    allowed = allowed_backends() if backends is None else backends
+    anchors = [c for c in candidates if c.is_anchor]
+    if len(anchors) != 1:
+        raise ValueError(f"{op}: exactly one ATen anchor candidate is required, got {len(anchors)}")
+    anchor = anchors[0]
+    by_name = {c.name: c for c in candidates}
+    eligible = [c for c in candidates if c.backend in allowed]
+    if not eligible:
+        return Choice(op, anchor)
+    if len(eligible) == 1 and eligible[0].is_anchor:
+        return Choice(op, anchor)
+
+    hit = cache.get(op, key)
+    if hit is not None and hit["choice"] in by_name and by_name[hit["choice"]] in eligible:
+        stats.cache_hits += 1
+        return Choice(op, by_name[hit["choice"]], dict(hit.get("timings_s", {})), from_cache=True)
+
+    if not config.get("autotune"):
+        for c in eligible:
+            if c.is_anchor:
+                continue
+            try:
+                factory(c)
+                return Choice(op, c)
+            except InvalidCandidate:
+                continue
+        return Choice(op, anchor)
+
+    return _tune(op, key, anchor, eligible, factory, make_args, cold, check, cache)
+
+
+def _tune(
+    op: str,
+    key: Mapping[str, Any],
+    anchor: Candidate,
+    eligible: Sequence[Candidate],
+    factory: Callable[[Candidate], Callable[..., Any]],
+    make_args: Callable[[], tuple[Any, ...]],
+    cold: bool,
+    check: Callable[[Any, Any], bool] | None,
+    cache: ChoiceCache,
+) -> Choice:
+    t_start = time.perf_counter()
+    args = make_args()
+    arg_sets = cold_copies(args) if cold else [args]
+    reps = config.get("autotune_reps")
+    order = [anchor] + [c for c in eligible if not c.is_anchor]
+    timings: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    anchor_out: Any = None
+    bar = tqdm(
+        order,
+        desc=f"autotune {op}",
+        leave=False,
+        delay=1.0,
+        disable=not config.get("progress"),
+    )
+    for cand in bar:
+        try:
+            fn = factory(cand)
+            out = fn(*args)
+            if cand.is_anchor:
+                anchor_out = out
+            elif check is not None and anchor_out is not None and not check(out, anchor_out):
+                raise InvalidCandidate("result does not match the ATen anchor")
+            times = measure(fn, arg_sets, reps=reps, warmup=1, max_time_s=2.0)
+            timings[cand.name] = median(times)
+            stats.candidates_timed += 1
+        except InvalidCandidate as e:
+            failures[cand.name] = f"invalid: {e}"
+        except Exception as e:  # a candidate that crashes is skipped, never chosen
+            failures[cand.name] = f"{type(e).__name__}: {e}"
+            stats.candidates_failed += 1
+    bar.close()
+    ranked = [c for c in order if c.name in timings and c in eligible]
+    if not ranked:
+        choice = anchor
+    else:
+        choice = min(ranked, key=lambda c: timings[c.name])
+        if not choice.is_anchor and anchor.name in timings and anchor in eligible:
+            noise = config.get("autotune_noise")
+            if timings[choice.name] > timings[anchor.name] * (1.0 - noise):
+                choice = anchor
+    stats.tuned += 1
+    cache.put(op, key, choice.name, timings)
+    return Choice(op, choice, timings, failures, tune_time_s=time.perf_counter() - t_start)

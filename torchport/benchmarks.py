@@ -1,0 +1,183 @@
+"""Benchmark harness used by the scripts in ``bench/``.
+
+Every benchmark times its anchor (ATen, gloo, LAPACK, a memory read) and ours in the same process,
+interleaved rep by rep so that drift on a shared machine hits both alike, and reports medians, the
+ratio and the achieved GB/s or GFLOP/s. Results go to the console as a table and to JSON (with the
+machine and versions) under ``bench/results/`` or ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import runpy
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchport.autotune.timing import measure, median
+from torchport.native.cpu import cpu_info
+from torchport.version import __version__
+
+
+def bench_dir() -> Path | None:
+    """The repository's ``bench/`` folder (next to the package), or ``./bench``."""
+    for cand in (Path(__file__).resolve().parent.parent / "bench", Path.cwd() / "bench"):
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def list_benchmarks() -> list[str]:
+    """Names of ``bench/bench_<name>.py`` scripts."""
+    d = bench_dir()
+    if d is None:
+        return []
+    return sorted(p.stem.removeprefix("bench_") for p in d.glob("bench_*.py"))
+
+
+def run_benchmark(name: str, argv: Sequence[str] = ()) -> int:
+    """Run ``bench/bench_<name>.py`` as ``__main__`` with ``argv``; return its exit status."""
+    d = bench_dir()
+    assert d is not None
+    path = d / f"bench_{name}.py"
+    old_argv, old_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, str(d.parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    """Machine and versions recorded with every result."""
+    info = cpu_info()
+    return {
+        "cpu": info.model,
+        "cores": info.cores,
+        "isa": info.isa,
+        "flags": sorted(info.flags),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchport": __version__,
+    }
+
+
+def compare(
+    fns: dict[str, Callable[..., Any]],
+    arg_sets: Sequence[tuple[Any, ...]],
+    *,
+    reps: int = 20,
+    warmup: int = 3,
+    max_time_s: float = 20.0,
+) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin in one run."""
+    for fn in fns.values():
+        measure(fn, arg_sets, reps=0, warmup=warmup, max_time_s=0.0)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    t_end = time.perf_counter() + max_time_s
+    n = len(arg_sets)
+    for i in range(reps):
+        for k, fn in fns.items():
+            args = arg_sets[(i + hash(k)) % n]
+            t0 = time.perf_counter()
+            fn(*args)
+            samples[k].append(time.perf_counter() - t0)
+        if time.perf_counter() > t_end and i >= 2:
+            break
+    return {k: median(v) for k, v in samples.items()}
+
+
+@dataclass
+class Row:
+    """One benchmark cell: anchor vs ours."""
+
+    case: str
+    anchor: str
+    anchor_s: float
+    ours_s: float
+    work: float  # bytes (GB/s) or flops (GFLOP/s) per call
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """Speed-up of ours over the anchor (> 1 is faster)."""
+        return self.anchor_s / self.ours_s if self.ours_s > 0 else float("inf")
+
+
+@dataclass
+class BenchTable:
+    """A named table of rows with one throughput unit ("GB/s" or "GFLOP/s")."""
+
+    name: str
+    unit: str = "GB/s"
+    rows: list[Row] = field(default_factory=list)
+
+    def add(
+        self, case: str, anchor: str, anchor_s: float, ours_s: float, work: float, **extra: Any
+    ) -> Row:
+        row = Row(case, anchor, anchor_s, ours_s, work, dict(extra))
+        self.rows.append(row)
+        print(self.format_row(row), flush=True)
+        return row
+
+    def header(self) -> str:
+        u = self.unit
+        return (
+            f"{'case':<34} {'anchor':<18} {'anchor ms':>10} {'ours ms':>10} {'ratio':>7} "
+            f"{'anchor ' + u:>14} {'ours ' + u:>12}"
+        )
+
+    def format_row(self, r: Row) -> str:
+        a_tp = r.work / r.anchor_s / 1e9 if r.anchor_s > 0 else 0.0
+        o_tp = r.work / r.ours_s / 1e9 if r.ours_s > 0 else 0.0
+        extra = "  " + " ".join(f"{k}={v}" for k, v in r.extra.items()) if r.extra else ""
+        return (
+            f"{r.case:<34} {r.anchor:<18} {r.anchor_s * 1e3:>10.4f} {r.ours_s * 1e3:>10.4f} "
+            f"{r.ratio:>6.2f}x {a_tp:>14.2f} {o_tp:>12.2f}{extra}"
+        )
+
+    def start(self) -> None:
+        m = machine()
+        print(
+            f"# {self.name} — {m['cpu']}, {m['cores']} cores, isa {m['isa']}, "
+            f"torch {m['torch']}, torchport {m['torchport']}"
+        )
+        print(self.header())
+
+    def save(self, path: Path | None = None) -> Path:
+        """Write JSON with machine, versions and every row."""
+        if path is None:
+            d = (bench_dir() or Path.cwd()) / "results"
+            d.mkdir(parents=True, exist_ok=True)
+            path = d / f"{self.name}.json"
+        payload = {
+            "name": self.name,
+            "unit": self.unit,
+            "machine": machine(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "rows": [{**asdict(r), "ratio": r.ratio} for r in self.rows],
+        }
+        path.write_text(json.dumps(payload, indent=1))
+        print(f"# wrote {path}")
+        return path
+
+
+def arg_parser(description: str) -> argparse.ArgumentParser:
+    """Common benchmark options: --quick, --reps, --json."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="small grid, few reps (smoke run)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", type=Path, default=None, help="where to write results")
+    return p

@@ -1,0 +1,115 @@
+"""The ``torchport`` command: ``info``, ``bench NAME|all``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections.abc import Callable, Sequence
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Versions, CPU features, compiler, cache location and size, settings."""
+    import torch
+
+    from torchport import config, native
+    from torchport.autotune import choice_cache
+    from torchport.version import __version__
+
+    info = native.cpu_info()
+    print(f"torchport {__version__}  torch {torch.__version__}  python {platform.python_version()}")
+    print(f"cpu        {info.model} ({info.arch}), {info.cores} cores usable")
+    print(f"threads    torch.get_num_threads() = {torch.get_num_threads()}")
+    print(f"isa        {info.isa} (hardware max {info.max_isa}; config.isa={config.get('isa')})")
+    feats = [
+        ("AVX2", "avx2"),
+        ("FMA", "fma"),
+        ("F16C", "f16c"),
+        ("AVX-512F", "avx512f"),
+        ("AVX-512BW", "avx512bw"),
+        ("AVX-512VL", "avx512vl"),
+        ("AVX512-BF16", "avx512_bf16"),
+        ("AVX512-VNNI", "avx512_vnni"),
+        ("AVX-VNNI", "avx_vnni"),
+        ("AMX-TILE", "amx_tile"),
+        ("AMX-BF16", "amx_bf16"),
+    ]
+    print("features   " + "  ".join(f"{n}:{'yes' if info.has(f) else 'no'}" for n, f in feats))
+    try:
+        cc = native.find_compiler()
+        from torchport.native.toolchain import compiler_identity
+
+        print(f"compiler   {compiler_identity(cc)}")
+    except native.NativeError as e:
+        print(f"compiler   unavailable: {e}")
+    n, size = native.cache_size()
+    print(f"cache      {config.get('cache_dir')}  ({n} kernels, {size / 1e6:.2f} MB)")
+    print(f"autotune   {len(choice_cache.entries())} cached choices in {choice_cache.path}")
+    print("settings:")
+    for name, env, value, _doc in config.describe():
+        print(f"  {name:<28} {value!r:<24} ({env})")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run benchmarks from bench/."""
+    from torchport.benchmarks import list_benchmarks, run_benchmark
+
+    names = list_benchmarks()
+    if not names:
+        print("no benchmarks found (bench/ must be next to the torchport package)", file=sys.stderr)
+        return 2
+    if args.name == "list":
+        print("\n".join(names))
+        return 0
+    wanted = names if args.name == "all" else [args.name]
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        print(f"unknown benchmark {unknown[0]!r}; available: {', '.join(names)}", file=sys.stderr)
+        return 2
+    rc = 0
+    for name in wanted:
+        rc |= run_benchmark(name, args.bench_args)
+    return rc
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The end-to-end showcase."""
+    from torchport import demo
+
+    demo.run(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torchport import demo
+
+    p = argparse.ArgumentParser(prog="torchport", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help=cmd_info.__doc__).set_defaults(func=cmd_info)
+    b = sub.add_parser("bench", help=cmd_bench.__doc__)
+    b.add_argument("name", help="benchmark name, 'all' or 'list'")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    b.set_defaults(func=cmd_bench)
+    d = sub.add_parser("demo", help=cmd_demo.__doc__)
+    demo.add_arguments(d)
+    d.set_defaults(func=cmd_demo)
+    for register in EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+# Later capabilities append functions that add their own subcommands to the parser.
+EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Command = args.func
+    return func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

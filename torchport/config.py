@@ -1,0 +1,311 @@
+"""Typed, validated settings for torchport, each backed by one documented environment variable.
+
+Every setting is declared once in ``SETTINGS``. A value is resolved, in order, from the innermost
+active :func:`override` block, an explicit assignment (``torchport.config.NAME = value``), the
+environment variable, then the default. Assignments and overrides are validated on the spot; a
+bad environment value raises :class:`ConfigError` naming the variable when it is first read.
+
+Example::
+
+    import torchport
+    torchport.config.max_autotune_gemm_backends = "NATIVE,ATEN"
+    with torchport.config.override(autotune=False):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+
+class ConfigError(ValueError):
+    """A setting was given a value that does not meet its requirement."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One setting: its name, environment variable, type, default and validation."""
+
+    name: str
+    env: str
+    kind: type
+    default: Any
+    doc: str
+    check: Callable[[Any], str | None] | None = None  # returns an error message or None
+
+    def parse(self, raw: str) -> Any:
+        """Parse an environment string into this setting's type."""
+        if self.kind is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ConfigError(f"{self.env} must be a boolean (1/0/true/false), got {raw!r}")
+        if self.kind is int:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{self.env} must be an integer, got {raw!r}") from None
+        if self.kind is float:
+            try:
+                return float(raw)
+            except ValueError:
+                raise ConfigError(f"{self.env} must be a number, got {raw!r}") from None
+        return raw
+
+    def validate(self, value: Any) -> Any:
+        """Check type and constraint; return the (possibly normalised) value."""
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if self.kind is not bool and isinstance(value, bool):
+            raise ConfigError(f"{self.name} must be {self.kind.__name__}, got bool {value!r}")
+        if not isinstance(value, self.kind):
+            raise ConfigError(
+                f"{self.name} must be {self.kind.__name__}, got {type(value).__name__} {value!r}"
+            )
+        if self.name in _NORMALISE:
+            value = _NORMALISE[self.name](value)
+        if self.check is not None:
+            msg = self.check(value)
+            if msg is not None:
+                raise ConfigError(f"{self.name} ({self.env}): {msg}, got {value!r}")
+        return value
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "torchport")
+
+
+_GEMM_BACKENDS = ("NATIVE", "ATEN")
+_ISAS = ("auto", "avx512", "avx2", "scalar")
+
+
+def _norm_backends(value: str) -> str:
+    parts = [p.strip().upper() for p in value.split(",") if p.strip()]
+    return ",".join(parts)
+
+
+def _check_backends(value: str) -> str | None:
+    parts = value.split(",") if value else []
+    if not parts:
+        return "must name at least one of NATIVE, ATEN"
+    bad = [p for p in parts if p not in _GEMM_BACKENDS]
+    if bad:
+        return f"unknown backend(s) {bad}; allowed: {', '.join(_GEMM_BACKENDS)}"
+    return None
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+_NORMALISE: dict[str, Callable[[Any], Any]] = {
+    "max_autotune_gemm_backends": _norm_backends,
+    "isa": lambda v: v.strip().lower(),
+}
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            name="cache_dir",
+            env="TORCHPORT_CACHE_DIR",
+            kind=str,
+            default=None,  # resolved lazily from XDG_CACHE_HOME / ~/.cache
+            doc="Directory for compiled kernels and the autotuner's choice cache.",
+        ),
+        Setting(
+            name="cc",
+            env="TORCHPORT_CC",
+            kind=str,
+            default="",
+            doc="C compiler for native kernels; empty means $CC, then gcc, then cc.",
+        ),
+        Setting(
+            name="native",
+            env="TORCHPORT_NATIVE",
+            kind=bool,
+            default=True,
+            doc="Use native (generated C) kernels; off means ATen paths everywhere.",
+        ),
+        Setting(
+            name="isa",
+            env="TORCHPORT_ISA",
+            kind=str,
+            default="auto",
+            doc="Highest instruction set templates may use: auto, avx512, avx2 or scalar. "
+            "Can only lower what the CPU has.",
+            check=lambda v: None if v in _ISAS else f"must be one of {_ISAS}",
+        ),
+        Setting(
+            name="max_autotune_gemm_backends",
+            env="TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS",
+            kind=str,
+            default="NATIVE,ATEN",
+            doc="Comma-separated GEMM backends the autotuner may choose from (NATIVE, ATEN).",
+            check=_check_backends,
+        ),
+        Setting(
+            name="autotune",
+            env="TORCHPORT_AUTOTUNE",
+            kind=bool,
+            default=True,
+            doc="Profile candidates per operation; off means the first valid native candidate.",
+        ),
+        Setting(
+            name="autotune_cache",
+            env="TORCHPORT_AUTOTUNE_CACHE",
+            kind=bool,
+            default=True,
+            doc="Keep autotuning choices in a persistent JSON cache under cache_dir.",
+        ),
+        Setting(
+            name="autotune_reps",
+            env="TORCHPORT_AUTOTUNE_REPS",
+            kind=int,
+            default=15,
+            doc="Timed repetitions per candidate when autotuning (median is kept).",
+            check=lambda v: None if 1 <= v <= 10_000 else "must be in [1, 10000]",
+        ),
+        Setting(
+            name="autotune_noise",
+            env="TORCHPORT_AUTOTUNE_NOISE",
+            kind=float,
+            default=0.03,
+            doc="A non-ATen candidate must beat ATen by this fraction to be chosen.",
+            check=lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)",
+        ),
+        Setting(
+            name="cold_cache_bytes",
+            env="TORCHPORT_COLD_CACHE_BYTES",
+            kind=int,
+            default=64 << 20,
+            doc="Bytes of rotated input copies used for cold-cache timing (> L3).",
+            check=lambda v: None if v >= 0 else "must be >= 0",
+        ),
+        Setting(
+            name="fr_buffer_size",
+            env="TORCHPORT_FR_BUFFER_SIZE",
+            kind=int,
+            default=2000,
+            doc="Flight Recorder ring-buffer entries per process group.",
+            check=lambda v: None if v >= 0 else "must be >= 0",
+        ),
+        Setting(
+            name="progress",
+            env="TORCHPORT_PROGRESS",
+            kind=bool,
+            default=True,
+            doc="Show progress bars for long work (autotuning, demo training).",
+        ),
+    )
+}
+
+_explicit: dict[str, Any] = {}
+_env_cache: dict[str, tuple[str | None, Any]] = {}
+_overrides: contextvars.ContextVar[tuple[dict[str, Any], ...]] = contextvars.ContextVar(
+    "torchport_config_overrides", default=()
+)
+
+
+def _setting(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise AttributeError(
+            f"torchport.config has no setting {name!r}; known: {', '.join(sorted(SETTINGS))}"
+        ) from None
+
+
+def get(name: str) -> Any:
+    """Current value of setting ``name``."""
+    s = _setting(name)
+    for layer in reversed(_overrides.get()):
+        if name in layer:
+            return layer[name]
+    if name in _explicit:
+        return _explicit[name]
+    raw = os.environ.get(s.env)
+    cached = _env_cache.get(name)
+    if cached is not None and cached[0] == raw:
+        return cached[1]
+    if raw is None:
+        value = _default_cache_dir() if name == "cache_dir" else s.default
+    else:
+        value = s.validate(s.parse(raw))
+    _env_cache[name] = (raw, value)
+    return value
+
+
+def set(name: str, value: Any) -> None:
+    """Set ``name`` for this process (validated); ``None`` restores env/default resolution."""
+    s = _setting(name)
+    if value is None:
+        _explicit.pop(name, None)
+    else:
+        _explicit[name] = s.validate(value)
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Scoped override of one or more settings (validated), undone on exit."""
+    layer = {name: _setting(name).validate(v) for name, v in values.items()}
+    token = _overrides.set((*_overrides.get(), layer))
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def describe() -> list[tuple[str, str, Any, str]]:
+    """(name, env var, current value, doc) for every setting."""
+    return [(s.name, s.env, get(s.name), s.doc) for s in SETTINGS.values()]
+
+
+def cache_path(*parts: str) -> Path:
+    """Path under the cache directory (created)."""
+    p = Path(get("cache_dir")).expanduser().joinpath(*parts)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+class _ConfigModule(types.ModuleType):
+    """Module type that exposes settings as validated attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in SETTINGS:
+            return get(name)
+        raise AttributeError(f"module 'torchport.config' has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SETTINGS:
+            set(name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _ConfigModule
+
+if TYPE_CHECKING:  # attribute types for static checkers
+    cache_dir: str
+    cc: str
+    native: bool
+    isa: str
+    max_autotune_gemm_backends: str
+    autotune: bool
+    autotune_cache: bool
+    autotune_reps: int
+    autotune_noise: float
+    cold_cache_bytes: int
+    fr_buffer_size: int
+    progress: bool

@@ -1,0 +1,155 @@
+"""``torchport demo``: the end-to-end showcase, built from stages.
+
+Each stage is a function ``(ctx) -> Section`` listed in :data:`STAGES`; later capabilities add their
+stage (compiled kernels, fault-tolerant data-parallel training, quantized decoding) to that list.
+Stages share a :class:`DemoContext` holding options, the corpus and the trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torchport.demo.data import Corpus, load_corpus
+from torchport.demo.model import GPT, GPTConfig, generate
+from torchport.demo.report import Section, plot_curves, render_table, write_report
+from torchport.demo.train import TrainConfig, TrainResult, evaluate, train
+
+
+@dataclass
+class DemoContext:
+    """State shared by the demo's stages."""
+
+    args: argparse.Namespace
+    out_dir: Path
+    model_cfg: GPTConfig
+    train_cfg: TrainConfig
+    corpus: Corpus | None = None
+    model: GPT | None = None
+    result: TrainResult | None = None
+    sections: list[Section] = field(default_factory=list)
+
+
+def stage_data(ctx: DemoContext) -> Section:
+    """Load the standard-library corpus."""
+    t0 = time.perf_counter()
+    ctx.corpus = load_corpus(max_bytes=int(ctx.args.corpus_mb * (1 << 20)))
+    s = Section("corpus: Python standard library source (bytes)")
+    s.add("files", ctx.corpus.files)
+    s.add("train bytes", ctx.corpus.train.numel())
+    s.add("validation bytes", ctx.corpus.val.numel())
+    s.add("load time (s)", time.perf_counter() - t0)
+    return s
+
+
+def stage_train(ctx: DemoContext) -> Section:
+    """Train the byte-level GPT and plot its loss."""
+    assert ctx.corpus is not None
+    torch.manual_seed(ctx.train_cfg.seed)
+    ctx.model = GPT(ctx.model_cfg)
+    ctx.result = res = train(ctx.model, ctx.corpus, ctx.train_cfg)
+    png = plot_curves(
+        ctx.out_dir / "loss.png",
+        res.train_curve,
+        res.val_curve,
+        f"byte-level GPT, {ctx.model.num_params() / 1e6:.2f} M params",
+    )
+    s = Section("training (eager, CPU)")
+    s.add("parameters", ctx.model.num_params())
+    s.add("steps", res.steps)
+    s.add("stopped by", res.stopped_by)
+    s.add("seconds", res.seconds)
+    s.add("tokens/s", res.tokens_per_s)
+    s.add("initial validation loss", res.val_curve[0][1])
+    s.add("final validation loss", res.final_val)
+    s.add("loss curve", str(png))
+    s.data = {"train_curve": res.train_curve, "val_curve": res.val_curve}
+    return s
+
+
+def stage_sample(ctx: DemoContext) -> Section:
+    """Sample text from the trained model."""
+    assert ctx.model is not None and ctx.corpus is not None
+    ctx.model.eval()
+    gen = torch.Generator().manual_seed(ctx.train_cfg.seed)
+    prompt = b"def "
+    t0 = time.perf_counter()
+    text = generate(ctx.model, prompt, ctx.args.sample_tokens, gen=gen)
+    dt = time.perf_counter() - t0
+    s = Section("sample (eager decode with KV cache)")
+    s.add("tokens", ctx.args.sample_tokens)
+    s.add("tokens/s", ctx.args.sample_tokens / dt if dt > 0 else 0.0)
+    s.add("validation loss", evaluate(ctx.model, ctx.corpus, ctx.train_cfg, ctx.model_cfg.seq_len))
+    s.text = (prompt + text).decode("utf-8", errors="replace")
+    (ctx.out_dir / "sample.txt").write_text(s.text)
+    return s
+
+
+Stage = Callable[[DemoContext], Section]
+STAGES: list[tuple[str, Stage]] = [
+    ("data", stage_data),
+    ("train", stage_train),
+    ("sample", stage_sample),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's command-line options."""
+    p.add_argument("--out", default="torchport-demo", help="output folder (report, PNG, sample)")
+    p.add_argument("--steps", type=int, default=600, help="max training steps")
+    p.add_argument("--time-limit", type=float, default=150.0, help="max training seconds")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="MiB of stdlib source to read")
+    p.add_argument("--sample-tokens", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--stages",
+        default="all",
+        help=f"comma-separated subset of: {', '.join(n for n, _ in STAGES)} (default all)",
+    )
+
+
+def run(args: argparse.Namespace) -> list[Section]:
+    """Run the selected stages in order, print each section, write the report."""
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = DemoContext(
+        args=args,
+        out_dir=out_dir,
+        model_cfg=GPTConfig(
+            seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
+        ),
+        train_cfg=TrainConfig(
+            steps=args.steps,
+            time_limit_s=args.time_limit,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            eval_every=args.eval_every,
+            warmup=min(30, max(1, args.steps // 10)),
+            seed=args.seed,
+        ),
+    )
+    names = [n for n, _ in STAGES]
+    wanted = names if args.stages == "all" else [s.strip() for s in args.stages.split(",")]
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        raise ValueError(f"unknown demo stage(s) {unknown}; known: {names}")
+    for name, fn in STAGES:
+        if name in wanted:
+            section = fn(ctx)
+            ctx.sections.append(section)
+            print(render_table(section), flush=True)
+    path = write_report(out_dir, ctx.sections)
+    print(f"report written to {path}")
+    return ctx.sections

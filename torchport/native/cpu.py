@@ -1,0 +1,147 @@
+"""CPU feature detection for kernel templates.
+
+Features come from ``/proc/cpuinfo`` (what the kernel lets user space execute, so features a
+hypervisor hides are reported absent). ``CpuInfo.isa`` is the widest instruction-set level that
+templates may target, lowered further by ``torchport.config.isa``:
+
+- ``avx512``: AVX-512 F+BW+VL (+ BF16 dot and VNNI when present);
+- ``avx2``: AVX2 + FMA (+ F16C);
+- ``scalar``: portable C that any compiler and CPU accept.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+from torchport import config
+
+# Flags (as /proc/cpuinfo names them) that templates care about.
+KNOWN_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+ISA_LEVELS = ("scalar", "avx2", "avx512")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What this CPU can run: model name, relevant flags, core count."""
+
+    model: str
+    arch: str
+    flags: frozenset[str]
+    cores: int
+
+    @property
+    def max_isa(self) -> str:
+        """Widest ISA level the hardware supports."""
+        if self.arch not in ("x86_64", "AMD64"):
+            return "scalar"
+        if {"avx512f", "avx512bw", "avx512vl"} <= self.flags:
+            return "avx512"
+        if {"avx2", "fma"} <= self.flags:
+            return "avx2"
+        return "scalar"
+
+    @property
+    def isa(self) -> str:
+        """ISA level templates should target: hardware maximum, lowered by ``config.isa``."""
+        want = config.get("isa")
+        hw = self.max_isa
+        if want == "auto":
+            return hw
+        return want if ISA_LEVELS.index(want) < ISA_LEVELS.index(hw) else hw
+
+    def has(self, flag: str) -> bool:
+        """True if the CPU reports ``flag`` (a /proc/cpuinfo flag name)."""
+        return flag in self.flags
+
+    @property
+    def has_avx512_bf16(self) -> bool:
+        return self.isa == "avx512" and "avx512_bf16" in self.flags
+
+    @property
+    def has_vnni(self) -> bool:
+        return ("avx512_vnni" in self.flags and self.isa == "avx512") or (
+            "avx_vnni" in self.flags and self.isa != "scalar"
+        )
+
+    @property
+    def has_amx(self) -> bool:
+        return {"amx_tile", "amx_bf16"} <= self.flags
+
+    def identity(self) -> dict[str, object]:
+        """Machine identity used in cache keys."""
+        return {
+            "model": self.model,
+            "arch": self.arch,
+            "flags": sorted(self.flags),
+            "cores": self.cores,
+        }
+
+
+def _parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    model = ""
+    flags: frozenset[str] = frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            have = set(value.split())
+            flags = frozenset(f for f in KNOWN_FLAGS if f in have)
+    return model, flags
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """Detect this machine's CPU once per process."""
+    model, flags = "", frozenset[str]()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model, flags = _parse_cpuinfo(f.read())
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return CpuInfo(
+        model=model or platform.processor() or "unknown",
+        arch=platform.machine(),
+        flags=flags,
+        cores=cores or 1,
+    )
+
+
+def isa_flags(isa: str) -> list[str]:
+    """Compiler flags that enable the given ISA level (and the optional extensions present)."""
+    info = cpu_info()
+    if isa == "scalar":
+        return []
+    flags = ["-mavx2", "-mfma"]
+    if info.has("f16c"):
+        flags.append("-mf16c")
+    if isa == "avx512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        if info.has("avx512_bf16"):
+            flags.append("-mavx512bf16")
+        if info.has("avx512_vnni"):
+            flags.append("-mavx512vnni")
+    return flags

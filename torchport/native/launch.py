@@ -1,0 +1,150 @@
+"""Calling compiled kernels: typed argument specs, validation before the call, ctypes launch.
+
+A :class:`Kernel` binds one exported C function to a list of argument specs. Tensor arguments are
+checked (device, dtype, dimensionality, contiguity) and passed as data pointers; sizes and strides
+travel as explicit ``int64_t`` arguments chosen by each template. Validation failures raise
+:class:`KernelArgumentError` naming the argument, the requirement and the value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+C_TYPES: dict[torch.dtype, str] = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.bfloat16: "uint16_t",
+    torch.float16: "uint16_t",
+    torch.int8: "int8_t",
+    torch.uint8: "uint8_t",
+    torch.int16: "int16_t",
+    torch.int32: "int32_t",
+    torch.int64: "int64_t",
+    torch.bool: "uint8_t",
+    torch.float8_e4m3fn: "uint8_t",
+    torch.float8_e5m2: "uint8_t",
+}
+
+
+class KernelArgumentError(TypeError, ValueError):
+    """An argument passed to a native kernel does not meet the kernel's requirement."""
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument: passed as its data pointer after validation."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    ndim: int | None = None
+    contiguous: bool = True
+
+
+@dataclass(frozen=True)
+class IntArg:
+    """A 64-bit signed integer argument."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class FloatArg:
+    """A floating-point argument (``double`` in C, or ``float`` when ``single``)."""
+
+    name: str
+    single: bool = False
+
+
+ArgSpec = TensorArg | IntArg | FloatArg
+
+
+def _ctype(spec: ArgSpec) -> type:
+    if isinstance(spec, TensorArg):
+        return ctypes.c_void_p
+    if isinstance(spec, IntArg):
+        return ctypes.c_int64
+    return ctypes.c_float if spec.single else ctypes.c_double
+
+
+def check_tensor(spec: TensorArg, value: object, kernel: str) -> torch.Tensor:
+    """Validate one tensor argument against its spec; return it."""
+    where = f"{kernel}: argument {spec.name!r}"
+    if not isinstance(value, torch.Tensor):
+        raise KernelArgumentError(f"{where} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_cpu:
+        raise KernelArgumentError(f"{where} must be on device 'cpu', got {value.device}")
+    if value.dtype not in spec.dtypes:
+        allowed = ", ".join(str(d) for d in spec.dtypes)
+        raise KernelArgumentError(f"{where} must have dtype in ({allowed}), got {value.dtype}")
+    if spec.ndim is not None and value.dim() != spec.ndim:
+        raise KernelArgumentError(
+            f"{where} must be {spec.ndim}-D, got {value.dim()}-D shape {tuple(value.shape)}"
+        )
+    if spec.contiguous and not value.is_contiguous():
+        raise KernelArgumentError(
+            f"{where} must be contiguous, got strides {value.stride()} for shape {tuple(value.shape)}"
+        )
+    return value
+
+
+def eager_fast_path(*tensors: torch.Tensor) -> bool:
+    """True if plain eager tensors may skip the custom-op dispatcher and call a kernel directly.
+
+    False while tracing (torch.compile, export, make_fx, any dispatch or function mode), for
+    tensor subclasses (fake, functional, proxies) and when autograd must record the call: then
+    the ``torch.library`` custom op (with its fake implementation) is used.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled() and torch.overrides._get_current_function_mode():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(type(t) is torch.Tensor and not (grad and t.requires_grad) for t in tensors)
+
+
+class Kernel:
+    """One exported function of a compiled library, with validated arguments."""
+
+    def __init__(self, lib: ctypes.CDLL, symbol: str, args: Sequence[ArgSpec]) -> None:
+        self.name = symbol
+        self.args = tuple(args)
+        fn = getattr(lib, symbol)
+        fn.argtypes = [_ctype(a) for a in self.args]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self._lib = lib  # keep the library alive as long as the kernel
+
+    def __call__(self, *values: object) -> int:
+        if len(values) != len(self.args):
+            raise KernelArgumentError(
+                f"{self.name} takes {len(self.args)} arguments "
+                f"({', '.join(a.name for a in self.args)}), got {len(values)}"
+            )
+        raw: list[object] = []
+        for spec, v in zip(self.args, values):
+            if isinstance(spec, TensorArg):
+                raw.append(check_tensor(spec, v, self.name).data_ptr())
+            elif isinstance(spec, IntArg):
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise KernelArgumentError(
+                        f"{self.name}: argument {spec.name!r} must be an int, got {v!r}"
+                    )
+                raw.append(v)
+            else:
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    raise KernelArgumentError(
+                        f"{self.name}: argument {spec.name!r} must be a number, got {v!r}"
+                    )
+                raw.append(float(v))
+        status = self._fn(*raw)
+        if status != 0:
+            raise RuntimeError(f"{self.name} returned error status {status}")
+        return status
+
+    def call_unchecked(self, *raw: object) -> int:
+        """Call with raw pointers/ints (hot paths that validated once up front)."""
+        return int(self._fn(*raw))

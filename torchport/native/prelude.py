@@ -1,0 +1,100 @@
+"""The C prelude every generated kernel starts with: headers, export macro, bf16/fp16 helpers.
+
+bf16 conversion rounds to nearest, ties to even, and maps NaN to the quiet NaN 0x7FC0, exactly as
+``torch`` does (``c10::BFloat16`` ``round_to_nearest_even``).
+"""
+
+from __future__ import annotations
+
+import string
+
+PRELUDE = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define TP_EXPORT __attribute__((visibility("default")))
+#define TP_INLINE static inline __attribute__((always_inline))
+#define TP_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define TP_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+TP_INLINE float tp_bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+TP_INLINE uint16_t tp_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX2__)
+/* 8 bf16 -> 8 fp32 */
+TP_INLINE __m256 tp_bf16x8_to_f32(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* 8 fp32 -> 8 bf16, round to nearest even, NaN -> 0x7fc0 */
+TP_INLINE void tp_f32x8_to_bf16(uint16_t *p, __m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7fc0), nan);
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+TP_INLINE __m512 tp_bf16x16_to_f32(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+TP_INLINE void tp_f32x16_to_bf16(uint16_t *p, __m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+/* Split [0, n) into nt nearly equal chunks aligned to `align`; chunk t is [*lo, *hi). */
+TP_INLINE void tp_chunk(int64_t n, int64_t nt, int64_t t, int64_t align, int64_t *lo, int64_t *hi) {
+    int64_t blocks = (n + align - 1) / align;
+    int64_t per = blocks / nt, extra = blocks % nt;
+    int64_t b0 = t * per + TP_MIN(t, extra);
+    int64_t b1 = b0 + per + (t < extra ? 1 : 0);
+    *lo = TP_MIN(n, b0 * align);
+    *hi = TP_MIN(n, b1 * align);
+}
+"""
+
+
+def render(body: str, **params: object) -> str:
+    """Prelude + a template body with ``${name}`` parameters substituted (``string.Template``).
+
+    Every parameter must be used and every placeholder given, so a template and its parameters
+    cannot drift apart silently.
+    """
+    tpl = string.Template(body)
+    names = set(tpl.get_identifiers())
+    if names != set(params):
+        raise ValueError(
+            f"template parameters mismatch: missing {sorted(names - set(params))}, "
+            f"unused {sorted(set(params) - names)}"
+        )
+    header = "\n".join(f"/* param {k} = {v} */" for k, v in sorted(params.items()))
+    return PRELUDE + "\n" + header + "\n" + tpl.substitute(params)

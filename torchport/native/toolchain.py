@@ -1,0 +1,276 @@
+"""C source → system compiler → content-addressed shared-object cache → ctypes.
+
+``build(source, name=...)`` returns a loaded :class:`ctypes.CDLL`. The cache key is a SHA-256 of
+the source, the compiler's identity (path and ``--version``), the flags, the CPU features and the
+toolchain's own ABI version, so a change to any of them builds anew. Entries live under
+``<cache_dir>/native/<key[:2]>/<name>-<key[:24]>.so`` next to a ``.json`` record of the object's
+digest. Writes go to a private temporary directory, then ``os.replace`` into place, so several
+processes may build the same kernel at once; an entry whose digest does not match (truncated,
+overwritten, corrupt) is rebuilt with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchport import config
+from torchport.native.cpu import cpu_info, isa_flags
+
+ABI_VERSION = "1"
+BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-w")
+COMPILE_TIMEOUT_S = 120.0
+
+
+class NativeError(RuntimeError):
+    """Base class for failures of the native toolchain."""
+
+
+class CompilerNotFoundError(NativeError):
+    """No usable C compiler was found."""
+
+
+class CompileError(NativeError):
+    """The C compiler rejected a generated kernel; the message carries its output."""
+
+
+class CorruptCacheWarning(UserWarning):
+    """A cache entry failed verification and was rebuilt."""
+
+
+class NativeFallbackWarning(UserWarning):
+    """A native kernel was unavailable and an ATen path ran instead."""
+
+
+@dataclass
+class Stats:
+    """Counters readable from Python: ``torchport.native.stats()``."""
+
+    compiles: int = 0
+    disk_hits: int = 0
+    memory_hits: int = 0
+    corrupt_rebuilds: int = 0
+    fallbacks: int = 0
+
+
+_stats = Stats()
+_lock = threading.Lock()
+_key_locks: dict[str, threading.Lock] = {}
+_loaded: dict[str, ctypes.CDLL] = {}
+_warned_fallback: set[str] = set()
+fallback_counts: dict[str, int] = {}
+
+
+def stats() -> Stats:
+    """Current toolchain counters (a snapshot)."""
+    with _lock:
+        return Stats(**vars(_stats))
+
+
+def reset_stats() -> None:
+    """Zero all counters (for tests and benchmarks)."""
+    global _stats
+    with _lock:
+        _stats = Stats()
+        fallback_counts.clear()
+
+
+def find_compiler() -> str:
+    """Path of the C compiler to use, or raise :class:`CompilerNotFoundError`."""
+    names = [config.get("cc")] if config.get("cc") else []
+    names += [os.environ.get("CC", ""), "gcc", "cc"]
+    tried: list[str] = []
+    for name in names:
+        if not name:
+            continue
+        tried.append(name)
+        path = shutil.which(name)
+        if path:
+            return path
+        if config.get("cc"):  # an explicit choice that is missing is an error, not a fallback
+            break
+    raise CompilerNotFoundError(
+        f"no C compiler found (tried {tried}); install gcc or set TORCHPORT_CC to a compiler path"
+    )
+
+
+@functools.cache
+def compiler_identity(cc: str) -> str:
+    """First line of ``cc --version`` plus the resolved path (part of every cache key)."""
+    try:
+        out = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CompilerNotFoundError(f"C compiler {cc!r} cannot run: {e}") from e
+    first = (out.stdout or out.stderr).splitlines()[:1]
+    return f"{os.path.realpath(cc)}|{first[0] if first else 'unknown'}"
+
+
+def native_dir() -> Path:
+    """Directory holding compiled objects."""
+    return config.cache_path("native")
+
+
+def cache_key(source: str, flags: Sequence[str], cc: str) -> str:
+    """Content hash identifying one compiled object."""
+    h = hashlib.sha256()
+    for part in (
+        ABI_VERSION,
+        compiler_identity(cc),
+        " ".join(flags),
+        ",".join(sorted(cpu_info().flags)),
+        cpu_info().arch,
+        source,
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _entry_paths(name: str, key: str) -> tuple[Path, Path]:
+    d = native_dir() / key[:2]
+    d.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}-{key[:24]}"
+    return d / f"{stem}.so", d / f"{stem}.json"
+
+
+def _verified(so: Path, meta: Path, key: str) -> bool:
+    """True if both files exist and the object's digest matches its record."""
+    if not so.exists():  # never built (the record is placed before the object)
+        return False
+    try:
+        record = json.loads(meta.read_text())
+        ok = record.get("key") == key and record.get("sha256") == _digest(so)
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        warnings.warn(
+            f"torchport: cache entry {so.name} failed verification; rebuilding it",
+            CorruptCacheWarning,
+            stacklevel=4,
+        )
+        with _lock:
+            _stats.corrupt_rebuilds += 1
+    return ok
+
+
+def _compile(source: str, flags: Sequence[str], cc: str, so: Path, meta: Path, key: str) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=so.parent))
+    try:
+        # A fixed relative file name keeps the object bytes independent of the temp directory,
+        # so concurrent builders produce identical files.
+        (tmp / "kernel.c").write_text(source)
+        cmd = [cc, *flags, "kernel.c", "-o", "kernel.so", "-lm"]
+        try:
+            res = subprocess.run(
+                cmd, cwd=tmp, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+            )
+        except FileNotFoundError as e:
+            raise CompilerNotFoundError(f"C compiler {cc!r} not found: {e}") from e
+        except subprocess.TimeoutExpired as e:
+            raise CompileError(f"compiler timed out after {COMPILE_TIMEOUT_S:.0f} s: {cmd}") from e
+        with _lock:
+            _stats.compiles += 1
+        if res.returncode != 0:
+            lines = (res.stderr or res.stdout).strip().splitlines()
+            raise CompileError(
+                f"{cc} failed (exit {res.returncode}) on kernel {so.stem}:\n"
+                + "\n".join(lines[-40:])
+            )
+        record = {"key": key, "sha256": _digest(tmp / "kernel.so"), "cmd": cmd}
+        (tmp / "kernel.json").write_text(json.dumps(record))
+        os.replace(tmp / "kernel.json", meta)  # record first: an object never lacks one
+        os.replace(tmp / "kernel.so", so)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compile_flags(isa: str | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """Full flag list for an ISA level (default: the CPU's level under ``config.isa``)."""
+    return [*BASE_FLAGS, *isa_flags(isa or cpu_info().isa), *extra]
+
+
+def build(
+    source: str, *, name: str, isa: str | None = None, extra_flags: Sequence[str] = ()
+) -> ctypes.CDLL:
+    """Compile ``source`` (or take it from the cache) and load it.
+
+    Raises :class:`CompilerNotFoundError` or :class:`CompileError`; never returns a stale object.
+    """
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"kernel name must be alphanumeric/underscore, got {name!r}")
+    cc = find_compiler()
+    flags = compile_flags(isa, extra_flags)
+    key = cache_key(source, flags, cc)
+    with _lock:
+        lib = _loaded.get(key)
+        if lib is not None:
+            _stats.memory_hits += 1
+            return lib
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+        with _lock:
+            if key in _loaded:
+                _stats.memory_hits += 1
+                return _loaded[key]
+        so, meta = _entry_paths(name, key)
+        if _verified(so, meta, key):
+            try:
+                lib = ctypes.CDLL(str(so))
+                with _lock:
+                    _stats.disk_hits += 1
+            except OSError as e:
+                warnings.warn(
+                    f"torchport: cached {so.name} does not load ({e}); rebuilding it",
+                    CorruptCacheWarning,
+                    stacklevel=2,
+                )
+                with _lock:
+                    _stats.corrupt_rebuilds += 1
+                lib = None
+        else:
+            lib = None
+        if lib is None:
+            _compile(source, flags, cc, so, meta, key)
+            lib = ctypes.CDLL(str(so))
+        with _lock:
+            _loaded[key] = lib
+        return lib
+
+
+def note_fallback(op: str, reason: BaseException | str) -> None:
+    """Record that ``op`` ran its ATen path; warn once per op (visible, counted fallback)."""
+    with _lock:
+        _stats.fallbacks += 1
+        fallback_counts[op] = fallback_counts.get(op, 0) + 1
+        first = op not in _warned_fallback
+        _warned_fallback.add(op)
+    if first:
+        warnings.warn(
+            f"torchport: native kernel for {op} unavailable, using ATen ({reason})",
+            NativeFallbackWarning,
+            stacklevel=3,
+        )
+
+
+def cache_size() -> tuple[int, int]:
+    """(number of objects, total bytes) in the native cache."""
+    d = native_dir()
+    files = [p for p in d.rglob("*.so") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
