@@ -1,0 +1,67 @@
+"""The rule-list pass machinery, the verifier and the torchport backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+
+import torchport
+from torchport.compiler import Pass, PassVerificationError, Rule, is_call, verify_graph
+
+
+def _drop_double_relu(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if is_call(node, torch.relu) and is_call(node.args[0], torch.relu):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        return True
+    return False
+
+
+DOUBLE_RELU = Pass("simplify", [Rule("relu(relu(x)) -> relu(x)", _drop_double_relu)])
+
+
+def f(x):
+    return torch.relu(torch.relu(torch.relu(x))) + 1
+
+
+def test_pass_rewrites_to_fixed_point():
+    gm = fx.symbolic_trace(f)
+    n = DOUBLE_RELU(gm, verify=True)
+    assert n == 2
+    assert sum(1 for node in gm.graph.nodes if node.target is torch.relu) == 1
+    x = torch.randn(5)
+    torch.testing.assert_close(gm(x), f(x))
+
+
+def test_verifier_names_the_bad_node():
+    gm = fx.symbolic_trace(f)
+    nodes = list(gm.graph.nodes)
+    relu1, relu2 = nodes[1], nodes[2]
+    relu1.args = (relu2,)  # use before definition
+    with pytest.raises(
+        PassVerificationError, match=r"of Node 'relu' was used before it has been defined"
+    ):
+        verify_graph(gm, where="test")
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_backend_runs_passes_and_reports(inner):
+    compiled = torchport.compile(f, inner=inner, passes=[DOUBLE_RELU], verify=True)
+    x = torch.randn(8)
+    torch.testing.assert_close(compiled(x), f(x))
+    rep = torchport.compiler.last_report()
+    assert rep is not None and rep.inner == inner
+    assert rep.rule_counts == {"relu(relu(x)) -> relu(x)": 2}
+
+
+def test_registered_backend_name():
+    out = torch.compile(f, backend="torchport")(torch.randn(3))
+    assert out.shape == (3,)
+
+
+def test_bad_inner():
+    with pytest.raises(
+        torchport.compiler.CompileOptionError, match=r"inner must be one of .* got 'tvm'"
+    ):
+        torchport.compile(f, inner="tvm")

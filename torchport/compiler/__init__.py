@@ -1,0 +1,48 @@
+"""torchport's compiler: a torch.compile backend whose FX passes are lists of rules.
+
+``torchport.compile(model)`` or ``torch.compile(model, backend="torchport")``.
+"""
+
+from torchport.compiler.backend import (
+    PRE_GRAD_PASSES,
+    CompileOptionError,
+    CompileReport,
+    TorchportBackend,
+    compile,
+    last_report,
+    register_backend,
+    register_pre_grad_pass,
+    reports,
+)
+from torchport.compiler.passes import (
+    Pass,
+    PassVerificationError,
+    Rule,
+    is_call,
+    node_tensor_meta,
+    run_passes,
+    single_user,
+    verify_graph,
+)
+
+register_backend()
+
+__all__ = [
+    "PRE_GRAD_PASSES",
+    "CompileOptionError",
+    "CompileReport",
+    "Pass",
+    "PassVerificationError",
+    "Rule",
+    "TorchportBackend",
+    "compile",
+    "is_call",
+    "last_report",
+    "node_tensor_meta",
+    "register_backend",
+    "register_pre_grad_pass",
+    "reports",
+    "run_passes",
+    "single_user",
+    "verify_graph",
+]

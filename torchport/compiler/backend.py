@@ -1,0 +1,132 @@
+"""The ``torchport`` torch.compile backend: rule-list FX passes, then Inductor or eager.
+
+``torch.compile(model, backend="torchport")`` and :func:`torchport.compile` route the captured graph
+through the passes registered in :data:`PRE_GRAD_PASSES` (on the dynamo graph of torch-level ops,
+before autograd) and hand the result to Inductor (``inner="inductor"``, the default) or run it as
+is (``inner="eager"``). Capabilities register their passes with :func:`register_pre_grad_pass`;
+each call's rewrite counts are kept in :func:`last_report`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from torchport.compiler.passes import Pass, run_passes
+
+INNERS = ("inductor", "eager")
+
+
+class CompileOptionError(ValueError):
+    """An option passed to torchport.compile is not valid."""
+
+
+@dataclass
+class CompileReport:
+    """What the backend did to one captured graph."""
+
+    rewrites: dict[str, int] = field(default_factory=dict)
+    rule_counts: dict[str, int] = field(default_factory=dict)
+    inner: str = "inductor"
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+
+PRE_GRAD_PASSES: list[tuple[int, Pass]] = []  # (order, pass); lower order runs first
+_reports: list[CompileReport] = []
+_lock = threading.Lock()
+
+
+def register_pre_grad_pass(p: Pass, *, order: int = 100) -> Pass:
+    """Add a pass to every torchport compilation (idempotent per pass name)."""
+    with _lock:
+        PRE_GRAD_PASSES[:] = [(o, q) for o, q in PRE_GRAD_PASSES if q.name != p.name]
+        PRE_GRAD_PASSES.append((order, p))
+        PRE_GRAD_PASSES.sort(key=lambda t: t[0])
+    return p
+
+
+def last_report() -> CompileReport | None:
+    """Report of the most recent graph compiled by the torchport backend."""
+    return _reports[-1] if _reports else None
+
+
+def reports() -> list[CompileReport]:
+    """Reports of every graph compiled so far in this process."""
+    return list(_reports)
+
+
+@dataclass(frozen=True)
+class TorchportBackend:
+    """A torch.compile backend callable with torchport's options."""
+
+    inner: str = "inductor"
+    passes: Sequence[Pass] | None = None  # None → the registered pre-grad passes
+    verify: bool = False
+    inductor_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.inner not in INNERS:
+            raise CompileOptionError(f"inner must be one of {INNERS}, got {self.inner!r}")
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        passes = self.passes if self.passes is not None else [p for _, p in PRE_GRAD_PASSES]
+        report = CompileReport(inner=self.inner, nodes_before=len(gm.graph.nodes))
+        before = {p.name: dict(p.counts) for p in passes}
+        report.rewrites = run_passes(gm, passes, verify=self.verify)
+        for p in passes:
+            for rule, n in p.counts.items():
+                delta = n - before[p.name].get(rule, 0)
+                if delta:
+                    report.rule_counts[rule] = delta
+        report.nodes_after = len(gm.graph.nodes)
+        _reports.append(report)
+        if self.inner == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, list(example_inputs), config_patches=dict(self.inductor_options))
+        assert callable(compiled)
+        return compiled
+
+
+def _registered_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    return TorchportBackend()(gm, example_inputs)
+
+
+def register_backend() -> None:
+    """Register ``backend="torchport"`` with torch._dynamo (idempotent)."""
+    from torch._dynamo import list_backends
+    from torch._dynamo.backends.registry import register_backend as _register
+
+    if "torchport" not in list_backends(exclude_tags=()):
+        _register(name="torchport")(_registered_backend)
+
+
+def compile(
+    model: Callable[..., Any],
+    *,
+    inner: str = "inductor",
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    verify: bool = False,
+    passes: Sequence[Pass] | None = None,
+    inductor_options: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """``torch.compile`` with the torchport backend.
+
+    ``inner`` picks what runs the rewritten graph ("inductor" or "eager"); ``verify`` checks the
+    graph after every rewrite; ``passes`` replaces the registered pre-grad passes.
+    """
+    backend = TorchportBackend(
+        inner=inner,
+        passes=passes,
+        verify=verify,
+        inductor_options=tuple(sorted((inductor_options or {}).items())),
+    )
+    return torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
