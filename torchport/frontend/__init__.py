@@ -1,0 +1,43 @@
+"""torchport's compiler front end: declarative dynamic shapes (``@dynamic_spec``) for compile,
+export and make_fx. Complex decomposition and small-kernel batching live in ``torchport.compiler``.
+"""
+
+from torchport.frontend.apply import SpecCompiled, export, make_fx
+from torchport.frontend.dynamic_spec import (
+    STATIC,
+    Cond,
+    DictSpec,
+    DynamicSpecViolation,
+    Expr,
+    IntVar,
+    ParamsSpec,
+    SeqSpec,
+    ShapesSpec,
+    ShapeVar,
+    TensorSpec,
+    bind,
+    check_call,
+    dynamic_spec,
+    resolve_spec,
+)
+
+__all__ = [
+    "STATIC",
+    "Cond",
+    "DictSpec",
+    "DynamicSpecViolation",
+    "Expr",
+    "IntVar",
+    "ParamsSpec",
+    "SeqSpec",
+    "ShapeVar",
+    "ShapesSpec",
+    "SpecCompiled",
+    "TensorSpec",
+    "bind",
+    "check_call",
+    "dynamic_spec",
+    "export",
+    "make_fx",
+    "resolve_spec",
+]

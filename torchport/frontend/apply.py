@@ -1,0 +1,312 @@
+"""Translate a :class:`ShapesSpec` into torch 2.13's dynamic-shape mechanisms.
+
+- ``torch.compile`` (:class:`SpecCompiled`): every call is checked against the spec in Python (so a
+  violation is a :class:`DynamicSpecViolation`, not a guard failure or a recompile); then each spec'd
+  dim is marked with ``torch._dynamo.mark_dynamic`` (bare variables carry their ``min``/``max``),
+  top-level scalar ``IntVar`` parameters are listed in ``torch.compiler.config.dynamic_sources``, and
+  the compile runs with size-oblivious backed symbols and no duck shaping, so sizes 0 and 1 and
+  unequal-but-same-sized dims share one graph.
+- ``torch.export`` (:func:`export`): bare variables become ``torch.export.Dim`` (shared by every slot
+  naming the variable, so equality is part of the program), linear derived expressions become
+  derived ``Dim``s, other expressions and the assumptions become ``torch._check`` calls in a prologue
+  traced with ``prefer_deferred_runtime_asserts_over_guards=True`` (runtime asserts in the graph).
+- ``make_fx`` (:func:`make_fx`): inputs are fakified with a ShapeEnv without 0/1 specialization or
+  duck shaping, dynamic only where the spec says so, with ``[min, max]`` constraints; the returned
+  GraphModule checks each call against the spec in a forward pre-hook.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from torchport.frontend.dynamic_spec import (
+    Binding,
+    Expr,
+    IntVar,
+    ShapesSpec,
+    bind,
+    check_call,
+    check_values,
+    resolve_spec,
+)
+
+
+class SpecCompiled:
+    """A ``torch.compile``d callable whose calls are checked against (and compiled for) a spec."""
+
+    def __init__(
+        self, fn: Callable[..., Any], spec: ShapesSpec, compile_fn: Callable[..., Any]
+    ) -> None:
+        self.fn = fn
+        self.spec = spec
+        self._compile_fn = compile_fn
+        self.compiled: Callable[..., Any] | None = None
+        self._bindings: dict[tuple[Any, ...], Binding] = {}
+
+    def binding(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Binding:
+        """The spec bound to this call structure (cached per arity and keyword names)."""
+        key = (len(args), tuple(kwargs), pytree.tree_structure((tuple(args), kwargs)))
+        b = self._bindings.get(key)
+        if b is None:
+            b = self._bindings[key] = bind(self.fn, self.spec, args, kwargs, "torchport.compile")
+        return b
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        b = self.binding(args, kwargs)
+        flat = pytree.tree_leaves((args, kwargs))
+        check_values(b, flat)
+        scalars = _mark_dims(b, flat)
+        if self.compiled is None:
+            self.compiled = self._compile_fn(self.fn)
+        with _compile_config(scalars):
+            return self.compiled(*args, **kwargs)
+
+
+def _mark_dims(b: Binding, flat: Sequence[Any]) -> list[str]:
+    seen: set[IntVar] = set()
+    scalars: list[str] = []
+    for s in b.slots:
+        if not isinstance(s.spec, Expr):
+            continue
+        if s.dim is None:
+            if re.fullmatch(r"[A-Za-z_]\w*", s.where):
+                scalars.append(f"L['{s.where}']")
+            continue
+        t = flat[s.leaf]
+        if isinstance(s.spec, IntVar) and s.spec not in seen:
+            seen.add(s.spec)
+            torch._dynamo.mark_dynamic(t, s.dim, min=s.spec.min, max=s.spec.max)
+        else:
+            torch._dynamo.maybe_mark_dynamic(t, s.dim)
+    return scalars
+
+
+class _compile_config:
+    """Config patches for a spec'd compile: size-oblivious backed sizes, no duck shaping."""
+
+    def __init__(self, scalars: list[str]) -> None:
+        import torch.fx.experimental._config as fx_config
+
+        patches: list[Any] = [fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)]
+        if scalars:
+            patches.append(torch.compiler.config.patch(dynamic_sources=",".join(scalars)))
+        self._patches = patches
+
+    def __enter__(self) -> None:
+        for p in self._patches:
+            p.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for p in reversed(self._patches):
+            p.__exit__(*exc)
+
+
+def _dim_name(v: IntVar) -> str:
+    base = re.sub(r"\W", "_", v.name) or "d"
+    if not re.match(r"[A-Za-z_]", base):
+        base = "d" + base
+    return f"{base}_{v.uid}"
+
+
+def export_dynamic_shapes(b: Binding, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """torch.export ``dynamic_shapes`` (a flat-leaf-shaped pytree of Dims) and prologue checks."""
+    from torch.export import Dim
+
+    dims: dict[IntVar, Any] = {}
+    for v in b.variables():
+        lo = v.min if v.min is not None else 0
+        dims[v] = Dim(_dim_name(v), min=max(lo, 0), max=v.max if v.max is not None else None)
+    per_leaf: dict[int, dict[int, Any]] = {}
+    for s in b.slots:
+        if s.dim is None or not isinstance(s.spec, Expr):
+            continue
+        spec = s.spec
+        if isinstance(spec, IntVar):
+            d: Any = dims[spec]
+        else:
+            lin = spec.linear()
+            d = (dims[lin[0]] * lin[1] + lin[2]) if lin and lin[1] > 0 else Dim.DYNAMIC
+        per_leaf.setdefault(s.leaf, {})[s.dim] = d
+    flat, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    leaves = [
+        per_leaf.get(i) if isinstance(x, torch.Tensor) else None for i, x in enumerate(flat)
+    ]
+    out_args, out_kwargs = pytree.tree_unflatten(leaves, tree)
+    return out_args, out_kwargs
+
+
+def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
+    """Inside tracing: ``torch._check`` every relation of the spec on the symbolic sizes."""
+    env: dict[IntVar, Any] = {}
+    for s in b.slots:
+        if isinstance(s.spec, IntVar):
+            x = flat[s.leaf]
+            val = x.shape[s.dim] if s.dim is not None else x
+            if s.spec in env:
+                torch._check(val == env[s.spec])
+            else:
+                env[s.spec] = val
+    for s in b.slots:
+        if isinstance(s.spec, Expr) and not isinstance(s.spec, IntVar):
+            x = flat[s.leaf]
+            val = x.shape[s.dim] if s.dim is not None else x
+            torch._check(val == s.spec.evaluate(env))
+    for a in b.assumptions:
+        torch._check(a.evaluate(env))
+
+
+class _SpecModule(torch.nn.Module):
+    """Wraps a module/function so that tracing it first asserts the spec's relations."""
+
+    def __init__(self, fn: Callable[..., Any], b: Binding) -> None:
+        super().__init__()
+        if isinstance(fn, torch.nn.Module):
+            self.inner = fn
+        else:
+            self._fn = fn
+        self._b = b
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = pytree.tree_leaves((args, kwargs))
+        _spec_checks(self._b, flat)
+        fn = self.inner if hasattr(self, "inner") else self._fn
+        return fn(*args, **kwargs)
+
+
+def export(
+    mod: torch.nn.Module | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    strict: bool = False,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` that also accepts a :class:`ShapesSpec` (or ``@dynamic_spec``).
+
+    A plain torch.export ``dynamic_shapes`` value (dict/tuple of Dims) is passed through. With a
+    spec, the program's inputs are named by the spec's variables and the assumptions become
+    runtime asserts in the graph.
+    """
+    kwargs = dict(kwargs or {})
+    raw = dynamic_shapes
+    if isinstance(raw, (dict, tuple, list)) and not _looks_like_spec_dict(raw):
+        if resolve_spec(mod, None) is not None:
+            resolve_spec(mod, raw)  # raises: both given
+        target = mod if isinstance(mod, torch.nn.Module) else _FnModule(mod)
+        return torch.export.export(target, args, kwargs, dynamic_shapes=raw, strict=strict)
+    spec = resolve_spec(mod, raw)
+    if spec is None:
+        target = mod if isinstance(mod, torch.nn.Module) else _FnModule(mod)
+        return torch.export.export(target, args, kwargs, strict=strict)
+    b = bind(mod, spec, args, kwargs, "export")
+    check_call(b, args, kwargs)
+    ds_args, ds_kwargs = export_dynamic_shapes(b, args, kwargs)
+    wrapped = _SpecModule(mod, b)
+    return torch.export.export(
+        wrapped,
+        args,
+        kwargs,
+        dynamic_shapes={"args": ds_args, "kwargs": ds_kwargs} if kwargs else {"args": ds_args},
+        strict=strict,
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )
+
+
+def _looks_like_spec_dict(x: object) -> bool:
+    """True for a dict mapping parameter names to spec leaves/containers (not to Dims)."""
+    from torchport.frontend.dynamic_spec import DictSpec, SeqSpec, TensorSpec
+
+    if not isinstance(x, dict):
+        return False
+    kinds = (TensorSpec, SeqSpec, DictSpec, Expr)
+    return any(isinstance(v, kinds) for v in x.values()) or any(
+        isinstance(k, str) and k.startswith("*") for k in x
+    )
+
+
+class _FnModule(torch.nn.Module):
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+
+def make_fx(
+    fn: Callable[..., Any],
+    *,
+    dynamic_shapes: Any = None,
+    **make_fx_kwargs: Any,
+) -> Callable[..., torch.fx.GraphModule]:
+    """``make_fx`` that traces with the spec's dynamic dims (``tracing_mode="symbolic"``).
+
+    Returns ``trace(*args) -> GraphModule``. Without a spec it is ``make_fx(fn, **kwargs)``. With a
+    spec, only spec'd dims are symbolic (with their ranges), the graph holds for sizes 0 and 1, and
+    the GraphModule checks each call against the spec before running.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx as _make_fx
+
+    spec = resolve_spec(fn, dynamic_shapes)
+    if spec is None:
+        return _make_fx(fn, **make_fx_kwargs)
+
+    def trace(*args: Any) -> torch.fx.GraphModule:
+        b = bind(fn, spec, args, {}, "make_fx")
+        check_call(b, args, {})
+        fake_args = _fakify(b, args)
+        flat_fake = pytree.tree_leaves(fake_args)
+
+        def prologue_then_fn(*a: Any) -> Any:
+            _spec_checks(b, flat_fake)
+            return fn(*a)
+
+        gm = _make_fx(prologue_then_fn, tracing_mode="symbolic", **make_fx_kwargs)(*fake_args)
+        gm.register_forward_pre_hook(lambda _m, call_args: check_call(b, call_args, {}) and None)
+        return gm
+
+    return trace
+
+
+def _fakify(b: Binding, args: Sequence[Any]) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+        StrictMinMaxConstraint,
+    )
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = ShapeEnv(specialize_zero_one=False, duck_shape=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
+    flat, tree = pytree.tree_flatten((tuple(args), {}))
+    dyn: dict[int, dict[int, IntVar | Expr]] = {}
+    for s in b.slots:
+        if s.dim is not None and isinstance(s.spec, Expr):
+            dyn.setdefault(s.leaf, {})[s.dim] = s.spec
+    out = []
+    for i, x in enumerate(flat):
+        if not isinstance(x, torch.Tensor):
+            out.append(x)
+            continue
+        d = dyn.get(i, {})
+        sizes = [DimDynamic.DYNAMIC if k in d else DimDynamic.STATIC for k in range(x.dim())]
+        cons: list[Any] = []
+        for k in range(x.dim()):
+            v = d.get(k)
+            if isinstance(v, IntVar) and (v.min is not None or v.max is not None):
+                lo = 0 if v.min is None else max(v.min, 0)
+                hi = v.max if v.max is not None else int(1e18)
+                cons.append(StrictMinMaxConstraint(vr=ValueRanges(lo, hi), warn_only=False))
+            else:
+                cons.append(None)
+        ctx = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=cons)
+        out.append(mode.from_tensor(x, symbolic_context=ctx))
+    fake_args, _ = pytree.tree_unflatten(out, tree)
+    return fake_args
