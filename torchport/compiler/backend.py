@@ -35,6 +35,7 @@ class CompileReport:
     inner: str = "inductor"
     nodes_before: int = 0
     nodes_after: int = 0
+    complex: bool = False  # the graph went through complex decomposition
 
 
 PRE_GRAD_PASSES: list[tuple[int, Pass]] = []  # (order, pass); lower order runs first
@@ -69,6 +70,7 @@ class TorchportBackend:
     passes: Sequence[Pass] | None = None  # None → the registered pre-grad passes
     verify: bool = False
     inductor_options: tuple[tuple[str, Any], ...] = ()
+    complex: bool = True  # decompose complex graphs into real ones (forward and backward)
 
     def __post_init__(self) -> None:
         if self.inner not in INNERS:
@@ -86,6 +88,12 @@ class TorchportBackend:
                     report.rule_counts[rule] = delta
         report.nodes_after = len(gm.graph.nodes)
         _reports.append(report)
+        if self.complex:
+            from torchport.compiler.complex import complex_aot_backend, graph_has_complex
+
+            if graph_has_complex(gm, example_inputs):
+                report.complex = True
+                return complex_aot_backend(self.inner)(gm, example_inputs)  # type: ignore[no-any-return]
         if self.inner == "eager":
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
