@@ -7,6 +7,36 @@ settings. ``torchport.compile`` is ``torch.compile`` with the torchport backend 
 
 from torchport import config
 from torchport.compiler import compile
+from torchport.frontend import (
+    STATIC,
+    DictSpec,
+    DynamicSpecViolation,
+    IntVar,
+    ParamsSpec,
+    SeqSpec,
+    ShapesSpec,
+    ShapeVar,
+    TensorSpec,
+    dynamic_spec,
+    export,
+    make_fx,
+)
 from torchport.version import __version__
 
-__all__ = ["__version__", "compile", "config"]
+__all__ = [
+    "STATIC",
+    "DictSpec",
+    "DynamicSpecViolation",
+    "IntVar",
+    "ParamsSpec",
+    "SeqSpec",
+    "ShapeVar",
+    "ShapesSpec",
+    "TensorSpec",
+    "__version__",
+    "compile",
+    "config",
+    "dynamic_spec",
+    "export",
+    "make_fx",
+]

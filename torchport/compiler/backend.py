@@ -71,13 +71,19 @@ class TorchportBackend:
     verify: bool = False
     inductor_options: tuple[tuple[str, Any], ...] = ()
     complex: bool = True  # decompose complex graphs into real ones (forward and backward)
+    batching: bool = True  # small-kernel batching where the autotuner measures a gain
 
     def __post_init__(self) -> None:
         if self.inner not in INNERS:
             raise CompileOptionError(f"inner must be one of {INNERS}, got {self.inner!r}")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        passes = self.passes if self.passes is not None else [p for _, p in PRE_GRAD_PASSES]
+        passes = list(self.passes if self.passes is not None else [p for _, p in PRE_GRAD_PASSES])
+        if self.batching:
+            from torchport.compiler.batching import BATCHING
+
+            passes.insert(0, BATCHING)  # before the registered passes: they see the batched GEMMs
+            gm = _copy_graph_module(gm)  # batching adds inputs; dynamo's own graph must keep its
         report = CompileReport(inner=self.inner, nodes_before=len(gm.graph.nodes))
         before = {p.name: dict(p.counts) for p in passes}
         report.rewrites = run_passes(gm, passes, verify=self.verify)
@@ -88,6 +94,16 @@ class TorchportBackend:
                     report.rule_counts[rule] = delta
         report.nodes_after = len(gm.graph.nodes)
         _reports.append(report)
+        from torchport.compiler.batching import META_KEY, BatchedCallable, derived_example_inputs
+
+        derived = gm.meta.get(META_KEY, [])
+        inputs = list(example_inputs) + derived_example_inputs(derived, example_inputs)
+        compiled = self._compile_graph(gm, inputs, report)
+        return BatchedCallable(compiled, derived) if derived else compiled
+
+    def _compile_graph(
+        self, gm: fx.GraphModule, example_inputs: list[Any], report: CompileReport
+    ) -> Callable[..., Any]:
         if self.complex:
             from torchport.compiler.complex import complex_aot_backend, graph_has_complex
 
@@ -98,9 +114,17 @@ class TorchportBackend:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(gm, list(example_inputs), config_patches=dict(self.inductor_options))
+        compiled = compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
         assert callable(compiled)
         return compiled
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule sharing ``gm``'s submodules/attributes with a copy of its graph."""
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return fx.GraphModule(gm, g)
 
 
 def _registered_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -125,16 +149,39 @@ def compile(
     verify: bool = False,
     passes: Sequence[Pass] | None = None,
     inductor_options: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    complex: bool = True,
+    batching: bool = True,
 ) -> Callable[..., Any]:
     """``torch.compile`` with the torchport backend.
 
     ``inner`` picks what runs the rewritten graph ("inductor" or "eager"); ``verify`` checks the
     graph after every rewrite; ``passes`` replaces the registered pre-grad passes.
+    ``dynamic_shapes`` (a :class:`~torchport.ShapesSpec`, :class:`~torchport.ParamsSpec` or dict),
+    or a ``@dynamic_spec`` on ``model``/its ``forward``, compiles one graph for every size the spec
+    allows and checks each call against it (both at once → ``ValueError``). ``complex`` decomposes
+    complex tensors into real/imaginary pairs in the forward and backward graphs; ``batching``
+    merges small independent ops (parallel linears, per-head projections, small elementwise ops)
+    where the autotuner measures a gain.
     """
+    from torchport.frontend.apply import SpecCompiled
+    from torchport.frontend.dynamic_spec import resolve_spec
+
     backend = TorchportBackend(
         inner=inner,
         passes=passes,
         verify=verify,
         inductor_options=tuple(sorted((inductor_options or {}).items())),
+        complex=complex,
+        batching=batching,
     )
-    return torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+    spec = resolve_spec(model, dynamic_shapes)
+    if spec is None:
+        return torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+    if dynamic is True:
+        raise CompileOptionError("pass either dynamic=True or a dynamic_shapes spec, not both")
+    return SpecCompiled(
+        model,
+        spec,
+        lambda fn: torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=dynamic),
+    )
