@@ -97,8 +97,6 @@ class _Emitter:
             return None
         if isinstance(a, (int, float)) and isinstance(b, (int, float)):
             return a * b
-        if isinstance(a, (int, float)) and a == 0 or isinstance(b, (int, float)) and b == 0:
-            return None
         return self.call(operator.mul, a, b)
 
     def div(self, a: Any, b: Any) -> Any:

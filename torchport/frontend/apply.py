@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +49,7 @@ class SpecCompiled:
         self._compile_fn = compile_fn
         self.compiled: Callable[..., Any] | None = None
         self._bindings: dict[tuple[Any, ...], Binding] = {}
+        self.relaxed: str | None = None  # why strict marking was dropped (the code specialises)
 
     def binding(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Binding:
         """The spec bound to this call structure (cached per arity and keyword names)."""
@@ -60,14 +63,35 @@ class SpecCompiled:
         b = self.binding(args, kwargs)
         flat = pytree.tree_leaves((args, kwargs))
         check_values(b, flat)
-        scalars = _mark_dims(b, flat)
+        scalars = _mark_dims(b, flat, strict=self.relaxed is None)
         if self.compiled is None:
             self.compiled = self._compile_fn(self.fn)
-        with _compile_config(scalars):
-            return self.compiled(*args, **kwargs)
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        try:
+            with _compile_config(scalars):
+                return self.compiled(*args, **kwargs)
+        except ConstraintViolationError as e:
+            if self.relaxed is not None:
+                raise
+            # The code specialises a spec'd dim (e.g. a guard ``T != 1``): say so once, then
+            # compile with unenforced marks (sizes the code specialises on get their own graph).
+            self.relaxed = str(e).splitlines()[-1].strip()
+            warnings.warn(
+                f"torchport.compile: the function specialises a dynamic dim of its spec "
+                f"({self.relaxed}); sizes it specialises on will recompile",
+                stacklevel=2,
+            )
+            for t in flat:
+                for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range"):
+                    if isinstance(t, torch.Tensor) and hasattr(t, attr):
+                        delattr(t, attr)
+            _mark_dims(b, flat, strict=False)
+            with _compile_config(scalars):
+                return self.compiled(*args, **kwargs)
 
 
-def _mark_dims(b: Binding, flat: Sequence[Any]) -> list[str]:
+def _mark_dims(b: Binding, flat: Sequence[Any], *, strict: bool = True) -> list[str]:
     seen: set[IntVar] = set()
     scalars: list[str] = []
     for s in b.slots:
@@ -78,12 +102,21 @@ def _mark_dims(b: Binding, flat: Sequence[Any]) -> list[str]:
                 scalars.append(f"L['{s.where}']")
             continue
         t = flat[s.leaf]
-        if isinstance(s.spec, IntVar) and s.spec not in seen:
+        if strict and isinstance(s.spec, IntVar) and s.spec not in seen:
             seen.add(s.spec)
-            torch._dynamo.mark_dynamic(t, s.dim, min=s.spec.min, max=s.spec.max)
+            lo, hi = s.spec.min, s.spec.max
+            if lo is None and hi is None:
+                torch._dynamo.mark_dynamic(t, s.dim)
+            else:  # dynamo wants both ends of a range
+                torch._dynamo.mark_dynamic(
+                    t, s.dim, min=0 if lo is None else lo, max=_INT_OO if hi is None else hi
+                )
         else:
             torch._dynamo.maybe_mark_dynamic(t, s.dim)
     return scalars
+
+
+_INT_OO = sys.maxsize - 1  # "no upper bound" for a dim range (dynamo's ranges are closed)
 
 
 class _compile_config:

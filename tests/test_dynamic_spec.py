@@ -1,0 +1,283 @@
+"""@dynamic_spec semantics, 2.14's error messages, run-time checks, and compile/export/make_fx."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport
+from torchport import (
+    STATIC,
+    DictSpec,
+    DynamicSpecViolation,
+    IntVar,
+    ParamsSpec,
+    SeqSpec,
+    ShapesSpec,
+    ShapeVar,
+    TensorSpec,
+    dynamic_spec,
+)
+from torchport.frontend import bind, check_call
+
+# --- spec construction and 2.14's errors -----------------------------------------------------------
+
+
+def test_shapevar_negative_min_raises() -> None:
+    with pytest.raises(ValueError, match=r"ShapeVar requires min >= 0 .* got min=-1"):
+        ShapeVar("B", min=-1)
+
+
+def test_intvar_min_above_max_raises() -> None:
+    with pytest.raises(ValueError, match=r"min <= max, got 5 > 2"):
+        IntVar("n", min=5, max=2)
+
+
+def test_tensorspec_rejects_bad_leaf() -> None:
+    with pytest.raises(TypeError, match=r"TensorSpec dim 1: expected LeafIntSpec, got str"):
+        TensorSpec([ShapeVar("B"), "x"])
+
+
+def test_paramsspec_sentinels() -> None:
+    with pytest.raises(ValueError, match=r"Unknown sentinel key '\*foo'"):
+        ParamsSpec({"*foo": []})
+    with pytest.raises(ValueError, match=r"'\*args' value must be a list"):
+        ParamsSpec({"*args": TensorSpec([1])})
+    with pytest.raises(ValueError, match=r"'\*\*kwargs' value must be a dict"):
+        ParamsSpec({"**kwargs": [1]})
+
+
+def test_shapesspec_assumption_type() -> None:
+    with pytest.raises(TypeError, match=r"assumptions\[0\]: expected a relation"):
+        ShapesSpec({}, assumptions=[True])  # type: ignore[list-item]
+
+
+def test_stacking_decorators_raises() -> None:
+    with pytest.raises(ValueError, match=r"Stacking multiple @dynamic_spec decorators"):
+
+        @dynamic_spec({"x": TensorSpec([ShapeVar("A")])})
+        @dynamic_spec({"x": TensorSpec([ShapeVar("B")])})
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+
+def test_decorator_and_argument_raises() -> None:
+    @dynamic_spec({"x": TensorSpec([ShapeVar("B")])})
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    spec = {"x": TensorSpec([ShapeVar("C")])}
+    for api in (
+        lambda: torchport.compile(f, inner="eager", dynamic_shapes=spec),
+        lambda: torchport.export(f, (torch.ones(3),), dynamic_shapes=spec),
+        lambda: torchport.make_fx(f, dynamic_shapes=spec),
+    ):
+        with pytest.raises(ValueError, match=r"Both `@dynamic_spec\(...\)` is attached"):
+            api()
+
+
+def test_unknown_parameter_name_raises() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    spec = ShapesSpec({"y": TensorSpec([ShapeVar("B")])})
+    with pytest.raises(ValueError, match=r"ParamsSpec has entries \['y'\] that do not match"):
+        bind(f, spec, (torch.ones(2),), {}, "export")
+
+
+def test_variable_only_in_expression_raises() -> None:
+    A, B = ShapeVar("A"), ShapeVar("B")
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x
+
+    spec = ShapesSpec({"x": TensorSpec([A]), "y": TensorSpec([2 * B + 1])})
+    with pytest.raises(ValueError, match=r"reference unbound IntVar\(s\) \['B'\]"):
+        bind(f, spec, (torch.ones(2), torch.ones(5)), {}, "export")
+    spec2 = ShapesSpec({"x": TensorSpec([A])}, assumptions=[B > A])
+    with pytest.raises(ValueError, match=r"unbound IntVar\(s\) \['B'\]"):
+        bind(f, spec2, (torch.ones(2), torch.ones(5)), {}, "export")
+
+
+def test_tensorspec_rank_mismatch_and_type_errors() -> None:
+    def f(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x
+
+    with pytest.raises(ValueError, match=r"TensorSpec has 2 dims but the tensor has 1"):
+        bind(f, ShapesSpec({"x": TensorSpec([1, 2])}), (torch.ones(2), 1), {}, "export")
+    with pytest.raises(ValueError, match=r"spec is TensorSpec but the actual arg is int"):
+        bind(f, ShapesSpec({"n": TensorSpec([1])}), (torch.ones(2), 1), {}, "export")
+
+
+# --- run-time checks --------------------------------------------------------------------------------
+
+
+def _bound(spec: ShapesSpec, args: tuple[object, ...]) -> object:
+    def f(x: torch.Tensor, y: torch.Tensor, n: int = 0) -> torch.Tensor:
+        return x
+
+    return bind(f, spec, args, {}, "torchport.compile")
+
+
+def test_runtime_checks_name_argument_dim_relation_value() -> None:
+    B = ShapeVar("B", min=2, max=8)
+    spec = ShapesSpec({"x": TensorSpec([B, STATIC]), "y": TensorSpec([2 * B + 1])})
+    b = _bound(spec, (torch.ones(3, 4), torch.ones(7)))
+    assert check_call(b, (torch.ones(3, 4), torch.ones(7)), {}) == {B: 3}  # type: ignore[arg-type]
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 0: expected 2 <= B <= 8, got B = 1"):
+        check_call(b, (torch.ones(1, 4), torch.ones(3)), {})  # type: ignore[arg-type]
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 0: expected 2 <= B <= 8, got B = 9"):
+        check_call(b, (torch.ones(9, 4), torch.ones(19)), {})  # type: ignore[arg-type]
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'y' dim 0: expected \(2\*B \+ 1\) = 7 \(with B=3\), got 6"
+    ):
+        check_call(b, (torch.ones(3, 4), torch.ones(6)), {})  # type: ignore[arg-type]
+
+
+def test_runtime_repeated_variable_and_static_and_assumption() -> None:
+    B, T = ShapeVar("B"), ShapeVar("T")
+    spec = ShapesSpec(
+        {"x": TensorSpec([B, T]), "y": TensorSpec([B, 5])}, assumptions=[T % 4 == 0]
+    )
+    b = _bound(spec, (torch.ones(2, 8), torch.ones(2, 5)))
+    with pytest.raises(
+        DynamicSpecViolation,
+        match=r"argument 'y' dim 0: expected B == 2 \(the size of argument 'x' dim 0, which is also B\), got 3",
+    ):
+        check_call(b, (torch.ones(2, 8), torch.ones(3, 5)), {})  # type: ignore[arg-type]
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'y' dim 1: expected static size 5, got 6"):
+        check_call(b, (torch.ones(2, 8), torch.ones(2, 6)), {})  # type: ignore[arg-type]
+    with pytest.raises(DynamicSpecViolation, match=r"assumption T%4 == 0 does not hold with T=6"):
+        check_call(b, (torch.ones(2, 6), torch.ones(2, 5)), {})  # type: ignore[arg-type]
+
+
+def test_nested_specs_and_scalars() -> None:
+    B, N = ShapeVar("B"), IntVar("n", min=0, max=10)
+
+    def f(batch: dict[str, torch.Tensor], seq: list[torch.Tensor], n: int) -> torch.Tensor:
+        return batch["a"]
+
+    spec = ShapesSpec(
+        {
+            "batch": DictSpec({"a": TensorSpec([B])}),
+            "seq": SeqSpec([TensorSpec([B + 1])]),
+            "n": N,
+        }
+    )
+    args = ({"a": torch.ones(3), "b": torch.ones(2)}, [torch.ones(4), torch.ones(9)], 4)
+    b = bind(f, spec, args, {}, "make_fx")
+    assert check_call(b, args, {}) == {B: 3, N: 4}
+    with pytest.raises(DynamicSpecViolation, match=r"argument \"seq\[0\]\" dim 0|argument 'seq\[0\]' dim 0"):
+        check_call(b, ({"a": torch.ones(3), "b": torch.ones(2)}, [torch.ones(5), torch.ones(9)], 4), {})
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'n': expected 0 <= n <= 10, got n = 11"):
+        check_call(b, (args[0], args[1], 11), {})
+    with pytest.raises(ValueError, match=r"DictSpec has entries \['zz'\]"):
+        bind(f, ShapesSpec({"batch": DictSpec({"zz": TensorSpec([B])})}), args, {}, "make_fx")
+
+
+# --- compile: one graph for every size of the spec -----------------------------------------------------
+
+
+class _Counting:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, ex: object) -> object:
+        self.n += 1
+        return gm.forward
+
+
+B = ShapeVar("B", max=64)
+T = ShapeVar("T", min=1, max=128)
+
+
+@dynamic_spec(
+    ShapesSpec({"x": TensorSpec([B, T, 4]), "y": TensorSpec([2 * B + 1])}, assumptions=[T % 2 == 0])
+)
+def _spec_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1).mean(1) * 2 + y[: x.shape[0]].sum() + x.shape[1]
+
+
+def _eager(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1).mean(1) * 2 + y[: x.shape[0]].sum() + x.shape[1]
+
+
+def test_compile_once_for_all_sizes_in_spec() -> None:
+    from torchport.frontend import SpecCompiled, resolve_spec
+
+    counter = _Counting()
+    spec = resolve_spec(_spec_fn, None)
+    assert spec is not None
+    fn = SpecCompiled(_spec_fn, spec, lambda f: torch.compile(f, backend=counter))
+    for b, t in [(3, 8), (1, 2), (0, 4), (64, 128), (5, 6), (2, 126)]:
+        x, y = torch.randn(b, t, 4), torch.randn(2 * b + 1)
+        torch.testing.assert_close(fn(x, y), _eager(x, y))
+    assert counter.n == 1
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 1: expected 1 <= T <= 128, got T = 130"):
+        fn(torch.randn(2, 130, 4), torch.randn(5))
+    with pytest.raises(DynamicSpecViolation, match=r"assumption T%2 == 0 does not hold with T=7"):
+        fn(torch.randn(2, 7, 4), torch.randn(5))
+    assert counter.n == 1
+
+
+def test_torchport_compile_reads_decorator_on_module_forward() -> None:
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        # min=2: a 3-D linear guards T != 1 (matmul folding), which a range from 2 implies
+        @dynamic_spec({"x": TensorSpec([STATIC, ShapeVar("T", min=2, max=100), STATIC])})
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x)).mean(1)
+
+    m = M()
+    fn = torchport.compile(m, inner="eager", batching=False)
+    n0 = len(torchport.compiler.reports())
+    with torch.no_grad():
+        for t in (5, 2, 17, 3, 100):
+            x = torch.randn(2, t, 8)
+            torch.testing.assert_close(fn(x), m(x))
+    assert len(torchport.compiler.reports()) - n0 == 1
+
+
+def test_code_that_specialises_a_spec_dim_warns_and_stays_correct() -> None:
+    from torchport.frontend import SpecCompiled
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.shape[0] == 5 else x.cumsum(0)  # a guard on the dynamic size
+
+    fn = SpecCompiled(f, ShapesSpec({"x": TensorSpec([ShapeVar("N")])}), lambda g: torch.compile(g, backend="eager"))
+    with pytest.warns(UserWarning, match=r"specialises a dynamic dim of its spec"):
+        out = fn(torch.arange(5.0))
+    torch.testing.assert_close(out, torch.arange(5.0) * 2)
+    for n in (1, 0, 9):
+        torch.testing.assert_close(fn(torch.ones(n)), torch.ones(n).cumsum(0))
+    assert fn.relaxed is not None and "5" in fn.relaxed
+
+
+# --- export and make_fx -----------------------------------------------------------------------------------
+
+
+def test_export_with_spec_runs_all_sizes_and_asserts() -> None:
+    ep = torchport.export(_spec_fn, (torch.randn(3, 8, 4), torch.randn(7)))
+    m = ep.module()
+    for b, t in [(1, 2), (0, 4), (64, 128)]:
+        x, y = torch.randn(b, t, 4), torch.randn(2 * b + 1)
+        torch.testing.assert_close(m(x, y), _eager(x, y))
+    with pytest.raises(Exception, match=r"Mod\(s\d+, 2\)|Eq\(Mod"):
+        m(torch.randn(1, 3, 4), torch.randn(3))
+    with pytest.raises(Exception, match=r"args\[1\]|2\*s\d+ \+ 1|Expected input"):
+        m(torch.randn(2, 4, 4), torch.randn(6))
+
+
+def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
+    gm = torchport.make_fx(_spec_fn)(torch.randn(3, 8, 4), torch.randn(7))
+    for b, t in [(1, 2), (0, 4), (64, 128)]:
+        x, y = torch.randn(b, t, 4), torch.randn(2 * b + 1)
+        torch.testing.assert_close(gm(x, y), _eager(x, y))
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'y' dim 0: expected \(2\*B \+ 1\) = 3"):
+        gm(torch.randn(1, 2, 4), torch.randn(4))
+    static_dims = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert "s" in str(static_dims[0].meta["val"].shape[0])  # B is symbolic
+    assert static_dims[0].meta["val"].shape[2] == 4  # the static dim stays static
