@@ -76,7 +76,8 @@ class SpecCompiled:
                 raise
             # The code specialises a spec'd dim (e.g. a guard ``T != 1``): say so once, then
             # compile with unenforced marks (sizes the code specialises on get their own graph).
-            self.relaxed = str(e).splitlines()[-1].strip()
+            lines = [ln.strip(" -") for ln in str(e).splitlines() if "Not all values" in ln]
+            self.relaxed = lines[0] if lines else str(e).strip()
             warnings.warn(
                 f"torchport.compile: the function specialises a dynamic dim of its spec "
                 f"({self.relaxed}); sizes it specialises on will recompile",
