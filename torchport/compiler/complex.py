@@ -618,7 +618,8 @@ class _Lowering:
 
     def _output(self, n: fx.Node) -> None:
         outs = []
-        for o in n.args[0]:
+        results = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
+        for o in results:
             v = self.lookup(o)
             if isinstance(v, Pair):
                 ref = v.re if isinstance(v.re, fx.Node) else None

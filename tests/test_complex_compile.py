@@ -1,0 +1,203 @@
+"""Complex decomposition: every rule vs eager (grid), compiled fw+bw vs eager, gradcheck, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torchport
+from torchport.compiler.complex import (
+    ComplexDecompositionError,
+    join_outputs,
+    lower_complex,
+    split_inputs,
+)
+
+
+def _run_lowered(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> list[torch.Tensor]:
+    gm = make_fx(fn)(*args)
+    real, in_l, out_l = lower_complex(gm)
+    assert not any(
+        isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_complex()
+        for n in real.graph.nodes
+    )
+    outs = real(*split_inputs(list(args), in_l))
+    return join_outputs(list(outs if isinstance(outs, (list, tuple)) else [outs]), out_l)
+
+
+UNARY = {
+    "exp": torch.exp,
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "reciprocal": torch.reciprocal,
+    "neg": torch.neg,
+    "conj": lambda z: torch.conj_physical(z),
+    "abs": torch.abs,
+    "angle": torch.angle,
+    "sgn": torch.sgn,
+    "real": lambda z: z.real * 1,
+    "imag": lambda z: z.imag * 1,
+    "square": lambda z: z**2,
+    "pow_frac": lambda z: z**0.5 + z ** (1 + 1j),
+    "view_as_real": lambda z: torch.view_as_real(z) * 1,
+    "to_c128": lambda z: z.to(torch.complex128),
+}
+BINARY = {
+    "add": lambda a, b: a + b * 2 - 1j,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b * (0.5 - 2j),
+    "div": lambda a, b: a / (b + 3) + 1 / (a + 5),
+    "real_mix": lambda a, b: a * b.real + b.imag,
+    "where": lambda a, b: torch.where(a.real > 0, a, b),
+    "eq": lambda a, b: (a == b).float() + (a != 0).float(),
+    "complex": lambda a, b: torch.complex(a.real, b.imag) + torch.view_as_complex(torch.view_as_real(b)),
+}
+SHAPES = [(0, 3), (1, 1), (7, 5)]
+
+
+def _randc(shape: tuple[int, ...], dtype: torch.dtype = torch.complex64) -> torch.Tensor:
+    return torch.randn(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_rules_match_eager(name: str, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    x = _randc(shape) + 0.1
+    (got,) = _run_lowered(UNARY[name], x)
+    torch.testing.assert_close(got, UNARY[name](x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_rules_match_eager(name: str, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(1)
+    a, b = _randc(shape), _randc(shape)
+    b[..., :1] = a[..., :1]  # some equal entries for eq/ne
+    (got,) = _run_lowered(BINARY[name], a, b)
+    torch.testing.assert_close(got, BINARY[name](a, b), rtol=1e-4, atol=1e-5)
+
+
+def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    c = torch.cat([a, b], 0)
+    s = torch.stack([a, b], 0).permute(1, 2, 0).reshape(a.shape[0], -1)
+    idx = torch.tensor([0, a.shape[0] - 1])
+    p, q = c.split([a.shape[0], b.shape[0]])
+    return (
+        c[idx].sum(0) + s[:, : a.shape[1]].mean(0) + a.t().flip(0).t().sum(0)
+        + p.unsqueeze(0).squeeze(0).sum(0) + q.transpose(0, 1).cumsum(1)[:, -1]
+        + torch.unbind(a, 0)[0] + a.expand(2, *a.shape).sum(0).select(0, 0)
+    )
+
+
+def test_shape_ops_and_reductions_match_eager() -> None:
+    a, b = _randc((4, 3)), _randc((4, 3))
+    (got,) = _run_lowered(_shape_ops, a, b)
+    torch.testing.assert_close(got, _shape_ops(a, b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mk", [(0, 3, 2), (1, 1, 1), (5, 7, 3)], ids=str)
+def test_matmul_bmm_match_eager(mk: tuple[int, int, int]) -> None:
+    m, k, n = mk
+
+    def f(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return (a @ b).sum(0) + torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0].sum(0) + (a @ r.to(a.dtype)).sum(0)
+
+    a, b, r = _randc((m, k)), _randc((k, n)), torch.randn(k, n)
+    (got,) = _run_lowered(f, a, b, r)
+    torch.testing.assert_close(got, f(a, b, r), rtol=1e-4, atol=1e-4)
+
+
+# --- through torchport.compile: forward + backward ---------------------------------------------------
+
+
+def _model(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    z = x @ w
+    z = torch.exp(0.1j * z) * g + torch.sin(z).conj() - torch.cos(z) / (z + 2)
+    z = torch.cat([z, torch.stack([z[:, 0], z[:, 1]], 1)], 1)
+    z = torch.sqrt(z + 3) + torch.log(z + 4) * torch.tanh(z) * torch.sigmoid(z.real)
+    return (z.abs() ** 2).mean() + torch.angle(z).mean() + z.imag.sum()
+
+
+def _args(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 6), (6, 6), (6,)]
+    return [
+        (torch.randn(s, dtype=dtype, generator=g) * 0.3).requires_grad_() for s in shapes
+    ]
+
+
+def _check_fw_bw(fn: Callable[..., torch.Tensor], dtype: torch.dtype, tol: float) -> None:
+    args = _args(dtype)
+    ref = _model(*args)
+    ref_g = torch.autograd.grad(ref, args)
+    out = fn(*args)
+    got_g = torch.autograd.grad(out, args)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    for a, b in zip(got_g, ref_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_compile_complex_forward_backward_eager_inner() -> None:
+    fn = torchport.compile(_model, inner="eager", batching=False)
+    _check_fw_bw(fn, torch.complex64, 1e-4)
+    assert torchport.compiler.last_report().complex  # type: ignore[union-attr]
+
+
+def test_gradcheck_complex128() -> None:
+    fn = torchport.compile(_model, inner="eager", batching=False)
+    assert torch.autograd.gradcheck(fn, tuple(_args(torch.complex128)), eps=1e-6, atol=1e-5)
+
+
+def test_compile_complex_forward_backward_inductor() -> None:
+    """Inductor compiles both real graphs (the test fails if either falls back to complex)."""
+
+    def small(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        z = x @ w
+        return (torch.exp(0.5j * z) * z.conj() / (z + 2)).abs().sum()
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, dtype=torch.complex64, generator=g, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.complex64, generator=g, requires_grad=True)
+    ref = small(x, w)
+    rg = torch.autograd.grad(ref, (x, w))
+    out = torchport.compile(small, batching=False)(x, w)
+    gg = torch.autograd.grad(out, (x, w))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(gg, rg, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# --- unsupported ops ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["aten.prod", "aten.cumprod", "aten._fft_c2c", "aten.atan"])
+def test_unsupported_op_raises_naming_it(op: str) -> None:
+    fns = {
+        "aten.prod": lambda z: z.prod(),
+        "aten.cumprod": lambda z: z.cumprod(0),
+        "aten._fft_c2c": lambda z: torch.fft.fft(z),
+        "aten.atan": lambda z: torch.atan(z),
+    }
+    gm = make_fx(fns[op])(_randc((3,)))
+    with pytest.raises(ComplexDecompositionError, match=rf"no real decomposition for {op}"):
+        lower_complex(gm)
+
+
+def test_unsupported_op_through_compile_is_a_clear_error() -> None:
+    fn = torchport.compile(lambda z: (z * 2).prod(), inner="eager", batching=False)
+    with pytest.raises(Exception, match=r"no real decomposition for aten\.prod"):
+        fn(_randc((3,)))
+
+
+def test_complex_false_leaves_complex_to_inner() -> None:
+    fn = torchport.compile(lambda z: (z * 2).prod(), inner="eager", complex=False, batching=False)
+    z = _randc((3,))
+    torch.testing.assert_close(fn(z), (z * 2).prod())
