@@ -32,7 +32,9 @@ def _fresh_forward(mod: nn.Module, tag: str) -> nn.Module:
     """Give ``mod`` its own forward code object, so two compilations never share dynamo caches."""
     fn = type(mod).forward
     code = fn.__code__.replace(co_name=f"forward_{tag}")
-    new = types.FunctionType(code, fn.__globals__, f"forward_{tag}", fn.__defaults__, fn.__closure__)
+    new = types.FunctionType(
+        code, fn.__globals__, f"forward_{tag}", fn.__defaults__, fn.__closure__
+    )
     cls = type(f"{type(mod).__name__}_{tag}", (type(mod),), {"forward": new})
     mod.__class__ = cls
     return mod
@@ -61,10 +63,17 @@ def bench_dynamic(table: BenchTable, lengths: list[int], inner: str) -> None:
     torch._dynamo.config.recompile_limit = max(64, len(lengths) + 4)
     torch.manual_seed(0)
     base = Block().eval()
-    per_shape = torchport.compile(_fresh_forward(copy.deepcopy(base), "static"), inner=inner, dynamic=False, batching=False)
+    per_shape = torchport.compile(
+        _fresh_forward(copy.deepcopy(base), "static"), inner=inner, dynamic=False, batching=False
+    )
     T = torchport.ShapeVar("T", min=1, max=512)
     spec = {"x": torchport.TensorSpec([torchport.STATIC, T, torchport.STATIC])}
-    once = torchport.compile(_fresh_forward(copy.deepcopy(base), "spec"), inner=inner, dynamic_shapes=spec, batching=False)
+    once = torchport.compile(
+        _fresh_forward(copy.deepcopy(base), "spec"),
+        inner=inner,
+        dynamic_shapes=spec,
+        batching=False,
+    )
     results: dict[str, tuple[int, float]] = {}
     with torch.no_grad():
         for name, fn in (("per-shape", per_shape), ("spec", once)):
@@ -119,7 +128,11 @@ def bench_complex(table: BenchTable, batch: int, n: int, reps: int) -> None:
     compile_s = time.perf_counter() - t0
     le, lc = m_eager(x), compiled(x)
     assert torch.allclose(le, lc, rtol=1e-3, atol=1e-4), (le, lc)
-    t = compare({"eager": lambda: step(m_eager, m_eager), "ours": lambda: step(compiled, m_comp)}, [()], reps=reps)
+    t = compare(
+        {"eager": lambda: step(m_eager, m_eager), "ours": lambda: step(compiled, m_comp)},
+        [()],
+        reps=reps,
+    )
     flops = 3 * 8 * batch * n * n  # complex GEMM fw + 2 bw, 8 real flops per complex MAC
     table.add(
         f"complex spectral fw+bw {batch}x{n}",

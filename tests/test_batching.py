@@ -26,7 +26,9 @@ class RandomHeads(nn.Module):
         self.bias = rng.random() < 0.5
         outs = [rng.choice([1, 3, 8]) for _ in range(self.n_shared)]
         self.shared = nn.ModuleList(nn.Linear(self.d, o, bias=self.bias) for o in outs)
-        self.heads = nn.ModuleList(nn.Linear(self.d, 4, bias=self.bias) for _ in range(self.n_heads))
+        self.heads = nn.ModuleList(
+            nn.Linear(self.d, 4, bias=self.bias) for _ in range(self.n_heads)
+        )
         self.unary = rng.choice([torch.exp, torch.tanh, torch.sigmoid, torch.sin])
 
     def forward(self, x: torch.Tensor, hs: list[torch.Tensor]) -> torch.Tensor:
@@ -102,7 +104,9 @@ def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
 
     m = PerHead()
     xs = [torch.randn(2, 3, 6) for _ in range(4)]
-    fn = torch.compile(m, backend=TorchportBackend(inner="eager", passes=[], verify=True), dynamic=False)
+    fn = torch.compile(
+        m, backend=TorchportBackend(inner="eager", passes=[], verify=True), dynamic=False
+    )
     with torch.no_grad():
         for a, b in zip(fn(xs), m(xs), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -130,7 +134,7 @@ def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "batch_parallel_linear" in calls and "batch_per_head_linear" in calls
 
 
-def test_decide_measures_with_the_autotuner(fresh_cache) -> None:  # noqa: ARG001
+def test_decide_measures_with_the_autotuner(fresh_cache) -> None:
     from torchport.autotune import stats
     from torchport.compiler.batching import decide
 

@@ -58,7 +58,9 @@ BINARY = {
     "real_mix": lambda a, b: a * b.real + b.imag,
     "where": lambda a, b: torch.where(a.real > 0, a, b),
     "eq": lambda a, b: (a == b).float() + (a != 0).float(),
-    "complex": lambda a, b: torch.complex(a.real, b.imag) + torch.view_as_complex(torch.view_as_real(b)),
+    "complex": lambda a, b: (
+        torch.complex(a.real, b.imag) + torch.view_as_complex(torch.view_as_real(b))
+    ),
 }
 SHAPES = [(0, 3), (1, 1), (7, 5)]
 
@@ -92,9 +94,13 @@ def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     idx = torch.tensor([0, a.shape[0] - 1])
     p, q = c.split([a.shape[0], b.shape[0]])
     return (
-        c[idx].sum(0) + s[:, : a.shape[1]].mean(0) + a.t().flip(0).t().sum(0)
-        + p.unsqueeze(0).squeeze(0).sum(0) + q.transpose(0, 1).cumsum(1)[:, -1]
-        + torch.unbind(a, 0)[0] + a.expand(2, *a.shape).sum(0).select(0, 0)
+        c[idx].sum(0)
+        + s[:, : a.shape[1]].mean(0)
+        + a.t().flip(0).t().sum(0)
+        + p.unsqueeze(0).squeeze(0).sum(0)
+        + q.transpose(0, 1).cumsum(1)[:, -1]
+        + torch.unbind(a, 0)[0]
+        + a.expand(2, *a.shape).sum(0).select(0, 0)
     )
 
 
@@ -109,7 +115,11 @@ def test_matmul_bmm_match_eager(mk: tuple[int, int, int]) -> None:
     m, k, n = mk
 
     def f(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        return (a @ b).sum(0) + torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0].sum(0) + (a @ r.to(a.dtype)).sum(0)
+        return (
+            (a @ b).sum(0)
+            + torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0].sum(0)
+            + (a @ r.to(a.dtype)).sum(0)
+        )
 
     a, b, r = _randc((m, k)), _randc((k, n)), torch.randn(k, n)
     (got,) = _run_lowered(f, a, b, r)
@@ -130,9 +140,7 @@ def _model(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def _args(dtype: torch.dtype) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shapes = [(4, 6), (6, 6), (6,)]
-    return [
-        (torch.randn(s, dtype=dtype, generator=g) * 0.3).requires_grad_() for s in shapes
-    ]
+    return [(torch.randn(s, dtype=dtype, generator=g) * 0.3).requires_grad_() for s in shapes]
 
 
 def _check_fw_bw(fn: Callable[..., torch.Tensor], dtype: torch.dtype, tol: float) -> None:
@@ -177,6 +185,7 @@ def test_compile_complex_forward_backward_inductor() -> None:
 
 
 # --- unsupported ops ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("op", ["aten.prod", "aten.cumprod", "aten._fft_c2c", "aten.atan"])
 def test_unsupported_op_raises_naming_it(op: str) -> None:

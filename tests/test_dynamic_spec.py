@@ -124,28 +124,33 @@ def test_runtime_checks_name_argument_dim_relation_value() -> None:
     spec = ShapesSpec({"x": TensorSpec([B, STATIC]), "y": TensorSpec([2 * B + 1])})
     b = _bound(spec, (torch.ones(3, 4), torch.ones(7)))
     assert check_call(b, (torch.ones(3, 4), torch.ones(7)), {}) == {B: 3}  # type: ignore[arg-type]
-    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 0: expected 2 <= B <= 8, got B = 1"):
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'x' dim 0: expected 2 <= B <= 8, got B = 1"
+    ):
         check_call(b, (torch.ones(1, 4), torch.ones(3)), {})  # type: ignore[arg-type]
-    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 0: expected 2 <= B <= 8, got B = 9"):
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'x' dim 0: expected 2 <= B <= 8, got B = 9"
+    ):
         check_call(b, (torch.ones(9, 4), torch.ones(19)), {})  # type: ignore[arg-type]
     with pytest.raises(
-        DynamicSpecViolation, match=r"argument 'y' dim 0: expected \(2\*B \+ 1\) = 7 \(with B=3\), got 6"
+        DynamicSpecViolation,
+        match=r"argument 'y' dim 0: expected \(2\*B \+ 1\) = 7 \(with B=3\), got 6",
     ):
         check_call(b, (torch.ones(3, 4), torch.ones(6)), {})  # type: ignore[arg-type]
 
 
 def test_runtime_repeated_variable_and_static_and_assumption() -> None:
     B, T = ShapeVar("B"), ShapeVar("T")
-    spec = ShapesSpec(
-        {"x": TensorSpec([B, T]), "y": TensorSpec([B, 5])}, assumptions=[T % 4 == 0]
-    )
+    spec = ShapesSpec({"x": TensorSpec([B, T]), "y": TensorSpec([B, 5])}, assumptions=[T % 4 == 0])
     b = _bound(spec, (torch.ones(2, 8), torch.ones(2, 5)))
     with pytest.raises(
         DynamicSpecViolation,
         match=r"argument 'y' dim 0: expected B == 2 \(the size of argument 'x' dim 0, which is also B\), got 3",
     ):
         check_call(b, (torch.ones(2, 8), torch.ones(3, 5)), {})  # type: ignore[arg-type]
-    with pytest.raises(DynamicSpecViolation, match=r"argument 'y' dim 1: expected static size 5, got 6"):
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'y' dim 1: expected static size 5, got 6"
+    ):
         check_call(b, (torch.ones(2, 8), torch.ones(2, 6)), {})  # type: ignore[arg-type]
     with pytest.raises(DynamicSpecViolation, match=r"assumption T%4 == 0 does not hold with T=6"):
         check_call(b, (torch.ones(2, 6), torch.ones(2, 5)), {})  # type: ignore[arg-type]
@@ -167,9 +172,15 @@ def test_nested_specs_and_scalars() -> None:
     args = ({"a": torch.ones(3), "b": torch.ones(2)}, [torch.ones(4), torch.ones(9)], 4)
     b = bind(f, spec, args, {}, "make_fx")
     assert check_call(b, args, {}) == {B: 3, N: 4}
-    with pytest.raises(DynamicSpecViolation, match=r"argument \"seq\[0\]\" dim 0|argument 'seq\[0\]' dim 0"):
-        check_call(b, ({"a": torch.ones(3), "b": torch.ones(2)}, [torch.ones(5), torch.ones(9)], 4), {})
-    with pytest.raises(DynamicSpecViolation, match=r"argument 'n': expected 0 <= n <= 10, got n = 11"):
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument \"seq\[0\]\" dim 0|argument 'seq\[0\]' dim 0"
+    ):
+        check_call(
+            b, ({"a": torch.ones(3), "b": torch.ones(2)}, [torch.ones(5), torch.ones(9)], 4), {}
+        )
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'n': expected 0 <= n <= 10, got n = 11"
+    ):
         check_call(b, (args[0], args[1], 11), {})
     with pytest.raises(ValueError, match=r"DictSpec has entries \['zz'\]"):
         bind(f, ShapesSpec({"batch": DictSpec({"zz": TensorSpec([B])})}), args, {}, "make_fx")
@@ -213,7 +224,9 @@ def test_compile_once_for_all_sizes_in_spec() -> None:
         x, y = torch.randn(b, t, 4), torch.randn(2 * b + 1)
         torch.testing.assert_close(fn(x, y), _eager(x, y))
     assert counter.n == 1
-    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 1: expected 1 <= T <= 128, got T = 130"):
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'x' dim 1: expected 1 <= T <= 128, got T = 130"
+    ):
         fn(torch.randn(2, 130, 4), torch.randn(5))
     with pytest.raises(DynamicSpecViolation, match=r"assumption T%2 == 0 does not hold with T=7"):
         fn(torch.randn(2, 7, 4), torch.randn(5))
@@ -247,7 +260,11 @@ def test_code_that_specialises_a_spec_dim_warns_and_stays_correct() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x * 2 if x.shape[0] == 5 else x.cumsum(0)  # a guard on the dynamic size
 
-    fn = SpecCompiled(f, ShapesSpec({"x": TensorSpec([ShapeVar("N")])}), lambda g: torch.compile(g, backend="eager"))
+    fn = SpecCompiled(
+        f,
+        ShapesSpec({"x": TensorSpec([ShapeVar("N")])}),
+        lambda g: torch.compile(g, backend="eager"),
+    )
     with pytest.warns(UserWarning, match=r"specialises a dynamic dim of its spec"):
         out = fn(torch.arange(5.0))
     torch.testing.assert_close(out, torch.arange(5.0) * 2)
@@ -276,7 +293,9 @@ def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
     for b, t in [(1, 2), (0, 4), (64, 128)]:
         x, y = torch.randn(b, t, 4), torch.randn(2 * b + 1)
         torch.testing.assert_close(gm(x, y), _eager(x, y))
-    with pytest.raises(DynamicSpecViolation, match=r"argument 'y' dim 0: expected \(2\*B \+ 1\) = 3"):
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'y' dim 0: expected \(2\*B \+ 1\) = 3"
+    ):
         gm(torch.randn(1, 2, 4), torch.randn(4))
     static_dims = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert "s" in str(static_dims[0].meta["val"].shape[0])  # B is symbolic

@@ -109,7 +109,7 @@ class TorchportBackend:
 
             if graph_has_complex(gm, example_inputs):
                 report.complex = True
-                return complex_aot_backend(self.inner)(gm, example_inputs)  # type: ignore[no-any-return]
+                return complex_aot_backend(self.inner)(gm, example_inputs)
         if self.inner == "eager":
             return gm.forward
         from torch._inductor.compile_fx import compile_fx

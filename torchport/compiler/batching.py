@@ -103,9 +103,7 @@ def _linear_parts(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     return x, w, b
 
 
-def _group(
-    gm: fx.GraphModule, first: fx.Node, same: Callable[[fx.Node], bool]
-) -> list[fx.Node]:
+def _group(gm: fx.GraphModule, first: fx.Node, same: Callable[[fx.Node], bool]) -> list[fx.Node]:
     """``first`` and every later node with ``same(node)`` whose inputs precede ``first``."""
     pos = _positions(gm)
     p0 = pos[first]
@@ -121,14 +119,21 @@ def _group(
 # --- the decision ---------------------------------------------------------------------------------
 
 
-def decide(op: str, key: dict[str, Any], separate: Callable[..., Any], batched: Callable[..., Any],
-           make_args: Callable[[], tuple[Any, ...]]) -> bool:
+def decide(
+    op: str,
+    key: dict[str, Any],
+    separate: Callable[..., Any],
+    batched: Callable[..., Any],
+    make_args: Callable[[], tuple[Any, ...]],
+) -> bool:
     """True if the batched form beats the separate ops (measured, cached per ``key``)."""
     cands = [Candidate("separate", ATEN), Candidate("batched", NATIVE)]
     fns = {"separate": separate, "batched": batched}
 
     def check(out: Any, ref: Any) -> bool:
-        return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(out, ref, strict=True))
+        return all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(out, ref, strict=True)
+        )
 
     choice = select(op, key, cands, lambda c: fns[c.name], make_args, cold=False, check=check)
     return choice.candidate.name == "batched"
@@ -175,7 +180,11 @@ def _parallel_linears(gm: fx.GraphModule, node: fx.Node) -> bool:
     train = _training(ws)
 
     def make_args() -> tuple[Any, ...]:
-        return (_rand(xt), *[_rand(t) for t in wts if t is not None], *[torch.randn(o) for o in outs][: len(bs)])
+        return (
+            _rand(xt),
+            *[_rand(t) for t in wts if t is not None],
+            *[torch.randn(o) for o in outs][: len(bs)],
+        )
 
     nw = len(ws)
 
@@ -189,7 +198,13 @@ def _parallel_linears(gm: fx.GraphModule, node: fx.Node) -> bool:
         bc = (torch.cat(b_) if train else _cached_cat(b_)) if b_ else None
         return list(torch.nn.functional.linear(x_, wc, bc).split(outs, -1))
 
-    key = {"x": list(xt.shape), "outs": outs, "bias": bool(bs), "dtype": str(xt.dtype), "train": train}
+    key = {
+        "x": list(xt.shape),
+        "outs": outs,
+        "bias": bool(bs),
+        "dtype": str(xt.dtype),
+        "train": train,
+    }
     if not decide("batch_parallel_linear", key, separate, batched, make_args):
         return False
     wcat = _add_derived(gm, "cat", ws)
@@ -223,8 +238,12 @@ def _per_head(gm: fx.GraphModule, node: fx.Node) -> bool:
             return False
         xt, wt = node_tensor_meta(q[0]), node_tensor_meta(q[1])
         return (
-            xt is not None and wt is not None and xt.shape == xt0.shape and wt.shape == wt0.shape
-            and xt.dtype == xt0.dtype and wt.dtype == wt0.dtype
+            xt is not None
+            and wt is not None
+            and xt.shape == xt0.shape
+            and wt.shape == wt0.shape
+            and xt.dtype == xt0.dtype
+            and wt.dtype == wt0.dtype
         )
 
     group = _group(gm, node, same)
@@ -248,11 +267,17 @@ def _per_head(gm: fx.GraphModule, node: fx.Node) -> bool:
     train = _training(ws)
 
     def make_args() -> tuple[Any, ...]:
-        return (*[_rand(xt0) for _ in range(h)], *[_rand(wt0) for _ in range(h)], *[torch.randn(out_f) for _ in bs])
+        return (
+            *[_rand(xt0) for _ in range(h)],
+            *[_rand(wt0) for _ in range(h)],
+            *[torch.randn(out_f) for _ in bs],
+        )
 
     def separate(*a: torch.Tensor) -> list[torch.Tensor]:
         xs_, ws_, bs_ = a[:h], a[h : 2 * h], a[2 * h :]
-        return [torch.nn.functional.linear(xs_[i], ws_[i], bs_[i] if bs_ else None) for i in range(h)]
+        return [
+            torch.nn.functional.linear(xs_[i], ws_[i], bs_[i] if bs_ else None) for i in range(h)
+        ]
 
     def batched(*a: torch.Tensor) -> list[torch.Tensor]:
         xs_, ws_, bs_ = a[:h], a[h : 2 * h], a[2 * h :]
@@ -260,7 +285,14 @@ def _per_head(gm: fx.GraphModule, node: fx.Node) -> bool:
         b = (torch.stack(bs_) if train else _cached_stack(bs_)) if bs_ else None
         return list(_heads_bmm(torch.stack(xs_), w, b, lead, in_f, out_f))
 
-    key = {"x": list(xt0.shape), "w": list(wt0.shape), "heads": h, "bias": bool(bs), "dtype": str(xt0.dtype), "train": train}
+    key = {
+        "x": list(xt0.shape),
+        "w": list(wt0.shape),
+        "heads": h,
+        "bias": bool(bs),
+        "dtype": str(xt0.dtype),
+        "train": train,
+    }
     if not decide("batch_per_head_linear", key, separate, batched, make_args):
         return False
     wst = _add_derived(gm, "stack", ws)
@@ -278,7 +310,12 @@ def _per_head(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def _heads_bmm(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lead: tuple[int, ...], in_f: int, out_f: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    lead: tuple[int, ...],
+    in_f: int,
+    out_f: int,
 ) -> tuple[torch.Tensor, ...]:
     """[H, *lead, in] @ [H, out, in]ᵀ (+ [H, out]) → H tensors [*lead, out]."""
     h = x.shape[0]
@@ -292,7 +329,12 @@ def _heads_bmm(
 
 
 def _foreach(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target not in FOREACH or len(node.args) != 1 or node.kwargs:
+    if (
+        node.op != "call_function"
+        or node.target not in FOREACH
+        or len(node.args) != 1
+        or node.kwargs
+    ):
         return False
     x0 = node.args[0]
     t0 = node_tensor_meta(x0) if isinstance(x0, fx.Node) else None
@@ -311,19 +353,23 @@ def _foreach(gm: fx.GraphModule, node: fx.Node) -> bool:
         return False
     ins = [n.args[0] for n in group]
     metas = [node_tensor_meta(i) for i in ins if isinstance(i, fx.Node)]
-    fe = FOREACH[node.target]  # type: ignore[index]
+    fe = FOREACH[node.target]
     single = node.target
 
     def make_args() -> tuple[Any, ...]:
         return tuple(_rand(m).abs() + 0.5 for m in metas if m is not None)
 
     def separate(*a: torch.Tensor) -> list[torch.Tensor]:
-        return [single(x) for x in a]  # type: ignore[operator]
+        return [single(x) for x in a]
 
     def batched(*a: torch.Tensor) -> list[torch.Tensor]:
         return list(fe(list(a)))
 
-    key = {"op": str(getattr(single, "__name__", single)), "shapes": [list(m.shape) for m in metas if m is not None], "dtype": str(t0.dtype)}
+    key = {
+        "op": str(getattr(single, "__name__", single)),
+        "shapes": [list(m.shape) for m in metas if m is not None],
+        "dtype": str(t0.dtype),
+    }
     if not decide("batch_foreach", key, separate, batched, make_args):
         return False
     with gm.graph.inserting_before(node):
@@ -398,6 +444,8 @@ class BatchedCallable:
         return self.compiled(*args, *extra)
 
 
-def derived_example_inputs(derived: Sequence[DerivedInput], example_inputs: Sequence[Any]) -> list[Any]:
+def derived_example_inputs(
+    derived: Sequence[DerivedInput], example_inputs: Sequence[Any]
+) -> list[Any]:
     """The example values of the derived inputs (for compiling the rewritten graph)."""
     return [derive(d, example_inputs) for d in derived]

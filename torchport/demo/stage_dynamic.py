@@ -43,7 +43,10 @@ def stage_dynamic(ctx: DemoContext) -> Section:
     s.add("graphs compiled", compiles)
     s.add("recompiles across lengths", max(0, compiles - 1))
     s.add("first call incl. compile (s)", times[0])
-    s.add("later calls, median (ms)", sorted(times[1:])[len(times[1:]) // 2] * 1e3 if len(times) > 1 else 0.0)
+    s.add(
+        "later calls, median (ms)",
+        sorted(times[1:])[len(times[1:]) // 2] * 1e3 if len(times) > 1 else 0.0,
+    )
     s.add("max |compiled - eager| logits", worst)
     s.data = {"lengths": lengths, "call_s": times, "compiles": compiles}
     return s

@@ -15,14 +15,14 @@ from torchport.frontend.dynamic_spec import (
     ShapesSpec,
     ShapeVar,
     TensorSpec,
-    bind,
-    check_call,
     dynamic_spec,
     resolve_spec,
 )
+from torchport.frontend.spec_binding import Binding, bind, check_call
 
 __all__ = [
     "STATIC",
+    "Binding",
     "Cond",
     "DictSpec",
     "DynamicSpecViolation",

@@ -26,16 +26,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torchport.frontend.dynamic_spec import (
-    Binding,
-    Expr,
-    IntVar,
-    ShapesSpec,
-    bind,
-    check_call,
-    check_values,
-    resolve_spec,
-)
+from torchport.frontend.dynamic_spec import Expr, IntVar, ShapesSpec, resolve_spec
+from torchport.frontend.spec_binding import Binding, bind, check_call, check_values
 
 
 class SpecCompiled:
@@ -126,9 +118,11 @@ class _compile_config:
     def __init__(self, scalars: list[str]) -> None:
         import torch.fx.experimental._config as fx_config
 
-        patches: list[Any] = [fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)]
+        fx_patch: Any = fx_config.patch  # type: ignore[attr-defined]
+        compiler_patch: Any = torch.compiler.config.patch  # type: ignore[attr-defined]
+        patches: list[Any] = [fx_patch(backed_size_oblivious=True, use_duck_shape=False)]
         if scalars:
-            patches.append(torch.compiler.config.patch(dynamic_sources=",".join(scalars)))
+            patches.append(compiler_patch(dynamic_sources=",".join(scalars)))
         self._patches = patches
 
     def __enter__(self) -> None:
@@ -167,9 +161,7 @@ def export_dynamic_shapes(b: Binding, args: Sequence[Any], kwargs: dict[str, Any
             d = (dims[lin[0]] * lin[1] + lin[2]) if lin and lin[1] > 0 else Dim.DYNAMIC
         per_leaf.setdefault(s.leaf, {})[s.dim] = d
     flat, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    leaves = [
-        per_leaf.get(i) if isinstance(x, torch.Tensor) else None for i, x in enumerate(flat)
-    ]
+    leaves = [per_leaf.get(i) if isinstance(x, torch.Tensor) else None for i, x in enumerate(flat)]
     out_args, out_kwargs = pytree.tree_unflatten(leaves, tree)
     return out_args, out_kwargs
 
@@ -340,7 +332,7 @@ def _fakify(b: Binding, args: Sequence[Any]) -> Any:
                 cons.append(StrictMinMaxConstraint(vr=ValueRanges(lo, hi), warn_only=False))
             else:
                 cons.append(None)
-        ctx = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=cons)
+        ctx: Any = StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=cons)
         out.append(mode.from_tensor(x, symbolic_context=ctx))
     fake_args, _ = pytree.tree_unflatten(out, tree)
     return fake_args

@@ -1,0 +1,550 @@
+"""Rules of the complex decomposition: complex arithmetic on (real, imag) pairs and one rule per aten op.
+
+Each rule takes the lowering (whose ``e`` emits real graph nodes), the complex node and its mapped
+arguments (complex values as :class:`Pair`), and returns a Pair or a real value. The formulas are
+stated beside each rule; :mod:`torchport.compiler.complex` drives them over a graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+
+class ComplexDecompositionError(RuntimeError):
+    """A complex-valued op in the graph has no real decomposition."""
+
+
+@dataclass
+class Pair:
+    """A complex value as two real graph values; ``im is None`` means the imaginary part is 0."""
+
+    re: Any
+    im: Any
+
+
+def _is_complex_val(v: object) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_complex()
+
+
+def _node_val(n: object) -> Any:
+    return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+
+
+class _Emitter:
+    """Builds the real graph; arithmetic helpers treat ``None`` as an exact zero."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.g = graph
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self.g.call_function(fn, tuple(args), kwargs)
+
+    def add(self, a: Any, b: Any) -> Any:
+        if a is None:
+            return b
+        if b is None:
+            return a
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a + b
+        return self.call(operator.add, a, b)
+
+    def sub(self, a: Any, b: Any) -> Any:
+        if b is None:
+            return a
+        if a is None:
+            return self.neg(b)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a - b
+        return self.call(operator.sub, a, b)
+
+    def mul(self, a: Any, b: Any) -> Any:
+        if a is None or b is None:
+            return None
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a * b
+        return self.call(operator.mul, a, b)
+
+    def div(self, a: Any, b: Any) -> Any:
+        if a is None:
+            return None
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a / b
+        return self.call(operator.truediv, a, b)
+
+    def neg(self, a: Any) -> Any:
+        if a is None:
+            return None
+        if isinstance(a, (int, float)):
+            return -a
+        return self.call(operator.neg, a)
+
+    def f(self, fn: Callable[..., Any], a: Any, *rest: Any, **kw: Any) -> Any:
+        """Apply a real function; a known-zero input is materialised as zeros if needed."""
+        return self.call(fn, a, *rest, **kw)
+
+    def zeros_like(self, ref: Any) -> Any:
+        return self.call(torch.zeros_like, ref)
+
+    def dense(self, a: Any, ref: Any) -> Any:
+        """``a`` as a graph tensor (zeros shaped like ``ref`` when a is a known zero)."""
+        if a is None:
+            return self.zeros_like(ref)
+        if isinstance(a, (int, float)):
+            return self.call(torch.full_like, ref, a)
+        return a
+
+
+def _pair(v: Any) -> Pair:
+    """View any value (real tensor node, number, complex number, Pair) as a Pair."""
+    if isinstance(v, Pair):
+        return v
+    if isinstance(v, complex):
+        return Pair(v.real, v.imag if v.imag != 0 else None)
+    return Pair(v, None)
+
+
+# --- complex arithmetic on Pairs -------------------------------------------------------------
+
+
+def c_add(e: _Emitter, a: Any, b: Any, alpha: Any = 1) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    if alpha != 1:
+        pb = c_mul(e, pb, alpha)
+    return Pair(e.add(pa.re, pb.re), e.add(pa.im, pb.im))
+
+
+def c_sub(e: _Emitter, a: Any, b: Any, alpha: Any = 1) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    if alpha != 1:
+        pb = c_mul(e, pb, alpha)
+    return Pair(e.sub(pa.re, pb.re), e.sub(pa.im, pb.im))
+
+
+def c_mul(e: _Emitter, a: Any, b: Any) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    re = e.sub(e.mul(pa.re, pb.re), e.mul(pa.im, pb.im))
+    im = e.add(e.mul(pa.re, pb.im), e.mul(pa.im, pb.re))
+    return Pair(re, im)
+
+
+def c_div(e: _Emitter, a: Any, b: Any) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    if pb.im is None:
+        return Pair(e.div(pa.re, pb.re), e.div(pa.im, pb.re))
+    den = e.add(e.mul(pb.re, pb.re), e.mul(pb.im, pb.im))
+    re = e.add(e.mul(pa.re, pb.re), e.mul(pa.im, pb.im))
+    im = e.sub(e.mul(pa.im, pb.re), e.mul(pa.re, pb.im))
+    return Pair(e.div(re, den), e.div(im, den))
+
+
+def c_abs(e: _Emitter, a: Pair) -> Any:
+    if a.im is None:
+        return e.f(torch.abs, a.re)
+    return e.f(torch.sqrt, e.add(e.mul(a.re, a.re), e.mul(a.im, a.im)))
+
+
+def c_exp(e: _Emitter, a: Pair) -> Pair:
+    ex = e.f(torch.exp, a.re)
+    if a.im is None:
+        return Pair(ex, None)
+    return Pair(e.mul(ex, e.f(torch.cos, a.im)), e.mul(ex, e.f(torch.sin, a.im)))
+
+
+def c_log(e: _Emitter, a: Pair) -> Pair:
+    return Pair(e.f(torch.log, c_abs(e, a)), c_angle(e, a))
+
+
+def c_angle(e: _Emitter, a: Pair) -> Any:
+    return e.f(torch.atan2, e.dense(a.im, a.re), a.re)
+
+
+def c_sqrt(e: _Emitter, a: Pair) -> Pair:
+    r = c_abs(e, a)
+    re = e.f(torch.sqrt, e.mul(e.add(r, a.re), 0.5))
+    mag = e.f(torch.sqrt, e.f(torch.clamp_min, e.mul(e.sub(r, a.re), 0.5), 0.0))
+    return Pair(re, e.f(torch.copysign, mag, e.dense(a.im, a.re)))
+
+
+def c_sin(e: _Emitter, a: Pair) -> Pair:
+    if a.im is None:
+        return Pair(e.f(torch.sin, a.re), None)
+    re = e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im))
+    im = e.mul(e.f(torch.cos, a.re), e.f(torch.sinh, a.im))
+    return Pair(re, im)
+
+
+def c_cos(e: _Emitter, a: Pair) -> Pair:
+    if a.im is None:
+        return Pair(e.f(torch.cos, a.re), None)
+    re = e.mul(e.f(torch.cos, a.re), e.f(torch.cosh, a.im))
+    im = e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im)))
+    return Pair(re, im)
+
+
+def c_tanh(e: _Emitter, a: Pair) -> Pair:
+    if a.im is None:
+        return Pair(e.f(torch.tanh, a.re), None)
+    x2, y2 = e.mul(a.re, 2.0), e.mul(a.im, 2.0)
+    den = e.add(e.f(torch.cosh, x2), e.f(torch.cos, y2))
+    return Pair(e.div(e.f(torch.sinh, x2), den), e.div(e.f(torch.sin, y2), den))
+
+
+def c_sigmoid(e: _Emitter, a: Pair) -> Pair:
+    return c_div(e, 1.0, c_add(e, 1.0, c_exp(e, Pair(e.neg(a.re), e.neg(a.im)))))
+
+
+def c_matmul(e: _Emitter, mm: Callable[..., Any], a: Any, b: Any) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+
+    def prod(x: Any, y: Any) -> Any:
+        return None if x is None or y is None else e.call(mm, x, y)
+
+    return Pair(
+        e.sub(prod(pa.re, pb.re), prod(pa.im, pb.im)), e.add(prod(pa.re, pb.im), prod(pa.im, pb.re))
+    )
+
+
+def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
+    if isinstance(p, int) and 0 <= p <= 4:
+        out: Pair = Pair(e.dense(1.0, a.re), None)
+        for _ in range(p):
+            out = c_mul(e, out, a)
+        return out
+    return c_exp(e, c_mul(e, _pair(p), c_log(e, a)))
+
+
+# --- rules: aten op → real decomposition -------------------------------------------------------
+
+Rule = Callable[[Any, fx.Node, tuple[Any, ...], dict[str, Any]], Any]
+RULES: dict[Any, Rule] = {}
+
+
+def _rule(*ops: Any) -> Callable[[Rule], Rule]:
+    def reg(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return reg
+
+
+def _packets(*names: str) -> list[Any]:
+    """Every overload of the named aten ops."""
+    out: list[Any] = []
+    for name in names:
+        pkt = getattr(aten, name)
+        out.extend(getattr(pkt, o) for o in pkt.overloads())
+    return out
+
+
+@_rule(*_packets("add"))
+def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_add(lw.e, a[0], a[1], kw.get("alpha", 1))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+
+
+@_rule(*_packets("sub"))
+def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sub(lw.e, a[0], a[1], kw.get("alpha", 1))  # componentwise difference
+
+
+@_rule(*_packets("rsub"))
+def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sub(lw.e, a[1], c_mul(lw.e, a[0], kw.get("alpha", 1)))  # b - alpha*a
+
+
+@_rule(*_packets("mul"))
+def _r_mul(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_mul(lw.e, a[0], a[1])  # (ac-bd) + (ad+bc)i
+
+
+@_rule(*_packets("div"))
+def _r_div(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    if kw.get("rounding_mode") is not None:
+        raise ComplexDecompositionError(f"{n.target}: rounding_mode is undefined for complex")
+    return c_div(lw.e, a[0], a[1])  # multiply by conj, divide by |b|²
+
+
+@_rule(aten.reciprocal.default)
+def _r_recip(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_div(lw.e, 1.0, a[0])  # 1/z
+
+
+@_rule(aten.neg.default)
+def _r_neg(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return Pair(lw.e.neg(p.re), lw.e.neg(p.im))  # -z
+
+
+@_rule(
+    aten.conj.default, aten._conj.default, aten.conj_physical.default, aten._conj_physical.default
+)
+def _r_conj(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return Pair(p.re, lw.e.neg(p.im))  # conj(a+bi) = a-bi
+
+
+@_rule(
+    aten.resolve_conj.default,
+    aten.resolve_neg.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+)
+def _r_identity(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return a[0]  # lazy-bit resolution and aliasing do not change the value
+
+
+@_rule(aten.exp.default)
+def _r_exp(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_exp(lw.e, _pair(a[0]))  # e^x (cos y + i sin y)
+
+
+@_rule(aten.log.default)
+def _r_log(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_log(lw.e, _pair(a[0]))  # log|z| + i arg z
+
+
+@_rule(aten.sqrt.default)
+def _r_sqrt(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sqrt(lw.e, _pair(a[0]))  # principal square root
+
+
+@_rule(aten.rsqrt.default)
+def _r_rsqrt(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_div(lw.e, 1.0, c_sqrt(lw.e, _pair(a[0])))  # 1/sqrt z
+
+
+@_rule(aten.sin.default)
+def _r_sin(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sin(lw.e, _pair(a[0]))  # sin x cosh y + i cos x sinh y
+
+
+@_rule(aten.cos.default)
+def _r_cos(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_cos(lw.e, _pair(a[0]))  # cos x cosh y - i sin x sinh y
+
+
+@_rule(aten.tanh.default)
+def _r_tanh(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_tanh(lw.e, _pair(a[0]))  # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y)
+
+
+@_rule(aten.sigmoid.default)
+def _r_sigmoid(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sigmoid(lw.e, _pair(a[0]))  # 1/(1+e^-z)
+
+
+@_rule(*_packets("pow"))
+def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    base, p = a[0], a[1]
+    if isinstance(p, (Pair, fx.Node, complex)) or not isinstance(base, (Pair, fx.Node)):
+        return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))))  # z^w = e^(w log z)
+    return c_pow(lw.e, _pair(base), p)  # small integer powers by repeated products
+
+
+@_rule(aten.abs.default)
+def _r_abs(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_abs(lw.e, _pair(a[0]))  # sqrt(x² + y²) (a real tensor)
+
+
+@_rule(aten.angle.default)
+def _r_angle(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_angle(lw.e, _pair(a[0]))  # atan2(y, x) (a real tensor)
+
+
+@_rule(aten.sgn.default)
+def _r_sgn(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    r = c_abs(e, p)
+    zero = e.call(operator.eq, r, 0)
+    safe = e.call(torch.where, zero, 1.0, r)
+    q = c_div(e, p, safe)
+    return Pair(
+        e.call(torch.where, zero, 0.0, q.re), e.call(torch.where, zero, 0.0, e.dense(q.im, q.re))
+    )  # z/|z|, 0 at 0
+
+
+@_rule(aten.view_as_real.default)
+def _r_view_as_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return lw.e.call(torch.stack, [p.re, lw.e.dense(p.im, p.re)], -1)  # [..., 2] real tensor
+
+
+@_rule(aten.view_as_complex.default)
+def _r_view_as_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e = lw.e
+    return Pair(e.call(torch.select, a[0], -1, 0), e.call(torch.select, a[0], -1, 1))  # last dim
+
+
+@_rule(aten.complex.default)
+def _r_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return Pair(a[0], a[1])  # complex(re, im)
+
+
+@_rule(aten.real.default)
+def _r_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return _pair(a[0]).re  # Re z
+
+
+@_rule(aten.imag.default)
+def _r_imag(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return lw.e.dense(p.im, p.re)  # Im z
+
+
+@_rule(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def _r_mm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    assert callable(n.target)
+    return c_matmul(lw.e, n.target, a[0], a[1])  # four real products
+
+
+@_rule(aten.addmm.default)
+def _r_addmm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    prod = c_matmul(lw.e, aten.mm.default, a[1], a[2])
+    prod = c_mul(lw.e, prod, kw.get("alpha", 1))
+    return c_add(lw.e, c_mul(lw.e, a[0], kw.get("beta", 1)), prod)  # beta*bias + alpha*A@B
+
+
+def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """Apply a shape op or linear reduction to each part (a zero part stays zero)."""
+    kw = {k: v for k, v in kw.items() if k != "dtype"}
+    p = _pair(a[0])
+    re = lw.e.call(n.target, p.re, *a[1:], **kw)
+    im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
+    return Pair(re, im)
+
+
+for _op in _packets(
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "permute",
+    "transpose",
+    "t",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "index",
+    "clone",
+    "flip",
+    "roll",
+    "repeat",
+    "sum",
+    "mean",
+    "cumsum",
+    "constant_pad_nd",
+    "diagonal",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "narrow",
+    "squeeze_copy",
+    "view_copy",
+    "permute_copy",
+    "expand_copy",
+    "slice_copy",
+    "select_copy",
+    "unsqueeze_copy",
+    "transpose_copy",
+    "t_copy",
+    "alias_copy",
+    "as_strided",
+):
+    RULES[_op] = _componentwise
+
+
+@_rule(operator.getitem)
+def _r_getitem(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = a[0]
+    assert isinstance(p, Pair)
+    im = None if p.im is None else lw.e.call(operator.getitem, p.im, a[1])
+    return Pair(lw.e.call(operator.getitem, p.re, a[1]), im)  # element of a split/unbind
+
+
+@_rule(*_packets("cat", "stack"))
+def _r_cat(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    parts = [_pair(x) for x in a[0]]
+    e = lw.e
+    re = e.call(n.target, [p.re for p in parts], *a[1:], **kw)
+    if all(p.im is None for p in parts):
+        return Pair(re, None)
+    im = e.call(n.target, [e.dense(p.im, p.re) for p in parts], *a[1:], **kw)
+    return Pair(re, im)  # concatenate each part
+
+
+@_rule(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def _r_where(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, x, y = lw.e, _pair(a[1]), _pair(a[2])
+    re = e.call(torch.where, a[0], x.re, y.re)
+    if x.im is None and y.im is None:
+        return Pair(re, None)
+    return Pair(
+        re, e.call(torch.where, a[0], 0.0 if x.im is None else x.im, 0.0 if y.im is None else y.im)
+    )
+
+
+@_rule(aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor)
+def _r_eq(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, x, y = lw.e, _pair(a[0]), _pair(a[1])
+    ref = x.re if isinstance(x.re, fx.Node) else y.re
+    same_re = (
+        e.call(torch.eq, x.re, y.re) if isinstance(x.re, fx.Node) else e.call(torch.eq, y.re, x.re)
+    )
+    xi, yi = e.dense(x.im, ref), (0.0 if y.im is None else y.im)
+    both = e.call(torch.logical_and, same_re, e.call(torch.eq, xi, yi))
+    return both if n.target in (aten.eq.Scalar, aten.eq.Tensor) else e.call(torch.logical_not, both)
+
+
+@_rule(aten.full.default, aten.scalar_tensor.default)
+def _r_full(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    val = _node_val(n)
+    kw = dict(kw)
+    kw["dtype"] = val.dtype.to_real()
+    fill = complex(a[-1] if n.target is aten.full.default else a[0])
+    if n.target is aten.full.default:
+        re = lw.e.call(aten.full.default, a[0], fill.real, **kw)
+        im = lw.e.call(aten.full.default, a[0], fill.imag, **kw) if fill.imag else None
+    else:
+        re = lw.e.call(aten.scalar_tensor.default, fill.real, **kw)
+        im = lw.e.call(aten.scalar_tensor.default, fill.imag, **kw) if fill.imag else None
+    return Pair(re, im)  # constant parts
+
+
+@_rule(
+    aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default
+)
+def _r_full_like(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    val = _node_val(n)
+    kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_format")}
+    ref = _pair(a[0]).re
+    if n.target is aten.full_like.default:
+        fill = complex(a[1])
+    else:
+        fill = 1 + 0j if n.target is aten.ones_like.default else 0j
+    if _is_complex_val(val):
+        rdt = val.dtype.to_real()
+        re = lw.e.call(torch.full_like, ref, fill.real, dtype=rdt, **kw)
+        im = lw.e.call(torch.full_like, ref, fill.imag, dtype=rdt, **kw) if fill.imag else None
+        return Pair(re, im)
+    return lw.e.call(torch.full_like, ref, fill.real, dtype=val.dtype, **kw)
+
+
+@_rule(aten._to_copy.default, aten.to.dtype)
+def _r_to(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    val = _node_val(n)
+    x = _pair(a[0])
+    if _is_complex_val(val):
+        rdt = val.dtype.to_real()
+        re = lw.e.call(torch.Tensor.to, x.re, rdt)
+        return Pair(re, None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt))
+    return lw.e.call(torch.Tensor.to, x.re, val.dtype)  # complex → real keeps the real part
