@@ -185,7 +185,7 @@ def main() -> None:
     table.start()
     lengths = [8 * i + 3 for i in range(6 if args.quick else 20)]
     bench_dynamic(table, lengths, "eager" if args.quick else "inductor")
-    bench_complex(table, 256, 256, args.reps)
+    bench_complex(table, 2048, 128, args.reps)
     bench_batching(table, 8, 16, max(args.reps, 50))
     table.save(args.json)
 
