@@ -167,16 +167,22 @@ def bench_batching(table: BenchTable, batch: int, heads: int, reps: int) -> None
         ya, yo = anchor(x), ours(x)
         assert torch.allclose(ya, yo, rtol=1e-4, atol=1e-5)
         rules = torchport.compiler.last_report()
-        t = compare({"anchor": anchor, "ours": ours}, [(x,)], reps=reps)
-    flops = 2 * batch * heads * (256 * 16 + 16 * 16)
-    table.add(
-        f"{heads} parallel heads, batch {batch}",
-        "torch.compile",
-        t["anchor"],
-        t["ours"],
-        flops,
-        rewrites=sum(rules.rule_counts.values()) if rules else 0,
-    )
+        threads = torch.get_num_threads()
+        # 1 thread too: on a loaded machine every OpenMP region of a tiny op can cost a time slice,
+        # which flatters batching; the 1-thread row shows the gain without that effect
+        for nt in sorted({threads, 1}, reverse=True):
+            torch.set_num_threads(nt)
+            t = compare({"anchor": anchor, "ours": ours}, [(x,)], reps=reps)
+            flops = 2 * batch * heads * (256 * 16 + 16 * 16)
+            table.add(
+                f"{heads} parallel heads, batch {batch}, {nt} thr",
+                "torch.compile",
+                t["anchor"],
+                t["ours"],
+                flops,
+                rewrites=sum(rules.rule_counts.values()) if rules else 0,
+            )
+        torch.set_num_threads(threads)
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ def test_batching_random_graphs_match_eager(seed: int) -> None:
     rows = random.Random(seed).choice([0, 1, 3])
     x = torch.randn(rows, m.d)
     hs = [torch.randn(rows, m.d) for _ in range(m.n_heads)]
-    backend = TorchportBackend(inner="eager", passes=[], verify=True)
+    backend = TorchportBackend(inner="eager", passes=[], batching=True, verify=True)
     fn = torch.compile(m, backend=backend, dynamic=False)
     with torch.no_grad():
         torch.testing.assert_close(fn(x, hs), m(x, hs), rtol=1e-5, atol=1e-5)
@@ -72,7 +72,7 @@ def test_batching_training_gradients_match() -> None:
     x = torch.randn(5, m.d)
     ref = m(x, []).square().sum()
     ref_g = torch.autograd.grad(ref, list(m.parameters()))
-    fn = torch.compile(m, backend=TorchportBackend(inner="eager", passes=[]))
+    fn = torch.compile(m, backend=TorchportBackend(inner="eager", passes=[], batching=True))
     out = fn(x, []).square().sum()
     got_g = torch.autograd.grad(out, list(m.parameters()))
     assert last_report().rule_counts  # type: ignore[union-attr]
@@ -105,7 +105,9 @@ def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
     m = PerHead()
     xs = [torch.randn(2, 3, 6) for _ in range(4)]
     fn = torch.compile(
-        m, backend=TorchportBackend(inner="eager", passes=[], verify=True), dynamic=False
+        m,
+        backend=TorchportBackend(inner="eager", passes=[], batching=True, verify=True),
+        dynamic=False,
     )
     with torch.no_grad():
         for a, b in zip(fn(xs), m(xs), strict=True):
@@ -127,7 +129,9 @@ def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()  # no cached graph of this module from an earlier test
     m = RandomHeads(5)  # two shared linears, two per-head linears
     x, hs = torch.randn(3, m.d), [torch.randn(3, m.d) for _ in range(m.n_heads)]
-    fn = torch.compile(m, backend=TorchportBackend(inner="eager", passes=[]), dynamic=False)
+    fn = torch.compile(
+        m, backend=TorchportBackend(inner="eager", passes=[], batching=True), dynamic=False
+    )
     with torch.no_grad():
         torch.testing.assert_close(fn(x, hs), m(x, hs))
     assert last_report().rule_counts == {}  # type: ignore[union-attr]

@@ -300,3 +300,20 @@ def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
     static_dims = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert "s" in str(static_dims[0].meta["val"].shape[0])  # B is symbolic
     assert static_dims[0].meta["val"].shape[2] == 4  # the static dim stays static
+
+
+def test_scalar_intvar_compiles_once() -> None:
+    from torchport.frontend import SpecCompiled
+
+    counter = _Counting()
+    N = IntVar("n", min=0, max=100)
+
+    def f(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x * n + 1
+
+    fn = SpecCompiled(f, ShapesSpec({"n": N}), lambda g: torch.compile(g, backend=counter))
+    for n in (3, 7, 0, 100, 42):
+        torch.testing.assert_close(fn(torch.ones(4), n), torch.ones(4) * n + 1)
+    assert counter.n == 1
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'n': expected 0 <= n <= 100, got n = 101"):
+        fn(torch.ones(4), 101)

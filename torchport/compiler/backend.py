@@ -71,7 +71,9 @@ class TorchportBackend:
     verify: bool = False
     inductor_options: tuple[tuple[str, Any], ...] = ()
     complex: bool = True  # decompose complex graphs into real ones (forward and backward)
-    batching: bool = True  # small-kernel batching where the autotuner measures a gain
+    # small-kernel batching where the autotuner measures a gain (torchport.compile turns it on;
+    # off for plain backend="torchport" so other passes see the graph dynamo captured)
+    batching: bool = False
 
     def __post_init__(self) -> None:
         if self.inner not in INNERS:

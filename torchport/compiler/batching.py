@@ -62,6 +62,7 @@ class DerivedInput:
 
 
 META_KEY = "torchport_derived_inputs"
+DERIVED_FLAG = "torchport_derived"
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
@@ -73,8 +74,18 @@ def _add_derived(gm: fx.GraphModule, how: str, sources: Sequence[fx.Node]) -> fx
     index = {n: i for i, n in enumerate(phs)}
     derived: list[DerivedInput] = gm.meta.setdefault(META_KEY, [])
     name = f"batched_{how}_{len(derived)}"
+    metas = [node_tensor_meta(s) for s in sources]
     with gm.graph.inserting_after(phs[-1]):
         p = gm.graph.placeholder(name)
+    # shape/dtype for later passes (a meta tensor); marked so batching never re-batches it
+    if all(m is not None for m in metas):
+        ms = [
+            torch.empty(tuple(m.shape), dtype=m.dtype, device="meta")
+            for m in metas
+            if m is not None
+        ]
+        p.meta["example_value"] = torch.cat(ms) if how == "cat" else torch.stack(ms)
+    p.meta[DERIVED_FLAG] = True
     derived.append(DerivedInput(p.name, how, tuple(index[s] for s in sources)))
     return p
 
@@ -96,6 +107,8 @@ def _linear_parts(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     if not isinstance(x, fx.Node) or not isinstance(w, fx.Node) or w.op != "placeholder":
         return None
     if b is not None and (not isinstance(b, fx.Node) or b.op != "placeholder"):
+        return None
+    if w.meta.get(DERIVED_FLAG) or (b is not None and b.meta.get(DERIVED_FLAG)):
         return None
     wt = node_tensor_meta(w)
     if not _concrete(wt) or wt is None or wt.dim() != 2 or not _concrete(node_tensor_meta(x)):
