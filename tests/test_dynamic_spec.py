@@ -315,5 +315,26 @@ def test_scalar_intvar_compiles_once() -> None:
     for n in (3, 7, 0, 100, 42):
         torch.testing.assert_close(fn(torch.ones(4), n), torch.ones(4) * n + 1)
     assert counter.n == 1
-    with pytest.raises(DynamicSpecViolation, match=r"argument 'n': expected 0 <= n <= 100, got n = 101"):
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'n': expected 0 <= n <= 100, got n = 101"
+    ):
         fn(torch.ones(4), 101)
+
+
+def test_export_module_spec_keeps_parameter_names() -> None:
+    Bv = ShapeVar("B", max=32)
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        @dynamic_spec({"x": TensorSpec([Bv, 4]), "y": TensorSpec([Bv])})
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum(1) + y
+
+    m = M()
+    ep = torchport.export(m, (torch.randn(5, 4), torch.randn(5)))
+    assert "lin.weight" in ep.state_dict
+    x = torch.randn(9, 4)
+    torch.testing.assert_close(ep.module()(x, torch.zeros(9)), m(x, torch.zeros(9)))

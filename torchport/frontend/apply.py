@@ -232,6 +232,10 @@ def export(
     b = bind(mod, spec, args, kwargs, "export")
     check_call(b, args, kwargs)
     ds_args, ds_kwargs = export_dynamic_shapes(b, args, kwargs)
+    if not kwargs and not _needs_prologue(b):
+        # Dims express everything: export the module itself (parameter names unchanged)
+        target = mod if isinstance(mod, torch.nn.Module) else _FnModule(mod)
+        return torch.export.export(target, args, dynamic_shapes=tuple(ds_args), strict=strict)
     wrapped = _SpecModule(mod, b)
     return torch.export.export(
         wrapped,
@@ -241,6 +245,20 @@ def export(
         strict=strict,
         prefer_deferred_runtime_asserts_over_guards=True,
     )
+
+
+def _needs_prologue(b: Binding) -> bool:
+    """True if the spec has relations Dims cannot state (assumptions, non-linear expressions)."""
+    if b.assumptions:
+        return True
+    for s in b.slots:
+        if s.dim is None and isinstance(s.spec, Expr):
+            return True  # scalar variables: export specialises ints, so check them in-graph
+        if isinstance(s.spec, Expr) and not isinstance(s.spec, IntVar):
+            lin = s.spec.linear()
+            if lin is None or lin[1] <= 0:
+                return True
+    return False
 
 
 def _looks_like_spec_dict(x: object) -> bool:
