@@ -18,6 +18,7 @@ import copy
 import time
 import types
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from torch import nn
 
 import torchport
 from torchport.benchmarks import BenchTable, arg_parser, compare
-from torchport.compiler import reports
+from torchport.compiler import batching, reports
 
 
 def _fresh_forward(mod: nn.Module, tag: str) -> nn.Module:
@@ -167,21 +168,30 @@ def bench_batching(table: BenchTable, batch: int, heads: int, reps: int) -> None
         ya, yo = anchor(x), ours(x)
         assert torch.allclose(ya, yo, rtol=1e-4, atol=1e-5)
         rules = torchport.compiler.last_report()
+        # every rule applied (decisions off): what the eager-timed decisions leave on the table
+        with mock.patch.object(batching, "decide", lambda *a, **k: True):
+            forced = torchport.compile(_fresh_forward(copy.deepcopy(base), "forced"))
+            assert torch.allclose(forced(x), ya, rtol=1e-4, atol=1e-5)
+        forced_rules = torchport.compiler.last_report()
         threads = torch.get_num_threads()
         # 1 thread too: on a loaded machine every OpenMP region of a tiny op can cost a time slice,
         # which flatters batching; the 1-thread row shows the gain without that effect
         for nt in sorted({threads, 1}, reverse=True):
             torch.set_num_threads(nt)
-            t = compare({"anchor": anchor, "ours": ours}, [(x,)], reps=reps)
+            t = compare({"anchor": anchor, "ours": ours, "forced": forced}, [(x,)], reps=reps)
             flops = 2 * batch * heads * (256 * 16 + 16 * 16)
-            table.add(
-                f"{heads} parallel heads, batch {batch}, {nt} thr",
-                "torch.compile",
-                t["anchor"],
-                t["ours"],
-                flops,
-                rewrites=sum(rules.rule_counts.values()) if rules else 0,
-            )
+            for key, rep, label in (
+                ("ours", rules, "measured"),
+                ("forced", forced_rules, "all rules"),
+            ):
+                table.add(
+                    f"{heads} heads, batch {batch}, {nt} thr, {label}",
+                    "torch.compile",
+                    t["anchor"],
+                    t[key],
+                    flops,
+                    rewrites=sum(rep.rule_counts.values()) if rep else 0,
+                )
         torch.set_num_threads(threads)
 
 
