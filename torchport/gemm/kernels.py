@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -79,19 +80,33 @@ def mm_aten(
 
 
 @functools.cache
-def library(spec: EpilogueSpec, btag: str, otag: str, isa: str) -> ctypes.CDLL:
-    """Build (or load) the library holding every tile variant for this epilogue and dtypes."""
-    body = templates.render_source(spec, btag, otag, isa, TILES[isa])
+def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> ctypes.CDLL:
+    """Build (or load) the library of one tile variant for this epilogue and dtypes."""
+    body = templates.render_source(spec, btag, otag, isa, ((mr, nr),))
     src = native.render(body.replace("$", "$$"))
-    name = f"gemm_{btag}_{otag}_{isa}_e{len(spec.ops)}"
-    return native.build(src, name=name, isa=isa)
+    name = f"gemm_{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
+    # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
+    return native.build(src, name=name, isa=isa, extra_flags=["-O2"])
+
+
+def prebuild(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: Sequence[tuple[int, int]]
+) -> None:
+    """Build several tile libraries concurrently (one compiler process per core)."""
+    with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
+        futures = [pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles]
+        for f in futures:
+            try:
+                f.result()
+            except native.NativeError:
+                pass  # reported when the candidate itself is built
 
 
 @functools.cache
 def _function(
     spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int
 ) -> ctypes._CFuncPtr:
-    lib = library(spec, btag, otag, isa)
+    lib = library(spec, btag, otag, isa, mr, nr)
     fn = getattr(lib, f"tp_gemm_{mr}x{nr}")
     fn.argtypes = [
         ctypes.c_void_p,

@@ -151,6 +151,10 @@ def choose(
     cands = candidates(mb, n, k, isa)
 
     def make_args() -> tuple[Any, ...]:
+        tiles = sorted({(int(c.param("mr")), int(c.param("nr"))) for c in cands if not c.is_anchor})
+        if native.enabled():
+            otag = spec.out or kernels._TAG[a.dtype]
+            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, tiles)
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
             aa = torch.randn(mb, k).to(a.dtype)
             bb = torch.randn(n, k).to(b.dtype).t() if layout == "t" else torch.randn(k, n).to(b.dtype)

@@ -15,8 +15,10 @@ Kernel structure (one exported function per register tile ``MR x NR``):
 
 ISA levels: ``avx2`` (8-wide ymm, FMA) is what runs on AVX2 machines; ``avx512`` (16-wide zmm) and,
 under ``__AVX512BF16__``, a ``vdpbf16ps`` kernel over pair-packed bf16 operands; ``scalar`` is
-portable C. Remainder rows use specialised tiles for every ``mr < MR``; remainder columns go through
-a small buffer and the scalar epilogue.
+portable C. Remainder columns go through
+a small buffer and the scalar epilogue. Remainder rows (``M % MR``) run the 1-row tile of the
+same width, so only two tiles per width are compiled (the autotuner prefers an ``MR`` dividing
+small ``M``).
 """
 
 from __future__ import annotations
@@ -247,9 +249,11 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
 
 
 def _driver(mr: int, nr: int) -> str:
-    cases = "\n".join(
-        f"                    case {r}: tile_{r}_{nr}(A, sa0, sa1, bp, K, C, ldc, i, j, nr, pf, ep, eld); break;"
-        for r in range(1, mr + 1)
+    call = "(A, sa0, sa1, bp, K, C, ldc, i, j, nr, pf, ep, eld)"
+    rest = "(A, sa0, sa1, bp, K, C, ldc, i + r, j, nr, pf, ep, eld)"
+    cases = (
+        f"                    if (mcur - ir >= {mr}) tile_{mr}_{nr}{call};\n"
+        f"                    else for (int64_t r = 0; r < mcur - ir; ++r) tile_1_{nr}{rest};"
     )
     return f"""
 /* C[M, N] (row stride ldc) = epilogue(A[M, K] (strides sa0, sa1) @ unpack(Bp)) */
@@ -272,9 +276,7 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
                 int64_t j = jp * {nr}, nr = TP_MIN({nr}, N - j);
                 for (int64_t ir = 0; ir < mcur; ir += {mr}) {{
                     int64_t i = ic + ir;
-                    switch (TP_MIN({mr}, mcur - ir)) {{
 {cases}
-                    }}
                 }}
             }}
         }}
@@ -307,7 +309,7 @@ def render_source(
     for mr, nr in tiles:
         if nr % vw:
             raise ValueError(f"tile NR={nr} must be a multiple of the vector width {vw} ({isa})")
-        for r in range(1, mr + 1):
+        for r in sorted({1, mr}):
             if (r, nr) not in seen:
                 seen.add((r, nr))
                 parts.append(_tile(r, nr, vw, btag, otag))
