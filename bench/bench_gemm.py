@@ -135,12 +135,16 @@ def cell(
         extra["bw_pct"] = round(100 * weight_bytes / t["ours"] / 1e9 / bw, 1)
     for anchor in ("eager", "compile", "max_autotune"):
         if anchor in t:
-            table.add(name, anchor, t[anchor], t["ours"], flops, **(extra if anchor == "eager" else {}))
+            table.add(
+                name, anchor, t[anchor], t["ours"], flops, **(extra if anchor == "eager" else {})
+            )
 
 
 def main() -> None:
     p = arg_parser(__doc__ or "")
-    p.add_argument("--max-autotune-cells", type=int, default=None, help="cap on max-autotune anchors")
+    p.add_argument(
+        "--max-autotune-cells", type=int, default=None, help="cap on max-autotune anchors"
+    )
     p.add_argument("--cells", default="linear,mlp", help="comma-separated: linear, mlp")
     p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args()

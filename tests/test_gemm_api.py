@@ -152,7 +152,11 @@ def test_mm_after_weight_update_uses_new_values():
         ((torch.randn(3, 4), torch.randn(5, 2)), {}, r"inner dimensions must match.*K=4 vs 5"),
         ((torch.randn(4), torch.randn(4, 2)), {}, r"a must be 2-D, got 1-D"),
         ((torch.randn(2, 3), torch.randn(2, 3, 4)), {}, r"b must be 2-D, got 3-D"),
-        ((torch.randn(2, 3).double(), torch.randn(3, 2).double()), {}, r"float32 or bfloat16, got torch.float64"),
+        (
+            (torch.randn(2, 3).double(), torch.randn(3, 2).double()),
+            {},
+            r"float32 or bfloat16, got torch.float64",
+        ),
         ((torch.randn(2, 3), torch.randn(3, 2).bfloat16()), {}, r"same dtype"),
         ((torch.randn(2, 3, device="meta"), torch.randn(3, 2)), {}, r"device 'cpu', got meta"),
         (([[1.0]], torch.randn(1, 1)), {}, r"a must be a torch.Tensor, got list"),
@@ -177,7 +181,17 @@ def test_bad_inputs(args, kwargs, match):
         ([G.Bias(torch.randn(4).double())], r"float32 or bfloat16, got torch.float64"),
         ([G.Scale("2")], r"scale must be a number or tensor"),
     ],
-    ids=["inf-scale", "nan-scale", "bias-shape", "residual-shape", "gelu-mode", "name", "cast", "bias-dtype", "scale-type"],
+    ids=[
+        "inf-scale",
+        "nan-scale",
+        "bias-shape",
+        "residual-shape",
+        "gelu-mode",
+        "name",
+        "cast",
+        "bias-dtype",
+        "scale-type",
+    ],
 )
 def test_bad_epilogues(steps, match):
     with pytest.raises(EpilogueError, match=match):

@@ -36,7 +36,13 @@ def _make(m: int, n: int, k: int, dtype: torch.dtype, a_layout: str, b_layout: s
 
 def _operands(spec: EpilogueSpec, m: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    shapes = {"bias_col": (n,), "scale_col": (n,), "bias_row": (m,), "scale_row": (m,), "add": (m, n)}
+    shapes = {
+        "bias_col": (n,),
+        "scale_col": (n,),
+        "bias_row": (m,),
+        "scale_row": (m,),
+        "add": (m, n),
+    }
     out = []
     for op in spec.ops:
         if op.kind in shapes:
@@ -62,7 +68,16 @@ def _assert_close(out: torch.Tensor, a, b, spec, ops) -> None:
     torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
 
 
-SHAPES = [(0, 5, 3), (1, 1, 1), (1, 67, 13), (5, 0, 7), (4, 9, 0), (7, 31, 17), (13, 70, 29), (37, 53, 61)]
+SHAPES = [
+    (0, 5, 3),
+    (1, 1, 1),
+    (1, 67, 13),
+    (5, 0, 7),
+    (4, 9, 0),
+    (7, 31, 17),
+    (13, 70, 29),
+    (37, 53, 61),
+]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
@@ -132,7 +147,13 @@ def test_vector_activation_accuracy(act):
 
 def test_erf_inside_gelu_matches_torch_float32():
     x = torch.randn(4096) * 3
-    out = run_native(x[:, None].contiguous(), torch.ones(1, 1), EpilogueSpec.decode("gelu"), [], Config(*TILES[0], 64))
+    out = run_native(
+        x[:, None].contiguous(),
+        torch.ones(1, 1),
+        EpilogueSpec.decode("gelu"),
+        [],
+        Config(*TILES[0], 64),
+    )
     torch.testing.assert_close(out[:, 0], torch.nn.functional.gelu(x), rtol=1e-6, atol=1e-6)
 
 
@@ -155,7 +176,7 @@ def test_bf16_output_rounds_like_torch():
 @pytest.mark.parametrize("nr", [8, 24, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_pack_matches_reference(nr, dtype):
-    a, b = _make(1, 70, 13, dtype, "c", "weight_t")
+    _, b = _make(1, 70, 13, dtype, "c", "weight_t")
     assert torch.equal(pack_b(b, nr), pack_b_reference(b, nr))
 
 

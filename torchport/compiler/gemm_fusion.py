@@ -33,9 +33,7 @@ from torchport.gemm.mm import gemm_op
 _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _flat_operands(
-    operands: list[torch.Tensor], spec: str, n: int
-) -> list[torch.Tensor]:
+def _flat_operands(operands: list[torch.Tensor], spec: str, n: int) -> list[torch.Tensor]:
     sp = EpilogueSpec.decode(spec)
     kinds = [op.kind for op in sp.ops if op.dtype]
     return [t.reshape(-1, n) if k == "add" and t.dim() != 2 else t for k, t in zip(kinds, operands)]
@@ -89,23 +87,24 @@ def _epilogue_step(
             return Op("relu"), None
         if node.target == "to" and len(node.args) == 2 and not node.kwargs:
             dt = node.args[1]
-            if dt in _TAG and meta.dtype == dt:
+            if isinstance(dt, torch.dtype) and dt in _TAG and meta.dtype == dt:
                 return Op("cast", _TAG[dt]), None
         return None
     if meta.dtype != out.dtype or tuple(meta.shape) != tuple(out.shape):
         return None
-    if is_call(node, *_RELU) and node.args[0] is cur and not node.kwargs.get("inplace", False):
-        if len(node.args) == 1 or node.args[1] is False:
-            return Op("relu"), None
+    unary = node.args[0] is cur and not node.kwargs.get("inplace", False)
+    if is_call(node, *_RELU) and unary and (len(node.args) == 1 or node.args[1] is False):
+        return Op("relu"), None
     if is_call(node, *_GELU) and node.args[0] is cur and len(node.args) == 1:
         approx = node.kwargs.get("approximate", "none")
         if set(node.kwargs) <= {"approximate"} and approx in ("none", "tanh"):
             return Op("gelu" if approx == "none" else "gelu_tanh"), None
-    if is_call(node, *_SILU) and node.args[0] is cur and len(node.args) == 1:
-        if not node.kwargs.get("inplace", False):
-            return Op("silu"), None
+    if is_call(node, *_SILU) and unary and len(node.args) == 1:
+        return Op("silu"), None
     if (is_call(node, *_ADD) or is_call(node, *_MUL)) and len(node.args) == 2 and not node.kwargs:
-        other = node.args[1] if node.args[0] is cur else node.args[0] if node.args[1] is cur else None
+        other = (
+            node.args[1] if node.args[0] is cur else node.args[0] if node.args[1] is cur else None
+        )
         if other is None or other is cur:
             return None
         is_add = is_call(node, *_ADD)
@@ -132,8 +131,8 @@ def _absorb(
     if not _fusable(out) or out is None or out.dim() < 1:
         return False
     for inp in (a, b):
-        t = _meta(inp)
-        if not _fusable(t) or t is None or t.dtype != out.dtype:
+        im = _meta(inp)
+        if not _fusable(im) or im is None or im.dtype != out.dtype:
             return False
     ops: list[Op] = [op for op, _ in first]
     operands: list[fx.Node] = [t for _, t in first if t is not None]

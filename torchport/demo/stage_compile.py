@@ -24,8 +24,8 @@ from torchport.gemm import decisions
 if TYPE_CHECKING:
     from torchport.demo import DemoContext
 
-STEPS = 40
-TIME_LIMIT_S = 25.0
+STEPS = 30
+TIME_LIMIT_S = 20.0
 
 
 class _CompiledLoss(torch.nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -178,20 +178,25 @@ def _operand(t: Any, what: str, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
+def as_steps(steps: Sequence[Step] | Step | None) -> list[Step]:
+    """Normalise an epilogue argument (None, one step, or a sequence of steps) to a list."""
+    if steps is None:
+        return []
+    if isinstance(steps, (list, tuple)):
+        return list(steps)
+    return [cast(Step, steps)]
+
+
 def split(steps: Sequence[Step] | Step | None, m: int, n: int) -> Split:
     """Validate ``steps`` for an ``[m, n]`` output and separate the fusable prefix.
 
     Fusion stops at the first step that is not one of the fused kinds (a callable); it and every
     later step form the tail, applied with torch ops after the kernel.
     """
-    if steps is None:
-        steps = ()
-    elif not isinstance(steps, (list, tuple)):
-        steps = (steps,)
     res = Split(EpilogueSpec())
     ops: list[Op] = []
     out = ""
-    for idx, raw in enumerate(steps):
+    for idx, raw in enumerate(as_steps(steps)):
         step = _NAMED.get(raw, raw) if isinstance(raw, str) else raw
         if isinstance(step, str):
             raise EpilogueError(f"unknown epilogue step {step!r}; known: {sorted(_NAMED)}")

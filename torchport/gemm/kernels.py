@@ -9,11 +9,13 @@ the output scale); bfloat16 inputs widen exactly to float32, accumulate in float
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +33,9 @@ TILES: dict[str, tuple[tuple[int, int], ...]] = {
     "avx512": ((6, 32), (4, 48), (8, 16), (2, 64), (1, 128)),
     "scalar": ((4, 4), (1, 8)),
 }
+
+
+NO_EPILOGUE = EpilogueSpec()
 
 
 class GemmInputError(ValueError):
@@ -54,7 +59,7 @@ class Config:
 def mm_reference(
     a: torch.Tensor,
     b: torch.Tensor,
-    spec: EpilogueSpec = EpilogueSpec(),
+    spec: EpilogueSpec = NO_EPILOGUE,
     operands: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """``epilogue(a @ b)`` in float64, rounded once to the output dtype."""
@@ -96,16 +101,12 @@ def prebuild(
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
         futures = [pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles]
         for f in futures:
-            try:
+            with contextlib.suppress(native.NativeError):  # reported when the candidate builds
                 f.result()
-            except native.NativeError:
-                pass  # reported when the candidate itself is built
 
 
 @functools.cache
-def _function(
-    spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int
-) -> ctypes._CFuncPtr:
+def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> Any:
     lib = library(spec, btag, otag, isa, mr, nr)
     fn = getattr(lib, f"tp_gemm_{mr}x{nr}")
     fn.argtypes = [

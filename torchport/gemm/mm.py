@@ -28,6 +28,7 @@ from torchport.gemm.epilogue import (
     EpilogueSpec,
     Step,
     apply_tail,
+    as_steps,
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
@@ -82,9 +83,7 @@ class _Rotation:
     copies: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
 
 
-def _tuning_fn(
-    c: Candidate, spec: EpilogueSpec
-) -> Callable[[_Rotation], torch.Tensor]:
+def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
     state = {"i": 0}
     if c.is_anchor:
 
@@ -155,9 +154,14 @@ def choose(
         if native.enabled():
             otag = spec.out or kernels._TAG[a.dtype]
             kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, tiles)
+
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
             aa = torch.randn(mb, k).to(a.dtype)
-            bb = torch.randn(n, k).to(b.dtype).t() if layout == "t" else torch.randn(k, n).to(b.dtype)
+            bb = (
+                torch.randn(n, k).to(b.dtype).t()
+                if layout == "t"
+                else torch.randn(k, n).to(b.dtype)
+            )
             ops = []
             kinds = [op.kind for op in spec.ops if op.kind in OPERAND_KINDS]
             for kind, t in zip(kinds, operands):
@@ -167,7 +171,10 @@ def choose(
 
         first = one()
         size = sum(t.numel() * t.element_size() for t in (first[0], first[1], *first[2]))
-        copies = [first] + [one() for _ in range(min(15, math.ceil(config.get("cold_cache_bytes") / max(size, 1)) - 1))]
+        copies = [first] + [
+            one()
+            for _ in range(min(15, math.ceil(config.get("cold_cache_bytes") / max(size, 1)) - 1))
+        ]
         return (_Rotation(copies),)
 
     choice = autotune.select(
@@ -232,7 +239,11 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     vals: list[torch.Tensor | None] = []
     for op in sp.ops:
         hs.append(h)
-        t = next(it).to(dt) if op.kind in ("bias_col", "bias_row", "add", "scale_col", "scale_row") else None
+        t = (
+            next(it).to(dt)
+            if op.kind in ("bias_col", "bias_row", "add", "scale_col", "scale_row")
+            else None
+        )
         vals.append(t)
         h = _step(h, op, t)
     g = grad.to(dt)
@@ -265,9 +276,7 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     grads_ops.reverse()
     ga = g @ b.t() if ctx.needs_input_grad[0] else None
     gb = a.t() @ g if ctx.needs_input_grad[1] else None
-    gops = [
-        None if go is None else go.to(o.dtype) for go, o in zip(grads_ops, operands)
-    ]
+    gops = [None if go is None else go.to(o.dtype) for go, o in zip(grads_ops, operands)]
     return ga, gb, gops, None
 
 
@@ -340,8 +349,7 @@ def mm(
     steps: list[Step] = []
     if bias is not None:
         steps.append(Bias(bias, "col"))
-    if epilogue is not None:
-        steps.extend(epilogue if isinstance(epilogue, (list, tuple)) else [epilogue])
+    steps.extend(as_steps(epilogue))
     sp = split(steps, a.shape[0], b.shape[1])
     if native.eager_fast_path(a, b, *sp.operands):
         y = _gemm_impl(a, b, sp.operands, sp.spec.encode())
@@ -350,7 +358,9 @@ def mm(
     return apply_tail(y, sp.tail) if sp.tail else y
 
 
-def gemm_op(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str) -> torch.Tensor:
+def gemm_op(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
+) -> torch.Tensor:
     """The raw custom op (``torch.ops.torchport.gemm``) for compiler rewrites."""
     return _gemm_op(a, b, operands, spec)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ def pack_b(b: torch.Tensor, nr: int) -> torch.Tensor:
 
 def pack_b_pairs(b: torch.Tensor, nr: int = 32) -> torch.Tensor:
     """bf16 ``[K, N]`` → ``[ceil(N/nr), ceil(K/2), nr, 2]`` for the AVX512-BF16 dot kernel."""
-    k, n = b.shape
+    k = b.shape[0]
     kp = (k + 1) // 2
     p = pack_b(b, nr)  # [np, K, nr]
     if k % 2:
@@ -102,7 +103,7 @@ class PackCache:
                     self._bytes -= ev.packed.numel() * ev.packed.element_size()
         return packed
 
-    def _dropper(self, key: tuple[object, ...]):  # type: ignore[no-untyped-def]
+    def _dropper(self, key: tuple[object, ...]) -> Callable[[object], None]:
         def drop(_: object) -> None:
             with self._lock:
                 e = self._entries.pop(key, None)

@@ -120,8 +120,7 @@ _VOCAB = {
 """,
 }
 
-_SCALAR_MATH = (
-    r"""
+_SCALAR_MATH = r"""
 #define SLOAD_f32(p) (*(p))
 #define SLOAD_bf16(p) tp_bf16_to_f32(*(p))
 #define SSTORE_f32(p, v) (*(p) = (v))
@@ -133,7 +132,6 @@ TP_INLINE float tp_sgelu_tanh(float x) {
 }
 TP_INLINE float tp_ssilu(float x) { return x / (1.0f + expf(-x)); }
 """
-)
 
 _VECTOR_MATH = (
     r"""

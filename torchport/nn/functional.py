@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torchport.gemm.epilogue import Add, Step
+from torchport.gemm.epilogue import Add, Step, as_steps
 from torchport.gemm.kernels import GemmInputError
 from torchport.gemm.mm import mm
 
@@ -45,10 +45,9 @@ def linear(
     n = weight.shape[0]
     x2 = input.reshape(-1, k)
     steps: list[Step] = []
-    if epilogue is not None:
-        for s in epilogue if isinstance(epilogue, (list, tuple)) else [epilogue]:
-            if isinstance(s, Add) and s.t.dim() != 2 and tuple(s.t.shape) == (*lead, n):
-                s = Add(s.t.reshape(-1, n))
-            steps.append(s)
+    for s in as_steps(epilogue):
+        if isinstance(s, Add) and s.t.dim() != 2 and tuple(s.t.shape) == (*lead, n):
+            s = Add(s.t.reshape(-1, n))
+        steps.append(s)
     y = mm(x2, weight.t(), bias=bias, epilogue=steps)
     return y.reshape(*lead, n)
