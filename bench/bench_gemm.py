@@ -147,6 +147,9 @@ def main() -> None:
     )
     p.add_argument("--cells", default="linear,mlp", help="comma-separated: linear, mlp")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--grid", default="", help="explicit cells, e.g. linear:8:4096:11008,mlp:1:768:3072"
+    )
     args = p.parse_args()
     kinds = args.cells.split(",")
     dtypes = [getattr(torch, s) for s in args.dtypes.split(",")]
@@ -166,6 +169,11 @@ def main() -> None:
             "M=2048 at (4096, 11008); MLP at (1024, 4096) and (4096, 11008); max-autotune beyond "
             f"the first {cap} cells per dtype"
         )
+    if args.grid:
+        grid = [
+            (k, int(m), int(d), int(h))
+            for k, m, d, h in (c.split(":") for c in args.grid.split(","))
+        ]
     bw = read_bandwidth()
     table = BenchTable("gemm", unit="GFLOP/s")
     table.start()

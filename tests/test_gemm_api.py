@@ -135,8 +135,13 @@ def test_pack_cache_repacks_after_inplace_update():
     w.add_(1.0)
     p2 = cache.get(w.t(), 8)
     assert p2 is not p1 and torch.equal(p2[0, :, :8], w.t()[:, :8])
-    del w
-    assert len(cache) == 0  # entry dies with its tensor
+    w.data[15, 7] = 123.0  # a write that bypasses the version counter, caught by the probe
+    p3 = cache.get(w.t(), 8)
+    assert p3 is not p2 and float(p3[1, 7, 7]) == 123.0
+    alias = torch.as_strided(w, (8, 16), (1, 8))  # a fresh alias object (as Inductor passes)
+    assert cache.get(alias, 8) is p3
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0
 
 
 def test_mm_after_weight_update_uses_new_values():

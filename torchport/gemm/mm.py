@@ -35,6 +35,7 @@ from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
 from torchport.gemm.pack import pack_b
 
 SMALL_M = 32
+TUNE_BUDGET_S = 1.5  # timing budget per new shape (compilation is per epilogue, cached on disk)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -177,16 +178,21 @@ def choose(
         ]
         return (_Rotation(copies),)
 
-    choice = autotune.select(
-        "gemm",
-        key,
-        cands,
-        lambda c: _tuning_fn(c, spec),
-        make_args,
-        cold=False,
-        check=_close,
-        backends=autotune.allowed_backends(),
-    )
+    # fit the timing into the cold-tuning budget: reps so that candidates x calls x est <= budget
+    est = 2.0 * mb * n * k / 5e10 + (k * n * b.element_size()) / 2e10
+    reps = int(TUNE_BUDGET_S / (len(cands) * max(est, 1e-6))) - 2
+    reps = max(1, min(config.get("autotune_reps"), reps))
+    with config.override(autotune_reps=reps):
+        choice = autotune.select(
+            "gemm",
+            key,
+            cands,
+            lambda c: _tuning_fn(c, spec),
+            make_args,
+            cold=False,
+            check=_close,
+            backends=autotune.allowed_backends(),
+        )
     with _decisions_lock:
         label = f"M={m} N={n} K={k} {key['dtype']} [{key['epilogue'] or 'none'}]"
         decisions[("gemm", label)] = choice.candidate.name

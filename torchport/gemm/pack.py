@@ -4,22 +4,21 @@
 ``weight.t()``) out as ``[ceil(N/nr), K, nr]``, zero padded in the last panel, keeping its dtype
 (bf16 stays bf16, so the small-M kernels stream half the bytes and widen in registers).
 
-``packed_b(b, nr)`` caches the result per (storage pointer, shape, strides, dtype, ``nr``) and checks
-the tensor's version counter, so an in-place update (an optimiser step) repacks; an entry dies with
-its tensor. The cache holds at most ``MAX_BYTES``; the oldest entries go first.
+:class:`PackCache` (``pack_cache``) keeps the result per (storage pointer, shape, strides, dtype,
+``nr``) and validates it on every lookup (version counter and sampled values), so an in-place update
+(an optimiser step) repacks. Keys do not depend on the Python tensor object: Inductor passes a fresh
+alias of the same weight on every call.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-MAX_BYTES = 4 << 30
+MAX_BYTES = 2 << 30
 
 
 def pack_b_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
@@ -59,15 +58,32 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _probe(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to 16 spread-out positions of ``b`` and their values (a cheap content fingerprint)."""
+    k, n = b.shape
+    count = min(16, k * n)
+    flat = torch.linspace(0, k * n - 1, count).long() if count else torch.zeros(0).long()
+    rows, cols = flat // max(n, 1), flat % max(n, 1)
+    return flat, b[rows, cols].clone()
+
+
 @dataclass
 class _Entry:
-    owner: weakref.ref[torch.Tensor]
+    tensor: torch.Tensor  # held: its storage cannot be freed and reused while cached
     version: int
+    probe: tuple[torch.Tensor, torch.Tensor]
     packed: torch.Tensor
 
 
 class PackCache:
-    """Packed operands keyed by storage, layout and panel width, validated by version."""
+    """Packed operands keyed by storage, layout and panel width, validated on every lookup.
+
+    An entry is valid while the tensor's version counter is unchanged (in-place updates, such as
+    optimiser steps, bump it) and 16 sampled values still match (which also catches writes through
+    ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
+    storage address is never reused under a live entry; the least recently used entries are dropped
+    beyond ``max_bytes``.
+    """
 
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -79,16 +95,21 @@ class PackCache:
 
     def get(self, b: torch.Tensor, nr: int) -> torch.Tensor:
         """Packed ``b`` for panel width ``nr``, from the cache when still valid."""
-        owner = b._base if b._base is not None else b
         key = (b.data_ptr(), tuple(b.shape), tuple(b.stride()), b.dtype, nr)
-        ver = _version(owner)
+        ver = _version(b)
         with self._lock:
             e = self._entries.get(key)
-            if e is not None and e.owner() is owner and e.version == ver and ver >= 0:
-                self._entries.move_to_end(key)
-                self.hits += 1
+        if e is not None and e.version == ver and ver >= 0:
+            flat, vals = e.probe
+            n = max(b.shape[1], 1)
+            if torch.equal(b[flat // n, flat % n], vals):
+                with self._lock:
+                    if key in self._entries:
+                        self._entries.move_to_end(key)
+                    self.hits += 1
                 return e.packed
-        packed = pack_b(b.detach(), nr)
+        b = b.detach()
+        packed = pack_b(b, nr)
         size = packed.numel() * packed.element_size()
         with self._lock:
             self.misses += 1
@@ -96,23 +117,15 @@ class PackCache:
             if old is not None:
                 self._bytes -= old.packed.numel() * old.packed.element_size()
             if ver >= 0 and size <= self.max_bytes:
-                self._entries[key] = _Entry(weakref.ref(owner, self._dropper(key)), ver, packed)
+                self._entries[key] = _Entry(b, ver, _probe(b), packed)
                 self._bytes += size
                 while self._bytes > self.max_bytes and self._entries:
                     _, ev = self._entries.popitem(last=False)
                     self._bytes -= ev.packed.numel() * ev.packed.element_size()
         return packed
 
-    def _dropper(self, key: tuple[object, ...]) -> Callable[[object], None]:
-        def drop(_: object) -> None:
-            with self._lock:
-                e = self._entries.pop(key, None)
-                if e is not None:
-                    self._bytes -= e.packed.numel() * e.packed.element_size()
-
-        return drop
-
     def clear(self) -> None:
+        """Drop every entry (and the references to the tensors they hold)."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
