@@ -96,6 +96,7 @@ def cell(
     reps: int,
     with_max_autotune: bool,
     bw: float,
+    epilogue_cost: bool = True,
 ) -> None:
     torch.manual_seed(0)
     model = (Linear(d, h) if kind == "linear" else Block(d, h)).to(dtype).eval()
@@ -138,6 +139,29 @@ def cell(
             table.add(
                 name, anchor, t[anchor], t["ours"], flops, **(extra if anchor == "eager" else {})
             )
+    if kind == "linear" and epilogue_cost:
+        epilogue_overhead(table, name, sets, reps, flops)
+
+
+def epilogue_overhead(
+    table: BenchTable, name: str, sets: list[tuple[Any, ...]], reps: int, flops: float
+) -> None:
+    """Fused bias+GELU+residual vs the bare GEMM, both ours (issue target: ≤ 1.05x)."""
+    res = [torch.randn(s[0].shape[0], s[1].shape[0]).to(s[0].dtype) for s in sets]
+    with_res = [(*s, r) for s, r in zip(sets, res)]
+
+    def bare(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return linear(x, w)
+
+    def fused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return linear(x, w, b, epilogue=["gelu", G.Add(r)])
+
+    with torch.no_grad():
+        for s in with_res:
+            bare(*s)
+            fused(*s)
+        t = compare({"bare": bare, "fused": fused}, with_res, reps=reps)
+    table.add(name + " +bias,gelu,res", "ours, no epilogue", t["bare"], t["fused"], flops)
 
 
 def main() -> None:

@@ -116,7 +116,8 @@ def test_epilogue_chains(text, dtype, m, n, k):
     spec = EpilogueSpec.decode(text)
     a, b = _make(m, n, k, dtype, "c", "weight_t")
     ops = _operands(spec, m, n)
-    for mr, nr in TILES[:2]:
+    tiles = TILES[:2] if text == CHAINS[0][0] else TILES[:1]  # one compile per extra chain
+    for mr, nr in tiles:
         out = run_native(a, b, spec, ops, Config(mr, nr, 64))
         _assert_close(out, a, b, spec, ops)
 
