@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from torchport import autotune, config, native
-from torchport.autotune import ATEN, Candidate, InvalidCandidate
+from torchport.autotune import ATEN, L3_BYTES, Candidate, InvalidCandidate
 from torchport.gemm import kernels
 from torchport.gemm.epilogue import (
     OPERAND_KINDS,
@@ -32,7 +32,7 @@ from torchport.gemm.epilogue import (
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
-from torchport.gemm.pack import pack_b
+from torchport.gemm.pack import pack_b, pack_cache
 
 SMALL_M = 32
 TUNE_BUDGET_S = 1.5  # timing budget per new shape (compilation is per epilogue, cached on disk)
@@ -82,6 +82,7 @@ class _Rotation:
     """Cold-cache argument copies; each candidate packs every copy once, untimed."""
 
     copies: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+    shared_pack: bool = False
 
 
 def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
@@ -101,7 +102,7 @@ def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.
     def ours(rot: _Rotation) -> torch.Tensor:
         if not packs:
             for idx, (_, b, _) in enumerate(rot.copies):
-                packs[idx] = pack_b(b, cfg.nr)
+                packs[idx] = pack_cache.get(b, cfg.nr) if rot.shared_pack else pack_b(b, cfg.nr)
         idx = state["i"] % len(rot.copies)
         state["i"] += 1
         a, b, ops = rot.copies[idx]
@@ -170,6 +171,11 @@ def choose(
                 ops.append(torch.randn(shape).to(t.dtype))
             return aa, bb, ops
 
+        if k * n * b.element_size() >= L3_BYTES and tuple(a.shape) == (mb, k):
+            # weights larger than L3 are cold by themselves: tune on the real operands (no
+            # random copies to generate), sharing packed weights with the runtime cache
+            real = (a.detach(), b.detach(), [t.detach() for t in operands])
+            return (_Rotation([real], shared_pack=True),)
         first = one()
         size = sum(t.numel() * t.element_size() for t in (first[0], first[1], *first[2]))
         copies = [first] + [
