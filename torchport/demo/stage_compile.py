@@ -57,6 +57,7 @@ def stage_compile(ctx: DemoContext) -> Section:
         lr=ctx.train_cfg.lr * 0.3,
         warmup=5,
         eval_every=STEPS,
+        eval_batches=2,
         seed=ctx.train_cfg.seed,
     )
     t0 = time.perf_counter()
