@@ -14,6 +14,7 @@ vectorised exp (≤ 2 ulp).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -129,25 +130,7 @@ class EpilogueSpec:
     @staticmethod
     def decode(text: str) -> EpilogueSpec:
         """Inverse of :meth:`encode`; raises :class:`EpilogueError` on a malformed string."""
-        ops: list[Op] = []
-        out = ""
-        for part in [p for p in text.split(";") if p]:
-            if part.startswith("out="):
-                out = part[4:]
-                if out not in _TAG_DT:
-                    raise EpilogueError(f"epilogue output dtype must be f32 or bf16, got {out!r}")
-            elif part.startswith("scale="):
-                ops.append(Op("scale", value=float(part[6:])))
-            elif ":" in part:
-                kind, dt = part.split(":", 1)
-                if kind not in OPERAND_KINDS or dt not in _TAG_DT:
-                    raise EpilogueError(f"unknown epilogue step {part!r}")
-                ops.append(Op(kind, dt))
-            elif part in PLAIN_KINDS:
-                ops.append(Op(part))
-            else:
-                raise EpilogueError(f"unknown epilogue step {part!r}")
-        return EpilogueSpec(tuple(ops), out)
+        return _decode(text)
 
     @property
     def n_operands(self) -> int:
@@ -155,6 +138,30 @@ class EpilogueSpec:
 
     def out_dtype(self, default: torch.dtype) -> torch.dtype:
         return _TAG_DT[self.out] if self.out else default
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode(text: str) -> EpilogueSpec:
+    """Parse an encoded spec (cached: the custom op decodes its string argument on every call)."""
+    ops: list[Op] = []
+    out = ""
+    for part in [p for p in text.split(";") if p]:
+        if part.startswith("out="):
+            out = part[4:]
+            if out not in _TAG_DT:
+                raise EpilogueError(f"epilogue output dtype must be f32 or bf16, got {out!r}")
+        elif part.startswith("scale="):
+            ops.append(Op("scale", value=float(part[6:])))
+        elif ":" in part:
+            kind, dt = part.split(":", 1)
+            if kind not in OPERAND_KINDS or dt not in _TAG_DT:
+                raise EpilogueError(f"unknown epilogue step {part!r}")
+            ops.append(Op(kind, dt))
+        elif part in PLAIN_KINDS:
+            ops.append(Op(part))
+        else:
+            raise EpilogueError(f"unknown epilogue step {part!r}")
+    return EpilogueSpec(tuple(ops), out)
 
 
 @dataclass
