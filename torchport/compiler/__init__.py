@@ -27,6 +27,8 @@ from torchport.compiler.passes import (
 
 register_backend()
 
+from torchport.compiler import gemm_fusion  # noqa: E402  (registers the GEMM fusion pass)
+
 __all__ = [
     "PRE_GRAD_PASSES",
     "CompileOptionError",
@@ -36,6 +38,7 @@ __all__ = [
     "Rule",
     "TorchportBackend",
     "compile",
+    "gemm_fusion",
     "is_call",
     "last_report",
     "node_tensor_meta",

@@ -100,6 +100,15 @@ STAGES: list[tuple[str, Stage]] = [
 ]
 
 
+def _stage_compile(ctx: DemoContext) -> Section:
+    from torchport.demo.stage_compile import stage_compile
+
+    return stage_compile(ctx)
+
+
+STAGES.append(("compile", _stage_compile))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options."""
     p.add_argument("--out", default="torchport-demo", help="output folder (report, PNG, sample)")

@@ -1,0 +1,217 @@
+"""GEMM engine vs ATen and Inductor: single linear layers and the transformer MLP block.
+
+Cells: ``y = x @ W.T + b`` (d → h) and ``x + W2·gelu(W1·x + b1) + b2``, fp32 and bf16, over the
+issue's M × (d, h) grid. Anchors timed in the same run, interleaved: eager ATen,
+``torch.compile`` (default) and ``torch.compile(mode="max-autotune")`` with
+``torch._inductor.config.freezing = True`` (weights frozen into the graph, compiled once per
+cell). Ours is ``torchport.nn.functional.linear`` with fused epilogues, autotuned before timing
+(tuning time reported). For M ≤ 32 the weight-stream bandwidth of ours is reported as a fraction
+of ``torch.sum`` over a 512 MiB tensor measured in the same run.
+
+Run: ``torchport bench gemm [--quick] [--max-autotune-cells N] [--cells linear,mlp]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchport.gemm as G
+from torchport.autotune import L3_BYTES, cold_copies
+from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.nn.functional import linear
+
+
+def read_bandwidth() -> float:
+    """GB/s of ``torch.sum`` over 512 MiB of float32 (median of 5)."""
+    x = torch.ones(128 << 20)
+    x.sum()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t0)
+    return x.numel() * 4 / sorted(ts)[2] / 1e9
+
+
+class Linear(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def ours_fn(kind: str) -> Callable[..., torch.Tensor]:
+    if kind == "linear":
+        return lambda x, w, b: linear(x, w, b)
+    return lambda x, w1, b1, w2, b2: linear(
+        linear(x, w1, b1, epilogue=["gelu"]), w2, b2, epilogue=[G.Add(x)]
+    )
+
+
+def eager_fn(kind: str) -> Callable[..., torch.Tensor]:
+    if kind == "linear":
+        return lambda x, w, b: F.linear(x, w, b)
+    return lambda x, w1, b1, w2, b2: x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+
+def max_autotune(model: nn.Module, x: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """``torch.compile(mode="max-autotune")`` with freezing (weights as graph constants)."""
+    import torch._inductor.config as ic
+
+    with ic.patch(freezing=True), torch.no_grad():
+        c = torch.compile(model, mode="max-autotune")
+        c(x)  # compile and tune once, outside the timing
+
+    def run(*args: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return c(args[0])
+
+    return run
+
+
+def cell(
+    table: BenchTable,
+    kind: str,
+    m: int,
+    d: int,
+    h: int,
+    dtype: torch.dtype,
+    reps: int,
+    with_max_autotune: bool,
+    bw: float,
+    epilogue_cost: bool = True,
+) -> None:
+    torch.manual_seed(0)
+    model = (Linear(d, h) if kind == "linear" else Block(d, h)).to(dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(m, d).to(dtype)
+    params = tuple(p.detach() for p in model.parameters())
+    args = (x, *params)
+    weight_bytes = sum(p.numel() * p.element_size() for p in params if p.dim() == 2)
+    sets = cold_copies(args) if weight_bytes < L3_BYTES else [args]
+    ours = ours_fn(kind)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ours(*args)
+        tune_s = time.perf_counter() - t0
+        for s in sets:  # pack every copy's weights once, outside the timing
+            ours(*s)
+        fns: dict[str, Callable[..., Any]] = {"eager": eager_fn(kind), "ours": ours}
+        fns["compile"] = torch.compile(eager_fn(kind), dynamic=False)
+        fns["compile"](*args)
+        if with_max_autotune:
+            fns["max_autotune"] = max_autotune(model, x)
+        t = compare(fns, sets, reps=reps)
+    flops = 2.0 * m * d * h * (1 if kind == "linear" else 2)
+    dt = str(dtype).removeprefix("torch.")
+    name = f"{kind} M={m} d={d} h={h} {dt}"
+    won = sorted(
+        {
+            v
+            for (_, k), v in G.decisions.items()
+            if k.startswith(f"M={m} ") and dt in k and (f"K={d} " in k or f"K={h} " in k)
+        }
+    )
+    extra: dict[str, Any] = {"tune_s": round(tune_s, 2), "kernel": ",".join(won)}
+    if m <= 32:
+        extra["weight_GBps"] = round(weight_bytes / t["ours"] / 1e9, 1)
+        extra["bw_pct"] = round(100 * weight_bytes / t["ours"] / 1e9 / bw, 1)
+    for anchor in ("eager", "compile", "max_autotune"):
+        if anchor in t:
+            table.add(
+                name, anchor, t[anchor], t["ours"], flops, **(extra if anchor == "eager" else {})
+            )
+    if kind == "linear" and epilogue_cost:
+        epilogue_overhead(table, name, sets, reps, flops)
+
+
+def epilogue_overhead(
+    table: BenchTable, name: str, sets: list[tuple[Any, ...]], reps: int, flops: float
+) -> None:
+    """Fused bias+GELU+residual vs the bare GEMM, both ours (issue target: ≤ 1.05x)."""
+    res = [torch.randn(s[0].shape[0], s[1].shape[0]).to(s[0].dtype) for s in sets]
+    with_res = [(*s, r) for s, r in zip(sets, res)]
+
+    def bare(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return linear(x, w)
+
+    def fused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return linear(x, w, b, epilogue=["gelu", G.Add(r)])
+
+    with torch.no_grad():
+        for s in with_res:
+            bare(*s)
+            fused(*s)
+        t = compare({"bare": bare, "fused": fused}, with_res, reps=reps)
+    table.add(name + " +bias,gelu,res", "ours, no epilogue", t["bare"], t["fused"], flops)
+
+
+def main() -> None:
+    p = arg_parser(__doc__ or "")
+    p.add_argument(
+        "--max-autotune-cells", type=int, default=None, help="cap on max-autotune anchors"
+    )
+    p.add_argument("--cells", default="linear,mlp", help="comma-separated: linear, mlp")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--grid", default="", help="explicit cells, e.g. linear:8:4096:11008,mlp:1:768:3072"
+    )
+    args = p.parse_args()
+    kinds = args.cells.split(",")
+    dtypes = [getattr(torch, s) for s in args.dtypes.split(",")]
+    if args.quick:
+        grid = [("linear", m, 1024, 4096) for m in (1, 8)] + [("mlp", 8, 768, 3072)]
+        cap = 1 if args.max_autotune_cells is None else args.max_autotune_cells
+        dtypes, reps = dtypes[:1], min(args.reps, 8)
+    else:
+        grid = [("linear", m, 4096, 11008) for m in (1, 8, 32, 128, 512)]
+        grid += [("linear", m, 1024, 4096) for m in (1, 8, 32, 512, 2048)]
+        grid += [("linear", m, 768, 3072) for m in (8, 2048)]
+        grid += [("mlp", m, 768, 3072) for m in (1, 8, 32, 512)]
+        cap = 6 if args.max_autotune_cells is None else args.max_autotune_cells
+        reps = args.reps
+        print(
+            "# skipped by default (minutes per call or per max-autotune compile on 2 cores): "
+            "M=2048 at (4096, 11008); MLP at (1024, 4096) and (4096, 11008); max-autotune beyond "
+            f"the first {cap} cells per dtype"
+        )
+    if args.grid:
+        grid = [
+            (k, int(m), int(d), int(h))
+            for k, m, d, h in (c.split(":") for c in args.grid.split(","))
+        ]
+    bw = read_bandwidth()
+    table = BenchTable("gemm", unit="GFLOP/s")
+    table.start()
+    print(f"# torch.sum read bandwidth (512 MiB fp32): {bw:.1f} GB/s")
+    for dtype in dtypes:
+        done = 0
+        for kind, m, d, h in grid:
+            if kind not in kinds:
+                continue
+            want_ma = done < cap and (m <= 32 or m >= 512)
+            cell(table, kind, m, d, h, dtype, reps, want_ma, bw)
+            done += int(want_ma)
+    table.save(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""torchport.gemm.mm / torchport.nn.functional.linear: API, autotuning, autograd, bad inputs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchport.gemm as G
+from torchport import autotune, config
+from torchport.gemm import mm
+from torchport.gemm.epilogue import EpilogueError, EpilogueSpec, split
+from torchport.gemm.kernels import GemmInputError
+from torchport.gemm.pack import PackCache
+from torchport.nn.functional import linear
+
+
+@pytest.fixture(autouse=True)
+def _first_valid_candidate(request):
+    """Most tests check numerics, not tuning: take the first native candidate (one compile)."""
+    if "autotuner" in request.node.name:
+        yield
+        return
+    with config.override(autotune=False):
+        yield
+
+
+def _ref_linear(x, w, b=None):
+    return (x.double() @ w.double().t() + (0 if b is None else b.double())).float()
+
+
+def test_mm_matches_reference_with_bias_and_chain():
+    a, w, bias, r = torch.randn(9, 40), torch.randn(24, 40), torch.randn(24), torch.randn(9, 24)
+    y = mm(a, w.t(), bias=bias, epilogue=["gelu", G.Add(r), G.Scale(2.0)])
+    ref = (F.gelu(a.double() @ w.double().t() + bias.double()) + r.double()) * 2
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_step_runs_unfused_never_crashes():
+    a, b = torch.randn(5, 8), torch.randn(8, 6)
+    y = mm(a, b, epilogue=["relu", torch.tanh, "silu"])
+    ref = F.silu(torch.tanh(torch.relu(a @ b)))
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    sp = split(["relu", torch.tanh, "silu"], 5, 6)
+    assert sp.spec.encode() == "relu" and len(sp.tail) == 2
+
+
+def test_cast_to_bf16():
+    a, b = torch.randn(7, 16), torch.randn(16, 10)
+    y = mm(a, b, epilogue=[G.Cast(torch.bfloat16)])
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), (a @ b), rtol=1e-2, atol=1e-2)
+
+
+def test_autotuner_candidates_bounded_and_cached():
+    for m in (1, 8, 32, 512, 2048):
+        for n, k in ((3072, 768), (11008, 4096)):
+            cands = G.candidates(m, n, k, "avx2")
+            assert 2 <= len(cands) <= 10
+            assert sum(c.is_anchor for c in cands) == 1
+    before = autotune.stats.tuned
+    a, b = torch.randn(12, 64), torch.randn(64, 48)
+    mm(a, b)
+    mm(a, b)
+    assert autotune.stats.tuned == before + 1
+    assert any("M=12 N=48 K=64" in k[1] for k in G.decisions)
+
+
+def test_aten_only_backend_disables_native(monkeypatch):
+    calls = []
+    mm_mod = sys.modules["torchport.gemm.mm"]
+
+    monkeypatch.setattr(mm_mod, "run_native", lambda *a, **k: calls.append(1))
+    with config.override(max_autotune_gemm_backends="ATEN"):
+        a, b = torch.randn(6, 32), torch.randn(32, 16)
+        y = mm(a, b)
+    assert not calls
+    torch.testing.assert_close(y, a @ b)
+
+
+def test_native_off_uses_aten():
+    with config.override(native=False):
+        a, b = torch.randn(3, 5), torch.randn(5, 4)
+        torch.testing.assert_close(mm(a, b, epilogue="relu"), torch.relu(a @ b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_linear_nd_and_residual(dtype):
+    x, w, b = torch.randn(2, 5, 32), torch.randn(20, 32), torch.randn(20)
+    r = torch.randn(2, 5, 20)
+    x, w, b, r = (t.to(dtype) for t in (x, w, b, r))
+    y = linear(x, w, b, epilogue=["silu", G.Add(r)])
+    ref = F.silu(_ref_linear(x, w, b)) + r.float()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    assert y.shape == (2, 5, 20) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+    assert linear(x[0, 0], w).shape == (20,)
+
+
+def test_autograd_matches_torch():
+    torch.manual_seed(0)
+    x = torch.randn(6, 12, requires_grad=True)
+    w = torch.randn(10, 12, requires_grad=True)
+    b = torch.randn(10, requires_grad=True)
+    s = torch.randn(10, requires_grad=True)
+    r = torch.randn(6, 10, requires_grad=True)
+    y = linear(x, w, b, epilogue=[G.Gelu("tanh"), G.Scale(s), G.Add(r), "relu", G.Scale(0.5)])
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w, b, s, r), g)
+    xs = [t.detach().clone().requires_grad_() for t in (x, w, b, s, r)]
+    y2 = torch.relu(F.gelu(F.linear(xs[0], xs[1], xs[2]), approximate="tanh") * xs[3] + xs[4]) * 0.5
+    ref = torch.autograd.grad(y2, xs, g)
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fake_tensor_and_opcheck():
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    bias = torch.randn(5)
+    torch.library.opcheck(
+        torch.ops.torchport.gemm.default,
+        (a, b, [bias], "bias_col:f32;relu"),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
+def test_pack_cache_repacks_after_inplace_update():
+    cache = PackCache()
+    w = torch.randn(16, 8)
+    p1 = cache.get(w.t(), 8)
+    assert cache.get(w.t(), 8) is p1 and cache.hits == 1
+    w.add_(1.0)
+    p2 = cache.get(w.t(), 8)
+    assert p2 is not p1 and torch.equal(p2[0, :, :8], w.t()[:, :8])
+    w.data[15, 7] = 123.0  # a write that bypasses the version counter, caught by the probe
+    p3 = cache.get(w.t(), 8)
+    assert p3 is not p2 and float(p3[1, 7, 7]) == 123.0
+    alias = torch.as_strided(w, (8, 16), (1, 8))  # a fresh alias object (as Inductor passes)
+    assert cache.get(alias, 8) is p3
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_mm_after_weight_update_uses_new_values():
+    a, w = torch.randn(4, 16), torch.randn(24, 16)
+    y1 = mm(a, w.t())
+    w.mul_(2)
+    torch.testing.assert_close(mm(a, w.t()), 2 * y1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((torch.randn(3, 4), torch.randn(5, 2)), {}, r"inner dimensions must match.*K=4 vs 5"),
+        ((torch.randn(4), torch.randn(4, 2)), {}, r"a must be 2-D, got 1-D"),
+        ((torch.randn(2, 3), torch.randn(2, 3, 4)), {}, r"b must be 2-D, got 3-D"),
+        (
+            (torch.randn(2, 3).double(), torch.randn(3, 2).double()),
+            {},
+            r"float32 or bfloat16, got torch.float64",
+        ),
+        ((torch.randn(2, 3), torch.randn(3, 2).bfloat16()), {}, r"same dtype"),
+        ((torch.randn(2, 3, device="meta"), torch.randn(3, 2)), {}, r"device 'cpu', got meta"),
+        (([[1.0]], torch.randn(1, 1)), {}, r"a must be a torch.Tensor, got list"),
+    ],
+    ids=["mismatched-K", "1d", "3d", "float64", "mixed", "device", "not-tensor"],
+)
+def test_bad_inputs(args, kwargs, match):
+    with pytest.raises(GemmInputError, match=match):
+        mm(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "steps,match",
+    [
+        ([G.Scale(float("inf"))], r"scale must be finite, got inf"),
+        ([G.Scale(float("nan"))], r"scale must be finite, got nan"),
+        ([G.Bias(torch.randn(7))], r"bias must have shape \(4,\), got \(7,\)"),
+        ([G.Add(torch.randn(3, 3))], r"residual must have shape \(3, 4\)"),
+        ([G.Gelu("fast")], r"approximate must be 'none' or 'tanh', got 'fast'"),
+        (["swish"], r"unknown epilogue step 'swish'"),
+        ([G.Cast(torch.float16)], r"Cast dtype must be float32 or bfloat16"),
+        ([G.Bias(torch.randn(4).double())], r"float32 or bfloat16, got torch.float64"),
+        ([G.Scale("2")], r"scale must be a number or tensor"),
+    ],
+    ids=[
+        "inf-scale",
+        "nan-scale",
+        "bias-shape",
+        "residual-shape",
+        "gelu-mode",
+        "name",
+        "cast",
+        "bias-dtype",
+        "scale-type",
+    ],
+)
+def test_bad_epilogues(steps, match):
+    with pytest.raises(EpilogueError, match=match):
+        mm(torch.randn(3, 5), torch.randn(5, 4), epilogue=steps)
+
+
+def test_linear_bad_inputs():
+    with pytest.raises(GemmInputError, match=r"in_features=4, got shape \(2, 3\)"):
+        linear(torch.randn(2, 3), torch.randn(5, 4))
+    with pytest.raises(GemmInputError, match=r"weight must be 2-D"):
+        linear(torch.randn(2, 4), torch.randn(4))
+
+
+def test_spec_roundtrip_and_malformed():
+    s = "bias_col:bf16;gelu_tanh;add:f32;scale=0.25;scale_row:f32;silu;out=bf16"
+    assert EpilogueSpec.decode(s).encode() == s
+    with pytest.raises(EpilogueError, match="unknown epilogue step 'softmax'"):
+        EpilogueSpec.decode("softmax")
+    with pytest.raises(EpilogueError, match="output dtype must be f32 or bf16, got 'f16'"):
+        EpilogueSpec.decode("out=f16")

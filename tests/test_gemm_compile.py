@@ -1,0 +1,153 @@
+"""GEMM fusion inside torch.compile / torchport.compile, and torch.export of rewritten graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchport
+from torchport import config
+from torchport.compiler import TorchportBackend, last_report, verify_graph
+from torchport.compiler.gemm_fusion import GEMM_FUSION, fused_linear, fused_matmul
+
+
+@pytest.fixture(autouse=True)
+def _no_tuning():
+    with config.override(autotune=False):
+        torch._dynamo.reset()
+        yield
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 32, h: int = 64, act: str = "gelu") -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(d, h), nn.Linear(h, d), act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = F.gelu(h, approximate="tanh") if self.act == "gelu_tanh" else getattr(F, self.act)(h)
+        return x + self.fc2(h) * 0.5
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "silu"])
+def test_mlp_eager_inner_matches(act):
+    torch.manual_seed(0)
+    m, x = MLP(act=act), torch.randn(3, 7, 32)
+    c = torchport.compile(m, inner="eager", verify=True)
+    torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    rep = last_report()
+    assert rep is not None and rep.rule_counts == {"linear+epilogue -> torchport::gemm": 2}
+
+
+def test_attention_block_matches():
+    torch.manual_seed(0)
+    m, x = Attention(), torch.randn(2, 9, 32)
+    c = torchport.compile(m, inner="eager", verify=True)
+    torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    assert last_report().rule_counts["linear+epilogue -> torchport::gemm"] == 2  # type: ignore[union-attr]
+
+
+def test_matmul_addmm_and_unfusable_tail():
+    torch.manual_seed(0)
+    w, b = torch.randn(16, 12), torch.randn(12)
+
+    def f(x, r):
+        y = torch.relu(torch.addmm(b, x, w))
+        z = torch.tanh(x @ w) + r  # tanh is not fusable: matmul fused alone, rest stays
+        return y, z
+
+    x, r = torch.randn(5, 16), torch.randn(5, 12)
+    c = torchport.compile(f, inner="eager", verify=True)
+    for got, want in zip(c(x, r), f(x, r)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    counts = last_report().rule_counts  # type: ignore[union-attr]
+    assert counts == {
+        "addmm+epilogue -> torchport::gemm": 1,
+        "matmul+epilogue -> torchport::gemm": 1,
+    }
+
+
+def test_bf16_model_matches():
+    torch.manual_seed(0)
+    m, x = MLP().to(torch.bfloat16), torch.randn(4, 32).to(torch.bfloat16)
+    c = torchport.compile(m, inner="eager")
+    torch.testing.assert_close(c(x).float(), m(x).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_inductor_training_step_matches_eager():
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(2, 5, 32)
+    c = torchport.compile(m)  # inner="inductor"
+    c(x).square().sum().backward()
+    got = [p.grad.clone() for p in m.parameters()]  # type: ignore[union-attr]
+    m.zero_grad()
+    m(x).square().sum().backward()
+    for g, p in zip(got, m.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+    assert last_report().rewrites["gemm_fusion"] == 2  # type: ignore[union-attr]
+
+
+def test_backend_name_registered():
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(3, 32)
+    c = torch.compile(m, backend="torchport")
+    torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_rewritten_graph():
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 32)
+    captured = {}
+
+    def capture(gm, example_inputs):
+        GEMM_FUSION(gm)
+        verify_graph(gm)
+        captured["gm"], captured["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch.compile(m, backend=capture)(x)
+    gm = captured["gm"]
+    assert any(n.target in (fused_linear, fused_matmul) for n in gm.graph.nodes)
+    inputs = captured["inputs"]
+    ep = torch.export.export(gm, tuple(t.detach() for t in inputs))
+    assert any("torchport.gemm" in str(n.target) for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(*inputs)[0], m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_model_using_linear():
+    from torchport.nn.functional import linear
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 8))
+
+        def forward(self, x):
+            return linear(x, self.w, epilogue=["relu"])
+
+    m, x = M(), torch.randn(3, 8)
+    ep = torch.export.export(m, (x,))
+    torch.testing.assert_close(ep.module()(x), torch.relu(x @ m.w.t()), rtol=1e-5, atol=1e-5)
+
+
+def test_eager_backend_runs_without_rewrites_for_other_dtypes():
+    m, x = MLP().double(), torch.randn(3, 32).double()
+    c = TorchportBackend(inner="eager")
+    out = torch.compile(m, backend=c)(x)
+    torch.testing.assert_close(out, m(x))
+    assert last_report().rewrites["gemm_fusion"] == 0  # type: ignore[union-attr]

@@ -1,0 +1,227 @@
+"""Native GEMM kernels vs the float64 reference: shapes, dtypes, layouts, tiles, epilogues."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchport import config, native
+from torchport.gemm import kernels, templates
+from torchport.gemm.epilogue import EpilogueSpec
+from torchport.gemm.kernels import Config, mm_reference, run_native
+from torchport.gemm.pack import pack_b, pack_b_pairs, pack_b_reference
+
+ISA = native.cpu_info().isa
+TILES = kernels.TILES[ISA]
+
+
+def _make(m: int, n: int, k: int, dtype: torch.dtype, a_layout: str, b_layout: str):
+    g = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
+    if a_layout == "t":
+        a = torch.randn(k, m, generator=g).to(dtype).t()
+    elif a_layout == "strided":
+        a = torch.randn(m, 2 * k + 1, generator=g).to(dtype)[:, 1 : 2 * k + 1 : 2]
+    else:
+        a = torch.randn(m, k, generator=g).to(dtype)
+    if b_layout == "weight_t":  # nn.Linear weight [N, K] read as [K, N]
+        b = torch.randn(n, k, generator=g).to(dtype).t()
+    elif b_layout == "strided":
+        b = torch.randn(k, 2 * n, generator=g).to(dtype)[:, ::2]
+    else:
+        b = torch.randn(k, n, generator=g).to(dtype)
+    return a, b
+
+
+def _operands(spec: EpilogueSpec, m: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    shapes = {
+        "bias_col": (n,),
+        "scale_col": (n,),
+        "bias_row": (m,),
+        "scale_row": (m,),
+        "add": (m, n),
+    }
+    out = []
+    for op in spec.ops:
+        if op.kind in shapes:
+            dt = torch.float32 if op.dtype == "f32" else torch.bfloat16
+            out.append(torch.randn(shapes[op.kind], generator=g).to(dt))
+    return out
+
+
+def _assert_close(out: torch.Tensor, a, b, spec, ops) -> None:
+    ref = mm_reference(a, b, spec, ops)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.numel() == 0:
+        return
+    k = a.shape[1]
+    mag = (a.double().abs() @ b.double().abs()).max().item() if k else 0.0
+    op_mag = max([float(t.double().abs().max()) for t in ops] + [1.0])
+    if out.dtype == torch.bfloat16 or a.dtype == torch.bfloat16:
+        atol = 2e-2 * (mag * op_mag + op_mag) + 1e-3
+        rtol = 1.6e-2
+    else:
+        atol = 2e-6 * math.sqrt(k + 1) * (mag * op_mag + op_mag) + 1e-6
+        rtol = 1e-5
+    torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
+
+
+SHAPES = [
+    (0, 5, 3),
+    (1, 1, 1),
+    (1, 67, 13),
+    (5, 0, 7),
+    (4, 9, 0),
+    (7, 31, 17),
+    (13, 70, 29),
+    (37, 53, 61),
+]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
+@pytest.mark.parametrize("b_layout", ["c", "weight_t", "strided"])
+def test_plain_grid(m, n, k, dtype, a_layout, b_layout):
+    a, b = _make(m, n, k, dtype, a_layout, b_layout)
+    spec = EpilogueSpec()
+    for mr, nr in TILES[:2]:
+        out = run_native(a, b, spec, [], Config(mr, nr, max(1, m)), packed=pack_b(b, nr))
+        _assert_close(out, a, b, spec, [])
+
+
+@pytest.mark.parametrize("mr,nr", TILES, ids=[f"{mr}x{nr}" for mr, nr in TILES])
+@pytest.mark.parametrize("mc", [1, 5, 64])
+@pytest.mark.parametrize("pf", [0, 8])
+def test_every_tile_and_block(mr, nr, mc, pf):
+    a, b = _make(23, 101, 37, torch.float32, "c", "weight_t")
+    out = run_native(a, b, EpilogueSpec(), [], Config(mr, nr, mc, pf))
+    _assert_close(out, a, b, EpilogueSpec(), [])
+
+
+CHAINS = [
+    ("bias_col:f32;gelu;add:f32;scale=0.5", torch.float32),
+    ("bias_row:f32;relu;scale_col:f32", torch.float32),
+    ("scale_row:f32;silu;out=bf16", torch.float32),
+    ("gelu_tanh;add:bf16;bias_col:bf16", torch.bfloat16),
+    ("relu;out=f32", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("text,dtype", CHAINS, ids=[c[0] for c in CHAINS])
+@pytest.mark.parametrize("m,n,k", [(1, 19, 5), (9, 40, 33), (31, 75, 64)], ids=str)
+def test_epilogue_chains(text, dtype, m, n, k):
+    spec = EpilogueSpec.decode(text)
+    a, b = _make(m, n, k, dtype, "c", "weight_t")
+    ops = _operands(spec, m, n)
+    tiles = TILES[:2] if text == CHAINS[0][0] else TILES[:1]  # one compile per extra chain
+    for mr, nr in tiles:
+        out = run_native(a, b, spec, ops, Config(mr, nr, 64))
+        _assert_close(out, a, b, spec, ops)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_vector_activation_accuracy(act):
+    """Activations on exact inputs (x @ [1]): ≤ 3e-7 relative + 1e-7 |x| absolute vs float64.
+
+    The absolute part covers the cancellation in ``1 + erf`` (and ``x * sigmoid``) for large
+    negative ``x``, which float32 torch has as well.
+    """
+    x = torch.cat([torch.linspace(-12, 12, 20001), torch.tensor([0.0, -0.0, 1e-30, 3.9, 4.1])])
+    a, b = x[:, None].contiguous(), torch.ones(1, 1)
+    spec = EpilogueSpec.decode(act)
+    out = run_native(a, b, spec, [], Config(*TILES[0], 64))[:, 0].double()
+    xd = x.double()
+    if act == "gelu":
+        ref = torch.nn.functional.gelu(xd)
+    elif act == "gelu_tanh":
+        ref = torch.nn.functional.gelu(xd, approximate="tanh")
+    else:
+        ref = torch.nn.functional.silu(xd)
+    err = (out - ref).abs()
+    assert bool((err <= 3e-7 * ref.abs() + 1e-7 * xd.abs()).all()), float(
+        (err / (ref.abs() + 1e-30)).max()
+    )
+
+
+def test_erf_inside_gelu_matches_torch_float32():
+    x = torch.randn(4096) * 3
+    out = run_native(
+        x[:, None].contiguous(),
+        torch.ones(1, 1),
+        EpilogueSpec.decode("gelu"),
+        [],
+        Config(*TILES[0], 64),
+    )
+    torch.testing.assert_close(out[:, 0], torch.nn.functional.gelu(x), rtol=1e-6, atol=1e-6)
+
+
+def test_nan_and_inf_propagate():
+    a = torch.tensor([[float("nan")], [float("inf")], [-float("inf")], [1.0]])
+    out = run_native(a, torch.ones(1, 1), EpilogueSpec.decode("relu"), [], Config(*TILES[0], 64))
+    ref = torch.relu(a)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
+
+
+def test_bf16_output_rounds_like_torch():
+    a, b = _make(17, 33, 40, torch.float32, "c", "c")
+    spec = EpilogueSpec.decode("out=bf16")
+    out = run_native(a, b, spec, [], Config(*TILES[0], 64))
+    f32 = run_native(a, b, EpilogueSpec(), [], Config(*TILES[0], 64))
+    assert torch.equal(out, f32.to(torch.bfloat16))  # RNE from the same fp32 accumulator
+
+
+@pytest.mark.parametrize("nr", [8, 24, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_pack_matches_reference(nr, dtype):
+    _, b = _make(1, 70, 13, dtype, "c", "weight_t")
+    assert torch.equal(pack_b(b, nr), pack_b_reference(b, nr))
+
+
+def test_pack_pairs_layout():
+    b = torch.randn(5, 40).to(torch.bfloat16)
+    p = pack_b_pairs(b, 32)
+    assert p.shape == (2, 3, 32, 2)
+    assert torch.equal(p[0, 1, 3, 0], b[2, 3]) and torch.equal(p[0, 1, 3, 1], b[3, 3])
+    assert torch.equal(p[1, 2, 7, 0], b[4, 39]) and float(p[1, 2, 7, 1]) == 0.0
+
+
+def test_scalar_isa_path():
+    with config.override(isa="scalar"):
+        assert native.cpu_info().isa == "scalar"
+        a, b = _make(11, 13, 9, torch.float32, "t", "weight_t")
+        spec = EpilogueSpec.decode("bias_col:f32;gelu")
+        ops = _operands(spec, 11, 13)
+        out = run_native(a, b, spec, ops, Config(4, 4, 8))
+        _assert_close(out, a, b, spec, ops)
+
+
+def test_avx512_variants_build():
+    """The AVX-512 and AVX512-BF16 (vdpbf16ps) kernels compile (this CPU cannot run them)."""
+    spec = EpilogueSpec.decode("bias_col:f32;gelu;add:bf16")
+    body = templates.render_source(spec, "bf16", "bf16", "avx512", kernels.TILES["avx512"][:2])
+    assert "_mm512_dpbf16_ps" in body
+    lib = native.build(
+        native.render(body.replace("$", "$$")),
+        name="gemm_avx512_buildcheck",
+        isa="avx512",
+        extra_flags=["-mavx512bf16", "-O1"],
+    )
+    assert hasattr(lib, "tp_gemm_6x32") and hasattr(lib, "tp_gemm_4x48")
+    assert hasattr(lib, "tp_gemm_dpbf16_4x32")
+
+
+def test_tile_width_must_match_isa():
+    with pytest.raises(ValueError, match="multiple of the vector width 8"):
+        templates.render_source(EpilogueSpec(), "f32", "f32", "avx2", ((4, 12),))
+
+
+def test_unknown_tile_is_invalid_candidate():
+    from torchport.autotune import InvalidCandidate
+
+    a, b = _make(3, 3, 3, torch.float32, "c", "c")
+    with pytest.raises(InvalidCandidate, match="tile 3x5 is not built"):
+        run_native(a, b, EpilogueSpec(), [], Config(3, 5, 4))

@@ -1,0 +1,234 @@
+"""Pre-grad FX pass: GEMM + epilogue chains → the autotuned fused ``torchport::gemm`` op.
+
+Rules (one per anchor pattern) run on dynamo's graph of torch-level ops. Each finds a GEMM
+(``F.linear``; ``torch.matmul``/``@``/``torch.mm`` with a 2-D right operand; ``torch.addmm`` with
+unit ``alpha``/``beta``), then absorbs the single-user chain that follows while each step is one
+the kernel can fuse and keeps the GEMM's dtype:
+
+- ``+ t`` with ``t`` of shape ``[N]`` (bias) or of the output's shape (residual);
+- ``* c`` with a finite Python number, or ``* t`` with ``t`` of shape ``[N]``;
+- ``relu``, ``gelu`` (erf or tanh), ``silu``; a final ``.to(torch.bfloat16/float32)``.
+
+The chain is replaced by one call of :func:`fused_linear`/:func:`fused_matmul`, which flatten
+leading dimensions and call ``torch.ops.torchport.gemm`` (a custom op with a fake implementation
+and autograd, so Inductor, AOTAutograd and ``torch.export`` all see through it). Anything else
+stays in the graph for Inductor (or eager).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from torchport.compiler.backend import register_pre_grad_pass
+from torchport.compiler.passes import Pass, Rule, is_call, node_tensor_meta
+from torchport.gemm.epilogue import EpilogueSpec, Op
+from torchport.gemm.mm import gemm_op
+
+_TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _flat_operands(operands: list[torch.Tensor], spec: str, n: int) -> list[torch.Tensor]:
+    sp = EpilogueSpec.decode(spec)
+    kinds = [op.kind for op in sp.ops if op.dtype]
+    return [t.reshape(-1, n) if k == "add" and t.dim() != 2 else t for k, t in zip(kinds, operands)]
+
+
+def fused_linear(
+    x: torch.Tensor, weight: torch.Tensor, operands: list[torch.Tensor], spec: str
+) -> torch.Tensor:
+    """``epilogue(linear(x, weight))`` over the last dimension (the pass's replacement)."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    y = gemm_op(x.reshape(-1, k), weight.t(), _flat_operands(operands, spec, n), spec)
+    return y.reshape(*lead, n)
+
+
+def fused_matmul(
+    x: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
+) -> torch.Tensor:
+    """``epilogue(x @ b)`` for 2-D ``b`` (the pass's replacement)."""
+    k, n = b.shape
+    lead = x.shape[:-1]
+    y = gemm_op(x.reshape(-1, k), b, _flat_operands(operands, spec, n), spec)
+    return y.reshape(*lead, n)
+
+
+def _meta(node: Any) -> torch.Tensor | None:
+    return node_tensor_meta(node) if isinstance(node, fx.Node) else None
+
+
+def _fusable(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype in _TAG and t.device.type == "cpu"
+
+
+_RELU = (torch.relu, F.relu, torch.nn.functional.relu)
+_GELU = (F.gelu, torch._C._nn.gelu)
+_SILU = (F.silu,)
+_ADD = (operator.add, torch.add)
+_MUL = (operator.mul, torch.mul)
+
+
+def _epilogue_step(
+    node: fx.Node, cur: fx.Node, out: torch.Tensor
+) -> tuple[Op, fx.Node | None] | None:
+    """The fused op ``node`` applies to ``cur`` (and its tensor operand), or None."""
+    meta = _meta(node)
+    if meta is None:
+        return None
+    n = out.shape[-1]
+    if node.op == "call_method" and node.target in ("relu", "to") and node.args[0] is cur:
+        if node.target == "relu" and len(node.args) == 1 and not node.kwargs:
+            return Op("relu"), None
+        if node.target == "to" and len(node.args) == 2 and not node.kwargs:
+            dt = node.args[1]
+            if isinstance(dt, torch.dtype) and dt in _TAG and meta.dtype == dt:
+                return Op("cast", _TAG[dt]), None
+        return None
+    if meta.dtype != out.dtype or tuple(meta.shape) != tuple(out.shape):
+        return None
+    unary = node.args[0] is cur and not node.kwargs.get("inplace", False)
+    if is_call(node, *_RELU) and unary and (len(node.args) == 1 or node.args[1] is False):
+        return Op("relu"), None
+    if is_call(node, *_GELU) and node.args[0] is cur and len(node.args) == 1:
+        approx = node.kwargs.get("approximate", "none")
+        if set(node.kwargs) <= {"approximate"} and approx in ("none", "tanh"):
+            return Op("gelu" if approx == "none" else "gelu_tanh"), None
+    if is_call(node, *_SILU) and unary and len(node.args) == 1:
+        return Op("silu"), None
+    if (is_call(node, *_ADD) or is_call(node, *_MUL)) and len(node.args) == 2 and not node.kwargs:
+        other = (
+            node.args[1] if node.args[0] is cur else node.args[0] if node.args[1] is cur else None
+        )
+        if other is None or other is cur:
+            return None
+        is_add = is_call(node, *_ADD)
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            if not is_add and math.isfinite(float(other)):
+                return Op("scale", value=float(other)), None
+            return None
+        t = _meta(other)
+        if not _fusable(t) or t is None or t.dtype != out.dtype:
+            return None
+        assert isinstance(other, fx.Node)
+        if tuple(t.shape) == (n,):
+            return Op("bias_col" if is_add else "scale_col", _TAG[t.dtype]), other
+        if is_add and tuple(t.shape) == tuple(out.shape):
+            return Op("add", _TAG[t.dtype]), other
+    return None
+
+
+def _absorb(
+    gm: fx.GraphModule, anchor: fx.Node, a: fx.Node, b: fx.Node, fn: Any, first: list[Any]
+) -> bool:
+    """Grow the epilogue chain after ``anchor`` and replace it with one fused call."""
+    out = _meta(anchor)
+    if not _fusable(out) or out is None or out.dim() < 1:
+        return False
+    for inp in (a, b):
+        im = _meta(inp)
+        if not _fusable(im) or im is None or im.dtype != out.dtype:
+            return False
+    ops: list[Op] = [op for op, _ in first]
+    operands: list[fx.Node] = [t for _, t in first if t is not None]
+    cur, out_dtype = anchor, ""
+    chain = [anchor]
+    while len(cur.users) == 1 and not out_dtype:
+        user = next(iter(cur.users))
+        step = _epilogue_step(user, cur, out)
+        if step is None:
+            break
+        op, t = step
+        if op.kind == "cast":
+            if op.dtype != _TAG[out.dtype]:
+                out_dtype = op.dtype
+        else:
+            ops.append(op)
+            if t is not None:
+                operands.append(t)
+        cur = user
+        chain.append(cur)
+    spec = EpilogueSpec(tuple(ops), out_dtype).encode()
+    with gm.graph.inserting_before(cur):
+        new = gm.graph.call_function(fn, (a, b, operands, spec))
+    new.meta.update(cur.meta)
+    cur.replace_all_uses_with(new)
+    for old in reversed(chain):
+        if not old.users:
+            gm.graph.erase_node(old)
+    return True
+
+
+def _linear_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if not is_call(node, F.linear, torch._C._nn.linear) or node.kwargs:
+        return False
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    if not isinstance(x, fx.Node) or not isinstance(w, fx.Node):
+        return False
+    wt = _meta(w)
+    if wt is None or wt.dim() != 2:
+        return False
+    first: list[Any] = []
+    if bias is not None:
+        bt = _meta(bias)
+        if not _fusable(bt) or bt is None or bt.dtype != wt.dtype or bt.dim() != 1:
+            return False
+        first.append((Op("bias_col", _TAG[bt.dtype]), bias))
+    return _absorb(gm, node, x, w, fused_linear, first)
+
+
+def _matmul_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if not is_call(node, torch.matmul, operator.matmul, torch.mm) or node.kwargs:
+        return False
+    x, b = node.args[0], node.args[1]
+    xt, bt = _meta(x), _meta(b)
+    if xt is None or bt is None or bt.dim() != 2 or xt.dim() < 2:
+        return False
+    if node.target is torch.mm and xt.dim() != 2:
+        return False
+    assert isinstance(x, fx.Node) and isinstance(b, fx.Node)
+    return _absorb(gm, node, x, b, fused_matmul, [])
+
+
+def _addmm_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if not is_call(node, torch.addmm) or node.kwargs or len(node.args) != 3:
+        return False
+    bias, x, b = node.args
+    out, bt = _meta(node), _meta(bias)
+    if out is None or bt is None or not _fusable(bt) or bt.dtype != out.dtype:
+        return False
+    if tuple(bt.shape) == (out.shape[1],):
+        first = [(Op("bias_col", _TAG[bt.dtype]), bias)]
+    elif tuple(bt.shape) == tuple(out.shape):
+        first = [(Op("add", _TAG[bt.dtype]), bias)]
+    else:
+        return False
+    assert isinstance(x, fx.Node) and isinstance(b, fx.Node)
+    return _absorb(gm, node, x, b, fused_matmul, first)
+
+
+GEMM_FUSION = Pass(
+    "gemm_fusion",
+    [
+        # F.linear(x, W, b) + epilogue chain → fused_linear
+        Rule("linear+epilogue -> torchport::gemm", _linear_rule),
+        # x @ B / torch.matmul / torch.mm (2-D B) + epilogue chain → fused_matmul
+        Rule("matmul+epilogue -> torchport::gemm", _matmul_rule),
+        # torch.addmm(bias, x, B) + epilogue chain → fused_matmul with a bias or residual
+        Rule("addmm+epilogue -> torchport::gemm", _addmm_rule),
+    ],
+)
+
+
+def register() -> Pass:
+    """Register :data:`GEMM_FUSION` with every torchport compilation (idempotent)."""
+    return register_pre_grad_pass(GEMM_FUSION, order=50)
+
+
+register()

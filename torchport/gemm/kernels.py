@@ -1,0 +1,201 @@
+"""Building and launching the generated GEMM kernels; the fp64 reference beside them.
+
+Numerics the native path must match (:func:`mm_reference`: float64 matmul, float64 epilogue, one
+rounding to the output dtype): float32 accumulates every product in float32 with FMA over all of K,
+so the error bound is the usual ``K * eps32 * sum|a||b|`` (tests use ``2e-5 * sqrt(K)`` relative to
+the output scale); bfloat16 inputs widen exactly to float32, accumulate in float32 and round once
+(tests: two bf16 ulps of the output scale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchport import native
+from torchport.autotune import InvalidCandidate
+from torchport.gemm import templates
+from torchport.gemm.epilogue import EpilogueSpec, apply_torch
+from torchport.gemm.pack import pack_cache
+
+_TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+# Register tiles (MR, NR) compiled into every library, per ISA level.
+TILES: dict[str, tuple[tuple[int, int], ...]] = {
+    "avx2": ((6, 16), (4, 24), (8, 8), (2, 32), (1, 64)),
+    "avx512": ((6, 32), (4, 48), (8, 16), (2, 64), (1, 128)),
+    "scalar": ((4, 4), (1, 8)),
+}
+
+
+NO_EPILOGUE = EpilogueSpec()
+
+
+class GemmInputError(ValueError):
+    """Inputs to a GEMM do not meet its requirements (shape, dtype, device)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One native variant: register tile, M block (``mc >= M`` streams B once), prefetch."""
+
+    mr: int
+    nr: int
+    mc: int
+    pf: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+
+
+def mm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    spec: EpilogueSpec = NO_EPILOGUE,
+    operands: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """``epilogue(a @ b)`` in float64, rounded once to the output dtype."""
+    z = a.double() @ b.double()
+    z = apply_torch(z, spec, [t.double() for t in operands])
+    return z.to(spec.out_dtype(a.dtype))
+
+
+def mm_aten(
+    a: torch.Tensor, b: torch.Tensor, spec: EpilogueSpec, operands: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """The ATen path: ``addmm``/``mm`` then the epilogue as separate torch ops."""
+    ops = list(spec.ops)
+    rest = list(operands)
+    if ops and ops[0].kind == "bias_col" and rest[0].dtype == a.dtype:
+        z = torch.addmm(rest[0], a, b)
+        ops, rest = ops[1:], rest[1:]
+    else:
+        z = a @ b
+    z = apply_torch(z, EpilogueSpec(tuple(ops), ""), rest)
+    out = spec.out_dtype(a.dtype)
+    return z if z.dtype == out else z.to(out)
+
+
+@functools.cache
+def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> ctypes.CDLL:
+    """Build (or load) the library of one tile variant for this epilogue and dtypes."""
+    body = templates.render_source(spec, btag, otag, isa, ((mr, nr),))
+    src = native.render(body.replace("$", "$$"))
+    name = f"gemm_{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
+    # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
+    return native.build(src, name=name, isa=isa, extra_flags=["-O2"])
+
+
+def prebuild(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: Sequence[tuple[int, int]]
+) -> None:
+    """Build several tile libraries concurrently (one compiler process per core)."""
+    with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
+        futures = [pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles]
+        for f in futures:
+            with contextlib.suppress(native.NativeError):  # reported when the candidate builds
+                f.result()
+
+
+@functools.cache
+def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> Any:
+    lib = library(spec, btag, otag, isa, mr, nr)
+    fn = getattr(lib, f"tp_gemm_{mr}x{nr}")
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def check_config(cfg: Config, isa: str) -> None:
+    """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
+    if (cfg.mr, cfg.nr) not in TILES[isa]:
+        raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
+    if cfg.mc < 1 or cfg.pf < 0:
+        raise InvalidCandidate(f"mc must be >= 1 and pf >= 0, got {cfg}")
+
+
+def prepare_operands(
+    spec: EpilogueSpec, operands: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Operands in the layout the kernel reads (unit column stride) and their row strides."""
+    kept: list[torch.Tensor] = []
+    lds: list[int] = []
+    for t in operands:
+        if t.dim() == 1:
+            t = t.contiguous()
+            lds.append(1)
+        else:
+            if t.shape[1] > 1 and t.stride(1) != 1:
+                t = t.contiguous()
+            lds.append(t.stride(0))
+        kept.append(t)
+    return kept, lds
+
+
+def run_native(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    spec: EpilogueSpec,
+    operands: Sequence[torch.Tensor],
+    cfg: Config,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One native GEMM call (B packed through the cache unless ``packed`` is given)."""
+    isa = native.cpu_info().isa
+    check_config(cfg, isa)
+    m, k = a.shape
+    n = b.shape[1]
+    out_dtype = spec.out_dtype(a.dtype)
+    c = torch.empty(m, n, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return c
+    a32 = a if a.dtype == torch.float32 else a.float()
+    if packed is None:
+        packed = pack_cache.get(b, cfg.nr)
+    ops, lds = prepare_operands(spec, operands)
+    nops = max(1, len(ops))
+    eptr = (ctypes.c_void_p * nops)(*[t.data_ptr() for t in ops])
+    eld = (ctypes.c_int64 * nops)(*lds)
+    fn = _function(spec, _TAG[b.dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
+    status = fn(
+        c.data_ptr(),
+        n,
+        a32.data_ptr(),
+        a32.stride(0),
+        a32.stride(1),
+        packed.data_ptr(),
+        m,
+        n,
+        k,
+        cfg.mc,
+        cfg.pf,
+        ctypes.addressof(eptr),
+        ctypes.addressof(eld),
+        native.num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"tp_gemm_{cfg.mr}x{cfg.nr} returned status {status} for {cfg}")
+    return c

@@ -1,0 +1,380 @@
+"""``torchport.gemm.mm``: autotuned GEMM with a fused epilogue, as a ``torch.library`` custom op.
+
+``mm(a, b, bias=..., epilogue=[...])`` validates its inputs, splits the epilogue into the fused spec
+and an unfused tail (:mod:`~torchport.gemm.epilogue`), and calls ``torchport::gemm`` (directly for
+plain eager tensors, through the dispatcher under autograd, ``torch.compile`` and ``torch.export``).
+The op's implementation asks the autotuner which candidate serves this problem: ATen
+(``addmm``/``mm`` + torch epilogue ops, the anchor) or one of at most nine native configurations
+(register tile, M block, prefetch), chosen per shape bucket and cached persistently. Backward runs
+ATen ops (:func:`_backward`), so the fused op trains.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchport import autotune, config, native
+from torchport.autotune import ATEN, L3_BYTES, Candidate, InvalidCandidate
+from torchport.gemm import kernels
+from torchport.gemm.epilogue import (
+    OPERAND_KINDS,
+    Bias,
+    EpilogueSpec,
+    Step,
+    apply_tail,
+    as_steps,
+    split,
+)
+from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
+from torchport.gemm.pack import pack_b, pack_cache
+
+SMALL_M = 32
+TUNE_BUDGET_S = 1.5  # timing budget per new shape (compilation is per epilogue, cached on disk)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+# --- candidates ----------------------------------------------------------------------------------
+
+
+def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
+    """ATen anchor plus at most nine native configurations for this problem size."""
+    cands = [Candidate("aten", ATEN)]
+    scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
+    if scale == 0:
+        cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
+    elif m <= SMALL_M:
+        # weight streaming: every panel of B read once (mc >= M), rows reuse it from L1/L2
+        mm_ = max(m, 1)
+        tiles = [(8, 8), (4, 24), (6, 16), (2, 32)] + ([(1, 64)] if m <= 2 else [])
+        cfgs = [Config(mr, nr * scale, mm_) for mr, nr in tiles]
+        cfgs += [Config(8, 8 * scale, mm_, 16), Config(4, 24 * scale, mm_, 8)]
+    else:
+        cfgs = [
+            Config(6, 16 * scale, 48),
+            Config(6, 16 * scale, 96),
+            Config(4, 24 * scale, 64),
+            Config(4, 24 * scale, 128),
+            Config(8, 8 * scale, 64),
+        ]
+    # problems whose single call is long get fewer candidates (cold-tuning budget)
+    est_s = 2.0 * m * n * k / 5e10
+    if est_s > 0.05:
+        cfgs = cfgs[: max(1, int(0.4 / est_s))]
+    for c in cfgs[:9]:
+        cands.append(
+            Candidate(c.name, params=(("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf)))
+        )
+    return cands
+
+
+def _config(c: Candidate) -> Config:
+    return Config(int(c.param("mr")), int(c.param("nr")), int(c.param("mc")), int(c.param("pf")))
+
+
+@dataclass
+class _Rotation:
+    """Cold-cache argument copies; each candidate packs every copy once, untimed."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+    shared_pack: bool = False
+
+
+def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
+    state = {"i": 0}
+    if c.is_anchor:
+
+        def aten(rot: _Rotation) -> torch.Tensor:
+            a, b, ops = rot.copies[state["i"] % len(rot.copies)]
+            state["i"] += 1
+            return mm_aten(a, b, spec, ops)
+
+        return aten
+    cfg = _config(c)
+    kernels.check_config(cfg, native.cpu_info().isa)
+    packs: dict[int, torch.Tensor] = {}
+
+    def ours(rot: _Rotation) -> torch.Tensor:
+        if not packs:
+            for idx, (_, b, _) in enumerate(rot.copies):
+                packs[idx] = pack_cache.get(b, cfg.nr) if rot.shared_pack else pack_b(b, cfg.nr)
+        idx = state["i"] % len(rot.copies)
+        state["i"] += 1
+        a, b, ops = rot.copies[idx]
+        return run_native(a, b, spec, ops, cfg, packed=packs[idx])
+
+    return ours
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return False
+    if out.numel() == 0:
+        return True
+    tol = 3e-2 if out.dtype == torch.bfloat16 else 1e-3
+    scale = float(ref.double().abs().max()) + 1.0
+    return bool(float((out.double() - ref.double()).abs().max()) <= tol * scale)
+
+
+def bucket(m: int) -> int:
+    """Tuning bucket for M: exact up to SMALL_M, then the next power of two."""
+    return m if m <= SMALL_M else 1 << (m - 1).bit_length()
+
+
+# choices made in this process, for reports (demo, bench): (op, key) -> winner
+decisions: dict[tuple[str, str], str] = {}
+_decisions_lock = threading.Lock()
+
+
+def choose(
+    a: torch.Tensor, b: torch.Tensor, spec: EpilogueSpec, operands: Sequence[torch.Tensor]
+) -> Candidate:
+    """Autotuned candidate for this problem (ATen when native kernels are off or disallowed)."""
+    m, k = a.shape
+    n = b.shape[1]
+    isa = native.cpu_info().isa
+    mb = bucket(m)
+    layout = "t" if b.stride(0) == 1 and b.stride(1) != 1 else "n"
+    key = {
+        "m": mb,
+        "n": n,
+        "k": k,
+        "dtype": str(a.dtype).removeprefix("torch."),
+        "b": layout,
+        "epilogue": spec.encode(),
+        "isa": isa,
+    }
+    cands = candidates(mb, n, k, isa)
+
+    def make_args() -> tuple[Any, ...]:
+        tiles = sorted({(int(c.param("mr")), int(c.param("nr"))) for c in cands if not c.is_anchor})
+        if native.enabled():
+            otag = spec.out or kernels._TAG[a.dtype]
+            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, tiles)
+
+        def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+            aa = torch.randn(mb, k).to(a.dtype)
+            bb = (
+                torch.randn(n, k).to(b.dtype).t()
+                if layout == "t"
+                else torch.randn(k, n).to(b.dtype)
+            )
+            ops = []
+            kinds = [op.kind for op in spec.ops if op.kind in OPERAND_KINDS]
+            for kind, t in zip(kinds, operands):
+                shape = {"add": (mb, n), "bias_row": (mb,), "scale_row": (mb,)}.get(kind, (n,))
+                ops.append(torch.randn(shape).to(t.dtype))
+            return aa, bb, ops
+
+        if k * n * b.element_size() >= L3_BYTES and tuple(a.shape) == (mb, k):
+            # weights larger than L3 are cold by themselves: tune on the real operands (no
+            # random copies to generate), sharing packed weights with the runtime cache
+            real = (a.detach(), b.detach(), [t.detach() for t in operands])
+            return (_Rotation([real], shared_pack=True),)
+        first = one()
+        size = sum(t.numel() * t.element_size() for t in (first[0], first[1], *first[2]))
+        copies = [first] + [
+            one()
+            for _ in range(min(15, math.ceil(config.get("cold_cache_bytes") / max(size, 1)) - 1))
+        ]
+        return (_Rotation(copies),)
+
+    # fit the timing into the cold-tuning budget: reps so that candidates x calls x est <= budget
+    est = 2.0 * mb * n * k / 5e10 + (k * n * b.element_size()) / 2e10
+    reps = int(TUNE_BUDGET_S / (len(cands) * max(est, 1e-6))) - 2
+    reps = max(1, min(config.get("autotune_reps"), reps))
+    with config.override(autotune_reps=reps):
+        choice = autotune.select(
+            "gemm",
+            key,
+            cands,
+            lambda c: _tuning_fn(c, spec),
+            make_args,
+            cold=False,
+            check=_close,
+            backends=autotune.allowed_backends(),
+        )
+    with _decisions_lock:
+        label = f"M={m} N={n} K={k} {key['dtype']} [{key['epilogue'] or 'none'}]"
+        decisions[("gemm", label)] = choice.candidate.name
+    return choice.candidate
+
+
+# --- the custom op ---------------------------------------------------------------------------------
+
+
+def _gemm_impl(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
+) -> torch.Tensor:
+    sp = EpilogueSpec.decode(spec)
+    if native.enabled() and a.shape[0] > 0 and b.shape[1] > 0:
+        try:
+            cand = choose(a, b, sp, operands)
+            if not cand.is_anchor:
+                return run_native(a, b, sp, operands, _config(cand))
+        except native.NativeError as e:
+            native.note_fallback("gemm", e)
+        except InvalidCandidate as e:
+            native.note_fallback("gemm", e)
+    return mm_aten(a, b, sp, operands)
+
+
+_gemm_op = torch.library.custom_op("torchport::gemm", _gemm_impl, mutates_args=())
+
+
+@_gemm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str) -> torch.Tensor:
+    out = EpilogueSpec.decode(spec).out_dtype(a.dtype)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    a, b, operands, spec = inputs
+    ctx.spec = spec
+    ctx.n_ops = len(operands)
+    ctx.save_for_backward(a, b, *operands)
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    a, b, *operands = ctx.saved_tensors
+    sp = EpilogueSpec.decode(ctx.spec)
+    dt = a.dtype
+    # recompute the chain's intermediate values with ATen ops
+    h = a @ b
+    hs: list[torch.Tensor] = []
+    it = iter(operands)
+    vals: list[torch.Tensor | None] = []
+    for op in sp.ops:
+        hs.append(h)
+        t = (
+            next(it).to(dt)
+            if op.kind in ("bias_col", "bias_row", "add", "scale_col", "scale_row")
+            else None
+        )
+        vals.append(t)
+        h = _step(h, op, t)
+    g = grad.to(dt)
+    grads_ops: list[torch.Tensor | None] = []
+    for op, x, t in zip(reversed(sp.ops), reversed(hs), reversed(vals)):
+        k = op.kind
+        if k == "bias_col":
+            grads_ops.append(g.sum(0))
+        elif k == "bias_row":
+            grads_ops.append(g.sum(1))
+        elif k == "add":
+            grads_ops.append(g)
+        elif k == "scale_col":
+            assert t is not None
+            grads_ops.append((g * x).sum(0))
+            g = g * t
+        elif k == "scale_row":
+            assert t is not None
+            grads_ops.append((g * x).sum(1))
+            g = g * t[:, None]
+        elif k == "scale":
+            g = g * op.value
+        elif k == "relu":
+            g = torch.where(x > 0, g, torch.zeros_like(g))
+        elif k in ("gelu", "gelu_tanh"):
+            approx = "none" if k == "gelu" else "tanh"
+            g = torch.ops.aten.gelu_backward(g, x, approximate=approx)
+        else:
+            g = torch.ops.aten.silu_backward(g, x)
+    grads_ops.reverse()
+    ga = g @ b.t() if ctx.needs_input_grad[0] else None
+    gb = a.t() @ g if ctx.needs_input_grad[1] else None
+    gops = [None if go is None else go.to(o.dtype) for go, o in zip(grads_ops, operands)]
+    return ga, gb, gops, None
+
+
+def _step(h: torch.Tensor, op: Any, t: torch.Tensor | None) -> torch.Tensor:
+    k = op.kind
+    if k in ("bias_col", "add"):
+        assert t is not None
+        return h + t
+    if k == "bias_row":
+        assert t is not None
+        return h + t[:, None]
+    if k == "scale_col":
+        assert t is not None
+        return h * t
+    if k == "scale_row":
+        assert t is not None
+        return h * t[:, None]
+    if k == "scale":
+        return h * op.value
+    if k == "relu":
+        return torch.relu(h)
+    if k == "gelu":
+        return torch.nn.functional.gelu(h)
+    if k == "gelu_tanh":
+        return torch.nn.functional.gelu(h, approximate="tanh")
+    return torch.nn.functional.silu(h)
+
+
+torch.library.register_autograd("torchport::gemm", _backward, setup_context=_setup)
+
+
+# --- public API ------------------------------------------------------------------------------------
+
+
+def _check_matrix(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise GemmInputError(f"mm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise GemmInputError(f"mm: {name} must be on device 'cpu', got {t.device}")
+    if t.dim() != 2:
+        raise GemmInputError(f"mm: {name} must be 2-D, got {t.dim()}-D shape {tuple(t.shape)}")
+    if t.dtype not in DTYPES:
+        raise GemmInputError(f"mm: {name} must be float32 or bfloat16, got {t.dtype}")
+    return t
+
+
+def mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    epilogue: Sequence[Step] | Step | None = None,
+) -> torch.Tensor:
+    """``epilogue(a @ b + bias)`` for 2-D CPU float32/bfloat16 ``a [M, K]``, ``b [K, N]``.
+
+    Any strides are accepted (``b = weight.t()`` is read in place). ``bias`` is ``[N]``.
+    ``epilogue`` is a sequence of steps from :mod:`torchport.gemm.epilogue` (or the names
+    ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``); the fused ones run inside the kernel's
+    store, anything else (a callable) runs afterwards as torch ops.
+    """
+    a = _check_matrix("a", a)
+    b = _check_matrix("b", b)
+    if a.dtype != b.dtype:
+        raise GemmInputError(f"mm: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.shape[1] != b.shape[0]:
+        raise GemmInputError(
+            f"mm: inner dimensions must match (a is {tuple(a.shape)}, b is {tuple(b.shape)}: "
+            f"K={a.shape[1]} vs {b.shape[0]})"
+        )
+    steps: list[Step] = []
+    if bias is not None:
+        steps.append(Bias(bias, "col"))
+    steps.extend(as_steps(epilogue))
+    sp = split(steps, a.shape[0], b.shape[1])
+    if native.eager_fast_path(a, b, *sp.operands):
+        y = _gemm_impl(a, b, sp.operands, sp.spec.encode())
+    else:
+        y = _gemm_op(a, b, sp.operands, sp.spec.encode())
+    return apply_tail(y, sp.tail) if sp.tail else y
+
+
+def gemm_op(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
+) -> torch.Tensor:
+    """The raw custom op (``torch.ops.torchport.gemm``) for compiler rewrites."""
+    return _gemm_op(a, b, operands, spec)
+
+
+__all__ = ["DTYPES", "SMALL_M", "bucket", "candidates", "choose", "decisions", "gemm_op", "mm"]

@@ -1,0 +1,141 @@
+"""Packing of GEMM ``B`` operands into column panels, with a cache for weights that do not change.
+
+``pack_b(b, nr)`` lays a logical ``[K, N]`` matrix (any strides: an ``nn.Linear`` weight arrives as
+``weight.t()``) out as ``[ceil(N/nr), K, nr]``, zero padded in the last panel, keeping its dtype
+(bf16 stays bf16, so the small-M kernels stream half the bytes and widen in registers).
+
+:class:`PackCache` (``pack_cache``) keeps the result per (storage pointer, shape, strides, dtype,
+``nr``) and validates it on every lookup (version counter and sampled values), so an in-place update
+(an optimiser step) repacks. Keys do not depend on the Python tensor object: Inductor passes a fresh
+alias of the same weight on every call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+MAX_BYTES = 2 << 30
+
+
+def pack_b_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
+    """Obviously correct packing by indexing (slow; for tests)."""
+    k, n = b.shape
+    npan = (n + nr - 1) // nr
+    out = torch.zeros(npan, k, nr, dtype=b.dtype)
+    for p in range(npan):
+        w = min(nr, n - p * nr)
+        out[p, :, :w] = b[:, p * nr : p * nr + w]
+    return out
+
+
+def pack_b(b: torch.Tensor, nr: int) -> torch.Tensor:
+    """Pack ``b`` ``[K, N]`` into ``[ceil(N/nr), K, nr]`` panels (two torch copies)."""
+    k, n = b.shape
+    npan = (n + nr - 1) // nr
+    wt = torch.zeros(npan * nr, k, dtype=b.dtype)
+    wt[:n].copy_(b.t())
+    return wt.view(npan, nr, k).transpose(1, 2).contiguous()
+
+
+def pack_b_pairs(b: torch.Tensor, nr: int = 32) -> torch.Tensor:
+    """bf16 ``[K, N]`` → ``[ceil(N/nr), ceil(K/2), nr, 2]`` for the AVX512-BF16 dot kernel."""
+    k = b.shape[0]
+    kp = (k + 1) // 2
+    p = pack_b(b, nr)  # [np, K, nr]
+    if k % 2:
+        p = torch.cat([p, p.new_zeros(p.shape[0], 1, nr)], dim=1)
+    return p.view(p.shape[0], kp, 2, nr).transpose(2, 3).contiguous()
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def _probe(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to 16 spread-out positions of ``b`` and their values (a cheap content fingerprint)."""
+    k, n = b.shape
+    count = min(16, k * n)
+    flat = torch.linspace(0, k * n - 1, count).long() if count else torch.zeros(0).long()
+    rows, cols = flat // max(n, 1), flat % max(n, 1)
+    return flat, b[rows, cols].clone()
+
+
+@dataclass
+class _Entry:
+    tensor: torch.Tensor  # held: its storage cannot be freed and reused while cached
+    version: int
+    probe: tuple[torch.Tensor, torch.Tensor]
+    packed: torch.Tensor
+
+
+class PackCache:
+    """Packed operands keyed by storage, layout and panel width, validated on every lookup.
+
+    An entry is valid while the tensor's version counter is unchanged (in-place updates, such as
+    optimiser steps, bump it) and 16 sampled values still match (which also catches writes through
+    ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
+    storage address is never reused under a live entry; the least recently used entries are dropped
+    beyond ``max_bytes``.
+    """
+
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[object, ...], _Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, b: torch.Tensor, nr: int) -> torch.Tensor:
+        """Packed ``b`` for panel width ``nr``, from the cache when still valid."""
+        key = (b.data_ptr(), tuple(b.shape), tuple(b.stride()), b.dtype, nr)
+        ver = _version(b)
+        with self._lock:
+            e = self._entries.get(key)
+        if e is not None and e.version == ver and ver >= 0:
+            flat, vals = e.probe
+            n = max(b.shape[1], 1)
+            if torch.equal(b[flat // n, flat % n], vals):
+                with self._lock:
+                    if key in self._entries:
+                        self._entries.move_to_end(key)
+                    self.hits += 1
+                return e.packed
+        b = b.detach()
+        packed = pack_b(b, nr)
+        size = packed.numel() * packed.element_size()
+        with self._lock:
+            self.misses += 1
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.packed.numel() * old.packed.element_size()
+            if ver >= 0 and size <= self.max_bytes:
+                self._entries[key] = _Entry(b, ver, _probe(b), packed)
+                self._bytes += size
+                while self._bytes > self.max_bytes and self._entries:
+                    _, ev = self._entries.popitem(last=False)
+                    self._bytes -= ev.packed.numel() * ev.packed.element_size()
+        return packed
+
+    def clear(self) -> None:
+        """Drop every entry (and the references to the tensors they hold)."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+pack_cache = PackCache()

@@ -1,0 +1,359 @@
+"""C templates for GEMM ``C[M, N] = epilogue(A[M, K] @ B[K, N])`` on the native toolchain.
+
+Kernel structure (one exported function per register tile ``MR x NR``):
+
+- ``B`` arrives packed in column panels of ``NR`` (``[ceil(N/NR)][K][NR]``, zero padded; float32 or
+  bfloat16, see :mod:`~torchport.gemm.pack`), so the micro-kernel reads one contiguous stream;
+- ``A`` is read in place through its two strides (float32; bf16 ``A`` is widened first), each
+  element broadcast once per ``k`` against ``NR / VW`` vector loads of ``B``;
+- threads split the ``N`` panels (``nthreads`` explicit); each thread walks ``M`` in blocks of
+  ``mc`` rows (a runtime parameter; ``mc >= M`` is the weight-streaming order used for small ``M``:
+  every panel of ``B`` is read from memory once and reused from L1/L2 by all rows);
+- accumulators stay in registers over the whole ``K`` (no partial stores), so the epilogue is applied
+  once, on the fp32 accumulator, right before the single store; ``pf`` is a software-prefetch
+  distance in ``k`` rows (0 = off).
+
+ISA levels: ``avx2`` (8-wide ymm, FMA) is what runs on AVX2 machines; ``avx512`` (16-wide zmm) and,
+under ``__AVX512BF16__``, a ``vdpbf16ps`` kernel over pair-packed bf16 operands; ``scalar`` is
+portable C. Remainder columns go through
+a small buffer and the scalar epilogue. Remainder rows (``M % MR``) run the 1-row tile of the
+same width, so only two tiles per width are compiled (the autotuner prefers an ``MR`` dividing
+small ``M``).
+"""
+
+from __future__ import annotations
+
+from torchport.gemm.epilogue import EpilogueSpec, emit_c
+
+VW = {"avx2": 8, "avx512": 16, "scalar": 1}
+
+# Polynomial fits (float64 Chebyshev least squares, power basis) for erf:
+#   |x| < 1:    erf(x) = x * P(x^2)
+#   1 <= |x|:   erf(x) = 1 - exp(-x^2) * Q(1/|x|),  saturating to 1 for |x| >= 4
+_ERF_P = (
+    "1.128379167e+00f",
+    "-3.761262988e-01f",
+    "1.128362571e-01f",
+    "-2.685539873e-02f",
+    "5.191216625e-03f",
+    "-8.034828135e-04f",
+    "7.933422913e-05f",
+)
+_ERF_Q = (
+    "2.926099669e-04f",
+    "5.586771069e-01f",
+    "4.451618506e-02f",
+    "-4.810545141e-01f",
+    "5.181655039e-01f",
+    "-2.714495725e-01f",
+    "4.869700491e-02f",
+    "1.684645181e-02f",
+    "-7.107211532e-03f",
+)
+
+
+def _horner(var: str, coefs: tuple[str, ...], fma: str, set1: str) -> str:
+    expr = f"{set1}({coefs[-1]})"
+    for c in coefs[-2::-1]:
+        expr = f"{fma}({expr}, {var}, {set1}({c}))"
+    return expr
+
+
+_VOCAB = {
+    "avx2": r"""
+#define VEC __m256
+#define VLOAD_f32(p) _mm256_loadu_ps(p)
+#define VLOAD_bf16(p) tp_bf16x8_to_f32(p)
+#define VSTORE_f32(p, v) _mm256_storeu_ps((p), (v))
+#define VSTORE_bf16(p, v) tp_f32x8_to_bf16((p), (v))
+#define VSET1(x) _mm256_set1_ps(x)
+#define VZERO() _mm256_setzero_ps()
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VMIN(a, b) _mm256_min_ps(a, b)
+#define VABS(a) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)
+#define VSIGN(a) _mm256_and_ps(_mm256_set1_ps(-0.0f), a)
+#define VOR(a, b) _mm256_or_ps(a, b)
+#define VSEL_LT(a, b, x, y) _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ))
+#define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2I(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+""",
+    "avx512": r"""
+#define VEC __m512
+#define VLOAD_f32(p) _mm512_loadu_ps(p)
+#define VLOAD_bf16(p) tp_bf16x16_to_f32(p)
+#define VSTORE_f32(p, v) _mm512_storeu_ps((p), (v))
+#define VSTORE_bf16(p, v) tp_f32x16_to_bf16((p), (v))
+#define VSET1(x) _mm512_set1_ps(x)
+#define VZERO() _mm512_setzero_ps()
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define VABS(a) _mm512_abs_ps(a)
+#define VSIGN(a) _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi32(0x80000000), _mm512_castps_si512(a)))
+#define VOR(a, b) _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+#define VSEL_LT(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x)
+#define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2I(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+""",
+    "scalar": r"""
+#define VEC float
+#define VLOAD_f32(p) (*(p))
+#define VLOAD_bf16(p) tp_bf16_to_f32(*(p))
+#define VSTORE_f32(p, v) (*(p) = (v))
+#define VSTORE_bf16(p, v) (*(p) = tp_f32_to_bf16(v))
+#define VSET1(x) ((float)(x))
+#define VZERO() 0.0f
+#define VADD(a, b) ((a) + (b))
+#define VMUL(a, b) ((a) * (b))
+#define VFMA(a, b, c) fmaf(a, b, c)
+#define VMAX(a, b) ((b) < (a) ? (a) : (b))
+#define VPREFETCH(p) __builtin_prefetch(p)
+""",
+}
+
+_SCALAR_MATH = r"""
+#define SLOAD_f32(p) (*(p))
+#define SLOAD_bf16(p) tp_bf16_to_f32(*(p))
+#define SSTORE_f32(p, v) (*(p) = (v))
+#define SSTORE_bf16(p, v) (*(p) = tp_f32_to_bf16(v))
+TP_INLINE float tp_sgelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+TP_INLINE float tp_sgelu_tanh(float x) {
+    float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.0f + expf(-2.0f * y));
+}
+TP_INLINE float tp_ssilu(float x) { return x / (1.0f + expf(-x)); }
+"""
+
+_VECTOR_MATH = (
+    r"""
+/* exp(x) for x clamped to [-87.3, 88.3]: 2^n * p(r), r = x - n ln2 (Cody-Waite), degree-7 poly */
+TP_INLINE VEC tp_vexp(VEC x) {
+    x = VMIN(VMAX(x, VSET1(-87.3f)), VSET1(88.3f));
+    VEC n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
+    VEC r = VFMA(n, VSET1(-0.693145751953125f), x);
+    r = VFMA(n, VSET1(-1.428606765330187e-06f), r);
+    VEC p = VSET1(1.0f / 5040.0f);
+    p = VFMA(p, r, VSET1(1.0f / 720.0f));
+    p = VFMA(p, r, VSET1(1.0f / 120.0f));
+    p = VFMA(p, r, VSET1(1.0f / 24.0f));
+    p = VFMA(p, r, VSET1(1.0f / 6.0f));
+    p = VFMA(p, r, VSET1(0.5f));
+    p = VFMA(p, r, VSET1(1.0f));
+    p = VFMA(p, r, VSET1(1.0f));
+    return VMUL(p, VPOW2I(n));
+}
+TP_INLINE VEC tp_verf(VEC x) {
+    VEC a = VABS(x);
+    VEC x2 = VMUL(x, x);
+    VEC small = VMUL(x, ${erf_p});
+    VEC ac = VMIN(a, VSET1(4.0f));
+    VEC u = VDIV(VSET1(1.0f), VMAX(ac, VSET1(1.0f)));
+    VEC q = ${erf_q};
+    VEC big = VSUB1(VMUL(tp_vexp(VMUL(VSET1(-1.0f), VMUL(ac, ac))), q));
+    big = VSEL_LT(a, VSET1(4.0f), big, VSET1(1.0f));
+    big = VOR(big, VSIGN(x));
+    return VSEL_LT(a, VSET1(1.0f), small, big);
+}
+TP_INLINE VEC tp_vgelu(VEC x) {
+    VEC h = VMUL(VSET1(0.5f), x);
+    return VFMA(h, tp_verf(VMUL(x, VSET1(0.70710678118654752f))), h);
+}
+TP_INLINE VEC tp_vgelu_tanh(VEC x) {
+    VEC y = VMUL(VSET1(0.7978845608028654f), VFMA(VMUL(VSET1(0.044715f), x), VMUL(x, x), x));
+    return VDIV(x, VADD(VSET1(1.0f), tp_vexp(VMUL(VSET1(-2.0f), y))));
+}
+TP_INLINE VEC tp_vsilu(VEC x) {
+    return VDIV(x, VADD(VSET1(1.0f), tp_vexp(VMUL(VSET1(-1.0f), x))));
+}
+""".replace("${erf_p}", _horner("x2", _ERF_P, "VFMA", "VSET1"))
+    .replace("${erf_q}", _horner("u", _ERF_Q, "VFMA", "VSET1"))
+    .replace("VSUB1(", "VSUB_FROM_ONE(")
+)
+
+_SCALAR_VMATH = r"""
+#define tp_vgelu tp_sgelu
+#define tp_vgelu_tanh tp_sgelu_tanh
+#define tp_vsilu tp_ssilu
+"""
+
+
+def _vsub_from_one(isa: str) -> str:
+    if isa == "avx2":
+        return "#define VSUB_FROM_ONE(a) _mm256_sub_ps(_mm256_set1_ps(1.0f), a)\n"
+    return "#define VSUB_FROM_ONE(a) _mm512_sub_ps(_mm512_set1_ps(1.0f), a)\n"
+
+
+def vocabulary(isa: str) -> str:
+    """Vector macros plus exp/erf/GELU/SiLU helpers for one ISA level."""
+    head = _VOCAB[isa] + _SCALAR_MATH
+    if isa == "scalar":
+        return head + _SCALAR_VMATH
+    return head + _vsub_from_one(isa) + _VECTOR_MATH
+
+
+def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
+    """One micro-kernel: ``mr`` rows x ``nr`` columns, accumulators in registers over all of K."""
+    nv = nr // vw
+    lines = [
+        f"static void tile_{mr}x{nr}(const float *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
+        "        int64_t K, otype_t *C, int64_t ldc, int64_t i, int64_t j, int64_t nr, int64_t pf,",
+        "        const void *const *ep, const int64_t *eld) {",
+        f"    VEC acc[{mr}][{nv}];",
+        f"    const float *ar[{mr}];",
+        f"    for (int r = 0; r < {mr}; ++r) {{ ar[r] = A + (i + r) * sa0;"
+        f" for (int v = 0; v < {nv}; ++v) acc[r][v] = VZERO(); }}",
+        "    const int64_t lines_per_k = (" + str(nr) + " * (int64_t)sizeof(btype_t) + 63) / 64;",
+        "    for (int64_t k = 0; k < K; ++k) {",
+        f"        const btype_t *bk = bp + k * {nr};",
+        "        if (pf) for (int64_t c = 0; c < lines_per_k; ++c)"
+        f" VPREFETCH((const char *)(bk + pf * {nr}) + 64 * c);",
+        f"        VEC b[{nv}];",
+        f"        #pragma GCC unroll {nv}",
+        f"        for (int v = 0; v < {nv}; ++v) b[v] = VLOAD_{btag}(bk + v * {vw});",
+        f"        #pragma GCC unroll {mr}",
+        f"        for (int r = 0; r < {mr}; ++r) {{",
+        "            VEC a = VSET1(ar[r][k * sa1]);",
+        f"            #pragma GCC unroll {nv}",
+        f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = VFMA(a, b[v], acc[r][v]);",
+        "        }",
+        "    }",
+        f"    if (nr == {nr}) {{",
+        f"        for (int r = 0; r < {mr}; ++r)",
+        f"            for (int v = 0; v < {nv}; ++v) {{",
+        f"                int64_t jj = j + v * {vw};",
+        "                VEC x = tp_epi_v(acc[r][v], i + r, jj, ep, eld);",
+        f"                VSTORE_{otag}(C + (i + r) * ldc + jj, x);",
+        "            }",
+        "    } else {",
+        f"        float tmp[{nr}];",
+        f"        for (int r = 0; r < {mr}; ++r) {{",
+        f"            for (int v = 0; v < {nv}; ++v) VSTORE_f32(tmp + v * {vw}, acc[r][v]);",
+        "            for (int64_t c = 0; c < nr; ++c)",
+        f"                SSTORE_{otag}(C + (i + r) * ldc + j + c, tp_epi_s(tmp[c], i + r, j + c, ep, eld));",
+        "        }",
+        "    }",
+        "}",
+    ]
+    return "\n".join(lines).replace(f"tile_{mr}x{nr}", f"tile_{mr}_{nr}")
+
+
+def _driver(mr: int, nr: int) -> str:
+    call = "(A, sa0, sa1, bp, K, C, ldc, i, j, nr, pf, ep, eld)"
+    rest = "(A, sa0, sa1, bp, K, C, ldc, i + r, j, nr, pf, ep, eld)"
+    cases = (
+        f"                    if (mcur - ir >= {mr}) tile_{mr}_{nr}{call};\n"
+        f"                    else for (int64_t r = 0; r < mcur - ir; ++r) tile_1_{nr}{rest};"
+    )
+    return f"""
+/* C[M, N] (row stride ldc) = epilogue(A[M, K] (strides sa0, sa1) @ unpack(Bp)) */
+TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t sa0, int64_t sa1,
+        const btype_t *Bp, int64_t M, int64_t N, int64_t K, int64_t mc, int64_t pf,
+        const void *const *ep, const int64_t *eld, int64_t nthreads) {{
+    if (M <= 0 || N <= 0) return 0;
+    if (mc < 1) return 1;
+    const int64_t np = (N + {nr} - 1) / {nr};
+    int64_t nt = TP_MIN(nthreads, np);
+    if ((double)M * (double)N * (double)K < 65536.0) nt = 1;
+    #pragma omp parallel num_threads(nt)
+    {{
+        int64_t p0, p1;
+        tp_chunk(np, omp_get_num_threads(), omp_get_thread_num(), 1, &p0, &p1);
+        for (int64_t ic = 0; ic < M; ic += mc) {{
+            int64_t mcur = TP_MIN(mc, M - ic);
+            for (int64_t jp = p0; jp < p1; ++jp) {{
+                const btype_t *bp = Bp + jp * K * {nr};
+                int64_t j = jp * {nr}, nr = TP_MIN({nr}, N - j);
+                for (int64_t ir = 0; ir < mcur; ir += {mr}) {{
+                    int64_t i = ic + ir;
+{cases}
+                }}
+            }}
+        }}
+    }}
+    return 0;
+}}
+"""
+
+
+def render_source(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: tuple[tuple[int, int], ...]
+) -> str:
+    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``."""
+    vw = VW[isa]
+    vec, sca = emit_c(spec)
+    parts = [
+        vocabulary(isa),
+        f"typedef {'float' if btag == 'f32' else 'uint16_t'} btype_t;",
+        f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
+        "TP_INLINE VEC tp_epi_v(VEC v, int64_t i, int64_t j, const void *const *ep,"
+        " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
+        + vec
+        + "\n    return v;\n}",
+        "TP_INLINE float tp_epi_s(float s, int64_t i, int64_t j, const void *const *ep,"
+        " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
+        + sca
+        + "\n    return s;\n}",
+    ]
+    seen: set[tuple[int, int]] = set()
+    for mr, nr in tiles:
+        if nr % vw:
+            raise ValueError(f"tile NR={nr} must be a multiple of the vector width {vw} ({isa})")
+        for r in sorted({1, mr}):
+            if (r, nr) not in seen:
+                seen.add((r, nr))
+                parts.append(_tile(r, nr, vw, btag, otag))
+        parts.append(_driver(mr, nr))
+    if isa == "avx512":
+        parts.append(DPBF16.replace("SSTORE_bf16((uint16_t *)C", f"SSTORE_{otag}(C"))
+    return "\n".join(parts)
+
+
+# AVX512-BF16 kernel: B packed as [ceil(N/16)][ceil(K/2)][16][2] bf16 pairs, A as bf16 rows padded to
+# an even K. Each k-pair broadcasts one 32-bit word of A; vdpbf16ps accumulates two products per
+# lane in fp32. Built on AVX512-BF16 machines (and by the build test); never run on AVX2 ones.
+DPBF16 = r"""
+#if defined(__AVX512BF16__)
+TP_EXPORT int tp_gemm_dpbf16_4x32(otype_t *C, int64_t ldc, const uint16_t *A, int64_t lda,
+        const uint16_t *Bp, int64_t M, int64_t N, int64_t K, const void *const *ep,
+        const int64_t *eld, int64_t nthreads) {
+    const int64_t kp = (K + 1) / 2, np = (N + 31) / 32;
+    #pragma omp parallel for num_threads(TP_MIN(nthreads, np)) schedule(static)
+    for (int64_t jp = 0; jp < np; ++jp) {
+        const uint16_t *bp = Bp + jp * kp * 64;
+        int64_t j = jp * 32, nr = TP_MIN(32, N - j);
+        for (int64_t i = 0; i < M; i += 4) {
+            int64_t mr = TP_MIN(4, M - i);
+            __m512 acc[4][2];
+            for (int r = 0; r < 4; ++r) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
+            for (int64_t k = 0; k < kp; ++k) {
+                __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + k * 64);
+                __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + k * 64 + 32);
+                for (int r = 0; r < mr; ++r) {
+                    int32_t w; memcpy(&w, A + (i + r) * lda + 2 * k, 4);
+                    __m512bh a = (__m512bh)_mm512_set1_epi32(w);
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+                }
+            }
+            for (int r = 0; r < mr; ++r) {
+                float tmp[32];
+                _mm512_storeu_ps(tmp, acc[r][0]);
+                _mm512_storeu_ps(tmp + 16, acc[r][1]);
+                for (int64_t c = 0; c < nr; ++c)
+                    SSTORE_bf16((uint16_t *)C + (i + r) * ldc + j + c, tp_epi_s(tmp[c], i + r, j + c, ep, eld));
+            }
+        }
+    }
+    return 0;
+}
+#endif
+"""

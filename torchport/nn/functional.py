@@ -1,0 +1,53 @@
+"""``torchport.nn.functional.linear``: :func:`torch.nn.functional.linear` on the GEMM engine.
+
+Same contract as torch's (``input [..., K]``, ``weight [N, K]``, ``bias [N]``), plus an optional
+fused ``epilogue`` (see :mod:`torchport.gemm.epilogue`); residual operands may have the output's
+full shape ``[..., N]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torchport.gemm.epilogue import Add, Step, as_steps
+from torchport.gemm.kernels import GemmInputError
+from torchport.gemm.mm import mm
+
+
+def linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    epilogue: Sequence[Step] | Step | None = None,
+) -> torch.Tensor:
+    """``epilogue(input @ weight.T + bias)`` through the autotuned GEMM (float32/bfloat16, CPU)."""
+    if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise GemmInputError(
+            f"linear: input and weight must be tensors, got {type(input).__name__} "
+            f"and {type(weight).__name__}"
+        )
+    if weight.dim() != 2:
+        raise GemmInputError(
+            f"linear: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}"
+        )
+    if input.dim() < 1:
+        raise GemmInputError("linear: input must have at least 1 dimension, got a scalar")
+    k = weight.shape[1]
+    if input.shape[-1] != k:
+        raise GemmInputError(
+            f"linear: input's last dimension must equal in_features={k}, got shape "
+            f"{tuple(input.shape)}"
+        )
+    lead = tuple(input.shape[:-1])
+    n = weight.shape[0]
+    x2 = input.reshape(-1, k)
+    steps: list[Step] = []
+    for s in as_steps(epilogue):
+        if isinstance(s, Add) and s.t.dim() != 2 and tuple(s.t.shape) == (*lead, n):
+            s = Add(s.t.reshape(-1, n))
+        steps.append(s)
+    y = mm(x2, weight.t(), bias=bias, epilogue=steps)
+    return y.reshape(*lead, n)
