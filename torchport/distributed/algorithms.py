@@ -241,7 +241,7 @@ def allreduce_reference(
 ) -> torch.Tensor:
     """What every rank holds after ``all_reduce`` of ``tensors[q]`` on rank q."""
     if op == "AVG":
-        return fold_reference(tensors, "SUM") / len(tensors)
+        return fold_reference(tensors, "SUM").div_(len(tensors))
     if op == "PREMUL_SUM":
         return fold_reference([t * factor for t in tensors], "SUM")
     return fold_reference(tensors, op)

@@ -256,6 +256,26 @@ TP_EXPORT int64_t tp_set_abort(char *hdr, int64_t value) {
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
 
+/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop. Sleeps (GIL released by
+   ctypes) until stop (returns 0) or until work has been pending, untaken, for grace_ns (1). */
+TP_EXPORT int64_t tp_doorbell_wait(volatile int64_t *cells, int64_t grace_ns, int64_t poll_ns) {
+    int64_t since = 0, seen_taken = -1;
+    struct timespec ts = {0, poll_ns};
+    for (;;) {
+        if (__atomic_load_n(&cells[2], __ATOMIC_ACQUIRE)) return 0;
+        int64_t posted = __atomic_load_n(&cells[0], __ATOMIC_ACQUIRE);
+        int64_t taken = __atomic_load_n(&cells[1], __ATOMIC_ACQUIRE);
+        if (posted > taken) {
+            int64_t now = tp_now_ns();
+            if (taken != seen_taken) { seen_taken = taken; since = now; }
+            else if (now - since >= grace_ns) return 1;
+        } else {
+            seen_taken = -1;
+        }
+        nanosleep(&ts, NULL);
+    }
+}
+
 TP_EXPORT int64_t tp_get_abort(char *hdr) {
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
@@ -279,6 +299,9 @@ class ShmLib:
         self.set_abort = lib.tp_set_abort
         self.set_abort.argtypes = [p, i64]
         self.set_abort.restype = ctypes.c_int64
+        self.doorbell_wait = lib.tp_doorbell_wait
+        self.doorbell_wait.argtypes = [p, i64, i64]
+        self.doorbell_wait.restype = ctypes.c_int64
         self.get_abort = lib.tp_get_abort
         self.get_abort.argtypes = [p]
         self.get_abort.restype = ctypes.c_int64
