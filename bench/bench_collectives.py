@@ -24,7 +24,7 @@ KB, MB = 1 << 10, 1 << 20
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 
 
-def _op_fn(op: str, size: int, world: int, group):  # type: ignore[no-untyped-def]
+def _op_fn(op: str, size: int, world: int, group):
     import torch
     import torch.distributed as dist
 
@@ -45,7 +45,7 @@ def _op_fn(op: str, size: int, world: int, group):  # type: ignore[no-untyped-de
     return lambda: dist.all_to_all_single(out, inp, group=group)
 
 
-def _time(fn, k: int) -> float:  # type: ignore[no-untyped-def]
+def _time(fn, k: int) -> float:
     t0 = time.perf_counter()
     for _ in range(k):
         fn()
@@ -90,7 +90,7 @@ def worker(rank: int, world: int, init: str, out: str, quick: bool, reps: int) -
     dist.destroy_process_group()
 
 
-def _ddp(groups, quick: bool):  # type: ignore[no-untyped-def]
+def _ddp(groups, quick: bool):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -177,8 +177,8 @@ def _fmt(size: int) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        r, w, init, out, quick, reps = sys.argv[2:8]
-        worker(int(r), int(w), init, out, bool(int(quick)), int(reps))
+        a = sys.argv[2:8]
+        worker(int(a[0]), int(a[1]), a[2], a[3], bool(int(a[4])), int(a[5]))
         return
     from torchport.benchmarks import BenchTable, arg_parser
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchport.distributed import allreduce_reference, fold_reference
+from torchport.distributed import allreduce_reference
 
 REDUCE_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
 DTYPES = [

@@ -10,12 +10,11 @@ from __future__ import annotations
 import datetime
 import functools
 
+import dist_workers as W
 import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
-
-import dist_workers as W
 
 SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384"}  # many chunks and both allreduce paths
 SIZES = [0, 1, 7, 4099]

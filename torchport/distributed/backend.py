@@ -1,3 +1,6 @@
+# mypy: disable-error-code="override,assignment"
+# (the c10d stubs declare overloaded Python-convenience signatures; the backend implements the
+#  C++ virtual signatures that ProcessGroup dispatches to, as torchft does)
 """The ``torchport`` c10d backend: a ``torch.distributed.ProcessGroup`` over our communicators.
 
 Every collective validates its arguments on the caller's thread (typed
@@ -107,7 +110,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, comm: Communicator) -> None:
-        super().__init__(comm.rank, comm.world)
+        super().__init__(comm.rank, comm.world)  # type: ignore[call-arg]
         self.comm = comm
         self._closed = False
 
@@ -266,10 +269,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
                     f"reduce_scatter: every input must match the output ({out.numel()} x {out.dtype}), "
                     f"got {t.numel()} x {t.dtype}"
                 )
-        stacked = None if not ins else ins
-        return self._reduce_scatter(
-            out, lambda _c: [t.reshape(-1) for t in stacked or []], None, opts
-        )
+        return self._reduce_scatter(out, lambda _c: [t.reshape(-1) for t in ins], None, opts)
 
     def _reduce_scatter(
         self,

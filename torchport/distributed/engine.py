@@ -20,6 +20,7 @@ queued and later operation. ``abort()`` does the same with :class:`CommAbortedEr
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import datetime
 import threading
@@ -167,7 +168,7 @@ class TorchportWork(dist.Work):
     def is_success(self) -> bool:
         return self._event.is_set() and self._error is None
 
-    def exception(self) -> BaseException | None:  # type: ignore[override]
+    def exception(self) -> BaseException | None:
         return self._error
 
     def get_future(self) -> torch.futures.Future:
@@ -270,6 +271,7 @@ class Communicator:
         self.rank, self.world, self.arena = rank, len(ranks), arena
         self.timeout_s, self.chunk, self.name = timeout_s, chunk, name
         self.epoch = 1
+        self.owns_mesh = False  # True for a group that built its own mesh (no root group)
         self.op_seq = 0
         self.error: BaseException | None = None
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
@@ -302,10 +304,8 @@ class Communicator:
             self.arena.set_abort(self.rank, reason)
         for q, g in enumerate(self.ranks):
             if q != self.rank and g in self.mesh.peers:
-                try:
+                with contextlib.suppress(CommError):
                     self.mesh.send(g, Kind.ABORT, self.group_id, reason)
-                except CommError:
-                    pass
         self.mesh.mailbox.wake()
         for key, cb, work in pending:
             self.mesh.mailbox.cancel(key, cb)
@@ -480,11 +480,12 @@ class Communicator:
         sig = (dtype_code(tensor.dtype), tensor.numel(), 0, 0)
 
         def go() -> None:
-            payload = memoryview(data.numpy()) if data is not None else b""
+            payload = data.numpy().data if data is not None else b""
             self.mesh.send(self.ranks[dst], Kind.P2P, self.group_id, tag, payload, sig)
 
         work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
-        self.check_now(work) or self.sender.submit(work, go, self)
+        if not self.check_now(work):
+            self.sender.submit(work, go, self)
         return work
 
     def recv_p2p(self, tensor: torch.Tensor, src: int, tag: int) -> TorchportWork:

@@ -16,13 +16,14 @@ call itself.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import secrets
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -149,23 +150,19 @@ class ShmArena:
 
     def unlink(self) -> None:
         """Remove the file name (mappings stay valid)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         """Unmap (after in-flight steps ended)."""
         if self._mm is not None:
             del self._anchor
-            try:
+            with contextlib.suppress(BufferError):  # a live pointer view: unmapped at exit
                 self._mm.close()
-            except BufferError:  # a pointer view is still alive; the OS unmaps at exit
-                pass
             self._mm = None
 
 
-def wait_until(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``pred`` until true or raise :class:`CommError` naming ``what``."""
     end = time.monotonic() + timeout_s
     while not pred():

@@ -20,6 +20,7 @@ Internal API other modules build on:
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -328,14 +329,10 @@ class Mesh:
     def close(self) -> None:
         """Close the listener and every connection (reader threads then exit)."""
         self.closed = True
-        try:
+        with contextlib.suppress(OSError):
             self.listener.close()
-        except OSError:
-            pass
         for conn in list(self.peers.values()):
-            try:
+            with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             conn.sock.close()
         self.mailbox.wake()
