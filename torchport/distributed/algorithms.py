@@ -188,26 +188,26 @@ def alltoall(
     reads = [(q, 0, matrix[q].data_ptr(), 16 * w, COPY) for q in range(w)]
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
     comm.step(sig, [(mine.data_ptr(), 16 * w)], reads, dtype, 0, deadline)
-    sends, recvs = matrix[:, :w], matrix[:, w:]
-    bad = (sends != recvs.t()).nonzero()
-    if len(bad):
-        q, d = (int(v) for v in bad[0])
-        raise CollectiveMismatchError(
-            f"alltoall split sizes disagree: rank {q} sends {int(sends[q, d])} bytes to rank {d}, "
-            f"which expects {int(recvs[d, q])} bytes from rank {q}"
-        )
+    rows = matrix.tolist()
+    sends = [row[:w] for row in rows]  # sends[q][d]: bytes rank q sends to rank d
+    for q in range(w):
+        for d in range(w):
+            if sends[q][d] != rows[d][w + q]:
+                raise CollectiveMismatchError(
+                    f"alltoall split sizes disagree: rank {q} sends {sends[q][d]} bytes to rank "
+                    f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
+                )
     per = max(1, comm.chunk // w)
-    longest = int(sends.max()) if w else 0
+    longest = max(max(row) for row in sends) if w else 0
     nsteps = max(1, math.ceil(longest / per))
     for k in range(nsteps):
         lo = k * per
         pubs = [(ins[d] + lo, max(0, min(per, in_lens[d] - lo))) for d in range(w)]
         reads = []
         for q in range(w):
-            offs = [max(0, min(per, int(sends[q, d]) - lo)) for d in range(w)]
-            n = offs[r]
-            if n:
-                reads.append((q, sum(offs[:r]), outs[q] + lo, n, COPY))
+            offs = [max(0, min(per, n - lo)) for n in sends[q]]
+            if offs[r]:
+                reads.append((q, sum(offs[:r]), outs[q] + lo, offs[r], COPY))
         sig = make_sig(seq, OP_ALLTOALL, dtype, 0, -1, longest, k + 1)
         comm.step(sig, pubs, reads, dtype, 0, deadline)
 

@@ -5,7 +5,8 @@ One call of ``tp_shm_step`` performs a whole collective step for the calling ran
 1. copy the published segments into this rank's slot (half ``epoch & 1`` of its double buffer);
 2. write the step signature and arrive at the barrier (``__atomic`` release store of ``epoch``);
 3. wait until every rank arrived (acquire loads; bounded spin with ``pause``, then
-   ``sched_yield``, then short sleeps), watching the group's abort word and a deadline;
+   ``sched_yield`` for 0.2 ms, then a futex sleep woken by the next arrival), watching the
+   group's abort word and a deadline;
 4. compare every rank's signature with ours (mismatch -> error code, offending rank);
 5. apply the reads: copy or reduce ``len`` bytes from ``peer``'s slot into a destination.
 
@@ -35,10 +36,15 @@ LINE = 256  # per-rank control line: arrive (8) + pad + two signature halves
 SIG_WORDS = 8
 CTRL_OFF = 256  # lines start here; offset 64 holds the abort word
 DATA_ALIGN = 4096
+YIELD_NS = 200_000  # after this long a waiting rank sleeps on the futex instead of yielding
 
 _SOURCE = r"""
 #include <sched.h>
 #include <time.h>
+#include <limits.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
 #include <complex.h>
 
 #define SIG_WORDS ${sig_words}
@@ -188,7 +194,19 @@ TP_EXPORT int tp_apply(const int64_t *bases, const int64_t *reads, int64_t nread
 
 static inline tp_line_t *tp_line(char *hdr, int64_t r) { return (tp_line_t *)(hdr + CTRL_OFF + r * LINE); }
 
-/* Spin until every rank's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. */
+/* Futex word (offset 72) bumped on every arrival and abort; sleeper count at offset 76. */
+static inline int32_t *tp_gen(char *hdr) { return (int32_t *)(hdr + 72); }
+static inline int32_t *tp_sleepers(char *hdr) { return (int32_t *)(hdr + 76); }
+
+static void tp_bump(char *hdr) {
+    __atomic_add_fetch(tp_gen(hdr), 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(tp_sleepers(hdr), __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, tp_gen(hdr), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Wait until every rank's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. Spins briefly, yields
+   for up to ${yield_ns} ns, then sleeps on the futex (1 ms cap, so deadlines and aborts are
+   seen promptly even without a wake-up). */
 static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
     int64_t *abort_word = (int64_t *)(hdr + 64);
     int64_t spins = 0, t0 = 0;
@@ -206,8 +224,15 @@ static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline
             int64_t now = tp_now_ns();
             if (t0 == 0) t0 = now;
             if (now > deadline) return 1;
-            if (now - t0 < 2000000) sched_yield();
-            else { struct timespec ts = {0, 20000}; nanosleep(&ts, NULL); }
+            if (now - t0 < ${yield_ns}) { sched_yield(); continue; }
+            __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
+            int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
+                __atomic_load_n(abort_word, __ATOMIC_SEQ_CST) == 0) {
+                struct timespec ts = {0, 1000000};
+                syscall(SYS_futex, tp_gen(hdr), FUTEX_WAIT, g, &ts, NULL, 0);
+            }
+            __atomic_sub_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
         }
     }
     return 0;
@@ -230,7 +255,8 @@ TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, in
     }
     tp_line_t *me = tp_line(hdr, rank);
     for (int w = 0; w < SIG_WORDS; w++) me->sig[half][w] = sig[w];
-    __atomic_store_n(&me->arrive, epoch, __ATOMIC_RELEASE);
+    __atomic_store_n(&me->arrive, epoch, __ATOMIC_SEQ_CST);
+    tp_bump(hdr);
     int st = tp_wait_all(hdr, world, epoch, tp_now_ns() + timeout_ns);
     if (st != 0) return st;
     for (int64_t q = 0; q < world; q++) {
@@ -253,6 +279,7 @@ TP_EXPORT int64_t tp_set_abort(char *hdr, int64_t value) {
     int64_t expected = 0;
     __atomic_compare_exchange_n((int64_t *)(hdr + 64), &expected, value, 0,
                                 __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    tp_bump(hdr);
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
 
@@ -310,5 +337,7 @@ class ShmLib:
 @functools.cache
 def shm_lib() -> ShmLib:
     """Build (or load from the cache) the shared-memory kernels."""
-    src = native.render(_SOURCE, sig_words=SIG_WORDS, line=LINE, ctrl_off=CTRL_OFF)
+    src = native.render(
+        _SOURCE, sig_words=SIG_WORDS, line=LINE, ctrl_off=CTRL_OFF, yield_ns=YIELD_NS
+    )
     return ShmLib(native.build(src, name="tp_shm", extra_flags=("-fwrapv", "-ffp-contract=off")))
