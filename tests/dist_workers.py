@@ -436,7 +436,39 @@ def auth_case(rank: int, world: int) -> dict[str, Any]:
     return {"rejected": mesh.rejected - before, "outcomes": outcomes, "sum": t.tolist()}
 
 
+def fsdp2_losses(rank: int, world: int) -> dict[str, list[float]]:
+    """FSDP2 (fully_shard) training on the gloo group and on the torchport group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for name, group in (
+        ("gloo", dist.new_group(backend="gloo")),
+        ("torchport", dist.distributed_c10d._get_default_group()),
+    ):
+        mesh = DeviceMesh.from_group(group, "cpu")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        )
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
+
+
 SCENARIOS = {
+    "fsdp2": fsdp2_losses,
     "grid": grid,
     "p2p": p2p_case,
     "split": split_case,

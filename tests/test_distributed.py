@@ -30,6 +30,7 @@ PLANS = {
             ("auth", ()),
             ("timeout", ()),
             ("ddp", ()),
+            ("fsdp2", ()),
         ],
     ),
     "shm3": (3, {}, [("grid", (SIZES,)), ("p2p", ()), ("abort", ())]),
@@ -59,6 +60,12 @@ def test_collective_grid(plan):
 def test_ddp_parity_with_gloo():
     for r in results("shm2"):
         assert r["ddp"]["torchport"] == r["ddp"]["gloo"]
+
+
+@pytest.mark.timeout(110)
+def test_fsdp2_parity_with_gloo():
+    for r in results("shm2"):
+        assert r["fsdp2"]["torchport"] == r["fsdp2"]["gloo"]
 
 
 @pytest.mark.timeout(110)

@@ -118,6 +118,20 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "torchport"
 
+    # c10d keeps group names/descriptions on backends; a Python group keeps its own
+    # (DeviceMesh / FSDP2 look them up through ``group_name``).
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", self.comm.name)
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
     @property
     def transport(self) -> str:
         """``"shm"`` or ``"tcp"``: how this group moves data."""

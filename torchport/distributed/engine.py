@@ -510,12 +510,8 @@ class Communicator:
                 work._finish(err)
                 return
             if body:
-                src_t = torch.frombuffer(body, dtype=torch.uint8)
-                tensor.view(-1).view(torch.uint8).copy_(
-                    src_t
-                ) if tensor.is_contiguous() else tensor.copy_(
-                    src_t.view(tensor.dtype).view(tensor.shape)
-                )
+                data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
+                tensor.copy_(data.view(tensor.shape))
             work._finish()
 
         with self._lock:
