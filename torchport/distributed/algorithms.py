@@ -187,7 +187,11 @@ def alltoall(
     matrix = torch.zeros(w, 2 * w, dtype=torch.int64)
     reads = [(q, 0, matrix[q].data_ptr(), 16 * w, COPY) for q in range(w)]
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
-    comm.step(sig, [(mine.data_ptr(), 16 * w)], reads, dtype, 0, deadline)
+    # A rank whose whole input fits beside its sizes publishes it in this first step too.
+    pubs = [(mine.data_ptr(), 16 * w)]
+    if 16 * w + sum(in_lens) <= comm.chunk:
+        pubs += [(ins[d], in_lens[d]) for d in range(w)]
+    comm.step(sig, pubs, reads, dtype, 0, deadline)
     rows = matrix.tolist()
     sends = [row[:w] for row in rows]  # sends[q][d]: bytes rank q sends to rank d
     for q in range(w):
@@ -197,6 +201,17 @@ def alltoall(
                     f"alltoall split sizes disagree: rank {q} sends {sends[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
+    if all(16 * w + sum(sends[q]) <= comm.chunk for q in range(w)):  # everyone published
+        comm.reread(
+            [
+                (q, 16 * w + sum(sends[q][:r]), outs[q], sends[q][r], COPY)
+                for q in range(w)
+                if sends[q][r]
+            ],
+            dtype,
+            0,
+        )
+        return
     per = max(1, comm.chunk // w)
     longest = max(max(row) for row in sends) if w else 0
     nsteps = max(1, math.ceil(longest / per))

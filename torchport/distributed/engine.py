@@ -423,12 +423,29 @@ class Communicator:
     ) -> None:
         """One collective step on this group's transport (see module docstring)."""
         self._last_sig = sig
+        self._last_blobs: list[bytearray] = []
         epoch = self.epoch
         self.epoch += 1
         if self.arena is not None:
             self.arena.step(epoch, sig, pubs, reads, dtype, red, deadline - time.monotonic())
         else:
             self._tcp_step(epoch, sig, pubs, reads, dtype, red, deadline)
+
+    def reread(self, reads: Sequence[Read], dtype: int, red: int) -> None:
+        """Apply more reads to what every rank published in the step just completed."""
+        if self.arena is not None:
+            self.arena.reread(self.epoch - 1, reads, dtype, red)
+            return
+        blobs = self._last_blobs
+        for peer, off, _dst, n, _mode in reads:
+            if off + n > len(blobs[peer]):
+                raise CommError(
+                    f"rank {peer} published {len(blobs[peer])} bytes, fewer than the {off + n} read"
+                )
+        bases = (ctypes.c_int64 * self.world)(*[_addr(b) for b in blobs])
+        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
+        if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
+            raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
     def _tcp_step(
         self,
@@ -460,6 +477,7 @@ class Communicator:
                 word = next(i for i in range(4) if hdr.sig[i] != sig[i])
                 raise StepError(MISMATCH, (q, word, hdr.sig[word]))
             blobs[q] = body
+        self._last_blobs = blobs
         for peer, off, _dst, n, _mode in reads:
             if off + n > len(blobs[peer]):
                 raise CommError(

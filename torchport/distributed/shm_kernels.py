@@ -274,6 +274,20 @@ TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, in
     return tp_apply(bases, reads, nreads, dtype, op) == 0 ? 0 : 4;
 }
 
+/* Apply more reads from the slots of an already completed step (valid until this rank arrives
+   at the next step: no peer rewrites that half before then). */
+TP_EXPORT int tp_shm_reread(char *data, int64_t world, int64_t slot, int64_t epoch,
+                            const int64_t *reads, int64_t nreads, int64_t dtype, int64_t op) {
+    int64_t bases[256], half = epoch & 1;
+    if (world > 256) return 4;
+    for (int64_t q = 0; q < world; q++) bases[q] = (int64_t)(intptr_t)(data + (q * 2 + half) * slot);
+    for (int64_t k = 0; k < nreads; k++) {
+        const int64_t *r = reads + 5 * k;
+        if (r[0] < 0 || r[0] >= world || r[1] < 0 || r[3] < 0 || r[1] + r[3] > slot) return 4;
+    }
+    return tp_apply(bases, reads, nreads, dtype, op) == 0 ? 0 : 4;
+}
+
 /* Set the abort word (first writer wins); returns the word now stored. */
 TP_EXPORT int64_t tp_set_abort(char *hdr, int64_t value) {
     int64_t expected = 0;
@@ -326,6 +340,9 @@ class ShmLib:
         self.set_abort = lib.tp_set_abort
         self.set_abort.argtypes = [p, i64]
         self.set_abort.restype = ctypes.c_int64
+        self.reread = lib.tp_shm_reread
+        self.reread.argtypes = [p, i64, i64, i64, p, i64, i64, i64]
+        self.reread.restype = ctypes.c_int
         self.doorbell_wait = lib.tp_doorbell_wait
         self.doorbell_wait.argtypes = [p, i64, i64]
         self.doorbell_wait.restype = ctypes.c_int64

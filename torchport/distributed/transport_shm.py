@@ -138,6 +138,16 @@ class ShmArena:
         if st != OK:
             raise StepError(st, (self._bad[0], self._bad[1], self._bad[2]))
 
+    def reread(self, epoch: int, reads: Sequence[Read], dtype: int, op: int) -> None:
+        """More reads from the slots published at ``epoch`` (the step just completed)."""
+        assert self._mm is not None, "arena closed"
+        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
+        st = self.lib.reread(
+            self.base + self.data_off, self.world, self.slot, epoch, ra, len(reads), dtype, op
+        )
+        if st != OK:
+            raise StepError(st)
+
     def set_abort(self, rank: int, reason: int) -> int:
         """Raise the abort flag (first writer wins); return the stored word."""
         if self._mm is None:
