@@ -297,15 +297,19 @@ class TorchportProcessGroup(dist.ProcessGroup):
         s, comm, dc = _Staged(out), self.comm, dtype_code(out.dtype)
 
         def run(deadline: float) -> None:
-            src = inp.reshape(-1) if inp is not None else torch.empty(0, dtype=out.dtype)
-            if inp is not None and not inp.is_contiguous():
-                src = inp.contiguous().reshape(-1)
-            pieces = [p.contiguous() for p in parts(src)]
-            if name == "PREMUL_SUM":
-                pieces = [p * factor for p in pieces]
+            if inp is not None:  # one flat input: rank q's block starts q * block bytes in
+                src = inp.contiguous() if name != "PREMUL_SUM" else inp * factor
+                block, base = out.numel() * out.element_size(), _ptr(src)
+                ptrs = [base + q * block if block else 0 for q in range(comm.world)]
+                keep = [src]
+            else:
+                keep = [p.contiguous() for p in parts(torch.empty(0, dtype=out.dtype))]
+                if name == "PREMUL_SUM":
+                    keep = [p * factor for p in keep]
+                ptrs = [_ptr(p) for p in keep]
             alg.reduce_scatter(
                 comm,
-                [_ptr(p) for p in pieces],
+                ptrs,
                 _ptr(s.t),
                 out.numel(),
                 out.element_size(),
