@@ -43,6 +43,17 @@ PLANS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stop_forkserver():
+    """Leave no fork server behind once this module is done."""
+    yield
+    import multiprocessing.forkserver as fs
+
+    stop = getattr(fs._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 @functools.cache
 def results(plan: str) -> list[dict]:
     world, env, steps = PLANS[plan]
