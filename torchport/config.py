@@ -208,6 +208,38 @@ SETTINGS: dict[str, Setting] = {
             default=True,
             doc="Show progress bars for long work (autotuning, demo training).",
         ),
+        Setting(
+            name="dist_addr",
+            env="TORCHPORT_DIST_ADDR",
+            kind=str,
+            default="127.0.0.1",
+            doc="Address the torchport collective backend listens on (0.0.0.0 for multi-host).",
+        ),
+        Setting(
+            name="dist_transport",
+            env="TORCHPORT_DIST_TRANSPORT",
+            kind=str,
+            default="auto",
+            doc="Collective transport: auto (shm when every rank is on this host, else tcp), "
+            "shm or tcp.",
+            check=lambda v: None if v in ("auto", "shm", "tcp") else "must be auto, shm or tcp",
+        ),
+        Setting(
+            name="dist_chunk_bytes",
+            env="TORCHPORT_DIST_CHUNK_BYTES",
+            kind=int,
+            default=1 << 20,
+            doc="Bytes each rank publishes per collective step (shm slot half / TCP frame).",
+            check=lambda v: None if 4096 <= v <= (1 << 30) else "must be in [4096, 2**30]",
+        ),
+        Setting(
+            name="dist_max_frame_bytes",
+            env="TORCHPORT_DIST_MAX_FRAME_BYTES",
+            kind=int,
+            default=256 << 20,
+            doc="Largest TCP frame payload accepted or sent (bounds every receive buffer).",
+            check=lambda v: None if 4096 <= v <= (1 << 32) else "must be in [4096, 2**32]",
+        ),
     )
 }
 
@@ -309,3 +341,7 @@ if TYPE_CHECKING:  # attribute types for static checkers
     cold_cache_bytes: int
     fr_buffer_size: int
     progress: bool
+    dist_addr: str
+    dist_transport: str
+    dist_chunk_bytes: int
+    dist_max_frame_bytes: int

@@ -1,0 +1,213 @@
+"""Collectives of the ``torchport`` backend vs gloo, same processes, same run (interleaved).
+
+For world sizes 2 and 4 (spawned processes on this host), times allreduce, broadcast,
+allgather (all_gather_into_tensor), reduce_scatter_tensor and all_to_all_single from 4 KB to
+64 MB on a gloo group and on the torchport group of the same processes, alternating sample by
+sample; reports median latency and algorithm bandwidth (size / time, size = the larger buffer)
+and the ratio. Then DDP training throughput of a small MLP on each backend (world 2).
+
+Run: ``torchport bench collectives [--quick]`` (or ``python bench/bench_collectives.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KB, MB = 1 << 10, 1 << 20
+OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+
+
+def _op_fn(op: str, size: int, world: int, group):
+    import torch
+    import torch.distributed as dist
+
+    n = max(world, size // 4 // world * world)
+    if op == "allreduce":
+        t = torch.ones(n)
+        return lambda: dist.all_reduce(t, group=group)
+    if op == "broadcast":
+        t = torch.ones(n)
+        return lambda: dist.broadcast(t, src=0, group=group)
+    if op == "allgather":
+        out, inp = torch.empty(n), torch.ones(n // world)
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if op == "reduce_scatter":
+        out, inp = torch.empty(n // world), torch.ones(n)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    out, inp = torch.empty(n), torch.ones(n)
+    return lambda: dist.all_to_all_single(out, inp, group=group)
+
+
+def _time(fn, k: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(k):
+        fn()
+    return (time.perf_counter() - t0) / k
+
+
+def worker(rank: int, world: int, init: str, out: str, quick: bool, reps: int) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import torchport.distributed  # noqa: F401
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("torchport", rank=rank, world_size=world, init_method=init)
+    groups = {
+        "gloo": dist.new_group(backend="gloo"),
+        "torchport": dist.distributed_c10d._get_default_group(),
+    }
+    sizes = [4 * KB, 1 * MB, 64 * MB] if quick else [4 * KB, 64 * KB, 1 * MB, 16 * MB, 64 * MB]
+    rows = []
+    for op in OPS:
+        for size in sizes:
+            fns = {name: _op_fn(op, size, world, g) for name, g in groups.items()}
+            k = max(1, min(200, (2 * MB) // size))
+            for fn in fns.values():
+                _time(fn, max(1, k // 4))
+            samples: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(reps):
+                for name, fn in fns.items():
+                    dist.barrier(group=groups["gloo"])
+                    samples[name].append(_time(fn, k))
+            rows.append(
+                {"op": op, "size": size, **{n: statistics.median(v) for n, v in samples.items()}}
+            )
+    if world == 2:
+        rows.append(_ddp(groups, quick))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _ddp(groups, quick: bool):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    models = {}
+    for name, g in groups.items():
+        m = torch.nn.Sequential(
+            torch.nn.Linear(512, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 10),
+        )
+        models[name] = (DDP(m, process_group=g), torch.optim.SGD(m.parameters(), lr=0.01))
+    x, y = torch.randn(32, 512), torch.randint(0, 10, (32,))
+
+    def step(name: str) -> None:
+        ddp, opt = models[name]
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    steps = 5 if quick else 20
+    times: dict[str, list[float]] = {n: [] for n in models}
+    for name in models:
+        step(name)
+    for _ in range(3):
+        for name in models:
+            dist.barrier(group=groups["gloo"])
+            times[name].append(_time(lambda n=name: step(n), steps))
+    params = sum(p.numel() for p in models["gloo"][0].parameters())
+    return {
+        "op": "ddp_mlp",
+        "size": params * 4,
+        **{n: statistics.median(v) for n, v in times.items()},
+    }
+
+
+def run_world(world: int, quick: bool, reps: int, timeout: float) -> list[dict]:
+    tmp = tempfile.mkdtemp(prefix="tp-bench-")
+    out = os.path.join(tmp, "rows.json")
+    init = f"file://{tmp}/store"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                str(r),
+                str(world),
+                init,
+                out,
+                str(int(quick)),
+                str(reps),
+            ],
+            env=env,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"benchmark workers failed: exit codes {[p.returncode for p in procs]}")
+    return json.loads(Path(out).read_text())
+
+
+def _fmt(size: int) -> str:
+    return f"{size // MB} MB" if size >= MB else f"{size // KB} KB"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        a = sys.argv[2:8]
+        worker(int(a[0]), int(a[1]), a[2], a[3], bool(int(a[4])), int(a[5]))
+        return
+    from torchport.benchmarks import BenchTable, arg_parser
+
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    args = p.parse_args()
+    reps = 3 if args.quick else min(args.reps, 7)
+    table = BenchTable("collectives", unit="GB/s")
+    table.start()
+    for world in (int(w) for w in args.worlds.split(",")):
+        for row in run_world(world, args.quick, reps, timeout=900):
+            if row["op"] == "ddp_mlp":
+                table.add(
+                    f"DDP MLP step w{world} ({row['size'] / MB:.0f} MB grads)",
+                    "gloo",
+                    row["gloo"],
+                    row["torchport"],
+                    row["size"],
+                )
+            else:
+                table.add(
+                    f"{row['op']} {_fmt(row['size'])} w{world}",
+                    "gloo",
+                    row["gloo"],
+                    row["torchport"],
+                    row["size"],
+                )
+    table.save(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""Worker functions for the distributed tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchport.distributed import allreduce_reference
+
+REDUCE_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+COMPLEX = (torch.complex64, torch.complex128)
+
+
+def init(rank: int, world: int, init_method: str, timeout_s: float = 60.0) -> None:
+    dist.init_process_group(
+        "torchport",
+        rank=rank,
+        world_size=world,
+        init_method=init_method,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def allowed(op: str, dt: torch.dtype) -> bool:
+    if op in ("BAND", "BOR", "BXOR"):
+        return dt not in FLOATS + COMPLEX
+    if op in ("MIN", "MAX"):
+        return dt not in COMPLEX
+    if op in ("AVG", "PREMUL_SUM"):
+        return dt in FLOATS + COMPLEX
+    return True
+
+
+def make(q: int, case: int, n: int, dt: torch.dtype, op: str = "SUM") -> torch.Tensor:
+    """Deterministic input of rank ``q`` for case ``case`` (every rank can rebuild all)."""
+    g = torch.Generator().manual_seed(1000 * case + q)
+    if dt == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dt in COMPLEX:
+        x = torch.randn(n, 2, generator=g, dtype=torch.float64)
+        if op == "PRODUCT":
+            x = x * 0.1 + torch.tensor([1.0, 0.0], dtype=torch.float64)
+        return torch.view_as_complex(x).to(dt)
+    if dt in FLOATS:
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        return (1 + 0.1 * x).to(dt) if op == "PRODUCT" else x.to(dt)
+    hi = 3 if op == "PRODUCT" else 100
+    lo = 0 if dt == torch.uint8 else -hi
+    return torch.randint(lo, hi, (n,), generator=g).to(dt)
+
+
+def _op(name: str) -> Any:
+    if name == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(0.5)
+    return getattr(dist.ReduceOp, name)
+
+
+def _eq(got: torch.Tensor, want: torch.Tensor, exact: bool = True) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if exact:
+        return torch.equal(
+            got.view(torch.uint8) if got.dtype == torch.bool else got,
+            want.view(torch.uint8) if want.dtype == torch.bool else want,
+        )
+    return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def grid(rank: int, world: int, sizes: list[int]) -> list[str]:
+    """Every collective x reduce op x dtype against the single-process reference.
+
+    Reductions run every op at the largest size (several chunks, both allreduce paths) and SUM
+    at every size; data movement runs every size.
+    """
+    bad: list[str] = []
+    case = 0
+    for dt in DTYPES:
+        for n in sizes:
+            for op in REDUCE_OPS:
+                if not allowed(op, dt) or (op != "SUM" and n != max(sizes)):
+                    continue
+                case += 1
+                ins = [make(q, case, n, dt, op) for q in range(world)]
+                want = allreduce_reference(ins, op, 0.5)
+                # complex PRODUCT is checked with a tolerance (the FMA-free formula may differ from
+                # torch's vectorised one), and so is complex AVG: torch's own complex division
+                # rounds differently in its vector body and scalar tail (alignment-dependent).
+                exact = not (dt in COMPLEX and op in ("PRODUCT", "AVG"))
+                t = ins[rank].clone()
+                if exact or op == "AVG":
+                    dist.all_reduce(t, op=_op(op))
+                else:  # torch's front end refuses complex PRODUCT; the backend supports it
+                    pg = dist.distributed_c10d._get_default_group()
+                    opts = dist.AllreduceOptions()
+                    opts.reduceOp = dist.ReduceOp.PRODUCT
+                    pg.allreduce([t], opts).wait()
+                if not _eq(t, want, exact):
+                    bad.append(f"all_reduce {op} {dt} n={n}")
+                if dt in COMPLEX and op == "PRODUCT":
+                    continue
+                # reduce to the last rank
+                t = ins[rank].clone()
+                dist.reduce(t, dst=world - 1, op=_op(op))
+                if rank == world - 1 and not _eq(t, want, exact):
+                    bad.append(f"reduce {op} {dt} n={n}")
+                # reduce_scatter_tensor: rank r's output = fold of ins[q][r-th block]
+                blocks = [make(q, case + 5000, n * world, dt, op) for q in range(world)]
+                out = torch.empty(n, dtype=dt)
+                dist.reduce_scatter_tensor(out, blocks[rank].clone(), op=_op(op))
+                want_rs = allreduce_reference(
+                    [b[rank * n : (rank + 1) * n] for b in blocks], op, 0.5
+                )
+                if not _eq(out, want_rs, exact):
+                    bad.append(f"reduce_scatter_tensor {op} {dt} n={n}")
+                if op == "SUM":
+                    outs = [torch.empty(n, dtype=dt) for _ in range(world)]
+                    dist.reduce_scatter(
+                        outs[0],
+                        [
+                            b[q * n : (q + 1) * n].clone()
+                            for q, b in [(q, blocks[rank]) for q in range(world)]
+                        ],
+                    )
+                    if not _eq(outs[0], want_rs):
+                        bad.append(f"reduce_scatter(list) {dt} n={n}")
+            # data movement, once per dtype and size
+            case += 1
+            ins = [make(q, case, n, dt) for q in range(world)]
+            t = ins[rank].clone()
+            dist.broadcast(t, src=world // 2)
+            if not _eq(t, ins[world // 2]):
+                bad.append(f"broadcast {dt} n={n}")
+            out = torch.empty(world * n, dtype=dt)
+            dist.all_gather_into_tensor(out, ins[rank])
+            if not _eq(out, torch.cat(ins)):
+                bad.append(f"all_gather_into_tensor {dt} n={n}")
+            outs = [torch.empty(n, dtype=dt) for _ in range(world)]
+            dist.all_gather(outs, ins[rank])
+            if not all(_eq(o, i) for o, i in zip(outs, ins)):
+                bad.append(f"all_gather {dt} n={n}")
+            outs = [torch.empty(n, dtype=dt) for _ in range(world)] if rank == 0 else None
+            dist.gather(ins[rank], outs, dst=0)
+            if rank == 0 and not all(_eq(o, i) for o, i in zip(outs or [], ins)):
+                bad.append(f"gather {dt} n={n}")
+            src_list = [make(0, case + 7000 + d, n, dt) for d in range(world)]
+            o = torch.empty(n, dtype=dt)
+            dist.scatter(o, src_list if rank == 0 else None, src=0)
+            if not _eq(o, src_list[rank]):
+                bad.append(f"scatter {dt} n={n}")
+            # all_to_all_single with uneven splits: rank q sends (q + d) % 3 + n rows to d
+            sends = [(rank + d) % 3 + n for d in range(world)]
+            recvs = [(q + rank) % 3 + n for q in range(world)]
+            inp = make(rank, case + 9000, sum(sends), dt)
+            out = torch.empty(sum(recvs), dtype=dt)
+            dist.all_to_all_single(out, inp, recvs, sends)
+            want_parts = []
+            for q in range(world):
+                qs = [(q + d) % 3 + n for d in range(world)]
+                full = make(q, case + 9000, sum(qs), dt)
+                want_parts.append(full[sum(qs[:rank]) : sum(qs[: rank + 1])])
+            if not _eq(out, torch.cat(want_parts)):
+                bad.append(f"all_to_all_single(splits) {dt} n={n}")
+            outs = [torch.empty(n, dtype=dt) for _ in range(world)]
+            dist.all_to_all(outs, [make(rank, case + 11000 + d, n, dt) for d in range(world)])
+            if not all(_eq(outs[q], make(q, case + 11000 + rank, n, dt)) for q in range(world)):
+                bad.append(f"all_to_all(list) {dt} n={n}")
+    # non-contiguous tensors: a transposed view and a strided slice
+    base = torch.arange(12.0).reshape(3, 4) * (rank + 1)
+    view = base.t()
+    dist.all_reduce(view)
+    want = torch.arange(12.0).reshape(3, 4).t() * sum(range(1, world + 1))
+    if not torch.equal(view, want):
+        bad.append("all_reduce non-contiguous")
+    strided = torch.zeros(10)[::2]
+    if rank == 0:
+        strided.copy_(torch.arange(5.0))
+    dist.broadcast(strided, src=0)
+    if not torch.equal(strided, torch.arange(5.0)):
+        bad.append("broadcast strided")
+    # coalesced variants (DDP / FSDP): all_reduce_coalesced and async_op works
+    ts = [torch.full((k + 1,), float(rank + k)) for k in range(3)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for w in works:
+        w.wait()
+        if not w.is_completed() or w.exception() is not None:
+            bad.append("async work state")
+    fut_val = dist.all_reduce(torch.ones(3), async_op=True).get_future().wait()
+    if not torch.equal(fut_val[0], torch.full((3,), float(world))):
+        bad.append("future value")
+    for k, t in enumerate(ts):
+        if not torch.equal(t, torch.full((k + 1,), float(sum(q + k for q in range(world))))):
+            bad.append(f"async all_reduce {k}")
+    dist.barrier()
+    return bad
+
+
+def ddp_losses(rank: int, world: int) -> dict[str, list[float]]:
+    """The same DDP training on a gloo group and on the torchport group of this job."""
+    groups = {"gloo": dist.new_group(backend="gloo"), "torchport": None}
+    return {name: _ddp(rank, g) for name, g in groups.items()}
+
+
+def _ddp(rank: int, group: Any) -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001, process_group=group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(6):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = ((ddp(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def abort_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 aborts while the other ranks wait in an allreduce rank 0 never joins."""
+    from torchport.distributed import CommAbortedError, RemoteError, get_error
+
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub)
+    if rank == 0:
+        time.sleep(0.5)
+        t_abort = time.time()
+        sub.abort()
+        err = get_error(sub)
+        return {
+            "t_abort": t_abort,
+            "error": type(err).__name__,
+            "is_aborted": isinstance(err, CommAbortedError),
+        }
+    work = dist.all_reduce(torch.ones(1000), group=sub, async_op=True)
+    try:
+        work.wait()
+        return {"error": None}
+    except RemoteError as e:
+        return {
+            "t_fail": time.time(),
+            "error": type(e).__name__,
+            "msg": str(e),
+            "completed": work.is_completed(),
+        }
+
+
+def timeout_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
+    from torchport.distributed import CommTimeoutError, get_error
+
+    pg = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=pg)
+    if rank == 1:
+        opts = dist.AllreduceOptions()
+        opts.timeout = datetime.timedelta(seconds=0.3)
+        t0 = time.time()
+        work = pg.allreduce([torch.ones(4)], opts)
+        try:
+            work.wait()
+        except CommTimeoutError as e:
+            return {"error": "timeout", "elapsed": time.time() - t0, "msg": str(e)}
+        return {"error": None}
+    end = time.time() + 5
+    while get_error(pg) is None and time.time() < end:
+        time.sleep(0.01)
+    return {"error": type(get_error(pg)).__name__, "msg": str(get_error(pg))}
+
+
+def mismatch_case(rank: int, world: int) -> list[str]:
+    """Mismatched sizes, dtypes, ops, collective kinds: a clear error on every rank."""
+    from torchport.distributed import CollectiveMismatchError, CommunicatorErrorState
+
+    msgs = []
+    cases = [
+        lambda: dist.all_reduce(torch.ones(10 + rank)),
+        lambda: dist.all_reduce(
+            torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64)
+        ),
+        lambda: dist.all_reduce(
+            torch.ones(10), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
+        ),
+        lambda: (
+            dist.all_reduce(torch.ones(10)) if rank == 0 else dist.broadcast(torch.ones(10), src=0)
+        ),
+        lambda: dist.broadcast(torch.ones(10), src=rank),
+        lambda: dist.all_to_all_single(
+            torch.empty(3 * world),
+            torch.ones(3 * world),
+            [3] * world,
+            [3 + (rank == 0), *[3] * (world - 2), 3 - (rank == 0)],
+        ),
+    ]
+    for i, fn in enumerate(cases):
+        pg = dist.new_group(list(range(world)), backend="torchport")
+        with _default(pg):
+            try:
+                fn()
+                msgs.append(f"case {i}: no error")
+            except CollectiveMismatchError as e:
+                msgs.append(f"case {i}: mismatch: {e}")
+            try:
+                dist.all_reduce(torch.ones(1), group=pg)
+                msgs.append(f"case {i}: group still usable")
+            except CommunicatorErrorState:
+                pass
+    # the world group is untouched by the failures of the sub-groups
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    msgs.append(f"world ok {t.tolist()}")
+    return msgs
+
+
+class _default:
+    """Temporarily make ``pg`` the default group (so the case lambdas stay short)."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+
+    def __enter__(self) -> None:
+        self.old = dist.distributed_c10d.GroupMember.WORLD
+        dist.distributed_c10d.GroupMember.WORLD = self.pg
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.distributed_c10d.GroupMember.WORLD = self.old
+
+
+def split_case(rank: int, world: int) -> dict[str, Any]:
+    from torchport.distributed import split_group
+    from torchport.distributed.groups import root_mesh
+
+    mesh = root_mesh()
+    sub = split_group(split_ranks=[[0, 1], [2, 3]])
+    assert sub is not None
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=sub)
+    odd = dist.new_group([1, 3], backend="torchport")
+    u = torch.tensor([float(rank)])
+    if rank in (1, 3):
+        dist.all_reduce(u, group=odd)
+    return {
+        "sub_rank": sub.rank(),
+        "sub_size": sub.size(),
+        "sum": t.item(),
+        "odd_sum": u.item(),
+        "same_mesh": sub.comm.mesh is mesh,
+        "odd_rank": odd.rank() if rank in (1, 3) else None,
+        "transport": sub.transport,
+    }
+
+
+def p2p_case(rank: int, world: int) -> list[str]:
+    bad = []
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    send = torch.arange(5.0) + rank
+    recv = torch.empty(5)
+    reqs = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+    )
+    for r in reqs:
+        r.wait()
+    if not torch.equal(recv, torch.arange(5.0) + prv):
+        bad.append(f"ring got {recv.tolist()}")
+    # tags: receive in the opposite order of sending
+    if rank == 0:
+        dist.send(torch.tensor([1.0]), 1, tag=7)
+        dist.send(torch.tensor([2.0]), 1, tag=9)
+    elif rank == 1:
+        a, b = torch.empty(1), torch.empty(1)
+        wb = dist.irecv(b, 0, tag=9)
+        wa = dist.irecv(a, 0, tag=7)
+        wb.wait()
+        wa.wait()
+        if (a.item(), b.item()) != (1.0, 2.0):
+            bad.append(f"tags got {a.item()}, {b.item()}")
+    # irecv posted before the send, non-contiguous destination, int dtype
+    if rank == 0:
+        dist.send(torch.arange(6, dtype=torch.int32), 1)
+    elif rank == 1:
+        dst = torch.zeros(12, dtype=torch.int32)[::2]
+        dist.recv(dst, 0)
+        if not torch.equal(dst, torch.arange(6, dtype=torch.int32)):
+            bad.append(f"strided recv {dst.tolist()}")
+    dist.barrier()
+    return bad
+
+
+def auth_case(rank: int, world: int) -> dict[str, Any]:
+    """A stranger without the secret is rejected; the group keeps working."""
+    import socket
+
+    from torchport.distributed import auth
+    from torchport.distributed.groups import root_mesh
+    from torchport.distributed.wire import Kind, encode_header
+
+    mesh = root_mesh()
+    assert mesh is not None
+    host, port = mesh.address.rsplit(":", 1)
+    before = mesh.rejected
+    outcomes = []
+    # 1: a client that claims rank 1 with a wrong secret
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(encode_header(Kind.HELLO, 0, world - 1, 0, 32) + auth.new_nonce())
+    s.recv(64 + 64)
+    s.sendall(encode_header(Kind.PROOF, 0, world - 1, 0, 32) + bytes(32))
+    outcomes.append(s.recv(64))  # b"" = closed without ACCEPT
+    s.close()
+    # 2: garbage bytes
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"GET / HTTP/1.1\r\n" * 4)
+    outcomes.append(s.recv(64))
+    s.close()
+    time.sleep(0.2)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return {"rejected": mesh.rejected - before, "outcomes": outcomes, "sum": t.tolist()}
+
+
+def fsdp2_losses(rank: int, world: int) -> dict[str, list[float]]:
+    """FSDP2 (fully_shard) training on the gloo group and on the torchport group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for name, group in (
+        ("gloo", dist.new_group(backend="gloo")),
+        ("torchport", dist.distributed_c10d._get_default_group()),
+    ):
+        mesh = DeviceMesh.from_group(group, "cpu")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        )
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
+
+
+SCENARIOS = {
+    "fsdp2": fsdp2_losses,
+    "grid": grid,
+    "p2p": p2p_case,
+    "split": split_case,
+    "mismatch": mismatch_case,
+    "auth": auth_case,
+    "timeout": timeout_case,
+    "abort": abort_case,
+    "ddp": ddp_losses,
+}
+
+
+def job(rank: int, world: int, init_method: str, plan: list[tuple[str, tuple]]) -> dict[str, Any]:
+    """Initialise once, then run the named scenarios in order (one spawn per world size)."""
+    init(rank, world, init_method)
+    out = {}
+    for name, args in plan:
+        out[name] = SCENARIOS[name](rank, world, *args)
+        dist.barrier()
+    return out

@@ -1,0 +1,209 @@
+"""The ``torchport`` collective backend with real processes (forkserver; loopback only).
+
+Each world size runs ONE job (a process per rank) that initialises once and runs a plan of
+scenarios; the tests below assert on the cached results, so the whole file starts only five
+jobs. Every job has a hard timeout and the harness kills its processes on any failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+
+import dist_workers as W
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_world
+
+SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384"}  # many chunks and both allreduce paths
+SIZES = [0, 1, 7, 4099]
+PLANS = {
+    "shm1": (1, {}, [("grid", (SIZES,))]),
+    "shm2": (
+        2,
+        {},
+        [
+            ("grid", (SIZES,)),
+            ("p2p", ()),
+            ("mismatch", ()),
+            ("auth", ()),
+            ("timeout", ()),
+            ("ddp", ()),
+            ("fsdp2", ()),
+        ],
+    ),
+    "shm3": (3, {}, [("grid", (SIZES,)), ("p2p", ()), ("abort", ())]),
+    "shm4": (4, {}, [("grid", ([0, 7, 4099],)), ("split", ())]),
+    "tcp3": (
+        3,
+        {"TORCHPORT_DIST_TRANSPORT": "tcp"},
+        [("grid", ([0, 4099],)), ("p2p", ()), ("abort", ())],
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_forkserver():
+    """Leave no fork server behind once this module is done."""
+    yield
+    import multiprocessing.forkserver as fs
+
+    stop = getattr(fs._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+@functools.cache
+def results(plan: str) -> list[dict]:
+    world, env, steps = PLANS[plan]
+    return run_world(W.job, world, steps, timeout=100, env={**SMALL_CHUNK, **env})
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_collective_grid(plan):
+    """Every collective x reduce op x dtype (incl. zero-size, non-contiguous) vs the reference."""
+    assert [r["grid"] for r in results(plan)] == [[]] * PLANS[plan][0]
+
+
+@pytest.mark.timeout(110)
+def test_ddp_parity_with_gloo():
+    for r in results("shm2"):
+        assert r["ddp"]["torchport"] == r["ddp"]["gloo"]
+
+
+@pytest.mark.timeout(110)
+def test_fsdp2_parity_with_gloo():
+    for r in results("shm2"):
+        assert r["fsdp2"]["torchport"] == r["fsdp2"]["gloo"]
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm3", "tcp3"])
+def test_abort_unblocks_every_rank_within_100ms(plan):
+    res = [r["abort"] for r in results(plan)]
+    assert res[0]["is_aborted"], res[0]
+    for r in res[1:]:
+        assert r["error"] == "RemoteError", r
+        assert "rank 0 called abort()" in r["msg"]
+        assert r["completed"]
+        assert r["t_fail"] - res[0]["t_abort"] < 0.1, r["t_fail"] - res[0]["t_abort"]
+
+
+@pytest.mark.timeout(110)
+def test_per_op_timeout_is_typed_and_reaches_the_peer():
+    res = [r["timeout"] for r in results("shm2")]
+    assert res[1]["error"] == "timeout", res[1]
+    assert 0.25 < res[1]["elapsed"] < 3.0
+    assert res[0]["error"] == "RemoteError" and "rank 1 timed out" in res[0]["msg"], res[0]
+
+
+@pytest.mark.timeout(110)
+def test_mismatched_collectives_fail_on_every_rank():
+    res = [r["mismatch"] for r in results("shm2")]
+    for msgs in res:
+        assert msgs[-1] == "world ok [2.0, 2.0]"
+        assert len(msgs) == 7
+        for i, m in enumerate(msgs[:-1]):
+            assert m.startswith(f"case {i}: mismatch"), m
+    assert "byte count" in res[0][0]
+    assert "op/dtype" in res[0][1] and "float64" in res[0][1] + res[1][1]
+    assert "MAX" in res[0][2] + res[1][2]
+    assert "broadcast" in res[0][3] + res[1][3]
+    assert "root" in res[0][4]
+    assert "split sizes disagree" in res[0][5] and "split sizes disagree" in res[1][5]
+
+
+@pytest.mark.timeout(110)
+def test_split_group_and_new_group_reuse_the_mesh():
+    res = [r["split"] for r in results("shm4")]
+    assert [r["sub_rank"] for r in res] == [0, 1, 0, 1]
+    assert [r["sum"] for r in res] == [1.0, 1.0, 5.0, 5.0]
+    assert [r["odd_sum"] for r in res] == [0.0, 4.0, 2.0, 4.0]
+    assert all(r["same_mesh"] and r["sub_size"] == 2 and r["transport"] == "shm" for r in res)
+    assert [r["odd_rank"] for r in res] == [None, 0, None, 1]
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "shm3", "tcp3"])
+def test_point_to_point(plan):
+    assert [r["p2p"] for r in results(plan)] == [[]] * PLANS[plan][0]
+
+
+@pytest.mark.timeout(110)
+def test_unauthenticated_connection_is_rejected():
+    for r in (r["auth"] for r in results("shm2")):
+        assert r["rejected"] == 2, r
+        assert r["outcomes"] == [b"", b""]
+        assert r["sum"] == [2.0, 2.0, 2.0]
+
+
+# -- argument validation on a single-process group in this process ---------------------------
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    import torchport.distributed  # noqa: F401
+
+    path = tmp_path_factory.mktemp("store") / "f"
+    dist.init_process_group(
+        "torchport",
+        rank=0,
+        world_size=1,
+        init_method=f"file://{path}",
+        timeout=datetime.timedelta(seconds=30),
+    )
+    yield dist.distributed_c10d._get_default_group()
+    dist.destroy_process_group()
+
+
+def _opts(cls, **kw):
+    o = cls()
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+def test_bad_arguments_raise_typed_errors(world1):
+    from torchport.distributed import CollectiveArgumentError as E
+
+    with pytest.raises(E, match=r"BAND requires an integer or bool dtype, got torch.float32"):
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)
+    with pytest.raises(E, match=r"AVG requires a floating-point or complex dtype, got torch.int32"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG)
+    with pytest.raises(E, match=r"MAX is undefined for complex dtype torch.complex64"):
+        world1.allreduce(
+            [torch.ones(3, dtype=torch.complex64)],
+            _opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MAX),
+        )
+    with pytest.raises(E, match=r"do not support dtype torch.float8_e4m3fn"):
+        dist.all_reduce(torch.ones(3).to(torch.float8_e4m3fn))
+    with pytest.raises(E, match=r"output must have world_size \(1\) x input numel \(3\).*got 4"):
+        dist.all_gather_into_tensor(torch.empty(4), torch.ones(3))
+    with pytest.raises(E, match=r"input must have world_size \(1\) x output numel \(2\).*got 3"):
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(3))
+    with pytest.raises(
+        E, match=r"split sizes must be 1 non-negative ints summing to dim 0 \(4\), got \[3\]"
+    ):
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), [4], [3])
+    with pytest.raises(E, match=r"root rank must be in \[0, 1\), got 3"):
+        world1.broadcast([torch.ones(1)], _opts(dist.BroadcastOptions, rootRank=3))
+    with pytest.raises(E, match=r"tensors must be on device 'cpu', got meta"):
+        world1.allreduce([torch.ones(2, device="meta")], dist.AllreduceOptions())
+    with pytest.raises(E, match=r"destination must be another rank in \[0, 1\), got 0"):
+        world1.send([torch.ones(1)], 0, 0)
+    with pytest.raises(E, match=r"expects exactly one tensor per call, got 2"):
+        world1.allreduce([torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
+    with pytest.raises(
+        E, match=r"every output must match the input \(3 x torch.float32\), got 2 x torch.float32"
+    ):
+        dist.all_gather([torch.empty(2)], torch.ones(3))
+
+
+def test_world_of_one_is_identity(world1):
+    t = torch.arange(5.0)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.arange(5.0))
+    out = torch.empty(5)
+    dist.all_gather_into_tensor(out, t)
+    assert torch.equal(out, t)
+    assert world1.getBackendName() == "torchport" and world1.get_error() is None

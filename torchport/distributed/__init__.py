@@ -1,0 +1,149 @@
+"""``torchport.distributed``: the ``torchport`` collective backend for ``torch.distributed``.
+
+Importing this package registers the c10d backend ``"torchport"`` (CPU tensors)::
+
+    import torch.distributed as dist
+    import torchport.distributed  # registers "torchport"
+
+    dist.init_process_group("torchport", rank=rank, world_size=world, init_method="tcp://127.0.0.1:29500")
+
+Same-host groups move data through a shared-memory arena with native copy/reduce kernels; other
+groups use authenticated TCP. Operations are nonblocking (a progress engine per group),
+``abort()`` fails in-flight operations on every rank with a typed error, mismatched collectives
+are detected, and :func:`split_group` / ``new_group`` build sub-communicators eagerly on the
+parent's connections.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from torchport.distributed.algorithms import allreduce_reference, fold_reference
+from torchport.distributed.backend import TorchportProcessGroup
+from torchport.distributed.engine import Communicator, TorchportWork
+from torchport.distributed.errors import (
+    AuthError,
+    CollectiveArgumentError,
+    CollectiveMismatchError,
+    CommAbortedError,
+    CommError,
+    CommTimeoutError,
+    CommunicatorErrorState,
+    RemoteError,
+    TorchportDistError,
+    WireError,
+)
+from torchport.distributed.groups import build_communicator, root_mesh
+
+BACKEND_NAME = "torchport"
+
+
+def _create(common: Any, _backend_opts: Any) -> TorchportProcessGroup:
+    comm = build_communicator(
+        common.store,
+        common.group_rank,
+        common.group_size,
+        common.timeout,
+        list(common.global_ranks_in_group),
+        str(common.group_id),
+    )
+    return TorchportProcessGroup(comm)
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+
+
+_register()
+
+
+def _pg(group: Any) -> TorchportProcessGroup:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, TorchportProcessGroup):
+        raise CollectiveArgumentError(
+            f"expected a process group of the 'torchport' backend, got {type(pg).__name__}"
+        )
+    return pg
+
+
+def split_group(
+    parent_pg: Any = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: datetime.timedelta | None = None,
+    group_desc: str | None = None,
+) -> TorchportProcessGroup | None:
+    """Eagerly create this rank's sub-communicator among ``split_ranks`` (global ranks).
+
+    Called by every rank of the parent with the same ``split_ranks``; each rank gets the group
+    that contains it (or None), built at once on the parent's connections. Ranks inside a group
+    are ordered by global rank, so they are deterministic.
+    """
+    parent = _pg(parent_pg)
+    if not split_ranks:
+        raise CollectiveArgumentError(
+            "split_group: split_ranks must be a non-empty list of rank lists"
+        )
+    me = dist.get_rank()
+    seen: set[int] = set()
+    for ranks in split_ranks:
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise CollectiveArgumentError(
+                f"split_group: each group must be non-empty without duplicates, got {list(ranks)}"
+            )
+        if seen & set(ranks):
+            raise CollectiveArgumentError(
+                f"split_group: groups overlap on ranks {sorted(seen & set(ranks))}"
+            )
+        seen |= set(ranks)
+    mine = next((sorted(r) for r in split_ranks if me in r), None)
+    del parent
+    if mine is None:
+        return None
+    pg = dist.new_group(
+        mine,
+        timeout=timeout,
+        backend=BACKEND_NAME,
+        use_local_synchronization=True,
+        group_desc=group_desc,
+    )
+    assert isinstance(pg, TorchportProcessGroup)
+    return pg
+
+
+def get_error(group: Any = None) -> BaseException | None:
+    """The first error of ``group`` (default group if None), or None while healthy."""
+    return _pg(group).get_error()
+
+
+def abort(group: Any = None) -> None:
+    """Abort ``group``: every in-flight op on every rank fails with a typed error."""
+    _pg(group).abort()
+
+
+__all__ = [
+    "BACKEND_NAME",
+    "AuthError",
+    "CollectiveArgumentError",
+    "CollectiveMismatchError",
+    "CommAbortedError",
+    "CommError",
+    "CommTimeoutError",
+    "Communicator",
+    "CommunicatorErrorState",
+    "RemoteError",
+    "TorchportDistError",
+    "TorchportProcessGroup",
+    "TorchportWork",
+    "WireError",
+    "abort",
+    "allreduce_reference",
+    "fold_reference",
+    "get_error",
+    "root_mesh",
+    "split_group",
+]

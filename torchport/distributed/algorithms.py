@@ -1,0 +1,262 @@
+"""Collective algorithms written as sequences of communicator steps.
+
+Every function here runs on the communicator's engine thread and is deterministic: all ranks
+compute the same step sequence and signatures from agreed inputs, so a disagreement (different
+op, dtype, size or root) is caught at the first step by the signature check. Tensors arrive
+contiguous (the backend makes contiguous copies and writes them back); sizes are in bytes for
+pure data movement and in elements where a reduction needs them.
+
+Algorithms (``W`` ranks, ``C`` = chunk bytes per step):
+
+- allreduce: chunks up to ``SMALL_BYTES`` are reduced by every rank from every rank's published
+  copy, in rank order (one step); larger chunks use reduce-scatter then all-gather inside the
+  arena (two steps, each rank folds 1/W of the chunk). Either way every element is folded in
+  rank order 0, 1, ..., W-1, so every rank gets bitwise identical results, equal to the
+  reference :func:`allreduce_reference`.
+- broadcast / reduce / gather / allgather / scatter / reduce_scatter / alltoall: one publish and
+  direct reads per chunk; alltoall first exchanges the full split matrix, so mismatched splits
+  are reported on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from torchport.distributed.engine import Communicator, make_sig
+from torchport.distributed.errors import CollectiveMismatchError
+from torchport.distributed.transport_shm import COPY, FOLD
+
+SMALL_BYTES = 256 << 10
+OP_BARRIER, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER = 0, 1, 2, 3, 4
+OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_ALLTOALL_SIZES = 5, 6, 7, 8, 9
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr() if t.numel() else 0
+
+
+def _parts(n: int, w: int) -> list[tuple[int, int]]:
+    """Split ``n`` elements into ``w`` near-equal (start, length) parts."""
+    per, extra = divmod(n, w)
+    out, lo = [], 0
+    for q in range(w):
+        k = per + (1 if q < extra else 0)
+        out.append((lo, k))
+        lo += k
+    return out
+
+
+def _chunks(total: int, per: int) -> list[tuple[int, int]]:
+    """(offset, length) chunks of at most ``per``; one empty chunk when ``total`` is 0."""
+    if total == 0:
+        return [(0, 0)]
+    return [(lo, min(per, total - lo)) for lo in range(0, total, per)]
+
+
+def barrier(comm: Communicator, deadline: float) -> None:
+    comm.step(make_sig(comm.next_op(), OP_BARRIER, 0, 0, -1, 0, 0), [], [], 0, 0, deadline)
+
+
+def allreduce(comm: Communicator, t: torch.Tensor, dtype: int, red: int, deadline: float) -> None:
+    """In-place allreduce of a contiguous tensor (SUM/PRODUCT/MIN/MAX/BAND/BOR/BXOR codes)."""
+    seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
+    nbytes, base = t.numel() * es, _ptr(t)
+    per = max(1, comm.chunk // es)
+    step = 0
+    for lo, m in _chunks(t.numel(), per):
+        ptr, nb = base + lo * es, m * es
+        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step)
+        if nb <= SMALL_BYTES or w == 1:
+            reads = [(q, 0, ptr, nb, COPY if q == 0 else FOLD) for q in range(w)]
+            comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
+            step += 1
+            continue
+        parts = _parts(m, w)
+        plo, pn = parts[r]
+        reads = [(q, plo * es, ptr + plo * es, pn * es, COPY if q == 0 else FOLD) for q in range(w)]
+        comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
+        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step + 1)
+        back = [(q, 0, ptr + parts[q][0] * es, parts[q][1] * es, COPY) for q in range(w) if q != r]
+        comm.step(sig, [(ptr + plo * es, pn * es)], back, dtype, red, deadline)
+        step += 2
+
+
+def reduce(
+    comm: Communicator, t: torch.Tensor, root: int, dtype: int, red: int, deadline: float
+) -> None:
+    """In-place reduce into ``root``'s tensor (others keep their input)."""
+    seq, w, es = comm.next_op(), comm.world, t.element_size()
+    nbytes, base = t.numel() * es, _ptr(t)
+    for step, (lo, m) in enumerate(_chunks(t.numel(), max(1, comm.chunk // es))):
+        ptr, nb = base + lo * es, m * es
+        reads = (
+            [(q, 0, ptr, nb, COPY if q == 0 else FOLD) for q in range(w)]
+            if comm.rank == root
+            else []
+        )
+        sig = make_sig(seq, OP_REDUCE, dtype, red, root, nbytes, step)
+        comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
+
+
+def broadcast(comm: Communicator, t: torch.Tensor, root: int, dtype: int, deadline: float) -> None:
+    seq, nbytes, base = comm.next_op(), t.numel() * t.element_size(), _ptr(t)
+    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
+        mine = comm.rank == root
+        pubs = [(base + lo, nb)] if mine else []
+        reads = [] if mine else [(root, 0, base + lo, nb, COPY)]
+        sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
+        comm.step(sig, pubs, reads, dtype, 0, deadline)
+
+
+def allgather(
+    comm: Communicator,
+    inp: int,
+    nbytes: int,
+    outs: Sequence[int] | None,
+    dtype: int,
+    deadline: float,
+    *,
+    root: int = -1,
+) -> None:
+    """Every rank publishes ``nbytes`` at ``inp``; ranks with ``outs`` copy rank q's into outs[q].
+
+    ``root >= 0`` makes it a gather (only the root passes ``outs``).
+    """
+    seq = comm.next_op()
+    op = OP_GATHER if root >= 0 else OP_ALLGATHER
+    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
+        reads = [(q, 0, o + lo, nb, COPY) for q, o in enumerate(outs)] if outs is not None else []
+        sig = make_sig(seq, op, dtype, 0, root, nbytes, step)
+        comm.step(sig, [(inp + lo, nb)], reads, dtype, 0, deadline)
+
+
+def scatter(
+    comm: Communicator,
+    ins: Sequence[int] | None,
+    out: int,
+    nbytes: int,
+    root: int,
+    dtype: int,
+    deadline: float,
+) -> None:
+    """Root publishes ``nbytes`` for every rank; rank q copies its piece into ``out``."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    per = max(1, comm.chunk // w)
+    for step, (lo, nb) in enumerate(_chunks(nbytes, per)):
+        pubs = [(p + lo, nb) for p in ins] if ins is not None else []
+        sig = make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step)
+        comm.step(sig, pubs, [(root, r * nb, out + lo, nb, COPY)], dtype, 0, deadline)
+
+
+def reduce_scatter(
+    comm: Communicator,
+    ins: Sequence[int],
+    out: int,
+    numel: int,
+    es: int,
+    dtype: int,
+    red: int,
+    deadline: float,
+) -> None:
+    """Rank r gets the fold over ranks of everyone's ``ins[r]`` (``numel`` elements each)."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    per = max(1, comm.chunk // (w * es))
+    for step, (lo, m) in enumerate(_chunks(numel, per)):
+        nb = m * es
+        pubs = [(p + lo * es, nb) for p in ins]
+        reads = [(q, r * nb, out + lo * es, nb, COPY if q == 0 else FOLD) for q in range(w)]
+        sig = make_sig(seq, OP_REDUCE_SCATTER, dtype, red, -1, numel * es, step)
+        comm.step(sig, pubs, reads, dtype, red, deadline)
+
+
+def alltoall(
+    comm: Communicator,
+    ins: Sequence[int],
+    in_lens: Sequence[int],
+    outs: Sequence[int],
+    out_lens: Sequence[int],
+    dtype: int,
+    deadline: float,
+) -> None:
+    """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d, receiving into ``outs``."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    mine = torch.tensor([*in_lens, *out_lens], dtype=torch.int64)
+    matrix = torch.zeros(w, 2 * w, dtype=torch.int64)
+    reads = [(q, 0, matrix[q].data_ptr(), 16 * w, COPY) for q in range(w)]
+    sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
+    # A rank whose whole input fits beside its sizes publishes it in this first step too.
+    pubs = [(mine.data_ptr(), 16 * w)]
+    if 16 * w + sum(in_lens) <= comm.chunk:
+        pubs += [(ins[d], in_lens[d]) for d in range(w)]
+    comm.step(sig, pubs, reads, dtype, 0, deadline)
+    rows = matrix.tolist()
+    sends = [row[:w] for row in rows]  # sends[q][d]: bytes rank q sends to rank d
+    for q in range(w):
+        for d in range(w):
+            if sends[q][d] != rows[d][w + q]:
+                raise CollectiveMismatchError(
+                    f"alltoall split sizes disagree: rank {q} sends {sends[q][d]} bytes to rank "
+                    f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
+                )
+    if all(16 * w + sum(sends[q]) <= comm.chunk for q in range(w)):  # everyone published
+        comm.reread(
+            [
+                (q, 16 * w + sum(sends[q][:r]), outs[q], sends[q][r], COPY)
+                for q in range(w)
+                if sends[q][r]
+            ],
+            dtype,
+            0,
+        )
+        return
+    per = max(1, comm.chunk // w)
+    longest = max(max(row) for row in sends) if w else 0
+    nsteps = max(1, math.ceil(longest / per))
+    for k in range(nsteps):
+        lo = k * per
+        pubs = [(ins[d] + lo, max(0, min(per, in_lens[d] - lo))) for d in range(w)]
+        reads = []
+        for q in range(w):
+            offs = [max(0, min(per, n - lo)) for n in sends[q]]
+            if offs[r]:
+                reads.append((q, sum(offs[:r]), outs[q] + lo, offs[r], COPY))
+        sig = make_sig(seq, OP_ALLTOALL, dtype, 0, -1, longest, k + 1)
+        comm.step(sig, pubs, reads, dtype, 0, deadline)
+
+
+# -- references: single-process semantics the fast paths must match ------------------------
+def fold_reference(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Fold rank 0, 1, ... in order with torch ops in the tensors' dtype (the exact contract)."""
+    acc = tensors[0].clone()
+    for t in tensors[1:]:
+        if op == "SUM":
+            acc = acc | t if acc.dtype == torch.bool else acc + t
+        elif op == "PRODUCT":
+            acc = acc & t if acc.dtype == torch.bool else acc * t
+        elif op == "MIN":
+            acc = acc & t if acc.dtype == torch.bool else torch.minimum(acc, t)
+        elif op == "MAX":
+            acc = acc | t if acc.dtype == torch.bool else torch.maximum(acc, t)
+        elif op == "BAND":
+            acc = acc & t
+        elif op == "BOR":
+            acc = acc | t
+        elif op == "BXOR":
+            acc = acc ^ t
+        else:
+            raise ValueError(f"unknown reduce op {op!r}")
+    return acc
+
+
+def allreduce_reference(
+    tensors: Sequence[torch.Tensor], op: str, factor: float = 1.0
+) -> torch.Tensor:
+    """What every rank holds after ``all_reduce`` of ``tensors[q]`` on rank q."""
+    if op == "AVG":
+        return fold_reference(tensors, "SUM").div_(len(tensors))
+    if op == "PREMUL_SUM":
+        return fold_reference([t * factor for t in tensors], "SUM")
+    return fold_reference(tensors, op)

@@ -1,0 +1,658 @@
+# mypy: disable-error-code="override,assignment"
+# (the c10d stubs declare overloaded Python-convenience signatures; the backend implements the
+#  C++ virtual signatures that ProcessGroup dispatches to, as torchft does)
+"""The ``torchport`` c10d backend: a ``torch.distributed.ProcessGroup`` over our communicators.
+
+Every collective validates its arguments on the caller's thread (typed
+:class:`CollectiveArgumentError` naming the requirement and the value), then hands a closure to
+the communicator's progress engine and returns a :class:`TorchportWork` at once. Non-contiguous
+tensors are staged through contiguous copies and written back on the engine thread. Reduce ops:
+SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR natively; AVG = SUM then divide (floating/complex only);
+PREMUL_SUM = scale a copy by its factor, then SUM.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchport.distributed import algorithms as alg
+from torchport.distributed.engine import (
+    BYTES_CODE,
+    Communicator,
+    TorchportWork,
+    _timeout_s,
+    dtype_code,
+)
+from torchport.distributed.errors import CollectiveArgumentError
+
+ReduceOp = dist.ReduceOp
+_NATIVE_RED = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "BAND": 4, "BOR": 5, "BXOR": 6}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def _red_name(op: Any) -> tuple[str, float]:
+    """(name, premul factor) of a ReduceOp / RedOpType / options object."""
+    inner = getattr(op, "op", op)
+    name = getattr(inner, "name", str(inner).split(".")[-1])
+    factor = 1.0
+    if name == "PREMUL_SUM":
+        f = getattr(op, "factor", None)
+        factor = float(f.item() if isinstance(f, torch.Tensor) else f) if f is not None else 1.0
+    return name, factor
+
+
+def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
+    """Native op code for ``name`` on ``dtype`` or a typed error."""
+    if dtype_code(dtype) == BYTES_CODE:
+        raise CollectiveArgumentError(f"{where}: reductions do not support dtype {dtype}")
+    if name in ("AVG", "PREMUL_SUM"):
+        if dtype not in _FLOATS + _COMPLEX:
+            raise CollectiveArgumentError(
+                f"{where}: ReduceOp.{name} requires a floating-point or complex dtype, got {dtype}"
+            )
+        return 0
+    if name not in _NATIVE_RED:
+        raise CollectiveArgumentError(f"{where}: unsupported reduce op {name}")
+    if name in ("BAND", "BOR", "BXOR") and (dtype in _FLOATS or dtype in _COMPLEX):
+        raise CollectiveArgumentError(
+            f"{where}: ReduceOp.{name} requires an integer or bool dtype, got {dtype}"
+        )
+    if name in ("MIN", "MAX") and dtype in _COMPLEX:
+        raise CollectiveArgumentError(
+            f"{where}: ReduceOp.{name} is undefined for complex dtype {dtype}"
+        )
+    return _NATIVE_RED[name]
+
+
+def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise CollectiveArgumentError(
+            f"{where}: expects exactly one tensor per call, got {len(tensors)}"
+        )
+    return _cpu(tensors[0], where)
+
+
+def _cpu(t: Any, where: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise CollectiveArgumentError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise CollectiveArgumentError(f"{where}: tensors must be on device 'cpu', got {t.device}")
+    return t
+
+
+class _Staged:
+    """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.orig = t
+        self.t = t if t.is_contiguous() else t.contiguous()
+
+    def back(self) -> None:
+        if self.t is not self.orig:
+            self.orig.copy_(self.t)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr() if t.numel() else 0
+
+
+class TorchportProcessGroup(dist.ProcessGroup):
+    """A c10d ProcessGroup running on a torchport :class:`Communicator`.
+
+    Beyond the c10d contract it offers ``get_error()``, ``abort()`` and ``comm`` (the internal
+    communicator, whose ``mesh`` is the peer connection map).
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__(comm.rank, comm.world)  # type: ignore[call-arg]
+        self.comm = comm
+        self._closed = False
+
+    # -- identity and lifecycle ------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "torchport"
+
+    # c10d keeps group names/descriptions on backends; a Python group keeps its own
+    # (DeviceMesh / FSDP2 look them up through ``group_name``).
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", self.comm.name)
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` or ``"tcp"``: how this group moves data."""
+        return self.comm.transport
+
+    def get_error(self) -> BaseException | None:
+        """The first error of this communicator (typed), or None while healthy."""
+        return self.comm.error
+
+    def errored(self) -> BaseException | None:
+        """Alias of :meth:`get_error` (torchft's name)."""
+        return self.comm.error
+
+    def abort(self) -> None:
+        """Fail every in-flight and later op here and on every peer with a typed error."""
+        self.comm.abort()
+
+    def shutdown(self) -> None:
+        """Stop the engine and release transport resources."""
+        if self._closed:
+            return
+        self._closed = True
+        self.comm.close()
+        if getattr(self.comm, "owns_mesh", False):
+            self.comm.mesh.close()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """Per-group default timeout for later operations."""
+        self.comm.timeout_s = timeout.total_seconds()
+
+    def _submit(
+        self, name: str, opts: Any, fn: Callable[[float], None], result: list[torch.Tensor]
+    ) -> TorchportWork:
+        timeout = _timeout_s(getattr(opts, "timeout", None), self.comm.timeout_s)
+        comm = self.comm
+        return comm.submit(name, lambda: fn(comm.deadline(timeout)), result)
+
+    def _root(self, root: int, where: str) -> int:
+        if not 0 <= root < self.comm.world:
+            raise CollectiveArgumentError(
+                f"{where}: root rank must be in [0, {self.comm.world}), got {root}"
+            )
+        return root
+
+    # -- reductions ------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        op = opts if not hasattr(opts, "reduceOp") else opts.reduceOp
+        t = _one(tensors, "allreduce")
+        name, factor = _red_name(op)
+        code = _check_red(name, t.dtype, "allreduce")
+        s, comm, dc = _Staged(t), self.comm, dtype_code(t.dtype)
+
+        def run(deadline: float) -> None:
+            if name == "PREMUL_SUM":
+                s.t.mul_(factor)
+            alg.allreduce(comm, s.t, dc, code, deadline)
+            if name == "AVG":
+                s.t.div_(comm.world)
+            s.back()
+
+        return self._submit("allreduce", opts, run, [t])
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        name, factor = _red_name(opts.reduceOp)
+        ts = [_cpu(t, "allreduce_coalesced") for t in tensors]
+        codes = [_check_red(name, t.dtype, "allreduce_coalesced") for t in ts]
+        comm = self.comm
+
+        def run(deadline: float) -> None:
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i, t in enumerate(ts):
+                by_dtype.setdefault(t.dtype, []).append(i)
+            for dt, idx in by_dtype.items():
+                flat = (
+                    torch.cat([ts[i].reshape(-1) for i in idx]) if idx else torch.empty(0, dtype=dt)
+                )
+                if name == "PREMUL_SUM":
+                    flat.mul_(factor)
+                alg.allreduce(comm, flat, dtype_code(dt), codes[idx[0]], deadline)
+                if name == "AVG":
+                    flat.div_(comm.world)
+                off = 0
+                for i in idx:
+                    n = ts[i].numel()
+                    ts[i].copy_(flat[off : off + n].view(ts[i].shape))
+                    off += n
+
+        return self._submit("allreduce_coalesced", opts, run, ts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        t = _one(tensors, "reduce")
+        root = self._root(opts.rootRank, "reduce")
+        name, factor = _red_name(opts.reduceOp)
+        code = _check_red(name, t.dtype, "reduce")
+        s, comm, dc = _Staged(t), self.comm, dtype_code(t.dtype)
+        mine = comm.rank == root
+
+        def run(deadline: float) -> None:
+            buf = s.t if mine else s.t.clone()
+            if name == "PREMUL_SUM":
+                buf.mul_(factor)
+            alg.reduce(comm, buf, root, dc, code, deadline)
+            if mine:
+                if name == "AVG":
+                    buf.div_(comm.world)
+                s.back()
+
+        return self._submit("reduce", opts, run, [t])
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> TorchportWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        out, inp, w = (
+            _cpu(output, "reduce_scatter_tensor"),
+            _cpu(input, "reduce_scatter_tensor"),
+            self.comm.world,
+        )
+        if inp.numel() != out.numel() * w or inp.dtype != out.dtype:
+            raise CollectiveArgumentError(
+                f"reduce_scatter_tensor: input must have world_size ({w}) x output numel "
+                f"({out.numel()}) elements of dtype {out.dtype}, got {inp.numel()} of {inp.dtype}"
+            )
+        return self._reduce_scatter(
+            out, lambda c: [c[q * out.numel() : (q + 1) * out.numel()] for q in range(w)], inp, opts
+        )
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> TorchportWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        out = _one(output_tensors, "reduce_scatter")
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self.comm.world:
+            raise CollectiveArgumentError(
+                f"reduce_scatter: expects one list of world_size ({self.comm.world}) input tensors"
+            )
+        ins = [_cpu(t, "reduce_scatter") for t in input_tensors[0]]
+        for t in ins:
+            if t.numel() != out.numel() or t.dtype != out.dtype:
+                raise CollectiveArgumentError(
+                    f"reduce_scatter: every input must match the output ({out.numel()} x {out.dtype}), "
+                    f"got {t.numel()} x {t.dtype}"
+                )
+        return self._reduce_scatter(out, lambda _c: [t.reshape(-1) for t in ins], None, opts)
+
+    def _reduce_scatter(
+        self,
+        out: torch.Tensor,
+        parts: Callable[[torch.Tensor], list[torch.Tensor]],
+        inp: torch.Tensor | None,
+        opts: Any,
+    ) -> TorchportWork:
+        name, factor = _red_name(opts.reduceOp)
+        code = _check_red(name, out.dtype, "reduce_scatter")
+        s, comm, dc = _Staged(out), self.comm, dtype_code(out.dtype)
+
+        def run(deadline: float) -> None:
+            if inp is not None:  # one flat input: rank q's block starts q * block bytes in
+                src = inp.contiguous() if name != "PREMUL_SUM" else inp * factor
+                block, base = out.numel() * out.element_size(), _ptr(src)
+                ptrs = [base + q * block if block else 0 for q in range(comm.world)]
+                keep = [src]
+            else:
+                keep = [p.contiguous() for p in parts(torch.empty(0, dtype=out.dtype))]
+                if name == "PREMUL_SUM":
+                    keep = [p * factor for p in keep]
+                ptrs = [_ptr(p) for p in keep]
+            alg.reduce_scatter(
+                comm,
+                ptrs,
+                _ptr(s.t),
+                out.numel(),
+                out.element_size(),
+                dc,
+                code,
+                deadline,
+            )
+            if name == "AVG":
+                s.t.div_(comm.world)
+            s.back()
+
+        return self._submit("reduce_scatter", opts, run, [out])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchportWork:
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._chain("reduce_scatter_tensor_coalesced", works, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _chain(
+        self, name: str, works: list[TorchportWork], result: list[torch.Tensor]
+    ) -> TorchportWork:
+        """A Work that completes after ``works`` (all issued to the same in-order engine)."""
+
+        def run(_deadline: float) -> None:
+            for w in works:
+                w.wait()
+
+        return self._submit(name, None, run, result)
+
+    # -- data movement ---------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        t = _one(tensors, "broadcast")
+        root = self._root(opts.rootRank, "broadcast")
+        s, comm = _Staged(t), self.comm
+
+        def run(deadline: float) -> None:
+            alg.broadcast(comm, s.t, root, dtype_code(t.dtype), deadline)
+            if comm.rank != root:
+                s.back()
+
+        return self._submit("broadcast", opts, run, [t])
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> TorchportWork:
+        out, inp, w = (
+            _cpu(output, "all_gather_into_tensor"),
+            _cpu(input, "all_gather_into_tensor"),
+            self.comm.world,
+        )
+        if out.numel() != inp.numel() * w or out.dtype != inp.dtype:
+            raise CollectiveArgumentError(
+                f"all_gather_into_tensor: output must have world_size ({w}) x input numel "
+                f"({inp.numel()}) elements of dtype {inp.dtype}, got {out.numel()} of {out.dtype}"
+            )
+        n = inp.numel()
+        return self._gather(
+            "allgather",
+            out,
+            lambda o: [o.view(-1)[q * n : (q + 1) * n] for q in range(w)],
+            inp,
+            -1,
+            opts,
+        )
+
+    all_gather_single = _allgather_base
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> TorchportWork:
+        inp = _one(input_tensors, "allgather")
+        outs = self._check_list(output_tensors, inp, "allgather")
+        return self._gather_list("allgather", outs, inp, -1, opts)
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> TorchportWork:
+        opts = opts if opts is not None else dist.GatherOptions()
+        inp = _one(input_tensors, "gather")
+        root = self._root(opts.rootRank, "gather")
+        outs = self._check_list(output_tensors, inp, "gather") if self.comm.rank == root else None
+        return self._gather_list("gather", outs, inp, root, opts)
+
+    def _check_list(
+        self, lists: list[list[torch.Tensor]], inp: torch.Tensor, where: str
+    ) -> list[torch.Tensor]:
+        w = self.comm.world
+        if len(lists) != 1 or len(lists[0]) != w:
+            raise CollectiveArgumentError(
+                f"{where}: expects one list of world_size ({w}) output tensors"
+            )
+        outs = [_cpu(t, where) for t in lists[0]]
+        for t in outs:
+            if t.numel() != inp.numel() or t.dtype != inp.dtype:
+                raise CollectiveArgumentError(
+                    f"{where}: every output must match the input ({inp.numel()} x {inp.dtype}), "
+                    f"got {t.numel()} x {t.dtype}"
+                )
+        return outs
+
+    def _gather_list(
+        self, name: str, outs: list[torch.Tensor] | None, inp: torch.Tensor, root: int, opts: Any
+    ) -> TorchportWork:
+        staged = [_Staged(o) for o in outs] if outs is not None else None
+        comm = self.comm
+
+        def run(deadline: float) -> None:
+            src = inp.contiguous()
+            ptrs = [_ptr(s.t) for s in staged] if staged is not None else None
+            alg.allgather(
+                comm,
+                _ptr(src),
+                src.numel() * src.element_size(),
+                ptrs,
+                dtype_code(inp.dtype),
+                deadline,
+                root=root,
+            )
+            for s in staged or []:
+                s.back()
+
+        return self._submit(name, opts, run, list(outs or []))
+
+    def _gather(
+        self,
+        name: str,
+        out: torch.Tensor,
+        parts: Callable[[torch.Tensor], list[torch.Tensor]],
+        inp: torch.Tensor,
+        root: int,
+        opts: Any,
+    ) -> TorchportWork:
+        s, comm = _Staged(out), self.comm
+
+        def run(deadline: float) -> None:
+            src = inp.contiguous()
+            ptrs = [_ptr(p) if p.numel() else 0 for p in parts(s.t)]
+            alg.allgather(
+                comm,
+                _ptr(src),
+                src.numel() * src.element_size(),
+                ptrs,
+                dtype_code(inp.dtype),
+                deadline,
+                root=root,
+            )
+            s.back()
+
+        return self._submit(name, opts, run, [out])
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchportWork:
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._chain("allgather_into_tensor_coalesced", works, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchportWork:
+        works = [self.allgather([outs], [i], opts) for outs, i in zip(output_lists, inputs)]
+        return self._chain("allgather_coalesced", works, [t for o in output_lists for t in o])
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> TorchportWork:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        out = _one(output_tensors, "scatter")
+        root = self._root(opts.rootRank, "scatter")
+        ins = None
+        if self.comm.rank == root:
+            ins = self._check_list(input_tensors, out, "scatter")
+        s, comm = _Staged(out), self.comm
+
+        def run(deadline: float) -> None:
+            srcs = [t.contiguous() for t in ins] if ins is not None else None
+            nbytes = out.numel() * out.element_size()
+            alg.scatter(
+                comm,
+                [_ptr(t) for t in srcs] if srcs is not None else None,
+                _ptr(s.t),
+                nbytes,
+                root,
+                dtype_code(out.dtype),
+                deadline,
+            )
+            s.back()
+
+        return self._submit("scatter", opts, run, [out])
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> TorchportWork:
+        out, inp, w = (
+            _cpu(output, "all_to_all_single"),
+            _cpu(input, "all_to_all_single"),
+            self.comm.world,
+        )
+        if out.dtype != inp.dtype:
+            raise CollectiveArgumentError(
+                f"all_to_all_single: dtypes differ: output {out.dtype}, input {inp.dtype}"
+            )
+        osz = self._splits(out, list(output_split_sizes), "output")
+        isz = self._splits(inp, list(input_split_sizes), "input")
+        return self._alltoall(
+            "all_to_all_single",
+            lambda o: (
+                list(o.reshape(-1).split([n * self._row(out) for n in osz]))
+                if out.numel()
+                else [o.reshape(-1)[:0]] * w
+            ),
+            out,
+            lambda i: (
+                list(i.reshape(-1).split([n * self._row(inp) for n in isz]))
+                if inp.numel()
+                else [i.reshape(-1)[:0]] * w
+            ),
+            inp,
+            opts,
+        )
+
+    all_to_all_single = alltoall_base
+
+    @staticmethod
+    def _row(t: torch.Tensor) -> int:
+        return t.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
+
+    def _splits(self, t: torch.Tensor, sizes: list[int], which: str) -> list[int]:
+        w = self.comm.world
+        rows = t.shape[0] if t.dim() else 1
+        if not sizes:
+            if rows % w:
+                raise CollectiveArgumentError(
+                    f"all_to_all_single: {which} dim 0 ({rows}) must be divisible by world_size ({w}) without split sizes"
+                )
+            return [rows // w] * w
+        if len(sizes) != w or sum(sizes) != rows or min(sizes) < 0:
+            raise CollectiveArgumentError(
+                f"all_to_all_single: {which} split sizes must be {w} non-negative ints summing to dim 0 ({rows}), got {sizes}"
+            )
+        return sizes
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> TorchportWork:
+        w = self.comm.world
+        if len(output_tensors) != w or len(input_tensors) != w:
+            raise CollectiveArgumentError(
+                f"alltoall: expects world_size ({w}) input and output tensors"
+            )
+        outs = [_cpu(t, "alltoall") for t in output_tensors]
+        ins = [_cpu(t, "alltoall") for t in input_tensors]
+        staged = [_Staged(o) for o in outs]
+        comm = self.comm
+
+        def run(deadline: float) -> None:
+            srcs = [t.contiguous() for t in ins]
+            alg.alltoall(
+                comm,
+                [_ptr(t) for t in srcs],
+                [t.numel() * t.element_size() for t in srcs],
+                [_ptr(s.t) for s in staged],
+                [s.t.numel() * s.t.element_size() for s in staged],
+                dtype_code(outs[0].dtype if outs else torch.uint8),
+                deadline,
+            )
+            for s in staged:
+                s.back()
+
+        return self._submit("alltoall", opts, run, outs)
+
+    def _alltoall(
+        self,
+        name: str,
+        out_parts: Callable[[torch.Tensor], list[torch.Tensor]],
+        out: torch.Tensor,
+        in_parts: Callable[[torch.Tensor], list[torch.Tensor]],
+        inp: torch.Tensor,
+        opts: Any,
+    ) -> TorchportWork:
+        s, comm = _Staged(out), self.comm
+
+        def run(deadline: float) -> None:
+            src = inp.contiguous()
+            ins, outs = in_parts(src), out_parts(s.t)
+            alg.alltoall(
+                comm,
+                [_ptr(t) for t in ins],
+                [t.numel() * t.element_size() for t in ins],
+                [_ptr(t) for t in outs],
+                [t.numel() * t.element_size() for t in outs],
+                dtype_code(out.dtype),
+                deadline,
+            )
+            s.back()
+
+        return self._submit(name, opts, run, [out])
+
+    def barrier(self, opts: Any = None) -> TorchportWork:
+        comm = self.comm
+        return self._submit("barrier", opts, lambda deadline: alg.barrier(comm, deadline), [])
+
+    # -- point to point --------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> TorchportWork:
+        t = _one(tensors, "send")
+        if not 0 <= dstRank < self.comm.world or dstRank == self.comm.rank:
+            raise CollectiveArgumentError(
+                f"send: destination must be another rank in [0, {self.comm.world}), got {dstRank}"
+            )
+        nbytes, bound = t.numel() * t.element_size(), self.comm.mesh.max_frame
+        if nbytes > bound:
+            raise CollectiveArgumentError(
+                f"send: a message may hold at most {bound} bytes (TORCHPORT_DIST_MAX_FRAME_BYTES), "
+                f"got {nbytes}"
+            )
+        return self.comm.send_p2p(t, dstRank, tag)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> TorchportWork:
+        t = _one(tensors, "recv")
+        if not 0 <= srcRank < self.comm.world or srcRank == self.comm.rank:
+            raise CollectiveArgumentError(
+                f"recv: source must be another rank in [0, {self.comm.world}), got {srcRank}"
+            )
+        return self.comm.recv_p2p(t, srcRank, tag)

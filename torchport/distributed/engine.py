@@ -1,0 +1,557 @@
+"""Communicators, Work objects and the progress engine.
+
+A :class:`Communicator` is one group's state: its ranks (as global ranks of the shared
+:class:`~torchport.distributed.transport_tcp.Mesh`), its shared-memory arena when every member
+is on this host, the step epoch, and its first error. Collectives are sequences of *steps*
+(``Communicator.step``): each rank publishes some bytes, all ranks meet, and each applies a
+list of reads (copy or fold) from any rank's published bytes. On shared memory a step is one
+native call; over TCP the published bytes go to every peer in one frame and the reads are
+applied to the received buffers by the same native code.
+
+Each communicator owns an :class:`Engine`: a thread that runs issued operations in order, so
+issuing never blocks the caller. Point-to-point receives complete from the mesh's reader threads.
+
+Error model (see :mod:`~torchport.distributed.errors`): the first failure is kept
+(``get_error()``), broadcast to peers (the arena's abort word and ABORT frames), and fails every
+queued and later operation. ``abort()`` does the same with :class:`CommAbortedError`; peers see a
+:class:`RemoteError` within one spin/poll interval (well under 100 ms).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import datetime
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchport.distributed.errors import (
+    CollectiveMismatchError,
+    CommAbortedError,
+    CommError,
+    CommTimeoutError,
+    CommunicatorErrorState,
+    RemoteError,
+)
+from torchport.distributed.shm_kernels import shm_lib
+from torchport.distributed.transport_shm import (
+    ABORTED,
+    MISMATCH,
+    TIMEOUT,
+    Read,
+    ShmArena,
+    StepError,
+)
+from torchport.distributed.transport_tcp import Mesh
+from torchport.distributed.wire import Kind
+
+# Abort reasons (low byte of the abort word / seq of ABORT frames).
+REASON_ABORT, REASON_TIMEOUT, REASON_MISMATCH, REASON_ERROR, REASON_SHUTDOWN = 1, 2, 3, 4, 5
+REASONS = {
+    REASON_ABORT: "called abort()",
+    REASON_TIMEOUT: "timed out",
+    REASON_MISMATCH: "detected mismatched collectives",
+    REASON_ERROR: "failed",
+    REASON_SHUTDOWN: "shut down",
+}
+
+OP_NAMES = (
+    "barrier",
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "alltoall",
+    "alltoall_sizes",
+)
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+BYTES_CODE = len(DTYPES)  # any other dtype: moved as bytes, never reduced
+RED_NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+
+
+def dtype_code(dt: torch.dtype) -> int:
+    return DTYPE_CODE.get(dt, BYTES_CODE)
+
+
+def make_sig(
+    op_seq: int, op: int, dtype: int, red: int, root: int, nbytes: int, step: int
+) -> tuple[int, int, int, int]:
+    """The 4-word step signature every rank must agree on."""
+    return (op_seq, op | (dtype << 8) | (red << 16) | ((root + 1) << 24), nbytes, step)
+
+
+def describe_sig(sig: Sequence[int]) -> str:
+    """Human-readable form of a signature."""
+    code = sig[1]
+    op, dt, red, root = code & 0xFF, (code >> 8) & 0xFF, (code >> 16) & 0xFF, (code >> 24) - 1
+    name = OP_NAMES[op] if op < len(OP_NAMES) else f"op{op}"
+    dname = str(DTYPES[dt]).removeprefix("torch.") if dt < len(DTYPES) else "bytes"
+    parts = [f"dtype={dname}", f"bytes={sig[2]}"]
+    if name in ("allreduce", "reduce", "reduce_scatter"):
+        parts.append(f"op={RED_NAMES[red] if red < len(RED_NAMES) else red}")
+    if root >= 0 and name in ("broadcast", "reduce", "gather", "scatter"):
+        parts.append(f"root={root}")
+    return f"collective #{sig[0]} {name}({', '.join(parts)}) step {sig[3]}"
+
+
+def _addr(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if buf else 0
+
+
+def _timeout_s(value: Any, default: float) -> float:
+    """Seconds from a c10d options timeout (``timedelta``; unset/zero/negative -> default)."""
+    if isinstance(value, datetime.timedelta):
+        s = value.total_seconds()
+        return s if s > 0 else default
+    return default
+
+
+class TorchportWork(dist.Work):
+    """Handle of one issued operation: ``wait``, ``is_completed``, ``exception``, ``get_future``."""
+
+    def __init__(self, name: str, result: list[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self._result = result if result is not None else []
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._engine: Engine | None = None
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self._event.is_set():
+            return
+        self._error = error
+        self._event.set()
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until done; raise the operation's error, or :class:`CommTimeoutError`."""
+        t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+        if not self._event.is_set() and self._engine is not None:
+            self._engine.help(self)
+        if not self._event.wait(t if t and t > 0 else None):
+            raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        return -1
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+GRACE_S = 0.0003  # an op nobody waits on is started by the engine thread after this long
+POLL_S = 0.002  # the engine's native doorbell poll interval (no GIL held)
+
+
+class Engine:
+    """Runs a communicator's operations in issue order, on its own thread or inline in ``wait``.
+
+    Issuing only appends to the queue (never blocks). The engine thread drains the queue for
+    operations nobody waits on; a caller that waits on a queued operation runs the queue up to
+    it inline (in order) when no one else is running it, which saves two thread hand-offs per
+    synchronous collective.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._items: collections.deque[tuple[TorchportWork, Callable[[], None]]] = (
+            collections.deque()
+        )
+        self._lock = threading.Lock()
+        self._runner = threading.Lock()
+        # Doorbell cells read by native code while the thread sleeps without the GIL:
+        # [posted, taken, stop]. Ringing it is a plain store, never a wake-up.
+        self._cells = (ctypes.c_int64 * 3)()
+        self._lib = shm_lib()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self._thread.start()
+
+    def submit(self, work: TorchportWork, fn: Callable[[], None], comm: Communicator) -> None:
+        work._engine = self
+        with self._lock:
+            self._items.append((work, lambda: comm.run(work, fn)))
+            self._cells[0] += 1
+
+    def _pop(self) -> tuple[TorchportWork, Callable[[], None]] | None:
+        with self._lock:
+            if not self._items:
+                return None
+            self._cells[1] += 1
+            return self._items.popleft()
+
+    def _loop(self) -> None:
+        grace, poll = int(GRACE_S * 1e9), int(POLL_S * 1e9)
+        while self._lib.doorbell_wait(self._cells, grace, poll):
+            with self._runner:
+                item = self._pop()
+                if item is not None:
+                    item[1]()
+
+    def help(self, work: TorchportWork) -> None:
+        """Run queued operations inline up to ``work`` unless another thread is running them."""
+        if not self._runner.acquire(blocking=False):
+            return
+        try:
+            while not work.is_completed():
+                item = self._pop()
+                if item is None:
+                    return
+                item[1]()
+        finally:
+            self._runner.release()
+
+    def stop(self) -> None:
+        self._cells[2] = 1
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+class Communicator:
+    """One group: ranks, transport, epoch, error state, engine. See the module docstring."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        group_id: int,
+        ranks: Sequence[int],
+        rank: int,
+        *,
+        arena: ShmArena | None,
+        timeout_s: float,
+        chunk: int,
+        name: str,
+    ) -> None:
+        self.mesh, self.group_id, self.ranks = mesh, group_id, list(ranks)
+        self.rank, self.world, self.arena = rank, len(ranks), arena
+        self.timeout_s, self.chunk, self.name = timeout_s, chunk, name
+        self.epoch = 1
+        self.owns_mesh = False  # True for a group that built its own mesh (no root group)
+        self.op_seq = 0
+        self.error: BaseException | None = None
+        self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
+        self._lock = threading.Lock()
+        self.lib = shm_lib()
+        self.engine = Engine(f"tp-engine-{name}")
+        self.sender = Engine(f"tp-send-{name}")
+        mesh.register(group_id, self)
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.arena is not None else "tcp"
+
+    # -- error model -------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if the communicator has failed."""
+        if self.error is not None:
+            raise CommunicatorErrorState(
+                f"communicator {self.name!r} (rank {self.rank}) is in error state: {self.error}"
+            ) from self.error
+
+    def fail(self, error: BaseException, reason: int) -> None:
+        """Record the first error and tell every peer (arena abort word and ABORT frames)."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+            pending, self._pending = self._pending, []
+        if self.arena is not None:
+            self.arena.set_abort(self.rank, reason)
+        for q, g in enumerate(self.ranks):
+            if q != self.rank and g in self.mesh.peers:
+                with contextlib.suppress(CommError):
+                    self.mesh.send(g, Kind.ABORT, self.group_id, reason)
+        self.mesh.mailbox.wake()
+        for key, cb, work in pending:
+            self.mesh.mailbox.cancel(key, cb)
+            work._finish(error)
+
+    def abort(self) -> None:
+        """Fail every in-flight and later operation here and on every peer."""
+        self.fail(
+            CommAbortedError(f"communicator {self.name!r} aborted by rank {self.rank}"),
+            REASON_ABORT,
+        )
+
+    def on_remote_abort(self, src: int, reason: int) -> None:
+        q = self.ranks.index(src) if src in self.ranks else src
+        err = RemoteError(
+            f"communicator {self.name!r}: rank {q} {REASONS.get(reason, f'failed ({reason})')}"
+        )
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = err
+            pending, self._pending = self._pending, []
+        if self.arena is not None:
+            self.arena.set_abort(q, reason)
+        for key, cb, work in pending:
+            self.mesh.mailbox.cancel(key, cb)
+            work._finish(err)
+
+    def on_peer_lost(self, src: int, error: BaseException) -> None:
+        if src in self.ranks:
+            self.fail(error, REASON_ERROR)
+
+    # -- running operations ------------------------------------------------------------
+    def run(self, work: TorchportWork, fn: Callable[[], None]) -> None:
+        """Engine-side wrapper: refuse when failed, map errors, complete the work."""
+        if self.check_now(work):  # issued after the communicator failed
+            return
+        try:
+            fn()
+        except StepError as e:
+            work._finish(self._step_error(e, work.name))
+        except CommunicatorErrorState as e:  # failed while in flight: report the typed cause
+            work._finish(self.error if self.error is not None else e)
+        except BaseException as e:
+            self.fail(e, REASON_TIMEOUT if isinstance(e, CommTimeoutError) else REASON_ERROR)
+            work._finish(e)
+        else:
+            work._finish()
+
+    def submit(
+        self, name: str, fn: Callable[[], None], result: list[torch.Tensor] | None = None
+    ) -> TorchportWork:
+        """Issue ``fn`` on the engine; return its Work at once."""
+        work = TorchportWork(name, result)
+        if self.error is not None:
+            try:
+                self.check()
+            except CommunicatorErrorState as e:
+                work._finish(e)
+            return work
+        self.engine.submit(work, fn, self)
+        return work
+
+    def next_op(self) -> int:
+        self.op_seq += 1
+        return self.op_seq
+
+    def deadline(self, timeout_s: float | None = None) -> float:
+        return time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+
+    def _step_error(self, e: StepError, opname: str) -> BaseException:
+        if e.status == TIMEOUT:
+            err: BaseException = CommTimeoutError(
+                f"{opname} on communicator {self.name!r} (rank {self.rank} of {self.world}) "
+                f"timed out waiting for peers"
+            )
+            self.fail(err, REASON_TIMEOUT)
+        elif e.status == ABORTED:
+            word = self.arena.abort_word() if self.arena is not None else 0
+            who, reason = (word >> 8) - 1, word & 0xFF
+            if who == self.rank and self.error is not None:
+                err = self.error
+            else:
+                err = RemoteError(
+                    f"{opname} on communicator {self.name!r}: rank {who} "
+                    f"{REASONS.get(reason, f'failed ({reason})')}"
+                )
+                with self._lock:
+                    if self.error is None:
+                        self.error = err
+        elif e.status == MISMATCH:
+            q, word, theirs = e.detail
+            err = CollectiveMismatchError(
+                f"mismatched collectives on communicator {self.name!r}: rank {self.rank} issued "
+                f"{describe_sig(self._last_sig)} but rank {q} differs in "
+                f"{('sequence number', 'op/dtype/reduce-op/root', 'byte count', 'step')[word] if word < 4 else 'signature'}"
+                f" (theirs: {theirs if word != 1 else describe_sig((0, theirs, 0, 0))})"
+            )
+            self.fail(err, REASON_MISMATCH)
+        else:
+            err = CommError(
+                f"{opname}: shared-memory step rejected its arguments (status {e.status})"
+            )
+            self.fail(err, REASON_ERROR)
+        return err
+
+    def step(
+        self,
+        sig: tuple[int, int, int, int],
+        pubs: Sequence[tuple[int, int]],
+        reads: Sequence[Read],
+        dtype: int,
+        red: int,
+        deadline: float,
+    ) -> None:
+        """One collective step on this group's transport (see module docstring)."""
+        self._last_sig = sig
+        self._last_blobs: list[bytearray] = []
+        epoch = self.epoch
+        self.epoch += 1
+        if self.arena is not None:
+            self.arena.step(epoch, sig, pubs, reads, dtype, red, deadline - time.monotonic())
+        else:
+            self._tcp_step(epoch, sig, pubs, reads, dtype, red, deadline)
+
+    def reread(self, reads: Sequence[Read], dtype: int, red: int) -> None:
+        """Apply more reads to what every rank published in the step just completed."""
+        if self.arena is not None:
+            self.arena.reread(self.epoch - 1, reads, dtype, red)
+            return
+        blobs = self._last_blobs
+        for peer, off, _dst, n, _mode in reads:
+            if off + n > len(blobs[peer]):
+                raise CommError(
+                    f"rank {peer} published {len(blobs[peer])} bytes, fewer than the {off + n} read"
+                )
+        bases = (ctypes.c_int64 * self.world)(*[_addr(b) for b in blobs])
+        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
+        if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
+            raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
+
+    def _tcp_step(
+        self,
+        epoch: int,
+        sig: tuple[int, int, int, int],
+        pubs: Sequence[tuple[int, int]],
+        reads: Sequence[Read],
+        dtype: int,
+        red: int,
+        deadline: float,
+    ) -> None:
+        buf = bytearray(sum(n for _, n in pubs))
+        base, off = _addr(buf), 0
+        for ptr, n in pubs:
+            if n:
+                ctypes.memmove(base + off, ptr, n)
+            off += n
+        for q, g in enumerate(self.ranks):
+            if q != self.rank:
+                self.mesh.send(g, Kind.COLL, self.group_id, epoch, buf, sig)
+        blobs: list[bytearray] = [buf] * self.world
+        for q, g in enumerate(self.ranks):
+            if q == self.rank:
+                continue
+            hdr, body = self.mesh.mailbox.get(
+                (self.group_id, int(Kind.COLL), g, epoch), deadline, self.check
+            )
+            if hdr.sig != sig:
+                word = next(i for i in range(4) if hdr.sig[i] != sig[i])
+                raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+            blobs[q] = body
+        self._last_blobs = blobs
+        for peer, off, _dst, n, _mode in reads:
+            if off + n > len(blobs[peer]):
+                raise CommError(
+                    f"rank {peer} published {len(blobs[peer])} bytes, fewer than the {off + n} read"
+                )
+        bases = (ctypes.c_int64 * self.world)(*[_addr(b) for b in blobs])
+        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
+        if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
+            raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
+
+    # -- point to point ----------------------------------------------------------------
+    def send_p2p(self, tensor: torch.Tensor, dst: int, tag: int) -> TorchportWork:
+        data = (
+            tensor.detach().contiguous().view(torch.uint8).reshape(-1).clone()
+            if tensor.numel()
+            else None
+        )
+        sig = (dtype_code(tensor.dtype), tensor.numel(), 0, 0)
+
+        def go() -> None:
+            payload = data.numpy().data if data is not None else b""
+            self.mesh.send(self.ranks[dst], Kind.P2P, self.group_id, tag, payload, sig)
+
+        work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
+        if not self.check_now(work):
+            self.sender.submit(work, go, self)
+        return work
+
+    def recv_p2p(self, tensor: torch.Tensor, src: int, tag: int) -> TorchportWork:
+        work = TorchportWork(f"recv(src={src}, tag={tag})", [tensor])
+        if self.check_now(work):
+            return work
+        key = (self.group_id, int(Kind.P2P), self.ranks[src], tag & 0xFFFFFFFFFFFFFFFF)
+        want = (dtype_code(tensor.dtype), tensor.numel())
+
+        def deliver(frame: Any) -> None:
+            hdr, body = frame
+            with self._lock:
+                self._pending = [p for p in self._pending if p[2] is not work]
+            if (hdr.sig[0], hdr.sig[1]) != want or len(
+                body
+            ) != tensor.numel() * tensor.element_size():
+                err = CollectiveMismatchError(
+                    f"recv from rank {src} tag {tag}: expected {want[1]} elements of "
+                    f"{tensor.dtype}, the sender sent {hdr.sig[1]} elements of "
+                    f"{describe_sig((0, hdr.sig[0] << 8, 0, 0)).split('dtype=')[1].split(',')[0]}"
+                )
+                work._finish(err)
+                return
+            if body:
+                data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
+                tensor.copy_(data.view(tensor.shape))
+            work._finish()
+
+        with self._lock:
+            self._pending.append((key, deliver, work))
+        self.mesh.mailbox.expect(key, deliver)
+        return work
+
+    def check_now(self, work: TorchportWork) -> bool:
+        """Finish ``work`` with the error state if failed; True if it did."""
+        try:
+            self.check()
+        except CommunicatorErrorState as e:
+            work._finish(e)
+            return True
+        return False
+
+    def close(self) -> None:
+        """Stop the engine threads and release the arena (after in-flight work ended)."""
+        self.engine.stop()
+        self.sender.stop()
+        self.engine.join(5.0)
+        self.sender.join(5.0)
+        self.mesh.unregister(self.group_id)
+        if self.arena is not None:
+            self.arena.close()

@@ -1,0 +1,60 @@
+"""The error model of the ``torchport`` backend: every failure is a typed value.
+
+A communicator that fails keeps its first error; :meth:`TorchportProcessGroup.get_error` returns
+it and every later operation raises it again (wrapped in :class:`CommunicatorErrorState`), so a
+broken group never hangs and never returns wrong data. The kinds:
+
+- :class:`CommTimeoutError`: an operation did not complete within its (per-op or per-group)
+  timeout;
+- :class:`CommError`: a local communication failure (socket closed, bad frame, shm failure);
+  :class:`CommAbortedError` when this rank called ``abort()``;
+- :class:`RemoteError`: a peer aborted, timed out or failed and told us so;
+- :class:`CollectiveMismatchError`: ranks issued different collectives (op, dtype, size, root).
+
+All derive from ``torch.distributed.DistBackendError`` so callers that catch torch's own
+distributed errors catch ours too.
+"""
+
+from __future__ import annotations
+
+from torch.distributed import DistBackendError
+
+
+class TorchportDistError(DistBackendError):
+    """Base class of every error raised by the ``torchport`` backend."""
+
+
+class CommTimeoutError(TorchportDistError, TimeoutError):
+    """An operation exceeded its timeout."""
+
+
+class CommError(TorchportDistError):
+    """A local communication failure."""
+
+
+class CommAbortedError(CommError):
+    """The communicator was aborted on this rank."""
+
+
+class RemoteError(TorchportDistError):
+    """A peer failed or aborted; the message names the peer and its reason."""
+
+
+class CollectiveMismatchError(TorchportDistError, ValueError):
+    """Ranks issued mismatched collectives (different op, dtype, size or root)."""
+
+
+class CommunicatorErrorState(TorchportDistError):
+    """The communicator already failed; its first error is the ``__cause__``."""
+
+
+class WireError(CommError, ValueError):
+    """A received frame violates the wire format (magic, version, kind or length bound)."""
+
+
+class AuthError(CommError):
+    """A peer failed authentication (wrong secret, rank or job)."""
+
+
+class CollectiveArgumentError(TorchportDistError, ValueError):
+    """A collective was called with arguments it cannot accept (the message says which)."""

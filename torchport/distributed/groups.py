@@ -1,0 +1,141 @@
+"""Building communicators: the c10d creator, the shared mesh, arenas and sub-communicators.
+
+The first group created in a process with an empty ``global_ranks_in_group`` (the default group
+of ``init_process_group``) builds the root :class:`~torchport.distributed.transport_tcp.Mesh`:
+a per-job secret through the store, then authenticated connections to every rank. Every later
+group (``new_group``, :func:`split_group`) reuses that mesh: its frames carry a group id derived
+from the group name (identical on every rank), and its ranks are ordered by global rank, so
+sub-ranks are deterministic. A group gets a shared-memory arena when all its members run on this
+host (same hostname and boot id) and ``TORCHPORT_DIST_TRANSPORT`` allows it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from torchport import config
+from torchport.distributed import auth
+from torchport.distributed.engine import Communicator
+from torchport.distributed.errors import CommError, CommTimeoutError
+from torchport.distributed.transport_shm import ShmArena
+from torchport.distributed.transport_tcp import Mesh
+
+_lock = threading.Lock()
+_root: Mesh | None = None
+
+
+def host_id() -> str:
+    """Identity of this host for transport selection: hostname + kernel boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def root_mesh() -> Mesh | None:
+    """The process's root mesh (None before ``init_process_group``)."""
+    return _root
+
+
+def _build_mesh(store: Any, rank: int, size: int, timeout_s: float) -> Mesh:
+    if rank == 0:
+        store.set("tp/secret", auth.new_secret())
+    secret = bytes(store.get("tp/secret"))
+    if len(secret) != auth.SECRET_BYTES:
+        raise CommError(
+            f"job secret in the store has {len(secret)} bytes, expected {auth.SECRET_BYTES}"
+        )
+    max_frame = int(config.get("dist_max_frame_bytes"))
+    return Mesh(
+        store,
+        rank,
+        size,
+        secret=secret,
+        addr=str(config.get("dist_addr")),
+        timeout_s=timeout_s,
+        max_frame=max(max_frame, int(config.get("dist_chunk_bytes")) + 4096),
+        host_id=host_id(),
+    )
+
+
+def _make_arena(store: Any, rank: int, size: int, slot: int, timeout_s: float) -> ShmArena:
+    """Rank 0 creates the arena, publishes its path, waits until all mapped it, unlinks it."""
+    if rank == 0:
+        arena = ShmArena(ShmArena.new_path(), size, rank, slot, create=True)
+        try:
+            store.set("tp/arena", arena.path)
+            deadline = time.monotonic() + timeout_s
+            while int(store.add("tp/arena_mapped", 0)) < size - 1:
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(
+                        f"ranks did not map the shared-memory arena within {timeout_s:.0f} s"
+                    )
+                time.sleep(0.001)
+        finally:
+            arena.unlink()
+        return arena
+    path = store.get("tp/arena").decode()
+    arena = ShmArena(path, size, rank, slot, create=False)
+    store.add("tp/arena_mapped", 1)
+    return arena
+
+
+def group_id_for(name: str) -> int:
+    """Nonzero 32-bit id of a sub-group (0 is the root group)."""
+    return (zlib.crc32(name.encode()) & 0x7FFFFFFF) | 1
+
+
+def build_communicator(
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: datetime.timedelta,
+    global_ranks: Sequence[int],
+    name: str,
+) -> Communicator:
+    """Create the communicator for one c10d group (collective over its members)."""
+    global _root
+    timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
+    transport = str(config.get("dist_transport"))
+    with _lock:
+        is_root = not global_ranks or _root is None or _root.closed
+        if is_root:
+            mesh = _build_mesh(store, rank, size, timeout_s)
+            if not global_ranks:
+                if _root is not None and not _root.closed:
+                    _root.close()
+                _root = mesh
+            ranks: list[int] = list(range(size))
+            gid = 0 if not global_ranks else group_id_for(name)
+        else:
+            assert _root is not None
+            mesh = _root
+            ranks = sorted(global_ranks)
+            gid = group_id_for(name)
+    local = all(mesh.hosts[g] == mesh.hosts[mesh.rank] for g in ranks)
+    if transport == "shm" and not local:
+        raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
+    arena = None
+    chunk = int(config.get("dist_chunk_bytes"))
+    if local and transport != "tcp" and size > 1:
+        arena = _make_arena(store, rank, size, chunk, timeout_s)
+    comm = Communicator(
+        mesh,
+        gid,
+        ranks,
+        rank,
+        arena=arena,
+        timeout_s=timeout_s,
+        chunk=chunk,
+        name=name or "default",
+    )
+    comm.owns_mesh = is_root and bool(global_ranks)
+    return comm

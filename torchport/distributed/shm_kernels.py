@@ -1,0 +1,360 @@
+"""Native kernels of the shared-memory transport: step barrier, copies and reductions.
+
+One call of ``tp_shm_step`` performs a whole collective step for the calling rank:
+
+1. copy the published segments into this rank's slot (half ``epoch & 1`` of its double buffer);
+2. write the step signature and arrive at the barrier (``__atomic`` release store of ``epoch``);
+3. wait until every rank arrived (acquire loads; bounded spin with ``pause``, then
+   ``sched_yield`` for 0.2 ms, then a futex sleep woken by the next arrival), watching the
+   group's abort word and a deadline;
+4. compare every rank's signature with ours (mismatch -> error code, offending rank);
+5. apply the reads: copy or reduce ``len`` bytes from ``peer``'s slot into a destination.
+
+Double buffering makes one barrier per step enough: a rank rewrites a half only two steps
+later, after every peer arrived at the step in between, i.e. finished reading it.
+
+Reductions fold ``dst = dst (op) src`` element-wise. fp16/bf16 compute in fp32 and round to
+nearest-even per fold, exactly like torch's eager ``a + b`` in that dtype; integers wrap
+(``-fwrapv``); MIN/MAX propagate NaN like ``torch.minimum``/``torch.maximum``; bool maps
+SUM/MAX/BOR to OR, PRODUCT/MIN/BAND to AND, BXOR to XOR; complex supports SUM and PRODUCT.
+FMA contraction is off so results are bitwise those of the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from torchport import native
+
+# Status codes returned by tp_shm_step.
+OK, TIMEOUT, ABORTED, MISMATCH, BAD_ARG = 0, 1, 2, 3, 4
+
+# Header layout (bytes).
+HDR_MAGIC = 0x5450534D32  # "TPSM2"
+LINE = 256  # per-rank control line: arrive (8) + pad + two signature halves
+SIG_WORDS = 8
+CTRL_OFF = 256  # lines start here; offset 64 holds the abort word
+DATA_ALIGN = 4096
+YIELD_NS = 200_000  # after this long a waiting rank sleeps on the futex instead of yielding
+
+_SOURCE = r"""
+#include <sched.h>
+#include <time.h>
+#include <limits.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
+#include <complex.h>
+
+#define SIG_WORDS ${sig_words}
+#define LINE ${line}
+#define CTRL_OFF ${ctrl_off}
+
+typedef struct { int64_t arrive; int64_t pad[7]; int64_t sig[2][SIG_WORDS]; } tp_line_t;
+
+static inline int64_t tp_now_ns(void) {
+    struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline float tp_h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) u = s;
+        else { e = 127 - 15 + 1; while (!(m & 0x400)) { m <<= 1; e--; } m &= 0x3ff; u = s | (e << 23) | (m << 13); }
+    } else if (e == 31) u = s | 0x7f800000u | (m << 13);
+    else u = s | ((e + 127 - 15) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+static inline uint16_t tp_f2h(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, 0);
+#else
+    uint32_t u; memcpy(&u, &f, 4);
+    uint32_t s = (u >> 16) & 0x8000; int32_t e = (int32_t)((u >> 23) & 0xff) - 127 + 15; uint32_t m = u & 0x7fffff;
+    if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(s | 0x7c00 | (m ? 0x200 : 0));
+    if (e >= 31) return (uint16_t)(s | 0x7c00);
+    if (e <= 0) {
+        if (e < -10) return (uint16_t)s;
+        m |= 0x800000; uint32_t shift = (uint32_t)(14 - e); uint32_t hm = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (hm & 1))) hm++;
+        return (uint16_t)(s | hm);
+    }
+    uint32_t hm = m >> 13, rem = m & 0x1fff;
+    uint32_t r = (uint32_t)(s | ((uint32_t)e << 10) | hm);
+    if (rem > 0x1000 || (rem == 0x1000 && (hm & 1))) r++;
+    return (uint16_t)r;
+#endif
+}
+
+#define MINF(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
+#define MAXF(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
+#define MINI(a, b) ((a) < (b) ? (a) : (b))
+#define MAXI(a, b) ((a) > (b) ? (a) : (b))
+
+#define FOLD(T, EXPR) { T *restrict d = (T *)dst; const T *restrict s = (const T *)src; \
+    for (int64_t i = 0; i < n; i++) { T a = d[i], b = s[i]; d[i] = (EXPR); } return 0; }
+#define FOLD16(CONV_IN, CONV_OUT, EXPR) { uint16_t *restrict d = (uint16_t *)dst; \
+    const uint16_t *restrict s = (const uint16_t *)src; \
+    for (int64_t i = 0; i < n; i++) { float a = CONV_IN(d[i]), b = CONV_IN(s[i]); d[i] = CONV_OUT(EXPR); } return 0; }
+
+#define FLOAT_OPS(T) switch (op) { case 0: FOLD(T, a + b) case 1: FOLD(T, a * b) \
+    case 2: FOLD(T, MINF(a, b)) case 3: FOLD(T, MAXF(a, b)) default: return -1; }
+#define INT_OPS(T) switch (op) { case 0: FOLD(T, a + b) case 1: FOLD(T, a * b) \
+    case 2: FOLD(T, MINI(a, b)) case 3: FOLD(T, MAXI(a, b)) case 4: FOLD(T, a & b) \
+    case 5: FOLD(T, a | b) case 6: FOLD(T, a ^ b) default: return -1; }
+#define HALF_OPS(IN, OUT) switch (op) { case 0: FOLD16(IN, OUT, a + b) case 1: FOLD16(IN, OUT, a * b) \
+    case 2: FOLD16(IN, OUT, MINF(a, b)) case 3: FOLD16(IN, OUT, MAXF(a, b)) default: return -1; }
+
+#if defined(__AVX2__)
+static void tp_sum_bf16_avx2(uint16_t *d, const uint16_t *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        tp_f32x8_to_bf16(d + i, _mm256_add_ps(tp_bf16x8_to_f32(d + i), tp_bf16x8_to_f32(s + i)));
+    for (; i < n; i++) d[i] = tp_f32_to_bf16(tp_bf16_to_f32(d[i]) + tp_bf16_to_f32(s[i]));
+}
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+static void tp_sum_f16_avx2(uint16_t *d, const uint16_t *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + i)));
+        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i)));
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_add_ps(a, b), _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; i < n; i++) d[i] = tp_f2h(tp_h2f(d[i]) + tp_h2f(s[i]));
+}
+#endif
+
+/* dtype: 0 f32, 1 f64, 2 f16, 3 bf16, 4 i8, 5 u8, 6 i16, 7 i32, 8 i64, 9 bool, 10 c64, 11 c128
+   op: 0 SUM, 1 PRODUCT, 2 MIN, 3 MAX, 4 BAND, 5 BOR, 6 BXOR */
+TP_EXPORT int tp_fold(void *dst, const void *src, int64_t n, int64_t dtype, int64_t op) {
+    switch (dtype) {
+    case 0: FLOAT_OPS(float)
+    case 1: FLOAT_OPS(double)
+    case 2:
+#if defined(__AVX2__) && defined(__F16C__)
+        if (op == 0) { tp_sum_f16_avx2((uint16_t *)dst, (const uint16_t *)src, n); return 0; }
+#endif
+        HALF_OPS(tp_h2f, tp_f2h)
+    case 3:
+#if defined(__AVX2__)
+        if (op == 0) { tp_sum_bf16_avx2((uint16_t *)dst, (const uint16_t *)src, n); return 0; }
+#endif
+        HALF_OPS(tp_bf16_to_f32, tp_f32_to_bf16)
+    case 4: INT_OPS(int8_t)
+    case 5: INT_OPS(uint8_t)
+    case 6: INT_OPS(int16_t)
+    case 7: INT_OPS(int32_t)
+    case 8: INT_OPS(int64_t)
+    case 9: switch (op) {
+        case 0: case 3: case 5: FOLD(uint8_t, (uint8_t)((a | b) != 0))
+        case 1: case 2: case 4: FOLD(uint8_t, (uint8_t)((a != 0) & (b != 0)))
+        case 6: FOLD(uint8_t, (uint8_t)((a != 0) ^ (b != 0)))
+        default: return -1; }
+    case 10: switch (op) {
+        case 0: FOLD(float _Complex, a + b)
+        case 1: { float *d = (float *)dst; const float *s = (const float *)src;
+            for (int64_t i = 0; i < n; i++) { float ar = d[2*i], ai = d[2*i+1], br = s[2*i], bi = s[2*i+1];
+                d[2*i] = ar * br - ai * bi; d[2*i+1] = ar * bi + ai * br; } return 0; }
+        default: return -1; }
+    case 11: switch (op) {
+        case 0: FOLD(double _Complex, a + b)
+        case 1: { double *d = (double *)dst; const double *s = (const double *)src;
+            for (int64_t i = 0; i < n; i++) { double ar = d[2*i], ai = d[2*i+1], br = s[2*i], bi = s[2*i+1];
+                d[2*i] = ar * br - ai * bi; d[2*i+1] = ar * bi + ai * br; } return 0; }
+        default: return -1; }
+    default: return -1;
+    }
+}
+
+static const int64_t tp_esize[12] = {4, 8, 2, 2, 1, 1, 2, 4, 8, 1, 8, 16};
+
+/* Apply reads: each is 5 int64 (peer, offset, dst pointer, length, mode 0 copy / 1 fold),
+   sources are bases[peer] + offset. */
+TP_EXPORT int tp_apply(const int64_t *bases, const int64_t *reads, int64_t nreads,
+                       int64_t dtype, int64_t op) {
+    for (int64_t k = 0; k < nreads; k++) {
+        const int64_t *r = reads + 5 * k;
+        const char *src = (const char *)(intptr_t)bases[r[0]] + r[1];
+        char *dst = (char *)(intptr_t)r[2];
+        int64_t len = r[3];
+        if (len <= 0) continue;
+        if (r[4] == 0) memcpy(dst, src, (size_t)len);
+        else if (tp_fold(dst, src, len / tp_esize[dtype], dtype, op) != 0) return -1;
+    }
+    return 0;
+}
+
+static inline tp_line_t *tp_line(char *hdr, int64_t r) { return (tp_line_t *)(hdr + CTRL_OFF + r * LINE); }
+
+/* Futex word (offset 72) bumped on every arrival and abort; sleeper count at offset 76. */
+static inline int32_t *tp_gen(char *hdr) { return (int32_t *)(hdr + 72); }
+static inline int32_t *tp_sleepers(char *hdr) { return (int32_t *)(hdr + 76); }
+
+static void tp_bump(char *hdr) {
+    __atomic_add_fetch(tp_gen(hdr), 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(tp_sleepers(hdr), __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, tp_gen(hdr), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Wait until every rank's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. Spins briefly, yields
+   for up to ${yield_ns} ns, then sleeps on the futex (1 ms cap, so deadlines and aborts are
+   seen promptly even without a wake-up). */
+static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
+    int64_t *abort_word = (int64_t *)(hdr + 64);
+    int64_t spins = 0, t0 = 0;
+    for (int64_t q = 0; q < world; q++) {
+        tp_line_t *l = tp_line(hdr, q);
+        while (__atomic_load_n(&l->arrive, __ATOMIC_ACQUIRE) < epoch) {
+            if (__atomic_load_n(abort_word, __ATOMIC_ACQUIRE) != 0) return 2;
+            spins++;
+            if (spins < 128) {
+#if defined(__x86_64__)
+                __builtin_ia32_pause();
+#endif
+                continue;
+            }
+            int64_t now = tp_now_ns();
+            if (t0 == 0) t0 = now;
+            if (now > deadline) return 1;
+            if (now - t0 < ${yield_ns}) { sched_yield(); continue; }
+            __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
+            int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
+                __atomic_load_n(abort_word, __ATOMIC_SEQ_CST) == 0) {
+                struct timespec ts = {0, 1000000};
+                syscall(SYS_futex, tp_gen(hdr), FUTEX_WAIT, g, &ts, NULL, 0);
+            }
+            __atomic_sub_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
+        }
+    }
+    return 0;
+}
+
+/* One collective step (see module docstring). pubs: 2 int64 per segment (pointer, length). */
+TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, int64_t slot,
+                          int64_t epoch, const int64_t *sig,
+                          const int64_t *pubs, int64_t npubs,
+                          const int64_t *reads, int64_t nreads,
+                          int64_t dtype, int64_t op, int64_t timeout_ns, int64_t *bad) {
+    int64_t half = epoch & 1;
+    char *mine = data + (rank * 2 + half) * slot;
+    int64_t off = 0;
+    for (int64_t k = 0; k < npubs; k++) {
+        int64_t len = pubs[2 * k + 1];
+        if (len < 0 || off + len > slot) return 4;
+        if (len > 0) memcpy(mine + off, (const void *)(intptr_t)pubs[2 * k], (size_t)len);
+        off += len;
+    }
+    tp_line_t *me = tp_line(hdr, rank);
+    for (int w = 0; w < SIG_WORDS; w++) me->sig[half][w] = sig[w];
+    __atomic_store_n(&me->arrive, epoch, __ATOMIC_SEQ_CST);
+    tp_bump(hdr);
+    int st = tp_wait_all(hdr, world, epoch, tp_now_ns() + timeout_ns);
+    if (st != 0) return st;
+    for (int64_t q = 0; q < world; q++) {
+        tp_line_t *l = tp_line(hdr, q);
+        for (int w = 0; w < SIG_WORDS; w++)
+            if (l->sig[half][w] != sig[w]) { bad[0] = q; bad[1] = w; bad[2] = l->sig[half][w]; return 3; }
+    }
+    int64_t bases[256];
+    if (world > 256) return 4;
+    for (int64_t q = 0; q < world; q++) bases[q] = (int64_t)(intptr_t)(data + (q * 2 + half) * slot);
+    for (int64_t k = 0; k < nreads; k++) {
+        const int64_t *r = reads + 5 * k;
+        if (r[0] < 0 || r[0] >= world || r[1] < 0 || r[3] < 0 || r[1] + r[3] > slot) return 4;
+    }
+    return tp_apply(bases, reads, nreads, dtype, op) == 0 ? 0 : 4;
+}
+
+/* Apply more reads from the slots of an already completed step (valid until this rank arrives
+   at the next step: no peer rewrites that half before then). */
+TP_EXPORT int tp_shm_reread(char *data, int64_t world, int64_t slot, int64_t epoch,
+                            const int64_t *reads, int64_t nreads, int64_t dtype, int64_t op) {
+    int64_t bases[256], half = epoch & 1;
+    if (world > 256) return 4;
+    for (int64_t q = 0; q < world; q++) bases[q] = (int64_t)(intptr_t)(data + (q * 2 + half) * slot);
+    for (int64_t k = 0; k < nreads; k++) {
+        const int64_t *r = reads + 5 * k;
+        if (r[0] < 0 || r[0] >= world || r[1] < 0 || r[3] < 0 || r[1] + r[3] > slot) return 4;
+    }
+    return tp_apply(bases, reads, nreads, dtype, op) == 0 ? 0 : 4;
+}
+
+/* Set the abort word (first writer wins); returns the word now stored. */
+TP_EXPORT int64_t tp_set_abort(char *hdr, int64_t value) {
+    int64_t expected = 0;
+    __atomic_compare_exchange_n((int64_t *)(hdr + 64), &expected, value, 0,
+                                __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    tp_bump(hdr);
+    return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
+}
+
+/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop. Sleeps (GIL released by
+   ctypes) until stop (returns 0) or until work has been pending, untaken, for grace_ns (1). */
+TP_EXPORT int64_t tp_doorbell_wait(volatile int64_t *cells, int64_t grace_ns, int64_t poll_ns) {
+    int64_t since = 0, seen_taken = -1;
+    struct timespec ts = {0, poll_ns};
+    for (;;) {
+        if (__atomic_load_n(&cells[2], __ATOMIC_ACQUIRE)) return 0;
+        int64_t posted = __atomic_load_n(&cells[0], __ATOMIC_ACQUIRE);
+        int64_t taken = __atomic_load_n(&cells[1], __ATOMIC_ACQUIRE);
+        if (posted > taken) {
+            int64_t now = tp_now_ns();
+            if (taken != seen_taken) { seen_taken = taken; since = now; }
+            else if (now - since >= grace_ns) return 1;
+        } else {
+            seen_taken = -1;
+        }
+        nanosleep(&ts, NULL);
+    }
+}
+
+TP_EXPORT int64_t tp_get_abort(char *hdr) {
+    return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
+}
+"""
+
+
+class ShmLib:
+    """The compiled kernels with ctypes signatures."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.step = lib.tp_shm_step
+        self.step.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, p, i64, i64, i64, i64, p]
+        self.step.restype = ctypes.c_int
+        self.fold = lib.tp_fold
+        self.fold.argtypes = [p, p, i64, i64, i64]
+        self.fold.restype = ctypes.c_int
+        self.apply = lib.tp_apply
+        self.apply.argtypes = [p, p, i64, i64, i64]
+        self.apply.restype = ctypes.c_int
+        self.set_abort = lib.tp_set_abort
+        self.set_abort.argtypes = [p, i64]
+        self.set_abort.restype = ctypes.c_int64
+        self.reread = lib.tp_shm_reread
+        self.reread.argtypes = [p, i64, i64, i64, p, i64, i64, i64]
+        self.reread.restype = ctypes.c_int
+        self.doorbell_wait = lib.tp_doorbell_wait
+        self.doorbell_wait.argtypes = [p, i64, i64]
+        self.doorbell_wait.restype = ctypes.c_int64
+        self.get_abort = lib.tp_get_abort
+        self.get_abort.argtypes = [p]
+        self.get_abort.restype = ctypes.c_int64
+
+
+@functools.cache
+def shm_lib() -> ShmLib:
+    """Build (or load from the cache) the shared-memory kernels."""
+    src = native.render(
+        _SOURCE, sig_words=SIG_WORDS, line=LINE, ctrl_off=CTRL_OFF, yield_ns=YIELD_NS
+    )
+    return ShmLib(native.build(src, name="tp_shm", extra_flags=("-fwrapv", "-ffp-contract=off")))

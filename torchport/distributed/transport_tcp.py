@@ -1,0 +1,338 @@
+"""TCP transport: an authenticated full mesh of sockets with framed, bounded messages.
+
+Every rank of a root communicator listens on the configured address (``TORCHPORT_DIST_ADDR``,
+default 127.0.0.1) and publishes ``host:port`` and its host identity through the store. Rank
+``r`` connects to every rank below it and accepts from every rank above; each connection is
+authenticated both ways (:mod:`~torchport.distributed.auth`) before it is used, and a peer that
+fails the handshake is closed and counted in :attr:`Mesh.rejected`.
+
+One reader thread per connection decodes frames (:mod:`~torchport.distributed.wire`) into a
+:class:`Mailbox` keyed by ``(group, kind, src, seq)``; ABORT frames go straight to the group's
+abort handler. Sub-communicators share the mesh: frames carry their group id.
+
+Internal API other modules build on:
+
+- ``Mesh.send(peer, kind, group, seq, payload, sig)``: send one frame to a global rank;
+- ``Mesh.mailbox.get(key, deadline, check)`` / ``expect(key, callback)``: receive frames;
+- ``Mesh.register(group_id, handler)``: route ABORT frames and lost peers to a communicator;
+- ``Mesh.peers``: the connection map ``{global rank: Connection}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torchport.distributed import auth
+from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
+from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
+
+HANDSHAKE_TIMEOUT_S = 10.0
+Key = tuple[int, int, int, int]  # (group, kind, src, seq)
+Frame = tuple[Header, bytearray]
+
+
+class GroupHandler(Protocol):
+    """What a communicator exposes to the mesh."""
+
+    def on_remote_abort(self, src: int, reason: int) -> None: ...
+
+    def on_peer_lost(self, src: int, error: BaseException) -> None: ...
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+    return buf
+
+
+def read_frame(sock: socket.socket, max_length: int) -> Frame:
+    """Read and validate one frame (header bound checked before the payload is read)."""
+    hdr = decode_header(_recv_exact(sock, HEADER_SIZE), max_length=max_length)
+    return hdr, _recv_exact(sock, hdr.length) if hdr.length else bytearray()
+
+
+class Mailbox:
+    """Received frames by key, with blocking ``get`` and callback ``expect``."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._frames: dict[Key, deque[Frame]] = {}
+        self._waiting: dict[Key, deque[Callable[[Frame], None]]] = {}
+
+    def deliver(self, key: Key, frame: Frame) -> None:
+        with self.cond:
+            cbs = self._waiting.get(key)
+            cb = cbs.popleft() if cbs else None
+            if cbs is not None and not cbs:
+                del self._waiting[key]
+            if cb is None:
+                self._frames.setdefault(key, deque()).append(frame)
+                self.cond.notify_all()
+        if cb is not None:
+            cb(frame)
+
+    def expect(self, key: Key, callback: Callable[[Frame], None]) -> None:
+        """Call ``callback(frame)`` when the next frame for ``key`` is (or was) delivered."""
+        with self.cond:
+            q = self._frames.get(key)
+            frame = q.popleft() if q else None
+            if q is not None and not q:
+                del self._frames[key]
+            if frame is None:
+                self._waiting.setdefault(key, deque()).append(callback)
+                return
+        callback(frame)
+
+    def cancel(self, key: Key, callback: Callable[[Frame], None]) -> bool:
+        """Withdraw an ``expect`` that has not fired; True if it was withdrawn."""
+        with self.cond:
+            cbs = self._waiting.get(key)
+            if cbs and callback in cbs:
+                cbs.remove(callback)
+                return True
+            return False
+
+    def get(self, key: Key, deadline: float, check: Callable[[], None]) -> Frame:
+        """Block until a frame for ``key`` arrives; ``check()`` raises if the group failed."""
+        with self.cond:
+            while True:
+                q = self._frames.get(key)
+                if q:
+                    frame = q.popleft()
+                    if not q:
+                        del self._frames[key]
+                    return frame
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(f"timed out waiting for a frame {key}")
+                self.cond.wait(min(left, 0.05))
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+@dataclass
+class Connection:
+    """One authenticated socket to a peer, with a send lock and a reader thread."""
+
+    peer: int
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    reader: threading.Thread | None = None
+
+
+class Mesh:
+    """The authenticated connections of one process to every other rank of a root group."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        *,
+        secret: bytes,
+        addr: str,
+        timeout_s: float,
+        max_frame: int,
+        host_id: str,
+    ) -> None:
+        self.rank, self.world, self.secret = rank, world, secret
+        self.max_frame = max_frame
+        self.mailbox = Mailbox()
+        self.peers: dict[int, Connection] = {}
+        self.rejected = 0
+        self.closed = False
+        self._handlers: dict[int, GroupHandler] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self.listener = socket.create_server((addr, 0), backlog=max(16, world))
+        self.listener.settimeout(0.2)
+        host, port = self.listener.getsockname()[:2]
+        if host in ("0.0.0.0", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        self.address = f"{host}:{port}"
+        store.set(f"tp/addr/{rank}", self.address)
+        store.set(f"tp/host/{rank}", host_id)
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
+        self._acceptor.start()
+        deadline = time.monotonic() + timeout_s
+        self.hosts = {}
+        for q in range(world):
+            self.hosts[q] = store.get(f"tp/host/{q}").decode()
+        for q in range(rank):
+            h, p = store.get(f"tp/addr/{q}").decode().rsplit(":", 1)
+            self._connect(q, h, int(p), deadline)
+        with self._ready:
+            while len(self.peers) < world - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(world)) - set(self.peers) - {rank})
+                    self.close()
+                    raise CommTimeoutError(
+                        f"rank {rank}: peers {missing} did not connect within {timeout_s:.0f} s"
+                    )
+                self._ready.wait(min(left, 0.1))
+
+    # -- connection set-up -------------------------------------------------------------
+    def _connect(self, q: int, host: str, port: int, deadline: float) -> None:
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise CommError(
+                        f"rank {self.rank}: cannot connect to rank {q} at {host}:{port}: {e}"
+                    ) from e
+                time.sleep(0.01)
+        try:
+            nonce_c = auth.new_nonce()
+            sock.sendall(encode_header(Kind.HELLO, 0, self.rank, 0, len(nonce_c)) + nonce_c)
+            hdr, body = read_frame(sock, 2 * auth.NONCE_BYTES)
+            if hdr.kind != Kind.CHALLENGE or len(body) != auth.NONCE_BYTES + auth.MAC_BYTES:
+                raise AuthError(f"rank {q} sent {hdr.kind.name} instead of a challenge")
+            nonce_s, proof = bytes(body[: auth.NONCE_BYTES]), bytes(body[auth.NONCE_BYTES :])
+            if not auth.verify(auth.mac(self.secret, b"srv", nonce_c, nonce_s, q), proof):
+                raise AuthError(f"rank {q} failed to prove it knows the job secret")
+            mine = auth.mac(self.secret, b"cli", nonce_s, nonce_c, self.rank)
+            sock.sendall(encode_header(Kind.PROOF, 0, self.rank, 0, len(mine)) + mine)
+            hdr, _ = read_frame(sock, 0)
+            if hdr.kind != Kind.ACCEPT:
+                raise AuthError(f"rank {q} did not accept our proof")
+        except (OSError, WireError, ConnectionError) as e:
+            sock.close()
+            raise CommError(f"rank {self.rank}: handshake with rank {q} failed: {e}") from e
+        except AuthError:
+            sock.close()
+            raise
+        self._add(q, sock)
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            hdr, nonce_c = read_frame(sock, auth.NONCE_BYTES)
+            q = hdr.src
+            if hdr.kind != Kind.HELLO or len(nonce_c) != auth.NONCE_BYTES:
+                raise AuthError("expected HELLO with a nonce")
+            if not (self.rank < q < self.world) or q in self.peers:
+                raise AuthError(f"unexpected or duplicate rank {q}")
+            nonce_s = auth.new_nonce()
+            proof = auth.mac(self.secret, b"srv", bytes(nonce_c), nonce_s, self.rank)
+            body = nonce_s + proof
+            sock.sendall(encode_header(Kind.CHALLENGE, 0, self.rank, 0, len(body)) + body)
+            hdr, got = read_frame(sock, auth.MAC_BYTES)
+            want = auth.mac(self.secret, b"cli", nonce_s, bytes(nonce_c), q)
+            if hdr.kind != Kind.PROOF or not auth.verify(want, bytes(got)):
+                raise AuthError(f"connection claiming rank {q} failed authentication")
+            sock.sendall(encode_header(Kind.ACCEPT, 0, self.rank, 0, 0))
+        except (OSError, WireError, AuthError, ConnectionError):
+            with self._lock:
+                self.rejected += 1
+            sock.close()
+            return
+        self._add(q, sock)
+
+    def _add(self, q: int, sock: socket.socket) -> None:
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(q, sock)
+        conn.reader = threading.Thread(
+            target=self._read_loop, args=(conn,), daemon=True, name=f"tp-read-{q}"
+        )
+        with self._ready:
+            self.peers[q] = conn
+            self._ready.notify_all()
+        conn.reader.start()
+
+    # -- data path ---------------------------------------------------------------------
+    def _read_loop(self, conn: Connection) -> None:
+        try:
+            while True:
+                hdr, body = read_frame(conn.sock, self.max_frame)
+                if hdr.src != conn.peer:
+                    raise WireError(
+                        f"frame claims src {hdr.src} on the connection of rank {conn.peer}"
+                    )
+                if hdr.kind == Kind.ABORT:
+                    handler = self._handlers.get(hdr.group)
+                    if handler is not None:
+                        handler.on_remote_abort(conn.peer, hdr.seq)
+                    self.mailbox.wake()
+                    continue
+                if hdr.kind not in (Kind.COLL, Kind.P2P, Kind.CTRL):
+                    raise WireError(f"unexpected {hdr.kind.name} frame after the handshake")
+                self.mailbox.deliver((hdr.group, int(hdr.kind), conn.peer, hdr.seq), (hdr, body))
+        except (OSError, ConnectionError, WireError) as e:
+            if not self.closed:
+                err = CommError(f"connection to rank {conn.peer} lost: {e}")
+                for handler in list(self._handlers.values()):
+                    handler.on_peer_lost(conn.peer, err)
+                self.mailbox.wake()
+
+    def send(
+        self,
+        peer: int,
+        kind: Kind,
+        group: int,
+        seq: int,
+        payload: bytes | bytearray | memoryview = b"",
+        sig: tuple[int, int, int, int] = (0, 0, 0, 0),
+    ) -> None:
+        """Send one frame to global rank ``peer``."""
+        if len(payload) > self.max_frame:
+            raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
+        conn = self.peers.get(peer)
+        if conn is None:
+            raise CommError(f"rank {self.rank} has no connection to rank {peer}")
+        head = encode_header(kind, group, self.rank, seq, len(payload), sig)
+        try:
+            with conn.lock:
+                if len(payload) <= 65536:
+                    conn.sock.sendall(head + bytes(payload))
+                else:
+                    conn.sock.sendall(head)
+                    conn.sock.sendall(payload)
+        except OSError as e:
+            raise CommError(f"send to rank {peer} failed: {e}") from e
+
+    def register(self, group: int, handler: GroupHandler) -> None:
+        self._handlers[group] = handler
+
+    def unregister(self, group: int) -> None:
+        self._handlers.pop(group, None)
+
+    def close(self) -> None:
+        """Close the listener and every connection (reader threads then exit)."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        for conn in list(self.peers.values()):
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.sock.close()
+        self.mailbox.wake()

@@ -1,0 +1,100 @@
+"""Wire format of the TCP transport: fixed, struct-packed frame headers; no pickle, ever.
+
+A frame is a 64-byte header followed by ``length`` payload bytes::
+
+    offset  size  field
+    0       4     magic  b"TPRT"
+    4       1     version (``WIRE_VERSION``)
+    5       1     kind (a :class:`Kind`)
+    6       2     flags (reserved, must be 0)
+    8       4     group id (u32; 0 is the root communicator)
+    12      4     src rank (u32, global rank of the sender)
+    16      8     seq (u64: collective step epoch, or p2p tag as two's complement)
+    24      32    signature: 4 x i64 (collective op signature; p2p: dtype code, numel)
+    56      8     length (u64 payload bytes, at most the configured bound)
+
+Payloads are raw tensor bytes interpreted by the receiver with the dtype *it* expects (the
+signature lets it check agreement); nothing received is ever evaluated or unpickled.
+:func:`decode_header` validates every field and raises :class:`WireError` otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from torchport.distributed.errors import WireError
+
+MAGIC = b"TPRT"
+WIRE_VERSION = 1
+HEADER = struct.Struct("<4sBBHIIQ4qQ")
+HEADER_SIZE = HEADER.size
+SIG_LEN = 4
+assert HEADER_SIZE == 64
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries."""
+
+    HELLO = 1  # auth: client nonce + claimed rank (payload: nonce)
+    CHALLENGE = 2  # auth: server nonce + server proof (payload: nonce + mac)
+    PROOF = 3  # auth: client proof (payload: mac)
+    ACCEPT = 4  # auth: server accepted the client
+    COLL = 5  # one collective step's published bytes
+    P2P = 6  # a point-to-point message
+    ABORT = 7  # the sender aborted the group (seq = reason code)
+    CTRL = 8  # small control message (sub-communicator set-up)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded, validated frame header."""
+
+    kind: Kind
+    group: int
+    src: int
+    seq: int
+    sig: tuple[int, int, int, int]
+    length: int
+
+
+def encode_header(
+    kind: Kind,
+    group: int,
+    src: int,
+    seq: int,
+    length: int,
+    sig: tuple[int, ...] = (0, 0, 0, 0),
+) -> bytes:
+    """Pack a header; ``seq`` may be negative (stored as u64 two's complement)."""
+    if len(sig) != SIG_LEN:
+        raise ValueError(f"signature must have {SIG_LEN} ints, got {len(sig)}")
+    return HEADER.pack(
+        MAGIC, WIRE_VERSION, int(kind), 0, group, src, seq & 0xFFFFFFFFFFFFFFFF, *sig, length
+    )
+
+
+def decode_header(data: bytes | bytearray | memoryview, *, max_length: int) -> Header:
+    """Validate and unpack a 64-byte header; raise :class:`WireError` on any violation."""
+    if len(data) != HEADER_SIZE:
+        raise WireError(f"frame header must be {HEADER_SIZE} bytes, got {len(data)}")
+    magic, version, kind, flags, group, src, seq, s0, s1, s2, s3, length = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise WireError(f"bad frame magic: expected {MAGIC!r}, got {magic!r}")
+    if version != WIRE_VERSION:
+        raise WireError(f"unsupported wire version: expected {WIRE_VERSION}, got {version}")
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise WireError(f"unknown frame kind {kind}") from None
+    if flags != 0:
+        raise WireError(f"reserved frame flags must be 0, got {flags}")
+    if length > max_length:
+        raise WireError(f"frame length {length} exceeds the bound of {max_length} bytes")
+    return Header(k, group, src, seq, (s0, s1, s2, s3), length)
+
+
+def signed_seq(seq: int) -> int:
+    """The two's-complement reading of a header's u64 ``seq`` (p2p tags may be negative)."""
+    return seq - (1 << 64) if seq >= (1 << 63) else seq
