@@ -1,0 +1,1 @@
+"""torchport.distributed (partial during development)."""
