@@ -206,7 +206,7 @@ def c_window_errors(st: dict[str, Any]) -> list[str]:
         lambda: win.put(torch.zeros(4), dst_rank=1, target_offset_nelems=4),
         lambda: win.put(torch.zeros(2, dtype=torch.int32), dst_rank=1),
         lambda: win.get(src_rank=9),
-        lambda: win.wait_signal(1 - dist.get_rank(), timeout=0.05),
+        lambda: win.wait_signal((dist.get_rank() + 1) % dist.get_world_size(), timeout=0.05),
         lambda: win.tensor_register(torch.zeros(2)),
     ):
         try:
@@ -235,11 +235,14 @@ def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
         time.sleep(2.0)  # never enters the next collective before the others' watchdogs dump
         rec.dump("test: rank 1 skipped")
         return "skipped"
-    if plan == "mismatch" and rank == 1:
-        y = torch.ones(8)
-    else:
-        y = torch.ones(4)
-    work = dist.all_reduce(y, async_op=True)
+    if plan == "mismatch":
+        # gloo terminates the process on a size mismatch, so record the mismatched call (as the
+        # wrapper does) and dump instead of handing it to gloo
+        e = rec.record("all_reduce", "default", [torch.ones(8 if rank == 1 else 4)], [0, 1])
+        rec.started(e)
+        rec.dump("test: staged mismatch")
+        return "staged"
+    work = dist.all_reduce(torch.ones(4), async_op=True)
     deadline = time.monotonic() + 1.5
     while not work.is_completed() and time.monotonic() < deadline:
         time.sleep(0.01)
