@@ -7,17 +7,21 @@ hard timeout. :class:`Actors` kills every child in ``close()`` (use it as a cont
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["tests.dist_workers", "torchport.distributed", "torchport.demo.ft_worker"])
+_CTX.set_forkserver_preload(
+    ["tests.dist_workers", "torchport.distributed", "torchport.demo.ft_worker"]
+)
 
 
 def _actor(conn: Any, idx: int) -> None:
@@ -73,7 +77,13 @@ class Actors:
             raise RuntimeError(f"actor {i} {cmd} failed: {value[0]}: {value[1]}\n{value[2]}")
         return value
 
-    def call_all(self, ranks: list[int], cmd: str, args: list[tuple[Any, ...]] | None = None, timeout: float = 30.0) -> list[Any]:
+    def call_all(
+        self,
+        ranks: list[int],
+        cmd: str,
+        args: list[tuple[Any, ...]] | None = None,
+        timeout: float = 30.0,
+    ) -> list[Any]:
         for k, i in enumerate(ranks):
             self.send(i, cmd, *(args[k] if args else ()))
         return [self.recv(i, timeout) for i in ranks]
@@ -84,10 +94,8 @@ class Actors:
     def close(self) -> None:
         for p in self.procs:
             if p.is_alive():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
                 p.kill()
         for p in self.procs:
             p.join(timeout=5)
@@ -145,7 +153,9 @@ def c_init_dist(st: dict[str, Any], path: str, rank: int, world: int) -> int:
     return dist.get_rank()
 
 
-def c_window_script(st: dict[str, Any], ops: list[tuple[Any, ...]], init: list[float], transport: str) -> Any:
+def c_window_script(
+    st: dict[str, Any], ops: list[tuple[Any, ...]], init: list[float], transport: str
+) -> Any:
     import torch.distributed as dist
 
     from torchport.distributed import _new_window
@@ -168,7 +178,9 @@ def c_window_script(st: dict[str, Any], ops: list[tuple[Any, ...]], init: list[f
             got.append(win.get(op[2], op[3], op[4]).tolist())
     win.fence()
     final = win.local.reshape(-1).tolist()
-    mapped = win.map_remote_tensor((rank + 1) % win.size).tolist() if win.transport == "shm" else None
+    mapped = (
+        win.map_remote_tensor((rank + 1) % win.size).tolist() if win.transport == "shm" else None
+    )
     win.fence()
     win.close()
     return final, got, mapped
@@ -250,7 +262,94 @@ def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
     return "done"
 
 
-COMMANDS = {
+def c_gloo_rebuild(st: dict[str, Any], port: int, rank: int, size: int, tag: str) -> float:
+    """Anchor for reconfigure: build a plain gloo group over a TCPStore prefix (no validation)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchport.distributed._gloo import gloo_group
+
+    t0 = time.perf_counter()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    st.setdefault("old", []).append(gloo_group(dist.PrefixStore(tag, store), rank, size, 30.0))
+    return time.perf_counter() - t0
+
+
+def c_serve_state(st: dict[str, Any], nbytes: int, ntensors: int) -> Any:
+    from torchport.distributed._control import Server, default_secret, recv_msg
+    from torchport.distributed.ft.transfer import send_state
+
+    per = nbytes // ntensors // 4
+    state = {f"t{i}": torch.randn(per) for i in range(ntensors)}
+
+    def handle(conn: Any) -> None:
+        recv_msg(conn)
+        send_state(conn, {"user": state, "step": 0})
+
+    st["srv"] = Server(handle, secret=default_secret(), role="heal")
+    return list(st["srv"].address)
+
+
+def c_bcast_bench(st: dict[str, Any], nbytes: int, reps: int) -> float:
+    import torch.distributed as dist
+
+    t = torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(t, 0)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def c_step_bench(st: dict[str, Any], mode: str, lighthouse: Any, nbytes: int, steps: int) -> float:
+    """Seconds per step: plain gloo allreduce, FR-recorded, or the FT manager's full step."""
+    import torch.distributed as dist
+
+    from torchport.distributed import flight_recorder as fr
+
+    t = torch.ones(max(1, nbytes // 4))
+    if mode == "manager":
+        from torchport.distributed.ft import Manager
+
+        if "mgr" not in st:
+            st["mgr"] = Manager(
+                lighthouse=tuple(lighthouse),
+                replica_id=f"b{dist.get_rank()}",
+                state_dict=lambda: {},
+                load_state_dict=lambda s: None,
+                init_sync=False,
+            )
+        mgr = st["mgr"]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            mgr.start_quorum()
+            mgr.allreduce(t).wait()
+            mgr.should_commit()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    if mode == "fr":
+        fr.install(fr.FlightRecorder(), signal_dump=False)
+    try:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    finally:
+        if mode == "fr":
+            fr.uninstall()
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "gloo_rebuild": c_gloo_rebuild,
+    "serve_state": c_serve_state,
+    "bcast_bench": c_bcast_bench,
+    "step_bench": c_step_bench,
     "init_reconf": c_init_reconf,
     "handle": c_handle,
     "reconf": c_reconf,

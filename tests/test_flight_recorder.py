@@ -13,14 +13,21 @@ import torch
 
 from tests.dist_workers import Actors
 from torchport import cli, config
-from torchport.distributed.flight_recorder import COMPLETED, ERRORED, FlightRecorder, enable_signal_dump
+from torchport.distributed.flight_recorder import (
+    COMPLETED,
+    ERRORED,
+    FlightRecorder,
+    enable_signal_dump,
+)
 from torchport.distributed.fr_analyze import DumpError, analyze, load_dumps
 
 
 def test_ring_buffer_keeps_newest_and_counts_seq_per_group():
     rec = FlightRecorder(buffer_size=5, rank=0, world_size=1)
     for i in range(8):
-        e = rec.record("all_reduce", "g" if i % 2 else "h", [torch.zeros(i + 1, dtype=torch.bfloat16)])
+        e = rec.record(
+            "all_reduce", "g" if i % 2 else "h", [torch.zeros(i + 1, dtype=torch.bfloat16)]
+        )
         rec.started(e)
         rec.completed(e)
     got = rec.entries()
@@ -38,7 +45,7 @@ def test_buffer_size_from_environment(monkeypatch):
     monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "7")
     assert FlightRecorder().capacity == 7
     monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "-2")
-    with pytest.raises(config.ConfigError, match="TORCHPORT_FR_BUFFER_SIZE.*must be >= 0"):
+    with pytest.raises(config.ConfigError, match=r"TORCHPORT_FR_BUFFER_SIZE.*must be >= 0"):
         FlightRecorder()
 
 
@@ -84,12 +91,18 @@ def test_analyzer_on_gloo_dumps(gloo_pair, tmp_path, plan, capsys):
     v = analyze(load_dumps(tmp_path))
     text = v.text()
     if plan == "hang":
-        assert v.never_entered and v.never_entered[0][0] == 1 and v.never_entered[0][3] == "all_reduce"
+        assert (
+            v.never_entered and v.never_entered[0][0] == 1 and v.never_entered[0][3] == "all_reduce"
+        )
         assert "rank 1 never entered collective" in text
         assert any(r == 0 for r, *_ in v.stuck)
     elif plan == "mismatch":
         assert v.mismatches and v.mismatches[0][2] == "size"
-        assert "size mismatch" in text and "all_reduce[4](float32)" in text and "all_reduce[8](float32)" in text
+        assert (
+            "size mismatch" in text
+            and "all_reduce[4](float32)" in text
+            and "all_reduce[8](float32)" in text
+        )
     else:
         assert text.startswith("no problem found")
     assert set(v.last_completed) == {0, 1}

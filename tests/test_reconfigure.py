@@ -66,7 +66,9 @@ def test_form_shrink_grow_and_errors_everywhere(actors):
     res = _ok(A.call_all([0, 1, 2, 3], "reconf", [(4, set(hs3))] * 4))
     assert sorted(r[1] for r in res) == [0, 1, 2, 3]
     assert [r[1] for r in res] == [sorted(hs3).index(h) for h in hs3]
-    assert all(r == ("ok", [4.0] * 5) for r in _ok(A.call_all([0, 1, 2, 3], "allreduce", [(1,)] * 4)))
+    assert all(
+        r == ("ok", [4.0] * 5) for r in _ok(A.call_all([0, 1, 2, 3], "allreduce", [(1,)] * 4))
+    )
 
     # hang: a stopped rank is detected within a few heartbeats, independent of op timeouts
     A.kill(2, signal.SIGSTOP)

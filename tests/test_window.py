@@ -19,7 +19,12 @@ WORLD, N = 3, 7  # prime length: offsets and sizes that are not multiples of any
 def trio():
     with Actors(WORLD) as a:
         d = tempfile.mkdtemp()
-        a.call_all(list(range(WORLD)), "init_dist", [(f"{d}/s", i, WORLD) for i in range(WORLD)], timeout=120)
+        a.call_all(
+            list(range(WORLD)),
+            "init_dist",
+            [(f"{d}/s", i, WORLD) for i in range(WORLD)],
+            timeout=120,
+        )
         yield a
 
 

@@ -95,6 +95,7 @@ STAGES: list[tuple[str, Stage]] = [
     ("data", stage_data),
     ("train", stage_train),
     ("sample", stage_sample),
+    ("ft", lambda ctx: __import__("torchport.demo.stage_ft", fromlist=["stage_ft"]).stage_ft(ctx)),
 ]
 
 

@@ -31,13 +31,17 @@ from torchport.distributed.ft import DistributedDataParallel, Manager, Optimizer
 def build_model(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":
-        return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+        return nn.Sequential(
+            nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)
+        )
     from torchport.demo.model import GPT, GPTConfig
 
     return GPT(GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4))
 
 
-def make_batch(kind: str, step: int, rid: str, corpus: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def make_batch(
+    kind: str, step: int, rid: str, corpus: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(step * 1000003 + zlib.crc32(rid.encode()))
     if kind == "mlp":
         x = torch.randn(64, 32, generator=g)
@@ -165,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     Path(a.out + ".json").write_text(json.dumps(summary))
     if rec is not None:
-        rec.dump("end of training")
+        rec.dump(
+            "end of training", path=Path(a.fr_dir) / "end" / f"rank_{a.rid.lstrip('r') or 0}.json"
+        )
     mgr.shutdown()
     os._exit(0)
 

@@ -15,6 +15,7 @@ otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -108,9 +109,7 @@ def server_handshake(sock: socket.socket, secret: bytes, role: str, timeout: flo
     sock.settimeout(None)
 
 
-def connect(
-    addr: tuple[str, int], secret: bytes, role: str, timeout: float = 5.0
-) -> socket.socket:
+def connect(addr: tuple[str, int], secret: bytes, role: str, timeout: float = 5.0) -> socket.socket:
     """Open an authenticated connection to a torchport control server."""
     try:
         sock = socket.create_connection(addr, timeout=timeout)
@@ -184,16 +183,12 @@ class Server:
     def close(self) -> None:
         """Stop accepting and close every open connection."""
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         with self._lock:
             conns = list(self._conns)
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             c.close()

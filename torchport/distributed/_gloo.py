@@ -19,9 +19,10 @@ _grave_lock = threading.Lock()
 
 def gloo_group(
     store: dist.Store, rank: int, size: int, timeout_s: float, host: str = "127.0.0.1"
-) -> dist.ProcessGroup:
+) -> Any:
     """A ``ProcessGroupGloo`` over ``store`` bound to ``host`` (loopback by default)."""
-    opts = dist.ProcessGroupGloo._Options()
+    gloo: Any = dist.ProcessGroupGloo  # _Options is missing from torch's stubs
+    opts = gloo._Options()
     opts._timeout = timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, size, opts)

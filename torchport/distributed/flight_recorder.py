@@ -44,21 +44,33 @@ SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "e
 FORMAT_VERSION = 1
 
 # entry slots (a list per op keeps recording cheap)
-_SEQ, _OP, _GROUP, _SIZES, _DTYPES, _STATE, _T_SCHED, _T_START, _T_END, _STACK, _ERR, _ID = range(12)
+_SEQ, _OP, _GROUP, _SIZES, _DTYPES, _STATE, _T_SCHED, _T_START, _T_END, _STACK, _ERR, _ID = range(
+    12
+)
 
 
-def _describe(tensors: Sequence[Any]) -> tuple[list[list[int]], list[str]]:
-    sizes: list[list[int]] = []
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(d)
+    if name is None:
+        name = _DTYPE_NAMES[d] = str(d).removeprefix("torch.")
+    return name
+
+
+def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[str]]:
+    sizes: list[Any] = []
     dtypes: list[str] = []
     for t in tensors:
-        if isinstance(t, torch.Tensor):
-            sizes.append(list(t.shape))
-            dtypes.append(str(t.dtype).removeprefix("torch."))
+        if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
+            sizes.append(t.shape)  # torch.Size: converted to lists only when dumping
+            dtypes.append(_dtype_name(t.dtype))
         elif isinstance(t, list | tuple):
             for u in t:
                 if isinstance(u, torch.Tensor):
-                    sizes.append(list(u.shape))
-                    dtypes.append(str(u.dtype).removeprefix("torch."))
+                    sizes.append(u.shape)
+                    dtypes.append(_dtype_name(u.dtype))
     return sizes, dtypes
 
 
@@ -122,12 +134,12 @@ class FlightRecorder:
             seq = self._seq.get(group, 0)
             self._seq[group] = seq + 1
             idx = self._count
-            self._count += 1
+            self._count = idx + 1
             e = [seq, op, group, sizes, dtypes, SCHEDULED, time.time_ns(), 0, 0, stack, None, idx]
             if self.capacity:
                 self._buf[idx % self.capacity] = e
-            if ranks is not None and group not in self.groups:
-                self.groups[group] = list(ranks)
+        if ranks is not None and group not in self.groups:
+            self.groups[group] = list(ranks)
         return e
 
     @staticmethod
@@ -204,7 +216,7 @@ class FlightRecorder:
                     "seq_id": e[_SEQ],
                     "op": e[_OP],
                     "group": e[_GROUP],
-                    "sizes": e[_SIZES],
+                    "sizes": [list(x) for x in e[_SIZES]],
                     "dtypes": e[_DTYPES],
                     "state": e[_STATE],
                     "time_scheduled_ns": e[_T_SCHED],

@@ -32,7 +32,9 @@ class Verdict:
 
     findings: list[str] = field(default_factory=list)
     missing_ranks: list[int] = field(default_factory=list)
-    never_entered: list[tuple[int, str, int, str]] = field(default_factory=list)  # rank, group, seq, op
+    never_entered: list[tuple[int, str, int, str]] = field(
+        default_factory=list
+    )  # rank, group, seq, op
     mismatches: list[tuple[str, int, str]] = field(default_factory=list)  # group, seq, what
     stuck: list[tuple[int, str, int, str]] = field(default_factory=list)
     errored: list[tuple[int, str, int, str]] = field(default_factory=list)
@@ -112,7 +114,9 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                 entered = [q for q in sorted(per_rank) if nxt in per_rank[q]]
                 op = per_rank[entered[0]][nxt]["op"] if entered else "?"
                 last = seqs.get(top)
-                was = f"; its last op there was #{top} {last['op']} ({last['state']})" if last else ""
+                was = (
+                    f"; its last op there was #{top} {last['op']} ({last['state']})" if last else ""
+                )
                 v.never_entered.append((r, g, nxt, op))
                 v.findings.append(
                     f"rank {r} never entered collective #{nxt} ({op}) on group {g!r}, "
@@ -141,12 +145,17 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
             v.last_completed[rank] = f"#{e['seq_id']} {_sig(e)} on group {e['group']!r}"
         else:
             v.last_completed[rank] = "none recorded"
+        failed_groups: dict[str, int] = {}
         for e in entries:
             if e["state"] == "errored":
                 v.errored.append((rank, e["group"], e["seq_id"], e["op"]))
+                failed_groups[e["group"]] = failed_groups.get(e["group"], 0) + 1
+                if failed_groups[e["group"]] > 1:
+                    continue  # the first failure per group explains the rest
+                err = str(e.get("error") or "").splitlines()[0]
                 v.findings.append(
                     f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} failed: "
-                    f"{e.get('error')}"
+                    f"{err[:160]}{'…' if len(err) > 160 else ''}"
                 )
             elif e["state"] in ("started", "scheduled"):
                 v.stuck.append((rank, e["group"], e["seq_id"], e["op"]))
@@ -155,6 +164,10 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                     f"{e['state']} after {e['duration_ms']:.0f} ms when the dump was taken "
                     f"(reason: {dumps[rank].get('reason')})"
                 )
+    for rank in sorted(dumps):
+        more = [x for x in v.errored if x[0] == rank]
+        if len(more) > 1:
+            v.findings.append(f"rank {rank}: {len(more)} ops failed in total")
     for rank in sorted(v.last_completed):
         v.findings.append(f"rank {rank}: last completed op {v.last_completed[rank]}")
     if not (v.missing_ranks or v.never_entered or v.mismatches or v.stuck or v.errored):

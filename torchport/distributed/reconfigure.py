@@ -26,6 +26,7 @@ error stays queryable (``get_error()``).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import secrets
 import socket
 import threading
@@ -192,7 +193,9 @@ class ReconfigurableGroup:
         elif isinstance(hs, list | tuple):
             order = list(hs)
         else:
-            raise ReconfigureError(f"handles must be a list or a set of str, got {type(hs).__name__}")
+            raise ReconfigureError(
+                f"handles must be a list or a set of str, got {type(hs).__name__}"
+            )
         if not order:
             raise ReconfigureError("handles must name at least one rank, got an empty collection")
         if len(set(order)) != len(order):
@@ -210,7 +213,9 @@ class ReconfigurableGroup:
     def _check(self, handle: str, uuid: int, deadline: float) -> str | None:
         host, port, _, nonce = parse_handle(handle)
         try:
-            sock = connect((host, port), self._secret, "reconf", timeout=max(0.05, deadline - time.monotonic()))
+            sock = connect(
+                (host, port), self._secret, "reconf", timeout=max(0.05, deadline - time.monotonic())
+            )
         except CommError:
             return f"handle {handle!r} is stale: no process answers at {host}:{port}"
         try:
@@ -292,10 +297,8 @@ class ReconfigurableGroup:
     def _stop_watch(self) -> None:
         socks, self._watch = self._watch, []
         for s in socks:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def _fail(self, e: BaseException) -> None:
@@ -319,7 +322,9 @@ class ReconfigurableGroup:
 
     def _run(self, name: str, issue: Any, timeout: float | None = None) -> None:
         if self.pg is None:
-            raise ReconfigureError(f"{name}: the group has no communicator yet; call _reconfigure first")
+            raise ReconfigureError(
+                f"{name}: the group has no communicator yet; call _reconfigure first"
+            )
         if self._error is not None:
             raise PeerFailure(f"{name}: group failed earlier: {self._error}")
         ev = threading.Event()
@@ -343,7 +348,7 @@ class ReconfigurableGroup:
             with self._lock:
                 self._waiters.discard(ev)
 
-    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         """In-place allreduce over the current members."""
         o = dist.AllreduceOptions()
         o.reduceOp = op
@@ -390,9 +395,7 @@ def init_process_group(
     """
     global _default
     if not enable_reconfigure:
-        dist.init_process_group(
-            backend, init_method, timeout, world_size, rank, store, **kwargs
-        )
+        dist.init_process_group(backend, init_method, timeout, world_size, rank, store, **kwargs)
         return None
     _default = ReconfigurableGroup(backend=backend or "gloo", timeout=timeout)
     return _default

@@ -46,7 +46,7 @@ from torchport.distributed._control import (
     recv_msg,
     send_msg,
 )
-from torchport.distributed.ft.transfer import DTYPES
+from torchport.distributed.ft.transfer import DTYPES, _bytes_view
 from torchport.distributed.reconfigure import ReconfigurableGroup, Work
 
 _DTYPE_LIST = list(DTYPES.values())
@@ -106,7 +106,9 @@ def _host_id() -> int:
 class Window:
     """An RMA window over ``group``; create it with :func:`_new_window` (collective)."""
 
-    def __init__(self, group: Any = None, tensor: torch.Tensor | None = None, *, transport: str = "auto") -> None:
+    def __init__(
+        self, group: Any = None, tensor: torch.Tensor | None = None, *, transport: str = "auto"
+    ) -> None:
         global _counter
         if transport not in ("auto", "shm", "tcp"):
             raise WindowError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
@@ -249,7 +251,11 @@ class Window:
 
     # -- RMA -------------------------------------------------------------------------------
     def put(
-        self, tensor: torch.Tensor, dst_rank: int, target_offset_nelems: int = 0, async_op: bool = False
+        self,
+        tensor: torch.Tensor,
+        dst_rank: int,
+        target_offset_nelems: int = 0,
+        async_op: bool = False,
     ) -> Work | None:
         """Write ``tensor`` into ``dst_rank``'s tensor at the given flat element offset."""
         src = tensor.reshape(-1)
@@ -263,7 +269,11 @@ class Window:
         return self._done() if async_op else None
 
     def accumulate(
-        self, tensor: torch.Tensor, dst_rank: int, target_offset_nelems: int = 0, async_op: bool = False
+        self,
+        tensor: torch.Tensor,
+        dst_rank: int,
+        target_offset_nelems: int = 0,
+        async_op: bool = False,
     ) -> Work | None:
         """Add ``tensor`` into ``dst_rank``'s tensor (sum), atomically w.r.t. other accumulates."""
         src = tensor.reshape(-1)
@@ -335,7 +345,9 @@ class Window:
             spins += 1
             if spins > 200:
                 if time.monotonic() > deadline:
-                    raise WindowError(f"wait_signal: no signal from rank {src_rank} within {timeout} s")
+                    raise WindowError(
+                        f"wait_signal: no signal from rank {src_rank} within {timeout} s"
+                    )
                 time.sleep(0.0001 if spins < 2000 else 0.001)
         self._consumed[src_rank] = want
 
@@ -344,7 +356,13 @@ class Window:
         self._c.barrier()
 
     # -- tcp transport ---------------------------------------------------------------------
-    def _rpc(self, r: int, msg: dict[str, Any], payload: torch.Tensor | None, out: torch.Tensor | None = None) -> None:
+    def _rpc(
+        self,
+        r: int,
+        msg: dict[str, Any],
+        payload: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> None:
         with self._sock_locks[r]:
             sock = self._socks.get(r)
             if sock is None:
@@ -352,12 +370,12 @@ class Window:
                 send_msg(sock, {"t": "hello", "src": self.rank})
             send_msg(sock, msg)
             if payload is not None and payload.numel():
-                sock.sendall(memoryview(payload.contiguous().view(torch.uint8).numpy()))
+                sock.sendall(_bytes_view(payload.contiguous()))
             reply = recv_msg(sock)
             if reply.get("t") != "ok":
                 raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
             if out is not None and out.numel():
-                recv_into_exact(sock, memoryview(out.view(torch.uint8).numpy()))
+                recv_into_exact(sock, _bytes_view(out))
 
     def _serve(self, conn: socket.socket) -> None:
         hello = recv_msg(conn)
@@ -380,7 +398,7 @@ class Window:
             if kind in ("put", "acc"):
                 buf = torch.empty(n, dtype=local.dtype)
                 if n:
-                    recv_into_exact(conn, memoryview(buf.view(torch.uint8).numpy()))
+                    recv_into_exact(conn, _bytes_view(buf))
                 if kind == "put":
                     flat[off : off + n].copy_(buf)
                 else:
@@ -390,7 +408,7 @@ class Window:
             elif kind == "get":
                 send_msg(conn, {"t": "ok"})
                 if n:
-                    conn.sendall(memoryview(flat[off : off + n].contiguous().view(torch.uint8).numpy()))
+                    conn.sendall(_bytes_view(flat[off : off + n].contiguous()))
             else:
                 send_msg(conn, {"t": "error", "error": f"unknown request {kind!r}"})
 
@@ -410,7 +428,9 @@ class Window:
         self._fds = []
 
 
-def _new_window(tensor: torch.Tensor | None = None, group: Any = None, *, transport: str = "auto") -> Window:
+def _new_window(
+    tensor: torch.Tensor | None = None, group: Any = None, *, transport: str = "auto"
+) -> Window:
     """Collective: a new RMA window on ``group`` (default: the default group)."""
     if not _supports_window(group):
         raise WindowError(f"group {group!r} does not support windows")

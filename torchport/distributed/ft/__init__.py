@@ -23,7 +23,12 @@ Example (one replica; start one per process, all with the lighthouse's address):
 from torchport.distributed.ft.ddp import DistributedDataParallel, OptimizerWrapper
 from torchport.distributed.ft.lighthouse import Lighthouse
 from torchport.distributed.ft.manager import Manager, Metrics, QuorumError
-from torchport.distributed.ft.transfer import StateTransferError, fetch_state, recv_state, send_state
+from torchport.distributed.ft.transfer import (
+    StateTransferError,
+    fetch_state,
+    recv_state,
+    send_state,
+)
 
 __all__ = [
     "DistributedDataParallel",

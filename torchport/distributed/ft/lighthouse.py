@@ -90,7 +90,9 @@ class Lighthouse:
         self._votes: dict[tuple[int, int], _Vote] = {}
         self.events: list[tuple[float, str]] = []
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self._server = Server(self._handle, secret=self._secret, role="lighthouse", host=host, port=port)
+        self._server = Server(
+            self._handle, secret=self._secret, role="lighthouse", host=host, port=port
+        )
         self.address = self._server.address
         self._stop = threading.Event()
         self._mon = threading.Thread(target=self._monitor, name="tp-lighthouse-mon", daemon=True)
@@ -231,7 +233,10 @@ class Lighthouse:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._pending.pop(rid, None)
-                    return {"t": "error", "error": f"quorum not reached within {msg.get('timeout')} s"}
+                    return {
+                        "t": "error",
+                        "error": f"quorum not reached within {msg.get('timeout')} s",
+                    }
                 self._cv.wait(min(left, 0.01))
             res = self._result[my_round]
             if rid not in res["members"]:

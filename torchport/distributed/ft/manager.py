@@ -24,6 +24,7 @@ loss, within milliseconds; hang: three missed heartbeats), a gloo op fails, or a
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -170,10 +171,8 @@ class Manager:
             hb = self._hb
             if hb is None:
                 continue
-            try:
+            with contextlib.suppress(OSError):
                 send_msg(hb, {"t": "b"})
-            except OSError:
-                pass
 
     def _listen(self, hb: socket.socket) -> None:
         try:
@@ -195,10 +194,8 @@ class Manager:
         """Fault injection: close this replica's lighthouse sockets abruptly."""
         for s in (self._hb, self._rpc):
             if s is not None:
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 s.close()
         self._hb = self._rpc = None
 
@@ -236,7 +233,9 @@ class Manager:
                 last = e
                 self._drop_group()
                 time.sleep(0.005)
-        raise QuorumError(f"replica {self.replica_id}: no quorum within {self.quorum_timeout} s: {last}")
+        raise QuorumError(
+            f"replica {self.replica_id}: no quorum within {self.quorum_timeout} s: {last}"
+        )
 
     def _quorum_once(self, deadline: float) -> None:
         if self._hb is None or self._rpc is None:
@@ -281,7 +280,10 @@ class Manager:
         t0 = time.perf_counter()
         if self._store is None or getattr(self._store, "port", None) != store_port:
             self._store = dist.TCPStore(
-                self.lighthouse[0], store_port, is_master=False, timeout=timedelta(seconds=self.timeout)
+                self.lighthouse[0],
+                store_port,
+                is_master=False,
+                timeout=timedelta(seconds=self.timeout),
             )
         prefix = dist.PrefixStore(f"tp-ft/q{qid}", self._store)
         box: dict[str, Any] = {}
@@ -313,7 +315,13 @@ class Manager:
             healthy = [i for i, s in enumerate(q["steps"]) if s == q["max_step"]]
             src = healthy[rank % len(healthy)]
         host, port = q["heal_addrs"][src]
-        state, hdr, secs = fetch_state((host, int(port)), self._secret, timeout=self.timeout)
+        with torch.no_grad():  # receive straight into this replica's own (warm) tensors
+            state, hdr, secs = fetch_state(
+                (host, int(port)),
+                self._secret,
+                timeout=self.timeout,
+                into={"user": self._state_dict(), "step": self._step},
+            )
         self._load_state_dict(state["user"])
         self._step = int(state["step"])
         self.metrics.heals += 1
@@ -341,7 +349,11 @@ class Manager:
             w.work = _Done()
             w.event.set()
             return w
-        e = self.recorder.record("allreduce", f"ft-q{self._qid}", [tensor]) if self.recorder else None
+        e = (
+            self.recorder.record("allreduce", f"ft-q{self._qid}", [tensor])
+            if self.recorder
+            else None
+        )
         try:
             if e is not None:
                 FlightRecorder.started(e)

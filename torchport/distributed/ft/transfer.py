@@ -88,7 +88,9 @@ def decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr)
 
 
 def send_state(sock: socket.socket, state: Any, extra: dict[str, Any] | None = None) -> int:
@@ -96,33 +98,75 @@ def send_state(sock: socket.socket, state: Any, extra: dict[str, Any] | None = N
     tensors: list[torch.Tensor] = []
     structure = encode(state, tensors)
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    metas = [
-        [str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()]
+    metas: list[tuple[str, list[int], int]] = [
+        (str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size())
         for t in flat
     ]
     total = sum(m[2] for m in metas)
-    send_msg(sock, {"t": "state", "structure": structure, "tensors": metas, "total": total, **(extra or {})})
+    if total > (1 << 20):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    send_msg(
+        sock,
+        {"t": "state", "structure": structure, "tensors": metas, "total": total, **(extra or {})},
+    )
     for t, m in zip(flat, metas):
         if m[2]:
             sock.sendall(_bytes_view(t))
     return total
 
 
-def recv_state(sock: socket.socket, max_payload: int = MAX_PAYLOAD) -> tuple[Any, dict[str, Any]]:
-    """Receive a state sent by :func:`send_state`; returns (state, header)."""
+def _paths(obj: Any, prefix: str, out: dict[int, str]) -> None:
+    """Map tensor index -> path in an encoded structure."""
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            out[int(obj["__tensor__"])] = prefix
+        elif "__dict__" in obj:
+            for k, v in obj["__dict__"]:
+                _paths(v, f"{prefix}/{type(k).__name__}:{k}", out)
+        elif "__list__" in obj:
+            for i, v in enumerate(obj["__list__"]):
+                _paths(v, f"{prefix}/{i}", out)
+
+
+def tensor_paths(state: Any) -> dict[str, torch.Tensor]:
+    """Path -> tensor for every tensor in ``state`` (same paths as the wire structure)."""
+    tensors: list[torch.Tensor] = []
+    idx: dict[int, str] = {}
+    _paths(encode(state, tensors), "", idx)
+    return {idx[i]: t for i, t in enumerate(tensors)}
+
+
+def recv_state(
+    sock: socket.socket, max_payload: int = MAX_PAYLOAD, into: Any = None
+) -> tuple[Any, dict[str, Any]]:
+    """Receive a state sent by :func:`send_state`; returns (state, header).
+
+    ``into``: an existing state of the same layout (e.g. the receiver's own); tensors whose path,
+    dtype and shape match are received directly into it, which avoids allocating (and
+    page-faulting) fresh memory. Others are allocated.
+    """
     hdr = recv_msg(sock, limit=MAX_HEADER)
     if hdr.get("t") != "state":
-        raise StateTransferError(f"expected a state header, got {hdr.get('t')!r}: {hdr.get('error')}")
+        raise StateTransferError(
+            f"expected a state header, got {hdr.get('t')!r}: {hdr.get('error')}"
+        )
     total = int(hdr["total"])
     if total > max_payload:
         raise StateTransferError(f"state of {total} bytes exceeds the limit {max_payload}")
+    targets = tensor_paths(into) if into is not None else {}
+    paths: dict[int, str] = {}
+    if targets:
+        _paths(hdr["structure"], "", paths)
     tensors: list[torch.Tensor] = []
     seen = 0
-    for dtype_name, shape, nbytes in hdr["tensors"]:
+    for i, (dtype_name, shape, nbytes) in enumerate(hdr["tensors"]):
         dtype = DTYPES.get(dtype_name)
         if dtype is None:
             raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
-        t = torch.empty([int(s) for s in shape], dtype=dtype)
+        dims = [int(s) for s in shape]
+        t = targets.get(paths.get(i, ""), None) if targets else None
+        if t is None or t.dtype != dtype or list(t.shape) != dims or not t.is_contiguous():
+            t = torch.empty(dims, dtype=dtype)
         if t.numel() * t.element_size() != int(nbytes):
             raise StateTransferError(f"byte count {nbytes} does not match {dtype_name}{shape}")
         seen += int(nbytes)
@@ -135,15 +179,21 @@ def recv_state(sock: socket.socket, max_payload: int = MAX_PAYLOAD) -> tuple[Any
 
 
 def fetch_state(
-    addr: tuple[str, int], secret: bytes, *, timeout: float = 60.0, step: int | None = None
+    addr: tuple[str, int],
+    secret: bytes,
+    *,
+    timeout: float = 60.0,
+    step: int | None = None,
+    into: Any = None,
 ) -> tuple[Any, dict[str, Any], float]:
-    """Ask a heal server for its state; returns (state, header, seconds)."""
+    """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`."""
     t0 = time.perf_counter()
     sock = connect(addr, secret, "heal", timeout=timeout)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         sock.settimeout(timeout)
         send_msg(sock, {"t": "get_state", "step": step})
-        state, hdr = recv_state(sock)
+        state, hdr = recv_state(sock, into=into)
     except OSError as e:
         raise StateTransferError(f"state transfer from {addr} failed: {e}") from None
     finally:
