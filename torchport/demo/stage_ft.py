@@ -125,7 +125,9 @@ def stage_ft(ctx: Any) -> Section:
     """Fault-tolerant training: kill a replica, survivors continue, it heals and rejoins."""
     from torchport.distributed.fr_analyze import analyze, load_dumps
 
-    steps = int(os.environ.get("TORCHPORT_DEMO_FT_STEPS", "40"))
+    # 40 steps with the default demo (--steps 600); fewer for short demo runs
+    default = min(40, max(8, int(getattr(ctx.args, "steps", 600)) // 15))
+    steps = int(os.environ.get("TORCHPORT_DEMO_FT_STEPS", str(default)))
     base = ctx.out_dir / "ft"
     clean = run_scenario(base / "fault-free", steps=steps, kill_at=None)
     faulty = run_scenario(base / "with-kill", steps=steps, kill_at=steps // 4)
