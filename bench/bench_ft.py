@@ -2,7 +2,7 @@
 training throughput with a fault — each next to a gloo anchor measured in the same run.
 
 Run: ``torchport bench ft`` (or ``--quick``). Real processes on loopback (forked from a preloaded
-forkserver, see ``tests/dist_workers.py``). Times are medians; the machine is shared, expect noise.
+forkserver, see ``tests/ft_actors.py``). Times are medians; the machine is shared, expect noise.
 
 Rows (anchor → ours):
 * ``detect crash`` / ``detect hang``: kill (SIGKILL / SIGSTOP) a rank while its peers sit in an
@@ -24,9 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.dist_workers import Actors
+from tests.ft_actors import Actors
 from torchport.benchmarks import BenchTable, arg_parser
 from torchport.distributed._control import default_secret
 from torchport.distributed.flight_recorder import FlightRecorder
@@ -45,7 +47,7 @@ def _ok(res: list) -> list:
 def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> None:
     with Actors(n) as A:
         ranks = list(range(n))
-        hs = [A.call(i, "init_reconf", 0.05, timeout=180) for i in ranks]
+        hs = [A.call(i, "init_reconf", 0.1, timeout=180) for i in ranks]
         res = _ok(A.call_all(ranks, "reconf", [(1, hs)] * n, timeout=60))
         uuid = 2
         for kind, sig in (("crash", signal.SIGKILL), ("hang", signal.SIGSTOP)):
@@ -75,7 +77,7 @@ def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> Non
             table.add(f"reconfigure shrink {n}->{n - 1}", "new gloo group", anchor, shrink, 0)
             # grow back with a fresh process
             A.add(victim)
-            A.call(victim, "init_reconf", 0.05, timeout=60)
+            A.call(victim, "init_reconf", 0.1, timeout=60)
             hs_g = [A.call(i, "handle") for i in ranks]
             res = _ok(A.call_all(ranks, "reconf", [(uuid, hs_g)] * n))
             grow = max(r[3] for r in res)
@@ -118,12 +120,24 @@ def bench_heal_and_steps(table: BenchTable, mb: int, steps: int) -> None:
         _ok(A.call_all([0, 1], "init_dist", [(f"{d}/s", i, 2) for i in range(2)], timeout=180))
         nbytes = mb << 20
         addr = A.call(0, "serve_state", nbytes, 16)
-        best = float("inf")
+        # the healing replica receives into its own (already touched) tensors, as Manager does
+        per = nbytes // 16 // 4
+        mine = {"user": {f"t{i}": torch.zeros(per) for i in range(16)}, "step": 0}
+        best = fresh = float("inf")
         for _ in range(3):
-            _, hdr, secs = fetch_state((addr[0], addr[1]), default_secret())
+            _, hdr, secs = fetch_state((addr[0], addr[1]), default_secret(), into=mine)
             best = min(best, secs)
+            _, _, secs = fetch_state((addr[0], addr[1]), default_secret())
+            fresh = min(fresh, secs)
         bcast = min(_ok(A.call_all([0, 1], "bcast_bench", [(nbytes, 3)] * 2)))
         table.add(f"heal {mb} MB (16 tensors)", "gloo broadcast", bcast, best, hdr["total"])
+        table.add(f"heal {mb} MB into fresh memory", "gloo broadcast", bcast, fresh, hdr["total"])
+        src = torch.randn(nbytes // 4)
+        dst = torch.zeros(nbytes // 4)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        warm = time.perf_counter() - t0
+        table.add(f"heal {mb} MB vs in-process memcpy", "memcpy (warm)", warm, best, hdr["total"])
         lh = Lighthouse(min_replicas=2, join_timeout=5.0)
         for nb in (4096, 1 << 20):
             plain = max(_ok(A.call_all([0, 1], "step_bench", [("plain", None, nb, steps)] * 2)))
@@ -142,8 +156,6 @@ def bench_heal_and_steps(table: BenchTable, mb: int, steps: int) -> None:
             table.add(f"allreduce {nb} B + FT manager step", "gloo allreduce", plain, mgr, nb)
         lh.close()
     rec = FlightRecorder(buffer_size=2000, rank=0, world_size=1)
-    import torch
-
     t = [torch.zeros(16)]
     n = 20000
     t0 = time.perf_counter()

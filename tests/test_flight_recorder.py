@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.dist_workers import Actors
+from tests.ft_actors import Actors
 from torchport import cli, config
 from torchport.distributed.flight_recorder import (
     COMPLETED,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import tests.dist_workers  # noqa: F401  (configures the forkserver preload)
+import tests.ft_actors  # noqa: F401  (configures the forkserver preload)
 from torchport.demo.ft_worker import spawn
 from torchport.distributed import AuthError, CommError
 from torchport.distributed._control import connect, recv_msg, send_msg

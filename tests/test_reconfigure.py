@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from tests.dist_workers import Actors
+from tests.ft_actors import Actors
 from torchport.distributed import (
     ReconfigurableGroup,
     ReconfigureError,

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.dist_workers import Actors
+from tests.ft_actors import Actors
 from torchport.distributed.window import ReferenceWindow
 
 WORLD, N = 3, 7  # prime length: offsets and sizes that are not multiples of anything

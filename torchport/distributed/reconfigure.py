@@ -147,6 +147,9 @@ class ReconfigurableGroup:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self._server = Server(self._handle, secret=self._secret, role="reconf", host=host)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf")
+        self._checker = cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check")
+        self._clients: dict[tuple[str, int], dist.Store] = {}
+        self._generation = -1
         self.pg: Any = None
         self._rank, self._size = -1, 0
         self._error: BaseException | None = None
@@ -242,17 +245,14 @@ class ReconfigurableGroup:
             raise ReconfigureError(f"uuid {uuid} was already used by a completed reconfigure")
         mine = self.get_reconfigure_handle()
         others = [h for h in order if h != mine]
-        with cf.ThreadPoolExecutor(max(1, len(others))) as ex:
-            problems = [p for p in ex.map(lambda h: self._check(h, uuid, deadline), others) if p]
+        problems = [
+            p for p in self._checker.map(lambda h: self._check(h, uuid, deadline), others) if p
+        ]
         if problems:
             raise ReconfigureError("reconfigure rejected: " + "; ".join(sorted(problems)))
         rank, size = order.index(mine), len(order)
         lhost, _, lport, _ = parse_handle(order[0])
-        store: dist.Store = (
-            self.store
-            if rank == 0
-            else dist.TCPStore(lhost, lport, is_master=False, timeout=timedelta(seconds=timeout))
-        )
+        store: dist.Store = self.store if rank == 0 else self._client(lhost, lport, timeout)
         self._stop_watch()
         old = self.pg
         try:
@@ -262,17 +262,29 @@ class ReconfigurableGroup:
         with self._lock:
             self.pg, self._rank, self._size = pg, rank, size
             self._used.add(uuid)
+            self._generation = uuid
             self._nonce = secrets.token_hex(8)
             self._error = None
         retire(old)
-        self._start_watch(order, rank)
         self.last_reconfigure_s = time.perf_counter() - t0
+        # peers start watching each other off the critical path
+        threading.Thread(target=self._start_watch, args=(order, rank, uuid), daemon=True).start()
+
+    def _client(self, host: str, port: int, timeout: float) -> dist.Store:
+        key = (host, port)
+        store = self._clients.get(key)
+        if store is None:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+            self._clients[key] = store
+        return store
 
     # -- failure detection -----------------------------------------------------------------
-    def _start_watch(self, order: list[str], rank: int) -> None:
+    def _start_watch(self, order: list[str], rank: int, uuid: int) -> None:
         for r, h in enumerate(order):
             if r == rank:
                 continue
+            if self._generation != uuid:
+                return  # a newer reconfigure took over
             host, port, _, _ = parse_handle(h)
             try:
                 sock = connect((host, port), self._secret, "reconf", timeout=5.0)
@@ -280,7 +292,11 @@ class ReconfigurableGroup:
             except (OSError, CommError) as e:
                 self._fail(PeerFailure(f"rank {r} unreachable after reconfigure: {e}"))
                 continue
-            self._watch.append(sock)
+            with self._lock:
+                if self._generation != uuid:
+                    sock.close()
+                    return
+                self._watch.append(sock)
             threading.Thread(target=self._watch_peer, args=(sock, r), daemon=True).start()
 
     def _watch_peer(self, sock: socket.socket, r: int) -> None:
@@ -295,7 +311,9 @@ class ReconfigurableGroup:
                 self._fail(PeerFailure(f"rank {r} crashed: its connection was lost"))
 
     def _stop_watch(self) -> None:
-        socks, self._watch = self._watch, []
+        with self._lock:
+            socks, self._watch = self._watch, []
+            self._generation = -1
         for s in socks:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
@@ -371,6 +389,7 @@ class ReconfigurableGroup:
         self._stop_watch()
         self._server.close()
         self._pool.shutdown(wait=False)
+        self._checker.shutdown(wait=False)
         retire(self.pg)
         self.pg = None
 

@@ -20,7 +20,7 @@ import torch
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(
-    ["tests.dist_workers", "torchport.distributed", "torchport.demo.ft_worker"]
+    ["tests.ft_actors", "torchport.distributed", "torchport.demo.ft_worker"]
 )
 
 
