@@ -78,6 +78,8 @@ def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> Non
             hs_s = [A.call(i, "handle") for i in survivors]
             res = _ok(A.call_all(survivors, "reconf", [(uuid, hs_s)] * len(survivors)))
             shrink = max(r[3] for r in res)
+            if shrink > 1.0:
+                print(f"# slow shrink, phases per rank: {[r[4] for r in res]}")
             uuid += 1
             anchor = _gloo_rebuild(A, survivors, f"anchor-shrink-{uuid}")
             table.add(f"reconfigure shrink {n}->{n - 1}", "new gloo group", anchor, shrink, 0)

@@ -131,7 +131,7 @@ def c_reconf(st: dict[str, Any], uuid: int, handles: Any, timeout: float = 10.0)
         _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout)).wait()
     except ReconfigureError as e:
         return ("error", str(e), time.perf_counter() - t0)
-    return ("ok", st["g"].rank(), st["g"].size(), time.perf_counter() - t0)
+    return ("ok", st["g"].rank(), st["g"].size(), time.perf_counter() - t0, st["g"].phases)
 
 
 def c_allreduce(st: dict[str, Any], value: float) -> Any:

@@ -149,6 +149,7 @@ class ReconfigurableGroup:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf")
         self._checker = cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check")
         self._clients: dict[tuple[str, int], dist.Store] = {}
+        self._ctl: dict[tuple[str, int], socket.socket] = {}
         self._generation = -1
         self.pg: Any = None
         self._rank, self._size = -1, 0
@@ -157,6 +158,7 @@ class ReconfigurableGroup:
         self._watch: list[socket.socket] = []
         self._closed = False
         self.last_reconfigure_s = 0.0
+        self.phases: dict[str, float] = {}  # cumulative seconds of the last reconfigure's phases
 
     # -- handles and the control server ---------------------------------------------------
     def get_reconfigure_handle(self) -> str:
@@ -165,22 +167,24 @@ class ReconfigurableGroup:
         return f"tp1:{h}:{p}:{self.store.port}:{self._nonce}"
 
     def _handle(self, conn: socket.socket) -> None:
-        msg = recv_msg(conn)
-        if msg.get("t") == "check":
-            with self._lock:
-                send_msg(
-                    conn,
-                    {
+        while True:  # a peer keeps its check connection open and reuses it
+            msg = recv_msg(conn)
+            if msg.get("t") == "check":
+                with self._lock:
+                    reply = {
                         "t": "check",
                         "current": msg.get("nonce") == self._nonce,
                         "uuid_used": int(msg.get("uuid", -1)) in self._used,
-                    },
-                )
-        elif msg.get("t") == "watch":
-            conn.settimeout(None)
-            while not self._closed:
-                send_msg(conn, {"t": "hb"})
-                time.sleep(self.heartbeat)
+                    }
+                send_msg(conn, reply)
+            elif msg.get("t") == "watch":
+                conn.settimeout(None)
+                while not self._closed:
+                    send_msg(conn, {"t": "hb"})
+                    time.sleep(self.heartbeat)
+                return
+            else:
+                raise CommError(f"unknown control request {msg.get('t')!r}")
 
     # -- reconfigure -----------------------------------------------------------------------
     def reconfigure(self, opts: ReconfigureOptions) -> Work:
@@ -213,22 +217,37 @@ class ReconfigurableGroup:
             )
         return order
 
+    def _ask(self, host: str, port: int, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """One request/response on a cached authenticated connection (reconnects once)."""
+        for attempt in (0, 1):
+            sock = self._ctl.pop((host, port), None)
+            fresh = sock is None
+            if sock is None:
+                sock = connect(
+                    (host, port),
+                    self._secret,
+                    "reconf",
+                    timeout=max(0.05, deadline - time.monotonic()),
+                )
+            try:
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                send_msg(sock, msg)
+                reply = recv_msg(sock)
+            except (OSError, CommError):
+                sock.close()
+                if fresh or attempt:
+                    raise
+                continue  # the cached connection went away: try a new one
+            self._ctl[(host, port)] = sock
+            return reply
+        raise CommError("unreachable")
+
     def _check(self, handle: str, uuid: int, deadline: float) -> str | None:
         host, port, _, nonce = parse_handle(handle)
         try:
-            sock = connect(
-                (host, port), self._secret, "reconf", timeout=max(0.05, deadline - time.monotonic())
-            )
-        except CommError:
-            return f"handle {handle!r} is stale: no process answers at {host}:{port}"
-        try:
-            sock.settimeout(max(0.05, deadline - time.monotonic()))
-            send_msg(sock, {"t": "check", "nonce": nonce, "uuid": uuid})
-            r = recv_msg(sock)
+            r = self._ask(host, port, {"t": "check", "nonce": nonce, "uuid": uuid}, deadline)
         except (OSError, CommError) as e:
-            return f"handle {handle!r} could not be checked: {e}"
-        finally:
-            sock.close()
+            return f"handle {handle!r} is stale: no process answers at {host}:{port} ({e})"
         if not r.get("current"):
             return f"handle {handle!r} is stale: that rank has been reconfigured since"
         if r.get("uuid_used"):
@@ -250,9 +269,11 @@ class ReconfigurableGroup:
         ]
         if problems:
             raise ReconfigureError("reconfigure rejected: " + "; ".join(sorted(problems)))
+        self.phases = {"validate_s": time.perf_counter() - t0}
         rank, size = order.index(mine), len(order)
         lhost, _, lport, _ = parse_handle(order[0])
         store: dist.Store = self.store if rank == 0 else self._client(lhost, lport, timeout)
+        self.phases["store_s"] = time.perf_counter() - t0
         self._stop_watch()
         old = self.pg
         try:
@@ -265,6 +286,7 @@ class ReconfigurableGroup:
             self._generation = uuid
             self._nonce = secrets.token_hex(8)
             self._error = None
+        self.phases["group_s"] = time.perf_counter() - t0
         retire(old)
         self.last_reconfigure_s = time.perf_counter() - t0
         # peers start watching each other off the critical path
@@ -390,6 +412,9 @@ class ReconfigurableGroup:
         self._server.close()
         self._pool.shutdown(wait=False)
         self._checker.shutdown(wait=False)
+        for sock in self._ctl.values():
+            sock.close()
+        self._ctl.clear()
         retire(self.pg)
         self.pg = None
 
