@@ -327,7 +327,10 @@ class ReconfigurableGroup:
             while True:
                 recv_msg(sock, limit=256)
         except TimeoutError:
-            self._fail(PeerFailure(f"rank {r} hung: no heartbeat for {3 * self.heartbeat:.2f} s"))
+            if sock in self._watch:  # a watcher of an older membership is not a failure
+                self._fail(
+                    PeerFailure(f"rank {r} hung: no heartbeat for {3 * self.heartbeat:.2f} s")
+                )
         except (OSError, CommError):
             if sock in self._watch:
                 self._fail(PeerFailure(f"rank {r} crashed: its connection was lost"))
