@@ -5,7 +5,8 @@ demo stage, the tests and ``bench/bench_ft.py``. The replica trains until it has
 ``--steps`` steps *and* the quorum holds ``--world`` replicas (so a restarted replica always gets
 to rejoin and heal), then writes its parameters' raw bytes to ``--out`` and a JSON summary next to it.
 
-Faults (``--fault KIND --fault-step S``, fired once, after backward and before the commit vote):
+Faults (``--fault KIND --fault-step S``, fired once at the first step >= S, after backward and
+before the commit vote):
 ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself; the parent sends SIGCONT), ``close`` (close
 its lighthouse sockets), ``slow`` (sleep ``--slow-s``).
 """
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         step = mgr.current_step()
         loss = loss_of(a.model, ddp, make_batch(a.model, step, a.rid, corpus))
         loss.backward()
-        if not fired and a.fault != "none" and step == a.fault_step:
+        if not fired and a.fault != "none" and step >= a.fault_step:  # may have healed past it
             fired = True
             if a.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
