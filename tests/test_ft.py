@@ -30,6 +30,13 @@ def _progress(path: Path) -> int:
         return -1
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 def _wait_for(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -81,7 +88,9 @@ def test_fault_at_rank_step(tmp_path, fault):
             _wait_for(lambda: _progress(p0) >= killed_at + 3, 60, "survivors to progress")
             start(1, "none")
         elif fault == "stop":
-            _wait_for(lambda: _progress(p0) >= FAULT_STEP + 3, 60, "survivors to progress")
+            _wait_for(lambda: _stopped(procs[1].pid), 60, "replica 1 to stop")  # type: ignore[attr-defined]
+            stopped_at = _progress(p0)
+            _wait_for(lambda: _progress(p0) >= stopped_at + 3, 60, "survivors to progress")
             os.kill(procs[1].pid, signal.SIGCONT)  # type: ignore[attr-defined]
         for i in range(WORLD):
             procs[i].join(timeout=60)  # type: ignore[attr-defined]
