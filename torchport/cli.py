@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
 EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
+def _register_fr(sub: argparse._SubParsersAction) -> None:
+    from torchport.distributed.fr_analyze import register_cli
+
+    register_cli(sub)
+
+
+EXTRA_COMMANDS.append(_register_fr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Command = args.func

@@ -202,6 +202,36 @@ SETTINGS: dict[str, Setting] = {
             check=lambda v: None if v >= 0 else "must be >= 0",
         ),
         Setting(
+            name="fr_dump_dir",
+            env="TORCHPORT_FR_DUMP_DIR",
+            kind=str,
+            default="",
+            doc="Folder for Flight Recorder dumps (rank_<r>.json); empty means ./torchport-fr.",
+        ),
+        Setting(
+            name="fr_timeout",
+            env="TORCHPORT_FR_TIMEOUT",
+            kind=float,
+            default=30.0,
+            doc="Seconds an op may stay incomplete before the Flight Recorder dumps (0: never).",
+            check=lambda v: None if v >= 0 else "must be >= 0",
+        ),
+        Setting(
+            name="fr_stack",
+            env="TORCHPORT_FR_STACK",
+            kind=bool,
+            default=False,
+            doc="Record the Python stack of every op in the Flight Recorder (slower).",
+        ),
+        Setting(
+            name="ft_heartbeat",
+            env="TORCHPORT_FT_HEARTBEAT",
+            kind=float,
+            default=0.1,
+            doc="Heartbeat period (s) of fault-tolerance failure detection; hang = 3 periods.",
+            check=_positive,
+        ),
+        Setting(
             name="progress",
             env="TORCHPORT_PROGRESS",
             kind=bool,
@@ -340,6 +370,10 @@ if TYPE_CHECKING:  # attribute types for static checkers
     autotune_noise: float
     cold_cache_bytes: int
     fr_buffer_size: int
+    fr_dump_dir: str
+    fr_timeout: float
+    fr_stack: bool
+    ft_heartbeat: float
     progress: bool
     dist_addr: str
     dist_transport: str

@@ -97,6 +97,7 @@ STAGES: list[tuple[str, Stage]] = [
     ("train", stage_train),
     ("sample", stage_sample),
     ("dynamic", stage_dynamic),
+    ("ft", lambda ctx: __import__("torchport.demo.stage_ft", fromlist=["stage_ft"]).stage_ft(ctx)),
 ]
 
 

@@ -12,6 +12,12 @@ groups use authenticated TCP. Operations are nonblocking (a progress engine per 
 ``abort()`` fails in-flight operations on every rank with a typed error, mismatched collectives
 are detected, and :func:`split_group` / ``new_group`` build sub-communicators eagerly on the
 parent's connections.
+
+Fault tolerance lives beside it: :mod:`~torchport.distributed.flight_recorder` (per-op ring buffer
+and dumps, any backend), :mod:`~torchport.distributed.fr_analyze` (``torchport fr analyze``),
+:mod:`~torchport.distributed.reconfigure` (2.14's ``_reconfigure`` API),
+:mod:`~torchport.distributed.window` (one-sided RMA windows) and :mod:`~torchport.distributed.ft`
+(fault-tolerant data-parallel training).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+# PeerFailure comes from the fault-tolerance control plane (reconfigure, windows, ft).
+from torchport.distributed._control import PeerFailure
 from torchport.distributed.algorithms import allreduce_reference, fold_reference
 from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator, TorchportWork
@@ -38,6 +46,21 @@ from torchport.distributed.errors import (
     WireError,
 )
 from torchport.distributed.groups import build_communicator, root_mesh
+from torchport.distributed.reconfigure import (
+    ReconfigurableGroup,
+    ReconfigureError,
+    ReconfigureOptions,
+    _get_reconfigure_handle,
+    _reconfigure,
+    _supports_reconfigure,
+    init_process_group,
+)
+from torchport.distributed.window import (
+    Window,
+    WindowError,
+    _new_window,
+    _supports_window,
+)
 
 BACKEND_NAME = "torchport"
 
@@ -135,15 +158,27 @@ __all__ = [
     "CommTimeoutError",
     "Communicator",
     "CommunicatorErrorState",
+    "PeerFailure",
+    "ReconfigurableGroup",
+    "ReconfigureError",
+    "ReconfigureOptions",
     "RemoteError",
     "TorchportDistError",
     "TorchportProcessGroup",
     "TorchportWork",
+    "Window",
+    "WindowError",
     "WireError",
+    "_get_reconfigure_handle",
+    "_new_window",
+    "_reconfigure",
+    "_supports_reconfigure",
+    "_supports_window",
     "abort",
     "allreduce_reference",
     "fold_reference",
     "get_error",
+    "init_process_group",
     "root_mesh",
     "split_group",
 ]

@@ -1,0 +1,213 @@
+"""Fault tolerance: detection, reconfigure, heal bandwidth, manager / Flight Recorder overhead, and
+training throughput with a fault — each next to a gloo anchor measured in the same run.
+
+Run: ``torchport bench ft`` (or ``--quick``). Real processes on loopback (forked from a preloaded
+forkserver, see ``tests/ft_actors.py``). Times are medians; the machine is shared, expect noise.
+
+Rows (anchor → ours):
+* ``detect crash`` / ``detect hang``: kill (SIGKILL / SIGSTOP) a rank while its peers sit in an
+  allreduce; ours = kill → typed PeerFailure on the survivors. Anchor: the op timeout gloo would
+  otherwise wait for (2.14's gloo: 10 s; set as the anchor value, not measured).
+* ``reconfigure shrink/grow N``: ours = ``_reconfigure`` (validation round trip + new group);
+  anchor = building a plain gloo group over a store prefix (no validation), same ranks.
+* ``heal W MB``: ours = state transfer from another process; anchor = gloo broadcast of the same bytes.
+* ``step overhead``: anchor = plain gloo allreduce per step; ours = manager step (quorum +
+  allreduce + commit vote) and allreduce with the Flight Recorder installed.
+* ``training throughput``: fault-free vs one SIGKILL + restart + heal (demo model, 3 replicas).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.ft_actors import Actors
+from torchport.benchmarks import BenchTable, arg_parser
+from torchport.distributed._control import default_secret
+from torchport.distributed.flight_recorder import FlightRecorder
+from torchport.distributed.ft import Lighthouse, fetch_state
+
+GLOO_HANG_TIMEOUT_S = 10.0  # what 2.14's gloo leaves a peer waiting (issue text)
+
+
+def _ok(res: list) -> list:
+    bad = [v for s, v in res if s != "ok"]
+    if bad:
+        raise RuntimeError(f"actor failed: {bad[0][0]}: {bad[0][1]}")
+    return [v for _, v in res]
+
+
+def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> None:
+    with Actors(n) as A:
+        ranks = list(range(n))
+        hs = [A.call(i, "init_reconf", 0.1, timeout=180) for i in ranks]
+        res = _ok(A.call_all(ranks, "reconf", [(1, hs)] * n, timeout=60))
+        uuid = 2
+        for kind, sig in (("crash", signal.SIGKILL), ("hang", signal.SIGSTOP)):
+            victim = n - 1
+            survivors = ranks[:-1]
+            for i in survivors:
+                A.send(i, "allreduce", 1.0)
+            time.sleep(0.2)  # survivors are inside the allreduce, waiting for the victim
+            t_kill = time.time()
+            A.kill(victim, sig)
+            out = _ok([A.recv(i, 30) for i in survivors])
+            assert all(o[0] == "error" for o in out), out
+            detect = max(o[4] for o in out) - t_kill
+            # negative: a heartbeat was missed under load before the real fault (a false alarm)
+            table.add(
+                f"detect {kind} (n={n})",
+                "gloo timeout (2.14)",
+                GLOO_HANG_TIMEOUT_S,
+                detect,
+                0,
+                false_alarm=detect < 0,
+            )
+            if sig == signal.SIGSTOP:
+                A.kill(victim, signal.SIGCONT)
+            A.procs[victim].kill()
+            A.procs[victim].join(timeout=5)
+            # shrink to the survivors
+            hs_s = [A.call(i, "handle") for i in survivors]
+            res = _ok(A.call_all(survivors, "reconf", [(uuid, hs_s)] * len(survivors)))
+            shrink = max(r[3] for r in res)
+            if shrink > 1.0:
+                print(f"# slow shrink, phases per rank: {[r[4] for r in res]}")
+            uuid += 1
+            anchor = _gloo_rebuild(A, survivors, f"anchor-shrink-{uuid}")
+            table.add(f"reconfigure shrink {n}->{n - 1}", "new gloo group", anchor, shrink, 0)
+            # grow back with a fresh process
+            A.add(victim)
+            A.call(victim, "init_reconf", 0.1, timeout=60)
+            hs_g = [A.call(i, "handle") for i in ranks]
+            res = _ok(A.call_all(ranks, "reconf", [(uuid, hs_g)] * n))
+            grow = max(r[3] for r in res)
+            uuid += 1
+            anchor = _gloo_rebuild(A, ranks, f"anchor-grow-{uuid}")
+            table.add(f"reconfigure grow {n - 1}->{n}", "new gloo group", anchor, grow, 0)
+        # steady reconfigure timing (same members, fresh uuid), median of reps
+        times = []
+        for _ in range(reps):
+            hs_g = [A.call(i, "handle") for i in ranks]
+            res = _ok(A.call_all(ranks, "reconf", [(uuid, hs_g)] * n))
+            uuid += 1
+            times.append(max(r[3] for r in res))
+        times.sort()
+        anchors = sorted(_gloo_rebuild(A, ranks, f"anchor-re-{uuid}-{k}") for k in range(reps))
+        table.add(
+            f"reconfigure same {n} (median)",
+            "new gloo group",
+            anchors[reps // 2],
+            times[reps // 2],
+            0,
+        )
+
+
+def _gloo_rebuild(A: Actors, ranks: list[int], tag: str) -> float:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    res = _ok(
+        A.call_all(
+            ranks, "gloo_rebuild", [(store.port, k, len(ranks), tag) for k in range(len(ranks))]
+        )
+    )
+    return max(res)
+
+
+def bench_heal_and_steps(table: BenchTable, mb: int, steps: int) -> None:
+    with Actors(2) as A:
+        d = tempfile.mkdtemp()
+        _ok(A.call_all([0, 1], "init_dist", [(f"{d}/s", i, 2) for i in range(2)], timeout=180))
+        nbytes = mb << 20
+        addr = A.call(0, "serve_state", nbytes, 16)
+        # the healing replica receives into its own (already touched) tensors, as Manager does
+        per = nbytes // 16 // 4
+        mine = {"user": {f"t{i}": torch.zeros(per) for i in range(16)}, "step": 0}
+        best = fresh = float("inf")
+        for _ in range(3):
+            _, hdr, secs = fetch_state((addr[0], addr[1]), default_secret(), into=mine)
+            best = min(best, secs)
+            _, _, secs = fetch_state((addr[0], addr[1]), default_secret())
+            fresh = min(fresh, secs)
+        bcast = min(_ok(A.call_all([0, 1], "bcast_bench", [(nbytes, 3)] * 2)))
+        table.add(f"heal {mb} MB (16 tensors)", "gloo broadcast", bcast, best, hdr["total"])
+        table.add(f"heal {mb} MB into fresh memory", "gloo broadcast", bcast, fresh, hdr["total"])
+        src = torch.randn(nbytes // 4)
+        dst = torch.zeros(nbytes // 4)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        warm = time.perf_counter() - t0
+        table.add(f"heal {mb} MB vs in-process memcpy", "memcpy (warm)", warm, best, hdr["total"])
+        lh = Lighthouse(min_replicas=2, join_timeout=5.0)
+        for nb in (4096, 1 << 20):
+            plain = max(_ok(A.call_all([0, 1], "step_bench", [("plain", None, nb, steps)] * 2)))
+            frd = max(_ok(A.call_all([0, 1], "step_bench", [("fr", None, nb, steps)] * 2)))
+            mgr = max(
+                _ok(
+                    A.call_all(
+                        [0, 1],
+                        "step_bench",
+                        [("manager", list(lh.address), nb, steps)] * 2,
+                        timeout=120,
+                    )
+                )
+            )
+            table.add(f"allreduce {nb} B + Flight Recorder", "gloo allreduce", plain, frd, nb)
+            table.add(f"allreduce {nb} B + FT manager step", "gloo allreduce", plain, mgr, nb)
+        lh.close()
+    rec = FlightRecorder(buffer_size=2000, rank=0, world_size=1)
+    t = [torch.zeros(16)]
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        e = rec.record("all_reduce", "default", t)
+        rec.started(e)
+        rec.completed(e)
+    per_op = (time.perf_counter() - t0) / n
+    table.add(
+        "Flight Recorder cost per op", "(none)", per_op, per_op, 0, us_per_op=round(per_op * 1e6, 2)
+    )
+
+
+def bench_training(table: BenchTable, steps: int) -> None:
+    from torchport.demo.stage_ft import run_scenario
+
+    with tempfile.TemporaryDirectory() as d:
+        clean = run_scenario(Path(d) / "clean", steps=steps, kill_at=None)
+        faulty = run_scenario(Path(d) / "kill", steps=steps, kill_at=steps // 4)
+
+    def secs_per_step(f: dict) -> float:
+        s = f["summaries"][0]
+        return s["seconds"] / s["steps"]
+
+    table.add(
+        f"training, 1 SIGKILL in {steps} steps",
+        "fault-free run",
+        secs_per_step(clean),
+        secs_per_step(faulty),
+        0,
+        identical=faulty["identical"],
+        run_s=round(faulty["summaries"][0]["seconds"], 1),
+    )
+
+
+def main() -> None:
+    args = arg_parser(__doc__ or "").parse_args()
+    table = BenchTable("ft", unit="GB/s")
+    table.start()
+    bench_detection_and_reconfigure(table, 4 if args.quick else 8, 3 if args.quick else 7)
+    bench_heal_and_steps(table, 64 if args.quick else 256, 20 if args.quick else 100)
+    bench_training(table, 30 if args.quick else 120)
+    table.save(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""Helpers for the distributed tests: actor processes forked from a preloaded forkserver.
+
+Each actor runs commands sent by the test (through a pipe) and answers with plain tuples, so a
+test can drive several real processes step by step, kill or stop any of them, and every wait has a
+hard timeout. :class:`Actors` kills every child in ``close()`` (use it as a context manager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(
+    ["tests.ft_actors", "torchport.distributed", "torchport.demo.ft_worker"]
+)
+
+
+def _actor(conn: Any, idx: int) -> None:
+    torch.set_num_threads(1)
+    state: dict[str, Any] = {"idx": idx}
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            os._exit(0)
+        if cmd == "exit":
+            conn.send(("ok", None))
+            os._exit(0)
+        try:
+            conn.send(("ok", COMMANDS[cmd](state, *args)))
+        except Exception as e:
+            conn.send(("err", (type(e).__name__, str(e), traceback.format_exc())))
+
+
+class Actors:
+    """``n`` actor processes; ``call(i, cmd, *args)`` / ``call_all`` with hard timeouts."""
+
+    def __init__(self, n: int) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        for i in range(n):
+            self.add(i)
+
+    def add(self, idx: int) -> int:
+        a, b = _CTX.Pipe()
+        p = _CTX.Process(target=_actor, args=(b, idx), daemon=True)
+        p.start()
+        if idx < len(self.procs):
+            self.procs[idx], self.conns[idx] = p, a
+        else:
+            self.procs.append(p)
+            self.conns.append(a)
+        return idx
+
+    def send(self, i: int, cmd: str, *args: Any) -> None:
+        self.conns[i].send((cmd, args))
+
+    def recv(self, i: int, timeout: float = 30.0) -> Any:
+        if not self.conns[i].poll(timeout):
+            raise TimeoutError(f"actor {i} did not answer within {timeout} s")
+        status, value = self.conns[i].recv()
+        return status, value
+
+    def call(self, i: int, cmd: str, *args: Any, timeout: float = 30.0) -> Any:
+        self.send(i, cmd, *args)
+        status, value = self.recv(i, timeout)
+        if status != "ok":
+            raise RuntimeError(f"actor {i} {cmd} failed: {value[0]}: {value[1]}\n{value[2]}")
+        return value
+
+    def call_all(
+        self,
+        ranks: list[int],
+        cmd: str,
+        args: list[tuple[Any, ...]] | None = None,
+        timeout: float = 30.0,
+    ) -> list[Any]:
+        for k, i in enumerate(ranks):
+            self.send(i, cmd, *(args[k] if args else ()))
+        return [self.recv(i, timeout) for i in ranks]
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.procs[i].pid, sig)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def __enter__(self) -> Actors:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# -- commands -------------------------------------------------------------------------------
+def c_init_reconf(st: dict[str, Any], heartbeat: float = 0.05) -> str:
+    from torchport.distributed.reconfigure import ReconfigurableGroup
+
+    st["g"] = ReconfigurableGroup(heartbeat=heartbeat)
+    return st["g"].get_reconfigure_handle()
+
+
+def c_handle(st: dict[str, Any]) -> str:
+    from torchport.distributed import _get_reconfigure_handle
+
+    return _get_reconfigure_handle(st["g"])
+
+
+def c_reconf(st: dict[str, Any], uuid: int, handles: Any, timeout: float = 10.0) -> Any:
+    from datetime import timedelta
+
+    from torchport.distributed import ReconfigureError, _reconfigure
+
+    t0 = time.perf_counter()
+    try:
+        _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout)).wait()
+    except ReconfigureError as e:
+        return ("error", str(e), time.perf_counter() - t0)
+    return ("ok", st["g"].rank(), st["g"].size(), time.perf_counter() - t0, st["g"].phases)
+
+
+def c_allreduce(st: dict[str, Any], value: float) -> Any:
+    from torchport.distributed import CommError
+
+    t = torch.full((5,), float(value))
+    t0 = time.perf_counter()
+    try:
+        st["g"].allreduce(t)
+    except CommError as e:
+        return ("error", type(e).__name__, str(e), time.perf_counter() - t0, time.time())
+    return ("ok", t.tolist())
+
+
+def c_init_dist(st: dict[str, Any], path: str, rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    return dist.get_rank()
+
+
+def c_window_script(
+    st: dict[str, Any], ops: list[tuple[Any, ...]], init: list[float], transport: str
+) -> Any:
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank = dist.get_rank()
+    win = _new_window(torch.tensor(init, dtype=torch.float64) + rank, transport=transport)
+    got = []
+    for op in ops:
+        kind, src = op[0], op[1]
+        if kind == "fence":
+            win.fence()
+            continue
+        if src != rank:
+            continue
+        if kind == "put":
+            win.put(torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
+        elif kind == "acc":
+            win.accumulate(torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
+        elif kind == "get":
+            got.append(win.get(op[2], op[3], op[4]).tolist())
+    win.fence()
+    final = win.local.reshape(-1).tolist()
+    mapped = (
+        win.map_remote_tensor((rank + 1) % win.size).tolist() if win.transport == "shm" else None
+    )
+    win.fence()
+    win.close()
+    return final, got, mapped
+
+
+def c_window_signal(st: dict[str, Any], rounds: int, transport: str) -> Any:
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    win = _new_window(torch.zeros(rounds, dtype=torch.int64), transport=transport)
+    seen = []
+    for i in range(rounds):
+        if rank == 0:
+            for r in range(1, world):
+                win.put(torch.tensor([i + 1]), r, i)
+                win.signal(r)
+        else:
+            win.wait_signal(0, timeout=10)
+            seen.append(int(win.local[i]))
+    win.fence()
+    win.close()
+    return seen
+
+
+def c_window_errors(st: dict[str, Any]) -> list[str]:
+    import torch.distributed as dist
+
+    from torchport.distributed import WindowError, _new_window
+
+    win = _new_window(torch.zeros(6))
+    msgs = []
+    for fn in (
+        lambda: win.put(torch.zeros(4), dst_rank=1, target_offset_nelems=4),
+        lambda: win.put(torch.zeros(2, dtype=torch.int32), dst_rank=1),
+        lambda: win.get(src_rank=9),
+        lambda: win.wait_signal((dist.get_rank() + 1) % dist.get_world_size(), timeout=0.05),
+        lambda: win.tensor_register(torch.zeros(2)),
+    ):
+        try:
+            fn()
+            msgs.append("no error")
+        except WindowError as e:
+            msgs.append(str(e))
+    win.fence()
+    win.close()
+    return msgs
+
+
+def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
+    import torch.distributed as dist
+
+    from torchport.distributed import flight_recorder as fr
+
+    rank = dist.get_rank()
+    rec = fr.FlightRecorder(dump_dir=dump_dir)
+    fr.install(rec, signal_dump=False)
+    rec.start_watchdog(timeout_s=0.5)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    dist.broadcast(x, 0)
+    if plan == "hang" and rank == 1:
+        time.sleep(2.0)  # never enters the next collective before the others' watchdogs dump
+        rec.dump("test: rank 1 skipped")
+        return "skipped"
+    if plan == "mismatch":
+        # gloo terminates the process on a size mismatch, so record the mismatched call (as the
+        # wrapper does) and dump instead of handing it to gloo
+        e = rec.record("all_reduce", "default", [torch.ones(8 if rank == 1 else 4)], [0, 1])
+        rec.started(e)
+        rec.dump("test: staged mismatch")
+        return "staged"
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    deadline = time.monotonic() + 1.5
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec.dump("test: end")
+    return "done"
+
+
+def c_gloo_rebuild(st: dict[str, Any], port: int, rank: int, size: int, tag: str) -> float:
+    """Anchor for reconfigure: build a plain gloo group over a TCPStore prefix (no validation)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchport.distributed._gloo import gloo_group
+
+    t0 = time.perf_counter()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    st.setdefault("old", []).append(gloo_group(dist.PrefixStore(tag, store), rank, size, 30.0))
+    return time.perf_counter() - t0
+
+
+def c_serve_state(st: dict[str, Any], nbytes: int, ntensors: int) -> Any:
+    from torchport.distributed._control import Server, default_secret, recv_msg
+    from torchport.distributed.ft.transfer import send_state
+
+    per = nbytes // ntensors // 4
+    state = {f"t{i}": torch.randn(per) for i in range(ntensors)}
+
+    def handle(conn: Any) -> None:
+        recv_msg(conn)
+        send_state(conn, {"user": state, "step": 0})
+
+    st["srv"] = Server(handle, secret=default_secret(), role="heal")
+    return list(st["srv"].address)
+
+
+def c_bcast_bench(st: dict[str, Any], nbytes: int, reps: int) -> float:
+    import torch.distributed as dist
+
+    t = torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(t, 0)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def c_step_bench(st: dict[str, Any], mode: str, lighthouse: Any, nbytes: int, steps: int) -> float:
+    """Seconds per step: plain gloo allreduce, FR-recorded, or the FT manager's full step."""
+    import torch.distributed as dist
+
+    from torchport.distributed import flight_recorder as fr
+
+    t = torch.ones(max(1, nbytes // 4))
+    if mode == "manager":
+        from torchport.distributed.ft import Manager
+
+        if "mgr" not in st:
+            st["mgr"] = Manager(
+                lighthouse=tuple(lighthouse),
+                replica_id=f"b{dist.get_rank()}",
+                state_dict=lambda: {},
+                load_state_dict=lambda s: None,
+                init_sync=False,
+            )
+        mgr = st["mgr"]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            mgr.start_quorum()
+            mgr.allreduce(t).wait()
+            mgr.should_commit()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    if mode == "fr":
+        fr.install(fr.FlightRecorder(), signal_dump=False)
+    try:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    finally:
+        if mode == "fr":
+            fr.uninstall()
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "gloo_rebuild": c_gloo_rebuild,
+    "serve_state": c_serve_state,
+    "bcast_bench": c_bcast_bench,
+    "step_bench": c_step_bench,
+    "init_reconf": c_init_reconf,
+    "handle": c_handle,
+    "reconf": c_reconf,
+    "allreduce": c_allreduce,
+    "init_dist": c_init_dist,
+    "window_script": c_window_script,
+    "window_signal": c_window_signal,
+    "window_errors": c_window_errors,
+    "fr_collectives": c_fr_collectives,
+}

@@ -1,0 +1,130 @@
+"""Flight Recorder: ring buffer, states, dumps (request, signal, timeout, error) and the analyzer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+
+from tests.ft_actors import Actors
+from torchport import cli, config
+from torchport.distributed.flight_recorder import (
+    COMPLETED,
+    ERRORED,
+    FlightRecorder,
+    enable_signal_dump,
+)
+from torchport.distributed.fr_analyze import DumpError, analyze, load_dumps
+
+
+def test_ring_buffer_keeps_newest_and_counts_seq_per_group():
+    rec = FlightRecorder(buffer_size=5, rank=0, world_size=1)
+    for i in range(8):
+        e = rec.record(
+            "all_reduce", "g" if i % 2 else "h", [torch.zeros(i + 1, dtype=torch.bfloat16)]
+        )
+        rec.started(e)
+        rec.completed(e)
+    got = rec.entries()
+    assert len(got) == 5
+    assert [x[0] for x in got] == [1, 2, 2, 3, 3]  # seq ids of records 3..7, per group
+    snap = rec.snapshot()
+    assert snap["entries"][-1]["sizes"] == [[8]] and snap["entries"][-1]["dtypes"] == ["bfloat16"]
+    assert all(e["state"] == COMPLETED and e["duration_ms"] >= 0 for e in snap["entries"])
+    assert FlightRecorder(buffer_size=0).entries() == []
+    with pytest.raises(ValueError, match="buffer_size must be an int >= 0, got -1"):
+        FlightRecorder(buffer_size=-1)
+
+
+def test_buffer_size_from_environment(monkeypatch):
+    monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "7")
+    assert FlightRecorder().capacity == 7
+    monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "-2")
+    with pytest.raises(config.ConfigError, match=r"TORCHPORT_FR_BUFFER_SIZE.*must be >= 0"):
+        FlightRecorder()
+
+
+def test_error_timeout_and_signal_dumps(tmp_path):
+    rec = FlightRecorder(rank=3, world_size=4, dump_dir=tmp_path, record_stack=True)
+    with pytest.raises(RuntimeError, match="boom"), rec.op("broadcast", "default", [torch.ones(2)]):
+        raise RuntimeError("boom")
+    d = json.loads((tmp_path / "rank_3.json").read_text())
+    assert d["entries"][-1]["state"] == ERRORED and "boom" in d["entries"][-1]["error"]
+    assert d["entries"][-1]["stack"] and "error in broadcast #0" in d["reason"]
+    # timeout: an op left incomplete is dumped by the watchdog
+    rec.record("all_gather", "default", [torch.ones(3)])
+    rec.start_watchdog(timeout_s=0.1, period_s=0.02)
+    deadline = time.monotonic() + 5
+    while "timeout" not in json.loads((tmp_path / "rank_3.json").read_text())["reason"]:
+        assert time.monotonic() < deadline, "watchdog did not dump"
+        time.sleep(0.02)
+    rec.stop()
+    # signal: SIGUSR1 dumps within 1 s, from a helper thread
+    os.remove(tmp_path / "rank_3.json")
+    enable_signal_dump(recorder=rec)
+    t0 = time.monotonic()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    while not (tmp_path / "rank_3.json").exists():
+        assert time.monotonic() - t0 < 1.0, "signal dump took more than 1 s"
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert json.loads((tmp_path / "rank_3.json").read_text())["reason"] == "signal SIGUSR1"
+
+
+@pytest.fixture
+def gloo_pair():
+    with Actors(2) as a:
+        d = tempfile.mkdtemp()
+        a.call_all([0, 1], "init_dist", [(f"{d}/s", i, 2) for i in range(2)], timeout=120)
+        yield a
+
+
+@pytest.mark.parametrize("plan", ["hang", "mismatch", "clean"])
+def test_analyzer_on_gloo_dumps(gloo_pair, tmp_path, plan, capsys):
+    res = gloo_pair.call_all([0, 1], "fr_collectives", [(str(tmp_path), plan)] * 2, timeout=30)
+    assert all(s == "ok" for s, _ in res), res
+    v = analyze(load_dumps(tmp_path))
+    text = v.text()
+    if plan == "hang":
+        assert (
+            v.never_entered and v.never_entered[0][0] == 1 and v.never_entered[0][3] == "all_reduce"
+        )
+        assert "rank 1 never entered collective" in text
+        assert any(r == 0 for r, *_ in v.stuck)
+    elif plan == "mismatch":
+        assert v.mismatches and v.mismatches[0][2] == "size"
+        assert (
+            "size mismatch" in text
+            and "all_reduce[4](float32)" in text
+            and "all_reduce[8](float32)" in text
+        )
+    else:
+        assert text.startswith("no problem found")
+    assert set(v.last_completed) == {0, 1}
+    assert cli.main(["fr", "analyze", str(tmp_path)]) == 0
+    assert "last completed op" in capsys.readouterr().out
+
+
+def test_analyzer_bad_input(tmp_path, capsys):
+    with pytest.raises(DumpError, match="must be an existing directory"):
+        load_dumps(tmp_path / "nope")
+    with pytest.raises(DumpError, match="no Flight Recorder dumps"):
+        load_dumps(tmp_path)
+    (tmp_path / "rank_0.json").write_text("{not json")
+    with pytest.raises(DumpError, match="cannot read Flight Recorder dump"):
+        load_dumps(tmp_path)
+    (tmp_path / "rank_0.json").write_text('{"a": 1}')
+    with pytest.raises(DumpError, match="is not a Flight Recorder dump"):
+        load_dumps(tmp_path)
+    assert cli.main(["fr", "analyze", str(tmp_path)]) == 2
+    # a missing rank is named
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path)
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(1)]))
+    rec.dump()
+    v = analyze(load_dumps(tmp_path))
+    assert v.missing_ranks == [1] and "rank 1: no dump" in v.text()

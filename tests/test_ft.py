@@ -1,0 +1,184 @@
+"""Fault-tolerant training: faults injected at (replica, step) in real processes; bit-identical replicas."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tests.ft_actors  # noqa: F401  (configures the forkserver preload)
+from torchport.demo.ft_worker import spawn
+from torchport.distributed import AuthError, CommError
+from torchport.distributed._control import connect, recv_msg, send_msg
+from torchport.distributed.fr_analyze import analyze, load_dumps
+from torchport.distributed.ft import Lighthouse, StateTransferError, recv_state, send_state
+from torchport.distributed.ft.transfer import decode, encode
+
+WORLD, STEPS, FAULT_STEP = 3, 12, 4
+
+
+def _progress(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (OSError, ValueError):
+        return -1
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", "close", "slow"])
+def test_fault_at_rank_step(tmp_path, fault):
+    lh = Lighthouse(min_replicas=1, join_timeout=0.3, heartbeat=0.1)
+    addr = f"{lh.address[0]}:{lh.address[1]}"
+    procs: dict[int, object] = {}
+
+    def start(i: int, f: str) -> None:
+        procs[i] = spawn(
+            [
+                "--lighthouse",
+                addr,
+                "--rid",
+                f"r{i}",
+                "--steps",
+                str(STEPS),
+                "--world",
+                str(WORLD),
+                "--fault",
+                f,
+                "--fault-step",
+                str(FAULT_STEP),
+                "--out",
+                str(tmp_path / f"r{i}.bin"),
+                "--fr-dir",
+                str(tmp_path / "fr"),
+                "--step-sleep",
+                "0.01",
+                "--timeout",
+                "10",
+            ]
+        )
+
+    try:
+        for i in range(WORLD):
+            start(i, fault if i == 1 else "none")
+        p0 = tmp_path / "r0.bin.progress"
+        if fault == "kill":
+            procs[1].join(timeout=60)  # type: ignore[attr-defined]
+            assert procs[1].exitcode == -signal.SIGKILL  # type: ignore[attr-defined]
+            killed_at = _progress(p0)
+            _wait_for(lambda: _progress(p0) >= killed_at + 3, 60, "survivors to progress")
+            start(1, "none")
+        elif fault == "stop":
+            _wait_for(lambda: _stopped(procs[1].pid), 60, "replica 1 to stop")  # type: ignore[attr-defined]
+            stopped_at = _progress(p0)
+            _wait_for(lambda: _progress(p0) >= stopped_at + 3, 60, "survivors to progress")
+            os.kill(procs[1].pid, signal.SIGCONT)  # type: ignore[attr-defined]
+        for i in range(WORLD):
+            procs[i].join(timeout=60)  # type: ignore[attr-defined]
+            assert procs[i].exitcode == 0, f"replica {i} exit code {procs[i].exitcode}"  # type: ignore[attr-defined]
+    finally:
+        for p in procs.values():
+            if p.is_alive():  # type: ignore[attr-defined]
+                os.kill(p.pid, signal.SIGCONT)  # type: ignore[attr-defined]
+                p.kill()  # type: ignore[attr-defined]
+                p.join(timeout=5)  # type: ignore[attr-defined]
+        lh.close()
+    params = [(tmp_path / f"r{i}.bin").read_bytes() for i in range(WORLD)]
+    assert params[0] == params[1] == params[2], "replicas diverged"
+    summaries = [json.loads((tmp_path / f"r{i}.bin.json").read_text()) for i in range(WORLD)]
+    assert len({s["steps"] for s in summaries}) == 1 and summaries[0]["steps"] >= STEPS
+    events = [e for _, e in lh.events]
+    if fault in ("kill", "close"):
+        assert any("r1 dead (connection lost)" in e for e in events), events
+    if fault == "stop":
+        assert any("r1 dead (no heartbeat" in e for e in events), events
+    if fault in ("kill", "stop"):
+        # the survivors went on without r1; r1 healed when it came back
+        assert any("quorum" in e and "'r1'" not in e for e in events)
+        assert summaries[1]["heals"] >= 1 and summaries[1]["heal_bytes"] > 0
+        assert summaries[0]["aborted_steps"] >= 1  # the step r1 failed in was not committed
+    if fault == "slow":
+        assert all(s["aborted_steps"] == 0 for s in summaries)
+    # Flight Recorder: every replica's end-of-run dump is readable; survivors dumped on the abort
+    verdict = analyze(load_dumps(tmp_path / "fr" / "end"))
+    assert set(verdict.last_completed) == {0, 1, 2}
+    if fault in ("kill", "stop", "close"):
+        failure = load_dumps(tmp_path / "fr")
+        assert any(d["reason"].startswith("abort") for r, d in failure.items() if r != 1)
+
+
+def test_state_roundtrip_and_bad_input():
+    a, b = socket.socketpair()
+    state = {
+        "model": {
+            "w": torch.randn(3, 5),
+            "b": torch.arange(7, dtype=torch.int64),
+            "e": torch.zeros(0),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(3.0), "m": torch.randn(4).bfloat16()}},
+            "lr": 0.1,
+        },
+        "tags": ("x", None, True, 3),
+        "t": torch.randn(4, 4).t(),  # non-contiguous
+    }
+    n = send_state(a, state)
+    got, hdr = recv_state(b)
+    assert hdr["total"] == n
+    assert torch.equal(got["model"]["w"], state["model"]["w"])
+    assert torch.equal(got["optim"]["state"][0]["m"], state["optim"]["state"][0]["m"])
+    assert got["optim"]["state"][0]["step"].item() == 3.0 and got["tags"] == ("x", None, True, 3)
+    assert torch.equal(got["t"], state["t"]) and got["model"]["e"].shape == (0,)
+    with pytest.raises(StateTransferError, match="state values must be tensors"):
+        encode({"f": object()}, [])
+    with pytest.raises(StateTransferError, match="malformed state structure"):
+        decode({"bogus": 1}, [])
+    send_msg(
+        a, {"t": "state", "structure": None, "tensors": [["float32", [4], 16]], "total": 1 << 50}
+    )
+    with pytest.raises(StateTransferError, match="exceeds the limit"):
+        recv_state(b)
+    send_msg(a, {"t": "state", "structure": None, "tensors": [["object", [1], 8]], "total": 8})
+    with pytest.raises(StateTransferError, match="unsupported dtype 'object'"):
+        recv_state(b)
+    a.close()
+    b.close()
+
+
+def test_lighthouse_rejects_strangers():
+    lh = Lighthouse(secret=b"right")
+    try:
+        with pytest.raises(AuthError, match=r"rejected authentication|failed"):
+            connect(lh.address, b"wrong", "lighthouse", timeout=2)
+    except CommError as e:  # the server closes the socket instead of answering
+        assert "closed" in str(e)
+    finally:
+        lh.close()
+    lh = Lighthouse(secret=b"right")
+    try:
+        s = connect(lh.address, b"right", "lighthouse", timeout=2)
+        send_msg(s, {"t": "rpc", "rid": "ghost"})
+        send_msg(s, {"t": "quorum", "rid": "ghost", "step": 0, "heal_addr": ["x", 1], "timeout": 1})
+        assert "no live heartbeat" in recv_msg(s)["error"]
+        s.close()
+    finally:
+        lh.close()

@@ -1,0 +1,117 @@
+"""Reconfigure API: form, shrink, grow; errors on every rank; failure detection (real processes)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+
+from tests.ft_actors import Actors
+from torchport.distributed import (
+    ReconfigurableGroup,
+    ReconfigureError,
+    _get_reconfigure_handle,
+    _reconfigure,
+    _supports_reconfigure,
+)
+from torchport.distributed.reconfigure import parse_handle
+
+
+@pytest.fixture(scope="module")
+def actors():
+    with Actors(4) as a:
+        yield a
+
+
+def _ok(results):
+    assert all(s == "ok" for s, _ in results), results
+    return [v for _, v in results]
+
+
+def test_form_shrink_grow_and_errors_everywhere(actors):
+    A = actors
+    hs = [A.call(i, "init_reconf", 0.2, timeout=120) for i in range(4)]
+    res = _ok(A.call_all([0, 1, 2, 3], "reconf", [(1, hs)] * 4))
+    assert [r[:3] for r in res] == [("ok", i, 4) for i in range(4)]
+    res = _ok(A.call_all([0, 1, 2, 3], "allreduce", [(i,) for i in range(4)]))
+    assert all(r == ("ok", [6.0] * 5) for r in res)
+
+    hs2 = [A.call(i, "handle") for i in range(4)]
+    assert set(hs2).isdisjoint(hs)  # handles rotate after a reconfigure
+    # a reused uuid fails on every rank, promptly
+    res = _ok(A.call_all([0, 1, 2, 3], "reconf", [(1, hs2)] * 4))
+    for r in res:
+        assert r[0] == "error" and "uuid 1 was already used" in r[1] and r[2] < 5
+    # a stale handle fails on every rank, promptly
+    stale = [*hs2[:3], hs[3]]
+    res = _ok(A.call_all([0, 1, 2, 3], "reconf", [(2, stale)] * 4))
+    for r in res:
+        assert r[0] == "error" and "stale" in r[1] and r[2] < 5
+
+    # crash: survivors' in-flight op fails with a typed error, then they shrink
+    A.kill(3)
+    res = _ok(A.call_all([0, 1, 2], "allreduce", [(1,)] * 3))
+    for r in res:
+        assert r[0] == "error" and r[1] == "PeerFailure", r
+    res = _ok(A.call_all([0, 1, 2], "reconf", [(3, hs2[:3])] * 3))
+    assert [r[:3] for r in res] == [("ok", i, 3) for i in range(3)]
+    res = _ok(A.call_all([0, 1, 2], "allreduce", [(1,)] * 3))
+    assert all(r == ("ok", [3.0] * 5) for r in res), res
+
+    # grow: a fresh process joins; a set lets the backend order ranks (sorted handles)
+    A.add(3)
+    h3 = A.call(3, "init_reconf", 0.2, timeout=60)
+    hs3 = [A.call(i, "handle") for i in range(3)] + [h3]
+    res = _ok(A.call_all([0, 1, 2, 3], "reconf", [(4, set(hs3))] * 4))
+    assert sorted(r[1] for r in res) == [0, 1, 2, 3]
+    assert [r[1] for r in res] == [sorted(hs3).index(h) for h in hs3]
+    assert all(
+        r == ("ok", [4.0] * 5) for r in _ok(A.call_all([0, 1, 2, 3], "allreduce", [(1,)] * 4))
+    )
+
+    # hang: a stopped rank is detected within a few heartbeats, independent of op timeouts
+    A.kill(2, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        res = _ok(A.call_all([0, 1, 3], "allreduce", [(1,)] * 3, timeout=20))
+        assert time.perf_counter() - t0 < 10
+        for r in res:
+            assert r[0] == "error" and r[1] == "PeerFailure" and "hung" in r[2], r
+    finally:
+        A.kill(2, signal.SIGCONT)
+
+
+def test_bad_arguments_are_typed_errors():
+    g = ReconfigurableGroup()
+    try:
+        assert _supports_reconfigure(g)
+        h = _get_reconfigure_handle(g)
+        assert parse_handle(h)[0] == "127.0.0.1"
+        with pytest.raises(ReconfigureError, match="uuid must be a non-negative int, got -3"):
+            _reconfigure(-3, [h], g).wait()
+        with pytest.raises(ReconfigureError, match="at least one rank"):
+            _reconfigure(1, [], g).wait()
+        with pytest.raises(ReconfigureError, match="must be distinct"):
+            _reconfigure(1, [h, h], g).wait()
+        with pytest.raises(ReconfigureError, match="must look like 'tp1:host:port"):
+            _reconfigure(1, [h, "garbage"], g).wait()
+        with pytest.raises(ReconfigureError, match="is not among the handles"):
+            _reconfigure(1, ["tp1:127.0.0.1:1:2:abc"], g).wait()
+        with pytest.raises(ReconfigureError, match="list or a set"):
+            _reconfigure(1, h, g).wait()  # type: ignore[arg-type]
+        with pytest.raises(ReconfigureError, match="no communicator yet"):
+            g.barrier()
+        # a dead peer's handle is stale at once
+        t0 = time.perf_counter()
+        with pytest.raises(ReconfigureError, match="stale: no process answers"):
+            _reconfigure(5, [h, "tp1:127.0.0.1:1:1:dead"], g, timeout=timedelta(seconds=5)).wait()
+        assert time.perf_counter() - t0 < 2
+        # a group of one forms and works
+        _reconfigure(7, [h], g).wait()
+        assert (g.rank(), g.size()) == (0, 1)
+    finally:
+        g.close()
+    with pytest.raises(ReconfigureError, match="implemented on backend 'gloo'"):
+        ReconfigurableGroup(backend="nccl")

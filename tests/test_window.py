@@ -1,0 +1,98 @@
+"""RMA windows vs the single-process reference, over shared memory and over the tcp server."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+
+from tests.ft_actors import Actors
+from torchport.distributed.window import ReferenceWindow
+
+WORLD, N = 3, 7  # prime length: offsets and sizes that are not multiples of anything
+
+
+@pytest.fixture(scope="module")
+def trio():
+    with Actors(WORLD) as a:
+        d = tempfile.mkdtemp()
+        a.call_all(
+            list(range(WORLD)),
+            "init_dist",
+            [(f"{d}/s", i, WORLD) for i in range(WORLD)],
+            timeout=120,
+        )
+        yield a
+
+
+def _script(seed: int) -> list[tuple]:
+    rng = random.Random(seed)
+    ops: list[tuple] = []
+    for _ in range(3):  # epochs separated by fences: puts, then accumulates, then gets
+        shift = rng.randrange(WORLD)  # one writer per target per epoch (racing puts are undefined)
+        for src in range(WORLD):
+            dst, n = (src + shift) % WORLD, rng.randrange(0, N + 1)
+            off = rng.randrange(0, N - n + 1)
+            ops.append(("put", src, [rng.uniform(-9, 9) for _ in range(n)], dst, off))
+        ops.append(("fence", 0))
+        for src in range(WORLD):
+            for _ in range(2):
+                dst, n = rng.randrange(WORLD), rng.randrange(1, N + 1)
+                off = rng.randrange(0, N - n + 1)
+                ops.append(("acc", src, [float(rng.randrange(-4, 5)) for _ in range(n)], dst, off))
+        ops.append(("fence", 0))
+        for src in range(WORLD):
+            r, n = rng.randrange(WORLD), rng.randrange(0, N + 1)
+            ops.append(("get", src, r, rng.randrange(0, N - n + 1), n))
+        ops.append(("fence", 0))
+    return ops
+
+
+def _reference(ops: list[tuple]) -> tuple[list[list[float]], list[list[list[float]]]]:
+    ref = ReferenceWindow([torch.full((N,), float(r), dtype=torch.float64) for r in range(WORLD)])
+    gets: list[list[list[float]]] = [[] for _ in range(WORLD)]
+    for op in ops:
+        if op[0] == "put":
+            ref.put(op[1], torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
+        elif op[0] == "acc":
+            ref.accumulate(op[1], torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
+        elif op[0] == "get":
+            gets[op[1]].append(ref.get(op[2], op[3], op[4]).tolist())
+    return [t.tolist() for t in ref.t], gets
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_window_matches_reference(trio, transport, seed):
+    ops = _script(seed)
+    res = trio.call_all(list(range(WORLD)), "window_script", [(ops, [0.0] * N, transport)] * WORLD)
+    assert all(s == "ok" for s, _ in res), res
+    finals, gets = _reference(ops)
+    for r, (_, (final, got, mapped)) in enumerate(res):
+        assert final == finals[r]  # integer-valued accumulates: exact in float64
+        assert got == gets[r]
+        if transport == "shm":
+            assert mapped == finals[(r + 1) % WORLD]  # map_remote_tensor is the peer's memory
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_signal_orders_puts(trio, transport):
+    res = trio.call_all(list(range(WORLD)), "window_signal", [(40, transport)] * WORLD)
+    assert res[0] == ("ok", [])
+    for s, seen in res[1:]:
+        assert s == "ok" and seen == list(range(1, 41))
+
+
+def test_window_errors(trio):
+    res = trio.call_all(list(range(WORLD)), "window_errors")
+    for s, msgs in res:
+        assert s == "ok"
+        assert "must lie within rank 1's 6 elements" in msgs[0]
+        assert "dtype must match rank 1's tensor (torch.float32), got torch.int32" in msgs[1]
+        assert f"rank must be in [0, {WORLD}), got 9" in msgs[2]
+        assert "no signal from rank" in msgs[3]
+        assert "already registered" in msgs[4]

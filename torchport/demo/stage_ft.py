@@ -1,0 +1,174 @@
+"""Demo stage ``ft``: fault-tolerant data-parallel training survives a SIGKILL and heals a rejoiner.
+
+Three replicas (separate processes forked from a preloaded forkserver) train the byte-level GPT
+(small config) through :mod:`torchport.distributed.ft`. A fault-free run gives the baseline
+throughput; in the second run the stage SIGKILLs replica 1 mid-run, the survivors keep training,
+replica 1 is restarted, heals from a healthy replica and rejoins. The stage reports detection,
+reconfiguration and healing times, throughput against the fault-free run, bit-identical final
+parameters, and the Flight Recorder's account of the failure (``torchport fr analyze``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from torchport.demo.report import Section
+
+
+def _progress(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (OSError, ValueError):
+        return -1
+
+
+def run_scenario(
+    out: Path,
+    *,
+    steps: int,
+    kill_at: int | None,
+    world: int = 3,
+    model: str = "gpt",
+    heartbeat: float = 0.1,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Train ``world`` replicas for ``steps``; SIGKILL replica 1 at step ``kill_at`` and restart it.
+
+    Returns measured facts: wall time, per-replica summaries, kill and detection times, lighthouse
+    events and whether the final parameters are bit-identical.
+    """
+    from torchport.demo.ft_worker import spawn
+    from torchport.distributed.ft import Lighthouse
+
+    out.mkdir(parents=True, exist_ok=True)
+    fr_dir = out / "fr"
+    lh = Lighthouse(min_replicas=1, join_timeout=1.0, heartbeat=heartbeat)
+    addr = f"{lh.address[0]}:{lh.address[1]}"
+    procs: dict[int, Any] = {}
+    facts: dict[str, Any] = {}
+
+    def start(i: int) -> None:
+        procs[i] = spawn(
+            [
+                "--lighthouse",
+                addr,
+                "--rid",
+                f"r{i}",
+                "--steps",
+                str(steps),
+                "--world",
+                str(world),
+                "--model",
+                model,
+                "--out",
+                str(out / f"r{i}.bin"),
+                "--fr-dir",
+                str(fr_dir),
+                "--timeout",
+                "20",
+            ]
+        )
+
+    deadline = time.monotonic() + timeout
+    try:
+        for i in range(world):
+            start(i)
+        if kill_at is not None:
+            p1 = out / "r1.bin.progress"
+            while _progress(p1) < kill_at:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("replica 1 did not reach the kill step")
+                time.sleep(0.005)
+            facts["kill_time"] = time.time()
+            os.kill(procs[1].pid, signal.SIGKILL)
+            procs[1].join(timeout=10)
+            p0 = out / "r0.bin.progress"
+            at = _progress(p0)
+            while _progress(p0) < at + 3:  # survivors keep training without replica 1
+                if time.monotonic() > deadline:
+                    raise TimeoutError("survivors did not progress after the kill")
+                time.sleep(0.01)
+            facts["survivor_steps_while_down"] = _progress(p0) - at
+            facts["restart_time"] = time.time()
+            start(1)
+        for i in range(world):
+            procs[i].join(timeout=max(1.0, deadline - time.monotonic()))
+            if procs[i].exitcode != 0:
+                raise RuntimeError(f"replica {i} ended with exit code {procs[i].exitcode}")
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        lh.close()
+    facts["summaries"] = [json.loads((out / f"r{i}.bin.json").read_text()) for i in range(world)]
+    blobs = [(out / f"r{i}.bin").read_bytes() for i in range(world)]
+    facts["identical"] = all(b == blobs[0] for b in blobs)
+    facts["events"] = list(lh.events)
+    facts["fr_dir"] = str(fr_dir)
+    return facts
+
+
+def _dead_event(events: list[tuple[float, str]], rid: str) -> float | None:
+    for t, e in events:
+        if e.startswith(f"replica {rid} dead"):
+            return t
+    return None
+
+
+def stage_ft(ctx: Any) -> Section:
+    """Fault-tolerant training: kill a replica, survivors continue, it heals and rejoins."""
+    from torchport.distributed.fr_analyze import analyze, load_dumps
+
+    # 40 steps with the default demo (--steps 600); fewer for short demo runs
+    default = min(40, max(8, int(getattr(ctx.args, "steps", 600)) // 15))
+    steps = int(os.environ.get("TORCHPORT_DEMO_FT_STEPS", str(default)))
+    base = ctx.out_dir / "ft"
+    clean = run_scenario(base / "fault-free", steps=steps, kill_at=None)
+    faulty = run_scenario(base / "with-kill", steps=steps, kill_at=steps // 4)
+    s = Section("fault-tolerant data-parallel training (3 replicas, gloo, SIGKILL one mid-run)")
+
+    def rate(f: dict[str, Any]) -> float:
+        return sum(x["steps"] / x["seconds"] for x in f["summaries"][::2]) / len(
+            f["summaries"][::2]
+        )
+
+    s.add("committed steps per replica", faulty["summaries"][0]["steps"])
+    s.add("survivor steps while replica 1 was down", faulty["survivor_steps_while_down"])
+    dead = _dead_event(faulty["events"], "r1")
+    if dead is not None:
+        s.add("detection: kill -> lighthouse (ms)", 1e3 * (dead - faulty["kill_time"]))
+    notices = [t for x in faulty["summaries"][::2] for t, what in x["failures"] if "'r1'" in what]
+    if notices:
+        s.add(
+            "detection: kill -> survivors notified (ms)", 1e3 * (min(notices) - faulty["kill_time"])
+        )
+    rebuilds = [b for x in faulty["summaries"][::2] for b in x["group_build_s"][1:]]
+    if rebuilds:
+        s.add(
+            "reconfiguration: new gloo group (ms, median)",
+            1e3 * sorted(rebuilds)[len(rebuilds) // 2],
+        )
+    r1 = faulty["summaries"][1]
+    if r1["heal_s"]:
+        s.add("healing: state transfer (ms)", 1e3 * r1["heal_s"][-1])
+        s.add("healing: bytes", r1["heal_bytes"] // max(1, len(r1["heal_s"])))
+        s.add("healing: bandwidth (MB/s)", r1["heal_bytes"] / max(1e-9, sum(r1["heal_s"])) / 1e6)
+    s.add("aborted (retried) steps on survivors", faulty["summaries"][0]["aborted_steps"])
+    s.add("throughput fault-free (steps/s per replica)", rate(clean))
+    s.add("throughput with the kill (steps/s per survivor)", rate(faulty))
+    s.add("throughput ratio", rate(faulty) / rate(clean))
+    s.add(
+        "final parameters bit-identical across replicas", faulty["identical"] and clean["identical"]
+    )
+    try:
+        verdict = analyze(load_dumps(faulty["fr_dir"]))
+        s.text = "Flight Recorder's account of the failure:\n" + verdict.text()
+    except ValueError as e:
+        s.text = f"Flight Recorder: {e}"
+    return s

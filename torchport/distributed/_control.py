@@ -1,0 +1,188 @@
+"""Authenticated control connections: length-prefixed JSON frames over TCP, HMAC handshake.
+
+Everything torchport's fault-tolerance layer says over a socket (lighthouse quorum and commit votes,
+reconfigure validation, heal requests, RMA window requests) travels as frames::
+
+    magic "TPC1" | u32 length | JSON body (UTF-8)            -- control frames
+    raw bytes of a known, announced length                    -- tensor payloads
+
+No pickle anywhere; every length is bounded by ``MAX_FRAME`` (or by the announced payload size the
+receiver already validated). A connection starts with a challenge-response: the server sends a
+random 32-byte nonce, the client answers with HMAC-SHA256(secret, nonce || role), the server checks
+it in constant time and closes the socket on a mismatch. Servers bind to 127.0.0.1 unless told
+otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torchport.distributed.errors import AuthError, CommError
+
+MAGIC = b"TPC1"
+MAX_FRAME = 16 << 20
+_HDR = struct.Struct("!4sI")
+
+
+class PeerFailure(CommError):
+    """A peer of the group failed (crash: connection lost; hang: missed heartbeats)."""
+
+
+def default_secret() -> bytes:
+    """The job secret: ``TORCHPORT_SECRET`` if set, else a fixed per-user value (loopback use)."""
+    env = os.environ.get("TORCHPORT_SECRET")
+    if env:
+        return env.encode()
+    return hashlib.sha256(f"torchport-{os.getuid()}".encode()).digest()
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Receive exactly ``n`` bytes or raise :class:`CommError` on EOF."""
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket or raise :class:`CommError` on EOF."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise CommError(f"connection closed by peer after {got} of {n} bytes")
+        got += k
+
+
+def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
+    """Send one JSON control frame."""
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME:
+        raise CommError(f"control frame of {len(body)} bytes exceeds the limit {MAX_FRAME}")
+    sock.sendall(_HDR.pack(MAGIC, len(body)) + body)
+
+
+def recv_msg(sock: socket.socket, limit: int = MAX_FRAME) -> dict[str, Any]:
+    """Receive one JSON control frame (validated magic, bounded length, object body)."""
+    magic, n = _HDR.unpack(recv_exact(sock, _HDR.size))
+    if magic != MAGIC:
+        raise CommError(f"bad frame magic {magic!r}; expected {MAGIC!r}")
+    if n > limit:
+        raise CommError(f"control frame of {n} bytes exceeds the limit {limit}")
+    try:
+        obj = json.loads(recv_exact(sock, n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CommError(f"malformed control frame: {e}") from None
+    if not isinstance(obj, dict):
+        raise CommError(f"control frame must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _mac(secret: bytes, nonce: bytes, role: str) -> bytes:
+    return hmac.new(secret, nonce + role.encode(), hashlib.sha256).digest()
+
+
+def server_handshake(sock: socket.socket, secret: bytes, role: str, timeout: float = 5.0) -> None:
+    """Challenge the client; raise :class:`AuthError` if it does not answer with the right MAC."""
+    sock.settimeout(timeout)
+    nonce = secrets.token_bytes(32)
+    sock.sendall(nonce)
+    answer = recv_exact(sock, 32)
+    if not hmac.compare_digest(answer, _mac(secret, nonce, role)):
+        raise AuthError(f"peer failed authentication for {role!r}")
+    sock.sendall(b"OK")
+    sock.settimeout(None)
+
+
+def connect(addr: tuple[str, int], secret: bytes, role: str, timeout: float = 5.0) -> socket.socket:
+    """Open an authenticated connection to a torchport control server."""
+    try:
+        sock = socket.create_connection(addr, timeout=timeout)
+    except OSError as e:
+        raise CommError(f"cannot connect to {addr[0]}:{addr[1]} ({role}): {e}") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = recv_exact(sock, 32)
+        sock.sendall(_mac(secret, nonce, role))
+        if recv_exact(sock, 2) != b"OK":
+            raise AuthError(f"server at {addr} rejected authentication")
+        sock.settimeout(None)
+    except (OSError, CommError) as e:
+        sock.close()
+        if isinstance(e, CommError):
+            raise
+        raise CommError(f"handshake with {addr[0]}:{addr[1]} failed: {e}") from None
+    return sock
+
+
+class Server:
+    """A threaded TCP server: each authenticated connection is handled on its own daemon thread."""
+
+    def __init__(
+        self,
+        handler: Callable[[socket.socket], None],
+        *,
+        secret: bytes,
+        role: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self._handler, self._secret, self._role = handler, secret, role
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(128)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, name=f"tp-{role}-srv", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            server_handshake(conn, self._secret, self._role)
+        except (OSError, CommError):
+            conn.close()
+            return
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            self._handler(conn)
+        except (OSError, CommError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stop accepting and close every open connection."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()

@@ -1,0 +1,199 @@
+"""``torchport fr analyze DIR``: read every rank's Flight Recorder dump and say what went wrong.
+
+The analyzer lines up each group's collectives by sequence id across ranks (only the window every
+rank's ring buffer still holds) and reports, in plain words:
+
+* ranks with no dump at all (crashed or killed before they could dump);
+* the first collective a rank never entered while its peers did (the classic hang);
+* collectives whose op name, sizes or dtypes differ between ranks (a mismatch);
+* ops that errored, or were still running when the dump was taken (stuck);
+* the last completed op of every rank.
+
+It accepts dumps from any backend: entries whose state never left ``scheduled`` are reported as
+such rather than crashing the analysis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class DumpError(ValueError):
+    """A dump file is missing, unreadable or not a Flight Recorder dump."""
+
+
+@dataclass
+class Verdict:
+    """The analysis: findings in plain words plus the structured facts behind them."""
+
+    findings: list[str] = field(default_factory=list)
+    missing_ranks: list[int] = field(default_factory=list)
+    never_entered: list[tuple[int, str, int, str]] = field(
+        default_factory=list
+    )  # rank, group, seq, op
+    mismatches: list[tuple[str, int, str]] = field(default_factory=list)  # group, seq, what
+    stuck: list[tuple[int, str, int, str]] = field(default_factory=list)
+    errored: list[tuple[int, str, int, str]] = field(default_factory=list)
+    last_completed: dict[int, str] = field(default_factory=dict)
+
+    def text(self) -> str:
+        return "\n".join(self.findings)
+
+
+_REQUIRED = ("rank", "world_size", "entries")
+
+
+def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:
+    """All ``*.json`` dumps in ``folder``, by rank."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise DumpError(f"dump folder must be an existing directory, got {str(d)!r}")
+    dumps: dict[int, dict[str, Any]] = {}
+    for p in sorted(d.glob("*.json")):
+        try:
+            obj = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DumpError(f"cannot read Flight Recorder dump {p}: {e}") from None
+        if not isinstance(obj, dict) or any(k not in obj for k in _REQUIRED):
+            raise DumpError(f"{p} is not a Flight Recorder dump (needs keys {_REQUIRED})")
+        dumps[int(obj["rank"])] = obj
+    if not dumps:
+        raise DumpError(f"no Flight Recorder dumps (*.json) in {str(d)!r}")
+    return dumps
+
+
+def _sig(e: dict[str, Any]) -> str:
+    sizes = ",".join("x".join(map(str, s)) or "scalar" for s in e.get("sizes", []))
+    dtypes = ",".join(e.get("dtypes", []))
+    return f"{e['op']}[{sizes}]({dtypes})" if sizes else f"{e['op']}"
+
+
+def _describe_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
+    what = []
+    if a["op"] != b["op"]:
+        what.append("op")
+    if a.get("sizes") != b.get("sizes"):
+        what.append("size")
+    if a.get("dtypes") != b.get("dtypes"):
+        what.append("dtype")
+    return "/".join(what)
+
+
+def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
+    """Compare the ranks' dumps; see the module docstring for what is reported."""
+    v = Verdict()
+    world = max(int(d.get("world_size", 1)) for d in dumps.values())
+    v.missing_ranks = [r for r in range(world) if r not in dumps]
+    for r in v.missing_ranks:
+        v.findings.append(
+            f"rank {r}: no dump — the process probably crashed or was killed before it could dump"
+        )
+    # per group: rank -> seq -> entry
+    groups: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
+    members: dict[str, set[int]] = {}
+    for rank, d in dumps.items():
+        for g, ranks in (d.get("groups") or {}).items():
+            members.setdefault(g, set()).update(int(x) for x in ranks)
+        for e in d["entries"]:
+            groups.setdefault(e["group"], {}).setdefault(rank, {})[int(e["seq_id"])] = e
+    for g in sorted(groups):
+        per_rank = groups[g]
+        expected = (members.get(g) or set(per_rank)) & set(dumps)
+        expected |= set(per_rank)
+        lo = max(min(s) for s in per_rank.values() if s)
+        hi = max(max(s) for s in per_rank.values() if s)
+        for r in sorted(expected):
+            seqs = per_rank.get(r, {})
+            top = max(seqs) if seqs else lo - 1
+            if top < hi:
+                nxt = top + 1
+                entered = [q for q in sorted(per_rank) if nxt in per_rank[q]]
+                op = per_rank[entered[0]][nxt]["op"] if entered else "?"
+                last = seqs.get(top)
+                was = (
+                    f"; its last op there was #{top} {last['op']} ({last['state']})" if last else ""
+                )
+                v.never_entered.append((r, g, nxt, op))
+                v.findings.append(
+                    f"rank {r} never entered collective #{nxt} ({op}) on group {g!r}, "
+                    f"which rank(s) {entered} entered{was}"
+                )
+        for seq in range(lo, hi + 1):
+            have = {r: per_rank[r][seq] for r in sorted(per_rank) if seq in per_rank[r]}
+            if len(have) < 2:
+                continue
+            ranks = list(have)
+            ref = have[ranks[0]]
+            for r in ranks[1:]:
+                diff = _describe_diff(ref, have[r])
+                if diff:
+                    v.mismatches.append((g, seq, diff))
+                    v.findings.append(
+                        f"collective #{seq} on group {g!r} does not match ({diff} mismatch): "
+                        f"rank {ranks[0]} called {_sig(ref)} but rank {r} called {_sig(have[r])}"
+                    )
+                    break
+    for rank in sorted(dumps):
+        entries = dumps[rank]["entries"]
+        done = [e for e in entries if e["state"] == "completed"]
+        if done:
+            e = done[-1]
+            v.last_completed[rank] = f"#{e['seq_id']} {_sig(e)} on group {e['group']!r}"
+        else:
+            v.last_completed[rank] = "none recorded"
+        failed_groups: dict[str, int] = {}
+        for e in entries:
+            if e["state"] == "errored":
+                v.errored.append((rank, e["group"], e["seq_id"], e["op"]))
+                failed_groups[e["group"]] = failed_groups.get(e["group"], 0) + 1
+                if failed_groups[e["group"]] > 1:
+                    continue  # the first failure per group explains the rest
+                err = str(e.get("error") or "").splitlines()[0]
+                v.findings.append(
+                    f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} failed: "
+                    f"{err[:160]}{'…' if len(err) > 160 else ''}"
+                )
+            elif e["state"] in ("started", "scheduled"):
+                v.stuck.append((rank, e["group"], e["seq_id"], e["op"]))
+                v.findings.append(
+                    f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} was still "
+                    f"{e['state']} after {e['duration_ms']:.0f} ms when the dump was taken "
+                    f"(reason: {dumps[rank].get('reason')})"
+                )
+    for rank in sorted(dumps):
+        more = [x for x in v.errored if x[0] == rank]
+        if len(more) > 1:
+            v.findings.append(f"rank {rank}: {len(more)} ops failed in total")
+    for rank in sorted(v.last_completed):
+        v.findings.append(f"rank {rank}: last completed op {v.last_completed[rank]}")
+    if not (v.missing_ranks or v.never_entered or v.mismatches or v.stuck or v.errored):
+        v.findings.insert(0, "no problem found: every rank entered and completed the same ops")
+    return v
+
+
+def cmd_fr(args: argparse.Namespace) -> int:
+    """Flight Recorder tools."""
+    try:
+        verdict = analyze(load_dumps(args.dir))
+    except DumpError as e:
+        print(f"error: {e}")
+        return 2
+    if args.json:
+        print(json.dumps(verdict.__dict__, indent=1, default=list))
+    else:
+        print(verdict.text())
+    return 0
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    """Add ``torchport fr analyze DIR``."""
+    p = sub.add_parser("fr", help="Flight Recorder tools")
+    fr_sub = p.add_subparsers(dest="fr_command", required=True)
+    a = fr_sub.add_parser("analyze", help="analyze all ranks' Flight Recorder dumps in DIR")
+    a.add_argument("dir", help="folder holding rank_<r>.json dumps")
+    a.add_argument("--json", action="store_true", help="machine-readable output")
+    a.set_defaults(func=cmd_fr)

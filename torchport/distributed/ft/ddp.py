@@ -1,0 +1,114 @@
+"""DDP-style gradient averaging through the fault-tolerance manager, overlapped with backward.
+
+Parameters are grouped into buckets (about ``bucket_cap_mb`` each) in reverse registration order,
+which approximates the order in which backward produces their gradients. A
+``register_post_accumulate_grad_hook`` on every parameter counts ready gradients; when a bucket is
+complete its gradients are flattened into one fresh buffer and its allreduce is launched at once,
+so communication runs on gloo's thread while autograd computes the remaining gradients. A callback
+queued on the autograd engine waits for all buckets at the end of backward and writes the averaged
+gradients back. Buckets are fresh buffers per step, so a stale op of an abandoned group can never
+write into live gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchport.distributed.ft.manager import Manager, _Work
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` so that ``loss.backward()`` averages its gradients over the quorum.
+
+    One backward per step (no gradient accumulation across backward calls).
+    """
+
+    def __init__(self, module: nn.Module, manager: Manager, bucket_cap_mb: float = 25.0) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.module = module
+        self.manager = manager
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = int(bucket_cap_mb * (1 << 20))
+        self._buckets: list[list[nn.Parameter]] = []
+        cur: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self._buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            self._buckets.append(cur)
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+        self._ready = [0] * len(self._buckets)
+        self._pending: list[tuple[_Work, torch.Tensor] | None] = [None] * len(self._buckets)
+        self._queued = False
+        self.overlapped = 0  # buckets launched before backward finished (last step)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._ready = [0] * len(self._buckets)
+        self._pending = [None] * len(self._buckets)
+        self._queued = False
+        return self.module(*args, **kwargs)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            self.overlapped = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b = self._bucket_of[id(p)]
+        self._ready[b] += 1
+        if self._ready[b] == len(self._buckets[b]):
+            self._launch(b)
+            self.overlapped += 1
+
+    def _launch(self, b: int) -> None:
+        grads = []
+        for p in self._buckets[b]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.reshape(-1))
+        flat = torch.cat(grads)
+        self._pending[b] = (self.manager.allreduce(flat), flat)
+
+    def _finish(self) -> None:
+        for b in range(len(self._buckets)):
+            if self._pending[b] is None:
+                self._launch(b)
+        for b, item in enumerate(self._pending):
+            assert item is not None
+            work, flat = item
+            if not work.wait():
+                continue
+            off = 0
+            for p in self._buckets[b]:
+                assert p.grad is not None
+                n = p.numel()
+                p.grad.copy_(flat[off : off + n].view_as(p.grad))
+                off += n
+
+
+class OptimizerWrapper:
+    """``zero_grad`` joins the step's quorum; ``step`` applies the update only on a commit."""
+
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer) -> None:
+        self.manager, self.optimizer = manager, optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.start_quorum()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> bool:
+        """Returns whether the step was committed (and applied)."""
+        if self.manager.should_commit():
+            self.optimizer.step()
+            return True
+        return False

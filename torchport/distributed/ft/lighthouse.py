@@ -1,0 +1,309 @@
+"""The lighthouse: membership, per-step quorum and commit votes for fault-tolerant training.
+
+Each replica (one data-parallel copy of the model) keeps two authenticated connections to the
+lighthouse: a *heartbeat* channel, on which it sends a beat every period and receives pushed
+failure notices, and an *rpc* channel for quorum requests and commit votes.
+
+* **Failure detection.** A replica whose heartbeat connection closes (process crashed, socket
+  closed) is dead at once; one whose beats stop for three periods (hung, SIGSTOP) is evicted. The
+  lighthouse then pushes ``{"t": "dead"}`` to every replica of the current quorum, so their in-flight
+  collectives are abandoned within milliseconds of a crash. An evicted replica that starts beating
+  again is told ``{"t": "evicted"}`` and rejoins through the next quorum (healing first).
+* **Quorum.** A quorum forms when every live replica has asked for one, or when at least
+  ``min_replicas`` have asked and ``join_timeout`` has passed since the first request. Members are
+  ordered by replica id; the quorum id changes whenever membership changes or a commit failed, which
+  tells the replicas to rebuild their process group (a new store prefix). The reply names the
+  highest step among members, so replicas behind it heal from one that is at it.
+* **Commit vote.** After the gradient allreduce every member votes; the step commits only if every
+  member of the quorum voted yes. A member that dies before voting turns the vote into "no" for
+  everyone, so a step is applied by all survivors or by none, and never twice.
+
+The lighthouse also hosts the ``TCPStore`` that replicas use to build their gloo groups.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from torchport import config
+from torchport.distributed._control import CommError, Server, default_secret, recv_msg, send_msg
+
+
+@dataclass
+class _Replica:
+    rid: str
+    hb_conn: socket.socket
+    last_beat: float
+    alive: bool = True
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Vote:
+    members: list[str]
+    votes: dict[str, bool] = field(default_factory=dict)
+    decision: bool | None = None
+
+
+class Lighthouse:
+    """Quorum and failure-detection service (runs as threads inside any process).
+
+    Args:
+        min_replicas: smallest quorum allowed to train.
+        join_timeout: seconds to wait for live replicas that have not asked for the quorum yet.
+        heartbeat: heartbeat period (s); a replica is evicted after 3 missed periods.
+        host, port: where to listen (127.0.0.1 and a free port by default).
+        secret: shared job secret (default :func:`default_secret`).
+    """
+
+    def __init__(
+        self,
+        *,
+        min_replicas: int = 1,
+        join_timeout: float = 1.0,
+        heartbeat: float | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+    ) -> None:
+        if min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        self.min_replicas = min_replicas
+        self.join_timeout = join_timeout
+        self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
+        self._secret = secret or default_secret()
+        self._cv = threading.Condition()
+        self._replicas: dict[str, _Replica] = {}
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._first_request = 0.0
+        self._quorum_id = 0
+        self._members: list[str] = []
+        self._force_new = False
+        self._round = 0
+        self._result: dict[int, dict[str, Any]] = {}
+        self._votes: dict[tuple[int, int], _Vote] = {}
+        self.events: list[tuple[float, str]] = []
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._server = Server(
+            self._handle, secret=self._secret, role="lighthouse", host=host, port=port
+        )
+        self.address = self._server.address
+        self._stop = threading.Event()
+        self._mon = threading.Thread(target=self._monitor, name="tp-lighthouse-mon", daemon=True)
+        self._mon.start()
+
+    # -- connections -------------------------------------------------------------------------
+    def _handle(self, conn: socket.socket) -> None:
+        hello = recv_msg(conn)
+        if hello.get("t") == "hb":
+            self._heartbeats(conn, str(hello["rid"]))
+        elif hello.get("t") == "rpc":
+            while True:
+                msg = recv_msg(conn)
+                if msg.get("t") == "quorum":
+                    send_msg(conn, self._quorum(msg))
+                elif msg.get("t") == "commit":
+                    send_msg(conn, self._commit(msg))
+                else:
+                    raise CommError(f"unknown lighthouse request {msg.get('t')!r}")
+
+    def _heartbeats(self, conn: socket.socket, rid: str) -> None:
+        rep = _Replica(rid, conn, time.monotonic())
+        with self._cv:
+            old = self._replicas.get(rid)
+            self._replicas[rid] = rep
+            self._log(f"replica {rid} connected")
+            self._cv.notify_all()
+        if old is not None and old.alive:
+            self._declare_dead([old], "reconnected")
+        conn.settimeout(None)
+        try:
+            while True:
+                recv_msg(conn, limit=1024)
+                with self._cv:
+                    if not rep.alive:  # came back after an eviction (e.g. SIGCONT)
+                        self._push(rep, {"t": "evicted"})
+                        rep.alive = True
+                        self._log(f"replica {rid} is beating again after eviction")
+                        self._cv.notify_all()
+                    rep.last_beat = time.monotonic()
+        except (OSError, CommError):
+            pass
+        with self._cv:
+            current = self._replicas.get(rid) is rep
+        if current:
+            self._declare_dead([rep], "connection lost")
+
+    def _push(self, rep: _Replica, msg: dict[str, Any]) -> None:
+        try:
+            with rep.send_lock:
+                send_msg(rep.hb_conn, msg)
+        except OSError:
+            pass
+
+    def _declare_dead(self, reps: list[_Replica], why: str) -> None:
+        with self._cv:
+            newly = [r for r in reps if r.alive]
+            for r in newly:
+                r.alive = False
+                self._pending.pop(r.rid, None)
+                self._log(f"replica {r.rid} dead ({why})")
+            if not newly:
+                return
+            ids = [r.rid for r in newly]
+            for v in self._votes.values():
+                if v.decision is None and any(i in v.members for i in ids):
+                    v.decision = False
+                    self._force_new = True
+            targets = [r for r in self._replicas.values() if r.alive]
+            self._cv.notify_all()
+        notice = {"t": "dead", "ids": ids, "why": why}
+        for r in targets:
+            self._push(r, notice)
+
+    def _monitor(self) -> None:
+        period = self.heartbeat
+        while not self._stop.wait(min(period / 4, 0.02)):
+            now = time.monotonic()
+            with self._cv:
+                late = [
+                    r for r in self._replicas.values() if r.alive and now - r.last_beat > 3 * period
+                ]
+                self._cv.notify_all()  # lets waiting quorums re-check their timeouts
+            if late:
+                self._declare_dead(late, f"no heartbeat for {3 * period:.2f} s")
+
+    def _log(self, what: str) -> None:
+        self.events.append((time.time(), what))
+
+    # -- quorum ----------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        alive = {r.rid for r in self._replicas.values() if r.alive}
+        asked = set(self._pending) & alive
+        if len(asked) < self.min_replicas:
+            return False
+        if alive <= asked:
+            return True
+        return time.monotonic() - self._first_request > self.join_timeout
+
+    def _form(self) -> None:
+        members = sorted(self._pending)
+        if members != self._members or self._force_new:
+            self._quorum_id += 1
+            self._members = members
+            self._force_new = False
+        infos = [self._pending[m] for m in members]
+        max_step = max(int(i["step"]) for i in infos)
+        self._result[self._round] = {
+            "t": "quorum",
+            "quorum_id": self._quorum_id,
+            "members": members,
+            "steps": [int(i["step"]) for i in infos],
+            "heal_addrs": [i["heal_addr"] for i in infos],
+            "max_step": max_step,
+            "store_port": self.store.port,
+        }
+        self._result.pop(self._round - 4, None)
+        self._pending.clear()
+        self._round += 1
+        self._log(f"quorum {self._quorum_id}: {members} at step {max_step}")
+        self._cv.notify_all()
+
+    def _quorum(self, msg: dict[str, Any]) -> dict[str, Any]:
+        rid = str(msg["rid"])
+        deadline = time.monotonic() + float(msg.get("timeout", 60.0))
+        with self._cv:
+            rep = self._replicas.get(rid)
+            if rep is None or not rep.alive:
+                return {"t": "error", "error": f"replica {rid} has no live heartbeat connection"}
+            if not self._pending:
+                self._first_request = time.monotonic()
+            self._pending[rid] = msg
+            my_round = self._round
+            while self._round == my_round:
+                if self._ready():
+                    self._form()
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._pending.pop(rid, None)
+                    return {
+                        "t": "error",
+                        "error": f"quorum not reached within {msg.get('timeout')} s",
+                    }
+                self._cv.wait(min(left, 0.01))
+            res = self._result[my_round]
+            if rid not in res["members"]:
+                return {"t": "error", "error": f"replica {rid} was evicted while waiting"}
+            return res
+
+    # -- commit ----------------------------------------------------------------------------
+    def _commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        rid, qid, step = str(msg["rid"]), int(msg["quorum_id"]), int(msg["step"])
+        deadline = time.monotonic() + float(msg.get("timeout", 60.0))
+        with self._cv:
+            key = (qid, step)
+            vote = self._votes.get(key)
+            if vote is None:
+                vote = self._votes[key] = _Vote(list(msg["members"]))
+                for old in [k for k in self._votes if k[0] < qid - 4]:
+                    del self._votes[old]
+            vote.votes[rid] = bool(msg["ok"])
+            if not msg["ok"] and vote.decision is None:
+                vote.decision = False
+                self._force_new = True
+            dead = [m for m in vote.members if not self._is_alive(m)]
+            if dead and vote.decision is None:
+                vote.decision = False
+                self._force_new = True
+            if vote.decision is None and set(vote.votes) >= set(vote.members):
+                vote.decision = all(vote.votes.values())
+            self._cv.notify_all()
+            while vote.decision is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    vote.decision = False
+                    self._force_new = True
+                    break
+                self._cv.wait(min(left, 0.01))
+            return {"t": "commit", "ok": vote.decision}
+
+    def _is_alive(self, rid: str) -> bool:
+        r = self._replicas.get(rid)
+        return r is not None and r.alive
+
+    def close(self) -> None:
+        """Stop serving (replicas see their connections close)."""
+        self._stop.set()
+        self._server.close()
+
+
+def main() -> None:
+    """``python -m torchport.distributed.ft.lighthouse --port P --min-replicas N``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=29510)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--join-timeout", type=float, default=1.0)
+    a = p.parse_args()
+    lh = Lighthouse(
+        min_replicas=a.min_replicas, join_timeout=a.join_timeout, host=a.host, port=a.port
+    )
+    print(f"lighthouse on {lh.address[0]}:{lh.address[1]}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        lh.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,452 @@
+"""The fault-tolerance manager: one per replica, in the manner of torchft's ``Manager``.
+
+Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
+
+    manager.start_quorum()        # join this step's quorum; rebuild the group / heal if needed
+    loss.backward()               # DDP wrapper calls manager.allreduce(bucket) during backward
+    if manager.should_commit():   # commit vote: everyone applies the step, or no one does
+        optimizer.step()
+
+* ``start_quorum`` blocks until the lighthouse forms a quorum. If the membership changed (or the last
+  commit failed) it builds a new gloo group under a fresh store prefix. A replica whose committed step
+  is behind the quorum's highest step heals first: it fetches the full state (model + optimizer +
+  step) from a member at that step as raw tensor bytes (:mod:`.transfer`) and loads it.
+* ``allreduce`` sums a tensor over the quorum and divides by the number of members. It never raises
+  on a peer failure: the failure is recorded (``errored()``), waits return promptly, and the vote
+  fails.
+* ``should_commit`` waits for outstanding allreduces and votes; the step counter advances only on a
+  unanimous commit, so a step is never lost (it is retried with the same step number, hence the same
+  data) and never applied twice.
+
+Failures reach the manager three ways: the lighthouse pushes a "dead" notice (crash: connection
+loss, within milliseconds; hang: three missed heartbeats), a gloo op fails, or a wait times out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchport import config
+from torchport.distributed._control import (
+    CommError,
+    PeerFailure,
+    Server,
+    connect,
+    default_secret,
+    recv_msg,
+    send_msg,
+)
+from torchport.distributed._gloo import gloo_group, retire
+from torchport.distributed.flight_recorder import FlightRecorder
+from torchport.distributed.ft.transfer import fetch_state, send_state
+
+
+class QuorumError(CommError):
+    """No quorum could be formed within the timeout."""
+
+
+@dataclass
+class Metrics:
+    """What the manager measured (seconds, bytes); read by the demo and the benchmark."""
+
+    quorums: int = 0
+    group_builds: int = 0
+    group_build_s: list[float] = field(default_factory=list)
+    heals: int = 0
+    heal_bytes: int = 0
+    heal_s: list[float] = field(default_factory=list)
+    failures: list[tuple[float, str]] = field(default_factory=list)  # (wall time of notice, what)
+    commits: int = 0
+    aborted_steps: int = 0
+
+
+class _Work:
+    """Handle of one manager allreduce; ``wait`` returns False if the step failed."""
+
+    def __init__(self, mgr: Manager, tensor: torch.Tensor, divisor: int) -> None:
+        self.mgr, self.tensor, self.divisor = mgr, tensor, divisor
+        self.event = threading.Event()
+        self.work: Any = None
+        self.done = False
+        self.ok = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.done:
+            return self.ok
+        limit = self.mgr.timeout if timeout is None else timeout
+        if self.work is not None and not self.event.wait(limit):
+            self.mgr.report_error(CommError(f"allreduce did not finish within {limit} s"))
+        self.done = True
+        if self.mgr.errored() is not None or self.work is None:
+            return False
+        try:
+            self.work.get_future().value()
+        except Exception as e:  # gloo reports peer loss as RuntimeError
+            self.mgr.report_error(CommError(f"allreduce failed: {e}"))
+            return False
+        if self.divisor > 1:
+            self.tensor.div_(self.divisor)
+        self.ok = True
+        return True
+
+
+class Manager:
+    """Fault-tolerance manager of one replica.
+
+    Args:
+        lighthouse: (host, port) of the :class:`~torchport.distributed.ft.Lighthouse`.
+        replica_id: stable name of this replica (a restarted process reuses it).
+        state_dict: returns the replica's full training state (tensors, dicts, lists, numbers).
+        load_state_dict: loads such a state (received from a healthy replica when healing).
+        timeout: limit (s) for any single wait (allreduce, commit vote).
+        quorum_timeout: limit (s) to form a quorum.
+        heartbeat: heartbeat period (s); default ``config.ft_heartbeat``.
+        secret: job secret (default from ``TORCHPORT_SECRET``).
+        recorder: optional Flight Recorder for the manager's collectives.
+        init_sync: on its first quorum a replica other than member 0 copies member 0's state,
+            so replicas need not be initialised identically.
+    """
+
+    def __init__(
+        self,
+        *,
+        lighthouse: tuple[str, int],
+        replica_id: str,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+        timeout: float = 30.0,
+        quorum_timeout: float = 60.0,
+        heartbeat: float | None = None,
+        secret: bytes | None = None,
+        recorder: FlightRecorder | None = None,
+        init_sync: bool = True,
+    ) -> None:
+        self.lighthouse = (str(lighthouse[0]), int(lighthouse[1]))
+        self.replica_id = str(replica_id)
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self.timeout, self.quorum_timeout = timeout, quorum_timeout
+        self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
+        self._secret = secret or default_secret()
+        self.recorder = recorder
+        self.metrics = Metrics()
+        self.init_sync = init_sync
+        self._synced = False
+        self._step = 0
+        self._qid = -1
+        self._members: list[str] = []
+        self._rank = 0
+        self._pg: Any = None
+        self._store: dist.Store | None = None
+        self._error: BaseException | None = None
+        self._works: list[_Work] = []
+        self._lock = threading.Lock()
+        self._hb: socket.socket | None = None
+        self._rpc: socket.socket | None = None
+        self._closed = threading.Event()
+        self._heal_server = Server(self._serve_heal, secret=self._secret, role="heal")
+        self._connect()
+        threading.Thread(target=self._beat, name="tp-ft-beat", daemon=True).start()
+
+    # -- connections and heartbeats --------------------------------------------------------
+    def _connect(self) -> None:
+        hb = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
+        send_msg(hb, {"t": "hb", "rid": self.replica_id})
+        rpc = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
+        send_msg(rpc, {"t": "rpc", "rid": self.replica_id})
+        self._hb, self._rpc = hb, rpc
+        threading.Thread(target=self._listen, args=(hb,), name="tp-ft-listen", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self.heartbeat):
+            hb = self._hb
+            if hb is None:
+                continue
+            with contextlib.suppress(OSError):
+                send_msg(hb, {"t": "b"})
+
+    def _listen(self, hb: socket.socket) -> None:
+        try:
+            while True:
+                msg = recv_msg(hb)
+                if msg.get("t") == "dead":
+                    ids = [str(i) for i in msg.get("ids", [])]
+                    self.metrics.failures.append((time.time(), f"{ids} ({msg.get('why')})"))
+                    if any(i in self._members for i in ids):
+                        self.report_error(PeerFailure(f"replica(s) {ids} failed: {msg.get('why')}"))
+                elif msg.get("t") == "evicted":
+                    self.report_error(PeerFailure("this replica was evicted (missed heartbeats)"))
+        except (OSError, CommError) as e:
+            if self._hb is hb and not self._closed.is_set():
+                self._hb = None
+                self.report_error(CommError(f"lost the lighthouse connection: {e}"))
+
+    def _inject_close(self) -> None:
+        """Fault injection: close this replica's lighthouse sockets abruptly."""
+        for s in (self._hb, self._rpc):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        self._hb = self._rpc = None
+
+    # -- errors ----------------------------------------------------------------------------
+    def report_error(self, e: BaseException) -> None:
+        """Fail the current step (its vote will be "no"); wakes every waiting allreduce."""
+        with self._lock:
+            first = self._error is None
+            if first:
+                self._error = e
+            works = list(self._works)
+        for w in works:
+            w.event.set()
+        if first and self.recorder is not None:
+            self.recorder.abort_hook(f"abort: {e}")
+
+    def errored(self) -> BaseException | None:
+        """The error that failed the current step, if any."""
+        return self._error
+
+    # -- quorum ----------------------------------------------------------------------------
+    def start_quorum(self) -> None:
+        """Join this step's quorum (blocking); retries until ``quorum_timeout`` on failures."""
+        deadline = time.monotonic() + self.quorum_timeout
+        last: BaseException | None = None
+        while time.monotonic() < deadline:
+            with self._lock:
+                self._error = None
+                self._works = []
+            try:
+                self._quorum_once(deadline)
+                self.metrics.quorums += 1
+                return
+            except CommError as e:
+                last = e
+                self._drop_group()
+                time.sleep(0.005)
+        raise QuorumError(
+            f"replica {self.replica_id}: no quorum within {self.quorum_timeout} s: {last}"
+        )
+
+    def _quorum_once(self, deadline: float) -> None:
+        if self._hb is None or self._rpc is None:
+            self._inject_close()
+            self._connect()
+        rpc = self._rpc
+        assert rpc is not None
+        left = max(0.1, deadline - time.monotonic())
+        rpc.settimeout(left + 5)
+        try:
+            send_msg(
+                rpc,
+                {
+                    "t": "quorum",
+                    "rid": self.replica_id,
+                    "step": self._step,
+                    "heal_addr": list(self._heal_server.address),
+                    "timeout": left,
+                },
+            )
+            q = recv_msg(rpc)
+        except OSError as e:
+            self._inject_close()
+            raise CommError(f"quorum request failed: {e}") from None
+        if q.get("t") != "quorum":
+            raise QuorumError(str(q.get("error")))
+        members = list(q["members"])
+        rank = members.index(self.replica_id)
+        self._members, self._rank = members, rank
+        if q["quorum_id"] != self._qid or self._pg is None:
+            self._build_group(int(q["quorum_id"]), rank, len(members), int(q["store_port"]))
+        if self._step < int(q["max_step"]):
+            self._heal(q, rank, None)
+        elif self.init_sync and not self._synced and rank != 0:
+            self._heal(q, rank, 0)  # first quorum: start from member 0's initial state
+        self._synced = True
+        if self._error is not None:
+            raise CommError(f"failure during quorum: {self._error}")
+
+    def _build_group(self, qid: int, rank: int, size: int, store_port: int) -> None:
+        self._drop_group()
+        t0 = time.perf_counter()
+        if self._store is None or getattr(self._store, "port", None) != store_port:
+            self._store = dist.TCPStore(
+                self.lighthouse[0],
+                store_port,
+                is_master=False,
+                timeout=timedelta(seconds=self.timeout),
+            )
+        prefix = dist.PrefixStore(f"tp-ft/q{qid}", self._store)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                box["pg"] = gloo_group(prefix, rank, size, self.timeout)
+            except Exception as e:
+                box["err"] = e
+            done.set()
+
+        threading.Thread(target=build, daemon=True).start()
+        while not done.wait(0.002):
+            if self._error is not None or time.perf_counter() - t0 > self.timeout:
+                raise CommError(f"building the group for quorum {qid} failed: {self._error}")
+        if "err" in box:
+            raise CommError(f"building the group for quorum {qid} failed: {box['err']}")
+        self._pg, self._qid = box["pg"], qid
+        self.metrics.group_builds += 1
+        self.metrics.group_build_s.append(time.perf_counter() - t0)
+
+    def _drop_group(self) -> None:
+        retire(self._pg)
+        self._pg, self._qid = None, -1
+
+    def _heal(self, q: dict[str, Any], rank: int, src: int | None) -> None:
+        if src is None:
+            healthy = [i for i, s in enumerate(q["steps"]) if s == q["max_step"]]
+            src = healthy[rank % len(healthy)]
+        host, port = q["heal_addrs"][src]
+        with torch.no_grad():  # receive straight into this replica's own (warm) tensors
+            state, hdr, secs = fetch_state(
+                (host, int(port)),
+                self._secret,
+                timeout=self.timeout,
+                into={"user": self._state_dict(), "step": self._step},
+            )
+        self._load_state_dict(state["user"])
+        self._step = int(state["step"])
+        self.metrics.heals += 1
+        self.metrics.heal_bytes += int(hdr["total"])
+        self.metrics.heal_s.append(secs)
+
+    def _serve_heal(self, conn: socket.socket) -> None:
+        msg = recv_msg(conn)
+        if msg.get("t") != "get_state":
+            send_msg(conn, {"t": "error", "error": f"unknown heal request {msg.get('t')!r}"})
+            return
+        send_state(conn, {"user": self._state_dict(), "step": self._step})
+
+    # -- collectives -----------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor) -> _Work:
+        """Average ``tensor`` in place over the quorum (async); ``wait()`` says if it succeeded."""
+        n = len(self._members)
+        w = _Work(self, tensor, n)
+        with self._lock:
+            self._works.append(w)
+            if self._error is not None or self._pg is None:
+                w.event.set()
+                return w
+        if n == 1:
+            w.work = _Done()
+            w.event.set()
+            return w
+        e = (
+            self.recorder.record("allreduce", f"ft-q{self._qid}", [tensor])
+            if self.recorder
+            else None
+        )
+        try:
+            if e is not None:
+                FlightRecorder.started(e)
+            w.work = self._pg.allreduce([tensor])
+        except Exception as err:
+            if e is not None and self.recorder is not None:
+                self.recorder.completed(e, err)
+            self.report_error(CommError(f"allreduce could not start: {err}"))
+            w.event.set()
+            return w
+        rec = self.recorder
+
+        def finished(f: Any) -> None:
+            if e is not None and rec is not None:
+                try:
+                    f.value()
+                    rec.completed(e)
+                except Exception as err:
+                    rec.completed(e, err)
+            w.event.set()
+
+        w.work.get_future().add_done_callback(finished)
+        return w
+
+    def should_commit(self) -> bool:
+        """Wait for this step's allreduces, vote, and return the unanimous decision."""
+        for w in list(self._works):
+            w.wait()
+        ok = self._error is None
+        rpc = self._rpc
+        decision = False
+        if rpc is not None:
+            try:
+                rpc.settimeout(self.timeout + 5)
+                send_msg(
+                    rpc,
+                    {
+                        "t": "commit",
+                        "rid": self.replica_id,
+                        "quorum_id": self._qid,
+                        "step": self._step,
+                        "members": self._members,
+                        "ok": ok,
+                        "timeout": self.timeout,
+                    },
+                )
+                decision = bool(recv_msg(rpc).get("ok"))
+            except (OSError, CommError):
+                self._inject_close()
+                decision = False
+        if decision:
+            self._step += 1
+            self.metrics.commits += 1
+        else:
+            self.metrics.aborted_steps += 1
+            self._drop_group()
+        return decision
+
+    # -- queries ---------------------------------------------------------------------------
+    def current_step(self) -> int:
+        """Number of committed steps."""
+        return self._step
+
+    def num_participants(self) -> int:
+        """Members of the current quorum."""
+        return len(self._members)
+
+    def participant_rank(self) -> int:
+        """This replica's rank in the current quorum."""
+        return self._rank
+
+    @property
+    def quorum_id(self) -> int:
+        return self._qid
+
+    @property
+    def process_group(self) -> Any:
+        """The gloo group of the current quorum."""
+        return self._pg
+
+    def shutdown(self) -> None:
+        """Close connections and servers (the group is retired in the background)."""
+        self._closed.set()
+        self._inject_close()
+        self._heal_server.close()
+        retire(self._pg)
+        self._pg = None
+
+
+class _Done:
+    """Stand-in Work for a quorum of one."""
+
+    def get_future(self) -> Any:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        fut.set_result(None)
+        return fut

@@ -1,0 +1,201 @@
+"""State transfer for healing: a state dict as one JSON header plus raw tensor bytes.
+
+A (nested) state dict is split into a JSON *structure* (dicts as ``[key, value]`` pairs so integer
+keys survive, lists, numbers, strings, ``None``) in which each tensor is replaced by
+``{"__tensor__": i}``, and the tensors themselves, sent back to back as raw bytes. The header lists
+each tensor's dtype (from a fixed allow-list), shape and byte count, so the receiver allocates every
+tensor once and ``recv_into``s it directly: no pickle, no intermediate copies, a few dozen bytes of
+header per tensor. Header size and total payload are bounded.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchport.distributed._control import (
+    CommError,
+    connect,
+    recv_into_exact,
+    recv_msg,
+    send_msg,
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    )
+}
+MAX_HEADER = 64 << 20
+MAX_PAYLOAD = 1 << 40
+
+
+class StateTransferError(CommError):
+    """The state could not be encoded, sent or received."""
+
+
+def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """JSON-able structure of ``obj`` with tensors replaced by indices into ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_sparse or obj.device.type != "cpu":
+            raise StateTransferError(
+                f"state tensors must be dense CPU tensors, got {obj.layout} on {obj.device}"
+            )
+        if str(obj.dtype).removeprefix("torch.") not in DTYPES:
+            raise StateTransferError(f"unsupported state dtype {obj.dtype}")
+        tensors.append(obj.detach())
+        return {"__tensor__": len(tensors) - 1}
+    if isinstance(obj, Mapping):
+        return {"__dict__": [[k, encode(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, list | tuple):
+        return {"__list__": [encode(v, tensors) for v in obj], "tuple": isinstance(obj, tuple)}
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise StateTransferError(
+        f"state values must be tensors, dicts, lists, numbers, strings or None; got "
+        f"{type(obj).__name__}"
+    )
+
+
+def decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`encode`."""
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[int(obj["__tensor__"])]
+        if "__dict__" in obj:
+            return {k: decode(v, tensors) for k, v in obj["__dict__"]}
+        if "__list__" in obj:
+            items = [decode(v, tensors) for v in obj["__list__"]]
+            return tuple(items) if obj.get("tuple") else items
+        raise StateTransferError(f"malformed state structure with keys {sorted(obj)}")
+    return obj
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr)
+
+
+def send_state(sock: socket.socket, state: Any, extra: dict[str, Any] | None = None) -> int:
+    """Send ``state`` on ``sock``; returns the payload bytes sent."""
+    tensors: list[torch.Tensor] = []
+    structure = encode(state, tensors)
+    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    metas: list[tuple[str, list[int], int]] = [
+        (str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size())
+        for t in flat
+    ]
+    total = sum(m[2] for m in metas)
+    if total > (1 << 20):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    send_msg(
+        sock,
+        {"t": "state", "structure": structure, "tensors": metas, "total": total, **(extra or {})},
+    )
+    for t, m in zip(flat, metas):
+        if m[2]:
+            sock.sendall(_bytes_view(t))
+    return total
+
+
+def _paths(obj: Any, prefix: str, out: dict[int, str]) -> None:
+    """Map tensor index -> path in an encoded structure."""
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            out[int(obj["__tensor__"])] = prefix
+        elif "__dict__" in obj:
+            for k, v in obj["__dict__"]:
+                _paths(v, f"{prefix}/{type(k).__name__}:{k}", out)
+        elif "__list__" in obj:
+            for i, v in enumerate(obj["__list__"]):
+                _paths(v, f"{prefix}/{i}", out)
+
+
+def tensor_paths(state: Any) -> dict[str, torch.Tensor]:
+    """Path -> tensor for every tensor in ``state`` (same paths as the wire structure)."""
+    tensors: list[torch.Tensor] = []
+    idx: dict[int, str] = {}
+    _paths(encode(state, tensors), "", idx)
+    return {idx[i]: t for i, t in enumerate(tensors)}
+
+
+def recv_state(
+    sock: socket.socket, max_payload: int = MAX_PAYLOAD, into: Any = None
+) -> tuple[Any, dict[str, Any]]:
+    """Receive a state sent by :func:`send_state`; returns (state, header).
+
+    ``into``: an existing state of the same layout (e.g. the receiver's own); tensors whose path,
+    dtype and shape match are received directly into it, which avoids allocating (and
+    page-faulting) fresh memory. Others are allocated.
+    """
+    hdr = recv_msg(sock, limit=MAX_HEADER)
+    if hdr.get("t") != "state":
+        raise StateTransferError(
+            f"expected a state header, got {hdr.get('t')!r}: {hdr.get('error')}"
+        )
+    total = int(hdr["total"])
+    if total > max_payload:
+        raise StateTransferError(f"state of {total} bytes exceeds the limit {max_payload}")
+    targets = tensor_paths(into) if into is not None else {}
+    paths: dict[int, str] = {}
+    if targets:
+        _paths(hdr["structure"], "", paths)
+    tensors: list[torch.Tensor] = []
+    seen = 0
+    for i, (dtype_name, shape, nbytes) in enumerate(hdr["tensors"]):
+        dtype = DTYPES.get(dtype_name)
+        if dtype is None:
+            raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
+        dims = [int(s) for s in shape]
+        t = targets.get(paths.get(i, ""), None) if targets else None
+        if t is None or t.dtype != dtype or list(t.shape) != dims or not t.is_contiguous():
+            t = torch.empty(dims, dtype=dtype)
+        if t.numel() * t.element_size() != int(nbytes):
+            raise StateTransferError(f"byte count {nbytes} does not match {dtype_name}{shape}")
+        seen += int(nbytes)
+        if seen > total:
+            raise StateTransferError("tensor sizes exceed the announced total")
+        if nbytes:
+            recv_into_exact(sock, _bytes_view(t))
+        tensors.append(t)
+    return decode(hdr["structure"], tensors), hdr
+
+
+def fetch_state(
+    addr: tuple[str, int],
+    secret: bytes,
+    *,
+    timeout: float = 60.0,
+    step: int | None = None,
+    into: Any = None,
+) -> tuple[Any, dict[str, Any], float]:
+    """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`."""
+    t0 = time.perf_counter()
+    sock = connect(addr, secret, "heal", timeout=timeout)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.settimeout(timeout)
+        send_msg(sock, {"t": "get_state", "step": step})
+        state, hdr = recv_state(sock, into=into)
+    except OSError as e:
+        raise StateTransferError(f"state transfer from {addr} failed: {e}") from None
+    finally:
+        sock.close()
+    return state, hdr, time.perf_counter() - t0

@@ -1,0 +1,489 @@
+"""2.14's reconfiguration API — ``_reconfigure`` & co. — on gloo, with fast, consistent failures.
+
+``init_process_group(..., enable_reconfigure=True)`` returns a :class:`ReconfigurableGroup` whose
+communicator is formed at the first :func:`_reconfigure`. Each rank hands out an opaque handle
+(:func:`_get_reconfigure_handle`): ``tp1:<host>:<control port>:<store port>:<nonce>``. The nonce
+rotates after every successful reconfigure, so a handle from before it is *stale*.
+
+``_reconfigure(uuid, handles)`` runs in two phases:
+
+1. **Validation, one round trip.** Every rank asks every other handle's control server, in parallel,
+   "is this nonce current, and have you completed a reconfigure with this uuid?". A stale handle
+   (rotated nonce, or a process that is gone: connection refused) or a reused uuid is seen by
+   *every* rank in that same round trip, and every rank's Work fails with
+   :class:`ReconfigureError` — no rank is left waiting (gloo in 2.14 fails one rank and leaves the
+   others waiting 10 s).
+2. **Forming the group.** Ranks follow the handles' order (a set is sorted); the first rank's store
+   (each group hosts a ``TCPStore`` for this) rendezvouses a new gloo group under the prefix
+   ``tp-reconf/<uuid>``. Shrink and grow are the same operation with fewer or more handles.
+
+After a reconfigure each rank watches its peers' control connections: a crashed peer (connection
+lost) is noticed at once, a hung one after three heartbeat periods; in-flight ops issued through
+the group (:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure` and the
+error stays queryable (``get_error()``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchport import config
+from torchport.distributed._control import (
+    CommError,
+    PeerFailure,
+    Server,
+    connect,
+    default_secret,
+    recv_msg,
+    send_msg,
+)
+from torchport.distributed._gloo import gloo_group, retire
+
+
+class ReconfigureError(CommError):
+    """A reconfigure was rejected (stale handle, reused uuid, bad arguments) or failed."""
+
+
+@dataclass
+class ReconfigureOptions:
+    """Options of one reconfigure, as in 2.14.
+
+    ``handles``: a list assigns ranks by position; a set lets the backend choose (sorted order).
+    """
+
+    uuid: int = -1
+    handles: list[str] | set[str] | None = None
+    timeout: timedelta | None = None
+    hints: dict[str, str] | None = None
+
+
+class Work:
+    """An async result in the shape of ``torch.distributed.Work``."""
+
+    def __init__(self, fut: cf.Future[Any]) -> None:
+        self._fut = fut
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until done; re-raises the operation's error."""
+        t = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        try:
+            self._fut.result(timeout=t)
+        except cf.TimeoutError:
+            raise CommError(f"operation did not complete within {t} s") from None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self._fut.done() and self._fut.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._fut.exception() if self._fut.done() else None
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        out: torch.futures.Future[Any] = torch.futures.Future()
+
+        def done(f: cf.Future[Any]) -> None:
+            err = f.exception()
+            if err is not None:
+                out.set_exception(err)
+            else:
+                out.set_result(f.result())
+
+        self._fut.add_done_callback(done)
+        return out
+
+
+def parse_handle(handle: str) -> tuple[str, int, int, str]:
+    """(host, control port, store port, nonce) of a handle; :class:`ReconfigureError` if malformed."""
+    parts = handle.split(":") if isinstance(handle, str) else []
+    if len(parts) != 5 or parts[0] != "tp1" or not parts[2].isdigit() or not parts[3].isdigit():
+        raise ReconfigureError(
+            f"reconfigure handle must look like 'tp1:host:port:store_port:nonce', got {handle!r}"
+        )
+    return parts[1], int(parts[2]), int(parts[3]), parts[4]
+
+
+class ReconfigurableGroup:
+    """A process group whose membership is set, shrunk and grown by :func:`_reconfigure`.
+
+    Collective methods (``allreduce``, ``broadcast``, ``allgather``, ``barrier``) run on the current
+    gloo group and fail with :class:`PeerFailure` as soon as a peer is detected dead.
+    """
+
+    supports_reconfigure = True
+
+    def __init__(
+        self,
+        *,
+        backend: str = "gloo",
+        timeout: timedelta | None = None,
+        host: str = "127.0.0.1",
+        heartbeat: float | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        if backend != "gloo":
+            raise ReconfigureError(f"reconfigure is implemented on backend 'gloo', got {backend!r}")
+        self.backend = backend
+        self.timeout = timeout or timedelta(seconds=30)
+        self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
+        self._secret = secret or default_secret()
+        self._host = host
+        self._nonce = secrets.token_hex(8)
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._server = Server(self._handle, secret=self._secret, role="reconf", host=host)
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf")
+        self._checker = cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check")
+        self._clients: dict[tuple[str, int], dist.Store] = {}
+        self._ctl: dict[tuple[str, int], socket.socket] = {}
+        self._generation = -1
+        self.pg: Any = None
+        self._rank, self._size = -1, 0
+        self._error: BaseException | None = None
+        self._waiters: set[threading.Event] = set()
+        self._watch: list[socket.socket] = []
+        self._closed = False
+        self.last_reconfigure_s = 0.0
+        self.phases: dict[str, float] = {}  # cumulative seconds of the last reconfigure's phases
+
+    # -- handles and the control server ---------------------------------------------------
+    def get_reconfigure_handle(self) -> str:
+        """This rank's current handle (changes after every successful reconfigure)."""
+        h, p = self._server.address
+        return f"tp1:{h}:{p}:{self.store.port}:{self._nonce}"
+
+    def _handle(self, conn: socket.socket) -> None:
+        while True:  # a peer keeps its check connection open and reuses it
+            msg = recv_msg(conn)
+            if msg.get("t") == "check":
+                with self._lock:
+                    reply = {
+                        "t": "check",
+                        "current": msg.get("nonce") == self._nonce,
+                        "uuid_used": int(msg.get("uuid", -1)) in self._used,
+                    }
+                send_msg(conn, reply)
+            elif msg.get("t") == "watch":
+                conn.settimeout(None)
+                while not self._closed:
+                    send_msg(conn, {"t": "hb"})
+                    time.sleep(self.heartbeat)
+                return
+            else:
+                raise CommError(f"unknown control request {msg.get('t')!r}")
+
+    # -- reconfigure -----------------------------------------------------------------------
+    def reconfigure(self, opts: ReconfigureOptions) -> Work:
+        """Start a reconfigure (see module docstring); the returned Work raises on failure."""
+        return Work(self._pool.submit(self._reconfigure, opts))
+
+    def _order(self, opts: ReconfigureOptions) -> list[str]:
+        if not isinstance(opts.uuid, int) or isinstance(opts.uuid, bool) or opts.uuid < 0:
+            raise ReconfigureError(f"uuid must be a non-negative int, got {opts.uuid!r}")
+        hs = opts.handles
+        if isinstance(hs, set | frozenset):
+            order = sorted(hs)
+        elif isinstance(hs, list | tuple):
+            order = list(hs)
+        else:
+            raise ReconfigureError(
+                f"handles must be a list or a set of str, got {type(hs).__name__}"
+            )
+        if not order:
+            raise ReconfigureError("handles must name at least one rank, got an empty collection")
+        if len(set(order)) != len(order):
+            raise ReconfigureError(f"handles must be distinct, got duplicates in {order}")
+        for h in order:
+            parse_handle(h)
+        mine = self.get_reconfigure_handle()
+        if mine not in order:
+            raise ReconfigureError(
+                f"this rank's current handle {mine!r} is not among the handles {order} "
+                f"(a stale handle of this rank?)"
+            )
+        return order
+
+    def _ask(self, host: str, port: int, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """One request/response on a cached authenticated connection (reconnects once)."""
+        for attempt in (0, 1):
+            sock = self._ctl.pop((host, port), None)
+            fresh = sock is None
+            if sock is None:
+                sock = connect(
+                    (host, port),
+                    self._secret,
+                    "reconf",
+                    timeout=max(0.05, deadline - time.monotonic()),
+                )
+            try:
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                send_msg(sock, msg)
+                reply = recv_msg(sock)
+            except (OSError, CommError):
+                sock.close()
+                if fresh or attempt:
+                    raise
+                continue  # the cached connection went away: try a new one
+            self._ctl[(host, port)] = sock
+            return reply
+        raise CommError("unreachable")
+
+    def _check(self, handle: str, uuid: int, deadline: float) -> str | None:
+        host, port, _, nonce = parse_handle(handle)
+        try:
+            r = self._ask(host, port, {"t": "check", "nonce": nonce, "uuid": uuid}, deadline)
+        except (OSError, CommError) as e:
+            return f"handle {handle!r} is stale: no process answers at {host}:{port} ({e})"
+        if not r.get("current"):
+            return f"handle {handle!r} is stale: that rank has been reconfigured since"
+        if r.get("uuid_used"):
+            return f"uuid {uuid} was already used by a completed reconfigure (rank {handle!r})"
+        return None
+
+    def _reconfigure(self, opts: ReconfigureOptions) -> None:
+        t0 = time.perf_counter()
+        timeout = (opts.timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + timeout
+        order = self._order(opts)
+        uuid = opts.uuid
+        if uuid in self._used:
+            raise ReconfigureError(f"uuid {uuid} was already used by a completed reconfigure")
+        mine = self.get_reconfigure_handle()
+        others = [h for h in order if h != mine]
+        problems = [
+            p for p in self._checker.map(lambda h: self._check(h, uuid, deadline), others) if p
+        ]
+        if problems:
+            raise ReconfigureError("reconfigure rejected: " + "; ".join(sorted(problems)))
+        self.phases = {"validate_s": time.perf_counter() - t0}
+        rank, size = order.index(mine), len(order)
+        lhost, _, lport, _ = parse_handle(order[0])
+        store: dist.Store = self.store if rank == 0 else self._client(lhost, lport, timeout)
+        self.phases["store_s"] = time.perf_counter() - t0
+        self._stop_watch()
+        old = self.pg
+        try:
+            pg = gloo_group(dist.PrefixStore(f"tp-reconf/{uuid}", store), rank, size, timeout)
+        except Exception as e:
+            raise ReconfigureError(f"forming the group for uuid {uuid} failed: {e}") from None
+        with self._lock:
+            self.pg, self._rank, self._size = pg, rank, size
+            self._used.add(uuid)
+            self._generation = uuid
+            self._nonce = secrets.token_hex(8)
+            self._error = None
+        self.phases["group_s"] = time.perf_counter() - t0
+        retire(old)
+        self.last_reconfigure_s = time.perf_counter() - t0
+        # peers start watching each other off the critical path
+        threading.Thread(target=self._start_watch, args=(order, rank, uuid), daemon=True).start()
+
+    def _client(self, host: str, port: int, timeout: float) -> dist.Store:
+        key = (host, port)
+        store = self._clients.get(key)
+        if store is None:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+            self._clients[key] = store
+        return store
+
+    # -- failure detection -----------------------------------------------------------------
+    def _start_watch(self, order: list[str], rank: int, uuid: int) -> None:
+        for r, h in enumerate(order):
+            if r == rank:
+                continue
+            if self._generation != uuid:
+                return  # a newer reconfigure took over
+            host, port, _, _ = parse_handle(h)
+            try:
+                sock = connect((host, port), self._secret, "reconf", timeout=5.0)
+                send_msg(sock, {"t": "watch"})
+            except (OSError, CommError) as e:
+                self._fail(PeerFailure(f"rank {r} unreachable after reconfigure: {e}"))
+                continue
+            with self._lock:
+                if self._generation != uuid:
+                    sock.close()
+                    return
+                self._watch.append(sock)
+            threading.Thread(target=self._watch_peer, args=(sock, r), daemon=True).start()
+
+    def _watch_peer(self, sock: socket.socket, r: int) -> None:
+        sock.settimeout(3 * self.heartbeat)
+        try:
+            while True:
+                recv_msg(sock, limit=256)
+        except TimeoutError:
+            if sock in self._watch:  # a watcher of an older membership is not a failure
+                self._fail(
+                    PeerFailure(f"rank {r} hung: no heartbeat for {3 * self.heartbeat:.2f} s")
+                )
+        except (OSError, CommError):
+            if sock in self._watch:
+                self._fail(PeerFailure(f"rank {r} crashed: its connection was lost"))
+
+    def _stop_watch(self) -> None:
+        with self._lock:
+            socks, self._watch = self._watch, []
+            self._generation = -1
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = e
+            waiters = list(self._waiters)
+        for w in waiters:
+            w.set()
+
+    def get_error(self) -> BaseException | None:
+        """The failure detected since the last reconfigure, if any."""
+        return self._error
+
+    # -- collectives -----------------------------------------------------------------------
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def _run(self, name: str, issue: Any, timeout: float | None = None) -> None:
+        if self.pg is None:
+            raise ReconfigureError(
+                f"{name}: the group has no communicator yet; call _reconfigure first"
+            )
+        if self._error is not None:
+            raise PeerFailure(f"{name}: group failed earlier: {self._error}")
+        ev = threading.Event()
+        with self._lock:
+            self._waiters.add(ev)
+        try:
+            work = issue(self.pg)
+            work.get_future().add_done_callback(lambda _f: ev.set())
+            t = self.timeout.total_seconds() if timeout is None else timeout
+            if not ev.wait(t):
+                raise CommError(f"{name} timed out after {t} s")
+            if self._error is not None and not work.is_completed():
+                raise PeerFailure(f"{name} aborted: {self._error}")
+            try:
+                work.get_future().value()
+            except RuntimeError as e:  # gloo reports a lost peer as RuntimeError
+                err = PeerFailure(f"{name} failed: {e}")
+                self._fail(err)
+                raise err from None
+        finally:
+            with self._lock:
+                self._waiters.discard(ev)
+
+    def allreduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
+        """In-place allreduce over the current members."""
+        o = dist.AllreduceOptions()
+        o.reduceOp = op
+        self._run("allreduce", lambda pg: pg.allreduce([tensor], o))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        o = dist.BroadcastOptions()
+        o.rootRank = src
+        self._run("broadcast", lambda pg: pg.broadcast([tensor], o))
+
+    def allgather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self._run("allgather", lambda pg: pg.allgather([out], [tensor]))
+
+    def barrier(self) -> None:
+        self._run("barrier", lambda pg: pg.allreduce([torch.zeros(1)]))
+
+    def close(self) -> None:
+        """Stop serving and watching; retire the communicator."""
+        self._closed = True
+        self._stop_watch()
+        self._server.close()
+        self._pool.shutdown(wait=False)
+        self._checker.shutdown(wait=False)
+        for sock in self._ctl.values():
+            sock.close()
+        self._ctl.clear()
+        retire(self.pg)
+        self.pg = None
+
+
+_default: ReconfigurableGroup | None = None
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: dist.Store | None = None,
+    enable_reconfigure: bool = False,
+    **kwargs: Any,
+) -> ReconfigurableGroup | None:
+    """``torch.distributed.init_process_group`` plus 2.14's ``enable_reconfigure``.
+
+    With ``enable_reconfigure=True`` no communicator is formed: the returned group (also the
+    default for the functions below) is formed by the first :func:`_reconfigure`.
+    """
+    global _default
+    if not enable_reconfigure:
+        dist.init_process_group(backend, init_method, timeout, world_size, rank, store, **kwargs)
+        return None
+    _default = ReconfigurableGroup(backend=backend or "gloo", timeout=timeout)
+    return _default
+
+
+def _resolve(group: Any) -> Any:
+    if group is not None:
+        return group
+    if _default is not None:
+        return _default
+    if dist.is_initialized():
+        return dist.group.WORLD
+    raise ReconfigureError("no group given and no default group: call init_process_group first")
+
+
+def _supports_reconfigure(group: Any = None) -> bool:
+    """Whether ``group`` supports the reconfigure API."""
+    return bool(getattr(_resolve(group), "supports_reconfigure", False))
+
+
+def _get_reconfigure_handle(group: Any = None) -> str:
+    """This rank's opaque handle for ``group`` (exchange it out of band)."""
+    pg = _resolve(group)
+    if not getattr(pg, "supports_reconfigure", False):
+        raise ReconfigureError(
+            f"group {pg!r} does not support reconfigure; use init_process_group(..., "
+            f"enable_reconfigure=True)"
+        )
+    return str(pg.get_reconfigure_handle())
+
+
+def _reconfigure(
+    uuid: int,
+    handles: set[str] | list[str],
+    group: Any = None,
+    timeout: timedelta | None = None,
+    hints: dict[str, str] | None = None,
+) -> Work:
+    """Reconfigure ``group`` to the ranks named by ``handles`` (fresh ``uuid`` each time)."""
+    pg = _resolve(group)
+    if not getattr(pg, "supports_reconfigure", False):
+        raise ReconfigureError(f"group {pg!r} does not support reconfigure")
+    opts = ReconfigureOptions(uuid=uuid, handles=handles, timeout=timeout, hints=hints)
+    return pg.reconfigure(opts)

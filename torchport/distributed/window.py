@@ -1,0 +1,453 @@
+"""One-sided (RMA) windows: ``_new_window`` with put / get / accumulate / signal / fence.
+
+A window gives every rank of a group direct access to a tensor registered by each other rank.
+
+* **Same host (``transport="shm"``, the default when all ranks share a host):** each rank's
+  registered tensor lives in a ``/dev/shm`` file that every rank of the group maps. ``put``,
+  ``get`` and ``accumulate`` are plain memory copies/additions into the peer's mapping — true
+  one-sided access, the target does nothing. ``map_remote_tensor(rank)`` returns a tensor that *is*
+  the peer's memory. Files are unlinked as soon as every rank has mapped them, so nothing is left in
+  ``/dev/shm`` even if a process crashes.
+* **Across hosts (``transport="tcp"``):** each rank runs a server thread (authenticated) that
+  applies put / get / accumulate / signal to its registered tensor, so the target's Python code does
+  not participate. ``map_remote_tensor`` needs shared memory and raises on this transport.
+
+Semantics (and the reference, :class:`ReferenceWindow`): a put of ``n`` elements at
+``target_offset_nelems`` overwrites those elements of the target's flat tensor; accumulate adds
+(sum) atomically with respect to other accumulates on the same target; get reads; a put/accumulate
+is complete (visible at the target) when the call returns or its Work completes. ``signal(dst)``
+increments a counter at ``dst`` (one slot per source, written only by that source, ordered after
+the source's preceding puts on x86's total store order); ``wait_signal(src)`` consumes one.
+``fence()`` is a barrier over the group: every RMA issued before it is visible after it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import fcntl
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from torchport.distributed._control import (
+    CommError,
+    Server,
+    connect,
+    default_secret,
+    recv_into_exact,
+    recv_msg,
+    send_msg,
+)
+from torchport.distributed.ft.transfer import DTYPES, _bytes_view
+from torchport.distributed.reconfigure import ReconfigurableGroup, Work
+
+_DTYPE_LIST = list(DTYPES.values())
+_META = 12  # dtype code, numel, ndim, up to 8 dims, host id
+_counter = 0
+
+
+class WindowError(CommError):
+    """A window operation was given invalid arguments or could not be carried out."""
+
+
+def _supports_window(group: Any = None) -> bool:
+    """Whether ``group`` supports RMA windows (any gloo group or reconfigurable group does)."""
+    return group is None or isinstance(group, ReconfigurableGroup | dist.ProcessGroup)
+
+
+class _Coll:
+    """Tiny collectives over either a torch.distributed group or a ReconfigurableGroup."""
+
+    def __init__(self, group: Any) -> None:
+        self.g = group
+        if isinstance(group, ReconfigurableGroup):
+            self.rank, self.size = group.rank(), group.size()
+        else:
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        if isinstance(self.g, ReconfigurableGroup):
+            self.g.allgather(out, t)
+        else:
+            dist.all_gather(out, t, group=self.g)
+        return out
+
+    def barrier(self) -> None:
+        if isinstance(self.g, ReconfigurableGroup):
+            self.g.barrier()
+        else:
+            dist.all_reduce(torch.zeros(1), group=self.g)
+
+
+def _shm_create(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, max(nbytes, 8))
+    return mmap.mmap(fd, max(nbytes, 8)), fd
+
+
+def _shm_open(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    return mmap.mmap(fd, max(nbytes, 8)), fd
+
+
+def _host_id() -> int:
+    return int.from_bytes(socket.gethostname().encode()[:7].ljust(7, b"\0"), "little")
+
+
+class Window:
+    """An RMA window over ``group``; create it with :func:`_new_window` (collective)."""
+
+    def __init__(
+        self, group: Any = None, tensor: torch.Tensor | None = None, *, transport: str = "auto"
+    ) -> None:
+        global _counter
+        if transport not in ("auto", "shm", "tcp"):
+            raise WindowError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
+        self._c = _Coll(group)
+        self.rank, self.size = self._c.rank, self._c.size
+        _counter += 1
+        tok = torch.tensor([secrets.randbits(62), _host_id()], dtype=torch.int64)
+        toks = self._c.allgather(tok)
+        self._name = f"tpwin-{int(toks[0][0]):x}-{_counter}"
+        same_host = all(int(t[1]) == int(toks[0][1]) for t in toks)
+        self.transport = ("shm" if same_host else "tcp") if transport == "auto" else transport
+        if self.transport == "shm" and not same_host:
+            raise WindowError("transport 'shm' needs every rank on one host")
+        self._secret = default_secret()
+        self._regs = 0
+        self._local: torch.Tensor | None = None
+        self._remote: list[torch.Tensor | None] = []
+        self._meta: list[tuple[torch.dtype, list[int]]] = []
+        self._maps: list[mmap.mmap] = []
+        self._fds: list[int] = []
+        self._lock = threading.Lock()
+        self._socks: dict[int, socket.socket] = {}
+        self._sock_locks = [threading.Lock() for _ in range(self.size)]
+        # signal counters: slot [src] of rank r's array, written only by src
+        sig_name = f"{self._name}-s{self.rank}"
+        m, fd = _shm_create(sig_name, 8 * self.size)
+        self._maps.append(m)
+        self._fds.append(fd)
+        self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
+        self._consumed = [0] * self.size
+        self._sig_remote: list[Any] = [None] * self.size
+        self._server: Server | None = None
+        addrs: list[tuple[str, int]] = []
+        if self.transport == "tcp":
+            self._server = Server(self._serve, secret=self._secret, role="window")
+            port = torch.tensor([self._server.address[1]], dtype=torch.int64)
+            addrs = [("127.0.0.1", int(p[0])) for p in self._c.allgather(port)]
+        self._addrs = addrs
+        self._c.barrier()
+        if self.transport == "shm":
+            for r in range(self.size):
+                if r == self.rank:
+                    self._sig_remote[r] = self._sig_local
+                    continue
+                m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
+                self._maps.append(m)
+                self._fds.append(fd)
+                self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
+        self._c.barrier()
+        os.unlink(f"/dev/shm/{sig_name}")  # everyone has mapped it: nothing can leak
+        if tensor is not None:
+            self.tensor_register(tensor)
+
+    # -- registration ----------------------------------------------------------------------
+    def tensor_register(self, tensor: torch.Tensor) -> None:
+        """Collective: register this rank's tensor (copied into window memory; see ``local``)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            raise WindowError(f"tensor_register needs a CPU tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in _DTYPE_LIST:
+            raise WindowError(f"unsupported window dtype {tensor.dtype}")
+        if tensor.dim() > 8:
+            raise WindowError(f"window tensors may have at most 8 dims, got {tensor.dim()}")
+        if self._local is not None:
+            raise WindowError("a tensor is already registered; call tensor_deregister first")
+        self._regs += 1
+        meta = torch.zeros(_META, dtype=torch.int64)
+        meta[0], meta[1], meta[2] = _DTYPE_LIST.index(tensor.dtype), tensor.numel(), tensor.dim()
+        meta[3 : 3 + tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        metas = self._c.allgather(meta)
+        self._meta = [
+            (_DTYPE_LIST[int(m[0])], [int(x) for x in m[3 : 3 + int(m[2])]]) for m in metas
+        ]
+        nbytes = tensor.numel() * tensor.element_size()
+        name = f"{self._name}-d{self._regs}-{self.rank}"
+        m, fd = _shm_create(name, nbytes)
+        self._maps.append(m)
+        self._fds.append(fd)
+        self._data_fd = fd
+        self._local = self._view(m, self.rank)
+        self._local.copy_(tensor)
+        self._remote = [None] * self.size
+        self._remote_fds = [-1] * self.size
+        self._c.barrier()
+        if self.transport == "shm":
+            for r in range(self.size):
+                if r == self.rank:
+                    self._remote[r], self._remote_fds[r] = self._local, fd
+                    continue
+                dt, shape = self._meta[r]
+                n = int(np.prod(shape)) if shape else 1
+                m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
+                self._maps.append(m2)
+                self._fds.append(fd2)
+                self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
+        self._c.barrier()
+        os.unlink(f"/dev/shm/{name}")
+
+    def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
+        dt, shape = self._meta[r]
+        n = int(np.prod(shape)) if shape else 1
+        if n == 0:
+            return torch.empty(shape, dtype=dt)
+        flat = torch.frombuffer(m, dtype=torch.uint8, count=n * dt.itemsize)
+        return flat.view(dt).view(shape)
+
+    def tensor_deregister(self) -> None:
+        """Collective: drop the registered tensors (after a fence)."""
+        self._c.barrier()
+        self._local = None
+        self._remote = []
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's registered tensor as it lives in the window (puts land here)."""
+        if self._local is None:
+            raise WindowError("no tensor is registered with this window")
+        return self._local
+
+    # -- validation ------------------------------------------------------------------------
+    def _target(self, rank: int, dtype: torch.dtype, offset: int, n: int, what: str) -> None:
+        if self._local is None:
+            raise WindowError(f"{what}: no tensor is registered with this window")
+        if not 0 <= rank < self.size:
+            raise WindowError(f"{what}: rank must be in [0, {self.size}), got {rank}")
+        tdt, shape = self._meta[rank]
+        total = int(np.prod(shape)) if shape else 1
+        if dtype != tdt:
+            raise WindowError(f"{what}: dtype must match rank {rank}'s tensor ({tdt}), got {dtype}")
+        if offset < 0 or offset + n > total:
+            raise WindowError(
+                f"{what}: elements [{offset}, {offset + n}) must lie within rank {rank}'s "
+                f"{total} elements"
+            )
+
+    @staticmethod
+    def _done(value: Any = None) -> Work:
+        f: cf.Future[Any] = cf.Future()
+        f.set_result(value)
+        return Work(f)
+
+    # -- RMA -------------------------------------------------------------------------------
+    def put(
+        self,
+        tensor: torch.Tensor,
+        dst_rank: int,
+        target_offset_nelems: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Write ``tensor`` into ``dst_rank``'s tensor at the given flat element offset."""
+        src = tensor.reshape(-1)
+        self._target(dst_rank, tensor.dtype, target_offset_nelems, src.numel(), "put")
+        if self.transport == "shm":
+            tgt = self._remote[dst_rank]
+            assert tgt is not None
+            tgt.view(-1)[target_offset_nelems : target_offset_nelems + src.numel()].copy_(src)
+        else:
+            self._rpc(dst_rank, {"t": "put", "off": target_offset_nelems, "n": src.numel()}, src)
+        return self._done() if async_op else None
+
+    def accumulate(
+        self,
+        tensor: torch.Tensor,
+        dst_rank: int,
+        target_offset_nelems: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Add ``tensor`` into ``dst_rank``'s tensor (sum), atomically w.r.t. other accumulates."""
+        src = tensor.reshape(-1)
+        self._target(dst_rank, tensor.dtype, target_offset_nelems, src.numel(), "accumulate")
+        if self.transport == "shm":
+            tgt = self._remote[dst_rank]
+            assert tgt is not None
+            fd = self._remote_fds[dst_rank]
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            try:
+                tgt.view(-1)[target_offset_nelems : target_offset_nelems + src.numel()].add_(src)
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+        else:
+            self._rpc(dst_rank, {"t": "acc", "off": target_offset_nelems, "n": src.numel()}, src)
+        return self._done() if async_op else None
+
+    def get(self, src_rank: int, offset_nelems: int = 0, nelems: int | None = None) -> torch.Tensor:
+        """Read ``nelems`` elements of ``src_rank``'s tensor from ``offset_nelems`` (a copy)."""
+        if self._local is None:
+            raise WindowError("get: no tensor is registered with this window")
+        if not 0 <= src_rank < self.size:
+            raise WindowError(f"get: rank must be in [0, {self.size}), got {src_rank}")
+        dt, shape = self._meta[src_rank]
+        total = int(np.prod(shape)) if shape else 1
+        n = total - offset_nelems if nelems is None else nelems
+        self._target(src_rank, dt, offset_nelems, n, "get")
+        if self.transport == "shm":
+            tgt = self._remote[src_rank]
+            assert tgt is not None
+            return tgt.view(-1)[offset_nelems : offset_nelems + n].clone()
+        out = torch.empty(n, dtype=dt)
+        self._rpc(src_rank, {"t": "get", "off": offset_nelems, "n": n}, None, out)
+        return out
+
+    def map_remote_tensor(self, rank: int) -> torch.Tensor:
+        """A tensor that *is* ``rank``'s registered memory (shared-memory transport only)."""
+        if self._local is None:
+            raise WindowError("map_remote_tensor: no tensor is registered with this window")
+        if not 0 <= rank < self.size:
+            raise WindowError(f"map_remote_tensor: rank must be in [0, {self.size}), got {rank}")
+        if self.transport != "shm":
+            raise WindowError(
+                f"map_remote_tensor needs the shared-memory transport; this window uses {self.transport!r}"
+            )
+        t = self._remote[rank]
+        assert t is not None
+        return t
+
+    def signal(self, dst_rank: int, async_op: bool = False) -> Work | None:
+        """Increment ``dst_rank``'s signal counter for this rank (after this rank's prior puts)."""
+        if not 0 <= dst_rank < self.size:
+            raise WindowError(f"signal: rank must be in [0, {self.size}), got {dst_rank}")
+        if self.transport == "shm":
+            arr = self._sig_remote[dst_rank]
+            arr[self.rank] = arr[self.rank] + 1
+        else:
+            self._rpc(dst_rank, {"t": "sig"}, None)
+        return self._done() if async_op else None
+
+    def wait_signal(self, src_rank: int, timeout: float = 30.0) -> None:
+        """Wait for (and consume) one signal from ``src_rank``."""
+        if not 0 <= src_rank < self.size:
+            raise WindowError(f"wait_signal: rank must be in [0, {self.size}), got {src_rank}")
+        want = self._consumed[src_rank] + 1
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while int(self._sig_local[src_rank]) < want:
+            spins += 1
+            if spins > 200:
+                if time.monotonic() > deadline:
+                    raise WindowError(
+                        f"wait_signal: no signal from rank {src_rank} within {timeout} s"
+                    )
+                time.sleep(0.0001 if spins < 2000 else 0.001)
+        self._consumed[src_rank] = want
+
+    def fence(self) -> None:
+        """Collective: all RMA issued before the fence is visible to everyone after it."""
+        self._c.barrier()
+
+    # -- tcp transport ---------------------------------------------------------------------
+    def _rpc(
+        self,
+        r: int,
+        msg: dict[str, Any],
+        payload: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        with self._sock_locks[r]:
+            sock = self._socks.get(r)
+            if sock is None:
+                sock = self._socks[r] = connect(self._addrs[r], self._secret, "window")
+                send_msg(sock, {"t": "hello", "src": self.rank})
+            send_msg(sock, msg)
+            if payload is not None and payload.numel():
+                sock.sendall(_bytes_view(payload.contiguous()))
+            reply = recv_msg(sock)
+            if reply.get("t") != "ok":
+                raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
+            if out is not None and out.numel():
+                recv_into_exact(sock, _bytes_view(out))
+
+    def _serve(self, conn: socket.socket) -> None:
+        hello = recv_msg(conn)
+        src = int(hello.get("src", -1))
+        if not 0 <= src < self.size:
+            raise CommError(f"window peer announced bad rank {src}")
+        while True:
+            msg = recv_msg(conn, limit=4096)
+            kind = msg.get("t")
+            if kind == "sig":
+                self._sig_local[src] += 1
+                send_msg(conn, {"t": "ok"})
+                continue
+            local = self._local
+            off, n = int(msg.get("off", -1)), int(msg.get("n", -1))
+            if local is None or off < 0 or n < 0 or off + n > local.numel():
+                send_msg(conn, {"t": "error", "error": f"elements [{off}, {off + n}) out of range"})
+                raise CommError("bad window request")
+            flat = local.view(-1)
+            if kind in ("put", "acc"):
+                buf = torch.empty(n, dtype=local.dtype)
+                if n:
+                    recv_into_exact(conn, _bytes_view(buf))
+                if kind == "put":
+                    flat[off : off + n].copy_(buf)
+                else:
+                    with self._lock:
+                        flat[off : off + n].add_(buf)
+                send_msg(conn, {"t": "ok"})
+            elif kind == "get":
+                send_msg(conn, {"t": "ok"})
+                if n:
+                    conn.sendall(_bytes_view(flat[off : off + n].contiguous()))
+            else:
+                send_msg(conn, {"t": "error", "error": f"unknown request {kind!r}"})
+
+    def close(self) -> None:
+        """Release the mappings and the server (call after a fence)."""
+        if self._server is not None:
+            self._server.close()
+        for s in self._socks.values():
+            s.close()
+        self._socks.clear()
+        self._local = None
+        self._remote = []
+        self._sig_local = np.zeros(0, dtype=np.int64)
+        self._sig_remote = []
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def _new_window(
+    tensor: torch.Tensor | None = None, group: Any = None, *, transport: str = "auto"
+) -> Window:
+    """Collective: a new RMA window on ``group`` (default: the default group)."""
+    if not _supports_window(group):
+        raise WindowError(f"group {group!r} does not support windows")
+    return Window(group, tensor, transport=transport)
+
+
+class ReferenceWindow:
+    """Single-process reference of window semantics: one flat tensor per rank."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.t = [x.clone().reshape(-1) for x in tensors]
+
+    def put(self, src: int, tensor: torch.Tensor, dst: int, off: int) -> None:
+        self.t[dst][off : off + tensor.numel()] = tensor.reshape(-1)
+
+    def accumulate(self, src: int, tensor: torch.Tensor, dst: int, off: int) -> None:
+        self.t[dst][off : off + tensor.numel()] += tensor.reshape(-1)
+
+    def get(self, rank: int, off: int, n: int) -> torch.Tensor:
+        return self.t[rank][off : off + n].clone()
