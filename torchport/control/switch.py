@@ -166,7 +166,29 @@ def switch(
         # Eager: call the chosen branch directly; autograd records its ops as usual.
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
         return flat_branches[i](*leaves)
-    return switch_op(index, tuple(leaves), *flat_branches)
+    specs: list[pytree.TreeSpec | None] = [None] * n
+    traced = tuple(
+        functools.partial(_call_flat_out, branch=b, specs=specs, i=i)
+        for i, b in enumerate(flat_branches)
+    )
+    out = switch_op(index, tuple(leaves), *traced)
+    spec0 = specs[0]
+    assert spec0 is not None, "switch_op traced branch0"
+    return pytree.tree_unflatten(list(out), spec0)
+
+
+def _call_flat_out(
+    *args: Any, branch: Callable[..., Any], specs: list[pytree.TreeSpec | None], i: int
+) -> tuple[Any, ...]:
+    """Call a branch and return its output leaves as a tuple, remembering the structure."""
+    leaves, spec = pytree.tree_flatten(branch(*args))
+    if specs[0] is not None and i != 0 and spec != specs[0]:
+        raise SwitchError(
+            "switch: branches must return the same output structure; branch0 returns "
+            f"{specs[0]} but branch{i} returns {spec}"
+        )
+    specs[i] = spec
+    return tuple(leaves)
 
 
 def _call_unflattened(*args: Any, branch: Callable[..., Any], spec: pytree.TreeSpec) -> Any:
@@ -280,10 +302,26 @@ def _switch_fake(mode: FakeTensorMode, index: Any, operands: Any, *branches: Any
     merged = []
     for i, leaves in enumerate(zip(*flats)):
         try:
+            if all(type(x) is int for x in leaves):
+                merged.append(_merge_ints(leaves, mode))
+                continue
             merged.append(functools.reduce(lambda a, b: _merge_output(a, b, mode), leaves))
         except (AssertionError, RuntimeError) as e:
             raise SwitchError(f"switch: output {i} differs between branches: {e}") from e
     return pytree.tree_unflatten(merged, specs[0])
+
+
+def _merge_ints(xs: Sequence[int], mode: FakeTensorMode) -> int | torch.SymInt:
+    """Equal ints stay an int; differing ints become an unbacked SymInt bounded by their range."""
+    if all(x == xs[0] for x in xs):
+        return xs[0]
+    if mode.shape_env is None:
+        raise SwitchError(
+            f"switch: branches return different ints {list(xs)}; tracing them needs a ShapeEnv"
+        )
+    sym = mode.shape_env.create_unbacked_symint()
+    mode.shape_env.constrain_symbol_range(sym.node.expr, min(xs), max(xs))
+    return sym
 
 
 @switch_op.py_functionalize_impl

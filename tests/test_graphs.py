@@ -1,0 +1,149 @@
+"""torchport.graphs.Graph: capture/replay equality with eager, switch/while inside, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchport
+from torchport.graphs import CaptureError, Graph, GraphError, MemPool
+
+
+def _model(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = F.gelu(F.linear(x, w, b))
+    h = h.softmax(-1) * x.sum(-1, keepdim=True)
+    h = torch.cat([h[:, :3], h[:, 3:] * 2], dim=1)
+    return F.layer_norm(h, h.shape[-1:]).transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8])
+@pytest.mark.parametrize("cols", [4, 13, 64])
+def test_replay_matches_eager_on_new_inputs(rows: int, cols: int) -> None:
+    torch.manual_seed(rows * 100 + cols)
+    x = torch.randn(rows, cols)
+    w, b = torch.randn(cols, cols), torch.randn(cols)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = _model(x, w, b)
+    for _ in range(3):
+        x.copy_(torch.randn(rows, cols))
+        g.replay()
+        torch.testing.assert_close(y, _model(x, w, b))
+
+
+def test_in_place_updates_of_static_buffers_replay() -> None:
+    cache = torch.zeros(4, 3)
+    pos = torch.tensor([0])
+    x = torch.randn(1, 3)
+    g = Graph()
+    with g:
+        cache.index_copy_(0, pos, x)
+        pos.add_(1)
+    torch.testing.assert_close(cache[0], x[0])
+    for k in range(1, 4):
+        x.copy_(torch.full((1, 3), float(k)))
+        g.replay()
+        torch.testing.assert_close(cache[k], x[0])
+    assert int(pos) == 4
+
+
+def test_switch_and_while_loop_inside_capture_follow_data() -> None:
+    n = torch.tensor(0)
+    sel = torch.tensor(0)
+    a0 = torch.randn(5)
+    branches = [lambda t: t + 1, lambda t: t * 2, lambda t: t - 3]
+
+    def body(i: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, torchport.switch((i + sel) % 3, branches, (a,))
+
+    g = Graph()
+    with g:
+        i_out, a_out = torchport.while_loop(lambda i, a: i < n, body, (torch.tensor(0), a0))
+        picked = torchport.switch(sel, branches, (a_out,))
+    for trips in (0, 1, 4, 9):
+        for s in (0, 2, 5):
+            n.fill_(trips)
+            sel.fill_(s)
+            g.replay()
+            ref = a0.clone()
+            for j in range(trips):
+                ref = branches[(j + s) % 3](ref)
+            assert int(i_out) == trips
+            torch.testing.assert_close(a_out, ref)
+            torch.testing.assert_close(picked, branches[min(s, 2)](ref))
+
+
+def test_item_is_rejected_at_capture_naming_the_op() -> None:
+    x = torch.randn(3)
+    g = Graph()
+    with pytest.raises(CaptureError, match="aten._local_scalar_dense"):
+        with g:
+            if (x.sum() > 0).item():
+                x.add_(1)
+    g2 = Graph()  # the failed capture left no recorder behind
+    with g2:
+        y = x * 2
+    g2.replay()
+    torch.testing.assert_close(y, x * 2)
+
+
+def test_explicit_generator_is_rejected() -> None:
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(CaptureError, match="torch.Generator"):
+        with Graph():
+            torch.rand(3, generator=gen)
+
+
+def test_int_carried_in_captured_loop_is_rejected() -> None:
+    with pytest.raises(torchport.control.WhileLoopError, match="0-dim int64 tensor"):
+        with Graph():
+            torchport.while_loop(lambda n, x: n < 3, lambda n, x: (n + 1, x), (0, torch.ones(1)))
+
+
+def test_state_errors_and_reset() -> None:
+    g = Graph()
+    with pytest.raises(GraphError, match="nothing captured"):
+        g.replay()
+    with pytest.raises(GraphError, match="no capture in progress"):
+        g.capture_end()
+    x = torch.ones(2)
+    g.capture_begin()
+    with pytest.raises(GraphError, match="already in progress"):
+        g.capture_begin()
+    y = x + 1
+    g.capture_end()
+    with pytest.raises(GraphError, match="reset"):
+        g.capture_begin()
+    g.reset()
+    with g:
+        z = x * 3
+    x.fill_(2)
+    g.replay()
+    torch.testing.assert_close(z, torch.full((2,), 6.0))
+    torch.testing.assert_close(y, torch.full((2,), 2.0))  # no longer replayed
+    with pytest.raises(GraphError, match="MemPool"):
+        Graph(pool=3)  # type: ignore[arg-type]
+    with pytest.raises(GraphError, match="capture_error_mode"):
+        Graph(capture_error_mode="strict")  # type: ignore[arg-type]
+
+
+def test_outputs_live_in_shared_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pool = MemPool()
+    x = torch.randn(16, 16)
+    g1 = Graph(pool=pool)
+    with g1:
+        y1 = x @ x
+    g2 = Graph(pool=g1.pool())
+    with g2:
+        y2 = y1.relu()
+    assert g2.pool() is pool
+    assert pool.stats().allocated >= 2 * 16 * 16 * 4
+    x.copy_(torch.randn(16, 16))
+    g1.replay()
+    g2.replay()
+    torch.testing.assert_close(y2, (x @ x).relu())
+    g1.enable_debug_mode()
+    g1.debug_dump(str(tmp_path / "g.ts"))
+    assert "aten.mm" in (tmp_path / "g.ts").read_text()
+    assert g1.num_ops == 1
