@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import torchport
+from torchport import config
 from torchport.graphs import CaptureError, Graph, GraphError, MemPool
 
 
@@ -132,11 +133,12 @@ def test_outputs_live_in_shared_pool(tmp_path) -> None:  # type: ignore[no-untyp
     pool = MemPool()
     x = torch.randn(16, 16)
     g1 = Graph(pool=pool)
-    with g1:
+    with config.override(native=False), g1:
         y1 = x @ x
     g2 = Graph(pool=g1.pool())
-    with g2:
+    with config.override(native=False), g2:
         y2 = y1.relu()
+    assert g1.tier == g2.tier == "torchscript"
     assert g2.pool() is pool
     assert pool.stats().allocated >= 2 * 16 * 16 * 4
     x.copy_(torch.randn(16, 16))
@@ -147,3 +149,39 @@ def test_outputs_live_in_shared_pool(tmp_path) -> None:  # type: ignore[no-untyp
     g1.debug_dump(str(tmp_path / "g.ts"))
     assert "aten.mm" in (tmp_path / "g.ts").read_text()
     assert g1.num_ops == 1
+
+
+def _pointwise_mix(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = torch.addmm(b, x, w.t(), beta=0.5, alpha=2.0).relu() * 0.25
+    h = h - x.exp().neg() / 3.0
+    h = torch.tanh(h) + torch.sigmoid(h * 4)
+    h.add_(b, alpha=-2.0)
+    return torch.mm(h, w) + x.clone()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+@pytest.mark.parametrize("cols", [7, 64])
+def test_native_tier_matches_eager(rows: int, cols: int) -> None:
+    torch.manual_seed(rows + 31 * cols)
+    x = torch.randn(rows, cols)
+    w, b = torch.randn(cols, cols), torch.randn(cols)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = _pointwise_mix(x, w, b)
+    assert g.tier == "native"
+    for scale in (1.0, 8.0):  # large inputs reach the saturated exp/tanh range
+        x.copy_(torch.randn(rows, cols) * scale)
+        w.copy_(torch.randn(cols, cols))
+        g.replay()
+        torch.testing.assert_close(y, _pointwise_mix(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_ops_fall_back_to_torchscript() -> None:
+    x = torch.randn(4, 4)
+    g = Graph()
+    with g:
+        y = x.softmax(-1)
+    assert g.tier == "torchscript"
+    x.copy_(torch.randn(4, 4))
+    g.replay()
+    torch.testing.assert_close(y, x.softmax(-1))

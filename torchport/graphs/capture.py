@@ -109,16 +109,18 @@ class _Scope:
 
 @dataclass
 class Program:
-    """A compiled capture: ``fn(ext, outs)`` replays it, writing ``outs`` in place."""
+    """A compiled capture; ``run()`` replays it.
+
+    ``tier`` is ``"native"`` (one C function over the capture's own buffers, see
+    :mod:`torchport.graphs.native`) or ``"torchscript"`` (``fn(ext, outs)`` rewrites ``outs``).
+    """
 
     source: str
-    fn: Callable[..., Any]
+    run: Callable[[], None]
     ext: list[torch.Tensor]
     outs: list[torch.Tensor]
     ops: int
-
-    def run(self) -> None:
-        self.fn(self.ext, self.outs)
+    tier: str
 
 
 class Recorder(TorchDispatchMode):
@@ -137,6 +139,8 @@ class Recorder(TorchDispatchMode):
         self.scopes_stack: list[_Scope] = []
         self.paused = False
         self._sub_out_names: dict[int, str] = {}
+        self.trace: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self.has_control = False
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self, prefix: str = "v") -> str:
@@ -198,6 +202,8 @@ class Recorder(TorchDispatchMode):
         call = self._format_call(func, args, kwargs)
         out = func(*args, **kwargs)
         self.ops += 1
+        if not self.scopes_stack:
+            self.trace.append((func, tuple(args), dict(kwargs), out))
         self._bind_outputs(opname, call, out)
         return out
 
@@ -284,6 +290,7 @@ class Recorder(TorchDispatchMode):
         self, index: torch.Tensor, branches: Sequence[Callable[..., Any]], operands: Sequence[Any]
     ) -> Any:
         """Record an N-way branch; return the chosen branch's (copied) outputs."""
+        self.has_control = True
         idx = self.fresh("i")
         self.emit(f"{idx} = int({self.name_of(index)})")
         with _paused(self):
@@ -356,6 +363,7 @@ class Recorder(TorchDispatchMode):
         self, cond_fn: Callable[..., Any], body_fn: Callable[..., Any], carried: tuple[Any, ...]
     ) -> tuple[Any, ...]:
         """Record a loop with a data-dependent trip count; return the final carried values."""
+        self.has_control = True
         from torchport.control.while_loop import WhileLoopError, check_body_output, check_pred
 
         leaves, spec = pytree.tree_flatten(carried)
@@ -416,6 +424,16 @@ class Recorder(TorchDispatchMode):
     # -- finishing ------------------------------------------------------------------------------
     def finish(self) -> Program:
         """Compile the recording; outputs are the produced tensors still alive now."""
+        trace, self.trace = self.trace, []
+        if not self.has_control:
+            from torchport.graphs.native import lower
+
+            low = lower(trace)
+            if low is not None:
+                run, keep, csrc = low
+                self._keep.clear()
+                return Program(csrc, run, keep, [], self.ops, "native")
+        del trace
         outs: list[torch.Tensor] = []
         out_names: list[str] = []
         seen: set[int] = set()
@@ -436,7 +454,12 @@ class Recorder(TorchDispatchMode):
             cu = torch.jit.CompilationUnit(source)
         except RuntimeError as e:
             raise CaptureError(f"graph capture: the recorded program does not compile: {e}") from e
-        return Program(source, cu.prog, list(self.ext), outs, self.ops)
+        fn, ext = cu.prog, list(self.ext)
+
+        def run() -> None:
+            fn(ext, outs)
+
+        return Program(source, run, ext, outs, self.ops, "torchscript")
 
 
 def _dedent(lines: list[str], levels: int) -> list[str]:

@@ -93,7 +93,8 @@ class Graph:
         _ACTIVE.remove(rec)
         rec.__exit__(None, None, None)
         self._program = rec.finish()
-        self._place_outputs(self._program)
+        if self._program.tier == "torchscript":
+            self._place_outputs(self._program)
         self._compiled = True
 
     def _abort(self) -> None:
@@ -132,7 +133,7 @@ class Graph:
         prog = self._program
         if prog is None:
             raise GraphError("Graph.replay: nothing captured; call capture_begin/capture_end")
-        prog.fn(prog.ext, prog.outs)
+        prog.run()
 
     def reset(self) -> None:
         """Drop the captured program so the graph can capture again."""
@@ -151,8 +152,15 @@ class Graph:
         return self._program.ops if self._program is not None else 0
 
     @property
+    def tier(self) -> str:
+        """How replay runs: ``"native"`` (one C function) or ``"torchscript"``."""
+        if self._program is None:
+            raise GraphError("Graph.tier: nothing captured")
+        return self._program.tier
+
+    @property
     def source(self) -> str:
-        """The TorchScript source of the captured program."""
+        """The source of the captured program (C for the native tier, else TorchScript)."""
         if self._program is None:
             raise GraphError("Graph.source: nothing captured")
         return self._program.source
