@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -409,7 +410,8 @@ class Recorder(TorchDispatchMode):
             self.scope.lines.append(f"{pad}    {t} = {b}")
         for n, t in zip(loop_vars, tmp):
             self.scope.lines.append(f"{pad}    {n} = {t}")
-        self.scope.lines.extend(cond_lines)
+        # The second copy of the condition re-declares its typed list temporaries: rename them.
+        self.scope.lines.extend(re.sub(r"\b(l\d+)\b", r"\1_r", ln) for ln in cond_lines)
         # The real values: run the loop eagerly, outside the recorder.
         with _paused(self):
             vals = [x.clone() for x in leaves]
