@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,17 +67,17 @@ def bench_overhead(table: BenchTable, reps: int) -> None:
     table.add("200 ops [8,64]: compile vs Graph", "torch.compile", t["compile"], t["graph"], flops)
 
 
-BRANCHES = [
-    (lambda k: (lambda t: (t * (k + 1)).sin() + k))(k) for k in range(8)  # noqa: PLC3002
-]
+def _branch(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: (t * (k + 1)).sin() + k
+
+
+BRANCHES = [_branch(k) for k in range(8)]
 
 
 def nested_cond(i: torch.Tensor, x: torch.Tensor, k: int = 0) -> torch.Tensor:
     if k == len(BRANCHES) - 1:
         return BRANCHES[k](x)
-    return torch.cond(
-        i == k, BRANCHES[k], lambda t: nested_cond(i, t, k + 1), (x,)
-    )
+    return torch.cond(i == k, BRANCHES[k], lambda t: nested_cond(i, t, k + 1), (x,))
 
 
 def bench_switch(table: BenchTable, reps: int) -> None:

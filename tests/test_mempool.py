@@ -97,7 +97,9 @@ def test_bad_requests(args, match) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_bad_construction_and_negative_round() -> None:
-    with pytest.raises(MemPoolError, match="heap_bytes must be a positive multiple of 512, got 100"):
+    with pytest.raises(
+        MemPoolError, match="heap_bytes must be a positive multiple of 512, got 100"
+    ):
         MemPool(heap_bytes=100)
     with pytest.raises(MemPoolError, match="got -5"):
         round_size(-5)

@@ -142,9 +142,7 @@ def test_differing_int_outputs_become_bounded_symint() -> None:
     with mode:
         x = torch.empty(3)
         i = torch.empty((), dtype=torch.int64)
-        out = switch_op(
-            i, (x,), lambda t: (t + 1, 2), lambda t: (t * 2, 5), lambda t: (t - 1, 3)
-        )
+        out = switch_op(i, (x,), lambda t: (t + 1, 2), lambda t: (t * 2, 5), lambda t: (t - 1, 3))
     n = out[1]
     assert isinstance(n, torch.SymInt)
     rng = mode.shape_env.var_to_range[n.node.expr]

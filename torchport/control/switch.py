@@ -120,10 +120,16 @@ def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
 
     if torch.compiler.is_compiling() or _get_current_dispatch_mode_stack():
         return True
-    if torch._C._is_functionalization_enabled() if hasattr(torch._C, "_is_functionalization_enabled") else False:
+    if (
+        torch._C._is_functionalization_enabled()
+        if hasattr(torch._C, "_is_functionalization_enabled")
+        else False
+    ):
         return True
     ts = [x for x in (*leaves, index) if isinstance(x, torch.Tensor)]
-    return any(isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t) for t in ts)
+    return any(
+        isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t) for t in ts
+    )
 
 
 def switch(
@@ -145,7 +151,9 @@ def switch(
             differ, naming the branch.
     """
     if not isinstance(operands, (tuple, list)):
-        raise SwitchError(f"switch: operands must be a tuple or list, got {type(operands).__name__}")
+        raise SwitchError(
+            f"switch: operands must be a tuple or list, got {type(operands).__name__}"
+        )
     leaves, spec = pytree.tree_flatten(operands)
     _validate(index, branches, leaves)
     n = len(branches)
@@ -158,7 +166,7 @@ def switch(
     from torchport.graphs.capture import current_recorder
 
     rec = current_recorder()
-    if rec is not None:
+    if rec is not None and isinstance(index, torch.Tensor):
         return rec.record_switch(index, flat_branches, leaves)
     if torch.compiler.is_dynamo_compiling():
         return _cond_tree(index, flat_branches, leaves, 0, n)
@@ -195,7 +203,9 @@ def _call_unflattened(*args: Any, branch: Callable[..., Any], spec: pytree.TreeS
     return branch(*pytree.tree_unflatten(list(args), spec))
 
 
-def _cond_tree(index: Any, branches: Sequence[Callable[..., Any]], ops: list[Any], lo: int, hi: int) -> Any:
+def _cond_tree(
+    index: Any, branches: Sequence[Callable[..., Any]], ops: list[Any], lo: int, hi: int
+) -> Any:
     """Balanced ``torch.cond`` tree over ``branches[lo:hi]`` (dynamo's view of a switch)."""
     if hi - lo == 1:
         return branches[lo](*ops)
@@ -223,14 +233,15 @@ def _trace_switch(mode: ProxyTorchDispatchMode, index: Any, branches: Any, opera
                 "switch: branches must return the same output structure; branch0 returns "
                 f"{specs[0]} but branch{i} returns {s}"
             )
+    tracer: Any = mode.tracer
     uid, _ = unique_graph_id(mode, prefix="switch_branch0")
     for i, g in enumerate(graphs):
-        mode.tracer.root.register_module(f"switch_branch{i}_{uid}", g)
+        tracer.root.register_module(f"switch_branch{i}_{uid}", g)
     args = (index, tuple(operands), *graphs)
-    proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, args)  # type: ignore[attr-defined]
-    out_proxy = mode.tracer.create_proxy("call_function", switch_op, proxy_args, {})
+    proxy_args = pytree.tree_map(tracer.unwrap_proxy, args)
+    out_proxy = tracer.create_proxy("call_function", switch_op, proxy_args, {})
     out = switch_op(index, tuple(operands), *graphs)
-    return track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
+    return track_tensor_tree(out, out_proxy, constant=None, tracer=tracer)
 
 
 @switch_op.py_impl(DispatchKey.CompositeExplicitAutograd)
@@ -242,7 +253,7 @@ def _switch_dense(index: Any, operands: Any, *branches: Any) -> Any:
 
 class _SwitchAutograd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, index: Any, branches: Any, *operands: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, index: Any, branches: Any, *operands: Any) -> Any:
         ctx._index = index
         ctx._bw_fns = [create_bw_fn(b, operands) for b in branches]
         ctx._include = torch._C._dispatch_tls_local_include_set()

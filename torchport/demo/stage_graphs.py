@@ -11,7 +11,7 @@ same step run by an eager Python loop, and checks both produce the same tokens.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,8 @@ def decode_step(
     x = F.embedding(tok, model.tok.weight) + F.embedding(pos, model.pos.weight)
     valid = torch.arange(kc.shape[2]) <= pos
     ks, vs = [], []
-    for layer, blk in enumerate(model.blocks):
+    blocks: list[Any] = list(model.blocks)
+    for layer, blk in enumerate(blocks):
         q, k, v = blk.attn.qkv(blk.ln1(x)).split(d, dim=-1)
         kl = kc[layer].index_copy(1, pos, k.view(heads, 1, hd))
         vl = vc[layer].index_copy(1, pos, v.view(heads, 1, hd))
@@ -67,10 +68,10 @@ class CapturedDecoder:
             self.n, self.out = self._loop()
 
     def _loop(self) -> tuple[torch.Tensor, torch.Tensor]:
-        def cond(n, tok, pos, kc, vc, out):  # type: ignore[no-untyped-def]
+        def cond(n, tok, pos, kc, vc, out):
             return ((n < self.limit) & (tok != END_BYTE)).reshape(())
 
-        def body(n, tok, pos, kc, vc, out):  # type: ignore[no-untyped-def]
+        def body(n, tok, pos, kc, vc, out):
             nxt, kc, vc = decode_step(self.model, tok, pos, kc, vc)
             return n + 1, nxt, pos + 1, kc, vc, out.index_copy(0, n, nxt)
 

@@ -11,4 +11,12 @@ from torchport.graphs.capture import CaptureError
 from torchport.graphs.graph import Graph, GraphError
 from torchport.graphs.pool import MemPool, MemPoolError, PoolStats, round_size
 
-__all__ = ["CaptureError", "Graph", "GraphError", "MemPool", "MemPoolError", "PoolStats", "round_size"]
+__all__ = [
+    "CaptureError",
+    "Graph",
+    "GraphError",
+    "MemPool",
+    "MemPoolError",
+    "PoolStats",
+    "round_size",
+]

@@ -279,7 +279,9 @@ class Recorder(TorchDispatchMode):
         finally:
             self.scope = outer
             self.scopes_stack.pop()
-        self._sub_out_names = {id(t): self._names[id(t)][1] for t in _tensors(out) if id(t) in self._names}
+        self._sub_out_names = {
+            id(t): self._names[id(t)][1] for t in _tensors(out) if id(t) in self._names
+        }
         self._names = saved
         return out, lines
 
@@ -298,14 +300,14 @@ class Recorder(TorchDispatchMode):
             chosen = int(index.item())
         results = []
         blocks = []
-        for i, b in enumerate(branches):
+        for b in branches:
             out, lines = self._sub(b, operands)
             leaves, spec = pytree.tree_flatten(out)
             names = [self._value_name(x) if isinstance(x, torch.Tensor) else None for x in leaves]
             results.append((leaves, spec, names))
             blocks.append(lines)
         spec0 = results[0][1]
-        for i, (leaves, spec, _) in enumerate(results):
+        for i, (_, spec, _) in enumerate(results):
             if spec != spec0:
                 from torchport.control.switch import SwitchError
 
@@ -336,7 +338,7 @@ class Recorder(TorchDispatchMode):
                         f"switch: output {j} is {leaf0!r} in branch0 but {x!r} in branch{i}; "
                         "a captured graph cannot return a data-dependent Python int"
                     )
-        for i, (lines, (leaves, _, names)) in enumerate(zip(blocks, results)):
+        for i, (lines, (_, _, names)) in enumerate(zip(blocks, results)):
             kw = "if" if i == 0 else ("elif" if i < len(blocks) - 1 else "else")
             head = f"{kw} {idx} == {i}:" if kw != "else" else "else:"
             self.emit(head)
@@ -458,10 +460,10 @@ class Recorder(TorchDispatchMode):
             raise CaptureError(f"graph capture: the recorded program does not compile: {e}") from e
         fn, ext = cu.prog, list(self.ext)
 
-        def run() -> None:
+        def run_ts() -> None:
             fn(ext, outs)
 
-        return Program(source, run, ext, outs, self.ops, "torchscript")
+        return Program(source, run_ts, ext, outs, self.ops, "torchscript")
 
 
 def _dedent(lines: list[str], levels: int) -> list[str]:

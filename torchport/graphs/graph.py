@@ -185,5 +185,3 @@ class Graph:
             self._abort()
             return
         self.capture_end()
-
-

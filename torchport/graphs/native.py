@@ -74,11 +74,7 @@ class _Unsupported(Exception):
 
 def _is_view(func: Any) -> bool:
     rets = func._schema.returns
-    return (
-        len(rets) == 1
-        and rets[0].alias_info is not None
-        and not rets[0].alias_info.is_write
-    )
+    return len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write
 
 
 class _Codegen:
@@ -120,10 +116,18 @@ class _Codegen:
         body = f"{ob}[{' + '.join(oterms) or '0'}] = {expr.format(**names)};"
         loops = [f"for (long {idx[d]} = 0; {idx[d]} < {shape[d]}; ++{idx[d]})" for d in range(nd)]
         if loops:
-            loops[-1] = "_Pragma(\"omp simd\") " + loops[-1]
+            loops[-1] = '_Pragma("omp simd") ' + loops[-1]
         self.lines.append(f"  {{ {' '.join(loops)} {body} }}")
 
-    def addmm(self, out: torch.Tensor, bias: Any, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: float) -> None:
+    def addmm(
+        self,
+        out: torch.Tensor,
+        bias: Any,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        beta: float,
+        alpha: float,
+    ) -> None:
         ob, (m, n), (os0, os1) = self.ref(out)
         ab, (_, k), (as0, as1) = self.ref(a)
         bb, _, (bs0, bs1) = self.ref(b)
@@ -139,13 +143,13 @@ class _Codegen:
         # Row-major copy of B (contiguous along j), then rank-1 updates vectorised over j.
         self.lines.append(
             f"  {{ float bt[{k * n}]; float acc[{n}];\n"
-            f"    for (long p = 0; p < {k}; ++p) _Pragma(\"omp simd\") for (long j = 0; j < {n}; ++j)"
+            f'    for (long p = 0; p < {k}; ++p) _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
             f" bt[p*{n} + j] = {bb}[p*{bs0} + j*{bs1}];\n"
             f"    for (long i = 0; i < {m}; ++i) {{\n"
-            f"      _Pragma(\"omp simd\") for (long j = 0; j < {n}; ++j) acc[j] = 0.0f;\n"
+            f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] = 0.0f;\n'
             f"      for (long p = 0; p < {k}; ++p) {{ const float a = {ab}[i*{as0} + p*{as1}];\n"
-            f"        _Pragma(\"omp simd\") for (long j = 0; j < {n}; ++j) acc[j] += a * bt[p*{n} + j]; }}\n"
-            f"      _Pragma(\"omp simd\") for (long j = 0; j < {n}; ++j)"
+            f'        _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] += a * bt[p*{n} + j]; }}\n'
+            f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
             f" {ob}[i*{os0} + j*{os1}] = {init} + {float(alpha)!r}f * acc[j];\n"
             f"    }}\n  }}"
         )
@@ -167,7 +171,11 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
             cg.addmm(out, args[0], args[1], args[2], beta, alpha)
         return
     if base in _UNARY and base != "copy":
-        if kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+        if kwargs.get("memory_format") not in (
+            None,
+            torch.preserve_format,
+            torch.contiguous_format,
+        ):
             raise _Unsupported(name)
         cg.pointwise(out, _UNARY[base], [("a", args[0])])
         return
@@ -182,7 +190,9 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
     raise _Unsupported(name)
 
 
-def lower(trace: Sequence[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]) -> tuple[Callable[[], None], list[torch.Tensor], str] | None:
+def lower(
+    trace: Sequence[tuple[Any, tuple[Any, ...], dict[str, Any], Any]],
+) -> tuple[Callable[[], None], list[torch.Tensor], str] | None:
     """C function for ``trace`` (ops with their real tensors), or ``None`` if unsupported."""
     if not native.enabled():
         return None

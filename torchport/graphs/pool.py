@@ -73,7 +73,7 @@ class _Heap:
 
     def take(self, size: int) -> int | None:
         best = None
-        for i, (off, sz) in enumerate(self.free):
+        for i, (_, sz) in enumerate(self.free):
             if sz >= size and (best is None or sz < self.free[best][1]):
                 best = i
         if best is None:
