@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,17 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 
 __all__ = ["CaptureError", "Program", "Recorder", "current_recorder"]
 
-_ACTIVE: list[Recorder] = []
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Recorder] = []
+
+
+_TLS = _Active()
+
+
+def active_stack() -> list[Recorder]:
+    """This thread's capturing recorders (innermost last)."""
+    return _TLS.stack
 
 
 class CaptureError(RuntimeError):
@@ -42,8 +53,9 @@ class CaptureError(RuntimeError):
 
 def current_recorder() -> Recorder | None:
     """The recorder of the innermost active (not paused) capture, or ``None``."""
-    if _ACTIVE and not _ACTIVE[-1].paused:
-        return _ACTIVE[-1]
+    stack = _TLS.stack
+    if stack and not stack[-1].paused:
+        return stack[-1]
     return None
 
 

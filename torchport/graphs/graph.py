@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchport.graphs.capture import _ACTIVE, Program, Recorder
+from torchport.graphs.capture import Program, Recorder, active_stack
 from torchport.graphs.pool import MemPool
 
 __all__ = ["Graph", "GraphError"]
@@ -77,11 +77,11 @@ class Graph:
             raise GraphError("Graph.capture_begin: a capture is already in progress")
         if self._program is not None:
             raise GraphError("Graph.capture_begin: graph already captured; call reset() first")
-        if _ACTIVE:
+        if active_stack():
             raise GraphError("Graph.capture_begin: another graph is capturing on this thread")
         rec = Recorder()
         rec.__enter__()
-        _ACTIVE.append(rec)
+        active_stack().append(rec)
         self._rec = rec
 
     def capture_end(self) -> None:
@@ -90,7 +90,7 @@ class Graph:
         if rec is None:
             raise GraphError("Graph.capture_end: no capture in progress")
         self._rec = None
-        _ACTIVE.remove(rec)
+        active_stack().remove(rec)
         rec.__exit__(None, None, None)
         self._program = rec.finish()
         if self._program.tier == "torchscript":
@@ -101,8 +101,8 @@ class Graph:
         rec = self._rec
         if rec is not None:
             self._rec = None
-            if rec in _ACTIVE:
-                _ACTIVE.remove(rec)
+            if rec in active_stack():
+                active_stack().remove(rec)
             rec.__exit__(None, None, None)
 
     def _place_outputs(self, prog: Program) -> None:
