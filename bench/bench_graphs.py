@@ -167,7 +167,7 @@ def decode_trace(steps: int) -> list[int]:
 
 def bench_pool(table: BenchTable, steps: int) -> None:
     """Re-capture a decode-like step per sequence length; static buffers come from the pool."""
-    layers, heads, hd = 4, 4, 32
+    layers, heads, hd = 6, 4, 64
     pool = MemPool()
     base = ExactSizeCache()
     held: list[torch.Tensor] = []
@@ -191,6 +191,7 @@ def bench_pool(table: BenchTable, steps: int) -> None:
         for n in sizes:
             base.release(n)
         g.replay()
+        del kv, outs, scores, t  # only `held` keeps this step's buffers
     held.clear()
     g.reset()
     gc.collect()
@@ -222,7 +223,7 @@ def main() -> None:
     bench_overhead(table, args.reps * 10)
     bench_switch(table, args.reps * 10)
     bench_while(table, args.reps, 200 if args.quick else 1000)
-    bench_pool(table, 30 if args.quick else 200)
+    bench_pool(table, 20 if args.quick else 60)
     table.save(args.json)
 
 

@@ -120,12 +120,6 @@ def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
 
     if torch.compiler.is_compiling() or _get_current_dispatch_mode_stack():
         return True
-    if (
-        torch._C._is_functionalization_enabled()
-        if hasattr(torch._C, "_is_functionalization_enabled")
-        else False
-    ):
-        return True
     ts = [x for x in (*leaves, index) if isinstance(x, torch.Tensor)]
     return any(
         isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t) for t in ts

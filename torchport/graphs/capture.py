@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 
 __all__ = ["CaptureError", "Program", "Recorder", "current_recorder"]
 
+
 class _Active(threading.local):
     def __init__(self) -> None:
         self.stack: list[Recorder] = []
