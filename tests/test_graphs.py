@@ -188,3 +188,36 @@ def test_unsupported_ops_fall_back_to_torchscript() -> None:
     x.copy_(torch.randn(4, 4))
     g.replay()
     torch.testing.assert_close(y, x.softmax(-1))
+
+
+def test_captured_switch_with_mismatched_branches_names_branch() -> None:
+    x = torch.randn(3)
+    with pytest.raises(torchport.control.SwitchError, match="branch1"), Graph():
+        torchport.switch(torch.tensor(0), [lambda t: t + 1, lambda t: t[:2]], (x,))
+    with pytest.raises(torchport.control.SwitchError, match="data-dependent Python int"), Graph():
+        torchport.switch(torch.tensor(0), [lambda t: (t, 1), lambda t: (t, 2)], (x,))
+
+
+def test_loop_inside_switch_inside_loop() -> None:
+    n, x = torch.tensor(0), torch.randn(4)
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        return torchport.while_loop(lambda v: v.abs().sum() < 100, lambda v: (v * 2 + 1,), (t,))[0]
+
+    def body(i: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, torchport.switch(i % 2, [inner, lambda t: t - 50], (v,))
+
+    g = Graph()
+    with g:
+        _, out = torchport.while_loop(lambda i, v: i < n, body, (torch.tensor(0), x.abs()))
+    for trips in (0, 1, 2, 5):
+        n.fill_(trips)
+        g.replay()
+        ref = x.abs()
+        for j in range(trips):
+            if j % 2 == 0:
+                while ref.abs().sum() < 100:
+                    ref = ref * 2 + 1
+            else:
+                ref = ref - 50
+        torch.testing.assert_close(out, ref)
