@@ -138,19 +138,35 @@ class _Codegen:
             sidx = ["i", "j"][pad:]
             terms = [f"{sidx[d]}*{cst[d]}" for d in range(len(cs)) if cs[d] != 1]
             init = f"{float(beta)!r}f * {cb}[{' + '.join(terms) or '0'}]"
-        if k * n > (1 << 16) or n > 4096:
+        if k * n > (1 << 16) or n > 4096 or m * k > (1 << 16):
             raise _Unsupported("matmul too large for the native tier")
-        # Row-major copy of B (contiguous along j), then rank-1 updates vectorised over j.
+        alpha_s = f"{float(alpha)!r}f"
+        if bs1 == 1:
+            # B rows contiguous along j: rank-1 updates of one output row, vectorised over j.
+            self.lines.append(
+                f"  {{ float acc[{n}];\n"
+                f"    for (long i = 0; i < {m}; ++i) {{\n"
+                f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] = 0.0f;\n'
+                f"      for (long p = 0; p < {k}; ++p) {{ const float a = {ab}[i*{as0} + p*{as1}];\n"
+                f'        _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
+                f" acc[j] += a * {bb}[p*{bs0} + j]; }}\n"
+                f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
+                f" {ob}[i*{os0} + j*{os1}] = {init} + {alpha_s} * acc[j];\n"
+                f"    }}\n  }}"
+            )
+            return
+        # B strided along j (e.g. a transposed Linear weight): copy A transposed (small), then
+        # for each output column accumulate all rows at once, vectorised over i.
         self.lines.append(
-            f"  {{ float bt[{k * n}]; float acc[{n}];\n"
-            f'    for (long p = 0; p < {k}; ++p) _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
-            f" bt[p*{n} + j] = {bb}[p*{bs0} + j*{bs1}];\n"
-            f"    for (long i = 0; i < {m}; ++i) {{\n"
-            f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] = 0.0f;\n'
-            f"      for (long p = 0; p < {k}; ++p) {{ const float a = {ab}[i*{as0} + p*{as1}];\n"
-            f'        _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] += a * bt[p*{n} + j]; }}\n'
-            f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
-            f" {ob}[i*{os0} + j*{os1}] = {init} + {float(alpha)!r}f * acc[j];\n"
+            f"  {{ float at[{k * m}]; float acc[{m}];\n"
+            f"    for (long i = 0; i < {m}; ++i) for (long p = 0; p < {k}; ++p)"
+            f" at[p*{m} + i] = {ab}[i*{as0} + p*{as1}];\n"
+            f"    for (long j = 0; j < {n}; ++j) {{\n"
+            f'      _Pragma("omp simd") for (long i = 0; i < {m}; ++i) acc[i] = 0.0f;\n'
+            f"      for (long p = 0; p < {k}; ++p) {{ const float b = {bb}[p*{bs0} + j*{bs1}];\n"
+            f'        _Pragma("omp simd") for (long i = 0; i < {m}; ++i) acc[i] += at[p*{m} + i] * b; }}\n'
+            f"      for (long i = 0; i < {m}; ++i)"
+            f" {ob}[i*{os0} + j*{os1}] = {init} + {alpha_s} * acc[i];\n"
             f"    }}\n  }}"
         )
 
