@@ -221,3 +221,17 @@ def test_loop_inside_switch_inside_loop() -> None:
             else:
                 ref = ref - 50
         torch.testing.assert_close(out, ref)
+
+
+def test_keep_graph_compiles_on_first_replay(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(3)
+    g = Graph(keep_graph=True)
+    with g:
+        y = x.softmax(0)
+    with pytest.raises(GraphError, match="nothing captured"):
+        _ = g.tier  # not compiled yet
+    x.copy_(torch.randn(3))
+    g.replay()
+    assert g.tier == "torchscript"
+    torch.testing.assert_close(y, x.softmax(0))
+    g.instantiate()  # idempotent

@@ -67,7 +67,7 @@ class Graph:
         self.capture_error_mode = capture_error_mode
         self._rec: Recorder | None = None
         self._program: Program | None = None
-        self._compiled = False
+        self._pending: Recorder | None = None
         self._debug = False
 
     # -- capture --------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ class Graph:
         """Start recording the ops run by this thread."""
         if self._rec is not None:
             raise GraphError("Graph.capture_begin: a capture is already in progress")
-        if self._program is not None:
+        if self._program is not None or self._pending is not None:
             raise GraphError("Graph.capture_begin: graph already captured; call reset() first")
         if active_stack():
             raise GraphError("Graph.capture_begin: another graph is capturing on this thread")
@@ -85,17 +85,16 @@ class Graph:
         self._rec = rec
 
     def capture_end(self) -> None:
-        """Stop recording; compile the program unless ``keep_graph``."""
+        """Stop recording; compile the program now unless ``keep_graph`` (then on first use)."""
         rec = self._rec
         if rec is None:
             raise GraphError("Graph.capture_end: no capture in progress")
         self._rec = None
         active_stack().remove(rec)
         rec.__exit__(None, None, None)
-        self._program = rec.finish()
-        if self._program.tier == "torchscript":
-            self._place_outputs(self._program)
-        self._compiled = True
+        self._pending = rec
+        if not self.keep_graph:
+            self.instantiate()
 
     def _abort(self) -> None:
         rec = self._rec
@@ -123,23 +122,33 @@ class Graph:
                     t.set_(p.untyped_storage(), 0, t.shape, t.stride())
 
     def instantiate(self) -> None:
-        """Make the captured program ready to replay (done by ``capture_end`` by default)."""
-        if self._program is None:
+        """Compile the captured program (``capture_end`` does this unless ``keep_graph``)."""
+        if self._program is not None:
+            return
+        rec = self._pending
+        if rec is None:
             raise GraphError("Graph.instantiate: nothing captured")
-        self._compiled = True
+        self._pending = None
+        self._program = rec.finish()
+        if self._program.tier == "torchscript":
+            self._place_outputs(self._program)
 
     def replay(self) -> None:
         """Run the captured program once (reads inputs, rewrites outputs and mutated buffers)."""
         prog = self._program
         if prog is None:
-            raise GraphError("Graph.replay: nothing captured; call capture_begin/capture_end")
+            if self._pending is None:
+                raise GraphError("Graph.replay: nothing captured; call capture_begin/capture_end")
+            self.instantiate()
+            prog = self._program
+            assert prog is not None
         prog.run()
 
     def reset(self) -> None:
         """Drop the captured program so the graph can capture again."""
         self._abort()
         self._program = None
-        self._compiled = False
+        self._pending = None
 
     def pool(self) -> MemPool:
         """The memory pool of this graph; pass it as ``pool=`` to share it with another graph."""
