@@ -235,3 +235,14 @@ def test_keep_graph_compiles_on_first_replay(torchscript_tier) -> None:  # type:
     assert g.tier == "torchscript"
     torch.testing.assert_close(y, x.softmax(0))
     g.instantiate()  # idempotent
+
+
+def test_native_tier_special_values() -> None:
+    x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0, -0.0, 1e-3]])
+    g = Graph()
+    with torch.no_grad(), g:
+        outs = [x.relu(), x.exp(), x.tanh(), x.sigmoid(), x.neg(), x * 2 - 1]
+    assert g.tier == "native"
+    g.replay()
+    for got, want in zip(outs, [x.relu(), x.exp(), x.tanh(), x.sigmoid(), x.neg(), x * 2 - 1]):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-6)

@@ -29,8 +29,9 @@ __all__ = ["lower"]
 # exp: range reduction x = k ln2 + r (ln2 split in two), degree-6 polynomial for e^r on
 # [-ln2/2, ln2/2], scale by 2^k through the exponent bits; <= 2 ulp on [-87, 88].
 _MATH = r"""
-TP_INLINE float tp_expf(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+TP_INLINE float tp_expf(float x0) {
+    float x = x0 < -87.0f ? -87.0f : (x0 > 88.0f ? 88.0f : x0);
+    x = x0 != x0 ? 0.0f : x;
     float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - k * 0.693359375f + k * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -43,7 +44,10 @@ TP_INLINE float tp_expf(float x) {
     int32_t bits = ((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return p * scale;
+    float y = p * scale;
+    y = x0 > 88.7f ? __builtin_inff() : y;  /* overflow, as expf */
+    y = x0 < -87.0f ? 0.0f : y;             /* below the normal range */
+    return x0 != x0 ? x0 : y;               /* NaN stays NaN */
 }
 TP_INLINE float tp_tanhf(float x) {
     float a = x < 0.0f ? -x : x;
@@ -52,12 +56,13 @@ TP_INLINE float tp_tanhf(float x) {
     float x2 = x * x;
     float small = a * (1.0f + x2 * (-0.333333333f + x2 * (0.133333333f + x2 * -0.053968254f)));
     float r = a < 0.0625f ? small : big;
+    r = x != x ? x : r;
     return x < 0.0f ? -r : r;
 }
 """
 
 _UNARY = {
-    "relu": "({a} > 0.0f ? {a} : 0.0f)",
+    "relu": "({a} < 0.0f ? 0.0f : {a})",  # NaN propagates, as in ATen
     "tanh": "tp_tanhf({a})",
     "sigmoid": "(1.0f / (1.0f + tp_expf(-{a})))",
     "neg": "(-{a})",
@@ -138,6 +143,8 @@ class _Codegen:
             sidx = ["i", "j"][pad:]
             terms = [f"{sidx[d]}*{cst[d]}" for d in range(len(cs)) if cs[d] != 1]
             init = f"{float(beta)!r}f * {cb}[{' + '.join(terms) or '0'}]"
+            if float(beta) == 0.0:
+                init = "0.0f"  # ATen ignores the bias (even NaN) when beta == 0
         if k * n > (1 << 16) or n > 4096 or m * k > (1 << 16):
             raise _Unsupported("matmul too large for the native tier")
         alpha_s = f"{float(alpha)!r}f"
