@@ -1,12 +1,14 @@
 """torchport: PyTorch 2.14's new systems on any machine, CPU first.
 
-Subpackages: ``native`` (kernel toolchain), ``autotune``, ``ops``, ``compiler``; ``config`` holds
+Subpackages: ``native`` (kernel toolchain), ``autotune``, ``ops``, ``compiler``, ``control``
+(``switch``, ``while_loop``), ``graphs`` (``Graph`` capture/replay, ``MemPool``); ``config`` holds
 settings. ``torchport.compile`` is ``torch.compile`` with the torchport backend (registered as
 ``backend="torchport"`` on import).
 """
 
-from torchport import config
+from torchport import config, graphs
 from torchport.compiler import compile
+from torchport.control import switch, while_loop
 from torchport.frontend import (
     STATIC,
     DictSpec,
@@ -38,5 +40,8 @@ __all__ = [
     "config",
     "dynamic_spec",
     "export",
+    "graphs",
     "make_fx",
+    "switch",
+    "while_loop",
 ]

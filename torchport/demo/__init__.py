@@ -19,6 +19,7 @@ from torchport.demo.data import Corpus, load_corpus
 from torchport.demo.model import GPT, GPTConfig, generate
 from torchport.demo.report import Section, plot_curves, render_table, write_report
 from torchport.demo.stage_dynamic import stage_dynamic
+from torchport.demo.stage_graphs import stage_graphs
 from torchport.demo.train import TrainConfig, TrainResult, evaluate, train
 
 
@@ -98,6 +99,7 @@ STAGES: list[tuple[str, Stage]] = [
     ("sample", stage_sample),
     ("dynamic", stage_dynamic),
     ("ft", lambda ctx: __import__("torchport.demo.stage_ft", fromlist=["stage_ft"]).stage_ft(ctx)),
+    ("graphs", stage_graphs),
 ]
 
 

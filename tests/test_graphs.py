@@ -1,0 +1,248 @@
+"""torchport.graphs.Graph: capture/replay equality with eager, switch/while inside, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchport
+from torchport import config
+from torchport.graphs import CaptureError, Graph, GraphError, MemPool
+
+
+def _model(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = F.gelu(F.linear(x, w, b))
+    h = h.softmax(-1) * x.sum(-1, keepdim=True)
+    h = torch.cat([h[:, :3], h[:, 3:] * 2], dim=1)
+    return F.layer_norm(h, h.shape[-1:]).transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8])
+@pytest.mark.parametrize("cols", [4, 13, 64])
+def test_replay_matches_eager_on_new_inputs(rows: int, cols: int) -> None:
+    torch.manual_seed(rows * 100 + cols)
+    x = torch.randn(rows, cols)
+    w, b = torch.randn(cols, cols), torch.randn(cols)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = _model(x, w, b)
+    for _ in range(3):
+        x.copy_(torch.randn(rows, cols))
+        g.replay()
+        torch.testing.assert_close(y, _model(x, w, b))
+
+
+def test_in_place_updates_of_static_buffers_replay() -> None:
+    cache = torch.zeros(4, 3)
+    pos = torch.tensor([0])
+    x = torch.randn(1, 3)
+    g = Graph()
+    with g:
+        cache.index_copy_(0, pos, x)
+        pos.add_(1)
+    torch.testing.assert_close(cache[0], x[0])
+    for k in range(1, 4):
+        x.copy_(torch.full((1, 3), float(k)))
+        g.replay()
+        torch.testing.assert_close(cache[k], x[0])
+    assert int(pos) == 4
+
+
+def test_switch_and_while_loop_inside_capture_follow_data() -> None:
+    n = torch.tensor(0)
+    sel = torch.tensor(0)
+    a0 = torch.randn(5)
+    branches = [lambda t: t + 1, lambda t: t * 2, lambda t: t - 3]
+
+    def body(i: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, torchport.switch((i + sel) % 3, branches, (a,))
+
+    g = Graph()
+    with g:
+        i_out, a_out = torchport.while_loop(lambda i, a: i < n, body, (torch.tensor(0), a0))
+        picked = torchport.switch(sel, branches, (a_out,))
+    for trips in (0, 1, 4, 9):
+        for s in (0, 2, 5):
+            n.fill_(trips)
+            sel.fill_(s)
+            g.replay()
+            ref = a0.clone()
+            for j in range(trips):
+                ref = branches[(j + s) % 3](ref)
+            assert int(i_out) == trips
+            torch.testing.assert_close(a_out, ref)
+            torch.testing.assert_close(picked, branches[min(s, 2)](ref))
+
+
+def test_item_is_rejected_at_capture_naming_the_op() -> None:
+    x = torch.randn(3)
+    g = Graph()
+    with pytest.raises(CaptureError, match=r"aten\._local_scalar_dense"), g:
+        if (x.sum() > 0).item():
+            x.add_(1)
+    g2 = Graph()  # the failed capture left no recorder behind
+    with config.override(native=False), g2:
+        y = x * 2
+    g2.replay()
+    torch.testing.assert_close(y, x * 2)
+
+
+def test_explicit_generator_is_rejected() -> None:
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(CaptureError, match=r"torch\.Generator"), Graph():
+        torch.rand(3, generator=gen)
+
+
+def test_int_carried_in_captured_loop_is_rejected() -> None:
+    with pytest.raises(torchport.control.WhileLoopError, match="0-dim int64 tensor"), Graph():
+        torchport.while_loop(lambda n, x: n < 3, lambda n, x: (n + 1, x), (0, torch.ones(1)))
+
+
+@pytest.fixture
+def torchscript_tier():  # type: ignore[no-untyped-def]
+    """Force the TorchScript tier (no C compile) for tests about Graph's state machine."""
+    with config.override(native=False):
+        yield
+
+
+def test_state_errors_and_reset(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    g = Graph()
+    with pytest.raises(GraphError, match="nothing captured"):
+        g.replay()
+    with pytest.raises(GraphError, match="no capture in progress"):
+        g.capture_end()
+    x = torch.ones(2)
+    g.capture_begin()
+    with pytest.raises(GraphError, match="already in progress"):
+        g.capture_begin()
+    y = x + 1
+    g.capture_end()
+    with pytest.raises(GraphError, match="reset"):
+        g.capture_begin()
+    g.reset()
+    with g:
+        z = x * 3
+    x.fill_(2)
+    g.replay()
+    torch.testing.assert_close(z, torch.full((2,), 6.0))
+    torch.testing.assert_close(y, torch.full((2,), 2.0))  # no longer replayed
+    with pytest.raises(GraphError, match="MemPool"):
+        Graph(pool=3)  # type: ignore[arg-type]
+    with pytest.raises(GraphError, match="capture_error_mode"):
+        Graph(capture_error_mode="strict")  # type: ignore[arg-type]
+
+
+def test_outputs_live_in_shared_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pool = MemPool()
+    x = torch.randn(16, 16)
+    g1 = Graph(pool=pool)
+    with config.override(native=False), g1:
+        y1 = x @ x
+    g2 = Graph(pool=g1.pool())
+    with config.override(native=False), g2:
+        y2 = y1.relu()
+    assert g1.tier == g2.tier == "torchscript"
+    assert g2.pool() is pool
+    assert pool.stats().allocated >= 2 * 16 * 16 * 4
+    x.copy_(torch.randn(16, 16))
+    g1.replay()
+    g2.replay()
+    torch.testing.assert_close(y2, (x @ x).relu())
+    g1.enable_debug_mode()
+    g1.debug_dump(str(tmp_path / "g.ts"))
+    assert "aten.mm" in (tmp_path / "g.ts").read_text()
+    assert g1.num_ops == 1
+
+
+def _pointwise_mix(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = torch.addmm(b, x, w.t(), beta=0.5, alpha=2.0).relu() * 0.25
+    h = h - x.exp().neg() / 3.0
+    h = torch.tanh(h) + torch.sigmoid(h * 4)
+    h.add_(b, alpha=-2.0)
+    return torch.mm(h, w) + x.clone()
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(0, 7), (1, 64), (5, 7)])
+def test_native_tier_matches_eager(rows: int, cols: int) -> None:
+    torch.manual_seed(rows + 31 * cols)
+    x = torch.randn(rows, cols)
+    w, b = torch.randn(cols, cols), torch.randn(cols)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = _pointwise_mix(x, w, b)
+    assert g.tier == "native"
+    for scale in (1.0, 8.0):  # large inputs reach the saturated exp/tanh range
+        x.copy_(torch.randn(rows, cols) * scale)
+        w.copy_(torch.randn(cols, cols))
+        g.replay()
+        torch.testing.assert_close(y, _pointwise_mix(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_ops_fall_back_to_torchscript() -> None:
+    x = torch.randn(4, 4)
+    g = Graph()
+    with g:
+        y = x.softmax(-1)
+    assert g.tier == "torchscript"
+    x.copy_(torch.randn(4, 4))
+    g.replay()
+    torch.testing.assert_close(y, x.softmax(-1))
+
+
+def test_captured_switch_with_mismatched_branches_names_branch() -> None:
+    x = torch.randn(3)
+    with pytest.raises(torchport.control.SwitchError, match="branch1"), Graph():
+        torchport.switch(torch.tensor(0), [lambda t: t + 1, lambda t: t[:2]], (x,))
+    with pytest.raises(torchport.control.SwitchError, match="data-dependent Python int"), Graph():
+        torchport.switch(torch.tensor(0), [lambda t: (t, 1), lambda t: (t, 2)], (x,))
+
+
+def test_loop_inside_switch_inside_loop() -> None:
+    n, x = torch.tensor(0), torch.randn(4)
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        return torchport.while_loop(lambda v: v.abs().sum() < 100, lambda v: (v * 2 + 1,), (t,))[0]
+
+    def body(i: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, torchport.switch(i % 2, [inner, lambda t: t - 50], (v,))
+
+    g = Graph()
+    with g:
+        _, out = torchport.while_loop(lambda i, v: i < n, body, (torch.tensor(0), x.abs()))
+    for trips in (0, 1, 2, 5):
+        n.fill_(trips)
+        g.replay()
+        ref = x.abs()
+        for j in range(trips):
+            if j % 2 == 0:
+                while ref.abs().sum() < 100:
+                    ref = ref * 2 + 1
+            else:
+                ref = ref - 50
+        torch.testing.assert_close(out, ref)
+
+
+def test_keep_graph_compiles_on_first_replay(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(3)
+    g = Graph(keep_graph=True)
+    with g:
+        y = x.softmax(0)
+    with pytest.raises(GraphError, match="nothing captured"):
+        _ = g.tier  # not compiled yet
+    x.copy_(torch.randn(3))
+    g.replay()
+    assert g.tier == "torchscript"
+    torch.testing.assert_close(y, x.softmax(0))
+    g.instantiate()  # idempotent
+
+
+def test_native_tier_special_values() -> None:
+    x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0, -0.0, 1e-3]])
+    g = Graph()
+    with torch.no_grad(), g:
+        outs = [x.relu(), x.exp(), x.tanh(), x.sigmoid(), x.neg(), x * 2 - 1]
+    assert g.tier == "native"
+    g.replay()
+    for got, want in zip(outs, [x.relu(), x.exp(), x.tanh(), x.sigmoid(), x.neg(), x * 2 - 1]):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-6)

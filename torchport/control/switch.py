@@ -1,0 +1,344 @@
+"""``switch``: run one of N branch functions chosen by an index (PyTorch 2.14's ``torch.switch``).
+
+Semantics (matching 2.14): ``switch(index, branches, operands)`` is ``branches[i](*operands)`` with
+``i = clamp(index, 0, len(branches) - 1)``. ``index`` is an ``int``, ``SymInt`` or one-element
+integer tensor; ``operands`` is a (possibly nested) tuple/list of tensors. Branches must return
+the same output structure (tensors, ints, ``None``); when traced, tensor metadata must agree and
+ints that differ between branches become one bounded unbacked SymInt. Gradients flow through the
+chosen branch only; the index gets none.
+
+How each mode runs it:
+
+- eager: the chosen branch is called directly (no HOP, no tracing, ordinary autograd);
+- ``torch.export`` (non-strict, 2.13's default) and ``make_fx``: :data:`switch_op`, a
+  ``HigherOrderOperator`` registered as ``torch.ops.higher_order.torchport_switch``, records
+  **one** node holding all N branch graphs; the exported program runs and survives
+  ``torch.export.save/load`` (load needs ``import torchport``);
+- ``torch.compile`` (dynamo): torch 2.13's dynamo only knows its built-in control-flow HOPs, so
+  under dynamo the switch lowers to a balanced binary tree of ``torch.cond`` (depth
+  ``ceil(log2 N)``), which ``fullgraph=True`` accepts;
+- inside a :class:`torchport.graphs.Graph` capture: an N-way branch of the replayed program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._C import DispatchKey
+from torch._higher_order_ops.cond import _merge_output
+from torch._higher_order_ops.utils import (
+    _maybe_run_with_interpreter,
+    create_bw_fn,
+    fill_none_with_masks,
+    filter_with_masks,
+    materialize_as_graph,
+    reenter_make_fx,
+    save_values_for_backward,
+    saved_values,
+    unique_graph_id,
+)
+from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_tensor_tree
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+__all__ = ["SwitchError", "switch", "switch_op", "switch_reference"]
+
+
+class SwitchError(RuntimeError):
+    """Invalid arguments to :func:`switch`, or branches whose outputs do not match."""
+
+
+class SwitchOp(HigherOrderOperator):
+    """The N-way branch operator: ``switch_op(index, operands, *branches)`` on flat operands.
+
+    Branches are separate positional arguments so that ``torch.export.save`` serializes each
+    branch graph as a graph argument.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("torchport_switch")
+
+    def __call__(self, index: Any, operands: Any, *branches: Any) -> Any:
+        return super().__call__(index, tuple(operands), *branches)
+
+
+switch_op = SwitchOp()
+
+
+def switch_reference(
+    index: int | torch.Tensor, branches: Sequence[Callable[..., Any]], operands: Sequence[Any] = ()
+) -> Any:
+    """Plain-Python meaning of :func:`switch` (for tests): clamp, then call one branch."""
+    i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
+    return branches[max(0, min(i, len(branches) - 1))](*operands)
+
+
+def _validate(index: Any, branches: Any, leaves: list[Any]) -> None:
+    if isinstance(index, bool) or not isinstance(index, (int, torch.SymInt, torch.Tensor)):
+        raise SwitchError(
+            f"switch: index must be an int, SymInt or one-element integer tensor, got {index!r}"
+        )
+    if isinstance(index, torch.Tensor):
+        if index.numel() != 1:
+            raise SwitchError(
+                "switch: index tensor must have exactly one element, got shape "
+                f"{tuple(index.shape)}"
+            )
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise SwitchError(f"switch: index tensor must have an integer dtype, got {index.dtype}")
+    if not isinstance(branches, (tuple, list)) or len(branches) == 0:
+        raise SwitchError(
+            f"switch: branches must be a non-empty tuple or list of callables, got {branches!r}"
+        )
+    for i, b in enumerate(branches):
+        if not callable(b):
+            raise SwitchError(f"switch: branch{i} is not callable: {b!r}")
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            raise SwitchError(f"switch: every operand leaf must be a Tensor, got {x!r}")
+
+
+def _clamp(index: Any, n: int) -> Any:
+    if isinstance(index, torch.Tensor):
+        return index.reshape(()).clamp(0, n - 1)
+    if isinstance(index, torch.SymInt):
+        return torch.sym_max(0, torch.sym_min(index, n - 1))
+    return max(0, min(int(index), n - 1))
+
+
+def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
+    """True when a dispatch mode or a fake/functional/proxy tensor means we are being traced."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode_stack():
+        return True
+    ts = [x for x in (*leaves, index) if isinstance(x, torch.Tensor)]
+    return any(
+        isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t) for t in ts
+    )
+
+
+def switch(
+    index: int | torch.SymInt | torch.Tensor,
+    branches: Sequence[Callable[..., Any]],
+    operands: tuple[Any, ...] | list[Any] = (),
+) -> Any:
+    """Run ``branches[clamp(index)](*operands)``; traceable as one N-way node.
+
+    Args:
+        index: ``int``, ``SymInt`` or one-element integer tensor; values outside
+            ``[0, len(branches))`` are clamped into it.
+        branches: non-empty tuple/list of callables taking ``*operands`` and returning the same
+            pytree structure of tensors, ints and ``None``.
+        operands: tuple/list (possibly nested) of tensors passed to the branch.
+
+    Raises:
+        SwitchError: a bad index, branch or operand, or (when traced) branches whose outputs
+            differ, naming the branch.
+    """
+    if not isinstance(operands, (tuple, list)):
+        raise SwitchError(
+            f"switch: operands must be a tuple or list, got {type(operands).__name__}"
+        )
+    leaves, spec = pytree.tree_flatten(operands)
+    _validate(index, branches, leaves)
+    n = len(branches)
+    index = _clamp(index, n)
+    flat_branches = tuple(
+        functools.partial(_call_unflattened, branch=b, spec=spec) for b in branches
+    )
+    if isinstance(index, int):
+        return flat_branches[index](*leaves)  # a constant index specialises, as in 2.14
+    from torchport.graphs.capture import current_recorder
+
+    rec = current_recorder()
+    if rec is not None and isinstance(index, torch.Tensor):
+        return rec.record_switch(index, flat_branches, leaves)
+    if torch.compiler.is_dynamo_compiling():
+        return _cond_tree(index, flat_branches, leaves, 0, n)
+    if not _is_tracing(leaves, index):
+        # Eager: call the chosen branch directly; autograd records its ops as usual.
+        i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
+        return flat_branches[i](*leaves)
+    specs: list[pytree.TreeSpec | None] = [None] * n
+    traced = tuple(
+        functools.partial(_call_flat_out, branch=b, specs=specs, i=i)
+        for i, b in enumerate(flat_branches)
+    )
+    out = switch_op(index, tuple(leaves), *traced)
+    spec0 = specs[0]
+    assert spec0 is not None, "switch_op traced branch0"
+    return pytree.tree_unflatten(list(out), spec0)
+
+
+def _call_flat_out(
+    *args: Any, branch: Callable[..., Any], specs: list[pytree.TreeSpec | None], i: int
+) -> tuple[Any, ...]:
+    """Call a branch and return its output leaves as a tuple, remembering the structure."""
+    leaves, spec = pytree.tree_flatten(branch(*args))
+    if specs[0] is not None and i != 0 and spec != specs[0]:
+        raise SwitchError(
+            "switch: branches must return the same output structure; branch0 returns "
+            f"{specs[0]} but branch{i} returns {spec}"
+        )
+    specs[i] = spec
+    return tuple(leaves)
+
+
+def _call_unflattened(*args: Any, branch: Callable[..., Any], spec: pytree.TreeSpec) -> Any:
+    return branch(*pytree.tree_unflatten(list(args), spec))
+
+
+def _cond_tree(
+    index: Any, branches: Sequence[Callable[..., Any]], ops: list[Any], lo: int, hi: int
+) -> Any:
+    """Balanced ``torch.cond`` tree over ``branches[lo:hi]`` (dynamo's view of a switch)."""
+    if hi - lo == 1:
+        return branches[lo](*ops)
+    mid = (lo + hi) // 2
+
+    def left(*a: Any) -> Any:
+        return _cond_tree(index, branches, list(a), lo, mid)
+
+    def right(*a: Any) -> Any:
+        return _cond_tree(index, branches, list(a), mid, hi)
+
+    return torch.cond(index < mid, left, right, tuple(ops))
+
+
+def _trace_switch(mode: ProxyTorchDispatchMode, index: Any, branches: Any, operands: Any) -> Any:
+    graphs = [reenter_make_fx(b)(*operands) for b in branches]
+    outs = []
+    for g in graphs:
+        (out_node,) = [n for n in g.graph.nodes if n.op == "output"]
+        outs.append(list(out_node.args))
+    specs = [pytree.tree_flatten(o)[1] for o in outs]
+    for i, s in enumerate(specs):
+        if s != specs[0]:
+            raise SwitchError(
+                "switch: branches must return the same output structure; branch0 returns "
+                f"{specs[0]} but branch{i} returns {s}"
+            )
+    tracer: Any = mode.tracer
+    uid, _ = unique_graph_id(mode, prefix="switch_branch0")
+    for i, g in enumerate(graphs):
+        tracer.root.register_module(f"switch_branch{i}_{uid}", g)
+    args = (index, tuple(operands), *graphs)
+    proxy_args = pytree.tree_map(tracer.unwrap_proxy, args)
+    out_proxy = tracer.create_proxy("call_function", switch_op, proxy_args, {})
+    out = switch_op(index, tuple(operands), *graphs)
+    return track_tensor_tree(out, out_proxy, constant=None, tracer=tracer)
+
+
+@switch_op.py_impl(DispatchKey.CompositeExplicitAutograd)
+def _switch_dense(index: Any, operands: Any, *branches: Any) -> Any:
+    assert _get_current_dispatch_mode() is None, "no mode may be active at the dense kernel"
+    i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
+    return branches[max(0, min(i, len(branches) - 1))](*operands)
+
+
+class _SwitchAutograd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, index: Any, branches: Any, *operands: Any) -> Any:
+        ctx._index = index
+        ctx._bw_fns = [create_bw_fn(b, operands) for b in branches]
+        ctx._include = torch._C._dispatch_tls_local_include_set()
+        ctx._exclude = torch._C._dispatch_tls_local_exclude_set()
+        save_values_for_backward(ctx, operands)
+        with torch._C._AutoDispatchBelowAutograd():
+            return switch_op(index, operands, *branches)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        operands = saved_values(ctx)
+        args = operands + grads
+        masks: list[bool] = []
+
+        def drop_none(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(*a: Any) -> Any:
+                nonlocal masks
+                outs = fn(*a)
+                masks = [isinstance(o, torch.Tensor) for o in outs]
+                return filter_with_masks(outs, masks)
+
+            return wrapped
+
+        bw_graphs = tuple(
+            materialize_as_graph(
+                drop_none(fn), args, ctx._include, ctx._exclude, force_enable_grad=True
+            )
+            for fn in ctx._bw_fns
+        )
+        out = switch_op(ctx._index, args, *bw_graphs)
+        return None, None, *fill_none_with_masks(out, masks)
+
+
+@switch_op.py_autograd_impl
+def _switch_autograd(index: Any, operands: Any, *branches: Any) -> Any:
+    return _SwitchAutograd.apply(index, branches, *operands)
+
+
+@switch_op.py_impl(ProxyTorchDispatchMode)
+def _switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Any, *branches: Any) -> Any:
+    return _trace_switch(mode, index, branches, operands)
+
+
+@switch_op.py_impl(FakeTensorMode)
+def _switch_fake(mode: FakeTensorMode, index: Any, operands: Any, *branches: Any) -> Any:
+    ignore = contextlib.nullcontext()
+    if mode.shape_env is not None:
+        ignore = mode.shape_env.ignore_fresh_unbacked_symbols()  # type: ignore[assignment]
+    with mode, ignore:
+        flats, specs = zip(*[pytree.tree_flatten(b(*operands)) for b in branches])
+    for i, s in enumerate(specs):
+        if s != specs[0]:
+            raise SwitchError(
+                "switch: branches must return the same output structure; branch0 returns "
+                f"{specs[0]} but branch{i} returns {s}"
+            )
+    merged = []
+    for i, leaves in enumerate(zip(*flats)):
+        try:
+            if all(type(x) is int for x in leaves):
+                merged.append(_merge_ints(leaves, mode))
+                continue
+            merged.append(functools.reduce(lambda a, b: _merge_output(a, b, mode), leaves))
+        except (AssertionError, RuntimeError) as e:
+            raise SwitchError(f"switch: output {i} differs between branches: {e}") from e
+    return pytree.tree_unflatten(merged, specs[0])
+
+
+def _merge_ints(xs: Sequence[int], mode: FakeTensorMode) -> int | torch.SymInt:
+    """Equal ints stay an int; differing ints become an unbacked SymInt bounded by their range."""
+    if all(x == xs[0] for x in xs):
+        return xs[0]
+    if mode.shape_env is None:
+        raise SwitchError(
+            f"switch: branches return different ints {list(xs)}; tracing them needs a ShapeEnv"
+        )
+    sym = mode.shape_env.create_unbacked_symint()
+    mode.shape_env.constrain_symbol_range(sym.node.expr, min(xs), max(xs))
+    return sym
+
+
+@switch_op.py_functionalize_impl
+def _switch_functionalize(ctx: Any, index: Any, operands: Any, *branches: Any) -> Any:
+    from torch._higher_order_ops.utils import _check_alias_and_mutation
+
+    inner_ops = ctx.unwrap_tensors(operands)
+    inner_index = ctx.unwrap_tensors(index)
+    with ctx.redispatch_to_next():
+        fbranches = tuple(ctx.functionalize(_maybe_run_with_interpreter(b)) for b in branches)
+        pre_dispatch = hasattr(ctx, "mode") and ctx.mode.pre_dispatch
+        for i, b in enumerate(branches):
+            _check_alias_and_mutation(b, inner_ops, f"switch_branch{i}", pre_dispatch)
+        out = switch_op(inner_index, tuple(inner_ops), *fbranches)
+    return ctx.wrap_tensors(out)

@@ -1,0 +1,138 @@
+"""``while_loop``: ``torch.while_loop``'s semantics, also capturable in a :class:`~torchport.graphs.Graph`.
+
+``while_loop(cond_fn, body_fn, carried_inputs)`` runs ``carried = body_fn(*carried)`` while
+``cond_fn(*carried)`` is true and returns the final carried values as a tuple.
+
+- carried values are tensors or ints (possibly nested in tuples/lists/dicts); ``body_fn`` returns
+  the same structure, with tensors of the same shape, dtype and device (checked each iteration in
+  eager, naming the leaf);
+- ``cond_fn`` returns a Python bool or a one-element bool tensor;
+- a loop whose condition is false at once returns **copies** of the tensors, never aliases.
+
+Eager runs a plain Python loop (2.13's ``torch.while_loop`` would compile the loop with dynamo on
+every eager call); under ``torch.compile``/``torch.export`` it is torch's ``while_loop`` HOP; inside a
+graph capture it becomes a loop of the replayed program with a data-dependent trip count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["WhileLoopError", "while_loop", "while_loop_reference"]
+
+
+class WhileLoopError(RuntimeError):
+    """Invalid arguments to :func:`while_loop` or a body that changes the carried structure."""
+
+
+def while_loop_reference(
+    cond_fn: Callable[..., Any], body_fn: Callable[..., Any], carried_inputs: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """The plain-Python meaning of :func:`while_loop` (for tests)."""
+    vals = tuple(carried_inputs)
+    ran = False
+    while bool(cond_fn(*vals)):
+        vals = tuple(body_fn(*vals))
+        ran = True
+    if not ran:
+        vals = pytree.tree_map_only(torch.Tensor, torch.clone, vals)
+    return vals
+
+
+def _validate(cond_fn: Any, body_fn: Any, carried: Any) -> list[Any]:
+    if not callable(cond_fn):
+        raise WhileLoopError(f"while_loop: cond_fn must be callable, got {cond_fn!r}")
+    if not callable(body_fn):
+        raise WhileLoopError(f"while_loop: body_fn must be callable, got {body_fn!r}")
+    if not isinstance(carried, (tuple, list)):
+        raise WhileLoopError(
+            f"while_loop: carried_inputs must be a tuple or list, got {type(carried).__name__}"
+        )
+    leaves = pytree.tree_leaves(carried)
+    for x in leaves:
+        if isinstance(x, bool) or not isinstance(x, (torch.Tensor, int, torch.SymInt)):
+            raise WhileLoopError(
+                f"while_loop: carried values must be tensors or ints, got {type(x).__name__} {x!r}"
+            )
+    return leaves
+
+
+def check_pred(pred: Any) -> bool:
+    """The loop condition as a bool; raise unless it is a bool or one-element bool tensor."""
+    if isinstance(pred, bool):
+        return pred
+    if isinstance(pred, torch.Tensor) and pred.numel() == 1 and pred.dtype == torch.bool:
+        return bool(pred.item())
+    raise WhileLoopError(
+        f"while_loop: cond_fn must return a bool or a one-element bool tensor, got {pred!r}"
+    )
+
+
+def check_body_output(before: Any, after: Any) -> None:
+    """Raise unless ``after`` has ``before``'s structure and tensor metadata."""
+    lb, sb = pytree.tree_flatten(before)
+    la, sa = pytree.tree_flatten(after)
+    if sa != sb:
+        raise WhileLoopError(
+            f"while_loop: body_fn must return the carried structure {sb}, but returned {sa}"
+        )
+    for i, (b, a) in enumerate(zip(lb, la)):
+        if isinstance(b, torch.Tensor) != isinstance(a, torch.Tensor):
+            raise WhileLoopError(
+                f"while_loop: carried value {i} changed kind from {type(b).__name__} to "
+                f"{type(a).__name__}"
+            )
+        if isinstance(b, torch.Tensor) and (
+            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+        ):
+            raise WhileLoopError(
+                f"while_loop: carried tensor {i} must keep shape/dtype/device "
+                f"{tuple(b.shape)}/{b.dtype}/{b.device}, body_fn returned "
+                f"{tuple(a.shape)}/{a.dtype}/{a.device}"
+            )
+
+
+def while_loop(
+    cond_fn: Callable[..., Any], body_fn: Callable[..., Any], carried_inputs: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """Run ``body_fn`` while ``cond_fn`` holds; return the carried values (a tuple).
+
+    Args:
+        cond_fn: ``(*carried) -> bool`` or one-element bool tensor.
+        body_fn: ``(*carried) -> tuple`` of the same structure as ``carried_inputs``.
+        carried_inputs: tuple/list of tensors and ints.
+
+    Raises:
+        WhileLoopError: bad arguments, a non-boolean condition, or a body that changes the
+            carried structure, shapes or dtypes.
+    """
+    _validate(cond_fn, body_fn, carried_inputs)
+    carried = tuple(carried_inputs)
+    from torchport.graphs.capture import current_recorder
+
+    rec = current_recorder()
+    if rec is not None:
+        return rec.record_while(cond_fn, body_fn, carried)
+    if torch.compiler.is_compiling():
+        return tuple(torch._higher_order_ops.while_loop(cond_fn, body_fn, carried))
+    from torchport.control.switch import _is_tracing
+
+    if _is_tracing(pytree.tree_leaves(carried), None):
+        return tuple(torch._higher_order_ops.while_loop(cond_fn, body_fn, carried))
+    vals = carried
+    ran = False
+    while check_pred(cond_fn(*vals)):
+        out = body_fn(*vals)
+        if not isinstance(out, (tuple, list)):
+            out = (out,) if len(vals) == 1 else out
+        out = tuple(out)
+        check_body_output(vals, out)
+        vals = out
+        ran = True
+    if not ran:
+        vals = pytree.tree_map_only(torch.Tensor, torch.clone, vals)
+    return vals

@@ -1,0 +1,494 @@
+"""Recording a capture: ATen ops seen by a dispatch mode become one TorchScript program.
+
+While a :class:`~torchport.graphs.Graph` captures, :class:`Recorder` (a ``TorchDispatchMode``)
+runs every ATen op for real and appends one statement per op to TorchScript source:
+``v12 = torch.ops.aten.addmm(e3, v11, e4)``. Tensors created before the capture (weights,
+static inputs, caches) are read by reference at replay, exactly like CUDA graphs read their
+static buffers; in-place ops on them are replayed in place. :func:`~torchport.switch` and
+:func:`~torchport.while_loop` called during a capture record every branch / the loop body as
+nested blocks (``if``/``elif`` chains and ``while`` loops), so the replayed program takes
+data-dependent branches and trip counts with no Python involved.
+
+Operations whose result Python would consume (``Tensor.item()``, ``bool(tensor)``, ops returning
+Python numbers) or that take an explicit ``torch.Generator`` cannot be captured: they raise
+:class:`CaptureError` naming the op, at capture time.
+
+The program is compiled with ``torch.jit.CompilationUnit`` (milliseconds, no C++ compiler); its
+C++ interpreter executes the ops, so replay costs one Python call, not one per op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+
+__all__ = ["CaptureError", "Program", "Recorder", "current_recorder"]
+
+
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Recorder] = []
+
+
+_TLS = _Active()
+
+
+def active_stack() -> list[Recorder]:
+    """This thread's capturing recorders (innermost last)."""
+    return _TLS.stack
+
+
+class CaptureError(RuntimeError):
+    """An operation or value that a graph capture cannot record."""
+
+
+def current_recorder() -> Recorder | None:
+    """The recorder of the innermost active (not paused) capture, or ``None``."""
+    stack = _TLS.stack
+    if stack and not stack[-1].paused:
+        return stack[-1]
+    return None
+
+
+@contextlib.contextmanager
+def _paused(rec: Recorder) -> Iterator[None]:
+    """Run real (unrecorded) work during a capture."""
+    old = rec.paused
+    rec.paused = True
+    try:
+        with _pop_mode_temporarily():
+            yield
+    finally:
+        rec.paused = old
+
+
+# Ops that hand a Python value back to the caller: the capture would freeze it.
+_PYTHON_VALUE_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item", "is_same_size"}
+
+
+def _literal(v: Any) -> str:
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, int):
+        return repr(int(v))
+    if isinstance(v, float):
+        if math.isnan(v):
+            return 'float("nan")'
+        if math.isinf(v):
+            return 'float("inf")' if v > 0 else '-float("inf")'
+        return repr(v)
+    if v is None:
+        return "None"
+    if isinstance(v, str):
+        return repr(v)
+    if isinstance(v, torch.dtype):
+        return str(v)
+    if isinstance(v, torch.device):
+        return f'torch.device("{v}")'
+    if isinstance(v, torch.layout):
+        return str(v)
+    if isinstance(v, torch.memory_format):
+        return str(v)
+    if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise CaptureError(f"graph capture: symbolic value {v} cannot be captured")
+    raise CaptureError(f"graph capture: cannot record the argument {v!r} ({type(v).__name__})")
+
+
+def _list_type(jt: Any) -> str | None:
+    """TorchScript annotation for a schema argument that is (optionally) a list."""
+    if isinstance(jt, torch._C.OptionalType):
+        jt = jt.getElementType()
+    if isinstance(jt, torch._C.ListType):
+        return str(jt).replace("SymInt", "int")
+    return None
+
+
+@dataclass
+class _Scope:
+    """Statements of one block and the names defined in it."""
+
+    lines: list[str] = field(default_factory=list)
+    indent: int = 1
+
+
+@dataclass
+class Program:
+    """A compiled capture; ``run()`` replays it.
+
+    ``tier`` is ``"native"`` (one C function over the capture's own buffers, see
+    :mod:`torchport.graphs.native`) or ``"torchscript"`` (``fn(ext, outs)`` rewrites ``outs``).
+    """
+
+    source: str
+    run: Callable[[], None]
+    ext: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    ops: int
+    tier: str
+
+
+class Recorder(TorchDispatchMode):
+    """Runs ATen ops and records them as TorchScript statements (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._names: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self._keep: list[torch.Tensor] = []  # produced tensors, kept alive while capturing
+        self.ext: list[torch.Tensor] = []
+        self._ext_ids: dict[int, int] = {}
+        self.scope = _Scope()
+        self._counter = 0
+        self.ops = 0
+        self.produced: list[tuple[weakref.ref[torch.Tensor], str]] = []
+        self.scopes_stack: list[_Scope] = []
+        self.paused = False
+        self._sub_out_names: dict[int, str] = {}
+        self.trace: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self.has_control = False
+
+    # -- naming ---------------------------------------------------------------------------------
+    def fresh(self, prefix: str = "v") -> str:
+        self._counter += 1
+        return f"{prefix}{self._counter}"
+
+    def bind(self, t: torch.Tensor, name: str) -> None:
+        self._names[id(t)] = (weakref.ref(t), name)
+        self._keep.append(t)
+        if len(self.scopes_stack) == 0:
+            self.produced.append((weakref.ref(t), name))
+
+    def name_of(self, t: torch.Tensor) -> str:
+        hit = self._names.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            raise CaptureError(
+                f"graph capture: tensor subclass {type(t).__name__} cannot be captured"
+            )
+        k = self._ext_ids.get(id(t))
+        if k is None or self.ext[k] is not t:
+            k = len(self.ext)
+            self.ext.append(t)
+            self._ext_ids[id(t)] = k
+        return f"e{k}"
+
+    def _known(self, t: torch.Tensor) -> bool:
+        hit = self._names.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return True
+        k = self._ext_ids.get(id(t))
+        return k is not None and self.ext[k] is t
+
+    def emit(self, line: str) -> None:
+        self.scope.lines.append("    " * self.scope.indent + line)
+
+    # -- ops ------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        opname = f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname}"
+        base = func._schema.name.split("::")[-1]
+        if func._schema.name.split("::")[0] not in ("aten", "prim"):
+            raise CaptureError(
+                f"graph capture: {func} is not an ATen op; only ATen ops can be captured"
+            )
+        if base in _PYTHON_VALUE_OPS:
+            raise CaptureError(
+                f"graph capture: {opname} returns a Python value (e.g. Tensor.item() or "
+                "bool(tensor)); data-dependent Python control flow cannot be captured, use "
+                "torchport.switch / torchport.while_loop instead"
+            )
+        for a in pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Generator):
+                raise CaptureError(
+                    f"graph capture: {opname} takes an explicit torch.Generator, which cannot be "
+                    "captured; use the default generator"
+                )
+        call = self._format_call(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.ops += 1
+        if not self.scopes_stack:
+            self.trace.append((func, tuple(args), dict(kwargs), out))
+        self._bind_outputs(opname, call, out)
+        return out
+
+    def _format_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+        parts = []
+        for i, sa in enumerate(func._schema.arguments):
+            if sa.kwarg_only:
+                if sa.name not in kwargs:
+                    continue
+                v = kwargs[sa.name]
+            elif i < len(args):
+                v = args[i]
+            elif sa.name in kwargs:
+                v = kwargs[sa.name]
+            else:
+                continue
+            text = self._arg_text(v, sa.type)
+            parts.append(f"{sa.name}={text}" if sa.kwarg_only else text)
+        name = func._schema.name.split("::")[-1]
+        ns = func._schema.name.split("::")[0]
+        return f"torch.ops.{ns}.{name}({', '.join(parts)})"
+
+    def _arg_text(self, v: Any, jt: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return self.name_of(v)
+        if isinstance(v, (list, tuple)):
+            items = [self.name_of(x) if isinstance(x, torch.Tensor) else _literal(x) for x in v]
+            ann = _list_type(jt) or "List[Tensor]"
+            tmp = self.fresh("l")
+            self.emit(f"{tmp}: {ann} = [{', '.join(items)}]")
+            return tmp
+        return _literal(v)
+
+    def _bind_outputs(self, opname: str, call: str, out: Any) -> None:
+        if out is None:
+            self.emit(call)
+            return
+        if isinstance(out, torch.Tensor):
+            if self._known(out):  # in-place / out= op: the result is a tensor we already name
+                self.emit(call)
+                return
+            n = self.fresh()
+            self.emit(f"{n} = {call}")
+            self.bind(out, n)
+            return
+        if isinstance(out, (tuple, list)) and all(
+            isinstance(o, torch.Tensor) or o is None for o in out
+        ):
+            n = self.fresh("t")
+            self.emit(f"{n} = {call}")
+            for i, o in enumerate(out):
+                if o is not None and not self._known(o):
+                    m = self.fresh()
+                    self.emit(f"{m} = {n}[{i}]")
+                    self.bind(o, m)
+            return
+        raise CaptureError(
+            f"graph capture: {opname} returned {type(out).__name__} {out!r}; ops whose result "
+            "is a Python value cannot be captured"
+        )
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def _sub(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, list[str]]:
+        """Run ``fn(*args)`` recording into a fresh block one level deeper."""
+        outer = self.scope
+        self.scopes_stack.append(outer)
+        saved = dict(self._names)
+        self.scope = _Scope(indent=outer.indent + 1)
+        try:
+            out = fn(*args)
+            lines = self.scope.lines
+        finally:
+            self.scope = outer
+            self.scopes_stack.pop()
+        self._sub_out_names = {
+            id(t): self._names[id(t)][1] for t in _tensors(out) if id(t) in self._names
+        }
+        self._names = saved
+        return out, lines
+
+    def _value_name(self, t: torch.Tensor) -> str:
+        n = self._sub_out_names.get(id(t))
+        return n if n is not None else self.name_of(t)
+
+    def record_switch(
+        self, index: torch.Tensor, branches: Sequence[Callable[..., Any]], operands: Sequence[Any]
+    ) -> Any:
+        """Record an N-way branch; return the chosen branch's (copied) outputs."""
+        self.has_control = True
+        idx = self.fresh("i")
+        self.emit(f"{idx} = int({self.name_of(index)})")
+        with _paused(self):
+            chosen = int(index.item())
+        results = []
+        blocks = []
+        for b in branches:
+            out, lines = self._sub(b, operands)
+            leaves, spec = pytree.tree_flatten(out)
+            names = [self._value_name(x) if isinstance(x, torch.Tensor) else None for x in leaves]
+            results.append((leaves, spec, names))
+            blocks.append(lines)
+        spec0 = results[0][1]
+        for i, (_, spec, _) in enumerate(results):
+            if spec != spec0:
+                from torchport.control.switch import SwitchError
+
+                raise SwitchError(
+                    "switch: branches must return the same output structure; branch0 returns "
+                    f"{spec0} but branch{i} returns {spec}"
+                )
+        outs = [self.fresh("s") for _ in results[0][0]]
+        operand_names = {self.name_of(o) for o in operands if isinstance(o, torch.Tensor)}
+        for j, leaf0 in enumerate(results[0][0]):
+            for i, (leaves, _, _) in enumerate(results):
+                x = leaves[j]
+                if isinstance(leaf0, torch.Tensor) != isinstance(x, torch.Tensor) or (
+                    isinstance(x, torch.Tensor)
+                    and (x.shape != leaf0.shape or x.dtype != leaf0.dtype)
+                ):
+                    from torchport.control.switch import SwitchError
+
+                    raise SwitchError(
+                        f"switch: output {j} of branch{i} ({_describe(x)}) does not match "
+                        f"branch0's ({_describe(leaf0)}); a captured switch needs equal shapes "
+                        "and dtypes"
+                    )
+                if not isinstance(x, torch.Tensor) and x != leaf0:
+                    from torchport.control.switch import SwitchError
+
+                    raise SwitchError(
+                        f"switch: output {j} is {leaf0!r} in branch0 but {x!r} in branch{i}; "
+                        "a captured graph cannot return a data-dependent Python int"
+                    )
+        for i, (lines, (_, _, names)) in enumerate(zip(blocks, results)):
+            kw = "if" if i == 0 else ("elif" if i < len(blocks) - 1 else "else")
+            head = f"{kw} {idx} == {i}:" if kw != "else" else "else:"
+            self.emit(head)
+            self.scope.lines.extend(lines)
+            pad = "    " * (self.scope.indent + 1)
+            for j, n in enumerate(names):
+                if n is not None:
+                    src = f"{n}.clone()" if (n in operand_names or n.startswith("e")) else n
+                    self.scope.lines.append(f"{pad}{outs[j]} = {src}")
+            if not any(n is not None for n in names):
+                self.scope.lines.append(f"{pad}pass")
+        leaves, spec, _ = results[chosen]
+        final = []
+        with _paused(self):
+            for j, x in enumerate(leaves):
+                if isinstance(x, torch.Tensor):
+                    c = x.clone()
+                    self.bind(c, outs[j])
+                    final.append(c)
+                else:
+                    final.append(x)
+        return pytree.tree_unflatten(final, spec)
+
+    def record_while(
+        self, cond_fn: Callable[..., Any], body_fn: Callable[..., Any], carried: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
+        """Record a loop with a data-dependent trip count; return the final carried values."""
+        self.has_control = True
+        from torchport.control.while_loop import WhileLoopError, check_body_output, check_pred
+
+        leaves, spec = pytree.tree_flatten(carried)
+        for x in leaves:
+            if not isinstance(x, torch.Tensor):
+                raise WhileLoopError(
+                    f"while_loop: inside a graph capture every carried value must be a tensor "
+                    f"(use a 0-dim int64 tensor for counters), got {type(x).__name__} {x!r}"
+                )
+        loop_vars = [self.fresh("w") for _ in leaves]
+        for n, x in zip(loop_vars, leaves):
+            self.emit(f"{n} = {self.name_of(x)}.clone()")
+        with _paused(self):
+            probes = [x.clone() for x in leaves]
+        for n, p in zip(loop_vars, probes):
+            self._names[id(p)] = (weakref.ref(p), n)
+            self._keep.append(p)
+
+        def run_cond(*xs: Any) -> Any:
+            return cond_fn(*pytree.tree_unflatten(list(xs), spec))
+
+        def run_body(*xs: Any) -> Any:
+            out = body_fn(*pytree.tree_unflatten(list(xs), spec))
+            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            check_body_output(tuple(pytree.tree_unflatten(list(xs), spec)), out)
+            return pytree.tree_leaves(out)
+
+        pred, cond_lines = self._sub(run_cond, probes)
+        if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
+            raise WhileLoopError(
+                "while_loop: inside a graph capture cond_fn must return a one-element bool "
+                f"tensor, got {pred!r}"
+            )
+        pred_name = self._value_name(pred)
+        body_out, body_lines = self._sub(run_body, probes)
+        body_names = [self._value_name(t) for t in body_out]
+        pad = "    " * self.scope.indent
+        self.scope.lines.extend(_dedent(cond_lines, 1))
+        self.emit(f"while bool({pred_name}):")
+        self.scope.lines.extend(body_lines)
+        tmp = [self.fresh("n") for _ in loop_vars]
+        for t, b in zip(tmp, body_names):
+            self.scope.lines.append(f"{pad}    {t} = {b}")
+        for n, t in zip(loop_vars, tmp):
+            self.scope.lines.append(f"{pad}    {n} = {t}")
+        # The second copy of the condition re-declares its typed list temporaries: rename them.
+        self.scope.lines.extend(re.sub(r"\b(l\d+)\b", r"\1_r", ln) for ln in cond_lines)
+        # The real values: run the loop eagerly, outside the recorder.
+        with _paused(self):
+            vals = [x.clone() for x in leaves]
+            while check_pred(cond_fn(*pytree.tree_unflatten(vals, spec))):
+                out = body_fn(*pytree.tree_unflatten(vals, spec))
+                out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+                vals = [x.clone() for x in pytree.tree_leaves(out)]
+        for n, v in zip(loop_vars, vals):
+            self.bind(v, n)
+        return tuple(pytree.tree_unflatten(vals, spec))
+
+    # -- finishing ------------------------------------------------------------------------------
+    def finish(self) -> Program:
+        """Compile the recording; outputs are the produced tensors still alive now."""
+        trace, self.trace = self.trace, []
+        if not self.has_control:
+            from torchport.graphs.native import lower
+
+            low = lower(trace)
+            if low is not None:
+                run, keep, csrc = low
+                self._keep.clear()
+                return Program(csrc, run, keep, [], self.ops, "native")
+        del trace
+        outs: list[torch.Tensor] = []
+        out_names: list[str] = []
+        seen: set[int] = set()
+        self._keep.clear()
+        for ref, name in self.produced:
+            t = ref()
+            if t is not None and id(t) not in seen:
+                hit = self._names.get(id(t))
+                if hit is not None and hit[0]() is t and hit[1] == name:
+                    seen.add(id(t))
+                    outs.append(t)
+                    out_names.append(name)
+        head = ["def prog(ext: List[Tensor], outs: List[Tensor]):"]
+        head += [f"    e{k} = ext[{k}]" for k in range(len(self.ext))]
+        tail = [f"    outs[{j}].copy_({n})" for j, n in enumerate(out_names)]
+        source = "\n".join([*head, *self.scope.lines, *tail, "    return None"]) + "\n"
+        try:
+            cu = torch.jit.CompilationUnit(source)
+        except RuntimeError as e:
+            raise CaptureError(f"graph capture: the recorded program does not compile: {e}") from e
+        fn, ext = cu.prog, list(self.ext)
+
+        def run_ts() -> None:
+            fn(ext, outs)
+
+        return Program(source, run_ts, ext, outs, self.ops, "torchscript")
+
+
+def _dedent(lines: list[str], levels: int) -> list[str]:
+    cut = "    " * levels
+    return [ln[len(cut) :] if ln.startswith(cut) else ln for ln in lines]
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor{tuple(x.shape)} {x.dtype}"
+    return repr(x)

@@ -1,0 +1,196 @@
+"""``Graph``: capture a sequence of CPU ops once, replay it with one call (``torch.accelerator.Graph``).
+
+Capture runs the user's code for real under a recorder (see :mod:`torchport.graphs.capture`) and
+compiles what ran into one TorchScript function. Replay executes that function in TorchScript's
+C++ interpreter: no Python-level dispatch per op, and ``switch`` / ``while_loop`` inside the
+capture are branches and loops of the program, so trip counts and branch choices follow the data.
+
+Buffers follow CUDA graph rules: tensors created before the capture (weights, static inputs,
+caches) are read and written in place at replay, so new inputs are written into them with
+``copy_``; tensors created during the capture and still referenced when it ends are the static
+outputs, rewritten by every replay (they are placed in the graph's :class:`MemPool` when they own
+their storage). Shapes, Python scalars and Python control flow are frozen at capture time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from torchport.graphs.capture import Program, Recorder, active_stack
+from torchport.graphs.pool import MemPool
+
+__all__ = ["Graph", "GraphError"]
+
+
+class GraphError(RuntimeError):
+    """A ``Graph`` method called in the wrong state (replay before capture, nested capture...)."""
+
+
+class Graph:
+    """A captured, replayable CPU program.
+
+    Args:
+        keep_graph: if ``True``, compile lazily (``instantiate()`` or first ``replay()``).
+        pool: a :class:`MemPool` (e.g. another graph's ``pool()``) to place static outputs in;
+            a new pool by default.
+        capture_error_mode: accepted for API compatibility with ``torch.accelerator.Graph``;
+            every mode behaves as ``"default"`` (uncapturable ops always raise).
+
+    Example::
+
+        x = torch.zeros(8, 64)
+        g = Graph()
+        with g:
+            y = torch.relu(x) * 2
+        x.copy_(torch.randn(8, 64))
+        g.replay()  # y now holds relu(x) * 2 for the new x
+    """
+
+    def __init__(
+        self,
+        keep_graph: bool = False,
+        *,
+        pool: MemPool | None = None,
+        capture_error_mode: Literal["default", "global", "thread_local", "relaxed"] = "default",
+    ) -> None:
+        if pool is not None and not isinstance(pool, MemPool):
+            raise GraphError(f"Graph: pool must be a torchport.graphs.MemPool, got {pool!r}")
+        if capture_error_mode not in ("default", "global", "thread_local", "relaxed"):
+            raise GraphError(
+                "Graph: capture_error_mode must be 'default', 'global', 'thread_local' or "
+                f"'relaxed', got {capture_error_mode!r}"
+            )
+        self.keep_graph = keep_graph
+        self.graph_pool = pool if pool is not None else MemPool()
+        self.capture_error_mode = capture_error_mode
+        self._rec: Recorder | None = None
+        self._program: Program | None = None
+        self._pending: Recorder | None = None
+        self._debug = False
+
+    # -- capture --------------------------------------------------------------------------------
+    def capture_begin(self) -> None:
+        """Start recording the ops run by this thread."""
+        if self._rec is not None:
+            raise GraphError("Graph.capture_begin: a capture is already in progress")
+        if self._program is not None or self._pending is not None:
+            raise GraphError("Graph.capture_begin: graph already captured; call reset() first")
+        if active_stack():
+            raise GraphError("Graph.capture_begin: another graph is capturing on this thread")
+        rec = Recorder()
+        rec.__enter__()
+        active_stack().append(rec)
+        self._rec = rec
+
+    def capture_end(self) -> None:
+        """Stop recording; compile the program now unless ``keep_graph`` (then on first use)."""
+        rec = self._rec
+        if rec is None:
+            raise GraphError("Graph.capture_end: no capture in progress")
+        self._rec = None
+        active_stack().remove(rec)
+        rec.__exit__(None, None, None)
+        self._pending = rec
+        if not self.keep_graph:
+            self.instantiate()
+
+    def _abort(self) -> None:
+        rec = self._rec
+        if rec is not None:
+            self._rec = None
+            if rec in active_stack():
+                active_stack().remove(rec)
+            rec.__exit__(None, None, None)
+
+    def _place_outputs(self, prog: Program) -> None:
+        """Move static outputs that own their storage into the pool (values unchanged)."""
+        with torch.no_grad():
+            for t in prog.outs:
+                st = t.untyped_storage()
+                owns = (
+                    t.is_contiguous()
+                    and t.storage_offset() == 0
+                    and st.nbytes() == t.numel() * t.element_size()
+                    and not t.requires_grad
+                    and t.device.type == "cpu"
+                )
+                if owns and t.numel() > 0:
+                    p = self.graph_pool.empty(tuple(t.shape), t.dtype)
+                    p.copy_(t)
+                    t.set_(p.untyped_storage(), 0, t.shape, t.stride())
+
+    def instantiate(self) -> None:
+        """Compile the captured program (``capture_end`` does this unless ``keep_graph``)."""
+        if self._program is not None:
+            return
+        rec = self._pending
+        if rec is None:
+            raise GraphError("Graph.instantiate: nothing captured")
+        self._pending = None
+        self._program = rec.finish()
+        if self._program.tier == "torchscript":
+            self._place_outputs(self._program)
+
+    def replay(self) -> None:
+        """Run the captured program once (reads inputs, rewrites outputs and mutated buffers)."""
+        prog = self._program
+        if prog is None:
+            if self._pending is None:
+                raise GraphError("Graph.replay: nothing captured; call capture_begin/capture_end")
+            self.instantiate()
+            prog = self._program
+            assert prog is not None
+        prog.run()
+
+    def reset(self) -> None:
+        """Drop the captured program so the graph can capture again."""
+        self._abort()
+        self._program = None
+        self._pending = None
+
+    def pool(self) -> MemPool:
+        """The memory pool of this graph; pass it as ``pool=`` to share it with another graph."""
+        return self.graph_pool
+
+    # -- introspection --------------------------------------------------------------------------
+    @property
+    def num_ops(self) -> int:
+        """ATen ops recorded (each branch and loop body counted once)."""
+        return self._program.ops if self._program is not None else 0
+
+    @property
+    def tier(self) -> str:
+        """How replay runs: ``"native"`` (one C function) or ``"torchscript"``."""
+        if self._program is None:
+            raise GraphError("Graph.tier: nothing captured")
+        return self._program.tier
+
+    @property
+    def source(self) -> str:
+        """The source of the captured program (C for the native tier, else TorchScript)."""
+        if self._program is None:
+            raise GraphError("Graph.source: nothing captured")
+        return self._program.source
+
+    def enable_debug_mode(self) -> None:
+        """Allow :meth:`debug_dump`."""
+        self._debug = True
+
+    def debug_dump(self, path: str) -> None:
+        """Write the program's TorchScript source to ``path`` (needs ``enable_debug_mode()``)."""
+        if not self._debug:
+            raise GraphError("Graph.debug_dump: call enable_debug_mode() before capturing")
+        with open(path, "w") as f:
+            f.write(self.source)
+
+    def __enter__(self) -> Graph:
+        self.capture_begin()
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None:
+            self._abort()
+            return
+        self.capture_end()
