@@ -1,0 +1,166 @@
+"""Decode GEMV entry points: packed weights, the eager fast path and the custom ops.
+
+``gemv(x, weight, bias)`` computes ``F.linear(x, weight, bias)`` for activations with few rows
+(``[B, 1, K]`` / ``[1, K]`` decode shapes, at most :data:`MAX_ROWS` rows in all). ``weight`` is a
+plain float32/bfloat16 ``[N, K]`` tensor or a :mod:`torchport.lowp` tensor (``Float8Tensor``,
+``NVFP4Tensor``, ``MXTensor``) whose storage the kernel reads directly. Activations are widened to
+float32, accumulation is float32 and the result is cast to the activation dtype.
+
+Reference: :func:`gemv_reference` (float64 product with the dequantized weight). Custom ops
+``torchport::gemv_dense`` and ``torchport::gemv_packed`` (with fake implementations) serve
+``torch.compile``/export; plain eager tensors call the kernel directly with pre-validated pointers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from torchport import native
+from torchport.gemv.kernels import FORMATS, gemv_kernel
+
+MAX_ROWS = 8
+_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+
+
+class GemvInputError(ValueError):
+    """Inputs to the GEMV do not meet its requirements."""
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in the GEMV's storage layout: ``data`` rows of the ``[N, K]`` matrix, scales."""
+
+    fmt: str
+    data: torch.Tensor
+    scales: torch.Tensor  # uint8 block scales [N, K/block] (NVFP4/MX), else empty
+    rowscale: torch.Tensor  # float32 [N] (FP8), else empty
+    pts: float  # NVFP4 per-tensor scale (1.0 when absent)
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        assert self.fmt in FORMATS, self.fmt
+        assert self.data.is_contiguous() and self.scales.is_contiguous()
+
+
+def pack_dense(w: torch.Tensor) -> PackedWeight:
+    """Pack a plain float32/bfloat16 ``[N, K]`` weight (no copy when already contiguous)."""
+    if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
+        raise GemvInputError(
+            f"gemv: a dense weight must be a 2-D float32 or bfloat16 tensor, got {w.dtype} "
+            f"shape {tuple(w.shape)}"
+        )
+    fmt = "f32" if w.dtype == torch.float32 else "bf16"
+    return PackedWeight(fmt, w.detach().contiguous(), _EMPTY_U8, _EMPTY_F32, 1.0, *w.shape)
+
+
+def gemv_reference(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ w.T + bias`` in float64 with a dequantized ``w``, cast to ``x.dtype``."""
+    out = x.double() @ w.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
+def check_activation(x: torch.Tensor, k: int) -> int:
+    """Validate a decode activation; return its number of rows."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16):
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise GemvInputError(f"gemv: x must be a float32 or bfloat16 tensor, got {got}")
+    if x.device.type != "cpu":
+        raise GemvInputError(f"gemv: x must be on cpu, got {x.device}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise GemvInputError(
+            f"gemv: x's last dimension must equal the weight's K={k}, got shape {tuple(x.shape)}"
+        )
+    rows = math.prod(x.shape[:-1])
+    if rows > MAX_ROWS:
+        raise GemvInputError(
+            f"gemv: x may have at most {MAX_ROWS} rows (decode shapes), got {rows} "
+            f"(shape {tuple(x.shape)})"
+        )
+    return rows
+
+
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel call (inputs validated)."""
+    rows = math.prod(x.shape[:-1])
+    out_shape = (*x.shape[:-1], pw.n)
+    if rows == 0 or pw.n == 0:
+        return torch.zeros(out_shape, dtype=x.dtype)
+    if pw.k == 0:
+        out0 = torch.zeros(out_shape, dtype=torch.float32)
+        return (out0 + bias.float() if bias is not None else out0).to(x.dtype)
+    xf = x.reshape(rows, pw.k)
+    if xf.dtype != torch.float32 or not xf.is_contiguous():
+        xf = xf.float().contiguous()
+    out = torch.empty(rows, pw.n, dtype=torch.float32)
+    b = bias.float().contiguous() if bias is not None else None
+    kern = gemv_kernel(pw.fmt, native.cpu_info().isa)
+    kern.call_unchecked(
+        xf.data_ptr(), rows, pw.k, pw.data.data_ptr(), pw.scales.data_ptr(),
+        pw.rowscale.data_ptr(), pw.pts, b.data_ptr() if b is not None else 0, int(b is not None),
+        out.data_ptr(), pw.n, native.num_threads(),
+    )
+    out = out.reshape(out_shape)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+# --- custom ops (compile/export path) ------------------------------------------------------------
+
+
+@torch.library.custom_op("torchport::gemv_dense", mutates_args=())
+def gemv_dense_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Decode GEMV with a dense float32/bfloat16 weight."""
+    return _run(x, pack_dense(w), bias)
+
+
+@gemv_dense_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("torchport::gemv_packed", mutates_args=())
+def gemv_packed_op(
+    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, rowscale: torch.Tensor,
+    pts: float, fmt: str, n: int, k: int, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Decode GEMV with a packed low-precision weight."""
+    return _run(x, PackedWeight(fmt, data, scales, rowscale, pts, n, k), bias)
+
+
+@gemv_packed_op.register_fake
+def _(x, data, scales, rowscale, pts, fmt, n, k, bias):  # type: ignore[no-untyped-def]
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def gemv_packed(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode GEMV with a packed weight (validates x and bias, then calls the kernel)."""
+    check_activation(x, pw.k)
+    _check_bias(bias, pw.n)
+    if native.eager_fast_path(x, *(t for t in (bias,) if t is not None)):
+        return _run(x, pw, bias)
+    if pw.fmt in ("f32", "bf16"):
+        return gemv_dense_op(x, pw.data, bias)
+    return gemv_packed_op(x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for decode shapes (≤ 8 rows) through the native GEMV.
+
+    ``weight``: float32/bfloat16 ``[N, K]`` or a ``torchport.lowp`` quantized tensor.
+    """
+    pack = getattr(weight, "gemv_pack", None)
+    pw = pack() if callable(pack) else pack_dense(weight)
+    return gemv_packed(x, pw, bias)
