@@ -7,6 +7,7 @@ settings. ``torchport.compile`` is ``torch.compile`` with the torchport backend 
 
 from torchport import config
 from torchport.compiler import compile
+from torchport.lowp import quantize_, scaled_mm
 from torchport.version import __version__
 
-__all__ = ["__version__", "compile", "config"]
+__all__ = ["__version__", "compile", "config", "quantize_", "scaled_mm"]

@@ -208,6 +208,14 @@ SETTINGS: dict[str, Setting] = {
             default=True,
             doc="Show progress bars for long work (autotuning, demo training).",
         ),
+        Setting(
+            name="gemv_fp4_int8",
+            env="TORCHPORT_GEMV_FP4_INT8",
+            kind=bool,
+            default=True,
+            doc="NVFP4/MXFP4 decode GEMV quantizes activations to int8 per 32 elements and uses "
+            "integer dot products (faster); off means exact float32 activations.",
+        ),
     )
 }
 

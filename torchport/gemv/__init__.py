@@ -26,3 +26,7 @@ __all__ = [
     "gemv_reference",
     "pack_dense",
 ]
+
+from torchport.gemv.routing import GEMV_ROUTING  # noqa: E402  (registers the compiler pass)
+
+__all__ += ["GEMV_ROUTING"]

@@ -291,3 +291,146 @@ def gemv_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
             IntArg("nthreads"),
         ],
     )
+
+
+# --- FP4 weights × int8-quantized activations (maddubs) ------------------------------------------
+
+_I8_SOURCE = r"""
+#include <stdlib.h>
+static const float TP_E4M3F[256] = { ${e4m3_table} };
+#define FMT_${fmt} 1
+TP_INLINE float tp_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+TP_INLINE float tp_e8m0f(uint8_t e) { return e ? tp_f((uint32_t)e << 23) : tp_f(0x00400000u); }
+
+/* Activations: per 32-element group g, xs = amax / 127 and xq = round_half_even(x / xs). */
+static void tp_quant_x(const float *x, int64_t n, int8_t *xq, float *xs) {
+    for (int64_t g = 0; g < n / 32; ++g) {
+        const float *p = x + g * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
+        float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xs[g] = s;
+        for (int i = 0; i < 32; ++i) xq[g * 32 + i] = (int8_t)nearbyintf(p[i] * inv);
+    }
+}
+
+#if defined(__AVX2__)
+TP_INLINE float tp_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TP_INLINE void tp_row_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, const uint8_t *sc,
+                         float pts, float *out, int64_t ldo, const int NB) {
+    const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                         0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+    const int64_t G = K / 32;
+    for (int64_t g = 0; g < G; ++g) {
+        _mm_prefetch((const char *)(w + g * 16) + ${prefetch}, _MM_HINT_T0);
+        __m128i v = _mm_loadu_si128((const __m128i *)(w + g * 16));
+        __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        __m256i c = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+        __m256i w8 = _mm256_shuffle_epi8(lut, c);
+        __m256i aw = _mm256_abs_epi8(w8);
+#if defined(FMT_nvfp4)
+        __m256 ws = _mm256_set_m128(_mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g + 1]]),
+                                    _mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g]]));
+#else
+        __m256 ws = _mm256_set1_ps(0.5f * tp_e8m0f(sc[g]));
+#endif
+        for (int b = 0; b < NB; ++b) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * K + g * 32));
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w8)), ones);
+            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[b * G + g]));
+            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; ++b) out[b * ldo] = tp_hsum(acc[b]);
+}
+#else
+static const float TP_E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+TP_INLINE void tp_row_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, const uint8_t *sc,
+                         float pts, float *out, int64_t ldo, const int NB) {
+    for (int b = 0; b < NB; ++b) {
+        float s = 0.0f;
+        for (int64_t g = 0; g < K / 32; ++g) {
+            for (int h = 0; h < 2; ++h) {
+                int32_t acc = 0;
+                for (int i = 0; i < 16; ++i) {
+                    int64_t k = g * 32 + h * 16 + i;
+                    acc += (int32_t)(2.0f * TP_E2M1F[(w[k >> 1] >> ((k & 1) * 4)) & 15]) * xq[b * K + k];
+                }
+#if defined(FMT_nvfp4)
+                float wsc = 0.5f * pts * TP_E4M3F[sc[2 * g + h]];
+#else
+                float wsc = 0.5f * tp_e8m0f(sc[g]);
+#endif
+                s += (float)acc * wsc * xs[b * (K / 32) + g];
+            }
+        }
+        out[b * ldo] = s;
+    }
+}
+#endif
+
+/* Same contract as tp_gemv (rowscale unused); K must be a multiple of 32. */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    if (K % 32) return 2;
+    const float pts = (float)pts_d;
+    const int64_t G = K / 32;
+#if defined(FMT_nvfp4)
+    const int64_t sstride = K / 16;
+#else
+    const int64_t sstride = K / 32;
+#endif
+    int8_t *xq = (int8_t *)malloc((size_t)(B * K) + 64);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(B * G) + 64);
+    if (!xq || !xs) { free(xq); free(xs); return 3; }
+    for (int64_t b = 0; b < B; ++b) tp_quant_x(x + b * K, K, xq + b * K, xs + b * G);
+    int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    #pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi;
+        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        for (int64_t n = lo; n < hi; ++n) {
+            const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
+            for (int64_t b = 0; b < B; b += 4) {
+                int64_t nb = B - b < 4 ? B - b : 4;
+                const int8_t *xb = xq + b * K;
+                const float *sb = xs + b * G;
+                float *ob = out + b * N + n;
+                switch (nb) {
+                    case 1: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 1); break;
+                    case 2: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 2); break;
+                    case 3: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 3); break;
+                    default: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 4); break;
+                }
+            }
+            if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+        }
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
+"""
+
+I8_FORMATS = ("nvfp4", "mxfp4")
+
+
+@functools.cache
+def gemv_i8_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
+    """FP4-weight GEMV with activations quantized to int8 per 32 (``maddubs`` dot products)."""
+    if fmt not in I8_FORMATS:
+        raise ValueError(f"int8-activation gemv format must be one of {I8_FORMATS}, got {fmt!r}")
+    src = native.render(_I8_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch)
+    lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}", isa=isa)
+    return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)

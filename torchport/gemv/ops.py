@@ -6,6 +6,11 @@ plain float32/bfloat16 ``[N, K]`` tensor or a :mod:`torchport.lowp` tensor (``Fl
 ``NVFP4Tensor``, ``MXTensor``) whose storage the kernel reads directly. Activations are widened to
 float32, accumulation is float32 and the result is cast to the activation dtype.
 
+NVFP4/MXFP4 weights with K a multiple of 32 use, by default (``config.gemv_fp4_int8``), the
+int8-activation kernel: each 32-element group of ``x`` is quantized to int8 with scale
+``amax/127`` (round half to even), so ``|out - ref| ≤ Σ_k |w_k| · s_g(k) / 2`` (plus float32
+rounding); with the setting off, activations stay float32 and only summation order differs.
+
 Reference: :func:`gemv_reference` (float64 product with the dequantized weight). Custom ops
 ``torchport::gemv_dense`` and ``torchport::gemv_packed`` (with fake implementations) serve
 ``torch.compile``/export; plain eager tensors call the kernel directly with pre-validated pointers.
@@ -18,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchport import native
-from torchport.gemv.kernels import FORMATS, gemv_kernel
+from torchport import config, native
+from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
 
 MAX_ROWS = 8
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -107,12 +112,18 @@ def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.
         xf = xf.float().contiguous()
     out = torch.empty(rows, pw.n, dtype=torch.float32)
     b = bias.float().contiguous() if bias is not None else None
-    kern = gemv_kernel(pw.fmt, native.cpu_info().isa)
-    kern.call_unchecked(
+    isa = native.cpu_info().isa
+    if pw.fmt in I8_FORMATS and pw.k % 32 == 0 and config.get("gemv_fp4_int8"):
+        kern = gemv_i8_kernel(pw.fmt, isa)
+    else:
+        kern = gemv_kernel(pw.fmt, isa)
+    status = kern.call_unchecked(
         xf.data_ptr(), rows, pw.k, pw.data.data_ptr(), pw.scales.data_ptr(),
         pw.rowscale.data_ptr(), pw.pts, b.data_ptr() if b is not None else 0, int(b is not None),
         out.data_ptr(), pw.n, native.num_threads(),
     )
+    if status:
+        raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
     out = out.reshape(out_shape)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
