@@ -18,6 +18,7 @@ import torch
 from torchport.demo.data import Corpus, load_corpus
 from torchport.demo.model import GPT, GPTConfig, generate
 from torchport.demo.report import Section, plot_curves, render_table, write_report
+from torchport.demo.stage_quant import stage_quant
 from torchport.demo.train import TrainConfig, TrainResult, evaluate, train
 
 
@@ -95,6 +96,7 @@ STAGES: list[tuple[str, Stage]] = [
     ("data", stage_data),
     ("train", stage_train),
     ("sample", stage_sample),
+    ("quant", stage_quant),
 ]
 
 

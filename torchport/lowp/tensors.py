@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
+from torchport import native
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp.formats import LowPrecisionError
 
 aten = torch.ops.aten
-_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
-_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 
@@ -51,7 +50,19 @@ class LowPrecisionTensor(torch.Tensor):
         raise TypeError(_ABSTRACT)
 
     def gemv_pack(self) -> PackedWeight:
-        """This weight in the GEMV's layout (built once, cached)."""
+        """This weight in the GEMV's layout (built once and cached for eager tensors)."""
+        if self._pack is not None:
+            return self._pack
+        if self.dim() != 2:
+            raise LowPrecisionError(
+                f"{type(self).__name__} GEMV needs a 2-D weight, got shape {tuple(self.shape)}"
+            )
+        pw = self._make_pack()
+        if native.eager_fast_path(self.qdata):  # never cache fake/traced tensors
+            self._pack = pw
+        return pw
+
+    def _make_pack(self) -> PackedWeight:
         raise TypeError(_ABSTRACT)
 
     def _with_dtype(self, dtype: torch.dtype) -> LowPrecisionTensor:
@@ -144,15 +155,12 @@ class Float8Tensor(LowPrecisionTensor):
     def _describe(self) -> str:
         return f"fp8={self.qdata.dtype}, scale={'row' if self.scale.dim() else 'tensor'}"
 
-    def gemv_pack(self) -> PackedWeight:
-        if self._pack is None:
-            if self.dim() != 2:
-                raise LowPrecisionError(f"Float8Tensor GEMV needs a 2-D weight, got shape {tuple(self.shape)}")
-            n, k = self.shape
-            rs = self.scale.float().reshape(-1).expand(n).contiguous()
-            fmt = "fp8_e4m3" if self.qdata.dtype == torch.float8_e4m3fn else "fp8_e5m2"
-            self._pack = PackedWeight(fmt, self.qdata.view(torch.uint8).contiguous(), _EMPTY_U8, rs, 1.0, n, k)
-        return self._pack
+    def _make_pack(self) -> PackedWeight:
+        n, k = self.shape
+        rs = self.scale.float().reshape(-1).expand(n).contiguous()
+        fmt = "fp8_e4m3" if self.qdata.dtype == torch.float8_e4m3fn else "fp8_e5m2"
+        empty = self.qdata.new_empty(0, dtype=torch.uint8)
+        return PackedWeight(fmt, self.qdata.view(torch.uint8).contiguous(), empty, rs, 1.0, n, k)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from torchport.lowp.scaled_mm import scaled_mm
@@ -213,15 +221,12 @@ class NVFP4Tensor(LowPrecisionTensor):
     def _describe(self) -> str:
         return f"block=16, per_tensor_scale={self.per_tensor_scale}"
 
-    def gemv_pack(self) -> PackedWeight:
-        if self._pack is None:
-            if self.dim() != 2:
-                raise LowPrecisionError(f"NVFP4Tensor GEMV needs a 2-D weight, got shape {tuple(self.shape)}")
-            n, k = self.shape
-            pts = self.per_tensor_scale if self.per_tensor_scale is not None else 1.0
-            self._pack = PackedWeight("nvfp4", self.qdata.contiguous(),
-                                      self.scale.view(torch.uint8).contiguous(), _EMPTY_F32, pts, n, k)
-        return self._pack
+    def _make_pack(self) -> PackedWeight:
+        n, k = self.shape
+        pts = self.per_tensor_scale if self.per_tensor_scale is not None else 1.0
+        empty = self.qdata.new_empty(0, dtype=torch.float32)
+        scales = self.scale.view(torch.uint8).contiguous()
+        return PackedWeight("nvfp4", self.qdata.contiguous(), scales, empty, pts, n, k)
 
 
 # --- MX ------------------------------------------------------------------------------------------
@@ -261,12 +266,9 @@ class MXTensor(LowPrecisionTensor):
     def _describe(self) -> str:
         return f"elem={self.elem}, block=32"
 
-    def gemv_pack(self) -> PackedWeight:
-        if self._pack is None:
-            if self.dim() != 2:
-                raise LowPrecisionError(f"MXTensor GEMV needs a 2-D weight, got shape {tuple(self.shape)}")
-            n, k = self.shape
-            fmt = {"fp4_e2m1": "mxfp4", "fp8_e4m3": "mxfp8_e4m3", "fp8_e5m2": "mxfp8_e5m2"}[self.elem]
-            self._pack = PackedWeight(fmt, self.qdata.view(torch.uint8).contiguous(),
-                                      self.scale.contiguous(), _EMPTY_F32, 1.0, n, k)
-        return self._pack
+    def _make_pack(self) -> PackedWeight:
+        n, k = self.shape
+        fmt = {"fp4_e2m1": "mxfp4", "fp8_e4m3": "mxfp8_e4m3", "fp8_e5m2": "mxfp8_e5m2"}[self.elem]
+        empty = self.qdata.new_empty(0, dtype=torch.float32)
+        data = self.qdata.view(torch.uint8).contiguous()
+        return PackedWeight(fmt, data, self.scale.contiguous(), empty, 1.0, n, k)
