@@ -55,7 +55,7 @@ def mx_quantize_reference(x: torch.Tensor, elem: str = "fp4_e2m1") -> tuple[torc
     rows = as_rows(x, BLOCK, "mx_quantize")
     check_finite(rows, "mx_quantize")
     lead, k = tuple(x.shape[:-1]), rows.shape[1]
-    blocks = rows.float().reshape(rows.shape[0], -1, BLOCK)
+    blocks = rows.float().reshape(rows.shape[0], k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1)
     exp = ((amax.view(torch.int32) >> 23) & 0xFF) - 127 - _EMAX[elem]
     e = (torch.clamp(exp, -127, 128) + 127).to(torch.uint8)

@@ -57,7 +57,7 @@ def nvfp4_quantize_reference(
     check_finite(rows, "nvfp4_quantize")
     lead = tuple(x.shape[:-1])
     k = rows.shape[1]
-    blocks = rows.float().reshape(rows.shape[0], -1, BLOCK)
+    blocks = rows.float().reshape(rows.shape[0], k // BLOCK, BLOCK)
     block_scale = blocks.abs().amax(dim=-1) / F4_E2M1_MAX
     if per_tensor_scale is None:
         s8 = torch.clamp(block_scale, min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
