@@ -26,7 +26,7 @@ import torch
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, to_fp8_reference
 
-OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES)
+OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, *FP8_DTYPES)
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
 
 
