@@ -91,13 +91,13 @@ def test_block_scaled_mm_matches_dequantized_reference(make, m):
 
 
 @pytest.mark.parametrize("fmt", lowp.epilogue.FORMATS)
-@pytest.mark.parametrize("m,panel", [(1, None), (37, 8), (200, None)], ids=str)
+@pytest.mark.parametrize("m,panel", [(1, None), (37, 32), (200, None), (0, None)], ids=str)
 def test_linear_quantize_epilogue(fmt, m, panel):
     g = torch.Generator().manual_seed(m)
     x, w, b = torch.randn(m, 64, generator=g), torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    q, s = linear_quantize(x, w, b, fmt=fmt, panel_rows=panel)
+    q, s = linear_quantize(x, w, b, fmt=fmt, panel=panel)
     qr, sr = linear_quantize_reference(x, w, b, fmt=fmt)
-    same = (q.view(torch.uint8) == qr.view(torch.uint8)).float().mean()
+    same = (q.view(torch.uint8) == qr.view(torch.uint8)).float().mean() if q.numel() else 1.0
     assert q.shape == qr.shape and s.shape == sr.shape and float(same) >= 0.99
 
 
@@ -107,6 +107,8 @@ def test_linear_quantize_errors():
         linear_quantize(x, w, fmt="mxfp4")
     with pytest.raises(LowPrecisionError, match="fmt must be one of"):
         linear_quantize(x, w, fmt="int4")
+    with pytest.raises(LowPrecisionError, match="panel must be a multiple of the group size 16, got 24"):
+        linear_quantize(x, torch.randn(32, 64), fmt="nvfp4", panel=24)
     with pytest.raises(LowPrecisionError, match="must agree on K"):
         linear_quantize(x, torch.randn(32, 16), fmt="nvfp4")
 

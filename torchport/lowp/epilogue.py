@@ -1,13 +1,13 @@
 """GEMM with a grouped-reduction epilogue: ``y = x @ W.T + bias`` emitted directly as the next
 layer's quantized activations (NVFP4, MXFP4, MXFP8 or FP8 per row) plus their scales.
 
-The epilogue runs per row panel of ``y``: each panel (``panel_rows × N`` float32, sized to stay in
-L2) is produced by the float32 GEMM into a reused buffer and immediately reduced — per-group amax
-along N (16 for NVFP4, 32 for MX, the whole row for FP8), scale, quantize, pack — by the native
-quantize kernel while it is still in cache. The full-precision ``y`` is never written to memory,
+The epilogue runs per panel of ``y``: each panel (``M × panel`` columns for NVFP4/MX, sized to stay
+in cache (≤ 4 MiB); whole-row panels for FP8's per-row amax) is produced by the float32 GEMM (MKL) into a reused
+buffer and immediately reduced — per-group amax along N (16 for NVFP4, 32 for MX, the whole row for
+FP8), scale, quantize, pack — by the native quantize kernel while it is still in cache. The full-precision ``y`` is never written to memory,
 and no separate pass over it is made. Results match
 :func:`linear_quantize_reference` (the whole float32 output, then the plain-torch quantizer) up to
-the GEMM's own row-panel rounding: tests require ≥ 99% identical codes and dequantized outputs
+the GEMM's own panel rounding: tests require ≥ 99% identical codes and dequantized outputs
 within one quantization step.
 """
 
@@ -20,7 +20,7 @@ from torchport.lowp.formats import LowPrecisionError
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8")
 GROUP = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32, "fp8": 1}
-PANEL_BYTES = 512 << 10
+PANEL_BYTES = 4 << 20
 
 
 def _quantize(y: torch.Tensor, fmt: str, pts: float | None, native_kernel: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,28 +64,57 @@ def linear_quantize_reference(
 
 def linear_quantize(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, fmt: str = "nvfp4",
-    per_tensor_scale: float | None = None, panel_rows: int | None = None,
+    per_tensor_scale: float | None = None, panel: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GEMM + grouped-reduction epilogue → (quantized ``y`` data, scales) in one pass over ``y``."""
+    """GEMM + grouped-reduction epilogue → (quantized ``y`` data, scales) in one pass over ``y``.
+
+    NVFP4/MX: ``y`` is produced in column panels of ``panel`` outputs (a multiple of the group
+    size; default sized so an ``M × panel`` float32 panel stays in cache, ≤ 4 MiB), each quantized while hot;
+    every weight row is read once. FP8 needs whole rows (per-row amax): row panels of ``panel``
+    rows spanning all of N.
+    """
     _check(x, w, bias, fmt)
     m, n = x.shape[0], w.shape[0]
-    if panel_rows is None:
-        panel_rows = max(8, min(256, PANEL_BYTES // max(1, 4 * n)))
-    if panel_rows < 1:
-        raise LowPrecisionError(f"linear_quantize: panel_rows must be ≥ 1, got {panel_rows}")
+    if panel is not None and panel < 1:
+        raise LowPrecisionError(f"linear_quantize: panel must be ≥ 1, got {panel}")
+    if m == 0 or n == 0:
+        return _quantize(torch.empty(m, n), fmt, per_tensor_scale, None)
     wt = w.t()
-    buf = torch.empty(min(panel_rows, max(m, 1)), n, dtype=torch.float32)
-    qs: list[torch.Tensor] = []
-    ss: list[torch.Tensor] = []
-    for lo in range(0, m, panel_rows):
-        hi = min(m, lo + panel_rows)
-        y = buf[: hi - lo]
-        torch.mm(x[lo:hi], wt, out=y)
+    if fmt == "fp8":
+        rows = panel or max(64, min(m, PANEL_BYTES * 16 // max(1, 4 * n)))
+        q = torch.empty(m, n, dtype=torch.float8_e4m3fn)
+        s = torch.empty(m, 1, dtype=torch.float32)
+        buf = torch.empty(min(rows, m), n, dtype=torch.float32)
+        for lo in range(0, m, rows):
+            hi = min(m, lo + rows)
+            y = buf[: hi - lo]
+            torch.mm(x[lo:hi], wt, out=y)
+            if bias is not None:
+                y += bias
+            q[lo:hi], s[lo:hi] = _quantize(y, fmt, None, None)
+        return q, s
+    g = GROUP[fmt]
+    cols = panel or max(g, (PANEL_BYTES // max(1, 4 * m)) // g * g)
+    if cols % g:
+        raise LowPrecisionError(f"linear_quantize: panel must be a multiple of the group size {g}, got {cols}")
+    packed = fmt in ("nvfp4", "mxfp4")
+    q = torch.empty(m, n // 2 if packed else n, dtype=torch.uint8)
+    s = torch.empty(m, n // g, dtype=torch.uint8)
+    buf = torch.empty(m, min(cols, n), dtype=torch.float32)
+    for lo in range(0, n, cols):
+        hi = min(n, lo + cols)
+        y = buf[:, : hi - lo] if hi - lo == buf.shape[1] else torch.empty(m, hi - lo)
+        torch.mm(x, wt[:, lo:hi], out=y)
         if bias is not None:
-            y += bias
-        q, s = _quantize(y, fmt, per_tensor_scale, None)
-        qs.append(q)
-        ss.append(s)
-    if not qs:
-        return _quantize(torch.empty(0, n), fmt, per_tensor_scale, None)
-    return torch.cat(qs), torch.cat(ss)
+            y += bias[lo:hi]
+        qp, sp = _quantize(y, fmt, per_tensor_scale, None)
+        if packed:
+            q[:, lo // 2 : hi // 2] = qp
+        else:
+            q[:, lo:hi] = qp.view(torch.uint8)
+        s[:, lo // g : hi // g] = sp.view(torch.uint8)
+    if fmt == "nvfp4":
+        return q, s.view(torch.float8_e4m3fn)
+    if fmt == "mxfp8":
+        return q.view(torch.float8_e4m3fn), s
+    return q, s

@@ -14,7 +14,7 @@ float32, so only the summation order differs from :func:`scaled_mm_reference` (f
 
 ``block_scaled_mm(x, w)`` multiplies activations by an NVFP4/MX (or FP8) weight ``[N, K]``:
 ``x @ dequantize(w).T + bias``, dequantizing ``w`` natively one row panel at a time (a panel stays
-in L2) and multiplying each panel with the float32 GEMM; quantized activations (NVFP4/MX tensors)
+in L3) and multiplying each panel with the float32 GEMM; quantized activations (NVFP4/MX tensors)
 are dequantized first. These GEMMs could later take their tiles from the dense GEMM engine
 (``torchport.gemm``): the panel decode becomes that engine's B-operand packing step.
 """
@@ -114,7 +114,7 @@ def _dequant_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     raise LowPrecisionError(f"block_scaled_mm: weight must be a torchport.lowp tensor, got {type(w).__name__}")
 
 
-PANEL_BYTES = 1 << 20
+PANEL_BYTES = 8 << 20
 
 
 def block_scaled_mm(

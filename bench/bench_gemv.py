@@ -1,0 +1,110 @@
+"""Decode GEMV (``[B, K] x W[N, K]^T``) vs ATen, weight stream in GB/s vs measured read bandwidth.
+
+Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 CPU GEMV
+(``torch._weight_int4pack_mm_for_cpu``, group 32); the read-bandwidth baseline is a large
+``Tensor.sum`` over a > L3 tensor. Weight copies rotate so the working set exceeds L3 (cold).
+GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only.
+
+Run: ``torchport bench gemv [--quick]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from torchport import gemv as G
+from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
+
+COLD_BYTES = 96 << 20  # > 32 MiB L3 with margin
+
+
+def _copies(make, nbytes: int) -> list:
+    return [make(i) for i in range(max(2, math.ceil(COLD_BYTES / max(1, nbytes))))]
+
+
+def read_bandwidth(reps: int) -> float:
+    """GB/s of a large sum (two 128 MiB tensors alternating)."""
+    bufs = [(torch.rand(32 << 20),) for _ in range(2)]
+    t = compare({"sum": lambda a: a.sum()}, bufs, reps=reps)["sum"]
+    return (32 << 20) * 4 / t / 1e9
+
+
+def _bytes(w) -> int:
+    if isinstance(w, torch.Tensor) and type(w) is torch.Tensor:
+        return w.numel() * w.element_size()
+    return w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
+
+
+def main() -> None:
+    args = arg_parser(__doc__ or "").parse_args()
+    shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
+    batches = [1] if args.quick else [1, 4]
+    reps = 5 if args.quick else args.reps
+    table = BenchTable("gemv", unit="GB/s")
+    table.start()
+    bw = read_bandwidth(reps)
+    print(f"# measured read bandwidth (Tensor.sum over 128 MiB): {bw:.2f} GB/s")
+    for n, k in shapes:
+        base = torch.randn(n, k) * 0.02
+        weights: dict[str, list] = {}
+        weights["f32"] = _copies(lambda i: base + i * 1e-4, n * k * 4)
+        weights["bf16"] = _copies(lambda i: (base + i * 1e-4).bfloat16(), n * k * 2)
+        w16 = weights["bf16"][0]
+        weights["int4"] = _copies(
+            lambda i: torch._convert_weight_to_int4pack_for_cpu(
+                torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+            ),
+            n * k // 2,
+        )
+        sz = torch.rand(k // 32, n, 2)
+        weights["fp8"] = _copies(lambda i: Float8Tensor.from_float(w16.float() + i * 1e-4), n * k)
+        weights["nvfp4"] = _copies(lambda i: NVFP4Tensor.from_float(base + i * 1e-4), n * k // 2)
+        weights["mxfp4"] = _copies(lambda i: MXTensor.from_float(base + i * 1e-4), n * k // 2)
+        packs = {f: [w.gemv_pack() for w in weights[f]] for f in ("fp8", "nvfp4", "mxfp4")}
+        nbytes = {f: _bytes(ws[0]) for f, ws in weights.items()}
+        nbytes["int4"] = n * k // 2 + sz.numel() * 4
+        for b in batches:
+            x = torch.randn(b, k)
+            xb = x.bfloat16()
+            nset = max(len(v) for v in weights.values())
+            sets = [(i,) for i in range(nset)]
+
+            def pick(f: str, i: int):
+                ws = weights[f]
+                return ws[i % len(ws)]
+
+            fns = {
+                "F.linear f32": lambda i: F.linear(x, pick("f32", i)),
+                "F.linear bf16": lambda i: F.linear(xb, pick("bf16", i)),
+                "int4pack_mm": lambda i: torch._weight_int4pack_mm_for_cpu(xb, pick("int4", i), 32, sz.bfloat16()),
+                "ours f32": lambda i: G.gemv(x, pick("f32", i)),
+                "ours bf16": lambda i: G.gemv(xb, pick("bf16", i)),
+            }
+            for f in ("fp8", "nvfp4", "mxfp4"):
+                fns[f"ours {f}"] = (lambda f: lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])]))(f)
+            t = compare(fns, sets, reps=reps)
+            tag = f"N={n} K={k} B={b}"
+
+            def pct(f: str, s: float) -> str:
+                return f"{100 * nbytes[f] / s / 1e9 / bw:.0f}%"
+
+            table.add(f"{tag} f32", "F.linear f32", t["F.linear f32"], t["ours f32"], nbytes["f32"],
+                      of_bw=pct("f32", t["ours f32"]))
+            table.add(f"{tag} bf16", "F.linear bf16", t["F.linear bf16"], t["ours bf16"], nbytes["bf16"],
+                      of_bw=pct("bf16", t["ours bf16"]))
+            for f in ("fp8", "nvfp4", "mxfp4"):
+                table.add(f"{tag} {f}", "F.linear bf16", t["F.linear bf16"], t[f"ours {f}"], nbytes[f],
+                          of_bw=pct(f, t[f"ours {f}"]),
+                          vs_int4=f"{t['int4pack_mm'] / t[f'ours {f}']:.2f}x")
+            table.add(f"{tag} int4 anchor", "F.linear bf16", t["F.linear bf16"], t["int4pack_mm"],
+                      nbytes["int4"], of_bw=pct("int4", t["int4pack_mm"]))
+        del weights, packs
+    table.save(args.json)
+
+
+if __name__ == "__main__":
+    main()
