@@ -39,6 +39,94 @@ def _bytes(w) -> int:
     return w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
 
 
+def bench_batch(
+    table: BenchTable,
+    weights: dict,
+    packs: dict,
+    nbytes: dict,
+    sz: torch.Tensor,
+    n: int,
+    k: int,
+    b: int,
+    reps: int,
+    bw: float,
+) -> None:
+    """One (N, K, B) cell: every anchor and every format of ours, interleaved in one run."""
+    x = torch.randn(b, k)
+    xb = x.bfloat16()
+    sets = [(i,) for i in range(max(len(v) for v in weights.values()))]
+
+    def pick(f: str, i: int):  # the i-th rotated copy of format f
+        ws = weights[f]
+        return ws[i % len(ws)]
+
+    def ours_packed(f: str):
+        return lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])])
+
+    fns = {
+        "F.linear f32": lambda i: F.linear(x, pick("f32", i)),
+        "F.linear bf16": lambda i: F.linear(xb, pick("bf16", i)),
+        "int4pack_mm": lambda i: torch._weight_int4pack_mm_for_cpu(xb, pick("int4", i), 32, sz),
+        "ours f32": lambda i: G.gemv(x, pick("f32", i)),
+        "ours bf16": lambda i: G.gemv(xb, pick("bf16", i)),
+    }
+    for f in packs:
+        fns[f"ours {f}"] = ours_packed(f)
+    t = compare(fns, sets, reps=reps)
+    tag = f"N={n} K={k} B={b}"
+
+    def pct(f: str, s: float) -> str:
+        return f"{100 * nbytes[f] / s / 1e9 / bw:.0f}%"
+
+    for f in ("f32", "bf16"):
+        a = f"F.linear {f}"
+        table.add(f"{tag} {f}", a, t[a], t[f"ours {f}"], nbytes[f], of_bw=pct(f, t[f"ours {f}"]))
+    for f in packs:
+        table.add(
+            f"{tag} {f}",
+            "F.linear bf16",
+            t["F.linear bf16"],
+            t[f"ours {f}"],
+            nbytes[f],
+            of_bw=pct(f, t[f"ours {f}"]),
+            vs_int4=f"{t['int4pack_mm'] / t[f'ours {f}']:.2f}x",
+        )
+    table.add(
+        f"{tag} int4 anchor",
+        "F.linear bf16",
+        t["F.linear bf16"],
+        t["int4pack_mm"],
+        nbytes["int4"],
+        of_bw=pct("int4", t["int4pack_mm"]),
+    )
+
+
+def bench_shape(
+    table: BenchTable, n: int, k: int, batches: list[int], reps: int, bw: float
+) -> None:
+    """Build rotated weight copies of every format for one (N, K), then time each batch size."""
+    base = torch.randn(n, k) * 0.02
+    weights: dict[str, list] = {
+        "f32": _copies(lambda i: base + i * 1e-4, n * k * 4),
+        "bf16": _copies(lambda i: (base + i * 1e-4).bfloat16(), n * k * 2),
+        "int4": _copies(
+            lambda i: torch._convert_weight_to_int4pack_for_cpu(
+                torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+            ),
+            n * k // 2,
+        ),
+        "fp8": _copies(lambda i: Float8Tensor.from_float(base + i * 1e-4), n * k),
+        "nvfp4": _copies(lambda i: NVFP4Tensor.from_float(base + i * 1e-4), n * k // 2),
+        "mxfp4": _copies(lambda i: MXTensor.from_float(base + i * 1e-4), n * k // 2),
+    }
+    sz = torch.rand(k // 32, n, 2).bfloat16()
+    packs = {f: [w.gemv_pack() for w in weights[f]] for f in ("fp8", "nvfp4", "mxfp4")}
+    nbytes = {f: _bytes(ws[0]) for f, ws in weights.items()}
+    nbytes["int4"] = n * k // 2 + sz.numel() * 2
+    for b in batches:
+        bench_batch(table, weights, packs, nbytes, sz, n, k, b, reps, bw)
+
+
 def main() -> None:
     args = arg_parser(__doc__ or "").parse_args()
     shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
@@ -49,60 +137,7 @@ def main() -> None:
     bw = read_bandwidth(reps)
     print(f"# measured read bandwidth (Tensor.sum over 128 MiB): {bw:.2f} GB/s")
     for n, k in shapes:
-        base = torch.randn(n, k) * 0.02
-        weights: dict[str, list] = {}
-        weights["f32"] = _copies(lambda i: base + i * 1e-4, n * k * 4)
-        weights["bf16"] = _copies(lambda i: (base + i * 1e-4).bfloat16(), n * k * 2)
-        w16 = weights["bf16"][0]
-        weights["int4"] = _copies(
-            lambda i: torch._convert_weight_to_int4pack_for_cpu(
-                torch.randint(0, 16, (n, k), dtype=torch.int32), 1
-            ),
-            n * k // 2,
-        )
-        sz = torch.rand(k // 32, n, 2)
-        weights["fp8"] = _copies(lambda i: Float8Tensor.from_float(w16.float() + i * 1e-4), n * k)
-        weights["nvfp4"] = _copies(lambda i: NVFP4Tensor.from_float(base + i * 1e-4), n * k // 2)
-        weights["mxfp4"] = _copies(lambda i: MXTensor.from_float(base + i * 1e-4), n * k // 2)
-        packs = {f: [w.gemv_pack() for w in weights[f]] for f in ("fp8", "nvfp4", "mxfp4")}
-        nbytes = {f: _bytes(ws[0]) for f, ws in weights.items()}
-        nbytes["int4"] = n * k // 2 + sz.numel() * 4
-        for b in batches:
-            x = torch.randn(b, k)
-            xb = x.bfloat16()
-            nset = max(len(v) for v in weights.values())
-            sets = [(i,) for i in range(nset)]
-
-            def pick(f: str, i: int):
-                ws = weights[f]
-                return ws[i % len(ws)]
-
-            fns = {
-                "F.linear f32": lambda i: F.linear(x, pick("f32", i)),
-                "F.linear bf16": lambda i: F.linear(xb, pick("bf16", i)),
-                "int4pack_mm": lambda i: torch._weight_int4pack_mm_for_cpu(xb, pick("int4", i), 32, sz.bfloat16()),
-                "ours f32": lambda i: G.gemv(x, pick("f32", i)),
-                "ours bf16": lambda i: G.gemv(xb, pick("bf16", i)),
-            }
-            for f in ("fp8", "nvfp4", "mxfp4"):
-                fns[f"ours {f}"] = (lambda f: lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])]))(f)
-            t = compare(fns, sets, reps=reps)
-            tag = f"N={n} K={k} B={b}"
-
-            def pct(f: str, s: float) -> str:
-                return f"{100 * nbytes[f] / s / 1e9 / bw:.0f}%"
-
-            table.add(f"{tag} f32", "F.linear f32", t["F.linear f32"], t["ours f32"], nbytes["f32"],
-                      of_bw=pct("f32", t["ours f32"]))
-            table.add(f"{tag} bf16", "F.linear bf16", t["F.linear bf16"], t["ours bf16"], nbytes["bf16"],
-                      of_bw=pct("bf16", t["ours bf16"]))
-            for f in ("fp8", "nvfp4", "mxfp4"):
-                table.add(f"{tag} {f}", "F.linear bf16", t["F.linear bf16"], t[f"ours {f}"], nbytes[f],
-                          of_bw=pct(f, t[f"ours {f}"]),
-                          vs_int4=f"{t['int4pack_mm'] / t[f'ours {f}']:.2f}x")
-            table.add(f"{tag} int4 anchor", "F.linear bf16", t["F.linear bf16"], t["int4pack_mm"],
-                      nbytes["int4"], of_bw=pct("int4", t["int4pack_mm"]))
-        del weights, packs
+        bench_shape(table, n, k, batches, reps, bw)
     table.save(args.json)
 
 

@@ -26,11 +26,24 @@ def _weight(fmt: str, w: torch.Tensor):
     elif fmt == "nvfp4_nopts":
         t = NVFP4Tensor.from_float(w, per_tensor_scale=False)
     else:
-        t = MXTensor.from_float(w, {"mxfp4": "fp4_e2m1", "mxfp8": "fp8_e4m3", "mxfp8_e5m2": "fp8_e5m2"}[fmt])
+        t = MXTensor.from_float(
+            w, {"mxfp4": "fp4_e2m1", "mxfp8": "fp8_e4m3", "mxfp8_e5m2": "fp8_e5m2"}[fmt]
+        )
     return t, t.dequantize()
 
 
-FMTS = ["f32", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_tensor", "nvfp4", "nvfp4_nopts", "mxfp4", "mxfp8", "mxfp8_e5m2"]
+FMTS = [
+    "f32",
+    "bf16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_tensor",
+    "nvfp4",
+    "nvfp4_nopts",
+    "mxfp4",
+    "mxfp8",
+    "mxfp8_e5m2",
+]
 SHAPES = [(1, 32), (17, 96), (131, 1056)]  # (N, K): N = 1, primes; several 32-groups
 
 
@@ -69,7 +82,10 @@ def test_gemv_int8_activation_error_bound(fmt, shape, b):
         out = gemv(x, wq)
     ref = gemv_reference(x, wd).double()
     # |x - dequant(q(x))| <= amax_g / 254 per element: the error is bounded by sum |w| * that
-    xs = x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32).reshape(b, k) / 254
+    xs = (
+        x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32).reshape(b, k)
+        / 254
+    )
     bound = xs.double() @ wd.double().abs().T
     assert bool(((out.double() - ref).abs() <= bound * 1.001 + 1e-5).all())
 
@@ -101,15 +117,17 @@ def test_gemv_empty_shapes():
 
 def test_gemv_bad_inputs():
     w = torch.randn(4, 32)
-    with pytest.raises(GemvInputError, match="at most 8 rows.*got 9"):
+    with pytest.raises(GemvInputError, match=r"at most 8 rows.*got 9"):
         gemv(torch.randn(9, 32), w)
-    with pytest.raises(GemvInputError, match="last dimension must equal the weight's K=32, got shape \\(1, 31\\)"):
+    with pytest.raises(
+        GemvInputError, match=r"last dimension must equal the weight's K=32, got shape \(1, 31\)"
+    ):
         gemv(torch.randn(1, 31), w)
-    with pytest.raises(GemvInputError, match="float32 or bfloat16 tensor, got torch.float64"):
+    with pytest.raises(GemvInputError, match=r"float32 or bfloat16 tensor, got torch.float64"):
         gemv(torch.randn(1, 32, dtype=torch.float64), w)
-    with pytest.raises(GemvInputError, match="bias must have shape \\(4,\\), got \\(3,\\)"):
+    with pytest.raises(GemvInputError, match=r"bias must have shape \(4,\), got \(3,\)"):
         gemv(torch.randn(1, 32), w, torch.randn(3))
-    with pytest.raises(GemvInputError, match="2-D float32 or bfloat16 tensor, got torch.int32"):
+    with pytest.raises(GemvInputError, match=r"2-D float32 or bfloat16 tensor, got torch.int32"):
         gemv(torch.randn(1, 32), torch.ones(4, 32, dtype=torch.int32))
 
 
@@ -131,7 +149,9 @@ def test_compile_routes_decode_linear_to_gemv():
     import torchport
     from torchport.compiler import last_report
 
-    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)).eval()
+    m = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
+    ).eval()
     x = torch.randn(2, 1, 32)
     c = torchport.compile(m, inner="eager")
     with torch.no_grad():

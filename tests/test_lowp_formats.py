@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchport.lowp import fp8, formats, mx, nvfp4
+from torchport.lowp import formats, fp8, mx, nvfp4
 from torchport.lowp.formats import LowPrecisionError, NonFiniteInputError
 
 E2M1_MAG = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -29,8 +29,23 @@ def test_e2m1_every_value_round_trips():
 
 @pytest.mark.parametrize(
     "x,code",
-    [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6), (0.2500001, 1),
-     (5.0001, 7), (6.0, 7), (7.0, 7), (1e30, 7), (-0.75, 10), (-1e-30, 8), (0.1, 0)],
+    [
+        (0.25, 0),
+        (0.75, 2),
+        (1.25, 2),
+        (1.75, 4),
+        (2.5, 4),
+        (3.5, 6),
+        (5.0, 6),
+        (0.2500001, 1),
+        (5.0001, 7),
+        (6.0, 7),
+        (7.0, 7),
+        (1e30, 7),
+        (-0.75, 10),
+        (-1e-30, 8),
+        (0.1, 0),
+    ],
     ids=lambda v: str(v),
 )
 def test_e2m1_ties_to_even_and_saturation(x, code):
@@ -42,7 +57,7 @@ def test_pack_unpack_low_nibble_first():
     packed = formats.pack_fp4(codes)
     assert packed.tolist() == [[0x21, 0x43]]
     assert torch.equal(formats.unpack_fp4(packed), codes)
-    with pytest.raises(LowPrecisionError, match="must be even, got 3"):
+    with pytest.raises(LowPrecisionError, match=r"must be even, got 3"):
         formats.pack_fp4(torch.zeros(1, 3, dtype=torch.uint8))
 
 
@@ -81,7 +96,7 @@ def test_fp8_native_matches_reference_on_bit_patterns(dtype, bits):
 
 def test_fp8_saturates():
     x = torch.tensor([[1.0, 1e6, -1e6]])
-    q, s = fp8.fp8_quantize(x, torch.float8_e4m3fn, "tensor")
+    q, _ = fp8.fp8_quantize(x, torch.float8_e4m3fn, "tensor")
     assert q.float().abs().max() == 448.0 and torch.isfinite(q.float()).all()
 
 
@@ -168,28 +183,32 @@ def test_mx_recipe_values():
 def test_non_finite_inputs_raise(bad, native_kernel):
     x = torch.ones(2, 32)
     x[1, 5] = bad
-    with pytest.raises(NonFiniteInputError, match="must be finite"):
+    with pytest.raises(NonFiniteInputError, match=r"must be finite"):
         nvfp4.nvfp4_quantize(x, native_kernel=native_kernel)
-    with pytest.raises(NonFiniteInputError, match="must be finite"):
+    with pytest.raises(NonFiniteInputError, match=r"must be finite"):
         mx.mx_quantize(x, "fp8_e4m3", native_kernel=native_kernel)
-    with pytest.raises(NonFiniteInputError, match="must be finite"):
+    with pytest.raises(NonFiniteInputError, match=r"must be finite"):
         fp8.fp8_quantize(x, native_kernel=native_kernel)
 
 
 def test_bad_inputs_raise_typed_errors():
-    with pytest.raises(LowPrecisionError, match="multiple of the block size 16.*got 24"):
+    with pytest.raises(LowPrecisionError, match=r"multiple of the block size 16.*got 24"):
         nvfp4.nvfp4_quantize(torch.ones(2, 24))
-    with pytest.raises(LowPrecisionError, match="multiple of the block size 32.*got 48"):
+    with pytest.raises(LowPrecisionError, match=r"multiple of the block size 32.*got 48"):
         mx.mx_quantize(torch.ones(2, 48))
-    with pytest.raises(LowPrecisionError, match="float32 or bfloat16, got torch.float64"):
+    with pytest.raises(LowPrecisionError, match=r"float32 or bfloat16, got torch.float64"):
         nvfp4.nvfp4_quantize(torch.ones(2, 16, dtype=torch.float64))
-    with pytest.raises(LowPrecisionError, match="elem must be one of"):
+    with pytest.raises(LowPrecisionError, match=r"elem must be one of"):
         mx.mx_quantize(torch.ones(2, 32), "fp6")
-    with pytest.raises(LowPrecisionError, match="per_tensor_scale must be a positive finite number, got -1"):
+    with pytest.raises(
+        LowPrecisionError, match=r"per_tensor_scale must be a positive finite number, got -1"
+    ):
         nvfp4.nvfp4_quantize(torch.ones(2, 16), -1.0)
-    with pytest.raises(LowPrecisionError, match="granularity must be one of"):
+    with pytest.raises(LowPrecisionError, match=r"granularity must be one of"):
         fp8.fp8_quantize(torch.ones(2, 16), torch.float8_e4m3fn, "block")
-    with pytest.raises(LowPrecisionError, match="scales must have shape"):
-        nvfp4.nvfp4_dequantize(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
-    with pytest.raises(LowPrecisionError, match="input must be a torch.Tensor, got list"):
+    with pytest.raises(LowPrecisionError, match=r"scales must have shape"):
+        nvfp4.nvfp4_dequantize(
+            torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8)
+        )
+    with pytest.raises(LowPrecisionError, match=r"input must be a torch.Tensor, got list"):
         nvfp4.nvfp4_quantize([1.0] * 16)  # type: ignore[arg-type]

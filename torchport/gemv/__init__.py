@@ -27,6 +27,6 @@ __all__ = [
     "pack_dense",
 ]
 
-from torchport.gemv.routing import GEMV_ROUTING  # noqa: E402  (registers the compiler pass)
+from torchport.gemv.routing import GEMV_ROUTING  # registers the compiler pass
 
 __all__ += ["GEMV_ROUTING"]

@@ -118,9 +118,18 @@ def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.
     else:
         kern = gemv_kernel(pw.fmt, isa)
     status = kern.call_unchecked(
-        xf.data_ptr(), rows, pw.k, pw.data.data_ptr(), pw.scales.data_ptr(),
-        pw.rowscale.data_ptr(), pw.pts, b.data_ptr() if b is not None else 0, int(b is not None),
-        out.data_ptr(), pw.n, native.num_threads(),
+        xf.data_ptr(),
+        rows,
+        pw.k,
+        pw.data.data_ptr(),
+        pw.scales.data_ptr(),
+        pw.rowscale.data_ptr(),
+        pw.pts,
+        b.data_ptr() if b is not None else 0,
+        int(b is not None),
+        out.data_ptr(),
+        pw.n,
+        native.num_threads(),
     )
     if status:
         raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
@@ -144,19 +153,38 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
 
 @torch.library.custom_op("torchport::gemv_packed", mutates_args=())
 def gemv_packed_op(
-    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, rowscale: torch.Tensor,
-    pts: float, fmt: str, n: int, k: int, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    rowscale: torch.Tensor,
+    pts: float,
+    fmt: str,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """Decode GEMV with a packed low-precision weight."""
     return _run(x, PackedWeight(fmt, data, scales, rowscale, pts, n, k), bias)
 
 
 @gemv_packed_op.register_fake
-def _(x, data, scales, rowscale, pts, fmt, n, k, bias):  # type: ignore[no-untyped-def]
+def _(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    rowscale: torch.Tensor,
+    pts: float,
+    fmt: str,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
 
 
-def gemv_packed(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_packed(
+    x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Decode GEMV with a packed weight (validates x and bias, then calls the kernel)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)

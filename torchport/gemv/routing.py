@@ -56,7 +56,9 @@ def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
     return True
 
 
-GEMV_ROUTING = Pass("gemv_routing", [Rule("linear(decode x, W) -> torchport::gemv_dense", _linear_to_gemv)])
+GEMV_ROUTING = Pass(
+    "gemv_routing", [Rule("linear(decode x, W) -> torchport::gemv_dense", _linear_to_gemv)]
+)
 register_pre_grad_pass(GEMV_ROUTING, order=50)
 
 __all__ = ["GEMV_ROUTING", "gemv_dense_op"]

@@ -17,7 +17,12 @@ from torchport.lowp.config import (
 from torchport.lowp.epilogue import linear_quantize, linear_quantize_reference
 from torchport.lowp.formats import LowPrecisionError, NonFiniteInputError
 from torchport.lowp.fp8 import fp8_dequantize, fp8_quantize, fp8_quantize_reference
-from torchport.lowp.mx import mx_dequantize, mx_dequantize_reference, mx_quantize, mx_quantize_reference
+from torchport.lowp.mx import (
+    mx_dequantize,
+    mx_dequantize_reference,
+    mx_quantize,
+    mx_quantize_reference,
+)
 from torchport.lowp.nvfp4 import (
     nvfp4_dequantize,
     nvfp4_dequantize_reference,

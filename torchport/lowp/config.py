@@ -36,7 +36,9 @@ class Float8WeightOnlyConfig:
         if self.dtype not in FP8_DTYPES:
             raise LowPrecisionError(f"dtype must be float8_e4m3fn or float8_e5m2, got {self.dtype}")
         if self.granularity not in ("row", "tensor"):
-            raise LowPrecisionError(f"granularity must be 'row' or 'tensor', got {self.granularity!r}")
+            raise LowPrecisionError(
+                f"granularity must be 'row' or 'tensor', got {self.granularity!r}"
+            )
 
     block = 1
 
@@ -88,7 +90,9 @@ class MXWeightOnlyConfig:
 
 
 Config = (
-    Float8WeightOnlyConfig | Float8DynamicActivationFloat8WeightConfig | NVFP4WeightOnlyConfig
+    Float8WeightOnlyConfig
+    | Float8DynamicActivationFloat8WeightConfig
+    | NVFP4WeightOnlyConfig
     | MXWeightOnlyConfig
 )
 
@@ -102,7 +106,8 @@ class QuantizeReport:
 
 
 def quantize_(
-    model: nn.Module, config: Config,
+    model: nn.Module,
+    config: Config,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> QuantizeReport:
     """Quantize the weights of ``model``'s ``nn.Linear`` modules in place (inference only).
@@ -111,7 +116,9 @@ def quantize_(
     ``nn.Parameter(<quantized tensor>, requires_grad=False)``; biases stay as they are.
     """
     if not isinstance(model, nn.Module):
-        raise LowPrecisionError(f"quantize_: model must be an nn.Module, got {type(model).__name__}")
+        raise LowPrecisionError(
+            f"quantize_: model must be an nn.Module, got {type(model).__name__}"
+        )
     if not hasattr(config, "quantize"):
         raise LowPrecisionError(f"quantize_: unsupported config {type(config).__name__}")
     report = QuantizeReport()
@@ -126,7 +133,9 @@ def quantize_(
             report.skipped[fqn] = f"weight dtype {w.dtype} (needs float32 or bfloat16)"
             continue
         if w.shape[1] % config.block:
-            report.skipped[fqn] = f"in_features {w.shape[1]} is not a multiple of block {config.block}"
+            report.skipped[fqn] = (
+                f"in_features {w.shape[1]} is not a multiple of block {config.block}"
+            )
             continue
         mod.weight = nn.Parameter(config.quantize(w.detach()), requires_grad=False)
         report.quantized.append(fqn)

@@ -4,8 +4,8 @@ layer's quantized activations (NVFP4, MXFP4, MXFP8 or FP8 per row) plus their sc
 The epilogue runs per panel of ``y``: each panel (``M × panel`` columns for NVFP4/MX, sized to stay
 in cache (≤ 4 MiB); whole-row panels for FP8's per-row amax) is produced by the float32 GEMM (MKL) into a reused
 buffer and immediately reduced — per-group amax along N (16 for NVFP4, 32 for MX, the whole row for
-FP8), scale, quantize, pack — by the native quantize kernel while it is still in cache. The full-precision ``y`` is never written to memory,
-and no separate pass over it is made. Results match
+FP8), scale, quantize, pack — by the native quantize kernel while it is still in cache. ``y`` exists only as that reused panel buffer, never as
+a full tensor in memory, and no separate pass over DRAM is made for the quantization. Results match
 :func:`linear_quantize_reference` (the whole float32 output, then the plain-torch quantizer) up to
 the GEMM's own panel rounding: tests require ≥ 99% identical codes and dequantized outputs
 within one quantization step.
@@ -23,7 +23,9 @@ GROUP = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32, "fp8": 1}
 PANEL_BYTES = 4 << 20
 
 
-def _quantize(y: torch.Tensor, fmt: str, pts: float | None, native_kernel: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(
+    y: torch.Tensor, fmt: str, pts: float | None, native_kernel: bool | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if fmt == "nvfp4":
         return nvfp4.nvfp4_quantize(y, pts, native_kernel=native_kernel)
     if fmt == "mxfp4":
@@ -41,17 +43,25 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fmt: str
             f"linear_quantize: x [M, K] and w [N, K] must agree on K, got {tuple(x.shape)} and {tuple(w.shape)}"
         )
     if x.dtype != torch.float32 or w.dtype != torch.float32:
-        raise LowPrecisionError(f"linear_quantize: x and w must be float32, got {x.dtype} and {w.dtype}")
+        raise LowPrecisionError(
+            f"linear_quantize: x and w must be float32, got {x.dtype} and {w.dtype}"
+        )
     if w.shape[0] % GROUP[fmt]:
         raise LowPrecisionError(
             f"linear_quantize: N must be a multiple of the group size {GROUP[fmt]} for {fmt}, got {w.shape[0]}"
         )
     if bias is not None and tuple(bias.shape) != (w.shape[0],):
-        raise LowPrecisionError(f"linear_quantize: bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
+        raise LowPrecisionError(
+            f"linear_quantize: bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}"
+        )
 
 
 def linear_quantize_reference(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, fmt: str = "nvfp4",
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    fmt: str = "nvfp4",
     per_tensor_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two passes: ``y = x @ w.T + bias`` (float32), then the plain-torch quantizer on ``y``."""
@@ -63,8 +73,13 @@ def linear_quantize_reference(
 
 
 def linear_quantize(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, fmt: str = "nvfp4",
-    per_tensor_scale: float | None = None, panel: int | None = None,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    fmt: str = "nvfp4",
+    per_tensor_scale: float | None = None,
+    panel: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM + grouped-reduction epilogue → (quantized ``y`` data, scales) in one pass over ``y``.
 
@@ -96,7 +111,9 @@ def linear_quantize(
     g = GROUP[fmt]
     cols = panel or max(g, (PANEL_BYTES // max(1, 4 * m)) // g * g)
     if cols % g:
-        raise LowPrecisionError(f"linear_quantize: panel must be a multiple of the group size {g}, got {cols}")
+        raise LowPrecisionError(
+            f"linear_quantize: panel must be a multiple of the group size {g}, got {cols}"
+        )
     packed = fmt in ("nvfp4", "mxfp4")
     q = torch.empty(m, n // 2 if packed else n, dtype=torch.uint8)
     s = torch.empty(m, n // g, dtype=torch.uint8)

@@ -36,7 +36,11 @@ def fp8_quantize_reference(
     check_finite(rows, "fp8_quantize")
     m = FP8_MAX[dtype]
     if granularity == "row":
-        amax = rows.abs().amax(dim=1, keepdim=True) if rows.shape[1] else rows.new_zeros(rows.shape[0], 1)
+        amax = (
+            rows.abs().amax(dim=1, keepdim=True)
+            if rows.shape[1]
+            else rows.new_zeros(rows.shape[0], 1)
+        )
         scale = torch.clamp(amax, min=AMAX_FLOOR) / m
     else:
         amax = rows.abs().max() if rows.numel() else rows.new_zeros(())
@@ -48,8 +52,11 @@ def fp8_quantize_reference(
 
 
 def fp8_quantize(
-    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, granularity: str = "row",
-    *, native_kernel: bool | None = None,
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "row",
+    *,
+    native_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 quantization (native kernel, bit-exact with :func:`fp8_quantize_reference`)."""
     if not use_native(native_kernel):
@@ -65,8 +72,18 @@ def fp8_quantize(
         amax = rows.abs().max().float() if rows.numel() else torch.zeros((), dtype=torch.float32)
         scale = (torch.clamp(amax, min=AMAX_FLOOR) / FP8_MAX[dtype]).reshape(1)
     e5 = int(dtype == torch.float8_e5m2)
-    if kernels.run("tp_fp8_quant", rows.dtype, rows, q, scale, r, k, e5, int(granularity == "row"),
-                   native.num_threads()):
+    if kernels.run(
+        "tp_fp8_quant",
+        rows.dtype,
+        rows,
+        q,
+        scale,
+        r,
+        k,
+        e5,
+        int(granularity == "row"),
+        native.num_threads(),
+    ):
         raise_nonfinite("fp8_quantize", rows)
     q8 = q.view(dtype).reshape(x.shape)
     if granularity == "row":
@@ -74,7 +91,9 @@ def fp8_quantize(
     return q8, scale.reshape(())
 
 
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def fp8_dequantize(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``fp8_value * scale`` (scale broadcastable: ``[]`` or ``[..., 1]``) in float32, then ``dtype``."""
     if q.dtype not in FP8_DTYPES:
         raise LowPrecisionError(f"fp8_dequantize: data must be float8, got {q.dtype}")

@@ -237,15 +237,45 @@ def kernel(name: str, dtype: torch.dtype = torch.float32) -> Kernel:
     u8, f32 = (torch.uint8,), (torch.float32,)
     x = TensorArg("x", (dtype,))
     specs: dict[str, list[native.launch.ArgSpec]] = {
-        "tp_nvfp4_quant": [x, TensorArg("q", u8), TensorArg("scales", u8), IntArg("rows"), IntArg("k"),
-                           FloatArg("pts"), IntArg("has_pts"), IntArg("nthreads")],
-        "tp_mx_quant": [x, TensorArg("q", u8), TensorArg("scales", u8), IntArg("rows"), IntArg("k"),
-                        IntArg("elem"), IntArg("nthreads")],
-        "tp_fp8_quant": [x, TensorArg("q", u8), TensorArg("scale", f32), IntArg("rows"), IntArg("k"),
-                         IntArg("e5m2"), IntArg("rowwise"), IntArg("nthreads")],
-        "tp_block_dequant": [TensorArg("q", u8), TensorArg("scales", u8), TensorArg("out", f32),
-                             IntArg("rows"), IntArg("k"), IntArg("fmt"), FloatArg("pts"),
-                             IntArg("nthreads")],
+        "tp_nvfp4_quant": [
+            x,
+            TensorArg("q", u8),
+            TensorArg("scales", u8),
+            IntArg("rows"),
+            IntArg("k"),
+            FloatArg("pts"),
+            IntArg("has_pts"),
+            IntArg("nthreads"),
+        ],
+        "tp_mx_quant": [
+            x,
+            TensorArg("q", u8),
+            TensorArg("scales", u8),
+            IntArg("rows"),
+            IntArg("k"),
+            IntArg("elem"),
+            IntArg("nthreads"),
+        ],
+        "tp_fp8_quant": [
+            x,
+            TensorArg("q", u8),
+            TensorArg("scale", f32),
+            IntArg("rows"),
+            IntArg("k"),
+            IntArg("e5m2"),
+            IntArg("rowwise"),
+            IntArg("nthreads"),
+        ],
+        "tp_block_dequant": [
+            TensorArg("q", u8),
+            TensorArg("scales", u8),
+            TensorArg("out", f32),
+            IntArg("rows"),
+            IntArg("k"),
+            IntArg("fmt"),
+            FloatArg("pts"),
+            IntArg("nthreads"),
+        ],
     }
     return Kernel(lib, name, specs[name])  # type: ignore[arg-type]
 

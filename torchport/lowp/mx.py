@@ -46,7 +46,9 @@ def _check_elem(elem: str) -> None:
         raise LowPrecisionError(f"elem must be one of {ELEMS}, got {elem!r}")
 
 
-def mx_quantize_reference(x: torch.Tensor, elem: str = "fp4_e2m1") -> tuple[torch.Tensor, torch.Tensor]:
+def mx_quantize_reference(
+    x: torch.Tensor, elem: str = "fp4_e2m1"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch MX quantization → (data, E8M0 scales ``[..., K/32]`` as uint8).
 
     Data is packed uint8 ``[..., K/2]`` for FP4, float8 ``[..., K]`` for FP8.
@@ -60,7 +62,9 @@ def mx_quantize_reference(x: torch.Tensor, elem: str = "fp4_e2m1") -> tuple[torc
     exp = ((amax.view(torch.int32) >> 23) & 0xFF) - 127 - _EMAX[elem]
     e = (torch.clamp(exp, -127, 128) + 127).to(torch.uint8)
     rb = (254 - e.to(torch.int32)).to(torch.uint8)
-    inv = torch.where(rb == 0, torch.tensor(0x00400000, dtype=torch.int32), rb.to(torch.int32) << 23)
+    inv = torch.where(
+        rb == 0, torch.tensor(0x00400000, dtype=torch.int32), rb.to(torch.int32) << 23
+    )
     data = blocks * inv.view(torch.float32).unsqueeze(-1)
     if elem == "fp4_e2m1":
         q = pack_fp4(f32_to_e2m1(data.reshape(rows.shape[0], k))).reshape(*lead, k // 2)
@@ -101,12 +105,17 @@ def _k_of(q: torch.Tensor, scales: torch.Tensor, elem: str) -> int:
     k = q.shape[-1] * (2 if elem == "fp4_e2m1" else 1)
     want = (*q.shape[:-1], k // BLOCK)
     if k % BLOCK or tuple(scales.shape) != want:
-        raise LowPrecisionError(f"mx_dequantize: scales must have shape {want}, got {tuple(scales.shape)}")
+        raise LowPrecisionError(
+            f"mx_dequantize: scales must have shape {want}, got {tuple(scales.shape)}"
+        )
     return k
 
 
 def mx_dequantize_reference(
-    q: torch.Tensor, scales: torch.Tensor, elem: str = "fp4_e2m1", dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    elem: str = "fp4_e2m1",
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Plain-torch MX dequantization to ``dtype`` (computed in float32)."""
     k = _k_of(q, scales, elem)
@@ -119,8 +128,12 @@ def mx_dequantize_reference(
 
 
 def mx_dequantize(
-    q: torch.Tensor, scales: torch.Tensor, elem: str = "fp4_e2m1",
-    dtype: torch.dtype = torch.float32, *, native_kernel: bool | None = None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    elem: str = "fp4_e2m1",
+    dtype: torch.dtype = torch.float32,
+    *,
+    native_kernel: bool | None = None,
 ) -> torch.Tensor:
     """MX dequantization (native kernel, bit-exact with the reference)."""
     if not use_native(native_kernel):
@@ -130,6 +143,16 @@ def mx_dequantize(
     s2 = scales.view(torch.uint8).reshape(-1, k // BLOCK).contiguous()
     out = torch.empty(q2.shape[0], k, dtype=torch.float32)
     fmt = {"fp4_e2m1": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[elem]
-    kernels.run("tp_block_dequant", torch.float32, q2, s2, out, q2.shape[0], k, fmt, 1.0,
-                native.num_threads())
+    kernels.run(
+        "tp_block_dequant",
+        torch.float32,
+        q2,
+        s2,
+        out,
+        q2.shape[0],
+        k,
+        fmt,
+        1.0,
+        native.num_threads(),
+    )
     return out.reshape(*q.shape[:-1], k).to(dtype)

@@ -84,7 +84,15 @@ def nvfp4_quantize(
     s = torch.empty(r, k // BLOCK, dtype=torch.uint8)
     pts = float(per_tensor_scale) if per_tensor_scale is not None else 1.0
     status = kernels.run(
-        "tp_nvfp4_quant", rows.dtype, rows, q, s, r, k, pts, int(per_tensor_scale is not None),
+        "tp_nvfp4_quant",
+        rows.dtype,
+        rows,
+        q,
+        s,
+        r,
+        k,
+        pts,
+        int(per_tensor_scale is not None),
         native.num_threads(),
     )
     if status:
@@ -104,7 +112,9 @@ def _check_packed(q: torch.Tensor, scales: torch.Tensor, block: int, what: str) 
 
 
 def nvfp4_dequantize_reference(
-    q: torch.Tensor, scales: torch.Tensor, per_tensor_scale: float | None = None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    per_tensor_scale: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Plain-torch NVFP4 dequantization to ``dtype`` (computed in float32)."""
@@ -117,8 +127,12 @@ def nvfp4_dequantize_reference(
 
 
 def nvfp4_dequantize(
-    q: torch.Tensor, scales: torch.Tensor, per_tensor_scale: float | None = None,
-    dtype: torch.dtype = torch.float32, *, native_kernel: bool | None = None,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    per_tensor_scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    native_kernel: bool | None = None,
 ) -> torch.Tensor:
     """NVFP4 dequantization (native kernel, bit-exact with the reference)."""
     if not use_native(native_kernel):
@@ -128,6 +142,7 @@ def nvfp4_dequantize(
     s2 = scales.view(torch.uint8).reshape(-1, k // BLOCK).contiguous()
     out = torch.empty(q2.shape[0], k, dtype=torch.float32)
     pts = float(per_tensor_scale) if per_tensor_scale is not None else 1.0
-    kernels.run("tp_block_dequant", torch.float32, q2, s2, out, q2.shape[0], k, 0, pts,
-                native.num_threads())
+    kernels.run(
+        "tp_block_dequant", torch.float32, q2, s2, out, q2.shape[0], k, 0, pts, native.num_threads()
+    )
     return out.reshape(*q.shape[:-1], k).to(dtype)

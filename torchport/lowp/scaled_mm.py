@@ -31,8 +31,12 @@ _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
 
 
 def _validate(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
 ) -> tuple[bool, torch.dtype]:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dtype not in FP8_DTYPES or t.dim() != 2:
@@ -46,7 +50,9 @@ def _validate(
     n = b.shape[1]
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
-            raise LowPrecisionError(f"scaled_mm: {name} must be a float32 tensor, got {getattr(s, 'dtype', s)}")
+            raise LowPrecisionError(
+                f"scaled_mm: {name} must be a float32 tensor, got {getattr(s, 'dtype', s)}"
+            )
     tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
     rowwise = tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n)
     if not (tensorwise or rowwise):
@@ -69,20 +75,34 @@ def _finish(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 
 
 def scaled_mm_reference(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
-    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b) + bias`` in float64, then cast (saturating for FP8)."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
-    acc = (a.double() @ b.double()) * scale_a.double().reshape(-1, 1) * scale_b.double().reshape(1, -1)
+    acc = (
+        (a.double() @ b.double())
+        * scale_a.double().reshape(-1, 1)
+        * scale_b.double().reshape(1, -1)
+    )
     if bias is not None:
         acc = acc + bias.double()
     return to_fp8_reference(acc, od) if od in FP8_DTYPES else acc.to(od)
 
 
 def scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
-    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """FP8 scaled GEMM mirroring ``torch._scaled_mm`` (tensor-wise and row-wise scaling)."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
@@ -111,14 +131,19 @@ def _dequant_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     if isinstance(w, Float8Tensor):
         s = w.scale[lo:hi] if w.scale.dim() else w.scale
         return fp8.fp8_dequantize(w.qdata[lo:hi], s)
-    raise LowPrecisionError(f"block_scaled_mm: weight must be a torchport.lowp tensor, got {type(w).__name__}")
+    raise LowPrecisionError(
+        f"block_scaled_mm: weight must be a torchport.lowp tensor, got {type(w).__name__}"
+    )
 
 
 PANEL_BYTES = 8 << 20
 
 
 def block_scaled_mm(
-    x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x @ dequantize(w).T + bias`` for a quantized weight ``w [N, K]`` (NVFP4, MX or FP8).
@@ -136,9 +161,13 @@ def block_scaled_mm(
         )
     n, k = w.shape
     if x.shape[-1] != k:
-        raise LowPrecisionError(f"block_scaled_mm: x's last dimension must be K={k}, got {tuple(x.shape)}")
+        raise LowPrecisionError(
+            f"block_scaled_mm: x's last dimension must be K={k}, got {tuple(x.shape)}"
+        )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
-        raise LowPrecisionError(f"block_scaled_mm: bias must have shape ({n},), got {tuple(bias.shape)}")
+        raise LowPrecisionError(
+            f"block_scaled_mm: bias must have shape ({n},), got {tuple(bias.shape)}"
+        )
     od = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float()

@@ -40,7 +40,7 @@ class LowPrecisionTensor(torch.Tensor):
     _pack: PackedWeight | None
 
     @staticmethod
-    def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):  # type: ignore[no-untyped-def]
+    def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
         return torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
         )
@@ -63,6 +63,15 @@ class LowPrecisionTensor(torch.Tensor):
         return pw
 
     def _make_pack(self) -> PackedWeight:
+        raise TypeError(_ABSTRACT)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        raise TypeError(_ABSTRACT)
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> LowPrecisionTensor:
         raise TypeError(_ABSTRACT)
 
     def _with_dtype(self, dtype: torch.dtype) -> LowPrecisionTensor:
@@ -95,11 +104,15 @@ class LowPrecisionTensor(torch.Tensor):
             return func(*args, **kwargs)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         if func in _KEEP:
             return args[0]._apply(lambda t: func(t))
-        if func is aten._to_copy.default and set(kwargs) <= {"dtype"} and isinstance(args[0], LowPrecisionTensor):
+        if (
+            func is aten._to_copy.default
+            and set(kwargs) <= {"dtype"}
+            and isinstance(args[0], LowPrecisionTensor)
+        ):
             return args[0]._with_dtype(kwargs.get("dtype", args[0].dtype))
 
         def unwrap(t: Any) -> Any:
@@ -109,7 +122,9 @@ class LowPrecisionTensor(torch.Tensor):
 
     def _apply(self, fn: Any) -> LowPrecisionTensor:
         names, ctx = self.__tensor_flatten__()
-        return type(self).__tensor_unflatten__({n: fn(getattr(self, n)) for n in names}, ctx, self.shape, self.stride())
+        return type(self).__tensor_unflatten__(
+            {n: fn(getattr(self, n)) for n in names}, ctx, self.shape, self.stride()
+        )
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
@@ -122,19 +137,34 @@ class Float8Tensor(LowPrecisionTensor):
     :func:`torchport.scaled_mm` (weight + activation FP8); None → weight-only.
     """
 
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,  # type: ignore[no-untyped-def]
-                act_dtype: torch.dtype | None = None):
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        act_dtype: torch.dtype | None = None,
+    ):
         return super().__new__(cls, qdata.shape, orig_dtype)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype,
-                 act_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        act_dtype: torch.dtype | None = None,
+    ) -> None:
         self.qdata, self.scale = qdata, scale
         self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
         self._pack = None
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
-                   granularity: str = "row", act_dtype: torch.dtype | None = None) -> Float8Tensor:
+    def from_float(
+        cls,
+        w: torch.Tensor,
+        dtype: torch.dtype = torch.float8_e4m3fn,
+        granularity: str = "row",
+        act_dtype: torch.dtype | None = None,
+    ) -> Float8Tensor:
         """Quantize a float32/bfloat16 tensor (torchao float8 recipe, see :mod:`torchport.lowp.fp8`)."""
         q, s = fp8.fp8_quantize(w, dtype, granularity)
         return cls(q, s, w.dtype, act_dtype)
@@ -143,7 +173,9 @@ class Float8Tensor(LowPrecisionTensor):
         return ["qdata", "scale"], (self._orig_dtype, self.act_dtype)
 
     @classmethod
-    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None) -> Float8Tensor:
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> Float8Tensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
 
     def _with_dtype(self, dtype: torch.dtype) -> Float8Tensor:
@@ -181,12 +213,22 @@ class NVFP4Tensor(LowPrecisionTensor):
     """NVFP4 ``[N, K]``: packed E2M1 ``qdata [N, K/2]``, E4M3 ``scale [N, K/16]``, optional FP32
     ``per_tensor_scale`` (torchao recipe, see :mod:`torchport.lowp.nvfp4`)."""
 
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale: float | None,  # type: ignore[no-untyped-def]
-                orig_dtype: torch.dtype):
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        per_tensor_scale: float | None,
+        orig_dtype: torch.dtype,
+    ):
         return super().__new__(cls, (*qdata.shape[:-1], qdata.shape[-1] * 2), orig_dtype)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale: float | None,
-                 orig_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        per_tensor_scale: float | None,
+        orig_dtype: torch.dtype,
+    ) -> None:
         self.qdata, self.scale = qdata, scale
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
         self._pack = None
@@ -195,7 +237,9 @@ class NVFP4Tensor(LowPrecisionTensor):
     def from_float(cls, w: torch.Tensor, per_tensor_scale: bool | float = True) -> NVFP4Tensor:
         """Quantize; ``per_tensor_scale=True`` derives it from ``amax`` (torchao's two-level scaling)."""
         if per_tensor_scale is True:
-            pts: float | None = nvfp4.per_tensor_amax_to_scale(w.detach().abs().max()) if w.numel() else None
+            pts: float | None = (
+                nvfp4.per_tensor_amax_to_scale(w.detach().abs().max()) if w.numel() else None
+            )
             if pts == 0.0:
                 pts = None
         elif per_tensor_scale is False:
@@ -209,14 +253,18 @@ class NVFP4Tensor(LowPrecisionTensor):
         return ["qdata", "scale"], (self.per_tensor_scale, self._orig_dtype)
 
     @classmethod
-    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None) -> NVFP4Tensor:
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> NVFP4Tensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
 
     def _with_dtype(self, dtype: torch.dtype) -> NVFP4Tensor:
         return NVFP4Tensor(self.qdata, self.scale, self.per_tensor_scale, dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return nvfp4.nvfp4_dequantize(self.qdata, self.scale, self.per_tensor_scale, dtype or self.dtype)
+        return nvfp4.nvfp4_dequantize(
+            self.qdata, self.scale, self.per_tensor_scale, dtype or self.dtype
+        )
 
     def _describe(self) -> str:
         return f"block=16, per_tensor_scale={self.per_tensor_scale}"
@@ -236,11 +284,13 @@ class MXTensor(LowPrecisionTensor):
     """MX ``[N, K]`` (OCP MX v1.0, torchao FLOOR recipe; see :mod:`torchport.lowp.mx`): ``qdata``
     (packed uint8 for ``fp4_e2m1``, float8 otherwise) and E8M0 ``scale [N, K/32]`` (uint8)."""
 
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype):
         k = qdata.shape[-1] * (2 if elem == "fp4_e2m1" else 1)
         return super().__new__(cls, (*qdata.shape[:-1], k), orig_dtype)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype) -> None:
+    def __init__(
+        self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype
+    ) -> None:
         self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
         self._pack = None
 
@@ -254,7 +304,9 @@ class MXTensor(LowPrecisionTensor):
         return ["qdata", "scale"], (self.elem, self._orig_dtype)
 
     @classmethod
-    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None) -> MXTensor:
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> MXTensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
 
     def _with_dtype(self, dtype: torch.dtype) -> MXTensor:
