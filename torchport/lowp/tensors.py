@@ -16,6 +16,7 @@ code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_fla
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -64,6 +65,16 @@ class LowPrecisionTensor(torch.Tensor):
 
     def _make_pack(self) -> PackedWeight:
         raise TypeError(_ABSTRACT)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Content hash for torch.compile's AOT-autograd cache (data, scales and metadata)."""
+        names, ctx = self.__tensor_flatten__()
+        h = hashlib.sha256(f"{type(self).__name__}|{tuple(self.shape)}|{self.dtype}|{ctx}".encode())
+        for n in names:
+            t = getattr(self, n)
+            if native.eager_fast_path(t):
+                h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         raise TypeError(_ABSTRACT)
