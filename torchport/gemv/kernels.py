@@ -322,33 +322,65 @@ TP_INLINE float tp_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* 32 FP4 codes (16 bytes) -> 32 signed int8 values 2*e2m1 (in element order) */
+TP_INLINE __m256i tp_fp4x32_i8(const uint8_t *p, __m256i lut) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    __m256i c = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    return _mm256_shuffle_epi8(lut, c);
+}
+
+/* per-lane weight scale (x0.5 undoes the 2x of the int8 table) for 32-element group g */
+TP_INLINE __m256 tp_wscale(const uint8_t *sc, int64_t g, float pts) {
+#if defined(FMT_nvfp4)
+    return _mm256_set_m128(_mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g + 1]]),
+                           _mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g]]));
+#else
+    return _mm256_set1_ps(0.5f * tp_e8m0f(sc[g]));
+#endif
+}
+
+TP_INLINE __m256 tp_dot_i8(__m256i aw, __m256i w8, const int8_t *xq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w8)), ones));
+}
+
 TP_INLINE void tp_row_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, const uint8_t *sc,
                          float pts, float *out, int64_t ldo, const int NB) {
     const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                                          0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t G = K / 32;
+    if (NB == 1) {  /* two groups per step, two accumulators: FMA latency overlaps */
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 2 <= G; g += 2) {
+            _mm_prefetch((const char *)(w + g * 16) + ${prefetch}, _MM_HINT_T0);
+            __m256i w0 = tp_fp4x32_i8(w + g * 16, lut), w1 = tp_fp4x32_i8(w + g * 16 + 16, lut);
+            __m256 s0 = _mm256_mul_ps(tp_wscale(sc, g, pts), _mm256_set1_ps(xs[g]));
+            __m256 s1 = _mm256_mul_ps(tp_wscale(sc, g + 1, pts), _mm256_set1_ps(xs[g + 1]));
+            a0 = _mm256_fmadd_ps(tp_dot_i8(_mm256_abs_epi8(w0), w0, xq + g * 32), s0, a0);
+            a1 = _mm256_fmadd_ps(tp_dot_i8(_mm256_abs_epi8(w1), w1, xq + g * 32 + 32), s1, a1);
+        }
+        for (; g < G; ++g) {
+            __m256i w0 = tp_fp4x32_i8(w + g * 16, lut);
+            __m256 s0 = _mm256_mul_ps(tp_wscale(sc, g, pts), _mm256_set1_ps(xs[g]));
+            a0 = _mm256_fmadd_ps(tp_dot_i8(_mm256_abs_epi8(w0), w0, xq + g * 32), s0, a0);
+        }
+        out[0] = tp_hsum(_mm256_add_ps(a0, a1));
+        return;
+    }
     __m256 acc[4];
     for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
-    const int64_t G = K / 32;
     for (int64_t g = 0; g < G; ++g) {
         _mm_prefetch((const char *)(w + g * 16) + ${prefetch}, _MM_HINT_T0);
-        __m128i v = _mm_loadu_si128((const __m128i *)(w + g * 16));
-        __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-        __m256i c = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-        __m256i w8 = _mm256_shuffle_epi8(lut, c);
+        __m256i w8 = tp_fp4x32_i8(w + g * 16, lut);
         __m256i aw = _mm256_abs_epi8(w8);
-#if defined(FMT_nvfp4)
-        __m256 ws = _mm256_set_m128(_mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g + 1]]),
-                                    _mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g]]));
-#else
-        __m256 ws = _mm256_set1_ps(0.5f * tp_e8m0f(sc[g]));
-#endif
+        __m256 ws = tp_wscale(sc, g, pts);
         for (int b = 0; b < NB; ++b) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * K + g * 32));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w8)), ones);
             __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[b * G + g]));
-            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b]);
+            acc[b] = _mm256_fmadd_ps(tp_dot_i8(aw, w8, xq + b * K + g * 32), s, acc[b]);
         }
     }
     for (int b = 0; b < NB; ++b) out[b * ldo] = tp_hsum(acc[b]);
