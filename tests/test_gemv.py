@@ -165,3 +165,26 @@ def test_compile_routes_decode_linear_to_gemv():
     assert not last_report().rule_counts  # type: ignore[union-attr]
     torchport.compile(m, inner="eager")(torch.randn(1, 32))  # grad enabled: not routed
     assert not last_report().rule_counts  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("rows4", [0, 1])
+def test_kernel_variants_agree(fmt, rows4):
+    from torchport.gemv import pack_dense
+    from torchport.gemv.kernels import gemv_i8_kernel, gemv_kernel
+    from torchport.native import cpu_info
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(23, 128, generator=g)
+    wq, _ = _weight(fmt, w)
+    pw = pack_dense(wq) if fmt == "bf16" else wq.gemv_pack()
+    x = torch.randn(1, 128, generator=g)
+    variants = [(gemv_kernel(pw.fmt, cpu_info().isa, 512, rows4), False)]
+    if fmt in ("nvfp4", "mxfp4"):
+        variants.append((gemv_i8_kernel(pw.fmt, cpu_info().isa, 512, rows4), True))
+    for kern, int8 in variants:
+        out = torch.empty(1, 23)
+        kern(x, 1, 128, pw.data, pw.scales, pw.rowscale, pw.pts, torch.empty(0), 0, out, 23, 2)
+        with config.override(gemv_fp4_int8=int8):
+            ref = gemv(x, wq)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)

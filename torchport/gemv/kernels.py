@@ -197,6 +197,35 @@ TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, cons
         out[b * ldo] = s * post;
     }
 }
+
+/* Four weight rows against one activation row: four streams in flight, x loaded once. */
+TP_INLINE void tp_rows4(const float *x, int64_t K, const W_T *w, int64_t wstride, const uint8_t *sc,
+                        int64_t sstride, float pts, const float *post, float *out) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; ++r) { acc[r][0] = _mm256_setzero_ps(); acc[r][1] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+        for (int r = 0; r < 4; ++r) {
+            const W_T *wr = w + r * wstride;
+            _mm_prefetch((const char *)(wr + ROW_STRIDE(k)) + ${prefetch}, _MM_HINT_T0);
+            __m256 w4[4];
+            tp_decode32(wr, sc + r * sstride, k, pts, w4);
+            acc[r][0] = _mm256_fmadd_ps(w4[0], x0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w4[1], x1, acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w4[2], x2, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w4[3], x3, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < 4; ++r) {
+        const W_T *wr = w + r * wstride;
+        float s = tp_hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * ROW_FACTOR;
+        for (int64_t j = k; j < K; ++j) s += tp_wel(wr, sc + r * sstride, j, pts) * x[j];
+        out[r] = s * post[r];
+    }
+}
+#define TP_HAVE_ROWS4 1
 #else
 TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, const uint8_t *sc, float pts,
                       float post, float *out, int64_t ldo, const int NB) {
@@ -226,7 +255,25 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const 
     {
         int64_t lo, hi;
         tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
-        for (int64_t n = lo; n < hi; ++n) {
+        int64_t n = lo;
+#if defined(TP_HAVE_ROWS4) && ${rows4}
+        if (B == 1) {
+            for (; n + 4 <= hi; n += 4) {
+                float post4[4];
+                for (int r = 0; r < 4; ++r) {
+#if defined(HAS_ROWSCALE)
+                    post4[r] = rowscale[n + r];
+#else
+                    post4[r] = 1.0f;
+#endif
+                }
+                tp_rows4(x, K, w + n * wstride, wstride, scales ? scales + n * sstride : (const uint8_t *)0,
+                         sstride, pts, post4, out + n);
+                if (has_bias) for (int r = 0; r < 4; ++r) out[n + r] += bias[n + r];
+            }
+        }
+#endif
+        for (; n < hi; ++n) {
             const W_T *wr = w + n * wstride;
             const uint8_t *sr = scales ? scales + n * sstride : (const uint8_t *)0;
 #if defined(HAS_ROWSCALE)
@@ -266,12 +313,19 @@ PREFETCH = (0, 256, 512, 1024)
 
 
 @functools.cache
-def gemv_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
-    """The compiled GEMV for one weight format (cached per process and on disk)."""
+def gemv_kernel(fmt: str, isa: str, prefetch: int = 512, rows4: int | None = None) -> Kernel:
+    """The compiled GEMV for one weight format (cached per process and on disk).
+
+    ``rows4``: for one activation row, stream four weight rows at once (x loaded once). Default:
+    on for f32/bf16 (memory-bound: more streams in flight help), off for the decoding formats
+    (compute-bound: the extra register pressure costs more than it saves; measured A/B).
+    """
+    if rows4 is None:
+        rows4 = int(fmt in ("f32", "bf16"))
     if fmt not in FORMATS:
         raise ValueError(f"gemv format must be one of {FORMATS}, got {fmt!r}")
-    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch)
-    lib = native.build(src, name=f"gemv_{fmt}_{isa}_p{prefetch}", isa=isa)
+    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch, rows4=rows4)
+    lib = native.build(src, name=f"gemv_{fmt}_{isa}_p{prefetch}_r{rows4}", isa=isa)
     f32 = (torch.float32,)
     return Kernel(
         lib,
@@ -346,6 +400,31 @@ TP_INLINE __m256 tp_dot_i8(__m256i aw, __m256i w8, const int8_t *xq) {
     __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w8)), ones));
 }
+
+/* Four FP4 weight rows against one int8 activation row. */
+TP_INLINE void tp_rows4_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, int64_t wstride,
+                           const uint8_t *sc, int64_t sstride, float pts, float *out) {
+    const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                         0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < 4; ++r) acc[r] = _mm256_setzero_ps();
+    const int64_t G = K / 32;
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
+        __m256 xsv = _mm256_set1_ps(xs[g]);
+        for (int r = 0; r < 4; ++r) {
+            const uint8_t *wr = w + r * wstride;
+            _mm_prefetch((const char *)(wr + g * 16) + ${prefetch}, _MM_HINT_T0);
+            __m256i w8 = tp_fp4x32_i8(wr + g * 16, lut);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w8), _mm256_sign_epi8(xv, w8)), ones);
+            __m256 s = _mm256_mul_ps(tp_wscale(sc + r * sstride, g, pts), xsv);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; ++r) out[r] = tp_hsum(acc[r]);
+}
+#define TP_HAVE_ROWS4 1
 
 TP_INLINE void tp_row_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, const uint8_t *sc,
                          float pts, float *out, int64_t ldo, const int NB) {
@@ -432,7 +511,16 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     {
         int64_t lo, hi;
         tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
-        for (int64_t n = lo; n < hi; ++n) {
+        int64_t n = lo;
+#if defined(TP_HAVE_ROWS4) && ${rows4}
+        if (B == 1) {
+            for (; n + 4 <= hi; n += 4) {
+                tp_rows4_i8(xq, xs, K, w + n * (K / 2), K / 2, scales + n * sstride, sstride, pts, out + n);
+                if (has_bias) for (int r = 0; r < 4; ++r) out[n + r] += bias[n + r];
+            }
+        }
+#endif
+        for (; n < hi; ++n) {
             const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
             for (int64_t b = 0; b < B; b += 4) {
                 int64_t nb = B - b < 4 ? B - b : 4;
@@ -459,10 +547,12 @@ I8_FORMATS = ("nvfp4", "mxfp4")
 
 
 @functools.cache
-def gemv_i8_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
+def gemv_i8_kernel(fmt: str, isa: str, prefetch: int = 512, rows4: int = 0) -> Kernel:
     """FP4-weight GEMV with activations quantized to int8 per 32 (``maddubs`` dot products)."""
     if fmt not in I8_FORMATS:
         raise ValueError(f"int8-activation gemv format must be one of {I8_FORMATS}, got {fmt!r}")
-    src = native.render(_I8_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch)
-    lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}", isa=isa)
+    src = native.render(
+        _I8_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch, rows4=rows4
+    )
+    lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}", isa=isa)
     return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
