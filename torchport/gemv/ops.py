@@ -98,26 +98,41 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> None:
         raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
 
 
+_KERNEL_CACHE: dict[tuple[str, bool, str], object] = {}
+
+
+def _kernel_for(pw: PackedWeight) -> object:
+    """The kernel serving ``pw`` under the current settings (memoised per format/mode/ISA)."""
+    isa = native.cpu_info().isa
+    int8 = pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(config.get("gemv_fp4_int8"))
+    key = (pw.fmt, int8, isa)
+    kern = _KERNEL_CACHE.get(key)
+    if kern is None:
+        kern = gemv_i8_kernel(pw.fmt, isa) if int8 else gemv_kernel(pw.fmt, isa)
+        _KERNEL_CACHE[key] = kern
+    return kern
+
+
 def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel call (inputs validated)."""
-    rows = math.prod(x.shape[:-1])
+    rows = x.numel() // pw.k if pw.k else math.prod(x.shape[:-1])
     out_shape = (*x.shape[:-1], pw.n)
     if rows == 0 or pw.n == 0:
         return torch.zeros(out_shape, dtype=x.dtype)
     if pw.k == 0:
         out0 = torch.zeros(out_shape, dtype=torch.float32)
         return (out0 + bias.float() if bias is not None else out0).to(x.dtype)
-    xf = x.reshape(rows, pw.k)
-    if xf.dtype != torch.float32 or not xf.is_contiguous():
-        xf = xf.float().contiguous()
-    out = torch.empty(rows, pw.n, dtype=torch.float32)
-    b = bias.float().contiguous() if bias is not None else None
-    isa = native.cpu_info().isa
-    if pw.fmt in I8_FORMATS and pw.k % 32 == 0 and config.get("gemv_fp4_int8"):
-        kern = gemv_i8_kernel(pw.fmt, isa)
-    else:
-        kern = gemv_kernel(pw.fmt, isa)
-    status = kern.call_unchecked(
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    out = torch.empty(out_shape, dtype=torch.float32)
+    b = None
+    if bias is not None:
+        b = (
+            bias
+            if bias.dtype == torch.float32 and bias.is_contiguous()
+            else bias.float().contiguous()
+        )
+    kern = _kernel_for(pw)
+    status = kern.call_unchecked(  # type: ignore[attr-defined]
         xf.data_ptr(),
         rows,
         pw.k,
@@ -133,8 +148,18 @@ def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.
     )
     if status:
         raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
-    out = out.reshape(out_shape)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """True if the kernel may be called directly (plain tensors or parameters, no autograd)."""
+    if not native.eager_fast_path(x):
+        return False
+    if bias is None:
+        return True
+    return type(bias) in (torch.Tensor, torch.nn.Parameter) and not (
+        bias.requires_grad and torch.is_grad_enabled()
+    )
 
 
 # --- custom ops (compile/export path) ------------------------------------------------------------
@@ -188,11 +213,19 @@ def gemv_packed(
     """Decode GEMV with a packed weight (validates x and bias, then calls the kernel)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
-    if native.eager_fast_path(x, *(t for t in (bias,) if t is not None)):
+    if _eager(x, bias):
         return _run(x, pw, bias)
     if pw.fmt in ("f32", "bf16"):
         return gemv_dense_op(x, pw.data, bias)
     return gemv_packed_op(x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias)
+
+
+def linear_decode(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Lean eager entry for quantized ``nn.Linear`` weights (the caller checked rows ≤ MAX_ROWS
+    and the dtype); falls back to :func:`gemv_packed` for anything unusual."""
+    if x.shape[-1] == pw.k and (bias is None or bias.shape == (pw.n,)) and _eager(x, bias):
+        return _run(x, pw, bias)
+    return gemv_packed(x, pw, bias)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from torchport import native
-from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
+from torchport.gemv import MAX_ROWS, PackedWeight
+from torchport.gemv.ops import linear_decode
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp.formats import LowPrecisionError
 
@@ -109,7 +110,7 @@ class LowPrecisionTensor(torch.Tensor):
             if not isinstance(x, LowPrecisionTensor):
                 rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
                 if 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
-                    return gemv_packed(x, w.gemv_pack(), bias).to(w.dtype)
+                    return linear_decode(x, w.gemv_pack(), bias)
                 return w.prefill_linear(x, bias)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
