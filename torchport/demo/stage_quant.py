@@ -23,13 +23,25 @@ if TYPE_CHECKING:
     from torchport.demo import DemoContext
 
 
-def _decode_rate(model: GPT, tokens: int, seed: int) -> tuple[float, bytes]:
-    gen = torch.Generator().manual_seed(seed)
-    generate(model, b"def ", 8, gen=torch.Generator().manual_seed(seed))  # warm-up (kernel builds)
-    t0 = time.perf_counter()
-    text = generate(model, b"def ", tokens, gen=gen)
-    dt = time.perf_counter() - t0
-    return (tokens / dt if dt > 0 else 0.0), text
+def _decode_rates(
+    variants: dict[str, GPT], tokens: int, seed: int, rounds: int = 3
+) -> tuple[dict[str, float], bytes]:
+    """Median tokens/s of each variant over ``rounds`` interleaved runs (load drift hits all alike)."""
+    for m in variants.values():
+        generate(m, b"def ", 8, gen=torch.Generator().manual_seed(seed))  # warm-up (kernel builds)
+    samples: dict[str, list[float]] = {n: [] for n in variants}
+    text = b""
+    per = max(8, tokens // rounds)
+    for _ in range(rounds):
+        for name, m in variants.items():
+            gen = torch.Generator().manual_seed(seed)
+            t0 = time.perf_counter()
+            out = generate(m, b"def ", per, gen=gen)
+            dt = time.perf_counter() - t0
+            samples[name].append(per / dt if dt > 0 else 0.0)
+            if name == "nvfp4":
+                text = out
+    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}, text
 
 
 def stage_quant(ctx: DemoContext) -> Section:
@@ -49,18 +61,16 @@ def stage_quant(ctx: DemoContext) -> Section:
     s.add("quantize time (s)", time.perf_counter() - t0)
     variants["nvfp4"] = q
     tokens = max(16, int(ctx.args.sample_tokens))
-    rates: dict[str, float] = {}
     threads = torch.get_num_threads()
     # Decode of a d_model-128 model is a chain of tiny ops: one thread avoids OpenMP hand-offs
     # that cost more than the work (the same setting for every variant).
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            for name, m in variants.items():
-                rates[name], text = _decode_rate(m, tokens, ctx.train_cfg.seed)
-                s.add(f"{name} tokens/s (1 thread)", rates[name])
-                if name == "nvfp4":
-                    s.text = (b"def " + text).decode("utf-8", errors="replace")
+            rates, text = _decode_rates(variants, tokens, ctx.train_cfg.seed)
+        for name, rate in rates.items():
+            s.add(f"{name} tokens/s (1 thread, median of 3)", rate)
+        s.text = (b"def " + text).decode("utf-8", errors="replace")
     finally:
         torch.set_num_threads(threads)
     with torch.no_grad():
