@@ -3,7 +3,8 @@
 Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 CPU GEMV
 (``torch._weight_int4pack_mm_for_cpu``, group 32); the read-bandwidth baseline is a large
 ``Tensor.sum`` over a > L3 tensor. Weight copies rotate so the working set exceeds L3 (cold).
-GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only.
+GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
+time per call, which time lost to other processes on a shared machine does not inflate.
 
 Run: ``torchport bench gemv [--quick]``.
 """
@@ -11,6 +12,7 @@ Run: ``torchport bench gemv [--quick]``.
 from __future__ import annotations
 
 import math
+import resource
 
 import torch
 import torch.nn.functional as F
@@ -127,8 +129,60 @@ def bench_shape(
         bench_batch(table, weights, packs, nbytes, sz, n, k, b, reps, bw)
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_time_table(n: int, k: int, reps: int) -> None:
+    """One thread, process CPU seconds per call (median): insensitive to time lost to other
+    processes on a shared machine, though not to their memory traffic."""
+    torch.set_num_threads(1)
+    base = torch.randn(n, k) * 0.02
+    x = torch.randn(1, k)
+    xb = x.bfloat16()
+    wb = _copies(lambda i: (base + i * 1e-4).bfloat16(), n * k * 2)
+    packs = {
+        "nvfp4": [
+            w.gemv_pack()
+            for w in _copies(lambda i: NVFP4Tensor.from_float(base + i * 1e-4), n * k // 2)
+        ],
+        "mxfp4": [
+            w.gemv_pack()
+            for w in _copies(lambda i: MXTensor.from_float(base + i * 1e-4), n * k // 2)
+        ],
+        "fp8": [
+            w.gemv_pack()
+            for w in _copies(lambda i: Float8Tensor.from_float(base + i * 1e-4), n * k)
+        ],
+    }
+
+    def ours(f: str):
+        return lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])])
+
+    fns = {
+        "F.linear bf16": lambda i: F.linear(xb, wb[i % len(wb)]),
+        "ours bf16": lambda i: G.gemv(xb, wb[i % len(wb)]),
+    }
+    fns.update({f"ours {f}": ours(f) for f in packs})
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn(0)
+    for i in range(reps):
+        for name, fn in fns.items():
+            c0 = _cpu_s()
+            fn(i)
+            samples[name].append(_cpu_s() - c0)
+    med = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    print(f"# single-thread CPU time per call, N={n} K={k} B=1 (median of {reps})")
+    for name, t in med.items():
+        print(f"{name:<16} {t * 1e3:8.2f} ms   vs F.linear bf16: {med['F.linear bf16'] / t:5.2f}x")
+
+
 def main() -> None:
-    args = arg_parser(__doc__ or "").parse_args()
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time per call")
+    args = p.parse_args()
     shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
     batches = [1] if args.quick else [1, 4]
     reps = 5 if args.quick else args.reps
@@ -139,6 +193,8 @@ def main() -> None:
     for n, k in shapes:
         bench_shape(table, n, k, batches, reps, bw)
     table.save(args.json)
+    if args.cpu_time:
+        cpu_time_table(11008, 4096, max(reps, 8))
 
 
 if __name__ == "__main__":
