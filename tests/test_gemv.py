@@ -187,3 +187,23 @@ def test_kernel_variants_agree(fmt, rows4):
         with config.override(gemv_fp4_int8=int8):
             ref = gemv(x, wq)
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "mxfp4", "mxfp8"])
+def test_gemv_falls_back_visibly_without_native(fmt):
+    from torchport import native
+    from torchport.native import NativeFallbackWarning
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(9, 64, generator=g)
+    wq, wd = _weight(fmt, w)
+    x = torch.randn(2, 64, generator=g)
+    native.reset_stats()
+    with config.override(native=False, gemv_fp4_int8=False):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NativeFallbackWarning)
+            out = gemv(x, wq)
+    assert native.stats().fallbacks >= 1
+    _check(out, x, wd, None, 2e-6)

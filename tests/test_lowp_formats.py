@@ -212,3 +212,21 @@ def test_bad_inputs_raise_typed_errors():
         )
     with pytest.raises(LowPrecisionError, match=r"input must be a torch.Tensor, got list"):
         nvfp4.nvfp4_quantize([1.0] * 16)  # type: ignore[arg-type]
+
+
+def test_missing_compiler_falls_back_to_reference(monkeypatch):
+    from torchport import native
+    from torchport.lowp import kernels
+    from torchport.native import NativeFallbackWarning
+
+    def broken(dtype):
+        raise native.CompilerNotFoundError("no C compiler found (test)")
+
+    monkeypatch.setattr(kernels, "library", broken)
+    x = torch.randn(3, 32)
+    with pytest.warns(NativeFallbackWarning, match="no C compiler found"):
+        q, s = nvfp4.nvfp4_quantize(x)
+    qr, sr = nvfp4.nvfp4_quantize_reference(x)
+    assert torch.equal(q, qr) and torch.equal(_u8(s), _u8(sr))
+    with pytest.raises(native.CompilerNotFoundError, match="no C compiler"):
+        mx.mx_quantize(x, native_kernel=True)

@@ -131,7 +131,13 @@ def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.
             if bias.dtype == torch.float32 and bias.is_contiguous()
             else bias.float().contiguous()
         )
-    kern = _kernel_for(pw)
+    try:
+        if not native.enabled():
+            raise native.NativeError("native kernels are disabled (TORCHPORT_NATIVE=0)")
+        kern = _kernel_for(pw)
+    except native.NativeError as e:
+        native.note_fallback("gemv", e)
+        return _aten_fallback(xf, pw, b).reshape(out_shape).to(x.dtype)
     status = kern.call_unchecked(  # type: ignore[attr-defined]
         xf.data_ptr(),
         rows,
@@ -149,6 +155,26 @@ def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.
     if status:
         raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def dequantize_packed(pw: PackedWeight) -> torch.Tensor:
+    """The float32 ``[N, K]`` matrix a packed weight stands for (plain-torch references)."""
+    from torchport.lowp import mx, nvfp4
+
+    if pw.fmt in ("f32", "bf16"):
+        return pw.data.float()
+    if pw.fmt in ("fp8_e4m3", "fp8_e5m2"):
+        dt = torch.float8_e4m3fn if pw.fmt == "fp8_e4m3" else torch.float8_e5m2
+        return pw.data.view(dt).float() * pw.rowscale.reshape(-1, 1)
+    if pw.fmt == "nvfp4":
+        return nvfp4.nvfp4_dequantize_reference(pw.data, pw.scales, pw.pts)
+    elem = {"mxfp4": "fp4_e2m1", "mxfp8_e4m3": "fp8_e4m3", "mxfp8_e5m2": "fp8_e5m2"}[pw.fmt]
+    return mx.mx_dequantize_reference(pw.data, pw.scales, elem)
+
+
+def _aten_fallback(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Visible fallback when no native kernel can run: dequantize, then ``F.linear`` (float32)."""
+    return torch.nn.functional.linear(x.reshape(-1, pw.k).float(), dequantize_packed(pw), bias)
 
 
 def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchport import native
+from torchport.lowp import kernels
 from torchport.lowp.formats import LowPrecisionError, NonFiniteInputError
 
 HP_DTYPES = (torch.float32, torch.bfloat16)
@@ -30,8 +31,23 @@ def as_rows(x: object, block: int, what: str) -> torch.Tensor:
 
 
 def use_native(flag: bool | None) -> bool:
-    """Resolve a ``use_native`` argument: None → native kernels if enabled."""
-    return native.enabled() if flag is None else flag
+    """Resolve a ``native_kernel`` argument: None → native kernels if enabled and buildable.
+
+    A toolchain failure (no compiler, compile error) falls back, visibly (one warning, a counter),
+    to the plain-torch reference, which gives the same bits.
+    """
+    want = native.enabled() if flag is None else flag
+    if not want:
+        return False
+    try:
+        kernels.library(torch.float32)
+        kernels.library(torch.bfloat16)
+    except native.NativeError as e:
+        if flag:  # explicitly requested: the failure is the caller's answer
+            raise
+        native.note_fallback("lowp quantize", e)
+        return False
+    return True
 
 
 def raise_nonfinite(what: str, x: torch.Tensor) -> None:

@@ -225,7 +225,8 @@ IN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def _lib(dtype: torch.dtype) -> object:
+def library(dtype: torch.dtype) -> object:
+    """The compiled quantization library for input ``dtype`` (raises NativeError if unbuildable)."""
     src = native.render(_SOURCE, load_macro=_LOAD[dtype])
     return native.build(src, name=f"lowp_quant_{_TAG[dtype]}")
 
@@ -233,7 +234,7 @@ def _lib(dtype: torch.dtype) -> object:
 @functools.cache
 def kernel(name: str, dtype: torch.dtype = torch.float32) -> Kernel:
     """One bound kernel of the quantization library for input ``dtype``."""
-    lib = _lib(dtype)
+    lib = library(dtype)
     u8, f32 = (torch.uint8,), (torch.float32,)
     x = TensorArg("x", (dtype,))
     specs: dict[str, list[native.launch.ArgSpec]] = {
