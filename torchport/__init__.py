@@ -23,6 +23,7 @@ from torchport.frontend import (
     export,
     make_fx,
 )
+from torchport.lowp import quantize_, scaled_mm
 from torchport.version import __version__
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "export",
     "graphs",
     "make_fx",
+    "quantize_",
+    "scaled_mm",
     "switch",
     "while_loop",
 ]

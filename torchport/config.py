@@ -270,6 +270,14 @@ SETTINGS: dict[str, Setting] = {
             doc="Largest TCP frame payload accepted or sent (bounds every receive buffer).",
             check=lambda v: None if 4096 <= v <= (1 << 32) else "must be in [4096, 2**32]",
         ),
+        Setting(
+            name="gemv_fp4_int8",
+            env="TORCHPORT_GEMV_FP4_INT8",
+            kind=bool,
+            default=True,
+            doc="NVFP4/MXFP4 decode GEMV quantizes activations to int8 per 32 elements and uses "
+            "integer dot products (faster); off means exact float32 activations.",
+        ),
     )
 }
 
@@ -379,3 +387,4 @@ if TYPE_CHECKING:  # attribute types for static checkers
     dist_transport: str
     dist_chunk_bytes: int
     dist_max_frame_bytes: int
+    gemv_fp4_int8: bool

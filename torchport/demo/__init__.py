@@ -20,6 +20,7 @@ from torchport.demo.model import GPT, GPTConfig, generate
 from torchport.demo.report import Section, plot_curves, render_table, write_report
 from torchport.demo.stage_dynamic import stage_dynamic
 from torchport.demo.stage_graphs import stage_graphs
+from torchport.demo.stage_quant import stage_quant
 from torchport.demo.train import TrainConfig, TrainResult, evaluate, train
 
 
@@ -93,14 +94,6 @@ def stage_sample(ctx: DemoContext) -> Section:
 
 
 Stage = Callable[[DemoContext], Section]
-STAGES: list[tuple[str, Stage]] = [
-    ("data", stage_data),
-    ("train", stage_train),
-    ("sample", stage_sample),
-    ("dynamic", stage_dynamic),
-    ("ft", lambda ctx: __import__("torchport.demo.stage_ft", fromlist=["stage_ft"]).stage_ft(ctx)),
-    ("graphs", stage_graphs),
-]
 
 
 def _stage_compile(ctx: DemoContext) -> Section:
@@ -109,7 +102,22 @@ def _stage_compile(ctx: DemoContext) -> Section:
     return stage_compile(ctx)
 
 
-STAGES.append(("compile", _stage_compile))
+def _stage_ft(ctx: DemoContext) -> Section:
+    from torchport.demo.stage_ft import stage_ft
+
+    return stage_ft(ctx)
+
+
+STAGES: list[tuple[str, Stage]] = [
+    ("data", stage_data),
+    ("train", stage_train),
+    ("sample", stage_sample),
+    ("compile", _stage_compile),  # GEMM engine through torchport.compile
+    ("dynamic", stage_dynamic),  # @dynamic_spec: one graph for every sequence length
+    ("quant", stage_quant),  # NVFP4 weights, decode GEMV
+    ("graphs", stage_graphs),  # generation as a captured while_loop
+    ("ft", _stage_ft),  # fault-tolerant data-parallel training with a SIGKILL
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

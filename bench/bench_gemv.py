@@ -1,0 +1,201 @@
+"""Decode GEMV (``[B, K] x W[N, K]^T``) vs ATen, weight stream in GB/s vs measured read bandwidth.
+
+Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 CPU GEMV
+(``torch._weight_int4pack_mm_for_cpu``, group 32); the read-bandwidth baseline is a large
+``Tensor.sum`` over a > L3 tensor. Weight copies rotate so the working set exceeds L3 (cold).
+GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
+time per call, which time lost to other processes on a shared machine does not inflate.
+
+Run: ``torchport bench gemv [--quick]``.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+
+import torch
+import torch.nn.functional as F
+
+from torchport import gemv as G
+from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
+
+COLD_BYTES = 96 << 20  # > 32 MiB L3 with margin
+
+
+def _copies(make, nbytes: int) -> list:
+    return [make(i) for i in range(max(2, math.ceil(COLD_BYTES / max(1, nbytes))))]
+
+
+def read_bandwidth(reps: int) -> float:
+    """GB/s of a large sum (two 128 MiB tensors alternating)."""
+    bufs = [(torch.rand(32 << 20),) for _ in range(2)]
+    t = compare({"sum": lambda a: a.sum()}, bufs, reps=reps)["sum"]
+    return (32 << 20) * 4 / t / 1e9
+
+
+def _bytes(w) -> int:
+    if isinstance(w, torch.Tensor) and type(w) is torch.Tensor:
+        return w.numel() * w.element_size()
+    return w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
+
+
+def bench_batch(
+    table: BenchTable,
+    weights: dict,
+    packs: dict,
+    nbytes: dict,
+    sz: torch.Tensor,
+    n: int,
+    k: int,
+    b: int,
+    reps: int,
+    bw: float,
+) -> None:
+    """One (N, K, B) cell: every anchor and every format of ours, interleaved in one run."""
+    x = torch.randn(b, k)
+    xb = x.bfloat16()
+    sets = [(i,) for i in range(max(len(v) for v in weights.values()))]
+
+    def pick(f: str, i: int):  # the i-th rotated copy of format f
+        ws = weights[f]
+        return ws[i % len(ws)]
+
+    def ours_packed(f: str):
+        return lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])])
+
+    fns = {
+        "F.linear f32": lambda i: F.linear(x, pick("f32", i)),
+        "F.linear bf16": lambda i: F.linear(xb, pick("bf16", i)),
+        "int4pack_mm": lambda i: torch._weight_int4pack_mm_for_cpu(xb, pick("int4", i), 32, sz),
+        "ours f32": lambda i: G.gemv(x, pick("f32", i)),
+        "ours bf16": lambda i: G.gemv(xb, pick("bf16", i)),
+    }
+    for f in packs:
+        fns[f"ours {f}"] = ours_packed(f)
+    t = compare(fns, sets, reps=reps)
+    tag = f"N={n} K={k} B={b}"
+
+    def pct(f: str, s: float) -> str:
+        return f"{100 * nbytes[f] / s / 1e9 / bw:.0f}%"
+
+    for f in ("f32", "bf16"):
+        a = f"F.linear {f}"
+        table.add(f"{tag} {f}", a, t[a], t[f"ours {f}"], nbytes[f], of_bw=pct(f, t[f"ours {f}"]))
+    for f in packs:
+        table.add(
+            f"{tag} {f}",
+            "F.linear bf16",
+            t["F.linear bf16"],
+            t[f"ours {f}"],
+            nbytes[f],
+            of_bw=pct(f, t[f"ours {f}"]),
+            vs_int4=f"{t['int4pack_mm'] / t[f'ours {f}']:.2f}x",
+        )
+    table.add(
+        f"{tag} int4 anchor",
+        "F.linear bf16",
+        t["F.linear bf16"],
+        t["int4pack_mm"],
+        nbytes["int4"],
+        of_bw=pct("int4", t["int4pack_mm"]),
+    )
+
+
+def bench_shape(
+    table: BenchTable, n: int, k: int, batches: list[int], reps: int, bw: float
+) -> None:
+    """Build rotated weight copies of every format for one (N, K), then time each batch size."""
+    base = torch.randn(n, k) * 0.02
+    weights: dict[str, list] = {
+        "f32": _copies(lambda i: base + i * 1e-4, n * k * 4),
+        "bf16": _copies(lambda i: (base + i * 1e-4).bfloat16(), n * k * 2),
+        "int4": _copies(
+            lambda i: torch._convert_weight_to_int4pack_for_cpu(
+                torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+            ),
+            n * k // 2,
+        ),
+        "fp8": _copies(lambda i: Float8Tensor.from_float(base + i * 1e-4), n * k),
+        "nvfp4": _copies(lambda i: NVFP4Tensor.from_float(base + i * 1e-4), n * k // 2),
+        "mxfp4": _copies(lambda i: MXTensor.from_float(base + i * 1e-4), n * k // 2),
+    }
+    sz = torch.rand(k // 32, n, 2).bfloat16()
+    packs = {f: [w.gemv_pack() for w in weights[f]] for f in ("fp8", "nvfp4", "mxfp4")}
+    nbytes = {f: _bytes(ws[0]) for f, ws in weights.items()}
+    nbytes["int4"] = n * k // 2 + sz.numel() * 2
+    for b in batches:
+        bench_batch(table, weights, packs, nbytes, sz, n, k, b, reps, bw)
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_time_table(n: int, k: int, reps: int) -> None:
+    """One thread, process CPU seconds per call (median): insensitive to time lost to other
+    processes on a shared machine, though not to their memory traffic."""
+    torch.set_num_threads(1)
+    base = torch.randn(n, k) * 0.02
+    x = torch.randn(1, k)
+    xb = x.bfloat16()
+    wb = _copies(lambda i: (base + i * 1e-4).bfloat16(), n * k * 2)
+    packs = {
+        "nvfp4": [
+            w.gemv_pack()
+            for w in _copies(lambda i: NVFP4Tensor.from_float(base + i * 1e-4), n * k // 2)
+        ],
+        "mxfp4": [
+            w.gemv_pack()
+            for w in _copies(lambda i: MXTensor.from_float(base + i * 1e-4), n * k // 2)
+        ],
+        "fp8": [
+            w.gemv_pack()
+            for w in _copies(lambda i: Float8Tensor.from_float(base + i * 1e-4), n * k)
+        ],
+    }
+
+    def ours(f: str):
+        return lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])])
+
+    fns = {
+        "F.linear bf16": lambda i: F.linear(xb, wb[i % len(wb)]),
+        "ours bf16": lambda i: G.gemv(xb, wb[i % len(wb)]),
+    }
+    fns.update({f"ours {f}": ours(f) for f in packs})
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn(0)
+    for i in range(reps):
+        for name, fn in fns.items():
+            c0 = _cpu_s()
+            fn(i)
+            samples[name].append(_cpu_s() - c0)
+    med = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    print(f"# single-thread CPU time per call, N={n} K={k} B=1 (median of {reps})")
+    for name, t in med.items():
+        print(f"{name:<16} {t * 1e3:8.2f} ms   vs F.linear bf16: {med['F.linear bf16'] / t:5.2f}x")
+
+
+def main() -> None:
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time per call")
+    args = p.parse_args()
+    shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
+    batches = [1] if args.quick else [1, 4]
+    reps = 5 if args.quick else args.reps
+    table = BenchTable("gemv", unit="GB/s")
+    table.start()
+    bw = read_bandwidth(reps)
+    print(f"# measured read bandwidth (Tensor.sum over 128 MiB): {bw:.2f} GB/s")
+    for n, k in shapes:
+        bench_shape(table, n, k, batches, reps, bw)
+    table.save(args.json)
+    if args.cpu_time:
+        cpu_time_table(11008, 4096, max(reps, 8))
+
+
+if __name__ == "__main__":
+    main()

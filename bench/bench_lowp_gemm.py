@@ -1,0 +1,91 @@
+"""Prefill GEMMs with low-precision weights, and the grouped-reduction epilogue.
+
+1. FP8 ``scaled_mm`` (row-wise) and NVFP4/MXFP4 ``block_scaled_mm`` at M ≥ 128 vs the anchor
+   "dequantize the weight to bf16, then bf16 ``F.linear``" (what torch offers on CPU); GFLOP/s.
+2. ``linear_quantize`` (GEMM + per-group amax + NVFP4/MX/FP8 quantize in one pass over each output
+   panel) vs the bare float32 GEMM ``x @ W.T`` — the target is ≤ 1.10× the GEMM's time.
+
+Run: ``torchport bench lowp_gemm [--quick]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.lowp import (
+    Float8Tensor,
+    MXTensor,
+    NVFP4Tensor,
+    block_scaled_mm,
+    fp8_quantize,
+    linear_quantize,
+    scaled_mm,
+)
+
+
+def bench_shape(table: BenchTable, m: int, k: int, n: int, reps: int) -> None:
+    """Prefill GEMMs and the epilogue for one (M, K, N)."""
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(m, k)
+    flops = 2.0 * m * n * k
+    f8 = Float8Tensor.from_float(w, act_dtype=torch.float8_e4m3fn)
+    nv = NVFP4Tensor.from_float(w)
+    mx4 = MXTensor.from_float(w)
+    xq, xs = fp8_quantize(x)
+    ws = f8.scale.reshape(1, -1).float()
+    xb = x.bfloat16()
+
+    def deq_bf16(t):  # the anchor: dequantize to bf16, then bf16 GEMM
+        return lambda: F.linear(xb, t.dequantize(torch.bfloat16))
+
+    cases = {
+        "fp8 scaled_mm rowwise": (
+            deq_bf16(f8),
+            lambda: scaled_mm(xq, f8.qdata.t(), xs, ws, out_dtype=torch.bfloat16),
+        ),
+        "nvfp4 block_scaled_mm": (deq_bf16(nv), lambda: block_scaled_mm(xb, nv)),
+        "mxfp4 block_scaled_mm": (deq_bf16(mx4), lambda: block_scaled_mm(xb, mx4)),
+    }
+    for name, (anchor, ours) in cases.items():
+        t = compare({"anchor": anchor, "ours": ours}, [()], reps=reps)
+        table.add(f"M={m} K={k} N={n} {name}", "dequant+bf16 mm", t["anchor"], t["ours"], flops)
+    wt = w.t()
+    for fmt in ("nvfp4", "mxfp4", "fp8"):
+        fns: dict[str, Callable[..., Any]] = {
+            "gemm": lambda: torch.mm(x, wt),
+            "fused": functools.partial(linear_quantize, x, w, fmt=fmt),
+        }
+        t = compare(fns, [()], reps=reps)
+        table.add(
+            f"M={m} K={k} N={n} epilogue {fmt}",
+            "bare fp32 GEMM",
+            t["gemm"],
+            t["fused"],
+            flops,
+            overhead=f"{t['fused'] / t['gemm']:.3f}x",
+        )
+
+
+def main() -> None:
+    args = arg_parser(__doc__ or "").parse_args()
+    shapes = (
+        [(128, 4096, 4096)]
+        if args.quick
+        else [(128, 4096, 4096), (512, 4096, 4096), (256, 4096, 11008)]
+    )
+    reps = 3 if args.quick else max(3, args.reps // 4)
+    table = BenchTable("lowp_gemm", unit="GFLOP/s")
+    table.start()
+    for m, k, n in shapes:
+        bench_shape(table, m, k, n, reps)
+    table.save(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Decode GEMV vs the float64 reference over formats, shapes and batch sizes; routing; errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchport import config
+from torchport.gemv import GemvInputError, gemv, gemv_reference
+from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
+
+
+def _weight(fmt: str, w: torch.Tensor):
+    if fmt == "f32":
+        return w, w
+    if fmt == "bf16":
+        return w.bfloat16(), w.bfloat16().float()
+    if fmt in ("fp8_e4m3", "fp8_e5m2"):
+        dt = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
+        t = Float8Tensor.from_float(w, dt, "row")
+    elif fmt == "fp8_tensor":
+        t = Float8Tensor.from_float(w, torch.float8_e4m3fn, "tensor")
+    elif fmt == "nvfp4":
+        t = NVFP4Tensor.from_float(w)
+    elif fmt == "nvfp4_nopts":
+        t = NVFP4Tensor.from_float(w, per_tensor_scale=False)
+    else:
+        t = MXTensor.from_float(
+            w, {"mxfp4": "fp4_e2m1", "mxfp8": "fp8_e4m3", "mxfp8_e5m2": "fp8_e5m2"}[fmt]
+        )
+    return t, t.dequantize()
+
+
+FMTS = [
+    "f32",
+    "bf16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_tensor",
+    "nvfp4",
+    "nvfp4_nopts",
+    "mxfp4",
+    "mxfp8",
+    "mxfp8_e5m2",
+]
+SHAPES = [(1, 32), (17, 96), (131, 1056)]  # (N, K): N = 1, primes; several 32-groups
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, wd: torch.Tensor, bias, tol: float):
+    ref = gemv_reference(x.float(), wd, bias).double()
+    mag = x.double().abs().reshape(-1, x.shape[-1]) @ wd.double().abs().T
+    err = (out.double().reshape(mag.shape) - ref.reshape(mag.shape)).abs()
+    assert bool((err <= tol * mag + 1e-6).all()), float((err / (mag + 1e-12)).max())
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("rows", [(1,), (3, 1), (2, 4, 1)], ids=str)
+def test_gemv_matches_reference_exact_activations(fmt, shape, rows):
+    n, k = shape
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    wq, wd = _weight(fmt, w)
+    x = torch.randn(*rows, k, generator=g)
+    bias = torch.randn(n, generator=g) if n % 2 else None
+    with config.override(gemv_fp4_int8=False):
+        out = gemv(x, wq, bias)
+    assert out.shape == (*rows, n) and out.dtype == x.dtype
+    _check(out, x, wd, bias, 2e-6)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("shape", [(3, 32), (29, 1024)], ids=str)
+@pytest.mark.parametrize("b", [1, 3, 7])
+def test_gemv_int8_activation_error_bound(fmt, shape, b):
+    n, k = shape
+    g = torch.Generator().manual_seed(b + n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(b, k, generator=g) * 3
+    wq, wd = _weight(fmt, w)
+    with config.override(gemv_fp4_int8=True):
+        out = gemv(x, wq)
+    ref = gemv_reference(x, wd).double()
+    # |x - dequant(q(x))| <= amax_g / 254 per element: the error is bounded by sum |w| * that
+    xs = (
+        x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32).reshape(b, k)
+        / 254
+    )
+    bound = xs.double() @ wd.double().abs().T
+    assert bool(((out.double() - ref).abs() <= bound * 1.001 + 1e-5).all())
+
+
+def test_gemv_bf16_activations_and_odd_k():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(33, 77, generator=g)  # K not a multiple of 32: scalar tail
+    x = torch.randn(2, 1, 77, generator=g).bfloat16()
+    out = gemv(x, w.bfloat16())
+    assert out.dtype == torch.bfloat16
+    ref = gemv_reference(x, w.bfloat16().float())
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    out = gemv(x.float(), w)
+    _check(out, x.float(), w, None, 2e-6)
+
+
+def test_gemv_nvfp4_k_multiple_of_16_only():
+    w = torch.randn(8, 48)  # 48 = 3 blocks of 16: tail half-group handled
+    wq, wd = _weight("nvfp4", w)
+    x = torch.randn(1, 48)
+    _check(gemv(x, wq), x, wd, None, 2e-6)
+
+
+def test_gemv_empty_shapes():
+    assert gemv(torch.randn(1, 0), torch.randn(5, 0)).tolist() == [[0.0] * 5]
+    assert gemv(torch.randn(1, 8), torch.randn(0, 8)).shape == (1, 0)
+    assert gemv(torch.randn(0, 8), torch.randn(3, 8)).shape == (0, 3)
+
+
+def test_gemv_bad_inputs():
+    w = torch.randn(4, 32)
+    with pytest.raises(GemvInputError, match=r"at most 8 rows.*got 9"):
+        gemv(torch.randn(9, 32), w)
+    with pytest.raises(
+        GemvInputError, match=r"last dimension must equal the weight's K=32, got shape \(1, 31\)"
+    ):
+        gemv(torch.randn(1, 31), w)
+    with pytest.raises(GemvInputError, match=r"float32 or bfloat16 tensor, got torch.float64"):
+        gemv(torch.randn(1, 32, dtype=torch.float64), w)
+    with pytest.raises(GemvInputError, match=r"bias must have shape \(4,\), got \(3,\)"):
+        gemv(torch.randn(1, 32), w, torch.randn(3))
+    with pytest.raises(GemvInputError, match=r"2-D float32 or bfloat16 tensor, got torch.int32"):
+        gemv(torch.randn(1, 32), torch.ones(4, 32, dtype=torch.int32))
+
+
+def test_linear_module_uses_gemv_and_prefill_paths():
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 48)
+    w = lin.weight.detach().clone()
+    lin.weight = torch.nn.Parameter(NVFP4Tensor.from_float(w), requires_grad=False)
+    wd = lin.weight.dequantize()
+    for shape in [(1, 64), (2, 1, 64), (40, 64)]:
+        x = torch.randn(*shape, generator=g)
+        with torch.no_grad(), config.override(gemv_fp4_int8=False):
+            out = lin(x)
+        ref = F.linear(x.double(), wd.double(), lin.bias.double())
+        assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_routes_decode_linear_to_gemv():
+    import torchport
+    from torchport.compiler import last_report
+
+    m = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
+    ).eval()
+    x = torch.randn(2, 1, 32)
+    c = torchport.compile(m, inner="eager")
+    with torch.no_grad():
+        out = c(x)
+        ref = m(x)
+    counts = last_report().rule_counts  # type: ignore[union-attr]
+    assert counts.get("linear(decode x, W) -> torchport::gemv_dense") == 2
+    assert torch.allclose(out, ref, atol=1e-5)
+    # prefill shapes and autograd graphs are left to ATen
+    torchport.compile(m, inner="eager")(torch.randn(16, 32))
+    assert not last_report().rule_counts  # type: ignore[union-attr]
+    torchport.compile(m, inner="eager")(torch.randn(1, 32))  # grad enabled: not routed
+    assert not last_report().rule_counts  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("fmt,rows4", [("nvfp4", 1)])  # the non-default variant (4-row FP4)
+def test_kernel_variants_agree(fmt, rows4):
+    from torchport.gemv import pack_dense
+    from torchport.gemv.kernels import gemv_i8_kernel, gemv_kernel
+    from torchport.native import cpu_info
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(23, 128, generator=g)
+    wq, _ = _weight(fmt, w)
+    pw = pack_dense(wq) if fmt == "bf16" else wq.gemv_pack()
+    x = torch.randn(1, 128, generator=g)
+    variants = [(gemv_kernel(pw.fmt, cpu_info().isa, 512, rows4), False)]
+    if fmt in ("nvfp4", "mxfp4"):
+        variants.append((gemv_i8_kernel(pw.fmt, cpu_info().isa, 512, rows4), True))
+    for kern, int8 in variants:
+        out = torch.empty(1, 23)
+        kern(x, 1, 128, pw.data, pw.scales, pw.rowscale, pw.pts, torch.empty(0), 0, out, 23, 2)
+        with config.override(gemv_fp4_int8=int8):
+            ref = gemv(x, wq)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "mxfp4", "mxfp8"])
+def test_gemv_falls_back_visibly_without_native(fmt):
+    from torchport import native
+    from torchport.native import NativeFallbackWarning
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(9, 64, generator=g)
+    wq, wd = _weight(fmt, w)
+    x = torch.randn(2, 64, generator=g)
+    native.reset_stats()
+    with config.override(native=False, gemv_fp4_int8=False):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NativeFallbackWarning)
+            out = gemv(x, wq)
+    assert native.stats().fallbacks >= 1
+    _check(out, x, wd, None, 2e-6)

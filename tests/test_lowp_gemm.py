@@ -1,0 +1,206 @@
+"""scaled_mm, block-scaled GEMM, the grouped-reduction epilogue, tensor types and quantize_."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchport
+from torchport import lowp
+from torchport.lowp import (
+    Float8Tensor,
+    LowPrecisionError,
+    MXTensor,
+    NVFP4Tensor,
+    block_scaled_mm,
+    linear_quantize,
+    linear_quantize_reference,
+    scaled_mm,
+    scaled_mm_reference,
+)
+
+F8 = torch.float8_e4m3fn
+
+
+def _fp8(shape, seed, dtype=F8):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul(4).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 32, 7), (3, 64, 33), (8, 48, 5), (9, 64, 17), (130, 96, 40), (0, 16, 4)], ids=str
+)
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.parametrize(
+    "out_dtype", [torch.float32, torch.bfloat16, F8], ids=["f32", "bf16", "fp8"]
+)
+def test_scaled_mm_matches_reference(m, k, n, rowwise, out_dtype):
+    a, b = _fp8((m, k), 1), _fp8((n, k), 2, torch.float8_e5m2).t()
+    if rowwise:
+        sa, sb = torch.rand(m, 1) + 0.5, torch.rand(1, n) + 0.5
+    else:
+        sa, sb = torch.tensor(0.7), torch.tensor(1.3)
+    bias = torch.randn(n)
+    out = scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+    ref = scaled_mm_reference(a, b, sa, sb, bias=bias, out_dtype=torch.float64)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    if out_dtype == torch.float32:
+        mag = (
+            (a.double().abs() @ b.double().abs())
+            * sa.double().reshape(-1, 1)
+            * sb.double().reshape(1, -1)
+        )
+        assert bool(((out.double() - ref).abs() <= 1e-6 * mag + 1e-5).all())
+    else:  # rounded once to out_dtype: within one ulp of the reference rounded the same way
+        ref_c = scaled_mm_reference(a, b, sa, sb, bias=bias, out_dtype=out_dtype).double()
+        ulp = 0.125 if out_dtype == F8 else 2.0**-7
+        assert torch.allclose(out.double(), ref_c, rtol=ulp, atol=1e-2)
+
+
+def test_scaled_mm_default_out_dtype_and_errors():
+    a, b = _fp8((4, 32), 1), _fp8((8, 32), 2).t()
+    one = torch.tensor(1.0)
+    assert scaled_mm(a, b, one, one).dtype == F8
+    with pytest.raises(
+        LowPrecisionError, match=r"a must be a 2-D float8 tensor, got torch.float32"
+    ):
+        scaled_mm(a.float(), b, one, one)
+    with pytest.raises(LowPrecisionError, match=r"a's K \(32\) must equal b's K \(16\)"):
+        scaled_mm(a, b[:16], one, one)
+    with pytest.raises(
+        LowPrecisionError, match=r"tensor-wise .* or row-wise .* got \(4,\) and \(\)"
+    ):
+        scaled_mm(a, b, torch.ones(4), one)
+    with pytest.raises(LowPrecisionError, match=r"scale_a must be a float32 tensor"):
+        scaled_mm(a, b, one.double(), one)
+    with pytest.raises(LowPrecisionError, match=r"bias must have shape \(8,\), got \(3,\)"):
+        scaled_mm(a, b, one, one, bias=torch.ones(3))
+    with pytest.raises(LowPrecisionError, match=r"out_dtype must be one of"):
+        scaled_mm(a, b, one, one, out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: NVFP4Tensor.from_float(w),
+        lambda w: MXTensor.from_float(w, "fp4_e2m1"),
+        lambda w: MXTensor.from_float(w, "fp8_e4m3"),
+        lambda w: Float8Tensor.from_float(w),
+    ],
+    ids=["nvfp4", "mxfp4", "mxfp8", "fp8"],
+)
+@pytest.mark.parametrize("m", [0, 1, 130])
+def test_block_scaled_mm_matches_dequantized_reference(make, m):
+    g = torch.Generator().manual_seed(m)
+    w = make(torch.randn(45, 64, generator=g))
+    x = torch.randn(m, 64, generator=g)
+    bias = torch.randn(45, generator=g)
+    out = block_scaled_mm(x, w, bias=bias)
+    ref = x.double() @ w.dequantize().double().T + bias.double()
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    # quantized activations are dequantized first
+    xq = NVFP4Tensor.from_float(torch.randn(3, 64, generator=g))
+    ref = xq.dequantize().double() @ w.dequantize().double().T
+    assert torch.allclose(block_scaled_mm(xq, w).double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(LowPrecisionError, match=r"last dimension must be K=64"):
+        block_scaled_mm(torch.randn(2, 63), w)
+
+
+@pytest.mark.parametrize("fmt", lowp.epilogue.FORMATS)
+@pytest.mark.parametrize("m,panel", [(1, None), (37, 32), (200, None), (0, None)], ids=str)
+def test_linear_quantize_epilogue(fmt, m, panel):
+    g = torch.Generator().manual_seed(m)
+    x, w, b = (
+        torch.randn(m, 64, generator=g),
+        torch.randn(96, 64, generator=g),
+        torch.randn(96, generator=g),
+    )
+    q, s = linear_quantize(x, w, b, fmt=fmt, panel=panel)
+    qr, sr = linear_quantize_reference(x, w, b, fmt=fmt)
+    same = (q.view(torch.uint8) == qr.view(torch.uint8)).float().mean() if q.numel() else 1.0
+    assert q.shape == qr.shape and s.shape == sr.shape and float(same) >= 0.99
+
+
+def test_linear_quantize_errors():
+    x, w = torch.randn(4, 64), torch.randn(40, 64)
+    with pytest.raises(LowPrecisionError, match=r"multiple of the group size 32 for mxfp4, got 40"):
+        linear_quantize(x, w, fmt="mxfp4")
+    with pytest.raises(LowPrecisionError, match=r"fmt must be one of"):
+        linear_quantize(x, w, fmt="int4")
+    with pytest.raises(
+        LowPrecisionError, match=r"panel must be a multiple of the group size 16, got 24"
+    ):
+        linear_quantize(x, torch.randn(32, 64), fmt="nvfp4", panel=24)
+    with pytest.raises(LowPrecisionError, match=r"must agree on K"):
+        linear_quantize(x, torch.randn(32, 16), fmt="nvfp4")
+
+
+def _sqnr(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).mean() / (a - ref).pow(2).mean()))
+
+
+CONFIGS = [
+    (lowp.NVFP4WeightOnlyConfig(), 15.0),
+    (lowp.NVFP4WeightOnlyConfig(use_per_tensor_scale=False), 15.0),
+    (lowp.MXWeightOnlyConfig(), 13.0),
+    (lowp.MXWeightOnlyConfig(elem="fp8_e4m3"), 22.0),
+    (lowp.Float8WeightOnlyConfig(), 25.0),
+    (lowp.Float8WeightOnlyConfig(granularity="tensor"), 22.0),
+    (lowp.Float8DynamicActivationFloat8WeightConfig(), 22.0),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg,min_sqnr", CONFIGS, ids=lambda c: type(c).__name__ if not isinstance(c, float) else ""
+)
+def test_quantize_keeps_sqnr(cfg, min_sqnr):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 40), nn.Linear(40, 8)).eval()
+    q = copy.deepcopy(m)
+    rep = torchport.quantize_(q, cfg)
+    assert rep.quantized == ["0", "2"] + (["3"] if 40 % getattr(cfg, "block", 1) == 0 else [])
+    assert all("not a multiple" in why for why in rep.skipped.values())
+    with torch.no_grad():
+        for x in (torch.randn(1, 1, 64), torch.randn(64, 64)):
+            assert _sqnr(q(x), m(x)) >= min_sqnr
+    assert not q[0].weight.requires_grad
+
+
+def test_tensor_types_behave_like_their_dequantized_value():
+    w = torch.randn(32, 64)
+    for t in (NVFP4Tensor.from_float(w), MXTensor.from_float(w), Float8Tensor.from_float(w)):
+        d = t.dequantize()
+        assert t.shape == (32, 64) and t.dtype == torch.float32
+        assert torch.equal(t + 1, d + 1)  # any other op sees the dequantized tensor
+        assert type(t.detach()) is type(t) and torch.equal(t.detach().dequantize(), d)
+        b = t.to(torch.bfloat16)
+        assert (
+            type(b) is type(t)
+            and b.dtype == torch.bfloat16
+            and b.dequantize().dtype == torch.bfloat16
+        )
+        assert type(t).__name__ in repr(t)
+
+
+def test_quantized_model_under_torchport_compile():
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).eval()
+    torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        ref = m(x)
+        out = torchport.compile(m, inner="eager")(x)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_quantize_config_validation():
+    with pytest.raises(
+        LowPrecisionError, match=r"dtype must be float8_e4m3fn or float8_e5m2, got torch.float16"
+    ):
+        lowp.Float8WeightOnlyConfig(dtype=torch.float16)
+    with pytest.raises(LowPrecisionError, match=r"elem must be one of"):
+        lowp.MXWeightOnlyConfig(elem="fp6_e3m2")
+    with pytest.raises(LowPrecisionError, match=r"model must be an nn.Module, got int"):
+        torchport.quantize_(3, lowp.NVFP4WeightOnlyConfig())  # type: ignore[arg-type]

@@ -1,0 +1,86 @@
+"""Demo stage ``quant``: decode the trained model with fp32, bf16 and NVFP4 weights.
+
+NVFP4 weights come from ``torchport.quantize_(model, NVFP4WeightOnlyConfig())``; their linears
+run the native decode GEMV in eager mode. The stage reports tokens/s for each weight type (same
+prompt, same sampling seed) and the held-out loss with each, i.e. the quality cost of 4.5-bit
+weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchport.demo.model import GPT, generate
+from torchport.demo.report import Section
+from torchport.demo.train import evaluate
+from torchport.lowp import NVFP4WeightOnlyConfig, quantize_
+
+if TYPE_CHECKING:
+    from torchport.demo import DemoContext
+
+
+def _decode_rates(
+    variants: dict[str, GPT], tokens: int, seed: int, rounds: int = 3
+) -> tuple[dict[str, float], bytes]:
+    """Median tokens/s of each variant over ``rounds`` interleaved runs (load drift hits all alike)."""
+    for m in variants.values():
+        generate(m, b"def ", 8, gen=torch.Generator().manual_seed(seed))  # warm-up (kernel builds)
+    samples: dict[str, list[float]] = {n: [] for n in variants}
+    text = b""
+    per = max(8, tokens // rounds)
+    for _ in range(rounds):
+        for name, m in variants.items():
+            gen = torch.Generator().manual_seed(seed)
+            t0 = time.perf_counter()
+            out = generate(m, b"def ", per, gen=gen)
+            dt = time.perf_counter() - t0
+            samples[name].append(per / dt if dt > 0 else 0.0)
+            if name == "nvfp4":
+                text = out
+    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}, text
+
+
+def stage_quant(ctx: DemoContext) -> Section:
+    """Quantize the trained model to NVFP4 and compare decode speed and held-out loss."""
+    s = Section("quantized decoding (NVFP4 weights, native GEMV)")
+    model = ctx.model
+    if model is None:  # run alone (--stages quant): an untrained model still measures speed
+        torch.manual_seed(ctx.train_cfg.seed)
+        model = GPT(ctx.model_cfg)
+        s.add("note", "no trained model in this run: untrained weights")
+    model.eval()
+    variants: dict[str, GPT] = {"fp32": model, "bf16": copy.deepcopy(model).to(torch.bfloat16)}
+    q = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    rep = quantize_(q, NVFP4WeightOnlyConfig())
+    s.add("NVFP4 linears quantized", len(rep.quantized))
+    s.add("quantize time (s)", time.perf_counter() - t0)
+    variants["nvfp4"] = q
+    tokens = max(16, int(ctx.args.sample_tokens))
+    threads = torch.get_num_threads()
+    # Decode of a d_model-128 model is a chain of tiny ops: one thread avoids OpenMP hand-offs
+    # that cost more than the work (the same setting for every variant).
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            rates, text = _decode_rates(variants, tokens, ctx.train_cfg.seed)
+        for name, rate in rates.items():
+            s.add(f"{name} tokens/s (1 thread, median of 3)", rate)
+        s.text = (b"def " + text).decode("utf-8", errors="replace")
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        s.add("NVFP4 / bf16 decode speed-up", rates["nvfp4"] / max(rates["bf16"], 1e-9))
+        s.add("NVFP4 / fp32 decode speed-up", rates["nvfp4"] / max(rates["fp32"], 1e-9))
+        if ctx.corpus is not None:
+            seq = ctx.model_cfg.seq_len
+            losses = {n: evaluate(m, ctx.corpus, ctx.train_cfg, seq) for n, m in variants.items()}
+            for n, v in losses.items():
+                s.add(f"{n} held-out loss", v)
+            s.add("NVFP4 loss change", losses["nvfp4"] - losses["fp32"])
+    s.data = {"tokens_per_s": rates}
+    return s

@@ -1,0 +1,558 @@
+"""Native decode GEMV: ``out[b, n] = sum_k x[b, k] * W[n, k]`` for few activation rows.
+
+Weights stay in their storage format and are decoded in registers, 32 elements at a time, then
+FMA'd with float32 activations (float32 accumulation):
+
+- ``f32``/``bf16``: load (bf16 widens by a 16-bit shift);
+- ``fp8_e4m3``/``fp8_e5m2``: bytes widen to 16 bits and are re-biased into IEEE half bit patterns
+  (E5M2 is the top byte of a half; E4M3 becomes ``value * 2**-8`` exactly), then F16C converts; the
+  ``2**8`` and the per-row scale multiply the row sum once;
+- ``nvfp4``/``mxfp4``: nibbles are split with shifts and masks, and a 16-entry ``pshufb`` table maps
+  each E2M1 code to the high byte of its IEEE half (the low byte is always 0), F16C converts, and
+  the block scale (E4M3 × per-tensor scale, or E8M0) multiplies the decoded weights;
+- ``mxfp8_e4m3``/``mxfp8_e5m2``: FP8 elements as above with an E8M0 scale per 32-element block.
+
+Decoded weights equal the reference dequantization bit for bit; only the summation order differs
+from :func:`torchport.gemv.gemv_reference`, so results agree within float32 rounding
+(tolerance stated in the tests: ``|err| ≤ 1e-5 · sum_k |x_k w_k|`` + tiny absolute term).
+Threads split N; activation rows are processed four at a time against one weight row that stays
+in L1. AVX2+FMA+F16C path; a portable scalar path is used below AVX2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from torchport import native
+from torchport.native import FloatArg, IntArg, Kernel, TensorArg
+
+FORMATS = ("f32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
+
+
+def _e4m3_table() -> str:
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = torch.nan_to_num(vals, nan=0.0)  # 0x7F/0xFF never occur in quantized data
+    return ", ".join(f"{v.item()!r}f" for v in vals)
+
+
+_SOURCE = r"""
+static const float TP_E4M3F[256] = { ${e4m3_table} };
+static const float TP_E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+TP_INLINE float tp_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+TP_INLINE float tp_e8m0f(uint8_t e) { return e ? tp_f((uint32_t)e << 23) : tp_f(0x00400000u); }
+TP_INLINE float tp_e5m2f(uint8_t b) {
+    uint32_t e = (b >> 2) & 31u, m = b & 3u;
+    float v = e ? tp_f(((e + 112u) << 23) | (m << 21)) : (float)m * (1.0f / 65536.0f);
+    return (b & 0x80u) ? -v : v;
+}
+
+/* ---- per-format: scalar decode of element k of row (for tails / scalar ISA) ---- */
+#define FMT_${fmt} 1
+#if defined(FMT_f32)
+  typedef float W_T;
+  #define ROW_BYTES(k) ((k) * 4)
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) { return w[k]; }
+#elif defined(FMT_bf16)
+  typedef uint16_t W_T;
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) { return tp_bf16_to_f32(w[k]); }
+#elif defined(FMT_fp8_e4m3)
+  typedef uint8_t W_T;
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) { return TP_E4M3F[w[k]]; }
+#elif defined(FMT_fp8_e5m2)
+  typedef uint8_t W_T;
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) { return tp_e5m2f(w[k]); }
+#elif defined(FMT_nvfp4)
+  typedef uint8_t W_T;
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) {
+      return TP_E2M1F[(w[k >> 1] >> ((k & 1) * 4)) & 15] * (pts * TP_E4M3F[sc[k >> 4]]);
+  }
+#elif defined(FMT_mxfp4)
+  typedef uint8_t W_T;
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) {
+      return TP_E2M1F[(w[k >> 1] >> ((k & 1) * 4)) & 15] * tp_e8m0f(sc[k >> 5]);
+  }
+#elif defined(FMT_mxfp8_e4m3)
+  typedef uint8_t W_T;
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) {
+      return TP_E4M3F[w[k]] * tp_e8m0f(sc[k >> 5]);
+  }
+#elif defined(FMT_mxfp8_e5m2)
+  typedef uint8_t W_T;
+  TP_INLINE float tp_wel(const W_T *w, const uint8_t *sc, int64_t k, float pts) {
+      return tp_e5m2f(w[k]) * tp_e8m0f(sc[k >> 5]);
+  }
+#endif
+
+#if defined(FMT_nvfp4) || defined(FMT_mxfp4)
+  #define ROW_STRIDE(k) ((k) / 2)
+#else
+  #define ROW_STRIDE(k) (k)
+#endif
+#if defined(FMT_fp8_e4m3) || defined(FMT_fp8_e5m2)
+  #define HAS_ROWSCALE 1
+#endif
+#if defined(FMT_fp8_e4m3)
+  #define ROW_FACTOR 256.0f   /* E4M3 decoded as value * 2^-8 */
+#else
+  #define ROW_FACTOR 1.0f
+#endif
+
+#if defined(__AVX2__)
+TP_INLINE float tp_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* 16 fp16 high bytes (as 128-bit) -> two fp32 vectors */
+TP_INLINE void tp_hb_to_f32(__m128i h, __m256 *a, __m256 *b) {
+    const __m128i z = _mm_setzero_si128();
+    *a = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, h));
+    *b = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, h));
+}
+/* 16 E4M3 bytes -> two fp32 vectors holding value * 2^-8 */
+TP_INLINE void tp_e4m3x16(const uint8_t *p, __m256 *a, __m256 *b) {
+    __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(u, 8), 1), _mm256_set1_epi16((short)0xBFFF));
+    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* Decode 32 consecutive weights of row w starting at element k into w4[0..3]. */
+TP_INLINE void tp_decode32(const W_T *w, const uint8_t *sc, int64_t k, float pts, __m256 *w4) {
+#if defined(FMT_f32)
+    for (int j = 0; j < 4; ++j) w4[j] = _mm256_loadu_ps(w + k + 8 * j);
+#elif defined(FMT_bf16)
+    for (int j = 0; j < 4; ++j) w4[j] = tp_bf16x8_to_f32(w + k + 8 * j);
+#elif defined(FMT_fp8_e4m3) || defined(FMT_mxfp8_e4m3)
+    tp_e4m3x16(w + k, &w4[0], &w4[1]);
+    tp_e4m3x16(w + k + 16, &w4[2], &w4[3]);
+  #if defined(FMT_mxfp8_e4m3)
+    __m256 s = _mm256_set1_ps(tp_e8m0f(sc[k >> 5]) * 256.0f);
+    for (int j = 0; j < 4; ++j) w4[j] = _mm256_mul_ps(w4[j], s);
+  #endif
+#elif defined(FMT_fp8_e5m2) || defined(FMT_mxfp8_e5m2)
+    for (int j = 0; j < 2; ++j) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(w + k + 16 * j));
+        tp_hb_to_f32(v, &w4[2 * j], &w4[2 * j + 1]);
+    }
+  #if defined(FMT_mxfp8_e5m2)
+    __m256 s = _mm256_set1_ps(tp_e8m0f(sc[k >> 5]));
+    for (int j = 0; j < 4; ++j) w4[j] = _mm256_mul_ps(w4[j], s);
+  #endif
+#else /* nvfp4 / mxfp4: 16 bytes, 32 codes */
+    const __m128i lut = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+                                      (char)0x80, (char)0xB8, (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i v = _mm_loadu_si128((const __m128i *)(w + k / 2));
+    __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    __m128i h0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+    __m128i h1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
+    tp_hb_to_f32(h0, &w4[0], &w4[1]);
+    tp_hb_to_f32(h1, &w4[2], &w4[3]);
+  #if defined(FMT_nvfp4)
+    __m256 s0 = _mm256_set1_ps(pts * TP_E4M3F[sc[k >> 4]]);
+    __m256 s1 = _mm256_set1_ps(pts * TP_E4M3F[sc[(k >> 4) + 1]]);
+  #else
+    __m256 s0 = _mm256_set1_ps(tp_e8m0f(sc[k >> 5])), s1 = s0;
+  #endif
+    w4[0] = _mm256_mul_ps(w4[0], s0); w4[1] = _mm256_mul_ps(w4[1], s0);
+    w4[2] = _mm256_mul_ps(w4[2], s1); w4[3] = _mm256_mul_ps(w4[3], s1);
+#endif
+}
+
+/* One weight row against NB activation rows (NB <= 4). */
+TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, const uint8_t *sc, float pts,
+                      float post, float *out, int64_t ldo, const int NB) {
+    __m256 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
+    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w + ROW_STRIDE(k)) + ${prefetch}, _MM_HINT_T0);
+        __m256 w4[4];
+        tp_decode32(w, sc, k, pts, w4);
+        if (NB == 1) {   /* four independent chains hide FMA latency */
+            acc[0][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(x + k), acc[0][0]);
+            acc[0][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(x + k + 8), acc[0][1]);
+            acc1[0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(x + k + 16), acc1[0]);
+            acc1[1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(x + k + 24), acc1[1]);
+        } else {
+            for (int b = 0; b < NB; ++b) {
+                const float *xb = x + b * ldx + k;
+                acc[b][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(xb), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(xb + 8), acc[b][1]);
+                acc[b][0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(xb + 16), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(xb + 24), acc[b][1]);
+            }
+        }
+    }
+    if (NB == 1) { acc[0][0] = _mm256_add_ps(acc[0][0], acc1[0]); acc[0][1] = _mm256_add_ps(acc[0][1], acc1[1]); }
+    for (int b = 0; b < NB; ++b) {
+        float s = tp_hsum(_mm256_add_ps(acc[b][0], acc[b][1])) * ROW_FACTOR;
+        for (int64_t j = k; j < K; ++j) s += tp_wel(w, sc, j, pts) * x[b * ldx + j];
+        out[b * ldo] = s * post;
+    }
+}
+
+/* Four weight rows against one activation row: four streams in flight, x loaded once. */
+TP_INLINE void tp_rows4(const float *x, int64_t K, const W_T *w, int64_t wstride, const uint8_t *sc,
+                        int64_t sstride, float pts, const float *post, float *out) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; ++r) { acc[r][0] = _mm256_setzero_ps(); acc[r][1] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+        for (int r = 0; r < 4; ++r) {
+            const W_T *wr = w + r * wstride;
+            _mm_prefetch((const char *)(wr + ROW_STRIDE(k)) + ${prefetch}, _MM_HINT_T0);
+            __m256 w4[4];
+            tp_decode32(wr, sc + r * sstride, k, pts, w4);
+            acc[r][0] = _mm256_fmadd_ps(w4[0], x0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w4[1], x1, acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w4[2], x2, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w4[3], x3, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < 4; ++r) {
+        const W_T *wr = w + r * wstride;
+        float s = tp_hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * ROW_FACTOR;
+        for (int64_t j = k; j < K; ++j) s += tp_wel(wr, sc + r * sstride, j, pts) * x[j];
+        out[r] = s * post[r];
+    }
+}
+#define TP_HAVE_ROWS4 1
+#else
+TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, const uint8_t *sc, float pts,
+                      float post, float *out, int64_t ldo, const int NB) {
+    for (int b = 0; b < NB; ++b) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < K; ++j) s += tp_wel(w, sc, j, pts) * x[b * ldx + j];
+        out[b * ldo] = s * post;
+    }
+}
+#endif
+
+/* out[b, n] = post_n * sum_k x[b, k] W[n, k] (+ bias[n]); post_n = rowscale[n] for fp8, else 1 */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    const float pts = (float)pts_d;
+    const int64_t wstride = ROW_STRIDE(K);
+#if defined(FMT_nvfp4)
+    const int64_t sstride = K / 16;
+#elif defined(FMT_mxfp4) || defined(FMT_mxfp8_e4m3) || defined(FMT_mxfp8_e5m2)
+    const int64_t sstride = K / 32;
+#else
+    const int64_t sstride = 0;
+#endif
+    int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    #pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi;
+        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        int64_t n = lo;
+#if defined(TP_HAVE_ROWS4) && ${rows4}
+        if (B == 1) {
+            for (; n + 4 <= hi; n += 4) {
+                float post4[4];
+                for (int r = 0; r < 4; ++r) {
+#if defined(HAS_ROWSCALE)
+                    post4[r] = rowscale[n + r];
+#else
+                    post4[r] = 1.0f;
+#endif
+                }
+                tp_rows4(x, K, w + n * wstride, wstride, scales ? scales + n * sstride : (const uint8_t *)0,
+                         sstride, pts, post4, out + n);
+                if (has_bias) for (int r = 0; r < 4; ++r) out[n + r] += bias[n + r];
+            }
+        }
+#endif
+        for (; n < hi; ++n) {
+            const W_T *wr = w + n * wstride;
+            const uint8_t *sr = scales ? scales + n * sstride : (const uint8_t *)0;
+#if defined(HAS_ROWSCALE)
+            float post = rowscale[n];
+#else
+            float post = 1.0f;
+#endif
+            for (int64_t b = 0; b < B; b += 4) {
+                int64_t nb = B - b < 4 ? B - b : 4;
+                const float *xb = x + b * K;
+                float *ob = out + b * N + n;
+                switch (nb) {
+                    case 1: tp_row(xb, K, K, wr, sr, pts, post, ob, N, 1); break;
+                    case 2: tp_row(xb, K, K, wr, sr, pts, post, ob, N, 2); break;
+                    case 3: tp_row(xb, K, K, wr, sr, pts, post, ob, N, 3); break;
+                    default: tp_row(xb, K, K, wr, sr, pts, post, ob, N, 4); break;
+                }
+            }
+            if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+        }
+    }
+    return 0;
+}
+"""
+
+W_DTYPE = {
+    "f32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.uint8,
+    "fp8_e5m2": torch.uint8,
+    "nvfp4": torch.uint8,
+    "mxfp4": torch.uint8,
+    "mxfp8_e4m3": torch.uint8,
+    "mxfp8_e5m2": torch.uint8,
+}
+PREFETCH = (0, 256, 512, 1024)
+
+
+@functools.cache
+def gemv_kernel(fmt: str, isa: str, prefetch: int = 512, rows4: int | None = None) -> Kernel:
+    """The compiled GEMV for one weight format (cached per process and on disk).
+
+    ``rows4``: for one activation row, stream four weight rows at once (x loaded once). Default:
+    on for f32/bf16 (memory-bound: more streams in flight help), off for the decoding formats
+    (compute-bound: the extra register pressure costs more than it saves; measured A/B).
+    """
+    if rows4 is None:
+        rows4 = int(fmt in ("f32", "bf16"))
+    if fmt not in FORMATS:
+        raise ValueError(f"gemv format must be one of {FORMATS}, got {fmt!r}")
+    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch, rows4=rows4)
+    lib = native.build(src, name=f"gemv_{fmt}_{isa}_p{prefetch}_r{rows4}", isa=isa)
+    f32 = (torch.float32,)
+    return Kernel(
+        lib,
+        "tp_gemv",
+        [
+            TensorArg("x", f32, ndim=2),
+            IntArg("B"),
+            IntArg("K"),
+            TensorArg("w", (W_DTYPE[fmt],), ndim=2),
+            TensorArg("scales", (torch.uint8,), contiguous=True),
+            TensorArg("rowscale", f32),
+            FloatArg("pts"),
+            TensorArg("bias", f32),
+            IntArg("has_bias"),
+            TensorArg("out", f32, ndim=2),
+            IntArg("N"),
+            IntArg("nthreads"),
+        ],
+    )
+
+
+# --- FP4 weights × int8-quantized activations (maddubs) ------------------------------------------
+
+_I8_SOURCE = r"""
+#include <stdlib.h>
+static const float TP_E4M3F[256] = { ${e4m3_table} };
+#define FMT_${fmt} 1
+TP_INLINE float tp_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+TP_INLINE float tp_e8m0f(uint8_t e) { return e ? tp_f((uint32_t)e << 23) : tp_f(0x00400000u); }
+
+/* Activations: per 32-element group g, xs = amax / 127 and xq = round_half_even(x / xs). */
+static void tp_quant_x(const float *x, int64_t n, int8_t *xq, float *xs) {
+    for (int64_t g = 0; g < n / 32; ++g) {
+        const float *p = x + g * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
+        float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xs[g] = s;
+        for (int i = 0; i < 32; ++i) xq[g * 32 + i] = (int8_t)nearbyintf(p[i] * inv);
+    }
+}
+
+#if defined(__AVX2__)
+TP_INLINE float tp_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 FP4 codes (16 bytes) -> 32 signed int8 values 2*e2m1 (in element order) */
+TP_INLINE __m256i tp_fp4x32_i8(const uint8_t *p, __m256i lut) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    __m256i c = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    return _mm256_shuffle_epi8(lut, c);
+}
+
+/* per-lane weight scale (x0.5 undoes the 2x of the int8 table) for 32-element group g */
+TP_INLINE __m256 tp_wscale(const uint8_t *sc, int64_t g, float pts) {
+#if defined(FMT_nvfp4)
+    return _mm256_set_m128(_mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g + 1]]),
+                           _mm_set1_ps(0.5f * pts * TP_E4M3F[sc[2 * g]]));
+#else
+    return _mm256_set1_ps(0.5f * tp_e8m0f(sc[g]));
+#endif
+}
+
+TP_INLINE __m256 tp_dot_i8(__m256i aw, __m256i w8, const int8_t *xq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w8)), ones));
+}
+
+/* Four FP4 weight rows against one int8 activation row. */
+TP_INLINE void tp_rows4_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, int64_t wstride,
+                           const uint8_t *sc, int64_t sstride, float pts, float *out) {
+    const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                         0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < 4; ++r) acc[r] = _mm256_setzero_ps();
+    const int64_t G = K / 32;
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
+        __m256 xsv = _mm256_set1_ps(xs[g]);
+        for (int r = 0; r < 4; ++r) {
+            const uint8_t *wr = w + r * wstride;
+            _mm_prefetch((const char *)(wr + g * 16) + ${prefetch}, _MM_HINT_T0);
+            __m256i w8 = tp_fp4x32_i8(wr + g * 16, lut);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w8), _mm256_sign_epi8(xv, w8)), ones);
+            __m256 s = _mm256_mul_ps(tp_wscale(sc + r * sstride, g, pts), xsv);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; ++r) out[r] = tp_hsum(acc[r]);
+}
+#define TP_HAVE_ROWS4 1
+
+TP_INLINE void tp_row_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, const uint8_t *sc,
+                         float pts, float *out, int64_t ldo, const int NB) {
+    const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                         0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const int64_t G = K / 32;
+    if (NB == 1) {  /* two groups per step, two accumulators: FMA latency overlaps */
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 2 <= G; g += 2) {
+            _mm_prefetch((const char *)(w + g * 16) + ${prefetch}, _MM_HINT_T0);
+            __m256i w0 = tp_fp4x32_i8(w + g * 16, lut), w1 = tp_fp4x32_i8(w + g * 16 + 16, lut);
+            __m256 s0 = _mm256_mul_ps(tp_wscale(sc, g, pts), _mm256_set1_ps(xs[g]));
+            __m256 s1 = _mm256_mul_ps(tp_wscale(sc, g + 1, pts), _mm256_set1_ps(xs[g + 1]));
+            a0 = _mm256_fmadd_ps(tp_dot_i8(_mm256_abs_epi8(w0), w0, xq + g * 32), s0, a0);
+            a1 = _mm256_fmadd_ps(tp_dot_i8(_mm256_abs_epi8(w1), w1, xq + g * 32 + 32), s1, a1);
+        }
+        for (; g < G; ++g) {
+            __m256i w0 = tp_fp4x32_i8(w + g * 16, lut);
+            __m256 s0 = _mm256_mul_ps(tp_wscale(sc, g, pts), _mm256_set1_ps(xs[g]));
+            a0 = _mm256_fmadd_ps(tp_dot_i8(_mm256_abs_epi8(w0), w0, xq + g * 32), s0, a0);
+        }
+        out[0] = tp_hsum(_mm256_add_ps(a0, a1));
+        return;
+    }
+    __m256 acc[4];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        _mm_prefetch((const char *)(w + g * 16) + ${prefetch}, _MM_HINT_T0);
+        __m256i w8 = tp_fp4x32_i8(w + g * 16, lut);
+        __m256i aw = _mm256_abs_epi8(w8);
+        __m256 ws = tp_wscale(sc, g, pts);
+        for (int b = 0; b < NB; ++b) {
+            __m256 s = _mm256_mul_ps(ws, _mm256_set1_ps(xs[b * G + g]));
+            acc[b] = _mm256_fmadd_ps(tp_dot_i8(aw, w8, xq + b * K + g * 32), s, acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; ++b) out[b * ldo] = tp_hsum(acc[b]);
+}
+#else
+static const float TP_E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+TP_INLINE void tp_row_i8(const int8_t *xq, const float *xs, int64_t K, const uint8_t *w, const uint8_t *sc,
+                         float pts, float *out, int64_t ldo, const int NB) {
+    for (int b = 0; b < NB; ++b) {
+        float s = 0.0f;
+        for (int64_t g = 0; g < K / 32; ++g) {
+            for (int h = 0; h < 2; ++h) {
+                int32_t acc = 0;
+                for (int i = 0; i < 16; ++i) {
+                    int64_t k = g * 32 + h * 16 + i;
+                    acc += (int32_t)(2.0f * TP_E2M1F[(w[k >> 1] >> ((k & 1) * 4)) & 15]) * xq[b * K + k];
+                }
+#if defined(FMT_nvfp4)
+                float wsc = 0.5f * pts * TP_E4M3F[sc[2 * g + h]];
+#else
+                float wsc = 0.5f * tp_e8m0f(sc[g]);
+#endif
+                s += (float)acc * wsc * xs[b * (K / 32) + g];
+            }
+        }
+        out[b * ldo] = s;
+    }
+}
+#endif
+
+/* Same contract as tp_gemv (rowscale unused); K must be a multiple of 32. */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    if (K % 32) return 2;
+    const float pts = (float)pts_d;
+    const int64_t G = K / 32;
+#if defined(FMT_nvfp4)
+    const int64_t sstride = K / 16;
+#else
+    const int64_t sstride = K / 32;
+#endif
+    int8_t *xq = (int8_t *)malloc((size_t)(B * K) + 64);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(B * G) + 64);
+    if (!xq || !xs) { free(xq); free(xs); return 3; }
+    for (int64_t b = 0; b < B; ++b) tp_quant_x(x + b * K, K, xq + b * K, xs + b * G);
+    int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    #pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi;
+        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        int64_t n = lo;
+#if defined(TP_HAVE_ROWS4) && ${rows4}
+        if (B == 1) {
+            for (; n + 4 <= hi; n += 4) {
+                tp_rows4_i8(xq, xs, K, w + n * (K / 2), K / 2, scales + n * sstride, sstride, pts, out + n);
+                if (has_bias) for (int r = 0; r < 4; ++r) out[n + r] += bias[n + r];
+            }
+        }
+#endif
+        for (; n < hi; ++n) {
+            const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
+            for (int64_t b = 0; b < B; b += 4) {
+                int64_t nb = B - b < 4 ? B - b : 4;
+                const int8_t *xb = xq + b * K;
+                const float *sb = xs + b * G;
+                float *ob = out + b * N + n;
+                switch (nb) {
+                    case 1: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 1); break;
+                    case 2: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 2); break;
+                    case 3: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 3); break;
+                    default: tp_row_i8(xb, sb, K, wr, sr, pts, ob, N, 4); break;
+                }
+            }
+            if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+        }
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
+"""
+
+I8_FORMATS = ("nvfp4", "mxfp4")
+
+
+@functools.cache
+def gemv_i8_kernel(fmt: str, isa: str, prefetch: int = 512, rows4: int = 0) -> Kernel:
+    """FP4-weight GEMV with activations quantized to int8 per 32 (``maddubs`` dot products)."""
+    if fmt not in I8_FORMATS:
+        raise ValueError(f"int8-activation gemv format must be one of {I8_FORMATS}, got {fmt!r}")
+    src = native.render(
+        _I8_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch, rows4=rows4
+    )
+    lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}", isa=isa)
+    return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)

@@ -1,0 +1,64 @@
+"""Compiler pass: route decode-shaped ``linear`` calls to the native GEMV custom op.
+
+Registered with :func:`torchport.compiler.register_pre_grad_pass` when :mod:`torchport.gemv` is
+imported, so ``torchport.compile(model)`` sends ``F.linear(x, W, b)`` with at most
+:data:`~torchport.gemv.MAX_ROWS` activation rows (``[B, 1, K]``, ``[1, K]``), a float32/bfloat16
+2-D weight of the same dtype, and no autograd (the output does not require grad) to
+``torchport::gemv_dense``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from torchport.compiler import Pass, Rule, is_call, node_tensor_meta, register_pre_grad_pass
+from torchport.gemv.ops import MAX_ROWS, gemv_dense_op
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _static_rows(shape: torch.Size) -> int | None:
+    try:
+        return math.prod(int(s) for s in shape[:-1])
+    except (TypeError, ValueError):  # symbolic sizes: leave the call alone
+        return None
+
+
+def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
+    # linear(x: ≤8 rows, W: [N, K] fp32/bf16, b) without autograd -> torchport::gemv_dense(x, W, b)
+    if not is_call(node, F.linear, torch.ops.aten.linear.default):
+        return False
+    args = list(node.args) + [None] * (3 - len(node.args))
+    x, w = args[0], args[1]
+    bias = node.kwargs.get("bias", args[2])
+    out, xm, wm = node_tensor_meta(node), node_tensor_meta(x), node_tensor_meta(w)  # type: ignore[arg-type]
+    if out is None or xm is None or wm is None or out.requires_grad:
+        return False
+    if xm.dtype not in _DTYPES or wm.dtype != xm.dtype or wm.dim() != 2 or xm.dim() < 1:
+        return False
+    if type(wm).__name__ not in ("FakeTensor", "Tensor") or wm.layout != torch.strided:
+        return False
+    rows = _static_rows(xm.shape)
+    if rows is None or not 0 < rows <= MAX_ROWS:
+        return False
+    bm = node_tensor_meta(bias) if isinstance(bias, fx.Node) else None
+    if bias is not None and (bm is None or bm.dtype != xm.dtype):
+        return False
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.ops.torchport.gemv_dense.default, (x, w, bias))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return True
+
+
+GEMV_ROUTING = Pass(
+    "gemv_routing", [Rule("linear(decode x, W) -> torchport::gemv_dense", _linear_to_gemv)]
+)
+register_pre_grad_pass(GEMV_ROUTING, order=50)
+
+__all__ = ["GEMV_ROUTING", "gemv_dense_op"]

@@ -1,0 +1,142 @@
+"""``torchport.quantize_(model, config)``: swap ``nn.Linear`` weights for quantized tensors.
+
+Configs are keyword-only frozen dataclasses validated on construction (torchao's config names):
+
+- :class:`Float8WeightOnlyConfig` — FP8 weights, high-precision activations;
+- :class:`Float8DynamicActivationFloat8WeightConfig` — FP8 weights, activations quantized per row
+  at run time, prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
+- :class:`NVFP4WeightOnlyConfig` — NVFP4 weights (optional per-tensor scale);
+- :class:`MXWeightOnlyConfig` — MXFP4 / MXFP8 weights.
+
+A linear whose ``in_features`` is not a multiple of the format's block size is left alone and
+counted in the returned report (never padded silently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchport.lowp import mx
+from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
+from torchport.lowp.tensors import Float8Tensor, LowPrecisionTensor, MXTensor, NVFP4Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8WeightOnlyConfig:
+    """FP8 weights (``dtype``) with per-row or per-tensor scales."""
+
+    dtype: torch.dtype = torch.float8_e4m3fn
+    granularity: str = "row"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FP8_DTYPES:
+            raise LowPrecisionError(f"dtype must be float8_e4m3fn or float8_e5m2, got {self.dtype}")
+        if self.granularity not in ("row", "tensor"):
+            raise LowPrecisionError(
+                f"granularity must be 'row' or 'tensor', got {self.granularity!r}"
+            )
+
+    block = 1
+
+    def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
+        return Float8Tensor.from_float(w, self.dtype, self.granularity)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8DynamicActivationFloat8WeightConfig(Float8WeightOnlyConfig):
+    """FP8 weights and FP8 activations (dynamic per-row scale) for prefill GEMMs."""
+
+    activation_dtype: torch.dtype = torch.float8_e4m3fn
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.activation_dtype not in FP8_DTYPES:
+            raise LowPrecisionError(
+                f"activation_dtype must be float8_e4m3fn or float8_e5m2, got {self.activation_dtype}"
+            )
+
+    def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
+        return Float8Tensor.from_float(w, self.dtype, self.granularity, self.activation_dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NVFP4WeightOnlyConfig:
+    """NVFP4 weights; ``use_per_tensor_scale`` adds torchao's FP32 per-tensor scale."""
+
+    use_per_tensor_scale: bool = True
+    block = 16
+
+    def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
+        return NVFP4Tensor.from_float(w, per_tensor_scale=self.use_per_tensor_scale)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXWeightOnlyConfig:
+    """MX weights with element type ``elem`` (``fp4_e2m1``, ``fp8_e4m3``, ``fp8_e5m2``)."""
+
+    elem: str = "fp4_e2m1"
+    block = 32
+
+    def __post_init__(self) -> None:
+        if self.elem not in mx.ELEMS:
+            raise LowPrecisionError(f"elem must be one of {mx.ELEMS}, got {self.elem!r}")
+
+    def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
+        return MXTensor.from_float(w, self.elem)
+
+
+Config = (
+    Float8WeightOnlyConfig
+    | Float8DynamicActivationFloat8WeightConfig
+    | NVFP4WeightOnlyConfig
+    | MXWeightOnlyConfig
+)
+
+
+@dataclass
+class QuantizeReport:
+    """What ``quantize_`` did: qualified names of swapped and skipped linears."""
+
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def quantize_(
+    model: nn.Module,
+    config: Config,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> QuantizeReport:
+    """Quantize the weights of ``model``'s ``nn.Linear`` modules in place (inference only).
+
+    ``filter_fn(module, fqn)`` chooses linears (default: all). Weights become
+    ``nn.Parameter(<quantized tensor>, requires_grad=False)``; biases stay as they are.
+    """
+    if not isinstance(model, nn.Module):
+        raise LowPrecisionError(
+            f"quantize_: model must be an nn.Module, got {type(model).__name__}"
+        )
+    if not hasattr(config, "quantize"):
+        raise LowPrecisionError(f"quantize_: unsupported config {type(config).__name__}")
+    report = QuantizeReport()
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or (filter_fn is not None and not filter_fn(mod, fqn)):
+            continue
+        w = mod.weight
+        if isinstance(w, LowPrecisionTensor):
+            report.skipped[fqn] = "already quantized"
+            continue
+        if w.dtype not in (torch.float32, torch.bfloat16):
+            report.skipped[fqn] = f"weight dtype {w.dtype} (needs float32 or bfloat16)"
+            continue
+        if w.shape[1] % config.block:
+            report.skipped[fqn] = (
+                f"in_features {w.shape[1]} is not a multiple of block {config.block}"
+            )
+            continue
+        mod.weight = nn.Parameter(config.quantize(w.detach()), requires_grad=False)
+        report.quantized.append(fqn)
+    return report

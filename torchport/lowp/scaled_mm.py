@@ -1,0 +1,181 @@
+"""Scaled GEMM: ``torchport.scaled_mm`` (FP8, mirroring ``torch._scaled_mm``) and block-scaled GEMM.
+
+``scaled_mm(a, b, scale_a, scale_b, *, bias=None, out_dtype=None)`` computes
+``(a * scale_a) @ (b * scale_b) + bias`` for FP8 ``a [M, K]`` and ``b [K, N]`` with
+
+- tensor-wise scaling: ``scale_a`` and ``scale_b`` float32 with one element each;
+- row-wise scaling: ``scale_a [M, 1]`` and ``scale_b [1, N]`` float32.
+
+Accumulation is float32; the epilogue applies ``scale_a · scale_b``, then ``bias``, then the cast to
+``out_dtype`` (default: ``a.dtype``, a saturating FP8 cast, as ``torch._scaled_mm``). Decode shapes
+(M ≤ 8) run the native FP8 GEMV reading ``b``'s bytes directly; larger M decodes the FP8 operands to
+float32 panels and runs the float32 GEMM (MKL), then the epilogue — the FP8 values are exact in
+float32, so only the summation order differs from :func:`scaled_mm_reference` (float64).
+
+``block_scaled_mm(x, w)`` multiplies activations by an NVFP4/MX (or FP8) weight ``[N, K]``:
+``x @ dequantize(w).T + bias``, dequantizing ``w`` natively one row panel at a time (a panel stays
+in L3) and multiplying each panel with the float32 GEMM; quantized activations (NVFP4/MX tensors)
+are dequantized first. These GEMMs could later take their tiles from the dense GEMM engine
+(``torchport.gemm``): the panel decode becomes that engine's B-operand packing step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
+from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, to_fp8_reference
+
+OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, *FP8_DTYPES)
+_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+
+
+def _validate(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[bool, torch.dtype]:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in FP8_DTYPES or t.dim() != 2:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise LowPrecisionError(f"scaled_mm: {name} must be a 2-D float8 tensor, got {got}")
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise LowPrecisionError(
+            f"scaled_mm: a's K ({k}) must equal b's K ({b.shape[0]}); shapes {tuple(a.shape)}, {tuple(b.shape)}"
+        )
+    n = b.shape[1]
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+            raise LowPrecisionError(
+                f"scaled_mm: {name} must be a float32 tensor, got {getattr(s, 'dtype', s)}"
+            )
+    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+    rowwise = tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n)
+    if not (tensorwise or rowwise):
+        raise LowPrecisionError(
+            "scaled_mm: scales must be tensor-wise (one element each) or row-wise "
+            f"(scale_a ({m}, 1), scale_b (1, {n})), got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise LowPrecisionError(f"scaled_mm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    od = a.dtype if out_dtype is None else out_dtype
+    if od not in OUT_DTYPES:
+        raise LowPrecisionError(f"scaled_mm: out_dtype must be one of {OUT_DTYPES}, got {od}")
+    return rowwise and not tensorwise, od
+
+
+def _finish(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        acc = acc + bias.float()
+    return to_fp8_reference(acc, out_dtype) if out_dtype in FP8_DTYPES else acc.to(out_dtype)
+
+
+def scaled_mm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b) + bias`` in float64, then cast (saturating for FP8)."""
+    _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
+    acc = (
+        (a.double() @ b.double())
+        * scale_a.double().reshape(-1, 1)
+        * scale_b.double().reshape(1, -1)
+    )
+    if bias is not None:
+        acc = acc + bias.double()
+    return to_fp8_reference(acc, od) if od in FP8_DTYPES else acc.to(od)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """FP8 scaled GEMM mirroring ``torch._scaled_mm`` (tensor-wise and row-wise scaling)."""
+    _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
+    m, k = a.shape
+    n = b.shape[1]
+    sa = scale_a.reshape(-1, 1)
+    if 0 < m <= MAX_ROWS and k > 0 and n > 0:
+        fmt = "fp8_e4m3" if b.dtype == torch.float8_e4m3fn else "fp8_e5m2"
+        rs = scale_b.reshape(-1).expand(n).contiguous()
+        pw = PackedWeight(fmt, b.t().contiguous().view(torch.uint8), _EMPTY_U8, rs, 1.0, n, k)
+        acc = gemv_packed(a.float(), pw) * sa
+    else:
+        acc = torch.mm(a.float(), b.float()) * sa * scale_b.reshape(1, -1)
+    return _finish(acc, bias, od)
+
+
+def _dequant_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of a quantized weight, dequantized to float32 (native kernels)."""
+    from torchport.lowp import fp8, mx, nvfp4
+    from torchport.lowp.tensors import Float8Tensor, MXTensor, NVFP4Tensor
+
+    if isinstance(w, NVFP4Tensor):
+        return nvfp4.nvfp4_dequantize(w.qdata[lo:hi], w.scale[lo:hi], w.per_tensor_scale)
+    if isinstance(w, MXTensor):
+        return mx.mx_dequantize(w.qdata[lo:hi], w.scale[lo:hi], w.elem)
+    if isinstance(w, Float8Tensor):
+        s = w.scale[lo:hi] if w.scale.dim() else w.scale
+        return fp8.fp8_dequantize(w.qdata[lo:hi], s)
+    raise LowPrecisionError(
+        f"block_scaled_mm: weight must be a torchport.lowp tensor, got {type(w).__name__}"
+    )
+
+
+PANEL_BYTES = 8 << 20
+
+
+def block_scaled_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``x @ dequantize(w).T + bias`` for a quantized weight ``w [N, K]`` (NVFP4, MX or FP8).
+
+    ``x``: float32/bfloat16 ``[..., K]`` or a quantized activation tensor (dequantized first).
+    Float32 accumulation; result in ``out_dtype`` (default ``x``'s dtype).
+    """
+    from torchport.lowp.tensors import LowPrecisionTensor
+
+    if isinstance(x, LowPrecisionTensor):
+        x = x.dequantize()
+    if not isinstance(w, LowPrecisionTensor) or w.dim() != 2:
+        raise LowPrecisionError(
+            f"block_scaled_mm: w must be a 2-D torchport.lowp tensor, got {type(w).__name__}"
+        )
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise LowPrecisionError(
+            f"block_scaled_mm: x's last dimension must be K={k}, got {tuple(x.shape)}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise LowPrecisionError(
+            f"block_scaled_mm: bias must have shape ({n},), got {tuple(bias.shape)}"
+        )
+    od = out_dtype or x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).float()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    step = max(16, PANEL_BYTES // max(1, 4 * k))
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        torch.mm(x2, _dequant_rows(w, lo, hi).t(), out=out[:, lo:hi])
+    if bias is not None:
+        out += bias.float()
+    return out.reshape(*lead, n).to(od)

@@ -1,0 +1,338 @@
+"""Quantized tensor types: ``Float8Tensor``, ``NVFP4Tensor``, ``MXTensor``.
+
+Each is a wrapper tensor subclass with the logical shape and dtype of the high-precision tensor it
+stands for, carrying its quantized ``qdata`` and scales. They are used as ``nn.Linear`` weights
+(``torchport.quantize_``): ``F.linear`` with such a weight runs
+
+- the native decode GEMV (:mod:`torchport.gemv`) for ≤ 8 activation rows, reading the quantized
+  bytes directly;
+- otherwise a prefill path: :func:`torchport.scaled_mm` for FP8 with dynamic activation scaling, or
+  :func:`torchport.lowp.block_scaled_mm` (native panel dequantize + GEMM) for the others.
+
+Any other op sees the dequantized tensor (``dequantize()``), so the types compose with ordinary
+code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_flatten__`` lets
+``torch.compile`` trace through them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from torchport import native
+from torchport.gemv import MAX_ROWS, PackedWeight
+from torchport.gemv.ops import linear_decode
+from torchport.lowp import fp8, mx, nvfp4
+from torchport.lowp.formats import LowPrecisionError
+
+aten = torch.ops.aten
+_ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
+_KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
+
+
+class LowPrecisionTensor(torch.Tensor):
+    """Base of the quantized tensor types (not used directly)."""
+
+    qdata: torch.Tensor
+    _orig_dtype: torch.dtype
+    _pack: PackedWeight | None
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision tensor this stands for (native dequantize kernel)."""
+        raise TypeError(_ABSTRACT)
+
+    def gemv_pack(self) -> PackedWeight:
+        """This weight in the GEMV's layout (built once and cached for eager tensors)."""
+        if self._pack is not None:
+            return self._pack
+        if self.dim() != 2:
+            raise LowPrecisionError(
+                f"{type(self).__name__} GEMV needs a 2-D weight, got shape {tuple(self.shape)}"
+            )
+        pw = self._make_pack()
+        if native.eager_fast_path(self.qdata):  # never cache fake/traced tensors
+            self._pack = pw
+        return pw
+
+    def _make_pack(self) -> PackedWeight:
+        raise TypeError(_ABSTRACT)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Content hash for torch.compile's AOT-autograd cache (data, scales and metadata)."""
+        names, ctx = self.__tensor_flatten__()
+        h = hashlib.sha256(f"{type(self).__name__}|{tuple(self.shape)}|{self.dtype}|{ctx}".encode())
+        for n in names:
+            t = getattr(self, n)
+            if native.eager_fast_path(t):
+                h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        raise TypeError(_ABSTRACT)
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> LowPrecisionTensor:
+        raise TypeError(_ABSTRACT)
+
+    def _with_dtype(self, dtype: torch.dtype) -> LowPrecisionTensor:
+        raise TypeError(_ABSTRACT)
+
+    def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
+        from torchport.lowp.scaled_mm import block_scaled_mm
+
+        return block_scaled_mm(x, self, bias=bias)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, {self._describe()})"
+
+    def _describe(self) -> str:
+        return ""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2 and isinstance(args[1], LowPrecisionTensor):
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if not isinstance(x, LowPrecisionTensor):
+                rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+                if 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+                    return linear_decode(x, w.gemv_pack(), bias)
+                return w.prefill_linear(x, bias)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _KEEP:
+            return args[0]._apply(lambda t: func(t))
+        if (
+            func is aten._to_copy.default
+            and set(kwargs) <= {"dtype"}
+            and isinstance(args[0], LowPrecisionTensor)
+        ):
+            return args[0]._with_dtype(kwargs.get("dtype", args[0].dtype))
+
+        def unwrap(t: Any) -> Any:
+            return t.dequantize() if isinstance(t, LowPrecisionTensor) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+    def _apply(self, fn: Any) -> LowPrecisionTensor:
+        names, ctx = self.__tensor_flatten__()
+        return type(self).__tensor_unflatten__(
+            {n: fn(getattr(self, n)) for n in names}, ctx, self.shape, self.stride()
+        )
+
+
+# --- FP8 -----------------------------------------------------------------------------------------
+
+
+class Float8Tensor(LowPrecisionTensor):
+    """FP8 weight ``[N, K]`` with a per-tensor (``[]``) or per-row (``[N, 1]``) float32 scale.
+
+    ``act_dtype`` set → activations are quantized dynamically per row and the prefill path runs
+    :func:`torchport.scaled_mm` (weight + activation FP8); None → weight-only.
+    """
+
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        act_dtype: torch.dtype | None = None,
+    ):
+        return super().__new__(cls, qdata.shape, orig_dtype)
+
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        act_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.qdata, self.scale = qdata, scale
+        self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
+        self._pack = None
+
+    @classmethod
+    def from_float(
+        cls,
+        w: torch.Tensor,
+        dtype: torch.dtype = torch.float8_e4m3fn,
+        granularity: str = "row",
+        act_dtype: torch.dtype | None = None,
+    ) -> Float8Tensor:
+        """Quantize a float32/bfloat16 tensor (torchao float8 recipe, see :mod:`torchport.lowp.fp8`)."""
+        q, s = fp8.fp8_quantize(w, dtype, granularity)
+        return cls(q, s, w.dtype, act_dtype)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["qdata", "scale"], (self._orig_dtype, self.act_dtype)
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> Float8Tensor:
+        return cls(inner["qdata"], inner["scale"], *ctx)
+
+    def _with_dtype(self, dtype: torch.dtype) -> Float8Tensor:
+        return Float8Tensor(self.qdata, self.scale, dtype, self.act_dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return fp8.fp8_dequantize(self.qdata, self.scale, dtype or self.dtype)
+
+    def _describe(self) -> str:
+        return f"fp8={self.qdata.dtype}, scale={'row' if self.scale.dim() else 'tensor'}"
+
+    def _make_pack(self) -> PackedWeight:
+        n, k = self.shape
+        rs = self.scale.float().reshape(-1).expand(n).contiguous()
+        fmt = "fp8_e4m3" if self.qdata.dtype == torch.float8_e4m3fn else "fp8_e5m2"
+        empty = self.qdata.new_empty(0, dtype=torch.uint8)
+        return PackedWeight(fmt, self.qdata.view(torch.uint8).contiguous(), empty, rs, 1.0, n, k)
+
+    def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from torchport.lowp.scaled_mm import scaled_mm
+
+        if self.act_dtype is None:
+            return super().prefill_linear(x, bias)
+        lead, k = x.shape[:-1], x.shape[-1]
+        xq, xs = fp8.fp8_quantize(x.reshape(-1, k), self.act_dtype, "row")
+        ws = self.scale.float().reshape(1, -1) if self.scale.dim() else self.scale.float()
+        out = scaled_mm(xq, self.qdata.t(), xs.float(), ws, bias=bias, out_dtype=x.dtype)
+        return out.reshape(*lead, self.shape[0])
+
+
+# --- NVFP4 ---------------------------------------------------------------------------------------
+
+
+class NVFP4Tensor(LowPrecisionTensor):
+    """NVFP4 ``[N, K]``: packed E2M1 ``qdata [N, K/2]``, E4M3 ``scale [N, K/16]``, optional FP32
+    ``per_tensor_scale`` (torchao recipe, see :mod:`torchport.lowp.nvfp4`)."""
+
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        per_tensor_scale: float | None,
+        orig_dtype: torch.dtype,
+    ):
+        return super().__new__(cls, (*qdata.shape[:-1], qdata.shape[-1] * 2), orig_dtype)
+
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        per_tensor_scale: float | None,
+        orig_dtype: torch.dtype,
+    ) -> None:
+        self.qdata, self.scale = qdata, scale
+        self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
+        self._pack = None
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, per_tensor_scale: bool | float = True) -> NVFP4Tensor:
+        """Quantize; ``per_tensor_scale=True`` derives it from ``amax`` (torchao's two-level scaling)."""
+        if per_tensor_scale is True:
+            pts: float | None = (
+                nvfp4.per_tensor_amax_to_scale(w.detach().abs().max()) if w.numel() else None
+            )
+            if pts == 0.0:
+                pts = None
+        elif per_tensor_scale is False:
+            pts = None
+        else:
+            pts = float(per_tensor_scale)
+        q, s = nvfp4.nvfp4_quantize(w, pts)
+        return cls(q, s, pts, w.dtype)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["qdata", "scale"], (self.per_tensor_scale, self._orig_dtype)
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> NVFP4Tensor:
+        return cls(inner["qdata"], inner["scale"], *ctx)
+
+    def _with_dtype(self, dtype: torch.dtype) -> NVFP4Tensor:
+        return NVFP4Tensor(self.qdata, self.scale, self.per_tensor_scale, dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return nvfp4.nvfp4_dequantize(
+            self.qdata, self.scale, self.per_tensor_scale, dtype or self.dtype
+        )
+
+    def _describe(self) -> str:
+        return f"block=16, per_tensor_scale={self.per_tensor_scale}"
+
+    def _make_pack(self) -> PackedWeight:
+        n, k = self.shape
+        pts = self.per_tensor_scale if self.per_tensor_scale is not None else 1.0
+        empty = self.qdata.new_empty(0, dtype=torch.float32)
+        scales = self.scale.view(torch.uint8).contiguous()
+        return PackedWeight("nvfp4", self.qdata.contiguous(), scales, empty, pts, n, k)
+
+
+# --- MX ------------------------------------------------------------------------------------------
+
+
+class MXTensor(LowPrecisionTensor):
+    """MX ``[N, K]`` (OCP MX v1.0, torchao FLOOR recipe; see :mod:`torchport.lowp.mx`): ``qdata``
+    (packed uint8 for ``fp4_e2m1``, float8 otherwise) and E8M0 ``scale [N, K/32]`` (uint8)."""
+
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype):
+        k = qdata.shape[-1] * (2 if elem == "fp4_e2m1" else 1)
+        return super().__new__(cls, (*qdata.shape[:-1], k), orig_dtype)
+
+    def __init__(
+        self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype
+    ) -> None:
+        self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
+        self._pack = None
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, elem: str = "fp4_e2m1") -> MXTensor:
+        """Quantize a float32/bfloat16 tensor to MX with element type ``elem``."""
+        q, s = mx.mx_quantize(w, elem)
+        return cls(q, s, elem, w.dtype)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["qdata", "scale"], (self.elem, self._orig_dtype)
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
+    ) -> MXTensor:
+        return cls(inner["qdata"], inner["scale"], *ctx)
+
+    def _with_dtype(self, dtype: torch.dtype) -> MXTensor:
+        return MXTensor(self.qdata, self.scale, self.elem, dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return mx.mx_dequantize(self.qdata, self.scale, self.elem, dtype or self.dtype)
+
+    def _describe(self) -> str:
+        return f"elem={self.elem}, block=32"
+
+    def _make_pack(self) -> PackedWeight:
+        n, k = self.shape
+        fmt = {"fp4_e2m1": "mxfp4", "fp8_e4m3": "mxfp8_e4m3", "fp8_e5m2": "mxfp8_e5m2"}[self.elem]
+        empty = self.qdata.new_empty(0, dtype=torch.float32)
+        data = self.qdata.view(torch.uint8).contiguous()
+        return PackedWeight(fmt, data, self.scale.contiguous(), empty, 1.0, n, k)
