@@ -66,7 +66,9 @@ class LinalgInputError(ValueError):
 
 def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
     if not isinstance(a, torch.Tensor):
-        raise LinalgInputError(f"torchport.linalg.{op}: A must be a torch.Tensor, got {type(a).__name__}")
+        raise LinalgInputError(
+            f"torchport.linalg.{op}: A must be a torch.Tensor, got {type(a).__name__}"
+        )
     if a.dim() < 2:
         raise LinalgInputError(
             f"torchport.linalg.{op}: A must have at least 2 dimensions, got {a.dim()}-D shape "
@@ -92,6 +94,9 @@ def _bucket(b: int) -> int:
     """Batch sizes tuned together: 1, then powers of 4."""
     return 1 if b <= 1 else 4 ** math.ceil(math.log(b, 4))
 
+
+# torch's named-tuple return types (structseq), e.g. ``linalg_svd(U, S, Vh)``
+_rt: Any = torch.return_types
 
 _memo: dict[tuple[Any, ...], bool] = {}
 
@@ -219,7 +224,7 @@ def _close_at(i: int) -> Callable[[Any, Any], bool]:
 
 def svd(
     A: torch.Tensor, full_matrices: bool = True, *, method: str = "auto"
-) -> torch.return_types.linalg_svd:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Singular value decomposition ``A = U diag(S) Vh`` (``torch.linalg.svd``'s contract).
 
     Returns ``(U, S, Vh)`` with S descending; ``full_matrices`` picks (m×m, n×n) or reduced
@@ -235,14 +240,14 @@ def svd(
         u, s, vh = (t.reshape(batch + t.shape[1:]) for t in (u, s, vh))
     else:
         u, s, vh = ops.svd(a, bool(full_matrices), True)
-    return torch.return_types.linalg_svd((u, s, vh))
+    return _rt.linalg_svd((u, s, vh))
 
 
 def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
     """Singular values of ``A``, descending (``torch.linalg.svdvals``)."""
     a = _check("svdvals", A, square=False)
     if a.requires_grad and torch.is_grad_enabled():
-        return svd(a, full_matrices=False, method=method).S
+        return svd(a, full_matrices=False, method=method)[1]
     route = _route("svd", a, method, (False, False))
     if route == "lapack":
         return torch.linalg.svdvals(a)
@@ -258,7 +263,9 @@ def _uplo(op: str, UPLO: str) -> bool:
     return UPLO == "U"
 
 
-def eigh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.return_types.linalg_eigh:
+def eigh(
+    A: torch.Tensor, UPLO: str = "L", *, method: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigendecomposition of symmetric ``A`` from its ``UPLO`` triangle (``torch.linalg.eigh``).
 
     Returns ``(eigenvalues, eigenvectors)``, eigenvalues ascending, eigenvectors as columns.
@@ -273,7 +280,7 @@ def eigh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.ret
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
     else:
         lam, q = ops.eigh(a, upper, True)
-    return torch.return_types.linalg_eigh((lam, q))
+    return _rt.linalg_eigh((lam, q))
 
 
 def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.Tensor:
@@ -281,7 +288,7 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
     a = _check("eigvalsh", A, square=True)
     upper = _uplo("eigvalsh", UPLO)
     if a.requires_grad and torch.is_grad_enabled():
-        return eigh(a, UPLO, method=method).eigenvalues
+        return eigh(a, UPLO, method=method)[0]
     route = _route("eigh", a, method, (upper, False))
     if route == "lapack":
         return torch.linalg.eigvalsh(a, UPLO=UPLO)
@@ -290,7 +297,9 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
     return ops.eigh(a, upper, False)[0]
 
 
-def qr(A: torch.Tensor, mode: str = "reduced", *, method: str = "auto") -> torch.return_types.linalg_qr:
+def qr(
+    A: torch.Tensor, mode: str = "reduced", *, method: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Householder QR ``A = Q R`` (``torch.linalg.qr``); ``mode`` is reduced, complete or r.
 
     With ``mode='r'`` Q is an empty tensor, as in torch. R's diagonal follows LAPACK's signs.
@@ -308,12 +317,12 @@ def qr(A: torch.Tensor, mode: str = "reduced", *, method: str = "auto") -> torch
         r = r.reshape(batch + r.shape[1:])
     else:
         q, r = ops.qr(a, mode)
-    return torch.return_types.linalg_qr((q, r))
+    return _rt.linalg_qr((q, r))
 
 
 def cholesky_ex(
     A: torch.Tensor, *, upper: bool = False, check_errors: bool = False, method: str = "auto"
-) -> torch.return_types.linalg_cholesky_ex:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cholesky factor and ``info`` (``torch.linalg.cholesky_ex``).
 
     ``info`` (int32, batch-shaped) is 0 on success, else the order of the leading minor that is
@@ -331,7 +340,7 @@ def cholesky_ex(
         fac, info = ops.cholesky_ex(a, bool(upper))
     if check_errors:
         _raise_not_pd("cholesky_ex", a, info)
-    return torch.return_types.linalg_cholesky_ex((fac, info))
+    return _rt.linalg_cholesky_ex((fac, info))
 
 
 def _raise_not_pd(op: str, a: torch.Tensor, info: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ def svd_backward(
         assert gs is not None
         return (u * gs.unsqueeze(-2)) @ vh
     e = _e_matrix(s * s)
-    inner = torch.zeros(s.shape + (k,), dtype=s.dtype, device=s.device)
+    inner = torch.zeros((*s.shape, k), dtype=s.dtype, device=s.device)
     if gu is not None:
         uhgu = u.mT @ gu
         inner = inner + ((uhgu - uhgu.mT) / e) * s.unsqueeze(-2)
@@ -121,13 +121,15 @@ def qr_backward(
     x = -ga
     ga = q @ (x - x.mT).tril()
     ga = torch.linalg.solve_triangular(r[..., :m].mT, ga, upper=False, left=False)
-    ga = torch.cat([ga, ga.new_zeros(ga.shape[:-1] + (n - m,))], dim=-1)
+    ga = torch.cat([ga, ga.new_zeros((*ga.shape[:-1], n - m))], dim=-1)
     if gr is not None:
         ga = ga + q @ gr
     return ga
 
 
-def cholesky_backward(gl: torch.Tensor | None, lfac: torch.Tensor, upper: bool) -> torch.Tensor | None:
+def cholesky_backward(
+    gl: torch.Tensor | None, lfac: torch.Tensor, upper: bool
+) -> torch.Tensor | None:
     """Gradient of a loss through ``A = L Lᵀ`` (or ``Uᵀ U`` when ``upper``)."""
     if gl is None:
         return None

@@ -56,10 +56,12 @@ TP_INLINE void rot(T *x, T *y, int64_t n, T c, T s) {
     }
 }
 
-/* pair list for one sweep over q indices: cyclic row order, or round-robin (tournament) order */
+/* Pair list for one sweep over q indices. order 0: cyclic row order (j, k), j < k. order 1:
+   round-robin tournament, r - 1 rounds of r / 2 disjoint pairs (r = q rounded up to even); a pair
+   with an index >= q is a bye, stored as (-1, -1), so every round has the same size r / 2. */
 static int64_t make_pairs(int32_t *pairs, int64_t q, int order) {
     int64_t np = 0;
-    if (order == 0 || q < 3) {
+    if (order == 0) {
         for (int64_t j = 0; j < q; ++j)
             for (int64_t k = j + 1; k < q; ++k) { pairs[2 * np] = j; pairs[2 * np + 1] = k; ++np; }
         return np;
@@ -69,11 +71,20 @@ static int64_t make_pairs(int32_t *pairs, int64_t q, int order) {
         for (int64_t i = 0; i < r / 2; ++i) {
             int64_t a = i == 0 ? 0 : 1 + (round + i - 1) % (r - 1);
             int64_t b = 1 + (round + r - 2 - i) % (r - 1);
-            if (a >= q || b >= q) continue;
-            pairs[2 * np] = TP_MIN(a, b); pairs[2 * np + 1] = TP_MAX(a, b); ++np;
+            int bye = a >= q || b >= q;
+            pairs[2 * np] = bye ? -1 : TP_MIN(a, b); pairs[2 * np + 1] = bye ? -1 : TP_MAX(a, b); ++np;
         }
     }
     return np;
+}
+
+/* Jacobi rotation for the 2x2 problem with off-diagonal g and diagonal difference (be - al):
+   the smaller root t of t^2 + 2 zeta t - 1 = 0, c = 1 / sqrt(1 + t^2), s = c t. */
+TP_INLINE void rot_params(T al, T be, T g, T *tt, T *c, T *s) {
+    T zeta = (be - al) / (2 * g), t;
+    if (TFABS(zeta) > (T)1e15) t = (T)0.5 / zeta;
+    else t = (zeta >= 0 ? (T)1 : (T)-1) / (TFABS(zeta) + TSQRT(1 + zeta * zeta));
+    *tt = t; *c = (T)1 / TSQRT(1 + t * t); *s = *c * t;
 }
 
 /* Complete rows [r, want) of the orthonormal set Ub (vectors of length p, row-major) */
@@ -109,7 +120,7 @@ TP_INLINE int all_finite(const T *a, int64_t n) {
 }
 
 /* ---------------------------------------------------------------- SVD (one-sided Jacobi) */
-typedef struct { T *W, *Ub, *V, *nrm; int64_t *perm; int32_t *pairs; int64_t npairs; } svd_scratch;
+typedef struct { T *W, *Ub, *V, *nrm, *cs; int64_t *perm; int32_t *pairs; int64_t npairs, round; } svd_scratch;
 
 TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int uv, int full,
                       svd_scratch *sc) {
@@ -124,21 +135,48 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         for (int64_t j = 0; j < q; ++j) nrm[j] = dotp(W + j * p, W + j * p, p);
         int64_t rotated = 0;
-        for (int64_t t = 0; t < sc->npairs; ++t) {
-            int64_t j = sc->pairs[2 * t], k = sc->pairs[2 * t + 1];
-            T al = nrm[j], be = nrm[k];
-            if (al == 0 || be == 0) continue;
-            T g = dotp(W + j * p, W + k * p, p);
-            if (TFABS(g) <= tol * TSQRT(al) * TSQRT(be)) continue;
-            ++rotated;
-            T zeta = (be - al) / (2 * g), tt;
-            if (TFABS(zeta) > (T)1e15) tt = (T)0.5 / zeta;
-            else tt = (zeta >= 0 ? (T)1 : (T)-1) / (TFABS(zeta) + TSQRT(1 + zeta * zeta));
-            T c = (T)1 / TSQRT(1 + tt * tt), s = c * tt;
-            rot(W + j * p, W + k * p, p, c, s);
-            if (uv) rot(V + j * q, V + k * q, q, c, s);
-            nrm[j] = al - tt * g;
-            nrm[k] = be + tt * g;
+        if (sc->round == 0) {
+            for (int64_t t = 0; t < sc->npairs; ++t) {
+                int64_t j = sc->pairs[2 * t], k = sc->pairs[2 * t + 1];
+                T al = nrm[j], be = nrm[k];
+                if (al == 0 || be == 0) continue;
+                T g = dotp(W + j * p, W + k * p, p);
+                if (TFABS(g) <= tol * TSQRT(al) * TSQRT(be)) continue;
+                ++rotated;
+                T tt, c, s;
+                rot_params(al, be, g, &tt, &c, &s);
+                rot(W + j * p, W + k * p, p, c, s);
+                if (uv) rot(V + j * q, V + k * q, q, c, s);
+                nrm[j] = al - tt * g;
+                nrm[k] = be + tt * g;
+            }
+        } else {  /* a round of disjoint pairs: all inner products, then all rotations */
+            const int64_t h = sc->round;
+            T *cs = sc->cs;
+            for (int64_t base = 0; base < sc->npairs; base += h) {
+                const int32_t *pr = sc->pairs + 2 * base;
+                for (int64_t t = 0; t < h; ++t) {
+                    int64_t j = pr[2 * t], k = pr[2 * t + 1];
+                    cs[3 * t] = 0;
+                    if (j < 0) continue;
+                    T al = nrm[j], be = nrm[k];
+                    if (al == 0 || be == 0) continue;
+                    T g = dotp(W + j * p, W + k * p, p);
+                    if (TFABS(g) <= tol * TSQRT(al) * TSQRT(be)) continue;
+                    ++rotated;
+                    T tt, c, s;
+                    rot_params(al, be, g, &tt, &c, &s);
+                    cs[3 * t] = c; cs[3 * t + 1] = s;
+                    nrm[j] = al - tt * g;
+                    nrm[k] = be + tt * g;
+                }
+                for (int64_t t = 0; t < h; ++t) {
+                    if (cs[3 * t] == 0) continue;
+                    int64_t j = pr[2 * t], k = pr[2 * t + 1];
+                    rot(W + j * p, W + k * p, p, cs[3 * t], cs[3 * t + 1]);
+                    if (uv) rot(V + j * q, V + k * q, q, cs[3 * t], cs[3 * t + 1]);
+                }
+            }
         }
         if (!rotated) break;
     }
@@ -184,11 +222,12 @@ TP_EXPORT int tp_svd(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, int64_
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
         svd_scratch sc;
-        sc.W = (T *)malloc(sizeof(T) * (p * k + p * p + k * k + k + 8));
-        sc.Ub = sc.W + p * k; sc.V = sc.Ub + p * p; sc.nrm = sc.V + k * k;
+        sc.W = (T *)malloc(sizeof(T) * (p * k + p * p + k * k + 4 * k + 16));
+        sc.Ub = sc.W + p * k; sc.V = sc.Ub + p * p; sc.nrm = sc.V + k * k; sc.cs = sc.nrm + k;
         sc.perm = (int64_t *)malloc(sizeof(int64_t) * (k + 1));
-        sc.pairs = (int32_t *)malloc(sizeof(int32_t) * (k * k + 2));
+        sc.pairs = (int32_t *)malloc(sizeof(int32_t) * (k + 2) * (k + 2));
         sc.npairs = make_pairs(sc.pairs, k, (int)order);
+        sc.round = order ? (k + (k & 1)) / 2 : 0;
         int64_t chunk = TP_MAX(1, B / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t b = 0; b < B; ++b) {
@@ -206,7 +245,8 @@ TP_EXPORT int tp_svd(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, int64_
 
 /* ---------------------------------------------------------------- eigh (two-sided Jacobi) */
 TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv, T *A, T *V,
-                       T *d, int64_t *perm, const int32_t *pairs, int64_t npairs) {
+                       T *d, int64_t *perm, const int32_t *pairs, int64_t npairs, int64_t round,
+                       T *cs, int64_t *lp, int64_t *lq) {
     if (!all_finite(in, n * n)) return 1;
     T frob = 0;
     for (int64_t i = 0; i < n; ++i)
@@ -220,23 +260,62 @@ TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv,
     const T floor_ = (T)0.1 * frob;
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         int64_t rotated = 0;
-        for (int64_t t = 0; t < npairs; ++t) {
-            int64_t p = pairs[2 * t], q = pairs[2 * t + 1];
-            T apq = A[p * n + q];
-            if (apq == 0) continue;
-            T app = A[p * n + p], aqq = A[q * n + q];
-            T scale = TSQRT(TFABS(app)) * TSQRT(TFABS(aqq));
-            if (TFABS(apq) <= EPS * (scale > floor_ ? scale : floor_)) continue;
-            ++rotated;
-            T theta = (aqq - app) / (2 * apq), tt;
-            if (TFABS(theta) > (T)1e15) tt = (T)0.5 / theta;
-            else tt = (theta >= 0 ? (T)1 : (T)-1) / (TFABS(theta) + TSQRT(1 + theta * theta));
-            T c = (T)1 / TSQRT(1 + tt * tt), s = c * tt;
-            rot(A + p * n, A + q * n, n, c, s);
-            for (int64_t k = 0; k < n; ++k) { A[k * n + p] = A[p * n + k]; A[k * n + q] = A[q * n + k]; }
-            A[p * n + p] = app - tt * apq; A[q * n + q] = aqq + tt * apq;
-            A[p * n + q] = 0; A[q * n + p] = 0;
-            if (wantv) rot(V + p * n, V + q * n, n, c, s);
+        if (round == 0) {
+            for (int64_t t = 0; t < npairs; ++t) {
+                int64_t p = pairs[2 * t], q = pairs[2 * t + 1];
+                T apq = A[p * n + q];
+                if (apq == 0) continue;
+                T app = A[p * n + p], aqq = A[q * n + q];
+                T scale = TSQRT(TFABS(app)) * TSQRT(TFABS(aqq));
+                if (TFABS(apq) <= EPS * (scale > floor_ ? scale : floor_)) continue;
+                ++rotated;
+                T tt, c, s;
+                rot_params(app, aqq, apq, &tt, &c, &s);
+                rot(A + p * n, A + q * n, n, c, s);
+                for (int64_t k = 0; k < n; ++k) { A[k * n + p] = A[p * n + k]; A[k * n + q] = A[q * n + k]; }
+                A[p * n + p] = app - tt * apq; A[q * n + q] = aqq + tt * apq;
+                A[p * n + q] = 0; A[q * n + p] = 0;
+                if (wantv) rot(V + p * n, V + q * n, n, c, s);
+            }
+        } else {  /* a round of disjoint pairs: all angles, all row rotations, all column rotations */
+            const int64_t h = round;
+            for (int64_t base = 0; base < npairs; base += h) {
+                const int32_t *pr = pairs + 2 * base;
+                int64_t live = 0;
+                for (int64_t t = 0; t < h; ++t) {
+                    int64_t p = pr[2 * t], q = pr[2 * t + 1];
+                    if (p < 0) continue;
+                    T apq = A[p * n + q];
+                    if (apq == 0) continue;
+                    T app = A[p * n + p], aqq = A[q * n + q];
+                    T scale = TSQRT(TFABS(app)) * TSQRT(TFABS(aqq));
+                    if (TFABS(apq) <= EPS * (scale > floor_ ? scale : floor_)) continue;
+                    T tt, c, s;
+                    rot_params(app, aqq, apq, &tt, &c, &s);
+                    lp[live] = p; lq[live] = q;
+                    cs[4 * live] = c; cs[4 * live + 1] = s;
+                    cs[4 * live + 2] = app - tt * apq; cs[4 * live + 3] = aqq + tt * apq;
+                    ++live;
+                }
+                rotated += live;
+                for (int64_t t = 0; t < live; ++t) {
+                    rot(A + lp[t] * n, A + lq[t] * n, n, cs[4 * t], cs[4 * t + 1]);
+                    if (wantv) rot(V + lp[t] * n, V + lq[t] * n, n, cs[4 * t], cs[4 * t + 1]);
+                }
+                for (int64_t i = 0; i < n; ++i) {
+                    T *row = A + i * n;
+                    for (int64_t t = 0; t < live; ++t) {
+                        T c = cs[4 * t], s = cs[4 * t + 1], x = row[lp[t]], y = row[lq[t]];
+                        row[lp[t]] = c * x - s * y;
+                        row[lq[t]] = s * x + c * y;
+                    }
+                }
+                for (int64_t t = 0; t < live; ++t) {
+                    int64_t p = lp[t], q = lq[t];
+                    A[p * n + p] = cs[4 * t + 2]; A[q * n + q] = cs[4 * t + 3];
+                    A[p * n + q] = 0; A[q * n + p] = 0;
+                }
+            }
         }
         if (!rotated) break;
     }
@@ -252,7 +331,7 @@ TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv,
     return 0;
 }
 
-#define EIGH_CALL(N) eigh_one(a + b * n * n, L + b * n, Q + b * qsz, N, (int)upper, (int)wantv, A, V, d, perm, pairs, np)
+#define EIGH_CALL(N) eigh_one(a + b * n * n, L + b * n, Q + b * qsz, N, (int)upper, (int)wantv, A, V, d, perm, pairs, np, round, cs, lp, lq)
 
 TP_EXPORT int tp_eigh(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper, int64_t wantv,
                           int64_t order, int64_t nthreads) {
@@ -261,11 +340,13 @@ TP_EXPORT int tp_eigh(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t uppe
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
-        T *A = (T *)malloc(sizeof(T) * (2 * n * n + n + 8));
-        T *V = A + n * n, *d = V + n * n;
-        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
-        int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (n * n + 2));
+        T *A = (T *)malloc(sizeof(T) * (2 * n * n + 5 * n + 16));
+        T *V = A + n * n, *d = V + n * n, *cs = d + n;
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (3 * n + 6));
+        int64_t *lp = perm + n + 2, *lq = lp + n + 2;
+        int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (n + 2) * (n + 2));
         int64_t np = make_pairs(pairs, n, (int)order);
+        int64_t round = order ? (n + (n & 1)) / 2 : 0;
         int64_t chunk = TP_MAX(1, B / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t b = 0; b < B; ++b) {

@@ -21,7 +21,10 @@ def _batch_prefix(a: torch.Tensor, bad: int) -> str:
 
 
 def _flat(a: torch.Tensor) -> torch.Tensor:
-    return a.reshape((-1,) + tuple(a.shape[-2:])).contiguous()
+    b = 1
+    for d in a.shape[:-2]:
+        b *= d
+    return a.reshape((b, *tuple(a.shape[-2:]))).contiguous()
 
 
 # --- svd -------------------------------------------------------------------------------------------
@@ -31,7 +34,7 @@ def svd_impl(
     a: torch.Tensor, full_matrices: bool, compute_uv: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Native SVD of ``a`` (*, m, n): (U, S, Vh); U and Vh are empty when not ``compute_uv``."""
-    batch, (m, n) = a.shape[:-2], a.shape[-2:]
+    batch, (_m, _n) = a.shape[:-2], a.shape[-2:]
     u, s, vh, bad = kernels.svd(_flat(a), full_matrices, compute_uv)
     if bad:
         raise torch.linalg.LinAlgError(
@@ -51,11 +54,11 @@ _svd_op = torch.library.custom_op("torchport::linalg_svd", svd_impl, mutates_arg
 def _(a: torch.Tensor, full_matrices: bool, compute_uv: bool) -> tuple[Any, Any, Any]:
     batch, (m, n) = a.shape[:-2], a.shape[-2:]
     k = min(m, n)
-    s = a.new_empty(batch + (k,))
+    s = a.new_empty((*batch, k))
     if not compute_uv:
         return a.new_empty(0), s, a.new_empty(0)
-    u = a.new_empty(batch + (m, m if full_matrices else k))
-    vh = a.new_empty(batch + (n if full_matrices else k, n))
+    u = a.new_empty((*batch, m, m if full_matrices else k))
+    vh = a.new_empty((*batch, n if full_matrices else k, n))
     return u, s, vh
 
 
@@ -95,8 +98,8 @@ def eigh_impl(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tens
             f"torchport.linalg.eigh: {_batch_prefix(a, bad)}The algorithm failed to converge "
             "because the input matrix contained non-finite values."
         )
-    lam = lam.reshape(batch + (n,))
-    return lam, (q.reshape(batch + (n, n)) if compute_v else a.new_empty(0))
+    lam = lam.reshape((*batch, n))
+    return lam, (q.reshape((*batch, n, n)) if compute_v else a.new_empty(0))
 
 
 _eigh_op = torch.library.custom_op("torchport::linalg_eigh", eigh_impl, mutates_args=())
@@ -105,7 +108,7 @@ _eigh_op = torch.library.custom_op("torchport::linalg_eigh", eigh_impl, mutates_
 @_eigh_op.register_fake
 def _(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[Any, Any]:
     n = a.shape[-1]
-    return a.new_empty(a.shape[:-2] + (n,)), (a.new_empty(a.shape) if compute_v else a.new_empty(0))
+    return a.new_empty((*a.shape[:-2], n)), (a.new_empty(a.shape) if compute_v else a.new_empty(0))
 
 
 def _eigh_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -149,8 +152,8 @@ def _(a: torch.Tensor, mode: str) -> tuple[Any, Any]:
     batch, (m, n) = a.shape[:-2], a.shape[-2:]
     k = min(m, n)
     rows = m if mode == "complete" else k
-    q = a.new_empty(batch + (m, rows)) if mode != "r" else a.new_empty(0)
-    return q, a.new_empty(batch + (rows, n))
+    q = a.new_empty((*batch, m, rows)) if mode != "r" else a.new_empty(0)
+    return q, a.new_empty((*batch, rows, n))
 
 
 def _qr_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:

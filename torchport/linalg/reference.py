@@ -70,7 +70,7 @@ def svd_reference(
         nrm = (w * w).sum(-1)
         rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
         for j, k in pairs:
-            al, be = nrm[:, j], nrm[:, k]
+            al, be = nrm[:, j].clone(), nrm[:, k].clone()
             g = (w[:, j] * w[:, k]).sum(-1)
             act = (al != 0) & (be != 0) & (g.abs() > tol * al.sqrt() * be.sqrt())
             rotated |= act
@@ -117,7 +117,7 @@ def eigh_reference(
     for _ in range(MAX_SWEEPS):
         rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
         for p, q in pairs:
-            apq, app, aqq = x[:, p, q], x[:, p, p], x[:, q, q]
+            apq, app, aqq = (x[:, p, q].clone(), x[:, p, p].clone(), x[:, q, q].clone())
             scale = torch.maximum(app.abs().sqrt() * aqq.abs().sqrt(), 0.1 * frob)
             act = (apq != 0) & (apq.abs() > eps * scale)
             rotated |= act
@@ -127,8 +127,8 @@ def eigh_reference(
             rp, rq = x[:, p].clone(), x[:, q].clone()
             x[:, p] = c[:, None] * rp - s[:, None] * rq
             x[:, q] = s[:, None] * rp + c[:, None] * rq
-            x[:, :, p] = x[:, p]
-            x[:, :, q] = x[:, q]
+            x[:, :, p] = x[:, p].clone()
+            x[:, :, q] = x[:, q].clone()
             x[:, p, p] = app - t * apq
             x[:, q, q] = aqq + t * apq
             x[:, p, q] = torch.where(act, 0.0, apq)
@@ -153,7 +153,7 @@ def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, 
     vs: list[torch.Tensor] = []
     taus: list[torch.Tensor] = []
     for j in range(k):
-        x = r[:, j:, j]
+        x = r[:, j:, j].clone()
         alpha = x[:, 0]
         xn2 = (x[:, 1:] * x[:, 1:]).sum(-1)
         act = xn2 != 0
