@@ -261,12 +261,15 @@ def test_cholesky_ex_info_names_failing_minor():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m,n", [(1, 1), (2, 2), (3, 3), (5, 5), (6, 3), (3, 6)], ids=str)
+@pytest.mark.parametrize("m,n", [(1, 1), (2, 2), (3, 3), (5, 5), (6, 3), (3, 6), (7, 6)], ids=str)
 def test_native_matches_reference(dtype, m, n):
     a = make("random", 4, m, n, seed=11).to(dtype)
     tol = TOL[dtype] * 10
     u, s, vh, _ = kernels.svd(a, True, True)
     ur, sr, vhr = tl.svd_reference(a, full_matrices=True)
+    for order in (0, 1):  # both orderings of the kernel against the reference's
+        s_o = kernels.svd(a, False, False, order)[1]
+        assert rel(s_o, tl.svd_reference(a, compute_uv=False, order=order)[1]) <= tol
     assert rel(s, sr) <= tol
     k = min(m, n)
     assert rel(u[..., :k].abs(), ur[..., :k].abs()) <= tol * 10  # same vectors up to sign

@@ -5,7 +5,8 @@ step with torch ops vectorised over the batch (a Python loop over pairs/columns,
 elements), so they are slow but obviously follow the description there and run on any device.
 The native kernels must agree with them to working precision (tests/test_linalg.py):
 
-- ``svd_reference``: one-sided Jacobi, cyclic pair order, tol = eps·sqrt(max(m, n)); descending σ;
+- ``svd_reference``: one-sided Jacobi (cyclic order for k ≤ 4, round-robin above, as the
+  kernel), tol = eps·sqrt(max(m, n)); descending σ;
   numerically null vectors (σ ≤ σ_max·p·eps) completed by Gram-Schmidt.
 - ``eigh_reference``: two-sided cyclic Jacobi with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
 - ``qr_reference``: Householder with LAPACK's sign convention.
@@ -33,6 +34,21 @@ def _rotation(zeta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return t, c, c * t
 
 
+def pairs_for(q: int, order: int) -> list[tuple[int, int]]:
+    """Pairs of one sweep: cyclic row order (0) or the round-robin tournament (1) of the kernel."""
+    if order == 0 or q < 2:
+        return [(j, k) for j in range(q) for k in range(j + 1, q)]
+    r = q + (q & 1)
+    out = []
+    for rnd in range(r - 1):
+        for i in range(r // 2):
+            a = 0 if i == 0 else 1 + (rnd + i - 1) % (r - 1)
+            b = 1 + (rnd + r - 2 - i) % (r - 1)
+            if a < q and b < q:
+                out.append((min(a, b), max(a, b)))
+    return out
+
+
 def _complete_basis(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Tensor:
     """Rows of ``ub`` (B, ≥want, p) beyond the ``good`` (B,) leading ones, replaced by an
     orthonormal completion: Gram-Schmidt (twice) of the unit vector least represented so far."""
@@ -56,16 +72,24 @@ def _complete_basis(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Te
 
 
 def svd_reference(
-    a: torch.Tensor, full_matrices: bool = False, compute_uv: bool = True
+    a: torch.Tensor,
+    full_matrices: bool = False,
+    compute_uv: bool = True,
+    order: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One-sided Jacobi SVD of (B, m, n) ``a``: (U, S, Vh) with S descending."""
+    """One-sided Jacobi SVD of (B, m, n) ``a``: (U, S, Vh) with S descending.
+
+    ``order``: 0 cyclic, 1 round-robin, None = the kernel's default for this size.
+    """
     bsz, m, n = a.shape
     trans = m < n
     p, q = (n, m) if trans else (m, n)
     w = (a if trans else a.mT).clone()  # (B, q, p): the vectors being orthogonalised
     v = torch.eye(q, dtype=a.dtype, device=a.device).expand(bsz, q, q).clone()
     tol = _eps(a.dtype) * p**0.5
-    pairs = [(j, k) for j in range(q) for k in range(j + 1, q)]
+    if order is None:
+        order = int(q >= 5)
+    pairs = pairs_for(q, order)
     for _ in range(MAX_SWEEPS):
         nrm = (w * w).sum(-1)
         rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
