@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import torchport.linalg as tl
+from torchport import config
 from torchport.benchmarks import BenchTable, arg_parser, compare
 from torchport.linalg import kernels
 
@@ -151,10 +152,11 @@ def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--orderings", action="store_true", help="cyclic vs round-robin Jacobi")
     args = p.parse_args()
-    if args.orderings:
-        orderings(args)
-    else:
-        grid(args)
+    with config.override(progress=False):
+        if args.orderings:
+            orderings(args)
+        else:
+            grid(args)
 
 
 if __name__ == "__main__":
