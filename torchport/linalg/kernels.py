@@ -14,8 +14,12 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   descending. Vectors whose σ ≤ σ_max·p·eps are numerically null: U (or Vh when m < n) is completed
   with Gram-Schmidt from the unit vector least represented in the basis so far, so it stays
   orthonormal for rank-deficient input and for ``full_matrices``.
-- **eigh**: two-sided Jacobi on the full symmetric matrix; pair (p, q) is rotated while
-  |a_pq| > eps·max(sqrt(|a_pp a_qq|), 0.1‖A‖_F). Eigenvalues ascending.
+- **eigh**: two-sided cyclic Jacobi on the full symmetric matrix; pair (p, q) is rotated while
+  |a_pq| > eps·max(sqrt(|a_pp a_qq|), 0.1‖A‖_F). Eigenvalues ascending. For batches of at least
+  two register widths ``tp_eigh_vec`` runs the same sweeps on 8 (float32) or 4 (float64) matrices
+  at once, one per SIMD lane (a lane below threshold gets the identity rotation): measured 2-4×
+  faster than one matrix per thread, because the rotation angles' sqrt/div latency chain is
+  shared by the lanes and the column update becomes contiguous.
 - **QR**: Householder reflectors with LAPACK's sign convention (β = −sign(α)‖x‖, so the results
   match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
 - **Cholesky**: row-oriented (Cholesky–Banachiewicz) dot-product form; a pivot that is not > 0
@@ -362,6 +366,123 @@ TP_EXPORT int tp_eigh(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t uppe
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
 
+
+/* ---------------------------------------------------------------- eigh, VLN matrices at once
+   The same cyclic Jacobi as eigh_one, run on VLN matrices interleaved lane by lane (gcc vector
+   extensions; AVX2 registers here): every lane takes the same (p, q) sequence and a lane whose
+   a_pq is below its threshold gets the identity rotation. Rows and columns of the interleaved
+   matrix are equally contiguous, so the column update is vectorised too. */
+typedef T VT __attribute__((vector_size(32), aligned(32)));
+typedef ${ielem} VI __attribute__((vector_size(32), aligned(32)));
+#define VLN ((int64_t)(32 / sizeof(T)))
+
+TP_INLINE VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
+TP_INLINE VT vabs(VT x) { VT z = x - x; return vsel(x < z, -x, x); }
+TP_INLINE VT vsqrt(VT x) {
+#if defined(__AVX__)
+    return (VT)${vsqrt}((${m256})x);
+#else
+    VT r; for (int l = 0; l < VLN; ++l) r[l] = TSQRT(x[l]); return r;
+#endif
+}
+TP_INLINE int vany(VI m) { ${ielem} r = 0; for (int l = 0; l < VLN; ++l) r |= m[l]; return r != 0; }
+
+TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
+                       VT *A, VT *V, T *d, int64_t *perm) {
+    const VT zero = {0}, one = zero + 1, half = zero + (T)0.5;
+    for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
+    VT frob = zero;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+            VT x = zero;
+            for (int64_t l = 0; l < cnt; ++l) x[l] = upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j];
+            A[i * n + j] = x; A[j * n + i] = x;
+            frob += (i == j ? one : one + one) * x * x;
+        }
+    const VT floor_ = (T)0.1 * vsqrt(frob);
+    if (wantv) { for (int64_t j = 0; j < n * n; ++j) V[j] = zero; for (int64_t j = 0; j < n; ++j) V[j * n + j] = one; }
+    for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
+        int rotated = 0;
+        for (int64_t p = 0; p < n; ++p)
+            for (int64_t q = p + 1; q < n; ++q) {
+                VT apq = A[p * n + q], app = A[p * n + p], aqq = A[q * n + q];
+                VT scale = vsqrt(vabs(app)) * vsqrt(vabs(aqq));
+                scale = vsel(scale > floor_, scale, floor_);
+                VI act = (vabs(apq) > EPS * scale) & (apq != zero);
+                if (!vany(act)) continue;
+                rotated = 1;
+                VT g = vsel(act, apq, one);
+                VT theta = (aqq - app) / (g + g);
+                VT sgn = vsel(theta >= zero, one, -one);
+                VT t = sgn / (vabs(theta) + vsqrt(one + theta * theta));
+                t = vsel(act, t, zero);
+                VT c = one / vsqrt(one + t * t), s = c * t;
+                VT *rp = A + p * n, *rq = A + q * n;
+                for (int64_t k = 0; k < n; ++k) {
+                    VT x = rp[k], y = rq[k];
+                    rp[k] = c * x - s * y;
+                    rq[k] = s * x + c * y;
+                }
+                for (int64_t k = 0; k < n; ++k) { A[k * n + p] = rp[k]; A[k * n + q] = rq[k]; }
+                A[p * n + p] = app - t * apq; A[q * n + q] = aqq + t * apq;
+                VT z = vsel(act, zero, apq);
+                A[p * n + q] = z; A[q * n + p] = z;
+                if (wantv) {
+                    VT *vp = V + p * n, *vq = V + q * n;
+                    for (int64_t k = 0; k < n; ++k) {
+                        VT x = vp[k], y = vq[k];
+                        vp[k] = c * x - s * y;
+                        vq[k] = s * x + c * y;
+                    }
+                }
+            }
+        if (!rotated) break;
+    }
+    (void)half;
+    for (int64_t l = 0; l < cnt; ++l) {
+        for (int64_t j = 0; j < n; ++j) { d[j] = A[j * n + j][l]; perm[j] = j; }
+        for (int64_t j = 1; j < n; ++j) {
+            int64_t x = perm[j], i = j;
+            while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
+            perm[i] = x;
+        }
+        for (int64_t j = 0; j < n; ++j) L[l * n + j] = d[perm[j]];
+        if (wantv)
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j < n; ++j) Q[l * n * n + i * n + j] = V[perm[j] * n + i][l];
+    }
+    return 0;
+}
+
+TP_EXPORT int tp_eigh_vec(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper, int64_t wantv,
+                          int64_t nthreads) {
+    const int64_t groups = (B + VLN - 1) / VLN;
+    int64_t nt = (groups < 2 || B * n * n * n < 20000) ? 1 : nthreads;
+    int64_t bad = INT64_MAX;
+    #pragma omp parallel num_threads(nt) reduction(min:bad)
+    {
+        VT *A = (VT *)aligned_alloc(32, sizeof(VT) * (2 * n * n + 2));
+        VT *V = A + n * n;
+        T *d = (T *)malloc(sizeof(T) * (n + 1));
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
+        int64_t chunk = TP_MAX(1, groups / (nt * 16));
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
+            int st;
+            const T *src = a + b0 * n * n;
+            T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
+            if (n == 2) st = eigh_vec(src, lo, qo, cnt, 2, (int)upper, (int)wantv, A, V, d, perm);
+            else if (n == 3) st = eigh_vec(src, lo, qo, cnt, 3, (int)upper, (int)wantv, A, V, d, perm);
+            else if (n == 4) st = eigh_vec(src, lo, qo, cnt, 4, (int)upper, (int)wantv, A, V, d, perm);
+            else st = eigh_vec(src, lo, qo, cnt, n, (int)upper, (int)wantv, A, V, d, perm);
+            if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
+        }
+        free(A); free(d); free(perm);
+    }
+    return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
+}
+
 /* ---------------------------------------------------------------- QR (Householder) */
 TP_INLINE void qr_one(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, int complete,
                       T *C, T *Qc, T *tau) {
@@ -495,6 +616,9 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
         eps=repr(float(torch.finfo(dtype).eps)),
         sqrt="sqrt" if is64 else "sqrtf",
         fabs="fabs" if is64 else "fabsf",
+        ielem="int64_t" if is64 else "int32_t",
+        vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
+        m256="__m256d" if is64 else "__m256",
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}", isa=isa)
     t, i = TensorArg, IntArg
@@ -511,6 +635,12 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
             "tp_eigh",
             [t("A", d), t("L", d), t("Q", d)]
             + [i(x) for x in ("B", "n", "upper", "wantv", "order", "nthreads")],
+        ),
+        "eigh_vec": Kernel(
+            lib,
+            "tp_eigh_vec",
+            [t("A", d), t("L", d), t("Q", d)]
+            + [i(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
         ),
         "qr": Kernel(
             lib,
@@ -538,6 +668,7 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
 # gained nothing (0.83-1.09x: the column phase becomes a strided gather), so eigh stays cyclic.
 SVD_ROUND_ROBIN_FROM = 5
 EIGH_ORDER = 0
+EIGH_LANES_MAX_N = 64
 
 
 def _ks(dtype: torch.dtype) -> dict[str, Kernel]:
@@ -575,15 +706,29 @@ def svd(
 
 
 def eigh(
-    a: torch.Tensor, upper: bool, compute_v: bool, order: int = EIGH_ORDER
+    a: torch.Tensor,
+    upper: bool,
+    compute_v: bool,
+    order: int = EIGH_ORDER,
+    lanes: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Batched symmetric eigendecomposition of ``a`` (B, n, n): L (B, n), Q (B, n, n), bad + 1."""
+    """Batched symmetric eigendecomposition of ``a`` (B, n, n): L (B, n), Q (B, n, n), bad + 1.
+
+    ``lanes``: run one matrix per SIMD lane (``tp_eigh_vec``); None = when the batch fills lanes.
+    """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
     lam = a.new_empty((b, n))
     q = a.new_empty((b, n, n)) if compute_v else a.new_empty((0,))
     if b == 0 or n == 0:
         return lam, q, 0
+    if lanes is None:
+        lanes = b >= 64 // a.element_size() and n <= EIGH_LANES_MAX_N
+    if lanes:
+        return lam, q, _ks(a.dtype)["eigh_vec"].call_unchecked(
+            a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v),
+            native.num_threads(),
+        )  # fmt: skip
     bad = _ks(a.dtype)["eigh"].call_unchecked(
         a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v), order,
         native.num_threads(),
