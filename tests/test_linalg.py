@@ -120,6 +120,29 @@ def test_svd_ill_conditioned_fp64_relative_accuracy():
     assert eye_err(u) <= 1e-12 and eye_err(vh.mT) <= 1e-12
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "m,n", [(2, 2), (3, 3), (4, 4), (6, 6), (7, 3), (3, 7), (1, 5), (12, 12)], ids=str
+)
+def test_svd_lanes_kernel(dtype, m, n):
+    """The SIMD-lane SVD kernel against the scalar one: a partial group of lanes, zero and
+    rank-one matrices in the batch, both orderings, full and reduced, and a NaN's batch index."""
+    a = make("random", 37, m, n, seed=m * n).to(dtype)
+    a[5:9] = 0
+    a[10] = a[10, :, :1] * torch.ones(1, n, dtype=dtype)
+    tol, k = TOL[dtype] * 10, min(m, n)
+    for full, order in ((False, 0), (True, 1)):
+        u, s, vh, bad = kernels.svd(a, full, True, order, lanes=True)
+        s0 = kernels.svd(a, full, True, order, lanes=False)[1]
+        assert bad == 0 and rel(s, s0) <= tol
+        rec = (u[..., :k] * s.unsqueeze(-2)) @ vh[..., :k, :]
+        assert float((rec.double() - a.double()).abs().max()) <= tol * float(a.abs().max())
+        assert eye_err(u) <= tol and eye_err(vh.mT) <= tol
+    assert rel(kernels.svd(a, False, False, lanes=True)[1], s0) <= tol
+    a[20, 0, 0] = float("inf")
+    assert kernels.svd(a, False, True, lanes=True)[3] == 21
+
+
 @pytest.mark.parametrize("batch", [(), (0,), (2, 3), (4, 0, 2)], ids=str)
 def test_svd_batch_shapes(batch):
     a = torch.randn((*batch, 5, 3), dtype=torch.float64)
