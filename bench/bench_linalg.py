@@ -100,7 +100,7 @@ def grid(args: Any) -> None:
                     a = _input(op, b, n, dtype)
                     fns = _fns(op)
                     fns["auto"](a)  # tune outside the timing (cached per batch bucket)
-                    reps = 3 if args.quick else max(3, min(args.reps, 9))
+                    reps = 5 if args.quick else max(3, min(args.reps, 9))
                     t = compare(fns, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
                     table.add(
                         f"{op} B={b} n={n} {str(dtype)[6:]}",
