@@ -93,7 +93,7 @@ TP_INLINE void rot_params(T al, T be, T g, T *tt, T *c, T *s) {
 }
 
 /* Complete rows [r, want) of the orthonormal set Ub (vectors of length p, row-major) */
-TP_INLINE void complete_basis(T *Ub, int64_t r, int64_t want, int64_t p, T *tmp) {
+TP_INLINE void complete_basis(T *Ub, int64_t r, int64_t want, int64_t p) {
     for (int64_t j = r; j < want; ++j) {
         /* unit vector e_i least represented: min over i of sum_l Ub[l][i]^2 */
         int64_t best = 0; T bestw = (T)1e30;
@@ -115,7 +115,6 @@ TP_INLINE void complete_basis(T *Ub, int64_t r, int64_t want, int64_t p, T *tmp)
         T inv = nv > 0 ? (T)1 / nv : (T)0;
         for (int64_t i = 0; i < p; ++i) v[i] *= inv;
     }
-    (void)tmp;
 }
 
 TP_INLINE int all_finite(const T *a, int64_t n) {
@@ -147,7 +146,7 @@ TP_INLINE void svd_finish(const T *W, const T *V, T *nrm, int64_t *perm, T *Ub, 
         for (int64_t i = 0; i < p; ++i) Ub[r * p + i] = w[i] * inv;
     }
     const int64_t want = full ? p : q;
-    complete_basis(Ub, r, want, p, NULL);
+    complete_basis(Ub, r, want, p);
     if (!trans) {
         for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < want; ++j) U[i * want + j] = Ub[j * p + i];
         for (int64_t j = 0; j < q; ++j) memcpy(Vh + j * q, V + perm[j] * q, sizeof(T) * q);
@@ -396,7 +395,7 @@ TP_INLINE int vany(VI m) { ${ielem} r = 0; for (int l = 0; l < VLN; ++l) r |= m[
 
 TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
                        VT *A, VT *V, T *d, int64_t *perm) {
-    const VT zero = {0}, one = zero + 1, half = zero + (T)0.5;
+    const VT zero = {0}, one = zero + 1;
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
     VT frob = zero;
     for (int64_t i = 0; i < n; ++i)
@@ -445,7 +444,6 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
             }
         if (!rotated) break;
     }
-    (void)half;
     for (int64_t l = 0; l < cnt; ++l) {
         for (int64_t j = 0; j < n; ++j) { d[j] = A[j * n + j][l]; perm[j] = j; }
         for (int64_t j = 1; j < n; ++j) {
