@@ -4,7 +4,9 @@ One C source per dtype holds all four; each is parallel over the batch with Open
 thread at a time, its working set in per-thread scratch so small matrices stay in L1). Tiny orders
 (n = 2, 3, 4) call the same ``always_inline`` worker with constant sizes, so gcc unrolls them fully.
 Dot products use ``#pragma omp simd reduction`` and rotations are plain loops, both vectorised by
-gcc for AVX2/FMA (the ISA flags come from :func:`torchport.native.isa_flags`).
+gcc for AVX2/FMA (the ISA flags come from :func:`torchport.native.isa_flags`). Small batches run
+on one thread (B·n³ below 10⁵ for the Jacobi kernels): on a shared, oversubscribed machine a
+two-thread region there costs more in waiting for the second thread than it saves.
 
 The algorithms (the references in :mod:`torchport.linalg.reference` follow the same steps):
 
@@ -227,7 +229,7 @@ TP_EXPORT int tp_svd(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, int64_
                          int64_t full, int64_t order, int64_t nthreads) {
     const int64_t p = TP_MAX(m, n), k = TP_MIN(m, n);
     const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
-    int64_t nt = (B < 2 || B * p * k * k < 20000) ? 1 : nthreads;
+    int64_t nt = (B < 2 || B * p * k * k < 100000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
@@ -346,7 +348,7 @@ TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv,
 TP_EXPORT int tp_eigh(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper, int64_t wantv,
                           int64_t order, int64_t nthreads) {
     const int64_t qsz = wantv ? n * n : 0;
-    int64_t nt = (B < 2 || B * n * n * n < 20000) ? 1 : nthreads;
+    int64_t nt = (B < 2 || B * n * n * n < 100000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
@@ -462,7 +464,7 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
 TP_EXPORT int tp_eigh_vec(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper, int64_t wantv,
                           int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
-    int64_t nt = (groups < 2 || B * n * n * n < 20000) ? 1 : nthreads;
+    int64_t nt = (groups < 2 || B * n * n * n < 100000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
@@ -560,7 +562,7 @@ TP_EXPORT int tp_svd_vec(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, in
     const int64_t p = TP_MAX(m, n), k = TP_MIN(m, n);
     const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
     const int64_t groups = (B + VLN - 1) / VLN;
-    int64_t nt = (groups < 2 || B * p * k * k < 20000) ? 1 : nthreads;
+    int64_t nt = (groups < 2 || B * p * k * k < 100000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
