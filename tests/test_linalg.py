@@ -283,6 +283,21 @@ def test_cholesky_vs_lapack(dtype, n, upper):
     assert torch.equal(fac2, fac) and info.dtype == torch.int32 and not bool(info.any())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16])
+def test_cholesky_lanes_kernel(dtype, n):
+    """One matrix per SIMD lane vs the scalar kernel: partial lane group, failures in two lanes."""
+    a = spd(37, n, seed=n).to(dtype)
+    a[3, -1, -1] = -100.0
+    a[30, 0, 0] = float("nan")
+    for upper in (False, True):
+        fac, info, _ = kernels.cholesky(a, upper, lanes=True)
+        fac0, info0, bad0 = kernels.cholesky(a, upper, lanes=False)
+        assert torch.equal(info, info0) and bad0 == 4
+        assert info[30] == 1 and info[3] == (n if n > 1 else 1)
+        assert rel(fac, fac0) <= TOL[dtype]
+
+
 def test_cholesky_ex_info_names_failing_minor():
     a = spd(5, 4).reshape(5, 4, 4).clone()
     a[1, 2, 2] = -100.0  # leading minor of order 3 fails
