@@ -507,7 +507,14 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
     assert torch.allclose(s, torch.linalg.svdvals(a), atol=1e-5)
     hit = autotune.choice_cache.get(
         "linalg.svd",
-        {"batch": 1024, "m": 3, "n": 3, "dtype": "torch.float32", "options": [False, False]},
+        {
+            "batch": 1024,
+            "m": 3,
+            "n": 3,
+            "dtype": "torch.float32",
+            "options": [False, False],
+            "kernels": kernels.SOURCE_TAG,
+        },
     )
     assert hit is not None and set(hit["timings_s"]) == {"torch.linalg", "native"}
     big = torch.randn(1, 200, 200, dtype=torch.float64)  # beyond NATIVE_MAX_N: LAPACK, no kernel

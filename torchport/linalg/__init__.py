@@ -161,7 +161,14 @@ def _tune(op: str, key: tuple[Any, ...]) -> bool:
 
     choice = autotune.select(
         f"linalg.{op}",
-        {"batch": bucket, "m": m, "n": n, "dtype": str(dtype), "options": list(extra)},
+        {
+            "batch": bucket,
+            "m": m,
+            "n": n,
+            "dtype": str(dtype),
+            "options": list(extra),
+            "kernels": kernels.SOURCE_TAG,
+        },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
         factory,
         make_args,

@@ -34,6 +34,7 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
 
@@ -776,6 +777,10 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
 """
+
+
+# Identifies the kernel source in autotuning keys, so choices made for older kernels are not reused.
+SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
 
 
 @functools.cache
