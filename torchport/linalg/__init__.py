@@ -157,6 +157,8 @@ def _tune(op: str, key: tuple[Any, ...]) -> bool:
             return _anchor(op, extra)
         if k > NATIVE_MAX_N[op]:
             raise InvalidCandidate(f"min(m, n) = {k} > {NATIVE_MAX_N[op]}: LAPACK territory")
+        if bucket == 1:  # one matrix: measured slower in every cell (Python launch cost dominates)
+            raise InvalidCandidate("a single matrix: LAPACK territory")
         return _native_fn(op, extra)
 
     choice = autotune.select(
