@@ -375,6 +375,8 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
     a = _check("cholesky", A, square=True)
+    if _route("cholesky", a, method, (bool(upper),)) == "lapack":
+        return torch.linalg.cholesky(a, upper=upper)  # no info round trip on the LAPACK path
     fac, info = cholesky_ex(a, upper=upper, method=method)
     _raise_not_pd("cholesky", a, info)
     return fac
