@@ -1,0 +1,164 @@
+"""Batched linear algebra vs torch.linalg (MKL LAPACK): svd, eigh, qr, cholesky over B × n.
+
+Each cell times ``torch.linalg.<op>`` (anchor), ``torchport.linalg.<op>(method="jacobi")`` (the
+native kernel, "ours") and ``method="auto"`` in the same run, interleaved, medians. Rates are
+nominal LAPACK flop counts per matrix (svd 12n³, eigh 9n³, qr 4n³/3 + Q formation 4n³/3,
+cholesky n³/3) so the GFLOP/s columns are comparable across methods, not hardware peaks.
+
+Grid: B ∈ {1, 100, 10000, 100000} × n ∈ {2, 3, 4, 8, 16, 32, 64, 128, 512}, float32 and float64.
+Cells are skipped when the input exceeds 1 GB or B·n³ > 4·10⁸ (a single torch.linalg call would
+take many seconds; the default run stays near 10 minutes). ``--quick`` runs B ∈ {100, 10000} × n ∈ {3, 8, 32} with B·n³ ≤ 4·10⁷;
+``--orderings`` instead compares the cyclic and round-robin Jacobi orderings of the kernels.
+
+Run: ``torchport bench linalg [--quick] [--orderings]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import torchport.linalg as tl
+from torchport import config
+from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.linalg import kernels
+
+BATCHES = (1, 100, 10_000, 100_000)
+SIZES = (2, 3, 4, 8, 16, 32, 64, 128, 512)
+FLOPS = {
+    "svd": lambda n: 12 * n**3,
+    "eigh": lambda n: 9 * n**3,
+    "qr": lambda n: 8 * n**3 / 3,
+    "cholesky": lambda n: n**3 / 3,
+}
+MAX_BYTES = 1 << 30
+MAX_WORK = 4e8
+
+
+def _input(op: str, b: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(b * 1000 + n)
+    x = torch.randn((b, n, n), generator=g, dtype=dtype)
+    if op == "eigh":
+        return (x + x.mT).contiguous()
+    if op == "cholesky":
+        return (x @ x.mT + n * torch.eye(n, dtype=dtype)).contiguous()
+    return x
+
+
+def _fns(op: str) -> dict[str, Callable[[torch.Tensor], Any]]:
+    if op == "svd":
+        return {
+            "lapack": lambda a: torch.linalg.svd(a, full_matrices=False),
+            "jacobi": lambda a: tl.svd(a, full_matrices=False, method="jacobi"),
+            "auto": lambda a: tl.svd(a, full_matrices=False),
+        }
+    if op == "eigh":
+        return {
+            "lapack": torch.linalg.eigh,
+            "jacobi": lambda a: tl.eigh(a, method="jacobi"),
+            "auto": tl.eigh,
+        }
+    if op == "qr":
+        return {
+            "lapack": torch.linalg.qr,
+            "jacobi": lambda a: tl.qr(a, method="jacobi"),
+            "auto": tl.qr,
+        }
+    return {
+        "lapack": torch.linalg.cholesky,
+        "jacobi": lambda a: tl.cholesky(a, method="jacobi"),
+        "auto": tl.cholesky,
+    }
+
+
+def _skip(b: int, n: int, dtype: torch.dtype, max_work: float) -> str | None:
+    size = b * n * n * torch.finfo(dtype).bits // 8
+    if size > MAX_BYTES:
+        return f"input {size / 2**30:.1f} GB > 1 GB"
+    if b * n**3 > max_work:
+        return f"B·n³ = {b * n**3:.1e} > {max_work:.0e}"
+    return None
+
+
+def grid(args: Any) -> None:
+    ops = ("svd", "eigh", "qr", "cholesky")
+    batches, sizes = (BATCHES, SIZES) if not args.quick else ((100, 10_000), (3, 8, 32))
+    max_work = MAX_WORK if not args.quick else 4e7
+    table = BenchTable("linalg", unit="GFLOP/s")
+    table.start()
+    skipped: list[str] = []
+    for dtype in (torch.float32, torch.float64):
+        for op in ops:
+            for n in sizes:
+                for b in batches:
+                    why = _skip(b, n, dtype, max_work)
+                    if why:
+                        skipped.append(f"{op} B={b} n={n} {dtype}: {why}")
+                        continue
+                    a = _input(op, b, n, dtype)
+                    fns = _fns(op)
+                    fns["auto"](a)  # tune outside the timing (cached per batch bucket)
+                    reps = 5 if args.quick else max(3, min(args.reps, 9))
+                    t = compare(fns, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
+                    table.add(
+                        f"{op} B={b} n={n} {str(dtype)[6:]}",
+                        f"torch.linalg.{op}",
+                        t["lapack"],
+                        t["jacobi"],
+                        b * FLOPS[op](n),
+                        auto=f"{t['lapack'] / t['auto']:.2f}x",
+                    )
+    for s in skipped:
+        print(f"# skipped {s}")
+    table.save(args.json)
+
+
+def orderings(args: Any) -> None:
+    """Cyclic (0) vs round-robin (1) Jacobi ordering, interleaved in one run."""
+    table = BenchTable("linalg_orderings", unit="GFLOP/s")
+    table.start()
+    cells = ((100_000, 3), (10_000, 8), (10_000, 16), (1000, 32), (100, 64))
+    for dtype in (torch.float32, torch.float64):
+        for b, n in cells[:3] if args.quick else cells:
+            a = _input("svd", b, n, dtype)
+            s = _input("eigh", b, n, dtype)
+            t = compare(
+                {
+                    "svd0": lambda x: kernels.svd(x, False, True, 0),
+                    "svd1": lambda x: kernels.svd(x, False, True, 1),
+                },
+                [(a,)],
+                reps=5,
+                warmup=1,
+            )
+            table.add(
+                f"svd B={b} n={n} {dtype}", "cyclic", t["svd0"], t["svd1"], b * FLOPS["svd"](n)
+            )
+            t = compare(
+                {
+                    "e0": lambda x: kernels.eigh(x, False, True, 0),
+                    "e1": lambda x: kernels.eigh(x, False, True, 1),
+                },
+                [(s,)],
+                reps=5,
+                warmup=1,
+            )
+            table.add(f"eigh B={b} n={n} {dtype}", "cyclic", t["e0"], t["e1"], b * FLOPS["eigh"](n))
+    table.save(args.json)
+
+
+def main() -> None:
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--orderings", action="store_true", help="cyclic vs round-robin Jacobi")
+    args = p.parse_args()
+    with config.override(progress=False):
+        if args.orderings:
+            orderings(args)
+        else:
+            grid(args)
+
+
+if __name__ == "__main__":
+    main()

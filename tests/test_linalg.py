@@ -1,0 +1,521 @@
+"""torchport.linalg: native kernels vs float64 LAPACK (gauge-invariant), vs the torch references,
+errors, autograd (gradcheck and torch.linalg's gradients) and the autotuned method="auto"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport.linalg as tl
+from torchport.linalg import kernels
+
+DTYPES = [torch.float32, torch.float64]
+TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def _orthogonal(b: int, n: int, g: torch.Generator) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(b, n, n, generator=g, dtype=torch.float64))
+    return q
+
+
+def make(kind: str, b: int, m: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Test matrices in float64: random, rank-deficient, ill-conditioned, diagonal, zero, ..."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    if kind == "random":
+        return torch.randn(b, m, n, generator=g, dtype=torch.float64)
+    if kind == "zero":
+        return torch.zeros(b, m, n, dtype=torch.float64)
+    if kind == "diagonal":
+        a = torch.zeros(b, m, n, dtype=torch.float64)
+        a.diagonal(0, -2, -1).copy_(torch.randn(b, k, generator=g, dtype=torch.float64))
+        return a
+    u, v = _orthogonal(b, m, g), _orthogonal(b, n, g)
+    s = torch.zeros(b, k, dtype=torch.float64)
+    if kind == "rank_deficient":
+        r = max(1, k // 2)
+        s[:, :r] = torch.rand(b, r, generator=g, dtype=torch.float64) + 0.5
+    elif kind == "ill_conditioned":
+        s[:] = torch.logspace(0, -6, k, dtype=torch.float64)
+    elif kind == "repeated":
+        s[:] = 2.0
+        s[:, k // 2 :] = 0.5
+    else:
+        raise ValueError(kind)
+    return (u[..., :, :k] * s.unsqueeze(-2)) @ v[..., :, :k].mT
+
+
+def sym(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Symmetric test matrices (repeated eigenvalues, diagonal, zero, random, ill-conditioned)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        x = torch.randn(b, n, n, generator=g, dtype=torch.float64)
+        return x + x.mT
+    if kind == "zero":
+        return torch.zeros(b, n, n, dtype=torch.float64)
+    if kind == "diagonal":
+        return torch.diag_embed(torch.randn(b, n, generator=g, dtype=torch.float64))
+    q = _orthogonal(b, n, g)
+    if kind == "repeated":
+        lam = torch.where(torch.arange(n) < n // 2, -1.0, 3.0).to(torch.float64).expand(b, n)
+    elif kind == "ill_conditioned":
+        lam = torch.logspace(0, -6, n, dtype=torch.float64).expand(b, n)
+    else:
+        raise ValueError(kind)
+    return (q * lam.unsqueeze(-2)) @ q.mT
+
+
+def eye_err(x: torch.Tensor) -> float:
+    """max |XᵀX − I| for a batch of matrices with orthonormal columns."""
+    if x.numel() == 0:
+        return 0.0
+    i = torch.eye(x.shape[-1], dtype=torch.float64)
+    return float((x.double().mT @ x.double() - i).abs().max())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    scale = max(float(b.double().abs().max()), 1e-300)
+    return float((a.double() - b.double()).abs().max()) / scale if scale > 0 else 0.0
+
+
+# --- SVD ------------------------------------------------------------------------------------------
+
+SVD_SHAPES = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (7, 3), (3, 7), (17, 17), (33, 12), (1, 6)]
+SVD_KINDS = ["random", "rank_deficient", "diagonal", "zero", "repeated"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", SVD_KINDS)
+@pytest.mark.parametrize("m,n", SVD_SHAPES, ids=lambda s: str(s))
+def test_svd_vs_lapack(dtype, kind, m, n):
+    for full in (False, True):
+        _check_svd(dtype, kind, m, n, full)
+
+
+def _check_svd(dtype, kind, m, n, full):
+    a64 = make(kind, 6, m, n, seed=m * 31 + n)
+    a = a64.to(dtype)
+    u, s, vh = tl.svd(a, full_matrices=full, method="jacobi")
+    k = min(m, n)
+    assert u.shape == (6, m, m if full else k) and vh.shape == (6, n if full else k, n)
+    assert s.shape == (6, k) and u.dtype == dtype
+    assert bool((s[:, :-1] >= s[:, 1:]).all()), "singular values must be descending"
+    tol = TOL[dtype]
+    s_ref = torch.linalg.svdvals(a64)
+    assert rel(s, s_ref) <= tol
+    rec = (u[..., :k] * s.unsqueeze(-2)) @ vh[..., :k, :]
+    assert rel(rec, a64) <= tol or float((rec.double() - a64).abs().max()) <= tol
+    assert eye_err(u) <= tol and eye_err(vh.mT) <= tol
+
+
+def test_svd_ill_conditioned_fp64_relative_accuracy():
+    a = make("ill_conditioned", 8, 12, 12, seed=3)
+    u, s, vh = tl.svd(a, full_matrices=False, method="jacobi")
+    assert torch.allclose(
+        s, torch.logspace(0, -6, 12, dtype=torch.float64).expand(8, 12), rtol=1e-8
+    )
+    assert rel((u * s.unsqueeze(-2)) @ vh, a) <= 1e-12
+    assert eye_err(u) <= 1e-12 and eye_err(vh.mT) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "m,n", [(2, 2), (3, 3), (4, 4), (6, 6), (7, 3), (3, 7), (1, 5), (12, 12)], ids=str
+)
+def test_svd_lanes_kernel(dtype, m, n):
+    """The SIMD-lane SVD kernel against the scalar one: a partial group of lanes, zero and
+    rank-one matrices in the batch, both orderings, full and reduced, and a NaN's batch index."""
+    a = make("random", 37, m, n, seed=m * n).to(dtype)
+    a[5:9] = 0
+    a[10] = a[10, :, :1] * torch.ones(1, n, dtype=dtype)
+    tol, k = TOL[dtype] * 10, min(m, n)
+    for full, order in ((False, 0), (True, 1)):
+        u, s, vh, bad = kernels.svd(a, full, True, order, lanes=True)
+        s0 = kernels.svd(a, full, True, order, lanes=False)[1]
+        assert bad == 0 and rel(s, s0) <= tol
+        rec = (u[..., :k] * s.unsqueeze(-2)) @ vh[..., :k, :]
+        assert float((rec.double() - a.double()).abs().max()) <= tol * float(a.abs().max())
+        assert eye_err(u) <= tol and eye_err(vh.mT) <= tol
+    assert rel(kernels.svd(a, False, False, lanes=True)[1], s0) <= tol
+    a[20, 0, 0] = float("inf")
+    assert kernels.svd(a, False, True, lanes=True)[3] == 21
+
+
+@pytest.mark.parametrize("batch", [(), (0,), (2, 3), (4, 0, 2)], ids=str)
+def test_svd_batch_shapes(batch):
+    a = torch.randn((*batch, 5, 3), dtype=torch.float64)
+    u, s, vh = tl.svd(a, full_matrices=True, method="jacobi")
+    ur, sr, vhr = torch.linalg.svd(a, full_matrices=True)
+    assert u.shape == ur.shape and s.shape == sr.shape and vh.shape == vhr.shape
+    assert torch.allclose(s, sr, atol=1e-12)
+    assert torch.allclose(tl.svdvals(a, method="jacobi"), sr, atol=1e-12)
+
+
+def test_svd_degenerate_sizes():
+    a = torch.randn(3, 0, 4)
+    u, s, vh = tl.svd(a, method="jacobi")
+    assert s.shape == (3, 0) and u.shape == (3, 0, 0)
+    assert torch.equal(vh, torch.eye(4).expand(3, 4, 4))
+
+
+# --- eigh ---------------------------------------------------------------------------------------
+
+EIGH_KINDS = ["random", "repeated", "diagonal", "zero", "ill_conditioned"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", EIGH_KINDS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13, 32])
+def test_eigh_vs_lapack(dtype, kind, n):
+    for uplo in ("L", "U"):
+        _check_eigh(dtype, kind, n, uplo)
+
+
+def _check_eigh(dtype, kind, n, uplo):
+    a64 = sym(kind, 5, n, seed=n)
+    # poison the triangle that must not be read
+    junk = torch.triu(torch.full((n, n), 7.0, dtype=torch.float64), 1)
+    junk = junk if uplo == "L" else junk.mT
+    a = (a64 + junk).to(dtype)
+    lam, q = tl.eigh(a, UPLO=uplo, method="jacobi")
+    assert bool((lam[:, :-1] <= lam[:, 1:]).all()), "eigenvalues must be ascending"
+    tol = TOL[dtype]
+    scale = max(1.0, float(a64.abs().max()))
+    assert float((lam.double() - torch.linalg.eigvalsh(a64)).abs().max()) <= tol * scale * n
+    resid = a64 @ q.double() - q.double() * lam.double().unsqueeze(-2)
+    assert float(resid.abs().max()) <= tol * scale * n
+    assert eye_err(q) <= tol * n
+    assert torch.allclose(tl.eigvalsh(a, UPLO=uplo, method="jacobi"), lam, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+def test_eigh_lanes_kernel(dtype, n):
+    """The SIMD-lane kernel (one matrix per lane) against the scalar one and the reference,
+    with a batch that leaves a partial group of lanes, a poisoned upper triangle and a NaN."""
+    a64 = torch.cat([sym("random", 20, n, seed=n), sym("repeated", 17, n, seed=1)])
+    a = a64.to(dtype).contiguous()
+    tol = TOL[dtype] * 10 * n
+    for upper in (False, True):
+        lam, q, bad = kernels.eigh(a, upper, True, lanes=True)
+        lam0, _, _ = kernels.eigh(a, upper, True, lanes=False)
+        assert bad == 0 and rel(lam, lam0) <= tol
+        resid = a64 @ q.double() - q.double() * lam.double().unsqueeze(-2)
+        assert float(resid.abs().max()) <= tol * float(a64.abs().max()) and eye_err(q) <= tol
+    assert rel(lam[:5], tl.eigh_reference(a[:5], True)[0]) <= tol
+    vals, _, _ = kernels.eigh(a, False, False, lanes=True)
+    assert rel(vals, lam0) <= tol
+    a[29, 0, 0] = float("nan")
+    assert kernels.eigh(a, False, True, lanes=True)[2] == 30  # 1 + first bad batch index
+
+
+@pytest.mark.parametrize("batch", [(), (0,), (3, 2)], ids=str)
+def test_eigh_batch_shapes(batch):
+    x = torch.randn((*batch, 4, 4), dtype=torch.float64)
+    a = x + x.mT
+    lam, q = tl.eigh(a, method="jacobi")
+    assert lam.shape == (*batch, 4) and q.shape == (*batch, 4, 4)
+    assert torch.allclose(lam, torch.linalg.eigvalsh(a), atol=1e-12)
+
+
+# --- QR -------------------------------------------------------------------------------------------
+
+QR_SHAPES = [
+    (1, 1),
+    (2, 2),
+    (3, 3),
+    (4, 4),
+    (6, 6),
+    (9, 4),
+    (4, 9),
+    (16, 16),
+    (31, 17),
+    (1, 5),
+    (5, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["reduced", "complete", "r"])
+@pytest.mark.parametrize("m,n", QR_SHAPES, ids=lambda s: str(s))
+def test_qr_vs_lapack(dtype, mode, m, n):
+    for kind in ("random", "rank_deficient", "zero"):
+        _check_qr(dtype, mode, m, n, kind)
+
+
+def _check_qr(dtype, mode, m, n, kind):
+    a64 = make(kind, 4, m, n, seed=m + 7 * n)
+    a = a64.to(dtype)
+    q, r = tl.qr(a, mode=mode, method="jacobi")
+    qr_, rr = torch.linalg.qr(a, mode=mode)
+    assert q.shape == qr_.shape and r.shape == rr.shape
+    tol = TOL[dtype]
+    assert torch.equal(r, r.triu())
+    if mode != "r":
+        assert eye_err(q) <= tol
+        rec = q.double() @ r.double()
+        assert float((rec - a64).abs().max()) <= tol * max(1.0, float(a64.abs().max()))
+    if kind == "random":  # same Householder sign convention as LAPACK: R itself matches
+        assert rel(r, torch.linalg.qr(a64, mode=mode).R) <= tol * 10
+
+
+# --- Cholesky -----------------------------------------------------------------------------------
+
+
+def spd(b: int, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, n, n, generator=g, dtype=torch.float64)
+    return x @ x.mT + n * torch.eye(n, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 37])
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky_vs_lapack(dtype, n, upper):
+    a = spd(6, n, seed=n).to(dtype)
+    fac = tl.cholesky(a, upper=upper, method="jacobi")
+    ref = torch.linalg.cholesky(a.double(), upper=upper)
+    assert rel(fac, ref) <= TOL[dtype]
+    assert torch.equal(fac, fac.triu() if upper else fac.tril())
+    fac2, info = tl.cholesky_ex(a, upper=upper, method="jacobi")
+    assert torch.equal(fac2, fac) and info.dtype == torch.int32 and not bool(info.any())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16])
+def test_cholesky_lanes_kernel(dtype, n):
+    """One matrix per SIMD lane vs the scalar kernel: partial lane group, failures in two lanes."""
+    a = spd(37, n, seed=n).to(dtype)
+    a[3, -1, -1] = -100.0
+    a[30, 0, 0] = float("nan")
+    for upper in (False, True):
+        fac, info, _ = kernels.cholesky(a, upper, lanes=True)
+        fac0, info0, bad0 = kernels.cholesky(a, upper, lanes=False)
+        assert torch.equal(info, info0) and bad0 == 4
+        assert info[30] == 1 and info[3] == (n if n > 1 else 1)
+        assert rel(fac, fac0) <= TOL[dtype]
+
+
+def test_cholesky_ex_info_names_failing_minor():
+    a = spd(5, 4).reshape(5, 4, 4).clone()
+    a[1, 2, 2] = -100.0  # leading minor of order 3 fails
+    a[3, 0, 0] = float("nan")  # NaN is not positive-definite: order 1
+    l_, info = tl.cholesky_ex(a, method="jacobi")
+    ref_info = torch.linalg.cholesky_ex(a).info
+    assert info.tolist() == [0, 3, 0, 1, 0] == ref_info.tolist()
+    assert torch.equal(l_[1], torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 1\).*minor of order 3"):
+        tl.cholesky(a, method="jacobi")
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 1\).*minor of order 3"):
+        tl.cholesky_ex(a, check_errors=True, method="jacobi")
+    with pytest.raises(
+        torch.linalg.LinAlgError, match=r"^torchport.linalg.cholesky: The fact.*order 1"
+    ):
+        tl.cholesky(-torch.eye(2), method="jacobi")
+
+
+# --- native vs the torch references (same algorithm) --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n", [(1, 1), (2, 2), (3, 3), (5, 5), (6, 3), (3, 6), (7, 6)], ids=str)
+def test_native_matches_reference(dtype, m, n):
+    a = make("random", 4, m, n, seed=11).to(dtype)
+    tol = TOL[dtype] * 10
+    u, s, vh, _ = kernels.svd(a, True, True)
+    ur, sr, vhr = tl.svd_reference(a, full_matrices=True)
+    for order in (0, 1):  # both orderings of the kernel against the reference's
+        s_o = kernels.svd(a, False, False, order)[1]
+        assert rel(s_o, tl.svd_reference(a, compute_uv=False, order=order)[1]) <= tol
+    assert rel(s, sr) <= tol
+    k = min(m, n)
+    assert rel(u[..., :k].abs(), ur[..., :k].abs()) <= tol * 10  # same vectors up to sign
+    assert rel(vh[..., :k, :].abs(), vhr[..., :k, :].abs()) <= tol * 10
+    assert eye_err(ur) <= tol and eye_err(vhr.mT) <= tol
+    rk = tl.svd_reference(make("rank_deficient", 3, m, n, seed=2).to(dtype), full_matrices=True)
+    assert eye_err(rk[0]) <= tol and eye_err(rk[2].mT) <= tol
+    q, r = kernels.qr(a, "complete")
+    qr_, rr = tl.qr_reference(a, "complete")
+    assert rel(q, qr_) <= tol and rel(r, rr) <= tol
+    if m == n:
+        x = a + a.mT
+        lam, vec, _ = kernels.eigh(x.contiguous(), False, True)
+        lr, vr = tl.eigh_reference(x)
+        assert rel(lam, lr) <= tol and rel(vec.abs(), vr.abs()) <= tol * 10
+        p = spd(4, n, seed=5).to(dtype)
+        p[2, -1, -1] = -50.0
+        fac, info, _ = kernels.cholesky(p, False)
+        fr, ir = tl.cholesky_reference(p)
+        assert torch.equal(info, ir) and rel(fac, fr) <= tol
+
+
+def test_reference_reconstructs():
+    a = torch.randn(2, 3, 3)
+    u, s, vh = tl.svd_reference(a)
+    assert torch.allclose((u * s.unsqueeze(-2)) @ vh, a, atol=1e-5)
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def test_errors():
+    with pytest.raises(tl.LinalgInputError, match=r"must have at least 2 dimensions, got 1-D"):
+        tl.svd(torch.randn(3))
+    with pytest.raises(tl.LinalgInputError, match=r"must be float32, float64.*got torch.int32"):
+        tl.svd(torch.ones(3, 3, dtype=torch.int32))
+    with pytest.raises(tl.LinalgInputError, match=r"square matrices, got 2 by 3"):
+        tl.eigh(torch.randn(2, 3))
+    with pytest.raises(tl.LinalgInputError, match=r"square matrices, got 2 by 3"):
+        tl.cholesky(torch.randn(4, 2, 3))
+    with pytest.raises(tl.LinalgInputError, match=r"method must be one of .* got 'magma'"):
+        tl.qr(torch.randn(3, 3), method="magma")
+    with pytest.raises(tl.LinalgInputError, match=r"mode must be one of .* got 'full'"):
+        tl.qr(torch.randn(3, 3), mode="full")
+    with pytest.raises(tl.LinalgInputError, match=r"UPLO must be 'L' or 'U', got 'X'"):
+        tl.eigh(torch.eye(3), UPLO="X")
+    with pytest.raises(tl.LinalgInputError, match=r"A must be a torch.Tensor, got list"):
+        tl.svdvals([[1.0]])
+    with pytest.raises(tl.LinalgInputError, match=r"method='jacobi' supports float32 and float64"):
+        tl.svd(torch.randn(2, 2, dtype=torch.complex64), method="jacobi")
+    a = torch.randn(3, 4, 4)
+    a[2, 1, 1] = float("inf")
+    with pytest.raises(torch.linalg.LinAlgError, match=r"svd: \(Batch element 2\).*non-finite"):
+        tl.svd(a, method="jacobi")
+    with pytest.raises(torch.linalg.LinAlgError, match=r"eigh: \(Batch element 2\).*non-finite"):
+        tl.eigh(a, method="jacobi")
+    with pytest.raises(torch.linalg.LinAlgError, match=r"svd: The algorithm.*non-finite"):
+        tl.svdvals(torch.full((2, 2), float("nan")), method="jacobi")
+
+
+def test_complex_runs_lapack_visibly():
+    a = torch.randn(2, 3, 3, dtype=torch.complex128)
+    s = tl.svdvals(a, method="lapack")
+    assert torch.allclose(s, torch.linalg.svdvals(a))
+
+
+# --- autograd -------------------------------------------------------------------------------------
+
+
+def _g(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("m,n", [(4, 3), (3, 4), (3, 3)], ids=str)
+def test_svd_gradcheck(m, n):
+    x = _g((2, m, n))
+
+    def f(a):  # gauge-invariant: S and U Vh (sign flips cancel)
+        u, s, vh = tl.svd(a, full_matrices=False, method="jacobi")
+        return s, u @ vh, (u * s.unsqueeze(-2)) @ vh
+
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradcheck(lambda a: tl.svdvals(a, method="jacobi"), (x,))
+    # same gradient as torch.linalg, also with full_matrices=True (only leading k columns count)
+    for full in (False, True):
+        u, s, vh = tl.svd(x, full_matrices=full, method="jacobi")
+        k = min(m, n)
+        loss = (u[..., :k] @ vh[..., :k, :]).sin().sum() + s.square().sum()
+        (g1,) = torch.autograd.grad(loss, x)
+        ur, sr, vhr = torch.linalg.svd(x, full_matrices=full)
+        lr = (ur[..., :k] @ vhr[..., :k, :]).sin().sum() + sr.square().sum()
+        (g2,) = torch.autograd.grad(lr, x)
+        assert torch.allclose(g1, g2, atol=1e-9)
+
+
+def test_eigh_gradcheck_and_matches_torch():
+    x = _g((2, 4, 4), seed=1)
+
+    def f(a):
+        lam, q = tl.eigh(a + a.mT, method="jacobi")
+        return lam, q * q[..., :1, :].sign()  # fix the sign gauge
+
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradcheck(lambda a: tl.eigvalsh(a + a.mT, method="jacobi"), (x,))
+    lam, q = tl.eigh(x, method="jacobi")
+    (g1,) = torch.autograd.grad(lam.pow(3).sum() + (q * q).pow(2).sum(), x)
+    lr, qr_ = torch.linalg.eigh(x)
+    (g2,) = torch.autograd.grad(lr.pow(3).sum() + (qr_ * qr_).pow(2).sum(), x)
+    assert torch.allclose(g1, g2, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "m,n,mode", [(5, 3, "reduced"), (3, 3, "complete"), (3, 5, "reduced"), (3, 5, "complete")]
+)
+def test_qr_gradcheck(m, n, mode):
+    x = _g((2, m, n), seed=2)
+    assert torch.autograd.gradcheck(lambda a: tuple(tl.qr(a, mode=mode, method="jacobi")), (x,))
+    q, r = tl.qr(x, mode=mode, method="jacobi")
+    (g1,) = torch.autograd.grad(q.sin().sum() + r.cos().sum(), x)
+    qr_, rr = torch.linalg.qr(x, mode=mode)
+    (g2,) = torch.autograd.grad(qr_.sin().sum() + rr.cos().sum(), x)
+    assert torch.allclose(g1, g2, atol=1e-9)
+
+
+def test_qr_backward_errors():
+    x = _g((4, 3))
+    with pytest.raises(RuntimeError, match=r"mode='complete' and nrows > ncols"):
+        q, r = tl.qr(x, mode="complete", method="jacobi")
+        (q.sum() + r.sum()).backward()
+    with pytest.raises(RuntimeError, match=r"not computed when mode='r'"):
+        tl.qr(x, mode="r", method="jacobi").R.sum().backward()
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky_gradcheck(upper):
+    base = spd(2, 4, seed=3)
+    x = base.clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a: tl.cholesky(0.5 * (a + a.mT), upper=upper, method="jacobi"), (x,)
+    )
+    (g1,) = torch.autograd.grad(tl.cholesky(x, upper=upper, method="jacobi").sin().sum(), x)
+    (g2,) = torch.autograd.grad(torch.linalg.cholesky(x, upper=upper).sin().sum(), x)
+    assert torch.allclose(g1, g2, atol=1e-10)
+
+
+def test_custom_ops_opcheck():
+    a = torch.randn(2, 4, 3, dtype=torch.float64)
+    from torchport.linalg import ops
+
+    torch.library.opcheck(
+        ops._svd_op, (a, False, True), test_utils=("test_schema", "test_faketensor")
+    )
+    torch.library.opcheck(ops._qr_op, (a, "reduced"), test_utils=("test_schema", "test_faketensor"))
+    s = spd(2, 3)
+    torch.library.opcheck(ops._chol_op, (s, False), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        ops._eigh_op, (s, False, True), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+# --- method="auto" --------------------------------------------------------------------------------
+
+
+def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
+    from torchport import autotune
+
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "2")
+    before = autotune.stats.tuned
+    a = torch.randn(300, 3, 3)
+    s = tl.svdvals(a)
+    assert autotune.stats.tuned == before + 1
+    tl.svdvals(torch.randn(290, 3, 3))  # same bucket: no new tuning
+    assert autotune.stats.tuned == before + 1
+    assert torch.allclose(s, torch.linalg.svdvals(a), atol=1e-5)
+    hit = autotune.choice_cache.get(
+        "linalg.svd",
+        {
+            "batch": 1024,
+            "m": 3,
+            "n": 3,
+            "dtype": "torch.float32",
+            "options": [False, False],
+            "kernels": kernels.SOURCE_TAG,
+        },
+    )
+    assert hit is not None and set(hit["timings_s"]) == {"torch.linalg", "native"}
+    big = torch.randn(1, 200, 200, dtype=torch.float64)  # beyond NATIVE_MAX_N: LAPACK, no kernel
+    assert tl._route("svd", big, "auto", (False, True)) == "lapack"

@@ -1,0 +1,382 @@
+"""Batched linear algebra with ``torch.linalg``'s signatures: Jacobi SVD/eigh, QR, Cholesky.
+
+``svd``, ``svdvals``, ``eigh``, ``eigvalsh``, ``qr``, ``cholesky`` and ``cholesky_ex`` take the
+arguments of their ``torch.linalg`` namesakes, return the same named tuples (``torch.return_types``)
+and keep its conventions: singular values descending, eigenvalues ascending, any batch shape,
+float32/float64. Each also takes ``method``:
+
+- ``"jacobi"``: the native batched kernels (:mod:`~torchport.linalg.kernels`; for ``qr`` and the
+  Cholesky functions ``"jacobi"`` names the native Householder/Cholesky kernels). On a non-CPU
+  device it runs the plain-torch reference of the same algorithm
+  (:mod:`~torchport.linalg.reference`).
+- ``"lapack"``: ``torch.linalg`` itself (MKL/LAPACK on CPU).
+- ``"auto"`` (default): whichever was faster when measured by the autotuner for this
+  (op, batch bucket, m, n, dtype, options), with ``torch.linalg`` as the anchor; the native kernel
+  is chosen only if it beat the anchor by more than the noise margin.
+
+Complex inputs go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``; the
+native kernels are real-only. Autograd follows ``torch.linalg``'s formulas
+(:mod:`~torchport.linalg.autograd`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchport import autotune, native
+from torchport.autotune import ATEN, Candidate, InvalidCandidate
+from torchport.linalg import kernels, ops
+from torchport.linalg.reference import (
+    cholesky_reference,
+    eigh_reference,
+    qr_reference,
+    svd_reference,
+)
+
+__all__ = [
+    "METHODS",
+    "LinalgInputError",
+    "cholesky",
+    "cholesky_ex",
+    "cholesky_reference",
+    "eigh",
+    "eigh_reference",
+    "eigvalsh",
+    "qr",
+    "qr_reference",
+    "svd",
+    "svd_reference",
+    "svdvals",
+]
+
+METHODS = ("auto", "jacobi", "lapack")
+QR_MODES = ("reduced", "complete", "r")
+# Largest min(m, n) for which the native kernel is a candidate at all: beyond it LAPACK's
+# blocked O(n³) algorithms win by far on this machine (bench/bench_linalg.py), so tuning skips it.
+NATIVE_MAX_N = {"svd": 96, "eigh": 96, "qr": 256, "cholesky": 256}
+
+
+class LinalgInputError(ValueError):
+    """An argument to a ``torchport.linalg`` function does not meet its requirement."""
+
+
+def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
+    if not isinstance(a, torch.Tensor):
+        raise LinalgInputError(
+            f"torchport.linalg.{op}: A must be a torch.Tensor, got {type(a).__name__}"
+        )
+    if a.dim() < 2:
+        raise LinalgInputError(
+            f"torchport.linalg.{op}: A must have at least 2 dimensions, got {a.dim()}-D shape "
+            f"{tuple(a.shape)}"
+        )
+    if not (a.dtype.is_floating_point or a.dtype.is_complex) or a.dtype in (
+        torch.float16,
+        torch.bfloat16,
+    ):
+        raise LinalgInputError(
+            f"torchport.linalg.{op}: A must be float32, float64, complex64 or complex128, "
+            f"got {a.dtype}"
+        )
+    if square and a.shape[-1] != a.shape[-2]:
+        raise LinalgInputError(
+            f"torchport.linalg.{op}: A must be batches of square matrices, got "
+            f"{a.shape[-2]} by {a.shape[-1]} matrices"
+        )
+    return a
+
+
+def _bucket(b: int) -> int:
+    """Batch sizes tuned together: 1, then powers of 4."""
+    return 1 if b <= 1 else 4 ** math.ceil(math.log(b, 4))
+
+
+# torch's named-tuple return types (structseq), e.g. ``linalg_svd(U, S, Vh)``
+_rt: Any = torch.return_types
+
+_memo: dict[tuple[Any, ...], bool] = {}
+
+
+def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str:
+    """'native', 'lapack' or 'reference' for this call."""
+    if method not in METHODS:
+        raise LinalgInputError(
+            f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
+        )
+    if a.is_complex():
+        if method == "jacobi":
+            raise LinalgInputError(
+                f"torchport.linalg.{op}: method='jacobi' supports float32 and float64, got "
+                f"{a.dtype}; use method='lapack' or 'auto'"
+            )
+        if method == "auto":
+            native.note_fallback(f"linalg.{op}", f"complex dtype {a.dtype} runs torch.linalg")
+        return "lapack"
+    if method == "lapack":
+        return "lapack"
+    if a.device.type != "cpu":
+        return "reference" if method == "jacobi" else "lapack"
+    if not native.enabled():
+        if method == "jacobi":
+            native.note_fallback(f"linalg.{op}", "native kernels are disabled (TORCHPORT_NATIVE=0)")
+        return "lapack"
+    if method == "jacobi":
+        return "native"
+    m, n = a.shape[-2:]
+    if min(m, n) == 0 or a.numel() == 0:
+        return "native"
+    b = a.numel() // (m * n)
+    key = (op, _bucket(b), m, n, a.dtype, extra)
+    hit = _memo.get(key)
+    if hit is None:
+        hit = _tune(op, key)
+        _memo[key] = hit
+    return "native" if hit else "lapack"
+
+
+def _tune(op: str, key: tuple[Any, ...]) -> bool:
+    """Ask the autotuner (persistent cache) whether the native kernel beats torch.linalg."""
+    _, bucket, m, n, dtype, extra = key
+    k = min(m, n)
+    # a representative batch: the bucket, capped so one anchor call stays around a few ms
+    tb = max(2 if bucket > 1 else 1, min(bucket, (1 << 21) // max(1, m * n * k)))
+
+    def make_args() -> tuple[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn((tb, m, n), generator=g, dtype=torch.float64)
+        if op in ("eigh", "cholesky"):
+            x = x @ x.mT + n * torch.eye(n, dtype=torch.float64)
+        return (x.to(dtype).contiguous(),)
+
+    def factory(c: Candidate) -> Callable[[torch.Tensor], Any]:
+        if c.is_anchor:
+            return _anchor(op, extra)
+        if k > NATIVE_MAX_N[op]:
+            raise InvalidCandidate(f"min(m, n) = {k} > {NATIVE_MAX_N[op]}: LAPACK territory")
+        if bucket == 1:  # one matrix: measured slower in every cell (Python launch cost dominates)
+            raise InvalidCandidate("a single matrix: LAPACK territory")
+        return _native_fn(op, extra)
+
+    choice = autotune.select(
+        f"linalg.{op}",
+        {
+            "batch": bucket,
+            "m": m,
+            "n": n,
+            "dtype": str(dtype),
+            "options": list(extra),
+            "kernels": kernels.SOURCE_TAG,
+        },
+        [Candidate("torch.linalg", ATEN), Candidate("native")],
+        factory,
+        make_args,
+        cold=False,
+        check=_close_at(_VALUES_AT[op]),
+        backends={"NATIVE", "ATEN"},
+    )
+    return not choice.candidate.is_anchor
+
+
+def _anchor(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
+    if op == "svd":
+        full, uv = extra
+        if uv:
+            return lambda x: tuple(torch.linalg.svd(x, full_matrices=full))
+        return lambda x: (None, torch.linalg.svdvals(x), None)
+    if op == "eigh":
+        upper, wantv = extra
+        uplo = "U" if upper else "L"
+        if wantv:
+            return lambda x: tuple(torch.linalg.eigh(x, UPLO=uplo))
+        return lambda x: (torch.linalg.eigvalsh(x, UPLO=uplo), None)
+    if op == "qr":
+        (mode,) = extra
+        return lambda x: tuple(torch.linalg.qr(x, mode=mode))
+    (upper,) = extra
+    return lambda x: tuple(torch.linalg.cholesky_ex(x, upper=upper))
+
+
+def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
+    if op == "svd":
+        return lambda x: kernels.svd(x, extra[0], extra[1])[:3]
+    if op == "eigh":
+        return lambda x: kernels.eigh(x, extra[0], extra[1])[:2]
+    if op == "qr":
+        return lambda x: kernels.qr(x, extra[0])
+    return lambda x: kernels.cholesky(x, extra[0])[:2]
+
+
+_VALUES_AT = {"svd": 1, "eigh": 0, "qr": 1, "cholesky": 0}
+
+
+def _close_at(i: int) -> Callable[[Any, Any], bool]:
+    """Gauge-invariant agreement used by the tuner: compare output ``i`` (S, L, R or the factor)
+    in absolute value, relative to its largest entry."""
+
+    def close(out: Any, ref: Any) -> bool:
+        ours, theirs = out[i], ref[i]
+        if ours.shape != theirs.shape:
+            return False
+        tol = 1e-3 if ours.dtype == torch.float32 else 1e-8
+        scale = max(1.0, float(theirs.abs().max())) if theirs.numel() else 1.0
+        return bool(torch.allclose(ours.abs(), theirs.abs(), rtol=tol, atol=tol * scale))
+
+    return close
+
+
+# --- public API ----------------------------------------------------------------------------------
+
+
+def svd(
+    A: torch.Tensor, full_matrices: bool = True, *, method: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Singular value decomposition ``A = U diag(S) Vh`` (``torch.linalg.svd``'s contract).
+
+    Returns ``(U, S, Vh)`` with S descending; ``full_matrices`` picks (m×m, n×n) or reduced
+    (m×k, k×n) factors, k = min(m, n). U and Vh stay orthonormal for rank-deficient input.
+    """
+    a = _check("svd", A, square=False)
+    route = _route("svd", a, method, (bool(full_matrices), True))
+    if route == "lapack":
+        return torch.linalg.svd(a, full_matrices=full_matrices)
+    if route == "reference":
+        u, s, vh = svd_reference(ops._flat(a), full_matrices)
+        batch = a.shape[:-2]
+        u, s, vh = (t.reshape(batch + t.shape[1:]) for t in (u, s, vh))
+    else:
+        u, s, vh = ops.svd(a, bool(full_matrices), True)
+    return _rt.linalg_svd((u, s, vh))
+
+
+def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
+    """Singular values of ``A``, descending (``torch.linalg.svdvals``)."""
+    a = _check("svdvals", A, square=False)
+    if a.requires_grad and torch.is_grad_enabled():
+        return svd(a, full_matrices=False, method=method)[1]
+    route = _route("svd", a, method, (False, False))
+    if route == "lapack":
+        return torch.linalg.svdvals(a)
+    if route == "reference":
+        s = svd_reference(ops._flat(a), False, compute_uv=False)[1]
+        return s.reshape(a.shape[:-2] + s.shape[-1:])
+    return ops.svd(a, False, False)[1]
+
+
+def _uplo(op: str, UPLO: str) -> bool:
+    if UPLO not in ("L", "U"):
+        raise LinalgInputError(f"torchport.linalg.{op}: UPLO must be 'L' or 'U', got {UPLO!r}")
+    return UPLO == "U"
+
+
+def eigh(
+    A: torch.Tensor, UPLO: str = "L", *, method: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigendecomposition of symmetric ``A`` from its ``UPLO`` triangle (``torch.linalg.eigh``).
+
+    Returns ``(eigenvalues, eigenvectors)``, eigenvalues ascending, eigenvectors as columns.
+    """
+    a = _check("eigh", A, square=True)
+    upper = _uplo("eigh", UPLO)
+    route = _route("eigh", a, method, (upper, True))
+    if route == "lapack":
+        return torch.linalg.eigh(a, UPLO=UPLO)
+    if route == "reference":
+        lam, q = eigh_reference(ops._flat(a), upper)
+        lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
+    else:
+        lam, q = ops.eigh(a, upper, True)
+    return _rt.linalg_eigh((lam, q))
+
+
+def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.Tensor:
+    """Eigenvalues of symmetric ``A``, ascending (``torch.linalg.eigvalsh``)."""
+    a = _check("eigvalsh", A, square=True)
+    upper = _uplo("eigvalsh", UPLO)
+    if a.requires_grad and torch.is_grad_enabled():
+        return eigh(a, UPLO, method=method)[0]
+    route = _route("eigh", a, method, (upper, False))
+    if route == "lapack":
+        return torch.linalg.eigvalsh(a, UPLO=UPLO)
+    if route == "reference":
+        return eigh_reference(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
+    return ops.eigh(a, upper, False)[0]
+
+
+def qr(
+    A: torch.Tensor, mode: str = "reduced", *, method: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Householder QR ``A = Q R`` (``torch.linalg.qr``); ``mode`` is reduced, complete or r.
+
+    With ``mode='r'`` Q is an empty tensor, as in torch. R's diagonal follows LAPACK's signs.
+    """
+    a = _check("qr", A, square=False)
+    if mode not in QR_MODES:
+        raise LinalgInputError(f"torchport.linalg.qr: mode must be one of {QR_MODES}, got {mode!r}")
+    route = _route("qr", a, method, (mode,))
+    if route == "lapack":
+        return torch.linalg.qr(a, mode=mode)
+    if route == "reference":
+        q, r = qr_reference(ops._flat(a), mode)
+        batch = a.shape[:-2]
+        q = q.reshape(batch + q.shape[1:]) if mode != "r" else q
+        r = r.reshape(batch + r.shape[1:])
+    else:
+        q, r = ops.qr(a, mode)
+    return _rt.linalg_qr((q, r))
+
+
+def cholesky_ex(
+    A: torch.Tensor, *, upper: bool = False, check_errors: bool = False, method: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cholesky factor and ``info`` (``torch.linalg.cholesky_ex``).
+
+    ``info`` (int32, batch-shaped) is 0 on success, else the order of the leading minor that is
+    not positive-definite; the factor of such a matrix is zero. ``check_errors=True`` raises
+    like :func:`cholesky` instead.
+    """
+    a = _check("cholesky_ex", A, square=True)
+    route = _route("cholesky", a, method, (bool(upper),))
+    if route == "lapack":
+        return torch.linalg.cholesky_ex(a, upper=upper, check_errors=check_errors)
+    if route == "reference":
+        fac, info = cholesky_reference(ops._flat(a), upper)
+        fac, info = fac.reshape(a.shape), info.reshape(a.shape[:-2])
+    else:
+        fac, info = ops.cholesky_ex(a, bool(upper))
+    if check_errors:
+        _raise_not_pd("cholesky_ex", a, info)
+    return _rt.linalg_cholesky_ex((fac, info))
+
+
+def _raise_not_pd(op: str, a: torch.Tensor, info: torch.Tensor) -> None:
+    if info.numel() == 0:
+        return
+    flat = info.reshape(-1)
+    bad = torch.nonzero(flat)
+    if bad.numel() == 0:
+        return
+    idx = int(bad[0, 0])
+    where = f"(Batch element {idx}): " if a.dim() > 2 else ""
+    raise torch.linalg.LinAlgError(
+        f"torchport.linalg.{op}: {where}The factorization could not be completed because the "
+        f"input is not positive-definite (the leading minor of order {int(flat[idx])} is not "
+        "positive-definite)."
+    )
+
+
+def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> torch.Tensor:
+    """Cholesky factor ``L`` with ``A = L Lᵀ`` (or ``U`` with ``A = Uᵀ U``), ``torch.linalg.cholesky``.
+
+    Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
+    when ``A`` is not positive-definite (NaN counts as not positive-definite).
+    """
+    a = _check("cholesky", A, square=True)
+    if _route("cholesky", a, method, (bool(upper),)) == "lapack":
+        return torch.linalg.cholesky(a, upper=upper)  # no info round trip on the LAPACK path
+    fac, info = cholesky_ex(a, upper=upper, method=method)
+    _raise_not_pd("cholesky", a, info)
+    return fac

@@ -1,0 +1,142 @@
+"""Backward formulas for the native decompositions, in torch ops (real dtypes).
+
+They follow ``torch.linalg``'s own derivations (``svd_backward``, ``linalg_eig_backward`` with
+``is_hermitian``, ``linalg_qr_backward`` and ``cholesky_backward`` in PyTorch's
+``FunctionsManual.cpp``) so that gradients agree with ``torch.linalg`` on the same input:
+
+- SVD, with E_jk = S_k² − S_j² (1 on the diagonal) and skew(X) = X − Xᵀ:
+  gA = U [(skew(UᵀgU)/E) S + S (skew(VᵀgV)/E) + diag(gS)] Vᵀ, plus (I − UUᵀ) gU S⁻¹ Vᵀ when m > n
+  or U S⁻¹ gVᵀ (I − VVᵀ) when m < n. With ``full_matrices=True`` only the leading k columns of U
+  (rows of Vh) enter, as in torch. Distinct, non-zero singular values are assumed (as in torch).
+- eigh: gA = V (diag(gL) + ½(VᵀgV − gVᵀV)/E) Vᵀ with E_ij = L_j − L_i.
+- QR (m ≥ n, or m < n): torch's two cases, with the errors for ``mode='r'`` and for
+  ``mode='complete'`` with m > n.
+- Cholesky: gA = ½ (S + Sᵀ), S = L⁻ᵀ Φ(Lᵀ gL) L⁻¹, Φ = lower triangle with halved diagonal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _e_matrix(x: torch.Tensor) -> torch.Tensor:
+    """E_jk = x_k − x_j off the diagonal, 1 on it."""
+    e = x.unsqueeze(-2) - x.unsqueeze(-1)
+    return e + torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+
+
+def svd_backward(
+    gu: torch.Tensor | None,
+    gs: torch.Tensor | None,
+    gvh: torch.Tensor | None,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    vh: torch.Tensor,
+    full_matrices: bool,
+) -> torch.Tensor | None:
+    """Gradient of a loss through ``A = U diag(S) Vh`` (reduced or full)."""
+    k = s.shape[-1]
+    if full_matrices:
+        u, vh = u[..., :k], vh[..., :k, :]
+        gu = None if gu is None else gu[..., :k]
+        gvh = None if gvh is None else gvh[..., :k, :]
+    if gs is None and gu is None and gvh is None:
+        return None
+    m, n = u.shape[-2], vh.shape[-1]
+    if gu is None and gvh is None:
+        assert gs is not None
+        return (u * gs.unsqueeze(-2)) @ vh
+    e = _e_matrix(s * s)
+    inner = torch.zeros((*s.shape, k), dtype=s.dtype, device=s.device)
+    if gu is not None:
+        uhgu = u.mT @ gu
+        inner = inner + ((uhgu - uhgu.mT) / e) * s.unsqueeze(-2)
+    if gvh is not None:
+        vhgv = vh @ gvh.mT
+        inner = inner + s.unsqueeze(-1) * ((vhgv - vhgv.mT) / e)
+    if gs is not None:
+        inner = inner + torch.diag_embed(gs)
+    if m > n and gu is not None:
+        ga = u @ inner
+        gusinv = gu / s.unsqueeze(-2)
+        ga = ga + gusinv - u @ (u.mT @ gusinv)
+        return ga @ vh
+    if m < n and gvh is not None:
+        ga = inner @ vh
+        sinvgvh = gvh / s.unsqueeze(-1)
+        ga = ga + sinvgvh - (sinvgvh @ vh.mT) @ vh
+        return u @ ga
+    return u @ inner @ vh
+
+
+def eigh_backward(
+    gl: torch.Tensor | None, gv: torch.Tensor | None, lam: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor | None:
+    """Gradient of a loss through ``A = V diag(L) Vᵀ`` (V orthogonal)."""
+    if gl is None and gv is None:
+        return None
+    if gv is None:
+        assert gl is not None
+        return (v * gl.unsqueeze(-2)) @ v.mT
+    vhgv = v.mT @ gv
+    inner = 0.5 * (vhgv - vhgv.mT) / _e_matrix(lam)
+    inner = inner - torch.diag_embed(inner.diagonal(0, -2, -1))
+    if gl is not None:
+        inner = inner + torch.diag_embed(gl)
+    return v @ inner @ v.mT
+
+
+def qr_backward(
+    gq: torch.Tensor | None, gr: torch.Tensor | None, q: torch.Tensor, r: torch.Tensor, mode: str
+) -> torch.Tensor | None:
+    """Gradient of a loss through ``A = Q R``."""
+    if mode == "r":
+        raise RuntimeError(
+            "The derivative of torchport.linalg.qr depends on Q, which is not computed when "
+            "mode='r'. Please use qr(A, mode='reduced') if you are going to differentiate it."
+        )
+    m, n = q.shape[-2], r.shape[-1]
+    if mode == "complete" and m > n:
+        raise RuntimeError(
+            "The QR decomposition is not differentiable when mode='complete' and nrows > ncols "
+            f"(got {m} > {n})."
+        )
+    if gq is None and gr is None:
+        return None
+    if gq is not None and gr is not None:
+        ga = gr @ r.mT - q.mT @ gq
+    elif gq is not None:
+        ga = -(q.mT @ gq)
+    else:
+        assert gr is not None
+        ga = gr @ r.mT
+    if m >= n:
+        t = ga.triu()
+        t = t + t.mT
+        t = t - 0.5 * torch.diag_embed(t.diagonal(0, -2, -1))
+        ga = q @ t
+        if gq is not None:
+            ga = ga + gq
+        return torch.linalg.solve_triangular(r.mT, ga, upper=False, left=False)
+    x = -ga
+    ga = q @ (x - x.mT).tril()
+    ga = torch.linalg.solve_triangular(r[..., :m].mT, ga, upper=False, left=False)
+    ga = torch.cat([ga, ga.new_zeros((*ga.shape[:-1], n - m))], dim=-1)
+    if gr is not None:
+        ga = ga + q @ gr
+    return ga
+
+
+def cholesky_backward(
+    gl: torch.Tensor | None, lfac: torch.Tensor, upper: bool
+) -> torch.Tensor | None:
+    """Gradient of a loss through ``A = L Lᵀ`` (or ``Uᵀ U`` when ``upper``)."""
+    if gl is None:
+        return None
+    low = lfac.mT if upper else lfac
+    glow = gl.mT if upper else gl
+    phi = (low.mT @ glow).tril()
+    phi = phi - 0.5 * torch.diag_embed(phi.diagonal(0, -2, -1))
+    x = torch.linalg.solve_triangular(low.mT, phi, upper=True, left=True)
+    x = torch.linalg.solve_triangular(low, x, upper=False, left=False)
+    return 0.5 * (x + x.mT)

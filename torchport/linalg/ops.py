@@ -1,0 +1,221 @@
+"""``torch.library`` custom ops over the native kernels, with fake shapes and autograd.
+
+Each op takes a real float32/float64 CPU tensor of any batch shape ``(*, m, n)``, flattens the
+batch, calls the kernel launcher and reshapes back. Numerical failures raise
+``torch.linalg.LinAlgError`` with ``torch.linalg``'s wording and the flat batch index. Backward
+formulas live in :mod:`torchport.linalg.autograd`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchport.linalg import autograd as ag
+from torchport.linalg import kernels
+
+
+def _batch_prefix(a: torch.Tensor, bad: int) -> str:
+    return f"(Batch element {bad - 1}): " if a.dim() > 2 else ""
+
+
+def _flat(a: torch.Tensor) -> torch.Tensor:
+    b = 1
+    for d in a.shape[:-2]:
+        b *= d
+    return a.reshape((b, *tuple(a.shape[-2:]))).contiguous()
+
+
+# --- svd -------------------------------------------------------------------------------------------
+
+
+def svd_impl(
+    a: torch.Tensor, full_matrices: bool, compute_uv: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Native SVD of ``a`` (*, m, n): (U, S, Vh); U and Vh are empty when not ``compute_uv``."""
+    batch, (_m, _n) = a.shape[:-2], a.shape[-2:]
+    u, s, vh, bad = kernels.svd(_flat(a), full_matrices, compute_uv)
+    if bad:
+        raise torch.linalg.LinAlgError(
+            f"torchport.linalg.svd: {_batch_prefix(a, bad)}The algorithm failed to converge "
+            "because the input matrix contained non-finite values."
+        )
+    s = s.reshape(batch + s.shape[-1:])
+    if not compute_uv:
+        return a.new_empty(0), s, a.new_empty(0)
+    return u.reshape(batch + u.shape[-2:]), s, vh.reshape(batch + vh.shape[-2:])
+
+
+_svd_op = torch.library.custom_op("torchport::linalg_svd", svd_impl, mutates_args=())
+
+
+@_svd_op.register_fake
+def _(a: torch.Tensor, full_matrices: bool, compute_uv: bool) -> tuple[Any, Any, Any]:
+    batch, (m, n) = a.shape[:-2], a.shape[-2:]
+    k = min(m, n)
+    s = a.new_empty((*batch, k))
+    if not compute_uv:
+        return a.new_empty(0), s, a.new_empty(0)
+    u = a.new_empty((*batch, m, m if full_matrices else k))
+    vh = a.new_empty((*batch, n if full_matrices else k, n))
+    return u, s, vh
+
+
+def _svd_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    ctx.full_matrices, ctx.compute_uv = inputs[1], inputs[2]
+    ctx.save_for_backward(*output)
+
+
+def _svd_bwd(ctx: Any, gu: Any, gs: Any, gvh: Any) -> tuple[Any, None, None]:
+    if not ctx.compute_uv:
+        raise RuntimeError(
+            "torchport.linalg.svd: compute_uv=False is not differentiable; use svdvals"
+        )
+    u, s, vh = ctx.saved_tensors
+    return ag.svd_backward(gu, gs, gvh, u, s, vh, ctx.full_matrices), None, None
+
+
+_svd_op.register_autograd(_svd_bwd, setup_context=_svd_setup)
+
+
+def svd(a: torch.Tensor, full_matrices: bool, compute_uv: bool) -> tuple[Any, Any, Any]:
+    """Dispatch: direct kernel call on plain eager tensors, else through the custom op."""
+    if _fast(a):
+        return svd_impl(a, full_matrices, compute_uv)
+    return _svd_op(a, full_matrices, compute_uv)
+
+
+# --- eigh ------------------------------------------------------------------------------------------
+
+
+def eigh_impl(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native symmetric eigendecomposition of ``a`` (*, n, n): (L ascending, Q)."""
+    batch, n = a.shape[:-2], a.shape[-1]
+    lam, q, bad = kernels.eigh(_flat(a), upper, compute_v)
+    if bad:
+        raise torch.linalg.LinAlgError(
+            f"torchport.linalg.eigh: {_batch_prefix(a, bad)}The algorithm failed to converge "
+            "because the input matrix contained non-finite values."
+        )
+    lam = lam.reshape((*batch, n))
+    return lam, (q.reshape((*batch, n, n)) if compute_v else a.new_empty(0))
+
+
+_eigh_op = torch.library.custom_op("torchport::linalg_eigh", eigh_impl, mutates_args=())
+
+
+@_eigh_op.register_fake
+def _(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[Any, Any]:
+    n = a.shape[-1]
+    return a.new_empty((*a.shape[:-2], n)), (a.new_empty(a.shape) if compute_v else a.new_empty(0))
+
+
+def _eigh_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    ctx.compute_v = inputs[2]
+    ctx.save_for_backward(*output)
+
+
+def _eigh_bwd(ctx: Any, gl: Any, gv: Any) -> tuple[Any, None, None]:
+    if not ctx.compute_v:
+        raise RuntimeError("torchport.linalg.eigh: compute_v=False is not differentiable")
+    lam, v = ctx.saved_tensors
+    return ag.eigh_backward(gl, gv, lam, v), None, None
+
+
+_eigh_op.register_autograd(_eigh_bwd, setup_context=_eigh_setup)
+
+
+def eigh(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[Any, Any]:
+    """Dispatch: direct kernel call on plain eager tensors, else through the custom op."""
+    if _fast(a):
+        return eigh_impl(a, upper, compute_v)
+    return _eigh_op(a, upper, compute_v)
+
+
+# --- qr --------------------------------------------------------------------------------------------
+
+
+def qr_impl(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native Householder QR of ``a`` (*, m, n)."""
+    batch = a.shape[:-2]
+    q, r = kernels.qr(_flat(a), mode)
+    r = r.reshape(batch + r.shape[-2:])
+    return (q.reshape(batch + q.shape[-2:]) if mode != "r" else a.new_empty(0)), r
+
+
+_qr_op = torch.library.custom_op("torchport::linalg_qr", qr_impl, mutates_args=())
+
+
+@_qr_op.register_fake
+def _(a: torch.Tensor, mode: str) -> tuple[Any, Any]:
+    batch, (m, n) = a.shape[:-2], a.shape[-2:]
+    k = min(m, n)
+    rows = m if mode == "complete" else k
+    q = a.new_empty((*batch, m, rows)) if mode != "r" else a.new_empty(0)
+    return q, a.new_empty((*batch, rows, n))
+
+
+def _qr_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    ctx.mode = inputs[1]
+    ctx.save_for_backward(*output)
+
+
+def _qr_bwd(ctx: Any, gq: Any, gr: Any) -> tuple[Any, None]:
+    q, r = ctx.saved_tensors
+    return ag.qr_backward(gq, gr, q, r, ctx.mode), None
+
+
+_qr_op.register_autograd(_qr_bwd, setup_context=_qr_setup)
+
+
+def qr(a: torch.Tensor, mode: str) -> tuple[Any, Any]:
+    """Dispatch: direct kernel call on plain eager tensors, else through the custom op."""
+    if _fast(a):
+        return qr_impl(a, mode)
+    return _qr_op(a, mode)
+
+
+# --- cholesky --------------------------------------------------------------------------------------
+
+
+def cholesky_impl(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native Cholesky of ``a`` (*, n, n): (factor, int32 info of shape ``*``)."""
+    batch = a.shape[:-2]
+    fac, info, _ = kernels.cholesky(_flat(a), upper)
+    return fac.reshape(a.shape), info.reshape(batch)
+
+
+_chol_op = torch.library.custom_op("torchport::linalg_cholesky_ex", cholesky_impl, mutates_args=())
+
+
+@_chol_op.register_fake
+def _(a: torch.Tensor, upper: bool) -> tuple[Any, Any]:
+    return a.new_empty(a.shape), a.new_empty(a.shape[:-2], dtype=torch.int32)
+
+
+def _chol_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    ctx.upper = inputs[1]
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[0])
+
+
+def _chol_bwd(ctx: Any, gl: Any, ginfo: Any) -> tuple[Any, None]:
+    (fac,) = ctx.saved_tensors
+    return ag.cholesky_backward(gl, fac, ctx.upper), None
+
+
+_chol_op.register_autograd(_chol_bwd, setup_context=_chol_setup)
+
+
+def cholesky_ex(a: torch.Tensor, upper: bool) -> tuple[Any, Any]:
+    """Dispatch: direct kernel call on plain eager tensors, else through the custom op."""
+    if _fast(a):
+        return cholesky_impl(a, upper)
+    return _chol_op(a, upper)
+
+
+def _fast(a: torch.Tensor) -> bool:
+    from torchport import native
+
+    return native.eager_fast_path(a)

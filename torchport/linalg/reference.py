@@ -1,0 +1,224 @@
+"""Plain-torch references for the native kernels: the same algorithms, batched, on any device.
+
+Each function runs the algorithm of the matching kernel in :mod:`torchport.linalg.kernels` step by
+step with torch ops vectorised over the batch (a Python loop over pairs/columns, never over batch
+elements), so they are slow but obviously follow the description there and run on any device.
+The native kernels must agree with them to working precision (tests/test_linalg.py):
+
+- ``svd_reference``: one-sided Jacobi (cyclic order for k ≤ 4, round-robin above, as the
+  kernel), tol = eps·sqrt(max(m, n)); descending σ;
+  numerically null vectors (σ ≤ σ_max·p·eps) completed by Gram-Schmidt.
+- ``eigh_reference``: two-sided cyclic Jacobi with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
+- ``qr_reference``: Householder with LAPACK's sign convention.
+- ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_SWEEPS = 60
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps)
+
+
+def _rotation(zeta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Smaller root t of t² + 2ζt − 1 = 0, and c = 1/sqrt(1+t²), s = c·t."""
+    sign = torch.where(zeta >= 0, 1.0, -1.0).to(zeta.dtype)
+    big = zeta.abs() > 1e15
+    safe = torch.where(big, torch.ones_like(zeta), zeta)
+    t = torch.where(big, 0.5 / zeta, sign / (safe.abs() + torch.sqrt(1 + safe * safe)))
+    c = 1 / torch.sqrt(1 + t * t)
+    return t, c, c * t
+
+
+def pairs_for(q: int, order: int) -> list[tuple[int, int]]:
+    """Pairs of one sweep: cyclic row order (0) or the round-robin tournament (1) of the kernel."""
+    if order == 0 or q < 2:
+        return [(j, k) for j in range(q) for k in range(j + 1, q)]
+    r = q + (q & 1)
+    out = []
+    for rnd in range(r - 1):
+        for i in range(r // 2):
+            a = 0 if i == 0 else 1 + (rnd + i - 1) % (r - 1)
+            b = 1 + (rnd + r - 2 - i) % (r - 1)
+            if a < q and b < q:
+                out.append((min(a, b), max(a, b)))
+    return out
+
+
+def _complete_basis(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Tensor:
+    """Rows of ``ub`` (B, ≥want, p) beyond the ``good`` (B,) leading ones, replaced by an
+    orthonormal completion: Gram-Schmidt (twice) of the unit vector least represented so far."""
+    bsz, _, p = ub.shape
+    out = torch.zeros(bsz, want, p, dtype=ub.dtype, device=ub.device)
+    out[:, : min(want, ub.shape[1])] = ub[:, :want]
+    eye = torch.eye(p, dtype=ub.dtype, device=ub.device)
+    for j in range(want):
+        redo = good <= j
+        if not bool(redo.any()):
+            continue
+        prev = out[:, :j]  # (B, j, p)
+        weight = (prev * prev).sum(1)  # (B, p): how much of e_i the basis holds already
+        best = weight.argmin(-1)
+        v = eye[best]
+        for _ in range(2):
+            v = v - ((prev @ v.unsqueeze(-1)) * prev).sum(1)
+        v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(ub.dtype).tiny)
+        out[:, j] = torch.where(redo.unsqueeze(-1), v, out[:, j])
+    return out
+
+
+def svd_reference(
+    a: torch.Tensor,
+    full_matrices: bool = False,
+    compute_uv: bool = True,
+    order: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One-sided Jacobi SVD of (B, m, n) ``a``: (U, S, Vh) with S descending.
+
+    ``order``: 0 cyclic, 1 round-robin, None = the kernel's default for this size.
+    """
+    bsz, m, n = a.shape
+    trans = m < n
+    p, q = (n, m) if trans else (m, n)
+    w = (a if trans else a.mT).clone()  # (B, q, p): the vectors being orthogonalised
+    v = torch.eye(q, dtype=a.dtype, device=a.device).expand(bsz, q, q).clone()
+    tol = _eps(a.dtype) * p**0.5
+    if order is None:
+        order = int(q >= 5)
+    pairs = pairs_for(q, order)
+    for _ in range(MAX_SWEEPS):
+        nrm = (w * w).sum(-1)
+        rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
+        for j, k in pairs:
+            al, be = nrm[:, j].clone(), nrm[:, k].clone()
+            g = (w[:, j] * w[:, k]).sum(-1)
+            act = (al != 0) & (be != 0) & (g.abs() > tol * al.sqrt() * be.sqrt())
+            rotated |= act
+            zeta = (be - al) / (2 * torch.where(act, g, torch.ones_like(g)))
+            t, c, s = _rotation(zeta)
+            t, c, s = (torch.where(act, x, y) for x, y in ((t, 0.0), (c, 1.0), (s, 0.0)))
+            wj, wk = w[:, j].clone(), w[:, k].clone()
+            w[:, j] = c[:, None] * wj - s[:, None] * wk
+            w[:, k] = s[:, None] * wj + c[:, None] * wk
+            vj, vk = v[:, j].clone(), v[:, k].clone()
+            v[:, j] = c[:, None] * vj - s[:, None] * vk
+            v[:, k] = s[:, None] * vj + c[:, None] * vk
+            nrm[:, j] = al - t * g
+            nrm[:, k] = be + t * g
+        if not bool(rotated.any()):
+            break
+    sig = w.norm(dim=-1)
+    s_sorted, perm = torch.sort(sig, dim=-1, descending=True, stable=True)
+    if not compute_uv:
+        return a.new_empty(0), s_sorted, a.new_empty(0)
+    w = torch.gather(w, 1, perm.unsqueeze(-1).expand(bsz, q, p))
+    v = torch.gather(v, 1, perm.unsqueeze(-1).expand(bsz, q, q))
+    thresh = s_sorted[:, :1] * p * _eps(a.dtype)
+    ok = (s_sorted > thresh) & (s_sorted > 0)
+    good = ok.to(torch.int64).cumprod(-1).sum(-1)  # leading run of well-defined vectors
+    ub = w / torch.where(ok, s_sorted, torch.ones_like(s_sorted)).unsqueeze(-1)
+    ub = _complete_basis(ub, good, p if full_matrices else q)
+    if not trans:
+        return ub.mT, s_sorted, v
+    return v.mT, s_sorted, ub
+
+
+def eigh_reference(
+    a: torch.Tensor, upper: bool = False, compute_v: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-sided cyclic Jacobi eigendecomposition of (B, n, n) symmetric ``a``: (L asc, Q)."""
+    bsz, n, _ = a.shape
+    tri = a.triu() if upper else a.tril()
+    x = tri + tri.mT - torch.diag_embed(tri.diagonal(0, -2, -1))
+    frob = x.flatten(1).norm(dim=-1)
+    vt = torch.eye(n, dtype=a.dtype, device=a.device).expand(bsz, n, n).clone()
+    eps = _eps(a.dtype)
+    pairs = [(p, q) for p in range(n) for q in range(p + 1, n)]
+    for _ in range(MAX_SWEEPS):
+        rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
+        for p, q in pairs:
+            apq, app, aqq = (x[:, p, q].clone(), x[:, p, p].clone(), x[:, q, q].clone())
+            scale = torch.maximum(app.abs().sqrt() * aqq.abs().sqrt(), 0.1 * frob)
+            act = (apq != 0) & (apq.abs() > eps * scale)
+            rotated |= act
+            theta = (aqq - app) / (2 * torch.where(act, apq, torch.ones_like(apq)))
+            t, c, s = _rotation(theta)
+            t, c, s = (torch.where(act, u, w) for u, w in ((t, 0.0), (c, 1.0), (s, 0.0)))
+            rp, rq = x[:, p].clone(), x[:, q].clone()
+            x[:, p] = c[:, None] * rp - s[:, None] * rq
+            x[:, q] = s[:, None] * rp + c[:, None] * rq
+            x[:, :, p] = x[:, p].clone()
+            x[:, :, q] = x[:, q].clone()
+            x[:, p, p] = app - t * apq
+            x[:, q, q] = aqq + t * apq
+            x[:, p, q] = torch.where(act, 0.0, apq)
+            x[:, q, p] = x[:, p, q]
+            vp, vq = vt[:, p].clone(), vt[:, q].clone()
+            vt[:, p] = c[:, None] * vp - s[:, None] * vq
+            vt[:, q] = s[:, None] * vp + c[:, None] * vq
+        if not bool(rotated.any()):
+            break
+    lam, perm = torch.sort(x.diagonal(0, -2, -1), dim=-1, stable=True)
+    if not compute_v:
+        return lam, a.new_empty(0)
+    vt = torch.gather(vt, 1, perm.unsqueeze(-1).expand(bsz, n, n))
+    return lam, vt.mT
+
+
+def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, torch.Tensor]:
+    """Householder QR of (B, m, n) ``a`` (LAPACK sign convention): (Q, R) for ``mode``."""
+    bsz, m, n = a.shape
+    k = min(m, n)
+    r = a.clone()
+    vs: list[torch.Tensor] = []
+    taus: list[torch.Tensor] = []
+    for j in range(k):
+        x = r[:, j:, j].clone()
+        alpha = x[:, 0]
+        xn2 = (x[:, 1:] * x[:, 1:]).sum(-1)
+        act = xn2 != 0
+        beta = torch.sqrt(alpha * alpha + xn2)
+        beta = torch.where(alpha > 0, -beta, beta)
+        safe_beta = torch.where(act, beta, torch.ones_like(beta))
+        tau = torch.where(act, (beta - alpha) / safe_beta, torch.zeros_like(beta))
+        scale = torch.where(act, 1 / torch.where(act, alpha - beta, 1.0), torch.zeros_like(beta))
+        v = torch.cat([torch.ones_like(alpha)[:, None], x[:, 1:] * scale[:, None]], dim=1)
+        w = tau[:, None] * (v.unsqueeze(1) @ r[:, j:, j:]).squeeze(1)  # (B, n - j)
+        r[:, j:, j:] -= v.unsqueeze(-1) * w.unsqueeze(1)
+        r[:, j, j] = torch.where(act, beta, alpha)
+        vs.append(v)
+        taus.append(tau)
+    rows = m if mode == "complete" else k
+    rr = r[:, :rows].triu()
+    if mode == "r":
+        return a.new_empty(0), rr
+    qc = m if mode == "complete" else k
+    q = torch.eye(m, qc, dtype=a.dtype, device=a.device).expand(bsz, m, qc).clone()
+    for j in range(k - 1, -1, -1):
+        v, tau = vs[j], taus[j]
+        w = tau[:, None] * (v.unsqueeze(1) @ q[:, j:, :]).squeeze(1)
+        q[:, j:, :] -= v.unsqueeze(-1) * w.unsqueeze(1)
+    return q, rr
+
+
+def cholesky_reference(a: torch.Tensor, upper: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cholesky–Banachiewicz of (B, n, n) ``a``: (factor, int32 info); failed matrices are zero."""
+    bsz, n, _ = a.shape
+    src = a.mT if upper else a
+    lw = torch.zeros_like(a)
+    info = torch.zeros(bsz, dtype=torch.int32, device=a.device)
+    for i in range(n):
+        for j in range(i + 1):
+            s = src[:, i, j] - (lw[:, i, :j] * lw[:, j, :j]).sum(-1)
+            if j < i:
+                lw[:, i, j] = s / lw[:, j, j]
+            else:
+                fail = ~(s > 0) & (info == 0)
+                info = torch.where(fail, i + 1, info).to(torch.int32)
+                lw[:, i, i] = torch.sqrt(torch.where(s > 0, s, torch.ones_like(s)))
+    lw = torch.where((info == 0)[:, None, None], lw, torch.zeros_like(lw))
+    return (lw.mT if upper else lw), info
