@@ -26,7 +26,14 @@ import torch.nn.functional as F
 from torch import fx
 
 from torchport.compiler.backend import register_pre_grad_pass
-from torchport.compiler.passes import Pass, Rule, is_call, node_tensor_meta
+from torchport.compiler.passes import (
+    Pass,
+    Rule,
+    has_static_shape,
+    is_call,
+    is_plain_tensor,
+    node_tensor_meta,
+)
 from torchport.gemm.epilogue import EpilogueSpec, Op
 from torchport.gemm.mm import gemm_op
 
@@ -64,7 +71,15 @@ def _meta(node: Any) -> torch.Tensor | None:
 
 
 def _fusable(t: torch.Tensor | None) -> bool:
-    return t is not None and t.dtype in _TAG and t.device.type == "cpu"
+    # Plain tensors only (a quantized weight subclass is not ours to fuse), and static shapes:
+    # testing symbolic sizes would add guards that break a declared dynamic spec.
+    return (
+        t is not None
+        and is_plain_tensor(t)
+        and has_static_shape(t)
+        and t.dtype in _TAG
+        and t.device.type == "cpu"
+    )
 
 
 _RELU = (torch.relu, F.relu, torch.nn.functional.relu)

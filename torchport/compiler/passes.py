@@ -121,6 +121,18 @@ def run_passes(
     return done
 
 
+def is_plain_tensor(t: object) -> bool:
+    """True for a plain (possibly fake) tensor: not a tensor subclass such as a quantized weight."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(t) is torch.Tensor or type(t) is FakeTensor
+
+
+def has_static_shape(t: torch.Tensor) -> bool:
+    """True if every size of ``t`` is a plain int (no SymInt), so shape tests add no guards."""
+    return all(type(s) is int for s in t.shape)
+
+
 def node_tensor_meta(node: fx.Node) -> torch.Tensor | None:
     """The fake tensor dynamo/export recorded for ``node`` (``meta['example_value']``/``['val']``)."""
     val = node.meta.get("val", node.meta.get("example_value"))

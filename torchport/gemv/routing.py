@@ -15,17 +15,24 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from torchport.compiler import Pass, Rule, is_call, node_tensor_meta, register_pre_grad_pass
+from torchport.compiler import (
+    Pass,
+    Rule,
+    is_call,
+    is_plain_tensor,
+    node_tensor_meta,
+    register_pre_grad_pass,
+)
 from torchport.gemv.ops import MAX_ROWS, gemv_dense_op
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _static_rows(shape: torch.Size) -> int | None:
-    try:
-        return math.prod(int(s) for s in shape[:-1])
-    except (TypeError, ValueError):  # symbolic sizes: leave the call alone
+    # int() of a SymInt would specialise it (a guard): leave symbolic sizes alone
+    if not all(type(s) is int for s in shape):
         return None
+    return math.prod(shape[:-1])
 
 
 def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -40,7 +47,7 @@ def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
         return False
     if xm.dtype not in _DTYPES or wm.dtype != xm.dtype or wm.dim() != 2 or xm.dim() < 1:
         return False
-    if type(wm).__name__ not in ("FakeTensor", "Tensor") or wm.layout != torch.strided:
+    if not is_plain_tensor(wm) or wm.layout != torch.strided:
         return False
     rows = _static_rows(xm.shape)
     if rows is None or not 0 < rows <= MAX_ROWS:
@@ -59,6 +66,7 @@ def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
 GEMV_ROUTING = Pass(
     "gemv_routing", [Rule("linear(decode x, W) -> torchport::gemv_dense", _linear_to_gemv)]
 )
-register_pre_grad_pass(GEMV_ROUTING, order=50)
+# Before the GEMM engine's fusion (order 50): decode-shaped linears belong to the GEMV.
+register_pre_grad_pass(GEMV_ROUTING, order=40)
 
 __all__ = ["GEMV_ROUTING", "gemv_dense_op"]
