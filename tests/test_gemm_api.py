@@ -217,3 +217,44 @@ def test_spec_roundtrip_and_malformed():
         EpilogueSpec.decode("softmax")
     with pytest.raises(EpilogueError, match="output dtype must be f32 or bf16, got 'f16'"):
         EpilogueSpec.decode("out=f16")
+
+
+def test_aten_choice_is_one_addmm_on_the_inputs(monkeypatch):
+    """When ATen serves the call, linear is F.linear's addmm(bias, x, w.t()): no copies."""
+    calls = []
+    real = torch.addmm
+
+    def spy(bias, a, b, *args, **kwargs):
+        calls.append((bias, a, b))
+        return real(bias, a, b, *args, **kwargs)
+
+    x, w, bias = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    with config.override(max_autotune_gemm_backends="ATEN"), torch.no_grad():
+        linear(x, w, bias)  # settle the choice
+        monkeypatch.setattr(torch, "addmm", spy)
+        y = linear(x, w, bias)
+    assert len(calls) == 1
+    b_in, a_in, w_in = calls[0]
+    assert b_in is bias and a_in is x
+    assert w_in.data_ptr() == w.data_ptr() and w_in.stride() == (1, 16)  # w.t(), in place
+    torch.testing.assert_close(y, F.linear(x, w, bias))
+
+
+def test_settled_choice_follows_settings():
+    """The per-process memo of choices is keyed on the settings that steer the choice."""
+    a, b = torch.randn(7, 40), torch.randn(40, 24)
+    spec = EpilogueSpec.decode("")
+    with config.override(max_autotune_gemm_backends="ATEN"):
+        assert G.choose(a, b, spec, []).is_anchor
+    assert not G.choose(a, b, spec, []).is_anchor  # autotune off: first native candidate
+    with config.override(native=False):
+        assert G.choose(a, b, spec, []).is_anchor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_bias_fast_path_matches_split(dtype):
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    bias = torch.randn(5).to(dtype)
+    assert mm_mod._BIAS_SPECS[dtype] == split([G.Bias(bias)], 3, 5).spec.encode()
+    with pytest.raises(EpilogueError, match=r"shape \(5,\)"):
+        mm(torch.randn(3, 4), torch.randn(4, 5), bias=torch.randn(6))

@@ -88,9 +88,14 @@ def compare(
     samples: dict[str, list[float]] = {k: [] for k in fns}
     t_end = time.perf_counter() + max_time_s
     n = len(arg_sets)
+    # one rotation shared by all functions: every call gets the set least recently touched (by
+    # anyone), so each side sees equally cold inputs. (A per-function offset such as hash(name)
+    # varies per process and can hand one side the set the previous call just warmed.)
+    call = 0
     for i in range(reps):
         for k, fn in fns.items():
-            args = arg_sets[(i + hash(k)) % n]
+            args = arg_sets[call % n]
+            call += 1
             t0 = time.perf_counter()
             fn(*args)
             samples[k].append(time.perf_counter() - t0)

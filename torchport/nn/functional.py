@@ -41,8 +41,10 @@ def linear(
             f"linear: input's last dimension must equal in_features={k}, got shape "
             f"{tuple(input.shape)}"
         )
-    lead = tuple(input.shape[:-1])
     n = weight.shape[0]
+    if epilogue is None and input.dim() == 2:  # nn.Linear on a batch of rows: no reshapes
+        return mm(input, weight.t(), bias=bias)
+    lead = tuple(input.shape[:-1])
     x2 = input.reshape(-1, k)
     steps: list[Step] = []
     for s in as_steps(epilogue):
