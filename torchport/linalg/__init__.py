@@ -102,6 +102,17 @@ _memo: dict[tuple[Any, ...], bool] = {}
 # The per-call fast path of method="auto": (op, shape, dtype, device, options) -> route, filled
 # after the first call of that exact problem; a hit skips bucketing, the tuner and its cache.
 _fast: dict[tuple[Any, ...], str] = {}
+# (op, shape, dtype, options) of real problems that "auto" sends to torch.linalg: correct on any
+# device (off the CPU "auto" always means torch.linalg), so the key skips the costly ``a.device``
+_lapack_fast: set[tuple[Any, ...]] = set()
+
+
+def _lapack_known(op: str, a: object, extra: tuple[Any, ...]) -> bool:
+    """True if ``method="auto"`` already routed this exact problem to ``torch.linalg``: the
+    cheapest check there is, run before any validation (keys are stored only for valid calls)."""
+    if type(a) is not torch.Tensor:
+        return False
+    return (op, a.shape, a.dtype, extra) in _lapack_fast
 
 
 def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str:
@@ -145,6 +156,8 @@ def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str
         _memo[key] = hit
     route = "native" if hit else "lapack"
     _fast[(op, a.shape, a.dtype, a.device, extra)] = route
+    if route == "lapack":
+        _lapack_fast.add((op, a.shape, a.dtype, extra))
     return route
 
 
@@ -278,6 +291,8 @@ def svd(
     Returns ``(U, S, Vh)`` with S descending; ``full_matrices`` picks (m×m, n×n) or reduced
     (m×k, k×n) factors, k = min(m, n). U and Vh stay orthonormal for rank-deficient input.
     """
+    if method == "auto" and _lapack_known("svd", A, (bool(full_matrices), True)):
+        return torch.linalg.svd(A, full_matrices=full_matrices)
     a = _check("svd", A, square=False)
     route = _route("svd", a, method, (bool(full_matrices), True))
     if route == "lapack":
@@ -293,6 +308,8 @@ def svd(
 
 def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
     """Singular values of ``A``, descending (``torch.linalg.svdvals``)."""
+    if method == "auto" and _lapack_known("svd", A, (False, False)) and not A.requires_grad:
+        return torch.linalg.svdvals(A)
     a = _check("svdvals", A, square=False)
     if a.requires_grad and torch.is_grad_enabled():
         return svd(a, full_matrices=False, method=method)[1]
@@ -352,6 +369,8 @@ def qr(
 
     With ``mode='r'`` Q is an empty tensor, as in torch. R's diagonal follows LAPACK's signs.
     """
+    if method == "auto" and _lapack_known("qr", A, (mode,)):
+        return torch.linalg.qr(A, mode=mode)
     a = _check("qr", A, square=False)
     if mode not in QR_MODES:
         raise LinalgInputError(f"torchport.linalg.qr: mode must be one of {QR_MODES}, got {mode!r}")
@@ -377,6 +396,8 @@ def cholesky_ex(
     not positive-definite; the factor of such a matrix is zero. ``check_errors=True`` raises
     like :func:`cholesky` instead.
     """
+    if method == "auto" and _lapack_known("cholesky", A, (bool(upper),)):
+        return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
     a = _check("cholesky_ex", A, square=True)
     return _cholesky_ex(a, upper, check_errors, _route("cholesky", a, method, (bool(upper),)))
 
@@ -418,6 +439,8 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
+    if method == "auto" and _lapack_known("cholesky", A, (bool(upper),)):
+        return torch.linalg.cholesky(A, upper=upper)
     a = _check("cholesky", A, square=True)
     route = _route("cholesky", a, method, (bool(upper),))
     if route == "lapack":
