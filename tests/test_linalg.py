@@ -497,6 +497,8 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
     from torchport import autotune
 
     monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_lapack_fast", set())
     monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "2")
     before = autotune.stats.tuned
     a = torch.randn(300, 3, 3)
@@ -508,14 +510,124 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
     hit = autotune.choice_cache.get(
         "linalg.svd",
         {
-            "batch": 1024,
+            "batch": 512,
             "m": 3,
             "n": 3,
             "dtype": "torch.float32",
             "options": [False, False],
             "kernels": kernels.SOURCE_TAG,
+            "tuned_on": "call batch, public path, confirmed interleaved",
         },
     )
     assert hit is not None and set(hit["timings_s"]) == {"torch.linalg", "native"}
     big = torch.randn(1, 200, 200, dtype=torch.float64)  # beyond NATIVE_MAX_N: LAPACK, no kernel
     assert tl._route("svd", big, "auto", (False, True)) == "lapack"
+
+
+def test_auto_batch_buckets_are_powers_of_two():
+    assert [tl._bucket(b) for b in (0, 1, 2, 3, 100, 128, 129, 10_000)] == [
+        1,
+        1,
+        2,
+        4,
+        128,
+        128,
+        256,
+        16_384,
+    ]
+
+
+def _fake_select(native_wins: bool, seen: list):
+    from torchport.autotune import Choice
+
+    def select(op, key, candidates, factory, make_args, **kw):
+        seen.append((op, dict(key), make_args()[0].shape))
+        pick = candidates[1] if native_wins else candidates[0]
+        return Choice(op, pick)
+
+    return select
+
+
+def test_auto_confirms_native_win_against_lapack(monkeypatch):
+    """A native win from the tuner (fresh or cached) is kept only if the alternating timing on
+    the call's own batch agrees; fake timings make the decision deterministic."""
+    from torchport import autotune
+
+    seen: list = []
+    monkeypatch.setattr(autotune, "select", _fake_select(True, seen))
+    a = torch.randn(100, 3, 3, generator=torch.Generator().manual_seed(0))
+    for t_lapack, t_native, want in (
+        (1.0, 2.0, "lapack"),
+        (1.0, 0.99, "lapack"),
+        (1.0, 0.5, "native"),
+    ):
+        monkeypatch.setattr(tl, "_memo", {})
+        monkeypatch.setattr(tl, "_fast", {})
+        monkeypatch.setattr(tl, "_lapack_fast", set())
+        monkeypatch.setattr(tl, "_time_pair", lambda fa, fb, x, r=(t_lapack, t_native): r)
+        assert tl._route("qr", a, "auto", ("reduced",)) == want
+    # tuned in the bucket of 100 (128), on the call's batch of 100, not the bucket's top
+    assert seen[-1][1]["batch"] == 128 and seen[-1][2] == (100, 3, 3)
+    assert torch.allclose(tl.qr(a)[1].abs(), torch.linalg.qr(a)[1].abs(), rtol=1e-4, atol=1e-4)
+
+
+def test_auto_lapack_choice_skips_confirmation(monkeypatch):
+    from torchport import autotune
+
+    monkeypatch.setattr(autotune, "select", _fake_select(False, []))
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_lapack_fast", set())
+
+    def boom(*args):
+        raise AssertionError("confirmation timed although the tuner chose torch.linalg")
+
+    monkeypatch.setattr(tl, "_time_pair", boom)
+    assert tl._route("cholesky", spd(100, 8), "auto", (False,)) == "lapack"
+
+
+def test_auto_cached_decision_does_no_extra_work(monkeypatch):
+    """The second call of the same problem is one dict lookup: no bucketing, no tuner, no
+    config of the tuner; and cholesky routes once per call, not twice."""
+    calls: list = []
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_lapack_fast", set())
+    monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or False)
+    a = spd(100, 8)
+    assert torch.equal(tl.cholesky(a), torch.linalg.cholesky(a))
+    assert len(calls) == 1
+
+    def no_bucket(b):
+        raise AssertionError("bucketing on a cached call")
+
+    def no_check(*args, **kw):
+        raise AssertionError("validation or routing on a call already routed to torch.linalg")
+
+    monkeypatch.setattr(tl, "_bucket", no_bucket)
+    monkeypatch.setattr(tl, "_check", no_check)
+    monkeypatch.setattr(tl, "_route", no_check)
+    for _ in range(3):
+        tl.cholesky(a)
+        tl.cholesky_ex(a)
+    assert len(calls) == 1
+    # a native decision is honoured from the fast path too, and cholesky routes only once
+    monkeypatch.undo()
+    monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_lapack_fast", set())
+    monkeypatch.setattr(tl, "_bucket", lambda b: 128)
+    monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or True)
+    monkeypatch.setattr(tl, "_memo", {})
+    routes: list = []
+    real_route = tl._route
+    monkeypatch.setattr(tl, "_route", lambda *args: routes.append(args[0]) or real_route(*args))
+    fac = tl.cholesky(a)
+    assert routes == ["cholesky"] and len(calls) == 2
+    tl.cholesky(a)  # the cached native decision: one more routing, no tuning
+    assert routes == ["cholesky", "cholesky"] and len(calls) == 2
+    assert torch.allclose(fac, torch.linalg.cholesky(a), atol=1e-4)
+    # with native kernels switched off a cached native decision is not used
+    from torchport import config
+
+    with config.override(native=False):
+        assert tl._route("cholesky", a, "auto", (False,)) == "lapack"

@@ -21,13 +21,13 @@ native kernels are real-only. Autograd follows ``torch.linalg``'s formulas
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torchport import autotune, native
+from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
 from torchport.linalg import kernels, ops
 from torchport.linalg.reference import (
@@ -91,18 +91,37 @@ def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
 
 
 def _bucket(b: int) -> int:
-    """Batch sizes tuned together: 1, then powers of 4."""
-    return 1 if b <= 1 else 4 ** math.ceil(math.log(b, 4))
+    """Batch sizes tuned together: 1, then powers of 2 (a call of B=100 is tuned with B<=128)."""
+    return 1 if b <= 1 else 1 << (b - 1).bit_length()
 
 
 # torch's named-tuple return types (structseq), e.g. ``linalg_svd(U, S, Vh)``
 _rt: Any = torch.return_types
 
 _memo: dict[tuple[Any, ...], bool] = {}
+# The per-call fast path of method="auto": (op, shape, dtype, device, options) -> route, filled
+# after the first call of that exact problem; a hit skips bucketing, the tuner and its cache.
+_fast: dict[tuple[Any, ...], str] = {}
+# (op, shape, dtype, options) of real problems that "auto" sends to torch.linalg: correct on any
+# device (off the CPU "auto" always means torch.linalg), so the key skips the costly ``a.device``
+_lapack_fast: set[tuple[Any, ...]] = set()
+
+
+def _lapack_known(op: str, a: object, extra: tuple[Any, ...]) -> bool:
+    """True if ``method="auto"`` already routed this exact problem to ``torch.linalg``: the
+    cheapest check there is, run before any validation (keys are stored only for valid calls)."""
+    if type(a) is not torch.Tensor:
+        return False
+    return (op, a.shape, a.dtype, extra) in _lapack_fast
 
 
 def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str:
     """'native', 'lapack' or 'reference' for this call."""
+    if method == "auto":
+        fast = (op, a.shape, a.dtype, a.device, extra)
+        hit_route = _fast.get(fast)
+        if hit_route is not None and (hit_route == "lapack" or native.enabled()):
+            return hit_route
     if method not in METHODS:
         raise LinalgInputError(
             f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
@@ -133,17 +152,45 @@ def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str
     key = (op, _bucket(b), m, n, a.dtype, extra)
     hit = _memo.get(key)
     if hit is None:
-        hit = _tune(op, key)
+        hit = _tune(op, key, b)
         _memo[key] = hit
-    return "native" if hit else "lapack"
+    route = "native" if hit else "lapack"
+    _fast[(op, a.shape, a.dtype, a.device, extra)] = route
+    if route == "lapack":
+        _lapack_fast.add((op, a.shape, a.dtype, extra))
+    return route
 
 
-def _tune(op: str, key: tuple[Any, ...]) -> bool:
-    """Ask the autotuner (persistent cache) whether the native kernel beats torch.linalg."""
+def _time_pair(
+    fa: Callable[[torch.Tensor], Any], fb: Callable[[torch.Tensor], Any], x: torch.Tensor
+) -> tuple[float, float]:
+    """Median seconds of ``fa(x)`` and ``fb(x)``, timed alternately so a burst of load on a
+    shared machine hits both alike."""
+    ta: list[float] = []
+    tb: list[float] = []
+    fa(x), fb(x)
+    for _ in range(max(5, int(config.get("autotune_reps")))):
+        t0 = time.perf_counter()
+        fa(x)
+        t1 = time.perf_counter()
+        fb(x)
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return autotune.median(ta), autotune.median(tb)
+
+
+def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
+    """Ask the autotuner (persistent cache) whether the native kernel beats torch.linalg.
+
+    Tuning runs on the batch of the call that triggered it (capped so one anchor call stays
+    around a few ms), not on the top of its bucket. A native win, fresh or cached, is then
+    confirmed once per process by timing both alternately on that batch: the native kernel is
+    used only if it still beats ``torch.linalg`` by more than ``config.autotune_noise``.
+    """
     _, bucket, m, n, dtype, extra = key
     k = min(m, n)
-    # a representative batch: the bucket, capped so one anchor call stays around a few ms
-    tb = max(2 if bucket > 1 else 1, min(bucket, (1 << 21) // max(1, m * n * k)))
+    tb = max(1, min(b, (1 << 21) // max(1, m * n * k)))
 
     def make_args() -> tuple[torch.Tensor]:
         g = torch.Generator().manual_seed(0)
@@ -170,6 +217,7 @@ def _tune(op: str, key: tuple[Any, ...]) -> bool:
             "dtype": str(dtype),
             "options": list(extra),
             "kernels": kernels.SOURCE_TAG,
+            "tuned_on": "call batch, public path, confirmed interleaved",
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
         factory,
@@ -178,7 +226,11 @@ def _tune(op: str, key: tuple[Any, ...]) -> bool:
         check=_close_at(_VALUES_AT[op]),
         backends={"NATIVE", "ATEN"},
     )
-    return not choice.candidate.is_anchor
+    if choice.candidate.is_anchor:
+        return False
+    (x,) = make_args()
+    t_lapack, t_native = _time_pair(_anchor(op, extra), _native_fn(op, extra), x)
+    return t_native < t_lapack * (1.0 - float(config.get("autotune_noise")))
 
 
 def _anchor(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
@@ -201,13 +253,15 @@ def _anchor(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
 
 
 def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
+    # the path a routed call takes (ops.*: custom op, reshapes, error checks), not the bare
+    # launcher: at ~20 us sizes the difference decides which side wins
     if op == "svd":
-        return lambda x: kernels.svd(x, extra[0], extra[1])[:3]
+        return lambda x: ops.svd(x, extra[0], extra[1])
     if op == "eigh":
-        return lambda x: kernels.eigh(x, extra[0], extra[1])[:2]
+        return lambda x: ops.eigh(x, extra[0], extra[1])
     if op == "qr":
-        return lambda x: kernels.qr(x, extra[0])
-    return lambda x: kernels.cholesky(x, extra[0])[:2]
+        return lambda x: ops.qr(x, extra[0])
+    return lambda x: ops.cholesky_ex(x, extra[0])
 
 
 _VALUES_AT = {"svd": 1, "eigh": 0, "qr": 1, "cholesky": 0}
@@ -239,6 +293,8 @@ def svd(
     Returns ``(U, S, Vh)`` with S descending; ``full_matrices`` picks (m×m, n×n) or reduced
     (m×k, k×n) factors, k = min(m, n). U and Vh stay orthonormal for rank-deficient input.
     """
+    if method == "auto" and _lapack_known("svd", A, (bool(full_matrices), True)):
+        return torch.linalg.svd(A, full_matrices=full_matrices)
     a = _check("svd", A, square=False)
     route = _route("svd", a, method, (bool(full_matrices), True))
     if route == "lapack":
@@ -254,6 +310,8 @@ def svd(
 
 def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
     """Singular values of ``A``, descending (``torch.linalg.svdvals``)."""
+    if method == "auto" and _lapack_known("svd", A, (False, False)) and not A.requires_grad:
+        return torch.linalg.svdvals(A)
     a = _check("svdvals", A, square=False)
     if a.requires_grad and torch.is_grad_enabled():
         return svd(a, full_matrices=False, method=method)[1]
@@ -313,6 +371,8 @@ def qr(
 
     With ``mode='r'`` Q is an empty tensor, as in torch. R's diagonal follows LAPACK's signs.
     """
+    if method == "auto" and _lapack_known("qr", A, (mode,)):
+        return torch.linalg.qr(A, mode=mode)
     a = _check("qr", A, square=False)
     if mode not in QR_MODES:
         raise LinalgInputError(f"torchport.linalg.qr: mode must be one of {QR_MODES}, got {mode!r}")
@@ -338,8 +398,15 @@ def cholesky_ex(
     not positive-definite; the factor of such a matrix is zero. ``check_errors=True`` raises
     like :func:`cholesky` instead.
     """
+    if method == "auto" and _lapack_known("cholesky", A, (bool(upper),)):
+        return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
     a = _check("cholesky_ex", A, square=True)
-    route = _route("cholesky", a, method, (bool(upper),))
+    return _cholesky_ex(a, upper, check_errors, _route("cholesky", a, method, (bool(upper),)))
+
+
+def _cholesky_ex(
+    a: torch.Tensor, upper: bool, check_errors: bool, route: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     if route == "lapack":
         return torch.linalg.cholesky_ex(a, upper=upper, check_errors=check_errors)
     if route == "reference":
@@ -374,9 +441,12 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
+    if method == "auto" and _lapack_known("cholesky", A, (bool(upper),)):
+        return torch.linalg.cholesky(A, upper=upper)
     a = _check("cholesky", A, square=True)
-    if _route("cholesky", a, method, (bool(upper),)) == "lapack":
+    route = _route("cholesky", a, method, (bool(upper),))
+    if route == "lapack":
         return torch.linalg.cholesky(a, upper=upper)  # no info round trip on the LAPACK path
-    fac, info = cholesky_ex(a, upper=upper, method=method)
+    fac, info = _cholesky_ex(a, upper, False, route)
     _raise_not_pd("cholesky", a, info)
     return fac
