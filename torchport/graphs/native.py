@@ -61,6 +61,75 @@ TP_INLINE float tp_tanhf(float x) {
 }
 """
 
+# GEMM support: the engine's entry point type (torchport.gemm.templates) and the packing of B
+# into its [ceil(N/nr)][K][nr] panels, done at every replay (weights are read at replay, as CUDA
+# graphs read theirs). A Linear weight arrives as W.t() (unit stride along K): 8x8 AVX2
+# transposes; rows contiguous along N: row copies; anything else: one element at a time.
+_PACK = r"""
+typedef int (*tp_gemm_t)(float *, int64_t, const float *, int64_t, int64_t, const float *,
+    int64_t, int64_t, int64_t, int64_t, int64_t, const void *const *, const int64_t *, int64_t);
+
+static void tp_pack(const float *B, int64_t bs0, int64_t bs1, int64_t K, int64_t N, int64_t nr,
+                    float *out) {
+    const int64_t np = (N + nr - 1) / nr;
+    for (int64_t jp = 0; jp < np; ++jp) {
+        float *o = out + jp * K * nr;
+        const int64_t j0 = jp * nr, w = TP_MIN(nr, N - j0);
+        if (bs1 == 1) {
+            for (int64_t k = 0; k < K; ++k) {
+                memcpy(o + k * nr, B + k * bs0 + j0, (size_t)w * sizeof(float));
+                for (int64_t c = w; c < nr; ++c) o[k * nr + c] = 0.0f;
+            }
+            continue;
+        }
+        int64_t c = 0;
+#if defined(__AVX2__)
+        if (bs0 == 1) {
+            for (; c + 8 <= w; c += 8) {
+                const float *col = B + (j0 + c) * bs1;
+                int64_t k = 0;
+                for (; k + 8 <= K; k += 8) {
+                    __m256 r0 = _mm256_loadu_ps(col + k), r1 = _mm256_loadu_ps(col + bs1 + k);
+                    __m256 r2 = _mm256_loadu_ps(col + 2 * bs1 + k);
+                    __m256 r3 = _mm256_loadu_ps(col + 3 * bs1 + k);
+                    __m256 r4 = _mm256_loadu_ps(col + 4 * bs1 + k);
+                    __m256 r5 = _mm256_loadu_ps(col + 5 * bs1 + k);
+                    __m256 r6 = _mm256_loadu_ps(col + 6 * bs1 + k);
+                    __m256 r7 = _mm256_loadu_ps(col + 7 * bs1 + k);
+                    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+                    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+                    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+                    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+                    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+                    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+                    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+                    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+                    float *d = o + k * nr + c;
+                    _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+                    _mm256_storeu_ps(d + nr, _mm256_permute2f128_ps(u1, u5, 0x20));
+                    _mm256_storeu_ps(d + 2 * nr, _mm256_permute2f128_ps(u2, u6, 0x20));
+                    _mm256_storeu_ps(d + 3 * nr, _mm256_permute2f128_ps(u3, u7, 0x20));
+                    _mm256_storeu_ps(d + 4 * nr, _mm256_permute2f128_ps(u0, u4, 0x31));
+                    _mm256_storeu_ps(d + 5 * nr, _mm256_permute2f128_ps(u1, u5, 0x31));
+                    _mm256_storeu_ps(d + 6 * nr, _mm256_permute2f128_ps(u2, u6, 0x31));
+                    _mm256_storeu_ps(d + 7 * nr, _mm256_permute2f128_ps(u3, u7, 0x31));
+                }
+                for (; k < K; ++k)
+                    for (int64_t q = 0; q < 8; ++q) o[k * nr + c + q] = col[q * bs1 + k];
+            }
+        }
+#endif
+        for (; c < w; ++c) {
+            const float *col = B + (j0 + c) * bs1;
+            for (int64_t k = 0; k < K; ++k) o[k * nr + c] = col[k * bs0];
+        }
+        for (; c < nr; ++c)
+            for (int64_t k = 0; k < K; ++k) o[k * nr + c] = 0.0f;
+    }
+}
+"""
+
+
 _UNARY = {
     "relu": "({a} < 0.0f ? 0.0f : {a})",  # NaN propagates, as in ATen
     "tanh": "tp_tanhf({a})",
@@ -87,6 +156,11 @@ class _Codegen:
         self.storages: list[torch.Tensor] = []  # one tensor per distinct storage, kept alive
         self._sid: dict[int, int] = {}
         self.lines: list[str] = []
+        self.fns: list[Any] = []  # GEMM-engine entry points, passed to the program as F[i]
+        self._fid: dict[tuple[tuple[int, int], bool], int] = {}
+        self.pack_floats = 0  # scratch W: packed B panels
+        self.tmp_floats = 0  # scratch T: a product before a general beta/alpha combine
+        self.nthreads = native.num_threads()
 
     def ref(self, t: torch.Tensor) -> tuple[str, list[int], list[int]]:
         if t.dtype != torch.float32 or t.device.type != "cpu" or type(t) is not torch.Tensor:
@@ -100,14 +174,15 @@ class _Codegen:
         base = f"(s{self._sid[key]} + {off})" if off else f"s{self._sid[key]}"
         return base, list(t.shape), list(t.stride())
 
-    def pointwise(self, out: torch.Tensor, expr: str, ins: Sequence[Any]) -> None:
+    def pointwise(self, out: torch.Tensor, expr: str, ins: Sequence[Any], temp: Any = None) -> None:
+        """``out[idx] = expr`` over ``out``'s shape; inputs broadcast; ``temp`` stands for ``T``."""
         ob, shape, ostr = self.ref(out)
         nd = len(shape)
         idx = [f"i{d}" for d in range(nd)]
         names = {}
         for name, v in ins:
             if isinstance(v, torch.Tensor):
-                b, s, st = self.ref(v)
+                b, s, st = ("T", list(v.shape), list(v.stride())) if v is temp else self.ref(v)
                 pad = nd - len(s)
                 if pad < 0:
                     raise _Unsupported("input larger than output")
@@ -133,49 +208,91 @@ class _Codegen:
         beta: float,
         alpha: float,
     ) -> None:
+        """``out = beta * bias + alpha * (a @ b)`` through a GEMM-engine tile (see :func:`_gemm`)."""
         ob, (m, n), (os0, os1) = self.ref(out)
         ab, (_, k), (as0, as1) = self.ref(a)
         bb, _, (bs0, bs1) = self.ref(b)
-        init = "0.0f"
-        if bias is not None:
-            cb, cs, cst = self.ref(bias)
-            pad = 2 - len(cs)
-            sidx = ["i", "j"][pad:]
-            terms = [f"{sidx[d]}*{cst[d]}" for d in range(len(cs)) if cs[d] != 1]
-            init = f"{float(beta)!r}f * {cb}[{' + '.join(terms) or '0'}]"
-            if float(beta) == 0.0:
-                init = "0.0f"  # ATen ignores the bias (even NaN) when beta == 0
-        if k * n > (1 << 16) or n > 4096:
-            raise _Unsupported("matmul too large for the native tier")
-        alpha_s = f"{float(alpha)!r}f"
-        if bs1 == 1:
-            # B rows contiguous along j: rank-1 updates of one output row, vectorised over j.
-            self.lines.append(
-                f"  {{ float acc[{n}];\n"
-                f"    for (long i = 0; i < {m}; ++i) {{\n"
-                f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] = 0.0f;\n'
-                f"      for (long p = 0; p < {k}; ++p) {{ const float a = {ab}[i*{as0} + p*{as1}];\n"
-                f'        _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
-                f" acc[j] += a * {bb}[p*{bs0} + j]; }}\n"
-                f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
-                f" {ob}[i*{os0} + j*{os1}] = {init} + {alpha_s} * acc[j];\n"
-                f"    }}\n  }}"
-            )
-            return
-        # B strided along j (e.g. a transposed Linear weight): row-major copy of B, then the
-        # same rank-1 updates (measured faster here than dot products or a transposed-A kernel).
-        self.lines.append(
-            f"  {{ float bt[{k * n}]; float acc[{n}];\n"
-            f'    for (long p = 0; p < {k}; ++p) _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
-            f" bt[p*{n} + j] = {bb}[p*{bs0} + j*{bs1}];\n"
-            f"    for (long i = 0; i < {m}; ++i) {{\n"
-            f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] = 0.0f;\n'
-            f"      for (long p = 0; p < {k}; ++p) {{ const float a = {ab}[i*{as0} + p*{as1}];\n"
-            f'        _Pragma("omp simd") for (long j = 0; j < {n}; ++j) acc[j] += a * bt[p*{n} + j]; }}\n'
-            f'      _Pragma("omp simd") for (long j = 0; j < {n}; ++j)'
-            f" {ob}[i*{os0} + j*{os1}] = {init} + {alpha_s} * acc[j];\n"
-            f"    }}\n  }}"
+        beta, alpha = float(beta), float(alpha)
+        fast_bias = (
+            bias is not None
+            and bias.dim() == 1
+            and bias.shape[0] == n
+            and (bias.stride(0) == 1 or n <= 1)
+            and beta == 1.0
+            and alpha == 1.0
+            and bias.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
         )
+        cbias = self.ref(bias)[0] if fast_bias else ""
+        optr = out.untyped_storage().data_ptr()
+        direct = (
+            (bias is None or beta == 0.0 or fast_bias)
+            and alpha == 1.0
+            and (os1 == 1 or n <= 1)
+            and optr not in (a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr())
+        )
+        cfg = _tile_for(m, n, k)
+        fid = self.gemm_fn(cfg, fast_bias)
+        npan = (n + cfg[1] - 1) // cfg[1]
+        self.pack_floats = max(self.pack_floats, npan * k * cfg[1])
+        dst, ldc = (ob, os0) if direct else ("T", n)
+        if not direct:
+            self.tmp_floats = max(self.tmp_floats, m * n)
+        ep = f"{{ {cbias} }}" if fast_bias else "{ 0 }"
+        self.lines.append(
+            f"  {{ const void* ep[1] = {ep}; const int64_t eld[1] = {{ 1 }};\n"
+            f"    tp_pack({bb}, {bs0}, {bs1}, {k}, {n}, {cfg[1]}, W);\n"
+            f"    ((tp_gemm_t)F[{fid}])({dst}, {ldc}, {ab}, {as0}, {as1}, W, {m}, {n}, {k}, {m}, 0,"
+            f" ep, eld, {self.nthreads}); }}"
+        )
+        if direct:
+            return
+        # General beta/alpha, a 2-D or aliasing bias, a strided output: ATen's formula
+        # beta * bias + alpha * (a @ b) elementwise from the product in T (bias ignored at beta 0).
+        prod = torch.empty(m, n)  # stand-in with T's layout, to generate the index expression
+        terms = ["{p}" if alpha == 1.0 else f"{alpha!r}f * {{p}}"]
+        ins: list[tuple[str, Any]] = [("p", prod)]
+        if bias is not None and beta != 0.0:
+            terms.insert(0, "{c}" if beta == 1.0 else f"{beta!r}f * {{c}}")
+            ins.append(("c", bias))
+        self.pointwise(out, "(" + " + ".join(terms) + ")", ins, temp=prod)
+
+    def gemm_fn(self, cfg: tuple[int, int], bias: bool) -> int:
+        """Index in ``F`` of the engine's ``tp_gemm_{mr}x{nr}`` (no epilogue or a column bias)."""
+        key = (cfg, bias)
+        if key not in self._fid:
+            from torchport.gemm.epilogue import EpilogueSpec, Op
+            from torchport.gemm.kernels import _function
+
+            spec = EpilogueSpec((Op("bias_col", "f32"),) if bias else ())
+            fn = _function(spec, "f32", "f32", native.cpu_info().isa, cfg[0], cfg[1])
+            self._fid[key] = len(self.fns)
+            self.fns.append(fn)
+        return self._fid[key]
+
+
+def _tile_for(m: int, n: int, k: int) -> tuple[int, int]:
+    """The engine's register tile with the fewest estimated cycles for an ``m x n x k`` product.
+
+    Per ``k`` step a tile ``MR x NR`` (``NV = NR / VW`` vectors) issues ``NV + MR`` loads and
+    ``MR * NV`` FMAs (two of each per cycle) and cannot beat the FMA latency (4 cycles) on its
+    accumulator chains; remainder rows run the 1-row tile of the same width.
+    """
+    from torchport.gemm.kernels import TILES
+    from torchport.gemm.templates import VW
+
+    isa = native.cpu_info().isa
+    vw = VW[isa]
+
+    def per_k(mr: int, nv: int) -> float:
+        return max((nv + mr) / 2, mr * nv / 2, 4.0)
+
+    def cost(t: tuple[int, int]) -> float:
+        mr, nr = t
+        nv = nr // vw
+        panels = -(-n // nr)
+        return panels * (m // mr * per_k(mr, nv) + m % mr * per_k(1, nv)) * max(k, 1)
+
+    return min(TILES[isa], key=lambda t: (cost(t), -t[0] * t[1]))
 
 
 def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
@@ -226,28 +343,34 @@ def lower(
     except _Unsupported:
         return None
     decls = [f"  float* const s{i} = (float*)P[{i}];" for i in range(len(cg.storages))]
+    ns = len(cg.storages)
+    decls += [f"  float* const W = (float*)P[{ns}];", f"  float* const T = (float*)P[{ns + 1}];"]
     src = (
         native.PRELUDE
         + _MATH
-        + "\nTP_EXPORT void tp_graph(char** P) {\n"
-        + "\n".join(decls + cg.lines)
+        + _PACK
+        + "\nTP_EXPORT void tp_graph(char** P, void** F) {\n"
+        + "\n".join([*decls, "  (void)F; (void)W; (void)T;", *cg.lines])
         + "\n}\n"
     )
     try:
-        lib = native.build(src, name="tp_graph")
+        # No FP-exception side effects to keep: lets gcc if-convert (vectorise) the math loops.
+        lib = native.build(src, name="tp_graph", extra_flags=["-fno-trapping-math"])
     except native.NativeError as e:
         native.note_fallback("graphs.native", f"graph program did not compile: {e}")
         return None
     fn = lib.tp_graph
-    fn.argtypes = [ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
-    ptrs = (ctypes.c_void_p * max(1, len(cg.storages)))(
-        *[t.untyped_storage().data_ptr() for t in cg.storages]
-    )
+    scratch = [torch.empty(max(1, cg.pack_floats)), torch.empty(max(1, cg.tmp_floats))]
     keep = list(cg.storages)
+    ptrs = (ctypes.c_void_p * (ns + 2))(*[t.untyped_storage().data_ptr() for t in keep + scratch])
+    fptrs = (ctypes.c_void_p * max(1, len(cg.fns)))(
+        *[ctypes.cast(f, ctypes.c_void_p).value for f in cg.fns]
+    )
 
     def run() -> None:
-        fn(ptrs)
+        fn(ptrs, fptrs)
 
-    run.__dict__["_keep"] = (lib, ptrs, keep)
+    run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch)
     return run, keep, src
