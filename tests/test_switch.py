@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -150,3 +151,50 @@ def test_differing_int_outputs_become_bounded_symint() -> None:
     with mode:
         same = switch_op(i, (x,), lambda t: (t, 4), lambda t: (t * 2, 4))
     assert same[1] == 4 and isinstance(same[1], int)
+
+
+def test_compile_fullgraph_is_one_node_holding_every_branch() -> None:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    w = torch.randn(6)  # read by one branch only: a lifted input the others ignore
+    branches = [*BRANCHES[:7], lambda t: t * w]
+    f = torch.compile(
+        lambda i, x: torchport.switch(i, branches, (x,)), fullgraph=True, backend=backend
+    )
+    x = torch.randn(6)
+    for k in (-3, 0, 5, 7, 40):
+        torch.testing.assert_close(
+            f(torch.tensor(k), x), switch_reference(torch.tensor(k), branches, (x,))
+        )
+    (gm,) = graphs
+    sw = [n for n in gm.graph.nodes if n.target is switch_op]
+    assert len(sw) == 1 and len(sw[0].args) == 2 + len(branches)
+    assert not any("cond" in str(n.target) for n in gm.graph.nodes)
+    sigs = {
+        len([n for n in getattr(gm, a.target).graph.nodes if n.op == "placeholder"])
+        for a in sw[0].args[2:]
+    }
+    assert sigs == {len(sw[0].args[1])}, "every branch graph takes the same merged inputs"
+
+
+def test_compile_inductor_values_and_gradients() -> None:
+    f = torch.compile(lambda i, x: torchport.switch(i, BRANCHES[:5], (x,)), fullgraph=True)
+    for k in (-1, 2, 4, 9):
+        x = torch.randn(5, requires_grad=True)
+        f(torch.tensor(k), x).sum().backward()
+        x2 = x.detach().clone().requires_grad_()
+        BRANCHES[max(0, min(k, 4))](x2).sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_compile_mismatched_structure_names_branch() -> None:
+    branches = [lambda t: t + 1, lambda t: (t + 1, t * 2)]
+    f = torch.compile(
+        lambda i, x: torchport.switch(i, branches, (x,)), fullgraph=True, backend="eager"
+    )
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="branch1 returns"):
+        f(torch.tensor(0), torch.randn(3))

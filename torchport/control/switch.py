@@ -163,7 +163,8 @@ def switch(
     if rec is not None and isinstance(index, torch.Tensor):
         return rec.record_switch(index, flat_branches, leaves)
     if torch.compiler.is_dynamo_compiling():
-        return _cond_tree(index, flat_branches, leaves, 0, n)
+        # Traced by SwitchVariable (switch_dynamo.py) into one node holding every branch graph.
+        return switch_op(index, tuple(leaves), *flat_branches)
     if not _is_tracing(leaves, index):
         # Eager: call the chosen branch directly; autograd records its ops as usual.
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
@@ -197,21 +198,22 @@ def _call_unflattened(*args: Any, branch: Callable[..., Any], spec: pytree.TreeS
     return branch(*pytree.tree_unflatten(list(args), spec))
 
 
-def _cond_tree(
-    index: Any, branches: Sequence[Callable[..., Any]], ops: list[Any], lo: int, hi: int
-) -> Any:
-    """Balanced ``torch.cond`` tree over ``branches[lo:hi]`` (dynamo's view of a switch)."""
+def _cond_tree(branches: Sequence[Callable[..., Any]], lo: int, hi: int) -> Callable[..., Any]:
+    """``f(index, *operands)`` running ``branches[index]`` for ``lo <= index < hi`` as a balanced
+    tree of ``cond`` (depth ``ceil(log2 N)``), each level comparing ``index`` with its midpoint."""
     if hi - lo == 1:
-        return branches[lo](*ops)
+        leaf = branches[lo]
+        return lambda index, *ops: tuple(leaf(*ops))
+    from torch._higher_order_ops.cond import cond_op
+
     mid = (lo + hi) // 2
+    left, right = _cond_tree(branches, lo, mid), _cond_tree(branches, mid, hi)
+    return lambda index, *ops: cond_op(index < mid, left, right, (index, *ops))
 
-    def left(*a: Any) -> Any:
-        return _cond_tree(index, branches, list(a), lo, mid)
 
-    def right(*a: Any) -> Any:
-        return _cond_tree(index, branches, list(a), mid, hi)
-
-    return torch.cond(index < mid, left, right, tuple(ops))
+def _lowering_for_inductor() -> bool:
+    """True while AOTAutograd traces a ``torch.compile`` graph (not an export) for a backend."""
+    return torch._guards.TracingContext.try_get() is not None and not torch.compiler.is_exporting()
 
 
 def _trace_switch(mode: ProxyTorchDispatchMode, index: Any, branches: Any, operands: Any) -> Any:
@@ -288,6 +290,11 @@ def _switch_autograd(index: Any, operands: Any, *branches: Any) -> Any:
 
 @switch_op.py_impl(ProxyTorchDispatchMode)
 def _switch_proxy(mode: ProxyTorchDispatchMode, index: Any, operands: Any, *branches: Any) -> Any:
+    if _lowering_for_inductor() and len(branches) > 1:
+        # torch 2.13's Inductor has no N-way IR node (2.14 adds ir.Switch) but lowers cond: the
+        # graph it receives from AOTAutograd gets a cond tree in place of the one switch node.
+        with mode:
+            return _cond_tree(branches, 0, len(branches))(index, *operands)
     return _trace_switch(mode, index, branches, operands)
 
 
@@ -342,3 +349,12 @@ def _switch_functionalize(ctx: Any, index: Any, operands: Any, *branches: Any) -
             _check_alias_and_mutation(b, inner_ops, f"switch_branch{i}", pre_dispatch)
         out = switch_op(inner_index, tuple(inner_ops), *fbranches)
     return ctx.wrap_tensors(out)
+
+
+def _register_dynamo() -> None:
+    from torchport.control import switch_dynamo
+
+    switch_dynamo.register()
+
+
+_register_dynamo()
