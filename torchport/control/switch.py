@@ -14,9 +14,12 @@ How each mode runs it:
   ``HigherOrderOperator`` registered as ``torch.ops.higher_order.torchport_switch``, records
   **one** node holding all N branch graphs; the exported program runs and survives
   ``torch.export.save/load`` (load needs ``import torchport``);
-- ``torch.compile`` (dynamo): torch 2.13's dynamo only knows its built-in control-flow HOPs, so
-  under dynamo the switch lowers to a balanced binary tree of ``torch.cond`` (depth
-  ``ceil(log2 N)``), which ``fullgraph=True`` accepts;
+- ``torch.compile`` (dynamo, ``fullgraph=True``): :mod:`~torchport.control.switch_dynamo`
+  registers a variable class for :data:`switch_op` in dynamo's HOP table, so the captured graph
+  holds **one** ``torchport_switch`` node with all N branch graphs (what every backend receives).
+  torch 2.13's Inductor has no N-way IR node (2.14 adds ``ir.Switch``), so while AOTAutograd
+  traces that graph for a backend, the node becomes a balanced tree of ``cond`` (depth
+  ``ceil(log2 N)``), which Inductor lowers;
 - inside a :class:`torchport.graphs.Graph` capture: an N-way branch of the replayed program.
 """
 
