@@ -119,6 +119,8 @@ class _Scope:
 
     lines: list[str] = field(default_factory=list)
     indent: int = 1
+    # For the native tier: ("op", func, args, kwargs, out), ("switch", ...), ("while", ...).
+    trace: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -153,7 +155,6 @@ class Recorder(TorchDispatchMode):
         self.scopes_stack: list[_Scope] = []
         self.paused = False
         self._sub_out_names: dict[int, str] = {}
-        self.trace: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
         self.has_control = False
 
     # -- naming ---------------------------------------------------------------------------------
@@ -216,8 +217,7 @@ class Recorder(TorchDispatchMode):
         call = self._format_call(func, args, kwargs)
         out = func(*args, **kwargs)
         self.ops += 1
-        if not self.scopes_stack:
-            self.trace.append((func, tuple(args), dict(kwargs), out))
+        self.scope.trace.append(("op", func, tuple(args), dict(kwargs), out))
         self._bind_outputs(opname, call, out)
         return out
 
@@ -280,7 +280,9 @@ class Recorder(TorchDispatchMode):
         )
 
     # -- blocks ---------------------------------------------------------------------------------
-    def _sub(self, fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, list[str]]:
+    def _sub(
+        self, fn: Callable[..., Any], args: Sequence[Any]
+    ) -> tuple[Any, list[str], list[tuple[Any, ...]]]:
         """Run ``fn(*args)`` recording into a fresh block one level deeper."""
         outer = self.scope
         self.scopes_stack.append(outer)
@@ -288,7 +290,7 @@ class Recorder(TorchDispatchMode):
         self.scope = _Scope(indent=outer.indent + 1)
         try:
             out = fn(*args)
-            lines = self.scope.lines
+            lines, trace = self.scope.lines, self.scope.trace
         finally:
             self.scope = outer
             self.scopes_stack.pop()
@@ -296,7 +298,7 @@ class Recorder(TorchDispatchMode):
             id(t): self._names[id(t)][1] for t in _tensors(out) if id(t) in self._names
         }
         self._names = saved
-        return out, lines
+        return out, lines, trace
 
     def _value_name(self, t: torch.Tensor) -> str:
         n = self._sub_out_names.get(id(t))
@@ -313,12 +315,14 @@ class Recorder(TorchDispatchMode):
             chosen = int(index.item())
         results = []
         blocks = []
+        traces = []
         for b in branches:
-            out, lines = self._sub(b, operands)
+            out, lines, trace = self._sub(b, operands)
             leaves, spec = pytree.tree_flatten(out)
             names = [self._value_name(x) if isinstance(x, torch.Tensor) else None for x in leaves]
             results.append((leaves, spec, names))
             blocks.append(lines)
+            traces.append((trace, leaves))
         spec0 = results[0][1]
         for i, (_, spec, _) in enumerate(results):
             if spec != spec0:
@@ -373,6 +377,7 @@ class Recorder(TorchDispatchMode):
                     final.append(c)
                 else:
                     final.append(x)
+        self.scope.trace.append(("switch", index, traces, final))
         return pytree.tree_unflatten(final, spec)
 
     def record_while(
@@ -407,14 +412,14 @@ class Recorder(TorchDispatchMode):
             check_body_output(tuple(pytree.tree_unflatten(list(xs), spec)), out)
             return pytree.tree_leaves(out)
 
-        pred, cond_lines = self._sub(run_cond, probes)
+        pred, cond_lines, cond_trace = self._sub(run_cond, probes)
         if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
             raise WhileLoopError(
                 "while_loop: inside a graph capture cond_fn must return a one-element bool "
                 f"tensor, got {pred!r}"
             )
         pred_name = self._value_name(pred)
-        body_out, body_lines = self._sub(run_body, probes)
+        body_out, body_lines, body_trace = self._sub(run_body, probes)
         body_names = [self._value_name(t) for t in body_out]
         pad = "    " * self.scope.indent
         self.scope.lines.extend(_dedent(cond_lines, 1))
@@ -436,20 +441,22 @@ class Recorder(TorchDispatchMode):
                 vals = [x.clone() for x in pytree.tree_leaves(out)]
         for n, v in zip(loop_vars, vals):
             self.bind(v, n)
+        self.scope.trace.append(
+            ("while", leaves, probes, cond_trace, pred, body_trace, list(body_out), vals)
+        )
         return tuple(pytree.tree_unflatten(vals, spec))
 
     # -- finishing ------------------------------------------------------------------------------
     def finish(self) -> Program:
         """Compile the recording; outputs are the produced tensors still alive now."""
-        trace, self.trace = self.trace, []
-        if not self.has_control:
-            from torchport.graphs.native import lower
+        trace, self.scope.trace = self.scope.trace, []
+        from torchport.graphs.native import lower
 
-            low = lower(trace)
-            if low is not None:
-                run, keep, csrc = low
-                self._keep.clear()
-                return Program(csrc, run, keep, [], self.ops, "native")
+        low = lower(trace)
+        if low is not None:
+            run, keep, csrc = low
+            self._keep.clear()
+            return Program(csrc, run, keep, [], self.ops, "native")
         del trace
         outs: list[torch.Tensor] = []
         out_names: list[str] = []

@@ -130,16 +130,44 @@ static void tp_pack(const float *B, int64_t bs0, int64_t bs1, int64_t K, int64_t
 """
 
 
+_CTYPE = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.int64: "int64_t",
+    torch.int32: "int32_t",
+    torch.int16: "int16_t",
+    torch.int8: "int8_t",
+    torch.uint8: "uint8_t",
+    torch.bool: "uint8_t",
+}
+_FLOAT_ONLY = {"tanh", "sigmoid", "exp"}  # float32 math helpers
 _UNARY = {
-    "relu": "({a} < 0.0f ? 0.0f : {a})",  # NaN propagates, as in ATen
+    "relu": "({a} < 0 ? 0 : {a})",  # NaN propagates, as in ATen
     "tanh": "tp_tanhf({a})",
     "sigmoid": "(1.0f / (1.0f + tp_expf(-{a})))",
     "neg": "(-{a})",
     "exp": "tp_expf({a})",
     "clone": "{a}",
-    "copy": "{b}",
+    "logical_not": "(!{a})",
 }
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_BITWISE = {"bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^", "logical_and": "&&"}
+_BITWISE["logical_or"] = "||"
+
+
+def _scalar(v: Any, ct: str) -> str:
+    """A Python number as a C literal of type ``ct``."""
+    if ct in ("float", "double"):
+        f = float(v)
+        if f != f:
+            return '__builtin_nanf("")' if ct == "float" else '__builtin_nan("")'
+        if f in (float("inf"), float("-inf")):
+            return ("-" if f < 0 else "") + "__builtin_inff()"
+        return f"(({ct}){f!r})"
+    if isinstance(v, float):
+        raise _Unsupported(f"float scalar {v} in {ct} arithmetic")
+    return f"(({ct}){int(v)}LL)"
 
 
 class _Unsupported(Exception):
@@ -161,9 +189,17 @@ class _Codegen:
         self.pack_floats = 0  # scratch W: packed B panels
         self.tmp_floats = 0  # scratch T: a product before a general beta/alpha combine
         self.nthreads = native.num_threads()
+        self.extra: list[torch.Tensor] = []  # buffers the program itself needs, kept alive
+        self._counter = 0
+
+    def fresh(self, prefix: str) -> str:
+        self._counter += 1
+        return f"{prefix}{self._counter}"
 
     def ref(self, t: torch.Tensor) -> tuple[str, list[int], list[int]]:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or type(t) is not torch.Tensor:
+        """C pointer expression (typed by ``t.dtype``), shape and strides of ``t``."""
+        ctype = _CTYPE.get(t.dtype)
+        if ctype is None or t.device.type != "cpu" or type(t) is not torch.Tensor:
             raise _Unsupported(f"tensor {t.dtype} {t.device}")
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -171,12 +207,21 @@ class _Codegen:
             self._sid[key] = len(self.storages)
             self.storages.append(t)
         off = t.storage_offset()
-        base = f"(s{self._sid[key]} + {off})" if off else f"s{self._sid[key]}"
+        base = f"(({ctype}*)s{self._sid[key]} + {off})"
         return base, list(t.shape), list(t.stride())
 
-    def pointwise(self, out: torch.Tensor, expr: str, ins: Sequence[Any], temp: Any = None) -> None:
-        """``out[idx] = expr`` over ``out``'s shape; inputs broadcast; ``temp`` stands for ``T``."""
+    def pointwise(
+        self,
+        out: torch.Tensor,
+        expr: str,
+        ins: Sequence[Any],
+        temp: Any = None,
+        ctype: str | None = None,
+    ) -> None:
+        """``out[idx] = expr`` over ``out``'s shape, inputs broadcast and converted to ``ctype``
+        (default: ``out``'s C type); ``temp`` stands for the float scratch ``T``."""
         ob, shape, ostr = self.ref(out)
+        ct = ctype or _CTYPE[out.dtype]
         nd = len(shape)
         idx = [f"i{d}" for d in range(nd)]
         names = {}
@@ -189,15 +234,19 @@ class _Codegen:
                 terms = [
                     f"{idx[pad + d]}*{st[d]}" for d in range(len(s)) if s[d] != 1 and st[d] != 0
                 ]
-                names[name] = f"{b}[{' + '.join(terms) or '0'}]"
+                names[name] = f"(({ct}){b}[{' + '.join(terms) or '0'}])"
             else:
-                names[name] = f"{float(v)!r}f"
+                names[name] = _scalar(v, ct)
         oterms = [f"{idx[d]}*{ostr[d]}" for d in range(nd)]
         body = f"{ob}[{' + '.join(oterms) or '0'}] = {expr.format(**names)};"
         loops = [f"for (long {idx[d]} = 0; {idx[d]} < {shape[d]}; ++{idx[d]})" for d in range(nd)]
         if loops:
             loops[-1] = '_Pragma("omp simd") ' + loops[-1]
         self.lines.append(f"  {{ {' '.join(loops)} {body} }}")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` for equal dtypes (loop-carried values, branch outputs)."""
+        self.pointwise(dst, "{b}", [("b", src)])
 
     def addmm(
         self,
@@ -209,6 +258,9 @@ class _Codegen:
         alpha: float,
     ) -> None:
         """``out = beta * bias + alpha * (a @ b)`` through a GEMM-engine tile (see :func:`_gemm`)."""
+        for t in (out, a, b, *([bias] if isinstance(bias, torch.Tensor) else [])):
+            if t.dtype != torch.float32:
+                raise _Unsupported(f"matmul on {t.dtype}")
         ob, (m, n), (os0, os1) = self.ref(out)
         ab, (_, k), (as0, as1) = self.ref(a)
         bb, _, (bs0, bs1) = self.ref(b)
@@ -302,6 +354,7 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
     base = name.rstrip("_")
     if not isinstance(out, torch.Tensor):
         raise _Unsupported(name)
+    floating = out.dtype.is_floating_point
     if base in ("mm", "addmm"):
         if base == "mm":
             cg.addmm(out, None, args[0], args[1], 0.0, 1.0)
@@ -310,39 +363,151 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
             alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
             cg.addmm(out, args[0], args[1], args[2], beta, alpha)
         return
-    if base in _UNARY and base != "copy":
+    if base in _UNARY:
         if kwargs.get("memory_format") not in (
             None,
             torch.preserve_format,
             torch.contiguous_format,
         ):
             raise _Unsupported(name)
+        if base in _FLOAT_ONLY and out.dtype != torch.float32:
+            raise _Unsupported(f"{name} on {out.dtype}")
+        if base == "logical_not":
+            cg.pointwise(out, _UNARY[base], [("a", args[0])], ctype=_CTYPE[args[0].dtype])
+            return
+        if args[0].dtype != out.dtype:
+            raise _Unsupported(f"{name} {args[0].dtype} -> {out.dtype}")
         cg.pointwise(out, _UNARY[base], [("a", args[0])])
         return
-    if name == "copy_":
-        cg.pointwise(out, "{b}", [("b", args[1])])
+    if name == "copy_" or name == "_to_copy":
+        src = args[1] if name == "copy_" else args[0]
+        if name == "_to_copy" and set(kwargs) - {"dtype", "device", "layout"}:
+            raise _Unsupported(name)
+        if src.dtype.is_floating_point and not floating:
+            raise _Unsupported(f"{name} {src.dtype} -> {out.dtype}")  # C leaves NaN/inf undefined
+        if out.dtype == torch.bool and src.dtype != torch.bool:
+            cg.pointwise(out, "({b} != 0)", [("b", src)], ctype=_CTYPE[src.dtype])
+            return
+        cg.pointwise(out, "{b}", [("b", src)])
+        return
+    if base in ("fill", "zero"):
+        cg.pointwise(out, "{v}", [("v", args[1] if base == "fill" else 0)])
+        return
+    if base == "abs":
+        expr = "__builtin_fabsf({a})" if out.dtype == torch.float32 else "({a} < 0 ? -{a} : {a})"
+        cg.pointwise(out, expr, [("a", args[0])])
+        return
+    if base in ("clamp", "clamp_min", "clamp_max"):
+        lo = args[1] if base != "clamp_max" and len(args) > 1 else kwargs.get("min")
+        hi = args[2] if base == "clamp" and len(args) > 2 else kwargs.get("max")
+        if base == "clamp_max":
+            lo, hi = None, args[1]
+        if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+            raise _Unsupported(f"{name} with tensor bounds")
+        expr, ins = "{a}", [("a", args[0])]
+        if lo is not None:
+            expr = f"({expr} < {{lo}} ? {{lo}} : {expr})"
+            ins.append(("lo", lo))
+        if hi is not None:
+            expr = f"(({expr}) > {{hi}} ? {{hi}} : ({expr}))"
+            ins.append(("hi", hi))
+        cg.pointwise(out, expr, ins)
+        return
+    if base in _COMPARE:
+        ct = _CTYPE[torch.result_type(args[0], args[1])]
+        cg.pointwise(
+            out, f"({{a}} {_COMPARE[base]} {{b}})", [("a", args[0]), ("b", args[1])], ctype=ct
+        )
+        return
+    if base in _BITWISE:
+        if base.startswith("bitwise") and floating:
+            raise _Unsupported(name)
+        ct = _CTYPE[torch.result_type(args[0], args[1])] if base.startswith("bitwise") else None
+        cg.pointwise(
+            out, f"({{a}} {_BITWISE[base]} {{b}})", [("a", args[0]), ("b", args[1])], ctype=ct
+        )
+        return
+    if base == "where" and len(args) == 3:
+        cg.pointwise(out, "({c} ? {a} : {b})", [("c", args[0]), ("a", args[1]), ("b", args[2])])
         return
     if base in _BINARY:
+        if base == "div" and (kwargs.get("rounding_mode") is not None or not floating):
+            raise _Unsupported(name)  # integer division by zero would trap
         alpha = kwargs.get("alpha", 1)
-        rhs = "{b}" if alpha == 1 else f"({float(alpha)!r}f * {{b}})"
-        cg.pointwise(out, f"({{a}} {_BINARY[base]} {rhs})", [("a", args[0]), ("b", args[1])])
+        rhs = "{b}" if alpha == 1 else "({alpha} * {b})"
+        ins = [("a", args[0]), ("b", args[1]), ("alpha", alpha)]
+        cg.pointwise(out, f"({{a}} {_BINARY[base]} {rhs})", ins)
         return
     raise _Unsupported(name)
 
 
+def _read_scalar(cg: _Codegen, t: torch.Tensor) -> str:
+    """C expression reading the single element of ``t``."""
+    if t.numel() != 1:
+        raise _Unsupported("control value with more than one element")
+    return f"{cg.ref(t)[0]}[0]"
+
+
+def _emit_block(cg: _Codegen, trace: Sequence[tuple[Any, ...]]) -> None:
+    """Ops, N-way branches and loops of one recorded block, in order."""
+    for item in trace:
+        kind = item[0]
+        if kind == "op":
+            _emit(cg, *item[1:])
+        elif kind == "switch":
+            _, index, branches, outs = item
+            k = cg.fresh("k")
+            n = len(branches)
+            cg.lines.append(f"  {{ int64_t {k} = (int64_t){_read_scalar(cg, index)};")
+            cg.lines.append(f"  {k} = {k} < 0 ? 0 : ({k} > {n - 1} ? {n - 1} : {k});")
+            cg.lines.append(f"  switch ({k}) {{")
+            for i, (btrace, leaves) in enumerate(branches):
+                cg.lines.append(f"  case {i}: {{")
+                _emit_block(cg, btrace)
+                for dst, src in zip(outs, leaves):
+                    if isinstance(dst, torch.Tensor):
+                        cg.copy(dst, src)
+                cg.lines.append("  } break;")
+            cg.lines.append("  } }")
+        elif kind == "while":
+            _, init, carried, cond_trace, pred, body_trace, body_outs, final = item
+            for dst, src in zip(carried, init):
+                cg.copy(dst, src)
+            cg.lines.append("  for (;;) {")
+            _emit_block(cg, cond_trace)
+            cg.lines.append(f"  if (!{_read_scalar(cg, pred)}) break;")
+            _emit_block(cg, body_trace)
+            overlap = {t.untyped_storage().data_ptr() for t in carried} & {
+                t.untyped_storage().data_ptr() for t in body_outs
+            }
+            if overlap:  # e.g. a body returning a carried value: stage the new values first
+                staged = [torch.empty_like(t) for t in body_outs]
+                cg.extra.extend(staged)
+                for dst, src in zip(staged, body_outs):
+                    cg.copy(dst, src)
+                body_outs = staged
+            for dst, src in zip(carried, body_outs):
+                cg.copy(dst, src)
+            cg.lines.append("  }")
+            for dst, src in zip(final, carried):
+                cg.copy(dst, src)
+        else:
+            raise AssertionError(f"unknown trace item {kind}")
+
+
 def lower(
-    trace: Sequence[tuple[Any, tuple[Any, ...], dict[str, Any], Any]],
+    trace: Sequence[tuple[Any, ...]],
 ) -> tuple[Callable[[], None], list[torch.Tensor], str] | None:
-    """C function for ``trace`` (ops with their real tensors), or ``None`` if unsupported."""
+    """C function for ``trace`` (see :class:`~torchport.graphs.capture.Recorder`: ops with their
+    real tensors, ``switch`` and ``while`` items), or ``None`` if something is unsupported."""
     if not native.enabled():
         return None
     cg = _Codegen()
     try:
-        for func, args, kwargs, out in trace:
-            _emit(cg, func, args, kwargs, out)
+        _emit_block(cg, trace)
     except _Unsupported:
         return None
-    decls = [f"  float* const s{i} = (float*)P[{i}];" for i in range(len(cg.storages))]
+    decls = [f"  char* const s{i} = P[{i}];" for i in range(len(cg.storages))]
     ns = len(cg.storages)
     decls += [f"  float* const W = (float*)P[{ns}];", f"  float* const T = (float*)P[{ns + 1}];"]
     src = (
@@ -354,8 +519,9 @@ def lower(
         + "\n}\n"
     )
     try:
-        # No FP-exception side effects to keep: lets gcc if-convert (vectorise) the math loops.
-        lib = native.build(src, name="tp_graph", extra_flags=["-fno-trapping-math"])
+        # No FP-exception side effects to keep: lets gcc if-convert (vectorise) the math loops;
+        # integer arithmetic wraps, as ATen's does.
+        lib = native.build(src, name="tp_graph", extra_flags=["-fno-trapping-math", "-fwrapv"])
     except native.NativeError as e:
         native.note_fallback("graphs.native", f"graph program did not compile: {e}")
         return None
