@@ -87,3 +87,124 @@ def test_tile_choice_is_an_engine_tile(m: int, n: int, k: int) -> None:
     assert _tile_for(m, n, k) in TILES[native.cpu_info().isa]
     with config.override(isa="scalar"):
         assert _tile_for(m, n, k) in TILES["scalar"]
+
+
+# --- control flow in the native tier ----------------------------------------------------------
+
+
+def test_native_while_loop_data_dependent_trip_counts() -> None:
+    import torchport
+
+    n = torch.tensor(5)
+    x = torch.randn(3, 5)
+
+    def body(i: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, torch.tanh(v * 1.5 + 0.25)
+
+    g = Graph()
+    with torch.no_grad(), g:
+        i_out, v_out = torchport.while_loop(lambda i, v: i < n, body, (torch.tensor(0), x))
+    assert g.tier == "native" and "for (;;)" in g.source
+    for trips in (0, 1, 2, 37):
+        n.fill_(trips)
+        x.copy_(torch.randn(3, 5))
+        g.replay()
+        i, v = torch.tensor(0), x.clone()
+        while bool(i < n):
+            i, v = body(i, v)
+        assert int(i_out) == trips
+        torch.testing.assert_close(v_out, v, rtol=1e-5, atol=1e-5)
+        assert v_out.data_ptr() != x.data_ptr()  # zero trips: a copy, not the input
+
+
+def test_native_while_loop_swapping_carried_values() -> None:
+    """A body returning carried values in another order must not read half-updated buffers."""
+    import torchport
+
+    a, b, n = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0]), torch.tensor(3)
+    g = Graph()
+    with torch.no_grad(), g:
+        out = torchport.while_loop(
+            lambda i, x, y: i < n, lambda i, x, y: (i + 1, y, x + y), (torch.tensor(0), a, b)
+        )
+    assert g.tier == "native"
+    for trips in (0, 1, 4):
+        n.fill_(trips)
+        g.replay()
+        x, y = a.clone(), b.clone()
+        for _ in range(trips):
+            x, y = y, x + y
+        torch.testing.assert_close(out[1], x)
+        torch.testing.assert_close(out[2], y)
+
+
+def test_native_switch_and_nested_loop() -> None:
+    import torchport
+
+    sel, x, lim = torch.tensor(0), torch.randn(4, 3), torch.tensor(4.0)
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        # loop inside a branch: doubles until the first element exceeds lim
+        return torchport.while_loop(
+            lambda v: v[0, 0].abs() < lim, lambda v: (v * 2.0 + 0.5,), (t,)
+        )[0]
+
+    branches = [
+        lambda t: t + 1,
+        lambda t: torch.where(t > 0, t, -t),
+        grow,
+        lambda t: t.clamp(-0.5, 0.5),
+    ]
+    g = Graph()
+    with torch.no_grad(), g:
+        y = torchport.switch(sel, branches, (x,))
+    assert g.tier == "native" and "switch (" in g.source
+    for k in (-3, 0, 1, 2, 3, 9):
+        sel.fill_(k)
+        x.copy_(torch.randn(4, 3))
+        g.replay()
+        torch.testing.assert_close(y, torchport.control.switch_reference(sel, branches, (x,)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_native_typed_pointwise_matches_aten(dtype: torch.dtype) -> None:
+    a = (torch.randn(5, 7) * 50).to(dtype)
+    b = (torch.randn(7) * 50).to(dtype)
+
+    def prog(a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+        lt, ge, eq = a < b, a >= 3, a == b
+        both = (lt & ge) | eq
+        outs = [lt, ge, eq, both, ~both, a + b * 3, a - 7, a * b, a.abs(), a.neg()]
+        outs += [a.clamp(-10, 10), a.clamp(min=0), torch.where(lt, a, b), a.float() / 4]
+        outs += [torch.relu(a), both.to(dtype), a.clone().fill_(2), torch.zeros_like(a)]
+        outs += [
+            torch.logical_and(a, b),
+            torch.logical_or(lt, a),
+            torch.ones_like(a),
+            torch.full_like(a, 3),
+        ]
+        return outs
+
+    g = Graph()
+    with torch.no_grad(), g:
+        outs = prog(a, b)
+    assert g.tier == "native"
+    for _ in range(2):
+        a.copy_((torch.randn(5, 7) * 50).to(dtype))
+        b.copy_((torch.randn(7) * 50).to(dtype))
+        g.replay()
+        for i, (got, want) in enumerate(zip(outs, prog(a, b))):
+            assert got.dtype == want.dtype, i
+            torch.testing.assert_close(got, want, msg=f"output {i}")
+
+
+def test_integer_division_stays_out_of_the_native_tier() -> None:
+    """ATen raises on integer division by zero; C would trap, so such captures use TorchScript."""
+    a, b = torch.tensor([7, -7]), torch.tensor([2, 3])
+    g = Graph()
+    with torch.no_grad(), g:
+        q = torch.div(a, b, rounding_mode="floor")
+    assert g.tier == "torchscript"
+    b.copy_(torch.tensor([-2, 5]))
+    g.replay()
+    torch.testing.assert_close(q, torch.div(a, b, rounding_mode="floor"))

@@ -140,6 +140,17 @@ _CTYPE = {
     torch.uint8: "uint8_t",
     torch.bool: "uint8_t",
 }
+# Factory ops: the fill value (None: uninitialised; "arg1": the op's second argument).
+_FACTORY: dict[str, Any] = {
+    "empty_like": None,
+    "empty": None,
+    "zeros_like": 0,
+    "zeros": 0,
+    "ones_like": 1,
+    "ones": 1,
+    "full_like": "arg1",
+    "full": "arg1",
+}
 _FLOAT_ONLY = {"tanh", "sigmoid", "exp"}  # float32 math helpers
 _UNARY = {
     "relu": "({a} < 0 ? 0 : {a})",  # NaN propagates, as in ATen
@@ -393,6 +404,16 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
     if base in ("fill", "zero"):
         cg.pointwise(out, "{v}", [("v", args[1] if base == "fill" else 0)])
         return
+    if base in _FACTORY:  # fresh buffers: empty needs no code, the others a fill
+        value = _FACTORY[base]
+        if value is not None:
+            cg.pointwise(out, "{v}", [("v", args[1] if value == "arg1" else value)])
+        return
+    if base == "bitwise_not":
+        if floating:
+            raise _Unsupported(name)
+        cg.pointwise(out, "(!{a})" if out.dtype == torch.bool else "(~{a})", [("a", args[0])])
+        return
     if base == "abs":
         expr = "__builtin_fabsf({a})" if out.dtype == torch.float32 else "({a} < 0 ? -{a} : {a})"
         cg.pointwise(out, expr, [("a", args[0])])
@@ -402,7 +423,11 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
         hi = args[2] if base == "clamp" and len(args) > 2 else kwargs.get("max")
         if base == "clamp_max":
             lo, hi = None, args[1]
-        if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        if (
+            isinstance(lo, torch.Tensor)
+            or isinstance(hi, torch.Tensor)
+            or not isinstance(args[0], torch.Tensor)
+        ):
             raise _Unsupported(f"{name} with tensor bounds")
         expr, ins = "{a}", [("a", args[0])]
         if lo is not None:
@@ -420,12 +445,14 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
         )
         return
     if base in _BITWISE:
-        if base.startswith("bitwise") and floating:
-            raise _Unsupported(name)
-        ct = _CTYPE[torch.result_type(args[0], args[1])] if base.startswith("bitwise") else None
-        cg.pointwise(
-            out, f"({{a}} {_BITWISE[base]} {{b}})", [("a", args[0]), ("b", args[1])], ctype=ct
-        )
+        ct = _CTYPE[torch.result_type(args[0], args[1])]
+        if base.startswith("bitwise"):
+            if floating or ct in ("float", "double"):
+                raise _Unsupported(name)
+            expr = f"({{a}} {_BITWISE[base]} {{b}})"
+        else:  # logical: any nonzero is true, the result is bool
+            expr = f"(({{a}} != 0) {_BITWISE[base]} ({{b}} != 0))"
+        cg.pointwise(out, expr, [("a", args[0]), ("b", args[1])], ctype=ct)
         return
     if base == "where" and len(args) == 3:
         cg.pointwise(out, "({c} ? {a} : {b})", [("c", args[0]), ("a", args[1]), ("b", args[2])])
