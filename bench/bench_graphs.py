@@ -111,7 +111,7 @@ def bench_switch(table: BenchTable, reps: int) -> None:
         )
     work = B * D * 3
     table.add("switch 8-way compiled", "nested cond", t["cond"], t["switch"], work)
-    table.add("switch 8-way in Graph", "nested cond", t["cond"], t["graph"], work)
+    table.add("switch 8-way in Graph", "nested cond", t["cond"], t["graph"], work, tier=g.tier)
 
 
 def bench_while(table: BenchTable, reps: int, iters: int) -> None:
@@ -136,7 +136,17 @@ def bench_while(table: BenchTable, reps: int, iters: int) -> None:
         g.replay()
         torch.testing.assert_close(out[1], eager()[1])
         t = compare({"eager": eager, "graph": g.replay}, [()], reps=max(3, reps // 4))
-    table.add(f"while_loop {iters} iters", "eager Python loop", t["eager"], t["graph"], 0.0)
+    per_iter = {k: round(v / iters * 1e6, 3) for k, v in t.items()}
+    table.add(
+        f"while_loop {iters} iters",
+        "eager Python loop",
+        t["eager"],
+        t["graph"],
+        0.0,
+        tier=g.tier,
+        eager_us_per_iter=per_iter["eager"],
+        graph_us_per_iter=per_iter["graph"],
+    )
 
 
 class ExactSizeCache:

@@ -1,16 +1,27 @@
-"""Native replay tier: a straight-line float32 capture compiled into one C function.
+"""Native replay tier: a capture compiled into one C function, control flow included.
 
-When a capture has no ``switch``/``while_loop`` and every op is in the supported set below, the
-recording is lowered to C through :mod:`torchport.native` and replay is a single ctypes call:
-no interpreter, no dispatcher. Every tensor of the capture keeps the memory it had at capture time
-(its storage is held by the program), so each op is C code on fixed addresses read from the real
-tensors' storage offsets and strides; view ops (``t``, ``view``, ``expand``, ``slice``…) emit no
-code at all. Anything else (other ops or dtypes, control flow) uses the TorchScript tier.
+When every op of a capture is in the supported set below, the recording is lowered to C through
+:mod:`torchport.native` and replay is a single ctypes call: no interpreter, no dispatcher. Every
+tensor of the capture keeps the memory it had at capture time (its storage is held by the
+program), so each op is C code on fixed addresses read from the real tensors' storage offsets and
+strides; view ops (``t``, ``view``, ``expand``, ``slice``…) emit no code at all. A
+:func:`~torchport.switch` becomes a C ``switch`` over the (clamped) index read from its tensor at
+replay, each case running its branch and copying its outputs into the switch's output buffers; a
+:func:`~torchport.while_loop` becomes ``for (;;) { cond; if (!pred) break; body; carry }`` over
+the loop-variable buffers, so branch choices and trip counts follow the data. Anything else
+(other ops, dtypes or tensor subclasses) uses the TorchScript tier.
 
-Supported: ``mm``, ``addmm`` (any strides, ``beta``/``alpha``), pointwise ``add/sub/mul/div``
-(tensor or scalar, broadcasting, ``alpha``), ``relu``, ``tanh``, ``sigmoid``, ``neg``, ``exp``,
-``copy_``/``clone``, and their in-place forms. Numerics: float32 with fp32 accumulation in
-``k`` order; pointwise ops match ATen to rounding (``expf``/``tanhf`` from libm).
+Supported: ``mm``/``addmm`` (float32, any strides, ``beta``/``alpha``; the GEMM engine's register
+tiles, :mod:`torchport.gemm`, on ``B`` packed at every replay), pointwise arithmetic, comparisons,
+``where``, ``clamp``, ``abs``, bitwise/logical ops and casts on float/int/bool tensors (tensor or
+scalar operands, broadcasting), float32 ``relu/tanh/sigmoid/exp/sin/cos/sqrt/rsqrt``, copies,
+fills and factory ops, and their in-place forms. Not supported (TorchScript tier): integer
+division/remainder (ATen raises on a zero divisor; C would trap), float-to-int casts, reductions.
+
+Numerics: GEMMs accumulate in float32 with FMA over K (the engine's order, not ATen's); pointwise
+ops compute in the output's type with scalars converted as ATen does (a float32 tensor times a
+Python float multiplies in float32); ``exp``/``tanh``/``sigmoid`` use branch-free polynomials
+(≤ 2 ulp), ``sin``/``cos`` libm; integer arithmetic wraps (``-fwrapv``), as ATen's does.
 """
 
 from __future__ import annotations
@@ -151,13 +162,17 @@ _FACTORY: dict[str, Any] = {
     "full_like": "arg1",
     "full": "arg1",
 }
-_FLOAT_ONLY = {"tanh", "sigmoid", "exp"}  # float32 math helpers
+_FLOAT_ONLY = {"tanh", "sigmoid", "exp", "sin", "cos", "sqrt", "rsqrt"}  # float32 math
 _UNARY = {
     "relu": "({a} < 0 ? 0 : {a})",  # NaN propagates, as in ATen
     "tanh": "tp_tanhf({a})",
     "sigmoid": "(1.0f / (1.0f + tp_expf(-{a})))",
     "neg": "(-{a})",
     "exp": "tp_expf({a})",
+    "sin": "sinf({a})",  # libm (correctly rounded to 1 ulp, like ATen's SLEEF), not vectorised
+    "cos": "cosf({a})",
+    "sqrt": "__builtin_sqrtf({a})",
+    "rsqrt": "(1.0f / __builtin_sqrtf({a}))",
     "clone": "{a}",
     "logical_not": "(!{a})",
 }
