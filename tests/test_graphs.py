@@ -246,3 +246,65 @@ def test_native_tier_special_values() -> None:
     g.replay()
     for got, want in zip(outs, [x.relu(), x.exp(), x.tanh(), x.sigmoid(), x.neg(), x * 2 - 1]):
         torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
+def _item_on_other_thread() -> str:
+    import threading
+
+    out: list[str] = []
+
+    def run() -> None:
+        try:
+            out.append(f"value {torch.tensor(2.5).item()}")
+        except CaptureError as e:
+            out.append(str(e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    return out[0]
+
+
+@pytest.mark.parametrize("mode", ["default", "global"])
+def test_capture_error_mode_global_prohibits_item_on_every_thread(mode: str) -> None:
+    x = torch.randn(3)
+    g = Graph(capture_error_mode=mode)  # type: ignore[arg-type]
+    with g:
+        y = x + 1
+        assert "capture_error_mode='global'" in _item_on_other_thread()
+        with pytest.raises(CaptureError, match="returns a Python value"):
+            x.sum().item()
+        # the capture's own bookkeeping still reads values (switch index, loop predicate)
+        z = torchport.switch(torch.tensor(1), [lambda t: t * 0, lambda t: t - 1], (x,))
+    assert _item_on_other_thread() == "value 2.5"  # lifted when the capture ends
+    g.replay()
+    torch.testing.assert_close(y, x + 1)
+    torch.testing.assert_close(z, x - 1)
+
+
+def test_capture_error_mode_global_is_lifted_after_a_failed_capture() -> None:
+    with pytest.raises(ValueError, match="boom"), Graph(capture_error_mode="global"):
+        raise ValueError("boom")
+    assert torch.tensor(4.0).item() == 4.0
+
+
+def test_capture_error_mode_thread_local_only_bans_the_capturing_thread() -> None:
+    x = torch.randn(3)
+    with Graph(capture_error_mode="thread_local"):
+        assert _item_on_other_thread() == "value 2.5"
+        with pytest.raises(CaptureError, match="returns a Python value"):
+            bool(x[0] > 0)
+
+
+def test_capture_error_mode_relaxed_freezes_the_value() -> None:
+    x = torch.tensor([1.0, 2.0])
+    g = Graph(capture_error_mode="relaxed")
+    with g:
+        s = x.sum().item()  # read now (3.0) and frozen, as the mode documents
+        y = x * s
+    x.copy_(torch.tensor([10.0, 20.0]))
+    g.replay()
+    torch.testing.assert_close(y, x * 3.0)
+    with pytest.raises(CaptureError, match="torch.Generator"), Graph(capture_error_mode="relaxed"):
+        torch.randn(3, generator=torch.Generator())

@@ -38,6 +38,7 @@ __all__ = ["CaptureError", "Program", "Recorder", "current_recorder"]
 class _Active(threading.local):
     def __init__(self) -> None:
         self.stack: list[Recorder] = []
+        self.bypass = 0  # > 0 while this thread's capture runs real work (_paused)
 
 
 _TLS = _Active()
@@ -65,11 +66,73 @@ def _paused(rec: Recorder) -> Iterator[None]:
     """Run real (unrecorded) work during a capture."""
     old = rec.paused
     rec.paused = True
+    _TLS.bypass += 1
     try:
         with _pop_mode_temporarily():
             yield
     finally:
+        _TLS.bypass -= 1
         rec.paused = old
+
+
+ERROR_MODES = ("default", "global", "thread_local", "relaxed")
+
+
+class _GlobalBan:
+    """Process-wide ban of Python-value ops while any capture in mode "global" runs.
+
+    Like CUDA's ``cudaStreamCaptureModeGlobal``: a thread that is not capturing but calls
+    ``Tensor.item()``, ``bool(tensor)`` or ``torch.equal`` on a CPU tensor while another thread
+    captures gets a :class:`CaptureError`. Implemented by overriding those ops' CPU kernels
+    (``torch.library``) for the duration of the capture, counted across concurrent captures; the
+    capturing thread's own bookkeeping (``_paused``) reads the value through NumPy instead.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._lib: Any = None
+
+    @staticmethod
+    def _kernel(name: str) -> Callable[..., Any]:
+        def blocked(*args: Any, **kwargs: Any) -> Any:
+            if _TLS.bypass:
+                a = args[0].detach().cpu()
+                if name == "equal":
+                    b = args[1].detach().cpu()
+                    return bool(a.shape == b.shape and (a == b).all().float().numpy().item())
+                v = a.float().numpy().item() if a.dtype == torch.bfloat16 else a.numpy().item()
+                return bool(v) if name == "is_nonzero" else v
+            raise CaptureError(
+                f"graph capture (capture_error_mode='global'): aten.{name} (Tensor.item(), "
+                "bool(tensor) or torch.equal) is prohibited on every thread while a graph "
+                "captures; use capture_error_mode='thread_local' to allow it on other threads"
+            )
+
+        return blocked
+
+    def acquire(self) -> None:
+        import warnings
+
+        with self._lock:
+            self._count += 1
+            if self._count == 1:
+                lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                    for name in ("_local_scalar_dense", "is_nonzero", "equal"):
+                        lib.impl(name, self._kernel(name), "CPU")
+                self._lib = lib
+
+    def release(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0 and self._lib is not None:
+                self._lib._destroy()
+                self._lib = None
+
+
+global_ban = _GlobalBan()
 
 
 # Ops that hand a Python value back to the caller: the capture would freeze it.
@@ -142,8 +205,9 @@ class Program:
 class Recorder(TorchDispatchMode):
     """Runs ATen ops and records them as TorchScript statements (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, error_mode: str = "default") -> None:
         super().__init__()
+        self.error_mode = error_mode
         self._names: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self._keep: list[torch.Tensor] = []  # produced tensors, kept alive while capturing
         self.ext: list[torch.Tensor] = []
@@ -203,6 +267,10 @@ class Recorder(TorchDispatchMode):
                 f"graph capture: {func} is not an ATen op; only ATen ops can be captured"
             )
         if base in _PYTHON_VALUE_OPS:
+            if self.error_mode == "relaxed":
+                # Allowed, as documented for "relaxed": the value is read now and frozen into
+                # the program (nothing is recorded for it).
+                return func(*args, **kwargs)
             raise CaptureError(
                 f"graph capture: {opname} returns a Python value (e.g. Tensor.item() or "
                 "bool(tensor)); data-dependent Python control flow cannot be captured, use "

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchport.graphs.capture import Program, Recorder, active_stack
+from torchport.graphs.capture import Program, Recorder, active_stack, global_ban
 from torchport.graphs.pool import MemPool
 
 __all__ = ["Graph", "GraphError"]
@@ -35,8 +35,14 @@ class Graph:
         keep_graph: if ``True``, compile lazily (``instantiate()`` or first ``replay()``).
         pool: a :class:`MemPool` (e.g. another graph's ``pool()``) to place static outputs in;
             a new pool by default.
-        capture_error_mode: accepted for API compatibility with ``torch.accelerator.Graph``;
-            every mode behaves as ``"default"`` (uncapturable ops always raise).
+        capture_error_mode: what happens to "potentially unsafe" calls during the capture: ops
+            that hand a tensor's value to Python (``Tensor.item()``, ``bool(tensor)``,
+            ``torch.equal``), which a replay cannot repeat. ``"global"``: prohibited on every
+            thread while this graph captures (:class:`CaptureError`); ``"thread_local"``:
+            prohibited on the capturing thread only; ``"relaxed"``: allowed on the capturing
+            thread, the value read at capture time is frozen into the program; ``"default"``:
+            ``"global"``, the default of torch's CUDA backend. Ops that inherently conflict with
+            capture (explicit ``torch.Generator``, non-ATen ops) raise in every mode.
 
     Example::
 
@@ -79,7 +85,9 @@ class Graph:
             raise GraphError("Graph.capture_begin: graph already captured; call reset() first")
         if active_stack():
             raise GraphError("Graph.capture_begin: another graph is capturing on this thread")
-        rec = Recorder()
+        rec = Recorder(self.capture_error_mode)
+        if self.capture_error_mode in ("default", "global"):
+            global_ban.acquire()
         rec.__enter__()
         active_stack().append(rec)
         self._rec = rec
@@ -92,6 +100,7 @@ class Graph:
         self._rec = None
         active_stack().remove(rec)
         rec.__exit__(None, None, None)
+        self._release(rec)
         self._pending = rec
         if not self.keep_graph:
             self.instantiate()
@@ -103,6 +112,12 @@ class Graph:
             if rec in active_stack():
                 active_stack().remove(rec)
             rec.__exit__(None, None, None)
+            self._release(rec)
+
+    @staticmethod
+    def _release(rec: Recorder) -> None:
+        if rec.error_mode in ("default", "global"):
+            global_ban.release()
 
     def _place_outputs(self, prog: Program) -> None:
         """Move static outputs that own their storage into the pool (values unchanged)."""
