@@ -117,7 +117,7 @@ class _GlobalBan:
         with self._lock:
             self._count += 1
             if self._count == 1:
-                lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+                lib = torch.library.Library("aten", "IMPL")
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
                     for name in ("_local_scalar_dense", "is_nonzero", "equal"):
