@@ -1,4 +1,4 @@
-"""Recording a capture: ATen ops seen by a dispatch mode become one TorchScript program.
+"""Recording a capture: ATen ops seen by a dispatch mode become one replayable program.
 
 While a :class:`~torchport.graphs.Graph` captures, :class:`Recorder` (a ``TorchDispatchMode``)
 runs every ATen op for real and appends one statement per op to TorchScript source:
@@ -9,12 +9,16 @@ static buffers; in-place ops on them are replayed in place. :func:`~torchport.sw
 nested blocks (``if``/``elif`` chains and ``while`` loops), so the replayed program takes
 data-dependent branches and trip counts with no Python involved.
 
-Operations whose result Python would consume (``Tensor.item()``, ``bool(tensor)``, ops returning
-Python numbers) or that take an explicit ``torch.Generator`` cannot be captured: they raise
-:class:`CaptureError` naming the op, at capture time.
+Alongside the source, each block keeps a structured trace (ops with their real tensors, and
+``switch`` / ``while`` items holding their branch and body traces) that
+:mod:`torchport.graphs.native` lowers to one C function when every op is supported; otherwise
+the TorchScript source is compiled with ``torch.jit.CompilationUnit`` (milliseconds, no C++
+compiler) and its C++ interpreter executes the ops. Either way replay costs one Python call.
 
-The program is compiled with ``torch.jit.CompilationUnit`` (milliseconds, no C++ compiler); its
-C++ interpreter executes the ops, so replay costs one Python call, not one per op.
+Operations whose result Python would consume (``Tensor.item()``, ``bool(tensor)``, ops returning
+Python numbers) are governed by the graph's ``capture_error_mode`` (see
+:class:`~torchport.graphs.Graph`); ops taking an explicit ``torch.Generator`` and non-ATen ops
+cannot be captured in any mode: they raise :class:`CaptureError` naming the op, at capture time.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``Graph``: capture a sequence of CPU ops once, replay it with one call (``torch.accelerator.Graph``).
 
 Capture runs the user's code for real under a recorder (see :mod:`torchport.graphs.capture`) and
-compiles what ran into one TorchScript function. Replay executes that function in TorchScript's
-C++ interpreter: no Python-level dispatch per op, and ``switch`` / ``while_loop`` inside the
-capture are branches and loops of the program, so trip counts and branch choices follow the data.
+compiles what ran into one C function (:mod:`torchport.graphs.native`, when every op is supported)
+or else one TorchScript function run by its C++ interpreter: no Python-level dispatch per op, and
+``switch`` / ``while_loop`` inside the capture are branches and loops of the program, so trip
+counts and branch choices follow the data.
 
 Buffers follow CUDA graph rules: tensors created before the capture (weights, static inputs,
 caches) are read and written in place at replay, so new inputs are written into them with
