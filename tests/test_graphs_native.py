@@ -208,3 +208,56 @@ def test_integer_division_stays_out_of_the_native_tier() -> None:
     b.copy_(torch.tensor([-2, 5]))
     g.replay()
     torch.testing.assert_close(q, torch.div(a, b, rounding_mode="floor"))
+
+
+@pytest.mark.parametrize("shape", [(4, 5, 3), (1,), (7, 1)])
+def test_native_reductions_match_aten(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape)
+    xi = (torch.randn(shape) * 9).long()
+    last = len(shape) - 1
+    fns = [
+        lambda: x.sum(),
+        lambda: x.sum(last),
+        lambda: x.sum(0, keepdim=True),
+        lambda: x.mean(-1),
+        lambda: x.amax(0),
+        lambda: x.amin(last, keepdim=True),
+        lambda: xi.sum(),
+        lambda: xi.amax(last),
+        lambda: x.transpose(0, last).sum(0),
+    ]
+    g = Graph()
+    with torch.no_grad(), g:
+        outs = [f() for f in fns]
+    assert g.tier == "native"
+    for nan in (False, True):
+        x.copy_(torch.randn(shape))
+        xi.copy_((torch.randn(shape) * 9).long())
+        if nan:
+            x.view(-1)[0] = float("nan")  # amax/amin propagate it, as ATen does
+        g.replay()
+        for i, (got, f) in enumerate(zip(outs, fns)):
+            torch.testing.assert_close(got, f(), equal_nan=True, msg=f"reduction {i}")
+
+
+def test_native_while_loop_until_converged() -> None:
+    """A data-dependent convergence test (a reduction) as the loop condition, all native."""
+    import torchport
+
+    x, tol = torch.rand(6) + 1.0, torch.tensor(1e-3)
+
+    def body(i: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, v * 0.5
+
+    g = Graph()
+    with torch.no_grad(), g:
+        n, v = torchport.while_loop(lambda i, v: v.abs().amax() > tol, body, (torch.tensor(0), x))
+    assert g.tier == "native"
+    for scale in (1.0, 1e3, 1e-4):
+        x.copy_((torch.rand(6) + 1.0) * scale)
+        g.replay()
+        i, ref = 0, x.clone()
+        while float(ref.abs().amax()) > 1e-3:
+            i, ref = i + 1, ref * 0.5
+        assert int(n) == i
+        torch.testing.assert_close(v, ref)

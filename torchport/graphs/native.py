@@ -15,8 +15,9 @@ Supported: ``mm``/``addmm`` (float32, any strides, ``beta``/``alpha``; the GEMM 
 tiles, :mod:`torchport.gemm`, on ``B`` packed at every replay), pointwise arithmetic, comparisons,
 ``where``, ``clamp``, ``abs``, bitwise/logical ops and casts on float/int/bool tensors (tensor or
 scalar operands, broadcasting), float32 ``relu/tanh/sigmoid/exp/sin/cos/sqrt/rsqrt``, copies,
-fills and factory ops, and their in-place forms. Not supported (TorchScript tier): integer
-division/remainder (ATen raises on a zero divisor; C would trap), float-to-int casts, reductions.
+fills and factory ops, their in-place forms, and ``sum/mean/amax/amin`` over any dims (float32;
+``sum``/``amax``/``amin`` also int64). Not supported (TorchScript tier): integer division and
+remainder (ATen raises on a zero divisor; C would trap), float-to-int casts, other reductions.
 
 Numerics: GEMMs accumulate in float32 with FMA over K (the engine's order, not ATen's); pointwise
 ops compute in the output's type with scalars converted as ATen does (a float32 tensor times a
@@ -264,11 +265,53 @@ class _Codegen:
             else:
                 names[name] = _scalar(v, ct)
         oterms = [f"{idx[d]}*{ostr[d]}" for d in range(nd)]
-        body = f"{ob}[{' + '.join(oterms) or '0'}] = {expr.format(**names)};"
+        value = expr.format(**names)
+        if out.dtype == torch.bool:  # a bool byte must hold 0 or 1 (e.g. True + True)
+            value = f"(({value}) != 0)"
+        body = f"{ob}[{' + '.join(oterms) or '0'}] = {value};"
         loops = [f"for (long {idx[d]} = 0; {idx[d]} < {shape[d]}; ++{idx[d]})" for d in range(nd)]
         if loops:
             loops[-1] = '_Pragma("omp simd") ' + loops[-1]
         self.lines.append(f"  {{ {' '.join(loops)} {body} }}")
+
+    def reduce(self, out: torch.Tensor, x: torch.Tensor, dims: Sequence[int], kind: str) -> None:
+        """``out = sum/mean/amax/amin of x over dims`` (out keeps or drops the reduced dims).
+
+        Accumulates in the output's type in index order (ATen sums float32 in a different
+        order: results agree to rounding); ``amax``/``amin`` propagate NaN, as ATen does.
+        """
+        ob, _, ostr = self.ref(out)
+        xb, xshape, xstr = self.ref(x)
+        ct = _CTYPE[out.dtype]
+        nd = len(xshape)
+        red = sorted({d % nd for d in dims}) if nd else []
+        keep = [d for d in range(nd) if d not in red]
+        if out.dim() == nd:  # keepdim
+            ostr = [ostr[d] for d in keep]
+        assert len(ostr) == len(keep), "reduction output rank"
+        idx = [f"i{d}" for d in range(nd)]
+        oidx = " + ".join(f"{idx[d]}*{st}" for d, st in zip(keep, ostr)) or "0"
+        xidx = " + ".join(f"{idx[d]}*{xstr[d]}" for d in range(nd)) or "0"
+        init = {"sum": "0", "mean": "0", "amax": f"{xb}[{xidx}]", "amin": f"{xb}[{xidx}]"}[kind]
+        a, o = f"(({ct}){xb}[{xidx}])", f"{ob}[{oidx}]"
+        step = {
+            "sum": f"{o} += {a};",
+            "mean": f"{o} += {a};",
+            "amax": f"{{ {ct} v = {a}; {o} = (v > {o} || v != v) ? v : {o}; }}",
+            "amin": f"{{ {ct} v = {a}; {o} = (v < {o} || v != v) ? v : {o}; }}",
+        }[kind]
+        count = 1
+        for d in red:
+            count *= xshape[d]
+        outer = "".join(
+            f"for (long {idx[d]} = 0; {idx[d]} < {xshape[d]}; ++{idx[d]}) " for d in keep
+        )
+        inner = "".join(
+            f"for (long {idx[d]} = 0; {idx[d]} < {xshape[d]}; ++{idx[d]}) " for d in red
+        )
+        zero = "".join(f"const long {idx[d]} = 0; " for d in red)
+        fin = f" {o} = {o} / ({ct}){count};" if kind == "mean" else ""
+        self.lines.append(f"  {{ {outer}{{ {{ {zero}{o} = {init}; }} {inner}{step}{fin} }} }}")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` for equal dtypes (loop-carried values, branch outputs)."""
@@ -423,6 +466,23 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
         value = _FACTORY[base]
         if value is not None:
             cg.pointwise(out, "{v}", [("v", args[1] if value == "arg1" else value)])
+        return
+    if base in ("sum", "mean", "amax", "amin"):
+        x = args[0]
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        dims = list(range(x.dim())) if dims is None or list(dims) == [] else list(dims)
+        if set(kwargs) - {"dim", "keepdim", "dtype"} or kwargs.get("dtype") not in (
+            None,
+            out.dtype,
+        ):
+            raise _Unsupported(name)
+        if x.dtype != out.dtype or out.dtype not in (torch.float32, torch.int64):
+            raise _Unsupported(f"{name} {x.dtype} -> {out.dtype}")
+        if base == "mean" and out.dtype != torch.float32:
+            raise _Unsupported(name)
+        if x.numel() == 0 and base in ("amax", "amin"):
+            raise _Unsupported(name)
+        cg.reduce(out, x, dims, base)
         return
     if base == "bitwise_not":
         if floating:
