@@ -261,3 +261,68 @@ def test_native_while_loop_until_converged() -> None:
             i, ref = i + 1, ref * 0.5
         assert int(n) == i
         torch.testing.assert_close(v, ref)
+
+
+# --- model ops (a transformer decode step) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rows", "d"), [(1, 1), (3, 7), (4, 64)])
+def test_native_model_ops_match_aten(rows: int, d: int) -> None:
+    import torch.nn.functional as F
+
+    emb = torch.nn.Parameter(torch.randn(11, d))
+    idx = torch.tensor([3] * rows)
+    x = torch.randn(rows, d)
+    cache = torch.randn(2, 5, d)
+    pos = torch.tensor([1])
+    w, b = torch.randn(d), torch.randn(d)
+
+    def prog() -> list[torch.Tensor]:
+        e = F.embedding(idx, emb)
+        h = F.layer_norm(x + e, (d,), w, b)
+        att = torch.bmm(h.view(1, rows, d).expand(2, rows, d), cache.transpose(1, 2))
+        valid = torch.arange(5) <= pos
+        att = att.masked_fill(~valid, float("-inf")).softmax(-1)
+        ctx = (att @ cache).reshape(2 * rows, d)
+        kept = cache.index_copy(1, pos, h[:1].view(1, 1, d).expand(2, 1, d))
+        g = F.gelu(ctx) + F.gelu(ctx, approximate="tanh")
+        return [e, h, att, ctx, kept, g, torch.stack([h, x], 1), torch.cat([h, x]), g.argmax(-1)]
+
+    gr = Graph()
+    with torch.no_grad(), gr:
+        outs = prog()
+    assert gr.tier == "native"
+    for step in range(3):
+        idx.fill_(step * 4 % 11)
+        pos.fill_(step + 1)
+        x.copy_(torch.randn(rows, d))
+        cache.copy_(torch.randn(2, 5, d))
+        gr.replay()
+        for i, (got, want) in enumerate(zip(outs, prog())):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"output {i}")
+
+
+def test_native_index_out_of_range_raises_at_replay() -> None:
+    import torch.nn.functional as F
+
+    emb, idx = torch.randn(5, 3), torch.tensor([1])
+    g = Graph()
+    with torch.no_grad(), g:
+        y = F.embedding(idx, emb)
+    assert g.tier == "native"
+    idx.fill_(-2)  # negative indices count from the end, as in ATen
+    g.replay()
+    torch.testing.assert_close(y, emb[3:4])
+    idx.fill_(5)
+    with pytest.raises(IndexError, match="embedding: index out of range for size 5"):
+        g.replay()
+
+
+def test_native_argmax_takes_nan_as_maximum() -> None:
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, float("nan"), 9.0, float("nan")]])
+    g = Graph()
+    with torch.no_grad(), g:
+        am = x.argmax(-1)
+    g.replay()
+    torch.testing.assert_close(am, x.argmax(-1))
+    assert am.tolist() == [1, 1]

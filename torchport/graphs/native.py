@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from torchport import native
+from torchport.graphs.native_ops import emit_model_op
 
 __all__ = ["lower"]
 
@@ -217,7 +218,24 @@ class _Codegen:
         self.tmp_floats = 0  # scratch T: a product before a general beta/alpha combine
         self.nthreads = native.num_threads()
         self.extra: list[torch.Tensor] = []  # buffers the program itself needs, kept alive
+        self.errors: list[str] = []  # runtime errors, by code - 1
         self._counter = 0
+
+    def error(self, message: str) -> int:
+        """A nonzero code the program returns for a runtime error; replay raises ``message``."""
+        self.errors.append(message)
+        return len(self.errors)
+
+    @staticmethod
+    def unsupported(reason: str) -> Exception:
+        return _Unsupported(reason)
+
+    @staticmethod
+    def ctype(dtype: torch.dtype) -> str:
+        ct = _CTYPE.get(dtype)
+        if ct is None:
+            raise _Unsupported(str(dtype))
+        return ct
 
     def fresh(self, prefix: str) -> str:
         self._counter += 1
@@ -226,7 +244,11 @@ class _Codegen:
     def ref(self, t: torch.Tensor) -> tuple[str, list[int], list[int]]:
         """C pointer expression (typed by ``t.dtype``), shape and strides of ``t``."""
         ctype = _CTYPE.get(t.dtype)
-        if ctype is None or t.device.type != "cpu" or type(t) is not torch.Tensor:
+        if (
+            ctype is None
+            or t.device.type != "cpu"
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)
+        ):
             raise _Unsupported(f"tensor {t.dtype} {t.device}")
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -421,6 +443,8 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
     if _is_view(func) or name in ("detach", "alias", "lift_fresh"):
         return
     base = name.rstrip("_")
+    if emit_model_op(cg, name, args, kwargs, out):
+        return
     if not isinstance(out, torch.Tensor):
         raise _Unsupported(name)
     floating = out.dtype.is_floating_point
@@ -616,9 +640,9 @@ def lower(
         native.PRELUDE
         + _MATH
         + _PACK
-        + "\nTP_EXPORT void tp_graph(char** P, void** F) {\n"
+        + "\nTP_EXPORT int tp_graph(char** P, void** F) {\n"
         + "\n".join([*decls, "  (void)F; (void)W; (void)T;", *cg.lines])
-        + "\n}\n"
+        + "\n  return 0;\n}\n"
     )
     try:
         # No FP-exception side effects to keep: lets gcc if-convert (vectorise) the math loops;
@@ -629,7 +653,7 @@ def lower(
         return None
     fn = lib.tp_graph
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = None
+    fn.restype = ctypes.c_int
     scratch = [torch.empty(max(1, cg.pack_floats)), torch.empty(max(1, cg.tmp_floats))]
     keep = list(cg.storages)
     ptrs = (ctypes.c_void_p * (ns + 2))(*[t.untyped_storage().data_ptr() for t in keep + scratch])
@@ -637,8 +661,12 @@ def lower(
         *[ctypes.cast(f, ctypes.c_void_p).value for f in cg.fns]
     )
 
+    errors = list(cg.errors)
+
     def run() -> None:
-        fn(ptrs, fptrs)
+        rc = fn(ptrs, fptrs)
+        if rc:
+            raise IndexError(f"graph replay: {errors[rc - 1]}")
 
     run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch)
     return run, keep, src

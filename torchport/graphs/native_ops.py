@@ -1,0 +1,248 @@
+"""Native replay tier, model ops: the ops a transformer decode step needs, as C loops.
+
+``embedding``, ``index_copy``, ``arange``, ``cat``, ``stack``, ``bmm``, ``masked_fill``, ``_softmax``,
+``native_layer_norm``, ``gelu``, ``argmax`` and ``_unsafe_view``, emitted by
+:func:`emit_model_op` into a :class:`torchport.graphs.native._Codegen` program. Index reads are
+bounds-checked: an out-of-range index makes the program return an error code, which replay
+raises as ``IndexError`` naming the op (ATen raises there too; C would read out of bounds).
+
+Numerics (float32): ``_softmax`` subtracts the row max and uses the tier's ``exp`` polynomial
+(≤ 2 ulp); ``native_layer_norm`` computes mean and variance in two passes in float32 and writes
+``mean``/``rstd`` as ATen does; ``gelu`` uses libm ``erff``/``tanhf``; ``argmax`` returns the first
+maximum, NaN counting as the maximum (ATen's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["emit_model_op"]
+
+
+def _loops(shape: Sequence[int], names: Sequence[str]) -> str:
+    return "".join(f"for (long {v} = 0; {v} < {n}; ++{v}) " for v, n in zip(names, shape))
+
+
+def _at(base: str, strides: Sequence[int], names: Sequence[str]) -> str:
+    terms = [f"{v}*{s}" for v, s in zip(names, strides) if s != 0]
+    return f"{base}[{' + '.join(terms) or '0'}]"
+
+
+def _index(cg: Any, idx: torch.Tensor, pos: str, limit: int, what: str) -> str:
+    """C statements: ``long r = idx[pos]``, returning an error code when out of range."""
+    if idx.dim() > 1 or idx.dtype not in (torch.int64, torch.int32):
+        raise cg.unsupported("index layout")
+    ib, _, ist = cg.ref(idx)
+    stride = ist[0] if idx.dim() else 0
+    code = cg.error(f"{what}: index out of range for size {limit}")
+    return (
+        f"long r = (long){ib}[{pos}*{stride}]; if (r < 0) r += {limit}; "
+        f"if (r < 0 || r >= {limit}) return {code}; "
+    )
+
+
+def emit_model_op(
+    cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+) -> bool:
+    """Emit ``name`` if it is one of this module's ops; return ``False`` if it is not."""
+    f = _OPS.get(name)
+    if f is None:
+        return False
+    f(cg, args, kwargs, out)
+    return True
+
+
+def _float32(cg: Any, *ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dtype != torch.float32:
+            raise cg.unsupported(f"{t.dtype} (float32 only)")
+
+
+def _embedding(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    weight, idx = args[0], args[1]
+    if weight.dim() != 2 or idx.dim() > 1:
+        raise cg.unsupported("embedding layout")
+    wb, (vocab, d), (ws0, ws1) = cg.ref(weight)
+    ob, _, ost = cg.ref(out)
+    n = idx.numel()
+    row = "" if idx.dim() == 0 else f"i*{ost[0]} + "
+    cg.lines.append(
+        f"  for (long i = 0; i < {n}; ++i) {{ {_index(cg, idx, 'i', vocab, 'embedding')}"
+        f"for (long j = 0; j < {d}; ++j) {ob}[{row}j*{ost[-1]}] = {wb}[r*{ws0} + j*{ws1}]; }}"
+    )
+
+
+def _index_copy(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    self_, dim, idx, src = args[0], args[1] % max(1, args[0].dim()), args[2], args[3]
+    if out.data_ptr() != self_.data_ptr():
+        cg.copy(out, self_)
+    ob, oshape, ost = cg.ref(out)
+    sb, sshape, sst = cg.ref(src)
+    names = [f"j{d}" for d in range(len(sshape))]
+    onames = [("r" if d == dim else v) for d, v in enumerate(names)]
+    inner = _loops(
+        [s for d, s in enumerate(sshape) if d != dim], [v for d, v in enumerate(names) if d != dim]
+    )
+    cg.lines.append(
+        f"  for (long j{dim} = 0; j{dim} < {idx.numel()}; ++j{dim}) {{ "
+        f"{_index(cg, idx, f'j{dim}', oshape[dim], 'index_copy')}"
+        f"{inner}{_at(ob, ost, onames)} = {_at(sb, sst, names)}; }}"
+    )
+
+
+def _arange(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    nums = [a for a in args if isinstance(a, (int, float))]
+    start, step = (nums[0], nums[2] if len(nums) > 2 else 1) if len(nums) > 1 else (0, 1)
+    ob, (n,), (os0,) = cg.ref(out)
+    ct = cg.ctype(out.dtype)
+    cg.lines.append(
+        f"  for (long i = 0; i < {n}; ++i) {ob}[i*{os0}] = ({ct})((double){start!r} + (double)i * {step!r});"
+    )
+
+
+def _cat(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    tensors = [t for t in args[0] if t.numel() > 0 or t.dim() > 1]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % out.dim()
+    off = 0
+    for t in tensors:
+        size = t.shape[dim]
+        cg.copy(out.narrow(dim, off, size), t)
+        off += size
+
+
+def _stack(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % out.dim()
+    for i, t in enumerate(args[0]):
+        cg.copy(out.select(dim, i), t)
+
+
+def _bmm(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    a, b = args[0], args[1]
+    _float32(cg, a, b, out)
+    if out.shape[0] > 256:
+        raise cg.unsupported("bmm batch > 256 (unrolled)")
+    for i in range(out.shape[0]):
+        cg.addmm(out[i], None, a[i], b[i], 0.0, 1.0)
+
+
+def _masked_fill(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    cg.pointwise(out, "({m} ? {v} : {a})", [("a", args[0]), ("m", args[1]), ("v", args[2])])
+
+
+def _rows(t: torch.Tensor, dim: int) -> tuple[list[int], list[str]]:
+    other = [d for d in range(t.dim()) if d != dim]
+    return other, [f"o{d}" for d in other]
+
+
+def _softmax(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    x, dim = args[0], args[1] % max(1, args[0].dim())
+    _float32(cg, x, out)
+    if x.dim() == 0:
+        raise cg.unsupported("0-dim softmax")
+    xb, shape, xst = cg.ref(x)
+    ob, _, ost = cg.ref(out)
+    other, names = _rows(x, dim)
+    full = [("j" if d == dim else f"o{d}") for d in range(x.dim())]
+    n = shape[dim]
+    xa, oa = _at(xb, xst, full), _at(ob, ost, full)
+    cg.lines.append(
+        f"  {{ {_loops([shape[d] for d in other], names)}{{ float m = -__builtin_inff(); "
+        f"for (long j = 0; j < {n}; ++j) {{ float v = {xa}; m = (v > m || v != v) ? v : m; }} "
+        f"float s = 0.0f; for (long j = 0; j < {n}; ++j) {{ float e = tp_expf({xa} - m); {oa} = e; s += e; }} "
+        f"const float inv = 1.0f / s; for (long j = 0; j < {n}; ++j) {oa} *= inv; }} }}"
+    )
+
+
+def _layer_norm(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+    x, shape, w, b, eps = args[0], list(args[1]), args[2], args[3], float(args[4])
+    y, mean, rstd = out
+    for t in (x, y):
+        if not t.is_contiguous():
+            raise cg.unsupported("layer_norm on a strided tensor")
+    _float32(cg, x, y, mean, rstd, *[t for t in (w, b) if t is not None])
+    n = 1
+    for s in shape:
+        n *= s
+    rows = x.numel() // max(1, n)
+    xb, yb = cg.ref(x)[0], cg.ref(y)[0]
+    mb, rb = cg.ref(mean)[0], cg.ref(rstd)[0]
+    if any(t is not None and not t.is_contiguous() for t in (w, b)):
+        raise cg.unsupported("strided layer_norm affine")
+    wv = f"{cg.ref(w)[0]}[j]" if w is not None else "1.0f"
+    bv = f"{cg.ref(b)[0]}[j]" if b is not None else "0.0f"
+    cg.lines.append(
+        f"  for (long i = 0; i < {rows}; ++i) {{ const float* xr = {xb} + i*{n}; "
+        f"float* yr = {yb} + i*{n}; float s = 0.0f; "
+        f"for (long j = 0; j < {n}; ++j) s += xr[j]; const float mu = s / {n}.0f; float q = 0.0f; "
+        f"for (long j = 0; j < {n}; ++j) {{ float c = xr[j] - mu; q += c * c; }} "
+        f"const float rs = 1.0f / __builtin_sqrtf(q / {n}.0f + {eps!r}f); {mb}[i] = mu; {rb}[i] = rs; "
+        f"for (long j = 0; j < {n}; ++j) yr[j] = (xr[j] - mu) * rs * {wv} + {bv}; }}"
+    )
+
+
+def _gelu(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    _float32(cg, args[0], out)
+    approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    if approx == "tanh":
+        expr = "(0.5f * {a} * (1.0f + tanhf(0.7978845608028654f * ({a} + 0.044715f * {a} * {a} * {a}))))"
+    else:
+        expr = "(0.5f * {a} * (1.0f + erff({a} * 0.70710678118654752f)))"
+    cg.pointwise(out, expr, [("a", args[0])])
+
+
+def _argmax(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None:
+        if not x.is_contiguous():
+            raise cg.unsupported("argmax over a strided tensor")
+        x = x.reshape(-1)
+        dim = 0
+    dim %= max(1, x.dim())
+    if x.dim() == 0 or x.shape[dim] == 0 or not x.dtype.is_floating_point:
+        raise cg.unsupported("argmax input")
+    _float32(cg, x)
+    xb, shape, xst = cg.ref(x)
+    ob, _, ost = cg.ref(out)
+    other, names = _rows(x, dim)
+    if out.dim() == x.dim():  # keepdim
+        ost = [ost[d] for d in other]
+    full = [("j" if d == dim else f"o{d}") for d in range(x.dim())]
+    xa = _at(xb, xst, full)
+    first = _at(xb, xst, [("0" if d == dim else f"o{d}") for d in range(x.dim())])
+    cg.lines.append(
+        f"  {{ {_loops([shape[d] for d in other], names)}{{ float best = {first}; long bi = 0; "
+        f"for (long j = 1; j < {shape[dim]}; ++j) {{ float v = {xa}; "
+        f"if (best == best && (v > best || v != v)) {{ best = v; bi = j; }} }} "
+        f"{_at(ob, ost, names)} = bi; }} }}"
+    )
+
+
+def _unsafe_view(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+    src = args[0]
+    if out.data_ptr() == src.data_ptr() and src.is_contiguous():
+        return  # an alias of a contiguous input: no data moves
+    if not (src.is_contiguous() and out.is_contiguous()):
+        raise cg.unsupported("_unsafe_view of a strided tensor")
+    cg.copy(out.reshape(-1), src.reshape(-1))
+
+
+_OPS = {
+    "embedding": _embedding,
+    "index_copy": _index_copy,
+    "index_copy_": _index_copy,
+    "arange": _arange,
+    "cat": _cat,
+    "stack": _stack,
+    "bmm": _bmm,
+    "masked_fill": _masked_fill,
+    "masked_fill_": _masked_fill,
+    "_softmax": _softmax,
+    "native_layer_norm": _layer_norm,
+    "gelu": _gelu,
+    "argmax": _argmax,
+    "_unsafe_view": _unsafe_view,
+}
