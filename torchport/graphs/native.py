@@ -15,8 +15,9 @@ Supported: ``mm``/``addmm`` (float32, any strides, ``beta``/``alpha``; the GEMM 
 tiles, :mod:`torchport.gemm`, on ``B`` packed at every replay), pointwise arithmetic, comparisons,
 ``where``, ``clamp``, ``abs``, bitwise/logical ops and casts on float/int/bool tensors (tensor or
 scalar operands, broadcasting), float32 ``relu/tanh/sigmoid/exp/sin/cos/sqrt/rsqrt``, copies,
-fills and factory ops, their in-place forms, and ``sum/mean/amax/amin`` over any dims (float32;
-``sum``/``amax``/``amin`` also int64). Not supported (TorchScript tier): integer division and
+fills and factory ops, their in-place forms, ``sum/mean/amax/amin`` over any dims (float32;
+``sum``/``amax``/``amin`` also int64), and the transformer ops of :mod:`.native_ops` (embedding,
+softmax, layer norm, GELU, ``bmm``, ``index_copy``, ``argmax``...). Not supported (TorchScript tier): integer division and
 remainder (ATen raises on a zero divisor; C would trap), float-to-int casts, other reductions.
 
 Numerics: GEMMs accumulate in float32 with FMA over K (the engine's order, not ATen's); pointwise
