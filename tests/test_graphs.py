@@ -30,7 +30,8 @@ def test_replay_matches_eager_on_new_inputs(rows: int, cols: int) -> None:
     for _ in range(3):
         x.copy_(torch.randn(rows, cols))
         g.replay()
-        torch.testing.assert_close(y, _model(x, w, b))
+        # native tier: float32 in another summation order (GEMM over K, sums, softmax)
+        torch.testing.assert_close(y, _model(x, w, b), rtol=1e-4, atol=1e-4)
 
 
 def test_in_place_updates_of_static_buffers_replay() -> None:
@@ -183,11 +184,11 @@ def test_unsupported_ops_fall_back_to_torchscript() -> None:
     x = torch.randn(4, 4)
     g = Graph()
     with g:
-        y = x.softmax(-1)
+        y = x.cumsum(-1)  # not in the native tier's op set
     assert g.tier == "torchscript"
     x.copy_(torch.randn(4, 4))
     g.replay()
-    torch.testing.assert_close(y, x.softmax(-1))
+    torch.testing.assert_close(y, x.cumsum(-1))
 
 
 def test_captured_switch_with_mismatched_branches_names_branch() -> None:
