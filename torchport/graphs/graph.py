@@ -89,7 +89,11 @@ class Graph:
         rec = Recorder(self.capture_error_mode)
         if self.capture_error_mode in ("default", "global"):
             global_ban.acquire()
-        rec.__enter__()
+        try:
+            rec.__enter__()
+        except BaseException:
+            self._release(rec)
+            raise
         active_stack().append(rec)
         self._rec = rec
 
