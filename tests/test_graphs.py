@@ -18,7 +18,7 @@ def _model(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(h, h.shape[-1:]).transpose(0, 1).contiguous()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8])
+@pytest.mark.parametrize("rows", [1, 7])  # each case compiles its own program
 @pytest.mark.parametrize("cols", [4, 13, 64])
 def test_replay_matches_eager_on_new_inputs(rows: int, cols: int) -> None:
     torch.manual_seed(rows * 100 + cols)
