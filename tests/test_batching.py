@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -116,16 +117,16 @@ def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
 
 
 def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A group is batched only when the decision (the autotuner's measurement) says so."""
+    """A graph is batched only when the decision (compiled graph against compiled graph) says so."""
     import torchport.compiler.batching as batching
 
-    calls: list[str] = []
+    seen: list[dict[str, object]] = []
 
-    def never(op: str, *a: object, **k: object) -> bool:
-        calls.append(op)
-        return False
+    def never(key: dict[str, object], build: object, inputs: object) -> tuple[bool, dict]:
+        seen.append(key)
+        return False, {}
 
-    monkeypatch.setattr(batching, "decide", never)
+    monkeypatch.setattr(batching, "choose_batched", never)
     torch._dynamo.reset()  # no cached graph of this module from an earlier test
     m = RandomHeads(5)  # two shared linears, two per-head linears
     x, hs = torch.randn(3, m.d), [torch.randn(3, m.d) for _ in range(m.n_heads)]
@@ -134,22 +135,79 @@ def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     with torch.no_grad():
         torch.testing.assert_close(fn(x, hs), m(x, hs))
-    assert last_report().rule_counts == {}  # type: ignore[union-attr]
-    assert "batch_parallel_linear" in calls and "batch_per_head_linear" in calls
+    rep = last_report()
+    assert rep is not None and rep.rule_counts == {} and rep.batching == "unbatched"
+    assert len(seen) == 1 and seen[0]["inner"] == "eager"
 
 
-def test_decide_measures_with_the_autotuner(fresh_cache) -> None:
+def _sleeper(seconds: float) -> object:
+    def fn(*args: torch.Tensor) -> torch.Tensor:
+        time.sleep(seconds)
+        return args[0] * 2
+
+    return fn
+
+
+@pytest.mark.parametrize("faster", ["batched", "unbatched"])
+def test_choose_batched_takes_the_faster_compiled_form(fresh_cache, faster: str) -> None:
     from torchport.autotune import stats
-    from torchport.compiler.batching import decide
+    from torchport.compiler.batching import choose_batched
 
-    ws = [torch.randn(8, 16) for _ in range(3)]
+    built: list[bool] = []
+
+    def build(batched: bool) -> object:
+        built.append(batched)
+        fast = batched == (faster == "batched")
+        return _sleeper(0.0 if fast else 0.004)
+
+    key = {"graph": f"test-{faster}", "inputs": [], "grad": False, "inner": "eager"}
     before = stats.tuned
     with config.override(autotune=True, autotune_reps=3):
-        got = decide(
-            "batch_test",
-            {"n": 3},
-            lambda x, *w: [x @ wi.t() for wi in w],
-            lambda x, *w: list((x @ torch.cat(w).t()).split(8, -1)),
-            lambda: (torch.randn(4, 16), *ws),
-        )
-    assert isinstance(got, bool) and stats.tuned == before + 1
+        use, timings = choose_batched(key, build, [torch.ones(3)])
+        assert use == (faster == "batched") and stats.tuned == before + 1
+        assert timings["unbatched" if faster == "batched" else "batched"] >= 0.004
+        assert sorted(built) == [False, True]  # each form compiled once
+        built.clear()
+        again, _ = choose_batched(key, build, [torch.ones(3)])  # cached: nothing compiled or timed
+    assert again == use and built == [] and stats.tuned == before + 1
+
+
+def test_choose_batched_rejects_a_form_whose_outputs_differ(fresh_cache) -> None:
+    from torchport.compiler.batching import choose_batched
+
+    def build(batched: bool) -> object:
+        return (lambda x: x + 1) if batched else (lambda x: x)
+
+    with config.override(autotune=True, autotune_reps=3):
+        use, timings = choose_batched({"graph": "differ"}, build, [torch.ones(3)])
+    assert use is False and timings == {}
+
+
+def test_choose_batched_times_copies_not_the_callers_inputs(fresh_cache) -> None:
+    from torchport.compiler.batching import choose_batched
+
+    def build(batched: bool) -> object:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            x.add_(1.0)  # a graph that mutates its input (e.g. a running statistic)
+            return x.clone()
+
+        return fn
+
+    x = torch.zeros(4)
+    with config.override(autotune=True, autotune_reps=3):
+        choose_batched({"graph": "mutates"}, build, [x])
+    assert torch.equal(x, torch.zeros(4))
+
+
+def test_batching_decided_under_inductor_matches_eager(fresh_cache) -> None:
+    """The default path: both forms compiled by Inductor, timed, the winner runs and is correct."""
+    torch._dynamo.reset()
+    m = RandomHeads(5)
+    x, hs = torch.randn(3, m.d), [torch.randn(3, m.d) for _ in range(m.n_heads)]
+    fn = torch.compile(m, backend=TorchportBackend(passes=[], batching=True), dynamic=False)
+    with config.override(autotune=True, autotune_reps=3), torch.no_grad():
+        torch.testing.assert_close(fn(x, hs), m(x, hs), rtol=1e-5, atol=1e-5)
+    rep = last_report()
+    assert rep is not None and rep.batching in ("batched", "unbatched")
+    assert set(rep.batching_timings_s) == {"batched", "unbatched"}
+    assert bool(rep.rule_counts) == (rep.batching == "batched")
