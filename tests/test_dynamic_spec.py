@@ -233,6 +233,65 @@ def test_compile_once_for_all_sizes_in_spec() -> None:
     assert counter.n == 1
 
 
+def _zero_fn_contig(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(1) @ w + x.shape[1]
+
+
+def _zero_fn_strided(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(1) @ w + x.shape[1]
+
+
+_ZERO_SIZES = [(3, 5), (2, 0), (0, 3), (1, 1), (0, 0), (1, 0), (64, 256), (7, 1), (13, 97)]
+
+
+@pytest.mark.parametrize("first", ["nonempty", "empty"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_sizes_0_1_and_large_share_one_graph(first: str, layout: str) -> None:
+    """Size 0 in an inner dim (whose contiguous strides torch clamps) must not recompile."""
+    from torchport.frontend import SpecCompiled
+
+    fn_ = _zero_fn_contig if layout == "contiguous" else _zero_fn_strided
+    torch._dynamo.reset()
+    counter = _Counting()
+    b, t = ShapeVar("B", max=64), ShapeVar("T", max=256)
+    spec = ShapesSpec({"x": TensorSpec([b, t, STATIC]), "w": TensorSpec([STATIC, STATIC])})
+    fn = SpecCompiled(fn_, spec, lambda f: torch.compile(f, backend=counter))
+    sizes = _ZERO_SIZES if first == "nonempty" else [(2, 0), *_ZERO_SIZES]
+    w = torch.randn(4, 3)
+    for bs, ts in sizes:
+        x = torch.randn(bs, ts, 4) if layout == "contiguous" else torch.randn(bs, 4, ts).mT
+        torch.testing.assert_close(fn(x, w), fn_(x, w))
+    assert counter.n == 1
+
+
+def test_sizes_0_1_and_large_share_one_inductor_graph() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).sum(1) * 2
+
+    spec = {"x": TensorSpec([ShapeVar("B", max=64), ShapeVar("T", max=256), STATIC])}
+    fn = torchport.compile(f, dynamic_shapes=spec, batching=False)
+    n0 = len(torchport.compiler.reports())
+    for bs, ts in _ZERO_SIZES:
+        x = torch.randn(bs, ts, 4)
+        torch.testing.assert_close(fn(x), f(x), rtol=1e-4, atol=1e-4)
+    assert len(torchport.compiler.reports()) - n0 == 1
+
+
+@dynamic_spec({"x": TensorSpec([ShapeVar("B", max=64), ShapeVar("T", max=256), STATIC])})
+def _zero_decorated(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(1) + x.shape[1]
+
+
+def test_export_and_make_fx_serve_sizes_0_1_and_large() -> None:
+    ep = torchport.export(_zero_decorated, (torch.randn(3, 5, 4),))
+    gm = torchport.make_fx(_zero_decorated)(torch.randn(3, 5, 4))
+    m = ep.module()
+    for bs, ts in _ZERO_SIZES:
+        x = torch.randn(bs, ts, 4)
+        torch.testing.assert_close(m(x), _zero_decorated(x))
+        torch.testing.assert_close(gm(x), _zero_decorated(x))
+
+
 def test_torchport_compile_reads_decorator_on_module_forward() -> None:
     class M(torch.nn.Module):
         def __init__(self) -> None:
