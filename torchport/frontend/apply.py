@@ -109,13 +109,14 @@ def _canonical_empty(t: Any) -> Any:
         return t
     # outermost first; a tie comes from clamping (stride(outer) = stride(inner) * max(size, 1)),
     # so of two dims with equal strides the one of size <= 1 is the inner one
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), t.shape[d] <= 1, d))
+    given = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-given[d], t.shape[d] <= 1, d))
     strides = [0] * t.dim()
     step = 1
     for d in reversed(order):
         strides[d] = step
         step *= t.shape[d]
-    if tuple(strides) == tuple(t.stride()):
+    if tuple(strides) == tuple(given):
         return t
     return t.as_strided(t.shape, strides)
 
