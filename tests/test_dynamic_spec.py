@@ -397,3 +397,112 @@ def test_export_module_spec_keeps_parameter_names() -> None:
     assert "lin.weight" in ep.state_dict
     x = torch.randn(9, 4)
     torch.testing.assert_close(ep.module()(x, torch.zeros(9)), m(x, torch.zeros(9)))
+
+
+# --- 2.14 API parity: ObjectSpec, globals, to_jsonable, items -------------------------------------
+
+
+class _Cfg:
+    def __init__(self, x: torch.Tensor, n: int) -> None:
+        self.x = x
+        self.n = n
+        self.inner = _Inner(torch.ones(x.shape[0]))
+
+
+class _Inner:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+
+def _obj_fn(cfg: _Cfg) -> torch.Tensor:
+    return cfg.x.sum(1) * cfg.inner.w + cfg.n
+
+
+def test_object_spec_binds_attributes_and_compiles_once() -> None:
+    from torchport import ObjectSpec
+    from torchport.frontend import SpecCompiled
+
+    b = ShapeVar("B", min=1, max=64)
+    spec = ShapesSpec(
+        {
+            "cfg": ObjectSpec(
+                {"x": TensorSpec([b, STATIC]), "inner": ObjectSpec({"w": TensorSpec([b])})}
+            )
+        }
+    )
+    counter = _Counting()
+    fn = SpecCompiled(_obj_fn, spec, lambda f: torch.compile(f, backend=counter))
+    for rows in (3, 1, 17, 64):
+        cfg = _Cfg(torch.randn(rows, 4), 2)
+        torch.testing.assert_close(fn(cfg), _obj_fn(cfg))
+    assert counter.n == 1
+    bad = _Cfg(torch.randn(5, 4), 2)
+    bad.inner.w = torch.ones(6)
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'cfg.inner.w' dim 0: expected B == 5 .*got 6"
+    ):
+        fn(bad)
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'cfg.x' dim 0: expected 1 <= B <= 64, got B = 65"
+    ):
+        fn(_Cfg(torch.randn(65, 4), 2))
+
+
+def test_object_spec_errors() -> None:
+    from torchport import ObjectSpec
+
+    with pytest.raises(TypeError, match=r"ObjectSpec fields must be attribute names .*'a b'"):
+        ObjectSpec({"a b": None})
+    spec = ShapesSpec({"cfg": ObjectSpec({"y": TensorSpec([ShapeVar("B")])})})
+    with pytest.raises(ValueError, match=r"cfg: ObjectSpec has fields \['y'\] that the runtime"):
+        bind(_obj_fn, spec, (_Cfg(torch.randn(2, 3), 1),), {}, "torchport.compile")
+    spec2 = ShapesSpec({"cfg": ObjectSpec({"x": TensorSpec([ShapeVar("B"), STATIC])})})
+    with pytest.raises(ValueError, match=r"torchport.export: argument 'cfg.x' is described by"):
+        torchport.export(_obj_fn, (_Cfg(torch.randn(2, 3), 1),), dynamic_shapes=spec2)
+    with pytest.raises(ValueError, match=r"cfg: ObjectSpec describes the attributes of a plain"):
+        bind(
+            _obj_fn,
+            ShapesSpec({"cfg": ObjectSpec({"x": None})}),
+            ([torch.ones(1), torch.ones(1)],),
+            {},
+            "torchport.compile",
+        )
+
+
+def test_shapes_spec_globals_is_reserved_as_in_2_14() -> None:
+    from torchport import UnsupportedSpecError
+
+    with pytest.raises(UnsupportedSpecError, match=r"ShapesSpec.globals is not supported yet"):
+        ShapesSpec({}, globals={"g": 1})
+    assert issubclass(UnsupportedSpecError, NotImplementedError)
+
+
+def test_to_jsonable_and_items() -> None:
+    from torchport import ObjectSpec
+
+    b = ShapeVar("B", max=8, optimization_hint=4)
+    spec = ShapesSpec(
+        {
+            "x": TensorSpec([b, 2 * b + 1, STATIC, 3]),
+            "d": DictSpec({"k": TensorSpec([b])}),
+            "s": SeqSpec([IntVar("n")]),
+            "o": ObjectSpec({"w": TensorSpec([b])}),
+            "*args": [TensorSpec([b])],
+        },
+        assumptions=[b % 2 == 0],
+    )
+    j = spec.to_jsonable()
+    assert j["type"] == "ShapesSpec" and j["assumptions"] == ["B%2 == 0"]
+    x = j["params"]["params"]["x"]
+    assert x["dims"][0] == {
+        "type": "ShapeVar",
+        "name": "B",
+        "min": 0,
+        "max": 8,
+        "optimization_hint": 4,
+    }
+    assert x["dims"][1] == {"type": "Expr", "expr": "(2*B + 1)"} and x["dims"][2:] == [None, 3]
+    assert j["params"]["params"]["o"]["type"] == "ObjectSpec"
+    assert j["params"]["params"]["*args"][0]["type"] == "TensorSpec"
+    assert list(DictSpec({"a": None, 1: 2}).items()) == [("a", None), (1, 2)]
+    assert dict(ObjectSpec({"w": 3}).items()) == {"w": 3}

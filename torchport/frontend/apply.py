@@ -121,6 +121,17 @@ def _canonical_empty(t: Any) -> Any:
     return t.as_strided(t.shape, strides)
 
 
+def _pytree_only(b: Binding, api: str) -> None:
+    """export/make_fx trace pytrees of tensors: an ObjectSpec (attributes) cannot reach them."""
+    for s in b.slots:
+        if s.attrs:
+            raise ValueError(
+                f"{api}: argument {s.where!r} is described by an ObjectSpec; {api} takes tensors "
+                "in pytrees (tuples, lists, dicts), not object attributes. Pass the tensor as an "
+                "argument (or use torchport.compile, which honours ObjectSpec)"
+            )
+
+
 def _mark_dims(b: Binding, flat: Sequence[Any], *, strict: bool = True) -> list[str]:
     seen: set[IntVar] = set()
     scalars: list[str] = []
@@ -128,10 +139,11 @@ def _mark_dims(b: Binding, flat: Sequence[Any], *, strict: bool = True) -> list[
         if not isinstance(s.spec, Expr):
             continue
         if s.dim is None:
-            if re.fullmatch(r"[A-Za-z_]\w*", s.where):
-                scalars.append(f"L['{s.where}']")
+            base = s.where.removesuffix("".join("." + a for a in s.attrs))
+            if re.fullmatch(r"[A-Za-z_]\w*", base):
+                scalars.append(f"L['{base}']" + "".join("." + a for a in s.attrs))
             continue
-        t = flat[s.leaf]
+        t = s.target(flat)
         if strict and isinstance(s.spec, IntVar) and s.spec not in seen:
             seen.add(s.spec)
             lo, hi = s.spec.min, s.spec.max
@@ -208,7 +220,7 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
     env: dict[IntVar, Any] = {}
     for s in b.slots:
         if isinstance(s.spec, IntVar):
-            x = flat[s.leaf]
+            x = s.target(flat)
             val = x.shape[s.dim] if s.dim is not None else x
             if s.spec in env:
                 torch._check(val == env[s.spec])
@@ -216,7 +228,7 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
                 env[s.spec] = val
     for s in b.slots:
         if isinstance(s.spec, Expr) and not isinstance(s.spec, IntVar):
-            x = flat[s.leaf]
+            x = s.target(flat)
             val = x.shape[s.dim] if s.dim is not None else x
             torch._check(val == s.spec.evaluate(env))
     for a in b.assumptions:
@@ -267,6 +279,7 @@ def export(
         target = mod if isinstance(mod, torch.nn.Module) else _FnModule(mod)
         return torch.export.export(target, args, kwargs, strict=strict)
     b = bind(mod, spec, args, kwargs, "export")
+    _pytree_only(b, "torchport.export")
     check_call(b, args, kwargs)
     ds_args, ds_kwargs = export_dynamic_shapes(b, args, kwargs)
     if not kwargs and not _needs_prologue(b):
@@ -342,6 +355,7 @@ def make_fx(
 
     def trace(*args: Any) -> torch.fx.GraphModule:
         b = bind(fn, spec, args, {}, "make_fx")
+        _pytree_only(b, "torchport.make_fx")
         check_call(b, args, {})
         fake_args = _fakify(b, args)
         flat_fake = pytree.tree_leaves(fake_args)
