@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from torchport import config
@@ -211,3 +213,30 @@ def test_batching_decided_under_inductor_matches_eager(fresh_cache) -> None:
     assert rep is not None and rep.batching in ("batched", "unbatched")
     assert set(rep.batching_timings_s) == {"batched", "unbatched"}
     assert bool(rep.rule_counts) == (rep.batching == "batched")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**20), rows=st.sampled_from([0, 1, 2, 7]), train=st.booleans())
+def test_batching_equivalence_property(seed: int, rows: int, train: bool) -> None:
+    """Hypothesis over random graphs: the batched graph (verified after every rewrite) computes
+    what eager does, forward and (when training) gradients."""
+    torch._dynamo.reset()  # every example compiles afresh (no recompile-limit fallback to eager)
+    torch.manual_seed(seed)
+    m = RandomHeads(seed)
+    x = torch.randn(rows, m.d)
+    hs = [torch.randn(rows, m.d) for _ in range(m.n_heads)]
+    backend = TorchportBackend(inner="eager", passes=[], batching=True, verify=True)
+    fn = torch.compile(m, backend=backend, dynamic=False)
+    with torch.set_grad_enabled(train):
+        got, want = fn(x, hs), m(x, hs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if train and got.requires_grad:
+            params = list(m.parameters())
+            g1 = torch.autograd.grad(got.square().sum(), params, allow_unused=True)
+            g2 = torch.autograd.grad(want.square().sum(), params, allow_unused=True)
+            for a, b in zip(g1, g2, strict=True):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rep = last_report()
+    assert rep is not None and rep.batching in ("batched", "no batchable group")
