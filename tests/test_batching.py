@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -124,11 +125,12 @@ def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
 
     seen: list[dict[str, object]] = []
 
-    def never(key: dict[str, object], build: object, inputs: object) -> tuple[bool, dict]:
+    def never(key: dict[str, object], build: Callable, inputs: object, decided: Callable) -> object:
         seen.append(key)
-        return False, {}
+        decided(False, {})
+        return build(False)
 
-    monkeypatch.setattr(batching, "choose_batched", never)
+    monkeypatch.setattr(batching, "batching_runner", never)
     torch._dynamo.reset()  # no cached graph of this module from an earlier test
     m = RandomHeads(5)  # two shared linears, two per-head linears
     x, hs = torch.randn(3, m.d), [torch.randn(3, m.d) for _ in range(m.n_heads)]
@@ -142,53 +144,72 @@ def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(seen) == 1 and seen[0]["inner"] == "eager"
 
 
-def _sleeper(seconds: float) -> object:
+def _sleeper(seconds: float, calls: list[str], name: str) -> Callable:
     def fn(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(name)
         time.sleep(seconds)
         return args[0] * 2
 
     return fn
 
 
-@pytest.mark.parametrize("faster", ["batched", "unbatched"])
-def test_choose_batched_takes_the_faster_compiled_form(fresh_cache, faster: str) -> None:
-    from torchport.autotune import stats
-    from torchport.compiler.batching import choose_batched
+def _runner(key: dict, faster: str, built: list[bool], calls: list[str], got: list) -> Callable:
+    from torchport.compiler.batching import batching_runner
 
-    built: list[bool] = []
-
-    def build(batched: bool) -> object:
+    def build(batched: bool) -> Callable:
         built.append(batched)
         fast = batched == (faster == "batched")
-        return _sleeper(0.0 if fast else 0.004)
+        return _sleeper(0.0 if fast else 0.004, calls, "batched" if batched else "unbatched")
+
+    return batching_runner(key, build, [torch.ones(3)], lambda use, t: got.append((use, t)))
+
+
+@pytest.mark.parametrize("faster", ["batched", "unbatched"])
+def test_batching_runner_times_real_calls_and_settles(fresh_cache, faster: str) -> None:
+    from torchport.autotune import stats
 
     key = {"graph": f"test-{faster}", "inputs": [], "grad": False, "inner": "eager"}
+    built: list[bool] = []
+    calls: list[str] = []
+    got: list = []
     before = stats.tuned
     with config.override(autotune=True, autotune_reps=3):
-        use, timings = choose_batched(key, build, [torch.ones(3)])
+        fn = _runner(key, faster, built, calls, got)
+        assert sorted(built) == [False, True] and got == []  # both compiled, not decided yet
+        n = 0
+        while not got:
+            torch.testing.assert_close(fn(torch.ones(3)), torch.full((3,), 2.0))
+            n += 1
+            assert n < 100
+        use, timings = got[0]
         assert use == (faster == "batched") and stats.tuned == before + 1
         assert timings["unbatched" if faster == "batched" else "batched"] >= 0.004
-        assert sorted(built) == [False, True]  # each form compiled once
+        calls.clear()
+        fn(torch.ones(3))
+        assert calls == [faster]  # settled: only the winner runs
         built.clear()
-        again, _ = choose_batched(key, build, [torch.ones(3)])  # cached: nothing compiled or timed
-    assert again == use and built == [] and stats.tuned == before + 1
+        got.clear()
+        _runner(key, faster, built, calls, got)  # cached: only the chosen form is compiled
+    assert built == [faster == "batched"] and got[0][0] == use and stats.tuned == before + 1
 
 
-def test_choose_batched_rejects_a_form_whose_outputs_differ(fresh_cache) -> None:
-    from torchport.compiler.batching import choose_batched
+def test_batching_runner_rejects_a_form_whose_outputs_differ(fresh_cache) -> None:
+    from torchport.compiler.batching import batching_runner
 
-    def build(batched: bool) -> object:
+    got: list = []
+
+    def build(batched: bool) -> Callable:
         return (lambda x: x + 1) if batched else (lambda x: x)
 
     with config.override(autotune=True, autotune_reps=3):
-        use, timings = choose_batched({"graph": "differ"}, build, [torch.ones(3)])
-    assert use is False and timings == {}
+        fn = batching_runner({"graph": "differ"}, build, [torch.ones(3)], lambda *a: got.append(a))
+    assert got == [(False, {})] and torch.equal(fn(torch.ones(2)), torch.ones(2))
 
 
-def test_choose_batched_times_copies_not_the_callers_inputs(fresh_cache) -> None:
-    from torchport.compiler.batching import choose_batched
+def test_batching_runner_checks_on_copies_not_the_callers_inputs(fresh_cache) -> None:
+    from torchport.compiler.batching import batching_runner
 
-    def build(batched: bool) -> object:
+    def build(batched: bool) -> Callable:
         def fn(x: torch.Tensor) -> torch.Tensor:
             x.add_(1.0)  # a graph that mutates its input (e.g. a running statistic)
             return x.clone()
@@ -197,18 +218,19 @@ def test_choose_batched_times_copies_not_the_callers_inputs(fresh_cache) -> None
 
     x = torch.zeros(4)
     with config.override(autotune=True, autotune_reps=3):
-        choose_batched({"graph": "mutates"}, build, [x])
+        batching_runner({"graph": "mutates"}, build, [x], lambda *a: None)
     assert torch.equal(x, torch.zeros(4))
 
 
 def test_batching_decided_under_inductor_matches_eager(fresh_cache) -> None:
-    """The default path: both forms compiled by Inductor, timed, the winner runs and is correct."""
+    """The default path: both forms compiled by Inductor, timed on real calls, the winner runs."""
     torch._dynamo.reset()
     m = RandomHeads(5)
     x, hs = torch.randn(3, m.d), [torch.randn(3, m.d) for _ in range(m.n_heads)]
     fn = torch.compile(m, backend=TorchportBackend(passes=[], batching=True), dynamic=False)
     with config.override(autotune=True, autotune_reps=3), torch.no_grad():
-        torch.testing.assert_close(fn(x, hs), m(x, hs), rtol=1e-5, atol=1e-5)
+        for _ in range(12):
+            torch.testing.assert_close(fn(x, hs), m(x, hs), rtol=1e-5, atol=1e-5)
     rep = last_report()
     assert rep is not None and rep.batching in ("batched", "unbatched")
     assert set(rep.batching_timings_s) == {"batched", "unbatched"}

@@ -119,14 +119,22 @@ class TorchportBackend:
                 built[batched] = (compiled, rep)
             return built[batched][0]
 
-        use, timings = batching.choose_batched(key, build, example_inputs)
-        compiled = build(use)  # already built unless the choice came from the cache
-        report = built[use][1]
-        report.nodes_before = len(gm.graph.nodes)
-        report.batching = "batched" if use else "unbatched"
-        report.batching_timings_s = timings
+        report = CompileReport(inner=self.inner, nodes_before=len(gm.graph.nodes))
+        report.batching = "measuring"
+
+        def decided(use: bool, timings: dict[str, float]) -> None:
+            chosen = built[use][1] if use in built else build_report(use)
+            report.rewrites, report.rule_counts = chosen.rewrites, chosen.rule_counts
+            report.nodes_after, report.complex = chosen.nodes_after, chosen.complex
+            report.batching = "batched" if use else "unbatched"
+            report.batching_timings_s = timings
+
+        def build_report(use: bool) -> CompileReport:
+            build(use)
+            return built[use][1]
+
         _reports.append(report)
-        return compiled
+        return batching.batching_runner(key, build, example_inputs, decided)
 
     def _variant(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], passes: list[Pass]

@@ -56,7 +56,6 @@ FOREACH = {
     torch.reciprocal: torch._foreach_reciprocal,
 }
 OP = "small_kernel_batching"  # the choice-cache op name of the batching decision
-TIMING_BUDGET_S = 3.0  # wall-clock bound on timing the two compiled forms of one graph
 SMALL_NUMEL = 1 << 16  # elementwise ops on tensors larger than this are not "small"
 MIN_GROUP = 2
 
@@ -157,6 +156,7 @@ def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> 
         "grad": torch.is_grad_enabled(),
         "inner": inner,
         "threads": torch.get_num_threads(),
+        "decider": "real-calls",  # how the choice was measured (older entries timed otherwise)
     }
 
 
@@ -208,62 +208,99 @@ def _with_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
-def _interleaved(fns: dict[str, Callable[..., Any]], args: tuple[Any, ...]) -> dict[str, float]:
-    """Median seconds per call of each function, timed alternately (A B B A ...) in one run.
+Decided = Callable[[bool, dict[str, float]], None]
 
-    Alternating keeps a transient load (another process, Inductor's compile workers starting up)
-    from landing on one side only, which sequential blocks of calls on a shared machine do not.
+
+class MeasuredBatching:
+    """Serves the first real calls alternately from the unbatched and the batched compiled forms,
+    timing each call, then settles on the faster form (batched only on a win beyond
+    ``autotune_noise``), caches the choice and calls ``decided(use_batched, timings)``.
+
+    Timing real calls in the running program (after ``WARMUP_CALLS`` untimed calls of each form)
+    measures what the program will see: timing right after compilation was dominated by the
+    machine's state at that moment (Inductor's compile workers starting, other processes).
+    Each call runs one form only, so it is as correct (and as side-effecting) as an ordinary call.
+    Only the forward is timed.
     """
-    names = list(fns)
-    for name in names:
-        for _ in range(2):
-            fns[name](*args)
-    samples: dict[str, list[float]] = {k: [] for k in names}
-    reps = max(3, 2 * int(config.get("autotune_reps")))
-    t_end = time.perf_counter() + TIMING_BUDGET_S
-    for i in range(reps):
-        for name in names if i % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            fns[name](*args)
-            samples[name].append(time.perf_counter() - t0)
-        if time.perf_counter() > t_end and i >= 2:
-            break
-    return {k: median(v) for k, v in samples.items()}
+
+    def __init__(
+        self,
+        forms: dict[str, Callable[..., Any]],
+        key: dict[str, Any],
+        reps: int,
+        decided: Decided,
+    ) -> None:
+        self.forms = forms
+        self.key = key
+        self.reps = reps
+        self.decided = decided
+        self.samples: dict[str, list[float]] = {k: [] for k in forms}
+        self.calls = 0
+        self.chosen: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is not None:
+            return self.chosen(*args)
+        name = ORDER[self.calls % 2] if (self.calls // 2) % 2 == 0 else ORDER[1 - self.calls % 2]
+        self.calls += 1
+        t0 = time.perf_counter()
+        out = self.forms[name](*args)
+        if self.calls > 2 * WARMUP_CALLS:
+            self.samples[name].append(time.perf_counter() - t0)
+        if all(len(v) >= self.reps for v in self.samples.values()):
+            self._settle()
+        return out
+
+    def _settle(self) -> None:
+        timings = {k: median(v) for k, v in self.samples.items()}
+        noise = float(config.get("autotune_noise"))
+        use = timings["batched"] < timings["unbatched"] * (1.0 - noise)
+        self.chosen = self.forms["batched" if use else "unbatched"]
+        self.forms = {}  # drop the other compiled form
+        stats.tuned += 1
+        choice_cache.put(OP, self.key, "batched" if use else "unbatched", timings)
+        self.decided(use, timings)
 
 
-def choose_batched(
+ORDER = ("unbatched", "batched")  # call order A B, then B A, ... (each leads half the rounds)
+WARMUP_CALLS = 2  # untimed calls of each form before timing
+
+
+def batching_runner(
     key: dict[str, Any],
     build: Callable[[bool], Callable[..., Any]],
     example_inputs: Sequence[Any],
-) -> tuple[bool, dict[str, float]]:
-    """Whether the batched graph runs faster than the unbatched one, both compiled as they will run.
+    decided: Decided,
+) -> Callable[..., Any]:
+    """The callable to return for a graph with batchable groups.
 
-    ``build(batched)`` compiles one form (with the inner compiler: Inductor by default). Both are
-    timed alternately on private copies of the example inputs (forward, and backward too when
-    autograd records the outputs); the batched form must match the unbatched one's outputs and win
-    by more than ``autotune_noise``. The choice is cached per :func:`graph_key` in the autotuner's
-    choice cache, so a later process compiles only the chosen form. With ``autotune`` off the
-    batched form is taken untimed (as the autotuner takes its first non-anchor candidate).
+    A cached choice (per :func:`graph_key`) compiles only the chosen form. Otherwise both forms
+    are compiled (``build(batched)``, with the inner compiler: Inductor by default), checked to
+    agree on copies of the example inputs, and served by :class:`MeasuredBatching`, which times
+    them on the program's own first calls. With ``autotune`` off the batched form is taken
+    untimed (as the autotuner takes its first non-anchor candidate).
     """
     hit = choice_cache.get(OP, key)
-    if hit is not None and hit.get("choice") in ("batched", "unbatched"):
+    if hit is not None and hit.get("choice") in ORDER:
         stats.cache_hits += 1
-        return hit["choice"] == "batched", dict(hit.get("timings_s", {}))
+        use = hit["choice"] == "batched"
+        decided(use, dict(hit.get("timings_s", {})))
+        return build(use)
     if not config.get("autotune"):
-        return True, {}
-    args = tuple(_scratch_copy(a) for a in example_inputs)
-    fns = {"unbatched": _with_backward(build(False)), "batched": _with_backward(build(True))}
-    ref = fns["unbatched"](*args)
-    if _outputs_close(fns["batched"](*args), ref):
-        timings = _interleaved(fns, args)
-        noise = float(config.get("autotune_noise"))
-        use = timings["batched"] < timings["unbatched"] * (1.0 - noise)
-    else:  # never expected: the rules are exact up to summation order
-        timings, use = {}, False
-        stats.candidates_failed += 1
-    stats.tuned += 1
-    choice_cache.put(OP, key, "batched" if use else "unbatched", timings)
-    return use, timings
+        decided(True, {})
+        return build(True)
+    forms = {"unbatched": build(False), "batched": build(True)}
+    if timeable(example_inputs):
+        args = tuple(_scratch_copy(a) for a in example_inputs)
+        step = {k: _with_backward(f) for k, f in forms.items()}
+        if not _outputs_close(step["batched"](*args), step["unbatched"](*args)):
+            # never expected: the rules are exact up to summation order
+            stats.candidates_failed += 1
+            choice_cache.put(OP, key, "unbatched", {})
+            decided(False, {})
+            return forms["unbatched"]
+    reps = max(3, int(config.get("autotune_reps")))
+    return MeasuredBatching(forms, key, reps, decided)
 
 
 # --- rule: parallel linears on one input ----------------------------------------------------------
