@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from torchport import config
@@ -116,16 +120,17 @@ def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
 
 
 def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A group is batched only when the decision (the autotuner's measurement) says so."""
+    """A graph is batched only when the decision (compiled graph against compiled graph) says so."""
     import torchport.compiler.batching as batching
 
-    calls: list[str] = []
+    seen: list[dict[str, object]] = []
 
-    def never(op: str, *a: object, **k: object) -> bool:
-        calls.append(op)
-        return False
+    def never(key: dict[str, object], build: Callable, inputs: object, decided: Callable) -> object:
+        seen.append(key)
+        decided(False, {})
+        return build(False)
 
-    monkeypatch.setattr(batching, "decide", never)
+    monkeypatch.setattr(batching, "batching_runner", never)
     torch._dynamo.reset()  # no cached graph of this module from an earlier test
     m = RandomHeads(5)  # two shared linears, two per-head linears
     x, hs = torch.randn(3, m.d), [torch.randn(3, m.d) for _ in range(m.n_heads)]
@@ -134,22 +139,126 @@ def test_no_gain_means_no_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     with torch.no_grad():
         torch.testing.assert_close(fn(x, hs), m(x, hs))
-    assert last_report().rule_counts == {}  # type: ignore[union-attr]
-    assert "batch_parallel_linear" in calls and "batch_per_head_linear" in calls
+    rep = last_report()
+    assert rep is not None and rep.rule_counts == {} and rep.batching == "unbatched"
+    assert len(seen) == 1 and seen[0]["inner"] == "eager"
 
 
-def test_decide_measures_with_the_autotuner(fresh_cache) -> None:
+def _sleeper(seconds: float, calls: list[str], name: str) -> Callable:
+    def fn(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(name)
+        time.sleep(seconds)
+        return args[0] * 2
+
+    return fn
+
+
+def _runner(key: dict, faster: str, built: list[bool], calls: list[str], got: list) -> Callable:
+    from torchport.compiler.batching import batching_runner
+
+    def build(batched: bool) -> Callable:
+        built.append(batched)
+        fast = batched == (faster == "batched")
+        return _sleeper(0.0 if fast else 0.004, calls, "batched" if batched else "unbatched")
+
+    return batching_runner(key, build, [torch.ones(3)], lambda use, t: got.append((use, t)))
+
+
+@pytest.mark.parametrize("faster", ["batched", "unbatched"])
+def test_batching_runner_times_real_calls_and_settles(fresh_cache, faster: str) -> None:
     from torchport.autotune import stats
-    from torchport.compiler.batching import decide
 
-    ws = [torch.randn(8, 16) for _ in range(3)]
+    key = {"graph": f"test-{faster}", "inputs": [], "grad": False, "inner": "eager"}
+    built: list[bool] = []
+    calls: list[str] = []
+    got: list = []
     before = stats.tuned
     with config.override(autotune=True, autotune_reps=3):
-        got = decide(
-            "batch_test",
-            {"n": 3},
-            lambda x, *w: [x @ wi.t() for wi in w],
-            lambda x, *w: list((x @ torch.cat(w).t()).split(8, -1)),
-            lambda: (torch.randn(4, 16), *ws),
-        )
-    assert isinstance(got, bool) and stats.tuned == before + 1
+        fn = _runner(key, faster, built, calls, got)
+        assert sorted(built) == [False, True] and got == []  # both compiled, not decided yet
+        n = 0
+        while not got:
+            torch.testing.assert_close(fn(torch.ones(3)), torch.full((3,), 2.0))
+            n += 1
+            assert n < 100
+        use, timings = got[0]
+        assert use == (faster == "batched") and stats.tuned == before + 1
+        assert timings["unbatched" if faster == "batched" else "batched"] >= 0.004
+        calls.clear()
+        fn(torch.ones(3))
+        assert calls == [faster]  # settled: only the winner runs
+        built.clear()
+        got.clear()
+        _runner(key, faster, built, calls, got)  # cached: only the chosen form is compiled
+    assert built == [faster == "batched"] and got[0][0] == use and stats.tuned == before + 1
+
+
+def test_batching_runner_rejects_a_form_whose_outputs_differ(fresh_cache) -> None:
+    from torchport.compiler.batching import batching_runner
+
+    got: list = []
+
+    def build(batched: bool) -> Callable:
+        return (lambda x: x + 1) if batched else (lambda x: x)
+
+    with config.override(autotune=True, autotune_reps=3):
+        fn = batching_runner({"graph": "differ"}, build, [torch.ones(3)], lambda *a: got.append(a))
+    assert got == [(False, {})] and torch.equal(fn(torch.ones(2)), torch.ones(2))
+
+
+def test_batching_runner_checks_on_copies_not_the_callers_inputs(fresh_cache) -> None:
+    from torchport.compiler.batching import batching_runner
+
+    def build(batched: bool) -> Callable:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            x.add_(1.0)  # a graph that mutates its input (e.g. a running statistic)
+            return x.clone()
+
+        return fn
+
+    x = torch.zeros(4)
+    with config.override(autotune=True, autotune_reps=3):
+        batching_runner({"graph": "mutates"}, build, [x], lambda *a: None)
+    assert torch.equal(x, torch.zeros(4))
+
+
+def test_batching_decided_under_inductor_matches_eager(fresh_cache) -> None:
+    """The default path: both forms compiled by Inductor, timed on real calls, the winner runs."""
+    torch._dynamo.reset()
+    m = RandomHeads(5)
+    x, hs = torch.randn(3, m.d), [torch.randn(3, m.d) for _ in range(m.n_heads)]
+    fn = torch.compile(m, backend=TorchportBackend(passes=[], batching=True), dynamic=False)
+    with config.override(autotune=True, autotune_reps=3), torch.no_grad():
+        for _ in range(12):
+            torch.testing.assert_close(fn(x, hs), m(x, hs), rtol=1e-5, atol=1e-5)
+    rep = last_report()
+    assert rep is not None and rep.batching in ("batched", "unbatched")
+    assert set(rep.batching_timings_s) == {"batched", "unbatched"}
+    assert bool(rep.rule_counts) == (rep.batching == "batched")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**20), rows=st.sampled_from([0, 1, 2, 7]), train=st.booleans())
+def test_batching_equivalence_property(seed: int, rows: int, train: bool) -> None:
+    """Hypothesis over random graphs: the batched graph (verified after every rewrite) computes
+    what eager does, forward and (when training) gradients."""
+    torch._dynamo.reset()  # every example compiles afresh (no recompile-limit fallback to eager)
+    torch.manual_seed(seed)
+    m = RandomHeads(seed)
+    x = torch.randn(rows, m.d)
+    hs = [torch.randn(rows, m.d) for _ in range(m.n_heads)]
+    backend = TorchportBackend(inner="eager", passes=[], batching=True, verify=True)
+    fn = torch.compile(m, backend=backend, dynamic=False)
+    with torch.set_grad_enabled(train):
+        got, want = fn(x, hs), m(x, hs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if train and got.requires_grad:
+            params = list(m.parameters())
+            g1 = torch.autograd.grad(got.square().sum(), params, allow_unused=True)
+            g2 = torch.autograd.grad(want.square().sum(), params, allow_unused=True)
+            for a, b in zip(g1, g2, strict=True):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rep = last_report()
+    assert rep is not None and rep.batching in ("batched", "no batchable group")

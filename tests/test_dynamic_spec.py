@@ -233,6 +233,65 @@ def test_compile_once_for_all_sizes_in_spec() -> None:
     assert counter.n == 1
 
 
+def _zero_fn_contig(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(1) @ w + x.shape[1]
+
+
+def _zero_fn_strided(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(1) @ w + x.shape[1]
+
+
+_ZERO_SIZES = [(3, 5), (2, 0), (0, 3), (1, 1), (0, 0), (1, 0), (64, 256), (7, 1), (13, 97)]
+
+
+@pytest.mark.parametrize("first", ["nonempty", "empty"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_sizes_0_1_and_large_share_one_graph(first: str, layout: str) -> None:
+    """Size 0 in an inner dim (whose contiguous strides torch clamps) must not recompile."""
+    from torchport.frontend import SpecCompiled
+
+    fn_ = _zero_fn_contig if layout == "contiguous" else _zero_fn_strided
+    torch._dynamo.reset()
+    counter = _Counting()
+    b, t = ShapeVar("B", max=64), ShapeVar("T", max=256)
+    spec = ShapesSpec({"x": TensorSpec([b, t, STATIC]), "w": TensorSpec([STATIC, STATIC])})
+    fn = SpecCompiled(fn_, spec, lambda f: torch.compile(f, backend=counter))
+    sizes = _ZERO_SIZES if first == "nonempty" else [(2, 0), *_ZERO_SIZES]
+    w = torch.randn(4, 3)
+    for bs, ts in sizes:
+        x = torch.randn(bs, ts, 4) if layout == "contiguous" else torch.randn(bs, 4, ts).mT
+        torch.testing.assert_close(fn(x, w), fn_(x, w))
+    assert counter.n == 1
+
+
+def test_sizes_0_1_and_large_share_one_inductor_graph() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).sum(1) * 2
+
+    spec = {"x": TensorSpec([ShapeVar("B", max=64), ShapeVar("T", max=256), STATIC])}
+    fn = torchport.compile(f, dynamic_shapes=spec, batching=False)
+    n0 = len(torchport.compiler.reports())
+    for bs, ts in _ZERO_SIZES:
+        x = torch.randn(bs, ts, 4)
+        torch.testing.assert_close(fn(x), f(x), rtol=1e-4, atol=1e-4)
+    assert len(torchport.compiler.reports()) - n0 == 1
+
+
+@dynamic_spec({"x": TensorSpec([ShapeVar("B", max=64), ShapeVar("T", max=256), STATIC])})
+def _zero_decorated(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(1) + x.shape[1]
+
+
+def test_export_and_make_fx_serve_sizes_0_1_and_large() -> None:
+    ep = torchport.export(_zero_decorated, (torch.randn(3, 5, 4),))
+    gm = torchport.make_fx(_zero_decorated)(torch.randn(3, 5, 4))
+    m = ep.module()
+    for bs, ts in _ZERO_SIZES:
+        x = torch.randn(bs, ts, 4)
+        torch.testing.assert_close(m(x), _zero_decorated(x))
+        torch.testing.assert_close(gm(x), _zero_decorated(x))
+
+
 def test_torchport_compile_reads_decorator_on_module_forward() -> None:
     class M(torch.nn.Module):
         def __init__(self) -> None:
@@ -338,3 +397,112 @@ def test_export_module_spec_keeps_parameter_names() -> None:
     assert "lin.weight" in ep.state_dict
     x = torch.randn(9, 4)
     torch.testing.assert_close(ep.module()(x, torch.zeros(9)), m(x, torch.zeros(9)))
+
+
+# --- 2.14 API parity: ObjectSpec, globals, to_jsonable, items -------------------------------------
+
+
+class _Cfg:
+    def __init__(self, x: torch.Tensor, n: int) -> None:
+        self.x = x
+        self.n = n
+        self.inner = _Inner(torch.ones(x.shape[0]))
+
+
+class _Inner:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+
+def _obj_fn(cfg: _Cfg) -> torch.Tensor:
+    return cfg.x.sum(1) * cfg.inner.w + cfg.n
+
+
+def test_object_spec_binds_attributes_and_compiles_once() -> None:
+    from torchport import ObjectSpec
+    from torchport.frontend import SpecCompiled
+
+    b = ShapeVar("B", min=1, max=64)
+    spec = ShapesSpec(
+        {
+            "cfg": ObjectSpec(
+                {"x": TensorSpec([b, STATIC]), "inner": ObjectSpec({"w": TensorSpec([b])})}
+            )
+        }
+    )
+    counter = _Counting()
+    fn = SpecCompiled(_obj_fn, spec, lambda f: torch.compile(f, backend=counter))
+    for rows in (3, 1, 17, 64):
+        cfg = _Cfg(torch.randn(rows, 4), 2)
+        torch.testing.assert_close(fn(cfg), _obj_fn(cfg))
+    assert counter.n == 1
+    bad = _Cfg(torch.randn(5, 4), 2)
+    bad.inner.w = torch.ones(6)
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'cfg.inner.w' dim 0: expected B == 5 .*got 6"
+    ):
+        fn(bad)
+    with pytest.raises(
+        DynamicSpecViolation, match=r"argument 'cfg.x' dim 0: expected 1 <= B <= 64, got B = 65"
+    ):
+        fn(_Cfg(torch.randn(65, 4), 2))
+
+
+def test_object_spec_errors() -> None:
+    from torchport import ObjectSpec
+
+    with pytest.raises(TypeError, match=r"ObjectSpec fields must be attribute names .*'a b'"):
+        ObjectSpec({"a b": None})
+    spec = ShapesSpec({"cfg": ObjectSpec({"y": TensorSpec([ShapeVar("B")])})})
+    with pytest.raises(ValueError, match=r"cfg: ObjectSpec has fields \['y'\] that the runtime"):
+        bind(_obj_fn, spec, (_Cfg(torch.randn(2, 3), 1),), {}, "torchport.compile")
+    spec2 = ShapesSpec({"cfg": ObjectSpec({"x": TensorSpec([ShapeVar("B"), STATIC])})})
+    with pytest.raises(ValueError, match=r"torchport.export: argument 'cfg.x' is described by"):
+        torchport.export(_obj_fn, (_Cfg(torch.randn(2, 3), 1),), dynamic_shapes=spec2)
+    with pytest.raises(ValueError, match=r"cfg: ObjectSpec describes the attributes of a plain"):
+        bind(
+            _obj_fn,
+            ShapesSpec({"cfg": ObjectSpec({"x": None})}),
+            ([torch.ones(1), torch.ones(1)],),
+            {},
+            "torchport.compile",
+        )
+
+
+def test_shapes_spec_globals_is_reserved_as_in_2_14() -> None:
+    from torchport import UnsupportedSpecError
+
+    with pytest.raises(UnsupportedSpecError, match=r"ShapesSpec.globals is not supported yet"):
+        ShapesSpec({}, globals={"g": 1})
+    assert issubclass(UnsupportedSpecError, NotImplementedError)
+
+
+def test_to_jsonable_and_items() -> None:
+    from torchport import ObjectSpec
+
+    b = ShapeVar("B", max=8, optimization_hint=4)
+    spec = ShapesSpec(
+        {
+            "x": TensorSpec([b, 2 * b + 1, STATIC, 3]),
+            "d": DictSpec({"k": TensorSpec([b])}),
+            "s": SeqSpec([IntVar("n")]),
+            "o": ObjectSpec({"w": TensorSpec([b])}),
+            "*args": [TensorSpec([b])],
+        },
+        assumptions=[b % 2 == 0],
+    )
+    j = spec.to_jsonable()
+    assert j["type"] == "ShapesSpec" and j["assumptions"] == ["B%2 == 0"]
+    x = j["params"]["params"]["x"]
+    assert x["dims"][0] == {
+        "type": "ShapeVar",
+        "name": "B",
+        "min": 0,
+        "max": 8,
+        "optimization_hint": 4,
+    }
+    assert x["dims"][1] == {"type": "Expr", "expr": "(2*B + 1)"} and x["dims"][2:] == [None, 3]
+    assert j["params"]["params"]["o"]["type"] == "ObjectSpec"
+    assert j["params"]["params"]["*args"][0]["type"] == "TensorSpec"
+    assert list(DictSpec({"a": None, 1: 2}).items()) == [("a", None), (1, 2)]
+    assert dict(ObjectSpec({"w": 3}).items()) == {"w": 3}

@@ -36,6 +36,9 @@ class CompileReport:
     nodes_before: int = 0
     nodes_after: int = 0
     complex: bool = False  # the graph went through complex decomposition
+    # small-kernel batching: "batched"/"unbatched" (measured), or why it was not considered
+    batching: str = "off"
+    batching_timings_s: dict[str, float] = field(default_factory=dict)
 
 
 PRE_GRAD_PASSES: list[tuple[int, Pass]] = []  # (order, pass); lower order runs first
@@ -82,26 +85,76 @@ class TorchportBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         passes = list(self.passes if self.passes is not None else [p for _, p in PRE_GRAD_PASSES])
         if self.batching:
-            from torchport.compiler.batching import BATCHING
+            return self._maybe_batched(gm, example_inputs, passes)
+        compiled, report = self._variant(gm, example_inputs, passes)
+        _reports.append(report)
+        return compiled
 
-            passes.insert(0, BATCHING)  # before the registered passes: they see the batched GEMMs
-            gm = _copy_graph_module(gm)  # batching adds inputs; dynamo's own graph must keep its
+    def _maybe_batched(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], passes: list[Pass]
+    ) -> Callable[..., Any]:
+        """Batch small kernels where the compiled batched graph measures faster than the plain one."""
+        from torchport.compiler import batching
+
+        key = batching.graph_key(gm, example_inputs, self.inner)
+        batched_gm = _copy_graph_module(gm)  # batching adds inputs; dynamo's own graph keeps its
+        before = dict(batching.BATCHING.counts)
+        n = batching.BATCHING(batched_gm, verify=self.verify)
+        counts = {r: c - before.get(r, 0) for r, c in batching.BATCHING.counts.items()}
+        counts = {r: c for r, c in counts.items() if c}
+        if not n or not batching.timeable(example_inputs):
+            compiled, report = self._variant(gm, example_inputs, passes)
+            report.batching = "no batchable group" if not n else "inputs cannot be timed"
+            _reports.append(report)
+            return compiled
+        built: dict[bool, tuple[Callable[..., Any], CompileReport]] = {}
+
+        def build(batched: bool) -> Callable[..., Any]:
+            if batched not in built:
+                src = batched_gm if batched else _copy_graph_module(gm)
+                compiled, rep = self._variant(src, example_inputs, passes)
+                if batched:
+                    rep.rewrites = {batching.BATCHING.name: n, **rep.rewrites}
+                    rep.rule_counts = {**counts, **rep.rule_counts}
+                built[batched] = (compiled, rep)
+            return built[batched][0]
+
+        report = CompileReport(inner=self.inner, nodes_before=len(gm.graph.nodes))
+        report.batching = "measuring"
+
+        def decided(use: bool, timings: dict[str, float]) -> None:
+            chosen = built[use][1] if use in built else build_report(use)
+            report.rewrites, report.rule_counts = chosen.rewrites, chosen.rule_counts
+            report.nodes_after, report.complex = chosen.nodes_after, chosen.complex
+            report.batching = "batched" if use else "unbatched"
+            report.batching_timings_s = timings
+
+        def build_report(use: bool) -> CompileReport:
+            build(use)
+            return built[use][1]
+
+        _reports.append(report)
+        return batching.batching_runner(key, build, example_inputs, decided)
+
+    def _variant(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], passes: list[Pass]
+    ) -> tuple[Callable[..., Any], CompileReport]:
+        """Run ``passes`` on ``gm`` (in place) and compile it; derived inputs are computed per call."""
+        from torchport.compiler.batching import META_KEY, BatchedCallable, derived_example_inputs
+
         report = CompileReport(inner=self.inner, nodes_before=len(gm.graph.nodes))
         before = {p.name: dict(p.counts) for p in passes}
         report.rewrites = run_passes(gm, passes, verify=self.verify)
         for p in passes:
-            for rule, n in p.counts.items():
-                delta = n - before[p.name].get(rule, 0)
+            for rule, c in p.counts.items():
+                delta = c - before[p.name].get(rule, 0)
                 if delta:
                     report.rule_counts[rule] = delta
         report.nodes_after = len(gm.graph.nodes)
-        _reports.append(report)
-        from torchport.compiler.batching import META_KEY, BatchedCallable, derived_example_inputs
-
         derived = gm.meta.get(META_KEY, [])
         inputs = list(example_inputs) + derived_example_inputs(derived, example_inputs)
         compiled = self._compile_graph(gm, inputs, report)
-        return BatchedCallable(compiled, derived) if derived else compiled
+        return (BatchedCallable(compiled, derived) if derived else compiled), report
 
     def _compile_graph(
         self, gm: fx.GraphModule, example_inputs: list[Any], report: CompileReport

@@ -15,24 +15,31 @@ stacked *weights* are not computed in the graph: the rule adds a graph input for
 :class:`BatchedCallable` computes it from the original weights on each call, reusing the last result
 while the weights are unchanged (same storage and version counter) and autograd does not need it.
 
-Whether a group is batched is measured, not assumed: :func:`decide` times the group's separate ops
-(the ATen anchor) against the batched form on random inputs of the group's shapes with
-:func:`torchport.autotune.select`, and batches only on a win beyond noise (the choice is cached
-per shape). ``reference`` semantics: the rewritten graph computes exactly what the original does;
-results may differ only by GEMM summation order (tested to fp32 rounding).
+Whether a graph is batched is measured, not assumed: the backend compiles the graph both ways with
+the inner compiler (Inductor by default) and :func:`choose_batched` times the two compiled forms
+against each other on copies of the call's inputs (the unbatched form is the anchor); the batched
+form is kept only on a win beyond noise, and the choice is cached per graph and input layout.
+Timing the compiled forms matters: Inductor fuses the split/stack/unbind glue of a batched graph
+that eager mode pays for, so eager timings reject batching that the compiled graph profits from.
+``reference`` semantics: the rewritten graph computes exactly what the original does; results may
+differ only by GEMM summation order (tested to fp32 rounding).
 """
 
 from __future__ import annotations
 
+import hashlib
 import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
-from torchport.autotune import ATEN, NATIVE, Candidate, select
+from torchport import config
+from torchport.autotune import choice_cache, median, stats
 from torchport.compiler.passes import Pass, Rule, node_tensor_meta
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -48,6 +55,7 @@ FOREACH = {
     torch.log: torch._foreach_log,
     torch.reciprocal: torch._foreach_reciprocal,
 }
+OP = "small_kernel_batching"  # the choice-cache op name of the batching decision
 SMALL_NUMEL = 1 << 16  # elementwise ops on tensors larger than this are not "small"
 MIN_GROUP = 2
 
@@ -129,37 +137,170 @@ def _group(gm: fx.GraphModule, first: fx.Node, same: Callable[[fx.Node], bool]) 
     return out
 
 
-# --- the decision ---------------------------------------------------------------------------------
+# --- the decision: compiled graph against compiled graph ------------------------------------------
 
 
-def decide(
-    op: str,
-    key: dict[str, Any],
-    separate: Callable[..., Any],
-    batched: Callable[..., Any],
-    make_args: Callable[[], tuple[Any, ...]],
-) -> bool:
-    """True if the batched form beats the separate ops (measured, cached per ``key``)."""
-    cands = [Candidate("separate", ATEN), Candidate("batched", NATIVE)]
-    fns = {"separate": separate, "batched": batched}
-
-    def check(out: Any, ref: Any) -> bool:
-        return all(
-            torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(out, ref, strict=True)
-        )
-
-    choice = select(op, key, cands, lambda c: fns[c.name], make_args, cold=False, check=check)
-    return choice.candidate.name == "batched"
-
-
-def _rand(t: torch.Tensor) -> torch.Tensor:
-    return torch.randn(tuple(t.shape), dtype=t.dtype)
+def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> dict[str, Any]:
+    """The choice-cache key of one captured graph: its code, its inputs' layout, grad mode."""
+    inputs: list[Any] = []
+    for a in example_inputs:
+        if isinstance(a, torch.Tensor):
+            shape, stride = [str(s) for s in a.shape], [str(s) for s in a.stride()]
+            inputs.append([shape, stride, str(a.dtype), a.requires_grad])
+        else:
+            inputs.append(type(a).__name__)  # a SymInt/int input: its value varies per call
+    digest = hashlib.sha256(gm.code.encode()).hexdigest()[:20]
+    return {
+        "graph": digest,
+        "inputs": inputs,
+        "grad": torch.is_grad_enabled(),
+        "inner": inner,
+        "threads": torch.get_num_threads(),
+        "decider": "real-calls",  # how the choice was measured (older entries timed otherwise)
+    }
 
 
-def _training(ws: Sequence[fx.Node]) -> bool:
-    return torch.is_grad_enabled() and any(
-        bool(getattr(node_tensor_meta(w), "requires_grad", False)) for w in ws
+def timeable(example_inputs: Sequence[Any]) -> bool:
+    """True if every input can be copied for timing: plain tensors and Python scalars."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    scalars = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, type(None))
+    return all(
+        type(a) in plain or (isinstance(a, scalars) and not isinstance(a, torch.Tensor))
+        for a in example_inputs
     )
+
+
+def _scratch_copy(a: Any) -> Any:
+    """A private copy of one example input (timing must not touch the caller's tensors)."""
+    if isinstance(a, torch.Tensor):
+        c = a.detach().clone()
+        return c.requires_grad_(a.requires_grad)
+    return a
+
+
+def _outputs_close(out: Any, ref: Any) -> bool:
+    got, want = pytree.tree_leaves(out), pytree.tree_leaves(ref)
+    if len(got) != len(want):
+        return False
+    for g, w in zip(got, want, strict=True):
+        if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor):
+            low = g.dtype in (torch.float16, torch.bfloat16)
+            tol = 2e-2 if low else 1e-4
+            if g.shape != w.shape or not torch.allclose(g.detach(), w.detach(), tol, tol):
+                return False
+        elif g != w:
+            return False
+    return True
+
+
+def _with_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` plus, when autograd records its outputs, a backward pass from all-ones gradients."""
+
+    def step(*args: Any) -> Any:
+        out = fn(*args)
+        if torch.is_grad_enabled():
+            ts = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            ts = [t for t in ts if t.requires_grad]
+            if ts:
+                torch.autograd.backward(ts, [torch.ones_like(t) for t in ts])
+        return out
+
+    return step
+
+
+Decided = Callable[[bool, dict[str, float]], None]
+
+
+class MeasuredBatching:
+    """Serves the first real calls alternately from the unbatched and the batched compiled forms,
+    timing each call, then settles on the faster form (batched only on a win beyond
+    ``autotune_noise``), caches the choice and calls ``decided(use_batched, timings)``.
+
+    Timing real calls in the running program (after ``WARMUP_CALLS`` untimed calls of each form)
+    measures what the program will see: timing right after compilation was dominated by the
+    machine's state at that moment (Inductor's compile workers starting, other processes).
+    Each call runs one form only, so it is as correct (and as side-effecting) as an ordinary call.
+    Only the forward is timed.
+    """
+
+    def __init__(
+        self,
+        forms: dict[str, Callable[..., Any]],
+        key: dict[str, Any],
+        reps: int,
+        decided: Decided,
+    ) -> None:
+        self.forms = forms
+        self.key = key
+        self.reps = reps
+        self.decided = decided
+        self.samples: dict[str, list[float]] = {k: [] for k in forms}
+        self.calls = 0
+        self.chosen: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is not None:
+            return self.chosen(*args)
+        name = ORDER[self.calls % 2] if (self.calls // 2) % 2 == 0 else ORDER[1 - self.calls % 2]
+        self.calls += 1
+        t0 = time.perf_counter()
+        out = self.forms[name](*args)
+        if self.calls > 2 * WARMUP_CALLS:
+            self.samples[name].append(time.perf_counter() - t0)
+        if all(len(v) >= self.reps for v in self.samples.values()):
+            self._settle()
+        return out
+
+    def _settle(self) -> None:
+        timings = {k: median(v) for k, v in self.samples.items()}
+        noise = float(config.get("autotune_noise"))
+        use = timings["batched"] < timings["unbatched"] * (1.0 - noise)
+        self.chosen = self.forms["batched" if use else "unbatched"]
+        self.forms = {}  # drop the other compiled form
+        stats.tuned += 1
+        choice_cache.put(OP, self.key, "batched" if use else "unbatched", timings)
+        self.decided(use, timings)
+
+
+ORDER = ("unbatched", "batched")  # call order A B, then B A, ... (each leads half the rounds)
+WARMUP_CALLS = 2  # untimed calls of each form before timing
+
+
+def batching_runner(
+    key: dict[str, Any],
+    build: Callable[[bool], Callable[..., Any]],
+    example_inputs: Sequence[Any],
+    decided: Decided,
+) -> Callable[..., Any]:
+    """The callable to return for a graph with batchable groups.
+
+    A cached choice (per :func:`graph_key`) compiles only the chosen form. Otherwise both forms
+    are compiled (``build(batched)``, with the inner compiler: Inductor by default), checked to
+    agree on copies of the example inputs, and served by :class:`MeasuredBatching`, which times
+    them on the program's own first calls. With ``autotune`` off the batched form is taken
+    untimed (as the autotuner takes its first non-anchor candidate).
+    """
+    hit = choice_cache.get(OP, key)
+    if hit is not None and hit.get("choice") in ORDER:
+        stats.cache_hits += 1
+        use = hit["choice"] == "batched"
+        decided(use, dict(hit.get("timings_s", {})))
+        return build(use)
+    if not config.get("autotune"):
+        decided(True, {})
+        return build(True)
+    forms = {"unbatched": build(False), "batched": build(True)}
+    if timeable(example_inputs):
+        args = tuple(_scratch_copy(a) for a in example_inputs)
+        step = {k: _with_backward(f) for k, f in forms.items()}
+        if not _outputs_close(step["batched"](*args), step["unbatched"](*args)):
+            # never expected: the rules are exact up to summation order
+            stats.candidates_failed += 1
+            choice_cache.put(OP, key, "unbatched", {})
+            decided(False, {})
+            return forms["unbatched"]
+    reps = max(3, int(config.get("autotune_reps")))
+    return MeasuredBatching(forms, key, reps, decided)
 
 
 # --- rule: parallel linears on one input ----------------------------------------------------------
@@ -187,39 +328,6 @@ def _parallel_linears(gm: fx.GraphModule, node: fx.Node) -> bool:
     ws = [s[1] for s in specs if s]
     bs = [s[2] for s in specs if s and s[2] is not None]
     outs = [int(node_tensor_meta(w).shape[0]) for w in ws]  # type: ignore[union-attr]
-    xt = node_tensor_meta(x)
-    assert xt is not None
-    wts = [node_tensor_meta(w) for w in ws]
-    train = _training(ws)
-
-    def make_args() -> tuple[Any, ...]:
-        return (
-            _rand(xt),
-            *[_rand(t) for t in wts if t is not None],
-            *[torch.randn(o) for o in outs][: len(bs)],
-        )
-
-    nw = len(ws)
-
-    def separate(x_: torch.Tensor, *wb: torch.Tensor) -> list[torch.Tensor]:
-        w_, b_ = wb[:nw], wb[nw:]
-        return [torch.nn.functional.linear(x_, w, b_[i] if b_ else None) for i, w in enumerate(w_)]
-
-    def batched(x_: torch.Tensor, *wb: torch.Tensor) -> list[torch.Tensor]:
-        w_, b_ = wb[:nw], wb[nw:]
-        wc = torch.cat(w_) if train else _cached_cat(w_)
-        bc = (torch.cat(b_) if train else _cached_cat(b_)) if b_ else None
-        return list(torch.nn.functional.linear(x_, wc, bc).split(outs, -1))
-
-    key = {
-        "x": list(xt.shape),
-        "outs": outs,
-        "bias": bool(bs),
-        "dtype": str(xt.dtype),
-        "train": train,
-    }
-    if not decide("batch_parallel_linear", key, separate, batched, make_args):
-        return False
     wcat = _add_derived(gm, "cat", ws)
     bcat = _add_derived(gm, "cat", bs) if bs else None
     with gm.graph.inserting_before(node):
@@ -274,40 +382,8 @@ def _per_head(gm: fx.GraphModule, node: fx.Node) -> bool:
     xs = [s[0] for s in specs if s]
     ws = [s[1] for s in specs if s]
     bs = [s[2] for s in specs if s and s[2] is not None]
-    h = len(heads)
     out_f, in_f = int(wt0.shape[0]), int(wt0.shape[1])
     lead = tuple(int(s) for s in xt0.shape[:-1])
-    train = _training(ws)
-
-    def make_args() -> tuple[Any, ...]:
-        return (
-            *[_rand(xt0) for _ in range(h)],
-            *[_rand(wt0) for _ in range(h)],
-            *[torch.randn(out_f) for _ in bs],
-        )
-
-    def separate(*a: torch.Tensor) -> list[torch.Tensor]:
-        xs_, ws_, bs_ = a[:h], a[h : 2 * h], a[2 * h :]
-        return [
-            torch.nn.functional.linear(xs_[i], ws_[i], bs_[i] if bs_ else None) for i in range(h)
-        ]
-
-    def batched(*a: torch.Tensor) -> list[torch.Tensor]:
-        xs_, ws_, bs_ = a[:h], a[h : 2 * h], a[2 * h :]
-        w = torch.stack(ws_) if train else _cached_stack(ws_)
-        b = (torch.stack(bs_) if train else _cached_stack(bs_)) if bs_ else None
-        return list(_heads_bmm(torch.stack(xs_), w, b, lead, in_f, out_f))
-
-    key = {
-        "x": list(xt0.shape),
-        "w": list(wt0.shape),
-        "heads": h,
-        "bias": bool(bs),
-        "dtype": str(xt0.dtype),
-        "train": train,
-    }
-    if not decide("batch_per_head_linear", key, separate, batched, make_args):
-        return False
     wst = _add_derived(gm, "stack", ws)
     bst = _add_derived(gm, "stack", bs) if bs else None
     with gm.graph.inserting_before(node):
@@ -365,26 +441,7 @@ def _foreach(gm: fx.GraphModule, node: fx.Node) -> bool:
     if len(group) < MIN_GROUP:
         return False
     ins = [n.args[0] for n in group]
-    metas = [node_tensor_meta(i) for i in ins if isinstance(i, fx.Node)]
     fe = FOREACH[node.target]
-    single = node.target
-
-    def make_args() -> tuple[Any, ...]:
-        return tuple(_rand(m).abs() + 0.5 for m in metas if m is not None)
-
-    def separate(*a: torch.Tensor) -> list[torch.Tensor]:
-        return [single(x) for x in a]
-
-    def batched(*a: torch.Tensor) -> list[torch.Tensor]:
-        return list(fe(list(a)))
-
-    key = {
-        "op": str(getattr(single, "__name__", single)),
-        "shapes": [list(m.shape) for m in metas if m is not None],
-        "dtype": str(t0.dtype),
-    }
-    if not decide("batch_foreach", key, separate, batched, make_args):
-        return False
     with gm.graph.inserting_before(node):
         res = gm.graph.call_function(fe, (list(ins),))
     for i, n in enumerate(group):

@@ -11,8 +11,8 @@ complex values becomes real ops, one rule per op in :data:`RULES`:
     A@B = (Ar@Br - Ai@Bi) + (Ar@Bi + Ai@Br)i        sqrt z = sqrt((|z|+x)/2) + i copysign(sqrt((|z|-x)/2), y)
 
 Shape ops (view, permute, slice, select, index, cat, stack, ...) and linear reductions (sum, mean)
-apply to both parts. At the boundary a complex input enters as its ``view_as_real`` ([..., 2], no
-copy) and a complex output leaves as ``view_as_complex`` of a [..., 2] real result. An op with
+apply to both parts. At the boundary a complex input enters as its ``real`` and ``imag`` views (two
+strided inputs, no copy) and a complex output leaves as ``view_as_complex`` of a [..., 2] real result. An op with
 complex inputs or outputs and no rule raises :class:`ComplexDecompositionError` naming the op —
 never a silent fallback.
 
@@ -23,7 +23,8 @@ compare with ``rtol=1e-4`` in complex64 and run ``gradcheck`` in complex128).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from torchport.compiler.complex_rules import (
     _Emitter,
     _is_complex_val,
     _node_val,
+    fold_select_of_stack,
 )
 
 __all__ = [
@@ -105,9 +107,12 @@ class _Lowering:
     def _placeholder(self, n: fx.Node) -> None:
         val = _node_val(n)
         if _is_complex_val(val):
-            ri = self.graph.placeholder(f"{n.name}_ri")  # view_as_real(x): [..., 2]
-            re = self.e.call(torch.select, ri, -1, 0)
-            im = self.e.call(torch.select, ri, -1, 1)
+            # x.real and x.imag enter as two strided inputs (views, no copy). Selecting them
+            # from a view_as_real input in the graph would make Inductor lower the select to a
+            # squeeze view whose stride computation guards a symbolic batch size != 1, i.e. a
+            # graph that recompiles (and is re-specialised) at size 1 under dynamic shapes.
+            re = self.graph.placeholder(f"{n.name}_re")
+            im = self.graph.placeholder(f"{n.name}_im")
             self.env[n] = Pair(re, im)
             self.in_layout.append(True)
         else:
@@ -138,6 +143,12 @@ class _Lowering:
         if isinstance(val, (list, tuple)) and any(_is_complex_val(v) for v in val):
             touches = True
         if not touches:
+            if n.target is torch.ops.aten.select.int and len(args) == 3 and not kwargs:
+                src = _node_val(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+                ndim = src.dim() if isinstance(src, torch.Tensor) else None
+                part = fold_select_of_stack(args[0], args[1], args[2], ndim)
+                if part is not None:
+                    return part
             return self.graph.create_node(n.op, n.target, args, kwargs, name=n.name)
         rule = RULES.get(n.target)
         if rule is None:
@@ -161,8 +172,8 @@ def _flat(x: Any) -> list[Any]:
 def lower_complex(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[bool], list[bool]]:
     """Rewrite a complex aten graph into a real one.
 
-    Returns ``(real_gm, in_layout, out_layout)``: a complex input becomes its ``view_as_real``
-    (``[..., 2]``), a complex output is returned as ``[..., 2]`` (real, imag); the layouts say which
+    Returns ``(real_gm, in_layout, out_layout)``: a complex input becomes two inputs, its ``real``
+    and ``imag`` views, a complex output is returned as ``[..., 2]`` (real, imag); the layouts say which
     inputs and outputs were complex.
     """
     lw = _Lowering(gm)
@@ -170,12 +181,69 @@ def lower_complex(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[bool], list[
     return real, lw.in_layout, lw.out_layout
 
 
-def split_inputs(args: Sequence[Any], in_layout: Sequence[bool]) -> list[Any]:
-    """Complex tensors → ``view_as_real`` views (no copy unless a conj/neg bit is set)."""
-    return [
-        torch.view_as_real(x.resolve_conj().resolve_neg()) if is_c else x
-        for x, is_c in zip(args, in_layout, strict=True)
-    ]
+def split_inputs(
+    args: Sequence[Any], in_layout: Sequence[bool], *, contiguous: bool = False
+) -> list[Any]:
+    """Complex tensors → their ``real`` and ``imag`` parts, two inputs each; other inputs unchanged.
+
+    The parts are strided views (no copy unless a conj/neg bit is set), or contiguous copies with
+    ``contiguous=True``, which graphs with symbolic sizes need: Inductor computes the strides of a
+    view of a non-contiguous input by guarding each symbolic size != 1, which would specialise
+    the graph away from size 1 (a recompile there, inside a dynamic spec).
+    """
+    out: list[Any] = []
+    for x, is_c in zip(args, in_layout, strict=True):
+        if is_c:
+            z = x.resolve_conj().resolve_neg()
+            re, im = z.real, z.imag
+            out += [re.contiguous(), im.contiguous()] if contiguous else [re, im]
+        else:
+            out.append(x)
+    return out
+
+
+@contextlib.contextmanager
+def _oblivious_view_strides(dynamic: bool) -> Iterator[None]:
+    """Inductor's view lowering computes the strides of a view of a non-contiguous buffer (an
+    expanded gradient, a sliced part) by *guarding* each backed symbolic size != 1; only unbacked
+    sizes get the size-oblivious computation. Under a dynamic spec (``backed_size_oblivious``) a
+    real graph from complex decomposition would thereby be specialised away from size 1 and
+    recompile there. While compiling such a graph, the stride computation is made size-oblivious
+    for backed sizes too: the view strides it derives hold for every size, as torch relies on for
+    unbacked sizes (a view it cannot prove valid becomes a copy)."""
+    import torch.fx.experimental._config as fx_config
+    from torch._subclasses import fake_impls
+
+    if not dynamic or not getattr(fx_config, "backed_size_oblivious", False):
+        yield
+        return
+    from torch._inductor import config as inductor_config
+
+    original = fake_impls._compute_stride
+
+    def oblivious(
+        old_shape: Any, old_stride: Any, new_shape: Any, size_oblivious: bool = False
+    ) -> Any:
+        return original(old_shape, old_stride, new_shape, size_oblivious=True)
+
+    fake_impls._compute_stride = oblivious
+    try:
+        # the FX graph cache keys on the graph, not on this patch: never reuse (or store) an
+        # artifact compiled with the guarding stride computation for such a graph
+        with inductor_config.patch(fx_graph_cache=False):
+            yield
+    finally:
+        fake_impls._compute_stride = original
+
+
+def has_symbolic_sizes(example_inputs: Sequence[Any]) -> bool:
+    """True if any example input is a SymInt or a tensor with a symbolic size."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape):
+            return True
+    return False
 
 
 def join_outputs(outs: Sequence[Any], out_layout: Sequence[bool]) -> list[Any]:
@@ -203,6 +271,7 @@ class ComplexCompiled:
     ) -> None:
         self.real_gm, self.in_layout, self.out_layout = lower_complex(gm)
         self.inner = inner
+        self.contiguous = inner != "eager" and has_symbolic_sizes(example_inputs)
         if inner == "eager":
             self._run: Callable[[list[Any]], Any] = lambda a: self.real_gm(*a)
         else:
@@ -217,11 +286,14 @@ class ComplexCompiled:
         fake_mode = detect_fake_mode(list(example_inputs))
         assert fake_mode is not None, "AOTAutograd hands the compiler fake example inputs"
         with fake_mode:
-            fake_real = split_inputs(list(example_inputs), self.in_layout)
+            fake_real = split_inputs(
+                list(example_inputs), self.in_layout, contiguous=self.contiguous
+            )
             aten_gm = make_fx(
                 self.real_gm, decomposition_table=select_decomp_table(), tracing_mode="fake"
             )(*fake_real)
-        compiled = compile_fx_inner(aten_gm, fake_real, is_backward=is_backward)
+        with _oblivious_view_strides(self.contiguous):
+            compiled = compile_fx_inner(aten_gm, fake_real, is_backward=is_backward)
         # Inductor reported the strides of the *real* outputs ([..., 2]); AOTAutograd would apply
         # them to the complex outputs it sees, so report "unknown" for every output instead.
         from torch._guards import TracingContext
@@ -236,10 +308,10 @@ class ComplexCompiled:
         # never lists, so the two are unambiguous.
         if len(call_args) == 1 and isinstance(call_args[0], list):
             args = call_args[0]
-            real_args = split_inputs(args, self.in_layout)
+            real_args = split_inputs(args, self.in_layout, contiguous=self.contiguous)
             args.clear()
         else:
-            real_args = split_inputs(call_args, self.in_layout)
+            real_args = split_inputs(call_args, self.in_layout, contiguous=self.contiguous)
         outs = self._run(real_args)
         return join_outputs(list(outs), self.out_layout)
 

@@ -38,6 +38,26 @@ def _node_val(n: object) -> Any:
     return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
 
 
+def fold_select_of_stack(x: Any, dim: Any, index: Any, ndim: int | None = None) -> Any:
+    """``select(stack(parts, -1), last dim, i)`` → ``parts[i]``, else None.
+
+    Complex boundaries stack (real, imag) into ``[..., 2]`` and the next op often selects a part
+    back (``real``/``view_as_complex`` after ``view_as_real``). Folding keeps the graph free of
+    the round trip, which matters beyond speed: Inductor lowers a select to a squeeze view whose
+    stride computation guards every symbolic size != 1 (a recompile at size 1).
+    """
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is torch.stack):
+        return None
+    parts = x.args[0]
+    sdim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+    last = dim == -1 or (ndim is not None and dim == ndim - 1)
+    if sdim != -1 or not last or not isinstance(parts, (list, tuple)) or type(index) is not int:
+        return None
+    if not -len(parts) <= index < len(parts):
+        return None
+    return parts[index]
+
+
 class _Emitter:
     """Builds the real graph; arithmetic helpers treat ``None`` as an exact zero."""
 
@@ -45,6 +65,10 @@ class _Emitter:
         self.g = graph
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if fn is torch.select and not kwargs and len(args) == 3:
+            part = fold_select_of_stack(args[0], args[1], args[2])
+            if part is not None:
+                return part
         return self.g.call_function(fn, tuple(args), kwargs)
 
     def add(self, a: Any, b: Any) -> Any:

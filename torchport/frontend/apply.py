@@ -42,6 +42,7 @@ class SpecCompiled:
         self.compiled: Callable[..., Any] | None = None
         self._bindings: dict[tuple[Any, ...], Binding] = {}
         self.relaxed: str | None = None  # why strict marking was dropped (the code specialises)
+        self.traced = False  # a call went through the compiled function (a graph exists)
 
     def binding(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Binding:
         """The spec bound to this call structure (cached per arity and keyword names)."""
@@ -53,8 +54,17 @@ class SpecCompiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         b = self.binding(args, kwargs)
-        flat = pytree.tree_leaves((args, kwargs))
+        flat, tree = pytree.tree_flatten((args, kwargs))
+        empty = any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in flat)
+        if empty:
+            flat = [_canonical_empty(t) for t in flat]
+            args, kwargs = pytree.tree_unflatten(flat, tree)
         check_values(b, flat)
+        if empty and not self.traced:
+            # Tracing at an empty size would bake its degenerate strides into the graph (every
+            # non-empty call would then recompile): run it eagerly (no elements, negligible work)
+            # and trace at the first non-empty call, whose graph then serves empty calls too.
+            return self.fn(*args, **kwargs)
         scalars = _mark_dims(b, flat, strict=self.relaxed is None)
         if self.compiled is None:
             self.compiled = self._compile_fn(self.fn)
@@ -62,7 +72,9 @@ class SpecCompiled:
 
         try:
             with _compile_config(scalars):
-                return self.compiled(*args, **kwargs)
+                out = self.compiled(*args, **kwargs)
+            self.traced = True
+            return out
         except ConstraintViolationError as e:
             if self.relaxed is not None:
                 raise
@@ -84,6 +96,42 @@ class SpecCompiled:
                 return self.compiled(*args, **kwargs)
 
 
+def _canonical_empty(t: Any) -> Any:
+    """An empty tensor restrided as its sizes give without clamping: a 0 dim zeroes outer strides.
+
+    torch gives an empty contiguous ``[2, 0, 4]`` tensor strides ``(4, 4, 1)`` (sizes clamped to 1),
+    while the graph compiled for ``[2, T, 4]`` guards ``stride(0) == 4*T``: a size-0 inner dim would
+    fail that guard and recompile (and dynamo's recompile then divides by the zero size). An empty
+    tensor has no elements to address, so any strides are valid: keep the dim order of the strides
+    and recompute them from the sizes, which satisfies the symbolic strides at ``T = 0``.
+    """
+    if not isinstance(t, torch.Tensor) or t.numel() != 0 or t.dim() < 2 or t.is_sparse:
+        return t
+    # outermost first; a tie comes from clamping (stride(outer) = stride(inner) * max(size, 1)),
+    # so of two dims with equal strides the one of size <= 1 is the inner one
+    given = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-given[d], t.shape[d] <= 1, d))
+    strides = [0] * t.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= t.shape[d]
+    if tuple(strides) == tuple(given):
+        return t
+    return t.as_strided(t.shape, strides)
+
+
+def _pytree_only(b: Binding, api: str) -> None:
+    """export/make_fx trace pytrees of tensors: an ObjectSpec (attributes) cannot reach them."""
+    for s in b.slots:
+        if s.attrs:
+            raise ValueError(
+                f"{api}: argument {s.where!r} is described by an ObjectSpec; {api} takes tensors "
+                "in pytrees (tuples, lists, dicts), not object attributes. Pass the tensor as an "
+                "argument (or use torchport.compile, which honours ObjectSpec)"
+            )
+
+
 def _mark_dims(b: Binding, flat: Sequence[Any], *, strict: bool = True) -> list[str]:
     seen: set[IntVar] = set()
     scalars: list[str] = []
@@ -91,10 +139,11 @@ def _mark_dims(b: Binding, flat: Sequence[Any], *, strict: bool = True) -> list[
         if not isinstance(s.spec, Expr):
             continue
         if s.dim is None:
-            if re.fullmatch(r"[A-Za-z_]\w*", s.where):
-                scalars.append(f"L['{s.where}']")
+            base = s.where.removesuffix("".join("." + a for a in s.attrs))
+            if re.fullmatch(r"[A-Za-z_]\w*", base):
+                scalars.append(f"L['{base}']" + "".join("." + a for a in s.attrs))
             continue
-        t = flat[s.leaf]
+        t = s.target(flat)
         if strict and isinstance(s.spec, IntVar) and s.spec not in seen:
             seen.add(s.spec)
             lo, hi = s.spec.min, s.spec.max
@@ -171,7 +220,7 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
     env: dict[IntVar, Any] = {}
     for s in b.slots:
         if isinstance(s.spec, IntVar):
-            x = flat[s.leaf]
+            x = s.target(flat)
             val = x.shape[s.dim] if s.dim is not None else x
             if s.spec in env:
                 torch._check(val == env[s.spec])
@@ -179,7 +228,7 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
                 env[s.spec] = val
     for s in b.slots:
         if isinstance(s.spec, Expr) and not isinstance(s.spec, IntVar):
-            x = flat[s.leaf]
+            x = s.target(flat)
             val = x.shape[s.dim] if s.dim is not None else x
             torch._check(val == s.spec.evaluate(env))
     for a in b.assumptions:
@@ -230,12 +279,16 @@ def export(
         target = mod if isinstance(mod, torch.nn.Module) else _FnModule(mod)
         return torch.export.export(target, args, kwargs, strict=strict)
     b = bind(mod, spec, args, kwargs, "export")
+    _pytree_only(b, "torchport.export")
     check_call(b, args, kwargs)
     ds_args, ds_kwargs = export_dynamic_shapes(b, args, kwargs)
     if not kwargs and not _needs_prologue(b):
         # Dims express everything: export the module itself (parameter names unchanged)
-        target = mod if isinstance(mod, torch.nn.Module) else _FnModule(mod)
-        return torch.export.export(target, args, dynamic_shapes=tuple(ds_args), strict=strict)
+        if isinstance(mod, torch.nn.Module):
+            return torch.export.export(mod, args, dynamic_shapes=tuple(ds_args), strict=strict)
+        # _FnModule.forward(*args): the Dims go under its variadic parameter's name
+        ds = {"args": tuple(ds_args)}
+        return torch.export.export(_FnModule(mod), args, dynamic_shapes=ds, strict=strict)
     wrapped = _SpecModule(mod, b)
     return torch.export.export(
         wrapped,
@@ -302,6 +355,7 @@ def make_fx(
 
     def trace(*args: Any) -> torch.fx.GraphModule:
         b = bind(fn, spec, args, {}, "make_fx")
+        _pytree_only(b, "torchport.make_fx")
         check_call(b, args, {})
         fake_args = _fakify(b, args)
         flat_fake = pytree.tree_leaves(fake_args)

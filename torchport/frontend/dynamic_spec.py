@@ -25,7 +25,8 @@ or from the decorator (both → ``ValueError``), translate it into torch 2.13's 
 actual value.
 
 Differences from 2.14: variables here are plain expression objects, not ``torch.SymInt`` subclasses
-backed by a private ShapeEnv, and ``ObjectSpec`` (pytree-registered objects) is not provided.
+backed by a private ShapeEnv; ``ObjectSpec`` (attributes of arbitrary objects) is honoured by
+``torchport.compile`` only (export and make_fx take pytrees of tensors).
 """
 
 from __future__ import annotations
@@ -284,6 +285,15 @@ class IntVar(Expr):
                 parts.append(f"{k}={v}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
+    def to_jsonable(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__name__,
+            "name": self.name,
+            "min": self.min,
+            "max": self.max,
+            "optimization_hint": self.optimization_hint,
+        }
+
     __hash__ = Expr.__hash__
 
 
@@ -342,6 +352,9 @@ class TensorSpec:
     def __repr__(self) -> str:
         return "TensorSpec([" + ", ".join(repr(s) for s in self._specs) + "])"
 
+    def to_jsonable(self) -> dict[str, Any]:
+        return {"type": "TensorSpec", "dims": [_json(d) for d in self._specs]}
+
 
 class DictSpec:
     """Spec for a ``dict`` argument, per key (``str`` or ``int`` keys)."""
@@ -363,8 +376,50 @@ class DictSpec:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def items(self) -> Any:
+        return self._entries.items()
+
     def __repr__(self) -> str:
         return f"DictSpec({self._entries!r})"
+
+    def to_jsonable(self) -> dict[str, Any]:
+        return {"type": "DictSpec", "entries": {str(k): _json(v) for k, v in self._entries.items()}}
+
+
+class ObjectSpec:
+    """Spec for an arbitrary Python object's attributes: ``ObjectSpec({name: spec, ...})``.
+
+    Values are leaf specs (``TensorSpec``, ``IntVar``, ``int``, ``STATIC``) or another
+    ``ObjectSpec`` for attributes of attributes. Only :func:`torchport.compile` reaches into
+    objects (torch.export and make_fx take tensors in pytrees, not objects).
+    """
+
+    def __init__(self, fields: dict[str, IntermediateSpec] | None = None) -> None:
+        self._fields: dict[str, IntermediateSpec] = dict(fields) if fields else {}
+        for k in self._fields:
+            if not isinstance(k, str) or not k.isidentifier():
+                raise TypeError(
+                    f"ObjectSpec fields must be attribute names (identifiers), got "
+                    f"{type(k).__name__}: {k!r}"
+                )
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def items(self) -> Any:
+        return self._fields.items()
+
+    def __repr__(self) -> str:
+        return f"ObjectSpec({self._fields!r})"
+
+    def to_jsonable(self) -> dict[str, Any]:
+        return {"type": "ObjectSpec", "fields": {k: _json(v) for k, v in self._fields.items()}}
 
 
 class SeqSpec:
@@ -379,8 +434,29 @@ class SeqSpec:
     def __repr__(self) -> str:
         return f"SeqSpec({self._entries!r})"
 
+    def to_jsonable(self) -> dict[str, Any]:
+        return {"type": "SeqSpec", "entries": [_json(v) for v in self._entries]}
 
-IntermediateSpec: TypeAlias = "LeafIntSpec | TensorSpec | DictSpec | SeqSpec"
+
+LeafSpec: TypeAlias = "LeafIntSpec | TensorSpec"
+IntermediateSpec: TypeAlias = "LeafIntSpec | TensorSpec | ObjectSpec | DictSpec | SeqSpec"
+
+
+def _json(v: Any) -> Any:
+    """A spec value as JSON-ready data (``to_jsonable`` of specs; expressions as text)."""
+    if hasattr(v, "to_jsonable"):
+        return v.to_jsonable()
+    if isinstance(v, list):
+        return [_json(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json(x) for k, x in v.items()}
+    if isinstance(v, Expr):
+        return {"type": "Expr", "expr": str(v)}
+    return v
+
+
+class UnsupportedSpecError(NotImplementedError):
+    """A part of 2.14's spec API that 2.14 itself reserves and does not implement yet."""
 
 
 class ParamsSpec:
@@ -425,6 +501,14 @@ class ParamsSpec:
             parts[self.VARKW] = self._varkw
         return f"ParamsSpec({parts!r})"
 
+    def to_jsonable(self) -> dict[str, Any]:
+        params: dict[str, Any] = {k: _json(v) for k, v in self._named.items()}
+        if self._varargs is not None:
+            params[self.VARARGS] = [_json(v) for v in self._varargs]
+        if self._varkw is not None:
+            params[self.VARKW] = {k: _json(v) for k, v in self._varkw.items()}
+        return {"type": "ParamsSpec", "params": params}
+
 
 class ShapesSpec:
     """The whole spec of a call: :class:`ParamsSpec` (or a plain dict) plus ``assumptions``, a list
@@ -434,8 +518,11 @@ class ShapesSpec:
         self,
         params: ParamsSpec | dict[str, Any] | None = None,
         *,
+        globals: Any = None,
         assumptions: Sequence[Cond] | None = None,
     ) -> None:
+        if globals is not None:  # reserved in 2.14 too
+            raise UnsupportedSpecError("ShapesSpec.globals is not supported yet")
         if isinstance(params, dict):
             params = ParamsSpec(params)
         elif params is not None and not isinstance(params, ParamsSpec):
@@ -462,6 +549,13 @@ class ShapesSpec:
 
     def __repr__(self) -> str:
         return f"ShapesSpec({self._params!r}, assumptions={self._assumptions!r})"
+
+    def to_jsonable(self) -> dict[str, Any]:
+        return {
+            "type": "ShapesSpec",
+            "params": None if self._params is None else self._params.to_jsonable(),
+            "assumptions": [str(a) for a in self._assumptions],
+        }
 
 
 def coerce_spec(x: object) -> ShapesSpec | None:

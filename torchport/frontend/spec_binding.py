@@ -25,6 +25,7 @@ from torchport.frontend.dynamic_spec import (
     DynamicSpecViolation,
     Expr,
     IntVar,
+    ObjectSpec,
     SeqSpec,
     ShapesSpec,
     TensorSpec,
@@ -39,10 +40,18 @@ from torchport.frontend.dynamic_spec import (
 class Slot:
     """One spec'd integer of a call: dim ``dim`` of flat leaf ``leaf`` (``dim`` None: a scalar)."""
 
-    where: str  # argument path, e.g. "x" or "batch['ids']"
+    where: str  # argument path, e.g. "x" or "batch['ids']" or "cfg.weight"
     leaf: int  # index into pytree.tree_flatten((args, kwargs))
     dim: int | None
     spec: Expr | int
+    attrs: tuple[str, ...] = ()  # attribute path from the leaf (ObjectSpec)
+
+    def target(self, flat: Sequence[Any]) -> Any:
+        """The tensor or int this slot describes, in one call's flat arguments."""
+        v = flat[self.leaf]
+        for a in self.attrs:
+            v = getattr(v, a)
+        return v
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,15 @@ def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int
         for key, v in _dict_items_in_pytree_order(value):
             pos += _walk(spec._entries.get(key), v, f"{where}[{key!r}]", pos, out)
         return pos - start
+    if isinstance(spec, ObjectSpec):
+        leaves = pytree.tree_leaves(value)
+        if len(leaves) != 1 or leaves[0] is not value:
+            raise ValueError(
+                f"{where}: ObjectSpec describes the attributes of a plain object, got a "
+                f"{type(value).__name__} container (use SeqSpec/DictSpec for pytree containers)"
+            )
+        _walk_object(spec, value, where, start, (), out)
+        return 1
     if isinstance(spec, TensorSpec):
         if not isinstance(value, torch.Tensor):
             raise ValueError(
@@ -117,6 +135,31 @@ def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int
         out.append(Slot(where, start, None, spec))
         return 1
     raise TypeError(f"{where}: unexpected spec type {type(spec).__name__}: {spec!r}")
+
+
+def _walk_object(
+    spec: ObjectSpec, obj: Any, where: str, leaf: int, attrs: tuple[str, ...], out: list[Slot]
+) -> None:
+    """Slots for the attributes of ``obj`` (flat leaf ``leaf``) that ``spec`` describes."""
+    missing = [name for name in spec if not hasattr(obj, name)]
+    if missing:
+        raise ValueError(
+            f"{where}: ObjectSpec has fields {missing!r} that the runtime "
+            f"{type(obj).__name__} object does not have"
+        )
+    for name, sub in spec.items():
+        path, value = (*attrs, name), getattr(obj, name)
+        at = f"{where}.{name}"
+        if sub is None:
+            continue
+        if isinstance(sub, ObjectSpec):
+            _walk_object(sub, value, at, leaf, path, out)
+            continue
+        tmp: list[Slot] = []
+        if isinstance(sub, (SeqSpec, DictSpec)):
+            raise ValueError(f"{at}: ObjectSpec fields hold TensorSpec, IntVar, int or ObjectSpec")
+        _walk(sub, value, at, leaf, tmp)
+        out.extend(Slot(t.where, leaf, t.dim, t.spec, path) for t in tmp)
 
 
 def _dict_items_in_pytree_order(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
@@ -214,7 +257,7 @@ def _check_all_bound(b: Binding) -> None:
 
 
 def _slot_value(s: Slot, flat: Sequence[Any]) -> int:
-    v = flat[s.leaf]
+    v = s.target(flat)
     return int(v.shape[s.dim]) if s.dim is not None else int(v)
 
 
