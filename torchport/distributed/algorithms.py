@@ -64,12 +64,17 @@ def allreduce(comm: Communicator, t: torch.Tensor, dtype: int, red: int, deadlin
     """In-place allreduce of a contiguous tensor (SUM/PRODUCT/MIN/MAX/BAND/BOR/BXOR codes)."""
     seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
     nbytes, base = t.numel() * es, _ptr(t)
+    if comm.arena is not None:  # the whole chunk loop in one native call
+        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, 0)
+        small = min(SMALL_BYTES, comm.chunk // 4)
+        comm.shm_allreduce(sig, base, nbytes, es, small, dtype, red, deadline)
+        return
     per = max(1, comm.chunk // es)
     step = 0
     for lo, m in _chunks(t.numel(), per):
         ptr, nb = base + lo * es, m * es
         sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step)
-        if nb <= SMALL_BYTES or w == 1:
+        if nb <= min(SMALL_BYTES, comm.chunk // 4) or w == 1:
             reads = [(q, 0, ptr, nb, COPY if q == 0 else FOLD) for q in range(w)]
             comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
             step += 1

@@ -431,6 +431,29 @@ class Communicator:
         else:
             self._tcp_step(epoch, sig, pubs, reads, dtype, red, deadline)
 
+    def shm_allreduce(
+        self,
+        sig: tuple[int, int, int, int],
+        ptr: int,
+        nbytes: int,
+        esize: int,
+        small: int,
+        dtype: int,
+        red: int,
+        deadline: float,
+    ) -> None:
+        """A whole allreduce on the arena in one native call (``sig[3]`` is replaced per step)."""
+        assert self.arena is not None
+        epoch = self.epoch
+        try:
+            used = self.arena.allreduce(
+                epoch, sig[:3], ptr, nbytes, esize, small, dtype, red, deadline - time.monotonic()
+            )
+        except StepError as e:
+            self._last_sig = (sig[0], sig[1], sig[2], max(0, e.step))
+            raise
+        self.epoch = epoch + used
+
     def reread(self, reads: Sequence[Read], dtype: int, red: int) -> None:
         """Apply more reads to what every rank published in the step just completed."""
         if self.arena is not None:
