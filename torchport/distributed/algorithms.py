@@ -194,7 +194,7 @@ def alltoall(
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
     # A rank whose whole input fits beside its sizes publishes it in this first step too.
     pubs = [(mine.data_ptr(), 16 * w)]
-    if 16 * w + sum(in_lens) <= comm.chunk:
+    if 16 * w + sum(in_lens) <= comm.slot:
         pubs += [(ins[d], in_lens[d]) for d in range(w)]
     comm.step(sig, pubs, reads, dtype, 0, deadline)
     rows = matrix.tolist()
@@ -206,7 +206,7 @@ def alltoall(
                     f"alltoall split sizes disagree: rank {q} sends {sends[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
-    if all(16 * w + sum(sends[q]) <= comm.chunk for q in range(w)):  # everyone published
+    if all(16 * w + sum(sends[q]) <= comm.slot for q in range(w)):  # everyone published
         comm.reread(
             [
                 (q, 16 * w + sum(sends[q][:r]), outs[q], sends[q][r], COPY)

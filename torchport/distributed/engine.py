@@ -172,6 +172,9 @@ class TorchportWork(dist.Work):
         return self._error
 
     def get_future(self) -> torch.futures.Future:
+        # A future's waiter (DDP's reducer, callbacks) never runs the queue inline: start now.
+        if not self._event.is_set() and self._engine is not None:
+            self._engine.urge()
         return self._future
 
     def result(self) -> list[torch.Tensor]:
@@ -185,8 +188,9 @@ class TorchportWork(dist.Work):
         self.wait()
 
 
+SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a header beside a chunk)
 GRACE_S = 0.0003  # an op nobody waits on is started by the engine thread after this long
-POLL_S = 0.002  # the engine's native doorbell poll interval (no GIL held)
+POLL_S = 0.002  # cap on one idle futex sleep of the engine thread (no GIL held)
 
 
 class Engine:
@@ -205,8 +209,9 @@ class Engine:
         self._lock = threading.Lock()
         self._runner = threading.Lock()
         # Doorbell cells read by native code while the thread sleeps without the GIL:
-        # [posted, taken, stop]. Ringing it is a plain store, never a wake-up.
-        self._cells = (ctypes.c_int64 * 3)()
+        # [posted, taken, stop, sleeping, futex word, urgent]. Posting is a plain store; a
+        # ring (stop, or a future someone blocks on) wakes the thread at once.
+        self._cells = (ctypes.c_int64 * 6)()
         self._lib = shm_lib()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
         self._thread.start()
@@ -216,6 +221,10 @@ class Engine:
         with self._lock:
             self._items.append((work, lambda: comm.run(work, fn)))
             self._cells[0] += 1
+
+    def urge(self) -> None:
+        """Start queued work now: its completion is awaited through a future, not ``wait``."""
+        self._lib.doorbell_ring(self._cells, 0)
 
     def _pop(self) -> tuple[TorchportWork, Callable[[], None]] | None:
         with self._lock:
@@ -246,7 +255,7 @@ class Engine:
             self._runner.release()
 
     def stop(self) -> None:
-        self._cells[2] = 1
+        self._lib.doorbell_ring(self._cells, 1)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -270,6 +279,7 @@ class Communicator:
         self.mesh, self.group_id, self.ranks = mesh, group_id, list(ranks)
         self.rank, self.world, self.arena = rank, len(ranks), arena
         self.timeout_s, self.chunk, self.name = timeout_s, chunk, name
+        self.slot = chunk + SLOT_EXTRA  # bytes one step may publish
         self.epoch = 1
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
         self.op_seq = 0

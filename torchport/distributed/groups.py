@@ -21,7 +21,7 @@ from typing import Any
 
 from torchport import config
 from torchport.distributed import auth
-from torchport.distributed.engine import Communicator
+from torchport.distributed.engine import SLOT_EXTRA, Communicator
 from torchport.distributed.errors import CommError, CommTimeoutError
 from torchport.distributed.transport_shm import ShmArena
 from torchport.distributed.transport_tcp import Mesh
@@ -61,7 +61,7 @@ def _build_mesh(store: Any, rank: int, size: int, timeout_s: float) -> Mesh:
         secret=secret,
         addr=str(config.get("dist_addr")),
         timeout_s=timeout_s,
-        max_frame=max(max_frame, int(config.get("dist_chunk_bytes")) + 4096),
+        max_frame=max(max_frame, int(config.get("dist_chunk_bytes")) + SLOT_EXTRA),
         host_id=host_id(),
     )
 
@@ -126,7 +126,7 @@ def build_communicator(
     arena = None
     chunk = int(config.get("dist_chunk_bytes"))
     if local and transport != "tcp" and size > 1:
-        arena = _make_arena(store, rank, size, chunk, timeout_s)
+        arena = _make_arena(store, rank, size, chunk + SLOT_EXTRA, timeout_s)
     comm = Communicator(
         mesh,
         gid,

@@ -407,24 +407,44 @@ TP_EXPORT int64_t tp_set_abort(char *hdr, int64_t value) {
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
 
-/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop. Sleeps (GIL released by
-   ctypes) until stop (returns 0) or until work has been pending, untaken, for grace_ns (1). */
-TP_EXPORT int64_t tp_doorbell_wait(volatile int64_t *cells, int64_t grace_ns, int64_t poll_ns) {
+/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop, cells[3] sleeping,
+   cells[4] futex word (low 32 bits), cells[5] urgent. Sleeps (GIL released by ctypes) until
+   stop (returns 0), until work has been pending, untaken, for grace_ns, or at once when work is
+   pending and marked urgent (someone waits on its future, not inline) (returns 1). Idle, the
+   thread sleeps on the futex, woken by tp_doorbell_ring, at most poll_ns per sleep. */
+TP_EXPORT int64_t tp_doorbell_wait(int64_t *cells, int64_t grace_ns, int64_t poll_ns) {
     int64_t since = 0, seen_taken = -1;
-    struct timespec ts = {0, poll_ns};
+    int32_t *word = (int32_t *)&cells[4];
     for (;;) {
         if (__atomic_load_n(&cells[2], __ATOMIC_ACQUIRE)) return 0;
-        int64_t posted = __atomic_load_n(&cells[0], __ATOMIC_ACQUIRE);
-        int64_t taken = __atomic_load_n(&cells[1], __ATOMIC_ACQUIRE);
+        int64_t posted = __atomic_load_n(&cells[0], __ATOMIC_SEQ_CST);
+        int64_t taken = __atomic_load_n(&cells[1], __ATOMIC_SEQ_CST);
         if (posted > taken) {
+            if (__atomic_exchange_n(&cells[5], 0, __ATOMIC_SEQ_CST)) return 1;
             int64_t now = tp_now_ns();
             if (taken != seen_taken) { seen_taken = taken; since = now; }
             else if (now - since >= grace_ns) return 1;
-        } else {
+        } else {  /* an urgent mark whose work was run inline: drop it (a lost race costs grace_ns) */
             seen_taken = -1;
+            __atomic_store_n(&cells[5], 0, __ATOMIC_SEQ_CST);
         }
-        nanosleep(&ts, NULL);
+        __atomic_store_n(&cells[3], 1, __ATOMIC_SEQ_CST);
+        int32_t g = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&cells[5], __ATOMIC_SEQ_CST) && !__atomic_load_n(&cells[2], __ATOMIC_SEQ_CST)) {
+            int64_t ns = posted > taken ? grace_ns : poll_ns;
+            struct timespec ts = {ns / 1000000000LL, ns % 1000000000LL};
+            syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, g, &ts, NULL, 0);
+        }
+        __atomic_store_n(&cells[3], 0, __ATOMIC_SEQ_CST);
     }
+}
+
+/* Wake the engine thread: stop != 0 sets the stop flag, else marks pending work urgent. */
+TP_EXPORT void tp_doorbell_ring(int64_t *cells, int64_t stop) {
+    __atomic_store_n(&cells[stop ? 2 : 5], 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch((int32_t *)&cells[4], 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&cells[3], __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, (int32_t *)&cells[4], FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
 TP_EXPORT int64_t tp_get_abort(char *hdr) {
@@ -456,6 +476,9 @@ class ShmLib:
         self.doorbell_wait = lib.tp_doorbell_wait
         self.doorbell_wait.argtypes = [p, i64, i64]
         self.doorbell_wait.restype = ctypes.c_int64
+        self.doorbell_ring = lib.tp_doorbell_ring
+        self.doorbell_ring.argtypes = [p, i64]
+        self.doorbell_ring.restype = None
         self.allreduce = lib.tp_shm_allreduce
         self.allreduce.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p]
         self.allreduce.restype = ctypes.c_int
