@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from torchport.distributed import algorithms_tcp as tcp
 from torchport.distributed.engine import Communicator, make_sig
 from torchport.distributed.errors import CollectiveMismatchError
 from torchport.distributed.transport_shm import COPY, FOLD
@@ -62,37 +63,28 @@ def barrier(comm: Communicator, deadline: float) -> None:
 
 def allreduce(comm: Communicator, t: torch.Tensor, dtype: int, red: int, deadline: float) -> None:
     """In-place allreduce of a contiguous tensor (SUM/PRODUCT/MIN/MAX/BAND/BOR/BXOR codes)."""
-    seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
-    nbytes, base = t.numel() * es, _ptr(t)
-    if comm.arena is not None:  # the whole chunk loop in one native call
-        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, 0)
-        small = min(SMALL_BYTES, comm.chunk // 4)
-        comm.shm_allreduce(sig, base, nbytes, es, small, dtype, red, deadline)
+    if comm.arena is None:
+        tcp.allreduce(comm, t, dtype, red, _small(comm), deadline)
         return
-    per = max(1, comm.chunk // es)
-    step = 0
-    for lo, m in _chunks(t.numel(), per):
-        ptr, nb = base + lo * es, m * es
-        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step)
-        if nb <= min(SMALL_BYTES, comm.chunk // 4) or w == 1:
-            reads = [(q, 0, ptr, nb, COPY if q == 0 else FOLD) for q in range(w)]
-            comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
-            step += 1
-            continue
-        parts = _parts(m, w)
-        plo, pn = parts[r]
-        reads = [(q, plo * es, ptr + plo * es, pn * es, COPY if q == 0 else FOLD) for q in range(w)]
-        comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
-        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step + 1)
-        back = [(q, 0, ptr + parts[q][0] * es, parts[q][1] * es, COPY) for q in range(w) if q != r]
-        comm.step(sig, [(ptr + plo * es, pn * es)], back, dtype, red, deadline)
-        step += 2
+    es = t.element_size()
+    nbytes = t.numel() * es
+    sig = make_sig(comm.next_op(), OP_ALLREDUCE, dtype, red, -1, nbytes, 0)
+    # the whole chunk loop in one native call
+    comm.shm_allreduce(sig, _ptr(t), nbytes, es, _small(comm), dtype, red, deadline)
+
+
+def _small(comm: Communicator) -> int:
+    """Chunks up to this many bytes take the one-step (latency) path."""
+    return min(SMALL_BYTES, comm.chunk // 4)
 
 
 def reduce(
     comm: Communicator, t: torch.Tensor, root: int, dtype: int, red: int, deadline: float
 ) -> None:
     """In-place reduce into ``root``'s tensor (others keep their input)."""
+    if comm.arena is None:
+        tcp.reduce(comm, t, root, dtype, red, deadline)
+        return
     seq, w, es = comm.next_op(), comm.world, t.element_size()
     nbytes, base = t.numel() * es, _ptr(t)
     for step, (lo, m) in enumerate(_chunks(t.numel(), max(1, comm.chunk // es))):
@@ -107,6 +99,9 @@ def reduce(
 
 
 def broadcast(comm: Communicator, t: torch.Tensor, root: int, dtype: int, deadline: float) -> None:
+    if comm.arena is None:
+        tcp.broadcast(comm, t, root, dtype, _small(comm), deadline)
+        return
     seq, nbytes, base = comm.next_op(), t.numel() * t.element_size(), _ptr(t)
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
         mine = comm.rank == root
@@ -130,6 +125,9 @@ def allgather(
 
     ``root >= 0`` makes it a gather (only the root passes ``outs``).
     """
+    if comm.arena is None and root >= 0:
+        tcp.gather(comm, inp, nbytes, outs, root, dtype, deadline)
+        return
     seq = comm.next_op()
     op = OP_GATHER if root >= 0 else OP_ALLGATHER
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
@@ -148,6 +146,9 @@ def scatter(
     deadline: float,
 ) -> None:
     """Root publishes ``nbytes`` for every rank; rank q copies its piece into ``out``."""
+    if comm.arena is None:
+        tcp.scatter(comm, ins, out, nbytes, root, dtype, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
     per = max(1, comm.chunk // w)
     for step, (lo, nb) in enumerate(_chunks(nbytes, per)):
@@ -167,6 +168,9 @@ def reduce_scatter(
     deadline: float,
 ) -> None:
     """Rank r gets the fold over ranks of everyone's ``ins[r]`` (``numel`` elements each)."""
+    if comm.arena is None:
+        tcp.reduce_scatter(comm, ins, out, numel, es, dtype, red, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
     per = max(1, comm.chunk // (w * es))
     for step, (lo, m) in enumerate(_chunks(numel, per)):
@@ -187,6 +191,9 @@ def alltoall(
     deadline: float,
 ) -> None:
     """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d, receiving into ``outs``."""
+    if comm.arena is None:
+        tcp.alltoall(comm, ins, in_lens, outs, out_lens, dtype, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
     mine = torch.tensor([*in_lens, *out_lens], dtype=torch.int64)
     matrix = torch.zeros(w, 2 * w, dtype=torch.int64)
