@@ -401,6 +401,20 @@ def p2p_case(rank: int, world: int) -> list[str]:
         dist.recv(dst, 0)
         if not torch.equal(dst, torch.arange(6, dtype=torch.int32)):
             bad.append(f"strided recv {dst.tolist()}")
+    # any source: the last rank receives one message from every other rank with src=None
+    last = world - 1
+    if rank != last:
+        dist.send(torch.full((3,), float(rank)), last, tag=42)
+    else:
+        got = {}
+        for _ in range(world - 1):
+            buf = torch.empty(3)
+            src = dist.recv(buf, tag=42)
+            got[src] = buf[0].item()
+            if not torch.equal(buf, torch.full((3,), float(src))):
+                bad.append(f"anysource from {src} got {buf.tolist()}")
+        if got != {q: float(q) for q in range(world - 1)}:
+            bad.append(f"anysource senders {got}")
     dist.barrier()
     return bad
 

@@ -656,3 +656,12 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 f"recv: source must be another rank in [0, {self.comm.world}), got {srcRank}"
             )
         return self.comm.recv_p2p(t, srcRank, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchportWork:
+        """Receive from whichever rank sends first with ``tag`` (``dist.recv(src=None)``)."""
+        t = _one(tensors, "recv_anysource")
+        if self.comm.world < 2:
+            raise CollectiveArgumentError(
+                f"recv_anysource: needs another rank to receive from, group size is {self.comm.world}"
+            )
+        return self.comm.recv_p2p(t, None, tag)

@@ -48,7 +48,7 @@ from torchport.distributed.transport_shm import (
     ShmArena,
     StepError,
 )
-from torchport.distributed.transport_tcp import Mesh
+from torchport.distributed.transport_tcp import Mesh, Once
 from torchport.distributed.wire import Kind
 
 # Abort reasons (low byte of the abort word / seq of ABORT frames).
@@ -140,6 +140,7 @@ class TorchportWork(dist.Work):
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
         self._engine: Engine | None = None
+        self._src = -1
 
     def _finish(self, error: BaseException | None = None) -> None:
         if self._event.is_set():
@@ -182,7 +183,11 @@ class TorchportWork(dist.Work):
         return self._result
 
     def source_rank(self) -> int:
-        return -1
+        """The sender's group rank of a completed receive (-1 for other operations)."""
+        return self._src
+
+    def _source_rank(self) -> int:
+        return self._src
 
     def synchronize(self) -> None:
         self.wait()
@@ -539,22 +544,26 @@ class Communicator:
             self.sender.submit(work, go, self)
         return work
 
-    def recv_p2p(self, tensor: torch.Tensor, src: int, tag: int) -> TorchportWork:
-        work = TorchportWork(f"recv(src={src}, tag={tag})", [tensor])
+    def recv_p2p(self, tensor: torch.Tensor, src: int | None, tag: int) -> TorchportWork:
+        """Receive into ``tensor`` from group rank ``src`` (None: from any rank; the Work's
+        ``source_rank()`` then names the sender)."""
+        work = TorchportWork(f"recv(src={'any' if src is None else src}, tag={tag})", [tensor])
         if self.check_now(work):
             return work
-        key = (self.group_id, int(Kind.P2P), self.ranks[src], tag & 0xFFFFFFFFFFFFFFFF)
+        seq = tag & 0xFFFFFFFFFFFFFFFF
         want = (dtype_code(tensor.dtype), tensor.numel())
 
         def deliver(frame: Any) -> None:
             hdr, body = frame
+            who = self.ranks.index(hdr.src) if hdr.src in self.ranks else -1
+            work._src = who
             with self._lock:
                 self._pending = [p for p in self._pending if p[2] is not work]
             if (hdr.sig[0], hdr.sig[1]) != want or len(
                 body
             ) != tensor.numel() * tensor.element_size():
                 err = CollectiveMismatchError(
-                    f"recv from rank {src} tag {tag}: expected {want[1]} elements of "
+                    f"recv from rank {who} tag {tag}: expected {want[1]} elements of "
                     f"{tensor.dtype}, the sender sent {hdr.sig[1]} elements of "
                     f"{describe_sig((0, hdr.sig[0] << 8, 0, 0)).split('dtype=')[1].split(',')[0]}"
                 )
@@ -565,9 +574,21 @@ class Communicator:
                 tensor.copy_(data.view(tensor.shape))
             work._finish()
 
+        if src is not None:
+            key = (self.group_id, int(Kind.P2P), self.ranks[src], seq)
+            with self._lock:
+                self._pending.append((key, deliver, work))
+            self.mesh.mailbox.expect(key, deliver)
+            return work
+        keys = [
+            (self.group_id, int(Kind.P2P), g, seq)
+            for q, g in enumerate(self.ranks)
+            if q != self.rank
+        ]
+        once = Once(deliver, keys)
         with self._lock:
-            self._pending.append((key, deliver, work))
-        self.mesh.mailbox.expect(key, deliver)
+            self._pending.append((keys[0] if keys else None, once, work))
+        self.mesh.mailbox.expect_any(once)
         return work
 
     def check_now(self, work: TorchportWork) -> bool:
