@@ -567,7 +567,9 @@ def cross_host_job(
         want = []
         for q in range(world):
             qs = [(q + d) % 3 + n // world for d in range(world)]
-            want.append(make(q, 13 * case, sum(qs), torch.int64)[sum(qs[:rank]) : sum(qs[: rank + 1])])
+            want.append(
+                make(q, 13 * case, sum(qs), torch.int64)[sum(qs[:rank]) : sum(qs[: rank + 1])]
+            )
         if not _eq(a2a, torch.cat(want)):
             bad.append(f"all_to_all_single n={n}")
     bad += p2p_case(rank, world)
