@@ -1,4 +1,4 @@
-"""Collective algorithms over TCP: direct per-peer exchanges, O(n) bytes per rank.
+"""Collective algorithms over TCP and hybrid groups: direct per-peer exchanges, O(n) bytes per rank.
 
 A shared-memory step publishes bytes every peer may read; over TCP that would mean sending
 them to every peer, ``(W - 1) x`` the data. Here each step is an *exchange*: rank r sends each
@@ -17,6 +17,11 @@ Per rank and ``n`` payload bytes (``W`` ranks):
 - reduce: the reduce-scatter above, then every owner sends its part to the root.
 - reduce_scatter / scatter / gather / alltoall: each block travels once, to its destination.
 
+Every exchange reaches remote peers by TCP and, in a hybrid group, same-host peers through
+the group's local shared-memory arena (:mod:`~torchport.distributed.exchange`); there a step's
+payloads to all local peers share one slot, so ops sending a different block to each peer cut
+their chunks to ``peer_chunk`` (``chunk / W``).
+
 Small chunks (at most ``small`` bytes) of allreduce and broadcast keep the one-round
 publish-to-all step: at that size latency, not bandwidth, decides.
 """
@@ -31,66 +36,17 @@ import torch
 
 from torchport.distributed.engine import Communicator, make_sig
 from torchport.distributed.errors import CollectiveMismatchError, CommError
-from torchport.distributed.transport_shm import COPY, FOLD, MISMATCH, StepError
-from torchport.distributed.wire import Kind
+from torchport.distributed.exchange import Blob, _addr, exchange
+from torchport.distributed.transport_shm import COPY, FOLD
 
-Seg = tuple[int, int]  # (pointer, bytes)
 OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_GATHER, OP_SCATTER = 1, 2, 3, 5, 6
 OP_REDUCE_SCATTER, OP_ALLTOALL, OP_ALLTOALL_SIZES = 7, 8, 9
 
 
-def _view(ptr: int, n: int) -> memoryview | bytes:
-    """Zero-copy bytes view of ``n`` bytes at ``ptr``."""
-    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B") if n else b""
-
-
-def _addr(buf: bytearray) -> int:
-    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if buf else 0
-
-
-def exchange(
-    comm: Communicator,
-    sig: tuple[int, int, int, int],
-    out: Sequence[Sequence[Seg]],
-    deadline: float,
-) -> list[bytearray]:
-    """Send ``out[q]`` (segments, concatenated) to every peer q; return what each peer sent.
-
-    Every rank sends one frame to every peer (empty when it has nothing for it), so each step
-    is checked against every peer's signature.
-    """
-    epoch, w, r = comm.epoch, comm.world, comm.rank
-    comm.epoch += 1
-    comm._last_sig = sig
-    for k in range(1, w):
-        q = (r + k) % w
-        segs = [s for s in out[q] if s[1]]
-        if len(segs) == 1:
-            payload: bytes | bytearray | memoryview = _view(*segs[0])
-        else:
-            payload = bytearray(sum(n for _, n in segs))
-            off = 0
-            for ptr, n in segs:
-                ctypes.memmove(_addr(payload) + off, ptr, n)
-                off += n
-        comm.mesh.send(comm.ranks[q], Kind.COLL, comm.group_id, epoch, payload, sig)
-    blobs = [bytearray() for _ in range(w)]
-    for k in range(1, w):
-        q = (r - k) % w
-        hdr, body = comm.mesh.mailbox.get(
-            (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch), deadline, comm.check
-        )
-        if hdr.sig != sig:
-            word = next(i for i in range(4) if hdr.sig[i] != sig[i])
-            raise StepError(MISMATCH, (q, word, hdr.sig[word]))
-        blobs[q] = body
-    return blobs
-
-
-def _expect(blob: bytearray, n: int, q: int) -> int:
-    if len(blob) != n:
-        raise CommError(f"rank {q} sent {len(blob)} bytes where {n} were expected")
-    return _addr(blob)
+def _expect(blob: Blob, n: int, q: int) -> int:
+    if blob.size != n:
+        raise CommError(f"rank {q} sent {blob.size} bytes where {n} were expected")
+    return blob.addr
 
 
 def _apply(comm: Communicator, bases: Sequence[int], reads: Sequence[tuple], dtype: int, red: int):
@@ -117,7 +73,7 @@ def _chunks(total: int, per: int) -> list[tuple[int, int]]:
 
 
 def _fold_part(
-    comm: Communicator, blobs: list[bytearray], dst: int, n: int, dtype: int, red: int
+    comm: Communicator, blobs: list[Blob], dst: int, n: int, dtype: int, red: int
 ) -> None:
     """dst = fold over ranks in order of (rank q's copy of my part); dst holds mine on entry."""
     w, r = comm.world, comm.rank
@@ -255,7 +211,7 @@ def scatter(
 ) -> None:
     """``root`` sends piece q (``nbytes`` at ``ins[q]``) to rank q only."""
     seq, w, r = comm.next_op(), comm.world, comm.rank
-    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
+    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.peer_chunk)):
         segs = [[(ins[q] + lo, nb)] if ins is not None else [] for q in range(w)]
         blobs = exchange(
             comm, make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step), segs, deadline
@@ -277,7 +233,7 @@ def reduce_scatter(
 ) -> None:
     """Rank q receives only block q of every rank and folds them in rank order into ``out``."""
     seq, w, r = comm.next_op(), comm.world, comm.rank
-    for step, (lo, m) in enumerate(_chunks(numel, max(1, comm.chunk // es))):
+    for step, (lo, m) in enumerate(_chunks(numel, max(1, comm.peer_chunk // es))):
         nb = m * es
         segs = [[(ins[q] + lo * es, nb)] for q in range(w)]
         sig = make_sig(seq, OP_REDUCE_SCATTER, dtype, red, -1, numel * es, step)
@@ -303,7 +259,9 @@ def alltoall(
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
     blobs = exchange(comm, sig, [[(mine.data_ptr(), 16 * w)]] * w, deadline)
     rows = [
-        mine.tolist() if q == r else torch.frombuffer(blobs[q], dtype=torch.int64).tolist()
+        mine.tolist()
+        if q == r
+        else list((ctypes.c_int64 * (2 * w)).from_address(_expect(blobs[q], 16 * w, q)))
         for q in range(w)
     ]
     for q in range(w):
@@ -315,7 +273,7 @@ def alltoall(
                 )
     if in_lens[r]:
         ctypes.memmove(outs[r], ins[r], in_lens[r])
-    per = comm.chunk
+    per = comm.peer_chunk
     longest = max(max(row[:w]) for row in rows)
     for k in range(max(1, math.ceil(longest / per))):
         lo = k * per

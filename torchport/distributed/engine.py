@@ -39,6 +39,7 @@ from torchport.distributed.errors import (
     CommunicatorErrorState,
     RemoteError,
 )
+from torchport.distributed.exchange import Blob, exchange
 from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import (
     ABORTED,
@@ -280,11 +281,17 @@ class Communicator:
         timeout_s: float,
         chunk: int,
         name: str,
+        local: ShmArena | None = None,
+        local_ranks: Sequence[int] = (),
     ) -> None:
         self.mesh, self.group_id, self.ranks = mesh, group_id, list(ranks)
         self.rank, self.world, self.arena = rank, len(ranks), arena
         self.timeout_s, self.chunk, self.name = timeout_s, chunk, name
         self.slot = chunk + SLOT_EXTRA  # bytes one step may publish
+        # Hybrid group: an arena among this host's members (group ranks ``local_ranks``); the
+        # other peers are reached by TCP. Ops sending a block per peer then cut chunk / world.
+        self.local, self.local_ranks, self.local_epoch = local, list(local_ranks), 1
+        self.peer_chunk = max(1, chunk // len(ranks)) if local is not None else chunk
         self.epoch = 1
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
         self.op_seq = 0
@@ -298,7 +305,14 @@ class Communicator:
 
     @property
     def transport(self) -> str:
-        return "shm" if self.arena is not None else "tcp"
+        if self.arena is not None:
+            return "shm"
+        return "hybrid" if self.local is not None else "tcp"
+
+    @property
+    def _shm(self) -> ShmArena | None:
+        """The arena whose abort word this rank raises and watches (pure or local)."""
+        return self.arena if self.arena is not None else self.local
 
     # -- error model -------------------------------------------------------------------
     def check(self) -> None:
@@ -315,8 +329,8 @@ class Communicator:
                 return
             self.error = error
             pending, self._pending = self._pending, []
-        if self.arena is not None:
-            self.arena.set_abort(self.rank, reason)
+        if self._shm is not None:
+            self._shm.set_abort(self.rank, reason)
         for q, g in enumerate(self.ranks):
             if q != self.rank and g in self.mesh.peers:
                 with contextlib.suppress(CommError):
@@ -343,8 +357,8 @@ class Communicator:
                 return
             self.error = err
             pending, self._pending = self._pending, []
-        if self.arena is not None:
-            self.arena.set_abort(q, reason)
+        if self._shm is not None:
+            self._shm.set_abort(q, reason)
         for key, cb, work in pending:
             self.mesh.mailbox.cancel(key, cb)
             work._finish(err)
@@ -399,7 +413,7 @@ class Communicator:
             )
             self.fail(err, REASON_TIMEOUT)
         elif e.status == ABORTED:
-            word = self.arena.abort_word() if self.arena is not None else 0
+            word = self._shm.abort_word() if self._shm is not None else 0
             who, reason = (word >> 8) - 1, word & 0xFF
             if who == self.rank and self.error is not None:
                 err = self.error
@@ -438,13 +452,13 @@ class Communicator:
     ) -> None:
         """One collective step on this group's transport (see module docstring)."""
         self._last_sig = sig
-        self._last_blobs: list[bytearray] = []
+        self._last_blobs: list[Blob] = []
+        if self.arena is None:
+            self._tcp_step(sig, pubs, reads, dtype, red, deadline)
+            return
         epoch = self.epoch
         self.epoch += 1
-        if self.arena is not None:
-            self.arena.step(epoch, sig, pubs, reads, dtype, red, deadline - time.monotonic())
-        else:
-            self._tcp_step(epoch, sig, pubs, reads, dtype, red, deadline)
+        self.arena.step(epoch, sig, pubs, reads, dtype, red, deadline - time.monotonic())
 
     def shm_allreduce(
         self,
@@ -474,20 +488,10 @@ class Communicator:
         if self.arena is not None:
             self.arena.reread(self.epoch - 1, reads, dtype, red)
             return
-        blobs = self._last_blobs
-        for peer, off, _dst, n, _mode in reads:
-            if off + n > len(blobs[peer]):
-                raise CommError(
-                    f"rank {peer} published {len(blobs[peer])} bytes, fewer than the {off + n} read"
-                )
-        bases = (ctypes.c_int64 * self.world)(*[_addr(b) for b in blobs])
-        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
-        if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
-            raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
+        self._apply_blobs(self._last_blobs, reads, dtype, red)
 
     def _tcp_step(
         self,
-        epoch: int,
         sig: tuple[int, int, int, int],
         pubs: Sequence[tuple[int, int]],
         reads: Sequence[Read],
@@ -495,34 +499,32 @@ class Communicator:
         red: int,
         deadline: float,
     ) -> None:
-        buf = bytearray(sum(n for _, n in pubs))
-        base, off = _addr(buf), 0
-        for ptr, n in pubs:
-            if n:
-                ctypes.memmove(base + off, ptr, n)
-            off += n
-        for q, g in enumerate(self.ranks):
-            if q != self.rank:
-                self.mesh.send(g, Kind.COLL, self.group_id, epoch, buf, sig)
-        blobs: list[bytearray] = [buf] * self.world
-        for q, g in enumerate(self.ranks):
-            if q == self.rank:
-                continue
-            hdr, body = self.mesh.mailbox.get(
-                (self.group_id, int(Kind.COLL), g, epoch), deadline, self.check
-            )
-            if hdr.sig != sig:
-                word = next(i for i in range(4) if hdr.sig[i] != sig[i])
-                raise StepError(MISMATCH, (q, word, hdr.sig[word]))
-            blobs[q] = body
+        """A publish-to-all step as an exchange (the same segments to every peer)."""
+        blobs = exchange(self, sig, [list(pubs)] * self.world, deadline)
+        own = sum(n for _, n in pubs)
+        if reads and any(r[0] == self.rank for r in reads):  # reads of our own publication
+            buf = bytearray(own)
+            off = 0
+            for ptr, n in pubs:
+                if n:
+                    ctypes.memmove(_addr(buf) + off, ptr, n)
+                off += n
+            blobs[self.rank] = Blob(_addr(buf), own, buf)
         self._last_blobs = blobs
+        self._apply_blobs(blobs, reads, dtype, red)
+
+    def _apply_blobs(
+        self, blobs: Sequence[Blob], reads: Sequence[Read], dtype: int, red: int
+    ) -> None:
         for peer, off, _dst, n, _mode in reads:
-            if off + n > len(blobs[peer]):
+            if off + n > blobs[peer].size:
                 raise CommError(
-                    f"rank {peer} published {len(blobs[peer])} bytes, fewer than the {off + n} read"
+                    f"rank {peer} published {blobs[peer].size} bytes, fewer than the {off + n} read"
                 )
-        bases = (ctypes.c_int64 * self.world)(*[_addr(b) for b in blobs])
-        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
+        if not reads:
+            return
+        bases = (ctypes.c_int64 * self.world)(*[b.addr for b in blobs])
+        ra = (ctypes.c_int64 * (5 * len(reads)))(*[v for r in reads for v in r])
         if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
             raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
@@ -607,5 +609,6 @@ class Communicator:
         self.engine.join(5.0)
         self.sender.join(5.0)
         self.mesh.unregister(self.group_id)
-        if self.arena is not None:
-            self.arena.close()
+        for arena in (self.arena, self.local):
+            if arena is not None:
+                arena.close()
