@@ -584,10 +584,36 @@ def cross_host_job(
     dist.all_reduce(t, group=local)
     if not torch.equal(t, torch.full((5,), float(len(same)))):
         bad.append(f"local group sum {t.tolist()}")
+    # a mismatched call on a hybrid group fails on every rank (local and remote peers)
+    from torchport.distributed import CollectiveMismatchError, CommunicatorErrorState, RemoteError
+
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    mismatch = "no error"
+    try:
+        dist.all_reduce(torch.ones(5 if rank == 0 else 6), group=sub)
+    except (CollectiveMismatchError, RemoteError, CommunicatorErrorState) as e:
+        mismatch = type(e).__name__
+    # abort on a hybrid group reaches every rank quickly
+    sub2 = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub2)
+    abort = {}
+    if rank == 0:
+        time.sleep(0.5)
+        abort["t_abort"] = time.time()
+        sub2.abort()
+    else:
+        work = dist.all_reduce(torch.ones(1000), group=sub2, async_op=True)
+        try:
+            work.wait()
+        except RemoteError as e:
+            abort = {"t_fail": time.time(), "msg": str(e)}
     mesh = root_mesh()
     assert mesh is not None
     return {
         "bad": bad,
+        "mismatch": mismatch,
+        "abort": abort,
+        "sub_transport": sub.transport,
         "transport": pg.transport,
         "local_transport": local.transport if local is not None else None,
         "address": mesh.address,

@@ -71,4 +71,9 @@ def test_collectives_across_two_hosts(two_hosts):
         assert r["address"].startswith(hosts[rank][1] + ":"), r["address"]
         assert len(r["peer_hosts"]) == 2
         assert r["local_transport"] == "shm"
-        assert r["transport"] == "hybrid"
+        assert r["transport"] == "hybrid" and r["sub_transport"] == "hybrid"
+        assert r["mismatch"] in ("CollectiveMismatchError", "RemoteError"), r["mismatch"]
+    assert [r["mismatch"] for r in res].count("CollectiveMismatchError") >= 1
+    for r in res[1:]:
+        assert "rank 0 called abort()" in r["abort"]["msg"], r["abort"]
+        assert r["abort"]["t_fail"] - res[0]["abort"]["t_abort"] < 0.1
