@@ -200,16 +200,24 @@ def main() -> None:
         help=f"comma-separated subset of {','.join(OPS)},ddp (default: all)",
     )
     p.add_argument("--sizes", default="", help="comma-separated byte sizes (default: the grid)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "shm", "tcp"),
+        help="TORCHPORT_DIST_TRANSPORT for the torchport group (tcp: the TCP algorithms)",
+    )
     args = p.parse_args()
     reps = 3 if args.quick else min(args.reps, 7)
     table = BenchTable("collectives", unit="GB/s")
     table.start()
+    os.environ["TORCHPORT_DIST_TRANSPORT"] = args.transport
+    tag = "" if args.transport == "auto" else f" {args.transport}"
     for world in (int(w) for w in args.worlds.split(",")):
         ops = args.ops or ",".join((*OPS, "ddp"))
         for row in run_world(world, args.quick, reps, timeout=900, ops=ops, sizes=args.sizes):
             if row["op"] == "ddp_mlp":
                 table.add(
-                    f"DDP MLP step w{world} ({row['size'] / MB:.0f} MB grads)",
+                    f"DDP MLP step w{world}{tag} ({row['size'] / MB:.0f} MB grads)",
                     "gloo",
                     row["gloo"],
                     row["torchport"],
@@ -217,7 +225,7 @@ def main() -> None:
                 )
             else:
                 table.add(
-                    f"{row['op']} {_fmt(row['size'])} w{world}",
+                    f"{row['op']} {_fmt(row['size'])} w{world}{tag}",
                     "gloo",
                     row["gloo"],
                     row["torchport"],
