@@ -572,6 +572,20 @@ def cross_host_job(
             )
         if not _eq(a2a, torch.cat(want)):
             bad.append(f"all_to_all_single n={n}")
+        red_in = [make(q, 17 * case + 1, n, torch.float32) for q in range(world)]
+        t = red_in[rank].clone()
+        dist.reduce(t, dst=1)
+        if rank == 1 and not _eq(t, allreduce_reference(red_in, "SUM")):
+            bad.append(f"reduce n={n}")
+        outs = [torch.empty(n) for _ in range(world)] if rank == 2 else None
+        dist.gather(red_in[rank], outs, dst=2)
+        if rank == 2 and not all(_eq(o, i) for o, i in zip(outs or [], red_in)):
+            bad.append(f"gather n={n}")
+        pieces = [make(9, 19 * case + d, n, torch.float32) for d in range(world)]
+        o = torch.empty(n)
+        dist.scatter(o, pieces if rank == 3 else None, src=3)
+        if not _eq(o, pieces[rank]):
+            bad.append(f"scatter n={n}")
     bad += p2p_case(rank, world)
     # a group of the ranks on my host is a shared-memory group; one spanning hosts is not
     same = [q for q in range(world) if hosts[q][2] == hostname]

@@ -25,6 +25,7 @@ Algorithms (``W`` ranks, ``C`` = chunk bytes per step):
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 
@@ -200,16 +201,18 @@ def alltoall(
         tcp.alltoall(comm, ins, in_lens, outs, out_lens, dtype, deadline)
         return
     seq, w, r = comm.next_op(), comm.world, comm.rank
-    mine = torch.tensor([*in_lens, *out_lens], dtype=torch.int64)
-    matrix = torch.zeros(w, 2 * w, dtype=torch.int64)
-    reads = [(q, 0, matrix[q].data_ptr(), 16 * w, COPY) for q in range(w)]
+    mine = (ctypes.c_int64 * (2 * w))(*in_lens, *out_lens)
+    matrix = (ctypes.c_int64 * (2 * w * w))()
+    at = ctypes.addressof(matrix)
+    reads = [(q, 0, at + 16 * w * q, 16 * w, COPY) for q in range(w)]
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
     # A rank whose whole input fits beside its sizes publishes it in this first step too.
-    pubs = [(mine.data_ptr(), 16 * w)]
+    pubs = [(ctypes.addressof(mine), 16 * w)]
     if 16 * w + sum(in_lens) <= comm.slot:
         pubs += [(ins[d], in_lens[d]) for d in range(w)]
     comm.step(sig, pubs, reads, dtype, 0, deadline)
-    rows = matrix.tolist()
+    flat = list(matrix)
+    rows = [flat[2 * w * q : 2 * w * (q + 1)] for q in range(w)]
     sends = [row[:w] for row in rows]  # sends[q][d]: bytes rank q sends to rank d
     for q in range(w):
         for d in range(w):

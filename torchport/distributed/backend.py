@@ -458,31 +458,20 @@ class TorchportProcessGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> TorchportWork:
-        out, inp, w = (
-            _cpu(output, "all_to_all_single"),
-            _cpu(input, "all_to_all_single"),
-            self.comm.world,
-        )
+        out, inp = _cpu(output, "all_to_all_single"), _cpu(input, "all_to_all_single")
         if out.dtype != inp.dtype:
             raise CollectiveArgumentError(
                 f"all_to_all_single: dtypes differ: output {out.dtype}, input {inp.dtype}"
             )
         osz = self._splits(out, list(output_split_sizes), "output")
         isz = self._splits(inp, list(input_split_sizes), "input")
+        es = out.element_size()
         return self._alltoall(
             "all_to_all_single",
-            lambda o: (
-                list(o.reshape(-1).split([n * self._row(out) for n in osz]))
-                if out.numel()
-                else [o.reshape(-1)[:0]] * w
-            ),
             out,
-            lambda i: (
-                list(i.reshape(-1).split([n * self._row(inp) for n in isz]))
-                if inp.numel()
-                else [i.reshape(-1)[:0]] * w
-            ),
+            [n * self._row(out) * es for n in osz],
             inp,
+            [n * self._row(inp) * es for n in isz],
             opts,
         )
 
@@ -542,23 +531,30 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def _alltoall(
         self,
         name: str,
-        out_parts: Callable[[torch.Tensor], list[torch.Tensor]],
         out: torch.Tensor,
-        in_parts: Callable[[torch.Tensor], list[torch.Tensor]],
+        out_lens: list[int],
         inp: torch.Tensor,
+        in_lens: list[int],
         opts: Any,
     ) -> TorchportWork:
+        """all_to_all_single on byte lengths: pieces are consecutive in ``out`` / ``inp``."""
         s, comm = _Staged(out), self.comm
+
+        def offsets(base: int, lens: list[int]) -> list[int]:
+            ptrs, at = [], base
+            for n in lens:
+                ptrs.append(at if n else 0)
+                at += n
+            return ptrs
 
         def run(deadline: float) -> None:
             src = inp.contiguous()
-            ins, outs = in_parts(src), out_parts(s.t)
             alg.alltoall(
                 comm,
-                [_ptr(t) for t in ins],
-                [t.numel() * t.element_size() for t in ins],
-                [_ptr(t) for t in outs],
-                [t.numel() * t.element_size() for t in outs],
+                offsets(_ptr(src), in_lens),
+                in_lens,
+                offsets(_ptr(s.t), out_lens),
+                out_lens,
                 dtype_code(out.dtype),
                 deadline,
             )
