@@ -359,11 +359,15 @@ TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t ran
             int64_t o = PART_LO(rank) * esize, k = PART_N(rank);
             char *dst = chunk + o;
             #define SRC(q) ((q) == rank && rank < 2 ? (const char *)dst : data + ((q) * 2 + half) * slot + o)
-            if (k) {
-                if (tp_fold3(dst, SRC(0), SRC(1), k, dtype, op) != 0) return 4;
+            /* fold in 16 KB blocks and publish each block while it is still in L1 */
+            char *next = data + (rank * 2 + (half ^ 1)) * slot + o;
+            int64_t blk = 16384 / esize > 0 ? 16384 / esize : 1;
+            for (int64_t b = 0; b < k; b += blk) {
+                int64_t kb = k - b < blk ? k - b : blk, ob = b * esize;
+                if (tp_fold3(dst + ob, SRC(0) + ob, SRC(1) + ob, kb, dtype, op) != 0) return 4;
                 for (int64_t q = 2; q < world; q++)
-                    if (tp_fold3(dst, dst, SRC(q), k, dtype, op) != 0) return 4;
-                memcpy(data + (rank * 2 + (half ^ 1)) * slot + o, dst, (size_t)(k * esize));
+                    if (tp_fold3(dst + ob, dst + ob, SRC(q) + ob, kb, dtype, op) != 0) return 4;
+                memcpy(next + ob, dst + ob, (size_t)(kb * esize));
             }
             #undef SRC
             sig[3] = step + 1; info[4] = step + 1;
