@@ -64,7 +64,11 @@ def _build_mesh(store: Any, rank: int, size: int, timeout_s: float) -> Mesh:
         secret=secret,
         addr=str(config.get("dist_addr")),
         timeout_s=timeout_s,
-        max_frame=max(max_frame, int(config.get("dist_chunk_bytes")) + SLOT_EXTRA),
+        max_frame=max(
+            max_frame,
+            max(int(config.get("dist_chunk_bytes")), int(config.get("dist_tcp_chunk_bytes")))
+            + SLOT_EXTRA,
+        ),
         host_id=host_id(),
     )
 
@@ -133,7 +137,9 @@ def build_communicator(
     local_ranks: list[int] = []
     if local and transport != "tcp" and size > 1:
         arena = _make_arena(store, rank, size, chunk + SLOT_EXTRA, timeout_s)
-    elif not local and transport == "auto":
+    else:
+        chunk = int(config.get("dist_tcp_chunk_bytes"))
+    if not local and transport == "auto":
         # hybrid: this host's members share an arena; the other hosts are reached by TCP
         mine = mesh.hosts[mesh.rank]
         local_ranks = [q for q, g in enumerate(ranks) if mesh.hosts[g] == mine]
