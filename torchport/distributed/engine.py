@@ -40,7 +40,7 @@ from torchport.distributed.errors import (
     RemoteError,
 )
 from torchport.distributed.exchange import Blob, exchange
-from torchport.distributed.shm_kernels import shm_lib
+from torchport.distributed.shm_kernels import BACKGROUND_YIELD_NS, shm_lib
 from torchport.distributed.transport_shm import (
     ABORTED,
     MISMATCH,
@@ -241,6 +241,7 @@ class Engine:
 
     def _loop(self) -> None:
         grace, poll = int(GRACE_S * 1e9), int(POLL_S * 1e9)
+        self._lib.set_yield(BACKGROUND_YIELD_NS)  # this thread runs ops in the background
         while self._lib.doorbell_wait(self._cells, grace, poll):
             with self._runner:
                 item = self._pop()

@@ -37,6 +37,9 @@ SIG_WORDS = 8
 CTRL_OFF = 256  # lines start here; offset 64 holds the abort word
 DATA_ALIGN = 4096
 YIELD_NS = 200_000  # after this long a waiting rank sleeps on the futex instead of yielding
+# ... and after this long on an engine thread, whose process is busy with other work (DDP's
+# backward pass) that a yielding waiter would slow down.
+BACKGROUND_YIELD_NS = 20_000
 
 _SOURCE = r"""
 #include <sched.h>
@@ -213,6 +216,12 @@ TP_EXPORT int tp_apply(const int64_t *bases, const int64_t *reads, int64_t nread
 
 static inline tp_line_t *tp_line(char *hdr, int64_t r) { return (tp_line_t *)(hdr + CTRL_OFF + r * LINE); }
 
+/* How long a waiting rank yields before it sleeps on the futex; per thread, so an engine
+   thread running an op in the background (while its process computes) can give up the CPU
+   sooner than a caller that waits inline. */
+static __thread int64_t tp_yield_ns = ${yield_ns};
+TP_EXPORT void tp_set_yield(int64_t ns) { tp_yield_ns = ns < 0 ? 0 : ns; }
+
 /* Futex word (offset 72) bumped on every arrival and abort; sleeper count at offset 76. */
 static inline int32_t *tp_gen(char *hdr) { return (int32_t *)(hdr + 72); }
 static inline int32_t *tp_sleepers(char *hdr) { return (int32_t *)(hdr + 76); }
@@ -224,7 +233,7 @@ static void tp_bump(char *hdr) {
 }
 
 /* Wait until every rank's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. Spins briefly, yields
-   for up to ${yield_ns} ns, then sleeps on the futex (1 ms cap, so deadlines and aborts are
+   for up to tp_yield_ns (per thread, default ${yield_ns} ns), then sleeps on the futex (1 ms cap, so deadlines and aborts are
    seen promptly even without a wake-up). */
 static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
     int64_t *abort_word = (int64_t *)(hdr + 64);
@@ -243,7 +252,7 @@ static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline
             int64_t now = tp_now_ns();
             if (t0 == 0) t0 = now;
             if (now > deadline) return 1;
-            if (now - t0 < ${yield_ns}) { sched_yield(); continue; }
+            if (now - t0 < tp_yield_ns) { sched_yield(); continue; }
             __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
             int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
             if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
@@ -486,6 +495,9 @@ class ShmLib:
         self.allreduce = lib.tp_shm_allreduce
         self.allreduce.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p]
         self.allreduce.restype = ctypes.c_int
+        self.set_yield = lib.tp_set_yield
+        self.set_yield.argtypes = [i64]
+        self.set_yield.restype = None
         self.get_abort = lib.tp_get_abort
         self.get_abort.argtypes = [p]
         self.get_abort.restype = ctypes.c_int64
