@@ -19,6 +19,17 @@ from dist_harness import run_world
 pytestmark = pytest.mark.timeout(150)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stop_forkserver():
+    """Leave no fork server behind once this module is done."""
+    yield
+    import multiprocessing.forkserver as fs
+
+    stop = getattr(fs._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
 
