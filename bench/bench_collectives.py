@@ -52,7 +52,9 @@ def _time(fn, k: int) -> float:
     return (time.perf_counter() - t0) / k
 
 
-def worker(rank: int, world: int, init: str, out: str, quick: bool, reps: int) -> None:
+def worker(
+    rank: int, world: int, init: str, out: str, quick: bool, reps: int, ops: str, sizes: str
+) -> None:
     import warnings
 
     import torch
@@ -67,10 +69,14 @@ def worker(rank: int, world: int, init: str, out: str, quick: bool, reps: int) -
         "gloo": dist.new_group(backend="gloo"),
         "torchport": dist.distributed_c10d._get_default_group(),
     }
-    sizes = [4 * KB, 1 * MB, 64 * MB] if quick else [4 * KB, 64 * KB, 1 * MB, 16 * MB, 64 * MB]
+    if sizes:
+        cells = [int(s) for s in sizes.split(",")]
+    else:
+        cells = [4 * KB, 1 * MB, 64 * MB] if quick else [4 * KB, 64 * KB, 1 * MB, 16 * MB, 64 * MB]
+    chosen = ops.split(",") if ops else list(OPS)
     rows = []
-    for op in OPS:
-        for size in sizes:
+    for op in (o for o in OPS if o in chosen):
+        for size in cells:
             fns = {name: _op_fn(op, size, world, g) for name, g in groups.items()}
             k = max(1, min(200, (2 * MB) // size))
             for fn in fns.values():
@@ -83,7 +89,7 @@ def worker(rank: int, world: int, init: str, out: str, quick: bool, reps: int) -
             rows.append(
                 {"op": op, "size": size, **{n: statistics.median(v) for n, v in samples.items()}}
             )
-    if world == 2:
+    if world == 2 and "ddp" in chosen:
         rows.append(_ddp(groups, quick))
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -131,7 +137,9 @@ def _ddp(groups, quick: bool):
     }
 
 
-def run_world(world: int, quick: bool, reps: int, timeout: float) -> list[dict]:
+def run_world(
+    world: int, quick: bool, reps: int, timeout: float, ops: str = "", sizes: str = ""
+) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="tp-bench-")
     out = os.path.join(tmp, "rows.json")
     init = f"file://{tmp}/store"
@@ -152,6 +160,8 @@ def run_world(world: int, quick: bool, reps: int, timeout: float) -> list[dict]:
                 out,
                 str(int(quick)),
                 str(reps),
+                ops,
+                sizes,
             ],
             env=env,
         )
@@ -177,22 +187,37 @@ def _fmt(size: int) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        a = sys.argv[2:8]
-        worker(int(a[0]), int(a[1]), a[2], a[3], bool(int(a[4])), int(a[5]))
+        a = sys.argv[2:10]
+        worker(int(a[0]), int(a[1]), a[2], a[3], bool(int(a[4])), int(a[5]), a[6], a[7])
         return
     from torchport.benchmarks import BenchTable, arg_parser
 
     p = arg_parser(__doc__ or "")
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    p.add_argument(
+        "--ops",
+        default="",
+        help=f"comma-separated subset of {','.join(OPS)},ddp (default: all)",
+    )
+    p.add_argument("--sizes", default="", help="comma-separated byte sizes (default: the grid)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "shm", "tcp"),
+        help="TORCHPORT_DIST_TRANSPORT for the torchport group (tcp: the TCP algorithms)",
+    )
     args = p.parse_args()
     reps = 3 if args.quick else min(args.reps, 7)
     table = BenchTable("collectives", unit="GB/s")
     table.start()
+    os.environ["TORCHPORT_DIST_TRANSPORT"] = args.transport
+    tag = "" if args.transport == "auto" else f" {args.transport}"
     for world in (int(w) for w in args.worlds.split(",")):
-        for row in run_world(world, args.quick, reps, timeout=900):
+        ops = args.ops or ",".join((*OPS, "ddp"))
+        for row in run_world(world, args.quick, reps, timeout=900, ops=ops, sizes=args.sizes):
             if row["op"] == "ddp_mlp":
                 table.add(
-                    f"DDP MLP step w{world} ({row['size'] / MB:.0f} MB grads)",
+                    f"DDP MLP step w{world}{tag} ({row['size'] / MB:.0f} MB grads)",
                     "gloo",
                     row["gloo"],
                     row["torchport"],
@@ -200,7 +225,7 @@ def main() -> None:
                 )
             else:
                 table.add(
-                    f"{row['op']} {_fmt(row['size'])} w{world}",
+                    f"{row['op']} {_fmt(row['size'])} w{world}{tag}",
                     "gloo",
                     row["gloo"],
                     row["torchport"],

@@ -401,6 +401,20 @@ def p2p_case(rank: int, world: int) -> list[str]:
         dist.recv(dst, 0)
         if not torch.equal(dst, torch.arange(6, dtype=torch.int32)):
             bad.append(f"strided recv {dst.tolist()}")
+    # any source: the last rank receives one message from every other rank with src=None
+    last = world - 1
+    if rank != last:
+        dist.send(torch.full((3,), float(rank)), last, tag=42)
+    else:
+        got = {}
+        for _ in range(world - 1):
+            buf = torch.empty(3)
+            src = dist.recv(buf, tag=42)
+            got[src] = buf[0].item()
+            if not torch.equal(buf, torch.full((3,), float(src))):
+                bad.append(f"anysource from {src} got {buf.tolist()}")
+        if got != {q: float(q) for q in range(world - 1)}:
+            bad.append(f"anysource senders {got}")
     dist.barrier()
     return bad
 
@@ -488,3 +502,134 @@ def job(rank: int, world: int, init_method: str, plan: list[tuple[str, tuple]]) 
         out[name] = SCENARIOS[name](rank, world, *args)
         dist.barrier()
     return out
+
+
+def enter_host(ns: str, hostname: str) -> None:
+    """Move this process into network namespace ``ns`` with its own hostname (a fake host)."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet, clone_newuts = 0x40000000, 0x04000000
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({ns})")
+    finally:
+        os.close(fd)
+    if libc.unshare(clone_newuts) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+    name = hostname.encode()
+    if libc.sethostname(name, len(name)) != 0:
+        raise OSError(ctypes.get_errno(), "sethostname")
+
+
+def cross_host_job(
+    rank: int, world: int, init_method: str, hosts: list[tuple[str, str, str]]
+) -> dict[str, Any]:
+    """Ranks spread over network namespaces (fake hosts); collectives vs the reference."""
+    import os
+
+    from torchport.distributed.groups import root_mesh
+
+    ns, ip, hostname = hosts[rank]
+    enter_host(ns, hostname)
+    os.environ["TORCHPORT_DIST_ADDR"] = ip
+    init(rank, world, init_method)
+    pg = dist.distributed_c10d._get_default_group()
+    bad: list[str] = []
+    for case, n in enumerate([7, 70_001, 300_001]):
+        for dt, op in [(torch.float32, "SUM"), (torch.bfloat16, "AVG"), (torch.int32, "MAX")]:
+            ins = [make(q, 100 * case + q, n, dt, op) for q in range(world)]
+            t = ins[rank].clone()
+            dist.all_reduce(t, op=_op(op))
+            if not _eq(t, allreduce_reference(ins, op)):
+                bad.append(f"all_reduce {op} {dt} n={n}")
+        ins = [make(q, 7 * case + 3, n, torch.float32) for q in range(world)]
+        t = ins[rank].clone()
+        dist.broadcast(t, src=world - 1)
+        if not _eq(t, ins[world - 1]):
+            bad.append(f"broadcast n={n}")
+        out = torch.empty(world * n)
+        dist.all_gather_into_tensor(out, ins[rank])
+        if not _eq(out, torch.cat(ins)):
+            bad.append(f"all_gather_into_tensor n={n}")
+        blocks = [make(q, 11 * case + 5, n * world, torch.float64) for q in range(world)]
+        rs = torch.empty(n, dtype=torch.float64)
+        dist.reduce_scatter_tensor(rs, blocks[rank].clone())
+        if not _eq(rs, allreduce_reference([b[rank * n : (rank + 1) * n] for b in blocks], "SUM")):
+            bad.append(f"reduce_scatter_tensor n={n}")
+        sends = [(rank + d) % 3 + n // world for d in range(world)]
+        recvs = [(q + rank) % 3 + n // world for q in range(world)]
+        inp = make(rank, 13 * case, sum(sends), torch.int64)
+        a2a = torch.empty(sum(recvs), dtype=torch.int64)
+        dist.all_to_all_single(a2a, inp, recvs, sends)
+        want = []
+        for q in range(world):
+            qs = [(q + d) % 3 + n // world for d in range(world)]
+            want.append(
+                make(q, 13 * case, sum(qs), torch.int64)[sum(qs[:rank]) : sum(qs[: rank + 1])]
+            )
+        if not _eq(a2a, torch.cat(want)):
+            bad.append(f"all_to_all_single n={n}")
+        red_in = [make(q, 17 * case + 1, n, torch.float32) for q in range(world)]
+        t = red_in[rank].clone()
+        dist.reduce(t, dst=1)
+        if rank == 1 and not _eq(t, allreduce_reference(red_in, "SUM")):
+            bad.append(f"reduce n={n}")
+        outs = [torch.empty(n) for _ in range(world)] if rank == 2 else None
+        dist.gather(red_in[rank], outs, dst=2)
+        if rank == 2 and not all(_eq(o, i) for o, i in zip(outs or [], red_in)):
+            bad.append(f"gather n={n}")
+        pieces = [make(9, 19 * case + d, n, torch.float32) for d in range(world)]
+        o = torch.empty(n)
+        dist.scatter(o, pieces if rank == 3 else None, src=3)
+        if not _eq(o, pieces[rank]):
+            bad.append(f"scatter n={n}")
+    bad += p2p_case(rank, world)
+    # a group of the ranks on my host is a shared-memory group; one spanning hosts is not
+    same = [q for q in range(world) if hosts[q][2] == hostname]
+    local = None
+    for h in sorted({hh for _, _, hh in hosts}):
+        g = dist.new_group([q for q in range(world) if hosts[q][2] == h], backend="torchport")
+        if h == hostname:
+            local = g
+    t = torch.ones(5)
+    dist.all_reduce(t, group=local)
+    if not torch.equal(t, torch.full((5,), float(len(same)))):
+        bad.append(f"local group sum {t.tolist()}")
+    # a mismatched call on a hybrid group fails on every rank (local and remote peers)
+    from torchport.distributed import CollectiveMismatchError, CommunicatorErrorState, RemoteError
+
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    mismatch = "no error"
+    try:
+        dist.all_reduce(torch.ones(5 if rank == 0 else 6), group=sub)
+    except (CollectiveMismatchError, RemoteError, CommunicatorErrorState) as e:
+        mismatch = type(e).__name__
+    # abort on a hybrid group reaches every rank quickly
+    sub2 = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub2)
+    abort = {}
+    if rank == 0:
+        time.sleep(0.5)
+        abort["t_abort"] = time.time()
+        sub2.abort()
+    else:
+        work = dist.all_reduce(torch.ones(1000), group=sub2, async_op=True)
+        try:
+            work.wait()
+        except RemoteError as e:
+            abort = {"t_fail": time.time(), "msg": str(e)}
+    mesh = root_mesh()
+    assert mesh is not None
+    return {
+        "bad": bad,
+        "mismatch": mismatch,
+        "abort": abort,
+        "sub_transport": sub.transport,
+        "transport": pg.transport,
+        "local_transport": local.transport if local is not None else None,
+        "address": mesh.address,
+        "peer_hosts": sorted(set(mesh.hosts.values())),
+    }

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_world
 
-SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384"}  # many chunks and both allreduce paths
+# many chunks and both allreduce paths, on shared memory and over TCP
+SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384", "TORCHPORT_DIST_TCP_CHUNK_BYTES": "16384"}
 SIZES = [0, 1, 7, 4099]
 PLANS = {
     "shm1": (1, {}, [("grid", (SIZES,))]),

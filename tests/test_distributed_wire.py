@@ -109,3 +109,33 @@ def test_mac_binds_rank_and_nonces():
     assert not auth.verify(m, auth.mac(s, b"cli", b, a, 1))
     assert not auth.verify(m, auth.mac(auth.new_secret(), b"cli", a, b, 1))
     assert struct.calcsize("<4sBBHIIQ4qQ") == HEADER_SIZE
+
+
+def test_mailbox_any_source_fires_once_and_leaves_other_frames():
+    from torchport.distributed.transport_tcp import Mailbox, Once
+
+    mb, got = Mailbox(), []
+    k1, k2 = (0, 6, 1, 5), (0, 6, 2, 5)
+    once = Once(lambda f: got.append(f), [k1, k2])
+    mb.expect_any(once)
+    mb.deliver(k2, ("from2", bytearray()))
+    mb.deliver(k1, ("from1", bytearray()))  # the any-source receive already fired: queued
+    assert got == [("from2", bytearray())]
+    later: list = []
+    mb.expect(k1, later.append)
+    assert later == [("from1", bytearray())]
+
+
+def test_mailbox_any_source_takes_a_queued_frame_and_cancel_withdraws():
+    from torchport.distributed.transport_tcp import Mailbox, Once
+
+    mb, got = Mailbox(), []
+    k1, k2 = (0, 6, 1, 0), (0, 6, 2, 0)
+    mb.deliver(k2, ("early", bytearray()))
+    mb.expect_any(Once(got.append, [k1, k2]))
+    assert got == [("early", bytearray())]
+    once = Once(got.append, [k1, k2])
+    mb.expect_any(once)
+    assert mb.cancel(k1, once) and not mb.cancel(k1, once)
+    mb.deliver(k1, ("after-cancel", bytearray()))
+    assert got == [("early", bytearray())]  # a withdrawn receive never fires

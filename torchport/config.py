@@ -263,6 +263,15 @@ SETTINGS: dict[str, Setting] = {
             check=lambda v: None if 4096 <= v <= (1 << 30) else "must be in [4096, 2**30]",
         ),
         Setting(
+            name="dist_tcp_chunk_bytes",
+            env="TORCHPORT_DIST_TCP_CHUNK_BYTES",
+            kind=int,
+            default=8 << 20,
+            doc="Bytes per collective step in groups that reach some peers by TCP (tcp, hybrid): "
+            "larger than the shm chunk, since every step costs frames and Python per peer.",
+            check=lambda v: None if 4096 <= v <= (1 << 30) else "must be in [4096, 2**30]",
+        ),
+        Setting(
             name="dist_max_frame_bytes",
             env="TORCHPORT_DIST_MAX_FRAME_BYTES",
             kind=int,
@@ -386,5 +395,6 @@ if TYPE_CHECKING:  # attribute types for static checkers
     dist_addr: str
     dist_transport: str
     dist_chunk_bytes: int
+    dist_tcp_chunk_bytes: int
     dist_max_frame_bytes: int
     gemv_fp4_int8: bool

@@ -8,11 +8,16 @@ pure data movement and in elements where a reduction needs them.
 
 Algorithms (``W`` ranks, ``C`` = chunk bytes per step):
 
-- allreduce: chunks up to ``SMALL_BYTES`` are reduced by every rank from every rank's published
-  copy, in rank order (one step); larger chunks use reduce-scatter then all-gather inside the
-  arena (two steps, each rank folds 1/W of the chunk). Either way every element is folded in
-  rank order 0, 1, ..., W-1, so every rank gets bitwise identical results, equal to the
-  reference :func:`allreduce_reference`.
+- allreduce: on shared memory the whole chunk loop is one native call
+  (``tp_shm_allreduce``): chunks up to ``min(SMALL_BYTES, chunk / 4)`` are reduced by every rank
+  from every rank's published copy (one step); larger chunks use reduce-scatter then all-gather
+  inside the arena (two steps, each rank folds its 1/W of the chunk with three-operand folds
+  straight from the peers' slots). Either way every element is folded in rank order 0, 1, ...,
+  W-1, so every rank gets bitwise identical results, equal to the reference
+  :func:`allreduce_reference`.
+- groups without an arena of their own (TCP, hybrid) run the per-peer exchange algorithms of
+  :mod:`~torchport.distributed.algorithms_tcp`, except allgather and barrier, whose publish-to-all
+  step is already what every peer needs.
 - broadcast / reduce / gather / allgather / scatter / reduce_scatter / alltoall: one publish and
   direct reads per chunk; alltoall first exchanges the full split matrix, so mismatched splits
   are reported on every rank.
@@ -20,11 +25,13 @@ Algorithms (``W`` ranks, ``C`` = chunk bytes per step):
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 
 import torch
 
+from torchport.distributed import algorithms_tcp as tcp
 from torchport.distributed.engine import Communicator, make_sig
 from torchport.distributed.errors import CollectiveMismatchError
 from torchport.distributed.transport_shm import COPY, FOLD
@@ -62,32 +69,28 @@ def barrier(comm: Communicator, deadline: float) -> None:
 
 def allreduce(comm: Communicator, t: torch.Tensor, dtype: int, red: int, deadline: float) -> None:
     """In-place allreduce of a contiguous tensor (SUM/PRODUCT/MIN/MAX/BAND/BOR/BXOR codes)."""
-    seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
-    nbytes, base = t.numel() * es, _ptr(t)
-    per = max(1, comm.chunk // es)
-    step = 0
-    for lo, m in _chunks(t.numel(), per):
-        ptr, nb = base + lo * es, m * es
-        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step)
-        if nb <= SMALL_BYTES or w == 1:
-            reads = [(q, 0, ptr, nb, COPY if q == 0 else FOLD) for q in range(w)]
-            comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
-            step += 1
-            continue
-        parts = _parts(m, w)
-        plo, pn = parts[r]
-        reads = [(q, plo * es, ptr + plo * es, pn * es, COPY if q == 0 else FOLD) for q in range(w)]
-        comm.step(sig, [(ptr, nb)], reads, dtype, red, deadline)
-        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step + 1)
-        back = [(q, 0, ptr + parts[q][0] * es, parts[q][1] * es, COPY) for q in range(w) if q != r]
-        comm.step(sig, [(ptr + plo * es, pn * es)], back, dtype, red, deadline)
-        step += 2
+    if comm.arena is None:
+        tcp.allreduce(comm, t, dtype, red, _small(comm), deadline)
+        return
+    es = t.element_size()
+    nbytes = t.numel() * es
+    sig = make_sig(comm.next_op(), OP_ALLREDUCE, dtype, red, -1, nbytes, 0)
+    # the whole chunk loop in one native call
+    comm.shm_allreduce(sig, _ptr(t), nbytes, es, _small(comm), dtype, red, deadline)
+
+
+def _small(comm: Communicator) -> int:
+    """Chunks up to this many bytes take the one-step (latency) path."""
+    return min(SMALL_BYTES, comm.chunk // 4)
 
 
 def reduce(
     comm: Communicator, t: torch.Tensor, root: int, dtype: int, red: int, deadline: float
 ) -> None:
     """In-place reduce into ``root``'s tensor (others keep their input)."""
+    if comm.arena is None:
+        tcp.reduce(comm, t, root, dtype, red, deadline)
+        return
     seq, w, es = comm.next_op(), comm.world, t.element_size()
     nbytes, base = t.numel() * es, _ptr(t)
     for step, (lo, m) in enumerate(_chunks(t.numel(), max(1, comm.chunk // es))):
@@ -102,6 +105,9 @@ def reduce(
 
 
 def broadcast(comm: Communicator, t: torch.Tensor, root: int, dtype: int, deadline: float) -> None:
+    if comm.arena is None:
+        tcp.broadcast(comm, t, root, dtype, _small(comm), deadline)
+        return
     seq, nbytes, base = comm.next_op(), t.numel() * t.element_size(), _ptr(t)
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
         mine = comm.rank == root
@@ -125,6 +131,9 @@ def allgather(
 
     ``root >= 0`` makes it a gather (only the root passes ``outs``).
     """
+    if comm.arena is None and root >= 0:
+        tcp.gather(comm, inp, nbytes, outs, root, dtype, deadline)
+        return
     seq = comm.next_op()
     op = OP_GATHER if root >= 0 else OP_ALLGATHER
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
@@ -143,6 +152,9 @@ def scatter(
     deadline: float,
 ) -> None:
     """Root publishes ``nbytes`` for every rank; rank q copies its piece into ``out``."""
+    if comm.arena is None:
+        tcp.scatter(comm, ins, out, nbytes, root, dtype, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
     per = max(1, comm.chunk // w)
     for step, (lo, nb) in enumerate(_chunks(nbytes, per)):
@@ -162,6 +174,9 @@ def reduce_scatter(
     deadline: float,
 ) -> None:
     """Rank r gets the fold over ranks of everyone's ``ins[r]`` (``numel`` elements each)."""
+    if comm.arena is None:
+        tcp.reduce_scatter(comm, ins, out, numel, es, dtype, red, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
     per = max(1, comm.chunk // (w * es))
     for step, (lo, m) in enumerate(_chunks(numel, per)):
@@ -182,17 +197,22 @@ def alltoall(
     deadline: float,
 ) -> None:
     """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d, receiving into ``outs``."""
+    if comm.arena is None:
+        tcp.alltoall(comm, ins, in_lens, outs, out_lens, dtype, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
-    mine = torch.tensor([*in_lens, *out_lens], dtype=torch.int64)
-    matrix = torch.zeros(w, 2 * w, dtype=torch.int64)
-    reads = [(q, 0, matrix[q].data_ptr(), 16 * w, COPY) for q in range(w)]
+    mine = (ctypes.c_int64 * (2 * w))(*in_lens, *out_lens)
+    matrix = (ctypes.c_int64 * (2 * w * w))()
+    at = ctypes.addressof(matrix)
+    reads = [(q, 0, at + 16 * w * q, 16 * w, COPY) for q in range(w)]
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
     # A rank whose whole input fits beside its sizes publishes it in this first step too.
-    pubs = [(mine.data_ptr(), 16 * w)]
-    if 16 * w + sum(in_lens) <= comm.chunk:
+    pubs = [(ctypes.addressof(mine), 16 * w)]
+    if 16 * w + sum(in_lens) <= comm.slot:
         pubs += [(ins[d], in_lens[d]) for d in range(w)]
     comm.step(sig, pubs, reads, dtype, 0, deadline)
-    rows = matrix.tolist()
+    flat = list(matrix)
+    rows = [flat[2 * w * q : 2 * w * (q + 1)] for q in range(w)]
     sends = [row[:w] for row in rows]  # sends[q][d]: bytes rank q sends to rank d
     for q in range(w):
         for d in range(w):
@@ -201,7 +221,7 @@ def alltoall(
                     f"alltoall split sizes disagree: rank {q} sends {sends[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
-    if all(16 * w + sum(sends[q]) <= comm.chunk for q in range(w)):  # everyone published
+    if all(16 * w + sum(sends[q]) <= comm.slot for q in range(w)):  # everyone published
         comm.reread(
             [
                 (q, 16 * w + sum(sends[q][:r]), outs[q], sends[q][r], COPY)

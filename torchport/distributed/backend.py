@@ -14,92 +14,28 @@ PREMUL_SUM = scale a copy by its factor, then SUM.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torchport.distributed import algorithms as alg
+from torchport.distributed.backend_args import (
+    _check_red,
+    _cpu,
+    _one,
+    _ptr,
+    _red_name,
+    _Staged,
+)
 from torchport.distributed.engine import (
-    BYTES_CODE,
     Communicator,
     TorchportWork,
     _timeout_s,
     dtype_code,
 )
 from torchport.distributed.errors import CollectiveArgumentError
-
-ReduceOp = dist.ReduceOp
-_NATIVE_RED = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "BAND": 4, "BOR": 5, "BXOR": 6}
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_COMPLEX = (torch.complex64, torch.complex128)
-
-
-def _red_name(op: Any) -> tuple[str, float]:
-    """(name, premul factor) of a ReduceOp / RedOpType / options object."""
-    inner = getattr(op, "op", op)
-    name = getattr(inner, "name", str(inner).split(".")[-1])
-    factor = 1.0
-    if name == "PREMUL_SUM":
-        f = getattr(op, "factor", None)
-        factor = float(f.item() if isinstance(f, torch.Tensor) else f) if f is not None else 1.0
-    return name, factor
-
-
-def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
-    """Native op code for ``name`` on ``dtype`` or a typed error."""
-    if dtype_code(dtype) == BYTES_CODE:
-        raise CollectiveArgumentError(f"{where}: reductions do not support dtype {dtype}")
-    if name in ("AVG", "PREMUL_SUM"):
-        if dtype not in _FLOATS + _COMPLEX:
-            raise CollectiveArgumentError(
-                f"{where}: ReduceOp.{name} requires a floating-point or complex dtype, got {dtype}"
-            )
-        return 0
-    if name not in _NATIVE_RED:
-        raise CollectiveArgumentError(f"{where}: unsupported reduce op {name}")
-    if name in ("BAND", "BOR", "BXOR") and (dtype in _FLOATS or dtype in _COMPLEX):
-        raise CollectiveArgumentError(
-            f"{where}: ReduceOp.{name} requires an integer or bool dtype, got {dtype}"
-        )
-    if name in ("MIN", "MAX") and dtype in _COMPLEX:
-        raise CollectiveArgumentError(
-            f"{where}: ReduceOp.{name} is undefined for complex dtype {dtype}"
-        )
-    return _NATIVE_RED[name]
-
-
-def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
-    if len(tensors) != 1:
-        raise CollectiveArgumentError(
-            f"{where}: expects exactly one tensor per call, got {len(tensors)}"
-        )
-    return _cpu(tensors[0], where)
-
-
-def _cpu(t: Any, where: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise CollectiveArgumentError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise CollectiveArgumentError(f"{where}: tensors must be on device 'cpu', got {t.device}")
-    return t
-
-
-class _Staged:
-    """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.orig = t
-        self.t = t if t.is_contiguous() else t.contiguous()
-
-    def back(self) -> None:
-        if self.t is not self.orig:
-            self.orig.copy_(self.t)
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr() if t.numel() else 0
 
 
 class TorchportProcessGroup(dist.ProcessGroup):
@@ -522,31 +458,20 @@ class TorchportProcessGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> TorchportWork:
-        out, inp, w = (
-            _cpu(output, "all_to_all_single"),
-            _cpu(input, "all_to_all_single"),
-            self.comm.world,
-        )
+        out, inp = _cpu(output, "all_to_all_single"), _cpu(input, "all_to_all_single")
         if out.dtype != inp.dtype:
             raise CollectiveArgumentError(
                 f"all_to_all_single: dtypes differ: output {out.dtype}, input {inp.dtype}"
             )
         osz = self._splits(out, list(output_split_sizes), "output")
         isz = self._splits(inp, list(input_split_sizes), "input")
+        es = out.element_size()
         return self._alltoall(
             "all_to_all_single",
-            lambda o: (
-                list(o.reshape(-1).split([n * self._row(out) for n in osz]))
-                if out.numel()
-                else [o.reshape(-1)[:0]] * w
-            ),
             out,
-            lambda i: (
-                list(i.reshape(-1).split([n * self._row(inp) for n in isz]))
-                if inp.numel()
-                else [i.reshape(-1)[:0]] * w
-            ),
+            [n * self._row(out) * es for n in osz],
             inp,
+            [n * self._row(inp) * es for n in isz],
             opts,
         )
 
@@ -606,23 +531,30 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def _alltoall(
         self,
         name: str,
-        out_parts: Callable[[torch.Tensor], list[torch.Tensor]],
         out: torch.Tensor,
-        in_parts: Callable[[torch.Tensor], list[torch.Tensor]],
+        out_lens: list[int],
         inp: torch.Tensor,
+        in_lens: list[int],
         opts: Any,
     ) -> TorchportWork:
+        """all_to_all_single on byte lengths: pieces are consecutive in ``out`` / ``inp``."""
         s, comm = _Staged(out), self.comm
+
+        def offsets(base: int, lens: list[int]) -> list[int]:
+            ptrs, at = [], base
+            for n in lens:
+                ptrs.append(at if n else 0)
+                at += n
+            return ptrs
 
         def run(deadline: float) -> None:
             src = inp.contiguous()
-            ins, outs = in_parts(src), out_parts(s.t)
             alg.alltoall(
                 comm,
-                [_ptr(t) for t in ins],
-                [t.numel() * t.element_size() for t in ins],
-                [_ptr(t) for t in outs],
-                [t.numel() * t.element_size() for t in outs],
+                offsets(_ptr(src), in_lens),
+                in_lens,
+                offsets(_ptr(s.t), out_lens),
+                out_lens,
                 dtype_code(out.dtype),
                 deadline,
             )
@@ -656,3 +588,12 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 f"recv: source must be another rank in [0, {self.comm.world}), got {srcRank}"
             )
         return self.comm.recv_p2p(t, srcRank, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchportWork:
+        """Receive from whichever rank sends first with ``tag`` (``dist.recv(src=None)``)."""
+        t = _one(tensors, "recv_anysource")
+        if self.comm.world < 2:
+            raise CollectiveArgumentError(
+                f"recv_anysource: needs another rank to receive from, group size is {self.comm.world}"
+            )
+        return self.comm.recv_p2p(t, None, tag)

@@ -39,7 +39,8 @@ from torchport.distributed.errors import (
     CommunicatorErrorState,
     RemoteError,
 )
-from torchport.distributed.shm_kernels import shm_lib
+from torchport.distributed.exchange import Blob, exchange
+from torchport.distributed.shm_kernels import BACKGROUND_YIELD_NS, shm_lib
 from torchport.distributed.transport_shm import (
     ABORTED,
     MISMATCH,
@@ -48,7 +49,7 @@ from torchport.distributed.transport_shm import (
     ShmArena,
     StepError,
 )
-from torchport.distributed.transport_tcp import Mesh
+from torchport.distributed.transport_tcp import Mesh, Once
 from torchport.distributed.wire import Kind
 
 # Abort reasons (low byte of the abort word / seq of ABORT frames).
@@ -140,6 +141,7 @@ class TorchportWork(dist.Work):
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
         self._engine: Engine | None = None
+        self._src = -1
 
     def _finish(self, error: BaseException | None = None) -> None:
         if self._event.is_set():
@@ -172,6 +174,9 @@ class TorchportWork(dist.Work):
         return self._error
 
     def get_future(self) -> torch.futures.Future:
+        # A future's waiter (DDP's reducer, callbacks) never runs the queue inline: start now.
+        if not self._event.is_set() and self._engine is not None:
+            self._engine.urge()
         return self._future
 
     def result(self) -> list[torch.Tensor]:
@@ -179,14 +184,19 @@ class TorchportWork(dist.Work):
         return self._result
 
     def source_rank(self) -> int:
-        return -1
+        """The sender's group rank of a completed receive (-1 for other operations)."""
+        return self._src
+
+    def _source_rank(self) -> int:
+        return self._src
 
     def synchronize(self) -> None:
         self.wait()
 
 
+SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a header beside a chunk)
 GRACE_S = 0.0003  # an op nobody waits on is started by the engine thread after this long
-POLL_S = 0.002  # the engine's native doorbell poll interval (no GIL held)
+POLL_S = 0.002  # cap on one idle futex sleep of the engine thread (no GIL held)
 
 
 class Engine:
@@ -205,8 +215,9 @@ class Engine:
         self._lock = threading.Lock()
         self._runner = threading.Lock()
         # Doorbell cells read by native code while the thread sleeps without the GIL:
-        # [posted, taken, stop]. Ringing it is a plain store, never a wake-up.
-        self._cells = (ctypes.c_int64 * 3)()
+        # [posted, taken, stop, sleeping, futex word, urgent]. Posting is a plain store; a
+        # ring (stop, or a future someone blocks on) wakes the thread at once.
+        self._cells = (ctypes.c_int64 * 6)()
         self._lib = shm_lib()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
         self._thread.start()
@@ -217,6 +228,10 @@ class Engine:
             self._items.append((work, lambda: comm.run(work, fn)))
             self._cells[0] += 1
 
+    def urge(self) -> None:
+        """Start queued work now: its completion is awaited through a future, not ``wait``."""
+        self._lib.doorbell_ring(self._cells, 0)
+
     def _pop(self) -> tuple[TorchportWork, Callable[[], None]] | None:
         with self._lock:
             if not self._items:
@@ -226,6 +241,7 @@ class Engine:
 
     def _loop(self) -> None:
         grace, poll = int(GRACE_S * 1e9), int(POLL_S * 1e9)
+        self._lib.set_yield(BACKGROUND_YIELD_NS)  # this thread runs ops in the background
         while self._lib.doorbell_wait(self._cells, grace, poll):
             with self._runner:
                 item = self._pop()
@@ -246,7 +262,7 @@ class Engine:
             self._runner.release()
 
     def stop(self) -> None:
-        self._cells[2] = 1
+        self._lib.doorbell_ring(self._cells, 1)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -266,10 +282,17 @@ class Communicator:
         timeout_s: float,
         chunk: int,
         name: str,
+        local: ShmArena | None = None,
+        local_ranks: Sequence[int] = (),
     ) -> None:
         self.mesh, self.group_id, self.ranks = mesh, group_id, list(ranks)
         self.rank, self.world, self.arena = rank, len(ranks), arena
         self.timeout_s, self.chunk, self.name = timeout_s, chunk, name
+        self.slot = chunk + SLOT_EXTRA  # bytes one step may publish
+        # Hybrid group: an arena among this host's members (group ranks ``local_ranks``); the
+        # other peers are reached by TCP. Ops sending a block per peer then cut chunk / world.
+        self.local, self.local_ranks, self.local_epoch = local, list(local_ranks), 1
+        self.peer_chunk = max(1, chunk // len(ranks)) if local is not None else chunk
         self.epoch = 1
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
         self.op_seq = 0
@@ -283,7 +306,14 @@ class Communicator:
 
     @property
     def transport(self) -> str:
-        return "shm" if self.arena is not None else "tcp"
+        if self.arena is not None:
+            return "shm"
+        return "hybrid" if self.local is not None else "tcp"
+
+    @property
+    def _shm(self) -> ShmArena | None:
+        """The arena whose abort word this rank raises and watches (pure or local)."""
+        return self.arena if self.arena is not None else self.local
 
     # -- error model -------------------------------------------------------------------
     def check(self) -> None:
@@ -300,8 +330,8 @@ class Communicator:
                 return
             self.error = error
             pending, self._pending = self._pending, []
-        if self.arena is not None:
-            self.arena.set_abort(self.rank, reason)
+        if self._shm is not None:
+            self._shm.set_abort(self.rank, reason)
         for q, g in enumerate(self.ranks):
             if q != self.rank and g in self.mesh.peers:
                 with contextlib.suppress(CommError):
@@ -328,8 +358,8 @@ class Communicator:
                 return
             self.error = err
             pending, self._pending = self._pending, []
-        if self.arena is not None:
-            self.arena.set_abort(q, reason)
+        if self._shm is not None:
+            self._shm.set_abort(q, reason)
         for key, cb, work in pending:
             self.mesh.mailbox.cancel(key, cb)
             work._finish(err)
@@ -384,7 +414,7 @@ class Communicator:
             )
             self.fail(err, REASON_TIMEOUT)
         elif e.status == ABORTED:
-            word = self.arena.abort_word() if self.arena is not None else 0
+            word = self._shm.abort_word() if self._shm is not None else 0
             who, reason = (word >> 8) - 1, word & 0xFF
             if who == self.rank and self.error is not None:
                 err = self.error
@@ -423,33 +453,46 @@ class Communicator:
     ) -> None:
         """One collective step on this group's transport (see module docstring)."""
         self._last_sig = sig
-        self._last_blobs: list[bytearray] = []
+        self._last_blobs: list[Blob] = []
+        if self.arena is None:
+            self._tcp_step(sig, pubs, reads, dtype, red, deadline)
+            return
         epoch = self.epoch
         self.epoch += 1
-        if self.arena is not None:
-            self.arena.step(epoch, sig, pubs, reads, dtype, red, deadline - time.monotonic())
-        else:
-            self._tcp_step(epoch, sig, pubs, reads, dtype, red, deadline)
+        self.arena.step(epoch, sig, pubs, reads, dtype, red, deadline - time.monotonic())
+
+    def shm_allreduce(
+        self,
+        sig: tuple[int, int, int, int],
+        ptr: int,
+        nbytes: int,
+        esize: int,
+        small: int,
+        dtype: int,
+        red: int,
+        deadline: float,
+    ) -> None:
+        """A whole allreduce on the arena in one native call (``sig[3]`` is replaced per step)."""
+        assert self.arena is not None
+        epoch = self.epoch
+        try:
+            used = self.arena.allreduce(
+                epoch, sig[:3], ptr, nbytes, esize, small, dtype, red, deadline - time.monotonic()
+            )
+        except StepError as e:
+            self._last_sig = (sig[0], sig[1], sig[2], max(0, e.step))
+            raise
+        self.epoch = epoch + used
 
     def reread(self, reads: Sequence[Read], dtype: int, red: int) -> None:
         """Apply more reads to what every rank published in the step just completed."""
         if self.arena is not None:
             self.arena.reread(self.epoch - 1, reads, dtype, red)
             return
-        blobs = self._last_blobs
-        for peer, off, _dst, n, _mode in reads:
-            if off + n > len(blobs[peer]):
-                raise CommError(
-                    f"rank {peer} published {len(blobs[peer])} bytes, fewer than the {off + n} read"
-                )
-        bases = (ctypes.c_int64 * self.world)(*[_addr(b) for b in blobs])
-        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
-        if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
-            raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
+        self._apply_blobs(self._last_blobs, reads, dtype, red)
 
     def _tcp_step(
         self,
-        epoch: int,
         sig: tuple[int, int, int, int],
         pubs: Sequence[tuple[int, int]],
         reads: Sequence[Read],
@@ -457,34 +500,32 @@ class Communicator:
         red: int,
         deadline: float,
     ) -> None:
-        buf = bytearray(sum(n for _, n in pubs))
-        base, off = _addr(buf), 0
-        for ptr, n in pubs:
-            if n:
-                ctypes.memmove(base + off, ptr, n)
-            off += n
-        for q, g in enumerate(self.ranks):
-            if q != self.rank:
-                self.mesh.send(g, Kind.COLL, self.group_id, epoch, buf, sig)
-        blobs: list[bytearray] = [buf] * self.world
-        for q, g in enumerate(self.ranks):
-            if q == self.rank:
-                continue
-            hdr, body = self.mesh.mailbox.get(
-                (self.group_id, int(Kind.COLL), g, epoch), deadline, self.check
-            )
-            if hdr.sig != sig:
-                word = next(i for i in range(4) if hdr.sig[i] != sig[i])
-                raise StepError(MISMATCH, (q, word, hdr.sig[word]))
-            blobs[q] = body
+        """A publish-to-all step as an exchange (the same segments to every peer)."""
+        blobs = exchange(self, sig, [list(pubs)] * self.world, deadline)
+        own = sum(n for _, n in pubs)
+        if reads and any(r[0] == self.rank for r in reads):  # reads of our own publication
+            buf = bytearray(own)
+            off = 0
+            for ptr, n in pubs:
+                if n:
+                    ctypes.memmove(_addr(buf) + off, ptr, n)
+                off += n
+            blobs[self.rank] = Blob(_addr(buf), own, buf)
         self._last_blobs = blobs
+        self._apply_blobs(blobs, reads, dtype, red)
+
+    def _apply_blobs(
+        self, blobs: Sequence[Blob], reads: Sequence[Read], dtype: int, red: int
+    ) -> None:
         for peer, off, _dst, n, _mode in reads:
-            if off + n > len(blobs[peer]):
+            if off + n > blobs[peer].size:
                 raise CommError(
-                    f"rank {peer} published {len(blobs[peer])} bytes, fewer than the {off + n} read"
+                    f"rank {peer} published {blobs[peer].size} bytes, fewer than the {off + n} read"
                 )
-        bases = (ctypes.c_int64 * self.world)(*[_addr(b) for b in blobs])
-        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
+        if not reads:
+            return
+        bases = (ctypes.c_int64 * self.world)(*[b.addr for b in blobs])
+        ra = (ctypes.c_int64 * (5 * len(reads)))(*[v for r in reads for v in r])
         if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
             raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
@@ -506,22 +547,26 @@ class Communicator:
             self.sender.submit(work, go, self)
         return work
 
-    def recv_p2p(self, tensor: torch.Tensor, src: int, tag: int) -> TorchportWork:
-        work = TorchportWork(f"recv(src={src}, tag={tag})", [tensor])
+    def recv_p2p(self, tensor: torch.Tensor, src: int | None, tag: int) -> TorchportWork:
+        """Receive into ``tensor`` from group rank ``src`` (None: from any rank; the Work's
+        ``source_rank()`` then names the sender)."""
+        work = TorchportWork(f"recv(src={'any' if src is None else src}, tag={tag})", [tensor])
         if self.check_now(work):
             return work
-        key = (self.group_id, int(Kind.P2P), self.ranks[src], tag & 0xFFFFFFFFFFFFFFFF)
+        seq = tag & 0xFFFFFFFFFFFFFFFF
         want = (dtype_code(tensor.dtype), tensor.numel())
 
         def deliver(frame: Any) -> None:
             hdr, body = frame
+            who = self.ranks.index(hdr.src) if hdr.src in self.ranks else -1
+            work._src = who
             with self._lock:
                 self._pending = [p for p in self._pending if p[2] is not work]
             if (hdr.sig[0], hdr.sig[1]) != want or len(
                 body
             ) != tensor.numel() * tensor.element_size():
                 err = CollectiveMismatchError(
-                    f"recv from rank {src} tag {tag}: expected {want[1]} elements of "
+                    f"recv from rank {who} tag {tag}: expected {want[1]} elements of "
                     f"{tensor.dtype}, the sender sent {hdr.sig[1]} elements of "
                     f"{describe_sig((0, hdr.sig[0] << 8, 0, 0)).split('dtype=')[1].split(',')[0]}"
                 )
@@ -532,9 +577,21 @@ class Communicator:
                 tensor.copy_(data.view(tensor.shape))
             work._finish()
 
+        if src is not None:
+            key = (self.group_id, int(Kind.P2P), self.ranks[src], seq)
+            with self._lock:
+                self._pending.append((key, deliver, work))
+            self.mesh.mailbox.expect(key, deliver)
+            return work
+        keys = [
+            (self.group_id, int(Kind.P2P), g, seq)
+            for q, g in enumerate(self.ranks)
+            if q != self.rank
+        ]
+        once = Once(deliver, keys)
         with self._lock:
-            self._pending.append((key, deliver, work))
-        self.mesh.mailbox.expect(key, deliver)
+            self._pending.append((keys[0] if keys else None, once, work))
+        self.mesh.mailbox.expect_any(once)
         return work
 
     def check_now(self, work: TorchportWork) -> bool:
@@ -553,5 +610,6 @@ class Communicator:
         self.engine.join(5.0)
         self.sender.join(5.0)
         self.mesh.unregister(self.group_id)
-        if self.arena is not None:
-            self.arena.close()
+        for arena in (self.arena, self.local):
+            if arena is not None:
+                arena.close()

@@ -6,7 +6,10 @@ a per-job secret through the store, then authenticated connections to every rank
 group (``new_group``, :func:`split_group`) reuses that mesh: its frames carry a group id derived
 from the group name (identical on every rank), and its ranks are ordered by global rank, so
 sub-ranks are deterministic. A group gets a shared-memory arena when all its members run on this
-host (same hostname and boot id) and ``TORCHPORT_DIST_TRANSPORT`` allows it.
+host (same hostname and boot id) and ``TORCHPORT_DIST_TRANSPORT`` allows it. A group spanning
+hosts (transport ``auto``) is *hybrid*: the members on each host share an arena among
+themselves and reach the other hosts by TCP, chosen per peer in every step
+(:mod:`~torchport.distributed.exchange`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from torchport import config
 from torchport.distributed import auth
-from torchport.distributed.engine import Communicator
+from torchport.distributed.engine import SLOT_EXTRA, Communicator
 from torchport.distributed.errors import CommError, CommTimeoutError
 from torchport.distributed.transport_shm import ShmArena
 from torchport.distributed.transport_tcp import Mesh
@@ -61,19 +64,25 @@ def _build_mesh(store: Any, rank: int, size: int, timeout_s: float) -> Mesh:
         secret=secret,
         addr=str(config.get("dist_addr")),
         timeout_s=timeout_s,
-        max_frame=max(max_frame, int(config.get("dist_chunk_bytes")) + 4096),
+        max_frame=max(
+            max_frame,
+            max(int(config.get("dist_chunk_bytes")), int(config.get("dist_tcp_chunk_bytes")))
+            + SLOT_EXTRA,
+        ),
         host_id=host_id(),
     )
 
 
-def _make_arena(store: Any, rank: int, size: int, slot: int, timeout_s: float) -> ShmArena:
+def _make_arena(
+    store: Any, rank: int, size: int, slot: int, timeout_s: float, key: str = "tp/arena"
+) -> ShmArena:
     """Rank 0 creates the arena, publishes its path, waits until all mapped it, unlinks it."""
     if rank == 0:
         arena = ShmArena(ShmArena.new_path(), size, rank, slot, create=True)
         try:
-            store.set("tp/arena", arena.path)
+            store.set(key, arena.path)
             deadline = time.monotonic() + timeout_s
-            while int(store.add("tp/arena_mapped", 0)) < size - 1:
+            while int(store.add(f"{key}_mapped", 0)) < size - 1:
                 if time.monotonic() > deadline:
                     raise CommTimeoutError(
                         f"ranks did not map the shared-memory arena within {timeout_s:.0f} s"
@@ -82,9 +91,9 @@ def _make_arena(store: Any, rank: int, size: int, slot: int, timeout_s: float) -
         finally:
             arena.unlink()
         return arena
-    path = store.get("tp/arena").decode()
+    path = store.get(key).decode()
     arena = ShmArena(path, size, rank, slot, create=False)
-    store.add("tp/arena_mapped", 1)
+    store.add(f"{key}_mapped", 1)
     return arena
 
 
@@ -123,10 +132,26 @@ def build_communicator(
     local = all(mesh.hosts[g] == mesh.hosts[mesh.rank] for g in ranks)
     if transport == "shm" and not local:
         raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
-    arena = None
+    arena = local_arena = None
     chunk = int(config.get("dist_chunk_bytes"))
+    local_ranks: list[int] = []
     if local and transport != "tcp" and size > 1:
-        arena = _make_arena(store, rank, size, chunk, timeout_s)
+        arena = _make_arena(store, rank, size, chunk + SLOT_EXTRA, timeout_s)
+    else:
+        chunk = int(config.get("dist_tcp_chunk_bytes"))
+    if not local and transport == "auto":
+        # hybrid: this host's members share an arena; the other hosts are reached by TCP
+        mine = mesh.hosts[mesh.rank]
+        local_ranks = [q for q, g in enumerate(ranks) if mesh.hosts[g] == mine]
+        if len(local_ranks) > 1:
+            local_arena = _make_arena(
+                store,
+                local_ranks.index(rank),
+                len(local_ranks),
+                chunk + SLOT_EXTRA,
+                timeout_s,
+                key=f"tp/arena_host{local_ranks[0]}",
+            )
     comm = Communicator(
         mesh,
         gid,
@@ -136,6 +161,8 @@ def build_communicator(
         timeout_s=timeout_s,
         chunk=chunk,
         name=name or "default",
+        local=local_arena,
+        local_ranks=local_ranks if local_arena is not None else (),
     )
     comm.owns_mesh = is_root and bool(global_ranks)
     return comm

@@ -37,6 +37,9 @@ SIG_WORDS = 8
 CTRL_OFF = 256  # lines start here; offset 64 holds the abort word
 DATA_ALIGN = 4096
 YIELD_NS = 200_000  # after this long a waiting rank sleeps on the futex instead of yielding
+# ... and after this long on an engine thread, whose process is busy with other work (DDP's
+# backward pass) that a yielding waiter would slow down.
+BACKGROUND_YIELD_NS = 20_000
 
 _SOURCE = r"""
 #include <sched.h>
@@ -98,11 +101,12 @@ static inline uint16_t tp_f2h(float f) {
 #define MINI(a, b) ((a) < (b) ? (a) : (b))
 #define MAXI(a, b) ((a) > (b) ? (a) : (b))
 
-#define FOLD(T, EXPR) { T *restrict d = (T *)dst; const T *restrict s = (const T *)src; \
-    for (int64_t i = 0; i < n; i++) { T a = d[i], b = s[i]; d[i] = (EXPR); } return 0; }
-#define FOLD16(CONV_IN, CONV_OUT, EXPR) { uint16_t *restrict d = (uint16_t *)dst; \
-    const uint16_t *restrict s = (const uint16_t *)src; \
-    for (int64_t i = 0; i < n; i++) { float a = CONV_IN(d[i]), b = CONV_IN(s[i]); d[i] = CONV_OUT(EXPR); } return 0; }
+/* Three-operand folds: d[i] = a[i] (op) b[i]; d may alias a or b element for element. */
+#define FOLD(T, EXPR) { T *d = (T *)dst; const T *x = (const T *)pa, *y = (const T *)pb; \
+    for (int64_t i = 0; i < n; i++) { T a = x[i], b = y[i]; d[i] = (EXPR); } return 0; }
+#define FOLD16(CONV_IN, CONV_OUT, EXPR) { uint16_t *d = (uint16_t *)dst; \
+    const uint16_t *x = (const uint16_t *)pa, *y = (const uint16_t *)pb; \
+    for (int64_t i = 0; i < n; i++) { float a = CONV_IN(x[i]), b = CONV_IN(y[i]); d[i] = CONV_OUT(EXPR); } return 0; }
 
 #define FLOAT_OPS(T) switch (op) { case 0: FOLD(T, a + b) case 1: FOLD(T, a * b) \
     case 2: FOLD(T, MINF(a, b)) case 3: FOLD(T, MAXF(a, b)) default: return -1; }
@@ -113,39 +117,53 @@ static inline uint16_t tp_f2h(float f) {
     case 2: FOLD16(IN, OUT, MINF(a, b)) case 3: FOLD16(IN, OUT, MAXF(a, b)) default: return -1; }
 
 #if defined(__AVX2__)
-static void tp_sum_bf16_avx2(uint16_t *d, const uint16_t *s, int64_t n) {
+static void tp_sum_f32_avx2(float *d, const float *x, const float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a0 = _mm256_loadu_ps(x + i), a1 = _mm256_loadu_ps(x + i + 8);
+        __m256 b0 = _mm256_loadu_ps(y + i), b1 = _mm256_loadu_ps(y + i + 8);
+        _mm256_storeu_ps(d + i, _mm256_add_ps(a0, b0));
+        _mm256_storeu_ps(d + i + 8, _mm256_add_ps(a1, b1));
+    }
+    for (; i < n; i++) d[i] = x[i] + y[i];
+}
+static void tp_sum_bf16_avx2(uint16_t *d, const uint16_t *x, const uint16_t *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        tp_f32x8_to_bf16(d + i, _mm256_add_ps(tp_bf16x8_to_f32(d + i), tp_bf16x8_to_f32(s + i)));
-    for (; i < n; i++) d[i] = tp_f32_to_bf16(tp_bf16_to_f32(d[i]) + tp_bf16_to_f32(s[i]));
+        tp_f32x8_to_bf16(d + i, _mm256_add_ps(tp_bf16x8_to_f32(x + i), tp_bf16x8_to_f32(y + i)));
+    for (; i < n; i++) d[i] = tp_f32_to_bf16(tp_bf16_to_f32(x[i]) + tp_bf16_to_f32(y[i]));
 }
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
-static void tp_sum_f16_avx2(uint16_t *d, const uint16_t *s, int64_t n) {
+static void tp_sum_f16_avx2(uint16_t *d, const uint16_t *x, const uint16_t *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + i)));
-        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i)));
+        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i)));
+        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i)));
         _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_add_ps(a, b), _MM_FROUND_TO_NEAREST_INT));
     }
-    for (; i < n; i++) d[i] = tp_f2h(tp_h2f(d[i]) + tp_h2f(s[i]));
+    for (; i < n; i++) d[i] = tp_f2h(tp_h2f(x[i]) + tp_h2f(y[i]));
 }
 #endif
 
 /* dtype: 0 f32, 1 f64, 2 f16, 3 bf16, 4 i8, 5 u8, 6 i16, 7 i32, 8 i64, 9 bool, 10 c64, 11 c128
-   op: 0 SUM, 1 PRODUCT, 2 MIN, 3 MAX, 4 BAND, 5 BOR, 6 BXOR */
-TP_EXPORT int tp_fold(void *dst, const void *src, int64_t n, int64_t dtype, int64_t op) {
+   op: 0 SUM, 1 PRODUCT, 2 MIN, 3 MAX, 4 BAND, 5 BOR, 6 BXOR.  dst = pa (op) pb, n elements. */
+TP_EXPORT int tp_fold3(void *dst, const void *pa, const void *pb, int64_t n, int64_t dtype, int64_t op) {
     switch (dtype) {
-    case 0: FLOAT_OPS(float)
+    case 0:
+#if defined(__AVX2__)
+        if (op == 0) { tp_sum_f32_avx2((float *)dst, (const float *)pa, (const float *)pb, n); return 0; }
+#endif
+        FLOAT_OPS(float)
     case 1: FLOAT_OPS(double)
     case 2:
 #if defined(__AVX2__) && defined(__F16C__)
-        if (op == 0) { tp_sum_f16_avx2((uint16_t *)dst, (const uint16_t *)src, n); return 0; }
+        if (op == 0) { tp_sum_f16_avx2((uint16_t *)dst, (const uint16_t *)pa, (const uint16_t *)pb, n); return 0; }
 #endif
         HALF_OPS(tp_h2f, tp_f2h)
     case 3:
 #if defined(__AVX2__)
-        if (op == 0) { tp_sum_bf16_avx2((uint16_t *)dst, (const uint16_t *)src, n); return 0; }
+        if (op == 0) { tp_sum_bf16_avx2((uint16_t *)dst, (const uint16_t *)pa, (const uint16_t *)pb, n); return 0; }
 #endif
         HALF_OPS(tp_bf16_to_f32, tp_f32_to_bf16)
     case 4: INT_OPS(int8_t)
@@ -160,18 +178,22 @@ TP_EXPORT int tp_fold(void *dst, const void *src, int64_t n, int64_t dtype, int6
         default: return -1; }
     case 10: switch (op) {
         case 0: FOLD(float _Complex, a + b)
-        case 1: { float *d = (float *)dst; const float *s = (const float *)src;
-            for (int64_t i = 0; i < n; i++) { float ar = d[2*i], ai = d[2*i+1], br = s[2*i], bi = s[2*i+1];
+        case 1: { float *d = (float *)dst; const float *x = (const float *)pa, *y = (const float *)pb;
+            for (int64_t i = 0; i < n; i++) { float ar = x[2*i], ai = x[2*i+1], br = y[2*i], bi = y[2*i+1];
                 d[2*i] = ar * br - ai * bi; d[2*i+1] = ar * bi + ai * br; } return 0; }
         default: return -1; }
     case 11: switch (op) {
         case 0: FOLD(double _Complex, a + b)
-        case 1: { double *d = (double *)dst; const double *s = (const double *)src;
-            for (int64_t i = 0; i < n; i++) { double ar = d[2*i], ai = d[2*i+1], br = s[2*i], bi = s[2*i+1];
+        case 1: { double *d = (double *)dst; const double *x = (const double *)pa, *y = (const double *)pb;
+            for (int64_t i = 0; i < n; i++) { double ar = x[2*i], ai = x[2*i+1], br = y[2*i], bi = y[2*i+1];
                 d[2*i] = ar * br - ai * bi; d[2*i+1] = ar * bi + ai * br; } return 0; }
         default: return -1; }
     default: return -1;
     }
+}
+
+TP_EXPORT int tp_fold(void *dst, const void *src, int64_t n, int64_t dtype, int64_t op) {
+    return tp_fold3(dst, dst, src, n, dtype, op);
 }
 
 static const int64_t tp_esize[12] = {4, 8, 2, 2, 1, 1, 2, 4, 8, 1, 8, 16};
@@ -194,6 +216,12 @@ TP_EXPORT int tp_apply(const int64_t *bases, const int64_t *reads, int64_t nread
 
 static inline tp_line_t *tp_line(char *hdr, int64_t r) { return (tp_line_t *)(hdr + CTRL_OFF + r * LINE); }
 
+/* How long a waiting rank yields before it sleeps on the futex; per thread, so an engine
+   thread running an op in the background (while its process computes) can give up the CPU
+   sooner than a caller that waits inline. */
+static __thread int64_t tp_yield_ns = ${yield_ns};
+TP_EXPORT void tp_set_yield(int64_t ns) { tp_yield_ns = ns < 0 ? 0 : ns; }
+
 /* Futex word (offset 72) bumped on every arrival and abort; sleeper count at offset 76. */
 static inline int32_t *tp_gen(char *hdr) { return (int32_t *)(hdr + 72); }
 static inline int32_t *tp_sleepers(char *hdr) { return (int32_t *)(hdr + 76); }
@@ -205,7 +233,7 @@ static void tp_bump(char *hdr) {
 }
 
 /* Wait until every rank's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. Spins briefly, yields
-   for up to ${yield_ns} ns, then sleeps on the futex (1 ms cap, so deadlines and aborts are
+   for up to tp_yield_ns (per thread, default ${yield_ns} ns), then sleeps on the futex (1 ms cap, so deadlines and aborts are
    seen promptly even without a wake-up). */
 static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
     int64_t *abort_word = (int64_t *)(hdr + 64);
@@ -224,7 +252,7 @@ static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline
             int64_t now = tp_now_ns();
             if (t0 == 0) t0 = now;
             if (now > deadline) return 1;
-            if (now - t0 < ${yield_ns}) { sched_yield(); continue; }
+            if (now - t0 < tp_yield_ns) { sched_yield(); continue; }
             __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
             int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
             if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
@@ -238,6 +266,25 @@ static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline
     return 0;
 }
 
+/* Arrive at step ``epoch`` with signature ``sig``, wait for every rank, compare signatures.
+   0 ok, 1 timeout, 2 aborted, 3 mismatch (bad = rank, word, their value). */
+static int tp_sync(char *hdr, int64_t world, int64_t rank, int64_t epoch, const int64_t *sig,
+                   int64_t deadline, int64_t *bad) {
+    int64_t half = epoch & 1;
+    tp_line_t *me = tp_line(hdr, rank);
+    for (int w = 0; w < SIG_WORDS; w++) me->sig[half][w] = sig[w];
+    __atomic_store_n(&me->arrive, epoch, __ATOMIC_SEQ_CST);
+    tp_bump(hdr);
+    int st = tp_wait_all(hdr, world, epoch, deadline);
+    if (st != 0) return st;
+    for (int64_t q = 0; q < world; q++) {
+        tp_line_t *l = tp_line(hdr, q);
+        for (int w = 0; w < SIG_WORDS; w++)
+            if (l->sig[half][w] != sig[w]) { bad[0] = q; bad[1] = w; bad[2] = l->sig[half][w]; return 3; }
+    }
+    return 0;
+}
+
 /* One collective step (see module docstring). pubs: 2 int64 per segment (pointer, length). */
 TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, int64_t slot,
                           int64_t epoch, const int64_t *sig,
@@ -247,31 +294,107 @@ TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, in
     int64_t half = epoch & 1;
     char *mine = data + (rank * 2 + half) * slot;
     int64_t off = 0;
+    if (world > 256) return 4;
     for (int64_t k = 0; k < npubs; k++) {
         int64_t len = pubs[2 * k + 1];
         if (len < 0 || off + len > slot) return 4;
         if (len > 0) memcpy(mine + off, (const void *)(intptr_t)pubs[2 * k], (size_t)len);
         off += len;
     }
-    tp_line_t *me = tp_line(hdr, rank);
-    for (int w = 0; w < SIG_WORDS; w++) me->sig[half][w] = sig[w];
-    __atomic_store_n(&me->arrive, epoch, __ATOMIC_SEQ_CST);
-    tp_bump(hdr);
-    int st = tp_wait_all(hdr, world, epoch, tp_now_ns() + timeout_ns);
+    int st = tp_sync(hdr, world, rank, epoch, sig, tp_now_ns() + timeout_ns, bad);
     if (st != 0) return st;
-    for (int64_t q = 0; q < world; q++) {
-        tp_line_t *l = tp_line(hdr, q);
-        for (int w = 0; w < SIG_WORDS; w++)
-            if (l->sig[half][w] != sig[w]) { bad[0] = q; bad[1] = w; bad[2] = l->sig[half][w]; return 3; }
-    }
     int64_t bases[256];
-    if (world > 256) return 4;
     for (int64_t q = 0; q < world; q++) bases[q] = (int64_t)(intptr_t)(data + (q * 2 + half) * slot);
     for (int64_t k = 0; k < nreads; k++) {
         const int64_t *r = reads + 5 * k;
         if (r[0] < 0 || r[0] >= world || r[1] < 0 || r[3] < 0 || r[1] + r[3] > slot) return 4;
     }
     return tp_apply(bases, reads, nreads, dtype, op) == 0 ? 0 : 4;
+}
+
+/* A whole in-place allreduce of ``nbytes`` at ``buf`` in one call (no Python per chunk).
+
+   The buffer is cut into chunks of at most ``slot`` bytes; chunk k uses one or two steps with
+   signature (sig3[0..2], step). A chunk of at most ``small`` bytes (or world 1): every rank
+   publishes it and folds all ranks' copies in rank order. A larger chunk is split into ``world``
+   parts; step A: each rank publishes the parts the others own (and its own part when
+   rank >= 2, whose fold order needs an unmodified copy), then folds its own part in rank order
+   with three-operand folds straight from the peers' slots and its own buffer, and stores the
+   result into its slot half of the next step; step B: each rank copies the other parts'
+   results from the peers' slots. Each element is folded in rank order 0..W-1 on exactly one
+   rank, so every rank ends with bitwise identical data, equal to the reference.
+
+   info: [bad rank, bad word, their value, steps used, failing step]. Status as tp_shm_step. */
+TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t rank, int64_t slot,
+                               int64_t epoch, const int64_t *sig3, char *buf, int64_t nbytes,
+                               int64_t esize, int64_t small, int64_t dtype, int64_t op,
+                               int64_t timeout_ns, int64_t *info) {
+    if (world < 1 || world > 256 || rank < 0 || rank >= world || esize <= 0 || nbytes < 0 ||
+        nbytes % esize || slot < esize)
+        return 4;
+    int64_t deadline = tp_now_ns() + timeout_ns, step = 0, per = slot / esize;
+    int64_t total = nbytes / esize, sig[SIG_WORDS] = {0};
+    sig[0] = sig3[0]; sig[1] = sig3[1]; sig[2] = sig3[2];
+    int64_t lo = 0;
+    do {
+        int64_t m = total - lo < per ? total - lo : per, nb = m * esize;
+        char *chunk = buf + lo * esize;
+        int64_t ep = epoch + step, half = ep & 1;
+        sig[3] = step; info[4] = step;
+        if (nb <= small || world == 1) {
+            char *mine = data + (rank * 2 + half) * slot;
+            if (nb) memcpy(mine, chunk, (size_t)nb);
+            int st = tp_sync(hdr, world, rank, ep, sig, deadline, info);
+            if (st != 0) return st;
+            if (world > 1 && nb) {
+                const char *s0 = data + half * slot, *s1 = data + (2 + half) * slot;
+                if (tp_fold3(chunk, s0, s1, m, dtype, op) != 0) return 4;
+                for (int64_t q = 2; q < world; q++)
+                    if (tp_fold3(chunk, chunk, data + (q * 2 + half) * slot, m, dtype, op) != 0) return 4;
+            }
+            step += 1;
+        } else {
+            int64_t pq = m / world, extra = m % world;
+            #define PART_LO(q) ((q) * pq + ((q) < extra ? (q) : extra))
+            #define PART_N(q) (pq + ((q) < extra ? 1 : 0))
+            char *mine = data + (rank * 2 + half) * slot;
+            for (int64_t q = 0; q < world; q++) {
+                if (q == rank && rank < 2) continue;
+                int64_t o = PART_LO(q) * esize, k = PART_N(q) * esize;
+                if (k) memcpy(mine + o, chunk + o, (size_t)k);
+            }
+            int st = tp_sync(hdr, world, rank, ep, sig, deadline, info);
+            if (st != 0) return st;
+            int64_t o = PART_LO(rank) * esize, k = PART_N(rank);
+            char *dst = chunk + o;
+            #define SRC(q) ((q) == rank && rank < 2 ? (const char *)dst : data + ((q) * 2 + half) * slot + o)
+            /* fold in 16 KB blocks and publish each block while it is still in L1 */
+            char *next = data + (rank * 2 + (half ^ 1)) * slot + o;
+            int64_t blk = 16384 / esize > 0 ? 16384 / esize : 1;
+            for (int64_t b = 0; b < k; b += blk) {
+                int64_t kb = k - b < blk ? k - b : blk, ob = b * esize;
+                if (tp_fold3(dst + ob, SRC(0) + ob, SRC(1) + ob, kb, dtype, op) != 0) return 4;
+                for (int64_t q = 2; q < world; q++)
+                    if (tp_fold3(dst + ob, dst + ob, SRC(q) + ob, kb, dtype, op) != 0) return 4;
+                memcpy(next + ob, dst + ob, (size_t)(kb * esize));
+            }
+            #undef SRC
+            sig[3] = step + 1; info[4] = step + 1;
+            st = tp_sync(hdr, world, rank, ep + 1, sig, deadline, info);
+            if (st != 0) return st;
+            for (int64_t q = 0; q < world; q++) {
+                if (q == rank) continue;
+                int64_t oq = PART_LO(q) * esize, kq = PART_N(q) * esize;
+                if (kq) memcpy(chunk + oq, data + (q * 2 + (half ^ 1)) * slot + oq, (size_t)kq);
+            }
+            #undef PART_LO
+            #undef PART_N
+            step += 2;
+        }
+        lo += m;
+    } while (lo < total);
+    info[3] = step;
+    return 0;
 }
 
 /* Apply more reads from the slots of an already completed step (valid until this rank arrives
@@ -297,24 +420,44 @@ TP_EXPORT int64_t tp_set_abort(char *hdr, int64_t value) {
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
 
-/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop. Sleeps (GIL released by
-   ctypes) until stop (returns 0) or until work has been pending, untaken, for grace_ns (1). */
-TP_EXPORT int64_t tp_doorbell_wait(volatile int64_t *cells, int64_t grace_ns, int64_t poll_ns) {
+/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop, cells[3] sleeping,
+   cells[4] futex word (low 32 bits), cells[5] urgent. Sleeps (GIL released by ctypes) until
+   stop (returns 0), until work has been pending, untaken, for grace_ns, or at once when work is
+   pending and marked urgent (someone waits on its future, not inline) (returns 1). Idle, the
+   thread sleeps on the futex, woken by tp_doorbell_ring, at most poll_ns per sleep. */
+TP_EXPORT int64_t tp_doorbell_wait(int64_t *cells, int64_t grace_ns, int64_t poll_ns) {
     int64_t since = 0, seen_taken = -1;
-    struct timespec ts = {0, poll_ns};
+    int32_t *word = (int32_t *)&cells[4];
     for (;;) {
         if (__atomic_load_n(&cells[2], __ATOMIC_ACQUIRE)) return 0;
-        int64_t posted = __atomic_load_n(&cells[0], __ATOMIC_ACQUIRE);
-        int64_t taken = __atomic_load_n(&cells[1], __ATOMIC_ACQUIRE);
+        int64_t posted = __atomic_load_n(&cells[0], __ATOMIC_SEQ_CST);
+        int64_t taken = __atomic_load_n(&cells[1], __ATOMIC_SEQ_CST);
         if (posted > taken) {
+            if (__atomic_exchange_n(&cells[5], 0, __ATOMIC_SEQ_CST)) return 1;
             int64_t now = tp_now_ns();
             if (taken != seen_taken) { seen_taken = taken; since = now; }
             else if (now - since >= grace_ns) return 1;
-        } else {
+        } else {  /* an urgent mark whose work was run inline: drop it (a lost race costs grace_ns) */
             seen_taken = -1;
+            __atomic_store_n(&cells[5], 0, __ATOMIC_SEQ_CST);
         }
-        nanosleep(&ts, NULL);
+        __atomic_store_n(&cells[3], 1, __ATOMIC_SEQ_CST);
+        int32_t g = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&cells[5], __ATOMIC_SEQ_CST) && !__atomic_load_n(&cells[2], __ATOMIC_SEQ_CST)) {
+            int64_t ns = posted > taken ? grace_ns : poll_ns;
+            struct timespec ts = {ns / 1000000000LL, ns % 1000000000LL};
+            syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, g, &ts, NULL, 0);
+        }
+        __atomic_store_n(&cells[3], 0, __ATOMIC_SEQ_CST);
     }
+}
+
+/* Wake the engine thread: stop != 0 sets the stop flag, else marks pending work urgent. */
+TP_EXPORT void tp_doorbell_ring(int64_t *cells, int64_t stop) {
+    __atomic_store_n(&cells[stop ? 2 : 5], 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch((int32_t *)&cells[4], 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&cells[3], __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, (int32_t *)&cells[4], FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
 TP_EXPORT int64_t tp_get_abort(char *hdr) {
@@ -346,6 +489,15 @@ class ShmLib:
         self.doorbell_wait = lib.tp_doorbell_wait
         self.doorbell_wait.argtypes = [p, i64, i64]
         self.doorbell_wait.restype = ctypes.c_int64
+        self.doorbell_ring = lib.tp_doorbell_ring
+        self.doorbell_ring.argtypes = [p, i64]
+        self.doorbell_ring.restype = None
+        self.allreduce = lib.tp_shm_allreduce
+        self.allreduce.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p]
+        self.allreduce.restype = ctypes.c_int
+        self.set_yield = lib.tp_set_yield
+        self.set_yield.argtypes = [i64]
+        self.set_yield.restype = None
         self.get_abort = lib.tp_get_abort
         self.get_abort.argtypes = [p]
         self.get_abort.restype = ctypes.c_int64

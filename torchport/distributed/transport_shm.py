@@ -60,6 +60,7 @@ class StepError(Exception):
         super().__init__(status, detail)
         self.status = status
         self.detail = detail
+        self.step = -1
 
 
 class ShmArena:
@@ -96,6 +97,7 @@ class ShmArena:
         self.lib = shm_lib()
         self._sig = (ctypes.c_int64 * SIG_WORDS)()
         self._bad = (ctypes.c_int64 * 3)()
+        self._info = (ctypes.c_int64 * 5)()
 
     @staticmethod
     def new_path() -> str:
@@ -137,6 +139,48 @@ class ShmArena:
         )
         if st != OK:
             raise StepError(st, (self._bad[0], self._bad[1], self._bad[2]))
+
+    def allreduce(
+        self,
+        epoch: int,
+        sig3: Sequence[int],
+        ptr: int,
+        nbytes: int,
+        esize: int,
+        small: int,
+        dtype: int,
+        op: int,
+        timeout_s: float,
+    ) -> int:
+        """A whole in-place allreduce in one native call; returns the number of steps used.
+
+        On failure raises :class:`StepError` whose ``step`` attribute names the failing step.
+        """
+        assert self._mm is not None, "arena closed"
+        for i in range(3):
+            self._sig[i] = sig3[i]
+        st = self.lib.allreduce(
+            self.base,
+            self.base + self.data_off,
+            self.world,
+            self.rank,
+            self.slot,
+            epoch,
+            self._sig,
+            ptr,
+            nbytes,
+            esize,
+            small,
+            dtype,
+            op,
+            max(0, int(timeout_s * 1e9)),
+            self._info,
+        )
+        if st != OK:
+            err = StepError(st, (self._info[0], self._info[1], self._info[2]))
+            err.step = int(self._info[4])
+            raise err
+        return int(self._info[3])
 
     def reread(self, epoch: int, reads: Sequence[Read], dtype: int, op: int) -> None:
         """More reads from the slots published at ``epoch`` (the step just completed)."""

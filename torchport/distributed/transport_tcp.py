@@ -64,8 +64,18 @@ def read_frame(sock: socket.socket, max_length: int) -> Frame:
     return hdr, _recv_exact(sock, hdr.length) if hdr.length else bytearray()
 
 
+class Once:
+    """A callback waiting on several keys that fires for the first frame of any of them."""
+
+    def __init__(self, callback: Callable[[Frame], None], keys: list[Key]) -> None:
+        self.callback, self.keys, self.fired = callback, keys, False
+
+    def __call__(self, frame: Frame) -> None:
+        self.callback(frame)
+
+
 class Mailbox:
-    """Received frames by key, with blocking ``get`` and callback ``expect``."""
+    """Received frames by key, with blocking ``get`` and callback ``expect`` / ``expect_any``."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -75,7 +85,14 @@ class Mailbox:
     def deliver(self, key: Key, frame: Frame) -> None:
         with self.cond:
             cbs = self._waiting.get(key)
-            cb = cbs.popleft() if cbs else None
+            cb = None
+            while cbs and cb is None:
+                cb = cbs.popleft()
+                if isinstance(cb, Once):  # an any-source waiter: first key to deliver wins
+                    if cb.fired:
+                        cb = None
+                    else:
+                        cb.fired = True
             if cbs is not None and not cbs:
                 del self._waiting[key]
             if cb is None:
@@ -96,9 +113,33 @@ class Mailbox:
                 return
         callback(frame)
 
+    def expect_any(self, once: Once) -> None:
+        """Call ``once`` for the first frame of any of ``once.keys`` (queued frames first)."""
+        with self.cond:
+            frame = None
+            for key in once.keys:
+                q = self._frames.get(key)
+                if q:
+                    frame = q.popleft()
+                    if not q:
+                        del self._frames[key]
+                    break
+            if frame is None:
+                for key in once.keys:
+                    self._waiting.setdefault(key, deque()).append(once)
+                return
+            if once.fired:  # cancelled before it was registered
+                self._frames.setdefault(key, deque()).appendleft(frame)
+                return
+            once.fired = True
+        once(frame)
+
     def cancel(self, key: Key, callback: Callable[[Frame], None]) -> bool:
         """Withdraw an ``expect`` that has not fired; True if it was withdrawn."""
         with self.cond:
+            if isinstance(callback, Once):
+                was, callback.fired = not callback.fired, True
+                return was
             cbs = self._waiting.get(key)
             if cbs and callback in cbs:
                 cbs.remove(callback)

@@ -1,0 +1,91 @@
+"""Cross-host collectives: ranks on two fake hosts (network namespaces joined by a veth pair).
+
+Each "host" is a network namespace with its own address and its own hostname (a UTS
+namespace), so the backend sees two hosts: traffic between them goes over TCP across the veth
+link, while ranks on the same host may share memory. Needs root (``ip netns``); skipped
+otherwise. The namespaces are removed and every process is killed even on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import dist_workers as W
+import pytest
+from dist_harness import run_world
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_forkserver():
+    """Leave no fork server behind once this module is done."""
+    yield
+    import multiprocessing.forkserver as fs
+
+    stop = getattr(fs._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two namespaces ``tpA<pid>`` (10.x.y.1) and ``tpB<pid>`` (10.x.y.2) linked by a veth."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    pid = os.getpid()
+    a, b = f"tpA{pid}", f"tpB{pid}"
+    net = f"10.{200 + pid % 50}.{(pid // 50) % 250}"
+    ips = (f"{net}.1", f"{net}.2")
+    made: list[str] = []
+    try:
+        for ns in (a, b):
+            r = _ip("netns", "add", ns)
+            if r.returncode:
+                pytest.skip(f"cannot create a network namespace here: {r.stderr.strip()}")
+            made.append(ns)
+        va, vb = f"tpa{pid}"[:15], f"tpb{pid}"[:15]
+        steps = [
+            ("link", "add", va, "type", "veth", "peer", "name", vb),
+            ("link", "set", va, "netns", a),
+            ("link", "set", vb, "netns", b),
+            ("-n", a, "addr", "add", f"{ips[0]}/24", "dev", va),
+            ("-n", b, "addr", "add", f"{ips[1]}/24", "dev", vb),
+            ("-n", a, "link", "set", va, "up"),
+            ("-n", b, "link", "set", vb, "up"),
+            ("-n", a, "link", "set", "lo", "up"),
+            ("-n", b, "link", "set", "lo", "up"),
+        ]
+        for s in steps:
+            r = _ip(*s)
+            if r.returncode:
+                pytest.skip(f"cannot build the veth link ({' '.join(s)}): {r.stderr.strip()}")
+        yield (a, ips[0], f"tphostA{pid}"), (b, ips[1], f"tphostB{pid}")
+    finally:
+        for ns in made:
+            _ip("netns", "del", ns)
+
+
+def test_collectives_across_two_hosts(two_hosts):
+    """4 ranks, 2 per host: every collective vs the reference; same-host subgroups use shm."""
+    ha, hb = two_hosts
+    hosts = [ha, ha, hb, hb]
+    env = {"TORCHPORT_DIST_ADDR": ha[1], "TORCHPORT_DIST_TCP_CHUNK_BYTES": "262144"}
+    res = run_world(W.cross_host_job, 4, hosts, timeout=120, env=env)
+    for rank, r in enumerate(res):
+        assert r["bad"] == [], (rank, r["bad"])
+        assert r["address"].startswith(hosts[rank][1] + ":"), r["address"]
+        assert len(r["peer_hosts"]) == 2
+        assert r["local_transport"] == "shm"
+        assert r["transport"] == "hybrid" and r["sub_transport"] == "hybrid"
+        assert r["mismatch"] in ("CollectiveMismatchError", "RemoteError"), r["mismatch"]
+    assert [r["mismatch"] for r in res].count("CollectiveMismatchError") >= 1
+    for r in res[1:]:
+        assert "rank 0 called abort()" in r["abort"]["msg"], r["abort"]
+        assert r["abort"]["t_fail"] - res[0]["abort"]["t_abort"] < 0.1

@@ -1,0 +1,289 @@
+"""Collective algorithms over TCP and hybrid groups: direct per-peer exchanges, O(n) bytes per rank.
+
+A shared-memory step publishes bytes every peer may read; over TCP that would mean sending
+them to every peer, ``(W - 1) x`` the data. Here each step is an *exchange*: rank r sends each
+peer q exactly the bytes q needs (possibly none: an empty frame still carries the step
+signature, so a mismatched call is detected on every rank, never a hang or wrong data).
+
+Per rank and ``n`` payload bytes (``W`` ranks):
+
+- allreduce (above ``small`` bytes per chunk): reduce-scatter then all-gather, both direct: rank
+  q owns part q, receives every rank's copy of it, folds them in rank order 0..W-1 (bitwise
+  equal to the reference, like the shared-memory path) and sends the result to every rank.
+  Sent: ``2 n (W - 1) / W`` -- the same bytes as a ring, in 2 rounds instead of ``2 (W - 1)``.
+- broadcast: scatter of the root's parts, then all-gather of the parts (van de Geijn): the root
+  sends ``2 n (W - 1) / W``, every other rank ``n (W - 2) / W`` (a flat send would cost the
+  root ``n (W - 1)``).
+- reduce: the reduce-scatter above, then every owner sends its part to the root.
+- reduce_scatter / scatter / gather / alltoall: each block travels once, to its destination.
+
+Every exchange reaches remote peers by TCP and, in a hybrid group, same-host peers through
+the group's local shared-memory arena (:mod:`~torchport.distributed.exchange`); there a step's
+payloads to all local peers share one slot, so ops sending a different block to each peer cut
+their chunks to ``peer_chunk`` (``chunk / W``).
+
+Small chunks (at most ``small`` bytes) of allreduce and broadcast keep the one-round
+publish-to-all step: at that size latency, not bandwidth, decides.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+
+import torch
+
+from torchport.distributed.engine import Communicator, make_sig
+from torchport.distributed.errors import CollectiveMismatchError, CommError
+from torchport.distributed.exchange import Blob, _addr, exchange
+from torchport.distributed.transport_shm import COPY, FOLD
+
+OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_GATHER, OP_SCATTER = 1, 2, 3, 5, 6
+OP_REDUCE_SCATTER, OP_ALLTOALL, OP_ALLTOALL_SIZES = 7, 8, 9
+
+
+def _expect(blob: Blob, n: int, q: int) -> int:
+    if blob.size != n:
+        raise CommError(f"rank {q} sent {blob.size} bytes where {n} were expected")
+    return blob.addr
+
+
+def _apply(comm: Communicator, bases: Sequence[int], reads: Sequence[tuple], dtype: int, red: int):
+    if not reads:
+        return
+    b = (ctypes.c_int64 * len(bases))(*bases)
+    ra = (ctypes.c_int64 * (5 * len(reads)))(*[v for rd in reads for v in rd])
+    if comm.lib.apply(b, ra, len(reads), dtype, red) != 0:
+        raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
+
+
+def _parts(m: int, w: int) -> list[tuple[int, int]]:
+    per, extra = divmod(m, w)
+    out, lo = [], 0
+    for q in range(w):
+        k = per + (1 if q < extra else 0)
+        out.append((lo, k))
+        lo += k
+    return out
+
+
+def _chunks(total: int, per: int) -> list[tuple[int, int]]:
+    return [(0, 0)] if total == 0 else [(lo, min(per, total - lo)) for lo in range(0, total, per)]
+
+
+def _fold_part(
+    comm: Communicator, blobs: list[Blob], dst: int, n: int, dtype: int, red: int
+) -> None:
+    """dst = fold over ranks in order of (rank q's copy of my part); dst holds mine on entry."""
+    w, r = comm.world, comm.rank
+    if not n or w == 1:
+        return
+    keep = bytearray(n) if r else bytearray()
+    if r:
+        ctypes.memmove(_addr(keep), dst, n)
+    bases = [_expect(blobs[q], n, q) if q != r else (_addr(keep) if r else dst) for q in range(w)]
+    reads = [(q, 0, dst, n, COPY if q == 0 else FOLD) for q in range(w) if q or r]
+    _apply(comm, bases, reads, dtype, red)
+
+
+def _scatter_reduce(
+    comm: Communicator, sig: tuple, ptr: int, m: int, es: int, dtype: int, red: int, deadline: float
+) -> list[tuple[int, int]]:
+    """Direct reduce-scatter of ``m`` elements at ``ptr``: my part ends up folded in place."""
+    w, r = comm.world, comm.rank
+    parts = _parts(m, w)
+    blobs = exchange(comm, sig, [[(ptr + lo * es, k * es)] for lo, k in parts], deadline)
+    lo, k = parts[r]
+    _fold_part(comm, blobs, ptr + lo * es, k * es, dtype, red)
+    return parts
+
+
+def allreduce(
+    comm: Communicator, t: torch.Tensor, dtype: int, red: int, small: int, deadline: float
+) -> None:
+    """In-place allreduce over TCP (see the module docstring)."""
+    seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
+    nbytes, base = t.numel() * es, t.data_ptr() if t.numel() else 0
+    step = 0
+    for lo, m in _chunks(t.numel(), max(1, comm.chunk // es)):
+        ptr, nb = base + lo * es, m * es
+        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step)
+        if nb <= small or w == 1:
+            blobs = exchange(comm, sig, [[(ptr, nb)]] * w, deadline)
+            _fold_part(comm, blobs, ptr, nb, dtype, red)
+            step += 1
+            continue
+        parts = _scatter_reduce(comm, sig, ptr, m, es, dtype, red, deadline)
+        mine = (ptr + parts[r][0] * es, parts[r][1] * es)
+        sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step + 1)
+        blobs = exchange(comm, sig, [[mine]] * w, deadline)
+        for q, (plo, k) in enumerate(parts):
+            if q != r and k:
+                ctypes.memmove(ptr + plo * es, _expect(blobs[q], k * es, q), k * es)
+        step += 2
+
+
+def reduce(
+    comm: Communicator, t: torch.Tensor, root: int, dtype: int, red: int, deadline: float
+) -> None:
+    """In-place reduce into ``root``'s tensor (``t`` is scratch on the other ranks)."""
+    seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
+    nbytes, base = t.numel() * es, t.data_ptr() if t.numel() else 0
+    for i, (lo, m) in enumerate(_chunks(t.numel(), max(1, comm.chunk // es))):
+        ptr = base + lo * es
+        sig = make_sig(seq, OP_REDUCE, dtype, red, root, nbytes, 2 * i)
+        parts = _scatter_reduce(comm, sig, ptr, m, es, dtype, red, deadline)
+        mine = (ptr + parts[r][0] * es, parts[r][1] * es)
+        out = [[mine] if q == root else [] for q in range(w)]
+        blobs = exchange(
+            comm, make_sig(seq, OP_REDUCE, dtype, red, root, nbytes, 2 * i + 1), out, deadline
+        )
+        if r == root:
+            for q, (plo, k) in enumerate(parts):
+                if q != r and k:
+                    ctypes.memmove(ptr + plo * es, _expect(blobs[q], k * es, q), k * es)
+
+
+def broadcast(
+    comm: Communicator, t: torch.Tensor, root: int, dtype: int, small: int, deadline: float
+) -> None:
+    """Broadcast: one round for small chunks, else scatter + all-gather of parts."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    nbytes, base = t.numel() * t.element_size(), t.data_ptr() if t.numel() else 0
+    step = 0
+    for lo, nb in _chunks(nbytes, comm.chunk):
+        ptr = base + lo
+        sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
+        if nb <= small or w <= 2:
+            out = [[(ptr, nb)] if r == root else [] for _ in range(w)]
+            blobs = exchange(comm, sig, out, deadline)
+            if r != root and nb:
+                ctypes.memmove(ptr, _expect(blobs[root], nb, root), nb)
+            step += 1
+            continue
+        parts = _parts(nb, w)
+        out = [[(ptr + parts[q][0], parts[q][1])] if r == root else [] for q in range(w)]
+        blobs = exchange(comm, sig, out, deadline)
+        if r != root and parts[r][1]:
+            ctypes.memmove(ptr + parts[r][0], _expect(blobs[root], parts[r][1], root), parts[r][1])
+        mine = (ptr + parts[r][0], parts[r][1])  # the root's own part travels in this round
+        out = [[mine] if q != root else [] for q in range(w)]
+        sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step + 1)
+        blobs = exchange(comm, sig, out, deadline)
+        if r != root:
+            for q, (plo, k) in enumerate(parts):
+                if q != r and k:
+                    ctypes.memmove(ptr + plo, _expect(blobs[q], k, q), k)
+        step += 2
+
+
+def gather(
+    comm: Communicator,
+    inp: int,
+    nbytes: int,
+    outs: Sequence[int] | None,
+    root: int,
+    dtype: int,
+    deadline: float,
+) -> None:
+    """Every rank sends ``nbytes`` at ``inp`` to ``root`` only."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
+        out = [[(inp + lo, nb)] if q == root else [] for q in range(w)]
+        blobs = exchange(
+            comm, make_sig(seq, OP_GATHER, dtype, 0, root, nbytes, step), out, deadline
+        )
+        if r == root and outs is not None and nb:
+            for q in range(w):
+                src = inp + lo if q == r else _expect(blobs[q], nb, q)
+                ctypes.memmove(outs[q] + lo, src, nb)
+
+
+def scatter(
+    comm: Communicator,
+    ins: Sequence[int] | None,
+    out: int,
+    nbytes: int,
+    root: int,
+    dtype: int,
+    deadline: float,
+) -> None:
+    """``root`` sends piece q (``nbytes`` at ``ins[q]``) to rank q only."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.peer_chunk)):
+        segs = [[(ins[q] + lo, nb)] if ins is not None else [] for q in range(w)]
+        blobs = exchange(
+            comm, make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step), segs, deadline
+        )
+        if nb:
+            src = ins[r] + lo if r == root and ins is not None else _expect(blobs[root], nb, root)
+            ctypes.memmove(out + lo, src, nb)
+
+
+def reduce_scatter(
+    comm: Communicator,
+    ins: Sequence[int],
+    out: int,
+    numel: int,
+    es: int,
+    dtype: int,
+    red: int,
+    deadline: float,
+) -> None:
+    """Rank q receives only block q of every rank and folds them in rank order into ``out``."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    for step, (lo, m) in enumerate(_chunks(numel, max(1, comm.peer_chunk // es))):
+        nb = m * es
+        segs = [[(ins[q] + lo * es, nb)] for q in range(w)]
+        sig = make_sig(seq, OP_REDUCE_SCATTER, dtype, red, -1, numel * es, step)
+        blobs = exchange(comm, sig, segs, deadline)
+        if nb:
+            bases = [_expect(blobs[q], nb, q) if q != r else ins[r] + lo * es for q in range(w)]
+            reads = [(q, 0, out + lo * es, nb, COPY if q == 0 else FOLD) for q in range(w)]
+            _apply(comm, bases, reads, dtype, red)
+
+
+def alltoall(
+    comm: Communicator,
+    ins: Sequence[int],
+    in_lens: Sequence[int],
+    outs: Sequence[int],
+    out_lens: Sequence[int],
+    dtype: int,
+    deadline: float,
+) -> None:
+    """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d only (after agreeing sizes)."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    mine = torch.tensor([*in_lens, *out_lens], dtype=torch.int64)
+    sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
+    blobs = exchange(comm, sig, [[(mine.data_ptr(), 16 * w)]] * w, deadline)
+    rows = [
+        mine.tolist()
+        if q == r
+        else list((ctypes.c_int64 * (2 * w)).from_address(_expect(blobs[q], 16 * w, q)))
+        for q in range(w)
+    ]
+    for q in range(w):
+        for d in range(w):
+            if rows[q][d] != rows[d][w + q]:
+                raise CollectiveMismatchError(
+                    f"alltoall split sizes disagree: rank {q} sends {rows[q][d]} bytes to rank "
+                    f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
+                )
+    if in_lens[r]:
+        ctypes.memmove(outs[r], ins[r], in_lens[r])
+    per = comm.peer_chunk
+    longest = max(max(row[:w]) for row in rows)
+    for k in range(max(1, math.ceil(longest / per))):
+        lo = k * per
+        segs = [
+            [(ins[d] + lo, max(0, min(per, in_lens[d] - lo)))] if d != r else [] for d in range(w)
+        ]
+        blobs = exchange(
+            comm, make_sig(seq, OP_ALLTOALL, dtype, 0, -1, longest, k + 1), segs, deadline
+        )
+        for q in range(w):
+            n = max(0, min(per, out_lens[q] - lo))
+            if q != r and n:
+                ctypes.memmove(outs[q] + lo, _expect(blobs[q], n, q), n)

@@ -1,0 +1,88 @@
+"""Argument checks and staging shared by the ``torchport`` c10d backend's collectives.
+
+Reduce ops are validated against the dtype here (typed :class:`CollectiveArgumentError` naming
+the requirement and the offending value); non-contiguous tensors are staged through contiguous
+copies (:class:`_Staged`) and written back after the operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchport.distributed.engine import BYTES_CODE, dtype_code
+from torchport.distributed.errors import CollectiveArgumentError
+
+ReduceOp = dist.ReduceOp
+_NATIVE_RED = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "BAND": 4, "BOR": 5, "BXOR": 6}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def _red_name(op: Any) -> tuple[str, float]:
+    """(name, premul factor) of a ReduceOp / RedOpType / options object."""
+    inner = getattr(op, "op", op)
+    name = getattr(inner, "name", str(inner).split(".")[-1])
+    factor = 1.0
+    if name == "PREMUL_SUM":
+        f = getattr(op, "factor", None)
+        factor = float(f.item() if isinstance(f, torch.Tensor) else f) if f is not None else 1.0
+    return name, factor
+
+
+def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
+    """Native op code for ``name`` on ``dtype`` or a typed error."""
+    if dtype_code(dtype) == BYTES_CODE:
+        raise CollectiveArgumentError(f"{where}: reductions do not support dtype {dtype}")
+    if name in ("AVG", "PREMUL_SUM"):
+        if dtype not in _FLOATS + _COMPLEX:
+            raise CollectiveArgumentError(
+                f"{where}: ReduceOp.{name} requires a floating-point or complex dtype, got {dtype}"
+            )
+        return 0
+    if name not in _NATIVE_RED:
+        raise CollectiveArgumentError(f"{where}: unsupported reduce op {name}")
+    if name in ("BAND", "BOR", "BXOR") and (dtype in _FLOATS or dtype in _COMPLEX):
+        raise CollectiveArgumentError(
+            f"{where}: ReduceOp.{name} requires an integer or bool dtype, got {dtype}"
+        )
+    if name in ("MIN", "MAX") and dtype in _COMPLEX:
+        raise CollectiveArgumentError(
+            f"{where}: ReduceOp.{name} is undefined for complex dtype {dtype}"
+        )
+    return _NATIVE_RED[name]
+
+
+def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise CollectiveArgumentError(
+            f"{where}: expects exactly one tensor per call, got {len(tensors)}"
+        )
+    return _cpu(tensors[0], where)
+
+
+def _cpu(t: Any, where: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise CollectiveArgumentError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise CollectiveArgumentError(f"{where}: tensors must be on device 'cpu', got {t.device}")
+    return t
+
+
+class _Staged:
+    """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.orig = t
+        self.t = t if t.is_contiguous() else t.contiguous()
+
+    def back(self) -> None:
+        if self.t is not self.orig:
+            self.orig.copy_(self.t)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr() if t.numel() else 0

@@ -1,0 +1,139 @@
+"""One exchange step of a group that is not all on one host: each peer by its own transport.
+
+``exchange(comm, sig, out, deadline)`` sends ``out[q]`` (a list of ``(pointer, bytes)``
+segments) to every peer q and returns what each peer sent to this rank, as :class:`Blob`
+(address + size). Remote peers (other hosts) get one TCP frame each, carrying the step
+signature. Peers on this host -- when the group has a shared-memory arena for its local
+members (a *hybrid* group) -- get theirs through that arena in one native step: this rank
+publishes a table of ``(offset, length)`` per local peer followed by the distinct segments
+(a segment sent to several local peers is copied once), and every local peer reads its entry
+straight from the publisher's slot. Every rank sends to every peer every step (possibly
+nothing), so each step is checked against every peer's signature: a mismatched call fails
+on every rank, never hangs.
+
+A local blob stays valid until this rank's next exchange (double-buffered slots: a peer
+rewrites a half only after every local rank arrived at the following step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torchport.distributed.errors import CommError
+from torchport.distributed.transport_shm import MISMATCH, StepError
+from torchport.distributed.wire import Kind
+
+Seg = tuple[int, int]  # (pointer, bytes)
+
+
+@dataclass
+class Blob:
+    """Bytes a peer sent in one exchange: ``size`` bytes at ``addr`` (kept alive by ``keep``)."""
+
+    addr: int
+    size: int
+    keep: Any = None
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def _addr(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if buf else 0
+
+
+def _view(ptr: int, n: int) -> memoryview | bytes:
+    """Zero-copy bytes view of ``n`` bytes at ``ptr``."""
+    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B") if n else b""
+
+
+def _payload(segs: Sequence[Seg]) -> memoryview | bytes | bytearray:
+    segs = [s for s in segs if s[1]]
+    if len(segs) == 1:
+        return _view(*segs[0])
+    buf = bytearray(sum(n for _, n in segs))
+    off = 0
+    for ptr, n in segs:
+        ctypes.memmove(_addr(buf) + off, ptr, n)
+        off += n
+    return buf
+
+
+def _local_step(
+    comm: Any, sig: tuple[int, int, int, int], out: Sequence[Sequence[Seg]], deadline: float
+) -> dict[int, Blob]:
+    """The shared-memory half of an exchange among this host's members of a hybrid group."""
+    arena, members = comm.local, comm.local_ranks
+    me = members.index(comm.rank)
+    wl = len(members)
+    table = (ctypes.c_int64 * (2 * wl))()
+    uniq: dict[tuple[tuple[int, int], ...], int] = {}
+    pubs: list[Seg] = [(ctypes.addressof(table), 16 * wl)]
+    off = 0
+    for lq, q in enumerate(members):
+        segs = tuple((p, n) for p, n in out[q] if n) if q != comm.rank else ()
+        size = sum(n for _, n in segs)
+        if segs and segs not in uniq:
+            uniq[segs] = off
+            pubs += list(segs)
+            off += size
+        table[2 * lq], table[2 * lq + 1] = uniq.get(segs, 0), size
+    if 16 * wl + off > arena.slot:
+        raise CommError(
+            f"an exchange step publishes {16 * wl + off} bytes to local peers, more than the "
+            f"{arena.slot}-byte slot"
+        )
+    epoch = comm.local_epoch
+    comm.local_epoch += 1
+    try:
+        arena.step(epoch, sig, pubs, [], 0, 0, deadline - time.monotonic())
+    except StepError as e:
+        if e.status == MISMATCH:  # name the group rank, not the index among local members
+            e.detail = (members[e.detail[0]], e.detail[1], e.detail[2])
+        raise
+    base = arena.base + arena.data_off
+    got: dict[int, Blob] = {}
+    for lq, q in enumerate(members):
+        if lq == me:
+            continue
+        slot = base + (lq * 2 + (epoch & 1)) * arena.slot
+        entry = (ctypes.c_int64 * 2).from_address(slot + 16 * me)
+        o, n = int(entry[0]), int(entry[1])
+        if o < 0 or n < 0 or 16 * wl + o + n > arena.slot:
+            raise CommError(f"rank {q} published a bad table entry ({o}, {n})")
+        got[q] = Blob(slot + 16 * wl + o if n else 0, n)
+    return got
+
+
+def exchange(
+    comm: Any, sig: tuple[int, int, int, int], out: Sequence[Sequence[Seg]], deadline: float
+) -> list[Blob]:
+    """Send ``out[q]`` to every peer q; return what each peer sent (see the module docstring)."""
+    epoch, w, r = comm.epoch, comm.world, comm.rank
+    comm.epoch += 1
+    comm._last_sig = sig
+    local = set(comm.local_ranks) if comm.local is not None else set()
+    for k in range(1, w):
+        q = (r + k) % w
+        if q not in local:
+            comm.mesh.send(comm.ranks[q], Kind.COLL, comm.group_id, epoch, _payload(out[q]), sig)
+    blobs = [Blob(0, 0) for _ in range(w)]
+    if len(local) > 1:
+        for q, b in _local_step(comm, sig, out, deadline).items():
+            blobs[q] = b
+    for k in range(1, w):
+        q = (r - k) % w
+        if q in local:
+            continue
+        hdr, body = comm.mesh.mailbox.get(
+            (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch), deadline, comm.check
+        )
+        if hdr.sig != sig:
+            word = next(i for i in range(4) if hdr.sig[i] != sig[i])
+            raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+        blobs[q] = Blob(_addr(body), len(body), body)
+    return blobs
