@@ -207,3 +207,47 @@ def test_gemv_falls_back_visibly_without_native(fmt):
             out = gemv(x, wq)
     assert native.stats().fallbacks >= 1
     _check(out, x, wd, None, 2e-6)
+
+
+# --- autotuned launch parameters ------------------------------------------------------------------
+
+
+def test_gemv_launch_parameters_are_autotuned(fresh_cache):
+    from torchport import autotune
+    from torchport.gemv import ops
+
+    ops._PLANS.clear()
+    torch.manual_seed(0)
+    w = torch.randn(640, 448)  # 286720 weights: above TUNE_MIN_WEIGHTS
+    t = NVFP4Tensor.from_float(w)
+    x = torch.randn(1, 448)
+    before = autotune.stats.tuned
+    with config.override(autotune_reps=2):
+        out = gemv(x, t)
+    assert autotune.stats.tuned == before + 1
+    plan = next(p for k, p in ops._PLANS.items() if k[0] == "nvfp4" and k[3:5] == (640, 448))
+    assert plan.kernel is not None and not plan.candidate.is_anchor  # never ATen for quantized
+    assert plan.candidate in ops.candidates("nvfp4")
+    _check(out, x, t.dequantize(), None, 2e-2)
+    names = [c.name for c in ops.candidates("f32")]
+    assert names[0] == "aten_linear" and names[1] == "native_p512_r1_t0" and len(set(names)) == 9
+    # the choice is persistent: a new process-level plan table hits the cache, no re-tuning
+    ops._PLANS.clear()
+    gemv(x, t)
+    assert autotune.stats.tuned == before + 1
+
+
+def test_gemv_dense_weight_may_route_to_f_linear(fresh_cache):
+    from torchport.gemv import ops
+
+    ops._PLANS.clear()
+    w, b = torch.randn(600, 512), torch.randn(600)
+    x = torch.randn(2, 512)
+    try:
+        with config.override(max_autotune_gemm_backends="ATEN"):
+            out = gemv(x, w, b)
+            plan = next(p for k, p in ops._PLANS.items() if k[3:5] == (600, 512))
+            assert plan.kernel is None and plan.candidate.is_anchor
+        assert torch.allclose(out, F.linear(x, w, b), atol=1e-4)
+    finally:
+        ops._PLANS.clear()
