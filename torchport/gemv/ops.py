@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from torchport import autotune, config, native
+from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
 from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
 
 MAX_ROWS = 8
@@ -115,14 +116,21 @@ _PLANS: dict[tuple[object, ...], LaunchPlan] = {}
 TUNE_MIN_WEIGHTS = 1 << 18  # smaller problems run single-threaded; their parameters barely matter
 
 
-def candidates(fmt: str) -> list[autotune.Candidate]:
+def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     """The search space for one format: the ATen anchor, then the default kernel, then variants.
 
     Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512), ``rows4``
-    (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1).
+    (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
+    int8 activations (FP4 weights) the pair-split kernel (:mod:`torchport.gemv.fp4_kernel`,
+    ``kernel="pair"``, K a multiple of 64) comes first, the group-32 kernel after it.
     """
-    r4 = int(fmt in ("f32", "bf16"))
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
+    if int8:
+        for threads in (0, 1):
+            for pf in (512, 0):
+                params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
+                out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
+    r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
             for pf in (512, 0):
@@ -131,8 +139,12 @@ def candidates(fmt: str) -> list[autotune.Candidate]:
     return out
 
 
-def _native_kernel(fmt: str, int8: bool, isa: str, cand: autotune.Candidate) -> object:
+def _native_kernel(fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candidate) -> object:
     pf, r4 = cand.param("prefetch", 512), cand.param("rows4", 0)
+    if cand.param("kernel") == "pair":
+        if k % 64 or isa == "scalar":
+            raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
+        return gemv_fp4_pair_kernel(fmt, isa, pf)
     return gemv_i8_kernel(fmt, isa, pf, r4) if int8 else gemv_kernel(fmt, isa, pf, r4)
 
 
@@ -189,10 +201,14 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    cands = candidates(pw.fmt)
-    default = cands[1]
-    if pw.n * pw.k < TUNE_MIN_WEIGHTS:
-        plan = LaunchPlan(default, _native_kernel(pw.fmt, int8, isa, default), 0)
+    cands = candidates(pw.fmt, int8)
+    if pw.n * pw.k < TUNE_MIN_WEIGHTS:  # the first candidate that can serve the problem
+        for c in cands[1:]:
+            try:
+                plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), 0)
+                break
+            except autotune.InvalidCandidate:
+                continue
         _PLANS[key] = plan
         return plan
     dense = pw.fmt in ("f32", "bf16")
@@ -201,7 +217,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     def factory(c: autotune.Candidate):
         if c.is_anchor:
             return lambda x: torch.nn.functional.linear(x.to(wa.dtype), wa)
-        kern = _native_kernel(pw.fmt, int8, isa, c)
+        kern = _native_kernel(pw.fmt, int8, pw.k, isa, c)
         threads = c.param("threads", 0)
 
         def run(x: torch.Tensor) -> torch.Tensor:
@@ -233,7 +249,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     if c.is_anchor:
         plan = LaunchPlan(c, None, 0)
     else:
-        plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, isa, c), c.param("threads", 0))
+        plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), c.param("threads", 0))
     _PLANS[key] = plan
     return plan
 
