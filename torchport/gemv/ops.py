@@ -113,7 +113,9 @@ class LaunchPlan:
 
 
 _PLANS: dict[tuple[object, ...], LaunchPlan] = {}
-TUNE_MIN_WEIGHTS = 1 << 18  # smaller problems run single-threaded; their parameters barely matter
+# Smaller problems are not tuned: they take the default kernel on one thread (a few µs of work,
+# less than waking a second thread costs, and immune to a busy second core).
+TUNE_MIN_WEIGHTS = 1 << 18
 
 
 def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
@@ -194,7 +196,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
 
     ``torchport.autotune.select`` times the native variants against ``F.linear`` (the anchor) on
     this weight; only a dense weight may be served by ``F.linear`` (a quantized weight would need
-    a dequantized copy). Problems under :data:`TUNE_MIN_WEIGHTS` weights take the default.
+    a dequantized copy). Problems under :data:`TUNE_MIN_WEIGHTS` weights take the default kernel
+    on one thread.
     """
     isa = native.cpu_info().isa
     key = (pw.fmt, int8, isa, pw.n, pw.k, rows, native.num_threads())
@@ -202,10 +205,10 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     if plan is not None:
         return plan
     cands = candidates(pw.fmt, int8)
-    if pw.n * pw.k < TUNE_MIN_WEIGHTS:  # the first candidate that can serve the problem
+    if pw.n * pw.k < TUNE_MIN_WEIGHTS:  # the first candidate that can serve, on one thread
         for c in cands[1:]:
             try:
-                plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), 0)
+                plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), 1)
                 break
             except autotune.InvalidCandidate:
                 continue
