@@ -127,6 +127,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     ``kernel="pair"``, K a multiple of 64) comes first, the group-32 kernel after it.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
+    params: tuple[tuple[str, object], ...]
     if int8:
         for threads in (0, 1):
             for pf in (512, 0):
@@ -212,6 +213,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
                 break
             except autotune.InvalidCandidate:
                 continue
+        assert plan is not None  # the group-32 / float kernels serve every K
         _PLANS[key] = plan
         return plan
     dense = pw.fmt in ("f32", "bf16")

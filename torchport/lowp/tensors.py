@@ -184,7 +184,7 @@ class _FrozenWeightLinear(torch.autograd.Function):
         return w.linear(x, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         w = ctx.w
         g2 = grad.reshape(-1, w.shape[0])
         gx = (g2 @ w.dequantize(grad.dtype)).reshape(ctx.x_shape)
