@@ -323,3 +323,14 @@ def test_quantized_weights_are_frozen():
         lin(torch.randn(1, 32))
     with torch.no_grad():  # inference is unaffected
         assert lin(torch.randn(1, 32)).shape == (1, 16)
+
+
+def test_demo_weight_bound_decode_measures_all_formats(monkeypatch):
+    from torchport.demo import stage_quant
+    from torchport.demo.model import GPTConfig
+
+    monkeypatch.setattr(
+        stage_quant, "WEIGHT_BOUND", GPTConfig(seq_len=16, d_model=64, n_layers=1, n_heads=2)
+    )
+    rates = stage_quant._weight_bound_rates(0, tokens=8)
+    assert set(rates) == {"fp32", "bf16", "nvfp4"} and all(r > 0 for r in rates.values())
