@@ -230,13 +230,14 @@ def _act_reference(w, x, bias):
 @pytest.mark.parametrize("cfg,min_sqnr", ACT_CONFIGS, ids=lambda c: str(c)[:60])
 @pytest.mark.parametrize("rows", [1, 3, 37], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_activation_quantized_linear_multiplies_quantized_operands(cfg, min_sqnr, rows, dtype):
-    torch.manual_seed(rows)
-    lin = nn.Linear(96, 40).to(dtype)
+@pytest.mark.parametrize("k", [96, 192], ids=lambda k: f"K{k}")  # 192: FP4 x FP4 integer GEMV
+def test_activation_quantized_linear_multiplies_quantized_operands(cfg, min_sqnr, rows, dtype, k):
+    torch.manual_seed(rows + k)
+    lin = nn.Linear(k, 40).to(dtype)
     ref_lin = copy.deepcopy(lin)
     rep = torchport.quantize_(lin, cfg)
     assert rep.quantized == [""]
-    x = torch.randn(rows, 96).to(dtype)
+    x = torch.randn(rows, k).to(dtype)
     with torch.no_grad():
         out = lin(x)
         exact = _act_reference(lin.weight, x, lin.bias)
@@ -337,3 +338,29 @@ def test_demo_weight_bound_decode_measures_all_formats(monkeypatch):
     )
     rates = stage_quant._weight_bound_rates(0, tokens=8)
     assert set(rates) == {"fp32", "bf16", "nvfp4"} and all(r > 0 for r in rates.values())
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [lowp.NVFP4DynamicActivationNVFP4WeightConfig(), lowp.MXDynamicActivationMXWeightConfig()],
+    ids=["nvfp4", "mxfp4"],
+)
+def test_fp4_x_fp4_decode_takes_the_integer_kernel(cfg, monkeypatch):
+    from torchport.native import cpu_info
+
+    if cpu_info().isa == "scalar":
+        pytest.skip("the integer FP4 x FP4 GEMV needs AVX2")
+    torch.manual_seed(4)
+    lin = nn.Linear(256, 24)
+    torchport.quantize_(lin, cfg)
+    x = torch.randn(2, 1, 256)
+    with torch.no_grad():
+        fast = lin.weight._decode_fp4_act(x, lin.bias)
+        assert fast is not None and fast.shape == (2, 1, 24)
+        exact = _act_reference(lin.weight, x, lin.bias).reshape(2, 1, 24)
+        assert (fast.double() - exact).abs().max() <= 1e-5 * exact.abs().max() + 1e-6
+        assert torch.equal(lin(x), fast)  # F.linear uses it
+        # odd 64-chunk counts are fine; K % 64 != 0 falls back to the float path
+        lin2 = nn.Linear(96, 8)
+        torchport.quantize_(lin2, cfg)
+        assert lin2.weight._decode_fp4_act(torch.randn(1, 96), None) is None

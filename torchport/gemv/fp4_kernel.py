@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from torchport import native
-from torchport.native import Kernel
+from torchport.native import IntArg, Kernel, TensorArg
 
 _SOURCE = r"""
 #include <stdlib.h>
@@ -153,23 +155,15 @@ TP_INLINE void tp_row(const int8_t *xr, const int32_t *corr, const float *xsv, i
     for (int b = 0; b < NB; ++b) out[b * ldo] = tp_hsum(_mm256_add_ps(acc[b][0], acc[b][1]));
 }
 
-/* Same contract as the other GEMVs (rowscale unused); K must be a multiple of 64. */
-TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
-                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
-                      float *out, int64_t N, int64_t nthreads) {
-    if (K % 64) return 2;
+/* The N loop over prepared activation rows (threads split N). */
+static void tp_gemv_core(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t B, int64_t K,
+                         const uint8_t *w, const uint8_t *scales, const float *bias, int64_t has_bias,
+                         float *out, int64_t N, int64_t nthreads) {
 #if defined(FMT_nvfp4)
     const int64_t sstride = K / 16;
-    const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
 #else
     const int64_t sstride = K / 32;
-    const float fold = 0.5f;
 #endif
-    int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
-    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * K / 8) + 64);
-    float *xsv = (float *)malloc(sizeof(float) * (size_t)(B * K / 8) + 64);
-    if (!xr || !corr || !xsv) { free(xr); free(corr); free(xsv); return 3; }
-    for (int64_t b = 0; b < B; ++b) tp_prep_x(x + b * K, K, fold, xr + b * K, corr + b * (K / 8), xsv + b * (K / 8));
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     #pragma omp parallel num_threads(nt)
     {
@@ -193,9 +187,38 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
             if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
         }
     }
+}
+
+/* Same contract as the other GEMVs (rowscale unused); K must be a multiple of 64. */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    if (K % 64) return 2;
+#if defined(FMT_nvfp4)
+    const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
+#else
+    const float fold = 0.5f;
+#endif
+    int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * K / 8) + 64);
+    float *xsv = (float *)malloc(sizeof(float) * (size_t)(B * K / 8) + 64);
+    if (!xr || !corr || !xsv) { free(xr); free(corr); free(xsv); return 3; }
+    for (int64_t b = 0; b < B; ++b) tp_prep_x(x + b * K, K, fold, xr + b * K, corr + b * (K / 8), xsv + b * (K / 8));
+    tp_gemv_core(xr, corr, xsv, B, K, w, scales, bias, has_bias, out, N, nthreads);
     free(xr);
     free(corr);
     free(xsv);
+    return 0;
+}
+
+/* Activations already quantized to FP4 (prepared by the caller: int8 2*e2m1 values in pair-split
+   order, per-lane bias corrections and per-lane scales that include the weight-side fold):
+   every product is exact in int32; only the float accumulation over lanes rounds. */
+TP_EXPORT int tp_gemv_prepped(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t B,
+                              int64_t K, const uint8_t *w, const uint8_t *scales, const float *bias,
+                              int64_t has_bias, float *out, int64_t N, int64_t nthreads) {
+    if (K % 64) return 2;
+    tp_gemv_core(xr, corr, xsv, B, K, w, scales, bias, has_bias, out, N, nthreads);
     return 0;
 }
 #else
@@ -215,6 +238,60 @@ def gemv_fp4_pair_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
         raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
     if isa == "scalar":
         raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
+    return Kernel(_library(fmt, isa, prefetch), "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
+
+
+@functools.cache
+def _library(fmt: str, isa: str, prefetch: int) -> object:
     src = native.render(_SOURCE, fmt=fmt, prefetch=prefetch)
-    lib = native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}", isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
+    return native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}", isa=isa)
+
+
+@functools.cache
+def gemv_fp4_prepped_kernel(fmt: str, isa: str) -> Kernel:
+    """Entry ``tp_gemv_prepped``: FP4 weights × activations already quantized to FP4."""
+    if fmt not in FORMATS:
+        raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    if isa == "scalar":
+        raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
+    f32 = (torch.float32,)
+    return Kernel(
+        _library(fmt, isa, 512),
+        "tp_gemv_prepped",
+        [
+            TensorArg("xr", (torch.int8,), ndim=2),
+            TensorArg("corr", (torch.int32,), ndim=2),
+            TensorArg("xsv", f32, ndim=2),
+            IntArg("B"),
+            IntArg("K"),
+            TensorArg("w", (torch.uint8,), ndim=2),
+            TensorArg("scales", (torch.uint8,), contiguous=True),
+            TensorArg("bias", f32),
+            IntArg("has_bias"),
+            TensorArg("out", f32, ndim=2),
+            IntArg("N"),
+            IntArg("nthreads"),
+        ],
+    )
+
+
+_I8_VALUES = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8
+)
+
+
+def prepare_fp4_activations(
+    codes: torch.Tensor, lane_scale: torch.Tensor, weight_fold: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prepared activations for :func:`gemv_fp4_prepped_kernel` from FP4 codes ``[B, K]`` (uint8
+    0..15) and the activation scale of every 8-element lane ``[B, K/8]`` (float32).
+
+    Returns int8 ``2·e2m1`` values in pair-split order (per 64-chunk: even elements, then odd),
+    int32 corrections ``12·Σ`` per lane and float32 lane scales ``0.5 · lane_scale · weight_fold``.
+    """
+    b, k = codes.shape
+    vals = _I8_VALUES[codes.long()]
+    xr = vals.reshape(b, k // 64, 32, 2).transpose(2, 3).reshape(b, k).contiguous()
+    corr = (vals.reshape(b, k // 8, 8).sum(-1, dtype=torch.int32) * 12).to(torch.int32)
+    xsv = (lane_scale.float() * (0.5 * weight_fold)).contiguous()
+    return xr, corr.contiguous(), xsv

@@ -41,7 +41,7 @@ from torchport import native
 from torchport.gemv import MAX_ROWS, PackedWeight
 from torchport.gemv.ops import linear_decode
 from torchport.lowp import fp8, mx, nvfp4
-from torchport.lowp.formats import LowPrecisionError
+from torchport.lowp.formats import LowPrecisionError, e8m0_to_f32, unpack_fp4
 
 aten = torch.ops.aten
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
@@ -113,12 +113,63 @@ class LowPrecisionTensor(torch.Tensor):
         """The run-time quantized activation (dequantized, float32), or None for weight-only."""
         return None
 
+    def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP4 codes ``[B, K]`` and per-8-lane scales of the run-time quantized activation when
+        weight and activation are both FP4 (the integer-product GEMV applies), else None."""
+        return None
+
+    def _decode_fp4_act(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Decode with FP4 weights × FP4 activations: exact int8 products (pair-split kernel)."""
+        k = self.shape[1]
+        if k % 64 or not native.enabled() or native.cpu_info().isa == "scalar":
+            return None
+        b_ok = bias is None or (
+            type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dim() == 1
+        )
+        if not (b_ok and native.eager_fast_path(x)):
+            return None
+        x2 = x.reshape(-1, k)
+        act = self.fp4_activation(x2)
+        if act is None:
+            return None
+        from torchport.gemv.fp4_kernel import gemv_fp4_prepped_kernel, prepare_fp4_activations
+
+        pw = self.gemv_pack()
+        fold = 0.5 * 256.0 * pw.pts if pw.fmt == "nvfp4" else 0.5
+        xr, corr, xsv = prepare_fp4_activations(act[0], act[1], fold)
+        rows, n = x2.shape[0], self.shape[0]
+        out = torch.empty(rows, n)
+        bf = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
+        kern = gemv_fp4_prepped_kernel(pw.fmt, native.cpu_info().isa)
+        status = kern(
+            xr,
+            corr,
+            xsv,
+            rows,
+            k,
+            pw.data,
+            pw.scales,
+            bf,
+            int(bias is not None),
+            out,
+            n,
+            native.num_threads(),
+        )
+        if status:
+            raise native.NativeError(f"fp4 x fp4 gemv failed with status {status}")
+        return out.reshape(*x.shape[:-1], n)
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, self, bias)``: decode GEMV for ≤ 8 rows, else the prefill GEMM."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+        if decode:
+            fast = self._decode_fp4_act(x, bias)
+            if fast is not None:
+                return fast if fast.dtype == x.dtype else fast.to(x.dtype)
         xq = self.quantize_activation(x)
         xa = x if xq is None else xq
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        if 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        if decode:
             out = linear_decode(xa, self.gemv_pack(), bias, allow_int8=xq is None)
         else:
             out = self.prefill_linear(xa, bias)
@@ -327,6 +378,14 @@ class NVFP4Tensor(LowPrecisionTensor):
         q, s = nvfp4.nvfp4_quantize(w, pts)
         return cls(q, s, pts, w.dtype, act_per_tensor_scale)
 
+    def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.act_per_tensor_scale is None:
+            return None
+        pts = _nvfp4_pts(x2, self.act_per_tensor_scale)
+        q, s = nvfp4.nvfp4_quantize(x2, pts)
+        total = s.float() * (1.0 if pts is None else torch.tensor(pts, dtype=torch.float32))
+        return unpack_fp4(q), total.repeat_interleave(2, dim=1)
+
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.act_per_tensor_scale is None:
             return None
@@ -409,6 +468,12 @@ class MXTensor(LowPrecisionTensor):
             raise LowPrecisionError(f"act_elem must be one of {mx.ELEMS} or None, got {act_elem!r}")
         q, s = mx.mx_quantize(w, elem)
         return cls(q, s, elem, w.dtype, act_elem)
+
+    def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.elem != "fp4_e2m1" or self.act_elem != "fp4_e2m1":
+            return None
+        q, s = mx.mx_quantize(x2, "fp4_e2m1")
+        return unpack_fp4(q), e8m0_to_f32(s).repeat_interleave(4, dim=1)
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.act_elem is None:
