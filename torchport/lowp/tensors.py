@@ -14,8 +14,11 @@ activation is quantized at run time with the same recipe as weights — NVFP4 pe
 16-element block (E4M3 scales, optional dynamic per-tensor scale from the activation's amax), MX per
 token per 32-element block (E8M0) — and the product runs on the quantized operands:
 ``out = dequantize(quantize(x)) @ dequantize(W).T`` with float32 accumulation. The dequantized
-values are exact in float32, so only the summation order differs from a float64 reference (the
-CPU has no FP4/FP8 arithmetic; the GEMV decodes both in registers, the prefill GEMM in panels).
+values are exact in float32, so only the summation order differs from a float64 reference. FP4
+weights × FP4 activations at decode (K % 64 == 0, AVX2) use integer products (``2·e2m1`` pairs
+summed exactly in int32, :func:`torchport.gemv.fp4_kernel.gemv_fp4_prepped_kernel`); other
+combinations and prefill multiply the dequantized values (the GEMV decodes in registers, the
+prefill GEMM in panels).
 
 Autograd: ``F.linear`` with such a weight is differentiable with respect to the input (and bias):
 ``grad_x = grad_out @ dequantize(W)``; activation quantization is treated as the identity
