@@ -25,6 +25,7 @@ below AVX2).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -242,7 +243,7 @@ def gemv_fp4_pair_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
 
 
 @functools.cache
-def _library(fmt: str, isa: str, prefetch: int) -> object:
+def _library(fmt: str, isa: str, prefetch: int) -> ctypes.CDLL:
     src = native.render(_SOURCE, fmt=fmt, prefetch=prefetch)
     return native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}", isa=isa)
 
