@@ -121,6 +121,10 @@ class LowPrecisionTensor(torch.Tensor):
         weight and activation are both FP4 (the integer-product GEMV applies), else None."""
         return None
 
+    def _fp4_x_fp4(self) -> bool:
+        """Cheap pre-check: FP4 weights with FP4 run-time activations."""
+        return False
+
     def _decode_fp4_act(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Decode with FP4 weights × FP4 activations: exact int8 products (pair-split kernel)."""
         k = self.shape[1]
@@ -166,7 +170,7 @@ class LowPrecisionTensor(torch.Tensor):
         """``F.linear(x, self, bias)``: decode GEMV for ≤ 8 rows, else the prefill GEMM."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
-        if decode:
+        if decode and self._fp4_x_fp4():
             fast = self._decode_fp4_act(x, bias)
             if fast is not None:
                 return fast if fast.dtype == x.dtype else fast.to(x.dtype)
@@ -381,6 +385,9 @@ class NVFP4Tensor(LowPrecisionTensor):
         q, s = nvfp4.nvfp4_quantize(w, pts)
         return cls(q, s, pts, w.dtype, act_per_tensor_scale)
 
+    def _fp4_x_fp4(self) -> bool:
+        return self.act_per_tensor_scale is not None
+
     def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.act_per_tensor_scale is None:
             return None
@@ -472,8 +479,11 @@ class MXTensor(LowPrecisionTensor):
         q, s = mx.mx_quantize(w, elem)
         return cls(q, s, elem, w.dtype, act_elem)
 
+    def _fp4_x_fp4(self) -> bool:
+        return self.elem == "fp4_e2m1" and self.act_elem == "fp4_e2m1"
+
     def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.elem != "fp4_e2m1" or self.act_elem != "fp4_e2m1":
+        if not self._fp4_x_fp4():
             return None
         q, s = mx.mx_quantize(x2, "fp4_e2m1")
         return unpack_fp4(q), e8m0_to_f32(s).repeat_interleave(4, dim=1)
