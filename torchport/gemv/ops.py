@@ -248,6 +248,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
             "rows": rows,
             "isa": isa,
             "threads": native.num_threads(),
+            "timing": "cold",  # entries tuned on hot (L3-resident) weights are not reused
         },
         cands,
         factory,
