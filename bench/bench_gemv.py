@@ -17,6 +17,7 @@ import resource
 import torch
 import torch.nn.functional as F
 
+from torchport import config
 from torchport import gemv as G
 from torchport.benchmarks import BenchTable, arg_parser, compare
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
@@ -183,6 +184,9 @@ def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time per call")
     args = p.parse_args()
+    config.set(
+        "progress", False
+    )  # the GEMV tunes its launch parameters on first use: keep output clean
     shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
     batches = [1] if args.quick else [1, 4]
     reps = 5 if args.quick else args.reps

@@ -5,12 +5,16 @@
 2. ``linear_quantize`` (GEMM + per-group amax + NVFP4/MX/FP8 quantize in one pass over each output
    panel) vs the bare float32 GEMM ``x @ W.T`` — the target is ≤ 1.10× the GEMM's time.
 
-Run: ``torchport bench lowp_gemm [--quick]``.
+``--cpu-time`` adds a single-thread table of process CPU time for the epilogue vs the bare GEMM
+(insensitive to time lost to other processes on a shared machine).
+
+Run: ``torchport bench lowp_gemm [--quick] [--cpu-time]``.
 """
 
 from __future__ import annotations
 
 import functools
+import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -72,8 +76,37 @@ def bench_shape(table: BenchTable, m: int, k: int, n: int, reps: int) -> None:
         )
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def epilogue_cpu_time(m: int, k: int, n: int, reps: int) -> None:
+    """One thread, process CPU seconds per call (median): fused GEMM + quantize vs bare GEMM."""
+    torch.set_num_threads(1)
+    w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
+    wt = w.t()
+    fns: dict[str, Callable[[], Any]] = {"gemm": lambda: torch.mm(x, wt)}
+    for fmt in ("nvfp4", "mxfp4", "fp8"):
+        fns[fmt] = functools.partial(linear_quantize, x, w, fmt=fmt)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            c0 = _cpu_s()
+            fn()
+            samples[name].append(_cpu_s() - c0)
+    med = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    print(f"# single-thread CPU time per call, M={m} K={k} N={n} (median of {reps})")
+    for name, t in med.items():
+        print(f"{name:<8} {t * 1e3:9.2f} ms   over bare GEMM: {t / med['gemm']:.3f}x")
+
+
 def main() -> None:
-    args = arg_parser(__doc__ or "").parse_args()
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time, epilogue")
+    args = p.parse_args()
     shapes = (
         [(128, 4096, 4096)]
         if args.quick
@@ -85,6 +118,8 @@ def main() -> None:
     for m, k, n in shapes:
         bench_shape(table, m, k, n, reps)
     table.save(args.json)
+    if args.cpu_time:
+        epilogue_cpu_time(*shapes[-1 if not args.quick else 0], reps=max(reps, 5))
 
 
 if __name__ == "__main__":

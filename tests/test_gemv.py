@@ -71,7 +71,7 @@ def test_gemv_matches_reference_exact_activations(fmt, shape, rows):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("shape", [(3, 32), (29, 1024)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 32), (29, 1024), (5, 192)], ids=str)  # 192: odd 64-chunks
 @pytest.mark.parametrize("b", [1, 3, 7])
 def test_gemv_int8_activation_error_bound(fmt, shape, b):
     n, k = shape
@@ -167,9 +167,10 @@ def test_compile_routes_decode_linear_to_gemv():
     assert "linear(decode x, W) -> torchport::gemv_dense" not in last_report().rule_counts  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("fmt,rows4", [("nvfp4", 1)])  # the non-default variant (4-row FP4)
+@pytest.mark.parametrize("fmt,rows4", [("nvfp4", 1), ("mxfp4", 0)])  # non-default variants
 def test_kernel_variants_agree(fmt, rows4):
     from torchport.gemv import pack_dense
+    from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
     from torchport.gemv.kernels import gemv_i8_kernel, gemv_kernel
     from torchport.native import cpu_info
 
@@ -181,6 +182,8 @@ def test_kernel_variants_agree(fmt, rows4):
     variants = [(gemv_kernel(pw.fmt, cpu_info().isa, 512, rows4), False)]
     if fmt in ("nvfp4", "mxfp4"):
         variants.append((gemv_i8_kernel(pw.fmt, cpu_info().isa, 512, rows4), True))
+        if cpu_info().isa != "scalar":  # the pair-split int8 kernel (K % 64 == 0)
+            variants.append((gemv_fp4_pair_kernel(pw.fmt, cpu_info().isa, 0), True))
     for kern, int8 in variants:
         out = torch.empty(1, 23)
         kern(x, 1, 128, pw.data, pw.scales, pw.rowscale, pw.pts, torch.empty(0), 0, out, 23, 2)
@@ -207,3 +210,53 @@ def test_gemv_falls_back_visibly_without_native(fmt):
             out = gemv(x, wq)
     assert native.stats().fallbacks >= 1
     _check(out, x, wd, None, 2e-6)
+
+
+# --- autotuned launch parameters ------------------------------------------------------------------
+
+
+def test_gemv_launch_parameters_are_autotuned(fresh_cache, monkeypatch):
+    from torchport import autotune
+    from torchport.gemv import ops
+
+    full = ops.candidates
+    names = [c.name for c in full("f32")]
+    assert names[0] == "aten_linear" and names[1] == "native_p512_r1_t0" and len(set(names)) == 9
+    assert [c.name for c in full("nvfp4", int8=True)][1] == "pair_p512_t0"
+    # a reduced space keeps the test short (every candidate is a compiled kernel)
+    monkeypatch.setattr(
+        ops, "candidates", lambda fmt, int8=False: full(fmt, int8)[:2] + full(fmt, int8)[-1:]
+    )
+    ops._PLANS.clear()
+    torch.manual_seed(0)
+    w = torch.randn(640, 448)  # 286720 weights: above TUNE_MIN_WEIGHTS
+    t = NVFP4Tensor.from_float(w)
+    x = torch.randn(1, 448)
+    before = autotune.stats.tuned
+    with config.override(autotune_reps=2):
+        out = gemv(x, t)
+    assert autotune.stats.tuned == before + 1
+    plan = next(p for k, p in ops._PLANS.items() if k[0] == "nvfp4" and k[3:5] == (640, 448))
+    assert plan.kernel is not None and not plan.candidate.is_anchor  # never ATen for quantized
+    assert plan.candidate in ops.candidates("nvfp4", int8=True)
+    _check(out, x, t.dequantize(), None, 2e-2)
+    # the choice is persistent: a new process-level plan table hits the cache, no re-tuning
+    ops._PLANS.clear()
+    gemv(x, t)
+    assert autotune.stats.tuned == before + 1
+
+
+def test_gemv_dense_weight_may_route_to_f_linear(fresh_cache):
+    from torchport.gemv import ops
+
+    ops._PLANS.clear()
+    w, b = torch.randn(600, 512), torch.randn(600)
+    x = torch.randn(2, 512)
+    try:
+        with config.override(max_autotune_gemm_backends="ATEN"):
+            out = gemv(x, w, b)
+            plan = next(p for k, p in ops._PLANS.items() if k[3:5] == (600, 512))
+            assert plan.kernel is None and plan.candidate.is_anchor
+        assert torch.allclose(out, F.linear(x, w, b), atol=1e-4)
+    finally:
+        ops._PLANS.clear()

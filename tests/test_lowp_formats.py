@@ -140,6 +140,42 @@ def test_mx_native_bit_exact(shape, dtype, elem):
     assert torch.equal(da, mx.mx_dequantize(qa, sa, elem))
 
 
+# odd block counts (NVFP4 pairs blocks in the vector path), FP8 rows not a multiple of 8 or 32
+ISA_SHAPES = [(1, 16), (5, 48), (3, 96), (4, 1056)]
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_vector_and_scalar_paths_bit_exact(isa, dtype):
+    from torchport import config
+
+    with config.override(isa=isa):
+        for i, shape in enumerate(ISA_SHAPES):
+            x = _data(shape, dtype, seed=10 + i)
+            for pts in (None, 1e-3):
+                qa, sa = nvfp4.nvfp4_quantize_reference(x, pts)
+                qb, sb = nvfp4.nvfp4_quantize(x, pts)
+                assert torch.equal(qa, qb) and torch.equal(_u8(sa), _u8(sb)), (shape, pts)
+            if shape[1] % 32 == 0:
+                for elem in mx.ELEMS:
+                    qa, sa = mx.mx_quantize_reference(x, elem)
+                    qb, sb = mx.mx_quantize(x, elem)
+                    assert torch.equal(_u8(qa), _u8(qb)) and torch.equal(sa, sb), (shape, elem)
+        for k in (1, 7, 37, 100):
+            x = (torch.randn(3, k) * torch.logspace(-8, 8, k)).to(dtype)
+            for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+                for g in ("row", "tensor"):
+                    qa, sa = fp8.fp8_quantize_reference(x, dt, g)
+                    qb, sb = fp8.fp8_quantize(x, dt, g)
+                    assert torch.equal(_u8(qa), _u8(qb)) and torch.equal(sa, sb), (k, dt, g)
+        x = torch.ones(3, 64, dtype=dtype)
+        x[2, 63] = float("inf")
+        with pytest.raises(NonFiniteInputError, match=r"must be finite, found inf"):
+            nvfp4.nvfp4_quantize(x)
+        with pytest.raises(NonFiniteInputError, match=r"must be finite, found inf"):
+            mx.mx_quantize(x, "fp4_e2m1")
+
+
 @settings(max_examples=30, deadline=None)
 @given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=32, max_size=32))
 def test_block_formats_on_random_bit_patterns(bits):

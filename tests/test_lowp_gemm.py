@@ -204,3 +204,163 @@ def test_quantize_config_validation():
         lowp.MXWeightOnlyConfig(elem="fp6_e3m2")
     with pytest.raises(LowPrecisionError, match=r"model must be an nn.Module, got int"):
         torchport.quantize_(3, lowp.NVFP4WeightOnlyConfig())  # type: ignore[arg-type]
+
+
+# --- weight + activation quantization ----------------------------------------------------------
+
+ACT_CONFIGS = [
+    (lowp.NVFP4DynamicActivationNVFP4WeightConfig(), 9.0),
+    (lowp.NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=False), 9.0),
+    (lowp.MXDynamicActivationMXWeightConfig(), 7.0),
+    (lowp.MXDynamicActivationMXWeightConfig(elem="fp8_e4m3"), 20.0),
+    (lowp.MXDynamicActivationMXWeightConfig(elem="fp4_e2m1", activation_elem="fp8_e4m3"), 12.0),
+]
+
+
+def _act_reference(w, x, bias):
+    """fp64 product of the quantized operands: dequantize(quantize(x)) @ dequantize(W).T + b."""
+    xq = w.quantize_activation(x)
+    assert xq is not None and xq.dtype == torch.float32
+    out = xq.double().reshape(-1, x.shape[-1]) @ w.dequantize(torch.float32).double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+@pytest.mark.parametrize("cfg,min_sqnr", ACT_CONFIGS, ids=lambda c: str(c)[:60])
+@pytest.mark.parametrize("rows", [1, 3, 37], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("k", [96, 192], ids=lambda k: f"K{k}")  # 192: FP4 x FP4 integer GEMV
+def test_activation_quantized_linear_multiplies_quantized_operands(cfg, min_sqnr, rows, dtype, k):
+    torch.manual_seed(rows + k)
+    lin = nn.Linear(k, 40).to(dtype)
+    ref_lin = copy.deepcopy(lin)
+    rep = torchport.quantize_(lin, cfg)
+    assert rep.quantized == [""]
+    x = torch.randn(rows, k).to(dtype)
+    with torch.no_grad():
+        out = lin(x)
+        exact = _act_reference(lin.weight, x, lin.bias)
+        float_ref = ref_lin(x).float()
+    assert out.dtype == dtype and out.shape == (rows, 40)
+    # quantized operands are exact in float32: only the summation order (and the output cast) differ
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    mag = exact.abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= tol * mag + 1e-5
+    assert (
+        _sqnr(out.float(), float_ref) >= min_sqnr
+    )  # activation quantization loses more than weights alone
+
+
+def test_activation_quantization_is_applied_and_recorded():
+    w = torch.randn(32, 64)
+    t = NVFP4Tensor.from_float(w, act_per_tensor_scale=True)
+    x = torch.randn(2, 64)
+    xq = t.quantize_activation(x)
+    q, s = lowp.nvfp4_quantize_reference(x, lowp.per_tensor_amax_to_scale(x.abs().max()))
+    pts = lowp.per_tensor_amax_to_scale(x.abs().max())
+    assert torch.equal(xq, lowp.nvfp4_dequantize_reference(q, s, pts))
+    assert NVFP4Tensor.from_float(w).quantize_activation(x) is None
+    assert "activations=nvfp4" in repr(t) and "activations=fp4_e2m1" in repr(
+        MXTensor.from_float(w, act_elem="fp4_e2m1")
+    )
+    names, ctx = t.__tensor_flatten__()  # the activation setting survives flatten/unflatten
+    t2 = NVFP4Tensor.__tensor_unflatten__({n: getattr(t, n) for n in names}, ctx)
+    assert t2.act_per_tensor_scale is True
+    with pytest.raises(LowPrecisionError, match=r"activation_elem must be one of .* got 'fp6'"):
+        lowp.MXDynamicActivationMXWeightConfig(activation_elem="fp6")
+    with pytest.raises(LowPrecisionError, match=r"act_elem must be one of .* got 'int4'"):
+        MXTensor.from_float(w, act_elem="int4")
+
+
+def test_activation_quantized_model_under_torchport_compile():
+    torch.manual_seed(2)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).eval()
+    torchport.quantize_(m, lowp.NVFP4DynamicActivationNVFP4WeightConfig())
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        ref = m(x)
+        out = torchport.compile(m, inner="eager")(x)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+# --- autograd through quantized linears (weights frozen) ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        lowp.NVFP4WeightOnlyConfig(),
+        lowp.MXWeightOnlyConfig(elem="fp8_e4m3"),
+        lowp.Float8WeightOnlyConfig(),
+        lowp.NVFP4DynamicActivationNVFP4WeightConfig(),
+    ],
+    ids=lambda c: type(c).__name__,
+)
+@pytest.mark.parametrize("rows", [1, 20], ids=lambda r: f"rows{r}")
+def test_input_gradient_through_dequantized_weight(cfg, rows):
+    torch.manual_seed(3)
+    lin = nn.Linear(64, 48)
+    torchport.quantize_(lin, cfg)
+    wd = lin.weight.dequantize().detach()
+    x = torch.randn(rows, 64, requires_grad=True)
+    g = torch.randn(rows, 48)
+    lin(x).backward(g)
+    assert torch.allclose(x.grad, g @ wd, atol=1e-5)
+    assert torch.allclose(lin.bias.grad, g.sum(0), atol=1e-5)
+    assert lin.weight.grad is None and not lin.weight.requires_grad
+    # a 3-D decode activation, bias frozen too
+    lin.bias.requires_grad_(False)
+    x3 = torch.randn(2, 1, 64, requires_grad=True)
+    (lin(x3) * 2).sum().backward()
+    assert torch.allclose(x3.grad, (2 * torch.ones(2, 1, 48)) @ wd, atol=1e-5)
+
+
+def test_quantized_weights_are_frozen():
+    lin = nn.Linear(32, 16)
+    torchport.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    lin.weight.requires_grad_(True)
+    with pytest.raises(LowPrecisionError, match=r"weights are frozen.*got requires_grad=True"):
+        lin(torch.randn(1, 32))
+    with torch.no_grad():  # inference is unaffected
+        assert lin(torch.randn(1, 32)).shape == (1, 16)
+
+
+def test_demo_weight_bound_decode_measures_all_formats(monkeypatch):
+    import importlib
+
+    from torchport.demo.model import GPTConfig
+
+    stage_quant = importlib.import_module("torchport.demo.stage_quant")  # the module, not the fn
+
+    monkeypatch.setattr(
+        stage_quant, "WEIGHT_BOUND", GPTConfig(seq_len=16, d_model=64, n_layers=1, n_heads=2)
+    )
+    rates = stage_quant._weight_bound_rates(0, tokens=8)
+    assert set(rates) == {"fp32", "bf16", "nvfp4"} and all(r > 0 for r in rates.values())
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [lowp.NVFP4DynamicActivationNVFP4WeightConfig(), lowp.MXDynamicActivationMXWeightConfig()],
+    ids=["nvfp4", "mxfp4"],
+)
+def test_fp4_x_fp4_decode_takes_the_integer_kernel(cfg, monkeypatch):
+    from torchport.native import cpu_info
+
+    if cpu_info().isa == "scalar":
+        pytest.skip("the integer FP4 x FP4 GEMV needs AVX2")
+    torch.manual_seed(4)
+    lin = nn.Linear(256, 24)
+    torchport.quantize_(lin, cfg)
+    x = torch.randn(2, 1, 256)
+    with torch.no_grad():
+        fast = lin.weight._decode_fp4_act(x, lin.bias)
+        assert fast is not None and fast.shape == (2, 1, 24)
+        exact = _act_reference(lin.weight, x, lin.bias).reshape(2, 1, 24)
+        assert (fast.double() - exact).abs().max() <= 1e-5 * exact.abs().max() + 1e-6
+        assert torch.equal(lin(x), fast)  # F.linear uses it
+        # odd 64-chunk counts are fine; K % 64 != 0 falls back to the float path
+        lin2 = nn.Linear(96, 8)
+        torchport.quantize_(lin2, cfg)
+        assert lin2.weight._decode_fp4_act(torch.randn(1, 96), None) is None

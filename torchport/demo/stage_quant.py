@@ -4,6 +4,12 @@ NVFP4 weights come from ``torchport.quantize_(model, NVFP4WeightOnlyConfig())``;
 run the native decode GEMV in eager mode. The stage reports tokens/s for each weight type (same
 prompt, same sampling seed) and the held-out loss with each, i.e. the quality cost of 4.5-bit
 weights.
+
+The demo model (d_model 128: 16–64 K weights per linear) decodes at a rate set by Python and
+dispatch overhead, not by weight bytes, so the stage also decodes an untrained *weight-bound*
+model of the same architecture (:data:`WEIGHT_BOUND`, ≈ 50 M weights: 200 MB in fp32, 28 MB in
+NVFP4), where reading and decoding the weights dominates and the format's bytes show. Both run on
+one thread: on a shared 2-core machine a second OpenMP thread stalls whenever its core is taken.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchport.demo.model import GPT, generate
+from torchport import config
+from torchport.demo.model import GPT, GPTConfig, generate
 from torchport.demo.report import Section
 from torchport.demo.train import evaluate
 from torchport.lowp import NVFP4WeightOnlyConfig, quantize_
@@ -42,6 +49,22 @@ def _decode_rates(
             if name == "nvfp4":
                 text = out
     return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}, text
+
+
+WEIGHT_BOUND = GPTConfig(seq_len=64, d_model=1024, n_layers=4, n_heads=8)
+
+
+def _weight_bound_rates(seed: int, tokens: int = 24) -> dict[str, float]:
+    """Decode tokens/s of an untrained :data:`WEIGHT_BOUND` model in fp32, bf16 and NVFP4."""
+    torch.manual_seed(seed)
+    big = GPT(WEIGHT_BOUND).eval()
+    variants: dict[str, GPT] = {"fp32": big, "bf16": copy.deepcopy(big).to(torch.bfloat16)}
+    q = copy.deepcopy(big)
+    quantize_(q, NVFP4WeightOnlyConfig())
+    variants["nvfp4"] = q
+    with torch.no_grad(), config.override(progress=False):  # GEMV tuning on first use: no bars
+        rates, _ = _decode_rates(variants, tokens, seed)
+    return rates
 
 
 def stage_quant(ctx: DemoContext) -> Section:
@@ -82,5 +105,15 @@ def stage_quant(ctx: DemoContext) -> Section:
             for n, v in losses.items():
                 s.add(f"{n} held-out loss", v)
             s.add("NVFP4 loss change", losses["nvfp4"] - losses["fp32"])
-    s.data = {"tokens_per_s": rates}
+    torch.set_num_threads(1)
+    try:
+        big = _weight_bound_rates(ctx.train_cfg.seed)
+    finally:
+        torch.set_num_threads(threads)
+    n_weights = sum(p.numel() for p in GPT(WEIGHT_BOUND).parameters())
+    tag = f"weight-bound model (d_model {WEIGHT_BOUND.d_model}, {n_weights / 1e6:.0f} M weights)"
+    for name, rate in big.items():
+        s.add(f"{tag} {name} tokens/s (1 thread)", rate)
+    s.add(f"{tag} NVFP4 / bf16 decode speed-up", big["nvfp4"] / max(big["bf16"], 1e-9))
+    s.data = {"tokens_per_s": rates, "weight_bound_tokens_per_s": big}
     return s

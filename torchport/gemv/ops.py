@@ -11,6 +11,10 @@ int8-activation kernel: each 32-element group of ``x`` is quantized to int8 with
 ``amax/127`` (round half to even), so ``|out - ref| ≤ Σ_k |w_k| · s_g(k) / 2`` (plus float32
 rounding); with the setting off, activations stay float32 and only summation order differs.
 
+Launch parameters (prefetch distance, four-rows-at-once streaming, thread count) are chosen per
+(format, N, K, rows) by :func:`torchport.autotune.select`, with ``F.linear`` as the ATen anchor
+(see :func:`plan_for`); a dense weight goes to ``F.linear`` when it wins.
+
 Reference: :func:`gemv_reference` (float64 product with the dequantized weight). Custom ops
 ``torchport::gemv_dense`` and ``torchport::gemv_packed`` (with fake implementations) serve
 ``torch.compile``/export; plain eager tensors call the kernel directly with pre-validated pointers.
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchport import config, native
+from torchport import autotune, config, native
+from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
 from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
 
 MAX_ROWS = 8
@@ -98,48 +103,65 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> None:
         raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
 
 
-_KERNEL_CACHE: dict[tuple[str, bool, str], object] = {}
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one GEMV problem runs: a native kernel and its thread count, or ATen (``kernel`` None)."""
+
+    candidate: autotune.Candidate
+    kernel: object | None
+    threads: int  # 0: all of native.num_threads()
 
 
-def _kernel_for(pw: PackedWeight) -> object:
-    """The kernel serving ``pw`` under the current settings (memoised per format/mode/ISA)."""
-    isa = native.cpu_info().isa
-    int8 = pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(config.get("gemv_fp4_int8"))
-    key = (pw.fmt, int8, isa)
-    kern = _KERNEL_CACHE.get(key)
-    if kern is None:
-        kern = gemv_i8_kernel(pw.fmt, isa) if int8 else gemv_kernel(pw.fmt, isa)
-        _KERNEL_CACHE[key] = kern
-    return kern
+_PLANS: dict[tuple[object, ...], LaunchPlan] = {}
+# Smaller problems are not tuned: they take the default kernel on one thread (a few µs of work,
+# less than waking a second thread costs, and immune to a busy second core).
+TUNE_MIN_WEIGHTS = 1 << 18
 
 
-def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel call (inputs validated)."""
-    rows = x.numel() // pw.k if pw.k else math.prod(x.shape[:-1])
-    out_shape = (*x.shape[:-1], pw.n)
-    if rows == 0 or pw.n == 0:
-        return torch.zeros(out_shape, dtype=x.dtype)
-    if pw.k == 0:
-        out0 = torch.zeros(out_shape, dtype=torch.float32)
-        return (out0 + bias.float() if bias is not None else out0).to(x.dtype)
-    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    out = torch.empty(out_shape, dtype=torch.float32)
-    b = None
-    if bias is not None:
-        b = (
-            bias
-            if bias.dtype == torch.float32 and bias.is_contiguous()
-            else bias.float().contiguous()
-        )
-    try:
-        if not native.enabled():
-            raise native.NativeError("native kernels are disabled (TORCHPORT_NATIVE=0)")
-        kern = _kernel_for(pw)
-    except native.NativeError as e:
-        native.note_fallback("gemv", e)
-        return _aten_fallback(xf, pw, b).reshape(out_shape).to(x.dtype)
+def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
+    """The search space for one format: the ATen anchor, then the default kernel, then variants.
+
+    Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512), ``rows4``
+    (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
+    int8 activations (FP4 weights) the pair-split kernel (:mod:`torchport.gemv.fp4_kernel`,
+    ``kernel="pair"``, K a multiple of 64) comes first, the group-32 kernel after it.
+    """
+    out = [autotune.Candidate("aten_linear", autotune.ATEN)]
+    params: tuple[tuple[str, object], ...]
+    if int8:
+        for threads in (0, 1):
+            for pf in (512, 0):
+                params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
+                out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
+    r4 = int(fmt in ("f32", "bf16"))
+    for threads in (0, 1):
+        for rows4 in (r4, 1 - r4):
+            for pf in (512, 0):
+                params = (("prefetch", pf), ("rows4", rows4), ("threads", threads))
+                out.append(autotune.Candidate(f"native_p{pf}_r{rows4}_t{threads}", params=params))
+    return out
+
+
+def _native_kernel(fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candidate) -> object:
+    pf, r4 = cand.param("prefetch", 512), cand.param("rows4", 0)
+    if cand.param("kernel") == "pair":
+        if k % 64 or isa == "scalar":
+            raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
+        return gemv_fp4_pair_kernel(fmt, isa, pf)
+    return gemv_i8_kernel(fmt, isa, pf, r4) if int8 else gemv_kernel(fmt, isa, pf, r4)
+
+
+def _launch(
+    kern: object,
+    x: torch.Tensor,
+    pw: PackedWeight,
+    b: torch.Tensor | None,
+    out: torch.Tensor,
+    threads: int,
+) -> None:
+    rows = x.numel() // pw.k
     status = kern.call_unchecked(  # type: ignore[attr-defined]
-        xf.data_ptr(),
+        x.data_ptr(),
         rows,
         pw.k,
         pw.data.data_ptr(),
@@ -150,10 +172,137 @@ def _run(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.
         int(b is not None),
         out.data_ptr(),
         pw.n,
-        native.num_threads(),
+        threads or native.num_threads(),
     )
     if status:
         raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
+
+
+def _anchor_weight(pw: PackedWeight) -> torch.Tensor:
+    """The weight ``F.linear`` multiplies in the anchor: the dense weight itself, or the quantized
+    weight dequantized to bfloat16 (what a bf16 model would run)."""
+    if pw.fmt in ("f32", "bf16"):
+        return pw.data
+    return dequantize_packed(pw).bfloat16()
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Sanity check against the anchor (catches garbage, not rounding): 5 % relative L2."""
+    out, ref = out.float(), ref.float()
+    return bool((out - ref).norm() <= 0.05 * ref.norm() + 1e-6)
+
+
+def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
+    """The launch plan for ``pw`` with ``rows`` activation rows (memoised; autotuned on first use).
+
+    ``torchport.autotune.select`` times the native variants against ``F.linear`` (the anchor) on
+    this weight; only a dense weight may be served by ``F.linear`` (a quantized weight would need
+    a dequantized copy). Problems under :data:`TUNE_MIN_WEIGHTS` weights take the default kernel
+    on one thread.
+    """
+    isa = native.cpu_info().isa
+    key = (pw.fmt, int8, isa, pw.n, pw.k, rows, native.num_threads())
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    cands = candidates(pw.fmt, int8)
+    if pw.n * pw.k < TUNE_MIN_WEIGHTS:  # the first candidate that can serve, on one thread
+        for c in cands[1:]:
+            try:
+                plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), 1)
+                break
+            except autotune.InvalidCandidate:
+                continue
+        assert plan is not None  # the group-32 / float kernels serve every K
+        _PLANS[key] = plan
+        return plan
+    dense = pw.fmt in ("f32", "bf16")
+    wa = _anchor_weight(pw)
+
+    # Timed on cold weights, as decode reads them: the tuner rotates copies of (x, data, scales)
+    # whose total exceeds L3; the anchor rotates the dense weight the same way.
+    def factory(c: autotune.Candidate):
+        if c.is_anchor:
+            if dense:
+                return lambda x, d, sc, rs: torch.nn.functional.linear(x.to(d.dtype), d)
+            return lambda x, d, sc, rs: torch.nn.functional.linear(x.to(wa.dtype), wa)
+        kern = _native_kernel(pw.fmt, int8, pw.k, isa, c)
+        threads = c.param("threads", 0)
+
+        def run(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, rs: torch.Tensor):
+            out = torch.empty(rows, pw.n)
+            _launch(
+                kern, x, PackedWeight(pw.fmt, d, sc, rs, pw.pts, pw.n, pw.k), None, out, threads
+            )
+            return out
+
+        return run
+
+    choice = autotune.select(
+        "gemv",
+        {
+            "fmt": pw.fmt,
+            "int8": int8,
+            "n": pw.n,
+            "k": pw.k,
+            "rows": rows,
+            "isa": isa,
+            "threads": native.num_threads(),
+            "timing": "cold",  # entries tuned on hot (L3-resident) weights are not reused
+        },
+        cands,
+        factory,
+        lambda: (torch.randn(rows, pw.k), pw.data, pw.scales, pw.rowscale),
+        cold=True,
+        check=_close,
+        backends=None if dense else {autotune.NATIVE},
+    )
+    c = choice.candidate
+    if c.is_anchor:
+        plan = LaunchPlan(c, None, 0)
+    else:
+        plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), c.param("threads", 0))
+    _PLANS[key] = plan
+    return plan
+
+
+def _use_int8(pw: PackedWeight, allow_int8: bool) -> bool:
+    return (
+        allow_int8 and pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(config.get("gemv_fp4_int8"))
+    )
+
+
+def _run(
+    x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
+) -> torch.Tensor:
+    """The kernel call (inputs validated). ``allow_int8=False`` keeps float32 activations."""
+    rows = x.numel() // pw.k if pw.k else math.prod(x.shape[:-1])
+    out_shape = (*x.shape[:-1], pw.n)
+    if rows == 0 or pw.n == 0:
+        return torch.zeros(out_shape, dtype=x.dtype)
+    if pw.k == 0:
+        out0 = torch.zeros(out_shape, dtype=torch.float32)
+        return (out0 + bias.float() if bias is not None else out0).to(x.dtype)
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    b = None
+    if bias is not None:
+        b = (
+            bias
+            if bias.dtype == torch.float32 and bias.is_contiguous()
+            else bias.float().contiguous()
+        )
+    try:
+        if not native.enabled():
+            raise native.NativeError("native kernels are disabled (TORCHPORT_NATIVE=0)")
+        plan = plan_for(pw, rows, _use_int8(pw, allow_int8))
+    except native.NativeError as e:
+        native.note_fallback("gemv", e)
+        return _aten_fallback(xf, pw, b).reshape(out_shape).to(x.dtype)
+    if plan.kernel is None:  # F.linear won the tuning (dense weights only)
+        bx = bias.to(x.dtype) if bias is not None else None
+        return torch.nn.functional.linear(x, pw.data.to(x.dtype), bx)
+    out = torch.empty(out_shape, dtype=torch.float32)
+    _launch(plan.kernel, xf, pw, b, out, plan.threads)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -213,9 +362,10 @@ def gemv_packed_op(
     n: int,
     k: int,
     bias: torch.Tensor | None,
+    allow_int8: bool = True,
 ) -> torch.Tensor:
     """Decode GEMV with a packed low-precision weight."""
-    return _run(x, PackedWeight(fmt, data, scales, rowscale, pts, n, k), bias)
+    return _run(x, PackedWeight(fmt, data, scales, rowscale, pts, n, k), bias, allow_int8)
 
 
 @gemv_packed_op.register_fake
@@ -229,29 +379,42 @@ def _(
     n: int,
     k: int,
     bias: torch.Tensor | None,
+    allow_int8: bool = True,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
 
 
 def gemv_packed(
-    x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    pw: PackedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    allow_int8: bool = True,
 ) -> torch.Tensor:
-    """Decode GEMV with a packed weight (validates x and bias, then calls the kernel)."""
+    """Decode GEMV with a packed weight (validates x and bias, then calls the kernel).
+
+    ``allow_int8=False``: FP4 weights keep float32 activations even when ``config.gemv_fp4_int8``
+    is on (used when the activations are already quantized values that must stay exact).
+    """
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
     if _eager(x, bias):
-        return _run(x, pw, bias)
+        return _run(x, pw, bias, allow_int8)
     if pw.fmt in ("f32", "bf16"):
         return gemv_dense_op(x, pw.data, bias)
-    return gemv_packed_op(x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias)
+    return gemv_packed_op(
+        x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias, allow_int8
+    )
 
 
-def linear_decode(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_decode(
+    x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
+) -> torch.Tensor:
     """Lean eager entry for quantized ``nn.Linear`` weights (the caller checked rows ≤ MAX_ROWS
     and the dtype); falls back to :func:`gemv_packed` for anything unusual."""
     if x.shape[-1] == pw.k and (bias is None or bias.shape == (pw.n,)) and _eager(x, bias):
-        return _run(x, pw, bias)
-    return gemv_packed(x, pw, bias)
+        return _run(x, pw, bias, allow_int8)
+    return gemv_packed(x, pw, bias, allow_int8=allow_int8)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,14 +30,19 @@ def as_rows(x: object, block: int, what: str) -> torch.Tensor:
     return x.detach().reshape(-1, k).contiguous()
 
 
-def use_native(flag: bool | None) -> bool:
+def use_native(flag: bool | None, x: object = None) -> bool:
     """Resolve a ``native_kernel`` argument: None → native kernels if enabled and buildable.
+
+    Under tracing (``torch.compile``, export, dispatch modes) ``None`` means the plain-torch
+    reference, which gives the same bits and is traceable; ``True`` still forces the kernel.
 
     A toolchain failure (no compiler, compile error) falls back, visibly (one warning, a counter),
     to the plain-torch reference, which gives the same bits.
     """
     want = native.enabled() if flag is None else flag
     if not want:
+        return False
+    if flag is None and isinstance(x, torch.Tensor) and not native.eager_fast_path(x.detach()):
         return False
     try:
         kernels.library(torch.float32)

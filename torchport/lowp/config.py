@@ -6,7 +6,14 @@ Configs are keyword-only frozen dataclasses validated on construction (torchao's
 - :class:`Float8DynamicActivationFloat8WeightConfig` — FP8 weights, activations quantized per row
   at run time, prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
 - :class:`NVFP4WeightOnlyConfig` — NVFP4 weights (optional per-tensor scale);
-- :class:`MXWeightOnlyConfig` — MXFP4 / MXFP8 weights.
+- :class:`MXWeightOnlyConfig` — MXFP4 / MXFP8 weights;
+- :class:`NVFP4DynamicActivationNVFP4WeightConfig` — NVFP4 weights and NVFP4 activations quantized
+  per token per 16-block at run time (optional dynamic per-tensor scale);
+- :class:`MXDynamicActivationMXWeightConfig` — MX weights and MX activations per token per 32-block.
+
+With activation quantization the GEMV/GEMM multiplies the quantized operands (see
+:mod:`torchport.lowp.tensors`). Quantized weights are frozen; ``F.linear`` stays differentiable in
+its input (gradient through the dequantized weight, straight-through activation quantization).
 
 A linear whose ``in_features`` is not a multiple of the format's block size is left alone and
 counted in the returned report (never padded silently).
@@ -89,11 +96,45 @@ class MXWeightOnlyConfig:
         return MXTensor.from_float(w, self.elem)
 
 
+@dataclass(frozen=True, kw_only=True)
+class NVFP4DynamicActivationNVFP4WeightConfig(NVFP4WeightOnlyConfig):
+    """NVFP4 weights and NVFP4 activations; ``use_dynamic_per_tensor_scale`` gives each
+    activation a per-tensor scale from its amax (torchao's ``NVFP4MMConfig.DYNAMIC``)."""
+
+    use_dynamic_per_tensor_scale: bool = True
+
+    def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
+        return NVFP4Tensor.from_float(
+            w,
+            per_tensor_scale=self.use_per_tensor_scale,
+            act_per_tensor_scale=self.use_dynamic_per_tensor_scale,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXDynamicActivationMXWeightConfig(MXWeightOnlyConfig):
+    """MX weights (``elem``) and MX activations (``activation_elem``, default: same as ``elem``)."""
+
+    activation_elem: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.activation_elem is not None and self.activation_elem not in mx.ELEMS:
+            raise LowPrecisionError(
+                f"activation_elem must be one of {mx.ELEMS} or None, got {self.activation_elem!r}"
+            )
+
+    def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
+        return MXTensor.from_float(w, self.elem, self.activation_elem or self.elem)
+
+
 Config = (
     Float8WeightOnlyConfig
     | Float8DynamicActivationFloat8WeightConfig
     | NVFP4WeightOnlyConfig
     | MXWeightOnlyConfig
+    | NVFP4DynamicActivationNVFP4WeightConfig
+    | MXDynamicActivationMXWeightConfig
 )
 
 

@@ -59,7 +59,7 @@ def fp8_quantize(
     native_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 quantization (native kernel, bit-exact with :func:`fp8_quantize_reference`)."""
-    if not use_native(native_kernel):
+    if not use_native(native_kernel, x):
         return fp8_quantize_reference(x, dtype, granularity)
     _check(dtype, granularity)
     rows = as_rows(x, 1, "fp8_quantize")

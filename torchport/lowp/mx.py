@@ -78,7 +78,7 @@ def mx_quantize(
     x: torch.Tensor, elem: str = "fp4_e2m1", *, native_kernel: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MX quantization (native kernel, bit-exact with :func:`mx_quantize_reference`)."""
-    if not use_native(native_kernel):
+    if not use_native(native_kernel, x):
         return mx_quantize_reference(x, elem)
     _check_elem(elem)
     rows = as_rows(x, BLOCK, "mx_quantize")
@@ -136,7 +136,7 @@ def mx_dequantize(
     native_kernel: bool | None = None,
 ) -> torch.Tensor:
     """MX dequantization (native kernel, bit-exact with the reference)."""
-    if not use_native(native_kernel):
+    if not use_native(native_kernel, q):
         return mx_dequantize_reference(q, scales, elem, dtype)
     k = _k_of(q, scales, elem)
     q2 = q.view(torch.uint8).reshape(-1, q.shape[-1]).contiguous()

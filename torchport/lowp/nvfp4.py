@@ -75,7 +75,7 @@ def nvfp4_quantize(
     x: torch.Tensor, per_tensor_scale: float | None = None, *, native_kernel: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 quantization (native kernel, bit-exact with :func:`nvfp4_quantize_reference`)."""
-    if not use_native(native_kernel):
+    if not use_native(native_kernel, x):
         return nvfp4_quantize_reference(x, per_tensor_scale)
     rows = as_rows(x, BLOCK, "nvfp4_quantize")
     _check_pts(per_tensor_scale)
@@ -135,7 +135,7 @@ def nvfp4_dequantize(
     native_kernel: bool | None = None,
 ) -> torch.Tensor:
     """NVFP4 dequantization (native kernel, bit-exact with the reference)."""
-    if not use_native(native_kernel):
+    if not use_native(native_kernel, q):
         return nvfp4_dequantize_reference(q, scales, per_tensor_scale, dtype)
     k = _check_packed(q, scales, BLOCK, "nvfp4_dequantize")
     q2 = q.reshape(-1, k // 2).contiguous()

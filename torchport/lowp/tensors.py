@@ -9,6 +9,22 @@ stands for, carrying its quantized ``qdata`` and scales. They are used as ``nn.L
 - otherwise a prefill path: :func:`torchport.scaled_mm` for FP8 with dynamic activation scaling, or
   :func:`torchport.lowp.block_scaled_mm` (native panel dequantize + GEMM) for the others.
 
+Weight + activation quantization (NVFP4 ``act_per_tensor_scale`` set, MX ``act_elem`` set): the
+activation is quantized at run time with the same recipe as weights — NVFP4 per token per
+16-element block (E4M3 scales, optional dynamic per-tensor scale from the activation's amax), MX per
+token per 32-element block (E8M0) — and the product runs on the quantized operands:
+``out = dequantize(quantize(x)) @ dequantize(W).T`` with float32 accumulation. The dequantized
+values are exact in float32, so only the summation order differs from a float64 reference. FP4
+weights × FP4 activations at decode (K % 64 == 0, AVX2) use integer products (``2·e2m1`` pairs
+summed exactly in int32, :func:`torchport.gemv.fp4_kernel.gemv_fp4_prepped_kernel`); other
+combinations and prefill multiply the dequantized values (the GEMV decodes in registers, the
+prefill GEMM in panels).
+
+Autograd: ``F.linear`` with such a weight is differentiable with respect to the input (and bias):
+``grad_x = grad_out @ dequantize(W)``; activation quantization is treated as the identity
+(straight-through). Weights are frozen: a weight with ``requires_grad`` raises
+:class:`~torchport.lowp.formats.LowPrecisionError`.
+
 Any other op sees the dequantized tensor (``dequantize()``), so the types compose with ordinary
 code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_flatten__`` lets
 ``torch.compile`` trace through them.
@@ -17,6 +33,7 @@ code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_fla
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import torch
@@ -27,7 +44,7 @@ from torchport import native
 from torchport.gemv import MAX_ROWS, PackedWeight
 from torchport.gemv.ops import linear_decode
 from torchport.lowp import fp8, mx, nvfp4
-from torchport.lowp.formats import LowPrecisionError
+from torchport.lowp.formats import LowPrecisionError, e8m0_to_f32, unpack_fp4
 
 aten = torch.ops.aten
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
@@ -95,6 +112,76 @@ class LowPrecisionTensor(torch.Tensor):
 
         return block_scaled_mm(x, self, bias=bias)
 
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The run-time quantized activation (dequantized, float32), or None for weight-only."""
+        return None
+
+    def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP4 codes ``[B, K]`` and per-8-lane scales of the run-time quantized activation when
+        weight and activation are both FP4 (the integer-product GEMV applies), else None."""
+        return None
+
+    def _fp4_x_fp4(self) -> bool:
+        """Cheap pre-check: FP4 weights with FP4 run-time activations."""
+        return False
+
+    def _decode_fp4_act(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Decode with FP4 weights × FP4 activations: exact int8 products (pair-split kernel)."""
+        k = self.shape[1]
+        if k % 64 or not native.enabled() or native.cpu_info().isa == "scalar":
+            return None
+        b_ok = bias is None or (
+            type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dim() == 1
+        )
+        if not (b_ok and native.eager_fast_path(x)):
+            return None
+        x2 = x.reshape(-1, k)
+        act = self.fp4_activation(x2)
+        if act is None:
+            return None
+        from torchport.gemv.fp4_kernel import gemv_fp4_prepped_kernel, prepare_fp4_activations
+
+        pw = self.gemv_pack()
+        fold = 0.5 * 256.0 * pw.pts if pw.fmt == "nvfp4" else 0.5
+        xr, corr, xsv = prepare_fp4_activations(act[0], act[1], fold)
+        rows, n = x2.shape[0], self.shape[0]
+        out = torch.empty(rows, n)
+        bf = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
+        kern = gemv_fp4_prepped_kernel(pw.fmt, native.cpu_info().isa)
+        status = kern(
+            xr,
+            corr,
+            xsv,
+            rows,
+            k,
+            pw.data,
+            pw.scales,
+            bf,
+            int(bias is not None),
+            out,
+            n,
+            native.num_threads(),
+        )
+        if status:
+            raise native.NativeError(f"fp4 x fp4 gemv failed with status {status}")
+        return out.reshape(*x.shape[:-1], n)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, self, bias)``: decode GEMV for ≤ 8 rows, else the prefill GEMM."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+        if decode and self._fp4_x_fp4():
+            fast = self._decode_fp4_act(x, bias)
+            if fast is not None:
+                return fast if fast.dtype == x.dtype else fast.to(x.dtype)
+        xq = self.quantize_activation(x)
+        xa = x if xq is None else xq
+        if decode:
+            out = linear_decode(xa, self.gemv_pack(), bias, allow_int8=xq is None)
+        else:
+            out = self.prefill_linear(xa, bias)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
     def __repr__(self) -> str:  # type: ignore[override]
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, {self._describe()})"
 
@@ -108,10 +195,16 @@ class LowPrecisionTensor(torch.Tensor):
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if not isinstance(x, LowPrecisionTensor):
-                rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-                if 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
-                    return linear_decode(x, w.gemv_pack(), bias)
-                return w.prefill_linear(x, bias)
+                if not torch.is_grad_enabled():
+                    return w.linear(x, bias)
+                if w.requires_grad:
+                    raise LowPrecisionError(
+                        f"{type(w).__name__} weights are frozen (no weight gradient): set "
+                        "requires_grad=False on the quantized weight, got requires_grad=True"
+                    )
+                if x.requires_grad or (bias is not None and bias.requires_grad):
+                    return _FrozenWeightLinear.apply(x, bias, (w,))
+                return w.linear(x, bias)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -137,6 +230,24 @@ class LowPrecisionTensor(torch.Tensor):
         return type(self).__tensor_unflatten__(
             {n: fn(getattr(self, n)) for n in names}, ctx, self.shape, self.stride()
         )
+
+
+class _FrozenWeightLinear(torch.autograd.Function):
+    """``F.linear`` with a frozen quantized weight: gradients for the input and the bias only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
+        w = wbox[0]
+        ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
+        return w.linear(x, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        w = ctx.w
+        g2 = grad.reshape(-1, w.shape[0])
+        gx = (g2 @ w.dequantize(grad.dtype)).reshape(ctx.x_shape)
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        return (gx if ctx.needs_input_grad[0] else None), gb, None
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
@@ -221,9 +332,23 @@ class Float8Tensor(LowPrecisionTensor):
 # --- NVFP4 ---------------------------------------------------------------------------------------
 
 
+def _nvfp4_pts(x: torch.Tensor, per_tensor_scale: bool | float) -> float | None:
+    """The per-tensor scale for ``x``: from its amax (True), none (False) or as given."""
+    if per_tensor_scale is True:
+        pts = nvfp4.per_tensor_amax_to_scale(x.detach().abs().max()) if x.numel() else None
+        return None if pts == 0.0 or (pts is not None and not math.isfinite(pts)) else pts
+    if per_tensor_scale is False:
+        return None
+    return float(per_tensor_scale)
+
+
 class NVFP4Tensor(LowPrecisionTensor):
     """NVFP4 ``[N, K]``: packed E2M1 ``qdata [N, K/2]``, E4M3 ``scale [N, K/16]``, optional FP32
-    ``per_tensor_scale`` (torchao recipe, see :mod:`torchport.lowp.nvfp4`)."""
+    ``per_tensor_scale`` (torchao recipe, see :mod:`torchport.lowp.nvfp4`).
+
+    ``act_per_tensor_scale`` None → weight-only; True/False → activations are quantized to NVFP4 at
+    run time, with/without a dynamic per-tensor scale from each activation's amax.
+    """
 
     def __new__(
         cls,
@@ -231,6 +356,7 @@ class NVFP4Tensor(LowPrecisionTensor):
         scale: torch.Tensor,
         per_tensor_scale: float | None,
         orig_dtype: torch.dtype,
+        act_per_tensor_scale: bool | None = None,
     ):
         return super().__new__(cls, (*qdata.shape[:-1], qdata.shape[-1] * 2), orig_dtype)
 
@@ -240,29 +366,49 @@ class NVFP4Tensor(LowPrecisionTensor):
         scale: torch.Tensor,
         per_tensor_scale: float | None,
         orig_dtype: torch.dtype,
+        act_per_tensor_scale: bool | None = None,
     ) -> None:
         self.qdata, self.scale = qdata, scale
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
+        self.act_per_tensor_scale = act_per_tensor_scale
         self._pack = None
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, per_tensor_scale: bool | float = True) -> NVFP4Tensor:
+    def from_float(
+        cls,
+        w: torch.Tensor,
+        per_tensor_scale: bool | float = True,
+        act_per_tensor_scale: bool | None = None,
+    ) -> NVFP4Tensor:
         """Quantize; ``per_tensor_scale=True`` derives it from ``amax`` (torchao's two-level scaling)."""
-        if per_tensor_scale is True:
-            pts: float | None = (
-                nvfp4.per_tensor_amax_to_scale(w.detach().abs().max()) if w.numel() else None
-            )
-            if pts == 0.0:
-                pts = None
-        elif per_tensor_scale is False:
-            pts = None
-        else:
-            pts = float(per_tensor_scale)
+        pts = _nvfp4_pts(w, per_tensor_scale)
         q, s = nvfp4.nvfp4_quantize(w, pts)
-        return cls(q, s, pts, w.dtype)
+        return cls(q, s, pts, w.dtype, act_per_tensor_scale)
+
+    def _fp4_x_fp4(self) -> bool:
+        return self.act_per_tensor_scale is not None
+
+    def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.act_per_tensor_scale is None:
+            return None
+        pts = _nvfp4_pts(x2, self.act_per_tensor_scale)
+        q, s = nvfp4.nvfp4_quantize(x2, pts)
+        total = s.float() * (1.0 if pts is None else torch.tensor(pts, dtype=torch.float32))
+        return unpack_fp4(q), total.repeat_interleave(2, dim=1)
+
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.act_per_tensor_scale is None:
+            return None
+        pts = _nvfp4_pts(x, self.act_per_tensor_scale)
+        q, s = nvfp4.nvfp4_quantize(x, pts)
+        return nvfp4.nvfp4_dequantize(q, s, pts)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["qdata", "scale"], (self.per_tensor_scale, self._orig_dtype)
+        return ["qdata", "scale"], (
+            self.per_tensor_scale,
+            self._orig_dtype,
+            self.act_per_tensor_scale,
+        )
 
     @classmethod
     def __tensor_unflatten__(
@@ -271,7 +417,9 @@ class NVFP4Tensor(LowPrecisionTensor):
         return cls(inner["qdata"], inner["scale"], *ctx)
 
     def _with_dtype(self, dtype: torch.dtype) -> NVFP4Tensor:
-        return NVFP4Tensor(self.qdata, self.scale, self.per_tensor_scale, dtype)
+        return NVFP4Tensor(
+            self.qdata, self.scale, self.per_tensor_scale, dtype, self.act_per_tensor_scale
+        )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return nvfp4.nvfp4_dequantize(
@@ -279,7 +427,8 @@ class NVFP4Tensor(LowPrecisionTensor):
         )
 
     def _describe(self) -> str:
-        return f"block=16, per_tensor_scale={self.per_tensor_scale}"
+        act = "" if self.act_per_tensor_scale is None else ", activations=nvfp4"
+        return f"block=16, per_tensor_scale={self.per_tensor_scale}{act}"
 
     def _make_pack(self) -> PackedWeight:
         n, k = self.shape
@@ -296,24 +445,57 @@ class MXTensor(LowPrecisionTensor):
     """MX ``[N, K]`` (OCP MX v1.0, torchao FLOOR recipe; see :mod:`torchport.lowp.mx`): ``qdata``
     (packed uint8 for ``fp4_e2m1``, float8 otherwise) and E8M0 ``scale [N, K/32]`` (uint8)."""
 
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype):
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        elem: str,
+        orig_dtype: torch.dtype,
+        act_elem: str | None = None,
+    ):
         k = qdata.shape[-1] * (2 if elem == "fp4_e2m1" else 1)
         return super().__new__(cls, (*qdata.shape[:-1], k), orig_dtype)
 
     def __init__(
-        self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, orig_dtype: torch.dtype
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        elem: str,
+        orig_dtype: torch.dtype,
+        act_elem: str | None = None,
     ) -> None:
         self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
+        self.act_elem = act_elem
         self._pack = None
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, elem: str = "fp4_e2m1") -> MXTensor:
-        """Quantize a float32/bfloat16 tensor to MX with element type ``elem``."""
+    def from_float(
+        cls, w: torch.Tensor, elem: str = "fp4_e2m1", act_elem: str | None = None
+    ) -> MXTensor:
+        """Quantize a float32/bfloat16 tensor to MX with element type ``elem``; ``act_elem`` set
+        → activations are quantized to MX with that element type at run time."""
+        if act_elem is not None and act_elem not in mx.ELEMS:
+            raise LowPrecisionError(f"act_elem must be one of {mx.ELEMS} or None, got {act_elem!r}")
         q, s = mx.mx_quantize(w, elem)
-        return cls(q, s, elem, w.dtype)
+        return cls(q, s, elem, w.dtype, act_elem)
+
+    def _fp4_x_fp4(self) -> bool:
+        return self.elem == "fp4_e2m1" and self.act_elem == "fp4_e2m1"
+
+    def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._fp4_x_fp4():
+            return None
+        q, s = mx.mx_quantize(x2, "fp4_e2m1")
+        return unpack_fp4(q), e8m0_to_f32(s).repeat_interleave(4, dim=1)
+
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.act_elem is None:
+            return None
+        q, s = mx.mx_quantize(x, self.act_elem)
+        return mx.mx_dequantize(q, s, self.act_elem)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["qdata", "scale"], (self.elem, self._orig_dtype)
+        return ["qdata", "scale"], (self.elem, self._orig_dtype, self.act_elem)
 
     @classmethod
     def __tensor_unflatten__(
@@ -322,13 +504,14 @@ class MXTensor(LowPrecisionTensor):
         return cls(inner["qdata"], inner["scale"], *ctx)
 
     def _with_dtype(self, dtype: torch.dtype) -> MXTensor:
-        return MXTensor(self.qdata, self.scale, self.elem, dtype)
+        return MXTensor(self.qdata, self.scale, self.elem, dtype, self.act_elem)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return mx.mx_dequantize(self.qdata, self.scale, self.elem, dtype or self.dtype)
 
     def _describe(self) -> str:
-        return f"elem={self.elem}, block=32"
+        act = "" if self.act_elem is None else f", activations={self.act_elem}"
+        return f"elem={self.elem}, block=32{act}"
 
     def _make_pack(self) -> PackedWeight:
         n, k = self.shape

@@ -1,0 +1,298 @@
+"""FP4 (NVFP4/MXFP4) decode GEMV with int8 activations in pair-split order: fewer µops per weight.
+
+The int8-activation kernel of :mod:`torchport.gemv.kernels` interleaves the two nibbles of every
+weight byte back into element order (unpack + 128→256 insert) and recovers signs with
+``abs``/``sign`` before ``vpmaddubsw``: about 18 µops per 32 weights. This kernel instead
+
+- reorders the *activations* once per call: per 64-element chunk, the 32 even elements then the 32
+  odd ones, so the low nibbles of 32 weight bytes (the even elements) and the high nibbles (the odd
+  ones) are used as they come out of one 256-bit load, ``and`` and shift;
+- maps each FP4 code with ``vpshufb`` to an *unsigned* byte ``u = 2·e2m1 + 12`` (0…24), so
+  ``vpmaddubsw(u, x)`` needs no sign fix-up; the bias ``12·Σx`` is subtracted per int32 lane from a
+  correction precomputed with the activations (``Σ u·x − 12·Σx = Σ 2·e2m1·x``, exact in int32);
+- adds the even and odd ``vpmaddubsw`` results in int16 (|sum| ≤ 4·24·127 < 2¹⁵) before one
+  ``vpmaddwd``: int32 lane ``i`` then holds elements ``8i … 8i+7`` of the chunk, so an NVFP4 block
+  (16) is two lanes and an MX block (32) four; block scales become per-lane float vectors (E4M3 via
+  the half-precision bit trick and F16C, E8M0 by exponent shift), multiplied by the activation
+  group scale and FMA'd into the float32 accumulator.
+
+That is about 20 µops per 64 weights (0.31/weight, vs 0.56). Activation quantization is the same as
+the other int8 kernel (per 32 elements, ``amax/127``, round half to even), so the same error bound
+holds; only the float summation order differs. K must be a multiple of 64 (the caller falls back to
+the other kernel otherwise). AVX2 only: there is no scalar variant (the caller never selects it
+below AVX2).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from torchport import native
+from torchport.native import IntArg, Kernel, TensorArg
+
+_SOURCE = r"""
+#include <stdlib.h>
+#define FMT_${fmt} 1
+
+/* Activation row -> int8 in pair-split order per 64-chunk, per-lane corrections and scales. */
+static void tp_prep_x(const float *x, int64_t K, float fold, int8_t *xr, int32_t *corr, float *xsv) {
+    for (int64_t c = 0; c < K / 64; ++c) {
+        int8_t q[64];
+        for (int h = 0; h < 2; ++h) {
+            const float *p = x + c * 64 + h * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
+            float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int i = 0; i < 32; ++i) q[h * 32 + i] = (int8_t)nearbyintf(p[i] * inv);
+            for (int l = 0; l < 4; ++l) xsv[c * 8 + h * 4 + l] = s * fold;
+        }
+        for (int j = 0; j < 32; ++j) { xr[c * 64 + j] = q[2 * j]; xr[c * 64 + 32 + j] = q[2 * j + 1]; }
+        for (int i = 0; i < 8; ++i) {
+            int32_t t = 0;
+            for (int e = 0; e < 8; ++e) t += q[8 * i + e];
+            corr[c * 8 + i] = 12 * t;
+        }
+    }
+}
+
+#if defined(__AVX2__)
+TP_INLINE float tp_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Block scales of two consecutive 64-chunks as per-lane vectors (lane i <-> elements 8i..8i+7). */
+TP_INLINE void tp_scales2(const uint8_t *sc, int64_t c, __m256 *s0, __m256 *s1) {
+#if defined(FMT_nvfp4)
+    /* 8 E4M3 bytes -> halves holding value * 2^-8 (the 2^8 is folded into the activation scale) */
+    __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + c * 4)));
+    __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(u, 8), 1), _mm_set1_epi16((short)0xBFFF));
+    *s0 = _mm256_cvtph_ps(_mm_unpacklo_epi16(h, h));
+    *s1 = _mm256_cvtph_ps(_mm_unpackhi_epi16(h, h));
+#else
+    /* 4 E8M0 bytes -> 2^(e-127) (e = 0 -> 2^-127, a subnormal) */
+    int32_t v;
+    memcpy(&v, sc + c * 2, 4);
+    __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
+    __m128i bits = _mm_blendv_epi8(_mm_slli_epi32(e, 23), _mm_set1_epi32(0x00400000),
+                                   _mm_cmpeq_epi32(e, _mm_setzero_si128()));
+    __m256i b = _mm256_castsi128_si256(bits);
+    *s0 = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+    *s1 = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)));
+#endif
+}
+TP_INLINE __m256 tp_scale1(const uint8_t *sc, int64_t c) {   /* one chunk (odd tail) */
+#if defined(FMT_nvfp4)
+    int32_t v;
+    memcpy(&v, sc + c * 4, 4);
+    __m128i u = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(v));
+    __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(u, 8), 1), _mm_set1_epi16((short)0xBFFF));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi16(h, h));
+#else
+    const uint8_t e0 = sc[c * 2], e1 = sc[c * 2 + 1];
+    float f0, f1;
+    uint32_t b0 = e0 ? (uint32_t)e0 << 23 : 0x00400000u, b1 = e1 ? (uint32_t)e1 << 23 : 0x00400000u;
+    memcpy(&f0, &b0, 4);
+    memcpy(&f1, &b1, 4);
+    return _mm256_set_m128(_mm_set1_ps(f1), _mm_set1_ps(f0));
+#endif
+}
+
+/* 32 weight bytes (64 codes) -> unsigned even / odd element vectors u = 2*e2m1 + 12 */
+#define TP_DECODE64(ptr, ulo, uhi) do {                                          \
+        __m256i v_ = _mm256_loadu_si256((const __m256i *)(ptr));              \
+        ulo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v_, m4));              \
+        uhi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v_, 4), m4)); \
+    } while (0)
+/* int32 lanes of sum 2*e2m1*x for one chunk of one activation row */
+#define TP_DOT64(ulo, uhi, xr_, corr_)                                                     \
+    _mm256_sub_epi32(_mm256_madd_epi16(_mm256_add_epi16(                                   \
+        _mm256_maddubs_epi16(ulo, _mm256_loadu_si256((const __m256i *)(xr_))),            \
+        _mm256_maddubs_epi16(uhi, _mm256_loadu_si256((const __m256i *)((xr_) + 32)))),    \
+        ones), _mm256_loadu_si256((const __m256i *)(corr_)))
+
+/* One weight row against NB (<= 4) prepared activation rows. */
+TP_INLINE void tp_row(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
+                      const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB) {
+    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t C = K / 64;
+    __m256 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
+    int64_t c = 0;
+    for (; c + 2 <= C; c += 2) {
+        _mm_prefetch((const char *)(w + c * 32) + ${prefetch}, _MM_HINT_T0);
+        __m256i ulo0, uhi0, ulo1, uhi1;
+        TP_DECODE64(w + c * 32, ulo0, uhi0);
+        TP_DECODE64(w + c * 32 + 32, ulo1, uhi1);
+        __m256 s0, s1;
+        tp_scales2(sc, c, &s0, &s1);
+        for (int b = 0; b < NB; ++b) {
+            const int8_t *xb = xr + b * K + c * 64;
+            const int32_t *cb = corr + b * (K / 8) + c * 8;
+            const float *sb = xsv + b * (K / 8) + c * 8;
+            __m256i p0 = TP_DOT64(ulo0, uhi0, xb, cb);
+            __m256i p1 = TP_DOT64(ulo1, uhi1, xb + 64, cb + 8);
+            acc[b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(s0, _mm256_loadu_ps(sb)), acc[b][0]);
+            acc[b][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(s1, _mm256_loadu_ps(sb + 8)), acc[b][1]);
+        }
+    }
+    if (c < C) {
+        __m256i ulo0, uhi0;
+        TP_DECODE64(w + c * 32, ulo0, uhi0);
+        __m256 s0 = tp_scale1(sc, c);
+        for (int b = 0; b < NB; ++b) {
+            __m256i p0 = TP_DOT64(ulo0, uhi0, xr + b * K + c * 64, corr + b * (K / 8) + c * 8);
+            acc[b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
+                                        _mm256_mul_ps(s0, _mm256_loadu_ps(xsv + b * (K / 8) + c * 8)), acc[b][0]);
+        }
+    }
+    for (int b = 0; b < NB; ++b) out[b * ldo] = tp_hsum(_mm256_add_ps(acc[b][0], acc[b][1]));
+}
+
+/* The N loop over prepared activation rows (threads split N). */
+static void tp_gemv_core(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t B, int64_t K,
+                         const uint8_t *w, const uint8_t *scales, const float *bias, int64_t has_bias,
+                         float *out, int64_t N, int64_t nthreads) {
+#if defined(FMT_nvfp4)
+    const int64_t sstride = K / 16;
+#else
+    const int64_t sstride = K / 32;
+#endif
+    int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    #pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi;
+        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        for (int64_t n = lo; n < hi; ++n) {
+            const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
+            for (int64_t b = 0; b < B; b += 4) {
+                int64_t nb = B - b < 4 ? B - b : 4;
+                const int8_t *xb = xr + b * K;
+                const int32_t *cb = corr + b * (K / 8);
+                const float *sb = xsv + b * (K / 8);
+                float *ob = out + b * N + n;
+                switch (nb) {
+                    case 1: tp_row(xb, cb, sb, K, wr, sr, ob, N, 1); break;
+                    case 2: tp_row(xb, cb, sb, K, wr, sr, ob, N, 2); break;
+                    case 3: tp_row(xb, cb, sb, K, wr, sr, ob, N, 3); break;
+                    default: tp_row(xb, cb, sb, K, wr, sr, ob, N, 4); break;
+                }
+            }
+            if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+        }
+    }
+}
+
+/* Same contract as the other GEMVs (rowscale unused); K must be a multiple of 64. */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    if (K % 64) return 2;
+#if defined(FMT_nvfp4)
+    const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
+#else
+    const float fold = 0.5f;
+#endif
+    int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * K / 8) + 64);
+    float *xsv = (float *)malloc(sizeof(float) * (size_t)(B * K / 8) + 64);
+    if (!xr || !corr || !xsv) { free(xr); free(corr); free(xsv); return 3; }
+    for (int64_t b = 0; b < B; ++b) tp_prep_x(x + b * K, K, fold, xr + b * K, corr + b * (K / 8), xsv + b * (K / 8));
+    tp_gemv_core(xr, corr, xsv, B, K, w, scales, bias, has_bias, out, N, nthreads);
+    free(xr);
+    free(corr);
+    free(xsv);
+    return 0;
+}
+
+/* Activations already quantized to FP4 (prepared by the caller: int8 2*e2m1 values in pair-split
+   order, per-lane bias corrections and per-lane scales that include the weight-side fold):
+   every product is exact in int32; only the float accumulation over lanes rounds. */
+TP_EXPORT int tp_gemv_prepped(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t B,
+                              int64_t K, const uint8_t *w, const uint8_t *scales, const float *bias,
+                              int64_t has_bias, float *out, int64_t N, int64_t nthreads) {
+    if (K % 64) return 2;
+    tp_gemv_core(xr, corr, xsv, B, K, w, scales, bias, has_bias, out, N, nthreads);
+    return 0;
+}
+#else
+#error "the pair-split FP4 GEMV needs AVX2"
+#endif
+"""
+
+FORMATS = ("nvfp4", "mxfp4")
+
+
+@functools.cache
+def gemv_fp4_pair_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
+    """The pair-split int8-activation FP4 GEMV (AVX2; raises NativeError below AVX2)."""
+    from torchport.gemv.kernels import gemv_kernel
+
+    if fmt not in FORMATS:
+        raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    if isa == "scalar":
+        raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
+    return Kernel(_library(fmt, isa, prefetch), "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
+
+
+@functools.cache
+def _library(fmt: str, isa: str, prefetch: int) -> ctypes.CDLL:
+    src = native.render(_SOURCE, fmt=fmt, prefetch=prefetch)
+    return native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}", isa=isa)
+
+
+@functools.cache
+def gemv_fp4_prepped_kernel(fmt: str, isa: str) -> Kernel:
+    """Entry ``tp_gemv_prepped``: FP4 weights × activations already quantized to FP4."""
+    if fmt not in FORMATS:
+        raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    if isa == "scalar":
+        raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
+    f32 = (torch.float32,)
+    return Kernel(
+        _library(fmt, isa, 512),
+        "tp_gemv_prepped",
+        [
+            TensorArg("xr", (torch.int8,), ndim=2),
+            TensorArg("corr", (torch.int32,), ndim=2),
+            TensorArg("xsv", f32, ndim=2),
+            IntArg("B"),
+            IntArg("K"),
+            TensorArg("w", (torch.uint8,), ndim=2),
+            TensorArg("scales", (torch.uint8,), contiguous=True),
+            TensorArg("bias", f32),
+            IntArg("has_bias"),
+            TensorArg("out", f32, ndim=2),
+            IntArg("N"),
+            IntArg("nthreads"),
+        ],
+    )
+
+
+_I8_VALUES = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8
+)
+
+
+def prepare_fp4_activations(
+    codes: torch.Tensor, lane_scale: torch.Tensor, weight_fold: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prepared activations for :func:`gemv_fp4_prepped_kernel` from FP4 codes ``[B, K]`` (uint8
+    0..15) and the activation scale of every 8-element lane ``[B, K/8]`` (float32).
+
+    Returns int8 ``2·e2m1`` values in pair-split order (per 64-chunk: even elements, then odd),
+    int32 corrections ``12·Σ`` per lane and float32 lane scales ``0.5 · lane_scale · weight_fold``.
+    """
+    b, k = codes.shape
+    vals = _I8_VALUES[codes.long()]
+    xr = vals.reshape(b, k // 64, 32, 2).transpose(2, 3).reshape(b, k).contiguous()
+    corr = (vals.reshape(b, k // 8, 8).sum(-1, dtype=torch.int32) * 12).to(torch.int32)
+    xsv = (lane_scale.float() * (0.5 * weight_fold)).contiguous()
+    return xr, corr.contiguous(), xsv
