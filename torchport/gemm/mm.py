@@ -244,6 +244,7 @@ def _choose(
             cold=False,
             check=_close,
             backends=autotune.allowed_backends(),
+            confirm=True,
         )
     with _decisions_lock:
         label = f"M={m} N={n} K={k} {key['dtype']} [{key['epilogue'] or 'none'}]"
