@@ -236,7 +236,8 @@ def test_interleaved_alternates_and_takes_medians(fake_clock):
     fb = _costed(fake_clock, lambda i: 2e-3, calls, "b")
     ta, tb = autotune.interleaved([fa, fb], [(torch.ones(1),)], reps=5, warmup=1)
     assert calls == ["a", "b"] * 6  # one warm-up round, then five alternating rounds
-    assert (ta, tb) == pytest.approx((1e-3, 2e-3))  # the one slow sample (9 ms) does not move the median
+    # the one slow sample (9 ms) does not move the median
+    assert (ta, tb) == pytest.approx((1e-3, 2e-3))
 
 
 def test_noisy_search_win_is_rejected_by_confirmation(fresh_cache, fake_clock):
