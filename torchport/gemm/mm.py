@@ -131,12 +131,23 @@ decisions: dict[tuple[str, str], str] = {}
 _decisions_lock = threading.Lock()
 
 
-# settled choices for this process: (problem, settings that steer the choice) -> candidate.
-# A hit skips building the candidate list, the key and the choice-cache lookup, so a call the
-# autotuner gave to ATen costs about what the ATen call costs (the per-call Python was ~0.1 ms).
-# Emptied whenever the choice cache forgets its in-memory view (``clear_memory``).
-_settled: dict[tuple[Any, ...], Candidate] = {}
+# settled choices for this process: (problem, settings stamp) -> (candidate, runner). A hit skips
+# the candidate list, the tuning key, the choice-cache lookup and every config read: the runner
+# is called directly (``torch.addmm`` for an ATen choice), so a call the autotuner gave to ATen
+# costs about what the ATen call costs. Emptied whenever the choice cache forgets its in-memory
+# view (``clear_memory``); the settings enter as :func:`torchport.config.stamp`, which changes on
+# any assignment, override or change of the environment variables.
+_Runner = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+_settled: dict[tuple[Any, ...], tuple[Candidate, _Runner]] = {}
 _settled_view: list[object] = [None]
+_STATE_SETTINGS = (
+    "isa",  # cpu_info().isa is this setting capped by the (fixed) hardware
+    "native",
+    "max_autotune_gemm_backends",
+    "autotune",
+    "autotune_cache",
+    "cache_dir",
+)
 
 
 def _settings_state() -> tuple[Any, ...]:
@@ -145,34 +156,69 @@ def _settings_state() -> tuple[Any, ...]:
     if view is not _settled_view[0]:  # identity, not id(): the old view is kept alive here
         _settled.clear()
         _settled_view[0] = view
-    return (
-        config.get("isa"),  # cpu_info().isa is this setting capped by the (fixed) hardware
-        config.get("native"),
-        config.get("max_autotune_gemm_backends"),
-        config.get("autotune"),
-        config.get("autotune_cache"),
-        torch.get_num_threads(),
-    )
+    st = config.stamp(_STATE_SETTINGS)
+    if st is None:  # an override is active: its values, read one by one
+        st = ("override", *(config.get(name) for name in _STATE_SETTINGS))
+    return (st, torch.get_num_threads())
+
+
+def _layout(b: torch.Tensor) -> str:
+    return "t" if b.stride(0) == 1 and b.stride(1) != 1 else "n"
+
+
+def _settled_key(a: torch.Tensor, b: torch.Tensor, spec: str) -> tuple[Any, ...]:
+    m, k = a.shape
+    return (bucket(m), b.shape[1], k, a.dtype, _layout(b), spec, _settings_state())
+
+
+def _aten_runner(spec: EpilogueSpec, encoded: str) -> _Runner:
+    """The ATen path for ``spec`` as a direct call where one op does it all."""
+    if encoded == "":
+        return lambda a, b, ops: torch.mm(a, b)
+    if encoded in _BIAS_SPECS.values():
+        return lambda a, b, ops: (
+            torch.addmm(ops[0], a, b) if ops[0].dtype == a.dtype else mm_aten(a, b, spec, ops)
+        )
+    return lambda a, b, ops: mm_aten(a, b, spec, ops)
+
+
+def _native_runner(spec: EpilogueSpec, cfg: Config) -> _Runner:
+    def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
+        try:
+            return run_native(a, b, spec, ops, cfg)
+        except native.NativeError as e:
+            native.note_fallback("gemm", e)
+            return mm_aten(a, b, spec, ops)
+
+    return run
+
+
+def _settle(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    spec: EpilogueSpec,
+    encoded: str,
+    operands: Sequence[torch.Tensor],
+) -> tuple[Candidate, _Runner]:
+    """Candidate and runner for this problem, from the settled table or by asking the tuner."""
+    key = _settled_key(a, b, encoded)
+    hit = _settled.get(key)
+    if hit is not None:
+        return hit
+    cand = _choose(a, b, spec, operands, key[0], key[4])
+    run = _aten_runner(spec, encoded) if cand.is_anchor else _native_runner(spec, _config(cand))
+    if config.get("autotune_cache"):  # without the choice cache every call re-tunes, as before
+        if len(_settled) > 4096:
+            _settled.clear()
+        _settled[key] = (cand, run)
+    return cand, run
 
 
 def choose(
     a: torch.Tensor, b: torch.Tensor, spec: EpilogueSpec, operands: Sequence[torch.Tensor]
 ) -> Candidate:
     """Autotuned candidate for this problem (ATen when native kernels are off or disallowed)."""
-    m, k = a.shape
-    n = b.shape[1]
-    mb = bucket(m)
-    layout = "t" if b.stride(0) == 1 and b.stride(1) != 1 else "n"
-    fast_key = (mb, n, k, a.dtype, layout, spec, _settings_state())
-    hit = _settled.get(fast_key)
-    if hit is not None:
-        return hit
-    cand = _choose(a, b, spec, operands, mb, layout)
-    if fast_key[-1][4]:  # without the choice cache every call re-tunes, as before
-        if len(_settled) > 4096:
-            _settled.clear()
-        _settled[fast_key] = cand
-    return cand
+    return _settle(a, b, spec, spec.encode(), operands)[0]
 
 
 def _choose(
@@ -261,12 +307,9 @@ def _gemm_impl(
     sp = EpilogueSpec.decode(spec)
     if native.enabled() and a.shape[0] > 0 and b.shape[1] > 0:
         try:
-            cand = choose(a, b, sp, operands)
-            if not cand.is_anchor:
-                return run_native(a, b, sp, operands, _config(cand))
-        except native.NativeError as e:
-            native.note_fallback("gemm", e)
-        except InvalidCandidate as e:
+            _, run = _settle(a, b, sp, spec, operands)
+            return run(a, b, operands)
+        except (native.NativeError, InvalidCandidate) as e:
             native.note_fallback("gemm", e)
     return mm_aten(a, b, sp, operands)
 
@@ -373,7 +416,7 @@ torch.library.register_autograd("torchport::gemm", _backward, setup_context=_set
 def _check_matrix(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise GemmInputError(f"mm: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise GemmInputError(f"mm: {name} must be on device 'cpu', got {t.device}")
     if t.dim() != 2:
         raise GemmInputError(f"mm: {name} must be 2-D, got {t.dim()}-D shape {tuple(t.shape)}")
@@ -390,7 +433,7 @@ def _plain_bias(t: object, n: int) -> bool:
     """True for a bias :func:`split` would accept as is: a CPU float32/bfloat16 tensor ``[n]``."""
     return (
         isinstance(t, torch.Tensor)
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.dtype in _BIAS_SPECS
         and t.dim() == 1
         and t.shape[0] == n
@@ -427,7 +470,7 @@ def mm(
         operands = [] if bias is None else [bias]
         spec = "" if bias is None else _BIAS_SPECS[bias.dtype]
         if native.eager_fast_path(a, b, *operands):
-            return _gemm_impl(a, b, operands, spec)
+            return _eager(a, b, operands, spec)
         return _gemm_op(a, b, operands, spec)
     steps: list[Step] = []
     if bias is not None:
@@ -435,10 +478,22 @@ def mm(
     steps.extend(as_steps(epilogue))
     sp = split(steps, a.shape[0], b.shape[1])
     if native.eager_fast_path(a, b, *sp.operands):
-        y = _gemm_impl(a, b, sp.operands, sp.spec.encode())
+        y = _eager(a, b, sp.operands, sp.spec.encode())
     else:
         y = _gemm_op(a, b, sp.operands, sp.spec.encode())
     return apply_tail(y, sp.tail) if sp.tail else y
+
+
+def _eager(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
+) -> torch.Tensor:
+    """Plain eager call: a settled problem goes straight to its runner (no dispatcher, no spec
+    decoding, no config reads); anything else takes the custom op's implementation."""
+    if a.shape[0] > 0 and b.shape[1] > 0:
+        hit = _settled.get(_settled_key(a, b, spec))
+        if hit is not None:
+            return hit[1](a, b, operands)
+    return _gemm_impl(a, b, operands, spec)
 
 
 def gemm_op(
