@@ -258,3 +258,34 @@ def test_bias_fast_path_matches_split(dtype):
     assert mm_mod._BIAS_SPECS[dtype] == split([G.Bias(bias)], 3, 5).spec.encode()
     with pytest.raises(EpilogueError, match=r"shape \(5,\)"):
         mm(torch.randn(3, 4), torch.randn(4, 5), bias=torch.randn(6))
+
+
+def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_cache):
+    """Settled problems skip every config read on the eager path, yet an environment change
+    or an assignment still re-routes the next call (no override active: the stamp path)."""
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")  # first valid native candidate, no timing
+    calls: list[int] = []
+    real = mm_mod.run_native
+    monkeypatch.setattr(mm_mod, "run_native", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a, b = torch.randn(7, 40), torch.randn(40, 24)
+    ref = a @ b
+    for want_native in (True, True):
+        n = len(calls)
+        torch.testing.assert_close(mm(a, b), ref, rtol=1e-5, atol=1e-5)
+        assert len(calls) == n + int(want_native)
+    monkeypatch.setenv("TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS", "ATEN")
+    n = len(calls)
+    torch.testing.assert_close(mm(a, b), ref, rtol=1e-5, atol=1e-5)
+    assert len(calls) == n
+    monkeypatch.delenv("TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS")
+    mm(a, b)
+    assert len(calls) == n + 1
+    try:
+        config.native = False
+        mm(a, b)
+        assert len(calls) == n + 1
+    finally:
+        config.native = None
+    mm(a, b)
+    assert len(calls) == n + 2
