@@ -44,16 +44,25 @@ class GemmInputError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    """One native variant: register tile, M block (``mc >= M`` streams B once), prefetch."""
+    """One native variant: register tile, M block (``mc >= M`` streams B once), prefetch
+    distance, K block ``kc`` (0: all of K at once; else partial sums in an fp32 buffer, so a
+    ``kc x NR`` slice of B stays in L1 while the rows of an M block use it) and K-split ``ks``
+    (> 1: the threads also split K, each summing its share into its own buffer, and a final pass
+    adds the shares and applies the epilogue; for small M with large K and few N panels)."""
 
     mr: int
     nr: int
     mc: int
     pf: int = 0
+    kc: int = 0
+    ks: int = 1
 
     @property
     def name(self) -> str:
-        return f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+        base = f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+        return (
+            base + (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
+        )
 
 
 def mm_reference(
@@ -124,6 +133,9 @@ def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: i
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
     ]
     fn.restype = ctypes.c_int
     return fn
@@ -133,8 +145,12 @@ def check_config(cfg: Config, isa: str) -> None:
     """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
     if (cfg.mr, cfg.nr) not in TILES[isa]:
         raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
-    if cfg.mc < 1 or cfg.pf < 0:
-        raise InvalidCandidate(f"mc must be >= 1 and pf >= 0, got {cfg}")
+    if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1:
+        raise InvalidCandidate(f"mc must be >= 1, pf >= 0, kc >= 0 and ks >= 1, got {cfg}")
+    if cfg.kc and cfg.ks > 1:
+        raise InvalidCandidate(
+            f"K blocking and K-split do not combine, got kc={cfg.kc} ks={cfg.ks}"
+        )
 
 
 def prepare_operands(
@@ -180,6 +196,11 @@ def run_native(
     eptr = (ctypes.c_void_p * nops)(*[t.data_ptr() for t in ops])
     eld = (ctypes.c_int64 * nops)(*lds)
     fn = _function(spec, _TAG[b.dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
+    work: torch.Tensor | None = None
+    if cfg.ks > 1:
+        work = torch.empty(cfg.ks * m * n, dtype=torch.float32)
+    elif 0 < cfg.kc < k:
+        work = torch.empty(m * n, dtype=torch.float32)
     status = fn(
         c.data_ptr(),
         n,
@@ -195,6 +216,9 @@ def run_native(
         ctypes.addressof(eptr),
         ctypes.addressof(eld),
         native.num_threads(),
+        cfg.kc,
+        cfg.ks,
+        None if work is None else work.data_ptr(),
     )
     if status != 0:
         raise RuntimeError(f"tp_gemm_{cfg.mr}x{cfg.nr} returned status {status} for {cfg}")

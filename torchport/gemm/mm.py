@@ -43,7 +43,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
-    """ATen anchor plus at most nine native configurations for this problem size."""
+    """ATen anchor plus at most nine native configurations for this problem size: register
+    tiles and prefetch for the weight-streaming small-M path (plus a K-split across the threads
+    when K is large), M and K cache blocks for larger M."""
     cands = [Candidate("aten", ATEN)]
     scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
     if scale == 0:
@@ -54,27 +56,38 @@ def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
         tiles = [(8, 8), (4, 24), (6, 16), (2, 32)] + ([(1, 64)] if m <= 2 else [])
         cfgs = [Config(mr, nr * scale, mm_) for mr, nr in tiles]
         cfgs += [Config(8, 8 * scale, mm_, 16), Config(4, 24 * scale, mm_, 8)]
+        if k >= 1024:  # large K: the threads may also split K (helps when N has few panels)
+            cfgs += [Config(4, 24 * scale, mm_, ks=2), Config(8, 8 * scale, mm_, 16, ks=2)]
     else:
         cfgs = [
-            Config(6, 16 * scale, 48),
             Config(6, 16 * scale, 96),
-            Config(4, 24 * scale, 64),
+            Config(6, 16 * scale, 96, kc=256),  # K blocks: a 256 x NR slice of B stays in L1
             Config(4, 24 * scale, 128),
+            Config(6, 16 * scale, 48),
+            Config(4, 24 * scale, 64),
+            Config(4, 24 * scale, 128, kc=384),
             Config(8, 8 * scale, 64),
         ]
+        cfgs = [c for c in cfgs if c.kc < k]
     # problems whose single call is long get fewer candidates (cold-tuning budget)
     est_s = 2.0 * m * n * k / 5e10
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
     for c in cfgs[:9]:
-        cands.append(
-            Candidate(c.name, params=(("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf)))
-        )
+        params = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf), ("kc", c.kc))
+        cands.append(Candidate(c.name, params=(*params, ("ks", c.ks))))
     return cands
 
 
 def _config(c: Candidate) -> Config:
-    return Config(int(c.param("mr")), int(c.param("nr")), int(c.param("mc")), int(c.param("pf")))
+    return Config(
+        int(c.param("mr")),
+        int(c.param("nr")),
+        int(c.param("mc")),
+        int(c.param("pf")),
+        int(c.param("kc", 0)),
+        int(c.param("ks", 1)),
+    )
 
 
 @dataclass
