@@ -60,6 +60,11 @@ def test_autotuner_candidates_bounded_and_cached():
             cands = G.candidates(m, n, k, "avx2")
             assert 2 <= len(cands) <= 10
             assert sum(c.is_anchor for c in cands) == 1
+    # K-split for small M with large K, K cache blocks for larger M, both offered to the tuner
+    assert any(c.param("ks") == 2 for c in G.candidates(1, 3072, 4096, "avx2"))
+    assert any(c.param("kc") == 256 for c in G.candidates(32, 3072, 1024, "avx2"))
+    assert any(c.param("kc") == 256 for c in G.candidates(512, 3072, 768, "avx2"))
+    assert not any(c.param("kc") for c in G.candidates(512, 3072, 128, "avx2"))  # kc >= K
     before = autotune.stats.tuned
     a, b = torch.randn(12, 64), torch.randn(64, 48)
     mm(a, b)

@@ -101,15 +101,15 @@ def test_every_tile_and_block(mr, nr, mc, pf):
     _assert_close(out, a, b, EpilogueSpec(), [])
 
 
-KSHAPES = [(1, 67, 1), (1, 70, 300), (3, 29, 67), (7, 50, 301), (17, 130, 1000), (2, 5, 0)]
+KSHAPES = [(1, 67, 1), (3, 29, 67), (7, 50, 301), (17, 130, 1000), (2, 5, 0)]
 
 
 @pytest.mark.parametrize("m,n,k", KSHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in KSHAPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "kc,ks,mc",
-    [(0, 2, 64), (0, 3, 64), (0, 5, 64), (64, 1, 8), (7, 1, 5), (256, 1, 64)],
-    ids=["ks2", "ks3", "ks5_more_splits_than_some_k", "kc64_mc8", "kc7_mc5", "kc256"],
+    [(0, 2, 64), (0, 5, 64), (64, 1, 8), (7, 1, 5)],
+    ids=["ks2", "ks5_more_splits_than_some_k", "kc64_mc8", "kc7_mc5"],
 )
 def test_k_split_and_k_blocks(m, n, k, dtype, kc, ks, mc):
     """K-split across threads (partial sums per split, one reduction pass with the epilogue)
@@ -118,7 +118,7 @@ def test_k_split_and_k_blocks(m, n, k, dtype, kc, ks, mc):
     spec = EpilogueSpec.decode("bias_col:f32;gelu;add:f32" if dtype == torch.float32 else "")
     a, b = _make(m, n, k, dtype, "strided", "weight_t")
     ops = _operands(spec, m, n)
-    for mr, nr in TILES[:2]:
+    for mr, nr in TILES[:2] if ks == 2 else TILES[:1]:
         out = run_native(a, b, spec, ops, Config(mr, nr, mc, kc=kc, ks=ks))
         _assert_close(out, a, b, spec, ops)
 

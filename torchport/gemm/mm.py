@@ -51,13 +51,20 @@ def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
     if scale == 0:
         cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
     elif m <= SMALL_M:
-        # weight streaming: every panel of B read once (mc >= M), rows reuse it from L1/L2
-        mm_ = max(m, 1)
-        tiles = [(8, 8), (4, 24), (6, 16), (2, 32)] + ([(1, 64)] if m <= 2 else [])
-        cfgs = [Config(mr, nr * scale, mm_) for mr, nr in tiles]
-        cfgs += [Config(8, 8 * scale, mm_, 16), Config(4, 24 * scale, mm_, 8)]
-        if k >= 1024:  # large K: the threads may also split K (helps when N has few panels)
-            cfgs += [Config(4, 24 * scale, mm_, ks=2), Config(8, 8 * scale, mm_, 16, ks=2)]
+        # weight streaming: every panel of B read once (mc >= M), rows reuse it from L1/L2.
+        # Ordered by promise: big problems keep only the first few (cold-tuning budget).
+        mm_, big_k = max(m, 1), k >= 1024
+        cfgs = [Config(8, 8 * scale, mm_), Config(4, 24 * scale, mm_), Config(6, 16 * scale, mm_)]
+        if big_k and m > 8:  # compute-bound rows: K blocks keep A's rows and B's slice in L1
+            cfgs.append(Config(6, 16 * scale, mm_, kc=256))
+        cfgs.append(Config(8, 8 * scale, mm_, 16))
+        if big_k:  # the threads may also split K (helps when N has few panels)
+            cfgs.append(Config(4, 24 * scale, mm_, ks=2))
+        cfgs += [Config(4, 24 * scale, mm_, 8), Config(2, 32 * scale, mm_)]
+        if big_k:
+            cfgs.append(Config(8, 8 * scale, mm_, 16, ks=2))
+        if m <= 2:
+            cfgs.append(Config(1, 64 * scale, mm_))
     else:
         cfgs = [
             Config(6, 16 * scale, 96),
