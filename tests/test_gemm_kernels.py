@@ -143,6 +143,18 @@ def test_bad_k_config_is_invalid_candidate():
         run_native(a, b, EpilogueSpec(), [], Config(*TILES[0], 4, kc=64, ks=2))
     with pytest.raises(InvalidCandidate, match="ks >= 1"):
         run_native(a, b, EpilogueSpec(), [], Config(*TILES[0], 4, ks=0))
+    with pytest.raises(InvalidCandidate, match="nt >= 0"):
+        run_native(a, b, EpilogueSpec(), [], Config(*TILES[0], 4, nt=-1))
+
+
+@pytest.mark.parametrize("ks", [1, 2])
+def test_one_thread_variant(ks):
+    """``nt=1`` caps the kernel at one thread (the loaded-machine candidates), same result."""
+    spec = EpilogueSpec.decode("bias_col:f32;relu")
+    a, b = _make(9, 131, 1100, torch.float32, "c", "weight_t")
+    ops = _operands(spec, 9, 131)
+    out = run_native(a, b, spec, ops, Config(*TILES[1], 9, ks=ks, nt=1))
+    _assert_close(out, a, b, spec, ops)
 
 
 CHAINS = [

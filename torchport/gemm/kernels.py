@@ -48,7 +48,9 @@ class Config:
     distance, K block ``kc`` (0: all of K at once; else partial sums in an fp32 buffer, so a
     ``kc x NR`` slice of B stays in L1 while the rows of an M block use it) and K-split ``ks``
     (> 1: the threads also split K, each summing its share into its own buffer, and a final pass
-    adds the shares and applies the epilogue; for small M with large K and few N panels)."""
+    adds the shares and applies the epilogue; for small M with large K and few N panels) and a
+    thread cap ``nt`` (0: torch's intra-op threads; 1: one thread, which on a shared, loaded
+    machine avoids waiting for a descheduled second thread at the end of a short kernel)."""
 
     mr: int
     nr: int
@@ -56,13 +58,13 @@ class Config:
     pf: int = 0
     kc: int = 0
     ks: int = 1
+    nt: int = 0
 
     @property
     def name(self) -> str:
         base = f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
-        return (
-            base + (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
-        )
+        opt = (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
+        return base + opt + (f"_nt{self.nt}" if self.nt else "")
 
 
 def mm_reference(
@@ -145,8 +147,8 @@ def check_config(cfg: Config, isa: str) -> None:
     """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
     if (cfg.mr, cfg.nr) not in TILES[isa]:
         raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
-    if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1:
-        raise InvalidCandidate(f"mc must be >= 1, pf >= 0, kc >= 0 and ks >= 1, got {cfg}")
+    if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1 or cfg.nt < 0:
+        raise InvalidCandidate(f"mc must be >= 1, pf >= 0, kc >= 0, ks >= 1 and nt >= 0, got {cfg}")
     if cfg.kc and cfg.ks > 1:
         raise InvalidCandidate(
             f"K blocking and K-split do not combine, got kc={cfg.kc} ks={cfg.ks}"
@@ -215,7 +217,7 @@ def run_native(
         cfg.pf,
         ctypes.addressof(eptr),
         ctypes.addressof(eld),
-        native.num_threads(),
+        min(cfg.nt, native.num_threads()) if cfg.nt else native.num_threads(),
         cfg.kc,
         cfg.ks,
         None if work is None else work.data_ptr(),

@@ -52,17 +52,24 @@ def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
         cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
     elif m <= SMALL_M:
         # weight streaming: every panel of B read once (mc >= M), rows reuse it from L1/L2.
+        # One-thread variants: a short kernel on a loaded machine otherwise waits for its
+        # descheduled second thread (measured: 1.2 ms alone, ~20 ms with two threads at load 7).
         # Ordered by promise: big problems keep only the first few (cold-tuning budget).
         mm_, big_k = max(m, 1), k >= 1024
-        cfgs = [Config(8, 8 * scale, mm_), Config(4, 24 * scale, mm_), Config(6, 16 * scale, mm_)]
-        if big_k and m > 8:  # compute-bound rows: K blocks keep A's rows and B's slice in L1
-            cfgs.append(Config(6, 16 * scale, mm_, kc=256))
-        cfgs.append(Config(8, 8 * scale, mm_, 16))
+        t6 = Config(
+            6, 16 * scale, mm_, kc=256 if big_k and m > 8 else 0
+        )  # K blocks if compute-bound
+        cfgs = [
+            Config(8, 8 * scale, mm_),
+            Config(4, 24 * scale, mm_),
+            t6,
+            Config(4, 24 * scale, mm_, nt=1),
+            Config(8, 8 * scale, mm_, 16),
+            Config(2, 32 * scale, mm_, nt=1) if m <= 2 else Config(8, 8 * scale, mm_, nt=1),
+        ]
         if big_k:  # the threads may also split K (helps when N has few panels)
             cfgs.append(Config(4, 24 * scale, mm_, ks=2))
         cfgs += [Config(4, 24 * scale, mm_, 8), Config(2, 32 * scale, mm_)]
-        if big_k:
-            cfgs.append(Config(8, 8 * scale, mm_, 16, ks=2))
         if m <= 2:
             cfgs.append(Config(1, 64 * scale, mm_))
     else:
@@ -82,7 +89,7 @@ def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
     for c in cfgs[:9]:
         params = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf), ("kc", c.kc))
-        cands.append(Candidate(c.name, params=(*params, ("ks", c.ks))))
+        cands.append(Candidate(c.name, params=(*params, ("ks", c.ks), ("nt", c.nt))))
     return cands
 
 
@@ -94,6 +101,7 @@ def _config(c: Candidate) -> Config:
         int(c.param("pf")),
         int(c.param("kc", 0)),
         int(c.param("ks", 1)),
+        int(c.param("nt", 0)),
     )
 
 
