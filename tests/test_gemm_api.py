@@ -78,6 +78,7 @@ def test_aten_only_backend_disables_native(monkeypatch):
     mm_mod = sys.modules["torchport.gemm.mm"]
 
     monkeypatch.setattr(mm_mod, "run_native", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(mm_mod.kernels, "launcher", lambda *a, **k: calls.append(1))
     with config.override(max_autotune_gemm_backends="ATEN"):
         a, b = torch.randn(6, 32), torch.randn(32, 16)
         y = mm(a, b)
@@ -145,6 +146,9 @@ def test_pack_cache_repacks_after_inplace_update():
     assert p3 is not p2 and float(p3[1, 7, 7]) == 123.0
     alias = torch.as_strided(w, (8, 16), (1, 8))  # a fresh alias object (as Inductor passes)
     assert cache.get(alias, 8) is p3
+    w.data[0, 0] = float("nan")  # the probe compares bits: a NaN weight stays cached
+    p4 = cache.get(w.t(), 8)
+    assert p4 is not p3 and cache.get(w.t(), 8) is p4
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0
 
@@ -271,8 +275,13 @@ def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_c
     mm_mod = sys.modules["torchport.gemm.mm"]
     monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")  # first valid native candidate, no timing
     calls: list[int] = []
-    real = mm_mod.run_native
-    monkeypatch.setattr(mm_mod, "run_native", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = mm_mod.kernels.launcher
+
+    def counting(*args):
+        launch = real(*args)
+        return lambda *a, **k: calls.append(1) or launch(*a, **k)
+
+    monkeypatch.setattr(mm_mod.kernels, "launcher", counting)
     a, b = torch.randn(7, 40), torch.randn(40, 24)
     ref = a @ b
     for want_native in (True, True):

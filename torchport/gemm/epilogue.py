@@ -176,7 +176,7 @@ class Split:
 def _operand(t: Any, what: str, shape: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise EpilogueError(f"{what} must be a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise EpilogueError(f"{what} must be on cpu, got {t.device}")
     if t.dtype not in FUSABLE_DTYPES:
         raise EpilogueError(f"{what} must be float32 or bfloat16, got {t.dtype}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +173,76 @@ def prepare_operands(
     return kept, lds
 
 
+_Launch = Callable[..., torch.Tensor]
+
+
+@functools.cache
+def launcher(
+    spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, b_dtype: torch.dtype, isa: str
+) -> _Launch:
+    """A launch function for one (epilogue, config, dtypes, ISA): everything that does not
+    depend on the call's tensors (validation, library lookup, output dtype) is done once here,
+    so a call costs a few tensor attribute reads and the ctypes call."""
+    check_config(cfg, isa)
+    out_dtype = spec.out_dtype(a_dtype)
+    fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
+    mr, nr, mc, pf, kc, ks, nt = cfg.mr, cfg.nr, cfg.mc, cfg.pf, cfg.kc, cfg.ks, cfg.nt
+    f32 = torch.float32
+    none_ptr = (ctypes.c_void_p * 1)(0)
+    none_ld = (ctypes.c_int64 * 1)(0)
+
+    def launch(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        operands: Sequence[torch.Tensor],
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        m, k = a.shape
+        n = b.shape[1]
+        c = torch.empty(m, n, dtype=out_dtype)
+        if m == 0 or n == 0:
+            return c
+        a32 = a if a.dtype == f32 else a.float()
+        if packed is None:
+            packed = pack_cache.get(b, nr)
+        if operands:
+            ops, lds = prepare_operands(spec, operands)
+            eptr: Any = (ctypes.c_void_p * len(ops))(*[t.data_ptr() for t in ops])
+            eld: Any = (ctypes.c_int64 * len(ops))(*lds)
+        else:
+            eptr, eld = none_ptr, none_ld
+        work: torch.Tensor | None = None
+        if ks > 1:
+            work = torch.empty(ks * m * n, dtype=f32)
+        elif 0 < kc < k:
+            work = torch.empty(m * n, dtype=f32)
+        threads = max(1, torch.get_num_threads())
+        status = fn(
+            c.data_ptr(),
+            n,
+            a32.data_ptr(),
+            a32.stride(0),
+            a32.stride(1),
+            packed.data_ptr(),
+            m,
+            n,
+            k,
+            mc,
+            pf,
+            eptr,
+            eld,
+            min(nt, threads) if nt else threads,
+            kc,
+            ks,
+            None if work is None else work.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"tp_gemm_{mr}x{nr} returned status {status} for {cfg}")
+        return c
+
+    return launch
+
+
 def run_native(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -183,45 +253,4 @@ def run_native(
 ) -> torch.Tensor:
     """One native GEMM call (B packed through the cache unless ``packed`` is given)."""
     isa = native.cpu_info().isa
-    check_config(cfg, isa)
-    m, k = a.shape
-    n = b.shape[1]
-    out_dtype = spec.out_dtype(a.dtype)
-    c = torch.empty(m, n, dtype=out_dtype)
-    if m == 0 or n == 0:
-        return c
-    a32 = a if a.dtype == torch.float32 else a.float()
-    if packed is None:
-        packed = pack_cache.get(b, cfg.nr)
-    ops, lds = prepare_operands(spec, operands)
-    nops = max(1, len(ops))
-    eptr = (ctypes.c_void_p * nops)(*[t.data_ptr() for t in ops])
-    eld = (ctypes.c_int64 * nops)(*lds)
-    fn = _function(spec, _TAG[b.dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
-    work: torch.Tensor | None = None
-    if cfg.ks > 1:
-        work = torch.empty(cfg.ks * m * n, dtype=torch.float32)
-    elif 0 < cfg.kc < k:
-        work = torch.empty(m * n, dtype=torch.float32)
-    status = fn(
-        c.data_ptr(),
-        n,
-        a32.data_ptr(),
-        a32.stride(0),
-        a32.stride(1),
-        packed.data_ptr(),
-        m,
-        n,
-        k,
-        cfg.mc,
-        cfg.pf,
-        ctypes.addressof(eptr),
-        ctypes.addressof(eld),
-        min(cfg.nt, native.num_threads()) if cfg.nt else native.num_threads(),
-        cfg.kc,
-        cfg.ks,
-        None if work is None else work.data_ptr(),
-    )
-    if status != 0:
-        raise RuntimeError(f"tp_gemm_{cfg.mr}x{cfg.nr} returned status {status} for {cfg}")
-    return c
+    return launcher(spec, cfg, a.dtype, b.dtype, isa)(a, b, operands, packed)

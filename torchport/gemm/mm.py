@@ -211,9 +211,16 @@ def _aten_runner(spec: EpilogueSpec, encoded: str) -> _Runner:
 
 
 def _native_runner(spec: EpilogueSpec, cfg: Config) -> _Runner:
+    launches: dict[tuple[torch.dtype, torch.dtype], Callable[..., torch.Tensor]] = {}
+
     def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
         try:
-            return run_native(a, b, spec, ops, cfg)
+            launch = launches.get((a.dtype, b.dtype))
+            if launch is None:  # the ISA is part of the settled key: fixed for this runner
+                isa = native.cpu_info().isa
+                launch = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
+                launches[(a.dtype, b.dtype)] = launch
+            return launch(a, b, ops)
         except native.NativeError as e:
             native.note_fallback("gemm", e)
             return mm_aten(a, b, spec, ops)

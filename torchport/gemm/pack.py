@@ -12,6 +12,7 @@ alias of the same weight on every call.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -58,20 +59,45 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _probe(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to 16 spread-out positions of ``b`` and their values (a cheap content fingerprint)."""
-    k, n = b.shape
-    count = min(16, k * n)
-    flat = torch.linspace(0, k * n - 1, count).long() if count else torch.zeros(0).long()
-    rows, cols = flat // max(n, 1), flat % max(n, 1)
-    return flat, b[rows, cols].clone()
+class _Probe:
+    """Up to 16 spread-out elements of ``b``, read as raw bytes straight from its memory.
+
+    A bitwise fingerprint (a NaN compares equal to itself) that costs a few microseconds to
+    re-read, where indexing the tensor costs tens. The entry holding the probe also holds ``b``,
+    so the memory stays valid.
+    """
+
+    def __init__(self, b: torch.Tensor) -> None:
+        k, n = b.shape
+        es = b.element_size()
+        count = min(16, k * n)
+        s0, s1 = b.stride()
+        offs = []
+        for i in range(count):
+            flat = (i * (k * n - 1)) // max(count - 1, 1)
+            r, c = divmod(flat, max(n, 1))
+            offs.append((r * s0 + c * s1) * es)
+        self._es = es
+        self._offs = offs
+        span = (max(offs) + es) if offs else 1
+        self._raw = (ctypes.c_char * span).from_address(b.data_ptr()) if offs else None
+        self._value = self.read()
+
+    def read(self) -> bytes:
+        raw, es = self._raw, self._es
+        if raw is None:
+            return b""
+        return b"".join([raw[o : o + es] for o in self._offs])
+
+    def unchanged(self) -> bool:
+        return self.read() == self._value
 
 
 @dataclass
 class _Entry:
     tensor: torch.Tensor  # held: its storage cannot be freed and reused while cached
     version: int
-    probe: tuple[torch.Tensor, torch.Tensor]
+    probe: _Probe
     packed: torch.Tensor
 
 
@@ -79,8 +105,8 @@ class PackCache:
     """Packed operands keyed by storage, layout and panel width, validated on every lookup.
 
     An entry is valid while the tensor's version counter is unchanged (in-place updates, such as
-    optimiser steps, bump it) and 16 sampled values still match (which also catches writes through
-    ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
+    optimiser steps, bump it) and 16 sampled values still match bit for bit (which also catches
+    writes through ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
     storage address is never reused under a live entry; the least recently used entries are dropped
     beyond ``max_bytes``.
     """
@@ -95,18 +121,13 @@ class PackCache:
 
     def get(self, b: torch.Tensor, nr: int) -> torch.Tensor:
         """Packed ``b`` for panel width ``nr``, from the cache when still valid."""
-        key = (b.data_ptr(), tuple(b.shape), tuple(b.stride()), b.dtype, nr)
+        key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr)
         ver = _version(b)
         with self._lock:
             e = self._entries.get(key)
-        if e is not None and e.version == ver and ver >= 0:
-            flat, vals = e.probe
-            n = max(b.shape[1], 1)
-            if torch.equal(b[flat // n, flat % n], vals):
-                with self._lock:
-                    if key in self._entries:
-                        self._entries.move_to_end(key)
-                    self.hits += 1
+            if e is not None and e.version == ver and ver >= 0 and e.probe.unchanged():
+                self._entries.move_to_end(key)
+                self.hits += 1
                 return e.packed
         b = b.detach()
         packed = pack_b(b, nr)
@@ -117,7 +138,7 @@ class PackCache:
             if old is not None:
                 self._bytes -= old.packed.numel() * old.packed.element_size()
             if ver >= 0 and size <= self.max_bytes:
-                self._entries[key] = _Entry(b, ver, _probe(b), packed)
+                self._entries[key] = _Entry(b, ver, _Probe(b), packed)
                 self._bytes += size
                 while self._bytes > self.max_bytes and self._entries:
                     _, ev = self._entries.popitem(last=False)
