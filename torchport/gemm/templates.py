@@ -23,7 +23,7 @@ small ``M``).
 
 from __future__ import annotations
 
-from torchport.gemm.epilogue import EpilogueSpec, emit_c
+from torchport.gemm.epilogue import EpilogueSpec, emit_c, emit_prefetch
 
 VW = {"avx2": 8, "avx512": 16, "scalar": 1}
 
@@ -226,6 +226,12 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
         f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = VLOAD_f32(tmp + v * {vw});",
         "        }",
         "    }",
+        "    if (mode & TP_FIN) {  /* the store's operands and output lines: fetched during K */",
+        f"        for (int r = 0; r < {mr}; ++r) {{",
+        "            tp_epi_pf(i + r, j, nr, ep, eld);",
+        "            VPREFETCH(C + (i + r) * ldc + j); VPREFETCH(C + (i + r) * ldc + j + nr - 1);",
+        "        }",
+        "    }",
         "    const int64_t lines_per_k = (" + str(nr) + " * (int64_t)sizeof(btype_t) + 63) / 64;",
         "    for (int64_t k = k0; k < k1; ++k) {",
         f"        const btype_t *bk = bp + k * {nr};",
@@ -386,6 +392,10 @@ def render_source(
         " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
         + vec
         + "\n    return v;\n}",
+        "TP_INLINE void tp_epi_pf(int64_t i, int64_t j, int64_t nr, const void *const *ep,"
+        " const int64_t *eld) {\n        (void)i; (void)j; (void)nr; (void)ep; (void)eld;\n        "
+        + emit_prefetch(spec)
+        + "\n}",
         "TP_INLINE float tp_epi_s(float s, int64_t i, int64_t j, const void *const *ep,"
         " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
         + sca
