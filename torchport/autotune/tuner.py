@@ -146,6 +146,7 @@ def select(
     cache: ChoiceCache | None = None,
     backends: set[str] | None = None,
     confirm: bool = False,
+    budget_s: float | None = None,
 ) -> Choice:
     """Choose the fastest valid candidate for ``(op, key)``, using and filling the choice cache.
 
@@ -153,7 +154,9 @@ def select(
     ``check(out, anchor_out)`` accepts a candidate's result. Backends outside ``backends``
     (default: :func:`allowed_backends`) are never chosen, but the ATen anchor is always timed.
     ``confirm=True`` re-times a non-ATen winner against the anchor in alternation before it is
-    kept (fresh winners before they are saved, cached ones once per process).
+    kept (fresh winners before they are saved, cached ones once per process). ``budget_s`` caps
+    the timing of the search: each candidate gets an equal share (at least three calls), so a
+    loaded machine gives fewer samples rather than a longer search.
     """
     cache = cache or choice_cache
     allowed = allowed_backends() if backends is None else backends
@@ -198,7 +201,9 @@ def select(
                 continue
         return Choice(op, anchor)
 
-    return _tune(op, key, anchor, eligible, factory, make_args, cold, check, cache, confirm)
+    return _tune(
+        op, key, anchor, eligible, factory, make_args, cold, check, cache, confirm, budget_s
+    )
 
 
 def _confirm_choice(
@@ -209,6 +214,7 @@ def _confirm_choice(
     cold: bool,
     timings: dict[str, float],
     args: tuple[Any, ...] | None = None,
+    confirm_s: float = 2.0,
 ) -> bool:
     """Alternating timing of ``chosen`` against ``anchor``; records both in ``timings``.
 
@@ -218,7 +224,7 @@ def _confirm_choice(
         if args is None:
             args = make_args()
         arg_sets = cold_copies(args) if cold else [args]
-        res = confirm(factory(chosen), factory(anchor), arg_sets)
+        res = confirm(factory(chosen), factory(anchor), arg_sets, max_time_s=confirm_s)
     except Exception:  # a candidate that fails now is never chosen
         stats.rejected += 1
         return False
@@ -238,12 +244,14 @@ def _tune(
     check: Callable[[Any, Any], bool] | None,
     cache: ChoiceCache,
     confirm_win: bool = False,
+    budget_s: float | None = None,
 ) -> Choice:
     t_start = time.perf_counter()
     args = make_args()
     arg_sets = cold_copies(args) if cold else [args]
     reps = config.get("autotune_reps")
     order = [anchor] + [c for c in eligible if not c.is_anchor]
+    cap_s = 2.0 if budget_s is None else max(0.01, budget_s / len(order))
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}
     anchor_out: Any = None
@@ -262,7 +270,7 @@ def _tune(
                 anchor_out = out
             elif check is not None and anchor_out is not None and not check(out, anchor_out):
                 raise InvalidCandidate("result does not match the ATen anchor")
-            times = measure(fn, arg_sets, reps=reps, warmup=1, max_time_s=2.0)
+            times = measure(fn, arg_sets, reps=reps, warmup=1, max_time_s=cap_s)
             timings[cand.name] = median(times)
             stats.candidates_timed += 1
         except InvalidCandidate as e:
@@ -280,7 +288,9 @@ def _tune(
             if not beats_anchor(timings[choice.name], timings[anchor.name]):
                 choice = anchor
             elif confirm_win:
-                ok = _confirm_choice(choice, anchor, factory, make_args, cold, timings, args)
+                ok = _confirm_choice(
+                    choice, anchor, factory, make_args, cold, timings, args, 2 * cap_s
+                )
                 _confirmed[_memo_key(op, key, choice)] = ok
                 if not ok:
                     choice = anchor

@@ -34,12 +34,17 @@ def pack_b_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
 
 
 def pack_b(b: torch.Tensor, nr: int) -> torch.Tensor:
-    """Pack ``b`` ``[K, N]`` into ``[ceil(N/nr), K, nr]`` panels (two torch copies)."""
+    """Pack ``b`` ``[K, N]`` into ``[ceil(N/nr), K, nr]`` panels (one strided copy; only the
+    last, partial panel is zero padded)."""
     k, n = b.shape
-    npan = (n + nr - 1) // nr
-    wt = torch.zeros(npan * nr, k, dtype=b.dtype)
-    wt[:n].copy_(b.t())
-    return wt.view(npan, nr, k).transpose(1, 2).contiguous()
+    full, rest = divmod(n, nr)
+    out = torch.empty(full + (1 if rest else 0), k, nr, dtype=b.dtype)
+    if full:
+        out[:full].copy_(b[:, : full * nr].unflatten(1, (full, nr)).permute(1, 0, 2))
+    if rest:
+        out[full].zero_()
+        out[full, :, :rest].copy_(b[:, full * nr :])
+    return out
 
 
 def pack_b_pairs(b: torch.Tensor, nr: int = 32) -> torch.Tensor:
