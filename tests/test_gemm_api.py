@@ -303,3 +303,76 @@ def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_c
         config.native = None
     mm(a, b)
     assert len(calls) == n + 2
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_thread_adaptive_follows_load(monkeypatch):
+    """Deterministic (fake clock): both launches are learned, the faster is used, a load change
+    is noticed by the periodic probe or by the current launch's own slowdown."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    cost = {"multi": 0.6e-3, "single": 1.2e-3}  # quiet machine: two threads win
+    used: list[str] = []
+
+    def arm(name):
+        def run(x):
+            clock.t += cost[name]
+            used.append(name)
+            return x
+
+        return run
+
+    ad = ThreadAdaptive(arm("multi"), arm("single"), probe_every=16)
+    for _ in range(20):
+        ad(0)
+    assert used[:6] == ["multi", "single"] * 3  # learning both, alternating
+    assert ad.current == 0 and used[6:].count("single") == 1  # one probe in 14 later calls
+    cost["multi"] = 8e-3  # a neighbour is busy: the two-thread launch stalls at its barrier
+    used.clear()
+    for _ in range(6):
+        ad(0)
+    assert ad.current == 1 and used[-1] == "single"  # its own median gave it away
+    cost["multi"] = 0.6e-3  # quiet again: the next probe of the two-thread launch...
+    for _ in range(40):
+        ad(0)
+    assert ad.current == 0 and ad.switches == 2  # ... brings it back
+
+
+def test_small_m_native_runner_adapts_threads(monkeypatch):
+    """A small-M native runner launches both the config and its one-thread twin (while it
+    learns), with identical results; a large-M runner launches only the config."""
+    from torchport import native
+
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    if native.num_threads() < 2:
+        pytest.skip("needs two intra-op threads")
+    real = mm_mod.kernels.launcher
+    seen: list[int] = []
+
+    def recording(spec, cfg, *rest):
+        launch = real(spec, cfg, *rest)
+        return lambda *a: seen.append(cfg.nt) or launch(*a)
+
+    monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
+    cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
+    a, b = torch.randn(4, 300), torch.randn(300, 70)
+    run = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=True)
+    outs = [run(a, b, []) for _ in range(8)]
+    assert set(seen) == {0, 1}
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    torch.testing.assert_close(outs[0], a @ b, rtol=1e-4, atol=1e-4)
+    seen.clear()
+    fixed = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=False)
+    for _ in range(4):
+        fixed(a, b, [])
+    assert seen == [0, 0, 0, 0]

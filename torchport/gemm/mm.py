@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, L3_BYTES, Candidate, InvalidCandidate
 from torchport.gemm import kernels
+from torchport.gemm.adaptive import ThreadAdaptive
 from torchport.gemm.epilogue import (
     OPERAND_KINDS,
     Bias,
@@ -223,16 +224,24 @@ def _aten_runner(spec: EpilogueSpec, encoded: str) -> _Runner:
     return lambda a, b, ops: mm_aten(a, b, spec, ops)
 
 
-def _native_runner(spec: EpilogueSpec, cfg: Config) -> _Runner:
+def _native_runner(spec: EpilogueSpec, cfg: Config, adapt: bool = False) -> _Runner:
+    """Runner of one native config; with ``adapt`` (small M, all threads) a
+    :class:`~torchport.gemm.adaptive.ThreadAdaptive` pair of the config and its one-thread twin."""
     launches: dict[tuple[torch.dtype, torch.dtype], Callable[..., torch.Tensor]] = {}
+
+    def make(a: torch.Tensor, b: torch.Tensor) -> Callable[..., torch.Tensor]:
+        isa = native.cpu_info().isa  # part of the settled key: fixed for this runner
+        multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
+        if not adapt or cfg.nt or native.num_threads() < 2:
+            return multi
+        single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
+        return ThreadAdaptive(multi, single)
 
     def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
         try:
             launch = launches.get((a.dtype, b.dtype))
-            if launch is None:  # the ISA is part of the settled key: fixed for this runner
-                isa = native.cpu_info().isa
-                launch = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
-                launches[(a.dtype, b.dtype)] = launch
+            if launch is None:
+                launch = launches[(a.dtype, b.dtype)] = make(a, b)
             return launch(a, b, ops)
         except native.NativeError as e:
             native.note_fallback("gemm", e)
@@ -254,7 +263,10 @@ def _settle(
     if hit is not None:
         return hit
     cand = _choose(a, b, spec, operands, key[0], key[4])
-    run = _aten_runner(spec, encoded) if cand.is_anchor else _native_runner(spec, _config(cand))
+    if cand.is_anchor:
+        run = _aten_runner(spec, encoded)
+    else:
+        run = _native_runner(spec, _config(cand), adapt=key[0] <= SMALL_M)
     if config.get("autotune_cache"):  # without the choice cache every call re-tunes, as before
         if len(_settled) > 4096:
             _settled.clear()

@@ -16,6 +16,7 @@ import ctypes
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ class _Probe:
         self._es = es
         self._offs = offs
         span = (max(offs) + es) if offs else 1
-        self._raw = (ctypes.c_char * span).from_address(b.data_ptr()) if offs else None
+        self._raw: Any = (ctypes.c_char * span).from_address(b.data_ptr()) if offs else None
         self._value = self.read()
 
     def read(self) -> bytes:
