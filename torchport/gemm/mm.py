@@ -266,7 +266,10 @@ def _settle(
     if cand.is_anchor:
         run = _aten_runner(spec, encoded)
     else:
-        run = _native_runner(spec, _config(cand), adapt=key[0] <= SMALL_M)
+        # small M over a weight of >= 1 MiB fp32: calls of ~0.1 ms and up, where the
+        # per-call timing of the adaptive pair (a few us) is noise
+        adapt = key[0] <= SMALL_M and key[1] * key[2] >= 1 << 18
+        run = _native_runner(spec, _config(cand), adapt=adapt)
     if config.get("autotune_cache"):  # without the choice cache every call re-tunes, as before
         if len(_settled) > 4096:
             _settled.clear()
