@@ -349,8 +349,8 @@ def test_thread_adaptive_follows_load(monkeypatch):
 
 
 def test_small_m_native_runner_adapts_threads(monkeypatch):
-    """A small-M native runner launches both the config and its one-thread twin (while it
-    learns), with identical results; a large-M runner launches only the config."""
+    """A small-M native runner launches the config, its one-thread twin and ATen (while it
+    learns), all with the reference result; a large-M runner launches only the config."""
     from torchport import native
 
     mm_mod = sys.modules["torchport.gemm.mm"]
@@ -367,12 +367,41 @@ def test_small_m_native_runner_adapts_threads(monkeypatch):
     cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
     a, b = torch.randn(4, 300), torch.randn(300, 70)
     run = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=True)
-    outs = [run(a, b, []) for _ in range(8)]
-    assert set(seen) == {0, 1}
-    assert all(torch.equal(o, outs[0]) for o in outs)
-    torch.testing.assert_close(outs[0], a @ b, rtol=1e-4, atol=1e-4)
+    outs = [run(a, b, []) for _ in range(9)]
+    assert seen == [0, 1, 0, 1, 0, 1]  # kernel launches; every third call went to ATen
+    for o in outs:
+        torch.testing.assert_close(o, a @ b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[0], outs[1])  # the one-thread twin: bitwise the same
     seen.clear()
     fixed = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=False)
     for _ in range(4):
         fixed(a, b, [])
     assert seen == [0, 0, 0, 0]
+
+
+def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
+    """With ATen as a third arm, a native choice that becomes slower than ATen under a load it
+    was not tuned for is replaced by ATen after the learning round (fake clock)."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    cost = {"multi": 6e-3, "single": 1.4e-3, "aten": 1.0e-3}
+    used: list[str] = []
+
+    def arm(name):
+        def run():
+            clock.t += cost[name]
+            used.append(name)
+
+        return run
+
+    ad = ThreadAdaptive(arm("multi"), arm("single"), arm("aten"), probe_every=8)
+    for _ in range(9):
+        ad()
+    assert used == ["multi", "single", "aten"] * 3 and ad.current == 2
+    used.clear()
+    for _ in range(16):
+        ad()
+    assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]

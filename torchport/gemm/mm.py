@@ -226,7 +226,8 @@ def _aten_runner(spec: EpilogueSpec, encoded: str) -> _Runner:
 
 def _native_runner(spec: EpilogueSpec, cfg: Config, adapt: bool = False) -> _Runner:
     """Runner of one native config; with ``adapt`` (small M, all threads) a
-    :class:`~torchport.gemm.adaptive.ThreadAdaptive` pair of the config and its one-thread twin."""
+    :class:`~torchport.gemm.adaptive.ThreadAdaptive` over the config, its one-thread twin and
+    ATen."""
     launches: dict[tuple[torch.dtype, torch.dtype], Callable[..., torch.Tensor]] = {}
 
     def make(a: torch.Tensor, b: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -235,7 +236,7 @@ def _native_runner(spec: EpilogueSpec, cfg: Config, adapt: bool = False) -> _Run
         if not adapt or cfg.nt or native.num_threads() < 2:
             return multi
         single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
-        return ThreadAdaptive(multi, single)
+        return ThreadAdaptive(multi, single, lambda a, b, ops: mm_aten(a, b, spec, ops))
 
     def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
         try:
