@@ -320,3 +320,16 @@ def test_saved_native_choice_that_now_fails_is_not_used(fresh_cache, fake_clock)
 
     ch = _select_pair({"case": "saved-broken"}, make, confirm=True)
     assert ch.candidate.name == "aten"
+
+
+def test_budget_caps_the_search_time(fresh_cache, fake_clock):
+    """Each candidate gets an equal share of budget_s (at least three timed calls), so a slow
+    machine gives fewer samples instead of a longer search."""
+    calls: list = []
+    make = _fake_factory(fake_clock, lambda i: 0.05, lambda i: 0.02, calls)
+    with config.override(autotune_reps=100):
+        ch = _select_pair({"case": "budget"}, make, budget_s=0.3)
+    # per candidate: one checked call, one warm-up, then timed calls until its 0.15 s share
+    assert calls.count("aten") == 2 + 3  # 0.05 s each: the three-call minimum
+    assert calls.count("native") == 2 + 8  # 0.02 s each: 8 calls reach 0.16 s >= 0.15 s
+    assert ch.candidate.name == "native"
