@@ -405,3 +405,15 @@ def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     for _ in range(16):
         ad()
     assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]
+
+
+def test_pack_probe_never_reads_moved_memory():
+    """A weight whose storage is reallocated in place (resize_) invalidates its probe without
+    reading the old, freed address."""
+    from torchport.gemm.pack import _Probe
+
+    w = torch.randn(64, 32)
+    probe = _Probe(w)
+    assert probe.unchanged()
+    w.resize_(1 << 20, 32)  # grows the storage: new memory
+    assert not probe.unchanged()

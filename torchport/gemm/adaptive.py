@@ -16,6 +16,7 @@ the last bits (within the GEMM's stated tolerance). Timing uses
 from __future__ import annotations
 
 import statistics
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ class ThreadAdaptive:
         self._warmup = warmup
         self._probe_every = probe_every
         self._margin = margin
+        self._lock = threading.Lock()  # bookkeeping only; launches run concurrently
 
     def _pick(self) -> int:
         counts = [len(h) for h in self.history]
@@ -62,18 +64,24 @@ class ThreadAdaptive:
         return others[self._probes % len(others)]
 
     def __call__(self, *args: Any) -> Any:
-        self.calls += 1
-        arm = self._pick()
+        with self._lock:
+            self.calls += 1
+            arm = self._pick()
         t0 = timing.clock()
         out = self.launches[arm](*args)
-        self.history[arm].append(timing.clock() - t0)
+        dt = timing.clock() - t0
+        with self._lock:
+            self._record(arm, dt)
+        return out
+
+    def _record(self, arm: int, dt: float) -> None:
+        self.history[arm].append(dt)
         if min(len(h) for h in self.history) >= self._warmup:
             meds = [statistics.median(h) for h in self.history]
             best = min(range(len(meds)), key=lambda i: meds[i])
             if best != self.current and meds[best] < meds[self.current] * (1.0 - self._margin):
                 self.current = best
                 self.switches += 1
-        return out
 
 
 __all__ = ["ThreadAdaptive"]

@@ -85,8 +85,10 @@ class _Probe:
             offs.append((r * s0 + c * s1) * es)
         self._es = es
         self._offs = offs
+        self._tensor = b  # its storage may be reallocated in place (resize_): checked per read
+        self._base = b.data_ptr()
         span = (max(offs) + es) if offs else 1
-        self._raw: Any = (ctypes.c_char * span).from_address(b.data_ptr()) if offs else None
+        self._raw: Any = (ctypes.c_char * span).from_address(self._base) if offs else None
         self._value = self.read()
 
     def read(self) -> bytes:
@@ -96,6 +98,8 @@ class _Probe:
         return b"".join([raw[o : o + es] for o in self._offs])
 
     def unchanged(self) -> bool:
+        if self._tensor.data_ptr() != self._base:  # memory moved: never read the old address
+            return False
         return self.read() == self._value
 
 
