@@ -244,7 +244,7 @@ def test_noisy_search_win_is_rejected_by_confirmation(fresh_cache, fake_clock):
     """The case seen in the field: ATen's samples were inflated by a load burst during the
     one-after-the-other search (20 ms), so a native kernel at 12 ms 'won'; timed alternately,
     ATen is 1.6 ms and the native kernel is rejected, in memory and on disk."""
-    search_calls = 1 + 1 + 5  # check call, warm-up, five timed repetitions
+    search_calls = 1 + 5  # check call (the warm-up), five timed repetitions
     make = _fake_factory(
         fake_clock, lambda i: 0.020 if i < search_calls else 0.0016, lambda i: 0.012
     )
@@ -260,7 +260,7 @@ def test_noisy_search_win_is_rejected_by_confirmation(fresh_cache, fake_clock):
 
 
 def test_same_search_without_confirmation_would_pick_native(fresh_cache, fake_clock):
-    search_calls = 1 + 1 + 5
+    search_calls = 1 + 5
     make = _fake_factory(
         fake_clock, lambda i: 0.020 if i < search_calls else 0.0016, lambda i: 0.012
     )
@@ -329,7 +329,7 @@ def test_budget_caps_the_search_time(fresh_cache, fake_clock):
     make = _fake_factory(fake_clock, lambda i: 0.05, lambda i: 0.02, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "budget"}, make, budget_s=0.3)
-    # per candidate: one checked call, one warm-up, then timed calls until its 0.15 s share
-    assert calls.count("aten") == 2 + 3  # 0.05 s each: the three-call minimum
-    assert calls.count("native") == 2 + 8  # 0.02 s each: 8 calls reach 0.16 s >= 0.15 s
+    # per candidate: one checked call (the warm-up), then timed calls until its 0.15 s share
+    assert calls.count("aten") == 1 + 3  # 0.05 s each: the three-call minimum
+    assert calls.count("native") == 1 + 8  # 0.02 s each: 8 calls reach 0.16 s >= 0.15 s
     assert ch.candidate.name == "native"
