@@ -163,3 +163,173 @@ def test_cold_copies_exceed_budget():
     assert len(sets) == 8 and sets[0][0] is x
     assert sets[1][0].data_ptr() != x.data_ptr()
     assert len(autotune.cold_copies((x,), budget=0)) == 1
+
+
+# --- noise guard: confirmation of native winners, with injected timings --------------------------
+
+
+class FakeClock:
+    """A clock that only moves when a fake candidate 'runs' (exact, load-free timings)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _costed(clock: FakeClock, costs, calls: list | None = None, name: str = ""):
+    """A candidate whose i-th call takes costs(i) fake seconds."""
+    state = {"i": 0}
+
+    def f(x):
+        clock.t += costs(state["i"])
+        state["i"] += 1
+        if calls is not None:
+            calls.append(name)
+        return x * 2
+
+    return f
+
+
+def _fake_factory(clock: FakeClock, aten_costs, native_costs, calls: list | None = None):
+    fns = {}
+
+    def make(c: Candidate):
+        if c.name not in fns:  # one callable per candidate, so call counts span phases
+            costs = aten_costs if c.is_anchor else native_costs
+            fns[c.name] = _costed(clock, costs, calls, c.name)
+        return fns[c.name]
+
+    return make
+
+
+PAIR = [Candidate("aten", ATEN), Candidate("native")]
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    from torchport.autotune import timing
+
+    clock = FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    return clock
+
+
+def _select_pair(key, make, **kw):
+    return autotune.select(
+        "toy.pair", key, PAIR, make, lambda: (torch.ones(4),), cold=False, check=_check, **kw
+    )
+
+
+def test_beats_anchor_margin():
+    with config.override(autotune_noise=0.03):
+        assert autotune.beats_anchor(0.96, 1.0)
+        assert not autotune.beats_anchor(0.98, 1.0)
+        assert not autotune.beats_anchor(1.0, 1.0)
+    assert autotune.beats_anchor(0.98, 1.0, noise=0.0)
+
+
+def test_interleaved_alternates_and_takes_medians(fake_clock):
+    calls: list = []
+    fa = _costed(fake_clock, lambda i: [1e-3, 9e-3, 1e-3, 1e-3, 1e-3, 1e-3][i], calls, "a")
+    fb = _costed(fake_clock, lambda i: 2e-3, calls, "b")
+    ta, tb = autotune.interleaved([fa, fb], [(torch.ones(1),)], reps=5, warmup=1)
+    assert calls == ["a", "b"] * 6  # one warm-up round, then five alternating rounds
+    # the one slow sample (9 ms) does not move the median
+    assert (ta, tb) == pytest.approx((1e-3, 2e-3))
+
+
+def test_noisy_search_win_is_rejected_by_confirmation(fresh_cache, fake_clock):
+    """The case seen in the field: ATen's samples were inflated by a load burst during the
+    one-after-the-other search (20 ms), so a native kernel at 12 ms 'won'; timed alternately,
+    ATen is 1.6 ms and the native kernel is rejected, in memory and on disk."""
+    search_calls = 1 + 5  # check call (the warm-up), five timed repetitions
+    make = _fake_factory(
+        fake_clock, lambda i: 0.020 if i < search_calls else 0.0016, lambda i: 0.012
+    )
+    before = autotune.stats.rejected
+    with config.override(autotune_reps=5, autotune_noise=0.03):
+        ch = _select_pair({"case": "burst"}, make, confirm=True)
+    assert ch.timings_s["aten"] == pytest.approx(0.020)  # the search was fooled ...
+    assert ch.timings_s["native"] == pytest.approx(0.012)
+    assert ch.timings_s["confirm:aten"] == pytest.approx(0.0016)  # ... the confirmation not
+    assert ch.candidate.name == "aten"
+    assert autotune.stats.rejected == before + 1
+    assert autotune.choice_cache.get("toy.pair", {"case": "burst"})["choice"] == "aten"
+
+
+def test_same_search_without_confirmation_would_pick_native(fresh_cache, fake_clock):
+    search_calls = 1 + 5
+    make = _fake_factory(
+        fake_clock, lambda i: 0.020 if i < search_calls else 0.0016, lambda i: 0.012
+    )
+    with config.override(autotune_reps=5):
+        ch = _select_pair({"case": "burst"}, make, confirm=False)
+    assert ch.candidate.name == "native"  # what the guard exists for
+
+
+def test_real_native_win_survives_confirmation(fresh_cache, fake_clock):
+    make = _fake_factory(fake_clock, lambda i: 0.002, lambda i: 0.001)
+    with config.override(autotune_reps=5):
+        ch = _select_pair({"case": "real"}, make, confirm=True)
+    assert ch.candidate.name == "native"
+    assert ch.timings_s["confirm:native"] == pytest.approx(0.001)
+    assert ch.timings_s["confirm:aten"] == pytest.approx(0.002)
+
+
+def test_win_within_noise_margin_is_not_kept(fresh_cache, fake_clock):
+    make = _fake_factory(fake_clock, lambda i: 0.0100, lambda i: 0.0099)  # 1 % faster
+    with config.override(autotune_reps=5, autotune_noise=0.03):
+        assert _select_pair({"case": "margin"}, make, confirm=True).candidate.name == "aten"
+
+
+def test_saved_native_choice_is_revalidated_once_per_process(fresh_cache, fake_clock):
+    """A choice saved by another (loaded) process is confirmed before its first use here; a
+    wrong one is replaced by ATen on disk, a right one is timed only once per process."""
+    autotune.choice_cache.put("toy.pair", {"case": "saved-bad"}, "native", {"aten": 0.02})
+    calls: list = []
+    make = _fake_factory(fake_clock, lambda i: 0.0016, lambda i: 0.012, calls)
+    with config.override(autotune_reps=5):
+        ch = _select_pair({"case": "saved-bad"}, make, confirm=True)
+        assert ch.candidate.name == "aten" and calls  # timed, rejected
+        assert autotune.choice_cache.get("toy.pair", {"case": "saved-bad"})["choice"] == "aten"
+
+        autotune.choice_cache.put("toy.pair", {"case": "saved-good"}, "native", {"aten": 0.02})
+        calls.clear()
+        make = _fake_factory(fake_clock, lambda i: 0.002, lambda i: 0.001, calls)
+        first = _select_pair({"case": "saved-good"}, make, confirm=True)
+        assert first.candidate.name == "native" and first.from_cache
+        n_timed = len(calls)
+        assert n_timed >= 10  # warm-up plus at least five alternating rounds
+        again = _select_pair({"case": "saved-good"}, make, confirm=True)
+        assert again.candidate.name == "native" and len(calls) == n_timed  # not timed again
+
+
+def test_saved_native_choice_that_now_fails_is_not_used(fresh_cache, fake_clock):
+    autotune.choice_cache.put("toy.pair", {"case": "saved-broken"}, "native", {"aten": 0.02})
+
+    def make(c: Candidate):
+        if c.is_anchor:
+            return _costed(fake_clock, lambda i: 0.001)
+
+        def boom(x):
+            raise RuntimeError("kernel library went away")
+
+        return boom
+
+    ch = _select_pair({"case": "saved-broken"}, make, confirm=True)
+    assert ch.candidate.name == "aten"
+
+
+def test_budget_caps_the_search_time(fresh_cache, fake_clock):
+    """Each candidate gets an equal share of budget_s (at least three timed calls), so a slow
+    machine gives fewer samples instead of a longer search."""
+    calls: list = []
+    make = _fake_factory(fake_clock, lambda i: 0.05, lambda i: 0.02, calls)
+    with config.override(autotune_reps=100):
+        ch = _select_pair({"case": "budget"}, make, budget_s=0.3)
+    # per candidate: one checked call (the warm-up), then timed calls until its 0.15 s share
+    assert calls.count("aten") == 1 + 3  # 0.05 s each: the three-call minimum
+    assert calls.count("native") == 1 + 8  # 0.02 s each: 8 calls reach 0.16 s >= 0.15 s
+    assert ch.candidate.name == "native"

@@ -68,3 +68,26 @@ def test_describe_lists_every_setting():
     names = {name for name, *_ in config.describe()}
     assert names == set(config.SETTINGS)
     assert all(env.startswith("TORCHPORT_") for _, env, _, _ in config.describe())
+
+
+def test_stamp_tracks_assignment_env_and_override(monkeypatch):
+    """The hot-path token changes with every way a setting can change, and is None (resolve
+    with get) while an override is active."""
+    names = ("autotune", "native")
+    monkeypatch.delenv("TORCHPORT_AUTOTUNE", raising=False)
+    s0 = config.stamp(names)
+    assert s0 is not None and config.stamp(names) == s0
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")
+    s1 = config.stamp(names)
+    assert s1 != s0
+    try:
+        config.autotune = True
+        s2 = config.stamp(names)
+        assert s2 not in (s0, s1)
+    finally:
+        config.autotune = None
+    assert config.stamp(names) not in (s0, s1, s2)
+    with config.override(native=False):
+        assert config.stamp(names) is None
+    monkeypatch.delenv("TORCHPORT_AUTOTUNE")
+    assert config.stamp(names)[1] == s0[1]  # same environment strings as at the start

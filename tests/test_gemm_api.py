@@ -60,6 +60,11 @@ def test_autotuner_candidates_bounded_and_cached():
             cands = G.candidates(m, n, k, "avx2")
             assert 2 <= len(cands) <= 10
             assert sum(c.is_anchor for c in cands) == 1
+    # K-split for small M with large K, K cache blocks for larger M, both offered to the tuner
+    assert any(c.param("ks") == 2 for c in G.candidates(1, 3072, 4096, "avx2"))
+    assert any(c.param("kc") == 256 for c in G.candidates(32, 3072, 1024, "avx2"))
+    assert any(c.param("kc") == 256 for c in G.candidates(512, 3072, 768, "avx2"))
+    assert not any(c.param("kc") for c in G.candidates(512, 3072, 128, "avx2"))  # kc >= K
     before = autotune.stats.tuned
     a, b = torch.randn(12, 64), torch.randn(64, 48)
     mm(a, b)
@@ -73,6 +78,7 @@ def test_aten_only_backend_disables_native(monkeypatch):
     mm_mod = sys.modules["torchport.gemm.mm"]
 
     monkeypatch.setattr(mm_mod, "run_native", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(mm_mod.kernels, "launcher", lambda *a, **k: calls.append(1))
     with config.override(max_autotune_gemm_backends="ATEN"):
         a, b = torch.randn(6, 32), torch.randn(32, 16)
         y = mm(a, b)
@@ -140,6 +146,9 @@ def test_pack_cache_repacks_after_inplace_update():
     assert p3 is not p2 and float(p3[1, 7, 7]) == 123.0
     alias = torch.as_strided(w, (8, 16), (1, 8))  # a fresh alias object (as Inductor passes)
     assert cache.get(alias, 8) is p3
+    w.data[0, 0] = float("nan")  # the probe compares bits: a NaN weight stays cached
+    p4 = cache.get(w.t(), 8)
+    assert p4 is not p3 and cache.get(w.t(), 8) is p4
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0
 
@@ -258,3 +267,153 @@ def test_bias_fast_path_matches_split(dtype):
     assert mm_mod._BIAS_SPECS[dtype] == split([G.Bias(bias)], 3, 5).spec.encode()
     with pytest.raises(EpilogueError, match=r"shape \(5,\)"):
         mm(torch.randn(3, 4), torch.randn(4, 5), bias=torch.randn(6))
+
+
+def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_cache):
+    """Settled problems skip every config read on the eager path, yet an environment change
+    or an assignment still re-routes the next call (no override active: the stamp path)."""
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")  # first valid native candidate, no timing
+    calls: list[int] = []
+    real = mm_mod.kernels.launcher
+
+    def counting(*args):
+        launch = real(*args)
+        return lambda *a, **k: calls.append(1) or launch(*a, **k)
+
+    monkeypatch.setattr(mm_mod.kernels, "launcher", counting)
+    a, b = torch.randn(7, 40), torch.randn(40, 24)
+    ref = a @ b
+    for want_native in (True, True):
+        n = len(calls)
+        torch.testing.assert_close(mm(a, b), ref, rtol=1e-5, atol=1e-5)
+        assert len(calls) == n + int(want_native)
+    monkeypatch.setenv("TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS", "ATEN")
+    n = len(calls)
+    torch.testing.assert_close(mm(a, b), ref, rtol=1e-5, atol=1e-5)
+    assert len(calls) == n
+    monkeypatch.delenv("TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS")
+    mm(a, b)
+    assert len(calls) == n + 1
+    try:
+        config.native = False
+        mm(a, b)
+        assert len(calls) == n + 1
+    finally:
+        config.native = None
+    mm(a, b)
+    assert len(calls) == n + 2
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_thread_adaptive_follows_load(monkeypatch):
+    """Deterministic (fake clock): both launches are learned, the faster is used, a load change
+    is noticed by the periodic probe or by the current launch's own slowdown."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    cost = {"multi": 0.6e-3, "single": 1.2e-3}  # quiet machine: two threads win
+    used: list[str] = []
+
+    def arm(name):
+        def run(x):
+            clock.t += cost[name]
+            used.append(name)
+            return x
+
+        return run
+
+    ad = ThreadAdaptive(arm("multi"), arm("single"), probe_every=16)
+    for _ in range(20):
+        ad(0)
+    assert used[:6] == ["multi", "single"] * 3  # learning both, alternating
+    assert ad.current == 0 and used[6:].count("single") == 1  # one probe in 14 later calls
+    cost["multi"] = 8e-3  # a neighbour is busy: the two-thread launch stalls at its barrier
+    used.clear()
+    for _ in range(6):
+        ad(0)
+    assert ad.current == 1 and used[-1] == "single"  # its own median gave it away
+    cost["multi"] = 0.6e-3  # quiet again: the next probe of the two-thread launch...
+    for _ in range(40):
+        ad(0)
+    assert ad.current == 0 and ad.switches == 2  # ... brings it back
+
+
+def test_small_m_native_runner_adapts_threads(monkeypatch):
+    """A small-M native runner launches the config, its one-thread twin and ATen (while it
+    learns), all with the reference result; a large-M runner launches only the config."""
+    from torchport import native
+
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    if native.num_threads() < 2:
+        pytest.skip("needs two intra-op threads")
+    real = mm_mod.kernels.launcher
+    seen: list[int] = []
+
+    def recording(spec, cfg, *rest):
+        launch = real(spec, cfg, *rest)
+        return lambda *a: seen.append(cfg.nt) or launch(*a)
+
+    monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
+    cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
+    a, b = torch.randn(4, 300), torch.randn(300, 70)
+    run = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=True)
+    outs = [run(a, b, []) for _ in range(9)]
+    assert seen == [0, 1, 0, 1, 0, 1]  # kernel launches; every third call went to ATen
+    for o in outs:
+        torch.testing.assert_close(o, a @ b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[0], outs[1])  # the one-thread twin: bitwise the same
+    seen.clear()
+    fixed = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=False)
+    for _ in range(4):
+        fixed(a, b, [])
+    assert seen == [0, 0, 0, 0]
+
+
+def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
+    """With ATen as a third arm, a native choice that becomes slower than ATen under a load it
+    was not tuned for is replaced by ATen after the learning round (fake clock)."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    cost = {"multi": 6e-3, "single": 1.4e-3, "aten": 1.0e-3}
+    used: list[str] = []
+
+    def arm(name):
+        def run():
+            clock.t += cost[name]
+            used.append(name)
+
+        return run
+
+    ad = ThreadAdaptive(arm("multi"), arm("single"), arm("aten"), probe_every=8)
+    for _ in range(9):
+        ad()
+    assert used == ["multi", "single", "aten"] * 3 and ad.current == 2
+    used.clear()
+    for _ in range(16):
+        ad()
+    assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]
+
+
+def test_pack_probe_never_reads_moved_memory():
+    """A weight whose storage is reallocated in place (resize_) invalidates its probe without
+    reading the old, freed address."""
+    from torchport.gemm.pack import _Probe
+
+    w = torch.randn(64, 32)
+    probe = _Probe(w)
+    assert probe.unchanged()
+    w.resize_(1 << 20, 32)  # grows the storage: new memory
+    assert not probe.unchanged()

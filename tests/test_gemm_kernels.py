@@ -101,6 +101,62 @@ def test_every_tile_and_block(mr, nr, mc, pf):
     _assert_close(out, a, b, EpilogueSpec(), [])
 
 
+KSHAPES = [(1, 67, 1), (3, 29, 67), (7, 50, 301), (17, 130, 1000), (2, 5, 0)]
+
+
+@pytest.mark.parametrize("m,n,k", KSHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in KSHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "kc,ks,mc",
+    [(0, 2, 64), (0, 5, 64), (64, 1, 8), (7, 1, 5)],
+    ids=["ks2", "ks5_more_splits_than_some_k", "kc64_mc8", "kc7_mc5"],
+)
+def test_k_split_and_k_blocks(m, n, k, dtype, kc, ks, mc):
+    """K-split across threads (partial sums per split, one reduction pass with the epilogue)
+    and K cache blocks (partial sums carried between blocks) give the reference result, with
+    an epilogue chain, for K not a multiple of the split or block."""
+    spec = EpilogueSpec.decode("bias_col:f32;gelu;add:f32" if dtype == torch.float32 else "")
+    a, b = _make(m, n, k, dtype, "strided", "weight_t")
+    ops = _operands(spec, m, n)
+    for mr, nr in TILES[:2] if ks == 2 else TILES[:1]:
+        out = run_native(a, b, spec, ops, Config(mr, nr, mc, kc=kc, ks=ks))
+        _assert_close(out, a, b, spec, ops)
+
+
+def test_k_split_single_thread_and_bf16_out():
+    spec = EpilogueSpec.decode("silu;out=bf16")
+    a, b = _make(5, 37, 900, torch.float32, "c", "c")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread runs every split, then the reduction
+    try:
+        out = run_native(a, b, spec, [], Config(*TILES[0], 8, ks=2))
+    finally:
+        torch.set_num_threads(before)
+    _assert_close(out, a, b, spec, [])
+
+
+def test_bad_k_config_is_invalid_candidate():
+    from torchport.autotune import InvalidCandidate
+
+    a, b = _make(3, 3, 3, torch.float32, "c", "c")
+    with pytest.raises(InvalidCandidate, match="kc=64 ks=2"):
+        run_native(a, b, EpilogueSpec(), [], Config(*TILES[0], 4, kc=64, ks=2))
+    with pytest.raises(InvalidCandidate, match="ks >= 1"):
+        run_native(a, b, EpilogueSpec(), [], Config(*TILES[0], 4, ks=0))
+    with pytest.raises(InvalidCandidate, match="nt >= 0"):
+        run_native(a, b, EpilogueSpec(), [], Config(*TILES[0], 4, nt=-1))
+
+
+@pytest.mark.parametrize("ks", [1, 2])
+def test_one_thread_variant(ks):
+    """``nt=1`` caps the kernel at one thread (the loaded-machine candidates), same result."""
+    spec = EpilogueSpec.decode("bias_col:f32;relu")
+    a, b = _make(9, 131, 1100, torch.float32, "c", "weight_t")
+    ops = _operands(spec, 9, 131)
+    out = run_native(a, b, spec, ops, Config(*TILES[1], 9, ks=ks, nt=1))
+    _assert_close(out, a, b, spec, ops)
+
+
 CHAINS = [
     ("bias_col:f32;gelu;add:f32;scale=0.5", torch.float32),
     ("bias_row:f32;relu;scale_col:f32", torch.float32),

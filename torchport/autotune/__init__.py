@@ -1,19 +1,23 @@
 """One autotuner for every op family: candidates as data, same-run ATen anchor, persistent cache.
 
-See :func:`select`. Timing helpers (:func:`measure`, :func:`cold_copies`) are shared with the
-benchmarks in ``bench/``.
+See :func:`select`. Timing helpers (:func:`measure`, :func:`interleaved`, :func:`cold_copies`) are
+shared with the benchmarks in ``bench/``; :func:`confirm` is the one guard against noisy samples
+(a non-ATen winner re-timed in alternation against the ATen anchor).
 """
 
 from torchport.autotune.cache import ChoiceCache, CorruptChoiceCacheWarning, choice_cache
-from torchport.autotune.timing import L3_BYTES, cold_copies, measure, median, nbytes
+from torchport.autotune.timing import L3_BYTES, cold_copies, interleaved, measure, median, nbytes
 from torchport.autotune.tuner import (
     ATEN,
     NATIVE,
     Candidate,
     Choice,
+    Confirmation,
     InvalidCandidate,
     TunerStats,
     allowed_backends,
+    beats_anchor,
+    confirm,
     select,
     stats,
 )
@@ -25,12 +29,16 @@ __all__ = [
     "Candidate",
     "Choice",
     "ChoiceCache",
+    "Confirmation",
     "CorruptChoiceCacheWarning",
     "InvalidCandidate",
     "TunerStats",
     "allowed_backends",
+    "beats_anchor",
     "choice_cache",
     "cold_copies",
+    "confirm",
+    "interleaved",
     "measure",
     "median",
     "nbytes",

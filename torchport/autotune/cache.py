@@ -150,6 +150,8 @@ class ChoiceCache:
         }
         with self._lock:
             self._entries[k] = entry
+            # a replaced choice must not be served from the lookup memo
+            self._memo.pop((op, json.dumps(key, sort_keys=True, default=str)), None)
             if not config.get("autotune_cache"):
                 return
             p = self.path

@@ -19,6 +19,9 @@ from torchport import config
 
 L3_BYTES = 32 << 20  # this machine's L3; cold timing rotates more than this
 
+clock: Callable[[], float] = time.perf_counter
+"""The timer every measurement reads (tests replace it with a fake clock for exact timings)."""
+
 
 def nbytes(obj: Any) -> int:
     """Total bytes of the tensors in a (nested) tuple/list of arguments."""
@@ -68,20 +71,51 @@ def measure(
     for i in range(warmup):
         fn(*arg_sets[i % n])
     times: list[float] = []
-    start = time.perf_counter()
+    start = clock()
     i = 0
     while True:
         args = arg_sets[i % n]
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(*args)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         i += 1
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if i >= reps and elapsed >= min_time_s:
             break
         if elapsed >= max_time_s and i >= 3:
             break
     return times
+
+
+def interleaved(
+    fns: Sequence[Callable[..., Any]],
+    arg_sets: Sequence[tuple[Any, ...]],
+    *,
+    reps: int,
+    warmup: int = 1,
+    max_time_s: float = 10.0,
+) -> list[float]:
+    """Median seconds per call of each of ``fns``, timed in alternation (f0, f1, f0, f1, ...).
+
+    A burst of load on a shared machine then hits every function alike, where timing one after
+    the other lets the burst decide. Argument sets rotate per round, so within a round every
+    function reads the same set.
+    """
+    n = len(arg_sets)
+    for i in range(warmup):
+        for fn in fns:
+            fn(*arg_sets[i % n])
+    samples: list[list[float]] = [[] for _ in fns]
+    start = clock()
+    for i in range(max(1, reps)):
+        args = arg_sets[i % n]
+        for fn, out in zip(fns, samples):
+            t0 = clock()
+            fn(*args)
+            out.append(clock() - t0)
+        if i >= 2 and clock() - start >= max_time_s:
+            break
+    return [median(s) for s in samples]
 
 
 def median(times: Sequence[float]) -> float:

@@ -5,10 +5,17 @@ candidate into a callable, raising :class:`InvalidCandidate` for a configuration
 the problem (the search skips it). The ATen candidate is the anchor: it is always timed in the
 same run, and a non-ATen candidate is chosen only if it is correct (checked against the anchor's
 output) and faster than the anchor by more than ``config.autotune_noise``.
+
+With ``select(..., confirm=True)`` a non-ATen winner must also survive :func:`confirm`: the winner
+and the anchor timed in alternation on the same inputs, so that a burst of load during the
+one-after-the-other search cannot crown a slow kernel. A winner read from the persistent cache
+(possibly tuned by another, loaded process) is confirmed the same way once per process; a winner
+that fails is replaced by the anchor, in memory and on disk.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +25,7 @@ from tqdm import tqdm
 
 from torchport import config
 from torchport.autotune.cache import ChoiceCache, choice_cache
-from torchport.autotune.timing import cold_copies, measure, median
+from torchport.autotune.timing import clock, cold_copies, interleaved, measure, median
 
 ATEN = "ATEN"
 NATIVE = "NATIVE"
@@ -68,9 +75,55 @@ class TunerStats:
     cache_hits: int = 0
     candidates_timed: int = 0
     candidates_failed: int = 0
+    confirmed: int = 0
+    rejected: int = 0
 
 
 stats = TunerStats()
+
+# (op, problem key, candidate) -> verdict of this process's confirmation of a non-ATen choice
+_confirmed: dict[tuple[str, str, str], bool] = {}
+
+
+def _memo_key(op: str, key: Mapping[str, Any], cand: Candidate) -> tuple[str, str, str]:
+    return (op, json.dumps(key, sort_keys=True, default=str), cand.name)
+
+
+def beats_anchor(t: float, t_anchor: float, noise: float | None = None) -> bool:
+    """The rule for keeping a non-ATen candidate: faster than the anchor by more than ``noise``
+    (default ``config.autotune_noise``) as a fraction of the anchor's time."""
+    margin = float(config.get("autotune_noise")) if noise is None else noise
+    return t < t_anchor * (1.0 - margin)
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """Outcome of :func:`confirm`: medians of the alternating timing and the verdict."""
+
+    won: bool
+    candidate_s: float
+    anchor_s: float
+
+
+def confirm(
+    fn: Callable[..., Any],
+    anchor_fn: Callable[..., Any],
+    arg_sets: Sequence[tuple[Any, ...]],
+    *,
+    reps: int | None = None,
+    max_time_s: float = 2.0,
+) -> Confirmation:
+    """Time ``fn`` and ``anchor_fn`` in alternation on ``arg_sets``; ``won`` if ``fn`` still
+    :func:`beats_anchor`. Used by :func:`select` (``confirm=True``) and by ops that decide
+    between ATen and a native route themselves."""
+    n = max(5, int(config.get("autotune_reps")) if reps is None else reps)
+    t_fn, t_anchor = interleaved([fn, anchor_fn], arg_sets, reps=n, max_time_s=max_time_s)
+    won = beats_anchor(t_fn, t_anchor)
+    if won:
+        stats.confirmed += 1
+    else:
+        stats.rejected += 1
+    return Confirmation(won, t_fn, t_anchor)
 
 
 def allowed_backends() -> set[str]:
@@ -92,12 +145,18 @@ def select(
     check: Callable[[Any, Any], bool] | None = None,
     cache: ChoiceCache | None = None,
     backends: set[str] | None = None,
+    confirm: bool = False,
+    budget_s: float | None = None,
 ) -> Choice:
     """Choose the fastest valid candidate for ``(op, key)``, using and filling the choice cache.
 
     ``make_args`` builds representative arguments (called only when timing is needed);
     ``check(out, anchor_out)`` accepts a candidate's result. Backends outside ``backends``
     (default: :func:`allowed_backends`) are never chosen, but the ATen anchor is always timed.
+    ``confirm=True`` re-times a non-ATen winner against the anchor in alternation before it is
+    kept (fresh winners before they are saved, cached ones once per process). ``budget_s`` caps
+    the timing of the search: each candidate gets an equal share (at least three calls), so a
+    loaded machine gives fewer samples rather than a longer search.
     """
     cache = cache or choice_cache
     allowed = allowed_backends() if backends is None else backends
@@ -115,7 +174,21 @@ def select(
     hit = cache.get(op, key)
     if hit is not None and hit["choice"] in by_name and by_name[hit["choice"]] in eligible:
         stats.cache_hits += 1
-        return Choice(op, by_name[hit["choice"]], dict(hit.get("timings_s", {})), from_cache=True)
+        chosen = by_name[hit["choice"]]
+        timings = dict(hit.get("timings_s", {}))
+        if confirm and not chosen.is_anchor and anchor in eligible and config.get("autotune"):
+            memo = _memo_key(op, key, chosen)
+            ok = _confirmed.get(memo)
+            if ok is None:
+                t0 = clock()
+                ok = _confirm_choice(chosen, anchor, factory, make_args, cold, timings)
+                _confirmed[memo] = ok
+                if not ok:
+                    cache.put(op, key, anchor.name, timings)
+                    return Choice(op, anchor, timings, tune_time_s=clock() - t0)
+            if not ok:
+                return Choice(op, anchor, timings, from_cache=True)
+        return Choice(op, chosen, timings, from_cache=True)
 
     if not config.get("autotune"):
         for c in eligible:
@@ -128,7 +201,36 @@ def select(
                 continue
         return Choice(op, anchor)
 
-    return _tune(op, key, anchor, eligible, factory, make_args, cold, check, cache)
+    return _tune(
+        op, key, anchor, eligible, factory, make_args, cold, check, cache, confirm, budget_s
+    )
+
+
+def _confirm_choice(
+    chosen: Candidate,
+    anchor: Candidate,
+    factory: Callable[[Candidate], Callable[..., Any]],
+    make_args: Callable[[], tuple[Any, ...]],
+    cold: bool,
+    timings: dict[str, float],
+    args: tuple[Any, ...] | None = None,
+    confirm_s: float = 2.0,
+) -> bool:
+    """Alternating timing of ``chosen`` against ``anchor``; records both in ``timings``.
+
+    A candidate that cannot even be built or run now is rejected like a slow one.
+    """
+    try:
+        if args is None:
+            args = make_args()
+        arg_sets = cold_copies(args) if cold else [args]
+        res = confirm(factory(chosen), factory(anchor), arg_sets, max_time_s=confirm_s)
+    except Exception:  # a candidate that fails now is never chosen
+        stats.rejected += 1
+        return False
+    timings[f"confirm:{chosen.name}"] = res.candidate_s
+    timings[f"confirm:{anchor.name}"] = res.anchor_s
+    return res.won
 
 
 def _tune(
@@ -141,12 +243,15 @@ def _tune(
     cold: bool,
     check: Callable[[Any, Any], bool] | None,
     cache: ChoiceCache,
+    confirm_win: bool = False,
+    budget_s: float | None = None,
 ) -> Choice:
     t_start = time.perf_counter()
     args = make_args()
     arg_sets = cold_copies(args) if cold else [args]
     reps = config.get("autotune_reps")
     order = [anchor] + [c for c in eligible if not c.is_anchor]
+    cap_s = 2.0 if budget_s is None else max(0.01, budget_s / len(order))
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}
     anchor_out: Any = None
@@ -165,7 +270,10 @@ def _tune(
                 anchor_out = out
             elif check is not None and anchor_out is not None and not check(out, anchor_out):
                 raise InvalidCandidate("result does not match the ATen anchor")
-            times = measure(fn, arg_sets, reps=reps, warmup=1, max_time_s=2.0)
+            # with one argument set, the checked call above was the warm-up (and, for packed
+            # kernels, the packing); rotated cold sets start with one more warm-up call
+            warm = 1 if len(arg_sets) > 1 else 0
+            times = measure(fn, arg_sets, reps=reps, warmup=warm, max_time_s=cap_s)
             timings[cand.name] = median(times)
             stats.candidates_timed += 1
         except InvalidCandidate as e:
@@ -180,9 +288,15 @@ def _tune(
     else:
         choice = min(ranked, key=lambda c: timings[c.name])
         if not choice.is_anchor and anchor.name in timings and anchor in eligible:
-            noise = config.get("autotune_noise")
-            if timings[choice.name] > timings[anchor.name] * (1.0 - noise):
+            if not beats_anchor(timings[choice.name], timings[anchor.name]):
                 choice = anchor
+            elif confirm_win:
+                ok = _confirm_choice(
+                    choice, anchor, factory, make_args, cold, timings, args, 2 * cap_s
+                )
+                _confirmed[_memo_key(op, key, choice)] = ok
+                if not ok:
+                    choice = anchor
     stats.tuned += 1
     cache.put(op, key, choice.name, timings)
     return Choice(op, choice, timings, failures, tune_time_s=time.perf_counter() - t_start)

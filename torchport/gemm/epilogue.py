@@ -176,7 +176,7 @@ class Split:
 def _operand(t: Any, what: str, shape: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise EpilogueError(f"{what} must be a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise EpilogueError(f"{what} must be on cpu, got {t.device}")
     if t.dtype not in FUSABLE_DTYPES:
         raise EpilogueError(f"{what} must be float32 or bfloat16, got {t.dtype}")
@@ -361,3 +361,19 @@ def emit_c(spec: EpilogueSpec) -> tuple[str, str]:
         if k in OPERAND_KINDS:
             q += 1
     return "\n        ".join(vec), "\n        ".join(sca)
+
+
+def emit_prefetch(spec: EpilogueSpec) -> str:
+    """C body prefetching, for row ``i`` and columns ``[j, j + nr)``, the ``[M, N]`` operands
+    the epilogue will read (residuals): issued before a tile's K loop, so the loads at its store
+    do not each wait for memory (``ep``/``eld`` as in :func:`emit_c`)."""
+    lines: list[str] = []
+    q = 0
+    for op in spec.ops:
+        if op.kind == "add":
+            ct = "float" if op.dtype == "f32" else "uint16_t"
+            row = f"((const {ct} *)ep[{q}]) + i * eld[{q}] + j"
+            lines.append(f"VPREFETCH({row}); VPREFETCH({row} + nr - 1);")
+        if op.kind in OPERAND_KINDS:
+            q += 1
+    return "\n        ".join(lines)

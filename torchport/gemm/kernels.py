@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -44,16 +44,27 @@ class GemmInputError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    """One native variant: register tile, M block (``mc >= M`` streams B once), prefetch."""
+    """One native variant: register tile, M block (``mc >= M`` streams B once), prefetch
+    distance, K block ``kc`` (0: all of K at once; else partial sums in an fp32 buffer, so a
+    ``kc x NR`` slice of B stays in L1 while the rows of an M block use it) and K-split ``ks``
+    (> 1: the threads also split K, each summing its share into its own buffer, and a final pass
+    adds the shares and applies the epilogue; for small M with large K and few N panels) and a
+    thread cap ``nt`` (0: torch's intra-op threads; 1: one thread, which on a shared, loaded
+    machine avoids waiting for a descheduled second thread at the end of a short kernel)."""
 
     mr: int
     nr: int
     mc: int
     pf: int = 0
+    kc: int = 0
+    ks: int = 1
+    nt: int = 0
 
     @property
     def name(self) -> str:
-        return f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+        base = f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+        opt = (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
+        return base + opt + (f"_nt{self.nt}" if self.nt else "")
 
 
 def mm_reference(
@@ -124,6 +135,9 @@ def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: i
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
     ]
     fn.restype = ctypes.c_int
     return fn
@@ -133,8 +147,12 @@ def check_config(cfg: Config, isa: str) -> None:
     """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
     if (cfg.mr, cfg.nr) not in TILES[isa]:
         raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
-    if cfg.mc < 1 or cfg.pf < 0:
-        raise InvalidCandidate(f"mc must be >= 1 and pf >= 0, got {cfg}")
+    if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1 or cfg.nt < 0:
+        raise InvalidCandidate(f"mc must be >= 1, pf >= 0, kc >= 0, ks >= 1 and nt >= 0, got {cfg}")
+    if cfg.kc and cfg.ks > 1:
+        raise InvalidCandidate(
+            f"K blocking and K-split do not combine, got kc={cfg.kc} ks={cfg.ks}"
+        )
 
 
 def prepare_operands(
@@ -155,6 +173,76 @@ def prepare_operands(
     return kept, lds
 
 
+_Launch = Callable[..., torch.Tensor]
+
+
+@functools.cache
+def launcher(
+    spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, b_dtype: torch.dtype, isa: str
+) -> _Launch:
+    """A launch function for one (epilogue, config, dtypes, ISA): everything that does not
+    depend on the call's tensors (validation, library lookup, output dtype) is done once here,
+    so a call costs a few tensor attribute reads and the ctypes call."""
+    check_config(cfg, isa)
+    out_dtype = spec.out_dtype(a_dtype)
+    fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
+    mr, nr, mc, pf, kc, ks, nt = cfg.mr, cfg.nr, cfg.mc, cfg.pf, cfg.kc, cfg.ks, cfg.nt
+    f32 = torch.float32
+    none_ptr = (ctypes.c_void_p * 1)(0)
+    none_ld = (ctypes.c_int64 * 1)(0)
+
+    def launch(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        operands: Sequence[torch.Tensor],
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        m, k = a.shape
+        n = b.shape[1]
+        c = torch.empty(m, n, dtype=out_dtype)
+        if m == 0 or n == 0:
+            return c
+        a32 = a if a.dtype == f32 else a.float()
+        if packed is None:
+            packed = pack_cache.get(b, nr)
+        if operands:
+            ops, lds = prepare_operands(spec, operands)
+            eptr: Any = (ctypes.c_void_p * len(ops))(*[t.data_ptr() for t in ops])
+            eld: Any = (ctypes.c_int64 * len(ops))(*lds)
+        else:
+            eptr, eld = none_ptr, none_ld
+        work: torch.Tensor | None = None
+        if ks > 1:
+            work = torch.empty(ks * m * n, dtype=f32)
+        elif 0 < kc < k:
+            work = torch.empty(m * n, dtype=f32)
+        threads = max(1, torch.get_num_threads())
+        status = fn(
+            c.data_ptr(),
+            n,
+            a32.data_ptr(),
+            a32.stride(0),
+            a32.stride(1),
+            packed.data_ptr(),
+            m,
+            n,
+            k,
+            mc,
+            pf,
+            eptr,
+            eld,
+            min(nt, threads) if nt else threads,
+            kc,
+            ks,
+            None if work is None else work.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"tp_gemm_{mr}x{nr} returned status {status} for {cfg}")
+        return c
+
+    return launch
+
+
 def run_native(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -165,37 +253,4 @@ def run_native(
 ) -> torch.Tensor:
     """One native GEMM call (B packed through the cache unless ``packed`` is given)."""
     isa = native.cpu_info().isa
-    check_config(cfg, isa)
-    m, k = a.shape
-    n = b.shape[1]
-    out_dtype = spec.out_dtype(a.dtype)
-    c = torch.empty(m, n, dtype=out_dtype)
-    if m == 0 or n == 0:
-        return c
-    a32 = a if a.dtype == torch.float32 else a.float()
-    if packed is None:
-        packed = pack_cache.get(b, cfg.nr)
-    ops, lds = prepare_operands(spec, operands)
-    nops = max(1, len(ops))
-    eptr = (ctypes.c_void_p * nops)(*[t.data_ptr() for t in ops])
-    eld = (ctypes.c_int64 * nops)(*lds)
-    fn = _function(spec, _TAG[b.dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
-    status = fn(
-        c.data_ptr(),
-        n,
-        a32.data_ptr(),
-        a32.stride(0),
-        a32.stride(1),
-        packed.data_ptr(),
-        m,
-        n,
-        k,
-        cfg.mc,
-        cfg.pf,
-        ctypes.addressof(eptr),
-        ctypes.addressof(eld),
-        native.num_threads(),
-    )
-    if status != 0:
-        raise RuntimeError(f"tp_gemm_{cfg.mr}x{cfg.nr} returned status {status} for {cfg}")
-    return c
+    return launcher(spec, cfg, a.dtype, b.dtype, isa)(a, b, operands, packed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, L3_BYTES, Candidate, InvalidCandidate
 from torchport.gemm import kernels
+from torchport.gemm.adaptive import ThreadAdaptive
 from torchport.gemm.epilogue import (
     OPERAND_KINDS,
     Bias,
@@ -35,7 +36,7 @@ from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
 from torchport.gemm.pack import pack_b, pack_cache
 
 SMALL_M = 32
-TUNE_BUDGET_S = 1.5  # timing budget per new shape (compilation is per epilogue, cached on disk)
+TUNE_BUDGET_S = 1.0  # timing budget per new shape (compilation is per epilogue, cached on disk)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -43,46 +44,84 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
-    """ATen anchor plus at most nine native configurations for this problem size."""
+    """ATen anchor plus at most nine native configurations for this problem size: register
+    tiles and prefetch for the weight-streaming small-M path (plus a K-split across the threads
+    when K is large), M and K cache blocks for larger M."""
     cands = [Candidate("aten", ATEN)]
     scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
     if scale == 0:
         cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
     elif m <= SMALL_M:
-        # weight streaming: every panel of B read once (mc >= M), rows reuse it from L1/L2
-        mm_ = max(m, 1)
-        tiles = [(8, 8), (4, 24), (6, 16), (2, 32)] + ([(1, 64)] if m <= 2 else [])
-        cfgs = [Config(mr, nr * scale, mm_) for mr, nr in tiles]
-        cfgs += [Config(8, 8 * scale, mm_, 16), Config(4, 24 * scale, mm_, 8)]
+        # weight streaming: every panel of B read once (mc >= M), rows reuse it from L1/L2.
+        # One-thread variants: a short kernel on a loaded machine otherwise waits for its
+        # descheduled second thread (measured: 1.2 ms alone, ~20 ms with two threads at load 7).
+        # Ordered by promise: big problems keep only the first few (cold-tuning budget).
+        mm_, big_k = max(m, 1), k >= 1024
+        t6 = Config(
+            6, 16 * scale, mm_, kc=256 if big_k and m > 8 else 0
+        )  # K blocks if compute-bound
+        cfgs = [
+            Config(8, 8 * scale, mm_),
+            Config(4, 24 * scale, mm_),
+            t6,
+            Config(4, 24 * scale, mm_, nt=1),
+            Config(8, 8 * scale, mm_, 16),
+            Config(2, 32 * scale, mm_, nt=1) if m <= 2 else Config(8, 8 * scale, mm_, nt=1),
+        ]
+        if big_k:  # the threads may also split K (helps when N has few panels)
+            cfgs.append(Config(4, 24 * scale, mm_, ks=2))
+        cfgs += [Config(4, 24 * scale, mm_, 8), Config(2, 32 * scale, mm_)]
+        if m <= 2:
+            cfgs.append(Config(1, 64 * scale, mm_))
     else:
         cfgs = [
-            Config(6, 16 * scale, 48),
             Config(6, 16 * scale, 96),
-            Config(4, 24 * scale, 64),
+            Config(6, 16 * scale, 96, kc=256),  # K blocks: a 256 x NR slice of B stays in L1
             Config(4, 24 * scale, 128),
+            Config(6, 16 * scale, 48),
+            Config(4, 24 * scale, 64),
+            Config(4, 24 * scale, 128, kc=384),
             Config(8, 8 * scale, 64),
         ]
+        cfgs = [c for c in cfgs if c.kc < k]
     # problems whose single call is long get fewer candidates (cold-tuning budget)
     est_s = 2.0 * m * n * k / 5e10
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
     for c in cfgs[:9]:
-        cands.append(
-            Candidate(c.name, params=(("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf)))
-        )
+        params = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf), ("kc", c.kc))
+        cands.append(Candidate(c.name, params=(*params, ("ks", c.ks), ("nt", c.nt))))
     return cands
 
 
 def _config(c: Candidate) -> Config:
-    return Config(int(c.param("mr")), int(c.param("nr")), int(c.param("mc")), int(c.param("pf")))
+    return Config(
+        int(c.param("mr")),
+        int(c.param("nr")),
+        int(c.param("mc")),
+        int(c.param("pf")),
+        int(c.param("kc", 0)),
+        int(c.param("ks", 1)),
+        int(c.param("nt", 0)),
+    )
 
 
 @dataclass
 class _Rotation:
-    """Cold-cache argument copies; each candidate packs every copy once, untimed."""
+    """Cold-cache argument copies; the packed weights of every copy are made once per panel
+    width ``nr``, untimed, and shared by the candidates that use that width."""
 
     copies: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
     shared_pack: bool = False
+    packs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def packed(self, idx: int, nr: int) -> torch.Tensor:
+        hit = self.packs.get((idx, nr))
+        if hit is None:
+            b = self.copies[idx][1]
+            hit = pack_cache.get(b, nr) if self.shared_pack else pack_b(b, nr)
+            self.packs[(idx, nr)] = hit
+        return hit
 
 
 def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
@@ -97,16 +136,17 @@ def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.
         return aten
     cfg = _config(c)
     kernels.check_config(cfg, native.cpu_info().isa)
-    packs: dict[int, torch.Tensor] = {}
+    primed: list[bool] = []
 
     def ours(rot: _Rotation) -> torch.Tensor:
-        if not packs:
-            for idx, (_, b, _) in enumerate(rot.copies):
-                packs[idx] = pack_cache.get(b, cfg.nr) if rot.shared_pack else pack_b(b, cfg.nr)
+        if not primed:  # pack every copy on the first (untimed) call
+            for idx in range(len(rot.copies)):
+                rot.packed(idx, cfg.nr)
+            primed.append(True)
         idx = state["i"] % len(rot.copies)
         state["i"] += 1
         a, b, ops = rot.copies[idx]
-        return run_native(a, b, spec, ops, cfg, packed=packs[idx])
+        return run_native(a, b, spec, ops, cfg, packed=rot.packed(idx, cfg.nr))
 
     return ours
 
@@ -117,8 +157,10 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
     if out.numel() == 0:
         return True
     tol = 3e-2 if out.dtype == torch.bfloat16 else 1e-3
-    scale = float(ref.double().abs().max()) + 1.0
-    return bool(float((out.double() - ref.double()).abs().max()) <= tol * scale)
+    o, r = out.float(), ref.float()  # float32 is exact for both dtypes' values
+    scale = float(r.abs().max()) + 1.0
+    diff = float((o - r).abs().max())
+    return diff <= tol * scale  # NaN in either fails
 
 
 def bucket(m: int) -> int:
@@ -131,12 +173,23 @@ decisions: dict[tuple[str, str], str] = {}
 _decisions_lock = threading.Lock()
 
 
-# settled choices for this process: (problem, settings that steer the choice) -> candidate.
-# A hit skips building the candidate list, the key and the choice-cache lookup, so a call the
-# autotuner gave to ATen costs about what the ATen call costs (the per-call Python was ~0.1 ms).
-# Emptied whenever the choice cache forgets its in-memory view (``clear_memory``).
-_settled: dict[tuple[Any, ...], Candidate] = {}
+# settled choices for this process: (problem, settings stamp) -> (candidate, runner). A hit skips
+# the candidate list, the tuning key, the choice-cache lookup and every config read: the runner
+# is called directly (``torch.addmm`` for an ATen choice), so a call the autotuner gave to ATen
+# costs about what the ATen call costs. Emptied whenever the choice cache forgets its in-memory
+# view (``clear_memory``); the settings enter as :func:`torchport.config.stamp`, which changes on
+# any assignment, override or change of the environment variables.
+_Runner = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+_settled: dict[tuple[Any, ...], tuple[Candidate, _Runner]] = {}
 _settled_view: list[object] = [None]
+_STATE_SETTINGS = (
+    "isa",  # cpu_info().isa is this setting capped by the (fixed) hardware
+    "native",
+    "max_autotune_gemm_backends",
+    "autotune",
+    "autotune_cache",
+    "cache_dir",
+)
 
 
 def _settings_state() -> tuple[Any, ...]:
@@ -145,34 +198,91 @@ def _settings_state() -> tuple[Any, ...]:
     if view is not _settled_view[0]:  # identity, not id(): the old view is kept alive here
         _settled.clear()
         _settled_view[0] = view
-    return (
-        config.get("isa"),  # cpu_info().isa is this setting capped by the (fixed) hardware
-        config.get("native"),
-        config.get("max_autotune_gemm_backends"),
-        config.get("autotune"),
-        config.get("autotune_cache"),
-        torch.get_num_threads(),
-    )
+    st = config.stamp(_STATE_SETTINGS)
+    if st is None:  # an override is active: its values, read one by one
+        st = ("override", *(config.get(name) for name in _STATE_SETTINGS))
+    return (st, torch.get_num_threads())
+
+
+def _layout(b: torch.Tensor) -> str:
+    return "t" if b.stride(0) == 1 and b.stride(1) != 1 else "n"
+
+
+def _settled_key(a: torch.Tensor, b: torch.Tensor, spec: str) -> tuple[Any, ...]:
+    m, k = a.shape
+    return (bucket(m), b.shape[1], k, a.dtype, _layout(b), spec, _settings_state())
+
+
+def _aten_runner(spec: EpilogueSpec, encoded: str) -> _Runner:
+    """The ATen path for ``spec`` as a direct call where one op does it all."""
+    if encoded == "":
+        return lambda a, b, ops: torch.mm(a, b)
+    if encoded in _BIAS_SPECS.values():
+        return lambda a, b, ops: (
+            torch.addmm(ops[0], a, b) if ops[0].dtype == a.dtype else mm_aten(a, b, spec, ops)
+        )
+    return lambda a, b, ops: mm_aten(a, b, spec, ops)
+
+
+def _native_runner(spec: EpilogueSpec, cfg: Config, adapt: bool = False) -> _Runner:
+    """Runner of one native config; with ``adapt`` (small M, all threads) a
+    :class:`~torchport.gemm.adaptive.ThreadAdaptive` over the config, its one-thread twin and
+    ATen."""
+    launches: dict[tuple[torch.dtype, torch.dtype], Callable[..., torch.Tensor]] = {}
+
+    def make(a: torch.Tensor, b: torch.Tensor) -> Callable[..., torch.Tensor]:
+        isa = native.cpu_info().isa  # part of the settled key: fixed for this runner
+        multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
+        if not adapt or cfg.nt or native.num_threads() < 2:
+            return multi
+        single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
+        return ThreadAdaptive(multi, single, lambda a, b, ops: mm_aten(a, b, spec, ops))
+
+    def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
+        try:
+            launch = launches.get((a.dtype, b.dtype))
+            if launch is None:
+                launch = launches[(a.dtype, b.dtype)] = make(a, b)
+            return launch(a, b, ops)
+        except native.NativeError as e:
+            native.note_fallback("gemm", e)
+            return mm_aten(a, b, spec, ops)
+
+    return run
+
+
+def _settle(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    spec: EpilogueSpec,
+    encoded: str,
+    operands: Sequence[torch.Tensor],
+) -> tuple[Candidate, _Runner]:
+    """Candidate and runner for this problem, from the settled table or by asking the tuner."""
+    key = _settled_key(a, b, encoded)
+    hit = _settled.get(key)
+    if hit is not None:
+        return hit
+    cand = _choose(a, b, spec, operands, key[0], key[4])
+    if cand.is_anchor:
+        run = _aten_runner(spec, encoded)
+    else:
+        # small M over a weight of >= 1 MiB fp32: calls of ~0.1 ms and up, where the
+        # per-call timing of the adaptive pair (a few us) is noise
+        adapt = key[0] <= SMALL_M and key[1] * key[2] >= 1 << 18
+        run = _native_runner(spec, _config(cand), adapt=adapt)
+    if config.get("autotune_cache"):  # without the choice cache every call re-tunes, as before
+        if len(_settled) > 4096:
+            _settled.clear()
+        _settled[key] = (cand, run)
+    return cand, run
 
 
 def choose(
     a: torch.Tensor, b: torch.Tensor, spec: EpilogueSpec, operands: Sequence[torch.Tensor]
 ) -> Candidate:
     """Autotuned candidate for this problem (ATen when native kernels are off or disallowed)."""
-    m, k = a.shape
-    n = b.shape[1]
-    mb = bucket(m)
-    layout = "t" if b.stride(0) == 1 and b.stride(1) != 1 else "n"
-    fast_key = (mb, n, k, a.dtype, layout, spec, _settings_state())
-    hit = _settled.get(fast_key)
-    if hit is not None:
-        return hit
-    cand = _choose(a, b, spec, operands, mb, layout)
-    if fast_key[-1][4]:  # without the choice cache every call re-tunes, as before
-        if len(_settled) > 4096:
-            _settled.clear()
-        _settled[fast_key] = cand
-    return cand
+    return _settle(a, b, spec, spec.encode(), operands)[0]
 
 
 def _choose(
@@ -244,6 +354,8 @@ def _choose(
             cold=False,
             check=_close,
             backends=autotune.allowed_backends(),
+            confirm=True,
+            budget_s=TUNE_BUDGET_S,
         )
     with _decisions_lock:
         label = f"M={m} N={n} K={k} {key['dtype']} [{key['epilogue'] or 'none'}]"
@@ -260,12 +372,9 @@ def _gemm_impl(
     sp = EpilogueSpec.decode(spec)
     if native.enabled() and a.shape[0] > 0 and b.shape[1] > 0:
         try:
-            cand = choose(a, b, sp, operands)
-            if not cand.is_anchor:
-                return run_native(a, b, sp, operands, _config(cand))
-        except native.NativeError as e:
-            native.note_fallback("gemm", e)
-        except InvalidCandidate as e:
+            _, run = _settle(a, b, sp, spec, operands)
+            return run(a, b, operands)
+        except (native.NativeError, InvalidCandidate) as e:
             native.note_fallback("gemm", e)
     return mm_aten(a, b, sp, operands)
 
@@ -372,7 +481,7 @@ torch.library.register_autograd("torchport::gemm", _backward, setup_context=_set
 def _check_matrix(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise GemmInputError(f"mm: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise GemmInputError(f"mm: {name} must be on device 'cpu', got {t.device}")
     if t.dim() != 2:
         raise GemmInputError(f"mm: {name} must be 2-D, got {t.dim()}-D shape {tuple(t.shape)}")
@@ -389,7 +498,7 @@ def _plain_bias(t: object, n: int) -> bool:
     """True for a bias :func:`split` would accept as is: a CPU float32/bfloat16 tensor ``[n]``."""
     return (
         isinstance(t, torch.Tensor)
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.dtype in _BIAS_SPECS
         and t.dim() == 1
         and t.shape[0] == n
@@ -426,7 +535,7 @@ def mm(
         operands = [] if bias is None else [bias]
         spec = "" if bias is None else _BIAS_SPECS[bias.dtype]
         if native.eager_fast_path(a, b, *operands):
-            return _gemm_impl(a, b, operands, spec)
+            return _eager(a, b, operands, spec)
         return _gemm_op(a, b, operands, spec)
     steps: list[Step] = []
     if bias is not None:
@@ -434,10 +543,22 @@ def mm(
     steps.extend(as_steps(epilogue))
     sp = split(steps, a.shape[0], b.shape[1])
     if native.eager_fast_path(a, b, *sp.operands):
-        y = _gemm_impl(a, b, sp.operands, sp.spec.encode())
+        y = _eager(a, b, sp.operands, sp.spec.encode())
     else:
         y = _gemm_op(a, b, sp.operands, sp.spec.encode())
     return apply_tail(y, sp.tail) if sp.tail else y
+
+
+def _eager(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
+) -> torch.Tensor:
+    """Plain eager call: a settled problem goes straight to its runner (no dispatcher, no spec
+    decoding, no config reads); anything else takes the custom op's implementation."""
+    if a.shape[0] > 0 and b.shape[1] > 0:
+        hit = _settled.get(_settled_key(a, b, spec))
+        if hit is not None:
+            return hit[1](a, b, operands)
+    return _gemm_impl(a, b, operands, spec)
 
 
 def gemm_op(

@@ -12,9 +12,11 @@ alias of the same weight on every call.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,12 +35,17 @@ def pack_b_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
 
 
 def pack_b(b: torch.Tensor, nr: int) -> torch.Tensor:
-    """Pack ``b`` ``[K, N]`` into ``[ceil(N/nr), K, nr]`` panels (two torch copies)."""
+    """Pack ``b`` ``[K, N]`` into ``[ceil(N/nr), K, nr]`` panels (one strided copy; only the
+    last, partial panel is zero padded)."""
     k, n = b.shape
-    npan = (n + nr - 1) // nr
-    wt = torch.zeros(npan * nr, k, dtype=b.dtype)
-    wt[:n].copy_(b.t())
-    return wt.view(npan, nr, k).transpose(1, 2).contiguous()
+    full, rest = divmod(n, nr)
+    out = torch.empty(full + (1 if rest else 0), k, nr, dtype=b.dtype)
+    if full:
+        out[:full].copy_(b[:, : full * nr].unflatten(1, (full, nr)).permute(1, 0, 2))
+    if rest:
+        out[full].zero_()
+        out[full, :, :rest].copy_(b[:, full * nr :])
+    return out
 
 
 def pack_b_pairs(b: torch.Tensor, nr: int = 32) -> torch.Tensor:
@@ -58,20 +65,49 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _probe(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to 16 spread-out positions of ``b`` and their values (a cheap content fingerprint)."""
-    k, n = b.shape
-    count = min(16, k * n)
-    flat = torch.linspace(0, k * n - 1, count).long() if count else torch.zeros(0).long()
-    rows, cols = flat // max(n, 1), flat % max(n, 1)
-    return flat, b[rows, cols].clone()
+class _Probe:
+    """Up to 16 spread-out elements of ``b``, read as raw bytes straight from its memory.
+
+    A bitwise fingerprint (a NaN compares equal to itself) that costs a few microseconds to
+    re-read, where indexing the tensor costs tens. The entry holding the probe also holds ``b``,
+    so the memory stays valid.
+    """
+
+    def __init__(self, b: torch.Tensor) -> None:
+        k, n = b.shape
+        es = b.element_size()
+        count = min(16, k * n)
+        s0, s1 = b.stride()
+        offs = []
+        for i in range(count):
+            flat = (i * (k * n - 1)) // max(count - 1, 1)
+            r, c = divmod(flat, max(n, 1))
+            offs.append((r * s0 + c * s1) * es)
+        self._es = es
+        self._offs = offs
+        self._tensor = b  # its storage may be reallocated in place (resize_): checked per read
+        self._base = b.data_ptr()
+        span = (max(offs) + es) if offs else 1
+        self._raw: Any = (ctypes.c_char * span).from_address(self._base) if offs else None
+        self._value = self.read()
+
+    def read(self) -> bytes:
+        raw, es = self._raw, self._es
+        if raw is None:
+            return b""
+        return b"".join([raw[o : o + es] for o in self._offs])
+
+    def unchanged(self) -> bool:
+        if self._tensor.data_ptr() != self._base:  # memory moved: never read the old address
+            return False
+        return self.read() == self._value
 
 
 @dataclass
 class _Entry:
     tensor: torch.Tensor  # held: its storage cannot be freed and reused while cached
     version: int
-    probe: tuple[torch.Tensor, torch.Tensor]
+    probe: _Probe
     packed: torch.Tensor
 
 
@@ -79,8 +115,8 @@ class PackCache:
     """Packed operands keyed by storage, layout and panel width, validated on every lookup.
 
     An entry is valid while the tensor's version counter is unchanged (in-place updates, such as
-    optimiser steps, bump it) and 16 sampled values still match (which also catches writes through
-    ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
+    optimiser steps, bump it) and 16 sampled values still match bit for bit (which also catches
+    writes through ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
     storage address is never reused under a live entry; the least recently used entries are dropped
     beyond ``max_bytes``.
     """
@@ -95,18 +131,13 @@ class PackCache:
 
     def get(self, b: torch.Tensor, nr: int) -> torch.Tensor:
         """Packed ``b`` for panel width ``nr``, from the cache when still valid."""
-        key = (b.data_ptr(), tuple(b.shape), tuple(b.stride()), b.dtype, nr)
+        key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr)
         ver = _version(b)
         with self._lock:
             e = self._entries.get(key)
-        if e is not None and e.version == ver and ver >= 0:
-            flat, vals = e.probe
-            n = max(b.shape[1], 1)
-            if torch.equal(b[flat // n, flat % n], vals):
-                with self._lock:
-                    if key in self._entries:
-                        self._entries.move_to_end(key)
-                    self.hits += 1
+            if e is not None and e.version == ver and ver >= 0 and e.probe.unchanged():
+                self._entries.move_to_end(key)
+                self.hits += 1
                 return e.packed
         b = b.detach()
         packed = pack_b(b, nr)
@@ -117,7 +148,7 @@ class PackCache:
             if old is not None:
                 self._bytes -= old.packed.numel() * old.packed.element_size()
             if ver >= 0 and size <= self.max_bytes:
-                self._entries[key] = _Entry(b, ver, _probe(b), packed)
+                self._entries[key] = _Entry(b, ver, _Probe(b), packed)
                 self._bytes += size
                 while self._bytes > self.max_bytes and self._entries:
                     _, ev = self._entries.popitem(last=False)

@@ -23,7 +23,7 @@ small ``M``).
 
 from __future__ import annotations
 
-from torchport.gemm.epilogue import EpilogueSpec, emit_c
+from torchport.gemm.epilogue import EpilogueSpec, emit_c, emit_prefetch
 
 VW = {"avx2": 8, "avx512": 16, "scalar": 1}
 
@@ -201,18 +201,39 @@ def vocabulary(isa: str) -> str:
 
 
 def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
-    """One micro-kernel: ``mr`` rows x ``nr`` columns, accumulators in registers over all of K."""
+    """One micro-kernel: ``mr`` rows x ``nr`` columns over ``k0 <= k < k1``, accumulators in
+    registers. ``mode`` bit 1: start from the fp32 partial sums in ``W`` (else from zero); bit 2:
+    apply the epilogue and store to ``C`` (else store the raw sums to ``W``)."""
     nv = nr // vw
     lines = [
-        f"static void tile_{mr}x{nr}(const float *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
-        "        int64_t K, otype_t *C, int64_t ldc, int64_t i, int64_t j, int64_t nr, int64_t pf,",
-        "        const void *const *ep, const int64_t *eld) {",
+        f"static void tile_{mr}_{nr}(const float *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
+        "        int64_t k0, int64_t k1, otype_t *C, int64_t ldc, int64_t i, int64_t j,",
+        "        int64_t nr, int64_t pf, const void *const *ep, const int64_t *eld, float *W,",
+        "        int64_t ldw, int mode) {",
         f"    VEC acc[{mr}][{nv}];",
         f"    const float *ar[{mr}];",
-        f"    for (int r = 0; r < {mr}; ++r) {{ ar[r] = A + (i + r) * sa0;"
-        f" for (int v = 0; v < {nv}; ++v) acc[r][v] = VZERO(); }}",
+        f"    float tmp[{nr}];",
+        f"    for (int r = 0; r < {mr}; ++r) {{",
+        "        ar[r] = A + (i + r) * sa0;",
+        "        if (!(mode & TP_ACC)) {",
+        f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = VZERO();",
+        f"        }} else if (nr == {nr}) {{",
+        f"            for (int v = 0; v < {nv}; ++v)"
+        f" acc[r][v] = VLOAD_f32(W + (i + r) * ldw + j + v * {vw});",
+        "        } else {",
+        f"            for (int64_t c = 0; c < {nr}; ++c)"
+        " tmp[c] = c < nr ? W[(i + r) * ldw + j + c] : 0.0f;",
+        f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = VLOAD_f32(tmp + v * {vw});",
+        "        }",
+        "    }",
+        "    if (mode & TP_FIN) {  /* the store's operands and output lines: fetched during K */",
+        f"        for (int r = 0; r < {mr}; ++r) {{",
+        "            tp_epi_pf(i + r, j, nr, ep, eld);",
+        "            VPREFETCH(C + (i + r) * ldc + j); VPREFETCH(C + (i + r) * ldc + j + nr - 1);",
+        "        }",
+        "    }",
         "    const int64_t lines_per_k = (" + str(nr) + " * (int64_t)sizeof(btype_t) + 63) / 64;",
-        "    for (int64_t k = 0; k < K; ++k) {",
+        "    for (int64_t k = k0; k < k1; ++k) {",
         f"        const btype_t *bk = bp + k * {nr};",
         "        if (pf) for (int64_t c = 0; c < lines_per_k; ++c)"
         f" VPREFETCH((const char *)(bk + pf * {nr}) + 64 * c);",
@@ -226,7 +247,17 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
         f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = VFMA(a, b[v], acc[r][v]);",
         "        }",
         "    }",
-        f"    if (nr == {nr}) {{",
+        "    if (!(mode & TP_FIN)) {",
+        f"        for (int r = 0; r < {mr}; ++r) {{",
+        f"            if (nr == {nr}) {{",
+        f"                for (int v = 0; v < {nv}; ++v)"
+        f" VSTORE_f32(W + (i + r) * ldw + j + v * {vw}, acc[r][v]);",
+        "            } else {",
+        f"                for (int v = 0; v < {nv}; ++v) VSTORE_f32(tmp + v * {vw}, acc[r][v]);",
+        "                for (int64_t c = 0; c < nr; ++c) W[(i + r) * ldw + j + c] = tmp[c];",
+        "            }",
+        "        }",
+        f"    }} else if (nr == {nr}) {{",
         f"        for (int r = 0; r < {mr}; ++r)",
         f"            for (int v = 0; v < {nv}; ++v) {{",
         f"                int64_t jj = j + v * {vw};",
@@ -234,48 +265,110 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
         f"                VSTORE_{otag}(C + (i + r) * ldc + jj, x);",
         "            }",
         "    } else {",
-        f"        float tmp[{nr}];",
         f"        for (int r = 0; r < {mr}; ++r) {{",
         f"            for (int v = 0; v < {nv}; ++v) VSTORE_f32(tmp + v * {vw}, acc[r][v]);",
         "            for (int64_t c = 0; c < nr; ++c)",
-        f"                SSTORE_{otag}(C + (i + r) * ldc + j + c, tp_epi_s(tmp[c], i + r, j + c, ep, eld));",
+        f"                SSTORE_{otag}(C + (i + r) * ldc + j + c,"
+        " tp_epi_s(tmp[c], i + r, j + c, ep, eld));",
         "        }",
         "    }",
         "}",
     ]
-    return "\n".join(lines).replace(f"tile_{mr}x{nr}", f"tile_{mr}_{nr}")
+    return "\n".join(lines)
+
+
+_COMMON = r"""
+#define TP_ACC 1
+#define TP_FIN 2
+/* C[i, :] = epilogue(sum over s < ks of W[s][i, :]) for rows r0 <= i < r1 (the K-split's
+   reduction; W rows have stride N, split s starts at W + s * M * N) */
+static void tp_reduce_rows(otype_t *C, int64_t ldc, const float *W, int64_t M, int64_t N,
+        int64_t ks, int64_t r0, int64_t r1, const void *const *ep, const int64_t *eld) {
+    for (int64_t i = r0; i < r1; ++i) {
+        int64_t j = 0;
+        for (; j + VWIDTH <= N; j += VWIDTH) {
+            VEC x = VLOAD_f32(W + i * N + j);
+            for (int64_t s = 1; s < ks; ++s) x = VADD(x, VLOAD_f32(W + s * M * N + i * N + j));
+            VSTORE_OTAG(C + i * ldc + j, tp_epi_v(x, i, j, ep, eld));
+        }
+        for (; j < N; ++j) {
+            float x = W[i * N + j];
+            for (int64_t s = 1; s < ks; ++s) x += W[s * M * N + i * N + j];
+            SSTORE_OTAG(C + i * ldc + j, tp_epi_s(x, i, j, ep, eld));
+        }
+    }
+}
+"""
 
 
 def _driver(mr: int, nr: int) -> str:
-    call = "(A, sa0, sa1, bp, K, C, ldc, i, j, nr, pf, ep, eld)"
-    rest = "(A, sa0, sa1, bp, K, C, ldc, i + r, j, nr, pf, ep, eld)"
-    cases = (
-        f"                    if (mcur - ir >= {mr}) tile_{mr}_{nr}{call};\n"
-        f"                    else for (int64_t r = 0; r < mcur - ir; ++r) tile_1_{nr}{rest};"
-    )
+    def call(k0: str, k1: str, w: str, ldw: str, mode: str, row: str = "i") -> str:
+        return (
+            f"(A, sa0, sa1, bp, {k0}, {k1}, C, ldc, {row}, j, nr, pf, ep, eld, {w}, {ldw}, {mode})"
+        )
+
+    def rows(k0: str, k1: str, w: str, ldw: str, mode: str) -> str:
+        return (
+            f"                    if (mcur - ir >= {mr}) tile_{mr}_{nr}{call(k0, k1, w, ldw, mode)};\n"
+            f"                    else for (int64_t r = 0; r < mcur - ir; ++r)"
+            f" tile_1_{nr}{call(k0, k1, w, ldw, mode, 'i + r')};"
+        )
+
     return f"""
-/* C[M, N] (row stride ldc) = epilogue(A[M, K] (strides sa0, sa1) @ unpack(Bp)) */
+/* C[M, N] (row stride ldc) = epilogue(A[M, K] (strides sa0, sa1) @ unpack(Bp)).
+   kc in (0, K): K blocks of kc, partial sums in W[M, N] (fp32); ks > 1: K split ks ways across
+   threads, partial sums in W[ks][M, N], then one reduction pass applies the epilogue. */
 TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t sa0, int64_t sa1,
         const btype_t *Bp, int64_t M, int64_t N, int64_t K, int64_t mc, int64_t pf,
-        const void *const *ep, const int64_t *eld, int64_t nthreads) {{
+        const void *const *ep, const int64_t *eld, int64_t nthreads, int64_t kc, int64_t ks,
+        float *W) {{
     if (M <= 0 || N <= 0) return 0;
-    if (mc < 1) return 1;
+    if (mc < 1 || kc < 0 || ks < 1) return 1;
+    if ((ks > 1 || (kc > 0 && kc < K)) && W == NULL) return 2;
     const int64_t np = (N + {nr} - 1) / {nr};
-    int64_t nt = TP_MIN(nthreads, np);
+    int64_t nt = TP_MIN(nthreads, ks > 1 ? ks * np : np);
     if ((double)M * (double)N * (double)K < 65536.0) nt = 1;
+    if (ks > 1) {{
+        #pragma omp parallel num_threads(nt)
+        {{
+            int64_t w0, w1, r0, r1;
+            tp_chunk(ks * np, omp_get_num_threads(), omp_get_thread_num(), 1, &w0, &w1);
+            for (int64_t w = w0; w < w1; ++w) {{
+                int64_t s = w / np, jp = w % np;
+                int64_t k0 = K * s / ks, k1 = K * (s + 1) / ks;
+                float *Ws = W + s * M * N;
+                const btype_t *bp = Bp + jp * K * {nr};
+                int64_t j = jp * {nr}, nr = TP_MIN({nr}, N - j), mcur = M, ic = 0;
+                for (int64_t ir = 0; ir < mcur; ir += {mr}) {{
+                    int64_t i = ic + ir;
+{rows("k0", "k1", "Ws", "N", "0")}
+                }}
+            }}
+            #pragma omp barrier
+            tp_chunk(M, omp_get_num_threads(), omp_get_thread_num(), 1, &r0, &r1);
+            tp_reduce_rows(C, ldc, W, M, N, ks, r0, r1, ep, eld);
+        }}
+        return 0;
+    }}
+    const int64_t kb = (kc > 0 && kc < K) ? kc : K;
     #pragma omp parallel num_threads(nt)
     {{
         int64_t p0, p1;
         tp_chunk(np, omp_get_num_threads(), omp_get_thread_num(), 1, &p0, &p1);
         for (int64_t ic = 0; ic < M; ic += mc) {{
             int64_t mcur = TP_MIN(mc, M - ic);
-            for (int64_t jp = p0; jp < p1; ++jp) {{
-                const btype_t *bp = Bp + jp * K * {nr};
-                int64_t j = jp * {nr}, nr = TP_MIN({nr}, N - j);
-                for (int64_t ir = 0; ir < mcur; ir += {mr}) {{
-                    int64_t i = ic + ir;
-{cases}
+            for (int64_t pc = 0; pc < K || pc == 0; pc += kb) {{
+                int64_t k1 = TP_MIN(K, pc + kb);
+                int mode = (pc > 0 ? TP_ACC : 0) | (k1 >= K ? TP_FIN : 0);
+                for (int64_t jp = p0; jp < p1; ++jp) {{
+                    const btype_t *bp = Bp + jp * K * {nr};
+                    int64_t j = jp * {nr}, nr = TP_MIN({nr}, N - j);
+                    for (int64_t ir = 0; ir < mcur; ir += {mr}) {{
+                        int64_t i = ic + ir;
+{rows("pc", "k1", "W", "N", "mode")}
+                    }}
                 }}
+                if (k1 >= K) break;
             }}
         }}
     }}
@@ -294,15 +387,21 @@ def render_source(
         vocabulary(isa),
         f"typedef {'float' if btag == 'f32' else 'uint16_t'} btype_t;",
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
+        f"#define VWIDTH {vw}\n#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
         "TP_INLINE VEC tp_epi_v(VEC v, int64_t i, int64_t j, const void *const *ep,"
         " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
         + vec
         + "\n    return v;\n}",
+        "TP_INLINE void tp_epi_pf(int64_t i, int64_t j, int64_t nr, const void *const *ep,"
+        " const int64_t *eld) {\n        (void)i; (void)j; (void)nr; (void)ep; (void)eld;\n        "
+        + emit_prefetch(spec)
+        + "\n}",
         "TP_INLINE float tp_epi_s(float s, int64_t i, int64_t j, const void *const *ep,"
         " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
         + sca
         + "\n    return s;\n}",
     ]
+    parts.append(_COMMON)
     seen: set[tuple[int, int]] = set()
     for mr, nr in tiles:
         if nr % vw:

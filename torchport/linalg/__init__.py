@@ -21,7 +21,6 @@ native kernels are real-only. Autograd follows ``torch.linalg``'s formulas
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -165,19 +164,10 @@ def _time_pair(
     fa: Callable[[torch.Tensor], Any], fb: Callable[[torch.Tensor], Any], x: torch.Tensor
 ) -> tuple[float, float]:
     """Median seconds of ``fa(x)`` and ``fb(x)``, timed alternately so a burst of load on a
-    shared machine hits both alike."""
-    ta: list[float] = []
-    tb: list[float] = []
-    fa(x), fb(x)
-    for _ in range(max(5, int(config.get("autotune_reps")))):
-        t0 = time.perf_counter()
-        fa(x)
-        t1 = time.perf_counter()
-        fb(x)
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-    return autotune.median(ta), autotune.median(tb)
+    shared machine hits both alike (:func:`torchport.autotune.interleaved`)."""
+    reps = max(5, int(config.get("autotune_reps")))
+    ta, tb = autotune.interleaved([fa, fb], [(x,)], reps=reps)
+    return ta, tb
 
 
 def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
@@ -230,7 +220,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
         return False
     (x,) = make_args()
     t_lapack, t_native = _time_pair(_anchor(op, extra), _native_fn(op, extra), x)
-    return t_native < t_lapack * (1.0 - float(config.get("autotune_noise")))
+    return autotune.beats_anchor(t_native, t_lapack)
 
 
 def _anchor(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:

@@ -24,6 +24,15 @@ def linear(
     epilogue: Sequence[Step] | Step | None = None,
 ) -> torch.Tensor:
     """``epilogue(input @ weight.T + bias)`` through the autotuned GEMM (float32/bfloat16, CPU)."""
+    if (
+        epilogue is None
+        and isinstance(input, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and input.dim() == 2
+        and weight.dim() == 2
+        and input.shape[1] == weight.shape[1]
+    ):  # nn.Linear on a batch of rows: no reshapes, and mm checks the rest
+        return mm(input, weight.t(), bias=bias)
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise GemmInputError(
             f"linear: input and weight must be tensors, got {type(input).__name__} "
@@ -42,8 +51,8 @@ def linear(
             f"{tuple(input.shape)}"
         )
     n = weight.shape[0]
-    if epilogue is None and input.dim() == 2:  # nn.Linear on a batch of rows: no reshapes
-        return mm(input, weight.t(), bias=bias)
+    if input.dim() == 2:  # rows already: the residual has the output's shape, no reshapes
+        return mm(input, weight.t(), bias=bias, epilogue=epilogue)
     lead = tuple(input.shape[:-1])
     x2 = input.reshape(-1, k)
     steps: list[Step] = []

@@ -1,0 +1,87 @@
+"""Run-time choice between a kernel's all-threads and one-thread launches and ATen (small M).
+
+On a machine shared with other busy processes, a short kernel split across two threads waits, at
+its closing barrier, for whichever thread the scheduler descheduled: measured here, an M=1
+1024→4096 GEMM took 1.2 ms on one thread and ~6–20 ms on two while one other process was busy,
+against 0.6 ms on two threads when the machine was quiet. Which launch is faster changes with the
+neighbours' load, after tuning is over, so :class:`ThreadAdaptive` keeps the launches (and ATen,
+so a native choice never stays slower than ATen under a load it was not tuned for) and follows
+recent timings: it uses the fastest by the median of its last few calls, times another again
+every ``probe_every`` calls (the cost of noticing that the load changed), and switches when one is
+faster by ``margin``. The one-thread twin returns bitwise the same result; ATen's may differ in
+the last bits (within the GEMM's stated tolerance). Timing uses
+:data:`torchport.autotune.timing.clock`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from torchport.autotune import timing
+
+Launch = Callable[..., Any]
+
+
+class ThreadAdaptive:
+    """Launches of one problem: ``arms[0]`` the tuned kernel (all threads), then alternatives
+    (its one-thread twin; ATen). Starts on ``arms[0]``, learns every arm first (round robin),
+    then stays on the fastest by recent median and re-times one other arm, in turn, every
+    ``probe_every`` calls."""
+
+    def __init__(
+        self,
+        *arms: Launch,
+        window: int = 5,
+        warmup: int = 3,
+        probe_every: int = 64,
+        margin: float = 0.2,
+    ) -> None:
+        assert len(arms) >= 2 and window >= warmup >= 1 and probe_every >= 2
+        assert 0.0 <= margin < 1.0
+        self.launches = arms
+        self.history: list[deque[float]] = [deque(maxlen=window) for _ in arms]
+        self.current = 0
+        self.calls = 0
+        self.switches = 0
+        self._probes = 0
+        self._warmup = warmup
+        self._probe_every = probe_every
+        self._margin = margin
+        self._lock = threading.Lock()  # bookkeeping only; launches run concurrently
+
+    def _pick(self) -> int:
+        counts = [len(h) for h in self.history]
+        if min(counts) < self._warmup:  # learn every arm first, round robin
+            return min(range(len(counts)), key=lambda i: (counts[i], i))
+        if self.calls % self._probe_every:
+            return self.current
+        self._probes += 1
+        others = [i for i in range(len(self.launches)) if i != self.current]
+        return others[self._probes % len(others)]
+
+    def __call__(self, *args: Any) -> Any:
+        with self._lock:
+            self.calls += 1
+            arm = self._pick()
+        t0 = timing.clock()
+        out = self.launches[arm](*args)
+        dt = timing.clock() - t0
+        with self._lock:
+            self._record(arm, dt)
+        return out
+
+    def _record(self, arm: int, dt: float) -> None:
+        self.history[arm].append(dt)
+        if min(len(h) for h in self.history) >= self._warmup:
+            meds = [statistics.median(h) for h in self.history]
+            best = min(range(len(meds)), key=lambda i: meds[i])
+            if best != self.current and meds[best] < meds[self.current] * (1.0 - self._margin):
+                self.current = best
+                self.switches += 1
+
+
+__all__ = ["ThreadAdaptive"]
