@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchport.linalg as tl
-from torchport.linalg import kernels
+from torchport.linalg import blocked, kernels
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -296,6 +296,65 @@ def test_cholesky_lanes_kernel(dtype, n):
         assert torch.equal(info, info0) and bad0 == 4
         assert info[30] == 1 and info[3] == (n if n > 1 else 1)
         assert rel(fac, fac0) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "n,nb", [(17, 1), (24, None), (31, 5), (33, 8), (47, None), (64, 16), (97, 64), (130, None)]
+)
+def test_cholesky_blocked_kernel(dtype, n, nb):
+    """Blocked kernel (panel widths that do and do not divide n) vs float64 LAPACK, the blocked
+    torch reference and the unblocked kernel; upper and lower; ill-conditioned input."""
+    g = torch.Generator().manual_seed(n)
+    q = _orthogonal(3, n, g)
+    ill = (q * torch.logspace(0, -5, n, dtype=torch.float64)) @ q.mT
+    a = torch.cat([spd(3, n, seed=n), (ill + ill.mT) / 2]).to(dtype)
+    for upper in (False, True):
+        fac, info, bad = blocked.cholesky_blocked(a, upper, nb)
+        assert bad == 0 and not bool(info.any())
+        assert torch.equal(fac, fac.triu() if upper else fac.tril())
+        ref = torch.linalg.cholesky(a.double(), upper=upper)
+        err = (fac.double() - ref).abs().amax((-2, -1)) / ref.abs().amax((-2, -1))
+        assert float(err[:3].max()) <= TOL[dtype]
+        if dtype == torch.float64:  # cond 1e5: the factor is still accurate to ~1e-11
+            assert float(err.max()) <= 1e-9
+        fr, ir = tl.cholesky_blocked_reference(a, upper, nb or blocked.panel_width(n))
+        assert rel(fac, fr) <= TOL[dtype] and not bool(ir.any())
+        fac0, _, _ = kernels.cholesky(a, upper, lanes=False)
+        assert rel(fac, fac0) <= TOL[dtype]
+    assert torch.equal(kernels.cholesky(a, False)[0], blocked.cholesky_blocked(a, False)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", [0, 7, 8, 15, 16, 17, 40, 49])
+def test_cholesky_blocked_info(dtype, where):
+    """A failing pivot in the first/last column of a panel, in the diagonal block or the trailing
+    part, and NaN: info names the same leading minor as LAPACK, the factor is zero, others fine."""
+    n = 50
+    a = spd(4, n, seed=where).to(dtype)
+    a[1, where, where] = -1e4
+    a[3, where, 0] = float("nan")
+    a[3, 0, where] = float("nan")
+    for nb in (8, 16, 32):
+        fac, info, bad = blocked.cholesky_blocked(a, False, nb)
+        ref = torch.linalg.cholesky_ex(a.double()).info
+        assert info.tolist() == ref.tolist() == [0, where + 1, 0, where + 1]
+        assert bad == 2 and not bool(fac[1].any()) and not bool(fac[3].any())
+        assert tl.cholesky_blocked_reference(a, False, nb)[1].tolist() == info.tolist()
+        assert rel(fac[0], torch.linalg.cholesky(a[0].double())) <= TOL[dtype]
+
+
+def test_cholesky_blocked_degenerate_sizes():
+    for b, n in ((0, 40), (3, 0), (1, 1), (2, 40)):
+        a = spd(b, n).to(torch.float32) if b * n else torch.zeros(b, n, n)
+        fac, info, bad = blocked.cholesky_blocked(a, False)
+        assert fac.shape == (b, n, n) and info.shape == (b,) and bad == 0
+        if b * n:
+            assert rel(fac, torch.linalg.cholesky(a.double())) <= TOL[torch.float32]
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 2\).*minor of order 40"):
+        bad_in = spd(3, 40)
+        bad_in[2, 39, 39] = -1e6
+        tl.cholesky(bad_in, method="jacobi")
 
 
 def test_cholesky_ex_info_names_failing_minor():

@@ -31,6 +31,7 @@ from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
 from torchport.linalg import kernels, ops
 from torchport.linalg.reference import (
+    cholesky_blocked_reference,
     cholesky_reference,
     eigh_reference,
     qr_reference,
@@ -41,6 +42,7 @@ __all__ = [
     "METHODS",
     "LinalgInputError",
     "cholesky",
+    "cholesky_blocked_reference",
     "cholesky_ex",
     "cholesky_reference",
     "eigh",

@@ -29,6 +29,8 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   (or is NaN) stops that matrix with ``info`` = the order of the failing leading minor. For
   n ≤ 16 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
   which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run).
+  From n = 17 the blocked kernel of :mod:`torchport.linalg.blocked` (panel + register-blocked
+  trailing update) takes over.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import hashlib
 import torch
 
 from torchport import native
+from torchport.linalg import blocked as _blocked
 from torchport.native import IntArg, Kernel, TensorArg
 
 _TAG = {torch.float32: "f32", torch.float64: "f64"}
@@ -957,16 +960,19 @@ def qr(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cholesky(
-    a: torch.Tensor, upper: bool, lanes: bool | None = None
+    a: torch.Tensor, upper: bool, lanes: bool | None = None, blocked: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched Cholesky of ``a`` (B, n, n): factor, int32 info (B,), first failing index + 1.
 
     ``lanes``: one matrix per SIMD lane (``tp_cholesky_vec``, whose third result is 0; read
     ``info``); None = for batches that fill lanes with n ≤ 16, where the scalar kernel is bound by
-    its division/sqrt latency chain.
+    its division/sqrt latency chain. ``blocked``: the blocked kernel
+    (:mod:`~torchport.linalg.blocked`); None = from n = ``blocked.BLOCKED_FROM`` unless ``lanes`` is given.
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
+    if blocked or (blocked is None and lanes is None and n >= _blocked.BLOCKED_FROM):
+        return _blocked.cholesky_blocked(a, upper)
     out = a.new_empty((b, n, n))
     info = torch.zeros((b,), dtype=torch.int32)
     if b == 0 or n == 0:
