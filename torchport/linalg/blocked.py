@@ -35,9 +35,9 @@ from torchport.native import IntArg, Kernel, TensorArg
 # best below n ≈ 48, where the scalar diagonal block dominates, 16 above; 32 was slower everywhere.
 NB = 16
 NB_SMALL, NB_SMALL_BELOW = 8, 48
-# Order from which kernels.cholesky uses this kernel (below it: one matrix per SIMD lane, or the
-# unblocked per-thread kernel for batches too small to fill lanes). Measured single-threaded:
-# 6-10x the unblocked kernel's GFLOP/s at n = 24-32 and at par with the lane kernel at n = 24.
+# Order from which kernels.cholesky uses this kernel when the lane kernel does not apply (a
+# batch too small to fill the SIMD lanes, or n > kernels.CHOLESKY_LANES_MAX_N). Measured
+# single-threaded: 3-10x the unblocked kernel's GFLOP/s from n = 24 up.
 BLOCKED_FROM = 17
 
 _SOURCE = r"""

@@ -28,9 +28,11 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
 - **Cholesky**: row-oriented (Cholesky–Banachiewicz) dot-product form; a pivot that is not > 0
   (or is NaN) stops that matrix with ``info`` = the order of the failing leading minor. For
   n ≤ 16 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
-  which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run).
-  From n = 17 the blocked kernel of :mod:`torchport.linalg.blocked` (panel + register-blocked
-  trailing update) takes over.
+  which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run). A
+  full group moves between the row-major matrices and the lane layout by 8×8 (float32) / 4×4
+  (float64) AVX shuffle transposes and divides once per pivot (multiplying by its reciprocal).
+  Above n = 48, and for batches too small to fill the lanes from n = 17, the blocked kernel of
+  :mod:`torchport.linalg.blocked` (panel + register-blocked trailing update) takes over.
 """
 
 from __future__ import annotations
@@ -637,22 +639,108 @@ TP_INLINE void chol_vec(const T *a, T *out, int32_t *info, int64_t cnt, int64_t 
     }
 }
 
+/* Lane layout <-> VLN matrices stored one after another (stride `ss` elements): dst[k][l] =
+   src[l][k] for a VLN x VLN block, by AVX shuffles (8x8 float / 4x4 double); ne elements, a tail
+   that is not a whole block by scalar moves. */
+TP_INLINE void tr_block(const T *src, int64_t ss, T *dst, int64_t ds) {
+#if defined(__AVX__) && ${is64}
+    __m256d r0 = _mm256_loadu_pd(src), r1 = _mm256_loadu_pd(src + ss);
+    __m256d r2 = _mm256_loadu_pd(src + 2 * ss), r3 = _mm256_loadu_pd(src + 3 * ss);
+    __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+    __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+    _mm256_storeu_pd(dst, _mm256_permute2f128_pd(t0, t2, 0x20));
+    _mm256_storeu_pd(dst + ds, _mm256_permute2f128_pd(t1, t3, 0x20));
+    _mm256_storeu_pd(dst + 2 * ds, _mm256_permute2f128_pd(t0, t2, 0x31));
+    _mm256_storeu_pd(dst + 3 * ds, _mm256_permute2f128_pd(t1, t3, 0x31));
+#elif defined(__AVX__)
+    __m256 r[8], t[8], u[8];
+    for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(src + k * ss);
+    for (int k = 0; k < 8; k += 2) { t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]); t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]); }
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44); u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44); u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(dst + k * ds, _mm256_permute2f128_ps(u[k], u[k + 4], 0x20));
+        _mm256_storeu_ps(dst + (k + 4) * ds, _mm256_permute2f128_ps(u[k], u[k + 4], 0x31));
+    }
+#else
+    for (int64_t k = 0; k < VLN; ++k) for (int64_t l = 0; l < VLN; ++l) dst[k * ds + l] = src[l * ss + k];
+#endif
+}
+
+TP_INLINE void to_lanes(const T *a, int64_t ss, int64_t ne, VT *X) {
+    int64_t e = 0;
+    for (; e + VLN <= ne; e += VLN) tr_block(a + e, ss, (T *)(X + e), VLN);
+    for (; e < ne; ++e) for (int64_t l = 0; l < VLN; ++l) X[e][l] = a[l * ss + e];
+}
+
+TP_INLINE void from_lanes(const VT *X, int64_t ne, T *a, int64_t ss) {
+    int64_t e = 0;
+    for (; e + VLN <= ne; e += VLN) tr_block((const T *)(X + e), VLN, a + e, ss);
+    for (; e < ne; ++e) for (int64_t l = 0; l < VLN; ++l) a[l * ss + e] = X[e][l];
+}
+
+/* A full group of VLN matrices, factored in place in the lane layout X (n x n vectors, both
+   triangles loaded; X + n*n holds n more vectors): one division per pivot (off-diagonal entries multiply by its reciprocal),
+   then the other triangle zeroed (or the factor transposed for upper) and stored back. */
+TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int upper, VT *X) {
+    const VT zero = {0}, one = zero + 1;
+    VT *R = X + n * n;  /* reciprocals of the pivots */
+    int32_t inf_l[VLN];
+    int failed = 0;
+    for (int l = 0; l < VLN; ++l) inf_l[l] = 0;
+    to_lanes(a, n * n, n * n, X);
+    for (int64_t i = 0; i < n; ++i) {
+        VT *Li = X + i * n;
+        for (int64_t j = 0; j < i; ++j) {
+            const VT *Lj = X + j * n;
+            VT s = upper ? X[j * n + i] : Li[j];
+            for (int64_t k = 0; k < j; ++k) s -= Li[k] * Lj[k];
+            Li[j] = s * R[j];
+        }
+        VT s = Li[i];
+        for (int64_t k = 0; k < i; ++k) s -= Li[k] * Li[k];
+        VI ok = s > zero;
+        if (vany(~ok)) {
+            failed = 1;
+            for (int l = 0; l < VLN; ++l) if (!ok[l] && !inf_l[l]) inf_l[l] = (int32_t)(i + 1);
+        }
+        VT d = vsqrt(vsel(ok, s, one));
+        Li[i] = d;
+        R[i] = one / d;
+    }
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = i + 1; j < n; ++j) {
+            if (upper) { X[i * n + j] = X[j * n + i]; X[j * n + i] = zero; }
+            else X[i * n + j] = zero;
+        }
+    from_lanes(X, n * n, out, n * n);
+    for (int64_t l = 0; l < VLN; ++l) {
+        info[l] = inf_l[l];
+        if (failed && inf_l[l]) memset(out + l * n * n, 0, sizeof(T) * n * n);
+    }
+}
+
 TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int64_t n, int64_t upper,
                               int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
     int64_t nt = (groups < 2 || B * n * n * n < 10000000) ? 1 : nthreads;
     #pragma omp parallel num_threads(nt)
     {
-        VT *Lw = (VT *)aligned_alloc(32, sizeof(VT) * (n * n + 2));
+        VT *Lw = (VT *)aligned_alloc(32, sizeof(VT) * (n * n + n + 2));
         #pragma omp for schedule(static)
         for (int64_t gi = 0; gi < groups; ++gi) {
             int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
             const T *src = a + b0 * n * n;
             T *dst = out + b0 * n * n;
-            if (n == 2) chol_vec(src, dst, info + b0, cnt, 2, (int)upper, Lw);
-            else if (n == 3) chol_vec(src, dst, info + b0, cnt, 3, (int)upper, Lw);
-            else if (n == 4) chol_vec(src, dst, info + b0, cnt, 4, (int)upper, Lw);
-            else chol_vec(src, dst, info + b0, cnt, n, (int)upper, Lw);
+            if (cnt < VLN) chol_vec(src, dst, info + b0, cnt, n, (int)upper, Lw);
+            else if (n == 2) chol_vec_full(src, dst, info + b0, 2, (int)upper, Lw);
+            else if (n == 3) chol_vec_full(src, dst, info + b0, 3, (int)upper, Lw);
+            else if (n == 4) chol_vec_full(src, dst, info + b0, 4, (int)upper, Lw);
+            else if (n == 8) chol_vec_full(src, dst, info + b0, 8, (int)upper, Lw);
+            else if (n == 16) chol_vec_full(src, dst, info + b0, 16, (int)upper, Lw);
+            else chol_vec_full(src, dst, info + b0, n, (int)upper, Lw);
         }
         free(Lw);
     }
@@ -791,12 +879,13 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
     """Build (or load from the disk cache) the kernels for one dtype; keyed by op name."""
     is64 = dtype == torch.float64
     src = native.render(
-        "#include <stdlib.h>\n" + _SOURCE,
+        "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
         elem="double" if is64 else "float",
         eps=repr(float(torch.finfo(dtype).eps)),
         sqrt="sqrt" if is64 else "sqrtf",
         fabs="fabs" if is64 else "fabsf",
         ielem="int64_t" if is64 else "int32_t",
+        is64="1" if is64 else "0",
         vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
         m256="__m256d" if is64 else "__m256",
     )
@@ -861,6 +950,10 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
 SVD_ROUND_ROBIN_FROM = 5
 EIGH_ORDER = 0
 LANES_MAX_N = 64
+# Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
+# ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
+# n = 48 2260/3173, 4833/5617, n = 64 5997/6316, 12398/12253).
+CHOLESKY_LANES_MAX_N = 48
 
 
 def _ks(dtype: torch.dtype) -> dict[str, Kernel]:
@@ -965,20 +1058,24 @@ def cholesky(
     """Batched Cholesky of ``a`` (B, n, n): factor, int32 info (B,), first failing index + 1.
 
     ``lanes``: one matrix per SIMD lane (``tp_cholesky_vec``, whose third result is 0; read
-    ``info``); None = for batches that fill lanes with n ≤ 16, where the scalar kernel is bound by
-    its division/sqrt latency chain. ``blocked``: the blocked kernel
-    (:mod:`~torchport.linalg.blocked`); None = from n = ``blocked.BLOCKED_FROM`` unless ``lanes`` is given.
+    ``info``); None = for batches that fill lanes with n ≤ ``CHOLESKY_LANES_MAX_N``.
+    ``blocked``: the blocked kernel (:mod:`~torchport.linalg.blocked`); None = from
+    n = ``blocked.BLOCKED_FROM`` when ``lanes`` is None and the lanes do not apply. Otherwise
+    the unblocked per-matrix kernel.
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
-    if blocked or (blocked is None and lanes is None and n >= _blocked.BLOCKED_FROM):
+    fills_lanes = b >= 64 // a.element_size() and n <= CHOLESKY_LANES_MAX_N
+    if blocked is None:
+        blocked = lanes is None and not fills_lanes and n >= _blocked.BLOCKED_FROM
+    if blocked:
         return _blocked.cholesky_blocked(a, upper)
+    if lanes is None:
+        lanes = fills_lanes
     out = a.new_empty((b, n, n))
     info = torch.zeros((b,), dtype=torch.int32)
     if b == 0 or n == 0:
         return out, info, 0
-    if lanes is None:
-        lanes = b >= 64 // a.element_size() and n <= 16
     if lanes:
         _ks(a.dtype)["cholesky_vec"].call_unchecked(
             a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), native.num_threads()
