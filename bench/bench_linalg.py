@@ -11,7 +11,8 @@ Cells are skipped when the input exceeds 1 GB or B·n³ > 4·10⁸ (a single tor
 take many seconds; the default run stays near 10 minutes). ``--quick`` runs B ∈ {100, 10000} × n ∈ {3, 8, 32} with B·n³ ≤ 4·10⁷;
 ``--orderings`` instead compares the cyclic and round-robin Jacobi orderings of the kernels.
 
-Run: ``torchport bench linalg [--quick] [--orderings]``.
+Run: ``torchport bench linalg [--quick] [--orderings]``; select cells with ``--ops``, ``--sizes``,
+``--batches``, ``--dtypes`` (comma-separated), e.g. ``--ops cholesky --sizes 8,16 --batches 10000``.
 """
 
 from __future__ import annotations
@@ -83,14 +84,20 @@ def _skip(b: int, n: int, dtype: torch.dtype, max_work: float) -> str | None:
     return None
 
 
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
 def grid(args: Any) -> None:
-    ops = ("svd", "eigh", "qr", "cholesky")
+    ops = tuple(args.ops.split(",")) if args.ops else ("svd", "eigh", "qr", "cholesky")
     batches, sizes = (BATCHES, SIZES) if not args.quick else ((100, 10_000), (3, 8, 32))
+    batches, sizes = _ints(args.batches) or batches, _ints(args.sizes) or sizes
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     max_work = MAX_WORK if not args.quick else 4e7
     table = BenchTable("linalg", unit="GFLOP/s")
     table.start()
     skipped: list[str] = []
-    for dtype in (torch.float32, torch.float64):
+    for dtype in dtypes:
         for op in ops:
             for n in sizes:
                 for b in batches:
@@ -159,6 +166,10 @@ def orderings(args: Any) -> None:
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--orderings", action="store_true", help="cyclic vs round-robin Jacobi")
+    p.add_argument("--ops", help="comma-separated subset of svd,eigh,qr,cholesky")
+    p.add_argument("--sizes", help="comma-separated n (replaces the grid's)")
+    p.add_argument("--batches", help="comma-separated B (replaces the grid's)")
+    p.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
     args = p.parse_args()
     with config.override(progress=False):
         if args.orderings:

@@ -557,6 +557,7 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
 
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
     monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "2")
     before = autotune.stats.tuned
@@ -622,6 +623,7 @@ def test_auto_confirms_native_win_against_lapack(monkeypatch):
     ):
         monkeypatch.setattr(tl, "_memo", {})
         monkeypatch.setattr(tl, "_fast", {})
+        monkeypatch.setattr(tl, "_chol_native", {})
         monkeypatch.setattr(tl, "_lapack_fast", set())
         monkeypatch.setattr(tl, "_time_pair", lambda fa, fb, x, r=(t_lapack, t_native): r)
         assert tl._route("qr", a, "auto", ("reduced",)) == want
@@ -636,6 +638,7 @@ def test_auto_lapack_choice_skips_confirmation(monkeypatch):
     monkeypatch.setattr(autotune, "select", _fake_select(False, []))
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
 
     def boom(*args):
@@ -651,6 +654,7 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     calls: list = []
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
     monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or False)
     a = spd(100, 8)
@@ -673,6 +677,7 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     # a native decision is honoured from the fast path too, and cholesky routes only once
     monkeypatch.undo()
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
     monkeypatch.setattr(tl, "_bucket", lambda b: 128)
     monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or True)
@@ -682,11 +687,25 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     monkeypatch.setattr(tl, "_route", lambda *args: routes.append(args[0]) or real_route(*args))
     fac = tl.cholesky(a)
     assert routes == ["cholesky"] and len(calls) == 2
-    tl.cholesky(a)  # the cached native decision: one more routing, no tuning
-    assert routes == ["cholesky", "cholesky"] and len(calls) == 2
+    # the cached native decision runs the resolved launcher: no routing, no tuning
+    assert torch.equal(tl.cholesky(a), fac) and torch.equal(tl.cholesky_ex(a).L, fac)
+    assert routes == ["cholesky"] and len(calls) == 2
     assert torch.allclose(fac, torch.linalg.cholesky(a), atol=1e-4)
+    bad = a.clone()
+    bad[7, 5, 5] = -1e3  # errors and info from the launcher path too
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 7\).*minor of order 6"):
+        tl.cholesky(bad)
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 7\).*minor of order 6"):
+        tl.cholesky_ex(bad, check_errors=True)
+    fac2, info = tl.cholesky_ex(bad)
+    assert info.tolist() == torch.linalg.cholesky_ex(bad).info.tolist()
+    assert not bool(fac2[7].any()) and torch.equal(fac2[:7], fac[:7])
+    assert tl.cholesky(a.mT.contiguous().mT).shape == a.shape  # strided input, same shape
+    assert routes == ["cholesky"]
     # with native kernels switched off a cached native decision is not used
     from torchport import config
 
     with config.override(native=False):
         assert tl._route("cholesky", a, "auto", (False,)) == "lapack"
+        assert torch.equal(tl.cholesky(a), torch.linalg.cholesky(a))
+    assert routes[-2:] == ["cholesky", "cholesky"]

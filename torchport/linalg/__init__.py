@@ -109,6 +109,24 @@ _fast: dict[tuple[Any, ...], str] = {}
 _lapack_fast: set[tuple[Any, ...]] = set()
 
 
+# (shape, dtype, upper) of CPU problems "auto" routed to the native Cholesky -> its launcher,
+# resolved once (kernels.cholesky_plan): a hit skips validation, routing and the op layer
+_chol_native: dict[
+    tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
+] = {}
+
+
+def _chol_auto_native(a: object, upper: bool) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Run an auto-routed native Cholesky through its resolved launcher, or None to take the
+    general path (unknown shape, non-CPU tensor, tracing, autograd, native kernels disabled)."""
+    if type(a) is not torch.Tensor:
+        return None
+    run = _chol_native.get((a.shape, a.dtype, upper))
+    if run is None or not a.is_cpu or not native.eager_fast_path(a) or not native.enabled():
+        return None
+    return run(a)
+
+
 def _lapack_known(op: str, a: object, extra: tuple[Any, ...]) -> bool:
     """True if ``method="auto"`` already routed this exact problem to ``torch.linalg``: the
     cheapest check there is, run before any validation (keys are stored only for valid calls)."""
@@ -160,6 +178,8 @@ def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str
     _fast[(op, a.shape, a.dtype, a.device, extra)] = route
     if route == "lapack":
         _lapack_fast.add((op, a.shape, a.dtype, extra))
+    elif op == "cholesky":
+        _chol_native[(a.shape, a.dtype, extra[0])] = kernels.cholesky_plan(b, n, a.dtype, extra[0])
     return route
 
 
@@ -400,8 +420,14 @@ def cholesky_ex(
     not positive-definite; the factor of such a matrix is zero. ``check_errors=True`` raises
     like :func:`cholesky` instead.
     """
-    if method == "auto" and _lapack_known("cholesky", A, (bool(upper),)):
-        return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+    if method == "auto":
+        if _lapack_known("cholesky", A, (bool(upper),)):
+            return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+        got = _chol_auto_native(A, bool(upper))
+        if got is not None:
+            if check_errors and got[2]:
+                _raise_not_pd("cholesky_ex", A, got[1])
+            return _rt.linalg_cholesky_ex(got[:2])
     a = _check("cholesky_ex", A, square=True)
     return _cholesky_ex(a, upper, check_errors, _route("cholesky", a, method, (bool(upper),)))
 
@@ -443,8 +469,14 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
-    if method == "auto" and _lapack_known("cholesky", A, (bool(upper),)):
-        return torch.linalg.cholesky(A, upper=upper)
+    if method == "auto":
+        if _lapack_known("cholesky", A, (bool(upper),)):
+            return torch.linalg.cholesky(A, upper=upper)
+        got = _chol_auto_native(A, bool(upper))
+        if got is not None:
+            if got[2]:
+                _raise_not_pd("cholesky", A, got[1])
+            return got[0]
     a = _check("cholesky", A, square=True)
     route = _route("cholesky", a, method, (bool(upper),))
     if route == "lapack":

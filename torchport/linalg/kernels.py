@@ -27,7 +27,7 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
 - **Cholesky**: row-oriented (Cholesky–Banachiewicz) dot-product form; a pivot that is not > 0
   (or is NaN) stops that matrix with ``info`` = the order of the failing leading minor. For
-  n ≤ 16 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
+  n ≤ 48 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
   which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run). A
   full group moves between the row-major matrices and the lane layout by 8×8 (float32) / 4×4
   (float64) AVX shuffle transposes and divides once per pivot (multiplying by its reciprocal).
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -726,7 +727,8 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
                               int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
     int64_t nt = (groups < 2 || B * n * n * n < 10000000) ? 1 : nthreads;
-    #pragma omp parallel num_threads(nt)
+    int64_t bad = INT64_MAX;
+    #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
         VT *Lw = (VT *)aligned_alloc(32, sizeof(VT) * (n * n + n + 2));
         #pragma omp for schedule(static)
@@ -741,10 +743,11 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
             else if (n == 8) chol_vec_full(src, dst, info + b0, 8, (int)upper, Lw);
             else if (n == 16) chol_vec_full(src, dst, info + b0, 16, (int)upper, Lw);
             else chol_vec_full(src, dst, info + b0, n, (int)upper, Lw);
+            for (int64_t l = 0; l < cnt; ++l) if (info[b0 + l] && b0 + l < bad) bad = b0 + l;
         }
         free(Lw);
     }
-    return 0;
+    return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
 
 /* ---------------------------------------------------------------- QR (Householder) */
@@ -1057,8 +1060,7 @@ def cholesky(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched Cholesky of ``a`` (B, n, n): factor, int32 info (B,), first failing index + 1.
 
-    ``lanes``: one matrix per SIMD lane (``tp_cholesky_vec``, whose third result is 0; read
-    ``info``); None = for batches that fill lanes with n ≤ ``CHOLESKY_LANES_MAX_N``.
+    ``lanes``: one matrix per SIMD lane (``tp_cholesky_vec``); None = for batches that fill lanes with n ≤ ``CHOLESKY_LANES_MAX_N``.
     ``blocked``: the blocked kernel (:mod:`~torchport.linalg.blocked`); None = from
     n = ``blocked.BLOCKED_FROM`` when ``lanes`` is None and the lanes do not apply. Otherwise
     the unblocked per-matrix kernel.
@@ -1076,12 +1078,39 @@ def cholesky(
     info = torch.zeros((b,), dtype=torch.int32)
     if b == 0 or n == 0:
         return out, info, 0
-    if lanes:
-        _ks(a.dtype)["cholesky_vec"].call_unchecked(
-            a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), native.num_threads()
-        )
-        return out, info, 0
-    bad = _ks(a.dtype)["cholesky"].call_unchecked(
+    bad = _ks(a.dtype)["cholesky_vec" if lanes else "cholesky"].call_unchecked(
         a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), native.num_threads()
     )
     return out, info, bad
+
+
+def cholesky_plan(
+    b: int, n: int, dtype: torch.dtype, upper: bool
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]:
+    """The launcher :func:`cholesky` would use for ``b`` matrices of order n ≥ 1, resolved once.
+
+    The returned function takes a CPU tensor of ``b`` such matrices (any batch shape) and
+    returns (factor, int32 info of the batch shape, first failing flat index + 1); per call it
+    only allocates the outputs and calls the kernel (for ``method="auto"``'s routed shapes,
+    where the choice of kernel and its symbol lookup would otherwise cost microseconds a call).
+    """
+    assert b >= 1 and n >= 1
+    fills_lanes = b >= 64 // (torch.finfo(dtype).bits // 8) and n <= CHOLESKY_LANES_MAX_N
+    tail: tuple[int, ...] = ()
+    if not fills_lanes and n >= _blocked.BLOCKED_FROM:
+        call = _blocked.library(dtype, native.cpu_info().isa).call_unchecked
+        tail = (_blocked.panel_width(n),)
+    else:
+        call = _ks(dtype)["cholesky_vec" if fills_lanes else "cholesky"].call_unchecked
+    up = int(upper)
+
+    def run(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        out = torch.empty_like(a)
+        info = torch.empty(a.shape[:-2], dtype=torch.int32)
+        bad = call(a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, up, *tail,
+                   native.num_threads())  # fmt: skip
+        return out, info, bad
+
+    return run
