@@ -90,7 +90,8 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
 
 def grid(args: Any) -> None:
     ops = tuple(args.ops.split(",")) if args.ops else ("svd", "eigh", "qr", "cholesky")
-    batches, sizes = (BATCHES, SIZES) if not args.quick else ((100, 10_000), (3, 8, 32))
+    batches: tuple[int, ...] = BATCHES if not args.quick else (100, 10_000)
+    sizes: tuple[int, ...] = SIZES if not args.quick else (3, 8, 32)
     batches, sizes = _ints(args.batches) or batches, _ints(args.sizes) or sizes
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     max_work = MAX_WORK if not args.quick else 4e7
