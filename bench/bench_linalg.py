@@ -151,16 +151,24 @@ def orderings(args: Any) -> None:
             table.add(
                 f"svd B={b} n={n} {dtype}", "cyclic", t["svd0"], t["svd1"], b * FLOPS["svd"](n)
             )
-            t = compare(
-                {
-                    "e0": lambda x: kernels.eigh(x, False, True, 0),
-                    "e1": lambda x: kernels.eigh(x, False, True, 1),
-                },
-                [(s,)],
-                reps=5,
-                warmup=1,
-            )
-            table.add(f"eigh B={b} n={n} {dtype}", "cyclic", t["e0"], t["e1"], b * FLOPS["eigh"](n))
+            for lanes in (False, True):  # the per-thread kernel and the SIMD-lane kernel
+                t = compare(
+                    {
+                        "e0": lambda x, v=lanes: kernels.eigh(x, False, True, 0, lanes=v),
+                        "e1": lambda x, v=lanes: kernels.eigh(x, False, True, 1, lanes=v),
+                    },
+                    [(s,)],
+                    reps=5,
+                    warmup=1,
+                )
+                kind = "lanes" if lanes else "per-thread"
+                table.add(
+                    f"eigh {kind} B={b} n={n} {dtype}",
+                    "cyclic",
+                    t["e0"],
+                    t["e1"],
+                    b * FLOPS["eigh"](n),
+                )
     table.save(args.json)
 
 

@@ -191,20 +191,24 @@ def _check_eigh(dtype, kind, n, uplo):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 13, 16])
 def test_eigh_lanes_kernel(dtype, n):
-    """The SIMD-lane kernel (one matrix per lane) against the scalar one and the reference,
-    with a batch that leaves a partial group of lanes, a poisoned upper triangle and a NaN."""
+    """The SIMD-lane kernel (one matrix per lane, cyclic and round-robin order) against the
+    scalar one and the reference in the same order, with a batch that leaves a partial group
+    of lanes, a poisoned upper triangle and a NaN."""
     a64 = torch.cat([sym("random", 20, n, seed=n), sym("repeated", 17, n, seed=1)])
     a = a64.to(dtype).contiguous()
     tol = TOL[dtype] * 10 * n
-    for upper in (False, True):
-        lam, q, bad = kernels.eigh(a, upper, True, lanes=True)
+    for upper, order in ((False, 0), (True, 0), (False, 1), (True, 1)):
+        lam, q, bad = kernels.eigh(a, upper, True, order, lanes=True)
         lam0, _, _ = kernels.eigh(a, upper, True, lanes=False)
         assert bad == 0 and rel(lam, lam0) <= tol
         resid = a64 @ q.double() - q.double() * lam.double().unsqueeze(-2)
         assert float(resid.abs().max()) <= tol * float(a64.abs().max()) and eye_err(q) <= tol
-    assert rel(lam[:5], tl.eigh_reference(a[:5], True)[0]) <= tol
+        lr, qr_ = tl.eigh_reference(a[:5], upper, order=order)
+        assert rel(lam[:5], lr) <= tol
+        if dtype == torch.float64 and n > 1:  # same order, same rotations: same vectors
+            assert rel(q[:5], qr_) <= 1e-8
     vals, _, _ = kernels.eigh(a, False, False, lanes=True)
     assert rel(vals, lam0) <= tol
     a[29, 0, 0] = float("nan")

@@ -8,7 +8,8 @@ The native kernels must agree with them to working precision (tests/test_linalg.
 - ``svd_reference``: one-sided Jacobi (cyclic order for k ≤ 4, round-robin above, as the
   kernel), tol = eps·sqrt(max(m, n)); descending σ;
   numerically null vectors (σ ≤ σ_max·p·eps) completed by Gram-Schmidt.
-- ``eigh_reference``: two-sided cyclic Jacobi with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
+- ``eigh_reference``: two-sided Jacobi (cyclic, or round-robin as the lane kernel for
+  5 ≤ n ≤ 12) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
 - ``qr_reference``: Householder with LAPACK's sign convention.
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
 """
@@ -128,16 +129,21 @@ def svd_reference(
 
 
 def eigh_reference(
-    a: torch.Tensor, upper: bool = False, compute_v: bool = True
+    a: torch.Tensor, upper: bool = False, compute_v: bool = True, order: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two-sided cyclic Jacobi eigendecomposition of (B, n, n) symmetric ``a``: (L asc, Q)."""
+    """Two-sided Jacobi eigendecomposition of (B, n, n) symmetric ``a``: (L asc, Q).
+
+    ``order``: 0 cyclic, 1 round-robin (the lane kernel's order for small n). A round's pairs
+    are disjoint, so applying them one after another here equals the kernel's computing every
+    angle of the round first.
+    """
     bsz, n, _ = a.shape
     tri = a.triu() if upper else a.tril()
     x = tri + tri.mT - torch.diag_embed(tri.diagonal(0, -2, -1))
     frob = x.flatten(1).norm(dim=-1)
     vt = torch.eye(n, dtype=a.dtype, device=a.device).expand(bsz, n, n).clone()
     eps = _eps(a.dtype)
-    pairs = [(p, q) for p in range(n) for q in range(p + 1, n)]
+    pairs = pairs_for(n, order)
     for _ in range(MAX_SWEEPS):
         rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
         for p, q in pairs:
