@@ -816,7 +816,10 @@ TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int u
 TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int64_t n, int64_t upper,
                               int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
-    int64_t nt = (groups < 2 || B * n * n * n < 10000000) ? 1 : nthreads;
+    /* one thread below ~3 ms of work (B n^3 < 1e8; n = 16: 24000 matrices): on the shared
+       2-core machine (load 3-5), B = 10000, n = 16 took 12-15 ms with two threads (the end of
+       the region waits for a descheduled thread) and 2.7-3 ms on one */
+    int64_t nt = (groups < 2 || B * n * n * n < 100000000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
