@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchport.linalg as tl
-from torchport.linalg import blocked, kernels
+from torchport.linalg import blocked, kernels, ops
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -359,6 +359,26 @@ def test_cholesky_blocked_degenerate_sizes():
         bad_in = spd(3, 40)
         bad_in[2, 39, 39] = -1e6
         tl.cholesky(bad_in, method="jacobi")
+
+
+@pytest.mark.parametrize("n", [3, 20, 60])
+def test_cholesky_eager_launcher_matches_op_path(n):
+    """Plain eager calls run the resolved launcher; grad-recording calls the custom op: same
+    factor and info for batch shapes, strided input, lanes/blocked/unblocked kernels."""
+    a = spd(24, n, seed=n).reshape(2, 3, 4, n, n)
+    a[1, 2, 3, n - 1, n - 1] = -1e6
+    strided = a.mT  # symmetric input: the same matrices, not contiguous
+    for x in (a, strided, a[:, :1, :1]):
+        fac, info = tl.cholesky_ex(x, method="jacobi")
+        fac_op, info_op = ops.cholesky_ex(x.contiguous(), False)
+        assert torch.equal(info, info_op) and info.shape == x.shape[:-2]
+        assert torch.allclose(fac, fac_op, rtol=1e-12, atol=1e-12)
+        assert info.tolist() == torch.linalg.cholesky_ex(x).info.tolist()
+    g = a[0].clone().requires_grad_()
+    fac_g = tl.cholesky(g, method="jacobi")
+    assert fac_g.requires_grad and torch.allclose(fac_g, tl.cholesky(a[0], method="jacobi"))
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 23\).*order " + str(n)):
+        tl.cholesky(a, method="jacobi")
 
 
 def test_cholesky_ex_info_names_failing_minor():

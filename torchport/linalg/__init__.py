@@ -114,6 +114,10 @@ _lapack_fast: set[tuple[Any, ...]] = set()
 _chol_native: dict[
     tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
 ] = {}
+# (shape, dtype, upper) -> resolved native Cholesky launcher, for every eager CPU native call
+_chol_plans: dict[
+    tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
+] = {}
 
 
 def _chol_auto_native(a: object, upper: bool) -> tuple[torch.Tensor, torch.Tensor, int] | None:
@@ -179,7 +183,7 @@ def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str
     if route == "lapack":
         _lapack_fast.add((op, a.shape, a.dtype, extra))
     elif op == "cholesky":
-        _chol_native[(a.shape, a.dtype, extra[0])] = kernels.cholesky_plan(b, n, a.dtype, extra[0])
+        _chol_native[(a.shape, a.dtype, extra[0])] = _chol_plan(a, extra[0])
     return route
 
 
@@ -432,18 +436,38 @@ def cholesky_ex(
     return _cholesky_ex(a, upper, check_errors, _route("cholesky", a, method, (bool(upper),)))
 
 
+def _chol_plan(
+    a: torch.Tensor, upper: bool
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]:
+    """The resolved native launcher for ``a``'s shape (kernels.cholesky_plan), cached."""
+    key = (a.shape, a.dtype, upper)
+    run = _chol_plans.get(key)
+    if run is None:
+        if len(_chol_plans) >= 4096:  # bound the cache for programs with ever-new shapes
+            _chol_plans.clear()
+        n = a.shape[-1]
+        run = kernels.cholesky_plan(a.numel() // (n * n), n, a.dtype, upper)
+        _chol_plans[key] = run
+    return run
+
+
 def _cholesky_ex(
-    a: torch.Tensor, upper: bool, check_errors: bool, route: str
+    a: torch.Tensor, upper: bool, check_errors: bool, route: str, op: str = "cholesky_ex"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if route == "lapack":
         return torch.linalg.cholesky_ex(a, upper=upper, check_errors=check_errors)
     if route == "reference":
         fac, info = cholesky_reference(ops._flat(a), upper)
         fac, info = fac.reshape(a.shape), info.reshape(a.shape[:-2])
+    elif a.numel() and native.eager_fast_path(a):  # plain eager CPU call: resolved launcher
+        fac, info, bad = _chol_plan(a, bool(upper))(a)
+        if check_errors and bad:
+            _raise_not_pd(op, a, info)
+        return _rt.linalg_cholesky_ex((fac, info))
     else:
         fac, info = ops.cholesky_ex(a, bool(upper))
     if check_errors:
-        _raise_not_pd("cholesky_ex", a, info)
+        _raise_not_pd(op, a, info)
     return _rt.linalg_cholesky_ex((fac, info))
 
 
@@ -481,6 +505,4 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     route = _route("cholesky", a, method, (bool(upper),))
     if route == "lapack":
         return torch.linalg.cholesky(a, upper=upper)  # no info round trip on the LAPACK path
-    fac, info = _cholesky_ex(a, upper, False, route)
-    _raise_not_pd("cholesky", a, info)
-    return fac
+    return _cholesky_ex(a, upper, True, route, op="cholesky")[0]
