@@ -966,8 +966,9 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
 """
 
 
-# Identifies the kernel source in autotuning keys, so choices made for older kernels are not reused.
-SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+# Identifies the kernel sources (this one and the blocked Cholesky's) in autotuning keys, so
+# choices made for older kernels are not reused.
+SOURCE_TAG = hashlib.sha256((_SOURCE + _blocked.SOURCE_TAG).encode()).hexdigest()[:12]
 
 
 @functools.cache
