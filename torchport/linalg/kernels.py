@@ -1050,8 +1050,9 @@ EIGH_ORDER = 0
 # The lane kernel (tp_eigh_vec) in round-robin order batches a round's angles (n/2 independent
 # sqrt/div chains). Single-threaded, interleaved medians of 21 at load ~8, round-robin/cyclic
 # speed: n = 8 1.76x (f32) 1.74x (f64); n = 12 1.04x / 1.08x; n = 16 0.97x / 1.06x; n = 24
-# 0.97x / 1.14x; other runs put n = 3 and 32 at 0.7-1.0x. Used where it wins clearly: 5 <= n <= 12.
-EIGH_LANES_ROUND_ROBIN = (5, 12)
+# 0.97x / 1.14x; `bench linalg --orderings --quick` (2 threads, load 5-6): n = 3 0.75x / 0.94x,
+# n = 8 1.49x / 1.22x, n = 16 1.18x / 1.15x; n = 32 0.7-1.0x in other runs. Used: 5 <= n <= 16.
+EIGH_LANES_ROUND_ROBIN = (5, 16)
 LANES_MAX_N = 64
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,

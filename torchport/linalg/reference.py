@@ -9,7 +9,7 @@ The native kernels must agree with them to working precision (tests/test_linalg.
   kernel), tol = eps·sqrt(max(m, n)); descending σ;
   numerically null vectors (σ ≤ σ_max·p·eps) completed by Gram-Schmidt.
 - ``eigh_reference``: two-sided Jacobi (cyclic, or round-robin as the lane kernel for
-  5 ≤ n ≤ 12) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
+  5 ≤ n ≤ 16) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
 - ``qr_reference``: Householder with LAPACK's sign convention.
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
 """
