@@ -11,7 +11,9 @@ Cells are skipped when the input exceeds 1 GB or B·n³ > 4·10⁸ (a single tor
 take many seconds; the default run stays near 10 minutes). ``--quick`` runs B ∈ {100, 10000} × n ∈ {3, 8, 32} with B·n³ ≤ 4·10⁷;
 ``--orderings`` instead compares the cyclic and round-robin Jacobi orderings of the kernels.
 
-Run: ``torchport bench linalg [--quick] [--orderings]``.
+Run: ``torchport bench linalg [--quick] [--orderings]``; select cells with ``--ops``, ``--sizes``,
+``--batches``, ``--dtypes`` (comma-separated), e.g. ``--ops cholesky --sizes 8,16 --batches 10000``;
+``--fastest [--threads T] --reps N`` times those cells as alternated minima (robust to load).
 """
 
 from __future__ import annotations
@@ -83,14 +85,21 @@ def _skip(b: int, n: int, dtype: torch.dtype, max_work: float) -> str | None:
     return None
 
 
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
 def grid(args: Any) -> None:
-    ops = ("svd", "eigh", "qr", "cholesky")
-    batches, sizes = (BATCHES, SIZES) if not args.quick else ((100, 10_000), (3, 8, 32))
+    ops = tuple(args.ops.split(",")) if args.ops else ("svd", "eigh", "qr", "cholesky")
+    batches: tuple[int, ...] = BATCHES if not args.quick else (100, 10_000)
+    sizes: tuple[int, ...] = SIZES if not args.quick else (3, 8, 32)
+    batches, sizes = _ints(args.batches) or batches, _ints(args.sizes) or sizes
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     max_work = MAX_WORK if not args.quick else 4e7
     table = BenchTable("linalg", unit="GFLOP/s")
     table.start()
     skipped: list[str] = []
-    for dtype in (torch.float32, torch.float64):
+    for dtype in dtypes:
         for op in ops:
             for n in sizes:
                 for b in batches:
@@ -122,6 +131,44 @@ def grid(args: Any) -> None:
     table.save(args.json)
 
 
+def fastest(args: Any) -> None:
+    """Cells of ``--ops`` × ``--batches`` × ``--sizes``: torch.linalg and method="jacobi" called
+    alternately, the minimum of ``--reps`` each, on ``--threads`` threads (both sides). On a
+    shared machine the minimum drops the runs a descheduled thread stretched, which medians of a
+    few ms calls do not."""
+    import time
+
+    torch.set_num_threads(args.threads)
+    ops = tuple(args.ops.split(",")) if args.ops else ("svd", "eigh", "cholesky")
+    table = BenchTable(f"linalg_fastest_{args.threads}t", unit="GFLOP/s")
+    table.start()
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        for op in ops:
+            for b in _ints(args.batches) or (1000,):
+                for n in _ints(args.sizes) or (8, 16):
+                    a = _input(op, b, n, dtype)
+                    fns = _fns(op)
+                    fl, fo = fns["lapack"], fns["jacobi"]
+                    fl(a), fo(a)
+                    tl_ = to = float("inf")
+                    for _ in range(max(3, args.reps)):
+                        t0 = time.perf_counter()
+                        fl(a)
+                        t1 = time.perf_counter()
+                        fo(a)
+                        t2 = time.perf_counter()
+                        tl_, to = min(tl_, t1 - t0), min(to, t2 - t1)
+                    table.add(
+                        f"{op} B={b} n={n} {str(dtype)[6:]}",
+                        f"torch.linalg.{op}",
+                        tl_,
+                        to,
+                        b * FLOPS[op](n),
+                        threads=args.threads,
+                    )
+    table.save(args.json)
+
+
 def orderings(args: Any) -> None:
     """Cyclic (0) vs round-robin (1) Jacobi ordering, interleaved in one run."""
     table = BenchTable("linalg_orderings", unit="GFLOP/s")
@@ -143,26 +190,42 @@ def orderings(args: Any) -> None:
             table.add(
                 f"svd B={b} n={n} {dtype}", "cyclic", t["svd0"], t["svd1"], b * FLOPS["svd"](n)
             )
-            t = compare(
-                {
-                    "e0": lambda x: kernels.eigh(x, False, True, 0),
-                    "e1": lambda x: kernels.eigh(x, False, True, 1),
-                },
-                [(s,)],
-                reps=5,
-                warmup=1,
-            )
-            table.add(f"eigh B={b} n={n} {dtype}", "cyclic", t["e0"], t["e1"], b * FLOPS["eigh"](n))
+            for lanes in (False, True):  # the per-thread kernel and the SIMD-lane kernel
+                t = compare(
+                    {
+                        "e0": lambda x, v=lanes: kernels.eigh(x, False, True, 0, lanes=v),
+                        "e1": lambda x, v=lanes: kernels.eigh(x, False, True, 1, lanes=v),
+                    },
+                    [(s,)],
+                    reps=5,
+                    warmup=1,
+                )
+                kind = "lanes" if lanes else "per-thread"
+                table.add(
+                    f"eigh {kind} B={b} n={n} {dtype}",
+                    "cyclic",
+                    t["e0"],
+                    t["e1"],
+                    b * FLOPS["eigh"](n),
+                )
     table.save(args.json)
 
 
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--orderings", action="store_true", help="cyclic vs round-robin Jacobi")
+    p.add_argument("--ops", help="comma-separated subset of svd,eigh,qr,cholesky")
+    p.add_argument("--sizes", help="comma-separated n (replaces the grid's)")
+    p.add_argument("--batches", help="comma-separated B (replaces the grid's)")
+    p.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
+    p.add_argument("--fastest", action="store_true", help="min of --reps, alternated (see fastest)")
+    p.add_argument("--threads", type=int, default=2, help="threads for --fastest (both sides)")
     args = p.parse_args()
     with config.override(progress=False):
         if args.orderings:
             orderings(args)
+        elif args.fastest:
+            fastest(args)
         else:
             grid(args)
 

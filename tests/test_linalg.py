@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchport.linalg as tl
-from torchport.linalg import kernels
+from torchport.linalg import blocked, kernels, ops
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -191,20 +191,24 @@ def _check_eigh(dtype, kind, n, uplo):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13])
 def test_eigh_lanes_kernel(dtype, n):
-    """The SIMD-lane kernel (one matrix per lane) against the scalar one and the reference,
-    with a batch that leaves a partial group of lanes, a poisoned upper triangle and a NaN."""
+    """The SIMD-lane kernel (one matrix per lane, cyclic and round-robin order) against the
+    scalar one and the reference in the same order, with a batch that leaves a partial group
+    of lanes, a poisoned upper triangle and a NaN."""
     a64 = torch.cat([sym("random", 20, n, seed=n), sym("repeated", 17, n, seed=1)])
     a = a64.to(dtype).contiguous()
     tol = TOL[dtype] * 10 * n
-    for upper in (False, True):
-        lam, q, bad = kernels.eigh(a, upper, True, lanes=True)
+    for upper, order in ((False, 0), (True, 0), (False, 1), (True, 1)):
+        lam, q, bad = kernels.eigh(a, upper, True, order, lanes=True)
         lam0, _, _ = kernels.eigh(a, upper, True, lanes=False)
         assert bad == 0 and rel(lam, lam0) <= tol
         resid = a64 @ q.double() - q.double() * lam.double().unsqueeze(-2)
         assert float(resid.abs().max()) <= tol * float(a64.abs().max()) and eye_err(q) <= tol
-    assert rel(lam[:5], tl.eigh_reference(a[:5], True)[0]) <= tol
+        lr, qr_ = tl.eigh_reference(a[:5], upper, order=order)
+        assert rel(lam[:5], lr) <= tol
+        if dtype == torch.float64 and n > 1:  # same order, same rotations: same vectors
+            assert rel(q[:5], qr_) <= 1e-8
     vals, _, _ = kernels.eigh(a, False, False, lanes=True)
     assert rel(vals, lam0) <= tol
     a[29, 0, 0] = float("nan")
@@ -284,7 +288,7 @@ def test_cholesky_vs_lapack(dtype, n, upper):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 33])
 def test_cholesky_lanes_kernel(dtype, n):
     """One matrix per SIMD lane vs the scalar kernel: partial lane group, failures in two lanes."""
     a = spd(37, n, seed=n).to(dtype)
@@ -296,6 +300,85 @@ def test_cholesky_lanes_kernel(dtype, n):
         assert torch.equal(info, info0) and bad0 == 4
         assert info[30] == 1 and info[3] == (n if n > 1 else 1)
         assert rel(fac, fac0) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "n,nb", [(17, 1), (24, None), (31, 5), (33, 8), (47, None), (64, 16), (97, 64), (130, None)]
+)
+def test_cholesky_blocked_kernel(dtype, n, nb):
+    """Blocked kernel (panel widths that do and do not divide n) vs float64 LAPACK, the blocked
+    torch reference and the unblocked kernel; upper and lower; ill-conditioned input."""
+    g = torch.Generator().manual_seed(n)
+    q = _orthogonal(3, n, g)
+    ill = (q * torch.logspace(0, -5, n, dtype=torch.float64)) @ q.mT
+    a = torch.cat([spd(3, n, seed=n), (ill + ill.mT) / 2]).to(dtype)
+    for upper in (False, True):
+        fac, info, bad = blocked.cholesky_blocked(a, upper, nb)
+        assert bad == 0 and not bool(info.any())
+        assert torch.equal(fac, fac.triu() if upper else fac.tril())
+        ref = torch.linalg.cholesky(a.double(), upper=upper)
+        err = (fac.double() - ref).abs().amax((-2, -1)) / ref.abs().amax((-2, -1))
+        assert float(err[:3].max()) <= TOL[dtype]
+        if dtype == torch.float64:  # cond 1e5: the factor is still accurate to ~1e-11
+            assert float(err.max()) <= 1e-9
+        fr, ir = tl.cholesky_blocked_reference(a, upper, nb or blocked.panel_width(n))
+        assert rel(fac, fr) <= TOL[dtype] and not bool(ir.any())
+        fac0, _, _ = kernels.cholesky(a, upper, lanes=False)
+        assert rel(fac, fac0) <= TOL[dtype]
+    assert torch.equal(kernels.cholesky(a, False)[0], blocked.cholesky_blocked(a, False)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", [0, 7, 8, 15, 16, 17, 40, 49])
+def test_cholesky_blocked_info(dtype, where):
+    """A failing pivot in the first/last column of a panel, in the diagonal block or the trailing
+    part, and NaN: info names the same leading minor as LAPACK, the factor is zero, others fine."""
+    n = 50
+    a = spd(4, n, seed=where).to(dtype)
+    a[1, where, where] = -1e4
+    a[3, where, 0] = float("nan")
+    a[3, 0, where] = float("nan")
+    for nb in (8, 16, 32):
+        fac, info, bad = blocked.cholesky_blocked(a, False, nb)
+        ref = torch.linalg.cholesky_ex(a.double()).info
+        assert info.tolist() == ref.tolist() == [0, where + 1, 0, where + 1]
+        assert bad == 2 and not bool(fac[1].any()) and not bool(fac[3].any())
+        assert tl.cholesky_blocked_reference(a, False, nb)[1].tolist() == info.tolist()
+        assert rel(fac[0], torch.linalg.cholesky(a[0].double())) <= TOL[dtype]
+
+
+def test_cholesky_blocked_degenerate_sizes():
+    for b, n in ((0, 40), (3, 0), (1, 1), (2, 40)):
+        a = spd(b, n).to(torch.float32) if b * n else torch.zeros(b, n, n)
+        fac, info, bad = blocked.cholesky_blocked(a, False)
+        assert fac.shape == (b, n, n) and info.shape == (b,) and bad == 0
+        if b * n:
+            assert rel(fac, torch.linalg.cholesky(a.double())) <= TOL[torch.float32]
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 2\).*minor of order 40"):
+        bad_in = spd(3, 40)
+        bad_in[2, 39, 39] = -1e6
+        tl.cholesky(bad_in, method="jacobi")
+
+
+@pytest.mark.parametrize("n", [3, 20, 60])
+def test_cholesky_eager_launcher_matches_op_path(n):
+    """Plain eager calls run the resolved launcher; grad-recording calls the custom op: same
+    factor and info for batch shapes, strided input, lanes/blocked/unblocked kernels."""
+    a = spd(24, n, seed=n).reshape(2, 3, 4, n, n)
+    a[1, 2, 3, n - 1, n - 1] = -1e6
+    strided = a.mT  # symmetric input: the same matrices, not contiguous
+    for x in (a, strided, a[:, :1, :1]):
+        fac, info = tl.cholesky_ex(x, method="jacobi")
+        fac_op, info_op = ops.cholesky_ex(x.contiguous(), False)
+        assert torch.equal(info, info_op) and info.shape == x.shape[:-2]
+        assert torch.allclose(fac, fac_op, rtol=1e-12, atol=1e-12)
+        assert info.tolist() == torch.linalg.cholesky_ex(x).info.tolist()
+    g = a[0].clone().requires_grad_()
+    fac_g = tl.cholesky(g, method="jacobi")
+    assert fac_g.requires_grad and torch.allclose(fac_g, tl.cholesky(a[0], method="jacobi"))
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 23\).*order " + str(n)):
+        tl.cholesky(a, method="jacobi")
 
 
 def test_cholesky_ex_info_names_failing_minor():
@@ -498,6 +581,7 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
 
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
     monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "2")
     before = autotune.stats.tuned
@@ -563,6 +647,7 @@ def test_auto_confirms_native_win_against_lapack(monkeypatch):
     ):
         monkeypatch.setattr(tl, "_memo", {})
         monkeypatch.setattr(tl, "_fast", {})
+        monkeypatch.setattr(tl, "_chol_native", {})
         monkeypatch.setattr(tl, "_lapack_fast", set())
         monkeypatch.setattr(tl, "_time_pair", lambda fa, fb, x, r=(t_lapack, t_native): r)
         assert tl._route("qr", a, "auto", ("reduced",)) == want
@@ -577,6 +662,7 @@ def test_auto_lapack_choice_skips_confirmation(monkeypatch):
     monkeypatch.setattr(autotune, "select", _fake_select(False, []))
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
 
     def boom(*args):
@@ -592,6 +678,7 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     calls: list = []
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
     monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or False)
     a = spd(100, 8)
@@ -614,6 +701,7 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     # a native decision is honoured from the fast path too, and cholesky routes only once
     monkeypatch.undo()
     monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
     monkeypatch.setattr(tl, "_lapack_fast", set())
     monkeypatch.setattr(tl, "_bucket", lambda b: 128)
     monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or True)
@@ -623,11 +711,25 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     monkeypatch.setattr(tl, "_route", lambda *args: routes.append(args[0]) or real_route(*args))
     fac = tl.cholesky(a)
     assert routes == ["cholesky"] and len(calls) == 2
-    tl.cholesky(a)  # the cached native decision: one more routing, no tuning
-    assert routes == ["cholesky", "cholesky"] and len(calls) == 2
+    # the cached native decision runs the resolved launcher: no routing, no tuning
+    assert torch.equal(tl.cholesky(a), fac) and torch.equal(tl.cholesky_ex(a).L, fac)
+    assert routes == ["cholesky"] and len(calls) == 2
     assert torch.allclose(fac, torch.linalg.cholesky(a), atol=1e-4)
+    bad = a.clone()
+    bad[7, 5, 5] = -1e3  # errors and info from the launcher path too
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 7\).*minor of order 6"):
+        tl.cholesky(bad)
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 7\).*minor of order 6"):
+        tl.cholesky_ex(bad, check_errors=True)
+    fac2, info = tl.cholesky_ex(bad)
+    assert info.tolist() == torch.linalg.cholesky_ex(bad).info.tolist()
+    assert not bool(fac2[7].any()) and torch.equal(fac2[:7], fac[:7])
+    assert tl.cholesky(a.mT.contiguous().mT).shape == a.shape  # strided input, same shape
+    assert routes == ["cholesky"]
     # with native kernels switched off a cached native decision is not used
     from torchport import config
 
     with config.override(native=False):
         assert tl._route("cholesky", a, "auto", (False,)) == "lapack"
+        assert torch.equal(tl.cholesky(a), torch.linalg.cholesky(a))
+    assert routes[-2:] == ["cholesky", "cholesky"]

@@ -27,18 +27,24 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
 - **Cholesky**: row-oriented (Cholesky–Banachiewicz) dot-product form; a pivot that is not > 0
   (or is NaN) stops that matrix with ``info`` = the order of the failing leading minor. For
-  n ≤ 16 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
-  which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run).
+  n ≤ 48 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
+  which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run). A
+  full group moves between the row-major matrices and the lane layout by 8×8 (float32) / 4×4
+  (float64) AVX shuffle transposes and divides once per pivot (multiplying by its reciprocal).
+  Above n = 48, and for batches too small to fill the lanes from n = 17, the blocked kernel of
+  :mod:`torchport.linalg.blocked` (panel + register-blocked trailing update) takes over.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 
 import torch
 
 from torchport import native
+from torchport.linalg import blocked as _blocked
 from torchport.native import IntArg, Kernel, TensorArg
 
 _TAG = {torch.float32: "f32", torch.float64: "f64"}
@@ -398,8 +404,71 @@ TP_INLINE VT vsqrt(VT x) {
 }
 TP_INLINE int vany(VI m) { ${ielem} r = 0; for (int l = 0; l < VLN; ++l) r |= m[l]; return r != 0; }
 
+/* One round of disjoint pairs (p_t, q_t), t < h (p_t < 0: a bye): every angle first (the
+   h sqrt/div chains are independent, so they overlap in the pipeline), then the row rotations,
+   then the column rotations (contiguous in the lane layout), then the 2x2 blocks' new values.
+   Returns 1 if any lane rotated. */
+TP_INLINE int eigh_vec_round(VT *A, VT *V, int64_t n, int wantv, const int32_t *pr, int64_t h,
+                             VT floor_, VT *cs, int64_t *lp, int64_t *lq) {
+    const VT zero = {0}, one = zero + 1;
+    int64_t live = 0;
+    for (int64_t t = 0; t < h; ++t) {
+        int64_t p = pr[2 * t], q = pr[2 * t + 1];
+        if (p < 0) continue;
+        VT apq = A[p * n + q], app = A[p * n + p], aqq = A[q * n + q];
+        VT scale = vsqrt(vabs(app)) * vsqrt(vabs(aqq));
+        scale = vsel(scale > floor_, scale, floor_);
+        VI act = (vabs(apq) > EPS * scale) & (apq != zero);
+        if (!vany(act)) continue;
+        VT g = vsel(act, apq, one);
+        VT theta = (aqq - app) / (g + g);
+        VT sgn = vsel(theta >= zero, one, -one);
+        VT tt = vsel(act, sgn / (vabs(theta) + vsqrt(one + theta * theta)), zero);
+        VT c = one / vsqrt(one + tt * tt);
+        VT *o = cs + 5 * live;
+        o[0] = c; o[1] = c * tt; o[2] = app - tt * apq; o[3] = aqq + tt * apq;
+        o[4] = vsel(act, zero, apq);
+        lp[live] = p; lq[live] = q;
+        ++live;
+    }
+    if (!live) return 0;
+    for (int64_t t = 0; t < live; ++t) {
+        const VT c = cs[5 * t], s = cs[5 * t + 1];
+        VT *rp = A + lp[t] * n, *rq = A + lq[t] * n;
+        for (int64_t k = 0; k < n; ++k) {
+            VT x = rp[k], y = rq[k];
+            rp[k] = c * x - s * y;
+            rq[k] = s * x + c * y;
+        }
+        if (wantv) {
+            VT *vp = V + lp[t] * n, *vq = V + lq[t] * n;
+            for (int64_t k = 0; k < n; ++k) {
+                VT x = vp[k], y = vq[k];
+                vp[k] = c * x - s * y;
+                vq[k] = s * x + c * y;
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        VT *row = A + i * n;
+        for (int64_t t = 0; t < live; ++t) {
+            const VT c = cs[5 * t], s = cs[5 * t + 1];
+            VT x = row[lp[t]], y = row[lq[t]];
+            row[lp[t]] = c * x - s * y;
+            row[lq[t]] = s * x + c * y;
+        }
+    }
+    for (int64_t t = 0; t < live; ++t) {
+        int64_t p = lp[t], q = lq[t];
+        A[p * n + p] = cs[5 * t + 2]; A[q * n + q] = cs[5 * t + 3];
+        A[p * n + q] = cs[5 * t + 4]; A[q * n + p] = cs[5 * t + 4];
+    }
+    return 1;
+}
+
 TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
-                       VT *A, VT *V, T *d, int64_t *perm) {
+                       VT *A, VT *V, T *d, int64_t *perm, const int32_t *pairs, int64_t npairs,
+                       int64_t h, VT *cs, int64_t *lp, int64_t *lq) {
     const VT zero = {0}, one = zero + 1;
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
     VT frob = zero;
@@ -412,7 +481,13 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
         }
     const VT floor_ = (T)0.1 * vsqrt(frob);
     if (wantv) { for (int64_t j = 0; j < n * n; ++j) V[j] = zero; for (int64_t j = 0; j < n; ++j) V[j * n + j] = one; }
-    for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
+    for (int sweep = 0; sweep < MAX_SWEEPS && h; ++sweep) {  /* round-robin order */
+        int rotated = 0;
+        for (int64_t base = 0; base < npairs; base += h)
+            rotated |= eigh_vec_round(A, V, n, wantv, pairs + 2 * base, h, floor_, cs, lp, lq);
+        if (!rotated) break;
+    }
+    for (int sweep = 0; sweep < MAX_SWEEPS && !h; ++sweep) {  /* cyclic order */
         int rotated = 0;
         for (int64_t p = 0; p < n; ++p)
             for (int64_t q = p + 1; q < n; ++q) {
@@ -465,16 +540,20 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
 }
 
 TP_EXPORT int tp_eigh_vec(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper, int64_t wantv,
-                          int64_t nthreads) {
+                          int64_t order, int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
     int64_t nt = (groups < 2 || B * n * n * n < 100000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
-        VT *A = (VT *)aligned_alloc(32, sizeof(VT) * (2 * n * n + 2));
-        VT *V = A + n * n;
+        VT *A = (VT *)aligned_alloc(32, sizeof(VT) * (2 * n * n + 5 * n + 8));
+        VT *V = A + n * n, *cs = V + n * n;
         T *d = (T *)malloc(sizeof(T) * (n + 1));
-        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (3 * n + 6));
+        int64_t *lp = perm + n + 2, *lq = lp + n + 2;
+        int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (n + 2) * (n + 2));
+        int64_t np = make_pairs(pairs, n, (int)order);
+        int64_t h = order ? (n + (n & 1)) / 2 : 0;
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t gi = 0; gi < groups; ++gi) {
@@ -482,13 +561,14 @@ TP_EXPORT int tp_eigh_vec(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t 
             int st;
             const T *src = a + b0 * n * n;
             T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
-            if (n == 2) st = eigh_vec(src, lo, qo, cnt, 2, (int)upper, (int)wantv, A, V, d, perm);
-            else if (n == 3) st = eigh_vec(src, lo, qo, cnt, 3, (int)upper, (int)wantv, A, V, d, perm);
-            else if (n == 4) st = eigh_vec(src, lo, qo, cnt, 4, (int)upper, (int)wantv, A, V, d, perm);
-            else st = eigh_vec(src, lo, qo, cnt, n, (int)upper, (int)wantv, A, V, d, perm);
+#define EIGH_VEC(N) eigh_vec(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, V, d, perm, pairs, np, h, cs, lp, lq)
+            if (n == 2) st = EIGH_VEC(2);
+            else if (n == 3) st = EIGH_VEC(3);
+            else if (n == 4) st = EIGH_VEC(4);
+            else st = EIGH_VEC(n);
             if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
         }
-        free(A); free(d); free(perm);
+        free(A); free(d); free(perm); free(pairs);
     }
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
@@ -498,8 +578,9 @@ TP_EXPORT int tp_eigh_vec(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t 
    The one-sided Jacobi sweeps of svd_one (same pair order) on VLN interleaved matrices; then
    each lane is copied out and finished by svd_finish. */
 TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int64_t n, int uv,
-                      int full, const int32_t *pairs, int64_t npairs, VT *W, VT *V, VT *nv,
-                      T *Ws, T *Vs, T *nrm, int64_t *perm, T *Ub) {
+                      int full, const int32_t *pairs, int64_t npairs, int64_t h, VT *W, VT *V,
+                      VT *nv, VT *cs, int64_t *lp, int64_t *lq, T *Ws, T *Vs, T *nrm,
+                      int64_t *perm, T *Ub) {
     const int trans = m < n;
     const int64_t p = trans ? n : m, q = trans ? m : n, k = q;
     const VT zero = {0}, one = zero + 1;
@@ -519,20 +600,32 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
             nv[j] = acc;
         }
         int rotated = 0;
-        for (int64_t t = 0; t < npairs; ++t) {
+        for (int64_t base = 0; base < npairs; base += h) {
+          /* a round of h disjoint pairs (h = 1: the cyclic order): every inner product and
+             angle first, so their FMA and sqrt/div chains overlap, then the rotations */
+          int64_t live = 0;
+          for (int64_t t = base; t < base + h; ++t) {
             int64_t j = pairs[2 * t], kk = pairs[2 * t + 1];
             if (j < 0) continue;
             VT al = nv[j], be = nv[kk], g = zero;
-            VT *wj = W + j * p, *wk = W + kk * p;
+            const VT *wj = W + j * p, *wk = W + kk * p;
             for (int64_t i = 0; i < p; ++i) g += wj[i] * wk[i];
             VI act = (al != zero) & (be != zero) & (vabs(g) > tol * vsqrt(al) * vsqrt(be));
             if (!vany(act)) continue;
-            rotated = 1;
             VT gs = vsel(act, g, one);
             VT zeta = (be - al) / (gs + gs);
             VT sgn = vsel(zeta >= zero, one, -one);
             VT tt = vsel(act, sgn / (vabs(zeta) + vsqrt(one + zeta * zeta)), zero);
-            VT c = one / vsqrt(one + tt * tt), s = c * tt;
+            VT c = one / vsqrt(one + tt * tt);
+            cs[3 * live] = c; cs[3 * live + 1] = c * tt; cs[3 * live + 2] = tt * g;
+            lp[live] = j; lq[live] = kk;
+            ++live;
+          }
+          rotated |= live > 0;
+          for (int64_t r = 0; r < live; ++r) {
+            const int64_t j = lp[r], kk = lq[r];
+            const VT c = cs[3 * r], s = cs[3 * r + 1];
+            VT *wj = W + j * p, *wk = W + kk * p;
             for (int64_t i = 0; i < p; ++i) {
                 VT x = wj[i], y = wk[i];
                 wj[i] = c * x - s * y;
@@ -546,8 +639,9 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
                     vk[i] = s * x + c * y;
                 }
             }
-            nv[j] = al - tt * g;
-            nv[kk] = be + tt * g;
+            nv[j] -= cs[3 * r + 2];
+            nv[kk] += cs[3 * r + 2];
+          }
         }
         if (!rotated) break;
     }
@@ -569,13 +663,15 @@ TP_EXPORT int tp_svd_vec(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, in
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
-        VT *W = (VT *)aligned_alloc(32, sizeof(VT) * (p * k + k * k + k + 4));
-        VT *V = W + p * k, *nv = V + k * k;
+        VT *W = (VT *)aligned_alloc(32, sizeof(VT) * (p * k + k * k + 4 * k + 8));
+        VT *V = W + p * k, *nv = V + k * k, *cs = nv + k;
         T *Ws = (T *)malloc(sizeof(T) * (p * k + k * k + k + p * p + 8));
         T *Vs = Ws + p * k, *nrm = Vs + k * k, *Ub = nrm + k;
-        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (k + 1));
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (3 * k + 6));
+        int64_t *lp = perm + k + 2, *lq = lp + k + 2;
         int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (k + 2) * (k + 2));
         int64_t np = make_pairs(pairs, k, (int)order);
+        int64_t h = order ? (k + (k & 1)) / 2 : 1;
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t gi = 0; gi < groups; ++gi) {
@@ -583,10 +679,10 @@ TP_EXPORT int tp_svd_vec(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, in
             const T *src = a + b0 * m * n;
             T *so = S + b0 * k, *uo = U + b0 * usz, *vo = Vh + b0 * vsz;
             int st;
-            if (m == 2 && n == 2) st = svd_vec(src, so, uo, vo, cnt, 2, 2, (int)uv, (int)full, pairs, np, W, V, nv, Ws, Vs, nrm, perm, Ub);
-            else if (m == 3 && n == 3) st = svd_vec(src, so, uo, vo, cnt, 3, 3, (int)uv, (int)full, pairs, np, W, V, nv, Ws, Vs, nrm, perm, Ub);
-            else if (m == 4 && n == 4) st = svd_vec(src, so, uo, vo, cnt, 4, 4, (int)uv, (int)full, pairs, np, W, V, nv, Ws, Vs, nrm, perm, Ub);
-            else st = svd_vec(src, so, uo, vo, cnt, m, n, (int)uv, (int)full, pairs, np, W, V, nv, Ws, Vs, nrm, perm, Ub);
+            if (m == 2 && n == 2) st = svd_vec(src, so, uo, vo, cnt, 2, 2, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
+            else if (m == 3 && n == 3) st = svd_vec(src, so, uo, vo, cnt, 3, 3, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
+            else if (m == 4 && n == 4) st = svd_vec(src, so, uo, vo, cnt, 4, 4, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
+            else st = svd_vec(src, so, uo, vo, cnt, m, n, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
             if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
         }
         free(W); free(Ws); free(perm); free(pairs);
@@ -634,26 +730,117 @@ TP_INLINE void chol_vec(const T *a, T *out, int32_t *info, int64_t cnt, int64_t 
     }
 }
 
+/* Lane layout <-> VLN matrices stored one after another (stride `ss` elements): dst[k][l] =
+   src[l][k] for a VLN x VLN block, by AVX shuffles (8x8 float / 4x4 double); ne elements, a tail
+   that is not a whole block by scalar moves. */
+TP_INLINE void tr_block(const T *src, int64_t ss, T *dst, int64_t ds) {
+#if defined(__AVX__) && ${is64}
+    __m256d r0 = _mm256_loadu_pd(src), r1 = _mm256_loadu_pd(src + ss);
+    __m256d r2 = _mm256_loadu_pd(src + 2 * ss), r3 = _mm256_loadu_pd(src + 3 * ss);
+    __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+    __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+    _mm256_storeu_pd(dst, _mm256_permute2f128_pd(t0, t2, 0x20));
+    _mm256_storeu_pd(dst + ds, _mm256_permute2f128_pd(t1, t3, 0x20));
+    _mm256_storeu_pd(dst + 2 * ds, _mm256_permute2f128_pd(t0, t2, 0x31));
+    _mm256_storeu_pd(dst + 3 * ds, _mm256_permute2f128_pd(t1, t3, 0x31));
+#elif defined(__AVX__)
+    __m256 r[8], t[8], u[8];
+    for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(src + k * ss);
+    for (int k = 0; k < 8; k += 2) { t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]); t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]); }
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44); u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44); u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(dst + k * ds, _mm256_permute2f128_ps(u[k], u[k + 4], 0x20));
+        _mm256_storeu_ps(dst + (k + 4) * ds, _mm256_permute2f128_ps(u[k], u[k + 4], 0x31));
+    }
+#else
+    for (int64_t k = 0; k < VLN; ++k) for (int64_t l = 0; l < VLN; ++l) dst[k * ds + l] = src[l * ss + k];
+#endif
+}
+
+TP_INLINE void to_lanes(const T *a, int64_t ss, int64_t ne, VT *X) {
+    int64_t e = 0;
+    for (; e + VLN <= ne; e += VLN) tr_block(a + e, ss, (T *)(X + e), VLN);
+    for (; e < ne; ++e) for (int64_t l = 0; l < VLN; ++l) X[e][l] = a[l * ss + e];
+}
+
+TP_INLINE void from_lanes(const VT *X, int64_t ne, T *a, int64_t ss) {
+    int64_t e = 0;
+    for (; e + VLN <= ne; e += VLN) tr_block((const T *)(X + e), VLN, a + e, ss);
+    for (; e < ne; ++e) for (int64_t l = 0; l < VLN; ++l) a[l * ss + e] = X[e][l];
+}
+
+/* A full group of VLN matrices, factored in place in the lane layout X (n x n vectors, both
+   triangles loaded; X + n*n holds n more vectors): one division per pivot (off-diagonal entries multiply by its reciprocal),
+   then the other triangle zeroed (or the factor transposed for upper) and stored back. */
+TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int upper, VT *X) {
+    const VT zero = {0}, one = zero + 1;
+    VT *R = X + n * n;  /* reciprocals of the pivots */
+    int32_t inf_l[VLN];
+    int failed = 0;
+    for (int l = 0; l < VLN; ++l) inf_l[l] = 0;
+    to_lanes(a, n * n, n * n, X);
+    for (int64_t i = 0; i < n; ++i) {
+        VT *Li = X + i * n;
+        for (int64_t j = 0; j < i; ++j) {
+            const VT *Lj = X + j * n;
+            VT s = upper ? X[j * n + i] : Li[j];
+            for (int64_t k = 0; k < j; ++k) s -= Li[k] * Lj[k];
+            Li[j] = s * R[j];
+        }
+        VT s = Li[i];
+        for (int64_t k = 0; k < i; ++k) s -= Li[k] * Li[k];
+        VI ok = s > zero;
+        if (vany(~ok)) {
+            failed = 1;
+            for (int l = 0; l < VLN; ++l) if (!ok[l] && !inf_l[l]) inf_l[l] = (int32_t)(i + 1);
+        }
+        VT d = vsqrt(vsel(ok, s, one));
+        Li[i] = d;
+        R[i] = one / d;
+    }
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = i + 1; j < n; ++j) {
+            if (upper) { X[i * n + j] = X[j * n + i]; X[j * n + i] = zero; }
+            else X[i * n + j] = zero;
+        }
+    from_lanes(X, n * n, out, n * n);
+    for (int64_t l = 0; l < VLN; ++l) {
+        info[l] = inf_l[l];
+        if (failed && inf_l[l]) memset(out + l * n * n, 0, sizeof(T) * n * n);
+    }
+}
+
 TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int64_t n, int64_t upper,
                               int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
-    int64_t nt = (groups < 2 || B * n * n * n < 10000000) ? 1 : nthreads;
-    #pragma omp parallel num_threads(nt)
+    /* one thread below ~3 ms of work (B n^3 < 1e8; n = 16: 24000 matrices): on the shared
+       2-core machine (load 3-5), B = 10000, n = 16 took 12-15 ms with two threads (the end of
+       the region waits for a descheduled thread) and 2.7-3 ms on one */
+    int64_t nt = (groups < 2 || B * n * n * n < 100000000) ? 1 : nthreads;
+    int64_t bad = INT64_MAX;
+    #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
-        VT *Lw = (VT *)aligned_alloc(32, sizeof(VT) * (n * n + 2));
+        VT *Lw = (VT *)aligned_alloc(32, sizeof(VT) * (n * n + n + 2));
         #pragma omp for schedule(static)
         for (int64_t gi = 0; gi < groups; ++gi) {
             int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
             const T *src = a + b0 * n * n;
             T *dst = out + b0 * n * n;
-            if (n == 2) chol_vec(src, dst, info + b0, cnt, 2, (int)upper, Lw);
-            else if (n == 3) chol_vec(src, dst, info + b0, cnt, 3, (int)upper, Lw);
-            else if (n == 4) chol_vec(src, dst, info + b0, cnt, 4, (int)upper, Lw);
-            else chol_vec(src, dst, info + b0, cnt, n, (int)upper, Lw);
+            if (cnt < VLN) chol_vec(src, dst, info + b0, cnt, n, (int)upper, Lw);
+            else if (n == 2) chol_vec_full(src, dst, info + b0, 2, (int)upper, Lw);
+            else if (n == 3) chol_vec_full(src, dst, info + b0, 3, (int)upper, Lw);
+            else if (n == 4) chol_vec_full(src, dst, info + b0, 4, (int)upper, Lw);
+            else if (n == 8) chol_vec_full(src, dst, info + b0, 8, (int)upper, Lw);
+            else if (n == 16) chol_vec_full(src, dst, info + b0, 16, (int)upper, Lw);
+            else chol_vec_full(src, dst, info + b0, n, (int)upper, Lw);
+            for (int64_t l = 0; l < cnt; ++l) if (info[b0 + l] && b0 + l < bad) bad = b0 + l;
         }
         free(Lw);
     }
-    return 0;
+    return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
 
 /* ---------------------------------------------------------------- QR (Householder) */
@@ -779,8 +966,9 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
 """
 
 
-# Identifies the kernel source in autotuning keys, so choices made for older kernels are not reused.
-SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+# Identifies the kernel sources (this one and the blocked Cholesky's) in autotuning keys, so
+# choices made for older kernels are not reused.
+SOURCE_TAG = hashlib.sha256((_SOURCE + _blocked.SOURCE_TAG).encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -788,12 +976,13 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
     """Build (or load from the disk cache) the kernels for one dtype; keyed by op name."""
     is64 = dtype == torch.float64
     src = native.render(
-        "#include <stdlib.h>\n" + _SOURCE,
+        "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
         elem="double" if is64 else "float",
         eps=repr(float(torch.finfo(dtype).eps)),
         sqrt="sqrt" if is64 else "sqrtf",
         fabs="fabs" if is64 else "fabsf",
         ielem="int64_t" if is64 else "int32_t",
+        is64="1" if is64 else "0",
         vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
         m256="__m256d" if is64 else "__m256",
     )
@@ -823,7 +1012,7 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
             lib,
             "tp_eigh_vec",
             [t("A", d), t("L", d), t("Q", d)]
-            + [i(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
+            + [i(x) for x in ("B", "n", "upper", "wantv", "order", "nthreads")],
         ),
         "cholesky_vec": Kernel(
             lib,
@@ -853,11 +1042,22 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
 # Jacobi orderings, chosen by measurement (``torchport bench linalg --orderings``, interleaved):
 # for the one-sided SVD the round-robin order, which computes a round's n/2 independent inner
 # products and rotation angles before applying them, was 1.2-1.4x faster than cyclic for
-# 8 <= n <= 32 and even at n = 3 (0.95x), so it is used from n = 5 up; for the two-sided eigh it
-# gained nothing (0.83-1.09x: the column phase becomes a strided gather), so eigh stays cyclic.
+# 8 <= n <= 32 and even at n = 3 (0.95x), so it is used from n = 5 up; for the per-thread
+# two-sided eigh it gained nothing (0.83-1.09x: the column phase becomes a strided gather), so
+# that kernel stays cyclic.
 SVD_ROUND_ROBIN_FROM = 5
 EIGH_ORDER = 0
+# The lane kernel (tp_eigh_vec) in round-robin order batches a round's angles (n/2 independent
+# sqrt/div chains). Single-threaded, interleaved medians of 21 at load ~8, round-robin/cyclic
+# speed: n = 8 1.76x (f32) 1.74x (f64); n = 12 1.04x / 1.08x; n = 16 0.97x / 1.06x; n = 24
+# 0.97x / 1.14x; `bench linalg --orderings --quick` (2 threads, load 5-6): n = 3 0.75x / 0.94x,
+# n = 8 1.49x / 1.22x, n = 16 1.18x / 1.15x; n = 32 0.7-1.0x in other runs. Used: 5 <= n <= 16.
+EIGH_LANES_ROUND_ROBIN = (5, 16)
 LANES_MAX_N = 64
+# Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
+# ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
+# n = 48 2260/3173, 4833/5617, n = 64 5997/6316, 12398/12253).
+CHOLESKY_LANES_MAX_N = 48
 
 
 def _ks(dtype: torch.dtype) -> dict[str, Kernel]:
@@ -905,12 +1105,13 @@ def eigh(
     a: torch.Tensor,
     upper: bool,
     compute_v: bool,
-    order: int = EIGH_ORDER,
+    order: int | None = None,
     lanes: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched symmetric eigendecomposition of ``a`` (B, n, n): L (B, n), Q (B, n, n), bad + 1.
 
     ``lanes``: run one matrix per SIMD lane (``tp_eigh_vec``); None = when the batch fills lanes.
+    ``order``: 0 cyclic, 1 round-robin; None = the measured default of the kernel used.
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
@@ -921,10 +1122,14 @@ def eigh(
     if lanes is None:
         lanes = b >= 64 // a.element_size() and n <= LANES_MAX_N
     if lanes:
+        if order is None:
+            order = int(EIGH_LANES_ROUND_ROBIN[0] <= n <= EIGH_LANES_ROUND_ROBIN[1])
         return lam, q, _ks(a.dtype)["eigh_vec"].call_unchecked(
-            a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v),
+            a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v), order,
             native.num_threads(),
         )  # fmt: skip
+    if order is None:
+        order = EIGH_ORDER
     bad = _ks(a.dtype)["eigh"].call_unchecked(
         a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v), order,
         native.num_threads(),
@@ -957,28 +1162,61 @@ def qr(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cholesky(
-    a: torch.Tensor, upper: bool, lanes: bool | None = None
+    a: torch.Tensor, upper: bool, lanes: bool | None = None, blocked: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched Cholesky of ``a`` (B, n, n): factor, int32 info (B,), first failing index + 1.
 
-    ``lanes``: one matrix per SIMD lane (``tp_cholesky_vec``, whose third result is 0; read
-    ``info``); None = for batches that fill lanes with n ≤ 16, where the scalar kernel is bound by
-    its division/sqrt latency chain.
+    ``lanes``: one matrix per SIMD lane (``tp_cholesky_vec``); None = for batches that fill lanes with n ≤ ``CHOLESKY_LANES_MAX_N``.
+    ``blocked``: the blocked kernel (:mod:`~torchport.linalg.blocked`); None = from
+    n = ``blocked.BLOCKED_FROM`` when ``lanes`` is None and the lanes do not apply. Otherwise
+    the unblocked per-matrix kernel.
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
+    fills_lanes = b >= 64 // a.element_size() and n <= CHOLESKY_LANES_MAX_N
+    if blocked is None:
+        blocked = lanes is None and not fills_lanes and n >= _blocked.BLOCKED_FROM
+    if blocked:
+        return _blocked.cholesky_blocked(a, upper)
+    if lanes is None:
+        lanes = fills_lanes
     out = a.new_empty((b, n, n))
     info = torch.zeros((b,), dtype=torch.int32)
     if b == 0 or n == 0:
         return out, info, 0
-    if lanes is None:
-        lanes = b >= 64 // a.element_size() and n <= 16
-    if lanes:
-        _ks(a.dtype)["cholesky_vec"].call_unchecked(
-            a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), native.num_threads()
-        )
-        return out, info, 0
-    bad = _ks(a.dtype)["cholesky"].call_unchecked(
+    bad = _ks(a.dtype)["cholesky_vec" if lanes else "cholesky"].call_unchecked(
         a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), native.num_threads()
     )
     return out, info, bad
+
+
+def cholesky_plan(
+    b: int, n: int, dtype: torch.dtype, upper: bool
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]:
+    """The launcher :func:`cholesky` would use for ``b`` matrices of order n ≥ 1, resolved once.
+
+    The returned function takes a CPU tensor of ``b`` such matrices (any batch shape) and
+    returns (factor, int32 info of the batch shape, first failing flat index + 1); per call it
+    only allocates the outputs and calls the kernel (for ``method="auto"``'s routed shapes,
+    where the choice of kernel and its symbol lookup would otherwise cost microseconds a call).
+    """
+    assert b >= 1 and n >= 1
+    fills_lanes = b >= 64 // (torch.finfo(dtype).bits // 8) and n <= CHOLESKY_LANES_MAX_N
+    tail: tuple[int, ...] = ()
+    if not fills_lanes and n >= _blocked.BLOCKED_FROM:
+        call = _blocked.library(dtype, native.cpu_info().isa).call_unchecked
+        tail = (_blocked.panel_width(n),)
+    else:
+        call = _ks(dtype)["cholesky_vec" if fills_lanes else "cholesky"].call_unchecked
+    up = int(upper)
+
+    def run(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        out = torch.empty_like(a)
+        info = torch.empty(a.shape[:-2], dtype=torch.int32)
+        bad = call(a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, up, *tail,
+                   native.num_threads())  # fmt: skip
+        return out, info, bad
+
+    return run

@@ -8,7 +8,8 @@ The native kernels must agree with them to working precision (tests/test_linalg.
 - ``svd_reference``: one-sided Jacobi (cyclic order for k ≤ 4, round-robin above, as the
   kernel), tol = eps·sqrt(max(m, n)); descending σ;
   numerically null vectors (σ ≤ σ_max·p·eps) completed by Gram-Schmidt.
-- ``eigh_reference``: two-sided cyclic Jacobi with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
+- ``eigh_reference``: two-sided Jacobi (cyclic, or round-robin as the lane kernel for
+  5 ≤ n ≤ 16) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
 - ``qr_reference``: Householder with LAPACK's sign convention.
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
 """
@@ -128,16 +129,21 @@ def svd_reference(
 
 
 def eigh_reference(
-    a: torch.Tensor, upper: bool = False, compute_v: bool = True
+    a: torch.Tensor, upper: bool = False, compute_v: bool = True, order: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two-sided cyclic Jacobi eigendecomposition of (B, n, n) symmetric ``a``: (L asc, Q)."""
+    """Two-sided Jacobi eigendecomposition of (B, n, n) symmetric ``a``: (L asc, Q).
+
+    ``order``: 0 cyclic, 1 round-robin (the lane kernel's order for small n). A round's pairs
+    are disjoint, so applying them one after another here equals the kernel's computing every
+    angle of the round first.
+    """
     bsz, n, _ = a.shape
     tri = a.triu() if upper else a.tril()
     x = tri + tri.mT - torch.diag_embed(tri.diagonal(0, -2, -1))
     frob = x.flatten(1).norm(dim=-1)
     vt = torch.eye(n, dtype=a.dtype, device=a.device).expand(bsz, n, n).clone()
     eps = _eps(a.dtype)
-    pairs = [(p, q) for p in range(n) for q in range(p + 1, n)]
+    pairs = pairs_for(n, order)
     for _ in range(MAX_SWEEPS):
         rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
         for p, q in pairs:
@@ -222,3 +228,36 @@ def cholesky_reference(a: torch.Tensor, upper: bool = False) -> tuple[torch.Tens
                 lw[:, i, i] = torch.sqrt(torch.where(s > 0, s, torch.ones_like(s)))
     lw = torch.where((info == 0)[:, None, None], lw, torch.zeros_like(lw))
     return (lw.mT if upper else lw), info
+
+
+def cholesky_blocked_reference(
+    a: torch.Tensor, upper: bool = False, nb: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-looking blocked Cholesky of (B, n, n) ``a`` in panels of ``nb`` columns, the steps of
+    :mod:`torchport.linalg.blocked`: diagonal block, panel solve ``L21 = A21 L11⁻ᵀ``, trailing
+    update ``A22 -= L21 L21ᵀ``. Returns (factor, int32 info); failed matrices are zero."""
+    bsz, n, _ = a.shape
+    w = (a.mT if upper else a).tril().clone()
+    info = torch.zeros(bsz, dtype=torch.int32, device=a.device)
+    for k0 in range(0, n, nb):
+        k1 = min(n, k0 + nb)
+        for j in range(k0, k1):  # diagonal block, column by column (reciprocal of the pivot)
+            s = w[:, j, j] - (w[:, j, k0:j] * w[:, j, k0:j]).sum(-1)
+            fail = ~(s > 0) & (info == 0)
+            info = torch.where(fail, j + 1, info).to(torch.int32)
+            d = torch.sqrt(torch.where(s > 0, s, torch.ones_like(s)))
+            w[:, j, j] = d
+            x = w[:, j + 1 : k1, j] - (w[:, j + 1 : k1, k0:j] * w[:, j : j + 1, k0:j]).sum(-1)
+            w[:, j + 1 : k1, j] = x * (1 / d)[:, None]
+        if k1 == n:
+            break
+        l11 = w[:, k0:k1, k0:k1]
+        inv = 1 / l11.diagonal(0, -2, -1)
+        panel = w[:, k1:, k0:k1].clone()  # (B, m, kb): forward substitution along its columns
+        for j in range(k1 - k0):
+            x = panel[:, :, j] - (panel[:, :, :j] * l11[:, j : j + 1, :j]).sum(-1)
+            panel[:, :, j] = x * inv[:, j : j + 1]
+        w[:, k1:, k0:k1] = panel
+        w[:, k1:, k1:] -= (panel @ panel.mT).tril()
+    w = torch.where((info == 0)[:, None, None], w.tril(), torch.zeros_like(w))
+    return (w.mT if upper else w), info
