@@ -27,6 +27,16 @@ from torchport.gemm.epilogue import EpilogueSpec, emit_c, emit_prefetch
 
 VW = {"avx2": 8, "avx512": 16, "scalar": 1}
 
+# C type of the fp32 ``tp_gemm_{mr}x{nr}`` entry points (``_driver`` below), for generated code in
+# other subsystems that calls them through a function pointer (the graphs native tier). Keep the
+# two in step: a mismatch is undefined behaviour at the call, not a compile error.
+GEMM_F32_ENTRY_TYPEDEF = (
+    "typedef int (*tp_gemm_t)(float *C, int64_t ldc, const float *A, int64_t sa0, int64_t sa1,\n"
+    "    const float *Bp, int64_t M, int64_t N, int64_t K, int64_t mc, int64_t pf,\n"
+    "    const void *const *ep, const int64_t *eld, int64_t nthreads, int64_t kc, int64_t ks,\n"
+    "    float *W);\n"
+)
+
 # Polynomial fits (float64 Chebyshev least squares, power basis) for erf:
 #   |x| < 1:    erf(x) = x * P(x^2)
 #   1 <= |x|:   erf(x) = 1 - exp(-x^2) * Q(1/|x|),  saturating to 1 for |x| >= 4

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from torchport import native
+from torchport.gemm.templates import GEMM_F32_ENTRY_TYPEDEF
 from torchport.graphs.native_ops import emit_model_op
 
 __all__ = ["lower"]
@@ -75,13 +76,12 @@ TP_INLINE float tp_tanhf(float x) {
 }
 """
 
-# GEMM support: the engine's entry point type (torchport.gemm.templates) and the packing of B
+# GEMM support (the engine's entry point type is torchport.gemm.templates.GEMM_F32_ENTRY_TYPEDEF,
+# prepended to this): the packing of B
 # into its [ceil(N/nr)][K][nr] panels, done at every replay (weights are read at replay, as CUDA
 # graphs read theirs). A Linear weight arrives as W.t() (unit stride along K): 8x8 AVX2
 # transposes; rows contiguous along N: row copies; anything else: one element at a time.
 _PACK = r"""
-typedef int (*tp_gemm_t)(float *, int64_t, const float *, int64_t, int64_t, const float *,
-    int64_t, int64_t, int64_t, int64_t, int64_t, const void *const *, const int64_t *, int64_t);
 
 static void tp_pack(const float *B, int64_t bs0, int64_t bs1, int64_t K, int64_t N, int64_t nr,
                     float *out) {
@@ -386,7 +386,7 @@ class _Codegen:
             f"  {{ const void* ep[1] = {ep}; const int64_t eld[1] = {{ 1 }};\n"
             f"    tp_pack({bb}, {bs0}, {bs1}, {k}, {n}, {cfg[1]}, W);\n"
             f"    ((tp_gemm_t)F[{fid}])({dst}, {ldc}, {ab}, {as0}, {as1}, W, {m}, {n}, {k}, {m}, 0,"
-            f" ep, eld, {self.nthreads}); }}"
+            f" ep, eld, {self.nthreads}, 0, 1, NULL); }}"
         )
         if direct:
             return
@@ -640,6 +640,7 @@ def lower(
     src = (
         native.PRELUDE
         + _MATH
+        + GEMM_F32_ENTRY_TYPEDEF
         + _PACK
         + "\nTP_EXPORT int tp_graph(char** P, void** F) {\n"
         + "\n".join([*decls, "  (void)F; (void)W; (void)T;", *cg.lines])
