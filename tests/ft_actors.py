@@ -108,11 +108,24 @@ class Actors:
 
 
 # -- commands -------------------------------------------------------------------------------
-def c_init_reconf(st: dict[str, Any], heartbeat: float = 0.05) -> str:
+def c_init_reconf(st: dict[str, Any], heartbeat: float = 0.05, backend: str = "torchport") -> str:
     from torchport.distributed.reconfigure import ReconfigurableGroup
 
-    st["g"] = ReconfigurableGroup(heartbeat=heartbeat)
+    if "g" in st:
+        st["g"].close()
+    st["g"] = ReconfigurableGroup(heartbeat=heartbeat, backend=backend)
     return st["g"].get_reconfigure_handle()
+
+
+def c_group_info(st: dict[str, Any]) -> Any:
+    g = st["g"]
+    mesh = getattr(g, "_mesh", None)
+    return (
+        type(g.pg).__name__,
+        getattr(g.pg, "transport", None),
+        len(mesh.peers) if mesh is not None else None,
+        g.phases.get("new_connections"),
+    )
 
 
 def c_handle(st: dict[str, Any]) -> str:
@@ -352,6 +365,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "step_bench": c_step_bench,
     "init_reconf": c_init_reconf,
     "handle": c_handle,
+    "group_info": c_group_info,
     "reconf": c_reconf,
     "allreduce": c_allreduce,
     "init_dist": c_init_dist,

@@ -1,0 +1,223 @@
+"""Torchport communicators formed, shrunk and grown in place over a long-lived mesh.
+
+``init_process_group("torchport", enable_reconfigure=True)`` and the fault-tolerance manager
+(:mod:`torchport.distributed.ft`) need communicators whose membership changes while the process
+lives. Each such process owns one :class:`ElasticMesh`: a listener plus authenticated TCP
+connections (the same handshake and frames as the backend's
+:class:`~torchport.distributed.transport_tcp.Mesh`) to the processes it has shared a group with.
+Processes are named by a random 31-bit *member id* instead of a rank, so ids stay valid across
+reconfigurations and a restarted process (new id) never collides with its previous life.
+
+:func:`form_group` builds a :class:`~torchport.distributed.backend.TorchportProcessGroup` for an
+ordered member list:
+
+1. connections: live connections are reused; a missing one is dialled by the member with the
+   higher id (the lower one accepts), so shrinking opens no connection and growing opens only the
+   new members' ones;
+2. a shared-memory arena when every member runs on this host: member 0 creates it, sends its
+   path to the others as a control frame on the mesh, waits for every acknowledgement and unlinks
+   it (a crash leaves nothing in ``/dev/shm`` except within that exchange);
+3. a :class:`~torchport.distributed.engine.Communicator` under a group id derived from the
+   group's name (unique per reconfiguration), ranks = positions in the member list.
+
+A lost connection (crashed peer) fails every communicator that contains the peer at once; the
+connection is dropped so that later groups never use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torchport import config
+from torchport.distributed.backend import TorchportProcessGroup
+from torchport.distributed.engine import Communicator
+from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
+from torchport.distributed.groups import group_id_for, host_id
+from torchport.distributed.transport_shm import ShmArena
+from torchport.distributed.transport_tcp import Connection, Mailbox, Mesh
+from torchport.distributed.wire import Kind
+
+_ARENA_PATH, _ARENA_ACK = 1, 2  # seq of the control frames of the arena exchange
+
+
+@dataclass(frozen=True)
+class Member:
+    """Where a member's mesh listens: its id, address, and host identity."""
+
+    id: int
+    host: str
+    port: int
+    host_id: str
+
+    def to_json(self) -> list[Any]:
+        return [self.id, self.host, self.port, self.host_id]
+
+    @staticmethod
+    def from_json(v: Any) -> Member:
+        if not (isinstance(v, list) and len(v) == 4):
+            raise CommError(f"member record must be [id, host, port, host_id], got {v!r}")
+        return Member(int(v[0]), str(v[1]), int(v[2]), str(v[3]))
+
+
+class ElasticMesh(Mesh):
+    """A mesh of processes named by member ids, connected on demand (see module docstring).
+
+    Args:
+        secret: job secret authenticating every connection (both ways).
+        addr: listening address; default ``TORCHPORT_DIST_ADDR``.
+    """
+
+    def __init__(self, secret: bytes, addr: str | None = None) -> None:
+        import socket
+
+        # Mesh.__init__ builds a fixed world from a store; this mesh fills itself lazily.
+        self.rank = secrets.randbelow((1 << 31) - 2) + 1
+        self.world = 1 << 32  # accept any id above ours (the handshake's rank check)
+        self.secret = secret
+        self.max_frame = max(
+            int(config.get("dist_max_frame_bytes")), int(config.get("dist_chunk_bytes")) + 4096
+        )
+        self.mailbox = Mailbox()
+        self.peers: dict[int, Connection] = {}
+        self.rejected = 0
+        self.closed = False
+        self._handlers: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self.listener = socket.create_server((addr or str(config.get("dist_addr")), 0), backlog=64)
+        self.listener.settimeout(0.2)
+        host, port = self.listener.getsockname()[:2]
+        if host in ("0.0.0.0", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        self.address = f"{host}:{port}"
+        self.me = Member(self.rank, host, int(port), host_id())
+        self.hosts: dict[int, str] = {self.rank: self.me.host_id}
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
+        self._acceptor.start()
+
+    def _read_loop(self, conn: Connection) -> None:
+        super()._read_loop(conn)
+        with self._lock:  # a lost connection is never reused
+            if self.peers.get(conn.peer) is conn:
+                del self.peers[conn.peer]
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    def ensure(self, members: Sequence[Member], deadline: float, check: Callable[[], None]) -> int:
+        """Connect to every member not yet connected; returns the number of connections dialled.
+
+        Of two members the one with the higher id dials (the handshake accepts only higher ids),
+        so a pair never opens two connections.
+        """
+        fresh = 0
+        for m in members:
+            self.hosts[m.id] = m.host_id
+            if m.id < self.rank and m.id not in self.peers:
+                self._connect(m.id, m.host, m.port, deadline)
+                fresh += 1
+        want = {m.id for m in members if m.id != self.rank}
+        with self._ready:
+            while not want <= set(self.peers):
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(want - set(self.peers))
+                    raise CommTimeoutError(f"members {missing} did not connect in time")
+                self._ready.wait(min(left, 0.01))
+        return fresh
+
+
+def _exchange_arena(
+    mesh: ElasticMesh,
+    gid: int,
+    ids: list[int],
+    rank: int,
+    slot: int,
+    deadline: float,
+    check: Callable[[], None],
+) -> ShmArena:
+    world = len(ids)
+    if rank == 0:
+        arena = ShmArena(ShmArena.new_path(), world, 0, slot, create=True)
+        try:
+            path = arena.path.encode()
+            for g in ids[1:]:
+                mesh.send(g, Kind.CTRL, gid, _ARENA_PATH, path)
+            for g in ids[1:]:
+                mesh.mailbox.get((gid, int(Kind.CTRL), g, _ARENA_ACK), deadline, check)
+        except BaseException:
+            arena.close()
+            raise
+        finally:
+            arena.unlink()
+        return arena
+    _, body = mesh.mailbox.get((gid, int(Kind.CTRL), ids[0], _ARENA_PATH), deadline, check)
+    arena = ShmArena(bytes(body).decode(), world, rank, slot, create=False)
+    mesh.send(ids[0], Kind.CTRL, gid, _ARENA_ACK)
+    return arena
+
+
+def form_group(
+    mesh: ElasticMesh,
+    members: Sequence[Member],
+    name: str,
+    timeout_s: float,
+    check: Callable[[], None] | None = None,
+    stats: dict[str, float] | None = None,
+) -> TorchportProcessGroup:
+    """A torchport group over ``members`` (in rank order; must include ``mesh.me``).
+
+    Called by every member with the same list and ``name`` (``name`` must be new for each
+    formation: it derives the group id). ``check()`` may raise to abandon the formation.
+    ``stats`` (optional) receives ``new_connections`` and the cumulative seconds ``connect_s``,
+    ``arena_s`` and ``comm_s``.
+    """
+    ids = [m.id for m in members]
+    if mesh.rank not in ids:
+        raise CommError(f"this process (member {mesh.rank}) is not among the members {ids}")
+    chk = check or (lambda: None)
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    rank, world = ids.index(mesh.rank), len(ids)
+    fresh = mesh.ensure(members, deadline, chk)
+    t_conn = time.perf_counter() - t0
+    gid = group_id_for(name)
+    transport = str(config.get("dist_transport"))
+    local = all(m.host_id == mesh.me.host_id for m in members)
+    if transport == "shm" and not local:
+        raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
+    chunk = int(config.get("dist_chunk_bytes"))
+    arena = None
+    if local and transport != "tcp" and world > 1:
+        arena = _exchange_arena(mesh, gid, ids, rank, chunk, deadline, chk)
+    t_arena = time.perf_counter() - t0
+    comm = Communicator(
+        mesh, gid, ids, rank, arena=arena, timeout_s=timeout_s, chunk=chunk, name=name
+    )
+    if stats is not None:
+        stats.update(
+            new_connections=fresh,
+            connect_s=t_conn,
+            arena_s=t_arena,
+            comm_s=time.perf_counter() - t0,
+        )
+    return TorchportProcessGroup(comm)
+
+
+def retire_group(pg: Any) -> None:
+    """Abort and shut down a torchport group in the background (never blocks the caller)."""
+    if pg is None:
+        return
+
+    def drop() -> None:
+        if pg.comm.error is None:
+            pg.comm.fail(CommAbortedError(f"group {pg.comm.name!r} retired"), 5)
+        pg.shutdown()
+
+    threading.Thread(target=drop, daemon=True, name="tp-retire").start()
