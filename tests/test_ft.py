@@ -45,8 +45,18 @@ def _wait_for(cond, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop", "close", "slow"])
-def test_fault_at_rank_step(tmp_path, fault):
+@pytest.mark.parametrize(
+    "fault,backend",
+    [
+        ("kill", "torchport"),
+        ("stop", "torchport"),
+        ("close", "torchport"),
+        ("slow", "torchport"),
+        ("kill", "gloo"),
+        ("stop", "gloo"),
+    ],
+)
+def test_fault_at_rank_step(tmp_path, fault, backend):
     lh = Lighthouse(min_replicas=1, join_timeout=0.3, heartbeat=0.1)
     addr = f"{lh.address[0]}:{lh.address[1]}"
     procs: dict[int, object] = {}
@@ -74,6 +84,8 @@ def test_fault_at_rank_step(tmp_path, fault):
                 "0.01",
                 "--timeout",
                 "10",
+                "--backend",
+                backend,
             ]
         )
 
@@ -103,7 +115,10 @@ def test_fault_at_rank_step(tmp_path, fault):
                 p.join(timeout=5)  # type: ignore[attr-defined]
         lh.close()
     params = [(tmp_path / f"r{i}.bin").read_bytes() for i in range(WORLD)]
-    assert params[0] == params[1] == params[2], "replicas diverged"
+    summ = [(tmp_path / f"r{i}.bin.json").read_text() for i in range(WORLD)]
+    assert params[0] == params[1] == params[2], (
+        f"replicas diverged: {[p == params[0] for p in params]} {summ}"
+    )
     summaries = [json.loads((tmp_path / f"r{i}.bin.json").read_text()) for i in range(WORLD)]
     assert len({s["steps"] for s in summaries}) == 1 and summaries[0]["steps"] >= STEPS
     events = [e for _, e in lh.events]

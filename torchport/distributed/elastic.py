@@ -39,6 +39,7 @@ from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator
 from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
 from torchport.distributed.groups import group_id_for, host_id
+from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import ShmArena
 from torchport.distributed.transport_tcp import Connection, Mailbox, Mesh
 from torchport.distributed.wire import Kind
@@ -100,6 +101,7 @@ class ElasticMesh(Mesh):
         self.hosts: dict[int, str] = {self.rank: self.me.host_id}
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
         self._acceptor.start()
+        shm_lib()  # build/load the native step kernels now, not while a group is forming
 
     def _read_loop(self, conn: Connection) -> None:
         super()._read_loop(conn)
@@ -158,7 +160,10 @@ def _exchange_arena(
             arena.unlink()
         return arena
     _, body = mesh.mailbox.get((gid, int(Kind.CTRL), ids[0], _ARENA_PATH), deadline, check)
-    arena = ShmArena(bytes(body).decode(), world, rank, slot, create=False)
+    try:
+        arena = ShmArena(bytes(body).decode(), world, rank, slot, create=False)
+    except OSError as e:
+        raise CommError(f"cannot map the arena of member {ids[0]}: {e}") from None
     mesh.send(ids[0], Kind.CTRL, gid, _ARENA_ACK)
     return arena
 

@@ -448,7 +448,7 @@ class ReconfigurableGroup:
             except (RuntimeError, CommError) as e:  # gloo: RuntimeError; torchport: CommError
                 # A peer's abort may arrive before this rank's own watchers name the cause
                 # (which rank crashed or hung): give them up to the hang-detection time.
-                end = time.monotonic() + 3 * self.heartbeat + max(0.5, self.heartbeat)
+                end = time.monotonic() + 6 * self.heartbeat + 1.0
                 while self._error is None and self._mesh is not None and time.monotonic() < end:
                     time.sleep(0.005)
                 if self._error is not None:
