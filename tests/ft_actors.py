@@ -159,10 +159,12 @@ def c_allreduce(st: dict[str, Any], value: float) -> Any:
     return ("ok", t.tolist())
 
 
-def c_init_dist(st: dict[str, Any], path: str, rank: int, world: int) -> int:
+def c_init_dist(st: dict[str, Any], path: str, rank: int, world: int, backend: str = "gloo") -> int:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    import torchport.distributed  # noqa: F401  (registers the torchport backend)
+
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world)
     return dist.get_rank()
 
 
@@ -260,6 +262,16 @@ def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
         time.sleep(2.0)  # never enters the next collective before the others' watchdogs dump
         rec.dump("test: rank 1 skipped")
         return "skipped"
+    if plan == "mismatch" and dist.get_backend() == "torchport":
+        # torchport detects the mismatch itself: both ranks' calls fail with a typed error and
+        # the recorder dumps the errored entries
+        from torchport.distributed import CollectiveMismatchError
+
+        try:
+            dist.all_reduce(torch.ones(8 if rank == 1 else 4))
+        except CollectiveMismatchError as err:
+            return f"mismatch: {err}"
+        return "no error"
     if plan == "mismatch":
         # gloo terminates the process on a size mismatch, so record the mismatched call (as the
         # wrapper does) and dump instead of handing it to gloo
