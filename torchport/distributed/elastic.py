@@ -14,9 +14,10 @@ ordered member list:
 1. connections: live connections are reused; a missing one is dialled by the member with the
    higher id (the lower one accepts), so shrinking opens no connection and growing opens only the
    new members' ones;
-2. a shared-memory arena when every member runs on this host: member 0 creates it, sends its
-   path to the others as a control frame on the mesh, waits for every acknowledgement and unlinks
-   it (a crash leaves nothing in ``/dev/shm`` except within that exchange);
+2. a rendezvous over the mesh that doubles as a barrier: member 0 offers a fresh shared-memory
+   arena when every member runs on this host (or none), waits for every member's
+   acknowledgement, unlinks the arena (a crash leaves nothing in ``/dev/shm`` except within that
+   exchange) and only then tells everyone to go;
 3. a :class:`~torchport.distributed.engine.Communicator` under a group id derived from the
    group's name (unique per reconfiguration), ranks = positions in the member list.
 
@@ -44,7 +45,7 @@ from torchport.distributed.transport_shm import ShmArena
 from torchport.distributed.transport_tcp import Connection, Mailbox, Mesh
 from torchport.distributed.wire import Kind
 
-_ARENA_PATH, _ARENA_ACK = 1, 2  # seq of the control frames of the arena exchange
+_OFFER, _ACK, _GO = 1, 2, 3  # seq of the control frames of the formation rendezvous
 
 
 @dataclass(frozen=True)
@@ -135,36 +136,54 @@ class ElasticMesh(Mesh):
         return fresh
 
 
-def _exchange_arena(
+def _rendezvous(
     mesh: ElasticMesh,
     gid: int,
     ids: list[int],
     rank: int,
     slot: int,
+    local: bool,
     deadline: float,
     check: Callable[[], None],
-) -> ShmArena:
-    world = len(ids)
+) -> ShmArena | None:
+    """Member 0 offers an arena path (or none), collects every ack, then says go.
+
+    The final "go" makes formation a barrier: no member finishes (and, in a reconfigure,
+    rotates its handle) before every member has validated and joined.
+    """
+    ctrl = int(Kind.CTRL)
     if rank == 0:
-        arena = ShmArena(ShmArena.new_path(), world, 0, slot, create=True)
+        arena = ShmArena(ShmArena.new_path(), len(ids), 0, slot, create=True) if local else None
         try:
-            path = arena.path.encode()
+            path = arena.path.encode() if arena is not None else b""
             for g in ids[1:]:
-                mesh.send(g, Kind.CTRL, gid, _ARENA_PATH, path)
+                mesh.send(g, Kind.CTRL, gid, _OFFER, path)
             for g in ids[1:]:
-                mesh.mailbox.get((gid, int(Kind.CTRL), g, _ARENA_ACK), deadline, check)
+                mesh.mailbox.get((gid, ctrl, g, _ACK), deadline, check)
         except BaseException:
-            arena.close()
+            if arena is not None:
+                arena.close()
             raise
         finally:
-            arena.unlink()
+            if arena is not None:
+                arena.unlink()
+        for g in ids[1:]:
+            mesh.send(g, Kind.CTRL, gid, _GO)
         return arena
-    _, body = mesh.mailbox.get((gid, int(Kind.CTRL), ids[0], _ARENA_PATH), deadline, check)
+    _, body = mesh.mailbox.get((gid, ctrl, ids[0], _OFFER), deadline, check)
+    arena = None
+    if body:
+        try:
+            arena = ShmArena(bytes(body).decode(), len(ids), rank, slot, create=False)
+        except OSError as e:
+            raise CommError(f"cannot map the arena of member {ids[0]}: {e}") from None
     try:
-        arena = ShmArena(bytes(body).decode(), world, rank, slot, create=False)
-    except OSError as e:
-        raise CommError(f"cannot map the arena of member {ids[0]}: {e}") from None
-    mesh.send(ids[0], Kind.CTRL, gid, _ARENA_ACK)
+        mesh.send(ids[0], Kind.CTRL, gid, _ACK)
+        mesh.mailbox.get((gid, ctrl, ids[0], _GO), deadline, check)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
     return arena
 
 
@@ -199,8 +218,9 @@ def form_group(
         raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
     chunk = int(config.get("dist_chunk_bytes"))
     arena = None
-    if local and transport != "tcp" and world > 1:
-        arena = _exchange_arena(mesh, gid, ids, rank, chunk, deadline, chk)
+    if world > 1:
+        shm = local and transport != "tcp"
+        arena = _rendezvous(mesh, gid, ids, rank, chunk, shm, deadline, chk)
     t_arena = time.perf_counter() - t0
     comm = Communicator(
         mesh, gid, ids, rank, arena=arena, timeout_s=timeout_s, chunk=chunk, name=name

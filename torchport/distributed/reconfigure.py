@@ -375,8 +375,8 @@ class ReconfigurableGroup:
             threading.Thread(target=self._watch_peer, args=(sock, r), daemon=True).start()
 
     def _watch_peer(self, sock: socket.socket, r: int) -> None:
-        sock.settimeout(3 * self.heartbeat)
         try:
+            sock.settimeout(3 * self.heartbeat)
             while True:
                 recv_msg(sock, limit=256)
         except TimeoutError:
