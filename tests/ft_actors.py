@@ -246,6 +246,30 @@ def c_window_errors(st: dict[str, Any]) -> list[str]:
     return msgs
 
 
+def c_window_tcp_addr(st: dict[str, Any], addr: str) -> Any:
+    """A tcp window bound to ``addr``: its published addresses, a stranger's fate, a put."""
+    import torch.distributed as dist
+
+    from torchport import config
+    from torchport.distributed import AuthError, CommError, _new_window
+    from torchport.distributed._control import connect, default_secret
+
+    rank = dist.get_rank()
+    with config.override(dist_addr=addr):
+        win = _new_window(torch.zeros(4), transport="tcp")
+    stranger = "accepted"
+    try:  # the job-wide default secret does not open a window server
+        connect(win._addrs[rank], default_secret(), "window", timeout=5).close()
+    except (AuthError, CommError) as e:
+        stranger = f"rejected: {type(e).__name__}"
+    win.put(torch.full((2,), float(rank + 1)), (rank + 1) % win.size, 1)
+    win.fence()
+    out = (list(win._addrs), stranger, win.local.tolist())
+    win.fence()
+    win.close()
+    return out
+
+
 def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
     import torch.distributed as dist
 
@@ -384,5 +408,6 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_script": c_window_script,
     "window_signal": c_window_signal,
     "window_errors": c_window_errors,
+    "window_tcp_addr": c_window_tcp_addr,
     "fr_collectives": c_fr_collectives,
 }

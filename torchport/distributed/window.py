@@ -8,9 +8,13 @@ A window gives every rank of a group direct access to a tensor registered by eac
   one-sided access, the target does nothing. ``map_remote_tensor(rank)`` returns a tensor that *is*
   the peer's memory. Files are unlinked as soon as every rank has mapped them, so nothing is left in
   ``/dev/shm`` even if a process crashes.
-* **Across hosts (``transport="tcp"``):** each rank runs a server thread (authenticated) that
-  applies put / get / accumulate / signal to its registered tensor, so the target's Python code does
-  not participate. ``map_remote_tensor`` needs shared memory and raises on this transport.
+* **Across hosts (``transport="tcp"``):** each rank runs a server thread that applies put / get /
+  accumulate / signal to its registered tensor, so the target's Python code does not participate.
+  The server binds to ``TORCHPORT_DIST_ADDR`` (127.0.0.1 by default; ``0.0.0.0`` or an interface
+  address across hosts) and publishes the address peers should dial (IPv4). Every connection is
+  authenticated (HMAC challenge) with a random per-window secret that rank 0 draws and hands to the
+  group over the group's own collectives, so no guessable default secret guards a public port.
+  ``map_remote_tensor`` needs shared memory and raises on this transport.
 
 Semantics (and the reference, :class:`ReferenceWindow`): a put of ``n`` elements at
 ``target_offset_nelems`` overwrites those elements of the target's flat tensor; accumulate adds
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchport import config
 from torchport.distributed._control import (
     CommError,
     Server,
@@ -143,9 +148,23 @@ class Window:
         self._server: Server | None = None
         addrs: list[tuple[str, int]] = []
         if self.transport == "tcp":
-            self._server = Server(self._serve, secret=self._secret, role="window")
-            port = torch.tensor([self._server.address[1]], dtype=torch.int64)
-            addrs = [("127.0.0.1", int(p[0])) for p in self._c.allgather(port)]
+            self._secret = self._group_secret()
+            bind = str(config.get("dist_addr"))
+            self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
+            host = self._server.address[0]
+            if host in ("0.0.0.0", ""):
+                host = socket.gethostbyname(socket.gethostname())
+            try:
+                ip = int.from_bytes(socket.inet_aton(host), "big")
+            except OSError:
+                raise WindowError(
+                    f"the window server needs an IPv4 address, got {host!r} (TORCHPORT_DIST_ADDR)"
+                ) from None
+            me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
+            addrs = [
+                (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
+                for a in self._c.allgather(me)
+            ]
         self._addrs = addrs
         self._c.barrier()
         if self.transport == "shm":
@@ -161,6 +180,11 @@ class Window:
         os.unlink(f"/dev/shm/{sig_name}")  # everyone has mapped it: nothing can leak
         if tensor is not None:
             self.tensor_register(tensor)
+
+    def _group_secret(self) -> bytes:
+        """32 random bytes drawn by rank 0, shared over the group's collectives."""
+        mine = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
+        return bytes(self._c.allgather(mine)[0].tolist())
 
     # -- registration ----------------------------------------------------------------------
     def tensor_register(self, tensor: torch.Tensor) -> None:
