@@ -248,6 +248,12 @@ def main() -> None:
     p.add_argument("--backend", choices=("torchport", "gloo"), default="torchport")
     p.add_argument("--ranks", type=int, nargs="*", help="reconfigure sizes (default 4, or 4 8)")
     p.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="training steps per run (default 30, or 120); ~450 makes a ~30 s run with one fault",
+    )
+    p.add_argument(
         "--only", nargs="*", choices=("reconf", "heal", "fr", "train"), help="run only these parts"
     )
     args = p.parse_args()
@@ -262,7 +268,7 @@ def main() -> None:
     if "fr" in parts:
         bench_fr(table)
     if "train" in parts:
-        bench_training(table, 30 if args.quick else 120)
+        bench_training(table, args.train_steps or (30 if args.quick else 120))
     table.save(args.json)
 
 

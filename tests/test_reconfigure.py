@@ -136,3 +136,27 @@ def test_bad_arguments_are_typed_errors(backend):
         g.close()
     with pytest.raises(ReconfigureError, match="backend 'torchport' or 'gloo', got 'nccl'"):
         ReconfigurableGroup(backend="nccl")
+
+
+def test_elastic_mesh_errors_and_group_of_one():
+    import torch
+
+    from torchport.distributed import CommError, TorchportProcessGroup
+    from torchport.distributed._control import default_secret
+    from torchport.distributed.elastic import ElasticMesh, Member, form_group
+
+    mesh = ElasticMesh(default_secret())
+    try:
+        with pytest.raises(CommError, match=r"member record must be \[id, host, port, host_id\]"):
+            Member.from_json([1, "127.0.0.1"])
+        other = Member(mesh.rank + 1, "127.0.0.1", 1, mesh.me.host_id)
+        with pytest.raises(CommError, match=f"member {mesh.rank}\\) is not among the members"):
+            form_group(mesh, [other], "t/none", 1.0)
+        pg = form_group(mesh, [mesh.me], "t/one", 5.0)
+        assert isinstance(pg, TorchportProcessGroup) and (pg.rank(), pg.size()) == (0, 1)
+        t = torch.arange(5.0)
+        pg.allreduce([t]).wait()
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        pg.shutdown()
+    finally:
+        mesh.close()
