@@ -197,3 +197,50 @@ def test_lighthouse_rejects_strangers():
         s.close()
     finally:
         lh.close()
+
+
+def test_lighthouse_refuses_split_brain_quorums():
+    """A late replica never forms a quorum of its own while a member of the last quorum has not
+    voted, nor while a live holder of the latest committed step has not asked."""
+    secret = b"s" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    socks = []
+
+    def replica(rid: str):
+        hb = connect(lh.address, secret, "lighthouse", timeout=2)
+        send_msg(hb, {"t": "hb", "rid": rid})
+        rpc = connect(lh.address, secret, "lighthouse", timeout=2)
+        send_msg(rpc, {"t": "rpc", "rid": rid})
+        socks.extend([hb, rpc])
+        _wait_for(lambda: any(f"replica {rid} connected" in e for _, e in lh.events), 5, rid)
+        return rpc
+
+    def ask(rpc, rid: str, step: int) -> None:
+        send_msg(
+            rpc, {"t": "quorum", "rid": rid, "step": step, "heal_addr": ["x", 1], "timeout": 5}
+        )
+
+    try:
+        r0 = replica("r0")
+        ask(r0, "r0", 0)
+        q = recv_msg(r0)
+        assert q["members"] == ["r0"]
+        r1 = replica("r1")
+        ask(r1, "r1", 0)
+        r1.settimeout(0.4)
+        with pytest.raises(TimeoutError):  # r0 is still in its step: no quorum [r1] at step 0
+            recv_msg(r1)
+        vote = {"t": "commit", "rid": "r0", "quorum_id": q["quorum_id"], "step": 0}
+        send_msg(r0, {**vote, "members": ["r0"], "ok": True, "timeout": 5})
+        assert recv_msg(r0)["ok"] is True
+        with pytest.raises(TimeoutError):  # r0 holds step 1; r1 (step 0) waits for it
+            recv_msg(r1)
+        ask(r0, "r0", 1)
+        r1.settimeout(5)
+        got = recv_msg(r1)
+        assert got["members"] == ["r0", "r1"] and got["max_step"] == 1 and got["steps"] == [1, 0]
+        assert recv_msg(r0)["quorum_id"] == got["quorum_id"]
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()

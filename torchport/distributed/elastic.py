@@ -104,6 +104,9 @@ class ElasticMesh(Mesh):
         self._acceptor.start()
         shm_lib()  # build/load the native step kernels now, not while a group is forming
 
+    def register(self, group: int, handler: Any) -> None:
+        super().register(group, _RankNaming(handler))
+
     def _read_loop(self, conn: Connection) -> None:
         super()._read_loop(conn)
         with self._lock:  # a lost connection is never reused
@@ -134,6 +137,26 @@ class ElasticMesh(Mesh):
                     raise CommTimeoutError(f"members {missing} did not connect in time")
                 self._ready.wait(min(left, 0.01))
         return fresh
+
+
+class _RankNaming:
+    """Routes mesh events to a communicator, naming a lost peer by its rank in that group."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def on_remote_abort(self, src: int, reason: int) -> None:
+        self.comm.on_remote_abort(src, reason)
+
+    def on_peer_lost(self, src: int, error: BaseException) -> None:
+        ranks = getattr(self.comm, "ranks", [])
+        if src in ranks:
+            cause = str(error).rsplit(": ", 1)[-1]
+            error = CommError(
+                f"rank {ranks.index(src)} of group {self.comm.name!r} lost its connection "
+                f"(member {src}): {cause}"
+            )
+        self.comm.on_peer_lost(src, error)
 
 
 def _rendezvous(
