@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchport import config
+from torchport.distributed import engine
 from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator
 from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
@@ -46,6 +47,22 @@ from torchport.distributed.transport_tcp import Connection, Mailbox, Mesh
 from torchport.distributed.wire import Kind
 
 _OFFER, _ACK, _GO = 1, 2, 3  # seq of the control frames of the formation rendezvous
+
+
+def _sizes() -> tuple[int, int, int]:
+    """(shm chunk, arena slot bytes, tcp chunk), chosen as the backend's group builder does.
+
+    Read defensively so this module follows the backend's layout (an engine that reserves
+    ``SLOT_EXTRA`` bytes per slot, a separate TCP step size) whichever version it runs with.
+    """
+    chunk = int(config.get("dist_chunk_bytes"))
+    extra = int(getattr(engine, "SLOT_EXTRA", 0))
+    tcp = (
+        int(config.get("dist_tcp_chunk_bytes"))
+        if "dist_tcp_chunk_bytes" in config.SETTINGS
+        else chunk
+    )
+    return chunk, chunk + extra, tcp
 
 
 @dataclass(frozen=True)
@@ -82,9 +99,8 @@ class ElasticMesh(Mesh):
         self.rank = secrets.randbelow((1 << 31) - 2) + 1
         self.world = 1 << 32  # accept any id above ours (the handshake's rank check)
         self.secret = secret
-        self.max_frame = max(
-            int(config.get("dist_max_frame_bytes")), int(config.get("dist_chunk_bytes")) + 4096
-        )
+        _, slot, tcp = _sizes()
+        self.max_frame = max(int(config.get("dist_max_frame_bytes")), max(slot, tcp) + 4096)
         self.mailbox = Mailbox()
         self.peers: dict[int, Connection] = {}
         self.rejected = 0
@@ -239,11 +255,12 @@ def form_group(
     local = all(m.host_id == mesh.me.host_id for m in members)
     if transport == "shm" and not local:
         raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
-    chunk = int(config.get("dist_chunk_bytes"))
+    shm_chunk, slot, tcp_chunk = _sizes()
+    shm = local and transport != "tcp"
+    chunk = shm_chunk if shm else tcp_chunk
     arena = None
     if world > 1:
-        shm = local and transport != "tcp"
-        arena = _rendezvous(mesh, gid, ids, rank, chunk, shm, deadline, chk)
+        arena = _rendezvous(mesh, gid, ids, rank, slot, shm, deadline, chk)
     t_arena = time.perf_counter() - t0
     comm = Communicator(
         mesh, gid, ids, rank, arena=arena, timeout_s=timeout_s, chunk=chunk, name=name
