@@ -134,14 +134,16 @@ def c_handle(st: dict[str, Any]) -> str:
     return _get_reconfigure_handle(st["g"])
 
 
-def c_reconf(st: dict[str, Any], uuid: int, handles: Any, timeout: float = 10.0) -> Any:
+def c_reconf(
+    st: dict[str, Any], uuid: int, handles: Any, timeout: float = 10.0, hints: Any = None
+) -> Any:
     from datetime import timedelta
 
     from torchport.distributed import ReconfigureError, _reconfigure
 
     t0 = time.perf_counter()
     try:
-        _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout)).wait()
+        _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout), hints=hints).wait()
     except ReconfigureError as e:
         return ("error", str(e), time.perf_counter() - t0)
     return ("ok", st["g"].rank(), st["g"].size(), time.perf_counter() - t0, st["g"].phases)

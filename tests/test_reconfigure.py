@@ -101,6 +101,13 @@ def test_form_shrink_grow_and_errors_everywhere(actors, backend):
     res = _ok(A.call_all([0, 1, 3], "reconf", [(5, hs4)] * 3))
     assert [r[:3] for r in res] == [("ok", i, 3) for i in range(3)]
     assert all(r == ("ok", [3.0] * 5) for r in _ok(A.call_all([0, 1, 3], "allreduce", [(1,)] * 3)))
+    if backend == "torchport":  # a transport hint: the same members, now over TCP
+        hs5 = [A.call(i, "handle") for i in (0, 1, 3)]
+        res = _ok(A.call_all([0, 1, 3], "reconf", [(6, hs5, 10.0, {"transport": "tcp"})] * 3))
+        assert all(r[0] == "ok" for r in res), res
+        assert all(A.call(i, "group_info")[1] == "tcp" for i in (0, 1, 3))
+        res = _ok(A.call_all([0, 1, 3], "allreduce", [(2,)] * 3))
+        assert all(r == ("ok", [6.0] * 5) for r in res), res
 
 
 @pytest.mark.parametrize("backend", ["torchport", "gloo"])
@@ -120,6 +127,10 @@ def test_bad_arguments_are_typed_errors(backend):
             _reconfigure(1, [h, "garbage"], g).wait()
         with pytest.raises(ReconfigureError, match="is not among the handles"):
             _reconfigure(1, ["tp1:127.0.0.1:1:2:abc"], g).wait()
+        with pytest.raises(ReconfigureError, match="unknown reconfigure hint 'colour'"):
+            _reconfigure(1, [h], g, hints={"colour": "red"}).wait()
+        with pytest.raises(ReconfigureError, match=r"hint 'transport' must be one of .* got 'ib'"):
+            _reconfigure(1, [h], g, hints={"transport": "ib"}).wait()
         with pytest.raises(ReconfigureError, match="list or a set"):
             _reconfigure(1, h, g).wait()  # type: ignore[arg-type]
         with pytest.raises(ReconfigureError, match="no communicator yet"):

@@ -233,13 +233,15 @@ def form_group(
     timeout_s: float,
     check: Callable[[], None] | None = None,
     stats: dict[str, float] | None = None,
+    transport: str | None = None,
 ) -> TorchportProcessGroup:
     """A torchport group over ``members`` (in rank order; must include ``mesh.me``).
 
     Called by every member with the same list and ``name`` (``name`` must be new for each
     formation: it derives the group id). ``check()`` may raise to abandon the formation.
     ``stats`` (optional) receives ``new_connections`` and the cumulative seconds ``connect_s``,
-    ``arena_s`` and ``comm_s``.
+    ``arena_s`` and ``comm_s``. ``transport`` (``auto``/``shm``/``tcp``) overrides
+    ``TORCHPORT_DIST_TRANSPORT``; member 0's choice is the one every member follows.
     """
     ids = [m.id for m in members]
     if mesh.rank not in ids:
@@ -251,16 +253,15 @@ def form_group(
     fresh = mesh.ensure(members, deadline, chk)
     t_conn = time.perf_counter() - t0
     gid = group_id_for(name)
-    transport = str(config.get("dist_transport"))
+    transport = transport or str(config.get("dist_transport"))
     local = all(m.host_id == mesh.me.host_id for m in members)
     if transport == "shm" and not local:
         raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
     shm_chunk, slot, tcp_chunk = _sizes()
-    shm = local and transport != "tcp"
-    chunk = shm_chunk if shm else tcp_chunk
     arena = None
     if world > 1:
-        arena = _rendezvous(mesh, gid, ids, rank, slot, shm, deadline, chk)
+        arena = _rendezvous(mesh, gid, ids, rank, slot, local and transport != "tcp", deadline, chk)
+    chunk = shm_chunk if arena is not None else tcp_chunk
     t_arena = time.perf_counter() - t0
     comm = Communicator(
         mesh, gid, ids, rank, arena=arena, timeout_s=timeout_s, chunk=chunk, name=name

@@ -70,12 +70,31 @@ class ReconfigureOptions:
     """Options of one reconfigure, as in 2.14.
 
     ``handles``: a list assigns ranks by position; a set lets the backend choose (sorted order).
+    ``hints`` (torchport backend): ``{"transport": "auto" | "shm" | "tcp"}`` picks the new
+    communicator's transport (the first rank's hint decides); other keys are rejected.
     """
 
     uuid: int = -1
     handles: list[str] | set[str] | None = None
     timeout: timedelta | None = None
     hints: dict[str, str] | None = None
+
+
+HINTS = {"transport": ("auto", "shm", "tcp")}
+
+
+def _transport_hint(hints: dict[str, str] | None) -> str | None:
+    """The ``transport`` hint, validated; :class:`ReconfigureError` for unknown keys/values."""
+    if hints is None:
+        return None
+    if not isinstance(hints, dict):
+        raise ReconfigureError(f"hints must be a dict of str, got {type(hints).__name__}")
+    for k, v in hints.items():
+        if k not in HINTS:
+            raise ReconfigureError(f"unknown reconfigure hint {k!r}; supported: {sorted(HINTS)}")
+        if v not in HINTS[k]:
+            raise ReconfigureError(f"hint {k!r} must be one of {HINTS[k]}, got {v!r}")
+    return hints.get("transport")
 
 
 class Work:
@@ -294,6 +313,7 @@ class ReconfigurableGroup:
         timeout = (opts.timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + timeout
         order = self._order(opts)
+        _transport_hint(opts.hints)
         uuid = opts.uuid
         if uuid in self._used:
             raise ReconfigureError(f"uuid {uuid} was already used by a completed reconfigure")
@@ -321,6 +341,7 @@ class ReconfigurableGroup:
                     f"tp-reconf/{uuid}",
                     max(0.05, deadline - time.monotonic()),
                     stats=stats,
+                    transport=_transport_hint(opts.hints),
                 )
                 self.phases.update({k: v + self.phases["validate_s"] for k, v in stats.items()})
                 self.phases["new_connections"] = stats["new_connections"]
