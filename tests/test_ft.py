@@ -122,6 +122,8 @@ def test_fault_at_rank_step(tmp_path, fault, backend):
     summaries = [json.loads((tmp_path / f"r{i}.bin.json").read_text()) for i in range(WORLD)]
     assert len({s["steps"] for s in summaries}) == 1 and summaries[0]["steps"] >= STEPS
     events = [e for _, e in lh.events]
+    # a torchport-only job never starts the lighthouse's (unauthenticated) TCPStore
+    assert (lh.store is None) == (backend == "torchport")
     if fault in ("kill", "close"):
         assert any("r1 dead (connection lost)" in e for e in events), events
     if fault == "stop":

@@ -22,8 +22,9 @@ failure notices, and an *rpc* channel for quorum requests and commit votes.
   member of the quorum voted yes. A member that dies before voting turns the vote into "no" for
   everyone, so a step is applied by all survivors or by none, and never twice.
 
-The lighthouse also hosts the ``TCPStore`` that replicas use to build gloo groups; torchport
-replicas instead send their mesh address with each quorum request and receive every member's.
+The lighthouse also hosts the ``TCPStore`` that gloo replicas build their groups through (started
+only when a gloo replica asks); torchport replicas instead send their mesh address with each quorum
+request and receive every member's, over the authenticated connection.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class Lighthouse:
         self._result: dict[int, dict[str, Any]] = {}
         self._votes: dict[tuple[int, int], _Vote] = {}
         self.events: list[tuple[float, str]] = []
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._host = host
+        self.store: Any = None  # a TCPStore, started when the first gloo replica asks
         self._server = Server(
             self._handle, secret=self._secret, role="lighthouse", host=host, port=port
         )
@@ -205,6 +207,13 @@ class Lighthouse:
             return True
         return time.monotonic() - self._first_request > self.join_timeout
 
+    def _gloo_store(self, infos: list[dict[str, Any]]) -> int:
+        """Port of the store gloo replicas rendezvous through (torchport replicas need none, so
+        a torchport-only job never opens this unauthenticated port)."""
+        if self.store is None and any(i.get("mesh") is None for i in infos):
+            self.store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
+        return int(self.store.port) if self.store is not None else 0
+
     def _form(self) -> None:
         members = sorted(self._pending)
         stale = any(int(self._pending[m].get("group", -1)) != self._quorum_id for m in members)
@@ -223,7 +232,7 @@ class Lighthouse:
             "heal_addrs": [i["heal_addr"] for i in infos],
             "meshes": [i.get("mesh") for i in infos],  # torchport members' mesh listeners
             "max_step": max_step,
-            "store_port": self.store.port,
+            "store_port": self._gloo_store(infos),
         }
         self._result.pop(self._round - 4, None)
         self._pending.clear()
