@@ -180,6 +180,7 @@ def c_window_script(
     rank = dist.get_rank()
     win = _new_window(torch.tensor(init, dtype=torch.float64) + rank, transport=transport)
     got = []
+    works: list[Any] = []
     for op in ops:
         kind, src = op[0], op[1]
         if kind == "fence":
@@ -187,13 +188,14 @@ def c_window_script(
             continue
         if src != rank:
             continue
-        if kind == "put":
-            win.put(torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
+        if kind == "put":  # async: completed by the next fence (a Work on tcp)
+            works.append(win.put(torch.tensor(op[2], dtype=torch.float64), op[3], op[4], True))
         elif kind == "acc":
             win.accumulate(torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
         elif kind == "get":
             got.append(win.get(op[2], op[3], op[4]).tolist())
     win.fence()
+    assert all(w.is_completed() and w.wait() for w in works)
     final = win.local.reshape(-1).tolist()
     mapped = (
         win.map_remote_tensor((rank + 1) % win.size).tolist() if win.transport == "shm" else None
