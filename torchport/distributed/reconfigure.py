@@ -290,6 +290,56 @@ class ReconfigurableGroup:
             return reply
         raise CommError("unreachable")
 
+    def _check_all(
+        self, handles: list[str], uuid: int, deadline: float
+    ) -> dict[str, tuple[str | None, Any]]:
+        """Validate every handle in one round trip.
+
+        Requests on cached connections are pipelined from this thread (all sent, then all
+        answers read); handles without a live connection are checked in parallel on the pool.
+        """
+        out: dict[str, tuple[str | None, Any]] = {}
+        sent: list[tuple[str, socket.socket]] = []
+        fresh: list[str] = []
+        for h in handles:
+            host, port, _, nonce = parse_handle(h)
+            sock = self._ctl.pop((host, port), None)
+            if sock is None:
+                fresh.append(h)
+                continue
+            try:
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                send_msg(sock, {"t": "check", "nonce": nonce, "uuid": uuid})
+                sent.append((h, sock))
+            except OSError:
+                sock.close()
+                fresh.append(h)
+        futs = {h: self._checker.submit(self._check, h, uuid, deadline) for h in fresh}
+        for h, sock in sent:
+            try:
+                reply = recv_msg(sock)
+            except (OSError, CommError):
+                sock.close()  # the cached connection went away: ask on a new one
+                futs[h] = self._checker.submit(self._check, h, uuid, deadline)
+                continue
+            host, port, _, _ = parse_handle(h)
+            self._ctl[(host, port)] = sock
+            out[h] = self._verdict(h, uuid, reply)
+        for h, f in futs.items():
+            out[h] = f.result()
+        return out
+
+    def _verdict(self, handle: str, uuid: int, r: dict[str, Any]) -> tuple[str | None, Any]:
+        """(problem or None, the peer's mesh record) from a check reply."""
+        if not r.get("current"):
+            return f"handle {handle!r} is stale: that rank has been reconfigured since", None
+        if r.get("uuid_used"):
+            used = f"uuid {uuid} was already used by a completed reconfigure (rank {handle!r})"
+            return used, None
+        if self._mesh is not None and r.get("mesh") is None:
+            return f"handle {handle!r} belongs to a group of another backend (not torchport)", None
+        return None, r.get("mesh")
+
     def _check(self, handle: str, uuid: int, deadline: float) -> tuple[str | None, Any]:
         """(problem or None, the peer's mesh record) for one handle."""
         host, port, _, nonce = parse_handle(handle)
@@ -297,16 +347,7 @@ class ReconfigurableGroup:
             r = self._ask(host, port, {"t": "check", "nonce": nonce, "uuid": uuid}, deadline)
         except (OSError, CommError) as e:
             return f"handle {handle!r} is stale: no process answers at {host}:{port} ({e})", None
-        if not r.get("current"):
-            return f"handle {handle!r} is stale: that rank has been reconfigured since", None
-        if r.get("uuid_used"):
-            return (
-                f"uuid {uuid} was already used by a completed reconfigure (rank {handle!r})",
-                None,
-            )
-        if self._mesh is not None and r.get("mesh") is None:
-            return f"handle {handle!r} belongs to a group of another backend (not torchport)", None
-        return None, r.get("mesh")
+        return self._verdict(handle, uuid, r)
 
     def _reconfigure(self, opts: ReconfigureOptions) -> None:
         t0 = time.perf_counter()
@@ -319,9 +360,7 @@ class ReconfigurableGroup:
             raise ReconfigureError(f"uuid {uuid} was already used by a completed reconfigure")
         mine = self.get_reconfigure_handle()
         others = [h for h in order if h != mine]
-        answers = dict(
-            zip(others, self._checker.map(lambda h: self._check(h, uuid, deadline), others))
-        )
+        answers = self._check_all(others, uuid, deadline)
         problems = [p for p, _ in answers.values() if p]
         if problems:
             raise ReconfigureError("reconfigure rejected: " + "; ".join(sorted(problems)))
