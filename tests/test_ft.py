@@ -90,8 +90,12 @@ def test_fault_at_rank_step(tmp_path, fault, backend):
         )
 
     try:
-        for i in range(WORLD):
-            start(i, fault if i == 1 else "none")
+        # the faulty replica starts once the others are in, so (however slow the machine) it
+        # never trains alone and its fault always hits a quorum with survivors
+        for i in (0, 2):
+            start(i, "none")
+        _wait_for(lambda: sum("connected" in e for _, e in lh.events) >= 2, 60, "replicas 0 and 2")
+        start(1, fault)
         p0 = tmp_path / "r0.bin.progress"
         if fault == "kill":
             procs[1].join(timeout=60)  # type: ignore[attr-defined]
