@@ -8,8 +8,9 @@ Rows (anchor → ours):
 * ``detect crash`` / ``detect hang``: kill (SIGKILL / SIGSTOP) a rank while its peers sit in an
   allreduce; ours = kill → typed PeerFailure on the survivors. Anchor: the op timeout gloo would
   otherwise wait for (2.14's gloo: 10 s; set as the anchor value, not measured).
-* ``reconfigure shrink/grow N``: ours = ``_reconfigure`` (validation round trip + new group);
-  anchor = building a plain gloo group over a store prefix (no validation), same ranks.
+* ``reconfigure shrink/grow N``: ours = ``_reconfigure`` on ``--backend`` (torchport: validation
+  round trip + communicator formed in place on live connections; gloo: + new gloo group); anchor =
+  building a plain gloo group over a store prefix (no validation), same ranks.
 * ``heal W MB``: ours = state transfer from another process; anchor = gloo broadcast of the same bytes.
 * ``step overhead``: anchor = plain gloo allreduce per step; ours = manager step (quorum +
   allreduce + commit vote) and allreduce with the Flight Recorder installed.
@@ -44,10 +45,11 @@ def _ok(res: list) -> list:
     return [v for _, v in res]
 
 
-def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> None:
+def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int, backend: str) -> None:
+    tag = f"{backend}, n={n}"
     with Actors(n) as A:
         ranks = list(range(n))
-        hs = [A.call(i, "init_reconf", 0.1, timeout=180) for i in ranks]
+        hs = [A.call(i, "init_reconf", 0.1, backend, timeout=180) for i in ranks]
         res = _ok(A.call_all(ranks, "reconf", [(1, hs)] * n, timeout=60))
         uuid = 2
         for kind, sig in (("crash", signal.SIGKILL), ("hang", signal.SIGSTOP)):
@@ -63,7 +65,7 @@ def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> Non
             detect = max(o[4] for o in out) - t_kill
             # negative: a heartbeat was missed under load before the real fault (a false alarm)
             table.add(
-                f"detect {kind} (n={n})",
+                f"detect {kind} ({tag})",
                 "gloo timeout (2.14)",
                 GLOO_HANG_TIMEOUT_S,
                 detect,
@@ -78,20 +80,26 @@ def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> Non
             hs_s = [A.call(i, "handle") for i in survivors]
             res = _ok(A.call_all(survivors, "reconf", [(uuid, hs_s)] * len(survivors)))
             shrink = max(r[3] for r in res)
+            print(f"# shrink phases (ms) of the slowest rank: {_phases(res)}")
             if shrink > 1.0:
                 print(f"# slow shrink, phases per rank: {[r[4] for r in res]}")
             uuid += 1
             anchor = _gloo_rebuild(A, survivors, f"anchor-shrink-{uuid}")
-            table.add(f"reconfigure shrink {n}->{n - 1}", "new gloo group", anchor, shrink, 0)
+            table.add(
+                f"reconfigure shrink {n}->{n - 1} ({backend})", "new gloo group", anchor, shrink, 0
+            )
             # grow back with a fresh process
             A.add(victim)
-            A.call(victim, "init_reconf", 0.1, timeout=60)
+            A.call(victim, "init_reconf", 0.1, backend, timeout=60)
             hs_g = [A.call(i, "handle") for i in ranks]
             res = _ok(A.call_all(ranks, "reconf", [(uuid, hs_g)] * n))
             grow = max(r[3] for r in res)
+            print(f"# grow phases (ms) of the slowest rank: {_phases(res)}")
             uuid += 1
             anchor = _gloo_rebuild(A, ranks, f"anchor-grow-{uuid}")
-            table.add(f"reconfigure grow {n - 1}->{n}", "new gloo group", anchor, grow, 0)
+            table.add(
+                f"reconfigure grow {n - 1}->{n} ({backend})", "new gloo group", anchor, grow, 0
+            )
         # steady reconfigure timing (same members, fresh uuid), median of reps
         times = []
         for _ in range(reps):
@@ -102,12 +110,17 @@ def bench_detection_and_reconfigure(table: BenchTable, n: int, reps: int) -> Non
         times.sort()
         anchors = sorted(_gloo_rebuild(A, ranks, f"anchor-re-{uuid}-{k}") for k in range(reps))
         table.add(
-            f"reconfigure same {n} (median)",
+            f"reconfigure same {n} ({backend}, median)",
             "new gloo group",
             anchors[reps // 2],
             times[reps // 2],
             0,
         )
+
+
+def _phases(res: list) -> dict[str, float]:
+    slow = max(res, key=lambda r: r[3])
+    return {k: round(v * 1e3, 1) if k.endswith("_s") else v for k, v in slow[4].items()}
 
 
 def _gloo_rebuild(A: Actors, ranks: list[int], tag: str) -> float:
@@ -163,18 +176,49 @@ def bench_heal_and_steps(table: BenchTable, mb: int, steps: int) -> None:
             table.add(f"allreduce {nb} B + Flight Recorder", "gloo allreduce", plain, frd, nb)
             table.add(f"allreduce {nb} B + FT manager step", "gloo allreduce", plain, mgr, nb)
         lh.close()
+
+
+def bench_fr(table: BenchTable) -> None:
+    """Recording cost per op: the public record/started/completed API and the install() wrapper."""
+    from torchport.distributed import flight_recorder as fr
+
     rec = FlightRecorder(buffer_size=2000, rank=0, world_size=1)
     t = [torch.zeros(16)]
+    x = torch.zeros(16)
     n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
+
+    def noop(tensor: torch.Tensor, op: object = None, group: object = None) -> None:
+        return None
+
+    fr._group_names.setdefault(id(None), ("default", [0]))
+    wrapped = fr._wrap("all_reduce", noop, rec)
+
+    def api(_x: torch.Tensor) -> None:
         e = rec.record("all_reduce", "default", t)
         rec.started(e)
         rec.completed(e)
-    per_op = (time.perf_counter() - t0) / n
-    table.add(
-        "Flight Recorder cost per op", "(none)", per_op, per_op, 0, us_per_op=round(per_op * 1e6, 2)
-    )
+
+    for name, fn, base in (("record API", api, None), ("install() wrapper", wrapped, noop)):
+        per, bare = [], []
+        for _ in range(5):  # interleaved repeats, best of each (the machine is shared)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn(x)
+            per.append((time.perf_counter() - t0) / n)
+            if base is not None:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    base(x)
+                bare.append((time.perf_counter() - t0) / n)
+        cost = min(per) - (min(bare) if bare else 0.0)
+        table.add(
+            f"Flight Recorder cost per op ({name})",
+            "(none)",
+            cost,
+            cost,
+            0,
+            us_per_op=round(cost * 1e6, 2),
+        )
 
 
 def bench_training(table: BenchTable, steps: int) -> None:
@@ -200,12 +244,31 @@ def bench_training(table: BenchTable, steps: int) -> None:
 
 
 def main() -> None:
-    args = arg_parser(__doc__ or "").parse_args()
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--backend", choices=("torchport", "gloo"), default="torchport")
+    p.add_argument("--ranks", type=int, nargs="*", help="reconfigure sizes (default 4, or 4 8)")
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="training steps per run (default 30, or 120); ~450 makes a ~30 s run with one fault",
+    )
+    p.add_argument(
+        "--only", nargs="*", choices=("reconf", "heal", "fr", "train"), help="run only these parts"
+    )
+    args = p.parse_args()
+    parts = set(args.only or ("reconf", "heal", "fr", "train"))
     table = BenchTable("ft", unit="GB/s")
     table.start()
-    bench_detection_and_reconfigure(table, 4 if args.quick else 8, 3 if args.quick else 7)
-    bench_heal_and_steps(table, 64 if args.quick else 256, 20 if args.quick else 100)
-    bench_training(table, 30 if args.quick else 120)
+    if "reconf" in parts:
+        for n in args.ranks or ([4] if args.quick else [4, 8]):
+            bench_detection_and_reconfigure(table, n, 3 if args.quick else 7, args.backend)
+    if "heal" in parts:
+        bench_heal_and_steps(table, 64 if args.quick else 256, 20 if args.quick else 100)
+    if "fr" in parts:
+        bench_fr(table)
+    if "train" in parts:
+        bench_training(table, args.train_steps or (30 if args.quick else 120))
     table.save(args.json)
 
 

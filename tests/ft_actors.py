@@ -108,11 +108,24 @@ class Actors:
 
 
 # -- commands -------------------------------------------------------------------------------
-def c_init_reconf(st: dict[str, Any], heartbeat: float = 0.05) -> str:
+def c_init_reconf(st: dict[str, Any], heartbeat: float = 0.05, backend: str = "torchport") -> str:
     from torchport.distributed.reconfigure import ReconfigurableGroup
 
-    st["g"] = ReconfigurableGroup(heartbeat=heartbeat)
+    if "g" in st:
+        st["g"].close()
+    st["g"] = ReconfigurableGroup(heartbeat=heartbeat, backend=backend)
     return st["g"].get_reconfigure_handle()
+
+
+def c_group_info(st: dict[str, Any]) -> Any:
+    g = st["g"]
+    mesh = getattr(g, "_mesh", None)
+    return (
+        type(g.pg).__name__,
+        getattr(g.pg, "transport", None),
+        len(mesh.peers) if mesh is not None else None,
+        g.phases.get("new_connections"),
+    )
 
 
 def c_handle(st: dict[str, Any]) -> str:
@@ -121,14 +134,16 @@ def c_handle(st: dict[str, Any]) -> str:
     return _get_reconfigure_handle(st["g"])
 
 
-def c_reconf(st: dict[str, Any], uuid: int, handles: Any, timeout: float = 10.0) -> Any:
+def c_reconf(
+    st: dict[str, Any], uuid: int, handles: Any, timeout: float = 10.0, hints: Any = None
+) -> Any:
     from datetime import timedelta
 
     from torchport.distributed import ReconfigureError, _reconfigure
 
     t0 = time.perf_counter()
     try:
-        _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout)).wait()
+        _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout), hints=hints).wait()
     except ReconfigureError as e:
         return ("error", str(e), time.perf_counter() - t0)
     return ("ok", st["g"].rank(), st["g"].size(), time.perf_counter() - t0, st["g"].phases)
@@ -146,10 +161,12 @@ def c_allreduce(st: dict[str, Any], value: float) -> Any:
     return ("ok", t.tolist())
 
 
-def c_init_dist(st: dict[str, Any], path: str, rank: int, world: int) -> int:
+def c_init_dist(st: dict[str, Any], path: str, rank: int, world: int, backend: str = "gloo") -> int:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    import torchport.distributed  # noqa: F401  (registers the torchport backend)
+
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world)
     return dist.get_rank()
 
 
@@ -163,6 +180,7 @@ def c_window_script(
     rank = dist.get_rank()
     win = _new_window(torch.tensor(init, dtype=torch.float64) + rank, transport=transport)
     got = []
+    works: list[Any] = []
     for op in ops:
         kind, src = op[0], op[1]
         if kind == "fence":
@@ -170,13 +188,14 @@ def c_window_script(
             continue
         if src != rank:
             continue
-        if kind == "put":
-            win.put(torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
+        if kind == "put":  # async: completed by the next fence (a Work on tcp)
+            works.append(win.put(torch.tensor(op[2], dtype=torch.float64), op[3], op[4], True))
         elif kind == "acc":
             win.accumulate(torch.tensor(op[2], dtype=torch.float64), op[3], op[4])
         elif kind == "get":
             got.append(win.get(op[2], op[3], op[4]).tolist())
     win.fence()
+    assert all(w.is_completed() and w.wait() for w in works)
     final = win.local.reshape(-1).tolist()
     mapped = (
         win.map_remote_tensor((rank + 1) % win.size).tolist() if win.transport == "shm" else None
@@ -231,6 +250,30 @@ def c_window_errors(st: dict[str, Any]) -> list[str]:
     return msgs
 
 
+def c_window_tcp_addr(st: dict[str, Any], addr: str) -> Any:
+    """A tcp window bound to ``addr``: its published addresses, a stranger's fate, a put."""
+    import torch.distributed as dist
+
+    from torchport import config
+    from torchport.distributed import AuthError, CommError, _new_window
+    from torchport.distributed._control import connect, default_secret
+
+    rank = dist.get_rank()
+    with config.override(dist_addr=addr):
+        win = _new_window(torch.zeros(4), transport="tcp")
+    stranger = "accepted"
+    try:  # the job-wide default secret does not open a window server
+        connect(win._addrs[rank], default_secret(), "window", timeout=5).close()
+    except (AuthError, CommError) as e:
+        stranger = f"rejected: {type(e).__name__}"
+    win.put(torch.full((2,), float(rank + 1)), (rank + 1) % win.size, 1)
+    win.fence()
+    out = (list(win._addrs), stranger, win.local.tolist())
+    win.fence()
+    win.close()
+    return out
+
+
 def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
     import torch.distributed as dist
 
@@ -247,6 +290,16 @@ def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
         time.sleep(2.0)  # never enters the next collective before the others' watchdogs dump
         rec.dump("test: rank 1 skipped")
         return "skipped"
+    if plan == "mismatch" and dist.get_backend() == "torchport":
+        # torchport detects the mismatch itself: both ranks' calls fail with a typed error and
+        # the recorder dumps the errored entries
+        from torchport.distributed import CollectiveMismatchError
+
+        try:
+            dist.all_reduce(torch.ones(8 if rank == 1 else 4))
+        except CollectiveMismatchError as err:
+            return f"mismatch: {err}"
+        return "no error"
     if plan == "mismatch":
         # gloo terminates the process on a size mismatch, so record the mismatched call (as the
         # wrapper does) and dump instead of handing it to gloo
@@ -352,11 +405,13 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "step_bench": c_step_bench,
     "init_reconf": c_init_reconf,
     "handle": c_handle,
+    "group_info": c_group_info,
     "reconf": c_reconf,
     "allreduce": c_allreduce,
     "init_dist": c_init_dist,
     "window_script": c_window_script,
     "window_signal": c_window_signal,
     "window_errors": c_window_errors,
+    "window_tcp_addr": c_window_tcp_addr,
     "fr_collectives": c_fr_collectives,
 }

@@ -76,18 +76,23 @@ def test_error_timeout_and_signal_dumps(tmp_path):
     assert json.loads((tmp_path / "rank_3.json").read_text())["reason"] == "signal SIGUSR1"
 
 
-@pytest.fixture
-def gloo_pair():
+@pytest.fixture(params=["gloo", "torchport"])
+def pair(request):
     with Actors(2) as a:
         d = tempfile.mkdtemp()
-        a.call_all([0, 1], "init_dist", [(f"{d}/s", i, 2) for i in range(2)], timeout=120)
+        args = [(f"{d}/s", i, 2, request.param) for i in range(2)]
+        a.call_all([0, 1], "init_dist", args, timeout=120)
+        a.backend = request.param
         yield a
 
 
 @pytest.mark.parametrize("plan", ["hang", "mismatch", "clean"])
-def test_analyzer_on_gloo_dumps(gloo_pair, tmp_path, plan, capsys):
-    res = gloo_pair.call_all([0, 1], "fr_collectives", [(str(tmp_path), plan)] * 2, timeout=30)
+def test_analyzer_on_real_dumps(pair, tmp_path, plan, capsys):
+    """``install()`` records torch.distributed collectives on gloo and on torchport groups."""
+    res = pair.call_all([0, 1], "fr_collectives", [(str(tmp_path), plan)] * 2, timeout=30)
     assert all(s == "ok" for s, _ in res), res
+    if plan == "mismatch" and pair.backend == "torchport":  # a real mismatch, typed on both ranks
+        assert all(v.startswith("mismatch: mismatched collectives") for _, v in res), res
     v = analyze(load_dumps(tmp_path))
     text = v.text()
     if plan == "hang":

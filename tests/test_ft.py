@@ -45,8 +45,18 @@ def _wait_for(cond, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop", "close", "slow"])
-def test_fault_at_rank_step(tmp_path, fault):
+@pytest.mark.parametrize(
+    "fault,backend",
+    [
+        ("kill", "torchport"),
+        ("stop", "torchport"),
+        ("close", "torchport"),
+        ("slow", "torchport"),
+        ("kill", "gloo"),
+        ("stop", "gloo"),
+    ],
+)
+def test_fault_at_rank_step(tmp_path, fault, backend):
     lh = Lighthouse(min_replicas=1, join_timeout=0.3, heartbeat=0.1)
     addr = f"{lh.address[0]}:{lh.address[1]}"
     procs: dict[int, object] = {}
@@ -74,12 +84,18 @@ def test_fault_at_rank_step(tmp_path, fault):
                 "0.01",
                 "--timeout",
                 "10",
+                "--backend",
+                backend,
             ]
         )
 
     try:
-        for i in range(WORLD):
-            start(i, fault if i == 1 else "none")
+        # the faulty replica starts once the others are in, so (however slow the machine) it
+        # never trains alone and its fault always hits a quorum with survivors
+        for i in (0, 2):
+            start(i, "none")
+        _wait_for(lambda: sum("connected" in e for _, e in lh.events) >= 2, 60, "replicas 0 and 2")
+        start(1, fault)
         p0 = tmp_path / "r0.bin.progress"
         if fault == "kill":
             procs[1].join(timeout=60)  # type: ignore[attr-defined]
@@ -103,10 +119,15 @@ def test_fault_at_rank_step(tmp_path, fault):
                 p.join(timeout=5)  # type: ignore[attr-defined]
         lh.close()
     params = [(tmp_path / f"r{i}.bin").read_bytes() for i in range(WORLD)]
-    assert params[0] == params[1] == params[2], "replicas diverged"
+    summ = [(tmp_path / f"r{i}.bin.json").read_text() for i in range(WORLD)]
+    assert params[0] == params[1] == params[2], (
+        f"replicas diverged: {[p == params[0] for p in params]} {summ}"
+    )
     summaries = [json.loads((tmp_path / f"r{i}.bin.json").read_text()) for i in range(WORLD)]
     assert len({s["steps"] for s in summaries}) == 1 and summaries[0]["steps"] >= STEPS
     events = [e for _, e in lh.events]
+    # a torchport-only job never starts the lighthouse's (unauthenticated) TCPStore
+    assert (lh.store is None) == (backend == "torchport")
     if fault in ("kill", "close"):
         assert any("r1 dead (connection lost)" in e for e in events), events
     if fault == "stop":
@@ -181,4 +202,51 @@ def test_lighthouse_rejects_strangers():
         assert "no live heartbeat" in recv_msg(s)["error"]
         s.close()
     finally:
+        lh.close()
+
+
+def test_lighthouse_refuses_split_brain_quorums():
+    """A late replica never forms a quorum of its own while a member of the last quorum has not
+    voted, nor while a live holder of the latest committed step has not asked."""
+    secret = b"s" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    socks = []
+
+    def replica(rid: str):
+        hb = connect(lh.address, secret, "lighthouse", timeout=2)
+        send_msg(hb, {"t": "hb", "rid": rid})
+        rpc = connect(lh.address, secret, "lighthouse", timeout=2)
+        send_msg(rpc, {"t": "rpc", "rid": rid})
+        socks.extend([hb, rpc])
+        _wait_for(lambda: any(f"replica {rid} connected" in e for _, e in lh.events), 5, rid)
+        return rpc
+
+    def ask(rpc, rid: str, step: int) -> None:
+        send_msg(
+            rpc, {"t": "quorum", "rid": rid, "step": step, "heal_addr": ["x", 1], "timeout": 5}
+        )
+
+    try:
+        r0 = replica("r0")
+        ask(r0, "r0", 0)
+        q = recv_msg(r0)
+        assert q["members"] == ["r0"]
+        r1 = replica("r1")
+        ask(r1, "r1", 0)
+        r1.settimeout(0.4)
+        with pytest.raises(TimeoutError):  # r0 is still in its step: no quorum [r1] at step 0
+            recv_msg(r1)
+        vote = {"t": "commit", "rid": "r0", "quorum_id": q["quorum_id"], "step": 0}
+        send_msg(r0, {**vote, "members": ["r0"], "ok": True, "timeout": 5})
+        assert recv_msg(r0)["ok"] is True
+        with pytest.raises(TimeoutError):  # r0 holds step 1; r1 (step 0) waits for it
+            recv_msg(r1)
+        ask(r0, "r0", 1)
+        r1.settimeout(5)
+        got = recv_msg(r1)
+        assert got["members"] == ["r0", "r1"] and got["max_step"] == 1 and got["steps"] == [1, 0]
+        assert recv_msg(r0)["quorum_id"] == got["quorum_id"]
+    finally:
+        for s in socks:
+            s.close()
         lh.close()

@@ -30,13 +30,18 @@ def _ok(results):
     return [v for _, v in results]
 
 
-def test_form_shrink_grow_and_errors_everywhere(actors):
+@pytest.mark.parametrize("backend", ["torchport", "gloo"])
+def test_form_shrink_grow_and_errors_everywhere(actors, backend):
     A = actors
-    hs = [A.call(i, "init_reconf", 0.2, timeout=120) for i in range(4)]
+    hs = [A.call(i, "init_reconf", 0.2, backend, timeout=120) for i in range(4)]
     res = _ok(A.call_all([0, 1, 2, 3], "reconf", [(1, hs)] * 4))
     assert [r[:3] for r in res] == [("ok", i, 4) for i in range(4)]
     res = _ok(A.call_all([0, 1, 2, 3], "allreduce", [(i,) for i in range(4)]))
     assert all(r == ("ok", [6.0] * 5) for r in res)
+    if backend == "torchport":  # a torchport communicator on shared memory, 3 connections each
+        infos = [A.call(i, "group_info") for i in range(4)]
+        assert all(inf[:3] == ("TorchportProcessGroup", "shm", 3) for inf in infos), infos
+        assert sum(inf[3] for inf in infos) == 6  # each pair dialled once
 
     hs2 = [A.call(i, "handle") for i in range(4)]
     assert set(hs2).isdisjoint(hs)  # handles rotate after a reconfigure
@@ -59,17 +64,24 @@ def test_form_shrink_grow_and_errors_everywhere(actors):
     assert [r[:3] for r in res] == [("ok", i, 3) for i in range(3)]
     res = _ok(A.call_all([0, 1, 2], "allreduce", [(1,)] * 3))
     assert all(r == ("ok", [3.0] * 5) for r in res), res
+    if backend == "torchport":  # the shrink reused the live connections; the dead one is gone
+        infos = [A.call(i, "group_info") for i in range(3)]
+        assert all(inf[2:] == (2, 0) for inf in infos), infos
 
     # grow: a fresh process joins; a set lets the backend order ranks (sorted handles)
     A.add(3)
-    h3 = A.call(3, "init_reconf", 0.2, timeout=60)
+    h3 = A.call(3, "init_reconf", 0.2, backend, timeout=60)
     hs3 = [A.call(i, "handle") for i in range(3)] + [h3]
     res = _ok(A.call_all([0, 1, 2, 3], "reconf", [(4, set(hs3))] * 4))
+    assert all(r[0] == "ok" for r in res), res
     assert sorted(r[1] for r in res) == [0, 1, 2, 3]
     assert [r[1] for r in res] == [sorted(hs3).index(h) for h in hs3]
     assert all(
         r == ("ok", [4.0] * 5) for r in _ok(A.call_all([0, 1, 2, 3], "allreduce", [(1,)] * 4))
     )
+    if backend == "torchport":  # the grow dialled only the newcomer's connections
+        infos = [A.call(i, "group_info") for i in range(4)]
+        assert [inf[2] for inf in infos] == [3] * 4 and sum(inf[3] for inf in infos) == 3, infos
 
     # hang: a stopped rank is detected within a few heartbeats, independent of op timeouts
     A.kill(2, signal.SIGSTOP)
@@ -78,13 +90,29 @@ def test_form_shrink_grow_and_errors_everywhere(actors):
         res = _ok(A.call_all([0, 1, 3], "allreduce", [(1,)] * 3, timeout=20))
         assert time.perf_counter() - t0 < 10
         for r in res:
-            assert r[0] == "error" and r[1] == "PeerFailure" and "hung" in r[2], r
+            assert r[0] == "error" and r[1] == "PeerFailure" and "hung" in r[2], res
+        # every survivor names the same rank: the stopped process's rank in the sorted handles
+        stopped = sorted(hs3).index(hs3[2])
+        assert all(f"rank {stopped} hung" in r[2] for r in res), res
     finally:
         A.kill(2, signal.SIGCONT)
+    # the stopped rank resumes; the group is reformed without it (every survivor agrees)
+    hs4 = [A.call(i, "handle") for i in (0, 1, 3)]
+    res = _ok(A.call_all([0, 1, 3], "reconf", [(5, hs4)] * 3))
+    assert [r[:3] for r in res] == [("ok", i, 3) for i in range(3)]
+    assert all(r == ("ok", [3.0] * 5) for r in _ok(A.call_all([0, 1, 3], "allreduce", [(1,)] * 3)))
+    if backend == "torchport":  # a transport hint: the same members, now over TCP
+        hs5 = [A.call(i, "handle") for i in (0, 1, 3)]
+        res = _ok(A.call_all([0, 1, 3], "reconf", [(6, hs5, 10.0, {"transport": "tcp"})] * 3))
+        assert all(r[0] == "ok" for r in res), res
+        assert all(A.call(i, "group_info")[1] == "tcp" for i in (0, 1, 3))
+        res = _ok(A.call_all([0, 1, 3], "allreduce", [(2,)] * 3))
+        assert all(r == ("ok", [6.0] * 5) for r in res), res
 
 
-def test_bad_arguments_are_typed_errors():
-    g = ReconfigurableGroup()
+@pytest.mark.parametrize("backend", ["torchport", "gloo"])
+def test_bad_arguments_are_typed_errors(backend):
+    g = ReconfigurableGroup(backend=backend)
     try:
         assert _supports_reconfigure(g)
         h = _get_reconfigure_handle(g)
@@ -99,6 +127,10 @@ def test_bad_arguments_are_typed_errors():
             _reconfigure(1, [h, "garbage"], g).wait()
         with pytest.raises(ReconfigureError, match="is not among the handles"):
             _reconfigure(1, ["tp1:127.0.0.1:1:2:abc"], g).wait()
+        with pytest.raises(ReconfigureError, match="unknown reconfigure hint 'colour'"):
+            _reconfigure(1, [h], g, hints={"colour": "red"}).wait()
+        with pytest.raises(ReconfigureError, match=r"hint 'transport' must be one of .* got 'ib'"):
+            _reconfigure(1, [h], g, hints={"transport": "ib"}).wait()
         with pytest.raises(ReconfigureError, match="list or a set"):
             _reconfigure(1, h, g).wait()  # type: ignore[arg-type]
         with pytest.raises(ReconfigureError, match="no communicator yet"):
@@ -113,5 +145,29 @@ def test_bad_arguments_are_typed_errors():
         assert (g.rank(), g.size()) == (0, 1)
     finally:
         g.close()
-    with pytest.raises(ReconfigureError, match="implemented on backend 'gloo'"):
+    with pytest.raises(ReconfigureError, match="backend 'torchport' or 'gloo', got 'nccl'"):
         ReconfigurableGroup(backend="nccl")
+
+
+def test_elastic_mesh_errors_and_group_of_one():
+    import torch
+
+    from torchport.distributed import CommError, TorchportProcessGroup
+    from torchport.distributed._control import default_secret
+    from torchport.distributed.elastic import ElasticMesh, Member, form_group
+
+    mesh = ElasticMesh(default_secret())
+    try:
+        with pytest.raises(CommError, match=r"member record must be \[id, host, port, host_id\]"):
+            Member.from_json([1, "127.0.0.1"])
+        other = Member(mesh.rank + 1, "127.0.0.1", 1, mesh.me.host_id)
+        with pytest.raises(CommError, match=f"member {mesh.rank}\\) is not among the members"):
+            form_group(mesh, [other], "t/none", 1.0)
+        pg = form_group(mesh, [mesh.me], "t/one", 5.0)
+        assert isinstance(pg, TorchportProcessGroup) and (pg.rank(), pg.size()) == (0, 1)
+        t = torch.arange(5.0)
+        pg.allreduce([t]).wait()
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        pg.shutdown()
+    finally:
+        mesh.close()

@@ -96,3 +96,15 @@ def test_window_errors(trio):
         assert f"rank must be in [0, {WORLD}), got 9" in msgs[2]
         assert "no signal from rank" in msgs[3]
         assert "already registered" in msgs[4]
+
+
+def test_tcp_window_binds_configured_address_and_authenticates(trio):
+    """The tcp server listens on TORCHPORT_DIST_ADDR (here 127.0.0.2), not a hard-coded 127.0.0.1,
+    and only peers holding the window's random secret get in."""
+    res = trio.call_all(list(range(WORLD)), "window_tcp_addr", [("127.0.0.2",)] * WORLD)
+    for r, (s, (addrs, stranger, local)) in enumerate(res):
+        assert s == "ok"
+        assert [h for h, _ in addrs] == ["127.0.0.2"] * WORLD
+        assert stranger.startswith("rejected"), stranger
+        src = (r - 1) % WORLD  # rank src put src + 1 at offsets 1..2 of this rank
+        assert local == [0.0, float(src + 1), float(src + 1), 0.0]

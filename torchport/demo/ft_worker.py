@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--fr-dir", default="")
     p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--backend", choices=("torchport", "gloo"), default="torchport")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout=a.timeout,
         quorum_timeout=4 * a.timeout,
         recorder=rec,
+        backend=a.backend,
     )
     ddp = DistributedDataParallel(model, mgr, bucket_cap_mb=0.05)
     optim = OptimizerWrapper(mgr, opt)
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         "group_build_s": m.group_build_s,
         "failures": m.failures,
         "losses": losses,
+        "log": m.log,
     }
     Path(a.out + ".json").write_text(json.dumps(summary))
     if rec is not None:

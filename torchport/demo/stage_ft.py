@@ -131,7 +131,9 @@ def stage_ft(ctx: Any) -> Section:
     base = ctx.out_dir / "ft"
     clean = run_scenario(base / "fault-free", steps=steps, kill_at=None)
     faulty = run_scenario(base / "with-kill", steps=steps, kill_at=steps // 4)
-    s = Section("fault-tolerant data-parallel training (3 replicas, gloo, SIGKILL one mid-run)")
+    s = Section(
+        "fault-tolerant data-parallel training (3 replicas, torchport backend, SIGKILL one mid-run)"
+    )
 
     def rate(f: dict[str, Any]) -> float:
         return sum(x["steps"] / x["seconds"] for x in f["summaries"][::2]) / len(
@@ -151,7 +153,7 @@ def stage_ft(ctx: Any) -> Section:
     rebuilds = [b for x in faulty["summaries"][::2] for b in x["group_build_s"][1:]]
     if rebuilds:
         s.add(
-            "reconfiguration: new gloo group (ms, median)",
+            "reconfiguration: new torchport group (ms, median)",
             1e3 * sorted(rebuilds)[len(rebuilds) // 2],
         )
     r1 = faulty["summaries"][1]

@@ -3,8 +3,10 @@
 Every collective is recorded in a per-process ring buffer (``TORCHPORT_FR_BUFFER_SIZE`` entries,
 default 2000) with its per-group sequence id, op name, group, tensor sizes and dtypes, and its state
 ``scheduled`` → ``started`` → ``completed`` (or ``errored``) with wall-clock timestamps and duration,
-plus the Python stack when ``TORCHPORT_FR_STACK=1``. Recording costs a few microseconds: an entry is
-one Python list written into a preallocated slot.
+plus the Python stack when ``TORCHPORT_FR_STACK=1``. Recording costs about a microsecond: an entry is
+one Python list written into a preallocated ring slot, holding the tensors' ``torch.Size`` and dtype
+objects as they are (names and lists are made only when dumping), ids come from lock-free
+``itertools.count`` counters (atomic under the GIL), and timestamps are ``time.time_ns()``.
 
 Dumps are JSON, one file per rank (``rank_<r>.json`` in ``TORCHPORT_FR_DUMP_DIR``), written
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import os
 import signal
@@ -59,18 +62,19 @@ def _dtype_name(d: torch.dtype) -> str:
     return name
 
 
-def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[str]]:
+def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Sizes (``torch.Size``) and dtypes (``torch.dtype``) of tensors and lists of tensors."""
     sizes: list[Any] = []
-    dtypes: list[str] = []
+    dtypes: list[Any] = []
     for t in tensors:
-        if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
-            sizes.append(t.shape)  # torch.Size: converted to lists only when dumping
-            dtypes.append(_dtype_name(t.dtype))
+        if isinstance(t, torch.Tensor):
+            sizes.append(t.shape)  # torch.Size / dtype: converted only when dumping
+            dtypes.append(t.dtype)
         elif isinstance(t, list | tuple):
             for u in t:
                 if isinstance(u, torch.Tensor):
                     sizes.append(u.shape)
-                    dtypes.append(_dtype_name(u.dtype))
+                    dtypes.append(u.dtype)
     return sizes, dtypes
 
 
@@ -98,8 +102,9 @@ class FlightRecorder:
             raise ValueError(f"buffer_size must be an int >= 0, got {n!r}")
         self.capacity = n
         self._buf: list[list[Any] | None] = [None] * n
-        self._count = 0
-        self._seq: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._count = 0  # entries recorded so far (== next id)
+        self._seq: dict[str, Any] = {}  # group -> itertools.count
         self._lock = threading.Lock()
         self._rank, self._world = rank, world_size
         d = dump_dir if dump_dir is not None else (config.get("fr_dump_dir") or "torchport-fr")
@@ -129,17 +134,23 @@ class FlightRecorder:
     ) -> list[Any]:
         """Record a scheduled op; returns the entry to pass to :meth:`started` / :meth:`completed`."""
         sizes, dtypes = _describe(tensors)
-        stack = traceback.format_stack(limit=12)[:-2] if self.record_stack else None
-        with self._lock:
-            seq = self._seq.get(group, 0)
-            self._seq[group] = seq + 1
-            idx = self._count
-            self._count = idx + 1
-            e = [seq, op, group, sizes, dtypes, SCHEDULED, time.time_ns(), 0, 0, stack, None, idx]
-            if self.capacity:
-                self._buf[idx % self.capacity] = e
+        e = self._new(op, group, sizes, dtypes, SCHEDULED)
         if ranks is not None and group not in self.groups:
             self.groups[group] = list(ranks)
+        return e
+
+    def _new(self, op: str, group: str, sizes: Any, dtypes: Any, state: str) -> list[Any]:
+        """The recording hot path: one list into the ring, no lock (counters are atomic)."""
+        counter = self._seq.get(group)
+        if counter is None:
+            counter = self._seq.setdefault(group, itertools.count())
+        now = time.time_ns()
+        idx = next(self._ids)
+        stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
+        e = [next(counter), op, group, sizes, dtypes, state, now, now, 0, stack, None, idx]
+        self._count = idx + 1
+        if self.capacity:
+            self._buf[idx % self.capacity] = e
         return e
 
     @staticmethod
@@ -188,19 +199,19 @@ class FlightRecorder:
     def entries(self) -> list[list[Any]]:
         """Recorded entries, oldest first."""
         with self._lock:
-            n, cap = self._count, self.capacity
+            cap = self.capacity
             if cap == 0:
                 return []
-            if n <= cap:
-                return [e for e in self._buf[:n] if e is not None]
-            start = n % cap
-            return [e for e in self._buf[start:] + self._buf[:start] if e is not None]
+            live = [e for e in list(self._buf) if e is not None]
+            live.sort(key=lambda e: e[_ID])
+            return live
 
     def clear(self) -> None:
         with self._lock:
             self._buf = [None] * self.capacity
+            self._ids = itertools.count()
             self._count = 0
-            self._seq.clear()
+            self._seq = {}
 
     # -- dumps -----------------------------------------------------------------------------
     def snapshot(self, reason: str = "request") -> dict[str, Any]:
@@ -217,7 +228,7 @@ class FlightRecorder:
                     "op": e[_OP],
                     "group": e[_GROUP],
                     "sizes": [list(x) for x in e[_SIZES]],
-                    "dtypes": e[_DTYPES],
+                    "dtypes": [d if isinstance(d, str) else _dtype_name(d) for d in e[_DTYPES]],
                     "state": e[_STATE],
                     "time_scheduled_ns": e[_T_SCHED],
                     "time_started_ns": e[_T_START] or None,
@@ -372,14 +383,22 @@ def _group_key(group: Any) -> tuple[str, list[int]]:
 
 
 def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    names, tensor = _group_names, torch.Tensor
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         group = kwargs.get("group")
-        gname, ranks = _group_key(group)
-        tensors = [a for a in args if isinstance(a, torch.Tensor | list)]
-        e = rec.record(name, gname, tensors, ranks)
-        e[_T_START] = time.time_ns()
-        e[_STATE] = STARTED
+        hit = names.get(id(group))
+        if hit is None:
+            hit = _group_key(group)
+            if hit[0] not in rec.groups:
+                rec.groups[hit[0]] = list(hit[1])
+        a0 = args[0] if args else None
+        if type(a0) is tensor and len(args) < 3:  # the common case: one tensor (+ op / src)
+            e = rec._new(name, hit[0], (a0.shape,), (a0.dtype,), STARTED)
+        else:
+            sizes, dtypes = _describe([a for a in args if isinstance(a, tensor | list)])
+            e = rec._new(name, hit[0], sizes, dtypes, STARTED)
         try:
             out = fn(*args, **kwargs)
         except BaseException as err:

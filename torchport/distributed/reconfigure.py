@@ -1,7 +1,7 @@
-"""2.14's reconfiguration API — ``_reconfigure`` & co. — on gloo, with fast, consistent failures.
+"""2.14's reconfiguration API — ``_reconfigure`` & co. — on torchport (default) or gloo.
 
-``init_process_group(..., enable_reconfigure=True)`` returns a :class:`ReconfigurableGroup` whose
-communicator is formed at the first :func:`_reconfigure`. Each rank hands out an opaque handle
+``init_process_group(backend, enable_reconfigure=True)`` returns a :class:`ReconfigurableGroup`
+whose communicator is formed at the first :func:`_reconfigure`. Each rank hands out an opaque handle
 (:func:`_get_reconfigure_handle`): ``tp1:<host>:<control port>:<store port>:<nonce>``. The nonce
 rotates after every successful reconfigure, so a handle from before it is *stale*.
 
@@ -13,9 +13,17 @@ rotates after every successful reconfigure, so a handle from before it is *stale
    *every* rank in that same round trip, and every rank's Work fails with
    :class:`ReconfigureError` — no rank is left waiting (gloo in 2.14 fails one rank and leaves the
    others waiting 10 s).
-2. **Forming the group.** Ranks follow the handles' order (a set is sorted); the first rank's store
-   (each group hosts a ``TCPStore`` for this) rendezvouses a new gloo group under the prefix
-   ``tp-reconf/<uuid>``. Shrink and grow are the same operation with fewer or more handles.
+2. **Forming the group.** Ranks follow the handles' order (a set is sorted).
+
+   * ``torchport``: the validation replies also carry each member's mesh address, and the group
+     is formed in place on this process's :class:`~torchport.distributed.elastic.ElasticMesh`:
+     live connections are reused (a shrink opens none, a grow only the newcomers'), a fresh
+     shared-memory arena is exchanged over the mesh when all members share the host, and a new
+     communicator takes over (:func:`~torchport.distributed.elastic.form_group`).
+   * ``gloo``: the first rank's store (each group hosts a ``TCPStore`` for this) rendezvouses a new
+     gloo group under the prefix ``tp-reconf/<uuid>``.
+
+   Shrink and grow are the same operation with fewer or more handles.
 
 After a reconfigure each rank watches its peers' control connections: a crashed peer (connection
 lost) is noticed at once, a hung one after three heartbeat periods; in-flight ops issued through
@@ -49,6 +57,8 @@ from torchport.distributed._control import (
     send_msg,
 )
 from torchport.distributed._gloo import gloo_group, retire
+from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
+from torchport.distributed.engine import REASON_ERROR
 
 
 class ReconfigureError(CommError):
@@ -60,12 +70,31 @@ class ReconfigureOptions:
     """Options of one reconfigure, as in 2.14.
 
     ``handles``: a list assigns ranks by position; a set lets the backend choose (sorted order).
+    ``hints`` (torchport backend): ``{"transport": "auto" | "shm" | "tcp"}`` picks the new
+    communicator's transport (the first rank's hint decides); other keys are rejected.
     """
 
     uuid: int = -1
     handles: list[str] | set[str] | None = None
     timeout: timedelta | None = None
     hints: dict[str, str] | None = None
+
+
+HINTS = {"transport": ("auto", "shm", "tcp")}
+
+
+def _transport_hint(hints: dict[str, str] | None) -> str | None:
+    """The ``transport`` hint, validated; :class:`ReconfigureError` for unknown keys/values."""
+    if hints is None:
+        return None
+    if not isinstance(hints, dict):
+        raise ReconfigureError(f"hints must be a dict of str, got {type(hints).__name__}")
+    for k, v in hints.items():
+        if k not in HINTS:
+            raise ReconfigureError(f"unknown reconfigure hint {k!r}; supported: {sorted(HINTS)}")
+        if v not in HINTS[k]:
+            raise ReconfigureError(f"hint {k!r} must be one of {HINTS[k]}, got {v!r}")
+    return hints.get("transport")
 
 
 class Work:
@@ -120,7 +149,16 @@ class ReconfigurableGroup:
     """A process group whose membership is set, shrunk and grown by :func:`_reconfigure`.
 
     Collective methods (``allreduce``, ``broadcast``, ``allgather``, ``barrier``) run on the current
-    gloo group and fail with :class:`PeerFailure` as soon as a peer is detected dead.
+    communicator (``pg``: a :class:`~torchport.distributed.TorchportProcessGroup` or a gloo group)
+    and fail with :class:`PeerFailure` as soon as a peer is detected dead.
+
+    Args:
+        backend: ``"torchport"`` (default) or ``"gloo"``.
+        timeout: default limit of reconfigures and collectives (30 s).
+        host: address of the control server, the store and the mesh listener; default
+            ``TORCHPORT_DIST_ADDR``.
+        heartbeat: period (s) of failure-detection heartbeats; default ``config.ft_heartbeat``.
+        secret: job secret authenticating every connection; default ``TORCHPORT_SECRET``.
     """
 
     supports_reconfigure = True
@@ -128,14 +166,17 @@ class ReconfigurableGroup:
     def __init__(
         self,
         *,
-        backend: str = "gloo",
+        backend: str = "torchport",
         timeout: timedelta | None = None,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         heartbeat: float | None = None,
         secret: bytes | None = None,
     ) -> None:
-        if backend != "gloo":
-            raise ReconfigureError(f"reconfigure is implemented on backend 'gloo', got {backend!r}")
+        if backend not in ("torchport", "gloo"):
+            raise ReconfigureError(
+                f"reconfigure needs backend 'torchport' or 'gloo', got {backend!r}"
+            )
+        host = host or str(config.get("dist_addr"))
         self.backend = backend
         self.timeout = timeout or timedelta(seconds=30)
         self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
@@ -144,7 +185,12 @@ class ReconfigurableGroup:
         self._nonce = secrets.token_hex(8)
         self._used: set[int] = set()
         self._lock = threading.Lock()
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._mesh: ElasticMesh | None = None
+        self.store: Any = None
+        if backend == "torchport":
+            self._mesh = ElasticMesh(self._secret, host)
+        else:
+            self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self._server = Server(self._handle, secret=self._secret, role="reconf", host=host)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf")
         self._checker = cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check")
@@ -164,7 +210,8 @@ class ReconfigurableGroup:
     def get_reconfigure_handle(self) -> str:
         """This rank's current handle (changes after every successful reconfigure)."""
         h, p = self._server.address
-        return f"tp1:{h}:{p}:{self.store.port}:{self._nonce}"
+        store_port = self.store.port if self.store is not None else 0
+        return f"tp1:{h}:{p}:{store_port}:{self._nonce}"
 
     def _handle(self, conn: socket.socket) -> None:
         while True:  # a peer keeps its check connection open and reuses it
@@ -175,6 +222,7 @@ class ReconfigurableGroup:
                         "t": "check",
                         "current": msg.get("nonce") == self._nonce,
                         "uuid_used": int(msg.get("uuid", -1)) in self._used,
+                        "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
                     }
                 send_msg(conn, reply)
             elif msg.get("t") == "watch":
@@ -242,42 +290,107 @@ class ReconfigurableGroup:
             return reply
         raise CommError("unreachable")
 
-    def _check(self, handle: str, uuid: int, deadline: float) -> str | None:
+    def _check_all(
+        self, handles: list[str], uuid: int, deadline: float
+    ) -> dict[str, tuple[str | None, Any]]:
+        """Validate every handle in one round trip.
+
+        Requests on cached connections are pipelined from this thread (all sent, then all
+        answers read); handles without a live connection are checked in parallel on the pool.
+        """
+        out: dict[str, tuple[str | None, Any]] = {}
+        sent: list[tuple[str, socket.socket]] = []
+        fresh: list[str] = []
+        for h in handles:
+            host, port, _, nonce = parse_handle(h)
+            sock = self._ctl.pop((host, port), None)
+            if sock is None:
+                fresh.append(h)
+                continue
+            try:
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                send_msg(sock, {"t": "check", "nonce": nonce, "uuid": uuid})
+                sent.append((h, sock))
+            except OSError:
+                sock.close()
+                fresh.append(h)
+        futs = {h: self._checker.submit(self._check, h, uuid, deadline) for h in fresh}
+        for h, sock in sent:
+            try:
+                reply = recv_msg(sock)
+            except (OSError, CommError):
+                sock.close()  # the cached connection went away: ask on a new one
+                futs[h] = self._checker.submit(self._check, h, uuid, deadline)
+                continue
+            host, port, _, _ = parse_handle(h)
+            self._ctl[(host, port)] = sock
+            out[h] = self._verdict(h, uuid, reply)
+        for h, f in futs.items():
+            out[h] = f.result()
+        return out
+
+    def _verdict(self, handle: str, uuid: int, r: dict[str, Any]) -> tuple[str | None, Any]:
+        """(problem or None, the peer's mesh record) from a check reply."""
+        if not r.get("current"):
+            return f"handle {handle!r} is stale: that rank has been reconfigured since", None
+        if r.get("uuid_used"):
+            used = f"uuid {uuid} was already used by a completed reconfigure (rank {handle!r})"
+            return used, None
+        if self._mesh is not None and r.get("mesh") is None:
+            return f"handle {handle!r} belongs to a group of another backend (not torchport)", None
+        return None, r.get("mesh")
+
+    def _check(self, handle: str, uuid: int, deadline: float) -> tuple[str | None, Any]:
+        """(problem or None, the peer's mesh record) for one handle."""
         host, port, _, nonce = parse_handle(handle)
         try:
             r = self._ask(host, port, {"t": "check", "nonce": nonce, "uuid": uuid}, deadline)
         except (OSError, CommError) as e:
-            return f"handle {handle!r} is stale: no process answers at {host}:{port} ({e})"
-        if not r.get("current"):
-            return f"handle {handle!r} is stale: that rank has been reconfigured since"
-        if r.get("uuid_used"):
-            return f"uuid {uuid} was already used by a completed reconfigure (rank {handle!r})"
-        return None
+            return f"handle {handle!r} is stale: no process answers at {host}:{port} ({e})", None
+        return self._verdict(handle, uuid, r)
 
     def _reconfigure(self, opts: ReconfigureOptions) -> None:
         t0 = time.perf_counter()
         timeout = (opts.timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + timeout
         order = self._order(opts)
+        _transport_hint(opts.hints)
         uuid = opts.uuid
         if uuid in self._used:
             raise ReconfigureError(f"uuid {uuid} was already used by a completed reconfigure")
         mine = self.get_reconfigure_handle()
         others = [h for h in order if h != mine]
-        problems = [
-            p for p in self._checker.map(lambda h: self._check(h, uuid, deadline), others) if p
-        ]
+        answers = self._check_all(others, uuid, deadline)
+        problems = [p for p, _ in answers.values() if p]
         if problems:
             raise ReconfigureError("reconfigure rejected: " + "; ".join(sorted(problems)))
         self.phases = {"validate_s": time.perf_counter() - t0}
         rank, size = order.index(mine), len(order)
-        lhost, _, lport, _ = parse_handle(order[0])
-        store: dist.Store = self.store if rank == 0 else self._client(lhost, lport, timeout)
-        self.phases["store_s"] = time.perf_counter() - t0
         self._stop_watch()
         old = self.pg
         try:
-            pg = gloo_group(dist.PrefixStore(f"tp-reconf/{uuid}", store), rank, size, timeout)
+            if self._mesh is not None:
+                stats: dict[str, float] = {}
+                members = [
+                    self._mesh.me if h == mine else Member.from_json(answers[h][1]) for h in order
+                ]
+                pg = form_group(
+                    self._mesh,
+                    members,
+                    f"tp-reconf/{uuid}",
+                    max(0.05, deadline - time.monotonic()),
+                    stats=stats,
+                    transport=_transport_hint(opts.hints),
+                )
+                self.phases.update({k: v + self.phases["validate_s"] for k, v in stats.items()})
+                self.phases["new_connections"] = stats["new_connections"]
+            else:
+                lhost, _, lport, _ = parse_handle(order[0])
+                store = self.store if rank == 0 else self._client(lhost, lport, timeout)
+                self.phases["store_s"] = time.perf_counter() - t0
+                pg = gloo_group(
+                    dist.PrefixStore(f"tp-reconf/{uuid}", store), rank, size, timeout, self._host
+                )
         except Exception as e:
             raise ReconfigureError(f"forming the group for uuid {uuid} failed: {e}") from None
         with self._lock:
@@ -287,7 +400,7 @@ class ReconfigurableGroup:
             self._nonce = secrets.token_hex(8)
             self._error = None
         self.phases["group_s"] = time.perf_counter() - t0
-        retire(old)
+        self._retire(old)
         self.last_reconfigure_s = time.perf_counter() - t0
         # peers start watching each other off the critical path
         threading.Thread(target=self._start_watch, args=(order, rank, uuid), daemon=True).start()
@@ -322,8 +435,8 @@ class ReconfigurableGroup:
             threading.Thread(target=self._watch_peer, args=(sock, r), daemon=True).start()
 
     def _watch_peer(self, sock: socket.socket, r: int) -> None:
-        sock.settimeout(3 * self.heartbeat)
         try:
+            sock.settimeout(3 * self.heartbeat)
             while True:
                 recv_msg(sock, limit=256)
         except TimeoutError:
@@ -349,8 +462,17 @@ class ReconfigurableGroup:
             if self._error is None:
                 self._error = e
             waiters = list(self._waiters)
+            pg = self.pg
+        if self._mesh is not None and pg is not None:
+            pg.comm.fail(e, REASON_ERROR)  # in-flight ops here and on every peer end now
         for w in waiters:
             w.set()
+
+    def _retire(self, pg: Any) -> None:
+        if self._mesh is not None:
+            retire_group(pg)
+        else:
+            retire(pg)
 
     def get_error(self) -> BaseException | None:
         """The failure detected since the last reconfigure, if any."""
@@ -383,7 +505,14 @@ class ReconfigurableGroup:
                 raise PeerFailure(f"{name} aborted: {self._error}")
             try:
                 work.get_future().value()
-            except RuntimeError as e:  # gloo reports a lost peer as RuntimeError
+            except (RuntimeError, CommError) as e:  # gloo: RuntimeError; torchport: CommError
+                # A peer's abort may arrive before this rank's own watchers name the cause
+                # (which rank crashed or hung): give them up to the hang-detection time.
+                end = time.monotonic() + 6 * self.heartbeat + 1.0
+                while self._error is None and self._mesh is not None and time.monotonic() < end:
+                    time.sleep(0.005)
+                if self._error is not None:
+                    raise PeerFailure(f"{name} failed: {self._error}") from None
                 err = PeerFailure(f"{name} failed: {e}")
                 self._fail(err)
                 raise err from None
@@ -418,8 +547,10 @@ class ReconfigurableGroup:
         for sock in self._ctl.values():
             sock.close()
         self._ctl.clear()
-        retire(self.pg)
+        self._retire(self.pg)
         self.pg = None
+        if self._mesh is not None:
+            self._mesh.close()
 
 
 _default: ReconfigurableGroup | None = None
@@ -438,13 +569,14 @@ def init_process_group(
     """``torch.distributed.init_process_group`` plus 2.14's ``enable_reconfigure``.
 
     With ``enable_reconfigure=True`` no communicator is formed: the returned group (also the
-    default for the functions below) is formed by the first :func:`_reconfigure`.
+    default for the functions below) is formed by the first :func:`_reconfigure`, on backend
+    ``"torchport"`` (the default) or ``"gloo"``; the rendezvous arguments are not needed then.
     """
     global _default
     if not enable_reconfigure:
         dist.init_process_group(backend, init_method, timeout, world_size, rank, store, **kwargs)
         return None
-    _default = ReconfigurableGroup(backend=backend or "gloo", timeout=timeout)
+    _default = ReconfigurableGroup(backend=backend or "torchport", timeout=timeout)
     return _default
 
 

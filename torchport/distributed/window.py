@@ -8,9 +8,16 @@ A window gives every rank of a group direct access to a tensor registered by eac
   one-sided access, the target does nothing. ``map_remote_tensor(rank)`` returns a tensor that *is*
   the peer's memory. Files are unlinked as soon as every rank has mapped them, so nothing is left in
   ``/dev/shm`` even if a process crashes.
-* **Across hosts (``transport="tcp"``):** each rank runs a server thread (authenticated) that
-  applies put / get / accumulate / signal to its registered tensor, so the target's Python code does
-  not participate. ``map_remote_tensor`` needs shared memory and raises on this transport.
+* **Across hosts (``transport="tcp"``):** each rank runs a server thread that applies put / get /
+  accumulate / signal to its registered tensor, so the target's Python code does not participate.
+  The server binds to ``TORCHPORT_DIST_ADDR`` (127.0.0.1 by default; ``0.0.0.0`` or an interface
+  address across hosts) and publishes the address peers should dial (IPv4). Every connection is
+  authenticated (HMAC challenge) with a random per-window secret that rank 0 draws and hands to the
+  group over the group's own collectives, so no guessable default secret guards a public port.
+  ``async_op=True`` puts / accumulates / signals go to an ordered queue per target (requests to one
+  target keep their order; the source tensor is snapshotted) and return a ``Work``; ``fence()``
+  waits for all of this rank's outstanding ones. ``map_remote_tensor`` needs shared memory and
+  raises on this transport.
 
 Semantics (and the reference, :class:`ReferenceWindow`): a put of ``n`` elements at
 ``target_offset_nelems`` overwrites those elements of the target's flat tensor; accumulate adds
@@ -37,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchport import config
 from torchport.distributed._control import (
     CommError,
     Server,
@@ -131,6 +139,9 @@ class Window:
         self._fds: list[int] = []
         self._lock = threading.Lock()
         self._socks: dict[int, socket.socket] = {}
+        self._queues: dict[int, cf.ThreadPoolExecutor] = {}  # tcp: one ordered queue per target
+        self._pending: list[cf.Future[Any]] = []
+        self._plock = threading.Lock()
         self._sock_locks = [threading.Lock() for _ in range(self.size)]
         # signal counters: slot [src] of rank r's array, written only by src
         sig_name = f"{self._name}-s{self.rank}"
@@ -143,9 +154,23 @@ class Window:
         self._server: Server | None = None
         addrs: list[tuple[str, int]] = []
         if self.transport == "tcp":
-            self._server = Server(self._serve, secret=self._secret, role="window")
-            port = torch.tensor([self._server.address[1]], dtype=torch.int64)
-            addrs = [("127.0.0.1", int(p[0])) for p in self._c.allgather(port)]
+            self._secret = self._group_secret()
+            bind = str(config.get("dist_addr"))
+            self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
+            host = self._server.address[0]
+            if host in ("0.0.0.0", ""):
+                host = socket.gethostbyname(socket.gethostname())
+            try:
+                ip = int.from_bytes(socket.inet_aton(host), "big")
+            except OSError:
+                raise WindowError(
+                    f"the window server needs an IPv4 address, got {host!r} (TORCHPORT_DIST_ADDR)"
+                ) from None
+            me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
+            addrs = [
+                (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
+                for a in self._c.allgather(me)
+            ]
         self._addrs = addrs
         self._c.barrier()
         if self.transport == "shm":
@@ -161,6 +186,11 @@ class Window:
         os.unlink(f"/dev/shm/{sig_name}")  # everyone has mapped it: nothing can leak
         if tensor is not None:
             self.tensor_register(tensor)
+
+    def _group_secret(self) -> bytes:
+        """32 random bytes drawn by rank 0, shared over the group's collectives."""
+        mine = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
+        return bytes(self._c.allgather(mine)[0].tolist())
 
     # -- registration ----------------------------------------------------------------------
     def tensor_register(self, tensor: torch.Tensor) -> None:
@@ -265,7 +295,9 @@ class Window:
             assert tgt is not None
             tgt.view(-1)[target_offset_nelems : target_offset_nelems + src.numel()].copy_(src)
         else:
-            self._rpc(dst_rank, {"t": "put", "off": target_offset_nelems, "n": src.numel()}, src)
+            data = src.clone() if async_op else src  # async: the caller may reuse its tensor
+            msg = {"t": "put", "off": target_offset_nelems, "n": src.numel()}
+            return self._issue(dst_rank, lambda: self._rpc(dst_rank, msg, data), async_op)
         return self._done() if async_op else None
 
     def accumulate(
@@ -288,7 +320,9 @@ class Window:
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN)
         else:
-            self._rpc(dst_rank, {"t": "acc", "off": target_offset_nelems, "n": src.numel()}, src)
+            data = src.clone() if async_op else src
+            msg = {"t": "acc", "off": target_offset_nelems, "n": src.numel()}
+            return self._issue(dst_rank, lambda: self._rpc(dst_rank, msg, data), async_op)
         return self._done() if async_op else None
 
     def get(self, src_rank: int, offset_nelems: int = 0, nelems: int | None = None) -> torch.Tensor:
@@ -306,7 +340,8 @@ class Window:
             assert tgt is not None
             return tgt.view(-1)[offset_nelems : offset_nelems + n].clone()
         out = torch.empty(n, dtype=dt)
-        self._rpc(src_rank, {"t": "get", "off": offset_nelems, "n": n}, None, out)
+        msg = {"t": "get", "off": offset_nelems, "n": n}
+        self._issue(src_rank, lambda: self._rpc(src_rank, msg, None, out), False)
         return out
 
     def map_remote_tensor(self, rank: int) -> torch.Tensor:
@@ -331,7 +366,7 @@ class Window:
             arr = self._sig_remote[dst_rank]
             arr[self.rank] = arr[self.rank] + 1
         else:
-            self._rpc(dst_rank, {"t": "sig"}, None)
+            return self._issue(dst_rank, lambda: self._rpc(dst_rank, {"t": "sig"}, None), async_op)
         return self._done() if async_op else None
 
     def wait_signal(self, src_rank: int, timeout: float = 30.0) -> None:
@@ -352,8 +387,32 @@ class Window:
         self._consumed[src_rank] = want
 
     def fence(self) -> None:
-        """Collective: all RMA issued before the fence is visible to everyone after it."""
+        """Collective: all RMA issued before the fence is visible to everyone after it.
+
+        Waits for this rank's outstanding ``async_op`` operations first; the first of their
+        errors is raised after the barrier (so no peer is left waiting in it).
+        """
+        with self._plock:
+            pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]
         self._c.barrier()
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def _issue(self, r: int, fn: Any, async_op: bool) -> Work | None:
+        """Run a tcp request on ``r``'s ordered queue (requests to one target keep their order)."""
+        q = self._queues.get(r)
+        if q is None:
+            q = self._queues[r] = cf.ThreadPoolExecutor(1, thread_name_prefix=f"tp-win-{r}")
+        fut = q.submit(fn)
+        with self._plock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(fut)
+        if async_op:
+            return Work(fut)
+        fut.result()
+        return None
 
     # -- tcp transport ---------------------------------------------------------------------
     def _rpc(
@@ -414,6 +473,9 @@ class Window:
 
     def close(self) -> None:
         """Release the mappings and the server (call after a fence)."""
+        for q in self._queues.values():
+            q.shutdown(wait=True)
+        self._queues.clear()
         if self._server is not None:
             self._server.close()
         for s in self._socks.values():

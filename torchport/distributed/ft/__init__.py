@@ -1,7 +1,7 @@
 """Fault-tolerant data-parallel training in the manner of torchft.
 
 * :class:`Lighthouse` — membership, failure detection, per-step quorum and commit votes.
-* :class:`Manager` — one per replica: joins quorums, rebuilds the gloo group when membership
+* :class:`Manager` — one per replica: joins quorums, forms a new torchport (or gloo) group when membership
   changes, heals a lagging replica from a healthy one, averages gradients, votes on commits.
 * :class:`DistributedDataParallel` — bucketed gradient allreduce overlapped with backward.
 * :class:`OptimizerWrapper` — ``zero_grad`` starts the quorum, ``step`` applies only committed steps.

@@ -11,14 +11,20 @@ failure notices, and an *rpc* channel for quorum requests and commit votes.
   again is told ``{"t": "evicted"}`` and rejoins through the next quorum (healing first).
 * **Quorum.** A quorum forms when every live replica has asked for one, or when at least
   ``min_replicas`` have asked and ``join_timeout`` has passed since the first request. Members are
-  ordered by replica id; the quorum id changes whenever membership changes or a commit failed, which
-  tells the replicas to rebuild their process group (a new store prefix). The reply names the
+  ordered by replica id; the quorum id changes whenever membership changes, a commit failed, or a
+  member lost its group, which tells the replicas to form a new process group. The reply names the
   highest step among members, so replicas behind it heal from one that is at it.
+  Two rules prevent a split brain (two disjoint quorums committing the same step from different
+  states): a round never forms while a live member of the previous quorum has neither voted nor
+  asked again (however slow it is), and while a live replica that committed the highest step
+  has not asked, a round of replicas that are all behind it waits for it.
 * **Commit vote.** After the gradient allreduce every member votes; the step commits only if every
   member of the quorum voted yes. A member that dies before voting turns the vote into "no" for
   everyone, so a step is applied by all survivors or by none, and never twice.
 
-The lighthouse also hosts the ``TCPStore`` that replicas use to build their gloo groups.
+The lighthouse also hosts the ``TCPStore`` that gloo replicas build their groups through (started
+only when a gloo replica asks); torchport replicas instead send their mesh address with each quorum
+request and receive every member's, over the authenticated connection.
 """
 
 from __future__ import annotations
@@ -85,11 +91,15 @@ class Lighthouse:
         self._quorum_id = 0
         self._members: list[str] = []
         self._force_new = False
+        self._busy: set[str] = set()  # members of the last quorum that have not voted or asked
+        self._top = 0  # highest committed step (the step number after the commit)
+        self._holders: set[str] = set()  # the replicas that committed it
         self._round = 0
         self._result: dict[int, dict[str, Any]] = {}
         self._votes: dict[tuple[int, int], _Vote] = {}
         self.events: list[tuple[float, str]] = []
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._host = host
+        self.store: Any = None  # a TCPStore, started when the first gloo replica asks
         self._server = Server(
             self._handle, secret=self._secret, role="lighthouse", host=host, port=port
         )
@@ -153,6 +163,7 @@ class Lighthouse:
             for r in newly:
                 r.alive = False
                 self._pending.pop(r.rid, None)
+                self._busy.discard(r.rid)
                 self._log(f"replica {r.rid} dead ({why})")
             if not newly:
                 return
@@ -186,18 +197,31 @@ class Lighthouse:
     def _ready(self) -> bool:
         alive = {r.rid for r in self._replicas.values() if r.alive}
         asked = set(self._pending) & alive
-        if len(asked) < self.min_replicas:
+        if len(asked) < self.min_replicas or (self._busy & alive) - asked:
             return False
+        if max(int(self._pending[r]["step"]) for r in asked) < self._top and (
+            self._holders & alive
+        ):
+            return False  # nobody asking holds the latest committed state: wait for one who does
         if alive <= asked:
             return True
         return time.monotonic() - self._first_request > self.join_timeout
 
+    def _gloo_store(self, infos: list[dict[str, Any]]) -> int:
+        """Port of the store gloo replicas rendezvous through (torchport replicas need none, so
+        a torchport-only job never opens this unauthenticated port)."""
+        if self.store is None and any(i.get("mesh") is None for i in infos):
+            self.store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
+        return int(self.store.port) if self.store is not None else 0
+
     def _form(self) -> None:
         members = sorted(self._pending)
-        if members != self._members or self._force_new:
+        stale = any(int(self._pending[m].get("group", -1)) != self._quorum_id for m in members)
+        if members != self._members or self._force_new or stale:
             self._quorum_id += 1
             self._members = members
             self._force_new = False
+        self._busy = set(members)
         infos = [self._pending[m] for m in members]
         max_step = max(int(i["step"]) for i in infos)
         self._result[self._round] = {
@@ -206,8 +230,9 @@ class Lighthouse:
             "members": members,
             "steps": [int(i["step"]) for i in infos],
             "heal_addrs": [i["heal_addr"] for i in infos],
+            "meshes": [i.get("mesh") for i in infos],  # torchport members' mesh listeners
             "max_step": max_step,
-            "store_port": self.store.port,
+            "store_port": self._gloo_store(infos),
         }
         self._result.pop(self._round - 4, None)
         self._pending.clear()
@@ -225,6 +250,7 @@ class Lighthouse:
             if not self._pending:
                 self._first_request = time.monotonic()
             self._pending[rid] = msg
+            self._busy.discard(rid)
             my_round = self._round
             while self._round == my_round:
                 if self._ready():
@@ -255,6 +281,7 @@ class Lighthouse:
                 for old in [k for k in self._votes if k[0] < qid - 4]:
                     del self._votes[old]
             vote.votes[rid] = bool(msg["ok"])
+            self._busy.discard(rid)
             if not msg["ok"] and vote.decision is None:
                 vote.decision = False
                 self._force_new = True
@@ -264,6 +291,8 @@ class Lighthouse:
                 self._force_new = True
             if vote.decision is None and set(vote.votes) >= set(vote.members):
                 vote.decision = all(vote.votes.values())
+                if vote.decision and step + 1 >= self._top:
+                    self._top, self._holders = step + 1, set(vote.members)
             self._cv.notify_all()
             while vote.decision is None:
                 left = deadline - time.monotonic()

@@ -8,7 +8,9 @@ Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
         optimizer.step()
 
 * ``start_quorum`` blocks until the lighthouse forms a quorum. If the membership changed (or the last
-  commit failed) it builds a new gloo group under a fresh store prefix. A replica whose committed step
+  commit failed) it forms a new group: on the ``torchport`` backend (default) a communicator in place
+  on this replica's :class:`~torchport.distributed.elastic.ElasticMesh` (live connections reused,
+  shared memory between local replicas); on ``gloo`` a new gloo group under a fresh store prefix. A replica whose committed step
   is behind the quorum's highest step heals first: it fetches the full state (model + optimizer +
   step) from a member at that step as raw tensor bytes (:mod:`.transfer`) and loads it.
 * ``allreduce`` sums a tensor over the quorum and divides by the number of members. It never raises
@@ -19,7 +21,9 @@ Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
   data) and never applied twice.
 
 Failures reach the manager three ways: the lighthouse pushes a "dead" notice (crash: connection
-loss, within milliseconds; hang: three missed heartbeats), a gloo op fails, or a wait times out.
+loss, within milliseconds; hang: three missed heartbeats), a collective fails (a torchport
+communicator fails at once when a member's connection drops), or a wait times out. A failed step's
+torchport group is aborted, so its in-flight ops end on every member.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torchport.distributed._control import (
     send_msg,
 )
 from torchport.distributed._gloo import gloo_group, retire
+from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft.transfer import fetch_state, send_state
 
@@ -68,6 +73,11 @@ class Metrics:
     failures: list[tuple[float, str]] = field(default_factory=list)  # (wall time of notice, what)
     commits: int = 0
     aborted_steps: int = 0
+    log: list[str] = field(default_factory=list)  # quorums, group builds, heals (bounded)
+
+    def note(self, what: str) -> None:
+        if len(self.log) < 1000:
+            self.log.append(f"{time.time():.3f} {what}")
 
 
 class _Work:
@@ -115,6 +125,7 @@ class Manager:
         recorder: optional Flight Recorder for the manager's collectives.
         init_sync: on its first quorum a replica other than member 0 copies member 0's state,
             so replicas need not be initialised identically.
+        backend: ``"torchport"`` (default) or ``"gloo"``: what carries the gradient allreduce.
     """
 
     def __init__(
@@ -130,7 +141,11 @@ class Manager:
         secret: bytes | None = None,
         recorder: FlightRecorder | None = None,
         init_sync: bool = True,
+        backend: str = "torchport",
     ) -> None:
+        if backend not in ("torchport", "gloo"):
+            raise ValueError(f"backend must be 'torchport' or 'gloo', got {backend!r}")
+        self.backend = backend
         self.lighthouse = (str(lighthouse[0]), int(lighthouse[1]))
         self.replica_id = str(replica_id)
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
@@ -154,6 +169,7 @@ class Manager:
         self._rpc: socket.socket | None = None
         self._closed = threading.Event()
         self._heal_server = Server(self._serve_heal, secret=self._secret, role="heal")
+        self._mesh = ElasticMesh(self._secret) if backend == "torchport" else None
         self._connect()
         threading.Thread(target=self._beat, name="tp-ft-beat", daemon=True).start()
 
@@ -207,6 +223,9 @@ class Manager:
             if first:
                 self._error = e
             works = list(self._works)
+            pg = self._pg
+        if first and self._mesh is not None and pg is not None:
+            pg.abort()  # the step failed: end its in-flight ops here and on every member
         for w in works:
             w.event.set()
         if first and self.recorder is not None:
@@ -231,6 +250,7 @@ class Manager:
                 return
             except CommError as e:
                 last = e
+                self.metrics.note(f"quorum attempt failed: {e}")
                 self._drop_group()
                 time.sleep(0.005)
         raise QuorumError(
@@ -253,6 +273,8 @@ class Manager:
                     "rid": self.replica_id,
                     "step": self._step,
                     "heal_addr": list(self._heal_server.address),
+                    "group": self._qid if self._pg is not None else -1,
+                    "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
                     "timeout": left,
                 },
             )
@@ -264,9 +286,10 @@ class Manager:
             raise QuorumError(str(q.get("error")))
         members = list(q["members"])
         rank = members.index(self.replica_id)
+        self.metrics.note(f"quorum {q['quorum_id']} {members} step {self._step}/{q['max_step']}")
         self._members, self._rank = members, rank
         if q["quorum_id"] != self._qid or self._pg is None:
-            self._build_group(int(q["quorum_id"]), rank, len(members), int(q["store_port"]))
+            self._build_group(int(q["quorum_id"]), rank, len(members), q)
         if self._step < int(q["max_step"]):
             self._heal(q, rank, None)
         elif self.init_sync and not self._synced and rank != 0:
@@ -275,9 +298,13 @@ class Manager:
         if self._error is not None:
             raise CommError(f"failure during quorum: {self._error}")
 
-    def _build_group(self, qid: int, rank: int, size: int, store_port: int) -> None:
+    def _build_group(self, qid: int, rank: int, size: int, q: dict[str, Any]) -> None:
         self._drop_group()
         t0 = time.perf_counter()
+        if self._mesh is not None:
+            self._form_torchport(qid, q, t0)
+            return
+        store_port = int(q["store_port"])
         if self._store is None or getattr(self._store, "port", None) != store_port:
             self._store = dist.TCPStore(
                 self.lighthouse[0],
@@ -306,8 +333,35 @@ class Manager:
         self.metrics.group_builds += 1
         self.metrics.group_build_s.append(time.perf_counter() - t0)
 
+    def _form_torchport(self, qid: int, q: dict[str, Any], t0: float) -> None:
+        assert self._mesh is not None
+        records = q.get("meshes") or []
+        if len(records) != len(q["members"]) or any(r is None for r in records):
+            raise CommError(f"quorum {qid} has members without a torchport mesh (mixed backends?)")
+
+        def check() -> None:
+            if self._error is not None:
+                raise CommError(f"forming the group for quorum {qid} abandoned: {self._error}")
+
+        try:
+            pg = form_group(
+                self._mesh,
+                [Member.from_json(r) for r in records],
+                f"tp-ft/q{qid}",
+                self.timeout,
+                check,
+            )
+        except CommError as e:
+            raise CommError(f"building the group for quorum {qid} failed: {e}") from None
+        self._pg, self._qid = pg, qid
+        self.metrics.group_builds += 1
+        self.metrics.group_build_s.append(time.perf_counter() - t0)
+
     def _drop_group(self) -> None:
-        retire(self._pg)
+        if self._mesh is not None:
+            retire_group(self._pg)
+        else:
+            retire(self._pg)
         self._pg, self._qid = None, -1
 
     def _heal(self, q: dict[str, Any], rank: int, src: int | None) -> None:
@@ -315,6 +369,7 @@ class Manager:
             healthy = [i for i, s in enumerate(q["steps"]) if s == q["max_step"]]
             src = healthy[rank % len(healthy)]
         host, port = q["heal_addrs"][src]
+        self.metrics.note(f"heal from member {src} at step {q['steps'][src]}")
         with torch.no_grad():  # receive straight into this replica's own (warm) tensors
             state, hdr, secs = fetch_state(
                 (host, int(port)),
@@ -404,6 +459,7 @@ class Manager:
             except (OSError, CommError):
                 self._inject_close()
                 decision = False
+        self.metrics.note(f"vote q{self._qid} step {self._step}: ok={ok} decision={decision}")
         if decision:
             self._step += 1
             self.metrics.commits += 1
@@ -431,7 +487,7 @@ class Manager:
 
     @property
     def process_group(self) -> Any:
-        """The gloo group of the current quorum."""
+        """The process group of the current quorum (torchport or gloo)."""
         return self._pg
 
     def shutdown(self) -> None:
@@ -439,8 +495,9 @@ class Manager:
         self._closed.set()
         self._inject_close()
         self._heal_server.close()
-        retire(self._pg)
-        self._pg = None
+        self._drop_group()
+        if self._mesh is not None:
+            self._mesh.close()
 
 
 class _Done:

@@ -1,0 +1,289 @@
+"""Torchport communicators formed, shrunk and grown in place over a long-lived mesh.
+
+``init_process_group("torchport", enable_reconfigure=True)`` and the fault-tolerance manager
+(:mod:`torchport.distributed.ft`) need communicators whose membership changes while the process
+lives. Each such process owns one :class:`ElasticMesh`: a listener plus authenticated TCP
+connections (the same handshake and frames as the backend's
+:class:`~torchport.distributed.transport_tcp.Mesh`) to the processes it has shared a group with.
+Processes are named by a random 31-bit *member id* instead of a rank, so ids stay valid across
+reconfigurations and a restarted process (new id) never collides with its previous life.
+
+:func:`form_group` builds a :class:`~torchport.distributed.backend.TorchportProcessGroup` for an
+ordered member list:
+
+1. connections: live connections are reused; a missing one is dialled by the member with the
+   higher id (the lower one accepts), so shrinking opens no connection and growing opens only the
+   new members' ones;
+2. a rendezvous over the mesh that doubles as a barrier: member 0 offers a fresh shared-memory
+   arena when every member runs on this host (or none), waits for every member's
+   acknowledgement, unlinks the arena (a crash leaves nothing in ``/dev/shm`` except within that
+   exchange) and only then tells everyone to go;
+3. a :class:`~torchport.distributed.engine.Communicator` under a group id derived from the
+   group's name (unique per reconfiguration), ranks = positions in the member list.
+
+A lost connection (crashed peer) fails every communicator that contains the peer at once; the
+connection is dropped so that later groups never use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torchport import config
+from torchport.distributed import engine
+from torchport.distributed.backend import TorchportProcessGroup
+from torchport.distributed.engine import Communicator
+from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
+from torchport.distributed.groups import group_id_for, host_id
+from torchport.distributed.shm_kernels import shm_lib
+from torchport.distributed.transport_shm import ShmArena
+from torchport.distributed.transport_tcp import Connection, Mailbox, Mesh
+from torchport.distributed.wire import Kind
+
+_OFFER, _ACK, _GO = 1, 2, 3  # seq of the control frames of the formation rendezvous
+
+
+def _sizes() -> tuple[int, int, int]:
+    """(shm chunk, arena slot bytes, tcp chunk), chosen as the backend's group builder does.
+
+    Read defensively so this module follows the backend's layout (an engine that reserves
+    ``SLOT_EXTRA`` bytes per slot, a separate TCP step size) whichever version it runs with.
+    """
+    chunk = int(config.get("dist_chunk_bytes"))
+    extra = int(getattr(engine, "SLOT_EXTRA", 0))
+    tcp = (
+        int(config.get("dist_tcp_chunk_bytes"))
+        if "dist_tcp_chunk_bytes" in config.SETTINGS
+        else chunk
+    )
+    return chunk, chunk + extra, tcp
+
+
+@dataclass(frozen=True)
+class Member:
+    """Where a member's mesh listens: its id, address, and host identity."""
+
+    id: int
+    host: str
+    port: int
+    host_id: str
+
+    def to_json(self) -> list[Any]:
+        return [self.id, self.host, self.port, self.host_id]
+
+    @staticmethod
+    def from_json(v: Any) -> Member:
+        if not (isinstance(v, list) and len(v) == 4):
+            raise CommError(f"member record must be [id, host, port, host_id], got {v!r}")
+        return Member(int(v[0]), str(v[1]), int(v[2]), str(v[3]))
+
+
+class ElasticMesh(Mesh):
+    """A mesh of processes named by member ids, connected on demand (see module docstring).
+
+    Args:
+        secret: job secret authenticating every connection (both ways).
+        addr: listening address; default ``TORCHPORT_DIST_ADDR``.
+    """
+
+    def __init__(self, secret: bytes, addr: str | None = None) -> None:
+        import socket
+
+        # Mesh.__init__ builds a fixed world from a store; this mesh fills itself lazily.
+        self.rank = secrets.randbelow((1 << 31) - 2) + 1
+        self.world = 1 << 32  # accept any id above ours (the handshake's rank check)
+        self.secret = secret
+        _, slot, tcp = _sizes()
+        self.max_frame = max(int(config.get("dist_max_frame_bytes")), max(slot, tcp) + 4096)
+        self.mailbox = Mailbox()
+        self.peers: dict[int, Connection] = {}
+        self.rejected = 0
+        self.closed = False
+        self._handlers: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self.listener = socket.create_server((addr or str(config.get("dist_addr")), 0), backlog=64)
+        self.listener.settimeout(0.2)
+        host, port = self.listener.getsockname()[:2]
+        if host in ("0.0.0.0", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        self.address = f"{host}:{port}"
+        self.me = Member(self.rank, host, int(port), host_id())
+        self.hosts: dict[int, str] = {self.rank: self.me.host_id}
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
+        self._acceptor.start()
+        shm_lib()  # build/load the native step kernels now, not while a group is forming
+
+    def register(self, group: int, handler: Any) -> None:
+        super().register(group, _RankNaming(handler))
+
+    def _read_loop(self, conn: Connection) -> None:
+        super()._read_loop(conn)
+        with self._lock:  # a lost connection is never reused
+            if self.peers.get(conn.peer) is conn:
+                del self.peers[conn.peer]
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    def ensure(self, members: Sequence[Member], deadline: float, check: Callable[[], None]) -> int:
+        """Connect to every member not yet connected; returns the number of connections dialled.
+
+        Of two members the one with the higher id dials (the handshake accepts only higher ids),
+        so a pair never opens two connections.
+        """
+        fresh = 0
+        for m in members:
+            self.hosts[m.id] = m.host_id
+            if m.id < self.rank and m.id not in self.peers:
+                self._connect(m.id, m.host, m.port, deadline)
+                fresh += 1
+        want = {m.id for m in members if m.id != self.rank}
+        with self._ready:
+            while not want <= set(self.peers):
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(want - set(self.peers))
+                    raise CommTimeoutError(f"members {missing} did not connect in time")
+                self._ready.wait(min(left, 0.01))
+        return fresh
+
+
+class _RankNaming:
+    """Routes mesh events to a communicator, naming a lost peer by its rank in that group."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def on_remote_abort(self, src: int, reason: int) -> None:
+        self.comm.on_remote_abort(src, reason)
+
+    def on_peer_lost(self, src: int, error: BaseException) -> None:
+        ranks = getattr(self.comm, "ranks", [])
+        if src in ranks:
+            cause = str(error).rsplit(": ", 1)[-1]
+            error = CommError(
+                f"rank {ranks.index(src)} of group {self.comm.name!r} lost its connection "
+                f"(member {src}): {cause}"
+            )
+        self.comm.on_peer_lost(src, error)
+
+
+def _rendezvous(
+    mesh: ElasticMesh,
+    gid: int,
+    ids: list[int],
+    rank: int,
+    slot: int,
+    local: bool,
+    deadline: float,
+    check: Callable[[], None],
+) -> ShmArena | None:
+    """Member 0 offers an arena path (or none), collects every ack, then says go.
+
+    The final "go" makes formation a barrier: no member finishes (and, in a reconfigure,
+    rotates its handle) before every member has validated and joined.
+    """
+    ctrl = int(Kind.CTRL)
+    if rank == 0:
+        arena = ShmArena(ShmArena.new_path(), len(ids), 0, slot, create=True) if local else None
+        try:
+            path = arena.path.encode() if arena is not None else b""
+            for g in ids[1:]:
+                mesh.send(g, Kind.CTRL, gid, _OFFER, path)
+            for g in ids[1:]:
+                mesh.mailbox.get((gid, ctrl, g, _ACK), deadline, check)
+        except BaseException:
+            if arena is not None:
+                arena.close()
+            raise
+        finally:
+            if arena is not None:
+                arena.unlink()
+        for g in ids[1:]:
+            mesh.send(g, Kind.CTRL, gid, _GO)
+        return arena
+    _, body = mesh.mailbox.get((gid, ctrl, ids[0], _OFFER), deadline, check)
+    arena = None
+    if body:
+        try:
+            arena = ShmArena(bytes(body).decode(), len(ids), rank, slot, create=False)
+        except OSError as e:
+            raise CommError(f"cannot map the arena of member {ids[0]}: {e}") from None
+    try:
+        mesh.send(ids[0], Kind.CTRL, gid, _ACK)
+        mesh.mailbox.get((gid, ctrl, ids[0], _GO), deadline, check)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
+    return arena
+
+
+def form_group(
+    mesh: ElasticMesh,
+    members: Sequence[Member],
+    name: str,
+    timeout_s: float,
+    check: Callable[[], None] | None = None,
+    stats: dict[str, float] | None = None,
+    transport: str | None = None,
+) -> TorchportProcessGroup:
+    """A torchport group over ``members`` (in rank order; must include ``mesh.me``).
+
+    Called by every member with the same list and ``name`` (``name`` must be new for each
+    formation: it derives the group id). ``check()`` may raise to abandon the formation.
+    ``stats`` (optional) receives ``new_connections`` and the cumulative seconds ``connect_s``,
+    ``arena_s`` and ``comm_s``. ``transport`` (``auto``/``shm``/``tcp``) overrides
+    ``TORCHPORT_DIST_TRANSPORT``; member 0's choice is the one every member follows.
+    """
+    ids = [m.id for m in members]
+    if mesh.rank not in ids:
+        raise CommError(f"this process (member {mesh.rank}) is not among the members {ids}")
+    chk = check or (lambda: None)
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    rank, world = ids.index(mesh.rank), len(ids)
+    fresh = mesh.ensure(members, deadline, chk)
+    t_conn = time.perf_counter() - t0
+    gid = group_id_for(name)
+    transport = transport or str(config.get("dist_transport"))
+    local = all(m.host_id == mesh.me.host_id for m in members)
+    if transport == "shm" and not local:
+        raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
+    shm_chunk, slot, tcp_chunk = _sizes()
+    arena = None
+    if world > 1:
+        arena = _rendezvous(mesh, gid, ids, rank, slot, local and transport != "tcp", deadline, chk)
+    chunk = shm_chunk if arena is not None else tcp_chunk
+    t_arena = time.perf_counter() - t0
+    comm = Communicator(
+        mesh, gid, ids, rank, arena=arena, timeout_s=timeout_s, chunk=chunk, name=name
+    )
+    if stats is not None:
+        stats.update(
+            new_connections=fresh,
+            connect_s=t_conn,
+            arena_s=t_arena,
+            comm_s=time.perf_counter() - t0,
+        )
+    return TorchportProcessGroup(comm)
+
+
+def retire_group(pg: Any) -> None:
+    """Abort and shut down a torchport group in the background (never blocks the caller)."""
+    if pg is None:
+        return
+
+    def drop() -> None:
+        if pg.comm.error is None:
+            pg.comm.fail(CommAbortedError(f"group {pg.comm.name!r} retired"), 5)
+        pg.shutdown()
+
+    threading.Thread(target=drop, daemon=True, name="tp-retire").start()
