@@ -145,26 +145,65 @@ def test_linear_module_uses_gemv_and_prefill_paths():
         assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_routes_decode_linear_to_gemv():
+RULE = "linear(decode x, W) -> torchport::gemv_dense"
+
+
+def test_compile_leaves_tiny_dense_linears_to_inductor(monkeypatch):
     import torchport
     from torchport.compiler import last_report
+    from torchport.gemv import ops
 
+    def no_tuning(*a, **k):
+        raise AssertionError("a tiny dense linear must not be tuned")
+
+    monkeypatch.setattr(ops, "plan_for", no_tuning)  # below TUNE_MIN_WEIGHTS: no tuner at all
     m = torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
     ).eval()
     x = torch.randn(2, 1, 32)
-    c = torchport.compile(m, inner="eager")
     with torch.no_grad():
-        out = c(x)
+        out = torchport.compile(m, inner="eager")(x)
         ref = m(x)
-    counts = last_report().rule_counts  # type: ignore[union-attr]
-    assert counts.get("linear(decode x, W) -> torchport::gemv_dense") == 2
+    assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
     assert torch.allclose(out, ref, atol=1e-5)
-    # prefill shapes are not routed to the GEMV (the GEMM engine may take them)
-    torchport.compile(m, inner="eager")(torch.randn(16, 32))
-    assert "linear(decode x, W) -> torchport::gemv_dense" not in last_report().rule_counts  # type: ignore[union-attr]
-    torchport.compile(m, inner="eager")(torch.randn(1, 32))  # grad enabled: not routed
-    assert "linear(decode x, W) -> torchport::gemv_dense" not in last_report().rule_counts  # type: ignore[union-attr]
+
+
+def test_compile_routes_large_decode_linear_by_tuner_decision(fresh_cache, monkeypatch):
+    import torchport
+    from torchport.compiler import last_report
+    from torchport.gemv import ops
+
+    full = ops.candidates
+    monkeypatch.setattr(ops, "candidates", lambda fmt, int8=False: full(fmt, int8)[:2])
+    ops._PLANS.clear()
+    m = torch.nn.Sequential(torch.nn.Linear(448, 640), torch.nn.GELU()).eval()  # 286720 weights
+    x = torch.randn(1, 448)
+    try:
+        with torch.no_grad(), config.override(autotune_reps=2):
+            ref = m(x)
+            # the tuner measured the native kernel as the winner: routed
+            with config.override(max_autotune_gemm_backends="NATIVE"):
+                out = torchport.compile(m, inner="eager")(x)
+            assert last_report().rule_counts.get(RULE) == 1  # type: ignore[union-attr]
+            assert torch.allclose(out, ref, atol=1e-4)
+            # F.linear won (the only allowed choice): left alone
+            ops._PLANS.clear()
+            torch._dynamo.reset()  # compile afresh (same module code)
+            with config.override(max_autotune_gemm_backends="ATEN"):
+                torchport.compile(m, inner="eager")(x)
+            assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+            ops._PLANS.clear()
+            torch._dynamo.reset()
+            # prefill shapes are not routed to the GEMV (the GEMM engine may take them)
+            with config.override(max_autotune_gemm_backends="NATIVE"):
+                torchport.compile(m, inner="eager")(torch.randn(16, 448))
+            assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+        # grad enabled: not routed
+        torch._dynamo.reset()
+        torchport.compile(m, inner="eager")(x)
+        assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+    finally:
+        ops._PLANS.clear()
 
 
 @pytest.mark.parametrize("fmt,rows4", [("nvfp4", 1), ("mxfp4", 0)])  # non-default variants
