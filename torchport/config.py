@@ -291,6 +291,8 @@ SETTINGS: dict[str, Setting] = {
 }
 
 _explicit: dict[str, Any] = {}
+_generation = [0]  # bumped by every assignment (see :func:`stamp`)
+_stamp_keys: dict[tuple[str, ...], tuple[Any, ...]] = {}
 _env_cache: dict[str, tuple[str | None, Any]] = {}
 _overrides: contextvars.ContextVar[tuple[dict[str, Any], ...]] = contextvars.ContextVar(
     "torchport_config_overrides", default=()
@@ -333,6 +335,7 @@ def set(name: str, value: Any) -> None:
         _explicit.pop(name, None)
     else:
         _explicit[name] = s.validate(value)
+    _generation[0] += 1
 
 
 @contextlib.contextmanager
@@ -344,6 +347,32 @@ def override(**values: Any) -> Iterator[None]:
         yield
     finally:
         _overrides.reset(token)
+
+
+def stamp(names: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """A cheap token that changes whenever one of ``names`` may resolve to a new value.
+
+    It combines a counter bumped by every assignment with the raw environment strings of those
+    settings (read without decoding), so a hot path can cache what it derived from the settings
+    and re-derive only when the token changes. Returns ``None`` while an :func:`override` is
+    active in this context (its values are per context: resolve them with :func:`get`); once the
+    override ends, resolution is what it was before, and so is the token.
+    """
+    if _overrides.get():
+        return None
+    keys = _stamp_keys.get(names)
+    if keys is None:
+        keys = tuple(_env_key(_setting(n).env) for n in names)
+        _stamp_keys[names] = keys
+    return (_generation[0], tuple(map(_env_data.get, keys)))
+
+
+# CPython's os.environ keeps its (encoded) strings in one dict, updated in place by every
+# assignment through os.environ; reading it directly skips the per-key encoding.
+_env_data: Any = getattr(os.environ, "_data", os.environ)
+_env_key: Callable[[str], Any] = (
+    getattr(os.environ, "encodekey", None) if _env_data is not os.environ else None
+) or (lambda k: k)
 
 
 def describe() -> list[tuple[str, str, Any, str]]:
