@@ -81,7 +81,9 @@ def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
     bm = node_tensor_meta(bias) if isinstance(bias, fx.Node) else None
     if bias is not None and (bm is None or bm.dtype != xm.dtype):
         return False
-    if not all(type(s) is int for s in wm.shape) or not native_wins(wm.dtype, *wm.shape, rows):
+    if not all(type(s) is int for s in wm.shape) or not native_wins(
+        wm.dtype, wm.shape[0], wm.shape[1], rows
+    ):
         return False
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(torch.ops.torchport.gemv_dense.default, (x, w, bias))
