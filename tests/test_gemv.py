@@ -165,7 +165,8 @@ def test_compile_leaves_tiny_dense_linears_to_inductor(monkeypatch):
     with torch.no_grad():
         out = torchport.compile(m, inner="eager")(x)
         ref = m(x)
-    assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+    # neither the GEMV nor the GEMM fusion pass takes them: Inductor/ATen keep the graph
+    assert last_report().rule_counts == {}  # type: ignore[union-attr]
     assert torch.allclose(out, ref, atol=1e-5)
 
 

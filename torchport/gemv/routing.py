@@ -32,6 +32,8 @@ from torchport.compiler import (
 from torchport.gemv.ops import MAX_ROWS, TUNE_MIN_WEIGHTS, PackedWeight, gemv_dense_op, plan_for
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# node.meta flag on a decode-shaped dense ``linear`` the GEMV pass left to F.linear
+KEEP_ATEN = "torchport_decode_aten"
 
 
 def _static_rows(shape: torch.Size) -> int | None:
@@ -81,9 +83,12 @@ def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
     bm = node_tensor_meta(bias) if isinstance(bias, fx.Node) else None
     if bias is not None and (bm is None or bm.dtype != xm.dtype):
         return False
-    if not all(type(s) is int for s in wm.shape) or not native_wins(
-        wm.dtype, wm.shape[0], wm.shape[1], rows
-    ):
+    if not all(type(s) is int for s in wm.shape):
+        return False
+    if not native_wins(wm.dtype, wm.shape[0], wm.shape[1], rows):
+        # decode-shaped and decided: F.linear serves it best; the GEMM fusion pass (order 50)
+        # leaves it alone too, so Inductor/ATen keep it (an opaque op costs more than it saves)
+        node.meta[KEEP_ATEN] = True
         return False
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(torch.ops.torchport.gemv_dense.default, (x, w, bias))
@@ -99,4 +104,4 @@ GEMV_ROUTING = Pass(
 # Before the GEMM engine's fusion (order 50): decode-shaped linears belong to the GEMV.
 register_pre_grad_pass(GEMV_ROUTING, order=40)
 
-__all__ = ["GEMV_ROUTING", "gemv_dense_op", "native_wins"]
+__all__ = ["GEMV_ROUTING", "KEEP_ATEN", "gemv_dense_op", "native_wins"]
