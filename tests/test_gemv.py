@@ -145,26 +145,68 @@ def test_linear_module_uses_gemv_and_prefill_paths():
         assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_routes_decode_linear_to_gemv():
+RULE = "linear(decode x, W) -> torchport::gemv_dense"
+
+
+def test_compile_leaves_tiny_dense_linears_to_inductor(monkeypatch):
     import torchport
     from torchport.compiler import last_report
+    from torchport.gemv import routing
 
+    def no_tuning(*a, **k):
+        raise AssertionError("a tiny dense linear must not be tuned")
+
+    monkeypatch.setattr(routing, "plan_for", no_tuning)  # below TUNE_MIN_WEIGHTS: no tuner at all
+    torch._dynamo.reset()  # static shapes (a recompile would make them dynamic)
     m = torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
     ).eval()
     x = torch.randn(2, 1, 32)
-    c = torchport.compile(m, inner="eager")
     with torch.no_grad():
-        out = c(x)
+        out = torchport.compile(m, inner="eager")(x)
         ref = m(x)
-    counts = last_report().rule_counts  # type: ignore[union-attr]
-    assert counts.get("linear(decode x, W) -> torchport::gemv_dense") == 2
+    # neither the GEMV nor the GEMM fusion pass takes them: Inductor/ATen keep the graph
+    assert last_report().rule_counts == {}  # type: ignore[union-attr]
     assert torch.allclose(out, ref, atol=1e-5)
-    # prefill shapes are not routed to the GEMV (the GEMM engine may take them)
-    torchport.compile(m, inner="eager")(torch.randn(16, 32))
-    assert "linear(decode x, W) -> torchport::gemv_dense" not in last_report().rule_counts  # type: ignore[union-attr]
-    torchport.compile(m, inner="eager")(torch.randn(1, 32))  # grad enabled: not routed
-    assert "linear(decode x, W) -> torchport::gemv_dense" not in last_report().rule_counts  # type: ignore[union-attr]
+
+
+def test_compile_routes_large_decode_linear_by_tuner_decision(fresh_cache, monkeypatch):
+    import torchport
+    from torchport.compiler import last_report
+    from torchport.gemv import ops
+
+    full = ops.candidates
+    monkeypatch.setattr(ops, "candidates", lambda fmt, int8=False: full(fmt, int8)[:2])
+    ops._PLANS.clear()
+    torch._dynamo.reset()  # static shapes (a recompile would make them dynamic)
+    m = torch.nn.Sequential(torch.nn.Linear(448, 640), torch.nn.GELU()).eval()  # 286720 weights
+    x = torch.randn(1, 448)
+    try:
+        with torch.no_grad(), config.override(autotune_reps=2):
+            ref = m(x)
+            # the tuner measured the native kernel as the winner: routed
+            with config.override(max_autotune_gemm_backends="NATIVE"):
+                out = torchport.compile(m, inner="eager")(x)
+            assert last_report().rule_counts.get(RULE) == 1  # type: ignore[union-attr]
+            assert torch.allclose(out, ref, atol=1e-4)
+            # F.linear won (the only allowed choice): left alone
+            ops._PLANS.clear()
+            torch._dynamo.reset()  # compile afresh (same module code)
+            with config.override(max_autotune_gemm_backends="ATEN"):
+                torchport.compile(m, inner="eager")(x)
+            assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+            ops._PLANS.clear()
+            torch._dynamo.reset()
+            # prefill shapes are not routed to the GEMV (the GEMM engine may take them)
+            with config.override(max_autotune_gemm_backends="NATIVE"):
+                torchport.compile(m, inner="eager")(torch.randn(16, 448))
+            assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+        # grad enabled: not routed
+        torch._dynamo.reset()
+        torchport.compile(m, inner="eager")(x)
+        assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+    finally:
+        ops._PLANS.clear()
 
 
 @pytest.mark.parametrize("fmt,rows4", [("nvfp4", 1), ("mxfp4", 0)])  # non-default variants
@@ -260,3 +302,55 @@ def test_gemv_dense_weight_may_route_to_f_linear(fresh_cache):
         assert torch.allclose(out, F.linear(x, w, b), atol=1e-4)
     finally:
         ops._PLANS.clear()
+
+
+# --- settled eager routes (quantized nn.Linear decode) ---------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4", "mxfp4", "mxfp8"])
+def test_settled_route_matches_general_path_and_invalidates(fmt):
+    g = torch.Generator().manual_seed(13)
+    w = torch.randn(40, 128, generator=g)
+    wq, wd = _weight(fmt, w)
+    bias = torch.randn(40, generator=g)
+    x = torch.randn(1, 128, generator=g)
+    with torch.no_grad():
+        first = F.linear(x, wq, bias)  # general path; settles the route
+        route = wq._route
+        assert route is not None and route.matches(x, bias)
+        again = F.linear(x, wq, bias)  # the settled route
+        assert wq._route is route and torch.equal(again, first)
+        with config.override(gemv_fp4_int8=False):  # settings overridden: general path
+            assert not route.matches(x, bias)
+            _check(F.linear(x, wq, bias), x, wd, bias, 2e-6)
+        # another shape, dtype or bias (object, in-place update) re-settles
+        x2 = torch.randn(3, 1, 128, generator=g)
+        _check(F.linear(x2, wq, bias), x2, wd, bias, 3e-2)
+        assert wq._route is not route and wq._route.shape == x2.shape
+        bias.add_(1.0)
+        assert not wq._route.matches(x2, bias)
+        _check(F.linear(x2, wq, bias), x2, wd, bias, 3e-2)
+        out_nb = F.linear(x2, wq)
+        _check(out_nb, x2, wd, None, 3e-2)
+        xb = x2.bfloat16()
+        outb = F.linear(xb, wq, bias.bfloat16())
+        assert outb.dtype == torch.bfloat16 and wq._route.dtype == torch.bfloat16
+        _check(outb.float(), xb.float(), wd, bias.bfloat16().float(), 3e-2)
+        # non-contiguous activations go through the same route correctly
+        xs = torch.randn(1, 256, generator=g)[:, ::2]
+        _check(F.linear(xs, wq, bias), xs, wd, bias, 3e-2)
+        _check(F.linear(xs, wq, bias), xs, wd, bias, 3e-2)
+
+
+def test_settled_route_leaves_autograd_calls_to_the_general_path():
+    g = torch.Generator().manual_seed(14)
+    wq, wd = _weight("nvfp4", torch.randn(24, 64, generator=g))
+    x = torch.randn(1, 64, generator=g)
+    with torch.no_grad():
+        F.linear(x, wq)
+    assert wq._route is not None
+    xg = x.clone().requires_grad_(True)
+    out = F.linear(xg, wq)  # autograd: the frozen-weight function, gradient flows to x
+    out.sum().backward()
+    assert xg.grad is not None and xg.grad.shape == x.shape
+    _check(out.detach(), x, wd, None, 3e-2)

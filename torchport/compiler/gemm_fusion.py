@@ -182,6 +182,8 @@ def _absorb(
 def _linear_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
     if not is_call(node, F.linear, torch._C._nn.linear) or node.kwargs:
         return False
+    if node.meta.get("torchport_decode_aten"):  # the GEMV pass chose F.linear (decode shape)
+        return False
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
     if not isinstance(x, fx.Node) or not isinstance(w, fx.Node):

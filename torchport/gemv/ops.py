@@ -425,3 +425,102 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pack = getattr(weight, "gemv_pack", None)
     pw = pack() if callable(pack) else pack_dense(weight)
     return gemv_packed(x, pw, bias)
+
+
+# --- settled eager routes ------------------------------------------------------------------------
+
+# Settings a settled route depends on (see :func:`torchport.config.stamp`); the thread count is
+# checked separately (``torch.get_num_threads()``).
+ROUTE_SETTINGS = ("native", "isa", "gemv_fp4_int8", "autotune", "max_autotune_gemm_backends")
+
+
+@dataclass(frozen=True)
+class SettledRoute:
+    """A direct kernel call for one (weight, activation dtype and shape, bias) combination.
+
+    Built once the launch plan is settled; valid while :func:`torchport.config.stamp` of
+    :data:`ROUTE_SETTINGS`, the thread count and the bias (object, version, storage) are unchanged.
+    ``run(x)`` skips validation, planning and setting reads: the weight's pointers, sizes, thread
+    count and the float32 bias are captured (weights are immutable once packed).
+    """
+
+    stamp: tuple[object, ...]
+    nthreads: int
+    dtype: torch.dtype
+    shape: torch.Size
+    bias: torch.Tensor | None
+    bias_version: int
+    bias_ptr: int
+    run: object  # Callable[[torch.Tensor], torch.Tensor]
+
+    def matches(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """True if this route serves ``x``/``bias`` now (same settings, dtype, shape and bias)."""
+        if x.dtype is not self.dtype or x.shape != self.shape or bias is not self.bias:
+            return False
+        if bias is not None and (
+            bias._version != self.bias_version or bias.data_ptr() != self.bias_ptr
+        ):
+            return False
+        return (
+            torch.get_num_threads() == self.nthreads and config.stamp(ROUTE_SETTINGS) == self.stamp
+        )
+
+
+def settle_route(
+    x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
+) -> SettledRoute | None:
+    """A :class:`SettledRoute` for ``gemv_packed(x, pw, bias)`` on plain eager tensors, or None
+    where the general path must run (settings overridden in this context, empty problems, native
+    kernels off, an ATen plan, unusual inputs)."""
+    stamp = config.stamp(ROUTE_SETTINGS)
+    if stamp is None or pw.k == 0 or pw.n == 0 or x.dim() < 1 or x.shape[-1] != pw.k:
+        return None
+    if not (_eager(x, bias) and native.enabled()):
+        return None
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != pw.n):
+        return None
+    rows = x.numel() // pw.k
+    if not 0 < rows <= MAX_ROWS:
+        return None
+    try:
+        plan = plan_for(pw, rows, _use_int8(pw, allow_int8))
+    except native.NativeError:
+        return None
+    if plan.kernel is None:
+        return None
+    call = plan.kernel.call_unchecked  # type: ignore[attr-defined]
+    k, n, pts = pw.k, pw.n, pw.pts
+    dptr, sptr, rptr = pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr()
+    threads = plan.threads or native.num_threads()
+    bf = None
+    if bias is not None:
+        bf = bias.detach()
+        if bf.dtype != torch.float32 or not bf.is_contiguous():
+            bf = bf.float().contiguous()
+    bptr, has_bias = (bf.data_ptr(), 1) if bf is not None else (0, 0)
+    out_shape = (*x.shape[:-1], n)
+    dtype, f32 = x.dtype, torch.float32
+    empty = torch.empty
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()
+        out = empty(out_shape, dtype=f32)
+        status = call(
+            xf.data_ptr(), rows, k, dptr, sptr, rptr, pts, bptr, has_bias, out.data_ptr(), n,
+            threads,
+        )  # fmt: skip
+        if status:
+            raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
+        return out if dtype is f32 else out.to(dtype)
+
+    run.keep_alive = (pw, bf)  # type: ignore[attr-defined]  # the captured pointers' storage
+    return SettledRoute(
+        stamp,
+        torch.get_num_threads(),
+        dtype,
+        x.shape,
+        bias,
+        bias._version if bias is not None else 0,
+        bias.data_ptr() if bias is not None else 0,
+        run,
+    )

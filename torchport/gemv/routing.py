@@ -4,7 +4,12 @@ Registered with :func:`torchport.compiler.register_pre_grad_pass` when :mod:`tor
 imported, so ``torchport.compile(model)`` sends ``F.linear(x, W, b)`` with at most
 :data:`~torchport.gemv.MAX_ROWS` activation rows (``[B, 1, K]``, ``[1, K]``), a float32/bfloat16
 2-D weight of the same dtype, and no autograd (the output does not require grad) to
-``torchport::gemv_dense``.
+``torchport::gemv_dense`` -- but only where it wins: a weight with fewer than
+:data:`~torchport.gemv.ops.TUNE_MIN_WEIGHTS` elements stays with Inductor/ATen (a few µs of work,
+where an opaque custom op costs more than it saves and blocks fusion), and a larger one is routed
+only if the autotuner (``F.linear`` anchor, cold weights, :func:`~torchport.gemv.ops.plan_for`)
+chose a native kernel for its (dtype, N, K, rows). Quantized weights are not seen here: their
+tensor subclass dispatches to ``torchport::gemv_packed`` itself (there is no ATen alternative).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from torchport import native
 from torchport.compiler import (
     Pass,
     Rule,
@@ -23,9 +29,11 @@ from torchport.compiler import (
     node_tensor_meta,
     register_pre_grad_pass,
 )
-from torchport.gemv.ops import MAX_ROWS, gemv_dense_op
+from torchport.gemv.ops import MAX_ROWS, TUNE_MIN_WEIGHTS, PackedWeight, gemv_dense_op, plan_for
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# node.meta flag on a decode-shaped dense ``linear`` the GEMV pass left to F.linear
+KEEP_ATEN = "torchport_decode_aten"
 
 
 def _static_rows(shape: torch.Size) -> int | None:
@@ -35,8 +43,28 @@ def _static_rows(shape: torch.Size) -> int | None:
     return math.prod(shape[:-1])
 
 
+def native_wins(dtype: torch.dtype, n: int, k: int, rows: int) -> bool:
+    """True if the native GEMV should serve a dense ``[n, k]`` weight with ``rows`` rows.
+
+    Small problems (``n * k < TUNE_MIN_WEIGHTS``) never do; larger ones ask the tuner, which
+    times the native variants against ``F.linear`` on a random weight of this shape and dtype
+    (the decision depends on the shape, not the values, and is cached persistently).
+    """
+    if n * k < TUNE_MIN_WEIGHTS or not native.enabled():
+        return False
+    fmt = "f32" if dtype == torch.float32 else "bf16"
+    w = torch.randn(n, k, dtype=dtype)
+    empty_u8, empty_f32 = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+    try:
+        plan = plan_for(PackedWeight(fmt, w, empty_u8, empty_f32, 1.0, n, k), rows, False)
+    except native.NativeError:
+        return False
+    return plan.kernel is not None
+
+
 def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
     # linear(x: ≤8 rows, W: [N, K] fp32/bf16, b) without autograd -> torchport::gemv_dense(x, W, b)
+    # when the tuner measured the native kernel faster than F.linear for this problem
     if not is_call(node, F.linear, torch.ops.aten.linear.default):
         return False
     args = list(node.args) + [None] * (3 - len(node.args))
@@ -55,6 +83,13 @@ def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
     bm = node_tensor_meta(bias) if isinstance(bias, fx.Node) else None
     if bias is not None and (bm is None or bm.dtype != xm.dtype):
         return False
+    if not all(type(s) is int for s in wm.shape):
+        return False
+    if not native_wins(wm.dtype, wm.shape[0], wm.shape[1], rows):
+        # decode-shaped and decided: F.linear serves it best; the GEMM fusion pass (order 50)
+        # leaves it alone too, so Inductor/ATen keep it (an opaque op costs more than it saves)
+        node.meta[KEEP_ATEN] = True
+        return False
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(torch.ops.torchport.gemv_dense.default, (x, w, bias))
     new.meta = dict(node.meta)
@@ -69,4 +104,4 @@ GEMV_ROUTING = Pass(
 # Before the GEMM engine's fusion (order 50): decode-shaped linears belong to the GEMV.
 register_pre_grad_pass(GEMV_ROUTING, order=40)
 
-__all__ = ["GEMV_ROUTING", "gemv_dense_op"]
+__all__ = ["GEMV_ROUTING", "KEEP_ATEN", "gemv_dense_op", "native_wins"]

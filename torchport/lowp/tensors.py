@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_map
 
 from torchport import native
 from torchport.gemv import MAX_ROWS, PackedWeight
-from torchport.gemv.ops import linear_decode
+from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp.formats import LowPrecisionError, e8m0_to_f32, unpack_fp4
 
@@ -57,6 +57,8 @@ class LowPrecisionTensor(torch.Tensor):
     qdata: torch.Tensor
     _orig_dtype: torch.dtype
     _pack: PackedWeight | None
+    # the last settled decode route (eager weight-only GEMV; see torchport.gemv.ops.settle_route)
+    _route: SettledRoute | None = None
 
     @staticmethod
     def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
@@ -167,7 +169,20 @@ class LowPrecisionTensor(torch.Tensor):
         return out.reshape(*x.shape[:-1], n)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, self, bias)``: decode GEMV for ≤ 8 rows, else the prefill GEMM."""
+        """``F.linear(x, self, bias)``: decode GEMV for ≤ 8 rows, else the prefill GEMM.
+
+        A weight-only decode call on plain eager tensors settles a route (plan, pointers, bias)
+        the first time; later calls with the same activation dtype/shape, bias and settings call
+        the kernel directly (a few µs of Python instead of the general path's checks).
+        """
+        route = self._route
+        if (
+            route is not None
+            and type(x) is torch.Tensor
+            and route.matches(x, bias)
+            and native.eager_fast_path(x)
+        ):
+            return route.run(x)  # type: ignore[operator]
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
         if decode and self._fp4_x_fp4():
@@ -177,7 +192,10 @@ class LowPrecisionTensor(torch.Tensor):
         xq = self.quantize_activation(x)
         xa = x if xq is None else xq
         if decode:
-            out = linear_decode(xa, self.gemv_pack(), bias, allow_int8=xq is None)
+            pw = self.gemv_pack()
+            if xq is None and self._pack is pw:  # weight-only, eager weight: settle the route
+                self._route = settle_route(x, pw, bias)
+            out = linear_decode(xa, pw, bias, allow_int8=xq is None)
         else:
             out = self.prefill_linear(xa, bias)
         return out if out.dtype == x.dtype else out.to(x.dtype)
