@@ -64,6 +64,21 @@ def _copy(dst: int, src: int, n: int) -> None:
         ctypes.memmove(dst, src, n)
 
 
+# A broadcast without same-host peers receives straight into the tensor, so its chunks (and
+# steps, each a round trip with every peer) need not be bounded by the memory of a buffer.
+DIRECT_CHUNK_BYTES = 64 << 20
+
+
+def _scratch(comm: Communicator, nbytes: int) -> int:
+    """Address of a per-communicator receive buffer of at least ``nbytes`` (reused, so its
+    pages are faulted in once, not per frame). Valid until the next call on ``comm``."""
+    buf: torch.Tensor | None = getattr(comm, "_tcp_scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        comm._tcp_scratch = buf  # type: ignore[attr-defined]
+    return buf.data_ptr()
+
+
 def _parts(m: int, w: int) -> list[tuple[int, int]]:
     per, extra = divmod(m, w)
     out, lo = [], 0
@@ -79,16 +94,25 @@ def _chunks(total: int, per: int) -> list[tuple[int, int]]:
 
 
 def _fold_part(
-    comm: Communicator, blobs: list[Blob], dst: int, n: int, dtype: int, red: int
+    comm: Communicator,
+    blobs: list[Blob],
+    dst: int,
+    n: int,
+    dtype: int,
+    red: int,
+    keep_at: int = 0,
 ) -> None:
-    """dst = fold over ranks in order of (rank q's copy of my part); dst holds mine on entry."""
+    """dst = fold over ranks in order of (rank q's copy of my part); dst holds mine on entry.
+
+    A rank r > 0 first copies its own part aside (to ``keep_at``, or a new buffer)."""
     w, r = comm.world, comm.rank
     if not n or w == 1:
         return
-    keep = bytearray(n) if r else bytearray()
+    keep = bytearray(n) if r and not keep_at else bytearray()
+    mine = keep_at or _addr(keep)
     if r:
-        ctypes.memmove(_addr(keep), dst, n)
-    bases = [_expect(blobs[q], n, q) if q != r else (_addr(keep) if r else dst) for q in range(w)]
+        ctypes.memmove(mine, dst, n)
+    bases = [_expect(blobs[q], n, q) if q != r else (mine if r else dst) for q in range(w)]
     reads = [(q, 0, dst, n, COPY if q == 0 else FOLD) for q in range(w) if q or r]
     _apply(comm, bases, reads, dtype, red)
 
@@ -99,9 +123,13 @@ def _scatter_reduce(
     """Direct reduce-scatter of ``m`` elements at ``ptr``: my part ends up folded in place."""
     w, r = comm.world, comm.rank
     parts = _parts(m, w)
-    blobs = exchange(comm, sig, [[(ptr + lo * es, k * es)] for lo, k in parts], deadline)
     lo, k = parts[r]
-    _fold_part(comm, blobs, ptr + lo * es, k * es, dtype, red)
+    nb = k * es
+    base = _scratch(comm, nb * w)  # peers' copies of my part; slot r keeps my own copy
+    into = [(base + q * nb, nb) for q in range(w)]
+    out = [[(ptr + plo * es, pk * es)] for plo, pk in parts]
+    blobs = exchange(comm, sig, out, deadline, into)
+    _fold_part(comm, blobs, ptr + lo * es, nb, dtype, red, keep_at=base + r * nb)
     return parts
 
 
@@ -164,7 +192,10 @@ def broadcast(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     nbytes, base = t.numel() * t.element_size(), t.data_ptr() if t.numel() else 0
     step = 0
-    for lo, nb in _chunks(nbytes, comm.chunk):
+    chunk = comm.chunk
+    if comm.local is None:  # every peer remote: all bytes land in place
+        chunk = max(chunk, min(DIRECT_CHUNK_BYTES, comm.mesh.max_frame))
+    for lo, nb in _chunks(nbytes, chunk):
         ptr = base + lo
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
         if nb <= small or w <= 2:

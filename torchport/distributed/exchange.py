@@ -137,12 +137,13 @@ def exchange(
                     key = (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch)
                     mailbox.post(key, Target(seg[0], seg[1], tuple(sig)))
                     posted.append((q, key))
-        for k in range(1, w):
-            q = (r + k) % w
-            if q not in local:
-                comm.mesh.send(
-                    comm.ranks[q], Kind.COLL, comm.group_id, epoch, _payload(out[q]), sig
-                )
+        comm.mesh.send_all(
+            [
+                (comm.ranks[q], Kind.COLL, comm.group_id, epoch, _payload(out[q]), sig)
+                for q in ((r + k) % w for k in range(1, w))
+                if q not in local
+            ]
+        )
         blobs = [Blob(0, 0) for _ in range(w)]
         if len(local) > 1:
             for q, b in _local_step(comm, sig, out, deadline).items():

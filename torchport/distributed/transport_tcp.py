@@ -28,6 +28,7 @@ Internal API other modules build on:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import socket
@@ -43,6 +44,7 @@ from torchport.distributed.errors import AuthError, CommError, CommTimeoutError,
 from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
 
 HANDSHAKE_TIMEOUT_S = 10.0
+PARALLEL_SEND_BYTES = 1 << 20  # payloads from this size to several peers are sent concurrently
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
 RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
@@ -72,8 +74,8 @@ def recv_into_ptr(sock: socket.socket, ptr: int, n: int) -> None:
     """Receive exactly ``n`` bytes into the memory at ``ptr`` (large reads, GIL released)."""
     view = memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
     got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
+    while got < n:  # MSG_WAITALL: one call per frame unless a signal interrupts it
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
@@ -269,6 +271,7 @@ class Mesh:
         self.rejected = 0
         self.closed = False
         self._handlers: dict[int, GroupHandler] = {}
+        self._senders: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self.listener = socket.create_server((addr, 0), backlog=max(16, world))
@@ -447,6 +450,43 @@ class Mesh:
         except OSError as e:
             raise CommError(f"send to rank {peer} failed: {e}") from e
 
+    def send_all(
+        self,
+        frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]],
+    ) -> None:
+        """Send several frames ``(peer, kind, group, seq, payload, sig)`` to distinct peers.
+
+        Large payloads to several peers go out concurrently (one sender thread per peer,
+        the GIL released while the kernel copies), so one slow receiver does not hold the
+        others back; small ones are sent inline.
+        """
+        big = [f for f in frames if len(f[4]) >= PARALLEL_SEND_BYTES]
+        if len(big) < 2:
+            for f in frames:
+                self.send(*f)
+            return
+        with self._lock:
+            if self._senders is None:
+                self._senders = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=max(1, self.world - 1), thread_name_prefix="tp-send"
+                )
+            pool = self._senders
+        futures = [pool.submit(self.send, *f) for f in big[1:]]
+        errors: list[BaseException] = []
+        for f in frames:
+            if f is big[0] or len(f[4]) < PARALLEL_SEND_BYTES:
+                try:
+                    self.send(*f)
+                except CommError as e:
+                    errors.append(e)
+        for fut in futures:
+            try:
+                fut.result()
+            except CommError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
     def shutdown_peer(self, peer: int) -> None:
         """Shut the connection to ``peer`` down (ends a receive stuck in its reader)."""
         conn = self.peers.get(peer)
@@ -465,6 +505,8 @@ class Mesh:
         self.closed = True
         with contextlib.suppress(OSError):
             self.listener.close()
+        if self._senders is not None:
+            self._senders.shutdown(wait=False)
         for conn in list(self.peers.values()):
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
