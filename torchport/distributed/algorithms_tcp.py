@@ -64,11 +64,6 @@ def _copy(dst: int, src: int, n: int) -> None:
         ctypes.memmove(dst, src, n)
 
 
-# A broadcast without same-host peers receives straight into the tensor, so its chunks (and
-# steps, each a round trip with every peer) need not be bounded by the memory of a buffer.
-DIRECT_CHUNK_BYTES = 64 << 20
-
-
 def _scratch(comm: Communicator, nbytes: int) -> int:
     """Address of a per-communicator receive buffer of at least ``nbytes`` (reused, so its
     pages are faulted in once, not per frame). Valid until the next call on ``comm``."""
@@ -192,10 +187,7 @@ def broadcast(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     nbytes, base = t.numel() * t.element_size(), t.data_ptr() if t.numel() else 0
     step = 0
-    chunk = comm.chunk
-    if comm.local is None:  # every peer remote: all bytes land in place
-        chunk = max(chunk, min(DIRECT_CHUNK_BYTES, comm.mesh.max_frame))
-    for lo, nb in _chunks(nbytes, chunk):
+    for lo, nb in _chunks(nbytes, comm.chunk):
         ptr = base + lo
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
         if nb <= small or w <= 2:
