@@ -1,17 +1,26 @@
 """Native kernels of the shared-memory transport: step barrier, copies and reductions.
 
-One call of ``tp_shm_step`` performs a whole collective step for the calling rank:
+One call of ``tp_shm_step`` performs a whole collective step for the calling rank; it waits
+only for the ranks it reads from, not for the whole group:
 
-1. copy the published segments into this rank's slot (half ``epoch & 1`` of its double buffer);
-2. write the step signature and arrive at the barrier (``__atomic`` release store of ``epoch``);
-3. wait until every rank arrived (acquire loads; bounded spin with ``pause``, then
-   ``sched_yield`` for 0.2 ms, then a futex sleep woken by the next arrival), watching the
-   group's abort word and a deadline;
-4. compare every rank's signature with ours (mismatch -> error code, offending rank);
-5. apply the reads: copy or reduce ``len`` bytes from ``peer``'s slot into a destination.
+1. prewait: wait until every rank arrived at the previous step (so every reader of this
+   rank's half from two steps ago is done with it) and check their previous signatures;
+   this lags one step behind and rarely blocks;
+2. copy the published segments into this rank's slot (half ``epoch & 1`` of its double buffer),
+   write the step signature and arrive (``__atomic`` release store of ``epoch``);
+3. for each read: wait until its source arrived (acquire loads; bounded spin with ``pause``,
+   then ``sched_yield`` for 0.2 ms, then a futex sleep woken by the next arrival), watching
+   the group's abort word and a deadline; check the source's signature (mismatch -> error
+   code, offending rank); copy or reduce ``len`` bytes from its slot into a destination.
+   Copies run in the order their sources arrive, folds in rank order;
+4. a rank that reads from no other rank waits for every rank and checks every signature.
 
-Double buffering makes one barrier per step enough: a rank rewrites a half only two steps
-later, after every peer arrived at the step in between, i.e. finished reading it.
+Arriving at step e means "finished every read of step e - 1", so the prewait is exactly the
+condition for reusing a half: no slot or signature is rewritten before all its readers
+consumed it. A mismatch is reported within its step by every rank that reads from a
+disagreeing rank or reads from nobody, and by the others at their next step's prewait.
+The fused allreduce (``tp_shm_allreduce``) keeps full barriers inside (every rank reads from
+every rank there) after the same prewait.
 
 Reductions fold ``dst = dst (op) src`` element-wise. fp16/bf16 compute in fp32 and round to
 nearest-even per fold, exactly like torch's eager ``a + b`` in that dtype; integers wrap
