@@ -135,7 +135,7 @@ def exchange(
                 seg = into[q]
                 if q != r and q not in local and seg is not None and seg[1] > 0:
                     key = (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch)
-                    mailbox.post(key, Target(seg[0], seg[1], tuple(sig)))
+                    mailbox.post(key, Target(seg[0], seg[1], (sig[0], sig[1], sig[2], sig[3])))
                     posted.append((q, key))
         comm.mesh.send_all(
             [
