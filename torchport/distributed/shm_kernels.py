@@ -49,6 +49,10 @@ YIELD_NS = 200_000  # after this long a waiting rank sleeps on the futex instead
 # ... and after this long on an engine thread, whose process is busy with other work (DDP's
 # backward pass) that a yielding waiter would slow down.
 BACKGROUND_YIELD_NS = 20_000
+# ... and at most this long when the arena has more ranks than the host has cores: a yielding
+# waiter then takes CPU time from the very rank it waits for (offset 80 of the header).
+OVERSUBSCRIBED_YIELD_NS = 20_000
+YIELD_CAP_OFF = 80
 
 _SOURCE = r"""
 #include <sched.h>
@@ -262,7 +266,9 @@ static int tp_wait_rank(char *hdr, int64_t q, int64_t epoch, tp_wait_t *w) {
         int64_t now = tp_now_ns();
         if (w->t0 == 0) w->t0 = now;
         if (now > w->deadline) return 1;
-        if (now - w->t0 < tp_yield_ns) { sched_yield(); continue; }
+        int64_t cap = *(volatile int64_t *)(hdr + ${yield_cap_off});
+        int64_t yield_ns = cap > 0 && cap < tp_yield_ns ? cap : tp_yield_ns;
+        if (now - w->t0 < yield_ns) { sched_yield(); continue; }
         __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
         int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
@@ -608,6 +614,11 @@ class ShmLib:
 def shm_lib() -> ShmLib:
     """Build (or load from the cache) the shared-memory kernels."""
     src = native.render(
-        _SOURCE, sig_words=SIG_WORDS, line=LINE, ctrl_off=CTRL_OFF, yield_ns=YIELD_NS
+        _SOURCE,
+        sig_words=SIG_WORDS,
+        line=LINE,
+        ctrl_off=CTRL_OFF,
+        yield_ns=YIELD_NS,
+        yield_cap_off=YIELD_CAP_OFF,
     )
     return ShmLib(native.build(src, name="tp_shm", extra_flags=("-fwrapv", "-ffp-contract=off")))
