@@ -139,3 +139,52 @@ def test_mailbox_any_source_takes_a_queued_frame_and_cancel_withdraws():
     assert mb.cancel(k1, once) and not mb.cancel(k1, once)
     mb.deliver(k1, ("after-cancel", bytearray()))
     assert got == [("early", bytearray())]  # a withdrawn receive never fires
+
+
+def _hdr(length: int, sig: tuple[int, int, int, int]):
+    from torchport.distributed.wire import Kind, decode_header, encode_header
+
+    return decode_header(encode_header(Kind.COLL, 1, 2, 3, length, sig), max_length=1 << 20)
+
+
+def test_receive_target_only_claims_a_matching_frame():
+    from torchport.distributed.transport_tcp import FILLED, Mailbox, Target
+
+    mb, key, sig = Mailbox(), (1, 1, 2, 3), (7, 8, 9, 10)
+    t = Target(1234, 16, sig)
+    mb.post(key, t)
+    assert mb.claim(key, _hdr(17, sig)) is None  # wrong length: buffered path
+    assert mb.claim(key, _hdr(16, (7, 8, 9, 11))) is None  # wrong signature
+    assert mb.claim((1, 1, 2, 4), _hdr(16, sig)) is None  # another step
+    assert mb.claim(key, _hdr(16, sig)) is t
+    assert mb.claim(key, _hdr(16, sig)) is None  # claimed once
+    mb.finish(t, True)
+    assert t.state == FILLED
+    mb.withdraw(key, 0.0, lambda: pytest.fail("nothing was stuck"))
+    assert mb.claim(key, _hdr(16, sig)) is None  # withdrawn
+
+
+def test_withdraw_waits_for_a_receive_in_progress_and_ends_a_stuck_one():
+    import threading
+    import time
+
+    from torchport.distributed.transport_tcp import Mailbox, Target
+
+    mb, key, sig = Mailbox(), (1, 1, 2, 3), (1, 2, 3, 4)
+    t = Target(1234, 8, sig)
+    mb.post(key, t)
+    assert mb.claim(key, _hdr(8, sig)) is t
+    # a receive that completes in time: withdraw waits for it, without ending it
+    done = threading.Timer(0.05, lambda: mb.finish(t, True))
+    done.start()
+    mb.withdraw(key, time.monotonic() + 5.0, lambda: pytest.fail("not stuck"))
+    done.join()
+    # a stuck one: past the deadline on_stuck runs (a real one shuts the socket, which ends
+    # recv_into with an error; here it marks the receive failed)
+    t2 = Target(1234, 8, sig)
+    mb.post(key, t2)
+    assert mb.claim(key, _hdr(8, sig)) is t2
+    stuck = []
+    t0 = time.monotonic()
+    mb.withdraw(key, t0 + 0.1, lambda: (stuck.append(1), mb.finish(t2, False)))
+    assert stuck == [1] and 0.1 <= time.monotonic() - t0 < 2.0

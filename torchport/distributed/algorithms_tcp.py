@@ -58,6 +58,22 @@ def _apply(comm: Communicator, bases: Sequence[int], reads: Sequence[tuple], dty
         raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
 
+def _copy(dst: int, src: int, n: int) -> None:
+    """memmove unless the bytes were already received in place (``src == dst``)."""
+    if n and src != dst:
+        ctypes.memmove(dst, src, n)
+
+
+def _scratch(comm: Communicator, nbytes: int) -> int:
+    """Address of a per-communicator receive buffer of at least ``nbytes`` (reused, so its
+    pages are faulted in once, not per frame). Valid until the next call on ``comm``."""
+    buf: torch.Tensor | None = getattr(comm, "_tcp_scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        comm._tcp_scratch = buf  # type: ignore[attr-defined]
+    return buf.data_ptr()
+
+
 def _parts(m: int, w: int) -> list[tuple[int, int]]:
     per, extra = divmod(m, w)
     out, lo = [], 0
@@ -73,16 +89,25 @@ def _chunks(total: int, per: int) -> list[tuple[int, int]]:
 
 
 def _fold_part(
-    comm: Communicator, blobs: list[Blob], dst: int, n: int, dtype: int, red: int
+    comm: Communicator,
+    blobs: list[Blob],
+    dst: int,
+    n: int,
+    dtype: int,
+    red: int,
+    keep_at: int = 0,
 ) -> None:
-    """dst = fold over ranks in order of (rank q's copy of my part); dst holds mine on entry."""
+    """dst = fold over ranks in order of (rank q's copy of my part); dst holds mine on entry.
+
+    A rank r > 0 first copies its own part aside (to ``keep_at``, or a new buffer)."""
     w, r = comm.world, comm.rank
     if not n or w == 1:
         return
-    keep = bytearray(n) if r else bytearray()
+    keep = bytearray(n) if r and not keep_at else bytearray()
+    mine = keep_at or _addr(keep)
     if r:
-        ctypes.memmove(_addr(keep), dst, n)
-    bases = [_expect(blobs[q], n, q) if q != r else (_addr(keep) if r else dst) for q in range(w)]
+        ctypes.memmove(mine, dst, n)
+    bases = [_expect(blobs[q], n, q) if q != r else (mine if r else dst) for q in range(w)]
     reads = [(q, 0, dst, n, COPY if q == 0 else FOLD) for q in range(w) if q or r]
     _apply(comm, bases, reads, dtype, red)
 
@@ -93,9 +118,13 @@ def _scatter_reduce(
     """Direct reduce-scatter of ``m`` elements at ``ptr``: my part ends up folded in place."""
     w, r = comm.world, comm.rank
     parts = _parts(m, w)
-    blobs = exchange(comm, sig, [[(ptr + lo * es, k * es)] for lo, k in parts], deadline)
     lo, k = parts[r]
-    _fold_part(comm, blobs, ptr + lo * es, k * es, dtype, red)
+    nb = k * es
+    base = _scratch(comm, nb * w)  # peers' copies of my part; slot r keeps my own copy
+    into = [(base + q * nb, nb) for q in range(w)]
+    out = [[(ptr + plo * es, pk * es)] for plo, pk in parts]
+    blobs = exchange(comm, sig, out, deadline, into)
+    _fold_part(comm, blobs, ptr + lo * es, nb, dtype, red, keep_at=base + r * nb)
     return parts
 
 
@@ -117,10 +146,11 @@ def allreduce(
         parts = _scatter_reduce(comm, sig, ptr, m, es, dtype, red, deadline)
         mine = (ptr + parts[r][0] * es, parts[r][1] * es)
         sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step + 1)
-        blobs = exchange(comm, sig, [[mine]] * w, deadline)
+        into = [(ptr + plo * es, k * es) for plo, k in parts]
+        blobs = exchange(comm, sig, [[mine]] * w, deadline, into)
         for q, (plo, k) in enumerate(parts):
             if q != r and k:
-                ctypes.memmove(ptr + plo * es, _expect(blobs[q], k * es, q), k * es)
+                _copy(ptr + plo * es, _expect(blobs[q], k * es, q), k * es)
         step += 2
 
 
@@ -136,13 +166,18 @@ def reduce(
         parts = _scatter_reduce(comm, sig, ptr, m, es, dtype, red, deadline)
         mine = (ptr + parts[r][0] * es, parts[r][1] * es)
         out = [[mine] if q == root else [] for q in range(w)]
+        into = [(ptr + plo * es, k * es) for plo, k in parts] if r == root else None
         blobs = exchange(
-            comm, make_sig(seq, OP_REDUCE, dtype, red, root, nbytes, 2 * i + 1), out, deadline
+            comm,
+            make_sig(seq, OP_REDUCE, dtype, red, root, nbytes, 2 * i + 1),
+            out,
+            deadline,
+            into,
         )
         if r == root:
             for q, (plo, k) in enumerate(parts):
                 if q != r and k:
-                    ctypes.memmove(ptr + plo * es, _expect(blobs[q], k * es, q), k * es)
+                    _copy(ptr + plo * es, _expect(blobs[q], k * es, q), k * es)
 
 
 def broadcast(
@@ -157,24 +192,29 @@ def broadcast(
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
         if nb <= small or w <= 2:
             out = [[(ptr, nb)] if r == root else [] for _ in range(w)]
-            blobs = exchange(comm, sig, out, deadline)
+            into = [(ptr, nb) if q == root else None for q in range(w)]
+            blobs = exchange(comm, sig, out, deadline, into)
             if r != root and nb:
-                ctypes.memmove(ptr, _expect(blobs[root], nb, root), nb)
+                _copy(ptr, _expect(blobs[root], nb, root), nb)
             step += 1
             continue
         parts = _parts(nb, w)
         out = [[(ptr + parts[q][0], parts[q][1])] if r == root else [] for q in range(w)]
-        blobs = exchange(comm, sig, out, deadline)
+        mine = (ptr + parts[r][0], parts[r][1])  # the root's own part travels in round 2
+        into = [mine if q == root else None for q in range(w)]
+        blobs = exchange(comm, sig, out, deadline, into)
         if r != root and parts[r][1]:
-            ctypes.memmove(ptr + parts[r][0], _expect(blobs[root], parts[r][1], root), parts[r][1])
-        mine = (ptr + parts[r][0], parts[r][1])  # the root's own part travels in this round
+            _copy(ptr + parts[r][0], _expect(blobs[root], parts[r][1], root), parts[r][1])
         out = [[mine] if q != root else [] for q in range(w)]
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step + 1)
-        blobs = exchange(comm, sig, out, deadline)
+        into = [
+            (ptr + plo, k) if r != root and q != root else None for q, (plo, k) in enumerate(parts)
+        ]
+        blobs = exchange(comm, sig, out, deadline, into)
         if r != root:
             for q, (plo, k) in enumerate(parts):
                 if q != r and k:
-                    ctypes.memmove(ptr + plo, _expect(blobs[q], k, q), k)
+                    _copy(ptr + plo, _expect(blobs[q], k, q), k)
         step += 2
 
 
@@ -191,13 +231,14 @@ def gather(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
         out = [[(inp + lo, nb)] if q == root else [] for q in range(w)]
+        into = [(o + lo, nb) for o in outs] if r == root and outs is not None else None
         blobs = exchange(
-            comm, make_sig(seq, OP_GATHER, dtype, 0, root, nbytes, step), out, deadline
+            comm, make_sig(seq, OP_GATHER, dtype, 0, root, nbytes, step), out, deadline, into
         )
         if r == root and outs is not None and nb:
             for q in range(w):
                 src = inp + lo if q == r else _expect(blobs[q], nb, q)
-                ctypes.memmove(outs[q] + lo, src, nb)
+                _copy(outs[q] + lo, src, nb)
 
 
 def scatter(
@@ -213,12 +254,13 @@ def scatter(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.peer_chunk)):
         segs = [[(ins[q] + lo, nb)] if ins is not None else [] for q in range(w)]
+        into = [(out + lo, nb) if q == root else None for q in range(w)]
         blobs = exchange(
-            comm, make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step), segs, deadline
+            comm, make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step), segs, deadline, into
         )
         if nb:
             src = ins[r] + lo if r == root and ins is not None else _expect(blobs[root], nb, root)
-            ctypes.memmove(out + lo, src, nb)
+            _copy(out + lo, src, nb)
 
 
 def reduce_scatter(
@@ -280,10 +322,11 @@ def alltoall(
         segs = [
             [(ins[d] + lo, max(0, min(per, in_lens[d] - lo)))] if d != r else [] for d in range(w)
         ]
+        into = [(outs[q] + lo, max(0, min(per, out_lens[q] - lo))) for q in range(w)]
         blobs = exchange(
-            comm, make_sig(seq, OP_ALLTOALL, dtype, 0, -1, longest, k + 1), segs, deadline
+            comm, make_sig(seq, OP_ALLTOALL, dtype, 0, -1, longest, k + 1), segs, deadline, into
         )
         for q in range(w):
             n = max(0, min(per, out_lens[q] - lo))
             if q != r and n:
-                ctypes.memmove(outs[q] + lo, _expect(blobs[q], n, q), n)
+                _copy(outs[q] + lo, _expect(blobs[q], n, q), n)

@@ -25,6 +25,7 @@ from typing import Any
 
 from torchport.distributed.errors import CommError
 from torchport.distributed.transport_shm import MISMATCH, StepError
+from torchport.distributed.transport_tcp import RECEIVED, Target
 from torchport.distributed.wire import Kind
 
 Seg = tuple[int, int]  # (pointer, bytes)
@@ -110,30 +111,61 @@ def _local_step(
 
 
 def exchange(
-    comm: Any, sig: tuple[int, int, int, int], out: Sequence[Sequence[Seg]], deadline: float
+    comm: Any,
+    sig: tuple[int, int, int, int],
+    out: Sequence[Sequence[Seg]],
+    deadline: float,
+    into: Sequence[Seg | None] | None = None,
 ) -> list[Blob]:
-    """Send ``out[q]`` to every peer q; return what each peer sent (see the module docstring)."""
+    """Send ``out[q]`` to every peer q; return what each peer sent (see the module docstring).
+
+    ``into[q] = (pointer, bytes)``: where remote peer q's bytes belong. A frame of exactly
+    that size and this step's signature is received straight there (its blob then points
+    at it); anything else arrives in a buffer as usual, for the caller's size check.
+    """
     epoch, w, r = comm.epoch, comm.world, comm.rank
     comm.epoch += 1
     comm._last_sig = sig
     local = set(comm.local_ranks) if comm.local is not None else set()
-    for k in range(1, w):
-        q = (r + k) % w
-        if q not in local:
-            comm.mesh.send(comm.ranks[q], Kind.COLL, comm.group_id, epoch, _payload(out[q]), sig)
-    blobs = [Blob(0, 0) for _ in range(w)]
-    if len(local) > 1:
-        for q, b in _local_step(comm, sig, out, deadline).items():
-            blobs[q] = b
-    for k in range(1, w):
-        q = (r - k) % w
-        if q in local:
-            continue
-        hdr, body = comm.mesh.mailbox.get(
-            (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch), deadline, comm.check
+    mailbox = comm.mesh.mailbox
+    posted: list[tuple[int, tuple[int, int, int, int]]] = []
+    try:
+        if into is not None:
+            for q in range(w):
+                seg = into[q]
+                if q != r and q not in local and seg is not None and seg[1] > 0:
+                    key = (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch)
+                    mailbox.post(key, Target(seg[0], seg[1], (sig[0], sig[1], sig[2], sig[3])))
+                    posted.append((q, key))
+        comm.mesh.send_all(
+            [
+                (comm.ranks[q], Kind.COLL, comm.group_id, epoch, _payload(out[q]), sig)
+                for q in ((r + k) % w for k in range(1, w))
+                if q not in local
+            ]
         )
-        if hdr.sig != sig:
-            word = next(i for i in range(4) if hdr.sig[i] != sig[i])
-            raise StepError(MISMATCH, (q, word, hdr.sig[word]))
-        blobs[q] = Blob(_addr(body), len(body), body)
-    return blobs
+        blobs = [Blob(0, 0) for _ in range(w)]
+        if len(local) > 1:
+            for q, b in _local_step(comm, sig, out, deadline).items():
+                blobs[q] = b
+        for k in range(1, w):
+            q = (r - k) % w
+            if q in local:
+                continue
+            hdr, body = mailbox.get(
+                (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch), deadline, comm.check
+            )
+            if hdr.sig != sig:
+                word = next(i for i in range(4) if hdr.sig[i] != sig[i])
+                raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+            if body is RECEIVED:
+                seg = into[q] if into is not None else None
+                assert seg is not None, "a frame was received into a target never posted"
+                blobs[q] = Blob(seg[0], hdr.length)
+            else:
+                blobs[q] = Blob(_addr(body), len(body), body)
+        return blobs
+    finally:
+        for q, key in posted:
+            peer = comm.ranks[q]
+            mailbox.withdraw(key, deadline, lambda p=peer: comm.mesh.shutdown_peer(p))

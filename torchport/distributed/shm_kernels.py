@@ -1,17 +1,26 @@
 """Native kernels of the shared-memory transport: step barrier, copies and reductions.
 
-One call of ``tp_shm_step`` performs a whole collective step for the calling rank:
+One call of ``tp_shm_step`` performs a whole collective step for the calling rank; it waits
+only for the ranks it reads from, not for the whole group:
 
-1. copy the published segments into this rank's slot (half ``epoch & 1`` of its double buffer);
-2. write the step signature and arrive at the barrier (``__atomic`` release store of ``epoch``);
-3. wait until every rank arrived (acquire loads; bounded spin with ``pause``, then
-   ``sched_yield`` for 0.2 ms, then a futex sleep woken by the next arrival), watching the
-   group's abort word and a deadline;
-4. compare every rank's signature with ours (mismatch -> error code, offending rank);
-5. apply the reads: copy or reduce ``len`` bytes from ``peer``'s slot into a destination.
+1. prewait: wait until every rank arrived at the previous step (so every reader of this
+   rank's half from two steps ago is done with it) and check their previous signatures;
+   this lags one step behind and rarely blocks;
+2. copy the published segments into this rank's slot (half ``epoch & 1`` of its double buffer),
+   write the step signature and arrive (``__atomic`` release store of ``epoch``);
+3. for each read: wait until its source arrived (acquire loads; bounded spin with ``pause``,
+   then ``sched_yield`` for 0.2 ms, then a futex sleep woken by the next arrival), watching
+   the group's abort word and a deadline; check the source's signature (mismatch -> error
+   code, offending rank); copy or reduce ``len`` bytes from its slot into a destination.
+   Copies run in the order their sources arrive, folds in rank order;
+4. a rank that reads from no other rank waits for every rank and checks every signature.
 
-Double buffering makes one barrier per step enough: a rank rewrites a half only two steps
-later, after every peer arrived at the step in between, i.e. finished reading it.
+Arriving at step e means "finished every read of step e - 1", so the prewait is exactly the
+condition for reusing a half: no slot or signature is rewritten before all its readers
+consumed it. A mismatch is reported within its step by every rank that reads from a
+disagreeing rank or reads from nobody, and by the others at their next step's prewait.
+The fused allreduce (``tp_shm_allreduce``) keeps full barriers inside (every rank reads from
+every rank there) after the same prewait.
 
 Reductions fold ``dst = dst (op) src`` element-wise. fp16/bf16 compute in fp32 and round to
 nearest-even per fold, exactly like torch's eager ``a + b`` in that dtype; integers wrap
@@ -31,7 +40,7 @@ from torchport import native
 OK, TIMEOUT, ABORTED, MISMATCH, BAD_ARG = 0, 1, 2, 3, 4
 
 # Header layout (bytes).
-HDR_MAGIC = 0x5450534D32  # "TPSM2"
+HDR_MAGIC = 0x5450534D33  # "TPSM3"
 LINE = 256  # per-rank control line: arrive (8) + pad + two signature halves
 SIG_WORDS = 8
 CTRL_OFF = 256  # lines start here; offset 64 holds the abort word
@@ -40,6 +49,10 @@ YIELD_NS = 200_000  # after this long a waiting rank sleeps on the futex instead
 # ... and after this long on an engine thread, whose process is busy with other work (DDP's
 # backward pass) that a yielding waiter would slow down.
 BACKGROUND_YIELD_NS = 20_000
+# ... and at most this long when the arena has more ranks than the host has cores: a yielding
+# waiter then takes CPU time from the very rank it waits for (offset 80 of the header).
+OVERSUBSCRIBED_YIELD_NS = 20_000
+YIELD_CAP_OFF = 80
 
 _SOURCE = r"""
 #include <sched.h>
@@ -232,37 +245,74 @@ static void tp_bump(char *hdr) {
         syscall(SYS_futex, tp_gen(hdr), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Wait until every rank's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. Spins briefly, yields
-   for up to tp_yield_ns (per thread, default ${yield_ns} ns), then sleeps on the futex (1 ms cap, so deadlines and aborts are
-   seen promptly even without a wake-up). */
-static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
+/* Waiting state of one step: spins, then yields for tp_yield_ns, then futex sleeps. */
+typedef struct { int64_t spins, t0, deadline; } tp_wait_t;
+
+/* Wait until rank q's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. Spins briefly, yields
+   for up to tp_yield_ns (per thread, default ${yield_ns} ns), then sleeps on the futex (1 ms
+   cap, so deadlines and aborts are seen promptly even without a wake-up). */
+static int tp_wait_rank(char *hdr, int64_t q, int64_t epoch, tp_wait_t *w) {
     int64_t *abort_word = (int64_t *)(hdr + 64);
-    int64_t spins = 0, t0 = 0;
-    for (int64_t q = 0; q < world; q++) {
-        tp_line_t *l = tp_line(hdr, q);
-        while (__atomic_load_n(&l->arrive, __ATOMIC_ACQUIRE) < epoch) {
-            if (__atomic_load_n(abort_word, __ATOMIC_ACQUIRE) != 0) return 2;
-            spins++;
-            if (spins < 128) {
+    tp_line_t *l = tp_line(hdr, q);
+    while (__atomic_load_n(&l->arrive, __ATOMIC_ACQUIRE) < epoch) {
+        if (__atomic_load_n(abort_word, __ATOMIC_ACQUIRE) != 0) return 2;
+        w->spins++;
+        if (w->spins < 128) {
 #if defined(__x86_64__)
-                __builtin_ia32_pause();
+            __builtin_ia32_pause();
 #endif
-                continue;
-            }
-            int64_t now = tp_now_ns();
-            if (t0 == 0) t0 = now;
-            if (now > deadline) return 1;
-            if (now - t0 < tp_yield_ns) { sched_yield(); continue; }
-            __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
-            int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
-            if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
-                __atomic_load_n(abort_word, __ATOMIC_SEQ_CST) == 0) {
-                struct timespec ts = {0, 1000000};
-                syscall(SYS_futex, tp_gen(hdr), FUTEX_WAIT, g, &ts, NULL, 0);
-            }
-            __atomic_sub_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
+            continue;
         }
+        int64_t now = tp_now_ns();
+        if (w->t0 == 0) w->t0 = now;
+        if (now > w->deadline) return 1;
+        int64_t cap = *(volatile int64_t *)(hdr + ${yield_cap_off});
+        int64_t yield_ns = cap > 0 && cap < tp_yield_ns ? cap : tp_yield_ns;
+        if (now - w->t0 < yield_ns) { sched_yield(); continue; }
+        __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
+        int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
+            __atomic_load_n(abort_word, __ATOMIC_SEQ_CST) == 0) {
+            struct timespec ts = {0, 1000000};
+            syscall(SYS_futex, tp_gen(hdr), FUTEX_WAIT, g, &ts, NULL, 0);
+        }
+        __atomic_sub_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
     }
+    return 0;
+}
+
+static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
+    tp_wait_t w = {0, 0, deadline};
+    for (int64_t q = 0; q < world; q++) {
+        int st = tp_wait_rank(hdr, q, epoch, &w);
+        if (st != 0) return st;
+    }
+    return 0;
+}
+
+/* Compare rank q's signature for the step in ``half`` with ``sig``; 3 on mismatch. */
+static int tp_check_sig(char *hdr, int64_t q, int64_t half, const int64_t *sig, int64_t *bad) {
+    tp_line_t *l = tp_line(hdr, q);
+    for (int w = 0; w < SIG_WORDS; w++)
+        if (l->sig[half][w] != sig[w]) { bad[0] = q; bad[1] = w; bad[2] = l->sig[half][w]; return 3; }
+    return 0;
+}
+
+/* Before writing its half of step ``epoch`` (last used at epoch - 2), a rank waits until every
+   rank arrived at epoch - 1, i.e. finished reading step epoch - 2: no slot or signature half is
+   reused before all its readers consumed it. The wait lags one step behind, so it rarely
+   blocks. While every rank's epoch - 1 signature is still in place (nobody rewrites it before
+   this rank arrives at ``epoch``), it is checked against ours: a mismatch that a rank reading
+   only from agreeing peers could not see in its own step is reported here at the latest. */
+static int tp_prewait(char *hdr, int64_t world, int64_t rank, int64_t epoch, int64_t deadline,
+                      int64_t *bad) {
+    if (epoch < 2) return 0;
+    int st = tp_wait_all(hdr, world, epoch - 1, deadline);
+    if (st != 0) return st;
+    int64_t half = (epoch - 1) & 1;
+    const int64_t *mine = tp_line(hdr, rank)->sig[half];
+    for (int64_t q = 0; q < world; q++)
+        if (q != rank && (st = tp_check_sig(hdr, q, half, mine, bad)) != 0) return st;
     return 0;
 }
 
@@ -277,39 +327,92 @@ static int tp_sync(char *hdr, int64_t world, int64_t rank, int64_t epoch, const 
     tp_bump(hdr);
     int st = tp_wait_all(hdr, world, epoch, deadline);
     if (st != 0) return st;
-    for (int64_t q = 0; q < world; q++) {
-        tp_line_t *l = tp_line(hdr, q);
-        for (int w = 0; w < SIG_WORDS; w++)
-            if (l->sig[half][w] != sig[w]) { bad[0] = q; bad[1] = w; bad[2] = l->sig[half][w]; return 3; }
-    }
+    for (int64_t q = 0; q < world; q++)
+        if ((st = tp_check_sig(hdr, q, half, sig, bad)) != 0) return st;
     return 0;
 }
 
-/* One collective step (see module docstring). pubs: 2 int64 per segment (pointer, length). */
+/* One collective step (see module docstring). pubs: 2 int64 per segment (pointer, length).
+
+   Waits only for the ranks it reads from: after publishing and arriving, each read waits for
+   its source's arrival and checks the source's signature. Copies are applied in whatever order
+   their sources arrive (a rank descheduled on a busy host delays only the copies from it);
+   folds keep rank order (the results must be bitwise those of the reference). A rank that
+   reads from no other rank (a broadcast root, a gather sender) waits for every rank's arrival
+   and checks every signature, so each rank sees a mismatch within the step that has one or,
+   for a reader whose own sources agree with it, at its next step's prewait. */
 TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, int64_t slot,
                           int64_t epoch, const int64_t *sig,
                           const int64_t *pubs, int64_t npubs,
                           const int64_t *reads, int64_t nreads,
                           int64_t dtype, int64_t op, int64_t timeout_ns, int64_t *bad) {
-    int64_t half = epoch & 1;
+    int64_t half = epoch & 1, deadline = tp_now_ns() + timeout_ns;
     char *mine = data + (rank * 2 + half) * slot;
     int64_t off = 0;
-    if (world > 256) return 4;
+    if (world > 256 || rank < 0 || rank >= world || nreads < 0 || nreads > 4096) return 4;
     for (int64_t k = 0; k < npubs; k++) {
         int64_t len = pubs[2 * k + 1];
         if (len < 0 || off + len > slot) return 4;
-        if (len > 0) memcpy(mine + off, (const void *)(intptr_t)pubs[2 * k], (size_t)len);
         off += len;
     }
-    int st = tp_sync(hdr, world, rank, epoch, sig, tp_now_ns() + timeout_ns, bad);
-    if (st != 0) return st;
-    int64_t bases[256];
-    for (int64_t q = 0; q < world; q++) bases[q] = (int64_t)(intptr_t)(data + (q * 2 + half) * slot);
+    int any_other = 0, any_fold = 0;
     for (int64_t k = 0; k < nreads; k++) {
         const int64_t *r = reads + 5 * k;
         if (r[0] < 0 || r[0] >= world || r[1] < 0 || r[3] < 0 || r[1] + r[3] > slot) return 4;
+        if (r[4] != 0 && (dtype < 0 || dtype > 11)) return 4;
+        if (r[0] != rank) any_other = 1;
+        if (r[4] != 0) any_fold = 1;
     }
-    return tp_apply(bases, reads, nreads, dtype, op) == 0 ? 0 : 4;
+    int st = tp_prewait(hdr, world, rank, epoch, deadline, bad);
+    if (st != 0) return st;
+    off = 0;
+    for (int64_t k = 0; k < npubs; k++) {
+        int64_t len = pubs[2 * k + 1];
+        if (len > 0) memcpy(mine + off, (const void *)(intptr_t)pubs[2 * k], (size_t)len);
+        off += len;
+    }
+    tp_line_t *me = tp_line(hdr, rank);
+    for (int w = 0; w < SIG_WORDS; w++) me->sig[half][w] = sig[w];
+    __atomic_store_n(&me->arrive, epoch, __ATOMIC_SEQ_CST);
+    tp_bump(hdr);
+    tp_wait_t w = {0, 0, deadline};
+    if (!any_other) {
+        if ((st = tp_wait_all(hdr, world, epoch, deadline)) != 0) return st;
+        for (int64_t q = 0; q < world; q++)
+            if ((st = tp_check_sig(hdr, q, half, sig, bad)) != 0) return st;
+    }
+    unsigned char checked[256] = {0}, done[4096];
+    memset(done, 0, (size_t)nreads);
+    int64_t left = nreads;
+    while (left > 0) {
+        int progress = 0;
+        for (int64_t k = 0; k < nreads; k++) {
+            if (done[k]) continue;
+            const int64_t *r = reads + 5 * k;
+            int64_t q = r[0];
+            if (any_fold) {  /* rank order: block on this source */
+                if ((st = tp_wait_rank(hdr, q, epoch, &w)) != 0) return st;
+            } else if (__atomic_load_n(&tp_line(hdr, q)->arrive, __ATOMIC_ACQUIRE) < epoch) {
+                continue;
+            }
+            if (!checked[q]) {
+                if ((st = tp_check_sig(hdr, q, half, sig, bad)) != 0) return st;
+                checked[q] = 1;
+            }
+            const char *src = data + (q * 2 + half) * slot + r[1];
+            char *dst = (char *)(intptr_t)r[2];
+            if (r[3] > 0) {
+                if (r[4] == 0) memcpy(dst, src, (size_t)r[3]);
+                else if (tp_fold(dst, src, r[3] / tp_esize[dtype], dtype, op) != 0) return 4;
+            }
+            done[k] = 1; left--; progress = 1;
+        }
+        if (!progress && left > 0) {  /* sleep on the first source still missing */
+            for (int64_t k = 0; k < nreads; k++)
+                if (!done[k]) { if ((st = tp_wait_rank(hdr, reads[5 * k], epoch, &w)) != 0) return st; break; }
+        }
+    }
+    return 0;
 }
 
 /* A whole in-place allreduce of ``nbytes`` at ``buf`` in one call (no Python per chunk).
@@ -341,6 +444,10 @@ TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t ran
         char *chunk = buf + lo * esize;
         int64_t ep = epoch + step, half = ep & 1;
         sig[3] = step; info[4] = step;
+        if (lo == 0) {  /* later chunks follow a full barrier, which implies the prewait */
+            int st = tp_prewait(hdr, world, rank, ep, deadline, info);
+            if (st != 0) return st;
+        }
         if (nb <= small || world == 1) {
             char *mine = data + (rank * 2 + half) * slot;
             if (nb) memcpy(mine, chunk, (size_t)nb);
@@ -507,6 +614,11 @@ class ShmLib:
 def shm_lib() -> ShmLib:
     """Build (or load from the cache) the shared-memory kernels."""
     src = native.render(
-        _SOURCE, sig_words=SIG_WORDS, line=LINE, ctrl_off=CTRL_OFF, yield_ns=YIELD_NS
+        _SOURCE,
+        sig_words=SIG_WORDS,
+        line=LINE,
+        ctrl_off=CTRL_OFF,
+        yield_ns=YIELD_NS,
+        yield_cap_off=YIELD_CAP_OFF,
     )
     return ShmLib(native.build(src, name="tp_shm", extra_flags=("-fwrapv", "-ffp-contract=off")))

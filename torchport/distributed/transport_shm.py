@@ -4,6 +4,8 @@ Layout of the arena (a file under ``/dev/shm``)::
 
     [0, 64)            magic, world, slot bytes (written by the creator)
     [64, 72)           abort word: 0, or (rank + 1) << 8 | reason, set once by the first aborter
+    [72, 80)           futex word and sleeper count
+    [80, 88)           yield cap in ns (0: none; set when ranks outnumber this host's cores)
     [256, 256 + 256 W) per-rank control lines (arrive epoch, two signature halves)
     [data, ...)        per rank, two halves of ``slot`` bytes each (double buffering)
 
@@ -37,8 +39,10 @@ from torchport.distributed.shm_kernels import (
     LINE,
     MISMATCH,
     OK,
+    OVERSUBSCRIBED_YIELD_NS,
     SIG_WORDS,
     TIMEOUT,
+    YIELD_CAP_OFF,
     shm_lib,
 )
 
@@ -90,6 +94,8 @@ class ShmArena:
         self.base = ctypes.addressof(self._anchor)
         if create:
             struct.pack_into("<QQQ", self._mm, 0, HDR_MAGIC, world, slot)
+            if world > len(os.sched_getaffinity(0)):  # waiters sleep sooner (shm_kernels)
+                struct.pack_into("<q", self._mm, YIELD_CAP_OFF, OVERSUBSCRIBED_YIELD_NS)
         else:
             magic, w, s = struct.unpack_from("<QQQ", self._mm, 0)
             if (magic, w, s) != (HDR_MAGIC, world, slot):

@@ -10,6 +10,14 @@ One reader thread per connection decodes frames (:mod:`~torchport.distributed.wi
 :class:`Mailbox` keyed by ``(group, kind, src, seq)``; ABORT frames go straight to the group's
 abort handler. Sub-communicators share the mesh: frames carry their group id.
 
+A collective that knows where a peer's bytes belong posts a :class:`Target` (pointer, length,
+signature) for the frame's key before it sends; the reader thread then receives the payload
+straight into that memory with large ``recv_into`` calls (no per-frame buffer, no copy
+afterwards). Only a frame whose header already passed the bounds check and whose length and
+signature equal the target's is received this way; any other frame takes the ordinary buffered
+path, where the collective reports the mismatch. A target is withdrawn before its collective
+returns, waiting for a receive in progress (which a lost connection or ``shutdown`` ends).
+
 Internal API other modules build on:
 
 - ``Mesh.send(peer, kind, group, seq, payload, sig)``: send one frame to a global rank;
@@ -20,7 +28,9 @@ Internal API other modules build on:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
 import socket
 import threading
 import time
@@ -34,8 +44,10 @@ from torchport.distributed.errors import AuthError, CommError, CommTimeoutError,
 from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
 
 HANDSHAKE_TIMEOUT_S = 10.0
+PARALLEL_SEND_BYTES = 1 << 20  # payloads from this size to several peers are sent concurrently
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
+RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
 
 
 class GroupHandler(Protocol):
@@ -58,6 +70,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def recv_into_ptr(sock: socket.socket, ptr: int, n: int) -> None:
+    """Receive exactly ``n`` bytes into the memory at ``ptr`` (large reads, GIL released)."""
+    view = memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
+    got = 0
+    while got < n:  # MSG_WAITALL: one call per frame unless a signal interrupts it
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+
+
 def read_frame(sock: socket.socket, max_length: int) -> Frame:
     """Read and validate one frame (header bound checked before the payload is read)."""
     hdr = decode_header(_recv_exact(sock, HEADER_SIZE), max_length=max_length)
@@ -74,6 +97,19 @@ class Once:
         self.callback(frame)
 
 
+WAITING, FILLING, FILLED, FAILED = 0, 1, 2, 3
+
+
+@dataclass
+class Target:
+    """Where the payload of one expected frame goes: ``size`` bytes at ``ptr``."""
+
+    ptr: int
+    size: int
+    sig: tuple[int, int, int, int]
+    state: int = WAITING
+
+
 class Mailbox:
     """Received frames by key, with blocking ``get`` and callback ``expect`` / ``expect_any``."""
 
@@ -81,6 +117,42 @@ class Mailbox:
         self.cond = threading.Condition()
         self._frames: dict[Key, deque[Frame]] = {}
         self._waiting: dict[Key, deque[Callable[[Frame], None]]] = {}
+        self._targets: dict[Key, Target] = {}
+
+    def post(self, key: Key, target: Target) -> None:
+        """Receive the next frame for ``key`` into ``target`` if it matches (see module doc)."""
+        if target.size <= 0:
+            return
+        with self.cond:
+            self._targets[key] = target
+
+    def claim(self, key: Key, hdr: Header) -> Target | None:
+        """Reader side: the posted target a frame with this header may be received into."""
+        with self.cond:
+            t = self._targets.get(key)
+            if t is None or t.state != WAITING or t.size != hdr.length or t.sig != hdr.sig:
+                return None
+            t.state = FILLING
+            return t
+
+    def finish(self, target: Target, ok: bool) -> None:
+        with self.cond:
+            target.state = FILLED if ok else FAILED
+            self.cond.notify_all()
+
+    def withdraw(self, key: Key, deadline: float, on_stuck: Callable[[], None]) -> None:
+        """Remove ``key``'s target; wait for a receive into it that is in progress.
+
+        Past ``deadline`` a stuck receive is ended by ``on_stuck`` (it shuts the connection).
+        """
+        with self.cond:
+            t = self._targets.pop(key, None)
+            stuck = False
+            while t is not None and t.state == FILLING:
+                if not stuck and time.monotonic() > deadline:
+                    stuck = True
+                    on_stuck()
+                self.cond.wait(0.05)
 
     def deliver(self, key: Key, frame: Frame) -> None:
         with self.cond:
@@ -199,6 +271,7 @@ class Mesh:
         self.rejected = 0
         self.closed = False
         self._handlers: dict[int, GroupHandler] = {}
+        self._senders: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self.listener = socket.create_server((addr, 0), backlog=max(16, world))
@@ -314,7 +387,23 @@ class Mesh:
     def _read_loop(self, conn: Connection) -> None:
         try:
             while True:
-                hdr, body = read_frame(conn.sock, self.max_frame)
+                hdr = decode_header(_recv_exact(conn.sock, HEADER_SIZE), max_length=self.max_frame)
+                key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
+                target = (
+                    self.mailbox.claim(key, hdr)
+                    if hdr.kind == Kind.COLL and hdr.src == conn.peer and hdr.length
+                    else None
+                )
+                if target is not None:
+                    ok = False
+                    try:
+                        recv_into_ptr(conn.sock, target.ptr, hdr.length)
+                        ok = True
+                    finally:
+                        self.mailbox.finish(target, ok)
+                    self.mailbox.deliver(key, (hdr, RECEIVED))
+                    continue
+                body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
                 if hdr.src != conn.peer:
                     raise WireError(
                         f"frame claims src {hdr.src} on the connection of rank {conn.peer}"
@@ -361,6 +450,50 @@ class Mesh:
         except OSError as e:
             raise CommError(f"send to rank {peer} failed: {e}") from e
 
+    def send_all(
+        self,
+        frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]],
+    ) -> None:
+        """Send several frames ``(peer, kind, group, seq, payload, sig)`` to distinct peers.
+
+        Large payloads to several peers go out concurrently (one sender thread per peer,
+        the GIL released while the kernel copies), so one slow receiver does not hold the
+        others back; small ones are sent inline.
+        """
+        big = [f for f in frames if len(f[4]) >= PARALLEL_SEND_BYTES]
+        if len(big) < 2:
+            for f in frames:
+                self.send(*f)
+            return
+        with self._lock:
+            if self._senders is None:
+                self._senders = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=max(1, self.world - 1), thread_name_prefix="tp-send"
+                )
+            pool = self._senders
+        futures = [pool.submit(self.send, *f) for f in big[1:]]
+        errors: list[BaseException] = []
+        for f in frames:
+            if f is big[0] or len(f[4]) < PARALLEL_SEND_BYTES:
+                try:
+                    self.send(*f)
+                except CommError as e:
+                    errors.append(e)
+        for fut in futures:
+            try:
+                fut.result()
+            except CommError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def shutdown_peer(self, peer: int) -> None:
+        """Shut the connection to ``peer`` down (ends a receive stuck in its reader)."""
+        conn = self.peers.get(peer)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
     def register(self, group: int, handler: GroupHandler) -> None:
         self._handlers[group] = handler
 
@@ -372,6 +505,8 @@ class Mesh:
         self.closed = True
         with contextlib.suppress(OSError):
             self.listener.close()
+        if self._senders is not None:
+            self._senders.shutdown(wait=False)
         for conn in list(self.peers.values()):
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
