@@ -43,7 +43,7 @@ from torchport.distributed.errors import CommAbortedError, CommError, CommTimeou
 from torchport.distributed.groups import group_id_for, host_id
 from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import ShmArena
-from torchport.distributed.transport_tcp import Connection, Mailbox, Mesh
+from torchport.distributed.transport_tcp import Connection, Mesh
 from torchport.distributed.wire import Kind
 
 _OFFER, _ACK, _GO = 1, 2, 3  # seq of the control frames of the formation rendezvous
@@ -93,27 +93,17 @@ class ElasticMesh(Mesh):
     """
 
     def __init__(self, secret: bytes, addr: str | None = None) -> None:
-        import socket
-
         # Mesh.__init__ builds a fixed world from a store; this mesh fills itself lazily.
-        self.rank = secrets.randbelow((1 << 31) - 2) + 1
-        self.world = 1 << 32  # accept any id above ours (the handshake's rank check)
-        self.secret = secret
         _, slot, tcp = _sizes()
-        self.max_frame = max(int(config.get("dist_max_frame_bytes")), max(slot, tcp) + 4096)
-        self.mailbox = Mailbox()
-        self.peers: dict[int, Connection] = {}
-        self.rejected = 0
-        self.closed = False
-        self._handlers: dict[int, Any] = {}
-        self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
-        self.listener = socket.create_server((addr or str(config.get("dist_addr")), 0), backlog=64)
-        self.listener.settimeout(0.2)
-        host, port = self.listener.getsockname()[:2]
-        if host in ("0.0.0.0", ""):
-            host = socket.gethostbyname(socket.gethostname())
-        self.address = f"{host}:{port}"
+        self._init_state(
+            secrets.randbelow((1 << 31) - 2) + 1,
+            1 << 32,  # accept any id above ours (the handshake's rank check)
+            secret,
+            max(int(config.get("dist_max_frame_bytes")), max(slot, tcp) + 4096),
+            addr or str(config.get("dist_addr")),
+            backlog=64,
+        )
+        host, port = self.address.rsplit(":", 1)
         self.me = Member(self.rank, host, int(port), host_id())
         self.hosts: dict[int, str] = {self.rank: self.me.host_id}
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")

@@ -252,6 +252,30 @@ class Connection:
 class Mesh:
     """The authenticated connections of one process to every other rank of a root group."""
 
+    def _init_state(
+        self, rank: int, world: int, secret: bytes, max_frame: int, addr: str, *, backlog: int
+    ) -> None:
+        """Per-process state and the listening socket, shared by every kind of mesh (a fixed
+        world here, the elastic mesh of reconfigurable groups), so a field added here reaches
+        both. Sets ``address`` to the reachable ``host:port``; the acceptor is started by the
+        caller."""
+        self.rank, self.world, self.secret = rank, world, secret
+        self.max_frame = max_frame
+        self.mailbox = Mailbox()
+        self.peers: dict[int, Connection] = {}
+        self.rejected = 0
+        self.closed = False
+        self._handlers: dict[int, GroupHandler] = {}
+        self._senders: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self.listener = socket.create_server((addr, 0), backlog=backlog)
+        self.listener.settimeout(0.2)
+        host, port = self.listener.getsockname()[:2]
+        if host in ("0.0.0.0", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        self.address = f"{host}:{port}"
+
     def __init__(
         self,
         store: Any,
@@ -264,22 +288,7 @@ class Mesh:
         max_frame: int,
         host_id: str,
     ) -> None:
-        self.rank, self.world, self.secret = rank, world, secret
-        self.max_frame = max_frame
-        self.mailbox = Mailbox()
-        self.peers: dict[int, Connection] = {}
-        self.rejected = 0
-        self.closed = False
-        self._handlers: dict[int, GroupHandler] = {}
-        self._senders: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
-        self.listener = socket.create_server((addr, 0), backlog=max(16, world))
-        self.listener.settimeout(0.2)
-        host, port = self.listener.getsockname()[:2]
-        if host in ("0.0.0.0", ""):
-            host = socket.gethostbyname(socket.gethostname())
-        self.address = f"{host}:{port}"
+        self._init_state(rank, world, secret, max_frame, addr, backlog=max(16, world))
         store.set(f"tp/addr/{rank}", self.address)
         store.set(f"tp/host/{rank}", host_id)
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
