@@ -26,9 +26,12 @@ rotates after every successful reconfigure, so a handle from before it is *stale
    Shrink and grow are the same operation with fewer or more handles.
 
 After a reconfigure each rank watches its peers' control connections: a crashed peer (connection
-lost) is noticed at once, a hung one after three heartbeat periods; in-flight ops issued through
-the group (:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure` and the
-error stays queryable (``get_error()``).
+lost) is noticed at once, a hung one after three heartbeat periods (also one stopped before its
+watcher connected: the watch handshake has the same three-heartbeat bound); in-flight ops issued
+through the group (:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure`
+and the error stays queryable (``get_error()``). A rank that detects the fault itself sends every
+other healthy member a fault notice naming the culprit before it aborts the communicator, so every
+survivor reports the same culprit, never the messenger whose abort reached it first.
 """
 
 from __future__ import annotations
