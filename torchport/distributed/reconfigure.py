@@ -413,6 +413,7 @@ class ReconfigurableGroup:
             raise ReconfigureError(f"forming the group for uuid {uuid} failed: {e}") from None
         with self._lock:
             self.pg, self._rank, self._size = pg, rank, size
+            self._members = list(order)
             self._used.add(uuid)
             self._generation = uuid
             self._nonce = secrets.token_hex(8)
@@ -434,10 +435,8 @@ class ReconfigurableGroup:
     # -- failure detection -----------------------------------------------------------------
     def _start_watch(self, order: list[str], rank: int, uuid: int) -> None:
         """Watch every other member, each from its own thread (a stopped peer delays no other)."""
-        with self._lock:
-            if self._generation != uuid:
-                return  # a newer reconfigure took over
-            self._members = list(order)
+        if self._generation != uuid:
+            return  # a newer reconfigure took over
         for r, h in enumerate(order):
             if r != rank:
                 threading.Thread(target=self._watch_one, args=(h, r, uuid), daemon=True).start()
