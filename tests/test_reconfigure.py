@@ -171,3 +171,43 @@ def test_elastic_mesh_errors_and_group_of_one():
         pg.shutdown()
     finally:
         mesh.close()
+
+
+def test_a_survivor_that_aborts_tells_the_others_the_culprit():
+    """Rank 0 finds "rank 2" hung (a silent listener: it never answers the watch handshake, like a
+    process stopped before its watcher connected); rank 1 must learn that cause from rank 0's
+    fault notice instead of blaming rank 0 for the abort that follows."""
+    import socket
+
+    import torch
+
+    from torchport.distributed import PeerFailure
+
+    gs = [ReconfigurableGroup(heartbeat=0.2) for _ in range(2)]
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (kernel backlog), never answers
+    try:
+        hs = [g.get_reconfigure_handle() for g in gs]
+        for w in [_reconfigure(1, hs, g) for g in gs]:
+            w.wait(timeout=30)
+        assert [g.rank() for g in gs] == [0, 1]
+        fake = f"tp1:127.0.0.1:{silent.getsockname()[1]}:0:feed"
+        with gs[0]._lock:  # the membership as rank 0 sees it: a third member, rank 2
+            gs[0]._members = [*hs, fake]
+        t0 = time.perf_counter()
+        gs[0]._watch_one(fake, 2, 1)
+        assert time.perf_counter() - t0 < 2.0
+        err0 = gs[0].get_error()
+        assert isinstance(err0, PeerFailure)
+        assert "rank 2 hung: no answer to the watch request within 0.60 s" in str(err0)
+        end = time.monotonic() + 5
+        while gs[1].get_error() is None and time.monotonic() < end:
+            time.sleep(0.01)
+        err1 = gs[1].get_error()
+        assert isinstance(err1, PeerFailure) and "rank 2 hung" in str(err1), err1
+        assert "(reported by rank 0)" in str(err1)
+        with pytest.raises(PeerFailure, match="allreduce: group failed earlier: rank 2 hung"):
+            gs[1].allreduce(torch.ones(3))
+    finally:
+        silent.close()
+        for g in gs:
+            g.close()

@@ -26,9 +26,12 @@ rotates after every successful reconfigure, so a handle from before it is *stale
    Shrink and grow are the same operation with fewer or more handles.
 
 After a reconfigure each rank watches its peers' control connections: a crashed peer (connection
-lost) is noticed at once, a hung one after three heartbeat periods; in-flight ops issued through
-the group (:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure` and the
-error stays queryable (``get_error()``).
+lost) is noticed at once, a hung one after three heartbeat periods (also one stopped before its
+watcher connected: the watch handshake has the same three-heartbeat bound); in-flight ops issued
+through the group (:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure`
+and the error stays queryable (``get_error()``). A rank that detects the fault itself sends every
+other healthy member a fault notice naming the culprit before it aborts the communicator, so every
+survivor reports the same culprit, never the messenger whose abort reached it first.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from torchport.distributed._control import (
 from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.engine import REASON_ERROR
+
+_MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
 
 
 class ReconfigureError(CommError):
@@ -202,6 +207,7 @@ class ReconfigurableGroup:
         self._error: BaseException | None = None
         self._waiters: set[threading.Event] = set()
         self._watch: list[socket.socket] = []
+        self._members: list[str] = []  # the handles of the current membership, in rank order
         self._closed = False
         self.last_reconfigure_s = 0.0
         self.phases: dict[str, float] = {}  # cumulative seconds of the last reconfigure's phases
@@ -225,6 +231,18 @@ class ReconfigurableGroup:
                         "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
                     }
                 send_msg(conn, reply)
+            elif msg.get("t") == "fault":
+                # a member aborted the group because it detected a fault in another member:
+                # learn the real culprit before the abort's own frames blame the messenger
+                uuid, src, cause = msg.get("uuid"), msg.get("src"), msg.get("cause")
+                if (
+                    isinstance(uuid, int)
+                    and isinstance(src, int)
+                    and isinstance(cause, str)
+                    and uuid == self._generation
+                ):
+                    self._fail(PeerFailure(f"{cause[:_MAX_CAUSE]} (reported by rank {src})"))
+                return
             elif msg.get("t") == "watch":
                 conn.settimeout(None)
                 while not self._closed:
@@ -395,6 +413,7 @@ class ReconfigurableGroup:
             raise ReconfigureError(f"forming the group for uuid {uuid} failed: {e}") from None
         with self._lock:
             self.pg, self._rank, self._size = pg, rank, size
+            self._members = list(order)
             self._used.add(uuid)
             self._generation = uuid
             self._nonce = secrets.token_hex(8)
@@ -415,24 +434,37 @@ class ReconfigurableGroup:
 
     # -- failure detection -----------------------------------------------------------------
     def _start_watch(self, order: list[str], rank: int, uuid: int) -> None:
+        """Watch every other member, each from its own thread (a stopped peer delays no other)."""
+        if self._generation != uuid:
+            return  # a newer reconfigure took over
         for r, h in enumerate(order):
-            if r == rank:
-                continue
+            if r != rank:
+                threading.Thread(target=self._watch_one, args=(h, r, uuid), daemon=True).start()
+
+    def _watch_one(self, handle: str, r: int, uuid: int) -> None:
+        if self._generation != uuid:
+            return
+        host, port, _, _ = parse_handle(handle)
+        patience = 3 * self.heartbeat
+        try:
+            # A peer that cannot finish the handshake within three heartbeats is hung (it may
+            # have been stopped before this watcher reached it): the same bound as a missed beat.
+            sock = connect((host, port), self._secret, "reconf", timeout=patience)
+            send_msg(sock, {"t": "watch"})
+        except (OSError, CommError) as e:
+            if self._generation == uuid:
+                if "timed out" in str(e):
+                    why = f"rank {r} hung: no answer to the watch request within {patience:.2f} s"
+                else:
+                    why = f"rank {r} unreachable after reconfigure: {e}"
+                self._fail(PeerFailure(why), culprit=r)
+            return
+        with self._lock:
             if self._generation != uuid:
-                return  # a newer reconfigure took over
-            host, port, _, _ = parse_handle(h)
-            try:
-                sock = connect((host, port), self._secret, "reconf", timeout=5.0)
-                send_msg(sock, {"t": "watch"})
-            except (OSError, CommError) as e:
-                self._fail(PeerFailure(f"rank {r} unreachable after reconfigure: {e}"))
-                continue
-            with self._lock:
-                if self._generation != uuid:
-                    sock.close()
-                    return
-                self._watch.append(sock)
-            threading.Thread(target=self._watch_peer, args=(sock, r), daemon=True).start()
+                sock.close()
+                return
+            self._watch.append(sock)
+        self._watch_peer(sock, r)
 
     def _watch_peer(self, sock: socket.socket, r: int) -> None:
         try:
@@ -442,11 +474,12 @@ class ReconfigurableGroup:
         except TimeoutError:
             if sock in self._watch:  # a watcher of an older membership is not a failure
                 self._fail(
-                    PeerFailure(f"rank {r} hung: no heartbeat for {3 * self.heartbeat:.2f} s")
+                    PeerFailure(f"rank {r} hung: no heartbeat for {3 * self.heartbeat:.2f} s"),
+                    culprit=r,
                 )
         except (OSError, CommError):
             if sock in self._watch:
-                self._fail(PeerFailure(f"rank {r} crashed: its connection was lost"))
+                self._fail(PeerFailure(f"rank {r} crashed: its connection was lost"), culprit=r)
 
     def _stop_watch(self) -> None:
         with self._lock:
@@ -457,16 +490,51 @@ class ReconfigurableGroup:
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
-    def _fail(self, e: BaseException) -> None:
+    def _fail(self, e: BaseException, culprit: int | None = None) -> None:
+        """Record the first failure, end in-flight ops here and on every peer.
+
+        When this rank detected the fault itself (``culprit`` is the faulty member), it first
+        tells the other healthy members the cause, so that a survivor whose own detection is
+        later does not blame this rank for the abort that follows.
+        """
         with self._lock:
-            if self._error is None:
+            first = self._error is None
+            if first:
                 self._error = e
             waiters = list(self._waiters)
             pg = self.pg
-        if self._mesh is not None and pg is not None:
-            pg.comm.fail(e, REASON_ERROR)  # in-flight ops here and on every peer end now
+            uuid, members, me = self._generation, list(self._members), self._rank
         for w in waiters:
             w.set()
+        if first and culprit is not None and uuid >= 0 and not self._closed:
+            self._notify(uuid, me, culprit, str(e), members)
+        if self._mesh is not None and pg is not None:
+            pg.comm.fail(e, REASON_ERROR)  # in-flight ops here and on every peer end now
+
+    def _notify(self, uuid: int, me: int, culprit: int, cause: str, members: list[str]) -> None:
+        """Send a fault notice to every member but this one and the culprit (bounded wait)."""
+        msg = {"t": "fault", "uuid": uuid, "src": me, "cause": cause[:_MAX_CAUSE]}
+
+        def send(handle: str) -> None:
+            host, port, _, _ = parse_handle(handle)
+            with contextlib.suppress(OSError, CommError):
+                sock = connect((host, port), self._secret, "reconf", timeout=3 * self.heartbeat)
+                try:
+                    sock.settimeout(3 * self.heartbeat)
+                    send_msg(sock, msg)
+                finally:
+                    sock.close()
+
+        threads = [
+            threading.Thread(target=send, args=(h,), daemon=True)
+            for r, h in enumerate(members)
+            if r not in (me, culprit)
+        ]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + max(0.2, self.heartbeat)
+        for t in threads:  # the abort frames follow the notices; a slow peer does not hold them
+            t.join(max(0.0, end - time.monotonic()))
 
     def _retire(self, pg: Any) -> None:
         if self._mesh is not None:
