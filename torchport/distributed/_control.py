@@ -103,8 +103,19 @@ def server_handshake(sock: socket.socket, secret: bytes, role: str, timeout: flo
     sock.settimeout(None)
 
 
-def connect(addr: tuple[str, int], secret: bytes, role: str, timeout: float = 5.0) -> socket.socket:
-    """Open an authenticated connection to a torchport control server."""
+def connect(
+    addr: tuple[str, int],
+    secret: bytes,
+    role: str,
+    timeout: float = 5.0,
+    first: dict[str, Any] | None = None,
+) -> socket.socket:
+    """Open an authenticated connection to a torchport control server.
+
+    ``first`` (optional) is a request sent right behind the authentication answer, without
+    waiting for the server's "OK": the server reads it only once the answer has checked out, so
+    the connection stays authenticated and the request saves a round trip.
+    """
     try:
         sock = socket.create_connection(addr, timeout=timeout)
     except OSError as e:
@@ -112,7 +123,13 @@ def connect(addr: tuple[str, int], secret: bytes, role: str, timeout: float = 5.
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = recv_exact(sock, 32)
-        sock.sendall(_mac(secret, nonce, role))
+        answer = _mac(secret, nonce, role)
+        if first is not None:
+            body = json.dumps(first, separators=(",", ":")).encode()
+            if len(body) > MAX_FRAME:
+                raise CommError(f"control frame of {len(body)} bytes exceeds the limit {MAX_FRAME}")
+            answer += _HDR.pack(MAGIC, len(body)) + body
+        sock.sendall(answer)
         if recv_exact(sock, 2) != b"OK":
             raise AuthError(f"server at {addr} rejected authentication")
         sock.settimeout(None)

@@ -106,6 +106,7 @@ class ElasticMesh(Mesh):
         host, port = self.address.rsplit(":", 1)
         self.me = Member(self.rank, host, int(port), host_id())
         self.hosts: dict[int, str] = {self.rank: self.me.host_id}
+        self._dials: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
         self._acceptor.start()
         shm_lib()  # build/load the native step kernels now, not while a group is forming
@@ -121,18 +122,62 @@ class ElasticMesh(Mesh):
         with contextlib.suppress(OSError):
             conn.sock.close()
 
+    def dial(self, m: Member, deadline: float) -> bool:
+        """Start dialling ``m`` in the background if this member is the one to dial it.
+
+        Returns whether a new dial was started. Used to open connections while a reconfigure is
+        still validating; :meth:`ensure` waits for the dial and reports its failure.
+        """
+        with self._lock:
+            self.hosts[m.id] = m.host_id
+            old = self._dials.get(m.id)
+            if old is not None and old[1] and not old[0].is_alive():
+                del self._dials[m.id]  # an earlier dial failed: try again
+            if m.id >= self.rank or m.id in self.peers or m.id in self._dials:
+                return False
+            box: list[BaseException] = []
+
+            def run() -> None:
+                try:
+                    self._connect(m.id, m.host, m.port, deadline)
+                except BaseException as e:  # reported by ensure()
+                    box.append(e)
+                finally:
+                    with self._ready:
+                        self._ready.notify_all()
+
+            t = threading.Thread(target=run, daemon=True, name="tp-dial")
+            self._dials[m.id] = (t, box)
+        t.start()
+        return True
+
     def ensure(self, members: Sequence[Member], deadline: float, check: Callable[[], None]) -> int:
         """Connect to every member not yet connected; returns the number of connections dialled.
 
         Of two members the one with the higher id dials (the handshake accepts only higher ids),
-        so a pair never opens two connections.
+        so a pair never opens two connections. All dials run concurrently (and may have been
+        started earlier by :meth:`dial`).
         """
-        fresh = 0
+        mine: list[int] = []
         for m in members:
-            self.hosts[m.id] = m.host_id
-            if m.id < self.rank and m.id not in self.peers:
-                self._connect(m.id, m.host, m.port, deadline)
-                fresh += 1
+            self.dial(m, deadline)
+            with self._lock:
+                if m.id in self._dials:
+                    mine.append(m.id)
+        fresh = 0
+        for mid in mine:
+            with self._lock:
+                entry = self._dials.get(mid)
+            if entry is None:
+                continue
+            t, box = entry
+            t.join(max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                if self._dials.get(mid) is entry and not t.is_alive():
+                    del self._dials[mid]
+            if box:
+                raise box[0]
+            fresh += 1
         want = {m.id for m in members if m.id != self.rank}
         with self._ready:
             while not want <= set(self.peers):

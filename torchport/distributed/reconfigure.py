@@ -288,16 +288,18 @@ class ReconfigurableGroup:
         for attempt in (0, 1):
             sock = self._ctl.pop((host, port), None)
             fresh = sock is None
-            if sock is None:
+            if sock is None:  # the request rides behind the authentication answer
                 sock = connect(
                     (host, port),
                     self._secret,
                     "reconf",
                     timeout=max(0.05, deadline - time.monotonic()),
+                    first=msg,
                 )
             try:
                 sock.settimeout(max(0.05, deadline - time.monotonic()))
-                send_msg(sock, msg)
+                if not fresh:
+                    send_msg(sock, msg)
                 reply = recv_msg(sock)
             except (OSError, CommError):
                 sock.close()
@@ -342,12 +344,14 @@ class ReconfigurableGroup:
                 continue
             host, port, _, _ = parse_handle(h)
             self._ctl[(host, port)] = sock
-            out[h] = self._verdict(h, uuid, reply)
+            out[h] = self._verdict(h, uuid, reply, deadline)
         for h, f in futs.items():
             out[h] = f.result()
         return out
 
-    def _verdict(self, handle: str, uuid: int, r: dict[str, Any]) -> tuple[str | None, Any]:
+    def _verdict(
+        self, handle: str, uuid: int, r: dict[str, Any], deadline: float | None = None
+    ) -> tuple[str | None, Any]:
         """(problem or None, the peer's mesh record) from a check reply."""
         if not r.get("current"):
             return f"handle {handle!r} is stale: that rank has been reconfigured since", None
@@ -356,6 +360,10 @@ class ReconfigurableGroup:
             return used, None
         if self._mesh is not None and r.get("mesh") is None:
             return f"handle {handle!r} belongs to a group of another backend (not torchport)", None
+        if self._mesh is not None and deadline is not None:
+            # open the mesh connection while the other handles are still being validated
+            with contextlib.suppress(CommError, ValueError, TypeError):
+                self._mesh.dial(Member.from_json(r.get("mesh")), deadline)
         return None, r.get("mesh")
 
     def _check(self, handle: str, uuid: int, deadline: float) -> tuple[str | None, Any]:
@@ -365,7 +373,7 @@ class ReconfigurableGroup:
             r = self._ask(host, port, {"t": "check", "nonce": nonce, "uuid": uuid}, deadline)
         except (OSError, CommError) as e:
             return f"handle {handle!r} is stale: no process answers at {host}:{port} ({e})", None
-        return self._verdict(handle, uuid, r)
+        return self._verdict(handle, uuid, r, deadline)
 
     def _reconfigure(self, opts: ReconfigureOptions) -> None:
         t0 = time.perf_counter()
