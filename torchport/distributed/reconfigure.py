@@ -457,8 +457,9 @@ class ReconfigurableGroup:
         try:
             # A peer that cannot finish the handshake within three heartbeats is hung (it may
             # have been stopped before this watcher reached it): the same bound as a missed beat.
-            sock = connect((host, port), self._secret, "reconf", timeout=patience)
-            send_msg(sock, {"t": "watch"})
+            sock = connect(
+                (host, port), self._secret, "reconf", timeout=patience, first={"t": "watch"}
+            )
         except (OSError, CommError) as e:
             if self._generation == uuid:
                 if "timed out" in str(e):
@@ -526,12 +527,10 @@ class ReconfigurableGroup:
         def send(handle: str) -> None:
             host, port, _, _ = parse_handle(handle)
             with contextlib.suppress(OSError, CommError):
-                sock = connect((host, port), self._secret, "reconf", timeout=3 * self.heartbeat)
-                try:
-                    sock.settimeout(3 * self.heartbeat)
-                    send_msg(sock, msg)
-                finally:
-                    sock.close()
+                sock = connect(
+                    (host, port), self._secret, "reconf", timeout=3 * self.heartbeat, first=msg
+                )
+                sock.close()
 
         threads = [
             threading.Thread(target=send, args=(h,), daemon=True)
