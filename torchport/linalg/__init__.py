@@ -165,16 +165,21 @@ _routes_gen = [_cfg_gen[0]]
 _routes_stamp: list[Any] = [config.stamp(_ROUTE_SETTINGS)]
 
 
-def _sync_routes() -> None:
-    """Drop every cached route if a setting that decides routes changed since they were made."""
-    st = config.stamp(_ROUTE_SETTINGS)
-    if st is None or (st == _routes_stamp[0] and _routes_gen[0] == _cfg_gen[0]):
-        return  # under an override: fast hits are still valid (see _route), nothing to drop
+def _drop_routes() -> None:
+    """Forget every route learned in this process (the persistent tuner cache stays)."""
     _memo.clear()
     _fast.clear()
     for keys in _lapack_fast.values():
         keys.clear()
     _chol_native.clear()
+
+
+def _sync_routes() -> None:
+    """Drop every cached route if a setting that decides routes changed since they were made."""
+    st = config.stamp(_ROUTE_SETTINGS)
+    if st is None or (st == _routes_stamp[0] and _routes_gen[0] == _cfg_gen[0]):
+        return  # under an override: fast hits are still valid (see _route), nothing to drop
+    _drop_routes()
     _routes_stamp[0] = st
     _routes_gen[0] = _cfg_gen[0]
 
