@@ -582,7 +582,7 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
     monkeypatch.setattr(tl, "_chol_native", {})
-    monkeypatch.setattr(tl, "_lapack_fast", set())
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
     monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "2")
     before = autotune.stats.tuned
     a = torch.randn(300, 3, 3)
@@ -648,7 +648,7 @@ def test_auto_confirms_native_win_against_lapack(monkeypatch):
         monkeypatch.setattr(tl, "_memo", {})
         monkeypatch.setattr(tl, "_fast", {})
         monkeypatch.setattr(tl, "_chol_native", {})
-        monkeypatch.setattr(tl, "_lapack_fast", set())
+        tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
         monkeypatch.setattr(tl, "_time_pair", lambda fa, fb, x, r=(t_lapack, t_native): r)
         assert tl._route("qr", a, "auto", ("reduced",)) == want
     # tuned in the bucket of 100 (128), on the call's batch of 100, not the bucket's top
@@ -663,7 +663,7 @@ def test_auto_lapack_choice_skips_confirmation(monkeypatch):
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
     monkeypatch.setattr(tl, "_chol_native", {})
-    monkeypatch.setattr(tl, "_lapack_fast", set())
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
 
     def boom(*args):
         raise AssertionError("confirmation timed although the tuner chose torch.linalg")
@@ -679,7 +679,7 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     monkeypatch.setattr(tl, "_memo", {})
     monkeypatch.setattr(tl, "_fast", {})
     monkeypatch.setattr(tl, "_chol_native", {})
-    monkeypatch.setattr(tl, "_lapack_fast", set())
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
     monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or False)
     a = spd(100, 8)
     assert torch.equal(tl.cholesky(a), torch.linalg.cholesky(a))
@@ -702,7 +702,7 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(tl, "_fast", {})
     monkeypatch.setattr(tl, "_chol_native", {})
-    monkeypatch.setattr(tl, "_lapack_fast", set())
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
     monkeypatch.setattr(tl, "_bucket", lambda b: 128)
     monkeypatch.setattr(tl, "_tune", lambda op, key, b: calls.append(key) or True)
     monkeypatch.setattr(tl, "_memo", {})

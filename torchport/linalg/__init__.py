@@ -105,9 +105,17 @@ _memo: dict[tuple[Any, ...], bool] = {}
 # The per-call fast path of method="auto": (op, shape, dtype, device, options) -> route, filled
 # after the first call of that exact problem; a hit skips bucketing, the tuner and its cache.
 _fast: dict[tuple[Any, ...], str] = {}
-# (op, shape, dtype, options) of real problems that "auto" sends to torch.linalg: correct on any
-# device (off the CPU "auto" always means torch.linalg), so the key skips the costly ``a.device``
-_lapack_fast: set[tuple[Any, ...]] = set()
+# Per op, (shape, dtype, *options as the public function spells them) of real problems that
+# "auto" sends to torch.linalg: correct on any device (off the CPU "auto" always means
+# torch.linalg), so the key skips the costly ``a.device``. Each public function tests its set
+# inline before anything else and returns torch.linalg's result unchanged (~1 us over torch).
+_lapack_fast: dict[str, set[tuple[Any, ...]]] = {
+    op: set() for op in ("svd", "eigh", "qr", "cholesky")
+}
+_lk_svd = _lapack_fast["svd"]
+_lk_eigh = _lapack_fast["eigh"]
+_lk_qr = _lapack_fast["qr"]
+_lk_chol = _lapack_fast["cholesky"]
 
 
 # (shape, dtype, upper) of CPU problems "auto" routed to the native Cholesky -> its launcher,
@@ -127,21 +135,72 @@ def _chol_auto_native(a: object, upper: bool) -> tuple[torch.Tensor, torch.Tenso
     if type(a) is not torch.Tensor:
         return None
     run = _chol_native.get((a.shape, a.dtype, upper))
-    if run is None or not a.is_cpu or not native.eager_fast_path(a) or not native.enabled():
+    if (
+        run is None
+        or _routes_gen[0] != _cfg_gen[0]
+        or not a.is_cpu
+        or not native.eager_fast_path(a)
+        or not native.enabled()
+    ):
         return None
     return run(a)
 
 
+# Every auto-routing cache above, keyed by what the route was derived from: the settings that
+# can change a route (config.stamp), checked on each slow-path call. A config assignment also
+# bumps config's generation counter, which the one-line LAPACK fast path in each public function
+# compares (one list read), so ``config.set(...)`` re-routes even problems that only hit it;
+# environment edits at run time are seen by the next slow-path call.
+_ROUTE_SETTINGS = (
+    "native",
+    "isa",
+    "autotune",
+    "autotune_cache",
+    "autotune_reps",
+    "autotune_noise",
+    "cache_dir",
+)
+_cfg_gen = config._generation
+_routes_gen = [_cfg_gen[0]]
+_routes_stamp: list[Any] = [config.stamp(_ROUTE_SETTINGS)]
+
+
+def _drop_routes() -> None:
+    """Forget every route learned in this process (the persistent tuner cache stays)."""
+    _memo.clear()
+    _fast.clear()
+    for keys in _lapack_fast.values():
+        keys.clear()
+    _chol_native.clear()
+
+
+def _sync_routes() -> None:
+    """Drop every cached route if a setting that decides routes changed since they were made."""
+    st = config.stamp(_ROUTE_SETTINGS)
+    if st is None or (st == _routes_stamp[0] and _routes_gen[0] == _cfg_gen[0]):
+        return  # under an override: fast hits are still valid (see _route), nothing to drop
+    _drop_routes()
+    _routes_stamp[0] = st
+    _routes_gen[0] = _cfg_gen[0]
+
+
 def _lapack_known(op: str, a: object, extra: tuple[Any, ...]) -> bool:
-    """True if ``method="auto"`` already routed this exact problem to ``torch.linalg``: the
-    cheapest check there is, run before any validation (keys are stored only for valid calls)."""
-    if type(a) is not torch.Tensor:
-        return False
-    return (op, a.shape, a.dtype, extra) in _lapack_fast
+    """True if ``method="auto"`` already routed this exact problem to ``torch.linalg`` and no
+    setting changed since: the cheapest check there is, run before any validation (keys are
+    stored only for valid calls). The public functions inline this test."""
+    return (
+        type(a) is torch.Tensor
+        and (a.shape, a.dtype, *extra) in _lapack_fast[op]
+        and _routes_gen[0] == _cfg_gen[0]
+    )
 
 
-def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str:
-    """'native', 'lapack' or 'reference' for this call."""
+def _route(
+    op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...], public: Any = None
+) -> str:
+    """'native', 'lapack' or 'reference' for this call; ``public`` is the options as the public
+    function's inline LAPACK test spells them (default ``extra``)."""
+    _sync_routes()
     if method == "auto":
         fast = (op, a.shape, a.dtype, a.device, extra)
         hit_route = _fast.get(fast)
@@ -182,7 +241,7 @@ def _route(op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...]) -> str
     route = "native" if hit else "lapack"
     _fast[(op, a.shape, a.dtype, a.device, extra)] = route
     if route == "lapack":
-        _lapack_fast.add((op, a.shape, a.dtype, extra))
+        _lapack_fast[op].add((a.shape, a.dtype, *(extra if public is None else public)))
     elif op == "cholesky":
         _chol_native[(a.shape, a.dtype, extra[0])] = _chol_plan(a, extra[0])
     return route
@@ -312,7 +371,12 @@ def svd(
     Returns ``(U, S, Vh)`` with S descending; ``full_matrices`` picks (m×m, n×n) or reduced
     (m×k, k×n) factors, k = min(m, n). U and Vh stay orthonormal for rank-deficient input.
     """
-    if method == "auto" and _lapack_known("svd", A, (bool(full_matrices), True)):
+    if (
+        method == "auto"
+        and type(A) is torch.Tensor
+        and (A.shape, A.dtype, full_matrices, True) in _lk_svd
+        and _routes_gen[0] == _cfg_gen[0]
+    ):
         return torch.linalg.svd(A, full_matrices=full_matrices)
     a = _check("svd", A, square=False)
     route = _route("svd", a, method, (bool(full_matrices), True))
@@ -329,7 +393,13 @@ def svd(
 
 def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
     """Singular values of ``A``, descending (``torch.linalg.svdvals``)."""
-    if method == "auto" and _lapack_known("svd", A, (False, False)) and not A.requires_grad:
+    if (
+        method == "auto"
+        and type(A) is torch.Tensor
+        and (A.shape, A.dtype, False, False) in _lk_svd
+        and _routes_gen[0] == _cfg_gen[0]
+        and not A.requires_grad
+    ):
         return torch.linalg.svdvals(A)
     a = _check("svdvals", A, square=False)
     if a.requires_grad and torch.is_grad_enabled():
@@ -356,9 +426,16 @@ def eigh(
 
     Returns ``(eigenvalues, eigenvectors)``, eigenvalues ascending, eigenvectors as columns.
     """
+    if (
+        method == "auto"
+        and type(A) is torch.Tensor
+        and (A.shape, A.dtype, UPLO, True) in _lk_eigh
+        and _routes_gen[0] == _cfg_gen[0]
+    ):
+        return torch.linalg.eigh(A, UPLO=UPLO)
     a = _check("eigh", A, square=True)
     upper = _uplo("eigh", UPLO)
-    route = _route("eigh", a, method, (upper, True))
+    route = _route("eigh", a, method, (upper, True), (UPLO, True))
     if route == "lapack":
         return torch.linalg.eigh(a, UPLO=UPLO)
     if route == "reference":
@@ -371,11 +448,19 @@ def eigh(
 
 def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.Tensor:
     """Eigenvalues of symmetric ``A``, ascending (``torch.linalg.eigvalsh``)."""
+    if (
+        method == "auto"
+        and type(A) is torch.Tensor
+        and (A.shape, A.dtype, UPLO, False) in _lk_eigh
+        and _routes_gen[0] == _cfg_gen[0]
+        and not A.requires_grad
+    ):
+        return torch.linalg.eigvalsh(A, UPLO=UPLO)
     a = _check("eigvalsh", A, square=True)
     upper = _uplo("eigvalsh", UPLO)
     if a.requires_grad and torch.is_grad_enabled():
         return eigh(a, UPLO, method=method)[0]
-    route = _route("eigh", a, method, (upper, False))
+    route = _route("eigh", a, method, (upper, False), (UPLO, False))
     if route == "lapack":
         return torch.linalg.eigvalsh(a, UPLO=UPLO)
     if route == "reference":
@@ -390,7 +475,12 @@ def qr(
 
     With ``mode='r'`` Q is an empty tensor, as in torch. R's diagonal follows LAPACK's signs.
     """
-    if method == "auto" and _lapack_known("qr", A, (mode,)):
+    if (
+        method == "auto"
+        and type(A) is torch.Tensor
+        and (A.shape, A.dtype, mode) in _lk_qr
+        and _routes_gen[0] == _cfg_gen[0]
+    ):
         return torch.linalg.qr(A, mode=mode)
     a = _check("qr", A, square=False)
     if mode not in QR_MODES:
@@ -418,7 +508,11 @@ def cholesky_ex(
     like :func:`cholesky` instead.
     """
     if method == "auto":
-        if _lapack_known("cholesky", A, (bool(upper),)):
+        if (
+            type(A) is torch.Tensor
+            and (A.shape, A.dtype, upper) in _lk_chol
+            and _routes_gen[0] == _cfg_gen[0]
+        ):
             return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
         got = _chol_auto_native(A, bool(upper))
         if got is not None:
@@ -487,7 +581,11 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
     if method == "auto":
-        if _lapack_known("cholesky", A, (bool(upper),)):
+        if (
+            type(A) is torch.Tensor
+            and (A.shape, A.dtype, upper) in _lk_chol
+            and _routes_gen[0] == _cfg_gen[0]
+        ):
             return torch.linalg.cholesky(A, upper=upper)
         got = _chol_auto_native(A, bool(upper))
         if got is not None:

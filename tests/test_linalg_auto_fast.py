@@ -1,0 +1,67 @@
+"""The method="auto" LAPACK fast path: same results and errors as the general path, and its
+route cache dropped when a routing setting changes. Deterministic: routes are seeded directly,
+nothing is timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport.linalg as tl
+from torchport import config
+
+
+def _spd(b: int, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    g = torch.randn(b, n, n, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    return g @ g.mT + n * torch.eye(n, dtype=dtype)
+
+
+def _seed_lapack(op: str, a: torch.Tensor, *public: object) -> None:
+    tl._sync_routes()
+    tl._lapack_fast[op].add((a.shape, a.dtype, *public))
+
+
+def test_fast_hits_return_torch_results_unchanged() -> None:
+    a = _spd(5, 4)
+    _seed_lapack("cholesky", a, False)
+    _seed_lapack("qr", a, "reduced")
+    _seed_lapack("eigh", a, "L", True)
+    _seed_lapack("eigh", a, "L", False)
+    _seed_lapack("svd", a, True, True)
+    assert torch.equal(tl.cholesky(a), torch.linalg.cholesky(a))
+    assert type(tl.qr(a)) is type(torch.linalg.qr(a))
+    assert torch.equal(tl.qr(a).R, torch.linalg.qr(a).R)
+    assert torch.equal(tl.eigh(a).eigenvalues, torch.linalg.eigh(a).eigenvalues)
+    assert torch.equal(tl.eigvalsh(a), torch.linalg.eigvalsh(a))
+    assert torch.equal(tl.svd(a).S, torch.linalg.svd(a).S)
+
+
+def test_fast_hit_keeps_errors_and_autograd() -> None:
+    a = _spd(3, 4)
+    _seed_lapack("cholesky", a, False)
+    bad = a.clone()
+    bad[1] = -bad[1]
+    with pytest.raises(torch.linalg.LinAlgError):
+        tl.cholesky(bad)
+    x = a.clone().requires_grad_()
+    tl.cholesky(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    # an invalid UPLO never matches the fast key: the general path raises torchport's error
+    _seed_lapack("eigh", a, "L", True)
+    with pytest.raises(tl.LinalgInputError):
+        tl.eigh(a, UPLO="X")
+
+
+def test_config_assignment_drops_routes() -> None:
+    a = _spd(2, 3)
+    tl.cholesky(a)  # routes (tunes or reads the cache) and records the route
+    _seed_lapack("cholesky", a, False)
+    assert tl._lapack_known("cholesky", a, (False,))
+    noise = config.get("autotune_noise")
+    config.set("autotune_noise", noise)  # an assignment, even to the same value, re-routes
+    try:
+        assert not tl._lapack_known("cholesky", a, (False,))
+        tl._sync_routes()
+        assert not tl._lk_chol and not tl._fast and not tl._memo
+    finally:
+        config.set("autotune_noise", None)
