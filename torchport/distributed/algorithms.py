@@ -32,35 +32,29 @@ from collections.abc import Sequence
 import torch
 
 from torchport.distributed import algorithms_tcp as tcp
-from torchport.distributed.engine import Communicator, make_sig
+from torchport.distributed.engine import (
+    OP_ALLGATHER,
+    OP_ALLREDUCE,
+    OP_ALLTOALL,
+    OP_ALLTOALL_SIZES,
+    OP_BARRIER,
+    OP_BROADCAST,
+    OP_GATHER,
+    OP_REDUCE,
+    OP_REDUCE_SCATTER,
+    OP_SCATTER,
+    Communicator,
+    make_sig,
+)
+from torchport.distributed.engine import chunk_ranges as _chunks
 from torchport.distributed.errors import CollectiveMismatchError
 from torchport.distributed.transport_shm import COPY, FOLD
 
 SMALL_BYTES = 256 << 10
-OP_BARRIER, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER = 0, 1, 2, 3, 4
-OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_ALLTOALL_SIZES = 5, 6, 7, 8, 9
 
 
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0
-
-
-def _parts(n: int, w: int) -> list[tuple[int, int]]:
-    """Split ``n`` elements into ``w`` near-equal (start, length) parts."""
-    per, extra = divmod(n, w)
-    out, lo = [], 0
-    for q in range(w):
-        k = per + (1 if q < extra else 0)
-        out.append((lo, k))
-        lo += k
-    return out
-
-
-def _chunks(total: int, per: int) -> list[tuple[int, int]]:
-    """(offset, length) chunks of at most ``per``; one empty chunk when ``total`` is 0."""
-    if total == 0:
-        return [(0, 0)]
-    return [(lo, min(per, total - lo)) for lo in range(0, total, per)]
 
 
 def barrier(comm: Communicator, deadline: float) -> None:

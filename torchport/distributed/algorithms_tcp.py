@@ -34,13 +34,23 @@ from collections.abc import Sequence
 
 import torch
 
-from torchport.distributed.engine import Communicator, make_sig
+from torchport.distributed.engine import (
+    OP_ALLREDUCE,
+    OP_ALLTOALL,
+    OP_ALLTOALL_SIZES,
+    OP_BROADCAST,
+    OP_GATHER,
+    OP_REDUCE,
+    OP_REDUCE_SCATTER,
+    OP_SCATTER,
+    Communicator,
+    make_sig,
+)
+from torchport.distributed.engine import chunk_ranges as _chunks
+from torchport.distributed.engine import split_even as _parts
 from torchport.distributed.errors import CollectiveMismatchError, CommError
 from torchport.distributed.exchange import Blob, _addr, exchange
 from torchport.distributed.transport_shm import COPY, FOLD
-
-OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_GATHER, OP_SCATTER = 1, 2, 3, 5, 6
-OP_REDUCE_SCATTER, OP_ALLTOALL, OP_ALLTOALL_SIZES = 7, 8, 9
 
 
 def _expect(blob: Blob, n: int, q: int) -> int:
@@ -72,20 +82,6 @@ def _scratch(comm: Communicator, nbytes: int) -> int:
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         comm._tcp_scratch = buf  # type: ignore[attr-defined]
     return buf.data_ptr()
-
-
-def _parts(m: int, w: int) -> list[tuple[int, int]]:
-    per, extra = divmod(m, w)
-    out, lo = [], 0
-    for q in range(w):
-        k = per + (1 if q < extra else 0)
-        out.append((lo, k))
-        lo += k
-    return out
-
-
-def _chunks(total: int, per: int) -> list[tuple[int, int]]:
-    return [(0, 0)] if total == 0 else [(lo, min(per, total - lo)) for lo in range(0, total, per)]
 
 
 def _fold_part(

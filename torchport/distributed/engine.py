@@ -74,6 +74,10 @@ OP_NAMES = (
     "alltoall",
     "alltoall_sizes",
 )
+# Op codes of the step signature: the index of the name above (shared by the shm and tcp algorithms,
+# so a mismatched call is detected whichever transport carries it).
+OP_BARRIER, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER = range(5)
+OP_GATHER, OP_SCATTER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_ALLTOALL_SIZES = range(5, 10)
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
@@ -102,6 +106,25 @@ def make_sig(
 ) -> tuple[int, int, int, int]:
     """The 4-word step signature every rank must agree on."""
     return (op_seq, op | (dtype << 8) | (red << 16) | ((root + 1) << 24), nbytes, step)
+
+
+def split_even(n: int, w: int) -> list[tuple[int, int]]:
+    """Split ``n`` elements into ``w`` near-equal ``(start, length)`` parts (the first
+    ``n % w`` one longer): how every algorithm assigns blocks to ranks."""
+    per, extra = divmod(n, w)
+    out, lo = [], 0
+    for q in range(w):
+        k = per + (1 if q < extra else 0)
+        out.append((lo, k))
+        lo += k
+    return out
+
+
+def chunk_ranges(total: int, per: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` chunks of at most ``per``; one empty chunk when ``total`` is 0."""
+    if total == 0:
+        return [(0, 0)]
+    return [(lo, min(per, total - lo)) for lo in range(0, total, per)]
 
 
 def describe_sig(sig: Sequence[int]) -> str:
