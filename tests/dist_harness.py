@@ -18,6 +18,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 
 def _entry(
     target: Callable[..., Any], rank: int, world: int, init: str, args: tuple, env: dict, q: Any
@@ -103,3 +105,15 @@ def run_world(
         raise AssertionError("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items())))
     assert not leftovers, f"shared-memory files left behind: {leftovers}"
     return [results[r][1] for r in range(world)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_forkserver_after_module():
+    """Leave no fork server behind once a test module is done (autouse in every module that
+    imports it)."""
+    yield
+    import multiprocessing.forkserver as fs
+
+    stop = getattr(fs._forkserver, "_stop", None)
+    if stop is not None:
+        stop()

@@ -14,7 +14,7 @@ import dist_workers as W
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_world
+from dist_harness import run_world, stop_forkserver_after_module  # noqa: F401 (autouse fixture)
 
 # many chunks and both allreduce paths, on shared memory and over TCP
 SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384", "TORCHPORT_DIST_TCP_CHUNK_BYTES": "16384"}
@@ -42,17 +42,6 @@ PLANS = {
         [("grid", ([0, 4099],)), ("p2p", ()), ("abort", ())],
     ),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_forkserver():
-    """Leave no fork server behind once this module is done."""
-    yield
-    import multiprocessing.forkserver as fs
-
-    stop = getattr(fs._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
 
 
 @functools.cache

@@ -14,20 +14,9 @@ import subprocess
 
 import dist_workers as W
 import pytest
-from dist_harness import run_world
+from dist_harness import run_world, stop_forkserver_after_module  # noqa: F401 (autouse fixture)
 
 pytestmark = pytest.mark.timeout(150)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_forkserver():
-    """Leave no fork server behind once this module is done."""
-    yield
-    import multiprocessing.forkserver as fs
-
-    stop = getattr(fs._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
