@@ -288,17 +288,7 @@ class Window:
         async_op: bool = False,
     ) -> Work | None:
         """Write ``tensor`` into ``dst_rank``'s tensor at the given flat element offset."""
-        src = tensor.reshape(-1)
-        self._target(dst_rank, tensor.dtype, target_offset_nelems, src.numel(), "put")
-        if self.transport == "shm":
-            tgt = self._remote[dst_rank]
-            assert tgt is not None
-            tgt.view(-1)[target_offset_nelems : target_offset_nelems + src.numel()].copy_(src)
-        else:
-            data = src.clone() if async_op else src  # async: the caller may reuse its tensor
-            msg = {"t": "put", "off": target_offset_nelems, "n": src.numel()}
-            return self._issue(dst_rank, lambda: self._rpc(dst_rank, msg, data), async_op)
-        return self._done() if async_op else None
+        return self._write("put", "put", tensor, dst_rank, target_offset_nelems, async_op)
 
     def accumulate(
         self,
@@ -308,21 +298,32 @@ class Window:
         async_op: bool = False,
     ) -> Work | None:
         """Add ``tensor`` into ``dst_rank``'s tensor (sum), atomically w.r.t. other accumulates."""
+        return self._write("accumulate", "acc", tensor, dst_rank, target_offset_nelems, async_op)
+
+    def _write(
+        self, op: str, wire: str, tensor: torch.Tensor, dst: int, off: int, async_op: bool
+    ) -> Work | None:
+        """One-sided write of ``tensor`` at element ``off`` of ``dst``'s tensor: a copy (put) or
+        a sum under the target's file lock (accumulate) through shared memory, else one request
+        ``wire`` to the target's window server."""
         src = tensor.reshape(-1)
-        self._target(dst_rank, tensor.dtype, target_offset_nelems, src.numel(), "accumulate")
-        if self.transport == "shm":
-            tgt = self._remote[dst_rank]
-            assert tgt is not None
-            fd = self._remote_fds[dst_rank]
+        self._target(dst, tensor.dtype, off, src.numel(), op)
+        if self.transport != "shm":
+            data = src.clone() if async_op else src  # async: the caller may reuse its tensor
+            msg = {"t": wire, "off": off, "n": src.numel()}
+            return self._issue(dst, lambda: self._rpc(dst, msg, data), async_op)
+        tgt = self._remote[dst]
+        assert tgt is not None
+        view = tgt.view(-1)[off : off + src.numel()]
+        if op == "put":
+            view.copy_(src)
+        else:
+            fd = self._remote_fds[dst]
             fcntl.lockf(fd, fcntl.LOCK_EX)
             try:
-                tgt.view(-1)[target_offset_nelems : target_offset_nelems + src.numel()].add_(src)
+                view.add_(src)
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN)
-        else:
-            data = src.clone() if async_op else src
-            msg = {"t": "acc", "off": target_offset_nelems, "n": src.numel()}
-            return self._issue(dst_rank, lambda: self._rpc(dst_rank, msg, data), async_op)
         return self._done() if async_op else None
 
     def get(self, src_rank: int, offset_nelems: int = 0, nelems: int | None = None) -> torch.Tensor:
