@@ -272,6 +272,26 @@ def _use_int8(pw: PackedWeight, allow_int8: bool) -> bool:
     )
 
 
+def native_launch(
+    pw: PackedWeight, rows: int, allow_int8: bool = True
+) -> tuple[object, int] | None:
+    """The native kernel and thread count :func:`gemv_packed` would run for ``rows`` activation
+    rows (the same plan, so a caller reproduces its results bit for bit), or ``None`` where it
+    would not call a native kernel (native kernels off, an ATen plan, an empty problem).
+
+    Used by graph capture (:mod:`torchport.graphs.native_gemv`) to call the kernel from C.
+    """
+    if not native.enabled() or not 0 < rows <= MAX_ROWS or pw.k == 0 or pw.n == 0:
+        return None
+    try:
+        plan = plan_for(pw, rows, _use_int8(pw, allow_int8))
+    except native.NativeError:
+        return None
+    if plan.kernel is None:
+        return None
+    return plan.kernel, plan.threads or native.num_threads()
+
+
 def _run(
     x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
 ) -> torch.Tensor:

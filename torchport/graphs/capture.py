@@ -19,6 +19,8 @@ Operations whose result Python would consume (``Tensor.item()``, ``bool(tensor)`
 Python numbers) are governed by the graph's ``capture_error_mode`` (see
 :class:`~torchport.graphs.Graph`); ops taking an explicit ``torch.Generator`` and non-ATen ops
 cannot be captured in any mode: they raise :class:`CaptureError` naming the op, at capture time.
+The exceptions are torchport's decode GEMV ops (:data:`CAPTURABLE_CUSTOM_OPS`): a quantized
+``nn.Linear`` (NVFP4/MX/FP8 weights) inside a capture records one such op on plain tensors.
 """
 
 from __future__ import annotations
@@ -138,6 +140,11 @@ class _GlobalBan:
 
 global_ban = _GlobalBan()
 
+
+# torchport custom ops a capture records like ATen ops: the decode GEMVs that quantized linears
+# (and torchport.compile's GEMV routing) call; the native tier calls their kernels directly
+# (torchport.graphs.native_gemv), the TorchScript tier through the dispatcher.
+CAPTURABLE_CUSTOM_OPS = frozenset({"torchport::gemv_packed", "torchport::gemv_dense"})
 
 # Ops that hand a Python value back to the caller: the capture would freeze it.
 _PYTHON_VALUE_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item", "is_same_size"}
@@ -266,9 +273,13 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         opname = f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname}"
         base = func._schema.name.split("::")[-1]
-        if func._schema.name.split("::")[0] not in ("aten", "prim"):
+        if (
+            func._schema.name.split("::")[0] not in ("aten", "prim")
+            and func._schema.name not in CAPTURABLE_CUSTOM_OPS
+        ):
             raise CaptureError(
-                f"graph capture: {func} is not an ATen op; only ATen ops can be captured"
+                f"graph capture: {func} is not an ATen op; only ATen ops (and torchport's decode "
+                "GEMV ops) can be captured"
             )
         if base in _PYTHON_VALUE_OPS:
             if self.error_mode == "relaxed":
@@ -287,7 +298,16 @@ class Recorder(TorchDispatchMode):
                     "captured; use the default generator"
                 )
         call = self._format_call(func, args, kwargs)
-        out = func(*args, **kwargs)
+        if func._schema.name in CAPTURABLE_CUSTOM_OPS:
+            # A GEMV's first call may build and tune its kernel (reading values, timing ATen):
+            # real work outside the recording, allowed past capture_error_mode's ban.
+            _TLS.bypass += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                _TLS.bypass -= 1
+        else:
+            out = func(*args, **kwargs)
         self.ops += 1
         self.scope.trace.append(("op", func, tuple(args), dict(kwargs), out))
         self._bind_outputs(opname, call, out)

@@ -36,6 +36,7 @@ import torch
 
 from torchport import native
 from torchport.gemm.templates import GEMM_F32_ENTRY_TYPEDEF
+from torchport.graphs.native_gemv import GEMV_ENTRY_TYPEDEF, emit_gemv
 from torchport.graphs.native_ops import emit_model_op
 
 __all__ = ["lower"]
@@ -400,6 +401,14 @@ class _Codegen:
             ins.append(("c", bias))
         self.pointwise(out, "(" + " + ".join(terms) + ")", ins, temp=prod)
 
+    def add_fn(self, fn: Any) -> int:
+        """Index in ``F`` of a native entry point (a ctypes function), added once."""
+        for i, f in enumerate(self.fns):
+            if f is fn:
+                return i
+        self.fns.append(fn)
+        return len(self.fns) - 1
+
     def gemm_fn(self, cfg: tuple[int, int], bias: bool) -> int:
         """Index in ``F`` of the engine's ``tp_gemm_{mr}x{nr}`` (no epilogue or a column bias)."""
         key = (cfg, bias)
@@ -444,6 +453,9 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
     if _is_view(func) or name in ("detach", "alias", "lift_fresh"):
         return
     base = name.rstrip("_")
+    if func._schema.name.startswith("torchport::"):  # capture admits only the GEMV ops
+        emit_gemv(cg, name, args, kwargs, out)
+        return
     if emit_model_op(cg, name, args, kwargs, out):
         return
     if not isinstance(out, torch.Tensor):
@@ -641,6 +653,7 @@ def lower(
         native.PRELUDE
         + _MATH
         + GEMM_F32_ENTRY_TYPEDEF
+        + GEMV_ENTRY_TYPEDEF
         + _PACK
         + "\nTP_EXPORT int tp_graph(char** P, void** F) {\n"
         + "\n".join([*decls, "  (void)F; (void)W; (void)T;", *cg.lines])
