@@ -336,8 +336,13 @@ def test_demo_weight_bound_decode_measures_all_formats(monkeypatch):
     monkeypatch.setattr(
         stage_quant, "WEIGHT_BOUND", GPTConfig(seq_len=16, d_model=64, n_layers=1, n_heads=2)
     )
-    rates = stage_quant._weight_bound_rates(0, tokens=8)
+    rates, cap = stage_quant._weight_bound_rates(0, tokens=8)
     assert set(rates) == {"fp32", "bf16", "nvfp4"} and all(r > 0 for r in rates.values())
+    assert set(cap["rates"]) == {"bf16 eager", "nvfp4 eager", "nvfp4 captured"}
+    assert all(r > 0 for r in cap["rates"].values())
+    assert cap["tier"] == "native"  # the decode loop with NVFP4 GEMVs runs as one C function
+    k, n = map(int, cap["agreement"].split("/"))
+    assert 0 <= k <= n and n >= cap["tokens"]
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from torchport import native
 from torchport.lowp import mx
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
 from torchport.lowp.tensors import Float8Tensor, LowPrecisionTensor, MXTensor, NVFP4Tensor
@@ -180,9 +179,5 @@ def quantize_(
             )
             continue
         mod.weight = nn.Parameter(config.quantize(w.detach()), requires_grad=False)
-        if native.eager_fast_path(mod.weight.qdata):
-            # Pack now, eagerly: a first decode call inside a graph capture then records only
-            # the GEMV op, not the packing.
-            mod.weight.gemv_pack()
         report.quantized.append(fqn)
     return report

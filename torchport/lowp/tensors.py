@@ -78,10 +78,15 @@ class LowPrecisionTensor(torch.Tensor):
             raise LowPrecisionError(
                 f"{type(self).__name__} GEMV needs a 2-D weight, got shape {tuple(self.shape)}"
             )
-        pw = self._make_pack()
-        if native.eager_fast_path(self.qdata):  # never cache fake/traced tensors
-            self._pack = pw
-        return pw
+        if type(self.qdata) is torch.Tensor and not torch.compiler.is_compiling():
+            # Real storage (possibly under a dispatch mode, e.g. a graph capture): pack outside
+            # any mode, once, so that a capture records only the GEMV, not the packing.
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes(), torch.no_grad():
+                self._pack = self._make_pack()
+            return self._pack
+        return self._make_pack()  # fake/traced tensors: never cached
 
     def _make_pack(self) -> PackedWeight:
         raise TypeError(_ABSTRACT)
