@@ -22,6 +22,7 @@ Reference: :func:`gemv_reference` (float64 product with the dequantized weight).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
+from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
 
 MAX_ROWS = 8
@@ -124,7 +126,9 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512), ``rows4``
     (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
     int8 activations (FP4 weights) the pair-split kernel (:mod:`torchport.gemv.fp4_kernel`,
-    ``kernel="pair"``, K a multiple of 64) comes first, the group-32 kernel after it.
+    ``kernel="pair"``, K a multiple of 64) comes first, the group-32 kernel after it; E4M3
+    weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
+    prefetch 2048 or 1024, ``rows2``: two weight rows streamed at once) first.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
@@ -133,6 +137,16 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
+    if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
+        for threads in (0, 1):
+            for pf, r2 in ((2048, 1), (2048, 0), (1024, 0)):
+                params = (
+                    ("kernel", "shift"),
+                    ("prefetch", pf),
+                    ("rows2", r2),
+                    ("threads", threads),
+                )
+                out.append(autotune.Candidate(f"shift_p{pf}_r{r2}_t{threads}", params=params))
     r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
@@ -142,12 +156,21 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     return out
 
 
+def _space_id(cands: list[autotune.Candidate]) -> str:
+    """Short content id of a candidate list (part of the tuning-cache key)."""
+    return hashlib.sha256(",".join(c.name for c in cands).encode()).hexdigest()[:12]
+
+
 def _native_kernel(fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candidate) -> object:
     pf, r4 = cand.param("prefetch", 512), cand.param("rows4", 0)
     if cand.param("kernel") == "pair":
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
         return gemv_fp4_pair_kernel(fmt, isa, pf)
+    if cand.param("kernel") == "shift":
+        if fmt != "fp8_e4m3" or isa == "scalar":
+            raise autotune.InvalidCandidate(f"shift-decode kernel needs AVX2 and E4M3 ({fmt})")
+        return gemv_fp8_shift_kernel(isa, pf, cand.param("rows2", 0))
     return gemv_i8_kernel(fmt, isa, pf, r4) if int8 else gemv_kernel(fmt, isa, pf, r4)
 
 
@@ -249,6 +272,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
             "isa": isa,
             "threads": native.num_threads(),
             "timing": "cold",  # entries tuned on hot (L3-resident) weights are not reused
+            "space": _space_id(cands),  # entries from another candidate list are not reused
         },
         cands,
         factory,

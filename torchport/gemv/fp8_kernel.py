@@ -1,0 +1,201 @@
+"""FP8 E4M3 decode GEMV with an integer-shift decode: three µops per eight weights.
+
+The float kernel of :mod:`torchport.gemv.kernels` decodes E4M3 through half precision (widen to
+16 bits, shift, mask, then two F16C conversions per 16 weights: about 18 µops per 32 weights, the
+conversions on the vector ports the FMAs need). This kernel builds the float32 bit pattern
+directly:
+
+- ``vpmovsxbd`` sign-extends eight bytes to int32 lanes: bits 31…8 copy the sign bit ``S``;
+- ``vpslld 20`` moves ``EEEE MMM`` to bits 26…20 (the float32 exponent's low four bits and the
+  top three mantissa bits) and copies of ``S`` into bits 31…27;
+- ``vpand 0x87F00000`` keeps the sign bit and clears the four copies in the exponent's top bits.
+
+The lane then holds the float32 whose value is exactly ``e4m3 · 2⁻¹²⁰`` for every code: normal
+codes (exponent ``e`` → ``e + 0``, bias 127 instead of 7) and subnormal ones (``e = 0`` → a
+float32 subnormal ``m/8 · 2⁻¹²⁶``). Products of such tiny weights with ordinary activations would
+underflow, so the activations are rescaled once per call, per row, by an exact power of two
+``2^k`` that brings the row's amax to ``[2⁹⁹, 2¹⁰⁰)``: products ``x·2^k · w·2⁻¹²⁰`` are then
+normal float32 numbers (a product underflows only where ``|x·w|`` is below ``2⁻¹⁰⁶ · amax`` —
+nothing a float32 sum of the row could hold), and the row sum is multiplied by ``2^(120-k)`` and
+the row scale at the end. The decoded weights are exact, so results equal the float kernel's
+up to float32 summation order (the same tolerance, :func:`torchport.gemv.gemv_reference`).
+
+Subnormal operands are only the rare subnormal weight codes. The kernel clears the MXCSR
+denormals-are-zero / flush-to-zero bits in each of its threads for the call (``torch.set_flush_
+denormal(True)`` would otherwise read subnormal codes as zero) and restores them. E4M3's NaN codes
+(0x7F/0xFF) decode to finite values, as in the float kernel: quantized data never holds them.
+AVX2 only (no scalar variant; the caller never selects it below AVX2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torchport import native
+from torchport.native import Kernel
+
+_SOURCE = r"""
+#include <float.h>
+#include <stdlib.h>
+static const float TP_E4M3F[256] = { ${e4m3_table} };
+
+/* Eight E4M3 bytes -> float32 lanes holding value * 2^-120 (exact, subnormals included). */
+TP_INLINE __m256 tp_e4m3x8(const uint8_t *p) {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87F00000)));
+}
+
+TP_INLINE float tp_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x row scaled by 2^k (exact) so that its amax lies in [2^99, 2^100); returns 2^(120 - k). */
+static double tp_prescale(const float *x, int64_t K, float *xs) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < K; ++i) { float a = fabsf(x[i]); amax = a > amax ? a : amax; }
+    int e = 0;
+    if (amax > 0.0f && amax <= FLT_MAX) frexpf(amax, &e);   /* amax = f * 2^e, f in [0.5, 1) */
+    int k = 100 - e;                                          /* |e| <= 149: k in [-28, 249] */
+    const float s1 = ldexpf(1.0f, k / 2), s2 = ldexpf(1.0f, k - k / 2);
+    for (int64_t i = 0; i < K; ++i) xs[i] = x[i] * s1 * s2;
+    return ldexp(1.0, 120 - k);
+}
+
+/* One weight row against NB (<= 4) prescaled activation rows. */
+TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_t K, const uint8_t *w,
+                      float post, float *out, int64_t ldo, const int NB) {
+    __m256 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
+    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t k = 0;
+    if (NB == 1) {   /* 64 weights (one cache line) per step: one prefetch per line */
+        for (; k + 64 <= K; k += 64) {
+            _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_T0);
+            acc[0][0] = _mm256_fmadd_ps(tp_e4m3x8(w + k), _mm256_loadu_ps(xs + k), acc[0][0]);
+            acc[0][1] = _mm256_fmadd_ps(tp_e4m3x8(w + k + 8), _mm256_loadu_ps(xs + k + 8), acc[0][1]);
+            acc1[0] = _mm256_fmadd_ps(tp_e4m3x8(w + k + 16), _mm256_loadu_ps(xs + k + 16), acc1[0]);
+            acc1[1] = _mm256_fmadd_ps(tp_e4m3x8(w + k + 24), _mm256_loadu_ps(xs + k + 24), acc1[1]);
+            acc[0][0] = _mm256_fmadd_ps(tp_e4m3x8(w + k + 32), _mm256_loadu_ps(xs + k + 32), acc[0][0]);
+            acc[0][1] = _mm256_fmadd_ps(tp_e4m3x8(w + k + 40), _mm256_loadu_ps(xs + k + 40), acc[0][1]);
+            acc1[0] = _mm256_fmadd_ps(tp_e4m3x8(w + k + 48), _mm256_loadu_ps(xs + k + 48), acc1[0]);
+            acc1[1] = _mm256_fmadd_ps(tp_e4m3x8(w + k + 56), _mm256_loadu_ps(xs + k + 56), acc1[1]);
+        }
+    }
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_T0);
+        __m256 w0 = tp_e4m3x8(w + k), w1 = tp_e4m3x8(w + k + 8);
+        __m256 w2 = tp_e4m3x8(w + k + 16), w3 = tp_e4m3x8(w + k + 24);
+        if (NB == 1) {   /* four independent chains hide FMA latency */
+            acc[0][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs + k), acc[0][0]);
+            acc[0][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs + k + 8), acc[0][1]);
+            acc1[0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xs + k + 16), acc1[0]);
+            acc1[1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xs + k + 24), acc1[1]);
+        } else {
+            for (int b = 0; b < NB; ++b) {
+                const float *xb = xs + b * K + k;
+                acc[b][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[b][1]);
+                acc[b][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), acc[b][1]);
+            }
+        }
+    }
+    if (NB == 1) { acc[0][0] = _mm256_add_ps(acc[0][0], acc1[0]); acc[0][1] = _mm256_add_ps(acc[0][1], acc1[1]); }
+    for (int b = 0; b < NB; ++b) {
+        float tail = 0.0f;   /* the K % 32 tail on the unscaled activations, table decode */
+        for (int64_t j = k; j < K; ++j) tail += TP_E4M3F[w[j]] * x[b * K + j];
+        const double s = (double)tp_hsum(_mm256_add_ps(acc[b][0], acc[b][1])) * fac[b] + (double)tail;
+        out[b * ldo] = (float)(s * (double)post);
+    }
+}
+
+/* Two weight rows against one prescaled activation row: two streams, x loaded once. */
+TP_INLINE void tp_rows2(const float *xs, const float *x, double fac, int64_t K, const uint8_t *w,
+                        const float *post, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    const uint8_t *v = w + K;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + k) + ${prefetch}, _MM_HINT_T0);
+        __m256 x0 = _mm256_loadu_ps(xs + k), x1 = _mm256_loadu_ps(xs + k + 8);
+        __m256 x2 = _mm256_loadu_ps(xs + k + 16), x3 = _mm256_loadu_ps(xs + k + 24);
+        a0 = _mm256_fmadd_ps(tp_e4m3x8(w + k), x0, a0);
+        a1 = _mm256_fmadd_ps(tp_e4m3x8(w + k + 8), x1, a1);
+        b0 = _mm256_fmadd_ps(tp_e4m3x8(v + k), x0, b0);
+        b1 = _mm256_fmadd_ps(tp_e4m3x8(v + k + 8), x1, b1);
+        a0 = _mm256_fmadd_ps(tp_e4m3x8(w + k + 16), x2, a0);
+        a1 = _mm256_fmadd_ps(tp_e4m3x8(w + k + 24), x3, a1);
+        b0 = _mm256_fmadd_ps(tp_e4m3x8(v + k + 16), x2, b0);
+        b1 = _mm256_fmadd_ps(tp_e4m3x8(v + k + 24), x3, b1);
+    }
+    float ta = 0.0f, tb = 0.0f;
+    for (int64_t j = k; j < K; ++j) { ta += TP_E4M3F[w[j]] * x[j]; tb += TP_E4M3F[v[j]] * x[j]; }
+    out[0] = (float)(((double)tp_hsum(_mm256_add_ps(a0, a1)) * fac + (double)ta) * (double)post[0]);
+    out[1] = (float)(((double)tp_hsum(_mm256_add_ps(b0, b1)) * fac + (double)tb) * (double)post[1]);
+}
+
+/* Same contract as torchport.gemv.kernels' tp_gemv for fp8_e4m3 (scales and pts unused). */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    (void)scales; (void)pts_d;
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(B * K) + 64);
+    double fac[8];
+    if (!xs) return 3;
+    if (B > 8) { free(xs); return 2; }
+    for (int64_t b = 0; b < B; ++b) fac[b] = tp_prescale(x + b * K, K, xs + b * K);
+    int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    #pragma omp parallel num_threads(nt)
+    {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr & ~0x8040u);   /* subnormal weight codes must not read as zero */
+        int64_t lo, hi;
+        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        int64_t n = lo;
+#if ${rows2}
+        if (B == 1)
+            for (; n + 2 <= hi; n += 2) {
+                tp_rows2(xs, x, fac[0], K, w + n * K, rowscale + n, out + n);
+                if (has_bias) { out[n] += bias[n]; out[n + 1] += bias[n + 1]; }
+            }
+#endif
+        for (; n < hi; ++n) {
+            const uint8_t *wr = w + n * K;
+            const float post = rowscale[n];
+            for (int64_t b = 0; b < B; b += 4) {
+                int64_t nb = B - b < 4 ? B - b : 4;
+                const float *xb = xs + b * K, *xo = x + b * K;
+                float *ob = out + b * N + n;
+                switch (nb) {
+                    case 1: tp_row(xb, xo, fac + b, K, wr, post, ob, N, 1); break;
+                    case 2: tp_row(xb, xo, fac + b, K, wr, post, ob, N, 2); break;
+                    case 3: tp_row(xb, xo, fac + b, K, wr, post, ob, N, 3); break;
+                    default: tp_row(xb, xo, fac + b, K, wr, post, ob, N, 4); break;
+                }
+            }
+            if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+        }
+        _mm_setcsr(csr);
+    }
+    free(xs);
+    return 0;
+}
+"""
+
+
+@functools.cache
+def gemv_fp8_shift_kernel(isa: str, prefetch: int = 512, rows2: int = 0) -> Kernel:
+    """The shift-decode E4M3 GEMV (entry ``tp_gemv``, the same arguments as
+    :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel). ``rows2``: with one
+    activation row, stream two weight rows at once."""
+    from torchport.gemv.kernels import _e4m3_table, gemv_kernel
+
+    if isa == "scalar":
+        raise native.NativeError("the shift-decode FP8 GEMV needs AVX2 (isa is 'scalar')")
+    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), prefetch=prefetch, rows2=int(rows2))
+    lib = native.build(src, name=f"gemv_fp8shift_{isa}_p{prefetch}_r{int(rows2)}", isa=isa)
+    return Kernel(lib, "tp_gemv", gemv_kernel("fp8_e4m3", isa, prefetch).args)
