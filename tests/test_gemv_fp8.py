@@ -54,7 +54,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: Float8Tensor, bias: torch.Tens
 
 @pytest.mark.parametrize("rows2", [0, 1], ids=["rows1", "rows2"])
 @pytest.mark.parametrize("shape", [(1, 32), (17, 96), (131, 1061), (64, 4096)], ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30, 3e-39], ids=["1", "1e-30", "1e30", "denormal"])
 def test_shift_kernel_every_code_any_magnitude(rows2, shape, rows, scale) -> None:
     n, k = shape
@@ -69,7 +69,8 @@ def test_shift_kernel_rows_of_different_magnitudes() -> None:
     """Each activation row gets its own power-of-two scale: a tiny row beside a huge one keeps
     its precision."""
     w = _all_codes_weight(40, 256, seed=1)
-    x = torch.randn(3, 256) * torch.tensor([[1e30], [1e-30], [1.0]])
+    mags = torch.tensor([1e30, 1e-30, 1.0, 3e-39, 1e-5, 7.0, 1e20, 0.5]).reshape(8, 1)
+    x = torch.randn(8, 256) * mags  # eight rows: two groups of four in the kernel
     _check(_run(x, w, None, 0), x, w, None)
 
 

@@ -46,8 +46,7 @@ def _mag(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("rows", "has_bias"), [(1, False), (3, True)], ids=["rows1", "rows3-bias"])
 def test_native_tier_replays_quantized_linear_bit_exact(fmt, shape, rows, has_bias) -> None:
     n, k = shape
     torch.manual_seed(n * 7 + k + rows)
