@@ -2,7 +2,7 @@
 
 Every E4M3 code (subnormals included) is decoded exactly, for activations of any magnitude (the
 per-row power-of-two rescaling), with denormals-are-zero set by the caller, with one to eight
-rows, with and without the two-row streaming variant.
+rows.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _all_codes_weight(n: int, k: int, seed: int) -> Float8Tensor:
     return w
 
 
-def _run(x: torch.Tensor, w: Float8Tensor, bias: torch.Tensor | None, rows2: int) -> torch.Tensor:
-    kern = gemv_fp8_shift_kernel(native.cpu_info().isa, 2048, rows2)
+def _run(x: torch.Tensor, w: Float8Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    kern = gemv_fp8_shift_kernel(native.cpu_info().isa, 2048)
     pw = w.gemv_pack()
     out = torch.empty(x.shape[0], pw.n)
     b = bias if bias is not None else torch.empty(0)
@@ -52,17 +52,16 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: Float8Tensor, bias: torch.Tens
     assert bool((err <= 1e-5 * mag + 1e-30).all()), float((err / (mag + 1e-300)).max())
 
 
-@pytest.mark.parametrize("rows2", [0, 1], ids=["rows1", "rows2"])
 @pytest.mark.parametrize("shape", [(1, 32), (17, 96), (131, 1061), (64, 4096)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30, 3e-39], ids=["1", "1e-30", "1e30", "denormal"])
-def test_shift_kernel_every_code_any_magnitude(rows2, shape, rows, scale) -> None:
+def test_shift_kernel_every_code_any_magnitude(shape, rows, scale) -> None:
     n, k = shape
     w = _all_codes_weight(n, k, seed=n + k)
     torch.manual_seed(rows)
     x = torch.randn(rows, k) * scale
     bias = torch.randn(n) * scale if rows % 2 else None
-    _check(_run(x, w, bias, rows2), x, w, bias)
+    _check(_run(x, w, bias), x, w, bias)
 
 
 def test_shift_kernel_rows_of_different_magnitudes() -> None:
@@ -71,7 +70,7 @@ def test_shift_kernel_rows_of_different_magnitudes() -> None:
     w = _all_codes_weight(40, 256, seed=1)
     mags = torch.tensor([1e30, 1e-30, 1.0, 3e-39, 1e-5, 7.0, 1e20, 0.5]).reshape(8, 1)
     x = torch.randn(8, 256) * mags  # eight rows: two groups of four in the kernel
-    _check(_run(x, w, None, 0), x, w, None)
+    _check(_run(x, w, None), x, w, None)
 
 
 def test_shift_kernel_ignores_caller_denormals_are_zero() -> None:
@@ -81,7 +80,7 @@ def test_shift_kernel_ignores_caller_denormals_are_zero() -> None:
     x = torch.randn(1, 64)
     old = torch.set_flush_denormal(True)
     try:
-        out = _run(x, w, None, 0)
+        out = _run(x, w, None)
     finally:
         torch.set_flush_denormal(False)
     assert old  # the CPU supports flushing, so the case was exercised
@@ -91,11 +90,11 @@ def test_shift_kernel_ignores_caller_denormals_are_zero() -> None:
 
 def test_shift_kernel_zero_and_nonfinite_activations() -> None:
     w = _all_codes_weight(9, 64, seed=2)
-    zero = _run(torch.zeros(1, 64), w, None, 1)
+    zero = _run(torch.zeros(1, 64), w, None)
     assert bool((zero == 0).all())
     x = torch.randn(1, 64)
     x[0, 5] = float("inf")
-    out = _run(x, w, None, 1)
+    out = _run(x, w, None)
     ref = gemv_reference(x, w.dequantize(), None)
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
 

@@ -112,32 +112,6 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
     }
 }
 
-/* Two weight rows against one prescaled activation row: two streams, x loaded once. */
-TP_INLINE void tp_rows2(const float *xs, const float *x, double fac, int64_t K, const uint8_t *w,
-                        const float *post, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    const uint8_t *v = w + K;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_T0);
-        _mm_prefetch((const char *)(v + k) + ${prefetch}, _MM_HINT_T0);
-        __m256 x0 = _mm256_loadu_ps(xs + k), x1 = _mm256_loadu_ps(xs + k + 8);
-        __m256 x2 = _mm256_loadu_ps(xs + k + 16), x3 = _mm256_loadu_ps(xs + k + 24);
-        a0 = _mm256_fmadd_ps(tp_e4m3x8(w + k), x0, a0);
-        a1 = _mm256_fmadd_ps(tp_e4m3x8(w + k + 8), x1, a1);
-        b0 = _mm256_fmadd_ps(tp_e4m3x8(v + k), x0, b0);
-        b1 = _mm256_fmadd_ps(tp_e4m3x8(v + k + 8), x1, b1);
-        a0 = _mm256_fmadd_ps(tp_e4m3x8(w + k + 16), x2, a0);
-        a1 = _mm256_fmadd_ps(tp_e4m3x8(w + k + 24), x3, a1);
-        b0 = _mm256_fmadd_ps(tp_e4m3x8(v + k + 16), x2, b0);
-        b1 = _mm256_fmadd_ps(tp_e4m3x8(v + k + 24), x3, b1);
-    }
-    float ta = 0.0f, tb = 0.0f;
-    for (int64_t j = k; j < K; ++j) { ta += TP_E4M3F[w[j]] * x[j]; tb += TP_E4M3F[v[j]] * x[j]; }
-    out[0] = (float)(((double)tp_hsum(_mm256_add_ps(a0, a1)) * fac + (double)ta) * (double)post[0]);
-    out[1] = (float)(((double)tp_hsum(_mm256_add_ps(b0, b1)) * fac + (double)tb) * (double)post[1]);
-}
-
 /* Same contract as torchport.gemv.kernels' tp_gemv for fp8_e4m3 (scales and pts unused). */
 TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
                       const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
@@ -155,15 +129,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         _mm_setcsr(csr & ~0x8040u);   /* subnormal weight codes must not read as zero */
         int64_t lo, hi;
         tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
-        int64_t n = lo;
-#if ${rows2}
-        if (B == 1)
-            for (; n + 2 <= hi; n += 2) {
-                tp_rows2(xs, x, fac[0], K, w + n * K, rowscale + n, out + n);
-                if (has_bias) { out[n] += bias[n]; out[n + 1] += bias[n + 1]; }
-            }
-#endif
-        for (; n < hi; ++n) {
+        for (int64_t n = lo; n < hi; ++n) {
             const uint8_t *wr = w + n * K;
             const float post = rowscale[n];
             for (int64_t b = 0; b < B; b += 4) {
@@ -188,14 +154,13 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 
 
 @functools.cache
-def gemv_fp8_shift_kernel(isa: str, prefetch: int = 512, rows2: int = 0) -> Kernel:
+def gemv_fp8_shift_kernel(isa: str, prefetch: int = 2048) -> Kernel:
     """The shift-decode E4M3 GEMV (entry ``tp_gemv``, the same arguments as
-    :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel). ``rows2``: with one
-    activation row, stream two weight rows at once."""
+    :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel)."""
     from torchport.gemv.kernels import _e4m3_table, gemv_kernel
 
     if isa == "scalar":
         raise native.NativeError("the shift-decode FP8 GEMV needs AVX2 (isa is 'scalar')")
-    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), prefetch=prefetch, rows2=int(rows2))
-    lib = native.build(src, name=f"gemv_fp8shift_{isa}_p{prefetch}_r{int(rows2)}", isa=isa)
+    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), prefetch=prefetch)
+    lib = native.build(src, name=f"gemv_fp8shift_{isa}_p{prefetch}", isa=isa)
     return Kernel(lib, "tp_gemv", gemv_kernel("fp8_e4m3", isa, prefetch).args)

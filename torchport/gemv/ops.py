@@ -128,7 +128,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     int8 activations (FP4 weights) the pair-split kernel (:mod:`torchport.gemv.fp4_kernel`,
     ``kernel="pair"``, K a multiple of 64) comes first, the group-32 kernel after it; E4M3
     weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
-    prefetch 2048 or 1024, ``rows2``: two weight rows streamed at once) first.
+    prefetch 2048 or 1024) first.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
@@ -139,14 +139,9 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         for threads in (0, 1):
-            for pf, r2 in ((2048, 1), (2048, 0), (1024, 0)):
-                params = (
-                    ("kernel", "shift"),
-                    ("prefetch", pf),
-                    ("rows2", r2),
-                    ("threads", threads),
-                )
-                out.append(autotune.Candidate(f"shift_p{pf}_r{r2}_t{threads}", params=params))
+            for pf in (2048, 1024):
+                params = (("kernel", "shift"), ("prefetch", pf), ("threads", threads))
+                out.append(autotune.Candidate(f"shift_p{pf}_t{threads}", params=params))
     r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
@@ -170,7 +165,7 @@ def _native_kernel(fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candid
     if cand.param("kernel") == "shift":
         if fmt != "fp8_e4m3" or isa == "scalar":
             raise autotune.InvalidCandidate(f"shift-decode kernel needs AVX2 and E4M3 ({fmt})")
-        return gemv_fp8_shift_kernel(isa, pf, cand.param("rows2", 0))
+        return gemv_fp8_shift_kernel(isa, pf)
     return gemv_i8_kernel(fmt, isa, pf, r4) if int8 else gemv_kernel(fmt, isa, pf, r4)
 
 
