@@ -43,7 +43,8 @@ class Graph:
             prohibited on the capturing thread only; ``"relaxed"``: allowed on the capturing
             thread, the value read at capture time is frozen into the program; ``"default"``:
             ``"global"``, the default of torch's CUDA backend. Ops that inherently conflict with
-            capture (explicit ``torch.Generator``, non-ATen ops) raise in every mode.
+            capture (explicit ``torch.Generator``, non-ATen ops other than torchport's decode
+            GEMVs, which quantized linears call) raise in every mode.
 
     Example::
 
