@@ -1,4 +1,4 @@
-"""FP8 E4M3 decode GEMV with an integer-shift decode: three µops per eight weights.
+"""FP8 E4M3 decode GEMV with an integer-shift decode: three instructions per eight weights.
 
 The float kernel of :mod:`torchport.gemv.kernels` decodes E4M3 through half precision (widen to
 16 bits, shift, mask, then two F16C conversions per 16 weights: about 18 µops per 32 weights, the
