@@ -193,13 +193,14 @@ def _check_eigh(dtype, kind, n, uplo):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13])
 def test_eigh_lanes_kernel(dtype, n):
-    """The SIMD-lane kernel (one matrix per lane, cyclic and round-robin order) against the
-    scalar one and the reference in the same order, with a batch that leaves a partial group
+    """The SIMD-lane kernel (one matrix per lane, cyclic, round-robin and fused round-robin
+    order) against the scalar one and the reference in the same order (the fused rounds apply
+    the round-robin rotations; odd n pads an index), with a batch that leaves a partial group
     of lanes, a poisoned upper triangle and a NaN."""
     a64 = torch.cat([sym("random", 20, n, seed=n), sym("repeated", 17, n, seed=1)])
     a = a64.to(dtype).contiguous()
     tol = TOL[dtype] * 10 * n
-    for upper, order in ((False, 0), (True, 0), (False, 1), (True, 1)):
+    for upper, order in ((False, 0), (True, 0), (False, 1), (True, 1), (False, 2), (True, 2)):
         lam, q, bad = kernels.eigh(a, upper, True, order, lanes=True)
         lam0, _, _ = kernels.eigh(a, upper, True, lanes=False)
         assert bad == 0 and rel(lam, lam0) <= tol
