@@ -216,6 +216,26 @@ def test_eigh_lanes_kernel(dtype, n):
     assert kernels.eigh(a, False, True, lanes=True)[2] == 30  # 1 + first bad batch index
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eigh_fused_scaling(dtype):
+    """The fused lane kernel scales each lane by a power of two (its squared threshold test
+    must not over- or underflow): lanes of very different magnitudes in one group, at the ends
+    of the dtype's range, still match LAPACK relative to their own norm."""
+    big = 1e150 if dtype == torch.float64 else 1e18
+    a64 = sym("random", 9, 11, seed=3)
+    for i, f in enumerate((big, 1 / big, 1.0, big, 1 / big, 3.0, 1e-3, 7.0, big)):
+        a64[i] *= f
+    a = a64.to(dtype).contiguous()
+    lam, q, bad = kernels.eigh(a, False, True, 2, lanes=True)
+    ref = torch.linalg.eigvalsh(a.double())
+    tol = TOL[dtype] * 10
+    for i in range(9):
+        scale = float(a[i].double().abs().max())
+        assert bad == 0 and float((lam[i].double() - ref[i]).abs().max()) <= tol * scale
+        resid = a[i].double() @ q[i].double() - q[i].double() * lam[i].double()
+        assert float(resid.abs().max()) <= tol * scale and eye_err(q[i : i + 1]) <= tol
+
+
 @pytest.mark.parametrize("batch", [(), (0,), (3, 2)], ids=str)
 def test_eigh_batch_shapes(batch):
     x = torch.randn((*batch, 4, 4), dtype=torch.float64)

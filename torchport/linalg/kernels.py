@@ -549,23 +549,27 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
    (threshold Jacobi: late sweeps touch only the pairs that are not yet converged). */
 #define UIX(i, j) ((i) < (j) ? (i) * r + (j) : (j) * r + (i))
 TP_INLINE int eigh_vec_fused_round(VT *A, VT *V, int64_t r, int wantv, const int32_t *pr,
-                                   VT floor_, VT *cs, int32_t *live) {
+                                   VT floor2, VT *cs, int32_t *live) {
     const VT zero = {0}, one = zero + 1;
     const int64_t h = r / 2;
     int any = 0;
     for (int64_t t = 0; t < h; ++t) {
         const int64_t p = pr[2 * t], q = pr[2 * t + 1];
         VT apq = A[p * r + q], app = A[p * r + p], aqq = A[q * r + q];
-        VT scale = vsqrt(vabs(app)) * vsqrt(vabs(aqq));
-        scale = vsel(scale > floor_, scale, floor_);
-        VI act = (vabs(apq) > EPS * scale) & (apq != zero);
+        /* the test |a_pq| > eps max(sqrt|a_pp a_qq|, floor) squared: the matrix is scaled to
+           max |a_ij| in [1, 2), so no square over- or underflows where it matters */
+        VT scale2 = vabs(app * aqq);
+        scale2 = vsel(scale2 > floor2, scale2, floor2);
+        VI act = (apq * apq > (EPS * EPS) * scale2) & (apq != zero);
         live[t] = vany(act);
         if (!live[t]) continue;
         any = 1;
-        VT g = vsel(act, apq, one);
-        VT theta = (aqq - app) / (g + g);
-        VT sgn = vsel(theta >= zero, one, -one);
-        VT tt = vsel(act, sgn / (vabs(theta) + vsqrt(one + theta * theta)), zero);
+        /* t = sign(theta) / (|theta| + sqrt(1 + theta^2)), theta = d / g, in the form
+           sign(theta) |g| / (|d| + sqrt(d^2 + g^2)): one division and one root fewer */
+        VT d = aqq - app, g = apq + apq;
+        VI same = (d == zero) | ((d > zero) == (g > zero));
+        VT num = vsel(same, vabs(g), -vabs(g));
+        VT tt = vsel(act, num / (vabs(d) + vsqrt(d * d + g * g)), zero);
         VT c = one / vsqrt(one + tt * tt);
         VT *o = cs + 2 * t;
         o[0] = c; o[1] = c * tt;
@@ -608,26 +612,42 @@ TP_INLINE int eigh_vec_fused(const T *in, T *L, T *Q, int64_t cnt, int64_t n, in
     const VT zero = {0}, one = zero + 1;
     const int64_t r = n + (n & 1);
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
+    /* each lane scaled by the power of two that brings its largest entry into [1, 2): exact,
+       and the eigenvalues are scaled back at the end */
+    int ex[VLN];
+    VT fac = one;
+    for (int64_t l = 0; l < VLN; ++l) {
+        T mx = 0;
+        if (l < cnt)
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j <= i; ++j) {
+                    T x = TFABS(upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j]);
+                    mx = x > mx ? x : mx;
+                }
+        ex[l] = mx > 0 ? ilogb(mx) : 0;
+        fac[l] = ${ldexp}((T)1, -ex[l]);
+    }
     VT frob = zero;
     for (int64_t i = 0; i < r; ++i)
         for (int64_t j = i; j < r; ++j) {
             VT x = zero;
             if (j < n)
                 for (int64_t l = 0; l < cnt; ++l) x[l] = upper ? in[l * n * n + i * n + j] : in[l * n * n + j * n + i];
+            x *= fac;
             A[i * r + j] = x;
             frob += (i == j ? one : one + one) * x * x;
         }
-    const VT floor_ = (T)0.1 * vsqrt(frob);
+    const VT floor2 = (T)0.01 * frob;
     if (wantv) { for (int64_t j = 0; j < r * r; ++j) V[j] = zero; for (int64_t j = 0; j < r; ++j) V[j * r + j] = one; }
     const int64_t h = r / 2;
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         int rotated = 0;
         for (int64_t base = 0; base < npairs; base += h)
-            rotated |= eigh_vec_fused_round(A, V, r, wantv, pairs + 2 * base, floor_, cs, live);
+            rotated |= eigh_vec_fused_round(A, V, r, wantv, pairs + 2 * base, floor2, cs, live);
         if (!rotated) break;
     }
     for (int64_t l = 0; l < cnt; ++l) {
-        for (int64_t j = 0; j < n; ++j) { d[j] = A[j * r + j][l]; perm[j] = j; }
+        for (int64_t j = 0; j < n; ++j) { d[j] = ${ldexp}(A[j * r + j][l], ex[l]); perm[j] = j; }
         for (int64_t j = 1; j < n; ++j) {
             int64_t x = perm[j], i = j;
             while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
@@ -1088,6 +1108,7 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
         eps=repr(float(torch.finfo(dtype).eps)),
         sqrt="sqrt" if is64 else "sqrtf",
         fabs="fabs" if is64 else "fabsf",
+        ldexp="ldexp" if is64 else "ldexpf",
         ielem="int64_t" if is64 else "int32_t",
         is64="1" if is64 else "0",
         vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
