@@ -586,7 +586,14 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
             and (A.shape, A.dtype, upper) in _lk_chol
             and _routes_gen[0] == _cfg_gen[0]
         ):
-            return torch.linalg.cholesky(A, upper=upper)
+            if not A.is_cpu:
+                return torch.linalg.cholesky(A, upper=upper)
+            # torch.linalg.cholesky's own info check costs ~3 us a call (B = 100, n = 3: 12.6 vs
+            # 9.0 us for cholesky_ex, interleaved medians); reading info's bytes is cheaper
+            fac, info = torch.linalg.cholesky_ex(A, upper=upper)
+            if info.numpy().tobytes().strip(b"\x00"):
+                _raise_not_pd("cholesky", A, info)
+            return fac
         got = _chol_auto_native(A, bool(upper))
         if got is not None:
             if got[2]:
