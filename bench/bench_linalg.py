@@ -114,8 +114,10 @@ def grid(args: Any) -> None:
                     # auto vs torch.linalg in a round of their own: a call timed right after
                     # the native kernel runs up to ~40% slower at these ~20 µs sizes whatever
                     # it is (torch.linalg included), which would bias the auto ratio
+                    # (alternated calls, medians; at least 41 rounds within the time cap: the
+                    # auto/LAPACK difference of a routed call is ~1 us on ~10-40 us calls)
                     pair = {"lapack": fns["lapack"], "auto": fns["auto"]}
-                    t_auto = compare(pair, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
+                    t_auto = compare(pair, [(a,)], reps=max(reps, 41), warmup=1, max_time_s=3.0)
                     del fns["auto"]
                     t = compare(fns, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
                     table.add(
