@@ -172,7 +172,8 @@ def fastest(args: Any) -> None:
 
 
 def orderings(args: Any) -> None:
-    """Cyclic (0) vs round-robin (1) Jacobi ordering, interleaved in one run."""
+    """Cyclic (0) vs round-robin (1) Jacobi ordering, and the eigh lane kernel's fused
+    round-robin rounds (2) vs unfused (1), interleaved in one run."""
     table = BenchTable("linalg_orderings", unit="GFLOP/s")
     table.start()
     cells = ((100_000, 3), (10_000, 8), (10_000, 16), (1000, 32), (100, 64))
@@ -210,6 +211,23 @@ def orderings(args: Any) -> None:
                     t["e1"],
                     b * FLOPS["eigh"](n),
                 )
+            # the lane kernel's round-robin rounds fused by symmetry (order 2) vs unfused (1)
+            t = compare(
+                {
+                    "e1": lambda x: kernels.eigh(x, False, True, 1, lanes=True),
+                    "e2": lambda x: kernels.eigh(x, False, True, 2, lanes=True),
+                },
+                [(s,)],
+                reps=5,
+                warmup=1,
+            )
+            table.add(
+                f"eigh lanes fused B={b} n={n} {dtype}",
+                "round-robin",
+                t["e1"],
+                t["e2"],
+                b * FLOPS["eigh"](n),
+            )
     table.save(args.json)
 
 
