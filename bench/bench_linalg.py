@@ -114,8 +114,10 @@ def grid(args: Any) -> None:
                     # auto vs torch.linalg in a round of their own: a call timed right after
                     # the native kernel runs up to ~40% slower at these ~20 µs sizes whatever
                     # it is (torch.linalg included), which would bias the auto ratio
+                    # (alternated calls, medians; at least 41 rounds within the time cap: the
+                    # auto/LAPACK difference of a routed call is ~1 us on ~10-40 us calls)
                     pair = {"lapack": fns["lapack"], "auto": fns["auto"]}
-                    t_auto = compare(pair, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
+                    t_auto = compare(pair, [(a,)], reps=max(reps, 41), warmup=1, max_time_s=3.0)
                     del fns["auto"]
                     t = compare(fns, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
                     table.add(
@@ -170,7 +172,8 @@ def fastest(args: Any) -> None:
 
 
 def orderings(args: Any) -> None:
-    """Cyclic (0) vs round-robin (1) Jacobi ordering, interleaved in one run."""
+    """Cyclic (0) vs round-robin (1) Jacobi ordering, and the eigh lane kernel's fused
+    round-robin rounds (2) vs unfused (1), interleaved in one run."""
     table = BenchTable("linalg_orderings", unit="GFLOP/s")
     table.start()
     cells = ((100_000, 3), (10_000, 8), (10_000, 16), (1000, 32), (100, 64))
@@ -208,6 +211,23 @@ def orderings(args: Any) -> None:
                     t["e1"],
                     b * FLOPS["eigh"](n),
                 )
+            # the lane kernel's round-robin rounds fused by symmetry (order 2) vs unfused (1)
+            t = compare(
+                {
+                    "e1": lambda x: kernels.eigh(x, False, True, 1, lanes=True),
+                    "e2": lambda x: kernels.eigh(x, False, True, 2, lanes=True),
+                },
+                [(s,)],
+                reps=5,
+                warmup=1,
+            )
+            table.add(
+                f"eigh lanes fused B={b} n={n} {dtype}",
+                "round-robin",
+                t["e1"],
+                t["e2"],
+                b * FLOPS["eigh"](n),
+            )
     table.save(args.json)
 
 

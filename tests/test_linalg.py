@@ -193,13 +193,14 @@ def _check_eigh(dtype, kind, n, uplo):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13])
 def test_eigh_lanes_kernel(dtype, n):
-    """The SIMD-lane kernel (one matrix per lane, cyclic and round-robin order) against the
-    scalar one and the reference in the same order, with a batch that leaves a partial group
+    """The SIMD-lane kernel (one matrix per lane, cyclic, round-robin and fused round-robin
+    order) against the scalar one and the reference in the same order (the fused rounds apply
+    the round-robin rotations; odd n pads an index), with a batch that leaves a partial group
     of lanes, a poisoned upper triangle and a NaN."""
     a64 = torch.cat([sym("random", 20, n, seed=n), sym("repeated", 17, n, seed=1)])
     a = a64.to(dtype).contiguous()
     tol = TOL[dtype] * 10 * n
-    for upper, order in ((False, 0), (True, 0), (False, 1), (True, 1)):
+    for upper, order in ((False, 0), (True, 0), (False, 1), (True, 1), (False, 2), (True, 2)):
         lam, q, bad = kernels.eigh(a, upper, True, order, lanes=True)
         lam0, _, _ = kernels.eigh(a, upper, True, lanes=False)
         assert bad == 0 and rel(lam, lam0) <= tol
@@ -213,6 +214,26 @@ def test_eigh_lanes_kernel(dtype, n):
     assert rel(vals, lam0) <= tol
     a[29, 0, 0] = float("nan")
     assert kernels.eigh(a, False, True, lanes=True)[2] == 30  # 1 + first bad batch index
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eigh_fused_scaling(dtype):
+    """The fused lane kernel scales each lane by a power of two (its squared threshold test
+    must not over- or underflow): lanes of very different magnitudes in one group, at the ends
+    of the dtype's range, still match LAPACK relative to their own norm."""
+    big = 1e150 if dtype == torch.float64 else 1e18
+    a64 = sym("random", 9, 11, seed=3)
+    for i, f in enumerate((big, 1 / big, 1.0, big, 1 / big, 3.0, 1e-3, 7.0, big)):
+        a64[i] *= f
+    a = a64.to(dtype).contiguous()
+    lam, q, bad = kernels.eigh(a, False, True, 2, lanes=True)
+    ref = torch.linalg.eigvalsh(a.double())
+    tol = TOL[dtype] * 10
+    for i in range(9):
+        scale = float(a[i].double().abs().max())
+        assert bad == 0 and float((lam[i].double() - ref[i]).abs().max()) <= tol * scale
+        resid = a[i].double() @ q[i].double() - q[i].double() * lam[i].double()
+        assert float(resid.abs().max()) <= tol * scale and eye_err(q[i : i + 1]) <= tol
 
 
 @pytest.mark.parametrize("batch", [(), (0,), (3, 2)], ids=str)

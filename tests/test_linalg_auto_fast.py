@@ -41,8 +41,14 @@ def test_fast_hit_keeps_errors_and_autograd() -> None:
     _seed_lapack("cholesky", a, False)
     bad = a.clone()
     bad[1] = -bad[1]
-    with pytest.raises(torch.linalg.LinAlgError):
-        tl.cholesky(bad)
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 1\).*minor of order 1"):
+        tl.cholesky(bad)  # the fast path runs cholesky_ex and reads info itself
+    one = a[0].clone()
+    one[2, 2] = -50.0
+    _seed_lapack("cholesky", one, False)
+    with pytest.raises(torch.linalg.LinAlgError, match=r"cholesky: The fact.*minor of order 3"):
+        tl.cholesky(one)
+    assert torch.equal(tl.cholesky(a[0]), torch.linalg.cholesky(a[0]))
     x = a.clone().requires_grad_()
     tl.cholesky(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -22,6 +22,7 @@ native kernels are real-only. Autograd follows ``torch.linalg``'s formulas
 from __future__ import annotations
 
 from collections.abc import Callable
+from ctypes import string_at as _string_at
 from typing import Any
 
 import torch
@@ -586,7 +587,14 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
             and (A.shape, A.dtype, upper) in _lk_chol
             and _routes_gen[0] == _cfg_gen[0]
         ):
-            return torch.linalg.cholesky(A, upper=upper)
+            if not A.is_cpu:
+                return torch.linalg.cholesky(A, upper=upper)
+            # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1 vs
+            # 10.4 us for cholesky_ex, interleaved medians); reading info's bytes costs ~2.3 us
+            fac, info = torch.linalg.cholesky_ex(A, upper=upper)
+            if _string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"):
+                _raise_not_pd("cholesky", A, info)
+            return fac
         got = _chol_auto_native(A, bool(upper))
         if got is not None:
             if got[2]:

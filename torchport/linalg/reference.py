@@ -133,8 +133,9 @@ def eigh_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two-sided Jacobi eigendecomposition of (B, n, n) symmetric ``a``: (L asc, Q).
 
-    ``order``: 0 cyclic, 1 round-robin (the lane kernel's order for small n). A round's pairs
-    are disjoint, so applying them one after another here equals the kernel's computing every
+    ``order``: 0 cyclic, 1 or 2 round-robin (the lane kernel's orders; its order 2 applies the
+    same rotations with each round's row and column updates fused). A round's pairs are
+    disjoint, so applying them one after another here equals the kernel's computing every
     angle of the round first.
     """
     bsz, n, _ = a.shape
