@@ -398,7 +398,27 @@ def c_step_bench(st: dict[str, Any], mode: str, lighthouse: Any, nbytes: int, st
             fr.uninstall()
 
 
+def c_cpu(st: dict[str, Any]) -> tuple[float, int, dict[str, int]]:
+    """(CPU seconds of this process, all threads; live threads; threads per name prefix)."""
+    import collections
+    import threading
+
+    names = collections.Counter(
+        t.name.split("-")[0 if "Thread" in t.name else 1][:12] for t in threading.enumerate()
+    )
+    return time.process_time(), threading.active_count(), dict(names)
+
+
+def c_threads(st: dict[str, Any]) -> dict[int, str]:
+    """{native thread id: thread name} of this process (profiling per-thread CPU from outside)."""
+    import threading
+
+    return {t.native_id or 0: t.name for t in threading.enumerate()}
+
+
 COMMANDS: dict[str, Callable[..., Any]] = {
+    "cpu": c_cpu,
+    "threads": c_threads,
     "gloo_rebuild": c_gloo_rebuild,
     "serve_state": c_serve_state,
     "bcast_bench": c_bcast_bench,

@@ -23,12 +23,21 @@ ordered member list:
 
 A lost connection (crashed peer) fails every communicator that contains the peer at once; the
 connection is dropped so that later groups never use it.
+
+The mesh also carries what failure detection needs, so a reconfigurable group opens no extra
+connection to watch its members: :meth:`ElasticMesh.beat` sends an empty ``NOTE`` frame to every
+connected peer (never blocking: a peer whose connection is busy or full is skipped, the frames in
+flight prove liveness as well), every received frame refreshes ``Connection.seen``, a lost
+connection is reported to ``on_lost`` and a ``NOTE`` with a payload (a fault notice, sent by
+:meth:`ElasticMesh.notify`) to ``on_notice``. A notice travels on the same ordered connection as
+the ABORT frames that follow it, so the receiver learns the cause before the abort.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,9 +53,10 @@ from torchport.distributed.groups import group_id_for, host_id
 from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import ShmArena
 from torchport.distributed.transport_tcp import Connection, Mesh
-from torchport.distributed.wire import Kind
+from torchport.distributed.wire import Kind, encode_header
 
 _OFFER, _ACK, _GO = 1, 2, 3  # seq of the control frames of the formation rendezvous
+MAX_NOTICE = 4096  # bytes of a fault notice's text; a longer NOTE is dropped
 
 
 def _sizes() -> tuple[int, int, int]:
@@ -107,6 +117,9 @@ class ElasticMesh(Mesh):
         self.me = Member(self.rank, host, int(port), host_id())
         self.hosts: dict[int, str] = {self.rank: self.me.host_id}
         self._dials: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
+        self.on_lost: Callable[[int], None] | None = None  # member id whose connection was lost
+        self.on_notice: Callable[[int, int, bytes], None] | None = None  # (member, seq, text)
+        self._beat = encode_header(Kind.NOTE, 0, self.rank, 0, 0)
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
         self._acceptor.start()
         shm_lib()  # build/load the native step kernels now, not while a group is forming
@@ -117,10 +130,37 @@ class ElasticMesh(Mesh):
     def _read_loop(self, conn: Connection) -> None:
         super()._read_loop(conn)
         with self._lock:  # a lost connection is never reused
-            if self.peers.get(conn.peer) is conn:
+            live = self.peers.get(conn.peer) is conn
+            if live:
                 del self.peers[conn.peer]
         with contextlib.suppress(OSError):
             conn.sock.close()
+        cb = self.on_lost
+        if live and cb is not None and not self.closed:
+            cb(conn.peer)
+
+    def on_note(self, peer: int, seq: int, body: bytearray) -> None:
+        cb = self.on_notice
+        if body and cb is not None and len(body) <= MAX_NOTICE:
+            cb(peer, seq, bytes(body))
+
+    def beat(self) -> None:
+        """Send a liveness beat to every connected peer; never blocks (see module docstring)."""
+        for conn in list(self.peers.values()):
+            if not conn.lock.acquire(blocking=False):
+                continue  # a frame is being sent on it: that frame is the beat
+            try:
+                n = conn.sock.send(self._beat, socket.MSG_DONTWAIT)
+                if 0 < n < len(self._beat):  # keep the stream framed (rare: a full buffer)
+                    conn.sock.sendall(self._beat[n:])
+            except OSError:
+                pass  # full (the peer is not reading) or lost (its reader reports that)
+            finally:
+                conn.lock.release()
+
+    def notify(self, peer: int, seq: int, text: str) -> None:
+        """Send a fault notice (``text``, at most ``MAX_NOTICE`` bytes) to member ``peer``."""
+        self.send(peer, Kind.NOTE, 0, seq, text.encode()[:MAX_NOTICE])
 
     def dial(self, m: Member, deadline: float) -> bool:
         """Start dialling ``m`` in the background if this member is the one to dial it.

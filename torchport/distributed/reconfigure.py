@@ -25,13 +25,22 @@ rotates after every successful reconfigure, so a handle from before it is *stale
 
    Shrink and grow are the same operation with fewer or more handles.
 
-After a reconfigure each rank watches its peers' control connections: a crashed peer (connection
-lost) is noticed at once, a hung one after three heartbeat periods (also one stopped before its
-watcher connected: the watch handshake has the same three-heartbeat bound); in-flight ops issued
-through the group (:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure`
-and the error stays queryable (``get_error()``). A rank that detects the fault itself sends every
-other healthy member a fault notice naming the culprit before it aborts the communicator, so every
-survivor reports the same culprit, never the messenger whose abort reached it first.
+After a reconfigure each rank watches its peers: a crashed peer (connection lost) is noticed at
+once, a hung one after three heartbeat periods; in-flight ops issued through the group
+(:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure` and the error
+stays queryable (``get_error()``). A rank that detects the fault itself sends every other healthy
+member a fault notice naming the culprit before it aborts the communicator, so every survivor
+reports the same culprit, never the messenger whose abort reached it first.
+
+* ``torchport``: watching costs no connection and no thread per peer. One watcher thread per
+  process sends a beat over the :class:`~torchport.distributed.elastic.ElasticMesh` connections
+  every heartbeat period and checks when each member was last heard from (any frame counts); the
+  mesh reports a lost connection at once. Connections to surviving members simply stay, so a
+  reconfigure only changes the set of members watched. Fault notices travel on the mesh too,
+  ahead of the ABORT frames on the same connection.
+* ``gloo``: each rank opens a watch connection to every peer's control server, which sends beats
+  on it; the handshake has the same three-heartbeat bound (a peer stopped before its watcher
+  connected is hung too).
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ from torchport.distributed.elastic import ElasticMesh, Member, form_group, retir
 from torchport.distributed.engine import REASON_ERROR
 
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
+_U64 = (1 << 64) - 1  # a frame's seq field (fault notices carry the generation there)
 
 
 class ReconfigureError(CommError):
@@ -209,6 +219,18 @@ class ReconfigurableGroup:
         self._watch: list[socket.socket] = []
         self._members: list[str] = []  # the handles of the current membership, in rank order
         self._closed = False
+        self._member_ids: list[int] = []  # torchport: their mesh member ids, in rank order
+        self._watched: dict[int, int] = {}  # torchport: member id -> rank, of watched peers
+        self._watch_since = 0.0  # when the current membership was formed (monotonic)
+        self._wake = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if self._mesh is not None:
+            self._mesh.on_lost = self._on_lost
+            self._mesh.on_notice = self._on_notice
+            self._watcher = threading.Thread(
+                target=self._watch_loop, name="tp-reconf-watch", daemon=True
+            )
+            self._watcher.start()
         self.last_reconfigure_s = 0.0
         self.phases: dict[str, float] = {}  # cumulative seconds of the last reconfigure's phases
 
@@ -410,7 +432,9 @@ class ReconfigurableGroup:
                 )
                 self.phases.update({k: v + self.phases["validate_s"] for k, v in stats.items()})
                 self.phases["new_connections"] = stats["new_connections"]
+                ids = [m.id for m in members]
             else:
+                ids = []
                 lhost, _, lport, _ = parse_handle(order[0])
                 store = self.store if rank == 0 else self._client(lhost, lport, timeout)
                 self.phases["store_s"] = time.perf_counter() - t0
@@ -422,15 +446,21 @@ class ReconfigurableGroup:
         with self._lock:
             self.pg, self._rank, self._size = pg, rank, size
             self._members = list(order)
+            self._member_ids = ids
             self._used.add(uuid)
             self._generation = uuid
             self._nonce = secrets.token_hex(8)
             self._error = None
+            # torchport: the watcher thread checks these members from now on
+            self._watched = {m: r for r, m in enumerate(ids) if r != rank}
+            self._watch_since = time.monotonic()
         self.phases["group_s"] = time.perf_counter() - t0
         self._retire(old)
         self.last_reconfigure_s = time.perf_counter() - t0
-        # peers start watching each other off the critical path
-        threading.Thread(target=self._start_watch, args=(order, rank, uuid), daemon=True).start()
+        if self._mesh is None:  # gloo: peers start watching each other off the critical path
+            threading.Thread(
+                target=self._start_watch, args=(order, rank, uuid), daemon=True
+            ).start()
 
     def _client(self, host: str, port: int, timeout: float) -> dist.Store:
         key = (host, port)
@@ -441,8 +471,55 @@ class ReconfigurableGroup:
         return store
 
     # -- failure detection -----------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        """torchport: beat to every mesh peer each period; report a member silent for 3 periods.
+
+        Runs for the life of the group; a reconfigure only swaps the members it checks.
+        """
+        mesh = self._mesh
+        assert mesh is not None
+        next_beat = 0.0
+        while not self._closed:
+            period = self.heartbeat
+            now = time.monotonic()
+            if now >= next_beat:
+                mesh.beat()
+                next_beat = now + period
+            patience = 3 * period
+            with self._lock:
+                watched, since = list(self._watched.items()), self._watch_since
+            for mid, r in watched:
+                conn = mesh.peers.get(mid)
+                if conn is None:  # lost before it was watched (on_lost found no member)
+                    self._report(mid, f"rank {r} crashed: its connection was lost")
+                elif now - max(conn.seen, since) > patience:
+                    self._report(mid, f"rank {r} hung: no heartbeat for {patience:.2f} s")
+            self._wake.wait(min(period / 4, 0.05))
+
+    def _report(self, mid: int, why: str) -> None:
+        """Fail the group because of watched member ``mid`` (once per membership)."""
+        with self._lock:
+            r = self._watched.pop(mid, None)
+        if r is not None:
+            self._fail(PeerFailure(why), culprit=r, background=True)
+
+    def _on_lost(self, mid: int) -> None:
+        """The mesh lost its connection to member ``mid`` (called from its reader thread)."""
+        r = self._watched.get(mid)
+        if r is not None:
+            self._report(mid, f"rank {r} crashed: its connection was lost")
+
+    def _on_notice(self, mid: int, seq: int, text: bytes) -> None:
+        """A fault notice from member ``mid`` about the membership of generation ``seq``."""
+        with self._lock:
+            gen, ids = self._generation, self._member_ids
+            ok = gen >= 0 and seq == gen & _U64 and mid in ids
+        if ok:
+            cause = text.decode(errors="replace")[:_MAX_CAUSE]
+            self._fail(PeerFailure(f"{cause} (reported by rank {ids.index(mid)})"), background=True)
+
     def _start_watch(self, order: list[str], rank: int, uuid: int) -> None:
-        """Watch every other member, each from its own thread (a stopped peer delays no other)."""
+        """gloo: watch every other member, each from its own thread (a stopped peer delays none)."""
         if self._generation != uuid:
             return  # a newer reconfigure took over
         for r, h in enumerate(order):
@@ -494,17 +571,20 @@ class ReconfigurableGroup:
         with self._lock:
             socks, self._watch = self._watch, []
             self._generation = -1
+            self._watched = {}
         for s in socks:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
-    def _fail(self, e: BaseException, culprit: int | None = None) -> None:
+    def _fail(self, e: BaseException, culprit: int | None = None, background: bool = False) -> None:
         """Record the first failure, end in-flight ops here and on every peer.
 
         When this rank detected the fault itself (``culprit`` is the faulty member), it first
         tells the other healthy members the cause, so that a survivor whose own detection is
-        later does not blame this rank for the abort that follows.
+        later does not blame this rank for the abort that follows. With ``background`` the
+        error is recorded at once and the messages (which may wait on a stuck connection) are
+        sent from a separate thread.
         """
         with self._lock:
             first = self._error is None
@@ -513,12 +593,31 @@ class ReconfigurableGroup:
             waiters = list(self._waiters)
             pg = self.pg
             uuid, members, me = self._generation, list(self._members), self._rank
+            ids = list(self._member_ids)
         for w in waiters:
             w.set()
-        if first and culprit is not None and uuid >= 0 and not self._closed:
-            self._notify(uuid, me, culprit, str(e), members)
-        if self._mesh is not None and pg is not None:
-            pg.comm.fail(e, REASON_ERROR)  # in-flight ops here and on every peer end now
+
+        def tell() -> None:
+            if first and culprit is not None and uuid >= 0 and not self._closed:
+                if self._mesh is not None:
+                    self._notify_mesh(uuid, me, culprit, str(e), ids)
+                else:
+                    self._notify(uuid, me, culprit, str(e), members)
+            if self._mesh is not None and pg is not None:
+                pg.comm.fail(e, REASON_ERROR)  # in-flight ops here and on every peer end now
+
+        if background:
+            threading.Thread(target=tell, name="tp-reconf-fail", daemon=True).start()
+        else:
+            tell()
+
+    def _notify_mesh(self, uuid: int, me: int, culprit: int, cause: str, ids: list[int]) -> None:
+        """torchport: a fault notice to every member but this one and the culprit, on the mesh."""
+        assert self._mesh is not None
+        for r, mid in enumerate(ids):
+            if r not in (me, culprit):
+                with contextlib.suppress(CommError):
+                    self._mesh.notify(mid, uuid & _U64, cause[:_MAX_CAUSE])
 
     def _notify(self, uuid: int, me: int, culprit: int, cause: str, members: list[str]) -> None:
         """Send a fault notice to every member but this one and the culprit (bounded wait)."""
@@ -615,6 +714,7 @@ class ReconfigurableGroup:
     def close(self) -> None:
         """Stop serving and watching; retire the communicator."""
         self._closed = True
+        self._wake.set()
         self._stop_watch()
         self._server.close()
         self._pool.shutdown(wait=False)

@@ -247,6 +247,7 @@ class Connection:
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
     reader: threading.Thread | None = None
+    seen: float = 0.0  # time.monotonic() of the last frame header received (liveness)
 
 
 class Mesh:
@@ -383,7 +384,7 @@ class Mesh:
     def _add(self, q: int, sock: socket.socket) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection(q, sock)
+        conn = Connection(q, sock, seen=time.monotonic())
         conn.reader = threading.Thread(
             target=self._read_loop, args=(conn,), daemon=True, name=f"tp-read-{q}"
         )
@@ -397,6 +398,7 @@ class Mesh:
         try:
             while True:
                 hdr = decode_header(_recv_exact(conn.sock, HEADER_SIZE), max_length=self.max_frame)
+                conn.seen = time.monotonic()
                 key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
                 target = (
                     self.mailbox.claim(key, hdr)
@@ -422,6 +424,9 @@ class Mesh:
                     if handler is not None:
                         handler.on_remote_abort(conn.peer, hdr.seq)
                     self.mailbox.wake()
+                    continue
+                if hdr.kind == Kind.NOTE:
+                    self.on_note(conn.peer, hdr.seq, body)
                     continue
                 if hdr.kind not in (Kind.COLL, Kind.P2P, Kind.CTRL):
                     raise WireError(f"unexpected {hdr.kind.name} frame after the handshake")
@@ -495,6 +500,10 @@ class Mesh:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def on_note(self, peer: int, seq: int, body: bytearray) -> None:
+        """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""
+        raise WireError(f"unexpected NOTE frame from rank {peer} on a fixed mesh")
 
     def shutdown_peer(self, peer: int) -> None:
         """Shut the connection to ``peer`` down (ends a receive stuck in its reader)."""
