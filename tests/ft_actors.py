@@ -146,7 +146,8 @@ def c_reconf(
         _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout), hints=hints).wait()
     except ReconfigureError as e:
         return ("error", str(e), time.perf_counter() - t0)
-    return ("ok", st["g"].rank(), st["g"].size(), time.perf_counter() - t0, st["g"].phases)
+    g = st["g"]
+    return ("ok", g.rank(), g.size(), time.perf_counter() - t0, g.phases, t0)
 
 
 def c_allreduce(st: dict[str, Any], value: float) -> Any:

@@ -46,6 +46,7 @@ from typing import Any
 
 from torchport import config
 from torchport.distributed import engine
+from torchport.distributed._threads import WarmPool
 from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator
 from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
@@ -116,7 +117,9 @@ class ElasticMesh(Mesh):
         host, port = self.address.rsplit(":", 1)
         self.me = Member(self.rank, host, int(port), host_id())
         self.hosts: dict[int, str] = {self.rank: self.me.host_id}
-        self._dials: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
+        # handshakes, readers and dials run on warm threads: no thread start while forming
+        self._warm = WarmPool(16)
+        self._dials: dict[int, tuple[threading.Event, list[BaseException]]] = {}
         self.on_lost: Callable[[int], None] | None = None  # member id whose connection was lost
         self.on_notice: Callable[[int, int, bytes], None] | None = None  # (member, seq, text)
         self._beat = encode_header(Kind.NOTE, 0, self.rank, 0, 0)
@@ -138,6 +141,17 @@ class ElasticMesh(Mesh):
         cb = self.on_lost
         if live and cb is not None and not self.closed:
             cb(conn.peer)
+
+    def _spawn(self, fn: Callable[..., None], *args: Any, name: str) -> None:
+        self._warm.run(fn, *args)
+
+    def refill(self) -> None:
+        """Top the warm threads up again (call after a group formed, off the critical path)."""
+        self._warm.refill()
+
+    def close(self) -> None:
+        super().close()
+        self._warm.close()
 
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
         cb = self.on_notice
@@ -169,13 +183,15 @@ class ElasticMesh(Mesh):
         still validating; :meth:`ensure` waits for the dial and reports its failure.
         """
         with self._lock:
-            self.hosts[m.id] = m.host_id
+            if m.host_id:  # empty: not known yet (a dial started from a handle)
+                self.hosts[m.id] = m.host_id
             old = self._dials.get(m.id)
-            if old is not None and old[1] and not old[0].is_alive():
+            if old is not None and old[1] and old[0].is_set():
                 del self._dials[m.id]  # an earlier dial failed: try again
             if m.id >= self.rank or m.id in self.peers or m.id in self._dials:
                 return False
             box: list[BaseException] = []
+            done = threading.Event()
 
             def run() -> None:
                 try:
@@ -183,12 +199,12 @@ class ElasticMesh(Mesh):
                 except BaseException as e:  # reported by ensure()
                     box.append(e)
                 finally:
+                    done.set()
                     with self._ready:
                         self._ready.notify_all()
 
-            t = threading.Thread(target=run, daemon=True, name="tp-dial")
-            self._dials[m.id] = (t, box)
-        t.start()
+            self._dials[m.id] = (done, box)
+        self._warm.run(run)
         return True
 
     def ensure(self, members: Sequence[Member], deadline: float, check: Callable[[], None]) -> int:
@@ -210,10 +226,10 @@ class ElasticMesh(Mesh):
                 entry = self._dials.get(mid)
             if entry is None:
                 continue
-            t, box = entry
-            t.join(max(0.0, deadline - time.monotonic()))
+            done, box = entry
+            done.wait(max(0.0, deadline - time.monotonic()))
             with self._lock:
-                if self._dials.get(mid) is entry and not t.is_alive():
+                if self._dials.get(mid) is entry and done.is_set():
                     del self._dials[mid]
             if box:
                 raise box[0]
@@ -339,7 +355,15 @@ def form_group(
     chunk = shm_chunk if arena is not None else tcp_chunk
     t_arena = time.perf_counter() - t0
     comm = Communicator(
-        mesh, gid, ids, rank, arena=arena, timeout_s=timeout_s, chunk=chunk, name=name
+        mesh,
+        gid,
+        ids,
+        rank,
+        arena=arena,
+        timeout_s=timeout_s,
+        chunk=chunk,
+        name=name,
+        spawn=mesh._warm.run,
     )
     if stats is not None:
         stats.update(
@@ -351,14 +375,16 @@ def form_group(
     return TorchportProcessGroup(comm)
 
 
-def retire_group(pg: Any) -> None:
-    """Abort and shut down a torchport group in the background (never blocks the caller)."""
+def drop_group(pg: Any) -> None:
+    """Abort a torchport group (ends its in-flight ops here and on every peer) and shut it down."""
     if pg is None:
         return
+    if pg.comm.error is None:
+        pg.comm.fail(CommAbortedError(f"group {pg.comm.name!r} retired"), 5)
+    pg.shutdown()
 
-    def drop() -> None:
-        if pg.comm.error is None:
-            pg.comm.fail(CommAbortedError(f"group {pg.comm.name!r} retired"), 5)
-        pg.shutdown()
 
-    threading.Thread(target=drop, daemon=True, name="tp-retire").start()
+def retire_group(pg: Any) -> None:
+    """:func:`drop_group` in the background (never blocks the caller)."""
+    if pg is not None:
+        threading.Thread(target=drop_group, args=(pg,), daemon=True, name="tp-retire").start()

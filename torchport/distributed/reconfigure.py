@@ -69,11 +69,18 @@ from torchport.distributed._control import (
     send_msg,
 )
 from torchport.distributed._gloo import gloo_group, retire
-from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
+from torchport.distributed.elastic import (
+    ElasticMesh,
+    Member,
+    drop_group,
+    form_group,
+    retire_group,
+)
 from torchport.distributed.engine import REASON_ERROR
 
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
-_U64 = (1 << 64) - 1  # a frame's seq field (fault notices carry the generation there)
+_U64 = (1 << 64) - 1
+_SPARE = 8  # idle threads kept by the control server and the mesh (see _threads.WarmPool)  # a frame's seq field (fault notices carry the generation there)
 
 
 class ReconfigureError(CommError):
@@ -110,6 +117,13 @@ def _transport_hint(hints: dict[str, str] | None) -> str | None:
         if v not in HINTS[k]:
             raise ReconfigureError(f"hint {k!r} must be one of {HINTS[k]}, got {v!r}")
     return hints.get("transport")
+
+
+def _warm(pool: cf.ThreadPoolExecutor, n: int) -> cf.ThreadPoolExecutor:
+    """Start all ``n`` threads of ``pool`` now (a pool otherwise starts one per submit)."""
+    gate = threading.Barrier(n)
+    cf.wait([pool.submit(gate.wait, 10.0) for _ in range(n)], timeout=10.0)
+    return pool
 
 
 class Work:
@@ -150,14 +164,33 @@ class Work:
         return out
 
 
+def _split_handle(handle: str) -> list[str]:
+    parts = handle.split(":") if isinstance(handle, str) else []
+    ok = len(parts) in (5, 6) and parts[0] == "tp1" and parts[2].isdigit() and parts[3].isdigit()
+    if ok and len(parts) == 6:
+        mid, _, mport = parts[5].partition(".")
+        ok = mid.isdigit() and mport.isdigit()
+    if not ok:
+        raise ReconfigureError(
+            "reconfigure handle must look like 'tp1:host:port:store_port:nonce[:member.port]', "
+            f"got {handle!r}"
+        )
+    return parts
+
+
 def parse_handle(handle: str) -> tuple[str, int, int, str]:
     """(host, control port, store port, nonce) of a handle; :class:`ReconfigureError` if malformed."""
-    parts = handle.split(":") if isinstance(handle, str) else []
-    if len(parts) != 5 or parts[0] != "tp1" or not parts[2].isdigit() or not parts[3].isdigit():
-        raise ReconfigureError(
-            f"reconfigure handle must look like 'tp1:host:port:store_port:nonce', got {handle!r}"
-        )
+    parts = _split_handle(handle)
     return parts[1], int(parts[2]), int(parts[3]), parts[4]
+
+
+def handle_mesh(handle: str) -> tuple[int, int] | None:
+    """(member id, mesh port) a torchport handle names (its mesh listens on the handle's host)."""
+    parts = _split_handle(handle)
+    if len(parts) < 6:
+        return None
+    mid, _, mport = parts[5].partition(".")
+    return int(mid), int(mport)
 
 
 class ReconfigurableGroup:
@@ -206,9 +239,15 @@ class ReconfigurableGroup:
             self._mesh = ElasticMesh(self._secret, host)
         else:
             self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self._server = Server(self._handle, secret=self._secret, role="reconf", host=host)
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf")
-        self._checker = cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check")
+        # a newcomer's peers all validate its handle at once: handler threads are kept ready
+        self._server = Server(
+            self._handle, secret=self._secret, role="reconf", host=host, spare=_SPARE
+        )
+        # Threads are started here, with the process, not while a reconfigure is timed: a thread
+        # start waits for the new thread to be scheduled, which costs milliseconds on a busy host.
+        self._pool = _warm(cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf"), 1)
+        self._checker = _warm(cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check"), 8)
+        self._bg = _warm(cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf-bg"), 1)
         self._clients: dict[tuple[str, int], dist.Store] = {}
         self._ctl: dict[tuple[str, int], socket.socket] = {}
         self._generation = -1
@@ -219,6 +258,7 @@ class ReconfigurableGroup:
         self._watch: list[socket.socket] = []
         self._members: list[str] = []  # the handles of the current membership, in rank order
         self._closed = False
+        self._forming = False  # a reconfigure is running (the watcher defers housekeeping)
         self._member_ids: list[int] = []  # torchport: their mesh member ids, in rank order
         self._watched: dict[int, int] = {}  # torchport: member id -> rank, of watched peers
         self._watch_since = 0.0  # when the current membership was formed (monotonic)
@@ -239,7 +279,9 @@ class ReconfigurableGroup:
         """This rank's current handle (changes after every successful reconfigure)."""
         h, p = self._server.address
         store_port = self.store.port if self.store is not None else 0
-        return f"tp1:{h}:{p}:{store_port}:{self._nonce}"
+        # torchport: the mesh listener too, so peers can dial it while they validate
+        mesh = f":{self._mesh.me.id}.{self._mesh.me.port}" if self._mesh is not None else ""
+        return f"tp1:{h}:{p}:{store_port}:{self._nonce}{mesh}"
 
     def _handle(self, conn: socket.socket) -> None:
         while True:  # a peer keeps its check connection open and reuses it
@@ -277,7 +319,14 @@ class ReconfigurableGroup:
     # -- reconfigure -----------------------------------------------------------------------
     def reconfigure(self, opts: ReconfigureOptions) -> Work:
         """Start a reconfigure (see module docstring); the returned Work raises on failure."""
-        return Work(self._pool.submit(self._reconfigure, opts))
+        return Work(self._pool.submit(self._reconfigure_flagged, opts))
+
+    def _reconfigure_flagged(self, opts: ReconfigureOptions) -> None:
+        self._forming = True
+        try:
+            self._reconfigure(opts)
+        finally:
+            self._forming = False
 
     def _order(self, opts: ReconfigureOptions) -> list[str]:
         if not isinstance(opts.uuid, int) or isinstance(opts.uuid, bool) or opts.uuid < 0:
@@ -408,6 +457,11 @@ class ReconfigurableGroup:
             raise ReconfigureError(f"uuid {uuid} was already used by a completed reconfigure")
         mine = self.get_reconfigure_handle()
         others = [h for h in order if h != mine]
+        if self._mesh is not None:  # open mesh connections while the handles are validated
+            for h in others:
+                at = handle_mesh(h)
+                if at is not None:
+                    self._mesh.dial(Member(at[0], parse_handle(h)[0], at[1], ""), deadline)
         answers = self._check_all(others, uuid, deadline)
         problems = [p for p, _ in answers.values() if p]
         if problems:
@@ -485,16 +539,25 @@ class ReconfigurableGroup:
             if now >= next_beat:
                 mesh.beat()
                 next_beat = now + period
+                if not self._forming:  # top the warm thread pools up after a reconfigure
+                    mesh.refill()
+                    self._server.refill()
             patience = 3 * period
             with self._lock:
                 watched, since = list(self._watched.items()), self._watch_since
+            wake = next_beat
             for mid, r in watched:
                 conn = mesh.peers.get(mid)
                 if conn is None:  # lost before it was watched (on_lost found no member)
                     self._report(mid, f"rank {r} crashed: its connection was lost")
-                elif now - max(conn.seen, since) > patience:
+                    continue
+                expiry = max(conn.seen, since) + patience
+                if now > expiry:
                     self._report(mid, f"rank {r} hung: no heartbeat for {patience:.2f} s")
-            self._wake.wait(min(period / 4, 0.05))
+                else:
+                    wake = min(wake, expiry)
+            # sleep until the next beat is due or the first member could expire (no polling)
+            self._wake.wait(max(0.001, wake - time.monotonic()) + 0.001)
 
     def _report(self, mid: int, why: str) -> None:
         """Fail the group because of watched member ``mid`` (once per membership)."""
@@ -644,9 +707,11 @@ class ReconfigurableGroup:
 
     def _retire(self, pg: Any) -> None:
         if self._mesh is not None:
-            retire_group(pg)
+            if pg is not None:
+                self._bg.submit(drop_group, pg)  # on a warm thread, off the critical path
         else:
             retire(pg)
+            self._server.refill()
 
     def get_error(self) -> BaseException | None:
         """The failure detected since the last reconfigure, if any."""
@@ -722,7 +787,11 @@ class ReconfigurableGroup:
         for sock in self._ctl.values():
             sock.close()
         self._ctl.clear()
-        self._retire(self.pg)
+        if self._mesh is not None:
+            retire_group(self.pg)
+        else:
+            retire(self.pg)
+        self._bg.shutdown(wait=False)
         self.pg = None
         if self._mesh is not None:
             self._mesh.close()

@@ -246,7 +246,6 @@ class Connection:
     peer: int
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
-    reader: threading.Thread | None = None
     seen: float = 0.0  # time.monotonic() of the last frame header received (liveness)
 
 
@@ -354,7 +353,7 @@ class Mesh:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+            self._spawn(self._handshake, sock, name="tp-handshake")
 
     def _handshake(self, sock: socket.socket) -> None:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -385,13 +384,14 @@ class Mesh:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = Connection(q, sock, seen=time.monotonic())
-        conn.reader = threading.Thread(
-            target=self._read_loop, args=(conn,), daemon=True, name=f"tp-read-{q}"
-        )
         with self._ready:
             self.peers[q] = conn
             self._ready.notify_all()
-        conn.reader.start()
+        self._spawn(self._read_loop, conn, name=f"tp-read-{q}")
+
+    def _spawn(self, fn: Callable[..., None], *args: Any, name: str) -> None:
+        """Run ``fn(*args)`` on a thread of its own (the elastic mesh uses warm threads)."""
+        threading.Thread(target=fn, args=args, daemon=True, name=name).start()
 
     # -- data path ---------------------------------------------------------------------
     def _read_loop(self, conn: Connection) -> None:

@@ -356,6 +356,7 @@ class Manager:
         self._pg, self._qid = pg, qid
         self.metrics.group_builds += 1
         self.metrics.group_build_s.append(time.perf_counter() - t0)
+        self._mesh.refill()  # warm threads for the next formation (started without waiting)
 
     def _drop_group(self) -> None:
         if self._mesh is not None:
