@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         "steps": mgr.current_step(),
         "seconds": seconds,
         "commits": m.commits,
+        "quorums": m.quorums,
+        "quorums_with_commit": m.quorums_with_commit,
         "aborted_steps": m.aborted_steps,
         "heals": m.heals,
         "heal_bytes": m.heal_bytes,
