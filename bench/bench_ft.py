@@ -215,6 +215,7 @@ def bench_manager_overhead(table: BenchTable, model: str, replicas: int, steps: 
         overhead_pct=round(100 * (mgr / plain - 1), 1),
         group_builds=res[0][2],
         quorums_with_commit=f"{res[0][3]}/{res[0][1]}",
+        vote_ms=round(1e3 * max(r[4] for r in res), 2),
     )
 
 

@@ -479,7 +479,7 @@ def c_step_overhead(
                     times[mode].append(time.perf_counter() - t0)
                 step += 1
         m = mgr.metrics
-        return times, m.quorums, m.group_builds, m.quorums_with_commit
+        return times, m.quorums, m.group_builds, m.quorums_with_commit, m.vote_s / max(1, m.commits)
     finally:
         mgr.shutdown()
 

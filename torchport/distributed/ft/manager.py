@@ -76,6 +76,7 @@ class Metrics:
     heal_s: list[float] = field(default_factory=list)
     failures: list[tuple[float, str]] = field(default_factory=list)  # (wall time of notice, what)
     commits: int = 0
+    vote_s: float = 0.0  # seconds spent in commit round trips (cumulative)
     aborted_steps: int = 0
     log: list[str] = field(default_factory=list)  # quorums, group builds, heals (bounded)
 
@@ -471,7 +472,9 @@ class Manager:
         ok = self._error is None
         rpc = self._rpc
         decision = False
+        nxt: Any = None
         if rpc is not None:
+            t_vote = time.perf_counter()
             try:
                 rpc.settimeout(self.timeout + 5)
                 send_msg(
@@ -490,6 +493,7 @@ class Manager:
                 reply = recv_msg(rpc)
                 decision = bool(reply.get("ok"))
                 nxt = reply.get("quorum")
+                self.metrics.vote_s += time.perf_counter() - t_vote
             except (OSError, CommError):
                 self._inject_close()
                 decision = False
