@@ -262,6 +262,30 @@ def bench_fr(table: BenchTable) -> None:
         )
 
 
+def bench_training_timed(table: BenchTable, duration: float, period: float) -> None:
+    """Throughput with one SIGKILL (+ immediate restart, heal, rejoin) every ``period`` seconds
+    against a fault-free run of the same length: demo GPT, 3 replicas (on 2 cores)."""
+    from torchport.demo.stage_ft import run_timed
+
+    with tempfile.TemporaryDirectory() as d:
+        clean = run_timed(Path(d) / "clean", duration=duration, kill_every=None)
+        faulty = run_timed(Path(d) / "kill", duration=duration, kill_every=period)
+    table.add(
+        f"training {duration:.0f} s, 1 SIGKILL every {period:.0f} s (steps/s)",
+        "fault-free run",
+        1 / clean["steps_per_s"],
+        1 / faulty["steps_per_s"],
+        0,
+        throughput_pct=round(100 * faulty["steps_per_s"] / clean["steps_per_s"], 1),
+        kills=len(faulty["kills"]),
+        steps=f"{faulty['steps']}/{clean['steps']}",
+        identical=faulty["identical"] and clean["identical"],
+        aborted=faulty["summaries"][0]["aborted_steps"],
+        heals=sum(s["heals"] for s in faulty["summaries"]),
+        stand_in_s=[round(x, 2) for x in faulty["stand_in_s"]],
+    )
+
+
 def bench_training(table: BenchTable, steps: int) -> None:
     from torchport.demo.stage_ft import run_scenario
 
@@ -295,6 +319,13 @@ def main() -> None:
         help="training steps per run (default 30, or 120); ~450 makes a ~30 s run with one fault",
     )
     p.add_argument(
+        "--train-seconds",
+        type=float,
+        default=0.0,
+        help="timed training runs (e.g. 60): fault-free vs one SIGKILL every --fault-period s",
+    )
+    p.add_argument("--fault-period", type=float, default=30.0, help="seconds between faults")
+    p.add_argument(
         "--only",
         nargs="*",
         choices=("reconf", "heal", "fr", "step", "train"),
@@ -315,7 +346,10 @@ def main() -> None:
         bench_manager_overhead(table, "mlp", 2, 50 if args.quick else 200)
         bench_manager_overhead(table, "gpt", 2, 8 if args.quick else 30)
     if "train" in parts:
-        bench_training(table, args.train_steps or (30 if args.quick else 120))
+        if args.train_seconds:
+            bench_training_timed(table, args.train_seconds, args.fault_period)
+        else:
+            bench_training(table, args.train_steps or (30 if args.quick else 120))
     table.save(args.json)
 
 

@@ -14,6 +14,7 @@ its lighthouse sockets), ``slow`` (sleep ``--slow-s``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fr-dir", default="")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--backend", choices=("torchport", "gloo"), default="torchport")
+    p.add_argument(
+        "--steps-file",
+        default="",
+        help="if this file appears, the step count it holds replaces --steps (timed runs end "
+        "at one step number on every replica)",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -126,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model, mgr, bucket_cap_mb=0.05)
     optim = OptimizerWrapper(mgr, opt)
     progress = Path(a.out + ".progress")
+    steps_file = Path(a.steps_file) if a.steps_file else None
+    target = a.steps
     fired = False
     t0 = time.perf_counter()
     losses: list[float] = []
@@ -150,8 +159,11 @@ def main(argv: list[str] | None = None) -> None:
         if a.step_sleep:
             time.sleep(a.step_sleep)
         progress.write_text(str(mgr.current_step()))
+        if steps_file is not None and steps_file.exists():
+            with contextlib.suppress(ValueError):  # the driver writes it atomically
+                target = int(steps_file.read_text())
         # stop only after a step committed by the full world, so a rejoiner has healed
-        if committed and mgr.current_step() >= a.steps and mgr.num_participants() == a.world:
+        if committed and mgr.current_step() >= target and mgr.num_participants() == a.world:
             break
     seconds = time.perf_counter() - t0
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
