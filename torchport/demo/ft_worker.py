@@ -63,6 +63,17 @@ def loss_of(kind: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tor
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def stage_corpus(path: Path | None = None) -> torch.Tensor:
+    """The gpt replicas' training bytes (1 MB of standard-library source, train split); with
+    ``path``, also written there for ``--corpus``."""
+    from torchport.demo.data import load_corpus
+
+    train = load_corpus(max_bytes=1 << 20).train
+    if path is not None:
+        path.write_bytes(train.to(torch.uint8).numpy().tobytes())
+    return train
+
+
 def spawn(argv: list[str]) -> Any:
     """Start a replica as a process forked from a preloaded forkserver (fast restarts)."""
     import multiprocessing as mp
@@ -96,6 +107,12 @@ def main(argv: list[str] | None = None) -> None:
         help="if this file appears, the step count it holds replaces --steps (timed runs end "
         "at one step number on every replica)",
     )
+    p.add_argument(
+        "--corpus",
+        default="",
+        help="gpt: file holding the training bytes, staged by the driver (a restarted replica "
+        "then starts in milliseconds); default: read standard-library sources",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -103,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(a.model, a.seed + zlib.crc32(a.rid.encode()))  # differ on purpose
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     corpus = None
-    if a.model == "gpt":
-        from torchport.demo.data import load_corpus
-
-        corpus = load_corpus(max_bytes=1 << 20).train
+    if a.model == "gpt" and a.corpus:
+        corpus = torch.frombuffer(bytearray(Path(a.corpus).read_bytes()), dtype=torch.uint8).long()
+    elif a.model == "gpt":
+        corpus = stage_corpus()
     rec = None
     if a.fr_dir:
         rec = FlightRecorder(dump_dir=a.fr_dir)

@@ -42,10 +42,13 @@ def run_scenario(
     Returns measured facts: wall time, per-replica summaries, kill and detection times, lighthouse
     events and whether the final parameters are bit-identical.
     """
-    from torchport.demo.ft_worker import spawn
+    from torchport.demo.ft_worker import spawn, stage_corpus
     from torchport.distributed.ft import Lighthouse
 
     out.mkdir(parents=True, exist_ok=True)
+    corpus = out / "corpus.bin"
+    if model == "gpt":
+        stage_corpus(corpus)  # a restarted replica reads it instead of scanning sources
     fr_dir = out / "fr"
     lh = Lighthouse(min_replicas=1, join_timeout=1.0, heartbeat=heartbeat)
     addr = f"{lh.address[0]}:{lh.address[1]}"
@@ -71,6 +74,7 @@ def run_scenario(
                 str(fr_dir),
                 "--timeout",
                 "20",
+                *(("--corpus", str(corpus)) if model == "gpt" else ()),
             ]
         )
 
@@ -134,7 +138,7 @@ def run_timed(
     of steps the job committed (replica 0's counter, never killed) per second of that window.
     Afterwards every replica stops at one common step, and the final parameters are compared.
     """
-    from torchport.demo.ft_worker import spawn
+    from torchport.demo.ft_worker import spawn, stage_corpus
     from torchport.distributed.ft import Lighthouse
 
     out.mkdir(parents=True, exist_ok=True)
@@ -143,13 +147,16 @@ def run_timed(
     procs: dict[int, Any] = {}
     stop = out / "steps"
     stop.unlink(missing_ok=True)
+    corpus = out / "corpus.bin"
+    if model == "gpt":
+        stage_corpus(corpus)
 
     def start(i: int) -> None:
         procs[i] = spawn(
             [
                 *("--lighthouse", addr, "--rid", f"r{i}", "--steps", str(10**9)),
                 *("--world", str(world), "--model", model, "--out", str(out / f"r{i}.bin")),
-                *("--timeout", "20", "--steps-file", str(stop)),
+                *("--timeout", "20", "--steps-file", str(stop), "--corpus", str(corpus)),
             ]
         )
 
