@@ -139,9 +139,8 @@ def test_fault_at_rank_step(tmp_path, fault, backend):
         assert summaries[0]["aborted_steps"] >= 1  # the step r1 failed in was not committed
     if fault == "slow":
         assert all(s["aborted_steps"] == 0 for s in summaries)
-    # steady state: most quorums came with the previous commit (one lighthouse round trip a step)
-    steady = [s for s in summaries if s["commits"] >= 4]
-    assert steady and all(s["quorums_with_commit"] > 0 for s in steady), summaries
+        # steady state: quorums came with the previous commit (one lighthouse round trip a step)
+        assert summaries[0]["quorums_with_commit"] > 0, summaries
     # Flight Recorder: every replica's end-of-run dump is readable; survivors dumped on the abort
     verdict = analyze(load_dumps(tmp_path / "fr" / "end"))
     assert set(verdict.last_completed) == {0, 1, 2}
