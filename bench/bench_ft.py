@@ -14,6 +14,8 @@ Rows (anchor → ours):
 * ``heal W MB``: ours = state transfer from another process; anchor = gloo broadcast of the same bytes.
 * ``step overhead``: anchor = plain gloo allreduce per step; ours = manager step (quorum +
   allreduce + commit vote) and allreduce with the Flight Recorder installed.
+* ``DDP step``: the manager's overhead on a real training step (MLP and the demo GPT, 2 replicas):
+  the same loop with plain allreduce on the same torchport communicator vs through the manager.
 * ``training throughput``: fault-free vs one SIGKILL + restart + heal (demo model, 3 replicas).
 """
 
@@ -178,6 +180,45 @@ def bench_heal_and_steps(table: BenchTable, mb: int, steps: int) -> None:
         lh.close()
 
 
+def bench_manager_overhead(table: BenchTable, model: str, replicas: int, steps: int) -> None:
+    """The FT manager's cost on a real DDP training step: the same loop (zero_grad, forward,
+    backward with bucketed allreduce overlapped, optimizer step) on the same torchport
+    communicator, with plain allreduce (anchor) and through the manager (ours: quorum + commit
+    vote, one lighthouse round trip per step in steady state), in alternating blocks."""
+    lh = Lighthouse(min_replicas=replicas, join_timeout=5.0)
+    blocks = 4
+    try:
+        with Actors(replicas) as A:
+            res = _ok(
+                A.call_all(
+                    list(range(replicas)),
+                    "step_overhead",
+                    [(list(lh.address), f"r{i}", model, blocks, steps) for i in range(replicas)],
+                    timeout=600,
+                )
+            )
+    finally:
+        lh.close()
+
+    def med(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    # a step ends when the slowest replica's does: per step, the max over replicas
+    per = {m: [max(r[0][m][k] for r in res) for k in range(blocks * steps)] for m in res[0][0]}
+    plain, mgr = med(per["plain"]), med(per["manager"])
+    table.add(
+        f"DDP {model} step, {replicas} replicas: FT manager vs plain allreduce",
+        "plain allreduce",
+        plain,
+        mgr,
+        0,
+        overhead_pct=round(100 * (mgr / plain - 1), 1),
+        group_builds=res[0][2],
+        quorums_with_commit=f"{res[0][3]}/{res[0][1]}",
+        vote_ms=round(1e3 * max(r[4] for r in res), 2),
+    )
+
+
 def bench_fr(table: BenchTable) -> None:
     """Recording cost per op: the public record/started/completed API and the install() wrapper."""
     from torchport.distributed import flight_recorder as fr
@@ -221,6 +262,30 @@ def bench_fr(table: BenchTable) -> None:
         )
 
 
+def bench_training_timed(table: BenchTable, duration: float, period: float) -> None:
+    """Throughput with one SIGKILL (+ immediate restart, heal, rejoin) every ``period`` seconds
+    against a fault-free run of the same length: demo GPT, 3 replicas (on 2 cores)."""
+    from torchport.demo.stage_ft import run_timed
+
+    with tempfile.TemporaryDirectory() as d:
+        clean = run_timed(Path(d) / "clean", duration=duration, kill_every=None)
+        faulty = run_timed(Path(d) / "kill", duration=duration, kill_every=period)
+    table.add(
+        f"training {duration:.0f} s, 1 SIGKILL every {period:.0f} s (steps/s)",
+        "fault-free run",
+        1 / clean["steps_per_s"],
+        1 / faulty["steps_per_s"],
+        0,
+        throughput_pct=round(100 * faulty["steps_per_s"] / clean["steps_per_s"], 1),
+        kills=len(faulty["kills"]),
+        steps=f"{faulty['steps']}/{clean['steps']}",
+        identical=faulty["identical"] and clean["identical"],
+        aborted=faulty["summaries"][0]["aborted_steps"],
+        heals=sum(s["heals"] for s in faulty["summaries"]),
+        stand_in_s=[round(x, 2) for x in faulty["stand_in_s"]],
+    )
+
+
 def bench_training(table: BenchTable, steps: int) -> None:
     from torchport.demo.stage_ft import run_scenario
 
@@ -254,10 +319,20 @@ def main() -> None:
         help="training steps per run (default 30, or 120); ~450 makes a ~30 s run with one fault",
     )
     p.add_argument(
-        "--only", nargs="*", choices=("reconf", "heal", "fr", "train"), help="run only these parts"
+        "--train-seconds",
+        type=float,
+        default=0.0,
+        help="timed training runs (e.g. 60): fault-free vs one SIGKILL every --fault-period s",
+    )
+    p.add_argument("--fault-period", type=float, default=30.0, help="seconds between faults")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        choices=("reconf", "heal", "fr", "step", "train"),
+        help="run only these parts",
     )
     args = p.parse_args()
-    parts = set(args.only or ("reconf", "heal", "fr", "train"))
+    parts = set(args.only or ("reconf", "heal", "fr", "step", "train"))
     table = BenchTable("ft", unit="GB/s")
     table.start()
     if "reconf" in parts:
@@ -267,8 +342,14 @@ def main() -> None:
         bench_heal_and_steps(table, 64 if args.quick else 256, 20 if args.quick else 100)
     if "fr" in parts:
         bench_fr(table)
+    if "step" in parts:
+        bench_manager_overhead(table, "mlp", 2, 50 if args.quick else 200)
+        bench_manager_overhead(table, "gpt", 2, 8 if args.quick else 30)
     if "train" in parts:
-        bench_training(table, args.train_steps or (30 if args.quick else 120))
+        if args.train_seconds:
+            bench_training_timed(table, args.train_seconds, args.fault_period)
+        else:
+            bench_training(table, args.train_steps or (30 if args.quick else 120))
     table.save(args.json)
 
 

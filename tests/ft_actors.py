@@ -146,7 +146,8 @@ def c_reconf(
         _reconfigure(uuid, handles, st["g"], timeout=timedelta(seconds=timeout), hints=hints).wait()
     except ReconfigureError as e:
         return ("error", str(e), time.perf_counter() - t0)
-    return ("ok", st["g"].rank(), st["g"].size(), time.perf_counter() - t0, st["g"].phases)
+    g = st["g"]
+    return ("ok", g.rank(), g.size(), time.perf_counter() - t0, g.phases, t0)
 
 
 def c_allreduce(st: dict[str, Any], value: float) -> Any:
@@ -398,7 +399,113 @@ def c_step_bench(st: dict[str, Any], mode: str, lighthouse: Any, nbytes: int, st
             fr.uninstall()
 
 
+class _PlainManager:
+    """The manager's allreduce interface over a fixed group, and nothing else: the baseline of
+    the manager-overhead benchmark (no quorum, no vote; every step commits)."""
+
+    def __init__(self, pg: Any, n: int) -> None:
+        self.pg, self.n = pg, n
+
+    def start_quorum(self) -> None:
+        return None
+
+    def allreduce(self, tensor: torch.Tensor) -> Any:
+        work = self.pg.allreduce([tensor])
+        n = self.n
+
+        class _W:
+            def wait(self, timeout: float | None = None) -> bool:
+                work.wait()
+                tensor.div_(n)
+                return True
+
+        return _W()
+
+    def should_commit(self) -> bool:
+        return True
+
+
+def c_step_overhead(
+    st: dict[str, Any], lighthouse: Any, rid: str, model: str, blocks: int, per_block: int
+) -> Any:
+    """Seconds per DDP training step, plain allreduce vs the FT manager, in alternating blocks.
+
+    Both loops are the same (``zero_grad`` → forward → backward with bucketed allreduce →
+    ``step``) on the same torchport communicator; only the manager (quorum + commit vote) differs.
+    """
+    from torchport.demo.ft_worker import build_model, loss_of, make_batch
+    from torchport.distributed.ft import DistributedDataParallel, Manager, OptimizerWrapper
+
+    net = build_model(model, 0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    corpus = None
+    if model == "gpt":
+        from torchport.demo.data import load_corpus
+
+        corpus = load_corpus(max_bytes=1 << 20).train
+
+    def state() -> dict[str, Any]:
+        return {"model": net.state_dict(), "optim": opt.state_dict()}
+
+    def load(s: dict[str, Any]) -> None:
+        net.load_state_dict(s["model"])
+        opt.load_state_dict(s["optim"])
+
+    mgr = Manager(
+        lighthouse=tuple(lighthouse),
+        replica_id=rid,
+        state_dict=state,
+        load_state_dict=load,
+        init_sync=True,
+    )
+    ddp = DistributedDataParallel(net, mgr, bucket_cap_mb=0.05 if model == "mlp" else 25.0)
+    optim = OptimizerWrapper(mgr, opt)
+    times: dict[str, list[float]] = {"plain": [], "manager": []}
+    plain = None
+    step = 0
+    try:
+        for b in range(2 * blocks + 1):
+            mode = "manager" if b % 2 == 0 else "plain"
+            if mode == "plain" and plain is None:
+                plain = _PlainManager(mgr.process_group, mgr.num_participants())
+            use: Any = mgr if mode == "manager" else plain
+            ddp.manager = optim.manager = use
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                optim.zero_grad()
+                loss_of(model, ddp, make_batch(model, step, rid, corpus)).backward()
+                optim.step()
+                if b > 0:  # the first block warms up (and forms the group)
+                    times[mode].append(time.perf_counter() - t0)
+                step += 1
+        m = mgr.metrics
+        return times, m.quorums, m.group_builds, m.quorums_with_commit, m.vote_s / max(1, m.commits)
+    finally:
+        mgr.shutdown()
+
+
+def c_cpu(st: dict[str, Any]) -> tuple[float, int, dict[str, int]]:
+    """(CPU seconds of this process, all threads; live threads; threads per name prefix)."""
+    import collections
+    import threading
+
+    names = collections.Counter(
+        t.name.split("-")[0 if "Thread" in t.name else 1][:12] for t in threading.enumerate()
+    )
+    return time.process_time(), threading.active_count(), dict(names)
+
+
+def c_threads(st: dict[str, Any]) -> dict[int, str]:
+    """{native thread id: thread name} of this process (profiling per-thread CPU from outside)."""
+    import threading
+
+    return {t.native_id or 0: t.name for t in threading.enumerate()}
+
+
 COMMANDS: dict[str, Callable[..., Any]] = {
+    "step_overhead": c_step_overhead,
+    "cpu": c_cpu,
+    "threads": c_threads,
     "gloo_rebuild": c_gloo_rebuild,
     "serve_state": c_serve_state,
     "bcast_bench": c_bcast_bench,

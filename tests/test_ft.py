@@ -139,6 +139,8 @@ def test_fault_at_rank_step(tmp_path, fault, backend):
         assert summaries[0]["aborted_steps"] >= 1  # the step r1 failed in was not committed
     if fault == "slow":
         assert all(s["aborted_steps"] == 0 for s in summaries)
+        # steady state: quorums came with the previous commit (one lighthouse round trip a step)
+        assert summaries[0]["quorums_with_commit"] > 0, summaries
     # Flight Recorder: every replica's end-of-run dump is readable; survivors dumped on the abort
     verdict = analyze(load_dumps(tmp_path / "fr" / "end"))
     assert set(verdict.last_completed) == {0, 1, 2}
@@ -246,6 +248,83 @@ def test_lighthouse_refuses_split_brain_quorums():
         got = recv_msg(r1)
         assert got["members"] == ["r0", "r1"] and got["max_step"] == 1 and got["steps"] == [1, 0]
         assert recv_msg(r0)["quorum_id"] == got["quorum_id"]
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()
+
+
+def test_commit_hands_out_the_next_quorum_in_steady_state_only():
+    """One lighthouse round trip per step: a unanimous commit whose votes carry the next quorum
+    request answers with that quorum; a replica waiting to join (or a "no") stops it, and the
+    joiner is in the next quorum."""
+    secret = b"t" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=5.0, heartbeat=5.0, secret=secret)
+    socks = []
+
+    def replica(rid: str):
+        hb = connect(lh.address, secret, "lighthouse", timeout=2)
+        send_msg(hb, {"t": "hb", "rid": rid})
+        rpc = connect(lh.address, secret, "lighthouse", timeout=2)
+        send_msg(rpc, {"t": "rpc", "rid": rid})
+        socks.extend([hb, rpc])
+        _wait_for(lambda: any(f"replica {rid} connected" in e for _, e in lh.events), 5, rid)
+        return rpc
+
+    def req(rid: str, step: int) -> dict:
+        return {"t": "quorum", "rid": rid, "step": step, "heal_addr": ["x", 1], "timeout": 5}
+
+    def vote(rpcs, qid: int, step: int, ok=(True, True), nxt=True):
+        for (rid, s), yes in zip(rpcs, ok, strict=True):
+            send_msg(
+                s,
+                {
+                    "t": "commit",
+                    "rid": rid,
+                    "quorum_id": qid,
+                    "step": step,
+                    "members": ["r0", "r1"],
+                    "ok": yes,
+                    "timeout": 5,
+                    "next": req(rid, step + 1) if nxt else None,
+                },
+            )
+        return [recv_msg(s) for _, s in rpcs]
+
+    try:
+        r = [("r0", replica("r0")), ("r1", replica("r1"))]
+        for rid, s in r:
+            send_msg(s, req(rid, 0))
+        q = [recv_msg(s) for _, s in r]
+        assert q[0]["members"] == ["r0", "r1"] and q[0] == q[1]
+        qid = q[0]["quorum_id"]
+        rounds = sum("quorum" in e for _, e in lh.events)
+        got = vote(r, qid, 0)
+        assert all(g["ok"] is True for g in got)
+        nq = [g["quorum"] for g in got]
+        assert nq[0] == nq[1] and nq[0]["quorum_id"] == qid
+        assert nq[0]["steps"] == [1, 1] and nq[0]["max_step"] == 1
+        assert sum("quorum" in e for _, e in lh.events) == rounds  # no extra round was formed
+        # a vote without the next request (or a "no") gets no quorum
+        assert all(g["quorum"] is None for g in vote(r, qid, 1, nxt=False))
+        got = vote(r, qid, 2, ok=(True, False))
+        assert all(g["ok"] is False and g["quorum"] is None for g in got)
+        # r0, r1 ask again (a new quorum after the failed commit), then commit step 2
+        for rid, s in r:
+            send_msg(s, req(rid, 2))
+        qs = [recv_msg(s) for _, s in r]  # both replies must be read
+        qid = qs[0]["quorum_id"]
+        assert vote(r, qid, 2)[0]["quorum"] is not None
+        # a joiner waits (r0, r1 are in a step); their next commit hands out no quorum
+        j = replica("r2")
+        send_msg(j, req("r2", 0))
+        got = vote(r, qid, 3)
+        assert all(g["ok"] is True and g["quorum"] is None for g in got)
+        for rid, s in r:
+            send_msg(s, req(rid, 4))
+        q = [recv_msg(s) for _, s in r] + [recv_msg(j)]
+        assert q[0]["members"] == ["r0", "r1", "r2"] and q[0]["steps"] == [4, 4, 0]
+        assert q[0]["quorum_id"] != qid and q[0] == q[1] == q[2]
     finally:
         for s in socks:
             s.close()

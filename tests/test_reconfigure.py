@@ -173,17 +173,17 @@ def test_elastic_mesh_errors_and_group_of_one():
         mesh.close()
 
 
-def test_a_survivor_that_aborts_tells_the_others_the_culprit():
-    """Rank 0 finds "rank 2" hung (a silent listener: it never answers the watch handshake, like a
-    process stopped before its watcher connected); rank 1 must learn that cause from rank 0's
-    fault notice instead of blaming rank 0 for the abort that follows."""
+def test_a_survivor_that_aborts_tells_the_others_the_culprit_gloo():
+    """gloo (control-connection watchers): rank 0 finds "rank 2" hung (a silent listener: it never
+    answers the watch handshake, like a process stopped before its watcher connected); rank 1
+    must learn that cause from rank 0's fault notice instead of blaming rank 0."""
     import socket
 
     import torch
 
     from torchport.distributed import PeerFailure
 
-    gs = [ReconfigurableGroup(heartbeat=0.2) for _ in range(2)]
+    gs = [ReconfigurableGroup(heartbeat=0.2, backend="gloo") for _ in range(2)]
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (kernel backlog), never answers
     try:
         hs = [g.get_reconfigure_handle() for g in gs]
@@ -211,3 +211,69 @@ def test_a_survivor_that_aborts_tells_the_others_the_culprit():
         silent.close()
         for g in gs:
             g.close()
+
+
+def test_mesh_watch_hang_notice_and_crash():
+    """torchport (watching over the elastic mesh, no watch connections): a member that stops
+    beating is found hung by rank 0 within three heartbeats; rank 1 (which watches nobody here)
+    learns the cause from rank 0's notice on the mesh, not from the abort. Then a closed member
+    is a crash, noticed at once, and the watcher threads end with their groups."""
+    import threading
+
+    import torch
+
+    from torchport.distributed import PeerFailure
+
+    gs = [ReconfigurableGroup(heartbeat=0.1) for _ in range(3)]
+    try:
+        hs = [g.get_reconfigure_handle() for g in gs]
+        for w in [_reconfigure(1, hs, g) for g in gs]:
+            w.wait(timeout=30)
+        assert [g.rank() for g in gs] == [0, 1, 2]
+        assert all(len(g._watched) == 2 for g in gs)
+        assert gs[0]._watched == {gs[1]._mesh.me.id: 1, gs[2]._mesh.me.id: 2}
+        time.sleep(0.5)  # beats flow: nobody is reported while everyone beats
+        assert all(g.get_error() is None for g in gs)
+        with gs[1]._lock:
+            gs[1]._watched.clear()
+        gs[2]._mesh.beat = lambda: None  # rank 2 goes silent (as if stopped)
+        t0 = time.perf_counter()
+        end = time.monotonic() + 5
+        while gs[0].get_error() is None and time.monotonic() < end:
+            time.sleep(0.005)
+        assert time.perf_counter() - t0 < 0.3 * 3 + 0.3
+        err0 = gs[0].get_error()
+        assert isinstance(err0, PeerFailure) and "rank 2 hung: no heartbeat for 0.30 s" in str(err0)
+        while gs[1].get_error() is None and time.monotonic() < end:
+            time.sleep(0.005)
+        err1 = gs[1].get_error()
+        assert isinstance(err1, PeerFailure) and "rank 2 hung" in str(err1), err1
+        assert "(reported by rank 0)" in str(err1)
+        with pytest.raises(PeerFailure, match="allreduce: group failed earlier: rank 2 hung"):
+            gs[1].allreduce(torch.ones(3))
+        # re-form the two healthy members (the mesh connection between them is kept) ...
+        hs2 = [g.get_reconfigure_handle() for g in gs[:2]]
+        for w in [_reconfigure(2, hs2, g) for g in gs[:2]]:
+            w.wait(timeout=30)
+        assert all(g.phases["new_connections"] == 0 for g in gs[:2])
+        assert gs[0]._watched == {gs[1]._mesh.me.id: 1}
+        t = torch.ones(2)
+        done = threading.Thread(target=lambda: gs[1].allreduce(torch.ones(2)))
+        done.start()
+        gs[0].allreduce(t)
+        done.join(10)
+        assert t.tolist() == [2.0, 2.0]
+        # ... and a crash (connection lost) is noticed at once
+        t0 = time.perf_counter()
+        gs[1].close()
+        while gs[0].get_error() is None and time.monotonic() < end + 5:
+            time.sleep(0.002)
+        assert time.perf_counter() - t0 < 0.25
+        assert "rank 1 crashed: its connection was lost" in str(gs[0].get_error())
+    finally:
+        for g in gs:
+            g.close()
+    for g in gs:
+        assert g._watcher is not None
+        g._watcher.join(2)
+        assert not g._watcher.is_alive()

@@ -14,6 +14,7 @@ its lighthouse sockets), ``slow`` (sleep ``--slow-s``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -62,6 +63,17 @@ def loss_of(kind: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tor
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def stage_corpus(path: Path | None = None) -> torch.Tensor:
+    """The gpt replicas' training bytes (1 MB of standard-library source, train split); with
+    ``path``, also written there for ``--corpus``."""
+    from torchport.demo.data import load_corpus
+
+    train = load_corpus(max_bytes=1 << 20).train
+    if path is not None:
+        path.write_bytes(train.to(torch.uint8).numpy().tobytes())
+    return train
+
+
 def spawn(argv: list[str]) -> Any:
     """Start a replica as a process forked from a preloaded forkserver (fast restarts)."""
     import multiprocessing as mp
@@ -89,6 +101,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fr-dir", default="")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--backend", choices=("torchport", "gloo"), default="torchport")
+    p.add_argument(
+        "--steps-file",
+        default="",
+        help="if this file appears, the step count it holds replaces --steps (timed runs end "
+        "at one step number on every replica)",
+    )
+    p.add_argument(
+        "--corpus",
+        default="",
+        help="gpt: file holding the training bytes, staged by the driver (a restarted replica "
+        "then starts in milliseconds); default: read standard-library sources",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -96,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(a.model, a.seed + zlib.crc32(a.rid.encode()))  # differ on purpose
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     corpus = None
-    if a.model == "gpt":
-        from torchport.demo.data import load_corpus
-
-        corpus = load_corpus(max_bytes=1 << 20).train
+    if a.model == "gpt" and a.corpus:
+        corpus = torch.frombuffer(bytearray(Path(a.corpus).read_bytes()), dtype=torch.uint8).long()
+    elif a.model == "gpt":
+        corpus = stage_corpus()
     rec = None
     if a.fr_dir:
         rec = FlightRecorder(dump_dir=a.fr_dir)
@@ -126,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model, mgr, bucket_cap_mb=0.05)
     optim = OptimizerWrapper(mgr, opt)
     progress = Path(a.out + ".progress")
+    steps_file = Path(a.steps_file) if a.steps_file else None
+    target = a.steps
     fired = False
     t0 = time.perf_counter()
     losses: list[float] = []
@@ -150,8 +176,11 @@ def main(argv: list[str] | None = None) -> None:
         if a.step_sleep:
             time.sleep(a.step_sleep)
         progress.write_text(str(mgr.current_step()))
+        if steps_file is not None and steps_file.exists():
+            with contextlib.suppress(ValueError):  # the driver writes it atomically
+                target = int(steps_file.read_text())
         # stop only after a step committed by the full world, so a rejoiner has healed
-        if committed and mgr.current_step() >= a.steps and mgr.num_participants() == a.world:
+        if committed and mgr.current_step() >= target and mgr.num_participants() == a.world:
             break
     seconds = time.perf_counter() - t0
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -162,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         "steps": mgr.current_step(),
         "seconds": seconds,
         "commits": m.commits,
+        "quorums": m.quorums,
+        "quorums_with_commit": m.quorums_with_commit,
         "aborted_steps": m.aborted_steps,
         "heals": m.heals,
         "heal_bytes": m.heal_bytes,

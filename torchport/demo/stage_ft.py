@@ -42,10 +42,13 @@ def run_scenario(
     Returns measured facts: wall time, per-replica summaries, kill and detection times, lighthouse
     events and whether the final parameters are bit-identical.
     """
-    from torchport.demo.ft_worker import spawn
+    from torchport.demo.ft_worker import spawn, stage_corpus
     from torchport.distributed.ft import Lighthouse
 
     out.mkdir(parents=True, exist_ok=True)
+    corpus = out / "corpus.bin"
+    if model == "gpt":
+        stage_corpus(corpus)  # a restarted replica reads it instead of scanning sources
     fr_dir = out / "fr"
     lh = Lighthouse(min_replicas=1, join_timeout=1.0, heartbeat=heartbeat)
     addr = f"{lh.address[0]}:{lh.address[1]}"
@@ -71,6 +74,7 @@ def run_scenario(
                 str(fr_dir),
                 "--timeout",
                 "20",
+                *(("--corpus", str(corpus)) if model == "gpt" else ()),
             ]
         )
 
@@ -112,6 +116,114 @@ def run_scenario(
     facts["events"] = list(lh.events)
     facts["fr_dir"] = str(fr_dir)
     return facts
+
+
+def run_timed(
+    out: Path,
+    *,
+    duration: float,
+    kill_every: float | None,
+    world: int = 3,
+    model: str = "gpt",
+    heartbeat: float = 0.1,
+) -> dict[str, Any]:
+    """Train ``world`` replicas for ``duration`` seconds of steady training; with ``kill_every``,
+    SIGKILL replica 1 at ``kill_every / 2``, ``3 * kill_every / 2``, ... and restart it at once
+    (it heals and rejoins). The same number of processes stays busy: from the kill until the
+    restarted replica has committed a step, a busy-loop process stands in for it (with fewer
+    processes than cores... here 3 replicas share 2 cores, and survivors would otherwise train
+    faster while one is down).
+
+    The clock starts once every replica has committed a step together; throughput is the number
+    of steps the job committed (replica 0's counter, never killed) per second of that window.
+    Afterwards every replica stops at one common step, and the final parameters are compared.
+    """
+    from torchport.demo.ft_worker import spawn, stage_corpus
+    from torchport.distributed.ft import Lighthouse
+
+    out.mkdir(parents=True, exist_ok=True)
+    lh = Lighthouse(min_replicas=1, join_timeout=1.0, heartbeat=heartbeat)
+    addr = f"{lh.address[0]}:{lh.address[1]}"
+    procs: dict[int, Any] = {}
+    stop = out / "steps"
+    stop.unlink(missing_ok=True)
+    corpus = out / "corpus.bin"
+    if model == "gpt":
+        stage_corpus(corpus)
+
+    def start(i: int) -> None:
+        procs[i] = spawn(
+            [
+                *("--lighthouse", addr, "--rid", f"r{i}", "--steps", str(10**9)),
+                *("--world", str(world), "--model", model, "--out", str(out / f"r{i}.bin")),
+                *("--timeout", "20", "--steps-file", str(stop), "--corpus", str(corpus)),
+            ]
+        )
+
+    p0, p1 = out / "r0.bin.progress", out / "r1.bin.progress"
+    facts: dict[str, Any] = {"kills": [], "downtime_s": [], "stand_in_s": []}
+    burner: Any = None
+    limit = time.monotonic() + duration + 300
+    try:
+        for i in range(world):
+            start(i)
+        while _progress(p0) < 2:  # everyone joined (a replica waits for the full world to end)
+            if time.monotonic() > limit:
+                raise TimeoutError("replicas did not start training")
+            time.sleep(0.01)
+        t0, s0 = time.monotonic(), _progress(p0)
+        next_kill = t0 + kill_every / 2 if kill_every else float("inf")
+        while time.monotonic() - t0 < duration:
+            if time.monotonic() >= next_kill:
+                k0 = time.monotonic()
+                os.kill(procs[1].pid, signal.SIGKILL)
+                burner = _burner() if burner is None else burner
+                procs[1].join(timeout=10)
+                p1.unlink(missing_ok=True)
+                start(1)
+                facts["downtime_s"].append(time.monotonic() - k0)
+                facts["kills"].append(round(k0 - t0, 2))
+                next_kill += kill_every or float("inf")
+            if burner is not None and p1.exists():  # the restarted replica trains again
+                burner.kill()
+                burner.join(timeout=5)
+                burner = None
+                facts["stand_in_s"].append(time.monotonic() - k0)
+            time.sleep(0.005)
+        t1, s1 = time.monotonic(), _progress(p0)
+        tmp = out / "steps.tmp"
+        tmp.write_text(str(s1 + 5))
+        os.replace(tmp, stop)  # every replica ends at this step
+        for i in range(world):
+            procs[i].join(timeout=max(1.0, limit - time.monotonic()))
+            if procs[i].exitcode != 0:
+                raise RuntimeError(f"replica {i} ended with exit code {procs[i].exitcode}")
+    finally:
+        for p in [*procs.values(), *([burner] if burner is not None else [])]:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        lh.close()
+    facts["summaries"] = [json.loads((out / f"r{i}.bin.json").read_text()) for i in range(world)]
+    blobs = [(out / f"r{i}.bin").read_bytes() for i in range(world)]
+    facts["identical"] = all(b == blobs[0] for b in blobs)
+    facts["steps"], facts["seconds"] = s1 - s0, t1 - t0
+    facts["steps_per_s"] = (s1 - s0) / (t1 - t0)
+    return facts
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _burner() -> Any:
+    """A process that keeps one core busy (stands in for a replica that is down)."""
+    import multiprocessing as mp
+
+    proc = mp.get_context("fork").Process(target=_spin, daemon=True)
+    proc.start()
+    return proc
 
 
 def _dead_event(events: list[tuple[float, str]], rid: str) -> float | None:

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from torchport.distributed._threads import WarmPool
 from torchport.distributed.errors import AuthError, CommError
 
 MAGIC = b"TPC1"
@@ -142,7 +143,12 @@ def connect(
 
 
 class Server:
-    """A threaded TCP server: each authenticated connection is handled on its own daemon thread."""
+    """A threaded TCP server: each authenticated connection is handled on its own daemon thread.
+
+    ``spare`` > 0 keeps that many handler threads started and idle (a
+    :class:`~torchport.distributed._threads.WarmPool`), so a burst of connections — every peer of
+    a newcomer validating its handle at once — waits for no thread start.
+    """
 
     def __init__(
         self,
@@ -152,8 +158,10 @@ class Server:
         role: str,
         host: str = "127.0.0.1",
         port: int = 0,
+        spare: int = 0,
     ) -> None:
         self._handler, self._secret, self._role = handler, secret, role
+        self._workers = WarmPool(spare) if spare > 0 else None
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -171,7 +179,10 @@ class Server:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            if self._workers is not None:
+                self._workers.run(self._serve, conn)
+            else:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -191,9 +202,16 @@ class Server:
                 self._conns.discard(conn)
             conn.close()
 
+    def refill(self) -> None:
+        """Top the idle handler threads up to ``spare`` again (after a burst of connections)."""
+        if self._workers is not None:
+            self._workers.refill()
+
     def close(self) -> None:
         """Stop accepting and close every open connection."""
         self._closed = True
+        if self._workers is not None:
+            self._workers.close()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()

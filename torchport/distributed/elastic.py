@@ -23,12 +23,21 @@ ordered member list:
 
 A lost connection (crashed peer) fails every communicator that contains the peer at once; the
 connection is dropped so that later groups never use it.
+
+The mesh also carries what failure detection needs, so a reconfigurable group opens no extra
+connection to watch its members: :meth:`ElasticMesh.beat` sends an empty ``NOTE`` frame to every
+connected peer (never blocking: a peer whose connection is busy or full is skipped, the frames in
+flight prove liveness as well), every received frame refreshes ``Connection.seen``, a lost
+connection is reported to ``on_lost`` and a ``NOTE`` with a payload (a fault notice, sent by
+:meth:`ElasticMesh.notify`) to ``on_notice``. A notice travels on the same ordered connection as
+the ABORT frames that follow it, so the receiver learns the cause before the abort.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +46,7 @@ from typing import Any
 
 from torchport import config
 from torchport.distributed import engine
+from torchport.distributed._threads import WarmPool
 from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator
 from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
@@ -44,9 +54,10 @@ from torchport.distributed.groups import group_id_for, host_id
 from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import ShmArena
 from torchport.distributed.transport_tcp import Connection, Mesh
-from torchport.distributed.wire import Kind
+from torchport.distributed.wire import Kind, encode_header
 
 _OFFER, _ACK, _GO = 1, 2, 3  # seq of the control frames of the formation rendezvous
+MAX_NOTICE = 4096  # bytes of a fault notice's text; a longer NOTE is dropped
 
 
 def _sizes() -> tuple[int, int, int]:
@@ -106,7 +117,12 @@ class ElasticMesh(Mesh):
         host, port = self.address.rsplit(":", 1)
         self.me = Member(self.rank, host, int(port), host_id())
         self.hosts: dict[int, str] = {self.rank: self.me.host_id}
-        self._dials: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
+        # handshakes, readers and dials run on warm threads: no thread start while forming
+        self._warm = WarmPool(16)
+        self._dials: dict[int, tuple[threading.Event, list[BaseException]]] = {}
+        self.on_lost: Callable[[int], None] | None = None  # member id whose connection was lost
+        self.on_notice: Callable[[int, int, bytes], None] | None = None  # (member, seq, text)
+        self._beat = encode_header(Kind.NOTE, 0, self.rank, 0, 0)
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
         self._acceptor.start()
         shm_lib()  # build/load the native step kernels now, not while a group is forming
@@ -117,10 +133,48 @@ class ElasticMesh(Mesh):
     def _read_loop(self, conn: Connection) -> None:
         super()._read_loop(conn)
         with self._lock:  # a lost connection is never reused
-            if self.peers.get(conn.peer) is conn:
+            live = self.peers.get(conn.peer) is conn
+            if live:
                 del self.peers[conn.peer]
         with contextlib.suppress(OSError):
             conn.sock.close()
+        cb = self.on_lost
+        if live and cb is not None and not self.closed:
+            cb(conn.peer)
+
+    def _spawn(self, fn: Callable[..., None], *args: Any, name: str) -> None:
+        self._warm.run(fn, *args)
+
+    def refill(self) -> None:
+        """Top the warm threads up again (call after a group formed, off the critical path)."""
+        self._warm.refill()
+
+    def close(self) -> None:
+        super().close()
+        self._warm.close()
+
+    def on_note(self, peer: int, seq: int, body: bytearray) -> None:
+        cb = self.on_notice
+        if body and cb is not None and len(body) <= MAX_NOTICE:
+            cb(peer, seq, bytes(body))
+
+    def beat(self) -> None:
+        """Send a liveness beat to every connected peer; never blocks (see module docstring)."""
+        for conn in list(self.peers.values()):
+            if not conn.lock.acquire(blocking=False):
+                continue  # a frame is being sent on it: that frame is the beat
+            try:
+                n = conn.sock.send(self._beat, socket.MSG_DONTWAIT)
+                if 0 < n < len(self._beat):  # keep the stream framed (rare: a full buffer)
+                    conn.sock.sendall(self._beat[n:])
+            except OSError:
+                pass  # full (the peer is not reading) or lost (its reader reports that)
+            finally:
+                conn.lock.release()
+
+    def notify(self, peer: int, seq: int, text: str) -> None:
+        """Send a fault notice (``text``, at most ``MAX_NOTICE`` bytes) to member ``peer``."""
+        self.send(peer, Kind.NOTE, 0, seq, text.encode()[:MAX_NOTICE])
 
     def dial(self, m: Member, deadline: float) -> bool:
         """Start dialling ``m`` in the background if this member is the one to dial it.
@@ -129,13 +183,15 @@ class ElasticMesh(Mesh):
         still validating; :meth:`ensure` waits for the dial and reports its failure.
         """
         with self._lock:
-            self.hosts[m.id] = m.host_id
+            if m.host_id:  # empty: not known yet (a dial started from a handle)
+                self.hosts[m.id] = m.host_id
             old = self._dials.get(m.id)
-            if old is not None and old[1] and not old[0].is_alive():
+            if old is not None and old[1] and old[0].is_set():
                 del self._dials[m.id]  # an earlier dial failed: try again
             if m.id >= self.rank or m.id in self.peers or m.id in self._dials:
                 return False
             box: list[BaseException] = []
+            done = threading.Event()
 
             def run() -> None:
                 try:
@@ -143,12 +199,12 @@ class ElasticMesh(Mesh):
                 except BaseException as e:  # reported by ensure()
                     box.append(e)
                 finally:
+                    done.set()
                     with self._ready:
                         self._ready.notify_all()
 
-            t = threading.Thread(target=run, daemon=True, name="tp-dial")
-            self._dials[m.id] = (t, box)
-        t.start()
+            self._dials[m.id] = (done, box)
+        self._warm.run(run)
         return True
 
     def ensure(self, members: Sequence[Member], deadline: float, check: Callable[[], None]) -> int:
@@ -170,10 +226,10 @@ class ElasticMesh(Mesh):
                 entry = self._dials.get(mid)
             if entry is None:
                 continue
-            t, box = entry
-            t.join(max(0.0, deadline - time.monotonic()))
+            done, box = entry
+            done.wait(max(0.0, deadline - time.monotonic()))
             with self._lock:
-                if self._dials.get(mid) is entry and not t.is_alive():
+                if self._dials.get(mid) is entry and done.is_set():
                     del self._dials[mid]
             if box:
                 raise box[0]
@@ -299,7 +355,15 @@ def form_group(
     chunk = shm_chunk if arena is not None else tcp_chunk
     t_arena = time.perf_counter() - t0
     comm = Communicator(
-        mesh, gid, ids, rank, arena=arena, timeout_s=timeout_s, chunk=chunk, name=name
+        mesh,
+        gid,
+        ids,
+        rank,
+        arena=arena,
+        timeout_s=timeout_s,
+        chunk=chunk,
+        name=name,
+        spawn=mesh._warm.run,
     )
     if stats is not None:
         stats.update(
@@ -311,14 +375,16 @@ def form_group(
     return TorchportProcessGroup(comm)
 
 
-def retire_group(pg: Any) -> None:
-    """Abort and shut down a torchport group in the background (never blocks the caller)."""
+def drop_group(pg: Any) -> None:
+    """Abort a torchport group (ends its in-flight ops here and on every peer) and shut it down."""
     if pg is None:
         return
+    if pg.comm.error is None:
+        pg.comm.fail(CommAbortedError(f"group {pg.comm.name!r} retired"), 5)
+    pg.shutdown()
 
-    def drop() -> None:
-        if pg.comm.error is None:
-            pg.comm.fail(CommAbortedError(f"group {pg.comm.name!r} retired"), 5)
-        pg.shutdown()
 
-    threading.Thread(target=drop, daemon=True, name="tp-retire").start()
+def retire_group(pg: Any) -> None:
+    """:func:`drop_group` in the background (never blocks the caller)."""
+    if pg is not None:
+        threading.Thread(target=drop_group, args=(pg,), daemon=True, name="tp-retire").start()

@@ -231,7 +231,7 @@ class Engine:
     synchronous collective.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, spawn: Callable[..., None] | None = None) -> None:
         self._items: collections.deque[tuple[TorchportWork, Callable[[], None]]] = (
             collections.deque()
         )
@@ -242,8 +242,17 @@ class Engine:
         # ring (stop, or a future someone blocks on) wakes the thread at once.
         self._cells = (ctypes.c_int64 * 6)()
         self._lib = shm_lib()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
-        self._thread.start()
+        self._done = threading.Event()
+        if spawn is None:
+            threading.Thread(target=self._run, daemon=True, name=name).start()
+        else:  # e.g. a warm thread of the elastic mesh (no thread start while a group forms)
+            spawn(self._run)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._done.set()
 
     def submit(self, work: TorchportWork, fn: Callable[[], None], comm: Communicator) -> None:
         work._engine = self
@@ -288,7 +297,7 @@ class Engine:
         self._lib.doorbell_ring(self._cells, 1)
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        self._done.wait(timeout)
 
 
 class Communicator:
@@ -307,6 +316,7 @@ class Communicator:
         name: str,
         local: ShmArena | None = None,
         local_ranks: Sequence[int] = (),
+        spawn: Callable[..., None] | None = None,
     ) -> None:
         self.mesh, self.group_id, self.ranks = mesh, group_id, list(ranks)
         self.rank, self.world, self.arena = rank, len(ranks), arena
@@ -323,8 +333,8 @@ class Communicator:
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
         self._lock = threading.Lock()
         self.lib = shm_lib()
-        self.engine = Engine(f"tp-engine-{name}")
-        self.sender = Engine(f"tp-send-{name}")
+        self.engine = Engine(f"tp-engine-{name}", spawn)
+        self.sender = Engine(f"tp-send-{name}", spawn)
         mesh.register(group_id, self)
 
     @property

@@ -25,13 +25,22 @@ rotates after every successful reconfigure, so a handle from before it is *stale
 
    Shrink and grow are the same operation with fewer or more handles.
 
-After a reconfigure each rank watches its peers' control connections: a crashed peer (connection
-lost) is noticed at once, a hung one after three heartbeat periods (also one stopped before its
-watcher connected: the watch handshake has the same three-heartbeat bound); in-flight ops issued
-through the group (:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure`
-and the error stays queryable (``get_error()``). A rank that detects the fault itself sends every
-other healthy member a fault notice naming the culprit before it aborts the communicator, so every
-survivor reports the same culprit, never the messenger whose abort reached it first.
+After a reconfigure each rank watches its peers: a crashed peer (connection lost) is noticed at
+once, a hung one after three heartbeat periods; in-flight ops issued through the group
+(:meth:`ReconfigurableGroup.allreduce` etc.) then fail with :class:`PeerFailure` and the error
+stays queryable (``get_error()``). A rank that detects the fault itself sends every other healthy
+member a fault notice naming the culprit before it aborts the communicator, so every survivor
+reports the same culprit, never the messenger whose abort reached it first.
+
+* ``torchport``: watching costs no connection and no thread per peer. One watcher thread per
+  process sends a beat over the :class:`~torchport.distributed.elastic.ElasticMesh` connections
+  every heartbeat period and checks when each member was last heard from (any frame counts); the
+  mesh reports a lost connection at once. Connections to surviving members simply stay, so a
+  reconfigure only changes the set of members watched. Fault notices travel on the mesh too,
+  ahead of the ABORT frames on the same connection.
+* ``gloo``: each rank opens a watch connection to every peer's control server, which sends beats
+  on it; the handshake has the same three-heartbeat bound (a peer stopped before its watcher
+  connected is hung too).
 """
 
 from __future__ import annotations
@@ -60,10 +69,18 @@ from torchport.distributed._control import (
     send_msg,
 )
 from torchport.distributed._gloo import gloo_group, retire
-from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
+from torchport.distributed.elastic import (
+    ElasticMesh,
+    Member,
+    drop_group,
+    form_group,
+    retire_group,
+)
 from torchport.distributed.engine import REASON_ERROR
 
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
+_U64 = (1 << 64) - 1
+_SPARE = 8  # idle threads kept by the control server and the mesh (see _threads.WarmPool)  # a frame's seq field (fault notices carry the generation there)
 
 
 class ReconfigureError(CommError):
@@ -100,6 +117,13 @@ def _transport_hint(hints: dict[str, str] | None) -> str | None:
         if v not in HINTS[k]:
             raise ReconfigureError(f"hint {k!r} must be one of {HINTS[k]}, got {v!r}")
     return hints.get("transport")
+
+
+def _warm(pool: cf.ThreadPoolExecutor, n: int) -> cf.ThreadPoolExecutor:
+    """Start all ``n`` threads of ``pool`` now (a pool otherwise starts one per submit)."""
+    gate = threading.Barrier(n)
+    cf.wait([pool.submit(gate.wait, 10.0) for _ in range(n)], timeout=10.0)
+    return pool
 
 
 class Work:
@@ -140,14 +164,33 @@ class Work:
         return out
 
 
+def _split_handle(handle: str) -> list[str]:
+    parts = handle.split(":") if isinstance(handle, str) else []
+    ok = len(parts) in (5, 6) and parts[0] == "tp1" and parts[2].isdigit() and parts[3].isdigit()
+    if ok and len(parts) == 6:
+        mid, _, mport = parts[5].partition(".")
+        ok = mid.isdigit() and mport.isdigit()
+    if not ok:
+        raise ReconfigureError(
+            "reconfigure handle must look like 'tp1:host:port:store_port:nonce[:member.port]', "
+            f"got {handle!r}"
+        )
+    return parts
+
+
 def parse_handle(handle: str) -> tuple[str, int, int, str]:
     """(host, control port, store port, nonce) of a handle; :class:`ReconfigureError` if malformed."""
-    parts = handle.split(":") if isinstance(handle, str) else []
-    if len(parts) != 5 or parts[0] != "tp1" or not parts[2].isdigit() or not parts[3].isdigit():
-        raise ReconfigureError(
-            f"reconfigure handle must look like 'tp1:host:port:store_port:nonce', got {handle!r}"
-        )
+    parts = _split_handle(handle)
     return parts[1], int(parts[2]), int(parts[3]), parts[4]
+
+
+def handle_mesh(handle: str) -> tuple[int, int] | None:
+    """(member id, mesh port) a torchport handle names (its mesh listens on the handle's host)."""
+    parts = _split_handle(handle)
+    if len(parts) < 6:
+        return None
+    mid, _, mport = parts[5].partition(".")
+    return int(mid), int(mport)
 
 
 class ReconfigurableGroup:
@@ -196,9 +239,15 @@ class ReconfigurableGroup:
             self._mesh = ElasticMesh(self._secret, host)
         else:
             self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self._server = Server(self._handle, secret=self._secret, role="reconf", host=host)
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf")
-        self._checker = cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check")
+        # a newcomer's peers all validate its handle at once: handler threads are kept ready
+        self._server = Server(
+            self._handle, secret=self._secret, role="reconf", host=host, spare=_SPARE
+        )
+        # Threads are started here, with the process, not while a reconfigure is timed: a thread
+        # start waits for the new thread to be scheduled, which costs milliseconds on a busy host.
+        self._pool = _warm(cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf"), 1)
+        self._checker = _warm(cf.ThreadPoolExecutor(8, thread_name_prefix="tp-reconf-check"), 8)
+        self._bg = _warm(cf.ThreadPoolExecutor(1, thread_name_prefix="tp-reconf-bg"), 1)
         self._clients: dict[tuple[str, int], dist.Store] = {}
         self._ctl: dict[tuple[str, int], socket.socket] = {}
         self._generation = -1
@@ -209,6 +258,19 @@ class ReconfigurableGroup:
         self._watch: list[socket.socket] = []
         self._members: list[str] = []  # the handles of the current membership, in rank order
         self._closed = False
+        self._forming = False  # a reconfigure is running (the watcher defers housekeeping)
+        self._member_ids: list[int] = []  # torchport: their mesh member ids, in rank order
+        self._watched: dict[int, int] = {}  # torchport: member id -> rank, of watched peers
+        self._watch_since = 0.0  # when the current membership was formed (monotonic)
+        self._wake = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if self._mesh is not None:
+            self._mesh.on_lost = self._on_lost
+            self._mesh.on_notice = self._on_notice
+            self._watcher = threading.Thread(
+                target=self._watch_loop, name="tp-reconf-watch", daemon=True
+            )
+            self._watcher.start()
         self.last_reconfigure_s = 0.0
         self.phases: dict[str, float] = {}  # cumulative seconds of the last reconfigure's phases
 
@@ -217,7 +279,9 @@ class ReconfigurableGroup:
         """This rank's current handle (changes after every successful reconfigure)."""
         h, p = self._server.address
         store_port = self.store.port if self.store is not None else 0
-        return f"tp1:{h}:{p}:{store_port}:{self._nonce}"
+        # torchport: the mesh listener too, so peers can dial it while they validate
+        mesh = f":{self._mesh.me.id}.{self._mesh.me.port}" if self._mesh is not None else ""
+        return f"tp1:{h}:{p}:{store_port}:{self._nonce}{mesh}"
 
     def _handle(self, conn: socket.socket) -> None:
         while True:  # a peer keeps its check connection open and reuses it
@@ -255,7 +319,14 @@ class ReconfigurableGroup:
     # -- reconfigure -----------------------------------------------------------------------
     def reconfigure(self, opts: ReconfigureOptions) -> Work:
         """Start a reconfigure (see module docstring); the returned Work raises on failure."""
-        return Work(self._pool.submit(self._reconfigure, opts))
+        return Work(self._pool.submit(self._reconfigure_flagged, opts))
+
+    def _reconfigure_flagged(self, opts: ReconfigureOptions) -> None:
+        self._forming = True
+        try:
+            self._reconfigure(opts)
+        finally:
+            self._forming = False
 
     def _order(self, opts: ReconfigureOptions) -> list[str]:
         if not isinstance(opts.uuid, int) or isinstance(opts.uuid, bool) or opts.uuid < 0:
@@ -386,6 +457,11 @@ class ReconfigurableGroup:
             raise ReconfigureError(f"uuid {uuid} was already used by a completed reconfigure")
         mine = self.get_reconfigure_handle()
         others = [h for h in order if h != mine]
+        if self._mesh is not None:  # open mesh connections while the handles are validated
+            for h in others:
+                at = handle_mesh(h)
+                if at is not None:
+                    self._mesh.dial(Member(at[0], parse_handle(h)[0], at[1], ""), deadline)
         answers = self._check_all(others, uuid, deadline)
         problems = [p for p, _ in answers.values() if p]
         if problems:
@@ -410,7 +486,9 @@ class ReconfigurableGroup:
                 )
                 self.phases.update({k: v + self.phases["validate_s"] for k, v in stats.items()})
                 self.phases["new_connections"] = stats["new_connections"]
+                ids = [m.id for m in members]
             else:
+                ids = []
                 lhost, _, lport, _ = parse_handle(order[0])
                 store = self.store if rank == 0 else self._client(lhost, lport, timeout)
                 self.phases["store_s"] = time.perf_counter() - t0
@@ -422,15 +500,21 @@ class ReconfigurableGroup:
         with self._lock:
             self.pg, self._rank, self._size = pg, rank, size
             self._members = list(order)
+            self._member_ids = ids
             self._used.add(uuid)
             self._generation = uuid
             self._nonce = secrets.token_hex(8)
             self._error = None
+            # torchport: the watcher thread checks these members from now on
+            self._watched = {m: r for r, m in enumerate(ids) if r != rank}
+            self._watch_since = time.monotonic()
         self.phases["group_s"] = time.perf_counter() - t0
         self._retire(old)
         self.last_reconfigure_s = time.perf_counter() - t0
-        # peers start watching each other off the critical path
-        threading.Thread(target=self._start_watch, args=(order, rank, uuid), daemon=True).start()
+        if self._mesh is None:  # gloo: peers start watching each other off the critical path
+            threading.Thread(
+                target=self._start_watch, args=(order, rank, uuid), daemon=True
+            ).start()
 
     def _client(self, host: str, port: int, timeout: float) -> dist.Store:
         key = (host, port)
@@ -441,8 +525,64 @@ class ReconfigurableGroup:
         return store
 
     # -- failure detection -----------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        """torchport: beat to every mesh peer each period; report a member silent for 3 periods.
+
+        Runs for the life of the group; a reconfigure only swaps the members it checks.
+        """
+        mesh = self._mesh
+        assert mesh is not None
+        next_beat = 0.0
+        while not self._closed:
+            period = self.heartbeat
+            now = time.monotonic()
+            if now >= next_beat:
+                mesh.beat()
+                next_beat = now + period
+                if not self._forming:  # top the warm thread pools up after a reconfigure
+                    mesh.refill()
+                    self._server.refill()
+            patience = 3 * period
+            with self._lock:
+                watched, since = list(self._watched.items()), self._watch_since
+            wake = next_beat
+            for mid, r in watched:
+                conn = mesh.peers.get(mid)
+                if conn is None:  # lost before it was watched (on_lost found no member)
+                    self._report(mid, f"rank {r} crashed: its connection was lost")
+                    continue
+                expiry = max(conn.seen, since) + patience
+                if now > expiry:
+                    self._report(mid, f"rank {r} hung: no heartbeat for {patience:.2f} s")
+                else:
+                    wake = min(wake, expiry)
+            # sleep until the next beat is due or the first member could expire (no polling)
+            self._wake.wait(max(0.001, wake - time.monotonic()) + 0.001)
+
+    def _report(self, mid: int, why: str) -> None:
+        """Fail the group because of watched member ``mid`` (once per membership)."""
+        with self._lock:
+            r = self._watched.pop(mid, None)
+        if r is not None:
+            self._fail(PeerFailure(why), culprit=r, background=True)
+
+    def _on_lost(self, mid: int) -> None:
+        """The mesh lost its connection to member ``mid`` (called from its reader thread)."""
+        r = self._watched.get(mid)
+        if r is not None:
+            self._report(mid, f"rank {r} crashed: its connection was lost")
+
+    def _on_notice(self, mid: int, seq: int, text: bytes) -> None:
+        """A fault notice from member ``mid`` about the membership of generation ``seq``."""
+        with self._lock:
+            gen, ids = self._generation, self._member_ids
+            ok = gen >= 0 and seq == gen & _U64 and mid in ids
+        if ok:
+            cause = text.decode(errors="replace")[:_MAX_CAUSE]
+            self._fail(PeerFailure(f"{cause} (reported by rank {ids.index(mid)})"), background=True)
+
     def _start_watch(self, order: list[str], rank: int, uuid: int) -> None:
-        """Watch every other member, each from its own thread (a stopped peer delays no other)."""
+        """gloo: watch every other member, each from its own thread (a stopped peer delays none)."""
         if self._generation != uuid:
             return  # a newer reconfigure took over
         for r, h in enumerate(order):
@@ -494,17 +634,20 @@ class ReconfigurableGroup:
         with self._lock:
             socks, self._watch = self._watch, []
             self._generation = -1
+            self._watched = {}
         for s in socks:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
-    def _fail(self, e: BaseException, culprit: int | None = None) -> None:
+    def _fail(self, e: BaseException, culprit: int | None = None, background: bool = False) -> None:
         """Record the first failure, end in-flight ops here and on every peer.
 
         When this rank detected the fault itself (``culprit`` is the faulty member), it first
         tells the other healthy members the cause, so that a survivor whose own detection is
-        later does not blame this rank for the abort that follows.
+        later does not blame this rank for the abort that follows. With ``background`` the
+        error is recorded at once and the messages (which may wait on a stuck connection) are
+        sent from a separate thread.
         """
         with self._lock:
             first = self._error is None
@@ -513,12 +656,31 @@ class ReconfigurableGroup:
             waiters = list(self._waiters)
             pg = self.pg
             uuid, members, me = self._generation, list(self._members), self._rank
+            ids = list(self._member_ids)
         for w in waiters:
             w.set()
-        if first and culprit is not None and uuid >= 0 and not self._closed:
-            self._notify(uuid, me, culprit, str(e), members)
-        if self._mesh is not None and pg is not None:
-            pg.comm.fail(e, REASON_ERROR)  # in-flight ops here and on every peer end now
+
+        def tell() -> None:
+            if first and culprit is not None and uuid >= 0 and not self._closed:
+                if self._mesh is not None:
+                    self._notify_mesh(uuid, me, culprit, str(e), ids)
+                else:
+                    self._notify(uuid, me, culprit, str(e), members)
+            if self._mesh is not None and pg is not None:
+                pg.comm.fail(e, REASON_ERROR)  # in-flight ops here and on every peer end now
+
+        if background:
+            threading.Thread(target=tell, name="tp-reconf-fail", daemon=True).start()
+        else:
+            tell()
+
+    def _notify_mesh(self, uuid: int, me: int, culprit: int, cause: str, ids: list[int]) -> None:
+        """torchport: a fault notice to every member but this one and the culprit, on the mesh."""
+        assert self._mesh is not None
+        for r, mid in enumerate(ids):
+            if r not in (me, culprit):
+                with contextlib.suppress(CommError):
+                    self._mesh.notify(mid, uuid & _U64, cause[:_MAX_CAUSE])
 
     def _notify(self, uuid: int, me: int, culprit: int, cause: str, members: list[str]) -> None:
         """Send a fault notice to every member but this one and the culprit (bounded wait)."""
@@ -545,9 +707,11 @@ class ReconfigurableGroup:
 
     def _retire(self, pg: Any) -> None:
         if self._mesh is not None:
-            retire_group(pg)
+            if pg is not None:
+                self._bg.submit(drop_group, pg)  # on a warm thread, off the critical path
         else:
             retire(pg)
+            self._server.refill()
 
     def get_error(self) -> BaseException | None:
         """The failure detected since the last reconfigure, if any."""
@@ -615,6 +779,7 @@ class ReconfigurableGroup:
     def close(self) -> None:
         """Stop serving and watching; retire the communicator."""
         self._closed = True
+        self._wake.set()
         self._stop_watch()
         self._server.close()
         self._pool.shutdown(wait=False)
@@ -622,7 +787,11 @@ class ReconfigurableGroup:
         for sock in self._ctl.values():
             sock.close()
         self._ctl.clear()
-        self._retire(self.pg)
+        if self._mesh is not None:
+            retire_group(self.pg)
+        else:
+            retire(self.pg)
+        self._bg.shutdown(wait=False)
         self.pg = None
         if self._mesh is not None:
             self._mesh.close()

@@ -246,7 +246,7 @@ class Connection:
     peer: int
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
-    reader: threading.Thread | None = None
+    seen: float = 0.0  # time.monotonic() of the last frame header received (liveness)
 
 
 class Mesh:
@@ -353,7 +353,7 @@ class Mesh:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+            self._spawn(self._handshake, sock, name="tp-handshake")
 
     def _handshake(self, sock: socket.socket) -> None:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -383,20 +383,22 @@ class Mesh:
     def _add(self, q: int, sock: socket.socket) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection(q, sock)
-        conn.reader = threading.Thread(
-            target=self._read_loop, args=(conn,), daemon=True, name=f"tp-read-{q}"
-        )
+        conn = Connection(q, sock, seen=time.monotonic())
         with self._ready:
             self.peers[q] = conn
             self._ready.notify_all()
-        conn.reader.start()
+        self._spawn(self._read_loop, conn, name=f"tp-read-{q}")
+
+    def _spawn(self, fn: Callable[..., None], *args: Any, name: str) -> None:
+        """Run ``fn(*args)`` on a thread of its own (the elastic mesh uses warm threads)."""
+        threading.Thread(target=fn, args=args, daemon=True, name=name).start()
 
     # -- data path ---------------------------------------------------------------------
     def _read_loop(self, conn: Connection) -> None:
         try:
             while True:
                 hdr = decode_header(_recv_exact(conn.sock, HEADER_SIZE), max_length=self.max_frame)
+                conn.seen = time.monotonic()
                 key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
                 target = (
                     self.mailbox.claim(key, hdr)
@@ -422,6 +424,9 @@ class Mesh:
                     if handler is not None:
                         handler.on_remote_abort(conn.peer, hdr.seq)
                     self.mailbox.wake()
+                    continue
+                if hdr.kind == Kind.NOTE:
+                    self.on_note(conn.peer, hdr.seq, body)
                     continue
                 if hdr.kind not in (Kind.COLL, Kind.P2P, Kind.CTRL):
                     raise WireError(f"unexpected {hdr.kind.name} frame after the handshake")
@@ -495,6 +500,10 @@ class Mesh:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def on_note(self, peer: int, seq: int, body: bytearray) -> None:
+        """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""
+        raise WireError(f"unexpected NOTE frame from rank {peer} on a fixed mesh")
 
     def shutdown_peer(self, peer: int) -> None:
         """Shut the connection to ``peer`` down (ends a receive stuck in its reader)."""

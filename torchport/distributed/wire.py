@@ -45,6 +45,7 @@ class Kind(enum.IntEnum):
     P2P = 6  # a point-to-point message
     ABORT = 7  # the sender aborted the group (seq = reason code)
     CTRL = 8  # small control message (sub-communicator set-up)
+    NOTE = 9  # elastic mesh: liveness beat (empty) or fault notice (seq = group generation)
 
 
 @dataclass(frozen=True)

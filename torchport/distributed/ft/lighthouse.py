@@ -21,6 +21,13 @@ failure notices, and an *rpc* channel for quorum requests and commit votes.
 * **Commit vote.** After the gradient allreduce every member votes; the step commits only if every
   member of the quorum voted yes. A member that dies before voting turns the vote into "no" for
   everyone, so a step is applied by all survivors or by none, and never twice.
+* **One round trip per step.** A vote may carry the member's request for the next step's quorum
+  (``"next"``). When the step commits unanimously, every member's vote carried one, every live
+  replica is a member, nobody else is waiting for a quorum and no new quorum is forced, the reply
+  to the vote already holds the next quorum: same members and quorum id, everyone at the step
+  just committed. In any other case the reply holds none and the members ask as usual, so a
+  joining or restarted replica is never kept out, and the split-brain rules above are untouched
+  (the members of the quorum handed out count as busy until they vote or ask again).
 
 The lighthouse also hosts the ``TCPStore`` that gloo replicas build their groups through (started
 only when a gloo replica asks); torchport replicas instead send their mesh address with each quorum
@@ -55,6 +62,8 @@ class _Vote:
     members: list[str]
     votes: dict[str, bool] = field(default_factory=dict)
     decision: bool | None = None
+    nexts: dict[str, dict[str, Any]] = field(default_factory=dict)  # next-quorum requests
+    quorum: dict[str, Any] | None = None  # the next quorum, when handed out with the decision
 
 
 class Lighthouse:
@@ -96,6 +105,7 @@ class Lighthouse:
         self._holders: set[str] = set()  # the replicas that committed it
         self._round = 0
         self._result: dict[int, dict[str, Any]] = {}
+        self._last: dict[str, Any] | None = None  # the last quorum handed out
         self._votes: dict[tuple[int, int], _Vote] = {}
         self.events: list[tuple[float, str]] = []
         self._host = host
@@ -235,6 +245,7 @@ class Lighthouse:
             "store_port": self._gloo_store(infos),
         }
         self._result.pop(self._round - 4, None)
+        self._last = self._result[self._round]
         self._pending.clear()
         self._round += 1
         self._log(f"quorum {self._quorum_id}: {members} at step {max_step}")
@@ -281,6 +292,9 @@ class Lighthouse:
                 for old in [k for k in self._votes if k[0] < qid - 4]:
                     del self._votes[old]
             vote.votes[rid] = bool(msg["ok"])
+            nxt = msg.get("next")
+            if isinstance(nxt, dict):
+                vote.nexts[rid] = nxt
             self._busy.discard(rid)
             if not msg["ok"] and vote.decision is None:
                 vote.decision = False
@@ -293,6 +307,8 @@ class Lighthouse:
                 vote.decision = all(vote.votes.values())
                 if vote.decision and step + 1 >= self._top:
                     self._top, self._holders = step + 1, set(vote.members)
+                if vote.decision:
+                    vote.quorum = self._next_quorum(vote, qid, step)
             self._cv.notify_all()
             while vote.decision is None:
                 left = deadline - time.monotonic()
@@ -301,7 +317,36 @@ class Lighthouse:
                     self._force_new = True
                     break
                 self._cv.wait(min(left, 0.01))
-            return {"t": "commit", "ok": vote.decision}
+            quorum = vote.quorum if vote.decision and rid in vote.nexts else None
+            return {"t": "commit", "ok": vote.decision, "quorum": quorum}
+
+    def _next_quorum(self, vote: _Vote, qid: int, step: int) -> dict[str, Any] | None:
+        """The next step's quorum handed out with a unanimous commit, or None (see the module
+        docstring for when). Called with the lock held."""
+        members = vote.members
+        alive = {r.rid for r in self._replicas.values() if r.alive}
+        last = self._last
+        if (
+            last is None
+            or qid != self._quorum_id
+            or members != self._members
+            or set(vote.nexts) != set(members)
+            or alive != set(members)
+            or self._pending
+            or self._force_new
+            or any(int(vote.nexts[m].get("step", -1)) != step + 1 for m in members)
+        ):
+            return None
+        res = {
+            **last,
+            "steps": [step + 1] * len(members),
+            "max_step": step + 1,
+            "heal_addrs": [vote.nexts[m].get("heal_addr") for m in members],
+            "meshes": [vote.nexts[m].get("mesh") for m in members],
+        }
+        self._last = res
+        self._busy = set(members)  # they are in the next step now
+        return res
 
     def _is_alive(self, rid: str) -> bool:
         r = self._replicas.get(rid)

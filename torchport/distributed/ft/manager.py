@@ -18,7 +18,10 @@ Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
   fails.
 * ``should_commit`` waits for outstanding allreduces and votes; the step counter advances only on a
   unanimous commit, so a step is never lost (it is retried with the same step number, hence the same
-  data) and never applied twice.
+  data) and never applied twice. The vote also carries this replica's request for the next step's
+  quorum: in steady state (same members, nobody joining) the lighthouse answers both at once and
+  the next ``start_quorum`` returns without asking, so a step costs one lighthouse round trip.
+  A failure noticed in between discards that quorum, and the next ``start_quorum`` asks as usual.
 
 Failures reach the manager three ways: the lighthouse pushes a "dead" notice (crash: connection
 loss, within milliseconds; hang: three missed heartbeats), a collective fails (a torchport
@@ -65,6 +68,7 @@ class Metrics:
     """What the manager measured (seconds, bytes); read by the demo and the benchmark."""
 
     quorums: int = 0
+    quorums_with_commit: int = 0  # of which handed out with the previous commit (no round trip)
     group_builds: int = 0
     group_build_s: list[float] = field(default_factory=list)
     heals: int = 0
@@ -72,6 +76,7 @@ class Metrics:
     heal_s: list[float] = field(default_factory=list)
     failures: list[tuple[float, str]] = field(default_factory=list)  # (wall time of notice, what)
     commits: int = 0
+    vote_s: float = 0.0  # seconds spent in commit round trips (cumulative)
     aborted_steps: int = 0
     log: list[str] = field(default_factory=list)  # quorums, group builds, heals (bounded)
 
@@ -164,6 +169,7 @@ class Manager:
         self._store: dist.Store | None = None
         self._error: BaseException | None = None
         self._works: list[_Work] = []
+        self._next: dict[str, Any] | None = None  # next quorum, handed out with the last commit
         self._lock = threading.Lock()
         self._hb: socket.socket | None = None
         self._rpc: socket.socket | None = None
@@ -224,6 +230,7 @@ class Manager:
                 self._error = e
             works = list(self._works)
             pg = self._pg
+            self._next = None
         if first and self._mesh is not None and pg is not None:
             pg.abort()  # the step failed: end its in-flight ops here and on every member
         for w in works:
@@ -238,6 +245,20 @@ class Manager:
     # -- quorum ----------------------------------------------------------------------------
     def start_quorum(self) -> None:
         """Join this step's quorum (blocking); retries until ``quorum_timeout`` on failures."""
+        with self._lock:  # steady state: the quorum came with the last commit
+            q, self._next = self._next, None
+            fast = (
+                q is not None
+                and self._error is None
+                and self._pg is not None
+                and q["quorum_id"] == self._qid
+            )
+            if fast:
+                self._works = []
+        if fast:
+            self.metrics.quorums += 1
+            self.metrics.quorums_with_commit += 1
+            return
         deadline = time.monotonic() + self.quorum_timeout
         last: BaseException | None = None
         while time.monotonic() < deadline:
@@ -266,18 +287,7 @@ class Manager:
         left = max(0.1, deadline - time.monotonic())
         rpc.settimeout(left + 5)
         try:
-            send_msg(
-                rpc,
-                {
-                    "t": "quorum",
-                    "rid": self.replica_id,
-                    "step": self._step,
-                    "heal_addr": list(self._heal_server.address),
-                    "group": self._qid if self._pg is not None else -1,
-                    "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
-                    "timeout": left,
-                },
-            )
+            send_msg(rpc, self._request(self._step, left))
             q = recv_msg(rpc)
         except OSError as e:
             self._inject_close()
@@ -297,6 +307,27 @@ class Manager:
         self._synced = True
         if self._error is not None:
             raise CommError(f"failure during quorum: {self._error}")
+
+    def _request(self, step: int, timeout: float) -> dict[str, Any]:
+        """A quorum request for ``step`` (sent alone, or inside a commit vote as ``next``)."""
+        return {
+            "t": "quorum",
+            "rid": self.replica_id,
+            "step": step,
+            "heal_addr": list(self._heal_server.address),
+            "group": self._qid if self._pg is not None else -1,
+            "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
+            "timeout": timeout,
+        }
+
+    def _valid_next(self, q: dict[str, Any]) -> bool:
+        """A next quorum handed out with a commit: this group, these members, this step."""
+        return (
+            q.get("t") == "quorum"
+            and q.get("quorum_id") == self._qid
+            and q.get("members") == self._members
+            and q.get("max_step") == self._step
+        )
 
     def _build_group(self, qid: int, rank: int, size: int, q: dict[str, Any]) -> None:
         self._drop_group()
@@ -356,6 +387,7 @@ class Manager:
         self._pg, self._qid = pg, qid
         self.metrics.group_builds += 1
         self.metrics.group_build_s.append(time.perf_counter() - t0)
+        self._mesh.refill()  # warm threads for the next formation (started without waiting)
 
     def _drop_group(self) -> None:
         if self._mesh is not None:
@@ -440,7 +472,9 @@ class Manager:
         ok = self._error is None
         rpc = self._rpc
         decision = False
+        nxt: Any = None
         if rpc is not None:
+            t_vote = time.perf_counter()
             try:
                 rpc.settimeout(self.timeout + 5)
                 send_msg(
@@ -453,9 +487,13 @@ class Manager:
                         "members": self._members,
                         "ok": ok,
                         "timeout": self.timeout,
+                        "next": self._request(self._step + 1, 0.0) if ok else None,
                     },
                 )
-                decision = bool(recv_msg(rpc).get("ok"))
+                reply = recv_msg(rpc)
+                decision = bool(reply.get("ok"))
+                nxt = reply.get("quorum")
+                self.metrics.vote_s += time.perf_counter() - t_vote
             except (OSError, CommError):
                 self._inject_close()
                 decision = False
@@ -463,6 +501,10 @@ class Manager:
         if decision:
             self._step += 1
             self.metrics.commits += 1
+            if isinstance(nxt, dict) and self._valid_next(nxt):
+                with self._lock:
+                    if self._error is None:
+                        self._next = nxt
         else:
             self.metrics.aborted_steps += 1
             self._drop_group()
