@@ -407,6 +407,41 @@ def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]
 
 
+def test_adaptive_ignores_calls_that_packed(monkeypatch):
+    """A call during which the event counter moves (a weight was packed) is not a timing of the
+    launch: packing inside the two-thread launch's learning calls must not make the runner
+    settle on the one-thread launch (fake clock)."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    events = {"misses": 0}
+    cost = {"multi": 0.6e-3, "single": 1.2e-3}
+    used: list[str] = []
+
+    def arm(name):
+        def run():
+            if name == "multi" and used.count("multi") < 2:  # packs two new weights
+                events["misses"] += 1
+                clock.t += 20e-3
+            clock.t += cost[name]
+            used.append(name)
+
+        return run
+
+    ad = ThreadAdaptive(arm("multi"), arm("single"), events=lambda: events["misses"])
+    for _ in range(8):
+        ad()
+    assert [len(h) for h in ad.history] == [3, 3]  # two packing calls were not recorded
+    assert ad.current == 0 and ad.switches == 0
+    plain = ThreadAdaptive(arm("multi"), arm("single"))  # without the counter: misled
+    used.clear()
+    for _ in range(8):
+        plain()
+    assert plain.current == 1
+
+
 def test_pack_probe_never_reads_moved_memory():
     """A weight whose storage is reallocated in place (resize_) invalidates its probe without
     reading the old, freed address."""

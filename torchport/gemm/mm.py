@@ -236,7 +236,12 @@ def _native_runner(spec: EpilogueSpec, cfg: Config, adapt: bool = False) -> _Run
         if not adapt or cfg.nt or native.num_threads() < 2:
             return multi
         single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
-        return ThreadAdaptive(multi, single, lambda a, b, ops: mm_aten(a, b, spec, ops))
+        return ThreadAdaptive(
+            multi,
+            single,
+            lambda a, b, ops: mm_aten(a, b, spec, ops),
+            events=lambda: pack_cache.misses,
+        )
 
     def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
         try:
