@@ -366,6 +366,7 @@ def test_small_m_native_runner_adapts_threads(monkeypatch):
     monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
     cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
     a, b = torch.randn(4, 300), torch.randn(300, 70)
+    mm_mod.pack_cache.get(b, cfg.nr)  # packed beforehand: a call that packs is not a timing
     run = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=True)
     outs = [run(a, b, []) for _ in range(9)]
     assert seen == [0, 1, 0, 1, 0, 1]  # kernel launches; every third call went to ATen
@@ -377,6 +378,38 @@ def test_small_m_native_runner_adapts_threads(monkeypatch):
     for _ in range(4):
         fixed(a, b, [])
     assert seen == [0, 0, 0, 0]
+
+
+def test_aten_choice_keeps_native_alternatives(monkeypatch):
+    """When the tuner chose ATen for a small-M problem, the runner starts on ATen and keeps the
+    best native config (all threads, one thread) as measured alternatives; every launch gives
+    the reference result."""
+    from torchport import native
+
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    if native.num_threads() < 2:
+        pytest.skip("needs two intra-op threads")
+    real = mm_mod.kernels.launcher
+    seen: list[object] = []
+
+    def recording(spec, cfg, *rest):
+        launch = real(spec, cfg, *rest)
+        return lambda *a: seen.append(cfg.nt) or launch(*a)
+
+    monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
+    cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
+    a, b = torch.randn(4, 300), torch.randn(300, 70)
+    mm_mod.pack_cache.get(b, cfg.nr)
+
+    def aten(x, y, ops):
+        seen.append("aten")
+        return x @ y
+
+    run = mm_mod._native_runner(EpilogueSpec(), cfg, True, aten=aten)
+    outs = [run(a, b, []) for _ in range(9)]
+    assert seen == ["aten", 0, 1] * 3  # learning round robin, ATen first
+    for o in outs:
+        torch.testing.assert_close(o, a @ b, rtol=1e-4, atol=1e-4)
 
 
 def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
