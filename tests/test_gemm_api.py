@@ -160,6 +160,28 @@ def test_mm_after_weight_update_uses_new_values():
     torch.testing.assert_close(mm(a, w.t()), 2 * y1, rtol=1e-5, atol=1e-5)
 
 
+def test_training_packs_each_weight_version_once(fresh_cache):
+    """Forward/backward passes between optimizer steps reuse the packed weight (keyed on its
+    version counter); each step's in-place update causes exactly one repack, and the results
+    follow the updated weights."""
+    from torchport.gemm.pack import pack_cache
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(8, 64)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with config.override(autotune=False):  # the first native candidate serves every call
+        for _ in range(3):
+            before = pack_cache.misses
+            for _ in range(3):
+                y = linear(x, lin.weight, lin.bias)
+                y.square().sum().backward()
+            assert pack_cache.misses - before == 1
+            torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            opt.step()
+            opt.zero_grad()
+
+
 @pytest.mark.parametrize(
     "args,kwargs,match",
     [

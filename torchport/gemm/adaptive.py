@@ -51,6 +51,7 @@ class ThreadAdaptive:
         assert 0.0 <= margin < 1.0
         self.launches = arms
         self.history: list[deque[float]] = [deque(maxlen=window) for _ in arms]
+        self._medians = [0.0] * len(arms)  # of each history, updated when it gains a sample
         self.current = 0
         self.calls = 0
         self.switches = 0
@@ -87,10 +88,12 @@ class ThreadAdaptive:
         return out
 
     def _record(self, arm: int, dt: float) -> None:
-        self.history[arm].append(dt)
+        hist = self.history[arm]
+        hist.append(dt)
+        self._medians[arm] = statistics.median(hist)  # only this arm's median changed
         if min(len(h) for h in self.history) >= self._warmup:
-            meds = [statistics.median(h) for h in self.history]
-            best = min(range(len(meds)), key=lambda i: meds[i])
+            meds = self._medians
+            best = min(range(len(meds)), key=meds.__getitem__)
             if best != self.current and meds[best] < meds[self.current] * (1.0 - self._margin):
                 self.current = best
                 self.switches += 1
