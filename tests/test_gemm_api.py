@@ -507,3 +507,38 @@ def test_pack_probe_never_reads_moved_memory():
     assert probe.unchanged()
     w.resize_(1 << 20, 32)  # grows the storage: new memory
     assert not probe.unchanged()
+
+
+def test_pack_cache_repacks_new_version_in_place_unless_held():
+    """A new version of a cached weight is packed into the old buffer when nothing else holds
+    it (no fresh pages to fault in), into a fresh one when something does; both equal the
+    reference packing."""
+    from torchport.gemm.pack import pack_b_reference
+
+    cache = PackCache()
+    w = torch.randn(50, 40)
+    first = cache.get(w.t(), 24)
+    ptr = first.data_ptr()
+    del first
+    w.add_(1.0)
+    second = cache.get(w.t(), 24)
+    assert second.data_ptr() == ptr and torch.equal(second, pack_b_reference(w.t(), 24))
+    w.mul_(2.0)  # `second` is still held here: its buffer must not change under it
+    kept = second.clone()
+    third = cache.get(w.t(), 24)
+    assert third.data_ptr() != second.data_ptr() and torch.equal(second, kept)
+    assert torch.equal(third, pack_b_reference(w.t(), 24))
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["t", "n", "strided"])
+@pytest.mark.parametrize("kn,nr", [((1, 1), 8), ((7, 13), 8), ((67, 100), 24), ((5, 3), 64)])
+def test_pack_b_matches_reference(native_on, dtype, layout, kn, nr):
+    from torchport.gemm.pack import pack_b, pack_b_reference
+
+    k, n = kn
+    w = torch.randn(n, 2 * k).to(dtype)
+    b = {"t": w[:, :k].t(), "n": w[:, :k].t().contiguous(), "strided": w.t()[::2]}[layout]
+    with config.override(native=native_on):
+        assert torch.equal(pack_b(b, nr), pack_b_reference(b, nr))

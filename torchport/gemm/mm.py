@@ -43,10 +43,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 # --- candidates ----------------------------------------------------------------------------------
 
 
-def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
+def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Candidate]:
     """ATen anchor plus at most nine native configurations for this problem size: register
     tiles and prefetch for the weight-streaming small-M path (plus a K-split across the threads
-    when K is large), M and K cache blocks for larger M."""
+    when K is large), M and K cache blocks for larger M. A weight larger than L3
+    (``elem_size`` bytes per element) gets at most five, over two panel widths (each width is
+    one packing of the whole weight during tuning), without one-thread variants (the small-M
+    runner times those at run time)."""
     cands = [Candidate("aten", ATEN)]
     scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
     if scale == 0:
@@ -88,6 +91,9 @@ def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
     est_s = 2.0 * m * n * k / 5e10
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
+    if n * k * elem_size >= L3_BYTES:
+        widths = list(dict.fromkeys(c.nr for c in cfgs))[:2]
+        cfgs = [c for c in cfgs if c.nr in widths and (c.nt == 0 or m > SMALL_M)][:5]
     for c in cfgs[:9]:
         params = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf), ("kc", c.kc))
         cands.append(Candidate(c.name, params=(*params, ("ks", c.ks), ("nt", c.nt))))
@@ -317,7 +323,7 @@ def _choose(
         "epilogue": spec.encode(),
         "isa": isa,
     }
-    cands = candidates(mb, n, k, isa)
+    cands = candidates(mb, n, k, isa, b.element_size())
 
     def make_args() -> tuple[Any, ...]:
         tiles = sorted({(int(c.param("mr")), int(c.param("nr"))) for c in cands if not c.is_anchor})
