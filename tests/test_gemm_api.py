@@ -432,6 +432,11 @@ def test_aten_choice_keeps_native_alternatives(monkeypatch):
     assert seen == ["aten", 0, 1] * 3  # learning round robin, ATen first
     for o in outs:
         torch.testing.assert_close(o, a @ b, rtol=1e-4, atol=1e-4)
+    seen.clear()  # a one-thread runner-up: ATen and that config alone
+    single = mm_mod._native_runner(EpilogueSpec(), G.Config(cfg.mr, cfg.nr, 4, nt=1), True, aten)
+    for _ in range(6):
+        torch.testing.assert_close(single(a, b, []), a @ b, rtol=1e-4, atol=1e-4)
+    assert seen == ["aten", 1] * 3
 
 
 def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):

@@ -243,6 +243,8 @@ def _native_runner(
     def make(a: torch.Tensor, b: torch.Tensor) -> Callable[..., torch.Tensor]:
         isa = native.cpu_info().isa  # part of the settled key: fixed for this runner
         multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
+        if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
+            return ThreadAdaptive(aten_run, multi, events=lambda: pack_cache.misses)
         if not adapt or cfg.nt or native.num_threads() < 2:
             return aten_run if aten is not None else multi
         single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
