@@ -333,3 +333,22 @@ def test_budget_caps_the_search_time(fresh_cache, fake_clock):
     assert calls.count("aten") == 1 + 3  # 0.05 s each: the three-call minimum
     assert calls.count("native") == 1 + 8  # 0.02 s each: 8 calls reach 0.16 s >= 0.15 s
     assert ch.candidate.name == "native"
+
+
+def test_budget_times_long_calls_once(fresh_cache, fake_clock):
+    """A candidate whose single call outlasts its share of budget_s is timed once after the
+    checked call, and a winner by more than 1.5x over such an anchor is kept without the
+    alternating confirmation (a burst of load does not make calls this long 1.5x apart)."""
+    calls: list = []
+    make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.2, calls)
+    with config.override(autotune_reps=100):
+        ch = _select_pair({"case": "long"}, make, budget_s=0.3, confirm=True)
+    assert calls.count("aten") == 1 + 1 and calls.count("native") == 1 + 1
+    assert ch.candidate.name == "native"
+    calls.clear()
+    close = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3, calls)
+    with config.override(autotune_reps=100):
+        ch = _select_pair({"case": "long-close"}, close, budget_s=0.3, confirm=True)
+    # 1.33x: confirmed in alternation, one round after the warm-up round
+    assert calls.count("aten") == 2 + 2 and calls.count("native") == 2 + 2
+    assert ch.candidate.name == "native"

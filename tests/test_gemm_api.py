@@ -160,6 +160,28 @@ def test_mm_after_weight_update_uses_new_values():
     torch.testing.assert_close(mm(a, w.t()), 2 * y1, rtol=1e-5, atol=1e-5)
 
 
+def test_training_packs_each_weight_version_once(fresh_cache):
+    """Forward/backward passes between optimizer steps reuse the packed weight (keyed on its
+    version counter); each step's in-place update causes exactly one repack, and the results
+    follow the updated weights."""
+    from torchport.gemm.pack import pack_cache
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(8, 64)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with config.override(autotune=False):  # the first native candidate serves every call
+        for _ in range(3):
+            before = pack_cache.misses
+            for _ in range(3):
+                y = linear(x, lin.weight, lin.bias)
+                y.square().sum().backward()
+            assert pack_cache.misses - before == 1
+            torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            opt.step()
+            opt.zero_grad()
+
+
 @pytest.mark.parametrize(
     "args,kwargs,match",
     [
@@ -366,6 +388,7 @@ def test_small_m_native_runner_adapts_threads(monkeypatch):
     monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
     cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
     a, b = torch.randn(4, 300), torch.randn(300, 70)
+    mm_mod.pack_cache.get(b, cfg.nr)  # packed beforehand: a call that packs is not a timing
     run = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=True)
     outs = [run(a, b, []) for _ in range(9)]
     assert seen == [0, 1, 0, 1, 0, 1]  # kernel launches; every third call went to ATen
@@ -377,6 +400,43 @@ def test_small_m_native_runner_adapts_threads(monkeypatch):
     for _ in range(4):
         fixed(a, b, [])
     assert seen == [0, 0, 0, 0]
+
+
+def test_aten_choice_keeps_native_alternatives(monkeypatch):
+    """When the tuner chose ATen for a small-M problem, the runner starts on ATen and keeps the
+    best native config (all threads, one thread) as measured alternatives; every launch gives
+    the reference result."""
+    from torchport import native
+
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    if native.num_threads() < 2:
+        pytest.skip("needs two intra-op threads")
+    real = mm_mod.kernels.launcher
+    seen: list[object] = []
+
+    def recording(spec, cfg, *rest):
+        launch = real(spec, cfg, *rest)
+        return lambda *a: seen.append(cfg.nt) or launch(*a)
+
+    monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
+    cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
+    a, b = torch.randn(4, 300), torch.randn(300, 70)
+    mm_mod.pack_cache.get(b, cfg.nr)
+
+    def aten(x, y, ops):
+        seen.append("aten")
+        return x @ y
+
+    run = mm_mod._native_runner(EpilogueSpec(), cfg, True, aten=aten)
+    outs = [run(a, b, []) for _ in range(9)]
+    assert seen == ["aten", 0, 1] * 3  # learning round robin, ATen first
+    for o in outs:
+        torch.testing.assert_close(o, a @ b, rtol=1e-4, atol=1e-4)
+    seen.clear()  # a one-thread runner-up: ATen and that config alone
+    single = mm_mod._native_runner(EpilogueSpec(), G.Config(cfg.mr, cfg.nr, 4, nt=1), True, aten)
+    for _ in range(6):
+        torch.testing.assert_close(single(a, b, []), a @ b, rtol=1e-4, atol=1e-4)
+    assert seen == ["aten", 1] * 3
 
 
 def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
@@ -407,6 +467,41 @@ def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]
 
 
+def test_adaptive_ignores_calls_that_packed(monkeypatch):
+    """A call during which the event counter moves (a weight was packed) is not a timing of the
+    launch: packing inside the two-thread launch's learning calls must not make the runner
+    settle on the one-thread launch (fake clock)."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    events = {"misses": 0}
+    cost = {"multi": 0.6e-3, "single": 1.2e-3}
+    used: list[str] = []
+
+    def arm(name):
+        def run():
+            if name == "multi" and used.count("multi") < 2:  # packs two new weights
+                events["misses"] += 1
+                clock.t += 20e-3
+            clock.t += cost[name]
+            used.append(name)
+
+        return run
+
+    ad = ThreadAdaptive(arm("multi"), arm("single"), events=lambda: events["misses"])
+    for _ in range(8):
+        ad()
+    assert [len(h) for h in ad.history] == [3, 3]  # two packing calls were not recorded
+    assert ad.current == 0 and ad.switches == 0
+    plain = ThreadAdaptive(arm("multi"), arm("single"))  # without the counter: misled
+    used.clear()
+    for _ in range(8):
+        plain()
+    assert plain.current == 1
+
+
 def test_pack_probe_never_reads_moved_memory():
     """A weight whose storage is reallocated in place (resize_) invalidates its probe without
     reading the old, freed address."""
@@ -417,3 +512,38 @@ def test_pack_probe_never_reads_moved_memory():
     assert probe.unchanged()
     w.resize_(1 << 20, 32)  # grows the storage: new memory
     assert not probe.unchanged()
+
+
+def test_pack_cache_repacks_new_version_in_place_unless_held():
+    """A new version of a cached weight is packed into the old buffer when nothing else holds
+    it (no fresh pages to fault in), into a fresh one when something does; both equal the
+    reference packing."""
+    from torchport.gemm.pack import pack_b_reference
+
+    cache = PackCache()
+    w = torch.randn(50, 40)
+    first = cache.get(w.t(), 24)
+    ptr = first.data_ptr()
+    del first
+    w.add_(1.0)
+    second = cache.get(w.t(), 24)
+    assert second.data_ptr() == ptr and torch.equal(second, pack_b_reference(w.t(), 24))
+    w.mul_(2.0)  # `second` is still held here: its buffer must not change under it
+    kept = second.clone()
+    third = cache.get(w.t(), 24)
+    assert third.data_ptr() != second.data_ptr() and torch.equal(second, kept)
+    assert torch.equal(third, pack_b_reference(w.t(), 24))
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["t", "n", "strided"])
+@pytest.mark.parametrize("kn,nr", [((1, 1), 8), ((7, 13), 8), ((67, 100), 24), ((5, 3), 64)])
+def test_pack_b_matches_reference(native_on, dtype, layout, kn, nr):
+    from torchport.gemm.pack import pack_b, pack_b_reference
+
+    k, n = kn
+    w = torch.randn(n, 2 * k).to(dtype)
+    b = {"t": w[:, :k].t(), "n": w[:, :k].t().contiguous(), "strided": w.t()[::2]}[layout]
+    with config.override(native=native_on):
+        assert torch.equal(pack_b(b, nr), pack_b_reference(b, nr))

@@ -65,8 +65,10 @@ def measure(
     warmup: int = 2,
     min_time_s: float = 0.0,
     max_time_s: float = 10.0,
+    min_reps: int = 3,
 ) -> list[float]:
-    """Seconds per call for ``reps`` calls (more while under ``min_time_s``), rotating arg sets."""
+    """Seconds per call for ``reps`` calls (more while under ``min_time_s``), rotating arg sets;
+    past ``max_time_s`` it stops once ``min_reps`` calls are timed."""
     n = len(arg_sets)
     for i in range(warmup):
         fn(*arg_sets[i % n])
@@ -82,7 +84,7 @@ def measure(
         elapsed = clock() - start
         if i >= reps and elapsed >= min_time_s:
             break
-        if elapsed >= max_time_s and i >= 3:
+        if elapsed >= max_time_s and i >= min_reps:
             break
     return times
 
@@ -94,6 +96,7 @@ def interleaved(
     reps: int,
     warmup: int = 1,
     max_time_s: float = 10.0,
+    min_rounds: int = 3,
 ) -> list[float]:
     """Median seconds per call of each of ``fns``, timed in alternation (f0, f1, f0, f1, ...).
 
@@ -113,7 +116,7 @@ def interleaved(
             t0 = clock()
             fn(*args)
             out.append(clock() - t0)
-        if i >= 2 and clock() - start >= max_time_s:
+        if i + 1 >= min_rounds and clock() - start >= max_time_s:
             break
     return [median(s) for s in samples]
 

@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from torchport import config
+from torchport.autotune import timing
 from torchport.autotune.cache import ChoiceCache, choice_cache
 from torchport.autotune.timing import clock, cold_copies, interleaved, measure, median
 
@@ -112,12 +113,15 @@ def confirm(
     *,
     reps: int | None = None,
     max_time_s: float = 2.0,
+    min_rounds: int = 3,
 ) -> Confirmation:
     """Time ``fn`` and ``anchor_fn`` in alternation on ``arg_sets``; ``won`` if ``fn`` still
     :func:`beats_anchor`. Used by :func:`select` (``confirm=True``) and by ops that decide
     between ATen and a native route themselves."""
     n = max(5, int(config.get("autotune_reps")) if reps is None else reps)
-    t_fn, t_anchor = interleaved([fn, anchor_fn], arg_sets, reps=n, max_time_s=max_time_s)
+    t_fn, t_anchor = interleaved(
+        [fn, anchor_fn], arg_sets, reps=n, max_time_s=max_time_s, min_rounds=min_rounds
+    )
     won = beats_anchor(t_fn, t_anchor)
     if won:
         stats.confirmed += 1
@@ -215,6 +219,7 @@ def _confirm_choice(
     timings: dict[str, float],
     args: tuple[Any, ...] | None = None,
     confirm_s: float = 2.0,
+    min_rounds: int = 3,
 ) -> bool:
     """Alternating timing of ``chosen`` against ``anchor``; records both in ``timings``.
 
@@ -224,7 +229,9 @@ def _confirm_choice(
         if args is None:
             args = make_args()
         arg_sets = cold_copies(args) if cold else [args]
-        res = confirm(factory(chosen), factory(anchor), arg_sets, max_time_s=confirm_s)
+        res = confirm(
+            factory(chosen), factory(anchor), arg_sets, max_time_s=confirm_s, min_rounds=min_rounds
+        )
     except Exception:  # a candidate that fails now is never chosen
         stats.rejected += 1
         return False
@@ -265,7 +272,9 @@ def _tune(
     for cand in bar:
         try:
             fn = factory(cand)
+            t0 = timing.clock()
             out = fn(*args)
+            first_s = timing.clock() - t0
             if cand.is_anchor:
                 anchor_out = out
             elif check is not None and anchor_out is not None and not check(out, anchor_out):
@@ -273,7 +282,10 @@ def _tune(
             # with one argument set, the checked call above was the warm-up (and, for packed
             # kernels, the packing); rotated cold sets start with one more warm-up call
             warm = 1 if len(arg_sets) > 1 else 0
-            times = measure(fn, arg_sets, reps=reps, warmup=warm, max_time_s=cap_s)
+            # a call that alone outlasts the candidate's share (large, compute-bound problems:
+            # tenths of a second, where load bursts of milliseconds do not matter) is timed once
+            least = 1 if budget_s is not None and first_s > cap_s else 3
+            times = measure(fn, arg_sets, reps=reps, warmup=warm, max_time_s=cap_s, min_reps=least)
             timings[cand.name] = median(times)
             stats.candidates_timed += 1
         except InvalidCandidate as e:
@@ -291,9 +303,21 @@ def _tune(
             if not beats_anchor(timings[choice.name], timings[anchor.name]):
                 choice = anchor
             elif confirm_win:
-                ok = _confirm_choice(
-                    choice, anchor, factory, make_args, cold, timings, args, 2 * cap_s
-                )
+                long_calls = budget_s is not None and timings[anchor.name] > cap_s
+                if long_calls and timings[choice.name] < timings[anchor.name] / 1.5:
+                    ok = True  # calls this long are not 1.5x apart through a burst of load
+                else:
+                    ok = _confirm_choice(
+                        choice,
+                        anchor,
+                        factory,
+                        make_args,
+                        cold,
+                        timings,
+                        args,
+                        2 * cap_s,
+                        min_rounds=1 if long_calls else 3,
+                    )
                 _confirmed[_memo_key(op, key, choice)] = ok
                 if not ok:
                     choice = anchor

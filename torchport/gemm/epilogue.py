@@ -194,35 +194,65 @@ def as_steps(steps: Sequence[Step] | Step | None) -> list[Step]:
     return [cast(Step, steps)]
 
 
+@functools.cache
+def _op(kind: str, dtype: str) -> Op:
+    """Interned :class:`Op` (split runs per eager call: no dataclass construction per step)."""
+    return Op(kind, dtype)
+
+
+@functools.cache
+def _spec(ops: tuple[Op, ...], out: str) -> EpilogueSpec:
+    """Interned :class:`EpilogueSpec`."""
+    return EpilogueSpec(ops, out)
+
+
+_PLAIN_OPS: dict[Step, Op] = {
+    Relu(): Op("relu"),
+    Gelu(): Op("gelu"),
+    Gelu("tanh"): Op("gelu_tanh"),
+    Silu(): Op("silu"),
+}
+_PLAIN_OPS.update({name: _PLAIN_OPS[step] for name, step in _NAMED.items()})
+
+
 def split(steps: Sequence[Step] | Step | None, m: int, n: int) -> Split:
     """Validate ``steps`` for an ``[m, n]`` output and separate the fusable prefix.
 
     Fusion stops at the first step that is not one of the fused kinds (a callable); it and every
     later step form the tail, applied with torch ops after the kernel.
     """
-    res = Split(EpilogueSpec())
     ops: list[Op] = []
+    operands: list[torch.Tensor] = []
+    tail: list[Step] = []
     out = ""
-    for idx, raw in enumerate(as_steps(steps)):
-        step = _NAMED.get(raw, raw) if isinstance(raw, str) else raw
-        if isinstance(step, str):
-            raise EpilogueError(f"unknown epilogue step {step!r}; known: {sorted(_NAMED)}")
-        if res.tail or out:
+    for idx, step in enumerate(as_steps(steps)):
+        if tail or out:
+            if isinstance(step, str):
+                step = _named(step)
             if isinstance(step, (Bias, Add, Scale)):
                 _check_step_operands(step, m, n)
-            res.tail.append(step)
+            tail.append(step)
             continue
+        try:
+            plain = _PLAIN_OPS.get(step)  # named or parameter-free steps (the common case)
+        except TypeError:  # an unhashable callable
+            plain = None
+        if plain is not None:
+            ops.append(plain)
+            continue
+        if isinstance(step, str):
+            step = _named(step)
         if isinstance(step, Bias):
             if step.dim not in ("col", "row"):
                 raise EpilogueError(f"Bias.dim must be 'col' or 'row', got {step.dim!r}")
             length = n if step.dim == "col" else m
             t = _operand(step.t, f"epilogue step {idx} bias", (length,))
-            ops.append(Op(f"bias_{step.dim}", _DT_TAG[t.dtype]))
-            res.operands.append(t)
+            ops.append(_op(f"bias_{step.dim}", _DT_TAG[t.dtype]))
+            operands.append(t)
         elif isinstance(step, Add):
             t = _operand(step.t, f"epilogue step {idx} residual", (m, n))
-            ops.append(Op("add", _DT_TAG[t.dtype]))
-            res.operands.append(t)
+            ops.append(_op("add", _DT_TAG[t.dtype]))
+            operands.append(t)
         elif isinstance(step, Scale):
             if isinstance(step.value, torch.Tensor):
                 if step.value.dim() == 0:
@@ -232,34 +262,34 @@ def split(steps: Sequence[Step] | Step | None, m: int, n: int) -> Split:
                     raise EpilogueError(f"Scale.dim must be 'col' or 'row', got {step.dim!r}")
                 length = n if step.dim == "col" else m
                 t = _operand(step.value, f"epilogue step {idx} scale", (length,))
-                ops.append(Op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
-                res.operands.append(t)
+                ops.append(_op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
+                operands.append(t)
             else:
                 if isinstance(step.value, bool) or not isinstance(step.value, (int, float)):
                     raise EpilogueError(
                         f"epilogue step {idx}: scale must be a number or tensor, got {step.value!r}"
                     )
                 ops.append(Op("scale", value=_finite(float(step.value), idx)))
-        elif isinstance(step, Relu):
-            ops.append(Op("relu"))
         elif isinstance(step, Gelu):
-            if step.approximate not in ("none", "tanh"):
-                raise EpilogueError(
-                    f"Gelu.approximate must be 'none' or 'tanh', got {step.approximate!r}"
-                )
-            ops.append(Op("gelu" if step.approximate == "none" else "gelu_tanh"))
-        elif isinstance(step, Silu):
-            ops.append(Op("silu"))
+            raise EpilogueError(
+                f"Gelu.approximate must be 'none' or 'tanh', got {step.approximate!r}"
+            )
         elif isinstance(step, Cast):
             if step.dtype not in FUSABLE_DTYPES:
                 raise EpilogueError(f"Cast dtype must be float32 or bfloat16, got {step.dtype}")
             out = _DT_TAG[step.dtype]
         elif callable(step):
-            res.tail.append(step)
+            tail.append(step)
         else:
             raise EpilogueError(f"epilogue step {idx} is not a known step: {step!r}")
-    res.spec = EpilogueSpec(tuple(ops), out)
-    return res
+    return Split(_spec(tuple(ops), out), operands, tail)
+
+
+def _named(name: str) -> Step:
+    step = _NAMED.get(name)
+    if step is None:
+        raise EpilogueError(f"unknown epilogue step {name!r}; known: {sorted(_NAMED)}")
+    return step
 
 
 def _check_step_operands(step: Bias | Add | Scale, m: int, n: int) -> None:

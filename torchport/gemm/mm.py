@@ -43,10 +43,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 # --- candidates ----------------------------------------------------------------------------------
 
 
-def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
+def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Candidate]:
     """ATen anchor plus at most nine native configurations for this problem size: register
     tiles and prefetch for the weight-streaming small-M path (plus a K-split across the threads
-    when K is large), M and K cache blocks for larger M."""
+    when K is large), M and K cache blocks for larger M. A weight larger than L3
+    (``elem_size`` bytes per element) gets at most five, over two panel widths (each width is
+    one packing of the whole weight during tuning), without one-thread variants (the small-M
+    runner times those at run time)."""
     cands = [Candidate("aten", ATEN)]
     scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
     if scale == 0:
@@ -88,6 +91,9 @@ def candidates(m: int, n: int, k: int, isa: str) -> list[Candidate]:
     est_s = 2.0 * m * n * k / 5e10
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
+    if n * k * elem_size >= L3_BYTES:
+        widths = list(dict.fromkeys(c.nr for c in cfgs))[:2]
+        cfgs = [c for c in cfgs if c.nr in widths and (c.nt == 0 or m > SMALL_M)][:5]
     for c in cfgs[:9]:
         params = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf), ("kc", c.kc))
         cands.append(Candidate(c.name, params=(*params, ("ks", c.ks), ("nt", c.nt))))
@@ -224,19 +230,26 @@ def _aten_runner(spec: EpilogueSpec, encoded: str) -> _Runner:
     return lambda a, b, ops: mm_aten(a, b, spec, ops)
 
 
-def _native_runner(spec: EpilogueSpec, cfg: Config, adapt: bool = False) -> _Runner:
+def _native_runner(
+    spec: EpilogueSpec, cfg: Config, adapt: bool = False, aten: _Runner | None = None
+) -> _Runner:
     """Runner of one native config; with ``adapt`` (small M, all threads) a
     :class:`~torchport.gemm.adaptive.ThreadAdaptive` over the config, its one-thread twin and
-    ATen."""
+    ATen. ``aten`` (the ATen runner, when the tuner chose ATen) puts ATen first: the runner
+    starts on it and moves to a native launch only while that is measurably faster."""
     launches: dict[tuple[torch.dtype, torch.dtype], Callable[..., torch.Tensor]] = {}
+    aten_run = aten or (lambda a, b, ops: mm_aten(a, b, spec, ops))
 
     def make(a: torch.Tensor, b: torch.Tensor) -> Callable[..., torch.Tensor]:
         isa = native.cpu_info().isa  # part of the settled key: fixed for this runner
         multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
+        if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
+            return ThreadAdaptive(aten_run, multi, events=lambda: pack_cache.misses)
         if not adapt or cfg.nt or native.num_threads() < 2:
-            return multi
+            return aten_run if aten is not None else multi
         single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
-        return ThreadAdaptive(multi, single, lambda a, b, ops: mm_aten(a, b, spec, ops))
+        arms = (aten_run, multi, single) if aten is not None else (multi, single, aten_run)
+        return ThreadAdaptive(*arms, events=lambda: pack_cache.misses)
 
     def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
         try:
@@ -263,13 +276,18 @@ def _settle(
     hit = _settled.get(key)
     if hit is not None:
         return hit
-    cand = _choose(a, b, spec, operands, key[0], key[4])
-    if cand.is_anchor:
+    cand, runner_up = _choose(a, b, spec, operands, key[0], key[4])
+    # small M over a weight of >= 1 MiB fp32: calls of ~0.1 ms and up, where the per-call
+    # timing of the adaptive launches (a few us) is noise
+    adapt = key[0] <= SMALL_M and key[1] * key[2] >= 1 << 18
+    if cand.is_anchor and adapt and runner_up is not None:
+        # ATen won the tuning, but on a shared machine its two-thread calls (one parallel
+        # region per op of the epilogue) stall whenever a neighbour runs: the runner starts on
+        # ATen and keeps the best native config and its one-thread twin as alternatives
+        run = _native_runner(spec, _config(runner_up), True, aten=_aten_runner(spec, encoded))
+    elif cand.is_anchor:
         run = _aten_runner(spec, encoded)
     else:
-        # small M over a weight of >= 1 MiB fp32: calls of ~0.1 ms and up, where the
-        # per-call timing of the adaptive pair (a few us) is noise
-        adapt = key[0] <= SMALL_M and key[1] * key[2] >= 1 << 18
         run = _native_runner(spec, _config(cand), adapt=adapt)
     if config.get("autotune_cache"):  # without the choice cache every call re-tunes, as before
         if len(_settled) > 4096:
@@ -292,7 +310,9 @@ def _choose(
     operands: Sequence[torch.Tensor],
     mb: int,
     layout: str,
-) -> Candidate:
+) -> tuple[Candidate, Candidate | None]:
+    """The tuner's choice and, when that is ATen, the fastest native candidate it timed (None
+    when native kernels are not allowed or none was timed)."""
     m, k = a.shape
     n = b.shape[1]
     isa = native.cpu_info().isa
@@ -305,7 +325,7 @@ def _choose(
         "epilogue": spec.encode(),
         "isa": isa,
     }
-    cands = candidates(mb, n, k, isa)
+    cands = candidates(mb, n, k, isa, b.element_size())
 
     def make_args() -> tuple[Any, ...]:
         tiles = sorted({(int(c.param("mr")), int(c.param("nr"))) for c in cands if not c.is_anchor})
@@ -360,7 +380,12 @@ def _choose(
     with _decisions_lock:
         label = f"M={m} N={n} K={k} {key['dtype']} [{key['epilogue'] or 'none'}]"
         decisions[("gemm", label)] = choice.candidate.name
-    return choice.candidate
+    runner_up = None
+    if choice.candidate.is_anchor and autotune.NATIVE in autotune.allowed_backends():
+        timed = [c for c in cands if not c.is_anchor and c.name in choice.timings_s]
+        if timed:
+            runner_up = min(timed, key=lambda c: choice.timings_s[c.name])
+    return choice.candidate, runner_up
 
 
 # --- the custom op ---------------------------------------------------------------------------------

@@ -210,6 +210,33 @@ def vocabulary(isa: str) -> str:
     return head + _vsub_from_one(isa) + _VECTOR_MATH
 
 
+def _k_loop(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, pf: bool) -> list[str]:
+    """The K loop of a tile: ``nv`` vector loads of B, ``mr`` broadcasts of A (element
+    ``ar[r][a_idx]``), ``mr * nv`` FMAs per k; ``pf``: software prefetch ``pf`` rows ahead."""
+    lines = [
+        "        for (int64_t k = k0; k < k1; ++k) {",
+        f"            const btype_t *bk = bp + k * {nr};",
+    ]
+    if pf:
+        lines.append(
+            "            for (int64_t c = 0; c < lines_per_k; ++c)"
+            f" VPREFETCH((const char *)(bk + pf * {nr}) + 64 * c);"
+        )
+    lines += [
+        f"            VEC b[{nv}];",
+        f"            #pragma GCC unroll {nv}",
+        f"            for (int v = 0; v < {nv}; ++v) b[v] = VLOAD_{btag}(bk + v * {vw});",
+        f"            #pragma GCC unroll {mr}",
+        f"            for (int r = 0; r < {mr}; ++r) {{",
+        f"                VEC a = VSET1(ar[r][{a_idx}]);",
+        f"                #pragma GCC unroll {nv}",
+        f"                for (int v = 0; v < {nv}; ++v) acc[r][v] = VFMA(a, b[v], acc[r][v]);",
+        "            }",
+        "        }",
+    ]
+    return lines
+
+
 def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
     """One micro-kernel: ``mr`` rows x ``nr`` columns over ``k0 <= k < k1``, accumulators in
     registers. ``mode`` bit 1: start from the fp32 partial sums in ``W`` (else from zero); bit 2:
@@ -243,19 +270,14 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
         "        }",
         "    }",
         "    const int64_t lines_per_k = (" + str(nr) + " * (int64_t)sizeof(btype_t) + 63) / 64;",
-        "    for (int64_t k = k0; k < k1; ++k) {",
-        f"        const btype_t *bk = bp + k * {nr};",
-        "        if (pf) for (int64_t c = 0; c < lines_per_k; ++c)"
-        f" VPREFETCH((const char *)(bk + pf * {nr}) + 64 * c);",
-        f"        VEC b[{nv}];",
-        f"        #pragma GCC unroll {nv}",
-        f"        for (int v = 0; v < {nv}; ++v) b[v] = VLOAD_{btag}(bk + v * {vw});",
-        f"        #pragma GCC unroll {mr}",
-        f"        for (int r = 0; r < {mr}; ++r) {{",
-        "            VEC a = VSET1(ar[r][k * sa1]);",
-        f"            #pragma GCC unroll {nv}",
-        f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = VFMA(a, b[v], acc[r][v]);",
-        "        }",
+        # one loop per case, so the compiler sees unit-stride A and no prefetch test per k
+        # (measured 1.3-1.6x faster than the single general loop for M=8 tiles, one thread)
+        "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
+        *_k_loop(mr, nr, nv, vw, btag, "k", False),
+        "    } else if (sa1 == 1) {",
+        *_k_loop(mr, nr, nv, vw, btag, "k", True),
+        "    } else {",
+        *_k_loop(mr, nr, nv, vw, btag, "k * sa1", True),
         "    }",
         "    if (!(mode & TP_FIN)) {",
         f"        for (int r = 0; r < {mr}; ++r) {{",
