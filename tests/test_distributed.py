@@ -106,6 +106,7 @@ def test_mismatched_collectives_fail_on_every_rank():
 
 
 # what the odd rank's own description of each mismatch_one case contains (dist_workers)
+TYPED = ("CollectiveMismatchError", "RemoteError", "CommunicatorErrorState")
 ODD_CALL = ("bytes=44", "dtype=float64", "bytes=16400", "allgather(", "bytes=24", "op=MAX")
 
 
@@ -120,8 +121,8 @@ def test_one_mismatched_rank_fails_every_rank(plan):
     world = len(res)
     for i, want in enumerate(ODD_CALL):
         odd = res[-1][i]["call"]  # the odd rank itself always fails in the call
-        assert odd.split(":")[0] in ("CollectiveMismatchError", "RemoteError"), odd
-        assert want in odd or odd.startswith("RemoteError"), odd
+        assert odd.split(":")[0] in TYPED, odd
+        assert want in odd or not odd.startswith("CollectiveMismatchError"), odd
         found = [r[i]["call"] for r in res if r[i]["call"].startswith("CollectiveMismatchError")]
         assert any("differs in" in m for m in found), (i, found)  # the detail, on some rank
         for q in range(world):
@@ -133,7 +134,8 @@ def test_one_mismatched_rank_fails_every_rank(plan):
             else:
                 first, later = case["call"], case["next"]
                 assert later.startswith("CommunicatorErrorState"), (q, i, case)
-            assert first.split(":")[0] in ("CollectiveMismatchError", "RemoteError"), (q, i, case)
+            # CommunicatorErrorState: a peer's report arrived before this rank issued the call
+            assert first.split(":")[0] in TYPED, (q, i, case)
             assert "mismatched collectives" in first and "mismatched collectives" in later + first
 
 
