@@ -33,11 +33,11 @@ from torchport.distributed.backend_args import (
 )
 from torchport.distributed.engine import (
     Communicator,
-    TorchportWork,
     _timeout_s,
     dtype_code,
 )
 from torchport.distributed.errors import CollectiveArgumentError
+from torchport.distributed.progress import TorchportWork
 
 _AllreduceOptions = dist.AllreduceOptions
 
