@@ -105,7 +105,6 @@ class ShmArena:
         self.lib = shm_lib()
         self._sig = (ctypes.c_int64 * SIG_WORDS)()
         self._bad = (ctypes.c_int64 * 3)()
-        self._info = (ctypes.c_int64 * 5)()
         # argument block of tp_shm_allreduce_packed: the arena's fields once, the rest per call
         self._ar = (ctypes.c_int64 * ALLREDUCE_ARGS)(
             self.base, self.base + self.data_off, world, rank, slot
