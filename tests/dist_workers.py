@@ -331,6 +331,54 @@ def mismatch_case(rank: int, world: int) -> list[str]:
     return msgs
 
 
+def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
+    """One rank (the last) issues a different size / dtype / collective; per-source waits.
+
+    Ranks that read only from agreeing peers (broadcast receivers, gather senders) may finish
+    the mismatched call itself; they must then fail at their next collective on the group. For
+    each case: the outcome of the call and of one follow-up all_reduce, and the time both took.
+    """
+    from torchport.distributed import TorchportDistError
+
+    odd = rank == world - 1
+    n = 4099  # above the one-step bound under SMALL_CHUNK: the two-step allreduce path
+    cases = [
+        lambda: dist.all_reduce(torch.ones(10 + odd)),
+        lambda: dist.all_reduce(torch.ones(n, dtype=torch.float64 if odd else torch.float32)),
+        lambda: dist.broadcast(torch.ones(n + odd), src=0),
+        lambda: (
+            dist.all_gather_into_tensor(torch.empty(4 * world), torch.ones(4))
+            if odd
+            else dist.broadcast(torch.ones(4 * world), src=0)
+        ),
+        lambda: dist.gather(
+            torch.ones(5 + odd), [torch.empty(5) for _ in range(world)] if rank == 0 else None
+        ),
+        lambda: dist.reduce_scatter_tensor(
+            torch.empty(3),
+            torch.ones(3 * world),
+            op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM,
+        ),
+    ]
+    out = []
+    for fn in cases:
+        pg = dist.new_group(
+            list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=20)
+        )
+        rec: dict[str, Any] = {}
+        t0 = time.monotonic()
+        with _default(pg):
+            for what, call in (("call", fn), ("next", lambda: dist.all_reduce(torch.ones(1)))):
+                try:
+                    call()
+                    rec[what] = "ok"
+                except TorchportDistError as e:
+                    rec[what] = f"{type(e).__name__}: {e}"
+        rec["elapsed"] = time.monotonic() - t0
+        out.append(rec)
+    return out
+
+
 class _default:
     """Temporarily make ``pg`` the default group (so the case lambdas stay short)."""
 
@@ -487,6 +535,7 @@ SCENARIOS = {
     "p2p": p2p_case,
     "split": split_case,
     "mismatch": mismatch_case,
+    "mismatch_one": mismatch_one_rank_case,
     "auth": auth_case,
     "timeout": timeout_case,
     "abort": abort_case,

@@ -35,11 +35,11 @@ PLANS = {
         ],
     ),
     "shm3": (3, {}, [("grid", (SIZES,)), ("p2p", ()), ("abort", ())]),
-    "shm4": (4, {}, [("grid", ([0, 7, 4099],)), ("split", ())]),
+    "shm4": (4, {}, [("grid", ([0, 7, 4099],)), ("split", ()), ("mismatch_one", ())]),
     "tcp3": (
         3,
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
-        [("grid", ([0, 4099],)), ("p2p", ()), ("abort", ())],
+        [("grid", ([0, 4099],)), ("p2p", ()), ("abort", ()), ("mismatch_one", ())],
     ),
 }
 
@@ -103,6 +103,40 @@ def test_mismatched_collectives_fail_on_every_rank():
     assert "broadcast" in res[0][3] + res[1][3]
     assert "root" in res[0][4]
     assert "split sizes disagree" in res[0][5] and "split sizes disagree" in res[1][5]
+
+
+# what the odd rank's own description of each mismatch_one case contains (dist_workers)
+TYPED = ("CollectiveMismatchError", "RemoteError", "CommunicatorErrorState")
+ODD_CALL = ("bytes=44", "dtype=float64", "bytes=16400", "allgather(", "bytes=24", "op=MAX")
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm4", "tcp3"])
+def test_one_mismatched_rank_fails_every_rank(plan):
+    """The last rank issues a different size / dtype / collective / reduce op. On shared memory
+    ranks wait only for the ranks they read from, so a rank whose sources agree with it (a
+    broadcast receiver) may complete the call with correct data; it must fail at its next
+    collective on the group. Every rank: a typed error naming the mismatch, within seconds."""
+    res = [r["mismatch_one"] for r in results(plan)]
+    world = len(res)
+    for i, want in enumerate(ODD_CALL):
+        odd = res[-1][i]["call"]  # the odd rank itself always fails in the call
+        assert odd.split(":")[0] in TYPED, odd
+        assert want in odd or not odd.startswith("CollectiveMismatchError"), odd
+        found = [r[i]["call"] for r in res if r[i]["call"].startswith("CollectiveMismatchError")]
+        assert any("differs in" in m for m in found), (i, found)  # the detail, on some rank
+        for q in range(world):
+            case = res[q][i]
+            assert case["elapsed"] < 5.0, (q, i, case)
+            if case["call"] == "ok":
+                assert plan.startswith("shm") and q not in (0, world - 1), (q, i, case)
+                first, later = case["next"], ""
+            else:
+                first, later = case["call"], case["next"]
+                assert later.startswith("CommunicatorErrorState"), (q, i, case)
+            # CommunicatorErrorState: a peer's report arrived before this rank issued the call
+            assert first.split(":")[0] in TYPED, (q, i, case)
+            assert "mismatched collectives" in first and "mismatched collectives" in later + first
 
 
 @pytest.mark.timeout(110)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torchport.distributed._control import PeerFailure
 from torchport.distributed.algorithms import allreduce_reference, fold_reference
 from torchport.distributed.backend import TorchportProcessGroup
-from torchport.distributed.engine import Communicator, TorchportWork
+from torchport.distributed.engine import Communicator
 from torchport.distributed.errors import (
     AuthError,
     CollectiveArgumentError,
@@ -46,6 +46,7 @@ from torchport.distributed.errors import (
     WireError,
 )
 from torchport.distributed.groups import build_communicator, root_mesh
+from torchport.distributed.progress import TorchportWork
 from torchport.distributed.reconfigure import (
     ReconfigurableGroup,
     ReconfigureError,

@@ -49,8 +49,10 @@ from torchport.distributed.engine import (
 from torchport.distributed.engine import chunk_ranges as _chunks
 from torchport.distributed.engine import split_even as _parts
 from torchport.distributed.errors import CollectiveMismatchError, CommError
-from torchport.distributed.exchange import Blob, _addr, exchange
-from torchport.distributed.transport_shm import COPY, FOLD
+from torchport.distributed.exchange import Blob, _addr, _view, exchange
+from torchport.distributed.transport_shm import COPY, FOLD, MISMATCH, StepError
+from torchport.distributed.transport_tcp import RECEIVED, Target
+from torchport.distributed.wire import Kind
 
 
 def _expect(blob: Blob, n: int, q: int) -> int:
@@ -179,9 +181,13 @@ def reduce(
 def broadcast(
     comm: Communicator, t: torch.Tensor, root: int, dtype: int, small: int, deadline: float
 ) -> None:
-    """Broadcast: one round for small chunks, else scatter + all-gather of parts."""
+    """Broadcast: one round for a small tensor; else a pipelined chain (TCP-only groups) or
+    scatter + all-gather of parts per chunk (hybrid groups)."""
     seq, w, r = comm.next_op(), comm.world, comm.rank
     nbytes, base = t.numel() * t.element_size(), t.data_ptr() if t.numel() else 0
+    if nbytes > small and w > 1 and comm.local is None:
+        _chain_broadcast(comm, seq, base, nbytes, root, dtype, deadline)
+        return
     step = 0
     for lo, nb in _chunks(nbytes, comm.chunk):
         ptr = base + lo
@@ -212,6 +218,55 @@ def broadcast(
                 if q != r and k:
                     _copy(ptr + plo, _expect(blobs[q], k, q), k)
         step += 2
+
+
+PIPELINE_BYTES = 1 << 20  # piece size of the pipelined chain broadcast (at most the chunk)
+
+
+def _chain_broadcast(
+    comm: Communicator, seq: int, base: int, nbytes: int, root: int, dtype: int, deadline: float
+) -> None:
+    """Pipelined chain: root -> root+1 -> ... -> root-1, in pieces of ``PIPELINE_BYTES``.
+
+    Each rank posts every piece's frame from its predecessor as a receive target in the tensor
+    itself (the connection's reader thread receives piece k + 1 while this thread forwards
+    piece k to the successor), so every link of the chain is busy at once and each rank sends
+    and receives ``n`` bytes once. A last empty exchange with every peer carries the signature
+    to ranks that only sent (the root) or only received (the tail), so a mismatched call fails
+    on every rank.
+    """
+    w, r = comm.world, comm.rank
+    pos = (r - root) % w
+    prev = comm.ranks[(r - 1) % w] if pos else -1
+    nxt = comm.ranks[(r + 1) % w] if pos < w - 1 else -1
+    pieces = _chunks(nbytes, min(comm.chunk, PIPELINE_BYTES))
+    sigs = [make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, k) for k in range(len(pieces))]
+    epoch0 = comm.epoch
+    comm.epoch += len(pieces)
+    mailbox, gid = comm.mesh.mailbox, comm.group_id
+    keys = [(gid, int(Kind.COLL), prev, epoch0 + k) for k in range(len(pieces))]
+    posted = 0
+    try:
+        if prev >= 0:
+            for k, (lo, nb) in enumerate(pieces):
+                mailbox.post(keys[k], Target(base + lo, nb, sigs[k]))
+                posted = k + 1
+        for k, (lo, nb) in enumerate(pieces):
+            comm._last_sig = sigs[k]
+            if prev >= 0:
+                hdr, body = mailbox.get(keys[k], deadline, comm.check)
+                if hdr.sig != sigs[k]:
+                    word = next(i for i in range(4) if hdr.sig[i] != sigs[k][i])
+                    raise StepError(MISMATCH, (comm.ranks.index(prev), word, hdr.sig[word]))
+                if body is not RECEIVED:
+                    _copy(base + lo, _expect(Blob(_addr(body), len(body), body), nb, prev), nb)
+            if nxt >= 0:
+                comm.mesh.send(nxt, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k])
+    finally:
+        for key in keys[:posted]:
+            mailbox.withdraw(key, deadline, lambda: comm.mesh.shutdown_peer(prev))
+    last = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, len(pieces))
+    exchange(comm, last, [[] for _ in range(w)], deadline)
 
 
 def gather(

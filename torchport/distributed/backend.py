@@ -22,20 +22,24 @@ import torch.distributed as dist
 
 from torchport.distributed import algorithms as alg
 from torchport.distributed.backend_args import (
+    _NATIVE_RED,
     _check_red,
     _cpu,
     _one,
     _ptr,
+    _red_for,
     _red_name,
     _Staged,
 )
 from torchport.distributed.engine import (
     Communicator,
-    TorchportWork,
     _timeout_s,
     dtype_code,
 )
 from torchport.distributed.errors import CollectiveArgumentError
+from torchport.distributed.progress import TorchportWork
+
+_AllreduceOptions = dist.AllreduceOptions
 
 
 class TorchportProcessGroup(dist.ProcessGroup):
@@ -115,11 +119,15 @@ class TorchportProcessGroup(dist.ProcessGroup):
     # -- reductions ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
         opts = opts if opts is not None else dist.AllreduceOptions()
-        op = opts if not hasattr(opts, "reduceOp") else opts.reduceOp
+        op = opts.reduceOp if type(opts) is _AllreduceOptions else getattr(opts, "reduceOp", opts)
         t = _one(tensors, "allreduce")
-        name, factor = _red_name(op)
-        code = _check_red(name, t.dtype, "allreduce")
-        s, comm, dc = _Staged(t), self.comm, dtype_code(t.dtype)
+        name, factor, code = _red_for(op, t.dtype, "allreduce")
+        comm, dc = self.comm, dtype_code(t.dtype)
+        if name in _NATIVE_RED and t.is_contiguous():  # in place: nothing to stage or scale
+            return self._submit(
+                "allreduce", opts, lambda deadline: alg.allreduce(comm, t, dc, code, deadline), [t]
+            )
+        s = _Staged(t)
 
         def run(deadline: float) -> None:
             if name == "PREMUL_SUM":

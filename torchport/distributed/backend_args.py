@@ -56,6 +56,29 @@ def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
     return _NATIVE_RED[name]
 
 
+# (dtype, RedOpType value) -> (name, native code) of validated combinations; PREMUL_SUM is never
+# cached (its factor travels with each call).
+_RED_CACHE: dict[tuple[torch.dtype, int], tuple[str, int]] = {}
+
+
+def _red_for(op: Any, dtype: torch.dtype, where: str) -> tuple[str, float, int]:
+    """(name, premul factor, native code) of reduce op ``op`` on ``dtype``, validated once per
+    combination (a repeated allreduce skips the name lookup and the dtype checks)."""
+    inner = getattr(op, "op", op)
+    try:
+        key: tuple[torch.dtype, int] | None = (dtype, int(inner))
+    except (TypeError, ValueError):
+        key = None
+    hit = _RED_CACHE.get(key) if key is not None else None
+    if hit is not None:
+        return hit[0], 1.0, hit[1]
+    name, factor = _red_name(op)
+    code = _check_red(name, dtype, where)
+    if key is not None and name != "PREMUL_SUM":
+        _RED_CACHE[key] = (name, code)
+    return name, factor, code
+
+
 def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise CollectiveArgumentError(
@@ -67,7 +90,7 @@ def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
 def _cpu(t: Any, where: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise CollectiveArgumentError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise CollectiveArgumentError(f"{where}: tensors must be on device 'cpu', got {t.device}")
     return t
 

@@ -1,4 +1,4 @@
-"""Communicators, Work objects and the progress engine.
+"""Communicators: one group's ranks, transport, step epoch and error state.
 
 A :class:`Communicator` is one group's state: its ranks (as global ranks of the shared
 :class:`~torchport.distributed.transport_tcp.Mesh`), its shared-memory arena when every member
@@ -8,8 +8,9 @@ list of reads (copy or fold) from any rank's published bytes. On shared memory a
 native call; over TCP the published bytes go to every peer in one frame and the reads are
 applied to the received buffers by the same native code.
 
-Each communicator owns an :class:`Engine`: a thread that runs issued operations in order, so
-issuing never blocks the caller. Point-to-point receives complete from the mesh's reader threads.
+Each communicator owns an :class:`~torchport.distributed.progress.Engine`: a thread that runs
+issued operations in order, so issuing never blocks the caller (Work handles and the engine live
+in :mod:`~torchport.distributed.progress`). Point-to-point receives complete from the mesh's reader threads.
 
 Error model (see :mod:`~torchport.distributed.errors`): the first failure is kept
 (``get_error()``), broadcast to peers (the arena's abort word and ABORT frames), and fails every
@@ -19,7 +20,6 @@ queued and later operation. ``abort()`` does the same with :class:`CommAbortedEr
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import datetime
@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchport.distributed.errors import (
     CollectiveMismatchError,
@@ -40,7 +39,8 @@ from torchport.distributed.errors import (
     RemoteError,
 )
 from torchport.distributed.exchange import Blob, exchange
-from torchport.distributed.shm_kernels import BACKGROUND_YIELD_NS, shm_lib
+from torchport.distributed.progress import Engine, TorchportWork
+from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import (
     ABORTED,
     MISMATCH,
@@ -153,151 +153,7 @@ def _timeout_s(value: Any, default: float) -> float:
     return default
 
 
-class TorchportWork(dist.Work):
-    """Handle of one issued operation: ``wait``, ``is_completed``, ``exception``, ``get_future``."""
-
-    def __init__(self, name: str, result: list[torch.Tensor] | None = None) -> None:
-        super().__init__()
-        self.name = name
-        self._result = result if result is not None else []
-        self._event = threading.Event()
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._engine: Engine | None = None
-        self._src = -1
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        if self._event.is_set():
-            return
-        self._error = error
-        self._event.set()
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Block until done; raise the operation's error, or :class:`CommTimeoutError`."""
-        t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
-        if not self._event.is_set() and self._engine is not None:
-            self._engine.help(self)
-        if not self._event.wait(t if t and t > 0 else None):
-            raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._event.is_set()
-
-    def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def get_future(self) -> torch.futures.Future:
-        # A future's waiter (DDP's reducer, callbacks) never runs the queue inline: start now.
-        if not self._event.is_set() and self._engine is not None:
-            self._engine.urge()
-        return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        """The sender's group rank of a completed receive (-1 for other operations)."""
-        return self._src
-
-    def _source_rank(self) -> int:
-        return self._src
-
-    def synchronize(self) -> None:
-        self.wait()
-
-
 SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a header beside a chunk)
-GRACE_S = 0.0003  # an op nobody waits on is started by the engine thread after this long
-POLL_S = 0.002  # cap on one idle futex sleep of the engine thread (no GIL held)
-
-
-class Engine:
-    """Runs a communicator's operations in issue order, on its own thread or inline in ``wait``.
-
-    Issuing only appends to the queue (never blocks). The engine thread drains the queue for
-    operations nobody waits on; a caller that waits on a queued operation runs the queue up to
-    it inline (in order) when no one else is running it, which saves two thread hand-offs per
-    synchronous collective.
-    """
-
-    def __init__(self, name: str, spawn: Callable[..., None] | None = None) -> None:
-        self._items: collections.deque[tuple[TorchportWork, Callable[[], None]]] = (
-            collections.deque()
-        )
-        self._lock = threading.Lock()
-        self._runner = threading.Lock()
-        # Doorbell cells read by native code while the thread sleeps without the GIL:
-        # [posted, taken, stop, sleeping, futex word, urgent]. Posting is a plain store; a
-        # ring (stop, or a future someone blocks on) wakes the thread at once.
-        self._cells = (ctypes.c_int64 * 6)()
-        self._lib = shm_lib()
-        self._done = threading.Event()
-        if spawn is None:
-            threading.Thread(target=self._run, daemon=True, name=name).start()
-        else:  # e.g. a warm thread of the elastic mesh (no thread start while a group forms)
-            spawn(self._run)
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            self._done.set()
-
-    def submit(self, work: TorchportWork, fn: Callable[[], None], comm: Communicator) -> None:
-        work._engine = self
-        with self._lock:
-            self._items.append((work, lambda: comm.run(work, fn)))
-            self._cells[0] += 1
-
-    def urge(self) -> None:
-        """Start queued work now: its completion is awaited through a future, not ``wait``."""
-        self._lib.doorbell_ring(self._cells, 0)
-
-    def _pop(self) -> tuple[TorchportWork, Callable[[], None]] | None:
-        with self._lock:
-            if not self._items:
-                return None
-            self._cells[1] += 1
-            return self._items.popleft()
-
-    def _loop(self) -> None:
-        grace, poll = int(GRACE_S * 1e9), int(POLL_S * 1e9)
-        self._lib.set_yield(BACKGROUND_YIELD_NS)  # this thread runs ops in the background
-        while self._lib.doorbell_wait(self._cells, grace, poll):
-            with self._runner:
-                item = self._pop()
-                if item is not None:
-                    item[1]()
-
-    def help(self, work: TorchportWork) -> None:
-        """Run queued operations inline up to ``work`` unless another thread is running them."""
-        if not self._runner.acquire(blocking=False):
-            return
-        try:
-            while not work.is_completed():
-                item = self._pop()
-                if item is None:
-                    return
-                item[1]()
-        finally:
-            self._runner.release()
-
-    def stop(self) -> None:
-        self._lib.doorbell_ring(self._cells, 1)
-
-    def join(self, timeout: float) -> None:
-        self._done.wait(timeout)
 
 
 class Communicator:
@@ -333,8 +189,8 @@ class Communicator:
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
         self._lock = threading.Lock()
         self.lib = shm_lib()
-        self.engine = Engine(f"tp-engine-{name}", spawn)
-        self.sender = Engine(f"tp-send-{name}", spawn)
+        self.engine = Engine(f"tp-engine-{name}", self.run, spawn)
+        self.sender = Engine(f"tp-send-{name}", self.run, spawn)
         mesh.register(group_id, self)
 
     @property
@@ -404,7 +260,7 @@ class Communicator:
     # -- running operations ------------------------------------------------------------
     def run(self, work: TorchportWork, fn: Callable[[], None]) -> None:
         """Engine-side wrapper: refuse when failed, map errors, complete the work."""
-        if self.check_now(work):  # issued after the communicator failed
+        if self.error is not None and self.check_now(work):  # issued after it failed
             return
         try:
             fn()
@@ -429,7 +285,7 @@ class Communicator:
             except CommunicatorErrorState as e:
                 work._finish(e)
             return work
-        self.engine.submit(work, fn, self)
+        self.engine.submit(work, fn)
         return work
 
     def next_op(self) -> int:
@@ -577,7 +433,7 @@ class Communicator:
 
         work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
         if not self.check_now(work):
-            self.sender.submit(work, go, self)
+            self.sender.submit(work, go)
         return work
 
     def recv_p2p(self, tensor: torch.Tensor, src: int | None, tag: int) -> TorchportWork:

@@ -504,6 +504,15 @@ TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t ran
     return 0;
 }
 
+/* tp_shm_allreduce with its arguments in one int64 block (one ctypes argument instead of
+   fifteen): a[0..15] = hdr, data, world, rank, slot, epoch, sig3[3], buf, nbytes, esize, small,
+   dtype, op, timeout_ns; a[16..20] receives info. */
+TP_EXPORT int tp_shm_allreduce_packed(int64_t *a) {
+    return tp_shm_allreduce((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], a[2], a[3], a[4],
+                            a[5], a + 6, (char *)(intptr_t)a[9], a[10], a[11], a[12], a[13],
+                            a[14], a[15], a + 16);
+}
+
 /* Apply more reads from the slots of an already completed step (valid until this rank arrives
    at the next step: no peer rewrites that half before then). */
 TP_EXPORT int tp_shm_reread(char *data, int64_t world, int64_t slot, int64_t epoch,
@@ -599,9 +608,9 @@ class ShmLib:
         self.doorbell_ring = lib.tp_doorbell_ring
         self.doorbell_ring.argtypes = [p, i64]
         self.doorbell_ring.restype = None
-        self.allreduce = lib.tp_shm_allreduce
-        self.allreduce.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p]
-        self.allreduce.restype = ctypes.c_int
+        self.allreduce_packed = lib.tp_shm_allreduce_packed
+        self.allreduce_packed.argtypes = [p]
+        self.allreduce_packed.restype = ctypes.c_int
         self.set_yield = lib.tp_set_yield
         self.set_yield.argtypes = [i64]
         self.set_yield.restype = None

@@ -49,6 +49,8 @@ from torchport.distributed.shm_kernels import (
 SHM_DIR = "/dev/shm"
 Read = tuple[int, int, int, int, int]  # (peer, offset in peer's slot, dst pointer, length, mode)
 COPY, FOLD = 0, 1
+ALLREDUCE_ARGS = 21  # tp_shm_allreduce_packed's block: 16 arguments, 5 info words
+_PACK_ALLREDUCE = struct.Struct("<11q").pack_into  # epoch .. timeout_ns at word 5
 
 
 def arena_bytes(world: int, slot: int) -> tuple[int, int]:
@@ -103,7 +105,11 @@ class ShmArena:
         self.lib = shm_lib()
         self._sig = (ctypes.c_int64 * SIG_WORDS)()
         self._bad = (ctypes.c_int64 * 3)()
-        self._info = (ctypes.c_int64 * 5)()
+        # argument block of tp_shm_allreduce_packed: the arena's fields once, the rest per call
+        self._ar = (ctypes.c_int64 * ALLREDUCE_ARGS)(
+            self.base, self.base + self.data_off, world, rank, slot
+        )
+        self._ar_addr = ctypes.addressof(self._ar)
 
     @staticmethod
     def new_path() -> str:
@@ -163,30 +169,16 @@ class ShmArena:
         On failure raises :class:`StepError` whose ``step`` attribute names the failing step.
         """
         assert self._mm is not None, "arena closed"
-        for i in range(3):
-            self._sig[i] = sig3[i]
-        st = self.lib.allreduce(
-            self.base,
-            self.base + self.data_off,
-            self.world,
-            self.rank,
-            self.slot,
-            epoch,
-            self._sig,
-            ptr,
-            nbytes,
-            esize,
-            small,
-            dtype,
-            op,
-            max(0, int(timeout_s * 1e9)),
-            self._info,
+        a = self._ar
+        _PACK_ALLREDUCE(
+            a, 40, epoch, *sig3, ptr, nbytes, esize, small, dtype, op, max(0, int(timeout_s * 1e9))
         )
+        st = self.lib.allreduce_packed(self._ar_addr)
         if st != OK:
-            err = StepError(st, (self._info[0], self._info[1], self._info[2]))
-            err.step = int(self._info[4])
+            err = StepError(st, (a[16], a[17], a[18]))
+            err.step = int(a[20])
             raise err
-        return int(self._info[3])
+        return int(a[19])
 
     def reread(self, epoch: int, reads: Sequence[Read], dtype: int, op: int) -> None:
         """More reads from the slots published at ``epoch`` (the step just completed)."""

@@ -1,0 +1,200 @@
+"""Work handles and the progress engine of a communicator.
+
+:class:`TorchportWork` is what every operation returns (``wait``, ``is_completed``,
+``exception``, ``get_future``); :class:`Engine` runs a communicator's operations in issue order
+on its own thread, or inline in the thread that waits on one (see
+:mod:`~torchport.distributed.engine` for the communicator and its error model).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from torchport.distributed.errors import CommTimeoutError
+from torchport.distributed.shm_kernels import BACKGROUND_YIELD_NS, shm_lib
+
+_DONE_LOCK = threading.Lock()  # orders a Work's completion against a lazily created future
+
+
+class TorchportWork(dist.Work):
+    """Handle of one issued operation: ``wait``, ``is_completed``, ``exception``, ``get_future``.
+
+    Completion is a flag plus a lock held from creation until the operation finishes (waiters
+    acquire and release it); the future is created on first ``get_future`` only. Both keep a
+    synchronous collective's bookkeeping to a few hundred nanoseconds.
+    """
+
+    def __init__(self, name: str, result: list[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self._result = result if result is not None else []
+        self._done = False
+        self._gate = threading.Lock()
+        self._gate.acquire()  # released by _finish
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+        self._engine: Engine | None = None
+        self._src = -1
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        with _DONE_LOCK:
+            if self._done:
+                return
+            self._error = error
+            self._done = True
+            fut = self._future
+        self._gate.release()
+        if fut is not None:
+            self._settle(fut)
+
+    def _settle(self, fut: torch.futures.Future) -> None:
+        if self._error is None:
+            fut.set_result(self._result)
+        else:
+            fut.set_exception(self._error)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until done; raise the operation's error, or :class:`CommTimeoutError`."""
+        if not self._done:
+            if self._engine is not None:
+                self._engine.help(self)
+            if not self._done:
+                t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+                if not self._gate.acquire(timeout=t if t and t > 0 else -1):
+                    raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
+                self._gate.release()  # let other waiters through
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        with _DONE_LOCK:
+            fut, fresh = self._future, self._future is None
+            if fresh:
+                fut = self._future = torch.futures.Future()
+            done = self._done
+        assert fut is not None
+        if fresh and done:  # finished before anyone asked: settle here
+            self._settle(fut)
+        # A future's waiter (DDP's reducer, callbacks) never runs the queue inline: start now.
+        if not done and self._engine is not None:
+            self._engine.urge()
+        return fut
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        """The sender's group rank of a completed receive (-1 for other operations)."""
+        return self._src
+
+    def _source_rank(self) -> int:
+        return self._src
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+GRACE_S = 0.0003  # an op nobody waits on is started by the engine thread after this long
+POLL_S = 0.002  # cap on one idle futex sleep of the engine thread (no GIL held)
+
+
+class Engine:
+    """Runs a communicator's operations in issue order, on its own thread or inline in ``wait``.
+
+    Issuing only appends to the queue (never blocks). The engine thread drains the queue for
+    operations nobody waits on; a caller that waits on a queued operation runs the queue up to
+    it inline (in order) when no one else is running it, which saves two thread hand-offs per
+    synchronous collective.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[TorchportWork, Callable[[], None]], None],
+        spawn: Callable[..., None] | None = None,
+    ) -> None:
+        self._run = run  # runs one item: Communicator.run (error mapping, completion)
+        self._items: collections.deque[tuple[TorchportWork, Callable[[], None]]] = (
+            collections.deque()
+        )
+        self._lock = threading.Lock()
+        self._runner = threading.Lock()
+        # Doorbell cells read by native code while the thread sleeps without the GIL:
+        # [posted, taken, stop, sleeping, futex word, urgent]. Posting is a plain store; a
+        # ring (stop, or a future someone blocks on) wakes the thread at once.
+        self._cells = (ctypes.c_int64 * 6)()
+        self._lib = shm_lib()
+        self._done = threading.Event()
+        if spawn is None:
+            threading.Thread(target=self._main, daemon=True, name=name).start()
+        else:  # e.g. a warm thread of the elastic mesh (no thread start while a group forms)
+            spawn(self._main)
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._done.set()
+
+    def submit(self, work: TorchportWork, fn: Callable[[], None]) -> None:
+        work._engine = self
+        with self._lock:
+            self._items.append((work, fn))
+            self._cells[0] += 1
+
+    def urge(self) -> None:
+        """Start queued work now: its completion is awaited through a future, not ``wait``."""
+        self._lib.doorbell_ring(self._cells, 0)
+
+    def _pop(self) -> tuple[TorchportWork, Callable[[], None]] | None:
+        with self._lock:
+            if not self._items:
+                return None
+            self._cells[1] += 1
+            return self._items.popleft()
+
+    def _loop(self) -> None:
+        grace, poll = int(GRACE_S * 1e9), int(POLL_S * 1e9)
+        self._lib.set_yield(BACKGROUND_YIELD_NS)  # this thread runs ops in the background
+        while self._lib.doorbell_wait(self._cells, grace, poll):
+            with self._runner:
+                item = self._pop()
+                if item is not None:
+                    self._run(*item)
+
+    def help(self, work: TorchportWork) -> None:
+        """Run queued operations inline up to ``work`` unless another thread is running them."""
+        if not self._runner.acquire(blocking=False):
+            return
+        try:
+            while not work._done:
+                item = self._pop()
+                if item is None:
+                    return
+                self._run(*item)
+        finally:
+            self._runner.release()
+
+    def stop(self) -> None:
+        self._lib.doorbell_ring(self._cells, 1)
+
+    def join(self, timeout: float) -> None:
+        self._done.wait(timeout)
