@@ -7,10 +7,12 @@ import sys
 import pytest
 import torch
 
+import torchport
 from torchport import gemm
 from torchport.gemm.pack import pack_cache
 from torchport.lowp import (
     Float8Tensor,
+    LowPrecisionError,
     MXTensor,
     NVFP4Tensor,
     block_scaled_mm,
@@ -18,6 +20,7 @@ from torchport.lowp import (
     scaled_mm_reference,
 )
 from torchport.lowp.formats import FP8_DTYPES
+from torchport.lowp.panel import pack_rows, pack_rows_reference
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 K, N = 100, 37  # K not a multiple of any tile or K block, N prime
@@ -144,3 +147,48 @@ def test_block_scaled_mm_autograd_takes_torch_ops():
 
 def test_fp8_dtypes_cover_outputs():
     assert set(FP8_DTYPES) >= {E4, E5}
+
+
+@pytest.mark.parametrize("n,k,nr", [(37, 100, 24), (48, 64, 16), (5, 3, 8), (1, 1, 32), (0, 4, 8)])
+def test_pack_rows_matches_reference(n, k, nr):
+    w = torch.randn(n, k)
+    got = pack_rows(w, nr)
+    assert torch.equal(got, pack_rows_reference(w, nr))
+    assert torch.equal(got, gemm.pack_b(w.t(), nr))
+
+
+def test_pack_rows_errors():
+    with pytest.raises(
+        LowPrecisionError, match=r"w must be a 2-D float32 tensor, got torch.float64"
+    ):
+        pack_rows(torch.zeros(2, 2, dtype=torch.float64), 8)
+    with pytest.raises(LowPrecisionError, match=r"nr must be a positive int, got 0"):
+        pack_rows(torch.zeros(2, 2), 0)
+
+
+@pytest.mark.parametrize("backends", ["NATIVE", "ATEN"])
+def test_engine_paths_native_and_aten_choices(backends, monkeypatch, fresh_cache):
+    mod = sys.modules["torchport.lowp.scaled_mm"]
+    packed: list[int] = []
+    real = mod.pack_rows
+
+    def spy(w, nr):
+        packed.append(nr)
+        return real(w, nr)
+
+    monkeypatch.setattr(mod, "pack_rows", spy)
+    monkeypatch.setattr(mod, "PANEL_BYTES", 16 * 4 * 64)
+    g = torch.Generator().manual_seed(1)
+    w = NVFP4Tensor.from_float(torch.randn(N, 64, generator=g))
+    x = torch.randn(33, 64, generator=g)
+    a, b = _fp8((33, K), 7), _fp8((N, K), 8).t()
+    sa, sb = _scales(33, N, True, 2)
+    with torchport.config.override(max_autotune_gemm_backends=backends):
+        out = block_scaled_mm(x, w, bias=torch.ones(N))
+        got = scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    ref = x.double() @ w.dequantize().double().T + 1.0
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    want = scaled_mm_reference(a, b, sa, sb, out_dtype=torch.float64)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    # 3 panels (16 + 16 + 5 rows) of the weight and of b: packed natively unless ATen serves
+    assert len(packed) == (6 if backends == "NATIVE" else 0)

@@ -34,9 +34,12 @@ from collections.abc import Callable
 import torch
 
 from torchport import gemm, native
-from torchport.gemm.epilogue import FUSABLE_DTYPES, Step
+from torchport.gemm import Config
+from torchport.gemm.epilogue import FUSABLE_DTYPES, Step, split
+from torchport.gemm.kernels import run_native
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, to_fp8_reference
+from torchport.lowp.panel import pack_rows
 
 OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, *FP8_DTYPES)
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -192,8 +195,27 @@ def _panel_gemm(
         with torch.inference_mode():
             panel = decode(lo, hi)
         epi = steps(lo, hi) + ([] if b32 is None else [gemm.Bias(b32[lo:hi])]) + cast
-        out[:, lo:hi] = gemm.mm(x, panel.t(), epilogue=epi)
+        out[:, lo:hi] = _engine_panel(x, panel, epi)
     return out
+
+
+def _engine_panel(x: torch.Tensor, panel: torch.Tensor, epi: list[Step]) -> torch.Tensor:
+    """``epilogue(x @ panel.T)`` on the GEMM engine: the autotuner's choice for this problem
+    (ATen anchor or a native config); a native config gets the panel packed by
+    :func:`~torchport.lowp.panel.pack_rows` (one pass) instead of the engine's strided copy."""
+    pt = panel.t()
+    sp = split(epi, x.shape[0], pt.shape[1])
+    cand = gemm.choose(x, pt, sp.spec, sp.operands)
+    if not cand.is_anchor:
+        cfg = Config(*(int(cand.param(f, d)) for f, d in _CONFIG_FIELDS))
+        try:
+            return run_native(x, pt, sp.spec, sp.operands, cfg, packed=pack_rows(panel, cfg.nr))
+        except native.NativeError as e:
+            native.note_fallback("block_scaled_mm", e)
+    return gemm.mm(x, pt, epilogue=epi)
+
+
+_CONFIG_FIELDS = (("mr", 0), ("nr", 0), ("mc", 0), ("pf", 0), ("kc", 0), ("ks", 1), ("nt", 0))
 
 
 def _dequant_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
