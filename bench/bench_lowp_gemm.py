@@ -156,7 +156,7 @@ def main() -> None:
         if args.quick
         else [(128, 4096, 4096), (512, 4096, 4096), (256, 4096, 11008)]
     )
-    reps = 3 if args.quick else max(3, args.reps // 4)
+    reps = max(3, args.reps // 4)
     table = BenchTable("lowp_gemm", unit="GFLOP/s")
     table.start()
     for m, k, n in shapes:

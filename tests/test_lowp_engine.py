@@ -27,6 +27,14 @@ K, N = 100, 37  # K not a multiple of any tile or K block, N prime
 OUT = [torch.float32, torch.bfloat16, torch.float16, torch.float64, E4, E5]
 
 
+@pytest.fixture(autouse=True)
+def _untimed():
+    """No timing: the engine takes its first native config (tests/test_lowp_gemm.py runs the
+    tuned choice), so the grid exercises the native kernels and panel packing."""
+    with torchport.config.override(autotune=False):
+        yield
+
+
 def _fp8(shape, seed, dtype=E4):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).mul(4).to(dtype)
@@ -191,4 +199,4 @@ def test_engine_paths_native_and_aten_choices(backends, monkeypatch, fresh_cache
     want = scaled_mm_reference(a, b, sa, sb, out_dtype=torch.float64)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
     # 3 panels (16 + 16 + 5 rows) of the weight and of b: packed natively unless ATen serves
-    assert len(packed) == (6 if backends == "NATIVE" else 0)
+    assert (len(packed) >= 6) if backends == "NATIVE" else not packed

@@ -33,10 +33,11 @@ from collections.abc import Callable
 
 import torch
 
-from torchport import gemm, native
+from torchport import autotune, gemm, native
 from torchport.gemm import Config
-from torchport.gemm.epilogue import FUSABLE_DTYPES, Step, split
+from torchport.gemm.epilogue import FUSABLE_DTYPES, Split, Step, split
 from torchport.gemm.kernels import run_native
+from torchport.gemm.mm import bucket
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, to_fp8_reference
 from torchport.lowp.panel import pack_rows
@@ -200,19 +201,82 @@ def _panel_gemm(
 
 
 def _engine_panel(x: torch.Tensor, panel: torch.Tensor, epi: list[Step]) -> torch.Tensor:
-    """``epilogue(x @ panel.T)`` on the GEMM engine: the autotuner's choice for this problem
-    (ATen anchor or a native config); a native config gets the panel packed by
-    :func:`~torchport.lowp.panel.pack_rows` (one pass) instead of the engine's strided copy."""
+    """``epilogue(x @ panel.T)`` on the GEMM engine.
+
+    The engine's autotuner picks ATen or a native config for the problem, timing native kernels
+    on B operands packed beforehand (right for weights its pack cache keeps). A decoded panel is
+    packed on every call, so a native pick is timed once more, pack included
+    (:func:`~torchport.lowp.panel.pack_rows`), against the ATen anchor ("lowp_panel" in the
+    choice cache); the faster serves."""
     pt = panel.t()
     sp = split(epi, x.shape[0], pt.shape[1])
     cand = gemm.choose(x, pt, sp.spec, sp.operands)
     if not cand.is_anchor:
         cfg = Config(*(int(cand.param(f, d)) for f, d in _CONFIG_FIELDS))
-        try:
-            return run_native(x, pt, sp.spec, sp.operands, cfg, packed=pack_rows(panel, cfg.nr))
-        except native.NativeError as e:
-            native.note_fallback("block_scaled_mm", e)
+        run = _native_panel(cfg, sp.spec)
+        if not _panel_choice(x, panel, sp, cfg, run).is_anchor:
+            try:
+                return run(x, panel, sp.operands)
+            except native.NativeError as e:
+                native.note_fallback("block_scaled_mm", e)
     return gemm.mm(x, pt, epilogue=epi)
+
+
+def _native_panel(
+    cfg: Config, spec: gemm.EpilogueSpec
+) -> Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]:
+    def run(x: torch.Tensor, panel: torch.Tensor, ops: list[torch.Tensor]) -> torch.Tensor:
+        return run_native(x, panel.t(), spec, ops, cfg, packed=pack_rows(panel, cfg.nr))
+
+    return run
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return False
+    tol = 3e-2 if out.dtype == torch.bfloat16 else 1e-3
+    o, r = out.float(), ref.float()
+    return float((o - r).abs().max()) <= tol * (float(r.abs().max()) + 1.0) if o.numel() else True
+
+
+def _panel_choice(
+    x: torch.Tensor,
+    panel: torch.Tensor,
+    sp: Split,
+    cfg: Config,
+    run: Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor],
+) -> autotune.Candidate:
+    m, k = x.shape
+    key = {
+        "m": bucket(m),
+        "n": panel.shape[0],
+        "k": k,
+        "epilogue": sp.spec.encode(),
+        "isa": native.cpu_info().isa,
+        "cfg": cfg.name,
+    }
+    cands = [
+        autotune.Candidate("aten", autotune.ATEN),
+        autotune.Candidate(cfg.name, autotune.NATIVE),
+    ]
+
+    def factory(c: autotune.Candidate) -> Callable[..., torch.Tensor]:
+        if c.is_anchor:
+            return lambda x, p, ops: gemm.mm_aten(x, p.t(), sp.spec, ops)
+        return run
+
+    choice = autotune.select(
+        "lowp_panel",
+        key,
+        cands,
+        factory,
+        lambda: (x, panel, sp.operands),
+        cold=False,
+        check=_close,
+        confirm=True,
+        budget_s=1.0,
+    )
+    return choice.candidate
 
 
 _CONFIG_FIELDS = (("mr", 0), ("nr", 0), ("mc", 0), ("pf", 0), ("kc", 0), ("ks", 1), ("nt", 0))
