@@ -276,6 +276,8 @@ def _panel_choice(
         confirm=True,
         budget_s=1.0,
     )
+    label = f"M={key['m']} N={key['n']} K={k} [{key['epilogue'] or 'none'}] {cfg.name}"
+    gemm.decisions[("lowp_panel", label)] = choice.candidate.name  # for reports (bench, demo)
     return choice.candidate
 
 
