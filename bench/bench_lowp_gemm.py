@@ -2,6 +2,9 @@
 
 1. FP8 ``scaled_mm`` (row-wise) and NVFP4/MXFP4 ``block_scaled_mm`` at M ≥ 128 vs the anchor
    "dequantize the weight to bf16, then bf16 ``F.linear``" (what torch offers on CPU); GFLOP/s.
+   Each row also times, in the same interleaved run, the pre-engine path (decoded float32 panels
+   through ``torch.mm`` (MKL) and the scaling/bias/cast as separate torch ops) as ``mkl_ms``, and
+   ``vs_mkl`` = engine time / that time; the GEMM engine's choices are listed after the table.
 2. ``linear_quantize`` (GEMM + per-group amax + NVFP4/MX/FP8 quantize in one pass over each output
    panel) vs the bare float32 GEMM ``x @ W.T`` — the target is ≤ 1.10× the GEMM's time.
 
@@ -33,7 +36,28 @@ from torchport.lowp import (
 )
 
 
-def bench_shape(table: BenchTable, m: int, k: int, n: int, reps: int) -> None:
+def _mkl_scaled_mm(a, b, sa, sb, od):
+    """The pre-engine ``scaled_mm`` for M > 8: float32 MKL GEMM, then torch epilogue ops."""
+    return (torch.mm(a.float(), b.float()) * sa * sb.reshape(1, -1)).to(od)
+
+
+def _mkl_block_scaled_mm(x, w):
+    """The pre-engine ``block_scaled_mm``: native panel decode, ``torch.mm`` per panel."""
+    from torchport.lowp.scaled_mm import PANEL_BYTES, _dequant_rows
+
+    n, k = w.shape
+    x2 = x.reshape(-1, k).float()
+    out = torch.empty(x2.shape[0], n)
+    step = max(16, PANEL_BYTES // (4 * k))
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        torch.mm(x2, _dequant_rows(w, lo, hi).t(), out=out[:, lo:hi])
+    return out.to(x.dtype)
+
+
+def bench_shape(
+    table: BenchTable, m: int, k: int, n: int, reps: int, prefill_only: bool = False
+) -> None:
     """Prefill GEMMs and the epilogue for one (M, K, N)."""
     w = torch.randn(n, k) * 0.02
     x = torch.randn(m, k)
@@ -51,14 +75,33 @@ def bench_shape(table: BenchTable, m: int, k: int, n: int, reps: int) -> None:
     cases = {
         "fp8 scaled_mm rowwise": (
             deq_bf16(f8),
+            lambda: _mkl_scaled_mm(xq, f8.qdata.t(), xs, ws, torch.bfloat16),
             lambda: scaled_mm(xq, f8.qdata.t(), xs, ws, out_dtype=torch.bfloat16),
         ),
-        "nvfp4 block_scaled_mm": (deq_bf16(nv), lambda: block_scaled_mm(xb, nv)),
-        "mxfp4 block_scaled_mm": (deq_bf16(mx4), lambda: block_scaled_mm(xb, mx4)),
+        "nvfp4 block_scaled_mm": (
+            deq_bf16(nv),
+            lambda: _mkl_block_scaled_mm(xb, nv),
+            lambda: block_scaled_mm(xb, nv),
+        ),
+        "mxfp4 block_scaled_mm": (
+            deq_bf16(mx4),
+            lambda: _mkl_block_scaled_mm(xb, mx4),
+            lambda: block_scaled_mm(xb, mx4),
+        ),
     }
-    for name, (anchor, ours) in cases.items():
-        t = compare({"anchor": anchor, "ours": ours}, [()], reps=reps)
-        table.add(f"M={m} K={k} N={n} {name}", "dequant+bf16 mm", t["anchor"], t["ours"], flops)
+    for name, (anchor, mkl, ours) in cases.items():
+        t = compare({"anchor": anchor, "mkl": mkl, "ours": ours}, [()], reps=reps)
+        table.add(
+            f"M={m} K={k} N={n} {name}",
+            "dequant+bf16 mm",
+            t["anchor"],
+            t["ours"],
+            flops,
+            mkl_ms=f"{t['mkl'] * 1e3:.1f}",
+            vs_mkl=f"{t['ours'] / t['mkl']:.3f}x",
+        )
+    if prefill_only:
+        return
     wt = w.t()
     for fmt in ("nvfp4", "mxfp4", "fp8"):
         fns: dict[str, Callable[..., Any]] = {
@@ -106,18 +149,23 @@ def epilogue_cpu_time(m: int, k: int, n: int, reps: int) -> None:
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time, epilogue")
+    p.add_argument("--prefill-only", action="store_true", help="skip the epilogue rows")
     args = p.parse_args()
     shapes = (
         [(128, 4096, 4096)]
         if args.quick
         else [(128, 4096, 4096), (512, 4096, 4096), (256, 4096, 11008)]
     )
-    reps = 3 if args.quick else max(3, args.reps // 4)
+    reps = max(3, args.reps // 4)
     table = BenchTable("lowp_gemm", unit="GFLOP/s")
     table.start()
     for m, k, n in shapes:
-        bench_shape(table, m, k, n, reps)
+        bench_shape(table, m, k, n, reps, args.prefill_only)
     table.save(args.json)
+    from torchport.gemm import decisions
+
+    for (op, label), pick in sorted(decisions.items()):
+        print(f"# engine choice {op} {label}: {pick}")
     if args.cpu_time:
         epilogue_cpu_time(*shapes[-1 if not args.quick else 0], reps=max(reps, 5))
 

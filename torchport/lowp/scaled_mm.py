@@ -8,23 +8,39 @@
 
 Accumulation is float32; the epilogue applies ``scale_a · scale_b``, then ``bias``, then the cast to
 ``out_dtype`` (default: ``a.dtype``, a saturating FP8 cast, as ``torch._scaled_mm``). Decode shapes
-(M ≤ 8) run the native FP8 GEMV reading ``b``'s bytes directly; larger M decodes the FP8 operands to
-float32 panels and runs the float32 GEMM (MKL), then the epilogue — the FP8 values are exact in
-float32, so only the summation order differs from :func:`scaled_mm_reference` (float64).
+(M ≤ 8) run the native FP8 GEMV reading ``b``'s bytes directly. Larger M runs on the GEMM engine
+(:func:`torchport.gemm.mm`: generated kernels autotuned against ATen, which it falls back to):
+``b`` is decoded to float32 one panel of columns at a time (FP8 values are exact in float32) and
+each panel is one engine GEMM whose epilogue does the scaling (``Scale`` by ``scale_a`` per row and
+``scale_b`` per column, in that order), the ``Bias`` and, for bfloat16, the ``Cast``; other output
+dtypes are cast from the float32 result. Only the summation order and the float32 rounding of the
+scaling differ from :func:`scaled_mm_reference` (float64).
 
 ``block_scaled_mm(x, w)`` multiplies activations by an NVFP4/MX (or FP8) weight ``[N, K]``:
 ``x @ dequantize(w).T + bias``, dequantizing ``w`` natively one row panel at a time (a panel stays
-in L3) and multiplying each panel with the float32 GEMM; quantized activations (NVFP4/MX tensors)
-are dequantized first. These GEMMs could later take their tiles from the dense GEMM engine
-(``torchport.gemm``): the panel decode becomes that engine's B-operand packing step.
+in L3) and multiplying each panel on the GEMM engine with ``Bias``/``Cast`` as its epilogue;
+quantized activations (NVFP4/MX tensors) are dequantized first.
+
+Both engine paths serve plain eager calls. Under autograd (an input that requires grad) or while
+tracing (``torch.compile``, export) the panels go through ``torch.mm`` and torch epilogue ops, which
+record gradients and trace as ordinary ATen ops (the decoded panels are temporaries: handing them
+to the engine there would let its packed-weight cache hold every one of them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from torchport import autotune, gemm, native
+from torchport.gemm import Config
+from torchport.gemm.epilogue import FUSABLE_DTYPES, Split, Step, split
+from torchport.gemm.kernels import run_native
+from torchport.gemm.mm import bucket
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, to_fp8_reference
+from torchport.lowp.panel import pack_rows
 
 OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, *FP8_DTYPES)
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -108,15 +124,164 @@ def scaled_mm(
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
     m, k = a.shape
     n = b.shape[1]
-    sa = scale_a.reshape(-1, 1)
     if 0 < m <= MAX_ROWS and k > 0 and n > 0:
         fmt = "fp8_e4m3" if b.dtype == torch.float8_e4m3fn else "fp8_e5m2"
         rs = scale_b.reshape(-1).expand(n).contiguous()
         pw = PackedWeight(fmt, b.t().contiguous().view(torch.uint8), _EMPTY_U8, rs, 1.0, n, k)
-        acc = gemv_packed(a.float(), pw) * sa
-    else:
-        acc = torch.mm(a.float(), b.float()) * sa * scale_b.reshape(1, -1)
-    return _finish(acc, bias, od)
+        acc = gemv_packed(a.float(), pw) * scale_a.reshape(-1, 1)
+        return _finish(acc, bias, od)
+    # scale_a per row, scale_b per column (a tensor-wise scale broadcast: a scalar Scale step
+    # would be compiled into the kernel, one kernel per scale value)
+    sa = scale_a.reshape(-1).expand(m)
+    sb = scale_b.reshape(-1).expand(n)
+    bt = b.t()  # [N, K]: its rows are b's columns (contiguous for the usual column-major b)
+
+    def decode(lo: int, hi: int) -> torch.Tensor:
+        return bt[lo:hi].float()
+
+    def steps(lo: int, hi: int) -> list[Step]:
+        return [gemm.Scale(sa, "row"), gemm.Scale(sb[lo:hi], "col")]
+
+    extra = () if bias is None else (bias,)
+    eager = native.eager_fast_path(a, b, scale_a, scale_b, *extra)
+    acc = _panel_gemm(a.float(), decode, n, k, steps, bias, od, eager)
+    return _cast_out(acc, od)
+
+
+def _cast_out(acc: torch.Tensor, od: torch.dtype) -> torch.Tensor:
+    """The engine's float32 (or already bfloat16) result in ``od`` (saturating for FP8)."""
+    if acc.dtype == od:
+        return acc
+    return to_fp8_reference(acc, od) if od in FP8_DTYPES else acc.to(od)
+
+
+PANEL_BYTES = 8 << 20  # one decoded float32 weight panel (stays in L3)
+
+
+def _panel_gemm(
+    x: torch.Tensor,
+    decode: Callable[[int, int], torch.Tensor],
+    n: int,
+    k: int,
+    steps: Callable[[int, int], list[Step]],
+    bias: torch.Tensor | None,
+    od: torch.dtype,
+    eager: bool,
+) -> torch.Tensor:
+    """``epilogue(x @ W.T)`` with ``W [N, K]`` produced in float32 row panels by ``decode(lo, hi)``.
+
+    Plain eager calls (``eager``: :func:`torchport.native.eager_fast_path` of the inputs) run
+    each panel on the GEMM engine, the per-panel ``steps`` (scales), the bias and a bfloat16 cast
+    fused into its store; the panels are decoded as inference tensors,
+    which the engine's packed-weight cache never keeps. Autograd and tracing take torch ops.
+    The result is float32, or bfloat16 when ``od`` is.
+    """
+    m = x.shape[0]
+    b32 = None if bias is None else bias if bias.dtype in FUSABLE_DTYPES else bias.float()
+    step = max(16, PANEL_BYTES // max(1, 4 * k))
+    if not eager or m == 0 or n == 0:
+        out = torch.empty(m, n, dtype=torch.float32)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            y = torch.mm(x, decode(lo, hi).t())
+            for s in steps(lo, hi):
+                assert isinstance(s, gemm.Scale) and isinstance(s.value, torch.Tensor)
+                y = y * (s.value[:, None] if s.dim == "row" else s.value)
+            out[:, lo:hi] = y if b32 is None else y + b32[lo:hi].float()
+        return out
+    cast = [gemm.Cast(torch.bfloat16)] if od == torch.bfloat16 else []
+    out = torch.empty(m, n, dtype=torch.bfloat16 if cast else torch.float32)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        with torch.inference_mode():
+            panel = decode(lo, hi)
+        epi = steps(lo, hi) + ([] if b32 is None else [gemm.Bias(b32[lo:hi])]) + cast
+        out[:, lo:hi] = _engine_panel(x, panel, epi)
+    return out
+
+
+def _engine_panel(x: torch.Tensor, panel: torch.Tensor, epi: list[Step]) -> torch.Tensor:
+    """``epilogue(x @ panel.T)`` on the GEMM engine.
+
+    The engine's autotuner picks ATen or a native config for the problem, timing native kernels
+    on B operands packed beforehand (right for weights its pack cache keeps). A decoded panel is
+    packed on every call, so a native pick is timed once more, pack included
+    (:func:`~torchport.lowp.panel.pack_rows`), against the ATen anchor ("lowp_panel" in the
+    choice cache); the faster serves."""
+    pt = panel.t()
+    sp = split(epi, x.shape[0], pt.shape[1])
+    cand = gemm.choose(x, pt, sp.spec, sp.operands)
+    if not cand.is_anchor:
+        cfg = Config(*(int(cand.param(f, d)) for f, d in _CONFIG_FIELDS))
+        run = _native_panel(cfg, sp.spec)
+        if not _panel_choice(x, panel, sp, cfg, run).is_anchor:
+            try:
+                return run(x, panel, sp.operands)
+            except native.NativeError as e:
+                native.note_fallback("block_scaled_mm", e)
+    return gemm.mm(x, pt, epilogue=epi)
+
+
+def _native_panel(
+    cfg: Config, spec: gemm.EpilogueSpec
+) -> Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]:
+    def run(x: torch.Tensor, panel: torch.Tensor, ops: list[torch.Tensor]) -> torch.Tensor:
+        return run_native(x, panel.t(), spec, ops, cfg, packed=pack_rows(panel, cfg.nr))
+
+    return run
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return False
+    tol = 3e-2 if out.dtype == torch.bfloat16 else 1e-3
+    o, r = out.float(), ref.float()
+    return float((o - r).abs().max()) <= tol * (float(r.abs().max()) + 1.0) if o.numel() else True
+
+
+def _panel_choice(
+    x: torch.Tensor,
+    panel: torch.Tensor,
+    sp: Split,
+    cfg: Config,
+    run: Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor],
+) -> autotune.Candidate:
+    m, k = x.shape
+    key = {
+        "m": bucket(m),
+        "n": panel.shape[0],
+        "k": k,
+        "epilogue": sp.spec.encode(),
+        "isa": native.cpu_info().isa,
+        "cfg": cfg.name,
+    }
+    cands = [
+        autotune.Candidate("aten", autotune.ATEN),
+        autotune.Candidate(cfg.name, autotune.NATIVE),
+    ]
+
+    def factory(c: autotune.Candidate) -> Callable[..., torch.Tensor]:
+        if c.is_anchor:
+            return lambda x, p, ops: gemm.mm_aten(x, p.t(), sp.spec, ops)
+        return run
+
+    choice = autotune.select(
+        "lowp_panel",
+        key,
+        cands,
+        factory,
+        lambda: (x, panel, sp.operands),
+        cold=False,
+        check=_close,
+        confirm=True,
+        budget_s=1.0,
+    )
+    label = f"M={key['m']} N={key['n']} K={k} [{key['epilogue'] or 'none'}] {cfg.name}"
+    gemm.decisions[("lowp_panel", label)] = choice.candidate.name  # for reports (bench, demo)
+    return choice.candidate
+
+
+_CONFIG_FIELDS = (("mr", 0), ("nr", 0), ("mc", 0), ("pf", 0), ("kc", 0), ("ks", 1), ("nt", 0))
 
 
 def _dequant_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -134,9 +299,6 @@ def _dequant_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     raise LowPrecisionError(
         f"block_scaled_mm: weight must be a torchport.lowp tensor, got {type(w).__name__}"
     )
-
-
-PANEL_BYTES = 8 << 20
 
 
 def block_scaled_mm(
@@ -171,11 +333,10 @@ def block_scaled_mm(
     od = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float()
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    step = max(16, PANEL_BYTES // max(1, 4 * k))
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        torch.mm(x2, _dequant_rows(w, lo, hi).t(), out=out[:, lo:hi])
-    if bias is not None:
-        out += bias.float()
+
+    def decode(lo: int, hi: int) -> torch.Tensor:
+        return _dequant_rows(w, lo, hi)
+
+    eager = native.eager_fast_path(x2, *(() if bias is None else (bias,)))
+    out = _panel_gemm(x2, decode, n, k, lambda lo, hi: [], bias, od, eager)
     return out.reshape(*lead, n).to(od)
