@@ -335,6 +335,20 @@ def test_budget_caps_the_search_time(fresh_cache, fake_clock):
     assert ch.candidate.name == "native"
 
 
+def test_budget_times_calls_over_long_call_s_once(fresh_cache, fake_clock):
+    """Calls longer than LONG_CALL_S are timed once even when the budget share would allow
+    more (cold tuning of ~0.1 s GEMMs), and a 1.5x winner skips the confirmation."""
+    from torchport.autotune import tuner
+
+    calls: list = []
+    t_long = 3 * tuner.LONG_CALL_S  # both calls over the threshold
+    make = _fake_factory(fake_clock, lambda i: t_long, lambda i: t_long / 2, calls)
+    with config.override(autotune_reps=100):
+        ch = _select_pair({"case": "over-long"}, make, budget_s=100.0, confirm=True)
+    assert calls.count("aten") == 1 + 1 and calls.count("native") == 1 + 1
+    assert ch.candidate.name == "native"
+
+
 def test_budget_times_long_calls_once(fresh_cache, fake_clock):
     """A candidate whose single call outlasts its share of budget_s is timed once after the
     checked call, and a winner by more than 1.5x over such an anchor is kept without the

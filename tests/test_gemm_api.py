@@ -354,7 +354,7 @@ def test_thread_adaptive_follows_load(monkeypatch):
 
         return run
 
-    ad = ThreadAdaptive(arm("multi"), arm("single"), probe_every=16)
+    ad = ThreadAdaptive(arm("multi"), arm("single"), probe_every=16, sample_every=1)
     for _ in range(20):
         ad(0)
     assert used[:6] == ["multi", "single"] * 3  # learning both, alternating
@@ -465,6 +465,38 @@ def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     for _ in range(16):
         ad()
     assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]
+
+
+def test_thread_adaptive_times_only_sampled_calls(monkeypatch):
+    """After learning, only every ``sample_every``-th call reads the clock (probes included);
+    the calls between go straight to the current launch."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    reads = [0]
+
+    def counting_clock():
+        reads[0] += 1
+        return clock()
+
+    monkeypatch.setattr(timing, "clock", counting_clock)
+    cost = {"multi": 0.6e-3, "single": 1.2e-3}
+    used: list[str] = []
+
+    def arm(name):
+        def run():
+            clock.t += cost[name]
+            used.append(name)
+
+        return run
+
+    ad = ThreadAdaptive(arm("multi"), arm("single"), probe_every=64, sample_every=8)
+    for _ in range(64):
+        ad()
+    # 6 learning calls, then calls 8, 16, ..., 64 timed (64 is the probe of "single")
+    assert reads[0] == 2 * (6 + 8)
+    assert used[6:].count("single") == 1 and used[-1] == "single" and ad.current == 0
 
 
 def test_adaptive_ignores_calls_that_packed(monkeypatch):

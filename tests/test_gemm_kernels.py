@@ -123,6 +123,29 @@ def test_k_split_and_k_blocks(m, n, k, dtype, kc, ks, mc):
         _assert_close(out, a, b, spec, ops)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+def test_deferred_epilogue_pass_small_m(m):
+    """M <= DEFER_MAX_M with a GELU epilogue and fp32 output: tiles store raw sums and one pass
+    per thread applies the epilogue over its columns (N not a multiple of the panel width, a
+    thread with a partial last panel); M = 5 takes the per-tile epilogue. Both match the
+    reference, with two threads and with one."""
+    from torchport.gemm.templates import DEFER_MAX_M
+
+    assert EpilogueSpec.decode(CHAINS[0][0]).deferrable and DEFER_MAX_M == 4
+    spec = EpilogueSpec.decode(CHAINS[0][0])
+    a, b = _make(m, 75, 33, torch.float32, "c", "weight_t")
+    ops = _operands(spec, m, 75)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for mr, nr in TILES[:2]:
+                out = run_native(a, b, spec, ops, Config(mr, nr, 64))
+                _assert_close(out, a, b, spec, ops)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_k_split_single_thread_and_bf16_out():
     spec = EpilogueSpec.decode("silu;out=bf16")
     a, b = _make(5, 37, 900, torch.float32, "c", "c")

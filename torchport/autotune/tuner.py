@@ -240,6 +240,12 @@ def _confirm_choice(
     return res.won
 
 
+# With a tuning budget, a call at least this long is timed once after its checked call (a
+# scheduler timeslice, ~4 ms, is then under 7 % of it), and a long anchor lets a > 1.5x winner skip
+# the alternating confirmation: GEMMs of ~0.1 s (M=128 4096->11008) cost 8-14 calls otherwise.
+LONG_CALL_S = 0.06
+
+
 def _tune(
     op: str,
     key: Mapping[str, Any],
@@ -284,8 +290,12 @@ def _tune(
             warm = 1 if len(arg_sets) > 1 else 0
             # a call that alone outlasts the candidate's share (large, compute-bound problems:
             # tenths of a second, where load bursts of milliseconds do not matter) is timed once
-            least = 1 if budget_s is not None and first_s > cap_s else 3
-            times = measure(fn, arg_sets, reps=reps, warmup=warm, max_time_s=cap_s, min_reps=least)
+            # or longer than LONG_CALL_S, where a scheduler timeslice is a few per cent of one call
+            once = budget_s is not None and first_s > min(cap_s, LONG_CALL_S)
+            n_reps, least = (1, 1) if once else (reps, 3)
+            times = measure(
+                fn, arg_sets, reps=n_reps, warmup=warm, max_time_s=cap_s, min_reps=least
+            )
             timings[cand.name] = median(times)
             stats.candidates_timed += 1
         except InvalidCandidate as e:
@@ -303,7 +313,7 @@ def _tune(
             if not beats_anchor(timings[choice.name], timings[anchor.name]):
                 choice = anchor
             elif confirm_win:
-                long_calls = budget_s is not None and timings[anchor.name] > cap_s
+                long_calls = budget_s is not None and timings[anchor.name] > min(cap_s, LONG_CALL_S)
                 if long_calls and timings[choice.name] < timings[anchor.name] / 1.5:
                     ok = True  # calls this long are not 1.5x apart through a burst of load
                 else:

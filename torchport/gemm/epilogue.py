@@ -102,6 +102,7 @@ class Op:
     value: float = 0.0  # scalar scale
 
 
+TRANSCENDENTAL_KINDS = ("gelu", "gelu_tanh", "silu")
 OPERAND_KINDS = ("bias_col", "bias_row", "add", "scale_col", "scale_row")
 PLAIN_KINDS = ("relu", "gelu", "gelu_tanh", "silu", "scale")
 
@@ -126,6 +127,12 @@ class EpilogueSpec:
         if self.out:
             parts.append(f"out={self.out}")
         return ";".join(parts)
+
+    @property
+    def deferrable(self) -> bool:
+        """True when the epilogue has a transcendental step (GELU, SiLU): for a few rows the
+        kernel then applies it in one pass after the tiles instead of inside each tile."""
+        return any(op.kind in TRANSCENDENTAL_KINDS for op in self.ops)
 
     @staticmethod
     def decode(text: str) -> EpilogueSpec:

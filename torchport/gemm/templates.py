@@ -314,6 +314,20 @@ _COMMON = r"""
 #define TP_FIN 2
 /* C[i, :] = epilogue(sum over s < ks of W[s][i, :]) for rows r0 <= i < r1 (the K-split's
    reduction; W rows have stride N, split s starts at W + s * M * N) */
+#if TP_DEFER_EPI
+/* C[i, j] = epilogue(C[i, j]) in place for r0 <= i < r1, j0 <= j < j1 (fp32 output only) */
+static void tp_epi_rows(float *C, int64_t ldc, int64_t r0, int64_t r1, int64_t j0, int64_t j1,
+        const void *const *ep, const int64_t *eld) {
+    for (int64_t i = r0; i < r1; ++i) {
+        float *c = C + i * ldc;
+        int64_t j = j0;
+        for (; j + VWIDTH <= j1; j += VWIDTH) VSTORE_f32(c + j, tp_epi_v(VLOAD_f32(c + j), i, j, ep, eld));
+        for (; j < j1; ++j) c[j] = tp_epi_s(c[j], i, j, ep, eld);
+    }
+}
+#else
+#define tp_epi_rows(C, ldc, r0, r1, j0, j1, ep, eld) ((void)0)
+#endif
 static void tp_reduce_rows(otype_t *C, int64_t ldc, const float *W, int64_t M, int64_t N,
         int64_t ks, int64_t r0, int64_t r1, const void *const *ep, const int64_t *eld) {
     for (int64_t i = r0; i < r1; ++i) {
@@ -383,6 +397,9 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
         return 0;
     }}
     const int64_t kb = (kc > 0 && kc < K) ? kc : K;
+    /* a few rows with a transcendental epilogue (fp32 out, whole K per tile): per-tile epilogue
+       chains stall the K loop between tiles; a separate pass over the thread's columns pipelines */
+    const int defer = TP_DEFER_EPI && kb == K && M <= TP_DEFER_MAX_M;
     #pragma omp parallel num_threads(nt)
     {{
         int64_t p0, p1;
@@ -392,14 +409,21 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
             for (int64_t pc = 0; pc < K || pc == 0; pc += kb) {{
                 int64_t k1 = TP_MIN(K, pc + kb);
                 int mode = (pc > 0 ? TP_ACC : 0) | (k1 >= K ? TP_FIN : 0);
+                /* deferred epilogue: tiles store raw sums into C, one pass over the chunk then */
+                int tmode = defer ? 0 : mode;
+                float *tw = defer ? (float *)(void *)C : W;
+                int64_t tld = defer ? ldc : N;
                 for (int64_t jp = p0; jp < p1; ++jp) {{
                     const btype_t *bp = Bp + jp * K * {nr};
                     int64_t j = jp * {nr}, nr = TP_MIN({nr}, N - j);
                     for (int64_t ir = 0; ir < mcur; ir += {mr}) {{
                         int64_t i = ic + ir;
-{rows("pc", "k1", "W", "N", "mode")}
+{rows("pc", "k1", "tw", "tld", "tmode")}
                     }}
                 }}
+                if (defer)
+                    tp_epi_rows((float *)(void *)C, ldc, ic, ic + mcur, p0 * {nr},
+                        TP_MIN(N, p1 * {nr}), ep, eld);
                 if (k1 >= K) break;
             }}
         }}
@@ -407,6 +431,10 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
     return 0;
 }}
 """
+
+
+# Largest M whose transcendental epilogue runs as a separate pass after the tiles (see _driver).
+DEFER_MAX_M = 4
 
 
 def render_source(
@@ -420,6 +448,8 @@ def render_source(
         f"typedef {'float' if btag == 'f32' else 'uint16_t'} btype_t;",
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {vw}\n#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
+        f"#define TP_DEFER_EPI {int(otag == 'f32' and spec.deferrable)}\n"
+        f"#define TP_DEFER_MAX_M {DEFER_MAX_M}",
         "TP_INLINE VEC tp_epi_v(VEC v, int64_t i, int64_t j, const void *const *ep,"
         " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
         + vec
