@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         "then starts in milliseconds); default: read standard-library sources",
     )
     a = p.parse_args(argv)
+    faulthandler.enable()  # a crash of a replica leaves its threads' stacks on stderr
     torch.set_num_threads(1)
 
     host, port = a.lighthouse.rsplit(":", 1)
