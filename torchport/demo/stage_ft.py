@@ -213,6 +213,8 @@ def run_alternating(
                     win["stand_in_s"] = round(time.monotonic() - killed_at, 3)
                 time.sleep(0.005)
             w1, s1 = time.monotonic(), _progress(p0)
+            if s0 < 0 or s1 < s0:
+                raise RuntimeError(f"replica 0's step counter read {s0} then {s1}")
             win.update(steps=s1 - s0, seconds=w1 - w0, steps_per_s=(s1 - s0) / (w1 - w0))
             windows.append(win)
         final = _progress(p0)
