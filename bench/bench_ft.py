@@ -17,6 +17,8 @@ Rows (anchor → ours):
 * ``DDP step``: the manager's overhead on a real training step (MLP and the demo GPT, 2 replicas):
   the same loop with plain allreduce on the same torchport communicator vs through the manager.
 * ``training throughput``: fault-free vs one SIGKILL + restart + heal (demo model, 3 replicas).
+  With ``--fault-period P``: one job alternates fault-free and faulty windows of P seconds (one
+  SIGKILL each, ABBA order, ``--pairs`` pairs); a row per adjacent pair and the median ratio.
 """
 
 from __future__ import annotations
@@ -262,27 +264,43 @@ def bench_fr(table: BenchTable) -> None:
         )
 
 
-def bench_training_timed(table: BenchTable, duration: float, period: float) -> None:
-    """Throughput with one SIGKILL (+ immediate restart, heal, rejoin) every ``period`` seconds
-    against a fault-free run of the same length: demo GPT, 3 replicas (on 2 cores)."""
-    from torchport.demo.stage_ft import run_timed
+def bench_training_timed(table: BenchTable, segment: float, pairs: int) -> None:
+    """Throughput with one SIGKILL (+ immediate restart, heal, rejoin) every ``segment`` seconds
+    against fault-free throughput, in one job of alternating windows (demo GPT, 3 replicas on
+    2 cores): one row per (fault-free, faulty) pair of adjacent windows, then the median."""
+    from torchport.demo.stage_ft import run_alternating
 
     with tempfile.TemporaryDirectory() as d:
-        clean = run_timed(Path(d) / "clean", duration=duration, kill_every=None)
-        faulty = run_timed(Path(d) / "kill", duration=duration, kill_every=period)
+        r = run_alternating(Path(d) / "alt", segment=segment, pairs=pairs)
+    windows = r["windows"]
+    for i, ratio in enumerate(r["ratios"]):
+        a, b = windows[2 * i], windows[2 * i + 1]
+        clean, fault = (a, b) if a["kind"] == "clean" else (b, a)
+        table.add(
+            f"training, pair {i} ({a['kind']} then {b['kind']}), {segment:.0f} s windows, "
+            f"1 SIGKILL per faulty window (s/step)",
+            "fault-free window",
+            1 / clean["steps_per_s"],
+            1 / fault["steps_per_s"],
+            0,
+            throughput_pct=round(100 * ratio, 1),
+            steps=f"{fault['steps']}/{clean['steps']}",
+            fault_contained=fault["started_steady"]
+            and clean["started_steady"]
+            and fault.get("recovered", False),
+            restart_to_commit_s=fault.get("stand_in_s"),
+        )
     table.add(
-        f"training {duration:.0f} s, 1 SIGKILL every {period:.0f} s (steps/s)",
-        "fault-free run",
-        1 / clean["steps_per_s"],
-        1 / faulty["steps_per_s"],
+        f"training, median of {pairs} pairs: 1 SIGKILL every {segment:.0f} s (s/step)",
+        "fault-free windows",
+        1 / r["clean_steps_per_s"],
+        1 / r["fault_steps_per_s"],
         0,
-        throughput_pct=round(100 * faulty["steps_per_s"] / clean["steps_per_s"], 1),
-        kills=len(faulty["kills"]),
-        steps=f"{faulty['steps']}/{clean['steps']}",
-        identical=faulty["identical"] and clean["identical"],
-        aborted=faulty["summaries"][0]["aborted_steps"],
-        heals=sum(s["heals"] for s in faulty["summaries"]),
-        stand_in_s=[round(x, 2) for x in faulty["stand_in_s"]],
+        throughput_pct=round(100 * r["median_ratio"], 1),
+        pooled_pct=round(100 * r["fault_steps_per_s"] / r["clean_steps_per_s"], 1),
+        identical=r["identical"],
+        aborted=r["summaries"][0]["aborted_steps"],
+        heals=sum(s["heals"] for s in r["summaries"]),
     )
 
 
@@ -319,12 +337,15 @@ def main() -> None:
         help="training steps per run (default 30, or 120); ~450 makes a ~30 s run with one fault",
     )
     p.add_argument(
-        "--train-seconds",
+        "--fault-period",
         type=float,
         default=0.0,
-        help="timed training runs (e.g. 60): fault-free vs one SIGKILL every --fault-period s",
+        help="timed training: window length = seconds between faults (e.g. 30); one job alternates "
+        "fault-free and faulty windows (ABBA), --pairs pairs",
     )
-    p.add_argument("--fault-period", type=float, default=30.0, help="seconds between faults")
+    p.add_argument(
+        "--pairs", type=int, default=0, help="timed training: window pairs (default 3, or 5)"
+    )
     p.add_argument(
         "--only",
         nargs="*",
@@ -346,8 +367,9 @@ def main() -> None:
         bench_manager_overhead(table, "mlp", 2, 50 if args.quick else 200)
         bench_manager_overhead(table, "gpt", 2, 8 if args.quick else 30)
     if "train" in parts:
-        if args.train_seconds:
-            bench_training_timed(table, args.train_seconds, args.fault_period)
+        if args.fault_period:
+            pairs = args.pairs or (3 if args.quick else 5)
+            bench_training_timed(table, args.fault_period or 30.0, pairs)
         else:
             bench_training(table, args.train_steps or (30 if args.quick else 120))
     table.save(args.json)

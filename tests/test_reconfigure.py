@@ -277,3 +277,28 @@ def test_mesh_watch_hang_notice_and_crash():
         assert g._watcher is not None
         g._watcher.join(2)
         assert not g._watcher.is_alive()
+
+
+def test_engine_join_reports_an_operation_still_running():
+    """A communicator unmaps its arena only after ``Engine.join`` says nothing runs any more:
+    join is False while an operation is still in flight (on the thread or inline in a waiter)."""
+    import threading
+
+    from torchport.distributed.progress import Engine, TorchportWork
+
+    release = threading.Event()
+
+    def run(work: TorchportWork, fn) -> None:
+        fn()
+        work._finish()
+
+    eng = Engine("tp-test-engine", run)
+    work = TorchportWork("slow")
+    eng.submit(work, lambda: release.wait(10))
+    eng.urge()
+    time.sleep(0.05)
+    eng.stop()
+    assert eng.join(0.2) is False  # the op blocks: the engine has not ended
+    release.set()
+    assert eng.join(5.0) is True
+    assert work.is_completed()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         "then starts in milliseconds); default: read standard-library sources",
     )
     a = p.parse_args(argv)
+    faulthandler.enable()  # a crash of a replica leaves its threads' stacks on stderr
     torch.set_num_threads(1)
 
     host, port = a.lighthouse.rsplit(":", 1)
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model, mgr, bucket_cap_mb=0.05)
     optim = OptimizerWrapper(mgr, opt)
     progress = Path(a.out + ".progress")
+    progress_tmp = Path(a.out + ".progress.tmp")
     steps_file = Path(a.steps_file) if a.steps_file else None
     target = a.steps
     fired = False
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(float(loss.detach()))
         if a.step_sleep:
             time.sleep(a.step_sleep)
-        progress.write_text(str(mgr.current_step()))
+        progress_tmp.write_text(str(mgr.current_step()))
+        os.replace(progress_tmp, progress)  # a reader never sees a half-written count
         if steps_file is not None and steps_file.exists():
             with contextlib.suppress(ValueError):  # the driver writes it atomically
                 target = int(steps_file.read_text())

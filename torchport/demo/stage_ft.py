@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -118,29 +119,41 @@ def run_scenario(
     return facts
 
 
-def run_timed(
+def run_alternating(
     out: Path,
     *,
-    duration: float,
-    kill_every: float | None,
+    segment: float,
+    pairs: int,
     world: int = 3,
     model: str = "gpt",
     heartbeat: float = 0.1,
+    kill_at: float = 0.25,
+    warmup: float = 3.0,
 ) -> dict[str, Any]:
-    """Train ``world`` replicas for ``duration`` seconds of steady training; with ``kill_every``,
-    SIGKILL replica 1 at ``kill_every / 2``, ``3 * kill_every / 2``, ... and restart it at once
-    (it heals and rejoins). The same number of processes stays busy: from the kill until the
-    restarted replica has committed a step, a busy-loop process stands in for it (with fewer
-    processes than cores... here 3 replicas share 2 cores, and survivors would otherwise train
-    faster while one is down).
+    """Throughput with one fault per ``segment`` seconds against fault-free throughput, measured
+    inside ONE training job so that both arms see the same machine: ``world`` replicas train
+    through ``2 * pairs`` back-to-back windows of ``segment`` seconds, half of them fault-free and
+    half with one SIGKILL of replica 1 at ``kill_at * segment`` (restarted at once; it heals and
+    rejoins). Pair ``i`` is (clean, faulty) for even ``i`` and (faulty, clean) for odd ``i``
+    (ABBA order: a linear drift of the machine's speed cancels over two pairs).
 
-    The clock starts once every replica has committed a step together; throughput is the number
-    of steps the job committed (replica 0's counter, never killed) per second of that window.
-    Afterwards every replica stops at one common step, and the final parameters are compared.
+    Throughput of a window is the number of steps the job committed in it (replica 0's counter,
+    never killed) per second. A faulty window has the fault's whole cost inside it only if the
+    restarted replica committed again before the window ended: ``recovered`` says so per window.
+    ``started_steady`` is False for a window that began before an earlier fault had recovered.
+    The same number of processes stays busy: from a kill until the restarted replica has
+    committed, a busy-loop process stands in for it (3 replicas share 2 cores here, and the
+    survivors would otherwise train faster while one is down). At the end every replica stops at
+    one common step and the final parameters are compared (``identical``).
     """
     from torchport.demo.ft_worker import spawn, stage_corpus
     from torchport.distributed.ft import Lighthouse
 
+    if segment <= 0 or pairs < 1 or not 0.0 < kill_at < 1.0:
+        raise ValueError(
+            f"run_alternating needs segment > 0, pairs >= 1 and 0 < kill_at < 1, "
+            f"got segment={segment}, pairs={pairs}, kill_at={kill_at}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     lh = Lighthouse(min_replicas=1, join_timeout=1.0, heartbeat=heartbeat)
     addr = f"{lh.address[0]}:{lh.address[1]}"
@@ -161,9 +174,13 @@ def run_timed(
         )
 
     p0, p1 = out / "r0.bin.progress", out / "r1.bin.progress"
-    facts: dict[str, Any] = {"kills": [], "downtime_s": [], "stand_in_s": []}
+    kinds = [
+        k for i in range(pairs) for k in (("clean", "fault") if i % 2 == 0 else ("fault", "clean"))
+    ]
+    windows: list[dict[str, Any]] = []
     burner: Any = None
-    limit = time.monotonic() + duration + 300
+    killed_at = 0.0
+    limit = time.monotonic() + warmup + segment * len(kinds) + 300
     try:
         for i in range(world):
             start(i)
@@ -171,28 +188,38 @@ def run_timed(
             if time.monotonic() > limit:
                 raise TimeoutError("replicas did not start training")
             time.sleep(0.01)
-        t0, s0 = time.monotonic(), _progress(p0)
-        next_kill = t0 + kill_every / 2 if kill_every else float("inf")
-        while time.monotonic() - t0 < duration:
-            if time.monotonic() >= next_kill:
-                k0 = time.monotonic()
-                os.kill(procs[1].pid, signal.SIGKILL)
-                burner = _burner() if burner is None else burner
-                procs[1].join(timeout=10)
-                p1.unlink(missing_ok=True)
-                start(1)
-                facts["downtime_s"].append(time.monotonic() - k0)
-                facts["kills"].append(round(k0 - t0, 2))
-                next_kill += kill_every or float("inf")
-            if burner is not None and p1.exists():  # the restarted replica trains again
-                burner.kill()
-                burner.join(timeout=5)
-                burner = None
-                facts["stand_in_s"].append(time.monotonic() - k0)
-            time.sleep(0.005)
-        t1, s1 = time.monotonic(), _progress(p0)
+        time.sleep(warmup)
+        for kind in kinds:
+            w0, s0 = time.monotonic(), _progress(p0)
+            win: dict[str, Any] = {"kind": kind, "started_steady": burner is None}
+            kill_time = w0 + kill_at * segment if kind == "fault" else float("inf")
+            while time.monotonic() - w0 < segment:
+                now = time.monotonic()
+                if now >= kill_time:
+                    kill_time = float("inf")
+                    killed_at = now
+                    os.kill(procs[1].pid, signal.SIGKILL)
+                    burner = _burner() if burner is None else burner
+                    procs[1].join(timeout=10)
+                    p1.unlink(missing_ok=True)
+                    start(1)
+                    win["recovered"] = False
+                    win["restart_s"] = round(time.monotonic() - killed_at, 3)
+                if burner is not None and p1.exists():  # the restarted replica trains again
+                    burner.kill()
+                    burner.join(timeout=5)
+                    burner = None
+                    win["recovered"] = kind == "fault"
+                    win["stand_in_s"] = round(time.monotonic() - killed_at, 3)
+                time.sleep(0.005)
+            w1, s1 = time.monotonic(), _progress(p0)
+            if s0 < 0 or s1 < s0:
+                raise RuntimeError(f"replica 0's step counter read {s0} then {s1}")
+            win.update(steps=s1 - s0, seconds=w1 - w0, steps_per_s=(s1 - s0) / (w1 - w0))
+            windows.append(win)
+        final = _progress(p0)
         tmp = out / "steps.tmp"
-        tmp.write_text(str(s1 + 5))
+        tmp.write_text(str(final + 5))
         os.replace(tmp, stop)  # every replica ends at this step
         for i in range(world):
             procs[i].join(timeout=max(1.0, limit - time.monotonic()))
@@ -204,12 +231,24 @@ def run_timed(
                 p.kill()
                 p.join(timeout=5)
         lh.close()
-    facts["summaries"] = [json.loads((out / f"r{i}.bin.json").read_text()) for i in range(world)]
+    ratios = []
+    for i in range(pairs):
+        a, b = windows[2 * i], windows[2 * i + 1]
+        clean, fault = (a, b) if a["kind"] == "clean" else (b, a)
+        ratios.append(fault["steps_per_s"] / clean["steps_per_s"])
+    summaries = [json.loads((out / f"r{i}.bin.json").read_text()) for i in range(world)]
     blobs = [(out / f"r{i}.bin").read_bytes() for i in range(world)]
-    facts["identical"] = all(b == blobs[0] for b in blobs)
-    facts["steps"], facts["seconds"] = s1 - s0, t1 - t0
-    facts["steps_per_s"] = (s1 - s0) / (t1 - t0)
-    return facts
+    return {
+        "windows": windows,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "clean_steps_per_s": sum(w["steps"] for w in windows if w["kind"] == "clean")
+        / sum(w["seconds"] for w in windows if w["kind"] == "clean"),
+        "fault_steps_per_s": sum(w["steps"] for w in windows if w["kind"] == "fault")
+        / sum(w["seconds"] for w in windows if w["kind"] == "fault"),
+        "summaries": summaries,
+        "identical": all(b == blobs[0] for b in blobs),
+    }
 
 
 def _spin() -> None:

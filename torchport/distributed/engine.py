@@ -496,9 +496,10 @@ class Communicator:
         """Stop the engine threads and release the arena (after in-flight work ended)."""
         self.engine.stop()
         self.sender.stop()
-        self.engine.join(5.0)
-        self.sender.join(5.0)
+        quiet = self.engine.join(5.0) & self.sender.join(5.0)
         self.mesh.unregister(self.group_id)
+        if not quiet:  # an op still runs (e.g. a stalled thread): unmapping would crash it
+            return  # the mappings go with the process
         for arena in (self.arena, self.local):
             if arena is not None:
                 arena.close()

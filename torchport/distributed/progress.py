@@ -12,6 +12,7 @@ import collections
 import ctypes
 import datetime
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -196,5 +197,13 @@ class Engine:
     def stop(self) -> None:
         self._lib.doorbell_ring(self._cells, 1)
 
-    def join(self, timeout: float) -> None:
-        self._done.wait(timeout)
+    def join(self, timeout: float) -> bool:
+        """Wait until the thread ended and no caller runs an operation inline; True if so
+        (then nothing of this engine touches the transport any more)."""
+        end = time.monotonic() + timeout
+        if not self._done.wait(timeout):
+            return False
+        if not self._runner.acquire(timeout=max(0.0, end - time.monotonic())):
+            return False
+        self._runner.release()
+        return True

@@ -24,6 +24,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -92,6 +93,9 @@ class ShmArena:
             self._mm: mmap.mmap | None = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
+        # set_abort / abort_word come from other threads (a peer's abort notice, a watcher):
+        # they and close() hold this lock, so none of them writes to an unmapped arena
+        self._unmap_lock = threading.Lock()
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base = ctypes.addressof(self._anchor)
         if create:
@@ -192,13 +196,15 @@ class ShmArena:
 
     def set_abort(self, rank: int, reason: int) -> int:
         """Raise the abort flag (first writer wins); return the stored word."""
-        if self._mm is None:
-            return 0
-        return int(self.lib.set_abort(self.base, ((rank + 1) << 8) | reason))
+        with self._unmap_lock:
+            if self._mm is None:
+                return 0
+            return int(self.lib.set_abort(self.base, ((rank + 1) << 8) | reason))
 
     def abort_word(self) -> int:
         """0 while healthy, else ``(rank + 1) << 8 | reason`` of the first aborter."""
-        return 0 if self._mm is None else int(self.lib.get_abort(self.base))
+        with self._unmap_lock:
+            return 0 if self._mm is None else int(self.lib.get_abort(self.base))
 
     def unlink(self) -> None:
         """Remove the file name (mappings stay valid)."""
@@ -207,11 +213,12 @@ class ShmArena:
 
     def close(self) -> None:
         """Unmap (after in-flight steps ended)."""
-        if self._mm is not None:
-            del self._anchor
-            with contextlib.suppress(BufferError):  # a live pointer view: unmapped at exit
-                self._mm.close()
-            self._mm = None
+        with self._unmap_lock:
+            mm, self._mm = self._mm, None
+            if mm is not None:
+                del self._anchor
+                with contextlib.suppress(BufferError):  # a live pointer view: unmapped at exit
+                    mm.close()
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:

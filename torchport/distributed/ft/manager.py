@@ -55,6 +55,7 @@ from torchport.distributed._control import (
 )
 from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
+from torchport.distributed.errors import TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft.transfer import fetch_state, send_state
 
@@ -269,7 +270,7 @@ class Manager:
                 self._quorum_once(deadline)
                 self.metrics.quorums += 1
                 return
-            except CommError as e:
+            except TorchportDistError as e:  # CommError, a timeout, a peer's failure
                 last = e
                 self.metrics.note(f"quorum attempt failed: {e}")
                 self._drop_group()
@@ -382,7 +383,7 @@ class Manager:
                 self.timeout,
                 check,
             )
-        except CommError as e:
+        except TorchportDistError as e:  # a timeout or a peer's failure too: retry the quorum
             raise CommError(f"building the group for quorum {qid} failed: {e}") from None
         self._pg, self._qid = pg, qid
         self.metrics.group_builds += 1
