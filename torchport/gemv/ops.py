@@ -302,13 +302,20 @@ def native_launch(
     """
     if not native.enabled() or not 0 < rows <= MAX_ROWS or pw.k == 0 or pw.n == 0:
         return None
+    plan = _native_plan(pw, rows, allow_int8)
+    if plan is None:
+        return None
+    return plan.kernel, plan.threads or native.num_threads()
+
+
+def _native_plan(pw: PackedWeight, rows: int, allow_int8: bool) -> LaunchPlan | None:
+    """The launch plan for ``rows`` if it calls a native kernel, else ``None`` (ATen plan, or
+    the kernel could not be built)."""
     try:
         plan = plan_for(pw, rows, _use_int8(pw, allow_int8))
     except native.NativeError:
         return None
-    if plan.kernel is None:
-        return None
-    return plan.kernel, plan.threads or native.num_threads()
+    return None if plan.kernel is None else plan
 
 
 def _run(
@@ -521,13 +528,10 @@ def settle_route(
     rows = x.numel() // pw.k
     if not 0 < rows <= MAX_ROWS:
         return None
-    try:
-        plan = plan_for(pw, rows, _use_int8(pw, allow_int8))
-    except native.NativeError:
+    plan = _native_plan(pw, rows, allow_int8)
+    if plan is None:
         return None
-    if plan.kernel is None:
-        return None
-    call = plan.kernel.call_unchecked  # type: ignore[attr-defined]
+    call = plan.kernel.call_unchecked  # type: ignore[union-attr]
     k, n, pts = pw.k, pw.n, pw.pts
     dptr, sptr, rptr = pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr()
     threads = plan.threads or native.num_threads()
