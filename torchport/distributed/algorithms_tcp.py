@@ -226,26 +226,38 @@ PIPELINE_BYTES = 1 << 20  # piece size of the pipelined chain broadcast (at most
 def _chain_broadcast(
     comm: Communicator, seq: int, base: int, nbytes: int, root: int, dtype: int, deadline: float
 ) -> None:
-    """Pipelined chain: root -> root+1 -> ... -> root-1, in pieces of ``PIPELINE_BYTES``.
+    """Pipelined chain root -> root+1 -> ... -> root-1 in pieces of ``PIPELINE_BYTES``, or a
+    binomial tree when the tensor is one piece.
 
-    Each rank posts every piece's frame from its predecessor as a receive target in the tensor
+    Each rank posts every piece's frame from its parent as a receive target in the tensor
     itself (the connection's reader thread receives piece k + 1 while this thread forwards
-    piece k to the successor), so every link of the chain is busy at once and each rank sends
-    and receives ``n`` bytes once. A last empty exchange with every peer carries the signature
-    to ranks that only sent (the root) or only received (the tail), so a mismatched call fails
-    on every rank.
+    piece k to the children), so every link of the chain is busy at once and each rank sends
+    and receives ``n`` bytes once. A single piece cannot be pipelined; there the tree's
+    ``ceil(log2 W)`` rounds beat the chain's ``W - 1`` hops. A last empty exchange
+    with every peer carries the signature to ranks that only sent (the root) or only received
+    (the leaves), so a mismatched call fails on every rank.
     """
     w, r = comm.world, comm.rank
     pos = (r - root) % w
-    prev = comm.ranks[(r - 1) % w] if pos else -1
-    nxt = comm.ranks[(r + 1) % w] if pos < w - 1 else -1
     pieces = _chunks(nbytes, min(comm.chunk, PIPELINE_BYTES))
+    if len(pieces) == 1:
+        up, downs = _binomial(pos, w)
+    else:
+        up, downs = pos - 1, [pos + 1] if pos < w - 1 else []
+    prev = comm.ranks[(up + root) % w] if pos else -1
+    kids = [comm.ranks[(d + root) % w] for d in downs]
     sigs = [make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, k) for k in range(len(pieces))]
     epoch0 = comm.epoch
     comm.epoch += len(pieces)
-    mailbox, gid = comm.mesh.mailbox, comm.group_id
+    mailbox, gid, send = comm.mesh.mailbox, comm.group_id, comm.mesh.send
     keys = [(gid, int(Kind.COLL), prev, epoch0 + k) for k in range(len(pieces))]
     posted = 0
+
+    def forward(k: int) -> None:
+        lo, nb = pieces[k]
+        for kid in kids:
+            send(kid, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k])
+
     try:
         if prev >= 0:
             for k, (lo, nb) in enumerate(pieces):
@@ -260,13 +272,23 @@ def _chain_broadcast(
                     raise StepError(MISMATCH, (comm.ranks.index(prev), word, hdr.sig[word]))
                 if body is not RECEIVED:
                     _copy(base + lo, _expect(Blob(_addr(body), len(body), body), nb, prev), nb)
-            if nxt >= 0:
-                comm.mesh.send(nxt, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k])
+            forward(k)
     finally:
         for key in keys[:posted]:
             mailbox.withdraw(key, deadline, lambda: comm.mesh.shutdown_peer(prev))
     last = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, len(pieces))
     exchange(comm, last, [[] for _ in range(w)], deadline)
+
+
+def _binomial(pos: int, w: int) -> tuple[int, list[int]]:
+    """Parent and children (largest subtree first) of relative rank ``pos`` in a binomial tree."""
+    parent = pos - (1 << (pos.bit_length() - 1)) if pos else -1
+    d = 1 << pos.bit_length()  # children are pos + 2^j for every 2^j above pos
+    kids = []
+    while pos + d < w:
+        kids.append(pos + d)
+        d <<= 1
+    return parent, kids
 
 
 def gather(
