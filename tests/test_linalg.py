@@ -309,7 +309,7 @@ def test_cholesky_vs_lapack(dtype, n, upper):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 33])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 24, 32, 33, 40])
 def test_cholesky_lanes_kernel(dtype, n):
     """One matrix per SIMD lane vs the scalar kernel: partial lane group, failures in two lanes."""
     a = spd(37, n, seed=n).to(dtype)

@@ -4,6 +4,8 @@ nothing is timed."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -69,5 +71,45 @@ def test_config_assignment_drops_routes() -> None:
         assert not tl._lapack_known("cholesky", a, (False,))
         tl._sync_routes()
         assert not tl._lk_chol and not tl._fast and not tl._memo
+    finally:
+        config.set("autotune_noise", None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("upper", [False, True])
+def test_jacobi_repeat_fast_path_matches_general_path(dtype: torch.dtype, upper: bool) -> None:
+    tl._drop_routes()
+    a = _spd(13, 3, dtype).reshape(13, 1, 3, 3)  # a batch that does not fill the last lane group
+    first = tl.cholesky(a, upper=upper, method="jacobi")
+    assert (a.shape, a.dtype, upper) in tl._chol_jacobi  # learned by the first (general) call
+    again = tl.cholesky(a, upper=upper, method="jacobi")  # the resolved launcher
+    assert torch.equal(first, again)
+    torch.testing.assert_close(again, torch.linalg.cholesky(a, upper=upper))
+    fac, info = tl.cholesky_ex(a, upper=upper, method="jacobi")
+    assert type(tl.cholesky_ex(a, method="jacobi")) is type(torch.linalg.cholesky_ex(a))
+    assert info.shape == (13, 1) and info.dtype == torch.int32 and not info.any()
+    assert torch.equal(fac, first)
+    bad = a.clone()
+    bad[4, 0, 1, 1] = -100.0
+    with pytest.raises(torch.linalg.LinAlgError, match=r"Batch element 4\).*minor of order 2"):
+        tl.cholesky(bad, upper=upper, method="jacobi")
+    with pytest.raises(torch.linalg.LinAlgError, match=r"cholesky_ex: \(Batch element 4\)"):
+        tl.cholesky_ex(bad, upper=upper, check_errors=True, method="jacobi")
+    fac, info = tl.cholesky_ex(bad, upper=upper, method="jacobi")
+    assert info.flatten().tolist() == [0, 0, 0, 0, 2] + [0] * 8
+    assert not fac[4].any() and torch.equal(fac[:4], first[:4])
+    # autograd takes the general path (the op layer records the backward)
+    x = a.clone().requires_grad_()
+    tl.cholesky(x, upper=upper, method="jacobi").sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    # a setting change forgets the learned launcher; switched-off native kernels are honoured
+    with config.override(native=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the visible fallback note for switched-off kernels
+        torch.testing.assert_close(tl.cholesky(a, upper=upper, method="jacobi"), first)
+    config.set("autotune_noise", config.get("autotune_noise"))
+    try:
+        assert tl._chol_auto_native(a, upper, tl._chol_jacobi) is None  # stale: general path
+        tl._sync_routes()
+        assert not tl._chol_jacobi
     finally:
         config.set("autotune_noise", None)
