@@ -207,6 +207,18 @@ def test_lighthouse_rejects_strangers():
         lh.close()
 
 
+def _lighthouse_replica(lh: Lighthouse, secret: bytes, rid: str, socks: list) -> socket.socket:
+    """Connect replica ``rid`` to ``lh`` (heartbeat + rpc connections, kept in ``socks``) and wait
+    until the lighthouse has seen it; return the rpc connection."""
+    hb = connect(lh.address, secret, "lighthouse", timeout=2)
+    send_msg(hb, {"t": "hb", "rid": rid})
+    rpc = connect(lh.address, secret, "lighthouse", timeout=2)
+    send_msg(rpc, {"t": "rpc", "rid": rid})
+    socks.extend([hb, rpc])
+    _wait_for(lambda: any(f"replica {rid} connected" in e for _, e in lh.events), 5, rid)
+    return rpc
+
+
 def test_lighthouse_refuses_split_brain_quorums():
     """A late replica never forms a quorum of its own while a member of the last quorum has not
     voted, nor while a live holder of the latest committed step has not asked."""
@@ -215,13 +227,7 @@ def test_lighthouse_refuses_split_brain_quorums():
     socks = []
 
     def replica(rid: str):
-        hb = connect(lh.address, secret, "lighthouse", timeout=2)
-        send_msg(hb, {"t": "hb", "rid": rid})
-        rpc = connect(lh.address, secret, "lighthouse", timeout=2)
-        send_msg(rpc, {"t": "rpc", "rid": rid})
-        socks.extend([hb, rpc])
-        _wait_for(lambda: any(f"replica {rid} connected" in e for _, e in lh.events), 5, rid)
-        return rpc
+        return _lighthouse_replica(lh, secret, rid, socks)
 
     def ask(rpc, rid: str, step: int) -> None:
         send_msg(
@@ -263,13 +269,7 @@ def test_commit_hands_out_the_next_quorum_in_steady_state_only():
     socks = []
 
     def replica(rid: str):
-        hb = connect(lh.address, secret, "lighthouse", timeout=2)
-        send_msg(hb, {"t": "hb", "rid": rid})
-        rpc = connect(lh.address, secret, "lighthouse", timeout=2)
-        send_msg(rpc, {"t": "rpc", "rid": rid})
-        socks.extend([hb, rpc])
-        _wait_for(lambda: any(f"replica {rid} connected" in e for _, e in lh.events), 5, rid)
-        return rpc
+        return _lighthouse_replica(lh, secret, rid, socks)
 
     def req(rid: str, step: int) -> dict:
         return {"t": "quorum", "rid": rid, "step": step, "heal_addr": ["x", 1], "timeout": 5}

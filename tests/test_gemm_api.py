@@ -370,16 +370,17 @@ def test_thread_adaptive_follows_load(monkeypatch):
     assert ad.current == 0 and ad.switches == 2  # ... brings it back
 
 
-def test_small_m_native_runner_adapts_threads(monkeypatch):
-    """A small-M native runner launches the config, its one-thread twin and ATen (while it
-    learns), all with the reference result; a large-M runner launches only the config."""
+def _record_launches(monkeypatch):
+    """(mm module, launch log, the first tile config with 4 threads, a [4, 300], b [300, 70]):
+    every native launch appends its thread count to the log; ``b`` is packed beforehand (a call
+    that packs is not a timing). Skips on a one-thread machine."""
     from torchport import native
 
     mm_mod = sys.modules["torchport.gemm.mm"]
     if native.num_threads() < 2:
         pytest.skip("needs two intra-op threads")
     real = mm_mod.kernels.launcher
-    seen: list[int] = []
+    seen: list[object] = []
 
     def recording(spec, cfg, *rest):
         launch = real(spec, cfg, *rest)
@@ -388,7 +389,14 @@ def test_small_m_native_runner_adapts_threads(monkeypatch):
     monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
     cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
     a, b = torch.randn(4, 300), torch.randn(300, 70)
-    mm_mod.pack_cache.get(b, cfg.nr)  # packed beforehand: a call that packs is not a timing
+    mm_mod.pack_cache.get(b, cfg.nr)
+    return mm_mod, seen, cfg, a, b
+
+
+def test_small_m_native_runner_adapts_threads(monkeypatch):
+    """A small-M native runner launches the config, its one-thread twin and ATen (while it
+    learns), all with the reference result; a large-M runner launches only the config."""
+    mm_mod, seen, cfg, a, b = _record_launches(monkeypatch)
     run = mm_mod._native_runner(EpilogueSpec(), cfg, adapt=True)
     outs = [run(a, b, []) for _ in range(9)]
     assert seen == [0, 1, 0, 1, 0, 1]  # kernel launches; every third call went to ATen
@@ -406,22 +414,7 @@ def test_aten_choice_keeps_native_alternatives(monkeypatch):
     """When the tuner chose ATen for a small-M problem, the runner starts on ATen and keeps the
     best native config (all threads, one thread) as measured alternatives; every launch gives
     the reference result."""
-    from torchport import native
-
-    mm_mod = sys.modules["torchport.gemm.mm"]
-    if native.num_threads() < 2:
-        pytest.skip("needs two intra-op threads")
-    real = mm_mod.kernels.launcher
-    seen: list[object] = []
-
-    def recording(spec, cfg, *rest):
-        launch = real(spec, cfg, *rest)
-        return lambda *a: seen.append(cfg.nt) or launch(*a)
-
-    monkeypatch.setattr(mm_mod.kernels, "launcher", recording)
-    cfg = G.Config(*G.kernels.TILES[native.cpu_info().isa][0], 4)
-    a, b = torch.randn(4, 300), torch.randn(300, 70)
-    mm_mod.pack_cache.get(b, cfg.nr)
+    mm_mod, seen, cfg, a, b = _record_launches(monkeypatch)
 
     def aten(x, y, ops):
         seen.append("aten")
