@@ -75,6 +75,16 @@ TP_INLINE void rot(T *x, T *y, int64_t n, T c, T s) {
     }
 }
 
+/* perm[0..n) = the indices of d[0..n) in ascending order of value (insertion sort: n is small). */
+TP_INLINE void sort_asc(const T *d, int64_t *perm, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) perm[j] = j;
+    for (int64_t j = 1; j < n; ++j) {
+        int64_t x = perm[j], i = j;
+        while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
+        perm[i] = x;
+    }
+}
+
 /* Pair list for one sweep over q indices. order 0: cyclic row order (j, k), j < k. order 1:
    round-robin tournament, r - 1 rounds of r / 2 disjoint pairs (r = q rounded up to even); a pair
    with an index >= q is a bye, stored as (-1, -1), so every round has the same size r / 2. */
@@ -343,12 +353,8 @@ TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv,
         }
         if (!rotated) break;
     }
-    for (int64_t j = 0; j < n; ++j) { d[j] = A[j * n + j]; perm[j] = j; }
-    for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
-        int64_t x = perm[j], i = j;
-        while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
-        perm[i] = x;
-    }
+    for (int64_t j = 0; j < n; ++j) d[j] = A[j * n + j];
+    sort_asc(d, perm, n);
     for (int64_t j = 0; j < n; ++j) L[j] = d[perm[j]];
     if (wantv)
         for (int64_t i = 0; i < n; ++i) for (int64_t j = 0; j < n; ++j) Q[i * n + j] = V[perm[j] * n + i];
@@ -528,12 +534,8 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
         if (!rotated) break;
     }
     for (int64_t l = 0; l < cnt; ++l) {
-        for (int64_t j = 0; j < n; ++j) { d[j] = A[j * n + j][l]; perm[j] = j; }
-        for (int64_t j = 1; j < n; ++j) {
-            int64_t x = perm[j], i = j;
-            while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
-            perm[i] = x;
-        }
+        for (int64_t j = 0; j < n; ++j) d[j] = A[j * n + j][l];
+        sort_asc(d, perm, n);
         for (int64_t j = 0; j < n; ++j) L[l * n + j] = d[perm[j]];
         if (wantv)
             for (int64_t i = 0; i < n; ++i)
@@ -650,12 +652,8 @@ TP_INLINE int eigh_vec_fused(const T *in, T *L, T *Q, int64_t cnt, int64_t n, in
         if (!rotated) break;
     }
     for (int64_t l = 0; l < cnt; ++l) {
-        for (int64_t j = 0; j < n; ++j) { d[j] = ${ldexp}(A[j * r + j][l], ex[l]); perm[j] = j; }
-        for (int64_t j = 1; j < n; ++j) {
-            int64_t x = perm[j], i = j;
-            while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
-            perm[i] = x;
-        }
+        for (int64_t j = 0; j < n; ++j) d[j] = ${ldexp}(A[j * r + j][l], ex[l]);
+        sort_asc(d, perm, n);
         for (int64_t j = 0; j < n; ++j) L[l * n + j] = d[perm[j]];
         if (wantv)
             for (int64_t i = 0; i < n; ++i)
