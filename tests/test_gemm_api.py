@@ -334,6 +334,17 @@ class _FakeClock:
     def __call__(self) -> float:
         return self.t
 
+    def arm(self, name: str, cost: dict[str, float], used: list[str]):
+        """A launch that advances this clock by ``cost[name]`` (read at call time), logs ``name``
+        in ``used`` and returns its first argument."""
+
+        def run(*args):
+            self.t += cost[name]
+            used.append(name)
+            return args[0] if args else None
+
+        return run
+
 
 def test_thread_adaptive_follows_load(monkeypatch):
     """Deterministic (fake clock): both launches are learned, the faster is used, a load change
@@ -347,12 +358,7 @@ def test_thread_adaptive_follows_load(monkeypatch):
     used: list[str] = []
 
     def arm(name):
-        def run(x):
-            clock.t += cost[name]
-            used.append(name)
-            return x
-
-        return run
+        return clock.arm(name, cost, used)
 
     ad = ThreadAdaptive(arm("multi"), arm("single"), probe_every=16, sample_every=1)
     for _ in range(20):
@@ -444,11 +450,7 @@ def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     used: list[str] = []
 
     def arm(name):
-        def run():
-            clock.t += cost[name]
-            used.append(name)
-
-        return run
+        return clock.arm(name, cost, used)
 
     ad = ThreadAdaptive(arm("multi"), arm("single"), arm("aten"), probe_every=8)
     for _ in range(9):
@@ -478,11 +480,7 @@ def test_thread_adaptive_times_only_sampled_calls(monkeypatch):
     used: list[str] = []
 
     def arm(name):
-        def run():
-            clock.t += cost[name]
-            used.append(name)
-
-        return run
+        return clock.arm(name, cost, used)
 
     ad = ThreadAdaptive(arm("multi"), arm("single"), probe_every=64, sample_every=8)
     for _ in range(64):
