@@ -81,7 +81,12 @@ def test_jacobi_repeat_fast_path_matches_general_path(dtype: torch.dtype, upper:
     tl._drop_routes()
     a = _spd(13, 3, dtype).reshape(13, 1, 3, 3)  # a batch that does not fill the last lane group
     first = tl.cholesky(a, upper=upper, method="jacobi")
-    assert (a.shape, a.dtype, upper) in tl._chol_jacobi  # learned by the first (general) call
+    assert (
+        "jacobi",
+        a.shape,
+        a.dtype,
+        upper,
+    ) in tl._chol_native  # learned by the first (general) call
     again = tl.cholesky(a, upper=upper, method="jacobi")  # the resolved launcher
     assert torch.equal(first, again)
     torch.testing.assert_close(again, torch.linalg.cholesky(a, upper=upper))
@@ -108,8 +113,8 @@ def test_jacobi_repeat_fast_path_matches_general_path(dtype: torch.dtype, upper:
         torch.testing.assert_close(tl.cholesky(a, upper=upper, method="jacobi"), first)
     config.set("autotune_noise", config.get("autotune_noise"))
     try:
-        assert tl._chol_auto_native(a, upper, tl._chol_jacobi) is None  # stale: general path
+        assert tl._chol_routed_native(a, upper, "jacobi") is None  # stale: general path
         tl._sync_routes()
-        assert not tl._chol_jacobi
+        assert not tl._chol_native
     finally:
         config.set("autotune_noise", None)

@@ -119,15 +119,10 @@ _lk_qr = _lapack_fast["qr"]
 _lk_chol = _lapack_fast["cholesky"]
 
 
-# (shape, dtype, upper) of CPU problems "auto" routed to the native Cholesky -> its launcher,
-# resolved once (kernels.cholesky_plan): a hit skips validation, routing and the op layer
+# (method, shape, dtype, upper) of CPU problems that method ("auto" or "jacobi") routed to the
+# native Cholesky -> its launcher, resolved once (kernels.cholesky_plan): a repeat call skips
+# validation, routing and the op layer (~20 us of a ~45 us call at B = 100, n = 3 without it)
 _chol_native: dict[
-    tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
-] = {}
-# (shape, dtype, upper) of CPU problems already run with method="jacobi" -> the same launchers:
-# a repeat call skips validation, routing and the op layer (~20 us of a ~45 us call at B = 100,
-# n = 3 before this table)
-_chol_jacobi: dict[
     tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
 ] = {}
 # (shape, dtype, upper) -> resolved native Cholesky launcher, for every eager CPU native call
@@ -136,15 +131,15 @@ _chol_plans: dict[
 ] = {}
 
 
-def _chol_auto_native(
-    a: object, upper: bool, table: dict[tuple[Any, ...], Any] | None = None
+def _chol_routed_native(
+    a: object, upper: bool, method: str
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """Run a native Cholesky already routed for this problem (``table``: ``_chol_native`` for
-    "auto", ``_chol_jacobi`` for "jacobi") through its resolved launcher, or None to take the
-    general path (unknown shape, non-CPU tensor, tracing, autograd, native kernels disabled)."""
+    """Run a native Cholesky that ``method`` already routed for this problem through its
+    resolved launcher, or None to take the general path (unknown problem, non-CPU tensor,
+    tracing, autograd, native kernels disabled)."""
     if type(a) is not torch.Tensor:
         return None
-    run = (_chol_native if table is None else table).get((a.shape, a.dtype, upper))
+    run = _chol_native.get((method, a.shape, a.dtype, upper))
     if (
         run is None
         or _routes_gen[0] != _cfg_gen[0]
@@ -182,7 +177,6 @@ def _drop_routes() -> None:
     for keys in _lapack_fast.values():
         keys.clear()
     _chol_native.clear()
-    _chol_jacobi.clear()
 
 
 def _sync_routes() -> None:
@@ -253,8 +247,6 @@ def _route(
     _fast[(op, a.shape, a.dtype, a.device, extra)] = route
     if route == "lapack":
         _lapack_fast[op].add((a.shape, a.dtype, *(extra if public is None else public)))
-    elif op == "cholesky":
-        _chol_native[(a.shape, a.dtype, extra[0])] = _chol_plan(a, extra[0])
     return route
 
 
@@ -518,36 +510,29 @@ def cholesky_ex(
     not positive-definite; the factor of such a matrix is zero. ``check_errors=True`` raises
     like :func:`cholesky` instead.
     """
-    if method == "auto":
-        if (
-            type(A) is torch.Tensor
-            and (A.shape, A.dtype, upper) in _lk_chol
-            and _routes_gen[0] == _cfg_gen[0]
-        ):
-            return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
-        got = _chol_auto_native(A, bool(upper))
-        if got is not None:
-            if check_errors and got[2]:
-                _raise_not_pd("cholesky_ex", A, got[1])
-            return _rt.linalg_cholesky_ex(got[:2])
-    elif method == "jacobi":
-        got = _chol_auto_native(A, bool(upper), _chol_jacobi)
-        if got is not None:
-            if check_errors and got[2]:
-                _raise_not_pd("cholesky_ex", A, got[1])
-            return _rt.linalg_cholesky_ex(got[:2])
+    if method == "auto" and (
+        type(A) is torch.Tensor
+        and (A.shape, A.dtype, upper) in _lk_chol
+        and _routes_gen[0] == _cfg_gen[0]
+    ):
+        return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+    got = _chol_routed_native(A, bool(upper), method)
+    if got is not None:
+        if check_errors and got[2]:
+            _raise_not_pd("cholesky_ex", A, got[1])
+        return _rt.linalg_cholesky_ex(got[:2])
     a = _check("cholesky_ex", A, square=True)
     route = _route("cholesky", a, method, (bool(upper),))
-    _learn_jacobi(a, bool(upper), method, route)
+    _learn_native(a, bool(upper), method, route)
     return _cholesky_ex(a, upper, check_errors, route)
 
 
-def _learn_jacobi(a: torch.Tensor, upper: bool, method: str, route: str) -> None:
-    """Remember the launcher of an eager CPU ``method="jacobi"`` call for its repeats."""
-    if method == "jacobi" and route == "native" and a.is_cpu and a.numel():
-        if len(_chol_jacobi) >= 4096:  # bound the table for programs with ever-new shapes
-            _chol_jacobi.clear()
-        _chol_jacobi[(a.shape, a.dtype, upper)] = _chol_plan(a, upper)
+def _learn_native(a: torch.Tensor, upper: bool, method: str, route: str) -> None:
+    """Remember the launcher of a CPU Cholesky that ``method`` routed to native, for repeats."""
+    if route == "native" and a.is_cpu and a.numel():
+        if len(_chol_native) >= 4096:  # bound the table for programs with ever-new shapes
+            _chol_native.clear()
+        _chol_native[(method, a.shape, a.dtype, upper)] = _chol_plan(a, upper)
 
 
 def _chol_plan(
@@ -607,34 +592,27 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
-    if method == "auto":
-        if (
-            type(A) is torch.Tensor
-            and (A.shape, A.dtype, upper) in _lk_chol
-            and _routes_gen[0] == _cfg_gen[0]
-        ):
-            if not A.is_cpu:
-                return torch.linalg.cholesky(A, upper=upper)
-            # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1 vs
-            # 10.4 us for cholesky_ex, interleaved medians); reading info's bytes costs ~2.3 us
-            fac, info = torch.linalg.cholesky_ex(A, upper=upper)
-            if _string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"):
-                _raise_not_pd("cholesky", A, info)
-            return fac
-        got = _chol_auto_native(A, bool(upper))
-        if got is not None:
-            if got[2]:
-                _raise_not_pd("cholesky", A, got[1])
-            return got[0]
-    elif method == "jacobi":
-        got = _chol_auto_native(A, bool(upper), _chol_jacobi)
-        if got is not None:
-            if got[2]:
-                _raise_not_pd("cholesky", A, got[1])
-            return got[0]
+    if method == "auto" and (
+        type(A) is torch.Tensor
+        and (A.shape, A.dtype, upper) in _lk_chol
+        and _routes_gen[0] == _cfg_gen[0]
+    ):
+        if not A.is_cpu:
+            return torch.linalg.cholesky(A, upper=upper)
+        # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1 vs
+        # 10.4 us for cholesky_ex, interleaved medians); reading info's bytes costs ~2.3 us
+        fac, info = torch.linalg.cholesky_ex(A, upper=upper)
+        if _string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"):
+            _raise_not_pd("cholesky", A, info)
+        return fac
+    got = _chol_routed_native(A, bool(upper), method)
+    if got is not None:
+        if got[2]:
+            _raise_not_pd("cholesky", A, got[1])
+        return got[0]
     a = _check("cholesky", A, square=True)
     route = _route("cholesky", a, method, (bool(upper),))
-    _learn_jacobi(a, bool(upper), method, route)
+    _learn_native(a, bool(upper), method, route)
     if route == "lapack":
         return torch.linalg.cholesky(a, upper=upper)  # no info round trip on the LAPACK path
     return _cholesky_ex(a, upper, True, route, op="cholesky")[0]
