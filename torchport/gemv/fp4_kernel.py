@@ -166,10 +166,13 @@ static void tp_gemv_core(const int8_t *xr, const int32_t *corr, const float *xsv
     const int64_t sstride = K / 32;
 #endif
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    int64_t tp_next_ = 0;
+    const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
     #pragma omp parallel num_threads(nt)
     {
         int64_t lo, hi;
-        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        int tp_st_ = 0;
+        while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
         for (int64_t n = lo; n < hi; ++n) {
             const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
             for (int64_t b = 0; b < B; b += 4) {
@@ -186,6 +189,7 @@ static void tp_gemv_core(const int8_t *xr, const int32_t *corr, const float *xsv
                 }
             }
             if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+        }
         }
     }
 }
@@ -231,33 +235,42 @@ FORMATS = ("nvfp4", "mxfp4")
 
 
 @functools.cache
-def gemv_fp4_pair_kernel(fmt: str, isa: str, prefetch: int = 512) -> Kernel:
-    """The pair-split int8-activation FP4 GEMV (AVX2; raises NativeError below AVX2)."""
-    from torchport.gemv.kernels import gemv_kernel
+def gemv_fp4_pair_kernel(
+    fmt: str, isa: str, prefetch: int = 512, chunk: int | None = None
+) -> Kernel:
+    """The pair-split int8-activation FP4 GEMV (AVX2; raises NativeError below AVX2). ``chunk``:
+    weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static)."""
+    from torchport.gemv.kernels import CHUNK_BYTES, gemv_kernel
 
     if fmt not in FORMATS:
         raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
     if isa == "scalar":
         raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
-    return Kernel(_library(fmt, isa, prefetch), "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
+    chunk = CHUNK_BYTES if chunk is None else chunk
+    lib = _library(fmt, isa, prefetch, chunk)
+    return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
 
 
 @functools.cache
-def _library(fmt: str, isa: str, prefetch: int) -> ctypes.CDLL:
-    src = native.render(_SOURCE, fmt=fmt, prefetch=prefetch)
-    return native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}", isa=isa)
+def _library(fmt: str, isa: str, prefetch: int, chunk: int) -> ctypes.CDLL:
+    from torchport.gemv.kernels import SCHED_C
+
+    src = native.render(SCHED_C + _SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk)
+    return native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}_c{chunk}", isa=isa)
 
 
 @functools.cache
 def gemv_fp4_prepped_kernel(fmt: str, isa: str) -> Kernel:
     """Entry ``tp_gemv_prepped``: FP4 weights × activations already quantized to FP4."""
+    from torchport.gemv.kernels import CHUNK_BYTES
+
     if fmt not in FORMATS:
         raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
     if isa == "scalar":
         raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
     f32 = (torch.float32,)
     return Kernel(
-        _library(fmt, isa, 512),
+        _library(fmt, isa, 512, CHUNK_BYTES),
         "tp_gemv_prepped",
         [
             TensorArg("xr", (torch.int8,), ndim=2),

@@ -123,12 +123,15 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     if (B > 8) { free(xs); return 2; }
     for (int64_t b = 0; b < B; ++b) fac[b] = tp_prescale(x + b * K, K, xs + b * K);
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    int64_t tp_next_ = 0;
+    const int64_t tp_step_ = tp_chunk_rows(nt, K, ${chunk});
     #pragma omp parallel num_threads(nt)
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr & ~0x8040u);   /* subnormal weight codes must not read as zero */
         int64_t lo, hi;
-        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        int tp_st_ = 0;
+        while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
         for (int64_t n = lo; n < hi; ++n) {
             const uint8_t *wr = w + n * K;
             const float post = rowscale[n];
@@ -145,6 +148,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
             }
             if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
         }
+        }
         _mm_setcsr(csr);
     }
     free(xs);
@@ -154,13 +158,15 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 
 
 @functools.cache
-def gemv_fp8_shift_kernel(isa: str, prefetch: int = 2048) -> Kernel:
+def gemv_fp8_shift_kernel(isa: str, prefetch: int = 2048, chunk: int | None = None) -> Kernel:
     """The shift-decode E4M3 GEMV (entry ``tp_gemv``, the same arguments as
-    :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel)."""
-    from torchport.gemv.kernels import _e4m3_table, gemv_kernel
+    :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel). ``chunk``: weight bytes
+    per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static split)."""
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, gemv_kernel
 
     if isa == "scalar":
         raise native.NativeError("the shift-decode FP8 GEMV needs AVX2 (isa is 'scalar')")
-    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), prefetch=prefetch)
-    lib = native.build(src, name=f"gemv_fp8shift_{isa}_p{prefetch}", isa=isa)
+    chunk = CHUNK_BYTES if chunk is None else chunk
+    src = native.render(SCHED_C + _SOURCE, e4m3_table=_e4m3_table(), prefetch=prefetch, chunk=chunk)
+    lib = native.build(src, name=f"gemv_fp8shift_{isa}_p{prefetch}_c{chunk}", isa=isa)
     return Kernel(lib, "tp_gemv", gemv_kernel("fp8_e4m3", isa, prefetch).args)

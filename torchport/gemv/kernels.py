@@ -30,6 +30,38 @@ from torchport.native import FloatArg, IntArg, Kernel, TensorArg
 
 FORMATS = ("f32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
 
+# Weight bytes a GEMV thread claims at a time (0: one static equal split per thread). Threads
+# claim row ranges in turn from a shared counter, so a thread that starts late or runs on a busy
+# core takes fewer rows instead of holding up the call; measured A/B in bench_gemv_sched.
+CHUNK_BYTES = 256 << 10
+
+# Row scheduling shared by every GEMV kernel source (prepended before rendering; no placeholders).
+SCHED_C = r"""
+/* Rows per claim: about chunk_bytes of weights, a multiple of 8 rows; 0 = static split. */
+static inline int64_t tp_chunk_rows(int64_t nt, int64_t row_bytes, int64_t chunk_bytes) {
+    if (chunk_bytes <= 0 || nt <= 1) return 0;
+    int64_t r = chunk_bytes / (row_bytes > 0 ? row_bytes : 1);
+    r = (r + 7) / 8 * 8;
+    return r < 8 ? 8 : r;
+}
+/* The next row range [lo, hi) of this thread: with step 0 its static share once; otherwise
+   `step` rows claimed from the shared counter `next` (relaxed atomics: rows are disjoint). */
+static inline int tp_claim_rows(int64_t *next, int64_t N, int64_t step, int *state,
+                                int64_t *lo, int64_t *hi) {
+    if (step <= 0) {
+        if (*state) return 0;
+        *state = 1;
+        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, lo, hi);
+        return *lo < *hi;
+    }
+    int64_t s = __atomic_fetch_add(next, step, __ATOMIC_RELAXED);
+    if (s >= N) return 0;
+    *lo = s;
+    *hi = s + step < N ? s + step : N;
+    return 1;
+}
+"""
+
 
 def _e4m3_table() -> str:
     vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
@@ -251,10 +283,13 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const 
     const int64_t sstride = 0;
 #endif
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    int64_t tp_next_ = 0;
+    const int64_t tp_step_ = tp_chunk_rows(nt, wstride * (int64_t)sizeof(W_T) + sstride, ${chunk});
     #pragma omp parallel num_threads(nt)
     {
         int64_t lo, hi;
-        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        int tp_st_ = 0;
+        while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
         int64_t n = lo;
 #if defined(TP_HAVE_ROWS4) && ${rows4}
         if (B == 1) {
@@ -294,6 +329,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const 
             }
             if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
         }
+        }
     }
     return 0;
 }
@@ -313,7 +349,9 @@ PREFETCH = (0, 256, 512, 1024)
 
 
 @functools.cache
-def gemv_kernel(fmt: str, isa: str, prefetch: int = 512, rows4: int | None = None) -> Kernel:
+def gemv_kernel(
+    fmt: str, isa: str, prefetch: int = 512, rows4: int | None = None, chunk: int = CHUNK_BYTES
+) -> Kernel:
     """The compiled GEMV for one weight format (cached per process and on disk).
 
     ``rows4``: for one activation row, stream four weight rows at once (x loaded once). Default:
@@ -324,8 +362,15 @@ def gemv_kernel(fmt: str, isa: str, prefetch: int = 512, rows4: int | None = Non
         rows4 = int(fmt in ("f32", "bf16"))
     if fmt not in FORMATS:
         raise ValueError(f"gemv format must be one of {FORMATS}, got {fmt!r}")
-    src = native.render(_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch, rows4=rows4)
-    lib = native.build(src, name=f"gemv_{fmt}_{isa}_p{prefetch}_r{rows4}", isa=isa)
+    src = native.render(
+        SCHED_C + _SOURCE,
+        e4m3_table=_e4m3_table(),
+        fmt=fmt,
+        prefetch=prefetch,
+        rows4=rows4,
+        chunk=chunk,
+    )
+    lib = native.build(src, name=f"gemv_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}", isa=isa)
     f32 = (torch.float32,)
     return Kernel(
         lib,
@@ -507,10 +552,13 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     if (!xq || !xs) { free(xq); free(xs); return 3; }
     for (int64_t b = 0; b < B; ++b) tp_quant_x(x + b * K, K, xq + b * K, xs + b * G);
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    int64_t tp_next_ = 0;
+    const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
     #pragma omp parallel num_threads(nt)
     {
         int64_t lo, hi;
-        tp_chunk(N, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        int tp_st_ = 0;
+        while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
         int64_t n = lo;
 #if defined(TP_HAVE_ROWS4) && ${rows4}
         if (B == 1) {
@@ -536,6 +584,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
             }
             if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
         }
+        }
     }
     free(xq);
     free(xs);
@@ -547,12 +596,19 @@ I8_FORMATS = ("nvfp4", "mxfp4")
 
 
 @functools.cache
-def gemv_i8_kernel(fmt: str, isa: str, prefetch: int = 512, rows4: int = 0) -> Kernel:
+def gemv_i8_kernel(
+    fmt: str, isa: str, prefetch: int = 512, rows4: int = 0, chunk: int = CHUNK_BYTES
+) -> Kernel:
     """FP4-weight GEMV with activations quantized to int8 per 32 (``maddubs`` dot products)."""
     if fmt not in I8_FORMATS:
         raise ValueError(f"int8-activation gemv format must be one of {I8_FORMATS}, got {fmt!r}")
     src = native.render(
-        _I8_SOURCE, e4m3_table=_e4m3_table(), fmt=fmt, prefetch=prefetch, rows4=rows4
+        SCHED_C + _I8_SOURCE,
+        e4m3_table=_e4m3_table(),
+        fmt=fmt,
+        prefetch=prefetch,
+        rows4=rows4,
+        chunk=chunk,
     )
-    lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}", isa=isa)
+    lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}", isa=isa)
     return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
