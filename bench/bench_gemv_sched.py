@@ -12,6 +12,8 @@ Run: ``torchport bench gemv_sched [--quick]``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from torchport import native
@@ -19,6 +21,7 @@ from torchport.benchmarks import BenchTable, arg_parser, compare
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
+from torchport.gemv.hugepages import hugepage_copy
 from torchport.gemv.kernels import CHUNK_BYTES, gemv_kernel
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
 
@@ -64,6 +67,18 @@ def bench_format(
 
         return f
 
+    huge = [
+        dataclasses.replace(pw, data=hugepage_copy(pw.data), scales=hugepage_copy(pw.scales))
+        for pw in packs
+    ]
+
+    def run_huge(kern, threads: int):
+        def f(i: int) -> None:
+            out = torch.empty(1, N)
+            gops._launch(kern, x, huge[i % len(huge)], None, out, threads)
+
+        return f
+
     fns = {
         "sum": lambda i: bufs[i % 2].sum(),
         "static t1": run(_kernel(fmt, isa, 0), 1),
@@ -71,6 +86,10 @@ def bench_format(
     }
     for c in chunks:
         fns[f"chunk{c >> 10}K t{nth}"] = run(_kernel(fmt, isa, c), nth)
+    fns[f"chunk{CHUNK_BYTES >> 10}K t{nth} 2M pages"] = run_huge(
+        _kernel(fmt, isa, CHUNK_BYTES), nth
+    )
+    fns["static t1 2M pages"] = run_huge(_kernel(fmt, isa, 0), 1)
     t = compare(fns, [(i,) for i in range(len(packs) * 2)], reps=reps)
     bw = (32 << 20) * 4 / t["sum"] / 1e9
     anchor = f"static t{nth}"

@@ -85,3 +85,33 @@ def test_step_rounds_to_whole_row_groups() -> None:
     out = torch.full((1, N), float("nan"))
     gops._launch(gemv_fp4_pair_kernel("nvfp4", native.cpu_info().isa), x, pw, None, out, 2)
     assert not out.isnan().any()
+
+
+def test_large_packed_weight_moves_to_huge_page_memory() -> None:
+    """A >= 4 MiB weight's pack is 2 MiB-aligned, equal in value, and qdata is the same buffer."""
+    from torchport import config
+    from torchport.gemv.hugepages import HUGE
+    from torchport.lowp.tensors import HUGEPAGE_MIN_BYTES
+
+    w = torch.randn(2048, 4096) * 0.02  # NVFP4: 4 MiB of codes
+    ref = NVFP4Tensor.from_float(w)
+    codes, scales = ref.qdata.clone(), ref.scale.view(torch.uint8).clone()
+    pw = ref.gemv_pack()
+    assert pw.data.nbytes >= HUGEPAGE_MIN_BYTES
+    assert pw.data.data_ptr() % HUGE == 0
+    assert torch.equal(pw.data, codes) and torch.equal(pw.scales, scales)
+    assert ref.qdata.data_ptr() == pw.data.data_ptr()  # one copy kept, not two
+    with config.override(gemv_hugepages=False):
+        plain = NVFP4Tensor.from_float(w).gemv_pack()
+    x = torch.randn(1, 4096)
+    assert torch.equal(gops.gemv_packed(x, pw), gops.gemv_packed(x, plain))
+    assert torch.equal(ref.dequantize(), NVFP4Tensor.from_float(w).dequantize())
+
+
+def test_hugepage_copy_keeps_values_shape_and_dtype() -> None:
+    from torchport.gemv.hugepages import hugepage_copy
+
+    for t in (torch.arange(7, dtype=torch.uint8), torch.randn(3, 5), torch.empty(0, 4)):
+        c = hugepage_copy(t)
+        assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous()
+        assert torch.equal(c, t)

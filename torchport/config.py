@@ -287,6 +287,15 @@ SETTINGS: dict[str, Setting] = {
             doc="NVFP4/MXFP4 decode GEMV quantizes activations to int8 per 32 elements and uses "
             "integer dot products (faster); off means exact float32 activations.",
         ),
+        Setting(
+            name="gemv_hugepages",
+            env="TORCHPORT_GEMV_HUGEPAGES",
+            kind=bool,
+            default=True,
+            doc="Quantized weights of at least 4 MiB move, when first packed for the decode GEMV, "
+            "into 2 MiB-aligned memory advised to use transparent huge pages (fewer TLB misses "
+            "on the weight stream; Linux, best effort).",
+        ),
     )
 }
 
@@ -427,3 +436,4 @@ if TYPE_CHECKING:  # attribute types for static checkers
     dist_tcp_chunk_bytes: int
     dist_max_frame_bytes: int
     gemv_fp4_int8: bool
+    gemv_hugepages: bool

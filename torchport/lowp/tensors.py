@@ -32,6 +32,7 @@ code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_fla
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from typing import Any
@@ -40,14 +41,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from torchport import native
+from torchport import config, native
 from torchport.gemv import MAX_ROWS, PackedWeight
+from torchport.gemv.hugepages import hugepage_copy
 from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp.formats import LowPrecisionError, e8m0_to_f32, unpack_fp4
 
 aten = torch.ops.aten
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
+# Packed weights at least this large move to huge-page memory (see LowPrecisionTensor.gemv_pack).
+HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 
 
@@ -84,12 +88,27 @@ class LowPrecisionTensor(torch.Tensor):
             from torch.utils._python_dispatch import _disable_current_modes
 
             with _disable_current_modes(), torch.no_grad():
-                self._pack = self._make_pack()
+                self._pack = self._on_huge_pages(self._make_pack())
             return self._pack
         return self._make_pack()  # fake/traced tensors: never cached
 
     def _make_pack(self) -> PackedWeight:
         raise TypeError(_ABSTRACT)
+
+    def _on_huge_pages(self, pw: PackedWeight) -> PackedWeight:
+        """``pw`` with its data (and scales) moved to huge-page memory when at least
+        :data:`HUGEPAGE_MIN_BYTES` (``config.gemv_hugepages``); ``qdata``/``scale`` are rebound to
+        the moved buffers (same values, one copy kept)."""
+        if not config.get("gemv_hugepages") or pw.data.nbytes < HUGEPAGE_MIN_BYTES:
+            return pw
+        data, scales = hugepage_copy(pw.data), pw.scales
+        if scales.nbytes >= HUGEPAGE_MIN_BYTES // 4:
+            scales = hugepage_copy(scales)
+        for name, new in (("qdata", data), ("scale", scales)):
+            old = getattr(self, name)
+            if old.is_contiguous() and old.element_size() == 1 and old.numel() == new.numel():
+                setattr(self, name, new.view(old.dtype).view(old.shape))
+        return dataclasses.replace(pw, data=data, scales=scales)
 
     def _stable_hash_for_caching(self) -> str:
         """Content hash for torch.compile's AOT-autograd cache (data, scales and metadata)."""
