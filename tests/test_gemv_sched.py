@@ -115,3 +115,21 @@ def test_hugepage_copy_keeps_values_shape_and_dtype() -> None:
         c = hugepage_copy(t)
         assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous()
         assert torch.equal(c, t)
+
+
+def test_tuned_plan_adapts_thread_count_with_identical_results() -> None:
+    """A tuned problem runs through a ThreadAdaptive over (tuned threads, the alternative); every
+    arm gives the same bits, so outputs do not depend on which launch a call took."""
+    if native.num_threads() < 2:
+        pytest.skip("needs two threads")
+    pw = _pack("nvfp4", torch.randn(1024, 512) * 0.05)  # 2**19 weights: tuned
+    x = torch.randn(1, 512)
+    first = gops.gemv_packed(x, pw)
+    plan = gops.plan_for(pw, 1, gops._use_int8(pw, True))
+    assert plan.adaptive is not None
+    for _ in range(12):  # learning visits both arms
+        out = gops.gemv_packed(x, pw)
+        assert torch.equal(out, first)
+    assert min(len(h) for h in plan.adaptive.history) >= 3
+    route = gops.settle_route(x, pw, None)
+    assert route is not None and torch.equal(route.run(x), first)

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from torchport import autotune, config, native
+from torchport.gemm.adaptive import ThreadAdaptive
 from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
@@ -107,11 +109,44 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> None:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """How one GEMV problem runs: a native kernel and its thread count, or ATen (``kernel`` None)."""
+    """How one GEMV problem runs: a native kernel and its thread count, or ATen (``kernel`` None).
+
+    ``adaptive`` (tuned problems, two or more threads): a run-time choice between the tuned
+    thread count and its alternative (all threads vs one), following recent call times
+    (:class:`~torchport.gemm.adaptive.ThreadAdaptive`): on a shared machine a two-thread call
+    waits at its closing barrier for a thread the scheduler descheduled, so the faster launch
+    changes with the neighbours' load after tuning is over. Both launches give the same bits
+    (each output row is computed by one thread in one order).
+    """
 
     candidate: autotune.Candidate
     kernel: object | None
     threads: int  # 0: all of native.num_threads()
+    adaptive: ThreadAdaptive | None = None
+
+    def launch(self, go: Callable[[int], None]) -> None:
+        """Run ``go(nthreads)`` with the thread count this plan picks for this call."""
+        if self.adaptive is not None:
+            self.adaptive(go)
+        else:
+            go(self.threads or native.num_threads())
+
+
+def _thread_arm(nt: int) -> Callable[[Callable[[int], None]], None]:
+    def arm(go: Callable[[int], None]) -> None:
+        go(nt)
+
+    return arm
+
+
+def _with_adaptive(plan: LaunchPlan) -> LaunchPlan:
+    """``plan`` with a :class:`ThreadAdaptive` over its thread count and the alternative."""
+    nt = native.num_threads()
+    if plan.kernel is None or nt < 2:
+        return plan
+    tuned = plan.threads or nt
+    other = 1 if tuned > 1 else nt
+    return replace(plan, adaptive=ThreadAdaptive(_thread_arm(tuned), _thread_arm(other)))
 
 
 _PLANS: dict[tuple[object, ...], LaunchPlan] = {}
@@ -280,7 +315,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     if c.is_anchor:
         plan = LaunchPlan(c, None, 0)
     else:
-        plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), c.param("threads", 0))
+        kern = _native_kernel(pw.fmt, int8, pw.k, isa, c)
+        plan = _with_adaptive(LaunchPlan(c, kern, c.param("threads", 0)))
     _PLANS[key] = plan
     return plan
 
@@ -348,7 +384,8 @@ def _run(
         bx = bias.to(x.dtype) if bias is not None else None
         return torch.nn.functional.linear(x, pw.data.to(x.dtype), bx)
     out = torch.empty(out_shape, dtype=torch.float32)
-    _launch(plan.kernel, xf, pw, b, out, plan.threads)
+    kern = plan.kernel
+    plan.launch(lambda nt: _launch(kern, xf, pw, b, out, nt))
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -532,9 +569,9 @@ def settle_route(
     if plan is None:
         return None
     call = plan.kernel.call_unchecked  # type: ignore[union-attr]
+    launch = plan.launch
     k, n, pts = pw.k, pw.n, pw.pts
     dptr, sptr, rptr = pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr()
-    threads = plan.threads or native.num_threads()
     bf = None
     if bias is not None:
         bf = bias.detach()
@@ -548,12 +585,14 @@ def settle_route(
     def run(x: torch.Tensor) -> torch.Tensor:
         xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()
         out = empty(out_shape, dtype=f32)
-        status = call(
-            xf.data_ptr(), rows, k, dptr, sptr, rptr, pts, bptr, has_bias, out.data_ptr(), n,
-            threads,
-        )  # fmt: skip
-        if status:
-            raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
+        xp, op = xf.data_ptr(), out.data_ptr()
+
+        def go(threads: int) -> None:
+            status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads)
+            if status:
+                raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
+
+        launch(go)
         return out if dtype is f32 else out.to(dtype)
 
     run.keep_alive = (pw, bf)  # type: ignore[attr-defined]  # the captured pointers' storage
