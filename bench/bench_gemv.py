@@ -2,7 +2,8 @@
 
 Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 CPU GEMV
 (``torch._weight_int4pack_mm_for_cpu``, group 32); the read-bandwidth baseline is a large
-``Tensor.sum`` over a > L3 tensor. Weight copies rotate so the working set exceeds L3 (cold).
+``Tensor.sum`` over a > L3 tensor, timed interleaved with every cell (its % column uses that
+cell's sum, so a load change between cells does not skew it). Weight copies rotate so the working set exceeds L3 (cold).
 GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
 time per call, which time lost to other processes on a shared machine does not inflate.
 
@@ -11,6 +12,7 @@ Run: ``torchport bench gemv [--quick]``.
 
 from __future__ import annotations
 
+import functools
 import math
 import resource
 
@@ -29,11 +31,10 @@ def _copies(make, nbytes: int) -> list:
     return [make(i) for i in range(max(2, math.ceil(COLD_BYTES / max(1, nbytes))))]
 
 
-def read_bandwidth(reps: int) -> float:
-    """GB/s of a large sum (two 128 MiB tensors alternating)."""
-    bufs = [(torch.rand(32 << 20),) for _ in range(2)]
-    t = compare({"sum": lambda a: a.sum()}, bufs, reps=reps)["sum"]
-    return (32 << 20) * 4 / t / 1e9
+@functools.cache
+def bw_bufs() -> list[torch.Tensor]:
+    """The read-bandwidth baseline's inputs: two 128 MiB tensors, summed in alternation."""
+    return [torch.rand(32 << 20) for _ in range(2)]
 
 
 def _bytes(w) -> int:
@@ -52,9 +53,9 @@ def bench_batch(
     k: int,
     b: int,
     reps: int,
-    bw: float,
 ) -> None:
-    """One (N, K, B) cell: every anchor and every format of ours, interleaved in one run."""
+    """One (N, K, B) cell: a large sum (the read-bandwidth baseline), every anchor and every
+    format of ours, interleaved in one run; % of bandwidth is against this cell's sum."""
     x = torch.randn(b, k)
     xb = x.bfloat16()
     sets = [(i,) for i in range(max(len(v) for v in weights.values()))]
@@ -67,6 +68,7 @@ def bench_batch(
         return lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])])
 
     fns = {
+        "sum": lambda i: bw_bufs()[i % 2].sum(),
         "F.linear f32": lambda i: F.linear(x, pick("f32", i)),
         "F.linear bf16": lambda i: F.linear(xb, pick("bf16", i)),
         "int4pack_mm": lambda i: torch._weight_int4pack_mm_for_cpu(xb, pick("int4", i), 32, sz),
@@ -77,6 +79,8 @@ def bench_batch(
         fns[f"ours {f}"] = ours_packed(f)
     t = compare(fns, sets, reps=reps)
     tag = f"N={n} K={k} B={b}"
+    bw = (32 << 20) * 4 / t["sum"] / 1e9  # this cell's own read bandwidth (interleaved sum)
+    print(f"# {tag}: Tensor.sum {bw:.2f} GB/s interleaved with this cell")
 
     def pct(f: str, s: float) -> str:
         return f"{100 * nbytes[f] / s / 1e9 / bw:.0f}%"
@@ -104,9 +108,7 @@ def bench_batch(
     )
 
 
-def bench_shape(
-    table: BenchTable, n: int, k: int, batches: list[int], reps: int, bw: float
-) -> None:
+def bench_shape(table: BenchTable, n: int, k: int, batches: list[int], reps: int) -> None:
     """Build rotated weight copies of every format for one (N, K), then time each batch size."""
     base = torch.randn(n, k) * 0.02
     weights: dict[str, list] = {
@@ -127,7 +129,7 @@ def bench_shape(
     nbytes = {f: _bytes(ws[0]) for f, ws in weights.items()}
     nbytes["int4"] = n * k // 2 + sz.numel() * 2
     for b in batches:
-        bench_batch(table, weights, packs, nbytes, sz, n, k, b, reps, bw)
+        bench_batch(table, weights, packs, nbytes, sz, n, k, b, reps)
 
 
 def _cpu_s() -> float:
@@ -189,13 +191,11 @@ def main() -> None:
     )  # the GEMV tunes its launch parameters on first use: keep output clean
     shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
     batches = [1] if args.quick else [1, 4]
-    reps = 5 if args.quick else args.reps
+    reps = 11 if args.quick else args.reps
     table = BenchTable("gemv", unit="GB/s")
     table.start()
-    bw = read_bandwidth(reps)
-    print(f"# measured read bandwidth (Tensor.sum over 128 MiB): {bw:.2f} GB/s")
     for n, k in shapes:
-        bench_shape(table, n, k, batches, reps, bw)
+        bench_shape(table, n, k, batches, reps)
     table.save(args.json)
     if args.cpu_time:
         cpu_time_table(11008, 4096, max(reps, 8))

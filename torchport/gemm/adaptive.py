@@ -99,6 +99,13 @@ class ThreadAdaptive:
             self._record(arm, dt)
         return out
 
+    def seed(self, arm: int, seconds: float) -> None:
+        """Record ``warmup`` samples of ``seconds`` for ``arm`` (e.g. times the tuner measured),
+        so a caller with known timings starts learned instead of timing every arm first."""
+        with self._lock:
+            for _ in range(self._warmup):
+                self._record(arm, seconds)
+
     def _record(self, arm: int, dt: float) -> None:
         hist = self.history[arm]
         hist.append(dt)

@@ -139,14 +139,26 @@ def _thread_arm(nt: int) -> Callable[[Callable[[int], None]], None]:
     return arm
 
 
-def _with_adaptive(plan: LaunchPlan) -> LaunchPlan:
-    """``plan`` with a :class:`ThreadAdaptive` over its thread count and the alternative."""
+def _twin_name(c: autotune.Candidate) -> str:
+    """Name of ``c``'s candidate with the other thread setting (names end in ``_t0``/``_t1``)."""
+    base, _, t = c.name.rpartition("_t")
+    return f"{base}_t{1 if t == '0' else 0}"
+
+
+def _with_adaptive(plan: LaunchPlan, timings: dict[str, float]) -> LaunchPlan:
+    """``plan`` with a :class:`ThreadAdaptive` over its thread count and the alternative, seeded
+    with the tuner's timings of the candidate and its thread twin when both were measured."""
     nt = native.num_threads()
     if plan.kernel is None or nt < 2:
         return plan
     tuned = plan.threads or nt
     other = 1 if tuned > 1 else nt
-    return replace(plan, adaptive=ThreadAdaptive(_thread_arm(tuned), _thread_arm(other)))
+    adapt = ThreadAdaptive(_thread_arm(tuned), _thread_arm(other))
+    t_tuned, t_twin = timings.get(plan.candidate.name), timings.get(_twin_name(plan.candidate))
+    if t_tuned and t_twin:
+        adapt.seed(0, t_tuned)
+        adapt.seed(1, t_twin)
+    return replace(plan, adaptive=adapt)
 
 
 _PLANS: dict[tuple[object, ...], LaunchPlan] = {}
@@ -316,7 +328,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
         plan = LaunchPlan(c, None, 0)
     else:
         kern = _native_kernel(pw.fmt, int8, pw.k, isa, c)
-        plan = _with_adaptive(LaunchPlan(c, kern, c.param("threads", 0)))
+        plan = _with_adaptive(LaunchPlan(c, kern, c.param("threads", 0)), choice.timings_s)
     _PLANS[key] = plan
     return plan
 
