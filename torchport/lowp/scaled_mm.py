@@ -144,7 +144,8 @@ def scaled_mm(
 
     extra = () if bias is None else (bias,)
     eager = native.eager_fast_path(a, b, scale_a, scale_b, *extra)
-    acc = _panel_gemm(a.float(), decode, n, k, steps, bias, od, eager)
+    tag = f"scaled:{str(b.dtype).removeprefix('torch.')}"
+    acc = _panel_gemm(a.float(), decode, n, k, steps, bias, od, eager, tag)
     return _cast_out(acc, od)
 
 
@@ -167,28 +168,134 @@ def _panel_gemm(
     bias: torch.Tensor | None,
     od: torch.dtype,
     eager: bool,
+    tag: str = "",
 ) -> torch.Tensor:
     """``epilogue(x @ W.T)`` with ``W [N, K]`` produced in float32 row panels by ``decode(lo, hi)``.
 
     Plain eager calls (``eager``: :func:`torchport.native.eager_fast_path` of the inputs) run
-    each panel on the GEMM engine, the per-panel ``steps`` (scales), the bias and a bfloat16 cast
-    fused into its store; the panels are decoded as inference tensors,
-    which the engine's packed-weight cache never keeps. Autograd and tracing take torch ops.
-    The result is float32, or bfloat16 when ``od`` is.
+    either each panel on the GEMM engine, the per-panel ``steps`` (scales), the bias and a
+    bfloat16 cast fused into its store, or each panel through ``torch.mm`` (MKL) into the output
+    with the steps as in-place torch ops: which one is autotuned per problem ("lowp_prefill",
+    the MKL panel loop as the ATen anchor; ``tag`` names the weight format in the key). Panels
+    are decoded as inference tensors, which the engine's packed-weight cache never keeps.
+    Autograd and tracing take torch ops. The result is float32, or bfloat16 when ``od`` is.
     """
     m = x.shape[0]
     b32 = None if bias is None else bias if bias.dtype in FUSABLE_DTYPES else bias.float()
+    if eager and m and n:
+        args = (x, decode, n, k, steps, b32, od)
+        if _prefill_choice(*args, tag).is_anchor:
+            return _mkl_panels(*args)
+        return _engine_panels(*args)
     step = max(16, PANEL_BYTES // max(1, 4 * k))
-    if not eager or m == 0 or n == 0:
-        out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.float32)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        y = torch.mm(x, decode(lo, hi).t())
+        for s in steps(lo, hi):
+            assert isinstance(s, gemm.Scale) and isinstance(s.value, torch.Tensor)
+            y = y * (s.value[:, None] if s.dim == "row" else s.value)
+        out[:, lo:hi] = y if b32 is None else y + b32[lo:hi].float()
+    return out
+
+
+def _mkl_panels(
+    x: torch.Tensor,
+    decode: Callable[[int, int], torch.Tensor],
+    n: int,
+    k: int,
+    steps: Callable[[int, int], list[Step]],
+    b32: torch.Tensor | None,
+    od: torch.dtype,
+) -> torch.Tensor:
+    """The panel loop through ``torch.mm`` (MKL) into the float32 output, the scales and the
+    bias applied in place per panel (eager, no autograd)."""
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    step = max(16, PANEL_BYTES // max(1, 4 * k))
+    with torch.inference_mode():
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            y = torch.mm(x, decode(lo, hi).t())
+            y = out[:, lo:hi]
+            torch.mm(x, decode(lo, hi).t(), out=y)
             for s in steps(lo, hi):
                 assert isinstance(s, gemm.Scale) and isinstance(s.value, torch.Tensor)
-                y = y * (s.value[:, None] if s.dim == "row" else s.value)
-            out[:, lo:hi] = y if b32 is None else y + b32[lo:hi].float()
-        return out
+                y.mul_(s.value[:, None] if s.dim == "row" else s.value)
+            if b32 is not None:
+                y.add_(b32[lo:hi])
+    return out
+
+
+def _prefill_choice(
+    x: torch.Tensor,
+    decode: Callable[[int, int], torch.Tensor],
+    n: int,
+    k: int,
+    steps: Callable[[int, int], list[Step]],
+    b32: torch.Tensor | None,
+    od: torch.dtype,
+    tag: str,
+) -> autotune.Candidate:
+    """Engine panels or MKL panels for this problem, timed on whole calls (autotuned, cached;
+    a native winner is confirmed against the anchor in alternation)."""
+    kinds = ",".join(f"{type(s).__name__}:{getattr(s, 'dim', '')}" for s in steps(0, min(n, 16)))
+    key = {
+        "m": bucket(x.shape[0]),
+        "n": n,
+        "k": k,
+        "fmt": tag,
+        "steps": kinds,
+        "bias": b32 is not None,
+        "od": str(od),
+        "isa": native.cpu_info().isa,
+    }
+    cands = [
+        autotune.Candidate("mkl_panels", autotune.ATEN),
+        autotune.Candidate("engine_panels", autotune.NATIVE),
+    ]
+
+    def factory(c: autotune.Candidate) -> Callable[..., torch.Tensor]:
+        run = _mkl_panels if c.is_anchor else _engine_panels
+        return lambda x: run(x, decode, n, k, steps, b32, od)
+
+    choice = autotune.select(
+        "lowp_prefill",
+        key,
+        cands,
+        factory,
+        lambda: (x,),
+        cold=False,
+        check=_close_values,
+        confirm=True,
+        budget_s=2.0,
+    )
+    label = (
+        f"M={key['m']} N={n} K={k} {tag} [{kinds or 'none'}{' bias' if b32 is not None else ''}]"
+    )
+    gemm.decisions[("lowp_prefill", label)] = choice.candidate.name  # for reports (bench, demo)
+    return choice.candidate
+
+
+def _close_values(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Values agree (either result may be bfloat16 or float32)."""
+    if out.shape != ref.shape:
+        return False
+    tol = 3e-2 if torch.bfloat16 in (out.dtype, ref.dtype) else 1e-3
+    o, r = out.float(), ref.float()
+    return float((o - r).abs().max()) <= tol * (float(r.abs().max()) + 1.0) if o.numel() else True
+
+
+def _engine_panels(
+    x: torch.Tensor,
+    decode: Callable[[int, int], torch.Tensor],
+    n: int,
+    k: int,
+    steps: Callable[[int, int], list[Step]],
+    b32: torch.Tensor | None,
+    od: torch.dtype,
+) -> torch.Tensor:
+    """Each panel on the GEMM engine with the steps, bias and bf16 cast fused into its store."""
+    m = x.shape[0]
+    step = max(16, PANEL_BYTES // max(1, 4 * k))
     cast = [gemm.Cast(torch.bfloat16)] if od == torch.bfloat16 else []
     out = torch.empty(m, n, dtype=torch.bfloat16 if cast else torch.float32)
     for lo in range(0, n, step):
@@ -338,5 +445,6 @@ def block_scaled_mm(
         return _dequant_rows(w, lo, hi)
 
     eager = native.eager_fast_path(x2, *(() if bias is None else (bias,)))
-    out = _panel_gemm(x2, decode, n, k, lambda lo, hi: [], bias, od, eager)
+    tag = f"{type(w).__name__}:{getattr(w, 'elem', '')}:{str(w.qdata.dtype).removeprefix('torch.')}"
+    out = _panel_gemm(x2, decode, n, k, lambda lo, hi: [], bias, od, eager, tag)
     return out.reshape(*lead, n).to(od)
