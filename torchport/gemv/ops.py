@@ -145,7 +145,14 @@ def _twin_name(c: autotune.Candidate) -> str:
     return f"{base}_t{1 if t == '0' else 0}"
 
 
-def _with_adaptive(plan: LaunchPlan, timings: dict[str, float]) -> LaunchPlan:
+# Weight bytes from which every call of the thread-adaptive launch is timed (calls of ~0.2 ms and
+# up, where the few microseconds of clock reads and bookkeeping are noise) and the other launch
+# is re-timed every 16 calls: a load change is noticed within a handful of calls. Smaller weights
+# sample every 8th call and probe every 64th.
+ADAPT_EVERY_CALL_BYTES = 4 << 20
+
+
+def _with_adaptive(plan: LaunchPlan, timings: dict[str, float], nbytes: int) -> LaunchPlan:
     """``plan`` with a :class:`ThreadAdaptive` over its thread count and the alternative, seeded
     with the tuner's timings of the candidate and its thread twin when both were measured."""
     nt = native.num_threads()
@@ -153,7 +160,10 @@ def _with_adaptive(plan: LaunchPlan, timings: dict[str, float]) -> LaunchPlan:
         return plan
     tuned = plan.threads or nt
     other = 1 if tuned > 1 else nt
-    adapt = ThreadAdaptive(_thread_arm(tuned), _thread_arm(other))
+    every, probe = (1, 16) if nbytes >= ADAPT_EVERY_CALL_BYTES else (8, 64)
+    adapt = ThreadAdaptive(
+        _thread_arm(tuned), _thread_arm(other), sample_every=every, probe_every=probe
+    )
     t_tuned, t_twin = timings.get(plan.candidate.name), timings.get(_twin_name(plan.candidate))
     if t_tuned and t_twin:
         adapt.seed(0, t_tuned)
@@ -328,7 +338,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
         plan = LaunchPlan(c, None, 0)
     else:
         kern = _native_kernel(pw.fmt, int8, pw.k, isa, c)
-        plan = _with_adaptive(LaunchPlan(c, kern, c.param("threads", 0)), choice.timings_s)
+        nbytes = pw.data.nbytes + pw.scales.nbytes
+        plan = _with_adaptive(LaunchPlan(c, kern, c.param("threads", 0)), choice.timings_s, nbytes)
     _PLANS[key] = plan
     return plan
 
