@@ -15,7 +15,8 @@ FMA'd with float32 activations (float32 accumulation):
 Decoded weights equal the reference dequantization bit for bit; only the summation order differs
 from :func:`torchport.gemv.gemv_reference`, so results agree within float32 rounding
 (tolerance stated in the tests: ``|err| ≤ 1e-5 · sum_k |x_k w_k|`` + tiny absolute term).
-Threads split N; activation rows are processed four at a time against one weight row that stays
+Threads claim ranges of N in turn (about :data:`CHUNK_BYTES` of weights each; ``chunk=0`` builds the
+static equal split); activation rows are processed four at a time against one weight row that stays
 in L1. AVX2+FMA+F16C path; a portable scalar path is used below AVX2.
 """
 
