@@ -401,6 +401,10 @@ TP_EXPORT int tp_eigh(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t uppe
 typedef T VT __attribute__((vector_size(32), aligned(32)));
 typedef ${ielem} VI __attribute__((vector_size(32), aligned(32)));
 #define VLN ((int64_t)(32 / sizeof(T)))
+/* the SVD lane kernel's loops over a column unrolled by 4 (interleaved minima of 11 against
+   the rolled loops, B = 400, one thread, load 3.4-4.4: n = 16 / 32 fp64 1.06x / 1.08x, fp32
+   1.03x / 1.07x; the same pragma on the eigh kernel's loops gained nothing, 0.96-1.03x) */
+#define TP_UNROLL _Pragma("GCC unroll 4")
 
 TP_INLINE VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
 TP_INLINE VT vabs(VT x) { VT z = x - x; return vsel(x < z, -x, x); }
@@ -724,6 +728,7 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         for (int64_t j = 0; j < q; ++j) {
             VT acc = zero;
+            TP_UNROLL
             for (int64_t i = 0; i < p; ++i) acc += W[j * p + i] * W[j * p + i];
             nv[j] = acc;
         }
@@ -737,6 +742,7 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
             if (j < 0) continue;
             VT al = nv[j], be = nv[kk], g = zero;
             const VT *wj = W + j * p, *wk = W + kk * p;
+            TP_UNROLL
             for (int64_t i = 0; i < p; ++i) g += wj[i] * wk[i];
             VI act = (al != zero) & (be != zero) & (vabs(g) > tol * vsqrt(al) * vsqrt(be));
             if (!vany(act)) continue;
@@ -754,6 +760,7 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
             const int64_t j = lp[r], kk = lq[r];
             const VT c = cs[3 * r], s = cs[3 * r + 1];
             VT *wj = W + j * p, *wk = W + kk * p;
+            TP_UNROLL
             for (int64_t i = 0; i < p; ++i) {
                 VT x = wj[i], y = wk[i];
                 wj[i] = c * x - s * y;
@@ -761,6 +768,7 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
             }
             if (uv) {
                 VT *vj = V + j * q, *vk = V + kk * q;
+                TP_UNROLL
                 for (int64_t i = 0; i < q; ++i) {
                     VT x = vj[i], y = vk[i];
                     vj[i] = c * x - s * y;
