@@ -123,7 +123,7 @@ def test_svd_ill_conditioned_fp64_relative_accuracy():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "m,n",
-    [(2, 2), (3, 3), (4, 4), (6, 6), (7, 3), (3, 7), (1, 5), (12, 12)],
+    [(2, 2), (3, 3), (4, 4), (6, 6), (7, 3), (3, 7), (1, 5), (12, 12), (16, 16), (32, 32)],
     ids=str,
 )
 def test_svd_lanes_kernel(dtype, m, n):
