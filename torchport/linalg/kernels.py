@@ -57,7 +57,7 @@ typedef ${elem} T;
 #define EPS ((T)${eps})
 #define TSQRT ${sqrt}
 #define TFABS ${fabs}
-#define MAX_SWEEPS 60
+#define MAX_SWEEPS ${max_sweeps}
 
 TP_INLINE T dotp(const T *a, const T *b, int64_t n) {
     T s = 0;
@@ -1153,9 +1153,16 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
 SOURCE_TAG = hashlib.sha256((_SOURCE + _blocked.SOURCE_TAG).encode()).hexdigest()[:12]
 
 
+MAX_SWEEPS = 60
+
+
 @functools.cache
-def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
-    """Build (or load from the disk cache) the kernels for one dtype; keyed by op name."""
+def library(dtype: torch.dtype, isa: str, max_sweeps: int = MAX_SWEEPS) -> dict[str, Kernel]:
+    """Build (or load from the disk cache) the kernels for one dtype; keyed by op name.
+
+    ``max_sweeps`` caps the Jacobi sweeps (the public functions use 60, which converged input
+    never reaches); ``bench linalg --sweeps`` builds capped copies to time one sweep.
+    """
     is64 = dtype == torch.float64
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
@@ -1168,6 +1175,7 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
         is64="1" if is64 else "0",
         vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
         m256="__m256d" if is64 else "__m256",
+        max_sweeps=str(int(max_sweeps)),
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}", isa=isa)
     t, i = TensorArg, IntArg
