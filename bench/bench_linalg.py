@@ -14,6 +14,7 @@ take many seconds; the default run stays near 10 minutes). ``--quick`` runs B âˆ
 Run: ``torchport bench linalg [--quick] [--orderings]``; select cells with ``--ops``, ``--sizes``,
 ``--batches``, ``--dtypes`` (comma-separated), e.g. ``--ops cholesky --sizes 8,16 --batches 10000``;
 ``--fastest [--threads T] --reps N`` times those cells as alternated minima (robust to load).
+``--sweeps`` measures the lane eigh kernel's time per sweep (see ``sweeps``).
 """
 
 from __future__ import annotations
@@ -231,6 +232,49 @@ def orderings(args: Any) -> None:
     table.save(args.json)
 
 
+def sweeps(args: Any) -> None:
+    """Time per sweep of the eigh lane kernel, one thread: builds capped at 2 and 4 sweeps and the
+    uncapped one, alternated minima; (t4 - t2) / 2 is a full sweep (every pair still rotates in
+    the first sweeps), t2 - 2 sweeps the cost outside the sweeps, and the rest over a sweep the
+    effective number of sweeps. Rates count the rotation updates' vector multiplies/FMAs per
+    round (16 per 2x2 block of A, 4 per element of V's two rows per pair)."""
+    import time
+
+    torch.set_num_threads(1)
+    from torchport import native
+
+    isa = native.cpu_info().isa
+    print("# eigh lane kernel, 1 thread; us per lane group; ops = vector mul/FMA of the updates")
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        lanes = 32 // dtype.itemsize
+        ks = {c: kernels.library(dtype, isa, c)["eigh_vec"] for c in (2, 4, kernels.MAX_SWEEPS)}
+        for n in _ints(args.sizes) or (16, 32):
+            b = (_ints(args.batches) or (400,))[0] // lanes * lanes
+            a = _input("eigh", b, n, dtype)
+            lam, q = a.new_empty((b, n)), a.new_empty((b, n, n))
+            call = (a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, 0, 1, 2, 1)  # lower, V, fused
+            best = dict.fromkeys(ks, float("inf"))
+            for k in ks.values():
+                k.call_unchecked(*call)
+            for _ in range(max(3, args.reps)):
+                for c, k in ks.items():
+                    t0 = time.perf_counter()
+                    k.call_unchecked(*call)
+                    best[c] = min(best[c], time.perf_counter() - t0)
+            g = b // lanes
+            t2, t4, tc = (best[c] / g * 1e6 for c in ks)
+            per = (t4 - t2) / 2
+            outside = t2 - 2 * per
+            r = n + (n & 1)
+            h = r // 2
+            ops = (r - 1) * (16 * h * (h - 1) // 2 + 4 * h * r)
+            print(
+                f"eigh {str(dtype)[6:]} n={n} B={b}: sweep {per:.2f} us ({ops} ops, "
+                f"{ops / per / 1e3:.2f} per ns), outside the sweeps {outside:.2f} us, converged "
+                f"{tc:.2f} us = {(tc - outside) / per:.1f} effective sweeps"
+            )
+
+
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--orderings", action="store_true", help="cyclic vs round-robin Jacobi")
@@ -240,12 +284,15 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
     p.add_argument("--fastest", action="store_true", help="min of --reps, alternated (see fastest)")
     p.add_argument("--threads", type=int, default=2, help="threads for --fastest (both sides)")
+    p.add_argument("--sweeps", action="store_true", help="eigh lane kernel time per sweep")
     args = p.parse_args()
     with config.override(progress=False):
         if args.orderings:
             orderings(args)
         elif args.fastest:
             fastest(args)
+        elif args.sweeps:
+            sweeps(args)
         else:
             grid(args)
 

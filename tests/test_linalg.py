@@ -122,7 +122,9 @@ def test_svd_ill_conditioned_fp64_relative_accuracy():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "m,n", [(2, 2), (3, 3), (4, 4), (6, 6), (7, 3), (3, 7), (1, 5), (12, 12)], ids=str
+    "m,n",
+    [(2, 2), (3, 3), (4, 4), (6, 6), (7, 3), (3, 7), (1, 5), (12, 12), (16, 16), (32, 32)],
+    ids=str,
 )
 def test_svd_lanes_kernel(dtype, m, n):
     """The SIMD-lane SVD kernel against the scalar one: a partial group of lanes, zero and
@@ -191,7 +193,7 @@ def _check_eigh(dtype, kind, n, uplo):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13, 16])
 def test_eigh_lanes_kernel(dtype, n):
     """The SIMD-lane kernel (one matrix per lane, cyclic, round-robin and fused round-robin
     order) against the scalar one and the reference in the same order (the fused rounds apply
