@@ -99,7 +99,7 @@ def mm_aten(
 def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> ctypes.CDLL:
     """Build (or load) the library of one tile variant for this epilogue and dtypes."""
     body = templates.render_source(spec, btag, otag, isa, ((mr, nr),))
-    src = native.render(body.replace("$", "$$"))
+    src = templates.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
     name = f"gemm_{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
     # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
     return native.build(src, name=name, isa=isa, extra_flags=["-O2"])
