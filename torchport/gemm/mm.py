@@ -22,7 +22,7 @@ import torch
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, L3_BYTES, Candidate, InvalidCandidate
 from torchport.gemm import kernels
-from torchport.gemm.adaptive import ThreadAdaptive
+from torchport.gemm.adaptive import ArmGroup, ThreadAdaptive
 from torchport.gemm.epilogue import (
     OPERAND_KINDS,
     Bias,
@@ -32,7 +32,7 @@ from torchport.gemm.epilogue import (
     as_steps,
     split,
 )
-from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
+from torchport.gemm.kernels import NO_EPILOGUE, Config, GemmInputError, mm_aten, run_native
 from torchport.gemm.pack import pack_b, pack_cache
 
 SMALL_M = 32
@@ -187,6 +187,9 @@ _decisions_lock = threading.Lock()
 # any assignment, override or change of the environment variables.
 _Runner = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
 _settled: dict[tuple[Any, ...], tuple[Candidate, _Runner]] = {}
+# native launches shared by the small-M runners of one problem and config whose epilogues differ
+# (:class:`~torchport.gemm.adaptive.ArmGroup`); emptied with ``_settled``
+_groups: dict[tuple[Any, ...], ArmGroup] = {}
 _settled_view: list[object] = [None]
 _STATE_SETTINGS = (
     "isa",  # cpu_info().isa is this setting capped by the (fixed) hardware
@@ -203,6 +206,7 @@ def _settings_state() -> tuple[Any, ...]:
     view = autotune.choice_cache._memo
     if view is not _settled_view[0]:  # identity, not id(): the old view is kept alive here
         _settled.clear()
+        _groups.clear()
         _settled_view[0] = view
     st = config.stamp(_STATE_SETTINGS)
     if st is None:  # an override is active: its values, read one by one
@@ -231,25 +235,47 @@ def _aten_runner(spec: EpilogueSpec, encoded: str) -> _Runner:
 
 
 def _native_runner(
-    spec: EpilogueSpec, cfg: Config, adapt: bool = False, aten: _Runner | None = None
+    spec: EpilogueSpec,
+    cfg: Config,
+    adapt: bool = False,
+    aten: _Runner | None = None,
+    group_key: tuple[Any, ...] | None = None,
 ) -> _Runner:
     """Runner of one native config; with ``adapt`` (small M, all threads) a
     :class:`~torchport.gemm.adaptive.ThreadAdaptive` over the config, its one-thread twin and
     ATen. ``aten`` (the ATen runner, when the tuner chose ATen) puts ATen first: the runner
-    starts on it and moves to a native launch only while that is measurably faster."""
+    starts on it and moves to a native launch only while that is measurably faster. Runners
+    given the same ``group_key`` (one problem, any epilogue) share their native launches'
+    timings and the choice among them (:class:`~torchport.gemm.adaptive.ArmGroup`)."""
     launches: dict[tuple[torch.dtype, torch.dtype], Callable[..., torch.Tensor]] = {}
     aten_run = aten or (lambda a, b, ops: mm_aten(a, b, spec, ops))
+
+    def group(a: torch.Tensor, b: torch.Tensor, isa: str, native_arms: tuple[int, ...]) -> Any:
+        if group_key is None:
+            return None
+        gk = (*group_key, a.dtype, b.dtype, isa, cfg, aten is not None)
+        with _decisions_lock:
+            g = _groups.get(gk)
+            if g is None:
+                if len(_groups) > 4096:
+                    _groups.clear()
+                g = _groups[gk] = ArmGroup(native_arms)
+        return g
 
     def make(a: torch.Tensor, b: torch.Tensor) -> Callable[..., torch.Tensor]:
         isa = native.cpu_info().isa  # part of the settled key: fixed for this runner
         multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
+        events = lambda: pack_cache.misses  # noqa: E731
         if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
-            return ThreadAdaptive(aten_run, multi, events=lambda: pack_cache.misses)
+            return ThreadAdaptive(aten_run, multi, events=events, group=group(a, b, isa, (1,)))
         if not adapt or cfg.nt or native.num_threads() < 2:
             return aten_run if aten is not None else multi
         single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
-        arms = (aten_run, multi, single) if aten is not None else (multi, single, aten_run)
-        return ThreadAdaptive(*arms, events=lambda: pack_cache.misses)
+        if aten is not None:
+            arms, shared = (aten_run, multi, single), (1, 2)
+        else:
+            arms, shared = (multi, single, aten_run), (0, 1)
+        return ThreadAdaptive(*arms, events=events, group=group(a, b, isa, shared))
 
     def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
         try:
@@ -276,22 +302,35 @@ def _settle(
     hit = _settled.get(key)
     if hit is not None:
         return hit
-    cand, runner_up = _choose(a, b, spec, operands, key[0], key[4])
+    if key[0] <= SMALL_M and encoded:
+        # small M streams the weight: the epilogue costs the same few microseconds on every
+        # config, so a fused problem takes the bare problem's choice (tuned once per shape)
+        # rather than a separate tuning that, on a noisy machine, could settle on a slower
+        # config than the bare call's (and cost another cold tuning)
+        cand, runner_up = _choose(a, b, NO_EPILOGUE, (), key[0], key[4])
+        with _decisions_lock:
+            label = f"M={a.shape[0]} N={key[1]} K={key[2]} {str(a.dtype).removeprefix('torch.')}"
+            decisions[("gemm", f"{label} [{encoded}]")] = cand.name
+    else:
+        cand, runner_up = _choose(a, b, spec, operands, key[0], key[4])
     # small M over a weight of >= 1 MiB fp32: calls of ~0.1 ms and up, where the per-call
     # timing of the adaptive launches (a few us) is noise
     adapt = key[0] <= SMALL_M and key[1] * key[2] >= 1 << 18
+    group_key = (*key[:5], *key[6:])  # the problem without its epilogue
     if cand.is_anchor and adapt and runner_up is not None:
         # ATen won the tuning, but on a shared machine its two-thread calls (one parallel
         # region per op of the epilogue) stall whenever a neighbour runs: the runner starts on
         # ATen and keeps the best native config and its one-thread twin as alternatives
-        run = _native_runner(spec, _config(runner_up), True, aten=_aten_runner(spec, encoded))
+        aten = _aten_runner(spec, encoded)
+        run = _native_runner(spec, _config(runner_up), True, aten=aten, group_key=group_key)
     elif cand.is_anchor:
         run = _aten_runner(spec, encoded)
     else:
-        run = _native_runner(spec, _config(cand), adapt=adapt)
+        run = _native_runner(spec, _config(cand), adapt=adapt, group_key=group_key)
     if config.get("autotune_cache"):  # without the choice cache every call re-tunes, as before
         if len(_settled) > 4096:
             _settled.clear()
+            _groups.clear()
         _settled[key] = (cand, run)
     return cand, run
 
