@@ -190,6 +190,8 @@ def launcher(
     f32 = torch.float32
     none_ptr = (ctypes.c_void_p * 1)(0)
     none_ld = (ctypes.c_int64 * 1)(0)
+    # bf16 output with a deferred epilogue (see templates._driver) needs an fp32 workspace
+    defer_ws = spec.deferrable and out_dtype != f32 and ks == 1
 
     def launch(
         a: torch.Tensor,
@@ -214,7 +216,8 @@ def launcher(
         work: torch.Tensor | None = None
         if ks > 1:
             work = torch.empty(ks * m * n, dtype=f32)
-        elif 0 < kc < k:
+        elif (0 < kc < k) or (defer_ws and m <= templates.DEFER_MAX_M):
+            # K blocks' partial sums; or the raw sums of a deferred epilogue with bf16 output
             work = torch.empty(m * n, dtype=f32)
         threads = max(1, torch.get_num_threads())
         status = fn(
