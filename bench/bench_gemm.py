@@ -224,6 +224,13 @@ def main() -> None:
         "--grid", default="", help="explicit cells, e.g. linear:8:4096:11008,mlp:1:768:3072"
     )
     args = p.parse_args()
+    if args.epilogue:
+        table = BenchTable("gemm", unit="GFLOP/s")
+        table.start()
+        dts = [getattr(torch, x) for x in args.dtypes.split(",")]
+        epilogue_grid(table, dts[:1] if args.quick else dts, min(args.reps, 20), args.quick)
+        table.save(args.json)
+        return
     kinds = args.cells.split(",")
     dtypes = [getattr(torch, s) for s in args.dtypes.split(",")]
     if args.quick:
@@ -247,12 +254,6 @@ def main() -> None:
             (k, int(m), int(d), int(h))
             for k, m, d, h in (c.split(":") for c in args.grid.split(","))
         ]
-    if args.epilogue:
-        table = BenchTable("gemm", unit="GFLOP/s")
-        table.start()
-        epilogue_grid(table, dtypes, min(args.reps, 20), args.quick)
-        table.save(args.json)
-        return
     bw = read_bandwidth()
     table = BenchTable("gemm", unit="GFLOP/s")
     table.start()

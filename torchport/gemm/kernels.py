@@ -13,7 +13,7 @@ import contextlib
 import ctypes
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from torchport import native
 from torchport.autotune import InvalidCandidate
 from torchport.gemm import templates
 from torchport.gemm.epilogue import EpilogueSpec, apply_torch
-from torchport.gemm.pack import pack_cache
+from torchport.gemm.pack import _pack_fn, pack_cache
 
 _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -108,9 +108,13 @@ def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int
 def prebuild(
     spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: Sequence[tuple[int, int]]
 ) -> None:
-    """Build several tile libraries concurrently (one compiler process per core)."""
+    """Build several tile libraries and the weight-packing kernel for ``btag`` concurrently
+    (one compiler process per core)."""
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
-        futures = [pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles]
+        futures: list[Future[Any]] = [
+            pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
+        ]
+        futures.append(pool.submit(_pack_fn, 32 if btag == "f32" else 16))
         for f in futures:
             with contextlib.suppress(native.NativeError):  # reported when the candidate builds
                 f.result()
