@@ -312,7 +312,7 @@ def _settle(
         # config, so a fused problem takes the bare problem's choice (tuned once per shape)
         # rather than a separate tuning that, on a noisy machine, could settle on a slower
         # config than the bare call's (and cost another cold tuning)
-        cand, runner_up = _choose(a, b, NO_EPILOGUE, (), key[0], key[4])
+        cand, runner_up = _choose(a, b, NO_EPILOGUE, (), key[0], key[4], builds_after=1)
         with _decisions_lock:
             label = f"M={a.shape[0]} N={key[1]} K={key[2]} {str(a.dtype).removeprefix('torch.')}"
             decisions[("gemm", f"{label} [{encoded}]")] = cand.name
@@ -354,9 +354,12 @@ def _choose(
     operands: Sequence[torch.Tensor],
     mb: int,
     layout: str,
+    builds_after: int = 0,
 ) -> tuple[Candidate, Candidate | None]:
     """The tuner's choice and, when that is ATen, the fastest native candidate it timed (None
-    when native kernels are not allowed or none was timed)."""
+    when native kernels are not allowed or none was timed). ``builds_after``: libraries the
+    caller will compile once the choice is made (a fused epilogue's library of the winning
+    tile), whose estimated compile time is also taken off the timing budget."""
     m, k = a.shape
     n = b.shape[1]
     isa = native.cpu_info().isa
@@ -381,7 +384,9 @@ def _choose(
         otag = spec.out or kernels._TAG[a.dtype]
         kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, tiles)
         spent = time.perf_counter() - t_start
-        budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
+        per_lib = spent * min(len(tiles) + 1, native.cpu_info().cores) / (len(tiles) + 1)
+        left = COLD_TARGET_S - spent - builds_after * per_lib
+        budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, left))
 
     def make_args() -> tuple[Any, ...]:
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
