@@ -33,7 +33,7 @@ from torchport.gemm.epilogue import (
     as_steps,
     split,
 )
-from torchport.gemm.kernels import NO_EPILOGUE, Config, GemmInputError, mm_aten, run_native
+from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
 from torchport.gemm.pack import pack_b, pack_cache
 
 SMALL_M = 32
@@ -309,10 +309,11 @@ def _settle(
         return hit
     if key[0] <= SMALL_M and encoded:
         # small M streams the weight: the epilogue costs the same few microseconds on every
-        # config, so a fused problem takes the bare problem's choice (tuned once per shape)
-        # rather than a separate tuning that, on a noisy machine, could settle on a slower
-        # config than the bare call's (and cost another cold tuning)
-        cand, runner_up = _choose(a, b, NO_EPILOGUE, (), key[0], key[4], builds_after=1)
+        # config, so all epilogues of a shape share one choice (tuned once per shape, under the
+        # bare problem's key, by whichever epilogue comes first: its libraries are the ones
+        # compiled for the tuning) rather than separate tunings that, on a noisy machine, could
+        # settle a fused call on a slower config than the bare call's
+        cand, runner_up = _choose(a, b, spec, operands, key[0], key[4], shape_key=True)
         with _decisions_lock:
             label = f"M={a.shape[0]} N={key[1]} K={key[2]} {str(a.dtype).removeprefix('torch.')}"
             decisions[("gemm", f"{label} [{encoded}]")] = cand.name
@@ -354,12 +355,12 @@ def _choose(
     operands: Sequence[torch.Tensor],
     mb: int,
     layout: str,
-    builds_after: int = 0,
+    shape_key: bool = False,
 ) -> tuple[Candidate, Candidate | None]:
     """The tuner's choice and, when that is ATen, the fastest native candidate it timed (None
-    when native kernels are not allowed or none was timed). ``builds_after``: libraries the
-    caller will compile once the choice is made (a fused epilogue's library of the winning
-    tile), whose estimated compile time is also taken off the timing budget."""
+    when native kernels are not allowed or none was timed). ``shape_key``: the choice is kept
+    under the bare problem's key (shared by every epilogue of the shape); ``spec`` is only what
+    the candidates are timed with."""
     m, k = a.shape
     n = b.shape[1]
     isa = native.cpu_info().isa
@@ -369,7 +370,7 @@ def _choose(
         "k": k,
         "dtype": str(a.dtype).removeprefix("torch."),
         "b": layout,
-        "epilogue": spec.encode(),
+        "epilogue": "" if shape_key else spec.encode(),
         "isa": isa,
     }
     cands = candidates(mb, n, k, isa, b.element_size())
@@ -384,9 +385,7 @@ def _choose(
         otag = spec.out or kernels._TAG[a.dtype]
         kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, tiles)
         spent = time.perf_counter() - t_start
-        per_lib = spent * min(len(tiles) + 1, native.cpu_info().cores) / (len(tiles) + 1)
-        left = COLD_TARGET_S - spent - builds_after * per_lib
-        budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, left))
+        budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
 
     def make_args() -> tuple[Any, ...]:
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
