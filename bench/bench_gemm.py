@@ -8,7 +8,9 @@ cell). Ours is ``torchport.nn.functional.linear`` with fused epilogues, autotune
 (tuning time reported). For M ≤ 32 the weight-stream bandwidth of ours is reported as a fraction
 of ``torch.sum`` over a 512 MiB tensor measured in the same run.
 
-Run: ``torchport bench gemm [--quick] [--max-autotune-cells N] [--cells linear,mlp]``.
+Run: ``torchport bench gemm [--quick] [--max-autotune-cells N] [--cells linear,mlp]``;
+``--epilogue`` runs only the fused/bare ratios (bias+GELU+residual and bias+SiLU against the bare
+GEMM, interleaved medians) over M = 1, 8, 32, both dtypes, 1024→4096 and 4096→11008.
 """
 
 from __future__ import annotations
@@ -155,8 +157,9 @@ def settle(fn: Callable[..., Any], sets: list[tuple[Any, ...]]) -> None:
 
 def epilogue_overhead(
     table: BenchTable, name: str, sets: list[tuple[Any, ...]], reps: int, flops: float
-) -> None:
-    """Fused bias+GELU+residual vs the bare GEMM, both ours (issue target: ≤ 1.05x)."""
+) -> dict[str, float]:
+    """Fused bias+GELU+residual and bias+SiLU vs the bare GEMM, all ours, interleaved in one
+    run (issue target: fused <= 1.05x the bare time). Prints and returns the ratios."""
     res = [torch.randn(s[0].shape[0], s[1].shape[0]).to(s[0].dtype) for s in sets]
     with_res = [(*s, r) for s, r in zip(sets, res)]
 
@@ -166,11 +169,43 @@ def epilogue_overhead(
     def fused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         return linear(x, w, b, epilogue=["gelu", G.Add(r)])
 
+    def silu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return linear(x, w, b, epilogue=["silu"])
+
+    fns = {"bare": bare, "fused": fused, "silu": silu}
     with torch.no_grad():
-        settle(bare, with_res)
-        settle(fused, with_res)
-        t = compare({"bare": bare, "fused": fused}, with_res, reps=reps)
+        for fn in fns.values():
+            settle(fn, with_res)
+        t = compare(fns, with_res, reps=reps)
     table.add(name + " +bias,gelu,res", "ours, no epilogue", t["bare"], t["fused"], flops)
+    table.add(name + " +bias,silu", "ours, no epilogue", t["bare"], t["silu"], flops)
+    ratios = {"gelu_res": t["fused"] / t["bare"], "silu": t["silu"] / t["bare"]}
+    print(
+        f"# fused/bare {name}: bias+gelu+residual {ratios['gelu_res']:.3f}x, "
+        f"bias+silu {ratios['silu']:.3f}x (bare {t['bare'] * 1e3:.3f} ms; target <= 1.05x)",
+        flush=True,
+    )
+    return ratios
+
+
+def epilogue_grid(table: BenchTable, dtypes: list[torch.dtype], reps: int, quick: bool) -> None:
+    """Only the fused/bare ratios, over M in (1, 8, 32), fp32/bf16, 1024->4096 and 4096->11008
+    (``--epilogue``); ends with the worst ratio."""
+    worst = 0.0
+    shapes = ((1024, 4096),) if quick else ((1024, 4096), (4096, 11008))
+    for dtype in dtypes:
+        for d, h in shapes:
+            for m in (1, 8, 32):
+                torch.manual_seed(0)
+                x = torch.randn(m, d).to(dtype)
+                w, b = (torch.randn(h, d) * d**-0.5).to(dtype), torch.randn(h).to(dtype)
+                sets = cold_copies((x, w, b)) if w.numel() * w.element_size() < L3_BYTES else []
+                sets = sets or [(x, w, b)]
+                dt = str(dtype).removeprefix("torch.")
+                name = f"linear M={m} d={d} h={h} {dt}"
+                r = epilogue_overhead(table, name, sets, reps, 2.0 * m * d * h)
+                worst = max(worst, *r.values())
+    print(f"# worst fused/bare over the grid: {worst:.3f}x (target <= 1.05x)")
 
 
 def main() -> None:
@@ -181,9 +216,21 @@ def main() -> None:
     p.add_argument("--cells", default="linear,mlp", help="comma-separated: linear, mlp")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument(
+        "--epilogue",
+        action="store_true",
+        help="only the fused/bare epilogue ratios (M = 1, 8, 32; both dtypes; two shapes)",
+    )
+    p.add_argument(
         "--grid", default="", help="explicit cells, e.g. linear:8:4096:11008,mlp:1:768:3072"
     )
     args = p.parse_args()
+    if args.epilogue:
+        table = BenchTable("gemm", unit="GFLOP/s")
+        table.start()
+        dts = [getattr(torch, x) for x in args.dtypes.split(",")]
+        epilogue_grid(table, dts[:1] if args.quick else dts, min(args.reps, 20), args.quick)
+        table.save(args.json)
+        return
     kinds = args.cells.split(",")
     dtypes = [getattr(torch, s) for s in args.dtypes.split(",")]
     if args.quick:

@@ -462,6 +462,49 @@ def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]
 
 
+def test_grouped_runners_share_their_native_launch(monkeypatch):
+    """Bare and fused runners of one problem (an ArmGroup over their native arms) learn the
+    native launches once between them and always sit on the same one, even where the two
+    launches are within the switching margin; each keeps its own ATen arm (fake clock)."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ArmGroup, ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    cost = {"multi": 1.0e-3, "single": 1.1e-3, "aten": 5e-3, "multi+": 1.04e-3}
+    cost |= {"single+": 1.14e-3, "aten+": 9e-3}
+    used: list[str] = []
+
+    def arms(tag):
+        return [clock.arm(n + tag, cost, used) for n in ("multi", "single", "aten")]
+
+    g = ArmGroup((0, 1))
+    bare = ThreadAdaptive(*arms(""), group=g, sample_every=1, probe_every=8)
+    fused = ThreadAdaptive(*arms("+"), group=g, sample_every=1, probe_every=8)
+    for _ in range(9):
+        bare()
+    used.clear()
+    for _ in range(3):
+        fused()
+    assert used == ["aten+"] * 3  # the native launches were learned by the bare runner
+    assert bare.current == fused.current == 0
+    cost["multi"] = cost["multi+"] = 1.6e-3  # load: the one-thread launch wins by the margin
+    for _ in range(24):
+        bare()
+        fused()
+    assert g.current == 1 and bare.current == fused.current == 1
+    cost["multi"], cost["multi+"] = 1.0e-3, 1.04e-3  # back within the margin: nobody moves
+    for _ in range(40):
+        bare()
+        fused()
+    assert bare.current == fused.current == g.current
+    private = ThreadAdaptive(*arms("+"), group=ArmGroup((0, 1)), sample_every=1)
+    cost["aten+"] = 0.2e-3  # a private arm faster by the margin is still taken
+    for _ in range(12):
+        private()
+    assert private.current == 2
+
+
 def test_thread_adaptive_times_only_sampled_calls(monkeypatch):
     """After learning, only every ``sample_every``-th call reads the clock (probes included);
     the calls between go straight to the current launch."""
@@ -570,3 +613,25 @@ def test_pack_b_matches_reference(native_on, dtype, layout, kn, nr):
     b = {"t": w[:, :k].t(), "n": w[:, :k].t().contiguous(), "strided": w.t()[::2]}[layout]
     with config.override(native=native_on):
         assert torch.equal(pack_b(b, nr), pack_b_reference(b, nr))
+
+
+def test_small_m_fused_problem_takes_the_bare_choice():
+    """At small M a fused epilogue is not tuned on its own: the problem is tuned once (bare)
+    and every epilogue of that shape runs the bare winner; results match the reference."""
+    from torchport.autotune import tuner
+    from torchport.gemm.epilogue import EpilogueSpec as Spec
+    from torchport.gemm.kernels import mm_reference
+
+    torch.manual_seed(3)
+    a, b = torch.randn(3, 256), torch.randn(256, 1030)
+    r, bias = torch.randn(3, 1030), torch.randn(1030)
+    before = tuner.stats.tuned
+    with config.override(autotune=True, autotune_reps=3):
+        y = G.mm(a, b, bias=bias, epilogue=["gelu", G.Add(r)])
+        G.mm(a, b, bias=bias, epilogue=["silu"])
+    assert tuner.stats.tuned - before == 1
+    won = {k: v for (_, k), v in G.decisions.items() if k.startswith("M=3 N=1030 K=256 ")}
+    assert len(won) == 3 and len(set(won.values())) == 1, won
+    spec = Spec.decode("bias_col:f32;gelu;add:f32")
+    ref = mm_reference(a, b, spec, [bias, r])
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)

@@ -101,6 +101,12 @@ def test_every_tile_and_block(mr, nr, mc, pf):
     _assert_close(out, a, b, EpilogueSpec(), [])
 
 
+# deferrable chains (a transcendental step): fp32 output, and bf16 output through the workspace
+CHAINS_DEFERRED = [
+    ("bias_col:f32;gelu;add:f32;scale=0.5", torch.float32),
+    ("gelu_tanh;add:bf16;bias_col:bf16", torch.bfloat16),
+]
+
 KSHAPES = [(1, 67, 1), (3, 29, 67), (7, 50, 301), (17, 130, 1000), (2, 5, 0)]
 
 
@@ -123,17 +129,19 @@ def test_k_split_and_k_blocks(m, n, k, dtype, kc, ks, mc):
         _assert_close(out, a, b, spec, ops)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
-def test_deferred_epilogue_pass_small_m(m):
-    """M <= DEFER_MAX_M with a GELU epilogue and fp32 output: tiles store raw sums and one pass
-    per thread applies the epilogue over its columns (N not a multiple of the panel width, a
-    thread with a partial last panel); M = 5 takes the per-tile epilogue. Both match the
-    reference, with two threads and with one."""
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 16, 17])
+@pytest.mark.parametrize("chain", [CHAINS_DEFERRED[0], CHAINS_DEFERRED[1]], ids=["f32", "bf16out"])
+def test_deferred_epilogue_pass_small_m(m, chain):
+    """M <= DEFER_MAX_M with a GELU/SiLU epilogue: tiles store raw sums (in C for fp32 output,
+    in an fp32 workspace for bf16 output) and one pass per thread applies the epilogue over its
+    columns (N not a multiple of the panel width, a thread with a partial last panel); M = 17
+    takes the per-tile epilogue. Both match the reference, with two threads and with one."""
     from torchport.gemm.templates import DEFER_MAX_M
 
-    assert EpilogueSpec.decode(CHAINS[0][0]).deferrable and DEFER_MAX_M == 4
-    spec = EpilogueSpec.decode(CHAINS[0][0])
-    a, b = _make(m, 75, 33, torch.float32, "c", "weight_t")
+    assert DEFER_MAX_M == 16
+    spec = EpilogueSpec.decode(chain[0])
+    assert spec.deferrable
+    a, b = _make(m, 75, 33, chain[1], "c", "weight_t")
     ops = _operands(spec, m, 75)
     before = torch.get_num_threads()
     try:

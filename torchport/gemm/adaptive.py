@@ -17,18 +17,55 @@ did one-off work besides the launch and is not recorded: packing a new weight in
 calls of the two-thread launch used to put milliseconds into its few learning samples, so the
 runner settled on a slower launch for the next hundreds of calls (measured at M=1 1024→4096:
 two-thread median 6.8 ms with packing vs 0.67 ms without).
+
+Runners of the same problem and kernel config that differ only in their fused epilogue (bare
+``x @ W`` and ``gelu(x @ W + b) + r``) share the statistics of their native arms
+(:class:`ArmStats`): the epilogue adds the same few microseconds to every native launch, so the
+bare and the fused calls rank the launches alike, and with one shared record they cannot settle
+on different launches (before, each learned alone; the fused runner could sit on the two-thread
+launch while the bare one had moved to the one-thread launch, or the reverse, which showed as a
+fused/bare ratio of 1.15 at M=8 in one run). Each runner keeps its own ATen arm: ATen's cost
+grows with the epilogue (one op per step).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchport.autotune import timing
 
 Launch = Callable[..., Any]
+
+
+class ArmStats:
+    """Recent timings of one launch and their median; may be shared by several runners (their
+    ``lock`` must then be the same object, see :class:`ThreadAdaptive`)."""
+
+    def __init__(self, window: int = 5) -> None:
+        self.hist: deque[float] = deque(maxlen=window)
+        self.median = 0.0
+
+    def add(self, dt: float) -> None:
+        self.hist.append(dt)
+        srt = sorted(self.hist)  # statistics.median costs ~2 us
+        mid = len(srt) // 2
+        self.median = srt[mid] if len(srt) % 2 else 0.5 * (srt[mid - 1] + srt[mid])
+
+
+class ArmGroup:
+    """Arms shared by several runners of one problem: their statistics and one preferred launch
+    among them (``current``, an index into each runner's arms, the same in every runner),
+    guarded by one lock that every member runner uses for its bookkeeping."""
+
+    def __init__(self, arms: Sequence[int], window: int = 5) -> None:
+        assert len(arms) >= 1 and len(set(arms)) == len(arms)
+        self.arms = tuple(arms)
+        self.stats = {i: ArmStats(window) for i in self.arms}
+        self.current = self.arms[0]
+        self.lock = threading.Lock()
 
 
 class ThreadAdaptive:
@@ -37,7 +74,12 @@ class ThreadAdaptive:
     then stays on the fastest by recent median and re-times one other arm, in turn, every
     ``probe_every`` calls. Once every arm is learned only every ``sample_every``-th call is timed
     (the current arm's median then follows its last ``window * sample_every`` calls); the calls
-    between go straight to the current launch."""
+    between go straight to the current launch.
+
+    ``group`` (optional) shares some arms (``group.arms``, the same launch at the same index in
+    every member) with other runners: their timings go into one record, one preferred launch
+    among them is kept for the whole group, and a runner leaves it only for one of its private
+    arms that is faster by ``margin``."""
 
     def __init__(
         self,
@@ -48,14 +90,17 @@ class ThreadAdaptive:
         margin: float = 0.2,
         events: Callable[[], int] | None = None,
         sample_every: int = 8,
+        group: ArmGroup | None = None,
     ) -> None:
         assert len(arms) >= 2 and window >= warmup >= 1 and probe_every >= 2
         assert sample_every >= 1 and probe_every % sample_every == 0
         assert 0.0 <= margin < 1.0
+        assert group is None or max(group.arms) < len(arms)
         self.launches = arms
-        self.history: list[deque[float]] = [deque(maxlen=window) for _ in arms]
-        self._medians = [0.0] * len(arms)  # of each history, updated when it gains a sample
-        self.current = 0
+        self._group = group
+        shared = group.stats if group is not None else {}
+        self.stats = [shared.get(i) or ArmStats(window) for i in range(len(arms))]
+        self.current = group.current if group is not None else 0
         self.calls = 0
         self.switches = 0
         self._probes = 0
@@ -65,10 +110,16 @@ class ThreadAdaptive:
         self._events = events
         self._sample_every = sample_every
         self._learned = False  # every arm has its warmup samples
-        self._lock = threading.Lock()  # bookkeeping only; launches run concurrently
+        # bookkeeping only (launches run concurrently); a group's members share its lock
+        self._lock = group.lock if group is not None else threading.Lock()
+
+    @property
+    def history(self) -> list[deque[float]]:
+        """Each arm's recent timings (shared arms: everyone's)."""
+        return [s.hist for s in self.stats]
 
     def _pick(self) -> int:
-        counts = [len(h) for h in self.history]
+        counts = [len(s.hist) for s in self.stats]
         if min(counts) < self._warmup:  # learn every arm first, round robin
             return min(range(len(counts)), key=lambda i: (counts[i], i))
         if self.calls % self._probe_every:
@@ -107,18 +158,34 @@ class ThreadAdaptive:
                 self._record(arm, seconds)
 
     def _record(self, arm: int, dt: float) -> None:
-        hist = self.history[arm]
-        hist.append(dt)
-        srt = sorted(hist)  # median, only this arm's changed (statistics.median costs ~2 us)
-        mid = len(srt) // 2
-        self._medians[arm] = srt[mid] if len(srt) % 2 else 0.5 * (srt[mid - 1] + srt[mid])
-        if self._learned or min(len(h) for h in self.history) >= self._warmup:
+        self.stats[arm].add(dt)
+        if self._learned or min(len(s.hist) for s in self.stats) >= self._warmup:
             self._learned = True
-            meds = self._medians
-            best = min(range(len(meds)), key=meds.__getitem__)
-            if best != self.current and meds[best] < meds[self.current] * (1.0 - self._margin):
+            meds = [s.median for s in self.stats]
+            keep = 1.0 - self._margin
+            g = self._group
+            if g is None:
+                best = min(range(len(meds)), key=meds.__getitem__)
+                if meds[best] >= meds[self.current] * keep:
+                    best = self.current
+            else:
+                # the group's launch moves only by the margin, for every member at once
+                top = min(g.arms, key=meds.__getitem__)
+                if top != g.current and meds[top] < meds[g.current] * keep:
+                    g.current = top
+                own = [i for i in range(len(meds)) if i not in g.arms]
+                if self.current in g.arms:  # follow the group unless a private arm beats it
+                    best = g.current
+                    if own:
+                        mine = min(own, key=meds.__getitem__)
+                        best = mine if meds[mine] < meds[g.current] * keep else g.current
+                else:  # on a private arm: leave it only for something faster by the margin
+                    best = min([*own, g.current], key=meds.__getitem__)
+                    if meds[best] >= meds[self.current] * keep:
+                        best = self.current
+            if best != self.current:
                 self.current = best
                 self.switches += 1
 
 
-__all__ = ["ThreadAdaptive"]
+__all__ = ["ArmStats", "ThreadAdaptive"]

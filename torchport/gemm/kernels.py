@@ -13,7 +13,7 @@ import contextlib
 import ctypes
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from torchport import native
 from torchport.autotune import InvalidCandidate
 from torchport.gemm import templates
 from torchport.gemm.epilogue import EpilogueSpec, apply_torch
-from torchport.gemm.pack import pack_cache
+from torchport.gemm.pack import _pack_fn, pack_cache
 
 _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -99,7 +99,7 @@ def mm_aten(
 def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> ctypes.CDLL:
     """Build (or load) the library of one tile variant for this epilogue and dtypes."""
     body = templates.render_source(spec, btag, otag, isa, ((mr, nr),))
-    src = native.render(body.replace("$", "$$"))
+    src = templates.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
     name = f"gemm_{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
     # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
     return native.build(src, name=name, isa=isa, extra_flags=["-O2"])
@@ -108,9 +108,13 @@ def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int
 def prebuild(
     spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: Sequence[tuple[int, int]]
 ) -> None:
-    """Build several tile libraries concurrently (one compiler process per core)."""
+    """Build several tile libraries and the weight-packing kernel for ``btag`` concurrently
+    (one compiler process per core)."""
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
-        futures = [pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles]
+        futures: list[Future[Any]] = [
+            pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
+        ]
+        futures.append(pool.submit(_pack_fn, 32 if btag == "f32" else 16))
         for f in futures:
             with contextlib.suppress(native.NativeError):  # reported when the candidate builds
                 f.result()
@@ -190,6 +194,8 @@ def launcher(
     f32 = torch.float32
     none_ptr = (ctypes.c_void_p * 1)(0)
     none_ld = (ctypes.c_int64 * 1)(0)
+    # bf16 output with a deferred epilogue (see templates._driver) needs an fp32 workspace
+    defer_ws = spec.deferrable and out_dtype != f32 and ks == 1
 
     def launch(
         a: torch.Tensor,
@@ -214,7 +220,8 @@ def launcher(
         work: torch.Tensor | None = None
         if ks > 1:
             work = torch.empty(ks * m * n, dtype=f32)
-        elif 0 < kc < k:
+        elif (0 < kc < k) or (defer_ws and m <= templates.DEFER_MAX_M):
+            # K blocks' partial sums; or the raw sums of a deferred epilogue with bf16 output
             work = torch.empty(m * n, dtype=f32)
         threads = max(1, torch.get_num_threads())
         status = fn(
