@@ -900,12 +900,12 @@ TP_INLINE void from_lanes(const VT *X, int64_t ne, T *a, int64_t ss) {
     for (; e < ne; ++e) for (int64_t l = 0; l < VLN; ++l) a[l * ss + e] = X[e][l];
 }
 
-/* A full group of VLN matrices, factored in place in the lane layout X (n x n vectors, both
-   triangles loaded; X + n*n holds n more vectors): one division per pivot (off-diagonal entries multiply by its reciprocal),
-   then the other triangle zeroed (or the factor transposed for upper) and stored back. */
+/* A full group of VLN matrices, factored in place in the lane layout X (n x n vectors; the
+   factor is built in the lower triangle, reading the upper one as input for upper = 1): one
+   division and one square root per pivot (off-diagonal entries multiply by 1/sqrt(pivot)), then
+   the other triangle zeroed (or the factor transposed for upper) and stored back. */
 TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int upper, VT *X) {
     const VT zero = {0}, one = zero + 1;
-    VT *R = X + n * n;  /* reciprocals of the pivots */
     int32_t inf_l[VLN];
     int failed = 0;
     /* lower factor, n a multiple of VLN: the VLN-wide chunks wholly above the diagonal are
@@ -916,44 +916,43 @@ TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int u
         for (int64_t i = 0; i < n; ++i)
             for (int64_t j0 = 0; j0 <= i; j0 += VLN) tr_block(a + i * n + j0, n * n, (T *)(X + i * n + j0), VLN);
     } else to_lanes(a, n * n, n * n, X);
-    /* right-looking for the lower factor from n = 16: a column's trailing updates are
-       independent FMAs, where the row-by-row (left-looking) loop below chains every entry on
-       the previous one (B = 10000, n = 16: fp32 6.4 -> 2.8-3.6 ms, fp64 6.4-7.9 -> 5.4-7.1 ms;
-       n = 8 was 5-15% slower right-looking, so it stays left-looking) */
-    const int rl = tri && n >= 16;
-    for (int64_t j = 0; rl && j < n; ++j) {
-        VT s = X[j * n + j];
+    /* column by column (Crout, left-looking): a column's entries are dot products over the
+       finished columns, independent of its pivot, four rows at a time sharing the loads of row
+       j; only the multiply by 1/sqrt(pivot) waits for the pivot, and 1/sqrt(s) = sqrt(s) * (1/s)
+       runs the square root and the division side by side. (The row-by-row loop this replaced
+       chained every entry on the one before it; the right-looking form stored every trailing
+       entry once per column.) */
+    for (int64_t j = 0; j < n; ++j) {
+        VT *Lj = X + j * n;
+        VT s0 = Lj[j], s1 = zero;
+        int64_t k = 0;
+        for (; k + 1 < j; k += 2) { s0 -= Lj[k] * Lj[k]; s1 -= Lj[k + 1] * Lj[k + 1]; }
+        if (k < j) s0 -= Lj[k] * Lj[k];
+        VT s = s0 + s1;
         VI ok = s > zero;
         if (vany(~ok)) {
             failed = 1;
             for (int l = 0; l < VLN; ++l) if (!ok[l] && !inf_l[l]) inf_l[l] = (int32_t)(j + 1);
         }
-        VT d = vsqrt(vsel(ok, s, one)), r = one / d;
-        X[j * n + j] = d;
-        for (int64_t i = j + 1; i < n; ++i) X[i * n + j] *= r;
-        for (int64_t i = j + 1; i < n; ++i) {
-            VT lij = X[i * n + j];
-            for (int64_t k = j + 1; k <= i; ++k) X[i * n + k] -= lij * X[k * n + j];
+        s = vsel(ok, s, one);
+        VT d = vsqrt(s), r = d * (one / s);
+        Lj[j] = d;
+        int64_t i = j + 1;
+        for (; i + 3 < n; i += 4) {
+            VT *L0 = X + i * n, *L1 = L0 + n, *L2 = L1 + n, *L3 = L2 + n;
+            VT t0 = upper ? Lj[i] : L0[j], t1 = upper ? Lj[i + 1] : L1[j];
+            VT t2 = upper ? Lj[i + 2] : L2[j], t3 = upper ? Lj[i + 3] : L3[j];
+            for (k = 0; k < j; ++k) {
+                VT x = Lj[k];
+                t0 -= L0[k] * x; t1 -= L1[k] * x; t2 -= L2[k] * x; t3 -= L3[k] * x;
+            }
+            L0[j] = t0 * r; L1[j] = t1 * r; L2[j] = t2 * r; L3[j] = t3 * r;
         }
-    }
-    for (int64_t i = 0; !rl && i < n; ++i) {
-        VT *Li = X + i * n;
-        for (int64_t j = 0; j < i; ++j) {
-            const VT *Lj = X + j * n;
-            VT s = upper ? X[j * n + i] : Li[j];
-            for (int64_t k = 0; k < j; ++k) s -= Li[k] * Lj[k];
-            Li[j] = s * R[j];
+        for (; i < n; ++i) {
+            VT *L0 = X + i * n, t0 = upper ? Lj[i] : L0[j];
+            for (k = 0; k < j; ++k) t0 -= L0[k] * Lj[k];
+            L0[j] = t0 * r;
         }
-        VT s = Li[i];
-        for (int64_t k = 0; k < i; ++k) s -= Li[k] * Li[k];
-        VI ok = s > zero;
-        if (vany(~ok)) {
-            failed = 1;
-            for (int l = 0; l < VLN; ++l) if (!ok[l] && !inf_l[l]) inf_l[l] = (int32_t)(i + 1);
-        }
-        VT d = vsqrt(vsel(ok, s, one));
-        Li[i] = d;
-        R[i] = one / d;
     }
     if (tri) {
         for (int64_t i = 0; i < n; ++i) {
