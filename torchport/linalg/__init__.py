@@ -125,30 +125,22 @@ _lk_chol = _lapack_fast["cholesky"]
 _chol_native: dict[
     tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
 ] = {}
+# the same for QR: (method, shape, dtype, mode) -> resolved launcher (kernels.qr_plan)
+_qr_native: dict[tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
 # (shape, dtype, upper) -> resolved native Cholesky launcher, for every eager CPU native call
 _chol_plans: dict[
     tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
 ] = {}
 
 
-def _chol_routed_native(
-    a: object, upper: bool, method: str
-) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """Run a native Cholesky that ``method`` already routed for this problem through its
-    resolved launcher, or None to take the general path (unknown problem, non-CPU tensor,
-    tracing, autograd, a setting changed or overridden since the route was learned).
-
-    The checks are those of ``native.eager_fast_path`` and ``native.enabled`` written out
-    inline (~1 us instead of ~4 us at B = 100, n = 3): a learned route implies the native kernels
-    were on, so "still on" is "no setting assigned since (generation), no override active, and
-    ``TORCHPORT_NATIVE`` unchanged in the environment".
-    """
-    if type(a) is not torch.Tensor:
-        return None
-    run = _chol_native.get((method, a.shape, a.dtype, upper))
-    if (
-        run is None
-        or _routes_gen[0] != _cfg_gen[0]
+def _native_ok(a: torch.Tensor) -> bool:
+    """May a routed native launcher run on ``a`` (a plain tensor) now? The checks of
+    ``native.eager_fast_path`` and ``native.enabled`` written out inline (~1 us instead of
+    ~4 us at B = 100, n = 3): a learned route implies the native kernels were on, so "still on"
+    is "no setting assigned since (generation), no override active, and ``TORCHPORT_NATIVE``
+    unchanged in the environment"; then a CPU tensor, no autograd to record, no tracing."""
+    return not (
+        _routes_gen[0] != _cfg_gen[0]
         or _cfg_overrides.get()
         or _env_data.get(_NATIVE_ENV) != _native_env[0]
         or not a.is_cpu
@@ -159,7 +151,19 @@ def _chol_routed_native(
             torch._C._is_torch_function_mode_enabled()
             and torch.overrides._get_current_function_mode()
         )
-    ):
+    )
+
+
+def _chol_routed_native(
+    a: object, upper: bool, method: str
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Run a native Cholesky that ``method`` already routed for this problem through its
+    resolved launcher, or None to take the general path (unknown problem, non-CPU tensor,
+    tracing, autograd, a setting changed or overridden since the route was learned)."""
+    if type(a) is not torch.Tensor:
+        return None
+    run = _chol_native.get((method, a.shape, a.dtype, upper))
+    if run is None or not _native_ok(a):
         return None
     return run(a)
 
@@ -195,6 +199,7 @@ def _drop_routes() -> None:
     for keys in _lapack_fast.values():
         keys.clear()
     _chol_native.clear()
+    _qr_native.clear()
 
 
 def _sync_routes() -> None:
@@ -358,8 +363,8 @@ def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]
         return lambda x: ops.svd(x, extra[0], extra[1])
     if op == "eigh":
         return lambda x: ops.eigh(x, extra[0], extra[1])
-    if op == "qr":
-        return lambda x: ops.qr(x, extra[0])
+    if op == "qr":  # a routed eager QR runs the resolved launcher (see qr)
+        return lambda x: _qr_plan(x, extra[0])(x)
     # a routed eager Cholesky runs the resolved launcher (_cholesky_ex), so that is what is timed
     return lambda x: _cholesky_ex(x, extra[0], False, "native")
 
@@ -504,12 +509,22 @@ def qr(
         and _routes_gen[0] == _cfg_gen[0]
     ):
         return torch.linalg.qr(A, mode=mode)
+    if type(A) is torch.Tensor:  # a problem already routed to the native kernel: its launcher
+        run = _qr_native.get((method, A.shape, A.dtype, mode))
+        if run is not None and _native_ok(A):
+            return _rt.linalg_qr(run(A))
     a = _check("qr", A, square=False)
     if mode not in QR_MODES:
         raise LinalgInputError(f"torchport.linalg.qr: mode must be one of {QR_MODES}, got {mode!r}")
     route = _route("qr", a, method, (mode,))
     if route == "lapack":
         return torch.linalg.qr(a, mode=mode)
+    if route == "native" and a.is_cpu and a.numel() and not _cfg_overrides.get():
+        if len(_qr_native) >= 4096:  # bound the table for programs with ever-new shapes
+            _qr_native.clear()
+        _qr_native[(method, a.shape, a.dtype, mode)] = run = _qr_plan(a, mode)
+        if native.eager_fast_path(a):
+            return _rt.linalg_qr(run(a))
     if route == "reference":
         q, r = qr_reference(ops._flat(a), mode)
         batch = a.shape[:-2]
@@ -567,6 +582,24 @@ def _chol_plan(
         n = a.shape[-1]
         run = kernels.cholesky_plan(a.numel() // (n * n), n, a.dtype, upper, a.shape[:-2])
         _chol_plans[key] = run
+    return run
+
+
+_qr_plans: dict[tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _qr_plan(
+    a: torch.Tensor, mode: str
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The resolved native QR launcher for ``a``'s shape (kernels.qr_plan), cached; m, n ≥ 1."""
+    key = (a.shape, a.dtype, mode)
+    run = _qr_plans.get(key)
+    if run is None:
+        if len(_qr_plans) >= 4096:  # bound the cache for programs with ever-new shapes
+            _qr_plans.clear()
+        m, n = a.shape[-2:]
+        run = kernels.qr_plan(a.numel() // (m * n), m, n, a.dtype, mode, a.shape[:-2])
+        _qr_plans[key] = run
     return run
 
 

@@ -1336,6 +1336,44 @@ def qr(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     return q, r
 
 
+def qr_plan(
+    b: int, m: int, n: int, dtype: torch.dtype, mode: str, batch: tuple[int, ...] | None = None
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The launcher :func:`qr` would use for ``b`` matrices of m × n (all ≥ 1), resolved once.
+
+    The returned function takes a CPU tensor of ``b`` such matrices with batch shape ``batch``
+    (default ``(b,)``) and returns (Q, R) shaped as ``torch.linalg.qr`` gives them; per call it
+    only allocates the outputs and calls the kernel (routed ``method="auto"`` and repeated
+    ``method="jacobi"`` calls, where the op layer costs more than the kernel at small sizes).
+    """
+    assert b >= 1 and m >= 1 and n >= 1 and mode in ("reduced", "complete", "r")
+    k = min(m, n)
+    complete, wantq = mode == "complete", mode != "r"
+    bs = (b,) if batch is None else tuple(batch)
+    r_shape = (*bs, m if complete else k, n)
+    q_shape = (*bs, m, m if complete else k) if wantq else (0,)
+    call = _ks(dtype)["qr"].call_unchecked
+    wq, cp = int(wantq), int(complete)
+    nthreads = torch.get_num_threads
+    # empty_like of a template (~1.3 us) for small outputs; large ones are not kept alive
+    small = b * m * n <= 1 << 14
+    r_like = torch.empty(r_shape if small else (0,), dtype=dtype)
+    q_like = torch.empty(q_shape if small else (0,), dtype=dtype)
+
+    def run(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        if small:
+            q, r = torch.empty_like(q_like), torch.empty_like(r_like)
+        else:
+            q, r = torch.empty(q_shape, dtype=dtype), torch.empty(r_shape, dtype=dtype)
+        call(a.data_ptr(), q.data_ptr(), r.data_ptr(), b, m, n, wq, cp,
+             max(1, nthreads()))  # fmt: skip
+        return q, r
+
+    return run
+
+
 def cholesky(
     a: torch.Tensor, upper: bool, lanes: bool | None = None, blocked: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
