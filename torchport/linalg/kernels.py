@@ -33,7 +33,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   n ≤ 48 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
   which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run). A
   full group moves between the row-major matrices and the lane layout by 8×8 (float32) / 4×4
-  (float64) AVX shuffle transposes and divides once per pivot (multiplying by its reciprocal).
+  (float64) AVX shuffle transposes and is factored column by column (Crout): a column's entries
+  are dot products over the finished columns, and only their final multiply by
+  1/sqrt(pivot) = sqrt(s)·(1/s) waits on the pivot.
   Above n = 48, and for batches too small to fill the lanes from n = 17, the blocked kernel of
   :mod:`torchport.linalg.blocked` (panel + register-blocked trailing update) takes over.
 """
