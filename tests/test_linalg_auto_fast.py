@@ -177,3 +177,15 @@ def test_native_fast_path_sees_environment_switch(monkeypatch: pytest.MonkeyPatc
         warnings.simplefilter("ignore")
         torch.testing.assert_close(tl.cholesky(a, method="jacobi"), torch.linalg.cholesky(a))
     assert not tl._chol_native and not tl._qr_native
+
+
+def test_native_fast_path_kept_under_unrelated_override() -> None:
+    tl._drop_routes()
+    a = _spd(9, 3)
+    tl.cholesky(a, method="jacobi")
+    with config.override(progress=False):  # not a routing setting: launchers stay valid
+        assert tl._native_ok(a)
+        assert tl._chol_routed_native(a, False, "jacobi") is not None
+        with config.override(isa="scalar"):  # a routing setting: the general path decides
+            assert not tl._native_ok(a)
+        assert tl._native_ok(a)

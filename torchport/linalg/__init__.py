@@ -133,15 +133,31 @@ _chol_plans: dict[
 ] = {}
 
 
+_last_overrides: list[Any] = [(), True]  # (the overrides tuple last checked, its verdict)
+
+
+def _neutral_overrides() -> bool:
+    """True unless a ``config.override`` active in this context sets a routing setting (routes
+    and launchers learned outside it would then be stale). The context's tuple of override
+    layers is the same object while it lasts, so the verdict is cached by identity."""
+    ov = _cfg_overrides.get()
+    if ov is _last_overrides[0]:
+        return bool(_last_overrides[1])
+    ok = not any(_ROUTE_SET.intersection(layer) for layer in ov)
+    _last_overrides[0], _last_overrides[1] = ov, ok
+    return ok
+
+
 def _native_ok(a: torch.Tensor) -> bool:
     """May a routed native launcher run on ``a`` (a plain tensor) now? The checks of
     ``native.eager_fast_path`` and ``native.enabled`` written out inline (~1 us instead of
     ~4 us at B = 100, n = 3): a learned route implies the native kernels were on, so "still on"
-    is "no setting assigned since (generation), no override active, and ``TORCHPORT_NATIVE``
-    unchanged in the environment"; then a CPU tensor, no autograd to record, no tracing."""
+    is "no setting assigned since (generation), no active override of a routing setting, and
+    ``TORCHPORT_NATIVE`` unchanged in the environment"; then a CPU tensor, no autograd to
+    record, no tracing."""
     return not (
         _routes_gen[0] != _cfg_gen[0]
-        or _cfg_overrides.get()
+        or not _neutral_overrides()
         or _env_data.get(_NATIVE_ENV) != _native_env[0]
         or not a.is_cpu
         or (a.requires_grad and torch.is_grad_enabled())
@@ -182,6 +198,7 @@ _ROUTE_SETTINGS = (
     "autotune_noise",
     "cache_dir",
 )
+_ROUTE_SET = frozenset(_ROUTE_SETTINGS)
 _cfg_gen = config._generation
 _cfg_overrides = config._overrides
 _routes_gen = [_cfg_gen[0]]
@@ -519,7 +536,7 @@ def qr(
     route = _route("qr", a, method, (mode,))
     if route == "lapack":
         return torch.linalg.qr(a, mode=mode)
-    if route == "native" and a.is_cpu and a.numel() and not _cfg_overrides.get():
+    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
         if len(_qr_native) >= 4096:  # bound the table for programs with ever-new shapes
             _qr_native.clear()
         _qr_native[(method, a.shape, a.dtype, mode)] = run = _qr_plan(a, mode)
@@ -563,8 +580,9 @@ def cholesky_ex(
 
 def _learn_native(a: torch.Tensor, upper: bool, method: str, route: str) -> None:
     """Remember the launcher of a CPU Cholesky that ``method`` routed to native, for repeats
-    (not under a settings override: the fast path assumes the settings it was learned with)."""
-    if route == "native" and a.is_cpu and a.numel() and not _cfg_overrides.get():
+    (not under an override of a routing setting: the fast path assumes the settings it was
+    learned with)."""
+    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
         if len(_chol_native) >= 4096:  # bound the table for programs with ever-new shapes
             _chol_native.clear()
         _chol_native[(method, a.shape, a.dtype, upper)] = _chol_plan(a, upper)
