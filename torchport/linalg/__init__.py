@@ -338,7 +338,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             "dtype": str(dtype),
             "options": list(extra),
             "kernels": kernels.SOURCE_TAG,
-            "tuned_on": "call batch, public path, confirmed interleaved",
+            "tuned_on": "call batch, routed path (cholesky and qr: resolved launcher), confirmed interleaved",
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
         factory,
