@@ -301,6 +301,10 @@ def _time_pair(
     return ta, tb
 
 
+# What the tuner times, part of every choice's key: a change of the timed path re-tunes.
+TUNED_ON = "call batch, routed path (cholesky and qr: resolved launcher), confirmed interleaved"
+
+
 def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     """Ask the autotuner (persistent cache) whether the native kernel beats torch.linalg.
 
@@ -338,7 +342,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             "dtype": str(dtype),
             "options": list(extra),
             "kernels": kernels.SOURCE_TAG,
-            "tuned_on": "call batch, routed path (cholesky and qr: resolved launcher), confirmed interleaved",
+            "tuned_on": TUNED_ON,
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
         factory,
