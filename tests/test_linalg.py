@@ -623,7 +623,7 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
             "dtype": "torch.float32",
             "options": [False, False],
             "kernels": kernels.SOURCE_TAG,
-            "tuned_on": "call batch, public path, confirmed interleaved",
+            "tuned_on": tl.TUNED_ON,
         },
     )
     assert hit is not None and set(hit["timings_s"]) == {"torch.linalg", "native"}

@@ -118,3 +118,74 @@ def test_jacobi_repeat_fast_path_matches_general_path(dtype: torch.dtype, upper:
         assert not tl._chol_native
     finally:
         config.set("autotune_noise", None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("shape", "mode"), [((7, 1, 3, 3), "reduced"), ((5, 6, 4), "complete"), ((9, 3, 5), "r")]
+)
+def test_qr_repeat_fast_path_matches_general_path(
+    dtype: torch.dtype, shape: tuple[int, ...], mode: str
+) -> None:
+    tl._drop_routes()
+    a = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    first = tl.qr(a, mode=mode, method="jacobi")  # general path: learns the launcher
+    assert ("jacobi", a.shape, a.dtype, mode) in tl._qr_native
+    again = tl.qr(a, mode=mode, method="jacobi")  # the resolved launcher
+    assert type(again) is type(torch.linalg.qr(a, mode=mode))
+    ref = torch.linalg.qr(a, mode=mode)
+    assert again.Q.shape == ref.Q.shape and again.R.shape == ref.R.shape
+    assert torch.equal(again.Q, first.Q) and torch.equal(again.R, first.R)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(again.R, ref.R, atol=tol, rtol=tol)
+    # a strided input takes the launcher too (it makes the batch contiguous first)
+    t = a.mT.contiguous().mT
+    tl.qr(t, mode=mode, method="jacobi")
+    torch.testing.assert_close(tl.qr(t, mode=mode, method="jacobi").R, ref.R, atol=tol, rtol=tol)
+    # autograd takes the general path (the op layer records the backward)
+    if mode == "reduced":
+        x = a.clone().requires_grad_()
+        q, r = tl.qr(x, mode=mode, method="jacobi")
+        (q.sum() + r.sum()).backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    # switched-off native kernels are honoured, a setting assignment forgets the launcher
+    with config.override(native=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the visible fallback note for switched-off kernels
+        assert tl._native_ok(a) is False
+        torch.testing.assert_close(
+            tl.qr(a, mode=mode, method="jacobi").R, ref.R, atol=tol, rtol=tol
+        )
+    config.set("autotune_noise", config.get("autotune_noise"))
+    try:
+        assert not tl._native_ok(a)  # stale: general path
+        tl._sync_routes()
+        assert not tl._qr_native
+    finally:
+        config.set("autotune_noise", None)
+
+
+def test_native_fast_path_sees_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    tl._drop_routes()
+    a = _spd(9, 3)
+    tl.cholesky(a, method="jacobi")
+    tl.qr(a, method="jacobi")
+    assert tl._native_ok(a)
+    monkeypatch.setenv("TORCHPORT_NATIVE", "0")
+    assert not tl._native_ok(a)  # the fast paths step aside; the general path re-reads settings
+    assert tl._chol_routed_native(a, False, "jacobi") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(tl.cholesky(a, method="jacobi"), torch.linalg.cholesky(a))
+    assert not tl._chol_native and not tl._qr_native
+
+
+def test_native_fast_path_kept_under_unrelated_override() -> None:
+    tl._drop_routes()
+    a = _spd(9, 3)
+    tl.cholesky(a, method="jacobi")
+    with config.override(progress=False):  # not a routing setting: launchers stay valid
+        assert tl._native_ok(a)
+        assert tl._chol_routed_native(a, False, "jacobi") is not None
+        with config.override(isa="scalar"):  # a routing setting: the general path decides
+            assert not tl._native_ok(a)
+        assert tl._native_ok(a)

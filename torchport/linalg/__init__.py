@@ -125,10 +125,49 @@ _lk_chol = _lapack_fast["cholesky"]
 _chol_native: dict[
     tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
 ] = {}
+# the same for QR: (method, shape, dtype, mode) -> resolved launcher (kernels.qr_plan)
+_qr_native: dict[tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
 # (shape, dtype, upper) -> resolved native Cholesky launcher, for every eager CPU native call
 _chol_plans: dict[
     tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
 ] = {}
+
+
+_last_overrides: list[Any] = [(), True]  # (the overrides tuple last checked, its verdict)
+
+
+def _neutral_overrides() -> bool:
+    """True unless a ``config.override`` active in this context sets a routing setting (routes
+    and launchers learned outside it would then be stale). The context's tuple of override
+    layers is the same object while it lasts, so the verdict is cached by identity."""
+    ov = _cfg_overrides.get()
+    if ov is _last_overrides[0]:
+        return bool(_last_overrides[1])
+    ok = not any(_ROUTE_SET.intersection(layer) for layer in ov)
+    _last_overrides[0], _last_overrides[1] = ov, ok
+    return ok
+
+
+def _native_ok(a: torch.Tensor) -> bool:
+    """May a routed native launcher run on ``a`` (a plain tensor) now? The checks of
+    ``native.eager_fast_path`` and ``native.enabled`` written out inline (~1 us instead of
+    ~4 us at B = 100, n = 3): a learned route implies the native kernels were on, so "still on"
+    is "no setting assigned since (generation), no active override of a routing setting, and
+    ``TORCHPORT_NATIVE`` unchanged in the environment"; then a CPU tensor, no autograd to
+    record, no tracing."""
+    return not (
+        _routes_gen[0] != _cfg_gen[0]
+        or not _neutral_overrides()
+        or _env_data.get(_NATIVE_ENV) != _native_env[0]
+        or not a.is_cpu
+        or (a.requires_grad and torch.is_grad_enabled())
+        or torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or (
+            torch._C._is_torch_function_mode_enabled()
+            and torch.overrides._get_current_function_mode()
+        )
+    )
 
 
 def _chol_routed_native(
@@ -136,17 +175,11 @@ def _chol_routed_native(
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """Run a native Cholesky that ``method`` already routed for this problem through its
     resolved launcher, or None to take the general path (unknown problem, non-CPU tensor,
-    tracing, autograd, native kernels disabled)."""
+    tracing, autograd, a setting changed or overridden since the route was learned)."""
     if type(a) is not torch.Tensor:
         return None
     run = _chol_native.get((method, a.shape, a.dtype, upper))
-    if (
-        run is None
-        or _routes_gen[0] != _cfg_gen[0]
-        or not a.is_cpu
-        or not native.eager_fast_path(a)
-        or not native.enabled()
-    ):
+    if run is None or not _native_ok(a):
         return None
     return run(a)
 
@@ -165,9 +198,15 @@ _ROUTE_SETTINGS = (
     "autotune_noise",
     "cache_dir",
 )
+_ROUTE_SET = frozenset(_ROUTE_SETTINGS)
 _cfg_gen = config._generation
+_cfg_overrides = config._overrides
 _routes_gen = [_cfg_gen[0]]
 _routes_stamp: list[Any] = [config.stamp(_ROUTE_SETTINGS)]
+# the raw TORCHPORT_NATIVE environment entry when the native routes were last (re)validated
+_env_data = config._env_data
+_NATIVE_ENV = config._env_key(config.SETTINGS["native"].env)
+_native_env: list[Any] = [_env_data.get(_NATIVE_ENV)]
 
 
 def _drop_routes() -> None:
@@ -177,6 +216,7 @@ def _drop_routes() -> None:
     for keys in _lapack_fast.values():
         keys.clear()
     _chol_native.clear()
+    _qr_native.clear()
 
 
 def _sync_routes() -> None:
@@ -187,6 +227,7 @@ def _sync_routes() -> None:
     _drop_routes()
     _routes_stamp[0] = st
     _routes_gen[0] = _cfg_gen[0]
+    _native_env[0] = _env_data.get(_NATIVE_ENV)
 
 
 def _lapack_known(op: str, a: object, extra: tuple[Any, ...]) -> bool:
@@ -260,6 +301,10 @@ def _time_pair(
     return ta, tb
 
 
+# What the tuner times, part of every choice's key: a change of the timed path re-tunes.
+TUNED_ON = "call batch, routed path (cholesky and qr: resolved launcher), confirmed interleaved"
+
+
 def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     """Ask the autotuner (persistent cache) whether the native kernel beats torch.linalg.
 
@@ -297,7 +342,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             "dtype": str(dtype),
             "options": list(extra),
             "kernels": kernels.SOURCE_TAG,
-            "tuned_on": "call batch, public path, confirmed interleaved",
+            "tuned_on": TUNED_ON,
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
         factory,
@@ -339,8 +384,8 @@ def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]
         return lambda x: ops.svd(x, extra[0], extra[1])
     if op == "eigh":
         return lambda x: ops.eigh(x, extra[0], extra[1])
-    if op == "qr":
-        return lambda x: ops.qr(x, extra[0])
+    if op == "qr":  # a routed eager QR runs the resolved launcher (see qr)
+        return lambda x: _qr_plan(x, extra[0])(x)
     # a routed eager Cholesky runs the resolved launcher (_cholesky_ex), so that is what is timed
     return lambda x: _cholesky_ex(x, extra[0], False, "native")
 
@@ -485,12 +530,22 @@ def qr(
         and _routes_gen[0] == _cfg_gen[0]
     ):
         return torch.linalg.qr(A, mode=mode)
+    if type(A) is torch.Tensor:  # a problem already routed to the native kernel: its launcher
+        run = _qr_native.get((method, A.shape, A.dtype, mode))
+        if run is not None and _native_ok(A):
+            return _rt.linalg_qr(run(A))
     a = _check("qr", A, square=False)
     if mode not in QR_MODES:
         raise LinalgInputError(f"torchport.linalg.qr: mode must be one of {QR_MODES}, got {mode!r}")
     route = _route("qr", a, method, (mode,))
     if route == "lapack":
         return torch.linalg.qr(a, mode=mode)
+    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
+        if len(_qr_native) >= 4096:  # bound the table for programs with ever-new shapes
+            _qr_native.clear()
+        _qr_native[(method, a.shape, a.dtype, mode)] = run = _qr_plan(a, mode)
+        if native.eager_fast_path(a):
+            return _rt.linalg_qr(run(a))
     if route == "reference":
         q, r = qr_reference(ops._flat(a), mode)
         batch = a.shape[:-2]
@@ -528,8 +583,10 @@ def cholesky_ex(
 
 
 def _learn_native(a: torch.Tensor, upper: bool, method: str, route: str) -> None:
-    """Remember the launcher of a CPU Cholesky that ``method`` routed to native, for repeats."""
-    if route == "native" and a.is_cpu and a.numel():
+    """Remember the launcher of a CPU Cholesky that ``method`` routed to native, for repeats
+    (not under an override of a routing setting: the fast path assumes the settings it was
+    learned with)."""
+    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
         if len(_chol_native) >= 4096:  # bound the table for programs with ever-new shapes
             _chol_native.clear()
         _chol_native[(method, a.shape, a.dtype, upper)] = _chol_plan(a, upper)
@@ -547,6 +604,24 @@ def _chol_plan(
         n = a.shape[-1]
         run = kernels.cholesky_plan(a.numel() // (n * n), n, a.dtype, upper, a.shape[:-2])
         _chol_plans[key] = run
+    return run
+
+
+_qr_plans: dict[tuple[Any, ...], Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _qr_plan(
+    a: torch.Tensor, mode: str
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The resolved native QR launcher for ``a``'s shape (kernels.qr_plan), cached; m, n ≥ 1."""
+    key = (a.shape, a.dtype, mode)
+    run = _qr_plans.get(key)
+    if run is None:
+        if len(_qr_plans) >= 4096:  # bound the cache for programs with ever-new shapes
+            _qr_plans.clear()
+        m, n = a.shape[-2:]
+        run = kernels.qr_plan(a.numel() // (m * n), m, n, a.dtype, mode, a.shape[:-2])
+        _qr_plans[key] = run
     return run
 
 

@@ -33,7 +33,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   n ≤ 48 ``tp_cholesky_vec`` factors 8 (float32) / 4 (float64) matrices per SIMD lane group,
   which removes the per-matrix division/sqrt latency chain (8-50× at n = 3…8 in one run). A
   full group moves between the row-major matrices and the lane layout by 8×8 (float32) / 4×4
-  (float64) AVX shuffle transposes and divides once per pivot (multiplying by its reciprocal).
+  (float64) AVX shuffle transposes and is factored column by column (Crout): a column's entries
+  are dot products over the finished columns, and only their final multiply by
+  1/sqrt(pivot) = sqrt(s)·(1/s) waits on the pivot.
   Above n = 48, and for batches too small to fill the lanes from n = 17, the blocked kernel of
   :mod:`torchport.linalg.blocked` (panel + register-blocked trailing update) takes over.
 """
@@ -918,12 +920,12 @@ TP_INLINE void from_lanes(const VT *X, int64_t ne, T *a, int64_t ss) {
     for (; e < ne; ++e) for (int64_t l = 0; l < VLN; ++l) a[l * ss + e] = X[e][l];
 }
 
-/* A full group of VLN matrices, factored in place in the lane layout X (n x n vectors, both
-   triangles loaded; X + n*n holds n more vectors): one division per pivot (off-diagonal entries multiply by its reciprocal),
-   then the other triangle zeroed (or the factor transposed for upper) and stored back. */
+/* A full group of VLN matrices, factored in place in the lane layout X (n x n vectors; the
+   factor is built in the lower triangle, reading the upper one as input for upper = 1): one
+   division and one square root per pivot (off-diagonal entries multiply by 1/sqrt(pivot)), then
+   the other triangle zeroed (or the factor transposed for upper) and stored back. */
 TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int upper, VT *X) {
     const VT zero = {0}, one = zero + 1;
-    VT *R = X + n * n;  /* reciprocals of the pivots */
     int32_t inf_l[VLN];
     int failed = 0;
     /* lower factor, n a multiple of VLN: the VLN-wide chunks wholly above the diagonal are
@@ -934,44 +936,43 @@ TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int u
         for (int64_t i = 0; i < n; ++i)
             for (int64_t j0 = 0; j0 <= i; j0 += VLN) tr_block(a + i * n + j0, n * n, (T *)(X + i * n + j0), VLN);
     } else to_lanes(a, n * n, n * n, X);
-    /* right-looking for the lower factor from n = 16: a column's trailing updates are
-       independent FMAs, where the row-by-row (left-looking) loop below chains every entry on
-       the previous one (B = 10000, n = 16: fp32 6.4 -> 2.8-3.6 ms, fp64 6.4-7.9 -> 5.4-7.1 ms;
-       n = 8 was 5-15% slower right-looking, so it stays left-looking) */
-    const int rl = tri && n >= 16;
-    for (int64_t j = 0; rl && j < n; ++j) {
-        VT s = X[j * n + j];
+    /* column by column (Crout, left-looking): a column's entries are dot products over the
+       finished columns, independent of its pivot, four rows at a time sharing the loads of row
+       j; only the multiply by 1/sqrt(pivot) waits for the pivot, and 1/sqrt(s) = sqrt(s) * (1/s)
+       runs the square root and the division side by side. (The row-by-row loop this replaced
+       chained every entry on the one before it; the right-looking form stored every trailing
+       entry once per column.) */
+    for (int64_t j = 0; j < n; ++j) {
+        VT *Lj = X + j * n;
+        VT s0 = Lj[j], s1 = zero;
+        int64_t k = 0;
+        for (; k + 1 < j; k += 2) { s0 -= Lj[k] * Lj[k]; s1 -= Lj[k + 1] * Lj[k + 1]; }
+        if (k < j) s0 -= Lj[k] * Lj[k];
+        VT s = s0 + s1;
         VI ok = s > zero;
         if (vany(~ok)) {
             failed = 1;
             for (int l = 0; l < VLN; ++l) if (!ok[l] && !inf_l[l]) inf_l[l] = (int32_t)(j + 1);
         }
-        VT d = vsqrt(vsel(ok, s, one)), r = one / d;
-        X[j * n + j] = d;
-        for (int64_t i = j + 1; i < n; ++i) X[i * n + j] *= r;
-        for (int64_t i = j + 1; i < n; ++i) {
-            VT lij = X[i * n + j];
-            for (int64_t k = j + 1; k <= i; ++k) X[i * n + k] -= lij * X[k * n + j];
+        s = vsel(ok, s, one);
+        VT d = vsqrt(s), r = d * (one / s);
+        Lj[j] = d;
+        int64_t i = j + 1;
+        for (; i + 3 < n; i += 4) {
+            VT *L0 = X + i * n, *L1 = L0 + n, *L2 = L1 + n, *L3 = L2 + n;
+            VT t0 = upper ? Lj[i] : L0[j], t1 = upper ? Lj[i + 1] : L1[j];
+            VT t2 = upper ? Lj[i + 2] : L2[j], t3 = upper ? Lj[i + 3] : L3[j];
+            for (k = 0; k < j; ++k) {
+                VT x = Lj[k];
+                t0 -= L0[k] * x; t1 -= L1[k] * x; t2 -= L2[k] * x; t3 -= L3[k] * x;
+            }
+            L0[j] = t0 * r; L1[j] = t1 * r; L2[j] = t2 * r; L3[j] = t3 * r;
         }
-    }
-    for (int64_t i = 0; !rl && i < n; ++i) {
-        VT *Li = X + i * n;
-        for (int64_t j = 0; j < i; ++j) {
-            const VT *Lj = X + j * n;
-            VT s = upper ? X[j * n + i] : Li[j];
-            for (int64_t k = 0; k < j; ++k) s -= Li[k] * Lj[k];
-            Li[j] = s * R[j];
+        for (; i < n; ++i) {
+            VT *L0 = X + i * n, t0 = upper ? Lj[i] : L0[j];
+            for (k = 0; k < j; ++k) t0 -= L0[k] * Lj[k];
+            L0[j] = t0 * r;
         }
-        VT s = Li[i];
-        for (int64_t k = 0; k < i; ++k) s -= Li[k] * Li[k];
-        VI ok = s > zero;
-        if (vany(~ok)) {
-            failed = 1;
-            for (int l = 0; l < VLN; ++l) if (!ok[l] && !inf_l[l]) inf_l[l] = (int32_t)(i + 1);
-        }
-        VT d = vsqrt(vsel(ok, s, one));
-        Li[i] = d;
-        R[i] = one / d;
     }
     if (tri) {
         for (int64_t i = 0; i < n; ++i) {
@@ -1361,6 +1362,44 @@ def qr(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         native.num_threads(),
     )  # fmt: skip
     return q, r
+
+
+def qr_plan(
+    b: int, m: int, n: int, dtype: torch.dtype, mode: str, batch: tuple[int, ...] | None = None
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The launcher :func:`qr` would use for ``b`` matrices of m × n (all ≥ 1), resolved once.
+
+    The returned function takes a CPU tensor of ``b`` such matrices with batch shape ``batch``
+    (default ``(b,)``) and returns (Q, R) shaped as ``torch.linalg.qr`` gives them; per call it
+    only allocates the outputs and calls the kernel (routed ``method="auto"`` and repeated
+    ``method="jacobi"`` calls, where the op layer costs more than the kernel at small sizes).
+    """
+    assert b >= 1 and m >= 1 and n >= 1 and mode in ("reduced", "complete", "r")
+    k = min(m, n)
+    complete, wantq = mode == "complete", mode != "r"
+    bs = (b,) if batch is None else tuple(batch)
+    r_shape = (*bs, m if complete else k, n)
+    q_shape = (*bs, m, m if complete else k) if wantq else (0,)
+    call = _ks(dtype)["qr"].call_unchecked
+    wq, cp = int(wantq), int(complete)
+    nthreads = torch.get_num_threads
+    # empty_like of a template (~1.3 us) for small outputs; large ones are not kept alive
+    small = b * m * n <= 1 << 14
+    r_like = torch.empty(r_shape if small else (0,), dtype=dtype)
+    q_like = torch.empty(q_shape if small else (0,), dtype=dtype)
+
+    def run(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        if small:
+            q, r = torch.empty_like(q_like), torch.empty_like(r_like)
+        else:
+            q, r = torch.empty(q_shape, dtype=dtype), torch.empty(r_shape, dtype=dtype)
+        call(a.data_ptr(), q.data_ptr(), r.data_ptr(), b, m, n, wq, cp,
+             max(1, nthreads()))  # fmt: skip
+        return q, r
+
+    return run
 
 
 def cholesky(
