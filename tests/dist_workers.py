@@ -359,6 +359,8 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
             torch.ones(3 * world),
             op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM,
         ),
+        # over TCP: a pipelined chain of two pieces, then the acknowledgement back up
+        lambda: dist.broadcast(torch.ones(300_000 + odd), src=0),
     ]
     out = []
     for fn in cases:

@@ -233,9 +233,13 @@ def _chain_broadcast(
     itself (the connection's reader thread receives piece k + 1 while this thread forwards
     piece k to the children), so every link of the chain is busy at once and each rank sends
     and receives ``n`` bytes once. A single piece cannot be pipelined; there the tree's
-    ``ceil(log2 W)`` rounds beat the chain's ``W - 1`` hops. A last empty exchange
-    with every peer carries the signature to ranks that only sent (the root) or only received
-    (the leaves), so a mismatched call fails on every rank.
+    ``ceil(log2 W)`` rounds beat the chain's ``W - 1`` hops; a parent with several children
+    sends to them concurrently. Then an empty acknowledgement travels back up the same
+    tree/chain: each rank waits for every child's (checking its signature) before sending its
+    own to its parent, so the root -- which receives nothing else -- and every rank above a
+    mismatched one fail in the call itself (the detecting rank's error reaches the rest as an
+    ABORT frame while they wait). ``W - 1`` frames instead of an all-to-all exchange's
+    ``W (W - 1)``.
     """
     w, r = comm.world, comm.rank
     pos = (r - root) % w
@@ -247,16 +251,19 @@ def _chain_broadcast(
     prev = comm.ranks[(up + root) % w] if pos else -1
     kids = [comm.ranks[(d + root) % w] for d in downs]
     sigs = [make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, k) for k in range(len(pieces))]
+    sigs.append(make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, len(pieces)))  # the ack
     epoch0 = comm.epoch
-    comm.epoch += len(pieces)
+    comm.epoch += len(pieces) + 1
     mailbox, gid, send = comm.mesh.mailbox, comm.group_id, comm.mesh.send
     keys = [(gid, int(Kind.COLL), prev, epoch0 + k) for k in range(len(pieces))]
     posted = 0
 
-    def forward(k: int) -> None:
-        lo, nb = pieces[k]
-        for kid in kids:
-            send(kid, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k])
+    def receive(src: int, k: int) -> bytearray:
+        hdr, body = mailbox.get((gid, int(Kind.COLL), src, epoch0 + k), deadline, comm.check)
+        if hdr.sig != sigs[k]:
+            word = next(i for i in range(4) if hdr.sig[i] != sigs[k][i])
+            raise StepError(MISMATCH, (comm.ranks.index(src), word, hdr.sig[word]))
+        return body
 
     try:
         if prev >= 0:
@@ -266,18 +273,20 @@ def _chain_broadcast(
         for k, (lo, nb) in enumerate(pieces):
             comm._last_sig = sigs[k]
             if prev >= 0:
-                hdr, body = mailbox.get(keys[k], deadline, comm.check)
-                if hdr.sig != sigs[k]:
-                    word = next(i for i in range(4) if hdr.sig[i] != sigs[k][i])
-                    raise StepError(MISMATCH, (comm.ranks.index(prev), word, hdr.sig[word]))
+                body = receive(prev, k)
                 if body is not RECEIVED:
                     _copy(base + lo, _expect(Blob(_addr(body), len(body), body), nb, prev), nb)
-            forward(k)
+            comm.mesh.send_all(
+                [(kid, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k]) for kid in kids]
+            )
     finally:
         for key in keys[:posted]:
             mailbox.withdraw(key, deadline, lambda: comm.mesh.shutdown_peer(prev))
-    last = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, len(pieces))
-    exchange(comm, last, [[] for _ in range(w)], deadline)
+    comm._last_sig = sigs[-1]
+    for kid in kids:
+        receive(kid, len(pieces))
+    if prev >= 0:
+        send(prev, Kind.COLL, gid, epoch0 + len(pieces), b"", sigs[-1])
 
 
 def _binomial(pos: int, w: int) -> tuple[int, list[int]]:
