@@ -212,7 +212,8 @@ def alltoall(
         for d in range(w):
             if sends[q][d] != rows[d][w + q]:
                 raise CollectiveMismatchError(
-                    f"alltoall split sizes disagree: rank {q} sends {sends[q][d]} bytes to rank "
+                    f"mismatched collectives on communicator {comm.name!r}: alltoall split sizes "
+                    f"disagree: rank {q} sends {sends[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
     if all(16 * w + sum(sends[q]) <= comm.slot for q in range(w)):  # everyone published

@@ -377,7 +377,15 @@ def alltoall(
     dtype: int,
     deadline: float,
 ) -> None:
-    """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d only (after agreeing sizes)."""
+    """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d only.
+
+    In a TCP-only group: one round (:func:`_direct_alltoall`). In a hybrid group the sizes are
+    agreed first (every rank checks the whole matrix), then the blocks travel in exchange
+    steps of ``peer_chunk`` bytes, the local ones through the arena.
+    """
+    if comm.local is None:
+        _direct_alltoall(comm, ins, in_lens, outs, out_lens, dtype, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
     mine = torch.tensor([*in_lens, *out_lens], dtype=torch.int64)
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
@@ -392,7 +400,8 @@ def alltoall(
         for d in range(w):
             if rows[q][d] != rows[d][w + q]:
                 raise CollectiveMismatchError(
-                    f"alltoall split sizes disagree: rank {q} sends {rows[q][d]} bytes to rank "
+                    f"mismatched collectives on communicator {comm.name!r}: alltoall split sizes "
+                    f"disagree: rank {q} sends {rows[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
     if in_lens[r]:
@@ -412,3 +421,70 @@ def alltoall(
             n = max(0, min(per, out_lens[q] - lo))
             if q != r and n:
                 _copy(outs[q] + lo, _expect(blobs[q], n, q), n)
+
+
+def _direct_alltoall(
+    comm: Communicator,
+    ins: Sequence[int],
+    in_lens: Sequence[int],
+    outs: Sequence[int],
+    out_lens: Sequence[int],
+    dtype: int,
+    deadline: float,
+) -> None:
+    """One round: rank r sends its block for d to d as one frame (frames of at most
+    ``max_frame`` bytes above that) whose signature carries the block's length; d receives it
+    straight into ``outs[r]``.
+
+    No separate size-agreement round: a frame's signature names the sender's op, dtype and
+    block length, so the receiver itself detects a different collective or a split size it
+    does not expect (:class:`CollectiveMismatchError` naming both sizes) and fails the group;
+    a rank whose own blocks all agree may complete the call and then fails at its next
+    collective, as a shared-memory broadcast receiver does.
+    """
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    epoch, gid, mailbox = comm.epoch, comm.group_id, comm.mesh.mailbox
+    comm.epoch += 1
+    per = comm.mesh.max_frame
+
+    def sig(n: int, k: int) -> tuple[int, int, int, int]:
+        return make_sig(seq, OP_ALLTOALL, dtype, 0, -1, n, k)
+
+    comm._last_sig = sig(in_lens[(r + 1) % w], 0)
+    if in_lens[r]:
+        ctypes.memmove(outs[r], ins[r], in_lens[r])
+    key = [(gid, int(Kind.COLL), comm.ranks[q], epoch) for q in range(w)]
+    posted: list[int] = []
+    try:
+        for q in range(w):
+            if q != r and out_lens[q]:
+                mailbox.post(key[q], Target(outs[q], min(per, out_lens[q]), sig(out_lens[q], 0)))
+                posted.append(q)
+        frames = []
+        for d in ((r + k) % w for k in range(1, w)):  # every pair: at least one (empty) frame
+            n = in_lens[d]
+            for k, lo in enumerate(range(0, max(n, 1), per)):
+                payload = _view(ins[d] + lo, min(per, n - lo)) if n else b""
+                frames.append((comm.ranks[d], Kind.COLL, gid, epoch, payload, sig(n, k)))
+        comm.mesh.send_all(frames)
+        for q in ((r - k) % w for k in range(1, w)):
+            n = out_lens[q]
+            for k, lo in enumerate(range(0, max(n, 1), per)):
+                want = sig(n, k)
+                hdr, body = mailbox.get(key[q], deadline, comm.check)
+                if hdr.sig[1] == want[1] and hdr.sig[2] != want[2]:
+                    raise CollectiveMismatchError(
+                        f"mismatched collectives on communicator {comm.name!r}: alltoall split "
+                        f"sizes disagree: rank {q} sends {hdr.sig[2]} bytes to "
+                        f"rank {r}, which expects {n} bytes from rank {q}"
+                    )
+                if hdr.sig != want:
+                    word = next(i for i in range(4) if hdr.sig[i] != want[i])
+                    raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+                m = min(per, n - lo)
+                if body is not RECEIVED and m:
+                    _copy(outs[q] + lo, _expect(Blob(_addr(body), len(body), body), m, q), m)
+    finally:
+        for q in posted:
+            peer = comm.ranks[q]
+            mailbox.withdraw(key[q], deadline, lambda p=peer: comm.mesh.shutdown_peer(p))
