@@ -128,6 +128,9 @@ def allgather(
     if comm.arena is None and root >= 0:
         tcp.gather(comm, inp, nbytes, outs, root, dtype, deadline)
         return
+    if comm.arena is None and outs is not None:
+        tcp.allgather(comm, inp, nbytes, outs, dtype, deadline)
+        return
     seq = comm.next_op()
     op = OP_GATHER if root >= 0 else OP_ALLGATHER
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from torchport.distributed.engine import (
+    OP_ALLGATHER,
     OP_ALLREDUCE,
     OP_ALLTOALL,
     OP_ALLTOALL_SIZES,
@@ -321,6 +322,23 @@ def gather(
             for q in range(w):
                 src = inp + lo if q == r else _expect(blobs[q], nb, q)
                 _copy(outs[q] + lo, src, nb)
+
+
+def allgather(
+    comm: Communicator, inp: int, nbytes: int, outs: Sequence[int], dtype: int, deadline: float
+) -> None:
+    """Every rank sends its ``nbytes`` at ``inp`` to every peer, received straight into
+    ``outs[q]`` (no staging buffer); its own block is copied into ``outs[rank]`` once."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    if nbytes:
+        _copy(outs[r], inp, nbytes)
+    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
+        sig = make_sig(seq, OP_ALLGATHER, dtype, 0, -1, nbytes, step)
+        into = [(o + lo, nb) for o in outs]
+        blobs = exchange(comm, sig, [[(inp + lo, nb)]] * w, deadline, into)
+        for q in range(w):
+            if q != r and nb:
+                _copy(outs[q] + lo, _expect(blobs[q], nb, q), nb)
 
 
 def scatter(
