@@ -29,6 +29,7 @@ publish-to-all step: at that size latency, not bandwidth, decides.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Sequence
 
@@ -478,7 +479,7 @@ def _direct_alltoall(
             if q != r and out_lens[q]:
                 mailbox.post(key[q], Target(outs[q], min(per, out_lens[q]), sig(out_lens[q], 0)))
                 posted.append(q)
-        frames = []
+        frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]] = []
         for d in ((r + k) % w for k in range(1, w)):  # every pair: at least one (empty) frame
             n = in_lens[d]
             for k, lo in enumerate(range(0, max(n, 1), per)):
@@ -504,5 +505,6 @@ def _direct_alltoall(
                     _copy(outs[q] + lo, _expect(Blob(_addr(body), len(body), body), m, q), m)
     finally:
         for q in posted:
-            peer = comm.ranks[q]
-            mailbox.withdraw(key[q], deadline, lambda p=peer: comm.mesh.shutdown_peer(p))
+            mailbox.withdraw(
+                key[q], deadline, functools.partial(comm.mesh.shutdown_peer, key[q][2])
+            )
