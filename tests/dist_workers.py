@@ -359,6 +359,15 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
             torch.ones(3 * world),
             op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM,
         ),
+        # over TCP: a pipelined chain of two pieces, then the acknowledgement back up
+        lambda: dist.broadcast(torch.ones(300_000 + odd), src=0),
+        # the odd rank expects one row more from rank 0 (and one fewer from itself)
+        lambda: dist.all_to_all_single(
+            torch.empty(3 * world),
+            torch.ones(3 * world),
+            [3 + odd, *[3] * (world - 2), 3 - odd],
+            [3] * world,
+        ),
     ]
     out = []
     for fn in cases:

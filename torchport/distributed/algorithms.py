@@ -128,6 +128,9 @@ def allgather(
     if comm.arena is None and root >= 0:
         tcp.gather(comm, inp, nbytes, outs, root, dtype, deadline)
         return
+    if comm.arena is None and outs is not None:
+        tcp.allgather(comm, inp, nbytes, outs, dtype, deadline)
+        return
     seq = comm.next_op()
     op = OP_GATHER if root >= 0 else OP_ALLGATHER
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
@@ -212,7 +215,8 @@ def alltoall(
         for d in range(w):
             if sends[q][d] != rows[d][w + q]:
                 raise CollectiveMismatchError(
-                    f"alltoall split sizes disagree: rank {q} sends {sends[q][d]} bytes to rank "
+                    f"mismatched collectives on communicator {comm.name!r}: alltoall split sizes "
+                    f"disagree: rank {q} sends {sends[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
     if all(16 * w + sum(sends[q]) <= comm.slot for q in range(w)):  # everyone published

@@ -29,12 +29,14 @@ publish-to-all step: at that size latency, not bandwidth, decides.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Sequence
 
 import torch
 
 from torchport.distributed.engine import (
+    OP_ALLGATHER,
     OP_ALLREDUCE,
     OP_ALLTOALL,
     OP_ALLTOALL_SIZES,
@@ -233,9 +235,13 @@ def _chain_broadcast(
     itself (the connection's reader thread receives piece k + 1 while this thread forwards
     piece k to the children), so every link of the chain is busy at once and each rank sends
     and receives ``n`` bytes once. A single piece cannot be pipelined; there the tree's
-    ``ceil(log2 W)`` rounds beat the chain's ``W - 1`` hops. A last empty exchange
-    with every peer carries the signature to ranks that only sent (the root) or only received
-    (the leaves), so a mismatched call fails on every rank.
+    ``ceil(log2 W)`` rounds beat the chain's ``W - 1`` hops; a parent with several children
+    sends to them concurrently. Then an empty acknowledgement travels back up the same
+    tree/chain: each rank waits for every child's (checking its signature) before sending its
+    own to its parent, so the root -- which receives nothing else -- and every rank above a
+    mismatched one fail in the call itself (the detecting rank's error reaches the rest as an
+    ABORT frame while they wait). ``W - 1`` frames instead of an all-to-all exchange's
+    ``W (W - 1)``.
     """
     w, r = comm.world, comm.rank
     pos = (r - root) % w
@@ -247,16 +253,19 @@ def _chain_broadcast(
     prev = comm.ranks[(up + root) % w] if pos else -1
     kids = [comm.ranks[(d + root) % w] for d in downs]
     sigs = [make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, k) for k in range(len(pieces))]
+    sigs.append(make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, len(pieces)))  # the ack
     epoch0 = comm.epoch
-    comm.epoch += len(pieces)
+    comm.epoch += len(pieces) + 1
     mailbox, gid, send = comm.mesh.mailbox, comm.group_id, comm.mesh.send
     keys = [(gid, int(Kind.COLL), prev, epoch0 + k) for k in range(len(pieces))]
     posted = 0
 
-    def forward(k: int) -> None:
-        lo, nb = pieces[k]
-        for kid in kids:
-            send(kid, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k])
+    def receive(src: int, k: int) -> bytearray:
+        hdr, body = mailbox.get((gid, int(Kind.COLL), src, epoch0 + k), deadline, comm.check)
+        if hdr.sig != sigs[k]:
+            word = next(i for i in range(4) if hdr.sig[i] != sigs[k][i])
+            raise StepError(MISMATCH, (comm.ranks.index(src), word, hdr.sig[word]))
+        return body
 
     try:
         if prev >= 0:
@@ -266,18 +275,20 @@ def _chain_broadcast(
         for k, (lo, nb) in enumerate(pieces):
             comm._last_sig = sigs[k]
             if prev >= 0:
-                hdr, body = mailbox.get(keys[k], deadline, comm.check)
-                if hdr.sig != sigs[k]:
-                    word = next(i for i in range(4) if hdr.sig[i] != sigs[k][i])
-                    raise StepError(MISMATCH, (comm.ranks.index(prev), word, hdr.sig[word]))
+                body = receive(prev, k)
                 if body is not RECEIVED:
                     _copy(base + lo, _expect(Blob(_addr(body), len(body), body), nb, prev), nb)
-            forward(k)
+            comm.mesh.send_all(
+                [(kid, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k]) for kid in kids]
+            )
     finally:
         for key in keys[:posted]:
             mailbox.withdraw(key, deadline, lambda: comm.mesh.shutdown_peer(prev))
-    last = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, len(pieces))
-    exchange(comm, last, [[] for _ in range(w)], deadline)
+    comm._last_sig = sigs[-1]
+    for kid in kids:
+        receive(kid, len(pieces))
+    if prev >= 0:
+        send(prev, Kind.COLL, gid, epoch0 + len(pieces), b"", sigs[-1])
 
 
 def _binomial(pos: int, w: int) -> tuple[int, list[int]]:
@@ -312,6 +323,23 @@ def gather(
             for q in range(w):
                 src = inp + lo if q == r else _expect(blobs[q], nb, q)
                 _copy(outs[q] + lo, src, nb)
+
+
+def allgather(
+    comm: Communicator, inp: int, nbytes: int, outs: Sequence[int], dtype: int, deadline: float
+) -> None:
+    """Every rank sends its ``nbytes`` at ``inp`` to every peer, received straight into
+    ``outs[q]`` (no staging buffer); its own block is copied into ``outs[rank]`` once."""
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    if nbytes:
+        _copy(outs[r], inp, nbytes)
+    for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
+        sig = make_sig(seq, OP_ALLGATHER, dtype, 0, -1, nbytes, step)
+        into = [(o + lo, nb) for o in outs]
+        blobs = exchange(comm, sig, [[(inp + lo, nb)]] * w, deadline, into)
+        for q in range(w):
+            if q != r and nb:
+                _copy(outs[q] + lo, _expect(blobs[q], nb, q), nb)
 
 
 def scatter(
@@ -368,7 +396,15 @@ def alltoall(
     dtype: int,
     deadline: float,
 ) -> None:
-    """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d only (after agreeing sizes)."""
+    """Rank r sends ``in_lens[d]`` bytes at ``ins[d]`` to rank d only.
+
+    In a TCP-only group: one round (:func:`_direct_alltoall`). In a hybrid group the sizes are
+    agreed first (every rank checks the whole matrix), then the blocks travel in exchange
+    steps of ``peer_chunk`` bytes, the local ones through the arena.
+    """
+    if comm.local is None:
+        _direct_alltoall(comm, ins, in_lens, outs, out_lens, dtype, deadline)
+        return
     seq, w, r = comm.next_op(), comm.world, comm.rank
     mine = torch.tensor([*in_lens, *out_lens], dtype=torch.int64)
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
@@ -383,7 +419,8 @@ def alltoall(
         for d in range(w):
             if rows[q][d] != rows[d][w + q]:
                 raise CollectiveMismatchError(
-                    f"alltoall split sizes disagree: rank {q} sends {rows[q][d]} bytes to rank "
+                    f"mismatched collectives on communicator {comm.name!r}: alltoall split sizes "
+                    f"disagree: rank {q} sends {rows[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
     if in_lens[r]:
@@ -403,3 +440,71 @@ def alltoall(
             n = max(0, min(per, out_lens[q] - lo))
             if q != r and n:
                 _copy(outs[q] + lo, _expect(blobs[q], n, q), n)
+
+
+def _direct_alltoall(
+    comm: Communicator,
+    ins: Sequence[int],
+    in_lens: Sequence[int],
+    outs: Sequence[int],
+    out_lens: Sequence[int],
+    dtype: int,
+    deadline: float,
+) -> None:
+    """One round: rank r sends its block for d to d as one frame (frames of at most
+    ``max_frame`` bytes above that) whose signature carries the block's length; d receives it
+    straight into ``outs[r]``.
+
+    No separate size-agreement round: a frame's signature names the sender's op, dtype and
+    block length, so the receiver itself detects a different collective or a split size it
+    does not expect (:class:`CollectiveMismatchError` naming both sizes) and fails the group;
+    a rank whose own blocks all agree may complete the call and then fails at its next
+    collective, as a shared-memory broadcast receiver does.
+    """
+    seq, w, r = comm.next_op(), comm.world, comm.rank
+    epoch, gid, mailbox = comm.epoch, comm.group_id, comm.mesh.mailbox
+    comm.epoch += 1
+    per = comm.mesh.max_frame
+
+    def sig(n: int, k: int) -> tuple[int, int, int, int]:
+        return make_sig(seq, OP_ALLTOALL, dtype, 0, -1, n, k)
+
+    comm._last_sig = sig(in_lens[(r + 1) % w], 0)
+    if in_lens[r]:
+        ctypes.memmove(outs[r], ins[r], in_lens[r])
+    key = [(gid, int(Kind.COLL), comm.ranks[q], epoch) for q in range(w)]
+    posted: list[int] = []
+    try:
+        for q in range(w):
+            if q != r and out_lens[q]:
+                mailbox.post(key[q], Target(outs[q], min(per, out_lens[q]), sig(out_lens[q], 0)))
+                posted.append(q)
+        frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]] = []
+        for d in ((r + k) % w for k in range(1, w)):  # every pair: at least one (empty) frame
+            n = in_lens[d]
+            for k, lo in enumerate(range(0, max(n, 1), per)):
+                payload = _view(ins[d] + lo, min(per, n - lo)) if n else b""
+                frames.append((comm.ranks[d], Kind.COLL, gid, epoch, payload, sig(n, k)))
+        comm.mesh.send_all(frames)
+        for q in ((r - k) % w for k in range(1, w)):
+            n = out_lens[q]
+            for k, lo in enumerate(range(0, max(n, 1), per)):
+                want = sig(n, k)
+                hdr, body = mailbox.get(key[q], deadline, comm.check)
+                if hdr.sig[1] == want[1] and hdr.sig[2] != want[2]:
+                    raise CollectiveMismatchError(
+                        f"mismatched collectives on communicator {comm.name!r}: alltoall split "
+                        f"sizes disagree: rank {q} sends {hdr.sig[2]} bytes to "
+                        f"rank {r}, which expects {n} bytes from rank {q}"
+                    )
+                if hdr.sig != want:
+                    word = next(i for i in range(4) if hdr.sig[i] != want[i])
+                    raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+                m = min(per, n - lo)
+                if body is not RECEIVED and m:
+                    _copy(outs[q] + lo, _expect(Blob(_addr(body), len(body), body), m, q), m)
+    finally:
+        for q in posted:
+            mailbox.withdraw(
+                key[q], deadline, functools.partial(comm.mesh.shutdown_peer, key[q][2])
+            )

@@ -269,7 +269,8 @@ class Communicator:
         except CommunicatorErrorState as e:  # failed while in flight: report the typed cause
             work._finish(self.error if self.error is not None else e)
         except BaseException as e:
-            self.fail(e, REASON_TIMEOUT if isinstance(e, CommTimeoutError) else REASON_ERROR)
+            reason = REASON_TIMEOUT if isinstance(e, CommTimeoutError) else REASON_ERROR
+            self.fail(e, REASON_MISMATCH if isinstance(e, CollectiveMismatchError) else reason)
             work._finish(e)
         else:
             work._finish()
