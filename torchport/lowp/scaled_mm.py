@@ -29,7 +29,7 @@ to the engine there would let its packed-weight cache hold every one of them).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -187,16 +187,26 @@ def _panel_gemm(
         if _prefill_choice(*args, tag).is_anchor:
             return _mkl_panels(*args)
         return _engine_panels(*args)
-    step = max(16, PANEL_BYTES // max(1, 4 * k))
     out = torch.empty(m, n, dtype=torch.float32)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
+    for lo, hi in _panels(n, k):
         y = torch.mm(x, decode(lo, hi).t())
         for s in steps(lo, hi):
-            assert isinstance(s, gemm.Scale) and isinstance(s.value, torch.Tensor)
-            y = y * (s.value[:, None] if s.dim == "row" else s.value)
+            y = y * _factor(s)
         out[:, lo:hi] = y if b32 is None else y + b32[lo:hi].float()
     return out
+
+
+def _panels(n: int, k: int) -> Iterator[tuple[int, int]]:
+    """The ``[lo, hi)`` row ranges of ``W [N, K]`` decoded one float32 panel at a time."""
+    step = max(16, PANEL_BYTES // max(1, 4 * k))
+    for lo in range(0, n, step):
+        yield lo, min(n, lo + step)
+
+
+def _factor(s: Step) -> torch.Tensor:
+    """A per-panel scale step as a factor broadcasting over the panel's ``[M, cols]`` result."""
+    assert isinstance(s, gemm.Scale) and isinstance(s.value, torch.Tensor)
+    return s.value[:, None] if s.dim == "row" else s.value
 
 
 def _mkl_panels(
@@ -211,15 +221,12 @@ def _mkl_panels(
     """The panel loop through ``torch.mm`` (MKL) into the float32 output, the scales and the
     bias applied in place per panel (eager, no autograd)."""
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    step = max(16, PANEL_BYTES // max(1, 4 * k))
     with torch.inference_mode():
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
+        for lo, hi in _panels(n, k):
             y = out[:, lo:hi]
             torch.mm(x, decode(lo, hi).t(), out=y)
             for s in steps(lo, hi):
-                assert isinstance(s, gemm.Scale) and isinstance(s.value, torch.Tensor)
-                y.mul_(s.value[:, None] if s.dim == "row" else s.value)
+                y.mul_(_factor(s))
             if b32 is not None:
                 y.add_(b32[lo:hi])
     return out
@@ -295,11 +302,9 @@ def _engine_panels(
 ) -> torch.Tensor:
     """Each panel on the GEMM engine with the steps, bias and bf16 cast fused into its store."""
     m = x.shape[0]
-    step = max(16, PANEL_BYTES // max(1, 4 * k))
     cast = [gemm.Cast(torch.bfloat16)] if od == torch.bfloat16 else []
     out = torch.empty(m, n, dtype=torch.bfloat16 if cast else torch.float32)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
+    for lo, hi in _panels(n, k):
         with torch.inference_mode():
             panel = decode(lo, hi)
         epi = steps(lo, hi) + ([] if b32 is None else [gemm.Bias(b32[lo:hi])]) + cast
