@@ -272,7 +272,9 @@ def _native_runner(
         multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
         events = lambda: pack_cache.misses  # noqa: E731
         if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
-            return ThreadAdaptive(aten_run, multi, events=events, group=group(a, b, isa, (1,)))
+            return ThreadAdaptive(
+                aten_run, multi, events=events, group=group(a, b, isa, (1,)), home=0
+            )
         if not adapt or cfg.nt or native.num_threads() < 2:
             return aten_run if aten is not None else multi
         single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
@@ -280,7 +282,8 @@ def _native_runner(
             arms, shared = (aten_run, multi, single), (1, 2)
         else:
             arms, shared = (multi, single, aten_run), (0, 1)
-        return ThreadAdaptive(*arms, events=events, group=group(a, b, isa, shared))
+        home = 0 if aten is not None else None  # ATen, the tuner's choice: see ThreadAdaptive
+        return ThreadAdaptive(*arms, events=events, group=group(a, b, isa, shared), home=home)
 
     def run(a: torch.Tensor, b: torch.Tensor, ops: Sequence[torch.Tensor]) -> torch.Tensor:
         try:
