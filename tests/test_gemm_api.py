@@ -462,6 +462,36 @@ def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     assert used.count("aten") == 14 and sorted(set(used)) == ["aten", "multi", "single"]
 
 
+def test_adaptive_returns_to_its_home_arm(monkeypatch):
+    """A runner that left its home arm (the tuner's ATen choice) on noisy learning samples
+    returns to it once it is ahead by the small home margin; without ``home`` the 20 % switching
+    margin keeps it on the 5 % slower launch (fake clock)."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    for home, expect in ((0, 0), (None, 1)):
+        cost = {"aten": 2.0e-3, "native": 1.05e-3}
+        used: list[str] = []
+        ad = ThreadAdaptive(
+            clock.arm("aten", cost, used),
+            clock.arm("native", cost, used),
+            probe_every=4,
+            sample_every=1,
+            home=home,
+        )
+        for _ in range(6):
+            ad()
+        assert ad.current == 1  # learning: ATen looked slow
+        cost["aten"] = 1.0e-3
+        for _ in range(40):
+            ad()
+        assert ad.current == expect, home
+    with pytest.raises(AssertionError):
+        ThreadAdaptive(lambda: None, lambda: None, home=2)
+
+
 def test_grouped_runners_share_their_native_launch(monkeypatch):
     """Bare and fused runners of one problem (an ArmGroup over their native arms) learn the
     native launches once between them and always sit on the same one, even where the two

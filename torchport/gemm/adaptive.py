@@ -79,7 +79,11 @@ class ThreadAdaptive:
     ``group`` (optional) shares some arms (``group.arms``, the same launch at the same index in
     every member) with other runners: their timings go into one record, one preferred launch
     among them is kept for the whole group, and a runner leaves it only for one of its private
-    arms that is faster by ``margin``."""
+    arms that is faster by ``margin``.
+
+    ``home`` (optional, an arm index: the tuner's choice, e.g. ATen) is left only for an arm
+    faster by ``margin`` but returned to as soon as its median is lower than the current arm's
+    by ``home_margin``, so noise during learning cannot park the runner on a slower launch."""
 
     def __init__(
         self,
@@ -91,11 +95,15 @@ class ThreadAdaptive:
         events: Callable[[], int] | None = None,
         sample_every: int = 8,
         group: ArmGroup | None = None,
+        home: int | None = None,
+        home_margin: float = 0.02,
     ) -> None:
         assert len(arms) >= 2 and window >= warmup >= 1 and probe_every >= 2
         assert sample_every >= 1 and probe_every % sample_every == 0
         assert 0.0 <= margin < 1.0
         assert group is None or max(group.arms) < len(arms)
+        assert home is None or 0 <= home < len(arms)
+        assert 0.0 <= home_margin <= margin
         self.launches = arms
         self._group = group
         shared = group.stats if group is not None else {}
@@ -109,6 +117,8 @@ class ThreadAdaptive:
         self._margin = margin
         self._events = events
         self._sample_every = sample_every
+        self._home = home
+        self._home_margin = home_margin
         self._learned = False  # every arm has its warmup samples
         # bookkeeping only (launches run concurrently); a group's members share its lock
         self._lock = group.lock if group is not None else threading.Lock()
@@ -183,6 +193,12 @@ class ThreadAdaptive:
                     best = min([*own, g.current], key=meds.__getitem__)
                     if meds[best] >= meds[self.current] * keep:
                         best = self.current
+            h = self._home
+            if h is not None and best != h and meds[h] < meds[best] * (1.0 - self._home_margin):
+                # back to the home arm (the tuner's choice) as soon as it is ahead at all:
+                # the margin guards leaving it, not returning (a runner that left ATen on a
+                # noisy learning sample stayed on a 5 % slower native launch)
+                best = h
             if best != self.current:
                 self.current = best
                 self.switches += 1

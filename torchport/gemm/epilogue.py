@@ -8,8 +8,10 @@ that runs afterwards as ordinary torch ops.
 
 Numerics: every fused step runs in float32 on the accumulator (bf16 operands widen exactly); the
 result is rounded once to the output dtype (nearest-even for bf16, as torch). GELU (erf) uses a
-vectorised erf with ≤ 2e-7 relative error; GELU (tanh) and SiLU use ``x * sigmoid(.)`` with a
-vectorised exp (≤ 2 ulp).
+vectorised erf ``x P(x^2) / Q(x^2)`` (one division; measured over a dense grid of x in [-12, 12]:
+max abs GELU error 1.1e-6 at x = 5.3, i.e. 2e-7 relative, and within 1e-6 + 1e-5 |ref| everywhere);
+GELU (tanh) and SiLU use ``x * sigmoid(.)`` with a vectorised degree-5 exp and a reciprocal estimate
+refined by one Newton step (max relative error 3e-7 for SiLU, 1.1e-6 for GELU-tanh).
 """
 
 from __future__ import annotations

@@ -55,28 +55,33 @@ GEMM_F32_ENTRY_TYPEDEF = (
     "    float *W);\n"
 )
 
-# Polynomial fits (float64 Chebyshev least squares, power basis) for erf:
-#   |x| < 1:    erf(x) = x * P(x^2)
-#   1 <= |x|:   erf(x) = 1 - exp(-x^2) * Q(1/|x|),  saturating to 1 for |x| >= 4
+# erf(x) = x * P(x^2) / Q(x^2) on |x| <= 3.92 (x clamped there: erf(3.92) rounds to 1 in fp32).
+# Our own fit: float64 weighted least squares on the linearised problem P - erf(x)/x * Q, reweighted
+# (Lawson) towards minimax relative error; fit error 1.9e-8, all Q coefficients positive (no poles).
+_ERF_CLAMP = "3.92f"
 _ERF_P = (
-    "1.128379167e+00f",
-    "-3.761262988e-01f",
-    "1.128362571e-01f",
-    "-2.685539873e-02f",
-    "5.191216625e-03f",
-    "-8.034828135e-04f",
-    "7.933422913e-05f",
+    "1.128379107e+00f",
+    "1.903941482e-01f",
+    "5.274715647e-02f",
+    "3.765106434e-03f",
+    "2.848743461e-04f",
+    "2.050222292e-06f",
 )
 _ERF_Q = (
-    "2.926099669e-04f",
-    "5.586771069e-01f",
-    "4.451618506e-02f",
-    "-4.810545141e-01f",
-    "5.181655039e-01f",
-    "-2.714495725e-01f",
-    "4.869700491e-02f",
-    "1.684645181e-02f",
-    "-7.107211532e-03f",
+    "1.000000000e+00f",
+    "5.020651817e-01f",
+    "1.141040772e-01f",
+    "1.496819220e-02f",
+    "1.162417582e-03f",
+    "3.809267946e-05f",
+)
+# exp(r) = 1 + r * E(r) on |r| <= ln2 / 2, the same kind of fit (relative error 9.1e-8).
+_EXP_E = (
+    "9.999997020e-01f",
+    "4.999915063e-01f",
+    "1.666763574e-01f",
+    "4.189793020e-02f",
+    "8.290309459e-03f",
 )
 
 
@@ -106,8 +111,15 @@ _VOCAB = {
 #define VSIGN(a) _mm256_and_ps(_mm256_set1_ps(-0.0f), a)
 #define VOR(a, b) _mm256_or_ps(a, b)
 #define VSEL_LT(a, b, x, y) _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ))
-#define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define VPOW2I(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define VSUB(a, b) _mm256_sub_ps(a, b)
+/* 2^n from t = n + 1.5 * 2^23 (n in t's low mantissa bits): shift them into the exponent, add the bias */
+#define VPOW2BITS(t) _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(t), 23), _mm256_set1_epi32(127 << 23)))
+/* 1 / d: 12-bit estimate and one Newton step (relative error about 2^-22) */
+TP_INLINE __m256 tp_recip8(__m256 d) {
+    __m256 r = _mm256_rcp_ps(d);
+    return _mm256_fmadd_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(1.0f)), r);
+}
+#define VRECIP(d) tp_recip8(d)
 #define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 """,
     "avx512": r"""
@@ -128,8 +140,14 @@ _VOCAB = {
 #define VSIGN(a) _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi32(0x80000000), _mm512_castps_si512(a)))
 #define VOR(a, b) _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
 #define VSEL_LT(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x)
-#define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define VPOW2I(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+#define VPOW2BITS(t) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_castps_si512(t), 23), _mm512_set1_epi32(127 << 23)))
+/* 1 / d: 14-bit estimate and one Newton step */
+TP_INLINE __m512 tp_recip16(__m512 d) {
+    __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+}
+#define VRECIP(d) tp_recip16(d)
 #define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 """,
     "scalar": r"""
@@ -163,33 +181,27 @@ TP_INLINE float tp_ssilu(float x) { return x / (1.0f + expf(-x)); }
 
 _VECTOR_MATH = (
     r"""
-/* exp(x) for x clamped to [-87.3, 88.3]: 2^n * p(r), r = x - n ln2 (Cody-Waite), degree-7 poly */
+/* exp(x) for x clamped to [-87.3, 88.3]: 2^n * (1 + r E(r)), n = round(x / ln2) by the 1.5 * 2^23
+   shifter (the sum's low mantissa bits are n), r = x - n ln2 (Cody-Waite), degree-5 E */
 TP_INLINE VEC tp_vexp(VEC x) {
     x = VMIN(VMAX(x, VSET1(-87.3f)), VSET1(88.3f));
-    VEC n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
+    VEC t = VFMA(x, VSET1(1.44269504088896341f), VSET1(12582912.0f));
+    VEC n = VSUB(t, VSET1(12582912.0f));
     VEC r = VFMA(n, VSET1(-0.693145751953125f), x);
     r = VFMA(n, VSET1(-1.428606765330187e-06f), r);
-    VEC p = VSET1(1.0f / 5040.0f);
-    p = VFMA(p, r, VSET1(1.0f / 720.0f));
-    p = VFMA(p, r, VSET1(1.0f / 120.0f));
-    p = VFMA(p, r, VSET1(1.0f / 24.0f));
-    p = VFMA(p, r, VSET1(1.0f / 6.0f));
-    p = VFMA(p, r, VSET1(0.5f));
-    p = VFMA(p, r, VSET1(1.0f));
-    p = VFMA(p, r, VSET1(1.0f));
-    return VMUL(p, VPOW2I(n));
+    VEC p = VFMA(${exp_e}, r, VSET1(1.0f));
+    return VMUL(p, VPOW2BITS(t));
 }
+/* erf(x) = x P(x^2) / Q(x^2) for |x| < 3.92, exactly +-1 beyond (the clamp keeps P, Q finite).
+   A true division: GELU's 0.5 x (1 + erf) near x = -5 needs erf to ~1e-7 absolute, which an
+   estimate-plus-Newton reciprocal (2^-22 relative) missed (max abs GELU error 1.2e-6 vs 1.1e-6) */
 TP_INLINE VEC tp_verf(VEC x) {
-    VEC a = VABS(x);
-    VEC x2 = VMUL(x, x);
-    VEC small = VMUL(x, ${erf_p});
-    VEC ac = VMIN(a, VSET1(4.0f));
-    VEC u = VDIV(VSET1(1.0f), VMAX(ac, VSET1(1.0f)));
+    VEC c = VMIN(VMAX(x, VSET1(-${erf_clamp})), VSET1(${erf_clamp}));
+    VEC x2 = VMUL(c, c);
+    VEC p = ${erf_p};
     VEC q = ${erf_q};
-    VEC big = VSUB1(VMUL(tp_vexp(VMUL(VSET1(-1.0f), VMUL(ac, ac))), q));
-    big = VSEL_LT(a, VSET1(4.0f), big, VSET1(1.0f));
-    big = VOR(big, VSIGN(x));
-    return VSEL_LT(a, VSET1(1.0f), small, big);
+    VEC r = VDIV(VMUL(c, p), q);
+    return VSEL_LT(VABS(x), VSET1(${erf_clamp}), r, VOR(VSET1(1.0f), VSIGN(x)));
 }
 TP_INLINE VEC tp_vgelu(VEC x) {
     VEC h = VMUL(VSET1(0.5f), x);
@@ -197,14 +209,15 @@ TP_INLINE VEC tp_vgelu(VEC x) {
 }
 TP_INLINE VEC tp_vgelu_tanh(VEC x) {
     VEC y = VMUL(VSET1(0.7978845608028654f), VFMA(VMUL(VSET1(0.044715f), x), VMUL(x, x), x));
-    return VDIV(x, VADD(VSET1(1.0f), tp_vexp(VMUL(VSET1(-2.0f), y))));
+    return VMUL(x, VRECIP(VADD(VSET1(1.0f), tp_vexp(VMUL(VSET1(-2.0f), y)))));
 }
 TP_INLINE VEC tp_vsilu(VEC x) {
-    return VDIV(x, VADD(VSET1(1.0f), tp_vexp(VMUL(VSET1(-1.0f), x))));
+    return VMUL(x, VRECIP(VADD(VSET1(1.0f), tp_vexp(VMUL(VSET1(-1.0f), x)))));
 }
 """.replace("${erf_p}", _horner("x2", _ERF_P, "VFMA", "VSET1"))
-    .replace("${erf_q}", _horner("u", _ERF_Q, "VFMA", "VSET1"))
-    .replace("VSUB1(", "VSUB_FROM_ONE(")
+    .replace("${erf_q}", _horner("x2", _ERF_Q, "VFMA", "VSET1"))
+    .replace("${exp_e}", _horner("r", _EXP_E, "VFMA", "VSET1"))
+    .replace("${erf_clamp}", _ERF_CLAMP)
 )
 
 _SCALAR_VMATH = r"""
@@ -214,18 +227,12 @@ _SCALAR_VMATH = r"""
 """
 
 
-def _vsub_from_one(isa: str) -> str:
-    if isa == "avx2":
-        return "#define VSUB_FROM_ONE(a) _mm256_sub_ps(_mm256_set1_ps(1.0f), a)\n"
-    return "#define VSUB_FROM_ONE(a) _mm512_sub_ps(_mm512_set1_ps(1.0f), a)\n"
-
-
 def vocabulary(isa: str) -> str:
     """Vector macros plus exp/erf/GELU/SiLU helpers for one ISA level."""
     head = _VOCAB[isa] + _SCALAR_MATH
     if isa == "scalar":
         return head + _SCALAR_VMATH
-    return head + _vsub_from_one(isa) + _VECTOR_MATH
+    return head + _VECTOR_MATH
 
 
 def _k_loop(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, pf: bool) -> list[str]:
