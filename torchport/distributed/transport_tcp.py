@@ -135,10 +135,20 @@ class Mailbox:
             t.state = FILLING
             return t
 
-    def finish(self, target: Target, ok: bool) -> None:
+    def finish(
+        self, target: Target, ok: bool, key: Key | None = None, hdr: Header | None = None
+    ) -> None:
+        """Reader side: the receive into ``target`` ended; when it succeeded and ``key`` is
+        given, its frame is delivered in the same locked section (one wake-up of the waiting
+        collective instead of two: one for the state change, one for the frame)."""
+        cb = None
         with self.cond:
             target.state = FILLED if ok else FAILED
+            if ok and key is not None and hdr is not None:
+                cb = self._deliver_locked(key, (hdr, RECEIVED))
             self.cond.notify_all()
+        if cb is not None:
+            cb((hdr, RECEIVED))
 
     def withdraw(self, key: Key, deadline: float, on_stuck: Callable[[], None]) -> None:
         """Remove ``key``'s target; wait for a receive into it that is in progress.
@@ -154,22 +164,27 @@ class Mailbox:
                     on_stuck()
                 self.cond.wait(0.05)
 
+    def _deliver_locked(self, key: Key, frame: Frame) -> Callable[[Frame], None] | None:
+        """Queue ``frame`` (waking ``get``) or return the waiting callback to call unlocked."""
+        cbs = self._waiting.get(key)
+        cb = None
+        while cbs and cb is None:
+            cb = cbs.popleft()
+            if isinstance(cb, Once):  # an any-source waiter: first key to deliver wins
+                if cb.fired:
+                    cb = None
+                else:
+                    cb.fired = True
+        if cbs is not None and not cbs:
+            del self._waiting[key]
+        if cb is None:
+            self._frames.setdefault(key, deque()).append(frame)
+            self.cond.notify_all()
+        return cb
+
     def deliver(self, key: Key, frame: Frame) -> None:
         with self.cond:
-            cbs = self._waiting.get(key)
-            cb = None
-            while cbs and cb is None:
-                cb = cbs.popleft()
-                if isinstance(cb, Once):  # an any-source waiter: first key to deliver wins
-                    if cb.fired:
-                        cb = None
-                    else:
-                        cb.fired = True
-            if cbs is not None and not cbs:
-                del self._waiting[key]
-            if cb is None:
-                self._frames.setdefault(key, deque()).append(frame)
-                self.cond.notify_all()
+            cb = self._deliver_locked(key, frame)
         if cb is not None:
             cb(frame)
 
@@ -411,8 +426,7 @@ class Mesh:
                         recv_into_ptr(conn.sock, target.ptr, hdr.length)
                         ok = True
                     finally:
-                        self.mailbox.finish(target, ok)
-                    self.mailbox.deliver(key, (hdr, RECEIVED))
+                        self.mailbox.finish(target, ok, key, hdr)
                     continue
                 body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
                 if hdr.src != conn.peer:
