@@ -141,14 +141,15 @@ class Mailbox:
         """Reader side: the receive into ``target`` ended; when it succeeded and ``key`` is
         given, its frame is delivered in the same locked section (one wake-up of the waiting
         collective instead of two: one for the state change, one for the frame)."""
-        cb = None
+        cb, frame = None, None
         with self.cond:
             target.state = FILLED if ok else FAILED
             if ok and key is not None and hdr is not None:
-                cb = self._deliver_locked(key, (hdr, RECEIVED))
+                frame = (hdr, RECEIVED)
+                cb = self._deliver_locked(key, frame)
             self.cond.notify_all()
-        if cb is not None:
-            cb((hdr, RECEIVED))
+        if cb is not None and frame is not None:
+            cb(frame)
 
     def withdraw(self, key: Key, deadline: float, on_stuck: Callable[[], None]) -> None:
         """Remove ``key``'s target; wait for a receive into it that is in progress.
