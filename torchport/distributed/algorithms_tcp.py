@@ -236,7 +236,7 @@ def _chain_broadcast(
     piece k to the children), so every link of the chain is busy at once and each rank sends
     and receives ``n`` bytes once. A single piece cannot be pipelined; there the tree's
     ``ceil(log2 W)`` rounds beat the chain's ``W - 1`` hops; a parent with several children
-    sends to them concurrently. Then an empty acknowledgement travels back up the same
+    sends to them interleaved. Then an empty acknowledgement travels back up the same
     tree/chain: each rank waits for every child's (checking its signature) before sending its
     own to its parent, so the root -- which receives nothing else -- and every rank above a
     mismatched one fail in the call itself (the detecting rank's error reaches the rest as an

@@ -28,9 +28,9 @@ Internal API other modules build on:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
+import select
 import socket
 import threading
 import time
@@ -44,7 +44,7 @@ from torchport.distributed.errors import AuthError, CommError, CommTimeoutError,
 from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
 
 HANDSHAKE_TIMEOUT_S = 10.0
-PARALLEL_SEND_BYTES = 1 << 20  # payloads from this size to several peers are sent concurrently
+POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
 RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
@@ -282,7 +282,6 @@ class Mesh:
         self.rejected = 0
         self.closed = False
         self._handlers: dict[int, GroupHandler] = {}
-        self._senders: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self.listener = socket.create_server((addr, 0), backlog=backlog)
@@ -483,38 +482,69 @@ class Mesh:
         self,
         frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]],
     ) -> None:
-        """Send several frames ``(peer, kind, group, seq, payload, sig)`` to distinct peers.
+        """Send several frames ``(peer, kind, group, seq, payload, sig)``.
 
-        Large payloads to several peers go out concurrently (one sender thread per peer,
-        the GIL released while the kernel copies), so one slow receiver does not hold the
-        others back; small ones are sent inline.
+        When two or more carry at least ``POLL_SEND_BYTES``, every peer's frames go out
+        interleaved from this thread (:meth:`_send_polled`), so one slow receiver does not hold
+        the others back; otherwise they are sent one after another.
         """
-        big = [f for f in frames if len(f[4]) >= PARALLEL_SEND_BYTES]
-        if len(big) < 2:
-            for f in frames:
-                self.send(*f)
+        if sum(1 for f in frames if len(f[4]) >= POLL_SEND_BYTES) >= 2:
+            self._send_polled(frames)
             return
-        with self._lock:
-            if self._senders is None:
-                self._senders = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=max(1, self.world - 1), thread_name_prefix="tp-send"
-                )
-            pool = self._senders
-        futures = [pool.submit(self.send, *f) for f in big[1:]]
-        errors: list[BaseException] = []
         for f in frames:
-            if f is big[0] or len(f[4]) < PARALLEL_SEND_BYTES:
-                try:
-                    self.send(*f)
-                except CommError as e:
-                    errors.append(e)
-        for fut in futures:
-            try:
-                fut.result()
-            except CommError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+            self.send(*f)
+
+    def _send_polled(
+        self,
+        frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]],
+    ) -> None:
+        """Send ``frames`` from this thread, to every peer at once: each socket gets as many
+        bytes as its buffer takes (``MSG_DONTWAIT``: the reader thread's blocking ``recv``
+        on the same socket is unaffected), then ``poll`` waits until any can take more. No
+        sender thread hand-offs, and one slow receiver does not hold the others back."""
+        queues: dict[int, list[memoryview]] = {}
+        for peer, kind, group, seq, payload, sig in frames:
+            if len(payload) > self.max_frame:
+                raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
+            head = encode_header(kind, group, self.rank, seq, len(payload), sig)
+            bufs = queues.setdefault(peer, [])
+            bufs.append(memoryview(head))
+            if len(payload):
+                bufs.append(memoryview(payload).cast("B"))
+        conns: list[Connection] = []
+        for peer in sorted(queues):
+            conn = self.peers.get(peer)
+            if conn is None:
+                raise CommError(f"rank {self.rank} has no connection to rank {peer}")
+            conns.append(conn)
+        for conn in conns:  # ascending peer order: no lock-order cycle with another sender
+            conn.lock.acquire()
+        try:
+            pending = {conn.sock.fileno(): (conn, queues[conn.peer]) for conn in conns}
+            poller = select.poll()
+            for fd in pending:
+                poller.register(fd, select.POLLOUT)
+            while pending:
+                for fd, (conn, bufs) in list(pending.items()):
+                    try:
+                        while bufs:
+                            k = conn.sock.send(bufs[0], socket.MSG_DONTWAIT)
+                            bufs[0] = bufs[0][k:]
+                            if not len(bufs[0]):
+                                bufs.pop(0)
+                    except BlockingIOError:
+                        continue
+                    except OSError as e:
+                        raise CommError(f"send to rank {conn.peer} failed: {e}") from e
+                    del pending[fd]
+                    poller.unregister(fd)
+                if pending:
+                    if self.closed:
+                        raise CommError(f"rank {self.rank}: mesh closed during a send")
+                    poller.poll(100)
+        finally:
+            for conn in conns:
+                conn.lock.release()
 
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
         """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""
@@ -538,8 +568,6 @@ class Mesh:
         self.closed = True
         with contextlib.suppress(OSError):
             self.listener.close()
-        if self._senders is not None:
-            self._senders.shutdown(wait=False)
         for conn in list(self.peers.values()):
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
