@@ -186,7 +186,7 @@ class _Probe:
             else tuple
         )
         self._raw = raw
-        self._value = self._read()
+        self._value: object = self._read()
 
     def read(self) -> object:
         """The sampled elements' current bits (compared with ``==``)."""
