@@ -91,3 +91,62 @@ def test_stamp_tracks_assignment_env_and_override(monkeypatch):
         assert config.stamp(names) is None
     monkeypatch.delenv("TORCHPORT_AUTOTUNE")
     assert config.stamp(names)[1] == s0[1]  # same environment strings as at the start
+
+
+def test_snapshot_follows_assignment_env_and_override(monkeypatch):
+    """A Snapshot caches resolved values, yet sees every way a setting can change: an
+    assignment, an environment edit, an override (and its end)."""
+    monkeypatch.delenv("TORCHPORT_AUTOTUNE_REPS", raising=False)
+    monkeypatch.delenv("TORCHPORT_NATIVE", raising=False)
+    snap = config.Snapshot("autotune_reps", "native")
+    assert snap() == (15, True) and snap() is snap()  # cached while nothing changed
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "9")
+    assert snap() == (9, True)
+    try:
+        config.native = False
+        assert snap() == (9, False)
+        with config.override(autotune_reps=3):
+            assert snap() == (3, False)
+            with config.override(native=True):
+                assert snap() == (3, True)
+        assert snap() == (9, False)
+    finally:
+        config.native = None
+    assert snap() == (9, True)
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "nope")
+    with pytest.raises(ConfigError, match=r"TORCHPORT_AUTOTUNE_REPS must be an integer"):
+        snap()
+    monkeypatch.delenv("TORCHPORT_AUTOTUNE_REPS")
+    assert snap() == (15, True)
+    with pytest.raises(AttributeError, match=r"no setting 'nope'"):
+        config.Snapshot("nope")
+    with pytest.raises(ConfigError, match=r"at least one setting name"):
+        config.Snapshot()
+
+
+def test_native_enabled_and_isa_follow_changes(monkeypatch):
+    """The hot-path readers built on Snapshot (native.enabled, cpu_info().isa) see changes."""
+    from torchport import native
+
+    monkeypatch.delenv("TORCHPORT_NATIVE", raising=False)
+    monkeypatch.delenv("TORCHPORT_ISA", raising=False)
+    info = native.cpu_info()
+    assert native.enabled() and info.isa == info.max_isa
+    monkeypatch.setenv("TORCHPORT_NATIVE", "0")
+    assert not native.enabled()
+    with config.override(native=True):
+        assert native.enabled()
+    monkeypatch.delenv("TORCHPORT_NATIVE")
+    assert native.enabled()
+    monkeypatch.setenv("TORCHPORT_ISA", "scalar")
+    assert info.isa == "scalar"
+    monkeypatch.delenv("TORCHPORT_ISA")
+    assert info.isa == info.max_isa
+    with config.override(isa="scalar"):
+        assert info.isa == "scalar"
+    try:
+        config.isa = "scalar"
+        assert info.isa == "scalar"
+    finally:
+        config.isa = None
+    assert info.isa == info.max_isa

@@ -327,6 +327,58 @@ def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_c
     assert len(calls) == n + 2
 
 
+def test_autotuner_settled_fused_call_follows_env_override_and_assignment(monkeypatch, fresh_cache):
+    """A settled fused call (bias + GELU + residual: the eager path that splits the epilogue)
+    still re-routes on an environment edit, an override and an assignment, and comes back."""
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")  # first valid native candidate, no timing
+    calls: list[int] = []
+    real = mm_mod.kernels.launcher
+
+    def counting(*args):
+        launch = real(*args)
+        return lambda *a, **k: calls.append(1) or launch(*a, **k)
+
+    monkeypatch.setattr(mm_mod.kernels, "launcher", counting)
+    x, w, b, r = torch.randn(3, 40), torch.randn(24, 40), torch.randn(24), torch.randn(3, 24)
+    ref = (F.gelu(x.double() @ w.double().t() + b.double()) + r.double()).float()
+
+    def fused(native: bool) -> None:
+        n = len(calls)
+        y = linear(x, w, b, epilogue=["gelu", G.Add(r)])
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        assert len(calls) == n + int(native)
+
+    fused(True)
+    fused(True)
+    monkeypatch.setenv("TORCHPORT_NATIVE", "0")
+    fused(False)
+    monkeypatch.delenv("TORCHPORT_NATIVE")
+    fused(True)
+    with config.override(max_autotune_gemm_backends="ATEN"):
+        fused(False)
+    fused(True)
+    try:
+        config.max_autotune_gemm_backends = "ATEN"
+        fused(False)
+    finally:
+        config.max_autotune_gemm_backends = None
+    fused(True)
+
+
+def test_split_bias_argument_equals_a_leading_bias_step():
+    """``split(..., bias=t)`` is ``split([Bias(t), *steps])``, error messages included."""
+    bias, r = torch.randn(5), torch.randn(3, 5)
+    one = split(["gelu", G.Add(r)], 3, 5, bias=bias)
+    two = split([G.Bias(bias), "gelu", G.Add(r)], 3, 5)
+    assert one.spec is two.spec and one.spec.encode() == two.spec.encode()
+    assert all(p is q for p, q in zip(one.operands, two.operands, strict=True))
+    with pytest.raises(EpilogueError, match=r"epilogue step 2 residual must have shape \(3, 5\)"):
+        split(["gelu", G.Add(torch.randn(2, 5))], 3, 5, bias=bias)
+    with pytest.raises(EpilogueError, match=r"epilogue step 0 bias must have shape \(5,\)"):
+        split(["gelu"], 3, 5, bias=torch.randn(4))
+
+
 class _FakeClock:
     def __init__(self) -> None:
         self.t = 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -354,3 +356,58 @@ def test_settled_route_leaves_autograd_calls_to_the_general_path():
     out.sum().backward()
     assert xg.grad is not None and xg.grad.shape == x.shape
     _check(out.detach(), x, wd, None, 3e-2)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gemv_packed_route_follows_setting_env_and_override(fmt, monkeypatch):
+    """``gemv_packed`` settles a route per (weight, activation dtype and shape) from the second
+    call with a weight on; a later call still honours an assignment, an environment edit and an
+    override of the settings that decide the launch. FP4 weights tell the launches apart: int8 activations (the default) err
+    by ~1e-3 relative, float32 activations by ~1e-7."""
+    from torchport import native
+    from torchport.gemv import gemv_packed
+
+    monkeypatch.delenv("TORCHPORT_GEMV_FP4_INT8", raising=False)
+    monkeypatch.delenv("TORCHPORT_NATIVE", raising=False)
+    g = torch.Generator().manual_seed(21)
+    wq, wd = _weight(fmt, torch.randn(40, 128, generator=g))
+    pw = wq.gemv_pack()
+    x = torch.randn(1, 128, generator=g)
+
+    def exact(out: torch.Tensor) -> bool:
+        ref = gemv_reference(x, wd).double()
+        mag = x.double().abs() @ wd.double().abs().T
+        return bool(((out.double() - ref).abs() <= 2e-6 * mag + 1e-6).all())
+
+    first = gemv_packed(x, pw)
+    assert (x.dtype, x.shape, True) not in pw.routes  # one call may be a one-off pack
+    assert torch.equal(gemv_packed(x, pw), first)  # used again: settles a route
+    route = pw.routes[(x.dtype, x.shape, True)]
+    assert route.matches(x, None) and not exact(first)  # int8 activations
+    assert torch.equal(gemv_packed(x, pw), first)  # the settled route: same launch, same bits
+    with config.override(gemv_fp4_int8=False):
+        assert not route.matches(x, None) and exact(gemv_packed(x, pw))
+    monkeypatch.setenv("TORCHPORT_GEMV_FP4_INT8", "0")
+    assert exact(gemv_packed(x, pw))
+    monkeypatch.delenv("TORCHPORT_GEMV_FP4_INT8")
+    assert torch.equal(gemv_packed(x, pw), first)
+    try:
+        config.gemv_fp4_int8 = False
+        assert exact(gemv_packed(x, pw))
+    finally:
+        config.gemv_fp4_int8 = None
+    assert torch.equal(gemv_packed(x, pw), first)
+    # native kernels switched off: the visible ATen fallback, never the settled kernel
+    warnings.simplefilter("ignore", native.NativeFallbackWarning)
+    before = native.stats().fallbacks
+    monkeypatch.setenv("TORCHPORT_NATIVE", "0")
+    out = gemv_packed(x, pw)
+    assert native.stats().fallbacks == before + 1 and exact(out)
+    monkeypatch.delenv("TORCHPORT_NATIVE")
+    with config.override(native=False):
+        assert exact(gemv_packed(x, pw)) and native.stats().fallbacks == before + 2
+    assert torch.equal(gemv_packed(x, pw), first) and native.stats().fallbacks == before + 2
+    # a new activation shape or dtype settles its own route beside the first
+    x3 = torch.randn(3, 128, generator=g)
+    gemv_packed(x3, pw)
+    assert (x3.dtype, x3.shape, True) in pw.routes and (x.dtype, x.shape, True) in pw.routes

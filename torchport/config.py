@@ -384,6 +384,38 @@ _env_key: Callable[[str], Any] = (
 ) or (lambda k: k)
 
 
+class Snapshot:
+    """The current values of a fixed tuple of settings, for hot paths that read them per call.
+
+    ``snap = config.Snapshot("native", "isa")`` once (module level), then ``snap()`` per call
+    returns ``(get("native"), get("isa"))``, resolved the same way as :func:`get`, but
+    re-resolved only when an assignment was made or one of the settings' environment variables
+    changed since the last call (the :func:`stamp` test, ~0.3 µs instead of ~1 µs per
+    :func:`get`). Inside an :func:`override` block the values are read with :func:`get` on each
+    call (overrides are per context). Thread-safe: the cached token and values are one tuple.
+    """
+
+    __slots__ = ("_keys", "_state", "names")
+
+    def __init__(self, *names: str) -> None:
+        if not names:
+            raise ConfigError("Snapshot needs at least one setting name, got none")
+        self.names = names
+        self._keys = tuple(_env_key(_setting(n).env) for n in names)
+        self._state: tuple[Any, tuple[Any, ...]] = (None, ())
+
+    def __call__(self) -> tuple[Any, ...]:
+        if _overrides.get():
+            return tuple([get(n) for n in self.names])
+        token = (_generation[0], *map(_env_data.get, self._keys))
+        state = self._state
+        if state[0] == token:
+            return state[1]
+        values = tuple([get(n) for n in self.names])
+        self._state = (token, values)
+        return values
+
+
 def describe() -> list[tuple[str, str, Any, str]]:
     """(name, env var, current value, doc) for every setting."""
     return [(s.name, s.env, get(s.name), s.doc) for s in SETTINGS.values()]

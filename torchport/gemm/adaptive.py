@@ -129,9 +129,10 @@ class ThreadAdaptive:
         return [s.hist for s in self.stats]
 
     def _pick(self) -> int:
-        counts = [len(s.hist) for s in self.stats]
-        if min(counts) < self._warmup:  # learn every arm first, round robin
-            return min(range(len(counts)), key=lambda i: (counts[i], i))
+        if not self._learned:  # (once learned, every arm keeps >= warmup samples)
+            counts = [len(s.hist) for s in self.stats]
+            if min(counts) < self._warmup:  # learn every arm first, round robin
+                return min(range(len(counts)), key=lambda i: (counts[i], i))
         if self.calls % self._probe_every:
             return self.current
         self._probes += 1

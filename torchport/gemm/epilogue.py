@@ -117,7 +117,15 @@ class EpilogueSpec:
     out: str = ""
 
     def encode(self) -> str:
-        """Stable string form (custom-op argument and cache key)."""
+        """Stable string form (custom-op argument and cache key); computed once per spec
+        (eager calls encode their interned spec on every call)."""
+        enc = self.__dict__.get("_encoded")
+        if enc is None:
+            enc = self._encode()
+            object.__setattr__(self, "_encoded", enc)  # a cache, not a field
+        return enc
+
+    def _encode(self) -> str:
         parts = []
         for op in self.ops:
             if op.kind == "scale":
@@ -182,7 +190,13 @@ class Split:
     tail: list[Step] = field(default_factory=list)
 
 
-def _operand(t: Any, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _operand(t: Any, what: str | tuple[int, str], shape: tuple[int, ...]) -> torch.Tensor:
+    """Validate an operand tensor; ``what`` names it (``(idx, kind)``: "epilogue step idx kind",
+    formatted only for an error message, since this runs per operand on every eager call)."""
+    if type(t) is torch.Tensor and t.is_cpu and t.dtype in FUSABLE_DTYPES and t.shape == shape:
+        return t
+    if not isinstance(what, str):
+        what = f"epilogue step {what[0]} {what[1]}"
     if not isinstance(t, torch.Tensor):
         raise EpilogueError(f"{what} must be a tensor, got {type(t).__name__}")
     if not t.is_cpu:
@@ -224,17 +238,24 @@ _PLAIN_OPS: dict[Step, Op] = {
 _PLAIN_OPS.update({name: _PLAIN_OPS[step] for name, step in _NAMED.items()})
 
 
-def split(steps: Sequence[Step] | Step | None, m: int, n: int) -> Split:
+def split(
+    steps: Sequence[Step] | Step | None, m: int, n: int, *, bias: torch.Tensor | None = None
+) -> Split:
     """Validate ``steps`` for an ``[m, n]`` output and separate the fusable prefix.
 
     Fusion stops at the first step that is not one of the fused kinds (a callable); it and every
-    later step form the tail, applied with torch ops after the kernel.
+    later step form the tail, applied with torch ops after the kernel. ``bias`` (optional) is a
+    leading ``Bias(bias, "col")`` step (step 0), without building the step per call.
     """
     ops: list[Op] = []
     operands: list[torch.Tensor] = []
     tail: list[Step] = []
     out = ""
-    for idx, step in enumerate(as_steps(steps)):
+    if bias is not None:
+        t = _operand(bias, (0, "bias"), (n,))
+        ops.append(_op("bias_col", _DT_TAG[t.dtype]))
+        operands.append(t)
+    for idx, step in enumerate(as_steps(steps), 0 if bias is None else 1):
         if tail or out:
             if isinstance(step, str):
                 step = _named(step)
@@ -255,11 +276,11 @@ def split(steps: Sequence[Step] | Step | None, m: int, n: int) -> Split:
             if step.dim not in ("col", "row"):
                 raise EpilogueError(f"Bias.dim must be 'col' or 'row', got {step.dim!r}")
             length = n if step.dim == "col" else m
-            t = _operand(step.t, f"epilogue step {idx} bias", (length,))
+            t = _operand(step.t, (idx, "bias"), (length,))
             ops.append(_op(f"bias_{step.dim}", _DT_TAG[t.dtype]))
             operands.append(t)
         elif isinstance(step, Add):
-            t = _operand(step.t, f"epilogue step {idx} residual", (m, n))
+            t = _operand(step.t, (idx, "residual"), (m, n))
             ops.append(_op("add", _DT_TAG[t.dtype]))
             operands.append(t)
         elif isinstance(step, Scale):
@@ -270,7 +291,7 @@ def split(steps: Sequence[Step] | Step | None, m: int, n: int) -> Split:
                 if step.dim not in ("col", "row"):
                     raise EpilogueError(f"Scale.dim must be 'col' or 'row', got {step.dim!r}")
                 length = n if step.dim == "col" else m
-                t = _operand(step.value, f"epilogue step {idx} scale", (length,))
+                t = _operand(step.value, (idx, "scale"), (length,))
                 ops.append(_op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
                 operands.append(t)
             else:
@@ -316,11 +337,12 @@ def _finite(v: float, idx: int) -> float:
 
 
 def apply_torch(
-    z: torch.Tensor, spec: EpilogueSpec, operands: Sequence[torch.Tensor]
+    z: torch.Tensor, spec: EpilogueSpec, operands: Sequence[torch.Tensor], first: int = 0
 ) -> torch.Tensor:
-    """Apply the fused steps with torch ops in ``z``'s dtype (no final cast)."""
+    """Apply the fused steps ``spec.ops[first:]`` with torch ops in ``z``'s dtype (no final
+    cast); ``operands`` are those of the applied steps."""
     it = iter(operands)
-    for op in spec.ops:
+    for op in spec.ops[first:] if first else spec.ops:
         k = op.kind
         if k == "bias_col":
             z = z + next(it).to(z.dtype)

@@ -83,14 +83,11 @@ def mm_aten(
     a: torch.Tensor, b: torch.Tensor, spec: EpilogueSpec, operands: Sequence[torch.Tensor]
 ) -> torch.Tensor:
     """The ATen path: ``addmm``/``mm`` then the epilogue as separate torch ops."""
-    ops = list(spec.ops)
-    rest = list(operands)
-    if ops and ops[0].kind == "bias_col" and rest[0].dtype == a.dtype:
-        z = torch.addmm(rest[0], a, b)
-        ops, rest = ops[1:], rest[1:]
+    ops = spec.ops
+    if ops and ops[0].kind == "bias_col" and operands[0].dtype == a.dtype:
+        z = apply_torch(torch.addmm(operands[0], a, b), spec, operands[1:], first=1)
     else:
-        z = a @ b
-    z = apply_torch(z, EpilogueSpec(tuple(ops), ""), rest)
+        z = apply_torch(a @ b, spec, operands)
     out = spec.out_dtype(a.dtype)
     return z if z.dtype == out else z.to(out)
 
@@ -194,6 +191,8 @@ def launcher(
     f32 = torch.float32
     none_ptr = (ctypes.c_void_p * 1)(0)
     none_ld = (ctypes.c_int64 * 1)(0)
+    n_ops = max(1, spec.n_operands)
+    ptrs_t, lds_t = ctypes.c_void_p * n_ops, ctypes.c_int64 * n_ops  # argument block types
     # bf16 output with a deferred epilogue (see templates._driver) needs an fp32 workspace
     defer_ws = spec.deferrable and out_dtype != f32 and ks == 1
 
@@ -213,8 +212,8 @@ def launcher(
             packed = pack_cache.get(b, nr)
         if operands:
             ops, lds = prepare_operands(spec, operands)
-            eptr: Any = (ctypes.c_void_p * len(ops))(*[t.data_ptr() for t in ops])
-            eld: Any = (ctypes.c_int64 * len(ops))(*lds)
+            eptr: Any = ptrs_t(*[t.data_ptr() for t in ops])
+            eld: Any = lds_t(*lds)
         else:
             eptr, eld = none_ptr, none_ld
         work: torch.Tensor | None = None

@@ -26,11 +26,9 @@ from torchport.gemm import kernels
 from torchport.gemm.adaptive import ArmGroup, ThreadAdaptive
 from torchport.gemm.epilogue import (
     OPERAND_KINDS,
-    Bias,
     EpilogueSpec,
     Step,
     apply_tail,
-    as_steps,
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
@@ -631,15 +629,12 @@ def mm(
         if native.eager_fast_path(a, b, *operands):
             return _eager(a, b, operands, spec)
         return _gemm_op(a, b, operands, spec)
-    steps: list[Step] = []
-    if bias is not None:
-        steps.append(Bias(bias, "col"))
-    steps.extend(as_steps(epilogue))
-    sp = split(steps, a.shape[0], b.shape[1])
+    sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
+    encoded = sp.spec.encode()
     if native.eager_fast_path(a, b, *sp.operands):
-        y = _eager(a, b, sp.operands, sp.spec.encode())
+        y = _eager(a, b, sp.operands, encoded)
     else:
-        y = _gemm_op(a, b, sp.operands, sp.spec.encode())
+        y = _gemm_op(a, b, sp.operands, encoded)
     return apply_tail(y, sp.tail) if sp.tail else y
 
 

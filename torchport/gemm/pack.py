@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,12 @@ from torchport import native
 from torchport.gemm.templates import LEAN_X86_HEADERS
 
 MAX_BYTES = 2 << 30
+_PROBE_WORDS: dict[int, Any] = {
+    1: ctypes.c_uint8,
+    2: ctypes.c_uint16,
+    4: ctypes.c_uint32,
+    8: ctypes.c_uint64,
+}
 
 _PACK_SOURCE = r"""
 /* out[p][k][c] = B[k, p * nr + c] (zero for p * nr + c >= N); B[k, j] at src[k * s0 + j * s1] */
@@ -147,9 +155,9 @@ def _version(t: torch.Tensor) -> int:
 
 
 class _Probe:
-    """Up to 16 spread-out elements of ``b``, read as raw bytes straight from its memory.
+    """Up to 16 spread-out elements of ``b``, read as raw bits straight from its memory.
 
-    A bitwise fingerprint (a NaN compares equal to itself) that costs a few microseconds to
+    A bitwise fingerprint (a NaN compares equal to itself) that costs about a microsecond to
     re-read, where indexing the tensor costs tens. The entry holding the probe also holds ``b``,
     so the memory stays valid.
     """
@@ -164,24 +172,30 @@ class _Probe:
             flat = (i * (k * n - 1)) // max(count - 1, 1)
             r, c = divmod(flat, max(n, 1))
             offs.append((r * s0 + c * s1) * es)
-        self._es = es
-        self._offs = offs
         self._tensor = b  # its storage may be reallocated in place (resize_): checked per read
         self._base = b.data_ptr()
-        span = (max(offs) + es) if offs else 1
-        self._raw: Any = (ctypes.c_char * span).from_address(self._base) if offs else None
-        self._value = self.read()
+        # the sampled elements as unsigned integers of the element's width (bitwise; NaN-safe),
+        # gathered by one itemgetter over a typed view of the memory (~3x faster than slicing
+        # and joining bytes: this runs on every packed-weight lookup)
+        word = _PROBE_WORDS[es]
+        span = (max(offs) // es + 1) if offs else 0
+        raw: Any = (word * span).from_address(self._base) if offs else None
+        self._read: Callable[[], object] = (
+            functools.partial(operator.itemgetter(*[o // es for o in offs]), raw)
+            if raw is not None
+            else tuple
+        )
+        self._raw = raw
+        self._value: object = self._read()
 
-    def read(self) -> bytes:
-        raw, es = self._raw, self._es
-        if raw is None:
-            return b""
-        return b"".join([raw[o : o + es] for o in self._offs])
+    def read(self) -> object:
+        """The sampled elements' current bits (compared with ``==``)."""
+        return self._read()
 
     def unchanged(self) -> bool:
         if self._tensor.data_ptr() != self._base:  # memory moved: never read the old address
             return False
-        return self.read() == self._value
+        return self._read() == self._value
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,6 +55,12 @@ class PackedWeight:
     pts: float  # NVFP4 per-tensor scale (1.0 when absent)
     n: int
     k: int
+    # settled eager routes of :func:`gemv_packed` for this weight, by (x dtype, x shape,
+    # allow_int8), settled from its second eager call on (see :func:`settle_route`; not part
+    # of the weight's identity)
+    routes: dict[tuple[object, ...], SettledRoute | None] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         assert self.fmt in FORMATS, self.fmt
@@ -344,10 +350,11 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     return plan
 
 
+_FP4_INT8 = config.Snapshot("gemv_fp4_int8")
+
+
 def _use_int8(pw: PackedWeight, allow_int8: bool) -> bool:
-    return (
-        allow_int8 and pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(config.get("gemv_fp4_int8"))
-    )
+    return allow_int8 and pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(_FP4_INT8()[0])
 
 
 def native_launch(
@@ -502,9 +509,37 @@ def gemv_packed(
     ``allow_int8=False``: FP4 weights keep float32 activations even when ``config.gemv_fp4_int8``
     is on (used when the activations are already quantized values that must stay exact).
     """
+    if type(x) is torch.Tensor:  # a route settled by an earlier call: straight to the kernel
+        route = pw.routes.get((x.dtype, x.shape, allow_int8))
+        if route is not None and route.matches(x, bias) and native.eager_fast_path(x):
+            return route.run(x)  # type: ignore[operator]
+    return _gemv_checked(x, pw, bias, allow_int8, settle=True)
+
+
+_SEEN = ("seen",)  # key in PackedWeight.routes: the weight served an eager call before
+
+
+def _gemv_checked(
+    x: torch.Tensor,
+    pw: PackedWeight,
+    bias: torch.Tensor | None,
+    allow_int8: bool,
+    settle: bool,
+) -> torch.Tensor:
+    """:func:`gemv_packed` without its settled-route lookup; ``settle``: remember a route for
+    the next call with this weight (only for weights the caller keeps, not per-call packs)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
     if _eager(x, bias):
+        routes = pw.routes
+        if settle and _SEEN in routes:  # a weight used again: worth a route
+            route = settle_route(x, pw, bias, allow_int8)
+            if route is not None:
+                if len(routes) >= 16:
+                    routes.clear()
+                routes[(x.dtype, x.shape, allow_int8)] = route
+        elif settle:  # first use (maybe a one-off pack, as scaled_mm makes per call)
+            routes[_SEEN] = None
         return _run(x, pw, bias, allow_int8)
     if pw.fmt in ("f32", "bf16"):
         return gemv_dense_op(x, pw.data, bias)
@@ -529,8 +564,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``weight``: float32/bfloat16 ``[N, K]`` or a ``torchport.lowp`` quantized tensor.
     """
     pack = getattr(weight, "gemv_pack", None)
-    pw = pack() if callable(pack) else pack_dense(weight)
-    return gemv_packed(x, pw, bias)
+    if callable(pack):  # a quantized weight packs once and keeps its settled routes
+        return gemv_packed(x, pack(), bias)
+    return _gemv_checked(x, pack_dense(weight), bias, True, settle=False)
 
 
 # --- settled eager routes ------------------------------------------------------------------------
@@ -563,6 +599,8 @@ class SettledRoute:
         """True if this route serves ``x``/``bias`` now (same settings, dtype, shape and bias)."""
         if x.dtype is not self.dtype or x.shape != self.shape or bias is not self.bias:
             return False
+        if not x.is_cpu:
+            return False
         if bias is not None and (
             bias._version != self.bias_version or bias.data_ptr() != self.bias_ptr
         ):
@@ -591,9 +629,9 @@ def settle_route(
     plan = _native_plan(pw, rows, allow_int8)
     if plan is None:
         return None
-    call = plan.kernel.call_unchecked  # type: ignore[union-attr]
-    launch = plan.launch
-    k, n, pts = pw.k, pw.n, pw.pts
+    call = plan.kernel.raw_call  # type: ignore[union-attr]
+    launch = plan.adaptive or plan.launch  # the adaptive runner itself: one frame less
+    k, n, pts, fmt = pw.k, pw.n, pw.pts, pw.fmt
     dptr, sptr, rptr = pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr()
     bf = None
     if bias is not None:
@@ -613,12 +651,28 @@ def settle_route(
         def go(threads: int) -> None:
             status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads)
             if status:
-                raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
+                raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
 
         launch(go)
         return out if dtype is f32 else out.to(dtype)
 
-    run.keep_alive = (pw, bf)  # type: ignore[attr-defined]  # the captured pointers' storage
+    if plan.adaptive is None:  # one fixed launch: no closure, no plan indirection per call
+        nt = plan.threads or native.num_threads()  # the route is dropped if the count changes
+
+        def run_fixed(x: torch.Tensor) -> torch.Tensor:
+            xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()
+            out = empty(out_shape, dtype=f32)
+            status = call(
+                xf.data_ptr(), rows, k, dptr, sptr, rptr, pts, bptr, has_bias, out.data_ptr(), n, nt
+            )
+            if status:
+                raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
+            return out if dtype is f32 else out.to(dtype)
+
+        run = run_fixed
+
+    # the captured pointers' storage (the tensors, not ``pw``: ``pw.routes`` holds the route)
+    run.keep_alive = (pw.data, pw.scales, pw.rowscale, bf)  # type: ignore[attr-defined]
     return SettledRoute(
         stamp,
         torch.get_num_threads(),

@@ -79,9 +79,12 @@ __all__ = [
 ]
 
 
+_NATIVE = config.Snapshot("native")
+
+
 def enabled() -> bool:
     """True if native kernels are switched on (``TORCHPORT_NATIVE``)."""
-    return bool(config.get("native"))
+    return bool(_NATIVE()[0])
 
 
 def num_threads() -> int:

@@ -39,6 +39,7 @@ KNOWN_FLAGS = (
 )
 
 ISA_LEVELS = ("scalar", "avx2", "avx512")
+_ISA = config.Snapshot("isa")  # read on every kernel lookup
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ class CpuInfo:
     flags: frozenset[str]
     cores: int
 
-    @property
+    @functools.cached_property
     def max_isa(self) -> str:
-        """Widest ISA level the hardware supports."""
+        """Widest ISA level the hardware supports (computed once per instance)."""
         if self.arch not in ("x86_64", "AMD64"):
             return "scalar"
         if {"avx512f", "avx512bw", "avx512vl"} <= self.flags:
@@ -64,7 +65,7 @@ class CpuInfo:
     @property
     def isa(self) -> str:
         """ISA level templates should target: hardware maximum, lowered by ``config.isa``."""
-        want = config.get("isa")
+        want = _ISA()[0]
         hw = self.max_isa
         if want == "auto":
             return hw

@@ -9,7 +9,7 @@ travel as explicit ``int64_t`` arguments chosen by each template. Validation fai
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +98,21 @@ def eager_fast_path(*tensors: torch.Tensor) -> bool:
     tensor subclasses (fake, functional, proxies) and when autograd must record the call: then
     the ``torch.library`` custom op (with its fake implementation) is used.
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if torch.compiler.is_compiling() or _dispatch_depth() > 0:
         return False
-    if torch._C._is_torch_function_mode_enabled() and torch.overrides._get_current_function_mode():
+    if _function_modes_on() and torch.overrides._get_current_function_mode():
         return False
-    grad = torch.is_grad_enabled()
-    return all(type(t) is torch.Tensor and not (grad and t.requires_grad) for t in tensors)
+    grad = _grad_enabled()
+    for t in tensors:  # noqa: SIM110  (a loop, not all(<generator>): runs on every eager call)
+        if type(t) is not _Tensor or (grad and t.requires_grad):
+            return False
+    return True
+
+
+_Tensor = torch.Tensor
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_function_modes_on = torch._C._is_torch_function_mode_enabled
+_grad_enabled = torch.is_grad_enabled
 
 
 class Kernel:
@@ -148,3 +157,9 @@ class Kernel:
     def call_unchecked(self, *raw: object) -> int:
         """Call with raw pointers/ints (hot paths that validated once up front)."""
         return int(self._fn(*raw))
+
+    @property
+    def raw_call(self) -> Callable[..., int]:
+        """The ctypes function itself, for settled hot paths: raw pointers/ints in, the int
+        status out (as :meth:`call_unchecked`, one Python frame less per call)."""
+        return self._fn
