@@ -291,9 +291,9 @@ def test_bias_fast_path_matches_split(dtype):
         mm(torch.randn(3, 4), torch.randn(4, 5), bias=torch.randn(6))
 
 
-def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_cache):
-    """Settled problems skip every config read on the eager path, yet an environment change
-    or an assignment still re-routes the next call (no override active: the stamp path)."""
+def _count_native_launches(monkeypatch) -> list[int]:
+    """Untimed tuning (first valid native candidate) and a list that grows by one per native
+    GEMM launch, for the tests of settled routes below."""
     mm_mod = sys.modules["torchport.gemm.mm"]
     monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")  # first valid native candidate, no timing
     calls: list[int] = []
@@ -304,6 +304,13 @@ def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_c
         return lambda *a, **k: calls.append(1) or launch(*a, **k)
 
     monkeypatch.setattr(mm_mod.kernels, "launcher", counting)
+    return calls
+
+
+def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_cache):
+    """Settled problems skip every config read on the eager path, yet an environment change
+    or an assignment still re-routes the next call (no override active: the stamp path)."""
+    calls = _count_native_launches(monkeypatch)
     a, b = torch.randn(7, 40), torch.randn(40, 24)
     ref = a @ b
     for want_native in (True, True):
@@ -330,16 +337,7 @@ def test_autotuner_settled_route_follows_env_and_assignment(monkeypatch, fresh_c
 def test_autotuner_settled_fused_call_follows_env_override_and_assignment(monkeypatch, fresh_cache):
     """A settled fused call (bias + GELU + residual: the eager path that splits the epilogue)
     still re-routes on an environment edit, an override and an assignment, and comes back."""
-    mm_mod = sys.modules["torchport.gemm.mm"]
-    monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")  # first valid native candidate, no timing
-    calls: list[int] = []
-    real = mm_mod.kernels.launcher
-
-    def counting(*args):
-        launch = real(*args)
-        return lambda *a, **k: calls.append(1) or launch(*a, **k)
-
-    monkeypatch.setattr(mm_mod.kernels, "launcher", counting)
+    calls = _count_native_launches(monkeypatch)
     x, w, b, r = torch.randn(3, 40), torch.randn(24, 40), torch.randn(24), torch.randn(3, 24)
     ref = (F.gelu(x.double() @ w.double().t() + b.double()) + r.double()).float()
 
