@@ -30,6 +30,7 @@ to the engine there would let its packed-weight cache hold every one of them).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -183,10 +184,10 @@ def _panel_gemm(
     m = x.shape[0]
     b32 = None if bias is None else bias if bias.dtype in FUSABLE_DTYPES else bias.float()
     if eager and m and n:
-        args = (x, decode, n, k, steps, b32, od)
-        if _prefill_choice(*args, tag).is_anchor:
-            return _mkl_panels(*args)
-        return _engine_panels(*args)
+        prob = _Prefill(x, decode, n, k, steps, b32, od)
+        if _prefill_choice(prob, tag).is_anchor:
+            return _mkl_panels(prob)
+        return _engine_panels(prob)
     out = torch.empty(m, n, dtype=torch.float32)
     for lo, hi in _panels(n, k):
         y = torch.mm(x, decode(lo, hi).t())
@@ -209,17 +210,24 @@ def _factor(s: Step) -> torch.Tensor:
     return s.value[:, None] if s.dim == "row" else s.value
 
 
-def _mkl_panels(
-    x: torch.Tensor,
-    decode: Callable[[int, int], torch.Tensor],
-    n: int,
-    k: int,
-    steps: Callable[[int, int], list[Step]],
-    b32: torch.Tensor | None,
-    od: torch.dtype,
-) -> torch.Tensor:
+class _Prefill(NamedTuple):
+    """One eager prefill problem of :func:`_panel_gemm`: ``x [M, K]`` times the ``[N, K]`` weight
+    that ``decode(lo, hi)`` produces in float32 row panels, per-panel scale ``steps``, the bias
+    (float32 or bfloat16) and the output dtype."""
+
+    x: torch.Tensor
+    decode: Callable[[int, int], torch.Tensor]
+    n: int
+    k: int
+    steps: Callable[[int, int], list[Step]]
+    b32: torch.Tensor | None
+    od: torch.dtype
+
+
+def _mkl_panels(p: _Prefill) -> torch.Tensor:
     """The panel loop through ``torch.mm`` (MKL) into the float32 output, the scales and the
     bias applied in place per panel (eager, no autograd)."""
+    x, decode, n, k, steps, b32, _ = p
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     with torch.inference_mode():
         for lo, hi in _panels(n, k):
@@ -232,18 +240,10 @@ def _mkl_panels(
     return out
 
 
-def _prefill_choice(
-    x: torch.Tensor,
-    decode: Callable[[int, int], torch.Tensor],
-    n: int,
-    k: int,
-    steps: Callable[[int, int], list[Step]],
-    b32: torch.Tensor | None,
-    od: torch.dtype,
-    tag: str,
-) -> autotune.Candidate:
+def _prefill_choice(p: _Prefill, tag: str) -> autotune.Candidate:
     """Engine panels or MKL panels for this problem, timed on whole calls (autotuned, cached;
     a native winner is confirmed against the anchor in alternation)."""
+    x, _, n, k, steps, b32, od = p
     kinds = ",".join(f"{type(s).__name__}:{getattr(s, 'dim', '')}" for s in steps(0, min(n, 16)))
     key = {
         "m": bucket(x.shape[0]),
@@ -262,7 +262,7 @@ def _prefill_choice(
 
     def factory(c: autotune.Candidate) -> Callable[..., torch.Tensor]:
         run = _mkl_panels if c.is_anchor else _engine_panels
-        return lambda x: run(x, decode, n, k, steps, b32, od)
+        return lambda x: run(p._replace(x=x))
 
     choice = autotune.select(
         "lowp_prefill",
@@ -291,16 +291,9 @@ def _close_values(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return float((o - r).abs().max()) <= tol * (float(r.abs().max()) + 1.0) if o.numel() else True
 
 
-def _engine_panels(
-    x: torch.Tensor,
-    decode: Callable[[int, int], torch.Tensor],
-    n: int,
-    k: int,
-    steps: Callable[[int, int], list[Step]],
-    b32: torch.Tensor | None,
-    od: torch.dtype,
-) -> torch.Tensor:
+def _engine_panels(p: _Prefill) -> torch.Tensor:
     """Each panel on the GEMM engine with the steps, bias and bf16 cast fused into its store."""
+    x, decode, n, k, steps, b32, od = p
     m = x.shape[0]
     cast = [gemm.Cast(torch.bfloat16)] if od == torch.bfloat16 else []
     out = torch.empty(m, n, dtype=torch.bfloat16 if cast else torch.float32)
