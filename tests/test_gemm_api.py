@@ -488,6 +488,39 @@ def test_aten_choice_keeps_native_alternatives(monkeypatch):
     assert seen == ["aten", 1] * 3
 
 
+def test_fused_runner_shares_the_aten_launch_as_product_plus_pass(monkeypatch):
+    """A small-M fused runner's ATen launch is ATen's bare product plus one native epilogue pass
+    (not one ATen op per step), so the bare and fused runners of a problem share all their
+    launches, ATen's included, in one group; every launch gives the reference result."""
+    from torchport.gemm.kernels import mm_reference
+
+    mm_mod, seen, cfg, a, b = _record_launches(monkeypatch)
+    real_pass = mm_mod.kernels.epilogue_pass
+
+    def recording_pass(*args):
+        apply = real_pass(*args)
+        return lambda s, ops: seen.append("pass") or apply(s, ops)
+
+    monkeypatch.setattr(mm_mod.kernels, "epilogue_pass", recording_pass)
+    monkeypatch.setattr(mm_mod, "_groups", {})
+    spec = EpilogueSpec.decode("bias_col:f32;gelu;add:f32")
+    bias, r = torch.randn(70), torch.randn(4, 70)
+
+    def aten(x, y, ops):  # the separate-ops ATen path: a bare runner's ATen launch only
+        seen.append("aten")
+        return x @ y
+
+    bare = mm_mod._native_runner(EpilogueSpec(), cfg, True, aten=aten, group_key=("p",))
+    fused = mm_mod._native_runner(spec, cfg, True, aten=aten, group_key=("p",))
+    ref = mm_reference(a, b, spec, [bias, r])
+    for _ in range(3):
+        torch.testing.assert_close(bare(a, b, []), a @ b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fused(a, b, [bias, r]), ref, rtol=1e-4, atol=1e-4)
+    assert seen == ["aten", 0, 1, "pass", 0, 1]  # each launch learned once, by either runner
+    (g,) = mm_mod._groups.values()
+    assert g.arms == (0, 1, 2) and g.current == 0  # ATen shared, and the runners' home
+
+
 def test_adaptive_falls_back_to_aten_arm_under_load(monkeypatch):
     """With ATen as a third arm, a native choice that becomes slower than ATen under a load it
     was not tuned for is replaced by ATen after the learning round (fake clock)."""

@@ -9,7 +9,7 @@ import torch
 
 from torchport import config, native
 from torchport.gemm import kernels, templates
-from torchport.gemm.epilogue import EpilogueSpec
+from torchport.gemm.epilogue import EpilogueSpec, apply_torch
 from torchport.gemm.kernels import Config, mm_reference, run_native
 from torchport.gemm.pack import pack_b, pack_b_pairs, pack_b_reference
 
@@ -207,6 +207,42 @@ def test_epilogue_chains(text, dtype, m, n, k):
     for mr, nr in tiles:
         out = run_native(a, b, spec, ops, Config(mr, nr, 64))
         _assert_close(out, a, b, spec, ops)
+
+
+PASS_SHAPES = [(0, 5), (1, 1), (1, 67), (3, 37), (2, 33000), (40, 1700), (13, 0)]
+
+
+@pytest.mark.parametrize("text,dtype", CHAINS, ids=[c[0] for c in CHAINS])
+@pytest.mark.parametrize("m,n", PASS_SHAPES, ids=str)
+def test_epilogue_pass_over_a_product(text, dtype, m, n):
+    """The epilogue alone over a finished product (the fused problem's ATen launch): every
+    chain, both dtypes, one and two threads (>= 64 Ki elements, split by rows or columns), in
+    place when the dtypes agree; a strided product is read as is."""
+    spec = EpilogueSpec.decode(text)
+    a, b = _make(m, n, 23, dtype, "c", "weight_t")
+    ops = _operands(spec, m, n)
+    prod = a @ b
+    apply = kernels.epilogue_pass(spec, dtype, ISA)
+    s = prod.clone()
+    out = apply(s, ops)
+    assert out.dtype == spec.out_dtype(dtype) and out.shape == (m, n)
+    assert m * n == 0 or (out.data_ptr() == s.data_ptr()) == (out.dtype == dtype)
+    ref = apply_torch(prod.double(), spec, [t.double() for t in ops]).to(out.dtype)
+    if m * n:
+        tol = 1.6e-2 if torch.bfloat16 in (dtype, out.dtype) else 2e-6
+        scale = float(ref.double().abs().max()) + 1.0
+        torch.testing.assert_close(out.double(), ref.double(), atol=tol * scale, rtol=tol)
+    strided = torch.empty(n, m, dtype=dtype).t()  # [m, n] with column stride m
+    strided.copy_(prod)
+    torch.testing.assert_close(apply(strided, ops).double(), out.double(), atol=0, rtol=0)
+
+
+def test_epilogue_pass_rejects_a_product_of_another_dtype():
+    apply = kernels.epilogue_pass(EpilogueSpec.decode("gelu"), torch.float32, ISA)
+    with pytest.raises(
+        kernels.GemmInputError, match=r"built for torch\.float32, got a torch\.bfloat16"
+    ):
+        apply(torch.zeros(2, 3, dtype=torch.bfloat16), [])
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])

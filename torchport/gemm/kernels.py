@@ -22,7 +22,7 @@ import torch
 from torchport import native
 from torchport.autotune import InvalidCandidate
 from torchport.gemm import templates
-from torchport.gemm.epilogue import EpilogueSpec, apply_torch
+from torchport.gemm.epilogue import EpilogueSpec, apply_torch, emit_c
 from torchport.gemm.pack import _pack_fn, pack_cache
 
 _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -112,6 +112,8 @@ def prebuild(
             pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
         ]
         futures.append(pool.submit(_pack_fn, 32 if btag == "f32" else 16))
+        if spec.ops:  # the ATen launch's epilogue pass (small-M adaptive runners)
+            futures.append(pool.submit(_pass_function, spec, btag, otag, isa))
         for f in futures:
             with contextlib.suppress(native.NativeError):  # reported when the candidate builds
                 f.result()
@@ -247,6 +249,126 @@ def launcher(
         return c
 
     return launch
+
+
+# --- the epilogue alone, over a finished product (ATen's) -----------------------------------------
+
+_PASS_BODY = r"""
+typedef STYPE stype_t;
+#define VLOAD_STAG VLOAD_STAG_
+#define SLOAD_STAG SLOAD_STAG_
+/* C[i, j] = epilogue(S[i, j]) over M x N: S is a finished product (ATen's; float32 or bfloat16,
+   row stride lds), C the output (row stride ldc; may be S itself when the dtypes agree: every
+   element is read before it is written). Rows are split among threads when there are enough,
+   else columns (in whole vectors); one thread below 64 Ki elements. */
+TP_EXPORT int tp_epilogue_pass(otype_t *C, int64_t ldc, const stype_t *S, int64_t lds, int64_t M,
+        int64_t N, const void *const *ep, const int64_t *eld, int64_t nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    int64_t nt = (M * N < 65536 || nthreads < 1) ? 1 : nthreads;
+    #pragma omp parallel num_threads(nt)
+    {
+        int64_t r0 = 0, r1 = M, j0 = 0, j1 = N;
+        int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        if (M >= n) tp_chunk(M, n, t, 1, &r0, &r1);
+        else tp_chunk(N, n, t, VWIDTH, &j0, &j1);
+        for (int64_t i = r0; i < r1; ++i) {
+            otype_t *c = C + i * ldc;
+            const stype_t *x = S + i * lds;
+            int64_t j = j0;
+            for (; j + VWIDTH <= j1; j += VWIDTH)
+                VSTORE_OTAG(c + j, tp_epi_v(VLOAD_STAG(x + j), i, j, ep, eld));
+            for (; j < j1; ++j) SSTORE_OTAG(c + j, tp_epi_s(SLOAD_STAG(x + j), i, j, ep, eld));
+        }
+    }
+    return 0;
+}
+"""
+
+
+def _pass_source(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> str:
+    vec, sca = emit_c(spec)
+    args = "int64_t i, int64_t j, const void *const *ep, const int64_t *eld"
+    unused = "(void)i; (void)j; (void)ep; (void)eld;"
+    parts = [
+        templates.vocabulary(isa),
+        f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
+        f"#define VWIDTH {templates.VW[isa]}",
+        f"#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
+        f"TP_INLINE VEC tp_epi_v(VEC v, {args}) {{\n    {unused}\n    {vec}\n    return v;\n}}",
+        f"TP_INLINE float tp_epi_s(float s, {args}) {{\n    {unused}\n    {sca}\n    return s;\n}}",
+        _PASS_BODY.replace("STYPE", "float" if stag == "f32" else "uint16_t")
+        .replace("VLOAD_STAG_", f"VLOAD_{stag}")
+        .replace("SLOAD_STAG_", f"SLOAD_{stag}"),
+    ]
+    return "\n".join(parts)
+
+
+@functools.cache
+def _pass_function(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> Any:
+    src = templates.LEAN_X86_HEADERS + native.render(
+        _pass_source(spec, stag, otag, isa).replace("$", "$$")
+    )
+    lib = native.build(
+        src, name=f"gemm_epi_{stag}_{otag}_{isa}_e{len(spec.ops)}", isa=isa, extra_flags=["-O2"]
+    )
+    fn = lib.tp_epilogue_pass
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    fn.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_Pass = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+
+
+@functools.cache
+def epilogue_pass(spec: EpilogueSpec, s_dtype: torch.dtype, isa: str) -> _Pass:
+    """``apply(s, operands)``: the fused epilogue ``spec`` over a finished product ``s [M, N]``
+    (float32 or bfloat16, e.g. ATen's ``a @ b``) in one native pass, returning the output (``s``
+    itself, overwritten, when the output dtype is ``s``'s). This is the epilogue of the ATen
+    launch of a fused problem: ATen's GEMM plus this costs what the bare ATen GEMM costs plus one
+    vector pass, instead of one ATen op (and parallel region) per step; numerics are the fused
+    kernels' (float32 maths on the product, one rounding) except that a bfloat16 product arrives
+    rounded once already."""
+    out_dtype = spec.out_dtype(s_dtype)
+    fn = _pass_function(spec, _TAG[s_dtype], _TAG[out_dtype], isa)
+    n_ops = max(1, spec.n_operands)
+    ptrs_t, lds_t = ctypes.c_void_p * n_ops, ctypes.c_int64 * n_ops
+    none_ptr = (ctypes.c_void_p * 1)(0)
+    none_ld = (ctypes.c_int64 * 1)(0)
+
+    def apply(s: torch.Tensor, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+        m, n = s.shape
+        if s.dtype != s_dtype:
+            raise GemmInputError(f"epilogue pass built for {s_dtype}, got a {s.dtype} product")
+        if n > 1 and s.stride(1) != 1:
+            s = s.contiguous()
+        c = s if out_dtype == s_dtype else torch.empty(m, n, dtype=out_dtype)
+        if m == 0 or n == 0:
+            return c
+        if operands:
+            ops, lds = prepare_operands(spec, operands)
+            eptr: Any = ptrs_t(*[t.data_ptr() for t in ops])
+            eld: Any = lds_t(*lds)
+        else:
+            eptr, eld = none_ptr, none_ld
+        status = fn(
+            c.data_ptr(),
+            c.stride(0),
+            s.data_ptr(),
+            s.stride(0),
+            m,
+            n,
+            eptr,
+            eld,
+            max(1, torch.get_num_threads()),
+        )
+        if status != 0:
+            raise RuntimeError(f"tp_epilogue_pass returned status {status}")
+        return c
+
+    return apply
 
 
 def run_native(
