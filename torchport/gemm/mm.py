@@ -296,6 +296,11 @@ def _native_runner(
 
     def make(a: torch.Tensor, b: torch.Tensor) -> Callable[..., torch.Tensor]:
         isa = native.cpu_info().isa  # part of the settled key: fixed for this runner
+        if adapt and spec.ops:
+            # a new epilogue of a tuned shape: its tile library and its ATen launch's pass are
+            # compiled side by side (one compiler per core), not one after the other
+            otag = spec.out or kernels._TAG[a.dtype]
+            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, [(cfg.mr, cfg.nr)])
         multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
         events = lambda: pack_cache.misses  # noqa: E731
         if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
