@@ -728,6 +728,24 @@ def test_pack_b_matches_reference(native_on, dtype, layout, kn, nr):
         assert torch.equal(pack_b(b, nr), pack_b_reference(b, nr))
 
 
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "torch"])
+def test_large_pack_lands_in_huge_page_memory(native_on, monkeypatch):
+    """A packed operand from HUGEPAGE_MIN_BYTES up starts on a 2 MiB boundary (its pages advised
+    as transparent huge pages) and equals the reference; a smaller one is plain memory."""
+    from torchport.gemm import pack as P
+    from torchport.gemv.hugepages import HUGE
+
+    monkeypatch.setattr(P, "HUGEPAGE_MIN_BYTES", 64 << 10)
+    w = torch.randn(260, 67)  # packed at nr=8: 33 panels x 67 x 8 x 4 B = 70 KiB
+    with config.override(native=native_on):
+        big = P.pack_b(w.t(), 8)
+        small = P.pack_b(w[:16].t(), 8)
+    assert big.data_ptr() % HUGE == 0 and big.is_contiguous()
+    assert torch.equal(big, P.pack_b_reference(w.t(), 8))
+    assert torch.equal(small, P.pack_b_reference(w[:16].t(), 8))
+    assert P.packed_empty((2, 3), torch.bfloat16).shape == (2, 3)
+
+
 def test_small_m_fused_problem_takes_the_bare_choice():
     """At small M a fused epilogue is not tuned on its own: the problem is tuned once (bare)
     and every epilogue of that shape runs the bare winner; results match the reference."""

@@ -101,6 +101,31 @@ def test_every_tile_and_block(mr, nr, mc, pf):
     _assert_close(out, a, b, EpilogueSpec(), [])
 
 
+@pytest.mark.parametrize("mr,nr", TILES[:2], ids=[f"{mr}x{nr}" for mr, nr in TILES[:2]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("a_layout", ["c", "strided"])
+@pytest.mark.parametrize("k", [1, 39])
+def test_prefetch_groups_and_dynamic_chunks(mr, nr, dtype, a_layout, k):
+    """The prefetching K loop steps whole 64-byte lines of the panel (2 or 4 rows at a time,
+    then single rows up to K) and the panels go to the threads in dynamically handed-out
+    chunks (more chunks than panels here, and fewer): reference results for K below one group
+    and for whole groups plus a remainder, bf16 and fp32 panels, contiguous and strided A."""
+    from torchport.gemm.templates import CHUNKS_PER_THREAD, prefetch_group
+
+    assert prefetch_group(8, "f32") == (2, 1) and prefetch_group(8, "bf16") == (4, 1)
+    assert prefetch_group(24, "f32") == (2, 3) and prefetch_group(24, "bf16") == (4, 3)
+    assert prefetch_group(16, "f32") == (1, 1) and prefetch_group(32, "f32") == (1, 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the drivers run one thread below 65536 multiply-adds
+    try:
+        for n in (3 * nr + 5, max(2 * CHUNKS_PER_THREAD * nr + 1, 65536 // (9 * k) + 3)):
+            a, b = _make(9, n, k, dtype, a_layout, "weight_t")
+            out = run_native(a, b, EpilogueSpec(), [], Config(mr, nr, 9, 64))
+            _assert_close(out, a, b, EpilogueSpec(), [])
+    finally:
+        torch.set_num_threads(before)
+
+
 # deferrable chains (a transcendental step): fp32 output, and bf16 output through the workspace
 CHAINS_DEFERRED = [
     ("bias_col:f32;gelu;add:f32;scale=0.5", torch.float32),

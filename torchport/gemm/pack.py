@@ -31,8 +31,16 @@ import torch
 
 from torchport import native
 from torchport.gemm.templates import LEAN_X86_HEADERS
+from torchport.gemv.hugepages import hugepage_empty
 
 MAX_BYTES = 2 << 30
+# Packed buffers of at least this many bytes live in 2 MiB transparent huge pages (Linux, best
+# effort). The small-M kernels stream the whole packed weight per call; with 4 KiB pages the
+# hardware prefetchers restart at every page and the TLB refills 4096 times per 16 MB. Measured
+# (M=8 1024->4096 fp32 8x8 tile, 16 MB copies rotated over 192 MB, interleaved medians of 31,
+# load ~3): 1 thread 1.63 -> 1.41 ms, 2 threads 0.91 -> 0.84 ms; K=4096: 6.30 -> 5.70 ms,
+# 4.82 -> 4.29 ms.
+HUGEPAGE_MIN_BYTES = 4 << 20
 _PROBE_WORDS: dict[int, Any] = {
     1: ctypes.c_uint8,
     2: ctypes.c_uint16,
@@ -113,7 +121,7 @@ def pack_b(b: torch.Tensor, nr: int, out: torch.Tensor | None = None) -> torch.T
             native.note_fallback("gemm.pack", e)
         else:
             if out is None:
-                out = torch.empty(shape, dtype=b.dtype)
+                out = packed_empty(shape, b.dtype)
             s0, s1 = b.stride()
             status = fn(out.data_ptr(), b.data_ptr(), k, n, s0, s1, nr, native.num_threads())
             if status != 0:
@@ -122,13 +130,25 @@ def pack_b(b: torch.Tensor, nr: int, out: torch.Tensor | None = None) -> torch.T
     return pack_b_torch(b, nr, out)
 
 
+def packed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised memory for a packed operand: huge-page backed from
+    :data:`HUGEPAGE_MIN_BYTES` up (its pages advised before the packing kernel first writes
+    them), plain ``torch.empty`` below."""
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    if nbytes >= HUGEPAGE_MIN_BYTES:
+        return hugepage_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
 def pack_b_torch(b: torch.Tensor, nr: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`pack_b` with torch ops (one strided copy; only the last, partial panel is zero
     padded)."""
     k, n = b.shape
     full, rest = divmod(n, nr)
     if out is None:
-        out = torch.empty(full + (1 if rest else 0), k, nr, dtype=b.dtype)
+        out = packed_empty((full + (1 if rest else 0), k, nr), b.dtype)
     if full:
         out[:full].copy_(b[:, : full * nr].unflatten(1, (full, nr)).permute(1, 0, 2))
     if rest:

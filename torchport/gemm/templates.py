@@ -23,9 +23,14 @@ small ``M``).
 
 from __future__ import annotations
 
+import math
+
 from torchport.gemm.epilogue import EpilogueSpec, emit_c, emit_prefetch
 
 VW = {"avx2": 8, "avx512": 16, "scalar": 1}
+
+# Cache level the K loop's software prefetch of the B panel targets (x86 hint)
+B_PREFETCH_HINT = "_MM_HINT_T1"
 
 # Headers for an AVX2 (not AVX-512) build with GCC, put before the prelude: ``<immintrin.h>`` pulls
 # in every AVX-512/AMX header (about 60 000 preprocessed lines), whose parsing was ~70 % of a tile
@@ -121,6 +126,7 @@ TP_INLINE __m256 tp_recip8(__m256 d) {
 }
 #define VRECIP(d) tp_recip8(d)
 #define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define VPREFETCH_L2(p) _mm_prefetch((const char *)(p), TP_B_PREFETCH_HINT)
 """,
     "avx512": r"""
 #define VEC __m512
@@ -149,6 +155,7 @@ TP_INLINE __m512 tp_recip16(__m512 d) {
 }
 #define VRECIP(d) tp_recip16(d)
 #define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define VPREFETCH_L2(p) _mm_prefetch((const char *)(p), TP_B_PREFETCH_HINT)
 """,
     "scalar": r"""
 #define VEC float
@@ -163,6 +170,7 @@ TP_INLINE __m512 tp_recip16(__m512 d) {
 #define VFMA(a, b, c) fmaf(a, b, c)
 #define VMAX(a, b) ((b) < (a) ? (a) : (b))
 #define VPREFETCH(p) __builtin_prefetch(p)
+#define VPREFETCH_L2(p) __builtin_prefetch(p, 0, 2)
 """,
 }
 
@@ -235,31 +243,59 @@ def vocabulary(isa: str) -> str:
     return head + _VECTOR_MATH
 
 
-def _k_loop(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, pf: bool) -> list[str]:
-    """The K loop of a tile: ``nv`` vector loads of B, ``mr`` broadcasts of A (element
-    ``ar[r][a_idx]``), ``mr * nv`` FMAs per k; ``pf``: software prefetch ``pf`` rows ahead."""
-    lines = [
-        "        for (int64_t k = k0; k < k1; ++k) {",
-        f"            const btype_t *bk = bp + k * {nr};",
-    ]
-    if pf:
-        lines.append(
-            "            for (int64_t c = 0; c < lines_per_k; ++c)"
-            f" VPREFETCH((const char *)(bk + pf * {nr}) + 64 * c);"
-        )
-    lines += [
+def _k_body(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, k: str) -> list[str]:
+    """One ``k`` row of a tile: ``nv`` vector loads of B, ``mr`` broadcasts of A (element
+    ``ar[r][a_idx]`` with ``k`` substituted), ``mr * nv`` FMAs."""
+    idx = a_idx.replace("k", f"({k})" if " " in k else k)
+    return [
+        "            {",
+        f"            const btype_t *bk = bp + ({k}) * {nr};",
         f"            VEC b[{nv}];",
         f"            #pragma GCC unroll {nv}",
         f"            for (int v = 0; v < {nv}; ++v) b[v] = VLOAD_{btag}(bk + v * {vw});",
         f"            #pragma GCC unroll {mr}",
         f"            for (int r = 0; r < {mr}; ++r) {{",
-        f"                VEC a = VSET1(ar[r][{a_idx}]);",
+        f"                VEC a = VSET1(ar[r][{idx}]);",
         f"                #pragma GCC unroll {nv}",
         f"                for (int v = 0; v < {nv}; ++v) acc[r][v] = VFMA(a, b[v], acc[r][v]);",
         "            }",
-        "        }",
+        "            }",
     ]
-    return lines
+
+
+def prefetch_group(nr: int, btag: str) -> tuple[int, int]:
+    """``(u, lines)``: the K loop with prefetch steps ``u`` rows of a ``nr``-wide panel at a
+    time, ``u * nr`` elements being a whole number (``lines``) of 64-byte lines, and prefetches
+    each line once (one prefetch per row touched a 32-byte row's line twice)."""
+    row = nr * (4 if btag == "f32" else 2)
+    u = 64 // math.gcd(row, 64)
+    return u, u * row // 64
+
+
+def _k_loop(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, pf: bool) -> list[str]:
+    """The K loop of a tile (rows ``k0 <= k < k1``); ``pf``: prefetch the panel ``pf`` rows
+    ahead into L2, once per line (groups of :func:`prefetch_group` rows, then the remaining
+    rows without prefetch)."""
+    if not pf:
+        return [
+            "        for (int64_t k = k0; k < k1; ++k)",
+            *_k_body(mr, nr, nv, vw, btag, a_idx, "k"),
+        ]
+    u, lines = prefetch_group(nr, btag)
+    out = [
+        "        int64_t k = k0;",
+        f"        for (; k + {u} <= k1; k += {u}) {{",
+        f"            const char *pfp = (const char *)(bp + (k + pf) * {nr});",
+        *[f"            VPREFETCH_L2(pfp + {64 * c});" for c in range(lines)],
+    ]
+    for kk in range(u):
+        out += _k_body(mr, nr, nv, vw, btag, a_idx, f"k + {kk}" if kk else "k")
+    out += [
+        "        }",
+        "        for (; k < k1; ++k)",
+        *_k_body(mr, nr, nv, vw, btag, a_idx, "k"),
+    ]
+    return out
 
 
 def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
@@ -294,7 +330,6 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
         "            VPREFETCH(C + (i + r) * ldc + j); VPREFETCH(C + (i + r) * ldc + j + nr - 1);",
         "        }",
         "    }",
-        "    const int64_t lines_per_k = (" + str(nr) + " * (int64_t)sizeof(btype_t) + 63) / 64;",
         # one loop per case, so the compiler sees unit-stride A and no prefetch test per k
         # (measured 1.3-1.6x faster than the single general loop for M=8 tiles, one thread)
         "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
@@ -432,10 +467,15 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
         && (sizeof(otype_t) == sizeof(float) || W != NULL);
     float *const S = sizeof(otype_t) == sizeof(float) ? (float *)(void *)C : W;
     const int64_t lds = sizeof(otype_t) == sizeof(float) ? ldc : N;
+    /* panels in contiguous chunks handed out dynamically, TP_CHUNKS_PER_THREAD per thread: a
+       thread that starts late or is preempted (a busy or virtualised machine) takes fewer
+       chunks instead of the whole call waiting for its fixed half */
+    const int64_t nch = nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD) : 1;
     #pragma omp parallel num_threads(nt)
     {{
-        int64_t p0, p1;
-        tp_chunk(np, omp_get_num_threads(), omp_get_thread_num(), 1, &p0, &p1);
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t ch = 0; ch < nch; ++ch) {{
+        const int64_t p0 = np * ch / nch, p1 = np * (ch + 1) / nch;
         for (int64_t ic = 0; ic < M; ic += mc) {{
             int64_t mcur = TP_MIN(mc, M - ic);
             for (int64_t pc = 0; pc < K || pc == 0; pc += kb) {{
@@ -459,11 +499,15 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
                 if (k1 >= K) break;
             }}
         }}
+        }}
     }}
     return 0;
 }}
 """
 
+
+# Work chunks per thread in the N-split drivers (handed out dynamically; see _driver)
+CHUNKS_PER_THREAD = 8
 
 # Largest M whose transcendental epilogue runs as a separate pass after the tiles (see _driver).
 DEFER_MAX_M = 16
@@ -481,6 +525,8 @@ def render_source(
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {vw}\n#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
         f"#define TP_DEFER_EPI {int(spec.deferrable)}\n#define TP_DEFER_MAX_M {DEFER_MAX_M}",
+        f"#define TP_B_PREFETCH_HINT {B_PREFETCH_HINT}",
+        f"#define TP_CHUNKS_PER_THREAD {CHUNKS_PER_THREAD}",
         "TP_INLINE VEC tp_epi_v(VEC v, int64_t i, int64_t j, const void *const *ep,"
         " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
         + vec

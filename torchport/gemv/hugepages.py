@@ -48,3 +48,19 @@ def hugepage_copy(t: torch.Tensor) -> torch.Tensor:
     out = buf[off : off + nbytes].view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor whose storage starts on a 2 MiB boundary, its
+    (untouched) pages advised to be transparent huge pages before anything writes them (best
+    effort, as :func:`hugepage_copy`)."""
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    buf = torch.empty(nbytes + HUGE, dtype=torch.uint8)
+    off = (-buf.data_ptr()) % HUGE
+    span = (buf.numel() - off) // HUGE * HUGE
+    madvise = _madvise()
+    if madvise is not None and span:
+        madvise(buf.data_ptr() + off, span, MADV_HUGEPAGE)  # type: ignore[operator]
+    return buf[off : off + nbytes].view(dtype).view(shape)
