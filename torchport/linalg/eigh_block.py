@@ -33,6 +33,7 @@ to. Eigenvalues ascending, eigenvectors as columns (torch.linalg.eigh's conventi
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
 
@@ -347,6 +348,9 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
 """
+
+
+SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
 
 
 @functools.cache
