@@ -247,34 +247,49 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
                          rot_t *co, int32_t *live, VT (*S)[4][4]) {
     const VT zero = {0}, one = zero + 1;
     const int64_t r = (n + 3) & ~(int64_t)3, m = r / 2;
-    for (int64_t l = 0; l < cnt; ++l)
-        for (int64_t i = 0; i < n * n; ++i)
-            if (!isfinite(in[l * n * n + i])) return (int)l + 1;
-    /* each lane scaled by the power of two that brings its largest entry into [1, 2) (exact;
+    const int64_t nn = n * n;
+    for (int64_t l = 0; l < cnt; ++l) {  /* x * 0 is NaN exactly for non-finite x */
+        T acc = 0;
+        #pragma omp simd reduction(+:acc)
+        for (int64_t i = 0; i < nn; ++i) acc += in[l * nn + i] * 0;
+        if (acc != acc) return (int)l + 1;
+    }
+    /* the triangle read row by row (contiguous) into the lanes of the upper triangle of A; each
+       lane is then scaled by the power of two that brings its largest entry into [1, 2) (exact;
        the eigenvalues are scaled back at the end) */
+    for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = i; j < r; ++j) A[i * RS + j] = zero;
     int ex[VLN];
     VT fac = one;
     for (int64_t l = 0; l < VLN; ++l) {
         T mx = 0;
-        if (l < cnt)
-            for (int64_t i = 0; i < n; ++i)
-                for (int64_t j = 0; j <= i; ++j) {
-                    T x = ${fabs}(upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j]);
+        if (l < cnt) {
+            const T *src = in + l * nn;
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t j0 = upper ? i : 0, j1 = upper ? n : i + 1;
+                for (int64_t j = j0; j < j1; ++j) {
+                    T x = src[i * n + j];
+                    A[upper ? i * RS + j : j * RS + i][l] = x;
+                    x = ${fabs}(x);
                     mx = x > mx ? x : mx;
                 }
+            }
+        }
         ex[l] = mx > 0 ? ilogb(mx) : 0;
         fac[l] = ${ldexp}((T)1, -ex[l]);
     }
-    VT frob = zero;
-    for (int64_t i = 0; i < r; ++i)
-        for (int64_t j = i; j < r; ++j) {
-            VT x = zero;
-            if (j < n)
-                for (int64_t l = 0; l < cnt; ++l) x[l] = upper ? in[l * n * n + i * n + j] : in[l * n * n + j * n + i];
-            x *= fac;
+    VT frob = zero, frob2 = zero;
+    for (int64_t i = 0; i < n; ++i) {
+        VT x = A[i * RS + i] * fac;
+        A[i * RS + i] = x;
+        frob += x * x;
+        for (int64_t j = i + 1; j < n; ++j) {
+            x = A[i * RS + j] * fac;
             A[i * RS + j] = x;
-            frob += (i == j ? one : one + one) * x * x;
+            frob2 += x * x;
         }
+    }
+    frob += frob2 + frob2;
     const VT floor2 = (T)0.01 * frob;
     for (int64_t i = 0; i < r; ++i) { d[i] = one; e[i] = one; }
     if (wantv) { for (int64_t j = 0; j < r * RS; ++j) V[j] = zero; for (int64_t j = 0; j < r; ++j) V[j * RS + j] = one; }
@@ -295,8 +310,11 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
         }
         for (int64_t j = 0; j < n; ++j) L[l * n + j] = ev[perm[j]];
         if (wantv)
-            for (int64_t i = 0; i < n; ++i)
-                for (int64_t j = 0; j < n; ++j) Q[l * n * n + i * n + j] = V[perm[j] * RS + i][l];
+            for (int64_t j = 0; j < n; ++j) {  /* column j of Q = row perm[j] of V */
+                const VT *row = V + perm[j] * RS;
+                T *qo = Q + l * nn + j;
+                for (int64_t i = 0; i < n; ++i) qo[i * n] = row[i][l];
+            }
     }
     return 0;
 }
