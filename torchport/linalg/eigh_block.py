@@ -139,16 +139,14 @@ TP_INLINE int intra_round(VT *A, VT *V, int64_t r, int wantv, VT *d, VT *e, VT f
     return 1;
 }
 
-/* Pointers to the 2x2 tile of rows of block X and columns of block Y (X != Y) in the upper
-   triangle: stored as is when X < Y, transposed otherwise. */
-TP_INLINE void tile_ptrs(VT *A, int64_t r, int64_t X, int64_t Y, VT **p00, VT **p01, VT **p10, VT **p11) {
-    if (X < Y) {
-        VT *b = A + 2 * X * RS + 2 * Y;
-        *p00 = b; *p01 = b + 1; *p10 = b + RS; *p11 = b + RS + 1;
-    } else {
-        VT *b = A + 2 * Y * RS + 2 * X;
-        *p00 = b; *p01 = b + RS; *p10 = b + 1; *p11 = b + RS + 1;
-    }
+/* The 2x2 tile of rows of block X and columns of block Y (X != Y) in the upper triangle: its
+   first element, and the offsets of elements (0, 1) and (1, 0) (stored as is when X < Y,
+   transposed otherwise; no branch). */
+TP_INLINE VT *tile_at(VT *A, int64_t r, int64_t X, int64_t Y, int64_t *o01, int64_t *o10) {
+    const int64_t lo = X < Y ? X : Y, hi = X ^ Y ^ lo, tr = X > Y;
+    *o01 = 1 + tr * (RS - 1);
+    *o10 = RS - tr * (RS - 1);
+    return A + 2 * lo * RS + 2 * hi;
 }
 
 /* A block round: blocks paired as quartets (a, b), a < b, indices (2a, 2a+1, 2b, 2b+1) =
@@ -192,14 +190,13 @@ TP_INLINE int block_round(VT *A, VT *V, int64_t r, int wantv, const int32_t *bp,
             if (!live[I] && !live[J]) continue;
             const int64_t ja = bp[2 * J], jb = bp[2 * J + 1];
             const rot_t *oj = co + 4 * J;
-            VT *P[4][4];
-            tile_ptrs(A, r, ia, ja, &P[0][0], &P[0][1], &P[1][0], &P[1][1]);
-            tile_ptrs(A, r, ia, jb, &P[0][2], &P[0][3], &P[1][2], &P[1][3]);
-            tile_ptrs(A, r, ib, ja, &P[2][0], &P[2][1], &P[3][0], &P[3][1]);
-            tile_ptrs(A, r, ib, jb, &P[2][2], &P[2][3], &P[3][2], &P[3][3]);
+            int64_t o[4][2];
+            VT *b0 = tile_at(A, r, ia, ja, &o[0][0], &o[0][1]), *b1 = tile_at(A, r, ia, jb, &o[1][0], &o[1][1]);
+            VT *b2 = tile_at(A, r, ib, ja, &o[2][0], &o[2][1]), *b3 = tile_at(A, r, ib, jb, &o[3][0], &o[3][1]);
             VT M[4][4];
-            for (int i = 0; i < 4; ++i)
-                for (int j = 0; j < 4; ++j) M[i][j] = *P[i][j];
+#define TLOAD(B, K, I, J) M[I][J] = B[0]; M[I][J + 1] = B[o[K][0]]; M[I + 1][J] = B[o[K][1]]; M[I + 1][J + 1] = B[RS + 1];
+#define TSTORE(B, K, I, J) B[0] = M[I][J]; B[o[K][0]] = M[I][J + 1]; B[o[K][1]] = M[I + 1][J]; B[RS + 1] = M[I + 1][J + 1];
+            TLOAD(b0, 0, 0, 0) TLOAD(b1, 1, 0, 2) TLOAD(b2, 2, 2, 0) TLOAD(b3, 3, 2, 2)
             for (int j = 0; j < 4; ++j) {  /* rows: quartet I's two rounds */
                 ROT(M[0][j], M[2][j], oi[0]); ROT(M[1][j], M[3][j], oi[1]);
                 ROT(M[0][j], M[3][j], oi[2]); ROT(M[1][j], M[2][j], oi[3]);
@@ -208,8 +205,9 @@ TP_INLINE int block_round(VT *A, VT *V, int64_t r, int wantv, const int32_t *bp,
                 ROT(M[i][0], M[i][2], oj[0]); ROT(M[i][1], M[i][3], oj[1]);
                 ROT(M[i][0], M[i][3], oj[2]); ROT(M[i][1], M[i][2], oj[3]);
             }
-            for (int i = 0; i < 4; ++i)
-                for (int j = 0; j < 4; ++j) *P[i][j] = M[i][j];
+            TSTORE(b0, 0, 0, 0) TSTORE(b1, 1, 0, 2) TSTORE(b2, 2, 2, 0) TSTORE(b3, 3, 2, 2)
+#undef TLOAD
+#undef TSTORE
         }
     }
     if (wantv)
