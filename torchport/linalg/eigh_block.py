@@ -154,7 +154,7 @@ TP_INLINE VT *tile_at(VT *A, int64_t r, int64_t X, int64_t Y, int64_t *o01, int6
    Each quartet's 4x4 diagonal block is rotated in true values; every other 4x4 tile of the
    upper triangle and the quartet's four rows of V get both rounds in one pass (loaded and
    stored once for two rounds). */
-TP_INLINE int block_round(VT *A, VT *V, int64_t r, int wantv, const int32_t *bp, VT *d, VT *e,
+TP_INLINE int block_round(VT *A, VT *V, int64_t r, int applyv, const int32_t *bp, VT *d, VT *e,
                           VT floor2, rot_t *co, int32_t *live, VT (*S)[4][4]) {
     const int64_t h = r / 4;
     int any = 0;
@@ -210,7 +210,7 @@ TP_INLINE int block_round(VT *A, VT *V, int64_t r, int wantv, const int32_t *bp,
 #undef TSTORE
         }
     }
-    if (wantv)
+    if (applyv)
         for (int64_t t = 0; t < h; ++t) {
             if (!live[t]) continue;
             const int64_t a = bp[2 * t], b = bp[2 * t + 1];
@@ -224,6 +224,43 @@ TP_INLINE int block_round(VT *A, VT *V, int64_t r, int wantv, const int32_t *bp,
             }
         }
     return 1;
+}
+
+/* A quartet's two rotation rounds on one element of each of its four rows (a0, a1: rows of
+   block a; b0, b1: of block b; a < b). */
+#define QUAD(A0, A1, B0, B1, R) do { ROT(A0, B0, (R)[0]); ROT(A1, B1, (R)[1]); ROT(A0, B1, (R)[2]); ROT(A1, B0, (R)[3]); } while (0)
+
+/* V's rows for two consecutive XOR block rounds s1, s2 (block X meets X ^ s): the blocks
+   X, X^s1, X^s2, X^s1^s2 are closed under both rounds, so their eight rows of V get the four
+   rotation rounds in one pass (loaded and stored once for four rounds instead of two). q1/q2:
+   the quartet index of each block in the two rounds; c1/c2, l1/l2 their coefficients and
+   live flags. */
+TP_INLINE void v_two_rounds(VT *V, int64_t r, int64_t m, int64_t s1, int64_t s2,
+                            const int32_t *q1, const int32_t *q2, const rot_t *c1,
+                            const rot_t *c2, const int32_t *l1, const int32_t *l2) {
+    for (int64_t X = 0; X < m; ++X) {
+        const int64_t B1 = X ^ s1, B2 = X ^ s2, B3 = X ^ s1 ^ s2;
+        if (X > B1 || X > B2 || X > B3) continue;  /* X is the smallest block of its group */
+        const int64_t ta = q1[X], tb = q1[B2], tc = q2[X], td = q2[B1];
+        if (!l1[ta] && !l1[tb] && !l2[tc] && !l2[td]) continue;
+        const rot_t *Ra = c1 + 4 * ta, *Rb = c1 + 4 * tb, *Rc = c2 + 4 * tc, *Rd = c2 + 4 * td;
+        VT *v0 = V + 2 * X * RS, *v1 = v0 + RS, *v2 = V + 2 * B1 * RS, *v3 = v2 + RS;
+        VT *v4 = V + 2 * B2 * RS, *v5 = v4 + RS, *v6 = V + 2 * B3 * RS, *v7 = v6 + RS;
+#define VLOOP(P0, P1, Q0, Q1, U0, U1, W0, W1)                                              \
+        for (int64_t k = 0; k < r; ++k) {                                                  \
+            VT x0 = v0[k], x1 = v1[k], x2 = v2[k], x3 = v3[k];                             \
+            VT x4 = v4[k], x5 = v5[k], x6 = v6[k], x7 = v7[k];                             \
+            QUAD(x0, x1, x2, x3, Ra); QUAD(P0, P1, Q0, Q1, Rb);                            \
+            QUAD(x0, x1, x4, x5, Rc); QUAD(U0, U1, W0, W1, Rd);                            \
+            v0[k] = x0; v1[k] = x1; v2[k] = x2; v3[k] = x3;                                \
+            v4[k] = x4; v5[k] = x5; v6[k] = x6; v7[k] = x7;                                \
+        }
+        if (B2 < B3 && B1 < B3) VLOOP(x4, x5, x6, x7, x2, x3, x6, x7)
+        else if (B2 < B3) VLOOP(x4, x5, x6, x7, x6, x7, x2, x3)
+        else if (B1 < B3) VLOOP(x6, x7, x4, x5, x2, x3, x6, x7)
+        else VLOOP(x6, x7, x4, x5, x6, x7, x2, x3)
+#undef VLOOP
+    }
 }
 
 /* Fold the scales back in (Ã_ij d_i d_j for i, j in different blocks, Ṽ_i d_i) and reset them
@@ -242,7 +279,8 @@ TP_INLINE void unscale(VT *A, VT *V, int64_t r, int wantv, VT *d, VT *e) {
 
 TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
                          VT *A, VT *V, VT *d, VT *e, T *ev, int64_t *perm, const int32_t *bp,
-                         rot_t *co, int32_t *live, VT (*S)[4][4]) {
+                         const int32_t *qof, int xor_order, rot_t *co, int32_t *live,
+                         VT (*S)[4][4]) {
     const VT zero = {0}, one = zero + 1;
     const int64_t r = (n + 3) & ~(int64_t)3, m = r / 2;
     const int64_t nn = n * n;
@@ -293,8 +331,16 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
     if (wantv) { for (int64_t j = 0; j < r * RS; ++j) V[j] = zero; for (int64_t j = 0; j < r; ++j) V[j * RS + j] = one; }
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         int rotated = intra_round(A, V, r, wantv, d, e, floor2, co, live);
-        for (int64_t k = 0; k < m - 1; ++k)
-            rotated |= block_round(A, V, r, wantv, bp + k * m, d, e, floor2, co, live, S);
+        for (int64_t k = 0; k < m - 1; ++k) {
+            /* XOR tournament: V of rounds k, k + 1 (k even) in one pass after both */
+            const int pair = xor_order && k + 1 < m - 1;
+            const int64_t z = pair ? k & 1 : 0;
+            rotated |= block_round(A, V, r, wantv && !pair, bp + k * m, d, e, floor2,
+                                   co + z * (r + 4), live + z * (m + 1), S);
+            if (pair && (k & 1) && wantv)
+                v_two_rounds(V, r, m, k, k + 1, qof + (k - 1) * m, qof + k * m, co, co + (r + 4),
+                             live, live + (m + 1));
+        }
         unscale(A, V, r, wantv, d, e);
         if (!rotated) break;
     }
@@ -317,15 +363,30 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
     return 0;
 }
 
-/* Round-robin tournament of m (even) blocks: m - 1 rounds of m / 2 disjoint pairs (a < b). */
-static void block_pairs(int32_t *bp, int64_t m) {
-    for (int64_t k = 0; k < m - 1; ++k)
-        for (int64_t i = 0; i < m / 2; ++i) {
+/* The blocks' tournament, m - 1 rounds of m / 2 disjoint pairs (a < b) at bp[k m ...]. For m a
+   power of two (from 4) the XOR tournament, block X meets X ^ (k + 1) in round k, whose rounds
+   k, k + 1 (k even) close groups of four blocks (v_two_rounds); qof[k m + X] is the index of
+   block X's pair in round k. Otherwise the circle method (block m - 1 fixed). Returns 1 for the
+   XOR tournament. */
+static int block_pairs(int32_t *bp, int32_t *qof, int64_t m) {
+    const int xo = m >= 4 && (m & (m - 1)) == 0;
+    for (int64_t k = 0; k < m - 1; ++k) {
+        int64_t i = 0;
+        for (int64_t X = 0; X < m && xo; ++X) {
+            const int64_t Y = X ^ (k + 1);
+            if (X > Y) continue;
+            bp[k * m + 2 * i] = (int32_t)X; bp[k * m + 2 * i + 1] = (int32_t)Y;
+            qof[k * m + X] = qof[k * m + Y] = (int32_t)i;
+            ++i;
+        }
+        for (i = 0; i < m / 2 && !xo; ++i) {
             int64_t a = i == 0 ? m - 1 : (k + i) % (m - 1);
             int64_t b = (k + m - 1 - i) % (m - 1);
             bp[k * m + 2 * i] = (int32_t)TP_MIN(a, b);
             bp[k * m + 2 * i + 1] = (int32_t)TP_MAX(a, b);
         }
+    }
+    return xo;
 }
 
 TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper,
@@ -339,12 +400,12 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
         VT *A = (VT *)aligned_alloc(32, sizeof(VT) * (2 * r * (r + 1) + 2 * r + 4 * r + 4 * r));
         VT *V = A + r * (r + 1), *d = V + r * (r + 1), *e = d + r;
         VT (*S)[4][4] = (VT (*)[4][4])(e + r);  /* r / 4 quartets' 4x4 blocks */
-        rot_t *co = (rot_t *)aligned_alloc(32, sizeof(rot_t) * (r + 4));
+        rot_t *co = (rot_t *)aligned_alloc(32, sizeof(rot_t) * 2 * (r + 4));
         T *ev = (T *)malloc(sizeof(T) * (n + 1));
         int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
-        int32_t *live = (int32_t *)malloc(sizeof(int32_t) * (m + 1));
-        int32_t *bp = (int32_t *)malloc(sizeof(int32_t) * (m * m + 2));
-        block_pairs(bp, m);
+        int32_t *live = (int32_t *)malloc(sizeof(int32_t) * 2 * (m + 1));
+        int32_t *bp = (int32_t *)malloc(sizeof(int32_t) * 2 * (m * m + 2)), *qof = bp + m * m + 2;
+        const int xo = block_pairs(bp, qof, m);
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t gi = 0; gi < groups; ++gi) {
@@ -352,7 +413,7 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
             const T *src = a + b0 * n * n;
             T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
             int st;
-#define EIGH_BLOCK(N) eigh_block(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, V, d, e, ev, perm, bp, co, live, S)
+#define EIGH_BLOCK(N) eigh_block(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, V, d, e, ev, perm, bp, qof, xo, co, live, S)
             if (n == 16) st = EIGH_BLOCK(16);
             else if (n == 32) st = EIGH_BLOCK(32);
             else st = EIGH_BLOCK(n);

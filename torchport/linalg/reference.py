@@ -55,19 +55,24 @@ def pairs_for(q: int, order: int) -> list[tuple[int, int]]:
 
 def _block_pairs(q: int) -> list[tuple[int, int]]:
     """The block order: r = q rounded up to a multiple of 4 indices in m = r/2 blocks {2X, 2X+1};
-    first the pair inside each block, then for each round of the blocks' round-robin tournament
-    (block m-1 fixed, the others rotating) each quartet (2a, 2a+1, 2b, 2b+1), a < b, takes the
+    first the pair inside each block, then for each round of the blocks' tournament (for m a
+    power of two from 4 block x meets x ^ (k+1) in round k, else the circle method with block
+    m-1 fixed) each quartet (2a, 2a+1, 2b, 2b+1), a < b, takes the
     pairs (2a, 2b), (2a+1, 2b+1) and then (2a, 2b+1), (2a+1, 2b). Pairs touching a padding
     index (>= q) are left out: its row and column are zero, so the kernel never rotates them."""
     r = (q + 3) // 4 * 4
     m = r // 2
+    xor = m >= 4 and m & (m - 1) == 0
     out = [(2 * x, 2 * x + 1) for x in range(m)]
     for k in range(m - 1):
-        quartets = []
-        for i in range(m // 2):
-            a = m - 1 if i == 0 else (k + i) % (m - 1)
-            b = (k + m - 1 - i) % (m - 1)
-            quartets.append((min(a, b), max(a, b)))
+        if xor:  # block x meets x ^ (k + 1)
+            quartets = [(x, x ^ (k + 1)) for x in range(m) if x < x ^ (k + 1)]
+        else:
+            quartets = []
+            for i in range(m // 2):
+                a = m - 1 if i == 0 else (k + i) % (m - 1)
+                b = (k + m - 1 - i) % (m - 1)
+                quartets.append((min(a, b), max(a, b)))
         for lp, lq in (((0, 2), (1, 3)), ((0, 3), (1, 2))):
             for a, b in quartets:
                 g = (2 * a, 2 * a + 1, 2 * b, 2 * b + 1)
