@@ -70,8 +70,8 @@ TP_INLINE int vany(VI m) { ${ielem} r = 0; for (int64_t l = 0; l < VLN; ++l) r |
    d_p, d_q multiplied by c: one FMA per element instead of a multiply and an FMA. */
 typedef struct { VT al, be; } rot_t;
 
-/* One Jacobi rotation of local pair (p, q) of the true symmetric sz x sz block S (global
-   indices g[]): the angle (same formula and threshold as the fused lane kernel), S rotated in
+/* One Jacobi rotation of local pair (p, q), p < q, of the true symmetric sz x sz block S (upper
+   triangle only; global indices g[]): the angle (same formula and threshold as the fused lane kernel), S rotated in
    the ordinary form, the scaled coefficients into *o, d (scales) and e = 1/d updated.
    Returns 1 if some lane rotated. */
 TP_INLINE int rot_pair(VT S[4][4], int sz, int p, int q, const int64_t *g, VT *d, VT *e,
@@ -89,12 +89,13 @@ TP_INLINE int rot_pair(VT S[4][4], int sz, int p, int q, const int64_t *g, VT *d
     VT sq = vsqrt(one + t * t), c = one / sq, s = c * t;
     for (int k = 0; k < sz; ++k) {
         if (k == p || k == q) continue;
-        VT x = S[p][k], y = S[q][k];
-        S[p][k] = S[k][p] = c * x - s * y;
-        S[q][k] = S[k][q] = s * x + c * y;
+        VT *xp = &S[TP_MIN(p, k)][TP_MAX(p, k)], *yp = &S[TP_MIN(q, k)][TP_MAX(q, k)];
+        VT x = *xp, y = *yp;
+        *xp = c * x - s * y;
+        *yp = s * x + c * y;
     }
     S[p][p] = app - t * apq; S[q][q] = aqq + t * apq;
-    S[p][q] = S[q][p] = vsel(act, zero, apq);
+    S[p][q] = vsel(act, zero, apq);
     const int64_t gp = g[p], gq = g[q];
     o->al = t * d[gq] * e[gp]; o->be = t * d[gp] * e[gq];
     d[gp] *= c; d[gq] *= c; e[gp] *= sq; e[gq] *= sq;
@@ -113,7 +114,7 @@ TP_INLINE int intra_round(VT *A, VT *V, int64_t r, int wantv, VT *d, VT *e, VT f
         const int64_t g[2] = {2 * X, 2 * X + 1};
         VT *b = A + g[0] * RS + g[0];
         VT S[4][4];
-        S[0][0] = b[0]; S[0][1] = S[1][0] = b[1]; S[1][1] = b[RS + 1];
+        S[0][0] = b[0]; S[0][1] = b[1]; S[1][1] = b[RS + 1];
         live[X] = rot_pair(S, 2, 0, 1, g, d, e, floor2, co + X);
         if (!live[X]) continue;
         any = 1;
@@ -166,7 +167,7 @@ TP_INLINE int block_round(VT *A, VT *V, int64_t r, int applyv, const int32_t *bp
         for (int i = 0; i < 4; ++i)
             for (int j = i; j < 4; ++j) {
                 VT x = A[g[i] * RS + g[j]];
-                S[t][i][j] = S[t][j][i] = (i >> 1) == (j >> 1) ? x : x * d[g[i]] * d[g[j]];
+                S[t][i][j] = (i >> 1) == (j >> 1) ? x : x * d[g[i]] * d[g[j]];
             }
         live[t] = rot_pair(S[t], 4, 0, 2, g, d, e, floor2, co + 4 * t);
         live[t] |= rot_pair(S[t], 4, 1, 3, g, d, e, floor2, co + 4 * t + 1);
