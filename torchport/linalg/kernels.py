@@ -1257,11 +1257,12 @@ EIGH_LANES_ROUND_ROBIN = (5, 16)
 # build of the unfused kernel wins there).
 EIGH_LANES_FUSED_FROM = 6
 # From this order the lanes run the block-ordered kernel (torchport.linalg.eigh_block: two
-# rotation rounds per pass over A's 4x4 tiles and V's rows, scaled one-FMA rotations). One
-# thread, B ~ 2e7 / 6n^3, min of 9 alternated thread-CPU times, fused -> block (load 3.7):
-# f64 n = 8 0.96x, 16 0.90x, 24 1.04x, 32 1.11x, 48 1.19x, 64 1.31x; f32 0.83x, 0.94x, 1.02x,
-# 1.14x, 1.17x, 1.34x.
-EIGH_BLOCK_FROM = 24
+# rotation rounds per pass over A's 4x4 tiles, four per pass over V's rows, scaled one-FMA
+# rotations). Fused (order 2) -> block, min of 9 alternated thread-CPU times, one thread,
+# B ~ 2e7 / 6n^3 (load 1.9-2.1): f64 n = 12 1.14x, 16 1.33x, 20 1.06x, 24 1.33x, 32 1.33x; f32
+# 1.06x, 1.13x, 1.21x, 1.21x, 1.32x. Two threads, B = 2000, min of 15 (load 2.4-3.3): f64 n = 12
+# / 16 / 20 1.20x / 1.18x / 1.41x, f32 0.98x / 1.22x / 0.92x.
+EIGH_BLOCK_FROM = 12
 LANES_MAX_N = 64
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
