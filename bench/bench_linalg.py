@@ -273,6 +273,40 @@ def sweeps(args: Any) -> None:
                 f"{ops / per / 1e3:.2f} per ns), outside the sweeps {outside:.2f} us, converged "
                 f"{tc:.2f} us = {(tc - outside) / per:.1f} effective sweeps"
             )
+            _block_sweeps(dtype, n, a, lam, q, args.reps)
+
+
+def _block_sweeps(dtype: torch.dtype, n: int, a: Any, lam: Any, q: Any, reps: int) -> None:
+    """``sweeps`` for the block-ordered kernel (eigh_block); ops = its scaled updates' FMAs."""
+    import time
+
+    from torchport import native
+    from torchport.linalg import eigh_block
+
+    isa = native.cpu_info().isa
+    ks = {c: eigh_block.library(dtype, isa, c) for c in (2, 4, eigh_block.MAX_SWEEPS)}
+    b = a.shape[0]
+    call = (a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, 0, 1, 1)  # lower, V, 1 thread
+    best = dict.fromkeys(ks, float("inf"))
+    for k in ks.values():
+        k.call_unchecked(*call)
+    for _ in range(max(3, reps)):
+        for c, k in ks.items():
+            t0 = time.perf_counter()
+            k.call_unchecked(*call)
+            best[c] = min(best[c], time.perf_counter() - t0)
+    g = b // (32 // dtype.itemsize)
+    t2, t4, tc = (best[c] / g * 1e6 for c in ks)
+    per = (t4 - t2) / 2
+    outside = t2 - 2 * per
+    r = (n + 3) // 4 * 4
+    m, h = r // 2, r // 4
+    ops = m * (m - 1) // 2 * 8 + 2 * m * r + (m - 1) * (h * (h - 1) // 2 * 64 + 8 * h * r)
+    print(
+        f"eigh_block {str(dtype)[6:]} n={n} B={b}: sweep {per:.2f} us ({ops} FMA, "
+        f"{ops / per / 1e3:.2f} per ns), outside the sweeps {outside:.2f} us, converged "
+        f"{tc:.2f} us = {(tc - outside) / per:.1f} effective sweeps"
+    )
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ import torch
 
 from torchport import native
 from torchport.linalg import blocked as _blocked
+from torchport.linalg import eigh_block as _eigh_block
 from torchport.native import IntArg, Kernel, TensorArg
 
 _TAG = {torch.float32: "f32", torch.float64: "f64"}
@@ -1151,7 +1152,9 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
 
 # Identifies the kernel sources (this one and the blocked Cholesky's) in autotuning keys, so
 # choices made for older kernels are not reused.
-SOURCE_TAG = hashlib.sha256((_SOURCE + _blocked.SOURCE_TAG).encode()).hexdigest()[:12]
+SOURCE_TAG = hashlib.sha256(
+    (_SOURCE + _blocked.SOURCE_TAG + _eigh_block.SOURCE_TAG).encode()
+).hexdigest()[:12]
 
 
 MAX_SWEEPS = 60
@@ -1253,6 +1256,13 @@ EIGH_LANES_ROUND_ROBIN = (5, 16)
 # 16.7, 64 84.9 -> 40.4 (B = 10000 … 64, ~0.2 GFLOP each); n = 3 0.70x (the constant-size
 # build of the unfused kernel wins there).
 EIGH_LANES_FUSED_FROM = 6
+# From this order the lanes run the block-ordered kernel (torchport.linalg.eigh_block: two
+# rotation rounds per pass over A's 4x4 tiles, four per pass over V's rows, scaled one-FMA
+# rotations). Fused (order 2) -> block, min of 9 alternated thread-CPU times, one thread,
+# B ~ 2e7 / 6n^3 (load 1.9-2.1): f64 n = 12 1.14x, 16 1.33x, 20 1.06x, 24 1.33x, 32 1.33x; f32
+# 1.06x, 1.13x, 1.21x, 1.21x, 1.32x. Two threads, B = 2000, min of 15 (load 2.4-3.3): f64 n = 12
+# / 16 / 20 1.20x / 1.18x / 1.41x, f32 0.98x / 1.22x / 0.92x.
+EIGH_BLOCK_FROM = 12
 LANES_MAX_N = 64
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
@@ -1312,7 +1322,8 @@ def eigh(
 
     ``lanes``: run one matrix per SIMD lane (``tp_eigh_vec``); None = when the batch fills lanes.
     ``order``: 0 cyclic, 1 round-robin, 2 round-robin with fused symmetric rounds (lanes only;
-    the same rotations as 1); None = the measured default of the kernel used.
+    the same rotations as 1), 3 the block order of :mod:`torchport.linalg.eigh_block` (lanes
+    only); None = the measured default of the kernel used.
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
@@ -1323,6 +1334,8 @@ def eigh(
     if lanes is None:
         lanes = b >= 64 // a.element_size() and n <= LANES_MAX_N
     if lanes:
+        if order == 3 or (order is None and n >= EIGH_BLOCK_FROM):
+            return _eigh_block.eigh(a, upper, compute_v)
         if order is None and n >= EIGH_LANES_FUSED_FROM:
             order = 2
         elif order is None:

@@ -8,8 +8,8 @@ The native kernels must agree with them to working precision (tests/test_linalg.
 - ``svd_reference``: one-sided Jacobi (cyclic order for k ≤ 4, round-robin above, as the
   kernel), tol = eps·sqrt(max(m, n)); descending σ;
   numerically null vectors (σ ≤ σ_max·p·eps) completed by Gram-Schmidt.
-- ``eigh_reference``: two-sided Jacobi (cyclic, or round-robin as the lane kernel for
-  5 ≤ n ≤ 16) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
+- ``eigh_reference``: two-sided Jacobi (cyclic, round-robin as the lane kernel, or the block
+  order of ``eigh_block``) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
 - ``qr_reference``: Householder with LAPACK's sign convention.
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
 """
@@ -36,9 +36,12 @@ def _rotation(zeta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def pairs_for(q: int, order: int) -> list[tuple[int, int]]:
-    """Pairs of one sweep: cyclic row order (0) or the round-robin tournament (1) of the kernel."""
+    """Pairs of one sweep: cyclic row order (0), the round-robin tournament (1, 2) of the
+    kernels, or the block order (3) of :mod:`torchport.linalg.eigh_block`."""
     if order == 0 or q < 2:
         return [(j, k) for j in range(q) for k in range(j + 1, q)]
+    if order == 3:
+        return _block_pairs(q)
     r = q + (q & 1)
     out = []
     for rnd in range(r - 1):
@@ -48,6 +51,33 @@ def pairs_for(q: int, order: int) -> list[tuple[int, int]]:
             if a < q and b < q:
                 out.append((min(a, b), max(a, b)))
     return out
+
+
+def _block_pairs(q: int) -> list[tuple[int, int]]:
+    """The block order: r = q rounded up to a multiple of 4 indices in m = r/2 blocks {2X, 2X+1};
+    first the pair inside each block, then for each round of the blocks' tournament (for m a
+    power of two from 4 block x meets x ^ (k+1) in round k, else the circle method with block
+    m-1 fixed) each quartet (2a, 2a+1, 2b, 2b+1), a < b, takes the
+    pairs (2a, 2b), (2a+1, 2b+1) and then (2a, 2b+1), (2a+1, 2b). Pairs touching a padding
+    index (>= q) are left out: its row and column are zero, so the kernel never rotates them."""
+    r = (q + 3) // 4 * 4
+    m = r // 2
+    xor = m >= 4 and m & (m - 1) == 0
+    out = [(2 * x, 2 * x + 1) for x in range(m)]
+    for k in range(m - 1):
+        if xor:  # block x meets x ^ (k + 1)
+            quartets = [(x, x ^ (k + 1)) for x in range(m) if x < x ^ (k + 1)]
+        else:
+            quartets = []
+            for i in range(m // 2):
+                a = m - 1 if i == 0 else (k + i) % (m - 1)
+                b = (k + m - 1 - i) % (m - 1)
+                quartets.append((min(a, b), max(a, b)))
+        for lp, lq in (((0, 2), (1, 3)), ((0, 3), (1, 2))):
+            for a, b in quartets:
+                g = (2 * a, 2 * a + 1, 2 * b, 2 * b + 1)
+                out += [(g[lp[0]], g[lp[1]]), (g[lq[0]], g[lq[1]])]
+    return [(p, q_) for p, q_ in out if q_ < q]
 
 
 def _complete_basis(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Tensor:
@@ -134,9 +164,10 @@ def eigh_reference(
     """Two-sided Jacobi eigendecomposition of (B, n, n) symmetric ``a``: (L asc, Q).
 
     ``order``: 0 cyclic, 1 or 2 round-robin (the lane kernel's orders; its order 2 applies the
-    same rotations with each round's row and column updates fused). A round's pairs are
-    disjoint, so applying them one after another here equals the kernel's computing every
-    angle of the round first.
+    same rotations with each round's row and column updates fused), 3 the block order of
+    :mod:`torchport.linalg.eigh_block` (which applies these rotations in scaled form, equal in
+    exact arithmetic). A round's pairs are disjoint, so applying them one after another here
+    equals the kernel's computing every angle of the round first.
     """
     bsz, n, _ = a.shape
     tri = a.triu() if upper else a.tril()

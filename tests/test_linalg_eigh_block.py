@@ -1,0 +1,144 @@
+"""The block-ordered lane eigh kernel (torchport.linalg.eigh_block): against float64 LAPACK
+(gauge-invariant), the plain-torch reference in the same pair order, the fused lane kernel, and
+through the public eigh routes (jacobi, auto, autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport.linalg as tl
+from torchport.linalg import eigh_block, kernels
+
+DTYPES = [torch.float32, torch.float64]
+TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+KINDS = ["random", "repeated", "clustered", "diagonal", "zero", "ill_conditioned"]
+
+
+def sym(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        x = torch.randn(b, n, n, generator=g, dtype=torch.float64)
+        return x + x.mT
+    if kind == "zero":
+        return torch.zeros(b, n, n, dtype=torch.float64)
+    if kind == "diagonal":
+        return torch.diag_embed(torch.randn(b, n, generator=g, dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(b, n, n, generator=g, dtype=torch.float64))
+    if kind == "repeated":
+        lam = torch.where(torch.arange(n) < n // 2, -1.0, 3.0).to(torch.float64)
+    elif kind == "clustered":  # three clusters of width 1e-9
+        lam = torch.tensor([(-2.0, 1.0, 5.0)[i % 3] + 1e-9 * i for i in range(n)])
+        lam = lam.to(torch.float64)
+    elif kind == "ill_conditioned":
+        lam = torch.logspace(0, -6, n, dtype=torch.float64)
+    else:
+        raise ValueError(kind)
+    return (q * lam) @ q.mT
+
+
+def _check(a64: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, tol: float) -> None:
+    n = a64.shape[-1]
+    scale = max(1.0, float(a64.abs().max()))
+    assert bool((lam[:, :-1] <= lam[:, 1:]).all()), "eigenvalues must be ascending"
+    assert float((lam.double() - torch.linalg.eigvalsh(a64)).abs().max()) <= tol * scale * n
+    resid = a64 @ q.double() - q.double() * lam.double().unsqueeze(-2)
+    assert float(resid.abs().max()) <= tol * scale * n
+    eye = torch.eye(n, dtype=torch.float64)
+    assert float((q.double().mT @ q.double() - eye).abs().max()) <= tol * n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 16, 17, 24, 31, 32])
+def test_block_kernel_vs_lapack(dtype, n):
+    """Every kind of input, both triangles (the other one poisoned), a batch that leaves a
+    partial group of lanes; eigenvalues-only agree with the vectors run."""
+    kinds = KINDS if n in (5, 16, 32) else ["random", "repeated"]
+    a64 = torch.cat([sym(k, 3, n, seed=n + i) for i, k in enumerate(kinds)])
+    for upper in (False, True):
+        junk = torch.triu(torch.full((n, n), 7.0, dtype=torch.float64), 1)
+        a = (a64 + (junk.mT if upper else junk)).to(dtype).contiguous()
+        lam, q, bad = eigh_block.eigh(a, upper, True)
+        assert bad == 0
+        _check(a64, lam, q, TOL[dtype])
+        vals, empty, bad = eigh_block.eigh(a, upper, False)
+        assert bad == 0 and empty.numel() == 0
+        assert torch.allclose(vals, lam, rtol=0, atol=TOL[dtype] * max(1.0, float(a64.abs().max())))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [6, 13])
+def test_block_kernel_vs_reference(dtype, n):
+    """The plain-torch reference in the same pair order (order=3) and the fused lane kernel."""
+    a64 = torch.cat([sym("random", 9, n, seed=n), sym("repeated", 4, n, seed=1)])
+    a = a64.to(dtype).contiguous()
+    lam, q, bad = kernels.eigh(a, False, True, 3, lanes=True)
+    lr, qr_ = tl.eigh_reference(a, False, order=3)
+    lf, _, _ = kernels.eigh(a, False, True, 2, lanes=True)
+    tol = TOL[dtype] * 10 * n
+    assert bad == 0
+    assert float((lam - lr).abs().max()) <= tol * float(a.abs().max())
+    assert float((lam - lf).abs().max()) <= tol * float(a.abs().max())
+    if dtype == torch.float64:  # same rotations (scaled form in the kernel): same vectors
+        assert float((q[:9] - qr_[:9]).abs().max()) <= 1e-8
+
+
+def test_block_pairs_cover_every_pair_once():
+    from torchport.linalg.reference import pairs_for
+
+    for q in (1, 2, 3, 4, 5, 8, 13, 16, 32):
+        pairs = pairs_for(q, 3)
+        assert sorted(pairs) == [(j, k) for j in range(q) for k in range(j + 1, q)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_kernel_scaling_and_errors(dtype):
+    """Lanes of very different magnitudes in one group (per-lane power-of-two scaling), empty
+    batch and n = 0, and 1 + the first batch index with a non-finite entry."""
+    big = 1e150 if dtype == torch.float64 else 1e18
+    a64 = sym("random", 9, 32, seed=3)
+    for i, f in enumerate((big, 1 / big, 1.0, big, 1 / big, 3.0, 1e-3, 7.0, big)):
+        a64[i] *= f
+    a = a64.to(dtype).contiguous()
+    lam, q, bad = eigh_block.eigh(a, False, True)
+    ref = torch.linalg.eigvalsh(a.double())
+    tol = TOL[dtype] * 10 * 32
+    assert bad == 0
+    for i in range(9):
+        scale = float(a[i].double().abs().max())
+        assert float((lam[i].double() - ref[i]).abs().max()) <= tol * scale
+        resid = a[i].double() @ q[i].double() - q[i].double() * lam[i].double()
+        assert float(resid.abs().max()) <= tol * scale
+    for shape in ((0, 5, 5), (3, 0, 0)):
+        lam, q, bad = eigh_block.eigh(torch.zeros(shape, dtype=dtype), False, True)
+        assert bad == 0 and lam.shape == shape[:2] and q.shape == shape
+    a = a.clone()
+    a[6, 3, 1] = float("inf")
+    assert eigh_block.eigh(a, False, True)[2] == 7
+    assert eigh_block.eigh(a, True, False)[2] == 7
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_public_eigh_routes_to_block_kernel(dtype, monkeypatch):
+    """method="jacobi" at n >= EIGH_BLOCK_FROM runs the block kernel; the results, the error for
+    non-finite input and autograd (torch.linalg's gradient) go through it."""
+    n = kernels.EIGH_BLOCK_FROM
+    calls = []
+    real = eigh_block.eigh
+    monkeypatch.setattr(eigh_block, "eigh", lambda *a: calls.append(a[0].shape) or real(*a))
+    a64 = sym("random", 16, n, seed=5)
+    lam, q = tl.eigh(a64.to(dtype), method="jacobi")
+    assert calls and calls[-1] == (16, n, n)
+    _check(a64, lam, q, TOL[dtype])
+    bad = a64.to(dtype).clone()
+    bad[11, 2, 2] = float("nan")
+    with pytest.raises(torch.linalg.LinAlgError, match="non-finite"):
+        tl.eigh(bad, method="jacobi")
+    if dtype == torch.float64:
+        x = a64.clone().requires_grad_()
+        lam, q = tl.eigh(x, method="jacobi")
+        (lam.sum() + (q.abs() ** 2).sum()).backward()
+        y = a64.clone().requires_grad_()
+        lr, qr_ = torch.linalg.eigh(y)
+        (lr.sum() + (qr_.abs() ** 2).sum()).backward()
+        assert torch.allclose(x.grad, y.grad, atol=1e-8)
