@@ -88,6 +88,14 @@ def _scratch(comm: Communicator, nbytes: int) -> int:
     return buf.data_ptr()
 
 
+def _slots(base: int, nb: int, w: int) -> list[tuple[int, int]]:
+    """``w`` receive slots of ``nb`` bytes each from ``base`` (one per peer)."""
+    return [(base + q * nb, nb) for q in range(w)]
+
+
+EMPTY = (0, 0)  # an exchange's receive slot for a peer that sends nothing in the step
+
+
 def _fold_part(
     comm: Communicator,
     blobs: list[Blob],
@@ -139,7 +147,8 @@ def allreduce(
         ptr, nb = base + lo * es, m * es
         sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step)
         if nb <= small or w == 1:
-            blobs = exchange(comm, sig, [[(ptr, nb)]] * w, deadline)
+            sc = _scratch(comm, nb * w)
+            blobs = exchange(comm, sig, [[(ptr, nb)]] * w, deadline, _slots(sc, nb, w))
             _fold_part(comm, blobs, ptr, nb, dtype, red)
             step += 1
             continue
@@ -166,7 +175,7 @@ def reduce(
         parts = _scatter_reduce(comm, sig, ptr, m, es, dtype, red, deadline)
         mine = (ptr + parts[r][0] * es, parts[r][1] * es)
         out = [[mine] if q == root else [] for q in range(w)]
-        into = [(ptr + plo * es, k * es) for plo, k in parts] if r == root else None
+        into = [(ptr + plo * es, k * es) if r == root else EMPTY for plo, k in parts]
         blobs = exchange(
             comm,
             make_sig(seq, OP_REDUCE, dtype, red, root, nbytes, 2 * i + 1),
@@ -196,7 +205,7 @@ def broadcast(
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
         if nb <= small or w <= 2:
             out = [[(ptr, nb)] if r == root else [] for _ in range(w)]
-            into = [(ptr, nb) if q == root else None for q in range(w)]
+            into = [(ptr, nb) if q == root and r != root else EMPTY for q in range(w)]
             blobs = exchange(comm, sig, out, deadline, into)
             if r != root and nb:
                 _copy(ptr, _expect(blobs[root], nb, root), nb)
@@ -315,7 +324,10 @@ def gather(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
         out = [[(inp + lo, nb)] if q == root else [] for q in range(w)]
-        into = [(o + lo, nb) for o in outs] if r == root and outs is not None else None
+        if r == root and outs is not None:
+            into = [(o + lo, nb) for o in outs]
+        else:
+            into = [EMPTY] * w
         blobs = exchange(
             comm, make_sig(seq, OP_GATHER, dtype, 0, root, nbytes, step), out, deadline, into
         )
@@ -355,7 +367,7 @@ def scatter(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.peer_chunk)):
         segs = [[(ins[q] + lo, nb)] if ins is not None else [] for q in range(w)]
-        into = [(out + lo, nb) if q == root else None for q in range(w)]
+        into = [(out + lo, nb) if q == root else EMPTY for q in range(w)]
         blobs = exchange(
             comm, make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step), segs, deadline, into
         )
@@ -380,7 +392,7 @@ def reduce_scatter(
         nb = m * es
         segs = [[(ins[q] + lo * es, nb)] for q in range(w)]
         sig = make_sig(seq, OP_REDUCE_SCATTER, dtype, red, -1, numel * es, step)
-        blobs = exchange(comm, sig, segs, deadline)
+        blobs = exchange(comm, sig, segs, deadline, _slots(_scratch(comm, nb * w), nb, w))
         if nb:
             bases = [_expect(blobs[q], nb, q) if q != r else ins[r] + lo * es for q in range(w)]
             reads = [(q, 0, out + lo * es, nb, COPY if q == 0 else FOLD) for q in range(w)]
