@@ -53,7 +53,7 @@ from torchport.distributed.engine import split_even as _parts
 from torchport.distributed.errors import CollectiveMismatchError, CommError
 from torchport.distributed.exchange import Blob, _addr, _view, exchange
 from torchport.distributed.transport_shm import COPY, FOLD, MISMATCH, StepError
-from torchport.distributed.transport_tcp import RECEIVED, Target
+from torchport.distributed.transport_tcp import RECEIVED, Frame, Target, XRecv, XSend
 from torchport.distributed.wire import Kind
 
 
@@ -276,6 +276,8 @@ def _chain_broadcast(
             raise StepError(MISMATCH, (comm.ranks.index(src), word, hdr.sig[word]))
         return body
 
+    if _chain_direct(comm, epoch0, base, pieces, sigs, prev, kids, deadline):
+        return
     try:
         if prev >= 0:
             for k, (lo, nb) in enumerate(pieces):
@@ -298,6 +300,59 @@ def _chain_broadcast(
         receive(kid, len(pieces))
     if prev >= 0:
         send(prev, Kind.COLL, gid, epoch0 + len(pieces), b"", sigs[-1])
+
+
+def _check_frames(
+    comm: Communicator, frames: Sequence[Frame | None], want: Sequence[tuple]
+) -> None:
+    """Raise for the first frame whose signature is not the expected one (a mismatched call);
+    every frame must be present."""
+    for frame, (src, sig) in zip(frames, want, strict=True):
+        if frame is not None and frame[0].sig != sig:
+            word = next(i for i in range(4) if frame[0].sig[i] != sig[i])
+            raise StepError(MISMATCH, (comm.ranks.index(src), word, frame[0].sig[word]))
+    if any(f is None for f in frames):
+        raise CommError(f"rank {comm.rank}: a transfer ended with receives missing")
+
+
+def _chain_direct(
+    comm: Communicator,
+    epoch0: int,
+    base: int,
+    pieces: Sequence[tuple[int, int]],
+    sigs: Sequence[tuple[int, int, int, int]],
+    prev: int,
+    kids: Sequence[int],
+    deadline: float,
+) -> bool:
+    """The chain/tree broadcast of :func:`_chain_broadcast` as one native transfer: receive
+    every piece from the parent into the tensor, forward piece k to the children as soon as
+    it is in, then the children's acknowledgements and our own to the parent -- no return to
+    Python per piece. False (nothing sent) when the connections cannot be owned now."""
+    gid, n = comm.group_id, len(pieces)
+    recvs = []
+    if prev >= 0:
+        recvs = [
+            XRecv(prev, gid, epoch0 + k, sigs[k], base + lo, nb)
+            for k, (lo, nb) in enumerate(pieces)
+        ]
+    recvs += [XRecv(kid, gid, epoch0 + n, sigs[n], 0, 0) for kid in kids]
+    sends = []
+    for k, (lo, nb) in enumerate(pieces):
+        after = k if prev >= 0 else -1
+        sends += [
+            XSend(kid, Kind.COLL, gid, epoch0 + k, base + lo, nb, sigs[k], after) for kid in kids
+        ]
+    if prev >= 0:
+        sends.append(XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], len(recvs) - 1))
+    comm._last_sig = sigs[0]
+    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    if frames is None:
+        return False
+    want = [(x.peer, x.sig) for x in recvs]
+    _check_frames(comm, frames, want)
+    comm._last_sig = sigs[-1]
+    return True
 
 
 def _binomial(pos: int, w: int) -> tuple[int, list[int]]:
@@ -484,6 +539,29 @@ def _direct_alltoall(
     comm._last_sig = sig(in_lens[(r + 1) % w], 0)
     if in_lens[r]:
         ctypes.memmove(outs[r], ins[r], in_lens[r])
+    sends, recvs, want = [], [], []
+    for d in ((r + k) % w for k in range(1, w)):  # every pair: at least one (empty) frame
+        n = in_lens[d]
+        for k, lo in enumerate(range(0, max(n, 1), per)):
+            m = min(per, n - lo) if n else 0
+            sends.append(XSend(comm.ranks[d], Kind.COLL, gid, epoch, ins[d] + lo, m, sig(n, k)))
+    for q in ((r - k) % w for k in range(1, w)):
+        n = out_lens[q]
+        for k, lo in enumerate(range(0, max(n, 1), per)):
+            m = min(per, n - lo) if n else 0
+            recvs.append(XRecv(comm.ranks[q], gid, epoch, sig(n, k), outs[q] + lo, m))
+            want.append((q, n))
+    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    if frames is not None:
+        for frame, x, (q, n) in zip(frames, recvs, want, strict=True):
+            if frame is not None and frame[0].sig[1] == x.sig[1] and frame[0].sig[2] != n:
+                raise CollectiveMismatchError(
+                    f"mismatched collectives on communicator {comm.name!r}: alltoall split "
+                    f"sizes disagree: rank {q} sends {frame[0].sig[2]} bytes to "
+                    f"rank {r}, which expects {n} bytes from rank {q}"
+                )
+        _check_frames(comm, frames, [(x.peer, x.sig) for x in recvs])
+        return
     key = [(gid, int(Kind.COLL), comm.ranks[q], epoch) for q in range(w)]
     posted: list[int] = []
     try:

@@ -22,7 +22,8 @@ frame) and releases it (waking the reader) when its transfer ends.
                 receive: address of the 64-byte header expected (every field is known)
     3 payload address        4 payload bytes
     5 progress (bytes of header + payload done)
-    6 after     send: index of a receive that must complete first (-1: none)
+    6 after     send: sent once every receive at a table index up to this one
+                completed (-1: at once)
     7 got       receive: address of a 64-byte buffer for the header as received
 
 Operations on one socket run in table order (sends and receives separately). A received
@@ -120,6 +121,9 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
     int64_t end = tp_ms_now() + slice_ms;
     for (;;) {
         int progress = 0, pending = 0, sends_pending = 0;
+        int64_t first_open = n;  /* the first unfinished receive */
+        for (int64_t i = 0; i < n && first_open == n; i++)
+            if (ops[i * OPW + 1] == 1 && ops[i * OPW + 5] < HDR + ops[i * OPW + 4]) first_open = i;
         int64_t busy_s[MAXFD], busy_r[MAXFD];
         int nbs = 0, nbr = 0;
         struct pollfd pf[MAXFD];
@@ -139,10 +143,7 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
             if (*nb < MAXFD) busy[(*nb)++] = fd;
             short want = 0;
             if (is_send) {
-                if (op[6] >= 0) {
-                    int64_t *dep = ops + op[6] * OPW;
-                    if (dep[5] < HDR + dep[4]) continue;
-                }
+                if (op[6] >= first_open) continue;
                 for (;;) {
                     struct iovec iov[2];
                     int niov = 0;

@@ -288,8 +288,8 @@ class Connection:
 
 @dataclass
 class XSend:
-    """One frame for :meth:`Mesh.transfer` to send: ``size`` bytes at ``ptr`` (sent once the
-    receive with index ``after`` of the same transfer completed, when ``after >= 0``)."""
+    """One frame for :meth:`Mesh.transfer` to send: ``size`` bytes at ``ptr`` (sent once
+    every receive of the same transfer with an index up to ``after`` completed)."""
 
     peer: int
     kind: Kind
@@ -329,9 +329,12 @@ def _settle(frame: Frame, want: bytes, x: XRecv) -> tuple[Frame, bool]:
 
 
 def _skip_receives(ops: ctypes.Array, ns: int, n: int) -> None:
-    """Mark every receive of a transfer table done (after a mismatch only sends remain)."""
-    for i in range(ns, n):
-        ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
+    """After a mismatch: mark every receive done, and every send not yet started that waits
+    on receives (nothing is forwarded from a receive that failed). Other sends still go, so
+    every peer gets this rank's frame of the step and detects the mismatch itself."""
+    for i in range(n):
+        if i >= ns or (ops[OPW * i + 5] == 0 and ops[OPW * i + 6] >= 0):
+            ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
 
 
 class Mesh:
@@ -666,9 +669,6 @@ class Mesh:
         and whatever ``check()`` raises (checked every ``SLICE_MS`` without progress).
         """
         lib = tcp_lib()
-        owned = self._own([r.peer for r in recvs])
-        if owned is None:
-            return None
         ns, nr = len(sends), len(recvs)
         n = ns + nr
         ops = (ctypes.c_int64 * (OPW * n))()
@@ -696,6 +696,9 @@ class Mesh:
                 x.after + ns if x.after >= 0 else -1,
                 0,
             ]
+        owned = self._own([r.peer for r in recvs])
+        if owned is None:
+            return None
         bad = False
         for j, x in enumerate(recvs):
             conn = self.peers[x.peer]
