@@ -106,6 +106,24 @@ TP_EXPORT int64_t tp_conn_take(int32_t *own, int64_t slice_ms) {
     }
 }
 
+/* Pin the calling thread to the CPU it runs on (1) or restore the mask saved by the pin
+   (0). A sender that migrates mid-stream can reorder loopback segments: packets queued
+   on the old CPU's backlog are processed after the new CPU's, which TCP takes for loss. */
+#define TP_MASK_WORDS 16
+static __thread unsigned long tp_saved_mask[TP_MASK_WORDS];
+TP_EXPORT int64_t tp_pin(int64_t on) {
+    if (on) {
+        unsigned cpu = 0;
+        if (syscall(SYS_getcpu, &cpu, NULL, NULL) < 0) return -1;
+        if (syscall(SYS_sched_getaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0) return -1;
+        unsigned long one[TP_MASK_WORDS] = {0};
+        if (cpu >= 64 * TP_MASK_WORDS) return -1;
+        one[cpu / 64] = 1UL << (cpu % 64);
+        return syscall(SYS_sched_setaffinity, 0, sizeof one, one) < 0 ? -1 : (int64_t)cpu;
+    }
+    return syscall(SYS_sched_setaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0 ? -1 : 0;
+}
+
 TP_EXPORT void tp_conn_release(int32_t *own) {
     __atomic_store_n(own, 0, __ATOMIC_RELEASE);
     syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
@@ -224,6 +242,9 @@ class TcpLib:
         self.conn_release = lib.tp_conn_release
         self.conn_release.argtypes = [p]
         self.conn_release.restype = None
+        self.pin = lib.tp_pin
+        self.pin.argtypes = [i64]
+        self.pin.restype = i64
         self.xfer = lib.tp_tcp_xfer
         self.xfer.argtypes = [p, i64, i64, p]
         self.xfer.restype = i64

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import select
 import socket
 import threading
@@ -45,6 +46,8 @@ from torchport.distributed.tcp_kernels import CLOSED, DONE, FOREIGN, OPW, SENT, 
 from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
 
 HANDSHAKE_TIMEOUT_S = 10.0
+PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tcp_kernels.tp_pin)
+POST_BYTES = 64 << 10  # receives this large are also posted as targets for the reader thread
 SLICE_MS = 10  # a native transfer returns this often without progress (abort, deadline checks)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
 FINISH_S = 1.0  # after an error, frames already partly sent get this long to complete
@@ -696,7 +699,19 @@ class Mesh:
                 x.after + ns if x.after >= 0 else -1,
                 0,
             ]
-        owned = self._own([r.peer for r in recvs])
+        # A frame the reader thread reads before this thread owns the socket (its sender is
+        # ahead) still goes straight into place when it is large.
+        posted = [x for x in recvs if x.size >= POST_BYTES]
+        for x in posted:
+            self.mailbox.post(x.key, Target(x.ptr, x.size, x.sig))
+        try:
+            owned = self._own([r.peer for r in recvs])
+        finally:
+            if posted:  # owned (or given up): the reader fills no target any more
+                for x in posted:
+                    self.mailbox.withdraw(
+                        x.key, deadline, functools.partial(self.shutdown_peer, x.peer)
+                    )
         if owned is None:
             return None
         bad = False
@@ -714,12 +729,16 @@ class Mesh:
                 ops[OPW * i + 5] = HEADER_SIZE + x.size
                 bad = bad or not ok
         locked: list[Connection] = []
+        pinned = False
         try:
             if bad:
                 _skip_receives(ops, ns, n)
             for peer in sorted({x.peer for x in sends}):
                 conns[peer].lock.acquire()
                 locked.append(conns[peer])
+            # A sender migrating between CPUs mid-stream reorders loopback segments, which TCP
+            # takes for loss (retransmits, 200 ms stalls): pin this thread while it sends.
+            pinned = sum(x.size for x in sends) >= PIN_BYTES and lib.pin(1) >= 0
             while True:
                 rc = lib.xfer(ops, n, SLICE_MS, out)
                 if rc == DONE:
@@ -778,6 +797,8 @@ class Mesh:
             owned = []
             raise
         finally:
+            if pinned:
+                lib.pin(0)
             for conn in locked:
                 conn.lock.release()
             for conn in owned:
