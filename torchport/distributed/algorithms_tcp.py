@@ -205,6 +205,7 @@ def broadcast(
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
         if nb <= small or w <= 2:
             out = [[(ptr, nb)] if r == root else [] for _ in range(w)]
+            into: list[tuple[int, int] | None]
             into = [(ptr, nb) if q == root and r != root else EMPTY for q in range(w)]
             blobs = exchange(comm, sig, out, deadline, into)
             if r != root and nb:
@@ -539,7 +540,7 @@ def _direct_alltoall(
     comm._last_sig = sig(in_lens[(r + 1) % w], 0)
     if in_lens[r]:
         ctypes.memmove(outs[r], ins[r], in_lens[r])
-    sends, recvs, want = [], [], []
+    sends, recvs, expect = list[XSend](), list[XRecv](), list[tuple[int, int]]()
     for d in ((r + k) % w for k in range(1, w)):  # every pair: at least one (empty) frame
         n = in_lens[d]
         for k, lo in enumerate(range(0, max(n, 1), per)):
@@ -550,17 +551,17 @@ def _direct_alltoall(
         for k, lo in enumerate(range(0, max(n, 1), per)):
             m = min(per, n - lo) if n else 0
             recvs.append(XRecv(comm.ranks[q], gid, epoch, sig(n, k), outs[q] + lo, m))
-            want.append((q, n))
-    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
-    if frames is not None:
-        for frame, x, (q, n) in zip(frames, recvs, want, strict=True):
+            expect.append((q, n))
+    got = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    if got is not None:
+        for frame, x, (q, n) in zip(got, recvs, expect, strict=True):
             if frame is not None and frame[0].sig[1] == x.sig[1] and frame[0].sig[2] != n:
                 raise CollectiveMismatchError(
                     f"mismatched collectives on communicator {comm.name!r}: alltoall split "
                     f"sizes disagree: rank {q} sends {frame[0].sig[2]} bytes to "
                     f"rank {r}, which expects {n} bytes from rank {q}"
                 )
-        _check_frames(comm, frames, [(x.peer, x.sig) for x in recvs])
+        _check_frames(comm, got, [(x.peer, x.sig) for x in recvs])
         return
     key = [(gid, int(Kind.COLL), comm.ranks[q], epoch) for q in range(w)]
     posted: list[int] = []

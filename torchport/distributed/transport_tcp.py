@@ -640,7 +640,7 @@ class Mesh:
     def _own(self, peers: list[int]) -> list[Connection] | None:
         """Take read ownership of the connections to ``peers`` (ascending order); None (and
         nothing held) when another collective owns one or its reader stays mid-frame."""
-        lib, got = tcp_lib(), []
+        lib, got = tcp_lib(), list[Connection]()
         for peer in sorted(set(peers)):
             conn = self.peers.get(peer)
             if conn is None:
@@ -680,23 +680,25 @@ class Mesh:
         out = (ctypes.c_int64 * 1)()
         frames: list[Frame | None] = [None] * nr
         conns: dict[int, Connection] = {}
-        for i, x in enumerate(sends):
-            conn = self.peers.get(x.peer)
+        for i, xs in enumerate(sends):
+            conn = self.peers.get(xs.peer)
             if conn is None:
-                raise CommError(f"rank {self.rank} has no connection to rank {x.peer}")
-            if x.size > self.max_frame:
-                raise CommError(f"frame of {x.size} bytes exceeds the bound {self.max_frame}")
-            conns[x.peer] = conn
+                raise CommError(f"rank {self.rank} has no connection to rank {xs.peer}")
+            if xs.size > self.max_frame:
+                raise CommError(f"frame of {xs.size} bytes exceeds the bound {self.max_frame}")
+            conns[xs.peer] = conn
             h = hbase + HEADER_SIZE * i
-            ctypes.memmove(h, encode_header(x.kind, x.group, self.rank, x.seq, x.size, x.sig), 64)
+            ctypes.memmove(
+                h, encode_header(xs.kind, xs.group, self.rank, xs.seq, xs.size, xs.sig), 64
+            )
             ops[OPW * i : OPW * i + 8] = [
                 conn.sock.fileno(),
                 0,
                 h,
-                x.ptr,
-                x.size,
+                xs.ptr,
+                xs.size,
                 0,
-                x.after + ns if x.after >= 0 else -1,
+                xs.after + ns if xs.after >= 0 else -1,
                 0,
             ]
         # A frame the reader thread reads before this thread owns the socket (its sender is
@@ -738,7 +740,7 @@ class Mesh:
                 locked.append(conns[peer])
             # A sender migrating between CPUs mid-stream reorders loopback segments, which TCP
             # takes for loss (retransmits, 200 ms stalls): pin this thread while it sends.
-            pinned = sum(x.size for x in sends) >= PIN_BYTES and lib.pin(1) >= 0
+            pinned = sum(xs.size for xs in sends) >= PIN_BYTES and lib.pin(1) >= 0
             while True:
                 rc = lib.xfer(ops, n, SLICE_MS, out)
                 if rc == DONE:
