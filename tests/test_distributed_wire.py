@@ -205,3 +205,157 @@ def test_binomial_tree_reaches_every_rank_once_in_log_rounds(world):
     for pos in range(1, world):  # a parent is always a smaller rank
         depth[pos] = depth[links[pos][0]] + 1
     assert max(depth.values()) <= (world - 1).bit_length()  # ceil(log2 world) hops
+
+
+@pytest.fixture
+def mesh_pair():
+    """Two authenticated meshes (ranks 0 and 1) in this process, over loopback."""
+    import threading
+
+    import torch.distributed as dist
+
+    from torchport.distributed.transport_tcp import Mesh
+
+    store = dist.HashStore()
+    made: dict[int, Mesh] = {}
+
+    def make(rank: int) -> None:
+        made[rank] = Mesh(
+            store,
+            rank,
+            2,
+            secret=b"s" * 32,
+            addr="127.0.0.1",
+            timeout_s=10.0,
+            max_frame=1 << 26,
+            host_id="h",
+        )
+
+    t = threading.Thread(target=make, args=(1,))
+    t.start()
+    make(0)
+    t.join(10.0)
+    yield made[0], made[1]
+    for m in made.values():
+        m.close()
+
+
+def _exchange_on(meshes, payloads, sigs, *, after=-1, timeout=10.0):
+    """Run one ``Mesh.transfer`` per mesh at once: rank r sends ``payloads[r]`` to the other,
+    expecting the other's bytes under ``sigs[1 - r]``; returns ``(frames, received)``."""
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import XRecv, XSend
+
+    out: dict[int, object] = {}
+    bufs = {r: torch.zeros(len(payloads[1 - r]), dtype=torch.uint8) for r in (0, 1)}
+    srcs = {r: torch.tensor(list(payloads[r]), dtype=torch.uint8) for r in (0, 1)}
+
+    def run(r: int) -> None:
+        m, q = meshes[r], 1 - r
+        sends = [XSend(q, Kind.COLL, 5, 9, srcs[r].data_ptr(), len(payloads[r]), sigs[r], after)]
+        recvs = [XRecv(q, 5, 9, sigs[q], bufs[r].data_ptr(), len(payloads[q]))]
+        try:
+            out[r] = m.transfer(sends, recvs, time.monotonic() + timeout, lambda: None)
+        except Exception as e:
+            out[r] = e
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout + 5)
+    return out, {r: bytes(bufs[r].tolist()) for r in (0, 1)}
+
+
+def test_native_transfer_moves_frames_both_ways_into_place(mesh_pair):
+    from torchport.distributed.transport_tcp import RECEIVED
+
+    sig = (1, 2, 3, 4)
+    big = bytes(range(256)) * 4099  # > socket buffers: both sides must read while sending
+    frames, got = _exchange_on(mesh_pair, [big, b"xyz" * 7], [sig, sig])
+    for r in (0, 1):
+        assert isinstance(frames[r], list), frames[r]
+        ((hdr, body),) = frames[r]
+        assert body is RECEIVED and hdr.sig == sig
+    assert got[1] == big and got[0] == b"xyz" * 7
+
+
+def test_native_transfer_routes_a_foreign_frame_as_the_reader_would(mesh_pair):
+    """A frame of another kind on the socket (a P2P message sent just before the collective's
+    frame) is handed to the mailbox as the reader thread would; the transfer still receives
+    its own frame into place."""
+    from torchport.distributed.transport_tcp import RECEIVED
+
+    m0, m1 = mesh_pair
+    m1.send(0, Kind.P2P, 5, 77, b"hello", (0, 0, 0, 0))
+    frames, got = _exchange_on(mesh_pair, [b"a" * 10, b"b" * 10], [(1, 1, 1, 1), (2, 2, 2, 2)])
+    assert all(f[0][1] is RECEIVED for f in frames.values())
+    assert got[0] == b"b" * 10 and got[1] == b"a" * 10
+    p2p = m0.mailbox.take((5, int(Kind.P2P), 1, 77))
+    assert p2p is not None and bytes(p2p[1]) == b"hello"
+
+
+def test_native_transfer_reports_a_signature_it_did_not_expect(mesh_pair):
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import RECEIVED, XRecv, XSend
+
+    m0, m1 = mesh_pair
+    src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    res: dict[str, object] = {}
+
+    def rank1() -> None:  # sends a frame signed (9, 9, 9, 9) where rank 0 expects (1, 2, 3, 4)
+        x = XSend(0, Kind.COLL, 5, 3, src.data_ptr(), 8, (9, 9, 9, 9))
+        res["1"] = m1.transfer([x], [], time.monotonic() + 10, lambda: None)
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    want = XRecv(1, 5, 3, (1, 2, 3, 4), dst.data_ptr(), 8)
+    frames = m0.transfer([], [want], time.monotonic() + 10, lambda: None)
+    t.join(10)
+    assert frames is not None
+    ((hdr, body),) = frames
+    assert body is not RECEIVED and hdr.sig == (9, 9, 9, 9) and bytes(body) == bytes(range(8))
+    assert dst.sum().item() == 0  # nothing written into place
+
+
+def test_native_transfer_stops_at_check_and_deadline_and_yields_an_owned_socket(mesh_pair):
+    import time
+
+    import torch
+
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.tcp_kernels import OWN_COLL, tcp_lib
+    from torchport.distributed.transport_tcp import XRecv
+
+    m0, _ = mesh_pair
+    dst = torch.zeros(4, dtype=torch.uint8)
+    want = [XRecv(1, 5, 1, (0, 0, 0, 1), dst.data_ptr(), 4)]
+
+    class Aborted(Exception):
+        pass
+
+    def check() -> None:
+        raise Aborted("group aborted")
+
+    t0 = time.monotonic()
+    with pytest.raises(Aborted, match="group aborted"):
+        m0.transfer([], want, time.monotonic() + 10, check)
+    assert time.monotonic() - t0 < 0.1  # an abort is seen within one 10 ms slice
+    with pytest.raises(CommTimeoutError, match="timed out"):
+        m0.transfer([], want, time.monotonic() + 0.05, lambda: None)
+    conn = m0.peers[1]
+    assert conn.own.value == 0  # released after each error
+    assert tcp_lib().conn_take(conn.own_addr, 100) == 1  # another collective owns it now
+    assert conn.own.value == OWN_COLL
+    try:
+        assert m0.transfer([], want, time.monotonic() + 1, lambda: None) is None
+    finally:
+        tcp_lib().conn_release(conn.own_addr)

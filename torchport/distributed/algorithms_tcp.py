@@ -53,7 +53,7 @@ from torchport.distributed.engine import split_even as _parts
 from torchport.distributed.errors import CollectiveMismatchError, CommError
 from torchport.distributed.exchange import Blob, _addr, _view, exchange
 from torchport.distributed.transport_shm import COPY, FOLD, MISMATCH, StepError
-from torchport.distributed.transport_tcp import RECEIVED, Target
+from torchport.distributed.transport_tcp import RECEIVED, Frame, Target, XRecv, XSend
 from torchport.distributed.wire import Kind
 
 
@@ -86,6 +86,14 @@ def _scratch(comm: Communicator, nbytes: int) -> int:
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         comm._tcp_scratch = buf  # type: ignore[attr-defined]
     return buf.data_ptr()
+
+
+def _slots(base: int, nb: int, w: int) -> list[tuple[int, int]]:
+    """``w`` receive slots of ``nb`` bytes each from ``base`` (one per peer)."""
+    return [(base + q * nb, nb) for q in range(w)]
+
+
+EMPTY = (0, 0)  # an exchange's receive slot for a peer that sends nothing in the step
 
 
 def _fold_part(
@@ -139,7 +147,8 @@ def allreduce(
         ptr, nb = base + lo * es, m * es
         sig = make_sig(seq, OP_ALLREDUCE, dtype, red, -1, nbytes, step)
         if nb <= small or w == 1:
-            blobs = exchange(comm, sig, [[(ptr, nb)]] * w, deadline)
+            sc = _scratch(comm, nb * w)
+            blobs = exchange(comm, sig, [[(ptr, nb)]] * w, deadline, _slots(sc, nb, w))
             _fold_part(comm, blobs, ptr, nb, dtype, red)
             step += 1
             continue
@@ -166,7 +175,7 @@ def reduce(
         parts = _scatter_reduce(comm, sig, ptr, m, es, dtype, red, deadline)
         mine = (ptr + parts[r][0] * es, parts[r][1] * es)
         out = [[mine] if q == root else [] for q in range(w)]
-        into = [(ptr + plo * es, k * es) for plo, k in parts] if r == root else None
+        into = [(ptr + plo * es, k * es) if r == root else EMPTY for plo, k in parts]
         blobs = exchange(
             comm,
             make_sig(seq, OP_REDUCE, dtype, red, root, nbytes, 2 * i + 1),
@@ -196,7 +205,8 @@ def broadcast(
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
         if nb <= small or w <= 2:
             out = [[(ptr, nb)] if r == root else [] for _ in range(w)]
-            into = [(ptr, nb) if q == root else None for q in range(w)]
+            into: list[tuple[int, int] | None]
+            into = [(ptr, nb) if q == root and r != root else EMPTY for q in range(w)]
             blobs = exchange(comm, sig, out, deadline, into)
             if r != root and nb:
                 _copy(ptr, _expect(blobs[root], nb, root), nb)
@@ -267,6 +277,8 @@ def _chain_broadcast(
             raise StepError(MISMATCH, (comm.ranks.index(src), word, hdr.sig[word]))
         return body
 
+    if _chain_direct(comm, epoch0, base, pieces, sigs, prev, kids, deadline):
+        return
     try:
         if prev >= 0:
             for k, (lo, nb) in enumerate(pieces):
@@ -289,6 +301,59 @@ def _chain_broadcast(
         receive(kid, len(pieces))
     if prev >= 0:
         send(prev, Kind.COLL, gid, epoch0 + len(pieces), b"", sigs[-1])
+
+
+def _check_frames(
+    comm: Communicator, frames: Sequence[Frame | None], want: Sequence[tuple]
+) -> None:
+    """Raise for the first frame whose signature is not the expected one (a mismatched call);
+    every frame must be present."""
+    for frame, (src, sig) in zip(frames, want, strict=True):
+        if frame is not None and frame[0].sig != sig:
+            word = next(i for i in range(4) if frame[0].sig[i] != sig[i])
+            raise StepError(MISMATCH, (comm.ranks.index(src), word, frame[0].sig[word]))
+    if any(f is None for f in frames):
+        raise CommError(f"rank {comm.rank}: a transfer ended with receives missing")
+
+
+def _chain_direct(
+    comm: Communicator,
+    epoch0: int,
+    base: int,
+    pieces: Sequence[tuple[int, int]],
+    sigs: Sequence[tuple[int, int, int, int]],
+    prev: int,
+    kids: Sequence[int],
+    deadline: float,
+) -> bool:
+    """The chain/tree broadcast of :func:`_chain_broadcast` as one native transfer: receive
+    every piece from the parent into the tensor, forward piece k to the children as soon as
+    it is in, then the children's acknowledgements and our own to the parent -- no return to
+    Python per piece. False (nothing sent) when the connections cannot be owned now."""
+    gid, n = comm.group_id, len(pieces)
+    recvs = []
+    if prev >= 0:
+        recvs = [
+            XRecv(prev, gid, epoch0 + k, sigs[k], base + lo, nb)
+            for k, (lo, nb) in enumerate(pieces)
+        ]
+    recvs += [XRecv(kid, gid, epoch0 + n, sigs[n], 0, 0) for kid in kids]
+    sends = []
+    for k, (lo, nb) in enumerate(pieces):
+        after = k if prev >= 0 else -1
+        sends += [
+            XSend(kid, Kind.COLL, gid, epoch0 + k, base + lo, nb, sigs[k], after) for kid in kids
+        ]
+    if prev >= 0:
+        sends.append(XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], len(recvs) - 1))
+    comm._last_sig = sigs[0]
+    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    if frames is None:
+        return False
+    want = [(x.peer, x.sig) for x in recvs]
+    _check_frames(comm, frames, want)
+    comm._last_sig = sigs[-1]
+    return True
 
 
 def _binomial(pos: int, w: int) -> tuple[int, list[int]]:
@@ -315,7 +380,10 @@ def gather(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
         out = [[(inp + lo, nb)] if q == root else [] for q in range(w)]
-        into = [(o + lo, nb) for o in outs] if r == root and outs is not None else None
+        if r == root and outs is not None:
+            into = [(o + lo, nb) for o in outs]
+        else:
+            into = [EMPTY] * w
         blobs = exchange(
             comm, make_sig(seq, OP_GATHER, dtype, 0, root, nbytes, step), out, deadline, into
         )
@@ -355,7 +423,7 @@ def scatter(
     seq, w, r = comm.next_op(), comm.world, comm.rank
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.peer_chunk)):
         segs = [[(ins[q] + lo, nb)] if ins is not None else [] for q in range(w)]
-        into = [(out + lo, nb) if q == root else None for q in range(w)]
+        into = [(out + lo, nb) if q == root else EMPTY for q in range(w)]
         blobs = exchange(
             comm, make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step), segs, deadline, into
         )
@@ -380,7 +448,7 @@ def reduce_scatter(
         nb = m * es
         segs = [[(ins[q] + lo * es, nb)] for q in range(w)]
         sig = make_sig(seq, OP_REDUCE_SCATTER, dtype, red, -1, numel * es, step)
-        blobs = exchange(comm, sig, segs, deadline)
+        blobs = exchange(comm, sig, segs, deadline, _slots(_scratch(comm, nb * w), nb, w))
         if nb:
             bases = [_expect(blobs[q], nb, q) if q != r else ins[r] + lo * es for q in range(w)]
             reads = [(q, 0, out + lo * es, nb, COPY if q == 0 else FOLD) for q in range(w)]
@@ -472,6 +540,29 @@ def _direct_alltoall(
     comm._last_sig = sig(in_lens[(r + 1) % w], 0)
     if in_lens[r]:
         ctypes.memmove(outs[r], ins[r], in_lens[r])
+    sends, recvs, expect = list[XSend](), list[XRecv](), list[tuple[int, int]]()
+    for d in ((r + k) % w for k in range(1, w)):  # every pair: at least one (empty) frame
+        n = in_lens[d]
+        for k, lo in enumerate(range(0, max(n, 1), per)):
+            m = min(per, n - lo) if n else 0
+            sends.append(XSend(comm.ranks[d], Kind.COLL, gid, epoch, ins[d] + lo, m, sig(n, k)))
+    for q in ((r - k) % w for k in range(1, w)):
+        n = out_lens[q]
+        for k, lo in enumerate(range(0, max(n, 1), per)):
+            m = min(per, n - lo) if n else 0
+            recvs.append(XRecv(comm.ranks[q], gid, epoch, sig(n, k), outs[q] + lo, m))
+            expect.append((q, n))
+    got = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    if got is not None:
+        for frame, x, (q, n) in zip(got, recvs, expect, strict=True):
+            if frame is not None and frame[0].sig[1] == x.sig[1] and frame[0].sig[2] != n:
+                raise CollectiveMismatchError(
+                    f"mismatched collectives on communicator {comm.name!r}: alltoall split "
+                    f"sizes disagree: rank {q} sends {frame[0].sig[2]} bytes to "
+                    f"rank {r}, which expects {n} bytes from rank {q}"
+                )
+        _check_frames(comm, got, [(x.peer, x.sig) for x in recvs])
+        return
     key = [(gid, int(Kind.COLL), comm.ranks[q], epoch) for q in range(w)]
     posted: list[int] = []
     try:

@@ -25,7 +25,7 @@ from typing import Any
 
 from torchport.distributed.errors import CommError
 from torchport.distributed.transport_shm import MISMATCH, StepError
-from torchport.distributed.transport_tcp import RECEIVED, Target
+from torchport.distributed.transport_tcp import RECEIVED, Target, XRecv, XSend
 from torchport.distributed.wire import Kind
 
 Seg = tuple[int, int]  # (pointer, bytes)
@@ -62,6 +62,59 @@ def _payload(segs: Sequence[Seg]) -> memoryview | bytes | bytearray:
         ctypes.memmove(_addr(buf) + off, ptr, n)
         off += n
     return buf
+
+
+def _payload_ptr(segs: Sequence[Seg]) -> tuple[int, int, Any]:
+    """``(pointer, bytes, keep-alive)`` of the segments as one contiguous payload."""
+    segs = [s for s in segs if s[1]]
+    if len(segs) <= 1:
+        return (segs[0][0], segs[0][1], None) if segs else (0, 0, None)
+    buf = _payload(segs)
+    assert isinstance(buf, bytearray)
+    return _addr(buf), len(buf), buf
+
+
+def _direct(
+    comm: Any,
+    sig: tuple[int, int, int, int],
+    epoch: int,
+    out: Sequence[Sequence[Seg]],
+    into: Sequence[Seg | None],
+    deadline: float,
+) -> list[Blob] | None:
+    """The exchange of a TCP-only group as one native transfer on this thread
+    (:meth:`~torchport.distributed.transport_tcp.Mesh.transfer`); None when the connections
+    cannot be owned now (the caller takes the mailbox path)."""
+    w, r, gid = comm.world, comm.rank, comm.group_id
+    keep = []
+    sends = []
+    for q in ((r + k) % w for k in range(1, w)):
+        ptr, n, buf = _payload_ptr(out[q])
+        keep.append(buf)
+        sends.append(XSend(comm.ranks[q], Kind.COLL, gid, epoch, ptr, n, sig))
+    peers = [(r - k) % w for k in range(1, w)]
+    recvs = []
+    for q in peers:
+        seg = into[q]
+        assert seg is not None
+        recvs.append(XRecv(comm.ranks[q], gid, epoch, sig, seg[0], seg[1]))
+    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    if frames is None:
+        return None
+    blobs = [Blob(0, 0) for _ in range(w)]
+    for q, x, frame in zip(peers, recvs, frames, strict=True):
+        if frame is None:
+            continue
+        hdr, body = frame
+        if hdr.sig != sig:
+            word = next(i for i in range(4) if hdr.sig[i] != sig[i])
+            raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+        blobs[q] = (
+            Blob(x.ptr, hdr.length) if body is RECEIVED else Blob(_addr(body), len(body), body)
+        )
+    if any(f is None for f in frames):
+        raise CommError(f"rank {r}: an exchange ended with receives missing")
+    return blobs
 
 
 def _local_step(
@@ -121,11 +174,19 @@ def exchange(
 
     ``into[q] = (pointer, bytes)``: where remote peer q's bytes belong. A frame of exactly
     that size and this step's signature is received straight there (its blob then points
-    at it); anything else arrives in a buffer as usual, for the caller's size check.
+    at it); anything else arrives in a buffer as usual, for the caller's size check. In a
+    TCP-only group where ``into`` names every peer's bytes (``(0, 0)``: an empty frame), the
+    whole exchange is one native transfer on this thread (:func:`_direct`).
     """
     epoch, w, r = comm.epoch, comm.world, comm.rank
     comm.epoch += 1
     comm._last_sig = sig
+    known = into is not None and all(into[q] is not None for q in range(w) if q != r)
+    if comm.local is None and known and w > 1:
+        assert into is not None
+        blobs = _direct(comm, sig, epoch, out, into, deadline)
+        if blobs is not None:
+            return blobs
     local = set(comm.local_ranks) if comm.local is not None else set()
     mailbox = comm.mesh.mailbox
     posted: list[tuple[int, tuple[int, int, int, int]]] = []

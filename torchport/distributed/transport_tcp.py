@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import select
 import socket
 import threading
@@ -41,9 +42,15 @@ from typing import Any, Protocol
 
 from torchport.distributed import auth
 from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
+from torchport.distributed.tcp_kernels import CLOSED, DONE, FOREIGN, OPW, SENT, SLICE, tcp_lib
 from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
 
 HANDSHAKE_TIMEOUT_S = 10.0
+PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tcp_kernels.tp_pin)
+POST_BYTES = 64 << 10  # receives this large are also posted as targets for the reader thread
+SLICE_MS = 10  # a native transfer returns this often without progress (abort, deadline checks)
+READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
+FINISH_S = 1.0  # after an error, frames already partly sent get this long to complete
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
@@ -234,6 +241,17 @@ class Mailbox:
                 return True
             return False
 
+    def take(self, key: Key) -> Frame | None:
+        """The first queued frame for ``key``, if any (never blocks)."""
+        with self.cond:
+            q = self._frames.get(key)
+            if not q:
+                return None
+            frame = q.popleft()
+            if not q:
+                del self._frames[key]
+            return frame
+
     def get(self, key: Key, deadline: float, check: Callable[[], None]) -> Frame:
         """Block until a frame for ``key`` arrives; ``check()`` raises if the group failed."""
         with self.cond:
@@ -263,6 +281,63 @@ class Connection:
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
     seen: float = 0.0  # time.monotonic() of the last frame header received (liveness)
+    # Read ownership word (see tcp_kernels): 0 free, 1 the reader thread, 2 a collective.
+    own: ctypes.c_int32 = field(default_factory=ctypes.c_int32)
+
+    @property
+    def own_addr(self) -> int:
+        return ctypes.addressof(self.own)
+
+
+@dataclass
+class XSend:
+    """One frame for :meth:`Mesh.transfer` to send: ``size`` bytes at ``ptr`` (sent once
+    every receive of the same transfer with an index up to ``after`` completed)."""
+
+    peer: int
+    kind: Kind
+    group: int
+    seq: int
+    ptr: int
+    size: int
+    sig: tuple[int, int, int, int]
+    after: int = -1
+
+
+@dataclass
+class XRecv:
+    """One COLL frame for :meth:`Mesh.transfer` to receive into ``size`` bytes at ``ptr``."""
+
+    peer: int
+    group: int
+    seq: int
+    sig: tuple[int, int, int, int]
+    ptr: int
+    size: int
+
+    @property
+    def key(self) -> Key:
+        return (self.group, int(Kind.COLL), self.peer, self.seq)
+
+
+def _settle(frame: Frame, want: bytes, x: XRecv) -> tuple[Frame, bool]:
+    """A frame for ``x`` that came through the mailbox: copy its payload into place when its
+    header is the expected one (True), else return it as is (False: a mismatch)."""
+    hdr, body = frame
+    if encode_header(hdr.kind, hdr.group, hdr.src, hdr.seq, hdr.length, hdr.sig) != want:
+        return frame, False
+    if body is not RECEIVED and x.size:
+        ctypes.memmove(x.ptr, (ctypes.c_char * x.size).from_buffer(body), x.size)
+    return (hdr, RECEIVED), True
+
+
+def _skip_receives(ops: ctypes.Array, ns: int, n: int) -> None:
+    """After a mismatch: mark every receive done, and every send not yet started that waits
+    on receives (nothing is forwarded from a receive that failed). Other sends still go, so
+    every peer gets this rank's frame of the step and detects the mismatch itself."""
+    for i in range(n):
+        if i >= ns or (ops[OPW * i + 5] == 0 and ops[OPW * i + 6] >= 0):
+            ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
 
 
 class Mesh:
@@ -410,47 +485,63 @@ class Mesh:
 
     # -- data path ---------------------------------------------------------------------
     def _read_loop(self, conn: Connection) -> None:
+        lib, fd, own = tcp_lib(), conn.sock.fileno(), conn.own_addr
         try:
             while True:
-                hdr = decode_header(_recv_exact(conn.sock, HEADER_SIZE), max_length=self.max_frame)
-                conn.seen = time.monotonic()
-                key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
-                target = (
-                    self.mailbox.claim(key, hdr)
-                    if hdr.kind == Kind.COLL and hdr.src == conn.peer and hdr.length
-                    else None
-                )
-                if target is not None:
-                    ok = False
-                    try:
-                        recv_into_ptr(conn.sock, target.ptr, hdr.length)
-                        ok = True
-                    finally:
-                        self.mailbox.finish(target, ok, key, hdr)
+                # Parked (no GIL) while a collective owns the socket (Mesh.transfer).
+                if not lib.conn_wait(own, fd, READER_SLICE_MS):
+                    if self.closed:
+                        return
                     continue
-                body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
-                if hdr.src != conn.peer:
-                    raise WireError(
-                        f"frame claims src {hdr.src} on the connection of rank {conn.peer}"
-                    )
-                if hdr.kind == Kind.ABORT:
-                    handler = self._handlers.get(hdr.group)
-                    if handler is not None:
-                        handler.on_remote_abort(conn.peer, hdr.seq)
-                    self.mailbox.wake()
-                    continue
-                if hdr.kind == Kind.NOTE:
-                    self.on_note(conn.peer, hdr.seq, body)
-                    continue
-                if hdr.kind not in (Kind.COLL, Kind.P2P, Kind.CTRL):
-                    raise WireError(f"unexpected {hdr.kind.name} frame after the handshake")
-                self.mailbox.deliver((hdr.group, int(hdr.kind), conn.peer, hdr.seq), (hdr, body))
+                try:
+                    raw = _recv_exact(conn.sock, HEADER_SIZE)
+                    self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
+                finally:
+                    lib.conn_release(own)
         except (OSError, ConnectionError, WireError) as e:
-            if not self.closed:
-                err = CommError(f"connection to rank {conn.peer} lost: {e}")
-                for handler in list(self._handlers.values()):
-                    handler.on_peer_lost(conn.peer, err)
-                self.mailbox.wake()
+            self._lost(conn, e)
+
+    def _lost(self, conn: Connection, e: BaseException) -> None:
+        """Tell every group that the connection to ``conn.peer`` is gone."""
+        if not self.closed:
+            err = CommError(f"connection to rank {conn.peer} lost: {e}")
+            for handler in list(self._handlers.values()):
+                handler.on_peer_lost(conn.peer, err)
+            self.mailbox.wake()
+
+    def _take_frame(self, conn: Connection, hdr: Header) -> None:
+        """Receive the payload of a frame whose header was read, and route the frame: into a
+        posted target, to a waiting collective, or to a group's abort handler."""
+        conn.seen = time.monotonic()
+        key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
+        target = (
+            self.mailbox.claim(key, hdr)
+            if hdr.kind == Kind.COLL and hdr.src == conn.peer and hdr.length
+            else None
+        )
+        if target is not None:
+            ok = False
+            try:
+                recv_into_ptr(conn.sock, target.ptr, hdr.length)
+                ok = True
+            finally:
+                self.mailbox.finish(target, ok, key, hdr)
+            return
+        body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
+        if hdr.src != conn.peer:
+            raise WireError(f"frame claims src {hdr.src} on the connection of rank {conn.peer}")
+        if hdr.kind == Kind.ABORT:
+            handler = self._handlers.get(hdr.group)
+            if handler is not None:
+                handler.on_remote_abort(conn.peer, hdr.seq)
+            self.mailbox.wake()
+            return
+        if hdr.kind == Kind.NOTE:
+            self.on_note(conn.peer, hdr.seq, body)
+            return
+        if hdr.kind not in (Kind.COLL, Kind.P2P, Kind.CTRL):
+            raise WireError(f"unexpected {hdr.kind.name} frame after the handshake")
+        self.mailbox.deliver(key, (hdr, body))
 
     def send(
         self,
@@ -545,6 +636,205 @@ class Mesh:
         finally:
             for conn in conns:
                 conn.lock.release()
+
+    def _own(self, peers: list[int]) -> list[Connection] | None:
+        """Take read ownership of the connections to ``peers`` (ascending order); None (and
+        nothing held) when another collective owns one or its reader stays mid-frame."""
+        lib, got = tcp_lib(), list[Connection]()
+        for peer in sorted(set(peers)):
+            conn = self.peers.get(peer)
+            if conn is None:
+                for c in got:
+                    lib.conn_release(c.own_addr)
+                raise CommError(f"rank {self.rank} has no connection to rank {peer}")
+            if lib.conn_take(conn.own_addr, 1000) != 1:
+                for c in got:
+                    lib.conn_release(c.own_addr)
+                return None
+            got.append(conn)
+        return got
+
+    def transfer(
+        self,
+        sends: list[XSend],
+        recvs: list[XRecv],
+        deadline: float,
+        check: Callable[[], None],
+    ) -> list[Frame | None] | None:
+        """Send ``sends`` and receive ``recvs`` (COLL frames) in one native loop on this thread.
+
+        Returns one frame per receive: ``(header, RECEIVED)`` when its payload is in place
+        (its header equal to the expected one), or the differing frame as received (the
+        caller reports the mismatch; then receives not yet done are ``None``). Returns None,
+        having sent nothing, when a connection to receive from cannot be owned now (another
+        collective holds it): the caller takes the mailbox path instead. Raises
+        :class:`CommError` on a lost connection, :class:`CommTimeoutError` past ``deadline``
+        and whatever ``check()`` raises (checked every ``SLICE_MS`` without progress).
+        """
+        lib = tcp_lib()
+        ns, nr = len(sends), len(recvs)
+        n = ns + nr
+        ops = (ctypes.c_int64 * (OPW * n))()
+        heads = ctypes.create_string_buffer(HEADER_SIZE * (ns + 2 * nr) or 1)
+        hbase = ctypes.addressof(heads)
+        out = (ctypes.c_int64 * 1)()
+        frames: list[Frame | None] = [None] * nr
+        conns: dict[int, Connection] = {}
+        for i, xs in enumerate(sends):
+            conn = self.peers.get(xs.peer)
+            if conn is None:
+                raise CommError(f"rank {self.rank} has no connection to rank {xs.peer}")
+            if xs.size > self.max_frame:
+                raise CommError(f"frame of {xs.size} bytes exceeds the bound {self.max_frame}")
+            conns[xs.peer] = conn
+            h = hbase + HEADER_SIZE * i
+            ctypes.memmove(
+                h, encode_header(xs.kind, xs.group, self.rank, xs.seq, xs.size, xs.sig), 64
+            )
+            ops[OPW * i : OPW * i + 8] = [
+                conn.sock.fileno(),
+                0,
+                h,
+                xs.ptr,
+                xs.size,
+                0,
+                xs.after + ns if xs.after >= 0 else -1,
+                0,
+            ]
+        # A frame the reader thread reads before this thread owns the socket (its sender is
+        # ahead) still goes straight into place when it is large.
+        posted = [x for x in recvs if x.size >= POST_BYTES]
+        for x in posted:
+            self.mailbox.post(x.key, Target(x.ptr, x.size, x.sig))
+        try:
+            owned = self._own([r.peer for r in recvs])
+        finally:
+            if posted:  # owned (or given up): the reader fills no target any more
+                for x in posted:
+                    self.mailbox.withdraw(
+                        x.key, deadline, functools.partial(self.shutdown_peer, x.peer)
+                    )
+        if owned is None:
+            return None
+        bad = False
+        for j, x in enumerate(recvs):
+            conn = self.peers[x.peer]
+            conns[x.peer] = conn
+            want = encode_header(Kind.COLL, x.group, x.peer, x.seq, x.size, x.sig)
+            h = hbase + HEADER_SIZE * (ns + 2 * j)
+            ctypes.memmove(h, want, 64)
+            i = ns + j
+            ops[OPW * i : OPW * i + 8] = [conn.sock.fileno(), 1, h, x.ptr, x.size, 0, -1, h + 64]
+            early = self.mailbox.take(x.key)  # read by the reader before we owned the socket
+            if early is not None:
+                frames[j], ok = _settle(early, want, x)
+                ops[OPW * i + 5] = HEADER_SIZE + x.size
+                bad = bad or not ok
+        locked: list[Connection] = []
+        pinned = False
+        try:
+            if bad:
+                _skip_receives(ops, ns, n)
+            for peer in sorted({x.peer for x in sends}):
+                conns[peer].lock.acquire()
+                locked.append(conns[peer])
+            # A sender migrating between CPUs mid-stream reorders loopback segments, which TCP
+            # takes for loss (retransmits, 200 ms stalls): pin this thread while it sends.
+            pinned = sum(xs.size for xs in sends) >= PIN_BYTES and lib.pin(1) >= 0
+            while True:
+                rc = lib.xfer(ops, n, SLICE_MS, out)
+                if rc == DONE:
+                    break
+                if rc == SENT:
+                    for conn in locked:
+                        conn.lock.release()
+                    locked = []
+                    continue
+                if rc == SLICE:
+                    check()
+                    if self.closed:
+                        raise CommError(f"rank {self.rank}: mesh closed during a transfer")
+                    if time.monotonic() > deadline:
+                        raise CommTimeoutError(f"rank {self.rank}: a transfer timed out")
+                    continue
+                i = int(out[0])
+                peer = recvs[i - ns].peer if i >= ns else sends[i].peer if i >= 0 else -1
+                conn = conns.get(peer)
+                if rc == FOREIGN and conn is not None:
+                    j = i - ns
+                    try:
+                        raw = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j) + 64, 64)
+                        self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
+                    except (OSError, ConnectionError, WireError) as e:
+                        self._lost(conn, e)
+                        raise CommError(f"connection to rank {peer} lost: {e}") from e
+                    ops[OPW * i + 5] = 0
+                    frame = self.mailbox.take(recvs[j].key)
+                    if frame is not None:
+                        want = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j), 64)
+                        frames[j], ok = _settle(frame, want, recvs[j])
+                        ops[OPW * i + 5] = HEADER_SIZE + recvs[j].size
+                        if not ok:
+                            bad = True
+                            _skip_receives(ops, ns, n)
+                    check()
+                    continue
+                why = "closed by peer" if rc == CLOSED else f"errno {-rc}"
+                err = CommError(f"connection to rank {peer} lost: {why}")
+                if conn is not None:
+                    self._lost(conn, err)
+                raise err
+            now = time.monotonic()
+            for conn in owned:
+                conn.seen = now
+            for j, x in enumerate(recvs):
+                if (
+                    not bad
+                    and frames[j] is None
+                    and ops[OPW * (ns + j) + 5] == HEADER_SIZE + x.size
+                ):
+                    frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
+        except BaseException:
+            self._finish_partial(ops, n, owned)
+            owned = []
+            raise
+        finally:
+            if pinned:
+                lib.pin(0)
+            for conn in locked:
+                conn.lock.release()
+            for conn in owned:
+                lib.conn_release(conn.own_addr)
+        return frames
+
+    def _finish_partial(self, ops: ctypes.Array, n: int, owned: list[Connection]) -> None:
+        """After an error: hand the sockets back to their readers (so peers' frames keep
+        draining), then complete every frame already partly sent, for up to ``FINISH_S``
+        (a frame cut short would corrupt the stream); a socket still stuck is shut down."""
+        lib = tcp_lib()
+        for conn in owned:
+            lib.conn_release(conn.own_addr)
+        partial = False
+        for i in range(n):
+            w = ops[OPW * i : OPW * i + 8]
+            if w[1] == 0 and 0 < w[5] < HEADER_SIZE + w[4]:
+                partial = True
+            else:
+                ops[OPW * i + 5] = HEADER_SIZE + w[4]
+        if not partial:
+            return
+        out = (ctypes.c_int64 * 1)()
+        end = time.monotonic() + FINISH_S
+        rc = SLICE
+        while rc in (SLICE, SENT) and time.monotonic() < end and not self.closed:
+            rc = lib.xfer(ops, n, SLICE_MS, out)
+        if rc != DONE:
+            for i in range(n):
+                if ops[OPW * i + 1] == 0 and ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]:
+                    fd = ops[OPW * i]
+                    for conn in list(self.peers.values()):
+                        if conn.sock.fileno() == fd:
+                            self.shutdown_peer(conn.peer)
 
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
         """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""

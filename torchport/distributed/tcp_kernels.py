@@ -1,0 +1,259 @@
+"""Native send/receive loop of the TCP transport (one ctypes call per transfer, GIL released).
+
+A collective over TCP used to receive every frame on the connection's reader thread, which
+then handed it to the collective's thread: two thread wake-ups (and two GIL acquisitions) per
+frame, with four ranks of several Python threads each sharing two cores. Here the
+collective's own thread moves a whole transfer -- its frames to every peer and the frames it
+expects from every peer -- in one native loop over the raw socket descriptors
+(non-blocking ``sendmsg``/``recv`` and ``poll``), while each connection's reader thread is
+parked.
+
+**Read ownership.** Every connection has a 32-bit ownership word: 0 free, 1 its reader
+thread (reading one frame), 2 a collective. The reader waits in :func:`conn_wait` (``poll``
+on the socket, then a compare-and-swap 0 -> 1; while a collective owns the socket it sleeps
+on the word's futex instead of polling) and releases the word after each frame; a collective
+takes the word with :func:`conn_take` (0 -> 2, waiting only while the reader finishes one
+frame) and releases it (waking the reader) when its transfer ends.
+
+**Transfer table** (``tp_tcp_xfer``): ``OPW`` int64 words per operation::
+
+    0 fd        1 kind (0 send, 1 receive)
+    2 header    send: address of the 64-byte header to send;
+                receive: address of the 64-byte header expected (every field is known)
+    3 payload address        4 payload bytes
+    5 progress (bytes of header + payload done)
+    6 after     send: sent once every receive at a table index up to this one
+                completed (-1: at once)
+    7 got       receive: address of a 64-byte buffer for the header as received
+
+Operations on one socket run in table order (sends and receives separately). A received
+header is compared with the expected one byte for byte before any payload byte is read: only
+an exact match (kind, group, source, sequence, signature, length) is received into the
+payload address. Anything else -- another group's frame, an ABORT, a mismatched call -- is
+returned to Python unread beyond its header (status ``FOREIGN``), which validates it with
+the ordinary bounded decoder and handles it as the reader thread would. The loop returns
+after ``slice_ms`` without progress (``SLICE``) so the caller can watch aborts and its
+deadline: an aborted group is noticed within one slice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from torchport import native
+
+OPW = 8  # int64 words per transfer operation
+DONE, SLICE, FOREIGN, SENT, CLOSED = 0, 1, 2, 3, 4  # tp_tcp_xfer status (< 0: -errno)
+OWN_FREE, OWN_READER, OWN_COLL = 0, 1, 2
+
+_SOURCE = r"""
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <linux/futex.h>
+
+#define OPW ${opw}
+#define HDR 64
+#define MAXFD 64
+
+static int64_t tp_ms_now(void) {
+    struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void tp_futex_wait(int32_t *w, int32_t v, int64_t ms) {
+    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000 };
+    syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
+}
+
+/* Reader thread: wait until the socket is readable (or hung up) and this thread owns it.
+   1: owned, read one frame then tp_conn_release; 0: nothing within slice_ms. */
+TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms) {
+    int64_t end = tp_ms_now() + slice_ms;
+    for (;;) {
+        int64_t left = end - tp_ms_now();
+        if (left <= 0) return 0;
+        int32_t v = __atomic_load_n(own, __ATOMIC_ACQUIRE);
+        if (v != 0) { tp_futex_wait(own, v, left); continue; }
+        struct pollfd p = { (int)fd, POLLIN, 0 };
+        int r = poll(&p, 1, (int)left);
+        if (r < 0 && errno != EINTR) return 1;  /* let the reader's recv report it */
+        if (r <= 0) continue;
+        int32_t zero = 0;
+        if (__atomic_compare_exchange_n(own, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 1;
+    }
+}
+
+/* A collective takes the socket: 1 taken; 0 another collective holds it; -1 the reader
+   did not finish its frame within slice_ms. */
+TP_EXPORT int64_t tp_conn_take(int32_t *own, int64_t slice_ms) {
+    int64_t end = tp_ms_now() + slice_ms;
+    for (;;) {
+        int32_t zero = 0;
+        if (__atomic_compare_exchange_n(own, &zero, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 1;
+        if (zero == 2) return 0;
+        int64_t left = end - tp_ms_now();
+        if (left <= 0) return -1;
+        tp_futex_wait(own, zero, left);
+    }
+}
+
+/* Pin the calling thread to the CPU it runs on (1) or restore the mask saved by the pin
+   (0). A sender that migrates mid-stream can reorder loopback segments: packets queued
+   on the old CPU's backlog are processed after the new CPU's, which TCP takes for loss. */
+#define TP_MASK_WORDS 16
+static __thread unsigned long tp_saved_mask[TP_MASK_WORDS];
+TP_EXPORT int64_t tp_pin(int64_t on) {
+    if (on) {
+        unsigned cpu = 0;
+        if (syscall(SYS_getcpu, &cpu, NULL, NULL) < 0) return -1;
+        if (syscall(SYS_sched_getaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0) return -1;
+        unsigned long one[TP_MASK_WORDS] = {0};
+        if (cpu >= 64 * TP_MASK_WORDS) return -1;
+        one[cpu / 64] = 1UL << (cpu % 64);
+        return syscall(SYS_sched_setaffinity, 0, sizeof one, one) < 0 ? -1 : (int64_t)cpu;
+    }
+    return syscall(SYS_sched_setaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0 ? -1 : 0;
+}
+
+TP_EXPORT void tp_conn_release(int32_t *own) {
+    __atomic_store_n(own, 0, __ATOMIC_RELEASE);
+    syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Move the operations of the table (module docstring). out[0]: the operation a FOREIGN,
+   CLOSED or error status refers to. SENT: every send finished (returned once, when sends
+   were pending at entry and receives remain) so the caller may release its send locks. */
+TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t *out) {
+    int sends_at_entry = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (ops[i * OPW + 1] == 0 && ops[i * OPW + 5] < HDR + ops[i * OPW + 4]) sends_at_entry = 1;
+    int64_t end = tp_ms_now() + slice_ms;
+    for (;;) {
+        int progress = 0, pending = 0, sends_pending = 0;
+        int64_t first_open = n;  /* the first unfinished receive */
+        for (int64_t i = 0; i < n && first_open == n; i++)
+            if (ops[i * OPW + 1] == 1 && ops[i * OPW + 5] < HDR + ops[i * OPW + 4]) first_open = i;
+        int64_t busy_s[MAXFD], busy_r[MAXFD];
+        int nbs = 0, nbr = 0;
+        struct pollfd pf[MAXFD];
+        int npf = 0;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t *op = ops + i * OPW;
+            int64_t fd = op[0], total = HDR + op[4];
+            if (op[5] >= total) continue;
+            pending++;
+            int is_send = op[1] == 0;
+            if (is_send) sends_pending++;
+            int64_t *busy = is_send ? busy_s : busy_r;
+            int *nb = is_send ? &nbs : &nbr;
+            int seen = 0;
+            for (int k = 0; k < *nb; k++) seen |= busy[k] == fd;
+            if (seen) continue;  /* an earlier operation on this socket is unfinished */
+            if (*nb < MAXFD) busy[(*nb)++] = fd;
+            short want = 0;
+            if (is_send) {
+                if (op[6] >= first_open) continue;
+                for (;;) {
+                    struct iovec iov[2];
+                    int niov = 0;
+                    int64_t d = op[5];
+                    if (d < HDR) {
+                        iov[niov].iov_base = (char *)op[2] + d;
+                        iov[niov++].iov_len = (size_t)(HDR - d);
+                        if (op[4]) {
+                            iov[niov].iov_base = (char *)op[3];
+                            iov[niov++].iov_len = (size_t)op[4];
+                        }
+                    } else {
+                        iov[niov].iov_base = (char *)op[3] + (d - HDR);
+                        iov[niov++].iov_len = (size_t)(total - d);
+                    }
+                    struct msghdr m = {0};
+                    m.msg_iov = iov; m.msg_iovlen = niov;
+                    ssize_t k = sendmsg((int)fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+                    if (k < 0) {
+                        if (errno == EINTR) continue;
+                        if (errno == EAGAIN || errno == EWOULDBLOCK) { want = POLLOUT; break; }
+                        out[0] = i; return -errno;
+                    }
+                    op[5] += k; progress = 1;
+                    if (op[5] >= total) break;
+                }
+            } else {
+                for (;;) {
+                    int64_t d = op[5];
+                    char *dst; size_t len;
+                    if (d < HDR) { dst = (char *)op[7] + d; len = (size_t)(HDR - d); }
+                    else { dst = (char *)op[3] + (d - HDR); len = (size_t)(total - d); }
+                    ssize_t k = recv((int)fd, dst, len, MSG_DONTWAIT);
+                    if (k < 0) {
+                        if (errno == EINTR) continue;
+                        if (errno == EAGAIN || errno == EWOULDBLOCK) { want = POLLIN; break; }
+                        out[0] = i; return -errno;
+                    }
+                    if (k == 0) { out[0] = i; return ${closed}; }
+                    op[5] += k; progress = 1;
+                    if (d < HDR && op[5] == HDR && memcmp((char *)op[7], (char *)op[2], HDR)) {
+                        out[0] = i; return ${foreign};
+                    }
+                    if (op[5] >= total) break;
+                }
+            }
+            if (want && npf < MAXFD) {
+                int j = 0;
+                while (j < npf && pf[j].fd != (int)fd) j++;
+                if (j == npf) { pf[npf].fd = (int)fd; pf[npf].events = 0; pf[npf].revents = 0; npf++; }
+                pf[j].events |= want;
+            }
+        }
+        if (!pending) return ${done};
+        if (sends_at_entry && !sends_pending) return ${sent};
+        if (progress) { end = tp_ms_now() + slice_ms; continue; }
+        int64_t left = end - tp_ms_now();
+        if (left <= 0) return ${slice};
+        if (npf == 0) return ${slice};  /* waiting only on dependencies: cannot happen */
+        int r = poll(pf, npf, (int)left);
+        if (r < 0 && errno != EINTR) { out[0] = -1; return -errno; }
+    }
+}
+"""
+
+
+class TcpLib:
+    """The compiled loop with ctypes signatures."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.conn_wait = lib.tp_conn_wait
+        self.conn_wait.argtypes = [p, i64, i64]
+        self.conn_wait.restype = i64
+        self.conn_take = lib.tp_conn_take
+        self.conn_take.argtypes = [p, i64]
+        self.conn_take.restype = i64
+        self.conn_release = lib.tp_conn_release
+        self.conn_release.argtypes = [p]
+        self.conn_release.restype = None
+        self.pin = lib.tp_pin
+        self.pin.argtypes = [i64]
+        self.pin.restype = i64
+        self.xfer = lib.tp_tcp_xfer
+        self.xfer.argtypes = [p, i64, i64, p]
+        self.xfer.restype = i64
+
+
+@functools.cache
+def tcp_lib() -> TcpLib:
+    """Build (or load from the cache) the TCP transfer loop."""
+    src = native.render(
+        _SOURCE, opw=OPW, done=DONE, slice=SLICE, foreign=FOREIGN, sent=SENT, closed=CLOSED
+    )
+    return TcpLib(native.build(src, name="tp_tcp"))
