@@ -62,37 +62,56 @@ TP_INLINE void lrot(VT *x, VT *y, int64_t p, VT c, VT s) {
 
 /* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
    when uv. */
+TP_INLINE int lany(VI m) {
+#if defined(__AVX__)
+    return ${movemask}((${m256})m) != 0;
+#else
+    return vany(m);
+#endif
+}
+
+/* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
+   when uv. Each round of h disjoint pairs runs in three passes: the inner products, then every
+   angle of the pairs where some lane rotates (independent square-root/division chains), then
+   their rotations. */
 TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int32_t *pairs,
                            int64_t npairs, int64_t h, VT *nv, VT *cs, int64_t *lp, int64_t *lq) {
     const VT zero = {0}, one = zero + 1;
     const T tol2 = EPS * EPS * (T)p;
+    char fl[64];
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         for (int64_t j = 0; j < q; ++j) nv[j] = ldot(W + j * p, W + j * p, p);
         int rotated = 0;
         for (int64_t base = 0; base < npairs; base += h) {
-            int64_t live = 0;
+            int64_t np = 0;
             for (int64_t t = base; t < base + h; ++t) {
                 int64_t j = pairs[2 * t], kk = pairs[2 * t + 1];
                 if (j < 0) continue;
-                VT al = nv[j], be = nv[kk];
-                VT g = ldot(W + j * p, W + kk * p, p);
+                lp[np] = j; lq[np] = kk;
+                cs[3 * np + 2] = ldot(W + j * p, W + kk * p, p);
+                ++np;
+            }
+            int any = 0;
+            for (int64_t t = 0; t < np; ++t) {
+                VT al = nv[lp[t]], be = nv[lq[t]], g = cs[3 * t + 2];
                 VI act = (al != zero) & (be != zero) & (g * g > tol2 * al * be);
-                if (!vany(act)) continue;
+                fl[t] = (char)lany(act);
+                if (!fl[t]) continue;
+                any = 1;
                 VT gg = vsel(act, g, zero);
                 VT d = be - al;
                 VT sgn = vsel(d >= zero, one, -one);
                 VT r = vsqrt(d * d + 4 * gg * gg);
                 VT u = vabs(d) + r;
                 VT y = one / vsqrt(vsel(act, 2 * r * u, one));
-                VT *o = cs + 3 * live;
-                o[0] = vsel(act, u * y, one);
-                o[1] = sgn * 2 * gg * y;
-                o[2] = sgn * 4 * gg * gg * r * y * y;
-                lp[live] = j; lq[live] = kk;
-                ++live;
+                cs[3 * t] = vsel(act, u * y, one);
+                cs[3 * t + 1] = sgn * 2 * gg * y;
+                cs[3 * t + 2] = sgn * 4 * gg * gg * r * y * y;
             }
-            rotated |= live > 0;
-            for (int64_t t = 0; t < live; ++t) {
+            if (!any) continue;
+            rotated = 1;
+            for (int64_t t = 0; t < np; ++t) {
+                if (!fl[t]) continue;
                 const int64_t j = lp[t], kk = lq[t];
                 const VT c = cs[3 * t], s = cs[3 * t + 1];
                 lrot(W + j * p, W + kk * p, p, c, s);
@@ -110,8 +129,9 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
    orthogonal give row j of V (V's column j) = X^T w_j / sigma_j^2. Its error is about
    eps sqrt(p) sigma_max / sigma_j relative, so it is used only when every lane has sigma_min >
    KAPPA_C eps sqrt(p) sigma_max (returns 0 otherwise, V untouched). The rows are then permuted per lane into
-   descending sigma (W's columns with them) and orthonormalised by classical Gram-Schmidt twice
-   in that order: a vector is corrected only along those of larger sigma, so the reconstruction
+   descending sigma (W's columns with them) and orthonormalised by classical Gram-Schmidt
+   in that order (once: V is orthogonal to within 1/32 by the condition, and a second pass
+   changed nothing measurable): a vector is corrected only along those of larger sigma, so the reconstruction
    error stays ~ eps ||A|| (sigma_j times an error of eps sigma_max / sigma_j). */
 TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, const VT *nv,
                           VT *d, T *tmp, int64_t *perm) {
@@ -120,8 +140,29 @@ TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, cons
     for (int64_t j = 0; j < q; ++j) { mx = vsel(nv[j] > mx, nv[j], mx); mn = vsel(nv[j] < mn, nv[j], mn); }
     const T lim = KAPPA_C * EPS;
     if (vany(~(mn > mx * (lim * lim * (T)p)))) return 0;
-    for (int64_t j = 0; j < q; ++j)
-        for (int64_t i = 0; i < q; ++i) V[j * q + i] = ldot(X0 + i * p, W + j * p, p);
+    int64_t j0 = 0;
+    for (; j0 + 2 <= q; j0 += 2) {  /* 2 rows x 4 columns of V per pass over p: 8 accumulators */
+        const VT *w0 = W + j0 * p, *w1 = w0 + p;
+        int64_t i0 = 0;
+        for (; i0 + 4 <= q; i0 += 4) {
+            const VT *x0 = X0 + i0 * p, *x1 = x0 + p, *x2 = x1 + p, *x3 = x2 + p;
+            VT a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+            for (int64_t r = 0; r < p; ++r) {
+                VT y0 = w0[r], y1 = w1[r];
+                a00 += x0[r] * y0; a01 += x1[r] * y0; a02 += x2[r] * y0; a03 += x3[r] * y0;
+                a10 += x0[r] * y1; a11 += x1[r] * y1; a12 += x2[r] * y1; a13 += x3[r] * y1;
+            }
+            VT *v0 = V + j0 * q + i0, *v1 = v0 + q;
+            v0[0] = a00; v0[1] = a01; v0[2] = a02; v0[3] = a03;
+            v1[0] = a10; v1[1] = a11; v1[2] = a12; v1[3] = a13;
+        }
+        for (; i0 < q; ++i0) {
+            V[j0 * q + i0] = ldot(X0 + i0 * p, w0, p);
+            V[(j0 + 1) * q + i0] = ldot(X0 + i0 * p, w1, p);
+        }
+    }
+    for (; j0 < q; ++j0)
+        for (int64_t i = 0; i < q; ++i) V[j0 * q + i] = ldot(X0 + i * p, W + j0 * p, p);
     for (int64_t l = 0; l < VLN; ++l) {
         for (int64_t j = 0; j < q; ++j) perm[j] = j;
         for (int64_t j = 1; j < q; ++j) {
@@ -136,16 +177,26 @@ TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, cons
     }
     for (int64_t j = 0; j < q; ++j) {
         VT *v = V + j * q;
-        for (int pass = 0; pass < 2; ++pass) {
-            for (int64_t i = 0; i < j; ++i) d[i] = ldot(V + i * q, v, q);
-            for (int64_t r = 0; r < q; ++r) {
-                VT acc = v[r];
-                for (int64_t i = 0; i < j; ++i) acc -= d[i] * V[i * q + r];
-                v[r] = acc;
+        for (int64_t i = 0; i < j; ++i) d[i] = ldot(V + i * q, v, q);
+        int64_t r = 0;
+        for (; r + 8 <= q; r += 8) {  /* eight independent accumulators along v */
+            VT a0 = v[r], a1 = v[r + 1], a2 = v[r + 2], a3 = v[r + 3];
+            VT a4 = v[r + 4], a5 = v[r + 5], a6 = v[r + 6], a7 = v[r + 7];
+            for (int64_t i = 0; i < j; ++i) {
+                const VT di = d[i], *vi = V + i * q + r;
+                a0 -= di * vi[0]; a1 -= di * vi[1]; a2 -= di * vi[2]; a3 -= di * vi[3];
+                a4 -= di * vi[4]; a5 -= di * vi[5]; a6 -= di * vi[6]; a7 -= di * vi[7];
             }
+            v[r] = a0; v[r + 1] = a1; v[r + 2] = a2; v[r + 3] = a3;
+            v[r + 4] = a4; v[r + 5] = a5; v[r + 6] = a6; v[r + 7] = a7;
+        }
+        for (; r < q; ++r) {
+            VT acc = v[r];
+            for (int64_t i = 0; i < j; ++i) acc -= d[i] * V[i * q + r];
+            v[r] = acc;
         }
         VT inv = 1 / vsqrt(ldot(v, v, q));
-        for (int64_t r = 0; r < q; ++r) v[r] *= inv;
+        for (int64_t e = 0; e < q; ++e) v[e] *= inv;
     }
     return 1;
 }
@@ -256,6 +307,7 @@ def library(
         is64="1" if is64 else "0",
         vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
         m256="__m256d" if is64 else "__m256",
+        movemask="_mm256_movemask_pd" if is64 else "_mm256_movemask_ps",
         max_sweeps=str(int(max_sweeps)),
         kappa_c=repr(float(kappa_c)),
     )
