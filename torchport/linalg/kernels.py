@@ -1300,14 +1300,16 @@ def svd(
         return u, s, vh, 0
     if lanes is None:
         lanes = b >= 64 // a.element_size() and max(m, n) <= LANES_MAX_N
+    args = (
+        a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n,
+        int(compute_uv), int(full_matrices), order,
+    )  # fmt: skip
     if lanes and k >= SVD_LANES_FAST_FROM and order == 1:
-        kern = _svd_lanes.library(a.dtype, native.cpu_info().isa)
+        fast = _svd_lanes.library(a.dtype, native.cpu_info().isa)
+        bad = fast.call_unchecked(*args, _svd_lanes.KAPPA_C, native.num_threads())
     else:
         kern = _ks(a.dtype)["svd_vec" if lanes else "svd"]
-    bad = kern.call_unchecked(
-        a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n,
-        int(compute_uv), int(full_matrices), order, native.num_threads(),
-    )  # fmt: skip
+        bad = kern.call_unchecked(*args, native.num_threads())
     return u, s, vh, bad
 
 

@@ -29,16 +29,34 @@ import functools
 import torch
 
 from torchport import native
-from torchport.native import IntArg, Kernel, TensorArg
+from torchport.native import FloatArg, IntArg, Kernel, TensorArg
 
 # Sweep cap of the public path (as kernels.MAX_SWEEPS, which converged input never reaches).
 MAX_SWEEPS = 60
 # The fast V (see svdl_fast_v) is used when every lane of a group has
 # sigma_min > KAPPA_C * eps * sqrt(p) * sigma_max, i.e. V's first-order error is below 1/32.
 KAPPA_C = 32.0
+# kernels._SOURCE up to this line holds the helpers this kernel shares (not the other kernels).
+_HELPERS_END = (
+    "/* ---------------------------------------------------------------- SVD (one-sided Jacobi) */"
+)
 
 _SOURCE = r"""
-#define KAPPA_C ((T)${kappa_c})
+typedef T VT __attribute__((vector_size(32), aligned(32)));
+typedef ${ielem} VI __attribute__((vector_size(32), aligned(32)));
+#define VLN ((int64_t)(32 / sizeof(T)))
+#define TP_UNROLL _Pragma("GCC unroll 4")
+
+TP_INLINE VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
+TP_INLINE VT vabs(VT x) { VT z = x - x; return vsel(x < z, -x, x); }
+TP_INLINE VT vsqrt(VT x) {
+#if defined(__AVX__)
+    return (VT)${vsqrt}((${m256})x);
+#else
+    VT r; for (int l = 0; l < VLN; ++l) r[l] = TSQRT(x[l]); return r;
+#endif
+}
+TP_INLINE int vany(VI m) { ${ielem} r = 0; for (int l = 0; l < VLN; ++l) r |= m[l]; return r != 0; }
 /* ---------------------------------------------------------------- lane SVD, throughput form */
 TP_INLINE VT ldot(const VT *x, const VT *y, int64_t p) {
     VT a0 = {0}, a1 = a0, a2 = a0, a3 = a0;
@@ -128,17 +146,17 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
    columns are the initial vectors (X0, lane layout, column i at X0 + i p), X V = W and V
    orthogonal give row j of V (V's column j) = X^T w_j / sigma_j^2. Its error is about
    eps sqrt(p) sigma_max / sigma_j relative, so it is used only when every lane has sigma_min >
-   KAPPA_C eps sqrt(p) sigma_max (returns 0 otherwise, V untouched). The rows are then permuted per lane into
+   kappa_c eps sqrt(p) sigma_max (returns 0 otherwise, V untouched). The rows are then permuted per lane into
    descending sigma (W's columns with them) and orthonormalised by classical Gram-Schmidt
    in that order (once: V is orthogonal to within 1/32 by the condition, and a second pass
    changed nothing measurable): a vector is corrected only along those of larger sigma, so the reconstruction
    error stays ~ eps ||A|| (sigma_j times an error of eps sigma_max / sigma_j). */
 TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, const VT *nv,
-                          VT *d, T *tmp, int64_t *perm) {
+                          VT *d, T *tmp, int64_t *perm, T kappa_c) {
     const VT zero = {0};
     VT mx = zero, mn = nv[0];
     for (int64_t j = 0; j < q; ++j) { mx = vsel(nv[j] > mx, nv[j], mx); mn = vsel(nv[j] < mn, nv[j], mn); }
-    const T lim = KAPPA_C * EPS;
+    const T lim = kappa_c * EPS;
     if (vany(~(mn > mx * (lim * lim * (T)p)))) return 0;
     int64_t j0 = 0;
     for (; j0 + 2 <= q; j0 += 2) {  /* 2 rows x 4 columns of V per pass over p: 8 accumulators */
@@ -204,7 +222,7 @@ TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, cons
 TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int64_t n, int uv,
                        int full, const int32_t *pairs, int64_t npairs, int64_t h, VT *W, VT *V,
                        VT *X0, VT *nv, VT *cs, int64_t *lp, int64_t *lq, T *Ws, T *Vs, T *nrm,
-                       int64_t *perm, T *Ub) {
+                       int64_t *perm, T *Ub, T kappa_c) {
     const int trans = m < n;
     const int64_t p = trans ? n : m, q = trans ? m : n, k = q;
     const VT zero = {0}, one = zero + 1;
@@ -226,7 +244,7 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
         }
     if (uv) memcpy(X0, W, sizeof(VT) * p * q);
     svdl_sweeps(W, V, p, q, 0, pairs, npairs, h, nv, cs, lp, lq);
-    if (uv && !svdl_fast_v(W, V, X0, p, q, nv, cs, Ws, perm)) {
+    if (uv && !svdl_fast_v(W, V, X0, p, q, nv, cs, Ws, perm, kappa_c)) {
         memcpy(W, X0, sizeof(VT) * p * q);
         for (int64_t j = 0; j < q * q; ++j) V[j] = zero;
         for (int64_t j = 0; j < q; ++j) V[j * q + j] = one;
@@ -243,7 +261,8 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
 }
 
 TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, int64_t n,
-                           int64_t uv, int64_t full, int64_t order, int64_t nthreads) {
+                           int64_t uv, int64_t full, int64_t order, double kappa_c,
+                           int64_t nthreads) {
     const int64_t p = TP_MAX(m, n), k = TP_MIN(m, n);
     const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
     const int64_t groups = (B + VLN - 1) / VLN;
@@ -267,7 +286,7 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
             const T *src = a + b0 * m * n;
             T *so = S + b0 * k, *uo = U + b0 * usz, *vo = Vh + b0 * vsz;
             int st;
-#define SVDL(M, N) svdl_vec(src, so, uo, vo, cnt, M, N, (int)uv, (int)full, pairs, np, h, W, V, X0, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub)
+#define SVDL(M, N) svdl_vec(src, so, uo, vo, cnt, M, N, (int)uv, (int)full, pairs, np, h, W, V, X0, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub, (T)kappa_c)
             if (m == 16 && n == 16) st = SVDL(16, 16);
             else if (m == 32 && n == 32) st = SVDL(32, 32);
             else st = SVDL(m, n);
@@ -286,30 +305,31 @@ def library(
     dtype: torch.dtype,
     isa: str,
     max_sweeps: int = MAX_SWEEPS,
-    kappa_c: float = KAPPA_C,
 ) -> Kernel:
     """Build (or load from the disk cache) ``tp_svd_lanes`` for one dtype and ISA.
 
-    The source is appended to :mod:`torchport.linalg.kernels`' (whose lane types, ``make_pairs``
-    and ``svd_finish`` it uses), rendered with the same parameters.
+    The source follows the shared helpers at the head of :mod:`torchport.linalg.kernels`' source
+    (``make_pairs``, ``all_finite``, ``svd_finish``: everything before its SVD section), rendered
+    with the same parameters; the call takes ``kappa_c`` (see :data:`KAPPA_C`) before
+    ``nthreads``.
     """
     from torchport.linalg import kernels  # kernels imports this module for its routing
 
+    cut = kernels._SOURCE.index(_HELPERS_END)
+    helpers = kernels._SOURCE[:cut]
     is64 = dtype == torch.float64
     src = native.render(
-        "#include <stdlib.h>\n#include <string.h>\n" + kernels._SOURCE + _SOURCE,
+        "#include <stdlib.h>\n#include <string.h>\n" + helpers + _SOURCE,
         elem="double" if is64 else "float",
         eps=repr(float(torch.finfo(dtype).eps)),
         sqrt="sqrt" if is64 else "sqrtf",
         fabs="fabs" if is64 else "fabsf",
         ldexp="ldexp" if is64 else "ldexpf",
         ielem="int64_t" if is64 else "int32_t",
-        is64="1" if is64 else "0",
         vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
         m256="__m256d" if is64 else "__m256",
         movemask="_mm256_movemask_pd" if is64 else "_mm256_movemask_ps",
         max_sweeps=str(int(max_sweeps)),
-        kappa_c=repr(float(kappa_c)),
     )
     lib = native.build(src, name=f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}", isa=isa)
     return Kernel(
@@ -317,5 +337,6 @@ def library(
         "tp_svd_lanes",
         [TensorArg("A", (dtype,)), TensorArg("S", (dtype,)), TensorArg("U", (dtype,))]
         + [TensorArg("Vh", (dtype,))]
-        + [IntArg(x) for x in ("B", "m", "n", "uv", "full", "order", "nthreads")],
+        + [IntArg(x) for x in ("B", "m", "n", "uv", "full", "order")]
+        + [FloatArg("kappa_c"), IntArg("nthreads")],
     )
