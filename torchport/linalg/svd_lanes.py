@@ -16,10 +16,17 @@ throughput rather than latency:
   squares (g² > tol²·α·β);
 - **exact per-lane scaling**: each lane's matrix is multiplied by a power of two that brings its
   largest entry into [1, 2) (and the singular values back by the inverse), so the squared forms can
-  neither overflow nor lose the threshold to underflow for representable input.
+  neither overflow nor lose the threshold to underflow for representable input;
+- **V not accumulated**: the sweeps rotate W only; V is recovered from the converged vectors
+  (V's column j = Xᵀ w_j / σ_j², X the initial vectors) and orthonormalised by one Gram-Schmidt
+  pass in descending σ (``svdl_fast_v``), when every lane of the group has
+  σ_min > :data:`KAPPA_C`·eps·√p·σ_max; otherwise the group is solved again accumulating V.
+  The sweeps without V touch half the memory (W alone: 32 KB at fp64 n = 32, the L1 size).
 
-The plain-torch reference is :func:`torchport.linalg.reference.svd_reference` (the same pair order
-and threshold; the angle is computed by the equivalent formula above, so results agree to rounding).
+The plain-torch reference is :func:`torchport.linalg.reference.svd_lanes_reference` (the sweeps of
+``svd_reference`` with the same pair order and threshold, the angle by the equivalent classical
+formula, then the same V recovery, decided per matrix instead of per lane group), so results agree
+to rounding.
 """
 
 from __future__ import annotations
