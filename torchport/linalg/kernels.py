@@ -51,6 +51,7 @@ import torch
 from torchport import native
 from torchport.linalg import blocked as _blocked
 from torchport.linalg import eigh_block as _eigh_block
+from torchport.linalg import svd_lanes as _svd_lanes
 from torchport.native import IntArg, Kernel, TensorArg
 
 _TAG = {torch.float32: "f32", torch.float64: "f64"}
@@ -1153,7 +1154,7 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
 # Identifies the kernel sources (this one and the blocked Cholesky's) in autotuning keys, so
 # choices made for older kernels are not reused.
 SOURCE_TAG = hashlib.sha256(
-    (_SOURCE + _blocked.SOURCE_TAG + _eigh_block.SOURCE_TAG).encode()
+    (_SOURCE + _blocked.SOURCE_TAG + _eigh_block.SOURCE_TAG + _svd_lanes._SOURCE).encode()
 ).hexdigest()[:12]
 
 
@@ -1242,6 +1243,9 @@ def library(dtype: torch.dtype, isa: str, max_sweeps: int = MAX_SWEEPS) -> dict[
 # that kernel stays cyclic.
 SVD_ROUND_ROBIN_FROM = 5
 EIGH_ORDER = 0
+# From this min(m, n) the lane SVD runs svd_lanes.tp_svd_lanes (four-accumulator inner products,
+# one division per angle, V from the converged vectors) instead of tp_svd_vec.
+SVD_LANES_FAST_FROM = 5
 # The lane kernel (tp_eigh_vec) in round-robin order batches a round's angles (n/2 independent
 # sqrt/div chains). Single-threaded, interleaved medians of 21 at load ~8, round-robin/cyclic
 # speed: n = 8 1.76x (f32) 1.74x (f64); n = 12 1.04x / 1.08x; n = 16 0.97x / 1.06x; n = 24
@@ -1304,10 +1308,16 @@ def svd(
         return u, s, vh, 0
     if lanes is None:
         lanes = b >= 64 // a.element_size() and max(m, n) <= LANES_MAX_N
-    bad = _ks(a.dtype)["svd_vec" if lanes else "svd"].call_unchecked(
+    args = (
         a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n,
-        int(compute_uv), int(full_matrices), order, native.num_threads(),
+        int(compute_uv), int(full_matrices), order,
     )  # fmt: skip
+    if lanes and k >= SVD_LANES_FAST_FROM and order == 1:
+        fast = _svd_lanes.library(a.dtype, native.cpu_info().isa)
+        bad = fast.call_unchecked(*args, _svd_lanes.KAPPA_C, native.num_threads())
+    else:
+        kern = _ks(a.dtype)["svd_vec" if lanes else "svd"]
+        bad = kern.call_unchecked(*args, native.num_threads())
     return u, s, vh, bad
 
 

@@ -8,6 +8,9 @@ The native kernels must agree with them to working precision (tests/test_linalg.
 - ``svd_reference``: one-sided Jacobi (cyclic order for k ≤ 4, round-robin above, as the
   kernel), tol = eps·sqrt(max(m, n)); descending σ;
   numerically null vectors (σ ≤ σ_max·p·eps) completed by Gram-Schmidt.
+- ``svd_lanes_reference``: the same sweeps, then the side that the lane kernel of
+  :mod:`torchport.linalg.svd_lanes` does not accumulate recovered from the converged vectors
+  (Xᵀ û_j / σ_j, Gram-Schmidt in descending σ) where σ_min > κ_c·eps·sqrt(p)·σ_max.
 - ``eigh_reference``: two-sided Jacobi (cyclic, round-robin as the lane kernel, or the block
   order of ``eigh_block``) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
 - ``qr_reference``: Householder with LAPACK's sign convention.
@@ -156,6 +159,41 @@ def svd_reference(
     if not trans:
         return ub.mT, s_sorted, v
     return v.mT, s_sorted, ub
+
+
+def svd_lanes_reference(
+    a: torch.Tensor,
+    full_matrices: bool = False,
+    compute_uv: bool = True,
+    kappa_c: float = 32.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The algorithm of ``tp_svd_lanes`` on (B, m, n) ``a``: (U, S, Vh), S descending.
+
+    The sweeps are :func:`svd_reference`'s (round-robin from k = 5). With X the p × q matrix of
+    the vectors being orthogonalised (A, or Aᵀ when m < n) and û_j the converged unit vectors, the
+    other side's vector j is Xᵀ û_j / σ_j, orthonormalised by one classical Gram-Schmidt pass in
+    descending σ; used where σ_min > ``kappa_c``·eps·sqrt(p)·σ_max (per matrix here, per lane
+    group in the kernel), the accumulated rotations elsewhere.
+    """
+    u, s, vh = svd_reference(a, full_matrices, compute_uv)
+    bsz, m, n = a.shape
+    q, p = min(m, n), max(m, n)
+    if not compute_uv or q == 0 or bsz == 0:
+        return u, s, vh
+    trans = m < n
+    uh = vh[:, :q, :] if trans else u[:, :, :q].mT  # (B, q, p): the unit vectors, as rows
+    x = a.mT if trans else a  # (B, p, q)
+    other = (uh @ x) / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)  # (B, q, q)
+    for j in range(q):
+        v = other[:, j]
+        if j:
+            prev = other[:, :j]
+            v = v - ((prev @ v.unsqueeze(-1)) * prev).sum(1)
+        other[:, j] = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+    ok = (s[:, -1] > kappa_c * _eps(a.dtype) * p**0.5 * s[:, 0]).view(bsz, 1, 1)
+    if trans:
+        return torch.where(ok, other.mT, u), s, vh
+    return u, s, torch.where(ok, other, vh)
 
 
 def eigh_reference(

@@ -1,0 +1,349 @@
+"""One-sided Jacobi SVD, one matrix per SIMD lane, with throughput-shaped sweeps.
+
+``tp_svd_lanes`` runs the same Hestenes sweeps as :mod:`torchport.linalg.kernels`' lane kernel
+(round-robin rounds of disjoint column pairs, a lane below threshold takes the identity rotation,
+singular values and vectors finished per lane by ``svd_finish``), but arranges each round for
+throughput rather than latency:
+
+- **inner products with four accumulators**: the old kernel summed ``w_j·w_k`` in one FMA chain
+  (p × 4-cycle latency per pair), which bounded a sweep near convergence, where most pairs are only
+  tested and not rotated;
+- **rotation from one square root, one inverse square root**: with d = β − α,
+  r = √(d² + 4g²) and u = |d| + r, ``y = 1/√(2ru)`` gives c = u·y, s = sign(d)·2g·y and
+  t·g = sign(d)·4g²·r·y² (the norm update), the same rotation as
+  t = sign(ζ)/(|ζ| + √(1 + ζ²)), ζ = d/2g (algebraically: 1 + t² = 2r/u), without the three
+  divisions and two square roots of that form; the threshold test |g| > tol·√(αβ) is compared in
+  squares (g² > tol²·α·β);
+- **exact per-lane scaling**: each lane's matrix is multiplied by a power of two that brings its
+  largest entry into [1, 2) (and the singular values back by the inverse), so the squared forms can
+  neither overflow nor lose the threshold to underflow for representable input;
+- **V not accumulated**: the sweeps rotate W only; V is recovered from the converged vectors
+  (V's column j = Xᵀ w_j / σ_j², X the initial vectors) and orthonormalised by one Gram-Schmidt
+  pass in descending σ (``svdl_fast_v``), when every lane of the group has
+  σ_min > :data:`KAPPA_C`·eps·√p·σ_max; otherwise the group is solved again accumulating V.
+  The sweeps without V touch half the memory (W alone: 32 KB at fp64 n = 32, the L1 size).
+
+The plain-torch reference is :func:`torchport.linalg.reference.svd_lanes_reference` (the sweeps of
+``svd_reference`` with the same pair order and threshold, the angle by the equivalent classical
+formula, then the same V recovery, decided per matrix instead of per lane group), so results agree
+to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from torchport import native
+from torchport.native import FloatArg, IntArg, Kernel, TensorArg
+
+# Sweep cap of the public path (as kernels.MAX_SWEEPS, which converged input never reaches).
+MAX_SWEEPS = 60
+# The fast V (see svdl_fast_v) is used when every lane of a group has
+# sigma_min > KAPPA_C * eps * sqrt(p) * sigma_max, i.e. V's first-order error is below 1/32.
+KAPPA_C = 32.0
+# kernels._SOURCE up to this line holds the helpers this kernel shares (not the other kernels).
+_HELPERS_END = (
+    "/* ---------------------------------------------------------------- SVD (one-sided Jacobi) */"
+)
+
+_SOURCE = r"""
+typedef T VT __attribute__((vector_size(32), aligned(32)));
+typedef ${ielem} VI __attribute__((vector_size(32), aligned(32)));
+#define VLN ((int64_t)(32 / sizeof(T)))
+#define TP_UNROLL _Pragma("GCC unroll 4")
+
+TP_INLINE VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
+TP_INLINE VT vabs(VT x) { VT z = x - x; return vsel(x < z, -x, x); }
+TP_INLINE VT vsqrt(VT x) {
+#if defined(__AVX__)
+    return (VT)${vsqrt}((${m256})x);
+#else
+    VT r; for (int l = 0; l < VLN; ++l) r[l] = TSQRT(x[l]); return r;
+#endif
+}
+TP_INLINE int vany(VI m) { ${ielem} r = 0; for (int l = 0; l < VLN; ++l) r |= m[l]; return r != 0; }
+/* ---------------------------------------------------------------- lane SVD, throughput form */
+TP_INLINE VT ldot(const VT *x, const VT *y, int64_t p) {
+    VT a0 = {0}, a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 4 <= p; i += 4) {
+        a0 += x[i] * y[i]; a1 += x[i + 1] * y[i + 1];
+        a2 += x[i + 2] * y[i + 2]; a3 += x[i + 3] * y[i + 3];
+    }
+    for (; i < p; ++i) a0 += x[i] * y[i];
+    return (a0 + a1) + (a2 + a3);
+}
+
+TP_INLINE void lrot(VT *x, VT *y, int64_t p, VT c, VT s) {
+    TP_UNROLL
+    for (int64_t i = 0; i < p; ++i) {
+        VT a = x[i], b = y[i];
+        x[i] = c * a - s * b;
+        y[i] = s * a + c * b;
+    }
+}
+
+/* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
+   when uv. */
+TP_INLINE int lany(VI m) {
+#if defined(__AVX__)
+    return ${movemask}((${m256})m) != 0;
+#else
+    return vany(m);
+#endif
+}
+
+/* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
+   when uv. Each round of h disjoint pairs runs in three passes: the inner products, then every
+   angle of the pairs where some lane rotates (independent square-root/division chains), then
+   their rotations. */
+TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int32_t *pairs,
+                           int64_t npairs, int64_t h, VT *nv, VT *cs, int64_t *lp, int64_t *lq) {
+    const VT zero = {0}, one = zero + 1;
+    const T tol2 = EPS * EPS * (T)p;
+    char fl[64];
+    for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
+        for (int64_t j = 0; j < q; ++j) nv[j] = ldot(W + j * p, W + j * p, p);
+        int rotated = 0;
+        for (int64_t base = 0; base < npairs; base += h) {
+            int64_t np = 0;
+            for (int64_t t = base; t < base + h; ++t) {
+                int64_t j = pairs[2 * t], kk = pairs[2 * t + 1];
+                if (j < 0) continue;
+                lp[np] = j; lq[np] = kk;
+                cs[3 * np + 2] = ldot(W + j * p, W + kk * p, p);
+                ++np;
+            }
+            int any = 0;
+            for (int64_t t = 0; t < np; ++t) {
+                VT al = nv[lp[t]], be = nv[lq[t]], g = cs[3 * t + 2];
+                VI act = (al != zero) & (be != zero) & (g * g > tol2 * al * be);
+                fl[t] = (char)lany(act);
+                if (!fl[t]) continue;
+                any = 1;
+                VT gg = vsel(act, g, zero);
+                VT d = be - al;
+                VT sgn = vsel(d >= zero, one, -one);
+                VT r = vsqrt(d * d + 4 * gg * gg);
+                VT u = vabs(d) + r;
+                VT y = one / vsqrt(vsel(act, 2 * r * u, one));
+                cs[3 * t] = vsel(act, u * y, one);
+                cs[3 * t + 1] = sgn * 2 * gg * y;
+                cs[3 * t + 2] = sgn * 4 * gg * gg * r * y * y;
+            }
+            if (!any) continue;
+            rotated = 1;
+            for (int64_t t = 0; t < np; ++t) {
+                if (!fl[t]) continue;
+                const int64_t j = lp[t], kk = lq[t];
+                const VT c = cs[3 * t], s = cs[3 * t + 1];
+                lrot(W + j * p, W + kk * p, p, c, s);
+                if (uv) lrot(V + j * q, V + kk * q, q, c, s);
+                nv[j] -= cs[3 * t + 2];
+                nv[kk] += cs[3 * t + 2];
+            }
+        }
+        if (!rotated) break;
+    }
+}
+
+/* V from the converged vectors instead of accumulated rotations: with X the p x q matrix whose
+   columns are the initial vectors (X0, lane layout, column i at X0 + i p), X V = W and V
+   orthogonal give row j of V (V's column j) = X^T w_j / sigma_j^2. Its error is about
+   eps sqrt(p) sigma_max / sigma_j relative, so it is used only when every lane has sigma_min >
+   kappa_c eps sqrt(p) sigma_max (returns 0 otherwise, V untouched). The rows are then permuted per lane into
+   descending sigma (W's columns with them) and orthonormalised by classical Gram-Schmidt
+   in that order (once: V is orthogonal to within 1/32 by the condition, and a second pass
+   changed nothing measurable): a vector is corrected only along those of larger sigma, so the reconstruction
+   error stays ~ eps ||A|| (sigma_j times an error of eps sigma_max / sigma_j). */
+TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, const VT *nv,
+                          VT *d, T *tmp, int64_t *perm, T kappa_c) {
+    const VT zero = {0};
+    VT mx = zero, mn = nv[0];
+    for (int64_t j = 0; j < q; ++j) { mx = vsel(nv[j] > mx, nv[j], mx); mn = vsel(nv[j] < mn, nv[j], mn); }
+    const T lim = kappa_c * EPS;
+    if (vany(~(mn > mx * (lim * lim * (T)p)))) return 0;
+    int64_t j0 = 0;
+    for (; j0 + 2 <= q; j0 += 2) {  /* 2 rows x 4 columns of V per pass over p: 8 accumulators */
+        const VT *w0 = W + j0 * p, *w1 = w0 + p;
+        int64_t i0 = 0;
+        for (; i0 + 4 <= q; i0 += 4) {
+            const VT *x0 = X0 + i0 * p, *x1 = x0 + p, *x2 = x1 + p, *x3 = x2 + p;
+            VT a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+            for (int64_t r = 0; r < p; ++r) {
+                VT y0 = w0[r], y1 = w1[r];
+                a00 += x0[r] * y0; a01 += x1[r] * y0; a02 += x2[r] * y0; a03 += x3[r] * y0;
+                a10 += x0[r] * y1; a11 += x1[r] * y1; a12 += x2[r] * y1; a13 += x3[r] * y1;
+            }
+            VT *v0 = V + j0 * q + i0, *v1 = v0 + q;
+            v0[0] = a00; v0[1] = a01; v0[2] = a02; v0[3] = a03;
+            v1[0] = a10; v1[1] = a11; v1[2] = a12; v1[3] = a13;
+        }
+        for (; i0 < q; ++i0) {
+            V[j0 * q + i0] = ldot(X0 + i0 * p, w0, p);
+            V[(j0 + 1) * q + i0] = ldot(X0 + i0 * p, w1, p);
+        }
+    }
+    for (; j0 < q; ++j0)
+        for (int64_t i = 0; i < q; ++i) V[j0 * q + i] = ldot(X0 + i * p, W + j0 * p, p);
+    for (int64_t l = 0; l < VLN; ++l) {
+        for (int64_t j = 0; j < q; ++j) perm[j] = j;
+        for (int64_t j = 1; j < q; ++j) {
+            int64_t x = perm[j], i = j;
+            while (i > 0 && nv[perm[i - 1]][l] < nv[x][l]) { perm[i] = perm[i - 1]; --i; }
+            perm[i] = x;
+        }
+        for (int64_t i = 0; i < q * p; ++i) tmp[i] = W[i][l];
+        for (int64_t j = 0; j < q; ++j) for (int64_t i = 0; i < p; ++i) W[j * p + i][l] = tmp[perm[j] * p + i];
+        for (int64_t i = 0; i < q * q; ++i) tmp[i] = V[i][l];
+        for (int64_t j = 0; j < q; ++j) for (int64_t i = 0; i < q; ++i) V[j * q + i][l] = tmp[perm[j] * q + i];
+    }
+    for (int64_t j = 0; j < q; ++j) {
+        VT *v = V + j * q;
+        for (int64_t i = 0; i < j; ++i) d[i] = ldot(V + i * q, v, q);
+        int64_t r = 0;
+        for (; r + 8 <= q; r += 8) {  /* eight independent accumulators along v */
+            VT a0 = v[r], a1 = v[r + 1], a2 = v[r + 2], a3 = v[r + 3];
+            VT a4 = v[r + 4], a5 = v[r + 5], a6 = v[r + 6], a7 = v[r + 7];
+            for (int64_t i = 0; i < j; ++i) {
+                const VT di = d[i], *vi = V + i * q + r;
+                a0 -= di * vi[0]; a1 -= di * vi[1]; a2 -= di * vi[2]; a3 -= di * vi[3];
+                a4 -= di * vi[4]; a5 -= di * vi[5]; a6 -= di * vi[6]; a7 -= di * vi[7];
+            }
+            v[r] = a0; v[r + 1] = a1; v[r + 2] = a2; v[r + 3] = a3;
+            v[r + 4] = a4; v[r + 5] = a5; v[r + 6] = a6; v[r + 7] = a7;
+        }
+        for (; r < q; ++r) {
+            VT acc = v[r];
+            for (int64_t i = 0; i < j; ++i) acc -= d[i] * V[i * q + r];
+            v[r] = acc;
+        }
+        VT inv = 1 / vsqrt(ldot(v, v, q));
+        for (int64_t e = 0; e < q; ++e) v[e] *= inv;
+    }
+    return 1;
+}
+
+TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int64_t n, int uv,
+                       int full, const int32_t *pairs, int64_t npairs, int64_t h, VT *W, VT *V,
+                       VT *X0, VT *nv, VT *cs, int64_t *lp, int64_t *lq, T *Ws, T *Vs, T *nrm,
+                       int64_t *perm, T *Ub, T kappa_c) {
+    const int trans = m < n;
+    const int64_t p = trans ? n : m, q = trans ? m : n, k = q;
+    const VT zero = {0}, one = zero + 1;
+    for (int64_t l = 0; l < cnt; ++l) if (!all_finite(a + l * m * n, m * n)) return (int)l + 1;
+    int ex[VLN];
+    VT sc = one;
+    for (int64_t l = 0; l < cnt; ++l) {
+        T x = 0;
+        for (int64_t i = 0; i < m * n; ++i) x = TP_MAX(x, TFABS(a[l * m * n + i]));
+        ex[l] = x > 0 ? ilogb(x) : 0;
+        sc[l] = ${ldexp}((T)1, -ex[l]);
+    }
+    /* lanes past cnt hold the identity (converged at once, well conditioned) */
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+            VT x = zero + (i == j ? (T)1 : (T)0);
+            for (int64_t l = 0; l < cnt; ++l) x[l] = a[l * m * n + i * n + j];
+            if (!trans) W[j * p + i] = x * sc; else W[i * p + j] = x * sc;
+        }
+    if (uv) memcpy(X0, W, sizeof(VT) * p * q);
+    svdl_sweeps(W, V, p, q, 0, pairs, npairs, h, nv, cs, lp, lq);
+    if (uv && !svdl_fast_v(W, V, X0, p, q, nv, cs, Ws, perm, kappa_c)) {
+        memcpy(W, X0, sizeof(VT) * p * q);
+        for (int64_t j = 0; j < q * q; ++j) V[j] = zero;
+        for (int64_t j = 0; j < q; ++j) V[j * q + j] = one;
+        svdl_sweeps(W, V, p, q, 1, pairs, npairs, h, nv, cs, lp, lq);
+    }
+    const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
+    for (int64_t l = 0; l < cnt; ++l) {
+        for (int64_t i = 0; i < q * p; ++i) Ws[i] = W[i][l];
+        if (uv) for (int64_t i = 0; i < q * q; ++i) Vs[i] = V[i][l];
+        svd_finish(Ws, Vs, nrm, perm, Ub, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full);
+        for (int64_t i = 0; i < k; ++i) S[l * k + i] = ${ldexp}(S[l * k + i], ex[l]);
+    }
+    return 0;
+}
+
+TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, int64_t n,
+                           int64_t uv, int64_t full, int64_t order, double kappa_c,
+                           int64_t nthreads) {
+    const int64_t p = TP_MAX(m, n), k = TP_MIN(m, n);
+    const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
+    const int64_t groups = (B + VLN - 1) / VLN;
+    int64_t nt = (groups < 2 || B * p * k * k < 100000) ? 1 : nthreads;
+    int64_t bad = INT64_MAX;
+    #pragma omp parallel num_threads(nt) reduction(min:bad)
+    {
+        VT *W = (VT *)aligned_alloc(32, sizeof(VT) * (2 * p * k + k * k + 4 * k + 8));
+        VT *V = W + p * k, *X0 = V + k * k, *nv = X0 + p * k, *cs = nv + k;
+        T *Ws = (T *)malloc(sizeof(T) * (p * k + k * k + k + p * p + 8));
+        T *Vs = Ws + p * k, *nrm = Vs + k * k, *Ub = nrm + k;
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (3 * k + 6));
+        int64_t *lp = perm + k + 2, *lq = lp + k + 2;
+        int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (k + 2) * (k + 2));
+        int64_t np = make_pairs(pairs, k, (int)order);
+        int64_t h = order ? (k + (k & 1)) / 2 : 1;
+        int64_t chunk = TP_MAX(1, groups / (nt * 16));
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
+            const T *src = a + b0 * m * n;
+            T *so = S + b0 * k, *uo = U + b0 * usz, *vo = Vh + b0 * vsz;
+            int st;
+#define SVDL(M, N) svdl_vec(src, so, uo, vo, cnt, M, N, (int)uv, (int)full, pairs, np, h, W, V, X0, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub, (T)kappa_c)
+            if (m == 16 && n == 16) st = SVDL(16, 16);
+            else if (m == 32 && n == 32) st = SVDL(32, 32);
+            else st = SVDL(m, n);
+#undef SVDL
+            if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
+        }
+        free(W); free(Ws); free(perm); free(pairs);
+    }
+    return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
+}
+"""
+
+
+@functools.cache
+def library(
+    dtype: torch.dtype,
+    isa: str,
+    max_sweeps: int = MAX_SWEEPS,
+) -> Kernel:
+    """Build (or load from the disk cache) ``tp_svd_lanes`` for one dtype and ISA.
+
+    The source follows the shared helpers at the head of :mod:`torchport.linalg.kernels`' source
+    (``make_pairs``, ``all_finite``, ``svd_finish``: everything before its SVD section), rendered
+    with the same parameters; the call takes ``kappa_c`` (see :data:`KAPPA_C`) before
+    ``nthreads``.
+    """
+    from torchport.linalg import kernels  # kernels imports this module for its routing
+
+    cut = kernels._SOURCE.index(_HELPERS_END)
+    helpers = kernels._SOURCE[:cut]
+    is64 = dtype == torch.float64
+    src = native.render(
+        "#include <stdlib.h>\n#include <string.h>\n" + helpers + _SOURCE,
+        elem="double" if is64 else "float",
+        eps=repr(float(torch.finfo(dtype).eps)),
+        sqrt="sqrt" if is64 else "sqrtf",
+        fabs="fabs" if is64 else "fabsf",
+        ldexp="ldexp" if is64 else "ldexpf",
+        ielem="int64_t" if is64 else "int32_t",
+        vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
+        m256="__m256d" if is64 else "__m256",
+        movemask="_mm256_movemask_pd" if is64 else "_mm256_movemask_ps",
+        max_sweeps=str(int(max_sweeps)),
+    )
+    lib = native.build(src, name=f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}", isa=isa)
+    return Kernel(
+        lib,
+        "tp_svd_lanes",
+        [TensorArg("A", (dtype,)), TensorArg("S", (dtype,)), TensorArg("U", (dtype,))]
+        + [TensorArg("Vh", (dtype,))]
+        + [IntArg(x) for x in ("B", "m", "n", "uv", "full", "order")]
+        + [FloatArg("kappa_c"), IntArg("nthreads")],
+    )
