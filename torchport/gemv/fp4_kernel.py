@@ -5,8 +5,8 @@
 deinterleaves their dwords with ``vshufps`` (0x88: even dwords, 0xDD: odd ones) into ``A``/``B``:
 dword ``d`` of ``A`` and of ``B`` are the two halves of one 16-element block (lane ``d`` ↔ block
 ``{0,1,4,5,2,3,6,7}[d]``; the activations are reordered to match once per call). Each of the
-four nibble vectors (A/B × low/high) maps through the ``vpshufb`` table ``u = 2·e2m1 + 12`` (as below) and meets its
-activations in ``vpmaddubsw``; the four int16 results add up in int16 (``|lane| ≤ 8·24·127 =
+four nibble vectors (A/B × low/high) maps through the ``vpshufb`` table ``u = 2·e2m1 + 12`` (as
+below) and meets its activations in ``vpmaddubsw``; the four int16 results add up in int16 (``|lane| ≤ 8·24·127 =
 24384``) before one ``vpmaddwd``, so int32 lane ``d`` holds a whole block's dot product: the
 block scale is then one float per lane (NVFP4: 8 E4M3 bytes through one ``vpshufb`` into
 half-precision bit patterns and F16C; MX: 4 E8M0 bytes broadcast, ``vpshufb``, shift and
