@@ -208,7 +208,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
     the pair-split kernel (``kernel="pair"``, K a multiple of 64), the group-32 kernel after them; E4M3
     weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
-    prefetch 2048 or 1024) first.
+    prefetch 4096 or 2048) first.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
@@ -223,7 +223,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         for threads in (0, 1):
-            for pf in (2048, 1024):
+            for pf in (4096, 2048):
                 params = (("kernel", "shift"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"shift_p{pf}_t{threads}", params=params))
     r4 = int(fmt in ("f32", "bf16"))
