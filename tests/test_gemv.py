@@ -228,7 +228,7 @@ def test_kernel_variants_agree(fmt, rows4):
         variants.append((gemv_i8_kernel(pw.fmt, cpu_info().isa, 512, rows4), True))
         if cpu_info().isa != "scalar":  # the pair-split int8 kernel (K % 64 == 0)
             variants.append((gemv_fp4_pair_kernel(pw.fmt, cpu_info().isa, 0), True))
-            variants.append((gemv_fp4_block_kernel(pw.fmt, cpu_info().isa, 0), True))
+            variants.append((gemv_fp4_block_kernel(pw.fmt, cpu_info().isa), True))
     for kern, int8 in variants:
         out = torch.empty(1, 23)
         kern(x, 1, 128, pw.data, pw.scales, pw.rowscale, pw.pts, torch.empty(0), 0, out, 23, 2)

@@ -41,8 +41,8 @@ def _bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize(("n", "k"), [(1, 128), (7, 384), (61, 1024), (130, 4096)], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(1, 128), (7, 384), (130, 4096)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 6])  # the 1-, 3- and (4 + 2)-row paths
 def test_block_kernel_matches_pair_kernel_and_bound(fmt: str, n: int, k: int, rows: int) -> None:
     g = torch.Generator().manual_seed(n * 31 + k + rows)
     pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
