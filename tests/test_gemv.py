@@ -214,7 +214,7 @@ def test_compile_routes_large_decode_linear_by_tuner_decision(fresh_cache, monke
 @pytest.mark.parametrize("fmt,rows4", [("nvfp4", 1), ("mxfp4", 0)])  # non-default variants
 def test_kernel_variants_agree(fmt, rows4):
     from torchport.gemv import pack_dense
-    from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
+    from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
     from torchport.gemv.kernels import gemv_i8_kernel, gemv_kernel
     from torchport.native import cpu_info
 
@@ -228,6 +228,7 @@ def test_kernel_variants_agree(fmt, rows4):
         variants.append((gemv_i8_kernel(pw.fmt, cpu_info().isa, 512, rows4), True))
         if cpu_info().isa != "scalar":  # the pair-split int8 kernel (K % 64 == 0)
             variants.append((gemv_fp4_pair_kernel(pw.fmt, cpu_info().isa, 0), True))
+            variants.append((gemv_fp4_block_kernel(pw.fmt, cpu_info().isa), True))
     for kern, int8 in variants:
         out = torch.empty(1, 23)
         kern(x, 1, 128, pw.data, pw.scales, pw.rowscale, pw.pts, torch.empty(0), 0, out, 23, 2)
@@ -266,7 +267,7 @@ def test_gemv_launch_parameters_are_autotuned(fresh_cache, monkeypatch):
     full = ops.candidates
     names = [c.name for c in full("f32")]
     assert names[0] == "aten_linear" and names[1] == "native_p512_r1_t0" and len(set(names)) == 9
-    assert [c.name for c in full("nvfp4", int8=True)][1] == "pair_p512_t0"
+    assert [c.name for c in full("nvfp4", int8=True)][1] == "block_p4096_t0"
     # a reduced space keeps the test short (every candidate is a compiled kernel)
     monkeypatch.setattr(
         ops, "candidates", lambda fmt, int8=False: full(fmt, int8)[:2] + full(fmt, int8)[-1:]

@@ -1,8 +1,8 @@
 """GEMV row scheduling: rows claimed in chunks give the same bits as the static split.
 
-Every kernel family (dense/decode, int8-activation FP4, pair-split FP4, FP8 shift decode) is
-built with the static per-thread split (``chunk=0``) and with small claims (1 KiB of weights:
-many ragged claims, N not a multiple of the claim), and run on two threads; each output row is
+Every kernel family (dense/decode, int8-activation FP4, lane-block and pair-split FP4, FP8 shift
+decode) is built with the static per-thread split (``chunk=0``) and with small claims (1 KiB of
+weights: many ragged claims, N not a multiple of the claim), and run on two threads; each output row is
 computed by one thread in a fixed order either way, so the results must be identical, and within
 the stated tolerance of the float64 reference.
 """
@@ -14,7 +14,7 @@ import torch
 
 from torchport import native
 from torchport.gemv import ops as gops
-from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
+from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import gemv_i8_kernel, gemv_kernel
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
@@ -40,6 +40,8 @@ def _kernels(family: str, fmt: str, chunk: int):
     isa = native.cpu_info().isa
     if family == "pair":
         return gemv_fp4_pair_kernel(fmt, isa, 512, chunk)
+    if family == "block":
+        return gemv_fp4_block_kernel(fmt, isa, 4096, chunk)
     if family == "i8":
         return gemv_i8_kernel(fmt, isa, 512, 0, chunk)
     if family == "shift":
@@ -48,6 +50,7 @@ def _kernels(family: str, fmt: str, chunk: int):
 
 
 CASES = [
+    ("block", "nvfp4"),  # (the row loop is the same for mxfp4: one format keeps builds down)
     ("pair", "nvfp4"),
     ("pair", "mxfp4"),
     ("i8", "nvfp4"),
@@ -73,7 +76,7 @@ def test_claimed_rows_match_static_split(family: str, fmt: str, rows: int) -> No
     assert torch.equal(outs[0], outs[1])
     ref = gops.gemv_reference(x.double(), gops.dequantize_packed(pw), bias).float()
     # int8 activations (FP4 families) quantize x per 32 elements: a looser, stated bound
-    tol = 0.05 if family in ("pair", "i8") else 1e-4
+    tol = 0.05 if family in ("block", "pair", "i8") else 1e-4
     err = (outs[1] - ref).abs().max().item()
     assert err <= tol * ref.abs().max().item() + 1e-5, err
 
@@ -133,3 +136,48 @@ def test_tuned_plan_adapts_thread_count_with_identical_results() -> None:
     assert min(len(h) for h in plan.adaptive.history) >= 3
     route = gops.settle_route(x, pw, None)
     assert route is not None and torch.equal(route.run(x), first)
+
+
+def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> None:
+    """A >= 4 MiB weight's thread-adaptive plan (fake clock): a burst of load moves it to one
+    thread; once the burst ends, a home probe every 4 calls brings it back to all threads within
+    4 calls (before: one probe in 16 calls and a window of stale samples kept a benchmark's
+    11 timed calls on the one-thread launch)."""
+    from torchport.autotune import Candidate, timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    t = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: t[0])
+    monkeypatch.setattr(native, "num_threads", lambda: 2)
+    cost = {2: 1.9e-3, 1: 4.5e-3}
+    used: list[int] = []
+
+    def go(nt: int) -> None:
+        t[0] += cost[nt]
+        used.append(nt)
+
+    cand = Candidate("shift_p2048_t0", params=(("threads", 0),))
+    plan = gops._with_adaptive(
+        gops.LaunchPlan(cand, object(), 0), {cand.name: 1.9e-3, "shift_p2048_t1": 4.5e-3}, 45 << 20
+    )
+    ad = plan.adaptive
+    assert isinstance(ad, ThreadAdaptive)
+    for _ in range(8):
+        plan.launch(go)
+    assert used[-1] == 2 and ad.current == 0
+    cost[2] = 9e-3  # a neighbour's burst: two-thread calls wait for a scheduler slice
+    for _ in range(6):
+        plan.launch(go)
+    assert ad.current == 1
+    cost[2] = 1.9e-3  # the burst is over
+    used.clear()
+    for _ in range(5):
+        plan.launch(go)
+    assert ad.current == 0 and used[-1] == 2
+    used.clear()
+    for _ in range(11):
+        plan.launch(go)
+    assert used.count(2) >= 10  # stays home (one probe of the other launch at most)
+    # a small weight keeps the plain runner (no home probes)
+    small = gops._with_adaptive(gops.LaunchPlan(cand, object(), 0), {}, 1 << 20)
+    assert small.adaptive is not None and small.adaptive._home is None

@@ -83,7 +83,12 @@ class ThreadAdaptive:
 
     ``home`` (optional, an arm index: the tuner's choice, e.g. ATen) is left only for an arm
     faster by ``margin`` but returned to as soon as its median is lower than the current arm's
-    by ``home_margin``, so noise during learning cannot park the runner on a slower launch."""
+    by ``home_margin``, so noise during learning cannot park the runner on a slower launch.
+    ``home_probe_every`` (optional, with ``home``): while away from home, the home arm is timed
+    every ``home_probe_every`` calls, and one such probe faster than the current arm's median by
+    ``home_margin`` brings the runner back at once (the home arm's older samples, taken while the
+    load lasted, are dropped); a launch that left home for a burst of load returns within a few
+    calls of its end instead of after ``warmup`` probes ``probe_every`` calls apart."""
 
     def __init__(
         self,
@@ -97,6 +102,7 @@ class ThreadAdaptive:
         group: ArmGroup | None = None,
         home: int | None = None,
         home_margin: float = 0.02,
+        home_probe_every: int | None = None,
     ) -> None:
         assert len(arms) >= 2 and window >= warmup >= 1 and probe_every >= 2
         assert sample_every >= 1 and probe_every % sample_every == 0
@@ -104,6 +110,9 @@ class ThreadAdaptive:
         assert group is None or max(group.arms) < len(arms)
         assert home is None or 0 <= home < len(arms)
         assert 0.0 <= home_margin <= margin
+        assert home_probe_every is None or (
+            home is not None and home_probe_every >= 2 and home_probe_every % sample_every == 0
+        )
         self.launches = arms
         self._group = group
         shared = group.stats if group is not None else {}
@@ -119,6 +128,7 @@ class ThreadAdaptive:
         self._sample_every = sample_every
         self._home = home
         self._home_margin = home_margin
+        self._home_probe = home_probe_every or 0
         self._learned = False  # every arm has its warmup samples
         # bookkeeping only (launches run concurrently); a group's members share its lock
         self._lock = group.lock if group is not None else threading.Lock()
@@ -133,6 +143,9 @@ class ThreadAdaptive:
             counts = [len(s.hist) for s in self.stats]
             if min(counts) < self._warmup:  # learn every arm first, round robin
                 return min(range(len(counts)), key=lambda i: (counts[i], i))
+        h = self._home
+        if self._home_probe and self.current != h and self.calls % self._home_probe == 0:
+            return h  # type: ignore[return-value]
         if self.calls % self._probe_every:
             return self.current
         self._probes += 1
@@ -169,6 +182,19 @@ class ThreadAdaptive:
                 self._record(arm, seconds)
 
     def _record(self, arm: int, dt: float) -> None:
+        cur = self.current
+        if (
+            self._home_probe
+            and self._learned
+            and arm == self._home
+            and cur != arm
+            and dt < self.stats[cur].median * (1.0 - self._home_margin)
+        ):  # a home probe ahead of the current launch: back home, its stale samples dropped
+            self.stats[arm].hist.clear()
+            self.stats[arm].add(dt)
+            self.current = arm
+            self.switches += 1
+            return
         self.stats[arm].add(dt)
         if self._learned or min(len(s.hist) for s in self.stats) >= self._warmup:
             self._learned = True

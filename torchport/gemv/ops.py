@@ -31,7 +31,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
-from torchport.gemv.fp4_kernel import gemv_fp4_pair_kernel
+from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
 
@@ -166,9 +166,19 @@ def _with_adaptive(plan: LaunchPlan, timings: dict[str, float], nbytes: int) -> 
         return plan
     tuned = plan.threads or nt
     other = 1 if tuned > 1 else nt
-    every, probe = (1, 16) if nbytes >= ADAPT_EVERY_CALL_BYTES else (8, 64)
+    big = nbytes >= ADAPT_EVERY_CALL_BYTES
+    every, probe = (1, 16) if big else (8, 64)
+    # A weight streamed from memory runs faster on all threads whenever the machine is quiet
+    # (one core does not keep enough misses in flight for the read bandwidth): the all-threads
+    # launch is home, probed every 4 calls while a burst of load keeps the runner on one thread.
+    home = (0 if tuned > 1 else 1) if big else None
     adapt = ThreadAdaptive(
-        _thread_arm(tuned), _thread_arm(other), sample_every=every, probe_every=probe
+        _thread_arm(tuned),
+        _thread_arm(other),
+        sample_every=every,
+        probe_every=probe,
+        home=home,
+        home_probe_every=4 if big else None,
     )
     t_tuned, t_twin = timings.get(plan.candidate.name), timings.get(_twin_name(plan.candidate))
     if t_tuned and t_twin:
@@ -183,26 +193,37 @@ _PLANS: dict[tuple[object, ...], LaunchPlan] = {}
 TUNE_MIN_WEIGHTS = 1 << 18
 
 
+# Prefetch distances (bytes ahead of the weight stream) of the lane-block FP4 kernel: one core
+# streams from DRAM only as fast as it keeps misses in flight; 512 bytes (8 lines) ahead left the
+# two-thread GEMV at 20-24 GB/s, 4096-8192 reach the read bandwidth ``Tensor.sum`` measures.
+BLOCK_PREFETCH = (4096, 8192)
+
+
 def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     """The search space for one format: the ATen anchor, then the default kernel, then variants.
 
     Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512), ``rows4``
     (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
-    int8 activations (FP4 weights) the pair-split kernel (:mod:`torchport.gemv.fp4_kernel`,
-    ``kernel="pair"``, K a multiple of 64) comes first, the group-32 kernel after it; E4M3
+    int8 activations (FP4 weights) the lane-block kernel (:mod:`torchport.gemv.fp4_kernel`,
+    ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
+    the pair-split kernel (``kernel="pair"``, K a multiple of 64), the group-32 kernel after them; E4M3
     weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
-    prefetch 2048 or 1024) first.
+    prefetch 4096 or 2048) first.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
     if int8:
+        for threads in (0, 1):
+            for pf in BLOCK_PREFETCH:
+                params = (("kernel", "block"), ("prefetch", pf), ("threads", threads))
+                out.append(autotune.Candidate(f"block_p{pf}_t{threads}", params=params))
         for threads in (0, 1):
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         for threads in (0, 1):
-            for pf in (2048, 1024):
+            for pf in (4096, 2048):
                 params = (("kernel", "shift"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"shift_p{pf}_t{threads}", params=params))
     r4 = int(fmt in ("f32", "bf16"))
@@ -221,6 +242,12 @@ def _space_id(cands: list[autotune.Candidate]) -> str:
 
 def _native_kernel(fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candidate) -> object:
     pf, r4 = cand.param("prefetch", 512), cand.param("rows4", 0)
+    if cand.param("kernel") == "block":
+        if k % 128 or isa == "scalar":
+            raise autotune.InvalidCandidate(
+                f"lane-block kernel needs AVX2 and K % 128 == 0 (K={k})"
+            )
+        return gemv_fp4_block_kernel(fmt, isa, pf)
     if cand.param("kernel") == "pair":
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")

@@ -1,0 +1,112 @@
+"""The lane-block FP4 GEMV (:func:`torchport.gemv.fp4_kernel.gemv_fp4_block_kernel`).
+
+Its integer dot products are exact and its activation quantization is the pair-split kernel's
+(per 32 elements, ``amax/127``, round half to even), so the two kernels agree to float32
+summation order; both stay within the int8-activation error bound of the float64 reference
+(``|err| ≤ Σ_k |w_k| · amax_g(k) / 254``). Block scales at the edges of their formats (E8M0
+codes 0 = 2⁻¹²⁷, 1, 127, 200; E4M3 subnormal and largest codes) decode exactly. K must be a
+multiple of 128 (status 2 otherwise; the tuner then skips the candidate).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchport import autotune, native
+from torchport.gemv import ops as gops
+from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
+from torchport.lowp import MXTensor, NVFP4Tensor
+
+pytestmark = pytest.mark.skipif(
+    native.cpu_info().isa == "scalar", reason="the lane-block kernel needs AVX2"
+)
+
+
+def _pack(fmt: str, w: torch.Tensor) -> gops.PackedWeight:
+    t = NVFP4Tensor.from_float(w) if fmt == "nvfp4" else MXTensor.from_float(w)
+    return t.gemv_pack()
+
+
+def _run(kern, x: torch.Tensor, pw: gops.PackedWeight, bias=None, threads: int = 2):
+    out = torch.empty(x.shape[0], pw.n)
+    gops._launch(kern, x, pw, bias, out, threads)
+    return out
+
+
+def _bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    b, k = x.shape
+    g = x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32)
+    return (g.reshape(b, k) / 254).double() @ wd.double().abs().T
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("n", "k"), [(1, 128), (7, 384), (130, 4096)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 6])  # the 1-, 3- and (4 + 2)-row paths
+def test_block_kernel_matches_pair_kernel_and_bound(fmt: str, n: int, k: int, rows: int) -> None:
+    g = torch.Generator().manual_seed(n * 31 + k + rows)
+    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(rows, k, generator=g) * 2
+    bias = torch.randn(n, generator=g)
+    isa = native.cpu_info().isa
+    out = _run(gemv_fp4_block_kernel(fmt, isa), x, pw, bias)
+    pair = _run(gemv_fp4_pair_kernel(fmt, isa), x, pw, bias)
+    assert torch.allclose(out, pair, rtol=1e-5, atol=1e-5)
+    wd = gops.dequantize_packed(pw)
+    ref = gops.gemv_reference(x.double(), wd, bias)
+    assert bool(((out.double() - ref).abs() <= _bound(x, wd) * 1.001 + 1e-5).all())
+
+
+@pytest.mark.parametrize(
+    ("fmt", "codes"),
+    [
+        ("mxfp4", [0, 1, 2, 100, 127, 130, 200]),  # E8M0: 2^-127 (subnormal float32) ... 2^73
+        ("nvfp4", [0x01, 0x05, 0x07, 0x08, 0x38, 0x70, 0x7E]),  # E4M3 subnormals ... 448
+    ],
+)
+def test_block_kernel_decodes_edge_scales(fmt: str, codes: list[int]) -> None:
+    n, k = 9, 256
+    g = torch.Generator().manual_seed(3)
+    pw0 = _pack(fmt, torch.randn(n, k, generator=g))
+    pick = torch.randint(0, len(codes), pw0.scales.shape, generator=g)
+    scales = torch.tensor(codes, dtype=torch.uint8)[pick].contiguous()
+    pw = gops.PackedWeight(fmt, pw0.data, scales, pw0.rowscale, 1.0, n, k)
+    x = torch.randn(3, k, generator=g)
+    isa = native.cpu_info().isa
+    out = _run(gemv_fp4_block_kernel(fmt, isa), x, pw)
+    pair = _run(gemv_fp4_pair_kernel(fmt, isa), x, pw)
+    wd = gops.dequantize_packed(pw)
+    ref = gops.gemv_reference(x.double(), wd)
+    tiny = 1e-30 * (x.double().abs() @ wd.double().abs().T) + 1e-37  # 2^-127-scaled blocks
+    assert bool(((out.double() - ref).abs() <= _bound(x, wd) * 1.001 + tiny).all())
+    assert torch.allclose(out, pair, rtol=1e-5, atol=1e-30)
+
+
+def test_block_kernel_rejects_k_not_multiple_of_128() -> None:
+    pw = _pack("nvfp4", torch.randn(4, 192))
+    out = torch.empty(1, 4)
+    kern = gemv_fp4_block_kernel("nvfp4", native.cpu_info().isa)
+    status = kern.call_unchecked(
+        torch.randn(1, 192).data_ptr(),
+        1,
+        192,
+        pw.data.data_ptr(),
+        pw.scales.data_ptr(),
+        0,
+        pw.pts,
+        0,
+        0,
+        out.data_ptr(),
+        4,
+        1,
+    )
+    assert status == 2
+    with pytest.raises(autotune.InvalidCandidate, match="K % 128 == 0 \\(K=192\\)"):
+        gops._native_kernel(
+            "nvfp4", True, 192, native.cpu_info().isa, gops.candidates("nvfp4", True)[1]
+        )
+
+
+def test_block_kernel_rejects_unknown_format() -> None:
+    with pytest.raises(ValueError, match=r"must be one of .*got 'mxfp8_e4m3'"):
+        gemv_fp4_block_kernel("mxfp8_e4m3", native.cpu_info().isa)
