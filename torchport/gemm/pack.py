@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import operator
 import sys
 import threading
@@ -134,10 +135,7 @@ def packed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Uninitialised memory for a packed operand: huge-page backed from
     :data:`HUGEPAGE_MIN_BYTES` up (its pages advised before the packing kernel first writes
     them), plain ``torch.empty`` below."""
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
-    if nbytes >= HUGEPAGE_MIN_BYTES:
+    if math.prod(shape) * dtype.itemsize >= HUGEPAGE_MIN_BYTES:
         return hugepage_empty(shape, dtype)
     return torch.empty(shape, dtype=dtype)
 

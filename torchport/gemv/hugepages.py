@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 
 import torch
@@ -38,25 +39,14 @@ def _madvise() -> object | None:
 def hugepage_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor ``t`` whose storage starts on a 2 MiB boundary and is
     advised to use transparent huge pages (best effort; see the module docstring)."""
-    nbytes = t.numel() * t.element_size()
-    buf = torch.empty(nbytes + HUGE, dtype=torch.uint8)
-    off = (-buf.data_ptr()) % HUGE
-    span = (buf.numel() - off) // HUGE * HUGE
-    madvise = _madvise()
-    if madvise is not None and span:
-        madvise(buf.data_ptr() + off, span, MADV_HUGEPAGE)  # type: ignore[operator]
-    out = buf[off : off + nbytes].view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
+    return hugepage_empty(tuple(t.shape), t.dtype).copy_(t)
 
 
 def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose storage starts on a 2 MiB boundary, its
     (untouched) pages advised to be transparent huge pages before anything writes them (best
-    effort, as :func:`hugepage_copy`)."""
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
+    effort)."""
+    nbytes = math.prod(shape) * dtype.itemsize
     buf = torch.empty(nbytes + HUGE, dtype=torch.uint8)
     off = (-buf.data_ptr()) % HUGE
     span = (buf.numel() - off) // HUGE * HUGE

@@ -396,7 +396,8 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
     const int64_t r = (n + 3) & ~(int64_t)3, m = r / 2;
     int64_t nt = (groups < 2 || B * n * n * n < 100000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
-    #pragma omp parallel num_threads(nt) reduction(min:bad)
+    int oom = 0;
+    #pragma omp parallel num_threads(nt) reduction(min:bad) reduction(|:oom)
     {
         VT *A = (VT *)aligned_alloc(32, sizeof(VT) * (2 * r * (r + 1) + 2 * r + 4 * r + 4 * r));
         VT *V = A + r * (r + 1), *d = V + r * (r + 1), *e = d + r;
@@ -406,10 +407,13 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
         int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
         int32_t *live = (int32_t *)malloc(sizeof(int32_t) * 2 * (m + 1));
         int32_t *bp = (int32_t *)malloc(sizeof(int32_t) * 2 * (m * m + 2)), *qof = bp + m * m + 2;
-        const int xo = block_pairs(bp, qof, m);
+        const int ok = A && co && ev && perm && live && bp;
+        const int xo = ok ? block_pairs(bp, qof, m) : 0;
+        if (!ok) oom = 1;
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t gi = 0; gi < groups; ++gi) {
+            if (!ok) continue; /* every thread still meets the worksharing loop */
             int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
             const T *src = a + b0 * n * n;
             T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
@@ -423,6 +427,7 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
         }
         free(A); free(co); free(ev); free(perm); free(live); free(bp);
     }
+    if (oom) return -1;
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
 """
@@ -464,7 +469,8 @@ def library(dtype: torch.dtype, isa: str, max_sweeps: int = MAX_SWEEPS) -> Kerne
 def eigh(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched symmetric eigendecomposition of contiguous ``a`` (B, n, n) with the block-ordered
     lane kernel: L (B, n) ascending, Q (B, n, n) (empty unless ``compute_v``), and 1 + the first
-    batch index with a non-finite entry (0 when there is none)."""
+    batch index with a non-finite entry (0 when there is none); MemoryError when a
+    thread's work space cannot be allocated."""
     assert a.dim() == 3 and a.is_contiguous() and a.dtype in (torch.float32, torch.float64)
     b, n, _ = a.shape
     lam = a.new_empty((b, n))
@@ -475,4 +481,6 @@ def eigh(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tensor, t
         a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v),
         native.num_threads(),
     )  # fmt: skip
+    if bad < 0:
+        raise MemoryError(f"eigh: could not allocate the per-thread work space for n = {n}")
     return lam, q, bad
