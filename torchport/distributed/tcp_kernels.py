@@ -32,8 +32,9 @@ an exact match (kind, group, source, sequence, signature, length) is received in
 payload address. Anything else -- another group's frame, an ABORT, a mismatched call -- is
 returned to Python unread beyond its header (status ``FOREIGN``), which validates it with
 the ordinary bounded decoder and handles it as the reader thread would. The loop returns
-after ``slice_ms`` without progress (``SLICE``) so the caller can watch aborts and its
-deadline: an aborted group is noticed within one slice.
+``SLICE`` once ``slice_ms`` of wall time passed since the call, whether bytes moved or not
+(the progress words let the next call resume), so the caller can watch aborts and its
+deadline: an aborted group is noticed within one slice even while a transfer streams.
 """
 
 from __future__ import annotations
@@ -217,8 +218,10 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
         }
         if (!pending) return ${done};
         if (sends_at_entry && !sends_pending) return ${sent};
-        if (progress) { end = tp_ms_now() + slice_ms; continue; }
+        /* A slice is wall time since entry, progress or not: a transfer that keeps moving
+           bytes (or a peer trickling them) must still return for the abort/deadline checks. */
         int64_t left = end - tp_ms_now();
+        if (progress) { if (left <= 0) return ${slice}; continue; }
         if (left <= 0) return ${slice};
         if (npf == 0) return ${slice};  /* waiting only on dependencies: cannot happen */
         int r = poll(pf, npf, (int)left);

@@ -48,7 +48,7 @@ from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header,
 HANDSHAKE_TIMEOUT_S = 10.0
 PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tcp_kernels.tp_pin)
 POST_BYTES = 64 << 10  # receives this large are also posted as targets for the reader thread
-SLICE_MS = 10  # a native transfer returns this often without progress (abort, deadline checks)
+SLICE_MS = 10  # a native transfer returns this often, progress or not (abort, deadline checks)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
 FINISH_S = 1.0  # after an error, frames already partly sent get this long to complete
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
@@ -669,7 +669,7 @@ class Mesh:
         having sent nothing, when a connection to receive from cannot be owned now (another
         collective holds it): the caller takes the mailbox path instead. Raises
         :class:`CommError` on a lost connection, :class:`CommTimeoutError` past ``deadline``
-        and whatever ``check()`` raises (checked every ``SLICE_MS`` without progress).
+        and whatever ``check()`` raises (checked every ``SLICE_MS``, progress or not).
         """
         lib = tcp_lib()
         ns, nr = len(sends), len(recvs)
