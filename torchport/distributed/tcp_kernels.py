@@ -84,9 +84,9 @@ TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms) {
         if (v != 0) { tp_futex_wait(own, v, left); continue; }
         struct pollfd p = { (int)fd, POLLIN, 0 };
         int r = poll(&p, 1, (int)left);
-        if (r < 0 && errno != EINTR) return 1;  /* let the reader's recv report it */
-        if (r <= 0) continue;
-        int32_t zero = 0;
+        int failed = r < 0 && errno != EINTR;  /* owned, the reader's recv reports it */
+        if (r <= 0 && !failed) continue;
+        int32_t zero = 0;  /* ownership is only ever taken with the 0 -> 1 swap */
         if (__atomic_compare_exchange_n(own, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             return 1;
     }
