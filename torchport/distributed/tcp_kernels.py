@@ -10,8 +10,9 @@ parked.
 
 **Read ownership.** Every connection has a 32-bit ownership word: 0 free, 1 its reader
 thread (reading one frame), 2 a collective. The reader waits in :func:`conn_wait` (``poll``
-on the socket, then a compare-and-swap 0 -> 1; while a collective owns the socket it sleeps
-on the word's futex instead of polling) and releases the word after each frame; a collective
+on the socket, then a compare-and-swap 0 -> 1 and a second, zero-timeout ``poll``: a
+socket a collective emptied meanwhile is given back; while a collective owns the socket it
+sleeps on the word's futex instead of polling) and releases the word after each frame; a collective
 takes the word with :func:`conn_take` (0 -> 2, waiting only while the reader finishes one
 frame) and releases it (waking the reader) when its transfer ends.
 
@@ -73,8 +74,16 @@ static void tp_futex_wait(int32_t *w, int32_t v, int64_t ms) {
     syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
 }
 
+TP_EXPORT void tp_conn_release(int32_t *own) {
+    __atomic_store_n(own, 0, __ATOMIC_RELEASE);
+    syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
 /* Reader thread: wait until the socket is readable (or hung up) and this thread owns it.
-   1: owned, read one frame then tp_conn_release; 0: nothing within slice_ms. */
+   1: owned, read one frame then tp_conn_release; 0: nothing within slice_ms. Ownership is
+   only ever taken with the 0 -> 1 compare-and-swap, and kept only while the socket is still
+   readable after it (a collective may have drained it between the poll and the swap: the
+   reader would then block in recv holding the socket). */
 TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms) {
     int64_t end = tp_ms_now() + slice_ms;
     for (;;) {
@@ -86,9 +95,14 @@ TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms) {
         int r = poll(&p, 1, (int)left);
         int failed = r < 0 && errno != EINTR;  /* owned, the reader's recv reports it */
         if (r <= 0 && !failed) continue;
-        int32_t zero = 0;  /* ownership is only ever taken with the 0 -> 1 swap */
-        if (__atomic_compare_exchange_n(own, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-            return 1;
+        int32_t zero = 0;
+        if (!__atomic_compare_exchange_n(own, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        if (failed) return 1;
+        p.revents = 0;
+        int q = poll(&p, 1, 0);
+        if (q > 0 || (q < 0 && errno != EINTR)) return 1;  /* readable or failed: recv says */
+        tp_conn_release(own);  /* emptied before the swap: give it back, wait again */
     }
 }
 
@@ -123,11 +137,6 @@ TP_EXPORT int64_t tp_pin(int64_t on) {
         return syscall(SYS_sched_setaffinity, 0, sizeof one, one) < 0 ? -1 : (int64_t)cpu;
     }
     return syscall(SYS_sched_setaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0 ? -1 : 0;
-}
-
-TP_EXPORT void tp_conn_release(int32_t *own) {
-    __atomic_store_n(own, 0, __ATOMIC_RELEASE);
-    syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
 /* Move the operations of the table (module docstring). out[0]: the operation a FOREIGN,
