@@ -12,9 +12,9 @@ parked.
 thread (reading one frame), 2 a collective. The reader waits in :func:`conn_wait` (``poll``
 on the socket, then a compare-and-swap 0 -> 1 and a second, zero-timeout ``poll``: a
 socket a collective emptied meanwhile is given back; while a collective owns the socket it
-sleeps on the word's futex instead of polling) and releases the word after each frame; a collective
-takes the word with :func:`conn_take` (0 -> 2, waiting only while the reader finishes one
-frame) and releases it (waking the reader) when its transfer ends.
+sleeps on the word's futex instead of polling) and releases the word after each frame; a
+collective takes the word with :func:`conn_take` (0 -> 2, waiting only while the reader
+finishes one frame) and releases it (waking the reader) when its transfer ends.
 
 **Transfer table** (``tp_tcp_xfer``): ``OPW`` int64 words per operation::
 
