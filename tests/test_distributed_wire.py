@@ -359,3 +359,27 @@ def test_native_transfer_stops_at_check_and_deadline_and_yields_an_owned_socket(
         assert m0.transfer([], want, time.monotonic() + 1, lambda: None) is None
     finally:
         tcp_lib().conn_release(conn.own_addr)
+
+
+def test_native_transfer_over_more_peers_than_it_tracks_takes_the_mailbox_path(
+    mesh_pair, monkeypatch
+):
+    """Above ``MAXFD`` distinct peers the native loop cannot keep its per-socket order: the
+    transfer returns None having sent nothing and owning nothing (the caller's mailbox path)."""
+    import time
+
+    import torch
+
+    from torchport.distributed import transport_tcp
+    from torchport.distributed.transport_tcp import XRecv, XSend
+
+    m0, m1 = mesh_pair
+    src, dst = torch.arange(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    monkeypatch.setattr(transport_tcp, "MAXFD", 0)
+    sends = [XSend(1, Kind.COLL, 5, 2, src.data_ptr(), 4, (1, 1, 1, 1))]
+    recvs = [XRecv(1, 5, 2, (1, 1, 1, 1), dst.data_ptr(), 4)]
+    assert m0.transfer(sends, recvs, time.monotonic() + 5, lambda: None) is None
+    assert m0.peers[1].own.value == 0
+    m0.send(1, Kind.P2P, 5, 1, b"probe")  # the first frame rank 1 sees: nothing went before
+    hdr, body = m1.mailbox.get((5, int(Kind.P2P), 0, 1), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"probe" and m1.mailbox.take((5, int(Kind.COLL), 0, 2)) is None

@@ -46,6 +46,7 @@ import functools
 from torchport import native
 
 OPW = 8  # int64 words per transfer operation
+MAXFD = 64  # distinct sockets one tp_tcp_xfer call can track (Mesh.transfer checks it)
 DONE, SLICE, FOREIGN, SENT, CLOSED = 0, 1, 2, 3, 4  # tp_tcp_xfer status (< 0: -errno)
 OWN_FREE, OWN_READER, OWN_COLL = 0, 1, 2
 
@@ -62,7 +63,7 @@ _SOURCE = r"""
 
 #define OPW ${opw}
 #define HDR 64
-#define MAXFD 64
+#define MAXFD ${maxfd}
 
 static int64_t tp_ms_now(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -266,6 +267,6 @@ class TcpLib:
 def tcp_lib() -> TcpLib:
     """Build (or load from the cache) the TCP transfer loop."""
     src = native.render(
-        _SOURCE, opw=OPW, done=DONE, slice=SLICE, foreign=FOREIGN, sent=SENT, closed=CLOSED
+        _SOURCE, opw=OPW, maxfd=MAXFD, done=DONE, slice=SLICE, foreign=FOREIGN, sent=SENT, closed=CLOSED
     )
     return TcpLib(native.build(src, name="tp_tcp"))

@@ -42,7 +42,16 @@ from typing import Any, Protocol
 
 from torchport.distributed import auth
 from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
-from torchport.distributed.tcp_kernels import CLOSED, DONE, FOREIGN, OPW, SENT, SLICE, tcp_lib
+from torchport.distributed.tcp_kernels import (
+    CLOSED,
+    DONE,
+    FOREIGN,
+    MAXFD,
+    OPW,
+    SENT,
+    SLICE,
+    tcp_lib,
+)
 from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -667,10 +676,13 @@ class Mesh:
         (its header equal to the expected one), or the differing frame as received (the
         caller reports the mismatch; then receives not yet done are ``None``). Returns None,
         having sent nothing, when a connection to receive from cannot be owned now (another
-        collective holds it): the caller takes the mailbox path instead. Raises
+        collective holds it) or the transfer spans more than ``MAXFD`` peers (what the native
+        loop tracks): the caller takes the mailbox path instead. Raises
         :class:`CommError` on a lost connection, :class:`CommTimeoutError` past ``deadline``
         and whatever ``check()`` raises (checked every ``SLICE_MS``, progress or not).
         """
+        if len({x.peer for x in sends} | {x.peer for x in recvs}) > MAXFD:
+            return None
         lib = tcp_lib()
         ns, nr = len(sends), len(recvs)
         n = ns + nr
