@@ -383,3 +383,24 @@ def test_native_transfer_over_more_peers_than_it_tracks_takes_the_mailbox_path(
     m0.send(1, Kind.P2P, 5, 1, b"probe")  # the first frame rank 1 sees: nothing went before
     hdr, body = m1.mailbox.get((5, int(Kind.P2P), 0, 1), time.monotonic() + 5, lambda: None)
     assert bytes(body) == b"probe" and m1.mailbox.take((5, int(Kind.COLL), 0, 2)) is None
+
+
+def test_native_transfer_releases_the_sockets_when_setting_up_its_receives_fails(mesh_pair):
+    """An error raised after the sockets are owned (here: a signature word that does not fit
+    the header) still hands them back to their readers: later frames are read as usual."""
+    import struct
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import XRecv
+
+    m0, m1 = mesh_pair
+    dst = torch.zeros(4, dtype=torch.uint8)
+    bad = [XRecv(1, 5, 1, (1 << 64, 0, 0, 0), dst.data_ptr(), 4)]
+    with pytest.raises(struct.error):
+        m0.transfer([], bad, time.monotonic() + 5, lambda: None)
+    assert m0.peers[1].own.value == 0
+    m1.send(0, Kind.P2P, 5, 3, b"still read")
+    _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 3), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"still read"

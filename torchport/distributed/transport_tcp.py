@@ -729,22 +729,22 @@ class Mesh:
         if owned is None:
             return None
         bad = False
-        for j, x in enumerate(recvs):
-            conn = self.peers[x.peer]
-            conns[x.peer] = conn
-            want = encode_header(Kind.COLL, x.group, x.peer, x.seq, x.size, x.sig)
-            h = hbase + HEADER_SIZE * (ns + 2 * j)
-            ctypes.memmove(h, want, 64)
-            i = ns + j
-            ops[OPW * i : OPW * i + 8] = [conn.sock.fileno(), 1, h, x.ptr, x.size, 0, -1, h + 64]
-            early = self.mailbox.take(x.key)  # read by the reader before we owned the socket
-            if early is not None:
-                frames[j], ok = _settle(early, want, x)
-                ops[OPW * i + 5] = HEADER_SIZE + x.size
-                bad = bad or not ok
         locked: list[Connection] = []
         pinned = False
-        try:
+        try:  # from here on the sockets are owned: every error path must release them
+            for j, x in enumerate(recvs):
+                conn = self.peers[x.peer]
+                conns[x.peer] = conn
+                want = encode_header(Kind.COLL, x.group, x.peer, x.seq, x.size, x.sig)
+                h = hbase + HEADER_SIZE * (ns + 2 * j)
+                ctypes.memmove(h, want, 64)
+                i = ns + j
+                ops[OPW * i : OPW * i + 8] = [conn.sock.fileno(), 1, h, x.ptr, x.size, 0, -1, h + 64]
+                early = self.mailbox.take(x.key)  # read by the reader before we owned the socket
+                if early is not None:
+                    frames[j], ok = _settle(early, want, x)
+                    ops[OPW * i + 5] = HEADER_SIZE + x.size
+                    bad = bad or not ok
             if bad:
                 _skip_receives(ops, ns, n)
             for peer in sorted({x.peer for x in sends}):
