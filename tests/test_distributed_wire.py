@@ -404,3 +404,117 @@ def test_native_transfer_releases_the_sockets_when_setting_up_its_receives_fails
     m1.send(0, Kind.P2P, 5, 3, b"still read")
     _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 3), time.monotonic() + 5, lambda: None)
     assert bytes(body) == b"still read"
+
+
+def _trickle(mesh, to: int, data: bytes, gap_s: float):
+    """Send ``data`` on ``mesh``'s raw socket to rank ``to`` one byte at a time, ``gap_s``
+    apart (a slow peer), starting once the receiving side's transfer owns its socket (so
+    that side's reader thread never starts the frame). Returns (thread, stop event)."""
+    import threading
+    import time
+
+    from torchport.distributed.tcp_kernels import OWN_COLL
+
+    conn, stop = mesh.peers[to], threading.Event()
+
+    def run(peer_conn) -> None:
+        t_end = time.monotonic() + 10
+        while peer_conn.own.value != OWN_COLL and time.monotonic() < t_end:
+            time.sleep(0.001)
+        with conn.lock:
+            for k in range(len(data)):
+                if stop.is_set():
+                    return
+                try:
+                    conn.sock.send(data[k : k + 1])
+                except OSError:
+                    return
+                time.sleep(gap_s)
+
+    return run, stop
+
+
+def test_native_transfer_sees_an_abort_while_a_peer_trickles_bytes(mesh_pair):
+    """Bytes arriving every millisecond are progress, but the loop still returns each slice:
+    an abort is seen within one slice, not when the frame ends (seconds later)."""
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    n, sig = 3000, (4, 3, 2, 1)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    run, stop = _trickle(m1, 0, encode_header(Kind.COLL, 5, 1, 11, n, sig) + bytes(n), 0.001)
+    feeder = threading.Thread(target=run, args=(m0.peers[1],))
+    feeder.start()
+    aborted_at: list[float] = []
+    threading.Timer(0.2, lambda: aborted_at.append(time.monotonic())).start()
+
+    class Aborted(Exception):
+        pass
+
+    def check() -> None:
+        if aborted_at:
+            raise Aborted("group aborted")
+
+    try:
+        with pytest.raises(Aborted, match="group aborted"):
+            m0.transfer([], [XRecv(1, 5, 11, sig, dst.data_ptr(), n)], time.monotonic() + 10, check)
+        assert time.monotonic() - aborted_at[0] < 0.5  # the whole frame takes >= 3 s
+    finally:
+        stop.set()
+        feeder.join(10)
+
+
+def test_a_frame_cut_by_a_timeout_is_completed_and_the_connection_kept(mesh_pair):
+    """A transfer that times out while a frame is part-way received finishes that frame
+    (within ``FINISH_S``) before the reader gets the socket back: the next frame on the
+    connection is read as usual instead of payload bytes being taken for a header."""
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.transport_tcp import XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    n, sig = 150, (5, 6, 7, 8)
+    payload = bytes(range(1, 151))
+    dst = torch.zeros(n, dtype=torch.uint8)
+    run, stop = _trickle(m1, 0, encode_header(Kind.COLL, 5, 1, 12, n, sig) + payload, 0.001)
+    feeder = threading.Thread(target=run, args=(m0.peers[1],))
+    feeder.start()
+    try:
+        with pytest.raises(CommTimeoutError, match="timed out"):
+            recv = XRecv(1, 5, 12, sig, dst.data_ptr(), n)
+            m0.transfer([], [recv], time.monotonic() + 0.12, lambda: None)
+    finally:
+        feeder.join(10)
+        stop.set()
+    assert bytes(dst.tolist()) == payload  # the frame was completed, into place
+    assert m0.peers[1].own.value == 0
+    m1.send(0, Kind.P2P, 5, 4, b"next frame")
+    _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 4), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"next frame"
+
+
+def test_skip_receives_leaves_a_frame_part_way_received():
+    import ctypes
+
+    from torchport.distributed.tcp_kernels import OPW
+    from torchport.distributed.transport_tcp import HEADER_SIZE, _skip_receives
+
+    # send not started, waits on a receive | send started | receives: 0, part-way, done
+    rows = [(0, 100, 0, 1), (0, 100, 30, 1), (1, 100, 0, -1), (1, 100, 70, -1), (1, 8, 72, -1)]
+    ops = (ctypes.c_int64 * (OPW * len(rows)))()
+    for i, (kind, size, done, after) in enumerate(rows):
+        ops[OPW * i : OPW * i + 8] = [3, kind, 0, 0, size, done, after, 0]
+    _skip_receives(ops, 2, len(rows))
+    progress = [ops[OPW * i + 5] for i in range(len(rows))]
+    assert progress == [HEADER_SIZE + 100, 30, HEADER_SIZE + 100, 70, HEADER_SIZE + 8]

@@ -341,12 +341,15 @@ def _settle(frame: Frame, want: bytes, x: XRecv) -> tuple[Frame, bool]:
 
 
 def _skip_receives(ops: ctypes.Array, ns: int, n: int) -> None:
-    """After a mismatch: mark every receive done, and every send not yet started that waits
-    on receives (nothing is forwarded from a receive that failed). Other sends still go, so
-    every peer gets this rank's frame of the step and detects the mismatch itself."""
+    """After a mismatch: mark every receive done but one part-way through its frame (it
+    still takes the rest of that frame off the stream: cut short, the reader would take
+    payload bytes for a header), and every send not yet started that waits on receives
+    (nothing is forwarded from a receive that failed). Other sends still go, so every peer
+    gets this rank's frame of the step and detects the mismatch itself."""
     for i in range(n):
-        if i >= ns or (ops[OPW * i + 5] == 0 and ops[OPW * i + 6] >= 0):
-            ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
+        done, total = ops[OPW * i + 5], HEADER_SIZE + ops[OPW * i + 4]
+        if (i >= ns and not 0 < done < total) or (i < ns and done == 0 and ops[OPW * i + 6] >= 0):
+            ops[OPW * i + 5] = total
 
 
 class Mesh:
@@ -730,6 +733,7 @@ class Mesh:
             return None
         bad = False
         locked: list[Connection] = []
+        lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
         pinned = False
         try:  # from here on the sockets are owned: every error path must release them
             for j, x in enumerate(recvs):
@@ -778,7 +782,7 @@ class Mesh:
                         raw = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j) + 64, 64)
                         self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
                     except (OSError, ConnectionError, WireError) as e:
-                        self._lost(conn, e)
+                        lost.append((conn, e))
                         raise CommError(f"connection to rank {peer} lost: {e}") from e
                     ops[OPW * i + 5] = 0
                     frame = self.mailbox.take(recvs[j].key)
@@ -786,16 +790,15 @@ class Mesh:
                         want = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j), 64)
                         frames[j], ok = _settle(frame, want, recvs[j])
                         ops[OPW * i + 5] = HEADER_SIZE + recvs[j].size
-                        if not ok:
-                            bad = True
-                            _skip_receives(ops, ns, n)
+                        bad = bad or not ok
+                    if bad:  # also a receive that started after the mismatch
+                        _skip_receives(ops, ns, n)
                     check()
                     continue
                 why = "closed by peer" if rc == CLOSED else f"errno {-rc}"
-                err = CommError(f"connection to rank {peer} lost: {why}")
                 if conn is not None:
-                    self._lost(conn, err)
-                raise err
+                    lost.append((conn, ConnectionError(why)))
+                raise CommError(f"connection to rank {peer} lost: {why}")
             now = time.monotonic()
             for conn in owned:
                 conn.seen = now
@@ -806,47 +809,101 @@ class Mesh:
                     and ops[OPW * (ns + j) + 5] == HEADER_SIZE + x.size
                 ):
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
-        except BaseException:
-            self._finish_partial(ops, n, owned)
-            owned = []
+        except BaseException as e:
+            owned = self._finish_partial(ops, n, owned, e, lost)
             raise
         finally:
             if pinned:
                 lib.pin(0)
             for conn in locked:
                 conn.lock.release()
+            # Only now (no send lock held): a group's failure handler sends ABORT frames.
+            for conn, err in lost:
+                self._lost(conn, err)
             for conn in owned:
                 lib.conn_release(conn.own_addr)
         return frames
 
-    def _finish_partial(self, ops: ctypes.Array, n: int, owned: list[Connection]) -> None:
-        """After an error: hand the sockets back to their readers (so peers' frames keep
-        draining), then complete every frame already partly sent, for up to ``FINISH_S``
-        (a frame cut short would corrupt the stream); a socket still stuck is shut down."""
+    def _finish_partial(
+        self,
+        ops: ctypes.Array,
+        n: int,
+        owned: list[Connection],
+        error: BaseException,
+        lost: list[tuple[Connection, BaseException]],
+    ) -> list[Connection]:
+        """After ``error``: complete every frame already part-way sent or received, for up to
+        ``FINISH_S`` -- a frame cut short corrupts the stream (the peer's reader, or ours,
+        would take payload bytes for a header). Sockets with no frame part-way received go
+        back to their readers at once (peers' frames keep draining), the others once their
+        frame is in. A connection whose frame does not complete in time is shut down
+        deliberately, with an error saying why queued in ``lost``; returns the connections
+        still owned (those), for the caller to release after it reported the loss."""
         lib = tcp_lib()
-        for conn in owned:
-            lib.conn_release(conn.own_addr)
+        reading: set[int] = set()  # sockets with a receive part-way through a frame
         partial = False
         for i in range(n):
             w = ops[OPW * i : OPW * i + 8]
-            if w[1] == 0 and 0 < w[5] < HEADER_SIZE + w[4]:
+            if 0 < w[5] < HEADER_SIZE + w[4]:
                 partial = True
+                if w[1] == 1:
+                    reading.add(w[0])
             else:
                 ops[OPW * i + 5] = HEADER_SIZE + w[4]
-        if not partial:
-            return
-        out = (ctypes.c_int64 * 1)()
-        end = time.monotonic() + FINISH_S
-        rc = SLICE
-        while rc in (SLICE, SENT) and time.monotonic() < end and not self.closed:
-            rc = lib.xfer(ops, n, SLICE_MS, out)
-        if rc != DONE:
-            for i in range(n):
-                if ops[OPW * i + 1] == 0 and ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]:
-                    fd = ops[OPW * i]
-                    for conn in list(self.peers.values()):
-                        if conn.sock.fileno() == fd:
-                            self.shutdown_peer(conn.peer)
+        by_fd = {c.sock.fileno(): c for c in owned}
+        for fd, conn in by_fd.items():
+            if fd not in reading:
+                lib.conn_release(conn.own_addr)
+        broken: set[int] = set()  # sockets whose stream is lost (the loss already queued)
+        rc = DONE
+        if partial:
+            out = (ctypes.c_int64 * 1)()
+            end = time.monotonic() + FINISH_S
+            rc = SLICE
+            while rc in (SLICE, SENT, FOREIGN) and time.monotonic() < end and not self.closed:
+                rc = lib.xfer(ops, n, SLICE_MS, out)
+                if rc != FOREIGN:
+                    continue
+                # a header completed here belongs to another frame: route it as the reader would
+                i = int(out[0])
+                fd = ops[OPW * i]
+                ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
+                conn = by_fd[fd]
+                raw = ctypes.string_at(ops[OPW * i + 7], HEADER_SIZE)
+                try:
+                    self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
+                except (OSError, ConnectionError, WireError) as e:
+                    lost.append((conn, e))
+                    broken.add(fd)
+                    for k in range(n):
+                        if ops[OPW * k] == fd:
+                            ops[OPW * k + 5] = HEADER_SIZE + ops[OPW * k + 4]
+        cut: dict[int, str] = {}
+        for i in range(n):
+            if ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]:
+                cut.setdefault(ops[OPW * i], "sent" if ops[OPW * i + 1] == 0 else "received")
+        for conn in list(self.peers.values()):
+            fd = conn.sock.fileno()
+            if fd in cut or fd in broken:
+                self.shutdown_peer(conn.peer)
+            if fd in cut:
+                why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+                lost.append(
+                    (
+                        conn,
+                        ConnectionError(
+                            f"a frame was left part-way {cut[fd]} when a transfer ended ({why}); "
+                            "the connection is closed so that no later byte is read as a header"
+                        ),
+                    )
+                )
+        stuck = []
+        for fd in reading:
+            if fd in cut or fd in broken:
+                stuck.append(by_fd[fd])
+            else:
+                lib.conn_release(by_fd[fd].own_addr)
+        return stuck
 
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
         """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""
