@@ -59,7 +59,8 @@ PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tc
 POST_BYTES = 64 << 10  # receives this large are also posted as targets for the reader thread
 SLICE_MS = 10  # a native transfer returns this often, progress or not (abort, deadline checks)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
-FINISH_S = 1.0  # after an error, frames already partly sent get this long to complete
+FINISH_S = 1.0  # after an error, frames part-way sent or received get this long to complete
+ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblocks within 100 ms
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
@@ -731,7 +732,14 @@ class Mesh:
                     )
         if owned is None:
             return None
-        bad = False
+        bad = aborting = False
+
+        def watch() -> None:
+            nonlocal aborting
+            aborting = True  # whatever check() raises is the group's abort or failure
+            check()
+            aborting = False
+
         locked: list[Connection] = []
         lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
         pinned = False
@@ -767,7 +775,7 @@ class Mesh:
                     locked = []
                     continue
                 if rc == SLICE:
-                    check()
+                    watch()
                     if self.closed:
                         raise CommError(f"rank {self.rank}: mesh closed during a transfer")
                     if time.monotonic() > deadline:
@@ -793,7 +801,7 @@ class Mesh:
                         bad = bad or not ok
                     if bad:  # also a receive that started after the mismatch
                         _skip_receives(ops, ns, n)
-                    check()
+                    watch()
                     continue
                 why = "closed by peer" if rc == CLOSED else f"errno {-rc}"
                 if conn is not None:
@@ -810,7 +818,8 @@ class Mesh:
                 ):
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
         except BaseException as e:
-            owned = self._finish_partial(ops, n, owned, e, lost)
+            finish_s = ABORT_FINISH_S if aborting else FINISH_S
+            owned = self._finish_partial(ops, n, owned, e, lost, finish_s)
             raise
         finally:
             if pinned:
@@ -831,9 +840,10 @@ class Mesh:
         owned: list[Connection],
         error: BaseException,
         lost: list[tuple[Connection, BaseException]],
+        finish_s: float,
     ) -> list[Connection]:
         """After ``error``: complete every frame already part-way sent or received, for up to
-        ``FINISH_S`` -- a frame cut short corrupts the stream (the peer's reader, or ours,
+        ``finish_s`` (``FINISH_S``; ``ABORT_FINISH_S`` after an abort) -- a frame cut short corrupts the stream (the peer's reader, or ours,
         would take payload bytes for a header). Sockets with no frame part-way received go
         back to their readers at once (peers' frames keep draining), the others once their
         frame is in. A connection whose frame does not complete in time is shut down
@@ -858,7 +868,7 @@ class Mesh:
         rc = DONE
         if partial:
             out = (ctypes.c_int64 * 1)()
-            end = time.monotonic() + FINISH_S
+            end = time.monotonic() + finish_s
             rc = SLICE
             while rc in (SLICE, SENT, FOREIGN) and time.monotonic() < end and not self.closed:
                 rc = lib.xfer(ops, n, SLICE_MS, out)
