@@ -518,3 +518,42 @@ def test_skip_receives_leaves_a_frame_part_way_received():
     _skip_receives(ops, 2, len(rows))
     progress = [ops[OPW * i + 5] for i in range(len(rows))]
     assert progress == [HEADER_SIZE + 100, 30, HEADER_SIZE + 100, 70, HEADER_SIZE + 8]
+
+
+def test_a_foreign_frame_read_on_the_collective_thread_still_sees_an_abort(mesh_pair):
+    """Another frame (P2P) found where the transfer expected its own is read by the
+    collective's thread in slices: a trickling payload does not hide an abort, and the
+    connection, its stream cut mid-frame, is closed rather than misread."""
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    n = 3000
+    dst = torch.zeros(4, dtype=torch.uint8)
+    run, stop = _trickle(m1, 0, encode_header(Kind.P2P, 5, 1, 8, n) + bytes(n), 0.001)
+    feeder = threading.Thread(target=run, args=(m0.peers[1],))
+    feeder.start()
+    aborted_at: list[float] = []
+    threading.Timer(0.2, lambda: aborted_at.append(time.monotonic())).start()
+
+    class Aborted(Exception):
+        pass
+
+    def check() -> None:
+        if aborted_at:
+            raise Aborted("group aborted")
+
+    try:
+        with pytest.raises(Aborted, match="group aborted"):
+            recv = XRecv(1, 5, 13, (1, 1, 1, 1), dst.data_ptr(), 4)
+            m0.transfer([], [recv], time.monotonic() + 10, check)
+        assert time.monotonic() - aborted_at[0] < 0.5  # the P2P frame takes >= 3 s
+    finally:
+        stop.set()
+        feeder.join(10)
+    assert m0.mailbox.take((5, int(Kind.P2P), 1, 8)) is None  # never delivered cut short

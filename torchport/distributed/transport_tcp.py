@@ -98,6 +98,42 @@ def recv_into_ptr(sock: socket.socket, ptr: int, n: int) -> None:
         got += k
 
 
+def recv_bounded(
+    sock: socket.socket, view: memoryview, deadline: float, check: Callable[[], None]
+) -> None:
+    """Receive exactly ``len(view)`` bytes on a collective's thread: non-blocking reads and
+    ``poll`` waits of at most ``SLICE_MS``, ``check()`` every ``SLICE_MS`` of wall time (bytes
+    arriving or not) and :class:`CommTimeoutError` past ``deadline``."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    got, n = 0, len(view)
+    watch_at = time.monotonic() + SLICE_MS / 1000
+    while got < n:
+        now = time.monotonic()
+        if now >= watch_at:
+            check()
+            if now > deadline:
+                raise CommTimeoutError(f"timed out with {got} of {n} bytes of a frame read")
+            watch_at = now + SLICE_MS / 1000
+        try:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            poller.poll(SLICE_MS)
+            continue
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+
+
+def _cut(what: str, why: BaseException) -> ConnectionError:
+    """The error of a connection closed because a frame on it was left part-way ``what``."""
+    cause = f"{type(why).__name__}: {why}" if str(why) else type(why).__name__
+    return ConnectionError(
+        f"a frame was left part-way {what} when a transfer ended ({cause}); the connection "
+        "is closed so that no later byte is read as a header"
+    )
+
+
 def read_frame(sock: socket.socket, max_length: int) -> Frame:
     """Read and validate one frame (header bound checked before the payload is read)."""
     hdr = decode_header(_recv_exact(sock, HEADER_SIZE), max_length=max_length)
@@ -522,9 +558,13 @@ class Mesh:
                 handler.on_peer_lost(conn.peer, err)
             self.mailbox.wake()
 
-    def _take_frame(self, conn: Connection, hdr: Header) -> None:
+    def _take_frame(
+        self, conn: Connection, hdr: Header, fill: Callable[[memoryview], None] | None = None
+    ) -> None:
         """Receive the payload of a frame whose header was read, and route the frame: into a
-        posted target, to a waiting collective, or to a group's abort handler."""
+        posted target, to a waiting collective, or to a group's abort handler. ``fill(view)``
+        reads the payload bytes when given (a collective's bounded reads, :func:`recv_bounded`);
+        the reader thread's blocking reads otherwise."""
         conn.seen = time.monotonic()
         key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
         target = (
@@ -535,12 +575,21 @@ class Mesh:
         if target is not None:
             ok = False
             try:
-                recv_into_ptr(conn.sock, target.ptr, hdr.length)
+                if fill is None:
+                    recv_into_ptr(conn.sock, target.ptr, hdr.length)
+                else:
+                    dst = (ctypes.c_char * hdr.length).from_address(target.ptr)
+                    fill(memoryview(dst).cast("B"))
                 ok = True
             finally:
                 self.mailbox.finish(target, ok, key, hdr)
             return
-        body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
+        if fill is None:
+            body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
+        else:
+            body = bytearray(hdr.length)
+            if hdr.length:
+                fill(memoryview(body))
         if hdr.src != conn.peer:
             raise WireError(f"frame claims src {hdr.src} on the connection of rank {conn.peer}")
         if hdr.kind == Kind.ABORT:
@@ -742,6 +791,7 @@ class Mesh:
 
         locked: list[Connection] = []
         lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
+        broken: set[int] = set()  # sockets whose stream is unreadable (a frame cut short)
         pinned = False
         try:  # from here on the sockets are owned: every error path must release them
             for j, x in enumerate(recvs):
@@ -786,13 +836,9 @@ class Mesh:
                 conn = conns.get(peer)
                 if rc == FOREIGN and conn is not None:
                     j = i - ns
-                    try:
-                        raw = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j) + 64, 64)
-                        self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
-                    except (OSError, ConnectionError, WireError) as e:
-                        lost.append((conn, e))
-                        raise CommError(f"connection to rank {peer} lost: {e}") from e
-                    ops[OPW * i + 5] = 0
+                    raw = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j) + 64, 64)
+                    ops[OPW * i + 5] = 0  # that frame is read here; the expected one comes next
+                    self._route_foreign(conn, raw, deadline, watch, lost, broken)
                     frame = self.mailbox.take(recvs[j].key)
                     if frame is not None:
                         want = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j), 64)
@@ -819,7 +865,7 @@ class Mesh:
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
         except BaseException as e:
             finish_s = ABORT_FINISH_S if aborting else FINISH_S
-            owned = self._finish_partial(ops, n, owned, e, lost, finish_s)
+            owned = self._finish_partial(ops, n, owned, e, lost, broken, finish_s)
             raise
         finally:
             if pinned:
@@ -840,21 +886,24 @@ class Mesh:
         owned: list[Connection],
         error: BaseException,
         lost: list[tuple[Connection, BaseException]],
+        broken: set[int],
         finish_s: float,
     ) -> list[Connection]:
         """After ``error``: complete every frame already part-way sent or received, for up to
-        ``finish_s`` (``FINISH_S``; ``ABORT_FINISH_S`` after an abort) -- a frame cut short corrupts the stream (the peer's reader, or ours,
-        would take payload bytes for a header). Sockets with no frame part-way received go
+        ``finish_s`` (``FINISH_S``; ``ABORT_FINISH_S`` after an abort) -- a frame cut short
+        corrupts the stream (the peer's reader, or ours, would take payload bytes for a
+        header). Sockets with no frame part-way received go
         back to their readers at once (peers' frames keep draining), the others once their
         frame is in. A connection whose frame does not complete in time is shut down
-        deliberately, with an error saying why queued in ``lost``; returns the connections
-        still owned (those), for the caller to release after it reported the loss."""
+        deliberately, with an error saying why queued in ``lost``, as is one in ``broken``
+        (its stream already unreadable); returns the connections still owned (those), for
+        the caller to release after it reported the loss."""
         lib = tcp_lib()
         reading: set[int] = set()  # sockets with a receive part-way through a frame
         partial = False
         for i in range(n):
             w = ops[OPW * i : OPW * i + 8]
-            if 0 < w[5] < HEADER_SIZE + w[4]:
+            if 0 < w[5] < HEADER_SIZE + w[4] and w[0] not in broken:
                 partial = True
                 if w[1] == 1:
                     reading.add(w[0])
@@ -862,10 +911,8 @@ class Mesh:
                 ops[OPW * i + 5] = HEADER_SIZE + w[4]
         by_fd = {c.sock.fileno(): c for c in owned}
         for fd, conn in by_fd.items():
-            if fd not in reading:
+            if fd not in reading and fd not in broken:
                 lib.conn_release(conn.own_addr)
-        broken: set[int] = set()  # sockets whose stream is lost (the loss already queued)
-        rc = DONE
         if partial:
             out = (ctypes.c_int64 * 1)()
             end = time.monotonic() + finish_s
@@ -878,13 +925,10 @@ class Mesh:
                 i = int(out[0])
                 fd = ops[OPW * i]
                 ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
-                conn = by_fd[fd]
                 raw = ctypes.string_at(ops[OPW * i + 7], HEADER_SIZE)
                 try:
-                    self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
-                except (OSError, ConnectionError, WireError) as e:
-                    lost.append((conn, e))
-                    broken.add(fd)
+                    self._route_foreign(by_fd[fd], raw, end, lambda: None, lost, broken)
+                except Exception:  # queued in lost; its other frames are given up
                     for k in range(n):
                         if ops[OPW * k] == fd:
                             ops[OPW * k + 5] = HEADER_SIZE + ops[OPW * k + 4]
@@ -897,23 +941,39 @@ class Mesh:
             if fd in cut or fd in broken:
                 self.shutdown_peer(conn.peer)
             if fd in cut:
-                why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-                lost.append(
-                    (
-                        conn,
-                        ConnectionError(
-                            f"a frame was left part-way {cut[fd]} when a transfer ended ({why}); "
-                            "the connection is closed so that no later byte is read as a header"
-                        ),
-                    )
-                )
+                lost.append((conn, _cut(cut[fd], error)))
         stuck = []
-        for fd in reading:
+        for fd in reading | (broken & by_fd.keys()):
             if fd in cut or fd in broken:
                 stuck.append(by_fd[fd])
             else:
                 lib.conn_release(by_fd[fd].own_addr)
         return stuck
+
+    def _route_foreign(
+        self,
+        conn: Connection,
+        raw: bytes,
+        deadline: float,
+        check: Callable[[], None],
+        lost: list[tuple[Connection, BaseException]],
+        broken: set[int],
+    ) -> None:
+        """Read the rest of a frame the native loop found where it expected another (header
+        ``raw``) and route it as the reader thread would; its payload is read in slices
+        (:func:`recv_bounded`: ``check()`` between them, :class:`CommTimeoutError` past
+        ``deadline``). On failure the stream is unreadable: the socket joins ``broken`` (the
+        transfer shuts it down), the loss is queued in ``lost`` and the error propagates."""
+        fill = functools.partial(recv_bounded, conn.sock, deadline=deadline, check=check)
+        try:
+            self._take_frame(conn, decode_header(raw, max_length=self.max_frame), fill)
+        except BaseException as e:
+            broken.add(conn.sock.fileno())
+            if isinstance(e, (OSError, WireError)) and not isinstance(e, CommTimeoutError):
+                lost.append((conn, e))
+                raise CommError(f"connection to rank {conn.peer} lost: {e}") from e
+            lost.append((conn, _cut("received", e)))  # stopped by check() or the deadline
+            raise
 
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
         """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""
