@@ -557,3 +557,13 @@ def test_a_foreign_frame_read_on_the_collective_thread_still_sees_an_abort(mesh_
         stop.set()
         feeder.join(10)
     assert m0.mailbox.take((5, int(Kind.P2P), 1, 8)) is None  # never delivered cut short
+
+
+def test_check_sig_names_the_first_differing_word():
+    from torchport.distributed.exchange import check_sig
+    from torchport.distributed.transport_shm import MISMATCH, StepError
+
+    check_sig(2, (1, 2, 3, 4), (1, 2, 3, 4))  # equal: nothing
+    with pytest.raises(StepError) as e:
+        check_sig(2, (1, 9, 3, 8), (1, 2, 3, 4))
+    assert e.value.status == MISMATCH and e.value.detail == (2, 1, 9)
