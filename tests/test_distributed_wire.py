@@ -381,7 +381,7 @@ def test_native_transfer_over_more_peers_than_it_tracks_takes_the_mailbox_path(
     assert m0.transfer(sends, recvs, time.monotonic() + 5, lambda: None) is None
     assert m0.peers[1].own.value == 0
     m0.send(1, Kind.P2P, 5, 1, b"probe")  # the first frame rank 1 sees: nothing went before
-    hdr, body = m1.mailbox.get((5, int(Kind.P2P), 0, 1), time.monotonic() + 5, lambda: None)
+    _, body = m1.mailbox.get((5, int(Kind.P2P), 0, 1), time.monotonic() + 5, lambda: None)
     assert bytes(body) == b"probe" and m1.mailbox.take((5, int(Kind.COLL), 0, 2)) is None
 
 

@@ -267,6 +267,13 @@ class TcpLib:
 def tcp_lib() -> TcpLib:
     """Build (or load from the cache) the TCP transfer loop."""
     src = native.render(
-        _SOURCE, opw=OPW, maxfd=MAXFD, done=DONE, slice=SLICE, foreign=FOREIGN, sent=SENT, closed=CLOSED
+        _SOURCE,
+        opw=OPW,
+        maxfd=MAXFD,
+        done=DONE,
+        slice=SLICE,
+        foreign=FOREIGN,
+        sent=SENT,
+        closed=CLOSED,
     )
     return TcpLib(native.build(src, name="tp_tcp"))

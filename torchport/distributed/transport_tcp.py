@@ -801,7 +801,16 @@ class Mesh:
                 h = hbase + HEADER_SIZE * (ns + 2 * j)
                 ctypes.memmove(h, want, 64)
                 i = ns + j
-                ops[OPW * i : OPW * i + 8] = [conn.sock.fileno(), 1, h, x.ptr, x.size, 0, -1, h + 64]
+                ops[OPW * i : OPW * i + 8] = [
+                    conn.sock.fileno(),
+                    1,
+                    h,
+                    x.ptr,
+                    x.size,
+                    0,
+                    -1,
+                    h + 64,
+                ]
                 early = self.mailbox.take(x.key)  # read by the reader before we owned the socket
                 if early is not None:
                     frames[j], ok = _settle(early, want, x)
