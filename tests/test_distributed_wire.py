@@ -359,3 +359,211 @@ def test_native_transfer_stops_at_check_and_deadline_and_yields_an_owned_socket(
         assert m0.transfer([], want, time.monotonic() + 1, lambda: None) is None
     finally:
         tcp_lib().conn_release(conn.own_addr)
+
+
+def test_native_transfer_over_more_peers_than_it_tracks_takes_the_mailbox_path(
+    mesh_pair, monkeypatch
+):
+    """Above ``MAXFD`` distinct peers the native loop cannot keep its per-socket order: the
+    transfer returns None having sent nothing and owning nothing (the caller's mailbox path)."""
+    import time
+
+    import torch
+
+    from torchport.distributed import transport_tcp
+    from torchport.distributed.transport_tcp import XRecv, XSend
+
+    m0, m1 = mesh_pair
+    src, dst = torch.arange(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    monkeypatch.setattr(transport_tcp, "MAXFD", 0)
+    sends = [XSend(1, Kind.COLL, 5, 2, src.data_ptr(), 4, (1, 1, 1, 1))]
+    recvs = [XRecv(1, 5, 2, (1, 1, 1, 1), dst.data_ptr(), 4)]
+    assert m0.transfer(sends, recvs, time.monotonic() + 5, lambda: None) is None
+    assert m0.peers[1].own.value == 0
+    m0.send(1, Kind.P2P, 5, 1, b"probe")  # the first frame rank 1 sees: nothing went before
+    _, body = m1.mailbox.get((5, int(Kind.P2P), 0, 1), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"probe" and m1.mailbox.take((5, int(Kind.COLL), 0, 2)) is None
+
+
+def test_native_transfer_releases_the_sockets_when_setting_up_its_receives_fails(mesh_pair):
+    """An error raised after the sockets are owned (here: a signature word that does not fit
+    the header) still hands them back to their readers: later frames are read as usual."""
+    import struct
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import XRecv
+
+    m0, m1 = mesh_pair
+    dst = torch.zeros(4, dtype=torch.uint8)
+    bad = [XRecv(1, 5, 1, (1 << 64, 0, 0, 0), dst.data_ptr(), 4)]
+    with pytest.raises(struct.error):
+        m0.transfer([], bad, time.monotonic() + 5, lambda: None)
+    assert m0.peers[1].own.value == 0
+    m1.send(0, Kind.P2P, 5, 3, b"still read")
+    _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 3), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"still read"
+
+
+def _trickle(mesh, to: int, data: bytes, gap_s: float):
+    """Send ``data`` on ``mesh``'s raw socket to rank ``to`` one byte at a time, ``gap_s``
+    apart (a slow peer), starting once the receiving side's transfer owns its socket (so
+    that side's reader thread never starts the frame). Returns (thread, stop event)."""
+    import threading
+    import time
+
+    from torchport.distributed.tcp_kernels import OWN_COLL
+
+    conn, stop = mesh.peers[to], threading.Event()
+
+    def run(peer_conn) -> None:
+        t_end = time.monotonic() + 10
+        while peer_conn.own.value != OWN_COLL and time.monotonic() < t_end:
+            time.sleep(0.001)
+        with conn.lock:
+            for k in range(len(data)):
+                if stop.is_set():
+                    return
+                try:
+                    conn.sock.send(data[k : k + 1])
+                except OSError:
+                    return
+                time.sleep(gap_s)
+
+    return run, stop
+
+
+def test_native_transfer_sees_an_abort_while_a_peer_trickles_bytes(mesh_pair):
+    """Bytes arriving every millisecond are progress, but the loop still returns each slice:
+    an abort is seen within one slice, not when the frame ends (seconds later)."""
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    n, sig = 3000, (4, 3, 2, 1)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    run, stop = _trickle(m1, 0, encode_header(Kind.COLL, 5, 1, 11, n, sig) + bytes(n), 0.001)
+    feeder = threading.Thread(target=run, args=(m0.peers[1],))
+    feeder.start()
+    aborted_at: list[float] = []
+    threading.Timer(0.2, lambda: aborted_at.append(time.monotonic())).start()
+
+    class Aborted(Exception):
+        pass
+
+    def check() -> None:
+        if aborted_at:
+            raise Aborted("group aborted")
+
+    try:
+        with pytest.raises(Aborted, match="group aborted"):
+            m0.transfer([], [XRecv(1, 5, 11, sig, dst.data_ptr(), n)], time.monotonic() + 10, check)
+        assert time.monotonic() - aborted_at[0] < 0.5  # the whole frame takes >= 3 s
+    finally:
+        stop.set()
+        feeder.join(10)
+
+
+def test_a_frame_cut_by_a_timeout_is_completed_and_the_connection_kept(mesh_pair):
+    """A transfer that times out while a frame is part-way received finishes that frame
+    (within ``FINISH_S``) before the reader gets the socket back: the next frame on the
+    connection is read as usual instead of payload bytes being taken for a header."""
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.transport_tcp import XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    n, sig = 150, (5, 6, 7, 8)
+    payload = bytes(range(1, 151))
+    dst = torch.zeros(n, dtype=torch.uint8)
+    run, stop = _trickle(m1, 0, encode_header(Kind.COLL, 5, 1, 12, n, sig) + payload, 0.001)
+    feeder = threading.Thread(target=run, args=(m0.peers[1],))
+    feeder.start()
+    try:
+        with pytest.raises(CommTimeoutError, match="timed out"):
+            recv = XRecv(1, 5, 12, sig, dst.data_ptr(), n)
+            m0.transfer([], [recv], time.monotonic() + 0.12, lambda: None)
+    finally:
+        feeder.join(10)
+        stop.set()
+    assert bytes(dst.tolist()) == payload  # the frame was completed, into place
+    assert m0.peers[1].own.value == 0
+    m1.send(0, Kind.P2P, 5, 4, b"next frame")
+    _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 4), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"next frame"
+
+
+def test_skip_receives_leaves_a_frame_part_way_received():
+    import ctypes
+
+    from torchport.distributed.tcp_kernels import OPW
+    from torchport.distributed.transport_tcp import HEADER_SIZE, _skip_receives
+
+    # send not started, waits on a receive | send started | receives: 0, part-way, done
+    rows = [(0, 100, 0, 1), (0, 100, 30, 1), (1, 100, 0, -1), (1, 100, 70, -1), (1, 8, 72, -1)]
+    ops = (ctypes.c_int64 * (OPW * len(rows)))()
+    for i, (kind, size, done, after) in enumerate(rows):
+        ops[OPW * i : OPW * i + 8] = [3, kind, 0, 0, size, done, after, 0]
+    _skip_receives(ops, 2, len(rows))
+    progress = [ops[OPW * i + 5] for i in range(len(rows))]
+    assert progress == [HEADER_SIZE + 100, 30, HEADER_SIZE + 100, 70, HEADER_SIZE + 8]
+
+
+def test_a_foreign_frame_read_on_the_collective_thread_still_sees_an_abort(mesh_pair):
+    """Another frame (P2P) found where the transfer expected its own is read by the
+    collective's thread in slices: a trickling payload does not hide an abort, and the
+    connection, its stream cut mid-frame, is closed rather than misread."""
+    import threading
+    import time
+
+    import torch
+
+    from torchport.distributed.transport_tcp import XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    n = 3000
+    dst = torch.zeros(4, dtype=torch.uint8)
+    run, stop = _trickle(m1, 0, encode_header(Kind.P2P, 5, 1, 8, n) + bytes(n), 0.001)
+    feeder = threading.Thread(target=run, args=(m0.peers[1],))
+    feeder.start()
+    aborted_at: list[float] = []
+    threading.Timer(0.2, lambda: aborted_at.append(time.monotonic())).start()
+
+    class Aborted(Exception):
+        pass
+
+    def check() -> None:
+        if aborted_at:
+            raise Aborted("group aborted")
+
+    try:
+        with pytest.raises(Aborted, match="group aborted"):
+            recv = XRecv(1, 5, 13, (1, 1, 1, 1), dst.data_ptr(), 4)
+            m0.transfer([], [recv], time.monotonic() + 10, check)
+        assert time.monotonic() - aborted_at[0] < 0.5  # the P2P frame takes >= 3 s
+    finally:
+        stop.set()
+        feeder.join(10)
+    assert m0.mailbox.take((5, int(Kind.P2P), 1, 8)) is None  # never delivered cut short
+
+
+def test_check_sig_names_the_first_differing_word():
+    from torchport.distributed.exchange import check_sig
+    from torchport.distributed.transport_shm import MISMATCH, StepError
+
+    check_sig(2, (1, 2, 3, 4), (1, 2, 3, 4))  # equal: nothing
+    with pytest.raises(StepError) as e:
+        check_sig(2, (1, 9, 3, 8), (1, 2, 3, 4))
+    assert e.value.status == MISMATCH and e.value.detail == (2, 1, 9)

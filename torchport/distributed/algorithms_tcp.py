@@ -51,8 +51,8 @@ from torchport.distributed.engine import (
 from torchport.distributed.engine import chunk_ranges as _chunks
 from torchport.distributed.engine import split_even as _parts
 from torchport.distributed.errors import CollectiveMismatchError, CommError
-from torchport.distributed.exchange import Blob, _addr, _view, exchange
-from torchport.distributed.transport_shm import COPY, FOLD, MISMATCH, StepError
+from torchport.distributed.exchange import Blob, _addr, _view, check_sig, exchange
+from torchport.distributed.transport_shm import COPY, FOLD
 from torchport.distributed.transport_tcp import RECEIVED, Frame, Target, XRecv, XSend
 from torchport.distributed.wire import Kind
 
@@ -129,7 +129,7 @@ def _scatter_reduce(
     lo, k = parts[r]
     nb = k * es
     base = _scratch(comm, nb * w)  # peers' copies of my part; slot r keeps my own copy
-    into = [(base + q * nb, nb) for q in range(w)]
+    into = _slots(base, nb, w)
     out = [[(ptr + plo * es, pk * es)] for plo, pk in parts]
     blobs = exchange(comm, sig, out, deadline, into)
     _fold_part(comm, blobs, ptr + lo * es, nb, dtype, red, keep_at=base + r * nb)
@@ -272,9 +272,7 @@ def _chain_broadcast(
 
     def receive(src: int, k: int) -> bytearray:
         hdr, body = mailbox.get((gid, int(Kind.COLL), src, epoch0 + k), deadline, comm.check)
-        if hdr.sig != sigs[k]:
-            word = next(i for i in range(4) if hdr.sig[i] != sigs[k][i])
-            raise StepError(MISMATCH, (comm.ranks.index(src), word, hdr.sig[word]))
+        check_sig(comm.ranks.index(src), hdr.sig, sigs[k])
         return body
 
     if _chain_direct(comm, epoch0, base, pieces, sigs, prev, kids, deadline):
@@ -309,9 +307,8 @@ def _check_frames(
     """Raise for the first frame whose signature is not the expected one (a mismatched call);
     every frame must be present."""
     for frame, (src, sig) in zip(frames, want, strict=True):
-        if frame is not None and frame[0].sig != sig:
-            word = next(i for i in range(4) if frame[0].sig[i] != sig[i])
-            raise StepError(MISMATCH, (comm.ranks.index(src), word, frame[0].sig[word]))
+        if frame is not None:
+            check_sig(comm.ranks.index(src), frame[0].sig, sig)
     if any(f is None for f in frames):
         raise CommError(f"rank {comm.rank}: a transfer ended with receives missing")
 
@@ -588,9 +585,7 @@ def _direct_alltoall(
                         f"sizes disagree: rank {q} sends {hdr.sig[2]} bytes to "
                         f"rank {r}, which expects {n} bytes from rank {q}"
                     )
-                if hdr.sig != want:
-                    word = next(i for i in range(4) if hdr.sig[i] != want[i])
-                    raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+                check_sig(q, hdr.sig, want)
                 m = min(per, n - lo)
                 if body is not RECEIVED and m:
                     _copy(outs[q] + lo, _expect(Blob(_addr(body), len(body), body), m, q), m)

@@ -74,6 +74,14 @@ def _payload_ptr(segs: Sequence[Seg]) -> tuple[int, int, Any]:
     return _addr(buf), len(buf), buf
 
 
+def check_sig(q: int, got: Sequence[int], want: Sequence[int]) -> None:
+    """Raise ``StepError(MISMATCH, (q, word, value))`` naming the first word of peer ``q``'s
+    frame signature that differs from this rank's (a mismatched call); nothing if equal."""
+    if tuple(got) != tuple(want):
+        word = next(i for i in range(len(want)) if got[i] != want[i])
+        raise StepError(MISMATCH, (q, word, got[word]))
+
+
 def _direct(
     comm: Any,
     sig: tuple[int, int, int, int],
@@ -106,9 +114,7 @@ def _direct(
         if frame is None:
             continue
         hdr, body = frame
-        if hdr.sig != sig:
-            word = next(i for i in range(4) if hdr.sig[i] != sig[i])
-            raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+        check_sig(q, hdr.sig, sig)
         blobs[q] = (
             Blob(x.ptr, hdr.length) if body is RECEIVED else Blob(_addr(body), len(body), body)
         )
@@ -216,9 +222,7 @@ def exchange(
             hdr, body = mailbox.get(
                 (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch), deadline, comm.check
             )
-            if hdr.sig != sig:
-                word = next(i for i in range(4) if hdr.sig[i] != sig[i])
-                raise StepError(MISMATCH, (q, word, hdr.sig[word]))
+            check_sig(q, hdr.sig, sig)
             if body is RECEIVED:
                 seg = into[q] if into is not None else None
                 assert seg is not None, "a frame was received into a target never posted"

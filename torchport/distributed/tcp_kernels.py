@@ -10,10 +10,11 @@ parked.
 
 **Read ownership.** Every connection has a 32-bit ownership word: 0 free, 1 its reader
 thread (reading one frame), 2 a collective. The reader waits in :func:`conn_wait` (``poll``
-on the socket, then a compare-and-swap 0 -> 1; while a collective owns the socket it sleeps
-on the word's futex instead of polling) and releases the word after each frame; a collective
-takes the word with :func:`conn_take` (0 -> 2, waiting only while the reader finishes one
-frame) and releases it (waking the reader) when its transfer ends.
+on the socket, then a compare-and-swap 0 -> 1 and a second, zero-timeout ``poll``: a
+socket a collective emptied meanwhile is given back; while a collective owns the socket it
+sleeps on the word's futex instead of polling) and releases the word after each frame; a
+collective takes the word with :func:`conn_take` (0 -> 2, waiting only while the reader
+finishes one frame) and releases it (waking the reader) when its transfer ends.
 
 **Transfer table** (``tp_tcp_xfer``): ``OPW`` int64 words per operation::
 
@@ -32,8 +33,9 @@ an exact match (kind, group, source, sequence, signature, length) is received in
 payload address. Anything else -- another group's frame, an ABORT, a mismatched call -- is
 returned to Python unread beyond its header (status ``FOREIGN``), which validates it with
 the ordinary bounded decoder and handles it as the reader thread would. The loop returns
-after ``slice_ms`` without progress (``SLICE``) so the caller can watch aborts and its
-deadline: an aborted group is noticed within one slice.
+``SLICE`` once ``slice_ms`` of wall time passed since the call, whether bytes moved or not
+(the progress words let the next call resume), so the caller can watch aborts and its
+deadline: an aborted group is noticed within one slice even while a transfer streams.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import functools
 from torchport import native
 
 OPW = 8  # int64 words per transfer operation
+MAXFD = 64  # distinct sockets one tp_tcp_xfer call can track (Mesh.transfer checks it)
 DONE, SLICE, FOREIGN, SENT, CLOSED = 0, 1, 2, 3, 4  # tp_tcp_xfer status (< 0: -errno)
 OWN_FREE, OWN_READER, OWN_COLL = 0, 1, 2
 
@@ -60,7 +63,7 @@ _SOURCE = r"""
 
 #define OPW ${opw}
 #define HDR 64
-#define MAXFD 64
+#define MAXFD ${maxfd}
 
 static int64_t tp_ms_now(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -72,8 +75,16 @@ static void tp_futex_wait(int32_t *w, int32_t v, int64_t ms) {
     syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
 }
 
+TP_EXPORT void tp_conn_release(int32_t *own) {
+    __atomic_store_n(own, 0, __ATOMIC_RELEASE);
+    syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
 /* Reader thread: wait until the socket is readable (or hung up) and this thread owns it.
-   1: owned, read one frame then tp_conn_release; 0: nothing within slice_ms. */
+   1: owned, read one frame then tp_conn_release; 0: nothing within slice_ms. Ownership is
+   only ever taken with the 0 -> 1 compare-and-swap, and kept only while the socket is still
+   readable after it (a collective may have drained it between the poll and the swap: the
+   reader would then block in recv holding the socket). */
 TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms) {
     int64_t end = tp_ms_now() + slice_ms;
     for (;;) {
@@ -83,11 +94,16 @@ TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms) {
         if (v != 0) { tp_futex_wait(own, v, left); continue; }
         struct pollfd p = { (int)fd, POLLIN, 0 };
         int r = poll(&p, 1, (int)left);
-        if (r < 0 && errno != EINTR) return 1;  /* let the reader's recv report it */
-        if (r <= 0) continue;
+        int failed = r < 0 && errno != EINTR;  /* owned, the reader's recv reports it */
+        if (r <= 0 && !failed) continue;
         int32_t zero = 0;
-        if (__atomic_compare_exchange_n(own, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-            return 1;
+        if (!__atomic_compare_exchange_n(own, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        if (failed) return 1;
+        p.revents = 0;
+        int q = poll(&p, 1, 0);
+        if (q > 0 || (q < 0 && errno != EINTR)) return 1;  /* readable or failed: recv says */
+        tp_conn_release(own);  /* emptied before the swap: give it back, wait again */
     }
 }
 
@@ -122,11 +138,6 @@ TP_EXPORT int64_t tp_pin(int64_t on) {
         return syscall(SYS_sched_setaffinity, 0, sizeof one, one) < 0 ? -1 : (int64_t)cpu;
     }
     return syscall(SYS_sched_setaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0 ? -1 : 0;
-}
-
-TP_EXPORT void tp_conn_release(int32_t *own) {
-    __atomic_store_n(own, 0, __ATOMIC_RELEASE);
-    syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
 /* Move the operations of the table (module docstring). out[0]: the operation a FOREIGN,
@@ -217,8 +228,10 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
         }
         if (!pending) return ${done};
         if (sends_at_entry && !sends_pending) return ${sent};
-        if (progress) { end = tp_ms_now() + slice_ms; continue; }
+        /* A slice is wall time since entry, progress or not: a transfer that keeps moving
+           bytes (or a peer trickling them) must still return for the abort/deadline checks. */
         int64_t left = end - tp_ms_now();
+        if (progress) { if (left <= 0) return ${slice}; continue; }
         if (left <= 0) return ${slice};
         if (npf == 0) return ${slice};  /* waiting only on dependencies: cannot happen */
         int r = poll(pf, npf, (int)left);
@@ -254,6 +267,13 @@ class TcpLib:
 def tcp_lib() -> TcpLib:
     """Build (or load from the cache) the TCP transfer loop."""
     src = native.render(
-        _SOURCE, opw=OPW, done=DONE, slice=SLICE, foreign=FOREIGN, sent=SENT, closed=CLOSED
+        _SOURCE,
+        opw=OPW,
+        maxfd=MAXFD,
+        done=DONE,
+        slice=SLICE,
+        foreign=FOREIGN,
+        sent=SENT,
+        closed=CLOSED,
     )
     return TcpLib(native.build(src, name="tp_tcp"))

@@ -42,15 +42,25 @@ from typing import Any, Protocol
 
 from torchport.distributed import auth
 from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
-from torchport.distributed.tcp_kernels import CLOSED, DONE, FOREIGN, OPW, SENT, SLICE, tcp_lib
+from torchport.distributed.tcp_kernels import (
+    CLOSED,
+    DONE,
+    FOREIGN,
+    MAXFD,
+    OPW,
+    SENT,
+    SLICE,
+    tcp_lib,
+)
 from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
 
 HANDSHAKE_TIMEOUT_S = 10.0
 PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tcp_kernels.tp_pin)
 POST_BYTES = 64 << 10  # receives this large are also posted as targets for the reader thread
-SLICE_MS = 10  # a native transfer returns this often without progress (abort, deadline checks)
+SLICE_MS = 10  # a native transfer returns this often, progress or not (abort, deadline checks)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
-FINISH_S = 1.0  # after an error, frames already partly sent get this long to complete
+FINISH_S = 1.0  # after an error, frames part-way sent or received get this long to complete
+ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblocks within 100 ms
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
@@ -86,6 +96,42 @@ def recv_into_ptr(sock: socket.socket, ptr: int, n: int) -> None:
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
+
+
+def recv_bounded(
+    sock: socket.socket, view: memoryview, deadline: float, check: Callable[[], None]
+) -> None:
+    """Receive exactly ``len(view)`` bytes on a collective's thread: non-blocking reads and
+    ``poll`` waits of at most ``SLICE_MS``, ``check()`` every ``SLICE_MS`` of wall time (bytes
+    arriving or not) and :class:`CommTimeoutError` past ``deadline``."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    got, n = 0, len(view)
+    watch_at = time.monotonic() + SLICE_MS / 1000
+    while got < n:
+        now = time.monotonic()
+        if now >= watch_at:
+            check()
+            if now > deadline:
+                raise CommTimeoutError(f"timed out with {got} of {n} bytes of a frame read")
+            watch_at = now + SLICE_MS / 1000
+        try:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            poller.poll(SLICE_MS)
+            continue
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+
+
+def _cut(what: str, why: BaseException) -> ConnectionError:
+    """The error of a connection closed because a frame on it was left part-way ``what``."""
+    cause = f"{type(why).__name__}: {why}" if str(why) else type(why).__name__
+    return ConnectionError(
+        f"a frame was left part-way {what} when a transfer ended ({cause}); the connection "
+        "is closed so that no later byte is read as a header"
+    )
 
 
 def read_frame(sock: socket.socket, max_length: int) -> Frame:
@@ -332,12 +378,15 @@ def _settle(frame: Frame, want: bytes, x: XRecv) -> tuple[Frame, bool]:
 
 
 def _skip_receives(ops: ctypes.Array, ns: int, n: int) -> None:
-    """After a mismatch: mark every receive done, and every send not yet started that waits
-    on receives (nothing is forwarded from a receive that failed). Other sends still go, so
-    every peer gets this rank's frame of the step and detects the mismatch itself."""
+    """After a mismatch: mark every receive done but one part-way through its frame (it
+    still takes the rest of that frame off the stream: cut short, the reader would take
+    payload bytes for a header), and every send not yet started that waits on receives
+    (nothing is forwarded from a receive that failed). Other sends still go, so every peer
+    gets this rank's frame of the step and detects the mismatch itself."""
     for i in range(n):
-        if i >= ns or (ops[OPW * i + 5] == 0 and ops[OPW * i + 6] >= 0):
-            ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
+        done, total = ops[OPW * i + 5], HEADER_SIZE + ops[OPW * i + 4]
+        if (i >= ns and not 0 < done < total) or (i < ns and done == 0 and ops[OPW * i + 6] >= 0):
+            ops[OPW * i + 5] = total
 
 
 class Mesh:
@@ -509,9 +558,13 @@ class Mesh:
                 handler.on_peer_lost(conn.peer, err)
             self.mailbox.wake()
 
-    def _take_frame(self, conn: Connection, hdr: Header) -> None:
+    def _take_frame(
+        self, conn: Connection, hdr: Header, fill: Callable[[memoryview], None] | None = None
+    ) -> None:
         """Receive the payload of a frame whose header was read, and route the frame: into a
-        posted target, to a waiting collective, or to a group's abort handler."""
+        posted target, to a waiting collective, or to a group's abort handler. ``fill(view)``
+        reads the payload bytes when given (a collective's bounded reads, :func:`recv_bounded`);
+        the reader thread's blocking reads otherwise."""
         conn.seen = time.monotonic()
         key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
         target = (
@@ -522,12 +575,21 @@ class Mesh:
         if target is not None:
             ok = False
             try:
-                recv_into_ptr(conn.sock, target.ptr, hdr.length)
+                if fill is None:
+                    recv_into_ptr(conn.sock, target.ptr, hdr.length)
+                else:
+                    dst = (ctypes.c_char * hdr.length).from_address(target.ptr)
+                    fill(memoryview(dst).cast("B"))
                 ok = True
             finally:
                 self.mailbox.finish(target, ok, key, hdr)
             return
-        body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
+        if fill is None:
+            body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
+        else:
+            body = bytearray(hdr.length)
+            if hdr.length:
+                fill(memoryview(body))
         if hdr.src != conn.peer:
             raise WireError(f"frame claims src {hdr.src} on the connection of rank {conn.peer}")
         if hdr.kind == Kind.ABORT:
@@ -667,10 +729,13 @@ class Mesh:
         (its header equal to the expected one), or the differing frame as received (the
         caller reports the mismatch; then receives not yet done are ``None``). Returns None,
         having sent nothing, when a connection to receive from cannot be owned now (another
-        collective holds it): the caller takes the mailbox path instead. Raises
+        collective holds it) or the transfer spans more than ``MAXFD`` peers (what the native
+        loop tracks): the caller takes the mailbox path instead. Raises
         :class:`CommError` on a lost connection, :class:`CommTimeoutError` past ``deadline``
-        and whatever ``check()`` raises (checked every ``SLICE_MS`` without progress).
+        and whatever ``check()`` raises (checked every ``SLICE_MS``, progress or not).
         """
+        if len({x.peer for x in sends} | {x.peer for x in recvs}) > MAXFD:
+            return None
         lib = tcp_lib()
         ns, nr = len(sends), len(recvs)
         n = ns + nr
@@ -716,23 +781,41 @@ class Mesh:
                     )
         if owned is None:
             return None
-        bad = False
-        for j, x in enumerate(recvs):
-            conn = self.peers[x.peer]
-            conns[x.peer] = conn
-            want = encode_header(Kind.COLL, x.group, x.peer, x.seq, x.size, x.sig)
-            h = hbase + HEADER_SIZE * (ns + 2 * j)
-            ctypes.memmove(h, want, 64)
-            i = ns + j
-            ops[OPW * i : OPW * i + 8] = [conn.sock.fileno(), 1, h, x.ptr, x.size, 0, -1, h + 64]
-            early = self.mailbox.take(x.key)  # read by the reader before we owned the socket
-            if early is not None:
-                frames[j], ok = _settle(early, want, x)
-                ops[OPW * i + 5] = HEADER_SIZE + x.size
-                bad = bad or not ok
+        bad = aborting = False
+
+        def watch() -> None:
+            nonlocal aborting
+            aborting = True  # whatever check() raises is the group's abort or failure
+            check()
+            aborting = False
+
         locked: list[Connection] = []
+        lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
+        broken: set[int] = set()  # sockets whose stream is unreadable (a frame cut short)
         pinned = False
-        try:
+        try:  # from here on the sockets are owned: every error path must release them
+            for j, x in enumerate(recvs):
+                conn = self.peers[x.peer]
+                conns[x.peer] = conn
+                want = encode_header(Kind.COLL, x.group, x.peer, x.seq, x.size, x.sig)
+                h = hbase + HEADER_SIZE * (ns + 2 * j)
+                ctypes.memmove(h, want, 64)
+                i = ns + j
+                ops[OPW * i : OPW * i + 8] = [
+                    conn.sock.fileno(),
+                    1,
+                    h,
+                    x.ptr,
+                    x.size,
+                    0,
+                    -1,
+                    h + 64,
+                ]
+                early = self.mailbox.take(x.key)  # read by the reader before we owned the socket
+                if early is not None:
+                    frames[j], ok = _settle(early, want, x)
+                    ops[OPW * i + 5] = HEADER_SIZE + x.size
+                    bad = bad or not ok
             if bad:
                 _skip_receives(ops, ns, n)
             for peer in sorted({x.peer for x in sends}):
@@ -751,7 +834,7 @@ class Mesh:
                     locked = []
                     continue
                 if rc == SLICE:
-                    check()
+                    watch()
                     if self.closed:
                         raise CommError(f"rank {self.rank}: mesh closed during a transfer")
                     if time.monotonic() > deadline:
@@ -762,28 +845,23 @@ class Mesh:
                 conn = conns.get(peer)
                 if rc == FOREIGN and conn is not None:
                     j = i - ns
-                    try:
-                        raw = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j) + 64, 64)
-                        self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
-                    except (OSError, ConnectionError, WireError) as e:
-                        self._lost(conn, e)
-                        raise CommError(f"connection to rank {peer} lost: {e}") from e
-                    ops[OPW * i + 5] = 0
+                    raw = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j) + 64, 64)
+                    ops[OPW * i + 5] = 0  # that frame is read here; the expected one comes next
+                    self._route_foreign(conn, raw, deadline, watch, lost, broken)
                     frame = self.mailbox.take(recvs[j].key)
                     if frame is not None:
                         want = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j), 64)
                         frames[j], ok = _settle(frame, want, recvs[j])
                         ops[OPW * i + 5] = HEADER_SIZE + recvs[j].size
-                        if not ok:
-                            bad = True
-                            _skip_receives(ops, ns, n)
-                    check()
+                        bad = bad or not ok
+                    if bad:  # also a receive that started after the mismatch
+                        _skip_receives(ops, ns, n)
+                    watch()
                     continue
                 why = "closed by peer" if rc == CLOSED else f"errno {-rc}"
-                err = CommError(f"connection to rank {peer} lost: {why}")
                 if conn is not None:
-                    self._lost(conn, err)
-                raise err
+                    lost.append((conn, ConnectionError(why)))
+                raise CommError(f"connection to rank {peer} lost: {why}")
             now = time.monotonic()
             for conn in owned:
                 conn.seen = now
@@ -794,47 +872,117 @@ class Mesh:
                     and ops[OPW * (ns + j) + 5] == HEADER_SIZE + x.size
                 ):
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
-        except BaseException:
-            self._finish_partial(ops, n, owned)
-            owned = []
+        except BaseException as e:
+            finish_s = ABORT_FINISH_S if aborting else FINISH_S
+            owned = self._finish_partial(ops, n, owned, e, lost, broken, finish_s)
             raise
         finally:
             if pinned:
                 lib.pin(0)
             for conn in locked:
                 conn.lock.release()
+            # Only now (no send lock held): a group's failure handler sends ABORT frames.
+            for conn, err in lost:
+                self._lost(conn, err)
             for conn in owned:
                 lib.conn_release(conn.own_addr)
         return frames
 
-    def _finish_partial(self, ops: ctypes.Array, n: int, owned: list[Connection]) -> None:
-        """After an error: hand the sockets back to their readers (so peers' frames keep
-        draining), then complete every frame already partly sent, for up to ``FINISH_S``
-        (a frame cut short would corrupt the stream); a socket still stuck is shut down."""
+    def _finish_partial(
+        self,
+        ops: ctypes.Array,
+        n: int,
+        owned: list[Connection],
+        error: BaseException,
+        lost: list[tuple[Connection, BaseException]],
+        broken: set[int],
+        finish_s: float,
+    ) -> list[Connection]:
+        """After ``error``: complete every frame already part-way sent or received, for up to
+        ``finish_s`` (``FINISH_S``; ``ABORT_FINISH_S`` after an abort) -- a frame cut short
+        corrupts the stream (the peer's reader, or ours, would take payload bytes for a
+        header). Sockets with no frame part-way received go
+        back to their readers at once (peers' frames keep draining), the others once their
+        frame is in. A connection whose frame does not complete in time is shut down
+        deliberately, with an error saying why queued in ``lost``, as is one in ``broken``
+        (its stream already unreadable); returns the connections still owned (those), for
+        the caller to release after it reported the loss."""
         lib = tcp_lib()
-        for conn in owned:
-            lib.conn_release(conn.own_addr)
+        reading: set[int] = set()  # sockets with a receive part-way through a frame
         partial = False
         for i in range(n):
             w = ops[OPW * i : OPW * i + 8]
-            if w[1] == 0 and 0 < w[5] < HEADER_SIZE + w[4]:
+            if 0 < w[5] < HEADER_SIZE + w[4] and w[0] not in broken:
                 partial = True
+                if w[1] == 1:
+                    reading.add(w[0])
             else:
                 ops[OPW * i + 5] = HEADER_SIZE + w[4]
-        if not partial:
-            return
-        out = (ctypes.c_int64 * 1)()
-        end = time.monotonic() + FINISH_S
-        rc = SLICE
-        while rc in (SLICE, SENT) and time.monotonic() < end and not self.closed:
-            rc = lib.xfer(ops, n, SLICE_MS, out)
-        if rc != DONE:
-            for i in range(n):
-                if ops[OPW * i + 1] == 0 and ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]:
-                    fd = ops[OPW * i]
-                    for conn in list(self.peers.values()):
-                        if conn.sock.fileno() == fd:
-                            self.shutdown_peer(conn.peer)
+        by_fd = {c.sock.fileno(): c for c in owned}
+        for fd, conn in by_fd.items():
+            if fd not in reading and fd not in broken:
+                lib.conn_release(conn.own_addr)
+        if partial:
+            out = (ctypes.c_int64 * 1)()
+            end = time.monotonic() + finish_s
+            rc = SLICE
+            while rc in (SLICE, SENT, FOREIGN) and time.monotonic() < end and not self.closed:
+                rc = lib.xfer(ops, n, SLICE_MS, out)
+                if rc != FOREIGN:
+                    continue
+                # a header completed here belongs to another frame: route it as the reader would
+                i = int(out[0])
+                fd = ops[OPW * i]
+                ops[OPW * i + 5] = HEADER_SIZE + ops[OPW * i + 4]
+                raw = ctypes.string_at(ops[OPW * i + 7], HEADER_SIZE)
+                try:
+                    self._route_foreign(by_fd[fd], raw, end, lambda: None, lost, broken)
+                except Exception:  # queued in lost; its other frames are given up
+                    for k in range(n):
+                        if ops[OPW * k] == fd:
+                            ops[OPW * k + 5] = HEADER_SIZE + ops[OPW * k + 4]
+        cut: dict[int, str] = {}
+        for i in range(n):
+            if ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]:
+                cut.setdefault(ops[OPW * i], "sent" if ops[OPW * i + 1] == 0 else "received")
+        for conn in list(self.peers.values()):
+            fd = conn.sock.fileno()
+            if fd in cut or fd in broken:
+                self.shutdown_peer(conn.peer)
+            if fd in cut:
+                lost.append((conn, _cut(cut[fd], error)))
+        stuck = []
+        for fd in reading | (broken & by_fd.keys()):
+            if fd in cut or fd in broken:
+                stuck.append(by_fd[fd])
+            else:
+                lib.conn_release(by_fd[fd].own_addr)
+        return stuck
+
+    def _route_foreign(
+        self,
+        conn: Connection,
+        raw: bytes,
+        deadline: float,
+        check: Callable[[], None],
+        lost: list[tuple[Connection, BaseException]],
+        broken: set[int],
+    ) -> None:
+        """Read the rest of a frame the native loop found where it expected another (header
+        ``raw``) and route it as the reader thread would; its payload is read in slices
+        (:func:`recv_bounded`: ``check()`` between them, :class:`CommTimeoutError` past
+        ``deadline``). On failure the stream is unreadable: the socket joins ``broken`` (the
+        transfer shuts it down), the loss is queued in ``lost`` and the error propagates."""
+        fill = functools.partial(recv_bounded, conn.sock, deadline=deadline, check=check)
+        try:
+            self._take_frame(conn, decode_header(raw, max_length=self.max_frame), fill)
+        except BaseException as e:
+            broken.add(conn.sock.fileno())
+            if isinstance(e, (OSError, WireError)) and not isinstance(e, CommTimeoutError):
+                lost.append((conn, e))
+                raise CommError(f"connection to rank {conn.peer} lost: {e}") from e
+            lost.append((conn, _cut("received", e)))  # stopped by check() or the deadline
+            raise
 
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
         """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""
