@@ -766,3 +766,28 @@ def test_small_m_fused_problem_takes_the_bare_choice():
     spec = Spec.decode("bias_col:f32;gelu;add:f32")
     ref = mm_reference(a, b, spec, [bias, r])
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tuning_rotation_reuses_one_buffer_per_copy_across_widths():
+    from torchport.gemm.pack import pack_b_reference
+
+    mm = sys.modules["torchport.gemm.mm"]
+
+    torch.manual_seed(0)
+    copies = [(torch.randn(1, 37), torch.randn(37, 53), []) for _ in range(2)]
+    rot = mm._Rotation(copies)
+    for nr in (8, 24, 16, 8):
+        for idx, (_, b, _) in enumerate(copies):
+            got = rot.packed(idx, nr)
+            assert torch.equal(got, pack_b_reference(b, nr))
+        assert {w for (_, w) in rot.packs} == {nr}
+    assert len(rot.buffers) == 2
+
+
+def test_tuning_order_groups_candidates_by_width():
+    mm = sys.modules["torchport.gemm.mm"]
+    cands = mm.candidates(1, 4096, 1024, "avx2")
+    order = mm._tuning_order(cands)
+    assert order[0].is_anchor and sorted(c.name for c in order) == sorted(c.name for c in cands)
+    widths = [int(c.param("nr")) for c in order[1:]]
+    assert all(widths.index(w) == i or widths[i - 1] == w for i, w in enumerate(widths))

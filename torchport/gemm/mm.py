@@ -32,7 +32,7 @@ from torchport.gemm.epilogue import (
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
-from torchport.gemm.pack import pack_b, pack_cache
+from torchport.gemm.pack import pack_b, pack_cache, packed_empty
 
 SMALL_M = 32
 TUNE_BUDGET_S = 1.0  # timing budget per new shape, at most (compilation is cached on disk)
@@ -121,19 +121,51 @@ def _config(c: Candidate) -> Config:
 @dataclass
 class _Rotation:
     """Cold-cache argument copies; the packed weights of every copy are made once per panel
-    width ``nr``, untimed, and shared by the candidates that use that width."""
+    width ``nr``, untimed, and shared by the candidates that use that width.
+
+    Random copies keep the packs of one width at a time, in one reused buffer per copy: packs of
+    >= 4 MiB live in 2 MiB huge pages, whose first touch costs ~4 ms per MiB on this machine's
+    hypervisor (fresh guest memory), so a buffer per (copy, width) made a new 16 MB shape's
+    tuning pack 15-16 fresh buffers (~1 s) where one per copy, refilled, costs ~5 ms per pack.
+    The tuner runs the candidates grouped by width (:func:`_tuning_order`)."""
 
     copies: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
     shared_pack: bool = False
     packs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def packed(self, idx: int, nr: int) -> torch.Tensor:
         hit = self.packs.get((idx, nr))
         if hit is None:
             b = self.copies[idx][1]
-            hit = pack_cache.get(b, nr) if self.shared_pack else pack_b(b, nr)
+            if self.shared_pack:
+                hit = pack_cache.get(b, nr)
+            else:
+                if any(w != nr for (_, w) in self.packs):
+                    self.packs.clear()  # another width: its buffers are refilled
+                hit = pack_b(b, nr, out=self._buffer(idx, b, nr))
             self.packs[(idx, nr)] = hit
         return hit
+
+    def _buffer(self, idx: int, b: torch.Tensor, nr: int) -> torch.Tensor:
+        k, n = b.shape
+        shape = ((n + nr - 1) // nr, k, nr)
+        need = shape[0] * k * nr
+        buf = self.buffers.get(idx)
+        if buf is None or buf.numel() < need or buf.dtype != b.dtype:
+            # room for every width up to 128 (a width pads N by at most nr - 1 columns)
+            buf = self.buffers[idx] = packed_empty((max(need, (n + 127) * k),), b.dtype)
+        return buf[:need].view(shape)
+
+
+def _tuning_order(cands: list[Candidate]) -> list[Candidate]:
+    """``cands`` with the anchor first and the native candidates grouped by panel width (stable
+    within a width), so a rotation packs each width's copies once (see :class:`_Rotation`)."""
+    first: dict[int, int] = {}
+    for c in cands:
+        if not c.is_anchor:
+            first.setdefault(int(c.param("nr")), len(first))
+    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[int(c.param("nr"))])
 
 
 def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
@@ -463,7 +495,7 @@ def _choose(
         choice = autotune.select(
             "gemm",
             key,
-            cands,
+            _tuning_order(cands),
             lambda c: _tuning_fn(c, spec),
             make_args,
             cold=False,
