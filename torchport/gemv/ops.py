@@ -195,8 +195,14 @@ TUNE_MIN_WEIGHTS = 1 << 18
 
 # Prefetch distances (bytes ahead of the weight stream) of the lane-block FP4 kernel: one core
 # streams from DRAM only as fast as it keeps misses in flight; 512 bytes (8 lines) ahead left the
-# two-thread GEMV at 20-24 GB/s, 4096-8192 reach the read bandwidth ``Tensor.sum`` measures.
-BLOCK_PREFETCH = (4096, 8192)
+# two-thread GEMV at 20-24 GB/s, 4096-8192 reach the read bandwidth ``Tensor.sum`` measures and
+# 16384 is 2-6 % faster again than 8192 at 11008 x 4096 (interleaved, both FP4 formats; MXFP4 at
+# 4096 up to 8 % slower than at 8192), so the tuner picks between 16384 and 8192.
+BLOCK_PREFETCH = (16384, 8192)
+# Prefetch distances of the shift-decode E4M3 kernel: 4096 and 8192 bytes ahead stream 5-7 %
+# faster than 2048 at 11008 x 4096 (interleaved); a tuner left to choose 2048 by one noisy
+# timing lost that.
+SHIFT_PREFETCH = (4096, 8192)
 
 
 def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
@@ -208,7 +214,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
     the pair-split kernel (``kernel="pair"``, K a multiple of 64), the group-32 kernel after them; E4M3
     weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
-    prefetch 4096 or 2048) first.
+    prefetch :data:`SHIFT_PREFETCH`) first.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
@@ -223,7 +229,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         for threads in (0, 1):
-            for pf in (4096, 2048):
+            for pf in SHIFT_PREFETCH:
                 params = (("kernel", "shift"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"shift_p{pf}_t{threads}", params=params))
     r4 = int(fmt in ("f32", "bf16"))
