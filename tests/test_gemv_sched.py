@@ -181,3 +181,30 @@ def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> No
     # a small weight keeps the plain runner (no home probes)
     small = gops._with_adaptive(gops.LaunchPlan(cand, object(), 0), {}, 1 << 20)
     assert small.adaptive is not None and small.adaptive._home is None
+
+
+@pytest.mark.parametrize("runner_cost", [1.0e-3, 3.0e-3])
+def test_confirm_winner_keeps_the_faster_in_alternation(monkeypatch, runner_cost):
+    """The tuner's winner meets its runner-up again in alternation: a runner-up that is faster
+    there replaces it, a slower one does not; the anchor and unknown names never do."""
+    from torchport.autotune import Candidate, timing
+
+    t = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: t[0])
+    cost = {"block_p16384_t0": 2.0e-3, "block_p8192_t0": runner_cost, "aten_linear": 1e-4}
+    cands = [Candidate(name, params=(("threads", 0),)) for name in cost if name != "aten_linear"]
+
+    def factory(c):
+        def run(*args):
+            t[0] += cost[c.name]
+
+        return run
+
+    timings = {"aten_linear": 1e-4, "block_p16384_t0": 1.0e-3, "block_p8192_t0": 1.5e-3}
+    args = (torch.zeros(1, 8), torch.zeros(8, 8))
+    got = gops._confirm_winner(cands[0], cands, timings, factory, args)
+    assert got.name == ("block_p8192_t0" if runner_cost < 2.0e-3 else "block_p16384_t0")
+    # no native runner-up measured: the winner stands without a timing
+    assert (
+        gops._confirm_winner(cands[0], cands, {"block_p16384_t0": 1e-3}, factory, args) is cands[0]
+    )
