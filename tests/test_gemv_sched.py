@@ -183,16 +183,25 @@ def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> No
     assert small.adaptive is not None and small.adaptive._home is None
 
 
-@pytest.mark.parametrize("runner_cost", [1.0e-3, 3.0e-3])
-def test_confirm_winner_keeps_the_faster_in_alternation(monkeypatch, runner_cost):
-    """The tuner's winner meets its runner-up again in alternation: a runner-up that is faster
-    there replaces it, a slower one does not; the anchor and unknown names never do."""
-    from torchport.autotune import Candidate, timing
+@pytest.mark.parametrize(
+    ("costs", "winner"),
+    [
+        ((1.0e-3, 2.0e-3, 3.0e-3), "block_p16384_t0"),  # the space's first kernel
+        ((2.0e-3, 3.0e-3, 1.0e-3), "block_p8192_t0"),  # the tuner's runner-up
+        ((2.0e-3, 1.0e-3, 1.5e-3), "pair_p512_t0"),  # the tuner's winner stands
+    ],
+)
+def test_confirm_winner_keeps_the_fastest_in_alternation(monkeypatch, costs, winner):
+    """The tuner's winner meets its runner-up and the space's first native kernel again in
+    alternation; the lowest median wins; the anchor never takes part."""
+    from torchport.autotune import ATEN, Candidate, timing
 
     t = [0.0]
     monkeypatch.setattr(timing, "clock", lambda: t[0])
-    cost = {"block_p16384_t0": 2.0e-3, "block_p8192_t0": runner_cost, "aten_linear": 1e-4}
-    cands = [Candidate(name, params=(("threads", 0),)) for name in cost if name != "aten_linear"]
+    names = ("block_p16384_t0", "pair_p512_t0", "block_p8192_t0")
+    cost = dict(zip(names, costs))
+    cands = [Candidate("aten_linear", ATEN)]
+    cands += [Candidate(name, params=(("threads", 0),)) for name in names]
 
     def factory(c):
         def run(*args):
@@ -200,11 +209,11 @@ def test_confirm_winner_keeps_the_faster_in_alternation(monkeypatch, runner_cost
 
         return run
 
-    timings = {"aten_linear": 1e-4, "block_p16384_t0": 1.0e-3, "block_p8192_t0": 1.5e-3}
+    # a noisy tuning crowned the pair kernel
+    timings = {"aten_linear": 1e-4, "pair_p512_t0": 1.0e-3, "block_p8192_t0": 1.2e-3}
+    timings["block_p16384_t0"] = 1.4e-3
     args = (torch.zeros(1, 8), torch.zeros(8, 8))
-    got = gops._confirm_winner(cands[0], cands, timings, factory, args)
-    assert got.name == ("block_p8192_t0" if runner_cost < 2.0e-3 else "block_p16384_t0")
-    # no native runner-up measured: the winner stands without a timing
-    assert (
-        gops._confirm_winner(cands[0], cands, {"block_p16384_t0": 1e-3}, factory, args) is cands[0]
-    )
+    assert gops._confirm_winner(cands[2], cands, timings, factory, args).name == winner
+    # nothing else measured: the winner stands without a timing
+    alone = {"pair_p512_t0": 1e-3}
+    assert gops._confirm_winner(cands[2], cands, alone, factory, args) is cands[2]
