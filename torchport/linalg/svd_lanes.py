@@ -98,16 +98,21 @@ TP_INLINE int lany(VI m) {
 /* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
    when uv. Each round of h disjoint pairs runs in three passes: the inner products, then every
    angle of the pairs where some lane rotates (independent square-root/division chains), then
-   their rotations. */
+   their rotations. Every sweep repeats the same rounds, so any run of as many consecutive rounds as a
+   sweep holds tests each pair once: the sweeps stop as soon as such a run rotated nothing (every pair
+   below threshold in the final state), often inside the sweep after the last rotation, not at the
+   end of a whole check-only sweep. */
 TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int32_t *pairs,
                            int64_t npairs, int64_t h, VT *nv, VT *cs, int64_t *lp, int64_t *lq) {
     const VT zero = {0}, one = zero + 1;
     const T tol2 = EPS * EPS * (T)p;
     char fl[64];
+    const int64_t nrounds = (npairs + h - 1) / h;
+    int64_t quiet = 0;  /* rounds in a row (across sweeps) that rotated no pair */
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         for (int64_t j = 0; j < q; ++j) nv[j] = ldot(W + j * p, W + j * p, p);
-        int rotated = 0;
         for (int64_t base = 0; base < npairs; base += h) {
+            if (quiet >= nrounds) return;
             int64_t np = 0;
             for (int64_t t = base; t < base + h; ++t) {
                 int64_t j = pairs[2 * t], kk = pairs[2 * t + 1];
@@ -133,8 +138,8 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
                 cs[3 * t + 1] = sgn * 2 * gg * y;
                 cs[3 * t + 2] = sgn * 4 * gg * gg * r * y * y;
             }
-            if (!any) continue;
-            rotated = 1;
+            if (!any) { ++quiet; continue; }
+            quiet = 0;
             for (int64_t t = 0; t < np; ++t) {
                 if (!fl[t]) continue;
                 const int64_t j = lp[t], kk = lq[t];
@@ -145,7 +150,7 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
                 nv[kk] += cs[3 * t + 2];
             }
         }
-        if (!rotated) break;
+        if (quiet >= nrounds) return;
     }
 }
 
