@@ -98,16 +98,21 @@ TP_INLINE int lany(VI m) {
 /* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
    when uv. Each round of h disjoint pairs runs in three passes: the inner products, then every
    angle of the pairs where some lane rotates (independent square-root/division chains), then
-   their rotations. */
+   their rotations. Every sweep repeats the same rounds, so any run of as many consecutive rounds as a
+   sweep holds tests each pair once: the sweeps stop as soon as such a run rotated nothing (every pair
+   below threshold in the final state), often inside the sweep after the last rotation, not at the
+   end of a whole check-only sweep. */
 TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int32_t *pairs,
                            int64_t npairs, int64_t h, VT *nv, VT *cs, int64_t *lp, int64_t *lq) {
     const VT zero = {0}, one = zero + 1;
     const T tol2 = EPS * EPS * (T)p;
     char fl[64];
+    const int64_t nrounds = (npairs + h - 1) / h;
+    int64_t quiet = 0;  /* rounds in a row (across sweeps) that rotated no pair */
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         for (int64_t j = 0; j < q; ++j) nv[j] = ldot(W + j * p, W + j * p, p);
-        int rotated = 0;
         for (int64_t base = 0; base < npairs; base += h) {
+            if (quiet >= nrounds) return;
             int64_t np = 0;
             for (int64_t t = base; t < base + h; ++t) {
                 int64_t j = pairs[2 * t], kk = pairs[2 * t + 1];
@@ -133,8 +138,8 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
                 cs[3 * t + 1] = sgn * 2 * gg * y;
                 cs[3 * t + 2] = sgn * 4 * gg * gg * r * y * y;
             }
-            if (!any) continue;
-            rotated = 1;
+            if (!any) { ++quiet; continue; }
+            quiet = 0;
             for (int64_t t = 0; t < np; ++t) {
                 if (!fl[t]) continue;
                 const int64_t j = lp[t], kk = lq[t];
@@ -145,7 +150,7 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
                 nv[kk] += cs[3 * t + 2];
             }
         }
-        if (!rotated) break;
+        if (quiet >= nrounds) return;
     }
 }
 
@@ -154,7 +159,7 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
    orthogonal give row j of V (V's column j) = X^T w_j / sigma_j^2. Its error is about
    eps sqrt(p) sigma_max / sigma_j relative, so it is used only when every lane has sigma_min >
    kappa_c eps sqrt(p) sigma_max (returns 0 otherwise, V untouched). The rows are then permuted per lane into
-   descending sigma (W's columns with them) and orthonormalised by classical Gram-Schmidt
+   descending sigma (W's columns are not moved: lane l's order is left in perm[l q ...] for the caller) and orthonormalised by classical Gram-Schmidt
    in that order (once: V is orthogonal to within 1/32 by the condition, and a second pass
    changed nothing measurable): a vector is corrected only along those of larger sigma, so the reconstruction
    error stays ~ eps ||A|| (sigma_j times an error of eps sigma_max / sigma_j). */
@@ -188,15 +193,13 @@ TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, cons
     }
     for (; j0 < q; ++j0)
         for (int64_t i = 0; i < q; ++i) V[j0 * q + i] = ldot(X0 + i * p, W + j0 * p, p);
-    for (int64_t l = 0; l < VLN; ++l) {
+    for (int64_t l = 0; l < VLN; ++l, perm += q) {  /* lane l's order kept in perm[l q ...] */
         for (int64_t j = 0; j < q; ++j) perm[j] = j;
         for (int64_t j = 1; j < q; ++j) {
             int64_t x = perm[j], i = j;
             while (i > 0 && nv[perm[i - 1]][l] < nv[x][l]) { perm[i] = perm[i - 1]; --i; }
             perm[i] = x;
         }
-        for (int64_t i = 0; i < q * p; ++i) tmp[i] = W[i][l];
-        for (int64_t j = 0; j < q; ++j) for (int64_t i = 0; i < p; ++i) W[j * p + i][l] = tmp[perm[j] * p + i];
         for (int64_t i = 0; i < q * q; ++i) tmp[i] = V[i][l];
         for (int64_t j = 0; j < q; ++j) for (int64_t i = 0; i < q; ++i) V[j * q + i][l] = tmp[perm[j] * q + i];
     }
@@ -229,7 +232,7 @@ TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, cons
 TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int64_t n, int uv,
                        int full, const int32_t *pairs, int64_t npairs, int64_t h, VT *W, VT *V,
                        VT *X0, VT *nv, VT *cs, int64_t *lp, int64_t *lq, T *Ws, T *Vs, T *nrm,
-                       int64_t *perm, T *Ub, T kappa_c) {
+                       int64_t *perm, int64_t *lperm, T *Ub, T kappa_c) {
     const int trans = m < n;
     const int64_t p = trans ? n : m, q = trans ? m : n, k = q;
     const VT zero = {0}, one = zero + 1;
@@ -251,7 +254,8 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
         }
     if (uv) memcpy(X0, W, sizeof(VT) * p * q);
     svdl_sweeps(W, V, p, q, 0, pairs, npairs, h, nv, cs, lp, lq);
-    if (uv && !svdl_fast_v(W, V, X0, p, q, nv, cs, Ws, perm, kappa_c)) {
+    int fast = uv && svdl_fast_v(W, V, X0, p, q, nv, cs, Ws, lperm, kappa_c);
+    if (uv && !fast) {
         memcpy(W, X0, sizeof(VT) * p * q);
         for (int64_t j = 0; j < q * q; ++j) V[j] = zero;
         for (int64_t j = 0; j < q; ++j) V[j * q + j] = one;
@@ -259,7 +263,13 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
     }
     const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
     for (int64_t l = 0; l < cnt; ++l) {
-        for (int64_t i = 0; i < q * p; ++i) Ws[i] = W[i][l];
+        if (fast)  /* W's columns in the lane's order of V's rows */
+            for (int64_t j = 0; j < q; ++j) {
+                const VT *w = W + lperm[l * q + j] * p;
+                for (int64_t i = 0; i < p; ++i) Ws[j * p + i] = w[i][l];
+            }
+        else
+            for (int64_t i = 0; i < q * p; ++i) Ws[i] = W[i][l];
         if (uv) for (int64_t i = 0; i < q * q; ++i) Vs[i] = V[i][l];
         svd_finish(Ws, Vs, nrm, perm, Ub, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full);
         for (int64_t i = 0; i < k; ++i) S[l * k + i] = ${ldexp}(S[l * k + i], ex[l]);
@@ -281,8 +291,8 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
         VT *V = W + p * k, *X0 = V + k * k, *nv = X0 + p * k, *cs = nv + k;
         T *Ws = (T *)malloc(sizeof(T) * (p * k + k * k + k + p * p + 8));
         T *Vs = Ws + p * k, *nrm = Vs + k * k, *Ub = nrm + k;
-        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (3 * k + 6));
-        int64_t *lp = perm + k + 2, *lq = lp + k + 2;
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * ((3 + VLN) * k + 6));
+        int64_t *lp = perm + k + 2, *lq = lp + k + 2, *lperm = lq + k + 2;
         int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (k + 2) * (k + 2));
         int64_t np = make_pairs(pairs, k, (int)order);
         int64_t h = order ? (k + (k & 1)) / 2 : 1;
@@ -293,7 +303,7 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
             const T *src = a + b0 * m * n;
             T *so = S + b0 * k, *uo = U + b0 * usz, *vo = Vh + b0 * vsz;
             int st;
-#define SVDL(M, N) svdl_vec(src, so, uo, vo, cnt, M, N, (int)uv, (int)full, pairs, np, h, W, V, X0, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub, (T)kappa_c)
+#define SVDL(M, N) svdl_vec(src, so, uo, vo, cnt, M, N, (int)uv, (int)full, pairs, np, h, W, V, X0, nv, cs, lp, lq, Ws, Vs, nrm, perm, lperm, Ub, (T)kappa_c)
             if (m == 16 && n == 16) st = SVDL(16, 16);
             else if (m == 32 && n == 32) st = SVDL(32, 32);
             else st = SVDL(m, n);
