@@ -181,39 +181,3 @@ def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> No
     # a small weight keeps the plain runner (no home probes)
     small = gops._with_adaptive(gops.LaunchPlan(cand, object(), 0), {}, 1 << 20)
     assert small.adaptive is not None and small.adaptive._home is None
-
-
-@pytest.mark.parametrize(
-    ("costs", "winner"),
-    [
-        ((1.0e-3, 2.0e-3, 3.0e-3), "block_p16384_t0"),  # the space's first kernel
-        ((2.0e-3, 3.0e-3, 1.0e-3), "block_p8192_t0"),  # the tuner's runner-up
-        ((2.0e-3, 1.0e-3, 1.5e-3), "pair_p512_t0"),  # the tuner's winner stands
-    ],
-)
-def test_confirm_winner_keeps_the_fastest_in_alternation(monkeypatch, costs, winner):
-    """The tuner's winner meets its runner-up and the space's first native kernel again in
-    alternation; the lowest median wins; the anchor never takes part."""
-    from torchport.autotune import ATEN, Candidate, timing
-
-    t = [0.0]
-    monkeypatch.setattr(timing, "clock", lambda: t[0])
-    names = ("block_p16384_t0", "pair_p512_t0", "block_p8192_t0")
-    cost = dict(zip(names, costs))
-    cands = [Candidate("aten_linear", ATEN)]
-    cands += [Candidate(name, params=(("threads", 0),)) for name in names]
-
-    def factory(c):
-        def run(*args):
-            t[0] += cost[c.name]
-
-        return run
-
-    # a noisy tuning crowned the pair kernel
-    timings = {"aten_linear": 1e-4, "pair_p512_t0": 1.0e-3, "block_p8192_t0": 1.2e-3}
-    timings["block_p16384_t0"] = 1.4e-3
-    args = (torch.zeros(1, 8), torch.zeros(8, 8))
-    assert gops._confirm_winner(cands[2], cands, timings, factory, args).name == winner
-    # nothing else measured: the winner stands without a timing
-    alone = {"pair_p512_t0": 1e-3}
-    assert gops._confirm_winner(cands[2], cands, alone, factory, args) is cands[2]

@@ -195,14 +195,8 @@ TUNE_MIN_WEIGHTS = 1 << 18
 
 # Prefetch distances (bytes ahead of the weight stream) of the lane-block FP4 kernel: one core
 # streams from DRAM only as fast as it keeps misses in flight; 512 bytes (8 lines) ahead left the
-# two-thread GEMV at 20-24 GB/s, 4096-8192 reach the read bandwidth ``Tensor.sum`` measures and
-# 16384 is 2-6 % faster again than 8192 at 11008 x 4096 (interleaved, both FP4 formats; MXFP4 at
-# 4096 up to 8 % slower than at 8192), so the tuner picks between 16384 and 8192.
-BLOCK_PREFETCH = (16384, 8192)
-# Prefetch distances of the shift-decode E4M3 kernel: 4096 and 8192 bytes ahead stream 5-7 %
-# faster than 2048 at 11008 x 4096 (interleaved); a tuner left to choose 2048 by one noisy
-# timing lost that.
-SHIFT_PREFETCH = (4096, 8192)
+# two-thread GEMV at 20-24 GB/s, 4096-8192 reach the read bandwidth ``Tensor.sum`` measures.
+BLOCK_PREFETCH = (4096, 8192)
 
 
 def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
@@ -214,7 +208,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
     the pair-split kernel (``kernel="pair"``, K a multiple of 64), the group-32 kernel after them; E4M3
     weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
-    prefetch :data:`SHIFT_PREFETCH`) first.
+    prefetch 4096 or 2048) first.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
@@ -229,7 +223,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         for threads in (0, 1):
-            for pf in SHIFT_PREFETCH:
+            for pf in (4096, 2048):
                 params = (("kernel", "shift"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"shift_p{pf}_t{threads}", params=params))
     r4 = int(fmt in ("f32", "bf16"))
@@ -373,9 +367,6 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
         backends=None if dense else {autotune.NATIVE},
     )
     c = choice.candidate
-    if not c.is_anchor:
-        args = (torch.randn(rows, pw.k), pw.data, pw.scales, pw.rowscale)
-        c = _confirm_winner(c, cands, choice.timings_s, factory, args)
     if c.is_anchor:
         plan = LaunchPlan(c, None, 0)
     else:
@@ -384,47 +375,6 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
         plan = _with_adaptive(LaunchPlan(c, kern, c.param("threads", 0)), choice.timings_s, nbytes)
     _PLANS[key] = plan
     return plan
-
-
-# Alternating rounds in which the tuner's native winner meets its runner-up (see _confirm_winner).
-CONFIRM_REPS = 9
-
-
-def _confirm_winner(
-    best: autotune.Candidate,
-    cands: list[autotune.Candidate],
-    timings: dict[str, float],
-    factory: Callable[[autotune.Candidate], Callable[..., torch.Tensor]],
-    args: tuple[torch.Tensor, ...],
-) -> autotune.Candidate:
-    """The fastest, timed in alternation, of the tuner's native winner, its runner-up and the
-    space's first native candidate (the kernel expected to win on a quiet machine).
-
-    The tuner times candidates one after another: a burst of load during one candidate's turn
-    can crown a slower kernel (a shift kernel prefetching 2048 bytes ahead won at 1.98 vs 2.14
-    ms, yet streams 5-7 % slower than 4096 when the two alternate; under load 2.6 the plain FP8
-    kernel beat every shift kernel and the pair-split FP4 kernel the lane-block one). The
-    contenders meet again in :data:`CONFIRM_REPS` alternating rounds on cold copies and the
-    lowest median wins; a contender that fails to build is left out.
-    """
-    natives = {c.name: c for c in cands if not c.is_anchor}
-    ranked = sorted((t, name) for name, t in timings.items() if name in natives)
-    names = [best.name]
-    for name in [n for _, n in ranked if n != best.name][:1] + list(natives)[:1]:
-        if name not in names and name in timings:
-            names.append(name)
-    contenders = [natives[name] for name in names if name in natives]
-    fns, kept = [], []
-    for c in contenders:
-        try:
-            fns.append(factory(c))
-            kept.append(c)
-        except (autotune.InvalidCandidate, native.NativeError):
-            continue
-    if len(kept) < 2:
-        return best
-    times = autotune.interleaved(fns, autotune.cold_copies(args), reps=CONFIRM_REPS, max_time_s=1.5)
-    return kept[min(range(len(kept)), key=times.__getitem__)]
 
 
 _FP4_INT8 = config.Snapshot("gemv_fp4_int8")
