@@ -38,6 +38,7 @@ import hashlib
 import torch
 
 from torchport import native
+from torchport.linalg._cparams import scalar_params
 from torchport.native import IntArg, Kernel, TensorArg
 
 MAX_SWEEPS = 60
@@ -446,15 +447,7 @@ def library(dtype: torch.dtype, isa: str, max_sweeps: int = MAX_SWEEPS) -> Kerne
     is64 = dtype == torch.float64
     src = native.render(
         "#include <stdlib.h>\n" + _SOURCE,
-        elem="double" if is64 else "float",
-        ielem="int64_t" if is64 else "int32_t",
-        eps=repr(float(torch.finfo(dtype).eps)),
-        sqrt="sqrt" if is64 else "sqrtf",
-        fabs="fabs" if is64 else "fabsf",
-        ldexp="ldexp" if is64 else "ldexpf",
-        vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
-        m256="__m256d" if is64 else "__m256",
-        max_sweeps=str(int(max_sweeps)),
+        **scalar_params(dtype, max_sweeps),
     )
     lib = native.build(src, name=f"linalg_eigh_block_{'f64' if is64 else 'f32'}_{isa}", isa=isa)
     d = (dtype,)

@@ -52,6 +52,7 @@ from torchport import native
 from torchport.linalg import blocked as _blocked
 from torchport.linalg import eigh_block as _eigh_block
 from torchport.linalg import svd_lanes as _svd_lanes
+from torchport.linalg._cparams import scalar_params
 from torchport.native import IntArg, Kernel, TensorArg
 
 _TAG = {torch.float32: "f32", torch.float64: "f64"}
@@ -1171,16 +1172,8 @@ def library(dtype: torch.dtype, isa: str, max_sweeps: int = MAX_SWEEPS) -> dict[
     is64 = dtype == torch.float64
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
-        elem="double" if is64 else "float",
-        eps=repr(float(torch.finfo(dtype).eps)),
-        sqrt="sqrt" if is64 else "sqrtf",
-        fabs="fabs" if is64 else "fabsf",
-        ldexp="ldexp" if is64 else "ldexpf",
-        ielem="int64_t" if is64 else "int32_t",
+        **scalar_params(dtype, max_sweeps),
         is64="1" if is64 else "0",
-        vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
-        m256="__m256d" if is64 else "__m256",
-        max_sweeps=str(int(max_sweeps)),
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}", isa=isa)
     t, i = TensorArg, IntArg

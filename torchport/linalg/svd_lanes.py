@@ -36,6 +36,7 @@ import functools
 import torch
 
 from torchport import native
+from torchport.linalg._cparams import scalar_params
 from torchport.native import FloatArg, IntArg, Kernel, TensorArg
 
 # Sweep cap of the public path (as kernels.MAX_SWEEPS, which converged input never reaches).
@@ -337,16 +338,8 @@ def library(
     is64 = dtype == torch.float64
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + helpers + _SOURCE,
-        elem="double" if is64 else "float",
-        eps=repr(float(torch.finfo(dtype).eps)),
-        sqrt="sqrt" if is64 else "sqrtf",
-        fabs="fabs" if is64 else "fabsf",
-        ldexp="ldexp" if is64 else "ldexpf",
-        ielem="int64_t" if is64 else "int32_t",
-        vsqrt="_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
-        m256="__m256d" if is64 else "__m256",
+        **scalar_params(dtype, max_sweeps),
         movemask="_mm256_movemask_pd" if is64 else "_mm256_movemask_ps",
-        max_sweeps=str(int(max_sweeps)),
     )
     lib = native.build(src, name=f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}", isa=isa)
     return Kernel(
