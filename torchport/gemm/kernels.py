@@ -179,6 +179,23 @@ def prepare_operands(
 _Launch = Callable[..., torch.Tensor]
 
 
+def _operand_args(spec: EpilogueSpec) -> Callable[[Sequence[torch.Tensor]], tuple[Any, Any]]:
+    """The epilogue-operand argument blocks of one spec's kernels: a call's operands →
+    (pointer array, leading-dimension array), as ctypes arrays; a one-element null block when
+    the epilogue has no operands. Array types are built once per spec."""
+    n_ops = max(1, spec.n_operands)
+    ptrs_t, lds_t = ctypes.c_void_p * n_ops, ctypes.c_int64 * n_ops
+    none = ((ctypes.c_void_p * 1)(0), (ctypes.c_int64 * 1)(0))
+
+    def args(operands: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+        if not operands:
+            return none
+        ops, lds = prepare_operands(spec, operands)
+        return ptrs_t(*[t.data_ptr() for t in ops]), lds_t(*lds)
+
+    return args
+
+
 @functools.cache
 def launcher(
     spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, b_dtype: torch.dtype, isa: str
@@ -191,10 +208,7 @@ def launcher(
     fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
     mr, nr, mc, pf, kc, ks, nt = cfg.mr, cfg.nr, cfg.mc, cfg.pf, cfg.kc, cfg.ks, cfg.nt
     f32 = torch.float32
-    none_ptr = (ctypes.c_void_p * 1)(0)
-    none_ld = (ctypes.c_int64 * 1)(0)
-    n_ops = max(1, spec.n_operands)
-    ptrs_t, lds_t = ctypes.c_void_p * n_ops, ctypes.c_int64 * n_ops  # argument block types
+    operand_args = _operand_args(spec)
     # bf16 output with a deferred epilogue (see templates._driver) needs an fp32 workspace
     defer_ws = spec.deferrable and out_dtype != f32 and ks == 1
 
@@ -212,12 +226,7 @@ def launcher(
         a32 = a if a.dtype == f32 else a.float()
         if packed is None:
             packed = pack_cache.get(b, nr)
-        if operands:
-            ops, lds = prepare_operands(spec, operands)
-            eptr: Any = ptrs_t(*[t.data_ptr() for t in ops])
-            eld: Any = lds_t(*lds)
-        else:
-            eptr, eld = none_ptr, none_ld
+        eptr, eld = operand_args(operands)
         work: torch.Tensor | None = None
         if ks > 1:
             work = torch.empty(ks * m * n, dtype=f32)
@@ -333,10 +342,7 @@ def epilogue_pass(spec: EpilogueSpec, s_dtype: torch.dtype, isa: str) -> _Pass:
     rounded once already."""
     out_dtype = spec.out_dtype(s_dtype)
     fn = _pass_function(spec, _TAG[s_dtype], _TAG[out_dtype], isa)
-    n_ops = max(1, spec.n_operands)
-    ptrs_t, lds_t = ctypes.c_void_p * n_ops, ctypes.c_int64 * n_ops
-    none_ptr = (ctypes.c_void_p * 1)(0)
-    none_ld = (ctypes.c_int64 * 1)(0)
+    operand_args = _operand_args(spec)
 
     def apply(s: torch.Tensor, operands: Sequence[torch.Tensor]) -> torch.Tensor:
         m, n = s.shape
@@ -347,12 +353,7 @@ def epilogue_pass(spec: EpilogueSpec, s_dtype: torch.dtype, isa: str) -> _Pass:
         c = s if out_dtype == s_dtype else torch.empty(m, n, dtype=out_dtype)
         if m == 0 or n == 0:
             return c
-        if operands:
-            ops, lds = prepare_operands(spec, operands)
-            eptr: Any = ptrs_t(*[t.data_ptr() for t in ops])
-            eld: Any = lds_t(*lds)
-        else:
-            eptr, eld = none_ptr, none_ld
+        eptr, eld = operand_args(operands)
         status = fn(
             c.data_ptr(),
             c.stride(0),
