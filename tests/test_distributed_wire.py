@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import struct
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -339,14 +342,11 @@ def test_native_transfer_stops_at_check_and_deadline_and_yields_an_owned_socket(
     dst = torch.zeros(4, dtype=torch.uint8)
     want = [XRecv(1, 5, 1, (0, 0, 0, 1), dst.data_ptr(), 4)]
 
-    class Aborted(Exception):
-        pass
-
     def check() -> None:
-        raise Aborted("group aborted")
+        raise _Aborted("group aborted")
 
     t0 = time.monotonic()
-    with pytest.raises(Aborted, match="group aborted"):
+    with pytest.raises(_Aborted, match="group aborted"):
         m0.transfer([], want, time.monotonic() + 10, check)
     assert time.monotonic() - t0 < 0.1  # an abort is seen within one 10 ms slice
     with pytest.raises(CommTimeoutError, match="timed out"):
@@ -406,6 +406,23 @@ def test_native_transfer_releases_the_sockets_when_setting_up_its_receives_fails
     assert bytes(body) == b"still read"
 
 
+class _Aborted(Exception):
+    """What a test's ``check`` raises once its group counts as aborted."""
+
+
+def _abort_after(delay: float) -> tuple[Callable[[], None], list[float]]:
+    """A transfer ``check`` that raises :class:`_Aborted` once ``delay`` seconds have passed,
+    and the list that receives the abort's monotonic time."""
+    aborted_at: list[float] = []
+    threading.Timer(delay, lambda: aborted_at.append(time.monotonic())).start()
+
+    def check() -> None:
+        if aborted_at:
+            raise _Aborted("group aborted")
+
+    return check, aborted_at
+
+
 def _trickle(mesh, to: int, data: bytes, gap_s: float):
     """Send ``data`` on ``mesh``'s raw socket to rank ``to`` one byte at a time, ``gap_s``
     apart (a slow peer), starting once the receiving side's transfer owns its socket (so
@@ -451,18 +468,10 @@ def test_native_transfer_sees_an_abort_while_a_peer_trickles_bytes(mesh_pair):
     run, stop = _trickle(m1, 0, encode_header(Kind.COLL, 5, 1, 11, n, sig) + bytes(n), 0.001)
     feeder = threading.Thread(target=run, args=(m0.peers[1],))
     feeder.start()
-    aborted_at: list[float] = []
-    threading.Timer(0.2, lambda: aborted_at.append(time.monotonic())).start()
-
-    class Aborted(Exception):
-        pass
-
-    def check() -> None:
-        if aborted_at:
-            raise Aborted("group aborted")
+    check, aborted_at = _abort_after(0.2)
 
     try:
-        with pytest.raises(Aborted, match="group aborted"):
+        with pytest.raises(_Aborted, match="group aborted"):
             m0.transfer([], [XRecv(1, 5, 11, sig, dst.data_ptr(), n)], time.monotonic() + 10, check)
         assert time.monotonic() - aborted_at[0] < 0.5  # the whole frame takes >= 3 s
     finally:
@@ -538,18 +547,10 @@ def test_a_foreign_frame_read_on_the_collective_thread_still_sees_an_abort(mesh_
     run, stop = _trickle(m1, 0, encode_header(Kind.P2P, 5, 1, 8, n) + bytes(n), 0.001)
     feeder = threading.Thread(target=run, args=(m0.peers[1],))
     feeder.start()
-    aborted_at: list[float] = []
-    threading.Timer(0.2, lambda: aborted_at.append(time.monotonic())).start()
-
-    class Aborted(Exception):
-        pass
-
-    def check() -> None:
-        if aborted_at:
-            raise Aborted("group aborted")
+    check, aborted_at = _abort_after(0.2)
 
     try:
-        with pytest.raises(Aborted, match="group aborted"):
+        with pytest.raises(_Aborted, match="group aborted"):
             recv = XRecv(1, 5, 13, (1, 1, 1, 1), dst.data_ptr(), 4)
             m0.transfer([], [recv], time.monotonic() + 10, check)
         assert time.monotonic() - aborted_at[0] < 0.5  # the P2P frame takes >= 3 s

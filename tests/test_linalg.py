@@ -46,7 +46,8 @@ def make(kind: str, b: int, m: int, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def sym(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
-    """Symmetric test matrices (repeated eigenvalues, diagonal, zero, random, ill-conditioned)."""
+    """Symmetric test matrices (repeated or clustered eigenvalues, diagonal, zero, random,
+    ill-conditioned)."""
     g = torch.Generator().manual_seed(seed)
     if kind == "random":
         x = torch.randn(b, n, n, generator=g, dtype=torch.float64)
@@ -58,6 +59,9 @@ def sym(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
     q = _orthogonal(b, n, g)
     if kind == "repeated":
         lam = torch.where(torch.arange(n) < n // 2, -1.0, 3.0).to(torch.float64).expand(b, n)
+    elif kind == "clustered":  # three clusters of width 1e-9
+        lam = torch.tensor([(-2.0, 1.0, 5.0)[i % 3] + 1e-9 * i for i in range(n)])
+        lam = lam.to(torch.float64).expand(b, n)
     elif kind == "ill_conditioned":
         lam = torch.logspace(0, -6, n, dtype=torch.float64).expand(b, n)
     else:

@@ -8,33 +8,12 @@ import pytest
 import torch
 
 import torchport.linalg as tl
+from tests.test_linalg import sym
 from torchport.linalg import eigh_block, kernels
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 KINDS = ["random", "repeated", "clustered", "diagonal", "zero", "ill_conditioned"]
-
-
-def sym(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "random":
-        x = torch.randn(b, n, n, generator=g, dtype=torch.float64)
-        return x + x.mT
-    if kind == "zero":
-        return torch.zeros(b, n, n, dtype=torch.float64)
-    if kind == "diagonal":
-        return torch.diag_embed(torch.randn(b, n, generator=g, dtype=torch.float64))
-    q, _ = torch.linalg.qr(torch.randn(b, n, n, generator=g, dtype=torch.float64))
-    if kind == "repeated":
-        lam = torch.where(torch.arange(n) < n // 2, -1.0, 3.0).to(torch.float64)
-    elif kind == "clustered":  # three clusters of width 1e-9
-        lam = torch.tensor([(-2.0, 1.0, 5.0)[i % 3] + 1e-9 * i for i in range(n)])
-        lam = lam.to(torch.float64)
-    elif kind == "ill_conditioned":
-        lam = torch.logspace(0, -6, n, dtype=torch.float64)
-    else:
-        raise ValueError(kind)
-    return (q * lam) @ q.mT
 
 
 def _check(a64: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, tol: float) -> None:
