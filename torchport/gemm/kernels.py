@@ -179,19 +179,24 @@ def prepare_operands(
 _Launch = Callable[..., torch.Tensor]
 
 
-def _operand_args(spec: EpilogueSpec) -> Callable[[Sequence[torch.Tensor]], tuple[Any, Any]]:
+def _operand_args(
+    spec: EpilogueSpec,
+) -> Callable[[Sequence[torch.Tensor]], tuple[Any, Any, Sequence[torch.Tensor]]]:
     """The epilogue-operand argument blocks of one spec's kernels: a call's operands →
-    (pointer array, leading-dimension array), as ctypes arrays; a one-element null block when
-    the epilogue has no operands. Array types are built once per spec."""
+    (pointer array, leading-dimension array, the prepared operand tensors), the arrays as ctypes;
+    a one-element null block when the epilogue has no operands. The caller must hold the
+    returned tensors until the kernel returns: preparing may make new ones (a contiguous or
+    broadcast copy of a scale), which the pointer array points into. Array types are built once
+    per spec."""
     n_ops = max(1, spec.n_operands)
     ptrs_t, lds_t = ctypes.c_void_p * n_ops, ctypes.c_int64 * n_ops
-    none = ((ctypes.c_void_p * 1)(0), (ctypes.c_int64 * 1)(0))
+    none = ((ctypes.c_void_p * 1)(0), (ctypes.c_int64 * 1)(0), ())
 
-    def args(operands: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+    def args(operands: Sequence[torch.Tensor]) -> tuple[Any, Any, Sequence[torch.Tensor]]:
         if not operands:
             return none
         ops, lds = prepare_operands(spec, operands)
-        return ptrs_t(*[t.data_ptr() for t in ops]), lds_t(*lds)
+        return ptrs_t(*[t.data_ptr() for t in ops]), lds_t(*lds), ops
 
     return args
 
@@ -226,7 +231,7 @@ def launcher(
         a32 = a if a.dtype == f32 else a.float()
         if packed is None:
             packed = pack_cache.get(b, nr)
-        eptr, eld = operand_args(operands)
+        eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
         work: torch.Tensor | None = None
         if ks > 1:
             work = torch.empty(ks * m * n, dtype=f32)
@@ -353,7 +358,7 @@ def epilogue_pass(spec: EpilogueSpec, s_dtype: torch.dtype, isa: str) -> _Pass:
         c = s if out_dtype == s_dtype else torch.empty(m, n, dtype=out_dtype)
         if m == 0 or n == 0:
             return c
-        eptr, eld = operand_args(operands)
+        eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
         status = fn(
             c.data_ptr(),
             c.stride(0),
