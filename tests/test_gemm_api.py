@@ -780,7 +780,30 @@ def test_tuning_rotation_reuses_one_buffer_per_copy_across_widths():
         for idx, (_, b, _) in enumerate(copies):
             got = rot.packed(idx, nr)
             assert torch.equal(got, pack_b_reference(b, nr))
-        assert {w for (_, w) in rot.packs} == {nr}
+        assert {w for (_, w, _) in rot.packs} == {nr}
+    assert len(rot.buffers) == 2
+
+
+def test_tuning_rotation_pair_packs_share_the_copy_buffer():
+    """A pair-packed (vdpbf16ps) width and the plain pack of the same width are different
+    bytes: the rotation refills the copy's one buffer between them, never mixing them."""
+    from torchport.gemm.kernels import pack_pairs_reference
+    from torchport.gemm.pack import pack_b_reference
+
+    mm = sys.modules["torchport.gemm.mm"]
+
+    torch.manual_seed(0)
+    copies = [(torch.randn(1, 38), torch.randn(53, 38).bfloat16().t(), []) for _ in range(2)]
+    rot = mm._Rotation(copies)
+    for nr, dp in ((32, 1), (32, 0), (64, 1), (32, 1)):
+        for idx, (_, b, _) in enumerate(copies):
+            got = rot.packed(idx, nr, dp)
+            if dp:
+                ref = pack_pairs_reference(b, nr)
+                assert torch.equal(got.view(torch.bfloat16).view(ref.shape), ref)
+            else:
+                assert torch.equal(got, pack_b_reference(b, nr))
+        assert {(w, d) for (_, w, d) in rot.packs} == {(nr, dp)}
     assert len(rot.buffers) == 2
 
 
