@@ -814,3 +814,39 @@ def test_tuning_order_groups_candidates_by_width():
     assert order[0].is_anchor and sorted(c.name for c in order) == sorted(c.name for c in cands)
     widths = [int(c.param("nr")) for c in order[1:]]
     assert all(widths.index(w) == i or widths[i - 1] == w for i, w in enumerate(widths))
+
+
+def test_bf16_small_m_offers_pair_dot_tiles_only_where_they_run():
+    from torchport import native
+
+    has_dot = native.cpu_info().has_avx512_bf16
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    for m in (1, 3, 8, 32):
+        cands = G.candidates(m, 4096, 1024, "avx512", 2)
+        assert 2 <= len(cands) <= 10
+        assert any(c.param("dp", 0) for c in cands) == has_dot
+        assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx512", 4))
+        assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx2", 2))
+    assert not any(c.param("dp", 0) for c in G.candidates(64, 4096, 1024, "avx512", 2))
+    for c in G.candidates(8, 4096, 1024, "avx512", 2):
+        if c.param("dp", 0):
+            assert mm_mod._config(c).dp == 1
+
+
+@pytest.mark.parametrize(
+    "k,layout", [(64, "t"), (63, "t"), (64, "n")], ids=["even", "odd", "rowmajor"]
+)
+def test_bf16_small_m_through_the_tuner_any_layout(k, layout):
+    """Pair-dot candidates are left out where B is not weight.t() with even K; every layout
+    still tunes and matches the reference."""
+    from torchport.gemm.kernels import mm_reference
+
+    torch.manual_seed(1)
+    x = torch.randn(5, k).bfloat16()
+    w = torch.randn(300, k).bfloat16()
+    b = w.t() if layout == "t" else w.t().contiguous()
+    bias = torch.randn(300).bfloat16()
+    with config.override(autotune=True, autotune_reps=2):
+        y = G.mm(x, b, bias=bias, epilogue=["gelu"])
+    ref = mm_reference(x, b, EpilogueSpec.decode("bias_col:bf16;gelu"), [bias])
+    torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=2e-2)

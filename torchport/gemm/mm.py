@@ -479,6 +479,10 @@ def _choose(
         "isa": isa,
     }
     cands = candidates(mb, n, k, isa, b.element_size())
+    if layout != "t" or k % 2:  # the pair-dot tiles read B as k-pair words of weight.t()
+        cands = [c for c in cands if not c.param("dp", 0)]
+    if any(c.param("dp", 0) for c in cands):
+        key["tiles"] = "dp"  # choices cached before the vdpbf16ps tiles existed are re-tuned
 
     t_start = time.perf_counter()
     budget = TUNE_BUDGET_S

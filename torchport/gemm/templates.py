@@ -15,7 +15,9 @@ Kernel structure (one exported function per register tile ``MR x NR``):
 
 ISA levels: ``avx2`` (8-wide ymm, FMA) is what runs on AVX2 machines; ``avx512`` (16-wide zmm) and,
 under ``__AVX512BF16__``, a ``vdpbf16ps`` kernel over pair-packed bf16 operands; ``scalar`` is
-portable C. Remainder columns go through
+portable C. Small-M bf16 has its own ``vdpbf16ps`` tiles (``btag="dp"``, :data:`DP_TILES`): ``B``
+packed in k-pair words, ``A`` read as pair words, two products per lane and instruction and no
+widening, where the widening tiles above are compute-bound on bf16 at M >= 8. Remainder columns go through
 a small buffer and the scalar epilogue. Remainder rows (``M % MR``) run the 1-row tile of the
 same width, so only two tiles per width are compiled (the autotuner prefers an ``MR`` dividing
 small ``M``).
@@ -516,7 +518,8 @@ DEFER_MAX_M = 16
 def render_source(
     spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: tuple[tuple[int, int], ...]
 ) -> str:
-    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``."""
+    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``
+    (``btag="dp"``: the ``vdpbf16ps`` small-M tiles ``tp_gemm_dp_{mr}x{nr}``, avx512 only)."""
     vw = VW[isa]
     vec, sca = emit_c(spec)
     parts = [
