@@ -780,7 +780,30 @@ def test_tuning_rotation_reuses_one_buffer_per_copy_across_widths():
         for idx, (_, b, _) in enumerate(copies):
             got = rot.packed(idx, nr)
             assert torch.equal(got, pack_b_reference(b, nr))
-        assert {w for (_, w) in rot.packs} == {nr}
+        assert {w for (_, w, _) in rot.packs} == {nr}
+    assert len(rot.buffers) == 2
+
+
+def test_tuning_rotation_pair_packs_share_the_copy_buffer():
+    """A pair-packed (vdpbf16ps) width and the plain pack of the same width are different
+    bytes: the rotation refills the copy's one buffer between them, never mixing them."""
+    from torchport.gemm.kernels import pack_pairs_reference
+    from torchport.gemm.pack import pack_b_reference
+
+    mm = sys.modules["torchport.gemm.mm"]
+
+    torch.manual_seed(0)
+    copies = [(torch.randn(1, 38), torch.randn(53, 38).bfloat16().t(), []) for _ in range(2)]
+    rot = mm._Rotation(copies)
+    for nr, dp in ((32, 1), (32, 0), (64, 1), (32, 1)):
+        for idx, (_, b, _) in enumerate(copies):
+            got = rot.packed(idx, nr, dp)
+            if dp:
+                ref = pack_pairs_reference(b, nr)
+                assert torch.equal(got.view(torch.bfloat16).view(ref.shape), ref)
+            else:
+                assert torch.equal(got, pack_b_reference(b, nr))
+        assert {(w, d) for (_, w, d) in rot.packs} == {(nr, dp)}
     assert len(rot.buffers) == 2
 
 
@@ -791,3 +814,39 @@ def test_tuning_order_groups_candidates_by_width():
     assert order[0].is_anchor and sorted(c.name for c in order) == sorted(c.name for c in cands)
     widths = [int(c.param("nr")) for c in order[1:]]
     assert all(widths.index(w) == i or widths[i - 1] == w for i, w in enumerate(widths))
+
+
+def test_bf16_small_m_offers_pair_dot_tiles_only_where_they_run():
+    from torchport import native
+
+    has_dot = native.cpu_info().has_avx512_bf16
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    for m in (1, 3, 8, 32):
+        cands = G.candidates(m, 4096, 1024, "avx512", 2)
+        assert 2 <= len(cands) <= 10
+        assert any(c.param("dp", 0) for c in cands) == has_dot
+        assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx512", 4))
+        assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx2", 2))
+    assert not any(c.param("dp", 0) for c in G.candidates(64, 4096, 1024, "avx512", 2))
+    for c in G.candidates(8, 4096, 1024, "avx512", 2):
+        if c.param("dp", 0):
+            assert mm_mod._config(c).dp == 1
+
+
+@pytest.mark.parametrize(
+    "k,layout", [(64, "t"), (63, "t"), (64, "n")], ids=["even", "odd", "rowmajor"]
+)
+def test_bf16_small_m_through_the_tuner_any_layout(k, layout):
+    """Pair-dot candidates are left out where B is not weight.t() with even K; every layout
+    still tunes and matches the reference."""
+    from torchport.gemm.kernels import mm_reference
+
+    torch.manual_seed(1)
+    x = torch.randn(5, k).bfloat16()
+    w = torch.randn(300, k).bfloat16()
+    b = w.t() if layout == "t" else w.t().contiguous()
+    bias = torch.randn(300).bfloat16()
+    with config.override(autotune=True, autotune_reps=2):
+        y = G.mm(x, b, bias=bias, epilogue=["gelu"])
+    ref = mm_reference(x, b, EpilogueSpec.decode("bias_col:bf16;gelu"), [bias])
+    torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=2e-2)

@@ -373,3 +373,79 @@ def test_unknown_tile_is_invalid_candidate():
     a, b = _make(3, 3, 3, torch.float32, "c", "c")
     with pytest.raises(InvalidCandidate, match="tile 3x5 is not built"):
         run_native(a, b, EpilogueSpec(), [], Config(3, 5, 4))
+
+
+# --- vdpbf16ps small-M tiles (bf16 pair-dot; AVX512-BF16 machines) ---------------------------------
+
+needs_bf16_dot = pytest.mark.skipif(
+    not native.cpu_info().has_avx512_bf16, reason="needs AVX512-BF16 (vdpbf16ps)"
+)
+DP_SHAPES = [(1, 1, 2), (1, 67, 14), (3, 129, 40), (8, 70, 2), (13, 200, 64), (32, 131, 38)]
+DP_CHAINS = ["", "bias_col:bf16;gelu;add:bf16", "scale_row:f32;silu", "gelu;out=f32", "relu"]
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m,n,k", DP_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in DP_SHAPES])
+@pytest.mark.parametrize(
+    "tile", templates.DP_TILES, ids=[f"{t[0]}x{t[1]}" for t in templates.DP_TILES]
+)
+@pytest.mark.parametrize("chain", DP_CHAINS, ids=[c or "none" for c in DP_CHAINS])
+@pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
+def test_dp_tiles_grid(m, n, k, tile, chain, a_layout):
+    """Every pair-dot tile over remainder rows and columns, deferred and in-tile epilogues,
+    bf16 and fp32 output, A read in place or copied (transposed, strided), two threads."""
+    a, b = _make(m, n, k, torch.bfloat16, a_layout, "weight_t")
+    spec = EpilogueSpec.decode(chain)
+    ops = _operands(spec, m, n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for pf in (0, 32):
+            out = run_native(a, b, spec, ops, Config(*tile, m, pf, dp=1))
+            _assert_close(out, a, b, spec, ops)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_dot
+def test_dp_matches_the_widening_tile_closely():
+    """Both accumulate exact bf16 products in fp32: they differ by summation order only."""
+    a, b = _make(8, 96, 512, torch.bfloat16, "c", "weight_t")
+    spec = EpilogueSpec.decode("out=f32")
+    dp = run_native(a, b, spec, [], Config(8, 32, 8, dp=1))
+    wide = run_native(a, b, spec, [], Config(*TILES[0], 8))
+    mag = (a.double().abs() @ b.double().abs()).max().item()
+    torch.testing.assert_close(dp, wide, atol=1e-5 * mag, rtol=0)
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (45, 18), (64, 6)])
+def test_pair_words_pack_matches_reference(n, k):
+    _, b = _make(1, n, k, torch.bfloat16, "c", "weight_t")
+    packed = pack_b(kernels.pair_words(b), 32)
+    ref = kernels.pack_pairs_reference(b, 32)
+    assert torch.equal(packed.view(torch.bfloat16).view(ref.shape), ref)
+    assert torch.equal(ref, pack_b_pairs(b, 32))  # the AVX512-BF16 dot kernel's layout
+
+
+@pytest.mark.parametrize(
+    "dtype,k,layout",
+    [(torch.bfloat16, 7, "weight_t"), (torch.bfloat16, 8, "c"), (torch.float32, 8, "weight_t")],
+    ids=["odd_k", "row_major", "f32"],
+)
+def test_pair_words_rejects_what_it_cannot_view(dtype, k, layout):
+    from torchport.autotune import InvalidCandidate
+
+    _, b = _make(1, 5, k, dtype, "c", layout)
+    with pytest.raises(InvalidCandidate, match=r"bf16 weight\.t\(\) layout with even K"):
+        kernels.pair_words(b)
+
+
+def test_dp_config_is_invalid_without_bf16_dot_or_on_other_tiles():
+    from torchport.autotune import InvalidCandidate
+
+    with pytest.raises(InvalidCandidate):
+        kernels.check_config(Config(8, 32, 8, dp=1), "avx2")
+    with pytest.raises(InvalidCandidate):
+        kernels.check_config(Config(6, 32, 8, dp=1), "avx512")
+    with pytest.raises(ValueError, match="no vdpbf16ps tile 6x32"):
+        templates.render_source(EpilogueSpec(), "dp", "bf16", "avx512", ((6, 32),))

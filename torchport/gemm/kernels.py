@@ -59,12 +59,13 @@ class Config:
     kc: int = 0
     ks: int = 1
     nt: int = 0
+    dp: int = 0  # 1: bf16 pair-dot tile (vdpbf16ps; DP_TILES, whole K, M read in one block)
 
     @property
     def name(self) -> str:
         base = f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
         opt = (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
-        return base + opt + (f"_nt{self.nt}" if self.nt else "")
+        return base + opt + (f"_nt{self.nt}" if self.nt else "") + ("_dp" if self.dp else "")
 
 
 def mm_reference(
@@ -103,15 +104,21 @@ def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int
 
 
 def prebuild(
-    spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: Sequence[tuple[int, int]]
+    spec: EpilogueSpec,
+    btag: str,
+    otag: str,
+    isa: str,
+    tiles: Sequence[tuple[int, int]],
+    dp_tiles: Sequence[tuple[int, int]] = (),
 ) -> None:
-    """Build several tile libraries and the weight-packing kernel for ``btag`` concurrently
-    (one compiler process per core)."""
+    """Build several tile libraries (``dp_tiles``: pair-dot ones) and the weight-packing
+    kernels concurrently (one compiler process per core)."""
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
         futures: list[Future[Any]] = [
             pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
         ]
-        futures.append(pool.submit(_pack_fn, 32 if btag == "f32" else 16))
+        futures += [pool.submit(library, spec, "dp", otag, isa, mr, nr) for mr, nr in dp_tiles]
+        futures.append(pool.submit(_pack_fn, 32 if btag == "f32" or dp_tiles else 16))
         if spec.ops:  # the ATen launch's epilogue pass (small-M adaptive runners)
             futures.append(pool.submit(_pass_function, spec, btag, otag, isa))
         for f in futures:
@@ -148,6 +155,12 @@ def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: i
 
 def check_config(cfg: Config, isa: str) -> None:
     """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
+    if cfg.dp:
+        if not (isa == "avx512" and native.cpu_info().has_avx512_bf16):
+            raise InvalidCandidate(f"vdpbf16ps tiles need AVX512-BF16 (isa {isa})")
+        if (cfg.mr, cfg.nr) not in templates.DP_TILES or cfg.kc or cfg.ks > 1:
+            raise InvalidCandidate(f"no vdpbf16ps tile {cfg.mr}x{cfg.nr} (kc=0, ks=1), got {cfg}")
+        return
     if (cfg.mr, cfg.nr) not in TILES[isa]:
         raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
     if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1 or cfg.nt < 0:
@@ -209,6 +222,8 @@ def launcher(
     depend on the call's tensors (validation, library lookup, output dtype) is done once here,
     so a call costs a few tensor attribute reads and the ctypes call."""
     check_config(cfg, isa)
+    if cfg.dp:
+        return _dp_launcher(spec, cfg, a_dtype, b_dtype)
     out_dtype = spec.out_dtype(a_dtype)
     fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
     mr, nr, mc, pf, kc, ks, nt = cfg.mr, cfg.nr, cfg.mc, cfg.pf, cfg.kc, cfg.ks, cfg.nt
@@ -260,6 +275,109 @@ def launcher(
         )
         if status != 0:
             raise RuntimeError(f"tp_gemm_{mr}x{nr} returned status {status} for {cfg}")
+        return c
+
+    return launch
+
+
+# --- small-M bf16 on vdpbf16ps ----------------------------------------------------------------------
+
+
+def pair_words(b: torch.Tensor) -> torch.Tensor:
+    """bf16 ``b [K, N]`` as 32-bit words ``[K/2, N]``, word ``(k, j)`` holding ``b[2k, j]`` (low
+    half) and ``b[2k+1, j]``: a view (no copy) of a weight stored as ``[N, K]`` rows
+    (``weight.t()``) with even ``K``; :func:`~torchport.gemm.pack.pack_b` of it is the
+    ``[ceil(N/nr)][K/2][nr]`` layout the pair-dot tiles stream. Other layouts and odd ``K``
+    raise :class:`InvalidCandidate` (the autotuner skips the candidate)."""
+    k = b.shape[0]
+    s0, s1 = b.stride()
+    if (
+        b.dtype != torch.bfloat16
+        or k % 2
+        or (s0 != 1 and k > 1)
+        or s1 % 2
+        or b.storage_offset() % 2
+    ):
+        raise InvalidCandidate(
+            f"vdpbf16ps tiles need a bf16 weight.t() layout with even K, got {b.dtype} "
+            f"{tuple(b.shape)} strides {b.stride()}"
+        )
+    return b.t().view(torch.int32).t()
+
+
+def pack_pairs_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
+    """Obviously correct pair packing (tests): ``[ceil(N/nr), K/2, nr, 2]`` bf16, element
+    ``[p, k, c, h] = b[2k + h, p * nr + c]`` (zero beyond ``N``)."""
+    k, n = b.shape
+    npan = (n + nr - 1) // nr
+    out = torch.zeros(npan, k // 2, nr, 2, dtype=b.dtype)
+    for p in range(npan):
+        w = min(nr, n - p * nr)
+        out[p, :, :w, :] = b[:, p * nr : p * nr + w].reshape(k // 2, 2, w).transpose(1, 2)
+    return out
+
+
+@functools.cache
+def _dp_function(spec: EpilogueSpec, otag: str, mr: int, nr: int) -> Any:
+    fn = getattr(library(spec, "dp", otag, "avx512", mr, nr), f"tp_gemm_dp_{mr}x{nr}")
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i, p, i, p, i, i, i, i, p, p, i, p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _dp_launcher(
+    spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, b_dtype: torch.dtype
+) -> _Launch:
+    """:func:`launcher` of a pair-dot config: bf16 ``a`` and ``b``, ``b`` in ``weight.t()``
+    layout with even K (:func:`pair_words`); ``a`` is read in place when its rows are whole
+    pairs, else copied to a zero-padded even-K buffer (M x K, small)."""
+    bf16 = torch.bfloat16
+    if a_dtype != bf16 or b_dtype != bf16:
+        raise InvalidCandidate(f"vdpbf16ps tiles need bf16 operands, got {a_dtype}, {b_dtype}")
+    out_dtype = spec.out_dtype(a_dtype)
+    fn = _dp_function(spec, _TAG[out_dtype], cfg.mr, cfg.nr)
+    nr, pf, nt = cfg.nr, cfg.pf, cfg.nt
+    operand_args = _operand_args(spec)
+    defer_ws = spec.deferrable and out_dtype != torch.float32
+
+    def launch(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        operands: Sequence[torch.Tensor],
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        m, k = a.shape
+        n = b.shape[1]
+        c = torch.empty(m, n, dtype=out_dtype)
+        if m == 0 or n == 0:
+            return c
+        if packed is None:
+            packed = pack_cache.get(pair_words(b), nr)
+        if k % 2 or a.stride(1) != 1 or a.stride(0) % 2 or a.storage_offset() % 2:
+            a = torch.nn.functional.pad(a.contiguous(), (0, k % 2))
+        eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
+        work = None
+        if defer_ws and m <= templates.DEFER_MAX_M:
+            work = torch.empty(m * n, dtype=torch.float32)
+        threads = max(1, torch.get_num_threads())
+        status = fn(
+            c.data_ptr(),
+            n,
+            a.data_ptr(),
+            a.stride(0) // 2,
+            packed.data_ptr(),
+            m,
+            n,
+            (k + 1) // 2,
+            pf,
+            eptr,
+            eld,
+            min(nt, threads) if nt else threads,
+            None if work is None else work.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"tp_gemm_dp_{cfg.mr}x{nr} returned status {status} for {cfg}")
         return c
 
     return launch

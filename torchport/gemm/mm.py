@@ -55,6 +55,10 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     runner times those at run time)."""
     cands = [Candidate("aten", ATEN)]
     scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
+    # bf16 weights on vdpbf16ps (AVX512-BF16): one instruction per two products and no widening,
+    # where the fp32 tiles are compute-bound on bf16 (measured one thread, weights streamed:
+    # M=8 1024->4096 0.59 vs 0.81 ms = 105 % of torch.sum's bandwidth; M=32 1.09 vs 2.02 ms)
+    dp = elem_size == 2 and isa == "avx512" and native.cpu_info().has_avx512_bf16
     if scale == 0:
         cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
     elif m <= SMALL_M:
@@ -82,6 +86,14 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
         cfgs += [Config(4, 24 * scale, mm_, 32), Config(2, 32 * scale, mm_)]
         if m <= 2:
             cfgs.append(Config(1, 64 * scale, mm_))
+        if dp:
+            t = (8, 32) if m >= 8 else (4, 64) if m >= 4 else (2, 128)
+            cfgs = [
+                Config(*t, mm_, 32, dp=1),
+                Config(*t, mm_, dp=1),
+                Config(*t, mm_, 32, nt=1, dp=1),
+                *cfgs,
+            ]
     else:
         cfgs = [
             Config(6, 16 * scale, 96),
@@ -101,8 +113,10 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
         widths = list(dict.fromkeys(c.nr for c in cfgs))[:2]
         cfgs = [c for c in cfgs if c.nr in widths and (c.nt == 0 or m > SMALL_M)][:5]
     for c in cfgs[:9]:
-        params = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf), ("kc", c.kc))
-        cands.append(Candidate(c.name, params=(*params, ("ks", c.ks), ("nt", c.nt))))
+        params: tuple[tuple[str, int], ...] = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc))
+        params += (("pf", c.pf), ("kc", c.kc), ("ks", c.ks), ("nt", c.nt))
+        params += (("dp", 1),) if c.dp else ()
+        cands.append(Candidate(c.name, params=params))
     return cands
 
 
@@ -115,6 +129,7 @@ def _config(c: Candidate) -> Config:
         int(c.param("kc", 0)),
         int(c.param("ks", 1)),
         int(c.param("nt", 0)),
+        int(c.param("dp", 0)),
     )
 
 
@@ -131,20 +146,26 @@ class _Rotation:
 
     copies: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
     shared_pack: bool = False
-    packs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    packs: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def packed(self, idx: int, nr: int) -> torch.Tensor:
-        hit = self.packs.get((idx, nr))
+    def packed(self, idx: int, nr: int, dp: int = 0) -> torch.Tensor:
+        """Copy ``idx``'s weight packed for panel width ``nr`` (``dp``: in k-pair words for the
+        vdpbf16ps tiles, :func:`kernels.pair_words`; same bytes, so the same buffer)."""
+        hit = self.packs.get((idx, nr, dp))
         if hit is None:
             b = self.copies[idx][1]
+            src = kernels.pair_words(b) if dp else b
             if self.shared_pack:
-                hit = pack_cache.get(b, nr)
+                hit = pack_cache.get(src, nr)
             else:
-                if any(w != nr for (_, w) in self.packs):
+                if any((w, d) != (nr, dp) for (_, w, d) in self.packs):
                     self.packs.clear()  # another width: its buffers are refilled
-                hit = pack_b(b, nr, out=self._buffer(idx, b, nr))
-            self.packs[(idx, nr)] = hit
+                out = self._buffer(idx, b, nr)
+                if dp:
+                    out = out.view(torch.int32).view(out.shape[0], out.shape[1] // 2, nr)
+                hit = pack_b(src, nr, out=out)
+            self.packs[(idx, nr, dp)] = hit
         return hit
 
     def _buffer(self, idx: int, b: torch.Tensor, nr: int) -> torch.Tensor:
@@ -161,11 +182,15 @@ class _Rotation:
 def _tuning_order(cands: list[Candidate]) -> list[Candidate]:
     """``cands`` with the anchor first and the native candidates grouped by panel width (stable
     within a width), so a rotation packs each width's copies once (see :class:`_Rotation`)."""
-    first: dict[int, int] = {}
+    first: dict[tuple[int, int], int] = {}
+
+    def width(c: Candidate) -> tuple[int, int]:  # one packing per (width, pair-packed)
+        return int(c.param("nr")), int(c.param("dp", 0))
+
     for c in cands:
         if not c.is_anchor:
-            first.setdefault(int(c.param("nr")), len(first))
-    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[int(c.param("nr"))])
+            first.setdefault(width(c), len(first))
+    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[width(c)])
 
 
 def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
@@ -185,12 +210,12 @@ def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.
     def ours(rot: _Rotation) -> torch.Tensor:
         if not primed:  # pack every copy on the first (untimed) call
             for idx in range(len(rot.copies)):
-                rot.packed(idx, cfg.nr)
+                rot.packed(idx, cfg.nr, cfg.dp)
             primed.append(True)
         idx = state["i"] % len(rot.copies)
         state["i"] += 1
         a, b, ops = rot.copies[idx]
-        return run_native(a, b, spec, ops, cfg, packed=rot.packed(idx, cfg.nr))
+        return run_native(a, b, spec, ops, cfg, packed=rot.packed(idx, cfg.nr, cfg.dp))
 
     return ours
 
@@ -335,7 +360,15 @@ def _native_runner(
             # a new epilogue of a tuned shape: its tile library and its ATen launch's pass are
             # compiled side by side (one compiler per core), not one after the other
             otag = spec.out or kernels._TAG[a.dtype]
-            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, [(cfg.mr, cfg.nr)])
+            tile = [(cfg.mr, cfg.nr)]
+            kernels.prebuild(
+                spec,
+                kernels._TAG[b.dtype],
+                otag,
+                isa,
+                [] if cfg.dp else tile,
+                tile if cfg.dp else [],
+            )
         multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
         events = lambda: pack_cache.misses  # noqa: E731
         if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
@@ -446,6 +479,10 @@ def _choose(
         "isa": isa,
     }
     cands = candidates(mb, n, k, isa, b.element_size())
+    if layout != "t" or k % 2:  # the pair-dot tiles read B as k-pair words of weight.t()
+        cands = [c for c in cands if not c.param("dp", 0)]
+    if any(c.param("dp", 0) for c in cands):
+        key["tiles"] = "dp"  # choices cached before the vdpbf16ps tiles existed are re-tuned
 
     t_start = time.perf_counter()
     budget = TUNE_BUDGET_S
@@ -453,9 +490,20 @@ def _choose(
     if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
         # a new shape: compile every candidate's tile library (and the pack kernel) first, in
         # parallel; what that took comes off the timing budget
-        tiles = sorted({(int(c.param("mr")), int(c.param("nr"))) for c in cands if not c.is_anchor})
+        tiles = {
+            (int(c.param("mr")), int(c.param("nr")), int(c.param("dp", 0)))
+            for c in cands
+            if not c.is_anchor
+        }
         otag = spec.out or kernels._TAG[a.dtype]
-        kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, tiles)
+        kernels.prebuild(
+            spec,
+            kernels._TAG[b.dtype],
+            otag,
+            isa,
+            sorted((mr, nr) for mr, nr, d in tiles if not d),
+            sorted((mr, nr) for mr, nr, d in tiles if d),
+        )
         spent = time.perf_counter() - t_start
         budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
 

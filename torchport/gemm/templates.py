@@ -15,7 +15,9 @@ Kernel structure (one exported function per register tile ``MR x NR``):
 
 ISA levels: ``avx2`` (8-wide ymm, FMA) is what runs on AVX2 machines; ``avx512`` (16-wide zmm) and,
 under ``__AVX512BF16__``, a ``vdpbf16ps`` kernel over pair-packed bf16 operands; ``scalar`` is
-portable C. Remainder columns go through
+portable C. Small-M bf16 has its own ``vdpbf16ps`` tiles (``btag="dp"``, :data:`DP_TILES`): ``B``
+packed in k-pair words, ``A`` read as pair words, two products per lane and instruction and no
+widening, where the widening tiles above are compute-bound on bf16 at M >= 8. Remainder columns go through
 a small buffer and the scalar epilogue. Remainder rows (``M % MR``) run the 1-row tile of the
 same width, so only two tiles per width are compiled (the autotuner prefers an ``MR`` dividing
 small ``M``).
@@ -516,7 +518,8 @@ DEFER_MAX_M = 16
 def render_source(
     spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: tuple[tuple[int, int], ...]
 ) -> str:
-    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``."""
+    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``
+    (``btag="dp"``: the ``vdpbf16ps`` small-M tiles ``tp_gemm_dp_{mr}x{nr}``, avx512 only)."""
     vw = VW[isa]
     vec, sca = emit_c(spec)
     parts = [
@@ -543,6 +546,13 @@ def render_source(
     parts.append(_COMMON)
     seen: set[tuple[int, int]] = set()
     for mr, nr in tiles:
+        if btag == "dp":  # bf16 pair-dot tiles (AVX512-BF16), see DP_TILES
+            if isa != "avx512" or (mr, nr) not in DP_TILES:
+                raise ValueError(f"no vdpbf16ps tile {mr}x{nr} for isa {isa}")
+            parts += [_dp_tile(r, nr) for r in sorted({1, mr}) if (r, nr) not in seen]
+            seen |= {(1, nr), (mr, nr)}
+            parts.append(_dp_driver(mr, nr))
+            continue
         if nr % vw:
             raise ValueError(f"tile NR={nr} must be a multiple of the vector width {vw} ({isa})")
         for r in sorted({1, mr}):
@@ -550,9 +560,139 @@ def render_source(
                 seen.add((r, nr))
                 parts.append(_tile(r, nr, vw, btag, otag))
         parts.append(_driver(mr, nr))
-    if isa == "avx512":
+    if isa == "avx512" and btag != "dp":
         parts.append(DPBF16.replace("SSTORE_bf16((uint16_t *)C", f"SSTORE_{otag}(C"))
     return "\n".join(parts)
+
+
+# --- small-M bf16 tiles on vdpbf16ps (AVX512-BF16) -----------------------------------------------
+# Register tiles (MR, NR) of the pair-dot kernels; NR counts output columns (16 per zmm).
+DP_TILES = ((8, 32), (4, 64), (2, 128))
+
+
+def _dp_tile(mr: int, nr: int) -> str:
+    """One ``vdpbf16ps`` micro-kernel: ``mr`` rows x ``nr`` columns over all ``kp`` k-pairs.
+
+    ``A`` is bf16 read as 32-bit words (pair ``k`` of row ``r`` at ``A[r * lda + k]``), ``B`` the
+    pair-packed panel (``[kp][nr]`` words, each two consecutive ``k`` of one column). Each word of
+    ``A`` is broadcast once per pair against ``nr / 16`` panel loads, so a k-pair costs ``mr * nr /
+    16`` dot instructions where the widening fp32 tile spends twice the FMAs plus the widening.
+    ``raw``: store the fp32 sums to ``S`` (row stride ``lds``; the deferred epilogue pass reads
+    them), else apply the epilogue and store to ``C``."""
+    nv = nr // 16
+    u, lines = prefetch_group(nr, "f32")  # a word per column: the fp32 panel's line geometry
+
+    def body(k: str) -> list[str]:
+        return [
+            "            {",
+            f"            const uint32_t *bk = bp + ({k}) * {nr};",
+            f"            __m512bh b[{nv}];",
+            f"            #pragma GCC unroll {nv}",
+            f"            for (int v = 0; v < {nv}; ++v)"
+            " b[v] = (__m512bh)_mm512_loadu_si512(bk + v * 16);",
+            f"            #pragma GCC unroll {mr}",
+            f"            for (int r = 0; r < {mr}; ++r) {{",
+            f"                __m512bh a = (__m512bh)_mm512_set1_epi32((int)ar[r][{k}]);",
+            f"                #pragma GCC unroll {nv}",
+            f"                for (int v = 0; v < {nv}; ++v)"
+            " acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);",
+            "            }",
+            "            }",
+        ]
+
+    pf_loop = [
+        "        int64_t k = 0;",
+        f"        for (; k + {u} <= kp; k += {u}) {{",
+        f"            const char *pfp = (const char *)(bp + (k + pf) * {nr});",
+        *[f"            VPREFETCH_L2(pfp + {64 * c});" for c in range(lines)],
+        *[ln for kk in range(u) for ln in body(f"k + {kk}" if kk else "k")],
+        "        }",
+        "        for (; k < kp; ++k)",
+        *body("k"),
+    ]
+    return "\n".join(
+        [
+            f"static void dtile_{mr}_{nr}(const uint32_t *A, int64_t lda, const uint32_t *bp,",
+            "        int64_t kp, otype_t *C, int64_t ldc, int64_t i, int64_t j, int64_t nr,",
+            "        int64_t pf, const void *const *ep, const int64_t *eld, float *S, int64_t lds,",
+            "        int raw) {",
+            f"    __m512 acc[{mr}][{nv}];",
+            f"    const uint32_t *ar[{mr}];",
+            f"    float tmp[{nr}];",
+            f"    for (int r = 0; r < {mr}; ++r) {{",
+            "        ar[r] = A + (i + r) * lda;",
+            f"        for (int v = 0; v < {nv}; ++v) acc[r][v] = _mm512_setzero_ps();",
+            "        if (!raw) {",
+            "            tp_epi_pf(i + r, j, nr, ep, eld);",
+            "            VPREFETCH(C + (i + r) * ldc + j); VPREFETCH(C + (i + r) * ldc + j + nr - 1);",
+            "        }",
+            "    }",
+            "    if (!pf) {",
+            "        for (int64_t k = 0; k < kp; ++k)",
+            *body("k"),
+            "    } else {",
+            *pf_loop,
+            "    }",
+            f"    for (int r = 0; r < {mr}; ++r) {{",
+            f"        if (raw && nr == {nr}) {{",
+            f"            for (int v = 0; v < {nv}; ++v)"
+            " _mm512_storeu_ps(S + (i + r) * lds + j + v * 16, acc[r][v]);",
+            f"        }} else if (nr == {nr}) {{",
+            f"            for (int v = 0; v < {nv}; ++v) {{",
+            "                int64_t jj = j + v * 16;",
+            "                VSTORE_OTAG(C + (i + r) * ldc + jj, tp_epi_v(acc[r][v], i + r, jj, ep, eld));",
+            "            }",
+            "        } else {",
+            f"            for (int v = 0; v < {nv}; ++v) _mm512_storeu_ps(tmp + v * 16, acc[r][v]);",
+            "            for (int64_t c = 0; c < nr; ++c) {",
+            "                if (raw) S[(i + r) * lds + j + c] = tmp[c];",
+            "                else SSTORE_OTAG(C + (i + r) * ldc + j + c,"
+            " tp_epi_s(tmp[c], i + r, j + c, ep, eld));",
+            "            }",
+            "        }",
+            "    }",
+            "}",
+        ]
+    )
+
+
+def _dp_driver(mr: int, nr: int) -> str:
+    tile = f"dtile_{mr}_{nr}"
+    args = "(A, lda, bp, kp, C, ldc, {row}, j, nr, pf, ep, eld, S, lds, defer)"
+    return f"""
+/* C[M, N] (row stride ldc) = epilogue(A[M, 2 kp] @ B): A bf16 rows as k-pair words (row stride
+   lda words), Bp pair-packed panels [ceil(N/{nr})][kp][{nr}] words. The weight-streaming order
+   of the small-M driver above: panels in dynamic chunks, every row against each panel. */
+TP_EXPORT int tp_gemm_dp_{mr}x{nr}(otype_t *C, int64_t ldc, const uint32_t *A, int64_t lda,
+        const uint32_t *Bp, int64_t M, int64_t N, int64_t kp, int64_t pf,
+        const void *const *ep, const int64_t *eld, int64_t nthreads, float *W) {{
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t np = (N + {nr} - 1) / {nr};
+    int64_t nt = TP_MIN(nthreads, np);
+    if ((double)M * (double)N * (double)kp < 32768.0) nt = 1;
+    const int defer = TP_DEFER_EPI && M <= TP_DEFER_MAX_M
+        && (sizeof(otype_t) == sizeof(float) || W != NULL);
+    float *const S = sizeof(otype_t) == sizeof(float) ? (float *)(void *)C : W;
+    const int64_t lds = sizeof(otype_t) == sizeof(float) ? ldc : N;
+    const int64_t nch = nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD) : 1;
+    #pragma omp parallel num_threads(nt)
+    {{
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t ch = 0; ch < nch; ++ch) {{
+            const int64_t p0 = np * ch / nch, p1 = np * (ch + 1) / nch;
+            for (int64_t jp = p0; jp < p1; ++jp) {{
+                const uint32_t *bp = Bp + jp * kp * {nr};
+                int64_t j = jp * {nr}, nr = TP_MIN({nr}, N - j), i = 0;
+                for (; i + {mr} <= M; i += {mr}) {tile}{args.format(row="i")};
+                for (; i < M; ++i) dtile_1_{nr}{args.format(row="i")};
+            }}
+            if (defer)
+                tp_epi_rows(C, ldc, S, lds, 0, M, p0 * {nr}, TP_MIN(N, p1 * {nr}), ep, eld);
+        }}
+    }}
+    return 0;
+}}
+"""
 
 
 # AVX512-BF16 kernel: B packed as [ceil(N/16)][ceil(K/2)][16][2] bf16 pairs, A as bf16 rows padded to
