@@ -295,7 +295,7 @@ def _check_qr(dtype, mode, m, n, kind):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "m,n", [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (8, 8), (16, 16), (9, 4), (4, 9), (1, 5),
-            (5, 1), (16, 7), (7, 16)], ids=str,
+            (5, 1), (16, 7), (7, 16), (31, 17), (17, 31), (40, 40)], ids=str,
 )  # fmt: skip
 def test_qr_lanes_kernel(dtype, m, n):
     """One matrix per SIMD lane vs the per-matrix kernel: full and partial lane groups (37

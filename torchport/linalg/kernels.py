@@ -28,7 +28,7 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   the SVD sweeps (1.3-2.6× over one matrix per thread, n = 3…32), then finishes each lane alone.
 - **QR**: Householder reflectors with LAPACK's sign convention (β = −sign(α)‖x‖, so the results
   match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
-  For max(m, n) ≤ 16 and batches that fill the lanes ``tp_qr_vec`` runs the same steps on VLN
+  For max(m, n) ≤ 64 and batches that fill the lanes ``tp_qr_vec`` runs the same steps on VLN
   matrices at once (their reflector's sqrt/division shared, the dot products with the trailing
   columns independent accumulators): 2.5-3.5× the per-matrix kernel (float64, n = 4…16,
   B = 1000/10000, avx512) and 10-50× float32 (whose per-matrix kernel is slow there).
@@ -1405,8 +1405,12 @@ LANES_MAX_N = 64
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
 # n = 48 2260/3173, 4833/5617, n = 64 5997/6316, 12398/12253).
 CHOLESKY_LANES_MAX_N = 48
-# QR, one matrix per lane (tp_qr_vec) up to this max(m, n), one per thread (tp_qr) above.
-QR_LANES_MAX_N = 16
+# QR, one matrix per lane (tp_qr_vec) up to this max(m, n), one per thread (tp_qr) above. One
+# thread, avx512, min of 9 interleaved, tp_qr / tp_qr_vec (mode reduced): B = 1000 n = 16 / 20 /
+# 24 / 32 f64 3.8 / 6.1 / 6.7 / 4.5x, f32 10.1 / 10.1 / 9.7 / 15.7x; B = 300 n = 48 / 64 / 96
+# f64 5.3 / 2.9 / 3.3x, f32 13.0 / 7.0 / 6.6x. Capped at the lane kernels' 64 (a group's Q and
+# R, 2 n^2 vectors, then fill L2).
+QR_LANES_MAX_N = LANES_MAX_N
 
 
 def _ks(dtype: torch.dtype) -> dict[str, Kernel]:
