@@ -1125,12 +1125,43 @@ TP_EXPORT int tp_qr(const T *a, T *Q, T *R, int64_t B, int64_t m, int64_t n, int
 
 /* ---------------------------------------------------------------- QR, VLN matrices at once
    qr_one's Householder steps on VLN interleaved matrices, in their row-major lane layout X
-   (m x n vectors): the reflector's dot products with the trailing columns run row by row into
-   one accumulator per column (independent FMA chains), then the rank-1 update row by row. A
-   lane whose column below the diagonal is zero gets tau = 0 (the identity), as in qr_one.
-   Q (m x qc vectors, formed only if asked for) by the same backward accumulation. */
+   (m x n vectors). A lane whose column below the diagonal is zero gets tau = 0 (the identity),
+   as in qr_one. Q (m x qc vectors, formed only if asked for) by the same backward accumulation.
+
+   Reflector j (v = (1, X[j+1..m)[j]), tau) applied to columns [c0, c1) of Y (row stride ldy),
+   four columns at a time: their dot products w_c = tau (y_c[j] + sum_{i > j} v_i y_c[i]) with
+   the accumulators in registers (independent FMA chains, no stores), then the rank-1 update
+   y_c -= w_c v down the same four columns. */
+TP_INLINE void qr_vec_reflect(const VT *X, int64_t n, int64_t j, int64_t m, VT tj, VT *Y,
+                              int64_t ldy, int64_t c0, int64_t c1) {
+    int64_t c = c0;
+    for (; c + 3 < c1; c += 4) {
+        VT *y = Y + j * ldy + c;
+        VT a0 = y[0], a1 = y[1], a2 = y[2], a3 = y[3];
+        for (int64_t i = j + 1; i < m; ++i) {
+            const VT v = X[i * n + j];
+            const VT *yi = Y + i * ldy + c;
+            a0 += v * yi[0]; a1 += v * yi[1]; a2 += v * yi[2]; a3 += v * yi[3];
+        }
+        a0 *= tj; a1 *= tj; a2 *= tj; a3 *= tj;
+        y[0] -= a0; y[1] -= a1; y[2] -= a2; y[3] -= a3;
+        for (int64_t i = j + 1; i < m; ++i) {
+            const VT v = X[i * n + j];
+            VT *yi = Y + i * ldy + c;
+            yi[0] -= a0 * v; yi[1] -= a1 * v; yi[2] -= a2 * v; yi[3] -= a3 * v;
+        }
+    }
+    for (; c < c1; ++c) {
+        VT a0 = Y[j * ldy + c];
+        for (int64_t i = j + 1; i < m; ++i) a0 += X[i * n + j] * Y[i * ldy + c];
+        a0 *= tj;
+        Y[j * ldy + c] -= a0;
+        for (int64_t i = j + 1; i < m; ++i) Y[i * ldy + c] -= a0 * X[i * n + j];
+    }
+}
+
 TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, int complete,
-                           VT *X, VT *Y, VT *tau, VT *w) {
+                           VT *X, VT *Y, VT *tau) {
     const VT zero = {0}, one = zero + 1;
     const int64_t k = TP_MIN(m, n), qc = complete ? m : k, rrows = complete ? m : k;
     to_lanes(a, m * n, m * n, X);
@@ -1146,35 +1177,13 @@ TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wan
         const VT sc = vsel(act, one / (alpha - den), one);
         tau[j] = tj;
         for (int64_t i = j + 1; i < m; ++i) X[i * n + j] *= sc;
-        /* w_l = tau (y_l[j] + sum_{i > j} v_i y_l[i]) for the trailing columns l */
-        for (int64_t l = j + 1; l < n; ++l) w[l] = X[j * n + l];
-        for (int64_t i = j + 1; i < m; ++i) {
-            const VT v = X[i * n + j];
-            for (int64_t l = j + 1; l < n; ++l) w[l] += v * X[i * n + l];
-        }
-        for (int64_t l = j + 1; l < n; ++l) { w[l] *= tj; X[j * n + l] -= w[l]; }
-        for (int64_t i = j + 1; i < m; ++i) {
-            const VT v = X[i * n + j];
-            for (int64_t l = j + 1; l < n; ++l) X[i * n + l] -= w[l] * v;
-        }
+        qr_vec_reflect(X, n, j, m, tj, X, n, j + 1, n);
         X[j * n + j] = beta;
     }
     if (wantq) {
         for (int64_t i = 0; i < m; ++i)
             for (int64_t c = 0; c < qc; ++c) Y[i * qc + c] = i == c ? one : zero;
-        for (int64_t j = k - 1; j >= 0; --j) {
-            const VT tj = tau[j];
-            for (int64_t c = j; c < qc; ++c) w[c] = Y[j * qc + c];
-            for (int64_t i = j + 1; i < m; ++i) {
-                const VT v = X[i * n + j];
-                for (int64_t c = j; c < qc; ++c) w[c] += v * Y[i * qc + c];
-            }
-            for (int64_t c = j; c < qc; ++c) { w[c] *= tj; Y[j * qc + c] -= w[c]; }
-            for (int64_t i = j + 1; i < m; ++i) {
-                const VT v = X[i * n + j];
-                for (int64_t c = j; c < qc; ++c) Y[i * qc + c] -= w[c] * v;
-            }
-        }
+        for (int64_t j = k - 1; j >= 0; --j) qr_vec_reflect(X, n, j, m, tau[j], Y, qc, j, qc);
         from_lanes(Y, m * qc, Q, m * qc);
     }
     /* R: the upper triangle of the first rrows rows (rrows > k only for complete, m > n) */
@@ -1193,8 +1202,8 @@ TP_EXPORT int tp_qr_vec(const T *a, T *Q, T *R, int64_t B, int64_t m, int64_t n,
     #pragma omp parallel num_threads(nt)
     {
         const int64_t p = TP_MAX(m, n);
-        VT *X = (VT *)aligned_alloc(VBYTES, sizeof(VT) * (m * n + m * m + 2 * p + 8));
-        VT *Y = X + m * n, *tau = Y + m * m, *w = tau + p;
+        VT *X = (VT *)aligned_alloc(VBYTES, sizeof(VT) * (m * n + m * m + p + 8));
+        VT *Y = X + m * n, *tau = Y + m * m;
         /* a partial last group: its matrices padded with zeros (tau = 0 lanes) to a full one */
         T *pad = (T *)malloc(sizeof(T) * VLN * (m * n + qsz + rsz + 1));
         #pragma omp for schedule(static)
@@ -1207,12 +1216,12 @@ TP_EXPORT int tp_qr_vec(const T *a, T *Q, T *R, int64_t B, int64_t m, int64_t n,
                 memcpy(pad, src, sizeof(T) * cnt * m * n);
                 src = pad; qo = pad + VLN * m * n; ro = qo + VLN * qsz;
             }
-            if (m == 2 && n == 2) qr_vec_full(src, qo, ro, 2, 2, (int)wantq, (int)complete, X, Y, tau, w);
-            else if (m == 3 && n == 3) qr_vec_full(src, qo, ro, 3, 3, (int)wantq, (int)complete, X, Y, tau, w);
-            else if (m == 4 && n == 4) qr_vec_full(src, qo, ro, 4, 4, (int)wantq, (int)complete, X, Y, tau, w);
-            else if (m == 8 && n == 8) qr_vec_full(src, qo, ro, 8, 8, (int)wantq, (int)complete, X, Y, tau, w);
-            else if (m == 16 && n == 16) qr_vec_full(src, qo, ro, 16, 16, (int)wantq, (int)complete, X, Y, tau, w);
-            else qr_vec_full(src, qo, ro, m, n, (int)wantq, (int)complete, X, Y, tau, w);
+            if (m == 2 && n == 2) qr_vec_full(src, qo, ro, 2, 2, (int)wantq, (int)complete, X, Y, tau);
+            else if (m == 3 && n == 3) qr_vec_full(src, qo, ro, 3, 3, (int)wantq, (int)complete, X, Y, tau);
+            else if (m == 4 && n == 4) qr_vec_full(src, qo, ro, 4, 4, (int)wantq, (int)complete, X, Y, tau);
+            else if (m == 8 && n == 8) qr_vec_full(src, qo, ro, 8, 8, (int)wantq, (int)complete, X, Y, tau);
+            else if (m == 16 && n == 16) qr_vec_full(src, qo, ro, 16, 16, (int)wantq, (int)complete, X, Y, tau);
+            else qr_vec_full(src, qo, ro, m, n, (int)wantq, (int)complete, X, Y, tau);
             if (cnt < VLN) {
                 memcpy(Q + b0 * qsz, qo, sizeof(T) * cnt * qsz);
                 memcpy(R + b0 * rsz, ro, sizeof(T) * cnt * rsz);
