@@ -1004,8 +1004,11 @@ TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int u
             int64_t d0 = i - i % VLN;  /* the chunk holding the diagonal */
             for (int64_t j = i + 1; j < d0 + VLN; ++j) X[i * n + j] = zero;
             for (int64_t j0 = 0; j0 <= i; j0 += VLN) tr_block((const T *)(X + i * n + j0), VLN, out + i * n + j0, n * n);
+            /* the chunks right of the diagonal one: whole vectors of zeros (a memset per row
+               and lane, rep stos here, took a quarter of the time at n = 16) */
             for (int64_t l = 0; l < VLN; ++l)
-                if (d0 + VLN < n) memset(out + l * n * n + i * n + d0 + VLN, 0, sizeof(T) * (n - d0 - VLN));
+                for (int64_t j0 = d0 + VLN; j0 < n; j0 += VLN)
+                    __builtin_memcpy(out + l * n * n + i * n + j0, &zero, sizeof(VT));
         }
     } else {
         for (int64_t i = 0; i < n; ++i)
