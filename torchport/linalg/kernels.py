@@ -1029,7 +1029,9 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
     const int64_t groups = (B + VLN - 1) / VLN;
     /* one thread below ~3 ms of work (B n^3 < 1e8; n = 16: 24000 matrices): on the shared
        2-core machine (load 3-5), B = 10000, n = 16 took 12-15 ms with two threads (the end of
-       the region waits for a descheduled thread) and 2.7-3 ms on one */
+       the region waits for a descheduled thread) and 2.7-3 ms on one; at load 2.1-2.8, with
+       64-byte lanes, B = 25000 n = 16 took 3.1 / 5.8 ms (f64) and 1.7 / 3.2 ms (f32) on two /
+       one threads (min of 15): the threshold depends on the load and was left as it was */
     int64_t nt = (groups < 2 || B * n * n * n < 100000000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
