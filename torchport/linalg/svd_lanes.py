@@ -36,7 +36,7 @@ import functools
 import torch
 
 from torchport import native
-from torchport.linalg._cparams import scalar_params
+from torchport.linalg._cparams import lane_bytes, lane_params
 from torchport.native import FloatArg, IntArg, Kernel, TensorArg
 
 # Sweep cap of the public path (as kernels.MAX_SWEEPS, which converged input never reaches).
@@ -44,22 +44,27 @@ MAX_SWEEPS = 60
 # The fast V (see svdl_fast_v) is used when every lane of a group has
 # sigma_min > KAPPA_C * eps * sqrt(p) * sigma_max, i.e. V's first-order error is below 1/32.
 KAPPA_C = 32.0
+# Lane vectors of a zmm register (16 float32 / 8 float64 matrices at once) on avx512, per dtype;
+# otherwise (and on other ISAs) a ymm register. Measured (Zen 5, B = 2000, one thread, min of 7
+# alternated thread-CPU times, ymm/zmm time): f32 n = 16 1.34x, n = 32 0.88x; f64 1.44x, 0.94x
+# (at n = 32 a group's W, p q vectors, outgrows the 48 KiB L1 at zmm width).
+WIDE_LANES = {torch.float32: True, torch.float64: True}
 # kernels._SOURCE up to this line holds the helpers this kernel shares (not the other kernels).
 _HELPERS_END = (
     "/* ---------------------------------------------------------------- SVD (one-sided Jacobi) */"
 )
 
 _SOURCE = r"""
-typedef T VT __attribute__((vector_size(32), aligned(32)));
-typedef ${ielem} VI __attribute__((vector_size(32), aligned(32)));
-#define VLN ((int64_t)(32 / sizeof(T)))
+typedef T VT __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
+typedef ${ielem} VI __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
+#define VLN ((int64_t)(${vbytes} / sizeof(T)))
 #define TP_UNROLL _Pragma("GCC unroll 4")
 
 TP_INLINE VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
 TP_INLINE VT vabs(VT x) { VT z = x - x; return vsel(x < z, -x, x); }
 TP_INLINE VT vsqrt(VT x) {
-#if defined(__AVX__)
-    return (VT)${vsqrt}((${m256})x);
+#if ${vguard}
+    return (VT)${lsqrt}((${lvec})x);
 #else
     VT r; for (int l = 0; l < VLN; ++l) r[l] = TSQRT(x[l]); return r;
 #endif
@@ -89,8 +94,8 @@ TP_INLINE void lrot(VT *x, VT *y, int64_t p, VT c, VT s) {
 /* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
    when uv. */
 TP_INLINE int lany(VI m) {
-#if defined(__AVX__)
-    return ${movemask}((${m256})m) != 0;
+#if ${vguard}
+    return ${lmovemask}((${lmask})m) != 0;
 #else
     return vany(m);
 #endif
@@ -288,7 +293,7 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
-        VT *W = (VT *)aligned_alloc(32, sizeof(VT) * (2 * p * k + k * k + 4 * k + 8));
+        VT *W = (VT *)aligned_alloc(sizeof(VT), sizeof(VT) * (2 * p * k + k * k + 4 * k + 8));
         VT *V = W + p * k, *X0 = V + k * k, *nv = X0 + p * k, *cs = nv + k;
         T *Ws = (T *)malloc(sizeof(T) * (p * k + k * k + k + p * p + 8));
         T *Vs = Ws + p * k, *nrm = Vs + k * k, *Ub = nrm + k;
@@ -323,25 +328,28 @@ def library(
     dtype: torch.dtype,
     isa: str,
     max_sweeps: int = MAX_SWEEPS,
+    vbytes: int | None = None,
 ) -> Kernel:
     """Build (or load from the disk cache) ``tp_svd_lanes`` for one dtype and ISA.
 
     The source follows the shared helpers at the head of :mod:`torchport.linalg.kernels`' source
     (``make_pairs``, ``all_finite``, ``svd_finish``: everything before its SVD section), rendered
     with the same parameters; the call takes ``kappa_c`` (see :data:`KAPPA_C`) before
-    ``nthreads``.
+    ``nthreads``. ``vbytes``: bytes per lane vector (32 or 64; None = :data:`WIDE_LANES`' choice
+    for the dtype on this ISA).
     """
     from torchport.linalg import kernels  # kernels imports this module for its routing
 
     cut = kernels._SOURCE.index(_HELPERS_END)
     helpers = kernels._SOURCE[:cut]
     is64 = dtype == torch.float64
+    vbytes = vbytes or lane_bytes(isa, WIDE_LANES[dtype])
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + helpers + _SOURCE,
-        **scalar_params(dtype, max_sweeps),
-        movemask="_mm256_movemask_pd" if is64 else "_mm256_movemask_ps",
+        **lane_params(dtype, max_sweeps, vbytes),
     )
-    lib = native.build(src, name=f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}", isa=isa)
+    name = f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}"
+    lib = native.build(src, name=name, isa=isa)
     return Kernel(
         lib,
         "tp_svd_lanes",
