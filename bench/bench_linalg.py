@@ -282,6 +282,7 @@ def _block_sweeps(dtype: torch.dtype, n: int, a: Any, lam: Any, q: Any, reps: in
 
     from torchport import native
     from torchport.linalg import eigh_block
+    from torchport.linalg._cparams import lane_bytes
 
     isa = native.cpu_info().isa
     ks = {c: eigh_block.library(dtype, isa, c) for c in (2, 4, eigh_block.MAX_SWEEPS)}
@@ -295,7 +296,7 @@ def _block_sweeps(dtype: torch.dtype, n: int, a: Any, lam: Any, q: Any, reps: in
             t0 = time.perf_counter()
             k.call_unchecked(*call)
             best[c] = min(best[c], time.perf_counter() - t0)
-    g = b // (32 // dtype.itemsize)
+    g = b // (lane_bytes(isa, eigh_block.WIDE_LANES[dtype]) // dtype.itemsize)  # lane groups
     t2, t4, tc = (best[c] / g * 1e6 for c in ks)
     per = (t4 - t2) / 2
     outside = t2 - 2 * per

@@ -9,11 +9,19 @@ import torch
 
 import torchport.linalg as tl
 from tests.test_linalg import sym
+from torchport import native
 from torchport.linalg import eigh_block, kernels
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 KINDS = ["random", "repeated", "clustered", "diagonal", "zero", "ill_conditioned"]
+# lane vector widths this machine builds (ymm; zmm on avx512)
+WIDTHS = (32, 64) if native.cpu_info().isa == "avx512" else (32,)
+
+
+@pytest.fixture(params=WIDTHS, ids=lambda w: f"v{w}")
+def vbytes(request):
+    return request.param
 
 
 def _check(a64: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, tol: float) -> None:
@@ -29,7 +37,7 @@ def _check(a64: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, tol: float) ->
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 16, 17, 24, 31, 32])
-def test_block_kernel_vs_lapack(dtype, n):
+def test_block_kernel_vs_lapack(dtype, n, vbytes):
     """Every kind of input, both triangles (the other one poisoned), a batch that leaves a
     partial group of lanes; eigenvalues-only agree with the vectors run."""
     kinds = KINDS if n in (5, 16, 32) else ["random", "repeated"]
@@ -37,10 +45,10 @@ def test_block_kernel_vs_lapack(dtype, n):
     for upper in (False, True):
         junk = torch.triu(torch.full((n, n), 7.0, dtype=torch.float64), 1)
         a = (a64 + (junk.mT if upper else junk)).to(dtype).contiguous()
-        lam, q, bad = eigh_block.eigh(a, upper, True)
+        lam, q, bad = eigh_block.eigh(a, upper, True, vbytes)
         assert bad == 0
         _check(a64, lam, q, TOL[dtype])
-        vals, empty, bad = eigh_block.eigh(a, upper, False)
+        vals, empty, bad = eigh_block.eigh(a, upper, False, vbytes)
         assert bad == 0 and empty.numel() == 0
         assert torch.allclose(vals, lam, rtol=0, atol=TOL[dtype] * max(1.0, float(a64.abs().max())))
 
@@ -71,7 +79,7 @@ def test_block_pairs_cover_every_pair_once():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_block_kernel_scaling_and_errors(dtype):
+def test_block_kernel_scaling_and_errors(dtype, vbytes):
     """Lanes of very different magnitudes in one group (per-lane power-of-two scaling), empty
     batch and n = 0, and 1 + the first batch index with a non-finite entry."""
     big = 1e150 if dtype == torch.float64 else 1e18
@@ -79,7 +87,7 @@ def test_block_kernel_scaling_and_errors(dtype):
     for i, f in enumerate((big, 1 / big, 1.0, big, 1 / big, 3.0, 1e-3, 7.0, big)):
         a64[i] *= f
     a = a64.to(dtype).contiguous()
-    lam, q, bad = eigh_block.eigh(a, False, True)
+    lam, q, bad = eigh_block.eigh(a, False, True, vbytes)
     ref = torch.linalg.eigvalsh(a.double())
     tol = TOL[dtype] * 10 * 32
     assert bad == 0
@@ -89,12 +97,12 @@ def test_block_kernel_scaling_and_errors(dtype):
         resid = a[i].double() @ q[i].double() - q[i].double() * lam[i].double()
         assert float(resid.abs().max()) <= tol * scale
     for shape in ((0, 5, 5), (3, 0, 0)):
-        lam, q, bad = eigh_block.eigh(torch.zeros(shape, dtype=dtype), False, True)
+        lam, q, bad = eigh_block.eigh(torch.zeros(shape, dtype=dtype), False, True, vbytes)
         assert bad == 0 and lam.shape == shape[:2] and q.shape == shape
     a = a.clone()
     a[6, 3, 1] = float("inf")
-    assert eigh_block.eigh(a, False, True)[2] == 7
-    assert eigh_block.eigh(a, True, False)[2] == 7
+    assert eigh_block.eigh(a, False, True, vbytes)[2] == 7
+    assert eigh_block.eigh(a, True, False, vbytes)[2] == 7
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

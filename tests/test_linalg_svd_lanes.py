@@ -13,16 +13,29 @@ from torchport.linalg.reference import svd_lanes_reference
 
 DTYPES = (torch.float32, torch.float64)
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+# lane vector widths this machine builds (ymm; zmm on avx512)
+WIDTHS = (32, 64) if native.cpu_info().isa == "avx512" else (32,)
 
 
-def _run(a: torch.Tensor, full: bool, uv: bool = True, kappa_c: float = svd_lanes.KAPPA_C):
-    """tp_svd_lanes on contiguous (B, m, n) ``a``."""
+@pytest.fixture(params=WIDTHS, ids=lambda w: f"v{w}")
+def vbytes(request):
+    return request.param
+
+
+def _run(
+    a: torch.Tensor,
+    full: bool,
+    uv: bool = True,
+    kappa_c: float = svd_lanes.KAPPA_C,
+    vbytes: int | None = None,
+):
+    """tp_svd_lanes on contiguous (B, m, n) ``a``; ``vbytes``: lane width (None: the default)."""
     b, m, n = a.shape
     k = min(m, n)
     s = a.new_empty((b, k))
     u = a.new_empty((b, m, m if full else k)) if uv else a.new_empty(0)
     vh = a.new_empty((b, n if full else k, n)) if uv else a.new_empty(0)
-    kern = svd_lanes.library(a.dtype, native.cpu_info().isa)
+    kern = svd_lanes.library(a.dtype, native.cpu_info().isa, vbytes=vbytes)
     bad = kern.call_unchecked(
         a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n, int(uv), int(full), 1,
         kappa_c, 1,
@@ -58,11 +71,11 @@ def _check(a, u, s, vh, tol: float) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n", [(5, 5), (9, 6), (6, 9), (12, 12)], ids=str)
 @pytest.mark.parametrize("full", [False, True], ids=["reduced", "full"])
-def test_kernel_matches_reference(dtype, m, n, full):
+def test_kernel_matches_reference(dtype, m, n, full, vbytes):
     """Kernel vs svd_lanes_reference (same algorithm) and LAPACK; 11 matrices: a partial group."""
     g = torch.Generator().manual_seed(m * 100 + n)
     a = torch.randn(11, m, n, generator=g, dtype=dtype)
-    u, s, vh, bad = _run(a, full)
+    u, s, vh, bad = _run(a, full, vbytes=vbytes)
     assert bad == 0
     _check(a, u, s, vh, TOL[dtype])
     ur, sr, vhr = svd_lanes_reference(a, full)
@@ -72,29 +85,29 @@ def test_kernel_matches_reference(dtype, m, n, full):
     for x, y in ((u[..., :k], ur[..., :k]), (vh[..., :k, :].mT, vhr[..., :k, :].mT)):
         sign = torch.sign((x * y).sum(-2, keepdim=True))
         assert float((x * sign - y).abs().max()) <= TOL[dtype] * 100
-    assert torch.equal(_run(a, full, uv=False)[1], s)
+    assert torch.equal(_run(a, full, uv=False, vbytes=vbytes)[1], s)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n", [(32, 32), (17, 17), (40, 33), (20, 37)], ids=str)
-def test_kernel_larger_shapes(dtype, m, n):
+def test_kernel_larger_shapes(dtype, m, n, vbytes):
     """Constant-size (32) and generic builds, tall and wide, against LAPACK."""
     g = torch.Generator().manual_seed(m + n)
     a = torch.randn(9, m, n, generator=g, dtype=dtype)
     for full in (False, True):
-        u, s, vh, bad = _run(a, full)
+        u, s, vh, bad = _run(a, full, vbytes=vbytes)
         assert bad == 0
         _check(a, u, s, vh, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kappa_c", [0.0, 1e30], ids=["always-fast-v", "always-accumulated"])
-def test_both_v_paths(dtype, kappa_c):
+def test_both_v_paths(dtype, kappa_c, vbytes):
     """Either way of forming V meets the tolerances, up to cond 1e6 (float64) / 1e3 (float32),
     against LAPACK and against the reference run with the same switch."""
     cond = 1e6 if dtype == torch.float64 else 1e3
     a = _graded(10, 12, 12, cond, dtype, seed=3)
-    u, s, vh, bad = _run(a, False, kappa_c=kappa_c)
+    u, s, vh, bad = _run(a, False, kappa_c=kappa_c, vbytes=vbytes)
     assert bad == 0
     _check(a, u, s, vh, TOL[dtype])
     ur, sr, vhr = svd_lanes_reference(a, False, kappa_c=kappa_c)
@@ -103,17 +116,17 @@ def test_both_v_paths(dtype, kappa_c):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mixed_group(dtype):
+def test_mixed_group(dtype, vbytes):
     """One lane group holding a zero matrix, a rank-deficient one, an ill-conditioned one and
     random ones (the group falls back to accumulated V): U and V stay orthonormal."""
-    lanes = 32 // torch.tensor([], dtype=dtype).element_size()
+    lanes = vbytes // torch.tensor([], dtype=dtype).element_size()
     g = torch.Generator().manual_seed(7)
     a = torch.randn(2 * lanes, 12, 12, generator=g, dtype=dtype)
     a[1] = 0
     a[2] = a[2, :, :3] @ torch.randn(3, 12, generator=g, dtype=dtype)  # rank 3
     a[3] = _graded(1, 12, 12, 1e12 if dtype == torch.float64 else 1e7, dtype, seed=4)[0]
     for full in (False, True):
-        u, s, vh, bad = _run(a, full)
+        u, s, vh, bad = _run(a, full, vbytes=vbytes)
         assert bad == 0
         tol = TOL[dtype] * 10
         for x in (u.double(), vh.double().mT):
@@ -125,7 +138,7 @@ def test_mixed_group(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_lane_scaling(dtype):
+def test_lane_scaling(dtype, vbytes):
     """Lanes of very different magnitude in one group: each lane is scaled by its own power of
     two, so the squared angle test neither overflows nor underflows."""
     big = 1e150 if dtype == torch.float64 else 1e18
@@ -133,18 +146,18 @@ def test_lane_scaling(dtype):
     a = torch.randn(8, 10, 10, generator=g, dtype=dtype)
     scales = torch.tensor([big, 1 / big, 1.0, big**0.5, 1 / big**0.5, 3.0, 1e-3, 7e3], dtype=dtype)
     a = a * scales.view(8, 1, 1)
-    u, s, vh, bad = _run(a, False)
+    u, s, vh, bad = _run(a, False, vbytes=vbytes)
     assert bad == 0
     _check(a, u, s, vh, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_non_finite_batch_index(dtype):
+def test_non_finite_batch_index(dtype, vbytes):
     """A NaN or inf reports 1 + the first bad batch index, as tp_svd_vec does."""
     a = torch.randn(13, 6, 6, dtype=dtype)
     a[9, 2, 3] = float("nan")
     a[11, 0, 0] = float("inf")
-    assert _run(a, False)[3] == 10
+    assert _run(a, False, vbytes=vbytes)[3] == 10
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -23,3 +23,40 @@ def scalar_params(dtype: torch.dtype, max_sweeps: int) -> dict[str, str]:
         "m256": "__m256d" if is64 else "__m256",
         "max_sweeps": str(int(max_sweeps)),
     }
+
+
+def lane_bytes(isa: str, wide: bool) -> int:
+    """Bytes per lane vector: 64 (a zmm register) when ``wide`` and the ISA is avx512, else 32."""
+    return 64 if wide and isa == "avx512" else 32
+
+
+def lane_params(dtype: torch.dtype, max_sweeps: int, vbytes: int) -> dict[str, str]:
+    """:func:`scalar_params` for kernels whose lane vectors are ``vbytes`` bytes (32: ymm, 64:
+    zmm), its ymm-only names (``vsqrt``, ``m256``) replaced by: the width, the macro that guards
+    the intrinsics (the templates fall back to per-lane loops without it), the vector square
+    root and its operand type, and the sign-bit movemask of a comparison mask and its operand
+    type."""
+    assert vbytes in (32, 64), vbytes
+    params = scalar_params(dtype, max_sweeps)
+    del params["vsqrt"], params["m256"]
+    return params | _vector_names(dtype == torch.float64, vbytes)
+
+
+def _vector_names(is64: bool, vbytes: int) -> dict[str, str]:
+    if vbytes == 32:
+        return {
+            "vbytes": "32",
+            "vguard": "defined(__AVX__)",
+            "lsqrt": "_mm256_sqrt_pd" if is64 else "_mm256_sqrt_ps",
+            "lvec": "__m256d" if is64 else "__m256",
+            "lmovemask": "_mm256_movemask_pd" if is64 else "_mm256_movemask_ps",
+            "lmask": "__m256d" if is64 else "__m256",
+        }
+    return {
+        "vbytes": "64",
+        "vguard": "defined(__AVX512F__) && defined(__AVX512DQ__)",
+        "lsqrt": "_mm512_sqrt_pd" if is64 else "_mm512_sqrt_ps",
+        "lvec": "__m512d" if is64 else "__m512",
+        "lmovemask": "_mm512_movepi64_mask" if is64 else "_mm512_movepi32_mask",
+        "lmask": "__m512i",
+    }

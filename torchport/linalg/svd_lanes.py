@@ -21,7 +21,8 @@ throughput rather than latency:
   (V's column j = Xᵀ w_j / σ_j², X the initial vectors) and orthonormalised by one Gram-Schmidt
   pass in descending σ (``svdl_fast_v``), when every lane of the group has
   σ_min > :data:`KAPPA_C`·eps·√p·σ_max; otherwise the group is solved again accumulating V.
-  The sweeps without V touch half the memory (W alone: 32 KB at fp64 n = 32, the L1 size).
+  The sweeps without V touch half the memory (W alone: 32 KB at fp64 n = 32 with ymm lanes,
+  64 KB with zmm lanes, where the rounds are taken in chunks of pairs to stay in L1).
 
 The plain-torch reference is :func:`torchport.linalg.reference.svd_lanes_reference` (the sweeps of
 ``svd_reference`` with the same pair order and threshold, the angle by the equivalent classical
@@ -36,7 +37,7 @@ import functools
 import torch
 
 from torchport import native
-from torchport.linalg._cparams import scalar_params
+from torchport.linalg._cparams import lane_bytes, lane_params
 from torchport.native import FloatArg, IntArg, Kernel, TensorArg
 
 # Sweep cap of the public path (as kernels.MAX_SWEEPS, which converged input never reaches).
@@ -44,22 +45,33 @@ MAX_SWEEPS = 60
 # The fast V (see svdl_fast_v) is used when every lane of a group has
 # sigma_min > KAPPA_C * eps * sqrt(p) * sigma_max, i.e. V's first-order error is below 1/32.
 KAPPA_C = 32.0
+# Lane vectors of a zmm register (16 float32 / 8 float64 matrices at once) on avx512, per dtype;
+# otherwise (and on other ISAs) a ymm register. Measured (Zen 5, B = 2000, one thread, min of 7
+# alternated thread-CPU times, ymm/zmm time): f32 n = 16 1.34x, n = 32 0.88x; f64 1.44x, 0.94x
+# (at n = 32 a group's W, p q vectors, outgrows the 48 KiB L1 at zmm width); with the rounds
+# taken in chunks (SVDL_CHUNK), ymm/zmm: f32 n = 16 1.28x, n = 32 0.97x; f64 1.46x, 1.05x; and
+# (whole rounds) n = 8 1.17x / 1.35x, n = 24 1.39x / 1.52x, n = 64 1.08x / 1.14x.
+WIDE_LANES = {torch.float32: True, torch.float64: True}
 # kernels._SOURCE up to this line holds the helpers this kernel shares (not the other kernels).
 _HELPERS_END = (
     "/* ---------------------------------------------------------------- SVD (one-sided Jacobi) */"
 )
 
 _SOURCE = r"""
-typedef T VT __attribute__((vector_size(32), aligned(32)));
-typedef ${ielem} VI __attribute__((vector_size(32), aligned(32)));
-#define VLN ((int64_t)(32 / sizeof(T)))
+typedef T VT __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
+typedef ${ielem} VI __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
+#define VLN ((int64_t)(${vbytes} / sizeof(T)))
 #define TP_UNROLL _Pragma("GCC unroll 4")
+/* pairs per chunk of a round (svdl_sweeps): zmm, one thread, B = 2000, old (whole rounds) / new
+   time: n = 32 f32 1.09x, f64 1.10x; n = 16 (one chunk a round) 1.00-1.02x; 4 gave 1.10-1.12x
+   at n = 32 but 0.97x at n = 16, 2 0.88-0.96x at n = 16 */
+#define SVDL_CHUNK 8
 
 TP_INLINE VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
 TP_INLINE VT vabs(VT x) { VT z = x - x; return vsel(x < z, -x, x); }
 TP_INLINE VT vsqrt(VT x) {
-#if defined(__AVX__)
-    return (VT)${vsqrt}((${m256})x);
+#if ${vguard}
+    return (VT)${lsqrt}((${lvec})x);
 #else
     VT r; for (int l = 0; l < VLN; ++l) r[l] = TSQRT(x[l]); return r;
 #endif
@@ -86,20 +98,21 @@ TP_INLINE void lrot(VT *x, VT *y, int64_t p, VT c, VT s) {
     }
 }
 
-/* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
-   when uv. */
+/* Whether some lane of the comparison mask m is set. */
 TP_INLINE int lany(VI m) {
-#if defined(__AVX__)
-    return ${movemask}((${m256})m) != 0;
+#if ${vguard}
+    return ${lmovemask}((${lmask})m) != 0;
 #else
     return vany(m);
 #endif
 }
 
 /* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
-   when uv. Each round of h disjoint pairs runs in three passes: the inner products, then every
-   angle of the pairs where some lane rotates (independent square-root/division chains), then
-   their rotations. Every sweep repeats the same rounds, so any run of as many consecutive rounds as a
+   when uv. Each round's h disjoint pairs are taken SVDL_CHUNK at a time in three passes: the
+   inner products, then every angle of the pairs where some lane rotates (independent
+   square-root/division chains), then their rotations; the pairs are disjoint, so the chunks
+   give the rotations of the whole round at once, and a chunk's 2 SVDL_CHUNK vectors stay in L1
+   from its inner products to its rotations (at n = 32 a zmm group's W, 64 KiB, does not). Every sweep repeats the same rounds, so any run of as many consecutive rounds as a
    sweep holds tests each pair once: the sweeps stop as soon as such a run rotated nothing (every pair
    below threshold in the final state), often inside the sweep after the last rotation, not at the
    end of a whole check-only sweep. */
@@ -116,40 +129,44 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
             if (quiet >= nrounds) return;
             int64_t np = 0;
             for (int64_t t = base; t < base + h; ++t) {
-                int64_t j = pairs[2 * t], kk = pairs[2 * t + 1];
-                if (j < 0) continue;
-                lp[np] = j; lq[np] = kk;
-                cs[3 * np + 2] = ldot(W + j * p, W + kk * p, p);
-                ++np;
+                if (pairs[2 * t] < 0) continue;
+                lp[np] = pairs[2 * t]; lq[np] = pairs[2 * t + 1]; ++np;
             }
             int any = 0;
-            for (int64_t t = 0; t < np; ++t) {
-                VT al = nv[lp[t]], be = nv[lq[t]], g = cs[3 * t + 2];
-                VI act = (al != zero) & (be != zero) & (g * g > tol2 * al * be);
-                fl[t] = (char)lany(act);
-                if (!fl[t]) continue;
+            for (int64_t c0 = 0; c0 < np; c0 += SVDL_CHUNK) {
+                const int64_t c1 = TP_MIN(np, c0 + SVDL_CHUNK);
+                for (int64_t t = c0; t < c1; ++t)
+                    cs[3 * t + 2] = ldot(W + lp[t] * p, W + lq[t] * p, p);
+                int some = 0;
+                for (int64_t t = c0; t < c1; ++t) {
+                    VT al = nv[lp[t]], be = nv[lq[t]], g = cs[3 * t + 2];
+                    VI act = (al != zero) & (be != zero) & (g * g > tol2 * al * be);
+                    fl[t] = (char)lany(act);
+                    if (!fl[t]) continue;
+                    some = 1;
+                    VT gg = vsel(act, g, zero);
+                    VT d = be - al;
+                    VT sgn = vsel(d >= zero, one, -one);
+                    VT r = vsqrt(d * d + 4 * gg * gg);
+                    VT u = vabs(d) + r;
+                    VT y = one / vsqrt(vsel(act, 2 * r * u, one));
+                    cs[3 * t] = vsel(act, u * y, one);
+                    cs[3 * t + 1] = sgn * 2 * gg * y;
+                    cs[3 * t + 2] = sgn * 4 * gg * gg * r * y * y;
+                }
+                if (!some) continue;
                 any = 1;
-                VT gg = vsel(act, g, zero);
-                VT d = be - al;
-                VT sgn = vsel(d >= zero, one, -one);
-                VT r = vsqrt(d * d + 4 * gg * gg);
-                VT u = vabs(d) + r;
-                VT y = one / vsqrt(vsel(act, 2 * r * u, one));
-                cs[3 * t] = vsel(act, u * y, one);
-                cs[3 * t + 1] = sgn * 2 * gg * y;
-                cs[3 * t + 2] = sgn * 4 * gg * gg * r * y * y;
+                for (int64_t t = c0; t < c1; ++t) {
+                    if (!fl[t]) continue;
+                    const int64_t j = lp[t], kk = lq[t];
+                    const VT c = cs[3 * t], s = cs[3 * t + 1];
+                    lrot(W + j * p, W + kk * p, p, c, s);
+                    if (uv) lrot(V + j * q, V + kk * q, q, c, s);
+                    nv[j] -= cs[3 * t + 2];
+                    nv[kk] += cs[3 * t + 2];
+                }
             }
-            if (!any) { ++quiet; continue; }
-            quiet = 0;
-            for (int64_t t = 0; t < np; ++t) {
-                if (!fl[t]) continue;
-                const int64_t j = lp[t], kk = lq[t];
-                const VT c = cs[3 * t], s = cs[3 * t + 1];
-                lrot(W + j * p, W + kk * p, p, c, s);
-                if (uv) lrot(V + j * q, V + kk * q, q, c, s);
-                nv[j] -= cs[3 * t + 2];
-                nv[kk] += cs[3 * t + 2];
-            }
+            if (any) quiet = 0; else ++quiet;
         }
         if (quiet >= nrounds) return;
     }
@@ -288,7 +305,7 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
     int64_t bad = INT64_MAX;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
-        VT *W = (VT *)aligned_alloc(32, sizeof(VT) * (2 * p * k + k * k + 4 * k + 8));
+        VT *W = (VT *)aligned_alloc(sizeof(VT), sizeof(VT) * (2 * p * k + k * k + 4 * k + 8));
         VT *V = W + p * k, *X0 = V + k * k, *nv = X0 + p * k, *cs = nv + k;
         T *Ws = (T *)malloc(sizeof(T) * (p * k + k * k + k + p * p + 8));
         T *Vs = Ws + p * k, *nrm = Vs + k * k, *Ub = nrm + k;
@@ -323,25 +340,28 @@ def library(
     dtype: torch.dtype,
     isa: str,
     max_sweeps: int = MAX_SWEEPS,
+    vbytes: int | None = None,
 ) -> Kernel:
     """Build (or load from the disk cache) ``tp_svd_lanes`` for one dtype and ISA.
 
     The source follows the shared helpers at the head of :mod:`torchport.linalg.kernels`' source
     (``make_pairs``, ``all_finite``, ``svd_finish``: everything before its SVD section), rendered
     with the same parameters; the call takes ``kappa_c`` (see :data:`KAPPA_C`) before
-    ``nthreads``.
+    ``nthreads``. ``vbytes``: bytes per lane vector (32 or 64; None = :data:`WIDE_LANES`' choice
+    for the dtype on this ISA).
     """
     from torchport.linalg import kernels  # kernels imports this module for its routing
 
     cut = kernels._SOURCE.index(_HELPERS_END)
     helpers = kernels._SOURCE[:cut]
     is64 = dtype == torch.float64
+    vbytes = vbytes or lane_bytes(isa, WIDE_LANES[dtype])
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + helpers + _SOURCE,
-        **scalar_params(dtype, max_sweeps),
-        movemask="_mm256_movemask_pd" if is64 else "_mm256_movemask_ps",
+        **lane_params(dtype, max_sweeps, vbytes),
     )
-    lib = native.build(src, name=f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}", isa=isa)
+    name = f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}"
+    lib = native.build(src, name=name, isa=isa)
     return Kernel(
         lib,
         "tp_svd_lanes",
