@@ -1288,10 +1288,18 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
 """
 
 
-# Identifies the kernel sources (this one and the blocked Cholesky's) in autotuning keys, so
-# choices made for older kernels are not reused.
+# Identifies the kernel sources (this one, the blocked Cholesky's, eigh_block's, svd_lanes') and
+# the lane widths they are built at in autotuning keys, so choices made for older kernels are not
+# reused.
 SOURCE_TAG = hashlib.sha256(
-    (_SOURCE + _blocked.SOURCE_TAG + _eigh_block.SOURCE_TAG + _svd_lanes._SOURCE).encode()
+    (
+        _SOURCE
+        + _blocked.SOURCE_TAG
+        + _eigh_block.SOURCE_TAG
+        + _svd_lanes._SOURCE
+        + repr(sorted((str(k), v) for k, v in _eigh_block.WIDE_LANES.items()))
+        + repr(sorted((str(k), v) for k, v in _svd_lanes.WIDE_LANES.items()))
+    ).encode()
 ).hexdigest()[:12]
 
 
