@@ -179,6 +179,7 @@ def _with_adaptive(plan: LaunchPlan, timings: dict[str, float], nbytes: int) -> 
         probe_every=probe,
         home=home,
         home_probe_every=4 if big else None,
+        warm_switch=big,
     )
     t_tuned, t_twin = timings.get(plan.candidate.name), timings.get(_twin_name(plan.candidate))
     if t_tuned and t_twin:
