@@ -36,8 +36,9 @@ as two 256-bit halves) per eleven instructions, the activations permuted per 64 
 ↔ vector ``j`` lane ``l``, ``l`` < 16). Kernel-level A/B in one process (one thread, thread CPU
 time, load 3-6): L2-resident 256×4096 2.60 → 1.79 ns per 64 weights, 11008×4096 streamed from
 DRAM 1.77 → 1.33 ms per call; with single 512-bit weight loads the DRAM stream was 2.8 ms (slower
-than the 256-bit kernel). The AVX2 build keeps the 256-bit kernel. No scalar variant (the caller
-never selects it below AVX2).
+than the 256-bit kernel). The AVX2 build keeps the 256-bit kernel, and serves two or more
+activation rows on AVX-512 machines too (:func:`torchport.gemv.ops._native_kernel`: at B=4 the
+512-bit kernel streamed slower). No scalar variant (the caller never selects it below AVX2).
 """
 
 from __future__ import annotations
