@@ -88,7 +88,10 @@ class ThreadAdaptive:
     every ``home_probe_every`` calls, and one such probe faster than the current arm's median by
     ``home_margin`` brings the runner back at once (the home arm's older samples, taken while the
     load lasted, are dropped); a launch that left home for a burst of load returns within a few
-    calls of its end instead of after ``warmup`` probes ``probe_every`` calls apart.
+    calls of its end instead of after ``warmup`` probes ``probe_every`` calls apart. Each home
+    probe that loses doubles the interval (up to ``probe_every``; reset by any switch): under
+    lasting load a probe every 4 calls made half the calls slow (the probe, and the one-thread
+    call after it, which shares its core with the idle worker thread still spinning).
 
     ``warm_switch`` (optional): a sampled call on another arm than the previous call ran is not
     timed but runs again on that arm on the next call, which is timed. The first call after a
@@ -138,6 +141,7 @@ class ThreadAdaptive:
         self._home = home
         self._home_margin = home_margin
         self._home_probe = home_probe_every or 0
+        self._home_every = self._home_probe  # doubles after each home probe that loses
         self._learned = False  # every arm has its warmup samples
         self._warm_switch = warm_switch
         self._last = self.current  # the arm the previous call ran
@@ -156,7 +160,7 @@ class ThreadAdaptive:
             if min(counts) < self._warmup:  # learn every arm first, round robin
                 return min(range(len(counts)), key=lambda i: (counts[i], i))
         h = self._home
-        if self._home_probe and self.current != h and self.calls % self._home_probe == 0:
+        if self._home_probe and self.current != h and self.calls % self._home_every == 0:
             return h  # type: ignore[return-value]
         if self.calls % self._probe_every:
             return self.current
@@ -214,7 +218,12 @@ class ThreadAdaptive:
             self.stats[arm].add(dt)
             self.current = arm
             self.switches += 1
+            self._home_every = self._home_probe
             return
+        if self._home_probe and self._learned and arm == self._home and cur != arm:
+            # a home probe that lost: under lasting load each one is a slow call (and, through
+            # the idle worker's spinning, so is the call after it), so probe half as often
+            self._home_every = min(2 * self._home_every, self._probe_every)
         self.stats[arm].add(dt)
         if self._learned or min(len(s.hist) for s in self.stats) >= self._warmup:
             self._learned = True
@@ -249,6 +258,7 @@ class ThreadAdaptive:
             if best != self.current:
                 self.current = best
                 self.switches += 1
+                self._home_every = self._home_probe
 
 
 __all__ = ["ArmStats", "ThreadAdaptive"]
