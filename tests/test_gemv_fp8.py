@@ -105,3 +105,15 @@ def test_gemv_uses_shift_kernel_results_for_e4m3() -> None:
     w = _all_codes_weight(33, 160, seed=3)
     x = torch.randn(2, 160)
     _check(gemv(x, w), x, w, None)
+
+
+def test_several_rows_take_the_avx2_build_on_avx512() -> None:
+    """The AVX-512 shift kernel serves one activation row; two or more rows take the AVX2 build
+    (measured faster there), which the caller's plan then holds."""
+    from torchport.gemv import ops as gops
+
+    cand = next(c for c in gops.candidates("fp8_e4m3") if c.param("kernel") == "shift")
+    pf = cand.param("prefetch")
+    kern = gops._native_kernel("fp8_e4m3", False, 256, "avx512", cand, rows=4)
+    assert kern is gemv_fp8_shift_kernel("avx2", pf)
+    assert gops._native_kernel("fp8_e4m3", False, 256, "avx2", cand, rows=1) is kern

@@ -181,3 +181,77 @@ def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> No
     # a small weight keeps the plain runner (no home probes)
     small = gops._with_adaptive(gops.LaunchPlan(cand, object(), 0), {}, 1 << 20)
     assert small.adaptive is not None and small.adaptive._home is None
+
+
+def test_big_weight_probes_time_a_launch_warm(monkeypatch) -> None:
+    """The first call after a change of launch pays one-off costs (here +0.8 ms: waking the
+    idle OpenMP worker). A >= 4 MiB weight's plan times a probe on its second call (fake clock):
+    after a burst of load it returns to the two-thread launch (1.0 ms warm, 1.8 ms cold) from the
+    one-thread one (1.5 ms); a runner timing each probe's first call stays on one thread."""
+    from torchport.autotune import Candidate, timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    t = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: t[0])
+    monkeypatch.setattr(native, "num_threads", lambda: 2)
+    cand = Candidate("shift_p8192_t0", params=(("threads", 0),))
+    timings = {cand.name: 1.0e-3, "shift_p8192_t1": 1.5e-3}
+    for warm in (True, False):
+        cost = {2: 1.0e-3, 1: 1.5e-3}
+        used: list[int] = [2]
+
+        def go(nt: int, cost: dict[int, float] = cost, used: list[int] = used) -> None:
+            t[0] += cost[nt] + (0.8e-3 if nt == 2 and used[-1] != 2 else 0.0)
+            used.append(nt)
+
+        plan = gops._with_adaptive(gops.LaunchPlan(cand, object(), 0), timings, 45 << 20)
+        ad = plan.adaptive
+        assert isinstance(ad, ThreadAdaptive) and ad._warm_switch
+        ad._warm_switch = warm
+        cost[2] = 9e-3  # a neighbour's burst
+        for _ in range(8):
+            plan.launch(go)
+        assert ad.current == 1
+        cost[2] = 1.0e-3  # the burst is over
+        for _ in range(24):
+            plan.launch(go)
+        assert ad.current == (0 if warm else 1), warm
+        if warm:
+            assert used[-8:].count(2) >= 7  # back home, staying there
+
+
+def test_big_weight_home_probes_back_off_under_lasting_load(monkeypatch) -> None:
+    """Under lasting load each home probe that loses doubles the interval to the next (4, 8,
+    16 calls, capped at the 16-call probe period), so few calls pay for a slow two-thread
+    launch; the runner still returns home once the load is gone (fake clock)."""
+    from torchport.autotune import Candidate, timing
+
+    t = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: t[0])
+    monkeypatch.setattr(native, "num_threads", lambda: 2)
+    cand = Candidate("shift_p8192_t0", params=(("threads", 0),))
+    cost = {2: 1.0e-3, 1: 1.5e-3}
+    used: list[int] = []
+
+    def go(nt: int) -> None:
+        t[0] += cost[nt]
+        used.append(nt)
+
+    plan = gops._with_adaptive(
+        gops.LaunchPlan(cand, object(), 0), {cand.name: 1.0e-3, "shift_p8192_t1": 1.5e-3}, 45 << 20
+    )
+    ad = plan.adaptive
+    assert ad is not None
+    cost[2] = 9e-3  # lasting load
+    for _ in range(8):
+        plan.launch(go)
+    assert ad.current == 1
+    used.clear()
+    for _ in range(96):
+        plan.launch(go)
+    assert ad.current == 1 and ad._home_every == 16
+    assert used.count(2) <= 16  # a probe every 4 calls would have been 48 (two calls each)
+    cost[2] = 1.0e-3  # the load is gone
+    for _ in range(18):
+        plan.launch(go)
+    assert ad.current == 0 and ad._home_every == 4

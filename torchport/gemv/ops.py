@@ -179,6 +179,7 @@ def _with_adaptive(plan: LaunchPlan, timings: dict[str, float], nbytes: int) -> 
         probe_every=probe,
         home=home,
         home_probe_every=4 if big else None,
+        warm_switch=big,
     )
     t_tuned, t_twin = timings.get(plan.candidate.name), timings.get(_twin_name(plan.candidate))
     if t_tuned and t_twin:
@@ -197,6 +198,10 @@ TUNE_MIN_WEIGHTS = 1 << 18
 # streams from DRAM only as fast as it keeps misses in flight; 512 bytes (8 lines) ahead left the
 # two-thread GEMV at 20-24 GB/s, 4096-8192 reach the read bandwidth ``Tensor.sum`` measures.
 BLOCK_PREFETCH = (4096, 8192)
+# Prefetch distances of the E4M3 shift-decode kernel. The AVX-512 kernel streams from DRAM faster
+# with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one process, load
+# ~3: one thread 1.41 / 1.26 ms CPU time, two threads 1.09 / 1.08 ms wall; 16384 1.24 / 1.11).
+SHIFT_PREFETCH = (8192, 4096)
 
 
 def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
@@ -208,7 +213,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
     the pair-split kernel (``kernel="pair"``, K a multiple of 64), the group-32 kernel after them; E4M3
     weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
-    prefetch 4096 or 2048) first.
+    prefetch :data:`SHIFT_PREFETCH`) first.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
@@ -223,7 +228,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         for threads in (0, 1):
-            for pf in (4096, 2048):
+            for pf in SHIFT_PREFETCH:
                 params = (("kernel", "shift"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"shift_p{pf}_t{threads}", params=params))
     r4 = int(fmt in ("f32", "bf16"))
@@ -240,7 +245,9 @@ def _space_id(cands: list[autotune.Candidate]) -> str:
     return hashlib.sha256(",".join(c.name for c in cands).encode()).hexdigest()[:12]
 
 
-def _native_kernel(fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candidate) -> object:
+def _native_kernel(
+    fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candidate, rows: int = 1
+) -> object:
     pf, r4 = cand.param("prefetch", 512), cand.param("rows4", 0)
     if cand.param("kernel") == "block":
         if k % 128 or isa == "scalar":
@@ -255,7 +262,10 @@ def _native_kernel(fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candid
     if cand.param("kernel") == "shift":
         if fmt != "fp8_e4m3" or isa == "scalar":
             raise autotune.InvalidCandidate(f"shift-decode kernel needs AVX2 and E4M3 ({fmt})")
-        return gemv_fp8_shift_kernel(isa, pf)
+        # The AVX-512 build serves one activation row; with more rows (B * K floats beyond L1)
+        # it streamed slower than the AVX2 build: 11008x4096 B=4 from DRAM, one thread, CPU
+        # time 7.2 vs 4.2 ms, two threads 3.8 vs 2.3 ms (one process, interleaved medians of 15)
+        return gemv_fp8_shift_kernel("avx2" if isa == "avx512" and rows > 1 else isa, pf)
     return gemv_i8_kernel(fmt, isa, pf, r4) if int8 else gemv_kernel(fmt, isa, pf, r4)
 
 
@@ -317,7 +327,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     if pw.n * pw.k < TUNE_MIN_WEIGHTS:  # the first candidate that can serve, on one thread
         for c in cands[1:]:
             try:
-                plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c), 1)
+                plan = LaunchPlan(c, _native_kernel(pw.fmt, int8, pw.k, isa, c, rows), 1)
                 break
             except autotune.InvalidCandidate:
                 continue
@@ -334,7 +344,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
             if dense:
                 return lambda x, d, sc, rs: torch.nn.functional.linear(x.to(d.dtype), d)
             return lambda x, d, sc, rs: torch.nn.functional.linear(x.to(wa.dtype), wa)
-        kern = _native_kernel(pw.fmt, int8, pw.k, isa, c)
+        kern = _native_kernel(pw.fmt, int8, pw.k, isa, c, rows)
         threads = c.param("threads", 0)
 
         def run(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, rs: torch.Tensor):
@@ -370,7 +380,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     if c.is_anchor:
         plan = LaunchPlan(c, None, 0)
     else:
-        kern = _native_kernel(pw.fmt, int8, pw.k, isa, c)
+        kern = _native_kernel(pw.fmt, int8, pw.k, isa, c, rows)
         nbytes = pw.data.nbytes + pw.scales.nbytes
         plan = _with_adaptive(LaunchPlan(c, kern, c.param("threads", 0)), choice.timings_s, nbytes)
     _PLANS[key] = plan
