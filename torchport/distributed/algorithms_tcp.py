@@ -326,16 +326,13 @@ def _chain_direct(
 ) -> bool:
     """The chain/tree broadcast of :func:`_chain_broadcast` as one native transfer: receive
     every piece from the parent into the tensor, forward piece k to the children as soon as
-    it is in -- no return to Python per piece.
-
-    The acknowledgements do not wait for the payload: a leaf sends its own as it enters the
-    call, any other rank once every child's arrived. An acknowledgement's header carries the
-    sender's signature of the whole call (op, dtype, root, byte count), which the parent
-    compares with its own, so the root completes only when every rank issued the same call
-    -- every rank above a mismatched one still fails in the call -- while the acks travel
-    up as the payload streams down (the root no longer waits for the last byte to reach the
-    last rank and an ack to come back). The payload's frames are checked the same way by
-    their receivers. False (nothing sent) when the connections cannot be owned now."""
+    it is in, and acknowledge to the parent early -- a leaf as soon as piece 0's header
+    matched the expected one (the signature names the whole call: op, dtype, root, byte
+    count), any other rank once every child acknowledged (which implies its own header
+    matched) -- so the acknowledgements travel up while the payload still streams down and
+    the root does not wait for the last byte to reach the last rank, yet every rank above a
+    mismatched one still fails in the call. No return to Python per piece. False (nothing
+    sent) when the connections cannot be owned now."""
     gid, n = comm.group_id, len(pieces)
     recvs = []
     if prev >= 0:
@@ -350,9 +347,11 @@ def _chain_direct(
         sends += [
             XSend(kid, Kind.COLL, gid, epoch0 + k, base + lo, nb, sigs[k], after) for kid in kids
         ]
-    if prev >= 0:  # the acknowledgement: a leaf's at once, another's after its children's
-        after = len(recvs) - 1 if kids else -1
-        sends.append(XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], after, n))
+    if prev >= 0:  # the acknowledgement: the children's, or (a leaf) piece 0's header
+        ack = XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], 0, head=True)
+        if kids:
+            ack.after, ack.after_from, ack.head = len(recvs) - 1, n, False
+        sends.append(ack)
     comm._last_sig = sigs[0]
     frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
     if frames is None:

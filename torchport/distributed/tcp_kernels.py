@@ -24,7 +24,8 @@ finishes one frame) and releases it (waking the reader) when its transfer ends.
     3 payload address        4 payload bytes
     5 progress (bytes of header + payload done)
     6 after     send: sent once every receive at a table index from word 7 up to this
-                one completed (-1: at once)
+                one completed (-1: at once); with the ``HEAD`` bit set, receive ``after``
+                itself needs only its header in (matched: the call agrees), not its payload
     7 got       receive: address of a 64-byte buffer for the header as received;
       from      send: the first receive index word 6 covers
 
@@ -50,6 +51,7 @@ OPW = 8  # int64 words per transfer operation
 MAXFD = 64  # distinct sockets one tp_tcp_xfer call can track (Mesh.transfer checks it)
 DONE, SLICE, FOREIGN, SENT, CLOSED = 0, 1, 2, 3, 4  # tp_tcp_xfer status (< 0: -errno)
 OWN_FREE, OWN_READER, OWN_COLL = 0, 1, 2
+HEAD = 1 << 40  # flag of a send's ``after`` word: the last receive it waits for, header only
 
 _SOURCE = r"""
 #include <errno.h>
@@ -65,13 +67,16 @@ _SOURCE = r"""
 #define OPW ${opw}
 #define HDR 64
 #define MAXFD ${maxfd}
+#define HEAD ${head}LL
 
-/* May send operation op start: is every receive it waits on (words 7 to 6) in? */
+/* May send operation op start: is every receive it waits on (words 6 and 7) in? */
 static int tp_send_ready(const int64_t *ops, const int64_t *op, int64_t first_open) {
-    if (op[6] < first_open) return 1;  /* also -1: no receive to wait on */
-    for (int64_t j = op[7] > first_open ? op[7] : first_open; j <= op[6]; j++) {
+    if (op[6] < 0) return 1;
+    int64_t hi = op[6] & (HEAD - 1), lo = op[7] > first_open ? op[7] : first_open;
+    for (int64_t j = lo; j <= hi; j++) {
         const int64_t *r = ops + j * OPW;
-        if (r[1] == 1 && r[5] < HDR + r[4]) return 0;
+        int64_t need = (op[6] & HEAD) && j == hi ? HDR : HDR + r[4];
+        if (r[1] == 1 && r[5] < need) return 0;
     }
     return 1;
 }
@@ -286,5 +291,6 @@ def tcp_lib() -> TcpLib:
         foreign=FOREIGN,
         sent=SENT,
         closed=CLOSED,
+        head=HEAD,
     )
     return TcpLib(native.build(src, name="tp_tcp"))

@@ -47,6 +47,7 @@ from torchport.distributed.tcp_kernels import (
     CLOSED,
     DONE,
     FOREIGN,
+    HEAD,
     MAXFD,
     OPW,
     SENT,
@@ -341,7 +342,8 @@ class Connection:
 class XSend:
     """One frame for :meth:`Mesh.transfer` to send: ``size`` bytes at ``ptr`` (sent once
     every receive of the same transfer with an index from ``after_from`` up to ``after``
-    completed)."""
+    completed; with ``head``, receive ``after`` only needs its header in -- it matched the
+    expected one, so the sender's call agrees with ours)."""
 
     peer: int
     kind: Kind
@@ -352,6 +354,7 @@ class XSend:
     sig: tuple[int, int, int, int]
     after: int = -1
     after_from: int = 0
+    head: bool = False
 
 
 @dataclass
@@ -779,7 +782,7 @@ class Mesh:
                 xs.ptr,
                 xs.size,
                 0,
-                xs.after + ns if xs.after >= 0 else -1,
+                (xs.after + ns) | (HEAD if xs.head else 0) if xs.after >= 0 else -1,
                 xs.after_from + ns,
             ]
         # A frame the reader thread reads before this thread owns the socket (its sender is
