@@ -251,8 +251,7 @@ def _chain_broadcast(
     own to its parent, so the root -- which receives nothing else -- and every rank above a
     mismatched one fail in the call itself (the detecting rank's error reaches the rest as an
     ABORT frame while they wait). ``W - 1`` frames instead of an all-to-all exchange's
-    ``W (W - 1)``. (This is the mailbox path; the native transfer, :func:`_chain_direct`,
-    sends the acknowledgements before the payload is in.)
+    ``W (W - 1)``.
     """
     w, r = comm.world, comm.rank
     pos = (r - root) % w
@@ -326,13 +325,8 @@ def _chain_direct(
 ) -> bool:
     """The chain/tree broadcast of :func:`_chain_broadcast` as one native transfer: receive
     every piece from the parent into the tensor, forward piece k to the children as soon as
-    it is in, and acknowledge to the parent early -- a leaf as soon as piece 0's header
-    matched the expected one (the signature names the whole call: op, dtype, root, byte
-    count), any other rank once every child acknowledged (which implies its own header
-    matched) -- so the acknowledgements travel up while the payload still streams down and
-    the root does not wait for the last byte to reach the last rank, yet every rank above a
-    mismatched one still fails in the call. No return to Python per piece. False (nothing
-    sent) when the connections cannot be owned now."""
+    it is in, then the children's acknowledgements and our own to the parent -- no return to
+    Python per piece. False (nothing sent) when the connections cannot be owned now."""
     gid, n = comm.group_id, len(pieces)
     recvs = []
     if prev >= 0:
@@ -347,11 +341,8 @@ def _chain_direct(
         sends += [
             XSend(kid, Kind.COLL, gid, epoch0 + k, base + lo, nb, sigs[k], after) for kid in kids
         ]
-    if prev >= 0:  # the acknowledgement: the children's, or (a leaf) piece 0's header
-        ack = XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], 0, head=True)
-        if kids:
-            ack.after, ack.after_from, ack.head = len(recvs) - 1, n, False
-        sends.append(ack)
+    if prev >= 0:
+        sends.append(XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], len(recvs) - 1))
     comm._last_sig = sigs[0]
     frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
     if frames is None:

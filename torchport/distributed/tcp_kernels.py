@@ -23,11 +23,9 @@ finishes one frame) and releases it (waking the reader) when its transfer ends.
                 receive: address of the 64-byte header expected (every field is known)
     3 payload address        4 payload bytes
     5 progress (bytes of header + payload done)
-    6 after     send: sent once every receive at a table index from word 7 up to this
-                one completed (-1: at once); with the ``HEAD`` bit set, receive ``after``
-                itself needs only its header in (matched: the call agrees), not its payload
-    7 got       receive: address of a 64-byte buffer for the header as received;
-      from      send: the first receive index word 6 covers
+    6 after     send: sent once every receive at a table index up to this one
+                completed (-1: at once)
+    7 got       receive: address of a 64-byte buffer for the header as received
 
 Operations on one socket run in table order (sends and receives separately). A received
 header is compared with the expected one byte for byte before any payload byte is read: only
@@ -51,7 +49,6 @@ OPW = 8  # int64 words per transfer operation
 MAXFD = 64  # distinct sockets one tp_tcp_xfer call can track (Mesh.transfer checks it)
 DONE, SLICE, FOREIGN, SENT, CLOSED = 0, 1, 2, 3, 4  # tp_tcp_xfer status (< 0: -errno)
 OWN_FREE, OWN_READER, OWN_COLL = 0, 1, 2
-HEAD = 1 << 40  # flag of a send's ``after`` word: the last receive it waits for, header only
 
 _SOURCE = r"""
 #include <errno.h>
@@ -67,19 +64,6 @@ _SOURCE = r"""
 #define OPW ${opw}
 #define HDR 64
 #define MAXFD ${maxfd}
-#define HEAD ${head}LL
-
-/* May send operation op start: is every receive it waits on (words 6 and 7) in? */
-static int tp_send_ready(const int64_t *ops, const int64_t *op, int64_t first_open) {
-    if (op[6] < 0) return 1;
-    int64_t hi = op[6] & (HEAD - 1), lo = op[7] > first_open ? op[7] : first_open;
-    for (int64_t j = lo; j <= hi; j++) {
-        const int64_t *r = ops + j * OPW;
-        int64_t need = (op[6] & HEAD) && j == hi ? HDR : HDR + r[4];
-        if (r[1] == 1 && r[5] < need) return 0;
-    }
-    return 1;
-}
 
 static int64_t tp_ms_now(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -188,7 +172,7 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
             if (*nb < MAXFD) busy[(*nb)++] = fd;
             short want = 0;
             if (is_send) {
-                if (!tp_send_ready(ops, op, first_open)) continue;
+                if (op[6] >= first_open) continue;
                 for (;;) {
                     struct iovec iov[2];
                     int niov = 0;
@@ -291,6 +275,5 @@ def tcp_lib() -> TcpLib:
         foreign=FOREIGN,
         sent=SENT,
         closed=CLOSED,
-        head=HEAD,
     )
     return TcpLib(native.build(src, name="tp_tcp"))

@@ -47,7 +47,6 @@ from torchport.distributed.tcp_kernels import (
     CLOSED,
     DONE,
     FOREIGN,
-    HEAD,
     MAXFD,
     OPW,
     SENT,
@@ -341,9 +340,7 @@ class Connection:
 @dataclass
 class XSend:
     """One frame for :meth:`Mesh.transfer` to send: ``size`` bytes at ``ptr`` (sent once
-    every receive of the same transfer with an index from ``after_from`` up to ``after``
-    completed; with ``head``, receive ``after`` only needs its header in -- it matched the
-    expected one, so the sender's call agrees with ours)."""
+    every receive of the same transfer with an index up to ``after`` completed)."""
 
     peer: int
     kind: Kind
@@ -353,8 +350,6 @@ class XSend:
     size: int
     sig: tuple[int, int, int, int]
     after: int = -1
-    after_from: int = 0
-    head: bool = False
 
 
 @dataclass
@@ -782,8 +777,8 @@ class Mesh:
                 xs.ptr,
                 xs.size,
                 0,
-                (xs.after + ns) | (HEAD if xs.head else 0) if xs.after >= 0 else -1,
-                xs.after_from + ns,
+                xs.after + ns if xs.after >= 0 else -1,
+                0,
             ]
         # A frame the reader thread reads before this thread owns the socket (its sender is
         # ahead) still goes straight into place when it is large.
