@@ -73,7 +73,10 @@ def test_collectives_across_two_hosts(two_hosts):
         assert len(r["peer_hosts"]) == 2
         assert r["local_transport"] == "shm"
         assert r["transport"] == "hybrid" and r["sub_transport"] == "hybrid"
-        assert r["mismatch"] in ("CollectiveMismatchError", "RemoteError"), r["mismatch"]
+        # CommunicatorErrorState: a peer's ABORT reached the group before this rank's call
+        # (it is kept for a group not registered yet, so the call fails at once, no hang)
+        typed = ("CollectiveMismatchError", "RemoteError", "CommunicatorErrorState")
+        assert r["mismatch"] in typed, r["mismatch"]
     assert [r["mismatch"] for r in res].count("CollectiveMismatchError") >= 1
     for r in res[1:]:
         assert "rank 0 called abort()" in r["abort"]["msg"], r["abort"]

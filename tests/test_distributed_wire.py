@@ -568,3 +568,70 @@ def test_check_sig_names_the_first_differing_word():
     with pytest.raises(StepError) as e:
         check_sig(2, (1, 9, 3, 8), (1, 2, 3, 4))
     assert e.value.status == MISMATCH and e.value.detail == (2, 1, 9)
+
+
+class _Handler:
+    """A group handler that records the aborts the mesh routes to it."""
+
+    def __init__(self) -> None:
+        self.aborts: list[tuple[int, int]] = []
+
+    def on_remote_abort(self, src: int, reason: int) -> None:
+        self.aborts.append((src, reason))
+
+    def on_peer_lost(self, src: int, error: BaseException) -> None:
+        pass  # the fixture closing the meshes
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def _handled(m0, m1, tag: int) -> None:
+    """Return once rank 0 handled every frame rank 1 sent before: a P2P frame sent after
+    them (one connection, one reader: frames are routed in order) has arrived."""
+    m1.send(0, Kind.P2P, 0, tag, b"!")
+    m0.mailbox.get((0, int(Kind.P2P), 1, tag), time.monotonic() + 5.0, lambda: None)
+
+
+def test_an_abort_before_the_group_registers_reaches_it_when_it_does(mesh_pair):
+    """A peer fails group 42 before this rank created it: the ABORT frame is kept and handed
+    to the group's handler as it registers (once); other groups see nothing."""
+    m0, m1 = mesh_pair
+    m1.send(0, Kind.ABORT, 42, 3)
+    m1.send(0, Kind.ABORT, 42, 4)  # a second abort of the same group: the first one counts
+    _handled(m0, m1, 1)
+    other, late = _Handler(), _Handler()
+    m0.register(7, other)
+    m0.register(42, late)
+    assert late.aborts == [(1, 3)] and other.aborts == []
+    m0.unregister(42)
+    m0.register(42, again := _Handler())
+    assert again.aborts == []
+
+
+def test_an_abort_of_a_closed_group_is_not_kept_for_a_later_one(mesh_pair):
+    m0, m1 = mesh_pair
+    m0.register(9, first := _Handler())
+    m1.send(0, Kind.ABORT, 9, 1)
+    assert _wait_for(lambda: first.aborts == [(1, 1)])
+    m0.unregister(9)
+    m1.send(0, Kind.ABORT, 9, 2)  # late: the group is gone here
+    _handled(m0, m1, 2)
+    m0.register(9, later := _Handler())
+    assert later.aborts == []
+
+
+def test_an_abort_racing_the_registration_is_handled_exactly_once(mesh_pair):
+    m0, m1 = mesh_pair
+    handlers = []
+    for g in range(100, 140):
+        m1.send(0, Kind.ABORT, g, 2)
+        h = _Handler()
+        m0.register(g, h)
+        handlers.append(h)
+    _handled(m0, m1, 3)
+    assert all(h.aborts == [(1, 2)] for h in handlers)

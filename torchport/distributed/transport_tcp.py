@@ -8,7 +8,8 @@ fails the handshake is closed and counted in :attr:`Mesh.rejected`.
 
 One reader thread per connection decodes frames (:mod:`~torchport.distributed.wire`) into a
 :class:`Mailbox` keyed by ``(group, kind, src, seq)``; ABORT frames go straight to the group's
-abort handler. Sub-communicators share the mesh: frames carry their group id.
+abort handler, or wait for it when the group is not registered here yet (a peer failed it
+first). Sub-communicators share the mesh: frames carry their group id.
 
 A collective that knows where a peer's bytes belong posts a :class:`Target` (pointer, length,
 signature) for the frame's key before it sends; the reader thread then receives the payload
@@ -59,6 +60,7 @@ PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tc
 POST_BYTES = 64 << 10  # receives this large are also posted as targets for the reader thread
 SLICE_MS = 10  # a native transfer returns this often, progress or not (abort, deadline checks)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
+MAX_EARLY_ABORTS = 1024  # ABORT frames kept for groups not registered yet (oldest dropped)
 FINISH_S = 1.0  # after an error, frames part-way sent or received get this long to complete
 ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblocks within 100 ms
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
@@ -406,6 +408,12 @@ class Mesh:
         self.rejected = 0
         self.closed = False
         self._handlers: dict[int, GroupHandler] = {}
+        # ABORT frames of groups not registered here yet ({group: (src, reason)}, the first
+        # one): a peer may fail a new group before this rank has created it. Groups that
+        # were registered and closed keep no abort (``_retired``): a late frame of theirs
+        # must not fail a later group of the same id.
+        self._early_aborts: dict[int, tuple[int, int]] = {}
+        self._retired: set[int] = set()
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self.listener = socket.create_server((addr, 0), backlog=backlog)
@@ -593,7 +601,13 @@ class Mesh:
         if hdr.src != conn.peer:
             raise WireError(f"frame claims src {hdr.src} on the connection of rank {conn.peer}")
         if hdr.kind == Kind.ABORT:
-            handler = self._handlers.get(hdr.group)
+            with self._lock:  # against register(): the abort is either stashed or handled
+                handler = self._handlers.get(hdr.group)
+                early = self._early_aborts
+                if handler is None and hdr.group not in self._retired and hdr.group not in early:
+                    if len(early) >= MAX_EARLY_ABORTS:  # the oldest: likeliest a group never formed
+                        del early[next(iter(early))]
+                    early[hdr.group] = (conn.peer, hdr.seq)
             if handler is not None:
                 handler.on_remote_abort(conn.peer, hdr.seq)
             self.mailbox.wake()
@@ -996,10 +1010,20 @@ class Mesh:
                 conn.sock.shutdown(socket.SHUT_RDWR)
 
     def register(self, group: int, handler: GroupHandler) -> None:
-        self._handlers[group] = handler
+        """Route ``group``'s ABORT frames and lost peers to ``handler``; an ABORT that arrived
+        before (the peer failed the group first) is handed to it now."""
+        with self._lock:
+            self._handlers[group] = handler
+            self._retired.discard(group)
+            early = self._early_aborts.pop(group, None)
+        if early is not None:
+            handler.on_remote_abort(*early)
+            self.mailbox.wake()
 
     def unregister(self, group: int) -> None:
-        self._handlers.pop(group, None)
+        with self._lock:
+            if self._handlers.pop(group, None) is not None:
+                self._retired.add(group)
 
     def close(self) -> None:
         """Close the listener and every connection (reader threads then exit)."""
