@@ -348,7 +348,7 @@ def test_scalar_isa_path():
 
 
 def test_avx512_variants_build():
-    """The AVX-512 and AVX512-BF16 (vdpbf16ps) kernels compile (this CPU cannot run them)."""
+    """The AVX-512 and AVX512-BF16 (vdpbf16ps) kernels compile (on any x86 build machine)."""
     spec = EpilogueSpec.decode("bias_col:f32;gelu;add:bf16")
     body = templates.render_source(spec, "bf16", "bf16", "avx512", kernels.TILES["avx512"][:2])
     assert "_mm512_dpbf16_ps" in body
@@ -360,6 +360,14 @@ def test_avx512_variants_build():
     )
     assert hasattr(lib, "tp_gemm_6x32") and hasattr(lib, "tp_gemm_4x48")
     assert hasattr(lib, "tp_gemm_dpbf16_4x32")
+    body = templates.render_source(spec, "bf16", "bf16", "avx512", kernels.DP_TILES["avx512"], True)
+    lib = native.build(
+        native.render(body.replace("$", "$$")),
+        name="gemm_avx512_dp_buildcheck",
+        isa="avx512",
+        extra_flags=["-mavx512bf16", "-O1"],
+    )
+    assert all(hasattr(lib, f"tp_gemm_{mr}x{nr}") for mr, nr in kernels.DP_TILES["avx512"])
 
 
 def test_tile_width_must_match_isa():
@@ -373,3 +381,98 @@ def test_unknown_tile_is_invalid_candidate():
     a, b = _make(3, 3, 3, torch.float32, "c", "c")
     with pytest.raises(InvalidCandidate, match="tile 3x5 is not built"):
         run_native(a, b, EpilogueSpec(), [], Config(3, 5, 4))
+
+
+# --- vdpbf16ps tiles (AVX512-BF16): bf16 A in place as k pairs, B pair-packed --------------------
+
+DP_TILES = kernels.DP_TILES.get(ISA, ())
+needs_dp = pytest.mark.skipif(
+    not native.cpu_info().has_avx512_bf16, reason="needs AVX512-BF16 (vdpbf16ps)"
+)
+DP_SHAPES = [(0, 5, 4), (1, 1, 1), (7, 31, 17), (13, 70, 29), (37, 130, 64), (50, 97, 301)]
+
+
+@needs_dp
+@pytest.mark.parametrize("m,n,k", DP_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in DP_SHAPES])
+@pytest.mark.parametrize("mr,nr", DP_TILES, ids=[f"{mr}x{nr}" for mr, nr in DP_TILES])
+@pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
+@pytest.mark.parametrize("b_layout", ["c", "weight_t"])
+@pytest.mark.parametrize("mc,kc", [(64, 0), (5, 16)], ids=["whole_k", "kc16_mc5"])
+def test_dp_grid(m, n, k, mr, nr, a_layout, b_layout, mc, kc):
+    """Every vdpbf16ps tile against the fp64 reference: odd K (a zero pair at the end), rows
+    and columns not multiples of the tile, transposed/strided A (copied into pairs), K blocks."""
+    a, b = _make(m, n, k, torch.bfloat16, a_layout, b_layout)
+    out = run_native(a, b, EpilogueSpec(), [], Config(mr, nr, mc, kc=kc, dp=1))
+    _assert_close(out, a, b, EpilogueSpec(), [])
+
+
+@needs_dp
+@pytest.mark.parametrize("text", ["gelu_tanh;add:bf16;bias_col:bf16", "relu;out=f32"])
+def test_dp_epilogue_chains(text):
+    spec = EpilogueSpec.decode(text)
+    a, b = _make(31, 75, 64, torch.bfloat16, "c", "weight_t")
+    ops = _operands(spec, 31, 75)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = run_native(a, b, spec, ops, Config(*DP_TILES[0], 16, dp=1))
+    finally:
+        torch.set_num_threads(before)
+    _assert_close(out, a, b, spec, ops)
+
+
+@needs_dp
+def test_dp_matches_fp32_tiles_bit_for_bit_on_exact_sums():
+    """Small integers: every product and partial sum is exact in fp32, so the pairwise dot
+    and the fp32 FMA tiles agree exactly with the reference."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-4, 5, (29, 67), generator=g).to(torch.bfloat16)
+    b = torch.randint(-4, 5, (67, 101), generator=g).to(torch.bfloat16)
+    ref = (a.double() @ b.double()).to(torch.bfloat16)
+    for mr, nr in DP_TILES:
+        assert torch.equal(run_native(a, b, EpilogueSpec(), [], Config(mr, nr, 8, dp=1)), ref)
+
+
+def test_dp_config_is_invalid_where_it_does_not_apply():
+    from torchport.autotune import InvalidCandidate
+
+    a, b = _make(3, 3, 4, torch.float32, "c", "c")
+    if native.cpu_info().has_avx512_bf16:
+        with pytest.raises(InvalidCandidate, match="need bf16 operands"):
+            run_native(a, b, EpilogueSpec(), [], Config(*DP_TILES[0], 4, dp=1))
+        with pytest.raises(InvalidCandidate, match="ks=1 and an even kc"):
+            run_native(a, b, EpilogueSpec(), [], Config(*DP_TILES[0], 4, ks=2, dp=1))
+        with pytest.raises(InvalidCandidate, match="ks=1 and an even kc"):
+            run_native(a, b, EpilogueSpec(), [], Config(*DP_TILES[0], 4, kc=7, dp=1))
+    with (
+        config.override(isa="avx2"),
+        pytest.raises(InvalidCandidate, match="vdpbf16ps tile 6x64 is not built"),
+    ):
+        run_native(a.bfloat16(), b.bfloat16(), EpilogueSpec(), [], Config(6, 64, 4, dp=1))
+    with pytest.raises(ValueError, match="vdpbf16ps tiles need isa avx512 and bf16 B"):
+        templates.render_source(EpilogueSpec(), "f32", "f32", "avx512", ((6, 64),), dp=True)
+
+
+@pytest.mark.parametrize("k,n", [(5, 40), (6, 64), (13, 70)], ids=str)
+@pytest.mark.parametrize("b_layout", ["c", "weight_t"])
+def test_pack_pairs_matches_reference(k, n, b_layout):
+    _, b = _make(1, n, k, torch.bfloat16, "c", b_layout)
+    ref = pack_b_reference(torch.cat([b, b.new_zeros(k % 2, n)]), 32)  # [np, K even, 32]
+    ref = ref.view(ref.shape[0], -1, 2, 32).transpose(2, 3)
+    assert torch.equal(pack_b_pairs(b, 32), ref)
+    out = torch.full_like(ref, 7.0).contiguous()
+    assert pack_b_pairs(b, 32, out=out) is out and torch.equal(out, ref)
+
+
+def test_large_m_bf16_candidates_put_the_dp_tiles_first():
+    from torchport.gemm.mm import candidates
+
+    names = [c.name for c in candidates(512, 4096, 1024, "avx512", 2)]
+    if native.cpu_info().has_avx512_bf16:
+        assert names[1].startswith("dp6x64") and len(names) <= 10
+    with config.override(isa="avx2"):
+        names = [c.name for c in candidates(512, 4096, 1024, "avx2", 2)]
+        assert not any(n.startswith("dp") for n in names)
+    for m, elem_size in ((512, 4), (8, 2)):  # fp32, and bf16 at small M: no dp tiles
+        names = [c.name for c in candidates(m, 4096, 1024, "avx512", elem_size)]
+        assert not any(n.startswith("dp") for n in names)

@@ -33,6 +33,9 @@ TILES: dict[str, tuple[tuple[int, int], ...]] = {
     "avx512": ((6, 32), (4, 48), (8, 16), (2, 64), (1, 128)),
     "scalar": ((4, 4), (1, 8)),
 }
+# vdpbf16ps register tiles (bf16 A and B, AVX512-BF16 machines): 24 of the 32 zmm registers
+# accumulate, the rest hold the B vectors and the A broadcast.
+DP_TILES: dict[str, tuple[tuple[int, int], ...]] = {"avx512": ((6, 64), (8, 48), (4, 96))}
 
 
 NO_EPILOGUE = EpilogueSpec()
@@ -50,7 +53,8 @@ class Config:
     (> 1: the threads also split K, each summing its share into its own buffer, and a final pass
     adds the shares and applies the epilogue; for small M with large K and few N panels) and a
     thread cap ``nt`` (0: torch's intra-op threads; 1: one thread, which on a shared, loaded
-    machine avoids waiting for a descheduled second thread at the end of a short kernel)."""
+    machine avoids waiting for a descheduled second thread at the end of a short kernel).
+    ``dp`` (1): a ``vdpbf16ps`` tile (:data:`DP_TILES`; bf16 operands, AVX512-BF16)."""
 
     mr: int
     nr: int
@@ -59,10 +63,11 @@ class Config:
     kc: int = 0
     ks: int = 1
     nt: int = 0
+    dp: int = 0
 
     @property
     def name(self) -> str:
-        base = f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+        base = f"{'dp' if self.dp else 't'}{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
         opt = (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
         return base + opt + (f"_nt{self.nt}" if self.nt else "")
 
@@ -93,23 +98,34 @@ def mm_aten(
 
 
 @functools.cache
-def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> ctypes.CDLL:
-    """Build (or load) the library of one tile variant for this epilogue and dtypes."""
-    body = templates.render_source(spec, btag, otag, isa, ((mr, nr),))
+def library(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int, dp: bool = False
+) -> ctypes.CDLL:
+    """Build (or load) the library of one tile variant for this epilogue and dtypes (``dp``:
+    the ``vdpbf16ps`` tile)."""
+    body = templates.render_source(spec, btag, otag, isa, ((mr, nr),), dp)
     src = templates.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
-    name = f"gemm_{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
+    name = f"gemm_{'dp' if dp else ''}{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
     # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
     return native.build(src, name=name, isa=isa, extra_flags=["-O2"])
 
 
 def prebuild(
-    spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: Sequence[tuple[int, int]]
+    spec: EpilogueSpec,
+    btag: str,
+    otag: str,
+    isa: str,
+    tiles: Sequence[tuple[int, int]],
+    dp_tiles: Sequence[tuple[int, int]] = (),
 ) -> None:
-    """Build several tile libraries and the weight-packing kernel for ``btag`` concurrently
-    (one compiler process per core)."""
+    """Build several tile libraries (``dp_tiles``: ``vdpbf16ps`` ones) and the weight-packing
+    kernel for ``btag`` concurrently (one compiler process per core)."""
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
         futures: list[Future[Any]] = [
             pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
+        ]
+        futures += [
+            pool.submit(library, spec, btag, otag, isa, mr, nr, True) for mr, nr in dp_tiles
         ]
         futures.append(pool.submit(_pack_fn, 32 if btag == "f32" else 16))
         if spec.ops:  # the ATen launch's epilogue pass (small-M adaptive runners)
@@ -120,8 +136,10 @@ def prebuild(
 
 
 @functools.cache
-def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> Any:
-    lib = library(spec, btag, otag, isa, mr, nr)
+def _function(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int, dp: bool = False
+) -> Any:
+    lib = library(spec, btag, otag, isa, mr, nr, dp)
     fn = getattr(lib, f"tp_gemm_{mr}x{nr}")
     fn.argtypes = [
         ctypes.c_void_p,
@@ -148,7 +166,12 @@ def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: i
 
 def check_config(cfg: Config, isa: str) -> None:
     """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
-    if (cfg.mr, cfg.nr) not in TILES[isa]:
+    if cfg.dp:
+        if (cfg.mr, cfg.nr) not in DP_TILES.get(isa, ()) or not native.cpu_info().has_avx512_bf16:
+            raise InvalidCandidate(f"vdpbf16ps tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
+        if cfg.ks > 1 or cfg.kc % 2:
+            raise InvalidCandidate(f"vdpbf16ps tiles need ks=1 and an even kc, got {cfg}")
+    elif (cfg.mr, cfg.nr) not in TILES[isa]:
         raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
     if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1 or cfg.nt < 0:
         raise InvalidCandidate(f"mc must be >= 1, pf >= 0, kc >= 0, ks >= 1 and nt >= 0, got {cfg}")
@@ -209,8 +232,11 @@ def launcher(
     depend on the call's tensors (validation, library lookup, output dtype) is done once here,
     so a call costs a few tensor attribute reads and the ctypes call."""
     check_config(cfg, isa)
+    dp = bool(cfg.dp)
+    if dp and (a_dtype, b_dtype) != (torch.bfloat16, torch.bfloat16):
+        raise InvalidCandidate(f"vdpbf16ps tiles need bf16 operands, got {a_dtype}, {b_dtype}")
     out_dtype = spec.out_dtype(a_dtype)
-    fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
+    fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr, dp)
     mr, nr, mc, pf, kc, ks, nt = cfg.mr, cfg.nr, cfg.mc, cfg.pf, cfg.kc, cfg.ks, cfg.nt
     f32 = torch.float32
     operand_args = _operand_args(spec)
@@ -228,9 +254,13 @@ def launcher(
         c = torch.empty(m, n, dtype=out_dtype)
         if m == 0 or n == 0:
             return c
-        a32 = a if a.dtype == f32 else a.float()
+        if dp:  # bf16 A read in place as k pairs: unit column stride, K even
+            a32 = a if a.stride(1) == 1 and k % 2 == 0 else _pad_pairs(a)
+            k += k % 2
+        else:
+            a32 = a if a.dtype == f32 else a.float()
         if packed is None:
-            packed = pack_cache.get(b, nr)
+            packed = pack_cache.get(b, nr, pairs=dp)
         eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
         work: torch.Tensor | None = None
         if ks > 1:
@@ -263,6 +293,16 @@ def launcher(
         return c
 
     return launch
+
+
+def _pad_pairs(a: torch.Tensor) -> torch.Tensor:
+    """``a [M, K]`` as a contiguous ``[M, K + K % 2]`` copy (a zero column when K is odd)."""
+    m, k = a.shape
+    out = torch.empty(m, k + k % 2, dtype=a.dtype)
+    out[:, :k] = a
+    if k % 2:
+        out[:, k] = 0
+    return out
 
 
 # --- the epilogue alone, over a finished product (ATen's) -----------------------------------------

@@ -32,7 +32,7 @@ from torchport.gemm.epilogue import (
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
-from torchport.gemm.pack import pack_b, pack_cache, packed_empty
+from torchport.gemm.pack import pack_b, pack_b_pairs, pack_cache, packed_empty
 
 SMALL_M = 32
 TUNE_BUDGET_S = 1.0  # timing budget per new shape, at most (compilation is cached on disk)
@@ -52,9 +52,12 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     when K is large), M and K cache blocks for larger M. A weight larger than L3
     (``elem_size`` bytes per element) gets at most five, over two panel widths (each width is
     one packing of the whole weight during tuning), without one-thread variants (the small-M
-    runner times those at run time)."""
+    runner times those at run time). bf16 (``elem_size`` 2) with M > SMALL_M on an AVX512-BF16
+    machine tries the ``vdpbf16ps`` tiles (twice the fp32 tiles' rate) first."""
     cands = [Candidate("aten", ATEN)]
     scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
+    # calls run at about this rate (FLOP/s) when estimating tuning cost (conservative)
+    rate = 5e10
     if scale == 0:
         cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
     elif m <= SMALL_M:
@@ -92,9 +95,20 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
             Config(4, 24 * scale, 128, kc=384),
             Config(8, 8 * scale, 64),
         ]
+        if elem_size == 2 and isa == "avx512" and native.cpu_info().has_avx512_bf16:
+            # vdpbf16ps: 6x64 first (24 accumulators, the fewest loads per dot-accumulate);
+            # a K block keeps a panel's slice in L2 when the whole panel is larger (K > 4096)
+            cfgs = [
+                Config(6, 64, 128, kc=2048 if k > 4096 else 0, dp=1),
+                Config(8, 48, 128, dp=1),
+                Config(4, 96, 128, dp=1),
+                Config(6, 64, 128, kc=512, dp=1),
+                *cfgs[:1],
+            ]
+            rate = 2.5e11
         cfgs = [c for c in cfgs if c.kc < k]
     # problems whose single call is long get fewer candidates (cold-tuning budget)
-    est_s = 2.0 * m * n * k / 5e10
+    est_s = 2.0 * m * n * k / rate
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
     if n * k * elem_size >= L3_BYTES:
@@ -102,7 +116,8 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
         cfgs = [c for c in cfgs if c.nr in widths and (c.nt == 0 or m > SMALL_M)][:5]
     for c in cfgs[:9]:
         params = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc), ("pf", c.pf), ("kc", c.kc))
-        cands.append(Candidate(c.name, params=(*params, ("ks", c.ks), ("nt", c.nt))))
+        extra = (("ks", c.ks), ("nt", c.nt), *((("dp", 1),) if c.dp else ()))
+        cands.append(Candidate(c.name, params=(*params, *extra)))
     return cands
 
 
@@ -115,6 +130,7 @@ def _config(c: Candidate) -> Config:
         int(c.param("kc", 0)),
         int(c.param("ks", 1)),
         int(c.param("nt", 0)),
+        int(c.param("dp", 0)),
     )
 
 
@@ -133,24 +149,32 @@ class _Rotation:
     shared_pack: bool = False
     packs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    pairs: bool = False  # the layout of every entry in ``packs``: vdpbf16ps pairs or plain
 
-    def packed(self, idx: int, nr: int) -> torch.Tensor:
+    def packed(self, idx: int, nr: int, pairs: bool = False) -> torch.Tensor:
+        """Copy ``idx``'s weight packed for width ``nr`` (``pairs``: the vdpbf16ps layout)."""
+        if pairs != self.pairs:
+            self.packs.clear()  # another layout: its buffers are refilled
+            self.pairs = pairs
         hit = self.packs.get((idx, nr))
         if hit is None:
             b = self.copies[idx][1]
             if self.shared_pack:
-                hit = pack_cache.get(b, nr)
+                hit = pack_cache.get(b, nr, pairs)
             else:
                 if any(w != nr for (_, w) in self.packs):
                     self.packs.clear()  # another width: its buffers are refilled
-                hit = pack_b(b, nr, out=self._buffer(idx, b, nr))
+                buf = self._buffer(idx, b, nr, pairs)
+                hit = pack_b_pairs(b, nr, out=buf) if pairs else pack_b(b, nr, out=buf)
             self.packs[(idx, nr)] = hit
         return hit
 
-    def _buffer(self, idx: int, b: torch.Tensor, nr: int) -> torch.Tensor:
+    def _buffer(self, idx: int, b: torch.Tensor, nr: int, pairs: bool) -> torch.Tensor:
         k, n = b.shape
-        shape = ((n + nr - 1) // nr, k, nr)
-        need = shape[0] * k * nr
+        shape: tuple[int, ...] = ((n + nr - 1) // nr, k, nr)
+        if pairs:
+            shape = (shape[0], (k + 1) // 2, nr, 2)
+        need = math.prod(shape)
         buf = self.buffers.get(idx)
         if buf is None or buf.numel() < need or buf.dtype != b.dtype:
             # room for every width up to 128 (a width pads N by at most nr - 1 columns)
@@ -159,13 +183,18 @@ class _Rotation:
 
 
 def _tuning_order(cands: list[Candidate]) -> list[Candidate]:
-    """``cands`` with the anchor first and the native candidates grouped by panel width (stable
-    within a width), so a rotation packs each width's copies once (see :class:`_Rotation`)."""
-    first: dict[int, int] = {}
+    """``cands`` with the anchor first and the native candidates grouped by panel layout (width
+    and pairing; stable within one), so a rotation packs each layout's copies once (see
+    :class:`_Rotation`)."""
+    first: dict[tuple[int, int], int] = {}
+
+    def layout(c: Candidate) -> tuple[int, int]:
+        return int(c.param("nr")), int(c.param("dp", 0))
+
     for c in cands:
         if not c.is_anchor:
-            first.setdefault(int(c.param("nr")), len(first))
-    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[int(c.param("nr"))])
+            first.setdefault(layout(c), len(first))
+    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[layout(c)])
 
 
 def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
@@ -185,12 +214,12 @@ def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.
     def ours(rot: _Rotation) -> torch.Tensor:
         if not primed:  # pack every copy on the first (untimed) call
             for idx in range(len(rot.copies)):
-                rot.packed(idx, cfg.nr)
+                rot.packed(idx, cfg.nr, bool(cfg.dp))
             primed.append(True)
         idx = state["i"] % len(rot.copies)
         state["i"] += 1
         a, b, ops = rot.copies[idx]
-        return run_native(a, b, spec, ops, cfg, packed=rot.packed(idx, cfg.nr))
+        return run_native(a, b, spec, ops, cfg, packed=rot.packed(idx, cfg.nr, bool(cfg.dp)))
 
     return ours
 
@@ -335,7 +364,15 @@ def _native_runner(
             # a new epilogue of a tuned shape: its tile library and its ATen launch's pass are
             # compiled side by side (one compiler per core), not one after the other
             otag = spec.out or kernels._TAG[a.dtype]
-            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, [(cfg.mr, cfg.nr)])
+            tile = [(cfg.mr, cfg.nr)]
+            kernels.prebuild(
+                spec,
+                kernels._TAG[b.dtype],
+                otag,
+                isa,
+                [] if cfg.dp else tile,
+                tile if cfg.dp else [],
+            )
         multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
         events = lambda: pack_cache.misses  # noqa: E731
         if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
@@ -453,9 +490,15 @@ def _choose(
     if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
         # a new shape: compile every candidate's tile library (and the pack kernel) first, in
         # parallel; what that took comes off the timing budget
-        tiles = sorted({(int(c.param("mr")), int(c.param("nr"))) for c in cands if not c.is_anchor})
+        tiles = {
+            (int(c.param("mr")), int(c.param("nr")), int(c.param("dp", 0)))
+            for c in cands
+            if not c.is_anchor
+        }
         otag = spec.out or kernels._TAG[a.dtype]
-        kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, tiles)
+        fp32_tiles = sorted((mr, nr) for mr, nr, dp in tiles if not dp)
+        dp_tiles = sorted((mr, nr) for mr, nr, dp in tiles if dp)
+        kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles)
         spent = time.perf_counter() - t_start
         budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
 

@@ -155,14 +155,23 @@ def pack_b_torch(b: torch.Tensor, nr: int, out: torch.Tensor | None = None) -> t
     return out
 
 
-def pack_b_pairs(b: torch.Tensor, nr: int = 32) -> torch.Tensor:
-    """bf16 ``[K, N]`` → ``[ceil(N/nr), ceil(K/2), nr, 2]`` for the AVX512-BF16 dot kernel."""
-    k = b.shape[0]
-    kp = (k + 1) // 2
-    p = pack_b(b, nr)  # [np, K, nr]
-    if k % 2:
-        p = torch.cat([p, p.new_zeros(p.shape[0], 1, nr)], dim=1)
-    return p.view(p.shape[0], kp, 2, nr).transpose(2, 3).contiguous()
+def pack_b_pairs(b: torch.Tensor, nr: int = 32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 ``[K, N]`` → ``[ceil(N/nr), ceil(K/2), nr, 2]`` for the AVX512-BF16 dot kernels
+    (zero padded in K and N), into ``out`` when given (contiguous, that shape). One strided
+    torch copy from a zero-padded view of ``b``."""
+    k, n = b.shape
+    kp, npan = (k + 1) // 2, (n + nr - 1) // nr
+    shape = (npan, kp, nr, 2)
+    if out is None:
+        out = packed_empty(shape, b.dtype)
+    assert out.shape == shape and out.dtype == b.dtype and out.is_contiguous()
+    if 2 * kp == k and npan * nr == n:
+        src = b
+    else:
+        src = b.new_zeros(2 * kp, npan * nr)
+        src[:k, :n] = b
+    out.copy_(src.view(kp, 2, npan, nr).permute(2, 0, 3, 1))
+    return out
 
 
 def _version(t: torch.Tensor) -> int:
@@ -242,9 +251,10 @@ class PackCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, b: torch.Tensor, nr: int) -> torch.Tensor:
-        """Packed ``b`` for panel width ``nr``, from the cache when still valid."""
-        key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr)
+    def get(self, b: torch.Tensor, nr: int, pairs: bool = False) -> torch.Tensor:
+        """Packed ``b`` for panel width ``nr`` (``pairs``: :func:`pack_b_pairs`' layout), from
+        the cache when still valid."""
+        key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr, pairs)
         ver = _version(b)
         with self._lock:
             e = self._entries.get(key)
@@ -267,7 +277,7 @@ class PackCache:
             if sys.getrefcount(buf) <= 3:
                 reuse = buf
             del buf, stale
-        packed = pack_b(b, nr, out=reuse)
+        packed = pack_b_pairs(b, nr, out=reuse) if pairs else pack_b(b, nr, out=reuse)
         size = packed.numel() * packed.element_size()
         with self._lock:
             self.misses += 1

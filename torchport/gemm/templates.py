@@ -298,18 +298,56 @@ def _k_loop(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, pf: bool)
     return out
 
 
-def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
+def _dp_k_loop(mr: int, nr: int) -> list[str]:
+    """The K loop of a ``vdpbf16ps`` tile: one k pair per step (``k0``, ``k1`` even), ``nr / 16``
+    loads of the pair-packed panel, one 32-bit broadcast of each row's bf16 pair of ``A``, and
+    ``mr * nr / 16`` dot-accumulates into the fp32 accumulators."""
+    nv = nr // 16
+    return [
+        "    (void)sa1; (void)pf;  /* A rows contiguous (pairs in place); no software prefetch */",
+        "    for (int64_t k = k0; k < k1; k += 2) {",
+        f"        const btype_t *bk = bp + k * {nr};",
+        f"        __m512bh b[{nv}];",
+        f"        #pragma GCC unroll {nv}",
+        f"        for (int v = 0; v < {nv}; ++v) b[v] = (__m512bh)_mm512_loadu_si512(bk + v * 32);",
+        f"        #pragma GCC unroll {mr}",
+        f"        for (int r = 0; r < {mr}; ++r) {{",
+        "            int32_t w; memcpy(&w, ar[r] + k, 4);",
+        "            __m512bh a = (__m512bh)_mm512_set1_epi32(w);",
+        f"            #pragma GCC unroll {nv}",
+        f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);",
+        "        }",
+        "    }",
+    ]
+
+
+def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> str:
     """One micro-kernel: ``mr`` rows x ``nr`` columns over ``k0 <= k < k1``, accumulators in
     registers. ``mode`` bit 1: start from the fp32 partial sums in ``W`` (else from zero); bit 2:
-    apply the epilogue and store to ``C`` (else store the raw sums to ``W``)."""
+    apply the epilogue and store to ``C`` (else store the raw sums to ``W``). ``dp``: the
+    ``vdpbf16ps`` K loop (:func:`_dp_k_loop`) over bf16 ``A`` and pair-packed ``B``."""
     nv = nr // vw
+    if dp:
+        k_loops = _dp_k_loop(mr, nr)
+    else:
+        k_loops = [
+            # one loop per case, so the compiler sees unit-stride A and no prefetch test per k
+            # (measured 1.3-1.6x faster than the single general loop for M=8 tiles, one thread)
+            "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
+            *_k_loop(mr, nr, nv, vw, btag, "k", False),
+            "    } else if (sa1 == 1) {",
+            *_k_loop(mr, nr, nv, vw, btag, "k", True),
+            "    } else {",
+            *_k_loop(mr, nr, nv, vw, btag, "k * sa1", True),
+            "    }",
+        ]
     lines = [
-        f"static void tile_{mr}_{nr}(const float *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
+        f"static void tile_{mr}_{nr}(const atype_t *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
         "        int64_t k0, int64_t k1, otype_t *C, int64_t ldc, int64_t i, int64_t j,",
         "        int64_t nr, int64_t pf, const void *const *ep, const int64_t *eld, float *W,",
         "        int64_t ldw, int mode) {",
         f"    VEC acc[{mr}][{nv}];",
-        f"    const float *ar[{mr}];",
+        f"    const atype_t *ar[{mr}];",
         f"    float tmp[{nr}];",
         f"    for (int r = 0; r < {mr}; ++r) {{",
         "        ar[r] = A + (i + r) * sa0;",
@@ -330,15 +368,7 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
         "            VPREFETCH(C + (i + r) * ldc + j); VPREFETCH(C + (i + r) * ldc + j + nr - 1);",
         "        }",
         "    }",
-        # one loop per case, so the compiler sees unit-stride A and no prefetch test per k
-        # (measured 1.3-1.6x faster than the single general loop for M=8 tiles, one thread)
-        "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
-        *_k_loop(mr, nr, nv, vw, btag, "k", False),
-        "    } else if (sa1 == 1) {",
-        *_k_loop(mr, nr, nv, vw, btag, "k", True),
-        "    } else {",
-        *_k_loop(mr, nr, nv, vw, btag, "k * sa1", True),
-        "    }",
+        *k_loops,
         "    if (!(mode & TP_FIN)) {",
         f"        for (int r = 0; r < {mr}; ++r) {{",
         f"            if (nr == {nr}) {{",
@@ -427,7 +457,7 @@ def _driver(mr: int, nr: int) -> str:
 /* C[M, N] (row stride ldc) = epilogue(A[M, K] (strides sa0, sa1) @ unpack(Bp)).
    kc in (0, K): K blocks of kc, partial sums in W[M, N] (fp32); ks > 1: K split ks ways across
    threads, partial sums in W[ks][M, N], then one reduction pass applies the epilogue. */
-TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t sa0, int64_t sa1,
+TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const atype_t *A, int64_t sa0, int64_t sa1,
         const btype_t *Bp, int64_t M, int64_t N, int64_t K, int64_t mc, int64_t pf,
         const void *const *ep, const int64_t *eld, int64_t nthreads, int64_t kc, int64_t ks,
         float *W) {{
@@ -514,13 +544,24 @@ DEFER_MAX_M = 16
 
 
 def render_source(
-    spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: tuple[tuple[int, int], ...]
+    spec: EpilogueSpec,
+    btag: str,
+    otag: str,
+    isa: str,
+    tiles: tuple[tuple[int, int], ...],
+    dp: bool = False,
 ) -> str:
-    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``."""
+    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``.
+    ``dp``: the ``vdpbf16ps`` tiles instead (AVX512-BF16 builds only): ``A`` bf16 with even
+    row pairs in place, ``B`` pair-packed ``[ceil(N/NR)][K/2][NR][2]`` (``K`` even), fp32
+    accumulators and the same drivers, blocking and epilogue as the fp32 tiles."""
     vw = VW[isa]
+    if dp and (isa != "avx512" or btag != "bf16"):
+        raise ValueError(f"vdpbf16ps tiles need isa avx512 and bf16 B, got {isa} and {btag}")
     vec, sca = emit_c(spec)
     parts = [
         vocabulary(isa),
+        f"typedef {'uint16_t' if dp else 'float'} atype_t;",
         f"typedef {'float' if btag == 'f32' else 'uint16_t'} btype_t;",
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {vw}\n#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
@@ -548,9 +589,9 @@ def render_source(
         for r in sorted({1, mr}):
             if (r, nr) not in seen:
                 seen.add((r, nr))
-                parts.append(_tile(r, nr, vw, btag, otag))
+                parts.append(_tile(r, nr, vw, btag, otag, dp))
         parts.append(_driver(mr, nr))
-    if isa == "avx512":
+    if isa == "avx512" and not dp:
         parts.append(DPBF16.replace("SSTORE_bf16((uint16_t *)C", f"SSTORE_{otag}(C"))
     return "\n".join(parts)
 
