@@ -476,3 +476,21 @@ def test_large_m_bf16_candidates_put_the_dp_tiles_first():
     for m, elem_size in ((512, 4), (8, 2)):  # fp32, and bf16 at small M: no dp tiles
         names = [c.name for c in candidates(m, 4096, 1024, "avx512", elem_size)]
         assert not any(n.startswith("dp") for n in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_single_panel_chunks_from_panel_chunk_m_rows(dtype):
+    """From PANEL_CHUNK_M rows the two threads take one panel at a time (fp32 and, where the
+    CPU has them, vdpbf16ps tiles): the same result as the reference."""
+    m = templates.PANEL_CHUNK_M + 3
+    cfgs = [Config(*TILES[0], 64)]
+    if dtype == torch.bfloat16 and DP_TILES and native.cpu_info().has_avx512_bf16:
+        cfgs.append(Config(*DP_TILES[0], 64, dp=1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = _make(m, 7 * 64 + 5, 33, dtype, "c", "weight_t")
+        for cfg in cfgs:
+            _assert_close(run_native(a, b, EpilogueSpec(), [], cfg), a, b, EpilogueSpec(), [])
+    finally:
+        torch.set_num_threads(before)
