@@ -30,7 +30,8 @@ _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Register tiles (MR, NR) compiled into every library, per ISA level.
 TILES: dict[str, tuple[tuple[int, int], ...]] = {
     "avx2": ((6, 16), (4, 24), (8, 8), (2, 32), (1, 64)),
-    "avx512": ((6, 32), (4, 48), (8, 16), (2, 64), (1, 128)),
+    # the last two: 24 accumulators, for M > 32 (large-M candidates in mm.py)
+    "avx512": ((6, 32), (4, 48), (8, 16), (2, 64), (1, 128), (6, 64), (8, 48)),
     "scalar": ((4, 4), (1, 8)),
 }
 # vdpbf16ps register tiles (bf16 A and B, AVX512-BF16 machines): 24 of the 32 zmm registers
