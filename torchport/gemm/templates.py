@@ -14,8 +14,9 @@ Kernel structure (one exported function per register tile ``MR x NR``):
   distance in ``k`` rows (0 = off).
 
 ISA levels: ``avx2`` (8-wide ymm, FMA) is what runs on AVX2 machines; ``avx512`` (16-wide zmm) and,
-under ``__AVX512BF16__``, a ``vdpbf16ps`` kernel over pair-packed bf16 operands; ``scalar`` is
-portable C. Remainder columns go through
+on AVX512-BF16 machines, ``vdpbf16ps`` tiles (``render_source(dp=True)``: bf16 ``A`` read in
+place as k pairs, ``B`` pair-packed, the same drivers and epilogue store; the large-M bf16
+candidates); ``scalar`` is portable C. Remainder columns go through
 a small buffer and the scalar epilogue. Remainder rows (``M % MR``) run the 1-row tile of the
 same width, so only two tiles per width are compiled (the autotuner prefers an ``MR`` dividing
 small ``M``).
