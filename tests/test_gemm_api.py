@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import torchport.gemm as G
 from torchport import autotune, config
-from torchport.gemm import mm
+from torchport.gemm import mm, templates
 from torchport.gemm.epilogue import EpilogueError, EpilogueSpec, split
 from torchport.gemm.kernels import GemmInputError
 from torchport.gemm.pack import PackCache
@@ -787,8 +787,7 @@ def test_tuning_rotation_reuses_one_buffer_per_copy_across_widths():
 def test_tuning_rotation_pair_packs_share_the_copy_buffer():
     """A pair-packed (vdpbf16ps) width and the plain pack of the same width are different
     bytes: the rotation refills the copy's one buffer between them, never mixing them."""
-    from torchport.gemm.kernels import pack_pairs_reference
-    from torchport.gemm.pack import pack_b_reference
+    from torchport.gemm.pack import pack_b_reference, pack_pairs_reference
 
     mm = sys.modules["torchport.gemm.mm"]
 
@@ -827,18 +826,22 @@ def test_bf16_small_m_offers_pair_dot_tiles_only_where_they_run():
         assert any(c.param("dp", 0) for c in cands) == has_dot
         assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx512", 4))
         assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx2", 2))
-    assert not any(c.param("dp", 0) for c in G.candidates(64, 4096, 1024, "avx512", 2))
+    # beyond SMALL_M: the large-M vdpbf16ps tiles (the blocked drivers), not the small-M ones
+    large = [c for c in G.candidates(64, 4096, 1024, "avx512", 2) if c.param("dp", 0)]
+    assert bool(large) == has_dot
+    assert all((c.param("mr"), c.param("nr")) in templates.DP_TILES["large"] for c in large)
     for c in G.candidates(8, 4096, 1024, "avx512", 2):
         if c.param("dp", 0):
             assert mm_mod._config(c).dp == 1
+            assert (c.param("mr"), c.param("nr")) in templates.DP_TILES["small"]
 
 
 @pytest.mark.parametrize(
     "k,layout", [(64, "t"), (63, "t"), (64, "n")], ids=["even", "odd", "rowmajor"]
 )
 def test_bf16_small_m_through_the_tuner_any_layout(k, layout):
-    """Pair-dot candidates are left out where B is not weight.t() with even K; every layout
-    still tunes and matches the reference."""
+    """Pair-dot candidates run on every B layout and odd K (pair packing pads K with a zero
+    pair); every layout tunes and matches the reference."""
     from torchport.gemm.kernels import mm_reference
 
     torch.manual_seed(1)

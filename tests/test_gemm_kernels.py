@@ -11,7 +11,13 @@ from torchport import config, native
 from torchport.gemm import kernels, templates
 from torchport.gemm.epilogue import EpilogueSpec, apply_torch
 from torchport.gemm.kernels import Config, mm_reference, run_native
-from torchport.gemm.pack import pack_b, pack_b_pairs, pack_b_reference
+from torchport.gemm.pack import (
+    pack_b,
+    pack_b_pairs,
+    pack_b_reference,
+    pack_pairs_reference,
+    pair_words,
+)
 
 ISA = native.cpu_info().isa
 TILES = kernels.TILES[ISA]
@@ -348,7 +354,7 @@ def test_scalar_isa_path():
 
 
 def test_avx512_variants_build():
-    """The AVX-512 and AVX512-BF16 (vdpbf16ps) kernels compile (this CPU cannot run them)."""
+    """The AVX-512 and AVX512-BF16 (vdpbf16ps) kernels compile (on any x86 build machine)."""
     spec = EpilogueSpec.decode("bias_col:f32;gelu;add:bf16")
     body = templates.render_source(spec, "bf16", "bf16", "avx512", kernels.TILES["avx512"][:2])
     assert "_mm512_dpbf16_ps" in body
@@ -360,6 +366,16 @@ def test_avx512_variants_build():
     )
     assert hasattr(lib, "tp_gemm_6x32") and hasattr(lib, "tp_gemm_4x48")
     assert hasattr(lib, "tp_gemm_dpbf16_4x32")
+    large, small = templates.DP_TILES["large"], templates.DP_TILES["small"]
+    body = templates.render_source(spec, "bf16", "bf16", "avx512", large + small, True)
+    lib = native.build(
+        native.render(body.replace("$", "$$")),
+        name="gemm_avx512_dp_buildcheck",
+        isa="avx512",
+        extra_flags=["-mavx512bf16", "-O1"],
+    )
+    assert all(hasattr(lib, f"tp_gemm_{mr}x{nr}") for mr, nr in large)
+    assert all(hasattr(lib, f"tp_gemm_dp_{mr}x{nr}") for mr, nr in small)
 
 
 def test_tile_width_must_match_isa():
@@ -375,25 +391,28 @@ def test_unknown_tile_is_invalid_candidate():
         run_native(a, b, EpilogueSpec(), [], Config(3, 5, 4))
 
 
-# --- vdpbf16ps small-M tiles (bf16 pair-dot; AVX512-BF16 machines) ---------------------------------
+# --- vdpbf16ps tiles (AVX512-BF16): bf16 A as k pairs, B pair-packed -----------------------------
 
-needs_bf16_dot = pytest.mark.skipif(
+needs_dp = pytest.mark.skipif(
     not native.cpu_info().has_avx512_bf16, reason="needs AVX512-BF16 (vdpbf16ps)"
 )
-DP_SHAPES = [(1, 1, 2), (1, 67, 14), (3, 129, 40), (8, 70, 2), (13, 200, 64), (32, 131, 38)]
+SMALL_DP_TILES = templates.DP_TILES["small"]  # their own weight-streaming driver, whole K
+LARGE_DP_TILES = templates.DP_TILES["large"]  # the blocked drivers (M and K blocks)
+SMALL_DP_SHAPES = [(1, 1, 2), (1, 67, 14), (3, 129, 40), (8, 70, 2), (13, 200, 64), (32, 131, 38)]
 DP_CHAINS = ["", "bias_col:bf16;gelu;add:bf16", "scale_row:f32;silu", "gelu;out=f32", "relu"]
 
 
-@needs_bf16_dot
-@pytest.mark.parametrize("m,n,k", DP_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in DP_SHAPES])
+@needs_dp
 @pytest.mark.parametrize(
-    "tile", templates.DP_TILES, ids=[f"{t[0]}x{t[1]}" for t in templates.DP_TILES]
+    "m,n,k", SMALL_DP_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SMALL_DP_SHAPES]
 )
+@pytest.mark.parametrize("tile", SMALL_DP_TILES, ids=[f"{t[0]}x{t[1]}" for t in SMALL_DP_TILES])
 @pytest.mark.parametrize("chain", DP_CHAINS, ids=[c or "none" for c in DP_CHAINS])
 @pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
 def test_dp_tiles_grid(m, n, k, tile, chain, a_layout):
-    """Every pair-dot tile over remainder rows and columns, deferred and in-tile epilogues,
-    bf16 and fp32 output, A read in place or copied (transposed, strided), two threads."""
+    """Every small-M pair-dot tile over remainder rows and columns, deferred and in-tile
+    epilogues, bf16 and fp32 output, A read in place or copied (transposed, strided), two
+    threads."""
     a, b = _make(m, n, k, torch.bfloat16, a_layout, "weight_t")
     spec = EpilogueSpec.decode(chain)
     ops = _operands(spec, m, n)
@@ -407,7 +426,19 @@ def test_dp_tiles_grid(m, n, k, tile, chain, a_layout):
         torch.set_num_threads(before)
 
 
-@needs_bf16_dot
+@needs_dp
+@pytest.mark.parametrize("m,n,k", [(0, 5, 4), (1, 1, 1), (5, 45, 17), (32, 70, 29)], ids=str)
+@pytest.mark.parametrize("tile", SMALL_DP_TILES, ids=[f"{t[0]}x{t[1]}" for t in SMALL_DP_TILES])
+@pytest.mark.parametrize("b_layout", ["c", "strided"])
+def test_dp_small_tiles_any_b_layout_and_odd_k(m, n, k, tile, b_layout):
+    """The small-M tiles read the same pair packing as the large ones (any B layout, odd K
+    padded with a zero pair)."""
+    a, b = _make(m, n, k, torch.bfloat16, "c", b_layout)
+    out = run_native(a, b, EpilogueSpec(), [], Config(*tile, max(m, 1), dp=1))
+    _assert_close(out, a, b, EpilogueSpec(), [])
+
+
+@needs_dp
 def test_dp_matches_the_widening_tile_closely():
     """Both accumulate exact bf16 products in fp32: they differ by summation order only."""
     a, b = _make(8, 96, 512, torch.bfloat16, "c", "weight_t")
@@ -421,10 +452,12 @@ def test_dp_matches_the_widening_tile_closely():
 @pytest.mark.parametrize("n,k", [(1, 2), (45, 18), (64, 6)])
 def test_pair_words_pack_matches_reference(n, k):
     _, b = _make(1, n, k, torch.bfloat16, "c", "weight_t")
-    packed = pack_b(kernels.pair_words(b), 32)
-    ref = kernels.pack_pairs_reference(b, 32)
+    words = pair_words(b)
+    assert words is not None
+    packed = pack_b(words, 32)
+    ref = pack_pairs_reference(b, 32)
     assert torch.equal(packed.view(torch.bfloat16).view(ref.shape), ref)
-    assert torch.equal(ref, pack_b_pairs(b, 32))  # the AVX512-BF16 dot kernel's layout
+    assert torch.equal(ref, pack_b_pairs(b, 32))  # the vdpbf16ps kernels' layout
 
 
 @pytest.mark.parametrize(
@@ -433,11 +466,10 @@ def test_pair_words_pack_matches_reference(n, k):
     ids=["odd_k", "row_major", "f32"],
 )
 def test_pair_words_rejects_what_it_cannot_view(dtype, k, layout):
-    from torchport.autotune import InvalidCandidate
-
     _, b = _make(1, 5, k, dtype, "c", layout)
-    with pytest.raises(InvalidCandidate, match=r"bf16 weight\.t\(\) layout with even K"):
-        kernels.pair_words(b)
+    assert pair_words(b) is None
+    if dtype == torch.bfloat16:  # pack_b_pairs' torch copy instead
+        assert torch.equal(pack_b_pairs(b, 32), pack_pairs_reference(b, 32))
 
 
 def test_dp_config_is_invalid_without_bf16_dot_or_on_other_tiles():
@@ -447,5 +479,119 @@ def test_dp_config_is_invalid_without_bf16_dot_or_on_other_tiles():
         kernels.check_config(Config(8, 32, 8, dp=1), "avx2")
     with pytest.raises(InvalidCandidate):
         kernels.check_config(Config(6, 32, 8, dp=1), "avx512")
+    with pytest.raises(InvalidCandidate):  # the small-M tiles read whole K
+        kernels.check_config(Config(8, 32, 8, kc=64, dp=1), "avx512")
     with pytest.raises(ValueError, match="no vdpbf16ps tile 6x32"):
-        templates.render_source(EpilogueSpec(), "dp", "bf16", "avx512", ((6, 32),))
+        templates.render_source(EpilogueSpec(), "bf16", "bf16", "avx512", ((6, 32),), dp=True)
+
+
+DP_SHAPES = [(0, 5, 4), (1, 1, 1), (7, 31, 17), (13, 70, 29), (37, 130, 64), (50, 97, 301)]
+
+
+@needs_dp
+@pytest.mark.parametrize("m,n,k", DP_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in DP_SHAPES])
+@pytest.mark.parametrize("mr,nr", LARGE_DP_TILES, ids=[f"{r}x{c}" for r, c in LARGE_DP_TILES])
+@pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
+@pytest.mark.parametrize("b_layout", ["c", "weight_t"])
+@pytest.mark.parametrize("mc,kc", [(64, 0), (5, 16)], ids=["whole_k", "kc16_mc5"])
+def test_dp_grid(m, n, k, mr, nr, a_layout, b_layout, mc, kc):
+    """Every vdpbf16ps tile against the fp64 reference: odd K (a zero pair at the end), rows
+    and columns not multiples of the tile, transposed/strided A (copied into pairs), K blocks."""
+    a, b = _make(m, n, k, torch.bfloat16, a_layout, b_layout)
+    out = run_native(a, b, EpilogueSpec(), [], Config(mr, nr, mc, kc=kc, dp=1))
+    _assert_close(out, a, b, EpilogueSpec(), [])
+
+
+@needs_dp
+@pytest.mark.parametrize("text", ["gelu_tanh;add:bf16;bias_col:bf16", "relu;out=f32"])
+def test_dp_epilogue_chains(text):
+    spec = EpilogueSpec.decode(text)
+    a, b = _make(31, 75, 64, torch.bfloat16, "c", "weight_t")
+    ops = _operands(spec, 31, 75)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = run_native(a, b, spec, ops, Config(*LARGE_DP_TILES[0], 16, dp=1))
+    finally:
+        torch.set_num_threads(before)
+    _assert_close(out, a, b, spec, ops)
+
+
+@needs_dp
+def test_dp_matches_fp32_tiles_bit_for_bit_on_exact_sums():
+    """Small integers: every product and partial sum is exact in fp32, so the pairwise dot
+    and the fp32 FMA tiles agree exactly with the reference."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-4, 5, (29, 67), generator=g).to(torch.bfloat16)
+    b = torch.randint(-4, 5, (67, 101), generator=g).to(torch.bfloat16)
+    ref = (a.double() @ b.double()).to(torch.bfloat16)
+    for mr, nr in LARGE_DP_TILES + SMALL_DP_TILES:
+        assert torch.equal(run_native(a, b, EpilogueSpec(), [], Config(mr, nr, 8, dp=1)), ref)
+
+
+def test_dp_config_is_invalid_where_it_does_not_apply():
+    from torchport.autotune import InvalidCandidate
+
+    a, b = _make(3, 3, 4, torch.float32, "c", "c")
+    if native.cpu_info().has_avx512_bf16:
+        with pytest.raises(InvalidCandidate, match="need bf16 operands"):
+            run_native(a, b, EpilogueSpec(), [], Config(*LARGE_DP_TILES[0], 4, dp=1))
+        with pytest.raises(InvalidCandidate, match="ks=1 and an even kc"):
+            run_native(a, b, EpilogueSpec(), [], Config(*LARGE_DP_TILES[0], 4, ks=2, dp=1))
+        with pytest.raises(InvalidCandidate, match="ks=1 and an even kc"):
+            run_native(a, b, EpilogueSpec(), [], Config(*LARGE_DP_TILES[0], 4, kc=7, dp=1))
+    with (
+        config.override(isa="avx2"),
+        pytest.raises(InvalidCandidate, match="vdpbf16ps tile 6x64 is not built"),
+    ):
+        run_native(a.bfloat16(), b.bfloat16(), EpilogueSpec(), [], Config(6, 64, 4, dp=1))
+    with pytest.raises(ValueError, match="vdpbf16ps tiles need isa avx512 and bf16 B"):
+        templates.render_source(EpilogueSpec(), "f32", "f32", "avx512", ((6, 64),), dp=True)
+
+
+@pytest.mark.parametrize("k,n", [(5, 40), (6, 64), (13, 70)], ids=str)
+@pytest.mark.parametrize("b_layout", ["c", "weight_t"])
+def test_pack_pairs_matches_reference(k, n, b_layout):
+    _, b = _make(1, n, k, torch.bfloat16, "c", b_layout)
+    ref = pack_b_reference(torch.cat([b, b.new_zeros(k % 2, n)]), 32)  # [np, K even, 32]
+    ref = ref.view(ref.shape[0], -1, 2, 32).transpose(2, 3)
+    assert torch.equal(pack_b_pairs(b, 32), ref)
+    assert torch.equal(pack_pairs_reference(b, 32), ref)
+    out = torch.full_like(ref, 7.0).contiguous()
+    assert pack_b_pairs(b, 32, out=out) is out and torch.equal(out, ref)
+
+
+def test_large_m_bf16_candidates_put_the_dp_tiles_first():
+    from torchport.gemm.mm import candidates
+
+    names = [c.name for c in candidates(512, 4096, 1024, "avx512", 2)]
+    if native.cpu_info().has_avx512_bf16:
+        assert names[1].startswith("dp6x64") and len(names) <= 10
+    with config.override(isa="avx2"):
+        names = [c.name for c in candidates(512, 4096, 1024, "avx2", 2)]
+        assert not any(n.startswith("dp") for n in names)
+    names = [c.name for c in candidates(512, 4096, 1024, "avx512", 4)]  # fp32: no dp tiles
+    assert not any(n.startswith("dp") for n in names)
+    for m, tiles in ((8, SMALL_DP_TILES), (33, LARGE_DP_TILES), (512, LARGE_DP_TILES)):
+        for c in candidates(m, 4096, 1024, "avx512", 2):  # bf16: each M's own dp tiles
+            if c.param("dp", 0):
+                assert (int(c.param("mr")), int(c.param("nr"))) in tiles
+                assert c.name.startswith(f"dp{c.param('mr')}x{c.param('nr')}_")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_single_panel_chunks_from_panel_chunk_m_rows(dtype):
+    """From PANEL_CHUNK_M rows the two threads take one panel at a time (fp32 and, where the
+    CPU has them, vdpbf16ps tiles): the same result as the reference."""
+    m = templates.PANEL_CHUNK_M + 3
+    cfgs = [Config(*TILES[0], 64)]
+    if dtype == torch.bfloat16 and LARGE_DP_TILES and native.cpu_info().has_avx512_bf16:
+        cfgs.append(Config(*LARGE_DP_TILES[0], 64, dp=1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = _make(m, 7 * 64 + 5, 33, dtype, "c", "weight_t")
+        for cfg in cfgs:
+            _assert_close(run_native(a, b, EpilogueSpec(), [], cfg), a, b, EpilogueSpec(), [])
+    finally:
+        torch.set_num_threads(before)

@@ -30,7 +30,8 @@ _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Register tiles (MR, NR) compiled into every library, per ISA level.
 TILES: dict[str, tuple[tuple[int, int], ...]] = {
     "avx2": ((6, 16), (4, 24), (8, 8), (2, 32), (1, 64)),
-    "avx512": ((6, 32), (4, 48), (8, 16), (2, 64), (1, 128)),
+    # the last two: 24 accumulators, for M > 32 (large-M candidates in mm.py)
+    "avx512": ((6, 32), (4, 48), (8, 16), (2, 64), (1, 128), (6, 64), (8, 48)),
     "scalar": ((4, 4), (1, 8)),
 }
 
@@ -50,7 +51,9 @@ class Config:
     (> 1: the threads also split K, each summing its share into its own buffer, and a final pass
     adds the shares and applies the epilogue; for small M with large K and few N panels) and a
     thread cap ``nt`` (0: torch's intra-op threads; 1: one thread, which on a shared, loaded
-    machine avoids waiting for a descheduled second thread at the end of a short kernel)."""
+    machine avoids waiting for a descheduled second thread at the end of a short kernel).
+    ``dp`` (1): a ``vdpbf16ps`` tile (bf16 operands, AVX512-BF16; :data:`templates.DP_TILES`,
+    whose "small" tiles run the weight-streaming pair-dot driver over whole K, ``mc`` unused)."""
 
     mr: int
     nr: int
@@ -59,13 +62,13 @@ class Config:
     kc: int = 0
     ks: int = 1
     nt: int = 0
-    dp: int = 0  # 1: bf16 pair-dot tile (vdpbf16ps; DP_TILES, whole K, M read in one block)
+    dp: int = 0
 
     @property
     def name(self) -> str:
-        base = f"t{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+        base = f"{'dp' if self.dp else 't'}{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
         opt = (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
-        return base + opt + (f"_nt{self.nt}" if self.nt else "") + ("_dp" if self.dp else "")
+        return base + opt + (f"_nt{self.nt}" if self.nt else "")
 
 
 def mm_reference(
@@ -94,11 +97,14 @@ def mm_aten(
 
 
 @functools.cache
-def library(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> ctypes.CDLL:
-    """Build (or load) the library of one tile variant for this epilogue and dtypes."""
-    body = templates.render_source(spec, btag, otag, isa, ((mr, nr),))
+def library(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int, dp: bool = False
+) -> ctypes.CDLL:
+    """Build (or load) the library of one tile variant for this epilogue and dtypes (``dp``:
+    the ``vdpbf16ps`` tile)."""
+    body = templates.render_source(spec, btag, otag, isa, ((mr, nr),), dp)
     src = templates.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
-    name = f"gemm_{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
+    name = f"gemm_{'dp' if dp else ''}{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
     # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
     return native.build(src, name=name, isa=isa, extra_flags=["-O2"])
 
@@ -111,14 +117,18 @@ def prebuild(
     tiles: Sequence[tuple[int, int]],
     dp_tiles: Sequence[tuple[int, int]] = (),
 ) -> None:
-    """Build several tile libraries (``dp_tiles``: pair-dot ones) and the weight-packing
+    """Build several tile libraries (``dp_tiles``: ``vdpbf16ps`` ones) and the weight-packing
     kernels concurrently (one compiler process per core)."""
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
         futures: list[Future[Any]] = [
             pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
         ]
-        futures += [pool.submit(library, spec, "dp", otag, isa, mr, nr) for mr, nr in dp_tiles]
-        futures.append(pool.submit(_pack_fn, 32 if btag == "f32" or dp_tiles else 16))
+        futures += [
+            pool.submit(library, spec, btag, otag, isa, mr, nr, True) for mr, nr in dp_tiles
+        ]
+        # B's own width; the pair packing runs the 32-bit kernel on k-pair words
+        bits = {32 if btag == "f32" else 16} | ({32} if dp_tiles else set())
+        futures += [pool.submit(_pack_fn, w) for w in sorted(bits)]
         if spec.ops:  # the ATen launch's epilogue pass (small-M adaptive runners)
             futures.append(pool.submit(_pass_function, spec, btag, otag, isa))
         for f in futures:
@@ -127,8 +137,10 @@ def prebuild(
 
 
 @functools.cache
-def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int) -> Any:
-    lib = library(spec, btag, otag, isa, mr, nr)
+def _function(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int, dp: bool = False
+) -> Any:
+    lib = library(spec, btag, otag, isa, mr, nr, dp)
     fn = getattr(lib, f"tp_gemm_{mr}x{nr}")
     fn.argtypes = [
         ctypes.c_void_p,
@@ -156,12 +168,19 @@ def _function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: i
 def check_config(cfg: Config, isa: str) -> None:
     """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
     if cfg.dp:
-        if not (isa == "avx512" and native.cpu_info().has_avx512_bf16):
-            raise InvalidCandidate(f"vdpbf16ps tiles need AVX512-BF16 (isa {isa})")
-        if (cfg.mr, cfg.nr) not in templates.DP_TILES or cfg.kc or cfg.ks > 1:
-            raise InvalidCandidate(f"no vdpbf16ps tile {cfg.mr}x{cfg.nr} (kc=0, ks=1), got {cfg}")
-        return
-    if (cfg.mr, cfg.nr) not in TILES[isa]:
+        small = (cfg.mr, cfg.nr) in templates.DP_TILES["small"]
+        if (
+            isa != "avx512"
+            or not native.cpu_info().has_avx512_bf16
+            or not (small or (cfg.mr, cfg.nr) in templates.DP_TILES["large"])
+        ):
+            raise InvalidCandidate(f"vdpbf16ps tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
+        if cfg.ks > 1 or cfg.kc % 2 or (small and cfg.kc):
+            raise InvalidCandidate(
+                f"vdpbf16ps tiles need ks=1 and an even kc (kc=0 for the small-M tiles "
+                f"{templates.DP_TILES['small']}), got {cfg}"
+            )
+    elif (cfg.mr, cfg.nr) not in TILES[isa]:
         raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
     if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1 or cfg.nt < 0:
         raise InvalidCandidate(f"mc must be >= 1, pf >= 0, kc >= 0, ks >= 1 and nt >= 0, got {cfg}")
@@ -222,10 +241,13 @@ def launcher(
     depend on the call's tensors (validation, library lookup, output dtype) is done once here,
     so a call costs a few tensor attribute reads and the ctypes call."""
     check_config(cfg, isa)
-    if cfg.dp:
-        return _dp_launcher(spec, cfg, a_dtype, b_dtype)
+    dp = bool(cfg.dp)
+    if dp and (a_dtype, b_dtype) != (torch.bfloat16, torch.bfloat16):
+        raise InvalidCandidate(f"vdpbf16ps tiles need bf16 operands, got {a_dtype}, {b_dtype}")
+    if dp and (cfg.mr, cfg.nr) in templates.DP_TILES["small"]:
+        return _dp_launcher(spec, cfg, a_dtype)
     out_dtype = spec.out_dtype(a_dtype)
-    fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr)
+    fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr, dp)
     mr, nr, mc, pf, kc, ks, nt = cfg.mr, cfg.nr, cfg.mc, cfg.pf, cfg.kc, cfg.ks, cfg.nt
     f32 = torch.float32
     operand_args = _operand_args(spec)
@@ -243,9 +265,13 @@ def launcher(
         c = torch.empty(m, n, dtype=out_dtype)
         if m == 0 or n == 0:
             return c
-        a32 = a if a.dtype == f32 else a.float()
+        if dp:  # bf16 A read in place as k pairs where it can be
+            a32 = _pairs(a)
+            k += k % 2
+        else:
+            a32 = a if a.dtype == f32 else a.float()
         if packed is None:
-            packed = pack_cache.get(b, nr)
+            packed = pack_cache.get(b, nr, pairs=dp)
         eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
         work: torch.Tensor | None = None
         if ks > 1:
@@ -280,61 +306,36 @@ def launcher(
     return launch
 
 
-# --- small-M bf16 on vdpbf16ps ----------------------------------------------------------------------
+# --- bf16 on vdpbf16ps: A as k-pair words; the small-M tiles' own driver ----------------------------
 
 
-def pair_words(b: torch.Tensor) -> torch.Tensor:
-    """bf16 ``b [K, N]`` as 32-bit words ``[K/2, N]``, word ``(k, j)`` holding ``b[2k, j]`` (low
-    half) and ``b[2k+1, j]``: a view (no copy) of a weight stored as ``[N, K]`` rows
-    (``weight.t()``) with even ``K``; :func:`~torchport.gemm.pack.pack_b` of it is the
-    ``[ceil(N/nr)][K/2][nr]`` layout the pair-dot tiles stream. Other layouts and odd ``K``
-    raise :class:`InvalidCandidate` (the autotuner skips the candidate)."""
-    k = b.shape[0]
-    s0, s1 = b.stride()
-    if (
-        b.dtype != torch.bfloat16
-        or k % 2
-        or (s0 != 1 and k > 1)
-        or s1 % 2
-        or b.storage_offset() % 2
-    ):
-        raise InvalidCandidate(
-            f"vdpbf16ps tiles need a bf16 weight.t() layout with even K, got {b.dtype} "
-            f"{tuple(b.shape)} strides {b.stride()}"
-        )
-    return b.t().view(torch.int32).t()
-
-
-def pack_pairs_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
-    """Obviously correct pair packing (tests): ``[ceil(N/nr), K/2, nr, 2]`` bf16, element
-    ``[p, k, c, h] = b[2k + h, p * nr + c]`` (zero beyond ``N``)."""
-    k, n = b.shape
-    npan = (n + nr - 1) // nr
-    out = torch.zeros(npan, k // 2, nr, 2, dtype=b.dtype)
-    for p in range(npan):
-        w = min(nr, n - p * nr)
-        out[p, :, :w, :] = b[:, p * nr : p * nr + w].reshape(k // 2, 2, w).transpose(1, 2)
+def _pairs(a: torch.Tensor) -> torch.Tensor:
+    """bf16 ``a [M, K]`` as the ``vdpbf16ps`` tiles read it, rows of whole k pairs on 32-bit
+    boundaries: ``a`` itself when it is so laid out (unit column stride, even K, even row
+    stride and offset), else a contiguous ``[M, K + K % 2]`` copy (a zero column when K is odd)."""
+    m, k = a.shape
+    if a.stride(1) == 1 and k % 2 == 0 and a.stride(0) % 2 == 0 and a.storage_offset() % 2 == 0:
+        return a
+    out = torch.empty(m, k + k % 2, dtype=a.dtype)
+    out[:, :k] = a
+    if k % 2:
+        out[:, k] = 0
     return out
 
 
 @functools.cache
 def _dp_function(spec: EpilogueSpec, otag: str, mr: int, nr: int) -> Any:
-    fn = getattr(library(spec, "dp", otag, "avx512", mr, nr), f"tp_gemm_dp_{mr}x{nr}")
+    fn = getattr(library(spec, "bf16", otag, "avx512", mr, nr, True), f"tp_gemm_dp_{mr}x{nr}")
     p, i = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, i, p, i, p, i, i, i, i, p, p, i, p]
     fn.restype = ctypes.c_int
     return fn
 
 
-def _dp_launcher(
-    spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, b_dtype: torch.dtype
-) -> _Launch:
-    """:func:`launcher` of a pair-dot config: bf16 ``a`` and ``b``, ``b`` in ``weight.t()``
-    layout with even K (:func:`pair_words`); ``a`` is read in place when its rows are whole
-    pairs, else copied to a zero-padded even-K buffer (M x K, small)."""
-    bf16 = torch.bfloat16
-    if a_dtype != bf16 or b_dtype != bf16:
-        raise InvalidCandidate(f"vdpbf16ps tiles need bf16 operands, got {a_dtype}, {b_dtype}")
+def _dp_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Launch:
+    """:func:`launcher` of a small-M pair-dot tile (``templates.DP_TILES["small"]``; bf16
+    operands, checked there): the weight-streaming driver over whole K, ``b`` pair-packed
+    (:func:`~torchport.gemm.pack.pack_b_pairs`), ``a`` as :func:`_pairs`."""
     out_dtype = spec.out_dtype(a_dtype)
     fn = _dp_function(spec, _TAG[out_dtype], cfg.mr, cfg.nr)
     nr, pf, nt = cfg.nr, cfg.pf, cfg.nt
@@ -353,9 +354,8 @@ def _dp_launcher(
         if m == 0 or n == 0:
             return c
         if packed is None:
-            packed = pack_cache.get(pair_words(b), nr)
-        if k % 2 or a.stride(1) != 1 or a.stride(0) % 2 or a.storage_offset() % 2:
-            a = torch.nn.functional.pad(a.contiguous(), (0, k % 2))
+            packed = pack_cache.get(b, nr, pairs=True)
+        a = _pairs(a)
         eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
         work = None
         if defer_ws and m <= templates.DEFER_MAX_M:

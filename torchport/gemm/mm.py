@@ -32,7 +32,7 @@ from torchport.gemm.epilogue import (
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
-from torchport.gemm.pack import pack_b, pack_cache, packed_empty
+from torchport.gemm.pack import pack_b, pack_b_pairs, pack_cache, packed_empty
 
 SMALL_M = 32
 TUNE_BUDGET_S = 1.0  # timing budget per new shape, at most (compilation is cached on disk)
@@ -52,13 +52,17 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     when K is large), M and K cache blocks for larger M. A weight larger than L3
     (``elem_size`` bytes per element) gets at most five, over two panel widths (each width is
     one packing of the whole weight during tuning), without one-thread variants (the small-M
-    runner times those at run time)."""
+    runner times those at run time). bf16 (``elem_size`` 2) on an AVX512-BF16 machine tries the
+    ``vdpbf16ps`` tiles (twice the fp32 tiles' rate) first: ``templates.DP_TILES["small"]`` up
+    to SMALL_M rows, ``"large"`` beyond."""
     cands = [Candidate("aten", ATEN)]
     scale = {"avx2": 1, "avx512": 2, "scalar": 0}[isa]
     # bf16 weights on vdpbf16ps (AVX512-BF16): one instruction per two products and no widening,
     # where the fp32 tiles are compute-bound on bf16 (measured one thread, weights streamed:
     # M=8 1024->4096 0.59 vs 0.81 ms = 105 % of torch.sum's bandwidth; M=32 1.09 vs 2.02 ms)
     dp = elem_size == 2 and isa == "avx512" and native.cpu_info().has_avx512_bf16
+    # calls run at about this rate (FLOP/s) when estimating tuning cost (conservative)
+    rate = 5e10
     if scale == 0:
         cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
     elif m <= SMALL_M:
@@ -104,9 +108,29 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
             Config(4, 24 * scale, 128, kc=384),
             Config(8, 8 * scale, 64),
         ]
+        if isa == "avx512":
+            # 24 of the 32 zmm registers accumulate (measured fp32 M=512 1024->4096, two
+            # threads: 440 GFLOP/s for 6x64 and 8x48, 421 for 6x32; peak about 490 here)
+            cfgs = [Config(6, 64, 96), Config(8, 48, 512), *cfgs]
+        if dp:
+            # vdpbf16ps: 6x64 first (24 accumulators, the fewest loads per dot-accumulate),
+            # M blocks of up to 2048 rows (measured, two threads, 1024->4096: M=512 909 GFLOP/s
+            # vs 880 with 128-row blocks, M=2048 931 vs 902; one thread reaches 95 % of the
+            # dot instruction's peak, 495 GFLOP/s per core here); K blocks of 4096 when K is
+            # larger (a 64-wide panel of K=11008 is 1.4 MB, more than L2; measured M=512
+            # 11008->1024: 843 GFLOP/s with kc=4096, 796 with 2048, 767 without)
+            kb = 4096 if k > 4096 else 0
+            cfgs = [
+                Config(6, 64, min(m, 2048), kc=kb, dp=1),
+                Config(8, 48, 512, kc=kb, dp=1),
+                Config(6, 64, 128, dp=1),
+                Config(4, 96, 512, dp=1),
+                *cfgs[:1],
+            ]
+            rate = 2.5e11
         cfgs = [c for c in cfgs if c.kc < k]
     # problems whose single call is long get fewer candidates (cold-tuning budget)
-    est_s = 2.0 * m * n * k / 5e10
+    est_s = 2.0 * m * n * k / rate
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
     if n * k * elem_size >= L3_BYTES:
@@ -150,28 +174,27 @@ class _Rotation:
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def packed(self, idx: int, nr: int, dp: int = 0) -> torch.Tensor:
-        """Copy ``idx``'s weight packed for panel width ``nr`` (``dp``: in k-pair words for the
-        vdpbf16ps tiles, :func:`kernels.pair_words`; same bytes, so the same buffer)."""
+        """Copy ``idx``'s weight packed for panel width ``nr`` (``dp``: pair-packed for the
+        vdpbf16ps tiles, :func:`~torchport.gemm.pack.pack_b_pairs`, in the same buffer)."""
         hit = self.packs.get((idx, nr, dp))
         if hit is None:
             b = self.copies[idx][1]
-            src = kernels.pair_words(b) if dp else b
             if self.shared_pack:
-                hit = pack_cache.get(src, nr)
+                hit = pack_cache.get(b, nr, pairs=bool(dp))
             else:
                 if any((w, d) != (nr, dp) for (_, w, d) in self.packs):
                     self.packs.clear()  # another width: its buffers are refilled
-                out = self._buffer(idx, b, nr)
-                if dp:
-                    out = out.view(torch.int32).view(out.shape[0], out.shape[1] // 2, nr)
-                hit = pack_b(src, nr, out=out)
+                buf = self._buffer(idx, b, nr, bool(dp))
+                hit = pack_b_pairs(b, nr, out=buf) if dp else pack_b(b, nr, out=buf)
             self.packs[(idx, nr, dp)] = hit
         return hit
 
-    def _buffer(self, idx: int, b: torch.Tensor, nr: int) -> torch.Tensor:
+    def _buffer(self, idx: int, b: torch.Tensor, nr: int, pairs: bool) -> torch.Tensor:
         k, n = b.shape
-        shape = ((n + nr - 1) // nr, k, nr)
-        need = shape[0] * k * nr
+        shape: tuple[int, ...] = ((n + nr - 1) // nr, k, nr)
+        if pairs:
+            shape = (shape[0], (k + 1) // 2, nr, 2)
+        need = math.prod(shape)
         buf = self.buffers.get(idx)
         if buf is None or buf.numel() < need or buf.dtype != b.dtype:
             # room for every width up to 128 (a width pads N by at most nr - 1 columns)
@@ -180,17 +203,18 @@ class _Rotation:
 
 
 def _tuning_order(cands: list[Candidate]) -> list[Candidate]:
-    """``cands`` with the anchor first and the native candidates grouped by panel width (stable
-    within a width), so a rotation packs each width's copies once (see :class:`_Rotation`)."""
+    """``cands`` with the anchor first and the native candidates grouped by panel layout (width
+    and pairing; stable within one), so a rotation packs each layout's copies once (see
+    :class:`_Rotation`)."""
     first: dict[tuple[int, int], int] = {}
 
-    def width(c: Candidate) -> tuple[int, int]:  # one packing per (width, pair-packed)
+    def layout(c: Candidate) -> tuple[int, int]:
         return int(c.param("nr")), int(c.param("dp", 0))
 
     for c in cands:
         if not c.is_anchor:
-            first.setdefault(width(c), len(first))
-    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[width(c)])
+            first.setdefault(layout(c), len(first))
+    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[layout(c)])
 
 
 def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
@@ -479,8 +503,6 @@ def _choose(
         "isa": isa,
     }
     cands = candidates(mb, n, k, isa, b.element_size())
-    if layout != "t" or k % 2:  # the pair-dot tiles read B as k-pair words of weight.t()
-        cands = [c for c in cands if not c.param("dp", 0)]
     if any(c.param("dp", 0) for c in cands):
         key["tiles"] = "dp"  # choices cached before the vdpbf16ps tiles existed are re-tuned
 
@@ -496,14 +518,9 @@ def _choose(
             if not c.is_anchor
         }
         otag = spec.out or kernels._TAG[a.dtype]
-        kernels.prebuild(
-            spec,
-            kernels._TAG[b.dtype],
-            otag,
-            isa,
-            sorted((mr, nr) for mr, nr, d in tiles if not d),
-            sorted((mr, nr) for mr, nr, d in tiles if d),
-        )
+        fp32_tiles = sorted((mr, nr) for mr, nr, dp in tiles if not dp)
+        dp_tiles = sorted((mr, nr) for mr, nr, dp in tiles if dp)
+        kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles)
         spent = time.perf_counter() - t_start
         budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
 

@@ -155,14 +155,59 @@ def pack_b_torch(b: torch.Tensor, nr: int, out: torch.Tensor | None = None) -> t
     return out
 
 
-def pack_b_pairs(b: torch.Tensor, nr: int = 32) -> torch.Tensor:
-    """bf16 ``[K, N]`` → ``[ceil(N/nr), ceil(K/2), nr, 2]`` for the AVX512-BF16 dot kernel."""
+def pair_words(b: torch.Tensor) -> torch.Tensor | None:
+    """bf16 ``b [K, N]`` as 32-bit words ``[K/2, N]``, word ``(k, j)`` holding ``b[2k, j]`` (low
+    half) and ``b[2k+1, j]``: a view (no copy) of a weight stored as ``[N, K]`` rows
+    (``weight.t()``) with even ``K``, so that :func:`pack_b` of it (the 32-bit kernel) writes
+    :func:`pack_b_pairs`' layout; ``None`` for other dtypes, layouts and odd ``K``."""
     k = b.shape[0]
-    kp = (k + 1) // 2
-    p = pack_b(b, nr)  # [np, K, nr]
-    if k % 2:
-        p = torch.cat([p, p.new_zeros(p.shape[0], 1, nr)], dim=1)
-    return p.view(p.shape[0], kp, 2, nr).transpose(2, 3).contiguous()
+    s0, s1 = b.stride()
+    if (
+        b.dtype != torch.bfloat16
+        or k % 2
+        or (s0 != 1 and k > 1)
+        or s1 % 2
+        or b.storage_offset() % 2
+    ):
+        return None
+    return b.t().view(torch.int32).t()
+
+
+def pack_pairs_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
+    """Obviously correct pair packing (tests): ``[ceil(N/nr), ceil(K/2), nr, 2]`` bf16, element
+    ``[p, k, c, h] = b[2k + h, p * nr + c]`` (zero beyond ``K`` and ``N``)."""
+    k, n = b.shape
+    kp, npan = (k + 1) // 2, (n + nr - 1) // nr
+    b = torch.cat([b, b.new_zeros(2 * kp - k, n)])
+    out = torch.zeros(npan, kp, nr, 2, dtype=b.dtype)
+    for p in range(npan):
+        w = min(nr, n - p * nr)
+        out[p, :, :w, :] = b[:, p * nr : p * nr + w].reshape(kp, 2, w).transpose(1, 2)
+    return out
+
+
+def pack_b_pairs(b: torch.Tensor, nr: int = 32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 ``[K, N]`` → ``[ceil(N/nr), ceil(K/2), nr, 2]`` for the ``vdpbf16ps`` kernels (zero
+    padded in K and N), into ``out`` when given (contiguous, that shape). A ``weight.t()`` with
+    even K goes through :func:`pack_b` of its :func:`pair_words` (the native 32-bit kernel, no
+    copy first); other layouts and odd K take one strided torch copy from a zero-padded view."""
+    k, n = b.shape
+    kp, npan = (k + 1) // 2, (n + nr - 1) // nr
+    shape = (npan, kp, nr, 2)
+    if out is None:
+        out = packed_empty(shape, b.dtype)
+    assert out.shape == shape and out.dtype == b.dtype and out.is_contiguous()
+    words = pair_words(b)
+    if words is not None and n > 0:
+        pack_b(words, nr, out=out.view(torch.int32).view(npan, kp, nr))
+        return out
+    if 2 * kp == k and npan * nr == n:
+        src = b
+    else:
+        src = b.new_zeros(2 * kp, npan * nr)
+        src[:k, :n] = b
+    out.copy_(src.view(kp, 2, npan, nr).permute(2, 0, 3, 1))
+    return out
 
 
 def _version(t: torch.Tensor) -> int:
@@ -242,9 +287,10 @@ class PackCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, b: torch.Tensor, nr: int) -> torch.Tensor:
-        """Packed ``b`` for panel width ``nr``, from the cache when still valid."""
-        key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr)
+    def get(self, b: torch.Tensor, nr: int, pairs: bool = False) -> torch.Tensor:
+        """Packed ``b`` for panel width ``nr`` (``pairs``: :func:`pack_b_pairs`' layout), from
+        the cache when still valid."""
+        key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr, pairs)
         ver = _version(b)
         with self._lock:
             e = self._entries.get(key)
@@ -267,7 +313,7 @@ class PackCache:
             if sys.getrefcount(buf) <= 3:
                 reuse = buf
             del buf, stale
-        packed = pack_b(b, nr, out=reuse)
+        packed = pack_b_pairs(b, nr, out=reuse) if pairs else pack_b(b, nr, out=reuse)
         size = packed.numel() * packed.element_size()
         with self._lock:
             self.misses += 1

@@ -14,10 +14,12 @@ Kernel structure (one exported function per register tile ``MR x NR``):
   distance in ``k`` rows (0 = off).
 
 ISA levels: ``avx2`` (8-wide ymm, FMA) is what runs on AVX2 machines; ``avx512`` (16-wide zmm) and,
-under ``__AVX512BF16__``, a ``vdpbf16ps`` kernel over pair-packed bf16 operands; ``scalar`` is
-portable C. Small-M bf16 has its own ``vdpbf16ps`` tiles (``btag="dp"``, :data:`DP_TILES`): ``B``
-packed in k-pair words, ``A`` read as pair words, two products per lane and instruction and no
-widening, where the widening tiles above are compute-bound on bf16 at M >= 8. Remainder columns go through
+on AVX512-BF16 machines, ``vdpbf16ps`` tiles for bf16 (``render_source(dp=True)``,
+:data:`DP_TILES`): ``A`` read as k-pair words, ``B`` pair-packed, two products per lane and
+instruction and no widening. The "large" ones (M > 32) use the drivers, blocking and epilogue store
+above; the "small" ones (M <= 32, where the widening tiles are compute-bound on bf16 at M >= 8)
+have their own weight-streaming driver ``tp_gemm_dp_{MR}x{NR}`` over whole K. ``scalar`` is
+portable C. Remainder columns go through
 a small buffer and the scalar epilogue. Remainder rows (``M % MR``) run the 1-row tile of the
 same width, so only two tiles per width are compiled (the autotuner prefers an ``MR`` dividing
 small ``M``).
@@ -300,18 +302,56 @@ def _k_loop(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, pf: bool)
     return out
 
 
-def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
+def _dp_k_loop(mr: int, nr: int) -> list[str]:
+    """The K loop of a ``vdpbf16ps`` tile: one k pair per step (``k0``, ``k1`` even), ``nr / 16``
+    loads of the pair-packed panel, one 32-bit broadcast of each row's bf16 pair of ``A``, and
+    ``mr * nr / 16`` dot-accumulates into the fp32 accumulators."""
+    nv = nr // 16
+    return [
+        "    (void)sa1; (void)pf;  /* A rows contiguous (pairs in place); no software prefetch */",
+        "    for (int64_t k = k0; k < k1; k += 2) {",
+        f"        const btype_t *bk = bp + k * {nr};",
+        f"        __m512bh b[{nv}];",
+        f"        #pragma GCC unroll {nv}",
+        f"        for (int v = 0; v < {nv}; ++v) b[v] = (__m512bh)_mm512_loadu_si512(bk + v * 32);",
+        f"        #pragma GCC unroll {mr}",
+        f"        for (int r = 0; r < {mr}; ++r) {{",
+        "            int32_t w; memcpy(&w, ar[r] + k, 4);",
+        "            __m512bh a = (__m512bh)_mm512_set1_epi32(w);",
+        f"            #pragma GCC unroll {nv}",
+        f"            for (int v = 0; v < {nv}; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);",
+        "        }",
+        "    }",
+    ]
+
+
+def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> str:
     """One micro-kernel: ``mr`` rows x ``nr`` columns over ``k0 <= k < k1``, accumulators in
     registers. ``mode`` bit 1: start from the fp32 partial sums in ``W`` (else from zero); bit 2:
-    apply the epilogue and store to ``C`` (else store the raw sums to ``W``)."""
+    apply the epilogue and store to ``C`` (else store the raw sums to ``W``). ``dp``: the
+    ``vdpbf16ps`` K loop (:func:`_dp_k_loop`) over bf16 ``A`` and pair-packed ``B``."""
     nv = nr // vw
+    if dp:
+        k_loops = _dp_k_loop(mr, nr)
+    else:
+        k_loops = [
+            # one loop per case, so the compiler sees unit-stride A and no prefetch test per k
+            # (measured 1.3-1.6x faster than the single general loop for M=8 tiles, one thread)
+            "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
+            *_k_loop(mr, nr, nv, vw, btag, "k", False),
+            "    } else if (sa1 == 1) {",
+            *_k_loop(mr, nr, nv, vw, btag, "k", True),
+            "    } else {",
+            *_k_loop(mr, nr, nv, vw, btag, "k * sa1", True),
+            "    }",
+        ]
     lines = [
-        f"static void tile_{mr}_{nr}(const float *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
+        f"static void tile_{mr}_{nr}(const atype_t *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
         "        int64_t k0, int64_t k1, otype_t *C, int64_t ldc, int64_t i, int64_t j,",
         "        int64_t nr, int64_t pf, const void *const *ep, const int64_t *eld, float *W,",
         "        int64_t ldw, int mode) {",
         f"    VEC acc[{mr}][{nv}];",
-        f"    const float *ar[{mr}];",
+        f"    const atype_t *ar[{mr}];",
         f"    float tmp[{nr}];",
         f"    for (int r = 0; r < {mr}; ++r) {{",
         "        ar[r] = A + (i + r) * sa0;",
@@ -332,15 +372,7 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str) -> str:
         "            VPREFETCH(C + (i + r) * ldc + j); VPREFETCH(C + (i + r) * ldc + j + nr - 1);",
         "        }",
         "    }",
-        # one loop per case, so the compiler sees unit-stride A and no prefetch test per k
-        # (measured 1.3-1.6x faster than the single general loop for M=8 tiles, one thread)
-        "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
-        *_k_loop(mr, nr, nv, vw, btag, "k", False),
-        "    } else if (sa1 == 1) {",
-        *_k_loop(mr, nr, nv, vw, btag, "k", True),
-        "    } else {",
-        *_k_loop(mr, nr, nv, vw, btag, "k * sa1", True),
-        "    }",
+        *k_loops,
         "    if (!(mode & TP_FIN)) {",
         f"        for (int r = 0; r < {mr}; ++r) {{",
         f"            if (nr == {nr}) {{",
@@ -429,7 +461,7 @@ def _driver(mr: int, nr: int) -> str:
 /* C[M, N] (row stride ldc) = epilogue(A[M, K] (strides sa0, sa1) @ unpack(Bp)).
    kc in (0, K): K blocks of kc, partial sums in W[M, N] (fp32); ks > 1: K split ks ways across
    threads, partial sums in W[ks][M, N], then one reduction pass applies the epilogue. */
-TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t sa0, int64_t sa1,
+TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const atype_t *A, int64_t sa0, int64_t sa1,
         const btype_t *Bp, int64_t M, int64_t N, int64_t K, int64_t mc, int64_t pf,
         const void *const *ep, const int64_t *eld, int64_t nthreads, int64_t kc, int64_t ks,
         float *W) {{
@@ -471,8 +503,10 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
     const int64_t lds = sizeof(otype_t) == sizeof(float) ? ldc : N;
     /* panels in contiguous chunks handed out dynamically, TP_CHUNKS_PER_THREAD per thread: a
        thread that starts late or is preempted (a busy or virtualised machine) takes fewer
-       chunks instead of the whole call waiting for its fixed half */
-    const int64_t nch = nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD) : 1;
+       chunks instead of the whole call waiting for its fixed half; single panels from
+       TP_PANEL_CHUNK_M rows up */
+    const int64_t nch = nt < 2 ? 1
+        : M >= TP_PANEL_CHUNK_M ? np : TP_MIN(np, nt * TP_CHUNKS_PER_THREAD);
     #pragma omp parallel num_threads(nt)
     {{
         #pragma omp for schedule(dynamic, 1) nowait
@@ -511,25 +545,52 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const float *A, int64_t
 # Work chunks per thread in the N-split drivers (handed out dynamically; see _driver)
 CHUNKS_PER_THREAD = 8
 
+# From this M up, the N-split drivers hand out one panel at a time: a panel is then enough work
+# to amortise the hand-out, and the threads finish within half a panel of each other instead of
+# half a chunk (measured, bf16 M=512 1024->4096, vdpbf16ps 8x48: 1.067x eager vs 1.000x with
+# 8 chunks per thread; 4096->11008: 1.062x vs 0.997x)
+PANEL_CHUNK_M = 128
+
 # Largest M whose transcendental epilogue runs as a separate pass after the tiles (see _driver).
 DEFER_MAX_M = 16
 
+# vdpbf16ps register tiles (MR, NR; NR output columns, 16 per zmm) on AVX512-BF16 machines, by the
+# M they serve (mm.candidates): "small" (M <= 32) run the weight-streaming pair-dot driver
+# (_dp_driver: whole K, every row against each panel); "large" (M > 32) the blocked drivers shared
+# with the fp32 tiles (_driver: M and K blocks), 24 of the 32 zmm registers accumulating.
+DP_TILES: dict[str, tuple[tuple[int, int], ...]] = {
+    "small": ((8, 32), (4, 64), (2, 128)),
+    "large": ((6, 64), (8, 48), (4, 96)),
+}
+
 
 def render_source(
-    spec: EpilogueSpec, btag: str, otag: str, isa: str, tiles: tuple[tuple[int, int], ...]
+    spec: EpilogueSpec,
+    btag: str,
+    otag: str,
+    isa: str,
+    tiles: tuple[tuple[int, int], ...],
+    dp: bool = False,
 ) -> str:
-    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``
-    (``btag="dp"``: the ``vdpbf16ps`` small-M tiles ``tp_gemm_dp_{mr}x{nr}``, avx512 only)."""
+    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``.
+    ``dp``: the ``vdpbf16ps`` tiles instead (:data:`DP_TILES`, AVX512-BF16 builds only): ``A``
+    bf16 read as k pairs, ``B`` pair-packed ``[ceil(N/NR)][K/2][NR][2]`` (``K`` even), fp32
+    accumulators; the large-M tiles with the same drivers, blocking and epilogue as the fp32
+    tiles (``tp_gemm_{MR}x{NR}``), the small-M ones with :func:`_dp_driver`."""
     vw = VW[isa]
+    if dp and (isa != "avx512" or btag != "bf16"):
+        raise ValueError(f"vdpbf16ps tiles need isa avx512 and bf16 B, got {isa} and {btag}")
     vec, sca = emit_c(spec)
     parts = [
         vocabulary(isa),
+        f"typedef {'uint16_t' if dp else 'float'} atype_t;",
         f"typedef {'float' if btag == 'f32' else 'uint16_t'} btype_t;",
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {vw}\n#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
         f"#define TP_DEFER_EPI {int(spec.deferrable)}\n#define TP_DEFER_MAX_M {DEFER_MAX_M}",
         f"#define TP_B_PREFETCH_HINT {B_PREFETCH_HINT}",
         f"#define TP_CHUNKS_PER_THREAD {CHUNKS_PER_THREAD}",
+        f"#define TP_PANEL_CHUNK_M {PANEL_CHUNK_M}",
         "TP_INLINE VEC tp_epi_v(VEC v, int64_t i, int64_t j, const void *const *ep,"
         " const int64_t *eld) {\n        (void)i; (void)j; (void)ep; (void)eld;\n        "
         + vec
@@ -544,30 +605,28 @@ def render_source(
         + "\n    return s;\n}",
     ]
     parts.append(_COMMON)
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, bool]] = set()
     for mr, nr in tiles:
-        if btag == "dp":  # bf16 pair-dot tiles (AVX512-BF16), see DP_TILES
-            if isa != "avx512" or (mr, nr) not in DP_TILES:
-                raise ValueError(f"no vdpbf16ps tile {mr}x{nr} for isa {isa}")
-            parts += [_dp_tile(r, nr) for r in sorted({1, mr}) if (r, nr) not in seen]
-            seen |= {(1, nr), (mr, nr)}
+        if dp and (mr, nr) in DP_TILES["small"]:  # the small-M driver and its tiles
+            parts += [_dp_tile(r, nr) for r in sorted({1, mr}) if (r, nr, True) not in seen]
+            seen |= {(1, nr, True), (mr, nr, True)}
             parts.append(_dp_driver(mr, nr))
             continue
+        if dp and (mr, nr) not in DP_TILES["large"]:
+            raise ValueError(f"no vdpbf16ps tile {mr}x{nr}")
         if nr % vw:
             raise ValueError(f"tile NR={nr} must be a multiple of the vector width {vw} ({isa})")
         for r in sorted({1, mr}):
-            if (r, nr) not in seen:
-                seen.add((r, nr))
-                parts.append(_tile(r, nr, vw, btag, otag))
+            if (r, nr, False) not in seen:
+                seen.add((r, nr, False))
+                parts.append(_tile(r, nr, vw, btag, otag, dp))
         parts.append(_driver(mr, nr))
-    if isa == "avx512" and btag != "dp":
+    if isa == "avx512" and not dp:
         parts.append(DPBF16.replace("SSTORE_bf16((uint16_t *)C", f"SSTORE_{otag}(C"))
     return "\n".join(parts)
 
 
 # --- small-M bf16 tiles on vdpbf16ps (AVX512-BF16) -----------------------------------------------
-# Register tiles (MR, NR) of the pair-dot kernels; NR counts output columns (16 per zmm).
-DP_TILES = ((8, 32), (4, 64), (2, 128))
 
 
 def _dp_tile(mr: int, nr: int) -> str:
