@@ -185,6 +185,51 @@ def test_deferred_epilogue_pass_small_m(m, chain):
         torch.set_num_threads(before)
 
 
+OPERAND_LAYOUTS = ["contiguous", "strided", "broadcast", "wide_rows", "transposed"]
+
+
+def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in another layout: every-other element of a wider tensor, a stride-0
+    broadcast (1-D only), rows of a wider tensor (2-D only), column-major (2-D only)."""
+    if layout == "strided":
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    if layout == "broadcast" and t.dim() == 1:
+        return t[:1].expand(t.shape[0])
+    if layout == "wide_rows" and t.dim() == 2:
+        wide = torch.zeros(t.shape[0], t.shape[1] + 5, dtype=t.dtype)
+        wide[:, 2 : 2 + t.shape[1]] = t
+        return wide[:, 2 : 2 + t.shape[1]]
+    if layout == "transposed" and t.dim() == 2:
+        return t.t().contiguous().t()
+    return t
+
+
+@pytest.mark.parametrize("layout", OPERAND_LAYOUTS)
+@pytest.mark.parametrize("m", [1, 9, 20])
+def test_epilogue_operand_layouts(layout, m):
+    """Bias, residual and row-scale operands in any layout: read in place when the kernel can
+    (unit column stride, any row stride), copied first otherwise; both match the reference."""
+    spec = EpilogueSpec.decode("bias_col:f32;gelu;add:f32;scale_row:f32")
+    a, b = _make(m, 70, 33, torch.float32, "c", "weight_t")
+    ops = [_laid_out(t, layout) for t in _operands(spec, m, 70)]
+    out = run_native(a, b, spec, ops, Config(*TILES[0], 64))
+    _assert_close(out, a, b, spec, ops)
+
+
+def test_deferred_workspace_reused_across_sizes():
+    """The deferred epilogue's fp32 workspace (bf16 output) is one buffer per thread, grown on
+    demand: calls of growing, shrinking and growing sizes all match the reference."""
+    spec = EpilogueSpec.decode("bias_col:bf16;silu")
+    for m, n in [(3, 40), (16, 300), (2, 17), (16, 301), (1, 1000)]:
+        a, b = _make(m, n, 24, torch.bfloat16, "c", "weight_t")
+        ops = _operands(spec, m, n)
+        out = run_native(a, b, spec, ops, Config(*TILES[0], 64))
+        _assert_close(out, a, b, spec, ops)
+    assert kernels._deferred_workspace(1).numel() >= 16 * 301
+
+
 def test_k_split_single_thread_and_bf16_out():
     spec = EpilogueSpec.decode("silu;out=bf16")
     a, b = _make(5, 37, 900, torch.float32, "c", "c")

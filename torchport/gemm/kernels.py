@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -210,6 +211,18 @@ def prepare_operands(
 
 _Launch = Callable[..., torch.Tensor]
 
+# per-thread fp32 workspace of the deferred epilogue (at most DEFER_MAX_M rows): allocated once,
+# not per call (torch.empty costs ~1 us of a fused call's budget); a thread runs one kernel at a
+# time and the kernel is done with it when it returns
+_defer_ws = threading.local()
+
+
+def _deferred_workspace(numel: int) -> torch.Tensor:
+    buf: torch.Tensor | None = getattr(_defer_ws, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _defer_ws.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
 
 def _operand_args(
     spec: EpilogueSpec,
@@ -227,6 +240,23 @@ def _operand_args(
     def args(operands: Sequence[torch.Tensor]) -> tuple[Any, Any, Sequence[torch.Tensor]]:
         if not operands:
             return none
+        # operands the kernel reads in place (the usual bias, residual): pointers and row
+        # strides straight from the tensors, no prepared copies (~0.5 us less per fused call)
+        ptrs: list[int] = []
+        lds: list[int] = []
+        for t in operands:
+            st = t.stride()
+            if len(st) == 1:
+                if st[0] != 1 and t.shape[0] > 1:
+                    break
+                lds.append(1)
+            else:
+                if st[1] != 1 and t.shape[1] > 1:
+                    break
+                lds.append(st[0])
+            ptrs.append(t.data_ptr())
+        else:
+            return ptrs_t(*ptrs), lds_t(*lds), operands
         ops, lds = prepare_operands(spec, operands)
         return ptrs_t(*[t.data_ptr() for t in ops]), lds_t(*lds), ops
 
@@ -276,9 +306,10 @@ def launcher(
         work: torch.Tensor | None = None
         if ks > 1:
             work = torch.empty(ks * m * n, dtype=f32)
-        elif (0 < kc < k) or (defer_ws and m <= templates.DEFER_MAX_M):
-            # K blocks' partial sums; or the raw sums of a deferred epilogue with bf16 output
+        elif 0 < kc < k:  # K blocks' partial sums
             work = torch.empty(m * n, dtype=f32)
+        elif defer_ws and m <= templates.DEFER_MAX_M:  # a deferred epilogue's raw sums (bf16 out)
+            work = _deferred_workspace(m * n)
         threads = max(1, torch.get_num_threads())
         status = fn(
             c.data_ptr(),
@@ -359,7 +390,7 @@ def _dp_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Laun
         eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
         work = None
         if defer_ws and m <= templates.DEFER_MAX_M:
-            work = torch.empty(m * n, dtype=torch.float32)
+            work = _deferred_workspace(m * n)
         threads = max(1, torch.get_num_threads())
         status = fn(
             c.data_ptr(),

@@ -25,14 +25,13 @@ def linear(
 ) -> torch.Tensor:
     """``epilogue(input @ weight.T + bias)`` through the autotuned GEMM (float32/bfloat16, CPU)."""
     if (
-        epilogue is None
-        and isinstance(input, torch.Tensor)
+        isinstance(input, torch.Tensor)
         and isinstance(weight, torch.Tensor)
         and input.dim() == 2
         and weight.dim() == 2
         and input.shape[1] == weight.shape[1]
-    ):  # nn.Linear on a batch of rows: no reshapes, and mm checks the rest
-        return mm(input, weight.t(), bias=bias)
+    ):  # a batch of rows, fused epilogue or not: no reshapes, and mm checks the rest
+        return mm(input, weight.t(), bias=bias, epilogue=epilogue)
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise GemmInputError(
             f"linear: input and weight must be tensors, got {type(input).__name__} "
