@@ -54,7 +54,7 @@ def test_cast_to_bf16():
     torch.testing.assert_close(y.float(), (a @ b), rtol=1e-2, atol=1e-2)
 
 
-def test_autotuner_candidates_bounded_and_cached():
+def test_autotuner_candidates_bounded_and_cached(fresh_cache):
     for m in (1, 8, 32, 512, 2048):
         for n, k in ((3072, 768), (11008, 4096)):
             cands = G.candidates(m, n, k, "avx2")
@@ -746,7 +746,7 @@ def test_large_pack_lands_in_huge_page_memory(native_on, monkeypatch):
     assert P.packed_empty((2, 3), torch.bfloat16).shape == (2, 3)
 
 
-def test_small_m_fused_problem_takes_the_bare_choice():
+def test_small_m_fused_problem_takes_the_bare_choice(fresh_cache):
     """At small M a fused epilogue is not tuned on its own: the problem is tuned once (bare)
     and every epilogue of that shape runs the bare winner; results match the reference."""
     from torchport.autotune import tuner
