@@ -41,7 +41,7 @@ PLANS = {
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
         [("grid", ([0, 4099],)), ("p2p", ()), ("abort", ()), ("mismatch_one", ())],
     ),
-    # world 4 over TCP: one-piece broadcasts take the binomial tree with an inner node
+    # world 4 over TCP: the broadcast chain has two inner ranks
     "tcp4": (4, {"TORCHPORT_DIST_TRANSPORT": "tcp"}, [("grid", ([4099],))]),
 }
 

@@ -340,7 +340,8 @@ class Connection:
 @dataclass
 class XSend:
     """One frame for :meth:`Mesh.transfer` to send: ``size`` bytes at ``ptr`` (sent once
-    every receive of the same transfer with an index up to ``after`` completed)."""
+    every receive of the same transfer with an index from ``after_from`` up to ``after``
+    completed)."""
 
     peer: int
     kind: Kind
@@ -350,6 +351,7 @@ class XSend:
     size: int
     sig: tuple[int, int, int, int]
     after: int = -1
+    after_from: int = 0
 
 
 @dataclass
@@ -778,7 +780,7 @@ class Mesh:
                 xs.size,
                 0,
                 xs.after + ns if xs.after >= 0 else -1,
-                0,
+                xs.after_from + ns,
             ]
         # A frame the reader thread reads before this thread owns the socket (its sender is
         # ahead) still goes straight into place when it is large.
