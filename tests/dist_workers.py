@@ -388,6 +388,36 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
     return out
 
 
+def late_peer_case(rank: int, world: int) -> dict[str, Any]:
+    """The last rank issues a mismatched alltoall; rank 1 issues it only after the last rank
+    failed (and told it: rank 1 then fails at once, sending nothing). Rank 0 got the last
+    rank's block and waits for rank 1's, so it can learn of the failure only from the last
+    rank's ABORT frame, on a socket whose receives are all done: it must still fail within
+    seconds, not at the group's timeout."""
+    from torchport.distributed import TorchportDistError
+
+    odd = rank == world - 1
+    pg = dist.new_group(
+        list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=20)
+    )
+    dist.barrier(group=pg)
+    if rank == 1:
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        dist.all_to_all_single(
+            torch.empty(3 * world),
+            torch.ones(3 * world),
+            [3 + odd, *[3] * (world - 2), 3 - odd],
+            [3] * world,
+            group=pg,
+        )
+        call = "ok"
+    except TorchportDistError as e:
+        call = f"{type(e).__name__}: {e}"
+    return {"call": call, "elapsed": time.monotonic() - t0}
+
+
 class _default:
     """Temporarily make ``pg`` the default group (so the case lambdas stay short)."""
 
@@ -545,6 +575,7 @@ SCENARIOS = {
     "split": split_case,
     "mismatch": mismatch_case,
     "mismatch_one": mismatch_one_rank_case,
+    "late_peer": late_peer_case,
     "auth": auth_case,
     "timeout": timeout_case,
     "abort": abort_case,

@@ -39,9 +39,15 @@ PLANS = {
     "tcp3": (
         3,
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
-        [("grid", ([0, 4099],)), ("p2p", ()), ("abort", ()), ("mismatch_one", ())],
+        [
+            ("grid", ([0, 4099],)),
+            ("p2p", ()),
+            ("abort", ()),
+            ("mismatch_one", ()),
+            ("late_peer", ()),
+        ],
     ),
-    # world 4 over TCP: one-piece broadcasts take the binomial tree with an inner node
+    # world 4 over TCP: the broadcast chain has two inner ranks
     "tcp4": (4, {"TORCHPORT_DIST_TRANSPORT": "tcp"}, [("grid", ([4099],))]),
 }
 
@@ -152,6 +158,19 @@ def test_one_mismatched_rank_fails_every_rank(plan):
             # CommunicatorErrorState: a peer's report arrived before this rank issued the call
             assert first.split(":")[0] in TYPED, (q, i, case)
             assert "mismatched collectives" in first and "mismatched collectives" in later + first
+
+
+@pytest.mark.timeout(110)
+def test_a_late_peer_does_not_leave_a_rank_waiting():
+    """Rank 0 holds the socket of the rank that failed (its block is in) while it waits for a
+    rank that learned of the failure before its call and sends nothing: the failed rank's
+    ABORT frame must still reach rank 0 (dist_workers.late_peer_case)."""
+    res = [r["late_peer"] for r in results("tcp3")]
+    assert res[-1]["call"].startswith("CollectiveMismatchError"), res
+    assert res[1]["call"].split(":")[0] in TYPED, res
+    for q, case in enumerate(res):
+        assert case["elapsed"] < 5.0, (q, case)
+        assert case["call"] == "ok" or case["call"].split(":")[0] in TYPED, (q, case)
 
 
 @pytest.mark.timeout(110)

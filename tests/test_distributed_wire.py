@@ -193,23 +193,6 @@ def test_withdraw_waits_for_a_receive_in_progress_and_ends_a_stuck_one():
     assert stuck == [1] and 0.1 <= time.monotonic() - t0 < 2.0
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 13])
-def test_binomial_tree_reaches_every_rank_once_in_log_rounds(world):
-    from torchport.distributed.algorithms_tcp import _binomial
-
-    links = {pos: _binomial(pos, world) for pos in range(world)}
-    assert links[0][0] == -1
-    for pos, (parent, kids) in links.items():
-        for kid in kids:
-            assert links[kid][0] == pos  # every child names this rank as its parent
-        if pos:
-            assert pos in links[parent][1]
-    depth = {0: 0}
-    for pos in range(1, world):  # a parent is always a smaller rank
-        depth[pos] = depth[links[pos][0]] + 1
-    assert max(depth.values()) <= (world - 1).bit_length()  # ceil(log2 world) hops
-
-
 @pytest.fixture
 def mesh_pair():
     """Two authenticated meshes (ranks 0 and 1) in this process, over loopback."""

@@ -11,9 +11,11 @@ Per rank and ``n`` payload bytes (``W`` ranks):
   q owns part q, receives every rank's copy of it, folds them in rank order 0..W-1 (bitwise
   equal to the reference, like the shared-memory path) and sends the result to every rank.
   Sent: ``2 n (W - 1) / W`` -- the same bytes as a ring, in 2 rounds instead of ``2 (W - 1)``.
-- broadcast: scatter of the root's parts, then all-gather of the parts (van de Geijn): the root
-  sends ``2 n (W - 1) / W``, every other rank ``n (W - 2) / W`` (a flat send would cost the
-  root ``n (W - 1)``).
+- broadcast (TCP-only groups, any size): a pipelined chain with acknowledgements back up it
+  (:func:`_chain_broadcast`): each rank receives and sends ``n`` bytes once, ``2 (W - 1)``
+  frames for a one-piece tensor instead of an exchange's ``W (W - 1)``. Hybrid groups: scatter of the root's parts, then
+  all-gather of the parts (van de Geijn): the root sends ``2 n (W - 1) / W``, every other
+  rank ``n (W - 2) / W`` (a flat send would cost the root ``n (W - 1)``).
 - reduce: the reduce-scatter above, then every owner sends its part to the root.
 - reduce_scatter / scatter / gather / alltoall: each block travels once, to its destination.
 
@@ -22,8 +24,8 @@ the group's local shared-memory arena (:mod:`~torchport.distributed.exchange`); 
 payloads to all local peers share one slot, so ops sending a different block to each peer cut
 their chunks to ``peer_chunk`` (``chunk / W``).
 
-Small chunks (at most ``small`` bytes) of allreduce and broadcast keep the one-round
-publish-to-all step: at that size latency, not bandwidth, decides.
+Small chunks (at most ``small`` bytes) of allreduce and of a hybrid group's broadcast keep
+the one-round publish-to-all step: at that size latency, not bandwidth, decides.
 """
 
 from __future__ import annotations
@@ -192,11 +194,12 @@ def reduce(
 def broadcast(
     comm: Communicator, t: torch.Tensor, root: int, dtype: int, small: int, deadline: float
 ) -> None:
-    """Broadcast: one round for a small tensor; else a pipelined chain (TCP-only groups) or
-    scatter + all-gather of parts per chunk (hybrid groups)."""
+    """Broadcast: a pipelined chain in TCP-only groups (at every size: at 4 KB over four
+    ranks its ``2 (W - 1)`` frames beat the one-round exchange's ``W (W - 1)``); in hybrid
+    groups one round for a small chunk, else scatter + all-gather of its parts."""
     seq, w, r = comm.next_op(), comm.world, comm.rank
     nbytes, base = t.numel() * t.element_size(), t.data_ptr() if t.numel() else 0
-    if nbytes > small and w > 1 and comm.local is None:
+    if w > 1 and comm.local is None:
         _chain_broadcast(comm, seq, base, nbytes, root, dtype, deadline)
         return
     step = 0
@@ -238,28 +241,26 @@ PIPELINE_BYTES = 1 << 20  # piece size of the pipelined chain broadcast (at most
 def _chain_broadcast(
     comm: Communicator, seq: int, base: int, nbytes: int, root: int, dtype: int, deadline: float
 ) -> None:
-    """Pipelined chain root -> root+1 -> ... -> root-1 in pieces of ``PIPELINE_BYTES``, or a
-    binomial tree when the tensor is one piece.
+    """Pipelined chain root -> root+1 -> ... -> root-1 in pieces of ``PIPELINE_BYTES``.
 
     Each rank posts every piece's frame from its parent as a receive target in the tensor
     itself (the connection's reader thread receives piece k + 1 while this thread forwards
-    piece k to the children), so every link of the chain is busy at once and each rank sends
-    and receives ``n`` bytes once. A single piece cannot be pipelined; there the tree's
-    ``ceil(log2 W)`` rounds beat the chain's ``W - 1`` hops; a parent with several children
-    sends to them interleaved. Then an empty acknowledgement travels back up the same
-    tree/chain: each rank waits for every child's (checking its signature) before sending its
-    own to its parent, so the root -- which receives nothing else -- and every rank above a
-    mismatched one fail in the call itself (the detecting rank's error reaches the rest as an
-    ABORT frame while they wait). ``W - 1`` frames instead of an all-to-all exchange's
-    ``W (W - 1)``.
+    piece k to the child), so every link of the chain is busy at once and each rank sends
+    and receives ``n`` bytes once -- the root too (a tree's root sends ``n log2 W``). Then an
+    empty acknowledgement travels back up the chain: each rank waits for its child's
+    (checking its signature) before sending its own to its parent, so the root -- which
+    receives nothing else -- and every rank above a mismatched one fail in the call itself,
+    and every rank below it receives from or through it and detects the mismatch too (the
+    detecting rank's error reaches the rest as an ABORT frame while they wait). A tree would
+    let a leaf whose parent agrees with it complete beside a mismatched sibling.
+    ``2 (W - 1)`` frames for a one-piece tensor instead of an all-to-all exchange's
+    ``W (W - 1)``. (This is the mailbox path; the native transfer, :func:`_chain_direct`,
+    sends the acknowledgements before the payload is in.)
     """
     w, r = comm.world, comm.rank
     pos = (r - root) % w
     pieces = _chunks(nbytes, min(comm.chunk, PIPELINE_BYTES))
-    if len(pieces) == 1:
-        up, downs = _binomial(pos, w)
-    else:
-        up, downs = pos - 1, [pos + 1] if pos < w - 1 else []
+    up, downs = pos - 1, [pos + 1] if pos < w - 1 else []
     prev = comm.ranks[(up + root) % w] if pos else -1
     kids = [comm.ranks[(d + root) % w] for d in downs]
     sigs = [make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, k) for k in range(len(pieces))]
@@ -323,10 +324,18 @@ def _chain_direct(
     kids: Sequence[int],
     deadline: float,
 ) -> bool:
-    """The chain/tree broadcast of :func:`_chain_broadcast` as one native transfer: receive
+    """The chain broadcast of :func:`_chain_broadcast` as one native transfer: receive
     every piece from the parent into the tensor, forward piece k to the children as soon as
-    it is in, then the children's acknowledgements and our own to the parent -- no return to
-    Python per piece. False (nothing sent) when the connections cannot be owned now."""
+    it is in -- no return to Python per piece.
+
+    The acknowledgements do not wait for the payload: a leaf sends its own as it enters the
+    call, any other rank once every child's arrived. An acknowledgement's header carries the
+    sender's signature of the whole call (op, dtype, root, byte count), which the parent
+    compares with its own, so the root completes only when every rank issued the same call
+    -- every rank above a mismatched one still fails in the call -- while the acks travel
+    up as the payload streams down (the root no longer waits for the last byte to reach the
+    last rank and an ack to come back). The payload's frames are checked the same way by
+    their receivers. False (nothing sent) when the connections cannot be owned now."""
     gid, n = comm.group_id, len(pieces)
     recvs = []
     if prev >= 0:
@@ -341,8 +350,9 @@ def _chain_direct(
         sends += [
             XSend(kid, Kind.COLL, gid, epoch0 + k, base + lo, nb, sigs[k], after) for kid in kids
         ]
-    if prev >= 0:
-        sends.append(XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], len(recvs) - 1))
+    if prev >= 0:  # the acknowledgement: a leaf's at once, another's after its children's
+        after = len(recvs) - 1 if kids else -1
+        sends.append(XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], after, n))
     comm._last_sig = sigs[0]
     frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
     if frames is None:
@@ -351,17 +361,6 @@ def _chain_direct(
     _check_frames(comm, frames, want)
     comm._last_sig = sigs[-1]
     return True
-
-
-def _binomial(pos: int, w: int) -> tuple[int, list[int]]:
-    """Parent and children (largest subtree first) of relative rank ``pos`` in a binomial tree."""
-    parent = pos - (1 << (pos.bit_length() - 1)) if pos else -1
-    d = 1 << pos.bit_length()  # children are pos + 2^j for every 2^j above pos
-    kids = []
-    while pos + d < w:
-        kids.append(pos + d)
-        d <<= 1
-    return parent, kids
 
 
 def gather(

@@ -23,9 +23,10 @@ finishes one frame) and releases it (waking the reader) when its transfer ends.
                 receive: address of the 64-byte header expected (every field is known)
     3 payload address        4 payload bytes
     5 progress (bytes of header + payload done)
-    6 after     send: sent once every receive at a table index up to this one
-                completed (-1: at once)
-    7 got       receive: address of a 64-byte buffer for the header as received
+    6 after     send: sent once every receive at a table index from word 7 up to this
+                one completed (-1: at once)
+    7 got       receive: address of a 64-byte buffer for the header as received;
+      from      send: the first receive index word 6 covers
 
 Operations on one socket run in table order (sends and receives separately). A received
 header is compared with the expected one byte for byte before any payload byte is read: only
@@ -64,6 +65,16 @@ _SOURCE = r"""
 #define OPW ${opw}
 #define HDR 64
 #define MAXFD ${maxfd}
+
+/* May send operation op start: is every receive it waits on (words 7 to 6) in? */
+static int tp_send_ready(const int64_t *ops, const int64_t *op, int64_t first_open) {
+    if (op[6] < first_open) return 1;  /* also -1: no receive to wait on */
+    for (int64_t j = op[7] > first_open ? op[7] : first_open; j <= op[6]; j++) {
+        const int64_t *r = ops + j * OPW;
+        if (r[1] == 1 && r[5] < HDR + r[4]) return 0;
+    }
+    return 1;
+}
 
 static int64_t tp_ms_now(void) {
     struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -172,7 +183,7 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
             if (*nb < MAXFD) busy[(*nb)++] = fd;
             short want = 0;
             if (is_send) {
-                if (op[6] >= first_open) continue;
+                if (!tp_send_ready(ops, op, first_open)) continue;
                 for (;;) {
                     struct iovec iov[2];
                     int niov = 0;

@@ -340,7 +340,8 @@ class Connection:
 @dataclass
 class XSend:
     """One frame for :meth:`Mesh.transfer` to send: ``size`` bytes at ``ptr`` (sent once
-    every receive of the same transfer with an index up to ``after`` completed)."""
+    every receive of the same transfer with an index from ``after_from`` up to ``after``
+    completed)."""
 
     peer: int
     kind: Kind
@@ -350,6 +351,7 @@ class XSend:
     size: int
     sig: tuple[int, int, int, int]
     after: int = -1
+    after_from: int = 0
 
 
 @dataclass
@@ -778,7 +780,7 @@ class Mesh:
                 xs.size,
                 0,
                 xs.after + ns if xs.after >= 0 else -1,
-                0,
+                xs.after_from + ns,
             ]
         # A frame the reader thread reads before this thread owns the socket (its sender is
         # ahead) still goes straight into place when it is large.
@@ -848,6 +850,7 @@ class Mesh:
                     locked = []
                     continue
                 if rc == SLICE:
+                    owned = self._release_done(ops, ns, n, owned)
                     watch()
                     if self.closed:
                         raise CommError(f"rank {self.rank}: mesh closed during a transfer")
@@ -901,6 +904,30 @@ class Mesh:
             for conn in owned:
                 lib.conn_release(conn.own_addr)
         return frames
+
+    def _release_done(
+        self, ops: ctypes.Array, ns: int, n: int, owned: list[Connection]
+    ) -> list[Connection]:
+        """Give the sockets with no receive left in this transfer back to their reader threads
+        (the transfer still sends on them); returns the connections still owned. An owned
+        socket is read only for this transfer's receives, so once they are in, a frame the peer
+        sends next would sit unread until the transfer ends -- an ABORT too: a rank whose
+        frame from a failed peer is in, waiting for one from a rank that learned of the
+        failure before its own call (and so sends nothing), would otherwise never hear of it
+        and wait for its deadline."""
+        pending = {
+            ops[OPW * i] for i in range(ns, n) if ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]
+        }
+        if all(c.sock.fileno() in pending for c in owned):
+            return owned
+        lib, now, keep = tcp_lib(), time.monotonic(), list[Connection]()
+        for conn in owned:
+            if conn.sock.fileno() in pending:
+                keep.append(conn)
+            else:
+                conn.seen = now
+                lib.conn_release(conn.own_addr)
+        return keep
 
     def _finish_partial(
         self,
