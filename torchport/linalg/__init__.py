@@ -109,7 +109,9 @@ _fast: dict[tuple[Any, ...], str] = {}
 # Per op, (shape, dtype, *options as the public function spells them) of real problems that
 # "auto" sends to torch.linalg: correct on any device (off the CPU "auto" always means
 # torch.linalg), so the key skips the costly ``a.device``. Each public function tests its set
-# inline before anything else and returns torch.linalg's result unchanged (~1 us over torch).
+# inline before anything else and returns torch.linalg's result unchanged (~0.1 us over torch),
+# passing the options positionally where torch.linalg allows it (a keyword costs its argument
+# parser ~0.5 us, 7 % of a 3x3 eigh).
 _lapack_fast: dict[str, set[tuple[Any, ...]]] = {
     op: set() for op in ("svd", "eigh", "qr", "cholesky")
 }
@@ -425,7 +427,7 @@ def svd(
         and (A.shape, A.dtype, full_matrices, True) in _lk_svd
         and _routes_gen[0] == _cfg_gen[0]
     ):
-        return torch.linalg.svd(A, full_matrices=full_matrices)
+        return torch.linalg.svd(A, full_matrices)
     a = _check("svd", A, square=False)
     route = _route("svd", a, method, (bool(full_matrices), True))
     if route == "lapack":
@@ -480,7 +482,7 @@ def eigh(
         and (A.shape, A.dtype, UPLO, True) in _lk_eigh
         and _routes_gen[0] == _cfg_gen[0]
     ):
-        return torch.linalg.eigh(A, UPLO=UPLO)
+        return torch.linalg.eigh(A, UPLO)
     a = _check("eigh", A, square=True)
     upper = _uplo("eigh", UPLO)
     route = _route("eigh", a, method, (upper, True), (UPLO, True))
@@ -503,7 +505,7 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
         and _routes_gen[0] == _cfg_gen[0]
         and not A.requires_grad
     ):
-        return torch.linalg.eigvalsh(A, UPLO=UPLO)
+        return torch.linalg.eigvalsh(A, UPLO)
     a = _check("eigvalsh", A, square=True)
     upper = _uplo("eigvalsh", UPLO)
     if a.requires_grad and torch.is_grad_enabled():
@@ -529,7 +531,7 @@ def qr(
         and (A.shape, A.dtype, mode) in _lk_qr
         and _routes_gen[0] == _cfg_gen[0]
     ):
-        return torch.linalg.qr(A, mode=mode)
+        return torch.linalg.qr(A, mode)
     if type(A) is torch.Tensor:  # a problem already routed to the native kernel: its launcher
         run = _qr_native.get((method, A.shape, A.dtype, mode))
         if run is not None and _native_ok(A):
