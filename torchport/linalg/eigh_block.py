@@ -291,7 +291,7 @@ TP_INLINE void unscale(VT *A, VT *V, int64_t r, int wantv, VT *d, VT *e) {
 }
 
 TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
-                         VT *A, VT *V, VT *d, VT *e, T *ev, int64_t *perm, const int32_t *bp,
+                         VT *A, VT *V, VT *d, VT *e, int64_t *perm, const int32_t *bp,
                          const int32_t *qof, int xor_order, rot_t *co, int32_t *live,
                          VT (*S)[4][4]) {
     const VT zero = {0}, one = zero + 1;
@@ -308,22 +308,27 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
        the eigenvalues are scaled back at the end) */
     for (int64_t i = 0; i < r; ++i)
         for (int64_t j = i; j < r; ++j) A[i * RS + j] = zero;
+    for (int64_t l = 0; l < cnt; ++l) {
+        const T *src = in + l * nn;
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t j0 = upper ? i : 0, j1 = upper ? n : i + 1;
+            for (int64_t j = j0; j < j1; ++j) A[upper ? i * RS + j : j * RS + i][l] = src[i * n + j];
+        }
+    }
+    /* each lane's largest |entry|: lane-parallel maxima over the triangle (four independent
+       chains; a scalar running maximum per lane is one long latency chain) */
+    VT mxv[4] = {zero, zero, zero, zero};
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = i; j < n; ++j) {
+            VT x = vabs(A[i * RS + j]);
+            VT *mp = &mxv[j & 3];
+            *mp = vsel(x > *mp, x, *mp);
+        }
+    for (int k = 1; k < 4; ++k) mxv[0] = vsel(mxv[k] > mxv[0], mxv[k], mxv[0]);
     int ex[VLN];
     VT fac = one;
     for (int64_t l = 0; l < VLN; ++l) {
-        T mx = 0;
-        if (l < cnt) {
-            const T *src = in + l * nn;
-            for (int64_t i = 0; i < n; ++i) {
-                const int64_t j0 = upper ? i : 0, j1 = upper ? n : i + 1;
-                for (int64_t j = j0; j < j1; ++j) {
-                    T x = src[i * n + j];
-                    A[upper ? i * RS + j : j * RS + i][l] = x;
-                    x = ${fabs}(x);
-                    mx = x > mx ? x : mx;
-                }
-            }
-        }
+        const T mx = ${fabs}(mxv[0][l]);
         ex[l] = mx > 0 ? ilogb(mx) : 0;
         fac[l] = ${ldexp}((T)1, -ex[l]);
     }
@@ -357,20 +362,25 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
         unscale(A, V, r, wantv, d, e);
         if (!rotated) break;
     }
+    /* ascending order, stable (ties keep index order): each lane's rank of diagonal entry j,
+       #{k < j: a_kk <= a_jj} + #{k > j: a_kk < a_jj}, counted for all lanes at once with
+       branch-free compares (a per-lane insertion sort mispredicts a branch per move);
+       perm[l n + rank] = j */
+    for (int64_t j = 0; j < n; ++j) {
+        const VT x = A[j * RS + j];
+        VI rk = (VI){0};
+        for (int64_t k = 0; k < j; ++k) rk -= A[k * RS + k] <= x;
+        for (int64_t k = j + 1; k < n; ++k) rk -= A[k * RS + k] < x;
+        for (int64_t l = 0; l < cnt; ++l) perm[l * n + rk[l]] = j;
+    }
     for (int64_t l = 0; l < cnt; ++l) {
-        for (int64_t j = 0; j < n; ++j) ev[j] = ${ldexp}(A[j * RS + j][l], ex[l]);
-        for (int64_t j = 0; j < n; ++j) perm[j] = j;
-        for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
-            int64_t x = perm[j], i = j;
-            while (i > 0 && ev[perm[i - 1]] > ev[x]) { perm[i] = perm[i - 1]; --i; }
-            perm[i] = x;
-        }
-        for (int64_t j = 0; j < n; ++j) L[l * n + j] = ev[perm[j]];
-        if (wantv)
-            for (int64_t j = 0; j < n; ++j) {  /* column j of Q = row perm[j] of V */
-                const VT *row = V + perm[j] * RS;
-                T *qo = Q + l * nn + j;
-                for (int64_t i = 0; i < n; ++i) qo[i * n] = row[i][l];
+        const int64_t *pl = perm + l * n;
+        for (int64_t j = 0; j < n; ++j) L[l * n + j] = ${ldexp}(A[pl[j] * RS + pl[j]][l], ex[l]);
+        if (wantv)  /* Q[i][j] = row perm[j] of V, element i: Q written row by row (contiguous
+                       stores; a column at a time stalls on one cache-line miss per store) */
+            for (int64_t i = 0; i < n; ++i) {
+                T *qo = Q + l * nn + i * n;
+                for (int64_t j = 0; j < n; ++j) qo[j] = V[pl[j] * RS + i][l];
             }
     }
     return 0;
@@ -415,11 +425,10 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
         VT *V = A + r * (r + 1), *d = V + r * (r + 1), *e = d + r;
         VT (*S)[4][4] = (VT (*)[4][4])(e + r);  /* r / 4 quartets' 4x4 blocks */
         rot_t *co = (rot_t *)aligned_alloc(sizeof(VT), sizeof(rot_t) * 2 * (r + 4));
-        T *ev = (T *)malloc(sizeof(T) * (n + 1));
-        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * VLN * (n + 1));
         int32_t *live = (int32_t *)malloc(sizeof(int32_t) * 2 * (m + 1));
         int32_t *bp = (int32_t *)malloc(sizeof(int32_t) * 2 * (m * m + 2)), *qof = bp + m * m + 2;
-        const int ok = A && co && ev && perm && live && bp;
+        const int ok = A && co && perm && live && bp;
         const int xo = ok ? block_pairs(bp, qof, m) : 0;
         if (!ok) oom = 1;
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
@@ -430,14 +439,14 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
             const T *src = a + b0 * n * n;
             T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
             int st;
-#define EIGH_BLOCK(N) eigh_block(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, V, d, e, ev, perm, bp, qof, xo, co, live, S)
+#define EIGH_BLOCK(N) eigh_block(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, V, d, e, perm, bp, qof, xo, co, live, S)
             if (n == 16) st = EIGH_BLOCK(16);
             else if (n == 32) st = EIGH_BLOCK(32);
             else st = EIGH_BLOCK(n);
 #undef EIGH_BLOCK
             if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
         }
-        free(A); free(co); free(ev); free(perm); free(live); free(bp);
+        free(A); free(co); free(perm); free(live); free(bp);
     }
     if (oom) return -1;
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
