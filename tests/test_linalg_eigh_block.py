@@ -78,6 +78,17 @@ def test_block_pairs_cover_every_pair_once():
         assert sorted(pairs) == [(j, k) for j in range(q) for k in range(j + 1, q)]
 
 
+def test_xor_rounds_are_a_permutation_in_closed_groups():
+    """The XOR tournament's round order: every s in 1..m-1 once; for m = 16 five triples
+    (a, b, a ^ b), each closing groups of four blocks (one pass over V for three rounds)."""
+    from torchport.linalg.reference import _xor_rounds
+
+    for m in (4, 8, 16, 32, 64, 128):
+        assert sorted(_xor_rounds(m)) == list(range(1, m))
+    xs = _xor_rounds(16)
+    assert all(xs[i] ^ xs[i + 1] == xs[i + 2] for i in range(0, 15, 3))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_block_kernel_scaling_and_errors(dtype, vbytes):
     """Lanes of very different magnitudes in one group (per-lane power-of-two scaling), empty

@@ -276,6 +276,39 @@ TP_INLINE void v_two_rounds(VT *V, int64_t r, int64_t m, int64_t s1, int64_t s2,
     }
 }
 
+/* V's rows for three consecutive XOR block rounds s1, s2, s3 = s1 ^ s2: the group of four
+   blocks X, X^s1, X^s2, X^s3 is closed under all three (X meets X^s in round s, the other two
+   blocks meet each other), so its eight rows get the six rotation rounds in one pass. q, c, l:
+   each round's quartet indices, coefficients and live flags. */
+TP_INLINE void v_three_rounds(VT *V, int64_t r, int64_t m, int64_t s1, int64_t s2,
+                              const int32_t *q[3], const rot_t *c[3], const int32_t *l[3]) {
+    for (int64_t X = 0; X < m; ++X) {
+        const int64_t B1 = X ^ s1, B2 = X ^ s2, B3 = X ^ s1 ^ s2;
+        if (X > B1 || X > B2 || X > B3) continue;  /* X is the smallest block of its group */
+        /* round 1: (X, B1), (B2, B3); round 2: (X, B2), (B1, B3); round 3: (X, B3), (B1, B2) */
+        const int64_t t0 = q[0][X], t1 = q[0][B2], t2 = q[1][X], t3 = q[1][B1];
+        const int64_t t4 = q[2][X], t5 = q[2][B1];
+        if (!l[0][t0] && !l[0][t1] && !l[1][t2] && !l[1][t3] && !l[2][t4] && !l[2][t5]) continue;
+        const rot_t *R0 = c[0] + 4 * t0, *R1 = c[0] + 4 * t1, *R2 = c[1] + 4 * t2;
+        const rot_t *R3 = c[1] + 4 * t3, *R4 = c[2] + 4 * t4, *R5 = c[2] + 4 * t5;
+        const int o1 = B2 < B3, o2 = B1 < B3, o3 = B1 < B2;
+        VT *v0 = V + 2 * X * RS, *v1 = v0 + RS, *v2 = V + 2 * B1 * RS, *v3 = v2 + RS;
+        VT *v4 = V + 2 * B2 * RS, *v5 = v4 + RS, *v6 = V + 2 * B3 * RS, *v7 = v6 + RS;
+        for (int64_t k = 0; k < r; ++k) {
+            VT x0 = v0[k], x1 = v1[k], x2 = v2[k], x3 = v3[k];
+            VT x4 = v4[k], x5 = v5[k], x6 = v6[k], x7 = v7[k];
+            QUAD(x0, x1, x2, x3, R0);
+            if (o1) QUAD(x4, x5, x6, x7, R1); else QUAD(x6, x7, x4, x5, R1);
+            QUAD(x0, x1, x4, x5, R2);
+            if (o2) QUAD(x2, x3, x6, x7, R3); else QUAD(x6, x7, x2, x3, R3);
+            QUAD(x0, x1, x6, x7, R4);
+            if (o3) QUAD(x2, x3, x4, x5, R5); else QUAD(x4, x5, x2, x3, R5);
+            v0[k] = x0; v1[k] = x1; v2[k] = x2; v3[k] = x3;
+            v4[k] = x4; v5[k] = x5; v6[k] = x6; v7[k] = x7;
+        }
+    }
+}
+
 /* Fold the scales back in (Ã_ij d_i d_j for i, j in different blocks, Ṽ_i d_i) and reset them
    to 1. The entries inside a block of two (the diagonal among them) are kept in true values:
    they are only touched by the rotations of their own quartet or block, which work in true
@@ -291,8 +324,8 @@ TP_INLINE void unscale(VT *A, VT *V, int64_t r, int wantv, VT *d, VT *e) {
 }
 
 TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
-                         VT *A, VT *V, VT *d, VT *e, T *ev, int64_t *perm, const int32_t *bp,
-                         const int32_t *qof, int xor_order, rot_t *co, int32_t *live,
+                         VT *A, VT *V, VT *d, VT *e, int64_t *perm, const int32_t *bp,
+                         const int32_t *qof, const int32_t *grp, rot_t *co, int32_t *live,
                          VT (*S)[4][4]) {
     const VT zero = {0}, one = zero + 1;
     const int64_t r = (n + 3) & ~(int64_t)3, m = r / 2;
@@ -308,22 +341,27 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
        the eigenvalues are scaled back at the end) */
     for (int64_t i = 0; i < r; ++i)
         for (int64_t j = i; j < r; ++j) A[i * RS + j] = zero;
+    for (int64_t l = 0; l < cnt; ++l) {
+        const T *src = in + l * nn;
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t j0 = upper ? i : 0, j1 = upper ? n : i + 1;
+            for (int64_t j = j0; j < j1; ++j) A[upper ? i * RS + j : j * RS + i][l] = src[i * n + j];
+        }
+    }
+    /* each lane's largest |entry|: lane-parallel maxima over the triangle (four independent
+       chains; a scalar running maximum per lane is one long latency chain) */
+    VT mxv[4] = {zero, zero, zero, zero};
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = i; j < n; ++j) {
+            VT x = vabs(A[i * RS + j]);
+            VT *mp = &mxv[j & 3];
+            *mp = vsel(x > *mp, x, *mp);
+        }
+    for (int k = 1; k < 4; ++k) mxv[0] = vsel(mxv[k] > mxv[0], mxv[k], mxv[0]);
     int ex[VLN];
     VT fac = one;
     for (int64_t l = 0; l < VLN; ++l) {
-        T mx = 0;
-        if (l < cnt) {
-            const T *src = in + l * nn;
-            for (int64_t i = 0; i < n; ++i) {
-                const int64_t j0 = upper ? i : 0, j1 = upper ? n : i + 1;
-                for (int64_t j = j0; j < j1; ++j) {
-                    T x = src[i * n + j];
-                    A[upper ? i * RS + j : j * RS + i][l] = x;
-                    x = ${fabs}(x);
-                    mx = x > mx ? x : mx;
-                }
-            }
-        }
+        const T mx = ${fabs}(mxv[0][l]);
         ex[l] = mx > 0 ? ilogb(mx) : 0;
         fac[l] = ${ldexp}((T)1, -ex[l]);
     }
@@ -345,48 +383,88 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         int rotated = intra_round(A, V, r, wantv, d, e, floor2, co, live);
         for (int64_t k = 0; k < m - 1; ++k) {
-            /* XOR tournament: V of rounds k, k + 1 (k even) in one pass after both */
-            const int pair = xor_order && k + 1 < m - 1;
-            const int64_t z = pair ? k & 1 : 0;
-            rotated |= block_round(A, V, r, wantv && !pair, bp + k * m, d, e, floor2,
-                                   co + z * (r + 4), live + z * (m + 1), S);
-            if (pair && (k & 1) && wantv)
-                v_two_rounds(V, r, m, k, k + 1, qof + (k - 1) * m, qof + k * m, co, co + (r + 4),
-                             live, live + (m + 1));
+            /* XOR tournament: V of a group of two or three rounds (grp) in one pass after
+               the group's last round */
+            const int gl = grp[3 * k + 1], gp = grp[3 * k + 2], fused = gl > 1 && wantv;
+            rotated |= block_round(A, V, r, wantv && !fused, bp + k * m, d, e, floor2,
+                                   co + gp * (r + 4), live + gp * (m + 1), S);
+            if (fused && gp == 1 && gl == 2)
+                v_two_rounds(V, r, m, grp[3 * k - 3], grp[3 * k], qof + (k - 1) * m, qof + k * m,
+                             co, co + (r + 4), live, live + (m + 1));
+            if (fused && gp == 2) {
+                const int32_t *qs[3] = {qof + (k - 2) * m, qof + (k - 1) * m, qof + k * m};
+                const rot_t *cs[3] = {co, co + (r + 4), co + 2 * (r + 4)};
+                const int32_t *ls[3] = {live, live + (m + 1), live + 2 * (m + 1)};
+                v_three_rounds(V, r, m, grp[3 * k - 6], grp[3 * k - 3], qs, cs, ls);
+            }
         }
         unscale(A, V, r, wantv, d, e);
         if (!rotated) break;
     }
+    /* ascending order, stable (ties keep index order): each lane's rank of diagonal entry j,
+       #{k < j: a_kk <= a_jj} + #{k > j: a_kk < a_jj}, counted for all lanes at once with
+       branch-free compares (a per-lane insertion sort mispredicts a branch per move);
+       perm[l n + rank] = j */
+    for (int64_t j = 0; j < n; ++j) {
+        const VT x = A[j * RS + j];
+        VI rk = (VI){0};
+        for (int64_t k = 0; k < j; ++k) rk -= A[k * RS + k] <= x;
+        for (int64_t k = j + 1; k < n; ++k) rk -= A[k * RS + k] < x;
+        for (int64_t l = 0; l < cnt; ++l) perm[l * n + rk[l]] = j;
+    }
     for (int64_t l = 0; l < cnt; ++l) {
-        for (int64_t j = 0; j < n; ++j) ev[j] = ${ldexp}(A[j * RS + j][l], ex[l]);
-        for (int64_t j = 0; j < n; ++j) perm[j] = j;
-        for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
-            int64_t x = perm[j], i = j;
-            while (i > 0 && ev[perm[i - 1]] > ev[x]) { perm[i] = perm[i - 1]; --i; }
-            perm[i] = x;
-        }
-        for (int64_t j = 0; j < n; ++j) L[l * n + j] = ev[perm[j]];
-        if (wantv)
-            for (int64_t j = 0; j < n; ++j) {  /* column j of Q = row perm[j] of V */
-                const VT *row = V + perm[j] * RS;
-                T *qo = Q + l * nn + j;
-                for (int64_t i = 0; i < n; ++i) qo[i * n] = row[i][l];
+        const int64_t *pl = perm + l * n;
+        for (int64_t j = 0; j < n; ++j) L[l * n + j] = ${ldexp}(A[pl[j] * RS + pl[j]][l], ex[l]);
+        if (wantv)  /* Q[i][j] = row perm[j] of V, element i: Q written row by row (contiguous
+                       stores; a column at a time stalls on one cache-line miss per store) */
+            for (int64_t i = 0; i < n; ++i) {
+                T *qo = Q + l * nn + i * n;
+                for (int64_t j = 0; j < n; ++j) qo[j] = V[pl[j] * RS + i][l];
             }
     }
     return 0;
 }
 
 /* The blocks' tournament, m - 1 rounds of m / 2 disjoint pairs (a < b) at bp[k m ...]. For m a
-   power of two (from 4) the XOR tournament, block X meets X ^ (k + 1) in round k, whose rounds
-   k, k + 1 (k even) close groups of four blocks (v_two_rounds); qof[k m + X] is the index of
-   block X's pair in round k. Otherwise the circle method (block m - 1 fixed). Returns 1 for the
-   XOR tournament. */
-static int block_pairs(int32_t *bp, int32_t *qof, int64_t m) {
+   power of two (from 4) the XOR tournament, block X meets X ^ s in the round of s (1 <= s < m),
+   the s taken greedily in groups closed under XOR, {a, b, a ^ b} (a the smallest left, b the
+   smallest partner with a ^ b also left; for m = 16 five such triples), else pairs, else single
+   ones: a group's rounds close groups of four blocks, whose rows of V get all of the group's
+   rounds in one pass (v_two_rounds, v_three_rounds). grp[3 k ...] = (s, group length, position
+   in the group) of round k; qof[k m + X] is the index of block X's pair in round k. Otherwise
+   the circle method (block m - 1 fixed), groups of one. The reference's _block_pairs mirrors
+   this order. */
+static void block_pairs(int32_t *bp, int32_t *qof, int32_t *grp, int64_t m) {
     const int xo = m >= 4 && (m & (m - 1)) == 0;
+    if (xo) {
+        int32_t used[64 + 1] = {0};  /* only read for m <= 64; larger m: pairs of consecutive s */
+        int64_t k = 0;
+        for (int64_t a = 1; a < m; ++a) {
+            if (m <= 64 && used[a]) continue;
+            if (m > 64) {  /* pairs (a, a + 1) */
+                const int gl = a + 1 < m ? 2 : 1;
+                for (int i = 0; i < gl; ++i, ++k) { grp[3 * k] = (int32_t)(a + i); grp[3 * k + 1] = gl; grp[3 * k + 2] = i; }
+                a += gl - 1;
+                continue;
+            }
+            int64_t b = 0, c = 0;
+            for (int64_t x = a + 1; x < m && !c; ++x)
+                if (!used[x] && !used[a ^ x]) { b = x; c = a ^ x; }
+            if (!c)
+                for (int64_t x = a + 1; x < m && !b; ++x)
+                    if (!used[x]) b = x;
+            const int64_t sv[3] = {a, b, c};
+            const int gl = c ? 3 : b ? 2 : 1;
+            for (int i = 0; i < gl; ++i, ++k) {
+                used[sv[i]] = 1;
+                grp[3 * k] = (int32_t)sv[i]; grp[3 * k + 1] = gl; grp[3 * k + 2] = i;
+            }
+        }
+    }
     for (int64_t k = 0; k < m - 1; ++k) {
         int64_t i = 0;
         for (int64_t X = 0; X < m && xo; ++X) {
-            const int64_t Y = X ^ (k + 1);
+            const int64_t Y = X ^ grp[3 * k];
             if (X > Y) continue;
             bp[k * m + 2 * i] = (int32_t)X; bp[k * m + 2 * i + 1] = (int32_t)Y;
             qof[k * m + X] = qof[k * m + Y] = (int32_t)i;
@@ -397,9 +475,9 @@ static int block_pairs(int32_t *bp, int32_t *qof, int64_t m) {
             int64_t b = (k + m - 1 - i) % (m - 1);
             bp[k * m + 2 * i] = (int32_t)TP_MIN(a, b);
             bp[k * m + 2 * i + 1] = (int32_t)TP_MAX(a, b);
+            grp[3 * k] = 0; grp[3 * k + 1] = 1; grp[3 * k + 2] = 0;
         }
     }
-    return xo;
 }
 
 TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper,
@@ -414,13 +492,13 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
         VT *A = (VT *)aligned_alloc(sizeof(VT), sizeof(VT) * (2 * r * (r + 1) + 2 * r + 4 * r + 4 * r));
         VT *V = A + r * (r + 1), *d = V + r * (r + 1), *e = d + r;
         VT (*S)[4][4] = (VT (*)[4][4])(e + r);  /* r / 4 quartets' 4x4 blocks */
-        rot_t *co = (rot_t *)aligned_alloc(sizeof(VT), sizeof(rot_t) * 2 * (r + 4));
-        T *ev = (T *)malloc(sizeof(T) * (n + 1));
-        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
-        int32_t *live = (int32_t *)malloc(sizeof(int32_t) * 2 * (m + 1));
-        int32_t *bp = (int32_t *)malloc(sizeof(int32_t) * 2 * (m * m + 2)), *qof = bp + m * m + 2;
-        const int ok = A && co && ev && perm && live && bp;
-        const int xo = ok ? block_pairs(bp, qof, m) : 0;
+        rot_t *co = (rot_t *)aligned_alloc(sizeof(VT), sizeof(rot_t) * 3 * (r + 4));
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * VLN * (n + 1));
+        int32_t *live = (int32_t *)malloc(sizeof(int32_t) * 3 * (m + 1));
+        int32_t *bp = (int32_t *)malloc(sizeof(int32_t) * (2 * (m * m + 2) + 3 * m));
+        int32_t *qof = bp + m * m + 2, *grp = qof + m * m + 2;
+        const int ok = A && co && perm && live && bp;
+        if (ok) block_pairs(bp, qof, grp, m);
         if (!ok) oom = 1;
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
@@ -430,14 +508,14 @@ TP_EXPORT int tp_eigh_block(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_
             const T *src = a + b0 * n * n;
             T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
             int st;
-#define EIGH_BLOCK(N) eigh_block(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, V, d, e, ev, perm, bp, qof, xo, co, live, S)
+#define EIGH_BLOCK(N) eigh_block(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, V, d, e, perm, bp, qof, grp, co, live, S)
             if (n == 16) st = EIGH_BLOCK(16);
             else if (n == 32) st = EIGH_BLOCK(32);
             else st = EIGH_BLOCK(n);
 #undef EIGH_BLOCK
             if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
         }
-        free(A); free(co); free(ev); free(perm); free(live); free(bp);
+        free(A); free(co); free(perm); free(live); free(bp);
     }
     if (oom) return -1;
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);

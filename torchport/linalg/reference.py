@@ -59,17 +59,18 @@ def pairs_for(q: int, order: int) -> list[tuple[int, int]]:
 def _block_pairs(q: int) -> list[tuple[int, int]]:
     """The block order: r = q rounded up to a multiple of 4 indices in m = r/2 blocks {2X, 2X+1};
     first the pair inside each block, then for each round of the blocks' tournament (for m a
-    power of two from 4 block x meets x ^ (k+1) in round k, else the circle method with block
-    m-1 fixed) each quartet (2a, 2a+1, 2b, 2b+1), a < b, takes the
+    power of two from 4 block x meets x ^ s in the round of s, s in the order of
+    :func:`_xor_rounds`, else the circle method with block m-1 fixed) each quartet (2a, 2a+1, 2b, 2b+1), a < b, takes the
     pairs (2a, 2b), (2a+1, 2b+1) and then (2a, 2b+1), (2a+1, 2b). Pairs touching a padding
     index (>= q) are left out: its row and column are zero, so the kernel never rotates them."""
     r = (q + 3) // 4 * 4
     m = r // 2
     xor = m >= 4 and m & (m - 1) == 0
     out = [(2 * x, 2 * x + 1) for x in range(m)]
+    xs = _xor_rounds(m) if xor else []
     for k in range(m - 1):
-        if xor:  # block x meets x ^ (k + 1)
-            quartets = [(x, x ^ (k + 1)) for x in range(m) if x < x ^ (k + 1)]
+        if xor:  # block x meets x ^ s in the round of s
+            quartets = [(x, x ^ xs[k]) for x in range(m) if x < x ^ xs[k]]
         else:
             quartets = []
             for i in range(m // 2):
@@ -81,6 +82,25 @@ def _block_pairs(q: int) -> list[tuple[int, int]]:
                 g = (2 * a, 2 * a + 1, 2 * b, 2 * b + 1)
                 out += [(g[lp[0]], g[lp[1]]), (g[lq[0]], g[lq[1]])]
     return [(p, q_) for p, q_ in out if q_ < q]
+
+
+def _xor_rounds(m: int) -> list[int]:
+    """The XOR tournament's round order of ``eigh_block`` (its ``block_pairs``): s = 1 .. m-1
+    taken greedily in groups closed under XOR, (a, b, a ^ b) with a the smallest left and b the
+    smallest partner whose a ^ b is also left, else (a, b), else (a); above m = 64 consecutive
+    pairs. The order only decides which rounds share a pass over V in the kernel."""
+    if m > 64:
+        return list(range(1, m))
+    used: set[int] = set()
+    out: list[int] = []
+    for a in range(1, m):
+        if a in used:
+            continue
+        left = [x for x in range(a + 1, m) if x not in used]
+        grp = next(([a, x, a ^ x] for x in left if a ^ x not in used), [a, *left[:1]])
+        used.update(grp)
+        out += grp
+    return out
 
 
 def _complete_basis(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Tensor:
