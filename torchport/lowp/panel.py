@@ -230,18 +230,22 @@ def _check_decode(
     q: torch.Tensor, scales: torch.Tensor | None, elem: str, scale_fmt: str | None, block: int
 ) -> int:
     if elem not in _ELEMS:
-        raise LowPrecisionError(f"decode_rows_bf16: elem must be one of {tuple(_ELEMS)}, got {elem!r}")
+        raise LowPrecisionError(
+            f"decode_rows_bf16: elem must be one of {tuple(_ELEMS)}, got {elem!r}"
+        )
     if scale_fmt is not None and scale_fmt not in SCALE_FMTS:
         raise LowPrecisionError(f"decode_rows_bf16: scale_fmt must be one of {SCALE_FMTS} or None")
     if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.element_size() != 1:
         raise LowPrecisionError("decode_rows_bf16: q must be a 2-D tensor of bytes")
     k = q.shape[1] * (2 if _ELEMS[elem] == 4 else 1)
-    if scale_fmt is not None:
-        if scales is None or block < 1 or k % block or tuple(scales.shape) != (q.shape[0], k // block):
-            raise LowPrecisionError(
-                f"decode_rows_bf16: scales must be [{q.shape[0]}, K/{block}] for K={k}, got "
-                f"{None if scales is None else tuple(scales.shape)}"
-            )
+    bad = scale_fmt is not None and (
+        scales is None or block < 1 or k % block or tuple(scales.shape) != (q.shape[0], k // block)
+    )
+    if bad:
+        got = None if scales is None else tuple(scales.shape)
+        raise LowPrecisionError(
+            f"decode_rows_bf16: scales must be [{q.shape[0]}, K/{block}] for K={k}, got {got}"
+        )
     return k
 
 
@@ -340,7 +344,7 @@ __all__ = [
     "SCALE_FMTS",
     "decode_rows_bf16",
     "decode_rows_bf16_reference",
-    "panel_workspace",
     "pack_rows",
     "pack_rows_reference",
+    "panel_workspace",
 ]
