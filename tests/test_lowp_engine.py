@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchport
-from torchport import gemm
+from torchport import autotune, gemm
 from torchport.gemm.pack import pack_cache
 from torchport.lowp import (
     Float8Tensor,
@@ -20,7 +20,12 @@ from torchport.lowp import (
     scaled_mm_reference,
 )
 from torchport.lowp.formats import FP8_DTYPES
-from torchport.lowp.panel import pack_rows, pack_rows_reference
+from torchport.lowp.panel import (
+    decode_rows_bf16,
+    decode_rows_bf16_reference,
+    pack_rows,
+    pack_rows_reference,
+)
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 K, N = 100, 37  # K not a multiple of any tile or K block, N prime
@@ -200,3 +205,161 @@ def test_engine_paths_native_and_aten_choices(backends, monkeypatch, fresh_cache
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
     # 3 panels (16 + 16 + 5 rows) of the weight and of b: packed natively unless ATen serves
     assert (len(packed) >= 6) if backends == "NATIVE" else not packed
+
+
+# --- the bf16 prefill panels -------------------------------------------------------------------
+
+_DECODES = [  # (elem, scale format, block, bytes per row for K = 96)
+    ("fp4_e2m1", "e4m3", 16, 48),
+    ("fp4_e2m1", "e8m0", 32, 48),
+    ("fp8_e4m3", "e8m0", 32, 96),
+    ("fp8_e5m2", "e8m0", 32, 96),
+    ("fp8_e4m3", None, 0, 96),
+    ("fp8_e5m2", None, 0, 96),
+]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, any NaN equal to any NaN."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(
+        a.view(torch.int16)[~nan], b.view(torch.int16)[~nan]
+    )
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize("elem,sfmt,block,nbytes", _DECODES, ids=lambda v: str(v))
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_decode_rows_bf16_matches_reference(isa, elem, sfmt, block, nbytes, rows):
+    """Every byte pattern of elements and scales (NaN and subnormal scales included)."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=g)
+    sc = (
+        None
+        if sfmt is None
+        else torch.randint(0, 256, (rows, 96 // block), dtype=torch.uint8, generator=g)
+    )
+    with torchport.config.override(**({} if isa == "native" else {"isa": isa})):
+        got = decode_rows_bf16(q, sc, elem, sfmt, block)
+        into = decode_rows_bf16(
+            q, sc, elem, sfmt, block, out=torch.empty(rows, 96, dtype=torch.bfloat16)
+        )
+    ref = decode_rows_bf16_reference(q, sc, elem, sfmt, block)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert _same_bits(got, ref) and _same_bits(into, ref)
+
+
+def test_decode_rows_bf16_errors():
+    q = torch.zeros(2, 48, dtype=torch.uint8)
+    with pytest.raises(LowPrecisionError, match="elem must be one of"):
+        decode_rows_bf16(q, None, "fp6")
+    with pytest.raises(LowPrecisionError, match="scales must be"):
+        decode_rows_bf16(q, torch.zeros(2, 5, dtype=torch.uint8), "fp4_e2m1", "e4m3", 16)
+    with pytest.raises(LowPrecisionError, match="out must be"):
+        decode_rows_bf16(q, None, "fp8_e4m3", out=torch.empty(2, 48))
+
+
+_BF16_MAKERS = {
+    "nvfp4": NVFP4Tensor.from_float,
+    "nvfp4_nopts": lambda w: NVFP4Tensor.from_float(w, per_tensor_scale=False),
+    "mxfp4": lambda w: MXTensor.from_float(w, "fp4_e2m1"),
+    "mxfp8": lambda w: MXTensor.from_float(w, "fp8_e4m3"),
+    "mxfp8_e5m2": lambda w: MXTensor.from_float(w, "fp8_e5m2"),
+    "fp8_row": Float8Tensor.from_float,
+    "fp8_tensor": lambda w: Float8Tensor.from_float(w, granularity="tensor"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(_BF16_MAKERS))
+@pytest.mark.parametrize("m", [9, 130])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_bf16_panels_match_float64(fmt, m, with_bias, monkeypatch):
+    """The bf16_panels candidate: N = 37 in 16-row panels (a 5-row tail), K = 96 (not a multiple
+    of the tiles' K blocks), against the float64 product of the same bf16 activations."""
+    mod = sys.modules["torchport.lowp.scaled_mm"]
+    g = torch.Generator().manual_seed(m)
+    k = 96
+    w = _BF16_MAKERS[fmt](torch.randn(N, k, generator=g) * 3)
+    x16 = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(N, generator=g) if with_bias else None
+    monkeypatch.setattr(mod, "BF16_PANEL_BYTES", 16 * 2 * k)
+    dec = mod._bf16_decoder(w)
+    assert dec is not None
+    prob = mod._Prefill(
+        x16.float(), None, N, k, lambda lo, hi: [], bias, torch.bfloat16, mod._Bf16(x16, dec)
+    )
+    out = mod._bf16_panels(prob)
+    ref = x16.double() @ w.dequantize().double().T + (0 if bias is None else bias.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (m, N)
+    # fp32 accumulation, then one bf16 rounding (two on the ATen path: its bf16 mm, then scale)
+    assert torch.allclose(
+        out.double(), ref, rtol=2.0**-7, atol=2.0**-7 * float(ref.abs().max()) * 0.05
+    )
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_bf16_panels_scaled_mm_match_reference(rowwise, monkeypatch):
+    mod = sys.modules["torchport.lowp.scaled_mm"]
+    a, b = _fp8((130, K), 3), _fp8((N, K), 4, E5).t()
+    sa, sb = _scales(130, N, rowwise, 5)
+    bias = torch.randn(N)
+    picked: list[str] = []
+    real = mod._bf16_panels
+
+    def spy(p):
+        picked.append("bf16")
+        return real(p)
+
+    monkeypatch.setattr(mod, "_bf16_panels", spy)
+    monkeypatch.setattr(
+        mod, "_prefill_choice", lambda p, tag: autotune.Candidate("bf16_panels", autotune.NATIVE)
+    )
+    monkeypatch.setattr(mod, "BF16_PANEL_BYTES", 16 * 2 * K)
+    got = scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    want = scaled_mm_reference(a, b, sa, sb, bias=bias, out_dtype=torch.float64)
+    if torchport.native.cpu_info().has_avx512_bf16:
+        assert picked
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(
+        got.double(), want, rtol=2.0**-7, atol=2.0**-7 * float(want.abs().max()) * 0.05
+    )
+
+
+def test_bf16_panels_offered_only_where_exact(monkeypatch):
+    """bf16 activations and a bf16 result only: a float32 x is never rounded to bf16 and a
+    float32 result never comes from a bf16 GEMM; MX scales too small for bf16's normal range
+    (a product would lose bits) keep the float32 panels; no AVX512-BF16, no candidate."""
+    mod = sys.modules["torchport.lowp.scaled_mm"]
+    seen: list[list[str]] = []
+    real = mod.autotune.select
+
+    def spy(op, key, cands, *args, **kw):
+        if op == "lowp_prefill":
+            seen.append([c.name for c in cands])
+        return real(op, key, cands, *args, **kw)
+
+    monkeypatch.setattr(mod.autotune, "select", spy)
+    g = torch.Generator().manual_seed(0)
+    w = NVFP4Tensor.from_float(torch.randn(N, 64, generator=g))
+    x = torch.randn(20, 64, generator=g)
+    has = torchport.native.cpu_info().has_avx512_bf16
+    cases = [
+        (x.bfloat16(), None, has),
+        (x.bfloat16(), torch.float32, False),
+        (x, torch.bfloat16, False),
+        (x, None, False),
+    ]
+    for xi, od, offered in cases:
+        seen.clear()
+        out = block_scaled_mm(xi, w, out_dtype=od)
+        assert seen and ("bf16_panels" in seen[0]) == offered, (xi.dtype, od)
+        ref = xi.double() @ w.dequantize().double().T
+        tol = 1e-5 if out.dtype == torch.float32 else 2.0**-7
+        assert torch.allclose(out.double(), ref, rtol=tol, atol=tol)
+    with torchport.config.override(isa="avx2"):
+        seen.clear()
+        block_scaled_mm(x.bfloat16(), w)
+        assert seen and "bf16_panels" not in seen[0]
+    tiny = MXTensor.from_float(torch.randn(N, 64, generator=g) * 2.0**-126, "fp4_e2m1")
+    assert mod._bf16_decoder(tiny) is None
+    assert mod._bf16_decoder(MXTensor.from_float(torch.randn(N, 64, generator=g))) is not None

@@ -9,17 +9,32 @@ kernel does it in one pass: each thread takes groups of ``nr`` rows and, with AV
 8 columns at a time through an 8x8 register transpose, writing its packed group sequentially
 (scalar loops for a partial last group, the K tail and non-AVX2 builds).
 :func:`pack_rows_reference` (``pack_b_reference`` of ``W.T``) is the reference.
+
+:func:`decode_rows_bf16` decodes a panel of quantized rows straight to bfloat16 for the bf16
+prefill path (:mod:`torchport.lowp.scaled_mm`): element value times block scale, computed in
+float32 and rounded to nearest even. The products it is used for are exact in bfloat16 (an E2M1
+or FP8 value has at most 4 significant bits, an E4M3 block scale 4 and an E8M0 scale 1: at most
+8 bits together; the caller keeps them out of bfloat16's subnormal range), so the rounding never
+acts there. For FP4 each block's 16 possible bf16 values are tabulated once and every byte is two
+table reads. :func:`decode_rows_bf16_reference` (plain torch) is the reference, bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from torchport import native
 from torchport.gemm import pack_b, pack_b_reference
-from torchport.lowp.formats import LowPrecisionError
+from torchport.lowp.formats import (
+    LowPrecisionError,
+    e2m1_to_f32,
+    e4m3_to_f32,
+    e8m0_to_f32,
+    unpack_fp4,
+)
 from torchport.native import IntArg, Kernel, TensorArg
 
 _SOURCE = r"""
@@ -78,6 +93,76 @@ TP_EXPORT int tp_pack_rows(const float *w, float *out, int64_t rows, int64_t k, 
 }
 """
 
+_DECODE_SOURCE = r"""
+#include <string.h>
+
+static inline uint16_t tp_bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;  /* NaN: torch's bf16 NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* rows of q (fp4: k/2 bytes, element 2i in the low nibble; else k bytes) -> bf16 out [rows, k].
+   value = lut[code] * slut[scale byte of its block of bl] (bl == 0: no block scale). */
+TP_EXPORT int tp_decode_bf16(const uint8_t *q, const uint8_t *sc, const float *lut,
+                             const float *slut, uint16_t *out, int64_t rows, int64_t k,
+                             int64_t fp4, int64_t bl, int64_t nthreads) {
+    const int64_t rb = fp4 ? k / 2 : k, nb = bl ? k / bl : 0;
+    #pragma omp parallel for num_threads((int)nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t *p = q + r * rb;
+        uint16_t *o = out + r * k;
+        if (fp4) {
+#if defined(__AVX512F__)
+            if (bl % 16 == 0) {  /* 16 elements (8 bytes) per step: table permute, RNE, pack */
+                const __m512 tab = _mm512_loadu_ps(lut);
+                const __m128i low4 = _mm_set1_epi8(15);
+                const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+                const __m512i absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+                const __m512i qnan = _mm512_set1_epi32(0xffff);
+                for (int64_t b = 0; b < nb; ++b) {
+                    const __m512 s = _mm512_set1_ps(slut[sc[r * nb + b]]);
+                    for (int64_t i = b * bl; i < (b + 1) * bl; i += 16) {
+                        __m128i x = _mm_loadl_epi64((const __m128i *)(p + i / 2));
+                        __m128i lo = _mm_and_si128(x, low4);
+                        __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), low4);
+                        __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+                        __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), s));
+                        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+                        __m512i rn = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, odd)), 16);
+                        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), inf);
+                        rn = _mm512_mask_mov_epi32(rn, nan, qnan);
+                        _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(rn));
+                    }
+                }
+                continue;
+            }
+#endif
+            for (int64_t b = 0; b < nb; ++b) {
+                const float s = slut[sc[r * nb + b]];
+                uint32_t t[16];
+                for (int i = 0; i < 16; ++i) t[i] = tp_bf16_rne(lut[i] * s);
+                const uint8_t *pb = p + b * (bl / 2);
+                uint16_t *ob = o + b * bl;
+                for (int64_t i = 0; i < bl / 2; ++i) {
+                    uint32_t w = t[pb[i] & 15] | (t[pb[i] >> 4] << 16);
+                    memcpy(ob + 2 * i, &w, 4);
+                }
+            }
+        } else if (bl) {
+            for (int64_t b = 0; b < nb; ++b) {
+                const float s = slut[sc[r * nb + b]];
+                for (int64_t i = b * bl; i < (b + 1) * bl; ++i) o[i] = tp_bf16_rne(lut[p[i]] * s);
+            }
+        } else {
+            for (int64_t i = 0; i < k; ++i) o[i] = tp_bf16_rne(lut[p[i]]);
+        }
+    }
+    return 0;
+}
+"""
+
 
 @functools.cache
 def _kernel(isa: str) -> Kernel:
@@ -117,4 +202,149 @@ def pack_rows(w: torch.Tensor, nr: int) -> torch.Tensor:
     return out
 
 
-__all__ = ["pack_rows", "pack_rows_reference"]
+# element formats: (bits per element, torch float8 dtype or None for E2M1)
+_ELEMS = {"fp4_e2m1": 4, "fp8_e4m3": 8, "fp8_e5m2": 8}
+_FP8_OF = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SCALE_FMTS = ("e4m3", "e8m0")
+
+
+def _elem_values(elem: str, codes: torch.Tensor) -> torch.Tensor:
+    if elem == "fp4_e2m1":
+        return e2m1_to_f32(codes)
+    return codes.view(_FP8_OF[elem]).float()
+
+
+def _scale_values(fmt: str, codes: torch.Tensor) -> torch.Tensor:
+    return e4m3_to_f32(codes) if fmt == "e4m3" else e8m0_to_f32(codes)
+
+
+@functools.cache
+def _luts(elem: str, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.arange(16 if _ELEMS[elem] == 4 else 256, dtype=torch.uint8)
+    all_bytes = torch.arange(256, dtype=torch.uint8)
+    slut = _scale_values(scale_fmt, all_bytes) if scale_fmt else torch.ones(256)
+    return _elem_values(elem, codes).contiguous(), slut.contiguous()
+
+
+def _check_decode(
+    q: torch.Tensor, scales: torch.Tensor | None, elem: str, scale_fmt: str | None, block: int
+) -> int:
+    if elem not in _ELEMS:
+        raise LowPrecisionError(
+            f"decode_rows_bf16: elem must be one of {tuple(_ELEMS)}, got {elem!r}"
+        )
+    if scale_fmt is not None and scale_fmt not in SCALE_FMTS:
+        raise LowPrecisionError(f"decode_rows_bf16: scale_fmt must be one of {SCALE_FMTS} or None")
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.element_size() != 1:
+        raise LowPrecisionError("decode_rows_bf16: q must be a 2-D tensor of bytes")
+    k = q.shape[1] * (2 if _ELEMS[elem] == 4 else 1)
+    bad = scale_fmt is not None and (
+        scales is None or block < 1 or k % block or tuple(scales.shape) != (q.shape[0], k // block)
+    )
+    if bad:
+        got = None if scales is None else tuple(scales.shape)
+        raise LowPrecisionError(
+            f"decode_rows_bf16: scales must be [{q.shape[0]}, K/{block}] for K={k}, got {got}"
+        )
+    return k
+
+
+def decode_rows_bf16_reference(
+    q: torch.Tensor,
+    scales: torch.Tensor | None,
+    elem: str,
+    scale_fmt: str | None = None,
+    block: int = 0,
+) -> torch.Tensor:
+    """Rows of quantized elements (``elem``; FP4 packed two per byte) times their block scale
+    (``scale_fmt`` bytes, one per ``block`` elements; None: no scale), float32 then bfloat16."""
+    k = _check_decode(q, scales, elem, scale_fmt, block)
+    u8 = q.view(torch.uint8)
+    vals = _elem_values(elem, unpack_fp4(u8) if _ELEMS[elem] == 4 else u8)
+    if scale_fmt is not None and scales is not None:
+        s = _scale_values(scale_fmt, scales.view(torch.uint8))
+        vals = (vals.reshape(q.shape[0], k // block, block) * s.unsqueeze(-1)).reshape(-1, k)
+    return vals.to(torch.bfloat16)
+
+
+def decode_rows_bf16(
+    q: torch.Tensor,
+    scales: torch.Tensor | None,
+    elem: str,
+    scale_fmt: str | None = None,
+    block: int = 0,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`decode_rows_bf16_reference` natively (the same bits), rows split over threads;
+    into ``out`` (contiguous bfloat16 ``[rows, K]``) when given."""
+    k = _check_decode(q, scales, elem, scale_fmt, block)
+    rows = q.shape[0]
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, k) or not out.is_contiguous():
+        raise LowPrecisionError(f"decode_rows_bf16: out must be contiguous bfloat16 ({rows}, {k})")
+    if out.numel() == 0:
+        return out
+    if not native.enabled():
+        out.copy_(decode_rows_bf16_reference(q, scales, elem, scale_fmt, block))
+        return out
+    q8 = q.view(torch.uint8).contiguous()
+    s8 = _EMPTY_U8 if scale_fmt is None or scales is None else scales.view(torch.uint8).contiguous()
+    lut, slut = _luts(elem, scale_fmt)
+    threads = max(1, min(native.num_threads(), (rows * k * 2) >> 20))
+    _decode_kernel(native.cpu_info().isa).call_unchecked(
+        q8.data_ptr(),
+        s8.data_ptr(),
+        lut.data_ptr(),
+        slut.data_ptr(),
+        out.data_ptr(),
+        rows,
+        k,
+        int(_ELEMS[elem] == 4),
+        block if scale_fmt is not None else 0,
+        threads,
+    )
+    return out
+
+
+_EMPTY_U8 = torch.zeros(1, dtype=torch.uint8)
+_workspace = threading.local()
+
+
+def panel_workspace(rows: int, k: int) -> torch.Tensor:
+    """A bfloat16 ``[rows, K]`` buffer reused by this thread's next call (an inference tensor,
+    which the GEMM engine's pack cache never keeps): decoding each panel into fresh memory costs
+    its page faults, about as much as the decode (measured, 32 MB: 16 ms to allocate and zero,
+    17 ms to decode into it)."""
+    need = rows * k
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.numel() < need:
+        with torch.inference_mode():
+            buf = _workspace.buf = torch.empty(need, dtype=torch.bfloat16)
+    return buf[:need].view(rows, k)
+
+
+@functools.cache
+def _decode_kernel(isa: str) -> Kernel:
+    lib = native.build(native.render(_DECODE_SOURCE), name="lowp_decode_bf16", isa=isa)
+    u8, f32, bf = (torch.uint8,), (torch.float32,), (torch.bfloat16,)
+    args = [
+        TensorArg("q", u8, 2),
+        TensorArg("scales", u8),
+        TensorArg("lut", f32, 1),
+        TensorArg("slut", f32, 1),
+        TensorArg("out", bf, 2),
+    ]
+    ints = ("rows", "k", "fp4", "bl", "nthreads")
+    return Kernel(lib, "tp_decode_bf16", [*args, *(IntArg(n) for n in ints)])
+
+
+__all__ = [
+    "SCALE_FMTS",
+    "decode_rows_bf16",
+    "decode_rows_bf16_reference",
+    "pack_rows",
+    "pack_rows_reference",
+    "panel_workspace",
+]
