@@ -22,7 +22,13 @@ throughput rather than latency:
   pass in descending σ (``svdl_fast_v``), when every lane of the group has
   σ_min > :data:`KAPPA_C`·eps·√p·σ_max; otherwise the group is solved again accumulating V.
   The sweeps without V touch half the memory (W alone: 32 KB at fp64 n = 32 with ymm lanes,
-  64 KB with zmm lanes, where the rounds are taken in chunks of pairs to stay in L1).
+  64 KB with zmm lanes, where the rounds are taken in chunks of pairs to stay in L1);
+- **pairs reordered within each round** (``svdl_recency_order``): a round starts with the pairs
+  whose vectors the previous round touched last, so at n = 32 with zmm lanes (W larger than L1)
+  the previous round's tail is still in L1. The pairs of a round are disjoint, so the results are
+  bit-identical to the round-robin order (tested). Measured (Zen 5, one thread, B = 2000, float64,
+  median of alternated thread-CPU times, old/new): n = 32 1.24x, 1.17x; float32 n = 32 1.11x;
+  n = 16/24/64 1.03/1.03/1.01x.
 
 The plain-torch reference is :func:`torchport.linalg.reference.svd_lanes_reference` (the sweeps of
 ``svd_reference`` with the same pair order and threshold, the angle by the equivalent classical
@@ -172,6 +178,33 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
     }
 }
 
+/* Reorders the pairs inside each round of h (order 1) so a round starts with the pairs whose
+   vectors the previous round touched last (descending recency of the older of the two, as a
+   serpentine scan): the round's pairs are disjoint, so any order within it gives the same
+   rotations bit for bit, and at n = 32 with zmm lanes (W 64 KiB > 48 KiB L1) the tail of one
+   round is still in L1 when the next round begins. Two passes, so round 0 follows the last. */
+static void svdl_recency_order(int32_t *pairs, int64_t npairs, int64_t h, int64_t q) {
+    int64_t last[q + 1], key[h];
+    int64_t tick = 0;
+    for (int64_t j = 0; j <= q; ++j) last[j] = -1;
+    for (int pass = 0; pass < 2; ++pass)
+        for (int64_t base = 0; base < npairs; base += h) {
+            int32_t *rp = pairs + 2 * base;
+            for (int64_t t = 0; t < h; ++t)
+                key[t] = rp[2 * t] < 0 ? -2 : TP_MIN(last[rp[2 * t]], last[rp[2 * t + 1]]);
+            for (int64_t t = 1; t < h; ++t) {  /* insertion sort, descending key, stable */
+                int64_t kx = key[t], i = t;
+                int32_t a = rp[2 * t], b = rp[2 * t + 1];
+                while (i > 0 && key[i - 1] < kx) {
+                    key[i] = key[i - 1]; rp[2 * i] = rp[2 * i - 2]; rp[2 * i + 1] = rp[2 * i - 1]; --i;
+                }
+                key[i] = kx; rp[2 * i] = a; rp[2 * i + 1] = b;
+            }
+            for (int64_t t = 0; t < h; ++t)
+                if (rp[2 * t] >= 0) { last[rp[2 * t]] = tick; last[rp[2 * t + 1]] = tick; ++tick; }
+        }
+}
+
 /* V from the converged vectors instead of accumulated rotations: with X the p x q matrix whose
    columns are the initial vectors (X0, lane layout, column i at X0 + i p), X V = W and V
    orthogonal give row j of V (V's column j) = X^T w_j / sigma_j^2. Its error is about
@@ -314,6 +347,7 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
         int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (k + 2) * (k + 2));
         int64_t np = make_pairs(pairs, k, (int)order);
         int64_t h = order ? (k + (k & 1)) / 2 : 1;
+        if (order && ${reorder}) svdl_recency_order(pairs, np, h, k);
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t gi = 0; gi < groups; ++gi) {
@@ -341,6 +375,7 @@ def library(
     isa: str,
     max_sweeps: int = MAX_SWEEPS,
     vbytes: int | None = None,
+    reorder: bool = True,
 ) -> Kernel:
     """Build (or load from the disk cache) ``tp_svd_lanes`` for one dtype and ISA.
 
@@ -348,7 +383,8 @@ def library(
     (``make_pairs``, ``all_finite``, ``svd_finish``: everything before its SVD section), rendered
     with the same parameters; the call takes ``kappa_c`` (see :data:`KAPPA_C`) before
     ``nthreads``. ``vbytes``: bytes per lane vector (32 or 64; None = :data:`WIDE_LANES`' choice
-    for the dtype on this ISA).
+    for the dtype on this ISA). ``reorder``: reorder the pairs within each round for cache reuse
+    (``svdl_recency_order``; the results are the same bits either way).
     """
     from torchport.linalg import kernels  # kernels imports this module for its routing
 
@@ -359,8 +395,9 @@ def library(
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + helpers + _SOURCE,
         **lane_params(dtype, max_sweeps, vbytes),
+        reorder=str(int(reorder)),
     )
-    name = f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}"
+    name = f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}{'' if reorder else '_r0'}"
     lib = native.build(src, name=name, isa=isa)
     return Kernel(
         lib,
