@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -211,17 +210,12 @@ def prepare_operands(
 
 _Launch = Callable[..., torch.Tensor]
 
-# per-thread fp32 workspace of the deferred epilogue (at most DEFER_MAX_M rows): allocated once,
-# not per call (torch.empty costs ~1 us of a fused call's budget); a thread runs one kernel at a
-# time and the kernel is done with it when it returns
-_defer_ws = threading.local()
-
 
 def _deferred_workspace(numel: int) -> torch.Tensor:
-    buf: torch.Tensor | None = getattr(_defer_ws, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _defer_ws.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
+    """The per-thread fp32 workspace of the deferred epilogue (at most DEFER_MAX_M rows): made
+    once, not per call (torch.empty costs ~1 us of a fused call's budget); a thread runs one
+    kernel at a time and the kernel is done with it when it returns."""
+    return native.thread_scratch("gemm.deferred_epilogue", numel, torch.float32)
 
 
 def _operand_args(

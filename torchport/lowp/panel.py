@@ -22,7 +22,6 @@ table reads. :func:`decode_rows_bf16_reference` (plain torch) is the reference, 
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -309,7 +308,6 @@ def decode_rows_bf16(
 
 
 _EMPTY_U8 = torch.zeros(1, dtype=torch.uint8)
-_workspace = threading.local()
 
 
 def panel_workspace(rows: int, k: int) -> torch.Tensor:
@@ -318,11 +316,7 @@ def panel_workspace(rows: int, k: int) -> torch.Tensor:
     its page faults, about as much as the decode (measured, 32 MB: 16 ms to allocate and zero,
     17 ms to decode into it)."""
     need = rows * k
-    buf = getattr(_workspace, "buf", None)
-    if buf is None or buf.numel() < need:
-        with torch.inference_mode():
-            buf = _workspace.buf = torch.empty(need, dtype=torch.bfloat16)
-    return buf[:need].view(rows, k)
+    return native.thread_scratch("lowp.panel", need, torch.bfloat16)[:need].view(rows, k)
 
 
 @functools.cache

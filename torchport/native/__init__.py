@@ -27,6 +27,7 @@ from torchport.native.launch import (
     TensorArg,
     check_tensor,
     eager_fast_path,
+    thread_scratch,
 )
 from torchport.native.prelude import PRELUDE, render
 from torchport.native.toolchain import (
@@ -76,6 +77,7 @@ __all__ = [
     "render",
     "reset_stats",
     "stats",
+    "thread_scratch",
 ]
 
 

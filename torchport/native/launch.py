@@ -9,6 +9,7 @@ travel as explicit ``int64_t`` arguments chosen by each template. Validation fai
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -107,6 +108,23 @@ def eager_fast_path(*tensors: torch.Tensor) -> bool:
         if type(t) is not _Tensor or (grad and t.requires_grad):
             return False
     return True
+
+
+_scratch = threading.local()
+
+
+def thread_scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's flat scratch buffer ``name``: at least ``numel`` elements of ``dtype``,
+    reused by the thread's next request of the same name (so the caller must be done with it by
+    then) and grown when too small. For kernel workspaces that would otherwise cost an allocation
+    and its page faults on every call. Made as an inference tensor, which autograd and the GEMM
+    engine's pack cache never keep."""
+    bufs: dict[str, torch.Tensor] = _scratch.__dict__
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        with torch.inference_mode():
+            buf = bufs[name] = torch.empty(numel, dtype=dtype)
+    return buf
 
 
 _Tensor = torch.Tensor
