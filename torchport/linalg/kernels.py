@@ -45,8 +45,8 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
 
 *Lanes*: the lane kernels (``tp_*_vec``) hold one matrix per lane of a ``VBYTES``-byte vector,
 VLN = VBYTES / sizeof(T) matrices at once: 32 bytes (4 float64 / 8 float32) for avx2, 64 (one zmm
-register: 8 / 16) for avx512 (``LANE_BYTES``; the build name carries isa and width). 64 over 32
-bytes, one thread, B = 10000, min of 11 interleaved: eigh n = 2/3/4/8 1.25/1.64/1.57/1.42×
+register: 8 / 16) for avx512 (``_cparams.lane_bytes``; the build name carries isa and
+width). 64 over 32 bytes, one thread, B = 10000, min of 11 interleaved: eigh n = 2/3/4/8 1.25/1.64/1.57/1.42×
 (float64), 1.34/1.46/1.41/1.19× (float32); svd n = 2/3/4 1.27/1.49/1.53×, 1.23/1.29/1.34×;
 cholesky (two threads, min of 15) float64 n = 4/8/16 B = 1000 1.12/1.35/1.43×, float32
 1.05/1.61/1.17×.
@@ -64,6 +64,7 @@ from torchport import native
 from torchport.linalg import blocked as _blocked
 from torchport.linalg import eigh_block as _eigh_block
 from torchport.linalg import svd_lanes as _svd_lanes
+from torchport.linalg._cparams import lane_bytes as _lane_bytes
 from torchport.linalg._cparams import scalar_params
 from torchport.native import IntArg, Kernel, TensorArg
 
@@ -1304,9 +1305,6 @@ SOURCE_TAG = hashlib.sha256(
 
 
 MAX_SWEEPS = 60
-# Bytes per lane vector of the lane kernels (tp_*_vec, tp_qr_vec) by isa: one zmm register of
-# 8 float64 / 16 float32 matrices on avx512.
-LANE_BYTES = {"scalar": 32, "avx2": 32, "avx512": 64}
 
 
 @functools.cache
@@ -1318,10 +1316,10 @@ def library(
     ``max_sweeps`` caps the Jacobi sweeps (the public functions use 60, which converged input
     never reaches); ``bench linalg --sweeps`` builds capped copies to time one sweep.
     ``lane_bytes``: the width of the lane kernels' vectors, 32 or 64 (64 needs ``avx512``);
-    None = ``LANE_BYTES`` of the isa.
+    None = the isa's widest (:func:`~torchport.linalg._cparams.lane_bytes`).
     """
     is64 = dtype == torch.float64
-    vbytes = LANE_BYTES[isa] if lane_bytes is None else lane_bytes
+    vbytes = _lane_bytes(isa, wide=True) if lane_bytes is None else lane_bytes
     assert vbytes == 32 or (vbytes == 64 and isa == "avx512"), (isa, vbytes)
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
