@@ -152,7 +152,8 @@ def scaled_mm(
     eager = native.eager_fast_path(a, b, scale_a, scale_b, *extra)
     tag = f"scaled:{str(b.dtype).removeprefix('torch.')}"
     # FP8 values are exact in bfloat16: both operands can go to the bf16 panels as they are
-    bf16 = _Bf16(a.bfloat16(), decode16)
+    # (the bf16 copy of ``a`` is made only where that candidate can be offered)
+    bf16 = _Bf16(a.bfloat16(), decode16) if _bf16_offered(od) else None
     acc = _panel_gemm(a.float(), decode, n, k, steps, bias, od, eager, tag, bf16)
     return _cast_out(acc, od)
 
@@ -180,6 +181,12 @@ class _Bf16(NamedTuple):
 
     x16: torch.Tensor
     decode16: Callable[[int, int], tuple[torch.Tensor, list[Step]]]
+
+
+def _bf16_offered(od: torch.dtype) -> bool:
+    """Whether the "bf16_panels" prefill candidate exists: a bfloat16 result, on a CPU with
+    AVX512-BF16 (the engine's ``vdpbf16ps`` tiles)."""
+    return od == torch.bfloat16 and native.cpu_info().has_avx512_bf16
 
 
 def _panel_gemm(
@@ -214,8 +221,7 @@ def _panel_gemm(
     m = x.shape[0]
     b32 = None if bias is None else bias if bias.dtype in FUSABLE_DTYPES else bias.float()
     if eager and m and n:
-        use16 = bf16 is not None and od == torch.bfloat16 and native.cpu_info().has_avx512_bf16
-        prob = _Prefill(x, decode, n, k, steps, b32, od, bf16 if use16 else None)
+        prob = _Prefill(x, decode, n, k, steps, b32, od, bf16 if _bf16_offered(od) else None)
         choice = _prefill_choice(prob, tag)
         if choice.is_anchor:
             return _mkl_panels(prob)
