@@ -618,3 +618,50 @@ def test_an_abort_racing_the_registration_is_handled_exactly_once(mesh_pair):
         handlers.append(h)
     _handled(m0, m1, 3)
     assert all(h.aborts == [(1, 2)] for h in handlers)
+
+
+def test_mailbox_kill_purges_a_dead_groups_frames_and_drops_later_ones():
+    from torchport.distributed.transport_tcp import Mailbox
+
+    mb = Mailbox()
+    coll, p2p, ctrl = int(Kind.COLL), int(Kind.P2P), int(Kind.CTRL)
+    for key in [(5, coll, 1, 0), (5, coll, 1, 1), (5, p2p, 1, 7), (5, ctrl, 1, 0), (6, coll, 1, 0)]:
+        mb.deliver(key, (_hdr(0, (0, 0, 0, 0)), bytearray()))
+    assert mb.kill(5) == 3 and mb.dropped == 3
+    assert mb.take((5, coll, 1, 0)) is None and mb.take((5, p2p, 1, 7)) is None
+    assert mb.take((5, ctrl, 1, 0)) is not None  # CTRL: a group forming under a reused id
+    assert mb.take((6, coll, 1, 0)) is not None  # other groups keep theirs
+    got = []
+    mb.expect((5, coll, 1, 2), got.append)
+    mb.deliver((5, coll, 1, 2), (_hdr(0, (0, 0, 0, 0)), bytearray()))
+    assert got == [] and mb.take((5, coll, 1, 2)) is None and mb.dropped == 4
+    mb.revive(5)
+    mb.deliver((5, coll, 1, 3), (_hdr(0, (0, 0, 0, 0)), bytearray()))
+    assert mb.take((5, coll, 1, 3)) is not None
+
+
+def test_a_failed_or_closed_groups_late_frames_are_purged_and_dropped(mesh_pair):
+    """Frames of a group that failed here (``bury``) or closed (``unregister``) arriving later
+    no longer stay in the mailbox until the process exits; a new group of the same id
+    receives again, and a stale handler cannot bury its successor."""
+    m0, m1 = mesh_pair
+    coll = int(Kind.COLL)
+    m0.register(11, h := _Handler())
+    m1.send(0, Kind.COLL, 11, 0, b"x" * 100)
+    _handled(m0, m1, 10)
+    m0.bury(11, h)  # the group failed: the queued frame goes, later ones are dropped
+    m1.send(0, Kind.COLL, 11, 1, b"y" * 100)
+    _handled(m0, m1, 11)
+    assert m0.mailbox.take((11, coll, 1, 0)) is None and m0.mailbox.take((11, coll, 1, 1)) is None
+    assert m0.mailbox.dropped == 2
+    m0.unregister(11, h)
+    m0.register(11, again := _Handler())  # the id reused: its frames are delivered
+    m0.bury(11, h)  # the old handler no longer owns the id: nothing happens
+    m0.unregister(11, h)
+    m1.send(0, Kind.COLL, 11, 2, b"z")
+    _handled(m0, m1, 12)
+    assert m0.mailbox.take((11, coll, 1, 2)) is not None
+    m0.unregister(11, again)
+    m1.send(0, Kind.COLL, 11, 3, b"w")
+    _handled(m0, m1, 13)
+    assert m0.mailbox.take((11, coll, 1, 3)) is None and m0.mailbox.dropped == 3

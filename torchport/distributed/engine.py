@@ -229,6 +229,7 @@ class Communicator:
         for key, cb, work in pending:
             self.mesh.mailbox.cancel(key, cb)
             work._finish(error)
+        self.mesh.bury(self.group_id, self)
 
     def abort(self) -> None:
         """Fail every in-flight and later operation here and on every peer."""
@@ -252,6 +253,7 @@ class Communicator:
         for key, cb, work in pending:
             self.mesh.mailbox.cancel(key, cb)
             work._finish(err)
+        self.mesh.bury(self.group_id, self)
 
     def on_peer_lost(self, src: int, error: BaseException) -> None:
         if src in self.ranks:
@@ -498,7 +500,7 @@ class Communicator:
         self.engine.stop()
         self.sender.stop()
         quiet = self.engine.join(5.0) & self.sender.join(5.0)
-        self.mesh.unregister(self.group_id)
+        self.mesh.unregister(self.group_id, self)
         if not quiet:  # an op still runs (e.g. a stalled thread): unmapping would crash it
             return  # the mappings go with the process
         for arena in (self.arena, self.local):

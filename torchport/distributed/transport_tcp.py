@@ -67,6 +67,7 @@ POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out in
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
 RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
+DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drops
 
 
 class GroupHandler(Protocol):
@@ -173,6 +174,27 @@ class Mailbox:
         self._frames: dict[Key, deque[Frame]] = {}
         self._waiting: dict[Key, deque[Callable[[Frame], None]]] = {}
         self._targets: dict[Key, Target] = {}
+        # Groups that failed or closed here: their queued COLL/P2P frames were purged and
+        # later ones are dropped on arrival (``dropped`` counts both) -- nothing would ever
+        # take them. CTRL frames are kept: a group forming under a reused id exchanges them
+        # before it registers (``revive``).
+        self._dead: set[int] = set()
+        self.dropped = 0
+
+    def kill(self, group: int) -> int:
+        """Purge ``group``'s queued COLL/P2P frames and drop later ones; returns how many
+        were purged."""
+        with self.cond:
+            self._dead.add(group)
+            gone = [k for k in self._frames if k[0] == group and k[1] in DEAD_KINDS]
+            n = sum(len(self._frames.pop(k)) for k in gone)
+            self.dropped += n
+            return n
+
+    def revive(self, group: int) -> None:
+        """``group`` (re)registered: its frames are delivered again."""
+        with self.cond:
+            self._dead.discard(group)
 
     def post(self, key: Key, target: Target) -> None:
         """Receive the next frame for ``key`` into ``target`` if it matches (see module doc)."""
@@ -221,7 +243,11 @@ class Mailbox:
                 self.cond.wait(0.05)
 
     def _deliver_locked(self, key: Key, frame: Frame) -> Callable[[Frame], None] | None:
-        """Queue ``frame`` (waking ``get``) or return the waiting callback to call unlocked."""
+        """Queue ``frame`` (waking ``get``) or return the waiting callback to call unlocked
+        (a frame of a dead group is dropped)."""
+        if key[0] in self._dead and key[1] in DEAD_KINDS:
+            self.dropped += 1
+            return None
         cbs = self._waiting.get(key)
         cb = None
         while cbs and cb is None:
@@ -1042,15 +1068,35 @@ class Mesh:
         with self._lock:
             self._handlers[group] = handler
             self._retired.discard(group)
+            self.mailbox.revive(group)
             early = self._early_aborts.pop(group, None)
         if early is not None:
             handler.on_remote_abort(*early)
             self.mailbox.wake()
 
-    def unregister(self, group: int) -> None:
+    def _is_current(self, group: int, handler: object) -> bool:
+        """Whether ``handler`` (or the communicator a wrapper routes to) is ``group``'s."""
+        h = self._handlers.get(group)
+        return h is not None and (h is handler or getattr(h, "comm", None) is handler)
+
+    def unregister(self, group: int, handler: object = None) -> None:
+        """The group closed: its ABORTs are no longer kept and its frames are purged and
+        dropped (:meth:`Mailbox.kill`). With ``handler``, only while it is still the one
+        registered (a new group of the same id may have replaced it)."""
         with self._lock:
+            if handler is not None and not self._is_current(group, handler):
+                return
             if self._handlers.pop(group, None) is not None:
                 self._retired.add(group)
+                self.mailbox.kill(group)
+
+    def bury(self, group: int, handler: object) -> None:
+        """``handler``'s group failed (aborted, a peer lost or failed it): purge its queued
+        frames and drop later ones (nothing takes them; they stayed until the process
+        exited). The handler stays registered (ABORTs still reach it)."""
+        with self._lock:
+            if self._is_current(group, handler):
+                self.mailbox.kill(group)
 
     def close(self) -> None:
         """Close the listener and every connection (reader threads then exit)."""
