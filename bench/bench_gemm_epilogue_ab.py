@@ -1,0 +1,92 @@
+"""Fused-epilogue cost at the kernel level: one native GEMM config with and without an epilogue.
+
+Where ``bench gemm --epilogue`` times the whole ``linear`` call (autotuner, adaptive runner,
+Python), this times ``torchport.gemm.kernels.launcher`` of one fixed config, round robin over
+``bare``, ``bare2`` (a second launcher of the same bare kernel: the control, which should read
+1.00), ``gelu`` (bias + GELU + residual) and ``silu`` (bias + SiLU), every call on the least
+recently used of enough weight copies that the weights stream from DRAM. A one-thread config
+(``nt=1``, the default) is timed in thread CPU time, which a busy machine disturbs far less than
+wall time; a multi-thread one in wall time. Prints each launcher's median and minimum over the
+bare median and minimum.
+
+Run: ``torchport bench gemm_epilogue_ab --m 32 --d 1024 --h 4096 --dtype bfloat16
+--cfg 4:24:32:32:0:1:1`` (``cfg`` is ``mr:nr:mc:pf:kc:ks:nt`` of ``kernels.Config``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from torchport import native
+from torchport.benchmarks import arg_parser
+from torchport.gemm import epilogue as G
+from torchport.gemm import kernels
+from torchport.gemm.kernels import Config
+from torchport.gemm.pack import pack_b
+
+ROTATE_BYTES = 64 << 20  # weight copies: twice this machine's L3
+
+
+def main() -> None:
+    p = arg_parser(__doc__ or "")  # --reps (rounds), --quick (2 rounds), --json (unused)
+    p.add_argument("--m", type=int, default=32)
+    p.add_argument("--d", type=int, default=1024)
+    p.add_argument("--h", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--cfg", default="4:24:32:32:0:1:1", help="mr:nr:mc:pf:kc:ks:nt")
+    args = p.parse_args()
+    if args.quick:
+        args.reps = 2
+    m, d, h = args.m, args.d, args.h
+    dt = getattr(torch, args.dtype)
+    cfg = Config(*[int(v) for v in args.cfg.split(":")])
+    clock: Callable[[], float] = time.thread_time if cfg.nt == 1 else time.perf_counter
+    isa = native.cpu_info().isa
+    torch.manual_seed(0)
+    x = torch.randn(m, d).to(dt)
+    copies = max(1, ROTATE_BYTES // (d * h * dt.itemsize))
+    weights = [(torch.randn(h, d) * d**-0.5).to(dt) for _ in range(copies)]
+    packs = [pack_b(w.t(), cfg.nr) for w in weights]
+    bias, res = torch.randn(h).to(dt), torch.randn(m, h).to(dt)
+    splits = {
+        "bare": G.split(None, m, h),
+        "bare2": G.split(None, m, h),
+        "gelu": G.split(["gelu", G.Add(res)], m, h, bias=bias),
+        "silu": G.split(["silu"], m, h, bias=bias),
+    }
+    launches = {k: kernels.launcher(s.spec, cfg, dt, dt, isa) for k, s in splits.items()}
+    b = weights[0].t()
+    for k, s in splits.items():  # build, and check against the float64 reference
+        out = launches[k](x, b, s.operands, packed=packs[0])
+        ref = kernels.mm_reference(x, b, s.spec, s.operands)
+        tol = 3e-2 if dt == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
+    samples: dict[str, list[float]] = {k: [] for k in launches}
+    call = 0
+    for _ in range(args.reps):
+        for k, launch in launches.items():
+            packed = packs[call % copies]
+            call += 1
+            t0 = clock()
+            launch(x, b, splits[k].operands, packed=packed)
+            samples[k].append(clock() - t0)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    low = {k: min(v) for k, v in samples.items()}
+    what = "thread CPU" if cfg.nt == 1 else "wall"
+    print(
+        f"M={m} {d}->{h} {args.dtype} cfg={args.cfg} ({what} time, {args.reps} rounds): bare "
+        f"median {med['bare'] * 1e3:.3f} ms; median/min over bare: "
+        + "  ".join(
+            f"{k} {med[k] / med['bare']:.3f}/{low[k] / low['bare']:.3f}"
+            for k in launches
+            if k != "bare"
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
