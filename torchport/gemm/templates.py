@@ -331,7 +331,7 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> 
     apply the epilogue and store to ``C`` (else store the raw sums to ``W``). ``dp``: the
     ``vdpbf16ps`` K loop (:func:`_dp_k_loop`) over bf16 ``A`` and pair-packed ``B``."""
     nv = nr // vw
-    head: list[str] = []
+    kloop: list[str] = []  # the non-dp K loop's function, defined before the tile
     if dp:
         k_loops = _dp_k_loop(mr, nr)
     else:
@@ -340,7 +340,7 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> 
         # 4x24 tile's 12 accumulators on the stack through the whole K loop (a load-FMA-store
         # chain per k; measured bf16 M=32 1024->4096, one thread: fused 1.20-1.24x the bare
         # kernel, where the bare library keeps all 12 in registers)
-        head = [
+        kloop = [
             f"static __attribute__((noinline)) void kloop_{mr}_{nr}(VEC *accp,"
             " const atype_t *const *arp, const btype_t *bp, int64_t k0, int64_t k1,"
             " int64_t pf, int64_t sa1) {",
@@ -350,8 +350,6 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> 
             "        ar[r] = arp[r];",
             f"        for (int v = 0; v < {nv}; ++v) acc[r][v] = accp[r * {nv} + v];",
             "    }",
-        ]
-        k_body = [
             # one loop per case, so the compiler sees unit-stride A and no prefetch test per k
             # (measured 1.3-1.6x faster than the single general loop for M=8 tiles, one thread)
             "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
@@ -361,16 +359,13 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> 
             "    } else {",
             *_k_loop(mr, nr, nv, vw, btag, "k * sa1", True),
             "    }",
-        ]
-        head += [
-            *k_body,
             f"    for (int r = 0; r < {mr}; ++r)",
             f"        for (int v = 0; v < {nv}; ++v) accp[r * {nv} + v] = acc[r][v];",
             "}",
         ]
         k_loops = [f"    kloop_{mr}_{nr}(&acc[0][0], ar, bp, k0, k1, pf, sa1);"]
     lines = [
-        *head,
+        *kloop,
         f"static void tile_{mr}_{nr}(const atype_t *A, int64_t sa0, int64_t sa1, const btype_t *bp,",
         "        int64_t k0, int64_t k1, otype_t *C, int64_t ldc, int64_t i, int64_t j,",
         "        int64_t nr, int64_t pf, const void *const *ep, const int64_t *eld, float *W,",
