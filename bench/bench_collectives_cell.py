@@ -1,0 +1,130 @@
+"""One collectives cell, ``torchport`` vs gloo, many samples: the spread, not just a median.
+
+``bench_collectives.py --quick`` times each cell as the median of 3 samples of
+``2 MB / size`` calls (2 calls at 1 MB, 1 at 64 MB), each after a gloo barrier; on this shared
+VM a cell then swings 2x between runs. This script times one cell the same way (same
+processes, gloo barrier, then ``--calls`` calls, alternating backends sample by sample) for
+``--samples`` samples and prints p10 / median / p90 per backend on rank 0 and the ratio of the
+medians. ``--calls 1`` is the first call after the barrier (the rank skew counts);
+``--calls 20`` is the steady per-call cost.
+
+Run: ``flock /tmp/tp-bench.lock python bench/bench_collectives_cell.py --op broadcast
+--size 1048576 --world 2 --samples 30 --calls 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _fn(op: str, size: int, world: int, group):
+    import torch
+    import torch.distributed as dist
+
+    n = max(world, size // 4 // world * world)
+    if op == "allreduce":
+        t = torch.ones(n)
+        return lambda: dist.all_reduce(t, group=group)
+    if op == "broadcast":
+        t = torch.ones(n)
+        return lambda: dist.broadcast(t, src=0, group=group)
+    if op == "allgather":
+        out, inp = torch.empty(n), torch.ones(n // world)
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if op == "reduce_scatter":
+        out, inp = torch.empty(n // world), torch.ones(n)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    if op == "alltoall":
+        out, inp = torch.empty(n), torch.ones(n)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, calls: int) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import torchport.distributed  # noqa: F401
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("torchport", rank=rank, world_size=world, init_method=init)
+    gloo = dist.new_group(backend="gloo")
+    fns = {"gloo": _fn(op, size, world, gloo), "torchport": _fn(op, size, world, None)}
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    res: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, fn in fns.items():
+            dist.barrier(group=gloo)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            res[name].append((time.perf_counter() - t0) / calls)
+    if rank == 0:
+        parts = []
+        for name, v in res.items():
+            s = sorted(v)
+            p10, p90 = s[int(0.1 * (len(s) - 1))], s[int(0.9 * (len(s) - 1))]
+            parts.append(
+                f"{name} p10 {p10 * 1e6:.0f} med {statistics.median(s) * 1e6:.0f} "
+                f"p90 {p90 * 1e6:.0f} us"
+            )
+        ratio = statistics.median(res["gloo"]) / statistics.median(res["torchport"])
+        tag = os.environ.get("TP_CELL_TAG", "")
+        print(
+            f"{tag}{op} {size} B w{world} calls {calls}: {'; '.join(parts)}; ratio {ratio:.2f}x",
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        a = sys.argv[2:]
+        worker(int(a[0]), int(a[1]), a[2], a[3], int(a[4]), int(a[5]), int(a[6]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--op", default="broadcast")
+    p.add_argument("--size", type=int, default=1 << 20, help="bytes")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--samples", type=int, default=30)
+    p.add_argument("--calls", type=int, default=2, help="calls per sample (after a barrier)")
+    p.add_argument("--timeout", type=float, default=170.0, help="seconds; workers are killed")
+    args = p.parse_args()
+    tmp = tempfile.mkdtemp(prefix="tp-cell-")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
+    cmd = [sys.executable, __file__, "--worker"]
+    rest = [f"file://{tmp}/store", args.op, str(args.size), str(args.samples), str(args.calls)]
+    procs = [
+        subprocess.Popen([*cmd, str(r), str(args.world), *rest], env=env) for r in range(args.world)
+    ]
+    deadline = time.monotonic() + args.timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if any(proc.returncode for proc in procs):
+        raise SystemExit(f"workers failed: exit codes {[proc.returncode for proc in procs]}")
+
+
+if __name__ == "__main__":
+    main()
