@@ -22,6 +22,8 @@ from pathlib import Path
 
 KB, MB = 1 << 10, 1 << 20
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+# samples per backend for cells under 16 MB (larger cells use --reps; 3 with --quick)
+SMALL_SAMPLES = 15
 
 
 def _op_fn(op: str, size: int, world: int, group):
@@ -82,7 +84,9 @@ def worker(
             for fn in fns.values():
                 _time(fn, max(1, k // 4))
             samples: dict[str, list[float]] = {name: [] for name in fns}
-            for _ in range(reps):
+            # below 16 MB a sample takes a few ms: at least SMALL_SAMPLES of them, since the
+            # median of --quick's 3 two-call samples at 1 MB swung 0.88x-1.8x between runs
+            for _ in range(reps if size >= 16 * MB else max(reps, SMALL_SAMPLES)):
                 for name, fn in fns.items():
                     dist.barrier(group=groups["gloo"])
                     samples[name].append(_time(fn, k))
