@@ -39,7 +39,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   between the row-major matrices and the lane layout by VLN × VLN transposes of 8×8 (float32) /
   4×4 (float64) AVX shuffle tiles and is factored column by column (Crout): a column's entries
   are dot products over the finished columns, and only their final multiply by
-  1/sqrt(pivot) = sqrt(s)·(1/s) waits on the pivot.
+  1/sqrt(pivot) = sqrt(s)·(1/s) waits on the pivot. From ``CHOLESKY_STREAM_FROM`` output bytes
+  a group is stored to an L1 copy and streamed out by non-temporal stores, the next group's input
+  prefetched meanwhile (past the caches the stores' line reads halved the rate at B = 10000).
   Above n = 48, and for batches too small to fill the lanes from n = 17, the blocked kernel of
   :mod:`torchport.linalg.blocked` (panel + register-blocked trailing update) takes over.
 
