@@ -357,6 +357,34 @@ def test_cholesky_lanes_kernel(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 16, 24])
+def test_cholesky_lanes_streamed(dtype, n):
+    """The streamed output (non-temporal stores, next group prefetched) is the plain kernel's,
+    bit for bit: partial last group, failing lanes, upper and lower; an output not aligned to the
+    vector width falls back to plain stores."""
+    a = spd(45, n, seed=n).to(dtype)
+    a[5, -1, -1] = -1.0
+    a[9, 0, 0] = float("nan")
+    for upper in (False, True):
+        fac0, info0, bad0 = kernels.cholesky(a, upper, lanes=True, stream=False)
+        fac, info, bad = kernels.cholesky(a, upper, lanes=True, stream=True)
+        assert torch.equal(fac, fac0) and torch.equal(info, info0) and bad == bad0 == 6
+        assert info[9] == 1 and float(fac[5].abs().sum()) == 0.0
+    buf = torch.full((45 * n * n + 1,), 7.0, dtype=dtype)
+    info = torch.empty((45,), dtype=torch.int32)
+    kernels._ks(dtype)["cholesky_vec"].call_unchecked(
+        a.data_ptr(), buf.data_ptr() + buf.element_size(), info.data_ptr(), 45, n, 0, 1, 1
+    )
+    assert torch.equal(buf[1:].view(45, n, n), kernels.cholesky(a, False, stream=False)[0])
+    assert buf[0] == 7.0
+    # the launcher streams from CHOLESKY_STREAM_FROM output bytes
+    b = kernels.CHOLESKY_STREAM_FROM // (n * n * a.element_size()) + 5
+    big = spd(b, n, seed=1).to(dtype)
+    got = kernels.cholesky_plan(b, n, dtype, False)(big)
+    assert torch.equal(got[0], kernels.cholesky(big, False, lanes=True, stream=False)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "n,nb", [(17, 1), (24, None), (31, 5), (33, 8), (47, None), (64, 16), (97, 64), (130, None)]
 )

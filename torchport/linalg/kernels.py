@@ -39,7 +39,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   between the row-major matrices and the lane layout by VLN × VLN transposes of 8×8 (float32) /
   4×4 (float64) AVX shuffle tiles and is factored column by column (Crout): a column's entries
   are dot products over the finished columns, and only their final multiply by
-  1/sqrt(pivot) = sqrt(s)·(1/s) waits on the pivot.
+  1/sqrt(pivot) = sqrt(s)·(1/s) waits on the pivot. From ``CHOLESKY_STREAM_FROM`` output bytes
+  a group is stored to an L1 copy and streamed out by non-temporal stores, the next group's input
+  prefetched meanwhile (past the caches the stores' line reads halved the rate at B = 10000).
   Above n = 48, and for batches too small to fill the lanes from n = 17, the blocked kernel of
   :mod:`torchport.linalg.blocked` (panel + register-blocked trailing update) takes over.
 
@@ -1025,8 +1027,24 @@ TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int u
     }
 }
 
+/* ne elements (a whole number of vectors) from src to dst (VBYTES-aligned) by non-temporal
+   stores: written around the caches, without first reading the destination lines in */
+TP_INLINE void stream_out(const T *src, T *dst, int64_t ne) {
+    for (int64_t e = 0; e < ne; e += VLN) {
+        VT v;
+        __builtin_memcpy(&v, src + e, sizeof(VT));
+#if VBYTES == 64 && defined(__AVX512F__)
+        _mm512_stream_si512((__m512i *)(dst + e), (__m512i)v);
+#elif VBYTES == 32 && defined(__AVX2__)
+        _mm256_stream_si256((__m256i *)(dst + e), (__m256i)v);
+#else
+        __builtin_memcpy(dst + e, &v, sizeof(VT));
+#endif
+    }
+}
+
 TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int64_t n, int64_t upper,
-                              int64_t nthreads) {
+                              int64_t stream, int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
     /* one thread below ~3 ms of work (B n^3 < 1e8; n = 16: 24000 matrices): on the shared
        2-core machine (load 3-5), B = 10000, n = 16 took 12-15 ms with two threads (the end of
@@ -1035,14 +1053,24 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
        one threads (min of 15): the threshold depends on the load and was left as it was */
     int64_t nt = (groups < 2 || B * n * n * n < 100000000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
+    /* stream (large outputs, see CHOLESKY_STREAM_FROM): a full group is factored into an
+       L1-resident copy of its VLN outputs (S) and streamed out from there with non-temporal
+       stores, and the next group's input is prefetched while this one is factored */
+    const int st = stream && (uintptr_t)out % VBYTES == 0;
     #pragma omp parallel num_threads(nt) reduction(min:bad)
     {
         VT *Lw = (VT *)aligned_alloc(VBYTES, sizeof(VT) * (n * n + n + 2));
+        VT *S = st ? (VT *)aligned_alloc(VBYTES, sizeof(VT) * n * n) : NULL;
         #pragma omp for schedule(static)
         for (int64_t gi = 0; gi < groups; ++gi) {
             int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
             const T *src = a + b0 * n * n;
-            T *dst = out + b0 * n * n;
+            T *dst = st && cnt == VLN ? (T *)S : out + b0 * n * n;
+            if (st && gi + 1 < groups) {  /* the next group's input, while this one computes */
+                const char *nx = (const char *)(src + VLN * n * n);
+                const int64_t nb = TP_MIN(VLN, B - b0 - VLN) * n * n * (int64_t)sizeof(T);
+                for (int64_t o = 0; o < nb; o += 64) __builtin_prefetch(nx + o, 0, 3);
+            }
             if (cnt < VLN) chol_vec(src, dst, info + b0, cnt, n, (int)upper, Lw);
             else if (n == 2) chol_vec_full(src, dst, info + b0, 2, (int)upper, Lw);
             else if (n == 3) chol_vec_full(src, dst, info + b0, 3, (int)upper, Lw);
@@ -1050,8 +1078,13 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
             else if (n == 8) chol_vec_full(src, dst, info + b0, 8, (int)upper, Lw);
             else if (n == 16) chol_vec_full(src, dst, info + b0, 16, (int)upper, Lw);
             else chol_vec_full(src, dst, info + b0, n, (int)upper, Lw);
+            if (dst == (T *)S) stream_out(dst, out + b0 * n * n, VLN * n * n);
             for (int64_t l = 0; l < cnt; ++l) if (info[b0 + l] && b0 + l < bad) bad = b0 + l;
         }
+#if defined(__AVX2__) || defined(__AVX512F__)
+        if (st) _mm_sfence();  /* the streamed stores ordered before the region ends */
+#endif
+        free(S);
         free(Lw);
     }
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
@@ -1361,7 +1394,7 @@ def library(
             lib,
             "tp_cholesky_vec",
             [t("A", d), t("L", d), t("info", (torch.int32,))]
-            + [i(x) for x in ("B", "n", "upper", "nthreads")],
+            + [i(x) for x in ("B", "n", "upper", "stream", "nthreads")],
         ),
         "qr": Kernel(
             lib,
@@ -1425,6 +1458,17 @@ LANES_MAX_N = 64
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
 # n = 48 2260/3173, 4833/5617, n = 64 5997/6316, 12398/12253).
 CHOLESKY_LANES_MAX_N = 48
+# From this many output bytes the lane Cholesky streams its output (non-temporal stores from an
+# L1 copy of each group, the next group's input prefetched): past ~3 MB of output (6 MB in + out)
+# the plain kernel's time per matrix rose 2-4x on the Zen 3 VM (its caches hold ~8 MB: a copy's
+# rate fell from 43 to 10 GB/s between 5 and 8 MB), the stores' line reads and write-backs
+# competing with the input's reads (a prefetch alone, with plain stores, gained nothing). ``bench
+# linalg --fastest --threads 1 --reps 11``, B = 10000, torch.linalg / ours, two alternated runs
+# before -> after (load 1.6-2.9): f64 n = 8 / 12 / 16 2.01, 2.29 / 1.75, 1.87 / 2.25, 2.55 ->
+# 3.59, 4.09 / 2.38, 2.26 / 2.67, 2.72; f32 2.77, 2.95 / 2.64, 2.79 / 2.94, 3.06 -> 5.73, 5.93 /
+# 3.90, 4.33 / 4.31, 4.71. In cache (B = 1000, kernel alone, one thread) it cost 7-17%, so it
+# starts at 2 MiB.
+CHOLESKY_STREAM_FROM = 2 << 20
 # QR, one matrix per lane (tp_qr_vec) up to this max(m, n), one per thread (tp_qr) above. One
 # thread, avx512, min of 9 interleaved, tp_qr / tp_qr_vec (mode reduced): B = 1000 n = 16 / 20 /
 # 24 / 32 f64 3.8 / 6.1 / 6.7 / 4.5x, f32 10.1 / 10.1 / 9.7 / 15.7x; B = 300 n = 48 / 64 / 96
@@ -1594,8 +1638,16 @@ def qr_plan(
     return run
 
 
+def _chol_stream(b: int, n: int, dtype: torch.dtype) -> bool:
+    return b * n * n * (torch.finfo(dtype).bits // 8) >= CHOLESKY_STREAM_FROM
+
+
 def cholesky(
-    a: torch.Tensor, upper: bool, lanes: bool | None = None, blocked: bool | None = None
+    a: torch.Tensor,
+    upper: bool,
+    lanes: bool | None = None,
+    blocked: bool | None = None,
+    stream: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched Cholesky of ``a`` (B, n, n): factor, int32 info (B,), first failing index + 1.
 
@@ -1603,6 +1655,8 @@ def cholesky(
     ``blocked``: the blocked kernel (:mod:`~torchport.linalg.blocked`); None = from
     n = ``blocked.BLOCKED_FROM`` when ``lanes`` is None and the lanes do not apply. Otherwise
     the unblocked per-matrix kernel.
+    ``stream``: the lane kernel writes its output by non-temporal stores (the same values);
+    None = from ``CHOLESKY_STREAM_FROM`` output bytes.
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
@@ -1617,9 +1671,17 @@ def cholesky(
     info = torch.zeros((b,), dtype=torch.int32)
     if b == 0 or n == 0:
         return out, info, 0
-    bad = _ks(a.dtype)["cholesky_vec" if lanes else "cholesky"].call_unchecked(
-        a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), native.num_threads()
-    )
+    if lanes:
+        if stream is None:
+            stream = _chol_stream(b, n, a.dtype)
+        bad = _ks(a.dtype)["cholesky_vec"].call_unchecked(
+            a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), int(stream),
+            native.num_threads(),
+        )  # fmt: skip
+    else:
+        bad = _ks(a.dtype)["cholesky"].call_unchecked(
+            a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), native.num_threads()
+        )
     return out, info, bad
 
 
@@ -1640,8 +1702,11 @@ def cholesky_plan(
     if not fills_lanes and n >= _blocked.BLOCKED_FROM:
         call = _blocked.library(dtype, native.cpu_info().isa).call_unchecked
         tail = (_blocked.panel_width(n),)
+    elif fills_lanes:
+        call = _ks(dtype)["cholesky_vec"].call_unchecked
+        tail = (int(_chol_stream(b, n, dtype)),)
     else:
-        call = _ks(dtype)["cholesky_vec" if fills_lanes else "cholesky"].call_unchecked
+        call = _ks(dtype)["cholesky"].call_unchecked
     up = int(upper)
     # empty_like of a template: ~1.3 us vs ~3 us for torch.empty(shape, dtype=...) (B = 100)
     info_like = torch.empty((b,) if batch is None else batch, dtype=torch.int32)
