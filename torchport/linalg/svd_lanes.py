@@ -141,10 +141,12 @@ TP_INLINE void svdl_angle(VI act, VT al, VT be, VT g, VT *c, VT *s, VT *tg) {
     VT gg = vsel(act, g, zero);
     VT d = be - al;
     VT sgn = vsel(d >= zero, one, -one);
-    /* the angle from d and g scaled by 1 / (|al| + |be|) (|d|, |2g| <= 1): the squares below
-       neither underflow (two vectors of norm 1e-10 give d^2 ~ 1e-40, subnormal in float32:
-       c^2 + s^2 off by up to 1e-2 in the rank-one tests) nor overflow */
-    VT sc = one / vsel(act, vabs(al) + vabs(be), one);
+    /* the angle from d and g scaled by the power of two 2^-e, 2^e <= |al| + |be| < 2^(e+1)
+       (exponent bits 2 bias - E: |d|, |2g| < 2): the squares below neither underflow (two
+       vectors of norm 1e-10 give d^2 ~ 1e-40, subnormal in float32: c^2 + s^2 off by up to
+       1e-2 in the rank-one tests) nor overflow; a bit mask and a subtraction, no division */
+    const VI ebits = (VI)(zero + (T)INFINITY);
+    VT sc = (VT)(2 * (VI)one - ((VI)vsel(act, vabs(al) + vabs(be), one) & ebits));
     VT dh = d * sc, gh = gg * sc;
     VT r = vsqrt(dh * dh + 4 * gh * gh);
     VT u = vabs(dh) + r;
