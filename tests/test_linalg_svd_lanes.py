@@ -29,17 +29,20 @@ def _run(
     kappa_c: float = svd_lanes.KAPPA_C,
     vbytes: int | None = None,
     reorder: bool = True,
+    order: int | None = None,
 ):
     """tp_svd_lanes on contiguous (B, m, n) ``a``; ``vbytes``: lane width (None: the default);
-    ``reorder``: the build that reorders the pairs within each round (the default) or not."""
+    ``reorder``: the build that reorders the pairs within each round (the default) or not;
+    ``order``: the pair order (None: svd_lanes.pair_order's, as the public path)."""
     b, m, n = a.shape
     k = min(m, n)
+    order = svd_lanes.pair_order(k) if order is None else order
     s = a.new_empty((b, k))
     u = a.new_empty((b, m, m if full else k)) if uv else a.new_empty(0)
     vh = a.new_empty((b, n if full else k, n)) if uv else a.new_empty(0)
     kern = svd_lanes.library(a.dtype, native.cpu_info().isa, vbytes=vbytes, reorder=reorder)
     bad = kern.call_unchecked(
-        a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n, int(uv), int(full), 1,
+        a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n, int(uv), int(full), order,
         kappa_c, 1,
     )  # fmt: skip
     return u, s, vh, bad
@@ -71,7 +74,7 @@ def _check(a, u, s, vh, tol: float) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m,n", [(5, 5), (9, 6), (6, 9), (12, 12)], ids=str)
+@pytest.mark.parametrize("m,n", [(5, 5), (9, 6), (6, 9), (8, 8), (12, 12), (12, 16)], ids=str)
 @pytest.mark.parametrize("full", [False, True], ids=["reduced", "full"])
 def test_kernel_matches_reference(dtype, m, n, full, vbytes):
     """Kernel vs svd_lanes_reference (same algorithm) and LAPACK; 11 matrices: a partial group."""
@@ -179,10 +182,37 @@ def test_non_finite_batch_index(dtype, vbytes):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_routing(dtype):
-    """kernels.svd sends lane batches with min(m, n) >= SVD_LANES_FAST_FROM (round-robin) here."""
+    """kernels.svd sends lane batches with min(m, n) >= SVD_LANES_FAST_FROM (round-robin, or the
+    block order by svd_lanes.pair_order) here."""
     a = torch.randn(20, 9, 9, dtype=dtype)
     u, s, vh, bad = kernels.svd(a, False, True, 1, lanes=True)
     u2, s2, vh2, _ = _run(a, False)
     assert bad == 0 and torch.equal(s, s2) and torch.equal(u, u2) and torch.equal(vh, vh2)
     small = torch.randn(20, 4, 4, dtype=dtype)  # below the threshold: tp_svd_vec
     assert kernels.svd(small, False, True, lanes=True)[3] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [8, 12, 32], ids=str)
+@pytest.mark.parametrize("order", [1, 3], ids=["round-robin", "block"])
+def test_rank_one_orthonormal(dtype, n, order, vbytes):
+    """Rank-one and nearly rank-one matrices: the rotations between vectors of norm ~1e-10
+    (squares ~1e-40, subnormal in float32) stay orthogonal, so U and V stay orthonormal (the
+    angle once formed from unscaled squares left V 1e-2 from orthonormal in float32); both
+    pair orders."""
+    g = torch.Generator().manual_seed(n)
+    a = (torch.randn(16, n, 1, generator=g) @ torch.randn(16, 1, n, generator=g)).to(dtype)
+    a[8:] += 1e-5 * torch.randn(8, n, n, generator=g).to(dtype)
+    u, s, vh, bad = _run(a.contiguous(), True, vbytes=vbytes, order=order)
+    assert bad == 0
+    tol = TOL[dtype] * 10
+    for x in (u.double(), vh.double().mT):
+        eye = torch.eye(n, dtype=torch.float64)
+        assert float((x.mT @ x - eye).abs().max()) <= tol
+    rec = (u * s.unsqueeze(-2)) @ vh
+    assert float((rec.double() - a.double()).abs().max()) <= tol * float(a.abs().max())
+
+
+def test_pair_order():
+    """The block order from BLOCK_FROM for multiples of 4, round-robin otherwise."""
+    assert [svd_lanes.pair_order(k) for k in (5, 8, 12, 13, 16, 30, 32)] == [1, 3, 3, 1, 3, 1, 3]

@@ -1517,6 +1517,7 @@ def svd(
     )  # fmt: skip
     if lanes and k >= SVD_LANES_FAST_FROM and order == 1:
         fast = _svd_lanes.library(a.dtype, native.cpu_info().isa)
+        args = (*args[:-1], _svd_lanes.pair_order(k))
         bad = fast.call_unchecked(*args, _svd_lanes.KAPPA_C, native.num_threads())
     else:
         kern = _ks(a.dtype)["svd_vec" if lanes else "svd"]

@@ -133,7 +133,8 @@ def svd_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One-sided Jacobi SVD of (B, m, n) ``a``: (U, S, Vh) with S descending.
 
-    ``order``: 0 cyclic, 1 round-robin, None = the kernel's default for this size.
+    ``order``: 0 cyclic, 1 round-robin, 3 the block order (:func:`pairs_for`), None = the
+    kernel's default for this size.
     """
     bsz, m, n = a.shape
     trans = m < n
@@ -189,13 +190,16 @@ def svd_lanes_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The algorithm of ``tp_svd_lanes`` on (B, m, n) ``a``: (U, S, Vh), S descending.
 
-    The sweeps are :func:`svd_reference`'s (round-robin from k = 5). With X the p × q matrix of
+    The sweeps are :func:`svd_reference`'s in the kernel's order (``svd_lanes.pair_order``:
+    round-robin, or the block order for k a multiple of 4 from ``svd_lanes.BLOCK_FROM``). With X the p × q matrix of
     the vectors being orthogonalised (A, or Aᵀ when m < n) and û_j the converged unit vectors, the
     other side's vector j is Xᵀ û_j / σ_j, orthonormalised by one classical Gram-Schmidt pass in
     descending σ; used where σ_min > ``kappa_c``·eps·sqrt(p)·σ_max (per matrix here, per lane
     group in the kernel), the accumulated rotations elsewhere.
     """
-    u, s, vh = svd_reference(a, full_matrices, compute_uv)
+    from torchport.linalg.svd_lanes import pair_order
+
+    u, s, vh = svd_reference(a, full_matrices, compute_uv, order=pair_order(min(a.shape[-2:])))
     bsz, m, n = a.shape
     q, p = min(m, n), max(m, n)
     if not compute_uv or q == 0 or bsz == 0:

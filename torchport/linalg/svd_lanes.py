@@ -29,6 +29,13 @@ throughput rather than latency:
   bit-identical to the round-robin order (tested). Measured (Zen 5, one thread, B = 2000, float64,
   median of alternated thread-CPU times, old/new): n = 32 1.24x, 1.17x; float32 n = 32 1.11x;
   n = 16/24/64 1.03/1.03/1.01x.
+- **two rounds per pass over column quartets** (order 3, :func:`pair_order`: min(m, n) a
+  multiple of 4 from :data:`BLOCK_FROM`): eigh_block's block order, the pairs (2X, 2X + 1), then
+  the blocks' tournament, a quartet (2a, 2a + 1, 2b, 2b + 1) taking the pairs (0, 2), (1, 3) and
+  then (0, 3), (1, 2). One pass over the quartet's four vectors forms their six inner products,
+  the second round's come from the first round's rotation of that Gram matrix, and one pass
+  applies both rounds (``svdl_quartet``): W is read twice and written once per two rounds instead
+  of read twice and written once per round.
 
 The plain-torch reference is :func:`torchport.linalg.reference.svd_lanes_reference` (the sweeps of
 ``svd_reference`` with the same pair order and threshold, the angle by the equivalent classical
@@ -58,10 +65,16 @@ KAPPA_C = 32.0
 # taken in chunks (SVDL_CHUNK), ymm/zmm: f32 n = 16 1.28x, n = 32 0.97x; f64 1.46x, 1.05x; and
 # (whole rounds) n = 8 1.17x / 1.35x, n = 24 1.39x / 1.52x, n = 64 1.08x / 1.14x.
 WIDE_LANES = {torch.float32: True, torch.float64: True}
+# From this min(m, n), when a multiple of 4, the sweeps run in the block order (order 3: two
+# rounds per pass over each quartet's vectors, svdl_quartet) instead of round-robin (order 1).
+BLOCK_FROM = 8
 # kernels._SOURCE up to this line holds the helpers this kernel shares (not the other kernels).
 _HELPERS_END = (
     "/* ---------------------------------------------------------------- SVD (one-sided Jacobi) */"
 )
+
+# eigh_block's source between these two lines: block_pairs, the blocks' tournament (order 3).
+_BLOCK_PAIRS_SPAN = ("/* The blocks' tournament", "TP_EXPORT int tp_eigh_block")
 
 _SOURCE = r"""
 typedef T VT __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
@@ -113,24 +126,155 @@ TP_INLINE int lany(VI m) {
 #endif
 }
 
-/* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
-   when uv. Each round's h disjoint pairs are taken SVDL_CHUNK at a time in three passes: the
+/* One pair per lane, from the squared norms al, be and the inner product g: svdl_act, the mask
+   of the lanes that rotate (g^2 > tol2 al be, neither vector zero); svdl_angle, c and s of the
+   rotation and tg, the norm update (al - tg, be + tg), with c = 1, s = tg = 0 in the other
+   lanes (no square root when no lane rotates). */
+TP_INLINE VI svdl_act(VT al, VT be, VT g, T tol2) {
+    const VT zero = {0};
+    return (al != zero) & (be != zero) & (g * g > tol2 * al * be);
+}
+
+TP_INLINE void svdl_angle(VI act, VT al, VT be, VT g, VT *c, VT *s, VT *tg) {
+    const VT zero = {0}, one = zero + 1;
+    if (!lany(act)) { *c = one; *s = zero; *tg = zero; return; }
+    VT gg = vsel(act, g, zero);
+    VT d = be - al;
+    VT sgn = vsel(d >= zero, one, -one);
+    /* the angle from d and g scaled by the power of two 2^-e, 2^e <= |al| + |be| < 2^(e+1)
+       (exponent bits 2 bias - E: |d|, |2g| < 2): the squares below neither underflow (two
+       vectors of norm 1e-10 give d^2 ~ 1e-40, subnormal in float32: c^2 + s^2 off by up to
+       1e-2 in the rank-one tests) nor overflow; a bit mask and a subtraction, no division */
+    const VI ebits = (VI)(zero + (T)INFINITY);
+    VT sc = (VT)(2 * (VI)one - ((VI)vsel(act, vabs(al) + vabs(be), one) & ebits));
+    VT dh = d * sc, gh = gg * sc;
+    VT r = vsqrt(dh * dh + 4 * gh * gh);
+    VT u = vabs(dh) + r;
+    VT y = one / vsqrt(vsel(act, 2 * r * u, one));
+    *c = vsel(act, u * y, one);
+    *s = sgn * 2 * gh * y;
+    *tg = sgn * 4 * gg * gh * r * y * y;
+}
+
+/* One round of np disjoint pairs (lp[t], lq[t]) taken SVDL_CHUNK at a time in three passes: the
    inner products, then every angle of the pairs where some lane rotates (independent
    square-root/division chains), then their rotations; the pairs are disjoint, so the chunks
    give the rotations of the whole round at once, and a chunk's 2 SVDL_CHUNK vectors stay in L1
-   from its inner products to its rotations (at n = 32 a zmm group's W, 64 KiB, does not). Every sweep repeats the same rounds, so any run of as many consecutive rounds as a
-   sweep holds tests each pair once: the sweeps stop as soon as such a run rotated nothing (every pair
-   below threshold in the final state), often inside the sweep after the last rotation, not at the
-   end of a whole check-only sweep. */
-TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int32_t *pairs,
-                           int64_t npairs, int64_t h, VT *nv, VT *cs, int64_t *lp, int64_t *lq) {
-    const VT zero = {0}, one = zero + 1;
-    const T tol2 = EPS * EPS * (T)p;
+   from its inner products to its rotations (at n = 32 a zmm group's W, 64 KiB, does not).
+   Returns whether some lane rotated. */
+TP_INLINE int svdl_round(VT *W, VT *V, int64_t p, int64_t q, int uv, const int64_t *lp,
+                         const int64_t *lq, int64_t np, VT *nv, VT *cs, T tol2) {
     char fl[64];
-    const int64_t nrounds = (npairs + h - 1) / h;
+    int any = 0;
+    for (int64_t c0 = 0; c0 < np; c0 += SVDL_CHUNK) {
+        const int64_t c1 = TP_MIN(np, c0 + SVDL_CHUNK);
+        for (int64_t t = c0; t < c1; ++t)
+            cs[3 * t + 2] = ldot(W + lp[t] * p, W + lq[t] * p, p);
+        int some = 0;
+        for (int64_t t = c0; t < c1; ++t) {
+            const VT al = nv[lp[t]], be = nv[lq[t]], g = cs[3 * t + 2];
+            VI act = svdl_act(al, be, g, tol2);
+            fl[t] = (char)lany(act);
+            if (!fl[t]) continue;
+            some = 1;
+            svdl_angle(act, al, be, g, cs + 3 * t, cs + 3 * t + 1, cs + 3 * t + 2);
+        }
+        if (!some) continue;
+        any = 1;
+        for (int64_t t = c0; t < c1; ++t) {
+            if (!fl[t]) continue;
+            const int64_t j = lp[t], kk = lq[t];
+            const VT c = cs[3 * t], s = cs[3 * t + 1];
+            lrot(W + j * p, W + kk * p, p, c, s);
+            if (uv) lrot(V + j * q, V + kk * q, q, c, s);
+            nv[j] -= cs[3 * t + 2];
+            nv[kk] += cs[3 * t + 2];
+        }
+    }
+    return any;
+}
+
+/* Both rotation rounds of a quartet on n elements of its four vectors x0..x3 (local indices
+   0..3): (0, 2) by (c[0], s[0]) and (1, 3) by (c[1], s[1]), then (0, 3) by (c[2], s[2]) and
+   (1, 2) by (c[3], s[3]); each element loaded and stored once. */
+TP_INLINE void qrot(VT *x0, VT *x1, VT *x2, VT *x3, int64_t n, const VT *c, const VT *s) {
+    const VT c0 = c[0], s0 = s[0], c1 = c[1], s1 = s[1], c2 = c[2], s2 = s[2], c3 = c[3], s3 = s[3];
+    TP_UNROLL
+    for (int64_t i = 0; i < n; ++i) {
+        VT a0 = x0[i], a1 = x1[i], a2 = x2[i], a3 = x3[i];
+        VT b0 = c0 * a0 - s0 * a2, b2 = s0 * a0 + c0 * a2;
+        VT b1 = c1 * a1 - s1 * a3, b3 = s1 * a1 + c1 * a3;
+        x0[i] = c2 * b0 - s2 * b3; x3[i] = s2 * b0 + c2 * b3;
+        x1[i] = c3 * b1 - s3 * b2; x2[i] = s3 * b1 + c3 * b2;
+    }
+}
+
+/* A quartet's two rounds, pairs (0, 2), (1, 3) then (0, 3), (1, 2) of its vectors (2a, 2a + 1,
+   2b, 2b + 1): one pass for the six inner products, the first round's angles from them, the
+   second round's inner products from the first round's rotation of the 4x4 Gram matrix (equal in
+   exact arithmetic to the inner products of the rotated vectors; with no rotation in the first
+   round, the same bits), then one pass applying both rounds. Returns whether some lane rotated. */
+TP_INLINE int svdl_quartet(VT *W, VT *V, int64_t p, int64_t q, int uv, int64_t a, int64_t b,
+                           VT *nv, T tol2) {
+    VT *x0 = W + 2 * a * p, *x1 = x0 + p, *x2 = W + 2 * b * p, *x3 = x2 + p;
+    VT g01 = {0}, g23 = g01, g02 = g01, g13 = g01, g03 = g01, g12 = g01;
+    for (int64_t i = 0; i < p; ++i) {  /* six independent accumulator chains */
+        VT a0 = x0[i], a1 = x1[i], a2 = x2[i], a3 = x3[i];
+        g01 += a0 * a1; g23 += a2 * a3; g02 += a0 * a2; g13 += a1 * a3; g03 += a0 * a3; g12 += a1 * a2;
+    }
+    VT *n0 = nv + 2 * a, *n1 = n0 + 1, *n2 = nv + 2 * b, *n3 = n2 + 1;
+    VT c[4], s[4], tg[4];
+    VI m0 = svdl_act(*n0, *n2, g02, tol2), m1 = svdl_act(*n1, *n3, g13, tol2);
+    svdl_angle(m0, *n0, *n2, g02, c, s, tg);
+    svdl_angle(m1, *n1, *n3, g13, c + 1, s + 1, tg + 1);
+    VT d0 = *n0 - tg[0], d2 = *n2 + tg[0], d1 = *n1 - tg[1], d3 = *n3 + tg[1];
+    /* <w0', w3'> and <w1', w2'> after w0' = c0 w0 - s0 w2, w2' = s0 w0 + c0 w2 (1, 3 likewise) */
+    VT f03 = c[0] * (c[1] * g03 + s[1] * g01) - s[0] * (c[1] * g23 + s[1] * g12);
+    VT f12 = c[1] * (c[0] * g12 + s[0] * g01) - s[1] * (c[0] * g23 + s[0] * g03);
+    VI m2 = svdl_act(d0, d3, f03, tol2), m3 = svdl_act(d1, d2, f12, tol2);
+    svdl_angle(m2, d0, d3, f03, c + 2, s + 2, tg + 2);
+    svdl_angle(m3, d1, d2, f12, c + 3, s + 3, tg + 3);
+    if (!lany(m0 | m1 | m2 | m3)) return 0;
+    *n0 = d0 - tg[2]; *n3 = d3 + tg[2]; *n1 = d1 - tg[3]; *n2 = d2 + tg[3];
+    qrot(x0, x1, x2, x3, p, c, s);
+    if (uv) {
+        VT *v0 = V + 2 * a * q, *v2 = V + 2 * b * q;
+        qrot(v0, v0 + q, v2, v2 + q, q, c, s);
+    }
+    return 1;
+}
+
+/* The Jacobi sweeps on the q vectors W (length p) of a lane group, rotating V (q x q) as well
+   when uv. Pair order 1 (bp null): the round-robin rounds of pairs[] (h a round), each by
+   svdl_round. Block order (bp: the m - 1 rounds of m / 2 block pairs of block_pairs, m = q / 2,
+   q a multiple of 4): the round of the pairs (2X, 2X + 1), then each block round's quartets by
+   svdl_quartet (two rounds per pass over their vectors: half the loads and stores of W).
+   Every sweep repeats the same rounds, so any run of as many consecutive rounds (a block round
+   counted as one) as a sweep holds tests each pair once: the sweeps stop as soon as such a run
+   rotated nothing (every pair below threshold in the final state), often inside the sweep after
+   the last rotation, not at the end of a whole check-only sweep. */
+TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int32_t *pairs,
+                           int64_t npairs, int64_t h, const int32_t *bp, VT *nv, VT *cs,
+                           int64_t *lp, int64_t *lq) {
+    const T tol2 = EPS * EPS * (T)p;
+    const int64_t m = q / 2, nrounds = bp ? m : (npairs + h - 1) / h;
     int64_t quiet = 0;  /* rounds in a row (across sweeps) that rotated no pair */
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
         for (int64_t j = 0; j < q; ++j) nv[j] = ldot(W + j * p, W + j * p, p);
+        if (bp) {
+            if (quiet >= nrounds) return;
+            for (int64_t x = 0; x < m; ++x) { lp[x] = 2 * x; lq[x] = 2 * x + 1; }
+            if (svdl_round(W, V, p, q, uv, lp, lq, m, nv, cs, tol2)) quiet = 0; else ++quiet;
+            for (int64_t k = 0; k < m - 1; ++k) {
+                if (quiet >= nrounds) return;
+                int any = 0;
+                for (int64_t i = 0; i < m / 2; ++i)
+                    any |= svdl_quartet(W, V, p, q, uv, bp[k * m + 2 * i], bp[k * m + 2 * i + 1], nv, tol2);
+                if (any) quiet = 0; else ++quiet;
+            }
+            if (quiet >= nrounds) return;
+            continue;
+        }
         for (int64_t base = 0; base < npairs; base += h) {
             if (quiet >= nrounds) return;
             int64_t np = 0;
@@ -138,41 +282,7 @@ TP_INLINE void svdl_sweeps(VT *W, VT *V, int64_t p, int64_t q, int uv, const int
                 if (pairs[2 * t] < 0) continue;
                 lp[np] = pairs[2 * t]; lq[np] = pairs[2 * t + 1]; ++np;
             }
-            int any = 0;
-            for (int64_t c0 = 0; c0 < np; c0 += SVDL_CHUNK) {
-                const int64_t c1 = TP_MIN(np, c0 + SVDL_CHUNK);
-                for (int64_t t = c0; t < c1; ++t)
-                    cs[3 * t + 2] = ldot(W + lp[t] * p, W + lq[t] * p, p);
-                int some = 0;
-                for (int64_t t = c0; t < c1; ++t) {
-                    VT al = nv[lp[t]], be = nv[lq[t]], g = cs[3 * t + 2];
-                    VI act = (al != zero) & (be != zero) & (g * g > tol2 * al * be);
-                    fl[t] = (char)lany(act);
-                    if (!fl[t]) continue;
-                    some = 1;
-                    VT gg = vsel(act, g, zero);
-                    VT d = be - al;
-                    VT sgn = vsel(d >= zero, one, -one);
-                    VT r = vsqrt(d * d + 4 * gg * gg);
-                    VT u = vabs(d) + r;
-                    VT y = one / vsqrt(vsel(act, 2 * r * u, one));
-                    cs[3 * t] = vsel(act, u * y, one);
-                    cs[3 * t + 1] = sgn * 2 * gg * y;
-                    cs[3 * t + 2] = sgn * 4 * gg * gg * r * y * y;
-                }
-                if (!some) continue;
-                any = 1;
-                for (int64_t t = c0; t < c1; ++t) {
-                    if (!fl[t]) continue;
-                    const int64_t j = lp[t], kk = lq[t];
-                    const VT c = cs[3 * t], s = cs[3 * t + 1];
-                    lrot(W + j * p, W + kk * p, p, c, s);
-                    if (uv) lrot(V + j * q, V + kk * q, q, c, s);
-                    nv[j] -= cs[3 * t + 2];
-                    nv[kk] += cs[3 * t + 2];
-                }
-            }
-            if (any) quiet = 0; else ++quiet;
+            if (svdl_round(W, V, p, q, uv, lp, lq, np, nv, cs, tol2)) quiet = 0; else ++quiet;
         }
         if (quiet >= nrounds) return;
     }
@@ -281,7 +391,8 @@ TP_INLINE int svdl_fast_v(VT *W, VT *V, const VT *X0, int64_t p, int64_t q, cons
 }
 
 TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int64_t n, int uv,
-                       int full, const int32_t *pairs, int64_t npairs, int64_t h, VT *W, VT *V,
+                       int full, const int32_t *pairs, int64_t npairs, int64_t h,
+                       const int32_t *bp, VT *W, VT *V,
                        VT *X0, VT *nv, VT *cs, int64_t *lp, int64_t *lq, T *Ws, T *Vs, T *nrm,
                        int64_t *perm, int64_t *lperm, T *Ub, T kappa_c) {
     const int trans = m < n;
@@ -304,13 +415,13 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
             if (!trans) W[j * p + i] = x * sc; else W[i * p + j] = x * sc;
         }
     if (uv) memcpy(X0, W, sizeof(VT) * p * q);
-    svdl_sweeps(W, V, p, q, 0, pairs, npairs, h, nv, cs, lp, lq);
+    svdl_sweeps(W, V, p, q, 0, pairs, npairs, h, bp, nv, cs, lp, lq);
     int fast = uv && svdl_fast_v(W, V, X0, p, q, nv, cs, Ws, lperm, kappa_c);
     if (uv && !fast) {
         memcpy(W, X0, sizeof(VT) * p * q);
         for (int64_t j = 0; j < q * q; ++j) V[j] = zero;
         for (int64_t j = 0; j < q; ++j) V[j * q + j] = one;
-        svdl_sweeps(W, V, p, q, 1, pairs, npairs, h, nv, cs, lp, lq);
+        svdl_sweeps(W, V, p, q, 1, pairs, npairs, h, bp, nv, cs, lp, lq);
     }
     const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
     for (int64_t l = 0; l < cnt; ++l) {
@@ -344,8 +455,12 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
         T *Vs = Ws + p * k, *nrm = Vs + k * k, *Ub = nrm + k;
         int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * ((3 + VLN) * k + 6));
         int64_t *lp = perm + k + 2, *lq = lp + k + 2, *lperm = lq + k + 2;
-        int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * (k + 2) * (k + 2));
-        int64_t np = make_pairs(pairs, k, (int)order);
+        int32_t *pairs = (int32_t *)malloc(sizeof(int32_t) * ((k + 2) * (k + 2) + 2 * k * k + 3 * k));
+        /* order 3 (k a multiple of 4): the block order, the blocks' tournament in bp */
+        const int blk = order == 3 && k % 4 == 0 && k >= 4;
+        int32_t *bp = blk ? pairs + (k + 2) * (k + 2) : NULL;
+        if (blk) block_pairs(bp, bp + k * k, bp + 2 * k * k, k / 2);
+        int64_t np = make_pairs(pairs, k, order ? 1 : 0);
         int64_t h = order ? (k + (k & 1)) / 2 : 1;
         if (order && ${reorder}) svdl_recency_order(pairs, np, h, k);
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
@@ -355,7 +470,7 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
             const T *src = a + b0 * m * n;
             T *so = S + b0 * k, *uo = U + b0 * usz, *vo = Vh + b0 * vsz;
             int st;
-#define SVDL(M, N) svdl_vec(src, so, uo, vo, cnt, M, N, (int)uv, (int)full, pairs, np, h, W, V, X0, nv, cs, lp, lq, Ws, Vs, nrm, perm, lperm, Ub, (T)kappa_c)
+#define SVDL(M, N) svdl_vec(src, so, uo, vo, cnt, M, N, (int)uv, (int)full, pairs, np, h, bp, W, V, X0, nv, cs, lp, lq, Ws, Vs, nrm, perm, lperm, Ub, (T)kappa_c)
             if (m == 16 && n == 16) st = SVDL(16, 16);
             else if (m == 32 && n == 32) st = SVDL(32, 32);
             else st = SVDL(m, n);
@@ -367,6 +482,12 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
 """
+
+
+def pair_order(k: int) -> int:
+    """The pair order ``tp_svd_lanes`` is called with for min(m, n) = ``k``: 3 (the block order)
+    from :data:`BLOCK_FROM` when ``k`` is a multiple of 4, else 1 (round-robin)."""
+    return 3 if k >= BLOCK_FROM and k % 4 == 0 else 1
 
 
 @functools.cache
@@ -386,10 +507,12 @@ def library(
     for the dtype on this ISA). ``reorder``: reorder the pairs within each round for cache reuse
     (``svdl_recency_order``; the results are the same bits either way).
     """
-    from torchport.linalg import kernels  # kernels imports this module for its routing
+    from torchport.linalg import eigh_block, kernels  # kernels imports this module for its routing
 
     cut = kernels._SOURCE.index(_HELPERS_END)
     helpers = kernels._SOURCE[:cut]
+    b0, b1 = (eigh_block._SOURCE.index(x) for x in _BLOCK_PAIRS_SPAN)
+    helpers += eigh_block._SOURCE[b0:b1]
     is64 = dtype == torch.float64
     vbytes = vbytes or lane_bytes(isa, WIDE_LANES[dtype])
     src = native.render(
