@@ -101,6 +101,12 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=30)
     p.add_argument("--calls", type=int, default=2, help="calls per sample (after a barrier)")
     p.add_argument("--timeout", type=float, default=170.0, help="seconds; workers are killed")
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "tcp"),
+        default=None,
+        help="torchport's transport (TORCHPORT_DIST_TRANSPORT for the workers; default: inherited)",
+    )
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="tp-cell-")
     env = {
@@ -108,6 +114,8 @@ def main() -> None:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
     }
+    if args.transport is not None:
+        env["TORCHPORT_DIST_TRANSPORT"] = args.transport
     cmd = [sys.executable, __file__, "--worker"]
     rest = [f"file://{tmp}/store", args.op, str(args.size), str(args.samples), str(args.calls)]
     procs = [
