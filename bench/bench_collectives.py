@@ -3,8 +3,9 @@
 For world sizes 2 and 4 (spawned processes on this host), times allreduce, broadcast,
 allgather (all_gather_into_tensor), reduce_scatter_tensor and all_to_all_single from 4 KB to
 64 MB on a gloo group and on the torchport group of the same processes, alternating sample by
-sample; reports median latency and algorithm bandwidth (size / time, size = the larger buffer)
-and the ratio. Then DDP training throughput of a small MLP on each backend (world 2).
+sample; a sample is the slowest rank's time (every rank times the same calls after a barrier).
+Reports median latency and algorithm bandwidth (size / time, size = the larger buffer) and the
+ratio. Then DDP training throughput of a small MLP on each backend (world 2).
 
 Run: ``torchport bench collectives [--quick]`` (or ``python bench/bench_collectives.py``).
 """
@@ -54,6 +55,18 @@ def _time(fn, k: int) -> float:
     return (time.perf_counter() - t0) / k
 
 
+def _slowest(seconds: float, group) -> float:
+    """The sample's time on the slowest rank (a MAX allreduce over gloo, outside the timing): a
+    collective is done when every rank is, and a broadcast root that returns once its data is
+    sent (gloo's) or once the last reader has it (ours) would otherwise be compared unlike."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
 def worker(
     rank: int, world: int, init: str, out: str, quick: bool, reps: int, ops: str, sizes: str
 ) -> None:
@@ -89,7 +102,7 @@ def worker(
             for _ in range(reps if size >= 16 * MB else max(reps, SMALL_SAMPLES)):
                 for name, fn in fns.items():
                     dist.barrier(group=groups["gloo"])
-                    samples[name].append(_time(fn, k))
+                    samples[name].append(_slowest(_time(fn, k), groups["gloo"]))
             rows.append(
                 {"op": op, "size": size, **{n: statistics.median(v) for n, v in samples.items()}}
             )
