@@ -1,10 +1,11 @@
 """One collectives cell, ``torchport`` vs gloo, many samples: the spread, not just a median.
 
-``bench_collectives.py --quick`` times each cell as the median of 3 samples of
-``2 MB / size`` calls (2 calls at 1 MB, 1 at 64 MB), each after a gloo barrier; on this shared
-VM a cell then swings 2x between runs. This script times one cell the same way (same
-processes, gloo barrier, then ``--calls`` calls, alternating backends sample by sample) for
-``--samples`` samples and prints p10 / median / p90 per backend on rank 0 and the ratio of the
+``bench_collectives.py`` times each cell as the median of its samples, each ``2 MB / size``
+calls (2 calls at 1 MB, 1 at 64 MB) after a gloo barrier, on the slowest rank (before the tenth
+session: 3 samples with ``--quick``, rank 0 only; a cell then swung 2x between runs on this
+shared VM). This script times one cell the same way (same processes, gloo barrier, then
+``--calls`` calls, alternating backends sample by sample) for ``--samples`` samples and prints
+p10 / median / p90 per backend on rank 0 (the root of a broadcast) and the ratio of the
 medians. ``--calls 1`` is the first call after the barrier (the rank skew counts);
 ``--calls 20`` is the steady per-call cost.
 
