@@ -24,28 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _fn(op: str, size: int, world: int, group):
-    import torch
-    import torch.distributed as dist
-
-    n = max(world, size // 4 // world * world)
-    if op == "allreduce":
-        t = torch.ones(n)
-        return lambda: dist.all_reduce(t, group=group)
-    if op == "broadcast":
-        t = torch.ones(n)
-        return lambda: dist.broadcast(t, src=0, group=group)
-    if op == "allgather":
-        out, inp = torch.empty(n), torch.ones(n // world)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
-    if op == "reduce_scatter":
-        out, inp = torch.empty(n // world), torch.ones(n)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
-    if op == "alltoall":
-        out, inp = torch.empty(n), torch.ones(n)
-        return lambda: dist.all_to_all_single(out, inp, group=group)
-    raise ValueError(f"unknown op {op!r}")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_collectives import OPS, _op_fn  # the grid's cells, timed the same way
 
 
 def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, calls: int) -> None:
@@ -60,7 +40,7 @@ def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, c
     torch.set_num_threads(1)
     dist.init_process_group("torchport", rank=rank, world_size=world, init_method=init)
     gloo = dist.new_group(backend="gloo")
-    fns = {"gloo": _fn(op, size, world, gloo), "torchport": _fn(op, size, world, None)}
+    fns = {"gloo": _op_fn(op, size, world, gloo), "torchport": _op_fn(op, size, world, None)}
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -96,7 +76,7 @@ def main() -> None:
         worker(int(a[0]), int(a[1]), a[2], a[3], int(a[4]), int(a[5]), int(a[6]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--op", default="broadcast")
+    p.add_argument("--op", default="broadcast", choices=OPS)
     p.add_argument("--size", type=int, default=1 << 20, help="bytes")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--samples", type=int, default=30)
