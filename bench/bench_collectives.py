@@ -184,6 +184,15 @@ def run_world(
         )
         for r in range(world)
     ]
+    codes = wait_all(procs, timeout)
+    if any(codes):
+        raise RuntimeError(f"benchmark workers failed: exit codes {codes}")
+    return json.loads(Path(out).read_text())
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every worker within ``timeout`` seconds in all; kill what is left (a hung
+    worker never outlives the benchmark). Returns the exit codes."""
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -193,9 +202,7 @@ def run_world(
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"benchmark workers failed: exit codes {[p.returncode for p in procs]}")
-    return json.loads(Path(out).read_text())
+    return [p.returncode for p in procs]
 
 
 def _fmt(size: int) -> str:

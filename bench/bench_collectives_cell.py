@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collectives import OPS, _op_fn  # the grid's cells, timed the same way
+from bench_collectives import OPS, _op_fn, wait_all  # the grid's cells, timed alike
 
 
 def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, calls: int) -> None:
@@ -102,17 +102,9 @@ def main() -> None:
     procs = [
         subprocess.Popen([*cmd, str(r), str(args.world), *rest], env=env) for r in range(args.world)
     ]
-    deadline = time.monotonic() + args.timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if any(proc.returncode for proc in procs):
-        raise SystemExit(f"workers failed: exit codes {[proc.returncode for proc in procs]}")
+    codes = wait_all(procs, args.timeout)
+    if any(codes):
+        raise SystemExit(f"workers failed: exit codes {codes}")
 
 
 if __name__ == "__main__":
