@@ -460,9 +460,10 @@ TP_EXPORT int tp_svd_lanes(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, 
         const int blk = order == 3 && k % 4 == 0 && k >= 4;
         int32_t *bp = blk ? pairs + (k + 2) * (k + 2) : NULL;
         if (blk) block_pairs(bp, bp + k * k, bp + 2 * k * k, k / 2);
-        int64_t np = make_pairs(pairs, k, order ? 1 : 0);
+        /* the round-robin (or cyclic) pairs: not read in the block order */
+        int64_t np = blk ? 0 : make_pairs(pairs, k, order ? 1 : 0);
         int64_t h = order ? (k + (k & 1)) / 2 : 1;
-        if (order && ${reorder}) svdl_recency_order(pairs, np, h, k);
+        if (!blk && order && ${reorder}) svdl_recency_order(pairs, np, h, k);
         int64_t chunk = TP_MAX(1, groups / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t gi = 0; gi < groups; ++gi) {
