@@ -29,7 +29,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
-from torchport.linalg import kernels, ops
+from torchport.linalg import kernels, one, ops
 from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
@@ -120,6 +120,16 @@ _lk_svd = _lapack_fast["svd"]
 _lk_eigh = _lapack_fast["eigh"]
 _lk_qr = _lapack_fast["qr"]
 _lk_chol = _lapack_fast["cholesky"]
+# Per public function, the same keys for a single small CPU matrix (batch of one) that "auto"
+# routed to the native kernels -> its one-matrix launcher (torchport.linalg.one), which returns
+# the public result. Each public function tests its table right after its LAPACK set; a hit
+# then runs only _native_ok and the launcher.
+_one: dict[str, dict[tuple[Any, ...], Callable[..., Any]]] = {
+    f: {} for f in ("svd", "svdvals", "eigh", "eigvalsh", "qr", "cholesky", "cholesky_ex")
+}
+_one_svd, _one_svdvals = _one["svd"], _one["svdvals"]
+_one_eigh, _one_eigvalsh = _one["eigh"], _one["eigvalsh"]
+_one_qr, _one_chol, _one_chol_ex = _one["qr"], _one["cholesky"], _one["cholesky_ex"]
 
 
 # (method, shape, dtype, upper) of CPU problems that method ("auto" or "jacobi") routed to the
@@ -220,6 +230,8 @@ def _drop_routes() -> None:
         keys.clear()
     _chol_native.clear()
     _qr_native.clear()
+    for table in _one.values():
+        table.clear()
 
 
 def _sync_routes() -> None:
@@ -294,6 +306,29 @@ def _route(
     return route
 
 
+def _one_learn(
+    fn: str, a: torch.Tensor, public: tuple[Any, ...], make: Callable[[], Callable[..., Any]]
+) -> Callable[..., Any] | None:
+    """The one-matrix launcher for ``a``, remembered under public function ``fn``'s key, if
+    ``a`` is a single matrix the launchers take, on a plain eager CPU call (nothing to record
+    for autograd, no tracing) outside any override of a routing setting; else None. For calls
+    that ``method="auto"`` routed to the native kernels."""
+    m, n = a.shape[-2:]
+    if not (
+        a.numel() == m * n
+        and one.fits(m, n)
+        and a.is_cpu
+        and native.eager_fast_path(a)
+        and _neutral_overrides()
+    ):
+        return None
+    table = _one[fn]
+    if len(table) >= 4096:  # bound the table for programs with ever-new shapes
+        table.clear()
+    run = table[(a.shape, a.dtype, *public)] = make()
+    return run
+
+
 def _time_pair(
     fa: Callable[[torch.Tensor], Any], fb: Callable[[torch.Tensor], Any], x: torch.Tensor
 ) -> tuple[float, float]:
@@ -305,7 +340,10 @@ def _time_pair(
 
 
 # What the tuner times, part of every choice's key: a change of the timed path re-tunes.
-TUNED_ON = "call batch, routed path (cholesky and qr: resolved launcher), confirmed interleaved"
+TUNED_ON = (
+    "call batch, routed path (cholesky and qr: resolved launcher; one matrix: one-matrix "
+    "launcher), confirmed interleaved"
+)
 
 
 def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
@@ -332,8 +370,10 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             return _anchor(op, extra)
         if k > NATIVE_MAX_N[op]:
             raise InvalidCandidate(f"min(m, n) = {k} > {NATIVE_MAX_N[op]}: LAPACK territory")
-        if bucket == 1:  # one matrix: measured slower in every cell (Python launch cost dominates)
-            raise InvalidCandidate("a single matrix: LAPACK territory")
+        if bucket == 1:  # one matrix: the one-matrix launcher, or LAPACK beyond its sizes
+            if not one.fits(m, n):
+                raise InvalidCandidate(f"a single {m} x {n} matrix: no one-matrix launcher")
+            return _one_fn(op, extra, m, n, dtype)
         return _native_fn(op, extra)
 
     choice = autotune.select(
@@ -357,7 +397,8 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     if choice.candidate.is_anchor:
         return False
     (x,) = make_args()
-    t_lapack, t_native = _time_pair(_anchor(op, extra), _native_fn(op, extra), x)
+    fn = _one_fn(op, extra, m, n, dtype) if bucket == 1 else _native_fn(op, extra)
+    t_lapack, t_native = _time_pair(_anchor(op, extra), fn, x)
     return autotune.beats_anchor(t_native, t_lapack)
 
 
@@ -393,6 +434,26 @@ def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]
     return lambda x: _cholesky_ex(x, extra[0], False, "native")
 
 
+def _one_fn(
+    op: str, extra: tuple[Any, ...], m: int, n: int, dtype: torch.dtype
+) -> Callable[[torch.Tensor], Any]:
+    """The one-matrix launcher a routed call of one m x n matrix runs, as ``_anchor``'s
+    outputs are laid out (tuned on a (1, m, n) input)."""
+    shape = torch.Size((1, m, n))
+    if op == "svd":
+        full, uv = extra
+        svd_run = one.svd_plan(shape, dtype, full, uv)
+        return svd_run if uv else (lambda x: (None, svd_run(x), None))
+    if op == "eigh":
+        upper, wantv = extra
+        eigh_run = one.eigh_plan(shape, dtype, upper, wantv)
+        return eigh_run if wantv else (lambda x: (eigh_run(x), None))
+    if op == "qr":
+        return one.qr_plan(shape, dtype, extra[0])
+    chol_run = one.cholesky_ex_plan(shape, dtype, extra[0], _raise_not_pd)
+    return lambda x: chol_run(x, False)
+
+
 _VALUES_AT = {"svd": 1, "eigh": 0, "qr": 1, "cholesky": 0}
 
 
@@ -422,17 +483,24 @@ def svd(
     Returns ``(U, S, Vh)`` with S descending; ``full_matrices`` picks (m×m, n×n) or reduced
     (m×k, k×n) factors, k = min(m, n). U and Vh stay orthonormal for rank-deficient input.
     """
-    if (
-        method == "auto"
-        and type(A) is torch.Tensor
-        and (A.shape, A.dtype, full_matrices, True) in _lk_svd
-        and _routes_gen[0] == _cfg_gen[0]
-    ):
-        return torch.linalg.svd(A, full_matrices)
+    if method == "auto" and type(A) is torch.Tensor:
+        key = (A.shape, A.dtype, full_matrices, True)
+        if key in _lk_svd and _routes_gen[0] == _cfg_gen[0]:
+            return torch.linalg.svd(A, full_matrices)
+        run = _one_svd.get(key)
+        if run is not None and _native_ok(A):
+            return run(A)
     a = _check("svd", A, square=False)
-    route = _route("svd", a, method, (bool(full_matrices), True))
+    full = bool(full_matrices)
+    route = _route("svd", a, method, (full, True))
     if route == "lapack":
         return torch.linalg.svd(a, full_matrices=full_matrices)
+    if route == "native" and method == "auto":
+        run = _one_learn(
+            "svd", a, (full_matrices, True), lambda: one.svd_plan(a.shape, a.dtype, full, True)
+        )
+        if run is not None:
+            return run(a)
     if route == "reference":
         u, s, vh = svd_reference(ops._flat(a), full_matrices)
         batch = a.shape[:-2]
@@ -444,20 +512,25 @@ def svd(
 
 def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
     """Singular values of ``A``, descending (``torch.linalg.svdvals``)."""
-    if (
-        method == "auto"
-        and type(A) is torch.Tensor
-        and (A.shape, A.dtype, False, False) in _lk_svd
-        and _routes_gen[0] == _cfg_gen[0]
-        and not A.requires_grad
-    ):
-        return torch.linalg.svdvals(A)
+    if method == "auto" and type(A) is torch.Tensor:
+        key = (A.shape, A.dtype, False, False)
+        if key in _lk_svd and _routes_gen[0] == _cfg_gen[0] and not A.requires_grad:
+            return torch.linalg.svdvals(A)
+        run = _one_svdvals.get(key)
+        if run is not None and _native_ok(A):
+            return run(A)
     a = _check("svdvals", A, square=False)
     if a.requires_grad and torch.is_grad_enabled():
         return svd(a, full_matrices=False, method=method)[1]
     route = _route("svd", a, method, (False, False))
     if route == "lapack":
         return torch.linalg.svdvals(a)
+    if route == "native" and method == "auto":
+        run = _one_learn(
+            "svdvals", a, (False, False), lambda: one.svd_plan(a.shape, a.dtype, False, False)
+        )
+        if run is not None:
+            return run(a)
     if route == "reference":
         s = svd_reference(ops._flat(a), False, compute_uv=False)[1]
         return s.reshape(a.shape[:-2] + s.shape[-1:])
@@ -477,18 +550,24 @@ def eigh(
 
     Returns ``(eigenvalues, eigenvectors)``, eigenvalues ascending, eigenvectors as columns.
     """
-    if (
-        method == "auto"
-        and type(A) is torch.Tensor
-        and (A.shape, A.dtype, UPLO, True) in _lk_eigh
-        and _routes_gen[0] == _cfg_gen[0]
-    ):
-        return torch.linalg.eigh(A, UPLO)
+    if method == "auto" and type(A) is torch.Tensor:
+        key = (A.shape, A.dtype, UPLO, True)
+        if key in _lk_eigh and _routes_gen[0] == _cfg_gen[0]:
+            return torch.linalg.eigh(A, UPLO)
+        run = _one_eigh.get(key)
+        if run is not None and _native_ok(A):
+            return run(A)
     a = _check("eigh", A, square=True)
     upper = _uplo("eigh", UPLO)
     route = _route("eigh", a, method, (upper, True), (UPLO, True))
     if route == "lapack":
         return torch.linalg.eigh(a, UPLO=UPLO)
+    if route == "native" and method == "auto":
+        run = _one_learn(
+            "eigh", a, (UPLO, True), lambda: one.eigh_plan(a.shape, a.dtype, upper, True)
+        )
+        if run is not None:
+            return run(a)
     if route == "reference":
         lam, q = eigh_reference(ops._flat(a), upper)
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
@@ -499,14 +578,13 @@ def eigh(
 
 def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.Tensor:
     """Eigenvalues of symmetric ``A``, ascending (``torch.linalg.eigvalsh``)."""
-    if (
-        method == "auto"
-        and type(A) is torch.Tensor
-        and (A.shape, A.dtype, UPLO, False) in _lk_eigh
-        and _routes_gen[0] == _cfg_gen[0]
-        and not A.requires_grad
-    ):
-        return torch.linalg.eigvalsh(A, UPLO)
+    if method == "auto" and type(A) is torch.Tensor:
+        key = (A.shape, A.dtype, UPLO, False)
+        if key in _lk_eigh and _routes_gen[0] == _cfg_gen[0] and not A.requires_grad:
+            return torch.linalg.eigvalsh(A, UPLO)
+        run = _one_eigvalsh.get(key)
+        if run is not None and _native_ok(A):
+            return run(A)
     a = _check("eigvalsh", A, square=True)
     upper = _uplo("eigvalsh", UPLO)
     if a.requires_grad and torch.is_grad_enabled():
@@ -514,6 +592,12 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
     route = _route("eigh", a, method, (upper, False), (UPLO, False))
     if route == "lapack":
         return torch.linalg.eigvalsh(a, UPLO=UPLO)
+    if route == "native" and method == "auto":
+        run = _one_learn(
+            "eigvalsh", a, (UPLO, False), lambda: one.eigh_plan(a.shape, a.dtype, upper, False)
+        )
+        if run is not None:
+            return run(a)
     if route == "reference":
         return eigh_reference(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
     return ops.eigh(a, upper, False)[0]
@@ -526,13 +610,13 @@ def qr(
 
     With ``mode='r'`` Q is an empty tensor, as in torch. R's diagonal follows LAPACK's signs.
     """
-    if (
-        method == "auto"
-        and type(A) is torch.Tensor
-        and (A.shape, A.dtype, mode) in _lk_qr
-        and _routes_gen[0] == _cfg_gen[0]
-    ):
-        return torch.linalg.qr(A, mode)
+    if method == "auto" and type(A) is torch.Tensor:
+        key = (A.shape, A.dtype, mode)
+        if key in _lk_qr and _routes_gen[0] == _cfg_gen[0]:
+            return torch.linalg.qr(A, mode)
+        run = _one_qr.get(key)
+        if run is not None and _native_ok(A):
+            return run(A)
     if type(A) is torch.Tensor:  # a problem already routed to the native kernel: its launcher
         run = _qr_native.get((method, A.shape, A.dtype, mode))
         if run is not None and _native_ok(A):
@@ -543,6 +627,10 @@ def qr(
     route = _route("qr", a, method, (mode,))
     if route == "lapack":
         return torch.linalg.qr(a, mode=mode)
+    if route == "native" and method == "auto":
+        run = _one_learn("qr", a, (mode,), lambda: one.qr_plan(a.shape, a.dtype, mode))
+        if run is not None:
+            return run(a)
     if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
         if len(_qr_native) >= 4096:  # bound the table for programs with ever-new shapes
             _qr_native.clear()
@@ -568,20 +656,31 @@ def cholesky_ex(
     not positive-definite; the factor of such a matrix is zero. ``check_errors=True`` raises
     like :func:`cholesky` instead.
     """
-    if method == "auto" and (
-        type(A) is torch.Tensor
-        and (A.shape, A.dtype, upper) in _lk_chol
-        and _routes_gen[0] == _cfg_gen[0]
-    ):
-        return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+    if method == "auto" and type(A) is torch.Tensor:
+        key = (A.shape, A.dtype, upper)
+        if key in _lk_chol and _routes_gen[0] == _cfg_gen[0]:
+            return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+        run = _one_chol_ex.get(key)
+        if run is not None and _native_ok(A):
+            return run(A, check_errors)
     got = _chol_routed_native(A, bool(upper), method)
     if got is not None:
         if check_errors and got[2]:
             _raise_not_pd("cholesky_ex", A, got[1])
         return _rt.linalg_cholesky_ex(got[:2])
     a = _check("cholesky_ex", A, square=True)
-    route = _route("cholesky", a, method, (bool(upper),))
-    _learn_native(a, bool(upper), method, route)
+    up = bool(upper)
+    route = _route("cholesky", a, method, (up,))
+    if route == "native" and method == "auto":
+        run = _one_learn(
+            "cholesky_ex",
+            a,
+            (upper,),
+            lambda: one.cholesky_ex_plan(a.shape, a.dtype, up, _raise_not_pd),
+        )
+        if run is not None:
+            return run(a, check_errors)
+    _learn_native(a, up, method, route)
     return _cholesky_ex(a, upper, check_errors, route)
 
 
@@ -670,27 +769,35 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
-    if method == "auto" and (
-        type(A) is torch.Tensor
-        and (A.shape, A.dtype, upper) in _lk_chol
-        and _routes_gen[0] == _cfg_gen[0]
-    ):
-        if not A.is_cpu:
-            return torch.linalg.cholesky(A, upper=upper)
-        # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1 vs
-        # 10.4 us for cholesky_ex, interleaved medians); reading info's bytes costs ~2.3 us
-        fac, info = torch.linalg.cholesky_ex(A, upper=upper)
-        if _string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"):
-            _raise_not_pd("cholesky", A, info)
-        return fac
+    if method == "auto" and type(A) is torch.Tensor:
+        key = (A.shape, A.dtype, upper)
+        if key in _lk_chol and _routes_gen[0] == _cfg_gen[0]:
+            if not A.is_cpu:
+                return torch.linalg.cholesky(A, upper=upper)
+            # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1
+            # vs 10.4 us for cholesky_ex, interleaved medians); reading info's bytes ~2.3 us
+            fac, info = torch.linalg.cholesky_ex(A, upper=upper)
+            if _string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"):
+                _raise_not_pd("cholesky", A, info)
+            return fac
+        run = _one_chol.get(key)
+        if run is not None and _native_ok(A):
+            return run(A)
     got = _chol_routed_native(A, bool(upper), method)
     if got is not None:
         if got[2]:
             _raise_not_pd("cholesky", A, got[1])
         return got[0]
     a = _check("cholesky", A, square=True)
-    route = _route("cholesky", a, method, (bool(upper),))
-    _learn_native(a, bool(upper), method, route)
+    up = bool(upper)
+    route = _route("cholesky", a, method, (up,))
+    if route == "native" and method == "auto":
+        run = _one_learn(
+            "cholesky", a, (upper,), lambda: one.cholesky_plan(a.shape, a.dtype, up, _raise_not_pd)
+        )
+        if run is not None:
+            return run(a)
+    _learn_native(a, up, method, route)
     if route == "lapack":
         return torch.linalg.cholesky(a, upper=upper)  # no info round trip on the LAPACK path
     return _cholesky_ex(a, upper, True, route, op="cholesky")[0]

@@ -1319,6 +1319,78 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
     }
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
+
+/* ---------------------------------------------------------------- one matrix (B = 1)
+   The workers above on a single matrix of order <= ONE_MAX_N, with no thread team and the scratch
+   on the stack: for one small matrix the batched entry points' parallel region and scratch
+   mallocs cost more than the factorisation. ``code`` packs m | n << 8 | flag i << (16 + i) into
+   one argument (each int64 argument adds ~0.15 us to a ctypes call on the Zen 3). Each returns
+   what its batched entry point returns for B = 1 (tp_chol1: the order of the failing leading
+   minor, which it also stores to *info when info is not NULL); -1 for sizes out of range. */
+#define ONE_MAX_N 32
+#define ONE_M(c) ((c) & 255)
+#define ONE_N(c) (((c) >> 8) & 255)
+#define ONE_F(c, i) ((int)(((c) >> (16 + (i))) & 1))
+
+TP_EXPORT int tp_svd1(const T *a, T *S, T *U, T *Vh, int64_t code) {
+    const int64_t m = ONE_M(code), n = ONE_N(code), p = TP_MAX(m, n), k = TP_MIN(m, n);
+    const int uv = ONE_F(code, 0), full = ONE_F(code, 1), order = ONE_F(code, 2);
+    if (k < 1 || p > ONE_MAX_N) return -1;
+    T W[p * k + p * p + k * k + 4 * k + 16];
+    int64_t perm[k + 1];
+    int32_t pairs[(k + 2) * (k + 2)];
+    svd_scratch sc;
+    sc.W = W; sc.Ub = W + p * k; sc.V = sc.Ub + p * p; sc.nrm = sc.V + k * k; sc.cs = sc.nrm + k;
+    sc.perm = perm; sc.pairs = pairs;
+    sc.npairs = make_pairs(pairs, k, order);
+    sc.round = order ? (k + (k & 1)) / 2 : 0;
+    if (m == 2 && n == 2) return svd_one(a, S, U, Vh, 2, 2, uv, full, &sc);
+    if (m == 3 && n == 3) return svd_one(a, S, U, Vh, 3, 3, uv, full, &sc);
+    if (m == 4 && n == 4) return svd_one(a, S, U, Vh, 4, 4, uv, full, &sc);
+    return svd_one(a, S, U, Vh, m, n, uv, full, &sc);
+}
+
+TP_EXPORT int tp_eigh1(const T *a, T *L, T *Q, int64_t code) {
+    const int64_t n = ONE_N(code);
+    const int upper = ONE_F(code, 0), wantv = ONE_F(code, 1), order = ONE_F(code, 2);
+    if (n < 1 || n > ONE_MAX_N) return -1;
+    T A[2 * n * n + 5 * n + 16];
+    T *V = A + n * n, *d = V + n * n, *cs = d + n;
+    int64_t perm[3 * n + 6];
+    int64_t *lp = perm + n + 2, *lq = lp + n + 2;
+    int32_t pairs[(n + 2) * (n + 2)];
+    const int64_t np = make_pairs(pairs, n, order), round = order ? (n + (n & 1)) / 2 : 0;
+    if (n == 2) return eigh_one(a, L, Q, 2, upper, wantv, A, V, d, perm, pairs, np, round, cs, lp, lq);
+    if (n == 3) return eigh_one(a, L, Q, 3, upper, wantv, A, V, d, perm, pairs, np, round, cs, lp, lq);
+    if (n == 4) return eigh_one(a, L, Q, 4, upper, wantv, A, V, d, perm, pairs, np, round, cs, lp, lq);
+    return eigh_one(a, L, Q, n, upper, wantv, A, V, d, perm, pairs, np, round, cs, lp, lq);
+}
+
+TP_EXPORT int tp_qr1(const T *a, T *Q, T *R, int64_t code) {
+    const int64_t m = ONE_M(code), n = ONE_N(code), k = TP_MIN(m, n);
+    const int wantq = ONE_F(code, 0), complete = ONE_F(code, 1);
+    if (k < 1 || TP_MAX(m, n) > ONE_MAX_N) return -1;
+    T C[m * n + m * m + k + 8];
+    if (m == 2 && n == 2) qr_one(a, Q, R, 2, 2, wantq, complete, C, C + 4, C + 8);
+    else if (m == 3 && n == 3) qr_one(a, Q, R, 3, 3, wantq, complete, C, C + 9, C + 18);
+    else if (m == 4 && n == 4) qr_one(a, Q, R, 4, 4, wantq, complete, C, C + 16, C + 32);
+    else qr_one(a, Q, R, m, n, wantq, complete, C, C + m * n, C + m * n + m * m);
+    return 0;
+}
+
+TP_EXPORT int tp_chol1(const T *a, T *out, int32_t *info, int64_t code) {
+    const int64_t n = ONE_N(code);
+    const int upper = ONE_F(code, 0);
+    if (n < 1 || n > ONE_MAX_N) return -1;
+    T Lw[n * n + 8];
+    int32_t st;
+    if (n == 2) st = chol_one(a, out, 2, upper, Lw);
+    else if (n == 3) st = chol_one(a, out, 3, upper, Lw);
+    else if (n == 4) st = chol_one(a, out, 4, upper, Lw);
+    else st = chol_one(a, out, n, upper, Lw);
+    if (info) *info = st;
+    return st;
+}
 """
 
 
@@ -1413,6 +1485,13 @@ def library(
             "tp_cholesky",
             [t("A", d), t("L", d), t("info", (torch.int32,))]
             + [i(x) for x in ("B", "n", "upper", "nthreads")],
+        ),
+        # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
+        "svd1": Kernel(lib, "tp_svd1", [t("A", d), t("S", d), t("U", d), t("Vh", d), i("code")]),
+        "eigh1": Kernel(lib, "tp_eigh1", [t("A", d), t("L", d), t("Q", d), i("code")]),
+        "qr1": Kernel(lib, "tp_qr1", [t("A", d), t("Q", d), t("R", d), i("code")]),
+        "chol1": Kernel(
+            lib, "tp_chol1", [t("A", d), t("L", d), t("info", (torch.int32,)), i("code")]
         ),
     }
     return ks

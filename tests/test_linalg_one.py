@@ -1,0 +1,235 @@
+"""The one-matrix launchers (torchport.linalg.one) and the method="auto" route to them: the same
+results as the batched kernels (to a few ulps: the same workers, compiled at another inlining site)
+and torch.linalg (to rounding), the same errors, and
+the route table dropped or bypassed when it must be. Deterministic: routes are seeded directly,
+nothing is timed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import torchport.linalg as tl
+from torchport import config
+from torchport.linalg import kernels, one
+
+DTYPES = [torch.float32, torch.float64]
+SHAPES = [(1, 2, 2), (3, 3), (1, 4, 4), (1, 1, 5, 5), (8, 8), (1, 16, 16), (32, 32)]
+RECT = [(1, 3, 5), (5, 3), (1, 7, 2), (32, 1)]
+
+
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+def _spd(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    x = _rand(shape, torch.float64)
+    n = shape[-1]
+    return (x @ x.mT + n * torch.eye(n, dtype=torch.float64)).to(dtype)
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-4 if dtype == torch.float32 else 1e-10
+
+
+def _same(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal to a few ulps of the largest entry (the batched kernel's result ``ref``)."""
+    got = got.reshape(ref.shape)
+    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    err = float((got - ref).abs().max()) if ref.numel() else 0.0
+    assert err <= 64 * torch.finfo(ref.dtype).eps * scale, err
+
+
+def _flat(a: torch.Tensor) -> torch.Tensor:
+    return a.reshape(1, *a.shape[-2:]).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + RECT, ids=str)
+@pytest.mark.parametrize("full", [False, True])
+def test_svd_matches_batched_kernel_and_torch(
+    shape: tuple[int, ...], dtype: torch.dtype, full: bool
+) -> None:
+    a = _rand(shape, dtype)
+    got = one.svd_plan(a.shape, dtype, full, True)(a)
+    assert type(got) is type(torch.linalg.svd(a))
+    u, s, vh, bad = kernels.svd(_flat(a), full, True, lanes=False)
+    assert bad == 0
+    _same(got.S, s)
+    _same(got.U, u)
+    _same(got.Vh, vh)
+    ref = torch.linalg.svd(a, full_matrices=full)
+    assert got.U.shape == ref.U.shape and got.Vh.shape == ref.Vh.shape
+    torch.testing.assert_close(got.S, ref.S, atol=_tol(dtype), rtol=_tol(dtype))
+    vals = one.svd_plan(a.shape, dtype, False, False)(a)
+    assert torch.equal(vals, got.S)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("upper", [False, True])
+def test_eigh_matches_batched_kernel_and_torch(
+    shape: tuple[int, ...], dtype: torch.dtype, upper: bool
+) -> None:
+    a = _rand(shape, dtype)  # not symmetric: only the UPLO triangle may be read
+    got = one.eigh_plan(a.shape, dtype, upper, True)(a)
+    assert type(got) is type(torch.linalg.eigh(a))
+    lam, q, bad = kernels.eigh(_flat(a), upper, True, lanes=False)
+    assert bad == 0
+    _same(got.eigenvalues, lam)
+    _same(got.eigenvectors, q)
+    ref = torch.linalg.eigvalsh(a, UPLO="U" if upper else "L")
+    torch.testing.assert_close(got.eigenvalues, ref, atol=10 * _tol(dtype), rtol=_tol(dtype))
+    assert torch.equal(one.eigh_plan(a.shape, dtype, upper, False)(a), got.eigenvalues)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + RECT, ids=str)
+@pytest.mark.parametrize("mode", ["reduced", "complete", "r"])
+def test_qr_matches_batched_kernel_and_torch(
+    shape: tuple[int, ...], dtype: torch.dtype, mode: str
+) -> None:
+    a = _rand(shape, dtype)
+    got = one.qr_plan(a.shape, dtype, mode)(a)
+    assert type(got) is type(torch.linalg.qr(a))
+    q, r = kernels.qr(_flat(a), mode, lanes=False)
+    _same(got.R, r)
+    ref = torch.linalg.qr(a, mode=mode)
+    assert got.Q.shape == ref.Q.shape and got.R.shape == ref.R.shape
+    if mode != "r":
+        _same(got.Q, q)
+    tol = 10 * _tol(dtype)
+    torch.testing.assert_close(got.R, ref.R, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky_matches_batched_kernel_and_torch(
+    shape: tuple[int, ...], dtype: torch.dtype, upper: bool
+) -> None:
+    a = _spd(shape, dtype)
+    fac = one.cholesky_plan(a.shape, dtype, upper, tl._raise_not_pd)(a)
+    ref_fac, _, bad = kernels.cholesky(_flat(a), upper, lanes=False, blocked=False)
+    assert bad == 0
+    _same(fac, ref_fac)
+    torch.testing.assert_close(fac, torch.linalg.cholesky(a, upper=upper))
+    ex = one.cholesky_ex_plan(a.shape, dtype, upper, tl._raise_not_pd)(a, True)
+    assert type(ex) is type(torch.linalg.cholesky_ex(a))
+    assert torch.equal(ex.L, fac)
+    assert ex.info.shape == shape[:-2] and ex.info.dtype == torch.int32 and not ex.info.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_input(dtype: torch.dtype) -> None:
+    a = _rand((1, 6, 6), dtype)
+    t = a.mT  # not contiguous: the launcher copies it first
+    assert torch.equal(
+        one.qr_plan(t.shape, dtype, "reduced")(t).R,
+        one.qr_plan(t.shape, dtype, "reduced")(t.contiguous()).R,
+    )
+    s = one.svd_plan(t.shape, dtype, False, False)
+    assert torch.equal(s(t), s(t.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 3), (4, 4)], ids=str)
+def test_errors_match_the_op_layer(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    where = r"\(Batch element 0\): " if len(shape) > 2 else ""
+    a = _rand(shape, dtype)
+    a[..., 1, 0] = float("nan")
+    for plan, op in (
+        (one.svd_plan(a.shape, dtype, False, True), "svd"),
+        (one.svd_plan(a.shape, dtype, False, False), "svd"),
+        (one.eigh_plan(a.shape, dtype, False, True), "eigh"),
+        (one.eigh_plan(a.shape, dtype, False, False), "eigh"),
+    ):
+        with pytest.raises(torch.linalg.LinAlgError, match=rf"linalg\.{op}: {where}The alg"):
+            plan(a)
+    n = shape[-1]
+    bad = _spd(shape, dtype)
+    bad[..., n - 1, n - 1] = -100.0
+    chol = one.cholesky_plan(bad.shape, dtype, False, tl._raise_not_pd)
+    with pytest.raises(torch.linalg.LinAlgError, match=rf"cholesky: {where}.*order {n} is not"):
+        chol(bad)
+    ex = one.cholesky_ex_plan(bad.shape, dtype, False, tl._raise_not_pd)
+    fac, info = ex(bad, False)
+    assert info.reshape(-1).tolist() == [n] and not fac.any()
+    with pytest.raises(torch.linalg.LinAlgError, match=rf"cholesky_ex: {where}.*order {n} is"):
+        ex(bad, True)
+
+
+def test_sizes_beyond_the_launchers_are_refused() -> None:
+    assert one.fits(32, 32) and one.fits(1, 32) and not one.fits(33, 4) and not one.fits(0, 3)
+    with pytest.raises(AssertionError):
+        one.svd_plan(torch.Size((2, 3, 3)), torch.float64, False, True)  # two matrices
+    with pytest.raises(AssertionError):
+        one.eigh_plan(torch.Size((33, 33)), torch.float64, False, True)
+    # the C guard: an order past ONE_MAX_N is refused without touching memory
+    call = kernels.library(torch.float64, kernels.native.cpu_info().isa)["eigh1"].raw_call
+    assert call(0, 0, 0, one._code(0, 33, False, True)) == -1
+
+
+def _seed_one(fn: str, a: torch.Tensor, public: tuple[Any, ...], run: Any) -> None:
+    tl._sync_routes()
+    tl._one[fn][(a.shape, a.dtype, *public)] = run
+
+
+def test_auto_route_runs_the_launcher_and_keeps_autograd() -> None:
+    tl._drop_routes()
+    a = _spd((1, 4, 4), torch.float64)
+    calls: list[int] = []
+    plan = one.eigh_plan(a.shape, a.dtype, False, True)
+
+    def counted(x: torch.Tensor) -> Any:
+        calls.append(1)
+        return plan(x)
+
+    _seed_one("eigh", a, ("L", True), counted)
+    got = tl.eigh(a)
+    assert calls == [1] and type(got) is type(torch.linalg.eigh(a))
+    torch.testing.assert_close(got.eigenvalues, torch.linalg.eigvalsh(a))
+    assert len(tl.eigh(a, UPLO="U").eigenvalues) == 1 and calls == [1]  # another key
+    x = a.clone().requires_grad_()  # autograd to record: the general path
+    tl.eigh(x).eigenvalues.sum().backward()
+    assert calls == [1] and x.grad is not None and torch.isfinite(x.grad).all()
+    with pytest.raises(tl.LinalgInputError):
+        tl.eigh(a, UPLO="X")
+    config.set("autotune_noise", config.get("autotune_noise"))  # a setting assignment
+    try:
+        tl.eigh(a)
+        assert calls == [1]  # stale: the general path dropped it (and routed afresh)
+        assert counted not in tl._one["eigh"].values()
+    finally:
+        config.set("autotune_noise", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_auto_learns_launchers_for_native_routes(dtype: torch.dtype) -> None:
+    """A call that "auto" routes native at B = 1 learns the launcher; repeats return equal
+    results through it (routes forced by seeding the per-call route cache)."""
+    tl._drop_routes()
+    a, s = _rand((1, 5, 5), dtype), _spd((1, 5, 5), dtype)
+    cases = (
+        ("svd", "svd", a, (False, True), lambda: tl.svd(a, full_matrices=False)),
+        ("svdvals", "svd", a, (False, False), lambda: tl.svdvals(a)),
+        ("eigh", "eigh", s, (False, True), lambda: tl.eigh(s)),
+        ("eigvalsh", "eigh", s, (False, False), lambda: tl.eigvalsh(s)),
+        ("qr", "qr", a, ("reduced",), lambda: tl.qr(a)),
+        ("cholesky", "cholesky", s, (False,), lambda: tl.cholesky(s)),
+        ("cholesky_ex", "cholesky", s, (False,), lambda: tl.cholesky_ex(s)),
+    )
+    for fn, op, x, extra, call in cases:
+        tl._sync_routes()
+        tl._fast[(op, x.shape, x.dtype, x.device, extra)] = "native"
+        first = call()
+        assert len(tl._one[fn]) == 1, fn
+        again = call()
+        for f, g in zip(
+            first if isinstance(first, tuple) else (first,),
+            again if isinstance(again, tuple) else (again,),
+            strict=True,
+        ):
+            assert torch.equal(f, g), fn

@@ -1,0 +1,199 @@
+"""One-matrix launchers: the native SVD, eigh, QR and Cholesky workers on a single small matrix.
+
+For a batch of one, a ``torch.linalg`` call on the Zen 3 VM costs 7-50 us at n = 2…16, most of it
+outside LAPACK, and the native workers need about a microsecond there. What decides is the cost
+around them, so a launcher is resolved once per (shape, dtype, options) and per call only
+allocates its outputs (``torch.empty_like`` of templates it keeps: 1.3-2.3 us each against 4-5 us
+for ``torch.empty(shape, dtype=...)``), takes the data pointers and calls a one-matrix entry point
+of :mod:`~torchport.linalg.kernels` (``tp_svd1``, ``tp_eigh1``, ``tp_qr1``, ``tp_chol1``): no
+thread team, scratch on the stack, sizes and flags packed in one argument (a ctypes call costs
+~0.4 us plus ~0.15 us per int64 argument, ~0.07 us per pointer).
+
+The entry points run the batched kernels' per-matrix workers, so results equal the batched
+kernels' (one matrix per thread) bit for bit; the plain-torch references of the algorithms are
+those of :mod:`torchport.linalg.reference`. A launcher returns what the public function returns
+(torch's named tuples, or the lone tensor of ``svdvals``, ``eigvalsh`` and ``cholesky``) and
+fails as the op layer does: ``torch.linalg.LinAlgError`` for non-finite input (svd, eigh) and,
+through the ``fail`` callback, for a leading minor that is not positive-definite (cholesky).
+It assumes a plain eager CPU tensor of the planned shape and dtype, with nothing for autograd
+to record; the caller checks that (``torchport.linalg._native_ok``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchport import native
+from torchport.linalg import kernels
+
+# The C side's ONE_MAX_N: the largest max(m, n) the entry points take.
+ONE_MAX_N = 32
+
+_rt: Any = torch.return_types
+
+
+def fits(m: int, n: int) -> bool:
+    """Whether an m × n matrix is one the launchers take."""
+    return min(m, n) >= 1 and max(m, n) <= ONE_MAX_N
+
+
+def _code(m: int, n: int, *flags: bool) -> int:
+    """The entry points' packed argument: m | n << 8 | flag i << (16 + i)."""
+    code = m | n << 8
+    for i, f in enumerate(flags):
+        code |= int(f) << (16 + i)
+    return code
+
+
+def _call(dtype: torch.dtype, name: str) -> Callable[..., int]:
+    return kernels.library(dtype, native.cpu_info().isa)[name].raw_call
+
+
+def _check_plan(shape: torch.Size) -> tuple[int, int]:
+    m, n = shape[-2:]
+    assert len(shape) >= 2 and math.prod(shape[:-2]) == 1 and fits(m, n), shape
+    return m, n
+
+
+def _not_finite(op: str, a: torch.Tensor) -> None:
+    where = "(Batch element 0): " if a.dim() > 2 else ""
+    raise torch.linalg.LinAlgError(
+        f"torchport.linalg.{op}: {where}The algorithm failed to converge because the input "
+        "matrix contained non-finite values."
+    )
+
+
+def svd_plan(
+    shape: torch.Size, dtype: torch.dtype, full_matrices: bool, compute_uv: bool
+) -> Callable[[torch.Tensor], Any]:
+    """``svd`` (``linalg_svd`` named tuple) or, without ``compute_uv``, ``svdvals`` (S)."""
+    m, n = _check_plan(shape)
+    k, batch = min(m, n), shape[:-2]
+    call = _call(dtype, "svd1")
+    # the batched kernel's order for one matrix per thread (kernels.svd)
+    code = _code(m, n, compute_uv, full_matrices, k >= kernels.SVD_ROUND_ROBIN_FROM)
+    s_like = torch.empty((*batch, k), dtype=dtype)
+    if not compute_uv:
+
+        def vals(a: torch.Tensor) -> torch.Tensor:
+            if not a.is_contiguous():
+                a = a.contiguous()
+            s = torch.empty_like(s_like)
+            if call(a.data_ptr(), s.data_ptr(), None, None, code):
+                _not_finite("svd", a)
+            return s
+
+        return vals
+    u_like = torch.empty((*batch, m, m if full_matrices else k), dtype=dtype)
+    vh_like = torch.empty((*batch, n if full_matrices else k, n), dtype=dtype)
+
+    def run(a: torch.Tensor) -> Any:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        u, s, vh = torch.empty_like(u_like), torch.empty_like(s_like), torch.empty_like(vh_like)
+        if call(a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), code):
+            _not_finite("svd", a)
+        return _rt.linalg_svd((u, s, vh))
+
+    return run
+
+
+def eigh_plan(
+    shape: torch.Size, dtype: torch.dtype, upper: bool, compute_v: bool
+) -> Callable[[torch.Tensor], Any]:
+    """``eigh`` (``linalg_eigh`` named tuple) or, without ``compute_v``, ``eigvalsh`` (L)."""
+    _, n = _check_plan(shape)
+    call = _call(dtype, "eigh1")
+    code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER))
+    lam_like = torch.empty(shape[:-1], dtype=dtype)
+    if not compute_v:
+
+        def vals(a: torch.Tensor) -> torch.Tensor:
+            if not a.is_contiguous():
+                a = a.contiguous()
+            lam = torch.empty_like(lam_like)
+            if call(a.data_ptr(), lam.data_ptr(), None, code):
+                _not_finite("eigh", a)
+            return lam
+
+        return vals
+    q_like = torch.empty(shape, dtype=dtype)
+
+    def run(a: torch.Tensor) -> Any:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        lam, q = torch.empty_like(lam_like), torch.empty_like(q_like)
+        if call(a.data_ptr(), lam.data_ptr(), q.data_ptr(), code):
+            _not_finite("eigh", a)
+        return _rt.linalg_eigh((lam, q))
+
+    return run
+
+
+def qr_plan(shape: torch.Size, dtype: torch.dtype, mode: str) -> Callable[[torch.Tensor], Any]:
+    """``qr`` in ``mode`` reduced, complete or r (``linalg_qr`` named tuple; Q empty for r)."""
+    m, n = _check_plan(shape)
+    k, batch = min(m, n), shape[:-2]
+    complete, wantq = mode == "complete", mode != "r"
+    call = _call(dtype, "qr1")
+    code = _code(m, n, wantq, complete)
+    r_like = torch.empty((*batch, m if complete else k, n), dtype=dtype)
+    q_like = torch.empty((*batch, m, m if complete else k) if wantq else (0,), dtype=dtype)
+
+    def run(a: torch.Tensor) -> Any:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        q, r = torch.empty_like(q_like), torch.empty_like(r_like)
+        call(a.data_ptr(), q.data_ptr(), r.data_ptr(), code)
+        return _rt.linalg_qr((q, r))
+
+    return run
+
+
+# fail(op, A, info): raise for a factorization that stopped (info: int32, A's batch shape)
+Fail = Callable[[str, torch.Tensor, torch.Tensor], None]
+
+
+def cholesky_plan(
+    shape: torch.Size, dtype: torch.dtype, upper: bool, fail: Fail
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``cholesky``: the factor, or ``fail("cholesky", A, info)`` when it stopped."""
+    _, n = _check_plan(shape)
+    call = _call(dtype, "chol1")
+    code = _code(0, n, upper)
+
+    def run(a: torch.Tensor) -> torch.Tensor:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        out = torch.empty_like(a)
+        minor = call(a.data_ptr(), out.data_ptr(), None, code)
+        if minor:
+            fail("cholesky", a, torch.full(shape[:-2], minor, dtype=torch.int32))
+        return out
+
+    return run
+
+
+def cholesky_ex_plan(
+    shape: torch.Size, dtype: torch.dtype, upper: bool, fail: Fail
+) -> Callable[[torch.Tensor, bool], Any]:
+    """``cholesky_ex(A, check_errors)``: (factor, info) as ``linalg_cholesky_ex``, or
+    ``fail("cholesky_ex", A, info)`` when it stopped and ``check_errors``."""
+    _, n = _check_plan(shape)
+    call = _call(dtype, "chol1")
+    code = _code(0, n, upper)
+    info_like = torch.empty(shape[:-2], dtype=torch.int32)
+
+    def run(a: torch.Tensor, check_errors: bool) -> Any:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        out, info = torch.empty_like(a), torch.empty_like(info_like)
+        if call(a.data_ptr(), out.data_ptr(), info.data_ptr(), code) and check_errors:
+            fail("cholesky_ex", a, info)
+        return _rt.linalg_cholesky_ex((out, info))
+
+    return run
