@@ -233,3 +233,9 @@ def test_auto_learns_launchers_for_native_routes(dtype: torch.dtype) -> None:
             strict=True,
         ):
             assert torch.equal(f, g), fn
+
+
+def test_one_matrix_candidates() -> None:
+    assert tl._one_candidate("eigh", 12, 12) and not tl._one_candidate("eigh", 16, 16)
+    assert tl._one_candidate("svd", 32, 32) and tl._one_candidate("qr", 32, 5)
+    assert not tl._one_candidate("svd", 33, 33) and not tl._one_candidate("cholesky", 0, 0)

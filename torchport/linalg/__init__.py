@@ -62,6 +62,18 @@ QR_MODES = ("reduced", "complete", "r")
 # The blocked Cholesky still beat torch.linalg at n = 384 / 512 (2.4-5x, B = 2-4, alternated
 # minima of 7), so Cholesky stays a candidate up to 1024 and the tuner decides.
 NATIVE_MAX_N = {"svd": 96, "eigh": 96, "qr": 256, "cholesky": 1024}
+# For a single matrix the one-matrix launcher (torchport.linalg.one) is a candidate up to
+# one.ONE_MAX_N, for eigh only up to 12. Launcher speed over torch.linalg.eigh on the Zen 3,
+# benchmarks.compare medians, three runs each, shapes (1, n, n) and (n, n), load 2.6: n = 12
+# 1.16-1.26x (f32) 0.96-0.98x (f64); n = 16 0.78-0.83x / 0.66-0.67x; n = 20 0.61-0.64x /
+# 0.58-0.59x; n = 24 0.52-0.79x / 0.47-0.49x. A tuned route that flips on a noisy run there
+# would cost more than LAPACK's route check.
+ONE_MATRIX_MAX_N = {"eigh": 12}
+
+
+def _one_candidate(op: str, m: int, n: int) -> bool:
+    """Whether the one-matrix launcher competes for a single m x n matrix of ``op``."""
+    return one.fits(m, n) and max(m, n) <= ONE_MATRIX_MAX_N.get(op, one.ONE_MAX_N)
 
 
 class LinalgInputError(ValueError):
@@ -371,8 +383,8 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
         if k > NATIVE_MAX_N[op]:
             raise InvalidCandidate(f"min(m, n) = {k} > {NATIVE_MAX_N[op]}: LAPACK territory")
         if bucket == 1:  # one matrix: the one-matrix launcher, or LAPACK beyond its sizes
-            if not one.fits(m, n):
-                raise InvalidCandidate(f"a single {m} x {n} matrix: no one-matrix launcher")
+            if not _one_candidate(op, m, n):
+                raise InvalidCandidate(f"a single {m} x {n} matrix: LAPACK territory")
             return _one_fn(op, extra, m, n, dtype)
         return _native_fn(op, extra)
 
@@ -394,8 +406,8 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
         check=_close_at(_VALUES_AT[op]),
         backends={"NATIVE", "ATEN"},
     )
-    if choice.candidate.is_anchor:
-        return False
+    if choice.candidate.is_anchor or (bucket == 1 and not _one_candidate(op, m, n)):
+        return False  # (a cached choice may predate the one-matrix cap)
     (x,) = make_args()
     fn = _one_fn(op, extra, m, n, dtype) if bucket == 1 else _native_fn(op, extra)
     t_lapack, t_native = _time_pair(_anchor(op, extra, one_matrix=bucket == 1), fn, x)
