@@ -323,6 +323,27 @@ TP_INLINE void unscale(VT *A, VT *V, int64_t r, int wantv, VT *d, VT *e) {
     for (int64_t i = 0; i < r; ++i) { d[i] = one; e[i] = one; }
 }
 
+/* Whether a sweep from this A (true values, scales 1) would rotate: some pair passes rot_pair's
+   threshold (the same expression). If none does, the sweep's first round rotates nothing and
+   leaves A as it is, and so does every later round: the sweep would change nothing, and this
+   test replaces it (the last sweep of every call; for its A, rounds of r - 1 angle tests, 4x4
+   loads and the scale round trip cost more than one pass of compares). */
+TP_INLINE int would_rotate(const VT *A, int64_t r, VT floor2) {
+    const VT zero = {0};
+    for (int64_t i = 0; i < r; ++i) {
+        const VT app = A[i * RS + i];
+        VI act = (VI){0};
+        for (int64_t j = i + 1; j < r; ++j) {
+            const VT apq = A[i * RS + j], aqq = A[j * RS + j];
+            VT scale2 = vabs(app * aqq);
+            scale2 = vsel(scale2 > floor2, scale2, floor2);
+            act |= (apq * apq > (EPS * EPS) * scale2) & (apq != zero);
+        }
+        if (vany(act)) return 1;
+    }
+    return 0;
+}
+
 TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
                          VT *A, VT *V, VT *d, VT *e, int64_t *perm, const int32_t *bp,
                          const int32_t *qof, const int32_t *grp, rot_t *co, int32_t *live,
@@ -399,7 +420,7 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
             }
         }
         unscale(A, V, r, wantv, d, e);
-        if (!rotated) break;
+        if (!rotated || !would_rotate(A, r, floor2)) break;
     }
     /* ascending order, stable (ties keep index order): each lane's rank of diagonal entry j,
        #{k < j: a_kk <= a_jj} + #{k > j: a_kk < a_jj}, counted for all lanes at once with
