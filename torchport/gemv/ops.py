@@ -153,8 +153,10 @@ def _twin_name(c: autotune.Candidate) -> str:
 
 # Weight bytes from which every call of the thread-adaptive launch is timed (calls of ~0.2 ms and
 # up, where the few microseconds of clock reads and bookkeeping are noise) and the other launch
-# is re-timed every 16 calls: a load change is noticed within a handful of calls. Smaller weights
-# sample every 8th call and probe every 64th.
+# is re-timed every 16 calls while it could win (``probe_bound``: not while the current launch's
+# median, less the margin, is below the other's best time): a load change is noticed within a
+# handful of calls, and a quiet machine does not run a one-thread call in every 16. Smaller
+# weights sample every 8th call and probe every 64th.
 ADAPT_EVERY_CALL_BYTES = 4 << 20
 
 
@@ -180,6 +182,7 @@ def _with_adaptive(plan: LaunchPlan, timings: dict[str, float], nbytes: int) -> 
         home=home,
         home_probe_every=4 if big else None,
         warm_switch=big,
+        probe_bound=big,
     )
     t_tuned, t_twin = timings.get(plan.candidate.name), timings.get(_twin_name(plan.candidate))
     if t_tuned and t_twin:
