@@ -178,7 +178,7 @@ def test_compile_routes_large_decode_linear_by_tuner_decision(fresh_cache, monke
     from torchport.gemv import ops
 
     full = ops.candidates
-    monkeypatch.setattr(ops, "candidates", lambda fmt, int8=False: full(fmt, int8)[:2])
+    monkeypatch.setattr(ops, "candidates", lambda fmt, int8=False, k=None: full(fmt, int8, k)[:2])
     ops._PLANS.clear()
     torch._dynamo.reset()  # static shapes (a recompile would make them dynamic)
     m = torch.nn.Sequential(torch.nn.Linear(448, 640), torch.nn.GELU()).eval()  # 286720 weights
@@ -268,9 +268,15 @@ def test_gemv_launch_parameters_are_autotuned(fresh_cache, monkeypatch):
     names = [c.name for c in full("f32")]
     assert names[0] == "aten_linear" and names[1] == "native_p512_r1_t0" and len(set(names)) == 9
     assert [c.name for c in full("nvfp4", int8=True)][1] == "block_p4096_t0"
+    # the pair-split kernel only where the lane-block kernel cannot serve (K % 128 != 0)
+    for k, pair in ((4096, False), (192, True), (None, True)):
+        kernels = {c.param("kernel") for c in full("nvfp4", int8=True, k=k)}
+        assert "block" in kernels and ("pair" in kernels) == pair, k
     # a reduced space keeps the test short (every candidate is a compiled kernel)
     monkeypatch.setattr(
-        ops, "candidates", lambda fmt, int8=False: full(fmt, int8)[:2] + full(fmt, int8)[-1:]
+        ops,
+        "candidates",
+        lambda fmt, int8=False, k=None: full(fmt, int8, k)[:2] + full(fmt, int8, k)[-1:],
     )
     ops._PLANS.clear()
     torch.manual_seed(0)

@@ -183,6 +183,39 @@ def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> No
     assert small.adaptive is not None and small.adaptive._home is None
 
 
+def test_big_weight_skips_probes_that_cannot_win(monkeypatch) -> None:
+    """On a quiet machine (fake clock) a >= 4 MiB weight's plan does not probe its one-thread
+    launch (best 4.5 ms, not below the two-thread median 1.9 ms less the margin); a burst of
+    load that slows the two-thread launch past that bound brings the probes back, and the
+    runner moves to one thread. A small weight's runner keeps probing on schedule."""
+    from torchport.autotune import Candidate, timing
+
+    t = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: t[0])
+    monkeypatch.setattr(native, "num_threads", lambda: 2)
+    cost = {2: 1.9e-3, 1: 4.5e-3}
+    used: list[int] = []
+
+    def go(nt: int) -> None:
+        t[0] += cost[nt]
+        used.append(nt)
+
+    cand = Candidate("block_p4096_t0", params=(("threads", 0),))
+    timings = {cand.name: 1.9e-3, "block_p4096_t1": 4.5e-3}
+    plan = gops._with_adaptive(gops.LaunchPlan(cand, object(), 0), timings, 45 << 20)
+    ad = plan.adaptive
+    assert ad is not None and ad._probe_bound
+    for _ in range(96):
+        plan.launch(go)
+    assert used.count(1) == 0 and ad.current == 0
+    cost[2] = 9e-3  # a neighbour's burst
+    for _ in range(24):
+        plan.launch(go)
+    assert ad.current == 1 and used.count(1) > 0
+    small = gops._with_adaptive(gops.LaunchPlan(cand, object(), 0), timings, 1 << 20)
+    assert small.adaptive is not None and not small.adaptive._probe_bound
+
+
 def test_big_weight_probes_time_a_launch_warm(monkeypatch) -> None:
     """The first call after a change of launch pays one-off costs (here +0.8 ms: waking the
     idle OpenMP worker). A >= 4 MiB weight's plan times a probe on its second call (fake clock):

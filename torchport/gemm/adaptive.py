@@ -30,6 +30,7 @@ grows with the epilogue (one op per step).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,9 +48,11 @@ class ArmStats:
     def __init__(self, window: int = 5) -> None:
         self.hist: deque[float] = deque(maxlen=window)
         self.median = 0.0
+        self.best = math.inf  # the fastest timing ever recorded
 
     def add(self, dt: float) -> None:
         self.hist.append(dt)
+        self.best = min(self.best, dt)
         srt = sorted(self.hist)  # statistics.median costs ~2 us
         mid = len(srt) // 2
         self.median = srt[mid] if len(srt) % 2 else 0.5 * (srt[mid - 1] + srt[mid])
@@ -99,7 +102,13 @@ class ThreadAdaptive:
     launch): measured at 11008×4096 NVFP4, the first two-thread call after six one-thread calls
     0.43 ms against 0.36 steady, the first one-thread call 0.68 against 0.65; timed as they came,
     every probe of the two-thread launch from the one-thread launch read ~20 % slow, about the
-    switching margin."""
+    switching margin.
+
+    ``probe_bound`` (optional): a scheduled probe skips every arm whose fastest timing so far is
+    not below the current arm's median less ``margin`` (an arm never runs faster than its best:
+    such a probe could not win). On a quiet machine the one-thread twin of a streamed GEMV
+    (1.7x slower) is then not run every ``probe_every`` calls; once load slows the current
+    launch past that bound, probes resume."""
 
     def __init__(
         self,
@@ -115,6 +124,7 @@ class ThreadAdaptive:
         home_margin: float = 0.02,
         home_probe_every: int | None = None,
         warm_switch: bool = False,
+        probe_bound: bool = False,
     ) -> None:
         assert len(arms) >= 2 and window >= warmup >= 1 and probe_every >= 2
         assert sample_every >= 1 and probe_every % sample_every == 0
@@ -144,6 +154,7 @@ class ThreadAdaptive:
         self._home_every = self._home_probe  # doubles after each home probe that loses
         self._learned = False  # every arm has its warmup samples
         self._warm_switch = warm_switch
+        self._probe_bound = probe_bound
         self._last = self.current  # the arm the previous call ran
         self._pending = -1  # warm_switch: the arm to run and time on the next call
         # bookkeeping only (launches run concurrently); a group's members share its lock
@@ -164,8 +175,13 @@ class ThreadAdaptive:
             return h  # type: ignore[return-value]
         if self.calls % self._probe_every:
             return self.current
-        self._probes += 1
         others = [i for i in range(len(self.launches)) if i != self.current]
+        if self._probe_bound:  # only arms whose best could still beat the current median
+            cut = self.stats[self.current].median * (1.0 - self._margin)
+            others = [i for i in others if self.stats[i].best < cut]
+            if not others:
+                return self.current
+        self._probes += 1
         return others[self._probes % len(others)]
 
     def __call__(self, *args: Any) -> Any:

@@ -153,8 +153,10 @@ def _twin_name(c: autotune.Candidate) -> str:
 
 # Weight bytes from which every call of the thread-adaptive launch is timed (calls of ~0.2 ms and
 # up, where the few microseconds of clock reads and bookkeeping are noise) and the other launch
-# is re-timed every 16 calls: a load change is noticed within a handful of calls. Smaller weights
-# sample every 8th call and probe every 64th.
+# is re-timed every 16 calls while it could win (``probe_bound``: not while the current launch's
+# median, less the margin, is below the other's best time): a load change is noticed within a
+# handful of calls, and a quiet machine does not run a one-thread call in every 16. Smaller
+# weights sample every 8th call and probe every 64th.
 ADAPT_EVERY_CALL_BYTES = 4 << 20
 
 
@@ -180,6 +182,7 @@ def _with_adaptive(plan: LaunchPlan, timings: dict[str, float], nbytes: int) -> 
         home=home,
         home_probe_every=4 if big else None,
         warm_switch=big,
+        probe_bound=big,
     )
     t_tuned, t_twin = timings.get(plan.candidate.name), timings.get(_twin_name(plan.candidate))
     if t_tuned and t_twin:
@@ -204,16 +207,22 @@ BLOCK_PREFETCH = (4096, 8192)
 SHIFT_PREFETCH = (8192, 4096)
 
 
-def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
+def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autotune.Candidate]:
     """The search space for one format: the ATen anchor, then the default kernel, then variants.
 
     Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512), ``rows4``
     (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
     int8 activations (FP4 weights) the lane-block kernel (:mod:`torchport.gemv.fp4_kernel`,
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
-    the pair-split kernel (``kernel="pair"``, K a multiple of 64), the group-32 kernel after them; E4M3
-    weights try the integer-shift decode (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``,
-    prefetch :data:`SHIFT_PREFETCH`) first.
+    the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
+    128, the group-32 kernel after them; E4M3 weights try the integer-shift decode
+    (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first.
+
+    Where the lane-block kernel serves (``k % 128 == 0``) the pair-split kernel is left out: it
+    streamed slower in each of four interleaved A/B runs (11008×4096 B=1, two threads, the
+    kernels alone on huge-page weights, Zen 3, load 1-2: NVFP4 81-98 % of ``sum`` vs 93-106 %,
+    MXFP4 63-90 % vs 78-103 %; one thread 8.5 vs 10.6 GB/s), yet the sequential, noisy tuning
+    picked it for NVFP4 (1.68 vs 2.10 ms) and the eager GEMV then ran it.
     """
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
@@ -222,7 +231,7 @@ def candidates(fmt: str, int8: bool = False) -> list[autotune.Candidate]:
             for pf in BLOCK_PREFETCH:
                 params = (("kernel", "block"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"block_p{pf}_t{threads}", params=params))
-        for threads in (0, 1):
+        for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
@@ -323,7 +332,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    cands = candidates(pw.fmt, int8)
+    cands = candidates(pw.fmt, int8, pw.k)
     if pw.n * pw.k < TUNE_MIN_WEIGHTS:  # the first candidate that can serve, on one thread
         for c in cands[1:]:
             try:
