@@ -481,11 +481,24 @@ def test_aten_choice_keeps_native_alternatives(monkeypatch):
     assert seen == ["aten", 0, 1] * 3  # learning round robin, ATen first
     for o in outs:
         torch.testing.assert_close(o, a @ b, rtol=1e-4, atol=1e-4)
-    seen.clear()  # a one-thread runner-up: ATen and that config alone
+    seen.clear()  # a one-thread runner-up: ATen, that config and its all-threads twin
     single = mm_mod._native_runner(EpilogueSpec(), G.Config(cfg.mr, cfg.nr, 4, nt=1), True, aten)
-    for _ in range(6):
+    for _ in range(9):
         torch.testing.assert_close(single(a, b, []), a @ b, rtol=1e-4, atol=1e-4)
-    assert seen == ["aten", 1] * 3
+    assert seen == ["aten", 1, 0] * 3
+
+
+def test_one_thread_winner_keeps_its_all_threads_twin(monkeypatch):
+    """A one-thread config the tuner chose (under load, say) is not the small-M runner's only
+    launch: its all-threads twin and ATen are learned too, so the runner can move to two
+    threads once they are faster; the twin's result is bitwise the same."""
+    mm_mod, seen, cfg, a, b = _record_launches(monkeypatch)
+    run = mm_mod._native_runner(EpilogueSpec(), G.Config(cfg.mr, cfg.nr, 4, nt=1), adapt=True)
+    outs = [run(a, b, []) for _ in range(9)]
+    assert seen == [1, 0, 1, 0, 1, 0]  # the tuned one-thread launch first; every third: ATen
+    for o in outs:
+        torch.testing.assert_close(o, a @ b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_fused_runner_shares_the_aten_launch_as_product_plus_pass(monkeypatch):

@@ -340,8 +340,8 @@ def _native_runner(
     group_key: tuple[Any, ...] | None = None,
 ) -> _Runner:
     """Runner of one native config; with ``adapt`` (small M, all threads) a
-    :class:`~torchport.gemm.adaptive.ThreadAdaptive` over the config, its one-thread twin and
-    ATen. ``aten`` (the ATen runner, when the tuner chose ATen) puts ATen first: the runner
+    :class:`~torchport.gemm.adaptive.ThreadAdaptive` over the config, its thread twin (one
+    thread for an all-threads config, all threads for a one-thread one) and ATen. ``aten`` (the ATen runner, when the tuner chose ATen) puts ATen first: the runner
     starts on it and moves to a native launch only while that is measurably faster. Runners
     given the same ``group_key`` (one problem, any epilogue) share their native launches'
     timings and the choice among them (:class:`~torchport.gemm.adaptive.ArmGroup`)."""
@@ -393,20 +393,24 @@ def _native_runner(
                 [] if cfg.dp else tile,
                 tile if cfg.dp else [],
             )
-        multi = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
+        tuned = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
         events = lambda: pack_cache.misses  # noqa: E731
-        if adapt and aten is not None and (cfg.nt or native.num_threads() < 2):
+        if adapt and aten is not None and native.num_threads() < 2:
             arm, sh = aten_arm(a, isa)
             g = group(a, b, isa, (0, 1) if sh else (1,), sh)
-            return ThreadAdaptive(arm, multi, events=events, group=g, home=0)
-        if not adapt or cfg.nt or native.num_threads() < 2:
-            return aten_run if aten is not None else multi
-        single = kernels.launcher(spec, replace(cfg, nt=1), a.dtype, b.dtype, isa)
+            return ThreadAdaptive(arm, tuned, events=events, group=g, home=0)
+        if not adapt or cfg.nt > 1 or native.num_threads() < 2:
+            return aten_run if aten is not None else tuned
+        # the tuned config's thread twin: one thread for an all-threads config and, for a
+        # one-thread winner, the all-threads config (a one-thread choice made under load, kept
+        # alone, ran every later call at about half the weight stream: measured M=8
+        # 1024->4096 fp32, 52 % of torch.sum's bandwidth against 82-89 % with two threads)
+        twin = kernels.launcher(spec, replace(cfg, nt=0 if cfg.nt else 1), a.dtype, b.dtype, isa)
         arm, sh = aten_arm(a, isa)
         if aten is not None:
-            arms, shared = (arm, multi, single), ((0, 1, 2) if sh else (1, 2))
+            arms, shared = (arm, tuned, twin), ((0, 1, 2) if sh else (1, 2))
         else:
-            arms, shared = (multi, single, arm), ((0, 1, 2) if sh else (0, 1))
+            arms, shared = (tuned, twin, arm), ((0, 1, 2) if sh else (0, 1))
         home = 0 if aten is not None else None  # ATen, the tuner's choice: see ThreadAdaptive
         g = group(a, b, isa, shared, sh)
         return ThreadAdaptive(*arms, events=events, group=g, home=home)
