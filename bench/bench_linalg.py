@@ -115,8 +115,9 @@ def grid(args: Any) -> None:
                     # auto vs torch.linalg in a round of their own: a call timed right after
                     # the native kernel runs up to ~40% slower at these ~20 µs sizes whatever
                     # it is (torch.linalg included), which would bias the auto ratio
-                    # (alternated calls, medians; at least 41 rounds within the time cap: the
-                    # auto/LAPACK difference of a routed call is ~1 us on ~10-40 us calls)
+                    # (alternated calls, the order flipped every round, medians; at least 41
+                    # rounds within the time cap: the auto/LAPACK difference of a routed call
+                    # is ~1 us on ~10-40 us calls)
                     pair = {"lapack": fns["lapack"], "auto": fns["auto"]}
                     t_auto = compare(pair, [(a,)], reps=max(reps, 41), warmup=1, max_time_s=3.0)
                     del fns["auto"]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from torchport import cli, demo
+from torchport import benchmarks, cli, demo
 
 
 def test_info_prints_cpu_features(capsys):
@@ -32,6 +32,15 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     assert data["machine"]["torch"] and data["rows"]
     assert all(r["anchor_s"] > 0 and r["ours_s"] > 0 for r in data["rows"])
     assert "ratio" in capsys.readouterr().out
+
+
+def test_compare_flips_the_call_order_every_round():
+    calls: list[str] = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "ab"}
+    t = benchmarks.compare(fns, [()], reps=4, warmup=1, max_time_s=60.0)
+    assert set(t) == {"a", "b"}
+    # warm-up calls first, then a b | b a | a b | b a: each follows the other equally often
+    assert "".join(calls[-8:]) == "abbaabba" and len(calls) > 8
 
 
 def test_python_dash_m_entry_point():

@@ -91,9 +91,13 @@ def compare(
     # one rotation shared by all functions: every call gets the set least recently touched (by
     # anyone), so each side sees equally cold inputs. (A per-function offset such as hash(name)
     # varies per process and can hand one side the set the previous call just warmed.)
+    # the order flips every round (A B, B A, A B, ...): a call timed right after another one can
+    # run 5-40 % slower at ~10-1000 us sizes whatever it is (cache and predictor state left by
+    # the previous call), so a fixed order would bias the second function's figures
+    order = list(fns.items())
     call = 0
     for i in range(reps):
-        for k, fn in fns.items():
+        for k, fn in order if i % 2 == 0 else reversed(order):
             args = arg_sets[call % n]
             call += 1
             t0 = time.perf_counter()
