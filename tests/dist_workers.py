@@ -568,9 +568,27 @@ def fsdp2_losses(rank: int, world: int) -> dict[str, list[float]]:
     return out
 
 
+def grid_mailbox(rank: int, world: int, sizes: list[int]) -> list[str]:
+    """The grid with the last rank's native TCP transfers refused (``Mesh.transfer`` returns
+    None, as when another collective owns a connection): that rank takes every collective's
+    mailbox path while the others take the native one, so both paths must put the same
+    frames on the wire in the same order."""
+    from torchport.distributed.transport_tcp import Mesh
+
+    if rank != world - 1:
+        return grid(rank, world, sizes)
+    native = Mesh.transfer
+    Mesh.transfer = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        return grid(rank, world, sizes)
+    finally:
+        Mesh.transfer = native  # type: ignore[method-assign]
+
+
 SCENARIOS = {
     "fsdp2": fsdp2_losses,
     "grid": grid,
+    "grid_mailbox": grid_mailbox,
     "p2p": p2p_case,
     "split": split_case,
     "mismatch": mismatch_case,

@@ -41,6 +41,7 @@ PLANS = {
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
         [
             ("grid", ([0, 4099],)),
+            ("grid_mailbox", ([4099],)),
             ("p2p", ()),
             ("abort", ()),
             ("mismatch_one", ()),
@@ -63,6 +64,12 @@ def results(plan: str) -> list[dict]:
 def test_collective_grid(plan):
     """Every collective x reduce op x dtype (incl. zero-size, non-contiguous) vs the reference."""
     assert [r["grid"] for r in results(plan)] == [[]] * PLANS[plan][0]
+
+
+@pytest.mark.timeout(110)
+def test_collective_grid_one_rank_on_the_mailbox_path():
+    """TCP: one rank's native transfers refused (mailbox path), the others native."""
+    assert [r["grid_mailbox"] for r in results("tcp3")] == [[]] * 3
 
 
 @pytest.mark.timeout(110)

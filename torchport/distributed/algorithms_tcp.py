@@ -11,6 +11,8 @@ Per rank and ``n`` payload bytes (``W`` ranks):
   q owns part q, receives every rank's copy of it, folds them in rank order 0..W-1 (bitwise
   equal to the reference, like the shared-memory path) and sends the result to every rank.
   Sent: ``2 n (W - 1) / W`` -- the same bytes as a ring, in 2 rounds instead of ``2 (W - 1)``.
+  In a TCP-only group both rounds are one pipelined transfer in pieces (:class:`_Pieces`):
+  a piece is folded as soon as it is in and its result sent while later pieces stream.
 - broadcast (TCP-only groups, any size): a pipelined chain with acknowledgements back up it
   (:func:`_chain_broadcast`): each rank receives and sends ``n`` bytes once, ``2 (W - 1)``
   frames for a one-piece tensor instead of an exchange's ``W (W - 1)``. Hybrid groups: scatter of the root's parts, then
@@ -33,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -144,6 +146,9 @@ def allreduce(
     """In-place allreduce over TCP (see the module docstring)."""
     seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
     nbytes, base = t.numel() * es, t.data_ptr() if t.numel() else 0
+    if comm.local is None and w > 1 and nbytes > small:
+        _Pieces(comm, seq, base, t.numel(), es, dtype, red).run(deadline)
+        return
     step = 0
     for lo, m in _chunks(t.numel(), max(1, comm.chunk // es)):
         ptr, nb = base + lo * es, m * es
@@ -163,6 +168,166 @@ def allreduce(
             if q != r and k:
                 _copy(ptr + plo * es, _expect(blobs[q], k * es, q), k * es)
         step += 2
+
+
+PIECE_BYTES = 1 << 20  # piece of a part in the pipelined allreduce (at most chunk / 4)
+RING = 2  # receive slots per peer of the pipelined allreduce (pieces received ahead of folds)
+LAG = 1  # the pipelined allreduce sends piece j's result after piece j + LAG of its input
+
+
+class _Pieces:
+    """Pipelined allreduce of a TCP-only group: reduce-scatter and all-gather in one transfer.
+
+    Rank q owns part q of the tensor, cut into pieces. Every rank sends piece j of part q to
+    q, which folds it in rank order as soon as every peer's piece j is in (``on_notify`` of
+    the transfer) and sends the folded piece j to every peer -- while the pieces after j are
+    still streaming in. Per socket the frames go in one fixed order, ``RS0 .. RS(LAG-1)``,
+    then ``RS(j + LAG), AG j`` for each j (``RS``: reduce-scatter input, ``AG``: folded
+    result), on both paths below. A piece's receive slot is reused ``RING`` pieces later
+    (its receive waits behind a gate until the fold that read the slot is done); the
+    results are received straight into the tensor. Every frame carries the call's signature
+    with its own step (``2 j`` / ``2 j + 1``), every rank sends every peer an input frame
+    for every piece, so a mismatched call is detected as in an exchange.
+    """
+
+    def __init__(
+        self, comm: Communicator, seq: int, base: int, numel: int, es: int, dtype: int, red: int
+    ) -> None:
+        w = comm.world
+        self.comm, self.seq, self.base, self.es, self.dtype, self.red = (
+            comm,
+            seq,
+            base,
+            es,
+            dtype,
+            red,
+        )
+        self.nbytes = numel * es
+        self.parts = _parts(numel, w)
+        self.pe = max(1, min(PIECE_BYTES, comm.chunk // 4) // es)  # elements per piece
+        self.n = max(1, math.ceil(max(k for _, k in self.parts) / self.pe))
+        self.epoch = comm.epoch
+        comm.epoch += 2 * self.n
+        self.peers = [(comm.rank + k) % w for k in range(1, w)]
+        order = [(j, 0) for j in range(min(LAG, self.n))]
+        for j in range(self.n):
+            order += [(j + LAG, 0)] if j + LAG < self.n else []
+            order.append((j, 1))
+        self.order = order  # (piece, 0: input / 1: result) in the order of every socket
+        self.got = [0] * self.n  # peers' input pieces in, per piece
+
+    def piece(self, q: int, j: int) -> tuple[int, int]:
+        """(address, bytes) of piece j of part q in the tensor."""
+        lo, k = self.parts[q]
+        a = min(k, j * self.pe)
+        return self.base + (lo + a) * self.es, (min(k, a + self.pe) - a) * self.es
+
+    def sig(self, j: int, result: int) -> tuple[int, int, int, int]:
+        return make_sig(
+            self.seq, OP_ALLREDUCE, self.dtype, self.red, -1, self.nbytes, 2 * j + result
+        )
+
+    def fold(self, j: int, slot: Callable[[int, int], int]) -> None:
+        """Piece j of my part = the fold of every rank's piece j (received into ``slot``)."""
+        comm, w, r = self.comm, self.comm.world, self.comm.rank
+        dst, nb = self.piece(r, j)
+        blobs = [Blob(slot(j, q), nb) for q in range(w)]
+        _fold_part(comm, blobs, dst, nb, self.dtype, self.red, keep_at=slot(j, r))
+
+    def frames(self, slot: Callable[[int, int], int]) -> tuple[list[XSend], list[XRecv]]:
+        """Every frame of the call, in socket order; input receives go to ``slot(j, q)``."""
+        comm, r, gid, ring = self.comm, self.comm.rank, self.comm.group_id, RING
+        sends, recvs = list[XSend](), list[XRecv]()
+        for j, res in self.order:
+            e, sig = self.epoch + 2 * j + res, self.sig(j, res)
+            for q in self.peers:
+                g = comm.ranks[q]
+                if res:
+                    mine = self.piece(r, j)
+                    sends.append(XSend(g, Kind.COLL, gid, e, *mine, sig, gate=j + 1))
+                    recvs.append(XRecv(g, gid, e, sig, *self.piece(q, j)))
+                else:
+                    sends.append(XSend(g, Kind.COLL, gid, e, *self.piece(q, j), sig))
+                    gate = j - ring + 1 if j >= ring else 0  # fold j - ring read the slot
+                    nb = self.piece(r, j)[1]
+                    recvs.append(XRecv(g, gid, e, sig, slot(j, q), nb, gate=gate, notify=True))
+        return sends, recvs
+
+    def run(self, deadline: float) -> None:
+        comm, w = self.comm, self.comm.world
+        size = self.pe * self.es
+        ring = _scratch(comm, RING * w * size)
+
+        def slot(j: int, q: int) -> int:
+            return ring + ((j % RING) * w + q) * size
+
+        sends, recvs = self.frames(slot)
+
+        def on_notify(i: int) -> list[int]:
+            j = (recvs[i].seq - self.epoch) >> 1
+            self.got[j] += 1
+            if self.got[j] < w - 1:
+                return []
+            self.fold(j, slot)
+            return [j + 1]  # its result may go, and the receive reusing its slot may start
+
+        comm._last_sig = self.sig(0, 0)
+        frames = comm.mesh.transfer(sends, recvs, deadline, comm.check, on_notify)
+        if frames is None:
+            self.mailbox_path(deadline)
+            return
+        _check_frames(comm, frames, [(x.peer, x.sig) for x in recvs])
+        comm._last_sig = self.sig(self.n - 1, 1)
+
+    def mailbox_path(self, deadline: float) -> None:
+        """The same frames in the same order when the connections cannot be owned now
+        (another collective holds one): received by the reader threads into posted targets,
+        with a slot per piece (no reuse)."""
+        comm, w = self.comm, self.comm.world
+        size = self.pe * self.es
+        buf = torch.empty(max(1, self.n * w * size), dtype=torch.uint8)
+
+        def slot(j: int, q: int) -> int:
+            return buf.data_ptr() + (j * w + q) * size
+
+        sends, recvs = self.frames(slot)
+        mailbox, posted = comm.mesh.mailbox, list[XRecv]()
+        try:
+            for x in recvs:
+                if x.size:
+                    mailbox.post(x.key, Target(x.ptr, x.size, x.sig))
+                    posted.append(x)
+            i = 0
+            for j, res in self.order:
+                if res:
+                    for x in recvs:
+                        if x.seq == self.epoch + 2 * j:
+                            self.receive(x, deadline)
+                    self.fold(j, slot)
+                batch = sends[i : i + len(self.peers)]
+                comm.mesh.send_all(
+                    [(x.peer, x.kind, x.group, x.seq, _view(x.ptr, x.size), x.sig) for x in batch]
+                )
+                i += len(self.peers)
+            for x in recvs:
+                if (x.seq - self.epoch) & 1:
+                    self.receive(x, deadline)
+        finally:
+            for x in posted:
+                mailbox.withdraw(
+                    x.key, deadline, functools.partial(comm.mesh.shutdown_peer, x.peer)
+                )
+        comm._last_sig = self.sig(self.n - 1, 1)
+
+    def receive(self, x: XRecv, deadline: float) -> None:
+        """One frame through the mailbox, checked, in place at ``x.ptr``."""
+        comm = self.comm
+        comm._last_sig = x.sig
+        hdr, body = comm.mesh.mailbox.get(x.key, deadline, comm.check)
+        q = comm.ranks.index(x.peer)
+        check_sig(q, hdr.sig, x.sig)
+        if body is not RECEIVED:
+            _copy(x.ptr, _expect(Blob(_addr(body), len(body), body), x.size, q), x.size)
 
 
 def reduce(

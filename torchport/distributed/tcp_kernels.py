@@ -27,6 +27,11 @@ finishes one frame) and releases it (waking the reader) when its transfer ends.
                 one completed (-1: at once)
     7 got       receive: address of a 64-byte buffer for the header as received;
       from      send: the first receive index word 6 covers
+    8 gate      the operation does not start while this word is nonzero (the caller clears
+                it, e.g. once the bytes a send carries are computed or a receive's buffer is
+                free again); it still holds its place in its socket's order
+    9 notify    receive: 1 -> the loop returns ``NOTIFY`` (out[0] = its index) as soon as
+                it completes, and sets the word to 2 (returned once)
 
 Operations on one socket run in table order (sends and receives separately). A received
 header is compared with the expected one byte for byte before any payload byte is read: only
@@ -46,9 +51,9 @@ import functools
 
 from torchport import native
 
-OPW = 8  # int64 words per transfer operation
+OPW = 10  # int64 words per transfer operation
 MAXFD = 64  # distinct sockets one tp_tcp_xfer call can track (Mesh.transfer checks it)
-DONE, SLICE, FOREIGN, SENT, CLOSED = 0, 1, 2, 3, 4  # tp_tcp_xfer status (< 0: -errno)
+DONE, SLICE, FOREIGN, SENT, CLOSED, NOTIFY = 0, 1, 2, 3, 4, 5  # tp_tcp_xfer status (< 0: -errno)
 OWN_FREE, OWN_READER, OWN_COLL = 0, 1, 2
 
 _SOURCE = r"""
@@ -152,8 +157,8 @@ TP_EXPORT int64_t tp_pin(int64_t on) {
 }
 
 /* Move the operations of the table (module docstring). out[0]: the operation a FOREIGN,
-   CLOSED or error status refers to. SENT: every send finished (returned once, when sends
-   were pending at entry and receives remain) so the caller may release its send locks. */
+   NOTIFY, CLOSED or error status refers to. SENT: every send finished (returned once, when
+   sends were pending at entry and receives remain) so the caller may release its send locks. */
 TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t *out) {
     int sends_at_entry = 0;
     for (int64_t i = 0; i < n; i++)
@@ -181,6 +186,7 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
             for (int k = 0; k < *nb; k++) seen |= busy[k] == fd;
             if (seen) continue;  /* an earlier operation on this socket is unfinished */
             if (*nb < MAXFD) busy[(*nb)++] = fd;
+            if (op[8]) continue;  /* gated: later operations on this socket wait behind it */
             short want = 0;
             if (is_send) {
                 if (!tp_send_ready(ops, op, first_open)) continue;
@@ -229,6 +235,7 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
                     }
                     if (op[5] >= total) break;
                 }
+                if (op[5] >= total && op[9] == 1) { op[9] = 2; out[0] = i; return ${notify}; }
             }
             if (want && npf < MAXFD) {
                 int j = 0;
@@ -286,5 +293,6 @@ def tcp_lib() -> TcpLib:
         foreign=FOREIGN,
         sent=SENT,
         closed=CLOSED,
+        notify=NOTIFY,
     )
     return TcpLib(native.build(src, name="tp_tcp"))
