@@ -23,6 +23,8 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -38,11 +40,12 @@ COLD_BYTES = 64 << 20
 
 
 def _packs(fmt: str, n: int, copies: int) -> list:
-    make = {
+    makers: dict[str, Callable[[torch.Tensor], Any]] = {
         "fp8": lambda w: Float8Tensor.from_float(w, torch.float8_e4m3fn, granularity="row"),
-        "nvfp4": NVFP4Tensor.from_float,
+        "nvfp4": lambda w: NVFP4Tensor.from_float(w),
         "mxfp4": lambda w: MXTensor.from_float(w, "fp4_e2m1"),
-    }[fmt]
+    }
+    make = makers[fmt]
     return [make(torch.randn(n, K) * 0.02).gemv_pack() for _ in range(copies)]
 
 
@@ -77,7 +80,7 @@ def main() -> None:
     bufs = [torch.rand(32 << 20) for _ in range(2)]
     # name -> (fn(i), bytes (streamed) or weights (L2) per call, kind); native kernels launched
     # with 0 threads use torch.get_num_threads(), set per sample
-    fns: dict[str, tuple[object, float, str]] = {}
+    fns: dict[str, tuple[Callable[[int], Any], float, str]] = {}
 
     fns["sum"] = (lambda i: bufs[i % 2].sum(), bufs[0].nbytes, "mem")
     for fmt in args.formats:
@@ -161,11 +164,11 @@ def main() -> None:
             )
             continue
         w1 = [s[0] for s in samples[name][1]]
-        c1 = [s[1] for s in samples[name][1]]
+        cpu1 = [s[1] for s in samples[name][1]]
         wn = [s[0] for s in samples[name][nt]]
         print(
             f"{name:<18} 1t wall {work / med(w1) / 1e9:.2f} GB/s ({100 * work / med(w1) / 1e9 / sum_bw[1]:.0f}% of 1t sum)"
-            f" cpu {work / med(c1) / 1e9:.2f} GB/s | {nt}t wall med {work / med(wn) / 1e9:.2f} GB/s"
+            f" cpu {work / med(cpu1) / 1e9:.2f} GB/s | {nt}t wall med {work / med(wn) / 1e9:.2f} GB/s"
             f" best {work / min(wn) / 1e9:.2f} ({100 * work / med(wn) / 1e9 / sum_bw[nt]:.0f}% of {nt}t sum)"
         )
 
