@@ -138,13 +138,10 @@ def test_tuned_plan_adapts_thread_count_with_identical_results() -> None:
     assert route is not None and torch.equal(route.run(x), first)
 
 
-def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> None:
-    """A >= 4 MiB weight's thread-adaptive plan (fake clock): a burst of load moves it to one
-    thread; once the burst ends, a home probe every 4 calls brings it back to all threads within
-    4 calls (before: one probe in 16 calls and a window of stale samples kept a benchmark's
-    11 timed calls on the one-thread launch)."""
-    from torchport.autotune import Candidate, timing
-    from torchport.gemm.adaptive import ThreadAdaptive
+def _fake_launches(monkeypatch):
+    """A fake clock and a launch function that advances it by ``cost[threads]`` per call and
+    records the thread counts used: (cost, used, go)."""
+    from torchport.autotune import timing
 
     t = [0.0]
     monkeypatch.setattr(timing, "clock", lambda: t[0])
@@ -155,6 +152,19 @@ def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> No
     def go(nt: int) -> None:
         t[0] += cost[nt]
         used.append(nt)
+
+    return cost, used, go
+
+
+def test_big_weight_returns_to_all_threads_within_a_few_calls(monkeypatch) -> None:
+    """A >= 4 MiB weight's thread-adaptive plan (fake clock): a burst of load moves it to one
+    thread; once the burst ends, a home probe every 4 calls brings it back to all threads within
+    4 calls (before: one probe in 16 calls and a window of stale samples kept a benchmark's
+    11 timed calls on the one-thread launch)."""
+    from torchport.autotune import Candidate
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    cost, used, go = _fake_launches(monkeypatch)
 
     cand = Candidate("shift_p2048_t0", params=(("threads", 0),))
     plan = gops._with_adaptive(
@@ -188,17 +198,9 @@ def test_big_weight_skips_probes_that_cannot_win(monkeypatch) -> None:
     launch (best 4.5 ms, not below the two-thread median 1.9 ms less the margin); a burst of
     load that slows the two-thread launch past that bound brings the probes back, and the
     runner moves to one thread. A small weight's runner keeps probing on schedule."""
-    from torchport.autotune import Candidate, timing
+    from torchport.autotune import Candidate
 
-    t = [0.0]
-    monkeypatch.setattr(timing, "clock", lambda: t[0])
-    monkeypatch.setattr(native, "num_threads", lambda: 2)
-    cost = {2: 1.9e-3, 1: 4.5e-3}
-    used: list[int] = []
-
-    def go(nt: int) -> None:
-        t[0] += cost[nt]
-        used.append(nt)
+    cost, used, go = _fake_launches(monkeypatch)
 
     cand = Candidate("block_p4096_t0", params=(("threads", 0),))
     timings = {cand.name: 1.9e-3, "block_p4096_t1": 4.5e-3}
