@@ -36,6 +36,12 @@ PLANS = {
     ),
     "shm3": (3, {}, [("grid", (SIZES,)), ("p2p", ()), ("abort", ())]),
     "shm4": (4, {}, [("grid", ([0, 7, 4099],)), ("split", ()), ("mismatch_one", ())]),
+    # world 2 over TCP: the pipelined allreduce (two ranks only), native and mailbox paths
+    "tcp2": (
+        2,
+        {"TORCHPORT_DIST_TRANSPORT": "tcp"},
+        [("grid", ([0, 4099],)), ("grid_mailbox", ([4099],))],
+    ),
     "tcp3": (
         3,
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
@@ -67,9 +73,10 @@ def test_collective_grid(plan):
 
 
 @pytest.mark.timeout(110)
-def test_collective_grid_one_rank_on_the_mailbox_path():
+@pytest.mark.parametrize("plan", ["tcp2", "tcp3"])
+def test_collective_grid_one_rank_on_the_mailbox_path(plan):
     """TCP: one rank's native transfers refused (mailbox path), the others native."""
-    assert [r["grid_mailbox"] for r in results("tcp3")] == [[]] * 3
+    assert [r["grid_mailbox"] for r in results(plan)] == [[]] * PLANS[plan][0]
 
 
 @pytest.mark.timeout(110)

@@ -11,8 +11,10 @@ Per rank and ``n`` payload bytes (``W`` ranks):
   q owns part q, receives every rank's copy of it, folds them in rank order 0..W-1 (bitwise
   equal to the reference, like the shared-memory path) and sends the result to every rank.
   Sent: ``2 n (W - 1) / W`` -- the same bytes as a ring, in 2 rounds instead of ``2 (W - 1)``.
-  In a TCP-only group both rounds are one pipelined transfer in pieces (:class:`_Pieces`):
-  a piece is folded as soon as it is in and its result sent while later pieces stream.
+  In a TCP-only group of two ranks both rounds are one pipelined transfer in pieces
+  (:class:`_Pieces`): a piece is folded as soon as it is in and its result sent while later
+  pieces stream. (With three or more ranks a gated receive could keep a peer's ABORT unread:
+  they take the two exchanges.)
 - broadcast (TCP-only groups, any size): a pipelined chain with acknowledgements back up it
   (:func:`_chain_broadcast`): each rank receives and sends ``n`` bytes once, ``2 (W - 1)``
   frames for a one-piece tensor instead of an exchange's ``W (W - 1)``. Hybrid groups: scatter of the root's parts, then
@@ -146,7 +148,10 @@ def allreduce(
     """In-place allreduce over TCP (see the module docstring)."""
     seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
     nbytes, base = t.numel() * es, t.data_ptr() if t.numel() else 0
-    if comm.local is None and w > 1 and nbytes > small:
+    # two ranks only: with three or more, a rank's gated receive keeps a peer's ABORT frame
+    # unread while the rank that would feed the gate has given up (it waits for its own
+    # deadline instead of failing within the abort bound; eleventh-session review)
+    if comm.local is None and w == 2 and nbytes > small:
         _Pieces(comm, seq, base, t.numel(), es, dtype, red).run(deadline)
         return
     step = 0

@@ -907,6 +907,10 @@ class Mesh:
             # A sender migrating between CPUs mid-stream reorders loopback segments, which TCP
             # takes for loss (retransmits, 200 ms stalls): pin this thread while it sends.
             pinned = sum(xs.size for xs in sends) >= PIN_BYTES and lib.pin(1) >= 0
+            # the abort/deadline/close checks run at least once a slice: a NOTIFY return (a
+            # piece in) restarts the native loop's slice, so pieces arriving faster than
+            # SLICE_MS would otherwise keep them from ever running
+            checked = time.monotonic()
             while True:
                 rc = lib.xfer(ops, n, SLICE_MS, out)
                 if rc == DONE:
@@ -918,8 +922,11 @@ class Mesh:
                     continue
                 if rc == NOTIFY:
                     notify(int(out[0]) - ns)
-                    continue
+                    if time.monotonic() - checked < SLICE_MS / 1000:
+                        continue
+                    rc = SLICE
                 if rc == SLICE:
+                    checked = time.monotonic()
                     owned = self._release_done(ops, ns, n, owned)
                     watch()
                     if self.closed:
