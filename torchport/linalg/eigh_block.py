@@ -82,6 +82,15 @@ TP_INLINE int vany(VI m) {
    d_p, d_q multiplied by c: one FMA per element instead of a multiply and an FMA. */
 typedef struct { VT al, be; } rot_t;
 
+/* The lanes where pair (p, q) passes the rotation threshold:
+   a_pq^2 > eps^2 max(|a_pp a_qq|, floor2) and a_pq != 0 (rot_pair and would_rotate). */
+TP_INLINE VI passes(VT apq, VT app, VT aqq, VT floor2) {
+    const VT zero = {0};
+    VT scale2 = vabs(app * aqq);
+    scale2 = vsel(scale2 > floor2, scale2, floor2);
+    return (apq * apq > (EPS * EPS) * scale2) & (apq != zero);
+}
+
 /* One Jacobi rotation of local pair (p, q), p < q, of the true symmetric sz x sz block S (upper
    triangle only; global indices g[]): the angle (same formula and threshold as the fused lane kernel), S rotated in
    the ordinary form, the scaled coefficients into *o, d (scales) and e = 1/d updated.
@@ -90,9 +99,7 @@ TP_INLINE int rot_pair(VT S[4][4], int sz, int p, int q, const int64_t *g, VT *d
                        VT floor2, rot_t *o) {
     const VT zero = {0}, one = zero + 1;
     VT apq = S[p][q], app = S[p][p], aqq = S[q][q];
-    VT scale2 = vabs(app * aqq);
-    scale2 = vsel(scale2 > floor2, scale2, floor2);
-    VI act = (apq * apq > (EPS * EPS) * scale2) & (apq != zero);
+    VI act = passes(apq, app, aqq, floor2);
     if (!vany(act)) { o->al = zero; o->be = zero; return 0; }
     VT dd = aqq - app, gg = apq + apq;
     VI same = (dd == zero) | ((dd > zero) == (gg > zero));
@@ -324,21 +331,15 @@ TP_INLINE void unscale(VT *A, VT *V, int64_t r, int wantv, VT *d, VT *e) {
 }
 
 /* Whether a sweep from this A (true values, scales 1) would rotate: some pair passes rot_pair's
-   threshold (the same expression). If none does, the sweep's first round rotates nothing and
+   threshold (``passes``). If none does, the sweep's first round rotates nothing and
    leaves A as it is, and so does every later round: the sweep would change nothing, and this
    test replaces it (the last sweep of every call; for its A, rounds of r - 1 angle tests, 4x4
    loads and the scale round trip cost more than one pass of compares). */
 TP_INLINE int would_rotate(const VT *A, int64_t r, VT floor2) {
-    const VT zero = {0};
     for (int64_t i = 0; i < r; ++i) {
         const VT app = A[i * RS + i];
         VI act = (VI){0};
-        for (int64_t j = i + 1; j < r; ++j) {
-            const VT apq = A[i * RS + j], aqq = A[j * RS + j];
-            VT scale2 = vabs(app * aqq);
-            scale2 = vsel(scale2 > floor2, scale2, floor2);
-            act |= (apq * apq > (EPS * EPS) * scale2) & (apq != zero);
-        }
+        for (int64_t j = i + 1; j < r; ++j) act |= passes(A[i * RS + j], app, A[j * RS + j], floor2);
         if (vany(act)) return 1;
     }
     return 0;
