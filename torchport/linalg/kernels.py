@@ -1327,7 +1327,7 @@ TP_EXPORT int tp_cholesky(const T *a, T *out, int32_t *info, int64_t B, int64_t 
    one argument (each int64 argument adds ~0.15 us to a ctypes call on the Zen 3). Each returns
    what its batched entry point returns for B = 1 (tp_chol1: the order of the failing leading
    minor, which it also stores to *info when info is not NULL); -1 for sizes out of range. */
-#define ONE_MAX_N 32
+#define ONE_MAX_N ${one_max_n}
 #define ONE_M(c) ((c) & 255)
 #define ONE_N(c) (((c) >> 8) & 255)
 #define ONE_F(c, i) ((int)(((c) >> (16 + (i))) & 1))
@@ -1410,6 +1410,8 @@ SOURCE_TAG = hashlib.sha256(
 
 
 MAX_SWEEPS = 60
+# The largest max(m, n) the one-matrix entry points (tp_svd1, ...) take (stack scratch).
+ONE_MAX_N = 32
 
 
 @functools.cache
@@ -1429,6 +1431,7 @@ def library(
     src = native.render(
         "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
         **scalar_params(dtype, max_sweeps),
+        one_max_n=str(ONE_MAX_N),
         is64="1" if is64 else "0",
         vbytes=str(vbytes),
         vsqrt512="_mm512_sqrt_pd" if is64 else "_mm512_sqrt_ps",

@@ -30,8 +30,8 @@ import torch
 from torchport import native
 from torchport.linalg import kernels
 
-# The C side's ONE_MAX_N: the largest max(m, n) the entry points take.
-ONE_MAX_N = 32
+# The largest max(m, n) the entry points take.
+ONE_MAX_N = kernels.ONE_MAX_N
 
 _rt: Any = torch.return_types
 
