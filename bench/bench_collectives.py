@@ -7,6 +7,13 @@ sample; a sample is the slowest rank's time (every rank times the same calls aft
 Reports median latency and algorithm bandwidth (size / time, size = the larger buffer) and the
 ratio. Then DDP training throughput of a small MLP on each backend (world 2).
 
+Allreduce cells from 16 MB also time, in the same interleaved loop, one in-place pass over a
+buffer of the same size on every rank at once (``t.mul_(1.0)``: each byte read from memory and
+written back; ``pass_ms``, and ``ours_per_pass`` = torchport's time over it). An in-place
+allreduce past the cache has at least that memory traffic on every rank (its input read once,
+its result written once; the peers' parts can come through the shared cache), so this is the
+machine's floor for the bandwidth target.
+
 Run: ``torchport bench collectives [--quick]`` (or ``python bench/bench_collectives.py``).
 """
 
@@ -93,6 +100,9 @@ def worker(
     for op in (o for o in OPS if o in chosen):
         for size in cells:
             fns = {name: _op_fn(op, size, world, g) for name, g in groups.items()}
+            if op == "allreduce" and size >= 16 * MB:
+                buf = torch.ones(max(world, size // 4 // world * world))
+                fns["pass"] = lambda buf=buf: buf.mul_(1.0)
             k = max(1, min(200, (2 * MB) // size))
             for fn in fns.values():
                 _time(fn, max(1, k // 4))
@@ -248,12 +258,19 @@ def main() -> None:
                     row["size"],
                 )
             else:
+                floor = {}
+                if "pass" in row:
+                    floor = {
+                        "pass_ms": f"{row['pass'] * 1e3:.2f}",
+                        "ours_per_pass": f"{row['torchport'] / row['pass']:.2f}",
+                    }
                 table.add(
                     f"{row['op']} {_fmt(row['size'])} w{world}{tag}",
                     "gloo",
                     row["gloo"],
                     row["torchport"],
                     row["size"],
+                    **floor,
                 )
     table.save(args.json)
 
