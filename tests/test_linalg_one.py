@@ -378,3 +378,21 @@ def test_one_matrix_candidates() -> None:
     assert not tl._one_candidate("eigh", 33, 33)
     assert tl._one_candidate("svd", 32, 32) and tl._one_candidate("qr", 32, 5)
     assert not tl._one_candidate("svd", 33, 33) and not tl._one_candidate("cholesky", 0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eigh_tridiagonal_falls_back_to_jacobi(dtype: torch.dtype) -> None:
+    """An eigenvalue that needs more QL sweeps than the cap sends the matrix to the Jacobi worker:
+    with the cap at one sweep (a library built with max_sweeps=1) the tridiagonal flag returns
+    the (one-sweep) Jacobi result bit for bit."""
+    call = kernels.library(dtype, kernels.native.cpu_info().isa, max_sweeps=1)["eigh1"].raw_call
+    a = _sym("random", 16, dtype)
+    outs = []
+    for tri in (True, False):
+        lam, q = torch.empty(16, dtype=dtype), torch.empty(16, 16, dtype=dtype)
+        code = one._code(0, 16, False, True, bool(kernels.EIGH_ORDER), tri)
+        assert call(a.data_ptr(), lam.data_ptr(), q.data_ptr(), code) == 0
+        outs.append((lam, q))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    full = one.eigh_plan(a.shape, dtype, False, True, tridiagonal=True)(a)
+    assert not torch.equal(full.eigenvectors, outs[1][1])  # the uncapped worker: QL

@@ -29,7 +29,7 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
 - **eigh of one matrix** (``tp_eigh1`` with flag 3, used by :mod:`torchport.linalg.one`):
   Householder tridiagonalization, then implicit QL with Wilkinson shifts (LAPACK dsytrd 'U' +
   dsteqr/tql2), Givens rotations applied to contiguous rows of Qᵀ; an eigenvalue that takes more
-  than 30 sweeps sends the matrix to the Jacobi worker instead.
+  than ``TRI_MAX_SWEEPS`` sweeps sends the matrix to the Jacobi worker instead.
 - **QR**: Householder reflectors with LAPACK's sign convention (β = −sign(α)‖x‖, so the results
   match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
   For max(m, n) ≤ 64 and batches that fill the lanes ``tp_qr_vec`` runs the same steps on VLN
@@ -1365,8 +1365,9 @@ TP_EXPORT int tp_svd1(const T *a, T *S, T *U, T *Vh, int64_t code) {
    Zᵀ from the left at once (Zᵀ = H_2 … H_{n-1}, rows of Zᵀ = columns of Z), so no reflector is
    kept. Then tql2's implicit QL on (d, e) with Wilkinson shifts, e[j] negligible when
    |e_j| <= eps (|d_j| + |d_j+1|), each Givens rotation applied to two contiguous rows of Zᵀ.
-   Returns 0, 1 for non-finite input, or 2 when an eigenvalue needs more than 30 sweeps (the
-   caller then runs the Jacobi worker instead). */
+   Returns 0, 1 for non-finite input, or 2 when an eigenvalue needs more than TRI_MAX_IT sweeps
+   (the caller then runs the Jacobi worker instead). */
+#define TRI_MAX_IT ${tri_max_it}
 #define TRI_VL ((int64_t)(32 / sizeof(T)))
 typedef T TV __attribute__((vector_size(32), aligned(32), may_alias));
 #define TRI_TINY2 ((T)(${is64} ? 1e-280 : 1e-30))
@@ -1469,7 +1470,7 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
             int64_t m = l;
             while (m < n - 1 && TFABS(e[m]) > EPS * (TFABS(d[m]) + TFABS(d[m + 1]))) ++m;
             if (m == l) break;
-            if (it == 30) return 2;
+            if (it == TRI_MAX_IT) return 2;
             T g = (d[l + 1] - d[l]) / (2 * e[l]);
             T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
             g = d[m] - d[l] + e[l] / (g + (g >= 0 ? r : -r));
@@ -1480,8 +1481,7 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
                 r = tri_hypot(f, g);
                 e[i + 1] = r;
                 if (r == 0) { d[i + 1] -= pp; e[m] = 0; break; }
-                const T ri = 1 / r;
-                s = f * ri; c = g * ri;
+                s = f / r; c = g / r;  /* two independent divisions: shorter chain than 1/r */
                 g = d[i + 1] - pp;
                 r = (d[i] - g) * s + 2 * c * b;
                 pp = s * r;
@@ -1575,6 +1575,9 @@ SOURCE_TAG = hashlib.sha256(
 MAX_SWEEPS = 60
 # The largest max(m, n) the one-matrix entry points (tp_svd1, ...) take (stack scratch).
 ONE_MAX_N = 32
+# QL sweeps per eigenvalue before tp_eigh1's tridiagonal worker gives the matrix to Jacobi
+# (LAPACK dsteqr's bound); a library built with fewer ``max_sweeps`` caps it at that.
+TRI_MAX_SWEEPS = 30
 
 
 @functools.cache
@@ -1595,6 +1598,7 @@ def library(
         "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
         **scalar_params(dtype, max_sweeps),
         one_max_n=str(ONE_MAX_N),
+        tri_max_it=str(min(TRI_MAX_SWEEPS, max_sweeps)),
         is64="1" if is64 else "0",
         vbytes=str(vbytes),
         vsqrt512="_mm512_sqrt_pd" if is64 else "_mm512_sqrt_ps",
