@@ -28,8 +28,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   the SVD sweeps (1.3-2.6× over one matrix per thread, n = 3…32), then finishes each lane alone.
 - **eigh of one matrix** (``tp_eigh1`` with flag 3, used by :mod:`torchport.linalg.one`):
   Householder tridiagonalization, then implicit QL with Wilkinson shifts (LAPACK dsytrd 'U' +
-  dsteqr/tql2), Givens rotations applied to contiguous rows of Qᵀ; an eigenvalue that takes more
-  than ``TRI_MAX_SWEEPS`` sweeps sends the matrix to the Jacobi worker instead.
+  dsteqr/tql2), Givens rotations applied to contiguous rows of Qᵀ; eigenvalues only: the same
+  sweeps in root-free form on e² (dsterf), 1.1-1.2x faster at n = 8…32. An eigenvalue that takes
+  more than ``TRI_MAX_SWEEPS`` sweeps sends the matrix to the Jacobi worker instead.
 - **QR**: Householder reflectors with LAPACK's sign convention (β = −sign(α)‖x‖, so the results
   match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
   For max(m, n) ≤ 64 and batches that fill the lanes ``tp_qr_vec`` runs the same steps on VLN
@@ -1383,6 +1384,40 @@ TP_INLINE T tri_hypot(T f, T g) {
     return m * TSQRT(f * f + g * g);
 }
 
+/* Eigenvalues only: the same QL sweeps in root-free form on the squared off-diagonal (LAPACK
+   dsterf, Pal-Walker-Kahan): the same shifts and test (|e_j| <= eps (|d_j| + |d_j+1|), compared
+   in squares), equal in exact arithmetic, but no square root in the rotations' latency chain. */
+TP_INLINE int tri_ql_squared(T *d, T *e, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) e[j] *= e[j];
+    for (int64_t l = 0; l < n - 1; ++l) {
+        for (int it = 0;; ++it) {
+            int64_t m = l;
+            for (; m < n - 1; ++m) {
+                const T t = EPS * (TFABS(d[m]) + TFABS(d[m + 1]));
+                if (e[m] <= t * t) break;
+            }
+            if (m == l) break;
+            if (it == TRI_MAX_IT) return 2;
+            const T rte = TSQRT(e[l]);
+            T g = (d[l + 1] - d[l]) / (2 * rte);
+            T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
+            const T sigma = d[l] - rte / (g + (g >= 0 ? r : -r));
+            T c = 1, s = 0, gamma = d[m] - sigma, p = gamma * gamma;
+            for (int64_t i = m - 1; i >= l; --i) {
+                const T bb = e[i], oldc = c, oldgam = gamma, alpha = d[i];
+                r = p + bb;
+                if (i != m - 1) e[i + 1] = s * r;
+                c = p / r; s = bb / r;
+                gamma = c * (alpha - sigma) - s * oldgam;
+                d[i + 1] = oldgam + (alpha - gamma);
+                p = c != 0 ? gamma * gamma / c : oldc * bb;
+            }
+            e[l] = s * p; d[l] = sigma + gamma;
+        }
+    }
+    return 0;
+}
+
 static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv) {
     if (!all_finite(in, n * n)) return 1;
     const int64_t nv = (n + TRI_VL - 1) / TRI_VL, ld = nv * TRI_VL;
@@ -1465,7 +1500,8 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
     d[0] = A[0];
     if (n > 1) { d[1] = A[ld + 1]; e[0] = A[ld]; }
     e[n - 1] = 0;
-    for (int64_t l = 0; l < n - 1; ++l) {
+    if (!wantv && tri_ql_squared(d, e, n)) return 2;
+    for (int64_t l = 0; wantv && l < n - 1; ++l) {
         for (int it = 0;; ++it) {
             int64_t m = l;
             while (m < n - 1 && TFABS(e[m]) > EPS * (TFABS(d[m]) + TFABS(d[m + 1]))) ++m;

@@ -14,7 +14,9 @@ The native kernels must agree with them to working precision (tests/test_linalg.
 - ``eigh_reference``: two-sided Jacobi (cyclic, round-robin as the lane kernel, or the block
   order of ``eigh_block``) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
 - ``eigh_tridiagonal_reference``: Householder tridiagonalization, then implicit QL with
-  Wilkinson shifts (tql2/dsteqr), e_j negligible when |e_j| ≤ eps·(|d_j| + |d_j+1|).
+  Wilkinson shifts (tql2/dsteqr), e_j negligible when |e_j| ≤ eps·(|d_j| + |d_j+1|). The
+  one-matrix kernel reduces from the last row up (dsytrd 'U'), and for eigenvalues only runs
+  the same sweeps in root-free form on e² (dsterf): equal in exact arithmetic.
 - ``qr_reference``: Householder with LAPACK's sign convention.
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
 """
