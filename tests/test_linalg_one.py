@@ -74,7 +74,7 @@ def test_eigh_matches_batched_kernel_and_torch(
     shape: tuple[int, ...], dtype: torch.dtype, upper: bool
 ) -> None:
     a = _rand(shape, dtype)  # not symmetric: only the UPLO triangle may be read
-    got = one.eigh_plan(a.shape, dtype, upper, True)(a)
+    got = one.eigh_plan(a.shape, dtype, upper, True, tridiagonal=False)(a)
     assert type(got) is type(torch.linalg.eigh(a))
     lam, q, bad = kernels.eigh(_flat(a), upper, True, lanes=False)
     assert bad == 0
@@ -82,7 +82,145 @@ def test_eigh_matches_batched_kernel_and_torch(
     _same(got.eigenvectors, q)
     ref = torch.linalg.eigvalsh(a, UPLO="U" if upper else "L")
     torch.testing.assert_close(got.eigenvalues, ref, atol=10 * _tol(dtype), rtol=_tol(dtype))
-    assert torch.equal(one.eigh_plan(a.shape, dtype, upper, False)(a), got.eigenvalues)
+    vals = one.eigh_plan(a.shape, dtype, upper, False, tridiagonal=False)(a)
+    assert torch.equal(vals, got.eigenvalues)
+
+
+TRI_N = [1, 2, 3, 5, 8, 13, 16, 24, 32]
+TRI_KINDS = ["random", "repeated", "clustered", "diagonal", "zero", "identity", "graded", "tiny"]
+
+
+def _sym(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """One symmetric n x n matrix: random; two eigenvalues of multiplicity ~n/2 (repeated);
+    eigenvalues 1 + j·1e-9 (clustered, ill-conditioned vectors); diagonal with repeats; zero;
+    identity; entries scaled by g_i g_j over 12 (f64) / 5 (f32) decades (graded); random times
+    1e-150 (f64) / 1e-18 (f32), where squares underflow (tiny)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n, dtype=torch.float64, generator=gen)
+    x = x + x.mT
+    q = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))[0]
+    if kind == "repeated":
+        x = (q * torch.tensor([1.0] * (n // 2) + [3.0] * (n - n // 2), dtype=torch.float64)) @ q.mT
+    elif kind == "clustered":
+        x = (q * (1 + 1e-9 * torch.arange(n, dtype=torch.float64))) @ q.mT
+    elif kind == "diagonal":
+        x = torch.diag(torch.tensor([2.0, -1.0, 2.0, 0.5] * n, dtype=torch.float64)[:n])
+    elif kind == "zero":
+        x = torch.zeros(n, n, dtype=torch.float64)
+    elif kind == "identity":
+        x = torch.eye(n, dtype=torch.float64)
+    elif kind == "graded":
+        g = torch.logspace(0, -12 if dtype == torch.float64 else -5, n, dtype=torch.float64)
+        x = x * g[:, None] * g[None, :]
+    elif kind == "tiny":
+        x = x * (1e-150 if dtype == torch.float64 else 1e-18)
+    return x.to(dtype).contiguous()
+
+
+def _check_eigh(
+    x: torch.Tensor, lam: torch.Tensor, q: torch.Tensor | None, ref_lam: torch.Tensor
+) -> None:
+    """Eigenvalues within 8 n eps ‖X‖ of ``ref_lam``, ascending; ‖XQ - QΛ‖ <= 8 n eps ‖X‖ and
+    ‖QᵀQ - I‖_max <= 8 n eps."""
+    n, eps = x.shape[-1], torch.finfo(x.dtype).eps
+    nrm = max(float(x.double().norm()), 1e-300)
+    assert float((lam.double() - ref_lam.double()).abs().max()) <= 8 * n * eps * nrm
+    assert torch.equal(lam, lam.sort().values)
+    if q is None:
+        return
+    xd, qd, ld = x.double(), q.double(), lam.double()
+    assert float((xd @ qd - qd * ld).norm()) <= 8 * n * eps * nrm
+    assert float((qd.mT @ qd - torch.eye(n, dtype=torch.float64)).abs().max()) <= 8 * n * eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", TRI_KINDS)
+@pytest.mark.parametrize("n", TRI_N)
+def test_eigh_tridiagonal_matches_reference_and_torch(
+    n: int, kind: str, dtype: torch.dtype
+) -> None:
+    a = _sym(kind, n, dtype, seed=n)
+    got = one.eigh_plan(a.shape, dtype, False, True, tridiagonal=True)(a)
+    assert type(got) is type(torch.linalg.eigh(a))
+    ref = torch.linalg.eigh(a)
+    _check_eigh(a, got.eigenvalues, got.eigenvectors, ref.eigenvalues)
+    rl, rq = tl.eigh_tridiagonal_reference(a[None])
+    _check_eigh(a, got.eigenvalues, None, rl[0])
+    if kind == "random":  # distinct eigenvalues: the same vectors as the reference, up to sign
+        sign = torch.sign((got.eigenvectors * rq[0]).sum(0))
+        tol = 64 * n * torch.finfo(dtype).eps
+        torch.testing.assert_close(got.eigenvectors * sign, rq[0], atol=tol, rtol=0)
+    vals = one.eigh_plan(a.shape, dtype, False, False, tridiagonal=True)(a)
+    _check_eigh(a, vals, None, ref.eigenvalues)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 5, 5), (13, 13), (1, 1, 24, 24)], ids=str)
+@pytest.mark.parametrize("upper", [False, True])
+def test_eigh_tridiagonal_reads_one_triangle(
+    shape: tuple[int, ...], dtype: torch.dtype, upper: bool
+) -> None:
+    a = _rand(shape, dtype)  # not symmetric: only the UPLO triangle may be read
+    got = one.eigh_plan(a.shape, dtype, upper, True, tridiagonal=True)(a)
+    x = (a.triu() if upper else a.tril()).reshape(shape[-2:])
+    x = x + x.mT - torch.diag(x.diagonal())
+    ref = torch.linalg.eigvalsh(a, UPLO="U" if upper else "L").reshape(-1)
+    assert got.eigenvalues.shape == shape[:-1] and got.eigenvectors.shape == shape
+    _check_eigh(x, got.eigenvalues.reshape(-1), got.eigenvectors.reshape(x.shape), ref)
+    vals = one.eigh_plan(a.shape, dtype, upper, False, tridiagonal=True)(a)
+    assert vals.shape == shape[:-1]
+    _check_eigh(x, vals.reshape(-1), None, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_eigh_tridiagonal_rejects_non_finite(dtype: torch.dtype, bad: float) -> None:
+    for n, where in ((16, 0), (4, 3)):
+        a = _sym("random", n, dtype)
+        a[where, 0] = bad  # lower triangle
+        for wantv in (True, False):
+            with pytest.raises(torch.linalg.LinAlgError, match=r"linalg\.eigh: The alg"):
+                one.eigh_plan(a.shape, dtype, False, wantv, tridiagonal=True)(a)
+
+
+def test_eigh_plan_default_algorithm() -> None:
+    """Jacobi below EIGH_TRIDIAGONAL_FROM (bit-equal to the batched kernel), QL from it on."""
+    for dtype in DTYPES:
+        lo, hi = one.EIGH_TRIDIAGONAL_FROM[dtype] - 1, one.EIGH_TRIDIAGONAL_FROM[dtype]
+        a = _rand((lo, lo), dtype)
+        assert torch.equal(
+            one.eigh_plan(a.shape, dtype, False, True)(a).eigenvectors,
+            one.eigh_plan(a.shape, dtype, False, True, tridiagonal=False)(a).eigenvectors,
+        )
+        b = _rand((hi, hi), dtype)
+        assert torch.equal(
+            one.eigh_plan(b.shape, dtype, False, True)(b).eigenvectors,
+            one.eigh_plan(b.shape, dtype, False, True, tridiagonal=True)(b).eigenvectors,
+        )
+
+
+@pytest.mark.parametrize("n", [5, 16, 32])
+def test_auto_eigh_tridiagonal_route_and_autograd_match_torch(n: int) -> None:
+    """A single matrix that "auto" routes native runs the QL launcher; with autograd to record
+    it takes the general path, and values and gradients match torch.linalg.eigh."""
+    tl._drop_routes()
+    a = _spd((n, n), torch.float64)
+    tl._sync_routes()
+    tl._fast[("eigh", a.shape, a.dtype, a.device, (False, True))] = "native"
+    got = tl.eigh(a)
+    run = tl._one["eigh"][(a.shape, a.dtype, "L", True)]
+    assert torch.equal(run(a).eigenvectors, got.eigenvectors)
+    _check_eigh(a, got.eigenvalues, got.eigenvectors, torch.linalg.eigvalsh(a))
+    x = a.clone().requires_grad_()
+    y = a.clone().requires_grad_()
+    w = _rand((n, n), torch.float64, seed=1)
+    lam, q = tl.eigh(x)
+    (lam.sum() + ((q * q.sum(0).sign()) * w).sum()).backward()
+    lam_t, q_t = torch.linalg.eigh(y)
+    (lam_t.sum() + ((q_t * q_t.sum(0).sign()) * w).sum()).backward()
+    assert x.grad is not None and y.grad is not None
+    torch.testing.assert_close(x.grad, y.grad, atol=1e-8, rtol=1e-8)
+    tl._drop_routes()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -236,6 +374,25 @@ def test_auto_learns_launchers_for_native_routes(dtype: torch.dtype) -> None:
 
 
 def test_one_matrix_candidates() -> None:
-    assert tl._one_candidate("eigh", 12, 12) and not tl._one_candidate("eigh", 16, 16)
+    assert tl._one_candidate("eigh", 16, 16) and tl._one_candidate("eigh", 32, 32)
+    assert not tl._one_candidate("eigh", 33, 33)
     assert tl._one_candidate("svd", 32, 32) and tl._one_candidate("qr", 32, 5)
     assert not tl._one_candidate("svd", 33, 33) and not tl._one_candidate("cholesky", 0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eigh_tridiagonal_falls_back_to_jacobi(dtype: torch.dtype) -> None:
+    """An eigenvalue that needs more QL sweeps than the cap sends the matrix to the Jacobi worker:
+    with the cap at one sweep (a library built with max_sweeps=1) the tridiagonal flag returns
+    the (one-sweep) Jacobi result bit for bit."""
+    call = kernels.library(dtype, kernels.native.cpu_info().isa, max_sweeps=1)["eigh1"].raw_call
+    a = _sym("random", 16, dtype)
+    outs = []
+    for tri in (True, False):
+        lam, q = torch.empty(16, dtype=dtype), torch.empty(16, 16, dtype=dtype)
+        code = one._code(0, 16, False, True, bool(kernels.EIGH_ORDER), tri)
+        assert call(a.data_ptr(), lam.data_ptr(), q.data_ptr(), code) == 0
+        outs.append((lam, q))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    full = one.eigh_plan(a.shape, dtype, False, True, tridiagonal=True)(a)
+    assert not torch.equal(full.eigenvectors, outs[1][1])  # the uncapped worker: QL

@@ -12,7 +12,10 @@ float32/float64. Each also takes ``method``:
 - ``"lapack"``: ``torch.linalg`` itself (MKL/LAPACK on CPU).
 - ``"auto"`` (default): whichever was faster when measured by the autotuner for this
   (op, batch bucket, m, n, dtype, options), with ``torch.linalg`` as the anchor; the native kernel
-  is chosen only if it beat the anchor by more than the noise margin.
+  is chosen only if it beat the anchor by more than the noise margin. For a single matrix the
+  native side is the one-matrix launcher (:mod:`~torchport.linalg.one`), whose ``eigh`` from
+  order 4 is tridiagonal QL rather than Jacobi: ``"jacobi"`` always gives a Jacobi result,
+  ``"auto"`` whichever algorithm is fastest.
 
 Complex inputs go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``; the
 native kernels are real-only. Autograd follows ``torch.linalg``'s formulas
@@ -34,6 +37,7 @@ from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
     eigh_reference,
+    eigh_tridiagonal_reference,
     qr_reference,
     svd_reference,
 )
@@ -47,6 +51,7 @@ __all__ = [
     "cholesky_reference",
     "eigh",
     "eigh_reference",
+    "eigh_tridiagonal_reference",
     "eigvalsh",
     "qr",
     "qr_reference",
@@ -63,12 +68,12 @@ QR_MODES = ("reduced", "complete", "r")
 # minima of 7), so Cholesky stays a candidate up to 1024 and the tuner decides.
 NATIVE_MAX_N = {"svd": 96, "eigh": 96, "qr": 256, "cholesky": 1024}
 # For a single matrix the one-matrix launcher (torchport.linalg.one) is a candidate up to
-# one.ONE_MAX_N, for eigh only up to 12. Launcher speed over torch.linalg.eigh on the Zen 3,
-# benchmarks.compare medians, three runs each, shapes (1, n, n) and (n, n), load 2.6: n = 12
-# 1.16-1.26x (f32) 0.96-0.98x (f64); n = 16 0.78-0.83x / 0.66-0.67x; n = 20 0.61-0.64x /
-# 0.58-0.59x; n = 24 0.52-0.79x / 0.47-0.49x. A tuned route that flips on a noisy run there
-# would cost more than LAPACK's route check.
-ONE_MATRIX_MAX_N = {"eigh": 12}
+# one.ONE_MAX_N; an op listed here only up to its bound. eigh was capped at 12 while its
+# launcher ran cyclic Jacobi (0.66x torch.linalg.eigh at n = 16 f64); from n = 4 it runs
+# tridiagonal QL (one.EIGH_TRIDIAGONAL_FROM), 2.1-3.0x faster than torch.linalg.eigh at
+# n = 16…32 and 1.4-2.3x for eigenvalues only (alternated medians, load 2.6-3.6), so it
+# competes up to one.ONE_MAX_N too.
+ONE_MATRIX_MAX_N: dict[str, int] = {"eigh": one.ONE_MAX_N}
 
 
 def _one_candidate(op: str, m: int, n: int) -> bool:

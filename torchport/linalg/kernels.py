@@ -26,6 +26,11 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   one pass of 2x2 blocks per round, converged block pairs skipped), 1.2-2.1x faster again.
   ``tp_svd_vec`` does the same for
   the SVD sweeps (1.3-2.6× over one matrix per thread, n = 3…32), then finishes each lane alone.
+- **eigh of one matrix** (``tp_eigh1`` with flag 3, used by :mod:`torchport.linalg.one`):
+  Householder tridiagonalization, then implicit QL with Wilkinson shifts (LAPACK dsytrd 'U' +
+  dsteqr/tql2), Givens rotations applied to contiguous rows of Qᵀ; eigenvalues only: the same
+  sweeps in root-free form on e² (dsterf), 1.1-1.2x faster at n = 8…32. An eigenvalue that takes
+  more than ``TRI_MAX_SWEEPS`` sweeps sends the matrix to the Jacobi worker instead.
 - **QR**: Householder reflectors with LAPACK's sign convention (β = −sign(α)‖x‖, so the results
   match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
   For max(m, n) ≤ 64 and batches that fill the lanes ``tp_qr_vec`` runs the same steps on VLN
@@ -1350,6 +1355,196 @@ TP_EXPORT int tp_svd1(const T *a, T *S, T *U, T *Vh, int64_t code) {
     return svd_one(a, S, U, Vh, m, n, uv, full, &sc);
 }
 
+/* One matrix by tridiagonal QL (flag 3 of tp_eigh1): the steps of
+   reference.eigh_tridiagonal_reference, with the reduction run from the last row up (LAPACK's
+   dsytrd with UPLO = 'U') so that the active block A[0:k, 0:k] starts every row at a vector
+   boundary. A (scaled by a power of two to max |a_ij| in [0.5, 1), so no square in the rotations
+   can overflow) is held full and symmetric in rows of ld = n rounded up to TRI_VL elements;
+   step k = n-1 … 2 reflects row k's entries 0 … k-2 into e[k-1] with H_k = I - τ v vᵀ, v[k-1] = 1
+   (dlarfg's sign), updates A[0:k, 0:k] -= v wᵀ + w vᵀ, w = p - (τ/2)(pᵀv) v, p = τ A v (p as a
+   sum of rows, all in whole vectors: v, p and w are zero from column k on), and applies H_k to
+   Zᵀ from the left at once (Zᵀ = H_2 … H_{n-1}, rows of Zᵀ = columns of Z), so no reflector is
+   kept. Then tql2's implicit QL on (d, e) with Wilkinson shifts, e[j] negligible when
+   |e_j| <= eps (|d_j| + |d_j+1|), each Givens rotation applied to two contiguous rows of Zᵀ.
+   Returns 0, 1 for non-finite input, or 2 when an eigenvalue needs more than TRI_MAX_IT sweeps
+   (the caller then runs the Jacobi worker instead). */
+#define TRI_MAX_IT ${tri_max_it}
+#define TRI_VL ((int64_t)(32 / sizeof(T)))
+typedef T TV __attribute__((vector_size(32), aligned(32), may_alias));
+#define TRI_TINY2 ((T)(${is64} ? 1e-280 : 1e-30))
+#define TRI_BIG ((T)(${is64} ? 1e8 : 1e4))
+
+/* sqrt(f² + g²), rescaled when the squares could underflow (the matrix is scaled to norm ~1). */
+TP_INLINE T tri_hypot(T f, T g) {
+    T r2 = f * f + g * g;
+    if (r2 >= TRI_TINY2) return TSQRT(r2);
+    T m = TFABS(f) > TFABS(g) ? TFABS(f) : TFABS(g);
+    if (m == 0) return 0;
+    f /= m; g /= m;
+    return m * TSQRT(f * f + g * g);
+}
+
+/* Eigenvalues only: the same QL sweeps in root-free form on the squared off-diagonal (LAPACK
+   dsterf, Pal-Walker-Kahan): the same shifts and test (|e_j| <= eps (|d_j| + |d_j+1|), compared
+   in squares), equal in exact arithmetic, but no square root in the rotations' latency chain. */
+TP_INLINE int tri_ql_squared(T *d, T *e, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) e[j] *= e[j];
+    for (int64_t l = 0; l < n - 1; ++l) {
+        for (int it = 0;; ++it) {
+            int64_t m = l;
+            for (; m < n - 1; ++m) {
+                const T t = EPS * (TFABS(d[m]) + TFABS(d[m + 1]));
+                if (e[m] <= t * t) break;
+            }
+            if (m == l) break;
+            if (it == TRI_MAX_IT) return 2;
+            const T rte = TSQRT(e[l]);
+            T g = (d[l + 1] - d[l]) / (2 * rte);
+            T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
+            const T sigma = d[l] - rte / (g + (g >= 0 ? r : -r));
+            T c = 1, s = 0, gamma = d[m] - sigma, p = gamma * gamma;
+            for (int64_t i = m - 1; i >= l; --i) {
+                const T bb = e[i], oldc = c, oldgam = gamma, alpha = d[i];
+                r = p + bb;
+                if (i != m - 1) e[i + 1] = s * r;
+                c = p / r; s = bb / r;
+                gamma = c * (alpha - sigma) - s * oldgam;
+                d[i + 1] = oldgam + (alpha - gamma);
+                p = c != 0 ? gamma * gamma / c : oldc * bb;
+            }
+            e[l] = s * p; d[l] = sigma + gamma;
+        }
+    }
+    return 0;
+}
+
+static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv) {
+    if (!all_finite(in, n * n)) return 1;
+    const int64_t nv = (n + TRI_VL - 1) / TRI_VL, ld = nv * TRI_VL;
+    T A[ONE_MAX_N * ONE_MAX_N] __attribute__((aligned(64)));
+    T Z[ONE_MAX_N * ONE_MAX_N] __attribute__((aligned(64)));
+    T v[ONE_MAX_N] __attribute__((aligned(64))), p[ONE_MAX_N] __attribute__((aligned(64)));
+    T u[ONE_MAX_N] __attribute__((aligned(64)));
+    T d[ONE_MAX_N + 1], e[ONE_MAX_N + 1];
+    int64_t perm[ONE_MAX_N];
+    TV *Av = (TV *)A, *Zv = (TV *)Z, *vv = (TV *)v, *pv = (TV *)p, *uv = (TV *)u;
+    const TV vzero = {0};
+    T amax = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+            T x = TFABS(upper ? in[j * n + i] : in[i * n + j]);
+            amax = x > amax ? x : amax;
+        }
+    if (amax == 0) {
+        for (int64_t j = 0; j < n; ++j) L[j] = 0;
+        if (wantv) for (int64_t j = 0; j < n * n; ++j) Q[j] = j % (n + 1) == 0;
+        return 0;
+    }
+    int ex;
+    frexp((double)amax, &ex);
+    const T sc = (T)ldexp(1.0, -ex), back = (T)ldexp(1.0, ex);
+    for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = 0; j <= i; ++j) {
+            T x = sc * (upper ? in[j * n + i] : in[i * n + j]);
+            A[i * ld + j] = x; A[j * ld + i] = x;
+        }
+        for (int64_t j = n; j < ld; ++j) A[i * ld + j] = 0;
+    }
+    if (wantv)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < ld; ++j) Z[i * ld + j] = i == j;
+    for (int64_t k = n - 1; k >= 2; --k) {
+        T *ak = A + k * ld;
+        T alpha = ak[k - 1], xn2 = 0;
+        for (int64_t j = 0; j < k - 1; ++j) xn2 += ak[j] * ak[j];
+        d[k] = ak[k];
+        if (xn2 == 0) { e[k - 1] = alpha; continue; }
+        T beta = TSQRT(alpha * alpha + xn2);
+        if (alpha > 0) beta = -beta;
+        const T tau = (beta - alpha) / beta, sv = 1 / (alpha - beta);
+        e[k - 1] = beta;
+        const int64_t kv = (k + TRI_VL - 1) / TRI_VL;
+        for (int64_t j = 0; j < k - 1; ++j) v[j] = ak[j] * sv;
+        v[k - 1] = 1;
+        for (int64_t j = k; j < kv * TRI_VL; ++j) v[j] = 0;
+        for (int64_t c = 0; c < kv; ++c) pv[c] = vzero;
+        for (int64_t j = 0; j < k; ++j) {
+            const TV tv = vzero + tau * v[j];
+            const TV *row = Av + j * nv;
+            for (int64_t c = 0; c < kv; ++c) pv[c] += tv * row[c];
+        }
+        for (int64_t j = k; j < kv * TRI_VL; ++j) p[j] = 0;
+        T pv_dot = 0;
+        for (int64_t j = 0; j < k; ++j) pv_dot += p[j] * v[j];
+        const TV kk = vzero + (T)0.5 * tau * pv_dot;
+        for (int64_t c = 0; c < kv; ++c) pv[c] -= kk * vv[c];  /* p is now w */
+        for (int64_t i = 0; i < k; ++i) {
+            const TV vi = vzero + v[i], wi = vzero + p[i];
+            TV *row = Av + i * nv;
+            for (int64_t c = 0; c < kv; ++c) row[c] -= vi * pv[c] + wi * vv[c];
+        }
+        if (wantv) {  /* Zᵀ <- H_k Zᵀ: u = Σ_j v_j Zᵀ[j], Zᵀ[j] -= τ v_j u */
+            for (int64_t c = 0; c < nv; ++c) uv[c] = vzero;
+            for (int64_t j = 0; j < k; ++j) {
+                const TV vj = vzero + v[j];
+                const TV *row = Zv + j * nv;
+                for (int64_t c = 0; c < nv; ++c) uv[c] += vj * row[c];
+            }
+            for (int64_t j = 0; j < k; ++j) {
+                const TV tv = vzero + tau * v[j];
+                TV *row = Zv + j * nv;
+                for (int64_t c = 0; c < nv; ++c) row[c] -= tv * uv[c];
+            }
+        }
+    }
+    d[0] = A[0];
+    if (n > 1) { d[1] = A[ld + 1]; e[0] = A[ld]; }
+    e[n - 1] = 0;
+    if (!wantv && tri_ql_squared(d, e, n)) return 2;
+    for (int64_t l = 0; wantv && l < n - 1; ++l) {
+        for (int it = 0;; ++it) {
+            int64_t m = l;
+            while (m < n - 1 && TFABS(e[m]) > EPS * (TFABS(d[m]) + TFABS(d[m + 1]))) ++m;
+            if (m == l) break;
+            if (it == TRI_MAX_IT) return 2;
+            T g = (d[l + 1] - d[l]) / (2 * e[l]);
+            T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
+            g = d[m] - d[l] + e[l] / (g + (g >= 0 ? r : -r));
+            T s = 1, c = 1, pp = 0;
+            int64_t i = m - 1;
+            for (; i >= l; --i) {
+                const T f = s * e[i], b = c * e[i];
+                r = tri_hypot(f, g);
+                e[i + 1] = r;
+                if (r == 0) { d[i + 1] -= pp; e[m] = 0; break; }
+                s = f / r; c = g / r;  /* two independent divisions: shorter chain than 1/r */
+                g = d[i + 1] - pp;
+                r = (d[i] - g) * s + 2 * c * b;
+                pp = s * r;
+                d[i + 1] = g + pp;
+                g = c * r - b;
+                if (wantv) {
+                    TV *zi = Zv + i * nv, *zj = zi + nv;
+                    const TV cv = vzero + c, sv2 = vzero + s;
+                    for (int64_t q = 0; q < nv; ++q) {
+                        const TV x = zi[q], y = zj[q];
+                        zj[q] = sv2 * x + cv * y;
+                        zi[q] = cv * x - sv2 * y;
+                    }
+                }
+            }
+            if (i >= l) continue;  /* deflated by an underflowing rotation */
+            d[l] -= pp; e[l] = g; e[m] = 0;
+        }
+    }
+    sort_asc(d, perm, n);
+    for (int64_t j = 0; j < n; ++j) L[j] = d[perm[j]] * back;
+    if (wantv)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) Q[i * n + j] = Z[perm[j] * ld + i];
+    return 0;
+}
+
 TP_EXPORT int tp_eigh1(const T *a, T *L, T *Q, int64_t code) {
     const int64_t n = ONE_N(code);
     const int upper = ONE_F(code, 0), wantv = ONE_F(code, 1), order = ONE_F(code, 2);
@@ -1359,6 +1554,10 @@ TP_EXPORT int tp_eigh1(const T *a, T *L, T *Q, int64_t code) {
     int64_t perm[3 * n + 6];
     int64_t *lp = perm + n + 2, *lq = lp + n + 2;
     int32_t pairs[(n + 2) * (n + 2)];
+    if (ONE_F(code, 3)) {
+        int st = eigh_tri_one(a, L, Q, n, upper, wantv);
+        if (st != 2) return st;
+    }
     const int64_t np = make_pairs(pairs, n, order), round = order ? (n + (n & 1)) / 2 : 0;
     if (n == 2) return eigh_one(a, L, Q, 2, upper, wantv, A, V, d, perm, pairs, np, round, cs, lp, lq);
     if (n == 3) return eigh_one(a, L, Q, 3, upper, wantv, A, V, d, perm, pairs, np, round, cs, lp, lq);
@@ -1412,6 +1611,9 @@ SOURCE_TAG = hashlib.sha256(
 MAX_SWEEPS = 60
 # The largest max(m, n) the one-matrix entry points (tp_svd1, ...) take (stack scratch).
 ONE_MAX_N = 32
+# QL sweeps per eigenvalue before tp_eigh1's tridiagonal worker gives the matrix to Jacobi
+# (LAPACK dsteqr's bound); a library built with fewer ``max_sweeps`` caps it at that.
+TRI_MAX_SWEEPS = 30
 
 
 @functools.cache
@@ -1432,6 +1634,7 @@ def library(
         "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
         **scalar_params(dtype, max_sweeps),
         one_max_n=str(ONE_MAX_N),
+        tri_max_it=str(min(TRI_MAX_SWEEPS, max_sweeps)),
         is64="1" if is64 else "0",
         vbytes=str(vbytes),
         vsqrt512="_mm512_sqrt_pd" if is64 else "_mm512_sqrt_ps",

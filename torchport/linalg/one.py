@@ -10,8 +10,11 @@ thread team, scratch on the stack, sizes and flags packed in one argument (a cty
 ~0.4 us plus ~0.15 us per int64 argument, ~0.07 us per pointer).
 
 The entry points run the batched kernels' per-matrix workers, so results equal the batched
-kernels' (one matrix per thread) bit for bit; the plain-torch references of the algorithms are
-those of :mod:`torchport.linalg.reference`. A launcher returns what the public function returns
+kernels' (one matrix per thread) bit for bit, except eigh from order ``EIGH_TRIDIAGONAL_FROM``:
+there ``tp_eigh1`` runs Householder tridiagonalization and implicit QL (2-3x faster than
+torch.linalg.eigh at n = 4…32, where cyclic Jacobi loses from n ≈ 13), which no batched kernel
+shares (reference: ``eigh_tridiagonal_reference``). The plain-torch references of the
+algorithms are those of :mod:`torchport.linalg.reference`. A launcher returns what the public function returns
 (torch's named tuples, or the lone tensor of ``svdvals``, ``eigvalsh`` and ``cholesky``) and
 fails as the op layer does: ``torch.linalg.LinAlgError`` for non-finite input (svd, eigh) and,
 through the ``fail`` callback, for a leading minor that is not positive-definite (cholesky).
@@ -34,6 +37,17 @@ from torchport.linalg import kernels
 ONE_MAX_N = kernels.ONE_MAX_N
 
 _rt: Any = torch.return_types
+
+# From this order eigh_plan runs the tridiagonal QL worker (Householder + implicit QL, flag 3
+# of tp_eigh1) instead of cyclic Jacobi. One matrix, launcher calls, alternated medians of 201
+# rounds of 10 calls, load 2.6-3.6, us Jacobi -> tridiagonal (torch.linalg.eigh): f32 n = 2
+# 4.14 -> 4.11 (8.75), 3 4.42 -> 4.42, 4 4.72 -> 4.53, 8 8.33 -> 5.87, 12 16.1 -> 7.8, 16 33.6
+# -> 10.0 (24.3), 24 88.0 -> 17.2 (40.8), 32 171 -> 27.9 (83.5); f64 n = 2 4.18 -> 4.19 (8.86),
+# 3 4.53 -> 4.45, 4 5.08 -> 4.80, 8 10.2 -> 6.5, 12 21.3 -> 9.3, 16 46.0 -> 12.3 (28.8), 24 130
+# -> 24.2 (52.1), 32 246 -> 39.8 (98.6); eigenvalues only f64 n = 4 3.43 -> 3.13, 32 240 -> 29.4
+# (41.1). At n = 2, 3 the two tie, and the 2 x 2 / 3 x 3 Jacobi worker is built at constant
+# size, so it keeps those.
+EIGH_TRIDIAGONAL_FROM = {torch.float32: 4, torch.float64: 4}
 
 
 def fits(m: int, n: int) -> bool:
@@ -103,12 +117,21 @@ def svd_plan(
 
 
 def eigh_plan(
-    shape: torch.Size, dtype: torch.dtype, upper: bool, compute_v: bool
+    shape: torch.Size,
+    dtype: torch.dtype,
+    upper: bool,
+    compute_v: bool,
+    tridiagonal: bool | None = None,
 ) -> Callable[[torch.Tensor], Any]:
-    """``eigh`` (``linalg_eigh`` named tuple) or, without ``compute_v``, ``eigvalsh`` (L)."""
+    """``eigh`` (``linalg_eigh`` named tuple) or, without ``compute_v``, ``eigvalsh`` (L).
+
+    ``tridiagonal``: run the tridiagonal QL worker (flag 3 of ``tp_eigh1``) instead of cyclic
+    Jacobi; None = from ``EIGH_TRIDIAGONAL_FROM[dtype]`` on."""
     _, n = _check_plan(shape)
     call = _call(dtype, "eigh1")
-    code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER))
+    if tridiagonal is None:
+        tridiagonal = n >= EIGH_TRIDIAGONAL_FROM[dtype]
+    code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER), tridiagonal)
     lam_like = torch.empty(shape[:-1], dtype=dtype)
     if not compute_v:
 
