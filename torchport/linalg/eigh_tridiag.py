@@ -1,0 +1,378 @@
+"""Batched symmetric eigh by Householder tridiagonalisation and implicit QL, one matrix per lane.
+
+VLN matrices (4 float64 / 8 float32 per ymm register, twice that per zmm on avx512) are held
+interleaved, one per SIMD lane, in the layout of the Jacobi lane kernels
+(:mod:`torchport.linalg.eigh_block`): element (i, j) of every lane's matrix in one vector. All
+lanes execute the same instructions; what differs per lane (norms, signs, convergence) is
+selected by blends.
+
+1. **Scaling**: each lane is scaled by the power of two that brings its largest entry of the
+   read triangle into [1, 2) (exact; the eigenvalues are scaled back at the end).
+2. **Tridiagonalisation** T = Qᵀ A Q by n - 2 Householder reflectors H_k = I - τ v vᵀ, LAPACK's
+   convention (β = -sign(α) ‖x‖, v_0 = 1; τ = 0, the identity, where the column below the
+   subdiagonal is already zero), the trailing block updated as A - v wᵀ - w vᵀ with p = τ A v,
+   w = p - (τ/2)(pᵀv) v (full symmetric storage). Q is formed by backward accumulation, stored
+   transposed (row i of Z = column i of Q) so that the rotations below act on contiguous rows.
+3. **Implicit QL** with Wilkinson shifts (LAPACK ``dsteqr``'s QL branch): eigenvalue l is
+   iterated until |e_l| ≤ eps ‖T‖ in every lane. Each lane's block ends at its own first
+   negligible e_m (m ≥ l); the sweep runs over i = M-1 … l with M the largest m, a lane starting
+   its bulge chase at i = m - 1 (its own shift) and taking the identity rotation (c = 1,
+   s = 0, d and e unchanged) for i ≥ m and once e_l has converged. At most ``MAX_QL_ITERS``
+   sweeps per eigenvalue; past that the lane keeps what it has (the Jacobi kernels likewise
+   stop at their sweep cap without an error).
+4. Eigenvalues ascending (stable rank per lane), eigenvectors as columns of Q G.
+
+:func:`torchport.linalg.reference.eigh_tridiagonal_reference` states the same steps in plain
+torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+from torchport import native
+from torchport.linalg._cparams import lane_bytes, lane_params
+from torchport.native import IntArg, Kernel, TensorArg
+
+# QL sweeps per eigenvalue before the lane group moves on (LAPACK dsteqr allows 30 n in all).
+MAX_QL_ITERS = 30
+# Lane vectors of a zmm register on avx512 (as eigh_block.WIDE_LANES); not measured for this
+# kernel (no avx512 machine here).
+WIDE_LANES = {torch.float32: True, torch.float64: True}
+
+_SOURCE = r"""
+typedef ${elem} T;
+typedef T VT __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
+typedef ${ielem} VI __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
+#define VLN ((int64_t)(${vbytes} / sizeof(T)))
+#define EPS ((T)${eps})
+#define MAX_QL_ITERS ${max_sweeps}
+/* row stride of the lane matrices: n + 1 vectors (rows not a multiple of 4 KiB apart) */
+#define RS (n + 1)
+
+TP_INLINE VT vsel(VI m, VT a, VT b) { return (VT)(((VI)a & m) | ((VI)b & ~m)); }
+TP_INLINE VT vabs(VT x) { VT z = x - x; return vsel(x < z, -x, x); }
+TP_INLINE VT vsqrt(VT x) {
+#if ${vguard}
+    return (VT)${lsqrt}((${lvec})x);
+#else
+    VT r; for (int64_t l = 0; l < VLN; ++l) r[l] = ${sqrt}(x[l]); return r;
+#endif
+}
+TP_INLINE int vany(VI m) {
+#if ${vguard}
+    return ${lmovemask}((${lmask})m) != 0;
+#else
+    ${ielem} r = 0; for (int64_t l = 0; l < VLN; ++l) r |= m[l]; return r != 0;
+#endif
+}
+
+/* Householder tridiagonalisation of the lanes' full symmetric A (n x n, stride RS) in place:
+   d, e the diagonal and subdiagonal of T; row k of A keeps v_k in columns k+1..n-1 (v_k[0] = 1
+   implied), tau[k] its factor. p is scratch of n vectors. */
+TP_INLINE void tridiag(VT *A, int64_t n, VT *d, VT *e, VT *tau, VT *p) {
+    const VT zero = {0}, one = zero + 1;
+    for (int64_t k = 0; k + 2 < n; ++k) {
+        VT *x = A + k * RS + k + 1;
+        const int64_t m = n - k - 1;
+        VT alpha = x[0], xn2 = zero;
+        for (int64_t j = 1; j < m; ++j) xn2 += x[j] * x[j];
+        VI live = xn2 != zero;
+        VT nrm = vsqrt(alpha * alpha + xn2);
+        VT beta = vsel(alpha >= zero, -nrm, nrm);
+        VT den = vsel(live, alpha - beta, one);
+        VT t = vsel(live, (beta - alpha) / beta, zero), sc = one / den;
+        d[k] = A[k * RS + k];
+        e[k] = vsel(live, beta, alpha);
+        tau[k] = t;
+        x[0] = one;
+        for (int64_t j = 1; j < m; ++j) x[j] *= sc;
+        /* p = tau A22 v, then w = p - (tau / 2)(p . v) v in p */
+        VT *A22 = A + (k + 1) * RS + k + 1;
+        VT pv = zero;
+        for (int64_t i = 0; i < m; ++i) {
+            const VT *row = A22 + i * RS;
+            VT s0 = zero, s1 = zero;
+            int64_t j = 0;
+            for (; j + 1 < m; j += 2) { s0 += row[j] * x[j]; s1 += row[j + 1] * x[j + 1]; }
+            if (j < m) s0 += row[j] * x[j];
+            p[i] = t * (s0 + s1);
+            pv += p[i] * x[i];
+        }
+        const VT K = (T)0.5 * t * pv;
+        for (int64_t i = 0; i < m; ++i) p[i] -= K * x[i];
+        for (int64_t i = 0; i < m; ++i) {
+            VT *row = A22 + i * RS;
+            const VT vi = x[i], wi = p[i];
+            for (int64_t j = 0; j < m; ++j) row[j] -= vi * p[j] + wi * x[j];
+        }
+    }
+    if (n >= 2) {
+        d[n - 2] = A[(n - 2) * RS + n - 2];
+        e[n - 2] = A[(n - 2) * RS + n - 1];
+        tau[n - 2] = zero;
+    }
+    d[n - 1] = A[(n - 1) * RS + n - 1];
+    e[n - 1] = zero;
+}
+
+/* Z = Q^T (row i of Z is column i of Q = H_0 ... H_{n-3}), by backward accumulation. */
+TP_INLINE void form_q(const VT *A, int64_t n, const VT *tau, VT *Z) {
+    const VT zero = {0}, one = zero + 1;
+    for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = 0; j < n; ++j) Z[i * RS + j] = zero;
+        Z[i * RS + i] = one;
+    }
+    for (int64_t k = n - 3; k >= 0; --k) {
+        const VT *v = A + k * RS + k + 1, t = tau[k];
+        const int64_t m = n - k - 1;
+        for (int64_t r = k + 1; r < n; ++r) {
+            VT *z = Z + r * RS + k + 1;
+            VT s0 = zero, s1 = zero;
+            int64_t j = 0;
+            for (; j + 1 < m; j += 2) { s0 += z[j] * v[j]; s1 += z[j + 1] * v[j + 1]; }
+            if (j < m) s0 += z[j] * v[j];
+            const VT f = t * (s0 + s1);
+            for (j = 0; j < m; ++j) z[j] -= f * v[j];
+        }
+    }
+}
+
+/* Rows l..M of Z rotated by the sweep's rotations i = M-1 .. l (dsteqr's dlasr('R', 'V', 'B')):
+   z_{i+1}' = c z_{i+1} + s z_i, z_i' = c z_i - s z_{i+1}, four columns at a time. */
+TP_INLINE void rotate_rows(VT *Z, int64_t n, int64_t l, int64_t M, const VT *cs, const VT *sn) {
+    int64_t k = 0;
+    for (; k + 4 <= n; k += 4) {
+        VT x0 = Z[M * RS + k], x1 = Z[M * RS + k + 1], x2 = Z[M * RS + k + 2], x3 = Z[M * RS + k + 3];
+        for (int64_t i = M - 1; i >= l; --i) {
+            VT *zi = Z + i * RS + k, *zo = zi + RS;
+            const VT c = cs[i], s = sn[i];
+            VT y0 = zi[0], y1 = zi[1], y2 = zi[2], y3 = zi[3];
+            zo[0] = c * x0 + s * y0; zo[1] = c * x1 + s * y1;
+            zo[2] = c * x2 + s * y2; zo[3] = c * x3 + s * y3;
+            x0 = c * y0 - s * x0; x1 = c * y1 - s * x1;
+            x2 = c * y2 - s * x2; x3 = c * y3 - s * x3;
+        }
+        VT *zl = Z + l * RS + k;
+        zl[0] = x0; zl[1] = x1; zl[2] = x2; zl[3] = x3;
+    }
+    for (; k < n; ++k) {
+        VT x = Z[M * RS + k];
+        for (int64_t i = M - 1; i >= l; --i) {
+            const VT y = Z[i * RS + k];
+            Z[(i + 1) * RS + k] = cs[i] * x + sn[i] * y;
+            x = cs[i] * y - sn[i] * x;
+        }
+        Z[l * RS + k] = x;
+    }
+}
+
+/* Implicit QL with Wilkinson shifts on the lanes' tridiagonal (d, e), rotations applied to Z
+   when wantv. */
+TP_INLINE void ql(VT *d, VT *e, int64_t n, VT *Z, int wantv, VT *cs, VT *sn) {
+    const VT zero = {0}, one = zero + 1;
+    VT anorm = zero;
+    for (int64_t i = 0; i < n; ++i) {
+        VT x = vabs(d[i]) + vabs(e[i]);
+        anorm = vsel(x > anorm, x, anorm);
+    }
+    const VT tol = EPS * anorm;
+    for (int64_t l = 0; l + 1 < n; ++l) {
+        for (int it = 0; it < MAX_QL_ITERS; ++it) {
+            /* each lane's m: the first i >= l with |e_i| <= tol (n - 1 if none) */
+            VT mv = zero + (T)(n - 1);
+            for (int64_t i = n - 2; i >= l; --i) mv = vsel(vabs(e[i]) <= tol, zero + (T)i, mv);
+            const VT lv = zero + (T)l;
+            VI act = mv > lv;
+            if (!vany(act)) break;
+            T Mx = (T)l;
+            for (int64_t q = 0; q < VLN; ++q) Mx = mv[q] > Mx ? mv[q] : Mx;
+            const int64_t M = (int64_t)Mx;
+            /* shift: sigma = d_l - e_l / (g + sign(r, g)), g = (d_{l+1} - d_l) / (2 e_l) */
+            const VT el = vsel(act, e[l], one);
+            VT g0 = (d[l + 1] - d[l]) / (el + el);
+            VT r0 = vsqrt(g0 * g0 + one);
+            const VT sigma = d[l] - el / (g0 + vsel(g0 >= zero, r0, -r0));
+            VT g = zero, c = one, s = one, p = zero;
+            for (int64_t i = M - 1; i >= l; --i) {
+                const VT iv = zero + (T)i;
+                const VI st = mv == iv + 1, on = mv > iv;
+                g = vsel(st, d[i + 1] - sigma, g);
+                c = vsel(st, one, c); s = vsel(st, one, s); p = vsel(st, zero, p);
+                const VT ei = e[i], f = s * ei, b = c * ei;
+                const VT r2 = g * g + f * f;
+                const VI nz = r2 != zero;
+                const VT rinv = vsel(nz, one / vsqrt(r2), zero);
+                const VT rs = vsel(g >= zero, r2 * rinv, -(r2 * rinv));
+                const VT sg = vsel(g >= zero, one, -one);
+                c = vsel(nz, g * rinv * sg, one);
+                s = vsel(nz, f * rinv * sg, zero);
+                e[i + 1] = vsel(on & ~st, rs, e[i + 1]);
+                const VT gg = d[i + 1] - p;
+                const VT rr = (d[i] - gg) * s + (c + c) * b;
+                p = s * rr;
+                d[i + 1] = vsel(on, gg + p, d[i + 1]);
+                g = c * rr - b;
+                cs[i] = vsel(on, c, one);
+                sn[i] = vsel(on, s, zero);
+            }
+            d[l] = vsel(act, d[l] - p, d[l]);
+            e[l] = vsel(act, g, e[l]);
+            if (wantv) rotate_rows(Z, n, l, M, cs, sn);
+        }
+    }
+}
+
+TP_INLINE int eigh_tridiag(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
+                           VT *A, VT *Z, VT *d, VT *e, VT *tau, VT *cs, VT *sn, int64_t *perm) {
+    const VT zero = {0}, one = zero + 1;
+    const int64_t nn = n * n;
+    for (int64_t l = 0; l < cnt; ++l) {  /* x * 0 is NaN exactly for non-finite x */
+        T acc = 0;
+        #pragma omp simd reduction(+:acc)
+        for (int64_t i = 0; i < nn; ++i) acc += in[l * nn + i] * 0;
+        if (acc != acc) return (int)l + 1;
+    }
+    /* the read triangle into both triangles of A (lanes past cnt stay zero) */
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < n; ++j) A[i * RS + j] = zero;
+    for (int64_t l = 0; l < cnt; ++l) {
+        const T *src = in + l * nn;
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t j0 = upper ? i : 0, j1 = upper ? n : i + 1;
+            for (int64_t j = j0; j < j1; ++j) {
+                const T x = src[i * n + j];
+                A[i * RS + j][l] = x;
+                A[j * RS + i][l] = x;
+            }
+        }
+    }
+    VT mxv[4] = {zero, zero, zero, zero};
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+            VT x = vabs(A[i * RS + j]);
+            VT *mp = &mxv[j & 3];
+            *mp = vsel(x > *mp, x, *mp);
+        }
+    for (int k = 1; k < 4; ++k) mxv[0] = vsel(mxv[k] > mxv[0], mxv[k], mxv[0]);
+    int ex[VLN];
+    VT fac = one;
+    for (int64_t l = 0; l < VLN; ++l) {
+        const T mx = ${fabs}(mxv[0][l]);
+        ex[l] = mx > 0 ? ilogb(mx) : 0;
+        fac[l] = ${ldexp}((T)1, -ex[l]);
+    }
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < n; ++j) A[i * RS + j] *= fac;
+    tridiag(A, n, d, e, tau, cs);
+    if (wantv) form_q(A, n, tau, Z);
+    ql(d, e, n, Z, wantv, cs, sn);
+    /* ascending, stable: lane rank of d_j = #{k < j: d_k <= d_j} + #{k > j: d_k < d_j} */
+    for (int64_t j = 0; j < n; ++j) {
+        const VT x = d[j];
+        VI rk = (VI){0};
+        for (int64_t k = 0; k < j; ++k) rk -= d[k] <= x;
+        for (int64_t k = j + 1; k < n; ++k) rk -= d[k] < x;
+        for (int64_t l = 0; l < cnt; ++l) perm[l * n + rk[l]] = j;
+    }
+    for (int64_t l = 0; l < cnt; ++l) {
+        const int64_t *pl = perm + l * n;
+        for (int64_t j = 0; j < n; ++j) L[l * n + j] = ${ldexp}(d[pl[j]][l], ex[l]);
+        if (wantv)
+            for (int64_t i = 0; i < n; ++i) {
+                T *qo = Q + l * nn + i * n;
+                for (int64_t j = 0; j < n; ++j) qo[j] = Z[pl[j] * RS + i][l];
+            }
+    }
+    return 0;
+}
+
+TP_EXPORT int tp_eigh_tridiag(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper,
+                              int64_t wantv, int64_t nthreads) {
+    const int64_t groups = (B + VLN - 1) / VLN;
+    int64_t nt = (groups < 2 || B * n * n * n < 100000) ? 1 : nthreads;
+    int64_t bad = INT64_MAX;
+    int oom = 0;
+    #pragma omp parallel num_threads(nt) reduction(min:bad) reduction(|:oom)
+    {
+        const int64_t rs = n + 1;
+        VT *A = (VT *)aligned_alloc(sizeof(VT), sizeof(VT) * (2 * n * rs + 5 * (n + 1)));
+        VT *Z = A + n * rs, *d = Z + n * rs, *e = d + n + 1, *tau = e + n + 1, *cs = tau + n + 1;
+        VT *sn = cs + n + 1;
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * VLN * (n + 1));
+        const int ok = A && perm;
+        if (!ok) oom = 1;
+        int64_t chunk = TP_MAX(1, groups / (nt * 16));
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            if (!ok) continue; /* every thread still meets the worksharing loop */
+            int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
+            const T *src = a + b0 * n * n;
+            T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
+            int st;
+#define EIGH_TRI(N) eigh_tridiag(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, Z, d, e, tau, cs, sn, perm)
+            if (n == 16) st = EIGH_TRI(16);
+            else if (n == 32) st = EIGH_TRI(32);
+            else st = EIGH_TRI(n);
+#undef EIGH_TRI
+            if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
+        }
+        free(A); free(perm);
+    }
+    if (oom) return -1;
+    return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
+}
+"""
+
+
+SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def library(
+    dtype: torch.dtype, isa: str, max_iters: int = MAX_QL_ITERS, vbytes: int | None = None
+) -> Kernel:
+    """Build (or load from the disk cache) ``tp_eigh_tridiag`` for one dtype.
+
+    ``max_iters`` caps the QL sweeps per eigenvalue; ``vbytes``: bytes per lane vector (32 or
+    64; None = :data:`WIDE_LANES`' choice for the dtype on this ISA).
+    """
+    vbytes = vbytes or lane_bytes(isa, WIDE_LANES[dtype])
+    src = native.render(
+        "#include <stdlib.h>\n" + _SOURCE,
+        **lane_params(dtype, max_iters, vbytes),
+    )
+    name = f"linalg_eigh_tridiag_{'f64' if dtype == torch.float64 else 'f32'}_{isa}_v{vbytes}"
+    lib = native.build(src, name=name, isa=isa)
+    d = (dtype,)
+    return Kernel(
+        lib,
+        "tp_eigh_tridiag",
+        [TensorArg("A", d), TensorArg("L", d), TensorArg("Q", d)]
+        + [IntArg(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
+    )
+
+
+def eigh(
+    a: torch.Tensor, upper: bool, compute_v: bool, vbytes: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Batched symmetric eigendecomposition of contiguous ``a`` (B, n, n) by tridiagonalisation
+    and QL on the lanes: L (B, n) ascending, Q (B, n, n) (empty unless ``compute_v``), and 1 +
+    the first batch index with a non-finite entry (0 when there is none); MemoryError when a
+    thread's work space cannot be allocated. ``vbytes``: lane vector width (see :func:`library`)."""
+    assert a.dim() == 3 and a.is_contiguous() and a.dtype in (torch.float32, torch.float64)
+    b, n, _ = a.shape
+    lam = a.new_empty((b, n))
+    q = a.new_empty((b, n, n)) if compute_v else a.new_empty((0,))
+    if b == 0 or n == 0:
+        return lam, q, 0
+    bad = library(a.dtype, native.cpu_info().isa, vbytes=vbytes).call_unchecked(
+        a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v),
+        native.num_threads(),
+    )  # fmt: skip
+    if bad < 0:
+        raise MemoryError(f"eigh: could not allocate the per-thread work space for n = {n}")
+    return lam, q, bad
