@@ -171,58 +171,74 @@ TP_INLINE void rotate_rows(VT *Z, int64_t n, int64_t l, int64_t M, const VT *cs,
 }
 
 /* Implicit QL with Wilkinson shifts on the lanes' tridiagonal (d, e), rotations applied to Z
-   when wantv. */
+   when wantv. Every lane has its own top index l (its eigenvalues above l have converged) and
+   block end m (its first negligible e_m, m > l); a sweep runs over the union of the lanes'
+   ranges, i = M-1 .. Lmin, each lane rotating only inside its own [l, m). */
 TP_INLINE void ql(VT *d, VT *e, int64_t n, VT *Z, int wantv, VT *cs, VT *sn) {
-    const VT zero = {0}, one = zero + 1;
+    const VT zero = {0}, one = zero + 1, top = zero + (T)(n - 1);
     VT anorm = zero;
     for (int64_t i = 0; i < n; ++i) {
         VT x = vabs(d[i]) + vabs(e[i]);
         anorm = vsel(x > anorm, x, anorm);
     }
     const VT tol = EPS * anorm;
-    for (int64_t l = 0; l + 1 < n; ++l) {
-        for (int it = 0; it < MAX_QL_ITERS; ++it) {
-            /* each lane's m: the first i >= l with |e_i| <= tol (n - 1 if none) */
-            VT mv = zero + (T)(n - 1);
-            for (int64_t i = n - 2; i >= l; --i) mv = vsel(vabs(e[i]) <= tol, zero + (T)i, mv);
-            const VT lv = zero + (T)l;
-            VI act = mv > lv;
-            if (!vany(act)) break;
-            T Mx = (T)l;
-            for (int64_t q = 0; q < VLN; ++q) Mx = mv[q] > Mx ? mv[q] : Mx;
-            const int64_t M = (int64_t)Mx;
-            /* shift: sigma = d_l - e_l / (g + sign(r, g)), g = (d_{l+1} - d_l) / (2 e_l) */
-            const VT el = vsel(act, e[l], one);
-            VT g0 = (d[l + 1] - d[l]) / (el + el);
-            VT r0 = vsqrt(g0 * g0 + one);
-            const VT sigma = d[l] - el / (g0 + vsel(g0 >= zero, r0, -r0));
-            VT g = zero, c = one, s = one, p = zero;
-            for (int64_t i = M - 1; i >= l; --i) {
-                const VT iv = zero + (T)i;
-                const VI st = mv == iv + 1, on = mv > iv;
-                g = vsel(st, d[i + 1] - sigma, g);
-                c = vsel(st, one, c); s = vsel(st, one, s); p = vsel(st, zero, p);
-                const VT ei = e[i], f = s * ei, b = c * ei;
-                const VT r2 = g * g + f * f;
-                const VI nz = r2 != zero;
-                const VT rinv = vsel(nz, one / vsqrt(r2), zero);
-                const VT rs = vsel(g >= zero, r2 * rinv, -(r2 * rinv));
-                const VT sg = vsel(g >= zero, one, -one);
-                c = vsel(nz, g * rinv * sg, one);
-                s = vsel(nz, f * rinv * sg, zero);
-                e[i + 1] = vsel(on & ~st, rs, e[i + 1]);
-                const VT gg = d[i + 1] - p;
-                const VT rr = (d[i] - gg) * s + (c + c) * b;
-                p = s * rr;
-                d[i + 1] = vsel(on, gg + p, d[i + 1]);
-                g = c * rr - b;
-                cs[i] = vsel(on, c, one);
-                sn[i] = vsel(on, s, zero);
-            }
-            d[l] = vsel(act, d[l] - p, d[l]);
-            e[l] = vsel(act, g, e[l]);
-            if (wantv) rotate_rows(Z, n, l, M, cs, sn);
+    VT lv = zero;
+    int64_t L0 = 0;
+    for (int64_t sweep = 0; sweep < MAX_QL_ITERS * n; ++sweep) {
+        /* each lane's l: its first i >= l with |e_i| > tol (n - 1: done); m: the first i > l
+           with |e_i| <= tol (e_{n-1} = 0) */
+        VT ln = top, mv = top;
+        for (int64_t i = n - 2; i >= L0; --i) {
+            const VT iv = zero + (T)i;
+            ln = vsel((vabs(e[i]) > tol) & (iv >= lv), iv, ln);
         }
+        for (int64_t i = n - 2; i >= L0; --i) {
+            const VT iv = zero + (T)i;
+            mv = vsel((vabs(e[i]) <= tol) & (iv > ln), iv, mv);
+        }
+        lv = ln;
+        const VI act = ln < top;
+        if (!vany(act)) break;
+        T Mx = 0, Lm = (T)(n - 1);
+        VT dl = zero, dl1 = zero, el = one;
+        for (int64_t q = 0; q < VLN; ++q) {
+            if (!act[q]) continue;
+            Mx = mv[q] > Mx ? mv[q] : Mx;
+            Lm = ln[q] < Lm ? ln[q] : Lm;
+            const int64_t li = (int64_t)ln[q];
+            dl[q] = d[li][q]; dl1[q] = d[li + 1][q]; el[q] = e[li][q];
+        }
+        const int64_t M = (int64_t)Mx;
+        L0 = (int64_t)Lm;
+        /* shift: sigma = d_l - e_l / (g + sign(r, g)), g = (d_{l+1} - d_l) / (2 e_l) */
+        const VT g0 = (dl1 - dl) / (el + el);
+        const VT r0 = vsqrt(g0 * g0 + one);
+        const VT sigma = dl - el / (g0 + vsel(g0 >= zero, r0, -r0));
+        VT g = zero, c = one, s = one, p = zero;
+        for (int64_t i = M - 1; i >= L0; --i) {
+            const VT iv = zero + (T)i;
+            const VI st = (mv == iv + 1) & act, on = (mv > iv) & (iv >= ln), fin = on & (iv == ln);
+            g = vsel(st, d[i + 1] - sigma, g);
+            c = vsel(st, one, c); s = vsel(st, one, s); p = vsel(st, zero, p);
+            const VT ei = e[i], f = s * ei, b = c * ei;
+            const VT r2 = g * g + f * f;
+            const VI nz = r2 != zero;
+            const VT r = vsqrt(r2);
+            const VT rs = vsel(g >= zero, r, -r), fs = vsel(g >= zero, f, -f);
+            c = vsel(nz, vabs(g) / r, one);
+            s = vsel(nz, fs / r, zero);
+            e[i + 1] = vsel(on & ~st, rs, e[i + 1]);
+            const VT gg = d[i + 1] - p;
+            const VT rr = (d[i] - gg) * s + (c + c) * b;
+            p = s * rr;
+            d[i + 1] = vsel(on, gg + p, d[i + 1]);
+            g = c * rr - b;
+            d[i] = vsel(fin, d[i] - p, d[i]);
+            e[i] = vsel(fin, g, e[i]);
+            cs[i] = vsel(on, c, one);
+            sn[i] = vsel(on, s, zero);
+        }
+        if (wantv) rotate_rows(Z, n, L0, M, cs, sn);
     }
 }
 
