@@ -516,6 +516,65 @@ def test_native_matches_reference(dtype, m, n):
         assert torch.equal(info, ir) and rel(fac, fr) <= tol
 
 
+def _sym_kind(kind: str, bsz: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Symmetric test matrices for the eigh references: random, repeated (two eigenvalues of
+    multiplicity ~n/2), diagonal (with repeats), zero, identity, graded (entries scaled by
+    g_i g_j, g spanning 12 (f64) / 5 (f32) decades)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(bsz, n, n, dtype=torch.float64, generator=gen)
+    x = x + x.mT
+    if kind == "repeated":
+        q = torch.linalg.qr(torch.randn(bsz, n, n, dtype=torch.float64, generator=gen))[0]
+        ev = torch.tensor([1.0] * (n // 2) + [3.0] * (n - n // 2), dtype=torch.float64)
+        x = (q * ev) @ q.mT
+    elif kind == "diagonal":
+        x = torch.diag_embed(torch.tensor([2.0, -1.0, 2.0, 0.5] * n, dtype=torch.float64)[:n])
+        x = x.expand(bsz, n, n)
+    elif kind == "zero":
+        x = torch.zeros(bsz, n, n, dtype=torch.float64)
+    elif kind == "identity":
+        x = torch.eye(n, dtype=torch.float64).expand(bsz, n, n)
+    elif kind == "graded":
+        g = torch.logspace(0, -12 if dtype == torch.float64 else -5, n, dtype=torch.float64)
+        x = x * g[:, None] * g[None, :]
+    return x.to(dtype).contiguous()
+
+
+EIGH_KINDS = ["random", "repeated", "diagonal", "zero", "identity", "graded"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", EIGH_KINDS)
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 16, 24, 32])
+def test_eigh_tridiagonal_reference_vs_torch(dtype, kind, n):
+    a = _sym_kind(kind, 3, n, dtype, seed=n)
+    eps = torch.finfo(dtype).eps
+    nrm = a.flatten(1).norm(dim=-1).clamp_min(torch.finfo(dtype).tiny)[:, None]
+    lam, q = tl.eigh_tridiagonal_reference(a)
+    ref = torch.linalg.eigvalsh(a)
+    assert float(((lam - ref).abs() / nrm).max()) <= 8 * n * eps
+    res = (a @ q - q * lam[:, None, :]).flatten(1).norm(dim=-1) / nrm[:, 0]
+    assert float(res.max()) <= 8 * n * eps
+    assert eye_err(q) <= 8 * n * eps
+    assert torch.equal(lam, lam.sort(-1).values)
+    vals, empty = tl.eigh_tridiagonal_reference(a, compute_v=False)
+    assert empty.numel() == 0 and torch.equal(vals, lam)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eigh_tridiagonal_reference_reads_one_triangle(dtype):
+    a = torch.randn(2, 7, 7, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    for upper in (False, True):
+        lam, q = tl.eigh_tridiagonal_reference(a, upper)
+        ref_l, _ = torch.linalg.eigh(a, UPLO="U" if upper else "L")
+        torch.testing.assert_close(lam, ref_l, atol=TOL[dtype], rtol=TOL[dtype])
+        x = a.triu() if upper else a.tril()
+        x = x + x.mT - torch.diag_embed(x.diagonal(0, -2, -1))
+        torch.testing.assert_close(
+            q @ torch.diag_embed(lam) @ q.mT, x, atol=TOL[dtype] * 10, rtol=0
+        )
+
+
 def test_reference_reconstructs():
     a = torch.randn(2, 3, 3)
     u, s, vh = tl.svd_reference(a)

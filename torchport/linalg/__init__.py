@@ -34,6 +34,7 @@ from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
     eigh_reference,
+    eigh_tridiagonal_reference,
     qr_reference,
     svd_reference,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "cholesky_reference",
     "eigh",
     "eigh_reference",
+    "eigh_tridiagonal_reference",
     "eigvalsh",
     "qr",
     "qr_reference",

@@ -13,6 +13,8 @@ The native kernels must agree with them to working precision (tests/test_linalg.
   (Xᵀ û_j / σ_j, Gram-Schmidt in descending σ) where σ_min > κ_c·eps·sqrt(p)·σ_max.
 - ``eigh_reference``: two-sided Jacobi (cyclic, round-robin as the lane kernel, or the block
   order of ``eigh_block``) with threshold eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F).
+- ``eigh_tridiagonal_reference``: Householder tridiagonalization, then implicit QL with
+  Wilkinson shifts (tql2/dsteqr), e_j negligible when |e_j| ≤ eps·(|d_j| + |d_j+1|).
 - ``qr_reference``: Householder with LAPACK's sign convention.
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
 """
@@ -355,3 +357,133 @@ def cholesky_blocked_reference(
         w[:, k1:, k1:] -= (panel @ panel.mT).tril()
     w = torch.where((info == 0)[:, None, None], w.tril(), torch.zeros_like(w))
     return (w.mT if upper else w), info
+
+
+def _tridiagonalize(
+    x: torch.Tensor, compute_v: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Householder reduction of symmetric (B, n, n) ``x`` to tridiagonal T = Zᵀ x Z: (d, e, Z),
+    d the diagonal, e (B, n) the subdiagonal (e[j] couples d[j] and d[j+1], e[n-1] = 0), Z the
+    product H_0 H_1 … H_{n-3} (identity without ``compute_v``). Step k zeroes x[k+2:, k] with
+    H_k = I - τ v vᵀ on rows/columns k+1…, v[0] = 1, β = -sign(α)‖x[k+1:, k]‖ (LAPACK's sign);
+    a column already zero below the subdiagonal gets τ = 0."""
+    bsz, n, _ = x.shape
+    a = x.clone()
+    z = torch.eye(n, dtype=x.dtype, device=x.device).expand(bsz, n, n).clone()
+    for k in range(n - 2):
+        col = a[:, k + 1 :, k]
+        alpha = col[:, 0]
+        xn2 = (col[:, 1:] * col[:, 1:]).sum(-1)
+        act = xn2 != 0
+        beta = torch.sqrt(alpha * alpha + xn2)
+        beta = torch.where(alpha > 0, -beta, beta)
+        safe = torch.where(act, beta, torch.ones_like(beta))
+        tau = torch.where(act, (beta - alpha) / safe, torch.zeros_like(beta))
+        scale = torch.where(act, 1 / torch.where(act, alpha - beta, 1.0), torch.zeros_like(beta))
+        v = torch.cat([torch.ones_like(alpha)[:, None], col[:, 1:] * scale[:, None]], dim=1)
+        sub = a[:, k + 1 :, k + 1 :]
+        p = tau[:, None] * (sub @ v.unsqueeze(-1)).squeeze(-1)  # τ A v
+        w = p - (0.5 * tau * (p * v).sum(-1))[:, None] * v  # H A H = A - v wᵀ - w vᵀ
+        a[:, k + 1 :, k + 1 :] = (
+            sub - v.unsqueeze(-1) * w.unsqueeze(1) - w.unsqueeze(-1) * v.unsqueeze(1)
+        )
+        sd = torch.where(act, beta, alpha)
+        a[:, k + 1, k] = sd
+        a[:, k, k + 1] = sd
+        a[:, k + 2 :, k] = 0
+        a[:, k, k + 2 :] = 0
+        if compute_v:  # Z ← Z H_k
+            zk = z[:, :, k + 1 :]
+            zv = (zk @ v.unsqueeze(-1)).squeeze(-1)  # (B, n)
+            z[:, :, k + 1 :] = zk - (tau[:, None] * zv).unsqueeze(-1) * v.unsqueeze(1)
+    d = a.diagonal(0, -2, -1).clone()
+    e = torch.zeros_like(d)
+    if n > 1:
+        e[:, : n - 1] = a.diagonal(-1, -2, -1)
+    return d, e, z
+
+
+def _negligible(d: torch.Tensor, e: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, n) mask: e[j] is negligible, |e_j| <= eps·(|d_j| + |d_j+1|) (always for j = n-1)."""
+    n = d.shape[-1]
+    dn = torch.cat([d[:, 1:], torch.zeros_like(d[:, :1])], dim=1)
+    small = e.abs() <= eps * (d.abs() + dn.abs())
+    small[:, n - 1] = True
+    return small
+
+
+def eigh_tridiagonal_reference(
+    a: torch.Tensor, upper: bool = False, compute_v: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Householder tridiagonalization + implicit QL with Wilkinson shifts of (B, n, n)
+    symmetric ``a`` (its ``upper`` or lower triangle): (L asc, Q), as :func:`eigh_reference`.
+
+    After :func:`_tridiagonalize`, eigenvalue l = 0 … n-1 in turn: let m ≥ l be the first index
+    whose e[m] is negligible (:func:`_negligible`); while m > l, one implicit QL sweep on the
+    block l…m with the shift of d[l]'s 2×2 block (EISPACK tql2 / LAPACK dsteqr's QL branch):
+    g = (d[l+1] - d[l]) / (2 e[l]), r = hypot(g, 1), g = d[m] - d[l] + e[l] / (g ± r), then for
+    i = m-1 down to l the Givens rotation (c, s) = (g, f) / hypot(f, g), f = s·e[i],
+    applied to T and to Z's columns i, i+1. The sweeps run batched: a matrix whose m = l (or
+    outside its l…m window) gets the identity rotation c = 1, s = 0. A rotation with
+    hypot(f, g) = 0 (underflow) deflates at i+1 and ends that matrix's sweep, as in tql2.
+    At most 30 sweeps per eigenvalue. Eigenvalues sorted ascending with their vectors.
+    """
+    bsz, n, _ = a.shape
+    tri = a.triu() if upper else a.tril()
+    x = tri + tri.mT - torch.diag_embed(tri.diagonal(0, -2, -1))
+    d, e, z = _tridiagonalize(x, compute_v)
+    eps = _eps(a.dtype)
+    idx = torch.arange(n, device=a.device)
+    one = torch.ones(bsz, dtype=a.dtype, device=a.device)
+    zero = torch.zeros_like(one)
+    for lo in range(n - 1):
+        for _ in range(30):
+            small = _negligible(d, e, eps) & (idx >= lo)
+            m = small.to(torch.int8).argmax(-1)  # first negligible e at or after lo
+            run = m > lo
+            if not bool(run.any()):
+                break
+            el = torch.where(run, e[:, lo], one)
+            g = (d[:, lo + 1] - d[:, lo]) / (2 * el)
+            r = torch.hypot(g, one)
+            g = d.gather(1, m[:, None]).squeeze(1) - d[:, lo] + el / (g + torch.copysign(r, g))
+            s, c, p = one.clone(), one.clone(), zero.clone()
+            live = run.clone()
+            for i in range(n - 2, lo - 1, -1):
+                act = live & (i < m)
+                f = s * e[:, i]
+                b = c * e[:, i]
+                r = torch.hypot(f, g)
+                e[:, i + 1] = torch.where(act, r, e[:, i + 1])
+                under = act & (r == 0)
+                d[:, i + 1] = torch.where(under, d[:, i + 1] - p, d[:, i + 1])
+                e.scatter_(
+                    1,
+                    m[:, None],
+                    torch.where(under, 0.0, e.gather(1, m[:, None]).squeeze(1))[:, None],
+                )
+                act = act & ~under
+                live = live & ~under
+                rs = torch.where(act, r, one)
+                s = torch.where(act, f / rs, s)
+                c = torch.where(act, g / rs, c)
+                g = torch.where(act, d[:, i + 1] - p, g)
+                r = (d[:, i] - g) * s + 2 * c * b
+                p = torch.where(act, s * r, p)
+                d[:, i + 1] = torch.where(act, g + p, d[:, i + 1])
+                g = torch.where(act, c * r - b, g)
+                if compute_v:
+                    ca, sa = torch.where(act, c, one)[:, None], torch.where(act, s, zero)[:, None]
+                    zi, zj = z[:, :, i].clone(), z[:, :, i + 1].clone()
+                    z[:, :, i + 1] = sa * zi + ca * zj
+                    z[:, :, i] = ca * zi - sa * zj
+            fin = live  # sweeps that ran to lo without an underflow deflation
+            d[:, lo] = torch.where(fin, d[:, lo] - p, d[:, lo])
+            e[:, lo] = torch.where(fin, g, e[:, lo])
+            e.scatter_(
+                1, m[:, None], torch.where(fin, 0.0, e.gather(1, m[:, None]).squeeze(1))[:, None]
+            )
+    lam, perm = torch.sort(d, dim=-1, stable=True)
+    if not compute_v:
+        return lam, a.new_empty(0)
+    return lam, torch.gather(z, 2, perm.unsqueeze(1).expand(bsz, n, n))
