@@ -602,7 +602,7 @@ def eigh(
         lam, q = eigh_reference(ops._flat(a), upper)
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
     else:
-        lam, q = ops.eigh(a, upper, True)
+        lam, q = ops.eigh(a, upper, True, method == "jacobi")
     return _rt.linalg_eigh((lam, q))
 
 
@@ -630,7 +630,7 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
             return run(a)
     if route == "reference":
         return eigh_reference(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
-    return ops.eigh(a, upper, False)[0]
+    return ops.eigh(a, upper, False, method == "jacobi")[0]
 
 
 def qr(

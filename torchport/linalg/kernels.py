@@ -65,6 +65,7 @@ import torch
 from torchport import native
 from torchport.linalg import blocked as _blocked
 from torchport.linalg import eigh_block as _eigh_block
+from torchport.linalg import eigh_tridiag as _eigh_tridiag
 from torchport.linalg import svd_lanes as _svd_lanes
 from torchport.linalg._cparams import lane_bytes as _lane_bytes
 from torchport.linalg._cparams import scalar_params
@@ -1402,9 +1403,11 @@ SOURCE_TAG = hashlib.sha256(
         _SOURCE
         + _blocked.SOURCE_TAG
         + _eigh_block.SOURCE_TAG
+        + _eigh_tridiag.SOURCE_TAG
         + _svd_lanes._SOURCE
         + repr(sorted((str(k), v) for k, v in _eigh_block.WIDE_LANES.items()))
         + repr(sorted((str(k), v) for k, v in _svd_lanes.WIDE_LANES.items()))
+        + repr(sorted((str(k), v) for k, v in _eigh_tridiag.WIDE_LANES.items()))
     ).encode()
 ).hexdigest()[:12]
 
@@ -1535,6 +1538,13 @@ EIGH_LANES_FUSED_FROM = 6
 # 1.06x, 1.13x, 1.21x, 1.21x, 1.32x. Two threads, B = 2000, min of 15 (load 2.4-3.3): f64 n = 12
 # / 16 / 20 1.20x / 1.18x / 1.41x, f32 0.98x / 1.22x / 0.92x.
 EIGH_BLOCK_FROM = 12
+# From this order (to LANES_MAX_N) the lanes run Householder tridiagonalisation + implicit QL
+# (torchport.linalg.eigh_tridiag) instead of Jacobi, unless the caller asks for Jacobi
+# (method="jacobi"). One thread, B ~ 2e7 / 9n^3, min of 9 interleaved, Jacobi (default lane
+# kernel) / QL (load 3.5-4.3): f64 n = 3 0.87x, 4 1.32x, 5 1.24x, 6 0.97x, 8 1.37x, 10 2.00x,
+# 12 1.17x, 16 3.03x, 24 2.65x, 32 2.84x, 48 2.58x, 64 2.69x; f32 0.69x, 0.89x, 1.10x, 1.02x,
+# 1.26x, 1.31x, 1.27x, 1.43x, 1.92x, 1.87x, 2.63x, 2.56x.
+EIGH_TRIDIAG_FROM = 8
 LANES_MAX_N = 64
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
@@ -1613,13 +1623,16 @@ def eigh(
     compute_v: bool,
     order: int | None = None,
     lanes: bool | None = None,
+    jacobi: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched symmetric eigendecomposition of ``a`` (B, n, n): L (B, n), Q (B, n, n), bad + 1.
 
     ``lanes``: run one matrix per SIMD lane (``tp_eigh_vec``); None = when the batch fills lanes.
     ``order``: 0 cyclic, 1 round-robin, 2 round-robin with fused symmetric rounds (lanes only;
     the same rotations as 1), 3 the block order of :mod:`torchport.linalg.eigh_block` (lanes
-    only); None = the measured default of the kernel used.
+    only), 4 not Jacobi but tridiagonalisation + QL (:mod:`torchport.linalg.eigh_tridiag`, lanes
+    only); None = the measured default of the kernel used (from ``EIGH_TRIDIAG_FROM`` that is
+    order 4 unless ``jacobi``). ``jacobi``: only the Jacobi kernels (``method="jacobi"``).
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
@@ -1630,6 +1643,8 @@ def eigh(
     if lanes is None:
         lanes = b >= 64 // a.element_size() and n <= LANES_MAX_N
     if lanes:
+        if order == 4 or (order is None and not jacobi and n >= EIGH_TRIDIAG_FROM):
+            return _eigh_tridiag.eigh(a, upper, compute_v)
         if order == 3 or (order is None and n >= EIGH_BLOCK_FROM):
             return _eigh_block.eigh(a, upper, compute_v)
         if order is None and n >= EIGH_LANES_FUSED_FROM:
