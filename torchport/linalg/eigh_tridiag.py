@@ -42,6 +42,8 @@ MAX_QL_ITERS = 30
 # Lane vectors of a zmm register on avx512 (as eigh_block.WIDE_LANES); not measured for this
 # kernel (no avx512 machine here).
 WIDE_LANES = {torch.float32: True, torch.float64: True}
+# Lane groups whose QL bulge chases run interleaved (independent sqrt/division latency chains).
+QL_GROUPS = 2
 
 _SOURCE = r"""
 typedef ${elem} T;
@@ -50,6 +52,8 @@ typedef ${ielem} VI __attribute__((vector_size(${vbytes}), aligned(${vbytes})));
 #define VLN ((int64_t)(${vbytes} / sizeof(T)))
 #define EPS ((T)${eps})
 #define MAX_QL_ITERS ${max_sweeps}
+/* lane groups whose QL sweeps run interleaved */
+#define QG ${qgroups}
 /* row stride of the lane matrices: n + 1 vectors (rows not a multiple of 4 KiB apart) */
 #define RS (n + 1)
 
@@ -170,87 +174,118 @@ TP_INLINE void rotate_rows(VT *Z, int64_t n, int64_t l, int64_t M, const VT *cs,
     }
 }
 
-/* Implicit QL with Wilkinson shifts on the lanes' tridiagonal (d, e), rotations applied to Z
-   when wantv. Every lane has its own top index l (its eigenvalues above l have converged) and
-   block end m (its first negligible e_m, m > l); a sweep runs over the union of the lanes'
-   ranges, i = M-1 .. Lmin, each lane rotating only inside its own [l, m). */
-TP_INLINE void ql(VT *d, VT *e, int64_t n, VT *Z, int wantv, VT *cs, VT *sn) {
+/* Implicit QL with Wilkinson shifts on the tridiagonals (d, e) of QG lane groups at once (group
+   h's vectors at offset h * (n + 1), its Z at h * zs), rotations applied to Z when wantv. Every
+   lane has its own top index l (its eigenvalues above l have converged) and block end m (its
+   first negligible e_m, m > l); a sweep runs over the union of all lanes' ranges,
+   i = M-1 .. Lmin, each lane rotating only inside its own [l, m). The groups' bulge chases are
+   independent latency chains (a step's sqrt and division), interleaved step by step. */
+TP_INLINE void ql(VT *d, VT *e, int64_t n, VT *Z, int64_t zs, int wantv, VT *cs, VT *sn) {
     const VT zero = {0}, one = zero + 1, top = zero + (T)(n - 1);
-    VT anorm = zero;
-    for (int64_t i = 0; i < n; ++i) {
-        VT x = vabs(d[i]) + vabs(e[i]);
-        anorm = vsel(x > anorm, x, anorm);
+    const int64_t o = n + 1;
+    VT tol[QG], lv[QG];
+    for (int h = 0; h < QG; ++h) {
+        VT anorm = zero;
+        for (int64_t i = 0; i < n; ++i) {
+            VT x = vabs(d[h * o + i]) + vabs(e[h * o + i]);
+            anorm = vsel(x > anorm, x, anorm);
+        }
+        tol[h] = EPS * anorm;
+        lv[h] = zero;
     }
-    const VT tol = EPS * anorm;
-    VT lv = zero;
     int64_t L0 = 0;
     for (int64_t sweep = 0; sweep < MAX_QL_ITERS * n; ++sweep) {
         /* each lane's l: its first i >= l with |e_i| > tol (n - 1: done); m: the first i > l
            with |e_i| <= tol (e_{n-1} = 0) */
-        VT ln = top, mv = top;
-        for (int64_t i = n - 2; i >= L0; --i) {
-            const VT iv = zero + (T)i;
-            ln = vsel((vabs(e[i]) > tol) & (iv >= lv), iv, ln);
-        }
-        for (int64_t i = n - 2; i >= L0; --i) {
-            const VT iv = zero + (T)i;
-            mv = vsel((vabs(e[i]) <= tol) & (iv > ln), iv, mv);
-        }
-        lv = ln;
-        const VI act = ln < top;
-        if (!vany(act)) break;
+        VT ln[QG], mv[QG], sigma[QG];
+        VI act[QG];
+        int live[QG], any = 0;
         T Mx = 0, Lm = (T)(n - 1);
-        VT dl = zero, dl1 = zero, el = one;
-        for (int64_t q = 0; q < VLN; ++q) {
-            if (!act[q]) continue;
-            Mx = mv[q] > Mx ? mv[q] : Mx;
-            Lm = ln[q] < Lm ? ln[q] : Lm;
-            const int64_t li = (int64_t)ln[q];
-            dl[q] = d[li][q]; dl1[q] = d[li + 1][q]; el[q] = e[li][q];
+        for (int h = 0; h < QG; ++h) {
+            const VT *eh = e + h * o, *dh = d + h * o;
+            VT lh = top, mh = top;
+            for (int64_t i = n - 2; i >= L0; --i) {
+                const VT iv = zero + (T)i;
+                lh = vsel((vabs(eh[i]) > tol[h]) & (iv >= lv[h]), iv, lh);
+            }
+            for (int64_t i = n - 2; i >= L0; --i) {
+                const VT iv = zero + (T)i;
+                mh = vsel((vabs(eh[i]) <= tol[h]) & (iv > lh), iv, mh);
+            }
+            ln[h] = lv[h] = lh; mv[h] = mh;
+            act[h] = lh < top;
+            live[h] = vany(act[h]);
+            any |= live[h];
+            VT dl = zero, dl1 = zero, el = one;
+            for (int64_t q = 0; q < VLN; ++q) {
+                if (!act[h][q]) continue;
+                Mx = mh[q] > Mx ? mh[q] : Mx;
+                Lm = lh[q] < Lm ? lh[q] : Lm;
+                const int64_t li = (int64_t)lh[q];
+                dl[q] = dh[li][q]; dl1[q] = dh[li + 1][q]; el[q] = eh[li][q];
+            }
+            /* shift: sigma = d_l - e_l / (g + sign(r, g)), g = (d_{l+1} - d_l) / (2 e_l) */
+            const VT g0 = (dl1 - dl) / (el + el);
+            const VT r0 = vsqrt(g0 * g0 + one);
+            sigma[h] = dl - el / (g0 + vsel(g0 >= zero, r0, -r0));
         }
+        if (!any) break;
         const int64_t M = (int64_t)Mx;
         L0 = (int64_t)Lm;
-        /* shift: sigma = d_l - e_l / (g + sign(r, g)), g = (d_{l+1} - d_l) / (2 e_l) */
-        const VT g0 = (dl1 - dl) / (el + el);
-        const VT r0 = vsqrt(g0 * g0 + one);
-        const VT sigma = dl - el / (g0 + vsel(g0 >= zero, r0, -r0));
-        VT g = zero, c = one, s = one, p = zero;
+        VT g[QG], c[QG], s[QG], p[QG];
+        for (int h = 0; h < QG; ++h) { g[h] = zero; c[h] = one; s[h] = one; p[h] = zero; }
         for (int64_t i = M - 1; i >= L0; --i) {
             const VT iv = zero + (T)i;
-            const VI st = (mv == iv + 1) & act, on = (mv > iv) & (iv >= ln), fin = on & (iv == ln);
-            g = vsel(st, d[i + 1] - sigma, g);
-            c = vsel(st, one, c); s = vsel(st, one, s); p = vsel(st, zero, p);
-            const VT ei = e[i], f = s * ei, b = c * ei;
-            const VT r2 = g * g + f * f;
-            const VI nz = r2 != zero;
-            const VT r = vsqrt(r2);
-            const VT rs = vsel(g >= zero, r, -r), fs = vsel(g >= zero, f, -f);
-            c = vsel(nz, vabs(g) / r, one);
-            s = vsel(nz, fs / r, zero);
-            e[i + 1] = vsel(on & ~st, rs, e[i + 1]);
-            const VT gg = d[i + 1] - p;
-            const VT rr = (d[i] - gg) * s + (c + c) * b;
-            p = s * rr;
-            d[i + 1] = vsel(on, gg + p, d[i + 1]);
-            g = c * rr - b;
-            d[i] = vsel(fin, d[i] - p, d[i]);
-            e[i] = vsel(fin, g, e[i]);
-            cs[i] = vsel(on, c, one);
-            sn[i] = vsel(on, s, zero);
+            #pragma GCC unroll 4
+            for (int h = 0; h < QG; ++h) {
+                VT *dh = d + h * o, *eh = e + h * o;
+                const VI st = (mv[h] == iv + 1) & act[h], on = (mv[h] > iv) & (iv >= ln[h]);
+                const VI fin = on & (iv == ln[h]);
+                VT gh = vsel(st, dh[i + 1] - sigma[h], g[h]);
+                VT ch = vsel(st, one, c[h]), sh = vsel(st, one, s[h]), ph = vsel(st, zero, p[h]);
+                const VT ei = eh[i], f = sh * ei, b = ch * ei;
+                const VT r2 = gh * gh + f * f;
+                const VI nz = r2 != zero;
+                const VT r = vsqrt(r2);
+                const VT rs = vsel(gh >= zero, r, -r), fs = vsel(gh >= zero, f, -f);
+                ch = vsel(nz, vabs(gh) / r, one);
+                sh = vsel(nz, fs / r, zero);
+                eh[i + 1] = vsel(on & ~st, rs, eh[i + 1]);
+                const VT gg = dh[i + 1] - ph;
+                const VT rr = (dh[i] - gg) * sh + (ch + ch) * b;
+                ph = sh * rr;
+                dh[i + 1] = vsel(on, gg + ph, dh[i + 1]);
+                gh = ch * rr - b;
+                dh[i] = vsel(fin, dh[i] - ph, dh[i]);
+                eh[i] = vsel(fin, gh, eh[i]);
+                cs[h * o + i] = vsel(on, ch, one);
+                sn[h * o + i] = vsel(on, sh, zero);
+                g[h] = gh; c[h] = ch; s[h] = sh; p[h] = ph;
+            }
         }
-        if (wantv) rotate_rows(Z, n, L0, M, cs, sn);
+        if (wantv)
+            for (int h = 0; h < QG; ++h)
+                if (live[h]) rotate_rows(Z + h * zs, n, L0, M, cs + h * o, sn + h * o);
     }
 }
 
-TP_INLINE int eigh_tridiag(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
-                           VT *A, VT *Z, VT *d, VT *e, VT *tau, VT *cs, VT *sn, int64_t *perm) {
+/* One lane group's input (cnt <= VLN matrices; the other lanes zero) scaled per lane by a power
+   of two (exponents into ex) and reduced to tridiagonal (d, e), Q^T into Z when wantv. Returns
+   1 + the first lane with a non-finite entry (d and e then zero), else 0. */
+TP_INLINE int reduce_group(const T *in, int64_t cnt, int64_t n, int upper, int wantv, VT *A,
+                           VT *Z, VT *d, VT *e, VT *tau, VT *p, int *ex) {
     const VT zero = {0}, one = zero + 1;
     const int64_t nn = n * n;
     for (int64_t l = 0; l < cnt; ++l) {  /* x * 0 is NaN exactly for non-finite x */
         T acc = 0;
         #pragma omp simd reduction(+:acc)
         for (int64_t i = 0; i < nn; ++i) acc += in[l * nn + i] * 0;
-        if (acc != acc) return (int)l + 1;
+        if (acc != acc) cnt = -(l + 1);
+        if (cnt < 0) break;
+    }
+    if (cnt <= 0) {  /* nothing to do: a zero tridiagonal converges at once */
+        for (int64_t i = 0; i < n; ++i) { d[i] = zero; e[i] = zero; }
+        return (int)-cnt;
     }
     /* the read triangle into both triangles of A (lanes past cnt stay zero) */
     for (int64_t i = 0; i < n; ++i)
@@ -274,7 +309,6 @@ TP_INLINE int eigh_tridiag(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int 
             *mp = vsel(x > *mp, x, *mp);
         }
     for (int k = 1; k < 4; ++k) mxv[0] = vsel(mxv[k] > mxv[0], mxv[k], mxv[0]);
-    int ex[VLN];
     VT fac = one;
     for (int64_t l = 0; l < VLN; ++l) {
         const T mx = ${fabs}(mxv[0][l]);
@@ -283,10 +317,16 @@ TP_INLINE int eigh_tridiag(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int 
     }
     for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j < n; ++j) A[i * RS + j] *= fac;
-    tridiag(A, n, d, e, tau, cs);
+    tridiag(A, n, d, e, tau, p);
     if (wantv) form_q(A, n, tau, Z);
-    ql(d, e, n, Z, wantv, cs, sn);
-    /* ascending, stable: lane rank of d_j = #{k < j: d_k <= d_j} + #{k > j: d_k < d_j} */
+    return 0;
+}
+
+/* Eigenvalues ascending (stable: lane rank of d_j = #{k < j: d_k <= d_j} + #{k > j: d_k < d_j})
+   scaled back, their vectors (rows of Z) as the columns of Q. */
+TP_INLINE void finish_group(T *L, T *Q, int64_t cnt, int64_t n, int wantv, const VT *Z,
+                            const VT *d, int64_t *perm, const int *ex) {
+    const int64_t nn = n * n;
     for (int64_t j = 0; j < n; ++j) {
         const VT x = d[j];
         VI rk = (VI){0};
@@ -303,37 +343,60 @@ TP_INLINE int eigh_tridiag(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int 
                 for (int64_t j = 0; j < n; ++j) qo[j] = Z[pl[j] * RS + i][l];
             }
     }
+}
+
+/* QG lane groups (QG VLN matrices from b0; fewer at the end of the batch): reduced one by one,
+   their QL run interleaved, finished one by one. Returns 1 + the first index (from b0) of a
+   matrix with a non-finite entry, else 0. */
+TP_INLINE int eigh_groups(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
+                          VT *A, VT *Z, VT *d, VT *e, VT *tau, VT *cs, VT *sn, int64_t *perm) {
+    const int64_t o = n + 1, zs = n * RS, nn = n * n;
+    int ex[QG][VLN];
+    int bad = 0;
+    for (int h = 0; h < QG; ++h) {
+        const int64_t ch = TP_MAX(0, TP_MIN(VLN, cnt - h * VLN));
+        const int st = reduce_group(in + h * VLN * nn, ch, n, upper, wantv, A, Z + h * zs,
+                                    d + h * o, e + h * o, tau, cs, ex[h]);
+        if (st && !bad) bad = (int)(h * VLN) + st;
+    }
+    if (bad) return bad;
+    ql(d, e, n, Z, zs, wantv, cs, sn);
+    for (int h = 0; h < QG; ++h) {
+        const int64_t ch = TP_MAX(0, TP_MIN(VLN, cnt - h * VLN));
+        if (ch) finish_group(L + h * VLN * n, Q + (wantv ? h * VLN * nn : 0), ch, n, wantv,
+                             Z + h * zs, d + h * o, perm, ex[h]);
+    }
     return 0;
 }
 
 TP_EXPORT int tp_eigh_tridiag(const T *a, T *L, T *Q, int64_t B, int64_t n, int64_t upper,
                               int64_t wantv, int64_t nthreads) {
-    const int64_t groups = (B + VLN - 1) / VLN;
-    int64_t nt = (groups < 2 || B * n * n * n < 100000) ? 1 : nthreads;
+    const int64_t per = QG * VLN, units = (B + per - 1) / per;
+    int64_t nt = (units < 2 || B * n * n * n < 100000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     int oom = 0;
     #pragma omp parallel num_threads(nt) reduction(min:bad) reduction(|:oom)
     {
         const int64_t rs = n + 1;
-        VT *A = (VT *)aligned_alloc(sizeof(VT), sizeof(VT) * (2 * n * rs + 5 * (n + 1)));
-        VT *Z = A + n * rs, *d = Z + n * rs, *e = d + n + 1, *tau = e + n + 1, *cs = tau + n + 1;
-        VT *sn = cs + n + 1;
+        VT *A = (VT *)aligned_alloc(sizeof(VT), sizeof(VT) * ((QG + 1) * n * rs + (4 * QG + 1) * (n + 1)));
+        VT *Z = A + n * rs, *d = Z + QG * n * rs, *e = d + QG * (n + 1), *cs = e + QG * (n + 1);
+        VT *sn = cs + QG * (n + 1), *tau = sn + QG * (n + 1);
         int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * VLN * (n + 1));
         const int ok = A && perm;
         if (!ok) oom = 1;
-        int64_t chunk = TP_MAX(1, groups / (nt * 16));
+        int64_t chunk = TP_MAX(1, units / (nt * 16));
         #pragma omp for schedule(dynamic, chunk)
-        for (int64_t gi = 0; gi < groups; ++gi) {
+        for (int64_t u = 0; u < units; ++u) {
             if (!ok) continue; /* every thread still meets the worksharing loop */
-            int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
+            int64_t b0 = u * per, cnt = TP_MIN(per, B - b0);
             const T *src = a + b0 * n * n;
             T *lo = L + b0 * n, *qo = wantv ? Q + b0 * n * n : Q;
             int st;
-#define EIGH_TRI(N) eigh_tridiag(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, Z, d, e, tau, cs, sn, perm)
-            if (n == 16) st = EIGH_TRI(16);
-            else if (n == 32) st = EIGH_TRI(32);
-            else st = EIGH_TRI(n);
-#undef EIGH_TRI
+#define EIGH_GROUPS(N) eigh_groups(src, lo, qo, cnt, N, (int)upper, (int)wantv, A, Z, d, e, tau, cs, sn, perm)
+            if (n == 16) st = EIGH_GROUPS(16);
+            else if (n == 32) st = EIGH_GROUPS(32);
+            else st = EIGH_GROUPS(n);
+#undef EIGH_GROUPS
             if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
         }
         free(A); free(perm);
@@ -349,19 +412,26 @@ SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
 
 @functools.cache
 def library(
-    dtype: torch.dtype, isa: str, max_iters: int = MAX_QL_ITERS, vbytes: int | None = None
+    dtype: torch.dtype,
+    isa: str,
+    max_iters: int = MAX_QL_ITERS,
+    vbytes: int | None = None,
+    qgroups: int = QL_GROUPS,
 ) -> Kernel:
     """Build (or load from the disk cache) ``tp_eigh_tridiag`` for one dtype.
 
     ``max_iters`` caps the QL sweeps per eigenvalue; ``vbytes``: bytes per lane vector (32 or
-    64; None = :data:`WIDE_LANES`' choice for the dtype on this ISA).
+    64; None = :data:`WIDE_LANES`' choice for the dtype on this ISA); ``qgroups``: lane groups
+    whose QL sweeps run interleaved (:data:`QL_GROUPS`).
     """
     vbytes = vbytes or lane_bytes(isa, WIDE_LANES[dtype])
     src = native.render(
         "#include <stdlib.h>\n" + _SOURCE,
         **lane_params(dtype, max_iters, vbytes),
+        qgroups=str(qgroups),
     )
-    name = f"linalg_eigh_tridiag_{'f64' if dtype == torch.float64 else 'f32'}_{isa}_v{vbytes}"
+    tag = "f64" if dtype == torch.float64 else "f32"
+    name = f"linalg_eigh_tridiag_{tag}_{isa}_v{vbytes}_g{qgroups}"
     lib = native.build(src, name=name, isa=isa)
     d = (dtype,)
     return Kernel(
