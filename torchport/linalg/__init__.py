@@ -8,7 +8,9 @@ float32/float64. Each also takes ``method``:
 - ``"jacobi"``: the native batched kernels (:mod:`~torchport.linalg.kernels`; for ``qr`` and the
   Cholesky functions ``"jacobi"`` names the native Householder/Cholesky kernels). On a non-CPU
   device it runs the plain-torch reference of the same algorithm
-  (:mod:`~torchport.linalg.reference`).
+  (:mod:`~torchport.linalg.reference`). For ``eigh``/``eigvalsh`` it always runs Jacobi, while
+  the native route of ``"auto"`` runs batches from ``kernels.EIGH_TRIDIAG_FROM`` through the
+  tridiagonalisation + QL lane kernel (:mod:`~torchport.linalg.eigh_tridiag`).
 - ``"lapack"``: ``torch.linalg`` itself (MKL/LAPACK on CPU).
 - ``"auto"`` (default): whichever was faster when measured by the autotuner for this
   (op, batch bucket, m, n, dtype, options), with ``torch.linalg`` as the anchor; the native kernel

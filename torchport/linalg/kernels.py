@@ -24,6 +24,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   shared by the lanes and the column update becomes contiguous. From n = 6 the lane kernel runs
   round-robin rounds fused by symmetry (order 2, ``eigh_vec_fused_round``: upper triangle only,
   one pass of 2x2 blocks per round, converged block pairs skipped), 1.2-2.1x faster again.
+  From n = ``EIGH_TRIDIAG_FROM`` the lanes run Householder tridiagonalisation + implicit QL
+  instead (:mod:`torchport.linalg.eigh_tridiag`, 1.3-3x faster than the Jacobi lane kernels),
+  unless Jacobi is asked for (``method="jacobi"``).
   ``tp_svd_vec`` does the same for
   the SVD sweeps (1.3-2.6× over one matrix per thread, n = 3…32), then finishes each lane alone.
 - **QR**: Householder reflectors with LAPACK's sign convention (β = −sign(α)‖x‖, so the results
