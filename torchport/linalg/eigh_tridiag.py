@@ -208,35 +208,42 @@ TP_INLINE void ql(VT *d, VT *e, int64_t n, VT *Z, int64_t zs, int wantv, VT *cs,
         VI act[QG];
         int live[QG], any = 0;
         T Mx = 0, Lm = (T)(n - 1);
+        VT mxv = zero, lmv = top;
         for (int h = 0; h < QG; ++h) {
             const VT *eh = e + h * o, *dh = d + h * o;
-            VT lh = top, mh = top;
+            /* one downward scan: ms = the nearest negligible index above i */
+            VT lh = top, mh = top, ms = top;
             for (int64_t i = n - 2; i >= L0; --i) {
                 const VT iv = zero + (T)i;
-                lh = vsel((vabs(eh[i]) > tol[h]) & (iv >= lv[h]), iv, lh);
-            }
-            for (int64_t i = n - 2; i >= L0; --i) {
-                const VT iv = zero + (T)i;
-                mh = vsel((vabs(eh[i]) <= tol[h]) & (iv > lh), iv, mh);
+                const VI small = vabs(eh[i]) <= tol[h], cand = ~small & (iv >= lv[h]);
+                lh = vsel(cand, iv, lh);
+                mh = vsel(cand, ms, mh);
+                ms = vsel(small, iv, ms);
             }
             ln[h] = lv[h] = lh; mv[h] = mh;
             act[h] = lh < top;
             live[h] = vany(act[h]);
             any |= live[h];
-            VT dl = zero, dl1 = zero, el = one;
+            mxv = vsel(act[h] & (mh > mxv), mh, mxv);
+            lmv = vsel(act[h] & (lh < lmv), lh, lmv);
+            /* each lane's d_l, d_l+1, e_l (l = n - 1 for a lane that is done: the d, e
+               arrays have n + 1 entries) */
+            VT dl, dl1, el;
             for (int64_t q = 0; q < VLN; ++q) {
-                if (!act[h][q]) continue;
-                Mx = mh[q] > Mx ? mh[q] : Mx;
-                Lm = lh[q] < Lm ? lh[q] : Lm;
                 const int64_t li = (int64_t)lh[q];
                 dl[q] = dh[li][q]; dl1[q] = dh[li + 1][q]; el[q] = eh[li][q];
             }
+            dl = vsel(act[h], dl, zero); dl1 = vsel(act[h], dl1, zero); el = vsel(act[h], el, one);
             /* shift: sigma = d_l - e_l / (g + sign(r, g)), g = (d_{l+1} - d_l) / (2 e_l) */
             const VT g0 = (dl1 - dl) / (el + el);
             const VT r0 = vsqrt(g0 * g0 + one);
             sigma[h] = dl - el / (g0 + vsel(g0 >= zero, r0, -r0));
         }
         if (!any) break;
+        for (int64_t q = 0; q < VLN; ++q) {
+            Mx = mxv[q] > Mx ? mxv[q] : Mx;
+            Lm = lmv[q] < Lm ? lmv[q] : Lm;
+        }
         const int64_t M = (int64_t)Mx;
         L0 = (int64_t)Lm;
         VT g[QG], c[QG], s[QG], p[QG];
@@ -290,6 +297,7 @@ TP_INLINE int reduce_group(const T *in, int64_t cnt, int64_t n, int upper, int w
         if (acc != acc) cnt = -(l + 1);
         if (cnt < 0) break;
     }
+    d[n] = zero; e[n] = zero;  /* read (and blended away) for lanes that are done */
     if (cnt <= 0) {  /* nothing to do: a zero tridiagonal converges at once */
         for (int64_t i = 0; i < n; ++i) { d[i] = zero; e[i] = zero; }
         return (int)-cnt;
