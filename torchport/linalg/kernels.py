@@ -1544,10 +1544,10 @@ EIGH_BLOCK_FROM = 12
 # From this order (to LANES_MAX_N) the lanes run Householder tridiagonalisation + implicit QL
 # (torchport.linalg.eigh_tridiag) instead of Jacobi, unless the caller asks for Jacobi
 # (method="jacobi"). One thread, B ~ 2e7 / 9n^3, min of 9 interleaved, Jacobi (default lane
-# kernel) / QL (load 3.5-4.3): f64 n = 3 0.87x, 4 1.32x, 5 1.24x, 6 0.97x, 8 1.37x, 10 2.00x,
-# 12 1.17x, 16 3.03x, 24 2.65x, 32 2.84x, 48 2.58x, 64 2.69x; f32 0.69x, 0.89x, 1.10x, 1.02x,
-# 1.26x, 1.31x, 1.27x, 1.43x, 1.92x, 1.87x, 2.63x, 2.56x.
-EIGH_TRIDIAG_FROM = 8
+# kernel) / QL: f64 (load 4.1) n = 3 1.06x, 4 1.40x, 5 1.61x, 6 1.15x, 7 1.44x, 8 1.56x, 12
+# 1.77x, 16 1.97x, 24 2.50x, 32 2.38x, 64 2.91x; f32 (load 2.4-2.5) 0.80x, 1.09x, 1.38x, 1.26x,
+# 1.56x, 1.59x, 1.56x, 1.75x, 2.23x, 2.08x, 2.67x.
+EIGH_TRIDIAG_FROM = 4
 LANES_MAX_N = 64
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
