@@ -138,3 +138,24 @@ def test_eigh_op_schema_takes_jacobi():
         torch.library.opcheck(
             ops._eigh_op, (a, False, True, jac), test_utils=("test_schema", "test_faketensor")
         )
+
+
+def test_sweep_cap_stops_with_orthogonal_vectors():
+    """At the sweep cap (here 1 n sweeps) the kernel stops without an error, as the Jacobi
+    kernels do at theirs: the vectors are still orthogonal (products of rotations), the
+    eigenvalues finite; an uncapped build converges."""
+    from torchport.native import cpu_info
+
+    n = 24
+    a = _sym_kind("random", 9, n, torch.float64, seed=8)
+    lam = a.new_empty((9, n))
+    q = a.new_empty((9, n, n))
+    capped = eigh_tridiag.library(torch.float64, cpu_info().isa, max_iters=1)
+    assert capped.call_unchecked(a.data_ptr(), lam.data_ptr(), q.data_ptr(), 9, n, 0, 1, 1) == 0
+    assert bool(torch.isfinite(lam).all())
+    eye = torch.eye(n, dtype=torch.float64)
+    assert float((q.mT @ q - eye).abs().max()) <= _tol(torch.float64, n)
+    res = (a @ q - q * lam[:, None, :]).abs().max()
+    assert float(res) > 1e-6  # the cap was reached before convergence
+    lam2, q2, _ = eigh_tridiag.eigh(a, False, True)
+    _check(a, lam2, q2)
