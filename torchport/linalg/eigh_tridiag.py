@@ -50,7 +50,11 @@ MAX_QL_ITERS = 30
 # kernel (no avx512 machine here).
 WIDE_LANES = {torch.float32: True, torch.float64: True}
 # Lane groups whose QL bulge chases run interleaved (independent sqrt/division latency chains).
-QL_GROUPS = 2
+# One thread, B = 2000, medians of 11 interleaved (load 1.6-1.8), us per matrix with vectors,
+# 2 / 3 / 4 groups: f64 n = 8 0.89 / 0.84 / 0.85, n = 16 3.77 / 3.68 / 3.99, n = 32 20.76 /
+# 20.38 / 20.48; f32 2 / 3: 0.49 / 0.47, 1.85 / 1.82, 10.44 / 10.06 (one group: f64 n = 16
+# 4.87, n = 32 24.5 in an earlier run).
+QL_GROUPS = 3
 
 _SOURCE = r"""
 typedef ${elem} T;
