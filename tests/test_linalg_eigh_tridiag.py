@@ -159,3 +159,11 @@ def test_sweep_cap_stops_with_orthogonal_vectors():
     assert float(res) > 1e-6  # the cap was reached before convergence
     lam2, q2, _ = eigh_tridiag.eigh(a, False, True)
     _check(a, lam2, q2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_avx512_builds_compile(dtype):
+    """The zmm (64-byte) and ymm lane builds for avx512 compile and load (they run only on an
+    avx512 machine)."""
+    for vbytes in (32, 64):
+        assert eigh_tridiag.library(dtype, "avx512", vbytes=vbytes) is not None
