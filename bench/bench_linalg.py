@@ -13,7 +13,8 @@ take many seconds; the default run stays near 10 minutes). ``--quick`` runs B �
 
 Run: ``torchport bench linalg [--quick] [--orderings]``; select cells with ``--ops``, ``--sizes``,
 ``--batches``, ``--dtypes`` (comma-separated), e.g. ``--ops cholesky --sizes 8,16 --batches 10000``;
-``--fastest [--threads T] --reps N`` times those cells as alternated minima (robust to load).
+``--fastest [--threads T] [--method auto] --reps N`` times those cells as alternated minima
+(robust to load).
 ``--sweeps`` measures the lane eigh kernel's time per sweep (see ``sweeps``).
 """
 
@@ -136,8 +137,9 @@ def grid(args: Any) -> None:
 
 
 def fastest(args: Any) -> None:
-    """Cells of ``--ops`` × ``--batches`` × ``--sizes``: torch.linalg and method="jacobi" called
-    alternately, the minimum of ``--reps`` each, on ``--threads`` threads (both sides). On a
+    """Cells of ``--ops`` × ``--batches`` × ``--sizes``: torch.linalg and ``--method`` (jacobi or
+    auto) called alternately, the minimum of ``--reps`` each, on ``--threads`` threads (both
+    sides; auto tuned by the warm-up call, outside the timing). On a
     shared machine the minimum drops the runs a descheduled thread stretched, which medians of a
     few ms calls do not."""
     import time
@@ -152,7 +154,7 @@ def fastest(args: Any) -> None:
                 for n in _ints(args.sizes) or (8, 16):
                     a = _input(op, b, n, dtype)
                     fns = _fns(op)
-                    fl, fo = fns["lapack"], fns["jacobi"]
+                    fl, fo = fns["lapack"], fns[args.method]
                     fl(a), fo(a)
                     tl_ = to = float("inf")
                     for _ in range(max(3, args.reps)):
@@ -169,6 +171,7 @@ def fastest(args: Any) -> None:
                         to,
                         b * FLOPS[op](n),
                         threads=args.threads,
+                        method=args.method,
                     )
     table.save(args.json)
 
@@ -320,6 +323,9 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
     p.add_argument("--fastest", action="store_true", help="min of --reps, alternated (see fastest)")
     p.add_argument("--threads", type=int, default=2, help="threads for --fastest (both sides)")
+    p.add_argument(
+        "--method", default="jacobi", choices=("jacobi", "auto"), help="ours in --fastest"
+    )
     p.add_argument("--sweeps", action="store_true", help="eigh lane kernel time per sweep")
     args = p.parse_args()
     with config.override(progress=False):

@@ -8,7 +8,9 @@ float32/float64. Each also takes ``method``:
 - ``"jacobi"``: the native batched kernels (:mod:`~torchport.linalg.kernels`; for ``qr`` and the
   Cholesky functions ``"jacobi"`` names the native Householder/Cholesky kernels). On a non-CPU
   device it runs the plain-torch reference of the same algorithm
-  (:mod:`~torchport.linalg.reference`).
+  (:mod:`~torchport.linalg.reference`). For ``eigh``/``eigvalsh`` it always runs Jacobi, while
+  the native route of ``"auto"`` runs batches from ``kernels.EIGH_TRIDIAG_FROM`` through the
+  tridiagonalisation + QL lane kernel (:mod:`~torchport.linalg.eigh_tridiag`).
 - ``"lapack"``: ``torch.linalg`` itself (MKL/LAPACK on CPU).
 - ``"auto"`` (default): whichever was faster when measured by the autotuner for this
   (op, batch bucket, m, n, dtype, options), with ``torch.linalg`` as the anchor; the native kernel
@@ -605,7 +607,7 @@ def eigh(
         lam, q = eigh_reference(ops._flat(a), upper)
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
     else:
-        lam, q = ops.eigh(a, upper, True)
+        lam, q = ops.eigh(a, upper, True, method == "jacobi")
     return _rt.linalg_eigh((lam, q))
 
 
@@ -633,7 +635,7 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
             return run(a)
     if route == "reference":
         return eigh_reference(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
-    return ops.eigh(a, upper, False)[0]
+    return ops.eigh(a, upper, False, method == "jacobi")[0]
 
 
 def qr(

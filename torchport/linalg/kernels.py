@@ -24,6 +24,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   shared by the lanes and the column update becomes contiguous. From n = 6 the lane kernel runs
   round-robin rounds fused by symmetry (order 2, ``eigh_vec_fused_round``: upper triangle only,
   one pass of 2x2 blocks per round, converged block pairs skipped), 1.2-2.1x faster again.
+  From n = ``EIGH_TRIDIAG_FROM`` the lanes run Householder tridiagonalisation + implicit QL
+  instead (:mod:`torchport.linalg.eigh_tridiag`, 1.3-3x faster than the Jacobi lane kernels),
+  unless Jacobi is asked for (``method="jacobi"``).
   ``tp_svd_vec`` does the same for
   the SVD sweeps (1.3-2.6× over one matrix per thread, n = 3…32), then finishes each lane alone.
 - **eigh of one matrix** (``tp_eigh1`` with flag 3, used by :mod:`torchport.linalg.one`):
@@ -70,6 +73,7 @@ import torch
 from torchport import native
 from torchport.linalg import blocked as _blocked
 from torchport.linalg import eigh_block as _eigh_block
+from torchport.linalg import eigh_tridiag as _eigh_tridiag
 from torchport.linalg import svd_lanes as _svd_lanes
 from torchport.linalg._cparams import lane_bytes as _lane_bytes
 from torchport.linalg._cparams import scalar_params
@@ -1601,9 +1605,11 @@ SOURCE_TAG = hashlib.sha256(
         _SOURCE
         + _blocked.SOURCE_TAG
         + _eigh_block.SOURCE_TAG
+        + _eigh_tridiag.SOURCE_TAG
         + _svd_lanes._SOURCE
         + repr(sorted((str(k), v) for k, v in _eigh_block.WIDE_LANES.items()))
         + repr(sorted((str(k), v) for k, v in _svd_lanes.WIDE_LANES.items()))
+        + repr(sorted((str(k), v) for k, v in _eigh_tridiag.WIDE_LANES.items()))
     ).encode()
 ).hexdigest()[:12]
 
@@ -1738,6 +1744,13 @@ EIGH_LANES_FUSED_FROM = 6
 # 1.06x, 1.13x, 1.21x, 1.21x, 1.32x. Two threads, B = 2000, min of 15 (load 2.4-3.3): f64 n = 12
 # / 16 / 20 1.20x / 1.18x / 1.41x, f32 0.98x / 1.22x / 0.92x.
 EIGH_BLOCK_FROM = 12
+# From this order (to LANES_MAX_N) the lanes run Householder tridiagonalisation + implicit QL
+# (torchport.linalg.eigh_tridiag) instead of Jacobi, unless the caller asks for Jacobi
+# (method="jacobi"). One thread, B ~ 2e7 / 9n^3, min of 9 interleaved, Jacobi (default lane
+# kernel) / QL: f64 (load 4.1) n = 3 1.06x, 4 1.40x, 5 1.61x, 6 1.15x, 7 1.44x, 8 1.56x, 12
+# 1.77x, 16 1.97x, 24 2.50x, 32 2.38x, 64 2.91x; f32 (load 2.4-2.5) 0.80x, 1.09x, 1.38x, 1.26x,
+# 1.56x, 1.59x, 1.56x, 1.75x, 2.23x, 2.08x, 2.67x.
+EIGH_TRIDIAG_FROM = 4
 LANES_MAX_N = 64
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
@@ -1816,13 +1829,16 @@ def eigh(
     compute_v: bool,
     order: int | None = None,
     lanes: bool | None = None,
+    jacobi: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched symmetric eigendecomposition of ``a`` (B, n, n): L (B, n), Q (B, n, n), bad + 1.
 
     ``lanes``: run one matrix per SIMD lane (``tp_eigh_vec``); None = when the batch fills lanes.
     ``order``: 0 cyclic, 1 round-robin, 2 round-robin with fused symmetric rounds (lanes only;
     the same rotations as 1), 3 the block order of :mod:`torchport.linalg.eigh_block` (lanes
-    only); None = the measured default of the kernel used.
+    only), 4 not Jacobi but tridiagonalisation + QL (:mod:`torchport.linalg.eigh_tridiag`, lanes
+    only); None = the measured default of the kernel used (from ``EIGH_TRIDIAG_FROM`` that is
+    order 4 unless ``jacobi``). ``jacobi``: only the Jacobi kernels (``method="jacobi"``).
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
@@ -1833,6 +1849,8 @@ def eigh(
     if lanes is None:
         lanes = b >= 64 // a.element_size() and n <= LANES_MAX_N
     if lanes:
+        if order == 4 or (order is None and not jacobi and n >= EIGH_TRIDIAG_FROM):
+            return _eigh_tridiag.eigh(a, upper, compute_v)
         if order == 3 or (order is None and n >= EIGH_BLOCK_FROM):
             return _eigh_block.eigh(a, upper, compute_v)
         if order is None and n >= EIGH_LANES_FUSED_FROM:

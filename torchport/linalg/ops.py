@@ -89,10 +89,13 @@ def svd(a: torch.Tensor, full_matrices: bool, compute_uv: bool) -> tuple[Any, An
 # --- eigh ------------------------------------------------------------------------------------------
 
 
-def eigh_impl(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Native symmetric eigendecomposition of ``a`` (*, n, n): (L ascending, Q)."""
+def eigh_impl(
+    a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native symmetric eigendecomposition of ``a`` (*, n, n): (L ascending, Q); ``jacobi``:
+    only the Jacobi kernels (``method="jacobi"``), else the measured fastest native one."""
     batch, n = a.shape[:-2], a.shape[-1]
-    lam, q, bad = kernels.eigh(_flat(a), upper, compute_v)
+    lam, q, bad = kernels.eigh(_flat(a), upper, compute_v, jacobi=jacobi)
     if bad:
         raise torch.linalg.LinAlgError(
             f"torchport.linalg.eigh: {_batch_prefix(a, bad)}The algorithm failed to converge "
@@ -106,7 +109,7 @@ _eigh_op = torch.library.custom_op("torchport::linalg_eigh", eigh_impl, mutates_
 
 
 @_eigh_op.register_fake
-def _(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[Any, Any]:
+def _(a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False) -> tuple[Any, Any]:
     n = a.shape[-1]
     return a.new_empty((*a.shape[:-2], n)), (a.new_empty(a.shape) if compute_v else a.new_empty(0))
 
@@ -116,21 +119,21 @@ def _eigh_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> N
     ctx.save_for_backward(*output)
 
 
-def _eigh_bwd(ctx: Any, gl: Any, gv: Any) -> tuple[Any, None, None]:
+def _eigh_bwd(ctx: Any, gl: Any, gv: Any) -> tuple[Any, None, None, None]:
     if not ctx.compute_v:
         raise RuntimeError("torchport.linalg.eigh: compute_v=False is not differentiable")
     lam, v = ctx.saved_tensors
-    return ag.eigh_backward(gl, gv, lam, v), None, None
+    return ag.eigh_backward(gl, gv, lam, v), None, None, None
 
 
 _eigh_op.register_autograd(_eigh_bwd, setup_context=_eigh_setup)
 
 
-def eigh(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[Any, Any]:
+def eigh(a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False) -> tuple[Any, Any]:
     """Dispatch: direct kernel call on plain eager tensors, else through the custom op."""
     if _fast(a):
-        return eigh_impl(a, upper, compute_v)
-    return _eigh_op(a, upper, compute_v)
+        return eigh_impl(a, upper, compute_v, jacobi)
+    return _eigh_op(a, upper, compute_v, jacobi)
 
 
 # --- qr --------------------------------------------------------------------------------------------

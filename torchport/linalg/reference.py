@@ -17,6 +17,8 @@ The native kernels must agree with them to working precision (tests/test_linalg.
   Wilkinson shifts (tql2/dsteqr), e_j negligible when |e_j| ≤ eps·(|d_j| + |d_j+1|). The
   one-matrix kernel reduces from the last row up (dsytrd 'U'), and for eigenvalues only runs
   the same sweeps in root-free form on e² (dsterf): equal in exact arithmetic.
+  The lane kernel (``eigh_tridiag``) takes |e| ≤ eps·‖T‖ as negligible instead (dsteqr's
+  normwise test), so its iterates can differ from the reference's in the last bits.
 - ``qr_reference``: Householder with LAPACK's sign convention.
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
 """
