@@ -265,6 +265,36 @@ def abort_case(rank: int, world: int) -> dict[str, Any]:
         }
 
 
+def abort_streaming_case(rank: int, world: int) -> dict[str, Any]:
+    """The last rank aborts 1 s into a large allreduce that every rank issued (over TCP:
+    the pipelined allreduce, its pieces still streaming: its 4 KB pieces under SMALL_CHUNK
+    take about 0.3 s to set up and 3 s to stream at three ranks); every rank's call must
+    fail, the others' within the abort bound of the abort."""
+    from torchport.distributed import CommAbortedError, RemoteError, TorchportDistError
+
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub)
+    t = torch.ones(4 << 20)
+    t0 = time.time()
+    work = dist.all_reduce(t, group=sub, async_op=True)
+    rec: dict[str, Any] = {}
+    if rank == world - 1:
+        time.sleep(1.0)
+        rec["t_abort"] = time.time()
+        sub.abort()
+        rec["t_told"] = time.time()  # the ABORT frames are sent
+    try:
+        work.wait()
+        rec["error"] = None
+        rec["elapsed"] = time.time() - t0
+    except TorchportDistError as e:
+        rec["t_fail"] = time.time()
+        rec["error"] = type(e).__name__
+        rec["msg"] = str(e)
+        rec["typed"] = isinstance(e, (CommAbortedError, RemoteError))
+    return rec
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -597,6 +627,7 @@ SCENARIOS = {
     "auth": auth_case,
     "timeout": timeout_case,
     "abort": abort_case,
+    "abort_streaming": abort_streaming_case,
     "ddp": ddp_losses,
 }
 
