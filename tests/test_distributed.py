@@ -116,6 +116,7 @@ def test_abort_mid_pipelined_allreduce_fails_every_rank_within_100ms(plan):
     reaches every other rank however far ahead of or behind the others it is."""
     res = [r["abort_streaming"] for r in results(plan)]
     t_abort = res[-1]["t_abort"]
+    assert res[-1]["mid_stream"], res[-1]  # every peer in its transfer, none done
     assert res[-1]["error"] == "CommAbortedError", res[-1]
     for r in res[:-1]:
         assert r["error"] == "RemoteError" and r["typed"], r
