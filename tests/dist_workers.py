@@ -265,6 +265,41 @@ def abort_case(rank: int, world: int) -> dict[str, Any]:
         }
 
 
+def abort_streaming_case(rank: int, world: int) -> dict[str, Any]:
+    """The last rank aborts while a large allreduce that every rank issued streams (over TCP
+    the pipelined allreduce, in 4 KB pieces under SMALL_CHUNK): once every peer's first
+    result piece is in its tensor (every peer is in its transfer loop) and before the last
+    one is. Every rank's call must fail, the others' within the abort bound of the abort."""
+    from torchport.distributed import CommAbortedError, RemoteError, TorchportDistError
+    from torchport.distributed.engine import split_even
+
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub)
+    t = torch.ones(4 << 20)
+    work = dist.all_reduce(t, group=sub, async_op=True)
+    rec: dict[str, Any] = {}
+    if rank == world - 1:
+        parts = split_even(t.numel(), world)
+        firsts = torch.tensor([lo for lo, _ in parts[:-1]])  # the peers' parts
+        lasts = torch.tensor([lo + k - 1 for lo, k in parts[:-1]])
+        end = time.monotonic() + 20
+        while not bool((t[firsts] == world).all()) and time.monotonic() < end:
+            time.sleep(0.001)  # reads the tensor the allreduce writes: only to see progress
+        started = bool((t[firsts] == world).all())
+        rec["mid_stream"] = started and bool((t[lasts] == 1).all())
+        rec["t_abort"] = time.time()
+        sub.abort()
+    try:
+        work.wait()
+        rec["error"] = None
+    except TorchportDistError as e:
+        rec["t_fail"] = time.time()
+        rec["error"] = type(e).__name__
+        rec["msg"] = str(e)
+        rec["typed"] = isinstance(e, (CommAbortedError, RemoteError))
+    return rec
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -597,6 +632,7 @@ SCENARIOS = {
     "auth": auth_case,
     "timeout": timeout_case,
     "abort": abort_case,
+    "abort_streaming": abort_streaming_case,
     "ddp": ddp_losses,
 }
 

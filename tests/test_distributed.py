@@ -36,7 +36,7 @@ PLANS = {
     ),
     "shm3": (3, {}, [("grid", (SIZES,)), ("p2p", ()), ("abort", ())]),
     "shm4": (4, {}, [("grid", ([0, 7, 4099],)), ("split", ()), ("mismatch_one", ())]),
-    # world 2 over TCP: the pipelined allreduce (two ranks only), native and mailbox paths
+    # world 2 over TCP: the pipelined allreduce, native and mailbox paths
     "tcp2": (
         2,
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
@@ -50,12 +50,17 @@ PLANS = {
             ("grid_mailbox", ([4099],)),
             ("p2p", ()),
             ("abort", ()),
+            ("abort_streaming", ()),
             ("mismatch_one", ()),
             ("late_peer", ()),
         ],
     ),
     # world 4 over TCP: the broadcast chain has two inner ranks
-    "tcp4": (4, {"TORCHPORT_DIST_TRANSPORT": "tcp"}, [("grid", ([4099],))]),
+    "tcp4": (
+        4,
+        {"TORCHPORT_DIST_TRANSPORT": "tcp"},
+        [("grid", ([4099],)), ("abort_streaming", ())],
+    ),
 }
 
 
@@ -101,6 +106,22 @@ def test_abort_unblocks_every_rank_within_100ms(plan):
         assert "rank 0 called abort()" in r["msg"]
         assert r["completed"]
         assert r["t_fail"] - res[0]["t_abort"] < 0.1, r["t_fail"] - res[0]["t_abort"]
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["tcp3", "tcp4"])
+def test_abort_mid_pipelined_allreduce_fails_every_rank_within_100ms(plan):
+    """The last rank aborts while the pipelined allreduce's pieces stream: every socket is
+    read in order all through the call (no receive waits behind a fold), so its ABORT frame
+    reaches every other rank however far ahead of or behind the others it is."""
+    res = [r["abort_streaming"] for r in results(plan)]
+    t_abort = res[-1]["t_abort"]
+    assert res[-1]["mid_stream"], res[-1]  # every peer in its transfer, none done
+    assert res[-1]["error"] == "CommAbortedError", res[-1]
+    for r in res[:-1]:
+        assert r["error"] == "RemoteError" and r["typed"], r
+        assert "called abort()" in r["msg"], r
+        assert r["t_fail"] - t_abort < 0.1, (r["t_fail"] - t_abort, res)
 
 
 @pytest.mark.timeout(110)

@@ -11,10 +11,8 @@ Per rank and ``n`` payload bytes (``W`` ranks):
   q owns part q, receives every rank's copy of it, folds them in rank order 0..W-1 (bitwise
   equal to the reference, like the shared-memory path) and sends the result to every rank.
   Sent: ``2 n (W - 1) / W`` -- the same bytes as a ring, in 2 rounds instead of ``2 (W - 1)``.
-  In a TCP-only group of two ranks both rounds are one pipelined transfer in pieces
-  (:class:`_Pieces`): a piece is folded as soon as it is in and its result sent while later
-  pieces stream. (With three or more ranks a gated receive could keep a peer's ABORT unread:
-  they take the two exchanges.)
+  In a TCP-only group both rounds are one pipelined transfer in pieces (:class:`_Pieces`): a
+  piece is folded as soon as it is in and its result sent while later pieces stream.
 - broadcast (TCP-only groups, any size): a pipelined chain with acknowledgements back up it
   (:func:`_chain_broadcast`): each rank receives and sends ``n`` bytes once, ``2 (W - 1)``
   frames for a one-piece tensor instead of an exchange's ``W (W - 1)``. Hybrid groups: scatter of the root's parts, then
@@ -148,10 +146,7 @@ def allreduce(
     """In-place allreduce over TCP (see the module docstring)."""
     seq, w, r, es = comm.next_op(), comm.world, comm.rank, t.element_size()
     nbytes, base = t.numel() * es, t.data_ptr() if t.numel() else 0
-    # two ranks only: with three or more, a rank's gated receive keeps a peer's ABORT frame
-    # unread while the rank that would feed the gate has given up (it waits for its own
-    # deadline instead of failing within the abort bound; eleventh-session review)
-    if comm.local is None and w == 2 and nbytes > small:
+    if comm.local is None and w > 1 and nbytes > small:
         _Pieces(comm, seq, base, t.numel(), es, dtype, red).run(deadline)
         return
     step = 0
@@ -178,6 +173,8 @@ def allreduce(
 PIECE_BYTES = 1 << 20  # piece of a part in the pipelined allreduce (at most chunk / 4)
 RING = 2  # receive slots per peer of the pipelined allreduce (pieces received ahead of folds)
 LAG = 1  # the pipelined allreduce sends piece j's result after piece j + LAG of its input
+# input piece j waits for result j - RING, which comes after input j + LAG - RING on its socket
+assert RING > LAG, "the pipelined allreduce's flow control would wait on a later frame"
 
 
 class _Pieces:
@@ -188,9 +185,16 @@ class _Pieces:
     the transfer) and sends the folded piece j to every peer -- while the pieces after j are
     still streaming in. Per socket the frames go in one fixed order, ``RS0 .. RS(LAG-1)``,
     then ``RS(j + LAG), AG j`` for each j (``RS``: reduce-scatter input, ``AG``: folded
-    result), on both paths below. A piece's receive slot is reused ``RING`` pieces later
-    (its receive waits behind a gate until the fold that read the slot is done); the
-    results are received straight into the tensor. Every frame carries the call's signature
+    result), on both paths below. A piece's receive slot is reused ``RING`` pieces later;
+    the flow control that keeps a slot from being overwritten before its fold read it is
+    the sender's: rank r sends q input piece j only once it received q's result piece
+    ``j - RING`` (q folds piece ``j - RING`` before it sends that result). No receive waits
+    on anything but its socket, so every socket is read in order all through the call and
+    a peer's ABORT frame (or a mismatched frame) is read and routed as soon as it is next
+    on its socket. (Before the twelfth session a receive waited behind a gate until that
+    fold: with three or more ranks its socket stayed unread, a peer's ABORT behind it, while
+    the rank that should have fed the fold had given up.) The results are received straight
+    into the tensor. Every frame carries the call's signature
     with its own step (``2 j`` / ``2 j + 1``), every rank sends every peer an input frame
     for every piece, so a mismatched call is detected as in an exchange.
     """
@@ -241,8 +245,9 @@ class _Pieces:
 
     def frames(self, slot: Callable[[int, int], int]) -> tuple[list[XSend], list[XRecv]]:
         """Every frame of the call, in socket order; input receives go to ``slot(j, q)``."""
-        comm, r, gid, ring = self.comm, self.comm.rank, self.comm.group_id, RING
+        comm, r, gid = self.comm, self.comm.rank, self.comm.group_id
         sends, recvs = list[XSend](), list[XRecv]()
+        result_in: dict[tuple[int, int], int] = {}  # (piece, peer) -> its result's receive
         for j, res in self.order:
             e, sig = self.epoch + 2 * j + res, self.sig(j, res)
             for q in self.peers:
@@ -250,12 +255,14 @@ class _Pieces:
                 if res:
                     mine = self.piece(r, j)
                     sends.append(XSend(g, Kind.COLL, gid, e, *mine, sig, gate=j + 1))
+                    result_in[j, q] = len(recvs)
                     recvs.append(XRecv(g, gid, e, sig, *self.piece(q, j)))
                 else:
-                    sends.append(XSend(g, Kind.COLL, gid, e, *self.piece(q, j), sig))
-                    gate = j - ring + 1 if j >= ring else 0  # fold j - ring read the slot
+                    # q's slot for piece j is free once q sent the result of piece j - RING
+                    k = result_in[j - RING, q] if j >= RING else -1
+                    sends.append(XSend(g, Kind.COLL, gid, e, *self.piece(q, j), sig, k, max(k, 0)))
                     nb = self.piece(r, j)[1]
-                    recvs.append(XRecv(g, gid, e, sig, slot(j, q), nb, gate=gate, notify=True))
+                    recvs.append(XRecv(g, gid, e, sig, slot(j, q), nb, notify=True))
         return sends, recvs
 
     def run(self, deadline: float) -> None:
@@ -274,7 +281,7 @@ class _Pieces:
             if self.got[j] < w - 1:
                 return []
             self.fold(j, slot)
-            return [j + 1]  # its result may go, and the receive reusing its slot may start
+            return [j + 1]  # its result may go
 
         comm._last_sig = self.sig(0, 0)
         frames = comm.mesh.transfer(sends, recvs, deadline, comm.check, on_notify)
@@ -287,7 +294,8 @@ class _Pieces:
     def mailbox_path(self, deadline: float) -> None:
         """The same frames in the same order when the connections cannot be owned now
         (another collective holds one): received by the reader threads into posted targets,
-        with a slot per piece (no reuse)."""
+        with a slot per piece here (no reuse), and the same flow control (input piece j goes
+        to a peer once its result piece ``j - RING`` is in: the peer's slots are reused)."""
         comm, w = self.comm, self.comm.world
         size = self.pe * self.es
         buf = torch.empty(max(1, self.n * w * size), dtype=torch.uint8)
@@ -302,20 +310,24 @@ class _Pieces:
                 if x.size:
                     mailbox.post(x.key, Target(x.ptr, x.size, x.sig))
                     posted.append(x)
-            i = 0
+            i, done = 0, set[int]()
             for j, res in self.order:
-                if res:
-                    for x in recvs:
-                        if x.seq == self.epoch + 2 * j:
+                # the input pieces of j, or (before input piece j goes) the results of j - RING
+                want = self.epoch + 2 * j if res else self.epoch + 2 * (j - RING) + 1
+                if res or j >= RING:
+                    for k, x in enumerate(recvs):
+                        if x.seq == want:
                             self.receive(x, deadline)
+                            done.add(k)
+                if res:
                     self.fold(j, slot)
                 batch = sends[i : i + len(self.peers)]
                 comm.mesh.send_all(
                     [(x.peer, x.kind, x.group, x.seq, _view(x.ptr, x.size), x.sig) for x in batch]
                 )
                 i += len(self.peers)
-            for x in recvs:
-                if (x.seq - self.epoch) & 1:
+            for k, x in enumerate(recvs):
+                if (x.seq - self.epoch) & 1 and k not in done:
                     self.receive(x, deadline)
         finally:
             for x in posted:

@@ -29,7 +29,9 @@ finishes one frame) and releases it (waking the reader) when its transfer ends.
       from      send: the first receive index word 6 covers
     8 gate      the operation does not start while this word is nonzero (the caller clears
                 it, e.g. once the bytes a send carries are computed or a receive's buffer is
-                free again); it still holds its place in its socket's order
+                free again); it still holds its place in its socket's order.
+                Mesh.transfer gates only sends: a gated receive would leave its socket
+                unread (a peer's ABORT frame behind it too) until the gate opens
     9 notify    receive: 1 -> the loop returns ``NOTIFY`` (out[0] = its index) as soon as
                 it completes, and sets the word to 2 (returned once)
 

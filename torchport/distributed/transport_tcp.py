@@ -388,8 +388,12 @@ class XSend:
 @dataclass
 class XRecv:
     """One COLL frame for :meth:`Mesh.transfer` to receive into ``size`` bytes at ``ptr``
-    (not started before gate ``gate`` is open when it is not 0; ``notify``: the transfer's
-    ``on_notify`` is called with its index once it is in)."""
+    (``notify``: the transfer's ``on_notify`` is called with its index once it is in).
+
+    A receive never waits on anything but its socket (no gate): a socket whose next receive
+    waited would stay unread -- a peer's ABORT frame behind it too -- while the rank whose
+    frame would open the gate may have given up. Flow control belongs to the sender (an
+    ``XSend`` waits on receives or a gate)."""
 
     peer: int
     group: int
@@ -397,7 +401,6 @@ class XRecv:
     sig: tuple[int, int, int, int]
     ptr: int
     size: int
-    gate: int = 0
     notify: bool = False
 
     @property
@@ -782,7 +785,7 @@ class Mesh:
 
         ``on_notify(j)`` runs on this thread as soon as receive ``j`` (one with ``notify``)
         is in, while the peers' frames keep flowing into the socket buffers; it returns the
-        gates to open (the operations with such a ``gate`` may then start).
+        gates to open (the sends with such a ``gate`` may then start).
 
         Returns one frame per receive: ``(header, RECEIVED)`` when its payload is in place
         (its header equal to the expected one), or the differing frame as received (the
@@ -829,9 +832,9 @@ class Mesh:
             ]
         # A frame the reader thread reads before this thread owns the socket (its sender is
         # ahead) still goes straight into place when it is large.
-        posted = [x for x in recvs if x.size >= POST_BYTES and not x.gate]
+        posted = [x for x in recvs if x.size >= POST_BYTES]
         gates: dict[int, list[int]] = {}
-        for i, gate in enumerate([x.gate for x in sends] + [x.gate for x in recvs]):
+        for i, gate in enumerate(x.gate for x in sends):
             if gate:
                 gates.setdefault(gate, []).append(i)
         notified: list[int] = []  # receives completed on this thread before the loop
@@ -883,11 +886,12 @@ class Mesh:
                     0,
                     -1,
                     h + 64,
-                    x.gate,
+                    0,
                     int(x.notify),
                 ]
-                # A frame read by the reader before we owned the socket. Never a gated one's:
-                # its sender can only send it after frames that come before it on the socket.
+                # A frame read by the reader before we owned the socket. Never one for a
+                # reused slot (the pipelined allreduce): its sender waits for a frame that
+                # this transfer sends.
                 early = self.mailbox.take(x.key)
                 if early is not None:
                     frames[j], ok = _settle(early, want, x)
