@@ -5,8 +5,8 @@ Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 
 ``Tensor.sum`` over a > L3 tensor, timed interleaved with every cell (its % column uses that
 cell's sum, so a load change between cells does not skew it). The second baseline is the native
 read peak (:mod:`torchport.gemv.readpeak`): every :data:`~torchport.gemv.readpeak.READ_CONFIGS`
-streaming of two 128 MiB buffers on 2 MiB pages, interleaved the same way; the fastest is the
-cell's peak (``of_peak``). Weight copies rotate so the working set exceeds L3 (cold).
+streaming of two 128 MiB buffers on 2 MiB pages (all threads; the first configuration on one
+thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight copies rotate so the working set exceeds L3 (cold).
 GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
 time per call, which time lost to other processes on a shared machine does not inflate.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import resource
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +47,21 @@ PEAK_BYTES = 128 << 20
 
 
 @functools.cache
-def peak_reads() -> dict[str, list]:
-    """The native read peak's launches: per read configuration, one launcher per buffer (two
-    128 MiB buffers on 2 MiB pages, read in alternation as the sum's)."""
+def peak_reads() -> dict[str, list[Callable[[], int]]]:
+    """The native read peak's launches: per read configuration (all threads; the first also on
+    one thread), one launcher per buffer (two 128 MiB buffers on 2 MiB pages, read in
+    alternation as the sum's)."""
     bufs = [hugepage_empty((PEAK_BYTES,), torch.uint8).fill_(i + 1) for i in range(2)]
-    return {f"read {c.name}": [read_launcher(b, 0, c) for b in bufs] for c in READ_CONFIGS}
+    reads = {f"read {c.name}": [read_launcher(b, 0, c) for b in bufs] for c in READ_CONFIGS}
+    # one thread too: on a shared machine a two-thread read waits for a descheduled thread (as
+    # a two-thread GEMV does, which then runs on one thread: the ceiling must allow for that)
+    c = READ_CONFIGS[0]
+    reads[f"read {c.name}_t1"] = [read_launcher(b, 1, c) for b in bufs]
+    return reads
+
+
+def _alternate(gos: list[Callable[[], int]]) -> Callable[[int], int]:
+    return lambda i: gos[i % 2]()
 
 
 def _bytes(w) -> int:
@@ -94,7 +105,7 @@ def bench_batch(
     for f in packs:
         fns[f"ours {f}"] = ours_packed(f)
     for name, gos in peak_reads().items():
-        fns[name] = lambda i, gos=gos: gos[i % 2]()
+        fns[name] = _alternate(gos)
     t = compare(fns, sets, reps=reps)
     tag = f"N={n} K={k} B={b}"
     bw = (32 << 20) * 4 / t["sum"] / 1e9  # this cell's own read bandwidth (interleaved sum)
