@@ -9,8 +9,7 @@ independent accumulators (``vpsadbw`` adds the 32 bytes of a load into four 64-b
 sets how: ``streams`` contiguous parts of the thread's share read side by side (256 bytes of
 each per step: more streams for the hardware prefetchers to follow), and a software prefetch
 ``prefetch`` bytes ahead of each (one hint per 64-byte line, ``hint`` T0/T1/NTA; 0: none).
-:data:`READ_CONFIGS` are the ones the GEMV benchmark times, keeping the fastest (on Zen 3 none
-was ahead of the others by more than the shared machine's noise).
+:data:`READ_CONFIGS` are the ones the GEMV benchmark times, keeping the fastest.
 
 The result is the sum of all bytes of the buffer as unsigned 8-bit integers (exact in 64 bits
 for any buffer below 2⁵⁶ bytes), so nothing is optimised away and every configuration is
@@ -105,12 +104,12 @@ class ReadConfig:
         return f"p{self.prefetch}_{self.hint}_s{self.streams}"
 
 
-# The configurations the GEMV benchmark times. Two threads over a 256 MiB buffer on 2 MiB pages,
-# Zen 3 shared with other jobs, interleaved medians of 15 (load 2.5-3.7, sum 31.6-33.2 GB/s):
-# no prefetch 31.0-31.5 GB/s, 512 bytes ahead 30.7-32.1, NTA 31.3, 1024-4096 ahead 27.2-30.4;
-# in two runs under heavier load four streams with NTA 512 bytes ahead read fastest (19.6 and
-# 16.7 GB/s against 16.0 and 12.2 with one stream, no prefetch). 4 KiB pages read 1-3 GB/s
-# slower than 2 MiB ones in the same run.
+# The configurations the GEMV benchmark times. Exploration, two threads over a 256 MiB buffer on
+# 2 MiB pages, Zen 3 shared with other jobs, interleaved medians of 15 (load 2.5-3.7, sum
+# 31.6-33.2 GB/s): no prefetch 31.0-31.5 GB/s, 512 bytes ahead 30.7-32.1, NTA 31.3, 1024-4096
+# ahead 27.2-30.4; 4 KiB pages 1-3 GB/s slower than 2 MiB ones. In six quick GEMV benchmark
+# runs (load 1.4-4.5) four streams per thread with NTA 512 bytes ahead read fastest each time:
+# 33.9-43.2 GB/s against 31.8-35.2 with one stream and no prefetch, and Tensor.sum 30.3-32.5.
 READ_CONFIGS = (
     ReadConfig(),
     ReadConfig(prefetch=512, hint="NTA"),
