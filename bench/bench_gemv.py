@@ -3,7 +3,10 @@
 Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 CPU GEMV
 (``torch._weight_int4pack_mm_for_cpu``, group 32); the read-bandwidth baseline is a large
 ``Tensor.sum`` over a > L3 tensor, timed interleaved with every cell (its % column uses that
-cell's sum, so a load change between cells does not skew it). Weight copies rotate so the working set exceeds L3 (cold).
+cell's sum, so a load change between cells does not skew it). The second baseline is the native
+read peak (:mod:`torchport.gemv.readpeak`): every :data:`~torchport.gemv.readpeak.READ_CONFIGS`
+streaming of two 128 MiB buffers on 2 MiB pages (all threads; the first configuration on one
+thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight copies rotate so the working set exceeds L3 (cold).
 GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
 time per call, which time lost to other processes on a shared machine does not inflate.
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import resource
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,8 @@ import torch.nn.functional as F
 from torchport import config
 from torchport import gemv as G
 from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.gemv.hugepages import hugepage_empty
+from torchport.gemv.readpeak import READ_CONFIGS, read_launcher
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
 
 COLD_BYTES = 96 << 20  # > 32 MiB L3 with margin
@@ -35,6 +41,27 @@ def _copies(make, nbytes: int) -> list:
 def bw_bufs() -> list[torch.Tensor]:
     """The read-bandwidth baseline's inputs: two 128 MiB tensors, summed in alternation."""
     return [torch.rand(32 << 20) for _ in range(2)]
+
+
+PEAK_BYTES = 128 << 20
+
+
+@functools.cache
+def peak_reads() -> dict[str, list[Callable[[], int]]]:
+    """The native read peak's launches: per read configuration (all threads; the first also on
+    one thread), one launcher per buffer (two 128 MiB buffers on 2 MiB pages, read in
+    alternation as the sum's)."""
+    bufs = [hugepage_empty((PEAK_BYTES,), torch.uint8).fill_(i + 1) for i in range(2)]
+    reads = {f"read {c.name}": [read_launcher(b, 0, c) for b in bufs] for c in READ_CONFIGS}
+    # one thread too: on a shared machine a two-thread read waits for a descheduled thread (as
+    # a two-thread GEMV does, which then runs on one thread: the ceiling must allow for that)
+    c = READ_CONFIGS[0]
+    reads[f"read {c.name}_t1"] = [read_launcher(b, 1, c) for b in bufs]
+    return reads
+
+
+def _alternate(gos: list[Callable[[], int]]) -> Callable[[int], int]:
+    return lambda i: gos[i % 2]()
 
 
 def _bytes(w) -> int:
@@ -77,17 +104,28 @@ def bench_batch(
     }
     for f in packs:
         fns[f"ours {f}"] = ours_packed(f)
+    for name, gos in peak_reads().items():
+        fns[name] = _alternate(gos)
     t = compare(fns, sets, reps=reps)
     tag = f"N={n} K={k} B={b}"
     bw = (32 << 20) * 4 / t["sum"] / 1e9  # this cell's own read bandwidth (interleaved sum)
+    reads = {name: PEAK_BYTES / t[name] / 1e9 for name in peak_reads()}
+    top = max(reads, key=reads.__getitem__)
+    peak = reads[top]  # this cell's native read peak: the fastest read configuration
     print(f"# {tag}: Tensor.sum {bw:.2f} GB/s interleaved with this cell")
+    each = ", ".join(f"{name[5:]} {v:.2f}" for name, v in reads.items())
+    print(f"# {tag}: native read peak {peak:.2f} GB/s ({top[5:]}; {each})")
 
     def pct(f: str, s: float) -> str:
         return f"{100 * nbytes[f] / s / 1e9 / bw:.0f}%"
 
+    def pct_peak(f: str, s: float) -> str:
+        return f"{100 * nbytes[f] / s / 1e9 / peak:.0f}%"
+
     for f in ("f32", "bf16"):
         a = f"F.linear {f}"
-        table.add(f"{tag} {f}", a, t[a], t[f"ours {f}"], nbytes[f], of_bw=pct(f, t[f"ours {f}"]))
+        o = t[f"ours {f}"]
+        table.add(f"{tag} {f}", a, t[a], o, nbytes[f], of_bw=pct(f, o), of_peak=pct_peak(f, o))
     for f in packs:
         table.add(
             f"{tag} {f}",
@@ -96,6 +134,7 @@ def bench_batch(
             t[f"ours {f}"],
             nbytes[f],
             of_bw=pct(f, t[f"ours {f}"]),
+            of_peak=pct_peak(f, t[f"ours {f}"]),
             vs_int4=f"{t['int4pack_mm'] / t[f'ours {f}']:.2f}x",
         )
     table.add(
@@ -105,6 +144,7 @@ def bench_batch(
         t["int4pack_mm"],
         nbytes["int4"],
         of_bw=pct("int4", t["int4pack_mm"]),
+        of_peak=pct_peak("int4", t["int4pack_mm"]),
     )
 
 

@@ -418,3 +418,38 @@ def test_gemv_packed_route_follows_setting_env_and_override(fmt, monkeypatch):
     x3 = torch.randn(3, 128, generator=g)
     gemv_packed(x3, pw)
     assert (x3.dtype, x3.shape, True) in pw.routes and (x.dtype, x.shape, True) in pw.routes
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 40), (3, 1, 40), (1, 300000), (0, 5)], ids=["row", "3x1", "large", "empty"]
+)
+def test_route_output_source_hands_out_fresh_tensors(shape):
+    """Settled routes allocate their outputs OUT_BATCH at a time (fewer for large outputs): each
+    call still gets a new, separate float32 tensor of the shape, ordinary in inference mode."""
+    from torchport.gemv.ops import _out_source
+
+    new_out = _out_source(shape)
+    outs = [new_out() for _ in range(19)]
+    with torch.inference_mode():
+        outs += [new_out() for _ in range(19)]
+    assert all(o.shape == shape and o.dtype == torch.float32 for o in outs)
+    assert all(o.is_contiguous() and not o.is_inference() for o in outs)
+    ptrs = {o.data_ptr() for o in outs if o.numel()}
+    assert len(ptrs) == len([o for o in outs if o.numel()])  # no storage handed out twice
+
+
+def test_settled_route_outputs_are_distinct_and_usable_with_autograd():
+    g = torch.Generator().manual_seed(15)
+    wq, wd = _weight("nvfp4", torch.randn(48, 128, generator=g))
+    x = torch.randn(1, 128, generator=g)
+    with torch.inference_mode():
+        first = F.linear(x, wq)
+        outs = [F.linear(x, wq) for _ in range(20)]  # through the settled route
+    assert wq._route is not None
+    _check(first, x, wd, None, 3e-2)
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    assert all(torch.equal(o, first) for o in outs)
+    # an output made in inference mode is an ordinary tensor: autograd may save it
+    p = torch.ones(1, requires_grad=True)
+    (outs[-1] * p).sum().backward()
+    assert p.grad is not None

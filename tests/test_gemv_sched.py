@@ -290,3 +290,59 @@ def test_big_weight_home_probes_back_off_under_lasting_load(monkeypatch) -> None
     for _ in range(18):
         plan.launch(go)
     assert ad.current == 0 and ad._home_every == 4
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"probe_every": 16, "sample_every": 2},
+        {"home": 0, "probe_every": 16, "sample_every": 1},
+        {"home": 1, "sample_every": 2, "probe_every": 8},
+        {"home": 0, "home_probe_every": 4, "warm_switch": True, "probe_bound": True}
+        | {"sample_every": 1, "probe_every": 16},
+        {"home": 2, "home_probe_every": 4, "probe_every": 16, "sample_every": 1},
+    ],
+    ids=["plain", "home0", "home1_every2", "gemv_big", "home2_3arms"],
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_adaptive_steady_check_makes_the_full_pass_decisions(monkeypatch, opts, seed) -> None:
+    """ThreadAdaptive's shortcut for a sample of the current launch (``steady_check``) takes the
+    same decisions as the full pass: two runners fed the same random timings (fake clock, load
+    phases that favour each launch in turn) run the same launches and switch alike."""
+    import random
+
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ThreadAdaptive
+
+    t = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: t[0])
+    rng = random.Random(seed)
+    narms = 3 if opts.get("home") == 2 else 2
+    base = [1.0e-3, 1.6e-3, 1.3e-3][:narms]
+    runners, logs = [], []
+    for fast in (True, False):
+        log: list[int] = []
+        arms = [(lambda go, i=i, log=log: go(i, log)) for i in range(narms)]
+        ad = ThreadAdaptive(*arms, **opts)
+        ad.steady_check = fast
+        runners.append(ad)
+        logs.append(log)
+    costs: list[float] = []
+
+    def go(i: int, log: list[int]) -> None:
+        t[0] += costs[i]
+        log.append(i)
+
+    for phase in range(24):
+        slow = phase % (narms + 1)  # the launch a neighbour's load slows (none: narms)
+        extra = (0.1, 0.3, 6.0)[phase // (narms + 1) % 3]  # a little (home-margin cases) or a lot
+        for _ in range(rng.randrange(3, 60)):
+            costs[:] = [
+                b * (rng.uniform(0.9, 1.1) + (extra if i == slow else 0.0))
+                for i, b in enumerate(base)
+            ]
+            for ad in runners:
+                ad(go)
+        assert logs[0] == logs[1], (phase, logs[0][-20:], logs[1][-20:])
+    assert runners[0].switches == runners[1].switches and runners[0].current == runners[1].current
+    assert runners[0].switches > 0
