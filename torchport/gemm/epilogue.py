@@ -7,11 +7,14 @@ op's string argument), the list of tensor operands it reads, and the unsupported
 that runs afterwards as ordinary torch ops.
 
 Numerics: every fused step runs in float32 on the accumulator (bf16 operands widen exactly); the
-result is rounded once to the output dtype (nearest-even for bf16, as torch). GELU (erf) uses a
-vectorised erf ``x P(x^2) / Q(x^2)`` (one division; measured over a dense grid of x in [-12, 12]:
-max abs GELU error 1.1e-6 at x = 5.3, i.e. 2e-7 relative, and within 1e-6 + 1e-5 |ref| everywhere);
-GELU (tanh) and SiLU use ``x * sigmoid(.)`` with a vectorised degree-5 exp and a reciprocal estimate
-refined by one Newton step (max relative error 3e-7 for SiLU, 1.1e-6 for GELU-tanh).
+result is rounded once to the output dtype (nearest-even for bf16, as torch). GELU (erf) is
+``x (1/2 + 1/2 erf(x / sqrt2))`` with a vectorised erf ``x P(x^2) / Q(x^2)`` (one division), clamped
+to +-1/2 beyond |x| = 5.73; GELU (tanh) and SiLU are ``x / (1 + exp(-y))`` with a vectorised
+degree-5 exp and one division. Measured against torch in float64 over [-12, 12] (step 1e-4): max
+absolute error 9.5e-7 (GELU), 5.1e-7 (GELU-tanh), 1.2e-6 (SiLU, at |x| ~ 4-8, where torch's own
+float32 SiLU has the same); within 3e-7 |ref| + 1e-7 |x| for GELU-tanh and SiLU, 3e-7 |ref| +
+2e-7 |x| for GELU (torch's float32 GELU itself reaches 1.04x the 1e-7 form). On this machine
+(AVX2, one thread, ``bench gemm_activation``): GELU 0.36, GELU-tanh 0.43, SiLU 0.32 ns per value.
 """
 
 from __future__ import annotations
