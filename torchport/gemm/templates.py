@@ -435,7 +435,7 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> 
 _COMMON = r"""
 #define TP_ACC 1
 #define TP_FIN 2
-/* C[i, :] = epilogue(sum over s < ks of W[s][i, :]) for rows r0 <= i < r1 (the K-split's
+/* C[i, j] = epilogue(sum over s < ks of W[s][i, j]) for r0 <= i < r1, j0 <= j < j1 (the K-split's
    reduction; W rows have stride N, split s starts at W + s * M * N) */
 #if TP_DEFER_EPI
 /* C[i, j] = epilogue(S[i, j]) for r0 <= i < r1, j0 <= j < j1: S is the raw fp32 sums, C itself
@@ -455,15 +455,16 @@ static void tp_epi_rows(otype_t *C, int64_t ldc, const float *S, int64_t lds, in
 #define tp_epi_rows(C, ldc, S, lds, r0, r1, j0, j1, ep, eld) ((void)0)
 #endif
 static void tp_reduce_rows(otype_t *C, int64_t ldc, const float *W, int64_t M, int64_t N,
-        int64_t ks, int64_t r0, int64_t r1, const void *const *ep, const int64_t *eld) {
+        int64_t ks, int64_t r0, int64_t r1, int64_t j0, int64_t j1, const void *const *ep,
+        const int64_t *eld) {
     for (int64_t i = r0; i < r1; ++i) {
-        int64_t j = 0;
-        for (; j + VWIDTH <= N; j += VWIDTH) {
+        int64_t j = j0;
+        for (; j + VWIDTH <= j1; j += VWIDTH) {
             VEC x = VLOAD_f32(W + i * N + j);
             for (int64_t s = 1; s < ks; ++s) x = VADD(x, VLOAD_f32(W + s * M * N + i * N + j));
             VSTORE_OTAG(C + i * ldc + j, tp_epi_v(x, i, j, ep, eld));
         }
-        for (; j < N; ++j) {
+        for (; j < j1; ++j) {
             float x = W[i * N + j];
             for (int64_t s = 1; s < ks; ++s) x += W[s * M * N + i * N + j];
             SSTORE_OTAG(C + i * ldc + j, tp_epi_s(x, i, j, ep, eld));
@@ -517,8 +518,13 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const atype_t *A, int64
                 }}
             }}
             #pragma omp barrier
-            tp_chunk(M, omp_get_num_threads(), omp_get_thread_num(), 1, &r0, &r1);
-            tp_reduce_rows(C, ldc, W, M, N, ks, r0, r1, ep, eld);
+            /* by rows when every thread gets one, else by columns (whole vectors): with
+               fewer rows than threads (M = 1) one thread did the whole sum and epilogue */
+            int64_t j0 = 0, j1 = N, nth = omp_get_num_threads(), th = omp_get_thread_num();
+            r0 = 0, r1 = M;
+            if (M >= nth) tp_chunk(M, nth, th, 1, &r0, &r1);
+            else tp_chunk(N, nth, th, VWIDTH, &j0, &j1);
+            tp_reduce_rows(C, ldc, W, M, N, ks, r0, r1, j0, j1, ep, eld);
         }}
         return 0;
     }}
