@@ -241,6 +241,27 @@ _PLAIN_OPS: dict[Step, Op] = {
 _PLAIN_OPS.update({name: _PLAIN_OPS[step] for name, step in _NAMED.items()})
 
 
+# specs of epilogues made of parameter-free steps only (names, Relu(), Gelu(...), Silu()), per
+# (steps, bias dtype): such a call (nn.Linear + activation) skips the walk over its steps
+_PLAIN_SPECS: dict[tuple[Any, ...], EpilogueSpec] = {}
+
+
+def _plain_key(steps: Sequence[Step] | Step | None, bias: torch.Tensor | None) -> Any:
+    """The :data:`_PLAIN_SPECS` key of an epilogue of parameter-free steps, else None."""
+    if type(steps) is list or type(steps) is tuple:
+        key = tuple(steps)
+    elif type(steps) is str:
+        key = (steps,)
+    else:
+        return None
+    try:
+        if not all(step in _PLAIN_OPS for step in key):
+            return None
+    except TypeError:  # an unhashable callable
+        return None
+    return key, None if bias is None else bias.dtype
+
+
 def split(
     steps: Sequence[Step] | Step | None, m: int, n: int, *, bias: torch.Tensor | None = None
 ) -> Split:
@@ -248,8 +269,25 @@ def split(
 
     Fusion stops at the first step that is not one of the fused kinds (a callable); it and every
     later step form the tail, applied with torch ops after the kernel. ``bias`` (optional) is a
-    leading ``Bias(bias, "col")`` step (step 0), without building the step per call.
+    leading ``Bias(bias, "col")`` step (step 0), without building the step per call. Epilogues
+    of parameter-free steps take their spec from :data:`_PLAIN_SPECS` after the first call (the
+    bias is still validated on every call).
     """
+    plain_key = _plain_key(steps, bias)
+    if plain_key is not None:
+        spec = _PLAIN_SPECS.get(plain_key)
+        if spec is not None:
+            if bias is None:
+                return Split(spec, [], [])
+            return Split(spec, [_operand(bias, (0, "bias"), (n,))], [])
+        sp = _split(steps, m, n, bias)
+        if len(_PLAIN_SPECS) < 1024:
+            _PLAIN_SPECS[plain_key] = sp.spec
+        return sp
+    return _split(steps, m, n, bias)
+
+
+def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tensor | None) -> Split:
     ops: list[Op] = []
     operands: list[torch.Tensor] = []
     tail: list[Step] = []
