@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import torchport.gemm as G
 from torchport import autotune, config
+from torchport.gemm import epilogue as epilogue_mod
 from torchport.gemm import mm, templates
 from torchport.gemm.epilogue import EpilogueError, EpilogueSpec, split
 from torchport.gemm.kernels import GemmInputError
@@ -375,6 +376,32 @@ def test_split_bias_argument_equals_a_leading_bias_step():
         split(["gelu", G.Add(torch.randn(2, 5))], 3, 5, bias=bias)
     with pytest.raises(EpilogueError, match=r"epilogue step 0 bias must have shape \(5,\)"):
         split(["gelu"], 3, 5, bias=torch.randn(4))
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [["gelu"], ("silu",), "relu", [G.Gelu("tanh"), "relu"], [], [G.Silu(), G.Relu()]],
+    ids=str,
+)
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
+def test_split_of_plain_steps_is_cached_and_still_validates(steps, bias_dtype):
+    """Epilogues of parameter-free steps reuse their spec from the second call on (the same
+    interned spec as the full walk) and still check the bias on every call."""
+    bias = None if bias_dtype is None else torch.randn(5).to(bias_dtype)
+    first, again = split(steps, 3, 5, bias=bias), split(steps, 3, 5, bias=bias)
+    walked = epilogue_mod._split(steps, 3, 5, bias)
+    assert first.spec is again.spec is walked.spec
+    assert len(again.operands) == (bias is not None) and again.tail == []
+    if bias is not None:
+        assert again.operands[0] is bias
+        with pytest.raises(EpilogueError, match=r"epilogue step 0 bias must have shape \(5,\)"):
+            split(steps, 3, 5, bias=torch.randn(4).to(bias_dtype))
+        with pytest.raises(EpilogueError, match="bias must be on cpu, got meta"):
+            split(steps, 3, 5, bias=torch.empty(5, device="meta", dtype=bias_dtype))
+    with pytest.raises(EpilogueError, match=r"bias must be float32 or bfloat16, got torch\.int32"):
+        split(steps, 3, 5, bias=torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(EpilogueError, match="unknown epilogue step 'gelu2'"):
+        split([*epilogue_mod.as_steps(steps), "gelu2"], 3, 5, bias=bias)
 
 
 class _FakeClock:

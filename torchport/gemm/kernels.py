@@ -417,11 +417,11 @@ typedef STYPE stype_t;
 /* C[i, j] = epilogue(S[i, j]) over M x N: S is a finished product (ATen's; float32 or bfloat16,
    row stride lds), C the output (row stride ldc; may be S itself when the dtypes agree: every
    element is read before it is written). Rows are split among threads when there are enough,
-   else columns (in whole vectors); one thread below 64 Ki elements. */
+   else columns (in whole vectors); one thread below TP_PASS_SPLIT_MIN elements. */
 TP_EXPORT int tp_epilogue_pass(otype_t *C, int64_t ldc, const stype_t *S, int64_t lds, int64_t M,
         int64_t N, const void *const *ep, const int64_t *eld, int64_t nthreads) {
     if (M <= 0 || N <= 0) return 0;
-    int64_t nt = (M * N < 65536 || nthreads < 1) ? 1 : nthreads;
+    int64_t nt = (M * N < TP_PASS_SPLIT_MIN || nthreads < 1) ? 1 : nthreads;
     #pragma omp parallel num_threads(nt)
     {
         int64_t r0 = 0, r1 = M, j0 = 0, j1 = N;
@@ -442,6 +442,13 @@ TP_EXPORT int tp_epilogue_pass(otype_t *C, int64_t ldc, const stype_t *S, int64_
 """
 
 
+def pass_split_min(spec: EpilogueSpec) -> int:
+    """Fewest elements the epilogue pass splits over the threads: 64 Ki for loads and adds
+    (~0.1 ns each, so a parallel region's few microseconds are not worth it below), 16 Ki with
+    a GELU/SiLU (~0.35 ns each: an 8 x 4096 product's activation is ~12 us on one thread)."""
+    return 16384 if spec.deferrable else 65536
+
+
 def _pass_source(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> str:
     vec, sca = emit_c(spec)
     args = "int64_t i, int64_t j, const void *const *ep, const int64_t *eld"
@@ -450,6 +457,7 @@ def _pass_source(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> str:
         templates.vocabulary(isa),
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {templates.VW[isa]}",
+        f"#define TP_PASS_SPLIT_MIN {pass_split_min(spec)}",
         f"#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
         f"TP_INLINE VEC tp_epi_v(VEC v, {args}) {{\n    {unused}\n    {vec}\n    return v;\n}}",
         f"TP_INLINE float tp_epi_s(float s, {args}) {{\n    {unused}\n    {sca}\n    return s;\n}}",

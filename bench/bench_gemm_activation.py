@@ -1,0 +1,126 @@
+"""The GEMM epilogue's vector activations alone: ns per element of ``tp_vgelu``,
+``tp_vgelu_tanh``, ``tp_vsilu`` (and ReLU as the floor: a load, a max and a store) on one thread.
+
+Each activation runs over ``--n`` float32 values (default 32768: 128 KiB in, 128 KiB out, in L2)
+``--inner`` times inside one native call, so the Python and ctypes overhead is under 0.1 %; the
+activations are timed round robin, ``--reps`` rounds, in thread CPU time. The anchor is torch's
+own float32 op on the same values (``torch.nn.functional.gelu``/``silu``, one thread), timed in the
+same rounds. Values are uniform in [-8, 8].
+
+Run: ``torchport bench gemm_activation`` (``--isa avx512`` builds that level; it runs only where
+the CPU has it). ``--against path/to/templates.py`` also builds the activations of another copy of
+:mod:`torchport.gemm.templates` (e.g. the main branch's) and times them in the same rounds (A/B).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from torchport import native
+from torchport.benchmarks import arg_parser
+from torchport.gemm import templates
+
+ACTS = ("relu", "gelu", "gelu_tanh", "silu")
+
+_BODY = r"""
+#define TP_ACT_LOOP(name, f) \
+TP_EXPORT void name(const float *x, float *y, int64_t n, int64_t inner) { \
+    for (int64_t r = 0; r < inner; ++r) \
+        for (int64_t j = 0; j + VWIDTH <= n; j += VWIDTH) \
+            VSTORE_f32(y + j, f(VLOAD_f32(x + j))); \
+}
+#define tp_vrelu(v) VMAX(VZERO(), v)
+TP_ACT_LOOP(tp_bench_relu, tp_vrelu)
+TP_ACT_LOOP(tp_bench_gelu, tp_vgelu)
+TP_ACT_LOOP(tp_bench_gelu_tanh, tp_vgelu_tanh)
+TP_ACT_LOOP(tp_bench_silu, tp_vsilu)
+"""
+
+
+def library(isa: str, tpl: Any = templates) -> ctypes.CDLL:
+    """The activation loops of :mod:`torchport.gemm.templates` (or the module ``tpl``) for
+    ``isa``."""
+    body = tpl.vocabulary(isa) + f"#define VWIDTH {tpl.VW[isa]}\n" + _BODY
+    src = tpl.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
+    return native.build(src, name=f"gemm_act_bench_{isa}", isa=isa, extra_flags=["-O2"])
+
+
+def _functions(lib: ctypes.CDLL) -> dict[str, Any]:
+    fns = {}
+    for act in ACTS:
+        fn = getattr(lib, f"tp_bench_{act}")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        fn.restype = None
+        fns[act] = fn
+    return fns
+
+
+def _load_templates(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("torchport_gemm_templates_b", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    p = arg_parser(__doc__ or "")
+    p.add_argument("--n", type=int, default=32768)
+    p.add_argument("--inner", type=int, default=200)
+    p.add_argument("--isa", default=None)
+    p.add_argument("--against", default=None, help="another templates.py to time (A/B)")
+    args = p.parse_args()
+    isa = args.isa or native.cpu_info().isa
+    sides = {"ours": _functions(library(isa))}
+    if args.against:
+        sides["B"] = _functions(library(isa, _load_templates(args.against)))
+    torch.manual_seed(0)
+    x = torch.rand(args.n) * 16 - 8
+    y = torch.empty_like(x)
+    torch_ops = {
+        "relu": torch.relu,
+        "gelu": torch.nn.functional.gelu,
+        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+        "silu": torch.nn.functional.silu,
+    }
+    if args.quick:
+        args.reps = 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: dict[str, dict[str, list[float]]] = {k: {a: [] for a in ACTS} for k in sides}
+    aten: dict[str, list[float]] = {a: [] for a in ACTS}
+    try:
+        for rep in range(args.reps):
+            for act in ACTS:
+                for k in list(sides)[:: 1 if rep % 2 == 0 else -1]:  # A B, B A, ...
+                    t0 = time.thread_time()
+                    sides[k][act](x.data_ptr(), y.data_ptr(), args.n, args.inner)
+                    times[k][act].append((time.thread_time() - t0) / (args.inner * args.n))
+                op = torch_ops[act]
+                t0 = time.thread_time()
+                for _ in range(args.inner // 10):
+                    op(x)
+                aten[act].append((time.thread_time() - t0) / (args.inner // 10 * args.n))
+    finally:
+        torch.set_num_threads(threads)
+    print(f"# {isa}, n={args.n}, one thread, thread CPU time, median of {args.reps} rounds")
+    for act in ACTS:
+        o = statistics.median(times["ours"][act]) * 1e9
+        a = statistics.median(aten[act]) * 1e9
+        line = (
+            f"{act:10s} ours {o:6.3f} ns/elem   torch {a:6.3f} ns/elem   torch/ours {a / o:5.2f}x"
+        )
+        if "B" in times:
+            b = statistics.median(times["B"][act]) * 1e9
+            line += f"   B {b:6.3f} ns/elem   B/ours {b / o:5.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
