@@ -14,7 +14,7 @@ import torch
 import torchport.linalg as tl
 from tests.test_linalg import _sym_kind
 from torchport import native
-from torchport.linalg import eigh_block, eigh_tridiag, kernels
+from torchport.linalg import eigh_block, eigh_tridiag, kernels, one
 
 DTYPES = [torch.float32, torch.float64]
 KINDS = ["random", "repeated", "diagonal", "zero", "identity", "graded"]
@@ -167,3 +167,56 @@ def test_avx512_builds_compile(dtype):
     avx512 machine)."""
     for vbytes in (32, 64):
         assert eigh_tridiag.library(dtype, "avx512", vbytes=vbytes) is not None
+
+
+# max |a| below the smallest normal number: 2^-ilogb(max|a|) alone overflows (review: the lane
+# kernel's unscaled NaNs then left sort slots unset, a segfault; the one-matrix QL gave NaN)
+_TINY = {torch.float32: (3e-39, 1e-4), torch.float64: (1e-310, 1e-11)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["lanes", "jacobi_lanes", "one_matrix", "one_matrix_jacobi"])
+def test_subnormal_scale_input(path, dtype):
+    tiny, rtol = _TINY[dtype]
+    n, b = 8, 9
+    base = _sym_kind("random", b, n, torch.float64, seed=5)
+    base = base / base.abs().amax(dim=(-2, -1), keepdim=True)
+    a = (base * tiny).to(dtype)
+    assert bool((a.abs().amax(dim=(-2, -1)) < torch.finfo(dtype).tiny).all())
+    for upper in (False, True):
+        for wantv in (True, False):
+            if path.startswith("one_matrix"):
+                run = one.eigh_plan(a.shape[1:], dtype, upper, wantv, path == "one_matrix")
+                outs = [run(a[i]) for i in range(b)]
+                lam = torch.stack([o.eigenvalues if wantv else o for o in outs])
+                q = torch.stack([o.eigenvectors for o in outs]) if wantv else None
+            else:
+                lam, q, bad = kernels.eigh(a, upper, wantv, jacobi=path == "jacobi_lanes")
+                assert bad == 0
+            assert bool(torch.isfinite(lam).all())
+            ref = torch.linalg.eigvalsh(a.double())
+            scale = a.double().abs().amax(dim=(-2, -1), keepdim=True)
+            assert float(((lam.double() - ref) / scale[:, 0]).abs().max()) <= rtol
+            if wantv:
+                assert q is not None
+                q64 = q.double()
+                eye = torch.eye(n, dtype=torch.float64)
+                assert float((q64.mT @ q64 - eye).abs().max()) <= _tol(dtype, n)
+                up = a.double() / scale
+                res = up @ q64 - q64 * (lam.double() / scale[:, 0])[:, None, :]
+                assert float(res.abs().max()) <= rtol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [8, 24])
+def test_subnormal_scale_input_jacobi_eigh(n, dtype):
+    """The same for the Jacobi lane kernels' scaling (block-ordered eigh from n = 24)."""
+    tiny, rtol = _TINY[dtype]
+    base = _sym_kind("random", 9, n, torch.float64, seed=7)
+    base = base / base.abs().amax(dim=(-2, -1), keepdim=True)
+    a = (base * tiny).to(dtype)
+    scale = a.double().abs().amax(dim=(-2, -1))[:, None]
+    lam = tl.eigvalsh(a, method="jacobi")
+    ref = torch.linalg.eigvalsh(a.double())
+    assert bool(torch.isfinite(lam).all())
+    assert float(((lam.double() - ref) / scale).abs().max()) <= rtol

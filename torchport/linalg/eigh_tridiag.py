@@ -328,14 +328,17 @@ TP_INLINE int reduce_group(const T *in, int64_t cnt, int64_t n, int upper, int w
             *mp = vsel(x > *mp, x, *mp);
         }
     for (int k = 1; k < 4; ++k) mxv[0] = vsel(mxv[k] > mxv[0], mxv[k], mxv[0]);
-    VT fac = one;
+    /* 2^-ex in two factors: for a subnormal max|a| (ilogb below the smallest normal exponent)
+       2^-ex itself overflows to inf */
+    VT fac = one, fac2 = one;
     for (int64_t l = 0; l < VLN; ++l) {
         const T mx = ${fabs}(mxv[0][l]);
         ex[l] = mx > 0 ? ilogb(mx) : 0;
-        fac[l] = ${ldexp}((T)1, -ex[l]);
+        fac[l] = ${ldexp}((T)1, -(ex[l] / 2));
+        fac2[l] = ${ldexp}((T)1, ex[l] / 2 - ex[l]);
     }
     for (int64_t i = 0; i < n; ++i)
-        for (int64_t j = 0; j < n; ++j) A[i * RS + j] *= fac;
+        for (int64_t j = 0; j < n; ++j) A[i * RS + j] = A[i * RS + j] * fac * fac2;
     tridiag(A, n, d, e, tau, p);
     if (wantv) form_q(A, n, tau, Z);
     return 0;
@@ -346,6 +349,10 @@ TP_INLINE int reduce_group(const T *in, int64_t cnt, int64_t n, int upper, int w
 TP_INLINE void finish_group(T *L, T *Q, int64_t cnt, int64_t n, int wantv, const VT *Z,
                             const VT *d, int64_t *perm, const int *ex) {
     const int64_t nn = n * n;
+    /* identity first: a rank collision (NaN, which no comparison orders) then still leaves
+       every slot a valid index */
+    for (int64_t l = 0; l < cnt; ++l)
+        for (int64_t j = 0; j < n; ++j) perm[l * n + j] = j;
     for (int64_t j = 0; j < n; ++j) {
         const VT x = d[j];
         VI rk = (VI){0};

@@ -665,7 +665,7 @@ TP_INLINE int eigh_vec_fused(const T *in, T *L, T *Q, int64_t cnt, int64_t n, in
                     T x = TFABS(upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j]);
                     mx = x > mx ? x : mx;
                 }
-        ex[l] = mx > 0 ? ilogb(mx) : 0;
+        ex[l] = mx > 0 ? TP_MAX(ilogb(mx), TP_MIN_NORMAL_EXP) : 0;  /* 2^-ex finite */
         fac[l] = ${ldexp}((T)1, -ex[l]);
     }
     VT frob = zero;
@@ -1446,10 +1446,11 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
     }
     int ex;
     frexp((double)amax, &ex);
-    const T sc = (T)ldexp(1.0, -ex), back = (T)ldexp(1.0, ex);
+    /* 2^-ex in two factors: for a subnormal amax 2^-ex itself overflows T */
+    const T sc = (T)ldexp(1.0, -(ex / 2)), sc2 = (T)ldexp(1.0, ex / 2 - ex);
     for (int64_t i = 0; i < n; ++i) {
         for (int64_t j = 0; j <= i; ++j) {
-            T x = sc * (upper ? in[j * n + i] : in[i * n + j]);
+            T x = sc * (upper ? in[j * n + i] : in[i * n + j]) * sc2;
             A[i * ld + j] = x; A[j * ld + i] = x;
         }
         for (int64_t j = n; j < ld; ++j) A[i * ld + j] = 0;
@@ -1541,8 +1542,10 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
             d[l] -= pp; e[l] = g; e[m] = 0;
         }
     }
+    for (int64_t j = 0; j < n; ++j)
+        if (d[j] != d[j]) return 2;  /* NaN passes every negligibility test: not converged */
     sort_asc(d, perm, n);
-    for (int64_t j = 0; j < n; ++j) L[j] = d[perm[j]] * back;
+    for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
     if (wantv)
         for (int64_t i = 0; i < n; ++i)
             for (int64_t j = 0; j < n; ++j) Q[i * n + j] = Z[perm[j] * ld + i];

@@ -22,6 +22,9 @@ PRELUDE = r"""
 #define TP_INLINE static inline __attribute__((always_inline))
 #define TP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define TP_MAX(a, b) ((a) > (b) ? (a) : (b))
+/* In sources that typedef T (float or double): the smallest normal exponent, so that 2^-e for any
+   e >= it is finite (a per-matrix power-of-two scale of a subnormal-only input must not overflow) */
+#define TP_MIN_NORMAL_EXP ((int)(sizeof(T) == 4 ? -126 : -1022))
 
 TP_INLINE float tp_bf16_to_f32(uint16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
