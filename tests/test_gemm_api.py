@@ -402,6 +402,8 @@ def test_split_of_plain_steps_is_cached_and_still_validates(steps, bias_dtype):
         split(steps, 3, 5, bias=torch.zeros(5, dtype=torch.int32))
     with pytest.raises(EpilogueError, match="unknown epilogue step 'gelu2'"):
         split([*epilogue_mod.as_steps(steps), "gelu2"], 3, 5, bias=bias)
+    with pytest.raises(EpilogueError):  # not a tensor: the typed error, not AttributeError
+        split(steps, 3, 5, bias=[1.0] * 5)  # type: ignore[arg-type]
 
 
 class _FakeClock:

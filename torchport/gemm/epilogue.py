@@ -248,6 +248,8 @@ _PLAIN_SPECS: dict[tuple[Any, ...], EpilogueSpec] = {}
 
 def _plain_key(steps: Sequence[Step] | Step | None, bias: torch.Tensor | None) -> Any:
     """The :data:`_PLAIN_SPECS` key of an epilogue of parameter-free steps, else None."""
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return None  # the full path rejects it with an EpilogueError
     if type(steps) is list or type(steps) is tuple:
         key = tuple(steps)
     elif type(steps) is str:
