@@ -874,3 +874,38 @@ def test_auto_cached_decision_does_no_extra_work(monkeypatch):
         assert tl._route("cholesky", a, "auto", (False,)) == "lapack"
         assert torch.equal(tl.cholesky(a), torch.linalg.cholesky(a))
     assert routes[-2:] == ["cholesky", "cholesky"]
+
+
+# largest entry across the range: sums of squares overflow (fp32 from ~1e19) or underflow (fp32
+# below ~1e-19, subnormal-only input) unless the kernels scale each matrix by a power of two
+_SCALES = {
+    torch.float32: (1e-37, 3e-39, 1e-25, 1e25, 1e37),
+    torch.float64: (1e-300, 1e-310, 1e300),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("b", [1, 3, 20])
+def test_extreme_scale_input(b, dtype):
+    """svd/eigh/qr of matrices scaled to the ends of the range, on every native path
+    (per-matrix workers, lanes, one-matrix launchers), against float64 LAPACK, relative to
+    max|A| (the rounding of subnormal outputs allows 1e-5 for fp32, 1e-11 for fp64)."""
+    rtol = 1e-5 if dtype == torch.float32 else 1e-11
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn((b, 8, 6), generator=g, dtype=torch.float64)
+    base = base / base.abs().amax(dim=(-2, -1), keepdim=True)
+    sq = base[..., :6, :] + base[..., :6, :].mT
+    for t in _SCALES[dtype]:
+        a, s = (base * t).to(dtype), (sq * t).to(dtype)
+        amax = a.double().abs().amax(dim=(-2, -1))
+        smax = s.double().abs().amax(dim=(-2, -1))
+        sv = tl.svdvals(a, method="jacobi")
+        err = (sv.double() - torch.linalg.svdvals(a.double())).abs().amax(-1) / amax
+        assert float(err.max()) <= rtol, ("svdvals", t)
+        lam = tl.eigvalsh(s, method="jacobi")
+        err = (lam.double() - torch.linalg.eigvalsh(s.double())).abs().amax(-1) / smax
+        assert float(err.max()) <= rtol, ("eigvalsh", t)
+        for mode in ("reduced", "complete"):
+            q, r = tl.qr(a, mode=mode, method="jacobi")
+            err = (q.double() @ r.double() - a.double()).abs().amax(dim=(-2, -1)) / amax
+            assert float(err.max()) <= rtol, ("qr", mode, t)

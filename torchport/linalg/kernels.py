@@ -218,8 +218,15 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
     const int64_t p = trans ? n : m, q = trans ? m : n;
     T *W = sc->W, *V = sc->V, *nrm = sc->nrm;
     if (!all_finite(a, m * n)) return 1;
-    if (!trans) { for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) W[j * p + i] = a[i * n + j]; }
-    else memcpy(W, a, sizeof(T) * m * n);
+    /* scaled by the power of two that brings the largest entry into [1, 2) (exact; the singular
+       values are scaled back at the end): the column norms are sums of squares, which underflow
+       to zero for a small matrix (fp32 entries below ~1e-19) and overflow for a large one */
+    T amax = 0;
+    for (int64_t i = 0; i < m * n; ++i) amax = TP_MAX(amax, TFABS(a[i]));
+    const int ex = amax > 0 ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP) : 0;
+    const T fac = (T)ldexp(1.0, -ex);
+    if (!trans) { for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) W[j * p + i] = a[i * n + j] * fac; }
+    else for (int64_t i = 0; i < m * n; ++i) W[i] = a[i] * fac;
     if (uv) { for (int64_t j = 0; j < q * q; ++j) V[j] = 0; for (int64_t j = 0; j < q; ++j) V[j * q + j] = 1; }
     const T tol = EPS * TSQRT((T)p);
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
@@ -271,6 +278,7 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
         if (!rotated) break;
     }
     svd_finish(W, V, nrm, sc->perm, sc->Ub, S, U, Vh, m, n, uv, full);
+    for (int64_t j = 0; j < q; ++j) S[j] = (T)ldexp((double)S[j], ex);
     return 0;
 }
 
@@ -311,10 +319,19 @@ TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv,
                        T *d, int64_t *perm, const int32_t *pairs, int64_t npairs, int64_t round,
                        T *cs, int64_t *lp, int64_t *lq) {
     if (!all_finite(in, n * n)) return 1;
+    /* scaled by an even power of two that brings the largest entry into [1, 4) (exact, and the
+       square roots below scale exactly; eigenvalues scaled back at the end): the Frobenius sum
+       and the angle's squares overflow for fp32 entries from ~1e19 and underflow for tiny ones */
+    T amax = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) amax = TP_MAX(amax, TFABS(upper ? in[j * n + i] : in[i * n + j]));
+    int ex = amax > 0 ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP + 1) : 0;
+    ex -= ex & 1;
+    const T fac = (T)ldexp(1.0, -ex);
     T frob = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j <= i; ++j) {
-            T x = upper ? in[j * n + i] : in[i * n + j];
+            T x = (upper ? in[j * n + i] : in[i * n + j]) * fac;
             A[i * n + j] = x; A[j * n + i] = x;
             frob += (i == j ? 1 : 2) * x * x;
         }
@@ -384,7 +401,7 @@ TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv,
     }
     for (int64_t j = 0; j < n; ++j) d[j] = A[j * n + j];
     sort_asc(d, perm, n);
-    for (int64_t j = 0; j < n; ++j) L[j] = d[perm[j]];
+    for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
     if (wantv)
         for (int64_t i = 0; i < n; ++i) for (int64_t j = 0; j < n; ++j) Q[i * n + j] = V[perm[j] * n + i];
     return 0;
@@ -1103,7 +1120,15 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
 TP_INLINE void qr_one(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, int complete,
                       T *C, T *Qc, T *tau) {
     const int64_t k = TP_MIN(m, n);
-    for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) C[j * m + i] = a[i * n + j];
+    /* scaled by an even power of two that brings the largest entry into [1, 4) (exact, square
+       roots included; R scaled back at the end): the column norms' sums of squares overflow for
+       fp32 entries from ~1e19 and underflow for tiny ones */
+    T amax = 0;
+    for (int64_t i = 0; i < m * n; ++i) amax = TP_MAX(amax, TFABS(a[i]));
+    int ex = amax > 0 && isfinite(amax) ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP + 1) : 0;
+    ex -= ex & 1;
+    const T fac = (T)ldexp(1.0, -ex), back = (T)ldexp(1.0, ex);
+    for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) C[j * m + i] = a[i * n + j] * fac;
     for (int64_t j = 0; j < k; ++j) {
         T *x = C + j * m + j;
         const int64_t len = m - j;
@@ -1126,7 +1151,7 @@ TP_INLINE void qr_one(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, i
     }
     const int64_t rrows = complete ? m : k;
     for (int64_t i = 0; i < rrows; ++i)
-        for (int64_t l = 0; l < n; ++l) R[i * n + l] = l >= i ? C[l * m + i] : 0;
+        for (int64_t l = 0; l < n; ++l) R[i * n + l] = l >= i ? C[l * m + i] * back : 0;
     if (!wantq) return;
     const int64_t qc = complete ? m : k;
     for (int64_t c = 0; c < qc; ++c) { for (int64_t i = 0; i < m; ++i) Qc[c * m + i] = 0; Qc[c * m + c] = 1; }
@@ -1213,6 +1238,16 @@ TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wan
     const VT zero = {0}, one = zero + 1;
     const int64_t k = TP_MIN(m, n), qc = complete ? m : k, rrows = complete ? m : k;
     to_lanes(a, m * n, m * n, X);
+    /* per lane, the even power-of-two scale of qr_one (R scaled back at the end) */
+    VT fac = one, back = one;
+    for (int64_t l = 0; l < VLN; ++l) {
+        T amax = 0;
+        for (int64_t i = 0; i < m * n; ++i) amax = TP_MAX(amax, TFABS(X[i][l]));
+        int ex = amax > 0 && isfinite(amax) ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP + 1) : 0;
+        ex -= ex & 1;
+        fac[l] = (T)ldexp(1.0, -ex); back[l] = (T)ldexp(1.0, ex);
+    }
+    for (int64_t i = 0; i < m * n; ++i) X[i] *= fac;
     for (int64_t j = 0; j < k; ++j) {
         VT xn2 = zero;
         for (int64_t i = j + 1; i < m; ++i) xn2 += X[i * n + j] * X[i * n + j];
@@ -1235,8 +1270,10 @@ TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wan
         from_lanes(Y, m * qc, Q, m * qc);
     }
     /* R: the upper triangle of the first rrows rows (rrows > k only for complete, m > n) */
-    for (int64_t i = 0; i < rrows; ++i)
+    for (int64_t i = 0; i < rrows; ++i) {
         for (int64_t l = 0; l < TP_MIN(i, n); ++l) X[i * n + l] = zero;
+        for (int64_t l = i; l < n; ++l) X[i * n + l] *= back;
+    }
     from_lanes(X, rrows * n, R, rrows * n);
 }
 
