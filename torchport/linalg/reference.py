@@ -275,6 +275,22 @@ def eigh_reference(
     return lam, vt.mT
 
 
+def _reflector(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Householder reflector of each row of ``x`` (B, len) in LAPACK's convention (dlarfg):
+    ``v`` (v[0] = 1), ``tau`` and the value ``x`` maps to, beta = -sign(x0)·‖x‖; a row whose
+    tail is zero gets tau = 0 and keeps x0."""
+    alpha = x[:, 0]
+    xn2 = (x[:, 1:] * x[:, 1:]).sum(-1)
+    act = xn2 != 0
+    beta = torch.sqrt(alpha * alpha + xn2)
+    beta = torch.where(alpha > 0, -beta, beta)
+    safe = torch.where(act, beta, torch.ones_like(beta))
+    tau = torch.where(act, (beta - alpha) / safe, torch.zeros_like(beta))
+    scale = torch.where(act, 1 / torch.where(act, alpha - beta, 1.0), torch.zeros_like(beta))
+    v = torch.cat([torch.ones_like(alpha)[:, None], x[:, 1:] * scale[:, None]], dim=1)
+    return v, tau, torch.where(act, beta, alpha)
+
+
 def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, torch.Tensor]:
     """Householder QR of (B, m, n) ``a`` (LAPACK sign convention): (Q, R) for ``mode``."""
     bsz, m, n = a.shape
@@ -283,19 +299,10 @@ def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, 
     vs: list[torch.Tensor] = []
     taus: list[torch.Tensor] = []
     for j in range(k):
-        x = r[:, j:, j].clone()
-        alpha = x[:, 0]
-        xn2 = (x[:, 1:] * x[:, 1:]).sum(-1)
-        act = xn2 != 0
-        beta = torch.sqrt(alpha * alpha + xn2)
-        beta = torch.where(alpha > 0, -beta, beta)
-        safe_beta = torch.where(act, beta, torch.ones_like(beta))
-        tau = torch.where(act, (beta - alpha) / safe_beta, torch.zeros_like(beta))
-        scale = torch.where(act, 1 / torch.where(act, alpha - beta, 1.0), torch.zeros_like(beta))
-        v = torch.cat([torch.ones_like(alpha)[:, None], x[:, 1:] * scale[:, None]], dim=1)
+        v, tau, sd = _reflector(r[:, j:, j].clone())
         w = tau[:, None] * (v.unsqueeze(1) @ r[:, j:, j:]).squeeze(1)  # (B, n - j)
         r[:, j:, j:] -= v.unsqueeze(-1) * w.unsqueeze(1)
-        r[:, j, j] = torch.where(act, beta, alpha)
+        r[:, j, j] = sd
         vs.append(v)
         taus.append(tau)
     rows = m if mode == "complete" else k
@@ -375,23 +382,13 @@ def _tridiagonalize(
     a = x.clone()
     z = torch.eye(n, dtype=x.dtype, device=x.device).expand(bsz, n, n).clone()
     for k in range(n - 2):
-        col = a[:, k + 1 :, k]
-        alpha = col[:, 0]
-        xn2 = (col[:, 1:] * col[:, 1:]).sum(-1)
-        act = xn2 != 0
-        beta = torch.sqrt(alpha * alpha + xn2)
-        beta = torch.where(alpha > 0, -beta, beta)
-        safe = torch.where(act, beta, torch.ones_like(beta))
-        tau = torch.where(act, (beta - alpha) / safe, torch.zeros_like(beta))
-        scale = torch.where(act, 1 / torch.where(act, alpha - beta, 1.0), torch.zeros_like(beta))
-        v = torch.cat([torch.ones_like(alpha)[:, None], col[:, 1:] * scale[:, None]], dim=1)
+        v, tau, sd = _reflector(a[:, k + 1 :, k])
         sub = a[:, k + 1 :, k + 1 :]
         p = tau[:, None] * (sub @ v.unsqueeze(-1)).squeeze(-1)  # τ A v
         w = p - (0.5 * tau * (p * v).sum(-1))[:, None] * v  # H A H = A - v wᵀ - w vᵀ
         a[:, k + 1 :, k + 1 :] = (
             sub - v.unsqueeze(-1) * w.unsqueeze(1) - w.unsqueeze(-1) * v.unsqueeze(1)
         )
-        sd = torch.where(act, beta, alpha)
         a[:, k + 1, k] = sd
         a[:, k, k + 1] = sd
         a[:, k + 2 :, k] = 0
