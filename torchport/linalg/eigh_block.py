@@ -384,7 +384,7 @@ TP_INLINE int eigh_block(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int up
     VT fac = one;
     for (int64_t l = 0; l < VLN; ++l) {
         const T mx = ${fabs}(mxv[0][l]);
-        ex[l] = mx > 0 ? TP_MAX(ilogb(mx), TP_MIN_NORMAL_EXP) : 0;  /* 2^-ex finite */
+        ex[l] = TP_SCALE_EXP(mx);
         fac[l] = ${ldexp}((T)1, -ex[l]);
     }
     VT frob = zero, frob2 = zero;

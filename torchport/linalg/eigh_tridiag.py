@@ -328,17 +328,13 @@ TP_INLINE int reduce_group(const T *in, int64_t cnt, int64_t n, int upper, int w
             *mp = vsel(x > *mp, x, *mp);
         }
     for (int k = 1; k < 4; ++k) mxv[0] = vsel(mxv[k] > mxv[0], mxv[k], mxv[0]);
-    /* 2^-ex in two factors: for a subnormal max|a| (ilogb below the smallest normal exponent)
-       2^-ex itself overflows to inf */
-    VT fac = one, fac2 = one;
+    VT fac = one;
     for (int64_t l = 0; l < VLN; ++l) {
-        const T mx = ${fabs}(mxv[0][l]);
-        ex[l] = mx > 0 ? ilogb(mx) : 0;
-        fac[l] = ${ldexp}((T)1, -(ex[l] / 2));
-        fac2[l] = ${ldexp}((T)1, ex[l] / 2 - ex[l]);
+        ex[l] = TP_SCALE_EXP(${fabs}(mxv[0][l]));
+        fac[l] = ${ldexp}((T)1, -ex[l]);
     }
     for (int64_t i = 0; i < n; ++i)
-        for (int64_t j = 0; j < n; ++j) A[i * RS + j] = A[i * RS + j] * fac * fac2;
+        for (int64_t j = 0; j < n; ++j) A[i * RS + j] *= fac;
     tridiag(A, n, d, e, tau, p);
     if (wantv) form_q(A, n, tau, Z);
     return 0;

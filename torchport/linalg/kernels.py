@@ -223,7 +223,7 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
        to zero for a small matrix (fp32 entries below ~1e-19) and overflow for a large one */
     T amax = 0;
     for (int64_t i = 0; i < m * n; ++i) amax = TP_MAX(amax, TFABS(a[i]));
-    const int ex = amax > 0 ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP) : 0;
+    const int ex = TP_SCALE_EXP(amax);
     const T fac = (T)ldexp(1.0, -ex);
     if (!trans) { for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) W[j * p + i] = a[i * n + j] * fac; }
     else for (int64_t i = 0; i < m * n; ++i) W[i] = a[i] * fac;
@@ -325,7 +325,7 @@ TP_INLINE int eigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv,
     T amax = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j <= i; ++j) amax = TP_MAX(amax, TFABS(upper ? in[j * n + i] : in[i * n + j]));
-    int ex = amax > 0 ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP + 1) : 0;
+    int ex = TP_SCALE_EXP(amax);
     ex -= ex & 1;
     const T fac = (T)ldexp(1.0, -ex);
     T frob = 0;
@@ -682,7 +682,7 @@ TP_INLINE int eigh_vec_fused(const T *in, T *L, T *Q, int64_t cnt, int64_t n, in
                     T x = TFABS(upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j]);
                     mx = x > mx ? x : mx;
                 }
-        ex[l] = mx > 0 ? TP_MAX(ilogb(mx), TP_MIN_NORMAL_EXP) : 0;  /* 2^-ex finite */
+        ex[l] = TP_SCALE_EXP(mx);
         fac[l] = ${ldexp}((T)1, -ex[l]);
     }
     VT frob = zero;
@@ -1125,7 +1125,7 @@ TP_INLINE void qr_one(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, i
        fp32 entries from ~1e19 and underflow for tiny ones */
     T amax = 0;
     for (int64_t i = 0; i < m * n; ++i) amax = TP_MAX(amax, TFABS(a[i]));
-    int ex = amax > 0 && isfinite(amax) ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP + 1) : 0;
+    int ex = TP_SCALE_EXP(amax);
     ex -= ex & 1;
     const T fac = (T)ldexp(1.0, -ex), back = (T)ldexp(1.0, ex);
     for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) C[j * m + i] = a[i * n + j] * fac;
@@ -1243,7 +1243,7 @@ TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wan
     for (int64_t l = 0; l < VLN; ++l) {
         T amax = 0;
         for (int64_t i = 0; i < m * n; ++i) amax = TP_MAX(amax, TFABS(X[i][l]));
-        int ex = amax > 0 && isfinite(amax) ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP + 1) : 0;
+        int ex = TP_SCALE_EXP(amax);
         ex -= ex & 1;
         fac[l] = (T)ldexp(1.0, -ex); back[l] = (T)ldexp(1.0, ex);
     }
@@ -1481,13 +1481,11 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
         if (wantv) for (int64_t j = 0; j < n * n; ++j) Q[j] = j % (n + 1) == 0;
         return 0;
     }
-    int ex;
-    frexp((double)amax, &ex);
-    /* 2^-ex in two factors: for a subnormal amax 2^-ex itself overflows T */
-    const T sc = (T)ldexp(1.0, -(ex / 2)), sc2 = (T)ldexp(1.0, ex / 2 - ex);
+    const int ex = TP_SCALE_EXP(amax) + 1;  /* largest entry into [0.5, 1) */
+    const T sc = (T)ldexp(1.0, -ex);
     for (int64_t i = 0; i < n; ++i) {
         for (int64_t j = 0; j <= i; ++j) {
-            T x = sc * (upper ? in[j * n + i] : in[i * n + j]) * sc2;
+            T x = sc * (upper ? in[j * n + i] : in[i * n + j]);
             A[i * ld + j] = x; A[j * ld + i] = x;
         }
         for (int64_t j = n; j < ld; ++j) A[i * ld + j] = 0;

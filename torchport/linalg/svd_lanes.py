@@ -404,7 +404,7 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
     for (int64_t l = 0; l < cnt; ++l) {
         T x = 0;
         for (int64_t i = 0; i < m * n; ++i) x = TP_MAX(x, TFABS(a[l * m * n + i]));
-        ex[l] = x > 0 ? TP_MAX(ilogb(x), TP_MIN_NORMAL_EXP) : 0;  /* 2^-ex finite */
+        ex[l] = TP_SCALE_EXP(x);
         sc[l] = ${ldexp}((T)1, -ex[l]);
     }
     /* lanes past cnt hold the identity (converged at once, well conditioned) */

@@ -22,9 +22,13 @@ PRELUDE = r"""
 #define TP_INLINE static inline __attribute__((always_inline))
 #define TP_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define TP_MAX(a, b) ((a) > (b) ? (a) : (b))
-/* In sources that typedef T (float or double): the smallest normal exponent, so that 2^-e for any
-   e >= it is finite (a per-matrix power-of-two scale of a subnormal-only input must not overflow) */
+/* In sources that typedef T (float or double): the exponent e of the power-of-two scale 2^-e that
+   brings a matrix whose largest |entry| is amax into [1, 2) before its sums of squares (0 for a
+   zero or non-finite amax), clamped at the smallest normal exponent so that 2^-e stays finite for
+   a subnormal-only matrix */
 #define TP_MIN_NORMAL_EXP ((int)(sizeof(T) == 4 ? -126 : -1022))
+#define TP_SCALE_EXP(amax) \
+    ((amax) > 0 && isfinite(amax) ? TP_MAX(ilogb(amax), TP_MIN_NORMAL_EXP) : 0)
 
 TP_INLINE float tp_bf16_to_f32(uint16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
