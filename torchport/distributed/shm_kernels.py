@@ -415,17 +415,43 @@ TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, in
     return 0;
 }
 
+/* Copy segments: (dst, src, bytes). tp_copy_segs2 runs two lists at once, alternating blocks of
+   ``blk`` bytes, so a copy whose source is in the cache (a peer's slot) runs while the other
+   list's source streams in from memory (a user buffer past the cache). */
+typedef struct { char *d; const char *s; int64_t n; } tp_seg_t;
+
+static void tp_copy_segs2(const tp_seg_t *a, int64_t na, const tp_seg_t *b, int64_t nb, int64_t blk) {
+    int64_t ia = 0, ib = 0, oa = 0, ob = 0;
+    for (;;) {
+        while (ia < na && oa >= a[ia].n) { ia++; oa = 0; }
+        while (ib < nb && ob >= b[ib].n) { ib++; ob = 0; }
+        if (ia >= na && ib >= nb) return;
+        if (ia < na) {
+            int64_t k = a[ia].n - oa < blk ? a[ia].n - oa : blk;
+            memcpy(a[ia].d + oa, a[ia].s + oa, (size_t)k); oa += k;
+        }
+        if (ib < nb) {
+            int64_t k = b[ib].n - ob < blk ? b[ib].n - ob : blk;
+            memcpy(b[ib].d + ob, b[ib].s + ob, (size_t)k); ob += k;
+        }
+    }
+}
+
 /* A whole in-place allreduce of ``nbytes`` at ``buf`` in one call (no Python per chunk).
 
-   The buffer is cut into chunks of at most ``slot`` bytes; chunk k uses one or two steps with
-   signature (sig3[0..2], step). A chunk of at most ``small`` bytes (or world 1): every rank
-   publishes it and folds all ranks' copies in rank order. A larger chunk is split into ``world``
-   parts; step A: each rank publishes the parts the others own (and its own part when
-   rank >= 2, whose fold order needs an unmodified copy), then folds its own part in rank order
-   with three-operand folds straight from the peers' slots and its own buffer, and stores the
-   result into its slot half of the next step; step B: each rank copies the other parts'
-   results from the peers' slots. Each element is folded in rank order 0..W-1 on exactly one
-   rank, so every rank ends with bitwise identical data, equal to the reference.
+   Steps have signature (sig3[0..2], step). A buffer of at most ``small`` bytes (or world 1):
+   one step per chunk of at most ``slot`` bytes; every rank publishes the chunk and folds all
+   ranks' copies in rank order. A larger buffer is split into ``world`` contiguous parts (rank q
+   owns part q), each cut into slices of ``slot / world`` bytes; slice k of every part takes
+   two steps. Step A: each rank publishes its slices of the parts the others own (and of its
+   own part when rank >= 2, whose fold order needs an unmodified copy), then folds its own slice
+   in rank order with three-operand folds straight from the peers' slots and its own buffer,
+   storing the result into its slot half of the next step too; step B: each rank copies the
+   other parts' results from the peers' slots -- deferred, and run in alternating 16 KB blocks
+   with the next step A's publish, so the in-cache copy overlaps the publish's reads from memory.
+   Contiguous parts keep each rank's reads of its buffer in two sequential streams across all
+   slices. Each element is folded in rank order 0..W-1 on exactly one rank, so every rank ends
+   with bitwise identical data, equal to the reference.
 
    info: [bad rank, bad word, their value, steps used, failing step]. Status as tp_shm_step. */
 TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t rank, int64_t slot,
@@ -433,73 +459,83 @@ TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t ran
                                int64_t esize, int64_t small, int64_t dtype, int64_t op,
                                int64_t timeout_ns, int64_t *info) {
     if (world < 1 || world > 256 || rank < 0 || rank >= world || esize <= 0 || nbytes < 0 ||
-        nbytes % esize || slot < esize)
+        nbytes % esize || slot < esize * world)
         return 4;
     int64_t deadline = tp_now_ns() + timeout_ns, step = 0, per = slot / esize;
     int64_t total = nbytes / esize, sig[SIG_WORDS] = {0};
     sig[0] = sig3[0]; sig[1] = sig3[1]; sig[2] = sig3[2];
-    int64_t lo = 0;
-    do {
-        int64_t m = total - lo < per ? total - lo : per, nb = m * esize;
-        char *chunk = buf + lo * esize;
-        int64_t ep = epoch + step, half = ep & 1;
-        sig[3] = step; info[4] = step;
-        if (lo == 0) {  /* later chunks follow a full barrier, which implies the prewait */
-            int st = tp_prewait(hdr, world, rank, ep, deadline, info);
-            if (st != 0) return st;
-        }
-        if (nb <= small || world == 1) {
-            char *mine = data + (rank * 2 + half) * slot;
-            if (nb) memcpy(mine, chunk, (size_t)nb);
-            int st = tp_sync(hdr, world, rank, ep, sig, deadline, info);
-            if (st != 0) return st;
+    info[4] = 0;
+    int st = tp_prewait(hdr, world, rank, epoch, deadline, info);
+    if (st != 0) return st;
+    if (nbytes <= small || world == 1) {  /* one step per chunk: everyone folds everything */
+        int64_t lo = 0;
+        do {
+            int64_t m = total - lo < per ? total - lo : per, nb = m * esize;
+            char *chunk = buf + lo * esize;
+            int64_t ep = epoch + step, half = ep & 1;
+            sig[3] = step; info[4] = step;
+            if (nb) memcpy(data + (rank * 2 + half) * slot, chunk, (size_t)nb);
+            if ((st = tp_sync(hdr, world, rank, ep, sig, deadline, info)) != 0) return st;
             if (world > 1 && nb) {
                 const char *s0 = data + half * slot, *s1 = data + (2 + half) * slot;
                 if (tp_fold3(chunk, s0, s1, m, dtype, op) != 0) return 4;
                 for (int64_t q = 2; q < world; q++)
                     if (tp_fold3(chunk, chunk, data + (q * 2 + half) * slot, m, dtype, op) != 0) return 4;
             }
-            step += 1;
-        } else {
-            int64_t pq = m / world, extra = m % world;
-            #define PART_LO(q) ((q) * pq + ((q) < extra ? (q) : extra))
-            #define PART_N(q) (pq + ((q) < extra ? 1 : 0))
-            char *mine = data + (rank * 2 + half) * slot;
-            for (int64_t q = 0; q < world; q++) {
-                if (q == rank && rank < 2) continue;
-                int64_t o = PART_LO(q) * esize, k = PART_N(q) * esize;
-                if (k) memcpy(mine + o, chunk + o, (size_t)k);
-            }
-            int st = tp_sync(hdr, world, rank, ep, sig, deadline, info);
-            if (st != 0) return st;
-            int64_t o = PART_LO(rank) * esize, k = PART_N(rank);
-            char *dst = chunk + o;
-            #define SRC(q) ((q) == rank && rank < 2 ? (const char *)dst : data + ((q) * 2 + half) * slot + o)
-            /* fold in 16 KB blocks and publish each block while it is still in L1 */
-            char *next = data + (rank * 2 + (half ^ 1)) * slot + o;
-            int64_t blk = 16384 / esize > 0 ? 16384 / esize : 1;
-            for (int64_t b = 0; b < k; b += blk) {
-                int64_t kb = k - b < blk ? k - b : blk, ob = b * esize;
-                if (tp_fold3(dst + ob, SRC(0) + ob, SRC(1) + ob, kb, dtype, op) != 0) return 4;
-                for (int64_t q = 2; q < world; q++)
-                    if (tp_fold3(dst + ob, dst + ob, SRC(q) + ob, kb, dtype, op) != 0) return 4;
-                memcpy(next + ob, dst + ob, (size_t)(kb * esize));
-            }
-            #undef SRC
-            sig[3] = step + 1; info[4] = step + 1;
-            st = tp_sync(hdr, world, rank, ep + 1, sig, deadline, info);
-            if (st != 0) return st;
-            for (int64_t q = 0; q < world; q++) {
-                if (q == rank) continue;
-                int64_t oq = PART_LO(q) * esize, kq = PART_N(q) * esize;
-                if (kq) memcpy(chunk + oq, data + (q * 2 + (half ^ 1)) * slot + oq, (size_t)kq);
-            }
-            #undef PART_LO
-            #undef PART_N
-            step += 2;
+            step += 1; lo += m;
+        } while (lo < total);
+        info[3] = step;
+        return 0;
+    }
+    /* Rank q owns part q of the buffer; step pair k moves slice k (``s`` elements) of every part:
+       step A publishes the slices the others own, the owner folds its slice, step B copies the
+       results back. Every rank's reads of its own buffer stream through two contiguous regions. */
+    int64_t pq = total / world, extra = total % world, s = per / world;
+    #define PART_LO(q) ((q) * pq + ((q) < extra ? (q) : extra))
+    #define PART_N(q) (pq + ((q) < extra ? 1 : 0))
+    #define SLICE_N(q, k) (PART_N(q) - (k) * s < s ? (PART_N(q) - (k) * s > 0 ? PART_N(q) - (k) * s : 0) : s)
+    int64_t nsteps = (PART_N(0) + s - 1) / s, nout = 0;
+    /* copy-out of the previous slice, deferred to run beside the next slice's copy-in */
+    tp_seg_t outs[256], ins[256];
+    for (int64_t k = 0; k < nsteps; k++) {
+        int64_t ep = epoch + step, half = ep & 1, nin = 0;
+        char *mine = data + (rank * 2 + half) * slot;
+        sig[3] = step; info[4] = step;
+        for (int64_t q = 0; q < world; q++) {
+            if (q == rank && rank < 2) continue;
+            ins[nin].d = mine + q * s * esize; ins[nin].s = buf + (PART_LO(q) + k * s) * esize;
+            ins[nin].n = SLICE_N(q, k) * esize; nin++;
         }
-        lo += m;
-    } while (lo < total);
+        tp_copy_segs2(outs, nout, ins, nin, 16384); nout = 0;
+        if ((st = tp_sync(hdr, world, rank, ep, sig, deadline, info)) != 0) return st;
+        int64_t o = rank * s * esize, n = SLICE_N(rank, k);
+        char *dst = buf + (PART_LO(rank) + k * s) * esize;
+        #define SRC(q) ((q) == rank && rank < 2 ? (const char *)dst : data + ((q) * 2 + half) * slot + o)
+        /* fold in 16 KB blocks and publish each block while it is still in L1 */
+        char *next = data + (rank * 2 + (half ^ 1)) * slot + o;
+        int64_t blk = 16384 / esize > 0 ? 16384 / esize : 1;
+        for (int64_t b = 0; b < n; b += blk) {
+            int64_t kb = n - b < blk ? n - b : blk, ob = b * esize;
+            if (tp_fold3(dst + ob, SRC(0) + ob, SRC(1) + ob, kb, dtype, op) != 0) return 4;
+            for (int64_t q = 2; q < world; q++)
+                if (tp_fold3(dst + ob, dst + ob, SRC(q) + ob, kb, dtype, op) != 0) return 4;
+            memcpy(next + ob, dst + ob, (size_t)(kb * esize));
+        }
+        #undef SRC
+        sig[3] = step + 1; info[4] = step + 1;
+        if ((st = tp_sync(hdr, world, rank, ep + 1, sig, deadline, info)) != 0) return st;
+        for (int64_t q = 0; q < world; q++) {
+            if (q == rank) continue;
+            outs[nout].d = buf + (PART_LO(q) + k * s) * esize;
+            outs[nout].s = data + (q * 2 + (half ^ 1)) * slot + q * s * esize;
+            outs[nout].n = SLICE_N(q, k) * esize; nout++;
+        }
+        step += 2;
+    }
+    #undef PART_LO
+    #undef PART_N
+    #undef SLICE_N
+    tp_copy_segs2(outs, nout, ins, 0, 16384);
     info[3] = step;
     return 0;
 }
