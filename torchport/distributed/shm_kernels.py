@@ -140,6 +140,18 @@ static void tp_sum_f32_avx2(float *d, const float *x, const float *y, int64_t n)
     }
     for (; i < n; i++) d[i] = x[i] + y[i];
 }
+/* d[i] = e[i] = x[i] + y[i]: the world-2 owner's fold writing its result and publishing it in
+   one pass (no re-read of the block). */
+static void tp_sum_f32_pub_avx2(float *d, float *e, const float *x, const float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a0 = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
+        __m256 a1 = _mm256_add_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8));
+        _mm256_storeu_ps(d + i, a0); _mm256_storeu_ps(d + i + 8, a1);
+        _mm256_storeu_ps(e + i, a0); _mm256_storeu_ps(e + i + 8, a1);
+    }
+    for (; i < n; i++) { d[i] = x[i] + y[i]; e[i] = d[i]; }
+}
 static void tp_sum_bf16_avx2(uint16_t *d, const uint16_t *x, const uint16_t *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -516,6 +528,13 @@ TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t ran
         int64_t blk = 16384 / esize > 0 ? 16384 / esize : 1;
         for (int64_t b = 0; b < n; b += blk) {
             int64_t kb = n - b < blk ? n - b : blk, ob = b * esize;
+#if defined(__AVX2__)
+            if (world == 2 && dtype == 0 && op == 0) {
+                tp_sum_f32_pub_avx2((float *)(dst + ob), (float *)(next + ob),
+                                    (const float *)(SRC(0) + ob), (const float *)(SRC(1) + ob), kb);
+                continue;
+            }
+#endif
             if (tp_fold3(dst + ob, SRC(0) + ob, SRC(1) + ob, kb, dtype, op) != 0) return 4;
             for (int64_t q = 2; q < world; q++)
                 if (tp_fold3(dst + ob, dst + ob, SRC(q) + ob, kb, dtype, op) != 0) return 4;
