@@ -267,7 +267,7 @@ def test_gemv_launch_parameters_are_autotuned(fresh_cache, monkeypatch):
     full = ops.candidates
     names = [c.name for c in full("f32")]
     assert names[0] == "aten_linear" and names[1] == "native_p512_r1_t0" and len(set(names)) == 9
-    assert [c.name for c in full("nvfp4", int8=True)][1] == "block_p4096_t0"
+    assert [c.name for c in full("nvfp4", int8=True)][1] == "block_p2048nta_t0"
     # the pair-split kernel only where the lane-block kernel cannot serve (K % 128 != 0)
     for k, pair in ((4096, False), (192, True), (None, True)):
         kernels = {c.param("kernel") for c in full("nvfp4", int8=True, k=k)}

@@ -110,3 +110,28 @@ def test_block_kernel_rejects_k_not_multiple_of_128() -> None:
 def test_block_kernel_rejects_unknown_format() -> None:
     with pytest.raises(ValueError, match=r"must be one of .*got 'mxfp8_e4m3'"):
         gemv_fp4_block_kernel("mxfp8_e4m3", native.cpu_info().isa)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("n", "k", "rows"), [(1, 128, 1), (300, 4096, 1), (37, 640, 5)], ids=str)
+def test_block_kernel_prefetch_hint_keeps_bits(fmt: str, n: int, k: int, rows: int) -> None:
+    """The prefetch hint and distance change only how the weights stream in, never the result."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(rows, k, generator=g)
+    isa = native.cpu_info().isa
+    t0 = _run(gemv_fp4_block_kernel(fmt, isa, 4096, hint="T0"), x, pw)
+    for pf in (1024, 2048):
+        assert torch.equal(_run(gemv_fp4_block_kernel(fmt, isa, pf, hint="NTA"), x, pw), t0)
+
+
+def test_block_kernel_rejects_unknown_hint() -> None:
+    with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA'\), got 'T1'"):
+        gemv_fp4_block_kernel("nvfp4", native.cpu_info().isa, hint="T1")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("hint", ["T0", "NTA"])
+def test_block_kernel_avx512_builds(fmt: str, hint: str) -> None:
+    """The AVX-512 + VNNI build compiles with either prefetch hint (cannot run on every machine)."""
+    gemv_fp4_block_kernel(fmt, "avx512", 2048, hint=hint)

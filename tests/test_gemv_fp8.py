@@ -115,5 +115,34 @@ def test_several_rows_take_the_avx2_build_on_avx512() -> None:
     cand = next(c for c in gops.candidates("fp8_e4m3") if c.param("kernel") == "shift")
     pf = cand.param("prefetch")
     kern = gops._native_kernel("fp8_e4m3", False, 256, "avx512", cand, rows=4)
-    assert kern is gemv_fp8_shift_kernel("avx2", pf)
+    assert kern is gemv_fp8_shift_kernel("avx2", pf, hint=cand.param("hint"))
     assert gops._native_kernel("fp8_e4m3", False, 256, "avx2", cand, rows=1) is kern
+
+
+@pytest.mark.parametrize(("n", "k", "rows"), [(1, 32, 1), (300, 4096, 1), (37, 1061, 3)], ids=str)
+def test_shift_kernel_prefetch_hint_keeps_bits(n: int, k: int, rows: int) -> None:
+    """The prefetch hint and distance change only how the weights stream in, never the result."""
+    pw = _all_codes_weight(n, k, seed=n + k).gemv_pack()
+    x = torch.randn(rows, k)
+    isa = native.cpu_info().isa
+
+    def run(kern) -> torch.Tensor:
+        out = torch.empty(rows, n)
+        st = kern(x, rows, k, pw.data, pw.scales, pw.rowscale, pw.pts, torch.empty(0), 0, out, n, 2)
+        assert st == 0
+        return out
+
+    t0 = run(gemv_fp8_shift_kernel(isa, 8192, hint="T0"))
+    for pf in (1024, 2048):
+        assert torch.equal(run(gemv_fp8_shift_kernel(isa, pf, hint="NTA")), t0)
+
+
+def test_shift_kernel_rejects_unknown_hint() -> None:
+    with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA'\), got 'nta'"):
+        gemv_fp8_shift_kernel(native.cpu_info().isa, hint="nta")
+
+
+@pytest.mark.parametrize("hint", ["T0", "NTA"])
+def test_shift_kernel_avx512_builds(hint: str) -> None:
+    """The AVX-512 build compiles with either prefetch hint (cannot run on every machine)."""
+    gemv_fp8_shift_kernel("avx512", 2048, hint=hint)

@@ -367,7 +367,7 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
     /* chunk c into accumulator j (two chains, constant indices: acc stays in registers) */
 #define TP_CHUNK(c, j) do {                                                                           \
         const uint8_t *wp = w + (c) * 64;                                                          \
-        _mm_prefetch((const char *)wp + ${prefetch}, _MM_HINT_T0);                                 \
+        _mm_prefetch((const char *)wp + ${prefetch}, _MM_HINT_${hint});                            \
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(                               \
             _mm256_loadu_si256((const __m256i *)wp)), _mm256_loadu_si256((const __m256i *)(wp + 32)), 1); \
         const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));                      \
@@ -432,7 +432,7 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
     for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
     for (int64_t c = 0; c < C; ++c) {
         const uint8_t *wp = w + c * 64;
-        _mm_prefetch((const char *)wp + ${prefetch}, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + ${prefetch}, _MM_HINT_${hint});
         const __m256 n0 = _mm256_loadu_ps((const float *)wp), n1 = _mm256_loadu_ps((const float *)(wp + 32));
         const __m256i va = _mm256_castps_si256(_mm256_shuffle_ps(n0, n1, 0x88));
         const __m256i vb = _mm256_castps_si256(_mm256_shuffle_ps(n0, n1, 0xDD));
@@ -540,20 +540,23 @@ def gemv_fp4_pair_kernel(
 
 @functools.cache
 def gemv_fp4_block_kernel(
-    fmt: str, isa: str, prefetch: int = 4096, chunk: int | None = None
+    fmt: str, isa: str, prefetch: int = 4096, chunk: int | None = None, hint: str = "T0"
 ) -> Kernel:
     """The lane-block int8-activation FP4 GEMV (AVX2; K a multiple of 128; raises NativeError
-    below AVX2). ``prefetch``: bytes ahead of the weight stream; ``chunk``: weight bytes per row
-    claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, gemv_kernel
+    below AVX2). ``prefetch``: bytes ahead of the weight stream, ``hint``: its locality
+    (:data:`torchport.gemv.kernels.PREFETCH_HINTS`); ``chunk``: weight bytes per row claim
+    (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static)."""
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_kernel
 
     if fmt not in FORMATS:
         raise ValueError(f"lane-block FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    check_hint(hint)
     if isa == "scalar":
         raise native.NativeError("the lane-block FP4 GEMV needs AVX2 (isa is 'scalar')")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    src = native.render(SCHED_C + _BLOCK_SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk)
-    lib = native.build(src, name=f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}_c{chunk}", isa=isa)
+    src = native.render(SCHED_C + _BLOCK_SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk, hint=hint)
+    name = f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}{hint}_c{chunk}"
+    lib = native.build(src, name=name, isa=isa)
     return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
 
 

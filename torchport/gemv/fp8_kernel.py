@@ -141,7 +141,7 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
     if (NB == 1) {   /* 64 weights (one cache line) per step: one prefetch per line */
         tp_vf acc2[4] = {TP_ZERO(), TP_ZERO(), TP_ZERO(), TP_ZERO()};
         for (; k + 64 <= K; k += 64) {
-            _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
             tp_vf w0, w1, w2, w3;
             TP_E4M3X(w + k, w0, w1, w2, w3);
             acc[0][0] = TP_FMA(w0, TP_LOADX(xs + k), acc[0][0]);
@@ -161,7 +161,7 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
     }
 #endif
     for (; k + TP_G <= K; k += TP_G) {
-        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
         tp_vf w0, w1, w2, w3;
         TP_E4M3X(w + k, w0, w1, w2, w3);
         if (NB == 1) {   /* four independent chains hide FMA latency */
@@ -234,15 +234,22 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 
 
 @functools.cache
-def gemv_fp8_shift_kernel(isa: str, prefetch: int = 2048, chunk: int | None = None) -> Kernel:
+def gemv_fp8_shift_kernel(
+    isa: str, prefetch: int = 2048, chunk: int | None = None, hint: str = "T0"
+) -> Kernel:
     """The shift-decode E4M3 GEMV (entry ``tp_gemv``, the same arguments as
-    :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel). ``chunk``: weight bytes
-    per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static split)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, gemv_kernel
+    :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel). ``prefetch``: bytes ahead
+    of the weight stream, ``hint``: its locality (:data:`torchport.gemv.kernels.PREFETCH_HINTS`);
+    ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
+    0 = static split)."""
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_kernel
 
+    check_hint(hint)
     if isa == "scalar":
         raise native.NativeError("the shift-decode FP8 GEMV needs AVX2 (isa is 'scalar')")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    src = native.render(SCHED_C + _SOURCE, e4m3_table=_e4m3_table(), prefetch=prefetch, chunk=chunk)
-    lib = native.build(src, name=f"gemv_fp8shift_{isa}_p{prefetch}_c{chunk}", isa=isa)
+    src = native.render(
+        SCHED_C + _SOURCE, e4m3_table=_e4m3_table(), prefetch=prefetch, chunk=chunk, hint=hint
+    )
+    lib = native.build(src, name=f"gemv_fp8shift_{isa}_p{prefetch}{hint}_c{chunk}", isa=isa)
     return Kernel(lib, "tp_gemv", gemv_kernel("fp8_e4m3", isa, prefetch).args)

@@ -36,6 +36,19 @@ FORMATS = ("f32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp8_e4m3"
 # core takes fewer rows instead of holding up the call; measured A/B in bench_gemv_sched.
 CHUNK_BYTES = 256 << 10
 
+# Locality hints of the weight-stream prefetch (``_MM_HINT_<hint>``) the lane-block FP4 and the
+# shift-decode FP8 kernels accept: ``T0`` (into every cache level) or ``NTA`` (non-temporal: the
+# line is meant to leave the caches without displacing other data). The native read peak also
+# streamed fastest with NTA (:data:`torchport.gemv.readpeak.READ_CONFIGS`).
+PREFETCH_HINTS = ("T0", "NTA")
+
+
+def check_hint(hint: str) -> None:
+    """Raise ``ValueError`` unless ``hint`` is one of :data:`PREFETCH_HINTS`."""
+    if hint not in PREFETCH_HINTS:
+        raise ValueError(f"gemv prefetch hint must be one of {PREFETCH_HINTS}, got {hint!r}")
+
+
 # Row scheduling shared by every GEMV kernel source (prepended before rendering; no placeholders).
 SCHED_C = r"""
 /* Rows per claim: about chunk_bytes of weights, a multiple of 8 rows; 0 = static split. */

@@ -197,20 +197,31 @@ _PLANS: dict[tuple[object, ...], LaunchPlan] = {}
 TUNE_MIN_WEIGHTS = 1 << 18
 
 
-# Prefetch distances (bytes ahead of the weight stream) of the lane-block FP4 kernel: one core
-# streams from DRAM only as fast as it keeps misses in flight; 512 bytes (8 lines) ahead left the
-# two-thread GEMV at 20-24 GB/s, 4096-8192 reach the read bandwidth ``Tensor.sum`` measures.
-BLOCK_PREFETCH = (4096, 8192)
-# Prefetch distances of the E4M3 shift-decode kernel. The AVX-512 kernel streams from DRAM faster
-# with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one process, load
-# ~3: one thread 1.41 / 1.26 ms CPU time, two threads 1.09 / 1.08 ms wall; 16384 1.24 / 1.11).
-SHIFT_PREFETCH = (8192, 4096)
+# Weight-stream prefetches (hint, bytes ahead) of the lane-block FP4 kernel, the first the default:
+# one core streams from DRAM only as fast as it keeps misses in flight; with T0, 512 bytes (8
+# lines) ahead left the two-thread GEMV at 20-24 GB/s, 4096-8192 reached the read bandwidth
+# ``Tensor.sum`` measures. Non-temporal prefetches 2048 bytes ahead streamed faster than T0 4096
+# (11008x4096 B=1 from DRAM, huge-page weights, two threads, the kernel alone, interleaved
+# medians of 25, Zen 3, load 1.5-1.8: NVFP4 1.020 -> 0.806 ms, MXFP4 0.955 -> 0.816 ms; NTA 1024
+# 0.945 / 0.875, NTA 512 0.903 / 1.004).
+BLOCK_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 4096))
+# The same for the E4M3 shift-decode kernel: NTA 2048 against T0 8192 1.901 -> 1.651 ms (same
+# run; NTA 1024 1.714, 768 1.641). T0 8192 stays a candidate: the AVX-512 kernel streamed from
+# DRAM faster with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one
+# process, load ~3: one thread 1.41 / 1.26 ms CPU time, two threads 1.09 / 1.08 ms wall; 16384
+# 1.24 / 1.11; NTA not measured there).
+SHIFT_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 8192))
+
+
+def _pf_name(hint: str, pf: int) -> str:
+    return f"p{pf}" if hint == "T0" else f"p{pf}{hint.lower()}"
 
 
 def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autotune.Candidate]:
     """The search space for one format: the ATen anchor, then the default kernel, then variants.
 
-    Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512), ``rows4``
+    Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512; ``hint``
+    its locality, lane-block and shift kernels only), ``rows4``
     (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
     int8 activations (FP4 weights) the lane-block kernel (:mod:`torchport.gemv.fp4_kernel`,
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
@@ -228,18 +239,30 @@ def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autot
     params: tuple[tuple[str, object], ...]
     if int8:
         for threads in (0, 1):
-            for pf in BLOCK_PREFETCH:
-                params = (("kernel", "block"), ("prefetch", pf), ("threads", threads))
-                out.append(autotune.Candidate(f"block_p{pf}_t{threads}", params=params))
+            for hint, pf in BLOCK_PREFETCH:
+                params = (
+                    ("kernel", "block"),
+                    ("prefetch", pf),
+                    ("hint", hint),
+                    ("threads", threads),
+                )
+                name = f"block_{_pf_name(hint, pf)}_t{threads}"
+                out.append(autotune.Candidate(name, params=params))
         for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         for threads in (0, 1):
-            for pf in SHIFT_PREFETCH:
-                params = (("kernel", "shift"), ("prefetch", pf), ("threads", threads))
-                out.append(autotune.Candidate(f"shift_p{pf}_t{threads}", params=params))
+            for hint, pf in SHIFT_PREFETCH:
+                params = (
+                    ("kernel", "shift"),
+                    ("prefetch", pf),
+                    ("hint", hint),
+                    ("threads", threads),
+                )
+                name = f"shift_{_pf_name(hint, pf)}_t{threads}"
+                out.append(autotune.Candidate(name, params=params))
     r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
@@ -257,13 +280,13 @@ def _space_id(cands: list[autotune.Candidate]) -> str:
 def _native_kernel(
     fmt: str, int8: bool, k: int, isa: str, cand: autotune.Candidate, rows: int = 1
 ) -> object:
-    pf, r4 = cand.param("prefetch", 512), cand.param("rows4", 0)
+    pf, r4, hint = cand.param("prefetch", 512), cand.param("rows4", 0), cand.param("hint", "T0")
     if cand.param("kernel") == "block":
         if k % 128 or isa == "scalar":
             raise autotune.InvalidCandidate(
                 f"lane-block kernel needs AVX2 and K % 128 == 0 (K={k})"
             )
-        return gemv_fp4_block_kernel(fmt, isa, pf)
+        return gemv_fp4_block_kernel(fmt, isa, pf, hint=hint)
     if cand.param("kernel") == "pair":
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
@@ -274,7 +297,7 @@ def _native_kernel(
         # The AVX-512 build serves one activation row; with more rows (B * K floats beyond L1)
         # it streamed slower than the AVX2 build: 11008x4096 B=4 from DRAM, one thread, CPU
         # time 7.2 vs 4.2 ms, two threads 3.8 vs 2.3 ms (one process, interleaved medians of 15)
-        return gemv_fp8_shift_kernel("avx2" if isa == "avx512" and rows > 1 else isa, pf)
+        return gemv_fp8_shift_kernel("avx2" if isa == "avx512" and rows > 1 else isa, pf, hint=hint)
     return gemv_i8_kernel(fmt, isa, pf, r4) if int8 else gemv_kernel(fmt, isa, pf, r4)
 
 
