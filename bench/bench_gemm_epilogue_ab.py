@@ -3,7 +3,8 @@
 Where ``bench gemm --epilogue`` times the whole ``linear`` call (autotuner, adaptive runner,
 Python), this times ``torchport.gemm.kernels.launcher`` of one fixed config, round robin over
 ``bare``, ``bare2`` (a second launcher of the same bare kernel: the control, which should read
-1.00), ``gelu`` (bias + GELU + residual) and ``silu`` (bias + SiLU), every call on the least
+1.00), ``gelu`` (bias + GELU + residual), ``silu`` (bias + SiLU), ``bias`` (bias alone) and ``res`` (the
+residual alone: its cold read without an activation), every call on the least
 recently used of enough weight copies that the weights stream from DRAM. A one-thread config
 (``nt=1``, the default) is timed in thread CPU time, which a busy machine disturbs far less than
 wall time; a multi-thread one in wall time. Prints each launcher's median and minimum over the
@@ -57,6 +58,8 @@ def main() -> None:
         "bare2": G.split(None, m, h),
         "gelu": G.split(["gelu", G.Add(res)], m, h, bias=bias),
         "silu": G.split(["silu"], m, h, bias=bias),
+        "bias": G.split(None, m, h, bias=bias),
+        "res": G.split([G.Add(res)], m, h),
     }
     launches = {k: kernels.launcher(s.spec, cfg, dt, dt, isa) for k, s in splits.items()}
     b = weights[0].t()

@@ -235,6 +235,43 @@ def test_bad_epilogues(steps, match):
         mm(torch.randn(3, 5), torch.randn(5, 4), epilogue=steps)
 
 
+def test_fast_split_matches_full_split():
+    """An epilogue of activations and residuals seen once takes the cached spec (fast_split):
+    the same spec and operands as the full split, and its operands still checked per call."""
+    m, n = 3, 4
+    b, r, rb = torch.randn(n), torch.randn(m, n), torch.randn(m, n).bfloat16()
+    cases = [
+        (["gelu", G.Add(r)], b),
+        ((G.Silu(), G.Add(rb), "relu"), None),
+        ("gelu_tanh", b.bfloat16()),
+        (G.Add(r), None),
+        (None, b),
+    ]
+    for steps, bias in cases:
+        full = epilogue_mod._split(steps, m, n, bias)
+        split(steps, m, n, bias=bias)  # fills the cache
+        hit = epilogue_mod.fast_split(steps, m, n, bias)
+        assert hit is not None and hit[0] == full.spec.encode()
+        assert all(x is y for x, y in zip(hit[1], full.operands, strict=True))
+        again = split(steps, m, n, bias=bias)
+        assert again.spec == full.spec and not again.tail
+    # operands that fail the checks after the spec is cached: the full split's errors
+    a, w = torch.randn(m, 5), torch.randn(5, n)
+    mm(a, w, bias=b, epilogue=["gelu", G.Add(r)])
+    with pytest.raises(EpilogueError, match=r"residual must have shape \(3, 4\)"):
+        mm(a, w, bias=b, epilogue=["gelu", G.Add(torch.randn(3, 3))])
+    with pytest.raises(EpilogueError, match=r"float32 or bfloat16, got torch.float64"):
+        mm(a, w, bias=b, epilogue=["gelu", G.Add(r.double())])
+    with pytest.raises(EpilogueError, match=r"bias must have shape \(4,\), got \(7,\)"):
+        mm(a, w, bias=torch.randn(7), epilogue=["gelu", G.Add(r)])
+    with pytest.raises(EpilogueError, match=r"must be a tensor, got list"):
+        mm(a, w, bias=b, epilogue=["gelu", G.Add([1.0])])  # type: ignore[arg-type]
+    # a callable after cached steps is an unfused tail, not a cache hit
+    y = mm(a, w, bias=b, epilogue=["gelu", G.Add(r), torch.tanh])
+    ref = torch.tanh(F.gelu(a @ w + b) + r)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_linear_bad_inputs():
     with pytest.raises(GemmInputError, match=r"in_features=4, got shape \(2, 3\)"):
         linear(torch.randn(2, 3), torch.randn(5, 4))

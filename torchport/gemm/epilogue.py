@@ -241,27 +241,63 @@ _PLAIN_OPS: dict[Step, Op] = {
 _PLAIN_OPS.update({name: _PLAIN_OPS[step] for name, step in _NAMED.items()})
 
 
-# specs of epilogues made of parameter-free steps only (names, Relu(), Gelu(...), Silu()), per
-# (steps, bias dtype): such a call (nn.Linear + activation) skips the walk over its steps
-_PLAIN_SPECS: dict[tuple[Any, ...], EpilogueSpec] = {}
+# the parameter-free steps (names, Relu(), Gelu(...), Silu()) as they appear in _FAST_SPECS keys
+_PLAIN_CODES: dict[Step, str] = {step: op.kind for step, op in _PLAIN_OPS.items()}
+
+# specs (and their encodings) of epilogues made of parameter-free steps and Add residuals, per
+# (the bias's dtype or None, then per step its _PLAIN_CODES code or, for an Add, the residual's
+# dtype): such a call (a linear layer with an activation, a residual, or both) skips the walk
+# over its steps. Entries come from full splits that fused every step, so a key's dtypes are
+# fusable ones; the operands' type, device and shape are checked on every call (_fast_key).
+_FAST_SPECS: dict[tuple[Any, ...], tuple[EpilogueSpec, str]] = {}
 
 
-def _plain_key(steps: Sequence[Step] | Step | None, bias: torch.Tensor | None) -> Any:
-    """The :data:`_PLAIN_SPECS` key of an epilogue of parameter-free steps, else None."""
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        return None  # the full path rejects it with an EpilogueError
+def _fast_key(
+    steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tensor | None
+) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+    """The :data:`_FAST_SPECS` key of an epilogue and its operands (bias first), or None when a
+    step is of another kind or an operand is not a CPU tensor of the right shape (the full
+    :func:`split` then fuses it or raises its error)."""
     if type(steps) is list or type(steps) is tuple:
-        key = tuple(steps)
-    elif type(steps) is str:
-        key = (steps,)
+        seq: Sequence[Any] = steps
     else:
-        return None
-    try:
-        if not all(step in _PLAIN_OPS for step in key):
+        seq = () if steps is None else (steps,)
+    operands: list[torch.Tensor] = []
+    key: list[Any] = [None]
+    if bias is not None:
+        if type(bias) is not torch.Tensor or not bias.is_cpu or bias.shape != (n,):
             return None
-    except TypeError:  # an unhashable callable
+        key[0] = bias.dtype
+        operands.append(bias)
+    try:
+        for step in seq:
+            if type(step) is Add:
+                t = step.t
+                if type(t) is not torch.Tensor or not t.is_cpu or t.shape != (m, n):
+                    return None
+                key.append(t.dtype)
+                operands.append(t)
+            else:
+                code = _PLAIN_CODES.get(step)
+                if code is None:
+                    return None
+                key.append(code)
+    except TypeError:  # an unhashable step (a callable, a Gelu with an unhashable field)
         return None
-    return key, None if bias is None else bias.dtype
+    return tuple(key), operands
+
+
+def fast_split(
+    steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tensor | None
+) -> tuple[str, list[torch.Tensor]] | None:
+    """``(encoded spec, operands)`` of an epilogue that :func:`split` has seen before in this
+    form (parameter-free steps and residuals, :data:`_FAST_SPECS`), else None: the eager GEMM's
+    per-call path, without :class:`Split` or the walk over the steps."""
+    fk = _fast_key(steps, m, n, bias)
+    if fk is None:
+        return None
+    hit = _FAST_SPECS.get(fk[0])
+    return None if hit is None else (hit[1], fk[1])
 
 
 def split(
@@ -272,21 +308,18 @@ def split(
     Fusion stops at the first step that is not one of the fused kinds (a callable); it and every
     later step form the tail, applied with torch ops after the kernel. ``bias`` (optional) is a
     leading ``Bias(bias, "col")`` step (step 0), without building the step per call. Epilogues
-    of parameter-free steps take their spec from :data:`_PLAIN_SPECS` after the first call (the
-    bias is still validated on every call).
+    of parameter-free steps and residuals take their spec from :data:`_FAST_SPECS` after the
+    first call (their operands still checked on every call).
     """
-    plain_key = _plain_key(steps, bias)
-    if plain_key is not None:
-        spec = _PLAIN_SPECS.get(plain_key)
-        if spec is not None:
-            if bias is None:
-                return Split(spec, [], [])
-            return Split(spec, [_operand(bias, (0, "bias"), (n,))], [])
-        sp = _split(steps, m, n, bias)
-        if len(_PLAIN_SPECS) < 1024:
-            _PLAIN_SPECS[plain_key] = sp.spec
-        return sp
-    return _split(steps, m, n, bias)
+    fk = _fast_key(steps, m, n, bias)
+    if fk is not None:
+        hit = _FAST_SPECS.get(fk[0])
+        if hit is not None:
+            return Split(hit[0], fk[1], [])
+    sp = _split(steps, m, n, bias)
+    if fk is not None and not sp.tail and len(_FAST_SPECS) < 1024:
+        _FAST_SPECS[fk[0]] = (sp.spec, sp.spec.encode())
+    return sp
 
 
 def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tensor | None) -> Split:

@@ -29,6 +29,7 @@ from torchport.gemm.epilogue import (
     EpilogueSpec,
     Step,
     apply_tail,
+    fast_split,
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
@@ -758,6 +759,12 @@ def mm(
         if native.eager_fast_path(a, b, *operands):
             return _eager(a, b, operands, spec)
         return _gemm_op(a, b, operands, spec)
+    hit = fast_split(epilogue, a.shape[0], b.shape[1], bias)
+    if hit is not None:  # an epilogue of activations and residuals seen before: no Split
+        encoded, operands = hit
+        if native.eager_fast_path(a, b, *operands):
+            return _eager(a, b, operands, encoded)
+        return _gemm_op(a, b, operands, encoded)
     sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
     encoded = sp.spec.encode()
     if native.eager_fast_path(a, b, *sp.operands):
