@@ -1090,12 +1090,17 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
                               int64_t stream, int64_t huge, int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
     if (huge) advise_huge(out, B * n * n * (int64_t)sizeof(T));
-    /* one thread below ~3 ms of work (B n^3 < 1e8; n = 16: 24000 matrices): on the shared
-       2-core machine (load 3-5), B = 10000, n = 16 took 12-15 ms with two threads (the end of
-       the region waits for a descheduled thread) and 2.7-3 ms on one; at load 2.1-2.8, with
-       64-byte lanes, B = 25000 n = 16 took 3.1 / 5.8 ms (f64) and 1.7 / 3.2 ms (f32) on two /
-       one threads (min of 15): the threshold depends on the load and was left as it was */
-    int64_t nt = (groups < 2 || B * n * n * n < 100000000) ? 1 : nthreads;
+    /* one thread below ~0.6 ms of work (B n^3 < 2e7; n = 16: 4900 matrices). On the shared
+       2-core machine a two-thread region waits for a descheduled thread in 4 ms ticks when a
+       third process runs: at load 3-5, B = 10000, n = 16 took 12-15 ms on two threads and 2.7-3
+       ms on one; at load 1.3-1.4 (this threshold, was 1e8), medians of 21 interleaved, one /
+       two threads (static / dynamic schedule): f64 n = 16 B = 10000 4.36 / 2.29 / 2.22 ms, B =
+       3000 1.07 / 0.56 / 0.55, B = 1000 0.30 / 0.18 / 0.17; f32 n = 16 B = 10000 1.71 / 0.88 /
+       0.77; but f64 n = 4 B = 30000 / 100000 (memory-bound, another process started) 1.10 / 5.1
+       / 8.0 and 3.07 / 12.7 / 16.0 ms, so the small orders' batches stay on one thread. Chunks
+       of 16 groups handed out dynamically: a thread descheduled mid-region leaves the rest to
+       the other. */
+    int64_t nt = (groups < 2 || B * n * n * n < 20000000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     /* stream (large outputs, see CHOLESKY_STREAM_FROM): a full group is factored into an
        L1-resident copy of its VLN outputs (S) and streamed out from there with non-temporal
@@ -1105,7 +1110,7 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
     {
         VT *Lw = (VT *)aligned_alloc(VBYTES, sizeof(VT) * (n * n + n + 2));
         VT *S = st ? (VT *)aligned_alloc(VBYTES, sizeof(VT) * n * n) : NULL;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 16)
         for (int64_t gi = 0; gi < groups; ++gi) {
             int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
             const T *src = a + b0 * n * n;
@@ -1302,7 +1307,8 @@ TP_EXPORT int tp_qr_vec(const T *a, T *Q, T *R, int64_t B, int64_t m, int64_t n,
     const int64_t qsz = wantq ? m * qc : 0, rsz = rrows * n;
     if (huge) { advise_huge(Q, B * qsz * (int64_t)sizeof(T)); advise_huge(R, B * rsz * (int64_t)sizeof(T)); }
     const int64_t groups = (B + VLN - 1) / VLN;
-    /* one thread below B m n k = 3e7 (cholesky_vec's 1e8 for n^3 / 3 flops; QR's are ~3x) */
+    /* one thread below B m n k = 3e7 (~4e7 flops; the lane Cholesky's threshold was 1e8 B n^3 for
+       n^3 / 3 flops each until its two-thread runs were re-measured) */
     int64_t nt = (groups < 2 || B * m * n * k < 30000000) ? 1 : nthreads;
     #pragma omp parallel num_threads(nt)
     {
