@@ -3,6 +3,8 @@ errors, autograd (gradcheck and torch.linalg's gradients) and the autotuned meth
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -373,7 +375,7 @@ def test_cholesky_lanes_streamed(dtype, n):
     buf = torch.full((45 * n * n + 1,), 7.0, dtype=dtype)
     info = torch.empty((45,), dtype=torch.int32)
     kernels._ks(dtype)["cholesky_vec"].call_unchecked(
-        a.data_ptr(), buf.data_ptr() + buf.element_size(), info.data_ptr(), 45, n, 0, 1, 1
+        a.data_ptr(), buf.data_ptr() + buf.element_size(), info.data_ptr(), 45, n, 0, 1, 0, 1
     )
     assert torch.equal(buf[1:].view(45, n, n), kernels.cholesky(a, False, stream=False)[0])
     assert buf[0] == 7.0
@@ -382,6 +384,35 @@ def test_cholesky_lanes_streamed(dtype, n):
     big = spd(b, n, seed=1).to(dtype)
     got = kernels.cholesky_plan(b, n, dtype, False)(big)
     assert torch.equal(got[0], kernels.cholesky(big, False, lanes=True, stream=False)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["cholesky", "qr", "qr_complete", "qr_wide"])
+def test_huge_page_outputs(dtype, op, monkeypatch):
+    """Outputs from HUGE_OUTPUT_FROM bytes, their pages advised huge before the kernel writes
+    them (fresh mmapped blocks above 32 MiB too), equal the same launchers' unadvised ones bit
+    for bit."""
+    n = 16
+    b = 2 * kernels.HUGE_OUTPUT_FROM // (n * n * torch.finfo(dtype).bits // 8) + 7
+    if op == "cholesky":
+        a = spd(b, n, seed=3).to(dtype)
+        a[b - 2, 3, 3] = -1.0
+        plan = functools.partial(kernels.cholesky_plan, b, n, dtype, False)
+    else:
+        m, k = (n, n // 2) if op == "qr_wide" else (n, n)
+        a = torch.randn((b, m, k), generator=torch.Generator().manual_seed(5), dtype=dtype)
+        mode = "complete" if op == "qr_complete" else "reduced"
+        plan = functools.partial(kernels.qr_plan, b, m, k, dtype, mode)
+    huge = plan()(a)
+    monkeypatch.setattr(kernels, "HUGE_OUTPUT_FROM", 1 << 62)
+    plain = plan()(a)
+    for x, y in zip(huge, plain, strict=True):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    if op == "cholesky":
+        assert plain[2] == b - 1
+    elif op == "qr":
+        got = kernels.qr(a, "reduced")
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -50,6 +50,8 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   1/sqrt(pivot) = sqrt(s)·(1/s) waits on the pivot. From ``CHOLESKY_STREAM_FROM`` output bytes
   a group is stored to an L1 copy and streamed out by non-temporal stores, the next group's input
   prefetched meanwhile (past the caches the stores' line reads halved the rate at B = 10000).
+  The lane Cholesky and QR advise an output of ``HUGE_OUTPUT_FROM`` bytes or more to take 2 MiB
+  pages before they first write it: a fresh output's 4 KiB page faults cost 2-3× the kernel.
   Above n = 48, and for batches too small to fill the lanes from n = 17, the blocked kernel of
   :mod:`torchport.linalg.blocked` (panel + register-blocked trailing update) takes over.
 
@@ -1053,6 +1055,21 @@ TP_INLINE void chol_vec_full(const T *a, T *out, int32_t *info, int64_t n, int u
     }
 }
 
+/* The whole 2 MiB pages inside an output of nbytes at p advised to be transparent huge pages
+   (Linux madvise(MADV_HUGEPAGE), best effort) before the kernel first writes them; the caller
+   asks for it from HUGE_OUTPUT_FROM bytes (see there: a fresh output's 4 KiB page faults cost more
+   than the factorisation). Memory already touched keeps its pages. */
+TP_INLINE void advise_huge(void *p, int64_t nbytes) {
+#if defined(MADV_HUGEPAGE)
+    const uintptr_t h = (uintptr_t)2 << 20;
+    const uintptr_t lo = ((uintptr_t)p + h - 1) & ~(h - 1);
+    const uintptr_t hi = ((uintptr_t)p + (uintptr_t)nbytes) & ~(h - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)p; (void)nbytes;
+#endif
+}
+
 /* ne elements (a whole number of vectors) from src to dst (VBYTES-aligned) by non-temporal
    stores: written around the caches, without first reading the destination lines in */
 TP_INLINE void stream_out(const T *src, T *dst, int64_t ne) {
@@ -1070,14 +1087,20 @@ TP_INLINE void stream_out(const T *src, T *dst, int64_t ne) {
 }
 
 TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int64_t n, int64_t upper,
-                              int64_t stream, int64_t nthreads) {
+                              int64_t stream, int64_t huge, int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
-    /* one thread below ~3 ms of work (B n^3 < 1e8; n = 16: 24000 matrices): on the shared
-       2-core machine (load 3-5), B = 10000, n = 16 took 12-15 ms with two threads (the end of
-       the region waits for a descheduled thread) and 2.7-3 ms on one; at load 2.1-2.8, with
-       64-byte lanes, B = 25000 n = 16 took 3.1 / 5.8 ms (f64) and 1.7 / 3.2 ms (f32) on two /
-       one threads (min of 15): the threshold depends on the load and was left as it was */
-    int64_t nt = (groups < 2 || B * n * n * n < 100000000) ? 1 : nthreads;
+    if (huge) advise_huge(out, B * n * n * (int64_t)sizeof(T));
+    /* one thread below ~0.6 ms of work (B n^3 < 2e7; n = 16: 4900 matrices). On the shared
+       2-core machine a two-thread region waits for a descheduled thread in 4 ms ticks when a
+       third process runs: at load 3-5, B = 10000, n = 16 took 12-15 ms on two threads and 2.7-3
+       ms on one; at load 1.3-1.4 (this threshold, was 1e8), medians of 21 interleaved, one /
+       two threads (static / dynamic schedule): f64 n = 16 B = 10000 4.36 / 2.29 / 2.22 ms, B =
+       3000 1.07 / 0.56 / 0.55, B = 1000 0.30 / 0.18 / 0.17; f32 n = 16 B = 10000 1.71 / 0.88 /
+       0.77; but f64 n = 4 B = 30000 / 100000 (memory-bound, another process started) 1.10 / 5.1
+       / 8.0 and 3.07 / 12.7 / 16.0 ms, so the small orders' batches stay on one thread. Chunks
+       of 16 groups handed out dynamically: a thread descheduled mid-region leaves the rest to
+       the other. */
+    int64_t nt = (groups < 2 || B * n * n * n < 20000000) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     /* stream (large outputs, see CHOLESKY_STREAM_FROM): a full group is factored into an
        L1-resident copy of its VLN outputs (S) and streamed out from there with non-temporal
@@ -1087,7 +1110,7 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
     {
         VT *Lw = (VT *)aligned_alloc(VBYTES, sizeof(VT) * (n * n + n + 2));
         VT *S = st ? (VT *)aligned_alloc(VBYTES, sizeof(VT) * n * n) : NULL;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 16)
         for (int64_t gi = 0; gi < groups; ++gi) {
             int64_t b0 = gi * VLN, cnt = TP_MIN(VLN, B - b0);
             const T *src = a + b0 * n * n;
@@ -1175,9 +1198,10 @@ TP_INLINE void qr_one(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, i
 #define QR_CALL(M, N) qr_one(a + b * m * n, Q + b * qsz, R + b * rsz, M, N, (int)wantq, (int)complete, C, Qc, tau)
 
 TP_EXPORT int tp_qr(const T *a, T *Q, T *R, int64_t B, int64_t m, int64_t n, int64_t wantq,
-                        int64_t complete, int64_t nthreads) {
+                        int64_t complete, int64_t huge, int64_t nthreads) {
     const int64_t k = TP_MIN(m, n), qc = complete ? m : k, rrows = complete ? m : k;
     const int64_t qsz = wantq ? m * qc : 0, rsz = rrows * n;
+    if (huge) { advise_huge(Q, B * qsz * (int64_t)sizeof(T)); advise_huge(R, B * rsz * (int64_t)sizeof(T)); }
     int64_t nt = (B < 2 || B * m * n * k < 20000) ? 1 : nthreads;
     #pragma omp parallel num_threads(nt)
     {
@@ -1278,11 +1302,13 @@ TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wan
 }
 
 TP_EXPORT int tp_qr_vec(const T *a, T *Q, T *R, int64_t B, int64_t m, int64_t n, int64_t wantq,
-                        int64_t complete, int64_t nthreads) {
+                        int64_t complete, int64_t huge, int64_t nthreads) {
     const int64_t k = TP_MIN(m, n), qc = complete ? m : k, rrows = complete ? m : k;
     const int64_t qsz = wantq ? m * qc : 0, rsz = rrows * n;
+    if (huge) { advise_huge(Q, B * qsz * (int64_t)sizeof(T)); advise_huge(R, B * rsz * (int64_t)sizeof(T)); }
     const int64_t groups = (B + VLN - 1) / VLN;
-    /* one thread below B m n k = 3e7 (cholesky_vec's 1e8 for n^3 / 3 flops; QR's are ~3x) */
+    /* one thread below B m n k = 3e7 (~4e7 flops; the lane Cholesky's threshold was 1e8 B n^3 for
+       n^3 / 3 flops each until its two-thread runs were re-measured) */
     int64_t nt = (groups < 2 || B * m * n * k < 30000000) ? 1 : nthreads;
     #pragma omp parallel num_threads(nt)
     {
@@ -1675,7 +1701,7 @@ def library(
     vbytes = _lane_bytes(isa, wide=True) if lane_bytes is None else lane_bytes
     assert vbytes == 32 or (vbytes == 64 and isa == "avx512"), (isa, vbytes)
     src = native.render(
-        "#include <stdlib.h>\n#include <string.h>\n" + _SOURCE,
+        "#include <stdlib.h>\n#include <string.h>\n#include <sys/mman.h>\n" + _SOURCE,
         **scalar_params(dtype, max_sweeps),
         one_max_n=str(ONE_MAX_N),
         tri_max_it=str(min(TRI_MAX_SWEEPS, max_sweeps)),
@@ -1716,19 +1742,19 @@ def library(
             lib,
             "tp_cholesky_vec",
             [t("A", d), t("L", d), t("info", (torch.int32,))]
-            + [i(x) for x in ("B", "n", "upper", "stream", "nthreads")],
+            + [i(x) for x in ("B", "n", "upper", "stream", "huge", "nthreads")],
         ),
         "qr": Kernel(
             lib,
             "tp_qr",
             [t("A", d), t("Q", d), t("R", d)]
-            + [i(x) for x in ("B", "m", "n", "wantq", "complete", "nthreads")],
+            + [i(x) for x in ("B", "m", "n", "wantq", "complete", "huge", "nthreads")],
         ),
         "qr_vec": Kernel(
             lib,
             "tp_qr_vec",
             [t("A", d), t("Q", d), t("R", d)]
-            + [i(x) for x in ("B", "m", "n", "wantq", "complete", "nthreads")],
+            + [i(x) for x in ("B", "m", "n", "wantq", "complete", "huge", "nthreads")],
         ),
         "cholesky": Kernel(
             lib,
@@ -1805,6 +1831,15 @@ CHOLESKY_LANES_MAX_N = 48
 # 3.90, 4.33 / 4.31, 4.71. In cache (B = 1000, kernel alone, one thread) it cost 7-17%, so it
 # starts at 2 MiB.
 CHOLESKY_STREAM_FROM = 2 << 20
+# From this many bytes an output of the lane Cholesky and of QR (Q and R each) has its whole 2 MiB
+# pages advised to be transparent huge pages before the kernel writes it (advise_huge; THP is in
+# madvise mode on the Zen 3 VM). A fresh output (glibc mmaps every block from 32 MiB, and smaller
+# ones whenever its heap was trimmed) otherwise takes a 4 KiB page fault per page, ~2.5 us each
+# on this VM: f64 n = 16, B = 30000 / 100000, kernel on a fresh output, one thread, 15001 / 50001
+# faults 50.7 / 169 ms, advised 693 / 434 faults 19.0 / 59.7 ms (kernel on a reused output 12.6 /
+# 43 ms); two threads 29.5 / 90.5 -> 10.7 / 33.6 ms. A second madvise(MADV_POPULATE_WRITE) to
+# fault them in at once gained nothing on one thread and cost 2-8 ms on two.
+HUGE_OUTPUT_FROM = 4 << 20
 # QR, one matrix per lane (tp_qr_vec) up to this max(m, n), one per thread (tp_qr) above. One
 # thread, avx512, min of 9 interleaved, tp_qr / tp_qr_vec (mode reduced): B = 1000 n = 16 / 20 /
 # 24 / 32 f64 3.8 / 6.1 / 6.7 / 4.5x, f32 10.1 / 10.1 / 9.7 / 15.7x; B = 300 n = 48 / 64 / 96
@@ -1937,7 +1972,7 @@ def qr(a: torch.Tensor, mode: str, lanes: bool | None = None) -> tuple[torch.Ten
         lanes = _qr_lanes(b, m, n, a.dtype)
     _ks(a.dtype)["qr_vec" if lanes else "qr"].call_unchecked(
         a.data_ptr(), q.data_ptr(), r.data_ptr(), b, m, n, int(wantq), int(complete),
-        native.num_threads(),
+        int(_huge(q) or _huge(r)), native.num_threads(),
     )  # fmt: skip
     return q, r
 
@@ -1960,6 +1995,8 @@ def qr_plan(
     q_shape = (*bs, m, m if complete else k) if wantq else (0,)
     call = _ks(dtype)["qr_vec" if _qr_lanes(b, m, n, dtype) else "qr"].call_unchecked
     wq, cp = int(wantq), int(complete)
+    big = b * max(r_shape[-2] * n, m * q_shape[-1] if wantq else 0) * (torch.finfo(dtype).bits // 8)
+    huge = int(big >= HUGE_OUTPUT_FROM)
     nthreads = torch.get_num_threads
     # empty_like of a template (~1.3 us) for small outputs; large ones are not kept alive
     small = b * m * n <= 1 << 14
@@ -1973,11 +2010,16 @@ def qr_plan(
             q, r = torch.empty_like(q_like), torch.empty_like(r_like)
         else:
             q, r = torch.empty(q_shape, dtype=dtype), torch.empty(r_shape, dtype=dtype)
-        call(a.data_ptr(), q.data_ptr(), r.data_ptr(), b, m, n, wq, cp,
+        call(a.data_ptr(), q.data_ptr(), r.data_ptr(), b, m, n, wq, cp, huge,
              max(1, nthreads()))  # fmt: skip
         return q, r
 
     return run
+
+
+def _huge(out: torch.Tensor) -> bool:
+    """Whether a kernel advises ``out``'s pages to be huge (``HUGE_OUTPUT_FROM``)."""
+    return out.numel() * out.element_size() >= HUGE_OUTPUT_FROM
 
 
 def _chol_stream(b: int, n: int, dtype: torch.dtype) -> bool:
@@ -2018,7 +2060,7 @@ def cholesky(
             stream = _chol_stream(b, n, a.dtype)
         bad = _ks(a.dtype)["cholesky_vec"].call_unchecked(
             a.data_ptr(), out.data_ptr(), info.data_ptr(), b, n, int(upper), int(stream),
-            native.num_threads(),
+            int(_huge(out)), native.num_threads(),
         )  # fmt: skip
     else:
         bad = _ks(a.dtype)["cholesky"].call_unchecked(
@@ -2046,7 +2088,8 @@ def cholesky_plan(
         tail = (_blocked.panel_width(n),)
     elif fills_lanes:
         call = _ks(dtype)["cholesky_vec"].call_unchecked
-        tail = (int(_chol_stream(b, n, dtype)),)
+        big = b * n * n * (torch.finfo(dtype).bits // 8) >= HUGE_OUTPUT_FROM
+        tail = (int(_chol_stream(b, n, dtype)), int(big))
     else:
         call = _ks(dtype)["cholesky"].call_unchecked
     up = int(upper)
