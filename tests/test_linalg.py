@@ -793,6 +793,42 @@ def test_auto_batch_buckets_are_powers_of_two():
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_auto_tune_batch_stays_on_the_calls_kernel(dtype):
+    """The tuner's batch is capped for large matrices, but a call whose batch fills the SIMD
+    lanes is never tuned on a batch that does not (another kernel runs there)."""
+    lanes = kernels.lane_batch(dtype)
+    assert lanes == 64 // dtype.itemsize
+    for n in (2, 3, 8, 16, 32, 48, 64, 96, 128, 512):
+        cap = (1 << 21) // n**3
+        for b in (1, 2, lanes - 1, lanes, lanes + 1, 100, 10_000, 100_000):
+            tb = tl._tune_batch(b, n, n, dtype)
+            assert 1 <= tb <= b
+            assert tb == min(b, max(cap, lanes))
+            assert (tb >= lanes) == (b >= lanes)  # same side of the lane threshold as the call
+    # the case that kept LAPACK: 100 float32 matrices of 64 x 64 were tuned on 8
+    assert tl._tune_batch(100, 64, 64, torch.float32) == 16
+    assert tl._tune_batch(100_000, 8, 8, dtype) == 4096  # small matrices: the cap as before
+    assert tl._tune_batch(3, 40, 30, dtype) == 3  # rectangular: a batch under the lanes stays
+    # the kernels choose their lane form by the same number
+    assert not kernels._qr_lanes(lanes - 1, 4, 4, dtype) and kernels._qr_lanes(lanes, 4, 4, dtype)
+
+
+def test_auto_tunes_on_the_lane_batch(monkeypatch):
+    """_route hands the tuner the capped batch of _tune_batch (here the lane batch, not 8)."""
+    from torchport import autotune
+
+    seen: list = []
+    monkeypatch.setattr(autotune, "select", _fake_select(False, seen))
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
+    a = torch.randn(100, 64, 64, dtype=torch.float32)
+    assert tl._route("eigh", a, "auto", (False, True)) == "lapack"
+    assert seen[-1][1]["batch"] == 128 and seen[-1][2] == (16, 64, 64)
+    tl._drop_routes()  # not a measured route: leave none behind
+
+
 def _fake_select(native_wins: bool, seen: list):
     from torchport.autotune import Choice
 
@@ -826,6 +862,40 @@ def test_auto_confirms_native_win_against_lapack(monkeypatch):
     # tuned in the bucket of 100 (128), on the call's batch of 100, not the bucket's top
     assert seen[-1][1]["batch"] == 128 and seen[-1][2] == (100, 3, 3)
     assert torch.allclose(tl.qr(a)[1].abs(), torch.linalg.qr(a)[1].abs(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [33, 64, 128])
+def test_auto_one_matrix_beyond_the_launcher_runs_the_batched_route(monkeypatch, n):
+    """A single matrix larger than the one-matrix launchers takes is no longer LAPACK's by
+    fiat: the tuner times the batched native route (what the public functions then run), and a
+    native win routes there, with the same results."""
+    from torchport import autotune
+
+    assert not tl._one_candidate("cholesky", n, n)
+    a = spd(1, n)
+    fn = tl._candidate_fn("cholesky", (False,), 1, n, n, torch.float64)
+    assert torch.allclose(fn(a)[0], torch.linalg.cholesky(a), rtol=1e-10, atol=1e-10)
+    small = tl._candidate_fn("cholesky", (False,), 1, 8, 8, torch.float64)  # the launcher
+    assert torch.allclose(small(spd(1, 8))[0], torch.linalg.cholesky(spd(1, 8)), atol=1e-10)
+    seen: list = []
+    monkeypatch.setattr(autotune, "select", _fake_select(True, seen))
+    monkeypatch.setattr(tl, "_time_pair", lambda fa, fb, x: (1.0, 0.5))
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
+    assert tl._route("cholesky", a, "auto", (False,)) == "native"
+    assert seen[-1][1]["batch"] == 1 and seen[-1][2] == (1, n, n)
+    for x in (a, a[0]):  # batch of one and a bare matrix, twice each (learned launchers)
+        for _ in range(2):
+            got = tl.cholesky(x)
+            assert got.shape == x.shape
+            assert torch.allclose(got, torch.linalg.cholesky(x), rtol=1e-10, atol=1e-10)
+    s = spd(1, n, seed=1)
+    lam, q = tl.eigh(s)
+    assert torch.allclose(lam, torch.linalg.eigvalsh(s), rtol=1e-9, atol=1e-9)
+    assert torch.allclose(q @ torch.diag_embed(lam) @ q.mT, s, rtol=1e-9, atol=1e-8)
+    tl._drop_routes()  # fake timings: leave no route behind
 
 
 def test_auto_lapack_choice_skips_confirmation(monkeypatch):

@@ -1816,6 +1816,16 @@ EIGH_BLOCK_FROM = 12
 # 1.56x, 1.59x, 1.56x, 1.75x, 2.23x, 2.08x, 2.67x.
 EIGH_TRIDIAG_FROM = 4
 LANES_MAX_N = 64
+
+
+def lane_batch(dtype: torch.dtype) -> int:
+    """The batch from which the batched kernels run one matrix per SIMD lane (svd, eigh, qr and
+    Cholesky, within their ``*_MAX_N``): 64 bytes of one element per matrix. Below it they run
+    one matrix per thread, a different kernel, so the tuner never times a batch under it for a
+    call at or above it (``torchport.linalg._tune_batch``)."""
+    return 64 // (torch.finfo(dtype).bits // 8)
+
+
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
 # ns per matrix lanes/blocked: n = 17 172/582 (f32) 328/674 (f64), n = 32 883/1494, 1863/2496,
 # n = 48 2260/3173, 4833/5617, n = 64 5997/6316, 12398/12253).
@@ -1881,7 +1891,7 @@ def svd(
             vh.copy_(torch.eye(vh.shape[-2], vh.shape[-1], dtype=a.dtype).expand_as(vh))
         return u, s, vh, 0
     if lanes is None:
-        lanes = b >= 64 // a.element_size() and max(m, n) <= LANES_MAX_N
+        lanes = b >= lane_batch(a.dtype) and max(m, n) <= LANES_MAX_N
     args = (
         a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n,
         int(compute_uv), int(full_matrices), order,
@@ -1920,7 +1930,7 @@ def eigh(
     if b == 0 or n == 0:
         return lam, q, 0
     if lanes is None:
-        lanes = b >= 64 // a.element_size() and n <= LANES_MAX_N
+        lanes = b >= lane_batch(a.dtype) and n <= LANES_MAX_N
     if lanes:
         if order == 4 or (order is None and not jacobi and n >= EIGH_TRIDIAG_FROM):
             return _eigh_tridiag.eigh(a, upper, compute_v)
@@ -1945,7 +1955,7 @@ def eigh(
 
 def _qr_lanes(b: int, m: int, n: int, dtype: torch.dtype) -> bool:
     """Whether QR of ``b`` matrices of m x n runs one matrix per SIMD lane (``tp_qr_vec``)."""
-    return b >= 64 // (torch.finfo(dtype).bits // 8) and max(m, n) <= QR_LANES_MAX_N
+    return b >= lane_batch(dtype) and max(m, n) <= QR_LANES_MAX_N
 
 
 def qr(a: torch.Tensor, mode: str, lanes: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2044,7 +2054,7 @@ def cholesky(
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
-    fills_lanes = b >= 64 // a.element_size() and n <= CHOLESKY_LANES_MAX_N
+    fills_lanes = b >= lane_batch(a.dtype) and n <= CHOLESKY_LANES_MAX_N
     if blocked is None:
         blocked = lanes is None and not fills_lanes and n >= _blocked.BLOCKED_FROM
     if blocked:
@@ -2081,7 +2091,7 @@ def cholesky_plan(
     kernel and its symbol lookup would otherwise cost microseconds a call).
     """
     assert b >= 1 and n >= 1
-    fills_lanes = b >= 64 // (torch.finfo(dtype).bits // 8) and n <= CHOLESKY_LANES_MAX_N
+    fills_lanes = b >= lane_batch(dtype) and n <= CHOLESKY_LANES_MAX_N
     tail: tuple[int, ...] = ()
     if not fills_lanes and n >= _blocked.BLOCKED_FROM:
         call = _blocked.library(dtype, native.cpu_info().isa).call_unchecked
