@@ -767,6 +767,7 @@ def test_auto_tunes_once_and_is_correct(fresh_cache, monkeypatch):
         "linalg.svd",
         {
             "batch": 512,
+            "lanes": True,
             "m": 3,
             "n": 3,
             "dtype": "torch.float32",
@@ -799,17 +800,24 @@ def test_auto_tune_batch_stays_on_the_calls_kernel(dtype):
     lanes is never tuned on a batch that does not (another kernel runs there)."""
     lanes = kernels.lane_batch(dtype)
     assert lanes == 64 // dtype.itemsize
-    for n in (2, 3, 8, 16, 32, 48, 64, 96, 128, 512):
-        cap = (1 << 21) // n**3
-        for b in (1, 2, lanes - 1, lanes, lanes + 1, 100, 10_000, 100_000):
-            tb = tl._tune_batch(b, n, n, dtype)
-            assert 1 <= tb <= b
-            assert tb == min(b, max(cap, lanes))
-            assert (tb >= lanes) == (b >= lanes)  # same side of the lane threshold as the call
+    tops = {"svd": 64, "eigh": 64, "qr": 64, "cholesky": 48}
+    for op, top in tops.items():
+        for n in (2, 3, 8, 16, 32, 48, 49, 64, 65, 96, 128, 512):
+            cap = (1 << 21) // n**3
+            for b in (1, 2, lanes - 1, lanes, lanes + 1, 100, 10_000, 100_000):
+                tb = tl._tune_batch(op, b, n, n, dtype)
+                assert 1 <= tb <= b
+                fills = b >= lanes and n <= top
+                assert kernels.runs_lanes(op, b, n, n, dtype) == fills
+                assert kernels.runs_lanes(op, tb, n, n, dtype) == fills  # the call's kernel
+                if not fills:  # beyond the lane sizes the cap alone (no dearer first calls)
+                    assert tb == min(b, cap) or tb == 1
     # the case that kept LAPACK: 100 float32 matrices of 64 x 64 were tuned on 8
-    assert tl._tune_batch(100, 64, 64, torch.float32) == 16
-    assert tl._tune_batch(100_000, 8, 8, dtype) == 4096  # small matrices: the cap as before
-    assert tl._tune_batch(3, 40, 30, dtype) == 3  # rectangular: a batch under the lanes stays
+    assert tl._tune_batch("eigh", 100, 64, 64, torch.float32) == 16
+    assert tl._tune_batch("eigh", 100_000, 8, 8, dtype) == 4096  # small matrices: the cap
+    assert tl._tune_batch("qr", 3, 40, 30, dtype) == 3  # a batch under the lanes stays
+    # beyond Cholesky's lane sizes: 100 matrices of 1024 x 1024 are tuned on one, not 16
+    assert tl._tune_batch("cholesky", 100, 1024, 1024, dtype) == 1
     # the kernels choose their lane form by the same number
     assert not kernels._qr_lanes(lanes - 1, 4, 4, dtype) and kernels._qr_lanes(lanes, 4, 4, dtype)
 
@@ -827,6 +835,26 @@ def test_auto_tunes_on_the_lane_batch(monkeypatch):
     assert tl._route("eigh", a, "auto", (False, True)) == "lapack"
     assert seen[-1][1]["batch"] == 128 and seen[-1][2] == (16, 64, 64)
     tl._drop_routes()  # not a measured route: leave none behind
+
+
+def test_auto_lane_sides_of_a_bucket_tune_apart(monkeypatch):
+    """Batches 12 and 16 share the power-of-two bucket 16, but float32 16 runs the lane kernel
+    and 12 the per-thread one: the first call's choice must not decide the other's."""
+    from torchport import autotune
+
+    seen: list = []
+    monkeypatch.setattr(autotune, "select", _fake_select(False, seen))
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    tl._drop_routes()
+    for b in (16, 12, 16, 12, 9):
+        a = torch.randn(b, 64, 64, dtype=torch.float32)
+        assert tl._route("eigh", a, "auto", (False, True)) == "lapack"
+    assert [(k["batch"], k["lanes"], shape[0]) for _, k, shape in seen] == [
+        (16, True, 16),
+        (16, False, 8),  # capped (n = 64: 2**21 / 64**3), the per-thread kernel either way
+    ]
+    tl._drop_routes()
 
 
 def _fake_select(native_wins: bool, seen: list):

@@ -313,7 +313,10 @@ def _route(
     if min(m, n) == 0 or a.numel() == 0:
         return "native"
     b = a.numel() // (m * n)
-    key = (op, _bucket(b), m, n, a.dtype, extra)
+    # a power-of-two bucket can straddle the lane batch (float32: 9-16 in one bucket, only 16
+    # fills the lanes), and the two sides run different kernels: keyed apart
+    lanes = kernels.runs_lanes(op, b, m, n, a.dtype)
+    key = (op, _bucket(b), lanes, m, n, a.dtype, extra)
     hit = _memo.get(key)
     if hit is None:
         hit = _tune(op, key, b)
@@ -360,21 +363,24 @@ def _time_pair(
 
 # What the tuner times, part of every choice's key: a change of the timed path re-tunes.
 TUNED_ON = (
-    "call batch (capped, not below the lane batch), routed path (cholesky and qr: resolved "
-    "launcher; one matrix: one-matrix launcher, batched route beyond it; cholesky against its "
+    "call batch (capped, not below the lane batch for a lane call; lane side in the key), "
+    "routed path (cholesky and qr: resolved launcher; one matrix: one-matrix launcher, batched route beyond it; cholesky against its "
     "LAPACK route), confirmed interleaved"
 )
 
 
-def _tune_batch(b: int, m: int, n: int, dtype: torch.dtype) -> int:
+def _tune_batch(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> int:
     """The batch the tuner times for a call of ``b`` m x n matrices: ``b`` capped so that one
     anchor call stays around a few ms (m·n·min(m, n)·batch ≤ 2²¹), but never capped below
-    ``kernels.lane_batch`` (the batch from which the native kernels run one matrix per SIMD
-    lane): under it they run another kernel. Capped at 8, a call of 100 float32 64 x 64
+    ``kernels.lane_batch`` when the call runs the lane kernel (``kernels.runs_lanes``: from that
+    batch, within the op's lane sizes): under it another kernel runs. Beyond the lane sizes the
+    cap stands (a floor there would only make first calls dearer). Capped at 8, a call of 100 float32 64 x 64
     matrices was tuned on the one-matrix-per-thread eigh (0.41x torch.linalg.eigh at B = 8)
     and kept LAPACK, where its lane kernel runs 2.9x (B = 16) to 4.2x (B = 100) faster."""
     cap = (1 << 21) // max(1, m * n * min(m, n))
-    return max(1, min(b, max(cap, kernels.lane_batch(dtype))))
+    if kernels.runs_lanes(op, b, m, n, dtype):
+        cap = max(cap, kernels.lane_batch(dtype))
+    return max(1, min(b, cap))
 
 
 def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
@@ -385,9 +391,9 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     confirmed once per process by timing both alternately on that batch: the native kernel is
     used only if it still beats ``torch.linalg`` by more than ``config.autotune_noise``.
     """
-    _, bucket, m, n, dtype, extra = key
+    _, bucket, lanes, m, n, dtype, extra = key
     k = min(m, n)
-    tb = _tune_batch(b, m, n, dtype)
+    tb = _tune_batch(op, b, m, n, dtype)
 
     def make_args() -> tuple[torch.Tensor]:
         g = torch.Generator().manual_seed(0)
@@ -407,6 +413,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
         f"linalg.{op}",
         {
             "batch": bucket,
+            "lanes": lanes,
             "m": m,
             "n": n,
             "dtype": str(dtype),
@@ -470,9 +477,18 @@ def _anchor(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
 def _chol_lapack(a: torch.Tensor, upper: bool) -> torch.Tensor:
     """``cholesky``'s LAPACK route on a CPU tensor (inlined there)."""
     fac, info = torch.linalg.cholesky_ex(a, upper=upper)
-    if _string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"):
+    if _info_bad(info):
         _raise_not_pd("cholesky", a, info)
     return fac
+
+
+def _info_bad(info: torch.Tensor) -> bool:
+    """Whether a CPU ``cholesky_ex`` info tensor flags any matrix: ``item()`` for one matrix
+    (0.21 us against 0.80 for the byte read, which a 13 us call of n = 32 felt: auto measured
+    0.93-0.95x ``torch.linalg.cholesky`` there), the bytes at once for a batch."""
+    if info.dim() == 0:
+        return bool(info.item())
+    return bool(_string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"))
 
 
 def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
@@ -834,7 +850,7 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
             # vs 10.4 us for cholesky_ex, interleaved medians); reading info's bytes ~2.3 us
             # (the tuner times this as _chol_lapack)
             fac, info = torch.linalg.cholesky_ex(A, upper=upper)
-            if _string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"):
+            if _info_bad(info):
                 _raise_not_pd("cholesky", A, info)
             return fac
         run = _one_chol.get(key)

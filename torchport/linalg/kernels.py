@@ -1097,10 +1097,12 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
        two threads (static / dynamic schedule): f64 n = 16 B = 10000 4.36 / 2.29 / 2.22 ms, B =
        3000 1.07 / 0.56 / 0.55, B = 1000 0.30 / 0.18 / 0.17; f32 n = 16 B = 10000 1.71 / 0.88 /
        0.77; but f64 n = 4 B = 30000 / 100000 (memory-bound, another process started) 1.10 / 5.1
-       / 8.0 and 3.07 / 12.7 / 16.0 ms, so the small orders' batches stay on one thread. Chunks
+       / 8.0 and 3.07 / 12.7 / 16.0 ms, so orders under 12 keep the old threshold (1e8: n = 8
+       from B = 195313, n = 4 from 1.56e6) and stay on one thread below it. Chunks
        of 16 groups handed out dynamically: a thread descheduled mid-region leaves the rest to
        the other. */
-    int64_t nt = (groups < 2 || B * n * n * n < 20000000) ? 1 : nthreads;
+    const int64_t work = B * n * n * n;
+    int64_t nt = (groups < 2 || work < 20000000 || (n < 12 && work < 100000000)) ? 1 : nthreads;
     int64_t bad = INT64_MAX;
     /* stream (large outputs, see CHOLESKY_STREAM_FROM): a full group is factored into an
        L1-resident copy of its VLN outputs (S) and streamed out from there with non-temporal
@@ -1824,6 +1826,15 @@ def lane_batch(dtype: torch.dtype) -> int:
     one matrix per thread, a different kernel, so the tuner never times a batch under it for a
     call at or above it (``torchport.linalg._tune_batch``)."""
     return 64 // (torch.finfo(dtype).bits // 8)
+
+
+def runs_lanes(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> bool:
+    """Whether the batched ``op`` (svd, eigh, qr, cholesky) of ``b`` m x n matrices runs one
+    matrix per SIMD lane: a batch of at least :func:`lane_batch` within the op's lane sizes
+    (``LANES_MAX_N``, ``QR_LANES_MAX_N``, ``CHOLESKY_LANES_MAX_N``). Calls on either side run
+    different kernels, so the tuner keeps their choices apart."""
+    top = {"qr": QR_LANES_MAX_N, "cholesky": CHOLESKY_LANES_MAX_N}.get(op, LANES_MAX_N)
+    return b >= lane_batch(dtype) and max(m, n) <= top
 
 
 # Cholesky, one matrix per lane up to this order, blocked above (single thread, B = 300-1000,
