@@ -246,6 +246,7 @@ def test_fast_split_matches_full_split():
         ("gelu_tanh", b.bfloat16()),
         (G.Add(r), None),
         (None, b),
+        ("silu", torch.nn.Parameter(torch.randn(n))),  # a linear layer's bias
     ]
     for steps, bias in cases:
         full = epilogue_mod._split(steps, m, n, bias)

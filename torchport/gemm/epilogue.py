@@ -250,6 +250,9 @@ _PLAIN_CODES: dict[Step, str] = {step: op.kind for step, op in _PLAIN_OPS.items(
 # over its steps. Entries come from full splits that fused every step, so a key's dtypes are
 # fusable ones; the operands' type, device and shape are checked on every call (_fast_key).
 _FAST_SPECS: dict[tuple[Any, ...], tuple[EpilogueSpec, str]] = {}
+# Operand types the fast path takes: plain tensors and a layer's nn.Parameter (a linear layer's
+# bias); other subclasses (fake, quantized, functional tensors) take the full split.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _fast_key(
@@ -265,7 +268,7 @@ def _fast_key(
     operands: list[torch.Tensor] = []
     key: list[Any] = [None]
     if bias is not None:
-        if type(bias) is not torch.Tensor or not bias.is_cpu or bias.shape != (n,):
+        if type(bias) not in _PLAIN_TENSORS or not bias.is_cpu or bias.shape != (n,):
             return None
         key[0] = bias.dtype
         operands.append(bias)
@@ -273,7 +276,7 @@ def _fast_key(
         for step in seq:
             if type(step) is Add:
                 t = step.t
-                if type(t) is not torch.Tensor or not t.is_cpu or t.shape != (m, n):
+                if type(t) not in _PLAIN_TENSORS or not t.is_cpu or t.shape != (m, n):
                     return None
                 key.append(t.dtype)
                 operands.append(t)
