@@ -19,13 +19,17 @@ from dist_harness import run_world, stop_forkserver_after_module  # noqa: F401 (
 # many chunks and both allreduce paths, on shared memory and over TCP
 SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384", "TORCHPORT_DIST_TCP_CHUNK_BYTES": "16384"}
 SIZES = [0, 1, 7, 4099]
+# shm allreduce's two-step path moves each rank's part in slices of (chunk + 4096) / world /
+# itemsize elements (world 2, float32: 2560): 10241 gives parts of three slices, the last one
+# partial (1 element) on rank 0 and empty on rank 1
+SLICED = [*SIZES, 10241]
 PLANS = {
     "shm1": (1, {}, [("grid", (SIZES,))]),
     "shm2": (
         2,
         {},
         [
-            ("grid", (SIZES,)),
+            ("grid", (SLICED,)),
             ("p2p", ()),
             ("mismatch", ()),
             ("auth", ()),
@@ -34,7 +38,7 @@ PLANS = {
             ("fsdp2", ()),
         ],
     ),
-    "shm3": (3, {}, [("grid", (SIZES,)), ("p2p", ()), ("abort", ())]),
+    "shm3": (3, {}, [("grid", (SLICED,)), ("p2p", ()), ("abort", ())]),
     "shm4": (4, {}, [("grid", ([0, 7, 4099],)), ("split", ()), ("mismatch_one", ())]),
     # world 2 over TCP: the pipelined allreduce, native and mailbox paths
     "tcp2": (

@@ -125,6 +125,18 @@ def test_block_kernel_prefetch_hint_keeps_bits(fmt: str, n: int, k: int, rows: i
         assert torch.equal(_run(gemv_fp4_block_kernel(fmt, isa, pf, hint="NTA"), x, pw), t0)
 
 
+@pytest.mark.parametrize("hint", ["T0", "NTA"])
+def test_block_kernel_hint_reaches_the_prefetch(monkeypatch, hint: str) -> None:
+    """The hint is the weight prefetch's locality in the built source (results cannot show it)."""
+    seen: list[str] = []
+    build = native.build
+    monkeypatch.setattr(native, "build", lambda src, **kw: seen.append(src) or build(src, **kw))
+    gemv_fp4_block_kernel("mxfp4", native.cpu_info().isa, 1536, hint=hint)  # 1536: uncached
+    src = seen[0]  # the kernel's own library (the argument list may build another)
+    other = "NTA" if hint == "T0" else "T0"
+    assert f"_MM_HINT_{hint});" in src and f"_MM_HINT_{other});" not in src
+
+
 def test_block_kernel_rejects_unknown_hint() -> None:
     with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA'\), got 'T1'"):
         gemv_fp4_block_kernel("nvfp4", native.cpu_info().isa, hint="T1")

@@ -137,6 +137,18 @@ def test_shift_kernel_prefetch_hint_keeps_bits(n: int, k: int, rows: int) -> Non
         assert torch.equal(run(gemv_fp8_shift_kernel(isa, pf, hint="NTA")), t0)
 
 
+@pytest.mark.parametrize("hint", ["T0", "NTA"])
+def test_shift_kernel_hint_reaches_the_prefetch(monkeypatch, hint: str) -> None:
+    """The hint is the weight prefetch's locality in the built source (results cannot show it)."""
+    seen: list[str] = []
+    build = native.build
+    monkeypatch.setattr(native, "build", lambda src, **kw: seen.append(src) or build(src, **kw))
+    gemv_fp8_shift_kernel(native.cpu_info().isa, 1536, hint=hint)  # 1536: not cached yet
+    src = seen[0]  # the kernel's own library (the argument list may build another)
+    other = "NTA" if hint == "T0" else "T0"
+    assert f"_MM_HINT_{hint});" in src and f"_MM_HINT_{other});" not in src
+
+
 def test_shift_kernel_rejects_unknown_hint() -> None:
     with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA'\), got 'nta'"):
         gemv_fp8_shift_kernel(native.cpu_info().isa, hint="nta")
