@@ -217,6 +217,19 @@ def _pf_name(hint: str, pf: int) -> str:
     return f"p{pf}" if hint == "T0" else f"p{pf}{hint.lower()}"
 
 
+def _hinted(kernel: str, table: tuple[tuple[str, int], ...]) -> list[autotune.Candidate]:
+    """One candidate of ``kernel`` per thread mode (0 = all threads, 1 = one) and (hint, prefetch
+    distance) of ``table``, in that order."""
+    return [
+        autotune.Candidate(
+            f"{kernel}_{_pf_name(hint, pf)}_t{threads}",
+            params=(("kernel", kernel), ("prefetch", pf), ("hint", hint), ("threads", threads)),
+        )
+        for threads in (0, 1)
+        for hint, pf in table
+    ]
+
+
 def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autotune.Candidate]:
     """The search space for one format: the ATen anchor, then the default kernel, then variants.
 
@@ -238,31 +251,13 @@ def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autot
     out = [autotune.Candidate("aten_linear", autotune.ATEN)]
     params: tuple[tuple[str, object], ...]
     if int8:
-        for threads in (0, 1):
-            for hint, pf in BLOCK_PREFETCH:
-                params = (
-                    ("kernel", "block"),
-                    ("prefetch", pf),
-                    ("hint", hint),
-                    ("threads", threads),
-                )
-                name = f"block_{_pf_name(hint, pf)}_t{threads}"
-                out.append(autotune.Candidate(name, params=params))
+        out += _hinted("block", BLOCK_PREFETCH)
         for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
-        for threads in (0, 1):
-            for hint, pf in SHIFT_PREFETCH:
-                params = (
-                    ("kernel", "shift"),
-                    ("prefetch", pf),
-                    ("hint", hint),
-                    ("threads", threads),
-                )
-                name = f"shift_{_pf_name(hint, pf)}_t{threads}"
-                out.append(autotune.Candidate(name, params=params))
+        out += _hinted("shift", SHIFT_PREFETCH)
     r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
