@@ -819,7 +819,8 @@ def test_auto_tune_batch_stays_on_the_calls_kernel(dtype):
     # beyond Cholesky's lane sizes: 100 matrices of 1024 x 1024 are tuned on one, not 16
     assert tl._tune_batch("cholesky", 100, 1024, 1024, dtype) == 1
     # the kernels choose their lane form by the same number
-    assert not kernels._qr_lanes(lanes - 1, 4, 4, dtype) and kernels._qr_lanes(lanes, 4, 4, dtype)
+    assert not kernels.runs_lanes("qr", lanes - 1, 4, 4, dtype)
+    assert kernels.runs_lanes("qr", lanes, 4, 4, dtype)
 
 
 def test_auto_tunes_on_the_lane_batch(monkeypatch):

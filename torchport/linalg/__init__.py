@@ -364,8 +364,8 @@ def _time_pair(
 # What the tuner times, part of every choice's key: a change of the timed path re-tunes.
 TUNED_ON = (
     "call batch (capped, not below the lane batch for a lane call; lane side in the key), "
-    "routed path (cholesky and qr: resolved launcher; one matrix: one-matrix launcher, batched route beyond it; cholesky against its "
-    "LAPACK route), confirmed interleaved"
+    "routed path (cholesky and qr: resolved launcher; one matrix: one-matrix launcher, batched "
+    "route beyond it; cholesky against its LAPACK route), confirmed interleaved"
 )
 
 
@@ -374,9 +374,10 @@ def _tune_batch(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> int:
     anchor call stays around a few ms (m·n·min(m, n)·batch ≤ 2²¹), but never capped below
     ``kernels.lane_batch`` when the call runs the lane kernel (``kernels.runs_lanes``: from that
     batch, within the op's lane sizes): under it another kernel runs. Beyond the lane sizes the
-    cap stands (a floor there would only make first calls dearer). Capped at 8, a call of 100 float32 64 x 64
-    matrices was tuned on the one-matrix-per-thread eigh (0.41x torch.linalg.eigh at B = 8)
-    and kept LAPACK, where its lane kernel runs 2.9x (B = 16) to 4.2x (B = 100) faster."""
+    cap stands (a floor there would only make first calls dearer). Capped at 8, a call of 100
+    float32 64 x 64 matrices was tuned on the one-matrix-per-thread eigh (0.41x
+    torch.linalg.eigh at B = 8) and kept LAPACK, where its lane kernel runs 2.9x (B = 16) to
+    4.2x (B = 100) faster."""
     cap = (1 << 21) // max(1, m * n * min(m, n))
     if kernels.runs_lanes(op, b, m, n, dtype):
         cap = max(cap, kernels.lane_batch(dtype))

@@ -1833,7 +1833,9 @@ def runs_lanes(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> bool:
     matrix per SIMD lane: a batch of at least :func:`lane_batch` within the op's lane sizes
     (``LANES_MAX_N``, ``QR_LANES_MAX_N``, ``CHOLESKY_LANES_MAX_N``). Calls on either side run
     different kernels, so the tuner keeps their choices apart."""
-    top = {"qr": QR_LANES_MAX_N, "cholesky": CHOLESKY_LANES_MAX_N}.get(op, LANES_MAX_N)
+    top = (
+        QR_LANES_MAX_N if op == "qr" else CHOLESKY_LANES_MAX_N if op == "cholesky" else LANES_MAX_N
+    )
     return b >= lane_batch(dtype) and max(m, n) <= top
 
 
@@ -1902,7 +1904,7 @@ def svd(
             vh.copy_(torch.eye(vh.shape[-2], vh.shape[-1], dtype=a.dtype).expand_as(vh))
         return u, s, vh, 0
     if lanes is None:
-        lanes = b >= lane_batch(a.dtype) and max(m, n) <= LANES_MAX_N
+        lanes = runs_lanes("svd", b, m, n, a.dtype)
     args = (
         a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n,
         int(compute_uv), int(full_matrices), order,
@@ -1941,7 +1943,7 @@ def eigh(
     if b == 0 or n == 0:
         return lam, q, 0
     if lanes is None:
-        lanes = b >= lane_batch(a.dtype) and n <= LANES_MAX_N
+        lanes = runs_lanes("eigh", b, n, n, a.dtype)
     if lanes:
         if order == 4 or (order is None and not jacobi and n >= EIGH_TRIDIAG_FROM):
             return _eigh_tridiag.eigh(a, upper, compute_v)
@@ -1964,15 +1966,10 @@ def eigh(
     return lam, q, bad
 
 
-def _qr_lanes(b: int, m: int, n: int, dtype: torch.dtype) -> bool:
-    """Whether QR of ``b`` matrices of m x n runs one matrix per SIMD lane (``tp_qr_vec``)."""
-    return b >= lane_batch(dtype) and max(m, n) <= QR_LANES_MAX_N
-
-
 def qr(a: torch.Tensor, mode: str, lanes: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched Householder QR of ``a`` (B, m, n) for ``mode`` in reduced/complete/r.
 
-    ``lanes``: one matrix per SIMD lane (``tp_qr_vec``); None = :func:`_qr_lanes`.
+    ``lanes``: one matrix per SIMD lane (``tp_qr_vec``); None = :func:`runs_lanes`.
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, m, n = a.shape
@@ -1990,7 +1987,7 @@ def qr(a: torch.Tensor, mode: str, lanes: bool | None = None) -> tuple[torch.Ten
             q.copy_(torch.eye(q.shape[-2], q.shape[-1], dtype=a.dtype).expand_as(q))
         return q, r
     if lanes is None:
-        lanes = _qr_lanes(b, m, n, a.dtype)
+        lanes = runs_lanes("qr", b, m, n, a.dtype)
     _ks(a.dtype)["qr_vec" if lanes else "qr"].call_unchecked(
         a.data_ptr(), q.data_ptr(), r.data_ptr(), b, m, n, int(wantq), int(complete),
         int(_huge(q) or _huge(r)), native.num_threads(),
@@ -2014,7 +2011,7 @@ def qr_plan(
     bs = (b,) if batch is None else tuple(batch)
     r_shape = (*bs, m if complete else k, n)
     q_shape = (*bs, m, m if complete else k) if wantq else (0,)
-    call = _ks(dtype)["qr_vec" if _qr_lanes(b, m, n, dtype) else "qr"].call_unchecked
+    call = _ks(dtype)["qr_vec" if runs_lanes("qr", b, m, n, dtype) else "qr"].call_unchecked
     wq, cp = int(wantq), int(complete)
     big = b * max(r_shape[-2] * n, m * q_shape[-1] if wantq else 0) * (torch.finfo(dtype).bits // 8)
     huge = int(big >= HUGE_OUTPUT_FROM)
@@ -2065,7 +2062,7 @@ def cholesky(
     """
     assert a.dim() == 3 and a.is_contiguous()
     b, n, _ = a.shape
-    fills_lanes = b >= lane_batch(a.dtype) and n <= CHOLESKY_LANES_MAX_N
+    fills_lanes = runs_lanes("cholesky", b, n, n, a.dtype)
     if blocked is None:
         blocked = lanes is None and not fills_lanes and n >= _blocked.BLOCKED_FROM
     if blocked:
@@ -2102,7 +2099,7 @@ def cholesky_plan(
     kernel and its symbol lookup would otherwise cost microseconds a call).
     """
     assert b >= 1 and n >= 1
-    fills_lanes = b >= lane_batch(dtype) and n <= CHOLESKY_LANES_MAX_N
+    fills_lanes = runs_lanes("cholesky", b, n, n, dtype)
     tail: tuple[int, ...] = ()
     if not fills_lanes and n >= _blocked.BLOCKED_FROM:
         call = _blocked.library(dtype, native.cpu_info().isa).call_unchecked
