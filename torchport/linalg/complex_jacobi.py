@@ -403,9 +403,7 @@ def svd(
     return u, s, vh, bad
 
 
-def eigh(
-    a: torch.Tensor, upper: bool, compute_v: bool
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+def eigh(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched Hermitian eigendecomposition of complex ``a`` (B, n, n) from its ``upper`` (else
     lower) triangle: real L (B, n) ascending, Q (B, n, n), 1 + the first bad batch index."""
     assert a.dim() == 3 and a.is_contiguous() and a.dtype in _TAG, (a.shape, a.dtype)

@@ -616,9 +616,7 @@ def complex_eigh_reference(
             x[:, q, q] = (aqq + t * g).to(a.dtype)
             x[:, p, q] = torch.where(act, torch.zeros_like(apq), apq)
             x[:, q, p] = x[:, p, q].conj()
-            vt[:, p], vt[:, q] = _complex_rotate(
-                vt[:, p].clone(), vt[:, q].clone(), c, s, e.conj()
-            )
+            vt[:, p], vt[:, q] = _complex_rotate(vt[:, p].clone(), vt[:, q].clone(), c, s, e.conj())
         if not bool(rotated.any()):
             break
     lam, perm = torch.sort(x.diagonal(0, -2, -1).real, dim=-1, stable=True)
