@@ -19,9 +19,12 @@ float32/float64. Each also takes ``method``:
   order 4 is tridiagonal QL rather than Jacobi: ``"jacobi"`` always gives a Jacobi result,
   ``"auto"`` whichever algorithm is fastest.
 
-Complex inputs go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``; the
-native kernels are real-only. Autograd follows ``torch.linalg``'s formulas
-(:mod:`~torchport.linalg.autograd`).
+Complex64/complex128 inputs of the ops in ``COMPLEX_NATIVE`` (``svd``/``svdvals``,
+``eigh``/``eigvalsh``) have native Jacobi kernels (:mod:`~torchport.linalg.complex_jacobi`, one
+matrix per thread; no lane or one-matrix launchers): ``"jacobi"`` runs them (their references
+off the CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for real dtypes. Complex inputs
+of the other ops go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``.
+Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
-from torchport.linalg import kernels, one, ops
+from torchport.linalg import complex_jacobi, kernels, one, ops
 from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
+    complex_eigh_reference,
+    complex_svd_reference,
     eigh_reference,
     eigh_tridiagonal_reference,
     qr_reference,
@@ -51,6 +56,8 @@ __all__ = [
     "cholesky_blocked_reference",
     "cholesky_ex",
     "cholesky_reference",
+    "complex_eigh_reference",
+    "complex_svd_reference",
     "eigh",
     "eigh_reference",
     "eigh_tridiagonal_reference",
@@ -63,6 +70,9 @@ __all__ = [
 ]
 
 METHODS = ("auto", "jacobi", "lapack")
+# The ops (as _route names them) with native complex64/complex128 kernels; a complex input of
+# any other op runs torch.linalg (method="jacobi" refuses it).
+COMPLEX_NATIVE: frozenset[str] = frozenset({"svd", "eigh"})
 QR_MODES = ("reduced", "complete", "r")
 # Largest min(m, n) for which the native kernel is a candidate at all: beyond it LAPACK's
 # blocked O(n³) algorithms win by far on this machine (bench/bench_linalg.py), so tuning skips it.
@@ -290,7 +300,7 @@ def _route(
         raise LinalgInputError(
             f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
         )
-    if a.is_complex():
+    if a.is_complex() and op not in COMPLEX_NATIVE:
         if method == "jacobi":
             raise LinalgInputError(
                 f"torchport.linalg.{op}: method='jacobi' supports float32 and float64, got "
@@ -338,6 +348,7 @@ def _one_learn(
     m, n = a.shape[-2:]
     if not (
         a.numel() == m * n
+        and not a.is_complex()  # no complex one-matrix launchers
         and one.fits(m, n)
         and a.is_cpu
         and native.eager_fast_path(a)
@@ -398,9 +409,10 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
 
     def make_args() -> tuple[torch.Tensor]:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn((tb, m, n), generator=g, dtype=torch.float64)
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        x = torch.randn((tb, m, n), generator=g, dtype=wide)
         if op in ("eigh", "cholesky"):
-            x = x @ x.mT + n * torch.eye(n, dtype=torch.float64)
+            x = x @ x.mH + n * torch.eye(n, dtype=wide)
         return (x.to(dtype).contiguous(),)
 
     def factory(c: Candidate) -> Callable[[torch.Tensor], Any]:
@@ -419,7 +431,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             "n": n,
             "dtype": str(dtype),
             "options": list(extra),
-            "kernels": kernels.SOURCE_TAG,
+            "kernels": complex_jacobi.SOURCE_TAG if dtype.is_complex else kernels.SOURCE_TAG,
             "tuned_on": TUNED_ON,
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
@@ -446,7 +458,7 @@ def _candidate_fn(
     One matrix used to be LAPACK's beyond the launcher, but the blocked Cholesky beat
     ``torch.linalg.cholesky`` on a single matrix of n = 64…512 by 1.3-3.3x (f32 n = 64 1.70x,
     128 3.32x, 512 1.44x; f64 64 1.32x, 512 1.60x; interleaved medians, load 2.1-2.6)."""
-    if bucket == 1 and _one_candidate(op, m, n):
+    if bucket == 1 and not dtype.is_complex and _one_candidate(op, m, n):
         return _one_fn(op, extra, m, n, dtype)
     return _native_fn(op, extra)
 
@@ -575,7 +587,8 @@ def svd(
         if run is not None:
             return run(a)
     if route == "reference":
-        u, s, vh = svd_reference(ops._flat(a), full_matrices)
+        ref = complex_svd_reference if a.is_complex() else svd_reference
+        u, s, vh = ref(ops._flat(a), full_matrices)
         batch = a.shape[:-2]
         u, s, vh = (t.reshape(batch + t.shape[1:]) for t in (u, s, vh))
     else:
@@ -605,7 +618,8 @@ def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
         if run is not None:
             return run(a)
     if route == "reference":
-        s = svd_reference(ops._flat(a), False, compute_uv=False)[1]
+        ref = complex_svd_reference if a.is_complex() else svd_reference
+        s = ref(ops._flat(a), False, compute_uv=False)[1]
         return s.reshape(a.shape[:-2] + s.shape[-1:])
     return ops.svd(a, False, False)[1]
 
@@ -619,7 +633,7 @@ def _uplo(op: str, UPLO: str) -> bool:
 def eigh(
     A: torch.Tensor, UPLO: str = "L", *, method: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigendecomposition of symmetric ``A`` from its ``UPLO`` triangle (``torch.linalg.eigh``).
+    """Eigendecomposition of symmetric (Hermitian) ``A`` from its ``UPLO`` triangle (``torch.linalg.eigh``).
 
     Returns ``(eigenvalues, eigenvectors)``, eigenvalues ascending, eigenvectors as columns.
     """
@@ -642,7 +656,8 @@ def eigh(
         if run is not None:
             return run(a)
     if route == "reference":
-        lam, q = eigh_reference(ops._flat(a), upper)
+        ref = complex_eigh_reference if a.is_complex() else eigh_reference
+        lam, q = ref(ops._flat(a), upper)
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
     else:
         lam, q = ops.eigh(a, upper, True, method == "jacobi")
@@ -650,7 +665,7 @@ def eigh(
 
 
 def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.Tensor:
-    """Eigenvalues of symmetric ``A``, ascending (``torch.linalg.eigvalsh``)."""
+    """Eigenvalues of symmetric (Hermitian) ``A``, ascending (``torch.linalg.eigvalsh``)."""
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, UPLO, False)
         if key in _lk_eigh and _routes_gen[0] == _cfg_gen[0] and not A.requires_grad:
@@ -672,7 +687,8 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
         if run is not None:
             return run(a)
     if route == "reference":
-        return eigh_reference(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
+        ref = complex_eigh_reference if a.is_complex() else eigh_reference
+        return ref(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
     return ops.eigh(a, upper, False, method == "jacobi")[0]
 
 
