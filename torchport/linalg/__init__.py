@@ -37,6 +37,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
+from torchport.autotune import timing as _timing
 from torchport.linalg import complex_jacobi, kernels, one, ops
 from torchport.linalg.reference import (
     cholesky_blocked_reference,
@@ -130,6 +131,9 @@ def _bucket(b: int) -> int:
 
 # torch's named-tuple return types (structseq), e.g. ``linalg_svd(U, S, Vh)``
 _rt: Any = torch.return_types
+# the LAPACK routes' Cholesky, called without keywords when the defaults hold (a global lookup
+# and no keyword parsing)
+_chol_ex = torch.linalg.cholesky_ex
 
 _memo: dict[tuple[Any, ...], bool] = {}
 # The per-call fast path of method="auto": (op, shape, dtype, device, options) -> route, filled
@@ -372,6 +376,37 @@ def _time_pair(
     return ta, tb
 
 
+# Calls whose torch.linalg side the tuner timed under this get their verdict, either way, from
+# _time_short once per process. At 10-25 us a call the tuner's samples (medians of 15, one side
+# after the other) flipped with the load of the moment: three fresh-cache processes chose native,
+# native and LAPACK for float32 Cholesky B = 100 n = 3, the last at 25.4 us a call against 16.7
+# for native in that same process. Decided by alternated minima, the re-check costs a few ms.
+SHORT_CALL_S = 50e-6
+# _time_short's rounds, the length of one timed group of calls, and its time cap (nominally
+# 60 x 2 x 100 us = 12 ms; 29-32 ms measured for float32 eigh B = 100 n = 2 at load 6; under
+# such load torch.linalg's batched calls can take ms, waiting for their second thread)
+SHORT_ROUNDS = 60
+SHORT_GROUP_S = 100e-6
+SHORT_MAX_S = 0.25
+
+
+def _time_short(
+    fa: Callable[[torch.Tensor], Any], fb: Callable[[torch.Tensor], Any], x: torch.Tensor
+) -> tuple[float, float]:
+    """Least seconds per call of ``fa(x)`` and ``fb(x)`` over :data:`SHORT_ROUNDS` alternated
+    rounds of groups of about :data:`SHORT_GROUP_S` (:func:`torchport.autotune.alternated_min`):
+    robust to load for calls of a few to tens of µs, where medians of single calls are not."""
+    fa(x)
+    t0 = _timing.clock()
+    fa(x)
+    once = max(_timing.clock() - t0, 1e-7)
+    group = max(1, min(64, round(SHORT_GROUP_S / once)))
+    ta, tb = autotune.alternated_min(
+        [fa, fb], (x,), rounds=SHORT_ROUNDS, group=group, max_time_s=SHORT_MAX_S
+    )
+    return ta, tb
+
+
 # What the tuner times, part of every choice's key: a change of the timed path re-tunes.
 TUNED_ON = (
     "call batch (capped, not below the lane batch for a lane call; lane side in the key), "
@@ -402,6 +437,9 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     on the top of its bucket. A native win, fresh or cached, is then
     confirmed once per process by timing both alternately on that batch: the native kernel is
     used only if it still beats ``torch.linalg`` by more than ``config.autotune_noise``.
+    Short calls (``torch.linalg`` under :data:`SHORT_CALL_S`) whose native side passed the
+    tuner's check are decided that way whichever side the tuner chose, by alternated minima
+    (:func:`_time_short`): there one sample of load could crown either side.
     """
     _, bucket, lanes, m, n, dtype, extra = key
     k = min(m, n)
@@ -441,11 +479,15 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
         check=_close_at(_VALUES_AT[op]),
         backends={"NATIVE", "ATEN"},
     )
-    if choice.candidate.is_anchor:
+    t_anchor = choice.timings_s.get("torch.linalg")
+    # a native side that was timed passed the tuner's check against torch.linalg's result
+    short = "native" in choice.timings_s and t_anchor is not None and t_anchor < SHORT_CALL_S
+    if choice.candidate.is_anchor and not short:
         return False
     (x,) = make_args()
     fn = _candidate_fn(op, extra, bucket, m, n, dtype)
-    t_lapack, t_native = _time_pair(_anchor(op, extra), fn, x)
+    timer = _time_short if short else _time_pair
+    t_lapack, t_native = timer(_anchor(op, extra), fn, x)
     return autotune.beats_anchor(t_native, t_lapack)
 
 
@@ -489,19 +531,31 @@ def _anchor(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
 
 def _chol_lapack(a: torch.Tensor, upper: bool) -> torch.Tensor:
     """``cholesky``'s LAPACK route on a CPU tensor (inlined there)."""
-    fac, info = torch.linalg.cholesky_ex(a, upper=upper)
+    fac, info = torch.linalg.cholesky_ex(a, upper=True) if upper else _chol_ex(a)
     if _info_bad(info):
         _raise_not_pd("cholesky", a, info)
     return fac
 
 
+# all-zero info bytes per byte count, compared against (bounded: one entry per batch size seen)
+_zero_info: dict[int, bytes] = {}
+
+
 def _info_bad(info: torch.Tensor) -> bool:
     """Whether a CPU ``cholesky_ex`` info tensor flags any matrix: ``item()`` for one matrix
     (0.21 us against 0.80 for the byte read, which a 13 us call of n = 32 felt: auto measured
-    0.93-0.95x ``torch.linalg.cholesky`` there), the bytes at once for a batch."""
+    0.93-0.95x ``torch.linalg.cholesky`` there), for a batch its bytes compared with as many
+    zero bytes (one memcmp: B = 100 1.06 us, B = 10000 3.0 us, where stripping the zeros took
+    2.0-5.1 and 102 us, a sixth of a 600 us call at n = 2; alternated minima, load 3-4)."""
     if info.dim() == 0:
         return bool(info.item())
-    return bool(_string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"))
+    nb = 4 * info.numel()
+    zeros = _zero_info.get(nb)
+    if zeros is None:
+        if len(_zero_info) >= 64:
+            _zero_info.clear()
+        zeros = _zero_info[nb] = bytes(nb)
+    return _string_at(info.data_ptr(), nb) != zeros
 
 
 def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
@@ -748,7 +802,9 @@ def cholesky_ex(
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, upper)
         if key in _lk_chol and _routes_gen[0] == _cfg_gen[0]:
-            return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+            if upper or check_errors:
+                return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+            return _chol_ex(A)  # no keywords to parse: +0.5-0.9 us over torch, was +0.8-1.2
         run = _one_chol_ex.get(key)
         if run is not None and _native_ok(A):
             return run(A, check_errors)
@@ -864,9 +920,9 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
             if not A.is_cpu:
                 return torch.linalg.cholesky(A, upper=upper)
             # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1
-            # vs 10.4 us for cholesky_ex, interleaved medians); reading info's bytes ~2.3 us
+            # vs 10.4 us for cholesky_ex, interleaved medians); testing info's bytes ~1 us
             # (the tuner times this as _chol_lapack)
-            fac, info = torch.linalg.cholesky_ex(A, upper=upper)
+            fac, info = torch.linalg.cholesky_ex(A, upper=True) if upper else _chol_ex(A)
             if _info_bad(info):
                 _raise_not_pd("cholesky", A, info)
             return fac
