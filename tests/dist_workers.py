@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any
 
@@ -289,6 +290,56 @@ def abort_streaming_case(rank: int, world: int) -> dict[str, Any]:
         rec["mid_stream"] = started and bool((t[lasts] == 1).all())
         rec["t_abort"] = time.time()
         sub.abort()
+    try:
+        work.wait()
+        rec["error"] = None
+    except TorchportDistError as e:
+        rec["t_fail"] = time.time()
+        rec["error"] = type(e).__name__
+        rec["msg"] = str(e)
+        rec["typed"] = isinstance(e, (CommAbortedError, RemoteError))
+    return rec
+
+
+def stuck_peer_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 is stopped (SIGSTOP) in the middle of a large shm allreduce, once its first
+    folded block reached the last rank; the last rank, then stuck waiting on rank 1's blocks,
+    aborts. Every other rank must fail within the abort bound, rank 1 as soon as it runs again
+    (SIGCONT), and none may hang."""
+    import signal
+
+    from torchport.distributed import CommAbortedError, RemoteError, TorchportDistError
+    from torchport.distributed.engine import split_even
+
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub)
+    t = torch.ones(16 << 20)
+    work = dist.all_reduce(t, group=sub, async_op=True)
+    rec: dict[str, Any] = {}
+    if rank == world - 1:
+        lo = split_even(t.numel(), world)[1][0]
+        end = time.monotonic() + 20
+        while float(t[lo]) != world and time.monotonic() < end:
+            pass  # reads the tensor the allreduce writes: only to see rank 1's progress
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            time.sleep(0.2)
+            rec["stuck"] = float(t[lo]) == world and not work.is_completed()
+            rec["t_abort"] = time.time()
+            sub.abort()
+            try:
+                work.wait()
+                rec["error"] = None
+            except TorchportDistError as e:
+                rec["t_fail"] = time.time()
+                rec["error"] = type(e).__name__
+            time.sleep(0.2)
+        finally:
+            rec["t_cont"] = time.time()
+            os.kill(pids[1], signal.SIGCONT)
+        return rec
     try:
         work.wait()
         rec["error"] = None
@@ -633,6 +684,7 @@ SCENARIOS = {
     "timeout": timeout_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
+    "stuck_peer": stuck_peer_case,
     "ddp": ddp_losses,
 }
 

@@ -19,17 +19,18 @@ from dist_harness import run_world, stop_forkserver_after_module  # noqa: F401 (
 # many chunks and both allreduce paths, on shared memory and over TCP
 SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384", "TORCHPORT_DIST_TCP_CHUNK_BYTES": "16384"}
 SIZES = [0, 1, 7, 4099]
-# shm allreduce's two-step path moves each rank's part in slices of (chunk + 4096) / world /
-# itemsize elements (world 2, float32: 2560): 10241 gives parts of three slices, the last one
-# partial (1 element) on rank 0 and empty on rank 1
-SLICED = [*SIZES, 10241]
+# shm allreduce's two-step path moves each rank's part in blocks through a ring of 4 entries
+# (under SMALL_CHUNK, float32: 853 elements at world 2, 640 at world 3, 512 at world 4):
+# 10237, 9601 and 10241 give parts of 6 full blocks plus a 1-element block on rank 0 and an
+# empty last block on the others (the ring wraps; other dtypes give other partial blocks)
+BLOCKED = {2: [*SIZES, 10237], 3: [*SIZES, 9601], 4: [0, 7, 4099, 10241]}
 PLANS = {
     "shm1": (1, {}, [("grid", (SIZES,))]),
     "shm2": (
         2,
         {},
         [
-            ("grid", (SLICED,)),
+            ("grid", (BLOCKED[2],)),
             ("p2p", ()),
             ("mismatch", ()),
             ("auth", ()),
@@ -38,8 +39,12 @@ PLANS = {
             ("fsdp2", ()),
         ],
     ),
-    "shm3": (3, {}, [("grid", (SLICED,)), ("p2p", ()), ("abort", ())]),
-    "shm4": (4, {}, [("grid", ([0, 7, 4099],)), ("split", ()), ("mismatch_one", ())]),
+    "shm3": (3, {}, [("grid", (BLOCKED[3],)), ("p2p", ()), ("abort", ()), ("stuck_peer", ())]),
+    "shm4": (
+        4,
+        {},
+        [("grid", (BLOCKED[4],)), ("split", ()), ("mismatch_one", ()), ("stuck_peer", ())],
+    ),
     # world 2 over TCP: the pipelined allreduce, native and mailbox paths
     "tcp2": (
         2,
@@ -110,6 +115,22 @@ def test_abort_unblocks_every_rank_within_100ms(plan):
         assert "rank 0 called abort()" in r["msg"]
         assert r["completed"]
         assert r["t_fail"] - res[0]["t_abort"] < 0.1, r["t_fail"] - res[0]["t_abort"]
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm3", "shm4"])
+def test_abort_while_a_peer_is_stuck_mid_allreduce(plan):
+    """Shared memory: rank 1 is stopped inside a large allreduce (its first block folded and
+    delivered), the last rank, waiting on rank 1's later blocks, aborts; every rank fails with a
+    typed error, the running ones within 100 ms, rank 1 once it is continued."""
+    res = [r["stuck_peer"] for r in results(plan)]
+    last = res[-1]
+    assert last["stuck"] and last["error"] == "CommAbortedError", last
+    for q, r in enumerate(res[:-1]):
+        assert r["error"] == "RemoteError" and r["typed"], (q, r)
+        assert "called abort()" in r["msg"], (q, r)
+        start = last["t_cont"] if q == 1 else last["t_abort"]
+        assert r["t_fail"] - start < 0.1, (q, r["t_fail"] - start, res)
 
 
 @pytest.mark.timeout(110)

@@ -12,8 +12,9 @@ Algorithms (``W`` ranks, ``C`` = chunk bytes per step):
   (``tp_shm_allreduce``): a tensor up to ``min(SMALL_BYTES, chunk / 4)`` is reduced by every
   rank from every rank's published copy (one step); a larger one uses reduce-scatter then
   all-gather inside the arena: rank q owns the q-th contiguous 1/W of the tensor and folds it
-  slice by slice (``chunk / W`` bytes per two steps) with three-operand folds straight from the
-  peers' slots. Either way every element is folded in rank order 0, 1, ..., W-1, so every rank
+  block by block with three-operand folds straight from the peers' slots, the ranks waiting on
+  one another's per-block counters between a first barrier and a closing arrival. Either way
+  every element is folded in rank order 0, 1, ..., W-1, so every rank
   gets bitwise identical results, equal to the reference :func:`allreduce_reference`.
 - groups without an arena of their own (TCP, hybrid) run the per-peer exchange algorithms of
   :mod:`~torchport.distributed.algorithms_tcp`, except allgather and barrier, whose publish-to-all

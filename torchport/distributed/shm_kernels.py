@@ -19,8 +19,9 @@ Arriving at step e means "finished every read of step e - 1", so the prewait is 
 condition for reusing a half: no slot or signature is rewritten before all its readers
 consumed it. A mismatch is reported within its step by every rank that reads from a
 disagreeing rank or reads from nobody, and by the others at their next step's prewait.
-The fused allreduce (``tp_shm_allreduce``) keeps full barriers inside (every rank reads from
-every rank there) after the same prewait.
+The fused allreduce (``tp_shm_allreduce``) runs after the same prewait; a large one is one
+full barrier, a pipeline of blocks whose readers and writers wait on per-rank counters
+(published, folded, copied out) instead of barriers, and an arrival.
 
 Reductions fold ``dst = dst (op) src`` element-wise. fp16/bf16 compute in fp32 and round to
 nearest-even per fold, exactly like torch's eager ``a + b`` in that dtype; integers wrap
@@ -53,6 +54,7 @@ BACKGROUND_YIELD_NS = 20_000
 # waiter then takes CPU time from the very rank it waits for (offset 80 of the header).
 OVERSUBSCRIBED_YIELD_NS = 20_000
 YIELD_CAP_OFF = 80
+PIPE_BLOCK = 65536  # bytes per block of the allreduce pipeline (per part)
 
 _SOURCE = r"""
 #include <sched.h>
@@ -260,13 +262,13 @@ static void tp_bump(char *hdr) {
 /* Waiting state of one step: spins, then yields for tp_yield_ns, then futex sleeps. */
 typedef struct { int64_t spins, t0, deadline; } tp_wait_t;
 
-/* Wait until rank q's arrive >= epoch; 0 ok, 1 timeout, 2 aborted. Spins briefly, yields
-   for up to tp_yield_ns (per thread, default ${yield_ns} ns), then sleeps on the futex (1 ms
-   cap, so deadlines and aborts are seen promptly even without a wake-up). */
-static int tp_wait_rank(char *hdr, int64_t q, int64_t epoch, tp_wait_t *w) {
+/* Wait until *word >= target (a peer's arrive epoch or pipeline counter); 0 ok, 1 timeout,
+   2 aborted. Spins briefly, yields for up to tp_yield_ns (per thread, default ${yield_ns} ns),
+   then sleeps on the futex (1 ms cap, so deadlines and aborts are seen promptly even without a
+   wake-up). */
+static int tp_wait_word(char *hdr, const int64_t *word, int64_t target, tp_wait_t *w) {
     int64_t *abort_word = (int64_t *)(hdr + 64);
-    tp_line_t *l = tp_line(hdr, q);
-    while (__atomic_load_n(&l->arrive, __ATOMIC_ACQUIRE) < epoch) {
+    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < target) {
         if (__atomic_load_n(abort_word, __ATOMIC_ACQUIRE) != 0) return 2;
         w->spins++;
         if (w->spins < 128) {
@@ -283,7 +285,7 @@ static int tp_wait_rank(char *hdr, int64_t q, int64_t epoch, tp_wait_t *w) {
         if (now - w->t0 < yield_ns) { sched_yield(); continue; }
         __atomic_add_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
         int32_t g = __atomic_load_n(tp_gen(hdr), __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&l->arrive, __ATOMIC_SEQ_CST) < epoch &&
+        if (__atomic_load_n(word, __ATOMIC_SEQ_CST) < target &&
             __atomic_load_n(abort_word, __ATOMIC_SEQ_CST) == 0) {
             struct timespec ts = {0, 1000000};
             syscall(SYS_futex, tp_gen(hdr), FUTEX_WAIT, g, &ts, NULL, 0);
@@ -291,6 +293,10 @@ static int tp_wait_rank(char *hdr, int64_t q, int64_t epoch, tp_wait_t *w) {
         __atomic_sub_fetch(tp_sleepers(hdr), 1, __ATOMIC_SEQ_CST);
     }
     return 0;
+}
+
+static int tp_wait_rank(char *hdr, int64_t q, int64_t epoch, tp_wait_t *w) {
+    return tp_wait_word(hdr, &tp_line(hdr, q)->arrive, epoch, w);
 }
 
 static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
@@ -427,26 +433,121 @@ TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, in
     return 0;
 }
 
-/* Copy segments: (dst, src, bytes). tp_copy_segs2 runs two lists at once, alternating blocks of
-   ``blk`` bytes, so a copy whose source is in the cache (a peer's slot) runs while the other
-   list's source streams in from memory (a user buffer past the cache). */
-typedef struct { char *d; const char *s; int64_t n; } tp_seg_t;
+/* Pipeline counters of rank q (words of its control line's pad, beside its arrive word): how
+   many blocks it has published, folded and copied out in the current allreduce. */
+enum { TP_PUB = 0, TP_RES = 1, TP_OUT = 2 };
+static inline int64_t *tp_ctr(char *hdr, int64_t q, int k) { return &tp_line(hdr, q)->pad[k]; }
 
-static void tp_copy_segs2(const tp_seg_t *a, int64_t na, const tp_seg_t *b, int64_t nb, int64_t blk) {
-    int64_t ia = 0, ib = 0, oa = 0, ob = 0;
-    for (;;) {
-        while (ia < na && oa >= a[ia].n) { ia++; oa = 0; }
-        while (ib < nb && ob >= b[ib].n) { ib++; ob = 0; }
-        if (ia >= na && ib >= nb) return;
-        if (ia < na) {
-            int64_t k = a[ia].n - oa < blk ? a[ia].n - oa : blk;
-            memcpy(a[ia].d + oa, a[ia].s + oa, (size_t)k); oa += k;
+/* Store a counter and wake futex sleepers, if any (a waiter counts itself a sleeper before it
+   rechecks the word, so one of the two sees the other: no lost wake-up). */
+static void tp_post(char *hdr, int64_t *word, int64_t v) {
+    __atomic_store_n(word, v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(tp_sleepers(hdr), __ATOMIC_SEQ_CST) > 0) {
+        __atomic_add_fetch(tp_gen(hdr), 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, tp_gen(hdr), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+}
+
+/* Wait until counter k of every rank but ``rank`` reaches ``target``. Each wait spins and
+   yields afresh (a waiting state carried over from earlier blocks would send every later wait
+   straight to the futex). */
+static int tp_wait_peers(char *hdr, int64_t world, int64_t rank, int k, int64_t target, int64_t deadline) {
+    tp_wait_t w = {0, 0, deadline};
+    for (int64_t q = 0; q < world; q++) {
+        if (q == rank) continue;
+        int st = tp_wait_word(hdr, tp_ctr(hdr, q, k), target, &w);
+        if (st != 0) return st;
+    }
+    return 0;
+}
+
+/* The block pipeline of the two-step allreduce (see tp_shm_allreduce), run after a full
+   barrier of the call's first step: every rank has finished every read of earlier steps, so
+   both halves of every rank's slots are free and every counter has been reset.
+
+   Rank q owns part q (contiguous, the first ``total % world`` parts one element longer), cut
+   into blocks of ``be`` elements; block j of every part moves through entry j % R of a ring in
+   each rank's two slot halves. An entry holds ``world`` input blocks (input block p: the block
+   of part p that rank p folds) and one result block. Iteration i runs three operations, each
+   lagging the previous one so that what it waits for is normally done:
+     copy-in(i):   block i of every other part (and of its own, rank >= 2) into the entry; PUB;
+     fold(i - d1): block i - d1 of its own part from every rank's input block, in rank order,
+                   into its buffer and the entry's result block; RES;
+     copy-out(i - d2): every other rank's result block into its buffer; OUT.
+   Waits: fold(j) needs every peer's PUB > j (their input) and OUT > j - R (they read the result
+   block it overwrites); copy-out(j) needs each peer's RES > j; copy-in(i) needs each peer's
+   RES > i - R (they read the input block it overwrites). Each wait is for an operation of a
+   strictly earlier iteration-and-phase (R > d1 and d2 < R + d1), so the pipeline cannot
+   deadlock, and every wait is bounded by the deadline and the abort word. */
+static int tp_allreduce_pipe(char *hdr, char *data, int64_t world, int64_t rank, int64_t slot,
+                             char *buf, int64_t total, int64_t esize, int64_t dtype, int64_t op,
+                             int64_t deadline) {
+    int64_t pq = total / world, extra = total % world;
+    #define PART_LO(q) ((q) * pq + ((q) < extra ? (q) : extra))
+    #define PART_N(q) (pq + ((q) < extra ? 1 : 0))
+    #define BLK_N(q, j) (PART_N(q) - (j) * be < be ? (PART_N(q) - (j) * be > 0 ? PART_N(q) - (j) * be : 0) : be)
+    /* block: ${pipe_block} bytes, smaller when the ring would have fewer than 4 entries */
+    int64_t be = ${pipe_block} / esize;
+    if (4 * (world + 1) * be * esize > 2 * slot) be = 2 * slot / (4 * (world + 1) * esize);
+    if (be < 1) be = 1;
+    int64_t bb = be * esize, ent = (world + 1) * bb, ring = 2 * slot / ent;
+    int64_t nblk = (PART_N(0) + be - 1) / be;
+    int64_t d1 = ring >= 3 ? 1 : 0, d2 = d1 + (ring - 1 < 2 ? ring - 1 : 2);
+    #define ENTRY(q, j) (data + (q) * 2 * slot + ((j) % ring) * ent)
+    int64_t sub = 16384 / esize > 0 ? 16384 / esize : 1;  /* fold sub-block: stays in L1 */
+    int st;
+    for (int64_t i = 0; i < nblk + d2; i++) {
+        if (i < nblk) {  /* copy-in(i) */
+            if (i >= ring && (st = tp_wait_peers(hdr, world, rank, TP_RES, i - ring + 1, deadline)) != 0) return st;
+            char *e = ENTRY(rank, i);
+            for (int64_t q = 0; q < world; q++) {
+                if (q == rank && rank < 2) continue;
+                int64_t n = BLK_N(q, i);
+                if (n) memcpy(e + q * bb, buf + (PART_LO(q) + i * be) * esize, (size_t)(n * esize));
+            }
+            tp_post(hdr, tp_ctr(hdr, rank, TP_PUB), i + 1);
         }
-        if (ib < nb) {
-            int64_t k = b[ib].n - ob < blk ? b[ib].n - ob : blk;
-            memcpy(b[ib].d + ob, b[ib].s + ob, (size_t)k); ob += k;
+        int64_t j = i - d1;
+        if (j >= 0 && j < nblk) {  /* fold(j) */
+            if (j >= ring && (st = tp_wait_peers(hdr, world, rank, TP_OUT, j - ring + 1, deadline)) != 0) return st;
+            if ((st = tp_wait_peers(hdr, world, rank, TP_PUB, j + 1, deadline)) != 0) return st;
+            int64_t n = BLK_N(rank, j);
+            char *dst = buf + (PART_LO(rank) + j * be) * esize, *res = ENTRY(rank, j) + world * bb;
+            #define SRC(q) ((q) == rank && rank < 2 ? (const char *)dst : ENTRY(q, j) + rank * bb)
+            for (int64_t b = 0; b < n; b += sub) {  /* publish each sub-block while in L1 */
+                int64_t kb = n - b < sub ? n - b : sub, ob = b * esize;
+#if defined(__AVX2__)
+                if (world == 2 && dtype == 0 && op == 0) {
+                    tp_sum_f32_pub_avx2((float *)(dst + ob), (float *)(res + ob),
+                                        (const float *)(SRC(0) + ob), (const float *)(SRC(1) + ob), kb);
+                    continue;
+                }
+#endif
+                if (tp_fold3(dst + ob, SRC(0) + ob, SRC(1) + ob, kb, dtype, op) != 0) return 4;
+                for (int64_t q = 2; q < world; q++)
+                    if (tp_fold3(dst + ob, dst + ob, SRC(q) + ob, kb, dtype, op) != 0) return 4;
+                memcpy(res + ob, dst + ob, (size_t)(kb * esize));
+            }
+            #undef SRC
+            tp_post(hdr, tp_ctr(hdr, rank, TP_RES), j + 1);
+        }
+        j = i - d2;
+        if (j >= 0 && j < nblk) {  /* copy-out(j) */
+            for (int64_t q = 0; q < world; q++) {
+                if (q == rank) continue;
+                tp_wait_t w = {0, 0, deadline};
+                if ((st = tp_wait_word(hdr, tp_ctr(hdr, q, TP_RES), j + 1, &w)) != 0) return st;
+                int64_t n = BLK_N(q, j);
+                if (n) memcpy(buf + (PART_LO(q) + j * be) * esize, ENTRY(q, j) + world * bb, (size_t)(n * esize));
+            }
+            tp_post(hdr, tp_ctr(hdr, rank, TP_OUT), j + 1);
         }
     }
+    #undef ENTRY
+    #undef BLK_N
+    #undef PART_N
+    #undef PART_LO
+    return 0;
 }
 
 /* A whole in-place allreduce of ``nbytes`` at ``buf`` in one call (no Python per chunk).
@@ -454,16 +555,16 @@ static void tp_copy_segs2(const tp_seg_t *a, int64_t na, const tp_seg_t *b, int6
    Steps have signature (sig3[0..2], step). A buffer of at most ``small`` bytes (or world 1):
    one step per chunk of at most ``slot`` bytes; every rank publishes the chunk and folds all
    ranks' copies in rank order. A larger buffer is split into ``world`` contiguous parts (rank q
-   owns part q), each cut into slices of ``slot / world`` bytes; slice k of every part takes
-   two steps. Step A: each rank publishes its slices of the parts the others own (and of its
-   own part when rank >= 2, whose fold order needs an unmodified copy), then folds its own slice
-   in rank order with three-operand folds straight from the peers' slots and its own buffer,
-   storing the result into its slot half of the next step too; step B: each rank copies the
-   other parts' results from the peers' slots -- deferred, and run in alternating 16 KB blocks
-   with the next step A's publish, so the in-cache copy overlaps the publish's reads from memory.
-   Contiguous parts keep each rank's reads of its buffer in two sequential streams across all
-   slices. Each element is folded in rank order 0..W-1 on exactly one rank, so every rank ends
-   with bitwise identical data, equal to the reference.
+   owns part q) and takes two steps around a block pipeline (tp_allreduce_pipe): each rank
+   publishes its blocks of the parts the others own (and of its own part when rank >= 2, whose
+   fold order needs an unmodified copy), folds its own part block by block in rank order with
+   three-operand folds straight from the peers' slots and its own buffer, storing each result
+   into a slot too, and copies the other parts' results from the peers' slots. Ranks wait for
+   one another per block (counters), not per step, so one rank's copy-in overlaps the other's
+   fold and a rank that falls behind catches up without stalling the whole group at a barrier.
+   Contiguous parts keep each rank's reads of its buffer in two sequential streams. Each
+   element is folded in rank order 0..W-1 on exactly one rank, so every rank ends with bitwise
+   identical data, equal to the reference.
 
    info: [bad rank, bad word, their value, steps used, failing step]. Status as tp_shm_step. */
 TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t rank, int64_t slot,
@@ -499,63 +600,21 @@ TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t ran
         info[3] = step;
         return 0;
     }
-    /* Rank q owns part q of the buffer; step pair k moves slice k (``s`` elements) of every part:
-       step A publishes the slices the others own, the owner folds its slice, step B copies the
-       results back. Every rank's reads of its own buffer stream through two contiguous regions. */
-    int64_t pq = total / world, extra = total % world, s = per / world;
-    #define PART_LO(q) ((q) * pq + ((q) < extra ? (q) : extra))
-    #define PART_N(q) (pq + ((q) < extra ? 1 : 0))
-    #define SLICE_N(q, k) (PART_N(q) - (k) * s < s ? (PART_N(q) - (k) * s > 0 ? PART_N(q) - (k) * s : 0) : s)
-    int64_t nsteps = (PART_N(0) + s - 1) / s, nout = 0;
-    /* copy-out of the previous slice, deferred to run beside the next slice's copy-in */
-    tp_seg_t outs[256], ins[256];
-    for (int64_t k = 0; k < nsteps; k++) {
-        int64_t ep = epoch + step, half = ep & 1, nin = 0;
-        char *mine = data + (rank * 2 + half) * slot;
-        sig[3] = step; info[4] = step;
-        for (int64_t q = 0; q < world; q++) {
-            if (q == rank && rank < 2) continue;
-            ins[nin].d = mine + q * s * esize; ins[nin].s = buf + (PART_LO(q) + k * s) * esize;
-            ins[nin].n = SLICE_N(q, k) * esize; nin++;
-        }
-        tp_copy_segs2(outs, nout, ins, nin, 16384); nout = 0;
-        if ((st = tp_sync(hdr, world, rank, ep, sig, deadline, info)) != 0) return st;
-        int64_t o = rank * s * esize, n = SLICE_N(rank, k);
-        char *dst = buf + (PART_LO(rank) + k * s) * esize;
-        #define SRC(q) ((q) == rank && rank < 2 ? (const char *)dst : data + ((q) * 2 + half) * slot + o)
-        /* fold in 16 KB blocks and publish each block while it is still in L1 */
-        char *next = data + (rank * 2 + (half ^ 1)) * slot + o;
-        int64_t blk = 16384 / esize > 0 ? 16384 / esize : 1;
-        for (int64_t b = 0; b < n; b += blk) {
-            int64_t kb = n - b < blk ? n - b : blk, ob = b * esize;
-#if defined(__AVX2__)
-            if (world == 2 && dtype == 0 && op == 0) {
-                tp_sum_f32_pub_avx2((float *)(dst + ob), (float *)(next + ob),
-                                    (const float *)(SRC(0) + ob), (const float *)(SRC(1) + ob), kb);
-                continue;
-            }
-#endif
-            if (tp_fold3(dst + ob, SRC(0) + ob, SRC(1) + ob, kb, dtype, op) != 0) return 4;
-            for (int64_t q = 2; q < world; q++)
-                if (tp_fold3(dst + ob, dst + ob, SRC(q) + ob, kb, dtype, op) != 0) return 4;
-            memcpy(next + ob, dst + ob, (size_t)(kb * esize));
-        }
-        #undef SRC
-        sig[3] = step + 1; info[4] = step + 1;
-        if ((st = tp_sync(hdr, world, rank, ep + 1, sig, deadline, info)) != 0) return st;
-        for (int64_t q = 0; q < world; q++) {
-            if (q == rank) continue;
-            outs[nout].d = buf + (PART_LO(q) + k * s) * esize;
-            outs[nout].s = data + (q * 2 + (half ^ 1)) * slot + q * s * esize;
-            outs[nout].n = SLICE_N(q, k) * esize; nout++;
-        }
-        step += 2;
-    }
-    #undef PART_LO
-    #undef PART_N
-    #undef SLICE_N
-    tp_copy_segs2(outs, nout, ins, 0, 16384);
-    info[3] = step;
+    /* Two steps: the first is a full barrier (signatures checked, every slot free), then the
+       block pipeline runs on counters, then the second step is an arrival only: the next step's
+       prewait waits for it, i.e. until every rank finished reading this call's slots. */
+    tp_line_t *me = tp_line(hdr, rank);
+    for (int k = TP_PUB; k <= TP_OUT; k++) __atomic_store_n(&me->pad[k], 0, __ATOMIC_RELAXED);
+    sig[3] = 0; info[4] = 0;
+    if ((st = tp_sync(hdr, world, rank, epoch, sig, deadline, info)) != 0) return st;
+    info[4] = 1;
+    if ((st = tp_allreduce_pipe(hdr, data, world, rank, slot, buf, total, esize, dtype, op, deadline)) != 0)
+        return st;
+    sig[3] = 1;
+    for (int w = 0; w < SIG_WORDS; w++) me->sig[(epoch + 1) & 1][w] = sig[w];
+    __atomic_store_n(&me->arrive, epoch + 1, __ATOMIC_SEQ_CST);
+    tp_bump(hdr);
+    info[3] = 2;
     return 0;
 }
 
@@ -684,5 +743,6 @@ def shm_lib() -> ShmLib:
         ctrl_off=CTRL_OFF,
         yield_ns=YIELD_NS,
         yield_cap_off=YIELD_CAP_OFF,
+        pipe_block=PIPE_BLOCK,
     )
     return ShmLib(native.build(src, name="tp_shm", extra_flags=("-fwrapv", "-ffp-contract=off")))
