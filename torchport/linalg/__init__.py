@@ -3,7 +3,8 @@
 ``svd``, ``svdvals``, ``eigh``, ``eigvalsh``, ``qr``, ``cholesky`` and ``cholesky_ex`` take the
 arguments of their ``torch.linalg`` namesakes, return the same named tuples (``torch.return_types``)
 and keep its conventions: singular values descending, eigenvalues ascending, any batch shape,
-float32/float64. Each also takes ``method``:
+float32/float64 (and complex64/complex128 natively where ``COMPLEX_NATIVE`` lists the op). Each
+also takes ``method``:
 
 - ``"jacobi"``: the native batched kernels (:mod:`~torchport.linalg.kernels`; for ``qr`` and the
   Cholesky functions ``"jacobi"`` names the native Householder/Cholesky kernels). On a non-CPU
@@ -19,8 +20,9 @@ float32/float64. Each also takes ``method``:
   order 4 is tridiagonal QL rather than Jacobi: ``"jacobi"`` always gives a Jacobi result,
   ``"auto"`` whichever algorithm is fastest.
 
-Complex inputs go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``; the
-native kernels are real-only. Autograd follows ``torch.linalg``'s formulas
+Complex64/complex128 inputs to ``qr``, ``cholesky`` and ``cholesky_ex`` (``COMPLEX_NATIVE``)
+route like real ones, to the kernels of :mod:`~torchport.linalg.complex_factor`; other complex
+inputs go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``. Autograd follows ``torch.linalg``'s formulas
 (:mod:`~torchport.linalg.autograd`).
 """
 
@@ -34,7 +36,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
-from torchport.linalg import kernels, one, ops
+from torchport.linalg import complex_factor, kernels, one, ops
 from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
@@ -63,6 +65,9 @@ __all__ = [
 ]
 
 METHODS = ("auto", "jacobi", "lapack")
+# The ops (as ``_route`` names them) with native complex64/complex128 kernels; a complex input to
+# any other op runs torch.linalg (visibly under "auto", an error under "jacobi").
+COMPLEX_NATIVE: frozenset[str] = frozenset({"qr", "cholesky"})
 QR_MODES = ("reduced", "complete", "r")
 # Largest min(m, n) for which the native kernel is a candidate at all: beyond it LAPACK's
 # blocked O(n³) algorithms win by far on this machine (bench/bench_linalg.py), so tuning skips it.
@@ -100,6 +105,7 @@ def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
     if not (a.dtype.is_floating_point or a.dtype.is_complex) or a.dtype in (
         torch.float16,
         torch.bfloat16,
+        torch.complex32,
     ):
         raise LinalgInputError(
             f"torchport.linalg.{op}: A must be float32, float64, complex64 or complex128, "
@@ -290,7 +296,7 @@ def _route(
         raise LinalgInputError(
             f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
         )
-    if a.is_complex():
+    if a.is_complex() and op not in COMPLEX_NATIVE:
         if method == "jacobi":
             raise LinalgInputError(
                 f"torchport.linalg.{op}: method='jacobi' supports float32 and float64, got "
@@ -338,6 +344,7 @@ def _one_learn(
     m, n = a.shape[-2:]
     if not (
         a.numel() == m * n
+        and not a.is_complex()  # the one-matrix entry points are real-only
         and one.fits(m, n)
         and a.is_cpu
         and native.eager_fast_path(a)
@@ -398,9 +405,10 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
 
     def make_args() -> tuple[torch.Tensor]:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn((tb, m, n), generator=g, dtype=torch.float64)
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        x = torch.randn((tb, m, n), generator=g, dtype=wide)
         if op in ("eigh", "cholesky"):
-            x = x @ x.mT + n * torch.eye(n, dtype=torch.float64)
+            x = x @ x.mH + n * torch.eye(n, dtype=wide)
         return (x.to(dtype).contiguous(),)
 
     def factory(c: Candidate) -> Callable[[torch.Tensor], Any]:
@@ -419,7 +427,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             "n": n,
             "dtype": str(dtype),
             "options": list(extra),
-            "kernels": kernels.SOURCE_TAG,
+            "kernels": complex_factor.SOURCE_TAG if dtype.is_complex else kernels.SOURCE_TAG,
             "tuned_on": TUNED_ON,
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
@@ -446,7 +454,7 @@ def _candidate_fn(
     One matrix used to be LAPACK's beyond the launcher, but the blocked Cholesky beat
     ``torch.linalg.cholesky`` on a single matrix of n = 64…512 by 1.3-3.3x (f32 n = 64 1.70x,
     128 3.32x, 512 1.44x; f64 64 1.32x, 512 1.60x; interleaved medians, load 2.1-2.6)."""
-    if bucket == 1 and _one_candidate(op, m, n):
+    if bucket == 1 and not dtype.is_complex and _one_candidate(op, m, n):
         return _one_fn(op, extra, m, n, dtype)
     return _native_fn(op, extra)
 
@@ -538,7 +546,7 @@ def _close_at(i: int) -> Callable[[Any, Any], bool]:
         ours, theirs = out[i], ref[i]
         if ours.shape != theirs.shape:
             return False
-        tol = 1e-3 if ours.dtype == torch.float32 else 1e-8
+        tol = 1e-3 if ours.dtype in (torch.float32, torch.complex64) else 1e-8
         scale = max(1.0, float(theirs.abs().max())) if theirs.numel() else 1.0
         return bool(torch.allclose(ours.abs(), theirs.abs(), rtol=tol, atol=tol * scale))
 
@@ -777,7 +785,8 @@ def _chol_plan(
         if len(_chol_plans) >= 4096:  # bound the cache for programs with ever-new shapes
             _chol_plans.clear()
         n = a.shape[-1]
-        run = kernels.cholesky_plan(a.numel() // (n * n), n, a.dtype, upper, a.shape[:-2])
+        plan = complex_factor.cholesky_plan if a.is_complex() else kernels.cholesky_plan
+        run = plan(a.numel() // (n * n), n, a.dtype, upper, a.shape[:-2])
         _chol_plans[key] = run
     return run
 
@@ -795,7 +804,8 @@ def _qr_plan(
         if len(_qr_plans) >= 4096:  # bound the cache for programs with ever-new shapes
             _qr_plans.clear()
         m, n = a.shape[-2:]
-        run = kernels.qr_plan(a.numel() // (m * n), m, n, a.dtype, mode, a.shape[:-2])
+        plan = complex_factor.qr_plan if a.is_complex() else kernels.qr_plan
+        run = plan(a.numel() // (m * n), m, n, a.dtype, mode, a.shape[:-2])
         _qr_plans[key] = run
     return run
 
@@ -837,7 +847,7 @@ def _raise_not_pd(op: str, a: torch.Tensor, info: torch.Tensor) -> None:
 
 
 def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> torch.Tensor:
-    """Cholesky factor ``L`` with ``A = L Lᵀ`` (or ``U`` with ``A = Uᵀ U``), ``torch.linalg.cholesky``.
+    """Cholesky factor ``L`` with ``A = L Lᴴ`` (or ``U`` with ``A = Uᴴ U``), ``torch.linalg.cholesky``.
 
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).

@@ -1833,6 +1833,8 @@ def runs_lanes(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> bool:
     matrix per SIMD lane: a batch of at least :func:`lane_batch` within the op's lane sizes
     (``LANES_MAX_N``, ``QR_LANES_MAX_N``, ``CHOLESKY_LANES_MAX_N``). Calls on either side run
     different kernels, so the tuner keeps their choices apart."""
+    if dtype.is_complex:  # the complex kernels (complex_factor) run one matrix per thread
+        return False
     top = (
         QR_LANES_MAX_N if op == "qr" else CHOLESKY_LANES_MAX_N if op == "cholesky" else LANES_MAX_N
     )

@@ -1,6 +1,7 @@
 """``torch.library`` custom ops over the native kernels, with fake shapes and autograd.
 
-Each op takes a real float32/float64 CPU tensor of any batch shape ``(*, m, n)``, flattens the
+Each op takes a float32/float64 CPU tensor (qr and cholesky_ex also complex64/complex128, through
+:mod:`torchport.linalg.complex_factor`) of any batch shape ``(*, m, n)``, flattens the
 batch, calls the kernel launcher and reshapes back. Numerical failures raise
 ``torch.linalg.LinAlgError`` with ``torch.linalg``'s wording and the flat batch index. Backward
 formulas live in :mod:`torchport.linalg.autograd`.
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from torchport.linalg import autograd as ag
-from torchport.linalg import kernels
+from torchport.linalg import complex_factor, kernels
 
 
 def _batch_prefix(a: torch.Tensor, bad: int) -> str:
@@ -142,7 +143,7 @@ def eigh(a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False) ->
 def qr_impl(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Native Householder QR of ``a`` (*, m, n)."""
     batch = a.shape[:-2]
-    q, r = kernels.qr(_flat(a), mode)
+    q, r = (complex_factor.qr if a.is_complex() else kernels.qr)(_flat(a), mode)
     r = r.reshape(batch + r.shape[-2:])
     return (q.reshape(batch + q.shape[-2:]) if mode != "r" else a.new_empty(0)), r
 
@@ -185,7 +186,8 @@ def qr(a: torch.Tensor, mode: str) -> tuple[Any, Any]:
 def cholesky_impl(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Native Cholesky of ``a`` (*, n, n): (factor, int32 info of shape ``*``)."""
     batch = a.shape[:-2]
-    fac, info, _ = kernels.cholesky(_flat(a), upper)
+    run = complex_factor.cholesky if a.is_complex() else kernels.cholesky
+    fac, info, _ = run(_flat(a), upper)
     return fac.reshape(a.shape), info.reshape(batch)
 
 
