@@ -156,9 +156,10 @@ def test_cholesky_vs_lapack(dtype, n, upper):
 
 
 @pytest.mark.parametrize("dtype", CDTYPES, ids=str)
-def test_cholesky_info_names_failing_minor(dtype):
-    a = hpd(5, 4).to(dtype)
-    a[1, 2, 2] = -100.0  # leading minor of order 3 fails
+@pytest.mark.parametrize("n", [4, 9])  # the row-wise (n <= 4) and right-looking workers
+def test_cholesky_info_names_failing_minor(dtype, n):
+    a = hpd(5, n).to(dtype)
+    a[1, 2, 2] = -100.0 * n  # leading minor of order 3 fails
     a[3, 0, 0] = complex(float("nan"), 0.0)  # NaN is not positive-definite: order 1
     a[4, 3, 1] = complex(0.0, float("inf"))  # non-finite below the diagonal: order 4
     for upper in (False, True):

@@ -21,9 +21,10 @@ also takes ``method``:
   ``"auto"`` whichever algorithm is fastest.
 
 Complex64/complex128 inputs to ``qr``, ``cholesky`` and ``cholesky_ex`` (``COMPLEX_NATIVE``)
-route like real ones, to the kernels of :mod:`~torchport.linalg.complex_factor`; other complex
-inputs go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``. Autograd follows ``torch.linalg``'s formulas
-(:mod:`~torchport.linalg.autograd`).
+route like real ones, to the kernels of :mod:`~torchport.linalg.complex_factor` (one matrix per
+thread; never the lane or one-matrix kernels); other complex inputs go to ``torch.linalg``
+(visibly, one warning) under ``"auto"``/``"lapack"``. Autograd follows ``torch.linalg``'s
+formulas (:mod:`~torchport.linalg.autograd`).
 """
 
 from __future__ import annotations
