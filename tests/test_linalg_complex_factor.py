@@ -228,6 +228,9 @@ def test_complex_routing():
     assert tl._route("qr", a, "jacobi", ("reduced",)) == "native"
     assert tl._route("cholesky", a, "jacobi", (False,)) == "native"
     assert tl._route("qr", a, "lapack", ("reduced",)) == "lapack"
+    meta = torch.empty(4, 3, 3, dtype=torch.complex64, device="meta")  # off the CPU: reference
+    assert tl._route("qr", meta, "jacobi", ("reduced",)) == "reference"
+    assert tl._route("cholesky", meta, "jacobi", (False,)) == "reference"
     for op in {"svd", "eigh"} - tl.COMPLEX_NATIVE:  # no native complex kernel: as before
         with pytest.raises(tl.LinalgInputError, match="method='jacobi' supports float32"):
             tl._route(op, a, "jacobi", (False, True))
