@@ -4,10 +4,11 @@
 calls (2 calls at 1 MB, 1 at 64 MB) after a gloo barrier, on the slowest rank (before the tenth
 session: 3 samples with ``--quick``, rank 0 only; a cell then swung 2x between runs on this
 shared VM). This script times one cell the same way (same processes, gloo barrier, then
-``--calls`` calls, alternating backends sample by sample) for ``--samples`` samples and prints
-p10 / median / p90 per backend on rank 0 (the root of a broadcast) and the ratio of the
-medians. ``--calls 1`` is the first call after the barrier (the rank skew counts);
-``--calls 20`` is the steady per-call cost.
+``--calls`` calls, alternating backends sample by sample, each sample the slowest rank's time)
+for ``--samples`` samples and prints p10 / median / p90 per backend, the ratio of the medians,
+and rank 0's own medians (the root of a broadcast: gloo's returns once its data is sent).
+Before the fourteenth session it timed rank 0 only. ``--calls 1`` is the first call after the
+barrier (the rank skew counts); ``--calls 20`` is the steady per-call cost.
 
 Run: ``flock /tmp/tp-bench.lock python bench/bench_collectives_cell.py --op broadcast
 --size 1048576 --world 2 --samples 30 --calls 2``.
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collectives import OPS, _op_fn, wait_all  # the grid's cells, timed alike
+from bench_collectives import OPS, _op_fn, _slowest, wait_all  # the grid's cells, timed alike
 
 
 def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, calls: int) -> None:
@@ -45,13 +46,15 @@ def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, c
         for _ in range(3):
             fn()
     res: dict[str, list[float]] = {name: [] for name in fns}
+    own: dict[str, list[float]] = {name: [] for name in fns}  # this rank's times
     for _ in range(samples):
         for name, fn in fns.items():
             dist.barrier(group=gloo)
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
-            res[name].append((time.perf_counter() - t0) / calls)
+            own[name].append((time.perf_counter() - t0) / calls)
+            res[name].append(_slowest(own[name][-1], gloo))
     if rank == 0:
         parts = []
         for name, v in res.items():
@@ -62,9 +65,11 @@ def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, c
                 f"p90 {p90 * 1e6:.0f} us"
             )
         ratio = statistics.median(res["gloo"]) / statistics.median(res["torchport"])
+        r0 = ", ".join(f"{name} {statistics.median(v) * 1e6:.0f}" for name, v in own.items())
         tag = os.environ.get("TP_CELL_TAG", "")
         print(
-            f"{tag}{op} {size} B w{world} calls {calls}: {'; '.join(parts)}; ratio {ratio:.2f}x",
+            f"{tag}{op} {size} B w{world} calls {calls}, slowest rank: {'; '.join(parts)}; "
+            f"ratio {ratio:.2f}x (rank 0 med: {r0} us)",
             flush=True,
         )
     dist.destroy_process_group()

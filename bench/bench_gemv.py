@@ -7,7 +7,8 @@ cell's sum, so a load change between cells does not skew it). The second baselin
 read peak (:mod:`torchport.gemv.readpeak`): every :data:`~torchport.gemv.readpeak.READ_CONFIGS`
 streaming of two 128 MiB buffers on 2 MiB pages (all threads; the first configuration on one
 thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight copies rotate so the working set exceeds L3 (cold).
-GB/s counts weight bytes (data + scales) per call. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
+GB/s counts weight bytes (data + scales) per call. Every packed copy's settled route (see
+:func:`torchport.gemv.gemv_packed`) is made before timing: decode's steady state. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
 time per call, which time lost to other processes on a shared machine does not inflate.
 
 Run: ``torchport bench gemv [--quick]``.
@@ -93,6 +94,15 @@ def bench_batch(
 
     def ours_packed(f: str):
         return lambda i: G.gemv_packed(x, packs[f][i % len(packs[f])])
+
+    # Decode's steady state: every weight copy's route settled before timing. ``gemv_packed``
+    # settles a route from a weight's second call; with the copies rotating, each got two or
+    # three calls in a --quick run, so most timed calls were first-use or settling calls (cold
+    # Python, kernel stubbed, load 5.4: 262 and 324 us against 151 us for a settled call).
+    for pws in packs.values():
+        for pw in pws:
+            G.gemv_packed(x, pw)
+            G.gemv_packed(x, pw)
 
     fns = {
         "sum": lambda i: bw_bufs()[i % 2].sum(),

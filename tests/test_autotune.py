@@ -240,6 +240,33 @@ def test_interleaved_alternates_and_takes_medians(fake_clock):
     assert (ta, tb) == pytest.approx((1e-3, 2e-3))
 
 
+def test_alternated_min_drops_loaded_groups_and_flips_order(fake_clock):
+    """Groups of calls, the order reversed every round; load bursts stretch most of "a"'s
+    groups (its median would move), but the least group is the unloaded call."""
+    calls: list = []
+    # a: 10 us a call, but every call of its first 20 groups of 4 (80 calls) is 3x as long
+    fa = _costed(fake_clock, lambda i: 30e-6 if 1 <= i <= 80 else 10e-6, calls, "a")
+    fb = _costed(fake_clock, lambda i: 12e-6, calls, "b")
+    ta, tb = autotune.alternated_min([fa, fb], (torch.ones(1),), rounds=25, group=4)
+    assert (ta, tb) == pytest.approx((10e-6, 12e-6))
+    assert calls[:2] == ["a", "b"]  # warm-up
+    rounds = [calls[2 + 8 * r : 2 + 8 * (r + 1)] for r in range(25)]
+    assert rounds[0] == ["a"] * 4 + ["b"] * 4 and rounds[1] == ["b"] * 4 + ["a"] * 4
+    assert all(r == rounds[i % 2] for i, r in enumerate(rounds))
+    assert len(calls) == 2 + 25 * 8
+
+
+def test_alternated_min_stops_at_its_time_cap(fake_clock):
+    fa = _costed(fake_clock, lambda i: 0.1)
+    fb = _costed(fake_clock, lambda i: 0.2)
+    ta, tb = autotune.alternated_min(
+        [fa, fb], (torch.ones(1),), rounds=100, group=2, max_time_s=1.0
+    )
+    assert (ta, tb) == pytest.approx((0.1, 0.2))
+    # each round takes 0.6 s: past 1 s after min_rounds (3) rounds it stops
+    assert fake_clock.t == pytest.approx(0.3 + 3 * 0.6)
+
+
 def test_noisy_search_win_is_rejected_by_confirmation(fresh_cache, fake_clock):
     """The case seen in the field: ATen's samples were inflated by a load burst during the
     one-after-the-other search (20 ms), so a native kernel at 12 ms 'won'; timed alternately,

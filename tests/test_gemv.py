@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -436,6 +437,26 @@ def test_route_output_source_hands_out_fresh_tensors(shape):
     assert all(o.is_contiguous() and not o.is_inference() for o in outs)
     ptrs = {o.data_ptr() for o in outs if o.numel()}
     assert len(ptrs) == len([o for o in outs if o.numel()])  # no storage handed out twice
+
+
+def test_routes_of_one_output_shape_share_an_output_source():
+    """Two weights of the same N settle routes that draw from one output source (no batch of
+    spare outputs per route), and every call still gets its own tensor with its own result."""
+    g = torch.Generator().manual_seed(16)
+    pws = [NVFP4Tensor.from_float(torch.randn(40, 128, generator=g)).gemv_pack() for _ in range(2)]
+    x = torch.randn(1, 128, generator=g)
+    from torchport.gemv import gemv_packed
+
+    firsts = [gemv_packed(x, pw) for pw in pws]
+    outs = [gemv_packed(x, pw) for _ in range(6) for pw in pws]  # settled from the 2nd call
+    routes = [pw.routes[(x.dtype, x.shape, True)] for pw in pws]
+    assert all(r is not None for r in routes)
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    assert all(torch.equal(o, firsts[i % 2]) for i, o in enumerate(outs))
+    from torchport.gemv.ops import _OUT_SOURCES
+
+    sources = [inspect.getclosurevars(r.run).nonlocals["new_out"] for r in routes]
+    assert sources[0] is sources[1] is _OUT_SOURCES[(1, 40)]
 
 
 def test_settled_route_outputs_are_distinct_and_usable_with_autograd():

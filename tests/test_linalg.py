@@ -632,8 +632,6 @@ def test_errors():
         tl.eigh(torch.eye(3), UPLO="X")
     with pytest.raises(tl.LinalgInputError, match=r"A must be a torch.Tensor, got list"):
         tl.svdvals([[1.0]])
-    with pytest.raises(tl.LinalgInputError, match=r"method='jacobi' supports float32 and float64"):
-        tl.svd(torch.randn(2, 2, dtype=torch.complex64), method="jacobi")
     a = torch.randn(3, 4, 4)
     a[2, 1, 1] = float("inf")
     with pytest.raises(torch.linalg.LinAlgError, match=r"svd: \(Batch element 2\).*non-finite"):
@@ -941,6 +939,120 @@ def test_auto_lapack_choice_skips_confirmation(monkeypatch):
 
     monkeypatch.setattr(tl, "_time_pair", boom)
     assert tl._route("cholesky", spd(100, 8), "auto", (False,)) == "lapack"
+
+
+def _timed_select(native_wins: bool, timings: dict):
+    """A tuner answer with the timings of its search (as fresh or cached choices carry them)."""
+    from torchport.autotune import Choice
+
+    def select(op, key, candidates, factory, make_args, **kw):
+        return Choice(op, candidates[1] if native_wins else candidates[0], dict(timings))
+
+    return select
+
+
+@pytest.mark.parametrize("native_wins", [False, True])
+@pytest.mark.parametrize(
+    ("t_lapack", "t_native", "want"),
+    [(20e-6, 12e-6, "native"), (20e-6, 19.8e-6, "lapack"), (20e-6, 30e-6, "lapack")],
+)
+def test_auto_short_call_verdict_is_rechecked(monkeypatch, native_wins, t_lapack, t_native, want):
+    """A call under SHORT_CALL_S is decided by the alternated minima of _time_short whichever
+    side the tuner's search chose (a LAPACK verdict of a loaded search is re-checked too), with
+    the same noise margin; the median confirmation (_time_pair) is not used there."""
+    from torchport import autotune
+
+    search = {"torch.linalg": 21e-6, "native": 20e-6 if native_wins else 23e-6}
+    monkeypatch.setattr(autotune, "select", _timed_select(native_wins, search))
+    seen: list = []
+
+    def short(fa, fb, x):
+        seen.append(x.shape)
+        return t_lapack, t_native
+
+    def boom(*args):
+        raise AssertionError("median confirmation on a short call")
+
+    monkeypatch.setattr(tl, "_time_short", short)
+    monkeypatch.setattr(tl, "_time_pair", boom)
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    monkeypatch.setattr(tl, "_chol_native", {})
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
+    a = spd(100, 3)
+    assert tl._route("cholesky", a, "auto", (False,)) == want
+    assert seen == [(100, 3, 3)]  # once, on the call's batch
+    assert tl._route("cholesky", a, "auto", (False,)) == want  # remembered: no second re-check
+    assert seen == [(100, 3, 3)]
+    tl._drop_routes()  # fake timings: leave no route behind
+
+
+@pytest.mark.parametrize(
+    "search",
+    [
+        {"torch.linalg": 200e-6, "native": 300e-6},  # not a short call: the search's verdict
+        {"torch.linalg": 20e-6},  # native failed the check against torch.linalg: never chosen
+        {},
+    ],
+)
+def test_auto_lapack_verdict_kept_without_recheck(monkeypatch, search):
+    from torchport import autotune
+
+    monkeypatch.setattr(autotune, "select", _timed_select(False, search))
+
+    def boom(*args):
+        raise AssertionError("re-check of a LAPACK verdict that must stand")
+
+    monkeypatch.setattr(tl, "_time_short", boom)
+    monkeypatch.setattr(tl, "_time_pair", boom)
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
+    assert tl._route("qr", torch.randn(100, 3, 3), "auto", ("reduced",)) == "lapack"
+    tl._drop_routes()
+
+
+def test_auto_long_native_win_keeps_median_confirmation(monkeypatch):
+    from torchport import autotune
+
+    search = {"torch.linalg": 400e-6, "native": 100e-6}
+    monkeypatch.setattr(autotune, "select", _timed_select(True, search))
+
+    def boom(*args):
+        raise AssertionError("alternated minima on a long call")
+
+    monkeypatch.setattr(tl, "_time_short", boom)
+    monkeypatch.setattr(tl, "_time_pair", lambda fa, fb, x: (400e-6, 100e-6))
+    monkeypatch.setattr(tl, "_memo", {})
+    monkeypatch.setattr(tl, "_fast", {})
+    tl._drop_routes()  # the LAPACK fast-path sets are aliased: clear in place
+    assert tl._route("qr", torch.randn(100, 3, 3), "auto", ("reduced",)) == "native"
+    tl._drop_routes()
+
+
+def test_time_short_groups_calls_and_returns_minima(monkeypatch):
+    """_time_short sizes its groups from one timed call (about SHORT_GROUP_S a group) and returns
+    the least per-call time of each side (fake clock: exact)."""
+    from torchport.autotune import timing
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(timing, "clock", lambda: clock["t"])
+    calls = {"a": 0, "b": 0}
+
+    def side(name, cost):
+        def f(x):
+            calls[name] += 1
+            clock["t"] += cost
+            return x
+
+        return f
+
+    fa, fb = side("a", 10e-6), side("b", 8e-6)
+    ta, tb = tl._time_short(fa, fb, torch.ones(1))
+    assert (ta, tb) == pytest.approx((10e-6, 8e-6))
+    group = round(tl.SHORT_GROUP_S / 10e-6)
+    # two sizing calls of a, one warm-up each, then SHORT_ROUNDS groups each
+    assert calls == {"a": 3 + tl.SHORT_ROUNDS * group, "b": 1 + tl.SHORT_ROUNDS * group}
 
 
 def test_auto_cached_decision_does_no_extra_work(monkeypatch):

@@ -189,3 +189,38 @@ def test_native_fast_path_kept_under_unrelated_override() -> None:
         with config.override(isa="scalar"):  # a routing setting: the general path decides
             assert not tl._native_ok(a)
         assert tl._native_ok(a)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (2,), (100,), (7, 3), (10_000,)], ids=str)
+def test_info_bad_flags_any_nonzero_entry(shape: tuple[int, ...]) -> None:
+    """The LAPACK route's info test (bytes against as many zero bytes) agrees with
+    ``info.any()`` wherever the flag sits, including the last entry and negative values."""
+    info = torch.zeros(shape, dtype=torch.int32)
+    assert not tl._info_bad(info)
+    flat = info.view(-1)
+    for at in sorted({0, flat.numel() // 2, flat.numel() - 1}):
+        for value in (1, 3, -2, 1 << 24):
+            flat.zero_()
+            flat[at] = value
+            assert tl._info_bad(info), (at, value)
+    flat.zero_()
+    assert not tl._info_bad(info)  # a cached zero pattern is never written to
+
+
+@pytest.mark.parametrize("upper", [False, True])
+@pytest.mark.parametrize("b", [1, 100])
+def test_fast_hit_cholesky_upper_and_errors(upper: bool, b: int) -> None:
+    """The LAPACK fast path of cholesky (upper or not, one matrix or a batch) gives torch's
+    factor and torchport's error naming the batch element and minor."""
+    a = _spd(b, 3) if b > 1 else _spd(1, 3)[0]
+    _seed_lapack("cholesky", a, upper)
+    assert torch.equal(tl.cholesky(a, upper=upper), torch.linalg.cholesky(a, upper=upper))
+    assert torch.equal(tl.cholesky_ex(a, upper=upper).L, torch.linalg.cholesky_ex(a, upper=upper).L)
+    bad = a.clone()
+    bad.view(-1, 3, 3)[-1, 1, 1] = -100.0  # the last matrix
+    where = rf"cholesky: \(Batch element {b - 1}\): " if b > 1 else "cholesky: "
+    with pytest.raises(torch.linalg.LinAlgError, match=where + r"The fact.*minor of order 2"):
+        tl.cholesky(bad, upper=upper)
+    assert tl.cholesky_ex(bad, upper=upper).info.tolist() == (
+        torch.linalg.cholesky_ex(bad, upper=upper).info.tolist()
+    )

@@ -1,12 +1,20 @@
 """One autotuner for every op family: candidates as data, same-run ATen anchor, persistent cache.
 
-See :func:`select`. Timing helpers (:func:`measure`, :func:`interleaved`, :func:`cold_copies`) are
-shared with the benchmarks in ``bench/``; :func:`confirm` is the one guard against noisy samples
-(a non-ATen winner re-timed in alternation against the ATen anchor).
+See :func:`select`. Timing helpers (:func:`measure`, :func:`interleaved`, :func:`alternated_min`,
+:func:`cold_copies`) are shared with the benchmarks in ``bench/``; :func:`confirm` is the one
+guard against noisy samples (a non-ATen winner re-timed in alternation against the ATen anchor).
 """
 
 from torchport.autotune.cache import ChoiceCache, CorruptChoiceCacheWarning, choice_cache
-from torchport.autotune.timing import L3_BYTES, cold_copies, interleaved, measure, median, nbytes
+from torchport.autotune.timing import (
+    L3_BYTES,
+    alternated_min,
+    cold_copies,
+    interleaved,
+    measure,
+    median,
+    nbytes,
+)
 from torchport.autotune.tuner import (
     ATEN,
     NATIVE,
@@ -34,6 +42,7 @@ __all__ = [
     "InvalidCandidate",
     "TunerStats",
     "allowed_backends",
+    "alternated_min",
     "beats_anchor",
     "choice_cache",
     "cold_copies",

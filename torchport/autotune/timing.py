@@ -121,6 +121,41 @@ def interleaved(
     return [median(s) for s in samples]
 
 
+def alternated_min(
+    fns: Sequence[Callable[..., Any]],
+    args: tuple[Any, ...],
+    *,
+    rounds: int,
+    group: int,
+    max_time_s: float = 1.0,
+    min_rounds: int = 3,
+) -> list[float]:
+    """Least seconds per call of each of ``fns`` over ``rounds`` rounds, for calls of a few µs.
+
+    Each round times every function on a group of ``group`` back-to-back calls (the clock is
+    read once per group, not per call), in an order reversed every round: the call right after
+    another function's runs slower whatever it is, and this puts both sides there alike. Load
+    on a shared machine only ever adds time, so the least group of many is the unloaded call,
+    where a median of short samples moves with the load of the moment. Stops after
+    ``max_time_s`` once ``min_rounds`` rounds are done.
+    """
+    for fn in fns:  # one warm-up call each
+        fn(*args)
+    best = [math.inf] * len(fns)
+    order = list(range(len(fns)))
+    start = clock()
+    for r in range(max(1, rounds)):
+        for i in order if r % 2 == 0 else order[::-1]:
+            fn = fns[i]
+            t0 = clock()
+            for _ in range(group):
+                fn(*args)
+            best[i] = min(best[i], (clock() - t0) / group)
+        if r + 1 >= min_rounds and clock() - start >= max_time_s:
+            break
+    return best
+
+
 def median(times: Sequence[float]) -> float:
     """Median of a non-empty sequence of timings."""
     return float(statistics.median(times))

@@ -710,6 +710,22 @@ def _out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
     return new_out
 
 
+# One output source per output shape, shared by the settled routes of that shape. With one per
+# route, each route held up to OUT_BATCH - 1 unused outputs (200 decode weights of N = 11008 in
+# a model: up to 60 MB), and a route called only a few times (a benchmark rotating copies of one
+# weight) paid a cold batch allocation for each few calls.
+_OUT_SOURCES: dict[tuple[int, ...], Callable[[], torch.Tensor]] = {}
+
+
+def _shared_out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+    src = _OUT_SOURCES.get(shape)
+    if src is None:
+        if len(_OUT_SOURCES) >= 64:
+            _OUT_SOURCES.clear()
+        src = _OUT_SOURCES[shape] = _out_source(shape)
+    return src
+
+
 def settle_route(
     x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
 ) -> SettledRoute | None:
@@ -741,7 +757,7 @@ def settle_route(
     bptr, has_bias = (bf.data_ptr(), 1) if bf is not None else (0, 0)
     out_shape = (*x.shape[:-1], n)
     dtype, f32 = x.dtype, torch.float32
-    new_out = _out_source(out_shape)
+    new_out = _shared_out_source(out_shape)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()

@@ -20,11 +20,13 @@ also takes ``method``:
   order 4 is tridiagonal QL rather than Jacobi: ``"jacobi"`` always gives a Jacobi result,
   ``"auto"`` whichever algorithm is fastest.
 
-Complex64/complex128 inputs to ``qr``, ``cholesky`` and ``cholesky_ex`` (``COMPLEX_NATIVE``)
-route like real ones, to the kernels of :mod:`~torchport.linalg.complex_factor` (one matrix per
-thread; never the lane or one-matrix kernels); other complex inputs go to ``torch.linalg``
-(visibly, one warning) under ``"auto"``/``"lapack"``. Autograd follows ``torch.linalg``'s
-formulas (:mod:`~torchport.linalg.autograd`).
+Complex64/complex128 inputs of the ops in ``COMPLEX_NATIVE`` (``svd``/``svdvals``,
+``eigh``/``eigvalsh`` through :mod:`~torchport.linalg.complex_jacobi`; ``qr``, ``cholesky`` and
+``cholesky_ex`` through :mod:`~torchport.linalg.complex_factor`) have native kernels, one matrix
+per thread; no lane or one-matrix launchers: ``"jacobi"`` runs them (their references off the
+CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for real dtypes. Complex inputs of the
+other ops go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``.
+Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`).
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
-from torchport.linalg import complex_factor, kernels, one, ops
+from torchport.autotune import timing as _timing
+from torchport.linalg import complex_factor, complex_jacobi, kernels, one, ops
 from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
+    complex_eigh_reference,
+    complex_svd_reference,
     eigh_reference,
     eigh_tridiagonal_reference,
     qr_reference,
@@ -54,6 +59,8 @@ __all__ = [
     "cholesky_blocked_reference",
     "cholesky_ex",
     "cholesky_reference",
+    "complex_eigh_reference",
+    "complex_svd_reference",
     "eigh",
     "eigh_reference",
     "eigh_tridiagonal_reference",
@@ -66,9 +73,9 @@ __all__ = [
 ]
 
 METHODS = ("auto", "jacobi", "lapack")
-# The ops (as ``_route`` names them) with native complex64/complex128 kernels; a complex input to
-# any other op runs torch.linalg (visibly under "auto", an error under "jacobi").
-COMPLEX_NATIVE: frozenset[str] = frozenset({"qr", "cholesky"})
+# The ops (as _route names them) with native complex64/complex128 kernels; a complex input of
+# any other op runs torch.linalg (visibly under "auto"; method="jacobi" refuses it).
+COMPLEX_NATIVE: frozenset[str] = frozenset({"svd", "eigh", "qr", "cholesky"})
 QR_MODES = ("reduced", "complete", "r")
 # Largest min(m, n) for which the native kernel is a candidate at all: beyond it LAPACK's
 # blocked O(n³) algorithms win by far on this machine (bench/bench_linalg.py), so tuning skips it.
@@ -127,6 +134,9 @@ def _bucket(b: int) -> int:
 
 # torch's named-tuple return types (structseq), e.g. ``linalg_svd(U, S, Vh)``
 _rt: Any = torch.return_types
+# the LAPACK routes' Cholesky, called without keywords when the defaults hold (a global lookup
+# and no keyword parsing)
+_chol_ex = torch.linalg.cholesky_ex
 
 _memo: dict[tuple[Any, ...], bool] = {}
 # The per-call fast path of method="auto": (op, shape, dtype, device, options) -> route, filled
@@ -345,7 +355,7 @@ def _one_learn(
     m, n = a.shape[-2:]
     if not (
         a.numel() == m * n
-        and not a.is_complex()  # the one-matrix entry points are real-only
+        and not a.is_complex()  # no complex one-matrix launchers
         and one.fits(m, n)
         and a.is_cpu
         and native.eager_fast_path(a)
@@ -366,6 +376,37 @@ def _time_pair(
     shared machine hits both alike (:func:`torchport.autotune.interleaved`)."""
     reps = max(5, int(config.get("autotune_reps")))
     ta, tb = autotune.interleaved([fa, fb], [(x,)], reps=reps)
+    return ta, tb
+
+
+# Calls whose torch.linalg side the tuner timed under this get their verdict, either way, from
+# _time_short once per process. At 10-25 us a call the tuner's samples (medians of 15, one side
+# after the other) flipped with the load of the moment: three fresh-cache processes chose native,
+# native and LAPACK for float32 Cholesky B = 100 n = 3, the last at 25.4 us a call against 16.7
+# for native in that same process. Decided by alternated minima, the re-check costs a few ms.
+SHORT_CALL_S = 50e-6
+# _time_short's rounds, the length of one timed group of calls, and its time cap (nominally
+# 60 x 2 x 100 us = 12 ms; 29-32 ms measured for float32 eigh B = 100 n = 2 at load 6; under
+# such load torch.linalg's batched calls can take ms, waiting for their second thread)
+SHORT_ROUNDS = 60
+SHORT_GROUP_S = 100e-6
+SHORT_MAX_S = 0.25
+
+
+def _time_short(
+    fa: Callable[[torch.Tensor], Any], fb: Callable[[torch.Tensor], Any], x: torch.Tensor
+) -> tuple[float, float]:
+    """Least seconds per call of ``fa(x)`` and ``fb(x)`` over :data:`SHORT_ROUNDS` alternated
+    rounds of groups of about :data:`SHORT_GROUP_S` (:func:`torchport.autotune.alternated_min`):
+    robust to load for calls of a few to tens of µs, where medians of single calls are not."""
+    fa(x)
+    t0 = _timing.clock()
+    fa(x)
+    once = max(_timing.clock() - t0, 1e-7)
+    group = max(1, min(64, round(SHORT_GROUP_S / once)))
+    ta, tb = autotune.alternated_min(
+        [fa, fb], (x,), rounds=SHORT_ROUNDS, group=group, max_time_s=SHORT_MAX_S
+    )
     return ta, tb
 
 
@@ -399,6 +440,9 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     on the top of its bucket. A native win, fresh or cached, is then
     confirmed once per process by timing both alternately on that batch: the native kernel is
     used only if it still beats ``torch.linalg`` by more than ``config.autotune_noise``.
+    Short calls (``torch.linalg`` under :data:`SHORT_CALL_S`) whose native side passed the
+    tuner's check are decided that way whichever side the tuner chose, by alternated minima
+    (:func:`_time_short`): there one sample of load could crown either side.
     """
     _, bucket, lanes, m, n, dtype, extra = key
     k = min(m, n)
@@ -428,7 +472,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             "n": n,
             "dtype": str(dtype),
             "options": list(extra),
-            "kernels": complex_factor.SOURCE_TAG if dtype.is_complex else kernels.SOURCE_TAG,
+            "kernels": _kernels_tag(op, dtype),
             "tuned_on": TUNED_ON,
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
@@ -438,12 +482,23 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
         check=_close_at(_VALUES_AT[op]),
         backends={"NATIVE", "ATEN"},
     )
-    if choice.candidate.is_anchor:
+    t_anchor = choice.timings_s.get("torch.linalg")
+    # a native side that was timed passed the tuner's check against torch.linalg's result
+    short = "native" in choice.timings_s and t_anchor is not None and t_anchor < SHORT_CALL_S
+    if choice.candidate.is_anchor and not short:
         return False
     (x,) = make_args()
     fn = _candidate_fn(op, extra, bucket, m, n, dtype)
-    t_lapack, t_native = _time_pair(_anchor(op, extra), fn, x)
+    timer = _time_short if short else _time_pair
+    t_lapack, t_native = timer(_anchor(op, extra), fn, x)
     return autotune.beats_anchor(t_native, t_lapack)
+
+
+def _kernels_tag(op: str, dtype: torch.dtype) -> str:
+    """The source tag of the kernels ``op`` runs for ``dtype``, part of the tuner's key."""
+    if not dtype.is_complex:
+        return kernels.SOURCE_TAG
+    return complex_jacobi.SOURCE_TAG if op in ("svd", "eigh") else complex_factor.SOURCE_TAG
 
 
 def _candidate_fn(
@@ -486,19 +541,31 @@ def _anchor(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
 
 def _chol_lapack(a: torch.Tensor, upper: bool) -> torch.Tensor:
     """``cholesky``'s LAPACK route on a CPU tensor (inlined there)."""
-    fac, info = torch.linalg.cholesky_ex(a, upper=upper)
+    fac, info = torch.linalg.cholesky_ex(a, upper=True) if upper else _chol_ex(a)
     if _info_bad(info):
         _raise_not_pd("cholesky", a, info)
     return fac
 
 
+# all-zero info bytes per byte count, compared against (bounded: one entry per batch size seen)
+_zero_info: dict[int, bytes] = {}
+
+
 def _info_bad(info: torch.Tensor) -> bool:
     """Whether a CPU ``cholesky_ex`` info tensor flags any matrix: ``item()`` for one matrix
     (0.21 us against 0.80 for the byte read, which a 13 us call of n = 32 felt: auto measured
-    0.93-0.95x ``torch.linalg.cholesky`` there), the bytes at once for a batch."""
+    0.93-0.95x ``torch.linalg.cholesky`` there), for a batch its bytes compared with as many
+    zero bytes (one memcmp: B = 100 1.06 us, B = 10000 3.0 us, where stripping the zeros took
+    2.0-5.1 and 102 us, a sixth of a 600 us call at n = 2; alternated minima, load 3-4)."""
     if info.dim() == 0:
         return bool(info.item())
-    return bool(_string_at(info.data_ptr(), 4 * info.numel()).strip(b"\x00"))
+    nb = 4 * info.numel()
+    zeros = _zero_info.get(nb)
+    if zeros is None:
+        if len(_zero_info) >= 64:
+            _zero_info.clear()
+        zeros = _zero_info[nb] = bytes(nb)
+    return _string_at(info.data_ptr(), nb) != zeros
 
 
 def _native_fn(op: str, extra: tuple[Any, ...]) -> Callable[[torch.Tensor], Any]:
@@ -584,7 +651,8 @@ def svd(
         if run is not None:
             return run(a)
     if route == "reference":
-        u, s, vh = svd_reference(ops._flat(a), full_matrices)
+        ref = complex_svd_reference if a.is_complex() else svd_reference
+        u, s, vh = ref(ops._flat(a), full_matrices)
         batch = a.shape[:-2]
         u, s, vh = (t.reshape(batch + t.shape[1:]) for t in (u, s, vh))
     else:
@@ -614,7 +682,8 @@ def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
         if run is not None:
             return run(a)
     if route == "reference":
-        s = svd_reference(ops._flat(a), False, compute_uv=False)[1]
+        ref = complex_svd_reference if a.is_complex() else svd_reference
+        s = ref(ops._flat(a), False, compute_uv=False)[1]
         return s.reshape(a.shape[:-2] + s.shape[-1:])
     return ops.svd(a, False, False)[1]
 
@@ -628,7 +697,7 @@ def _uplo(op: str, UPLO: str) -> bool:
 def eigh(
     A: torch.Tensor, UPLO: str = "L", *, method: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigendecomposition of symmetric ``A`` from its ``UPLO`` triangle (``torch.linalg.eigh``).
+    """Eigendecomposition of symmetric (Hermitian) ``A`` from its ``UPLO`` triangle (``torch.linalg.eigh``).
 
     Returns ``(eigenvalues, eigenvectors)``, eigenvalues ascending, eigenvectors as columns.
     """
@@ -651,7 +720,8 @@ def eigh(
         if run is not None:
             return run(a)
     if route == "reference":
-        lam, q = eigh_reference(ops._flat(a), upper)
+        ref = complex_eigh_reference if a.is_complex() else eigh_reference
+        lam, q = ref(ops._flat(a), upper)
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
     else:
         lam, q = ops.eigh(a, upper, True, method == "jacobi")
@@ -659,7 +729,7 @@ def eigh(
 
 
 def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.Tensor:
-    """Eigenvalues of symmetric ``A``, ascending (``torch.linalg.eigvalsh``)."""
+    """Eigenvalues of symmetric (Hermitian) ``A``, ascending (``torch.linalg.eigvalsh``)."""
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, UPLO, False)
         if key in _lk_eigh and _routes_gen[0] == _cfg_gen[0] and not A.requires_grad:
@@ -681,7 +751,8 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
         if run is not None:
             return run(a)
     if route == "reference":
-        return eigh_reference(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
+        ref = complex_eigh_reference if a.is_complex() else eigh_reference
+        return ref(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
     return ops.eigh(a, upper, False, method == "jacobi")[0]
 
 
@@ -741,7 +812,9 @@ def cholesky_ex(
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, upper)
         if key in _lk_chol and _routes_gen[0] == _cfg_gen[0]:
-            return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+            if upper or check_errors:
+                return torch.linalg.cholesky_ex(A, upper=upper, check_errors=check_errors)
+            return _chol_ex(A)  # no keywords to parse: +0.5-0.9 us over torch, was +0.8-1.2
         run = _one_chol_ex.get(key)
         if run is not None and _native_ok(A):
             return run(A, check_errors)
@@ -859,9 +932,9 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
             if not A.is_cpu:
                 return torch.linalg.cholesky(A, upper=upper)
             # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1
-            # vs 10.4 us for cholesky_ex, interleaved medians); reading info's bytes ~2.3 us
+            # vs 10.4 us for cholesky_ex, interleaved medians); testing info's bytes ~1 us
             # (the tuner times this as _chol_lapack)
-            fac, info = torch.linalg.cholesky_ex(A, upper=upper)
+            fac, info = torch.linalg.cholesky_ex(A, upper=True) if upper else _chol_ex(A)
             if _info_bad(info):
                 _raise_not_pd("cholesky", A, info)
             return fac

@@ -1,5 +1,5 @@
-"""Backward formulas for the native decompositions, in torch ops (real dtypes; QR and Cholesky
-also complex, with conjugate transposes and torch's treatment of the diagonal).
+"""Backward formulas for the native decompositions, in torch ops (real dtypes; all four also
+complex, with conjugate transposes and torch's treatment of the diagonal).
 
 They follow ``torch.linalg``'s own derivations (``svd_backward``, ``linalg_eig_backward`` with
 ``is_hermitian``, ``linalg_qr_backward`` and ``cholesky_backward`` in PyTorch's
@@ -9,7 +9,11 @@ They follow ``torch.linalg``'s own derivations (``svd_backward``, ``linalg_eig_b
   gA = U [(skew(UᵀgU)/E) S + S (skew(VᵀgV)/E) + diag(gS)] Vᵀ, plus (I − UUᵀ) gU S⁻¹ Vᵀ when m > n
   or U S⁻¹ gVᵀ (I − VVᵀ) when m < n. With ``full_matrices=True`` only the leading k columns of U
   (rows of Vh) enter, as in torch. Distinct, non-zero singular values are assumed (as in torch).
-- eigh: gA = V (diag(gL) + ½(VᵀgV − gVᵀV)/E) Vᵀ with E_ij = L_j − L_i.
+  Complex: ᵀ becomes ᴴ, skew(X) = X − Xᴴ, plus diag(skew(UᴴgU))/(2S) when both gU and gVh are
+  given; a loss that depends on the vectors' phases (Im diag(UᴴgU) ≠ −Im diag(VᴴgV)) raises
+  torch's RuntimeError.
+- eigh: gA = V (diag(gL) + ½(VᴴgV − gVᴴV)/E) Vᴴ with E_ij = L_j − L_i; complex: a loss with
+  Im diag(VᴴgV) ≠ 0 depends on the eigenvectors' phases and raises torch's RuntimeError.
 - QR, with G = gR Rᴴ − Qᴴ gQ: m ≥ n, gA = (gQ + Q (T + Tᴴ − ½ Re diag(T + Tᴴ))) R⁻ᴴ,
   T = triu(G); m < n, with X = tril(Gᴴ − G): gA = [Q (X − ½ diag X) R₁⁻ᴴ, 0] + Q gR (X's
   diagonal is 2i Im G_jj, zero for real input). The errors for ``mode='r'`` and for
@@ -38,7 +42,7 @@ def svd_backward(
     vh: torch.Tensor,
     full_matrices: bool,
 ) -> torch.Tensor | None:
-    """Gradient of a loss through ``A = U diag(S) Vh`` (reduced or full)."""
+    """Gradient of a loss through ``A = U diag(S) Vh`` (reduced or full; real or complex)."""
     k = s.shape[-1]
     if full_matrices:
         u, vh = u[..., :k], vh[..., :k, :]
@@ -51,43 +55,72 @@ def svd_backward(
         assert gs is not None
         return (u * gs.unsqueeze(-2)) @ vh
     e = _e_matrix(s * s)
-    inner = torch.zeros((*s.shape, k), dtype=s.dtype, device=s.device)
+    inner = torch.zeros((*s.shape, k), dtype=u.dtype, device=s.device)
+    uhgu = vhgv = None
     if gu is not None:
-        uhgu = u.mT @ gu
-        inner = inner + ((uhgu - uhgu.mT) / e) * s.unsqueeze(-2)
+        uhgu = u.mH @ gu
+        uhgu = uhgu - uhgu.mH
+        inner = inner + (uhgu / e) * s.unsqueeze(-2)
     if gvh is not None:
-        vhgv = vh @ gvh.mT
-        inner = inner + s.unsqueeze(-1) * ((vhgv - vhgv.mT) / e)
+        vhgv = vh @ gvh.mH
+        vhgv = vhgv - vhgv.mH
+        inner = inner + s.unsqueeze(-1) * (vhgv / e)
+    if u.is_complex():
+        _check_svd_gauge(uhgu, vhgv, s)
+        if uhgu is not None and vhgv is not None:
+            inner = inner + torch.diag_embed(uhgu.diagonal(0, -2, -1) / (2 * s))
     if gs is not None:
         inner = inner + torch.diag_embed(gs)
     if m > n and gu is not None:
         ga = u @ inner
         gusinv = gu / s.unsqueeze(-2)
-        ga = ga + gusinv - u @ (u.mT @ gusinv)
+        ga = ga + gusinv - u @ (u.mH @ gusinv)
         return ga @ vh
     if m < n and gvh is not None:
         ga = inner @ vh
         sinvgvh = gvh / s.unsqueeze(-1)
-        ga = ga + sinvgvh - (sinvgvh @ vh.mT) @ vh
+        ga = ga + sinvgvh - (sinvgvh @ vh.mH) @ vh
         return u @ ga
     return u @ inner @ vh
+
+
+def _check_svd_gauge(uhgu: torch.Tensor | None, vhgv: torch.Tensor | None, s: torch.Tensor) -> None:
+    """torch's check that a loss does not depend on the phases of the singular vectors
+    (U, V → U e^{iφ}, V e^{iφ}): Im diag(UᴴgU) = −Im diag(VᴴgV), loosely (rtol = atol = 1e-2)."""
+    zero = torch.zeros_like(s)
+    im_u = zero if uhgu is None else uhgu.diagonal(0, -2, -1).imag
+    im_v = zero if vhgv is None else vhgv.diagonal(0, -2, -1).imag
+    if not torch.allclose(im_u, -im_v, rtol=1e-2, atol=1e-2):
+        raise RuntimeError(
+            "torchport.linalg.svd backward: The singular vectors in the complex case are "
+            "specified up to multiplication by e^{i phi}. The specified loss function depends "
+            "on this phase term, making it ill-defined."
+        )
 
 
 def eigh_backward(
     gl: torch.Tensor | None, gv: torch.Tensor | None, lam: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor | None:
-    """Gradient of a loss through ``A = V diag(L) Vᵀ`` (V orthogonal)."""
+    """Gradient of a loss through ``A = V diag(L) Vᴴ`` (V orthogonal or unitary)."""
     if gl is None and gv is None:
         return None
     if gv is None:
         assert gl is not None
-        return (v * gl.unsqueeze(-2)) @ v.mT
-    vhgv = v.mT @ gv
-    inner = 0.5 * (vhgv - vhgv.mT) / _e_matrix(lam)
+        return (v * gl.unsqueeze(-2)) @ v.mH
+    vhgv = v.mH @ gv
+    if v.is_complex():
+        im = vhgv.diagonal(0, -2, -1).imag
+        if not torch.allclose(im, torch.zeros_like(im), rtol=1e-2, atol=1e-2):
+            raise RuntimeError(
+                "torchport.linalg.eigh backward: The eigenvectors in the complex case are "
+                "specified up to multiplication by e^{i phi}. The specified loss function "
+                "depends on this quantity, so it is ill-defined."
+            )
+    inner = 0.5 * (vhgv - vhgv.mH) / _e_matrix(lam)
     inner = inner - torch.diag_embed(inner.diagonal(0, -2, -1))
     if gl is not None:
         inner = inner + torch.diag_embed(gl)
-    return v @ inner @ v.mT
+    return v @ inner @ v.mH
 
 
 def qr_backward(

@@ -1832,8 +1832,9 @@ def runs_lanes(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> bool:
     """Whether the batched ``op`` (svd, eigh, qr, cholesky) of ``b`` m x n matrices runs one
     matrix per SIMD lane: a batch of at least :func:`lane_batch` within the op's lane sizes
     (``LANES_MAX_N``, ``QR_LANES_MAX_N``, ``CHOLESKY_LANES_MAX_N``). Calls on either side run
-    different kernels, so the tuner keeps their choices apart."""
-    if dtype.is_complex:  # the complex kernels (complex_factor) run one matrix per thread
+    different kernels, so the tuner keeps their choices apart. Complex dtypes: never (their
+    kernels, :mod:`~torchport.linalg.complex_jacobi`, run one matrix per thread)."""
+    if dtype.is_complex:
         return False
     top = (
         QR_LANES_MAX_N if op == "qr" else CHOLESKY_LANES_MAX_N if op == "cholesky" else LANES_MAX_N

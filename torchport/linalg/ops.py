@@ -1,8 +1,9 @@
 """``torch.library`` custom ops over the native kernels, with fake shapes and autograd.
 
-Each op takes a float32/float64 CPU tensor (qr and cholesky_ex also complex64/complex128, through
-:mod:`torchport.linalg.complex_factor`) of any batch shape ``(*, m, n)``, flattens the
-batch, calls the kernel launcher and reshapes back. Numerical failures raise
+Each op takes a float32/float64 CPU tensor of any batch shape ``(*, m, n)`` (svd and eigh also
+complex64/complex128, through :mod:`~torchport.linalg.complex_jacobi`, S and the eigenvalues then
+real; qr and cholesky_ex through :mod:`~torchport.linalg.complex_factor`), flattens the batch,
+calls the kernel launcher and reshapes back. Numerical failures raise
 ``torch.linalg.LinAlgError`` with ``torch.linalg``'s wording and the flat batch index. Backward
 formulas live in :mod:`torchport.linalg.autograd`.
 """
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from torchport.linalg import autograd as ag
-from torchport.linalg import complex_factor, kernels
+from torchport.linalg import complex_factor, complex_jacobi, kernels
 
 
 def _batch_prefix(a: torch.Tensor, bad: int) -> str:
@@ -36,7 +37,8 @@ def svd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Native SVD of ``a`` (*, m, n): (U, S, Vh); U and Vh are empty when not ``compute_uv``."""
     batch, (_m, _n) = a.shape[:-2], a.shape[-2:]
-    u, s, vh, bad = kernels.svd(_flat(a), full_matrices, compute_uv)
+    run = complex_jacobi.svd if a.is_complex() else kernels.svd
+    u, s, vh, bad = run(_flat(a), full_matrices, compute_uv)
     if bad:
         raise torch.linalg.LinAlgError(
             f"torchport.linalg.svd: {_batch_prefix(a, bad)}The algorithm failed to converge "
@@ -55,7 +57,7 @@ _svd_op = torch.library.custom_op("torchport::linalg_svd", svd_impl, mutates_arg
 def _(a: torch.Tensor, full_matrices: bool, compute_uv: bool) -> tuple[Any, Any, Any]:
     batch, (m, n) = a.shape[:-2], a.shape[-2:]
     k = min(m, n)
-    s = a.new_empty((*batch, k))
+    s = a.new_empty((*batch, k), dtype=a.dtype.to_real())
     if not compute_uv:
         return a.new_empty(0), s, a.new_empty(0)
     u = a.new_empty((*batch, m, m if full_matrices else k))
@@ -96,7 +98,10 @@ def eigh_impl(
     """Native symmetric eigendecomposition of ``a`` (*, n, n): (L ascending, Q); ``jacobi``:
     only the Jacobi kernels (``method="jacobi"``), else the measured fastest native one."""
     batch, n = a.shape[:-2], a.shape[-1]
-    lam, q, bad = kernels.eigh(_flat(a), upper, compute_v, jacobi=jacobi)
+    if a.is_complex():
+        lam, q, bad = complex_jacobi.eigh(_flat(a), upper, compute_v)
+    else:
+        lam, q, bad = kernels.eigh(_flat(a), upper, compute_v, jacobi=jacobi)
     if bad:
         raise torch.linalg.LinAlgError(
             f"torchport.linalg.eigh: {_batch_prefix(a, bad)}The algorithm failed to converge "
@@ -111,8 +116,8 @@ _eigh_op = torch.library.custom_op("torchport::linalg_eigh", eigh_impl, mutates_
 
 @_eigh_op.register_fake
 def _(a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False) -> tuple[Any, Any]:
-    n = a.shape[-1]
-    return a.new_empty((*a.shape[:-2], n)), (a.new_empty(a.shape) if compute_v else a.new_empty(0))
+    lam = a.new_empty((*a.shape[:-2], a.shape[-1]), dtype=a.dtype.to_real())
+    return lam, (a.new_empty(a.shape) if compute_v else a.new_empty(0))
 
 
 def _eigh_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:

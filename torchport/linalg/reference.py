@@ -23,6 +23,8 @@ The native kernels must agree with them to working precision (tests/test_linalg.
   diagonal; the kernels of :mod:`torchport.linalg.complex_factor`).
 - ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor
   (complex: A = L Lᴴ, the diagonal's imaginary part ignored).
+- ``complex_svd_reference``, ``complex_eigh_reference``: the complex Jacobi kernels of
+  :mod:`torchport.linalg.complex_jacobi` (cyclic order, phase-carrying unitary rotations).
 """
 
 from __future__ import annotations
@@ -502,3 +504,137 @@ def eigh_tridiagonal_reference(
     if not compute_v:
         return lam, a.new_empty(0)
     return lam, torch.gather(z, 2, perm.unsqueeze(1).expand(bsz, n, n))
+
+
+# --- complex (complex64/complex128): the algorithms of torchport.linalg.complex_jacobi ----------
+
+
+def _complex_rotate(
+    x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, s: torch.Tensor, f: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c·x − s·f·y, s·f̄·x + c·y) for rows x, y (B, len), real c, s and a phase f (B,): the
+    unitary rotation [[c, −s·f], [s·f̄, c]], the identity as s → 0 (the real rotation between
+    the phase diag(1, f) and its inverse)."""
+    sf = (s * f)[:, None]
+    return c[:, None] * x - sf * y, sf.conj() * x + c[:, None] * y
+
+
+def _complete_basis_complex(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Tensor:
+    """:func:`_complete_basis` with the complex inner product uᴴv (``ub`` complex)."""
+    bsz, _, p = ub.shape
+    out = torch.zeros(bsz, want, p, dtype=ub.dtype, device=ub.device)
+    out[:, : min(want, ub.shape[1])] = ub[:, :want]
+    eye = torch.eye(p, dtype=ub.dtype, device=ub.device)
+    for j in range(want):
+        redo = good <= j
+        if not bool(redo.any()):
+            continue
+        prev = out[:, :j]  # (B, j, p)
+        best = (prev.abs() ** 2).sum(1).argmin(-1)
+        v = eye[best]
+        for _ in range(2):
+            v = v - ((prev.conj() @ v.unsqueeze(-1)) * prev).sum(1)
+        tiny = torch.finfo(ub.real.dtype).tiny
+        v = v / torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(tiny)
+        out[:, j] = torch.where(redo.unsqueeze(-1), v, out[:, j])
+    return out
+
+
+def complex_svd_reference(
+    a: torch.Tensor, full_matrices: bool = False, compute_uv: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One-sided Jacobi SVD of complex (B, m, n) ``a`` in cyclic order: (U, real S desc, Vh).
+
+    The vectors are A's columns, or the columns of Aᴴ when m < n; pair (j, k) with
+    g = w_jᴴ w_k is rotated while |g| > eps·sqrt(p)·‖w_j‖‖w_k‖ by :func:`_complex_rotate` with
+    f = ḡ/|g|, (c, s, t) the real rotation of (‖w_j‖², ‖w_k‖², |g|); null vectors completed
+    as in :func:`svd_reference`.
+    """
+    bsz, m, n = a.shape
+    trans = m < n
+    p, q = (n, m) if trans else (m, n)
+    w = (a.conj() if trans else a.mT).clone()  # (B, q, p)
+    v = torch.eye(q, dtype=a.dtype, device=a.device).expand(bsz, q, q).clone()
+    real = a.real.dtype
+    tol = _eps(real) * p**0.5
+    pairs = pairs_for(q, 0)
+    for _ in range(MAX_SWEEPS):
+        nrm = (w.abs() ** 2).sum(-1)
+        rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
+        for j, k in pairs:
+            al, be = nrm[:, j].clone(), nrm[:, k].clone()
+            gc = (w[:, j].conj() * w[:, k]).sum(-1)
+            g = gc.abs()
+            act = (al != 0) & (be != 0) & (g > tol * al.sqrt() * be.sqrt())
+            rotated |= act
+            safe = torch.where(act, g, torch.ones_like(g))
+            t, c, s = _rotation((be - al) / (2 * safe))
+            t, c, s = (torch.where(act, x, y) for x, y in ((t, 0.0), (c, 1.0), (s, 0.0)))
+            f = torch.where(act, gc.conj() / safe, torch.ones_like(gc))
+            w[:, j], w[:, k] = _complex_rotate(w[:, j].clone(), w[:, k].clone(), c, s, f)
+            v[:, j], v[:, k] = _complex_rotate(v[:, j].clone(), v[:, k].clone(), c, s, f)
+            nrm[:, j] = al - t * g
+            nrm[:, k] = be + t * g
+        if not bool(rotated.any()):
+            break
+    sig = torch.linalg.vector_norm(w, dim=-1)
+    s_sorted, perm = torch.sort(sig, dim=-1, descending=True, stable=True)
+    if not compute_uv:
+        return a.new_empty(0), s_sorted, a.new_empty(0)
+    w = torch.gather(w, 1, perm.unsqueeze(-1).expand(bsz, q, p))
+    v = torch.gather(v, 1, perm.unsqueeze(-1).expand(bsz, q, q))
+    thresh = s_sorted[:, :1] * p * _eps(real)
+    ok = (s_sorted > thresh) & (s_sorted > 0)
+    good = ok.to(torch.int64).cumprod(-1).sum(-1)
+    ub = w / torch.where(ok, s_sorted, torch.ones_like(s_sorted)).unsqueeze(-1)
+    ub = _complete_basis_complex(ub, good, p if full_matrices else q)
+    if not trans:  # A V = W: U = the unit vectors as columns, Vh = Vᴴ
+        return ub.mT, s_sorted, v.conj()
+    return v.mT, s_sorted, ub.conj()  # Aᴴ = Ub S Vᴴ
+
+
+def complex_eigh_reference(
+    a: torch.Tensor, upper: bool = False, compute_v: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-sided cyclic Jacobi of Hermitian complex (B, n, n) ``a`` from its ``upper`` (else
+    lower) triangle, the imaginary part of the diagonal ignored: (real L ascending, Q).
+
+    Pair (p, q) with a_pq = g·e, g = |a_pq|, is rotated while
+    g > eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F) by :func:`_complex_rotate`, (c, s, t) the real
+    rotation of [[a_pp, g], [g, a_qq]]: rows p, q with f = e (= a_pq / g), columns the
+    conjugates of the rows, the eigenvector columns with f = ē.
+    """
+    bsz, n, _ = a.shape
+    tri = a.triu(1).mH if upper else a.tril(-1)
+    x = tri + tri.mH + torch.diag_embed(a.diagonal(0, -2, -1).real.to(a.dtype))
+    frob = torch.linalg.vector_norm(x.flatten(1), dim=-1)
+    vt = torch.eye(n, dtype=a.dtype, device=a.device).expand(bsz, n, n).clone()
+    eps = _eps(a.real.dtype)
+    for _ in range(MAX_SWEEPS):
+        rotated = torch.zeros(bsz, dtype=torch.bool, device=a.device)
+        for p, q in pairs_for(n, 0):
+            apq = x[:, p, q].clone()
+            app, aqq = x[:, p, p].real.clone(), x[:, q, q].real.clone()
+            g = apq.abs()
+            scale = torch.maximum(app.abs().sqrt() * aqq.abs().sqrt(), 0.1 * frob)
+            act = (g != 0) & (g > eps * scale)
+            rotated |= act
+            safe = torch.where(act, g, torch.ones_like(g))
+            t, c, s = _rotation((aqq - app) / (2 * safe))
+            t, c, s = (torch.where(act, u, w) for u, w in ((t, 0.0), (c, 1.0), (s, 0.0)))
+            e = torch.where(act, apq / safe, torch.ones_like(apq))
+            x[:, p], x[:, q] = _complex_rotate(x[:, p].clone(), x[:, q].clone(), c, s, e)
+            x[:, :, p] = x[:, p].conj()
+            x[:, :, q] = x[:, q].conj()
+            x[:, p, p] = (app - t * g).to(a.dtype)
+            x[:, q, q] = (aqq + t * g).to(a.dtype)
+            x[:, p, q] = torch.where(act, torch.zeros_like(apq), apq)
+            x[:, q, p] = x[:, p, q].conj()
+            vt[:, p], vt[:, q] = _complex_rotate(vt[:, p].clone(), vt[:, q].clone(), c, s, e.conj())
+        if not bool(rotated.any()):
+            break
+    lam, perm = torch.sort(x.diagonal(0, -2, -1).real, dim=-1, stable=True)
+    if not compute_v:
+        return lam, a.new_empty(0)
+    vt = torch.gather(vt, 1, perm.unsqueeze(-1).expand(bsz, n, n))
+    return lam, vt.mT

@@ -1,0 +1,419 @@
+"""Native batched Jacobi kernels for complex64/complex128: Hermitian eigh and one-sided SVD.
+
+One C source, instantiated for ``float _Complex`` and ``double _Complex`` (the interleaved
+(re, im) layout of torch's complex tensors); each kernel is parallel over the batch with OpenMP,
+one matrix per thread at a time in per-thread scratch, as the real per-thread kernels of
+:mod:`torchport.linalg.kernels` (same toolchain, cache and thread rule). The arithmetic is written
+on the real and imaginary parts, so the rotation and inner-product loops are plain loops over
+interleaved pairs that gcc vectorises (no ``__mulsc3`` calls). The plain-torch references are
+``complex_eigh_reference`` and ``complex_svd_reference`` in :mod:`torchport.linalg.reference`;
+the numerics both follow:
+
+A complex rotation of a pair (x, y) is the unitary [[c, −z], [z̄, c]]: x ← c·x − z·y,
+y ← z̄·x + c·y, z = s·f, with (c, s, t) the real Jacobi rotation of the pair's 2×2 problem
+(``kernels``' ``rot_params``) and f a phase: the real rotation between the phase diag(1, f) that
+makes the coupling real and its inverse, so it tends to the identity as s → 0 (no phase jump when
+a pair is rotated once more near convergence, which keeps kernel and reference together).
+
+- **eigh** (two-sided cyclic Jacobi on the Hermitian matrix built from the ``UPLO`` triangle, the
+  imaginary part of the diagonal ignored as LAPACK does): pair (p, q) with a_pq = g·e,
+  g = |a_pq|, is rotated while g > eps·max(sqrt|a_pp a_qq|, 0.1‖A‖_F), (c, s, t) from
+  [[a_pp, g], [g, a_qq]]: rows p, q with f = e, columns the conjugates of the rows, the
+  eigenvector columns of V (A = V Λ Vᴴ) with f = ē. Eigenvalues real, ascending.
+- **SVD** (Hestenes): the q = min(m, n) vectors (columns of A, or conjugated rows when m < n, i.e.
+  the columns of Aᴴ) are rotated pairwise until |w_jᴴ w_k| ≤ eps·sqrt(p)·‖w_j‖‖w_k‖: with
+  g = w_jᴴ w_k, f = ḡ/|g| and (c, s, t) from (‖w_j‖², ‖w_k‖², |g|), on W and V alike. S real
+  descending; numerically null vectors (σ ≤ σ_max·p·eps) completed by complex Gram-Schmidt from
+  the least represented unit vector; Vh = Vᴴ.
+
+Non-finite input stops that matrix; the launchers return 1 + the first such batch index, as the
+real ones do.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+from torchport import native
+from torchport.linalg._cparams import scalar_params
+from torchport.native import IntArg, Kernel, TensorArg
+
+_TAG = {torch.complex64: "c64", torch.complex128: "c128"}
+MAX_SWEEPS = 60
+
+_SOURCE = r"""
+typedef ${elem} T;
+typedef ${elem} _Complex C;
+#define EPS ((T)${eps})
+#define TSQRT ${sqrt}
+#define TFABS ${fabs}
+#define MAX_SWEEPS ${max_sweeps}
+
+/* Complex vectors are interleaved (re, im) arrays of T: element i is x[2i], x[2i + 1]. */
+
+TP_INLINE T cnorm2(const T *x, int64_t n) {
+    T s = 0;
+    #pragma omp simd reduction(+:s)
+    for (int64_t i = 0; i < 2 * n; ++i) s += x[i] * x[i];
+    return s;
+}
+
+/* x^H y */
+TP_INLINE void cdot(const T *x, const T *y, int64_t n, T *re, T *im) {
+    T r = 0, s = 0;
+    #pragma omp simd reduction(+:r, s)
+    for (int64_t i = 0; i < n; ++i) {
+        T xr = x[2 * i], xi = x[2 * i + 1], yr = y[2 * i], yi = y[2 * i + 1];
+        r += xr * yr + xi * yi;
+        s += xr * yi - xi * yr;
+    }
+    *re = r; *im = s;
+}
+
+/* x <- c x - (sr + i si) y, y <- (sr - i si) x + c y: the unitary rotation [[c, -z], [conj(z), c]]
+   on the pair, z = s f for the real rotation's c, s and a phase f (identity as s -> 0) */
+TP_INLINE void crot(T *x, T *y, int64_t n, T c, T sr, T si) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        T xr = x[2 * i], xi = x[2 * i + 1], yr = y[2 * i], yi = y[2 * i + 1];
+        x[2 * i] = c * xr - (sr * yr - si * yi); x[2 * i + 1] = c * xi - (sr * yi + si * yr);
+        y[2 * i] = sr * xr + si * xi + c * yr; y[2 * i + 1] = sr * xi - si * xr + c * yi;
+    }
+}
+
+/* the real Jacobi rotation of [[al, g], [g, be]] (kernels.py's rot_params) */
+TP_INLINE void rot_params(T al, T be, T g, T *tt, T *c, T *s) {
+    T zeta = (be - al) / (2 * g), t;
+    if (TFABS(zeta) > (T)1e15) t = (T)0.5 / zeta;
+    else t = (zeta >= 0 ? (T)1 : (T)-1) / (TFABS(zeta) + TSQRT(1 + zeta * zeta));
+    *tt = t; *c = (T)1 / TSQRT(1 + t * t); *s = *c * t;
+}
+
+TP_INLINE int all_finite(const T *a, int64_t n) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; ++i) ok &= isfinite(a[i]) ? 1 : 0;
+    return ok;
+}
+
+/* Complete rows [r, want) of the orthonormal complex set Ub (vectors of length p) */
+TP_INLINE void ccomplete_basis(T *Ub, int64_t r, int64_t want, int64_t p) {
+    for (int64_t j = r; j < want; ++j) {
+        int64_t best = 0; T bestw = (T)1e30;
+        for (int64_t i = 0; i < p; ++i) {
+            T w = 0;
+            for (int64_t l = 0; l < j; ++l) {
+                const T *u = Ub + 2 * (l * p + i);
+                w += u[0] * u[0] + u[1] * u[1];
+            }
+            if (w < bestw) { bestw = w; best = i; }
+        }
+        T *v = Ub + 2 * j * p;
+        for (int64_t i = 0; i < 2 * p; ++i) v[i] = 0;
+        v[2 * best] = 1;
+        for (int pass = 0; pass < 2; ++pass) {
+            for (int64_t l = 0; l < j; ++l) {
+                const T *u = Ub + 2 * l * p;
+                T dr, di;
+                cdot(u, v, p, &dr, &di);
+                for (int64_t i = 0; i < p; ++i) {
+                    v[2 * i] -= dr * u[2 * i] - di * u[2 * i + 1];
+                    v[2 * i + 1] -= dr * u[2 * i + 1] + di * u[2 * i];
+                }
+            }
+        }
+        T nv = TSQRT(cnorm2(v, p));
+        T inv = nv > 0 ? (T)1 / nv : (T)0;
+        for (int64_t i = 0; i < 2 * p; ++i) v[i] *= inv;
+    }
+}
+
+/* ---------------------------------------------------------------- SVD (one-sided Jacobi) */
+TP_INLINE int csvd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int uv, int full,
+                       T *W, T *Ub, T *V, T *nrm, int64_t *perm) {
+    const int trans = m < n;
+    const int64_t p = trans ? n : m, q = trans ? m : n;
+    if (!all_finite(a, 2 * m * n)) return 1;
+    T amax = 0;
+    for (int64_t i = 0; i < 2 * m * n; ++i) amax = TP_MAX(amax, TFABS(a[i]));
+    const int ex = TP_SCALE_EXP(amax);
+    const T fac = (T)ldexp(1.0, -ex);
+    if (!trans) {
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+                W[2 * (j * p + i)] = a[2 * (i * n + j)] * fac;
+                W[2 * (j * p + i) + 1] = a[2 * (i * n + j) + 1] * fac;
+            }
+    } else {  /* the columns of A^H: conjugated rows */
+        for (int64_t i = 0; i < m * n; ++i) { W[2 * i] = a[2 * i] * fac; W[2 * i + 1] = -a[2 * i + 1] * fac; }
+    }
+    if (uv) {
+        for (int64_t j = 0; j < 2 * q * q; ++j) V[j] = 0;
+        for (int64_t j = 0; j < q; ++j) V[2 * (j * q + j)] = 1;
+    }
+    const T tol = EPS * TSQRT((T)p);
+    for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
+        for (int64_t j = 0; j < q; ++j) nrm[j] = cnorm2(W + 2 * j * p, p);
+        int64_t rotated = 0;
+        for (int64_t j = 0; j < q; ++j)
+            for (int64_t k = j + 1; k < q; ++k) {
+                T al = nrm[j], be = nrm[k];
+                if (al == 0 || be == 0) continue;
+                T gr, gi;
+                cdot(W + 2 * j * p, W + 2 * k * p, p, &gr, &gi);
+                T g = TSQRT(gr * gr + gi * gi);
+                if (g <= tol * TSQRT(al) * TSQRT(be)) continue;
+                ++rotated;
+                T tt, c, s;
+                rot_params(al, be, g, &tt, &c, &s);
+                const T sr = s * gr / g, si = -s * gi / g;  /* s conj(g) / |g| */
+                crot(W + 2 * j * p, W + 2 * k * p, p, c, sr, si);
+                if (uv) crot(V + 2 * j * q, V + 2 * k * q, q, c, sr, si);
+                nrm[j] = al - tt * g;
+                nrm[k] = be + tt * g;
+            }
+        if (!rotated) break;
+    }
+    for (int64_t j = 0; j < q; ++j) { nrm[j] = TSQRT(cnorm2(W + 2 * j * p, p)); perm[j] = j; }
+    for (int64_t j = 1; j < q; ++j) {  /* insertion sort, descending */
+        int64_t x = perm[j], i = j;
+        while (i > 0 && nrm[perm[i - 1]] < nrm[x]) { perm[i] = perm[i - 1]; --i; }
+        perm[i] = x;
+    }
+    for (int64_t j = 0; j < q; ++j) S[j] = nrm[perm[j]];
+    if (uv) {
+        const T thresh = (q > 0 ? S[0] : 0) * (T)p * EPS;
+        int64_t r = 0;
+        for (; r < q; ++r) {
+            T sg = S[r];
+            if (!(sg > thresh) || sg == 0) break;
+            const T *w = W + 2 * perm[r] * p;
+            T inv = (T)1 / sg;
+            for (int64_t i = 0; i < 2 * p; ++i) Ub[2 * r * p + i] = w[i] * inv;
+        }
+        const int64_t want = full ? p : q;
+        ccomplete_basis(Ub, r, want, p);
+        if (!trans) {  /* U = the unit vectors as columns, Vh = V^H */
+            for (int64_t i = 0; i < m; ++i)
+                for (int64_t j = 0; j < want; ++j) {
+                    U[2 * (i * want + j)] = Ub[2 * (j * p + i)];
+                    U[2 * (i * want + j) + 1] = Ub[2 * (j * p + i) + 1];
+                }
+            for (int64_t j = 0; j < q; ++j)
+                for (int64_t l = 0; l < q; ++l) {
+                    Vh[2 * (j * q + l)] = V[2 * (perm[j] * q + l)];
+                    Vh[2 * (j * q + l) + 1] = -V[2 * (perm[j] * q + l) + 1];
+                }
+        } else {  /* A^H = Ub S V^H: U = V, Vh = Ub^H */
+            for (int64_t i = 0; i < m; ++i)
+                for (int64_t j = 0; j < m; ++j) {
+                    U[2 * (i * m + j)] = V[2 * (perm[j] * q + i)];
+                    U[2 * (i * m + j) + 1] = V[2 * (perm[j] * q + i) + 1];
+                }
+            for (int64_t i = 0; i < want * n; ++i) { Vh[2 * i] = Ub[2 * i]; Vh[2 * i + 1] = -Ub[2 * i + 1]; }
+        }
+    }
+    for (int64_t j = 0; j < q; ++j) S[j] = (T)ldexp((double)S[j], ex);
+    return 0;
+}
+
+TP_EXPORT int tp_csvd(const C *a, T *S, C *U, C *Vh, int64_t B, int64_t m, int64_t n, int64_t uv,
+                      int64_t full, int64_t nthreads) {
+    const int64_t p = TP_MAX(m, n), k = TP_MIN(m, n);
+    const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
+    /* a complex rotation is ~4 real ones: the real kernels' one-thread bound, in real work */
+    int64_t nt = (B < 2 || 4 * B * p * k * k < 100000) ? 1 : nthreads;
+    int64_t bad = INT64_MAX;
+    #pragma omp parallel num_threads(nt) reduction(min:bad)
+    {
+        T *W = (T *)malloc(sizeof(T) * 2 * (p * k + p * p + k * k + k + 8));
+        T *Ub = W + 2 * p * k, *V = Ub + 2 * p * p, *nrm = V + 2 * k * k;
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (k + 1));
+        int64_t chunk = TP_MAX(1, B / (nt * 16));
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t b = 0; b < B; ++b) {
+            int st = csvd_one((const T *)(a + b * m * n), S + b * k, (T *)(U + b * usz),
+                              (T *)(Vh + b * vsz), m, n, (int)uv, (int)full, W, Ub, V, nrm, perm);
+            if (st && b < bad) bad = b;
+        }
+        free(W); free(perm);
+    }
+    return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
+}
+
+/* ---------------------------------------------------------------- eigh (two-sided Jacobi) */
+TP_INLINE int ceigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv, T *A, T *V,
+                        T *d, int64_t *perm) {
+    if (!all_finite(in, 2 * n * n)) return 1;
+    /* the entries of the UPLO triangle, the real part of the diagonal; scaled by an even power
+       of two (see kernels.py's eigh_one) */
+    T amax = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+            const T *z = upper ? in + 2 * (j * n + i) : in + 2 * (i * n + j);
+            amax = TP_MAX(amax, TFABS(z[0]));
+            if (i != j) amax = TP_MAX(amax, TFABS(z[1]));
+        }
+    int ex = TP_SCALE_EXP(amax);
+    ex -= ex & 1;
+    const T fac = (T)ldexp(1.0, -ex);
+    T frob = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+            const T *z = upper ? in + 2 * (j * n + i) : in + 2 * (i * n + j);
+            T re = z[0] * fac, im = (i == j) ? 0 : (upper ? -z[1] : z[1]) * fac;  /* a_ij, i >= j */
+            A[2 * (i * n + j)] = re; A[2 * (i * n + j) + 1] = im;
+            A[2 * (j * n + i)] = re; A[2 * (j * n + i) + 1] = -im;
+            frob += (i == j ? 1 : 2) * (re * re + im * im);
+        }
+    frob = TSQRT(frob);
+    if (wantv) {
+        for (int64_t j = 0; j < 2 * n * n; ++j) V[j] = 0;
+        for (int64_t j = 0; j < n; ++j) V[2 * (j * n + j)] = 1;
+    }
+    const T floor_ = (T)0.1 * frob;
+    for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
+        int64_t rotated = 0;
+        for (int64_t p = 0; p < n; ++p)
+            for (int64_t q = p + 1; q < n; ++q) {
+                T ar = A[2 * (p * n + q)], ai = A[2 * (p * n + q) + 1];
+                if (ar == 0 && ai == 0) continue;
+                T g = TSQRT(ar * ar + ai * ai);
+                T app = A[2 * (p * n + p)], aqq = A[2 * (q * n + q)];
+                T scale = TSQRT(TFABS(app)) * TSQRT(TFABS(aqq));
+                if (g <= EPS * (scale > floor_ ? scale : floor_)) continue;
+                ++rotated;
+                T tt, c, s;
+                rot_params(app, aqq, g, &tt, &c, &s);
+                const T sr = s * ar / g, si = s * ai / g;  /* s e, e = a_pq / |a_pq| */
+                crot(A + 2 * p * n, A + 2 * q * n, n, c, sr, si);
+                for (int64_t k = 0; k < n; ++k) {
+                    A[2 * (k * n + p)] = A[2 * (p * n + k)]; A[2 * (k * n + p) + 1] = -A[2 * (p * n + k) + 1];
+                    A[2 * (k * n + q)] = A[2 * (q * n + k)]; A[2 * (k * n + q) + 1] = -A[2 * (q * n + k) + 1];
+                }
+                A[2 * (p * n + p)] = app - tt * g; A[2 * (p * n + p) + 1] = 0;
+                A[2 * (q * n + q)] = aqq + tt * g; A[2 * (q * n + q) + 1] = 0;
+                A[2 * (p * n + q)] = 0; A[2 * (p * n + q) + 1] = 0;
+                A[2 * (q * n + p)] = 0; A[2 * (q * n + p) + 1] = 0;
+                if (wantv) crot(V + 2 * p * n, V + 2 * q * n, n, c, sr, -si);
+            }
+        if (!rotated) break;
+    }
+    for (int64_t j = 0; j < n; ++j) { d[j] = A[2 * (j * n + j)]; perm[j] = j; }
+    for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
+        int64_t x = perm[j], i = j;
+        while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
+        perm[i] = x;
+    }
+    for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
+    if (wantv)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+                Q[2 * (i * n + j)] = V[2 * (perm[j] * n + i)];
+                Q[2 * (i * n + j) + 1] = V[2 * (perm[j] * n + i) + 1];
+            }
+    return 0;
+}
+
+TP_EXPORT int tp_ceigh(const C *a, T *L, C *Q, int64_t B, int64_t n, int64_t upper, int64_t wantv,
+                       int64_t nthreads) {
+    const int64_t qsz = wantv ? n * n : 0;
+    int64_t nt = (B < 2 || 4 * B * n * n * n < 100000) ? 1 : nthreads;
+    int64_t bad = INT64_MAX;
+    #pragma omp parallel num_threads(nt) reduction(min:bad)
+    {
+        T *A = (T *)malloc(sizeof(T) * (4 * n * n + n + 8));
+        T *V = A + 2 * n * n, *d = V + 2 * n * n;
+        int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
+        int64_t chunk = TP_MAX(1, B / (nt * 16));
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t b = 0; b < B; ++b) {
+            int st = ceigh_one((const T *)(a + b * n * n), L + b * n, (T *)(Q + b * qsz), n,
+                               (int)upper, (int)wantv, A, V, d, perm);
+            if (st && b < bad) bad = b;
+        }
+        free(A); free(perm);
+    }
+    return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
+}
+"""
+
+# Identifies this source in autotuning keys (torchport.linalg._tune), so choices made for an
+# older kernel are not reused.
+SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
+    """Build (or load from the disk cache) the complex kernels for complex64 or complex128."""
+    real = dtype.to_real()
+    params = scalar_params(real, MAX_SWEEPS)
+    src = native.render(
+        "#include <stdlib.h>\n#include <complex.h>\n" + _SOURCE,
+        **{k: params[k] for k in ("elem", "eps", "sqrt", "fabs", "max_sweeps")},
+    )
+    lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}", isa=isa)
+    t, i = TensorArg, IntArg
+    c, r = (dtype,), (real,)
+    return {
+        "svd": Kernel(
+            lib,
+            "tp_csvd",
+            [t("A", c), t("S", r), t("U", c), t("Vh", c)]
+            + [i(x) for x in ("B", "m", "n", "uv", "full", "nthreads")],
+        ),
+        "eigh": Kernel(
+            lib,
+            "tp_ceigh",
+            [t("A", c), t("L", r), t("Q", c)]
+            + [i(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
+        ),
+    }
+
+
+def _ks(dtype: torch.dtype) -> dict[str, Kernel]:
+    return library(dtype, native.cpu_info().isa)
+
+
+def svd(
+    a: torch.Tensor, full_matrices: bool, compute_uv: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Batched SVD of complex ``a`` (B, m, n): U (B, m, m|k), real S (B, k), Vh (B, n|k, n) and
+    1 + the first batch index with non-finite input (0 when none), as ``kernels.svd``."""
+    assert a.dim() == 3 and a.is_contiguous() and a.dtype in _TAG, (a.shape, a.dtype)
+    b, m, n = a.shape
+    k = min(m, n)
+    s = a.new_empty((b, k), dtype=a.dtype.to_real())
+    if compute_uv:
+        u = a.new_empty((b, m, m if full_matrices else k))
+        vh = a.new_empty((b, n if full_matrices else k, n))
+    else:
+        u = vh = a.new_empty((0,))
+    if b == 0 or k == 0:
+        if compute_uv:
+            u.copy_(torch.eye(u.shape[-2], u.shape[-1], dtype=a.dtype).expand_as(u))
+            vh.copy_(torch.eye(vh.shape[-2], vh.shape[-1], dtype=a.dtype).expand_as(vh))
+        return u, s, vh, 0
+    bad = _ks(a.dtype)["svd"].call_unchecked(
+        a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), b, m, n, int(compute_uv),
+        int(full_matrices), native.num_threads(),
+    )  # fmt: skip
+    return u, s, vh, bad
+
+
+def eigh(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Batched Hermitian eigendecomposition of complex ``a`` (B, n, n) from its ``upper`` (else
+    lower) triangle: real L (B, n) ascending, Q (B, n, n), 1 + the first bad batch index."""
+    assert a.dim() == 3 and a.is_contiguous() and a.dtype in _TAG, (a.shape, a.dtype)
+    b, n, _ = a.shape
+    lam = a.new_empty((b, n), dtype=a.dtype.to_real())
+    q = a.new_empty((b, n, n)) if compute_v else a.new_empty((0,))
+    if b == 0 or n == 0:
+        return lam, q, 0
+    bad = _ks(a.dtype)["eigh"].call_unchecked(
+        a.data_ptr(), lam.data_ptr(), q.data_ptr(), b, n, int(upper), int(compute_v),
+        native.num_threads(),
+    )  # fmt: skip
+    return lam, q, bad
