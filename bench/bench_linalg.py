@@ -4,7 +4,10 @@ Each cell times ``torch.linalg.<op>`` (anchor) and ``torchport.linalg.<op>(metho
 native kernel, "ours") interleaved, medians; the ``auto`` column times ``method="auto"`` against
 ``torch.linalg`` interleaved in a round of their own. Rates are
 nominal LAPACK flop counts per matrix (svd 12n³, eigh 9n³, qr 4n³/3 + Q formation 4n³/3,
-cholesky n³/3) so the GFLOP/s columns are comparable across methods, not hardware peaks.
+cholesky n³/3; four times those for complex dtypes) so the GFLOP/s columns are comparable across
+methods, not hardware peaks. ``--dtypes complex64,complex128`` times the complex kernels of qr and
+cholesky (``torchport.linalg.COMPLEX_NATIVE``); a complex op without one is marked and its "ours"
+is ``method="auto"`` (torch.linalg).
 
 Grid: B ∈ {1, 100, 10000, 100000} × n ∈ {2, 3, 4, 8, 16, 32, 64, 128, 512}, float32 and float64.
 Cells are skipped when the input exceeds 1 GB or B·n³ > 4·10⁸ (a single torch.linalg call would
@@ -43,16 +46,30 @@ MAX_WORK = 4e8
 
 
 def _input(op: str, b: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random input (complex dtypes: complex Gaussian; eigh Hermitian, cholesky Hermitian
+    positive-definite)."""
     g = torch.Generator().manual_seed(b * 1000 + n)
     x = torch.randn((b, n, n), generator=g, dtype=dtype)
     if op == "eigh":
-        return (x + x.mT).contiguous()
+        return (x + x.mH).contiguous()
     if op == "cholesky":
-        return (x @ x.mT + n * torch.eye(n, dtype=dtype)).contiguous()
+        return (x @ x.mH + n * torch.eye(n, dtype=dtype)).contiguous()
     return x
 
 
-def _fns(op: str) -> dict[str, Callable[[torch.Tensor], Any]]:
+def _flops(op: str, n: int, dtype: torch.dtype) -> float:
+    """Nominal real flops of one matrix: a complex multiply-add is 4 real ones."""
+    return FLOPS[op](n) * (4 if dtype.is_complex else 1)
+
+
+def _fns(op: str, dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Any]]:
+    """torch.linalg, ours and auto for ``op``. A complex ``dtype`` of an op without native
+    complex kernels (not in ``torchport.linalg.COMPLEX_NATIVE``) has no "jacobi": "ours" is then
+    ``method="auto"``, which runs torch.linalg (one fallback warning), marked by :func:`_ours`."""
+    if dtype.is_complex and op not in tl.COMPLEX_NATIVE:
+        fns = _fns(op, torch.float64)
+        fns["jacobi"] = fns["auto"]
+        return fns
     if op == "svd":
         return {
             "lapack": lambda a: torch.linalg.svd(a, full_matrices=False),
@@ -78,8 +95,13 @@ def _fns(op: str) -> dict[str, Callable[[torch.Tensor], Any]]:
     }
 
 
+def _ours(op: str, dtype: torch.dtype) -> str:
+    """A mark on cells whose "ours" is not a native kernel (see :func:`_fns`)."""
+    return " (no native complex: auto)" if dtype.is_complex and op not in tl.COMPLEX_NATIVE else ""
+
+
 def _skip(b: int, n: int, dtype: torch.dtype, max_work: float) -> str | None:
-    size = b * n * n * torch.finfo(dtype).bits // 8
+    size = b * n * n * dtype.itemsize
     if size > MAX_BYTES:
         return f"input {size / 2**30:.1f} GB > 1 GB"
     if b * n**3 > max_work:
@@ -110,7 +132,7 @@ def grid(args: Any) -> None:
                         skipped.append(f"{op} B={b} n={n} {dtype}: {why}")
                         continue
                     a = _input(op, b, n, dtype)
-                    fns = _fns(op)
+                    fns = _fns(op, dtype)
                     fns["auto"](a)  # tune outside the timing (cached per batch bucket)
                     reps = 5 if args.quick else max(3, min(args.reps, 9))
                     # auto vs torch.linalg in a round of their own: a call timed right after
@@ -124,11 +146,11 @@ def grid(args: Any) -> None:
                     del fns["auto"]
                     t = compare(fns, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
                     table.add(
-                        f"{op} B={b} n={n} {str(dtype)[6:]}",
+                        f"{op} B={b} n={n} {str(dtype)[6:]}{_ours(op, dtype)}",
                         f"torch.linalg.{op}",
                         t["lapack"],
                         t["jacobi"],
-                        b * FLOPS[op](n),
+                        b * _flops(op, n, dtype),
                         auto=f"{t_auto['lapack'] / t_auto['auto']:.2f}x",
                     )
     for s in skipped:
@@ -153,7 +175,7 @@ def fastest(args: Any) -> None:
             for b in _ints(args.batches) or (1000,):
                 for n in _ints(args.sizes) or (8, 16):
                     a = _input(op, b, n, dtype)
-                    fns = _fns(op)
+                    fns = _fns(op, dtype)
                     fl, fo = fns["lapack"], fns[args.method]
                     fl(a), fo(a)
                     tl_ = to = float("inf")
@@ -165,11 +187,11 @@ def fastest(args: Any) -> None:
                         t2 = time.perf_counter()
                         tl_, to = min(tl_, t1 - t0), min(to, t2 - t1)
                     table.add(
-                        f"{op} B={b} n={n} {str(dtype)[6:]}",
+                        f"{op} B={b} n={n} {str(dtype)[6:]}{_ours(op, dtype)}",
                         f"torch.linalg.{op}",
                         tl_,
                         to,
-                        b * FLOPS[op](n),
+                        b * _flops(op, n, dtype),
                         threads=args.threads,
                         method=args.method,
                     )

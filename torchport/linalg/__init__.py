@@ -3,7 +3,8 @@
 ``svd``, ``svdvals``, ``eigh``, ``eigvalsh``, ``qr``, ``cholesky`` and ``cholesky_ex`` take the
 arguments of their ``torch.linalg`` namesakes, return the same named tuples (``torch.return_types``)
 and keep its conventions: singular values descending, eigenvalues ascending, any batch shape,
-float32/float64. Each also takes ``method``:
+float32/float64 (and complex64/complex128 natively where ``COMPLEX_NATIVE`` lists the op). Each
+also takes ``method``:
 
 - ``"jacobi"``: the native batched kernels (:mod:`~torchport.linalg.kernels`; for ``qr`` and the
   Cholesky functions ``"jacobi"`` names the native Householder/Cholesky kernels). On a non-CPU
@@ -20,10 +21,11 @@ float32/float64. Each also takes ``method``:
   ``"auto"`` whichever algorithm is fastest.
 
 Complex64/complex128 inputs of the ops in ``COMPLEX_NATIVE`` (``svd``/``svdvals``,
-``eigh``/``eigvalsh``) have native Jacobi kernels (:mod:`~torchport.linalg.complex_jacobi`, one
-matrix per thread; no lane or one-matrix launchers): ``"jacobi"`` runs them (their references
-off the CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for real dtypes. Complex inputs
-of the other ops go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``.
+``eigh``/``eigvalsh`` through :mod:`~torchport.linalg.complex_jacobi`; ``qr``, ``cholesky`` and
+``cholesky_ex`` through :mod:`~torchport.linalg.complex_factor`) have native kernels, one matrix
+per thread; no lane or one-matrix launchers: ``"jacobi"`` runs them (their references off the
+CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for real dtypes. Complex inputs of the
+other ops go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``.
 Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`).
 """
 
@@ -38,7 +40,7 @@ import torch
 from torchport import autotune, config, native
 from torchport.autotune import ATEN, Candidate, InvalidCandidate
 from torchport.autotune import timing as _timing
-from torchport.linalg import complex_jacobi, kernels, one, ops
+from torchport.linalg import complex_factor, complex_jacobi, kernels, one, ops
 from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
@@ -72,8 +74,8 @@ __all__ = [
 
 METHODS = ("auto", "jacobi", "lapack")
 # The ops (as _route names them) with native complex64/complex128 kernels; a complex input of
-# any other op runs torch.linalg (method="jacobi" refuses it).
-COMPLEX_NATIVE: frozenset[str] = frozenset({"svd", "eigh"})
+# any other op runs torch.linalg (visibly under "auto"; method="jacobi" refuses it).
+COMPLEX_NATIVE: frozenset[str] = frozenset({"svd", "eigh", "qr", "cholesky"})
 QR_MODES = ("reduced", "complete", "r")
 # Largest min(m, n) for which the native kernel is a candidate at all: beyond it LAPACK's
 # blocked O(n³) algorithms win by far on this machine (bench/bench_linalg.py), so tuning skips it.
@@ -111,6 +113,7 @@ def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
     if not (a.dtype.is_floating_point or a.dtype.is_complex) or a.dtype in (
         torch.float16,
         torch.bfloat16,
+        torch.complex32,
     ):
         raise LinalgInputError(
             f"torchport.linalg.{op}: A must be float32, float64, complex64 or complex128, "
@@ -469,7 +472,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
             "n": n,
             "dtype": str(dtype),
             "options": list(extra),
-            "kernels": complex_jacobi.SOURCE_TAG if dtype.is_complex else kernels.SOURCE_TAG,
+            "kernels": _kernels_tag(op, dtype),
             "tuned_on": TUNED_ON,
         },
         [Candidate("torch.linalg", ATEN), Candidate("native")],
@@ -489,6 +492,13 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     timer = _time_short if short else _time_pair
     t_lapack, t_native = timer(_anchor(op, extra), fn, x)
     return autotune.beats_anchor(t_native, t_lapack)
+
+
+def _kernels_tag(op: str, dtype: torch.dtype) -> str:
+    """The source tag of the kernels ``op`` runs for ``dtype``, part of the tuner's key."""
+    if not dtype.is_complex:
+        return kernels.SOURCE_TAG
+    return complex_jacobi.SOURCE_TAG if op in ("svd", "eigh") else complex_factor.SOURCE_TAG
 
 
 def _candidate_fn(
@@ -604,7 +614,7 @@ def _close_at(i: int) -> Callable[[Any, Any], bool]:
         ours, theirs = out[i], ref[i]
         if ours.shape != theirs.shape:
             return False
-        tol = 1e-3 if ours.dtype == torch.float32 else 1e-8
+        tol = 1e-3 if ours.dtype in (torch.float32, torch.complex64) else 1e-8
         scale = max(1.0, float(theirs.abs().max())) if theirs.numel() else 1.0
         return bool(torch.allclose(ours.abs(), theirs.abs(), rtol=tol, atol=tol * scale))
 
@@ -849,7 +859,8 @@ def _chol_plan(
         if len(_chol_plans) >= 4096:  # bound the cache for programs with ever-new shapes
             _chol_plans.clear()
         n = a.shape[-1]
-        run = kernels.cholesky_plan(a.numel() // (n * n), n, a.dtype, upper, a.shape[:-2])
+        plan = complex_factor.cholesky_plan if a.is_complex() else kernels.cholesky_plan
+        run = plan(a.numel() // (n * n), n, a.dtype, upper, a.shape[:-2])
         _chol_plans[key] = run
     return run
 
@@ -867,7 +878,8 @@ def _qr_plan(
         if len(_qr_plans) >= 4096:  # bound the cache for programs with ever-new shapes
             _qr_plans.clear()
         m, n = a.shape[-2:]
-        run = kernels.qr_plan(a.numel() // (m * n), m, n, a.dtype, mode, a.shape[:-2])
+        plan = complex_factor.qr_plan if a.is_complex() else kernels.qr_plan
+        run = plan(a.numel() // (m * n), m, n, a.dtype, mode, a.shape[:-2])
         _qr_plans[key] = run
     return run
 
@@ -909,7 +921,7 @@ def _raise_not_pd(op: str, a: torch.Tensor, info: torch.Tensor) -> None:
 
 
 def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> torch.Tensor:
-    """Cholesky factor ``L`` with ``A = L Lᵀ`` (or ``U`` with ``A = Uᵀ U``), ``torch.linalg.cholesky``.
+    """Cholesky factor ``L`` with ``A = L Lᴴ`` (or ``U`` with ``A = Uᴴ U``), ``torch.linalg.cholesky``.
 
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).

@@ -1,5 +1,5 @@
-"""Backward formulas for the native decompositions, in torch ops (real dtypes; SVD and eigh also
-complex, with conjugate transposes).
+"""Backward formulas for the native decompositions, in torch ops (real dtypes; all four also
+complex, with conjugate transposes and torch's treatment of the diagonal).
 
 They follow ``torch.linalg``'s own derivations (``svd_backward``, ``linalg_eig_backward`` with
 ``is_hermitian``, ``linalg_qr_backward`` and ``cholesky_backward`` in PyTorch's
@@ -14,9 +14,12 @@ They follow ``torch.linalg``'s own derivations (``svd_backward``, ``linalg_eig_b
   torch's RuntimeError.
 - eigh: gA = V (diag(gL) + ½(VᴴgV − gVᴴV)/E) Vᴴ with E_ij = L_j − L_i; complex: a loss with
   Im diag(VᴴgV) ≠ 0 depends on the eigenvectors' phases and raises torch's RuntimeError.
-- QR (m ≥ n, or m < n): torch's two cases, with the errors for ``mode='r'`` and for
+- QR, with G = gR Rᴴ − Qᴴ gQ: m ≥ n, gA = (gQ + Q (T + Tᴴ − ½ Re diag(T + Tᴴ))) R⁻ᴴ,
+  T = triu(G); m < n, with X = tril(Gᴴ − G): gA = [Q (X − ½ diag X) R₁⁻ᴴ, 0] + Q gR (X's
+  diagonal is 2i Im G_jj, zero for real input). The errors for ``mode='r'`` and for
   ``mode='complete'`` with m > n.
-- Cholesky: gA = ½ (S + Sᵀ), S = L⁻ᵀ Φ(Lᵀ gL) L⁻¹, Φ = lower triangle with halved diagonal.
+- Cholesky: gA = L⁻ᴴ ½ (P + tril(P, −1)ᴴ) L⁻¹, P = tril(Lᴴ gL) (as torch: for complex input not
+  Hermitian, its diagonal keeping P's imaginary part).
 """
 
 from __future__ import annotations
@@ -138,23 +141,24 @@ def qr_backward(
     if gq is None and gr is None:
         return None
     if gq is not None and gr is not None:
-        ga = gr @ r.mT - q.mT @ gq
+        ga = gr @ r.mH - q.mH @ gq
     elif gq is not None:
-        ga = -(q.mT @ gq)
+        ga = -(q.mH @ gq)
     else:
         assert gr is not None
-        ga = gr @ r.mT
+        ga = gr @ r.mH
     if m >= n:
         t = ga.triu()
-        t = t + t.mT
-        t = t - 0.5 * torch.diag_embed(t.diagonal(0, -2, -1))
+        t = t + t.mH
+        t = t - 0.5 * torch.diag_embed(t.diagonal(0, -2, -1).real)
         ga = q @ t
         if gq is not None:
             ga = ga + gq
-        return torch.linalg.solve_triangular(r.mT, ga, upper=False, left=False)
+        return torch.linalg.solve_triangular(r.mH, ga, upper=False, left=False)
     x = -ga
-    ga = q @ (x - x.mT).tril()
-    ga = torch.linalg.solve_triangular(r[..., :m].mT, ga, upper=False, left=False)
+    x = (x - x.mH).tril()
+    ga = q @ (x - 0.5 * torch.diag_embed(x.diagonal(0, -2, -1)))
+    ga = torch.linalg.solve_triangular(r[..., :m].mH, ga, upper=False, left=False)
     ga = torch.cat([ga, ga.new_zeros((*ga.shape[:-1], n - m))], dim=-1)
     if gr is not None:
         ga = ga + q @ gr
@@ -167,10 +171,9 @@ def cholesky_backward(
     """Gradient of a loss through ``A = L Lᵀ`` (or ``Uᵀ U`` when ``upper``)."""
     if gl is None:
         return None
-    low = lfac.mT if upper else lfac
-    glow = gl.mT if upper else gl
-    phi = (low.mT @ glow).tril()
-    phi = phi - 0.5 * torch.diag_embed(phi.diagonal(0, -2, -1))
-    x = torch.linalg.solve_triangular(low.mT, phi, upper=True, left=True)
-    x = torch.linalg.solve_triangular(low, x, upper=False, left=False)
-    return 0.5 * (x + x.mT)
+    low = lfac.mH if upper else lfac
+    glow = gl.mH if upper else gl
+    phi = (low.mH @ glow).tril()
+    phi = 0.5 * (phi + phi.tril(-1).mH)
+    x = torch.linalg.solve_triangular(low.mH, phi, upper=True, left=True)
+    return torch.linalg.solve_triangular(low, x, upper=False, left=False)

@@ -1,8 +1,9 @@
 """``torch.library`` custom ops over the native kernels, with fake shapes and autograd.
 
 Each op takes a float32/float64 CPU tensor of any batch shape ``(*, m, n)`` (svd and eigh also
-complex64/complex128, through :mod:`~torchport.linalg.complex_jacobi`; S and the eigenvalues are
-then real), flattens the batch, calls the kernel launcher and reshapes back. Numerical failures raise
+complex64/complex128, through :mod:`~torchport.linalg.complex_jacobi`, S and the eigenvalues then
+real; qr and cholesky_ex through :mod:`~torchport.linalg.complex_factor`), flattens the batch,
+calls the kernel launcher and reshapes back. Numerical failures raise
 ``torch.linalg.LinAlgError`` with ``torch.linalg``'s wording and the flat batch index. Backward
 formulas live in :mod:`torchport.linalg.autograd`.
 """
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from torchport.linalg import autograd as ag
-from torchport.linalg import complex_jacobi, kernels
+from torchport.linalg import complex_factor, complex_jacobi, kernels
 
 
 def _batch_prefix(a: torch.Tensor, bad: int) -> str:
@@ -147,7 +148,7 @@ def eigh(a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False) ->
 def qr_impl(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Native Householder QR of ``a`` (*, m, n)."""
     batch = a.shape[:-2]
-    q, r = kernels.qr(_flat(a), mode)
+    q, r = (complex_factor.qr if a.is_complex() else kernels.qr)(_flat(a), mode)
     r = r.reshape(batch + r.shape[-2:])
     return (q.reshape(batch + q.shape[-2:]) if mode != "r" else a.new_empty(0)), r
 
@@ -190,7 +191,8 @@ def qr(a: torch.Tensor, mode: str) -> tuple[Any, Any]:
 def cholesky_impl(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Native Cholesky of ``a`` (*, n, n): (factor, int32 info of shape ``*``)."""
     batch = a.shape[:-2]
-    fac, info, _ = kernels.cholesky(_flat(a), upper)
+    run = complex_factor.cholesky if a.is_complex() else kernels.cholesky
+    fac, info, _ = run(_flat(a), upper)
     return fac.reshape(a.shape), info.reshape(batch)
 
 

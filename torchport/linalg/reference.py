@@ -19,8 +19,10 @@ The native kernels must agree with them to working precision (tests/test_linalg.
   the same sweeps in root-free form on e² (dsterf): equal in exact arithmetic.
   The lane kernel (``eigh_tridiag``) takes |e| ≤ eps·‖T‖ as negligible instead (dsteqr's
   normwise test), so its iterates can differ from the reference's in the last bits.
-- ``qr_reference``: Householder with LAPACK's sign convention.
-- ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor.
+- ``qr_reference``: Householder with LAPACK's sign convention (complex: zgeqrf's, real R
+  diagonal; the kernels of :mod:`torchport.linalg.complex_factor`).
+- ``cholesky_reference``: Cholesky–Banachiewicz with ``info`` = first failing leading minor
+  (complex: A = L Lᴴ, the diagonal's imaginary part ignored).
 - ``complex_svd_reference``, ``complex_eigh_reference``: the complex Jacobi kernels of
   :mod:`torchport.linalg.complex_jacobi` (cyclic order, phase-carrying unitary rotations).
 """
@@ -278,23 +280,32 @@ def eigh_reference(
 
 
 def _reflector(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Householder reflector of each row of ``x`` (B, len) in LAPACK's convention (dlarfg):
-    ``v`` (v[0] = 1), ``tau`` and the value ``x`` maps to, beta = -sign(x0)·‖x‖; a row whose
-    tail is zero gets tau = 0 and keeps x0."""
+    """Householder reflector of each row of ``x`` (B, len) in LAPACK's convention (dlarfg/zlarfg):
+    ``v`` (v[0] = 1), ``tau`` and the value ``x`` maps to, beta = -sign(Re x0)·‖x‖ (real); a row
+    whose tail is zero and whose x0 is real gets tau = 0 and keeps x0. H = I − tau v vᴴ."""
     alpha = x[:, 0]
-    xn2 = (x[:, 1:] * x[:, 1:]).sum(-1)
+    tail = x[:, 1:]
+    xn2 = (tail * tail.conj()).real.sum(-1)
+    ar = alpha.real
     act = xn2 != 0
-    beta = torch.sqrt(alpha * alpha + xn2)
-    beta = torch.where(alpha > 0, -beta, beta)
+    if x.is_complex():
+        act = act | (alpha.imag != 0)
+    beta = torch.sqrt((alpha * alpha.conj()).real + xn2)
+    # complex: zlarfg's -sign(Re x0) with Fortran SIGN's zero (+0 -> -‖x‖), which torch.linalg.qr
+    # gives; real: the real kernel's x0 > 0 (it differs from dlarfg only at x0 = +0)
+    flip = ~torch.signbit(ar) if x.is_complex() else ar > 0
+    beta = torch.where(flip, -beta, beta)
     safe = torch.where(act, beta, torch.ones_like(beta))
-    tau = torch.where(act, (beta - alpha) / safe, torch.zeros_like(beta))
-    scale = torch.where(act, 1 / torch.where(act, alpha - beta, 1.0), torch.zeros_like(beta))
-    v = torch.cat([torch.ones_like(alpha)[:, None], x[:, 1:] * scale[:, None]], dim=1)
-    return v, tau, torch.where(act, beta, alpha)
+    tau = torch.where(act, (beta - alpha) / safe, torch.zeros_like(alpha))
+    denom = torch.where(act, alpha - beta, torch.ones_like(alpha))
+    scale = torch.where(act, 1 / denom, torch.zeros_like(alpha))
+    v = torch.cat([torch.ones_like(alpha)[:, None], tail * scale[:, None]], dim=1)
+    return v, tau, torch.where(act, beta.to(alpha.dtype), alpha)
 
 
 def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, torch.Tensor]:
-    """Householder QR of (B, m, n) ``a`` (LAPACK sign convention): (Q, R) for ``mode``."""
+    """Householder QR of (B, m, n) ``a`` (LAPACK sign convention): (Q, R) for ``mode``. Complex
+    ``a``: R = H_kᴴ…H_1ᴴ A (real diagonal, as zgeqrf), Q = H_1…H_k."""
     bsz, m, n = a.shape
     k = min(m, n)
     r = a.clone()
@@ -302,7 +313,7 @@ def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, 
     taus: list[torch.Tensor] = []
     for j in range(k):
         v, tau, sd = _reflector(r[:, j:, j].clone())
-        w = tau[:, None] * (v.unsqueeze(1) @ r[:, j:, j:]).squeeze(1)  # (B, n - j)
+        w = tau.conj()[:, None] * (v.conj().unsqueeze(1) @ r[:, j:, j:]).squeeze(1)  # (B, n - j)
         r[:, j:, j:] -= v.unsqueeze(-1) * w.unsqueeze(1)
         r[:, j, j] = sd
         vs.append(v)
@@ -315,28 +326,31 @@ def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, 
     q = torch.eye(m, qc, dtype=a.dtype, device=a.device).expand(bsz, m, qc).clone()
     for j in range(k - 1, -1, -1):
         v, tau = vs[j], taus[j]
-        w = tau[:, None] * (v.unsqueeze(1) @ q[:, j:, :]).squeeze(1)
+        w = tau[:, None] * (v.conj().unsqueeze(1) @ q[:, j:, :]).squeeze(1)
         q[:, j:, :] -= v.unsqueeze(-1) * w.unsqueeze(1)
     return q, rr
 
 
 def cholesky_reference(a: torch.Tensor, upper: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cholesky–Banachiewicz of (B, n, n) ``a``: (factor, int32 info); failed matrices are zero."""
+    """Cholesky–Banachiewicz of (B, n, n) ``a``: (factor, int32 info); failed matrices are zero.
+    Complex ``a``: A = L Lᴴ from the lower triangle (the upper one conjugated when ``upper``,
+    giving U = Lᴴ), the diagonal's imaginary part ignored."""
     bsz, n, _ = a.shape
-    src = a.mT if upper else a
+    src = a.mH if upper else a
     lw = torch.zeros_like(a)
     info = torch.zeros(bsz, dtype=torch.int32, device=a.device)
     for i in range(n):
         for j in range(i + 1):
-            s = src[:, i, j] - (lw[:, i, :j] * lw[:, j, :j]).sum(-1)
+            s = src[:, i, j] - (lw[:, i, :j] * lw[:, j, :j].conj()).sum(-1)
             if j < i:
                 lw[:, i, j] = s / lw[:, j, j]
             else:
+                s = s.real
                 fail = ~(s > 0) & (info == 0)
                 info = torch.where(fail, i + 1, info).to(torch.int32)
                 lw[:, i, i] = torch.sqrt(torch.where(s > 0, s, torch.ones_like(s)))
     lw = torch.where((info == 0)[:, None, None], lw, torch.zeros_like(lw))
-    return (lw.mT if upper else lw), info
+    return (lw.mH if upper else lw), info
 
 
 def cholesky_blocked_reference(
