@@ -5,9 +5,8 @@ native kernel, "ours") interleaved, medians; the ``auto`` column times ``method=
 ``torch.linalg`` interleaved in a round of their own. Rates are
 nominal LAPACK flop counts per matrix (svd 12n³, eigh 9n³, qr 4n³/3 + Q formation 4n³/3,
 cholesky n³/3; four times those for complex dtypes) so the GFLOP/s columns are comparable across
-methods, not hardware peaks. ``--dtypes complex64,complex128`` times the complex kernels of qr and
-cholesky (``torchport.linalg.COMPLEX_NATIVE``); a complex op without one is marked and its "ours"
-is ``method="auto"`` (torch.linalg).
+methods, not hardware peaks. ``--dtypes complex64,complex128`` times the complex kernels (inputs
+complex Gaussian, Hermitian for eigh, Hermitian positive definite for cholesky).
 
 Grid: B ∈ {1, 100, 10000, 100000} × n ∈ {2, 3, 4, 8, 16, 32, 64, 128, 512}, float32 and float64.
 Cells are skipped when the input exceeds 1 GB or B·n³ > 4·10⁸ (a single torch.linalg call would
@@ -62,14 +61,8 @@ def _flops(op: str, n: int, dtype: torch.dtype) -> float:
     return FLOPS[op](n) * (4 if dtype.is_complex else 1)
 
 
-def _fns(op: str, dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Any]]:
-    """torch.linalg, ours and auto for ``op``. A complex ``dtype`` of an op without native
-    complex kernels (not in ``torchport.linalg.COMPLEX_NATIVE``) has no "jacobi": "ours" is then
-    ``method="auto"``, which runs torch.linalg (one fallback warning), marked by :func:`_ours`."""
-    if dtype.is_complex and op not in tl.COMPLEX_NATIVE:
-        fns = _fns(op, torch.float64)
-        fns["jacobi"] = fns["auto"]
-        return fns
+def _fns(op: str) -> dict[str, Callable[[torch.Tensor], Any]]:
+    """torch.linalg, ours (``method="jacobi"``) and auto for ``op``."""
     if op == "svd":
         return {
             "lapack": lambda a: torch.linalg.svd(a, full_matrices=False),
@@ -93,11 +86,6 @@ def _fns(op: str, dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Any]
         "jacobi": lambda a: tl.cholesky(a, method="jacobi"),
         "auto": tl.cholesky,
     }
-
-
-def _ours(op: str, dtype: torch.dtype) -> str:
-    """A mark on cells whose "ours" is not a native kernel (see :func:`_fns`)."""
-    return " (no native complex: auto)" if dtype.is_complex and op not in tl.COMPLEX_NATIVE else ""
 
 
 def _skip(b: int, n: int, dtype: torch.dtype, max_work: float) -> str | None:
@@ -132,7 +120,7 @@ def grid(args: Any) -> None:
                         skipped.append(f"{op} B={b} n={n} {dtype}: {why}")
                         continue
                     a = _input(op, b, n, dtype)
-                    fns = _fns(op, dtype)
+                    fns = _fns(op)
                     fns["auto"](a)  # tune outside the timing (cached per batch bucket)
                     reps = 5 if args.quick else max(3, min(args.reps, 9))
                     # auto vs torch.linalg in a round of their own: a call timed right after
@@ -146,7 +134,7 @@ def grid(args: Any) -> None:
                     del fns["auto"]
                     t = compare(fns, [(a,)], reps=reps, warmup=1, max_time_s=3.0)
                     table.add(
-                        f"{op} B={b} n={n} {str(dtype)[6:]}{_ours(op, dtype)}",
+                        f"{op} B={b} n={n} {str(dtype)[6:]}",
                         f"torch.linalg.{op}",
                         t["lapack"],
                         t["jacobi"],
@@ -175,7 +163,7 @@ def fastest(args: Any) -> None:
             for b in _ints(args.batches) or (1000,):
                 for n in _ints(args.sizes) or (8, 16):
                     a = _input(op, b, n, dtype)
-                    fns = _fns(op, dtype)
+                    fns = _fns(op)
                     fl, fo = fns["lapack"], fns[args.method]
                     fl(a), fo(a)
                     tl_ = to = float("inf")
@@ -187,7 +175,7 @@ def fastest(args: Any) -> None:
                         t2 = time.perf_counter()
                         tl_, to = min(tl_, t1 - t0), min(to, t2 - t1)
                     table.add(
-                        f"{op} B={b} n={n} {str(dtype)[6:]}{_ours(op, dtype)}",
+                        f"{op} B={b} n={n} {str(dtype)[6:]}",
                         f"torch.linalg.{op}",
                         tl_,
                         to,

@@ -21,8 +21,9 @@ SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384", "TORCHPORT_DIST_TCP_CHUNK_
 SIZES = [0, 1, 7, 4099]
 # shm allreduce's two-step path moves each rank's part in blocks through a ring of 4 entries
 # (under SMALL_CHUNK, float32: 853 elements at world 2, 640 at world 3, 512 at world 4):
-# 10237, 9601 and 10241 give parts of 6 full blocks plus a 1-element block on rank 0 and an
-# empty last block on the others (the ring wraps; other dtypes give other partial blocks)
+# 10237, 9601 and 10241 give rank 0 a part of 6, 5 and 5 full blocks plus a 1-element block
+# (5119 = 6·853 + 1, 3201 = 5·640 + 1, 2561 = 5·512 + 1) and the others an empty last block (the
+# ring of 4 wraps; other dtypes give other partial blocks)
 BLOCKED = {2: [*SIZES, 10237], 3: [*SIZES, 9601], 4: [0, 7, 4099, 10241]}
 PLANS = {
     "shm1": (1, {}, [("grid", (SIZES,))]),

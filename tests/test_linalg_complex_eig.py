@@ -247,19 +247,6 @@ def test_errors():
         tl.svd(torch.eye(2, dtype=torch.complex64), method="x")
 
 
-def test_complex_ops_without_kernels_keep_lapack():
-    assert {"svd", "eigh"} <= tl.COMPLEX_NATIVE
-    calls = {
-        "qr": lambda a: tl.qr(a, method="jacobi"),
-        "cholesky": lambda a: tl.cholesky(a, method="jacobi"),
-    }
-    for op, call in calls.items():
-        if op in tl.COMPLEX_NATIVE:
-            continue
-        with pytest.raises(tl.LinalgInputError, match=r"method='jacobi' supports float32"):
-            call(torch.eye(2, dtype=torch.complex64))
-
-
 # --- autograd -------------------------------------------------------------------------------------
 
 
@@ -389,5 +376,46 @@ def test_auto_real_tuning_is_correct(fresh_cache, monkeypatch, dtype):
         check_svd(make("random", 40, 5, 5, seed=6), dtype, full=False, method="auto")
         check_eigh(herm("random", 40, 5, seed=6), dtype, "L", method="auto")
         check_svd(make("random", 40, 5, 5, seed=6), dtype, full=False, method="auto")  # routed
+    finally:
+        tl._drop_routes()
+
+
+@pytest.mark.parametrize("method", ["jacobi", "auto"])
+def test_conjugate_views_are_read_conjugated(monkeypatch, method):
+    """A lazy conjugate (``A.conj()``: A's memory, unconjugated, with the conj bit; contiguous)
+    is factored as conj(A) by every op, also on the second call, which takes the launchers
+    learned by the first (for ``"auto"`` the tuner is faked to pick native)."""
+    if method == "auto":
+        from torchport import autotune
+
+        monkeypatch.setattr(autotune, "select", _fake_select(True, []))
+        monkeypatch.setattr(tl, "_time_pair", lambda fa, fb, x: (1.0, 0.5))
+        monkeypatch.setattr(tl, "_memo", {})
+        monkeypatch.setattr(tl, "_fast", {})
+    tl._drop_routes()
+    try:
+        for b in (1, 3):
+            x = make("random", b, 4, 4, seed=11).to(torch.complex128)
+            h = x @ x.mH + 4 * torch.eye(4, dtype=x.dtype)
+            xc, hc = x.conj(), h.conj()
+            assert xc.is_conj() and xc.is_contiguous()
+            xw, hw = xc.resolve_conj(), hc.resolve_conj()
+            if method == "auto":
+                assert tl._route("cholesky", hw, "auto", (False,)) == "native"
+                assert tl._route("qr", xw, "auto", ("reduced",)) == "native"
+            for _ in range(2):
+                fac = tl.cholesky(hc, method=method)
+                assert torch.allclose(fac, torch.linalg.cholesky(hw), atol=1e-10)
+                fac2, info = tl.cholesky_ex(hc, method=method)
+                assert torch.allclose(fac2, fac) and not bool(info.any())
+                q, r = tl.qr(xc, method=method)
+                assert torch.allclose(r, torch.linalg.qr(xw).R, atol=1e-10)
+                assert torch.allclose(q @ r, xw, atol=1e-10)
+                lam, v = tl.eigh(hc, method=method)
+                assert torch.allclose(lam, torch.linalg.eigvalsh(hw), atol=1e-10)
+                assert torch.allclose(hw @ v, v * lam.unsqueeze(-2).to(v.dtype), atol=1e-9)
+                u, s, vh = tl.svd(xc, full_matrices=False, method=method)
+                assert torch.allclose(s, torch.linalg.svdvals(xw), atol=1e-10)
+                assert torch.allclose((u * s.unsqueeze(-2).to(u.dtype)) @ vh, xw, atol=1e-10)
     finally:
         tl._drop_routes()

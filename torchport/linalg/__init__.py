@@ -3,8 +3,7 @@
 ``svd``, ``svdvals``, ``eigh``, ``eigvalsh``, ``qr``, ``cholesky`` and ``cholesky_ex`` take the
 arguments of their ``torch.linalg`` namesakes, return the same named tuples (``torch.return_types``)
 and keep its conventions: singular values descending, eigenvalues ascending, any batch shape,
-float32/float64 (and complex64/complex128 natively where ``COMPLEX_NATIVE`` lists the op). Each
-also takes ``method``:
+float32/float64 and complex64/complex128. Each also takes ``method``:
 
 - ``"jacobi"``: the native batched kernels (:mod:`~torchport.linalg.kernels`; for ``qr`` and the
   Cholesky functions ``"jacobi"`` names the native Householder/Cholesky kernels). On a non-CPU
@@ -20,12 +19,11 @@ also takes ``method``:
   order 4 is tridiagonal QL rather than Jacobi: ``"jacobi"`` always gives a Jacobi result,
   ``"auto"`` whichever algorithm is fastest.
 
-Complex64/complex128 inputs of the ops in ``COMPLEX_NATIVE`` (``svd``/``svdvals``,
+Complex64/complex128 inputs have native kernels, one matrix per thread (``svd``/``svdvals``,
 ``eigh``/``eigvalsh`` through :mod:`~torchport.linalg.complex_jacobi`; ``qr``, ``cholesky`` and
-``cholesky_ex`` through :mod:`~torchport.linalg.complex_factor`) have native kernels, one matrix
-per thread; no lane or one-matrix launchers: ``"jacobi"`` runs them (their references off the
-CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for real dtypes. Complex inputs of the
-other ops go to ``torch.linalg`` (visibly, one warning) under ``"auto"``/``"lapack"``.
+``cholesky_ex`` through :mod:`~torchport.linalg.complex_factor`); no lane or one-matrix
+launchers: ``"jacobi"`` runs them (their references off the CPU) and ``"auto"`` tunes them
+against ``torch.linalg`` as for real dtypes.
 Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`).
 """
 
@@ -73,9 +71,6 @@ __all__ = [
 ]
 
 METHODS = ("auto", "jacobi", "lapack")
-# The ops (as _route names them) with native complex64/complex128 kernels; a complex input of
-# any other op runs torch.linalg (visibly under "auto"; method="jacobi" refuses it).
-COMPLEX_NATIVE: frozenset[str] = frozenset({"svd", "eigh", "qr", "cholesky"})
 QR_MODES = ("reduced", "complete", "r")
 # Largest min(m, n) for which the native kernel is a candidate at all: beyond it LAPACK's
 # blocked O(n³) algorithms win by far on this machine (bench/bench_linalg.py), so tuning skips it.
@@ -124,6 +119,10 @@ def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
             f"torchport.linalg.{op}: A must be batches of square matrices, got "
             f"{a.shape[-2]} by {a.shape[-1]} matrices"
         )
+    if a.is_conj() or a.is_neg():
+        # a lazy conjugate (A.conj()) shares A's memory unconjugated, and .contiguous() keeps the
+        # bit: the kernels read raw memory, so materialise it (differentiable)
+        a = a.resolve_conj().resolve_neg()
     return a
 
 
@@ -209,6 +208,7 @@ def _native_ok(a: torch.Tensor) -> bool:
         or not _neutral_overrides()
         or _env_data.get(_NATIVE_ENV) != _native_env[0]
         or not a.is_cpu
+        or a.is_conj()
         or (a.requires_grad and torch.is_grad_enabled())
         or torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
@@ -307,15 +307,6 @@ def _route(
         raise LinalgInputError(
             f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
         )
-    if a.is_complex() and op not in COMPLEX_NATIVE:
-        if method == "jacobi":
-            raise LinalgInputError(
-                f"torchport.linalg.{op}: method='jacobi' supports float32 and float64, got "
-                f"{a.dtype}; use method='lapack' or 'auto'"
-            )
-        if method == "auto":
-            native.note_fallback(f"linalg.{op}", f"complex dtype {a.dtype} runs torch.linalg")
-        return "lapack"
     if method == "lapack":
         return "lapack"
     if a.device.type != "cpu":

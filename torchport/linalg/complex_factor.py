@@ -9,8 +9,8 @@ The plain-torch references are ``qr_reference`` and ``cholesky_reference`` of
 :mod:`torchport.linalg.reference` (the real algorithms with conjugates where complex needs them);
 the numerics match LAPACK's ``zgeqrf``/``zungqr`` and ``zpotrf``:
 
-- **QR**: reflector j maps column j's tail x to β e₁ with β = −sign(Re x₀)·‖x‖ *real* (+0 counted
-  positive, Fortran's SIGN)
+- **QR**: reflector j maps column j's tail x to β e₁ with β = −sign(Re x₀)·‖x‖ *real* (+0 and −0
+  counted positive, as the LAPACK behind ``torch.linalg.qr`` gives it)
   (``zlarfg``): τ = (β − x₀)/β, v = (1, x₁.. / (x₀ − β)), H = I − τ v vᴴ; R = H_kᴴ…H_1ᴴ A, so R's
   diagonal is real, as ``torch.linalg.qr`` gives it, and Q = H_1…H_k (backward accumulation,
   only if asked for). A column whose tail is zero and whose x₀ is real gets τ = 0 (x₀ kept);
@@ -89,7 +89,7 @@ TP_INLINE void cqr_one(const TC *a, TC *Q, TC *R, int64_t m, int64_t n, int want
         const T ar = __real__ x[0], ai = __imag__ x[0];
         if (xn2 == 0 && ai == 0) { tau[j] = 0; continue; }
         T beta = TSQRT(ar * ar + ai * ai + xn2);
-        if (!signbit(ar)) beta = -beta; /* zlarfg: -SIGN(norm, Re x0), +0 counting as positive */
+        if (!(ar < 0)) beta = -beta; /* zlarfg: -SIGN(norm, Re x0), +0 and -0 counting as positive */
         tau[j] = cmake((beta - ar) / beta, -ai / beta);
         /* 1 / (x0 - beta) = conj(d) / |d|^2, |d| >= |beta| > 0 */
         const T dr = ar - beta, d2 = dr * dr + ai * ai;
@@ -279,7 +279,7 @@ def _ks(dtype: torch.dtype) -> dict[str, Kernel]:
 
 def qr(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched complex Householder QR of ``a`` (B, m, n) for ``mode`` in reduced/complete/r."""
-    assert a.dim() == 3 and a.is_contiguous() and a.dtype in DTYPES
+    assert a.dim() == 3 and a.is_contiguous() and not a.is_conj() and a.dtype in DTYPES
     b, m, n = a.shape
     k = min(m, n)
     complete, wantq = mode == "complete", mode != "r"
@@ -328,7 +328,7 @@ def qr_plan(
 def cholesky(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched complex Cholesky of ``a`` (B, n, n): factor, int32 info (B,), first failing
     index + 1 (0 when every matrix succeeded)."""
-    assert a.dim() == 3 and a.is_contiguous() and a.dtype in DTYPES
+    assert a.dim() == 3 and a.is_contiguous() and not a.is_conj() and a.dtype in DTYPES
     b, n, _ = a.shape
     out = a.new_empty((b, n, n))
     info = torch.zeros((b,), dtype=torch.int32)

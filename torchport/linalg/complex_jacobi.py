@@ -382,7 +382,7 @@ def svd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Batched SVD of complex ``a`` (B, m, n): U (B, m, m|k), real S (B, k), Vh (B, n|k, n) and
     1 + the first batch index with non-finite input (0 when none), as ``kernels.svd``."""
-    assert a.dim() == 3 and a.is_contiguous() and a.dtype in _TAG, (a.shape, a.dtype)
+    assert a.dim() == 3 and a.is_contiguous() and not a.is_conj() and a.dtype in _TAG, a.dtype
     b, m, n = a.shape
     k = min(m, n)
     s = a.new_empty((b, k), dtype=a.dtype.to_real())
@@ -406,7 +406,7 @@ def svd(
 def eigh(a: torch.Tensor, upper: bool, compute_v: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Batched Hermitian eigendecomposition of complex ``a`` (B, n, n) from its ``upper`` (else
     lower) triangle: real L (B, n) ascending, Q (B, n, n), 1 + the first bad batch index."""
-    assert a.dim() == 3 and a.is_contiguous() and a.dtype in _TAG, (a.shape, a.dtype)
+    assert a.dim() == 3 and a.is_contiguous() and not a.is_conj() and a.dtype in _TAG, a.dtype
     b, n, _ = a.shape
     lam = a.new_empty((b, n), dtype=a.dtype.to_real())
     q = a.new_empty((b, n, n)) if compute_v else a.new_empty((0,))

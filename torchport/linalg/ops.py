@@ -26,7 +26,9 @@ def _flat(a: torch.Tensor) -> torch.Tensor:
     b = 1
     for d in a.shape[:-2]:
         b *= d
-    return a.reshape((b, *tuple(a.shape[-2:]))).contiguous()
+    x = a.reshape((b, *tuple(a.shape[-2:]))).contiguous()
+    # the kernels read raw memory: a lazy conjugate (or negative) view must be materialised
+    return x.resolve_conj().resolve_neg() if x.is_conj() or x.is_neg() else x
 
 
 # --- svd -------------------------------------------------------------------------------------------

@@ -115,22 +115,24 @@ def _xor_rounds(m: int) -> list[int]:
 
 def _complete_basis(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Tensor:
     """Rows of ``ub`` (B, ≥want, p) beyond the ``good`` (B,) leading ones, replaced by an
-    orthonormal completion: Gram-Schmidt (twice) of the unit vector least represented so far."""
+    orthonormal completion: Gram-Schmidt (twice, inner product uᴴv, so real or complex ``ub``) of
+    the unit vector least represented so far."""
     bsz, _, p = ub.shape
     out = torch.zeros(bsz, want, p, dtype=ub.dtype, device=ub.device)
     out[:, : min(want, ub.shape[1])] = ub[:, :want]
     eye = torch.eye(p, dtype=ub.dtype, device=ub.device)
+    tiny = torch.finfo(ub.real.dtype).tiny
     for j in range(want):
         redo = good <= j
         if not bool(redo.any()):
             continue
         prev = out[:, :j]  # (B, j, p)
-        weight = (prev * prev).sum(1)  # (B, p): how much of e_i the basis holds already
+        weight = (prev * prev.conj()).real.sum(1)  # (B, p): how much of e_i the basis holds
         best = weight.argmin(-1)
         v = eye[best]
         for _ in range(2):
-            v = v - ((prev @ v.unsqueeze(-1)) * prev).sum(1)
-        v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(ub.dtype).tiny)
+            v = v - ((prev.conj() @ v.unsqueeze(-1)) * prev).sum(1)
+        v = v / torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(tiny)
         out[:, j] = torch.where(redo.unsqueeze(-1), v, out[:, j])
     return out
 
@@ -291,9 +293,9 @@ def _reflector(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if x.is_complex():
         act = act | (alpha.imag != 0)
     beta = torch.sqrt((alpha * alpha.conj()).real + xn2)
-    # complex: zlarfg's -sign(Re x0) with Fortran SIGN's zero (+0 -> -‖x‖), which torch.linalg.qr
-    # gives; real: the real kernel's x0 > 0 (it differs from dlarfg only at x0 = +0)
-    flip = ~torch.signbit(ar) if x.is_complex() else ar > 0
+    # complex: zlarfg's -sign(Re x0) with both zeros counted positive (+0 and -0 -> -‖x‖), as
+    # torch.linalg.qr gives it; real: the real kernel's x0 > 0 (it differs from dlarfg only at 0)
+    flip = ar >= 0 if x.is_complex() else ar > 0
     beta = torch.where(flip, -beta, beta)
     safe = torch.where(act, beta, torch.ones_like(beta))
     tau = torch.where(act, (beta - alpha) / safe, torch.zeros_like(alpha))
@@ -519,27 +521,6 @@ def _complex_rotate(
     return c[:, None] * x - sf * y, sf.conj() * x + c[:, None] * y
 
 
-def _complete_basis_complex(ub: torch.Tensor, good: torch.Tensor, want: int) -> torch.Tensor:
-    """:func:`_complete_basis` with the complex inner product uᴴv (``ub`` complex)."""
-    bsz, _, p = ub.shape
-    out = torch.zeros(bsz, want, p, dtype=ub.dtype, device=ub.device)
-    out[:, : min(want, ub.shape[1])] = ub[:, :want]
-    eye = torch.eye(p, dtype=ub.dtype, device=ub.device)
-    for j in range(want):
-        redo = good <= j
-        if not bool(redo.any()):
-            continue
-        prev = out[:, :j]  # (B, j, p)
-        best = (prev.abs() ** 2).sum(1).argmin(-1)
-        v = eye[best]
-        for _ in range(2):
-            v = v - ((prev.conj() @ v.unsqueeze(-1)) * prev).sum(1)
-        tiny = torch.finfo(ub.real.dtype).tiny
-        v = v / torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(tiny)
-        out[:, j] = torch.where(redo.unsqueeze(-1), v, out[:, j])
-    return out
-
-
 def complex_svd_reference(
     a: torch.Tensor, full_matrices: bool = False, compute_uv: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -587,7 +568,7 @@ def complex_svd_reference(
     ok = (s_sorted > thresh) & (s_sorted > 0)
     good = ok.to(torch.int64).cumprod(-1).sum(-1)
     ub = w / torch.where(ok, s_sorted, torch.ones_like(s_sorted)).unsqueeze(-1)
-    ub = _complete_basis_complex(ub, good, p if full_matrices else q)
+    ub = _complete_basis(ub, good, p if full_matrices else q)
     if not trans:  # A V = W: U = the unit vectors as columns, Vh = Vᴴ
         return ub.mT, s_sorted, v.conj()
     return v.mT, s_sorted, ub.conj()  # Aᴴ = Ub S Vᴴ
