@@ -642,6 +642,38 @@ def test_errors():
         tl.svdvals(torch.full((2, 2), float("nan")), method="jacobi")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64, torch.complex128])
+@pytest.mark.parametrize("b", [1, 16])
+@pytest.mark.parametrize("n", [3, 24])
+def test_eigh_ignores_non_finite_in_the_unread_triangle(dtype, b, n):
+    """torch.linalg.eigh reads one triangle: NaN/inf in the other does not fail it, nor ours
+    (every native route: one matrix, lanes, block and per-thread kernels, Jacobi and QL);
+    a non-finite value in the read triangle still fails, naming its batch element."""
+    g = torch.Generator().manual_seed(n + b)
+    x = torch.randn(b, n, n, generator=g, dtype=torch.float64).to(dtype)
+    for upper in (False, True):
+        a = (x + x.mH) / 2
+        junk = a.clone()
+        idx = (0, n - 1) if not upper else (n - 1, 0)  # an entry of the unread triangle
+        junk[..., idx[0], idx[1]] = float("nan")
+        junk[b - 1, idx[0], idx[1]] = float("inf")
+        uplo = "U" if upper else "L"
+        want = torch.linalg.eigvalsh(a.to(torch.complex128 if dtype.is_complex else torch.float64))
+        tol = 1e-4 if dtype in (torch.float32, torch.complex64) else 1e-9
+        for method in ("jacobi", "auto"):
+            lam, v = tl.eigh(junk, UPLO=uplo, method=method)
+            assert torch.allclose(lam.double(), want, atol=tol * n)
+            resid = a @ v - v * lam.unsqueeze(-2).to(v.dtype)
+            assert float(resid.abs().max()) < tol * 10 * n
+            lam2 = tl.eigvalsh(junk, UPLO=uplo, method=method)
+            assert torch.allclose(lam2.double(), want, atol=tol * n)
+        bad = junk.clone()
+        bad[b - 1, idx[1], idx[0]] = float("nan")  # now in the read triangle too
+        where = rf"\(Batch element {b - 1}\)"
+        with pytest.raises(torch.linalg.LinAlgError, match=rf"eigh: {where}.*non-finite"):
+            tl.eigh(bad, UPLO=uplo, method="jacobi")
+
+
 def test_complex_runs_lapack_visibly():
     a = torch.randn(2, 3, 3, dtype=torch.complex128)
     s = tl.svdvals(a, method="lapack")

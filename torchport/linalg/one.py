@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torchport import native
-from torchport.linalg import kernels
+from torchport.linalg import kernels, ops
 
 # The largest max(m, n) the entry points take.
 ONE_MAX_N = kernels.ONE_MAX_N
@@ -140,7 +140,9 @@ def eigh_plan(
                 a = a.contiguous()
             lam = torch.empty_like(lam_like)
             if call(a.data_ptr(), lam.data_ptr(), None, code):
-                _not_finite("eigh", a)
+                m, bad = ops.read_triangle(a.view(1, n, n), upper)  # unread triangle's NaN/inf
+                if bad or call(m.data_ptr(), lam.data_ptr(), None, code):
+                    _not_finite("eigh", a)
             return lam
 
         return vals
@@ -151,7 +153,9 @@ def eigh_plan(
             a = a.contiguous()
         lam, q = torch.empty_like(lam_like), torch.empty_like(q_like)
         if call(a.data_ptr(), lam.data_ptr(), q.data_ptr(), code):
-            _not_finite("eigh", a)
+            m, bad = ops.read_triangle(a.view(1, n, n), upper)  # unread triangle's NaN/inf
+            if bad or call(m.data_ptr(), lam.data_ptr(), q.data_ptr(), code):
+                _not_finite("eigh", a)
         return _rt.linalg_eigh((lam, q))
 
     return run

@@ -94,16 +94,40 @@ def svd(a: torch.Tensor, full_matrices: bool, compute_uv: bool) -> tuple[Any, An
 # --- eigh ------------------------------------------------------------------------------------------
 
 
+def read_triangle(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, int]:
+    """(B, n, n) ``a`` rebuilt from the triangle eigh reads (the other one its conjugate mirror)
+    and 0, or ``a`` and 1 + the first batch index whose read triangle holds a non-finite value.
+    The kernels test all n² entries (one pass, no branch per entry) while torch.linalg.eigh reads
+    one triangle: after a kernel's non-finite report, a call whose non-finite values all lie in
+    the unread triangle is rerun on the rebuilt input instead of failing."""
+    tri = a.triu() if upper else a.tril()
+    finite = torch.isfinite(tri).flatten(-2).all(-1)
+    if not bool(finite.all()):
+        return a, int((~finite).nonzero()[0, 0]) + 1
+    off = (a.triu(1) if upper else a.tril(-1)).mH
+    return (tri + off).contiguous(), 0
+
+
+def _eigh_kernel(
+    flat: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if flat.is_complex():
+        return complex_jacobi.eigh(flat, upper, compute_v)
+    return kernels.eigh(flat, upper, compute_v, jacobi=jacobi)
+
+
 def eigh_impl(
     a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Native symmetric eigendecomposition of ``a`` (*, n, n): (L ascending, Q); ``jacobi``:
     only the Jacobi kernels (``method="jacobi"``), else the measured fastest native one."""
     batch, n = a.shape[:-2], a.shape[-1]
-    if a.is_complex():
-        lam, q, bad = complex_jacobi.eigh(_flat(a), upper, compute_v)
-    else:
-        lam, q, bad = kernels.eigh(_flat(a), upper, compute_v, jacobi=jacobi)
+    flat = _flat(a)
+    lam, q, bad = _eigh_kernel(flat, upper, compute_v, jacobi)
+    if bad:  # rerun if only the triangle eigh does not read held non-finite values
+        mirrored, bad = read_triangle(flat, upper)
+        if not bad:
+            lam, q, bad = _eigh_kernel(mirrored, upper, compute_v, jacobi)
     if bad:
         raise torch.linalg.LinAlgError(
             f"torchport.linalg.eigh: {_batch_prefix(a, bad)}The algorithm failed to converge "
