@@ -9,42 +9,11 @@ import pytest
 import torch
 
 import torchport.linalg as tl
+from tests.linalg_inputs import basis, make
 from torchport.linalg import blocked, kernels, ops
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
-
-
-def _orthogonal(b: int, n: int, g: torch.Generator) -> torch.Tensor:
-    q, _ = torch.linalg.qr(torch.randn(b, n, n, generator=g, dtype=torch.float64))
-    return q
-
-
-def make(kind: str, b: int, m: int, n: int, seed: int = 0) -> torch.Tensor:
-    """Test matrices in float64: random, rank-deficient, ill-conditioned, diagonal, zero, ..."""
-    g = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    if kind == "random":
-        return torch.randn(b, m, n, generator=g, dtype=torch.float64)
-    if kind == "zero":
-        return torch.zeros(b, m, n, dtype=torch.float64)
-    if kind == "diagonal":
-        a = torch.zeros(b, m, n, dtype=torch.float64)
-        a.diagonal(0, -2, -1).copy_(torch.randn(b, k, generator=g, dtype=torch.float64))
-        return a
-    u, v = _orthogonal(b, m, g), _orthogonal(b, n, g)
-    s = torch.zeros(b, k, dtype=torch.float64)
-    if kind == "rank_deficient":
-        r = max(1, k // 2)
-        s[:, :r] = torch.rand(b, r, generator=g, dtype=torch.float64) + 0.5
-    elif kind == "ill_conditioned":
-        s[:] = torch.logspace(0, -6, k, dtype=torch.float64)
-    elif kind == "repeated":
-        s[:] = 2.0
-        s[:, k // 2 :] = 0.5
-    else:
-        raise ValueError(kind)
-    return (u[..., :, :k] * s.unsqueeze(-2)) @ v[..., :, :k].mT
 
 
 def sym(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -58,7 +27,7 @@ def sym(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
         return torch.zeros(b, n, n, dtype=torch.float64)
     if kind == "diagonal":
         return torch.diag_embed(torch.randn(b, n, generator=g, dtype=torch.float64))
-    q = _orthogonal(b, n, g)
+    q = basis(b, n, g)
     if kind == "repeated":
         lam = torch.where(torch.arange(n) < n // 2, -1.0, 3.0).to(torch.float64).expand(b, n)
     elif kind == "clustered":  # three clusters of width 1e-9
@@ -423,7 +392,7 @@ def test_cholesky_blocked_kernel(dtype, n, nb):
     """Blocked kernel (panel widths that do and do not divide n) vs float64 LAPACK, the blocked
     torch reference and the unblocked kernel; upper and lower; ill-conditioned input."""
     g = torch.Generator().manual_seed(n)
-    q = _orthogonal(3, n, g)
+    q = basis(3, n, g)
     ill = (q * torch.logspace(0, -5, n, dtype=torch.float64)) @ q.mT
     a = torch.cat([spd(3, n, seed=n), (ill + ill.mT) / 2]).to(dtype)
     for upper in (False, True):

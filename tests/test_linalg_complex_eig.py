@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import torchport.linalg as tl
+from tests import linalg_inputs
+from tests.linalg_inputs import basis
 from torchport.linalg import complex_jacobi, ops
 from torchport.linalg.reference import complex_eigh_reference, complex_svd_reference
 
@@ -16,37 +18,9 @@ CDTYPES = [torch.complex64, torch.complex128]
 TOL = {torch.complex64: 1e-4, torch.complex128: 1e-11}
 
 
-def _unitary(b: int, n: int, g: torch.Generator) -> torch.Tensor:
-    q, _ = torch.linalg.qr(torch.randn(b, n, n, generator=g, dtype=torch.complex128))
-    return q
-
-
 def make(kind: str, b: int, m: int, n: int, seed: int = 0) -> torch.Tensor:
-    """Complex128 test matrices: random, zero, diagonal, rank-deficient, ill-conditioned
-    (cond 1e6), repeated singular values."""
-    g = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    if kind == "random":
-        return torch.randn(b, m, n, generator=g, dtype=torch.complex128)
-    if kind == "zero":
-        return torch.zeros(b, m, n, dtype=torch.complex128)
-    if kind == "diagonal":
-        a = torch.zeros(b, m, n, dtype=torch.complex128)
-        a.diagonal(0, -2, -1).copy_(torch.randn(b, k, generator=g, dtype=torch.complex128))
-        return a
-    u, v = _unitary(b, m, g), _unitary(b, n, g)
-    s = torch.zeros(b, k, dtype=torch.float64)
-    if kind == "rank_deficient":
-        r = max(1, k // 2)
-        s[:, :r] = torch.rand(b, r, generator=g, dtype=torch.float64) + 0.5
-    elif kind == "ill_conditioned":
-        s[:] = torch.logspace(0, -6, k, dtype=torch.float64)
-    elif kind == "repeated":
-        s[:] = 2.0
-        s[:, k // 2 :] = 0.5
-    else:
-        raise ValueError(kind)
-    return (u[..., :, :k] * s.to(torch.complex128).unsqueeze(-2)) @ v[..., :, :k].mH
+    """Complex128 test matrices (:func:`linalg_inputs.make`)."""
+    return linalg_inputs.make(kind, b, m, n, seed, torch.complex128)
 
 
 def herm(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -62,7 +36,7 @@ def herm(kind: str, b: int, n: int, seed: int = 0) -> torch.Tensor:
         return torch.diag_embed(torch.randn(b, n, generator=g, dtype=torch.float64)).to(
             torch.complex128
         )
-    u = _unitary(b, n, g)
+    u = basis(b, n, g, torch.complex128)
     if kind == "repeated":
         lam = torch.ones(b, n, dtype=torch.float64)
         lam[:, n // 2 :] = -3.0

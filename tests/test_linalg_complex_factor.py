@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import torchport.linalg as tl
+from tests import linalg_inputs
+from tests.linalg_inputs import basis
 from torchport.linalg import complex_factor, kernels
 from torchport.linalg.reference import cholesky_reference, qr_reference
 
@@ -19,34 +21,9 @@ QR_SHAPES = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (8, 8), (16, 16), (6, 3), (
              (4, 1), (17, 9), (9, 17)]  # fmt: skip
 
 
-def _unitary(b: int, n: int, g: torch.Generator) -> torch.Tensor:
-    q, _ = torch.linalg.qr(torch.randn(b, n, n, generator=g, dtype=torch.complex128))
-    return q
-
-
 def cmake(kind: str, b: int, m: int, n: int, seed: int = 0) -> torch.Tensor:
-    """Complex128 test matrices: random, rank-deficient, ill-conditioned (cond 1e6), diagonal,
-    zero."""
-    g = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    if kind == "random":
-        return torch.randn(b, m, n, generator=g, dtype=torch.complex128)
-    if kind == "zero":
-        return torch.zeros(b, m, n, dtype=torch.complex128)
-    if kind == "diagonal":
-        a = torch.zeros(b, m, n, dtype=torch.complex128)
-        a.diagonal(0, -2, -1).copy_(torch.randn(b, k, generator=g, dtype=torch.complex128))
-        return a
-    s = torch.zeros(b, k, dtype=torch.float64)
-    if kind == "rank_deficient":
-        r = max(1, k // 2)
-        s[:, :r] = torch.rand(b, r, generator=g, dtype=torch.float64) + 0.5
-    elif kind == "ill_conditioned":
-        s[:] = torch.logspace(0, -6, k, dtype=torch.float64)
-    else:
-        raise ValueError(kind)
-    u, v = _unitary(b, m, g)[..., :k], _unitary(b, n, g)[..., :k]
-    return (u * s.unsqueeze(-2).to(u.dtype)) @ v.mH
+    """Complex128 test matrices (:func:`linalg_inputs.make`)."""
+    return linalg_inputs.make(kind, b, m, n, seed, torch.complex128)
 
 
 def hpd(b: int, n: int, seed: int = 0, cond: float | None = None) -> torch.Tensor:
@@ -55,7 +32,7 @@ def hpd(b: int, n: int, seed: int = 0, cond: float | None = None) -> torch.Tenso
     if cond is None:
         x = torch.randn(b, n, n, generator=g, dtype=torch.complex128)
         return x @ x.mH + n * torch.eye(n, dtype=torch.complex128)
-    u = _unitary(b, n, g)
+    u = basis(b, n, g, torch.complex128)
     lam = torch.logspace(0, -float(torch.log10(torch.tensor(cond))), n, dtype=torch.float64)
     return (u * lam.to(u.dtype)) @ u.mH
 
