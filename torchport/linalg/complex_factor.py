@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from torchport import native
+from torchport.linalg._cparams import scalar_params
 from torchport.native import IntArg, Kernel, TensorArg
 
 DTYPES = (torch.complex64, torch.complex128)
@@ -242,13 +243,13 @@ SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
 def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
     """Build (or load from the disk cache) the complex kernels for one dtype; keyed by op name."""
     assert dtype in DTYPES, dtype
-    is64 = dtype == torch.complex128
+    real = scalar_params(dtype.to_real(), 0)  # the real part's C names (no sweeps here)
     src = native.render(
         _SOURCE,
-        relem="double" if is64 else "float",
-        celem="double _Complex" if is64 else "float _Complex",
-        sqrt="sqrt" if is64 else "sqrtf",
-        fabs="fabs" if is64 else "fabsf",
+        relem=real["elem"],
+        celem=f"{real['elem']} _Complex",
+        sqrt=real["sqrt"],
+        fabs=real["fabs"],
     )
     lib = native.build(
         src, name=f"linalg_cfac_{_TAG[dtype]}_{isa}", isa=isa, extra_flags=("-fcx-limited-range",)
