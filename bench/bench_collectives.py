@@ -30,8 +30,12 @@ from pathlib import Path
 
 KB, MB = 1 << 10, 1 << 20
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
-# samples per backend for cells under 16 MB (larger cells use --reps; 3 with --quick)
+# samples per backend for cells under 16 MB (larger cells use --reps, at most 7)
 SMALL_SAMPLES = 15
+# samples per backend for cells from 16 MB with --quick: before the fifteenth session 3, and the
+# 64 MB allreduce cell at world 2 then read 2.73x in one run against 4.56x in a 15-sample cell
+# bench right after (one slow sample of three decided the median)
+QUICK_LARGE_SAMPLES = 7
 
 
 def _op_fn(op: str, size: int, world: int, group):
@@ -241,7 +245,7 @@ def main() -> None:
         help="TORCHPORT_DIST_TRANSPORT for the torchport group (tcp: the TCP algorithms)",
     )
     args = p.parse_args()
-    reps = 3 if args.quick else min(args.reps, 7)
+    reps = QUICK_LARGE_SAMPLES if args.quick else min(args.reps, 7)
     table = BenchTable("collectives", unit="GB/s")
     table.start()
     os.environ["TORCHPORT_DIST_TRANSPORT"] = args.transport
