@@ -21,9 +21,10 @@ float32/float64 and complex64/complex128. Each also takes ``method``:
 
 Complex64/complex128 inputs have native kernels, one matrix per thread (``svd``/``svdvals``,
 ``eigh``/``eigvalsh`` through :mod:`~torchport.linalg.complex_jacobi`; ``qr``, ``cholesky`` and
-``cholesky_ex`` through :mod:`~torchport.linalg.complex_factor`); no lane or one-matrix
-launchers: ``"jacobi"`` runs them (their references off the CPU) and ``"auto"`` tunes them
-against ``torch.linalg`` as for real dtypes.
+``cholesky_ex`` through :mod:`~torchport.linalg.complex_factor`), and one-matrix launchers
+(:mod:`~torchport.linalg.one`; ``eigh`` always Jacobi) but no lane kernels: ``"jacobi"`` runs
+them (their references off the CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for
+real dtypes.
 Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`).
 """
 
@@ -201,14 +202,16 @@ def _native_ok(a: torch.Tensor) -> bool:
     ``native.eager_fast_path`` and ``native.enabled`` written out inline (~1 us instead of
     ~4 us at B = 100, n = 3): a learned route implies the native kernels were on, so "still on"
     is "no setting assigned since (generation), no active override of a routing setting, and
-    ``TORCHPORT_NATIVE`` unchanged in the environment"; then a CPU tensor, no autograd to
-    record, no tracing."""
+    ``TORCHPORT_NATIVE`` unchanged in the environment"; then a CPU tensor that is no lazy
+    conjugate or negative view (the launchers read raw memory: such a view takes the general
+    path, which resolves it), no autograd to record, no tracing."""
     return not (
         _routes_gen[0] != _cfg_gen[0]
         or not _neutral_overrides()
         or _env_data.get(_NATIVE_ENV) != _native_env[0]
         or not a.is_cpu
         or a.is_conj()
+        or a.is_neg()
         or (a.requires_grad and torch.is_grad_enabled())
         or torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
@@ -346,7 +349,6 @@ def _one_learn(
     m, n = a.shape[-2:]
     if not (
         a.numel() == m * n
-        and not a.is_complex()  # no complex one-matrix launchers
         and one.fits(m, n)
         and a.is_cpu
         and native.eager_fast_path(a)
@@ -501,7 +503,7 @@ def _candidate_fn(
     One matrix used to be LAPACK's beyond the launcher, but the blocked Cholesky beat
     ``torch.linalg.cholesky`` on a single matrix of n = 64…512 by 1.3-3.3x (f32 n = 64 1.70x,
     128 3.32x, 512 1.44x; f64 64 1.32x, 512 1.60x; interleaved medians, load 2.1-2.6)."""
-    if bucket == 1 and not dtype.is_complex and _one_candidate(op, m, n):
+    if bucket == 1 and _one_candidate(op, m, n):
         return _one_fn(op, extra, m, n, dtype)
     return _native_fn(op, extra)
 

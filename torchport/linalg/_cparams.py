@@ -25,6 +25,18 @@ def scalar_params(dtype: torch.dtype, max_sweeps: int) -> dict[str, str]:
     }
 
 
+def one_code_c(max_n: int) -> str:
+    """The C macros of the complex one-matrix entry points' packed argument (``code``: m | n << 8 |
+    flag i << (16 + i), :func:`torchport.linalg.one._code`) and their size bound; the real
+    kernels' source spells out the same lines."""
+    return (
+        f"#define ONE_MAX_N {int(max_n)}\n"
+        "#define ONE_M(c) ((c) & 255)\n"
+        "#define ONE_N(c) (((c) >> 8) & 255)\n"
+        "#define ONE_F(c, i) ((int)(((c) >> (16 + (i))) & 1))"
+    )
+
+
 def lane_bytes(isa: str, wide: bool) -> int:
     """Bytes per lane vector: 64 (a zmm register) when ``wide`` and the ISA is avx512, else 32."""
     return 64 if wide and isa == "avx512" else 32

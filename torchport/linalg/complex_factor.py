@@ -22,6 +22,9 @@ the numerics match LAPACK's ``zgeqrf``/``zungqr`` and ``zpotrf``:
   (the upper one, conjugated, when ``upper``; the result is then U = Lᴴ), and only the real part
   of the diagonal. A pivot Re a_ii − Σ|l_ik|² that is not > 0 (NaN included) stops the matrix
   with ``info`` = the order of the failing leading minor and a zero factor.
+
+``tp_cqr1`` and ``tp_cchol1`` run the same (non-inlined) workers on one matrix, without a thread
+team, for :mod:`torchport.linalg.one`.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from collections.abc import Callable
 import torch
 
 from torchport import native
-from torchport.linalg._cparams import scalar_params
+from torchport.linalg import kernels
+from torchport.linalg._cparams import one_code_c, scalar_params
 from torchport.native import IntArg, Kernel, TensorArg
 
 DTYPES = (torch.complex64, torch.complex128)
 _TAG = {torch.complex64: "c64", torch.complex128: "c128"}
+# The largest max(m, n) the one-matrix entry points (tp_cqr1, tp_cchol1) take: the real ones'.
+ONE_MAX_N = kernels.ONE_MAX_N
 
 _SOURCE = r"""
 #include <stdlib.h>
@@ -125,7 +131,15 @@ TP_INLINE void cqr_one(const TC *a, TC *Q, TC *R, int64_t m, int64_t n, int want
     for (int64_t i = 0; i < m; ++i) for (int64_t c = 0; c < qc; ++c) Q[i * qc + c] = Qc[c * m + i];
 }
 
-#define CQR_CALL(M, N) cqr_one(a + b * m * n, Q + b * qsz, R + b * rsz, M, N, (int)wantq, (int)complete, C, Qc, tau)
+/* one matrix, constant-size copies for 2, 3 and 4; not inlined, so that the batched and the
+   one-matrix entry points run the same machine code (equal results bit for bit) */
+static __attribute__((noinline)) void cqr_run(const TC *a, TC *Q, TC *R, int64_t m, int64_t n,
+                                              int wantq, int complete, TC *C, TC *Qc, TC *tau) {
+    if (m == 2 && n == 2) cqr_one(a, Q, R, 2, 2, wantq, complete, C, Qc, tau);
+    else if (m == 3 && n == 3) cqr_one(a, Q, R, 3, 3, wantq, complete, C, Qc, tau);
+    else if (m == 4 && n == 4) cqr_one(a, Q, R, 4, 4, wantq, complete, C, Qc, tau);
+    else cqr_one(a, Q, R, m, n, wantq, complete, C, Qc, tau);
+}
 
 TP_EXPORT int tp_cqr(const TC *a, TC *Q, TC *R, int64_t B, int64_t m, int64_t n, int64_t wantq,
                      int64_t complete, int64_t nthreads) {
@@ -139,12 +153,8 @@ TP_EXPORT int tp_cqr(const TC *a, TC *Q, TC *R, int64_t B, int64_t m, int64_t n,
         TC *Qc = C + m * n, *tau = Qc + m * m;
         int64_t chunk = TP_MAX(1, B / (nt * 8));
         #pragma omp for schedule(dynamic, chunk)
-        for (int64_t b = 0; b < B; ++b) {
-            if (m == 2 && n == 2) CQR_CALL(2, 2);
-            else if (m == 3 && n == 3) CQR_CALL(3, 3);
-            else if (m == 4 && n == 4) CQR_CALL(4, 4);
-            else CQR_CALL(m, n);
-        }
+        for (int64_t b = 0; b < B; ++b)
+            cqr_run(a + b * m * n, Q + b * qsz, R + b * rsz, m, n, (int)wantq, (int)complete, C, Qc, tau);
         free(C);
     }
     return 0;
@@ -209,7 +219,15 @@ TP_INLINE int32_t cchol_right(const TC *a, TC *out, int64_t n, int upper, TC *W)
     return 0;
 }
 
-#define CCHOL_CALL(N) cchol_rows(a + b * n * n, out + b * n * n, N, (int)upper, Lw)
+/* one matrix: row by row (constant-size copies) to n = 4, right-looking above; not inlined
+   (see cqr_run). Lw: n * n + n + 8 elements. */
+static __attribute__((noinline)) int32_t cchol_run(const TC *a, TC *out, int64_t n, int upper, TC *Lw) {
+    if (n == 1) return cchol_rows(a, out, 1, upper, Lw);
+    if (n == 2) return cchol_rows(a, out, 2, upper, Lw);
+    if (n == 3) return cchol_rows(a, out, 3, upper, Lw);
+    if (n == 4) return cchol_rows(a, out, 4, upper, Lw);
+    return cchol_right(a, out, n, upper, Lw);
+}
 
 TP_EXPORT int tp_ccholesky(const TC *a, TC *out, int32_t *info, int64_t B, int64_t n, int64_t upper,
                            int64_t nthreads) {
@@ -220,18 +238,39 @@ TP_EXPORT int tp_ccholesky(const TC *a, TC *out, int32_t *info, int64_t B, int64
         TC *Lw = (TC *)malloc(sizeof(TC) * (n * n + n + 8));
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
-            int32_t st;
-            if (n == 1) st = CCHOL_CALL(1);
-            else if (n == 2) st = CCHOL_CALL(2);
-            else if (n == 3) st = CCHOL_CALL(3);
-            else if (n == 4) st = CCHOL_CALL(4);
-            else st = cchol_right(a + b * n * n, out + b * n * n, n, (int)upper, Lw);
+            const int32_t st = cchol_run(a + b * n * n, out + b * n * n, n, (int)upper, Lw);
             info[b] = st;
             if (st && b < bad) bad = b;
         }
         free(Lw);
     }
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
+}
+
+/* ---------------------------------------------------------------- one matrix (B = 1)
+   The workers on one matrix of max(m, n) <= ONE_MAX_N, no thread team, scratch on the stack;
+   ``code`` packs m | n << 8 | flag i << (16 + i) (torchport.linalg.one._code); -1 for sizes out
+   of range. */
+${one_code}
+
+/* flags: 0 wantq, 1 complete; returns 0 */
+TP_EXPORT int tp_cqr1(const TC *a, TC *Q, TC *R, int64_t code) {
+    const int64_t m = ONE_M(code), n = ONE_N(code), k = TP_MIN(m, n);
+    if (k < 1 || TP_MAX(m, n) > ONE_MAX_N) return -1;
+    TC C[m * n + m * m + k + 8];
+    cqr_run(a, Q, R, m, n, ONE_F(code, 0), ONE_F(code, 1), C, C + m * n, C + m * n + m * m);
+    return 0;
+}
+
+/* flag 0: upper; returns the order of the failing leading minor (0: factored), also stored to
+   *info when info is not NULL */
+TP_EXPORT int tp_cchol1(const TC *a, TC *out, int32_t *info, int64_t code) {
+    const int64_t n = ONE_N(code);
+    if (n < 1 || n > ONE_MAX_N) return -1;
+    TC Lw[n * n + n + 8];
+    const int32_t st = cchol_run(a, out, n, ONE_F(code, 0), Lw);
+    if (info) *info = st;
+    return st;
 }
 """
 
@@ -250,6 +289,7 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
         celem=f"{real['elem']} _Complex",
         sqrt=real["sqrt"],
         fabs=real["fabs"],
+        one_code=one_code_c(ONE_MAX_N),
     )
     lib = native.build(
         src, name=f"linalg_cfac_{_TAG[dtype]}_{isa}", isa=isa, extra_flags=("-fcx-limited-range",)
@@ -267,6 +307,11 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
             "tp_ccholesky",
             [t("A", d), t("L", d), t("info", (torch.int32,))]
             + [i(x) for x in ("B", "n", "upper", "nthreads")],
+        ),
+        # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
+        "qr1": Kernel(lib, "tp_cqr1", [t("A", d), t("Q", d), t("R", d), i("code")]),
+        "chol1": Kernel(
+            lib, "tp_cchol1", [t("A", d), t("L", d), t("info", (torch.int32,)), i("code")]
         ),
     }
 

@@ -27,7 +27,8 @@ a pair is rotated once more near convergence, which keeps kernel and reference t
   the least represented unit vector; Vh = Vᴴ.
 
 Non-finite input stops that matrix; the launchers return 1 + the first such batch index, as the
-real ones do.
+real ones do. ``tp_csvd1`` and ``tp_ceigh1`` run the same (non-inlined) workers on one matrix,
+without a thread team, for :mod:`torchport.linalg.one`.
 """
 
 from __future__ import annotations
@@ -38,11 +39,15 @@ import hashlib
 import torch
 
 from torchport import native
-from torchport.linalg._cparams import scalar_params
+from torchport.linalg import kernels
+from torchport.linalg._cparams import one_code_c, scalar_params
 from torchport.native import IntArg, Kernel, TensorArg
 
 _TAG = {torch.complex64: "c64", torch.complex128: "c128"}
 MAX_SWEEPS = 60
+# The largest max(m, n) the one-matrix entry points (tp_csvd1, tp_ceigh1) take: the real ones'
+# bound (stack scratch: at most 49 KiB, complex128 SVD of 32 x 32).
+ONE_MAX_N = kernels.ONE_MAX_N
 
 _SOURCE = r"""
 typedef ${elem} T;
@@ -130,8 +135,10 @@ TP_INLINE void ccomplete_basis(T *Ub, int64_t r, int64_t want, int64_t p) {
     }
 }
 
-/* ---------------------------------------------------------------- SVD (one-sided Jacobi) */
-TP_INLINE int csvd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int uv, int full,
+/* ---------------------------------------------------------------- SVD (one-sided Jacobi)
+   The per-matrix workers are not inlined: the batched and the one-matrix entry points run the
+   same machine code, so their results are equal bit for bit (one call per matrix). */
+static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int uv, int full,
                        T *W, T *Ub, T *V, T *nrm, int64_t *perm) {
     const int trans = m < n;
     const int64_t p = trans ? n : m, q = trans ? m : n;
@@ -244,7 +251,7 @@ TP_EXPORT int tp_csvd(const C *a, T *S, C *U, C *Vh, int64_t B, int64_t m, int64
 }
 
 /* ---------------------------------------------------------------- eigh (two-sided Jacobi) */
-TP_INLINE int ceigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv, T *A, T *V,
+static __attribute__((noinline)) int ceigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv, T *A, T *V,
                         T *d, int64_t *perm) {
     if (!all_finite(in, 2 * n * n)) return 1;
     /* the entries of the UPLO triangle, the real part of the diagonal; scaled by an even power
@@ -338,6 +345,32 @@ TP_EXPORT int tp_ceigh(const C *a, T *L, C *Q, int64_t B, int64_t n, int64_t upp
     }
     return bad == INT64_MAX ? 0 : (int)TP_MIN(bad + 1, 2147483647);
 }
+
+/* ---------------------------------------------------------------- one matrix (B = 1)
+   The workers on one matrix of order <= ONE_MAX_N, no thread team, scratch on the stack;
+   ``code`` packs m | n << 8 | flag i << (16 + i) (torchport.linalg.one._code). Each returns what
+   its batched entry point returns for B = 1; -1 for sizes out of range. */
+${one_code}
+
+/* flags: 0 compute_uv, 1 full_matrices */
+TP_EXPORT int tp_csvd1(const C *a, T *S, C *U, C *Vh, int64_t code) {
+    const int64_t m = ONE_M(code), n = ONE_N(code), p = TP_MAX(m, n), k = TP_MIN(m, n);
+    if (k < 1 || p > ONE_MAX_N) return -1;
+    T W[2 * (p * k + p * p + k * k + k + 8)];
+    int64_t perm[k + 1];
+    return csvd_one((const T *)a, S, (T *)U, (T *)Vh, m, n, ONE_F(code, 0), ONE_F(code, 1), W,
+                    W + 2 * p * k, W + 2 * (p * k + p * p), W + 2 * (p * k + p * p + k * k), perm);
+}
+
+/* flags: 0 upper, 1 compute_v */
+TP_EXPORT int tp_ceigh1(const C *a, T *L, C *Q, int64_t code) {
+    const int64_t n = ONE_N(code);
+    if (n < 1 || n > ONE_MAX_N) return -1;
+    T A[4 * n * n + n + 8];
+    int64_t perm[n + 1];
+    return ceigh_one((const T *)a, L, (T *)Q, n, ONE_F(code, 0), ONE_F(code, 1), A, A + 2 * n * n,
+                     A + 4 * n * n, perm);
+}
 """
 
 # Identifies this source in autotuning keys (torchport.linalg._tune), so choices made for an
@@ -353,6 +386,7 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
     src = native.render(
         "#include <stdlib.h>\n#include <complex.h>\n" + _SOURCE,
         **{k: params[k] for k in ("elem", "eps", "sqrt", "fabs", "max_sweeps")},
+        one_code=one_code_c(ONE_MAX_N),
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}", isa=isa)
     t, i = TensorArg, IntArg
@@ -370,6 +404,9 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
             [t("A", c), t("L", r), t("Q", c)]
             + [i(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
         ),
+        # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
+        "svd1": Kernel(lib, "tp_csvd1", [t("A", c), t("S", r), t("U", c), t("Vh", c), i("code")]),
+        "eigh1": Kernel(lib, "tp_ceigh1", [t("A", c), t("L", r), t("Q", c), i("code")]),
     }
 
 

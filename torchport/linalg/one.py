@@ -13,7 +13,11 @@ The entry points run the batched kernels' per-matrix workers, so results equal t
 kernels' (one matrix per thread) bit for bit, except eigh from order ``EIGH_TRIDIAGONAL_FROM``:
 there ``tp_eigh1`` runs Householder tridiagonalization and implicit QL (2-3x faster than
 torch.linalg.eigh at n = 4…32, where cyclic Jacobi loses from n ≈ 13), which no batched kernel
-shares (reference: ``eigh_tridiagonal_reference``). The plain-torch references of the
+shares (reference: ``eigh_tridiagonal_reference``). Complex64/complex128 run the entry points
+of :mod:`~torchport.linalg.complex_jacobi` (``tp_csvd1``, ``tp_ceigh1``: cyclic Jacobi at every
+order) and :mod:`~torchport.linalg.complex_factor` (``tp_cqr1``, ``tp_cchol1``), whose workers
+are not inlined, so the batched and one-matrix entry points run the same machine code and agree
+bit for bit; S and the eigenvalues are then real. The plain-torch references of the
 algorithms are those of :mod:`torchport.linalg.reference`. A launcher returns what the public function returns
 (torch's named tuples, or the lone tensor of ``svdvals``, ``eigvalsh`` and ``cholesky``) and
 fails as the op layer does: ``torch.linalg.LinAlgError`` for non-finite input (svd, eigh) and,
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 
 from torchport import native
-from torchport.linalg import kernels, ops
+from torchport.linalg import complex_factor, complex_jacobi, kernels, ops
 
 # The largest max(m, n) the entry points take.
 ONE_MAX_N = kernels.ONE_MAX_N
@@ -64,7 +68,11 @@ def _code(m: int, n: int, *flags: bool) -> int:
 
 
 def _call(dtype: torch.dtype, name: str) -> Callable[..., int]:
-    return kernels.library(dtype, native.cpu_info().isa)[name].raw_call
+    isa = native.cpu_info().isa
+    if not dtype.is_complex:
+        return kernels.library(dtype, isa)[name].raw_call
+    source = complex_jacobi if name in ("svd1", "eigh1") else complex_factor
+    return source.library(dtype, isa)[name].raw_call
 
 
 def _check_plan(shape: torch.Size) -> tuple[int, int]:
@@ -88,9 +96,10 @@ def svd_plan(
     m, n = _check_plan(shape)
     k, batch = min(m, n), shape[:-2]
     call = _call(dtype, "svd1")
-    # the batched kernel's order for one matrix per thread (kernels.svd)
-    code = _code(m, n, compute_uv, full_matrices, k >= kernels.SVD_ROUND_ROBIN_FROM)
-    s_like = torch.empty((*batch, k), dtype=dtype)
+    # the batched kernel's order for one matrix per thread (kernels.svd; complex: cyclic only)
+    order = not dtype.is_complex and k >= kernels.SVD_ROUND_ROBIN_FROM
+    code = _code(m, n, compute_uv, full_matrices, order)
+    s_like = torch.empty((*batch, k), dtype=dtype.to_real())
     if not compute_uv:
 
         def vals(a: torch.Tensor) -> torch.Tensor:
@@ -126,13 +135,18 @@ def eigh_plan(
     """``eigh`` (``linalg_eigh`` named tuple) or, without ``compute_v``, ``eigvalsh`` (L).
 
     ``tridiagonal``: run the tridiagonal QL worker (flag 3 of ``tp_eigh1``) instead of cyclic
-    Jacobi; None = from ``EIGH_TRIDIAGONAL_FROM[dtype]`` on."""
+    Jacobi; None = from ``EIGH_TRIDIAGONAL_FROM[dtype]`` on. Complex dtypes run cyclic Jacobi
+    only (``tp_ceigh1``), which reads flags 0 and 1."""
     _, n = _check_plan(shape)
     call = _call(dtype, "eigh1")
-    if tridiagonal is None:
-        tridiagonal = n >= EIGH_TRIDIAGONAL_FROM[dtype]
-    code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER), tridiagonal)
-    lam_like = torch.empty(shape[:-1], dtype=dtype)
+    if dtype.is_complex:
+        assert not tridiagonal, "no complex tridiagonal worker"
+        code = _code(0, n, upper, compute_v)
+    else:
+        if tridiagonal is None:
+            tridiagonal = n >= EIGH_TRIDIAGONAL_FROM[dtype]
+        code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER), tridiagonal)
+    lam_like = torch.empty(shape[:-1], dtype=dtype.to_real())
     if not compute_v:
 
         def vals(a: torch.Tensor) -> torch.Tensor:
