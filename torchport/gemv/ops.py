@@ -56,9 +56,10 @@ class PackedWeight:
     n: int
     k: int
     # settled eager routes of :func:`gemv_packed` for this weight, by (x dtype, x shape,
-    # allow_int8), settled from its second eager call on (see :func:`settle_route`; not part
-    # of the weight's identity)
-    routes: dict[tuple[object, ...], SettledRoute | None] = field(
+    # allow_int8) and, under the key ``allow_int8`` alone, the one the last settled call took;
+    # settled from its second eager call on (see :func:`settle_route`; not part of the weight's
+    # identity)
+    routes: dict[object, SettledRoute | None] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
 
@@ -129,6 +130,7 @@ class LaunchPlan:
     kernel: object | None
     threads: int  # 0: all of native.num_threads()
     adaptive: ThreadAdaptive | None = None
+    arm_threads: tuple[int, ...] = ()  # with ``adaptive``: the thread count of each of its arms
 
     def launch(self, go: Callable[[int], None]) -> None:
         """Run ``go(nthreads)`` with the thread count this plan picks for this call."""
@@ -188,7 +190,7 @@ def _with_adaptive(plan: LaunchPlan, timings: dict[str, float], nbytes: int) -> 
     if t_tuned and t_twin:
         adapt.seed(0, t_tuned)
         adapt.seed(1, t_twin)
-    return replace(plan, adaptive=adapt)
+    return replace(plan, adaptive=adapt, arm_threads=(tuned, other))
 
 
 _PLANS: dict[tuple[object, ...], LaunchPlan] = {}
@@ -573,10 +575,19 @@ def gemv_packed(
     ``allow_int8=False``: FP4 weights keep float32 activations even when ``config.gemv_fp4_int8``
     is on (used when the activations are already quantized values that must stay exact).
     """
-    if type(x) is torch.Tensor:  # a route settled by an earlier call: straight to the kernel
-        route = pw.routes.get((x.dtype, x.shape, allow_int8))
-        if route is not None and route.matches(x, bias) and native.eager_fast_path(x):
-            return route.run(x)  # type: ignore[operator]
+    routes = pw.routes
+    route = routes.get(allow_int8)  # the route the last settled call took
+    if route is not None:
+        out = route.serve(x, bias)
+        if out is not None:
+            return out
+    if type(x) is torch.Tensor:  # another route settled by an earlier call
+        route = routes.get((x.dtype, x.shape, allow_int8))
+        if route is not None:
+            out = route.serve(x, bias)
+            if out is not None:
+                routes[allow_int8] = route
+                return out
     return _gemv_checked(x, pw, bias, allow_int8, settle=True)
 
 
@@ -601,7 +612,8 @@ def _gemv_checked(
             if route is not None:
                 if len(routes) >= 16:
                     routes.clear()
-                routes[(x.dtype, x.shape, allow_int8)] = route
+                    routes[_SEEN] = None
+                routes[(x.dtype, x.shape, allow_int8)] = routes[allow_int8] = route
         elif settle:  # first use (maybe a one-off pack, as scaled_mm makes per call)
             routes[_SEEN] = None
         return _run(x, pw, bias, allow_int8)
@@ -658,6 +670,9 @@ class SettledRoute:
     bias_version: int
     bias_ptr: int
     run: object  # Callable[[torch.Tensor], torch.Tensor]
+    # ``serve(x, bias)``: ``run(x)`` if the route serves this call (``matches`` and
+    # :func:`~torchport.native.eager_fast_path` in one frame), else None
+    serve: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None]
 
     def matches(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """True if this route serves ``x``/``bias`` now (same settings, dtype, shape and bias)."""
@@ -726,6 +741,14 @@ def _shared_out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
     return src
 
 
+# A settled route with a thread-adaptive plan times one call in ROUTE_SAMPLE_EVERY through the
+# plan's ThreadAdaptive (its call counts, probe intervals included, are then in sampled calls); the
+# calls between run the adaptive's current launch directly. A timed call cost 70 us of cold Python
+# more than a direct one (lock, clock reads, median bookkeeping; kernel stubbed, caches evicted by
+# a 64 MiB read before each call, medians of 41, load 6-8), a tenth of an NVFP4 11008x4096 call.
+ROUTE_SAMPLE_EVERY = 4
+
+
 def settle_route(
     x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
 ) -> SettledRoute | None:
@@ -746,7 +769,8 @@ def settle_route(
     if plan is None:
         return None
     call = plan.kernel.raw_call  # type: ignore[union-attr]
-    launch = plan.adaptive or plan.launch  # the adaptive runner itself: one frame less
+    ad, arm_threads = plan.adaptive, plan.arm_threads
+    nt_fixed = plan.threads or native.num_threads()  # the route is dropped if the count changes
     k, n, pts, fmt = pw.k, pw.n, pw.pts, pw.fmt
     dptr, sptr, rptr = pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr()
     bf = None
@@ -755,47 +779,61 @@ def settle_route(
         if bf.dtype != torch.float32 or not bf.is_contiguous():
             bf = bf.float().contiguous()
     bptr, has_bias = (bf.data_ptr(), 1) if bf is not None else (0, 0)
-    out_shape = (*x.shape[:-1], n)
+    shape, out_shape = x.shape, (*x.shape[:-1], n)
     dtype, f32 = x.dtype, torch.float32
     new_out = _shared_out_source(out_shape)
+    every = ROUTE_SAMPLE_EVERY
+    calls = 0
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
         xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()
         out = new_out()
         xp, op = xf.data_ptr(), out.data_ptr()
+        nt = nt_fixed
+        if ad is not None:
+            calls += 1  # (a lost update under threads only shifts the sampling)
+            if calls % every == 0 or ad.pending >= 0:  # a sampled call: the adaptive times it
 
-        def go(threads: int) -> None:
-            status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads)
-            if status:
-                raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
+                def go(threads: int) -> None:
+                    status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads)
+                    if status:
+                        raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
 
-        launch(go)
+                ad(go)
+                return out if dtype is f32 else out.to(dtype)
+            nt = arm_threads[ad.current]
+        status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
+        if status:
+            raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
         return out if dtype is f32 else out.to(dtype)
 
-    if plan.adaptive is None:  # one fixed launch: no closure, no plan indirection per call
-        nt = plan.threads or native.num_threads()  # the route is dropped if the count changes
+    nthreads = torch.get_num_threads()
+    bias0 = bias
+    bver, bptr0 = (bias._version, bias.data_ptr()) if bias is not None else (0, 0)
+    tensor, get_stamp, names = torch.Tensor, config.stamp, ROUTE_SETTINGS
+    compiling, grad_enabled, get_threads = (
+        torch.compiler.is_compiling,
+        torch.is_grad_enabled,
+        torch.get_num_threads,
+    )
+    depth, fmodes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
+    fmode = torch.overrides._get_current_function_mode
 
-        def run_fixed(x: torch.Tensor) -> torch.Tensor:
-            xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()
-            out = new_out()
-            status = call(
-                xf.data_ptr(), rows, k, dptr, sptr, rptr, pts, bptr, has_bias, out.data_ptr(), n, nt
-            )
-            if status:
-                raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
-            return out if dtype is f32 else out.to(dtype)
-
-        run = run_fixed
+    def serve(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        # matches() and native.eager_fast_path in one frame (each check's getter read once)
+        if type(x) is not tensor or bias is not bias0 or x.dtype is not dtype or x.shape != shape:
+            return None
+        if not x.is_cpu or compiling() or depth() or (fmodes() and fmode()):
+            return None
+        if grad_enabled() and (x.requires_grad or (bias0 is not None and bias0.requires_grad)):
+            return None
+        if bias0 is not None and (bias0._version != bver or bias0.data_ptr() != bptr0):
+            return None
+        if get_threads() != nthreads or get_stamp(names) != stamp:
+            return None
+        return run(x)
 
     # the captured pointers' storage (the tensors, not ``pw``: ``pw.routes`` holds the route)
     run.keep_alive = (pw.data, pw.scales, pw.rowscale, bf)  # type: ignore[attr-defined]
-    return SettledRoute(
-        stamp,
-        torch.get_num_threads(),
-        dtype,
-        x.shape,
-        bias,
-        bias._version if bias is not None else 0,
-        bias.data_ptr() if bias is not None else 0,
-        run,
-    )
+    return SettledRoute(stamp, nthreads, dtype, shape, bias, bver, bptr0, run, serve)
