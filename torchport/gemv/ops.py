@@ -779,6 +779,7 @@ def _out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
             ready.extend(made)
             return out
 
+    new_out.pop = pop  # type: ignore[attr-defined]  # hot callers: ``pop()`` first, one frame less
     return new_out
 
 
@@ -839,13 +840,17 @@ def settle_route(
     shape, out_shape = x.shape, (*x.shape[:-1], n)
     dtype, f32 = x.dtype, torch.float32
     new_out = _shared_out_source(out_shape)
+    pop = new_out.pop  # type: ignore[attr-defined]
     every = ROUTE_SAMPLE_EVERY
     calls = 0
 
     def run(x: torch.Tensor) -> torch.Tensor:
         nonlocal calls
         xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()
-        out = new_out()
+        try:
+            out = pop()
+        except IndexError:  # used up: the next batch
+            out = new_out()
         xp, op = xf.data_ptr(), out.data_ptr()
         nt = nt_fixed
         if ad is not None:
@@ -870,7 +875,9 @@ def settle_route(
     nthreads = torch.get_num_threads()
     bias0 = bias
     bver, bptr0 = (bias._version, bias.data_ptr()) if bias is not None else (0, 0)
-    tensor, get_stamp, names = torch.Tensor, config.stamp, ROUTE_SETTINGS
+    tensor = torch.Tensor
+    overrides, generation, env_get, env_keys = config.stamp_reader(ROUTE_SETTINGS)
+    gen0, env = stamp[0], tuple(zip(env_keys, stamp[1]))
     compiling, grad_enabled, get_threads = (
         torch.compiler.is_compiling,
         torch.is_grad_enabled,
@@ -889,8 +896,11 @@ def settle_route(
             return None
         if bias0 is not None and (bias0._version != bver or bias0.data_ptr() != bptr0):
             return None
-        if get_threads() != nthreads or get_stamp(names) != stamp:
+        if get_threads() != nthreads or overrides() or generation[0] != gen0:
             return None
+        for key, val in env:  # config.stamp(ROUTE_SETTINGS) == stamp, inline
+            if env_get(key) is not val:
+                return None
         return run(x)
 
     # the captured pointers' storage (the tensors, not ``pw``: ``pw.routes`` holds the route)
