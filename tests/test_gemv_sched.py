@@ -138,6 +138,25 @@ def test_tuned_plan_adapts_thread_count_with_identical_results() -> None:
     assert route is not None and torch.equal(route.run(x), first)
 
 
+def test_settled_route_passes_one_call_in_four_to_the_adaptive() -> None:
+    """A settled route with a thread-adaptive plan hands the adaptive one call in
+    ROUTE_SAMPLE_EVERY (timed there) and runs its current launch directly between: the same bits
+    every call."""
+    if native.num_threads() < 2:
+        pytest.skip("needs two threads")
+    pw = _pack("nvfp4", torch.randn(1024, 512) * 0.05)  # 2**19 weights: tuned, adaptive
+    x = torch.randn(1, 512)
+    first = gops.gemv_packed(x, pw)
+    assert torch.equal(gops.gemv_packed(x, pw), first)  # settles the route
+    ad = gops.plan_for(pw, 1, gops._use_int8(pw, True)).adaptive
+    assert ad is not None and not ad._warm_switch  # (no warm-up calls: one call in four exactly)
+    before = ad.calls
+    every = gops.ROUTE_SAMPLE_EVERY
+    for _ in range(4 * every):
+        assert torch.equal(gops.gemv_packed(x, pw), first)
+    assert ad.calls - before == 4
+
+
 def _fake_launches(monkeypatch):
     """A fake clock and a launch function that advances it by ``cost[threads]`` per call and
     records the thread counts used: (cost, used, go)."""

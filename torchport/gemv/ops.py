@@ -158,7 +158,10 @@ def _twin_name(c: autotune.Candidate) -> str:
 # is re-timed every 16 calls while it could win (``probe_bound``: not while the current launch's
 # median, less the margin, is below the other's best time): a load change is noticed within a
 # handful of calls, and a quiet machine does not run a one-thread call in every 16. Smaller
-# weights sample every 8th call and probe every 64th.
+# weights sample every 8th call and probe every 64th. The counts are of the calls the adaptive
+# sees: a settled route passes it one call in ROUTE_SAMPLE_EVERY (with cold caches, a timed call
+# costs ~70 us of Python more, not a few), so there every 4th call is timed and the other launch
+# re-timed every 64th.
 ADAPT_EVERY_CALL_BYTES = 4 << 20
 
 
