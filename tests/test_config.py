@@ -93,6 +93,34 @@ def test_stamp_tracks_assignment_env_and_override(monkeypatch):
     assert config.stamp(names)[1] == s0[1]  # same environment strings as at the start
 
 
+def test_stamp_reader_sees_what_stamp_sees(monkeypatch):
+    """stamp_reader's pieces, compared inline as the settled GEMV route does, flag every change
+    the stamp flags: an environment edit (even to an equal string), an assignment, an override."""
+    names = ("autotune", "native")
+    monkeypatch.delenv("TORCHPORT_AUTOTUNE", raising=False)
+    overrides, generation, env_get, keys = config.stamp_reader(names)
+    s0 = config.stamp(names)
+    assert len(keys) == len(names) and s0 is not None
+
+    def same() -> bool:
+        if overrides() or generation[0] != s0[0]:
+            return False
+        return all(env_get(k) is v for k, v in zip(keys, s0[1]))
+
+    assert same()
+    monkeypatch.setenv("TORCHPORT_AUTOTUNE", "0")
+    assert not same()
+    monkeypatch.delenv("TORCHPORT_AUTOTUNE")
+    assert same()
+    with config.override(native=False):
+        assert not same()
+    try:
+        config.autotune = True
+        assert not same()
+    finally:
+        config.autotune = None
+
+
 def test_snapshot_follows_assignment_env_and_override(monkeypatch):
     """A Snapshot caches resolved values, yet sees every way a setting can change: an
     assignment, an environment edit, an override (and its end)."""

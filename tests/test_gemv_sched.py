@@ -138,6 +138,25 @@ def test_tuned_plan_adapts_thread_count_with_identical_results() -> None:
     assert route is not None and torch.equal(route.run(x), first)
 
 
+def test_settled_route_passes_one_call_in_four_to_the_adaptive() -> None:
+    """A settled route with a thread-adaptive plan hands the adaptive one call in
+    ROUTE_SAMPLE_EVERY (timed there) and runs its current launch directly between: the same bits
+    every call."""
+    if native.num_threads() < 2:
+        pytest.skip("needs two threads")
+    pw = _pack("nvfp4", torch.randn(1024, 512) * 0.05)  # 2**19 weights: tuned, adaptive
+    x = torch.randn(1, 512)
+    first = gops.gemv_packed(x, pw)
+    assert torch.equal(gops.gemv_packed(x, pw), first)  # settles the route
+    ad = gops.plan_for(pw, 1, gops._use_int8(pw, True)).adaptive
+    assert ad is not None and not ad._warm_switch  # (no warm-up calls: one call in four exactly)
+    before = ad.calls
+    every = gops.ROUTE_SAMPLE_EVERY
+    for _ in range(4 * every):
+        assert torch.equal(gops.gemv_packed(x, pw), first)
+    assert ad.calls - before == 4
+
+
 def _fake_launches(monkeypatch):
     """A fake clock and a launch function that advances it by ``cost[threads]`` per call and
     records the thread counts used: (cost, used, go)."""
@@ -346,3 +365,39 @@ def test_adaptive_steady_check_makes_the_full_pass_decisions(monkeypatch, opts, 
         assert logs[0] == logs[1], (phase, logs[0][-20:], logs[1][-20:])
     assert runners[0].switches == runners[1].switches and runners[0].current == runners[1].current
     assert runners[0].switches > 0
+
+
+def test_final_round_keeps_the_interleaved_winner_and_caches_it(fresh_cache, monkeypatch) -> None:
+    """A fresh native choice meets the tuner's fastest natives within FINAL_ROUND_SPREAD in one
+    alternated round; the best median wins (cached, with its ``final:`` medians), candidates
+    outside the spread and the anchor are not run."""
+    from torchport import autotune
+
+    cands = gops.candidates("nvfp4", True, 512)
+    names = [c.name for c in cands]
+    first, second, third, far = names[1], names[2], names[3], names[4]
+    timings = {names[0]: 9e-3, first: 1.00e-3, second: 1.05e-3, third: 1.20e-3, far: 1.5e-3}
+    choice = autotune.Choice("gemv", cands[1], dict(timings))
+    timed: list[list[str]] = []
+
+    def fake_interleaved(fns, arg_sets, **kw):
+        timed.append([f.name for f in fns])
+        return [2e-3, 1e-3, 3e-3]  # the second-fastest by the tuner wins the round
+
+    def factory(c):
+        def fn(*args):
+            return None
+
+        fn.name = c.name
+        return fn
+
+    monkeypatch.setattr(autotune, "interleaved", fake_interleaved)
+    key = {"op": "test", "n": 1}
+    out = gops._final_round(choice, cands, factory, lambda: (torch.zeros(4),), key)
+    assert timed == [[first, second, third]]
+    assert out.candidate.name == second and out.timings_s[f"final:{second}"] == 1e-3
+    assert autotune.choice_cache.get("gemv", key)["choice"] == second
+    # a clear winner (nothing else within the spread) is kept without a round
+    alone = autotune.Choice("gemv", cands[1], {first: 1e-3, second: 2e-3})
+    assert gops._final_round(alone, cands, factory, lambda: (torch.zeros(4),), key) is alone
+    assert len(timed) == 1

@@ -376,6 +376,17 @@ def stamp(names: tuple[str, ...]) -> tuple[Any, ...] | None:
     return (_generation[0], tuple(map(_env_data.get, keys)))
 
 
+def stamp_reader(
+    names: tuple[str, ...],
+) -> tuple[Callable[[], Any], list[int], Callable[[Any], Any], tuple[Any, ...]]:
+    """What :func:`stamp` reads, for a hot path that compares it inline (a frame less and no
+    tuples built: ~15 us of a call with cold caches): ``(overrides, generation, env_get, keys)``.
+    The settings may resolve differently once ``overrides()`` is non-empty, ``generation[0]``
+    changed, or ``env_get(key)`` is not (identity) the object it was for one of ``keys``."""
+    stamp(names)  # fills the key cache
+    return _overrides.get, _generation, _env_data.get, _stamp_keys[names]
+
+
 # CPython's os.environ keeps its (encoded) strings in one dict, updated in place by every
 # assignment through os.environ; reading it directly skips the per-key encoding.
 _env_data: Any = getattr(os.environ, "_data", os.environ)

@@ -160,7 +160,10 @@ class ThreadAdaptive:
         self._warm_switch = warm_switch
         self._probe_bound = probe_bound
         self._last = self.current  # the arm the previous call ran
-        self._pending = -1  # warm_switch: the arm to run and time on the next call
+        # warm_switch: the arm to run and time on the next call (-1: none). Public for callers
+        # that run the current launch themselves between sampled calls (the settled GEMV route):
+        # while it is set, the next call must come here.
+        self.pending = -1
         # bookkeeping only (launches run concurrently); a group's members share its lock
         self._lock = group.lock if group is not None else threading.Lock()
 
@@ -192,8 +195,8 @@ class ThreadAdaptive:
         warm = False
         with self._lock:
             self.calls += 1
-            if self._pending >= 0:  # warmed by the previous call: timed now
-                arm, self._pending = self._pending, -1
+            if self.pending >= 0:  # warmed by the previous call: timed now
+                arm, self.pending = self.pending, -1
             elif self._learned and self.calls % self._sample_every:
                 # between samples: the current launch, untimed (a sampled call costs ~5-10 us
                 # of clock reads, events and median bookkeeping; a probe call is always sampled)
@@ -201,7 +204,7 @@ class ThreadAdaptive:
             else:
                 arm = self._pick()
                 if self._warm_switch and self._learned and arm != self._last:
-                    self._pending, warm = arm, True  # first call after a change: untimed
+                    self.pending, warm = arm, True  # first call after a change: untimed
             self._last = self.current if arm < 0 else arm
         if arm < 0:
             return self.launches[self.current](*args)

@@ -53,6 +53,7 @@ _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MX
 # Packed weights at least this large move to huge-page memory (see LowPrecisionTensor.gemv_pack).
 HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
+_linear = F.linear
 
 
 class LowPrecisionTensor(torch.Tensor):
@@ -200,13 +201,10 @@ class LowPrecisionTensor(torch.Tensor):
         the kernel directly (a few µs of Python instead of the general path's checks).
         """
         route = self._route
-        if (
-            route is not None
-            and type(x) is torch.Tensor
-            and route.matches(x, bias)
-            and native.eager_fast_path(x)
-        ):
-            return route.run(x)  # type: ignore[operator]
+        if route is not None:
+            out = route.serve(x, bias)
+            if out is not None:
+                return out
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
         if decode and self._fp4_x_fp4():
@@ -232,6 +230,16 @@ class LowPrecisionTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _linear and len(args) >= 2:  # a settled decode route first (see linear)
+            route = getattr(args[1], "_route", None)
+            if route is not None and not args[1].requires_grad:
+                if len(args) > 2:
+                    bias = args[2]
+                else:
+                    bias = kwargs.get("bias") if kwargs else None
+                out = route.serve(args[0], bias)
+                if out is not None:
+                    return out
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], LowPrecisionTensor):
             x, w = args[0], args[1]
