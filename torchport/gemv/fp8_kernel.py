@@ -56,7 +56,9 @@ formula (the same tolerance; the summation order differs). AVX2, one thread, thr
 call (medians of 21, load 5-8): L2-resident 96×4096 35 → 30 (two rows) → 29 µs (four); an
 8-row call 14 → 10 → 9 µs. From DRAM (11008×4096) four rows with T0 8192 ahead cost about what
 the one-row loop with NTA 2048 does (3.5-4.0 vs 3.6-3.9 ms CPU time, four runs), with NTA 2048
-ahead more (4.4-4.6 ms): the tuner tries it (:data:`torchport.gemv.ops.SHIFT4_PREFETCH`).
+ahead more (4.4-4.6 ms); two threads from DRAM, four rows T0 8192 2.433 / 2.568 ms against one
+row NTA 2048 2.623 / 2.710 ms (kernels alone, interleaved medians of 21, read peak 21.9 GB/s,
+two runs): the tuner tries it (:data:`torchport.gemv.ops.SHIFT4_PREFETCH`).
 """
 
 from __future__ import annotations

@@ -215,8 +215,10 @@ SHIFT_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 8192))
 # activation row only), tried after the one-row kernel. L2-resident 96x4096, one thread, thread
 # CPU time per call (medians of 21, load 5-8): 35 -> 29 us; from DRAM (11008x4096, one thread,
 # CPU time) T0 8192 ahead 3.5-4.0 ms against the one-row kernel's NTA 2048 3.6-3.9 ms in the same
-# runs, NTA 2048 ahead 4.4-4.6 ms (slower: not offered); two threads not separable from the noise
-# of the shared machine at the time (read peak 6-25 GB/s).
+# runs, NTA 2048 ahead 4.4-4.6 ms (slower: not offered). Two threads, kernels alone interleaved
+# (bench_gemv_kern, medians of 21, native read peak 21.9 GB/s): one-row NTA 2048 2.623 / 2.710 ms,
+# one-row T0 8192 2.710, four rows T0 8192 2.433 / 2.568 ms (two runs, load 1.6 / 3.7); the tuner's
+# cold timings put it beside the one-row kernel (2.91 vs 2.89 ms) or behind it (3.48 vs 2.48).
 SHIFT4_PREFETCH = (("T0", 8192),)
 
 
