@@ -158,3 +158,69 @@ def test_shift_kernel_rejects_unknown_hint() -> None:
 def test_shift_kernel_avx512_builds(hint: str) -> None:
     """The AVX-512 build compiles with either prefetch hint (cannot run on every machine)."""
     gemv_fp8_shift_kernel("avx512", 2048, hint=hint)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("shape", [(1, 32), (3, 100), (5, 1061), (17, 96), (131, 4096)], ids=str)
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 3e-39], ids=["1", "1e-30", "denormal"])
+def test_row_unrolled_shift_kernel_matches_reference(rows, shape, batch, scale) -> None:
+    """Two or four weight rows per step (one activation row; more rows take the one-row loop):
+    every code decoded exactly, N and K not multiples of the unroll, the 64-byte step or 32."""
+    n, k = shape
+    w = _all_codes_weight(n, k, seed=n * k + rows)
+    torch.manual_seed(batch + rows)
+    x = torch.randn(batch, k) * scale
+    bias = torch.randn(n) * scale
+    kern = gemv_fp8_shift_kernel(native.cpu_info().isa, 2048, hint="NTA", rows=rows)
+    pw = w.gemv_pack()
+    out = torch.empty(batch, n)
+    st = kern(x, batch, k, pw.data, pw.scales, pw.rowscale, pw.pts, bias, 1, out, n, 2)
+    assert st == 0
+    _check(out, x, w, bias)
+
+
+def test_row_unrolled_shift_kernel_threads_agree() -> None:
+    """Each output row is computed by one thread in one order: any thread count, same bits."""
+    pw = _all_codes_weight(261, 320, seed=5).gemv_pack()  # past the one-thread size
+    x = torch.randn(1, 320)
+    kern = gemv_fp8_shift_kernel(native.cpu_info().isa, 2048, hint="NTA", rows=4)
+    outs = []
+    for nt in (1, 2, 3):
+        out = torch.empty(1, 261)
+        st = kern(
+            x, 1, 320, pw.data, pw.scales, pw.rowscale, pw.pts, torch.empty(0), 0, out, 261, nt
+        )
+        assert st == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_shift_kernel_rejects_unsupported_rows() -> None:
+    with pytest.raises(ValueError, match=r"rows must be one of \(1, 2, 4\), got 3"):
+        gemv_fp8_shift_kernel(native.cpu_info().isa, rows=3)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_row_unrolled_shift_kernel_avx512_builds(rows: int) -> None:
+    """The AVX-512 build of the row-unrolled loop compiles (cannot run on every machine)."""
+    gemv_fp8_shift_kernel("avx512", 2048, hint="NTA", rows=rows)
+
+
+def test_tuner_offers_the_row_unrolled_kernel_for_one_activation_row() -> None:
+    """shift4 candidates follow the one-row shift ones; with several activation rows they are
+    invalid (the kernel would run its one-row loop: the same as the shift candidate)."""
+    from torchport import autotune
+    from torchport.gemv import ops as gops
+
+    names = [c.param("kernel") for c in gops.candidates("fp8_e4m3")]
+    assert names.index("shift4") > max(i for i, n in enumerate(names) if n == "shift")
+    cand = next(c for c in gops.candidates("fp8_e4m3") if c.param("kernel") == "shift4")
+    isa = native.cpu_info().isa
+    kern = gops._native_kernel("fp8_e4m3", False, 256, isa, cand, rows=1)
+    assert kern is gemv_fp8_shift_kernel(
+        isa, cand.param("prefetch"), hint=cand.param("hint"), rows=4
+    )
+    with pytest.raises(autotune.InvalidCandidate, match="one activation row"):
+        gops._native_kernel("fp8_e4m3", False, 256, isa, cand, rows=2)
+    assert all(c.param("kernel") != "shift4" for c in gops.candidates("fp8_e5m2"))

@@ -216,6 +216,15 @@ BLOCK_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 4096))
 # process, load ~3: one thread 1.41 / 1.26 ms CPU time, two threads 1.09 / 1.08 ms wall; 16384
 # 1.24 / 1.11; NTA not measured there).
 SHIFT_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 8192))
+# The row-unrolled shift kernel (``kernel="shift4"``: four weight rows per activation load, one
+# activation row only), tried after the one-row kernel. L2-resident 96x4096, one thread, thread
+# CPU time per call (medians of 21, load 5-8): 35 -> 29 us; from DRAM (11008x4096, one thread,
+# CPU time) T0 8192 ahead 3.5-4.0 ms against the one-row kernel's NTA 2048 3.6-3.9 ms in the same
+# runs, NTA 2048 ahead 4.4-4.6 ms (slower: not offered). Two threads, kernels alone interleaved
+# (bench_gemv_kern, medians of 21, native read peak 21.9 GB/s): one-row NTA 2048 2.623 / 2.710 ms,
+# one-row T0 8192 2.710, four rows T0 8192 2.433 / 2.568 ms (two runs, load 1.6 / 3.7); the tuner's
+# cold timings put it beside the one-row kernel (2.91 vs 2.89 ms) or behind it (3.48 vs 2.48).
+SHIFT4_PREFETCH = (("T0", 8192),)
 
 
 def _pf_name(hint: str, pf: int) -> str:
@@ -245,7 +254,8 @@ def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autot
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
     the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
     128, the group-32 kernel after them; E4M3 weights try the integer-shift decode
-    (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first.
+    (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first,
+    then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row).
 
     Where the lane-block kernel serves (``k % 128 == 0``) the pair-split kernel is left out: it
     streamed slower in each of four interleaved A/B runs (11008×4096 B=1, two threads, the
@@ -262,7 +272,7 @@ def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autot
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
-        out += _hinted("shift", SHIFT_PREFETCH)
+        out += _hinted("shift", SHIFT_PREFETCH) + _hinted("shift4", SHIFT4_PREFETCH)
     r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
@@ -291,6 +301,12 @@ def _native_kernel(
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
         return gemv_fp4_pair_kernel(fmt, isa, pf)
+    if cand.param("kernel") == "shift4":
+        if fmt != "fp8_e4m3" or isa == "scalar" or rows != 1:
+            raise autotune.InvalidCandidate(
+                f"row-unrolled shift kernel needs AVX2, E4M3 and one activation row ({fmt}, {rows})"
+            )
+        return gemv_fp8_shift_kernel(isa, pf, hint=hint, rows=4)
     if cand.param("kernel") == "shift":
         if fmt != "fp8_e4m3" or isa == "scalar":
             raise autotune.InvalidCandidate(f"shift-decode kernel needs AVX2 and E4M3 ({fmt})")
