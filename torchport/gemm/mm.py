@@ -98,8 +98,8 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
             # the row-streaming driver (B packed as [N, K] rows, four weight rows side by side
             # per thread, as the decode GEMV), no software prefetch (measured one thread, M=1
             # 1024->4096 fp32, 16 MB weights rotated, load ~4, best of 31: 0.87 ms, 19.3 GB/s,
-            # against 0.96-1.00 with a 256-1024 byte NTA or T0 prefetch, 1.00 for the 4x24
-            # tile and 0.94-0.98 for torch.sum of the same huge-page bytes)
+            # against 0.96-1.11 with a 256-1024 byte NTA or T0 prefetch, 0.98-1.00 for the
+            # 4x24 tile and 0.94-0.98 for torch.sum of the same huge-page bytes)
             cfgs.insert(0, Config(2 if m >= 2 else 1, 1, mm_))
         if dp:
             t = (8, 32) if m >= 8 else (4, 64) if m >= 4 else (2, 128)
