@@ -21,7 +21,7 @@ import torch
 
 from torchport import native
 from torchport.autotune import InvalidCandidate
-from torchport.gemm import templates
+from torchport.gemm import rows, templates
 from torchport.gemm.epilogue import EpilogueSpec, apply_torch, emit_c
 from torchport.gemm.pack import _pack_fn, pack_cache
 
@@ -53,7 +53,10 @@ class Config:
     thread cap ``nt`` (0: torch's intra-op threads; 1: one thread, which on a shared, loaded
     machine avoids waiting for a descheduled second thread at the end of a short kernel).
     ``dp`` (1): a ``vdpbf16ps`` tile (bf16 operands, AVX512-BF16; :data:`templates.DP_TILES`,
-    whose "small" tiles run the weight-streaming pair-dot driver over whole K, ``mc`` unused)."""
+    whose "small" tiles run the weight-streaming pair-dot driver over whole K, ``mc`` unused).
+    ``nr`` 1: the row-streaming driver (:mod:`~torchport.gemm.rows`; ``B`` packed as ``[N, K]``
+    rows, ``mr`` rows of ``A`` per register block, ``pf`` a non-temporal prefetch distance in
+    bytes; ``mc``, ``kc``, ``ks`` unused), for M up to ``rows.MAX_M``."""
 
     mr: int
     nr: int
@@ -66,6 +69,8 @@ class Config:
 
     @property
     def name(self) -> str:
+        if self.nr == 1:
+            return f"r{self.mr}_pf{self.pf}" + (f"_nt{self.nt}" if self.nt else "")
         base = f"{'dp' if self.dp else 't'}{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
         opt = (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
         return base + opt + (f"_nt{self.nt}" if self.nt else "")
@@ -101,8 +106,11 @@ def library(
     spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int, dp: bool = False
 ) -> ctypes.CDLL:
     """Build (or load) the library of one tile variant for this epilogue and dtypes (``dp``:
-    the ``vdpbf16ps`` tile)."""
-    body = templates.render_source(spec, btag, otag, isa, ((mr, nr),), dp)
+    the ``vdpbf16ps`` tile; ``nr`` 1: the row-streaming driver)."""
+    if nr == 1:
+        body = rows.render_source(spec, btag, otag, isa, mr)
+    else:
+        body = templates.render_source(spec, btag, otag, isa, ((mr, nr),), dp)
     src = templates.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
     name = f"gemm_{'dp' if dp else ''}{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
     # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
@@ -180,6 +188,14 @@ def check_config(cfg: Config, isa: str) -> None:
                 f"vdpbf16ps tiles need ks=1 and an even kc (kc=0 for the small-M tiles "
                 f"{templates.DP_TILES['small']}), got {cfg}"
             )
+    elif cfg.nr == 1:
+        if isa not in ("avx2", "avx512") or cfg.mr not in rows.ROW_TILES:
+            raise InvalidCandidate(
+                f"row-streaming driver needs isa avx2/avx512 and mr in {rows.ROW_TILES}, "
+                f"got isa {isa}, {cfg}"
+            )
+        if cfg.kc or cfg.ks > 1:
+            raise InvalidCandidate(f"row-streaming driver takes no kc or ks, got {cfg}")
     elif (cfg.mr, cfg.nr) not in TILES[isa]:
         raise InvalidCandidate(f"tile {cfg.mr}x{cfg.nr} is not built for isa {isa}")
     if cfg.mc < 1 or cfg.pf < 0 or cfg.kc < 0 or cfg.ks < 1 or cfg.nt < 0:
@@ -270,6 +286,8 @@ def launcher(
         raise InvalidCandidate(f"vdpbf16ps tiles need bf16 operands, got {a_dtype}, {b_dtype}")
     if dp and (cfg.mr, cfg.nr) in templates.DP_TILES["small"]:
         return _dp_launcher(spec, cfg, a_dtype)
+    if cfg.nr == 1:
+        return _rows_launcher(spec, cfg, a_dtype, b_dtype, isa)
     out_dtype = spec.out_dtype(a_dtype)
     fn = _function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr, cfg.nr, dp)
     mr, nr, mc, pf, kc, ks, nt = cfg.mr, cfg.nr, cfg.mc, cfg.pf, cfg.kc, cfg.ks, cfg.nt
@@ -403,6 +421,71 @@ def _dp_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Laun
         )
         if status != 0:
             raise RuntimeError(f"tp_gemm_dp_{cfg.mr}x{nr} returned status {status} for {cfg}")
+        return c
+
+    return launch
+
+
+# --- the row-streaming small-M driver (B packed as rows) ---------------------------------------
+
+
+@functools.cache
+def _rows_function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int) -> Any:
+    fn = getattr(library(spec, btag, otag, isa, mr, 1), f"tp_gemm_rows_{mr}")
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, p, p, i]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _rows_launcher(
+    spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, b_dtype: torch.dtype, isa: str
+) -> _Launch:
+    """:func:`launcher` of the row-streaming driver (``cfg.nr == 1``): ``b`` packed as rows
+    (``pack_b(b, 1)``, ``[N, K]``), ``a`` float32 with unit column stride (widened or copied
+    when not), at most ``rows.MAX_M`` rows (:class:`InvalidCandidate` beyond)."""
+    out_dtype = spec.out_dtype(a_dtype)
+    fn = _rows_function(spec, _TAG[b_dtype], _TAG[out_dtype], isa, cfg.mr)
+    pf, nt, f32 = cfg.pf, cfg.nt, torch.float32
+    operand_args = _operand_args(spec)
+
+    def launch(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        operands: Sequence[torch.Tensor],
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        m, k = a.shape
+        n = b.shape[1]
+        if m > rows.MAX_M:
+            raise InvalidCandidate(f"row-streaming driver takes M <= {rows.MAX_M}, got M={m}")
+        c = torch.empty(m, n, dtype=out_dtype)
+        if m == 0 or n == 0:
+            return c
+        a32 = a if a.dtype == f32 else a.float()
+        if k > 1 and a32.stride(1) != 1:
+            a32 = a32.contiguous()
+        if packed is None:
+            packed = pack_cache.get(b, 1)
+        eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
+        threads = max(1, torch.get_num_threads())
+        status = fn(
+            c.data_ptr(),
+            n,
+            a32.data_ptr(),
+            a32.stride(0),
+            packed.data_ptr(),
+            k,
+            m,
+            n,
+            k,
+            pf,
+            eptr,
+            eld,
+            min(nt, threads) if nt else threads,
+        )
+        if status != 0:
+            raise RuntimeError(f"tp_gemm_rows_{cfg.mr} returned status {status} for {cfg}")
         return c
 
     return launch

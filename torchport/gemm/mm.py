@@ -36,6 +36,8 @@ from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
 from torchport.gemm.pack import pack_b, pack_b_pairs, pack_cache, packed_empty
 
 SMALL_M = 32
+# most rows for which the row-streaming driver (:mod:`~torchport.gemm.rows`) is a candidate
+ROWS_M = 4
 TUNE_BUDGET_S = 1.0  # timing budget per new shape, at most (compilation is cached on disk)
 # wall-clock target for a new shape's first call, compilation from a fresh cache included: the
 # compile time comes off the timing budget (issue target: <= 2 s cold per new shape)
@@ -50,7 +52,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Candidate]:
     """ATen anchor plus at most nine native configurations for this problem size: register
     tiles and prefetch for the weight-streaming small-M path (plus a K-split across the threads
-    when K is large), M and K cache blocks for larger M. A weight larger than L3
+    when K is large; up to ROWS_M rows, the row-streaming driver first), M and K cache blocks
+    for larger M. A weight larger than L3
     (``elem_size`` bytes per element) gets at most five, over two panel widths (each width is
     one packing of the whole weight during tuning), without one-thread variants (the small-M
     runner times those at run time). bf16 (``elem_size`` 2) on an AVX512-BF16 machine tries the
@@ -91,6 +94,13 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
         cfgs += [Config(4, 24 * scale, mm_, 32), Config(2, 32 * scale, mm_)]
         if m <= 2:
             cfgs.append(Config(1, 64 * scale, mm_))
+        if m <= ROWS_M:
+            # the row-streaming driver (B packed as [N, K] rows, four weight rows side by side
+            # per thread, as the decode GEMV), no software prefetch (measured one thread, M=1
+            # 1024->4096 fp32, 16 MB weights rotated, load ~4, best of 31: 0.87 ms, 19.3 GB/s,
+            # against 0.96-1.11 with a 256-1024 byte NTA or T0 prefetch, 0.98-1.00 for the
+            # 4x24 tile and 0.94-0.98 for torch.sum of the same huge-page bytes)
+            cfgs.insert(0, Config(2 if m >= 2 else 1, 1, mm_))
         if dp:
             t = (8, 32) if m >= 8 else (4, 64) if m >= 4 else (2, 128)
             cfgs = [
@@ -135,7 +145,8 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
     if n * k * elem_size >= L3_BYTES:
-        widths = list(dict.fromkeys(c.nr for c in cfgs))[:2]
+        # two panel widths, and the row layout (nr 1) where it is offered
+        widths = [1, *list(dict.fromkeys(c.nr for c in cfgs if c.nr != 1))[:2]]
         cfgs = [c for c in cfgs if c.nr in widths and (c.nt == 0 or m > SMALL_M)][:5]
     for c in cfgs[:9]:
         params: tuple[tuple[str, int], ...] = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc))
