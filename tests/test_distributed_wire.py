@@ -665,3 +665,99 @@ def test_a_failed_or_closed_groups_late_frames_are_purged_and_dropped(mesh_pair)
     m1.send(0, Kind.COLL, 11, 3, b"w")
     _handled(m0, m1, 13)
     assert m0.mailbox.take((11, coll, 1, 3)) is None and m0.mailbox.dropped == 3
+
+
+def _frame_sent(sock, kind: Kind, body: bytes, sig=(0, 0, 0, 0)) -> None:
+    sock.sendall(encode_header(kind, 5, 1, 9, len(body), sig) + body)
+
+
+def test_a_reader_lingers_on_a_collective_frame_and_leaves_it_to_a_collective():
+    """``tp_conn_wait`` leaves a COLL frame arriving on a free, idle socket unread for up to
+    the linger: a collective taking the socket meanwhile receives it itself. Other kinds,
+    and a COLL frame right after one the reader read (``stream``), are taken at once; with
+    no collective coming the reader takes the frame when the linger ends."""
+    import ctypes
+    import socket
+
+    from torchport.distributed.tcp_kernels import tcp_lib
+
+    lib = tcp_lib()
+    a, b = socket.socketpair()
+    own = ctypes.c_int32()
+    addr = ctypes.addressof(own)
+    try:
+
+        def wait(linger_us: int, stream: int, slice_ms: int = 3000) -> tuple[int, float]:
+            t0 = time.monotonic()
+            got = lib.conn_wait(addr, a.fileno(), slice_ms, linger_us, stream)
+            return got, time.monotonic() - t0
+
+        def drain(n: int) -> bytes:
+            return a.recv(n, socket.MSG_WAITALL)
+
+        out: list[tuple[int, float]] = []
+        reader = threading.Thread(target=lambda: out.append(wait(2_000_000, 0, 1500)))
+        reader.start()
+        time.sleep(0.05)
+        _frame_sent(b, Kind.COLL, b"abc")
+        time.sleep(0.05)
+        assert lib.conn_take(addr, 1000) == 1  # the reader left it: the collective has it
+        assert drain(HEADER_SIZE + 3)[-3:] == b"abc"
+        lib.conn_release(addr)
+        reader.join(10)
+        assert out and out[0][0] == 0  # it never took the socket (its slice ended)
+
+        _frame_sent(b, Kind.ABORT, b"")  # not a collective's: taken at once
+        got, dt = wait(2_000_000, 0)
+        assert got == 1 and dt < 1.0
+        drain(HEADER_SIZE)
+        lib.conn_release(addr)
+        _frame_sent(b, Kind.COLL, b"xy")  # back to back after a frame: taken at once
+        got, dt = wait(2_000_000, 1)
+        assert got == 1 and dt < 1.0
+        drain(HEADER_SIZE + 2)
+        lib.conn_release(addr)
+        _frame_sent(b, Kind.COLL, b"z")  # nobody takes it: the reader does after the linger
+        got, dt = wait(100_000, 0)
+        assert got == 1 and dt >= 0.09
+        drain(HEADER_SIZE + 1)
+        lib.conn_release(addr)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_early_frame_is_copied_into_place_and_its_buffer_reused(mesh_pair):
+    """A COLL frame the reader thread read before the transfer owned the socket lands in
+    place all the same; its buffer goes back to the connection (at most SPARE_BUFFERS) and the
+    next early frame of that length is received into it, every byte rewritten. A frame with
+    another signature is returned as received and its buffer is not reused."""
+    import torch
+
+    from torchport.distributed.transport_tcp import RECEIVED, SPARE_BUFFERS, XRecv
+
+    m0, m1 = mesh_pair
+    sig, n = (3, 1, 4096, 0), 4096
+    conn = m0.peers[1]
+    dst = torch.zeros(n, dtype=torch.uint8)
+    coll = int(Kind.COLL)
+    seen = []
+    for seq, fill in ((20, 7), (21, 9), (22, 11)):
+        m1.send(0, Kind.COLL, 5, seq, bytes([fill]) * n, sig)
+        assert _wait_for(lambda seq=seq: (5, coll, 1, seq) in m0.mailbox._frames)
+        seen.append(m0.mailbox._frames[(5, coll, 1, seq)][0][1])
+        frames = m0.transfer(
+            [], [XRecv(1, 5, seq, sig, dst.data_ptr(), n)], time.monotonic() + 5, lambda: None
+        )
+        assert frames is not None and frames[0] is not None and frames[0][1] is RECEIVED
+        assert bool((dst == fill).all())
+        assert 1 <= len(conn.spares) <= SPARE_BUFFERS
+    assert seen[1] is seen[0] and seen[2] is seen[0]  # one buffer, reused
+    spares = len(conn.spares)
+    m1.send(0, Kind.COLL, 5, 23, b"\1" * n, (3, 1, 4096, 1))  # another step: a mismatch
+    assert _wait_for(lambda: (5, coll, 1, 23) in m0.mailbox._frames)
+    frames = m0.transfer(
+        [], [XRecv(1, 5, 23, sig, dst.data_ptr(), n)], time.monotonic() + 5, lambda: None
+    )
+    assert frames is not None and frames[0] is not None and frames[0][1] is not RECEIVED
+    assert frames[0][0].sig == (3, 1, 4096, 1) and len(conn.spares) == spares - 1

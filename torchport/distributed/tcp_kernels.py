@@ -52,6 +52,7 @@ import ctypes
 import functools
 
 from torchport import native
+from torchport.distributed.wire import Kind
 
 OPW = 10  # int64 words per transfer operation
 MAXFD = 64  # distinct sockets one tp_tcp_xfer call can track (Mesh.transfer checks it)
@@ -62,6 +63,7 @@ _SOURCE = r"""
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 #include <sys/socket.h>
@@ -93,6 +95,11 @@ static void tp_futex_wait(int32_t *w, int32_t v, int64_t ms) {
     syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
 }
 
+static void tp_futex_wait_us(int32_t *w, int32_t v, int64_t us) {
+    struct timespec ts = { us / 1000000, (us % 1000000) * 1000 };
+    syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
+}
+
 TP_EXPORT void tp_conn_release(int32_t *own) {
     __atomic_store_n(own, 0, __ATOMIC_RELEASE);
     syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
@@ -102,18 +109,38 @@ TP_EXPORT void tp_conn_release(int32_t *own) {
    1: owned, read one frame then tp_conn_release; 0: nothing within slice_ms. Ownership is
    only ever taken with the 0 -> 1 compare-and-swap, and kept only while the socket is still
    readable after it (a collective may have drained it between the poll and the swap: the
-   reader would then block in recv holding the socket). */
-TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms) {
+   reader would then block in recv holding the socket).
+   Linger: a COLL frame (its header peeked) that arrives while the socket is free is left in
+   the socket for up to linger_us, once, for this rank's collective to take the socket and
+   receive it in place (no copy through a mailbox buffer, no reader wake-up); unless
+   stream (the caller read a frame just before: frames arriving back to back are read at
+   once). A collective's release re-arms it. Any other kind is read at once. */
+TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms, int64_t linger_us,
+                               int64_t stream) {
     int64_t end = tp_ms_now() + slice_ms;
+    int linger = linger_us > 0 && !stream;
     for (;;) {
         int64_t left = end - tp_ms_now();
         if (left <= 0) return 0;
         int32_t v = __atomic_load_n(own, __ATOMIC_ACQUIRE);
-        if (v != 0) { tp_futex_wait(own, v, left); continue; }
+        if (v != 0) { tp_futex_wait(own, v, left); linger = linger_us > 0; continue; }
         struct pollfd p = { (int)fd, POLLIN, 0 };
-        int r = poll(&p, 1, (int)left);
+        int r = poll(&p, 1, 0);
+        if (r == 0) {  /* idle: the next frame to arrive may be lingered on */
+            linger = linger_us > 0;
+            r = poll(&p, 1, (int)left);
+        }
         int failed = r < 0 && errno != EINTR;  /* owned, the reader's recv reports it */
         if (r <= 0 && !failed) continue;
+        if (linger && !failed) {
+            unsigned char h[HDR];
+            ssize_t k = recv((int)fd, h, HDR, MSG_PEEK | MSG_DONTWAIT);
+            if (k == HDR && memcmp(h, "TPRT", 4) == 0 && h[5] == ${coll}) {
+                linger = 0;
+                tp_futex_wait_us(own, 0, linger_us);  /* returns at once if taken meanwhile */
+                continue;
+            }
+        }
         int32_t zero = 0;
         if (!__atomic_compare_exchange_n(own, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue;
@@ -267,7 +294,7 @@ class TcpLib:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.conn_wait = lib.tp_conn_wait
-        self.conn_wait.argtypes = [p, i64, i64]
+        self.conn_wait.argtypes = [p, i64, i64, i64, i64]
         self.conn_wait.restype = i64
         self.conn_take = lib.tp_conn_take
         self.conn_take.argtypes = [p, i64]
@@ -296,5 +323,6 @@ def tcp_lib() -> TcpLib:
         sent=SENT,
         closed=CLOSED,
         notify=NOTIFY,
+        coll=int(Kind.COLL),
     )
     return TcpLib(native.build(src, name="tp_tcp"))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import select
 import socket
 import threading
@@ -54,7 +55,16 @@ from torchport.distributed.tcp_kernels import (
     SLICE,
     tcp_lib,
 )
-from torchport.distributed.wire import HEADER_SIZE, Header, Kind, decode_header, encode_header
+from torchport.distributed.wire import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    WIRE_VERSION,
+    Header,
+    Kind,
+    decode_header,
+    encode_header,
+)
 
 HANDSHAKE_TIMEOUT_S = 10.0
 PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tcp_kernels.tp_pin)
@@ -64,13 +74,23 @@ PIN_BYTES = 256 << 10  # a transfer sending this much runs pinned to its CPU (tc
 POST_BYTES = 4 << 20
 SLICE_MS = 10  # a native transfer returns this often, progress or not (abort, deadline checks)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
+# A COLL frame arriving while no collective owns its socket is left there this long for the
+# collective to take the socket and receive it in place (tp_conn_wait): read by the reader
+# thread first, it costs a buffer, a copy and a thread wake-up. Frames behind it (an ABORT
+# too) wait at most this long; ones arriving back to back are read at once. Only where this
+# host runs no more ranks than this process may use CPUs (Mesh.linger_us): with more, a
+# rank often waits for a CPU longer than the linger, which then only adds wake-ups (w4 on 2
+# CPUs: 1 MB broadcast -3 %, 64 KB alltoall -9 %; w2: 1 MB alltoall +12 %).
+LINGER_US = 2000
 MAX_EARLY_ABORTS = 1024  # ABORT frames kept for groups not registered yet (oldest dropped)
 FINISH_S = 1.0  # after an error, frames part-way sent or received get this long to complete
 ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblocks within 100 ms
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
+SPARE_BUFFERS = 2  # early-frame payload buffers kept per connection for reuse (Connection)
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
 RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
+U64 = 0xFFFFFFFFFFFFFFFF  # a header's seq is stored as u64 (wire.encode_header)
 DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drops
 
 
@@ -92,6 +112,27 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
             raise ConnectionError("connection closed by peer")
         got += k
     return buf
+
+
+def _spare(spares: list[bytearray], n: int) -> bytearray:
+    """A payload buffer of ``n`` bytes for an early COLL frame: a spare of that length handed
+    back by a transfer (not zeroed: every byte is received over), else a new one."""
+    try:
+        buf = spares.pop()  # atomic under the GIL, like the transfer's append
+    except IndexError:
+        return bytearray(n)
+    return buf if len(buf) == n else bytearray(n)
+
+
+def _recv_body(sock: socket.socket, body: bytearray) -> None:
+    """Receive exactly ``len(body)`` bytes into ``body`` (blocking, ``MSG_WAITALL``: one call
+    per frame unless a signal interrupts it)."""
+    view, got, n = memoryview(body), 0, len(body)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
 
 
 def recv_into_ptr(sock: socket.socket, ptr: int, n: int) -> None:
@@ -319,6 +360,11 @@ class Mailbox:
                 return True
             return False
 
+    def queued(self) -> bool:
+        """Whether any frame is queued (unlocked: exact for the frames of sockets the caller
+        owns, whose readers delivered them before it took the sockets)."""
+        return bool(self._frames)
+
     def take(self, key: Key) -> Frame | None:
         """The first queued frame for ``key``, if any (never blocks)."""
         with self.cond:
@@ -361,10 +407,16 @@ class Connection:
     seen: float = 0.0  # time.monotonic() of the last frame header received (liveness)
     # Read ownership word (see tcp_kernels): 0 free, 1 the reader thread, 2 a collective.
     own: ctypes.c_int32 = field(default_factory=ctypes.c_int32)
+    own_addr: int = 0  # its address (set once: a transfer passes it to native calls)
+    # Payload buffers of frames the reader thread read before a collective owned the socket
+    # (early frames), handed back by the transfer that copied them into place: the next
+    # early frame of the same length reuses one instead of a new, zero-filled allocation
+    # whose pages fault in again (1 MB: ~70 us). At most SPARE_BUFFERS, each a frame's
+    # length, which decode_header bounded by the mesh's max_frame.
+    spares: list[bytearray] = field(default_factory=list)
 
-    @property
-    def own_addr(self) -> int:
-        return ctypes.addressof(self.own)
+    def __post_init__(self) -> None:
+        self.own_addr = ctypes.addressof(self.own)
 
 
 @dataclass
@@ -408,14 +460,19 @@ class XRecv:
         return (self.group, int(Kind.COLL), self.peer, self.seq)
 
 
-def _settle(frame: Frame, want: bytes, x: XRecv) -> tuple[Frame, bool]:
+def _settle(frame: Frame, x: XRecv, spares: list[bytearray]) -> tuple[Frame, bool]:
     """A frame for ``x`` that came through the mailbox: copy its payload into place when its
-    header is the expected one (True), else return it as is (False: a mismatch)."""
+    header is the expected one (True; its buffer then joins ``spares``, the connection's
+    early-frame buffers, unless SPARE_BUFFERS are there), else return it as is (False: a
+    mismatch)."""
     hdr, body = frame
-    if encode_header(hdr.kind, hdr.group, hdr.src, hdr.seq, hdr.length, hdr.sig) != want:
+    want = (Kind.COLL, x.group, x.peer, x.seq & U64, tuple(x.sig), x.size)
+    if (hdr.kind, hdr.group, hdr.src, hdr.seq, hdr.sig, hdr.length) != want:
         return frame, False
     if body is not RECEIVED and x.size:
         ctypes.memmove(x.ptr, (ctypes.c_char * x.size).from_buffer(body), x.size)
+        if len(spares) < SPARE_BUFFERS:
+            spares.append(body)
     return (hdr, RECEIVED), True
 
 
@@ -450,6 +507,7 @@ class Mesh:
         self.peers: dict[int, Connection] = {}
         self.rejected = 0
         self.closed = False
+        self.linger_us = 0  # LINGER_US once the ranks on this host are known (fixed meshes)
         self._handlers: dict[int, GroupHandler] = {}
         # ABORT frames of groups not registered here yet ({group: (src, reason)}, the first
         # one): a peer may fail a new group before this rank has created it. Groups that
@@ -487,6 +545,8 @@ class Mesh:
         self.hosts = {}
         for q in range(world):
             self.hosts[q] = store.get(f"tp/host/{q}").decode()
+        here = sum(h == host_id for h in self.hosts.values())
+        self.linger_us = LINGER_US if here <= len(os.sched_getaffinity(0)) else 0
         for q in range(rank):
             h, p = store.get(f"tp/addr/{q}").decode().rsplit(":", 1)
             self._connect(q, h, int(p), deadline)
@@ -586,13 +646,16 @@ class Mesh:
     # -- data path ---------------------------------------------------------------------
     def _read_loop(self, conn: Connection) -> None:
         lib, fd, own = tcp_lib(), conn.sock.fileno(), conn.own_addr
+        stream = 0  # a frame was just read: the next one is not lingered on (tp_conn_wait)
         try:
             while True:
                 # Parked (no GIL) while a collective owns the socket (Mesh.transfer).
-                if not lib.conn_wait(own, fd, READER_SLICE_MS):
+                if not lib.conn_wait(own, fd, READER_SLICE_MS, self.linger_us, stream):
+                    stream = 0
                     if self.closed:
                         return
                     continue
+                stream = 1
                 try:
                     raw = _recv_exact(conn.sock, HEADER_SIZE)
                     self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
@@ -636,7 +699,11 @@ class Mesh:
                 self.mailbox.finish(target, ok, key, hdr)
             return
         if fill is None:
-            body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
+            if hdr.kind == Kind.COLL and hdr.length:
+                body = _spare(conn.spares, hdr.length)
+                _recv_body(conn.sock, body)
+            else:
+                body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
         else:
             body = bytearray(hdr.length)
             if hdr.length:
@@ -801,12 +868,14 @@ class Mesh:
         lib = tcp_lib()
         ns, nr = len(sends), len(recvs)
         n = ns + nr
-        ops = (ctypes.c_int64 * (OPW * n))()
         heads = ctypes.create_string_buffer(HEADER_SIZE * (ns + 2 * nr) or 1)
         hbase = ctypes.addressof(heads)
         out = (ctypes.c_int64 * 1)()
         frames: list[Frame | None] = [None] * nr
         conns: dict[int, Connection] = {}
+        # the table's words and every header (sent, and expected: compared byte for byte by
+        # the native loop) packed straight into place, before the sockets are owned
+        pack, rank, words = HEADER.pack_into, self.rank, list[int]()
         for i, xs in enumerate(sends):
             conn = self.peers.get(xs.peer)
             if conn is None:
@@ -814,22 +883,73 @@ class Mesh:
             if xs.size > self.max_frame:
                 raise CommError(f"frame of {xs.size} bytes exceeds the bound {self.max_frame}")
             conns[xs.peer] = conn
-            h = hbase + HEADER_SIZE * i
-            ctypes.memmove(
-                h, encode_header(xs.kind, xs.group, self.rank, xs.seq, xs.size, xs.sig), 64
+            h = HEADER_SIZE * i
+            s0, s1, s2, s3 = xs.sig
+            pack(
+                heads,
+                h,
+                MAGIC,
+                WIRE_VERSION,
+                xs.kind,
+                0,
+                xs.group,
+                rank,
+                xs.seq & U64,
+                s0,
+                s1,
+                s2,
+                s3,
+                xs.size,
             )
-            ops[OPW * i : OPW * i + 10] = [
+            after = xs.after + ns if xs.after >= 0 else -1
+            words += (
                 conn.sock.fileno(),
                 0,
-                h,
+                hbase + h,
                 xs.ptr,
                 xs.size,
                 0,
-                xs.after + ns if xs.after >= 0 else -1,
+                after,
                 xs.after_from + ns,
                 xs.gate,
                 0,
-            ]
+            )
+        for j, x in enumerate(recvs):
+            conn = self.peers.get(x.peer)
+            if conn is None:
+                raise CommError(f"rank {self.rank} has no connection to rank {x.peer}")
+            conns[x.peer] = conn
+            h = HEADER_SIZE * (ns + 2 * j)
+            s0, s1, s2, s3 = x.sig
+            pack(
+                heads,
+                h,
+                MAGIC,
+                WIRE_VERSION,
+                Kind.COLL,
+                0,
+                x.group,
+                x.peer,
+                x.seq & U64,
+                s0,
+                s1,
+                s2,
+                s3,
+                x.size,
+            )
+            words += (
+                conn.sock.fileno(),
+                1,
+                hbase + h,
+                x.ptr,
+                x.size,
+                0,
+                -1,
+                hbase + h + 64,
+                0,
+                int(x.notify),
+            )
+        ops = (ctypes.c_int64 * (OPW * n))(*words)
         # A frame the reader thread reads before this thread owns the socket (its sender is
         # ahead) still goes straight into place when it is large.
         posted = [x for x in recvs if x.size >= POST_BYTES]
@@ -870,31 +990,14 @@ class Mesh:
         broken: set[int] = set()  # sockets whose stream is unreadable (a frame cut short)
         pinned = False
         try:  # from here on the sockets are owned: every error path must release them
-            for j, x in enumerate(recvs):
-                conn = self.peers[x.peer]
-                conns[x.peer] = conn
-                want = encode_header(Kind.COLL, x.group, x.peer, x.seq, x.size, x.sig)
-                h = hbase + HEADER_SIZE * (ns + 2 * j)
-                ctypes.memmove(h, want, 64)
-                i = ns + j
-                ops[OPW * i : OPW * i + 10] = [
-                    conn.sock.fileno(),
-                    1,
-                    h,
-                    x.ptr,
-                    x.size,
-                    0,
-                    -1,
-                    h + 64,
-                    0,
-                    int(x.notify),
-                ]
-                # A frame read by the reader before we owned the socket. Never one for a
-                # reused slot (the pipelined allreduce): its sender waits for a frame that
-                # this transfer sends.
+            # Frames read by the reader threads before we owned the sockets. Never one for a
+            # reused slot (the pipelined allreduce): its sender waits for a frame that this
+            # transfer sends.
+            for j, x in enumerate(recvs) if self.mailbox.queued() else ():
                 early = self.mailbox.take(x.key)
                 if early is not None:
-                    frames[j], ok = _settle(early, want, x)
+                    i = ns + j
+                    frames[j], ok = _settle(early, x, conns[x.peer].spares)
                     ops[OPW * i + 5] = HEADER_SIZE + x.size
                     bad = bad or not ok
                     if ok and x.notify:
@@ -948,8 +1051,7 @@ class Mesh:
                     self._route_foreign(conn, raw, deadline, watch, lost, broken)
                     frame = self.mailbox.take(recvs[j].key)
                     if frame is not None:
-                        want = ctypes.string_at(hbase + HEADER_SIZE * (ns + 2 * j), 64)
-                        frames[j], ok = _settle(frame, want, recvs[j])
+                        frames[j], ok = _settle(frame, recvs[j], conn.spares)
                         ops[OPW * i + 5] = HEADER_SIZE + recvs[j].size
                         bad = bad or not ok
                         if ok and not bad and ops[OPW * i + 9] == 1:
