@@ -698,6 +698,45 @@ def test_grouped_runners_share_their_native_launch(monkeypatch):
     assert private.current == 2
 
 
+def test_grouped_runner_takes_a_switch_at_its_next_call(monkeypatch):
+    """Runners that share every arm with their group (bare and fused, as the GEMM builds them)
+    run the launch the group last settled on from their very next call, sampled or not: before,
+    the fused runner stayed on the old launch until its own next timed call (up to
+    ``sample_every - 1`` calls), so interleaved bare/fused timings compared different launches."""
+    from torchport.autotune import timing
+    from torchport.gemm.adaptive import ArmGroup, ThreadAdaptive
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    cost = {"multi": 1.0e-3, "single": 1.5e-3, "multi+": 1.02e-3, "single+": 1.52e-3}
+    used: list[str] = []
+
+    def arms(tag):
+        return [clock.arm(n + tag, cost, used) for n in ("multi", "single")]
+
+    g = ArmGroup((0, 1))
+    bare = ThreadAdaptive(*arms(""), group=g, sample_every=8, probe_every=64)
+    fused = ThreadAdaptive(*arms("+"), group=g, sample_every=8, probe_every=64)
+    for _ in range(16):
+        bare()
+        fused()
+    assert bare.current == fused.current == 0
+    cost["multi"] = cost["multi+"] = 4e-3  # load: the one-thread launch now wins
+    switched = -1
+    for call in range(64):
+        bare()
+        if bare.current == 1 and switched < 0:
+            switched = call
+            used.clear()
+            fused()
+            assert used == ["single+"]  # the very next fused call, though not a sampled one
+            break
+        fused()
+    assert switched >= 0 and fused.current == 1
+    private = ThreadAdaptive(*arms("+"), lambda: None, group=ArmGroup((0, 1)))
+    assert private._follow is None  # a runner with a private arm keeps its own choice
+
+
 def test_thread_adaptive_times_only_sampled_calls(monkeypatch):
     """After learning, only every ``sample_every``-th call reads the clock (probes included);
     the calls between go straight to the current launch."""

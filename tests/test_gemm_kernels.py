@@ -161,16 +161,23 @@ def test_k_split_and_k_blocks(m, n, k, dtype, kc, ks, mc):
         _assert_close(out, a, b, spec, ops)
 
 
+@pytest.mark.parametrize("defer_max", [0, 16], ids=["per_tile", "deferred"])
 @pytest.mark.parametrize("m", [1, 3, 4, 9, 16, 17])
 @pytest.mark.parametrize("chain", [CHAINS_DEFERRED[0], CHAINS_DEFERRED[1]], ids=["f32", "bf16out"])
-def test_deferred_epilogue_pass_small_m(m, chain):
-    """M <= DEFER_MAX_M with a GELU/SiLU epilogue: for fp32 output the tiles store raw sums in C
-    and one pass per thread applies the epilogue over its columns (N not a multiple of the panel
-    width, a thread with a partial last panel); bf16 output (no workspace from the launcher) and
-    M = 17 take the per-tile epilogue. All match the reference, with two threads and with one."""
-    from torchport.gemm.templates import DEFER_MAX_M
+def test_deferred_epilogue_pass_small_m(m, chain, defer_max, monkeypatch):
+    """A GELU/SiLU epilogue at small M in the fp32-accumulating tiles: per tile (the default,
+    ``TILE_DEFER_MAX_M`` 0) and, with ``TILE_DEFER_MAX_M`` 16, deferred: for fp32 output the
+    tiles store raw sums in C and one pass per chunk applies the epilogue over its columns (N
+    not a multiple of the panel width, a thread with a partial last panel); bf16 output (no
+    workspace from the launcher) and M = 17 take the per-tile epilogue. All match the
+    reference, with two threads and with one."""
+    from torchport.gemm import kernels, templates
 
-    assert DEFER_MAX_M == 16
+    assert templates.TILE_DEFER_MAX_M == 0
+    monkeypatch.setattr(templates, "TILE_DEFER_MAX_M", defer_max)
+    caches = (kernels.library, kernels._function, kernels.launcher)
+    for f in caches:  # libraries rendered with this setting (the disk cache keys on the source)
+        f.cache_clear()
     spec = EpilogueSpec.decode(chain[0])
     assert spec.deferrable
     a, b = _make(m, 75, 33, chain[1], "c", "weight_t")
@@ -184,6 +191,8 @@ def test_deferred_epilogue_pass_small_m(m, chain):
                 _assert_close(out, a, b, spec, ops)
     finally:
         torch.set_num_threads(before)
+        for f in caches:
+            f.cache_clear()
 
 
 OPERAND_LAYOUTS = ["contiguous", "strided", "broadcast", "wide_rows", "transposed"]

@@ -68,6 +68,9 @@ class ArmGroup:
         self.arms = tuple(arms)
         self.stats = {i: ArmStats(window) for i in self.arms}
         self.current = self.arms[0]
+        # the launch the members that share every arm last settled on (-1: none yet); such a
+        # member takes it at its next call, not only at its next timed call (see ThreadAdaptive)
+        self.settled = -1
         self.lock = threading.Lock()
 
 
@@ -83,6 +86,13 @@ class ThreadAdaptive:
     every member) with other runners: their timings go into one record, one preferred launch
     among them is kept for the whole group, and a runner leaves it only for one of its private
     arms that is faster by ``margin``.
+
+    A member that shares all its arms with the group (the bare and fused runners of one
+    problem, whose arms are the same launches) takes the launch the group's members last settled
+    on at every call: before, it moved only at its own next timed call, up to ``sample_every - 1``
+    calls later, so after a switch driven by the bare runner's timings the fused runner kept
+    running the old launch for several calls (a fused/bare ratio measured over a few interleaved
+    calls then compared two different launches).
 
     ``home`` (optional, an arm index: the tuner's choice, e.g. ATen) is left only for an arm
     faster by ``margin`` but returned to as soon as its median is lower than the current arm's
@@ -166,6 +176,8 @@ class ThreadAdaptive:
         self.pending = -1
         # bookkeeping only (launches run concurrently); a group's members share its lock
         self._lock = group.lock if group is not None else threading.Lock()
+        # the group, when this runner shares every arm with it (then it takes group.settled)
+        self._follow = group if group is not None and len(group.arms) == len(arms) else None
 
     @property
     def history(self) -> list[deque[float]]:
@@ -195,6 +207,8 @@ class ThreadAdaptive:
         warm = False
         with self._lock:
             self.calls += 1
+            if self._follow is not None and self._follow.settled >= 0:
+                self.current = self._follow.settled
             if self.pending >= 0:  # warmed by the previous call: timed now
                 arm, self.pending = self.pending, -1
             elif self._learned and self.calls % self._sample_every:
@@ -219,6 +233,8 @@ class ThreadAdaptive:
             return out  # the call also did one-off work (packing): not a timing of the launch
         with self._lock:
             self._record(arm, dt)
+            if self._follow is not None:
+                self._follow.settled = self.current
         return out
 
     def seed(self, arm: int, seconds: float) -> None:
@@ -227,6 +243,8 @@ class ThreadAdaptive:
         with self._lock:
             for _ in range(self._warmup):
                 self._record(arm, seconds)
+            if self._follow is not None:
+                self._follow.settled = self.current
 
     def _record(self, arm: int, dt: float) -> None:
         cur = self.current

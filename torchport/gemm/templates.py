@@ -529,10 +529,10 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const atype_t *A, int64
         return 0;
     }}
     const int64_t kb = (kc > 0 && kc < K) ? kc : K;
-    /* a few rows with a transcendental epilogue (whole K per tile): per-tile epilogue chains
-       stall the K loop between tiles; a separate pass over the thread's columns pipelines. The
-       raw sums go to C itself for fp32 output, else to the fp32 workspace W [M, N] */
-    const int defer = TP_DEFER_EPI && kb == K && M <= TP_DEFER_MAX_M
+    /* up to TP_TILE_DEFER_MAX_M rows with a transcendental epilogue (whole K per tile): the
+       tiles store raw sums and a separate pass over the chunk's columns applies the epilogue.
+       The raw sums go to C itself for fp32 output, else to the fp32 workspace W [M, N] */
+    const int defer = TP_DEFER_EPI && kb == K && M <= TP_TILE_DEFER_MAX_M
         && (sizeof(otype_t) == sizeof(float) || W != NULL);
     float *const S = sizeof(otype_t) == sizeof(float) ? (float *)(void *)C : W;
     const int64_t lds = sizeof(otype_t) == sizeof(float) ? ldc : N;
@@ -586,8 +586,19 @@ CHUNKS_PER_THREAD = 8
 # 8 chunks per thread; 4096->11008: 1.062x vs 0.997x)
 PANEL_CHUNK_M = 128
 
-# Largest M whose transcendental epilogue runs as a separate pass after the tiles (see _driver).
+# Largest M whose transcendental epilogue runs as a separate pass after the tiles: the small-M
+# vdpbf16ps driver (_dp_driver, bf16 output through the launcher's workspace).
 DEFER_MAX_M = 16
+
+# The same for the fp32-accumulating tiles' driver (_driver): 0, every epilogue in the tile's
+# store. Since the K loop is its own noinline function the per-tile GELU/SiLU no longer stalls
+# it, and the deferred pass (raw sums written, re-read, the residual read cold after the chunk)
+# cost more: fp32 1024->4096 bias+GELU+residual / bias+SiLU over the bare launch, interleaved
+# medians of 300, deferred (16) vs per tile (0): one thread (thread CPU time) M=8 8x8 1.027 /
+# 1.028 vs 1.014 / 1.011, 4x24 1.051 / 1.030 vs 1.030 / 1.023, M=16 1.045 / 1.022 vs 1.026 /
+# 1.017; two threads (wall) M=8 8x8 1.066 / 1.043 vs 1.036 / 1.000, M=16 1.052 / 1.040 vs
+# 1.036 / 1.034; M <= 4 within 1 % either way (bare/bare control 0.98-1.01; load 1.5-4)
+TILE_DEFER_MAX_M = 0
 
 # vdpbf16ps register tiles (MR, NR; NR output columns, 16 per zmm) on AVX512-BF16 machines, by the
 # M they serve (mm.candidates): "small" (M <= 32) run the weight-streaming pair-dot driver
@@ -623,6 +634,7 @@ def render_source(
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {vw}\n#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
         f"#define TP_DEFER_EPI {int(spec.deferrable)}\n#define TP_DEFER_MAX_M {DEFER_MAX_M}",
+        f"#define TP_TILE_DEFER_MAX_M {TILE_DEFER_MAX_M}",
         f"#define TP_B_PREFETCH_HINT {B_PREFETCH_HINT}",
         f"#define TP_CHUNKS_PER_THREAD {CHUNKS_PER_THREAD}",
         f"#define TP_PANEL_CHUNK_M {PANEL_CHUNK_M}",
