@@ -685,11 +685,14 @@ def test_a_reader_lingers_on_a_collective_frame_and_leaves_it_to_a_collective():
     a, b = socket.socketpair()
     own = ctypes.c_int32()
     addr = ctypes.addressof(own)
+    waiters = ctypes.c_int32(0)
     try:
 
         def wait(linger_us: int, stream: int, slice_ms: int = 3000) -> tuple[int, float]:
             t0 = time.monotonic()
-            got = lib.conn_wait(addr, a.fileno(), slice_ms, linger_us, stream)
+            got = lib.conn_wait(
+                addr, a.fileno(), slice_ms, linger_us, stream, ctypes.addressof(waiters)
+            )
             return got, time.monotonic() - t0
 
         def drain(n: int) -> bytes:
@@ -722,9 +725,82 @@ def test_a_reader_lingers_on_a_collective_frame_and_leaves_it_to_a_collective():
         assert got == 1 and dt >= 0.09
         drain(HEADER_SIZE + 1)
         lib.conn_release(addr)
+        waiters.value = 1  # a consumer waits on the mailbox: no linger
+        _frame_sent(b, Kind.COLL, b"w")
+        got, dt = wait(2_000_000, 0)
+        assert got == 1 and dt < 1.0
+        drain(HEADER_SIZE + 1)
+        lib.conn_release(addr)
+        waiters.value = 0
+        out.clear()  # a poke ends a linger already begun
+        reader = threading.Thread(target=lambda: out.append(wait(2_000_000, 0)))
+        reader.start()
+        _frame_sent(b, Kind.COLL, b"v")
+        time.sleep(0.1)
+        lib.conn_poke(addr)
+        reader.join(10)
+        assert out and out[0][0] == 1 and out[0][1] < 1.5
+        drain(HEADER_SIZE + 1)
+        lib.conn_release(addr)
     finally:
         a.close()
         b.close()
+
+
+def test_a_consumer_waiting_on_the_mailbox_is_not_kept_waiting_by_the_linger(mesh_pair):
+    """Collective frames that a mailbox consumer waits for (hybrid groups, the mailbox
+    fallbacks) are never lingered on, whether the consumer waits first or the frame arrived
+    first: a linger of a whole second here would show in the elapsed time."""
+    from torchport.distributed.transport_tcp import READER_SLICE_MS
+
+    m0, m1 = mesh_pair
+    m0.linger_us = 1_000_000
+    time.sleep(READER_SLICE_MS / 1000 + 0.05)  # the readers' next slices use it
+    coll = int(Kind.COLL)
+    got: list[float] = []
+
+    def consume(seq: int) -> None:
+        m0.mailbox.get((6, coll, 1, seq), time.monotonic() + 5, lambda: None)
+        got.append(time.monotonic())
+
+    t = threading.Thread(target=consume, args=(1,))
+    t.start()
+    time.sleep(0.05)  # the consumer waits first
+    sent = time.monotonic()
+    m1.send(0, Kind.COLL, 6, 1, b"a")
+    t.join(10)
+    assert got and got[0] - sent < 0.5
+    assert m0.mailbox.waiters.value == 0
+    m1.send(0, Kind.COLL, 6, 2, b"b")  # the frame first: the reader lingers on it ...
+    time.sleep(0.05)
+    asked = time.monotonic()
+    consume(2)  # ... until the consumer's wait pokes it
+    assert got[1] - asked < 0.5
+
+
+def test_early_frame_buffers_over_the_bound_are_not_kept(mesh_pair, monkeypatch):
+    """Only buffers up to SPARE_MAX_BYTES are kept for reuse (a frame bound of 256 MiB must
+    not keep two such buffers per peer alive)."""
+    import torch
+
+    from torchport.distributed import transport_tcp
+    from torchport.distributed.transport_tcp import XRecv
+
+    monkeypatch.setattr(transport_tcp, "SPARE_MAX_BYTES", 2048)
+    m0, m1 = mesh_pair
+    conn = m0.peers[1]
+    conn.spares.clear()
+    coll = int(Kind.COLL)
+    for seq, n in ((30, 4096), (31, 1024)):
+        sig = (3, 1, n, 0)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        m1.send(0, Kind.COLL, 5, seq, b"\5" * n, sig)
+        assert _wait_for(lambda seq=seq: (5, coll, 1, seq) in m0.mailbox._frames)
+        frames = m0.transfer(
+            [], [XRecv(1, 5, seq, sig, dst.data_ptr(), n)], time.monotonic() + 5, lambda: None
+        )
+        assert frames is not None and bool((dst == 5).all())
+    assert [len(b) for b in conn.spares] == [1024]
 
 
 def test_an_early_frame_is_copied_into_place_and_its_buffer_reused(mesh_pair):

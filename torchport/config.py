@@ -369,11 +369,16 @@ def stamp(names: tuple[str, ...]) -> tuple[Any, ...] | None:
     """
     if _overrides.get():
         return None
+    return (_generation[0], tuple(map(_env_data.get, _keys(names))))
+
+
+def _keys(names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The raw environment keys of ``names`` (cached per tuple)."""
     keys = _stamp_keys.get(names)
     if keys is None:
         keys = tuple(_env_key(_setting(n).env) for n in names)
         _stamp_keys[names] = keys
-    return (_generation[0], tuple(map(_env_data.get, keys)))
+    return keys
 
 
 def stamp_reader(
@@ -383,8 +388,7 @@ def stamp_reader(
     tuples built: ~15 us of a call with cold caches): ``(overrides, generation, env_get, keys)``.
     The settings may resolve differently once ``overrides()`` is non-empty, ``generation[0]``
     changed, or ``env_get(key)`` is not (identity) the object it was for one of ``keys``."""
-    stamp(names)  # fills the key cache
-    return _overrides.get, _generation, _env_data.get, _stamp_keys[names]
+    return _overrides.get, _generation, _env_data.get, _keys(names)
 
 
 # CPython's os.environ keeps its (encoded) strings in one dict, updated in place by every

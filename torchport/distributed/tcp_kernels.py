@@ -90,14 +90,19 @@ static int64_t tp_ms_now(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static void tp_futex_wait(int32_t *w, int32_t v, int64_t ms) {
-    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000 };
-    syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
-}
-
 static void tp_futex_wait_us(int32_t *w, int32_t v, int64_t us) {
     struct timespec ts = { us / 1000000, (us % 1000000) * 1000 };
     syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
+}
+
+static void tp_futex_wait(int32_t *w, int32_t v, int64_t ms) {
+    tp_futex_wait_us(w, v, ms * 1000);
+}
+
+/* Wake a reader lingering on own (tp_conn_wait) without changing the word: it re-polls and,
+   its one linger spent, reads the frame. */
+TP_EXPORT void tp_conn_poke(int32_t *own) {
+    syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
 TP_EXPORT void tp_conn_release(int32_t *own) {
@@ -114,9 +119,11 @@ TP_EXPORT void tp_conn_release(int32_t *own) {
    the socket for up to linger_us, once, for this rank's collective to take the socket and
    receive it in place (no copy through a mailbox buffer, no reader wake-up); unless
    stream (the caller read a frame just before: frames arriving back to back are read at
-   once). A collective's release re-arms it. Any other kind is read at once. */
+   once) or *waiters is non-zero (a consumer waits on the mailbox for what this reader
+   delivers: nobody would take the socket). A collective's release re-arms it; tp_conn_poke
+   ends a linger at once. Any other kind is read at once. */
 TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms, int64_t linger_us,
-                               int64_t stream) {
+                               int64_t stream, const int32_t *waiters) {
     int64_t end = tp_ms_now() + slice_ms;
     int linger = linger_us > 0 && !stream;
     for (;;) {
@@ -132,12 +139,12 @@ TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms, int64
         }
         int failed = r < 0 && errno != EINTR;  /* owned, the reader's recv reports it */
         if (r <= 0 && !failed) continue;
-        if (linger && !failed) {
+        if (linger && !failed && __atomic_load_n(waiters, __ATOMIC_ACQUIRE) == 0) {
             unsigned char h[HDR];
             ssize_t k = recv((int)fd, h, HDR, MSG_PEEK | MSG_DONTWAIT);
             if (k == HDR && memcmp(h, "TPRT", 4) == 0 && h[5] == ${coll}) {
                 linger = 0;
-                tp_futex_wait_us(own, 0, linger_us);  /* returns at once if taken meanwhile */
+                tp_futex_wait_us(own, 0, linger_us);  /* at once if already taken; a poke ends it */
                 continue;
             }
         }
@@ -294,8 +301,11 @@ class TcpLib:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.conn_wait = lib.tp_conn_wait
-        self.conn_wait.argtypes = [p, i64, i64, i64, i64]
+        self.conn_wait.argtypes = [p, i64, i64, i64, i64, p]
         self.conn_wait.restype = i64
+        self.conn_poke = lib.tp_conn_poke
+        self.conn_poke.argtypes = [p]
+        self.conn_poke.restype = None
         self.conn_take = lib.tp_conn_take
         self.conn_take.argtypes = [p, i64]
         self.conn_take.restype = i64

@@ -87,6 +87,9 @@ FINISH_S = 1.0  # after an error, frames part-way sent or received get this long
 ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblocks within 100 ms
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
 SPARE_BUFFERS = 2  # early-frame payload buffers kept per connection for reuse (Connection)
+# ... each at most this long: a frame bound of 256 MiB must not keep 2 such buffers per peer
+# alive for the mesh's lifetime (the measured gain was at 1 MB frames).
+SPARE_MAX_BYTES = POST_BYTES
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
 RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
@@ -225,6 +228,23 @@ class Mailbox:
         # before it registers (``revive``).
         self._dead: set[int] = set()
         self.dropped = 0
+        # Consumers that wait here for what the reader threads deliver (blocked ``get`` calls,
+        # ``expect`` callbacks, posted targets), read by the readers without the lock: while
+        # non-zero a reader never lingers on a collective frame (tp_conn_wait), since no
+        # collective will take the socket for it. ``on_wait`` (the mesh: poke every reader)
+        # ends a linger already begun when a consumer starts waiting.
+        self.waiters = ctypes.c_int32(0)
+        self.waiters_addr = ctypes.addressof(self.waiters)
+        self.on_wait: Callable[[], None] | None = None
+        self._blocked = 0
+
+    def _sync_waiters(self) -> None:
+        """Refresh ``waiters`` (under ``cond``) and poke lingering readers when it rises."""
+        n = self._blocked + len(self._waiting) + len(self._targets)
+        rose = n > self.waiters.value
+        self.waiters.value = n
+        if rose and self.on_wait is not None:
+            self.on_wait()
 
     def kill(self, group: int) -> int:
         """Purge ``group``'s queued COLL/P2P frames and drop later ones; returns how many
@@ -247,6 +267,7 @@ class Mailbox:
             return
         with self.cond:
             self._targets[key] = target
+            self._sync_waiters()
 
     def claim(self, key: Key, hdr: Header) -> Target | None:
         """Reader side: the posted target a frame with this header may be received into."""
@@ -280,6 +301,7 @@ class Mailbox:
         """
         with self.cond:
             t = self._targets.pop(key, None)
+            self._sync_waiters()
             stuck = False
             while t is not None and t.state == FILLING:
                 if not stuck and time.monotonic() > deadline:
@@ -304,6 +326,7 @@ class Mailbox:
                     cb.fired = True
         if cbs is not None and not cbs:
             del self._waiting[key]
+            self._sync_waiters()
         if cb is None:
             self._frames.setdefault(key, deque()).append(frame)
             self.cond.notify_all()
@@ -324,6 +347,7 @@ class Mailbox:
                 del self._frames[key]
             if frame is None:
                 self._waiting.setdefault(key, deque()).append(callback)
+                self._sync_waiters()
                 return
         callback(frame)
 
@@ -341,6 +365,7 @@ class Mailbox:
             if frame is None:
                 for key in once.keys:
                     self._waiting.setdefault(key, deque()).append(once)
+                self._sync_waiters()
                 return
             if once.fired:  # cancelled before it was registered
                 self._frames.setdefault(key, deque()).appendleft(frame)
@@ -357,6 +382,9 @@ class Mailbox:
             cbs = self._waiting.get(key)
             if cbs and callback in cbs:
                 cbs.remove(callback)
+                if not cbs:
+                    del self._waiting[key]
+                    self._sync_waiters()
                 return True
             return False
 
@@ -379,18 +407,28 @@ class Mailbox:
     def get(self, key: Key, deadline: float, check: Callable[[], None]) -> Frame:
         """Block until a frame for ``key`` arrives; ``check()`` raises if the group failed."""
         with self.cond:
-            while True:
-                q = self._frames.get(key)
-                if q:
-                    frame = q.popleft()
-                    if not q:
-                        del self._frames[key]
-                    return frame
-                check()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommTimeoutError(f"timed out waiting for a frame {key}")
-                self.cond.wait(min(left, 0.05))
+            blocked = False
+            try:
+                while True:
+                    q = self._frames.get(key)
+                    if q:
+                        frame = q.popleft()
+                        if not q:
+                            del self._frames[key]
+                        return frame
+                    check()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CommTimeoutError(f"timed out waiting for a frame {key}")
+                    if not blocked:
+                        blocked = True
+                        self._blocked += 1
+                        self._sync_waiters()
+                    self.cond.wait(min(left, 0.05))
+            finally:
+                if blocked:
+                    self._blocked -= 1
+                    self._sync_waiters()
 
     def wake(self) -> None:
         with self.cond:
@@ -412,7 +450,7 @@ class Connection:
     # (early frames), handed back by the transfer that copied them into place: the next
     # early frame of the same length reuses one instead of a new, zero-filled allocation
     # whose pages fault in again (1 MB: ~70 us). At most SPARE_BUFFERS, each a frame's
-    # length, which decode_header bounded by the mesh's max_frame.
+    # length (bounded by the mesh's max_frame in decode_header) of at most SPARE_MAX_BYTES.
     spares: list[bytearray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -471,7 +509,7 @@ def _settle(frame: Frame, x: XRecv, spares: list[bytearray]) -> tuple[Frame, boo
         return frame, False
     if body is not RECEIVED and x.size:
         ctypes.memmove(x.ptr, (ctypes.c_char * x.size).from_buffer(body), x.size)
-        if len(spares) < SPARE_BUFFERS:
+        if len(spares) < SPARE_BUFFERS and len(body) <= SPARE_MAX_BYTES:
             spares.append(body)
     return (hdr, RECEIVED), True
 
@@ -504,6 +542,7 @@ class Mesh:
         self.rank, self.world, self.secret = rank, world, secret
         self.max_frame = max_frame
         self.mailbox = Mailbox()
+        self.mailbox.on_wait = self._poke_readers
         self.peers: dict[int, Connection] = {}
         self.rejected = 0
         self.closed = False
@@ -630,6 +669,15 @@ class Mesh:
             return
         self._add(q, sock)
 
+    def _poke_readers(self) -> None:
+        """End any reader's linger on a collective frame: a consumer now waits on the mailbox
+        for what the readers deliver (``Mailbox.on_wait``; called under its lock)."""
+        if not self.linger_us:
+            return
+        poke = tcp_lib().conn_poke
+        for conn in list(self.peers.values()):
+            poke(conn.own_addr)
+
     def _add(self, q: int, sock: socket.socket) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -646,11 +694,12 @@ class Mesh:
     # -- data path ---------------------------------------------------------------------
     def _read_loop(self, conn: Connection) -> None:
         lib, fd, own = tcp_lib(), conn.sock.fileno(), conn.own_addr
+        waiters = self.mailbox.waiters_addr
         stream = 0  # a frame was just read: the next one is not lingered on (tp_conn_wait)
         try:
             while True:
                 # Parked (no GIL) while a collective owns the socket (Mesh.transfer).
-                if not lib.conn_wait(own, fd, READER_SLICE_MS, self.linger_us, stream):
+                if not lib.conn_wait(own, fd, READER_SLICE_MS, self.linger_us, stream, waiters):
                     stream = 0
                     if self.closed:
                         return
