@@ -54,8 +54,9 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     tiles and prefetch for the weight-streaming small-M path (plus a K-split across the threads
     when K is large; up to ROWS_M rows, the row-streaming driver first), M and K cache blocks
     for larger M. A weight larger than L3
-    (``elem_size`` bytes per element) gets at most five, over two panel widths (each width is
-    one packing of the whole weight during tuning), without one-thread variants (the small-M
+    (``elem_size`` bytes per element) gets at most five, over two panel widths and, up to
+    ROWS_M rows, the row layout (each layout is one packing of the whole weight during tuning),
+    without one-thread variants (the small-M
     runner times those at run time). bf16 (``elem_size`` 2) on an AVX512-BF16 machine tries the
     ``vdpbf16ps`` tiles (twice the fp32 tiles' rate) first: ``templates.DP_TILES["small"]`` up
     to SMALL_M rows, ``"large"`` beyond."""
