@@ -11,6 +11,11 @@ and the anchor timed in alternation on the same inputs, so that a burst of load 
 one-after-the-other search cannot crown a slow kernel. A winner read from the persistent cache
 (possibly tuned by another, loaded process) is confirmed the same way once per process; a winner
 that fails is replaced by the anchor, in memory and on disk.
+
+With ``select(..., final_round=n)`` the fastest candidates of the search (the winner and up to
+``n - 1`` others close to it that beat the anchor) meet in one interleaved round before the
+winner is kept: the search's one-after-the-other samples rank candidates a few per cent apart
+by the load of the moment.
 """
 
 from __future__ import annotations
@@ -267,8 +272,8 @@ LONG_CALL_S = 0.06
 # 2048 prefetch for NVFP4 11008x4096 GEMV on one such sample each, where NTA 2048 streamed faster
 # in interleaved runs; the GEMM's row driver, 7-14 % faster than the 4x24 tile at M = 1
 # interleaved, ranked 8th, 5th and 2nd in three fresh tunings). ``select(final_round=n)`` settles
-# it: the n fastest candidates within FINAL_ROUND_SPREAD of the winner meet in one interleaved
-# round, FINAL_ROUND_MIN rounds at least (the round is cut to the candidates whose sequential
+# it: the n fastest candidates within FINAL_ROUND_SPREAD of the winner (each having beaten the
+# anchor in the search) meet in one interleaved round, FINAL_ROUND_MIN rounds at least (the round is cut to the candidates whose sequential
 # medians fit that many rounds, and its warm-up, in the time bound), FINAL_ROUND_S by default.
 FINAL_ROUND_SPREAD = 1.25
 FINAL_ROUND_S = 0.5
