@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchport import autotune, config
-from torchport.autotune import ATEN, Candidate, ChoiceCache, InvalidCandidate
+from torchport.autotune import ATEN, Candidate, ChoiceCache, InvalidCandidate, tuner
 
 
 def _sleepy(seconds: float):
@@ -393,3 +393,154 @@ def test_budget_times_long_calls_once(fresh_cache, fake_clock):
     # 1.33x: confirmed in alternation, one round after the warm-up round
     assert calls.count("aten") == 2 + 2 and calls.count("native") == 2 + 2
     assert ch.candidate.name == "native"
+
+
+# --- final round: the fastest candidates of the search meet in one interleaved round ----------
+
+TRIO = [Candidate("aten", ATEN), Candidate("a"), Candidate("b")]
+
+
+def _trio_factory(clock: FakeClock, costs: dict, calls: list | None = None):
+    """One callable per candidate (call counts span the search and the round); ``costs[name](i)``
+    is the fake duration of its i-th call."""
+    fns: dict = {}
+
+    def make(c: Candidate):
+        if c.name not in fns:
+            fns[c.name] = _costed(clock, costs[c.name], calls, c.name)
+        return fns[c.name]
+
+    return make
+
+
+def _select_trio(key, make, cands=TRIO, **kw):
+    with config.override(autotune_reps=5, autotune_noise=0.03):
+        return autotune.select(
+            "toy.trio", key, cands, make, lambda: (torch.ones(4),), cold=False, check=_check, **kw
+        )
+
+
+SEARCH_CALLS = 1 + 5  # per candidate: the checked call (the warm-up), five timed repetitions
+
+# "b" is slow only during the search (its first calls), so the search ranks it behind "a"
+LIED = {
+    "aten": lambda i: 5e-3,
+    "a": lambda i: 1.0e-3,
+    "b": lambda i: 1.2e-3 if i < SEARCH_CALLS else 0.8e-3,
+}
+
+
+def test_without_final_round_the_lying_search_decides(fresh_cache, fake_clock):
+    ch = _select_trio({"case": "lied"}, _trio_factory(fake_clock, LIED))
+    assert ch.candidate.name == "a" and not any(k.startswith("final:") for k in ch.timings_s)
+
+
+def test_final_round_picks_the_interleaved_winner_and_caches_it(fresh_cache, fake_clock):
+    calls: list = []
+    key = {"case": "lied"}
+    ch = _select_trio(key, _trio_factory(fake_clock, LIED, calls), final_round=2)
+    assert ch.candidate.name == "b"
+    assert ch.timings_s["a"] == pytest.approx(1.0e-3)  # the search's medians are kept ...
+    assert ch.timings_s["b"] == pytest.approx(1.2e-3)
+    assert ch.timings_s["final:a"] == pytest.approx(1.0e-3)  # ... beside the round's
+    assert ch.timings_s["final:b"] == pytest.approx(0.8e-3)
+    # the round alternates the two (the anchor is not in it), after one warm-up round
+    round_calls = calls[3 * SEARCH_CALLS :]
+    assert "aten" not in round_calls and len(round_calls) >= 2 * (1 + tuner.FINAL_ROUND_MIN)
+    assert round_calls == ["a", "b"] * (len(round_calls) // 2)
+    assert autotune.choice_cache.get("toy.trio", key)["choice"] == "b"
+    calls.clear()
+    again = _select_trio(key, _trio_factory(fake_clock, LIED, calls), final_round=2)
+    assert again.from_cache and again.candidate.name == "b" and calls == []
+
+
+def test_final_round_confirms_its_winner_against_the_anchor(fresh_cache, fake_clock):
+    calls: list = []
+    ch = _select_trio(
+        {"case": "lied-confirm"},
+        _trio_factory(fake_clock, LIED, calls),
+        final_round=2,
+        confirm=True,
+    )
+    assert (
+        ch.candidate.name == "b" and "confirm:b" in ch.timings_s and "confirm:a" not in ch.timings_s
+    )
+
+
+def test_final_round_respects_its_time_bound(fresh_cache, fake_clock):
+    """The round stops past its bound once FINAL_ROUND_MIN rounds are timed; a bound too short
+    for those rounds (with the warm-up round) skips the round, keeping the search's choice."""
+    costs = {"aten": lambda i: 0.05, "a": lambda i: 0.010, "b": lambda i: 0.012}
+    search_s = SEARCH_CALLS * (0.05 + 0.010 + 0.012)
+    ch = _select_trio({"case": "bound"}, _trio_factory(fake_clock, costs), final_round=2)
+    assert "final:b" in ch.timings_s
+    assert fake_clock.t - search_s <= tuner.FINAL_ROUND_S + 1e-9
+    for bound in (0.3, 1.0):
+        fake_clock.t = 0.0
+        ch = _select_trio(
+            {"case": "bound", "s": bound},
+            _trio_factory(fake_clock, costs),
+            final_round=2,
+            final_round_s=bound,
+        )
+        assert fake_clock.t - search_s <= bound + 1e-9
+        assert fake_clock.t - search_s >= bound - 0.022 - 1e-9  # it used the time it had
+    fake_clock.t = 0.0
+    short = 0.022 * (1 + tuner.FINAL_ROUND_MIN + 1) - 1e-3  # not enough for the minimum
+    ch = _select_trio(
+        {"case": "short"}, _trio_factory(fake_clock, costs), final_round=2, final_round_s=short
+    )
+    assert ch.candidate.name == "a" and not any(k.startswith("final:") for k in ch.timings_s)
+    assert fake_clock.t == pytest.approx(search_s)
+
+
+def test_final_round_never_overrides_the_anchor_verdict(fresh_cache, fake_clock):
+    """A candidate that lost to the anchor in the search never enters the round, however fast it
+    is later; nor does one that failed its check; and an anchor choice has no round at all."""
+    calls: list = []
+    costs = {
+        "aten": lambda i: 1.0e-3,
+        "a": lambda i: 0.9e-3,  # beats the anchor by 10 %
+        "b": lambda i: 1.0e-3 if i < SEARCH_CALLS else 0.1e-3,  # lost to it (within noise)
+    }
+    ch = _select_trio({"case": "anchor"}, _trio_factory(fake_clock, costs, calls), final_round=3)
+    assert ch.candidate.name == "a" and not any(k.startswith("final:") for k in ch.timings_s)
+    assert len(calls) == 3 * SEARCH_CALLS  # no round was run
+    wrong = [*TRIO, Candidate("wrong")]
+    costs["wrong"] = lambda i: 0.95e-3
+
+    def make(c: Candidate):
+        fn = _trio_factory(fake_clock, costs)(c)
+        return (lambda x: fn(x) * 3) if c.name == "wrong" else fn
+
+    ch = _select_trio({"case": "wrong"}, make, cands=wrong, final_round=3)
+    assert ch.candidate.name == "a" and "wrong" in ch.failures
+    assert not any(k.startswith("final:") for k in ch.timings_s)
+    slow = {"aten": lambda i: 1.0e-3, "a": lambda i: 2e-3, "b": lambda i: 2e-3}
+    ch = _select_trio({"case": "slow"}, _trio_factory(fake_clock, slow), final_round=3)
+    assert ch.candidate.name == "aten" and not any(k.startswith("final:") for k in ch.timings_s)
+
+
+def test_final_round_leaves_candidates_outside_the_spread_out(fresh_cache, fake_clock):
+    calls: list = []
+    costs = {
+        "aten": lambda i: 5e-3,
+        "a": lambda i: 1.0e-3,
+        "b": lambda i: 1.0e-3 * tuner.FINAL_ROUND_SPREAD * 1.01,
+    }
+    ch = _select_trio({"case": "spread"}, _trio_factory(fake_clock, costs, calls), final_round=3)
+    assert ch.candidate.name == "a" and len(calls) == 3 * SEARCH_CALLS
+
+
+def test_final_round_uses_final_factory_and_keeps_the_choice_when_it_fails(fresh_cache, fake_clock):
+    built: list = []
+
+    def build(cs):
+        built.append([c.name for c in cs])
+        raise RuntimeError("cannot build the round")
+
+    ch = _select_trio(
+        {"case": "ff"}, _trio_factory(fake_clock, LIED), final_round=2, final_factory=build
+    )
+    assert built == [["a", "b"]] and ch.candidate.name == "a"
+    assert autotune.choice_cache.get("toy.trio", {"case": "ff"})["choice"] == "a"

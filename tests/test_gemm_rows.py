@@ -142,3 +142,41 @@ def test_rows_candidate_through_tuning_and_adaptive_runner():
     a, b, ops = copies[0]
     for _ in range(12):  # through the adaptive runner's learning round
         _assert_close(run(a, b, ops), a, b, spec, ops)
+
+
+def test_final_round_fns_split_the_copies_between_layouts(monkeypatch):
+    """The autotuner's final round alternates the row driver and a 4x24 tile on one rotation:
+    each layout reads its own share of the copies (packed on its first call, never repacked
+    during the round), with the right results; too few copies for the layouts is refused."""
+    mm = sys.modules["torchport.gemm.mm"]
+    spec = EpilogueSpec.decode("bias_col:f32")
+    copies = []
+    for seed in range(4):
+        a, b = _make(1, 200 + seed, 64, torch.float32, "c", "weight_t")
+        copies.append((a[:, :], b[:, :200], _operands(spec, 1, 200)))
+    cands = mm.candidates(1, 200, 64, ISA)
+    pick = [
+        next(c for c in cands if c.param("nr") == 1),
+        next(c for c in cands if c.param("nr") not in (None, 1)),
+    ]
+    packs: list[int] = []
+    real_pack = mm.pack_b
+
+    def counting_pack(b, nr, out=None):
+        packs.append(nr)
+        return real_pack(b, nr, out=out)
+
+    monkeypatch.setattr(mm, "pack_b", counting_pack)
+    fns = mm._round_fns(pick, spec)
+    rot = mm._Rotation(copies)
+    for r in range(3):
+        for lane, fn in enumerate(fns):
+            out = fn(rot)
+            idx = [i for i in range(4) if i % 2 == lane][r % 2]
+            a, b, ops = copies[idx]
+            _assert_close(out, a, b, spec, ops)
+        if r == 0:
+            assert sorted(packs) == sorted([1, 1, pick[1].param("nr"), pick[1].param("nr")])
+    assert len(packs) == 4  # no repacking after the first calls
+    with pytest.raises(InvalidCandidate):
+        mm._round_fns(pick, spec)[0](mm._Rotation(copies[:1]))

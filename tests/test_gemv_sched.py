@@ -368,36 +368,26 @@ def test_adaptive_steady_check_makes_the_full_pass_decisions(monkeypatch, opts, 
 
 
 def test_final_round_keeps_the_interleaved_winner_and_caches_it(fresh_cache, monkeypatch) -> None:
-    """A fresh native choice meets the tuner's fastest natives within FINAL_ROUND_SPREAD in one
-    alternated round; the best median wins (cached, with its ``final:`` medians), candidates
-    outside the spread and the anchor are not run."""
+    """A fresh native plan goes through the autotuner's final round with FINAL_ROUND native
+    candidates (the anchor not among them): the best median of the round is the plan's kernel,
+    cached, with its ``final:`` medians."""
     from torchport import autotune
+    from torchport.autotune import timing, tuner
 
-    cands = gops.candidates("nvfp4", True, 512)
-    names = [c.name for c in cands]
-    first, second, third, far = names[1], names[2], names[3], names[4]
-    timings = {names[0]: 9e-3, first: 1.00e-3, second: 1.05e-3, third: 1.20e-3, far: 1.5e-3}
-    choice = autotune.Choice("gemv", cands[1], dict(timings))
-    timed: list[list[str]] = []
+    timed: list[int] = []
 
     def fake_interleaved(fns, arg_sets, **kw):
-        timed.append([f.name for f in fns])
-        return [2e-3, 1e-3, 3e-3]  # the second-fastest by the tuner wins the round
+        timed.append(len(fns))
+        return [2e-3, 1e-3, 3e-3][: len(fns)]  # the second-fastest by the search wins the round
 
-    def factory(c):
-        def fn(*args):
-            return None
-
-        fn.name = c.name
-        return fn
-
-    monkeypatch.setattr(autotune, "interleaved", fake_interleaved)
-    key = {"op": "test", "n": 1}
-    out = gops._final_round(choice, cands, factory, lambda: (torch.zeros(4),), key)
-    assert timed == [[first, second, third]]
-    assert out.candidate.name == second and out.timings_s[f"final:{second}"] == 1e-3
-    assert autotune.choice_cache.get("gemv", key)["choice"] == second
-    # a clear winner (nothing else within the spread) is kept without a round
-    alone = autotune.Choice("gemv", cands[1], {first: 1e-3, second: 2e-3})
-    assert gops._final_round(alone, cands, factory, lambda: (torch.zeros(4),), key) is alone
-    assert len(timed) == 1
+    monkeypatch.setattr(tuner, "FINAL_ROUND_SPREAD", 1e9)  # every native timed may enter
+    monkeypatch.setattr(timing, "interleaved", fake_interleaved)
+    monkeypatch.setattr(gops, "_PLANS", {})
+    pw = _pack("nvfp4", torch.randn(768, 512) * 0.05)  # 3 * 2**17 weights: tuned
+    plan = gops.plan_for(pw, 1, gops._use_int8(pw, True))
+    assert timed == [gops.FINAL_ROUND]
+    (entry,) = [e for e in autotune.choice_cache.entries().values() if e["op"] == "gemv"]
+    finals = {k[6:]: v for k, v in entry["timings_s"].items() if k.startswith("final:")}
+    assert len(finals) == gops.FINAL_ROUND and "aten_linear" not in finals
+    assert plan.candidate.name == entry["choice"] == min(finals, key=finals.__getitem__)
+    assert finals[plan.candidate.name] == 1e-3

@@ -11,6 +11,11 @@ and the anchor timed in alternation on the same inputs, so that a burst of load 
 one-after-the-other search cannot crown a slow kernel. A winner read from the persistent cache
 (possibly tuned by another, loaded process) is confirmed the same way once per process; a winner
 that fails is replaced by the anchor, in memory and on disk.
+
+With ``select(..., final_round=n)`` the fastest candidates of the search (the winner and up to
+``n - 1`` others close to it that beat the anchor) meet in one interleaved round before the
+winner is kept: the search's one-after-the-other samples rank candidates a few per cent apart
+by the load of the moment.
 """
 
 from __future__ import annotations
@@ -151,6 +156,9 @@ def select(
     backends: set[str] | None = None,
     confirm: bool = False,
     budget_s: float | None = None,
+    final_round: int = 0,
+    final_round_s: float | None = None,
+    final_factory: Callable[[Sequence[Candidate]], Sequence[Callable[..., Any]]] | None = None,
 ) -> Choice:
     """Choose the fastest valid candidate for ``(op, key)``, using and filling the choice cache.
 
@@ -161,6 +169,14 @@ def select(
     kept (fresh winners before they are saved, cached ones once per process). ``budget_s`` caps
     the timing of the search: each candidate gets an equal share (at least three calls), so a
     loaded machine gives fewer samples rather than a longer search.
+
+    ``final_round=n`` (n >= 2) lets a fresh non-ATen winner meet, in one interleaved round of at
+    most ``final_round_s`` seconds (default :data:`FINAL_ROUND_S`), up to ``n - 1`` other
+    candidates from the search that are within :data:`FINAL_ROUND_SPREAD` of it and beat the
+    anchor there; the best median of the round is kept (then confirmed, with ``confirm``) and
+    cached, and the round's medians are recorded as ``final:<name>``. ``final_factory`` builds
+    the round's callables for its candidates together (default: ``factory`` of each), for ops
+    whose candidates share argument state that the alternation must split between them.
     """
     cache = cache or choice_cache
     allowed = allowed_backends() if backends is None else backends
@@ -205,8 +221,13 @@ def select(
                 continue
         return Choice(op, anchor)
 
+    final = _Final(
+        final_round,
+        FINAL_ROUND_S if final_round_s is None else final_round_s,
+        final_factory or (lambda cs: [factory(c) for c in cs]),
+    )
     return _tune(
-        op, key, anchor, eligible, factory, make_args, cold, check, cache, confirm, budget_s
+        op, key, anchor, eligible, factory, make_args, cold, check, cache, confirm, budget_s, final
     )
 
 
@@ -246,6 +267,76 @@ def _confirm_choice(
 LONG_CALL_S = 0.06
 
 
+# The search times candidates one after the other, a few calls each: on a shared machine a burst
+# of load decides between candidates a few per cent apart (a fresh cache picked T0 4096 over NTA
+# 2048 prefetch for NVFP4 11008x4096 GEMV on one such sample each, where NTA 2048 streamed faster
+# in interleaved runs; the GEMM's row driver, 7-14 % faster than the 4x24 tile at M = 1
+# interleaved, ranked 8th, 5th and 2nd in three fresh tunings). ``select(final_round=n)`` settles
+# it: the n fastest candidates within FINAL_ROUND_SPREAD of the winner (each having beaten the
+# anchor in the search) meet in one interleaved round, FINAL_ROUND_MIN rounds at least (the round is cut to the candidates whose sequential
+# medians fit that many rounds, and its warm-up, in the time bound), FINAL_ROUND_S by default.
+FINAL_ROUND_SPREAD = 1.25
+FINAL_ROUND_S = 0.5
+FINAL_ROUND_MIN = 5
+FINAL_ROUND_REPS = 64
+
+
+@dataclass(frozen=True)
+class _Final:
+    """The final round asked of :func:`select`: candidates (0: none), time bound, builder."""
+
+    n: int = 0
+    bound_s: float = FINAL_ROUND_S
+    build: Callable[[Sequence[Candidate]], Sequence[Callable[..., Any]]] | None = None
+
+
+def _final_round(
+    choice: Candidate,
+    ranked: Sequence[Candidate],
+    timings: dict[str, float],
+    anchor_s: float | None,
+    final: _Final,
+    arg_sets: Sequence[tuple[Any, ...]],
+) -> Candidate:
+    """``choice`` or the candidate with the best median of one interleaved round among the
+    search's fastest (see FINAL_ROUND_SPREAD); ``anchor_s``: the anchor's time when its verdict
+    applies (a candidate that did not beat it never enters). Records ``final:<name>`` medians."""
+    best = timings[choice.name]
+    top = sorted(
+        (
+            c
+            for c in ranked
+            if not c.is_anchor
+            and timings[c.name] <= best * FINAL_ROUND_SPREAD
+            and (anchor_s is None or beats_anchor(timings[c.name], anchor_s))
+        ),
+        key=lambda c: timings[c.name],
+    )[: final.n]
+    warm = len(arg_sets)
+    # the warm-up, FINAL_ROUND_MIN rounds and one round past the time check fit in the bound
+    while len(top) > 1 and (
+        (warm + FINAL_ROUND_MIN + 1) * sum(timings[c.name] for c in top) > final.bound_s
+    ):
+        top.pop()
+    if len(top) < 2 or final.build is None:
+        return choice
+    round_s = sum(timings[c.name] for c in top)
+    try:
+        fns = list(final.build(top))
+        meds = timing.interleaved(
+            fns,
+            arg_sets,
+            reps=FINAL_ROUND_REPS,
+            warmup=warm,
+            max_time_s=max(0.0, final.bound_s - (warm + 1) * round_s),
+            min_rounds=FINAL_ROUND_MIN,
+        )
+    except Exception:  # a candidate that fails now: keep the search's choice
+        return choice
+    timings.update({f"final:{c.name}": m for c, m in zip(top, meds)})
+    return top[min(range(len(top)), key=meds.__getitem__)]
+
+
 def _tune(
     op: str,
     key: Mapping[str, Any],
@@ -258,6 +349,7 @@ def _tune(
     cache: ChoiceCache,
     confirm_win: bool = False,
     budget_s: float | None = None,
+    final: _Final = _Final(),
 ) -> Choice:
     t_start = time.perf_counter()
     args = make_args()
@@ -309,28 +401,35 @@ def _tune(
         choice = anchor
     else:
         choice = min(ranked, key=lambda c: timings[c.name])
-        if not choice.is_anchor and anchor.name in timings and anchor in eligible:
-            if not beats_anchor(timings[choice.name], timings[anchor.name]):
+        judged = anchor.name in timings and anchor in eligible
+        if (
+            not choice.is_anchor
+            and judged
+            and not beats_anchor(timings[choice.name], timings[anchor.name])
+        ):
+            choice = anchor
+        if not choice.is_anchor and final.n > 1:
+            anchor_s = timings[anchor.name] if judged else None
+            choice = _final_round(choice, ranked, timings, anchor_s, final, arg_sets)
+        if confirm_win and not choice.is_anchor and judged:
+            long_calls = budget_s is not None and timings[anchor.name] > min(cap_s, LONG_CALL_S)
+            if long_calls and timings[choice.name] < timings[anchor.name] / 1.5:
+                ok = True  # calls this long are not 1.5x apart through a burst of load
+            else:
+                ok = _confirm_choice(
+                    choice,
+                    anchor,
+                    factory,
+                    make_args,
+                    cold,
+                    timings,
+                    args,
+                    2 * cap_s,
+                    min_rounds=1 if long_calls else 3,
+                )
+            _confirmed[_memo_key(op, key, choice)] = ok
+            if not ok:
                 choice = anchor
-            elif confirm_win:
-                long_calls = budget_s is not None and timings[anchor.name] > min(cap_s, LONG_CALL_S)
-                if long_calls and timings[choice.name] < timings[anchor.name] / 1.5:
-                    ok = True  # calls this long are not 1.5x apart through a burst of load
-                else:
-                    ok = _confirm_choice(
-                        choice,
-                        anchor,
-                        factory,
-                        make_args,
-                        cold,
-                        timings,
-                        args,
-                        2 * cap_s,
-                        min_rounds=1 if long_calls else 3,
-                    )
-                _confirmed[_memo_key(op, key, choice)] = ok
-                if not ok:
-                    choice = anchor
     stats.tuned += 1
     cache.put(op, key, choice.name, timings)
     return Choice(op, choice, timings, failures, tune_time_s=time.perf_counter() - t_start)

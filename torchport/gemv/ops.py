@@ -428,9 +428,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
         cold=True,
         check=_close,
         backends=None if dense else {autotune.NATIVE},
+        final_round=FINAL_ROUND,
     )
-    if not choice.from_cache and not choice.candidate.is_anchor and config.get("autotune"):
-        choice = _final_round(choice, cands, factory, make_args, tune_key)
     c = choice.candidate
     if c.is_anchor:
         plan = LaunchPlan(c, None, 0)
@@ -442,54 +441,11 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     return plan
 
 
-# The tuner times candidates one after the other, a few calls each: on a shared machine a burst of
-# load decides between candidates a few per cent apart (a fresh cache picked T0 4096 over NTA 2048
-# prefetch for NVFP4 11008x4096 on one such sample each, where NTA 2048 streamed faster in
-# interleaved runs). A fresh native winner therefore meets the FINAL_ROUND fastest native
-# candidates within FINAL_ROUND_SPREAD of it in one alternated round (same cold weight copies,
-# each round's calls back to back), at most FINAL_ROUND_S seconds, and the best median is kept
-# and cached.
+# A fresh native winner meets the FINAL_ROUND - 1 next fastest native candidates in the
+# autotuner's final interleaved round (see torchport.autotune.tuner.FINAL_ROUND_SPREAD): a fresh
+# cache picked T0 4096 over NTA 2048 prefetch for NVFP4 11008x4096 on one sequential sample each,
+# where NTA 2048 streamed faster in interleaved runs.
 FINAL_ROUND = 3
-FINAL_ROUND_SPREAD = 1.25
-FINAL_ROUND_S = 0.5
-
-
-def _final_round(
-    choice: autotune.Choice,
-    cands: list[autotune.Candidate],
-    factory: Callable[[autotune.Candidate], Callable[..., object]],
-    make_args: Callable[[], tuple[torch.Tensor, ...]],
-    tune_key: dict[str, object],
-) -> autotune.Choice:
-    """``choice`` or, if it wins an interleaved round against it, another native candidate among
-    the tuner's fastest (cached in ``choice``'s place; medians recorded as ``final:<name>``)."""
-    t = choice.timings_s
-    best = t.get(choice.candidate.name)
-    if not best:
-        return choice
-    top = sorted(
-        (
-            c
-            for c in cands
-            if not c.is_anchor and c.name in t and t[c.name] <= best * FINAL_ROUND_SPREAD
-        ),
-        key=lambda c: t[c.name],
-    )[:FINAL_ROUND]
-    if len(top) < 2:
-        return choice
-    try:
-        fns = [factory(c) for c in top]
-        arg_sets = autotune.cold_copies(make_args())
-        meds = autotune.interleaved(
-            fns, arg_sets, reps=64, warmup=len(arg_sets), max_time_s=FINAL_ROUND_S, min_rounds=5
-        )
-    except Exception:  # a candidate that fails now: keep the tuner's choice
-        return choice
-    timings = dict(t)
-    timings.update({f"final:{c.name}": m for c, m in zip(top, meds)})
-    win = top[min(range(len(top)), key=meds.__getitem__)]
-    autotune.choice_cache.put("gemv", tune_key, win.name, timings)
-    return replace(choice, candidate=win, timings_s=timings)
 
 
 _FP4_INT8 = config.Snapshot("gemv_fp4_int8")
