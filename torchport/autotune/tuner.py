@@ -331,7 +331,8 @@ def _final_round(
             max_time_s=max(0.0, final.bound_s - (warm + 1) * round_s),
             min_rounds=FINAL_ROUND_MIN,
         )
-    except Exception:  # a candidate that fails now: keep the search's choice
+    except Exception:  # a candidate that fails now: keep the search's choice (counted)
+        stats.candidates_failed += 1
         return choice
     timings.update({f"final:{c.name}": m for c, m in zip(top, meds)})
     return top[min(range(len(top)), key=meds.__getitem__)]
