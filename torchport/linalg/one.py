@@ -14,8 +14,9 @@ kernels' (one matrix per thread) bit for bit, except eigh from order ``EIGH_TRID
 there ``tp_eigh1`` runs Householder tridiagonalization and implicit QL (2-3x faster than
 torch.linalg.eigh at n = 4…32, where cyclic Jacobi loses from n ≈ 13), which no batched kernel
 shares (reference: ``eigh_tridiagonal_reference``). Complex64/complex128 run the entry points
-of :mod:`~torchport.linalg.complex_jacobi` (``tp_csvd1``, ``tp_ceigh1``: cyclic Jacobi at every
-order) and :mod:`~torchport.linalg.complex_factor` (``tp_cqr1``, ``tp_cchol1``), whose workers
+of :mod:`~torchport.linalg.complex_jacobi` (``tp_csvd1``; ``tp_ceigh1``: cyclic Jacobi, or from
+``EIGH_TRIDIAGONAL_FROM`` complex Householder tridiagonalization + the real implicit QL,
+reference ``complex_eigh_tridiagonal_reference``) and :mod:`~torchport.linalg.complex_factor` (``tp_cqr1``, ``tp_cchol1``), whose workers
 are not inlined, so the batched and one-matrix entry points run the same machine code and agree
 bit for bit; S and the eigenvalues are then real. The plain-torch references of the
 algorithms are those of :mod:`torchport.linalg.reference`. A launcher returns what the public function returns
@@ -51,7 +52,12 @@ _rt: Any = torch.return_types
 # -> 24.2 (52.1), 32 246 -> 39.8 (98.6); eigenvalues only f64 n = 4 3.43 -> 3.13, 32 240 -> 29.4
 # (41.1). At n = 2, 3 the two tie, and the 2 x 2 / 3 x 3 Jacobi worker is built at constant
 # size, so it keeps those.
-EIGH_TRIDIAGONAL_FROM = {torch.float32: 4, torch.float64: 4}
+EIGH_TRIDIAGONAL_FROM = {
+    torch.float32: 4,
+    torch.float64: 4,
+    torch.complex64: 2,
+    torch.complex128: 2,
+}
 
 
 def fits(m: int, n: int) -> bool:
@@ -134,17 +140,15 @@ def eigh_plan(
 ) -> Callable[[torch.Tensor], Any]:
     """``eigh`` (``linalg_eigh`` named tuple) or, without ``compute_v``, ``eigvalsh`` (L).
 
-    ``tridiagonal``: run the tridiagonal QL worker (flag 3 of ``tp_eigh1``) instead of cyclic
-    Jacobi; None = from ``EIGH_TRIDIAGONAL_FROM[dtype]`` on. Complex dtypes run cyclic Jacobi
-    only (``tp_ceigh1``), which reads flags 0 and 1."""
+    ``tridiagonal``: run the tridiagonal QL worker (flag 3 of ``tp_eigh1``, flag 2 of
+    ``tp_ceigh1``) instead of cyclic Jacobi; None = from ``EIGH_TRIDIAGONAL_FROM[dtype]`` on."""
     _, n = _check_plan(shape)
     call = _call(dtype, "eigh1")
+    if tridiagonal is None:
+        tridiagonal = n >= EIGH_TRIDIAGONAL_FROM[dtype]
     if dtype.is_complex:
-        assert not tridiagonal, "no complex tridiagonal worker"
-        code = _code(0, n, upper, compute_v)
+        code = _code(0, n, upper, compute_v, tridiagonal)
     else:
-        if tridiagonal is None:
-            tridiagonal = n >= EIGH_TRIDIAGONAL_FROM[dtype]
         code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER), tridiagonal)
     lam_like = torch.empty(shape[:-1], dtype=dtype.to_real())
     if not compute_v:
