@@ -51,7 +51,12 @@ _rt: Any = torch.return_types
 # 3 4.53 -> 4.45, 4 5.08 -> 4.80, 8 10.2 -> 6.5, 12 21.3 -> 9.3, 16 46.0 -> 12.3 (28.8), 24 130
 # -> 24.2 (52.1), 32 246 -> 39.8 (98.6); eigenvalues only f64 n = 4 3.43 -> 3.13, 32 240 -> 29.4
 # (41.1). At n = 2, 3 the two tie, and the 2 x 2 / 3 x 3 Jacobi worker is built at constant
-# size, so it keeps those.
+# size, so it keeps those. Complex (tp_ceigh1 flag 2, complex tridiagonalization + the same QL),
+# the same timing under the bench lock, load 2.1, us Jacobi -> tridiagonal (torch.linalg.eigh,
+# one thread): c64 n = 2 4.74 -> 4.37 (10.5), 3 5.28 -> 4.64, 4 5.89 -> 5.04, 8 21.5 -> 14.5
+# (47.3), 16 68.5 -> 24.8 (69.7), 32 386 -> 79.8 (174); c128 n = 2 8.63 -> 8.11 (18.9), 8 21.6
+# -> 12.2 (32.4), 16 94.3 -> 26.4 (66.0), 32 600 -> 112 (219); eigenvalues only c128 n = 16
+# 76.0 -> 16.3 (37.8), 32 396 -> 50.4 (74.0). The QL worker is ahead from n = 2.
 EIGH_TRIDIAGONAL_FROM = {
     torch.float32: 4,
     torch.float64: 4,
