@@ -28,7 +28,11 @@ a pair is rotated once more near convergence, which keeps kernel and reference t
 
 Non-finite input stops that matrix; the launchers return 1 + the first such batch index, as the
 real ones do. ``tp_csvd1`` and ``tp_ceigh1`` run the same (non-inlined) workers on one matrix,
-without a thread team, for :mod:`torchport.linalg.one`.
+without a thread team, for :mod:`torchport.linalg.one`; with flag 2 ``tp_ceigh1`` instead runs
+Householder tridiagonalization (zhetrd-style, from the last row up), phases that make the
+tridiagonal real, and the real implicit QL of :mod:`~torchport.linalg.kernels` (``tri_ql``,
+shared C) on the rows of Vᵀ (reference: ``complex_eigh_tridiagonal_reference``), falling back
+to Jacobi when the QL does not converge.
 """
 
 from __future__ import annotations
