@@ -22,7 +22,8 @@ float32/float64 and complex64/complex128. Each also takes ``method``:
 Complex64/complex128 inputs have native kernels, one matrix per thread (``svd``/``svdvals``,
 ``eigh``/``eigvalsh`` through :mod:`~torchport.linalg.complex_jacobi`; ``qr``, ``cholesky`` and
 ``cholesky_ex`` through :mod:`~torchport.linalg.complex_factor`), and one-matrix launchers
-(:mod:`~torchport.linalg.one`; ``eigh`` always Jacobi) but no lane kernels: ``"jacobi"`` runs
+(:mod:`~torchport.linalg.one`; ``eigh`` tridiagonal QL from ``one.EIGH_TRIDIAGONAL_FROM``, as
+for real dtypes) but no lane kernels: ``"jacobi"`` runs
 them (their references off the CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for
 real dtypes.
 Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`).
@@ -44,6 +45,7 @@ from torchport.linalg.reference import (
     cholesky_blocked_reference,
     cholesky_reference,
     complex_eigh_reference,
+    complex_eigh_tridiagonal_reference,
     complex_svd_reference,
     eigh_reference,
     eigh_tridiagonal_reference,
@@ -59,6 +61,7 @@ __all__ = [
     "cholesky_ex",
     "cholesky_reference",
     "complex_eigh_reference",
+    "complex_eigh_tridiagonal_reference",
     "complex_svd_reference",
     "eigh",
     "eigh_reference",

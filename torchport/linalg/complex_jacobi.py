@@ -28,7 +28,11 @@ a pair is rotated once more near convergence, which keeps kernel and reference t
 
 Non-finite input stops that matrix; the launchers return 1 + the first such batch index, as the
 real ones do. ``tp_csvd1`` and ``tp_ceigh1`` run the same (non-inlined) workers on one matrix,
-without a thread team, for :mod:`torchport.linalg.one`.
+without a thread team, for :mod:`torchport.linalg.one`; with flag 2 ``tp_ceigh1`` instead runs
+Householder tridiagonalization (zhetrd-style, from the last row up), phases that make the
+tridiagonal real, and the real implicit QL of :mod:`~torchport.linalg.kernels` (``tri_ql``,
+shared C) on the rows of Vᵀ (reference: ``complex_eigh_tridiagonal_reference``), falling back
+to Jacobi when the QL does not converge.
 """
 
 from __future__ import annotations
@@ -352,6 +356,154 @@ TP_EXPORT int tp_ceigh(const C *a, T *L, C *Q, int64_t B, int64_t n, int64_t upp
    its batched entry point returns for B = 1; -1 for sizes out of range. */
 ${one_code}
 
+/* ---------------------------------------------------------------- eigh by tridiagonal QL
+   One matrix (flag 2 of tp_ceigh1): reference.complex_eigh_tridiagonal_reference. A (scaled by a
+   power of two to max |re|, |im| in [0.5, 1)) held full and Hermitian; step k = n-1 … 2 takes
+   x = A[0:k, k] (the conjugated row k), α = x[k-1], and when ‖x[0:k-1]‖ > 0 reflects it into
+   β e_{k-1} with zlarfg's H = I - τ v vᴴ (β = -sign(Re α)‖x‖ real, τ = (β - α)/β,
+   v = x/(α - β), v[k-1] = 1): A[0:k, 0:k] -= v wᴴ + w vᴴ, w = p - ½ Re(τ pᴴv) v, p = τ A v,
+   and Qᵀ ← Hᵀ Qᵀ (rows of Zt: the columns of V, not conjugated). The coupling T[j+1, j]
+   (β, or A[k][k-1] when not reflected) then gets the phases δ_0 = 1, δ_{j+1} = δ_j T[j+1, j]/|.|,
+   which scale the rows of Zt (V = Q D Z), and kernels.py's real QL (tri_ql) runs on (d, |e|)
+   rotating those rows as pairs of real rows. Returns 0, 1 for non-finite input, 2 when the QL
+   did not converge (the caller runs ceigh_one). */
+${tri_ql}
+
+static __attribute__((noinline)) int ceigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv) {
+    if (!all_finite(in, 2 * n * n)) return 1;
+    const int64_t nv = (2 * n + TRI_VL - 1) / TRI_VL, ld = nv * TRI_VL;  /* Zt row: ld reals */
+    T A[2 * ONE_MAX_N * ONE_MAX_N] __attribute__((aligned(64)));
+    T Z[2 * ONE_MAX_N * ONE_MAX_N] __attribute__((aligned(64)));
+    T v[2 * ONE_MAX_N], p[2 * ONE_MAX_N];
+    T u[2 * ONE_MAX_N] __attribute__((aligned(64)));
+    T d[ONE_MAX_N + 1], e[ONE_MAX_N + 1], ec[2 * ONE_MAX_N + 2];
+    int64_t perm[ONE_MAX_N];
+    T amax = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+            const T *z = upper ? in + 2 * (j * n + i) : in + 2 * (i * n + j);
+            amax = TP_MAX(amax, TFABS(z[0]));
+            if (i != j) amax = TP_MAX(amax, TFABS(z[1]));
+        }
+    if (amax == 0) {
+        for (int64_t j = 0; j < n; ++j) L[j] = 0;
+        if (wantv) for (int64_t j = 0; j < n * n; ++j) { Q[2 * j] = j % (n + 1) == 0; Q[2 * j + 1] = 0; }
+        return 0;
+    }
+    const int ex = TP_SCALE_EXP(amax) + 1;
+    const T sc = (T)ldexp(1.0, -ex);
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+            const T *z = upper ? in + 2 * (j * n + i) : in + 2 * (i * n + j);
+            T re = z[0] * sc, im = (i == j) ? 0 : (upper ? -z[1] : z[1]) * sc;  /* a_ij, i >= j */
+            A[2 * (i * n + j)] = re; A[2 * (i * n + j) + 1] = im;
+            A[2 * (j * n + i)] = re; A[2 * (j * n + i) + 1] = -im;
+        }
+    if (wantv)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < ld; ++j) Z[i * ld + j] = j == 2 * i;
+    for (int64_t k = n - 1; k >= 2; --k) {
+        const T *ak = A + 2 * k * n;  /* x_j = conj(ak[j]) */
+        const T ar = ak[2 * (k - 1)], ai = -ak[2 * (k - 1) + 1];
+        T xn2 = 0;
+        for (int64_t j = 0; j < 2 * (k - 1); ++j) xn2 += ak[j] * ak[j];
+        d[k] = ak[2 * k];
+        if (xn2 == 0) { ec[2 * (k - 1)] = ar; ec[2 * (k - 1) + 1] = -ai; continue; }
+        T beta = TSQRT(ar * ar + ai * ai + xn2);
+        if (ar > 0) beta = -beta;
+        const T tr = (beta - ar) / beta, ti = -ai / beta;  /* τ */
+        const T dr = ar - beta, den = dr * dr + ai * ai;
+        const T sr = dr / den, si = -ai / den;  /* 1 / (α - β) */
+        ec[2 * (k - 1)] = beta; ec[2 * (k - 1) + 1] = 0;
+        for (int64_t j = 0; j < k - 1; ++j) {
+            const T xr = ak[2 * j], xi = -ak[2 * j + 1];
+            v[2 * j] = xr * sr - xi * si; v[2 * j + 1] = xr * si + xi * sr;
+        }
+        v[2 * (k - 1)] = 1; v[2 * (k - 1) + 1] = 0;
+        T hr = 0, hi = 0;  /* pᴴ v */
+        for (int64_t i = 0; i < k; ++i) {
+            const T *row = A + 2 * i * n;
+            T qr = 0, qi = 0;
+            #pragma omp simd reduction(+:qr, qi)
+            for (int64_t j = 0; j < k; ++j) {
+                qr += row[2 * j] * v[2 * j] - row[2 * j + 1] * v[2 * j + 1];
+                qi += row[2 * j] * v[2 * j + 1] + row[2 * j + 1] * v[2 * j];
+            }
+            p[2 * i] = tr * qr - ti * qi; p[2 * i + 1] = tr * qi + ti * qr;
+            hr += p[2 * i] * v[2 * i] + p[2 * i + 1] * v[2 * i + 1];
+            hi += p[2 * i] * v[2 * i + 1] - p[2 * i + 1] * v[2 * i];
+        }
+        const T kk = (T)0.5 * (tr * hr - ti * hi);
+        for (int64_t i = 0; i < 2 * k; ++i) p[i] -= kk * v[i];  /* p is now w */
+        for (int64_t i = 0; i < k; ++i) {
+            T *row = A + 2 * i * n;
+            const T vr = v[2 * i], vi = v[2 * i + 1], wr = p[2 * i], wi = p[2 * i + 1];
+            #pragma omp simd
+            for (int64_t j = 0; j < k; ++j) {  /* -= v_i conj(w_j) + w_i conj(v_j) */
+                const T yr = p[2 * j], yi = p[2 * j + 1], zr = v[2 * j], zi = v[2 * j + 1];
+                row[2 * j] -= vr * yr + vi * yi + wr * zr + wi * zi;
+                row[2 * j + 1] -= vi * yr - vr * yi + wi * zr - wr * zi;
+            }
+        }
+        if (wantv) {  /* Zt <- Hᵀ Zt: u = Σ_j v_j Zt[j], Zt[j] -= τ conj(v_j) u */
+            for (int64_t c = 0; c < ld; ++c) u[c] = 0;
+            for (int64_t j = 0; j < k; ++j) {
+                const T vr = v[2 * j], vi = v[2 * j + 1];
+                const T *row = Z + j * ld;
+                #pragma omp simd
+                for (int64_t c = 0; c < n; ++c) {
+                    u[2 * c] += vr * row[2 * c] - vi * row[2 * c + 1];
+                    u[2 * c + 1] += vr * row[2 * c + 1] + vi * row[2 * c];
+                }
+            }
+            for (int64_t j = 0; j < k; ++j) {
+                const T gr = tr * v[2 * j] + ti * v[2 * j + 1], gi = ti * v[2 * j] - tr * v[2 * j + 1];
+                T *row = Z + j * ld;
+                #pragma omp simd
+                for (int64_t c = 0; c < n; ++c) {
+                    row[2 * c] -= gr * u[2 * c] - gi * u[2 * c + 1];
+                    row[2 * c + 1] -= gr * u[2 * c + 1] + gi * u[2 * c];
+                }
+            }
+        }
+    }
+    d[0] = A[0];
+    if (n > 1) { d[1] = A[2 * (n + 1)]; ec[0] = A[2 * n]; ec[1] = A[2 * n + 1]; }
+    T pr = 1, pi = 0;  /* δ_j */
+    for (int64_t j = 0; j < n; ++j) {
+        if (wantv && j > 0) {
+            T *row = Z + j * ld;
+            for (int64_t c = 0; c < n; ++c) {
+                const T zr = row[2 * c], zi = row[2 * c + 1];
+                row[2 * c] = pr * zr - pi * zi; row[2 * c + 1] = pr * zi + pi * zr;
+            }
+        }
+        if (j == n - 1) break;
+        const T m = tri_hypot(ec[2 * j], ec[2 * j + 1]);
+        e[j] = m;
+        if (m > 0) {
+            const T fr = ec[2 * j] / m, fi = ec[2 * j + 1] / m, qr = pr * fr - pi * fi;
+            pi = pr * fi + pi * fr; pr = qr;
+        }
+    }
+    e[n - 1] = 0;
+    if (tri_ql(d, e, n, wantv ? (TV *)Z : NULL, nv)) return 2;
+    for (int64_t j = 0; j < n; ++j) perm[j] = j;
+    for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
+        int64_t x = perm[j], i = j;
+        while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
+        perm[i] = x;
+    }
+    for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
+    if (wantv)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+                Q[2 * (i * n + j)] = Z[perm[j] * ld + 2 * i];
+                Q[2 * (i * n + j) + 1] = Z[perm[j] * ld + 2 * i + 1];
+            }
+    return 0;
+}
+
 /* flags: 0 compute_uv, 1 full_matrices */
 TP_EXPORT int tp_csvd1(const C *a, T *S, C *U, C *Vh, int64_t code) {
     const int64_t m = ONE_M(code), n = ONE_N(code), p = TP_MAX(m, n), k = TP_MIN(m, n);
@@ -362,10 +514,14 @@ TP_EXPORT int tp_csvd1(const C *a, T *S, C *U, C *Vh, int64_t code) {
                     W + 2 * p * k, W + 2 * (p * k + p * p), W + 2 * (p * k + p * p + k * k), perm);
 }
 
-/* flags: 0 upper, 1 compute_v */
+/* flags: 0 upper, 1 compute_v, 2 tridiagonal QL (ceigh_tri_one; Jacobi when it does not converge) */
 TP_EXPORT int tp_ceigh1(const C *a, T *L, C *Q, int64_t code) {
     const int64_t n = ONE_N(code);
     if (n < 1 || n > ONE_MAX_N) return -1;
+    if (ONE_F(code, 2)) {
+        int st = ceigh_tri_one((const T *)a, L, (T *)Q, n, ONE_F(code, 0), ONE_F(code, 1));
+        if (st != 2) return st;
+    }
     T A[4 * n * n + n + 8];
     int64_t perm[n + 1];
     return ceigh_one((const T *)a, L, (T *)Q, n, ONE_F(code, 0), ONE_F(code, 1), A, A + 2 * n * n,
@@ -375,7 +531,7 @@ TP_EXPORT int tp_ceigh1(const C *a, T *L, C *Q, int64_t code) {
 
 # Identifies this source in autotuning keys (torchport.linalg._tune), so choices made for an
 # older kernel are not reused.
-SOURCE_TAG = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+SOURCE_TAG = hashlib.sha256((_SOURCE + kernels.TRI_QL).encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -384,7 +540,8 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
     real = dtype.to_real()
     params = scalar_params(real, MAX_SWEEPS)
     src = native.render(
-        "#include <stdlib.h>\n#include <complex.h>\n" + _SOURCE,
+        "#include <stdlib.h>\n#include <complex.h>\n"
+        + _SOURCE.replace("${tri_ql}", kernels.tri_ql_c(real, MAX_SWEEPS)),
         **{k: params[k] for k in ("elem", "eps", "sqrt", "fabs", "max_sweeps")},
         one_code=one_code_c(ONE_MAX_N),
     )

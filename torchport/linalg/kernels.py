@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import string
 from collections.abc import Callable
 
 import torch
@@ -1437,56 +1438,7 @@ TP_EXPORT int tp_svd1(const T *a, T *S, T *U, T *Vh, int64_t code) {
    |e_j| <= eps (|d_j| + |d_j+1|), each Givens rotation applied to two contiguous rows of Zᵀ.
    Returns 0, 1 for non-finite input, or 2 when an eigenvalue needs more than TRI_MAX_IT sweeps
    (the caller then runs the Jacobi worker instead). */
-#define TRI_MAX_IT ${tri_max_it}
-#define TRI_VL ((int64_t)(32 / sizeof(T)))
-typedef T TV __attribute__((vector_size(32), aligned(32), may_alias));
-#define TRI_TINY2 ((T)(${is64} ? 1e-280 : 1e-30))
-#define TRI_BIG ((T)(${is64} ? 1e8 : 1e4))
-
-/* sqrt(f² + g²), rescaled when the squares could underflow (the matrix is scaled to norm ~1). */
-TP_INLINE T tri_hypot(T f, T g) {
-    T r2 = f * f + g * g;
-    if (r2 >= TRI_TINY2) return TSQRT(r2);
-    T m = TFABS(f) > TFABS(g) ? TFABS(f) : TFABS(g);
-    if (m == 0) return 0;
-    f /= m; g /= m;
-    return m * TSQRT(f * f + g * g);
-}
-
-/* Eigenvalues only: the same QL sweeps in root-free form on the squared off-diagonal (LAPACK
-   dsterf, Pal-Walker-Kahan): the same shifts and test (|e_j| <= eps (|d_j| + |d_j+1|), compared
-   in squares), equal in exact arithmetic, but no square root in the rotations' latency chain. */
-TP_INLINE int tri_ql_squared(T *d, T *e, int64_t n) {
-    for (int64_t j = 0; j < n; ++j) e[j] *= e[j];
-    for (int64_t l = 0; l < n - 1; ++l) {
-        for (int it = 0;; ++it) {
-            int64_t m = l;
-            for (; m < n - 1; ++m) {
-                const T t = EPS * (TFABS(d[m]) + TFABS(d[m + 1]));
-                if (e[m] <= t * t) break;
-            }
-            if (m == l) break;
-            if (it == TRI_MAX_IT) return 2;
-            const T rte = TSQRT(e[l]);
-            T g = (d[l + 1] - d[l]) / (2 * rte);
-            T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
-            const T sigma = d[l] - rte / (g + (g >= 0 ? r : -r));
-            T c = 1, s = 0, gamma = d[m] - sigma, p = gamma * gamma;
-            for (int64_t i = m - 1; i >= l; --i) {
-                const T bb = e[i], oldc = c, oldgam = gamma, alpha = d[i];
-                r = p + bb;
-                if (i != m - 1) e[i + 1] = s * r;
-                c = p / r; s = bb / r;
-                gamma = c * (alpha - sigma) - s * oldgam;
-                d[i + 1] = oldgam + (alpha - gamma);
-                p = c != 0 ? gamma * gamma / c : oldc * bb;
-            }
-            e[l] = s * p; d[l] = sigma + gamma;
-        }
-    }
-    return 0;
-}
-
+${tri_ql}
 static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv) {
     if (!all_finite(in, n * n)) return 1;
     const int64_t nv = (n + TRI_VL - 1) / TRI_VL, ld = nv * TRI_VL;
@@ -1568,45 +1520,7 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
     d[0] = A[0];
     if (n > 1) { d[1] = A[ld + 1]; e[0] = A[ld]; }
     e[n - 1] = 0;
-    if (!wantv && tri_ql_squared(d, e, n)) return 2;
-    for (int64_t l = 0; wantv && l < n - 1; ++l) {
-        for (int it = 0;; ++it) {
-            int64_t m = l;
-            while (m < n - 1 && TFABS(e[m]) > EPS * (TFABS(d[m]) + TFABS(d[m + 1]))) ++m;
-            if (m == l) break;
-            if (it == TRI_MAX_IT) return 2;
-            T g = (d[l + 1] - d[l]) / (2 * e[l]);
-            T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
-            g = d[m] - d[l] + e[l] / (g + (g >= 0 ? r : -r));
-            T s = 1, c = 1, pp = 0;
-            int64_t i = m - 1;
-            for (; i >= l; --i) {
-                const T f = s * e[i], b = c * e[i];
-                r = tri_hypot(f, g);
-                e[i + 1] = r;
-                if (r == 0) { d[i + 1] -= pp; e[m] = 0; break; }
-                s = f / r; c = g / r;  /* two independent divisions: shorter chain than 1/r */
-                g = d[i + 1] - pp;
-                r = (d[i] - g) * s + 2 * c * b;
-                pp = s * r;
-                d[i + 1] = g + pp;
-                g = c * r - b;
-                if (wantv) {
-                    TV *zi = Zv + i * nv, *zj = zi + nv;
-                    const TV cv = vzero + c, sv2 = vzero + s;
-                    for (int64_t q = 0; q < nv; ++q) {
-                        const TV x = zi[q], y = zj[q];
-                        zj[q] = sv2 * x + cv * y;
-                        zi[q] = cv * x - sv2 * y;
-                    }
-                }
-            }
-            if (i >= l) continue;  /* deflated by an underflowing rotation */
-            d[l] -= pp; e[l] = g; e[m] = 0;
-        }
-    }
-    for (int64_t j = 0; j < n; ++j)
-        if (d[j] != d[j]) return 2;  /* NaN passes every negligibility test: not converged */
+    if (tri_ql(d, e, n, wantv ? Zv : NULL, nv)) return 2;
     sort_asc(d, perm, n);
     for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
     if (wantv)
@@ -1663,6 +1577,124 @@ TP_EXPORT int tp_chol1(const T *a, T *out, int32_t *info, int64_t code) {
 """
 
 
+# The tridiagonal QL worker's C (``${tri_max_it}``, ``${is64}`` and the scalar names of
+# :func:`~torchport.linalg._cparams.scalar_params` in scope): shared by ``tp_eigh1`` (flag 3) and
+# the complex one-matrix worker of :mod:`torchport.linalg.complex_jacobi`, which both rotate
+# their eigenvector rows with it.
+TRI_QL = r"""#define TRI_MAX_IT ${tri_max_it}
+#define TRI_VL ((int64_t)(32 / sizeof(T)))
+typedef T TV __attribute__((vector_size(32), aligned(32), may_alias));
+#define TRI_TINY2 ((T)(${is64} ? 1e-280 : 1e-30))
+#define TRI_BIG ((T)(${is64} ? 1e8 : 1e4))
+
+/* sqrt(f² + g²), rescaled when the squares could underflow (the matrix is scaled to norm ~1). */
+TP_INLINE T tri_hypot(T f, T g) {
+    T r2 = f * f + g * g;
+    if (r2 >= TRI_TINY2) return TSQRT(r2);
+    T m = TFABS(f) > TFABS(g) ? TFABS(f) : TFABS(g);
+    if (m == 0) return 0;
+    f /= m; g /= m;
+    return m * TSQRT(f * f + g * g);
+}
+
+/* Eigenvalues only: the same QL sweeps in root-free form on the squared off-diagonal (LAPACK
+   dsterf, Pal-Walker-Kahan): the same shifts and test (|e_j| <= eps (|d_j| + |d_j+1|), compared
+   in squares), equal in exact arithmetic, but no square root in the rotations' latency chain. */
+TP_INLINE int tri_ql_squared(T *d, T *e, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) e[j] *= e[j];
+    for (int64_t l = 0; l < n - 1; ++l) {
+        for (int it = 0;; ++it) {
+            int64_t m = l;
+            for (; m < n - 1; ++m) {
+                const T t = EPS * (TFABS(d[m]) + TFABS(d[m + 1]));
+                if (e[m] <= t * t) break;
+            }
+            if (m == l) break;
+            if (it == TRI_MAX_IT) return 2;
+            const T rte = TSQRT(e[l]);
+            T g = (d[l + 1] - d[l]) / (2 * rte);
+            T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
+            const T sigma = d[l] - rte / (g + (g >= 0 ? r : -r));
+            T c = 1, s = 0, gamma = d[m] - sigma, p = gamma * gamma;
+            for (int64_t i = m - 1; i >= l; --i) {
+                const T bb = e[i], oldc = c, oldgam = gamma, alpha = d[i];
+                r = p + bb;
+                if (i != m - 1) e[i + 1] = s * r;
+                c = p / r; s = bb / r;
+                gamma = c * (alpha - sigma) - s * oldgam;
+                d[i + 1] = oldgam + (alpha - gamma);
+                p = c != 0 ? gamma * gamma / c : oldc * bb;
+            }
+            e[l] = s * p; d[l] = sigma + gamma;
+        }
+    }
+    return 0;
+}
+
+
+/* tql2's implicit QL with Wilkinson shifts on (d, e) (e[j] couples d[j] and d[j+1], e[n-1] = 0),
+   e[j] negligible when |e_j| <= eps (|d_j| + |d_j+1|); each Givens rotation (real c, s) is
+   applied to rows i, i+1 of Zt (rows of nv vectors TV; the complex worker's rows are interleaved
+   (re, im) pairs, on which a real rotation acts alike). Zt NULL: eigenvalues only
+   (tri_ql_squared). d then holds the eigenvalues, unsorted; returns 0, or 2 when an eigenvalue
+   needs more than TRI_MAX_IT sweeps or a NaN appeared. */
+TP_INLINE int tri_ql(T *d, T *e, int64_t n, TV *Zv, int64_t nv) {
+    const TV vzero = {0};
+    const int wantv = Zv != NULL;
+    if (!wantv && tri_ql_squared(d, e, n)) return 2;
+    for (int64_t l = 0; wantv && l < n - 1; ++l) {
+        for (int it = 0;; ++it) {
+            int64_t m = l;
+            while (m < n - 1 && TFABS(e[m]) > EPS * (TFABS(d[m]) + TFABS(d[m + 1]))) ++m;
+            if (m == l) break;
+            if (it == TRI_MAX_IT) return 2;
+            T g = (d[l + 1] - d[l]) / (2 * e[l]);
+            T r = TFABS(g) > TRI_BIG ? TFABS(g) : TSQRT(g * g + 1);
+            g = d[m] - d[l] + e[l] / (g + (g >= 0 ? r : -r));
+            T s = 1, c = 1, pp = 0;
+            int64_t i = m - 1;
+            for (; i >= l; --i) {
+                const T f = s * e[i], b = c * e[i];
+                r = tri_hypot(f, g);
+                e[i + 1] = r;
+                if (r == 0) { d[i + 1] -= pp; e[m] = 0; break; }
+                s = f / r; c = g / r;  /* two independent divisions: shorter chain than 1/r */
+                g = d[i + 1] - pp;
+                r = (d[i] - g) * s + 2 * c * b;
+                pp = s * r;
+                d[i + 1] = g + pp;
+                g = c * r - b;
+                if (wantv) {
+                    TV *zi = Zv + i * nv, *zj = zi + nv;
+                    const TV cv = vzero + c, sv2 = vzero + s;
+                    for (int64_t q = 0; q < nv; ++q) {
+                        const TV x = zi[q], y = zj[q];
+                        zj[q] = sv2 * x + cv * y;
+                        zi[q] = cv * x - sv2 * y;
+                    }
+                }
+            }
+            if (i >= l) continue;  /* deflated by an underflowing rotation */
+            d[l] -= pp; e[l] = g; e[m] = 0;
+        }
+    }
+    for (int64_t j = 0; j < n; ++j)
+        if (d[j] != d[j]) return 2;  /* NaN passes every negligibility test: not converged */
+    return 0;
+}
+"""
+
+
+def tri_ql_c(dtype: torch.dtype, max_sweeps: int) -> str:
+    """:data:`TRI_QL` for float32 or float64 (real) ``dtype``, its parameters substituted; the
+    templates take it in place of their ``${tri_ql}`` before rendering (a C text with comments
+    cannot be a render parameter: those are echoed in comments)."""
+    return string.Template(TRI_QL).substitute(
+        tri_max_it=str(min(TRI_MAX_SWEEPS, max_sweeps)),
+        is64="1" if dtype == torch.float64 else "0",
+    )
+
+
 # Identifies the kernel sources (this one, the blocked Cholesky's, eigh_block's, svd_lanes') and
 # the lane widths they are built at in autotuning keys, so choices made for older kernels are not
 # reused.
@@ -1671,6 +1703,7 @@ SOURCE_TAG = hashlib.sha256(
         _SOURCE
         + _blocked.SOURCE_TAG
         + _eigh_block.SOURCE_TAG
+        + TRI_QL
         + _eigh_tridiag.SOURCE_TAG
         + _svd_lanes._SOURCE
         + repr(sorted((str(k), v) for k, v in _eigh_block.WIDE_LANES.items()))
@@ -1703,10 +1736,10 @@ def library(
     vbytes = _lane_bytes(isa, wide=True) if lane_bytes is None else lane_bytes
     assert vbytes == 32 or (vbytes == 64 and isa == "avx512"), (isa, vbytes)
     src = native.render(
-        "#include <stdlib.h>\n#include <string.h>\n#include <sys/mman.h>\n" + _SOURCE,
+        "#include <stdlib.h>\n#include <string.h>\n#include <sys/mman.h>\n"
+        + _SOURCE.replace("${tri_ql}", tri_ql_c(dtype, max_sweeps)),
         **scalar_params(dtype, max_sweeps),
         one_max_n=str(ONE_MAX_N),
-        tri_max_it=str(min(TRI_MAX_SWEEPS, max_sweeps)),
         is64="1" if is64 else "0",
         vbytes=str(vbytes),
         vsqrt512="_mm512_sqrt_pd" if is64 else "_mm512_sqrt_ps",

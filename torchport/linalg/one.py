@@ -14,8 +14,9 @@ kernels' (one matrix per thread) bit for bit, except eigh from order ``EIGH_TRID
 there ``tp_eigh1`` runs Householder tridiagonalization and implicit QL (2-3x faster than
 torch.linalg.eigh at n = 4…32, where cyclic Jacobi loses from n ≈ 13), which no batched kernel
 shares (reference: ``eigh_tridiagonal_reference``). Complex64/complex128 run the entry points
-of :mod:`~torchport.linalg.complex_jacobi` (``tp_csvd1``, ``tp_ceigh1``: cyclic Jacobi at every
-order) and :mod:`~torchport.linalg.complex_factor` (``tp_cqr1``, ``tp_cchol1``), whose workers
+of :mod:`~torchport.linalg.complex_jacobi` (``tp_csvd1``; ``tp_ceigh1``: cyclic Jacobi, or from
+``EIGH_TRIDIAGONAL_FROM`` complex Householder tridiagonalization + the real implicit QL,
+reference ``complex_eigh_tridiagonal_reference``) and :mod:`~torchport.linalg.complex_factor` (``tp_cqr1``, ``tp_cchol1``), whose workers
 are not inlined, so the batched and one-matrix entry points run the same machine code and agree
 bit for bit; S and the eigenvalues are then real. The plain-torch references of the
 algorithms are those of :mod:`torchport.linalg.reference`. A launcher returns what the public function returns
@@ -50,8 +51,18 @@ _rt: Any = torch.return_types
 # 3 4.53 -> 4.45, 4 5.08 -> 4.80, 8 10.2 -> 6.5, 12 21.3 -> 9.3, 16 46.0 -> 12.3 (28.8), 24 130
 # -> 24.2 (52.1), 32 246 -> 39.8 (98.6); eigenvalues only f64 n = 4 3.43 -> 3.13, 32 240 -> 29.4
 # (41.1). At n = 2, 3 the two tie, and the 2 x 2 / 3 x 3 Jacobi worker is built at constant
-# size, so it keeps those.
-EIGH_TRIDIAGONAL_FROM = {torch.float32: 4, torch.float64: 4}
+# size, so it keeps those. Complex (tp_ceigh1 flag 2, complex tridiagonalization + the same QL),
+# the same timing under the bench lock, load 2.1, us Jacobi -> tridiagonal (torch.linalg.eigh,
+# one thread): c64 n = 2 4.74 -> 4.37 (10.5), 3 5.28 -> 4.64, 4 5.89 -> 5.04, 8 21.5 -> 14.5
+# (47.3), 16 68.5 -> 24.8 (69.7), 32 386 -> 79.8 (174); c128 n = 2 8.63 -> 8.11 (18.9), 8 21.6
+# -> 12.2 (32.4), 16 94.3 -> 26.4 (66.0), 32 600 -> 112 (219); eigenvalues only c128 n = 16
+# 76.0 -> 16.3 (37.8), 32 396 -> 50.4 (74.0). The QL worker is ahead from n = 2.
+EIGH_TRIDIAGONAL_FROM = {
+    torch.float32: 4,
+    torch.float64: 4,
+    torch.complex64: 2,
+    torch.complex128: 2,
+}
 
 
 def fits(m: int, n: int) -> bool:
@@ -134,17 +145,15 @@ def eigh_plan(
 ) -> Callable[[torch.Tensor], Any]:
     """``eigh`` (``linalg_eigh`` named tuple) or, without ``compute_v``, ``eigvalsh`` (L).
 
-    ``tridiagonal``: run the tridiagonal QL worker (flag 3 of ``tp_eigh1``) instead of cyclic
-    Jacobi; None = from ``EIGH_TRIDIAGONAL_FROM[dtype]`` on. Complex dtypes run cyclic Jacobi
-    only (``tp_ceigh1``), which reads flags 0 and 1."""
+    ``tridiagonal``: run the tridiagonal QL worker (flag 3 of ``tp_eigh1``, flag 2 of
+    ``tp_ceigh1``) instead of cyclic Jacobi; None = from ``EIGH_TRIDIAGONAL_FROM[dtype]`` on."""
     _, n = _check_plan(shape)
     call = _call(dtype, "eigh1")
+    if tridiagonal is None:
+        tridiagonal = n >= EIGH_TRIDIAGONAL_FROM[dtype]
     if dtype.is_complex:
-        assert not tridiagonal, "no complex tridiagonal worker"
-        code = _code(0, n, upper, compute_v)
+        code = _code(0, n, upper, compute_v, tridiagonal)
     else:
-        if tridiagonal is None:
-            tridiagonal = n >= EIGH_TRIDIAGONAL_FROM[dtype]
         code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER), tridiagonal)
     lam_like = torch.empty(shape[:-1], dtype=dtype.to_real())
     if not compute_v:

@@ -447,13 +447,22 @@ def eigh_tridiagonal_reference(
     hypot(f, g) = 0 (underflow) deflates at i+1 and ends that matrix's sweep, as in tql2.
     At most 30 sweeps per eigenvalue. Eigenvalues sorted ascending with their vectors.
     """
-    bsz, n, _ = a.shape
     tri = a.triu() if upper else a.tril()
     x = tri + tri.mT - torch.diag_embed(tri.diagonal(0, -2, -1))
     d, e, z = _tridiagonalize(x, compute_v)
-    eps = _eps(a.dtype)
-    idx = torch.arange(n, device=a.device)
-    one = torch.ones(bsz, dtype=a.dtype, device=a.device)
+    return _tridiagonal_ql(d, e, z, compute_v)
+
+
+def _tridiagonal_ql(
+    d: torch.Tensor, e: torch.Tensor, z: torch.Tensor, compute_v: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QL sweeps of :func:`eigh_tridiagonal_reference` on real (B, n) ``d``, ``e``, each
+    rotation applied to columns i, i+1 of ``z`` (B, n, n; real or complex: the rotation is real):
+    (L ascending, z's columns in L's order), or (L, empty) without ``compute_v``."""
+    bsz, n = d.shape
+    eps = _eps(d.dtype)
+    idx = torch.arange(n, device=d.device)
+    one = torch.ones(bsz, dtype=d.dtype, device=d.device)
     zero = torch.zeros_like(one)
     for lo in range(n - 1):
         for _ in range(30):
@@ -504,7 +513,7 @@ def eigh_tridiagonal_reference(
             )
     lam, perm = torch.sort(d, dim=-1, stable=True)
     if not compute_v:
-        return lam, a.new_empty(0)
+        return lam, z.new_empty(0)
     return lam, torch.gather(z, 2, perm.unsqueeze(1).expand(bsz, n, n))
 
 
@@ -619,3 +628,43 @@ def complex_eigh_reference(
         return lam, a.new_empty(0)
     vt = torch.gather(vt, 1, perm.unsqueeze(-1).expand(bsz, n, n))
     return lam, vt.mT
+
+
+def complex_eigh_tridiagonal_reference(
+    a: torch.Tensor, upper: bool = False, compute_v: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hermitian complex (B, n, n) ``a`` (its ``upper`` or lower triangle, the imaginary part of
+    the diagonal ignored) by Householder tridiagonalisation and the real implicit QL of
+    :func:`eigh_tridiagonal_reference`: (real L ascending, Q).
+
+    Step k = n-1 … 2 (LAPACK zhetrd with UPLO = 'U'): x = A[0:k, k], α = x[k-1], ‖x[0:k-1]‖ > 0:
+    β = -sign(Re α)‖x‖, τ = (β - α)/β, v = x/(α - β) with v[k-1] = 1 (zlarfg), H = I - τ v vᴴ
+    (Hᴴ x = β e_{k-1}), A ← Hᴴ A H, Q ← Q H; a column already zero above α is left (its
+    coupling stays complex). Then T = Qᴴ A Q is tridiagonal with real diagonal d and subdiagonal
+    e_j = T[j+1, j]; the phases δ_0 = 1, δ_{j+1} = δ_j e_j/|e_j| (δ_j when e_j = 0) make
+    Dᴴ T D real with subdiagonal |e_j|, and its QL (L, Z) gives V = Q D Z.
+    """
+    bsz, n, _ = a.shape
+    tri = a.triu(1) if upper else a.tril(-1)
+    x = tri + tri.mH + torch.diag_embed(a.diagonal(0, -2, -1).real.to(a.dtype))
+    q = torch.eye(n, dtype=a.dtype, device=a.device).expand(bsz, n, n).clone()
+    for k in range(n - 1, 1, -1):
+        col = x[:, :k, k]
+        alpha, xn = col[:, k - 1], torch.linalg.vector_norm(col[:, : k - 1], dim=-1)
+        act = xn > 0
+        beta = -torch.copysign(torch.linalg.vector_norm(col, dim=-1), alpha.real)
+        safe = torch.where(act, beta, torch.ones_like(beta))
+        tau = torch.where(act, (beta - alpha) / safe, torch.zeros_like(alpha))
+        v = col / torch.where(act, alpha - beta, torch.ones_like(alpha))[:, None]
+        v[:, k - 1] = 1
+        h = torch.eye(n, dtype=a.dtype, device=a.device).expand(bsz, n, n).clone()
+        h[:, :k, :k] -= tau[:, None, None] * v[:, :, None] * v.conj()[:, None, :]
+        x = h.mH @ x @ h
+        q = q @ h
+    d = x.diagonal(0, -2, -1).real.clone()
+    sub = x.diagonal(-1, -2, -1)
+    mag = sub.abs()
+    phase = torch.where(mag > 0, sub / torch.where(mag > 0, mag, 1.0), torch.ones_like(sub))
+    delta = torch.cat([torch.ones_like(d[:, :1]).to(a.dtype), torch.cumprod(phase, -1)], -1)
+    e = torch.cat([mag, torch.zeros_like(d[:, :1])], -1)
+    return _tridiagonal_ql(d, e, q * delta[:, None, :], compute_v)
