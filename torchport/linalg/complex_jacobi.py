@@ -255,6 +255,26 @@ TP_EXPORT int tp_csvd(const C *a, T *S, C *U, C *Vh, int64_t B, int64_t m, int64
 }
 
 /* ---------------------------------------------------------------- eigh (two-sided Jacobi) */
+/* What both eigh workers store: the eigenvalues d in ascending order (a stable insertion sort of
+   perm) into L, scaled back by 2^ex, and with wantv column j of Q = complex row perm[j] of R (rows
+   ld reals apart: the Jacobi worker's V, the tridiagonal worker's Zt). */
+static void ceigh_store(const T *d, int64_t *perm, int64_t n, int ex, T *L, int wantv,
+                        const T *R, int64_t ld, T *Q) {
+    for (int64_t j = 0; j < n; ++j) perm[j] = j;
+    for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
+        int64_t x = perm[j], i = j;
+        while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
+        perm[i] = x;
+    }
+    for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
+    if (wantv)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+                Q[2 * (i * n + j)] = R[perm[j] * ld + 2 * i];
+                Q[2 * (i * n + j) + 1] = R[perm[j] * ld + 2 * i + 1];
+            }
+}
+
 static __attribute__((noinline)) int ceigh_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv, T *A, T *V,
                         T *d, int64_t *perm) {
     if (!all_finite(in, 2 * n * n)) return 1;
@@ -312,19 +332,8 @@ static __attribute__((noinline)) int ceigh_one(const T *in, T *L, T *Q, int64_t 
             }
         if (!rotated) break;
     }
-    for (int64_t j = 0; j < n; ++j) { d[j] = A[2 * (j * n + j)]; perm[j] = j; }
-    for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
-        int64_t x = perm[j], i = j;
-        while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
-        perm[i] = x;
-    }
-    for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
-    if (wantv)
-        for (int64_t i = 0; i < n; ++i)
-            for (int64_t j = 0; j < n; ++j) {
-                Q[2 * (i * n + j)] = V[2 * (perm[j] * n + i)];
-                Q[2 * (i * n + j) + 1] = V[2 * (perm[j] * n + i) + 1];
-            }
+    for (int64_t j = 0; j < n; ++j) d[j] = A[2 * (j * n + j)];
+    ceigh_store(d, perm, n, ex, L, wantv, V, 2 * n, Q);
     return 0;
 }
 
@@ -488,19 +497,7 @@ static __attribute__((noinline)) int ceigh_tri_one(const T *in, T *L, T *Q, int6
     }
     e[n - 1] = 0;
     if (tri_ql(d, e, n, wantv ? (TV *)Z : NULL, nv)) return 2;
-    for (int64_t j = 0; j < n; ++j) perm[j] = j;
-    for (int64_t j = 1; j < n; ++j) {  /* insertion sort, ascending */
-        int64_t x = perm[j], i = j;
-        while (i > 0 && d[perm[i - 1]] > d[x]) { perm[i] = perm[i - 1]; --i; }
-        perm[i] = x;
-    }
-    for (int64_t j = 0; j < n; ++j) L[j] = (T)ldexp((double)d[perm[j]], ex);
-    if (wantv)
-        for (int64_t i = 0; i < n; ++i)
-            for (int64_t j = 0; j < n; ++j) {
-                Q[2 * (i * n + j)] = Z[perm[j] * ld + 2 * i];
-                Q[2 * (i * n + j) + 1] = Z[perm[j] * ld + 2 * i + 1];
-            }
+    ceigh_store(d, perm, n, ex, L, wantv, Z, ld, Q);
     return 0;
 }
 
