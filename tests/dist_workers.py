@@ -298,6 +298,11 @@ def abort_streaming_case(rank: int, world: int) -> dict[str, Any]:
         rec["error"] = type(e).__name__
         rec["msg"] = str(e)
         rec["typed"] = isinstance(e, (CommAbortedError, RemoteError))
+        # the call reported its failure before the frames part-way on the wire completed:
+        # those land in scratch, never in the tensor once wait() returned
+        seen = t.clone()
+        time.sleep(0.1)
+        rec["untouched"] = torch.equal(seen, t)
     return rec
 
 

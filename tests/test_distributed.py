@@ -139,7 +139,9 @@ def test_abort_while_a_peer_is_stuck_mid_allreduce(plan):
 def test_abort_mid_pipelined_allreduce_fails_every_rank_within_100ms(plan):
     """The last rank aborts while the pipelined allreduce's pieces stream: every socket is
     read in order all through the call (no receive waits behind a fold), so its ABORT frame
-    reaches every other rank however far ahead of or behind the others it is."""
+    reaches every other rank however far ahead of or behind the others it is. Each call fails
+    as soon as its receives stop writing into the tensor (the frames part-way complete into
+    scratch afterwards): the tensor is unchanged after wait() raised."""
     res = [r["abort_streaming"] for r in results(plan)]
     t_abort = res[-1]["t_abort"]
     assert res[-1]["mid_stream"], res[-1]  # every peer in its transfer, none done
@@ -148,6 +150,7 @@ def test_abort_mid_pipelined_allreduce_fails_every_rank_within_100ms(plan):
         assert r["error"] == "RemoteError" and r["typed"], r
         assert "called abort()" in r["msg"], r
         assert r["t_fail"] - t_abort < 0.1, (r["t_fail"] - t_abort, res)
+    assert all(r["untouched"] for r in res), res
 
 
 @pytest.mark.timeout(110)

@@ -284,7 +284,7 @@ class _Pieces:
             return [j + 1]  # its result may go
 
         comm._last_sig = self.sig(0, 0)
-        frames = comm.mesh.transfer(sends, recvs, deadline, comm.check, on_notify)
+        frames = comm.mesh.transfer(sends, recvs, deadline, comm.check, on_notify, comm.cut_short)
         if frames is None:
             self.mailbox_path(deadline)
             return
@@ -536,7 +536,7 @@ def _chain_direct(
         after = len(recvs) - 1 if kids else -1
         sends.append(XSend(prev, Kind.COLL, gid, epoch0 + n, 0, 0, sigs[n], after, n))
     comm._last_sig = sigs[0]
-    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check, on_cut=comm.cut_short)
     if frames is None:
         return False
     want = [(x.peer, x.sig) for x in recvs]
@@ -730,7 +730,7 @@ def _direct_alltoall(
             m = min(per, n - lo) if n else 0
             recvs.append(XRecv(comm.ranks[q], gid, epoch, sig(n, k), outs[q] + lo, m))
             expect.append((q, n))
-    got = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    got = comm.mesh.transfer(sends, recvs, deadline, comm.check, on_cut=comm.cut_short)
     if got is not None:
         for frame, x, (q, n) in zip(got, recvs, expect, strict=True):
             if frame is not None and frame[0].sig[1] == x.sig[1] and frame[0].sig[2] != n:

@@ -188,6 +188,7 @@ class Communicator:
         self.error: BaseException | None = None
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
         self._lock = threading.Lock()
+        self._running = threading.local()  # .work: the operation run() runs on this thread
         self.lib = shm_lib()
         self.engine = Engine(f"tp-engine-{name}", self.run, spawn)
         self.sender = Engine(f"tp-send-{name}", self.run, spawn)
@@ -264,6 +265,7 @@ class Communicator:
         """Engine-side wrapper: refuse when failed, map errors, complete the work."""
         if self.error is not None and self.check_now(work):  # issued after it failed
             return
+        self._running.work = work
         try:
             fn()
         except StepError as e:
@@ -276,6 +278,15 @@ class Communicator:
             work._finish(e)
         else:
             work._finish()
+        finally:
+            self._running.work = None
+
+    def cut_short(self) -> None:
+        """The operation running on this thread stopped touching its tensors after the group
+        failed (it still completes frames part-way on the wire): report the failure now."""
+        work = getattr(self._running, "work", None)
+        if work is not None and self.error is not None:
+            work._finish(self.error)
 
     def submit(
         self, name: str, fn: Callable[[], None], result: list[torch.Tensor] | None = None

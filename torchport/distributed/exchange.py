@@ -106,7 +106,7 @@ def _direct(
         seg = into[q]
         assert seg is not None
         recvs.append(XRecv(comm.ranks[q], gid, epoch, sig, seg[0], seg[1]))
-    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check)
+    frames = comm.mesh.transfer(sends, recvs, deadline, comm.check, on_cut=comm.cut_short)
     if frames is None:
         return None
     blobs = [Blob(0, 0) for _ in range(w)]

@@ -42,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from torchport.distributed import auth
 from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
 from torchport.distributed.tcp_kernels import (
@@ -896,6 +898,7 @@ class Mesh:
         deadline: float,
         check: Callable[[], None],
         on_notify: Callable[[int], list[int]] | None = None,
+        on_cut: Callable[[], None] | None = None,
     ) -> list[Frame | None] | None:
         """Send ``sends`` and receive ``recvs`` (COLL frames) in one native loop on this thread.
 
@@ -911,6 +914,11 @@ class Mesh:
         loop tracks): the caller takes the mailbox path instead. Raises
         :class:`CommError` on a lost connection, :class:`CommTimeoutError` past ``deadline``
         and whatever ``check()`` raises (checked every ``SLICE_MS``, progress or not).
+
+        ``on_cut()`` runs on this thread once ``check()`` raised (the group failed or was
+        aborted) and no receive writes into the caller's buffers any more: the frames part-way
+        still complete (into a scratch buffer) before this returns, but the caller's operation
+        may report its failure at once rather than after them.
         """
         if len({x.peer for x in sends} | {x.peer for x in recvs}) > MAXFD:
             return None
@@ -1126,7 +1134,9 @@ class Mesh:
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
         except BaseException as e:
             finish_s = ABORT_FINISH_S if aborting else FINISH_S
-            owned = self._finish_partial(ops, n, owned, e, lost, broken, finish_s)
+            owned = self._finish_partial(
+                ops, n, owned, e, lost, broken, finish_s, locked, on_cut if aborting else None
+            )
             raise
         finally:
             if pinned:
@@ -1150,9 +1160,8 @@ class Mesh:
         frame from a failed peer is in, waiting for one from a rank that learned of the
         failure before its own call (and so sends nothing), would otherwise never hear of it
         and wait for its deadline."""
-        pending = {
-            ops[OPW * i] for i in range(ns, n) if ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]
-        }
+        t = torch.frombuffer(ops, dtype=torch.int64, count=OPW * n).view(n, OPW)[ns:]
+        pending = set(t[t[:, 5] < t[:, 4] + HEADER_SIZE, 0].tolist())
         if all(c.sock.fileno() in pending for c in owned):
             return owned
         lib, now, keep = tcp_lib(), time.monotonic(), list[Connection]()
@@ -1173,6 +1182,8 @@ class Mesh:
         lost: list[tuple[Connection, BaseException]],
         broken: set[int],
         finish_s: float,
+        locked: list[Connection],
+        on_cut: Callable[[], None] | None,
     ) -> list[Connection]:
         """After ``error``: complete every frame already part-way sent or received, for up to
         ``finish_s`` (``FINISH_S``; ``ABORT_FINISH_S`` after an abort) -- a frame cut short
@@ -1184,27 +1195,53 @@ class Mesh:
         (its stream already unreadable); returns the connections still owned (those), for
         the caller to release after it reported the loss."""
         lib = tcp_lib()
-        reading: set[int] = set()  # sockets with a receive part-way through a frame
-        partial = False
-        for i in range(n):
-            ops[OPW * i + 9] = 0  # nothing is computed from a receive any more
-            w = ops[OPW * i : OPW * i + 8]
-            if 0 < w[5] < HEADER_SIZE + w[4] and w[0] not in broken:
-                partial = True
-                if w[1] == 1:
-                    reading.add(w[0])
-            else:
-                ops[OPW * i + 5] = HEADER_SIZE + w[4]
+        # the table as a tensor: every step below is one vectorised pass (a pipelined
+        # allreduce in small pieces has thousands of operations)
+        t = torch.frombuffer(ops, dtype=torch.int64, count=OPW * n).view(n, OPW)
+        t[:, 9] = 0  # nothing is computed from a receive any more
+        total = t[:, 4] + HEADER_SIZE
+        part = (t[:, 5] > 0) & (t[:, 5] < total)
+        if broken:
+            part &= ~torch.isin(t[:, 0], torch.tensor(sorted(broken), dtype=torch.int64))
+        t[:, 5] = torch.where(part, t[:, 5], total)  # the others count as done
+        rows = part.nonzero().flatten().tolist()  # the frames part-way: one per socket and way
+        reading = {ops[OPW * i] for i in rows if ops[OPW * i + 1] == 1}
         by_fd = {c.sock.fileno(): c for c in owned}
         for fd, conn in by_fd.items():
             if fd not in reading and fd not in broken:
                 lib.conn_release(conn.own_addr)
-        if partial:
+        sink = None
+        if on_cut is not None:
+            # the rest of every frame part-way received lands in scratch, not the caller's
+            # buffer: the operation may then fail at once (on_cut) while those frames complete
+            got = {i: max(ops[OPW * i + 5] - HEADER_SIZE, 0) for i in rows if ops[OPW * i + 1]}
+            if got:
+                sink = ctypes.create_string_buffer(
+                    max(ops[OPW * i + 4] - k for i, k in got.items())
+                )
+                for i, k in got.items():
+                    ops[OPW * i + 3] = ctypes.addressof(sink) - k
+            on_cut()
+
+        def undone(i: int) -> bool:
+            return ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]
+
+        sending = [i for i in rows if ops[OPW * i + 1] == 0]
+
+        def unlock() -> None:  # the sends are whole: the group's ABORT frames may follow them
+            if locked and not any(undone(i) for i in sending):
+                for conn in locked:
+                    conn.lock.release()
+                locked.clear()
+
+        unlock()
+        if rows:
             out = (ctypes.c_int64 * 1)()
             end = time.monotonic() + finish_s
             rc = SLICE
             while rc in (SLICE, SENT, FOREIGN) and time.monotonic() < end and not self.closed:
                 rc = lib.xfer(ops, n, SLICE_MS, out)
+                unlock()
                 if rc != FOREIGN:
                     continue
                 # a header completed here belongs to another frame: route it as the reader would
@@ -1215,12 +1252,12 @@ class Mesh:
                 try:
                     self._route_foreign(by_fd[fd], raw, end, lambda: None, lost, broken)
                 except Exception:  # queued in lost; its other frames are given up
-                    for k in range(n):
+                    for k in rows:
                         if ops[OPW * k] == fd:
                             ops[OPW * k + 5] = HEADER_SIZE + ops[OPW * k + 4]
         cut: dict[int, str] = {}
-        for i in range(n):
-            if ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]:
+        for i in rows:
+            if undone(i):
                 cut.setdefault(ops[OPW * i], "sent" if ops[OPW * i + 1] == 0 else "received")
         for conn in list(self.peers.values()):
             fd = conn.sock.fileno()
@@ -1228,6 +1265,7 @@ class Mesh:
                 self.shutdown_peer(conn.peer)
             if fd in cut:
                 lost.append((conn, _cut(cut[fd], error)))
+        del sink  # (the scratch outlives the loop that fills it)
         stuck = []
         for fd in reading | (broken & by_fd.keys()):
             if fd in cut or fd in broken:
