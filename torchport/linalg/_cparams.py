@@ -4,7 +4,12 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+
+from torchport.native import FloatArg, IntArg, Kernel, TensorArg
+from torchport.native.launch import ArgSpec
 
 
 def scalar_params(dtype: torch.dtype, max_sweeps: int) -> dict[str, str]:
@@ -23,6 +28,21 @@ def scalar_params(dtype: torch.dtype, max_sweeps: int) -> dict[str, str]:
         "m256": "__m256d" if is64 else "__m256",
         "max_sweeps": str(int(max_sweeps)),
     }
+
+
+def launcher(
+    lib: ctypes.CDLL, symbol: str, dtype: torch.dtype, tensors: str, scalars: str
+) -> Kernel:
+    """The entry point ``symbol`` of ``lib``: the tensors named in ``tensors`` (space-separated, in
+    argument order) -- ``info`` int32, the spectra ``S`` and ``L`` of ``dtype``'s real type, the
+    others ``dtype`` -- then the scalars named in ``scalars``: int64, or a double where written
+    ``name:f``. Every linalg launcher follows these roles, so its signature is one line."""
+    real = dtype.to_real()
+    role = {"info": torch.int32, "S": real, "L": real}
+    args: list[ArgSpec] = [TensorArg(x, (role.get(x, dtype),)) for x in tensors.split()]
+    for x in scalars.split():
+        args.append(FloatArg(x[:-2]) if x.endswith(":f") else IntArg(x))
+    return Kernel(lib, symbol, args)
 
 
 def one_code_c(max_n: int) -> str:

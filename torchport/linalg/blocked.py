@@ -29,7 +29,8 @@ import hashlib
 import torch
 
 from torchport import native
-from torchport.native import IntArg, Kernel, TensorArg
+from torchport.linalg._cparams import launcher
+from torchport.native import Kernel
 
 # Panel width (columns per panel): measured single-threaded at n = 24…256 (both dtypes), 8 was
 # best below n ≈ 48, where the scalar diagonal block dominates, 16 above; 32 was slower everywhere.
@@ -187,12 +188,7 @@ def library(dtype: torch.dtype, isa: str) -> Kernel:
         vbytes="64" if isa == "avx512" else "32",
     )
     lib = native.build(src, name=f"linalg_chol_blocked_{'f64' if is64 else 'f32'}_{isa}", isa=isa)
-    return Kernel(
-        lib,
-        "tp_cholesky_blocked",
-        [TensorArg("A", (dtype,)), TensorArg("L", (dtype,)), TensorArg("info", (torch.int32,))]
-        + [IntArg(x) for x in ("B", "n", "upper", "nb", "nthreads")],
-    )
+    return launcher(lib, "tp_cholesky_blocked", dtype, "A L info", "B n upper nb nthreads")
 
 
 def panel_width(n: int) -> int:

@@ -37,8 +37,8 @@ import torch
 
 from torchport import native
 from torchport.linalg import kernels
-from torchport.linalg._cparams import one_code_c, scalar_params
-from torchport.native import IntArg, Kernel, TensorArg
+from torchport.linalg._cparams import launcher, one_code_c, scalar_params
+from torchport.native import Kernel
 
 DTYPES = (torch.complex64, torch.complex128)
 _TAG = {torch.complex64: "c64", torch.complex128: "c128"}
@@ -294,25 +294,12 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
     lib = native.build(
         src, name=f"linalg_cfac_{_TAG[dtype]}_{isa}", isa=isa, extra_flags=("-fcx-limited-range",)
     )
-    t, i, d = TensorArg, IntArg, (dtype,)
     return {
-        "qr": Kernel(
-            lib,
-            "tp_cqr",
-            [t("A", d), t("Q", d), t("R", d)]
-            + [i(x) for x in ("B", "m", "n", "wantq", "complete", "nthreads")],
-        ),
-        "cholesky": Kernel(
-            lib,
-            "tp_ccholesky",
-            [t("A", d), t("L", d), t("info", (torch.int32,))]
-            + [i(x) for x in ("B", "n", "upper", "nthreads")],
-        ),
+        "qr": launcher(lib, "tp_cqr", dtype, "A Q R", "B m n wantq complete nthreads"),
+        "cholesky": launcher(lib, "tp_ccholesky", dtype, "A L info", "B n upper nthreads"),
         # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
-        "qr1": Kernel(lib, "tp_cqr1", [t("A", d), t("Q", d), t("R", d), i("code")]),
-        "chol1": Kernel(
-            lib, "tp_cchol1", [t("A", d), t("L", d), t("info", (torch.int32,)), i("code")]
-        ),
+        "qr1": launcher(lib, "tp_cqr1", dtype, "A Q R", "code"),
+        "chol1": launcher(lib, "tp_cchol1", dtype, "A L info", "code"),
     }
 
 

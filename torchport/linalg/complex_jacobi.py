@@ -44,8 +44,8 @@ import torch
 
 from torchport import native
 from torchport.linalg import kernels
-from torchport.linalg._cparams import one_code_c, scalar_params
-from torchport.native import IntArg, Kernel, TensorArg
+from torchport.linalg._cparams import launcher, one_code_c, scalar_params
+from torchport.native import Kernel
 
 _TAG = {torch.complex64: "c64", torch.complex128: "c128"}
 MAX_SWEEPS = 60
@@ -543,24 +543,12 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
         one_code=one_code_c(ONE_MAX_N),
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}", isa=isa)
-    t, i = TensorArg, IntArg
-    c, r = (dtype,), (real,)
     return {
-        "svd": Kernel(
-            lib,
-            "tp_csvd",
-            [t("A", c), t("S", r), t("U", c), t("Vh", c)]
-            + [i(x) for x in ("B", "m", "n", "uv", "full", "nthreads")],
-        ),
-        "eigh": Kernel(
-            lib,
-            "tp_ceigh",
-            [t("A", c), t("L", r), t("Q", c)]
-            + [i(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
-        ),
+        "svd": launcher(lib, "tp_csvd", dtype, "A S U Vh", "B m n uv full nthreads"),
+        "eigh": launcher(lib, "tp_ceigh", dtype, "A L Q", "B n upper wantv nthreads"),
         # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
-        "svd1": Kernel(lib, "tp_csvd1", [t("A", c), t("S", r), t("U", c), t("Vh", c), i("code")]),
-        "eigh1": Kernel(lib, "tp_ceigh1", [t("A", c), t("L", r), t("Q", c), i("code")]),
+        "svd1": launcher(lib, "tp_csvd1", dtype, "A S U Vh", "code"),
+        "eigh1": launcher(lib, "tp_ceigh1", dtype, "A L Q", "code"),
     }
 
 

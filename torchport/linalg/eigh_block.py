@@ -39,8 +39,8 @@ import hashlib
 import torch
 
 from torchport import native
-from torchport.linalg._cparams import lane_bytes, lane_params
-from torchport.native import IntArg, Kernel, TensorArg
+from torchport.linalg._cparams import lane_bytes, lane_params, launcher
+from torchport.native import Kernel
 
 MAX_SWEEPS = 60
 # Lane vectors of a zmm register (16 float32 / 8 float64 matrices at once) on avx512, per dtype;
@@ -567,13 +567,7 @@ def library(
     )
     name = f"linalg_eigh_block_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}"
     lib = native.build(src, name=name, isa=isa)
-    d = (dtype,)
-    return Kernel(
-        lib,
-        "tp_eigh_block",
-        [TensorArg("A", d), TensorArg("L", d), TensorArg("Q", d)]
-        + [IntArg(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
-    )
+    return launcher(lib, "tp_eigh_block", dtype, "A L Q", "B n upper wantv nthreads")
 
 
 def eigh(

@@ -40,8 +40,8 @@ import hashlib
 import torch
 
 from torchport import native
-from torchport.linalg._cparams import lane_bytes, lane_params
-from torchport.native import IntArg, Kernel, TensorArg
+from torchport.linalg._cparams import lane_bytes, lane_params, launcher
+from torchport.native import Kernel
 
 # QL sweeps of a lane group set are capped at MAX_QL_ITERS n (LAPACK dsteqr's cap; converged
 # input takes ~2.4 n: 76 sweeps at n = 32, random input, two groups of four float64 matrices).
@@ -455,13 +455,7 @@ def library(
     tag = "f64" if dtype == torch.float64 else "f32"
     name = f"linalg_eigh_tridiag_{tag}_{isa}_v{vbytes}_g{qgroups}"
     lib = native.build(src, name=name, isa=isa)
-    d = (dtype,)
-    return Kernel(
-        lib,
-        "tp_eigh_tridiag",
-        [TensorArg("A", d), TensorArg("L", d), TensorArg("Q", d)]
-        + [IntArg(x) for x in ("B", "n", "upper", "wantv", "nthreads")],
-    )
+    return launcher(lib, "tp_eigh_tridiag", dtype, "A L Q", "B n upper wantv nthreads")
 
 
 def eigh(

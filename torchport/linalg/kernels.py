@@ -79,8 +79,8 @@ from torchport.linalg import eigh_block as _eigh_block
 from torchport.linalg import eigh_tridiag as _eigh_tridiag
 from torchport.linalg import svd_lanes as _svd_lanes
 from torchport.linalg._cparams import lane_bytes as _lane_bytes
-from torchport.linalg._cparams import scalar_params
-from torchport.native import IntArg, Kernel, TensorArg
+from torchport.linalg._cparams import launcher, scalar_params
+from torchport.native import Kernel
 
 _TAG = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -1746,64 +1746,22 @@ def library(
         m512="__m512d" if is64 else "__m512",
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}_v{vbytes}", isa=isa)
-    t, i = TensorArg, IntArg
-    d = (dtype,)
     ks = {
-        "svd": Kernel(
-            lib,
-            "tp_svd",
-            [t("A", d), t("S", d), t("U", d), t("Vh", d)]
-            + [i(x) for x in ("B", "m", "n", "uv", "full", "order", "nthreads")],
+        "svd": launcher(lib, "tp_svd", dtype, "A S U Vh", "B m n uv full order nthreads"),
+        "eigh": launcher(lib, "tp_eigh", dtype, "A L Q", "B n upper wantv order nthreads"),
+        "svd_vec": launcher(lib, "tp_svd_vec", dtype, "A S U Vh", "B m n uv full order nthreads"),
+        "eigh_vec": launcher(lib, "tp_eigh_vec", dtype, "A L Q", "B n upper wantv order nthreads"),
+        "cholesky_vec": launcher(
+            lib, "tp_cholesky_vec", dtype, "A L info", "B n upper stream huge nthreads"
         ),
-        "eigh": Kernel(
-            lib,
-            "tp_eigh",
-            [t("A", d), t("L", d), t("Q", d)]
-            + [i(x) for x in ("B", "n", "upper", "wantv", "order", "nthreads")],
-        ),
-        "svd_vec": Kernel(
-            lib,
-            "tp_svd_vec",
-            [t("A", d), t("S", d), t("U", d), t("Vh", d)]
-            + [i(x) for x in ("B", "m", "n", "uv", "full", "order", "nthreads")],
-        ),
-        "eigh_vec": Kernel(
-            lib,
-            "tp_eigh_vec",
-            [t("A", d), t("L", d), t("Q", d)]
-            + [i(x) for x in ("B", "n", "upper", "wantv", "order", "nthreads")],
-        ),
-        "cholesky_vec": Kernel(
-            lib,
-            "tp_cholesky_vec",
-            [t("A", d), t("L", d), t("info", (torch.int32,))]
-            + [i(x) for x in ("B", "n", "upper", "stream", "huge", "nthreads")],
-        ),
-        "qr": Kernel(
-            lib,
-            "tp_qr",
-            [t("A", d), t("Q", d), t("R", d)]
-            + [i(x) for x in ("B", "m", "n", "wantq", "complete", "huge", "nthreads")],
-        ),
-        "qr_vec": Kernel(
-            lib,
-            "tp_qr_vec",
-            [t("A", d), t("Q", d), t("R", d)]
-            + [i(x) for x in ("B", "m", "n", "wantq", "complete", "huge", "nthreads")],
-        ),
-        "cholesky": Kernel(
-            lib,
-            "tp_cholesky",
-            [t("A", d), t("L", d), t("info", (torch.int32,))]
-            + [i(x) for x in ("B", "n", "upper", "nthreads")],
-        ),
+        "qr": launcher(lib, "tp_qr", dtype, "A Q R", "B m n wantq complete huge nthreads"),
+        "qr_vec": launcher(lib, "tp_qr_vec", dtype, "A Q R", "B m n wantq complete huge nthreads"),
+        "cholesky": launcher(lib, "tp_cholesky", dtype, "A L info", "B n upper nthreads"),
         # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
-        "svd1": Kernel(lib, "tp_svd1", [t("A", d), t("S", d), t("U", d), t("Vh", d), i("code")]),
-        "eigh1": Kernel(lib, "tp_eigh1", [t("A", d), t("L", d), t("Q", d), i("code")]),
-        "qr1": Kernel(lib, "tp_qr1", [t("A", d), t("Q", d), t("R", d), i("code")]),
-        "chol1": Kernel(
-            lib, "tp_chol1", [t("A", d), t("L", d), t("info", (torch.int32,)), i("code")]
-        ),
+        "svd1": launcher(lib, "tp_svd1", dtype, "A S U Vh", "code"),
+        "eigh1": launcher(lib, "tp_eigh1", dtype, "A L Q", "code"),
+        "qr1": launcher(lib, "tp_qr1", dtype, "A Q R", "code"),
+        "chol1": launcher(lib, "tp_chol1", dtype, "A L info", "code"),
     }
     return ks
 

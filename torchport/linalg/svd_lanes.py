@@ -50,8 +50,8 @@ import functools
 import torch
 
 from torchport import native
-from torchport.linalg._cparams import lane_bytes, lane_params
-from torchport.native import FloatArg, IntArg, Kernel, TensorArg
+from torchport.linalg._cparams import lane_bytes, lane_params, launcher
+from torchport.native import Kernel
 
 # Sweep cap of the public path (as kernels.MAX_SWEEPS, which converged input never reaches).
 MAX_SWEEPS = 60
@@ -523,11 +523,6 @@ def library(
     )
     name = f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}{'' if reorder else '_r0'}"
     lib = native.build(src, name=name, isa=isa)
-    return Kernel(
-        lib,
-        "tp_svd_lanes",
-        [TensorArg("A", (dtype,)), TensorArg("S", (dtype,)), TensorArg("U", (dtype,))]
-        + [TensorArg("Vh", (dtype,))]
-        + [IntArg(x) for x in ("B", "m", "n", "uv", "full", "order")]
-        + [FloatArg("kappa_c"), IntArg("nthreads")],
+    return launcher(
+        lib, "tp_svd_lanes", dtype, "A S U Vh", "B m n uv full order kappa_c:f nthreads"
     )
