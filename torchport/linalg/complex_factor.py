@@ -313,19 +313,11 @@ def _ks(dtype: torch.dtype) -> dict[str, Kernel]:
 def qr(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched complex Householder QR of ``a`` (B, m, n) for ``mode`` in reduced/complete/r."""
     assert a.dim() == 3 and a.is_contiguous() and not a.is_conj() and a.dtype in DTYPES
+    q, r, work = kernels.qr_outputs(a, mode)
+    if not work:
+        return q, r
     b, m, n = a.shape
-    k = min(m, n)
-    complete, wantq = mode == "complete", mode != "r"
-    rows = m if complete else k
-    r = a.new_empty((b, rows, n))
-    q = a.new_empty((b, m, m if complete else k)) if wantq else a.new_empty((0,))
-    if b == 0:
-        return q, r
-    if m == 0 or n == 0:
-        r.zero_()
-        if wantq:
-            q.copy_(torch.eye(q.shape[-2], q.shape[-1], dtype=a.dtype).expand_as(q))
-        return q, r
+    wantq, complete = mode != "r", mode == "complete"
     _ks(a.dtype)["qr"].call_unchecked(
         a.data_ptr(), q.data_ptr(), r.data_ptr(), b, m, n, int(wantq), int(complete),
         native.num_threads(),

@@ -1960,26 +1960,36 @@ def eigh(
     return lam, q, bad
 
 
+def qr_outputs(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Q and R for the batched QR of ``a`` (B, m, n) in ``mode`` (Q empty for ``'r'``), and
+    whether a kernel has work: an empty batch returns them as they are, m or n = 0 filled here
+    (R zero, Q the identity's leading columns)."""
+    b, m, n = a.shape
+    k = min(m, n)
+    complete, wantq = mode == "complete", mode != "r"
+    r = a.new_empty((b, m if complete else k, n))
+    q = a.new_empty((b, m, m if complete else k)) if wantq else a.new_empty((0,))
+    if b == 0:
+        return q, r, False
+    if m == 0 or n == 0:
+        r.zero_()
+        if wantq:
+            q.copy_(torch.eye(q.shape[-2], q.shape[-1], dtype=a.dtype).expand_as(q))
+        return q, r, False
+    return q, r, True
+
+
 def qr(a: torch.Tensor, mode: str, lanes: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched Householder QR of ``a`` (B, m, n) for ``mode`` in reduced/complete/r.
 
     ``lanes``: one matrix per SIMD lane (``tp_qr_vec``); None = :func:`runs_lanes`.
     """
     assert a.dim() == 3 and a.is_contiguous()
+    q, r, work = qr_outputs(a, mode)
+    if not work:
+        return q, r
     b, m, n = a.shape
-    k = min(m, n)
-    complete = mode == "complete"
-    wantq = mode != "r"
-    rows = m if complete else k
-    r = a.new_empty((b, rows, n))
-    q = a.new_empty((b, m, m if complete else k)) if wantq else a.new_empty((0,))
-    if b == 0:
-        return q, r
-    if m == 0 or n == 0:
-        r.zero_()
-        if wantq:
-            q.copy_(torch.eye(q.shape[-2], q.shape[-1], dtype=a.dtype).expand_as(q))
-        return q, r
+    wantq, complete = mode != "r", mode == "complete"
     if lanes is None:
         lanes = runs_lanes("qr", b, m, n, a.dtype)
     _ks(a.dtype)["qr_vec" if lanes else "qr"].call_unchecked(
