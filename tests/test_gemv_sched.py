@@ -157,6 +157,44 @@ def test_settled_route_passes_one_call_in_four_to_the_adaptive() -> None:
     assert ad.calls - before == 4
 
 
+def test_settled_route_runs_the_adaptive_current_launch_between_samples(monkeypatch) -> None:
+    """Between its sampled calls a settled route launches the thread count of the adaptive's
+    current arm, whichever it is, and hands the adaptive exactly one call in ROUTE_SAMPLE_EVERY."""
+    if native.num_threads() < 2:
+        pytest.skip("needs two threads")
+    pw = _pack("nvfp4", torch.randn(1024, 512) * 0.05)
+    x = torch.randn(1, 512)
+    first = gops.gemv_packed(x, pw)
+    plan = gops.plan_for(pw, 1, gops._use_int8(pw, True))
+    ad, arms = plan.adaptive, plan.arm_threads
+    assert ad is not None and sorted(arms) == [1, native.num_threads()], arms
+    sampled: list[int] = []
+
+    def sample(self: object, go: object) -> None:  # the adaptive's timed call, recorded
+        sampled.append(ad.current)
+        go(arms[ad.current])  # type: ignore[operator]
+
+    monkeypatch.setattr(type(ad), "__call__", sample)
+    used: list[int] = []
+    real = plan.kernel._fn  # type: ignore[union-attr]
+
+    def launch(*raw: object) -> int:  # the route's kernel: records the thread count passed
+        used.append(int(raw[-1]))  # type: ignore[call-overload]
+        return real(*raw)
+
+    monkeypatch.setattr(plan.kernel, "_fn", launch)
+    assert torch.equal(gops.gemv_packed(x, pw), first)  # settles the route on `launch`
+    every = gops.ROUTE_SAMPLE_EVERY
+    for arm in (1, 0, 1):
+        ad.current = arm
+        used.clear()
+        sampled.clear()
+        for _ in range(2 * every):
+            assert torch.equal(gops.gemv_packed(x, pw), first)
+        assert used == [arms[arm]] * (2 * every), (arm, used)
+        assert sampled == [arm, arm], (arm, sampled)
+
+
 def _fake_launches(monkeypatch):
     """A fake clock and a launch function that advances it by ``cost[threads]`` per call and
     records the thread counts used: (cost, used, go)."""
