@@ -327,18 +327,18 @@ def test_settled_route_matches_general_path_and_invalidates(fmt):
     with torch.no_grad():
         first = F.linear(x, wq, bias)  # general path; settles the route
         route = wq._route
-        assert route is not None and route.matches(x, bias)
+        assert route is not None and torch.equal(route.serve(x, bias), first)
         again = F.linear(x, wq, bias)  # the settled route
         assert wq._route is route and torch.equal(again, first)
         with config.override(gemv_fp4_int8=False):  # settings overridden: general path
-            assert not route.matches(x, bias)
+            assert route.serve(x, bias) is None
             _check(F.linear(x, wq, bias), x, wd, bias, 2e-6)
         # another shape, dtype or bias (object, in-place update) re-settles
         x2 = torch.randn(3, 1, 128, generator=g)
         _check(F.linear(x2, wq, bias), x2, wd, bias, 3e-2)
         assert wq._route is not route and wq._route.shape == x2.shape
         bias.add_(1.0)
-        assert not wq._route.matches(x2, bias)
+        assert wq._route.serve(x2, bias) is None
         _check(F.linear(x2, wq, bias), x2, wd, bias, 3e-2)
         out_nb = F.linear(x2, wq)
         _check(out_nb, x2, wd, None, 3e-2)
@@ -391,10 +391,10 @@ def test_gemv_packed_route_follows_setting_env_and_override(fmt, monkeypatch):
     assert (x.dtype, x.shape, True) not in pw.routes  # one call may be a one-off pack
     assert torch.equal(gemv_packed(x, pw), first)  # used again: settles a route
     route = pw.routes[(x.dtype, x.shape, True)]
-    assert route.matches(x, None) and not exact(first)  # int8 activations
+    assert torch.equal(route.serve(x, None), first) and not exact(first)  # int8 activations
     assert torch.equal(gemv_packed(x, pw), first)  # the settled route: same launch, same bits
     with config.override(gemv_fp4_int8=False):
-        assert not route.matches(x, None) and exact(gemv_packed(x, pw))
+        assert route.serve(x, None) is None and exact(gemv_packed(x, pw))
     monkeypatch.setenv("TORCHPORT_GEMV_FP4_INT8", "0")
     assert exact(gemv_packed(x, pw))
     monkeypatch.delenv("TORCHPORT_GEMV_FP4_INT8")

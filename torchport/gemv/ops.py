@@ -702,23 +702,10 @@ class SettledRoute:
     bias_version: int
     bias_ptr: int
     run: object  # Callable[[torch.Tensor], torch.Tensor]
-    # ``serve(x, bias)``: ``run(x)`` if the route serves this call (``matches`` and
-    # :func:`~torchport.native.eager_fast_path` in one frame), else None
+    # ``serve(x, bias)``: ``run(x)`` if the route serves this call now -- same settings, thread
+    # count, dtype, shape and bias (object, version, storage), and
+    # :func:`~torchport.native.eager_fast_path`'s conditions -- all checked in one frame; else None
     serve: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None]
-
-    def matches(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """True if this route serves ``x``/``bias`` now (same settings, dtype, shape and bias)."""
-        if x.dtype is not self.dtype or x.shape != self.shape or bias is not self.bias:
-            return False
-        if not x.is_cpu:
-            return False
-        if bias is not None and (
-            bias._version != self.bias_version or bias.data_ptr() != self.bias_ptr
-        ):
-            return False
-        return (
-            torch.get_num_threads() == self.nthreads and config.stamp(ROUTE_SETTINGS) == self.stamp
-        )
 
 
 # Outputs a settled route allocates at a time (at most OUT_BATCH_BYTES of them). A decode call
@@ -862,7 +849,7 @@ def settle_route(
     fmode = torch.overrides._get_current_function_mode
 
     def serve(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        # matches() and native.eager_fast_path in one frame (each check's getter read once)
+        # the route's checks and native.eager_fast_path in one frame (each getter read once)
         if type(x) is not tensor or bias is not bias0 or x.dtype is not dtype or x.shape != shape:
             return None
         if not x.is_cpu or compiling() or depth() or (fmodes() and fmode()):
