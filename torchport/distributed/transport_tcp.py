@@ -1087,6 +1087,9 @@ class Mesh:
                 if rc == NOTIFY:
                     notify(int(out[0]) - ns)
                     if time.monotonic() - checked < SLICE_MS / 1000:
+                        # the group's error flag only: an abort on this rank is seen at the
+                        # next piece in, not at the end of the slice
+                        watch()
                         continue
                     rc = SLICE
                 if rc == SLICE:
