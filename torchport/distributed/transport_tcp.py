@@ -29,6 +29,7 @@ Internal API other modules build on:
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import functools
@@ -1006,7 +1007,10 @@ class Mesh:
                 0,
                 int(x.notify),
             )
-        ops = (ctypes.c_int64 * (OPW * n))(*words)
+        # one C-level conversion of the words: a ctypes array built from the list converts
+        # them one by one through Python (~0.23 us a word: 0.3 ms for the 130 operations of
+        # a 64 MB chain broadcast over four ranks); the array.array stays its buffer
+        ops = (ctypes.c_int64 * (OPW * n)).from_buffer(array.array("q", words))
         # A frame the reader thread reads before this thread owns the socket (its sender is
         # ahead) still goes straight into place when it is large.
         posted = [x for x in recvs if x.size >= POST_BYTES]
