@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -565,24 +566,6 @@ def _choose(
     if any(c.param("dp", 0) for c in cands):
         key["tiles"] = "dp"  # choices cached before the vdpbf16ps tiles existed are re-tuned
 
-    t_start = time.perf_counter()
-    budget = TUNE_BUDGET_S
-    native_ok = native.enabled() and autotune.NATIVE in autotune.allowed_backends()
-    if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
-        # a new shape: compile every candidate's tile library (and the pack kernel) first, in
-        # parallel; what that took comes off the timing budget
-        tiles = {
-            (int(c.param("mr")), int(c.param("nr")), int(c.param("dp", 0)))
-            for c in cands
-            if not c.is_anchor
-        }
-        otag = spec.out or kernels._TAG[a.dtype]
-        fp32_tiles = sorted((mr, nr) for mr, nr, dp in tiles if not dp)
-        dp_tiles = sorted((mr, nr) for mr, nr, dp in tiles if dp)
-        kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles)
-        spent = time.perf_counter() - t_start
-        budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
-
     def make_args() -> tuple[Any, ...]:
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
             aa = torch.randn(mb, k).to(a.dtype)
@@ -605,11 +588,42 @@ def _choose(
             return (_Rotation([real], shared_pack=True),)
         first = one()
         size = sum(t.numel() * t.element_size() for t in (first[0], first[1], *first[2]))
+        # the other copies are the first's values in their own memory (what cold timing needs):
+        # a clone costs its page faults, randn several times that (measured at load 6-7, eight
+        # bf16 1024x4096 copies: 843 ms generated, 183 ms as clones of one)
+        extra = min(15, math.ceil(config.get("cold_cache_bytes") / max(size, 1)) - 1)
         copies = [first] + [
-            one()
-            for _ in range(min(15, math.ceil(config.get("cold_cache_bytes") / max(size, 1)) - 1))
+            (first[0].clone(), first[1].clone(), [t.clone() for t in first[2]])
+            for _ in range(extra)
         ]
         return (_Rotation(copies),)
+
+    premade: list[tuple[Any, ...]] = []  # arguments made during compilation
+    t_start = time.perf_counter()
+    budget = TUNE_BUDGET_S
+    native_ok = native.enabled() and autotune.NATIVE in autotune.allowed_backends()
+    if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
+        # a new shape: compile every candidate's tile library (and the pack kernel) first, in
+        # parallel; what that took comes off the timing budget
+        tiles = {
+            (int(c.param("mr")), int(c.param("nr")), int(c.param("dp", 0)))
+            for c in cands
+            if not c.is_anchor
+        }
+        otag = spec.out or kernels._TAG[a.dtype]
+        fp32_tiles = sorted((mr, nr) for mr, nr, dp in tiles if not dp)
+        dp_tiles = sorted((mr, nr) for mr, nr, dp in tiles if dp)
+        # the argument copies (random operands: tens of ms each, up to 16 of them) are made
+        # meanwhile, on this process's otherwise idle thread, while the compilers run
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            made = pool.submit(make_args)
+            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles)
+            premade.append(made.result())
+        spent = time.perf_counter() - t_start
+        budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
+
+    def tuning_args() -> tuple[Any, ...]:
+        return premade.pop() if premade else make_args()
 
     # fit the timing into the cold-tuning budget: reps so that candidates x calls x est <= budget
     est = 2.0 * mb * n * k / 5e10 + (k * n * b.element_size()) / 2e10
@@ -621,7 +635,7 @@ def _choose(
             key,
             _tuning_order(cands),
             lambda c: _tuning_fn(c, spec),
-            make_args,
+            tuning_args,
             cold=False,
             check=_close,
             backends=autotune.allowed_backends(),

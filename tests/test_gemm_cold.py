@@ -1,0 +1,93 @@
+"""Cold tuning of a new GEMM shape: compiler calls per tune and the argument copies made while the
+compilers run (``torchport.gemm.mm._choose``)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+import torchport.gemm as G
+from torchport import autotune, native
+from torchport.gemm.epilogue import Scale
+from torchport.gemm.kernels import mm_reference
+
+mm_mod = sys.modules["torchport.gemm.mm"]
+
+
+def _native_tiles(m: int, n: int, k: int) -> set[tuple[int, int, int]]:
+    cands = G.candidates(m, n, k, native.cpu_info().isa)
+    return {
+        (int(c.param("mr")), int(c.param("nr")), int(c.param("dp", 0)))
+        for c in cands
+        if not c.is_anchor
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cold_tune_compiles_at_most_one_library_per_tile(fresh_cache, monkeypatch, dtype):
+    """A new shape with a new epilogue compiles one library per distinct tile of its native
+    candidates plus at most the pack kernel and the epilogue pass, and no more on its next
+    calls; every candidate is timed against ATen."""
+    if native.cpu_info().isa == "scalar":
+        pytest.skip("needs an x86 vector ISA")
+    made: list[str] = []
+    rotation = mm_mod._Rotation
+
+    class Counted(rotation):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(mm_mod, "_Rotation", Counted)
+    m, n, k = 1, 72, 40  # a shape and scale no other test builds
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    step = Scale(1.0 + 1.0 / 977.0)  # the scale's value is part of the source: a new library
+    native.reset_stats()
+    tuned = autotune.stats.tuned
+    y = G.mm(a, b, epilogue=[step])
+    compiles = native.stats().compiles
+    tiles = _native_tiles(m, n, k)
+    assert autotune.stats.tuned == tuned + 1
+    assert 1 <= compiles <= len(tiles) + 2, (compiles, tiles)
+    # the tuner's one argument rotation was made off the main thread, during the compilation
+    assert len(made) == 1 and made[0] != threading.main_thread().name
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    ref = mm_reference(a, b) * step.value
+    torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol)
+    G.mm(a, b, epilogue=[step])
+    assert native.stats().compiles == compiles
+
+
+def test_second_shape_of_an_epilogue_compiles_nothing(fresh_cache):
+    """Tile libraries take the sizes at run time: a second new shape of the same epilogue and
+    dtypes (a new tuning) reuses the first shape's libraries."""
+    if native.cpu_info().isa == "scalar":
+        pytest.skip("needs an x86 vector ISA")
+    step = Scale(1.0 + 1.0 / 983.0)
+    G.mm(torch.randn(1, 40), torch.randn(40, 72), epilogue=[step])
+    native.reset_stats()
+    tuned = autotune.stats.tuned
+    a, b = torch.randn(1, 56), torch.randn(56, 88)
+    y = G.mm(a, b, epilogue=[step])
+    assert autotune.stats.tuned == tuned + 1
+    assert native.stats().compiles == 0
+    torch.testing.assert_close(y, (a.double() @ b.double() * step.value).float())
+
+
+def test_tuning_arguments_fail_like_before(fresh_cache, monkeypatch):
+    """An error while making the argument copies during compilation surfaces from the call (as
+    when the tuner made them itself) and leaves no choice cached."""
+    if native.cpu_info().isa == "scalar":
+        pytest.skip("needs an x86 vector ISA")
+
+    class Broken(mm_mod._Rotation):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise MemoryError("no room for the copies")
+
+    monkeypatch.setattr(mm_mod, "_Rotation", Broken)
+    with pytest.raises(MemoryError, match="no room"):
+        G.mm(torch.randn(1, 24), torch.randn(24, 104), epilogue=[Scale(1.0 + 1.0 / 991.0)])
+    assert not autotune.choice_cache.entries()
