@@ -837,3 +837,124 @@ def test_an_early_frame_is_copied_into_place_and_its_buffer_reused(mesh_pair):
     )
     assert frames is not None and frames[0] is not None and frames[0][1] is not RECEIVED
     assert frames[0][0].sig == (3, 1, 4096, 1) and len(conn.spares) == spares - 1
+
+
+# --- the TCP drain after an abort (Mesh._finish_partial), one process over a socketpair ------
+
+
+def _drain_fixture():
+    """A connected socket pair, a fake mesh holding one connection (reading end ``b``), and
+    the pieces ``Mesh._finish_partial`` is given."""
+    import ctypes
+    import socket
+    import types
+
+    a, b = socket.socketpair()
+    own = ctypes.c_int32(2)  # taken by the transfer
+    conn = types.SimpleNamespace(
+        sock=b, own_addr=ctypes.addressof(own), peer=1, lock=threading.Lock(), seen=0.0
+    )
+    mesh = types.SimpleNamespace(peers={1: conn}, closed=False, shutdown_peer=lambda p: None)
+    return a, b, own, conn, mesh
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("first", [30, 64, 64 + 1000, 64 + 49_999])
+def test_abort_drain_sends_the_rest_of_a_received_frame_to_scratch(first):
+    """A frame part-way received when the group failed is read to its end (the stream stays
+    readable) but from the cut on into scratch: the caller's buffer keeps what had arrived and
+    nothing more, and the operation is reported failed (``on_cut``) once."""
+    import ctypes
+
+    from torchport.distributed.tcp_kernels import SLICE, tcp_lib
+    from torchport.distributed.transport_tcp import OPW, Mesh
+
+    n_bytes = 50_000
+    a, b, _own, conn, mesh = _drain_fixture()  # _own: the ownership word stays alive
+    try:
+        lib = tcp_lib()
+        head = encode_header(Kind.COLL, 7, 1, 3, n_bytes, (1, 2, 3, 4))
+        heads = ctypes.create_string_buffer(head + bytes(HEADER_SIZE))
+        base = ctypes.addressof(heads)
+        user = (ctypes.c_ubyte * n_bytes)()
+        ops = (ctypes.c_int64 * OPW)(
+            b.fileno(), 1, base, ctypes.addressof(user), n_bytes, 0, -1, base + HEADER_SIZE, 0, 0
+        )
+        frame = head + bytes([0xAA]) * n_bytes
+        a.sendall(frame[:first])
+        out = (ctypes.c_int64 * 1)()
+        assert lib.xfer(ops, 1, 20, out) == SLICE and ops[5] == first
+        a.sendall(frame[first:])  # the rest, for the drain
+        cuts: list[int] = []
+        lost: list = []
+        stuck = Mesh._finish_partial(
+            mesh, ops, 1, [conn], RuntimeError("abort"), lost, set(), 5.0, [],
+            lambda: cuts.append(ops[5]),
+        )  # fmt: skip
+        assert cuts and len(cuts) == 1 and not lost and not stuck
+        assert ops[5] == HEADER_SIZE + n_bytes  # the whole frame was read off the socket
+        k = max(first - HEADER_SIZE, 0)
+        got = bytes(user)
+        assert set(got[:k]) <= {0xAA} and set(got[k:]) <= {0}, (k, got.count(0xAA))
+        a.sendall(b"next")  # the stream is at a frame boundary
+        assert b.recv(4) == b"next"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_abort_reports_failure_only_once_partial_sends_are_whole_and_unlocked():
+    """A send part-way when the group failed still reads the caller's tensor: the failure is
+    reported (``on_cut``) only after it is whole, with the transfer's send locks released
+    (a Work callback that sends on the mesh must not block on them)."""
+    import ctypes
+
+    from torchport.distributed.tcp_kernels import tcp_lib
+    from torchport.distributed.transport_tcp import OPW, Mesh
+
+    n_bytes = 8 << 20  # larger than the socket buffers: the send stops part-way
+    a, b, _own, conn, mesh = _drain_fixture()  # _own: the ownership word stays alive
+    try:
+        lib = tcp_lib()
+        head = encode_header(Kind.COLL, 7, 0, 3, n_bytes, (1, 2, 3, 4))
+        heads = ctypes.create_string_buffer(head)
+        src = (ctypes.c_ubyte * n_bytes)()
+        ctypes.memset(src, 0x5A, n_bytes)
+        ops = (ctypes.c_int64 * OPW)(
+            b.fileno(), 0, ctypes.addressof(heads), ctypes.addressof(src), n_bytes, 0, -1, 0, 0, 0
+        )
+        out = (ctypes.c_int64 * 1)()
+        lib.xfer(ops, 1, 20, out)
+        assert 0 < ops[5] < HEADER_SIZE + n_bytes
+        got = bytearray()
+
+        def read_all() -> None:
+            end = time.monotonic() + 20
+            while len(got) < HEADER_SIZE + n_bytes and time.monotonic() < end:
+                got.extend(a.recv(1 << 20))
+
+        reader = threading.Thread(target=read_all)
+        conn.lock.acquire()  # held by the transfer, as Mesh.transfer holds its send locks
+        seen: dict[str, object] = {}
+
+        def on_cut() -> None:
+            seen["sent"] = ops[5]
+            seen["lock_free"] = conn.lock.acquire(blocking=False)
+            if seen["lock_free"]:
+                conn.lock.release()
+
+        locked = [conn]
+        reader.start()
+        Mesh._finish_partial(
+            mesh, ops, 1, [conn], RuntimeError("abort"), [], set(), 10.0, locked, on_cut
+        )
+        reader.join(25)
+        assert seen == {"sent": HEADER_SIZE + n_bytes, "lock_free": True}, seen
+        assert not locked and len(got) == HEADER_SIZE + n_bytes
+        assert bytes(got[:HEADER_SIZE]) == head and set(got[HEADER_SIZE:]) == {0x5A}
+    finally:
+        if conn.lock.locked():
+            conn.lock.release()
+        a.close()
+        b.close()

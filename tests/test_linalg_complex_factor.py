@@ -288,3 +288,23 @@ def test_cholesky_gradcheck_complex(upper):
     assert torch.allclose(g1, g2, atol=1e-10)
     (g3,) = torch.autograd.grad(loss(tl.cholesky_ex(x, upper=upper, method="jacobi")[0]), x)
     assert torch.allclose(g3, g2, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_launcher_tensor_dtypes_follow_the_c_signatures(dtype):
+    """The checked call of each complex entry point takes the C types: the Cholesky factor and
+    the QR factors complex, the eigenvalues and singular values real, ``info`` int32."""
+    from torchport.linalg import complex_factor, complex_jacobi
+
+    real = dtype.to_real()
+    want = {
+        (complex_factor, "cholesky"): {"A": dtype, "L": dtype, "info": torch.int32},
+        (complex_factor, "chol1"): {"A": dtype, "L": dtype, "info": torch.int32},
+        (complex_factor, "qr"): {"A": dtype, "Q": dtype, "R": dtype},
+        (complex_jacobi, "eigh"): {"A": dtype, "L": real, "Q": dtype},
+        (complex_jacobi, "svd1"): {"A": dtype, "S": real, "U": dtype, "Vh": dtype},
+    }
+    for (mod, name), types in want.items():
+        args = mod._ks(dtype)[name].args
+        got = {a.name: a.dtypes for a in args if hasattr(a, "dtypes")}
+        assert got == {k: (v,) for k, v in types.items()}, (name, got)

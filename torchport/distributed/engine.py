@@ -265,6 +265,7 @@ class Communicator:
         """Engine-side wrapper: refuse when failed, map errors, complete the work."""
         if self.error is not None and self.check_now(work):  # issued after it failed
             return
+        outer = getattr(self._running, "work", None)
         self._running.work = work
         try:
             fn()
@@ -279,11 +280,12 @@ class Communicator:
         else:
             work._finish()
         finally:
-            self._running.work = None
+            self._running.work = outer
 
     def cut_short(self) -> None:
         """The operation running on this thread stopped touching its tensors after the group
-        failed (it still completes frames part-way on the wire): report the failure now."""
+        failed (frames part-way received still drain, into scratch): report the failure now.
+        An operation run inline by ``wait()`` (``Engine.help``) returns only after the drain."""
         work = getattr(self._running, "work", None)
         if work is not None and self.error is not None:
             work._finish(self.error)

@@ -192,6 +192,40 @@ TP_EXPORT int64_t tp_pin(int64_t on) {
     return syscall(SYS_sched_setaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0 ? -1 : 0;
 }
 
+/* The table's bookkeeping off the hot loop (one pass each, however many operations). */
+
+/* The distinct sockets of the unfinished operations ops[from, n) into fds (at most cap of them;
+   the count is returned). */
+TP_EXPORT int64_t tp_tcp_open_fds(const int64_t *ops, int64_t from, int64_t n, int64_t *fds,
+                                  int64_t cap) {
+    int64_t nf = 0;
+    for (int64_t i = from; i < n; i++) {
+        const int64_t *op = ops + i * OPW;
+        if (op[5] >= HDR + op[4]) continue;
+        int seen = 0;
+        for (int64_t k = 0; k < nf && !seen; k++) seen = fds[k] == op[0];
+        if (!seen && nf < cap) fds[nf++] = op[0];
+    }
+    return nf;
+}
+
+/* After an error: nothing is computed from a receive any more (word 9 cleared) and every
+   operation that is not part-way, or is on one of the nb sockets in broken, counts as done; the
+   indices of the operations part-way go to rows (at most cap; the count is returned). */
+TP_EXPORT int64_t tp_tcp_settle(int64_t *ops, int64_t n, const int64_t *broken, int64_t nb,
+                                int64_t *rows, int64_t cap) {
+    int64_t nr = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t *op = ops + i * OPW;
+        op[9] = 0;
+        int part = op[5] > 0 && op[5] < HDR + op[4];
+        for (int64_t k = 0; k < nb && part; k++) part = broken[k] != op[0];
+        if (part && nr < cap) rows[nr++] = i;
+        else op[5] = HDR + op[4];
+    }
+    return nr;
+}
+
 /* Move the operations of the table (module docstring). out[0]: the operation a FOREIGN,
    NOTIFY, CLOSED or error status refers to. SENT: every send finished (returned once, when
    sends were pending at entry and receives remain) so the caller may release its send locks. */
@@ -315,6 +349,12 @@ class TcpLib:
         self.pin = lib.tp_pin
         self.pin.argtypes = [i64]
         self.pin.restype = i64
+        self.open_fds = lib.tp_tcp_open_fds
+        self.open_fds.argtypes = [p, i64, i64, p, i64]
+        self.open_fds.restype = i64
+        self.settle = lib.tp_tcp_settle
+        self.settle.argtypes = [p, i64, p, i64, p, i64]
+        self.settle.restype = i64
         self.xfer = lib.tp_tcp_xfer
         self.xfer.argtypes = [p, i64, i64, p]
         self.xfer.restype = i64

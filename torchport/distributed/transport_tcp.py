@@ -43,8 +43,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
 from torchport.distributed import auth
 from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
 from torchport.distributed.tcp_kernels import (
@@ -917,9 +915,10 @@ class Mesh:
         and whatever ``check()`` raises (checked every ``SLICE_MS``, progress or not).
 
         ``on_cut()`` runs on this thread once ``check()`` raised (the group failed or was
-        aborted) and no receive writes into the caller's buffers any more: the frames part-way
-        still complete (into a scratch buffer) before this returns, but the caller's operation
-        may report its failure at once rather than after them.
+        aborted) and the caller's buffers are no longer touched -- the frames part-way sent
+        are whole, the rest of those part-way received goes to scratch -- with this transfer's
+        send locks released: the caller's operation may report its failure then, before the
+        receives drain.
         """
         if len({x.peer for x in sends} | {x.peer for x in recvs}) > MAXFD:
             return None
@@ -1167,11 +1166,12 @@ class Mesh:
         frame from a failed peer is in, waiting for one from a rank that learned of the
         failure before its own call (and so sends nothing), would otherwise never hear of it
         and wait for its deadline."""
-        t = torch.frombuffer(ops, dtype=torch.int64, count=OPW * n).view(n, OPW)[ns:]
-        pending = set(t[t[:, 5] < t[:, 4] + HEADER_SIZE, 0].tolist())
+        lib = tcp_lib()
+        fds = (ctypes.c_int64 * MAXFD)()
+        pending = set(fds[: lib.open_fds(ops, ns, n, fds, MAXFD)])
         if all(c.sock.fileno() in pending for c in owned):
             return owned
-        lib, now, keep = tcp_lib(), time.monotonic(), list[Connection]()
+        now, keep = time.monotonic(), list[Connection]()
         for conn in owned:
             if conn.sock.fileno() in pending:
                 keep.append(conn)
@@ -1202,16 +1202,11 @@ class Mesh:
         (its stream already unreadable); returns the connections still owned (those), for
         the caller to release after it reported the loss."""
         lib = tcp_lib()
-        # the table as a tensor: every step below is one vectorised pass (a pipelined
-        # allreduce in small pieces has thousands of operations)
-        t = torch.frombuffer(ops, dtype=torch.int64, count=OPW * n).view(n, OPW)
-        t[:, 9] = 0  # nothing is computed from a receive any more
-        total = t[:, 4] + HEADER_SIZE
-        part = (t[:, 5] > 0) & (t[:, 5] < total)
-        if broken:
-            part &= ~torch.isin(t[:, 0], torch.tensor(sorted(broken), dtype=torch.int64))
-        t[:, 5] = torch.where(part, t[:, 5], total)  # the others count as done
-        rows = part.nonzero().flatten().tolist()  # the frames part-way: one per socket and way
+        # one native pass over the table (a pipelined allreduce in small pieces has thousands of
+        # operations): the frames part-way stay, one per socket and way; the rest count as done
+        bad = (ctypes.c_int64 * max(len(broken), 1))(*sorted(broken))
+        idx = (ctypes.c_int64 * n)()
+        rows = idx[: lib.settle(ops, n, bad, len(broken), idx, n)]
         reading = {ops[OPW * i] for i in rows if ops[OPW * i + 1] == 1}
         by_fd = {c.sock.fileno(): c for c in owned}
         for fd, conn in by_fd.items():
@@ -1220,7 +1215,7 @@ class Mesh:
         sink = None
         if on_cut is not None:
             # the rest of every frame part-way received lands in scratch, not the caller's
-            # buffer: the operation may then fail at once (on_cut) while those frames complete
+            # buffer, so the operation may fail (on_cut) before those frames complete
             got = {i: max(ops[OPW * i + 5] - HEADER_SIZE, 0) for i in rows if ops[OPW * i + 1]}
             if got:
                 sink = ctypes.create_string_buffer(
@@ -1228,18 +1223,25 @@ class Mesh:
                 )
                 for i, k in got.items():
                     ops[OPW * i + 3] = ctypes.addressof(sink) - k
-            on_cut()
 
         def undone(i: int) -> bool:
             return ops[OPW * i + 5] < HEADER_SIZE + ops[OPW * i + 4]
 
         sending = [i for i in rows if ops[OPW * i + 1] == 0]
+        pending_cut = [on_cut]
 
-        def unlock() -> None:  # the sends are whole: the group's ABORT frames may follow them
-            if locked and not any(undone(i) for i in sending):
-                for conn in locked:
-                    conn.lock.release()
-                locked.clear()
+        def unlock() -> None:
+            # once the frames part-way sent are whole (a send still reads the caller's tensor):
+            # the send locks go (the group's ABORT frames may follow those frames), then the
+            # operation fails -- its Work's callbacks run with no lock of this transfer held
+            if any(undone(i) for i in sending):
+                return
+            for conn in locked:
+                conn.lock.release()
+            locked.clear()
+            report, pending_cut[0] = pending_cut[0], None
+            if report is not None:
+                report()
 
         unlock()
         if rows:

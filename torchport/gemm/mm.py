@@ -11,6 +11,7 @@ ATen ops (:func:`_backward`), so the fused op trains.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import threading
 import time
@@ -616,7 +617,8 @@ def _choose(
         # the argument copies (random operands: tens of ms each, up to 16 of them) are made
         # meanwhile, on this process's otherwise idle thread, while the compilers run
         with ThreadPoolExecutor(max_workers=1) as pool:
-            made = pool.submit(make_args)
+            # in the caller's context: config overrides (cold_cache_bytes) are context variables
+            made = pool.submit(contextvars.copy_context().run, make_args)
             kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles)
             premade.append(made.result())
         spent = time.perf_counter() - t_start

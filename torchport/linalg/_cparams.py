@@ -34,12 +34,15 @@ def launcher(
     lib: ctypes.CDLL, symbol: str, dtype: torch.dtype, tensors: str, scalars: str
 ) -> Kernel:
     """The entry point ``symbol`` of ``lib``: the tensors named in ``tensors`` (space-separated, in
-    argument order) -- ``info`` int32, the spectra ``S`` and ``L`` of ``dtype``'s real type, the
-    others ``dtype`` -- then the scalars named in ``scalars``: int64, or a double where written
-    ``name:f``. Every linalg launcher follows these roles, so its signature is one line."""
-    real = dtype.to_real()
-    role = {"info": torch.int32, "S": real, "L": real}
-    args: list[ArgSpec] = [TensorArg(x, (role.get(x, dtype),)) for x in tensors.split()]
+    argument order) -- ``info`` int32, ``name:r`` (singular values, eigenvalues) ``dtype``'s real
+    type, the others ``dtype`` -- then the scalars named in ``scalars``: int64, or a double where
+    written ``name:f``. Every linalg launcher follows these roles, so its signature is one line."""
+    args: list[ArgSpec] = []
+    for x in tensors.split():
+        if x.endswith(":r"):
+            args.append(TensorArg(x[:-2], (dtype.to_real(),)))
+        else:
+            args.append(TensorArg(x, (torch.int32 if x == "info" else dtype,)))
     for x in scalars.split():
         args.append(FloatArg(x[:-2]) if x.endswith(":f") else IntArg(x))
     return Kernel(lib, symbol, args)

@@ -544,11 +544,11 @@ def library(dtype: torch.dtype, isa: str) -> dict[str, Kernel]:
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}", isa=isa)
     return {
-        "svd": launcher(lib, "tp_csvd", dtype, "A S U Vh", "B m n uv full nthreads"),
-        "eigh": launcher(lib, "tp_ceigh", dtype, "A L Q", "B n upper wantv nthreads"),
+        "svd": launcher(lib, "tp_csvd", dtype, "A S:r U Vh", "B m n uv full nthreads"),
+        "eigh": launcher(lib, "tp_ceigh", dtype, "A L:r Q", "B n upper wantv nthreads"),
         # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
-        "svd1": launcher(lib, "tp_csvd1", dtype, "A S U Vh", "code"),
-        "eigh1": launcher(lib, "tp_ceigh1", dtype, "A L Q", "code"),
+        "svd1": launcher(lib, "tp_csvd1", dtype, "A S:r U Vh", "code"),
+        "eigh1": launcher(lib, "tp_ceigh1", dtype, "A L:r Q", "code"),
     }
 
 

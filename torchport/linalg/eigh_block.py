@@ -567,7 +567,7 @@ def library(
     )
     name = f"linalg_eigh_block_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}"
     lib = native.build(src, name=name, isa=isa)
-    return launcher(lib, "tp_eigh_block", dtype, "A L Q", "B n upper wantv nthreads")
+    return launcher(lib, "tp_eigh_block", dtype, "A L:r Q", "B n upper wantv nthreads")
 
 
 def eigh(

@@ -455,7 +455,7 @@ def library(
     tag = "f64" if dtype == torch.float64 else "f32"
     name = f"linalg_eigh_tridiag_{tag}_{isa}_v{vbytes}_g{qgroups}"
     lib = native.build(src, name=name, isa=isa)
-    return launcher(lib, "tp_eigh_tridiag", dtype, "A L Q", "B n upper wantv nthreads")
+    return launcher(lib, "tp_eigh_tridiag", dtype, "A L:r Q", "B n upper wantv nthreads")
 
 
 def eigh(

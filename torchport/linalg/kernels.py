@@ -1747,10 +1747,12 @@ def library(
     )
     lib = native.build(src, name=f"linalg_{_TAG[dtype]}_{isa}_v{vbytes}", isa=isa)
     ks = {
-        "svd": launcher(lib, "tp_svd", dtype, "A S U Vh", "B m n uv full order nthreads"),
-        "eigh": launcher(lib, "tp_eigh", dtype, "A L Q", "B n upper wantv order nthreads"),
-        "svd_vec": launcher(lib, "tp_svd_vec", dtype, "A S U Vh", "B m n uv full order nthreads"),
-        "eigh_vec": launcher(lib, "tp_eigh_vec", dtype, "A L Q", "B n upper wantv order nthreads"),
+        "svd": launcher(lib, "tp_svd", dtype, "A S:r U Vh", "B m n uv full order nthreads"),
+        "eigh": launcher(lib, "tp_eigh", dtype, "A L:r Q", "B n upper wantv order nthreads"),
+        "svd_vec": launcher(lib, "tp_svd_vec", dtype, "A S:r U Vh", "B m n uv full order nthreads"),
+        "eigh_vec": launcher(
+            lib, "tp_eigh_vec", dtype, "A L:r Q", "B n upper wantv order nthreads"
+        ),
         "cholesky_vec": launcher(
             lib, "tp_cholesky_vec", dtype, "A L info", "B n upper stream huge nthreads"
         ),
@@ -1758,8 +1760,8 @@ def library(
         "qr_vec": launcher(lib, "tp_qr_vec", dtype, "A Q R", "B m n wantq complete huge nthreads"),
         "cholesky": launcher(lib, "tp_cholesky", dtype, "A L info", "B n upper nthreads"),
         # one matrix, sizes and flags packed in ``code`` (torchport.linalg.one)
-        "svd1": launcher(lib, "tp_svd1", dtype, "A S U Vh", "code"),
-        "eigh1": launcher(lib, "tp_eigh1", dtype, "A L Q", "code"),
+        "svd1": launcher(lib, "tp_svd1", dtype, "A S:r U Vh", "code"),
+        "eigh1": launcher(lib, "tp_eigh1", dtype, "A L:r Q", "code"),
         "qr1": launcher(lib, "tp_qr1", dtype, "A Q R", "code"),
         "chol1": launcher(lib, "tp_chol1", dtype, "A L info", "code"),
     }

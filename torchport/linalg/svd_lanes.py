@@ -524,5 +524,5 @@ def library(
     name = f"linalg_svdl_{'f64' if is64 else 'f32'}_{isa}_v{vbytes}{'' if reorder else '_r0'}"
     lib = native.build(src, name=name, isa=isa)
     return launcher(
-        lib, "tp_svd_lanes", dtype, "A S U Vh", "B m n uv full order kappa_c:f nthreads"
+        lib, "tp_svd_lanes", dtype, "A S:r U Vh", "B m n uv full order kappa_c:f nthreads"
     )
