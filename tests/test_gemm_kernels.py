@@ -689,3 +689,75 @@ def test_vector_activation_against_float64_torch(act):
     assert torch.equal(out[ref.isinf()], ref[ref.isinf()])
     zero = ref == 0
     assert torch.equal(out[zero].signbit(), ref[zero].signbit())
+
+
+# --- the store's operand prefetch (epilogue.emit_prefetch) -----------------------------------------
+
+_PF_PROBE = r"""
+static const char *tp_seen[1024];
+static int64_t tp_nseen;
+#define VPREFETCH(p) (tp_seen[tp_nseen++] = (const char *)(p))
+TP_INLINE void tp_epi_pf(int64_t i, int64_t j, int64_t nr, const void *const *ep,
+        const int64_t *eld) {
+    (void)i; (void)j; (void)nr; (void)ep; (void)eld;
+    BODY
+}
+/* the addresses tp_epi_pf(i, j, nr) prefetches, into out; returns how many */
+TP_EXPORT int64_t tp_pf_probe(int64_t i, int64_t j, int64_t nr, const void *const *ep,
+        const int64_t *eld, int64_t *out) {
+    tp_nseen = 0;
+    tp_epi_pf(i, j, nr, ep, eld);
+    for (int64_t q = 0; q < tp_nseen; ++q) out[q] = (int64_t)(intptr_t)tp_seen[q];
+    return tp_nseen;
+}
+"""
+
+PF_CHAINS = [
+    "bias_col:f32;gelu;add:f32",
+    "bias_col:bf16;silu",
+    "gelu_tanh;add:bf16;bias_col:bf16",
+    "bias_row:f32;relu;scale_col:f32",
+    "scale_row:bf16;add:f32;scale_col:bf16",
+    "relu",
+]
+
+
+@pytest.mark.parametrize("text", PF_CHAINS)
+def test_store_prefetch_covers_every_operand_line(text):
+    """Before a tile's K loop (or a row block's weight stream) every 64-byte line the epilogue
+    will read at row i, columns [j, j + nr) is prefetched: each line of a residual's or column
+    vector's span (spans up to the row driver's 64-column blocks, at any alignment) and a row
+    vector's element i; nothing outside the operands' own elements."""
+    import ctypes
+
+    from torchport.gemm.epilogue import OPERAND_KINDS, emit_prefetch
+
+    spec = EpilogueSpec.decode(text)
+    src = native.render(_PF_PROBE.replace("BODY", emit_prefetch(spec)).replace("$", "$$"))
+    fn = native.build(src, name=f"gemm_pf_probe_e{len(spec.ops)}", isa="scalar").tp_pf_probe
+    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+    fn.restype = ctypes.c_int64
+    m, n = 5, 200
+    dts = {"f32": torch.float32, "bf16": torch.bfloat16}
+    ops = [op for op in spec.ops if op.kind in OPERAND_KINDS]
+    shapes = {"add": (m, n + 3), "bias_row": (m,), "scale_row": (m,)}  # residual rows padded
+    tensors = [torch.zeros(shapes.get(op.kind, (n,)), dtype=dts[op.dtype]) for op in ops]
+    ptrs = (ctypes.c_void_p * max(1, len(ops)))(*[t.data_ptr() for t in tensors])
+    lds = (ctypes.c_int64 * max(1, len(ops)))(*[t.stride(0) for t in tensors])
+    out = (ctypes.c_int64 * 1024)()
+    for i, j, nr in [(0, 0, 1), (1, 3, 8), (4, 7, 24), (2, 17, 64), (3, 100, 64), (4, 131, 48)]:
+        got = {a // 64 for a in out[: fn(i, j, nr, ptrs, lds, out)]}
+        want: set[int] = set()
+        allowed: set[int] = set()
+        for op, t in zip(ops, tensors):
+            size = t.element_size()
+            if op.kind == "add":
+                base = t.data_ptr() + i * t.stride(0) * size
+                want |= {(base + e * size) // 64 for e in range(j, j + nr)}
+            elif op.kind in ("bias_col", "scale_col"):
+                want |= {(t.data_ptr() + e * size) // 64 for e in range(j, j + nr)}
+            else:
+                want.add((t.data_ptr() + i * size) // 64)
+            allowed |= {(t.data_ptr() + e * size) // 64 for e in range(t.numel())}
+        assert want <= got, f"{text} at i={i} j={j} nr={nr}: lines {sorted(want - got)} missed"
+        assert got <= allowed, f"{text}: prefetches outside the operands"

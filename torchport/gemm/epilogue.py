@@ -504,16 +504,29 @@ def emit_c(spec: EpilogueSpec) -> tuple[str, str]:
 
 
 def emit_prefetch(spec: EpilogueSpec) -> str:
-    """C body prefetching, for row ``i`` and columns ``[j, j + nr)``, the ``[M, N]`` operands
-    the epilogue will read (residuals): issued before a tile's K loop, so the loads at its store
-    do not each wait for memory (``ep``/``eld`` as in :func:`emit_c`)."""
+    """C body prefetching, for row ``i`` and columns ``[j, j + nr)``, what the epilogue will read
+    there: every line of the residuals' (``[M, N]``) and column vectors' (bias, scale) spans and
+    a row vector's element ``i``. Issued before a tile's K loop (or a row block's weight stream),
+    so the loads at its store do not each wait for memory (``ep``/``eld`` as in :func:`emit_c`).
+
+    Before, only a residual's first and last element were prefetched and the column bias not at
+    all: a cold bias line, and the inner lines of a span wider than two lines (the row-streaming
+    driver's 64-column blocks), were each a full memory latency at the store."""
     lines: list[str] = []
     q = 0
     for op in spec.ops:
-        if op.kind == "add":
-            ct = "float" if op.dtype == "f32" else "uint16_t"
-            row = f"((const {ct} *)ep[{q}]) + i * eld[{q}] + j"
-            lines.append(f"VPREFETCH({row}); VPREFETCH({row} + nr - 1);")
+        ct = "float" if op.dtype == "f32" else "uint16_t"
+        per_line = 16 if op.dtype == "f32" else 32  # elements per 64-byte line
+        base = f"((const {ct} *)ep[{q}])"
+        span = {"add": f"{base} + i * eld[{q}] + j", "bias_col": f"{base} + j"}
+        span["scale_col"] = span["bias_col"]
+        if op.kind in span:
+            lines.append(
+                f"{{ const {ct} *p = {span[op.kind]}; for (int64_t c = 0; c < nr; c += "
+                f"{per_line}) VPREFETCH(p + c); VPREFETCH(p + nr - 1); }}"
+            )
+        elif op.kind in ("bias_row", "scale_row"):
+            lines.append(f"VPREFETCH({base} + i);")
         if op.kind in OPERAND_KINDS:
             q += 1
     return "\n        ".join(lines)

@@ -138,6 +138,8 @@ TP_EXPORT int tp_gemm_rows_{mr}(otype_t *C, int64_t ldc, const float *A, int64_t
         for (int64_t ch = 0; ch < nch; ++ch) {{
             for (int64_t blk = nb * ch / nch; blk < nb * (ch + 1) / nch; ++blk) {{
                 const int64_t j0 = blk * {BLOCK}, w = TP_MIN(N - j0, {BLOCK});
+                /* the epilogue's operands of the block, fetched while its weights stream */
+                for (int64_t i = 0; i < M; ++i) tp_epi_pf(i, j0, w, ep, eld);
                 int64_t q = 0;
                 for (; q + {WROWS} <= w; q += {WROWS}) {{
                     const btype_t *wp = W + (j0 + q) * ldw;
