@@ -91,3 +91,18 @@ def test_tuning_arguments_fail_like_before(fresh_cache, monkeypatch):
     with pytest.raises(MemoryError, match="no room"):
         G.mm(torch.randn(1, 24), torch.randn(24, 104), epilogue=[Scale(1.0 + 1.0 / 991.0)])
     assert not autotune.choice_cache.entries()
+
+
+def test_a_cold_tune_leaves_the_global_random_stream_alone(fresh_cache) -> None:
+    """The tuner's random inputs come from a private generator: after a first call that tunes a
+    new shape, ``torch.randn`` continues exactly where the caller's seed left it."""
+    if native.cpu_info().isa == "scalar":
+        pytest.skip("needs an x86 vector ISA")
+    a, b = torch.randn(3, 56), torch.randn(56, 88)  # a shape no other test builds
+    torch.manual_seed(123)
+    expected = torch.randn(5)
+    torch.manual_seed(123)
+    tuned = autotune.stats.tuned
+    G.mm(a, b)
+    assert autotune.stats.tuned == tuned + 1  # it did tune
+    assert torch.equal(torch.randn(5), expected)

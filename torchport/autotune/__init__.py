@@ -14,6 +14,7 @@ from torchport.autotune.timing import (
     measure,
     median,
     nbytes,
+    sample_generator,
 )
 from torchport.autotune.tuner import (
     ATEN,
@@ -51,6 +52,7 @@ __all__ = [
     "measure",
     "median",
     "nbytes",
+    "sample_generator",
     "select",
     "stats",
 ]

@@ -44,6 +44,13 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def sample_generator(seed: int = 0) -> torch.Generator:
+    """A private CPU generator for a tuner's random inputs: drawing them leaves the caller's global
+    random stream (``torch.manual_seed``) where it was, so a first call that tunes returns the
+    same later random numbers as one that does not."""
+    return torch.Generator().manual_seed(seed)
+
+
 def cold_copies(
     args: tuple[Any, ...], *, budget: int | None = None, max_copies: int = 64
 ) -> list[tuple[Any, ...]]:

@@ -569,17 +569,18 @@ def _choose(
 
     def make_args() -> tuple[Any, ...]:
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-            aa = torch.randn(mb, k).to(a.dtype)
+            g = autotune.sample_generator()
+            aa = torch.randn(mb, k, generator=g).to(a.dtype)
             bb = (
-                torch.randn(n, k).to(b.dtype).t()
+                torch.randn(n, k, generator=g).to(b.dtype).t()
                 if layout == "t"
-                else torch.randn(k, n).to(b.dtype)
+                else torch.randn(k, n, generator=g).to(b.dtype)
             )
             ops = []
             kinds = [op.kind for op in spec.ops if op.kind in OPERAND_KINDS]
             for kind, t in zip(kinds, operands):
                 shape = {"add": (mb, n), "bias_row": (mb,), "scale_row": (mb,)}.get(kind, (n,))
-                ops.append(torch.randn(shape).to(t.dtype))
+                ops.append(torch.randn(shape, generator=g).to(t.dtype))
             return aa, bb, ops
 
         if k * n * b.element_size() >= L3_BYTES and tuple(a.shape) == (mb, k):

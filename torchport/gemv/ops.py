@@ -417,7 +417,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
     }
 
     def make_args() -> tuple[torch.Tensor, ...]:
-        return (torch.randn(rows, pw.k), pw.data, pw.scales, pw.rowscale)
+        x = torch.randn(rows, pw.k, generator=autotune.sample_generator())
+        return (x, pw.data, pw.scales, pw.rowscale)
 
     choice = autotune.select(
         "gemv",

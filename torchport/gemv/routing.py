@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from torchport import native
+from torchport import autotune, native
 from torchport.compiler import (
     Pass,
     Rule,
@@ -53,7 +53,7 @@ def native_wins(dtype: torch.dtype, n: int, k: int, rows: int) -> bool:
     if n * k < TUNE_MIN_WEIGHTS or not native.enabled():
         return False
     fmt = "f32" if dtype == torch.float32 else "bf16"
-    w = torch.randn(n, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype, generator=autotune.sample_generator())
     empty_u8, empty_f32 = torch.empty(0, dtype=torch.uint8), torch.empty(0)
     try:
         plan = plan_for(PackedWeight(fmt, w, empty_u8, empty_f32, 1.0, n, k), rows, False)

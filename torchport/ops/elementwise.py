@@ -304,7 +304,7 @@ def rowsum_choice(x: torch.Tensor) -> autotune.Choice:
         key,
         _rowsum_candidates(),
         _rowsum_factory,
-        lambda: (torch.randn(tuple(x.shape)).to(x.dtype),),
+        lambda: (torch.randn(tuple(x.shape), generator=autotune.sample_generator()).to(x.dtype),),
         cold=True,
         check=_rowsum_close,
         backends={"NATIVE", "ATEN"} if native.enabled() else {"ATEN"},
