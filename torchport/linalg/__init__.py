@@ -445,7 +445,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     tb = _tune_batch(op, b, m, n, dtype)
 
     def make_args() -> tuple[torch.Tensor]:
-        g = torch.Generator().manual_seed(0)
+        g = autotune.sample_generator()
         wide = torch.complex128 if dtype.is_complex else torch.float64
         x = torch.randn((tb, m, n), generator=g, dtype=wide)
         if op in ("eigh", "cholesky"):
