@@ -10,6 +10,14 @@ and rank 0's own medians (the root of a broadcast: gloo's returns once its data 
 Before the fourteenth session it timed rank 0 only. ``--calls 1`` is the first call after the
 barrier (the rank skew counts); ``--calls 20`` is the steady per-call cost.
 
+It also prints each backend's CPU time per call, summed over the ranks: every thread of the
+process (the caller's, the reader threads', gloo's; ``time.process_time``) and the calling
+thread alone (``time.thread_time``), both read around the timed calls. Not user and system
+apart: ``getrusage`` splits the total by timer ticks (4 ms), which over a 1 ms sample is noise
+(the callers' user time came out above the processes'). On this two-core VM a four-rank cell
+is CPU-bound, so CPU per call decides it as much as latency does, and it is steadier than wall
+time under a noisy load.
+
 Run: ``flock /tmp/tp-bench.lock python bench/bench_collectives_cell.py --op broadcast
 --size 1048576 --world 2 --samples 30 --calls 2``.
 """
@@ -47,14 +55,21 @@ def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, c
             fn()
     res: dict[str, list[float]] = {name: [] for name in fns}
     own: dict[str, list[float]] = {name: [] for name in fns}  # this rank's times
+    # CPU seconds over the timed calls: every thread of this process, the calling thread
+    cpu = {name: torch.zeros(2, dtype=torch.float64) for name in fns}
     for _ in range(samples):
         for name, fn in fns.items():
             dist.barrier(group=gloo)
+            c0 = time.process_time(), time.thread_time()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             own[name].append((time.perf_counter() - t0) / calls)
+            c1 = time.process_time(), time.thread_time()
+            cpu[name] += torch.tensor([c1[0] - c0[0], c1[1] - c0[1]], dtype=torch.float64)
             res[name].append(_slowest(own[name][-1], gloo))
+    for c in cpu.values():
+        dist.all_reduce(c, group=gloo)  # summed over the ranks
     if rank == 0:
         parts = []
         for name, v in res.items():
@@ -70,6 +85,15 @@ def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, c
         print(
             f"{tag}{op} {size} B w{world} calls {calls}, slowest rank: {'; '.join(parts)}; "
             f"ratio {ratio:.2f}x (rank 0 med: {r0} us)",
+            flush=True,
+        )
+        per = 1e6 / (samples * calls)
+        print(
+            f"{tag}  CPU per call, summed over the ranks: "
+            + "; ".join(
+                f"{name} {c[0] * per:.0f} us (calling threads {c[1] * per:.0f})"
+                for name, c in ((name, c.tolist()) for name, c in cpu.items())
+            ),
             flush=True,
         )
     dist.destroy_process_group()
