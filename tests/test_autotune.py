@@ -395,6 +395,33 @@ def test_budget_times_long_calls_once(fresh_cache, fake_clock):
     assert ch.candidate.name == "native"
 
 
+def test_long_calls_burst_on_the_candidates_confirmation_keeps_it(fresh_cache, fake_clock):
+    """Long calls (timed once in the search, one alternating round to confirm): a burst of load
+    on the native kernel's confirmation calls no longer rejects a kernel whose fastest call, in
+    the search, beat the anchor's fastest (the case seen with bf16 M=2048 768->3072)."""
+    calls: list = []
+    # ATen 0.4 s a call; native 0.3 s, but 0.5 s through its confirmation (calls 2 and up)
+    make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3 if i < 2 else 0.5, calls)
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-burst"}, make, budget_s=0.3, confirm=True)
+    assert ch.timings_s["confirm:native"] == pytest.approx(0.5)  # the confirmation was hit ...
+    assert ch.timings_s["confirm:aten"] == pytest.approx(0.4)
+    assert calls.count("native") == 2 + 2  # ... in its one round after the warm-up
+    assert ch.candidate.name == "native"
+    assert autotune.choice_cache.get("toy.pair", {"case": "long-burst"})["choice"] == "native"
+
+
+def test_long_calls_burst_on_the_anchors_search_is_still_rejected(fresh_cache, fake_clock):
+    """The guard's own case at long calls: ATen's search call was slowed (0.45 s, so a 0.3 s
+    kernel looked 1.5x faster); ATen's confirmation shows 0.28 s and the kernel is rejected."""
+    make = _fake_factory(fake_clock, lambda i: 0.45 if i < 2 else 0.28, lambda i: 0.3)
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-anchor-burst"}, make, budget_s=0.3, confirm=True)
+    assert ch.timings_s["aten"] == pytest.approx(0.45)
+    assert ch.timings_s["confirm:aten"] == pytest.approx(0.28)
+    assert ch.candidate.name == "aten"
+
+
 # --- final round: the fastest candidates of the search meet in one interleaved round ----------
 
 TRIO = [Candidate("aten", ATEN), Candidate("a"), Candidate("b")]

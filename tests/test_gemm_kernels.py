@@ -653,6 +653,29 @@ def test_single_panel_chunks_from_panel_chunk_m_rows(dtype):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kc", [0, 96], ids=["whole_k", "kc96"])
+def test_panel_and_m_block_chunks_with_epilogue(dtype, kc):
+    """From PANEL_CHUNK_M rows the two threads take (panel, M block) chunks: M blocks of mc
+    rows not a multiple of MR (the last one short), K blocks carried between them, and an
+    epilogue whose operands depend on the row (residual) and column (bias) give the reference
+    result."""
+    m = templates.PANEL_CHUNK_M + 45
+    spec = EpilogueSpec.decode("bias_col:f32;gelu;add:f32")
+    cfgs = [Config(*TILES[0], 40, kc=kc)]
+    if dtype == torch.bfloat16 and LARGE_DP_TILES and native.cpu_info().has_avx512_bf16:
+        cfgs += [Config(*t, 40, kc=kc, dp=1) for t in LARGE_DP_TILES]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = _make(m, 5 * 64 + 7, 250, dtype, "c", "weight_t")
+        ops = _operands(spec, m, b.shape[1])
+        for cfg in cfgs:
+            _assert_close(run_native(a, b, spec, ops, cfg), a, b, spec, ops)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _activation_inputs() -> torch.Tensor:
     """Dense [-12, 12] plus zeros, tiny and subnormal values, large magnitudes, the clamp and
     overflow edges of the vector maths, +-inf and NaN (a multiple of 16 long: all vector lanes)."""

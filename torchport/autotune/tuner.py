@@ -21,6 +21,7 @@ by the load of the moment.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -267,6 +268,21 @@ def _confirm_choice(
 LONG_CALL_S = 0.06
 
 
+def _long_call_verdict(timings: Mapping[str, float], name: str, anchor: str) -> bool:
+    """Whether ``name`` beats ``anchor`` by their fastest recorded calls, search and
+    confirmation together: for calls longer than LONG_CALL_S the search times each candidate
+    once and the confirmation takes one or two alternating rounds, so one burst of load on the
+    candidate's confirmation call rejected a kernel that was faster in both phases' best calls
+    (measured, bf16 M=2048 768->3072 on vdpbf16ps, load 3-4: search 77.4 vs ATen 114.3 ms,
+    confirmation 98.1 vs 95.4 ms: ATen kept, 0.80x max-autotune in that run). Load only
+    lengthens a compute-bound call, so the fastest call of each is the closer estimate; a win
+    that came from a burst on the anchor's search call still fails here, on the anchor's
+    confirmation time."""
+    mine = min(timings[name], timings.get(f"confirm:{name}", math.inf))
+    theirs = min(timings[anchor], timings.get(f"confirm:{anchor}", math.inf))
+    return beats_anchor(mine, theirs)
+
+
 # The search times candidates one after the other, a few calls each: on a shared machine a burst
 # of load decides between candidates a few per cent apart (a fresh cache picked T0 4096 over NTA
 # 2048 prefetch for NVFP4 11008x4096 GEMV on one such sample each, where NTA 2048 streamed faster
@@ -428,6 +444,8 @@ def _tune(
                     2 * cap_s,
                     min_rounds=1 if long_calls else 3,
                 )
+                if not ok and long_calls:
+                    ok = _long_call_verdict(timings, choice.name, anchor.name)
             _confirmed[_memo_key(op, key, choice)] = ok
             if not ok:
                 choice = anchor

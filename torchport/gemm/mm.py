@@ -133,18 +133,21 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
             # threads: 440 GFLOP/s for 6x64 and 8x48, 421 for 6x32; peak about 490 here)
             cfgs = [Config(6, 64, 96), Config(8, 48, 512), *cfgs]
         if dp:
-            # vdpbf16ps: 6x64 first (24 accumulators, the fewest loads per dot-accumulate),
-            # M blocks of up to 2048 rows (measured, two threads, 1024->4096: M=512 909 GFLOP/s
-            # vs 880 with 128-row blocks, M=2048 931 vs 902; one thread reaches 95 % of the
-            # dot instruction's peak, 495 GFLOP/s per core here); K blocks of 4096 when K is
-            # larger (a 64-wide panel of K=11008 is 1.4 MB, more than L2; measured M=512
-            # 11008->1024: 843 GFLOP/s with kc=4096, 796 with 2048, 767 without)
+            # vdpbf16ps: 6x64 first (24 accumulators, the fewest loads per dot-accumulate);
+            # K blocks of 4096 when K is larger (a 64-wide panel of K=11008 is 1.4 MB, more
+            # than L2; measured M=512 11008->1024 on a Zen 5: 843 GFLOP/s with kc=4096, 796
+            # with 2048, 767 without). M blocks of 256 rows: from templates.PANEL_CHUNK_M
+            # rows the threads take (panel, M block) chunks, so they finish within one block
+            # of each other (measured on a Zen 4, two threads, interleaved medians of 9, mc=M
+            # as before vs 256: M=512 768->3072 5.98 vs 5.82 ms, 1024->4096 10.28 vs 9.97,
+            # M=2048 1024->4096 44.6 vs 42.2; one thread reaches 93-97 % of the dot
+            # instruction's measured peak, 232 GFLOP/s per core there)
             kb = 4096 if k > 4096 else 0
             cfgs = [
-                Config(6, 64, min(m, 2048), kc=kb, dp=1),
-                Config(8, 48, 512, kc=kb, dp=1),
+                Config(6, 64, min(m, 256), kc=kb, dp=1),
+                Config(8, 48, min(m, 256), kc=kb, dp=1),
                 Config(6, 64, 128, dp=1),
-                Config(4, 96, 512, dp=1),
+                Config(4, 96, min(m, 256), dp=1),
                 *cfgs[:1],
             ]
             rate = 2.5e11

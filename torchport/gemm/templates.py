@@ -540,14 +540,20 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const atype_t *A, int64
        thread that starts late or is preempted (a busy or virtualised machine) takes fewer
        chunks instead of the whole call waiting for its fixed half; single panels from
        TP_PANEL_CHUNK_M rows up */
+    /* from TP_PANEL_CHUNK_M rows a chunk is one panel and one M block of mc rows (panel-major,
+       so the threads work on the same panel's blocks side by side): the threads finish within
+       one block of each other rather than one panel over all M rows */
+    const int64_t nmb = nt >= 2 && M >= TP_PANEL_CHUNK_M ? (M + mc - 1) / mc : 1;
     const int64_t nch = nt < 2 ? 1
-        : M >= TP_PANEL_CHUNK_M ? np : TP_MIN(np, nt * TP_CHUNKS_PER_THREAD);
+        : M >= TP_PANEL_CHUNK_M ? np * nmb : TP_MIN(np, nt * TP_CHUNKS_PER_THREAD);
     #pragma omp parallel num_threads(nt)
     {{
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t ch = 0; ch < nch; ++ch) {{
-        const int64_t p0 = np * ch / nch, p1 = np * (ch + 1) / nch;
-        for (int64_t ic = 0; ic < M; ic += mc) {{
+        const int64_t pch = ch / nmb, npch = nch / nmb;
+        const int64_t p0 = np * pch / npch, p1 = np * (pch + 1) / npch;
+        const int64_t ib = (ch % nmb) * mc, ie = nmb > 1 ? TP_MIN(M, ib + mc) : M;
+        for (int64_t ic = ib; ic < ie; ic += mc) {{
             int64_t mcur = TP_MIN(mc, M - ic);
             for (int64_t pc = 0; pc < K || pc == 0; pc += kb) {{
                 int64_t k1 = TP_MIN(K, pc + kb);
@@ -580,9 +586,10 @@ TP_EXPORT int tp_gemm_{mr}x{nr}(otype_t *C, int64_t ldc, const atype_t *A, int64
 # Work chunks per thread in the N-split drivers (handed out dynamically; see _driver)
 CHUNKS_PER_THREAD = 8
 
-# From this M up, the N-split drivers hand out one panel at a time: a panel is then enough work
-# to amortise the hand-out, and the threads finish within half a panel of each other instead of
-# half a chunk (measured, bf16 M=512 1024->4096, vdpbf16ps 8x48: 1.067x eager vs 1.000x with
+# From this M up, the N-split drivers hand out one panel and one M block (``mc`` rows) at a time:
+# that is then enough work to amortise the hand-out, and the threads finish within one block of
+# each other instead of half a chunk (one whole panel over all M rows before the seventeenth
+# session; see mm.candidates) (measured, bf16 M=512 1024->4096, vdpbf16ps 8x48: 1.067x eager vs 1.000x with
 # 8 chunks per thread; 4096->11008: 1.062x vs 0.997x)
 PANEL_CHUNK_M = 128
 
