@@ -216,3 +216,65 @@ def test_cpu_features_and_isa_override():
         assert native.cpu_info().isa == info.max_isa or info.max_isa == "avx512"
     assert native.compile_flags("scalar") == list(native.toolchain.BASE_FLAGS)
     assert "-mavx512f" in native.compile_flags("avx512")
+
+
+def _records(cache: Path, stem: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in Path(cache, "native").rglob(f"{stem}-*.json")]
+
+
+needs_gcc = pytest.mark.skipif(
+    not native.pch._is_gcc(native.toolchain.find_compiler()),
+    reason="precompiled headers are built for GCC only",
+)
+
+
+@needs_gcc
+def test_prelude_headers_are_precompiled_once_per_flag_set(fresh_cache, monkeypatch):
+    monkeypatch.setattr(native.pch, "_ready", {})
+    before = native.stats().pch_builds
+    assert _fill("pch_a")[5].item() == 7.5
+    assert _fill("pch_b")[5].item() == 7.5
+    assert native.stats().pch_builds == before + 1
+    cmds = [r["cmd"] for r in _records(fresh_cache, "fill")]
+    assert len(cmds) == 2 and all("-include" in c for c in cmds)
+    (gch,) = Path(fresh_cache, "native", "pch").rglob("*.h.gch")
+    # a source that does not begin with the prelude's headers compiles as before
+    lib = native.build("int tp_one(void) { return 1; }\n", name="plain")
+    assert lib.tp_one() == 1
+    assert "-include" not in _records(fresh_cache, "plain")[0]["cmd"]
+    assert native.stats().pch_builds == before + 1 and gch.exists()
+
+
+@needs_gcc
+def test_damaged_precompiled_header_is_rebuilt_with_warning(fresh_cache, monkeypatch):
+    monkeypatch.setattr(native.pch, "_ready", {})
+    _fill("pch_ok")
+    (gch,) = Path(fresh_cache, "native", "pch").rglob("*.h.gch")
+    data = bytearray(gch.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = os.urandom(4096)  # GCC crashes on this
+    gch.write_bytes(bytes(data))
+    monkeypatch.setattr(native.pch, "_ready", {})  # a fresh process's view
+    before = native.stats().pch_builds
+    with pytest.warns(CorruptCacheWarning, match="precompiled header .* failed verification"):
+        assert _fill("pch_damaged")[1].item() == 3.5
+    assert native.stats().pch_builds == before + 1
+    assert all("-include" in r["cmd"] for r in _records(fresh_cache, "fill"))
+
+
+@needs_gcc
+def test_compile_failing_with_precompiled_header_retries_without(fresh_cache, monkeypatch):
+    bad = Path(fresh_cache, native.pch.HEADER_NAME)
+    bad.parent.mkdir(parents=True)
+    bad.write_text("#error this header is broken\n")
+    discarded: list[Path] = []
+    monkeypatch.setattr(native.pch, "header_for", lambda source, flags, cc: bad)
+    monkeypatch.setattr(native.pch, "discard", discarded.append)
+    assert _fill("pch_retry")[2].item() == 4.5
+    assert "-include" not in _records(fresh_cache, "fill")[0]["cmd"]
+    assert discarded == [bad]  # not used again in this process
+    # a source that is itself at fault still raises, with the compiler's message, and does not
+    # discard the precompiled headers
+    src = native.render("TP_EXPORT int broken(void) { return undefined_symbol_pch; }\n")
+    with pytest.raises(CompileError, match="undefined_symbol_pch"):
+        native.build(src, name="broken")
+    assert discarded == [bad]

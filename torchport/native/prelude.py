@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import string
 
-PRELUDE = r"""
+# The system and intrinsics headers every kernel starts with (``native.pch`` precompiles them)
+HEADERS = r"""
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
@@ -58,7 +59,9 @@ PRELUDE = r"""
 #elif defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+"""
 
+_DEFINITIONS = r"""
 #define TP_EXPORT __attribute__((visibility("default")))
 #define TP_INLINE static inline __attribute__((always_inline))
 #define TP_MIN(a, b) ((a) < (b) ? (a) : (b))
@@ -129,6 +132,8 @@ TP_INLINE void tp_chunk(int64_t n, int64_t nt, int64_t t, int64_t align, int64_t
     *hi = TP_MIN(n, b1 * align);
 }
 """
+
+PRELUDE = HEADERS + _DEFINITIONS
 
 
 def render(body: str, **params: object) -> str:
