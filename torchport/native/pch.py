@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from torchport import config
 from torchport.native import toolchain
 from torchport.native.prelude import HEADERS
 
@@ -59,11 +60,14 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
     """The header to pass as ``-include`` for compiling ``source`` with ``flags`` (its PCH beside
     it), building the PCH on first use; None when the source does not start with the prelude's
     headers, the compiler is not GCC, or no PCH could be made."""
-    if not source.startswith(HEADERS) or not _is_gcc(cc):
+    where = config.get("native_pch")
+    if where == "off" or not source.startswith(HEADERS) or not _is_gcc(cc):
         return None
     pflags = [f for f in flags if f != "-shared"]
     key = _key(pflags, cc)
-    d = toolchain.native_dir() / "pch" / key[:24]
+    # absolute: the compiler runs in a temporary directory
+    base = Path(where).expanduser() if where else toolchain.native_dir() / "pch"
+    d = base.absolute() / key[:24]
     memo = str(d)  # the cache directory may change within a process (config.override)
     with _lock:
         if memo in _ready:
@@ -90,9 +94,15 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
 
 def discard(header: Path) -> None:
     """Stop using ``header``'s PCH in this process (a source failed to compile with it and
-    compiled without it)."""
+    compiled without it) and drop its record, so that the next process builds it anew."""
     with _lock:
         _ready[str(header.parent)] = None
+    try:
+        with open(header.parent / "lock", "a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            (header.parent / "record.json").unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _verified(d: Path, key: str) -> bool:

@@ -19,6 +19,9 @@ HEADERS = r"""
 /* The intrinsics of the extensions the flags enable, not all of <immintrin.h>: it declares every
    x86 extension's, and reading it took 0.18 of a pack kernel's 0.25 s compile at -mavx512* */
 #include <smmintrin.h>
+#if __GNUC__ >= 11
+#include <x86gprintrin.h>
+#endif
 #define _IMMINTRIN_H_INCLUDED
 #include <avxintrin.h>
 #include <avx2intrin.h>

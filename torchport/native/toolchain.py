@@ -259,14 +259,20 @@ def build(
             lib = None
         if lib is None:
             header = pch.header_for(source, flags, cc)
+            failed_with: Path | None = None
             try:
                 _compile(source, flags, cc, so, meta, key, header)
-            except CompileError:
-                if header is None:
+            except CompileError as e:
+                if header is None or isinstance(e.__cause__, subprocess.TimeoutExpired):
                     raise
-                _compile(source, flags, cc, so, meta, key)  # raises if the source is at fault
-                pch.discard(header)  # it compiles without the precompiled headers only
-            lib = ctypes.CDLL(str(so))
+                failed_with = header
+            if failed_with is not None:  # outside the handler: a faulty source's error alone
+                _compile(source, flags, cc, so, meta, key)
+                pch.discard(failed_with)  # it compiles without the precompiled headers only
+            try:
+                lib = ctypes.CDLL(str(so))
+            except OSError as e:  # e.g. an undeclared function, left undefined by the compiler
+                raise CompileError(f"kernel {so.stem} was compiled but does not load: {e}") from e
         with _lock:
             _loaded[key] = lib
         return lib
