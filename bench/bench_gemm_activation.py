@@ -47,7 +47,7 @@ def library(isa: str, tpl: Any = templates) -> ctypes.CDLL:
     """The activation loops of :mod:`torchport.gemm.templates` (or the module ``tpl``) for
     ``isa``."""
     body = tpl.vocabulary(isa) + f"#define VWIDTH {tpl.VW[isa]}\n" + _BODY
-    src = tpl.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
+    src = native.render(body.replace("$", "$$"))
     return native.build(src, name=f"gemm_act_bench_{isa}", isa=isa, extra_flags=["-O2"])
 
 

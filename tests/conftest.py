@@ -10,6 +10,8 @@ import pytest
 # Set before torchport is imported anywhere so every process of the run shares one cache.
 _SESSION_CACHE = tempfile.mkdtemp(prefix="torchport-test-cache-")
 os.environ.setdefault("TORCHPORT_CACHE_DIR", _SESSION_CACHE)
+# one set of precompiled kernel headers for the run (~20 MB each), also under fresh_cache
+os.environ.setdefault("TORCHPORT_NATIVE_PCH", os.path.join(_SESSION_CACHE, "pch"))
 os.environ.setdefault("TORCHPORT_PROGRESS", "0")
 
 

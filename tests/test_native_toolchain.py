@@ -216,3 +216,118 @@ def test_cpu_features_and_isa_override():
         assert native.cpu_info().isa == info.max_isa or info.max_isa == "avx512"
     assert native.compile_flags("scalar") == list(native.toolchain.BASE_FLAGS)
     assert "-mavx512f" in native.compile_flags("avx512")
+
+
+def _records(cache: Path, stem: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in Path(cache, "native").rglob(f"{stem}-*.json")]
+
+
+def _gcc() -> bool:
+    try:
+        return native.pch._is_gcc(native.toolchain.find_compiler())
+    except native.NativeError:
+        return False
+
+
+needs_gcc = pytest.mark.skipif(not _gcc(), reason="precompiled headers are built for GCC only")
+
+
+@pytest.fixture
+def own_pch(fresh_cache, monkeypatch):
+    """Precompiled headers under the fresh cache (the default place), as a new process sees them."""
+    monkeypatch.setenv("TORCHPORT_NATIVE_PCH", "")
+    monkeypatch.setattr(native.pch, "_ready", {})
+    return fresh_cache
+
+
+@needs_gcc
+def test_prelude_headers_are_precompiled_once_and_used(own_pch, tmp_path):
+    before = native.stats().pch_builds
+    assert _fill("pch_a")[5].item() == 7.5
+    assert _fill("pch_b")[5].item() == 7.5
+    assert native.stats().pch_builds == before + 1
+    cmds = [r["cmd"] for r in _records(own_pch, "fill")]
+    assert len(cmds) == 2 and all("-include" in c for c in cmds)
+    # GCC really reads the PCH with these flags (it ignores a mismatched one silently under -w)
+    header = Path(cmds[0][cmds[0].index("-include") + 1])
+    assert header.is_absolute() and header.with_suffix(".h.gch").exists()
+    (tmp_path / "k.c").write_text(native.render("int tp_k(void) { return 1; }\n"))
+    flags = [f for f in native.compile_flags() if f != "-w"]
+    flags += ["-H", "-Winvalid-pch", "-include", str(header)]
+    res = subprocess.run(
+        [native.toolchain.find_compiler(), *flags, "k.c", "-o", "k.so"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert any(
+        line.startswith("! ") and line.endswith(".gch") for line in res.stderr.splitlines()
+    ), res.stderr[-2000:]
+    assert "not used because" not in res.stderr
+    # a new process reuses it: no build, no warning
+    native.pch._ready.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _fill("pch_c")[0].item() == 2.5
+    assert native.stats().pch_builds == before + 1
+    # a source that does not begin with the prelude's headers compiles as before
+    lib = native.build("int tp_one(void) { return 1; }\n", name="plain")
+    assert lib.tp_one() == 1
+    assert "-include" not in _records(own_pch, "plain")[0]["cmd"]
+
+
+@needs_gcc
+def test_precompiled_headers_with_relative_cache_dir_or_off(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", "relcache")
+    monkeypatch.setenv("TORCHPORT_NATIVE_PCH", "")
+    monkeypatch.setattr(native.pch, "_ready", {})
+    before = native.stats().compiles
+    assert _fill("pch_rel")[1].item() == 3.5
+    assert native.stats().compiles == before + 1  # no failed first attempt
+    assert "-include" in _records(tmp_path / "relcache", "fill")[0]["cmd"]
+    monkeypatch.setenv("TORCHPORT_NATIVE_PCH", "off")
+    assert _fill("pch_off")[1].item() == 3.5
+    cmds = [r["cmd"] for r in _records(tmp_path / "relcache", "fill")]
+    assert sum("-include" in c for c in cmds) == 1
+
+
+@needs_gcc
+def test_damaged_precompiled_header_is_rebuilt_with_warning(own_pch, monkeypatch):
+    _fill("pch_ok")
+    (gch,) = Path(own_pch, "native", "pch").rglob("*.h.gch")
+    data = bytearray(gch.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = os.urandom(4096)  # GCC crashes on this
+    gch.write_bytes(bytes(data))
+    monkeypatch.setattr(native.pch, "_ready", {})  # a fresh process's view
+    before = native.stats().pch_builds
+    with pytest.warns(CorruptCacheWarning, match="precompiled header .* failed verification"):
+        assert _fill("pch_damaged")[1].item() == 3.5
+    assert native.stats().pch_builds == before + 1
+    assert all("-include" in r["cmd"] for r in _records(own_pch, "fill"))
+
+
+@needs_gcc
+def test_compile_failing_with_precompiled_header_retries_without(own_pch, monkeypatch):
+    _fill("pch_first")  # builds the PCH
+    (header,) = Path(own_pch, "native", "pch").rglob(native.pch.HEADER_NAME)
+    header.write_text("#error this header is broken\n")  # the .gch beside it is now stale
+    header.with_suffix(".h.gch").unlink()
+    assert _fill("pch_retry")[2].item() == 4.5
+    rec = [r for r in _records(own_pch, "fill") if "-include" not in r["cmd"]]
+    assert len(rec) == 1  # compiled again without it
+    src = native.render("TP_EXPORT int tp_x(void) { return 0; }\n")
+    assert (
+        native.pch.header_for(src, native.compile_flags(), native.toolchain.find_compiler()) is None
+    )
+    assert not (header.parent / "record.json").exists()  # the next process builds it anew
+    # a source that is itself at fault still raises its own compiler message
+    monkeypatch.setattr(native.pch, "_ready", {})
+    bad = native.render("TP_EXPORT int broken(void) { return undefined_symbol_pch; }\n")
+    with pytest.raises(CompileError, match="undefined_symbol_pch") as info:
+        native.build(bad, name="broken")
+    assert info.value.__context__ is None
+    good = native.pch.header_for(bad, native.compile_flags(), native.toolchain.find_compiler())
+    assert good is not None  # rebuilt, and not discarded by the faulty source

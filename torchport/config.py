@@ -132,6 +132,14 @@ SETTINGS: dict[str, Setting] = {
             doc="C compiler for native kernels; empty means $CC, then gcc, then cc.",
         ),
         Setting(
+            name="native_pch",
+            env="TORCHPORT_NATIVE_PCH",
+            kind=str,
+            default="",
+            doc="Where GCC's precompiled kernel-prelude headers are kept: empty means "
+            "<cache_dir>/native/pch, 'off' parses the headers in every compile.",
+        ),
+        Setting(
             name="native",
             env="TORCHPORT_NATIVE",
             kind=bool,
@@ -463,6 +471,7 @@ sys.modules[__name__].__class__ = _ConfigModule
 if TYPE_CHECKING:  # attribute types for static checkers
     cache_dir: str
     cc: str
+    native_pch: str
     native: bool
     isa: str
     max_autotune_gemm_backends: str

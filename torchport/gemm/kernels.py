@@ -111,7 +111,7 @@ def library(
         body = rows.render_source(spec, btag, otag, isa, mr)
     else:
         body = templates.render_source(spec, btag, otag, isa, ((mr, nr),), dp)
-    src = templates.LEAN_X86_HEADERS + native.render(body.replace("$", "$$"))
+    src = native.render(body.replace("$", "$$"))
     name = f"gemm_{'dp' if dp else ''}{btag}_{otag}_{isa}_{mr}x{nr}_e{len(spec.ops)}"
     # -O2: the tiles are explicit intrinsics with unroll pragmas; -O3 adds compile time, not speed
     return native.build(src, name=name, isa=isa, extra_flags=["-O2"])
@@ -554,9 +554,7 @@ def _pass_source(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> str:
 
 @functools.cache
 def _pass_function(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> Any:
-    src = templates.LEAN_X86_HEADERS + native.render(
-        _pass_source(spec, stag, otag, isa).replace("$", "$$")
-    )
+    src = native.render(_pass_source(spec, stag, otag, isa).replace("$", "$$"))
     lib = native.build(
         src, name=f"gemm_epi_{stag}_{otag}_{isa}_e{len(spec.ops)}", isa=isa, extra_flags=["-O2"]
     )

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from torchport import native
-from torchport.gemm.templates import LEAN_X86_HEADERS
 from torchport.gemv.hugepages import hugepage_empty
 
 MAX_BYTES = 2 << 30
@@ -88,7 +87,7 @@ TP_EXPORT int tp_pack_${bits}(uint${bits}_t *out, const uint${bits}_t *src, int6
 
 @functools.cache
 def _pack_fn(bits: int) -> object:
-    src = LEAN_X86_HEADERS + native.render(_PACK_SOURCE, bits=bits)
+    src = native.render(_PACK_SOURCE, bits=bits)
     lib = native.build(src, name=f"gemm_pack{bits}")
     fn = getattr(lib, f"tp_pack_{bits}")
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 6

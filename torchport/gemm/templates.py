@@ -36,24 +36,6 @@ VW = {"avx2": 8, "avx512": 16, "scalar": 1}
 # Cache level the K loop's software prefetch of the B panel targets (x86 hint)
 B_PREFETCH_HINT = "_MM_HINT_T1"
 
-# Headers for an AVX2 (not AVX-512) build with GCC, put before the prelude: ``<immintrin.h>`` pulls
-# in every AVX-512/AMX header (about 60 000 preprocessed lines), whose parsing was ~70 % of a tile
-# library's compile (measured: 1.0-1.4 s per library, 0.5 s with these). GCC's per-extension
-# headers refuse direct inclusion unless ``<immintrin.h>``'s guard is defined; with it defined the
-# prelude's own ``#include <immintrin.h>`` is then a no-op. Other compilers and AVX-512 builds take
-# the full header as before. The generated code is the same (compared with ``objdump -d``).
-LEAN_X86_HEADERS = r"""
-#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX2__) && !defined(__AVX512F__) \
-    && !defined(_IMMINTRIN_H_INCLUDED)
-#include <smmintrin.h>
-#define _IMMINTRIN_H_INCLUDED
-#include <avxintrin.h>
-#include <avx2intrin.h>
-#include <fmaintrin.h>
-#include <f16cintrin.h>
-#endif
-"""
-
 # C type of the fp32 ``tp_gemm_{mr}x{nr}`` entry points (``_driver`` below), for generated code in
 # other subsystems that calls them through a function pointer (the graphs native tier). Keep the
 # two in step: a mismatch is undefined behaviour at the call, not a compile error.

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchport import config
+from torchport.native import pch
 from torchport.native.cpu import cpu_info, isa_flags
 
 ABI_VERSION = "1"
@@ -62,6 +63,7 @@ class Stats:
     memory_hits: int = 0
     corrupt_rebuilds: int = 0
     fallbacks: int = 0
+    pch_builds: int = 0
 
 
 _stats = Stats()
@@ -170,13 +172,22 @@ def _verified(so: Path, meta: Path, key: str) -> bool:
     return ok
 
 
-def _compile(source: str, flags: Sequence[str], cc: str, so: Path, meta: Path, key: str) -> None:
+def _compile(
+    source: str,
+    flags: Sequence[str],
+    cc: str,
+    so: Path,
+    meta: Path,
+    key: str,
+    header: Path | None = None,
+) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=so.parent))
     try:
         # A fixed relative file name keeps the object bytes independent of the temp directory,
         # so concurrent builders produce identical files.
         (tmp / "kernel.c").write_text(source)
-        cmd = [cc, *flags, "kernel.c", "-o", "kernel.so", "-lm"]
+        pre = ["-include", str(header)] if header is not None else []
+        cmd = [cc, *flags, *pre, "kernel.c", "-o", "kernel.so", "-lm"]
         try:
             res = subprocess.run(
                 cmd, cwd=tmp, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
@@ -247,8 +258,21 @@ def build(
         else:
             lib = None
         if lib is None:
-            _compile(source, flags, cc, so, meta, key)
-            lib = ctypes.CDLL(str(so))
+            header = pch.header_for(source, flags, cc)
+            failed_with: Path | None = None
+            try:
+                _compile(source, flags, cc, so, meta, key, header)
+            except CompileError as e:
+                if header is None or isinstance(e.__cause__, subprocess.TimeoutExpired):
+                    raise
+                failed_with = header
+            if failed_with is not None:  # outside the handler: a faulty source's error alone
+                _compile(source, flags, cc, so, meta, key)
+                pch.discard(failed_with)  # it compiles without the precompiled headers only
+            try:
+                lib = ctypes.CDLL(str(so))
+            except OSError as e:  # e.g. an undeclared function, left undefined by the compiler
+                raise CompileError(f"kernel {so.stem} was compiled but does not load: {e}") from e
         with _lock:
             _loaded[key] = lib
         return lib
