@@ -356,8 +356,12 @@ def test_vector_activation_accuracy(act):
     )
 
 
-def test_erf_inside_gelu_matches_torch_float32():
-    x = torch.randn(4096) * 3
+def test_erf_inside_gelu_matches_float64():
+    # every 1.2e-4 over [-12, 12] plus seeded normal draws; against the float64 GELU (torch's own
+    # float32 GELU is up to 1.2e-6 off it here, ours 4.5e-7: an unseeded comparison with torch's
+    # float32 at atol 1e-6 failed once at x = -3.47)
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.linspace(-12, 12, 200001), torch.randn(4096, generator=g) * 3])
     out = run_native(
         x[:, None].contiguous(),
         torch.ones(1, 1),
@@ -365,7 +369,8 @@ def test_erf_inside_gelu_matches_torch_float32():
         [],
         Config(*TILES[0], 64),
     )
-    torch.testing.assert_close(out[:, 0], torch.nn.functional.gelu(x), rtol=1e-6, atol=1e-6)
+    ref = torch.nn.functional.gelu(x.double())
+    torch.testing.assert_close(out[:, 0].double(), ref, rtol=1e-6, atol=1e-6)
 
 
 def test_nan_and_inf_propagate():
