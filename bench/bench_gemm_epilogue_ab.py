@@ -11,7 +11,8 @@ wall time; a multi-thread one in wall time. Prints each launcher's median and mi
 bare median and minimum.
 
 Run: ``torchport bench gemm_epilogue_ab --m 32 --d 1024 --h 4096 --dtype bfloat16
---cfg 4:24:32:32:0:1:1`` (``cfg`` is ``mr:nr:mc:pf:kc:ks:nt`` of ``kernels.Config``).
+--cfg 4:24:32:32:0:1:1`` (``cfg`` is ``mr:nr:mc:pf:kc:ks:nt[:dp]`` of ``kernels.Config``; a
+``vdpbf16ps`` config, ``dp`` 1, gets pair-packed weights).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torchport.benchmarks import arg_parser
 from torchport.gemm import epilogue as G
 from torchport.gemm import kernels
 from torchport.gemm.kernels import Config
-from torchport.gemm.pack import pack_b
+from torchport.gemm.pack import pack_b, pack_b_pairs
 
 ROTATE_BYTES = 64 << 20  # weight copies: twice this machine's L3
 
@@ -38,7 +39,7 @@ def main() -> None:
     p.add_argument("--d", type=int, default=1024)
     p.add_argument("--h", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--cfg", default="4:24:32:32:0:1:1", help="mr:nr:mc:pf:kc:ks:nt")
+    p.add_argument("--cfg", default="4:24:32:32:0:1:1", help="mr:nr:mc:pf:kc:ks:nt[:dp]")
     args = p.parse_args()
     if args.quick:
         args.reps = 2
@@ -51,7 +52,7 @@ def main() -> None:
     x = torch.randn(m, d).to(dt)
     copies = max(1, ROTATE_BYTES // (d * h * dt.itemsize))
     weights = [(torch.randn(h, d) * d**-0.5).to(dt) for _ in range(copies)]
-    packs = [pack_b(w.t(), cfg.nr) for w in weights]
+    packs = [(pack_b_pairs if cfg.dp else pack_b)(w.t(), cfg.nr) for w in weights]
     bias = torch.randn(h).to(dt)
     # one residual per weight copy, rotated with it: the residual is read cold, as in a model
     # (and in ``bench gemm --epilogue``), not from the cache the previous call left it in

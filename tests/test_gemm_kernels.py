@@ -789,3 +789,14 @@ def test_store_prefetch_covers_every_operand_line(text):
             allowed |= {(t.data_ptr() + e * size) // 64 for e in range(t.numel())}
         assert want <= got, f"{text} at i={i} j={j} nr={nr}: lines {sorted(want - got)} missed"
         assert got <= allowed, f"{text}: prefetches outside the operands"
+
+
+@needs_dp
+def test_epilogue_ab_bench_runs_a_dp_config(capsys):
+    """``bench gemm_epilogue_ab`` on a small-M ``vdpbf16ps`` config: its weights are pair-packed
+    (packed as fp32-tile panels, the check against the reference failed before any timing)."""
+    from torchport import benchmarks
+
+    argv = ["--m", "8", "--d", "1024", "--h", "4096", "--dtype", "bfloat16", "--quick"]
+    assert benchmarks.run_benchmark("gemm_epilogue_ab", [*argv, "--cfg", "8:32:8:0:0:1:1:1"]) == 0
+    assert "cfg=8:32:8:0:0:1:1:1" in capsys.readouterr().out
