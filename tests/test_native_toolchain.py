@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -331,3 +333,21 @@ def test_compile_failing_with_precompiled_header_retries_without(own_pch, monkey
     assert info.value.__context__ is None
     good = native.pch.header_for(bad, native.compile_flags(), native.toolchain.find_compiler())
     assert good is not None  # rebuilt, and not discarded by the faulty source
+
+
+@needs_gcc
+def test_compiles_do_not_wait_for_a_precompiled_header_being_built(own_pch):
+    src = native.render("TP_EXPORT int tp_w(void) { return 0; }\n")
+    cc, flags = native.toolchain.find_compiler(), native.compile_flags()
+    key = native.pch._key([f for f in flags if f != "-shared"], cc)
+    d = Path(own_pch, "native", "pch", key[:24]).absolute()
+    busy = native.pch._dir_locks.setdefault(str(d), threading.Lock())
+    with busy:  # another thread of this process is building it
+        assert native.pch.header_for(src, flags, cc) is None
+    assert str(d) not in native.pch._ready  # not remembered: the next compile asks again
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "lock", "a") as held:  # another process is building it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert native.pch.header_for(src, flags, cc) is None
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert native.pch.header_for(src, flags, cc) == d / native.pch.HEADER_NAME

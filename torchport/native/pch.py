@@ -13,9 +13,11 @@ How it stays exact and safe:
   was built with matching options and parses the header text otherwise; the source's own
   ``#include`` lines are then no-ops (include guards), so the object is the same either way.
 - The PCH is content-addressed like the objects (compiler identity, flags, CPU features, header
-  text), built by one process at a time (a file lock: PCH bytes differ from build to build),
-  written through a private temporary directory and ``os.replace``, and its SHA-256 is checked against its record once per process before first use: GCC stops with an internal error on
-  a damaged PCH instead of ignoring it. A damaged one is rebuilt with a
+  text), built by one process at a time (a file lock: PCH bytes differ from build to build; a
+  compile that finds it being built parses the headers rather than wait), written through a
+  private temporary directory and ``os.replace``, and its SHA-256 is checked against its record
+  once per process before first use: GCC stops with an internal error on a damaged PCH instead
+  of ignoring it. A damaged one is rebuilt with a
   :class:`~torchport.native.toolchain.CorruptCacheWarning`.
 - A compile that fails with the PCH is retried without it (:func:`discard`, in
   ``toolchain.build``), and a PCH that cannot be built leaves compiles as they were.
@@ -59,7 +61,8 @@ def _key(flags: Sequence[str], cc: str) -> str:
 def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
     """The header to pass as ``-include`` for compiling ``source`` with ``flags`` (its PCH beside
     it), building the PCH on first use; None when the source does not start with the prelude's
-    headers, the compiler is not GCC, or no PCH could be made."""
+    headers, the compiler is not GCC, no PCH could be made, or another thread or process is
+    building it right now."""
     where = config.get("native_pch")
     if where == "off" or not source.startswith(HEADERS) or not _is_gcc(cc):
         return None
@@ -73,7 +76,11 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
         if memo in _ready:
             return _ready[memo]
         dir_lock = _dir_locks.setdefault(memo, threading.Lock())
-    with dir_lock:
+    # A compile that finds the PCH being built (by another thread or process) parses the headers
+    # instead of waiting: a new shape's first libraries compile while the PCH builds.
+    if not dir_lock.acquire(blocking=False):
+        return None
+    try:
         with _lock:
             if memo in _ready:
                 return _ready[memo]
@@ -82,14 +89,18 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
             d.mkdir(parents=True, exist_ok=True)
             # one builder at a time across processes (PCH bytes differ from build to build)
             with open(d / "lock", "a") as lock_file:
-                fcntl.flock(lock_file, fcntl.LOCK_EX)
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if not _verified(d, key):
                     _build(d, pflags, cc, key)
+        except BlockingIOError:
+            return None  # another process holds it: not remembered, the next compile asks again
         except (OSError, subprocess.SubprocessError, toolchain.NativeError):
             header = None
         with _lock:
             _ready[memo] = header
         return header
+    finally:
+        dir_lock.release()
 
 
 def discard(header: Path) -> None:
