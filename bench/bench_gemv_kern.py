@@ -1,7 +1,7 @@
 """Decode GEMV kernels alone, A/B: streamed weights on one and two threads against the read peak.
 
 Each variant (``--variants``, specs ``fmt:kernel:hint:prefetch[:rows]``, e.g. ``fp8:shift:NTA:2048``,
-``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``) is called on
+``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``) is called on
 B = ``--batch`` activation rows against copies of one ``--rows`` × ``--k`` weight on 2 MiB pages,
 rotated so the working set exceeds L3. Every repetition times, interleaved in one process, each
 variant and the native read peak (:mod:`torchport.gemv.readpeak`, one stream without prefetch and
@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from torchport import native
+from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.hugepages import hugepage_copy, hugepage_empty
@@ -67,6 +68,8 @@ def _kernel(spec: str) -> tuple[str, object]:
         return fmt, gemv_fp8_shift_kernel(isa, int(pf), hint=hint, rows=rows)
     if kind == "block":
         return fmt, gemv_fp4_block_kernel(fmt, isa, int(pf), hint=hint)
+    if kind == "dp":
+        return fmt, gemv_bf16_dp_kernel(isa, int(pf), hint=hint)
     if kind == "native":
         r4 = int(rest[0]) if rest else None
         return fmt, gemv_kernel(fmt, isa, int(pf), r4)

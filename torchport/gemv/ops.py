@@ -31,6 +31,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
+from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
@@ -225,6 +226,12 @@ SHIFT_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 8192))
 # one-row T0 8192 2.710, four rows T0 8192 2.433 / 2.568 ms (two runs, load 1.6 / 3.7); the tuner's
 # cold timings put it beside the one-row kernel (2.91 vs 2.89 ms) or behind it (3.48 vs 2.48).
 SHIFT4_PREFETCH = (("T0", 8192),)
+# The ``vdpbf16ps`` bf16 kernel (:mod:`torchport.gemv.bf16_kernel`, AVX512-BF16 only). Kernels
+# alone, 11008x4096 bf16 from DRAM on huge pages, bf16 activations, interleaved medians of 21 in
+# one process, Zen 4, load 2.5-3.6, four runs: two threads NTA 2048 2.44-2.92 ms, T0 4096
+# 2.55-2.83, the float kernel's one-stream loop 2.69-3.60, its four-row loop 2.92-3.20; one
+# thread 3.05-4.49 / 3.29-4.42 / 3.28-6.54 / 4.68-6.23 ms.
+DP_PREFETCH = (("NTA", 2048), ("T0", 4096))
 
 
 def _pf_name(hint: str, pf: int) -> str:
@@ -256,6 +263,9 @@ def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autot
     128, the group-32 kernel after them; E4M3 weights try the integer-shift decode
     (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first,
     then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row).
+    bf16 weights on a CPU with AVX512-BF16 try the ``vdpbf16ps`` kernel
+    (:mod:`torchport.gemv.bf16_kernel`, ``kernel="dp"``, :data:`DP_PREFETCH`) first, and the float
+    kernel then only with prefetch 512; the tuner times them on bf16-valued activations.
 
     Where the lane-block kernel serves (``k % 128 == 0``) the pair-split kernel is left out: it
     streamed slower in each of four interleaved A/B runs (11008×4096 B=1, two threads, the
@@ -273,10 +283,13 @@ def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autot
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         out += _hinted("shift", SHIFT_PREFETCH) + _hinted("shift4", SHIFT4_PREFETCH)
+    dp = fmt == "bf16" and native.cpu_info().has_avx512_bf16
+    if dp:  # the vdpbf16ps kernel first; the float kernel then only 512 bytes ahead
+        out += _hinted("dp", DP_PREFETCH)
     r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
-            for pf in (512, 0):
+            for pf in (512,) if dp else (512, 0):
                 params = (("prefetch", pf), ("rows4", rows4), ("threads", threads))
                 out.append(autotune.Candidate(f"native_p{pf}_r{rows4}_t{threads}", params=params))
     return out
@@ -301,6 +314,12 @@ def _native_kernel(
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
         return gemv_fp4_pair_kernel(fmt, isa, pf)
+    if cand.param("kernel") == "dp":
+        if fmt != "bf16" or isa != "avx512" or not native.cpu_info().has_avx512_bf16:
+            raise autotune.InvalidCandidate(
+                f"vdpbf16ps kernel needs bf16 weights and AVX512-BF16 ({fmt}, isa {isa})"
+            )
+        return gemv_bf16_dp_kernel(isa, pf, hint=hint)
     if cand.param("kernel") == "shift4":
         if fmt != "fp8_e4m3" or isa == "scalar" or rows != 1:
             raise autotune.InvalidCandidate(
@@ -418,6 +437,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool) -> LaunchPlan:
 
     def make_args() -> tuple[torch.Tensor, ...]:
         x = torch.randn(rows, pw.k, generator=autotune.sample_generator())
+        if pw.fmt == "bf16":  # a bf16 weight meets bf16 activations (a bf16 model's decode)
+            x = x.bfloat16().float()
         return (x, pw.data, pw.scales, pw.rowscale)
 
     choice = autotune.select(

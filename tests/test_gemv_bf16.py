@@ -1,0 +1,116 @@
+"""The ``vdpbf16ps`` bf16 GEMV (torchport.gemv.bf16_kernel) vs the float64 reference.
+
+bf16-valued activations take the pair-dot path, other float32 activations the widening path; both
+accumulate exact products in float32, so both meet the float kernel's tolerance
+(``1e-5 · Σ|x·w|`` plus a tiny absolute term, which also covers the pair dot's flushing of
+subnormal operands), for K of any size (masked and scalar tails), one to eight activation rows,
+with and without bias, on one and two threads (the same bits: each row is one thread's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchport import autotune, native
+from torchport.gemv import gemv_reference
+from torchport.gemv import ops as gops
+from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
+from torchport.gemv.ops import pack_dense
+
+pytestmark = pytest.mark.skipif(
+    not native.cpu_info().has_avx512_bf16, reason="the vdpbf16ps GEMV needs AVX512-BF16"
+)
+
+
+def _run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, threads: int = 2, **kw):
+    kern = gemv_bf16_dp_kernel("avx512", **kw)
+    pw = pack_dense(w)
+    out = torch.empty(x.shape[0], pw.n)
+    gops._launch(kern, x.float().contiguous(), pw, bias, out, threads)
+    return out
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    ref = gemv_reference(x.float(), w.float(), bias).double()
+    mag = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    err = (out.double() - ref).abs()
+    assert bool((err <= 1e-5 * mag + 1e-30).all()), float((err / (mag + 1e-300)).max())
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (3, 31), (5, 33), (17, 64), (40, 100), (131, 1061), (64, 4096)], ids=str
+)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
+def test_dp_kernel_matches_reference(shape, rows, xdtype) -> None:
+    n, k = shape
+    g = torch.Generator().manual_seed(n * 31 + k + rows)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).to(xdtype)
+    bias = torch.randn(n, generator=g) if rows % 2 else None
+    out = _run(x, w, bias)
+    _check(out, x, w, bias)
+    assert torch.equal(out, _run(x, w, bias, threads=1))
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e30, 3e-39], ids=["1e-30", "1e30", "subnormal"])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
+def test_dp_kernel_any_magnitude(scale: float, xdtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(24, 300, generator=g).bfloat16()
+    x = (torch.randn(3, 300, generator=g) * scale).to(xdtype)
+    _check(_run(x, w, None), x, w, None)
+
+
+def test_one_float_row_sends_every_row_down_the_widening_path() -> None:
+    """A bf16-valued row beside a float32 one: both still exact-product sums."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 257, generator=g).bfloat16()
+    x = torch.randn(4, 257, generator=g).bfloat16().float()
+    x[2] += 1e-3 * torch.randn(257, generator=g)
+    _check(_run(x, w, None), x, w, None)
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
+def test_dp_kernel_propagates_nonfinite_activations(xdtype) -> None:
+    w = torch.ones(8, 96).bfloat16()
+    x = torch.ones(2, 96).to(xdtype)
+    x[0, 5] = math.nan
+    x[1, 7] = math.inf
+    out = _run(x, w, None)
+    assert bool(out[0].isnan().all())
+    assert bool((out[1] == math.inf).all())
+
+
+@pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("T0", 0)])
+def test_dp_kernel_prefetch_settings_keep_bits(hint: str, pf: int) -> None:
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 1000, generator=g).bfloat16()
+    x = torch.randn(1, 1000, generator=g).bfloat16()
+    assert torch.equal(_run(x, w, None, hint=hint, prefetch=pf), _run(x, w, None))
+
+
+def test_dp_kernel_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="hint"):
+        gemv_bf16_dp_kernel("avx512", hint="T2")
+    with pytest.raises(native.NativeError, match="avx512"):
+        gemv_bf16_dp_kernel("avx2")
+
+
+def test_tuner_offers_the_dp_kernel_first_for_bf16() -> None:
+    names = [c.name for c in gops.candidates("bf16")]
+    assert names[0] == "aten_linear"
+    assert names[1:5] == ["dp_p2048nta_t0", "dp_p4096_t0", "dp_p2048nta_t1", "dp_p4096_t1"]
+    assert len(names) <= 10
+    assert not any(n.startswith("dp") for n in (c.name for c in gops.candidates("f32")))
+    cand = gops.candidates("bf16")[1]
+    assert gops._native_kernel("bf16", False, 64, "avx512", cand) is gemv_bf16_dp_kernel(
+        "avx512", 2048, hint="NTA"
+    )
+    with pytest.raises(autotune.InvalidCandidate, match="bf16"):
+        gops._native_kernel("f32", False, 64, "avx512", cand)
