@@ -87,7 +87,7 @@ def test_dp_kernel_propagates_nonfinite_activations(xdtype) -> None:
     assert bool((out[1] == math.inf).all())
 
 
-@pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("T0", 0)])
+@pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("NTA", 0)])
 def test_dp_kernel_prefetch_settings_keep_bits(hint: str, pf: int) -> None:
     g = torch.Generator().manual_seed(11)
     w = torch.randn(70, 1000, generator=g).bfloat16()
@@ -105,12 +105,12 @@ def test_dp_kernel_rejects_bad_settings() -> None:
 def test_tuner_offers_the_dp_kernel_first_for_bf16() -> None:
     names = [c.name for c in gops.candidates("bf16")]
     assert names[0] == "aten_linear"
-    assert names[1:5] == ["dp_p2048nta_t0", "dp_p4096_t0", "dp_p2048nta_t1", "dp_p4096_t1"]
+    assert names[1:5] == ["dp_p0_t0", "dp_p2048nta_t0", "dp_p0_t1", "dp_p2048nta_t1"]
     assert len(names) <= 10
     assert not any(n.startswith("dp") for n in (c.name for c in gops.candidates("f32")))
     cand = gops.candidates("bf16")[1]
     assert gops._native_kernel("bf16", False, 64, "avx512", cand) is gemv_bf16_dp_kernel(
-        "avx512", 2048, hint="NTA"
+        "avx512", 0, hint="T0"
     )
     with pytest.raises(autotune.InvalidCandidate, match="bf16"):
         gops._native_kernel("f32", False, 64, "avx512", cand)

@@ -23,7 +23,8 @@ absolute error below ``2⁻¹²⁶ · Σ|w|`` or ``2⁻¹²⁶ · Σ|x|``: the f
 
 Weights stream as two 256-bit loads per 64-byte line (one 512-bit load per line streamed from
 DRAM at about half the rate in the FP8 kernel's measurements), prefetched ``prefetch`` bytes
-ahead with locality ``hint``; a K that is not a multiple of 32 ends with a masked load (the
+ahead with locality ``hint`` (default none: ``prefetch=0`` touches the line being loaded; the
+hardware prefetchers keep up with a kernel this light, see :data:`torchport.gemv.ops.DP_PREFETCH`); a K that is not a multiple of 32 ends with a masked load (the
 narrowed activations are zero-padded to a multiple of 32). Threads claim row ranges as the other
 GEMV kernels do (:data:`torchport.gemv.kernels.CHUNK_BYTES`). Needs ``isa="avx512"`` on a CPU
 with AVX512-BF16; the caller (:func:`torchport.gemv.ops.candidates`) offers it only there.
@@ -194,7 +195,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
 
 @functools.cache
 def gemv_bf16_dp_kernel(
-    isa: str, prefetch: int = 2048, chunk: int | None = None, hint: str = "NTA"
+    isa: str, prefetch: int = 0, chunk: int | None = None, hint: str = "T0"
 ) -> Kernel:
     """The ``vdpbf16ps`` bf16 GEMV (entry ``tp_gemv``, the same arguments as
     :func:`torchport.gemv.kernels.gemv_kernel`'s ``bf16`` kernel). ``prefetch``: bytes ahead of

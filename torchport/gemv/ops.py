@@ -227,11 +227,13 @@ SHIFT_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 8192))
 # cold timings put it beside the one-row kernel (2.91 vs 2.89 ms) or behind it (3.48 vs 2.48).
 SHIFT4_PREFETCH = (("T0", 8192),)
 # The ``vdpbf16ps`` bf16 kernel (:mod:`torchport.gemv.bf16_kernel`, AVX512-BF16 only). Kernels
-# alone, 11008x4096 bf16 from DRAM on huge pages, bf16 activations, interleaved medians of 21 in
-# one process, Zen 4, load 2.5-3.6, four runs: two threads NTA 2048 2.44-2.92 ms, T0 4096
-# 2.55-2.83, the float kernel's one-stream loop 2.69-3.60, its four-row loop 2.92-3.20; one
-# thread 3.05-4.49 / 3.29-4.42 / 3.28-6.54 / 4.68-6.23 ms.
-DP_PREFETCH = (("NTA", 2048), ("T0", 4096))
+# alone, 11008x4096 bf16 from DRAM on huge pages, bf16 activations, interleaved medians of 21-27
+# in one process, Zen 4, load 2-4, six runs: two threads NTA 2048 2.15-2.92 ms, T0 4096
+# 2.21-2.83, the float kernel's one-stream loop 2.69-3.60, its four-row loop 2.90-3.23; one
+# thread 3.05-4.49 / 3.29-4.42 / 3.28-6.54 / 4.68-6.23 ms. No software prefetch (the hardware
+# prefetchers keep up with a kernel this light) in the last two runs: one thread 2.94 / 3.52 ms
+# against NTA 2048's 3.37 / 3.86, two threads 2.59 / 1.99 against 2.58 / 2.15.
+DP_PREFETCH = (("T0", 0), ("NTA", 2048))
 
 
 def _pf_name(hint: str, pf: int) -> str:
