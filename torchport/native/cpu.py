@@ -31,6 +31,7 @@ KNOWN_FLAGS = (
     "avx512dq",
     "avx512_bf16",
     "avx512_vnni",
+    "avx512vbmi",
     "avx512_fp16",
     "avx_vnni",
     "amx_tile",
@@ -145,4 +146,6 @@ def isa_flags(isa: str) -> list[str]:
             flags.append("-mavx512bf16")
         if info.has("avx512_vnni"):
             flags.append("-mavx512vnni")
+        if info.has("avx512vbmi"):
+            flags.append("-mavx512vbmi")
     return flags

@@ -53,6 +53,12 @@ HEADERS = r"""
 #include <avx512vnnivlintrin.h>
 #endif
 #endif
+#if defined(__AVX512VBMI__)
+#include <avx512vbmiintrin.h>
+#if defined(__AVX512VL__)
+#include <avx512vbmivlintrin.h>
+#endif
+#endif
 #if defined(__AVX512BF16__)
 #if defined(__AVX512VL__)
 #include <avx512bf16vlintrin.h>
