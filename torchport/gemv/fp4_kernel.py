@@ -25,6 +25,13 @@ block is two lanes, an MX block four; then one ``cvt`` + ``mul`` + ``fma`` per 1
 thread, wall for two, medians of 21, load 3-5): L3-resident 2048×4096 one thread NVFP4
 1.18 → 0.83 ns per 64 weights, MXFP4 1.16 → 0.76; from DRAM one thread NVFP4 0.85 → 0.72 ms,
 MXFP4 1.10 → 0.80 ms; two threads NVFP4 0.54 → 0.52 ms, MXFP4 0.58 → 0.47 ms.
+With AVX512-VBMI the nibble lookup is ``vpermb`` on the line (low nibbles) and on the line shifted
+right by four (high ones): it reads six index bits and the table repeats every 16 bytes, so the
+two masks go. One thread, L3-resident 1024×4096, same process, interleaved medians of 15 (Zen 4,
+load 1.6-2.4; six runs over both prefetch settings): NVFP4 3.64-4.25 → 3.50-3.87 ns per 128
+weights, MXFP4 3.16-3.42 → 2.94-3.04; from DRAM (11008×4096, two threads) no difference beyond
+noise (0.89-0.97 ms either way). A single 512-bit load per line streamed from DRAM slower
+(two threads 1.15-1.27 ms against 0.96-1.01, before the copies were visited in random order).
 
 **Pair-split kernel** (:func:`gemv_fp4_pair_kernel`, K a multiple of 64):
 
@@ -360,7 +367,14 @@ TP_INLINE __m512 tp_scales128(const uint8_t *sc, int64_t c) {
 TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
                          const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+#if defined(__AVX512VBMI__)
+    /* vpermb reads six index bits; the table repeats every 16 bytes, so bits 4-5 do not matter and
+       no mask is needed (bits 6-7 are ignored) */
+#define TP_NIBBLES(idx) _mm512_permutexvar_epi8((idx), lut)
+#else
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+#define TP_NIBBLES(idx) _mm512_shuffle_epi8(lut, _mm512_and_si512((idx), m4))
+#endif
     const int64_t C = K / 128, L = K / 8;
     __m512 acc[4][2];
     for (int b = 0; b < NB; ++b) { acc[b][0] = _mm512_setzero_ps(); acc[b][1] = _mm512_setzero_ps(); }
@@ -370,8 +384,8 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
         _mm_prefetch((const char *)wp + ${prefetch}, _MM_HINT_${hint});                            \
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(                               \
             _mm256_loadu_si256((const __m256i *)wp)), _mm256_loadu_si256((const __m256i *)(wp + 32)), 1); \
-        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4));                      \
-        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)); \
+        const __m512i lo = TP_NIBBLES(v);                                                          \
+        const __m512i hi = TP_NIBBLES(_mm512_srli_epi16(v, 4));                                    \
         const __m512 s = tp_scales128(sc, (c));                                                    \
         for (int b = 0; b < NB; ++b) {                                                             \
             const int8_t *xp = xr + b * K + (c) * 128;                                             \
@@ -382,9 +396,10 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
                                         _mm512_mul_ps(s, _mm512_loadu_ps(xsv + b * L + (c) * 16)), acc[b][j]); \
         }                                                                                          \
     } while (0)
-    /* Weights: two 256-bit loads per line (one 512-bit load per line streams from DRAM at about
-       half the rate: measured with the FP8 kernel, Zen 5). Products: -12 * sum x (the correction
-       lane) + sum u * x = sum 2 * e2m1 * x, exact in int32 (|lane| <= 8 * 24 * 127). */
+    /* Weights: two 256-bit loads per line (one 512-bit load per line streamed from DRAM about 20 %
+       slower here, two threads, Zen 4; half the rate in the FP8 kernel on Zen 5). Products:
+       -12 * sum x (the correction lane) + sum u * x = sum 2 * e2m1 * x, exact in int32
+       (|lane| <= 8 * 24 * 127). */
     int64_t c = 0;
     for (; c + 2 <= C; c += 2) {
         TP_CHUNK(c, 0);
@@ -392,6 +407,7 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
     }
     if (c < C) TP_CHUNK(c, 0);
 #undef TP_CHUNK
+#undef TP_NIBBLES
     for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 #elif defined(__AVX2__)
