@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchport import config
+from torchport import config, native
 from torchport.gemv import GemvInputError, gemv, gemv_reference
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
 
@@ -474,3 +474,25 @@ def test_settled_route_outputs_are_distinct_and_usable_with_autograd():
     p = torch.ones(1, requires_grad=True)
     (outs[-1] * p).sum().backward()
     assert p.grad is not None
+
+
+@pytest.mark.skipif(native.cpu_info().isa == "scalar", reason="AVX2 kernels")
+def test_specialised_kernels_compile_only_their_own_library(monkeypatch) -> None:
+    """The lane-block FP4, shift-decode FP8 and vdpbf16ps kernels take the shared argument spec
+    (gemv_args) instead of building the float kernel of their format and prefetch to read it."""
+    from torchport.gemv import kernels as gk
+    from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel
+    from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
+
+    def no_float_kernel(*a, **k):
+        raise AssertionError("built the float kernel")
+
+    monkeypatch.setattr(gk, "gemv_kernel", no_float_kernel)
+    isa = native.cpu_info().isa
+    kerns = [gemv_fp4_block_kernel("nvfp4", isa, 3008), gemv_fp8_shift_kernel(isa, 3008)]
+    if native.cpu_info().has_avx512_bf16:
+        from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
+
+        kerns.append(gemv_bf16_dp_kernel(isa, 3008))
+    fmts = ("nvfp4", "fp8_e4m3", "bf16")
+    assert all(k.args == tuple(gk.gemv_args(f)) for k, f in zip(kerns, fmts))

@@ -203,7 +203,7 @@ def gemv_bf16_dp_kernel(
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
     0 = static split). Raises ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with
     AVX512-BF16."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_kernel
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_args
 
     check_hint(hint)
     if isa != "avx512" or not native.cpu_info().has_avx512_bf16:
@@ -214,4 +214,4 @@ def gemv_bf16_dp_kernel(
     chunk = CHUNK_BYTES if chunk is None else chunk
     src = native.render(SCHED_C + _SOURCE, prefetch=prefetch, chunk=chunk, hint=hint)
     lib = native.build(src, name=f"gemv_bf16dp_{isa}_p{prefetch}{hint}_c{chunk}", isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_kernel("bf16", isa, prefetch).args)
+    return Kernel(lib, "tp_gemv", gemv_args("bf16"))

@@ -543,7 +543,7 @@ def gemv_fp4_pair_kernel(
 ) -> Kernel:
     """The pair-split int8-activation FP4 GEMV (AVX2; raises NativeError below AVX2). ``chunk``:
     weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, gemv_kernel
+    from torchport.gemv.kernels import CHUNK_BYTES, gemv_args
 
     if fmt not in FORMATS:
         raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
@@ -551,7 +551,7 @@ def gemv_fp4_pair_kernel(
         raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
     chunk = CHUNK_BYTES if chunk is None else chunk
     lib = _library(fmt, isa, prefetch, chunk)
-    return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
+    return Kernel(lib, "tp_gemv", gemv_args(fmt))
 
 
 @functools.cache
@@ -562,7 +562,7 @@ def gemv_fp4_block_kernel(
     below AVX2). ``prefetch``: bytes ahead of the weight stream, ``hint``: its locality
     (:data:`torchport.gemv.kernels.PREFETCH_HINTS`); ``chunk``: weight bytes per row claim
     (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_kernel
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_args
 
     if fmt not in FORMATS:
         raise ValueError(f"lane-block FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
@@ -573,7 +573,7 @@ def gemv_fp4_block_kernel(
     src = native.render(SCHED_C + _BLOCK_SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk, hint=hint)
     name = f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}{hint}_c{chunk}"
     lib = native.build(src, name=name, isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
+    return Kernel(lib, "tp_gemv", gemv_args(fmt))
 
 
 @functools.cache

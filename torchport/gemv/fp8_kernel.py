@@ -312,7 +312,7 @@ def gemv_fp8_shift_kernel(
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
     0 = static split); ``rows`` (1, 2 or 4): weight rows streamed at once for one activation row
     (each activation load serves them all; 1: the one-row loop)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_kernel
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
 
     check_hint(hint)
     if isa == "scalar":
@@ -330,4 +330,4 @@ def gemv_fp8_shift_kernel(
     )
     name = f"gemv_fp8shift_{isa}_p{prefetch}{hint}_c{chunk}" + (f"_r{rows}" if rows > 1 else "")
     lib = native.build(src, name=name, isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_kernel("fp8_e4m3", isa, prefetch).args)
+    return Kernel(lib, "tp_gemv", gemv_args("fp8_e4m3"))

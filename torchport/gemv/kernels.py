@@ -385,25 +385,27 @@ def gemv_kernel(
         chunk=chunk,
     )
     lib = native.build(src, name=f"gemv_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}", isa=isa)
+    return Kernel(lib, "tp_gemv", gemv_args(fmt))
+
+
+def gemv_args(fmt: str) -> list:
+    """The argument spec of every GEMV kernel's ``tp_gemv`` entry for weight format ``fmt`` (the
+    kernels of one format share it; building it compiles nothing)."""
     f32 = (torch.float32,)
-    return Kernel(
-        lib,
-        "tp_gemv",
-        [
-            TensorArg("x", f32, ndim=2),
-            IntArg("B"),
-            IntArg("K"),
-            TensorArg("w", (W_DTYPE[fmt],), ndim=2),
-            TensorArg("scales", (torch.uint8,), contiguous=True),
-            TensorArg("rowscale", f32),
-            FloatArg("pts"),
-            TensorArg("bias", f32),
-            IntArg("has_bias"),
-            TensorArg("out", f32, ndim=2),
-            IntArg("N"),
-            IntArg("nthreads"),
-        ],
-    )
+    return [
+        TensorArg("x", f32, ndim=2),
+        IntArg("B"),
+        IntArg("K"),
+        TensorArg("w", (W_DTYPE[fmt],), ndim=2),
+        TensorArg("scales", (torch.uint8,), contiguous=True),
+        TensorArg("rowscale", f32),
+        FloatArg("pts"),
+        TensorArg("bias", f32),
+        IntArg("has_bias"),
+        TensorArg("out", f32, ndim=2),
+        IntArg("N"),
+        IntArg("nthreads"),
+    ]
 
 
 # --- FP4 weights × int8-quantized activations (maddubs) ------------------------------------------
@@ -625,4 +627,4 @@ def gemv_i8_kernel(
         chunk=chunk,
     )
     lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}", isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_kernel(fmt, isa, prefetch).args)
+    return Kernel(lib, "tp_gemv", gemv_args(fmt))
