@@ -95,9 +95,9 @@ TP_INLINE void tp_row(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_
     for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 
-/* Float32 activations that are not all bf16 values: the float kernel's widening on 256-bit
-   vectors (8 weights per zero-extend and shift; 512-bit widening streamed at half this rate here),
-   FMA'd with the float32 activations; the last K % 8 weights scalar. */
+/* Float32 activations that are not all bf16 values: the float kernel's one-row loop (widening on
+   256-bit vectors, 8 weights per zero-extend and shift, 512 bytes of prefetch; 512-bit widening
+   streamed at half this rate here), FMA'd with the float32 activations; the last K % 8 scalar. */
 TP_INLINE __m256 tp_widen8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -109,24 +109,36 @@ TP_INLINE float tp_hsum8(__m256 v) {
 }
 TP_INLINE void tp_row_f(const float *x, int64_t ldx, const uint16_t *w, int64_t K, float *out,
                         int64_t ldo, const int NB) {
-    __m256 acc[4][4];
-    for (int b = 0; b < NB; ++b)
-        for (int j = 0; j < 4; ++j) acc[b][j] = _mm256_setzero_ps();
+    __m256 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
+    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};   /* NB == 1: four chains */
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
+        _mm_prefetch((const char *)(w + k) + 512, _MM_HINT_T0);   /* the float kernel's default */
         __m256 w4[4];
         for (int j = 0; j < 4; ++j) w4[j] = tp_widen8(w + k + 8 * j);
-        for (int b = 0; b < NB; ++b)
-            for (int j = 0; j < 4; ++j)
-                acc[b][j] = _mm256_fmadd_ps(w4[j], _mm256_loadu_ps(x + b * ldx + k + 8 * j), acc[b][j]);
+        if (NB == 1) {
+            acc[0][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(x + k), acc[0][0]);
+            acc[0][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(x + k + 8), acc[0][1]);
+            acc1[0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(x + k + 16), acc1[0]);
+            acc1[1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(x + k + 24), acc1[1]);
+        } else {
+            for (int b = 0; b < NB; ++b) {
+                const float *xb = x + b * ldx + k;
+                acc[b][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(xb), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(xb + 8), acc[b][1]);
+                acc[b][0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(xb + 16), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(xb + 24), acc[b][1]);
+            }
+        }
     }
+    if (NB == 1) { acc[0][0] = _mm256_add_ps(acc[0][0], acc1[0]); acc[0][1] = _mm256_add_ps(acc[0][1], acc1[1]); }
     for (; k + 8 <= K; k += 8) {
         const __m256 w8 = tp_widen8(w + k);
         for (int b = 0; b < NB; ++b) acc[b][0] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(x + b * ldx + k), acc[b][0]);
     }
     for (int b = 0; b < NB; ++b) {
-        float s = tp_hsum8(_mm256_add_ps(_mm256_add_ps(acc[b][0], acc[b][1]), _mm256_add_ps(acc[b][2], acc[b][3])));
+        float s = tp_hsum8(_mm256_add_ps(acc[b][0], acc[b][1]));
         for (int64_t j = k; j < K; ++j) {
             uint32_t u = (uint32_t)w[j] << 16;
             float wf;
