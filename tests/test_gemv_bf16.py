@@ -1,10 +1,10 @@
 """The ``vdpbf16ps`` bf16 GEMV (torchport.gemv.bf16_kernel) vs the float64 reference.
 
 bf16-valued activations take the pair-dot path, other float32 activations the widening path; both
-accumulate exact products in float32, so both meet the float kernel's tolerance
-(``1e-5 · Σ|x·w|`` plus a tiny absolute term, which also covers the pair dot's flushing of
-subnormal operands), for K of any size (masked and scalar tails), one to eight activation rows,
-with and without bias, on one and two threads (the same bits: each row is one thread's).
+meet the float kernel's tolerance (``1e-5 · Σ|x·w|`` plus a tiny absolute term, which also covers
+the pair dot's flushing of values below ``2⁻¹²⁶``), for K of any size (masked and scalar tails),
+one to eight activation rows, with and without bias, on one and two threads (the same bits: each
+row is one thread's). Which path ran is told apart by that flushing.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
 @pytest.mark.parametrize(
     "shape", [(1, 1), (3, 31), (5, 33), (17, 64), (40, 100), (131, 1061), (64, 4096)], ids=str
 )
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
 def test_dp_kernel_matches_reference(shape, rows, xdtype) -> None:
     n, k = shape
@@ -76,12 +76,33 @@ def test_one_float_row_sends_every_row_down_the_widening_path() -> None:
     _check(_run(x, w, None), x, w, None)
 
 
+def _not_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` nudged off the bf16 grid (a low mantissa bit set): float32 activations."""
+    return (x.float().view(torch.int32) | 1).view(torch.float32)
+
+
+def test_bf16_activations_take_the_pair_dot_path() -> None:
+    """Products 2⁻¹⁰⁰ · 2⁻³⁰ are below 2⁻¹²⁶: vdpbf16ps flushes them (the pair-dot path gives 0),
+    the widening path keeps them as float32 subnormals (the float kernel's result)."""
+    w = torch.full((4, 64), 2.0**-30).bfloat16()
+    x = torch.full((1, 64), 2.0**-100)
+    assert bool((_run(x, w, None) == 0).all())
+    xf = _not_bf16(x)
+    out = _run(xf, w, None)
+    assert bool((out > 0).all())
+    _check(out, xf, w, None)
+    x2 = torch.cat([x, xf])  # one float32 row sends both rows down the widening path
+    assert bool((_run(x2, w, None) > 0).all())
+
+
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_f32"])
 def test_dp_kernel_propagates_nonfinite_activations(xdtype) -> None:
-    w = torch.ones(8, 96).bfloat16()
-    x = torch.ones(2, 96).to(xdtype)
+    w = torch.ones(8, 101).bfloat16()  # 101: both paths' tails too
+    x = torch.ones(2, 101)
+    if xdtype == torch.float32:
+        x = _not_bf16(x)
     x[0, 5] = math.nan
-    x[1, 7] = math.inf
+    x[1, 100] = math.inf
     out = _run(x, w, None)
     assert bool(out[0].isnan().all())
     assert bool((out[1] == math.inf).all())
@@ -114,3 +135,8 @@ def test_tuner_offers_the_dp_kernel_first_for_bf16() -> None:
     )
     with pytest.raises(autotune.InvalidCandidate, match="bf16"):
         gops._native_kernel("f32", False, 64, "avx512", cand)
+
+
+def test_kernel_status_errors_name_the_requirement() -> None:
+    assert "could not allocate" in str(gops._status_error("bf16", 3, 4, 4096))
+    assert "K=100 is not a multiple" in str(gops._status_error("nvfp4", 2, 1, 100))

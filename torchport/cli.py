@@ -32,6 +32,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("AVX-512VL", "avx512vl"),
         ("AVX512-BF16", "avx512_bf16"),
         ("AVX512-VNNI", "avx512_vnni"),
+        ("AVX512-VBMI", "avx512vbmi"),
         ("AVX-VNNI", "avx_vnni"),
         ("AMX-TILE", "amx_tile"),
         ("AMX-BF16", "amx_bf16"),

@@ -1,33 +1,40 @@
 """bfloat16 decode GEMV on the AVX512-BF16 pair dot (``vdpbf16ps``): no widening of the weights.
 
 The float kernel of :mod:`torchport.gemv.kernels` widens every bf16 weight to float32 (a 16-bit
-zero-extend and shift per eight weights) before its FMAs: about 20 vector instructions per 64
-weights, so one core decodes slower than it can read and two threads stay short of the read
-bandwidth. ``vdpbf16ps`` multiplies 32 bf16 pairs and adds each pair's two products to a float32
-lane: one instruction per 32 weights, the weights used as loaded.
+zero-extend and shift per eight weights) before its FMAs, so one core decodes slower than it can
+read. ``vdpbf16ps`` multiplies 32 bf16 pairs and adds each pair's two products to a float32 lane:
+one instruction per 32 weights, the weights used as loaded.
 
 The activations arrive as float32 (the GEMV's contract). Where every one of them is a bf16 value
 (activations of a bf16 model, widened by the caller: the low 16 bits of each are zero), they are
-narrowed back once per call, exactly, and meet the weights in ``vdpbf16ps``: every product is exact
-in float32 and the row sums are float32 accumulations, as in the float kernel (which accumulates
-the same exact products); only the summation order differs. Other float32 activations would need
-two or three bf16 parts each for exact products (measured: three parts ran at half the widening
-kernel's rate, the parts not staying in L1 beside the stream), so there the weights are widened
-instead (zero-extend and shift, eight per instruction pair, as the float kernel does) and FMA'd
-with the float32 activations.
+narrowed back once per call, exactly, and meet the weights in ``vdpbf16ps``: the product of two
+bf16 values is exact in float32 (unless it falls below ``2⁻¹²⁶``, see below) and the row sums
+are float32 accumulations, as in the float kernel, which accumulates the same products; only the
+summation order differs. Other float32 activations would need two or three bf16 parts each for
+exact products (measured: three parts ran at half the widening kernel's rate, the parts not
+staying in L1 beside the stream), so there the weights are widened instead and FMA'd with the
+float32 activations: the float kernel's one-row loop (eight weights per zero-extend and shift,
+512 bytes of T0 prefetch whatever ``prefetch`` says), its rounding (fused multiply-adds; the
+last ``K % 8`` products rounded, then added). The tuner (:func:`torchport.gemv.ops.plan_for`)
+times the kernels on bf16-valued activations, the case of a bf16 model; float32 activations with
+bf16 weights take this kernel's widening path when it won that tuning.
 
-``vdpbf16ps`` treats subnormal inputs as zero and flushes subnormal results (whatever MXCSR says):
-weights or activations below ``2⁻¹²⁶`` in magnitude (``≈ 1.2e-38``) contribute nothing, an
-absolute error below ``2⁻¹²⁶ · Σ|w|`` or ``2⁻¹²⁶ · Σ|x|``: the float kernel's stated tolerance
-(:func:`torchport.gemv.gemv_reference`) has a tiny absolute term for exactly this.
+``vdpbf16ps`` treats subnormal inputs as zero and flushes subnormal results whatever MXCSR says:
+weights or activations below ``2⁻¹²⁶`` (``≈ 1.2e-38``) in magnitude, and products or partial
+sums that fall below it, count as zero. Each flush loses less than ``2⁻¹²⁶``, so a row sum of
+``K`` products is off by less than about ``K · 2⁻¹²⁶`` beyond float32 rounding: the tests'
+absolute term (``1e-30``) bounds it, where the float kernel carries such values as float32
+subnormals.
 
 Weights stream as two 256-bit loads per 64-byte line (one 512-bit load per line streamed from
 DRAM at about half the rate in the FP8 kernel's measurements), prefetched ``prefetch`` bytes
-ahead with locality ``hint`` (default none: ``prefetch=0`` touches the line being loaded; the
-hardware prefetchers keep up with a kernel this light, see :data:`torchport.gemv.ops.DP_PREFETCH`); a K that is not a multiple of 32 ends with a masked load (the
-narrowed activations are zero-padded to a multiple of 32). Threads claim row ranges as the other
-GEMV kernels do (:data:`torchport.gemv.kernels.CHUNK_BYTES`). Needs ``isa="avx512"`` on a CPU
-with AVX512-BF16; the caller (:func:`torchport.gemv.ops.candidates`) offers it only there.
+ahead with locality ``hint`` (default ``prefetch=0``: the hint touches the line being loaded,
+no look-ahead; the hardware prefetchers keep up with a kernel this light, see
+:data:`torchport.gemv.ops.DP_PREFETCH`); a K that is not a multiple of 32 ends with a masked
+load (the narrowed activations are zero-padded to a multiple of 32). Threads claim row ranges as
+the other GEMV kernels do (:data:`torchport.gemv.kernels.CHUNK_BYTES`). Needs ``isa="avx512"``
+on a CPU with AVX512-BF16; the caller (:func:`torchport.gemv.ops.candidates`) offers it only
+there. Returns status 3 when the narrowed activations (``2 · B · K`` bytes) cannot be allocated.
 """
 
 from __future__ import annotations

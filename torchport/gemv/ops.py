@@ -257,7 +257,7 @@ def candidates(fmt: str, int8: bool = False, k: int | None = None) -> list[autot
     """The search space for one format: the ATen anchor, then the default kernel, then variants.
 
     Parameters: ``prefetch`` distance in bytes ahead of the weight stream (0 or 512; ``hint``
-    its locality, lane-block and shift kernels only), ``rows4``
+    its locality, lane-block, shift and ``vdpbf16ps`` kernels only), ``rows4``
     (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
     int8 activations (FP4 weights) the lane-block kernel (:mod:`torchport.gemv.fp4_kernel`,
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
@@ -362,7 +362,19 @@ def _launch(
         threads or native.num_threads(),
     )
     if status:
-        raise native.NativeError(f"gemv kernel {pw.fmt} failed with status {status}")
+        raise _status_error(pw.fmt, status, rows, pw.k)
+
+
+def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeError:
+    """The error for a GEMV kernel's non-zero status (2: K off the kernel's block multiple, 3: its
+    activation buffers could not be allocated)."""
+    if status == 2:
+        why = f"K={k} is not a multiple of the kernel's block (64 or 128)"
+    elif status == 3:
+        why = f"could not allocate the prepared activations for {rows} rows of K={k}"
+    else:
+        why = f"status {status}"
+    return native.NativeError(f"gemv kernel {fmt} failed: {why}")
 
 
 def _anchor_weight(pw: PackedWeight) -> torch.Tensor:
@@ -848,14 +860,14 @@ def settle_route(
                         xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads
                     )
                     if status:
-                        raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
+                        raise _status_error(fmt, status, rows, k)
 
                 ad(go)
                 return out if dtype is f32 else out.to(dtype)
             nt = arm_threads[ad.current]
         status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
         if status:
-            raise native.NativeError(f"gemv kernel {fmt} failed with status {status}")
+            raise _status_error(fmt, status, rows, k)
         return out if dtype is f32 else out.to(dtype)
 
     nthreads = torch.get_num_threads()

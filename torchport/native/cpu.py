@@ -4,7 +4,7 @@ Features come from ``/proc/cpuinfo`` (what the kernel lets user space execute, s
 hypervisor hides are reported absent). ``CpuInfo.isa`` is the widest instruction-set level that
 templates may target, lowered further by ``torchport.config.isa``:
 
-- ``avx512``: AVX-512 F+BW+VL (+ BF16 dot and VNNI when present);
+- ``avx512``: AVX-512 F+BW+VL (+ BF16 dot, VNNI and VBMI when present);
 - ``avx2``: AVX2 + FMA (+ F16C);
 - ``scalar``: portable C that any compiler and CPU accept.
 """
