@@ -1,6 +1,7 @@
 """The ``vdpbf16ps`` bf16 GEMV (torchport.gemv.bf16_kernel) vs the float64 reference.
 
-bf16-valued activations take the pair-dot path, other float32 activations the widening path; both
+bf16-valued activations take the pair-dot path, other float32 activations the float kernel
+compiled into the same library (bit for bit :func:`gemv_kernel`'s one-row loop); both
 meet the float kernel's tolerance (``1e-5 · Σ|x·w|`` plus a tiny absolute term, which also covers
 the pair dot's flushing of values below ``2⁻¹²⁶``), for K of any size (masked and scalar tails),
 one to eight activation rows, with and without bias, on one and two threads (the same bits: each
@@ -67,8 +68,8 @@ def test_dp_kernel_any_magnitude(scale: float, xdtype) -> None:
     _check(_run(x, w, None), x, w, None)
 
 
-def test_one_float_row_sends_every_row_down_the_widening_path() -> None:
-    """A bf16-valued row beside a float32 one: both still exact-product sums."""
+def test_one_float_row_sends_every_row_to_the_float_kernel() -> None:
+    """A bf16-valued row beside a float32 one: both rows go to the float kernel."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(50, 257, generator=g).bfloat16()
     x = torch.randn(4, 257, generator=g).bfloat16().float()
@@ -83,7 +84,7 @@ def _not_bf16(x: torch.Tensor) -> torch.Tensor:
 
 def test_bf16_activations_take_the_pair_dot_path() -> None:
     """Products 2⁻¹⁰⁰ · 2⁻³⁰ are below 2⁻¹²⁶: vdpbf16ps flushes them (the pair-dot path gives 0),
-    the widening path keeps them as float32 subnormals (the float kernel's result)."""
+    the float kernel keeps them as float32 subnormals."""
     w = torch.full((4, 64), 2.0**-30).bfloat16()
     x = torch.full((1, 64), 2.0**-100)
     assert bool((_run(x, w, None) == 0).all())
@@ -91,7 +92,7 @@ def test_bf16_activations_take_the_pair_dot_path() -> None:
     out = _run(xf, w, None)
     assert bool((out > 0).all())
     _check(out, xf, w, None)
-    x2 = torch.cat([x, xf])  # one float32 row sends both rows down the widening path
+    x2 = torch.cat([x, xf])  # one float32 row sends both rows to the float kernel
     assert bool((_run(x2, w, None) > 0).all())
 
 
@@ -140,3 +141,17 @@ def test_tuner_offers_the_dp_kernel_first_for_bf16() -> None:
 def test_kernel_status_errors_name_the_requirement() -> None:
     assert "could not allocate" in str(gops._status_error("bf16", 3, 4, 4096))
     assert "K=100 is not a multiple" in str(gops._status_error("nvfp4", 2, 1, 100))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_float_activations_get_the_float_kernels_bits(rows: int) -> None:
+    from torchport.gemv.kernels import gemv_kernel
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(77, 1003, generator=g).bfloat16()
+    x = _not_bf16(torch.randn(rows, 1003, generator=g))
+    bias = torch.randn(77, generator=g)
+    pw = pack_dense(w)
+    ref = torch.empty(rows, 77)
+    gops._launch(gemv_kernel("bf16", "avx512", 512, 0), x, pw, bias, ref, 2)
+    assert torch.equal(_run(x, w, bias), ref)

@@ -12,12 +12,12 @@ bf16 values is exact in float32 (unless it falls below ``2⁻¹²⁶``, see belo
 are float32 accumulations, as in the float kernel, which accumulates the same products; only the
 summation order differs. Other float32 activations would need two or three bf16 parts each for
 exact products (measured: three parts ran at half the widening kernel's rate, the parts not
-staying in L1 beside the stream), so there the weights are widened instead and FMA'd with the
-float32 activations: the float kernel's one-row loop (eight weights per zero-extend and shift,
-512 bytes of T0 prefetch whatever ``prefetch`` says), its rounding (fused multiply-adds; the
-last ``K % 8`` products rounded, then added). The tuner (:func:`torchport.gemv.ops.plan_for`)
+staying in L1 beside the stream), so the kernel hands those to the float kernel itself (its
+source is compiled into this library with the entry renamed: the one-row loop, 512 bytes of T0
+prefetch, :data:`FLOAT_PREFETCH`): the same results as :func:`torchport.gemv.kernels.gemv_kernel`
+``("bf16", isa, 512, rows4=0)``, bit for bit. The tuner (:func:`torchport.gemv.ops.plan_for`)
 times the kernels on bf16-valued activations, the case of a bf16 model; float32 activations with
-bf16 weights take this kernel's widening path when it won that tuning.
+bf16 weights reach the float kernel through it when it won that tuning.
 
 ``vdpbf16ps`` treats subnormal inputs as zero and flushes subnormal results whatever MXCSR says:
 weights or activations below ``2⁻¹²⁶`` (``≈ 1.2e-38``) in magnitude, and products or partial
@@ -69,7 +69,7 @@ TP_INLINE __m512bh tp_wline(const uint16_t *w, int64_t k) {
 }
 
 /* One weight row against NB (<= 4) bf16 activation rows (row b at xp + b * K32). */
-TP_INLINE void tp_row(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, float *out,
+TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, float *out,
                       int64_t ldo, const int NB) {
     __m512 acc[4][2];
     for (int b = 0; b < NB; ++b) { acc[b][0] = _mm512_setzero_ps(); acc[b][1] = _mm512_setzero_ps(); }
@@ -81,14 +81,14 @@ TP_INLINE void tp_row(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_
     } while (0)
     int64_t k = 0;
     for (; k + 64 <= KF; k += 64) {
-        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
-        _mm_prefetch((const char *)(w + k) + ${prefetch} + 64, _MM_HINT_${hint});
+        _mm_prefetch((const char *)(w + k) + ${dp_prefetch}, _MM_HINT_${hint});
+        _mm_prefetch((const char *)(w + k) + ${dp_prefetch} + 64, _MM_HINT_${hint});
         const __m512bh w0 = tp_wline(w, k), w1 = tp_wline(w, k + 32);
         TP_LINE(w0, k, 0);
         TP_LINE(w1, k + 32, 1);
     }
     if (k < KF) {
-        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
+        _mm_prefetch((const char *)(w + k) + ${dp_prefetch}, _MM_HINT_${hint});
         const __m512bh w0 = tp_wline(w, k);
         TP_LINE(w0, k, 0);
         k += 32;
@@ -102,72 +102,20 @@ TP_INLINE void tp_row(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_
     for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 
-/* Float32 activations that are not all bf16 values: the float kernel's one-row loop (widening on
-   256-bit vectors, 8 weights per zero-extend and shift, 512 bytes of prefetch; 512-bit widening
-   streamed at half this rate here), FMA'd with the float32 activations; the last K % 8 scalar. */
-TP_INLINE __m256 tp_widen8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-TP_INLINE float tp_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-TP_INLINE void tp_row_f(const float *x, int64_t ldx, const uint16_t *w, int64_t K, float *out,
-                        int64_t ldo, const int NB) {
-    __m256 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
-    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};   /* NB == 1: four chains */
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        _mm_prefetch((const char *)(w + k) + 512, _MM_HINT_T0);   /* the float kernel's default */
-        __m256 w4[4];
-        for (int j = 0; j < 4; ++j) w4[j] = tp_widen8(w + k + 8 * j);
-        if (NB == 1) {
-            acc[0][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(x + k), acc[0][0]);
-            acc[0][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(x + k + 8), acc[0][1]);
-            acc1[0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(x + k + 16), acc1[0]);
-            acc1[1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(x + k + 24), acc1[1]);
-        } else {
-            for (int b = 0; b < NB; ++b) {
-                const float *xb = x + b * ldx + k;
-                acc[b][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(xb), acc[b][0]);
-                acc[b][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(xb + 8), acc[b][1]);
-                acc[b][0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(xb + 16), acc[b][0]);
-                acc[b][1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(xb + 24), acc[b][1]);
-            }
-        }
-    }
-    if (NB == 1) { acc[0][0] = _mm256_add_ps(acc[0][0], acc1[0]); acc[0][1] = _mm256_add_ps(acc[0][1], acc1[1]); }
-    for (; k + 8 <= K; k += 8) {
-        const __m256 w8 = tp_widen8(w + k);
-        for (int b = 0; b < NB; ++b) acc[b][0] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(x + b * ldx + k), acc[b][0]);
-    }
-    for (int b = 0; b < NB; ++b) {
-        float s = tp_hsum8(_mm256_add_ps(acc[b][0], acc[b][1]));
-        for (int64_t j = k; j < K; ++j) {
-            uint32_t u = (uint32_t)w[j] << 16;
-            float wf;
-            memcpy(&wf, &u, 4);
-            s += wf * x[b * ldx + j];
-        }
-        out[b * ldo] = s;
-    }
-}
-
-/* Same contract as the float kernel's bf16 GEMV (scales, rowscale and pts unused). */
+/* Same contract as the float kernel's bf16 GEMV (tp_gemv_float above: the float kernel itself,
+   which serves activations that are not all bf16 values). */
 TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, const uint8_t *scales,
                       const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
                       float *out, int64_t N, int64_t nthreads) {
-    (void)scales;
-    (void)rowscale;
-    (void)pts_d;
     const int64_t K32 = (K + 31) / 32 * 32;
     uint16_t *xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(B * K32) + 64);
     if (!xp) return 3;
     int dp = 1;   /* every activation a bf16 value: the pair-dot path */
     for (int64_t b = 0; b < B && dp; ++b) dp = tp_bf16_row(x + b * K, K, K32, xp + b * K32);
+    if (!dp) {   /* float32 activations: the float kernel */
+        free(xp);
+        return tp_gemv_float(x, B, K, w, scales, rowscale, pts_d, bias, has_bias, out, N, nthreads);
+    }
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K * 2, ${chunk});
@@ -181,22 +129,12 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
             for (int64_t b = 0; b < B; b += 4) {
                 const int64_t nb = B - b < 4 ? B - b : 4;
                 const uint16_t *xb = xp + b * K32;
-                const float *xf = x + b * K;
                 float *ob = out + b * N + n;
-                if (dp) {
-                    switch (nb) {
-                        case 1: tp_row(xb, K32, wr, K, ob, N, 1); break;
-                        case 2: tp_row(xb, K32, wr, K, ob, N, 2); break;
-                        case 3: tp_row(xb, K32, wr, K, ob, N, 3); break;
-                        default: tp_row(xb, K32, wr, K, ob, N, 4); break;
-                    }
-                } else {
-                    switch (nb) {
-                        case 1: tp_row_f(xf, K, wr, K, ob, N, 1); break;
-                        case 2: tp_row_f(xf, K, wr, K, ob, N, 2); break;
-                        case 3: tp_row_f(xf, K, wr, K, ob, N, 3); break;
-                        default: tp_row_f(xf, K, wr, K, ob, N, 4); break;
-                    }
+                switch (nb) {
+                    case 1: tp_row_dp(xb, K32, wr, K, ob, N, 1); break;
+                    case 2: tp_row_dp(xb, K32, wr, K, ob, N, 2); break;
+                    case 3: tp_row_dp(xb, K32, wr, K, ob, N, 3); break;
+                    default: tp_row_dp(xb, K32, wr, K, ob, N, 4); break;
                 }
             }
             if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
@@ -212,6 +150,22 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
 """
 
 
+# The float kernel's launch for activations that are not bf16 values: its one-row loop, 512 bytes
+# of prefetch (its defaults: the tuner times this kernel on bf16-valued activations only).
+FLOAT_PREFETCH = 512
+
+
+def _float_kernel_source() -> str:
+    """The float kernel's source (:data:`torchport.gemv.kernels._SOURCE`) with its entry renamed
+    ``tp_gemv_float``, a static function the pair-dot entry hands float32 activations to."""
+    from torchport.gemv.kernels import _SOURCE as FLOAT_SOURCE
+
+    entry = "TP_EXPORT int tp_gemv("
+    if FLOAT_SOURCE.count(entry) != 1:
+        raise RuntimeError("the float GEMV source must define its tp_gemv entry exactly once")
+    return FLOAT_SOURCE.replace(entry, "static int tp_gemv_float(")
+
+
 @functools.cache
 def gemv_bf16_dp_kernel(
     isa: str, prefetch: int = 0, chunk: int | None = None, hint: str = "T0"
@@ -222,7 +176,7 @@ def gemv_bf16_dp_kernel(
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
     0 = static split). Raises ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with
     AVX512-BF16."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_args
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
 
     check_hint(hint)
     if isa != "avx512" or not native.cpu_info().has_avx512_bf16:
@@ -231,6 +185,15 @@ def gemv_bf16_dp_kernel(
             f"AVX512-BF16 {'present' if native.cpu_info().has_avx512_bf16 else 'absent'})"
         )
     chunk = CHUNK_BYTES if chunk is None else chunk
-    src = native.render(SCHED_C + _SOURCE, prefetch=prefetch, chunk=chunk, hint=hint)
+    src = native.render(
+        SCHED_C + _float_kernel_source() + _SOURCE,
+        e4m3_table=_e4m3_table(),
+        fmt="bf16",
+        prefetch=FLOAT_PREFETCH,
+        rows4=0,
+        chunk=chunk,
+        dp_prefetch=prefetch,
+        hint=hint,
+    )
     lib = native.build(src, name=f"gemv_bf16dp_{isa}_p{prefetch}{hint}_c{chunk}", isa=isa)
     return Kernel(lib, "tp_gemv", gemv_args("bf16"))
