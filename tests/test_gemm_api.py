@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import torchport.gemm as G
-from torchport import autotune, config
+from torchport import autotune, config, native
 from torchport.gemm import epilogue as epilogue_mod
 from torchport.gemm import mm, templates
 from torchport.gemm.epilogue import EpilogueError, EpilogueSpec, split
@@ -953,6 +953,20 @@ def test_bf16_small_m_offers_pair_dot_tiles_only_where_they_run():
         if c.param("dp", 0):
             assert mm_mod._config(c).dp == 1
             assert (c.param("mr"), c.param("nr")) in templates.DP_TILES["small"]
+
+
+@pytest.mark.skipif(not native.cpu_info().has_avx512_bf16, reason="needs AVX512-BF16")
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 32])
+def test_bf16_small_m_pair_dot_candidates_prefetch_8kb_ahead(m):
+    """The small-M pair-dot candidates prefetch at least 8 KB of the panel stream ahead (``pf``
+    k pairs of ``nr`` 32-bit words), and from 8 rows none runs without prefetch (slower and
+    bimodal there, so tuning noise could pick it)."""
+    for n, k in ((4096, 1024), (11008, 4096)):
+        dps = [c for c in G.candidates(m, n, k, "avx512", 2) if c.param("dp", 0)]
+        assert dps
+        for c in dps:
+            pf, nr = int(c.param("pf")), int(c.param("nr"))
+            assert pf * nr * 4 >= 8192 or (pf == 0 and m < 8), c.name
 
 
 @pytest.mark.parametrize(

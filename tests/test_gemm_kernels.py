@@ -471,9 +471,9 @@ DP_CHAINS = ["", "bias_col:bf16;gelu;add:bf16", "scale_row:f32;silu", "gelu;out=
 @pytest.mark.parametrize("chain", DP_CHAINS, ids=[c or "none" for c in DP_CHAINS])
 @pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
 def test_dp_tiles_grid(m, n, k, tile, chain, a_layout):
-    """Every small-M pair-dot tile over remainder rows and columns, deferred and in-tile
-    epilogues, bf16 and fp32 output, A read in place or copied (transposed, strided), two
-    threads."""
+    """Every small-M pair-dot tile over remainder rows and columns, epilogues (per tile; the
+    deferred pass: test_dp_deferred_epilogue_pass), bf16 and fp32 output, A read in place or
+    copied (transposed, strided), two threads."""
     a, b = _make(m, n, k, torch.bfloat16, a_layout, "weight_t")
     spec = EpilogueSpec.decode(chain)
     ops = _operands(spec, m, n)
@@ -485,6 +485,37 @@ def test_dp_tiles_grid(m, n, k, tile, chain, a_layout):
             _assert_close(out, a, b, spec, ops)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_dp
+@pytest.mark.parametrize("defer_max", [0, 16], ids=["per_tile", "deferred"])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 16, 17])
+@pytest.mark.parametrize("chain", ["bias_col:bf16;gelu;add:bf16", "silu;out=f32"])
+def test_dp_deferred_epilogue_pass(m, chain, defer_max, monkeypatch):
+    """The small-M pair-dot driver's GELU/SiLU epilogue per tile (the default, ``DEFER_MAX_M``
+    0) and, with ``DEFER_MAX_M`` 16, deferred (raw sums in the launcher's workspace for bf16
+    output, in C for fp32 output, one pass per chunk; M = 17 per tile): both match the
+    reference, N not a multiple of the panel width, with two threads and with one."""
+    assert templates.DEFER_MAX_M == 0
+    monkeypatch.setattr(templates, "DEFER_MAX_M", defer_max)
+    caches = (kernels.library, kernels._dp_function, kernels.launcher)
+    for f in caches:  # libraries rendered with this setting (the disk cache keys on the source)
+        f.cache_clear()
+    spec = EpilogueSpec.decode(chain)
+    assert spec.deferrable
+    a, b = _make(m, 200, 38, torch.bfloat16, "c", "weight_t")
+    ops = _operands(spec, m, 200)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for tile in SMALL_DP_TILES:
+                out = run_native(a, b, spec, ops, Config(*tile, m, 32, dp=1))
+                _assert_close(out, a, b, spec, ops)
+    finally:
+        torch.set_num_threads(before)
+        for f in caches:
+            f.cache_clear()
 
 
 @needs_dp

@@ -576,8 +576,17 @@ CHUNKS_PER_THREAD = 8
 PANEL_CHUNK_M = 128
 
 # Largest M whose transcendental epilogue runs as a separate pass after the tiles: the small-M
-# vdpbf16ps driver (_dp_driver, bf16 output through the launcher's workspace).
-DEFER_MAX_M = 16
+# vdpbf16ps driver (_dp_driver, bf16 output through the launcher's workspace). 0: each tile's
+# store applies it, as in the fp32 tiles (TILE_DEFER_MAX_M below). With two threads the pass
+# (the chunk's raw sums re-read, the residual read cold, no weight stream while it runs) cost
+# more than the store's epilogue, which runs while the K loop's prefetches (32 k-pairs ahead)
+# are still in flight. dp8x32, bf16 1024->4096, bias+GELU+residual / bias+SiLU over the bare
+# kernel, interleaved, 400 rounds, 10th percentiles of two runs (load 2.6-4.2), deferred (16)
+# vs per tile (0): two threads (wall) M=8 1.056, 1.046 / 1.036, 1.035 vs 1.031, 1.038 / 1.011,
+# 1.016; M=16 1.171, 1.079 / 1.141, 1.051 vs 1.022, 1.038 / 1.013, 1.021; one thread (thread
+# CPU time) within noise, M=8 1.049, 1.050 / 1.039, 1.034 vs 1.051, 1.040 / 1.033, 1.031
+# (bare/bare control 0.97-1.02)
+DEFER_MAX_M = 0
 
 # The same for the fp32-accumulating tiles' driver (_driver): 0, every epilogue in the tile's
 # store. Since the K loop is its own noinline function the per-tile GELU/SiLU no longer stalls
