@@ -279,6 +279,36 @@ def test_mesh_watch_hang_notice_and_crash():
         assert not g._watcher.is_alive()
 
 
+def test_an_op_whose_completion_is_polled_starts_at_once(monkeypatch):
+    """An op nobody waits on is started by the engine thread at its next idle check; polling
+    ``is_completed()``, like asking for a future, starts it at once. Idle sleeps of 30 s here:
+    the op completes only if the poll woke the engine."""
+    import threading
+
+    from torchport.distributed import progress
+    from torchport.distributed.progress import Engine, TorchportWork
+
+    monkeypatch.setattr(progress, "POLL_S", 30.0)
+
+    def run(work: TorchportWork, fn) -> None:
+        fn()
+        work._finish()
+
+    eng = Engine("tp-test-engine", run)
+    try:
+        time.sleep(0.05)  # the engine thread is in its first idle sleep
+        ran = threading.Event()
+        work = TorchportWork("polled")
+        eng.submit(work, ran.set)
+        end = time.monotonic() + 5.0
+        while not work.is_completed() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert work.is_completed() and ran.is_set()
+    finally:
+        eng.stop()
+        assert eng.join(5.0)
+
+
 def test_engine_join_reports_an_operation_still_running():
     """A communicator unmaps its arena only after ``Engine.join`` says nothing runs any more:
     join is False while an operation is still in flight (on the thread or inline in a waiter)."""
