@@ -69,6 +69,8 @@ def _kernel(spec: str) -> tuple[str, object]:
     if kind == "block":
         return fmt, gemv_fp4_block_kernel(fmt, isa, int(pf), hint=hint)
     if kind == "dp":
+        if fmt != "bf16":
+            raise ValueError(f"the dp kernel takes bf16 weights, got spec {spec!r}")
         return fmt, gemv_bf16_dp_kernel(isa, int(pf), hint=hint)
     if kind == "native":
         r4 = int(rest[0]) if rest else None
@@ -102,8 +104,12 @@ def main() -> None:
         ws = packs[fmt]
         out = torch.empty(args.batch, args.rows)
 
-        def run(i: int, th: int, _k=kern, _w=ws, _o=out) -> None:
-            _launch(_k, x, _w[i % len(_w)], None, _o, th)
+        # bf16 weights meet bf16-valued activations (a bf16 model's; the dp kernel's pair-dot
+        # path takes only those)
+        xv = x.bfloat16().float() if fmt == "bf16" else x
+
+        def run(i: int, th: int, _k=kern, _w=ws, _o=out, _x=xv) -> None:
+            _launch(_k, _x, _w[i % len(_w)], None, _o, th)
 
         fns[spec] = (run, ws[0].data.nbytes + ws[0].scales.nbytes)
     bufs = [hugepage_empty((128 << 20,), torch.uint8).fill_(i + 1) for i in range(2)]
