@@ -42,7 +42,7 @@ def _bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(("n", "k"), [(1, 128), (7, 384), (130, 4096)], ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 6])  # the 1-, 3- and (4 + 2)-row paths
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])  # from 4 rows: two weight rows at once
 def test_block_kernel_matches_pair_kernel_and_bound(fmt: str, n: int, k: int, rows: int) -> None:
     g = torch.Generator().manual_seed(n * 31 + k + rows)
     pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
@@ -55,6 +55,31 @@ def test_block_kernel_matches_pair_kernel_and_bound(fmt: str, n: int, k: int, ro
     wd = gops.dequantize_packed(pw)
     ref = gops.gemv_reference(x.double(), wd, bias)
     assert bool(((out.double() - ref).abs() <= _bound(x, wd) * 1.001 + 1e-5).all())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("rows", [4, 5, 8])
+def test_two_row_path_keeps_every_rows_bits(fmt: str, rows: int) -> None:
+    """From four activation rows the AVX-512 kernel streams two weight rows at once, pairing rows
+    by position: the weight without its first row pairs every row differently (and the odd last
+    row runs alone), yet each output row keeps its bits, on one and two threads."""
+    g = torch.Generator().manual_seed(rows)
+    pw = _pack(fmt, torch.randn(37, 512, generator=g))
+    x = torch.randn(rows, 512, generator=g)
+    bias = torch.randn(37, generator=g)
+    shifted = gops.PackedWeight(
+        pw.fmt,
+        pw.data[1:],
+        pw.scales.reshape(37, -1)[1:].reshape(-1),
+        pw.rowscale,
+        pw.pts,
+        36,
+        pw.k,
+    )
+    kern = gemv_fp4_block_kernel(fmt, native.cpu_info().isa)
+    full = _run(kern, x, pw, bias)
+    assert torch.equal(full, _run(kern, x, pw, bias, threads=1))
+    assert torch.equal(full[:, 1:], _run(kern, x, shifted, bias[1:]))
 
 
 @pytest.mark.parametrize(
