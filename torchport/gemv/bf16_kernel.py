@@ -70,7 +70,7 @@ TP_INLINE __m512bh tp_wline(const uint16_t *w, int64_t k) {
 
 /* One weight row against NB (<= 4) bf16 activation rows (row b at xp + b * K32). */
 TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, float *out,
-                      int64_t ldo, const int NB) {
+                         int64_t ldo, const int NB) {
     __m512 acc[4][2];
     for (int b = 0; b < NB; ++b) { acc[b][0] = _mm512_setzero_ps(); acc[b][1] = _mm512_setzero_ps(); }
     const int64_t KF = K / 32 * 32;   /* whole lines */

@@ -537,6 +537,30 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
 #endif
 
 #if defined(__AVX2__)
+/* Weight row n (and n + 1 when rows == 2) against nb (<= 4) prepared activation rows. */
+TP_INLINE void tp_group(const int8_t *xb, const int32_t *cb, const float *sb, int64_t K, const uint8_t *wr,
+                        const uint8_t *sr, int64_t sstride, float *ob, int64_t ldo, int64_t nb, int rows) {
+#if defined(TP_HAVE_R2)
+    if (rows == 2) {
+        switch (nb) {
+            case 1: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, ldo, 1); break;
+            case 2: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, ldo, 2); break;
+            case 3: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, ldo, 3); break;
+            default: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, ldo, 4); break;
+        }
+        return;
+    }
+#endif
+    (void)sstride;
+    (void)rows;
+    switch (nb) {
+        case 1: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 1); break;
+        case 2: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 2); break;
+        case 3: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 3); break;
+        default: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 4); break;
+    }
+}
+
 /* Same contract as the other GEMVs (rowscale unused); K must be a multiple of 128. */
 TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
                       const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
@@ -565,42 +589,20 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         int64_t lo, hi;
         int tp_st_ = 0;
         while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
-        for (int64_t n = lo; n < hi; ++n) {
+        for (int64_t n = lo; n < hi;) {
             const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
+            int rows = 1;   /* weight rows sharing each activation load */
 #if defined(TP_HAVE_R2)
-            if (B >= 4 && n + 1 < hi) {   /* two weight rows per activation load */
-                for (int64_t b = 0; b < B; b += 4) {
-                    int64_t nb = B - b < 4 ? B - b : 4;
-                    const int8_t *xb = xr + b * K;
-                    const int32_t *cb = corr + b * L;
-                    const float *sb = xsv + b * L;
-                    float *ob = out + b * N + n;
-                    switch (nb) {
-                        case 1: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, N, 1); break;
-                        case 2: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, N, 2); break;
-                        case 3: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, N, 3); break;
-                        default: tp_row128_r2(xb, cb, sb, K, wr, sr, sstride, ob, N, 4); break;
-                    }
-                }
-                if (has_bias) for (int64_t b = 0; b < B; ++b) { out[b * N + n] += bias[n]; out[b * N + n + 1] += bias[n + 1]; }
-                ++n;
-                continue;
-            }
+            if (B >= 4 && n + 1 < hi) rows = 2;
 #endif
             for (int64_t b = 0; b < B; b += 4) {
                 int64_t nb = B - b < 4 ? B - b : 4;
-                const int8_t *xb = xr + b * K;
-                const int32_t *cb = corr + b * L;
-                const float *sb = xsv + b * L;
-                float *ob = out + b * N + n;
-                switch (nb) {
-                    case 1: tp_row128(xb, cb, sb, K, wr, sr, ob, N, 1); break;
-                    case 2: tp_row128(xb, cb, sb, K, wr, sr, ob, N, 2); break;
-                    case 3: tp_row128(xb, cb, sb, K, wr, sr, ob, N, 3); break;
-                    default: tp_row128(xb, cb, sb, K, wr, sr, ob, N, 4); break;
-                }
+                tp_group(xr + b * K, corr + b * L, xsv + b * L, K, wr, sr, sstride, out + b * N + n, N, nb, rows);
             }
-            if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+            if (has_bias)
+                for (int r = 0; r < rows; ++r)
+                    for (int64_t b = 0; b < B; ++b) out[b * N + n + r] += bias[n + r];
+            n += rows;
         }
         }
     }
