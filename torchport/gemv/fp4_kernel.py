@@ -25,6 +25,13 @@ block is two lanes, an MX block four; then one ``cvt`` + ``mul`` + ``fma`` per 1
 thread, wall for two, medians of 21, load 3-5): L3-resident 2048×4096 one thread NVFP4
 1.18 → 0.83 ns per 64 weights, MXFP4 1.16 → 0.76; from DRAM one thread NVFP4 0.85 → 0.72 ms,
 MXFP4 1.10 → 0.80 ms; two threads NVFP4 0.54 → 0.52 ms, MXFP4 0.58 → 0.47 ms.
+From three activation rows the roles swap: the weights are the signed operand (``2·e2m1``) and
+the activations the unsigned one (``q + 128``), so the offset's products depend on the weights
+alone and are computed once per chunk for all rows (one ``vpdpbusd`` on the two nibble vectors'
+byte sum); a row then carries no correction lanes and four scale floats per chunk instead of
+sixteen, and four rows fit L1 (they filled it before). The int32 lanes are the same either way,
+so the bits are too. 11008×4096 from DRAM, one thread, interleaved: B=4 NVFP4 3.30–3.88 →
+2.23–2.81 ms, MXFP4 2.91–3.81 → 2.39–2.92 ms.
 With AVX512-VBMI the nibble lookup is ``vpermb`` on the line (low nibbles) and on the line shifted
 right by four (high ones): it reads six index bits and the table repeats every 16 bytes, so the
 two masks go. One thread, L3-resident 1024×4096, same process, interleaved medians of 15 (Zen 4,
@@ -287,18 +294,42 @@ static void tp_quant128(const float *x, int8_t *q, float *s) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* AVX-512 + VNNI: a chunk's 64 weight bytes are one zmm; vpdpbusd sums four u8 x s8 products per
    int32 lane, so lane d (0..15) of the low-nibble and the high-nibble products together covers
-   elements 8d..8d+7: an NVFP4 block is lanes 2b, 2b+1, an MX block lanes 4b..4b+3. */
-#define TP_LPC 16   /* int32 lanes (corrections, scales) per 128-chunk */
+   elements 8d..8d+7: an NVFP4 block is lanes 2b, 2b+1, an MX block lanes 4b..4b+3. Two ways to
+   make the unsigned operand, with the same int32 lanes (sum 2 * e2m1 * q) and so the same bits:
+   - per-row corrections (below TP_WC_MIN_B activation rows): the weights are unsigned,
+     u = 2 * e2m1 + 12 (0..24), the activations signed, and each row carries a correction lane
+     -12 * sum q and sixteen scale floats per chunk (one per lane);
+   - shared corrections (from TP_WC_MIN_B rows): the weights are signed (2 * e2m1, -12..12), the
+     activations unsigned, q + 128 (1..255); the offset's products, 128 * (sum of the lane's
+     weights), depend on the weights alone, so they are computed once per chunk for every row, and
+     a row keeps four scale floats per chunk (one per 32-element group). A row is then K + K / 8
+     bytes instead of 2 K: four rows and their scales fit L1 (32 KB before, all of it). Zen 4,
+     11008x4096 from DRAM, thread CPU time, interleaved medians of 15 (load 1.0-1.5): B=4 NVFP4
+     3.72-3.88 -> 2.61-2.81 ms, MXFP4 3.72-3.81 -> 2.73-2.92; B=8 NVFP4 6.44 -> 5.22, MXFP4 6.84
+     -> 4.94; B=3 NVFP4 2.70 -> 2.47, MXFP4 2.61 -> 2.08; but B=1 1.37-1.45 -> 1.47-1.50 (three
+     more operations per chunk for one row). */
+#define TP_LPC 16   /* int32 corrections per 128-chunk (per-row corrections) */
+#define TP_XPC 16   /* activation scale floats per 128-chunk (per-row corrections; 4 shared) */
+#define TP_WC_MIN_B 3
 
-/* Activation row -> int8 per 128-chunk (the even elements, then the odd ones: the low and high
-   nibbles of the chunk's bytes), per-lane corrections -12 * sum and scales. */
-static void tp_prep_x128(const float *x, int64_t K, float fold, int8_t *xr, int32_t *corr, float *xsv) {
+/* Activation row -> per 128-chunk the even elements, then the odd ones (the low and high nibbles
+   of the chunk's bytes). wc 0: int8 q, per-lane corrections -12 * sum and per-lane scales; wc 1:
+   q + 128 and the four group scales (corr unused). */
+static void tp_prep_x128(const float *x, int64_t K, float fold, int8_t *xr, int32_t *corr, float *xsv, int wc) {
     for (int64_t c = 0; c < K / 128; ++c) {
         int8_t q[128];
         float s[4];
         tp_quant128(x + c * 128, q, s);
-        int8_t *o = xr + c * 128;
-        for (int i = 0; i < 64; ++i) { o[i] = q[2 * i]; o[64 + i] = q[2 * i + 1]; }
+        uint8_t *o = (uint8_t *)xr + c * 128;
+        const int off = wc ? 128 : 0;
+        for (int i = 0; i < 64; ++i) {
+            o[i] = (uint8_t)(q[2 * i] + off);
+            o[64 + i] = (uint8_t)(q[2 * i + 1] + off);
+        }
+        if (wc) {
+            for (int g = 0; g < 4; ++g) xsv[c * 4 + g] = s[g] * fold;
+            continue;
+        }
         for (int d = 0; d < 16; ++d) {
             int32_t sum = 0;
             for (int e = 0; e < 8; ++e) sum += q[8 * d + e];
@@ -309,13 +340,16 @@ static void tp_prep_x128(const float *x, int64_t K, float fold, int8_t *xr, int3
 }
 #else
 #define TP_LPC 8
+#define TP_XPC 8
+#define TP_WC_MIN_B 0x7fffffff   /* per-row corrections only */
 /* Dword d (0..7) of the A vector of a 128-chunk is dword TP_SRC_A[d] of the chunk's 64 weight
    bytes, and of the B vector dword TP_SRC_A[d] + 1: int32 lane d covers 16-element block
    TP_SRC_A[d] / 2 = {0, 1, 4, 5, 2, 3, 6, 7}[d] (what vshufps 0x88 / 0xDD of two loads give). */
 static const int TP_SRC_A[8] = {0, 2, 8, 10, 4, 6, 12, 14};
 
 /* Activation row -> int8 in lane-block order per 128-chunk, per-lane corrections and scales. */
-static void tp_prep_x128(const float *x, int64_t K, float fold, int8_t *xr, int32_t *corr, float *xsv) {
+static void tp_prep_x128(const float *x, int64_t K, float fold, int8_t *xr, int32_t *corr, float *xsv, int wc) {
+    (void)wc;
     for (int64_t c = 0; c < K / 128; ++c) {
         int8_t q[128];
         float s[4];
@@ -363,10 +397,24 @@ TP_INLINE __m512 tp_scales128(const uint8_t *sc, int64_t c) {
 #endif
 }
 
+/* -128 * (the sum of each lane's eight weights), from a chunk's decoded low and high nibbles */
+TP_INLINE __m512i tp_negsum128(__m512i c128, __m512i lo, __m512i hi) {
+    /* |lo + hi| <= 24 per byte: one vpdpbusd on their sum */
+    const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, _mm512_add_epi8(lo, hi));
+    return _mm512_sub_epi32(_mm512_setzero_si512(), t);
+}
+/* FP4 code -> 2 * e2m1 (signed), or 2 * e2m1 + 12 (unsigned), in every 128-bit lane */
+#define TP_LUT_SIGNED _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12))
+#define TP_LUT_UNSIGNED _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0))
+/* The four group scales of a chunk (floats p[0..3]) as lanes {4g..4g+3} <- p[g] */
+#define TP_XS_IDX _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+#define TP_XS(p) _mm512_permutexvar_ps(xsi, _mm512_castps128_ps512(_mm_loadu_ps(p)))
+
 /* One weight row against NB (<= 4) prepared activation rows; K a multiple of 128. */
 TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
-                         const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB) {
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+                         const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB,
+                         const int WC) {
+    const __m512i lut = WC ? TP_LUT_SIGNED : TP_LUT_UNSIGNED;
 #if defined(__AVX512VBMI__)
     /* vpermb reads six index bits; the table repeats every 16 bytes, so bits 4-5 do not matter and
        no mask is needed (bits 6-7 are ignored) */
@@ -375,7 +423,8 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
     const __m512i m4 = _mm512_set1_epi8(0x0F);
 #define TP_NIBBLES(idx) _mm512_shuffle_epi8(lut, _mm512_and_si512((idx), m4))
 #endif
-    const int64_t C = K / 128, L = K / 8;
+    const int64_t C = K / 128, L = K / 8, LX = WC ? K / 32 : K / 8;
+    const __m512i c128 = _mm512_set1_epi8((char)0x80), xsi = TP_XS_IDX;
     __m512 acc[4][2];
     for (int b = 0; b < NB; ++b) { acc[b][0] = _mm512_setzero_ps(); acc[b][1] = _mm512_setzero_ps(); }
     /* chunk c into accumulator j (two chains, constant indices: acc stays in registers) */
@@ -387,19 +436,28 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
         const __m512i lo = TP_NIBBLES(v);                                                          \
         const __m512i hi = TP_NIBBLES(_mm512_srli_epi16(v, 4));                                    \
         const __m512 s = tp_scales128(sc, (c));                                                    \
+        const __m512i cw = WC ? tp_negsum128(c128, lo, hi) : _mm512_setzero_si512();              \
         for (int b = 0; b < NB; ++b) {                                                             \
             const int8_t *xp = xr + b * K + (c) * 128;                                             \
-            __m512i p = _mm512_loadu_si512((const void *)(corr + b * L + (c) * 16));               \
-            p = _mm512_dpbusd_epi32(p, lo, _mm512_loadu_si512((const void *)xp));                  \
-            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(xp + 64)));           \
-            acc[b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                     \
-                                        _mm512_mul_ps(s, _mm512_loadu_ps(xsv + b * L + (c) * 16)), acc[b][j]); \
+            const __m512i xl = _mm512_loadu_si512((const void *)xp);                               \
+            const __m512i xh = _mm512_loadu_si512((const void *)(xp + 64));                        \
+            __m512i p;                                                                             \
+            __m512 xs;                                                                             \
+            if (WC) {                                                                              \
+                p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(cw, xl, lo), xh, hi);                  \
+                xs = TP_XS(xsv + b * LX + (c) * 4);                                                \
+            } else {                                                                               \
+                p = _mm512_loadu_si512((const void *)(corr + b * L + (c) * 16));                   \
+                p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(p, lo, xl), hi, xh);                   \
+                xs = _mm512_loadu_ps(xsv + b * LX + (c) * 16);                                     \
+            }                                                                                      \
+            acc[b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s, xs), acc[b][j]);   \
         }                                                                                          \
     } while (0)
     /* Weights: two 256-bit loads per line (one 512-bit load per line streamed from DRAM about 20 %
        slower here, two threads, Zen 4; half the rate in the FP8 kernel on Zen 5). Products:
-       -12 * sum x (the correction lane) + sum u * x = sum 2 * e2m1 * x, exact in int32
-       (|lane| <= 8 * 24 * 127). */
+       -12 * sum q + sum u * q, or -128 * sum w + sum w * (q + 128): both sum 2 * e2m1 * q, exact
+       in int32 (|lane| <= 8 * 24 * 127, 8 * 12 * 255). */
     int64_t c = 0;
     for (; c + 2 <= C; c += 2) {
         TP_CHUNK(c, 0);
@@ -421,14 +479,16 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
 TP_INLINE void tp_row128_r2(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
                             const uint8_t *w, const uint8_t *sc, int64_t sstride, float *out,
                             int64_t ldo, const int NB) {
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    (void)corr;   /* shared corrections only: used from TP_WC_MIN_B rows */
+    const __m512i lut = TP_LUT_SIGNED;
 #if defined(__AVX512VBMI__)
 #define TP_NIBBLES(idx) _mm512_permutexvar_epi8((idx), lut)
 #else
     const __m512i m4 = _mm512_set1_epi8(0x0F);
 #define TP_NIBBLES(idx) _mm512_shuffle_epi8(lut, _mm512_and_si512((idx), m4))
 #endif
-    const int64_t C = K / 128, L = K / 8, R = K / 2;
+    const int64_t C = K / 128, L = K / 32, R = K / 2;
+    const __m512i c128 = _mm512_set1_epi8((char)0x80), xsi = TP_XS_IDX;
     __m512 acc[2][4][2];
     for (int b = 0; b < NB; ++b)
         for (int r = 0; r < 2; ++r) { acc[r][b][0] = _mm512_setzero_ps(); acc[r][b][1] = _mm512_setzero_ps(); }
@@ -442,15 +502,15 @@ TP_INLINE void tp_row128_r2(const int8_t *xr, const int32_t *corr, const float *
         const __m512i lo0 = TP_NIBBLES(v0), hi0 = TP_NIBBLES(_mm512_srli_epi16(v0, 4));            \
         const __m512i lo1 = TP_NIBBLES(v1), hi1 = TP_NIBBLES(_mm512_srli_epi16(v1, 4));            \
         const __m512 s0 = tp_scales128(sc, (c)), s1 = tp_scales128(sc + sstride, (c));            \
+        const __m512i cw0 = tp_negsum128(c128, lo0, hi0), cw1 = tp_negsum128(c128, lo1, hi1);     \
         for (int b = 0; b < NB; ++b) {                                                             \
             const int8_t *xp = xr + b * K + (c) * 128;                                             \
             const __m512i xl = _mm512_loadu_si512((const void *)xp);                               \
             const __m512i xh = _mm512_loadu_si512((const void *)(xp + 64));                        \
-            const __m512i cr = _mm512_loadu_si512((const void *)(corr + b * L + (c) * 16));        \
-            const __m512 xs = _mm512_loadu_ps(xsv + b * L + (c) * 16);                             \
-            __m512i p0 = _mm512_dpbusd_epi32(cr, lo0, xl), p1 = _mm512_dpbusd_epi32(cr, lo1, xl);  \
-            p0 = _mm512_dpbusd_epi32(p0, hi0, xh);                                                 \
-            p1 = _mm512_dpbusd_epi32(p1, hi1, xh);                                                 \
+            const __m512 xs = TP_XS(xsv + b * L + (c) * 4);                                        \
+            __m512i p0 = _mm512_dpbusd_epi32(cw0, xl, lo0), p1 = _mm512_dpbusd_epi32(cw1, xl, lo1); \
+            p0 = _mm512_dpbusd_epi32(p0, xh, hi0);                                                 \
+            p1 = _mm512_dpbusd_epi32(p1, xh, hi1);                                                 \
             acc[0][b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(s0, xs), acc[0][b][j]); \
             acc[1][b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(s1, xs), acc[1][b][j]); \
         }                                                                                          \
@@ -499,7 +559,9 @@ TP_INLINE __m256 tp_scales128(const uint8_t *sc, int64_t c) {
 
 /* One weight row against NB (<= 4) prepared activation rows; K a multiple of 128. */
 TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
-                         const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB) {
+                         const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB,
+                         const int WC) {
+    (void)WC;   /* per-row corrections only */
     const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -539,7 +601,8 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
 #if defined(__AVX2__)
 /* Weight row n (and n + 1 when rows == 2) against nb (<= 4) prepared activation rows. */
 TP_INLINE void tp_group(const int8_t *xb, const int32_t *cb, const float *sb, int64_t K, const uint8_t *wr,
-                        const uint8_t *sr, int64_t sstride, float *ob, int64_t ldo, int64_t nb, int rows) {
+                        const uint8_t *sr, int64_t sstride, float *ob, int64_t ldo, int64_t nb, int rows,
+                        int wc) {
 #if defined(TP_HAVE_R2)
     if (rows == 2) {
         switch (nb) {
@@ -553,11 +616,20 @@ TP_INLINE void tp_group(const int8_t *xb, const int32_t *cb, const float *sb, in
 #endif
     (void)sstride;
     (void)rows;
+    if (wc) {
+        switch (nb) {
+            case 1: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 1, 1); break;
+            case 2: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 2, 1); break;
+            case 3: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 3, 1); break;
+            default: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 4, 1); break;
+        }
+        return;
+    }
     switch (nb) {
-        case 1: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 1); break;
-        case 2: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 2); break;
-        case 3: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 3); break;
-        default: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 4); break;
+        case 1: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 1, 0); break;
+        case 2: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 2, 0); break;
+        case 3: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 3, 0); break;
+        default: tp_row128(xb, cb, sb, K, wr, sr, ob, ldo, 4, 0); break;
     }
 }
 
@@ -575,12 +647,14 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     const int64_t sstride = K / 32;
     (void)pts_d;
 #endif
-    const int64_t L = K / 128 * TP_LPC;
+    const int wc = B >= TP_WC_MIN_B;   /* shared corrections (AVX-512 only) */
+    const int64_t L = wc ? 0 : K / 128 * TP_LPC, LX = K / 128 * (wc ? 4 : TP_XPC);
     int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
     int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * L) + 64);
-    float *xsv = (float *)malloc(sizeof(float) * (size_t)(B * L) + 64);
+    float *xsv = (float *)malloc(sizeof(float) * (size_t)(B * LX) + 64);
     if (!xr || !corr || !xsv) { free(xr); free(corr); free(xsv); return 3; }
-    for (int64_t b = 0; b < B; ++b) tp_prep_x128(x + b * K, K, fold, xr + b * K, corr + b * L, xsv + b * L);
+    for (int64_t b = 0; b < B; ++b)
+        tp_prep_x128(x + b * K, K, fold, xr + b * K, corr + b * L, xsv + b * LX, wc);
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
@@ -593,11 +667,12 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
             const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
             int rows = 1;   /* weight rows sharing each activation load */
 #if defined(TP_HAVE_R2)
-            if (B >= 4 && n + 1 < hi) rows = 2;
+            if (B >= 4 && n + 1 < hi) rows = 2;   /* (TP_WC_MIN_B <= 4: shared corrections) */
 #endif
             for (int64_t b = 0; b < B; b += 4) {
                 int64_t nb = B - b < 4 ? B - b : 4;
-                tp_group(xr + b * K, corr + b * L, xsv + b * L, K, wr, sr, sstride, out + b * N + n, N, nb, rows);
+                tp_group(xr + b * K, corr + b * L, xsv + b * LX, K, wr, sr, sstride, out + b * N + n, N, nb, rows,
+                         wc);
             }
             if (has_bias)
                 for (int r = 0; r < rows; ++r)
