@@ -109,6 +109,22 @@ def test_dp_kernel_propagates_nonfinite_activations(xdtype) -> None:
     assert bool((out[1] == math.inf).all())
 
 
+@pytest.mark.parametrize("rows", [4, 5, 8])
+def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
+    """From four activation rows two weight rows share every activation load, pairing weight rows
+    by position: without its first row the weight pairs every row differently (and an odd last
+    row runs alone), yet each output keeps its bits, and each equals its single-row call's."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(37, 1000, generator=g).bfloat16()  # K % 32 != 0: the masked tail too
+    x = torch.randn(rows, 1000, generator=g).bfloat16()
+    bias = torch.randn(37, generator=g)
+    full = _run(x, w, bias)
+    assert torch.equal(full, _run(x, w, bias, threads=1))
+    assert torch.equal(full[:, 1:], _run(x, w[1:], bias[1:]))
+    for i in range(rows):
+        assert torch.equal(full[i], _run(x[i : i + 1], w, bias)[0]), i
+
+
 @pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("NTA", 0)])
 def test_dp_kernel_prefetch_settings_keep_bits(hint: str, pf: int) -> None:
     g = torch.Generator().manual_seed(11)
