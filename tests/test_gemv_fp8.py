@@ -119,6 +119,42 @@ def test_several_rows_take_the_avx2_build_on_avx512() -> None:
     assert gops._native_kernel("fp8_e4m3", False, 256, "avx2", cand, rows=1) is kern
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(37, 4096), (19, 1061), (300, 2048)], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 3e-39], ids=["1", "denormal"])
+def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float) -> None:
+    """From two activation rows K runs in blocks (the rows' activations beyond 16 KB, or 1 KB
+    here): every group of two to four rows keeps the bits of K in one piece, a lone fifth row
+    meets the reference, on one and two threads; K not a multiple of the 32/64-weight step."""
+    w = _all_codes_weight(n, k, seed=n + k + rows)
+    pw = w.gemv_pack()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g) * scale
+    bias = torch.randn(n, generator=g) * scale
+    isa = native.cpu_info().isa
+
+    def run(xblock: int, threads: int = 2) -> torch.Tensor:
+        kern = gemv_fp8_shift_kernel(isa, 2048, hint="NTA", xblock=xblock)
+        out = torch.empty(rows, n)
+        st = kern(x, rows, k, pw.data, pw.scales, pw.rowscale, pw.pts, bias, 1, out, n, threads)
+        assert st == 0
+        return out
+
+    whole = run(0, threads=1)
+    for xblock, threads in ((1024, 1), (1024, 2), (16384, 2)):
+        out = run(xblock, threads)
+        _check(out, x, w, bias)
+        if rows % 4 != 1:
+            assert torch.equal(out, whole), (xblock, threads)
+        else:
+            assert torch.equal(out[:-1], whole[:-1]), (xblock, threads)
+
+
+def test_shift_kernel_rejects_negative_xblock() -> None:
+    with pytest.raises(ValueError, match=r"xblock must be >= 0 bytes, got -1"):
+        gemv_fp8_shift_kernel(native.cpu_info().isa, 2048, xblock=-1)
+
+
 @pytest.mark.parametrize(("n", "k", "rows"), [(1, 32, 1), (300, 4096, 1), (37, 1061, 3)], ids=str)
 def test_shift_kernel_prefetch_hint_keeps_bits(n: int, k: int, rows: int) -> None:
     """The prefetch hint and distance change only how the weights stream in, never the result."""

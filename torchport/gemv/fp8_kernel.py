@@ -59,6 +59,15 @@ the one-row loop with NTA 2048 does (3.5-4.0 vs 3.6-3.9 ms CPU time, four runs),
 ahead more (4.4-4.6 ms); two threads from DRAM, four rows T0 8192 2.433 / 2.568 ms against one
 row NTA 2048 2.623 / 2.710 ms (kernels alone, interleaved medians of 21, read peak 21.9 GB/s,
 two runs): the tuner tries it (:data:`torchport.gemv.ops.SHIFT4_PREFETCH`).
+
+From two activation rows, where the rows' prescaled activations (``4·B·K`` bytes) exceed
+:data:`XBLOCK_BYTES` (16 KB, half of L1), eight weight rows at a time run K in blocks that keep
+a block of every activation row in L1, the accumulators parked in memory between blocks (the
+same FMAs in the same order: the same bits as K in one piece), and the next eight rows' lines are
+prefetched into L2 as the current ones are read. Before, at B=4 and K=4096 (64 KB of
+activations) every weight line met activation vectors re-read from L2: 11008×4096 from DRAM,
+interleaved medians of 9 (load 2-3), B=4 one thread (CPU time) 9.3 → 6.0–6.4 ms, two threads 4.6–4.9
+→ 3.3–3.5 ms; eight or sixteen rows at a time measured 6.4 and 6.7–7.1 ms.
 """
 
 from __future__ import annotations
@@ -199,6 +208,37 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
     }
 }
 
+/* tp_row's multi-row loop (NB >= 2) over k0 <= k < k1 (multiples of TP_G), the accumulators kept
+   in accp (NB x 2 vectors) between calls: the same FMAs in the same order, so each row's sums do
+   not depend on whether K runs in one piece or in blocks. Prefetches into L2 the line of pfw (the
+   weight row the next row group reads) at each k, unless pfw is NULL. */
+TP_INLINE void tp_row_part(const float *xs, int64_t K, const uint8_t *w, const uint8_t *pfw, int64_t k0,
+                           int64_t k1, tp_vf *accp, const int NB) {
+    tp_vf acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
+    for (int64_t k = k0; k < k1; k += TP_G) {
+        if (pfw) _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
+        tp_vf w0, w1, w2, w3;
+        TP_E4M3X(w + k, w0, w1, w2, w3);
+        for (int b = 0; b < NB; ++b) {
+            const float *xb = xs + b * K + k;
+            acc[b][0] = TP_FMA(w0, TP_LOADX(xb), acc[b][0]);
+            acc[b][1] = TP_FMA(w1, TP_LOADX(xb + TP_V), acc[b][1]);
+            acc[b][0] = TP_FMA(w2, TP_LOADX(xb + 2 * TP_V), acc[b][0]);
+            acc[b][1] = TP_FMA(w3, TP_LOADX(xb + 3 * TP_V), acc[b][1]);
+        }
+    }
+    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+}
+
+/* K blocks (from two activation rows): the prescaled activations of B rows are 4 B K bytes,
+   beyond L1 from two rows at K = 4096, and each weight line meets every row's vectors there. So
+   TP_KR weight rows at a time run K in blocks of TP_XBYTES / (4 B) activations (a block of every
+   row stays in L1 while the TP_KR rows use it), their accumulators parked between blocks, and the
+   next TP_KR rows' lines are prefetched into L2 as the current ones are read. */
+#define TP_KR 8
+#define TP_XBYTES ${xblock}
+
 /* TP_R (> 1) weight rows against one prescaled activation row: each activation vector (an L1
    load folded into the FMA) serves TP_R rows, and TP_R weight streams are in flight, each
    prefetched once per 64-byte line. 8 / TP_R accumulators per row: eight FMA chains in all. */
@@ -258,6 +298,12 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K, ${chunk});
+    const int64_t KF = K / TP_G * TP_G;
+    int64_t kb_len = 0;   /* K block (activations per row), 0: K in one piece */
+    if (TP_XBYTES > 0 && B >= 2 && (int64_t)sizeof(float) * B * K > TP_XBYTES) {
+        kb_len = TP_XBYTES / ((int64_t)sizeof(float) * B) / TP_G * TP_G;
+        if (kb_len < TP_G) kb_len = TP_G;
+    }
     #pragma omp parallel num_threads(nt)
     {
         const unsigned csr = _mm_getcsr();
@@ -265,6 +311,41 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         int64_t lo, hi;
         int tp_st_ = 0;
         while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
+        if (kb_len) {   /* K blocks (B >= 2, see TP_KR) */
+            for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
+                const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
+                tp_vf accb[TP_KR * 16];
+                for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = TP_ZERO();
+                for (int64_t kb = 0; kb < KF; kb += kb_len) {
+                    const int64_t ke = kb + kb_len < KF ? kb + kb_len : KF;
+                    for (int64_t n = n0; n < n1; ++n) {
+                        const uint8_t *wr = w + n * K, *pfw = n + TP_KR < hi ? wr + TP_KR * K : NULL;
+                        for (int64_t b = 0; b < B; b += 4) {
+                            const int64_t nb = B - b < 4 ? B - b : 4;
+                            const float *xb = xs + b * K;
+                            tp_vf *ap = accb + ((n - n0) * B + b) * 2;
+                            const uint8_t *pf = b ? NULL : pfw;
+                            switch (nb) {
+                                case 1: tp_row_part(xb, K, wr, pf, kb, ke, ap, 1); break;
+                                case 2: tp_row_part(xb, K, wr, pf, kb, ke, ap, 2); break;
+                                case 3: tp_row_part(xb, K, wr, pf, kb, ke, ap, 3); break;
+                                default: tp_row_part(xb, K, wr, pf, kb, ke, ap, 4); break;
+                            }
+                        }
+                    }
+                }
+                for (int64_t n = n0; n < n1; ++n)
+                    for (int64_t b = 0; b < B; ++b) {
+                        const tp_vf *ap = accb + ((n - n0) * B + b) * 2;
+                        float tail = 0.0f;   /* as tp_row's */
+                        for (int64_t j = KF; j < K; ++j) tail += TP_E4M3F[w[n * K + j]] * x[b * K + j];
+                        const double sum = (double)TP_HSUM(TP_ADD(ap[0], ap[1])) * fac[b] + (double)tail;
+                        out[b * N + n] = (float)(sum * (double)rowscale[n]);
+                        if (has_bias) out[b * N + n] += bias[n];
+                    }
+            }
+            continue;
+        }
         for (int64_t n = lo; n < hi; ++n) {
 #if TP_R > 1
             if (B == 1 && n + TP_R <= hi) {   /* TP_R rows at once (then n += TP_R) */
@@ -298,20 +379,31 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 """
 
 
+# Prescaled activation bytes (all rows) one K block keeps in L1 from two activation rows (0: K
+# in one piece; see TP_KR in the source).
+XBLOCK_BYTES = 16384
+
 # Weight rows the shift-decode kernel can stream at once for one activation row.
 SHIFT_ROWS = (1, 2, 4)
 
 
 @functools.cache
 def gemv_fp8_shift_kernel(
-    isa: str, prefetch: int = 2048, chunk: int | None = None, hint: str = "T0", rows: int = 1
+    isa: str,
+    prefetch: int = 2048,
+    chunk: int | None = None,
+    hint: str = "T0",
+    rows: int = 1,
+    xblock: int | None = None,
 ) -> Kernel:
     """The shift-decode E4M3 GEMV (entry ``tp_gemv``, the same arguments as
     :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel). ``prefetch``: bytes ahead
     of the weight stream, ``hint``: its locality (:data:`torchport.gemv.kernels.PREFETCH_HINTS`);
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
     0 = static split); ``rows`` (1, 2 or 4): weight rows streamed at once for one activation row
-    (each activation load serves them all; 1: the one-row loop)."""
+    (each activation load serves them all; 1: the one-row loop); ``xblock``: bytes of prescaled
+    activations (all rows) a K block keeps in L1 from two activation rows (default
+    :data:`XBLOCK_BYTES`; 0: K in one piece)."""
     from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
 
     check_hint(hint)
@@ -319,6 +411,8 @@ def gemv_fp8_shift_kernel(
         raise native.NativeError("the shift-decode FP8 GEMV needs AVX2 (isa is 'scalar')")
     if rows not in SHIFT_ROWS:
         raise ValueError(f"shift-decode FP8 gemv rows must be one of {SHIFT_ROWS}, got {rows!r}")
+    if xblock is not None and xblock < 0:
+        raise ValueError(f"shift-decode FP8 gemv xblock must be >= 0 bytes, got {xblock!r}")
     chunk = CHUNK_BYTES if chunk is None else chunk
     src = native.render(
         SCHED_C + _SOURCE,
@@ -327,7 +421,9 @@ def gemv_fp8_shift_kernel(
         chunk=chunk,
         hint=hint,
         rows=rows,
+        xblock=XBLOCK_BYTES if xblock is None else xblock,
     )
     name = f"gemv_fp8shift_{isa}_p{prefetch}{hint}_c{chunk}" + (f"_r{rows}" if rows > 1 else "")
+    name += "" if xblock is None else f"_x{xblock}"
     lib = native.build(src, name=name, isa=isa)
     return Kernel(lib, "tp_gemv", gemv_args("fp8_e4m3"))
