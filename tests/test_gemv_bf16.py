@@ -125,12 +125,33 @@ def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
         assert torch.equal(full[i], _run(x[i : i + 1], w, bias)[0]), i
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("k", [4096, 1000, 1060, 64], ids=str)
+def test_k_blocks_keep_bits(rows: int, k: int) -> None:
+    """Two to four activation rows run K in blocks where their narrowed activations exceed the
+    block (16 KB, or 256 bytes here): the same bits as K in one piece, on one and two threads; K
+    ending in a whole line, a masked tail, or both."""
+    g = torch.Generator().manual_seed(rows * k)
+    w = torch.randn(41, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(41, generator=g)
+    whole = _run(x, w, bias, threads=1, xblock=0)
+    _check(whole, x, w, bias)
+    for xblock, threads in ((256, 1), (256, 2), (16384, 2)):
+        assert torch.equal(_run(x, w, bias, threads=threads, xblock=xblock), whole)
+
+
 @pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("NTA", 0)])
 def test_dp_kernel_prefetch_settings_keep_bits(hint: str, pf: int) -> None:
     g = torch.Generator().manual_seed(11)
     w = torch.randn(70, 1000, generator=g).bfloat16()
     x = torch.randn(1, 1000, generator=g).bfloat16()
     assert torch.equal(_run(x, w, None, hint=hint, prefetch=pf), _run(x, w, None))
+
+
+def test_dp_kernel_rejects_negative_xblock() -> None:
+    with pytest.raises(ValueError, match=r"xblock must be >= 0 bytes, got -5"):
+        gemv_bf16_dp_kernel("avx512", xblock=-5)
 
 
 def test_dp_kernel_rejects_bad_settings() -> None:

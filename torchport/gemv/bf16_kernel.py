@@ -37,7 +37,13 @@ two consecutive weight rows share every activation load (the same operations per
 order: the same bits); there four bf16 activation rows fill L1 (8 KB each at K = 4096), and the
 shared loads halve what is re-read from L2: 11008×4096 from DRAM, interleaved medians of 11 (load
 2-3), ``T0``/0 prefetch B=4 one thread 9.93 → 7.15 ms, two threads 5.39 → 4.12 ms, B=8 14.4 →
-9.7 / 7.4 → 5.3 ms; ``NTA``/2048 B=4 10.1 → 9.1 / 5.3 → 5.0 ms; B=1 unchanged. Needs ``isa="avx512"``
+9.7 / 7.4 → 5.3 ms; ``NTA``/2048 B=4 10.1 → 9.1 / 5.3 → 5.0 ms; B=1 unchanged. For two to four
+rows whose narrowed activations exceed :data:`XBLOCK_BYTES` (16 KB, half of L1), eight weight
+rows at a time run K in blocks that keep a block of every activation row in L1 instead, the
+accumulators parked between blocks (the same dot products in the same order: the same bits),
+the next eight rows prefetched into L2: B=4 one thread 7.6 (two-row loop) → 4.4–4.7 ms, two
+threads 4.2 → 3.7–3.8 ms (interleaved medians of 9, load 1.6–1.8); at B=8 the blocks measured
+no better than the two-row loop (one thread 9.4–9.8 vs 9.6 ms, two threads 5.9–6.4 vs 5.4). Needs ``isa="avx512"``
 on a CPU with AVX512-BF16; the caller (:func:`torchport.gemv.ops.candidates`) offers it only
 there. Returns status 3 when the narrowed activations (``2 · B · K`` bytes) cannot be allocated.
 """
@@ -147,6 +153,57 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const uint16_t *w, 
     }
 }
 
+/* tp_row_dp's two-line steps over k0 <= k < k1 (multiples of 64), the accumulators kept in accp
+   (NB x 2 vectors) between calls: the same dot products in the same order, so a row's sums do not
+   depend on whether K runs in one piece or in blocks. Prefetches into L2 the lines of pfw (the
+   weight row the next row group reads) at each step, unless pfw is NULL. */
+TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const uint16_t *w, const uint16_t *pfw,
+                          int64_t k0, int64_t k1, __m512 *accp, const int NB) {
+    __m512 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
+    for (int64_t k = k0; k < k1; k += 64) {
+        if (pfw) {
+            _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pfw + k) + 64, _MM_HINT_T1);
+        }
+        const __m512bh w0 = tp_wline(w, k), w1 = tp_wline(w, k + 32);
+        for (int b = 0; b < NB; ++b) {
+            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
+            acc[b][1] = _mm512_dpbf16_ps(acc[b][1], w1, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k + 32)));
+        }
+    }
+    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+}
+
+/* The end of a K-blocked row as tp_row_dp ends it: from k = K / 64 * 64 a last whole line and the
+   masked K % 32 tail (both into accumulator 0), then the row sums. */
+TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, const __m512 *accp,
+                          float *out, int64_t ldo, const int NB) {
+    __m512 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
+    int64_t k = K / 64 * 64;
+    if (k + 32 <= K) {
+        const __m512bh w0 = tp_wline(w, k);
+        for (int b = 0; b < NB; ++b)
+            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
+        k += 32;
+    }
+    if (k < K) {
+        const __mmask32 m = (__mmask32)((1u << (K - k)) - 1u);
+        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
+        for (int b = 0; b < NB; ++b)
+            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
+    }
+    for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
+}
+
+/* K blocks (two to four activation rows): where the narrowed rows (2 B K32 bytes) exceed
+   TP_XBYTES, TP_KR weight rows at a time run K in blocks of TP_XBYTES / (2 B) activations (a block
+   of every row stays in L1 while the TP_KR rows use it), their accumulators parked between
+   blocks, and the next TP_KR rows' lines are prefetched into L2 as the current ones are read. */
+#define TP_KR 8
+#define TP_XBYTES ${xblock}
+
 /* Same contract as the float kernel's bf16 GEMV (tp_gemv_float above: the float kernel itself,
    which serves activations that are not all bf16 values). */
 TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, const uint8_t *scales,
@@ -164,11 +221,57 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K * 2, ${chunk});
+    const int64_t K64 = K / 64 * 64;
+    int64_t kb_len = 0;   /* K block (activations per row), 0: K in one piece */
+    if (TP_XBYTES > 0 && B >= 2 && B <= 4 && 2 * B * K32 > TP_XBYTES) {
+        kb_len = TP_XBYTES / (2 * B) / 64 * 64;
+        if (kb_len < 64) kb_len = 64;
+    }
     #pragma omp parallel num_threads(nt)
     {
         int64_t lo, hi;
         int tp_st_ = 0;
         while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
+        if (kb_len) {   /* K blocks (see TP_KR) */
+            for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
+                const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
+                __m512 accb[TP_KR * 16];
+                for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm512_setzero_ps();
+                for (int64_t kb = 0; kb < K64; kb += kb_len) {
+                    const int64_t ke = kb + kb_len < K64 ? kb + kb_len : K64;
+                    for (int64_t n = n0; n < n1; ++n) {
+                        const uint16_t *wr = w + n * K, *pfw = n + TP_KR < hi ? wr + TP_KR * K : NULL;
+                        for (int64_t b = 0; b < B; b += 4) {
+                            const int64_t nb = B - b < 4 ? B - b : 4;
+                            const uint16_t *xb = xp + b * K32, *pf = b ? NULL : pfw;
+                            __m512 *ap = accb + ((n - n0) * B + b) * 2;
+                            switch (nb) {
+                                case 1: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 1); break;
+                                case 2: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 2); break;
+                                case 3: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 3); break;
+                                default: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 4); break;
+                            }
+                        }
+                    }
+                }
+                for (int64_t n = n0; n < n1; ++n) {
+                    for (int64_t b = 0; b < B; b += 4) {
+                        const int64_t nb = B - b < 4 ? B - b : 4;
+                        const uint16_t *xb = xp + b * K32, *wr = w + n * K;
+                        const __m512 *ap = accb + ((n - n0) * B + b) * 2;
+                        float *ob = out + b * N + n;
+                        switch (nb) {
+                            case 1: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 1); break;
+                            case 2: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 2); break;
+                            case 3: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 3); break;
+                            default: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 4); break;
+                        }
+                    }
+                    if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+                }
+            }
+            continue;
+        }
         for (int64_t n = lo; n < hi;) {
             const uint16_t *wr = w + n * K;
             const int rows = (B >= 4 && n + 1 < hi) ? 2 : 1;
@@ -212,6 +315,10 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
 # of prefetch (its defaults: the tuner times this kernel on bf16-valued activations only).
 FLOAT_PREFETCH = 512
 
+# Narrowed activation bytes (all rows) one K block keeps in L1 for two to four activation rows
+# (0: K in one piece; see TP_KR in the source).
+XBLOCK_BYTES = 16384
+
 
 def _float_kernel_source() -> str:
     """The float kernel's source (:data:`torchport.gemv.kernels._SOURCE`) with its entry renamed
@@ -226,14 +333,19 @@ def _float_kernel_source() -> str:
 
 @functools.cache
 def gemv_bf16_dp_kernel(
-    isa: str, prefetch: int = 0, chunk: int | None = None, hint: str = "T0"
+    isa: str,
+    prefetch: int = 0,
+    chunk: int | None = None,
+    hint: str = "T0",
+    xblock: int | None = None,
 ) -> Kernel:
     """The ``vdpbf16ps`` bf16 GEMV (entry ``tp_gemv``, the same arguments as
     :func:`torchport.gemv.kernels.gemv_kernel`'s ``bf16`` kernel). ``prefetch``: bytes ahead of
     the weight stream, ``hint``: its locality (:data:`torchport.gemv.kernels.PREFETCH_HINTS`);
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
-    0 = static split). Raises ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with
-    AVX512-BF16."""
+    0 = static split); ``xblock``: bytes of narrowed activations (all rows) a K block keeps in L1
+    for two to four activation rows (default :data:`XBLOCK_BYTES`; 0: K in one piece). Raises
+    ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16."""
     from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
 
     check_hint(hint)
@@ -242,6 +354,8 @@ def gemv_bf16_dp_kernel(
             f"the vdpbf16ps GEMV needs isa 'avx512' with AVX512-BF16 (isa is {isa!r}, "
             f"AVX512-BF16 {'present' if native.cpu_info().has_avx512_bf16 else 'absent'})"
         )
+    if xblock is not None and xblock < 0:
+        raise ValueError(f"vdpbf16ps gemv xblock must be >= 0 bytes, got {xblock!r}")
     chunk = CHUNK_BYTES if chunk is None else chunk
     src = native.render(
         SCHED_C + _float_kernel_source() + _SOURCE,
@@ -252,6 +366,9 @@ def gemv_bf16_dp_kernel(
         chunk=chunk,
         dp_prefetch=prefetch,
         hint=hint,
+        xblock=XBLOCK_BYTES if xblock is None else xblock,
     )
-    lib = native.build(src, name=f"gemv_bf16dp_{isa}_p{prefetch}{hint}_c{chunk}", isa=isa)
+    name = f"gemv_bf16dp_{isa}_p{prefetch}{hint}_c{chunk}"
+    name += "" if xblock is None else f"_x{xblock}"
+    lib = native.build(src, name=name, isa=isa)
     return Kernel(lib, "tp_gemv", gemv_args("bf16"))
