@@ -212,6 +212,46 @@ def test_compile_routes_large_decode_linear_by_tuner_decision(fresh_cache, monke
         ops._PLANS.clear()
 
 
+@pytest.mark.skipif(native.cpu_info().isa == "scalar", reason="K blocks are in the AVX2 kernel")
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("rows", [2, 4, 5, 8])
+def test_float_kernel_k_blocks_keep_bits(fmt: str, rows: int) -> None:
+    """From two activation rows the float kernel runs K in blocks (where the rows' activations
+    exceed the block: 512 bytes here): every group of two to four rows keeps the bits of K in one
+    piece, on one and two threads; a lone fifth row meets the reference; K not a multiple of 32."""
+    from torchport.gemv import pack_dense
+    from torchport.gemv.kernels import gemv_kernel
+
+    g = torch.Generator().manual_seed(rows)
+    k = 1056 if fmt in ("nvfp4", "mxfp4", "mxfp8") else 1000  # the block formats: whole blocks
+    wq, wd = _weight(fmt, torch.randn(67, k, generator=g))
+    pw = pack_dense(wq) if fmt in ("f32", "bf16") else wq.gemv_pack()
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(67, generator=g)
+    isa = native.cpu_info().isa
+
+    def run(xblock: int, threads: int) -> torch.Tensor:
+        kern = gemv_kernel(pw.fmt, isa, 512, 0, xblock=xblock)
+        out = torch.empty(rows, 67)
+        st = kern(x, rows, k, pw.data, pw.scales, pw.rowscale, pw.pts, bias, 1, out, 67, threads)
+        assert st == 0
+        return out
+
+    whole = run(0, 1)
+    for xblock, threads in ((512, 1), (512, 2), (16384, 2)):
+        out = run(xblock, threads)
+        _check(out, x, wd.float(), bias, 1e-5)
+        keep = rows - 1 if rows % 4 == 1 else rows
+        assert torch.equal(out[:keep], whole[:keep]), (xblock, threads)
+
+
+def test_float_kernel_rejects_negative_xblock() -> None:
+    from torchport.gemv.kernels import gemv_kernel
+
+    with pytest.raises(ValueError, match=r"xblock must be >= 0 bytes, got -1"):
+        gemv_kernel("f32", native.cpu_info().isa, xblock=-1)
+
+
 @pytest.mark.parametrize("fmt,rows4", [("nvfp4", 1), ("mxfp4", 0)])  # non-default variants
 def test_kernel_variants_agree(fmt, rows4):
     from torchport.gemv import pack_dense

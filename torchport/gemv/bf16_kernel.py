@@ -347,6 +347,7 @@ def gemv_bf16_dp_kernel(
     for two to four activation rows (default :data:`XBLOCK_BYTES`; 0: K in one piece). Raises
     ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16."""
     from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
+    from torchport.gemv.kernels import XBLOCK_BYTES as FLOAT_XBLOCK_BYTES
 
     check_hint(hint)
     if isa != "avx512" or not native.cpu_info().has_avx512_bf16:
@@ -367,6 +368,7 @@ def gemv_bf16_dp_kernel(
         dp_prefetch=prefetch,
         hint=hint,
         xblock=XBLOCK_BYTES if xblock is None else xblock,
+        fxblock=FLOAT_XBLOCK_BYTES,
     )
     name = f"gemv_bf16dp_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
