@@ -150,6 +150,30 @@ static double tp_prescale(const float *x, int64_t K, float *xs) {
     return ldexp(1.0, 120 - k);
 }
 
+/* The multi-row loop (NB >= 2) over k0 <= k < k1 (multiples of TP_G), the accumulators kept in accp
+   (NB x 2 vectors) between calls, so each row's sums do not depend on whether K runs in one piece
+   (tp_row) or in blocks. At each k prefetches pfa + k with the kernel's hint (the row's own stream
+   ahead) and the line of pfw (the weight row the next row group reads) into L2, either unless NULL. */
+TP_INLINE void tp_row_part(const float *xs, int64_t K, const uint8_t *w, const char *pfa, const uint8_t *pfw,
+                           int64_t k0, int64_t k1, tp_vf *accp, const int NB) {
+    tp_vf acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
+    for (int64_t k = k0; k < k1; k += TP_G) {
+        if (pfa) _mm_prefetch(pfa + k, _MM_HINT_${hint});
+        if (pfw) _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
+        tp_vf w0, w1, w2, w3;
+        TP_E4M3X(w + k, w0, w1, w2, w3);
+        for (int b = 0; b < NB; ++b) {
+            const float *xb = xs + b * K + k;
+            acc[b][0] = TP_FMA(w0, TP_LOADX(xb), acc[b][0]);
+            acc[b][1] = TP_FMA(w1, TP_LOADX(xb + TP_V), acc[b][1]);
+            acc[b][0] = TP_FMA(w2, TP_LOADX(xb + 2 * TP_V), acc[b][0]);
+            acc[b][1] = TP_FMA(w3, TP_LOADX(xb + 3 * TP_V), acc[b][1]);
+        }
+    }
+    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+}
+
 /* One weight row against NB (<= 4) prescaled activation rows. */
 TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_t K, const uint8_t *w,
                       float post, float *out, int64_t ldo, const int NB) {
@@ -157,6 +181,13 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
     for (int b = 0; b < NB; ++b) { acc[b][0] = TP_ZERO(); acc[b][1] = TP_ZERO(); }
     tp_vf acc1[2] = {TP_ZERO(), TP_ZERO()};
     int64_t k = 0;
+    if (NB > 1) {
+        tp_vf a[8];
+        for (int i = 0; i < 2 * NB; ++i) a[i] = TP_ZERO();
+        k = K / TP_G * TP_G;
+        tp_row_part(xs, K, w, (const char *)w + ${prefetch}, NULL, 0, k, a, NB);
+        for (int b = 0; b < NB; ++b) { acc[b][0] = a[2 * b]; acc[b][1] = a[2 * b + 1]; }
+    }
 #if TP_V == 8
     if (NB == 1) {   /* 64 weights (one cache line) per step: one prefetch per line */
         tp_vf acc2[4] = {TP_ZERO(), TP_ZERO(), TP_ZERO(), TP_ZERO()};
@@ -180,24 +211,14 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
         acc1[1] = TP_ADD(acc1[1], acc2[3]);
     }
 #endif
-    for (; k + TP_G <= K; k += TP_G) {
+    for (; NB == 1 && k + TP_G <= K; k += TP_G) {   /* four independent chains hide FMA latency */
         _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
         tp_vf w0, w1, w2, w3;
         TP_E4M3X(w + k, w0, w1, w2, w3);
-        if (NB == 1) {   /* four independent chains hide FMA latency */
-            acc[0][0] = TP_FMA(w0, TP_LOADX(xs + k), acc[0][0]);
-            acc[0][1] = TP_FMA(w1, TP_LOADX(xs + k + TP_V), acc[0][1]);
-            acc1[0] = TP_FMA(w2, TP_LOADX(xs + k + 2 * TP_V), acc1[0]);
-            acc1[1] = TP_FMA(w3, TP_LOADX(xs + k + 3 * TP_V), acc1[1]);
-        } else {
-            for (int b = 0; b < NB; ++b) {
-                const float *xb = xs + b * K + k;
-                acc[b][0] = TP_FMA(w0, TP_LOADX(xb), acc[b][0]);
-                acc[b][1] = TP_FMA(w1, TP_LOADX(xb + TP_V), acc[b][1]);
-                acc[b][0] = TP_FMA(w2, TP_LOADX(xb + 2 * TP_V), acc[b][0]);
-                acc[b][1] = TP_FMA(w3, TP_LOADX(xb + 3 * TP_V), acc[b][1]);
-            }
-        }
+        acc[0][0] = TP_FMA(w0, TP_LOADX(xs + k), acc[0][0]);
+        acc[0][1] = TP_FMA(w1, TP_LOADX(xs + k + TP_V), acc[0][1]);
+        acc1[0] = TP_FMA(w2, TP_LOADX(xs + k + 2 * TP_V), acc1[0]);
+        acc1[1] = TP_FMA(w3, TP_LOADX(xs + k + 3 * TP_V), acc1[1]);
     }
     if (NB == 1) { acc[0][0] = TP_ADD(acc[0][0], acc1[0]); acc[0][1] = TP_ADD(acc[0][1], acc1[1]); }
     for (int b = 0; b < NB; ++b) {
@@ -206,29 +227,6 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
         const double s = (double)TP_HSUM(TP_ADD(acc[b][0], acc[b][1])) * fac[b] + (double)tail;
         out[b * ldo] = (float)(s * (double)post);
     }
-}
-
-/* tp_row's multi-row loop (NB >= 2) over k0 <= k < k1 (multiples of TP_G), the accumulators kept
-   in accp (NB x 2 vectors) between calls: the same FMAs in the same order, so each row's sums do
-   not depend on whether K runs in one piece or in blocks. Prefetches into L2 the line of pfw (the
-   weight row the next row group reads) at each k, unless pfw is NULL. */
-TP_INLINE void tp_row_part(const float *xs, int64_t K, const uint8_t *w, const uint8_t *pfw, int64_t k0,
-                           int64_t k1, tp_vf *accp, const int NB) {
-    tp_vf acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
-    for (int64_t k = k0; k < k1; k += TP_G) {
-        if (pfw) _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
-        tp_vf w0, w1, w2, w3;
-        TP_E4M3X(w + k, w0, w1, w2, w3);
-        for (int b = 0; b < NB; ++b) {
-            const float *xb = xs + b * K + k;
-            acc[b][0] = TP_FMA(w0, TP_LOADX(xb), acc[b][0]);
-            acc[b][1] = TP_FMA(w1, TP_LOADX(xb + TP_V), acc[b][1]);
-            acc[b][0] = TP_FMA(w2, TP_LOADX(xb + 2 * TP_V), acc[b][0]);
-            acc[b][1] = TP_FMA(w3, TP_LOADX(xb + 3 * TP_V), acc[b][1]);
-        }
-    }
-    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
 }
 
 /* K blocks (from two activation rows): the prescaled activations of B rows are 4 B K bytes,
@@ -326,10 +324,10 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                             tp_vf *ap = accb + ((n - n0) * B + b) * 2;
                             const uint8_t *pf = b ? NULL : pfw;
                             switch (nb) {
-                                case 1: tp_row_part(xb, K, wr, pf, kb, ke, ap, 1); break;
-                                case 2: tp_row_part(xb, K, wr, pf, kb, ke, ap, 2); break;
-                                case 3: tp_row_part(xb, K, wr, pf, kb, ke, ap, 3); break;
-                                default: tp_row_part(xb, K, wr, pf, kb, ke, ap, 4); break;
+                                case 1: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 1); break;
+                                case 2: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 2); break;
+                                case 3: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 3); break;
+                                default: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 4); break;
                             }
                         }
                     }

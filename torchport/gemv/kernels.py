@@ -217,49 +217,17 @@ TP_INLINE void tp_decode32(const W_T *w, const uint8_t *sc, int64_t k, float pts
 #endif
 }
 
-/* One weight row against NB activation rows (NB <= 4). */
-TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, const uint8_t *sc, float pts,
-                      float post, float *out, int64_t ldo, const int NB) {
-    __m256 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
-    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        _mm_prefetch((const char *)(w + ROW_STRIDE(k)) + ${prefetch}, _MM_HINT_T0);
-        __m256 w4[4];
-        tp_decode32(w, sc, k, pts, w4);
-        if (NB == 1) {   /* four independent chains hide FMA latency */
-            acc[0][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(x + k), acc[0][0]);
-            acc[0][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(x + k + 8), acc[0][1]);
-            acc1[0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(x + k + 16), acc1[0]);
-            acc1[1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(x + k + 24), acc1[1]);
-        } else {
-            for (int b = 0; b < NB; ++b) {
-                const float *xb = x + b * ldx + k;
-                acc[b][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(xb), acc[b][0]);
-                acc[b][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(xb + 8), acc[b][1]);
-                acc[b][0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(xb + 16), acc[b][0]);
-                acc[b][1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(xb + 24), acc[b][1]);
-            }
-        }
-    }
-    if (NB == 1) { acc[0][0] = _mm256_add_ps(acc[0][0], acc1[0]); acc[0][1] = _mm256_add_ps(acc[0][1], acc1[1]); }
-    for (int b = 0; b < NB; ++b) {
-        float s = tp_hsum(_mm256_add_ps(acc[b][0], acc[b][1])) * ROW_FACTOR;
-        for (int64_t j = k; j < K; ++j) s += tp_wel(w, sc, j, pts) * x[b * ldx + j];
-        out[b * ldo] = s * post;
-    }
-}
-
-/* tp_row's multi-row loop (NB >= 2) over k0 <= k < k1 (multiples of 32), the accumulators kept
-   in accp (NB x 2 vectors) between calls: the same FMAs in the same order, so a row's sums do not
-   depend on whether K runs in one piece or in blocks. Prefetches into L2 the lines of pfw (the
-   weight row the next row group reads) at each step, unless pfw is NULL. */
-TP_INLINE void tp_row_part(const float *x, int64_t ldx, const W_T *w, const W_T *pfw, const uint8_t *sc,
-                           float pts, int64_t k0, int64_t k1, __m256 *accp, const int NB) {
+/* The multi-row loop (NB >= 2) over k0 <= k < k1 (multiples of 32), the accumulators kept in accp
+   (NB x 2 vectors) between calls, so a row's sums do not depend on whether K runs in one piece
+   (tp_row) or in blocks. At each step prefetches pfa + ROW_STRIDE(k) into L1 (the row's own
+   stream ahead) and the lines of pfw (the weight row the next row group reads) into L2, either
+   unless NULL. */
+TP_INLINE void tp_row_part(const float *x, int64_t ldx, const W_T *w, const char *pfa, const W_T *pfw,
+                           const uint8_t *sc, float pts, int64_t k0, int64_t k1, __m256 *accp, const int NB) {
     __m256 acc[4][2];
     for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
     for (int64_t k = k0; k < k1; k += 32) {
+        if (pfa) _mm_prefetch(pfa + ROW_STRIDE(k) * sizeof(W_T), _MM_HINT_T0);
         if (pfw)
             for (int64_t o = 0; o < (int64_t)(ROW_STRIDE(32) * sizeof(W_T)); o += 64)
                 _mm_prefetch((const char *)(pfw + ROW_STRIDE(k)) + o, _MM_HINT_T1);
@@ -275,6 +243,37 @@ TP_INLINE void tp_row_part(const float *x, int64_t ldx, const W_T *w, const W_T 
     }
     for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
 }
+/* One weight row against NB activation rows (NB <= 4). */
+TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, const uint8_t *sc, float pts,
+                      float post, float *out, int64_t ldo, const int NB) {
+    __m256 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm256_setzero_ps(); acc[b][1] = _mm256_setzero_ps(); }
+    __m256 acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t k = 0;
+    if (NB > 1) {
+        __m256 a[8];
+        for (int i = 0; i < 2 * NB; ++i) a[i] = _mm256_setzero_ps();
+        k = K / 32 * 32;
+        tp_row_part(x, ldx, w, (const char *)w + ${prefetch}, NULL, sc, pts, 0, k, a, NB);
+        for (int b = 0; b < NB; ++b) { acc[b][0] = a[2 * b]; acc[b][1] = a[2 * b + 1]; }
+    }
+    for (; NB == 1 && k + 32 <= K; k += 32) {   /* four independent chains hide FMA latency */
+        _mm_prefetch((const char *)(w + ROW_STRIDE(k)) + ${prefetch}, _MM_HINT_T0);
+        __m256 w4[4];
+        tp_decode32(w, sc, k, pts, w4);
+        acc[0][0] = _mm256_fmadd_ps(w4[0], _mm256_loadu_ps(x + k), acc[0][0]);
+        acc[0][1] = _mm256_fmadd_ps(w4[1], _mm256_loadu_ps(x + k + 8), acc[0][1]);
+        acc1[0] = _mm256_fmadd_ps(w4[2], _mm256_loadu_ps(x + k + 16), acc1[0]);
+        acc1[1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(x + k + 24), acc1[1]);
+    }
+    if (NB == 1) { acc[0][0] = _mm256_add_ps(acc[0][0], acc1[0]); acc[0][1] = _mm256_add_ps(acc[0][1], acc1[1]); }
+    for (int b = 0; b < NB; ++b) {
+        float s = tp_hsum(_mm256_add_ps(acc[b][0], acc[b][1])) * ROW_FACTOR;
+        for (int64_t j = k; j < K; ++j) s += tp_wel(w, sc, j, pts) * x[b * ldx + j];
+        out[b * ldo] = s * post;
+    }
+}
+
 #define TP_HAVE_KBLOCKS 1
 
 /* Four weight rows against one activation row: four streams in flight, x loaded once. */
@@ -368,10 +367,10 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const 
                             const W_T *pf = b ? NULL : pfw;
                             __m256 *ap = accb + ((n - n0) * B + b) * 2;
                             switch (nb) {
-                                case 1: tp_row_part(xb, K, wr, pf, sr, pts, kb, ke, ap, 1); break;
-                                case 2: tp_row_part(xb, K, wr, pf, sr, pts, kb, ke, ap, 2); break;
-                                case 3: tp_row_part(xb, K, wr, pf, sr, pts, kb, ke, ap, 3); break;
-                                default: tp_row_part(xb, K, wr, pf, sr, pts, kb, ke, ap, 4); break;
+                                case 1: tp_row_part(xb, K, wr, NULL, pf, sr, pts, kb, ke, ap, 1); break;
+                                case 2: tp_row_part(xb, K, wr, NULL, pf, sr, pts, kb, ke, ap, 2); break;
+                                case 3: tp_row_part(xb, K, wr, NULL, pf, sr, pts, kb, ke, ap, 3); break;
+                                default: tp_row_part(xb, K, wr, NULL, pf, sr, pts, kb, ke, ap, 4); break;
                             }
                         }
                     }
