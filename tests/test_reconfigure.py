@@ -309,6 +309,38 @@ def test_an_op_whose_completion_is_polled_starts_at_once(monkeypatch):
         assert eng.join(5.0)
 
 
+def test_an_idle_engine_sleeps_deep_and_an_unwaited_post_still_wakes_it(monkeypatch):
+    """Idle past QUIET_S, the engine thread sleeps without polling (no wake-ups while the
+    process computes); an op posted then, which nobody waits on or polls, still starts at
+    once: the post rings a deep sleeper. Deep sleeps of 30 s here: the op completes only if
+    the post woke the engine."""
+    import threading
+
+    from torchport.distributed import progress
+    from torchport.distributed.progress import Engine, TorchportWork
+
+    monkeypatch.setattr(progress, "DEEP_S", 30.0)
+
+    def run(work: TorchportWork, fn) -> None:
+        fn()
+        work._finish()
+
+    eng = Engine("tp-test-engine", run)
+    try:
+        time.sleep(0.05)
+        woke = eng._cells[6]
+        time.sleep(0.3)  # idle: at POLL_S it would wake ~150 times
+        assert eng._cells[6] - woke <= 1
+        for k in range(3):  # again after each op: it goes back to sleeping deep
+            ran = threading.Event()
+            eng.submit(TorchportWork(f"unwaited {k}"), ran.set)
+            assert ran.wait(5.0)
+            time.sleep(0.05)
+    finally:
+        eng.stop()
+        assert eng.join(5.0)
+
+
 def test_engine_join_reports_an_operation_still_running():
     """A communicator unmaps its arena only after ``Engine.join`` says nothing runs any more:
     join is False while an operation is still in flight (on the thread or inline in a waiter)."""

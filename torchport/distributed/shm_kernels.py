@@ -650,35 +650,57 @@ TP_EXPORT int64_t tp_set_abort(char *hdr, int64_t value) {
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
 
-/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop, cells[3] sleeping,
-   cells[4] futex word (low 32 bits), cells[5] urgent. Sleeps (GIL released by ctypes) until
-   stop (returns 0), until work has been pending, untaken, for grace_ns, or at once when work is
-   pending and marked urgent (someone waits on its future, not inline) (returns 1). Idle, the
-   thread sleeps on the futex, woken by tp_doorbell_ring, at most poll_ns per sleep. */
-TP_EXPORT int64_t tp_doorbell_wait(int64_t *cells, int64_t grace_ns, int64_t poll_ns) {
-    int64_t since = 0, seen_taken = -1;
+/* Engine doorbell: cells[0] posted, cells[1] taken, cells[2] stop, cells[3] sleeping (1: a
+   timed sleep, 2: deep), cells[4] futex word (low 32 bits), cells[5] urgent, cells[6] sleeps
+   ended (a count, for tests). Sleeps (GIL released by ctypes) until stop (returns 0), until
+   work has been pending, untaken, for grace_ns, or at once when work is pending and marked
+   urgent (someone waits on its future, not inline) (returns 1). Idle, the thread sleeps on the
+   futex, woken by tp_doorbell_ring, at most poll_ns per sleep while work was posted within
+   quiet_ns; after that it sleeps deep (up to deep_ns) and the next post wakes it
+   (tp_doorbell_post): an idle engine costs no wake-ups, while one whose ops come back to back
+   (each taken inline by its waiter) is never rung. */
+TP_EXPORT int64_t tp_doorbell_wait(int64_t *cells, int64_t grace_ns, int64_t poll_ns,
+                                   int64_t quiet_ns, int64_t deep_ns) {
+    int64_t since = 0, seen_taken = -1, seen_posted = -1, active = 0;
     int32_t *word = (int32_t *)&cells[4];
     for (;;) {
         if (__atomic_load_n(&cells[2], __ATOMIC_ACQUIRE)) return 0;
         int64_t posted = __atomic_load_n(&cells[0], __ATOMIC_SEQ_CST);
         int64_t taken = __atomic_load_n(&cells[1], __ATOMIC_SEQ_CST);
+        int64_t ns = poll_ns;
+        if (posted != seen_posted) { seen_posted = posted; active = tp_now_ns(); }
         if (posted > taken) {
             if (__atomic_exchange_n(&cells[5], 0, __ATOMIC_SEQ_CST)) return 1;
             int64_t now = tp_now_ns();
             if (taken != seen_taken) { seen_taken = taken; since = now; }
             else if (now - since >= grace_ns) return 1;
+            ns = grace_ns;
         } else {  /* an urgent mark whose work was run inline: drop it (a lost race costs grace_ns) */
             seen_taken = -1;
             __atomic_store_n(&cells[5], 0, __ATOMIC_SEQ_CST);
         }
-        __atomic_store_n(&cells[3], 1, __ATOMIC_SEQ_CST);
+        int deep = posted == taken && tp_now_ns() - active >= quiet_ns;
+        __atomic_store_n(&cells[3], deep ? 2 : 1, __ATOMIC_SEQ_CST);
         int32_t g = __atomic_load_n(word, __ATOMIC_SEQ_CST);
-        if (!__atomic_load_n(&cells[5], __ATOMIC_SEQ_CST) && !__atomic_load_n(&cells[2], __ATOMIC_SEQ_CST)) {
-            int64_t ns = posted > taken ? grace_ns : poll_ns;
+        /* deep: a post after the flag went up rings (tp_doorbell_post); one before it is seen
+           here (both sides store, then load the other's word, sequentially consistent) */
+        if (!__atomic_load_n(&cells[5], __ATOMIC_SEQ_CST) && !__atomic_load_n(&cells[2], __ATOMIC_SEQ_CST)
+            && (!deep || __atomic_load_n(&cells[0], __ATOMIC_SEQ_CST) == posted)) {
+            if (deep) ns = deep_ns;
             struct timespec ts = {ns / 1000000000LL, ns % 1000000000LL};
             syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, g, &ts, NULL, 0);
+            __atomic_add_fetch(&cells[6], 1, __ATOMIC_RELAXED);
         }
         __atomic_store_n(&cells[3], 0, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* Post one operation (the caller queued it): wakes the engine thread only if it sleeps deep. */
+TP_EXPORT void tp_doorbell_post(int64_t *cells) {
+    __atomic_add_fetch(&cells[0], 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&cells[3], __ATOMIC_SEQ_CST) == 2) {
+        __atomic_add_fetch((int32_t *)&cells[4], 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, (int32_t *)&cells[4], FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
     }
 }
 
@@ -717,8 +739,11 @@ class ShmLib:
         self.reread.argtypes = [p, i64, i64, i64, p, i64, i64, i64]
         self.reread.restype = ctypes.c_int
         self.doorbell_wait = lib.tp_doorbell_wait
-        self.doorbell_wait.argtypes = [p, i64, i64]
+        self.doorbell_wait.argtypes = [p, i64, i64, i64, i64]
         self.doorbell_wait.restype = ctypes.c_int64
+        self.doorbell_post = lib.tp_doorbell_post
+        self.doorbell_post.argtypes = [p]
+        self.doorbell_post.restype = None
         self.doorbell_ring = lib.tp_doorbell_ring
         self.doorbell_ring.argtypes = [p, i64]
         self.doorbell_ring.restype = None
