@@ -83,7 +83,7 @@ def test_two_row_path_keeps_every_rows_bits(fmt: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("rows", [3, 4, 7])
+@pytest.mark.parametrize("rows", [3, 4, 5, 6, 7])
 def test_shared_corrections_keep_every_rows_bits(fmt: str, rows: int) -> None:
     """From three activation rows (AVX-512) the offset correction comes from the weights, shared
     by the rows (activations ``q + 128``), instead of each row's own ``-12 * sum q``: the int32
@@ -91,15 +91,16 @@ def test_shared_corrections_keep_every_rows_bits(fmt: str, rows: int) -> None:
     zero 128-chunk, a single outlier (``q = +-127`` next to zeros) and all-negative values."""
     g = torch.Generator().manual_seed(rows + 17)
     k = 512
-    pw = _pack(fmt, torch.randn(29, k, generator=g))
+    pw = _pack(fmt, torch.randn(45, k, generator=g))  # N * K * min(B, 4) >= 65536: two threads
     x = torch.randn(rows, k, generator=g)
     x[0, 128:256] = 0.0
     x[1, :] = 0.0
     x[1, 5], x[1, 300] = 1e3, -1e3
     x[2] = -x[2].abs()
-    bias = torch.randn(29, generator=g)
+    bias = torch.randn(45, generator=g)
     kern = gemv_fp4_block_kernel(fmt, native.cpu_info().isa)
     together = _run(kern, x, pw, bias)
+    assert torch.equal(together, _run(kern, x, pw, bias, threads=1))
     for i in range(rows):
         assert torch.equal(together[i], _run(kern, x[i : i + 1], pw, bias)[0]), i
 

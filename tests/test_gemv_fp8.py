@@ -122,7 +122,8 @@ def test_several_rows_take_the_avx2_build_on_avx512() -> None:
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(37, 4096), (19, 1061), (300, 2048)], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 3e-39], ids=["1", "denormal"])
-def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float) -> None:
+@pytest.mark.parametrize("build", ["native", "avx2"])  # avx2: what several rows run on AVX-512
+def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float, build: str) -> None:
     """From two activation rows K runs in blocks (the rows' activations beyond 16 KB, or 1 KB
     here): every group of two to four rows keeps the bits of K in one piece, a lone fifth row
     meets the reference, on one and two threads; K not a multiple of the 32/64-weight step."""
@@ -131,7 +132,7 @@ def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float) -> None:
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g) * scale
     bias = torch.randn(n, generator=g) * scale
-    isa = native.cpu_info().isa
+    isa = native.cpu_info().isa if build == "native" else "avx2"
 
     def run(xblock: int, threads: int = 2) -> torch.Tensor:
         kern = gemv_fp8_shift_kernel(isa, 2048, hint="NTA", xblock=xblock)

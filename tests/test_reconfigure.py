@@ -327,7 +327,10 @@ def test_an_idle_engine_sleeps_deep_and_an_unwaited_post_still_wakes_it(monkeypa
 
     eng = Engine("tp-test-engine", run)
     try:
-        time.sleep(0.05)
+        deadline = time.monotonic() + 5.0  # the thread may start late on a loaded machine
+        while eng._cells[3] != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng._cells[3] == 2, "the idle engine never went to a deep sleep"
         woke = eng._cells[6]
         time.sleep(0.3)  # idle: at POLL_S it would wake ~150 times
         assert eng._cells[6] - woke <= 1

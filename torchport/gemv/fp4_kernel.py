@@ -530,6 +530,9 @@ TP_INLINE void tp_row128_r2(const int8_t *xr, const int32_t *corr, const float *
     }
 }
 #define TP_HAVE_R2 1
+#if TP_WC_MIN_B > 4
+#error "tp_row128_r2 (from four rows) assumes the shared corrections, TP_WC_MIN_B <= 4"
+#endif
 #elif defined(__AVX2__)
 TP_INLINE float tp_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -64,8 +64,11 @@ From two activation rows, where the rows' prescaled activations (``4·B·K`` byt
 :data:`XBLOCK_BYTES` (16 KB, half of L1), eight weight rows at a time run K in blocks that keep
 a block of every activation row in L1, the accumulators parked in memory between blocks (the
 same FMAs in the same order: the same bits as K in one piece), and the next eight rows' lines are
-prefetched into L2 as the current ones are read. Before, at B=4 and K=4096 (64 KB of
-activations) every weight line met activation vectors re-read from L2: 11008×4096 from DRAM,
+prefetched into L2 as the current ones are read (a lone activation row left after groups of
+four, the fifth of five, takes the multi-row loop's two chains there instead of the one-row
+loop's four or eight: its bits differ from K in one piece, within the same tolerance). Before, at
+B=4 and K=4096 (64 KB of activations) every weight line met activation vectors re-read from L2:
+11008×4096 from DRAM,
 interleaved medians of 9 (load 2-3), B=4 one thread (CPU time) 9.3 → 6.0–6.4 ms, two threads 4.6–4.9
 → 3.3–3.5 ms; eight or sixteen rows at a time measured 6.4 and 6.7–7.1 ms.
 """
