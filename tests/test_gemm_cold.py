@@ -3,6 +3,8 @@ compilers run (``torchport.gemm.mm._choose``)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 
@@ -106,3 +108,35 @@ def test_a_cold_tune_leaves_the_global_random_stream_alone(fresh_cache) -> None:
     G.mm(a, b)
     assert autotune.stats.tuned == tuned + 1  # it did tune
     assert torch.equal(torch.randn(5), expected)
+
+
+_FIRST_GEMM = """
+import torch
+import torchport.gemm as G
+from torchport import native
+g = torch.Generator().manual_seed(0)
+x, w = torch.randn(3, 200, generator=g), torch.randn(300, 200, generator=g)
+out = G.mm(x, w.t(), bias=torch.zeros(300))
+torch.testing.assert_close(out, x @ w.t())
+print(native.stats().pch_builds)
+"""
+
+
+def test_a_fresh_caches_first_gemm_builds_one_precompiled_header(tmp_path):
+    """The tile libraries, the epilogue pass and the pack kernel share one set of compiler flags
+    (-O2), so a new process's first GEMM in a fresh cache builds one precompiled header, not one
+    per flag set (the pack kernel at -O3 cost a second: ~0.4 s of compiler CPU there)."""
+    if native.cpu_info().isa == "scalar":
+        pytest.skip("needs an x86 vector ISA")
+    try:
+        if not native.pch._is_gcc(native.toolchain.find_compiler()):
+            pytest.skip("precompiled headers are built for GCC only")
+    except native.NativeError:
+        pytest.skip("no C compiler")
+    env = {**os.environ, "TORCHPORT_CACHE_DIR": str(tmp_path / "cache"), "TORCHPORT_PROGRESS": "0"}
+    env["TORCHPORT_NATIVE_PCH"] = ""
+    res = subprocess.run(
+        [sys.executable, "-c", _FIRST_GEMM], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-1] == "1", res.stdout
