@@ -79,38 +79,64 @@ TP_INLINE __m512bh tp_wline(const uint16_t *w, int64_t k) {
     return (__m512bh)v;
 }
 
-/* One weight row against NB (<= 4) bf16 activation rows (row b at xp + b * K32). */
-TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, float *out,
-                         int64_t ldo, const int NB) {
+/* A weight row's two-line steps over k0 <= k < k1 (multiples of 64) against NB (<= 4) bf16
+   activation rows (row b at xp + b * K32), the accumulators kept in accp (NB x 2 vectors) between
+   calls, so a row's sums do not depend on whether K runs in one piece (tp_row_dp) or in blocks. At
+   each step prefetches pfa + 2 k with the kernel's hint (the row's own stream ahead) and the lines
+   of pfw (the weight row the next row group reads) into L2, either unless NULL. */
+TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const uint16_t *w, const char *pfa,
+                          const uint16_t *pfw, int64_t k0, int64_t k1, __m512 *accp, const int NB) {
     __m512 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm512_setzero_ps(); acc[b][1] = _mm512_setzero_ps(); }
-    const int64_t KF = K / 32 * 32;   /* whole lines */
-#define TP_LINE(wv, k, j) do {                                                                       \
-        for (int b = 0; b < NB; ++b)                                                               \
-            acc[b][j] = _mm512_dpbf16_ps(acc[b][j], wv,                                            \
-                (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + (k))));                 \
-    } while (0)
-    int64_t k = 0;
-    for (; k + 64 <= KF; k += 64) {
-        _mm_prefetch((const char *)(w + k) + ${dp_prefetch}, _MM_HINT_${hint});
-        _mm_prefetch((const char *)(w + k) + ${dp_prefetch} + 64, _MM_HINT_${hint});
+    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
+    for (int64_t k = k0; k < k1; k += 64) {
+        if (pfa) {
+            _mm_prefetch(pfa + 2 * k, _MM_HINT_${hint});
+            _mm_prefetch(pfa + 2 * k + 64, _MM_HINT_${hint});
+        }
+        if (pfw) {
+            _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pfw + k) + 64, _MM_HINT_T1);
+        }
         const __m512bh w0 = tp_wline(w, k), w1 = tp_wline(w, k + 32);
-        TP_LINE(w0, k, 0);
-        TP_LINE(w1, k + 32, 1);
+        for (int b = 0; b < NB; ++b) {
+            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
+            acc[b][1] = _mm512_dpbf16_ps(acc[b][1], w1, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k + 32)));
+        }
     }
-    if (k < KF) {
-        _mm_prefetch((const char *)(w + k) + ${dp_prefetch}, _MM_HINT_${hint});
+    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+}
+
+/* The end of a row: from k = K / 64 * 64 a last whole line (prefetching pfa + 2 k unless NULL)
+   and the masked K % 32 tail, both into accumulator 0, then the row sums. */
+TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const uint16_t *w, const char *pfa, int64_t K,
+                          const __m512 *accp, float *out, int64_t ldo, const int NB) {
+    __m512 acc[4][2];
+    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
+    int64_t k = K / 64 * 64;
+    if (k + 32 <= K) {
+        if (pfa) _mm_prefetch(pfa + 2 * k, _MM_HINT_${hint});
         const __m512bh w0 = tp_wline(w, k);
-        TP_LINE(w0, k, 0);
+        for (int b = 0; b < NB; ++b)
+            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
         k += 32;
     }
-    if (k < K) {   /* the last K % 32 weights */
+    if (k < K) {
         const __mmask32 m = (__mmask32)((1u << (K - k)) - 1u);
         const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
-        TP_LINE(w0, k, 0);
+        for (int b = 0; b < NB; ++b)
+            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
     }
-#undef TP_LINE
     for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
+}
+
+/* One weight row against NB (<= 4) bf16 activation rows (row b at xp + b * K32): K in one piece. */
+TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, float *out,
+                         int64_t ldo, const int NB) {
+    __m512 acc[8];
+    for (int i = 0; i < 2 * NB; ++i) acc[i] = _mm512_setzero_ps();
+    const char *pfa = (const char *)w + ${dp_prefetch};
+    tp_dp_part(xp, K32, w, pfa, NULL, 0, K / 64 * 64, acc, NB);
+    tp_dp_rest(xp, K32, w, pfa, K, acc, out, ldo, NB);
 }
 
 /* Two consecutive weight rows against NB (<= 4) bf16 activation rows: every activation load
@@ -151,50 +177,6 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const uint16_t *w, 
         out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][b][0], acc[0][b][1]));
         out[b * ldo + 1] = _mm512_reduce_add_ps(_mm512_add_ps(acc[1][b][0], acc[1][b][1]));
     }
-}
-
-/* tp_row_dp's two-line steps over k0 <= k < k1 (multiples of 64), the accumulators kept in accp
-   (NB x 2 vectors) between calls: the same dot products in the same order, so a row's sums do not
-   depend on whether K runs in one piece or in blocks. Prefetches into L2 the lines of pfw (the
-   weight row the next row group reads) at each step, unless pfw is NULL. */
-TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const uint16_t *w, const uint16_t *pfw,
-                          int64_t k0, int64_t k1, __m512 *accp, const int NB) {
-    __m512 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
-    for (int64_t k = k0; k < k1; k += 64) {
-        if (pfw) {
-            _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
-            _mm_prefetch((const char *)(pfw + k) + 64, _MM_HINT_T1);
-        }
-        const __m512bh w0 = tp_wline(w, k), w1 = tp_wline(w, k + 32);
-        for (int b = 0; b < NB; ++b) {
-            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
-            acc[b][1] = _mm512_dpbf16_ps(acc[b][1], w1, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k + 32)));
-        }
-    }
-    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
-}
-
-/* The end of a K-blocked row as tp_row_dp ends it: from k = K / 64 * 64 a last whole line and the
-   masked K % 32 tail (both into accumulator 0), then the row sums. */
-TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, const __m512 *accp,
-                          float *out, int64_t ldo, const int NB) {
-    __m512 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
-    int64_t k = K / 64 * 64;
-    if (k + 32 <= K) {
-        const __m512bh w0 = tp_wline(w, k);
-        for (int b = 0; b < NB; ++b)
-            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
-        k += 32;
-    }
-    if (k < K) {
-        const __mmask32 m = (__mmask32)((1u << (K - k)) - 1u);
-        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
-        for (int b = 0; b < NB; ++b)
-            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
-    }
-    for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 
 /* K blocks (two to four activation rows): where the narrowed rows (2 B K32 bytes) exceed
@@ -246,10 +228,10 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
                             const uint16_t *xb = xp + b * K32, *pf = b ? NULL : pfw;
                             __m512 *ap = accb + ((n - n0) * B + b) * 2;
                             switch (nb) {
-                                case 1: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 1); break;
-                                case 2: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 2); break;
-                                case 3: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 3); break;
-                                default: tp_dp_part(xb, K32, wr, pf, kb, ke, ap, 4); break;
+                                case 1: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 1); break;
+                                case 2: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 2); break;
+                                case 3: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 3); break;
+                                default: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 4); break;
                             }
                         }
                     }
@@ -261,10 +243,10 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
                         const __m512 *ap = accb + ((n - n0) * B + b) * 2;
                         float *ob = out + b * N + n;
                         switch (nb) {
-                            case 1: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 1); break;
-                            case 2: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 2); break;
-                            case 3: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 3); break;
-                            default: tp_dp_rest(xb, K32, wr, K, ap, ob, N, 4); break;
+                            case 1: tp_dp_rest(xb, K32, wr, NULL, K, ap, ob, N, 1); break;
+                            case 2: tp_dp_rest(xb, K32, wr, NULL, K, ap, ob, N, 2); break;
+                            case 3: tp_dp_rest(xb, K32, wr, NULL, K, ap, ob, N, 3); break;
+                            default: tp_dp_rest(xb, K32, wr, NULL, K, ap, ob, N, 4); break;
                         }
                     }
                     if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];

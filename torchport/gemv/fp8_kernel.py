@@ -177,6 +177,16 @@ TP_INLINE void tp_row_part(const float *xs, int64_t K, const uint8_t *w, const c
     for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
 }
 
+/* A row's result from its two accumulators: their sum times fac (2^(120 - k) of the prescale), plus
+   the K % TP_G tail from k on the unscaled activations x (table decode), times the row scale. */
+TP_INLINE float tp_row_end(tp_vf a0, tp_vf a1, const float *x, double fac, int64_t k, int64_t K,
+                           const uint8_t *w, float post) {
+    float tail = 0.0f;
+    for (int64_t j = k; j < K; ++j) tail += TP_E4M3F[w[j]] * x[j];
+    const double s = (double)TP_HSUM(TP_ADD(a0, a1)) * fac + (double)tail;
+    return (float)(s * (double)post);
+}
+
 /* One weight row against NB (<= 4) prescaled activation rows. */
 TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_t K, const uint8_t *w,
                       float post, float *out, int64_t ldo, const int NB) {
@@ -224,12 +234,7 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
         acc1[1] = TP_FMA(w3, TP_LOADX(xs + k + 3 * TP_V), acc1[1]);
     }
     if (NB == 1) { acc[0][0] = TP_ADD(acc[0][0], acc1[0]); acc[0][1] = TP_ADD(acc[0][1], acc1[1]); }
-    for (int b = 0; b < NB; ++b) {
-        float tail = 0.0f;   /* the K % TP_G tail on the unscaled activations, table decode */
-        for (int64_t j = k; j < K; ++j) tail += TP_E4M3F[w[j]] * x[b * K + j];
-        const double s = (double)TP_HSUM(TP_ADD(acc[b][0], acc[b][1])) * fac[b] + (double)tail;
-        out[b * ldo] = (float)(s * (double)post);
-    }
+    for (int b = 0; b < NB; ++b) out[b * ldo] = tp_row_end(acc[b][0], acc[b][1], x + b * K, fac[b], k, K, w, post);
 }
 
 /* K blocks (from two activation rows): the prescaled activations of B rows are 4 B K bytes,
@@ -338,10 +343,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                 for (int64_t n = n0; n < n1; ++n)
                     for (int64_t b = 0; b < B; ++b) {
                         const tp_vf *ap = accb + ((n - n0) * B + b) * 2;
-                        float tail = 0.0f;   /* as tp_row's */
-                        for (int64_t j = KF; j < K; ++j) tail += TP_E4M3F[w[n * K + j]] * x[b * K + j];
-                        const double sum = (double)TP_HSUM(TP_ADD(ap[0], ap[1])) * fac[b] + (double)tail;
-                        out[b * N + n] = (float)(sum * (double)rowscale[n]);
+                        out[b * N + n] = tp_row_end(ap[0], ap[1], x + b * K, fac[b], KF, K, w + n * K, rowscale[n]);
                         if (has_bias) out[b * N + n] += bias[n];
                     }
             }

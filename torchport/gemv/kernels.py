@@ -243,6 +243,15 @@ TP_INLINE void tp_row_part(const float *x, int64_t ldx, const W_T *w, const char
     }
     for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
 }
+/* A row's result from its two accumulators: their sum (times ROW_FACTOR) plus the K % 32 tail from
+   k on, element by element, times post. */
+TP_INLINE float tp_row_end(__m256 a0, __m256 a1, const float *x, int64_t k, int64_t K, const W_T *w,
+                           const uint8_t *sc, float pts, float post) {
+    float s = tp_hsum(_mm256_add_ps(a0, a1)) * ROW_FACTOR;
+    for (int64_t j = k; j < K; ++j) s += tp_wel(w, sc, j, pts) * x[j];
+    return s * post;
+}
+
 /* One weight row against NB activation rows (NB <= 4). */
 TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, const uint8_t *sc, float pts,
                       float post, float *out, int64_t ldo, const int NB) {
@@ -267,14 +276,15 @@ TP_INLINE void tp_row(const float *x, int64_t ldx, int64_t K, const W_T *w, cons
         acc1[1] = _mm256_fmadd_ps(w4[3], _mm256_loadu_ps(x + k + 24), acc1[1]);
     }
     if (NB == 1) { acc[0][0] = _mm256_add_ps(acc[0][0], acc1[0]); acc[0][1] = _mm256_add_ps(acc[0][1], acc1[1]); }
-    for (int b = 0; b < NB; ++b) {
-        float s = tp_hsum(_mm256_add_ps(acc[b][0], acc[b][1])) * ROW_FACTOR;
-        for (int64_t j = k; j < K; ++j) s += tp_wel(w, sc, j, pts) * x[b * ldx + j];
-        out[b * ldo] = s * post;
-    }
+    for (int b = 0; b < NB; ++b) out[b * ldo] = tp_row_end(acc[b][0], acc[b][1], x + b * ldx, k, K, w, sc, pts, post);
 }
 
 #define TP_HAVE_KBLOCKS 1
+/* K blocks (two to eight activation rows whose 4 B K bytes exceed ${fxblock}): TP_FKR weight rows at
+   a time run K in blocks of ${fxblock} / (4 B) activations (a block of every row stays in L1 while
+   the rows use it), accumulators parked between blocks, the next TP_FKR rows' lines prefetched
+   into L2 as the current ones are read */
+#define TP_FKR 8
 
 /* Four weight rows against one activation row: four streams in flight, x loaded once. */
 TP_INLINE void tp_rows4(const float *x, int64_t K, const W_T *w, int64_t wstride, const uint8_t *sc,
@@ -296,12 +306,8 @@ TP_INLINE void tp_rows4(const float *x, int64_t K, const W_T *w, int64_t wstride
             acc[r][1] = _mm256_fmadd_ps(w4[3], x3, acc[r][1]);
         }
     }
-    for (int r = 0; r < 4; ++r) {
-        const W_T *wr = w + r * wstride;
-        float s = tp_hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * ROW_FACTOR;
-        for (int64_t j = k; j < K; ++j) s += tp_wel(wr, sc + r * sstride, j, pts) * x[j];
-        out[r] = s * post[r];
-    }
+    for (int r = 0; r < 4; ++r)
+        out[r] = tp_row_end(acc[r][0], acc[r][1], x, k, K, w + r * wstride, sc + r * sstride, pts, post[r]);
 }
 #define TP_HAVE_ROWS4 1
 #else
@@ -331,20 +337,14 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const 
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, wstride * (int64_t)sizeof(W_T) + sstride, ${chunk});
-    /* K blocks (two to eight activation rows whose 4 B K bytes exceed ${fxblock}): TP_FKR weight
-       rows at a time run K in blocks of ${fxblock} / (4 B) activations (a block of every row stays
-       in L1 while the rows use it), accumulators parked between blocks, the next TP_FKR rows'
-       lines prefetched into L2 as the current ones are read */
-    const int64_t KF = K / 32 * 32;
-    int64_t kb_len = 0;
 #if defined(TP_HAVE_KBLOCKS)
+    const int64_t KF = K / 32 * 32;
+    int64_t kb_len = 0;   /* K block (activations per row), 0: K in one piece (see TP_FKR) */
     if (${fxblock} > 0 && B >= 2 && B <= 8 && (int64_t)sizeof(float) * B * K > ${fxblock}) {
         kb_len = ${fxblock} / ((int64_t)sizeof(float) * B) / 32 * 32;
         if (kb_len < 32) kb_len = 32;
     }
 #endif
-    (void)KF;
-#define TP_FKR 8
     #pragma omp parallel num_threads(nt)
     {
         int64_t lo, hi;
@@ -383,11 +383,9 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const 
 #else
                     const float post = 1.0f;
 #endif
-                    for (int64_t b = 0; b < B; ++b) {   /* as tp_row ends a row */
+                    for (int64_t b = 0; b < B; ++b) {
                         const __m256 *ap = accb + ((n - n0) * B + b) * 2;
-                        float s = tp_hsum(_mm256_add_ps(ap[0], ap[1])) * ROW_FACTOR;
-                        for (int64_t j = KF; j < K; ++j) s += tp_wel(wr, sr, j, pts) * x[b * K + j];
-                        out[b * N + n] = s * post;
+                        out[b * N + n] = tp_row_end(ap[0], ap[1], x + b * K, KF, K, wr, sr, pts, post);
                         if (has_bias) out[b * N + n] += bias[n];
                     }
                 }
