@@ -279,6 +279,17 @@ def test_mesh_watch_hang_notice_and_crash():
         assert not g._watcher.is_alive()
 
 
+def _test_engine():
+    """A bare progress engine whose operations are plain callables (each finishes its Work)."""
+    from torchport.distributed.progress import Engine, TorchportWork
+
+    def run(work: TorchportWork, fn) -> None:
+        fn()
+        work._finish()
+
+    return Engine("tp-test-engine", run)
+
+
 def test_an_op_whose_completion_is_polled_starts_at_once(monkeypatch):
     """An op nobody waits on is started by the engine thread at its next idle check; polling
     ``is_completed()``, like asking for a future, starts it at once. Idle sleeps of 30 s here:
@@ -286,15 +297,11 @@ def test_an_op_whose_completion_is_polled_starts_at_once(monkeypatch):
     import threading
 
     from torchport.distributed import progress
-    from torchport.distributed.progress import Engine, TorchportWork
+    from torchport.distributed.progress import TorchportWork
 
     monkeypatch.setattr(progress, "POLL_S", 30.0)
 
-    def run(work: TorchportWork, fn) -> None:
-        fn()
-        work._finish()
-
-    eng = Engine("tp-test-engine", run)
+    eng = _test_engine()
     try:
         time.sleep(0.05)  # the engine thread is in its first idle sleep
         ran = threading.Event()
@@ -317,15 +324,11 @@ def test_an_idle_engine_sleeps_deep_and_an_unwaited_post_still_wakes_it(monkeypa
     import threading
 
     from torchport.distributed import progress
-    from torchport.distributed.progress import Engine, TorchportWork
+    from torchport.distributed.progress import TorchportWork
 
     monkeypatch.setattr(progress, "DEEP_S", 30.0)
 
-    def run(work: TorchportWork, fn) -> None:
-        fn()
-        work._finish()
-
-    eng = Engine("tp-test-engine", run)
+    eng = _test_engine()
     try:
         deadline = time.monotonic() + 5.0  # the thread may start late on a loaded machine
         while eng._cells[3] != 2 and time.monotonic() < deadline:
@@ -349,15 +352,11 @@ def test_engine_join_reports_an_operation_still_running():
     join is False while an operation is still in flight (on the thread or inline in a waiter)."""
     import threading
 
-    from torchport.distributed.progress import Engine, TorchportWork
+    from torchport.distributed.progress import TorchportWork
 
     release = threading.Event()
 
-    def run(work: TorchportWork, fn) -> None:
-        fn()
-        work._finish()
-
-    eng = Engine("tp-test-engine", run)
+    eng = _test_engine()
     work = TorchportWork("slow")
     eng.submit(work, lambda: release.wait(10))
     eng.urge()
