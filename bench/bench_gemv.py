@@ -8,7 +8,9 @@ read peak (:mod:`torchport.gemv.readpeak`): every :data:`~torchport.gemv.readpea
 streaming of two 128 MiB buffers on 2 MiB pages (all threads; the first configuration on one
 thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight copies rotate so the working set exceeds L3 (cold).
 GB/s counts weight bytes (data + scales) per call. Every packed copy's settled route (see
-:func:`torchport.gemv.gemv_packed`) is made before timing: decode's steady state. ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
+:func:`torchport.gemv.gemv_packed`) is made before timing: decode's steady state. The FP8 and FP4
+rows take float32 activations; ``fp8 bf16-x`` takes the bf16 activations the bf16 anchor takes
+(E4M3 weights then run on ``vdpbf16ps`` where the CPU has AVX512-BF16). ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
 time per call, which time lost to other processes on a shared machine does not inflate.
 
 Run: ``torchport bench gemv [--quick]``.
@@ -103,6 +105,9 @@ def bench_batch(
         for pw in pws:
             G.gemv_packed(x, pw)
             G.gemv_packed(x, pw)
+    for pw in packs["fp8"]:  # E4M3 weights also meet the anchor's bf16 activations
+        G.gemv_packed(xb, pw)
+        G.gemv_packed(xb, pw)
 
     fns = {
         "sum": lambda i: bw_bufs()[i % 2].sum(),
@@ -114,6 +119,7 @@ def bench_batch(
     }
     for f in packs:
         fns[f"ours {f}"] = ours_packed(f)
+    fns["ours fp8 bf16x"] = lambda i: G.gemv_packed(xb, packs["fp8"][i % len(packs["fp8"])])
     for name, gos in peak_reads().items():
         fns[name] = _alternate(gos)
     t = compare(fns, sets, reps=reps)
@@ -147,6 +153,17 @@ def bench_batch(
             of_peak=pct_peak(f, t[f"ours {f}"]),
             vs_int4=f"{t['int4pack_mm'] / t[f'ours {f}']:.2f}x",
         )
+    # E4M3 weights with the anchor's own (bf16) activations: the vdpbf16ps kernel's case
+    table.add(
+        f"{tag} fp8 bf16-x",
+        "F.linear bf16",
+        t["F.linear bf16"],
+        t["ours fp8 bf16x"],
+        nbytes["fp8"],
+        of_bw=pct("fp8", t["ours fp8 bf16x"]),
+        of_peak=pct_peak("fp8", t["ours fp8 bf16x"]),
+        vs_int4=f"{t['int4pack_mm'] / t['ours fp8 bf16x']:.2f}x",
+    )
     table.add(
         f"{tag} int4 anchor",
         "F.linear bf16",

@@ -179,7 +179,9 @@ def test_compile_routes_large_decode_linear_by_tuner_decision(fresh_cache, monke
     from torchport.gemv import ops
 
     full = ops.candidates
-    monkeypatch.setattr(ops, "candidates", lambda fmt, int8=False, k=None: full(fmt, int8, k)[:2])
+    monkeypatch.setattr(
+        ops, "candidates", lambda fmt, int8=False, k=None, bx=False: full(fmt, int8, k, bx)[:2]
+    )
     ops._PLANS.clear()
     torch._dynamo.reset()  # static shapes (a recompile would make them dynamic)
     m = torch.nn.Sequential(torch.nn.Linear(448, 640), torch.nn.GELU()).eval()  # 286720 weights
@@ -317,7 +319,7 @@ def test_gemv_launch_parameters_are_autotuned(fresh_cache, monkeypatch):
     monkeypatch.setattr(
         ops,
         "candidates",
-        lambda fmt, int8=False, k=None: full(fmt, int8, k)[:2] + full(fmt, int8, k)[-1:],
+        lambda fmt, int8=False, k=None, bx=False: full(fmt, int8, k)[:2] + full(fmt, int8, k)[-1:],
     )
     ops._PLANS.clear()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""bfloat16 decode GEMV on the AVX512-BF16 pair dot (``vdpbf16ps``): no widening of the weights.
+"""bfloat16 and E4M3 decode GEMV on the AVX512-BF16 pair dot (``vdpbf16ps``).
 
 The float kernel of :mod:`torchport.gemv.kernels` widens every bf16 weight to float32 (a 16-bit
 zero-extend and shift per eight weights) before its FMAs, so one core decodes slower than it can
@@ -46,6 +46,23 @@ threads 4.2 → 3.7–3.8 ms (interleaved medians of 9, load 1.6–1.8); at B=8 
 no better than the two-row loop (one thread 9.4–9.8 vs 9.6 ms, two threads 5.9–6.4 vs 5.4). Needs ``isa="avx512"``
 on a CPU with AVX512-BF16; the caller (:func:`torchport.gemv.ops.candidates`) offers it only
 there. Returns status 3 when the narrowed activations (``2 · B · K`` bytes) cannot be allocated.
+
+**E4M3 weights** (``weights="fp8_e4m3"``): the same kernel, each 64-byte line of codes decoded to
+two bf16 vectors in five instructions (two ``vpermi2b`` look up each code's high and low bf16
+byte in 128-entry tables, a ``vpternlogd`` adds the sign bit, two byte unpacks pair the bytes
+into words), where the shift decode of :mod:`torchport.gemv.fp8_kernel` spends eleven per line
+to float32 and then twice the FMAs. Every E4M3 value, subnormal codes included, is a normal
+bf16 number, so the decode is exact and ``vdpbf16ps``'s flushing only touches activations and
+products below ``2⁻¹²⁶`` (the bf16 weights' bound above). The unpacks work within 128-bit lanes:
+word ``8L + t`` of the first vector is element ``16L + t`` of the line, of the second ``16L + 8
++ t``; the narrowed activations are stored in that order. K's last partial line is one masked
+load (zero codes decode to zero). Rows are scaled by the row scale, then the bias is added, as
+in the float kernel. Only bf16-valued activations: others return status 4 (the tuner offers this
+kernel only for bfloat16 activation tensors, :func:`torchport.gemv.ops.candidates`). Kernels
+alone, 11008×4096 from DRAM, bf16-valued activations, interleaved medians of 15 (load 3-4,
+helper running): B=1 two threads 1.14 ms (NTA 2048) against the shift kernel's 1.31, one thread
+1.46 against 2.60; B=4 two threads 2.07 against 3.18 (the shift kernel's AVX2 build, what B > 1
+takes), one thread 3.73 against 6.10.
 """
 
 from __future__ import annotations
@@ -59,45 +76,97 @@ _SOURCE = r"""
 #include <stdlib.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* Row x (K floats) as bf16 values into xh[0..K32) (zero past K) if every element is one (a bf16
-   activation widened to float32); returns 0 (xh then unusable) as soon as one is not. */
-static int tp_bf16_row(const float *x, int64_t K, int64_t K32, uint16_t *xh) {
-    for (int64_t k = 0; k < K32; ++k) {
+#define TP_W_${wfmt} 1
+#if defined(TP_W_fp8_e4m3)
+/* E4M3 weights: one byte each, decoded per 64-byte line to two bf16 vectors (see tp_wstep) */
+typedef uint8_t tp_wt;
+#define TP_WB 1    /* bytes per weight */
+#define TP_KP 64   /* narrowed activation rows are padded to a multiple of this */
+#else
+typedef uint16_t tp_wt;
+#define TP_WB 2
+#define TP_KP 32
+#endif
+
+/* Row x (K floats) as bf16 values into xh[0..KP) (zero past K) if every element is one (a bf16
+   activation widened to float32); returns 0 (xh then unusable) as soon as one is not. E4M3
+   weights: in the order tp_wstep leaves a line's weights in (per 64 elements, bf16 word 8 L + t
+   of the first vector is element 16 L + t, of the second 16 L + 8 + t, L = 0..3, t = 0..7). */
+static int tp_bf16_row(const float *x, int64_t K, int64_t KP, uint16_t *xh) {
+    for (int64_t k = 0; k < KP; ++k) {
         float v = k < K ? x[k] : 0.0f;
         uint32_t u;
         memcpy(&u, &v, 4);
         if (u & 0xFFFFu) return 0;
+#if defined(TP_W_fp8_e4m3)
+        const int64_t j = k % 64;
+        xh[k - j + (j % 16 < 8 ? 0 : 32) + (j / 16) * 8 + j % 8] = (uint16_t)(u >> 16);
+#else
         xh[k] = (uint16_t)(u >> 16);
+#endif
     }
     return 1;
 }
 
+#if defined(TP_W_fp8_e4m3)
+/* E4M3 magnitude (7 bits) -> the high byte (bits 14..8; the sign comes from the code) and the low
+   byte of its bf16 value, as 128-byte tables for vpermi2b: every E4M3 value, subnormals included,
+   is a normal bf16 number (exact); the NaN codes decode as the float kernel's table has them. */
+static const uint8_t TP_E4M3_BF16_HI[128] = { ${e4m3_hi} };
+static const uint8_t TP_E4M3_BF16_LO[128] = { ${e4m3_lo} };
+/* Sixty-four E4M3 weights (one 64-byte line, two 256-bit loads) -> two bf16 vectors: two vpermi2b
+   look up each code's high and low bf16 byte, one vpternlogd puts the sign into the high byte,
+   and the byte unpacks pair them into words (within 128-bit lanes: the order tp_bf16_row gives
+   the activations). Five instructions per 64 weights. */
+TP_INLINE void tp_wdecode(__m512i v, __m512bh *w0, __m512bh *w1) {
+    const __m512i th0 = _mm512_loadu_si512((const void *)TP_E4M3_BF16_HI);
+    const __m512i th1 = _mm512_loadu_si512((const void *)(TP_E4M3_BF16_HI + 64));
+    const __m512i tl0 = _mm512_loadu_si512((const void *)TP_E4M3_BF16_LO);
+    const __m512i tl1 = _mm512_loadu_si512((const void *)(TP_E4M3_BF16_LO + 64));
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, v, th1), v,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8);  /* a | (b & c) */
+    const __m512i lo = _mm512_permutex2var_epi8(tl0, v, tl1);
+    *w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    *w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+TP_INLINE void tp_wstep(const uint8_t *w, int64_t k, __m512bh *w0, __m512bh *w1) {
+    tp_wdecode(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + k))),
+                                  _mm256_loadu_si256((const __m256i *)(w + k + 32)), 1), w0, w1);
+}
+/* The last K - k (< 64) weights of a row, zero beyond */
+TP_INLINE void tp_wtail(const uint8_t *w, int64_t k, int64_t K, __m512bh *w0, __m512bh *w1) {
+    tp_wdecode(_mm512_maskz_loadu_epi8((__mmask64)((~0ULL) >> (64 - (K - k))), w + k), w0, w1);
+}
+#else
 /* The 32 bf16 weights from element k (one 64-byte line as two 256-bit loads). */
 TP_INLINE __m512bh tp_wline(const uint16_t *w, int64_t k) {
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + k))),
                                          _mm256_loadu_si256((const __m256i *)(w + k + 16)), 1);
     return (__m512bh)v;
 }
+/* The 64 weights from element k as two vectors (two lines) */
+TP_INLINE void tp_wstep(const uint16_t *w, int64_t k, __m512bh *w0, __m512bh *w1) {
+    *w0 = tp_wline(w, k);
+    *w1 = tp_wline(w, k + 32);
+}
+#endif
 
 /* A weight row's two-line steps over k0 <= k < k1 (multiples of 64) against NB (<= 4) bf16
    activation rows (row b at xp + b * K32), the accumulators kept in accp (NB x 2 vectors) between
    calls, so a row's sums do not depend on whether K runs in one piece (tp_row_dp) or in blocks. At
    each step prefetches pfa + 2 k with the kernel's hint (the row's own stream ahead) and the lines
    of pfw (the weight row the next row group reads) into L2, either unless NULL. */
-TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const uint16_t *w, const char *pfa,
-                          const uint16_t *pfw, int64_t k0, int64_t k1, __m512 *accp, const int NB) {
+TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const tp_wt *w, const char *pfa,
+                          const tp_wt *pfw, int64_t k0, int64_t k1, __m512 *accp, const int NB) {
     __m512 acc[4][2];
     for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
     for (int64_t k = k0; k < k1; k += 64) {
-        if (pfa) {
-            _mm_prefetch(pfa + 2 * k, _MM_HINT_${hint});
-            _mm_prefetch(pfa + 2 * k + 64, _MM_HINT_${hint});
+        for (int l = 0; l < TP_WB; ++l) {  /* the step's TP_WB lines */
+            if (pfa) _mm_prefetch(pfa + TP_WB * k + 64 * l, _MM_HINT_${hint});
+            if (pfw) _mm_prefetch((const char *)(pfw + k) + 64 * l, _MM_HINT_T1);
         }
-        if (pfw) {
-            _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
-            _mm_prefetch((const char *)(pfw + k) + 64, _MM_HINT_T1);
-        }
-        const __m512bh w0 = tp_wline(w, k), w1 = tp_wline(w, k + 32);
+        __m512bh w0, w1;
+        tp_wstep(w, k, &w0, &w1);
         for (int b = 0; b < NB; ++b) {
             acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
             acc[b][1] = _mm512_dpbf16_ps(acc[b][1], w1, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k + 32)));
@@ -108,11 +177,22 @@ TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const uint16_t *w, co
 
 /* The end of a row: from k = K / 64 * 64 a last whole line (prefetching pfa + 2 k unless NULL)
    and the masked K % 32 tail, both into accumulator 0, then the row sums. */
-TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const uint16_t *w, const char *pfa, int64_t K,
+TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const tp_wt *w, const char *pfa, int64_t K,
                           const __m512 *accp, float *out, int64_t ldo, const int NB) {
     __m512 acc[4][2];
     for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
     int64_t k = K / 64 * 64;
+#if defined(TP_W_fp8_e4m3)
+    (void)pfa;
+    if (k < K) {  /* the masked tail line, into both accumulators */
+        __m512bh w0, w1;
+        tp_wtail(w, k, K, &w0, &w1);
+        for (int b = 0; b < NB; ++b) {
+            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
+            acc[b][1] = _mm512_dpbf16_ps(acc[b][1], w1, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k + 32)));
+        }
+    }
+#else
     if (k + 32 <= K) {
         if (pfa) _mm_prefetch(pfa + 2 * k, _MM_HINT_${hint});
         const __m512bh w0 = tp_wline(w, k);
@@ -126,11 +206,12 @@ TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const uint16_t *w, co
         for (int b = 0; b < NB; ++b)
             acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
     }
+#endif
     for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 
 /* One weight row against NB (<= 4) bf16 activation rows (row b at xp + b * K32): K in one piece. */
-TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, float *out,
+TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const tp_wt *w, int64_t K, float *out,
                          int64_t ldo, const int NB) {
     __m512 acc[8];
     for (int i = 0; i < 2 * NB; ++i) acc[i] = _mm512_setzero_ps();
@@ -141,13 +222,12 @@ TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const uint16_t *w, int
 
 /* Two consecutive weight rows against NB (<= 4) bf16 activation rows: every activation load
    serves both; per row the same operations in the same order as tp_row_dp (same bits). */
-TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const uint16_t *w, int64_t K, float *out,
+TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const tp_wt *w, int64_t K, float *out,
                             int64_t ldo, const int NB) {
     __m512 acc[2][4][2];
     for (int b = 0; b < NB; ++b)
         for (int r = 0; r < 2; ++r) { acc[r][b][0] = _mm512_setzero_ps(); acc[r][b][1] = _mm512_setzero_ps(); }
-    const int64_t KF = K / 32 * 32;
-    const uint16_t *w1 = w + K;
+    const tp_wt *w1 = w + K;
 #define TP_LINE2(v0, v1, k, j) do {                                                                  \
         for (int b = 0; b < NB; ++b) {                                                             \
             const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + (k)));  \
@@ -156,15 +236,27 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const uint16_t *w, 
         }                                                                                          \
     } while (0)
     int64_t k = 0;
-    for (; k + 64 <= KF; k += 64) {
-        _mm_prefetch((const char *)(w + k) + ${dp_prefetch}, _MM_HINT_${hint});
-        _mm_prefetch((const char *)(w + k) + ${dp_prefetch} + 64, _MM_HINT_${hint});
-        _mm_prefetch((const char *)(w1 + k) + ${dp_prefetch}, _MM_HINT_${hint});
-        _mm_prefetch((const char *)(w1 + k) + ${dp_prefetch} + 64, _MM_HINT_${hint});
-        TP_LINE2(tp_wline(w, k), tp_wline(w1, k), k, 0);
-        TP_LINE2(tp_wline(w, k + 32), tp_wline(w1, k + 32), k + 32, 1);
+    for (; k + 64 <= K; k += 64) {
+        for (int l = 0; l < TP_WB; ++l) {
+            _mm_prefetch((const char *)(w + k) + ${dp_prefetch} + 64 * l, _MM_HINT_${hint});
+            _mm_prefetch((const char *)(w1 + k) + ${dp_prefetch} + 64 * l, _MM_HINT_${hint});
+        }
+        __m512bh a0, a1, b0, b1;
+        tp_wstep(w, k, &a0, &a1);
+        tp_wstep(w1, k, &b0, &b1);
+        TP_LINE2(a0, b0, k, 0);
+        TP_LINE2(a1, b1, k + 32, 1);
     }
-    if (k < KF) {
+#if defined(TP_W_fp8_e4m3)
+    if (k < K) {
+        __m512bh a0, a1, b0, b1;
+        tp_wtail(w, k, K, &a0, &a1);
+        tp_wtail(w1, k, K, &b0, &b1);
+        TP_LINE2(a0, b0, k, 0);
+        TP_LINE2(a1, b1, k + 32, 1);
+    }
+#else
+    if (k + 32 <= K) {
         TP_LINE2(tp_wline(w, k), tp_wline(w1, k), k, 0);
         k += 32;
     }
@@ -172,6 +264,7 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const uint16_t *w, 
         const __mmask32 m = (__mmask32)((1u << (K - k)) - 1u);
         TP_LINE2((__m512bh)_mm512_maskz_loadu_epi16(m, w + k), (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + k), k, 0);
     }
+#endif
 #undef TP_LINE2
     for (int b = 0; b < NB; ++b) {
         out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][b][0], acc[0][b][1]));
@@ -186,23 +279,34 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const uint16_t *w, 
 #define TP_KR 8
 #define TP_XBYTES ${xblock}
 
-/* Same contract as the float kernel's bf16 GEMV (tp_gemv_float above: the float kernel itself,
-   which serves activations that are not all bf16 values). */
-TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, const uint8_t *scales,
+/* Same contract as the float kernel's GEMV of this weight format (bf16: tp_gemv_float above, the
+   float kernel itself, serves activations that are not all bf16 values; E4M3: status 4 for them,
+   the caller takes another kernel). E4M3 rows are scaled by rowscale[n] before the bias. */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, const uint8_t *scales,
                       const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
                       float *out, int64_t N, int64_t nthreads) {
-    const int64_t K32 = (K + 31) / 32 * 32;
+    const int64_t K32 = (K + TP_KP - 1) / TP_KP * TP_KP;   /* narrowed activation row stride */
     uint16_t *xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(B * K32) + 64);
     if (!xp) return 3;
     int dp = 1;   /* every activation a bf16 value: the pair-dot path */
     for (int64_t b = 0; b < B && dp; ++b) dp = tp_bf16_row(x + b * K, K, K32, xp + b * K32);
-    if (!dp) {   /* float32 activations: the float kernel */
+    if (!dp) {   /* float32 activations */
         free(xp);
+#if defined(TP_W_fp8_e4m3)
+        (void)scales; (void)pts_d; (void)rowscale; (void)bias; (void)has_bias; (void)out; (void)N; (void)nthreads;
+        return 4;
+#else
         return tp_gemv_float(x, B, K, w, scales, rowscale, pts_d, bias, has_bias, out, N, nthreads);
+#endif
     }
+#if defined(TP_W_fp8_e4m3)
+#define TP_POST(n) rowscale[n]
+#else
+#define TP_POST(n) 1.0f
+#endif
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
-    const int64_t tp_step_ = tp_chunk_rows(nt, K * 2, ${chunk});
+    const int64_t tp_step_ = tp_chunk_rows(nt, K * TP_WB, ${chunk});
     const int64_t K64 = K / 64 * 64;
     int64_t kb_len = 0;   /* K block (activations per row), 0: K in one piece */
     if (TP_XBYTES > 0 && B >= 2 && B <= 4 && 2 * B * K32 > TP_XBYTES) {
@@ -222,10 +326,11 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
                 for (int64_t kb = 0; kb < K64; kb += kb_len) {
                     const int64_t ke = kb + kb_len < K64 ? kb + kb_len : K64;
                     for (int64_t n = n0; n < n1; ++n) {
-                        const uint16_t *wr = w + n * K, *pfw = n + TP_KR < hi ? wr + TP_KR * K : NULL;
+                        const tp_wt *wr = w + n * K, *pfw = n + TP_KR < hi ? wr + TP_KR * K : NULL;
                         for (int64_t b = 0; b < B; b += 4) {
                             const int64_t nb = B - b < 4 ? B - b : 4;
-                            const uint16_t *xb = xp + b * K32, *pf = b ? NULL : pfw;
+                            const uint16_t *xb = xp + b * K32;
+                            const tp_wt *pf = b ? NULL : pfw;
                             __m512 *ap = accb + ((n - n0) * B + b) * 2;
                             switch (nb) {
                                 case 1: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 1); break;
@@ -239,7 +344,8 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
                 for (int64_t n = n0; n < n1; ++n) {
                     for (int64_t b = 0; b < B; b += 4) {
                         const int64_t nb = B - b < 4 ? B - b : 4;
-                        const uint16_t *xb = xp + b * K32, *wr = w + n * K;
+                        const uint16_t *xb = xp + b * K32;
+                        const tp_wt *wr = w + n * K;
                         const __m512 *ap = accb + ((n - n0) * B + b) * 2;
                         float *ob = out + b * N + n;
                         switch (nb) {
@@ -249,13 +355,16 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
                             default: tp_dp_rest(xb, K32, wr, NULL, K, ap, ob, N, 4); break;
                         }
                     }
-                    if (has_bias) for (int64_t b = 0; b < B; ++b) out[b * N + n] += bias[n];
+                    for (int64_t b = 0; b < B; ++b) {
+                        out[b * N + n] *= TP_POST(n);
+                        if (has_bias) out[b * N + n] += bias[n];
+                    }
                 }
             }
             continue;
         }
         for (int64_t n = lo; n < hi;) {
-            const uint16_t *wr = w + n * K;
+            const tp_wt *wr = w + n * K;
             const int rows = (B >= 4 && n + 1 < hi) ? 2 : 1;
             for (int64_t b = 0; b < B; b += 4) {
                 const int64_t nb = B - b < 4 ? B - b : 4;
@@ -277,15 +386,18 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint16_t *w, c
                     default: tp_row_dp(xb, K32, wr, K, ob, N, 4); break;
                 }
             }
-            if (has_bias)
-                for (int r = 0; r < rows; ++r)
-                    for (int64_t b = 0; b < B; ++b) out[b * N + n + r] += bias[n + r];
+            for (int r = 0; r < rows; ++r)
+                for (int64_t b = 0; b < B; ++b) {
+                    out[b * N + n + r] *= TP_POST(n + r);
+                    if (has_bias) out[b * N + n + r] += bias[n + r];
+                }
             n += rows;
         }
         }
     }
     free(xp);
     return 0;
+#undef TP_POST
 }
 #else
 #error "the vdpbf16ps GEMV needs AVX-512 with AVX512-BF16"
@@ -313,6 +425,27 @@ def _float_kernel_source() -> str:
     return FLOAT_SOURCE.replace(entry, "static int tp_gemv_float(")
 
 
+def _e4m3_bf16_bytes() -> tuple[str, str]:
+    """The vpermi2b tables of the E4M3 decode: for each 7-bit magnitude code, the high byte (sign
+    bit clear) and the low byte of its value as bf16 (exact: every E4M3 value is a normal bf16
+    number), the NaN code as the float kernel's table has it (0)."""
+    import torch
+
+    vals = torch.arange(128, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = torch.nan_to_num(vals, nan=0.0)
+    b16 = vals.bfloat16()
+    if not torch.equal(b16.float(), vals):
+        raise RuntimeError("an E4M3 value is not exact in bf16")
+    bits = b16.view(torch.int16).to(torch.int32) & 0xFFFF
+    hi = ", ".join(str(int(b) >> 8) for b in bits)
+    lo = ", ".join(str(int(b) & 0xFF) for b in bits)
+    return hi, lo
+
+
+# Weight formats of the pair-dot kernel: bf16 as loaded, E4M3 decoded to bf16 (exact)
+DP_WEIGHTS = ("bf16", "fp8_e4m3")
+
+
 @functools.cache
 def gemv_bf16_dp_kernel(
     isa: str,
@@ -320,9 +453,11 @@ def gemv_bf16_dp_kernel(
     chunk: int | None = None,
     hint: str = "T0",
     xblock: int | None = None,
+    weights: str = "bf16",
 ) -> Kernel:
-    """The ``vdpbf16ps`` bf16 GEMV (entry ``tp_gemv``, the same arguments as
-    :func:`torchport.gemv.kernels.gemv_kernel`'s ``bf16`` kernel). ``prefetch``: bytes ahead of
+    """The ``vdpbf16ps`` GEMV (entry ``tp_gemv``, the same arguments as
+    :func:`torchport.gemv.kernels.gemv_kernel`'s kernel of the weight format ``weights``: bf16 or
+    ``fp8_e4m3``). ``prefetch``: bytes ahead of
     the weight stream, ``hint``: its locality (:data:`torchport.gemv.kernels.PREFETCH_HINTS`);
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
     0 = static split); ``xblock``: bytes of narrowed activations (all rows) a K block keeps in L1
@@ -339,20 +474,30 @@ def gemv_bf16_dp_kernel(
         )
     if xblock is not None and xblock < 0:
         raise ValueError(f"vdpbf16ps gemv xblock must be >= 0 bytes, got {xblock!r}")
+    if weights not in DP_WEIGHTS:
+        raise ValueError(f"vdpbf16ps gemv weights must be one of {DP_WEIGHTS}, got {weights!r}")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    src = native.render(
-        SCHED_C + _float_kernel_source() + _SOURCE,
-        e4m3_table=_e4m3_table(),
-        fmt="bf16",
-        prefetch=FLOAT_PREFETCH,
-        rows4=0,
+    fp8 = weights == "fp8_e4m3"
+    hi, lo = _e4m3_bf16_bytes() if fp8 else ("0", "0")
+    params: dict[str, object] = dict(
+        wfmt=weights,
+        e4m3_hi=hi,
+        e4m3_lo=lo,
         chunk=chunk,
         dp_prefetch=prefetch,
         hint=hint,
         xblock=XBLOCK_BYTES if xblock is None else xblock,
-        fxblock=FLOAT_XBLOCK_BYTES,
     )
-    name = f"gemv_bf16dp_{isa}_p{prefetch}{hint}_c{chunk}"
+    if not fp8:  # bf16 weights: the float kernel serves float32 activations (its parameters)
+        params.update(
+            e4m3_table=_e4m3_table(),
+            fmt="bf16",
+            prefetch=FLOAT_PREFETCH,
+            rows4=0,
+            fxblock=FLOAT_XBLOCK_BYTES,
+        )
+    src = native.render(SCHED_C + ("" if fp8 else _float_kernel_source()) + _SOURCE, **params)
+    name = f"gemv_{'fp8' if fp8 else 'bf16'}dp_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
     lib = native.build(src, name=name, isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_args("bf16"))
+    return Kernel(lib, "tp_gemv", gemv_args(weights))

@@ -1,0 +1,166 @@
+"""The ``vdpbf16ps`` GEMV on E4M3 weights (torchport.gemv.bf16_kernel, ``weights="fp8_e4m3"``).
+
+Each 64-byte line of E4M3 codes is decoded to bf16 by table (every E4M3 value is a normal bf16
+number, subnormal codes included) and meets bf16-valued activations in ``vdpbf16ps``. Checked
+against the float64 product of the activations with the dequantized weight (row scale
+included) within the float kernel's tolerance (``1e-5 · Σ|x·w|``), for K of any size (the masked
+tail), one to eight activation rows, with and without bias, on one and two threads (the same
+bits); every one of the 256 codes exactly; the same bits whether K runs in blocks or in one piece
+and whether two weight rows share the activation loads; float32 activations refused (status 4,
+the caller's routing never sends them); and the tuner's offer for bf16 activations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchport import autotune, native
+from torchport.gemv import ops as gops
+from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
+from torchport.lowp import Float8Tensor
+
+pytestmark = pytest.mark.skipif(
+    not native.cpu_info().has_avx512_bf16, reason="the vdpbf16ps GEMV needs AVX512-BF16"
+)
+
+
+def _pack(w: torch.Tensor) -> gops.PackedWeight:
+    return Float8Tensor.from_float(w).gemv_pack()
+
+
+def _run(x: torch.Tensor, pw: gops.PackedWeight, bias=None, threads: int = 2, **kw):
+    kern = gemv_bf16_dp_kernel("avx512", weights="fp8_e4m3", **kw)
+    out = torch.empty(x.shape[0], pw.n)
+    gops._launch(kern, x.float().contiguous(), pw, bias, out, threads)
+    return out
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, pw: gops.PackedWeight, bias=None) -> None:
+    w = gops.dequantize_packed(pw).double()
+    ref = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    err = (out.double() - ref).abs()
+    assert bool((err <= 1e-5 * mag + 1e-30).all()), float((err / (mag + 1e-300)).max())
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (3, 31), (5, 33), (17, 64), (40, 100), (131, 1061), (64, 4096)], ids=str
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_fp8_dp_kernel_matches_reference(shape, rows) -> None:
+    n, k = shape
+    g = torch.Generator().manual_seed(n * 31 + k + rows)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, ::7] *= 1e-4  # subnormal codes among the normal ones
+    pw = _pack(w)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g) if rows % 2 else None
+    out = _run(x, pw, bias)
+    _check(out, x, pw, bias)
+    assert torch.equal(out, _run(x, pw, bias, threads=1))
+
+
+def test_every_e4m3_code_decodes_exactly() -> None:
+    """Row c holds code c at every K position but one per line of 64, so a one-hot activation
+    at K position j reads back code c's value (times the row scale) exactly; positions cover all
+    four 128-bit lanes and both halves of a line, and the masked tail (K = 100)."""
+    k = 100
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    data = codes[:, None].expand(256, k).contiguous()
+    rowscale = torch.full((256,), 0.5)
+    pw = gops.PackedWeight(
+        "fp8_e4m3", data, torch.empty(0, dtype=torch.uint8), rowscale, 1.0, 256, k
+    )
+    want = codes.view(torch.float8_e4m3fn).float().nan_to_num(nan=0.0) * 0.5
+    for j in (0, 7, 8, 15, 16, 31, 33, 47, 56, 63, 64, 70, 99):
+        x = torch.zeros(1, k)
+        x[0, j] = 1.0
+        assert torch.equal(_run(x, pw)[0], want), j
+
+
+def test_float_activations_are_refused() -> None:
+    pw = _pack(torch.randn(8, 64))
+    x = torch.randn(1, 64)  # not bf16 values
+    kern = gemv_bf16_dp_kernel("avx512", weights="fp8_e4m3")
+    with pytest.raises(native.NativeError, match="not bf16 values"):
+        gops._launch(kern, x, pw, None, torch.empty(1, 8), 1)
+
+
+@pytest.mark.parametrize("rows", [4, 5, 8])
+def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(37, 1000, generator=g)  # K % 64 != 0: the masked tail too
+    x = torch.randn(rows, 1000, generator=g).bfloat16()
+    bias = torch.randn(37, generator=g)
+    pw = _pack(w)
+    pw1 = gops.PackedWeight(pw.fmt, pw.data[1:], pw.scales, pw.rowscale[1:], pw.pts, 36, 1000)
+    full = _run(x, pw, bias)
+    assert torch.equal(full, _run(x, pw, bias, threads=1))
+    assert torch.equal(full[:, 1:], _run(x, pw1, bias[1:]))
+    for i in range(rows):
+        assert torch.equal(full[i], _run(x[i : i + 1], pw, bias)[0]), i
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("k", [4096, 1000, 1088, 192], ids=str)
+def test_k_blocks_keep_bits(rows: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows * k)
+    pw = _pack(torch.randn(41, k, generator=g))
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(41, generator=g)
+    whole = _run(x, pw, bias, threads=1, xblock=0)
+    _check(whole, x, pw, bias)
+    for xblock, threads in ((256, 1), (256, 2), (16384, 2)):
+        assert torch.equal(_run(x, pw, bias, threads=threads, xblock=xblock), whole)
+
+
+@pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096)])
+def test_prefetch_settings_keep_bits(hint: str, pf: int) -> None:
+    g = torch.Generator().manual_seed(11)
+    pw = _pack(torch.randn(70, 1000, generator=g))
+    x = torch.randn(1, 1000, generator=g).bfloat16()
+    assert torch.equal(_run(x, pw, hint=hint, prefetch=pf), _run(x, pw))
+
+
+def test_rejects_other_weight_formats() -> None:
+    with pytest.raises(ValueError, match=r"weights must be one of .* got 'nvfp4'"):
+        gemv_bf16_dp_kernel("avx512", weights="nvfp4")
+
+
+def test_tuner_offers_the_pair_dot_for_bf16_activations_only() -> None:
+    names = [c.name for c in gops.candidates("fp8_e4m3", bx=True)]
+    assert names[0] == "aten_linear"
+    assert names[1:5] == ["dp_p2048nta_t0", "dp_p0_t0", "dp_p2048nta_t1", "dp_p0_t1"]
+    assert len(names) <= 10
+    assert not any(n.startswith("dp") for n in (c.name for c in gops.candidates("fp8_e4m3")))
+    cand = gops.candidates("fp8_e4m3", bx=True)[1]
+    got = gops._native_kernel("fp8_e4m3", False, 64, "avx512", cand)
+    assert got is gemv_bf16_dp_kernel("avx512", 2048, hint="NTA", weights="fp8_e4m3")
+    with pytest.raises(autotune.InvalidCandidate, match="E4M3"):
+        gops._native_kernel("nvfp4", False, 64, "avx512", cand)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_packed_with_bf16_activations(rows: int) -> None:
+    """Through the public entry: bf16 activations plan with the pair dot on offer (the tuner
+    picks by time), float32 ones without; both meet the reference, and each call's plan is the
+    one for its activation dtype."""
+    g = torch.Generator().manual_seed(rows + 40)
+    w = torch.randn(700, 640, generator=g) * 0.1  # 448 K weights: tuned, not the default
+    pw = _pack(w)
+    xb = torch.randn(rows, 640, generator=g).bfloat16()
+    out = gops.gemv_packed(xb, pw)
+    assert out.dtype == torch.bfloat16  # the float32 result rounded once
+    full = torch.empty(rows, pw.n)
+    plan = gops.plan_for(pw, rows, False, True)
+    gops._launch(plan.kernel, xb.float(), pw, None, full, plan.threads)
+    _check(full, xb, pw)
+    assert torch.equal(out, full.bfloat16())
+    plan_b = gops.plan_for(pw, rows, False, True)
+    plan_f = gops.plan_for(pw, rows, False, False)
+    assert not plan_f.candidate.name.startswith("dp")
+    assert plan_b is not plan_f
+    _check(gops.gemv_packed(xb.float(), pw), xb, pw)
