@@ -340,6 +340,8 @@ def _native_kernel(
             raise autotune.InvalidCandidate(
                 f"vdpbf16ps kernel needs bf16 or E4M3 weights and AVX512-BF16 ({fmt}, isa {isa})"
             )
+        if fmt == "bf16":  # the default weights (one cached kernel object per launch setting)
+            return gemv_bf16_dp_kernel(isa, pf, hint=hint)
         return gemv_bf16_dp_kernel(isa, pf, hint=hint, weights=fmt)
     if cand.param("kernel") == "shift4":
         if fmt != "fp8_e4m3" or isa == "scalar" or rows != 1:
