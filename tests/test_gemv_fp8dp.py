@@ -104,9 +104,10 @@ def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
         assert torch.equal(full[i], _run(x[i : i + 1], pw, bias)[0]), i
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [4096, 1000, 1088, 192], ids=str)
 def test_k_blocks_keep_bits(rows: int, k: int) -> None:
+    """K in blocks (from one activation row with E4M3 weights) against K in one piece."""
     g = torch.Generator().manual_seed(rows * k)
     pw = _pack(torch.randn(41, k, generator=g))
     x = torch.randn(rows, k, generator=g).bfloat16()

@@ -62,7 +62,10 @@ kernel only for bfloat16 activation tensors, :func:`torchport.gemv.ops.candidate
 alone, 11008×4096 from DRAM, bf16-valued activations, interleaved medians of 15 (load 3-4,
 helper running): B=1 two threads 1.14 ms (NTA 2048) against the shift kernel's 1.31, one thread
 1.46 against 2.60; B=4 two threads 2.07 against 3.18 (the shift kernel's AVX2 build, what B > 1
-takes), one thread 3.73 against 6.10.
+takes), one thread 3.73 against 6.10. E4M3 weights run K in blocks from one activation row on
+(bf16 weights from two): at K = 11008 a bf16 activation row (22 KB) shared L1 with the weight
+stream and was re-read from L2; 4096×11008 B=1 one thread 3.2–4.0 → 1.9–2.1 ms, two threads
+1.93–2.39 → 1.84–2.16 (same bits; bf16 weights measured 6–8 % slower in blocks on two threads).
 """
 
 from __future__ import annotations
@@ -272,12 +275,23 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const tp_wt *w, int
     }
 }
 
-/* K blocks (two to four activation rows): where the narrowed rows (2 B K32 bytes) exceed
+/* K blocks (two to four activation rows; E4M3 weights from one): where the narrowed rows (2 B K32 bytes) exceed
    TP_XBYTES, TP_KR weight rows at a time run K in blocks of TP_XBYTES / (2 B) activations (a block
    of every row stays in L1 while the TP_KR rows use it), their accumulators parked between
    blocks, and the next TP_KR rows' lines are prefetched into L2 as the current ones are read. */
 #define TP_KR 8
 #define TP_XBYTES ${xblock}
+/* E4M3 weights take the blocks from one activation row on: a bf16 row beyond TP_XBYTES (K > 8192)
+   shares L1 with a weight stream that evicts it. 4096x11008 from DRAM, bf16-valued activations,
+   interleaved medians of 25, two runs (load 2.7-3.6): one thread 3.20 / 4.04 -> 1.93 / 2.12 ms,
+   two threads 1.93 / 2.39 -> 1.84 / 2.16. bf16 weights keep one piece at B = 1: two threads were
+   6-8 % slower in blocks there (3.44 / 4.14 -> 3.73 / 4.40 ms; one thread 5.30 / 6.63 -> 4.55 /
+   5.79), the eight interleaved 16 KB row pieces streaming worse than one row. */
+#if defined(TP_W_fp8_e4m3)
+#define TP_KB_MIN_B 1
+#else
+#define TP_KB_MIN_B 2
+#endif
 
 /* Same contract as the float kernel's GEMV of this weight format (bf16: tp_gemv_float above, the
    float kernel itself, serves activations that are not all bf16 values; E4M3: status 4 for them,
@@ -309,7 +323,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, cons
     const int64_t tp_step_ = tp_chunk_rows(nt, K * TP_WB, ${chunk});
     const int64_t K64 = K / 64 * 64;
     int64_t kb_len = 0;   /* K block (activations per row), 0: K in one piece */
-    if (TP_XBYTES > 0 && B >= 2 && B <= 4 && 2 * B * K32 > TP_XBYTES) {
+    if (TP_XBYTES > 0 && B >= TP_KB_MIN_B && B <= 4 && 2 * B * K32 > TP_XBYTES) {
         kb_len = TP_XBYTES / (2 * B) / 64 * 64;
         if (kb_len < 64) kb_len = 64;
     }
