@@ -151,6 +151,32 @@ def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float, build: str)
             assert torch.equal(out[:-1], whole[:-1]), (xblock, threads)
 
 
+@pytest.mark.parametrize(("n", "k"), [(37, 4096), (19, 1061), (21, 11008)], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 3e-39], ids=["1", "denormal"])
+def test_one_row_k_blocks_keep_bits(n: int, k: int, scale: float) -> None:
+    """The AVX-512 one-row build runs K in blocks from one activation row (its prescaled row
+    beyond 16 KB: K > 4096, or 1 KB here) with the one-row loop's four chains: the bits of K in
+    one piece, on one and two threads."""
+    w = _all_codes_weight(n, k, seed=n + k)
+    pw = w.gemv_pack()
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=g) * scale
+    bias = torch.randn(n, generator=g) * scale
+    isa = native.cpu_info().isa
+
+    def run(xblock: int | None, threads: int = 2) -> torch.Tensor:
+        kern = gemv_fp8_shift_kernel(isa, 2048, hint="NTA", xblock=xblock)
+        out = torch.empty(1, n)
+        st = kern(x, 1, k, pw.data, pw.scales, pw.rowscale, pw.pts, bias, 1, out, n, threads)
+        assert st == 0
+        return out
+
+    whole = run(0, threads=1)
+    _check(whole, x, w, bias)
+    for xblock, threads in ((1024, 1), (1024, 2), (None, 2)):
+        assert torch.equal(run(xblock, threads), whole), (xblock, threads)
+
+
 def test_shift_kernel_rejects_negative_xblock() -> None:
     with pytest.raises(ValueError, match=r"xblock must be >= 0 bytes, got -1"):
         gemv_fp8_shift_kernel(native.cpu_info().isa, 2048, xblock=-1)

@@ -177,6 +177,27 @@ TP_INLINE void tp_row_part(const float *xs, int64_t K, const uint8_t *w, const c
     for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
 }
 
+#if TP_V == 16
+/* One activation row over k0 <= k < k1 (multiples of TP_G): the one-row loop's four FMA chains,
+   kept in accp[0..3] between calls (tp_row's one-row loop, and the K blocks from one row, so a
+   row's sums do not depend on whether K runs in one piece). Prefetches as tp_row_part. */
+TP_INLINE void tp_row1_part(const float *xs, const uint8_t *w, const char *pfa, const uint8_t *pfw,
+                            int64_t k0, int64_t k1, tp_vf *accp) {
+    tp_vf a0 = accp[0], a1 = accp[1], a2 = accp[2], a3 = accp[3];
+    for (int64_t k = k0; k < k1; k += TP_G) {   /* four independent chains hide FMA latency */
+        if (pfa) _mm_prefetch(pfa + k, _MM_HINT_${hint});
+        if (pfw) _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
+        tp_vf w0, w1, w2, w3;
+        TP_E4M3X(w + k, w0, w1, w2, w3);
+        a0 = TP_FMA(w0, TP_LOADX(xs + k), a0);
+        a1 = TP_FMA(w1, TP_LOADX(xs + k + TP_V), a1);
+        a2 = TP_FMA(w2, TP_LOADX(xs + k + 2 * TP_V), a2);
+        a3 = TP_FMA(w3, TP_LOADX(xs + k + 3 * TP_V), a3);
+    }
+    accp[0] = a0; accp[1] = a1; accp[2] = a2; accp[3] = a3;
+}
+#endif
+
 /* A row's result from its two accumulators: their sum times fac (2^(120 - k) of the prescale), plus
    the K % TP_G tail from k on the unscaled activations x (table decode), times the row scale. */
 TP_INLINE float tp_row_end(tp_vf a0, tp_vf a1, const float *x, double fac, int64_t k, int64_t K,
@@ -224,6 +245,15 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
         acc1[1] = TP_ADD(acc1[1], acc2[3]);
     }
 #endif
+#if TP_V == 16
+    if (NB == 1) {
+        tp_vf a[4] = {TP_ZERO(), TP_ZERO(), TP_ZERO(), TP_ZERO()};
+        const int64_t kf = K / TP_G * TP_G;
+        tp_row1_part(xs, w, (const char *)w + ${prefetch}, NULL, 0, kf, a);
+        acc[0][0] = a[0]; acc[0][1] = a[1]; acc1[0] = a[2]; acc1[1] = a[3];
+        k = kf;
+    }
+#endif
     for (; NB == 1 && k + TP_G <= K; k += TP_G) {   /* four independent chains hide FMA latency */
         _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
         tp_vf w0, w1, w2, w3;
@@ -244,6 +274,18 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
    next TP_KR rows' lines are prefetched into L2 as the current ones are read. */
 #define TP_KR 8
 #define TP_XBYTES ${xblock}
+/* The AVX-512 one-row build takes the blocks from one activation row on: a prescaled row beyond
+   TP_XBYTES (K > 4096) shared L1 with the weight stream and was re-read from L2. 4096x11008 B=1
+   from DRAM, interleaved medians of 21 (load ~3; measured with the multi-row loop's two chains):
+   two threads 2.46 -> 2.11 ms, one thread 4.66 -> 3.37. tp_row1_part keeps the one-row loop's
+   chains, so the bits are those of K in one piece. (The AVX2 build's one-row loop takes 64
+   weights a step into eight chains, and the row-unrolled builds stream several rows: both keep
+   K in one piece at B = 1.) */
+#if TP_V == 16 && ${rows} == 1
+#define TP_KB_MIN_B 1
+#else
+#define TP_KB_MIN_B 2
+#endif
 
 /* TP_R (> 1) weight rows against one prescaled activation row: each activation vector (an L1
    load folded into the FMA) serves TP_R rows, and TP_R weight streams are in flight, each
@@ -306,7 +348,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     const int64_t tp_step_ = tp_chunk_rows(nt, K, ${chunk});
     const int64_t KF = K / TP_G * TP_G;
     int64_t kb_len = 0;   /* K block (activations per row), 0: K in one piece */
-    if (TP_XBYTES > 0 && B >= 2 && (int64_t)sizeof(float) * B * K > TP_XBYTES) {
+    if (TP_XBYTES > 0 && B >= TP_KB_MIN_B && (int64_t)sizeof(float) * B * K > TP_XBYTES) {
         kb_len = TP_XBYTES / ((int64_t)sizeof(float) * B) / TP_G * TP_G;
         if (kb_len < TP_G) kb_len = TP_G;
     }
@@ -317,15 +359,21 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         int64_t lo, hi;
         int tp_st_ = 0;
         while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
-        if (kb_len) {   /* K blocks (B >= 2, see TP_KR) */
+        if (kb_len) {   /* K blocks (B >= TP_KB_MIN_B, see TP_KR) */
             for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
                 const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
                 tp_vf accb[TP_KR * 16];
-                for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = TP_ZERO();
+                for (int64_t i = 0; i < (n1 - n0) * (B > 1 ? 2 * B : 4); ++i) accb[i] = TP_ZERO();
                 for (int64_t kb = 0; kb < KF; kb += kb_len) {
                     const int64_t ke = kb + kb_len < KF ? kb + kb_len : KF;
                     for (int64_t n = n0; n < n1; ++n) {
                         const uint8_t *wr = w + n * K, *pfw = n + TP_KR < hi ? wr + TP_KR * K : NULL;
+#if TP_KB_MIN_B == 1
+                        if (B == 1) {   /* the one-row chains (four accumulators a row) */
+                            tp_row1_part(xs, wr, NULL, pfw, kb, ke, accb + (n - n0) * 4);
+                            continue;
+                        }
+#endif
                         for (int64_t b = 0; b < B; b += 4) {
                             const int64_t nb = B - b < 4 ? B - b : 4;
                             const float *xb = xs + b * K;
@@ -342,6 +390,15 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                 }
                 for (int64_t n = n0; n < n1; ++n)
                     for (int64_t b = 0; b < B; ++b) {
+#if TP_KB_MIN_B == 1
+                        if (B == 1) {   /* as tp_row ends its one-row loop */
+                            const tp_vf *a = accb + (n - n0) * 4;
+                            out[n] = tp_row_end(TP_ADD(a[0], a[2]), TP_ADD(a[1], a[3]), x, fac[0], KF, K,
+                                                w + n * K, rowscale[n]);
+                            if (has_bias) out[n] += bias[n];
+                            continue;
+                        }
+#endif
                         const tp_vf *ap = accb + ((n - n0) * B + b) * 2;
                         out[b * N + n] = tp_row_end(ap[0], ap[1], x + b * K, fac[b], KF, K, w + n * K, rowscale[n]);
                         if (has_bias) out[b * N + n] += bias[n];
