@@ -124,7 +124,7 @@ def test_several_rows_take_the_avx2_build_on_avx512() -> None:
 @pytest.mark.parametrize("scale", [1.0, 3e-39], ids=["1", "denormal"])
 @pytest.mark.parametrize("build", ["native", "avx2"])  # avx2: what several rows run on AVX-512
 def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float, build: str) -> None:
-    """From two activation rows K runs in blocks (the rows' activations beyond 16 KB, or 1 KB
+    """From two activation rows K runs in blocks (the rows' activations beyond 8 KB, or 1 KB
     here): every group of two to four rows keeps the bits of K in one piece, a lone fifth row
     meets the reference, on one and two threads; K not a multiple of the 32/64-weight step."""
     w = _all_codes_weight(n, k, seed=n + k + rows)
@@ -155,7 +155,7 @@ def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float, build: str)
 @pytest.mark.parametrize("scale", [1.0, 3e-39], ids=["1", "denormal"])
 def test_one_row_k_blocks_keep_bits(n: int, k: int, scale: float) -> None:
     """The AVX-512 one-row build runs K in blocks from one activation row (its prescaled row
-    beyond 16 KB: K > 4096, or 1 KB here) with the one-row loop's four chains: the bits of K in
+    beyond 8 KB: K > 2048, or 1 KB here) with the one-row loop's four chains: the bits of K in
     one piece, on one and two threads."""
     w = _all_codes_weight(n, k, seed=n + k)
     pw = w.gemv_pack()

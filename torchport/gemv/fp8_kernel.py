@@ -60,8 +60,9 @@ ahead more (4.4-4.6 ms); two threads from DRAM, four rows T0 8192 2.433 / 2.568 
 row NTA 2048 2.623 / 2.710 ms (kernels alone, interleaved medians of 21, read peak 21.9 GB/s,
 two runs): the tuner tries it (:data:`torchport.gemv.ops.SHIFT4_PREFETCH`).
 
-From two activation rows, where the rows' prescaled activations (``4·B·K`` bytes) exceed
-:data:`XBLOCK_BYTES` (16 KB, half of L1), eight weight rows at a time run K in blocks that keep
+From two activation rows (one in the AVX-512 one-row build), where the rows' prescaled
+activations (``4·B·K`` bytes) exceed :data:`XBLOCK_BYTES` (8 KB, a quarter of L1; 16 KB before the
+twentieth session), eight weight rows at a time run K in blocks that keep
 a block of every activation row in L1, the accumulators parked in memory between blocks (the
 same FMAs in the same order: the same bits as K in one piece), and the next eight rows' lines are
 prefetched into L2 as the current ones are read (a lone activation row left after groups of
@@ -275,9 +276,10 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
 #define TP_KR 8
 #define TP_XBYTES ${xblock}
 /* The AVX-512 one-row build takes the blocks from one activation row on: a prescaled row beyond
-   TP_XBYTES (K > 4096) shared L1 with the weight stream and was re-read from L2. 4096x11008 B=1
-   from DRAM, interleaved medians of 21 (load ~3; measured with the multi-row loop's two chains):
-   two threads 2.46 -> 2.11 ms, one thread 4.66 -> 3.37. tp_row1_part keeps the one-row loop's
+   TP_XBYTES (K > 2048) shared L1 with the weight stream and was re-read from L2. 4096x11008 B=1
+   from DRAM, interleaved medians of 21 (load 3-4): two threads 2.44/2.63 -> 1.85/2.19 ms, one
+   thread 4.65/4.83 -> 2.22/2.29 (16 KB blocks); 11008x4096, blocked since XBLOCK_BYTES is 8 KB,
+   see there. tp_row1_part keeps the one-row loop's
    chains, so the bits are those of K in one piece. (The AVX2 build's one-row loop takes 64
    weights a step into eight chains, and the row-unrolled builds stream several rows: both keep
    K in one piece at B = 1.) */
@@ -439,9 +441,13 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 """
 
 
-# Prescaled activation bytes (all rows) one K block keeps in L1 from two activation rows (0: K
-# in one piece; see TP_KR in the source).
-XBLOCK_BYTES = 16384
+# Prescaled activation bytes (all rows) one K block keeps in L1 (0: K in one piece; see TP_KR in
+# the source). 8 KB rather than 16: 11008x4096 from DRAM, interleaved medians of 15-21 (load
+# 0.7): AVX-512 one-row build B=1 two threads 2.26/2.47 -> 1.61/1.68 ms (16 KB was not blocked),
+# one thread 4.08/4.22 -> 2.15/2.11; AVX2 build (several rows) B=2 two threads 2.73 -> 2.10, one
+# 4.36 -> 3.53, B=4 3.86 -> 3.46 / 7.12 -> 6.16; the AVX-512 build at B=2/4 unchanged; 4 KB no
+# better than 8.
+XBLOCK_BYTES = 8192
 
 # Weight rows the shift-decode kernel can stream at once for one activation row.
 SHIFT_ROWS = (1, 2, 4)
