@@ -426,6 +426,12 @@ FLOAT_PREFETCH = 512
 # Narrowed activation bytes (all rows) one K block keeps in L1 for two to four activation rows
 # (0: K in one piece; see TP_KR in the source).
 XBLOCK_BYTES = 16384
+# The same for E4M3 weights (from one row): 8 KB. 11008x4096 from DRAM, interleaved medians of
+# 15, two runs (load 3.2-3.6, a helper running): B=2 two threads 1.96/2.42 -> 1.82/1.74 ms (16 KB
+# of two rows was not blocked), one thread 2.85/4.52 -> 2.34/2.49; B=4 2.23/2.58 -> 2.13/2.42,
+# one thread 4.32/3.68 -> 4.15/3.62. bf16 weights keep 16 KB: at B=4 two threads 4.32/4.42 ->
+# 4.70/4.37 with 8 KB.
+FP8_XBLOCK_BYTES = 8192
 
 
 def _float_kernel_source() -> str:
@@ -475,7 +481,8 @@ def gemv_bf16_dp_kernel(
     the weight stream, ``hint``: its locality (:data:`torchport.gemv.kernels.PREFETCH_HINTS`);
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
     0 = static split); ``xblock``: bytes of narrowed activations (all rows) a K block keeps in L1
-    for two to four activation rows (default :data:`XBLOCK_BYTES`; 0: K in one piece). Raises
+    for two to four activation rows, E4M3 weights from one (default :data:`XBLOCK_BYTES`, E4M3
+    :data:`FP8_XBLOCK_BYTES`; 0: K in one piece). Raises
     ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16."""
     from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
     from torchport.gemv.kernels import XBLOCK_BYTES as FLOAT_XBLOCK_BYTES
@@ -500,7 +507,7 @@ def gemv_bf16_dp_kernel(
         chunk=chunk,
         dp_prefetch=prefetch,
         hint=hint,
-        xblock=XBLOCK_BYTES if xblock is None else xblock,
+        xblock=(FP8_XBLOCK_BYTES if fp8 else XBLOCK_BYTES) if xblock is None else xblock,
     )
     if not fp8:  # bf16 weights: the float kernel serves float32 activations (its parameters)
         params.update(
