@@ -451,8 +451,11 @@ W_DTYPE = {
 PREFETCH = (0, 256, 512, 1024)
 
 # Activation bytes (all rows) one K block of the float kernel keeps in L1 for two to eight
-# activation rows (0: K in one piece; see TP_FKR in the source).
-XBLOCK_BYTES = 16384
+# activation rows (0: K in one piece; see TP_FKR in the source). 8 KB rather than 16 (twentieth
+# session): fp32 weights from DRAM, two threads, interleaved medians of 9-11, two runs (load
+# 2.9-3.3): 11008x4096 B=2 7.35/8.25 -> 6.90/7.77 ms, B=4 7.75/9.39 -> 7.50/9.20; 4096x11008 B=2
+# 8.78/9.59 -> 7.90/9.14, B=4 10.26/10.62 -> 9.15/9.82 (one thread within noise either way).
+XBLOCK_BYTES = 8192
 
 
 @functools.cache
