@@ -130,6 +130,30 @@ def test_block_kernel_decodes_edge_scales(fmt: str, codes: list[int]) -> None:
     assert torch.allclose(out, pair, rtol=1e-5, atol=1e-30)
 
 
+@pytest.mark.skipif(native.cpu_info().isa != "avx512", reason="K blocks: AVX-512 build")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("n", "k"), [(21, 11008), (9, 10880)], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_k_blocks_keep_bits(fmt: str, n: int, k: int, rows: int) -> None:
+    """With per-row corrections (one or two rows) K runs in blocks where the prepared
+    activations exceed 20 KB (2 K bytes a row: K > 10240): the bits of K in one piece, on one and
+    two threads, for blocks of 32, 2 or 3 (rounded to 2) 128-chunks, and an odd number of chunks
+    per row (K = 10880). Three and five rows (shared corrections) keep one piece."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    whole = _run(gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=0), x, pw, bias, 1)
+    for xblock, threads in ((None, 2), (512, 1), (768, 2)):
+        kern = gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=xblock)
+        assert torch.equal(_run(kern, x, pw, bias, threads), whole), (xblock, threads)
+
+
+def test_block_kernel_rejects_negative_xblock() -> None:
+    with pytest.raises(ValueError, match=r"xblock must be >= 0 bytes, got -3"):
+        gemv_fp4_block_kernel("nvfp4", "avx2", xblock=-3)
+
+
 def test_block_kernel_rejects_k_not_multiple_of_128() -> None:
     pw = _pack("nvfp4", torch.randn(4, 192))
     out = torch.empty(1, 4)

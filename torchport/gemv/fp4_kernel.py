@@ -39,6 +39,10 @@ load 1.6-2.4; six runs over both prefetch settings): NVFP4 3.64-4.25 → 3.50-3.
 weights, MXFP4 3.16-3.42 → 2.94-3.04; from DRAM (11008×4096, two threads) no difference beyond
 noise (0.89-0.97 ms either way). A single 512-bit load per line streamed from DRAM slower
 (two threads 1.15-1.27 ms against 0.96-1.01, before the copies were visited in random order).
+With per-row corrections (one or two activation rows, AVX-512) K runs in blocks where the rows'
+prepared activations exceed 20 KB (K > 10240 for one row): the weight stream through L1 evicted a
+22 KB row at K = 11008 (4096×11008 B=1 two threads NVFP4 1.14–1.15 → 1.01–1.06 ms, MXFP4
+1.18–1.25 → 0.92–0.96; same bits, see ``TP_XMIN``).
 
 **Pair-split kernel** (:func:`gemv_fp4_pair_kernel`, K a multiple of 64):
 
@@ -410,10 +414,15 @@ TP_INLINE __m512i tp_negsum128(__m512i c128, __m512i lo, __m512i hi) {
 #define TP_XS_IDX _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
 #define TP_XS(p) _mm512_permutexvar_ps(xsi, _mm512_castps128_ps512(_mm_loadu_ps(p)))
 
-/* One weight row against NB (<= 4) prepared activation rows; K a multiple of 128. */
-TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
-                         const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB,
-                         const int WC) {
+/* One weight row's chunks c0 <= c < c1 (c0 even) against NB (<= 4) prepared activation rows (K a
+   multiple of 128), the accumulators kept in accp (NB x 2 vectors) between calls: chunk c goes to
+   accumulator c & 1 whether K runs in one piece (tp_row128) or in blocks of an even number of
+   chunks, so a row's sums do not depend on it. Prefetches pfa + 64 c with the kernel's hint (the
+   row's own stream ahead) and pfw + 64 c (the row the next row group reads) into L2, either
+   unless NULL. */
+TP_INLINE void tp_row128_part(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
+                              const uint8_t *w, const uint8_t *sc, const char *pfa, const uint8_t *pfw,
+                              int64_t c0, int64_t c1, __m512 *accp, const int NB, const int WC) {
     const __m512i lut = WC ? TP_LUT_SIGNED : TP_LUT_UNSIGNED;
 #if defined(__AVX512VBMI__)
     /* vpermb reads six index bits; the table repeats every 16 bytes, so bits 4-5 do not matter and
@@ -423,14 +432,15 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
     const __m512i m4 = _mm512_set1_epi8(0x0F);
 #define TP_NIBBLES(idx) _mm512_shuffle_epi8(lut, _mm512_and_si512((idx), m4))
 #endif
-    const int64_t C = K / 128, L = K / 8, LX = WC ? K / 32 : K / 8;
+    const int64_t L = K / 8, LX = WC ? K / 32 : K / 8;
     const __m512i c128 = _mm512_set1_epi8((char)0x80), xsi = TP_XS_IDX;
     __m512 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = _mm512_setzero_ps(); acc[b][1] = _mm512_setzero_ps(); }
+    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
     /* chunk c into accumulator j (two chains, constant indices: acc stays in registers) */
 #define TP_CHUNK(c, j) do {                                                                           \
         const uint8_t *wp = w + (c) * 64;                                                          \
-        _mm_prefetch((const char *)wp + ${prefetch}, _MM_HINT_${hint});                            \
+        if (pfa) _mm_prefetch(pfa + (c) * 64, _MM_HINT_${hint});                                   \
+        if (pfw) _mm_prefetch((const char *)(pfw + (c) * 64), _MM_HINT_T1);                        \
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(                               \
             _mm256_loadu_si256((const __m256i *)wp)), _mm256_loadu_si256((const __m256i *)(wp + 32)), 1); \
         const __m512i lo = TP_NIBBLES(v);                                                          \
@@ -458,15 +468,30 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
        slower here, two threads, Zen 4; half the rate in the FP8 kernel on Zen 5). Products:
        -12 * sum q + sum u * q, or -128 * sum w + sum w * (q + 128): both sum 2 * e2m1 * q, exact
        in int32 (|lane| <= 8 * 24 * 127, 8 * 12 * 255). */
-    int64_t c = 0;
-    for (; c + 2 <= C; c += 2) {
+    int64_t c = c0;
+    for (; c + 2 <= c1; c += 2) {
         TP_CHUNK(c, 0);
         TP_CHUNK(c + 1, 1);
     }
-    if (c < C) TP_CHUNK(c, 0);
+    if (c < c1) TP_CHUNK(c, 0);
 #undef TP_CHUNK
 #undef TP_NIBBLES
-    for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
+    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+}
+
+/* A row's sums from its accumulators (NB x 2 vectors). */
+TP_INLINE void tp_row128_end(const __m512 *accp, float *out, int64_t ldo, const int NB) {
+    for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(accp[2 * b], accp[2 * b + 1]));
+}
+
+/* One weight row against NB (<= 4) prepared activation rows; K a multiple of 128. */
+TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
+                         const uint8_t *w, const uint8_t *sc, float *out, int64_t ldo, const int NB,
+                         const int WC) {
+    __m512 acc[8];
+    for (int i = 0; i < 2 * NB; ++i) acc[i] = _mm512_setzero_ps();
+    tp_row128_part(xr, corr, xsv, K, w, sc, (const char *)w + ${prefetch}, NULL, 0, K / 128, acc, NB, WC);
+    tp_row128_end(acc, out, ldo, NB);
 }
 
 /* Two consecutive weight rows against NB (<= 4) prepared activation rows: every activation load
@@ -530,6 +555,20 @@ TP_INLINE void tp_row128_r2(const int8_t *xr, const int32_t *corr, const float *
     }
 }
 #define TP_HAVE_R2 1
+/* K blocks (AVX-512, per-row corrections: one or two activation rows): where the rows' prepared
+   activations (int8 values, corrections, scales: B (K + 4 L + 4 LX) bytes, 2 K a row) exceed
+   TP_XMIN, TP_KR weight rows at a time run K in blocks holding TP_XBYTES of them (a block of every
+   row stays in L1 while the TP_KR rows use it), accumulators parked between blocks, the next rows
+   prefetched into L2. At K = 11008 one row's are 22 KB and the weight stream through L1 evicted
+   them: per weight B=1 ran 20-24 % slower than at K = 4096 (22016x2048 and 11008x4096 equal).
+   4096x11008 from DRAM, previous build vs blocks, interleaved medians of 15 (load 2.6-2.9): NVFP4
+   B=1 two threads 1.15/1.14 -> 1.01/1.06 ms, B=2 1.64 -> 1.56 (one thread 2.98 -> 2.52); MXFP4
+   B=1 1.25/1.18 -> 0.92/0.96, B=2 1.64 -> 1.29. With shared corrections (from TP_WC_MIN_B rows)
+   blocks measured slower (B=3 two threads NVFP4 1.44 -> 1.64, MXFP4 1.35 -> 1.46; B=4, which then
+   loses the two-row loop, 1.65 -> 2.05), so those keep K in one piece. */
+#define TP_KR 8
+#define TP_XBYTES ${xblock}
+#define TP_XMIN 20480
 #if TP_WC_MIN_B > 4
 #error "tp_row128_r2 (from four rows) assumes the shared corrections, TP_WC_MIN_B <= 4"
 #endif
@@ -661,11 +700,75 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
+    int64_t cb_len = 0;   /* K block in 128-chunks (even), 0: K in one piece */
+#if defined(TP_HAVE_R2)
+    const int64_t xbytes = B * (K + 4 * L + 4 * LX);   /* the prepared activations of every row */
+    if (TP_XBYTES > 0 && !wc && xbytes > TP_XMIN && K / 128 > 2) {
+        cb_len = TP_XBYTES / (xbytes / (K / 128)) / 2 * 2;
+        if (cb_len < 2) cb_len = 2;
+    }
+#endif
     #pragma omp parallel num_threads(nt)
     {
         int64_t lo, hi;
         int tp_st_ = 0;
         while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
+#if defined(TP_HAVE_R2)
+        if (cb_len) {   /* K blocks (see TP_XMIN) */
+            const int64_t C = K / 128;
+            for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
+                const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
+                __m512 accb[TP_KR * 16];
+                for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm512_setzero_ps();
+                for (int64_t cb = 0; cb < C; cb += cb_len) {
+                    const int64_t ce = cb + cb_len < C ? cb + cb_len : C;
+                    for (int64_t n = n0; n < n1; ++n) {
+                        const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
+                        const uint8_t *pfw = n + TP_KR < hi ? wr + TP_KR * (K / 2) : NULL;
+                        for (int64_t b = 0; b < B; b += 4) {
+                            const int64_t nb = B - b < 4 ? B - b : 4;
+                            const int8_t *xb = xr + b * K;
+                            const int32_t *cbp = corr + b * L;
+                            const float *sb = xsv + b * LX;
+                            const uint8_t *pf = b ? NULL : pfw;
+                            __m512 *ap = accb + ((n - n0) * B + b) * 2;
+#define TP_PART(NB_, WC_) tp_row128_part(xb, cbp, sb, K, wr, sr, NULL, pf, cb, ce, ap, NB_, WC_)
+                            if (wc) {
+                                switch (nb) {
+                                    case 1: TP_PART(1, 1); break;
+                                    case 2: TP_PART(2, 1); break;
+                                    case 3: TP_PART(3, 1); break;
+                                    default: TP_PART(4, 1); break;
+                                }
+                            } else {
+                                switch (nb) {
+                                    case 1: TP_PART(1, 0); break;
+                                    case 2: TP_PART(2, 0); break;
+                                    case 3: TP_PART(3, 0); break;
+                                    default: TP_PART(4, 0); break;
+                                }
+                            }
+#undef TP_PART
+                        }
+                    }
+                }
+                for (int64_t n = n0; n < n1; ++n)
+                    for (int64_t b = 0; b < B; b += 4) {
+                        const int64_t nb = B - b < 4 ? B - b : 4;
+                        const __m512 *ap = accb + ((n - n0) * B + b) * 2;
+                        float *ob = out + b * N + n;
+                        switch (nb) {
+                            case 1: tp_row128_end(ap, ob, N, 1); break;
+                            case 2: tp_row128_end(ap, ob, N, 2); break;
+                            case 3: tp_row128_end(ap, ob, N, 3); break;
+                            default: tp_row128_end(ap, ob, N, 4); break;
+                        }
+                        if (has_bias) for (int64_t i = 0; i < nb; ++i) out[(b + i) * N + n] += bias[n];
+                    }
+            }
+            continue;
+        }
+#endif
         for (int64_t n = lo; n < hi;) {
             const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
             int rows = 1;   /* weight rows sharing each activation load */
@@ -696,6 +799,10 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 
 FORMATS = ("nvfp4", "mxfp4")
 
+# Prepared activation bytes (all rows) one K block of the lane-block kernel keeps in L1 where they
+# exceed TP_XMIN (20 KB; AVX-512 build; see TP_XBYTES in the source).
+XBLOCK_BYTES = 8192
+
 
 @functools.cache
 def gemv_fp4_pair_kernel(
@@ -716,13 +823,23 @@ def gemv_fp4_pair_kernel(
 
 @functools.cache
 def gemv_fp4_block_kernel(
-    fmt: str, isa: str, prefetch: int = 4096, chunk: int | None = None, hint: str = "T0"
+    fmt: str,
+    isa: str,
+    prefetch: int = 4096,
+    chunk: int | None = None,
+    hint: str = "T0",
+    xblock: int | None = None,
 ) -> Kernel:
     """The lane-block int8-activation FP4 GEMV (AVX2; K a multiple of 128; raises NativeError
     below AVX2). ``prefetch``: bytes ahead of the weight stream, ``hint``: its locality
     (:data:`torchport.gemv.kernels.PREFETCH_HINTS`); ``chunk``: weight bytes per row claim
-    (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static)."""
+    (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static); ``xblock``: bytes of
+    prepared activations (all rows) a K block keeps in L1 where they exceed 20 KB (AVX-512 only;
+    default :data:`XBLOCK_BYTES`; 0: K in one piece)."""
     from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_args
+
+    if xblock is not None and xblock < 0:
+        raise ValueError(f"lane-block FP4 gemv xblock must be >= 0 bytes, got {xblock!r}")
 
     if fmt not in FORMATS:
         raise ValueError(f"lane-block FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
@@ -730,8 +847,12 @@ def gemv_fp4_block_kernel(
     if isa == "scalar":
         raise native.NativeError("the lane-block FP4 GEMV needs AVX2 (isa is 'scalar')")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    src = native.render(SCHED_C + _BLOCK_SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk, hint=hint)
+    xb = XBLOCK_BYTES if xblock is None else xblock
+    src = native.render(
+        SCHED_C + _BLOCK_SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk, hint=hint, xblock=xb
+    )
     name = f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}{hint}_c{chunk}"
+    name += "" if xblock is None else f"_x{xblock}"
     lib = native.build(src, name=name, isa=isa)
     return Kernel(lib, "tp_gemv", gemv_args(fmt))
 
