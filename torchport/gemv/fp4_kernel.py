@@ -700,8 +700,8 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
-    int64_t cb_len = 0;   /* K block in 128-chunks (even), 0: K in one piece */
 #if defined(TP_HAVE_R2)
+    int64_t cb_len = 0;   /* K block in 128-chunks (even), 0: K in one piece */
     const int64_t xbytes = B * (K + 4 * L + 4 * LX);   /* the prepared activations of every row */
     if (TP_XBYTES > 0 && !wc && xbytes > TP_XMIN && K / 128 > 2) {
         cb_len = TP_XBYTES / (xbytes / (K / 128)) / 2 * 2;
