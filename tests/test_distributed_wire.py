@@ -958,3 +958,52 @@ def test_abort_reports_failure_only_once_partial_sends_are_whole_and_unlocked():
             conn.lock.release()
         a.close()
         b.close()
+
+
+def test_spread_cpu_deals_a_hosts_ranks_over_the_allowed_cpus(monkeypatch):
+    """A host's ranks take the allowed CPUs in turn, lowest first, wrapping when there are
+    more ranks than CPUs (two each at four ranks on two CPUs)."""
+    from torchport.distributed import transport_tcp
+
+    monkeypatch.setattr(transport_tcp.os, "sched_getaffinity", lambda pid: {7, 3, 5})
+    assert [transport_tcp._spread_cpu(i) for i in range(5)] == [3, 5, 7, 3, 5]
+    monkeypatch.setattr(transport_tcp.os, "sched_getaffinity", lambda pid: {2})
+    assert [transport_tcp._spread_cpu(i) for i in range(3)] == [2, 2, 2]
+
+
+@pytest.mark.timeout(30)
+def test_tp_pin_pins_the_calling_thread_and_restores_its_mask():
+    """``tp_pin(cpu)`` pins the calling thread to ``cpu`` when its mask allows it, else (a CPU
+    outside the mask, or -1) to the CPU it runs on; ``tp_pin(-2)`` restores the mask it had.
+    Run on a thread of its own: ``os.sched_getaffinity(0)`` reads the calling thread's mask."""
+    import os
+
+    from torchport.distributed.tcp_kernels import tcp_lib
+
+    lib = tcp_lib()
+    seen: dict[str, object] = {}
+
+    def run() -> None:
+        mask = os.sched_getaffinity(0)
+        top = max(mask)
+        seen["chosen"] = lib.pin(top), os.sched_getaffinity(0)
+        seen["restored"] = lib.pin(-2), os.sched_getaffinity(0) == mask
+        for name, cpu in (("current", -1), ("outside", max(mask) + 1), ("too_big", 1 << 20)):
+            got = lib.pin(cpu)
+            seen[name] = got in mask, os.sched_getaffinity(0) == {got}
+            lib.pin(-2)
+        seen["end"] = os.sched_getaffinity(0) == mask
+        seen["top"] = top
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(20)
+    top = seen.pop("top")
+    assert seen == {
+        "chosen": (top, {top}),
+        "restored": (0, True),
+        "current": (True, True),
+        "outside": (True, True),
+        "too_big": (True, True),
+        "end": True,
+    }, seen

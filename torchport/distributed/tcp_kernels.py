@@ -174,22 +174,26 @@ TP_EXPORT int64_t tp_conn_take(int32_t *own, int64_t slice_ms) {
     }
 }
 
-/* Pin the calling thread to the CPU it runs on (1) or restore the mask saved by the pin
-   (0). A sender that migrates mid-stream can reorder loopback segments: packets queued
-   on the old CPU's backlog are processed after the new CPU's, which TCP takes for loss. */
+/* Pin the calling thread to one CPU: cpu >= 0 that one (when the thread's mask allows it),
+   else (or cpu = -1) the CPU it runs on; tp_pin(-2) restores the mask saved by the pin.
+   Returns the CPU pinned to (-1 on failure). A sender that migrates mid-stream can reorder
+   loopback segments: packets queued on the old CPU's backlog are processed after the new
+   CPU's, which TCP takes for loss. */
 #define TP_MASK_WORDS 16
 static __thread unsigned long tp_saved_mask[TP_MASK_WORDS];
-TP_EXPORT int64_t tp_pin(int64_t on) {
-    if (on) {
-        unsigned cpu = 0;
-        if (syscall(SYS_getcpu, &cpu, NULL, NULL) < 0) return -1;
-        if (syscall(SYS_sched_getaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0) return -1;
-        unsigned long one[TP_MASK_WORDS] = {0};
-        if (cpu >= 64 * TP_MASK_WORDS) return -1;
-        one[cpu / 64] = 1UL << (cpu % 64);
-        return syscall(SYS_sched_setaffinity, 0, sizeof one, one) < 0 ? -1 : (int64_t)cpu;
+TP_EXPORT int64_t tp_pin(int64_t cpu) {
+    if (cpu == -2)
+        return syscall(SYS_sched_setaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0 ? -1 : 0;
+    if (syscall(SYS_sched_getaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0) return -1;
+    if (cpu < 0 || cpu >= 64 * TP_MASK_WORDS || !((tp_saved_mask[cpu / 64] >> (cpu % 64)) & 1UL)) {
+        unsigned now = 0;
+        if (syscall(SYS_getcpu, &now, NULL, NULL) < 0) return -1;
+        cpu = now;
     }
-    return syscall(SYS_sched_setaffinity, 0, sizeof tp_saved_mask, tp_saved_mask) < 0 ? -1 : 0;
+    if (cpu >= 64 * TP_MASK_WORDS) return -1;
+    unsigned long one[TP_MASK_WORDS] = {0};
+    one[cpu / 64] = 1UL << (cpu % 64);
+    return syscall(SYS_sched_setaffinity, 0, sizeof one, one) < 0 ? -1 : cpu;
 }
 
 /* The table's bookkeeping off the hot loop (one pass each, however many operations). */
