@@ -130,7 +130,10 @@ def test_block_kernel_decodes_edge_scales(fmt: str, codes: list[int]) -> None:
     assert torch.allclose(out, pair, rtol=1e-5, atol=1e-30)
 
 
-@pytest.mark.skipif(native.cpu_info().isa != "avx512", reason="K blocks: AVX-512 build")
+@pytest.mark.skipif(
+    native.cpu_info().isa != "avx512" or not native.cpu_info().has_vnni,
+    reason="K blocks: the AVX-512 VNNI build",
+)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(("n", "k"), [(21, 11008), (9, 10880)], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])

@@ -151,6 +151,7 @@ def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float, build: str)
             assert torch.equal(out[:-1], whole[:-1]), (xblock, threads)
 
 
+@pytest.mark.skipif(native.cpu_info().isa != "avx512", reason="one-row blocks: AVX-512 build")
 @pytest.mark.parametrize(("n", "k"), [(37, 4096), (19, 1061), (21, 11008)], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 3e-39], ids=["1", "denormal"])
 def test_one_row_k_blocks_keep_bits(n: int, k: int, scale: float) -> None:

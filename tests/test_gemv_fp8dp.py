@@ -64,21 +64,23 @@ def test_fp8_dp_kernel_matches_reference(shape, rows) -> None:
 
 
 def test_every_e4m3_code_decodes_exactly() -> None:
-    """Row c holds code c at every K position but one per line of 64, so a one-hot activation
-    at K position j reads back code c's value (times the row scale) exactly; positions cover all
-    four 128-bit lanes and both halves of a line, and the masked tail (K = 100)."""
+    """Weight (n, j) holds code (n + 37 j) mod 256, so every column holds all 256 codes in a
+    different order: a one-hot activation at K position j reads back column j's codes decoded
+    (times the row scale) exactly, which checks the tables, the sign and where each weight meets
+    its activation (positions in all four 128-bit lanes, both halves of a line, the masked tail
+    of K = 100)."""
     k = 100
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    data = codes[:, None].expand(256, k).contiguous()
+    idx = (torch.arange(256)[:, None] + 37 * torch.arange(k)[None, :]) % 256
+    data = idx.to(torch.int32).to(torch.uint8).contiguous()
     rowscale = torch.full((256,), 0.5)
-    pw = gops.PackedWeight(
-        "fp8_e4m3", data, torch.empty(0, dtype=torch.uint8), rowscale, 1.0, 256, k
-    )
-    want = codes.view(torch.float8_e4m3fn).float().nan_to_num(nan=0.0) * 0.5
+    empty = torch.empty(0, dtype=torch.uint8)
+    pw = gops.PackedWeight("fp8_e4m3", data, empty, rowscale, 1.0, 256, k)
+    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    table = table.nan_to_num(nan=0.0)
     for j in (0, 7, 8, 15, 16, 31, 33, 47, 56, 63, 64, 70, 99):
         x = torch.zeros(1, k)
         x[0, j] = 1.0
-        assert torch.equal(_run(x, pw)[0], want), j
+        assert torch.equal(_run(x, pw)[0], table[idx[:, j]] * 0.5), j
 
 
 def test_float_activations_are_refused() -> None:
@@ -105,7 +107,7 @@ def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("k", [4096, 1000, 1088, 192], ids=str)
+@pytest.mark.parametrize("k", [11008, 4096, 1000, 1088, 192], ids=str)
 def test_k_blocks_keep_bits(rows: int, k: int) -> None:
     """K in blocks (from one activation row with E4M3 weights) against K in one piece."""
     g = torch.Generator().manual_seed(rows * k)
@@ -114,7 +116,7 @@ def test_k_blocks_keep_bits(rows: int, k: int) -> None:
     bias = torch.randn(41, generator=g)
     whole = _run(x, pw, bias, threads=1, xblock=0)
     _check(whole, x, pw, bias)
-    for xblock, threads in ((256, 1), (256, 2), (16384, 2)):
+    for xblock, threads in ((256, 1), (256, 2), (None, 2), (16384, 2)):
         assert torch.equal(_run(x, pw, bias, threads=threads, xblock=xblock), whole)
 
 

@@ -68,7 +68,8 @@ from torchport.distributed.wire import (
 )
 
 HANDSHAKE_TIMEOUT_S = 10.0
-# A transfer sending or receiving this much runs pinned to its rank's CPU (Mesh.pin_cpu)
+# A transfer sending or receiving this much runs pinned to its rank's CPU (Mesh.pin_cpu; an
+# elastic mesh, whose members come and go, pins to the CPU the thread runs on)
 PIN_BYTES = 256 << 10
 # Receives this large are also posted as targets for the reader thread (a frame it reads first
 # then lands in place, not in a buffer copied afterwards). 4 MB, not 64 KB: smaller ones were

@@ -157,7 +157,7 @@ TP_INLINE void tp_wstep(const uint16_t *w, int64_t k, __m512bh *w0, __m512bh *w1
 /* A weight row's two-line steps over k0 <= k < k1 (multiples of 64) against NB (<= 4) bf16
    activation rows (row b at xp + b * K32), the accumulators kept in accp (NB x 2 vectors) between
    calls, so a row's sums do not depend on whether K runs in one piece (tp_row_dp) or in blocks. At
-   each step prefetches pfa + 2 k with the kernel's hint (the row's own stream ahead) and the lines
+   each step prefetches pfa + TP_WB k (each line of the step: two for bf16, one for E4M3) with the kernel's hint (the row's own stream ahead) and the lines
    of pfw (the weight row the next row group reads) into L2, either unless NULL. */
 TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const tp_wt *w, const char *pfa,
                           const tp_wt *pfw, int64_t k0, int64_t k1, __m512 *accp, const int NB) {
@@ -178,8 +178,9 @@ TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const tp_wt *w, const
     for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
 }
 
-/* The end of a row: from k = K / 64 * 64 a last whole line (prefetching pfa + 2 k unless NULL)
-   and the masked K % 32 tail, both into accumulator 0, then the row sums. */
+/* The end of a row from k = K / 64 * 64, then the row sums. bf16: a last whole 32-weight line
+   (prefetching pfa + 2 k unless NULL) and the masked K % 32 tail, both into accumulator 0.
+   E4M3: one masked line of the last K % 64 weights into both accumulators. */
 TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const tp_wt *w, const char *pfa, int64_t K,
                           const __m512 *accp, float *out, int64_t ldo, const int NB) {
     __m512 acc[4][2];
@@ -281,8 +282,9 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const tp_wt *w, int
    blocks, and the next TP_KR rows' lines are prefetched into L2 as the current ones are read. */
 #define TP_KR 8
 #define TP_XBYTES ${xblock}
-/* E4M3 weights take the blocks from one activation row on: a bf16 row beyond TP_XBYTES (K > 8192)
-   shares L1 with a weight stream that evicts it. 4096x11008 from DRAM, bf16-valued activations,
+/* E4M3 weights take the blocks from one activation row on: a bf16 row beyond TP_XBYTES (K > 4096
+   with the default 8 KB; the figures below were measured with 16 KB blocks) shares L1 with a weight
+   stream that evicts it. 4096x11008 from DRAM, bf16-valued activations,
    interleaved medians of 25, two runs (load 2.7-3.6): one thread 3.20 / 4.04 -> 1.93 / 2.12 ms,
    two threads 1.93 / 2.39 -> 1.84 / 2.16. bf16 weights keep one piece at B = 1: two threads were
    6-8 % slower in blocks there (3.44 / 4.14 -> 3.73 / 4.40 ms; one thread 5.30 / 6.63 -> 4.55 /

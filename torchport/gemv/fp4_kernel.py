@@ -732,23 +732,9 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                             const float *sb = xsv + b * LX;
                             const uint8_t *pf = b ? NULL : pfw;
                             __m512 *ap = accb + ((n - n0) * B + b) * 2;
-#define TP_PART(NB_, WC_) tp_row128_part(xb, cbp, sb, K, wr, sr, NULL, pf, cb, ce, ap, NB_, WC_)
-                            if (wc) {
-                                switch (nb) {
-                                    case 1: TP_PART(1, 1); break;
-                                    case 2: TP_PART(2, 1); break;
-                                    case 3: TP_PART(3, 1); break;
-                                    default: TP_PART(4, 1); break;
-                                }
-                            } else {
-                                switch (nb) {
-                                    case 1: TP_PART(1, 0); break;
-                                    case 2: TP_PART(2, 0); break;
-                                    case 3: TP_PART(3, 0); break;
-                                    default: TP_PART(4, 0); break;
-                                }
-                            }
-#undef TP_PART
+                            /* per-row corrections (blocks only without shared ones): one or two rows */
+                            if (nb == 1) tp_row128_part(xb, cbp, sb, K, wr, sr, NULL, pf, cb, ce, ap, 1, 0);
+                            else tp_row128_part(xb, cbp, sb, K, wr, sr, NULL, pf, cb, ce, ap, 2, 0);
                         }
                     }
                 }

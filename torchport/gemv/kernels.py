@@ -17,8 +17,8 @@ from :func:`torchport.gemv.gemv_reference`, so results agree within float32 roun
 (tolerance stated in the tests: ``|err| ≤ 1e-5 · sum_k |x_k w_k|`` + tiny absolute term).
 Threads claim ranges of N in turn (about :data:`CHUNK_BYTES` of weights each; ``chunk=0`` builds the
 static equal split); activation rows are processed four at a time against one weight row that stays
-in L1. From two to eight activation rows whose float32 activations exceed :data:`XBLOCK_BYTES` (16
-KB, half of L1; two rows at K = 4096 fill L1), eight weight rows at a time run K in blocks that keep
+in L1. From two to eight activation rows whose float32 activations exceed :data:`XBLOCK_BYTES` (8
+KB, a quarter of L1, since the twentieth session; two rows at K = 4096 fill L1), eight weight rows at a time run K in blocks that keep
 a block of every activation row in L1, the accumulators parked between blocks (the same FMAs in the
 same order: the same bits as K in one piece, except a lone fifth row's, which takes the multi-row
 loop's two chains instead of the one-row loop's four), the next eight rows prefetched into L2:

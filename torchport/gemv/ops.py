@@ -424,7 +424,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
     on one thread.
     """
     isa = native.cpu_info().isa
-    bx = bx and pw.fmt == "fp8_e4m3"  # other formats do not depend on it
+    # only E4M3 plans on AVX512-BF16 depend on it (one tuning for both dtypes elsewhere)
+    bx = bx and pw.fmt == "fp8_e4m3" and native.cpu_info().has_avx512_bf16
     key = (pw.fmt, int8, isa, pw.n, pw.k, rows, native.num_threads(), bx)
     plan = _PLANS.get(key)
     if plan is not None:
