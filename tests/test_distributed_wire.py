@@ -971,6 +971,23 @@ def test_spread_cpu_deals_a_hosts_ranks_over_the_allowed_cpus(monkeypatch):
     assert [transport_tcp._spread_cpu(i) for i in range(3)] == [2, 2, 2]
 
 
+def test_only_the_first_concurrent_transfer_takes_the_ranks_cpu():
+    """Two transfers pinned at once on one rank (two groups' engine threads): the first takes
+    the rank's CPU, the second the CPU its thread runs on (-1), so they do not share one CPU;
+    once both ended the next takes the rank's CPU again."""
+    from torchport.distributed import transport_tcp
+
+    mesh = object.__new__(transport_tcp.Mesh)  # only the pin bookkeeping, no sockets
+    mesh.pin_cpu, mesh._pins, mesh._pins_lock = 1, 0, threading.Lock()
+    assert mesh._pin_begin() == 1
+    assert mesh._pin_begin() == -1
+    mesh._pin_end()
+    mesh._pin_end()
+    assert mesh._pin_begin() == 1
+    mesh._pin_end()
+    assert mesh._pins == 0
+
+
 @pytest.mark.timeout(30)
 def test_tp_pin_pins_the_calling_thread_and_restores_its_mask():
     """``tp_pin(cpu)`` pins the calling thread to ``cpu`` when its mask allows it, else (a CPU

@@ -563,6 +563,8 @@ class Mesh:
         self.closed = False
         self.linger_us = 0  # LINGER_US once the ranks on this host are known (fixed meshes)
         self.pin_cpu = -1  # a large transfer's CPU (tcp_kernels.tp_pin; -1: the one it runs on)
+        self._pins = 0  # transfers pinned now (_pin_target): only the first takes pin_cpu
+        self._pins_lock = threading.Lock()
         self._handlers: dict[int, GroupHandler] = {}
         # ABORT frames of groups not registered here yet ({group: (src, reason)}, the first
         # one): a peer may fail a new group before this rank has created it. Groups that
@@ -889,6 +891,19 @@ class Mesh:
             for conn in conns:
                 conn.lock.release()
 
+    def _pin_begin(self) -> int:
+        """The CPU a large transfer starting now pins to: the rank's own (``pin_cpu``) unless
+        another transfer of this process is pinned already, then -1 (the CPU its thread runs on):
+        two groups' transfers running at once on one rank would otherwise share one CPU. Every
+        call is paired with :meth:`_pin_end`."""
+        with self._pins_lock:
+            self._pins += 1
+            return self.pin_cpu if self._pins == 1 else -1
+
+    def _pin_end(self) -> None:
+        with self._pins_lock:
+            self._pins -= 1
+
     def _own(self, peers: list[int]) -> list[Connection] | None:
         """Take read ownership of the connections to ``peers`` (ascending order); None (and
         nothing held) when another collective owns one or its reader stays mid-frame."""
@@ -1064,7 +1079,7 @@ class Mesh:
         locked: list[Connection] = []
         lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
         broken: set[int] = set()  # sockets whose stream is unreadable (a frame cut short)
-        pinned = False
+        pinned = counted = False
         try:  # from here on the sockets are owned: every error path must release them
             # Frames read by the reader threads before we owned the sockets. Never one for a
             # reused slot (the pipelined allreduce): its sender waits for a frame that this
@@ -1093,7 +1108,9 @@ class Mesh:
             # CPU, at two ranks not its sender's (broadcast 1 MB w2, 15-23 alternated rounds:
             # 0.85x gloo with only senders pinned, 0.98x with receivers too, 0.91x before).
             moved = sum(xs.size for xs in sends) + sum(x.size for x in recvs)
-            pinned = moved >= PIN_BYTES and lib.pin(self.pin_cpu) >= 0
+            if moved >= PIN_BYTES:
+                counted = True
+                pinned = lib.pin(self._pin_begin()) >= 0
             # the abort/deadline/close checks run at least once a slice: a NOTIFY return (a
             # piece in) restarts the native loop's slice, so pieces arriving faster than
             # SLICE_MS would otherwise keep them from ever running
@@ -1167,6 +1184,8 @@ class Mesh:
         finally:
             if pinned:
                 lib.pin(-2)
+            if counted:
+                self._pin_end()
             for conn in locked:
                 conn.lock.release()
             # Only now (no send lock held): a group's failure handler sends ABORT frames.
