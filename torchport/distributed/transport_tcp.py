@@ -563,7 +563,7 @@ class Mesh:
         self.closed = False
         self.linger_us = 0  # LINGER_US once the ranks on this host are known (fixed meshes)
         self.pin_cpu = -1  # a large transfer's CPU (tcp_kernels.tp_pin; -1: the one it runs on)
-        self._pins = 0  # transfers pinned now (_pin_target): only the first takes pin_cpu
+        self._pins = 0  # large transfers running now (_pin_begin): only the first takes pin_cpu
         self._pins_lock = threading.Lock()
         self._handlers: dict[int, GroupHandler] = {}
         # ABORT frames of groups not registered here yet ({group: (src, reason)}, the first

@@ -157,8 +157,9 @@ TP_INLINE void tp_wstep(const uint16_t *w, int64_t k, __m512bh *w0, __m512bh *w1
 /* A weight row's two-line steps over k0 <= k < k1 (multiples of 64) against NB (<= 4) bf16
    activation rows (row b at xp + b * K32), the accumulators kept in accp (NB x 2 vectors) between
    calls, so a row's sums do not depend on whether K runs in one piece (tp_row_dp) or in blocks. At
-   each step prefetches pfa + TP_WB k (each line of the step: two for bf16, one for E4M3) with the kernel's hint (the row's own stream ahead) and the lines
-   of pfw (the weight row the next row group reads) into L2, either unless NULL. */
+   each step prefetches pfa + TP_WB k (each line of the step: two for bf16, one for E4M3) with
+   the kernel's hint (the row's own stream ahead) and the lines of pfw (the weight row the next
+   row group reads) into L2, either unless NULL. */
 TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const tp_wt *w, const char *pfa,
                           const tp_wt *pfw, int64_t k0, int64_t k1, __m512 *accp, const int NB) {
     __m512 acc[4][2];
@@ -276,8 +277,8 @@ TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const tp_wt *w, int
     }
 }
 
-/* K blocks (two to four activation rows; E4M3 weights from one): where the narrowed rows (2 B K32 bytes) exceed
-   TP_XBYTES, TP_KR weight rows at a time run K in blocks of TP_XBYTES / (2 B) activations (a block
+/* K blocks (two to four activation rows; E4M3 weights from one): where the narrowed rows
+   (2 B K32 bytes) exceed TP_XBYTES, TP_KR weight rows at a time run K in blocks of TP_XBYTES / (2 B) activations (a block
    of every row stays in L1 while the TP_KR rows use it), their accumulators parked between
    blocks, and the next TP_KR rows' lines are prefetched into L2 as the current ones are read. */
 #define TP_KR 8
@@ -453,8 +454,9 @@ def _e4m3_bf16_bytes() -> tuple[str, str]:
     number), the NaN code as the float kernel's table has it (0)."""
     import torch
 
-    vals = torch.arange(128, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    vals = torch.nan_to_num(vals, nan=0.0)
+    from torchport.gemv.kernels import e4m3_values
+
+    vals = e4m3_values()[:128]
     b16 = vals.bfloat16()
     if not torch.equal(b16.float(), vals):
         raise RuntimeError("an E4M3 value is not exact in bf16")

@@ -743,12 +743,8 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                         const int64_t nb = B - b < 4 ? B - b : 4;
                         const __m512 *ap = accb + ((n - n0) * B + b) * 2;
                         float *ob = out + b * N + n;
-                        switch (nb) {
-                            case 1: tp_row128_end(ap, ob, N, 1); break;
-                            case 2: tp_row128_end(ap, ob, N, 2); break;
-                            case 3: tp_row128_end(ap, ob, N, 3); break;
-                            default: tp_row128_end(ap, ob, N, 4); break;
-                        }
+                        if (nb == 1) tp_row128_end(ap, ob, N, 1);   /* one or two rows, as above */
+                        else tp_row128_end(ap, ob, N, 2);
                         if (has_bias) for (int64_t i = 0; i < nb; ++i) out[(b + i) * N + n] += bias[n];
                     }
             }

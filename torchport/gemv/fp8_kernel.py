@@ -178,10 +178,10 @@ TP_INLINE void tp_row_part(const float *xs, int64_t K, const uint8_t *w, const c
     for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
 }
 
-#if TP_V == 16
 /* One activation row over k0 <= k < k1 (multiples of TP_G): the one-row loop's four FMA chains,
-   kept in accp[0..3] between calls (tp_row's one-row loop, and the K blocks from one row, so a
-   row's sums do not depend on whether K runs in one piece). Prefetches as tp_row_part. */
+   kept in accp[0..3] between calls (tp_row's one-row loop, after the AVX2 build's 64-weight steps,
+   and the AVX-512 build's K blocks from one row, so a row's sums do not depend on whether K runs
+   in one piece). Prefetches as tp_row_part. */
 TP_INLINE void tp_row1_part(const float *xs, const uint8_t *w, const char *pfa, const uint8_t *pfw,
                             int64_t k0, int64_t k1, tp_vf *accp) {
     tp_vf a0 = accp[0], a1 = accp[1], a2 = accp[2], a3 = accp[3];
@@ -197,7 +197,6 @@ TP_INLINE void tp_row1_part(const float *xs, const uint8_t *w, const char *pfa, 
     }
     accp[0] = a0; accp[1] = a1; accp[2] = a2; accp[3] = a3;
 }
-#endif
 
 /* A row's result from its two accumulators: their sum times fac (2^(120 - k) of the prescale), plus
    the K % TP_G tail from k on the unscaled activations x (table decode), times the row scale. */
@@ -246,23 +245,12 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
         acc1[1] = TP_ADD(acc1[1], acc2[3]);
     }
 #endif
-#if TP_V == 16
-    if (NB == 1) {
-        tp_vf a[4] = {TP_ZERO(), TP_ZERO(), TP_ZERO(), TP_ZERO()};
+    if (NB == 1) {   /* the rest of the row's whole TP_G groups on the four chains */
+        tp_vf a[4] = {acc[0][0], acc[0][1], acc1[0], acc1[1]};
         const int64_t kf = K / TP_G * TP_G;
-        tp_row1_part(xs, w, (const char *)w + ${prefetch}, NULL, 0, kf, a);
+        tp_row1_part(xs, w, (const char *)w + ${prefetch}, NULL, k, kf, a);
         acc[0][0] = a[0]; acc[0][1] = a[1]; acc1[0] = a[2]; acc1[1] = a[3];
         k = kf;
-    }
-#endif
-    for (; NB == 1 && k + TP_G <= K; k += TP_G) {   /* four independent chains hide FMA latency */
-        _mm_prefetch((const char *)(w + k) + ${prefetch}, _MM_HINT_${hint});
-        tp_vf w0, w1, w2, w3;
-        TP_E4M3X(w + k, w0, w1, w2, w3);
-        acc[0][0] = TP_FMA(w0, TP_LOADX(xs + k), acc[0][0]);
-        acc[0][1] = TP_FMA(w1, TP_LOADX(xs + k + TP_V), acc[0][1]);
-        acc1[0] = TP_FMA(w2, TP_LOADX(xs + k + 2 * TP_V), acc1[0]);
-        acc1[1] = TP_FMA(w3, TP_LOADX(xs + k + 3 * TP_V), acc1[1]);
     }
     if (NB == 1) { acc[0][0] = TP_ADD(acc[0][0], acc1[0]); acc[0][1] = TP_ADD(acc[0][1], acc1[1]); }
     for (int b = 0; b < NB; ++b) out[b * ldo] = tp_row_end(acc[b][0], acc[b][1], x + b * K, fac[b], k, K, w, post);

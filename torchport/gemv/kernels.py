@@ -18,7 +18,8 @@ from :func:`torchport.gemv.gemv_reference`, so results agree within float32 roun
 Threads claim ranges of N in turn (about :data:`CHUNK_BYTES` of weights each; ``chunk=0`` builds the
 static equal split); activation rows are processed four at a time against one weight row that stays
 in L1. From two to eight activation rows whose float32 activations exceed :data:`XBLOCK_BYTES` (8
-KB, a quarter of L1, since the twentieth session; two rows at K = 4096 fill L1), eight weight rows at a time run K in blocks that keep
+KB, a quarter of L1, since the twentieth session; two rows at K = 4096 fill L1), eight weight rows
+at a time run K in blocks that keep
 a block of every activation row in L1, the accumulators parked between blocks (the same FMAs in the
 same order: the same bits as K in one piece, except a lone fifth row's, which takes the multi-row
 loop's two chains instead of the one-row loop's four), the next eight rows prefetched into L2:
@@ -84,10 +85,15 @@ static inline int tp_claim_rows(int64_t *next, int64_t N, int64_t step, int *sta
 """
 
 
-def _e4m3_table() -> str:
+def e4m3_values() -> torch.Tensor:
+    """The float32 value of every E4M3 code 0..255 as the decoding kernels have it: the NaN codes
+    (0x7F/0xFF, which never occur in quantized data) as zero."""
     vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    vals = torch.nan_to_num(vals, nan=0.0)  # 0x7F/0xFF never occur in quantized data
-    return ", ".join(f"{v.item()!r}f" for v in vals)
+    return torch.nan_to_num(vals, nan=0.0)
+
+
+def _e4m3_table() -> str:
+    return ", ".join(f"{v.item()!r}f" for v in e4m3_values())
 
 
 _SOURCE = r"""
