@@ -129,8 +129,8 @@ def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
 @pytest.mark.parametrize("k", [4096, 1000, 1060, 192], ids=str)
 def test_k_blocks_keep_bits(rows: int, k: int) -> None:
     """Two to four activation rows run K in blocks where their narrowed activations exceed the
-    block (16 KB, or 256 bytes here): the same bits as K in one piece, on one and two threads; K
-    ending in a whole line, a masked tail, or both."""
+    block (16 KB, or 256 bytes here): the same bits as K in one piece, on one and two threads, and
+    with the weight rows paired differently; K ending in a whole line, a masked tail, or both."""
     g = torch.Generator().manual_seed(rows * k)
     w = torch.randn(41, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -139,6 +139,8 @@ def test_k_blocks_keep_bits(rows: int, k: int) -> None:
     _check(whole, x, w, bias)
     for xblock, threads in ((256, 1), (256, 2), (16384, 2)):
         assert torch.equal(_run(x, w, bias, threads=threads, xblock=xblock), whole)
+    # the blocks run weight rows in pairs: without the first row every pair changes
+    assert torch.equal(_run(x, w[1:], bias[1:], threads=1, xblock=256), whole[:, 1:])
 
 
 @pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("NTA", 0)])

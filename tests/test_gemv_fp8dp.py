@@ -109,7 +109,9 @@ def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [11008, 4096, 1000, 1088, 192], ids=str)
 def test_k_blocks_keep_bits(rows: int, k: int) -> None:
-    """K in blocks (from one activation row with E4M3 weights) against K in one piece."""
+    """K in blocks (from one activation row with E4M3 weights) against K in one piece; the
+    blocks run weight rows in pairs, so without the first row every pair changes (and the last
+    of 41 rows runs alone): the bits do not."""
     g = torch.Generator().manual_seed(rows * k)
     pw = _pack(torch.randn(41, k, generator=g))
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -118,6 +120,8 @@ def test_k_blocks_keep_bits(rows: int, k: int) -> None:
     _check(whole, x, pw, bias)
     for xblock, threads in ((256, 1), (256, 2), (None, 2), (16384, 2)):
         assert torch.equal(_run(x, pw, bias, threads=threads, xblock=xblock), whole)
+    pw1 = gops.PackedWeight(pw.fmt, pw.data[1:], pw.scales, pw.rowscale[1:], pw.pts, 40, k)
+    assert torch.equal(_run(x, pw1, bias[1:], threads=1, xblock=256), whole[:, 1:])
 
 
 @pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096)])

@@ -43,7 +43,18 @@ rows at a time run K in blocks that keep a block of every activation row in L1 i
 accumulators parked between blocks (the same dot products in the same order: the same bits),
 the next eight rows prefetched into L2: B=4 one thread 7.6 (two-row loop) → 4.4–4.7 ms, two
 threads 4.2 → 3.7–3.8 ms (interleaved medians of 9, load 1.6–1.8); at B=8 the blocks measured
-no better than the two-row loop (one thread 9.4–9.8 vs 9.6 ms, two threads 5.9–6.4 vs 5.4). Needs ``isa="avx512"``
+no better than the two-row loop (one thread 9.4–9.8 vs 9.6 ms, two threads 5.9–6.4 vs 5.4).
+The blocks run their weight rows in pairs too, every activation load serving two rows (a row
+alone when the group's count is odd; per row the same operations: the same bits). With one
+weight row per load the K loop issued a 512-bit activation load per ``vdpbf16ps``: a step of
+64 weights against four rows ran at about 2.8 G ``vdpbf16ps``/s on one core (the instruction
+alone: 3.65), and the kernel below that from DRAM. Kernels alone, from DRAM, interleaved medians
+of 22, two threads (load 1.2, ``sum`` 35–59 GB/s), one row per load → pairs: E4M3 B=4 11008×4096
+2.10 → 1.54 ms (NTA 2048; T0 2.15 → 1.56), 4096×11008 1.92 → 1.57, 4096×4096 0.74 → 0.52, B=2
+11008×4096 1.24 → 1.13, B=1 4096×11008 (blocks from one row) 1.41 → 1.16; bf16 B=4 11008×4096
+3.24 → 2.54, 4096×11008 3.92 → 3.27. K in one piece keeps one weight row per load below four
+activation rows (:data:`PAIR_MIN_B`). The activations are narrowed 16 at a time (``vpmovdw``):
+the call's fixed cost at B=4 fell from 20 to 4.5 µs (K = 4096) and from 50 to 7 µs (K = 11008). Needs ``isa="avx512"``
 on a CPU with AVX512-BF16; the caller (:func:`torchport.gemv.ops.candidates`) offers it only
 there. Returns status 3 when the narrowed activations (``2 · B · K`` bytes) cannot be allocated.
 
@@ -96,7 +107,22 @@ typedef uint16_t tp_wt;
    weights: in the order tp_wstep leaves a line's weights in (per 64 elements, bf16 word 8 L + t
    of the first vector is element 16 L + t, of the second 16 L + 8 + t, L = 0..3, t = 0..7). */
 static int tp_bf16_row(const float *x, int64_t K, int64_t KP, uint16_t *xh) {
-    for (int64_t k = 0; k < KP; ++k) {
+    /* whole groups of 64 (E4M3: the unit of the order above; bf16: four 16-element pieces) 16
+       floats at a time: their high halves, narrowed by vpmovdw, unless a low half is not zero */
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64)
+        for (int L = 0; L < 4; ++L) {
+            const __m512i v = _mm512_loadu_si512((const void *)(x + k + 16 * L));
+            if (_mm512_test_epi32_mask(v, _mm512_set1_epi32(0xFFFF))) return 0;
+            const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16));
+#if defined(TP_W_fp8_e4m3)
+            _mm_storeu_si128((__m128i *)(xh + k + 8 * L), _mm256_castsi256_si128(h));
+            _mm_storeu_si128((__m128i *)(xh + k + 32 + 8 * L), _mm256_extracti128_si256(h, 1));
+#else
+            _mm256_storeu_si256((__m256i *)(xh + k + 16 * L), h);
+#endif
+        }
+    for (; k < KP; ++k) {
         float v = k < K ? x[k] : 0.0f;
         uint32_t u;
         memcpy(&u, &v, 4);
@@ -154,29 +180,42 @@ TP_INLINE void tp_wstep(const uint16_t *w, int64_t k, __m512bh *w0, __m512bh *w1
 }
 #endif
 
-/* A weight row's two-line steps over k0 <= k < k1 (multiples of 64) against NB (<= 4) bf16
-   activation rows (row b at xp + b * K32), the accumulators kept in accp (NB x 2 vectors) between
-   calls, so a row's sums do not depend on whether K runs in one piece (tp_row_dp) or in blocks. At
-   each step prefetches pfa + TP_WB k (each line of the step: two for bf16, one for E4M3) with
-   the kernel's hint (the row's own stream ahead) and the lines of pfw (the weight row the next
-   row group reads) into L2, either unless NULL. */
-TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const tp_wt *w, const char *pfa,
-                          const tp_wt *pfw, int64_t k0, int64_t k1, __m512 *accp, const int NB) {
-    __m512 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
-    for (int64_t k = k0; k < k1; k += 64) {
-        for (int l = 0; l < TP_WB; ++l) {  /* the step's TP_WB lines */
-            if (pfa) _mm_prefetch(pfa + TP_WB * k + 64 * l, _MM_HINT_${hint});
-            if (pfw) _mm_prefetch((const char *)(pfw + k) + 64 * l, _MM_HINT_T1);
-        }
-        __m512bh w0, w1;
-        tp_wstep(w, k, &w0, &w1);
+/* R (1 or 2) consecutive weight rows' two-line steps over k0 <= k < k1 (multiples of 64) against
+   NB (<= 4) bf16 activation rows (row b at xp + b * K32), every activation load serving the R
+   weight rows; weight row r at w + r K, its accumulators (NB x 2 vectors) at accp + 2 NB r, kept
+   there between calls, so a row's sums do not depend on whether K runs in one piece (tp_rows_dp)
+   or in blocks, nor on R (per row the same operations in the same order: the same bits). At each
+   step prefetches each row's pfa + TP_WB k (each line of the step: two for bf16, one for E4M3)
+   with the kernel's hint (the row's own stream ahead) unless pfa is NULL, and for the first pfr
+   rows the lines of pfw + r K (the rows the next row group reads) into L2. */
+TP_INLINE void tp_dp_part(const uint16_t *xp, int64_t K32, const tp_wt *w, int64_t K, const char *pfa,
+                          const tp_wt *pfw, int pfr, int64_t k0, int64_t k1, __m512 *accp,
+                          const int NB, const int R) {
+    __m512 acc[2][4][2];
+    for (int r = 0; r < R; ++r)
         for (int b = 0; b < NB; ++b) {
-            acc[b][0] = _mm512_dpbf16_ps(acc[b][0], w0, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k)));
-            acc[b][1] = _mm512_dpbf16_ps(acc[b][1], w1, (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k + 32)));
+            acc[r][b][0] = accp[2 * (NB * r + b)];
+            acc[r][b][1] = accp[2 * (NB * r + b) + 1];
         }
+    for (int64_t k = k0; k < k1; k += 64) {
+        for (int r = 0; r < R; ++r)
+            for (int l = 0; l < TP_WB; ++l) {  /* the step's TP_WB lines */
+                if (pfa) _mm_prefetch(pfa + TP_WB * (r * K + k) + 64 * l, _MM_HINT_${hint});
+                if (r < pfr) _mm_prefetch((const char *)(pfw + r * K + k) + 64 * l, _MM_HINT_T1);
+            }
+        __m512bh wv[2][2];
+        for (int r = 0; r < R; ++r) tp_wstep(w + r * K, k, &wv[r][0], &wv[r][1]);
+        for (int b = 0; b < NB; ++b)
+            for (int j = 0; j < 2; ++j) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + k + 32 * j));
+                for (int r = 0; r < R; ++r) acc[r][b][j] = _mm512_dpbf16_ps(acc[r][b][j], wv[r][j], xv);
+            }
     }
-    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b) {
+            accp[2 * (NB * r + b)] = acc[r][b][0];
+            accp[2 * (NB * r + b) + 1] = acc[r][b][1];
+        }
 }
 
 /* The end of a row from k = K / 64 * 64, then the row sums. bf16: a last whole 32-weight line
@@ -215,66 +254,16 @@ TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const tp_wt *w, const
     for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 
-/* One weight row against NB (<= 4) bf16 activation rows (row b at xp + b * K32): K in one piece. */
-TP_INLINE void tp_row_dp(const uint16_t *xp, int64_t K32, const tp_wt *w, int64_t K, float *out,
-                         int64_t ldo, const int NB) {
-    __m512 acc[8];
-    for (int i = 0; i < 2 * NB; ++i) acc[i] = _mm512_setzero_ps();
+/* R (1 or 2) consecutive weight rows against NB (<= 4) bf16 activation rows (row b at xp + b *
+   K32), K in one piece, every activation load serving the R rows; row r's sums to out + r. */
+TP_INLINE void tp_rows_dp(const uint16_t *xp, int64_t K32, const tp_wt *w, int64_t K, float *out,
+                          int64_t ldo, const int NB, const int R) {
+    __m512 acc[16];
+    for (int i = 0; i < 2 * NB * R; ++i) acc[i] = _mm512_setzero_ps();
     const char *pfa = (const char *)w + ${dp_prefetch};
-    tp_dp_part(xp, K32, w, pfa, NULL, 0, K / 64 * 64, acc, NB);
-    tp_dp_rest(xp, K32, w, pfa, K, acc, out, ldo, NB);
-}
-
-/* Two consecutive weight rows against NB (<= 4) bf16 activation rows: every activation load
-   serves both; per row the same operations in the same order as tp_row_dp (same bits). */
-TP_INLINE void tp_row_dp_r2(const uint16_t *xp, int64_t K32, const tp_wt *w, int64_t K, float *out,
-                            int64_t ldo, const int NB) {
-    __m512 acc[2][4][2];
-    for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < 2; ++r) { acc[r][b][0] = _mm512_setzero_ps(); acc[r][b][1] = _mm512_setzero_ps(); }
-    const tp_wt *w1 = w + K;
-#define TP_LINE2(v0, v1, k, j) do {                                                                  \
-        for (int b = 0; b < NB; ++b) {                                                             \
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xp + b * K32 + (k)));  \
-            acc[0][b][j] = _mm512_dpbf16_ps(acc[0][b][j], v0, xv);                                 \
-            acc[1][b][j] = _mm512_dpbf16_ps(acc[1][b][j], v1, xv);                                 \
-        }                                                                                          \
-    } while (0)
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        for (int l = 0; l < TP_WB; ++l) {
-            _mm_prefetch((const char *)(w + k) + ${dp_prefetch} + 64 * l, _MM_HINT_${hint});
-            _mm_prefetch((const char *)(w1 + k) + ${dp_prefetch} + 64 * l, _MM_HINT_${hint});
-        }
-        __m512bh a0, a1, b0, b1;
-        tp_wstep(w, k, &a0, &a1);
-        tp_wstep(w1, k, &b0, &b1);
-        TP_LINE2(a0, b0, k, 0);
-        TP_LINE2(a1, b1, k + 32, 1);
-    }
-#if defined(TP_W_fp8_e4m3)
-    if (k < K) {
-        __m512bh a0, a1, b0, b1;
-        tp_wtail(w, k, K, &a0, &a1);
-        tp_wtail(w1, k, K, &b0, &b1);
-        TP_LINE2(a0, b0, k, 0);
-        TP_LINE2(a1, b1, k + 32, 1);
-    }
-#else
-    if (k + 32 <= K) {
-        TP_LINE2(tp_wline(w, k), tp_wline(w1, k), k, 0);
-        k += 32;
-    }
-    if (k < K) {
-        const __mmask32 m = (__mmask32)((1u << (K - k)) - 1u);
-        TP_LINE2((__m512bh)_mm512_maskz_loadu_epi16(m, w + k), (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + k), k, 0);
-    }
-#endif
-#undef TP_LINE2
-    for (int b = 0; b < NB; ++b) {
-        out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][b][0], acc[0][b][1]));
-        out[b * ldo + 1] = _mm512_reduce_add_ps(_mm512_add_ps(acc[1][b][0], acc[1][b][1]));
-    }
+    tp_dp_part(xp, K32, w, K, pfa, NULL, 0, 0, K / 64 * 64, acc, NB, R);
+    for (int r = 0; r < R; ++r)
+        tp_dp_rest(xp, K32, w + r * K, pfa + TP_WB * r * K, K, acc + 2 * NB * r, out + r, ldo, NB);
 }
 
 /* K blocks (two to four activation rows; E4M3 weights from one): where the narrowed rows
@@ -342,20 +331,23 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, cons
                 for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm512_setzero_ps();
                 for (int64_t kb = 0; kb < K64; kb += kb_len) {
                     const int64_t ke = kb + kb_len < K64 ? kb + kb_len : K64;
-                    for (int64_t n = n0; n < n1; ++n) {
-                        const tp_wt *wr = w + n * K, *pfw = n + TP_KR < hi ? wr + TP_KR * K : NULL;
-                        for (int64_t b = 0; b < B; b += 4) {
-                            const int64_t nb = B - b < 4 ? B - b : 4;
-                            const uint16_t *xb = xp + b * K32;
-                            const tp_wt *pf = b ? NULL : pfw;
-                            __m512 *ap = accb + ((n - n0) * B + b) * 2;
-                            switch (nb) {
-                                case 1: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 1); break;
-                                case 2: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 2); break;
-                                case 3: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 3); break;
-                                default: tp_dp_part(xb, K32, wr, NULL, pf, kb, ke, ap, 4); break;
-                            }
+                    for (int64_t n = n0; n < n1; n += 2) {   /* rows in pairs: one activation load, two rows */
+                        const int R = n + 1 < n1 ? 2 : 1;
+                        const int64_t pfr = hi - TP_KR - n;   /* rows with a next group to prefetch */
+                        const tp_wt *wr = w + n * K, *pfw = pfr > 0 ? wr + TP_KR * K : NULL;
+                        __m512 *ap = accb + (n - n0) * B * 2;
+#define TP_PART(nb, r) tp_dp_part(xp, K32, wr, K, NULL, pfw, pfr < (r) ? (int)pfr : (r), kb, ke, ap, nb, r)
+                        switch (B * 2 + R - 1) {
+                            case 2: TP_PART(1, 1); break;
+                            case 3: TP_PART(1, 2); break;
+                            case 4: TP_PART(2, 1); break;
+                            case 5: TP_PART(2, 2); break;
+                            case 6: TP_PART(3, 1); break;
+                            case 7: TP_PART(3, 2); break;
+                            case 8: TP_PART(4, 1); break;
+                            default: TP_PART(4, 2); break;
                         }
+#undef TP_PART
                     }
                 }
                 for (int64_t n = n0; n < n1; ++n) {
@@ -382,25 +374,20 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, cons
         }
         for (int64_t n = lo; n < hi;) {
             const tp_wt *wr = w + n * K;
-            const int rows = (B >= 4 && n + 1 < hi) ? 2 : 1;
+            const int rows = (${pair_min_b} && B >= ${pair_min_b} && n + 1 < hi) ? 2 : 1;
             for (int64_t b = 0; b < B; b += 4) {
                 const int64_t nb = B - b < 4 ? B - b : 4;
                 const uint16_t *xb = xp + b * K32;
                 float *ob = out + b * N + n;
-                if (rows == 2) {
-                    switch (nb) {
-                        case 1: tp_row_dp_r2(xb, K32, wr, K, ob, N, 1); break;
-                        case 2: tp_row_dp_r2(xb, K32, wr, K, ob, N, 2); break;
-                        case 3: tp_row_dp_r2(xb, K32, wr, K, ob, N, 3); break;
-                        default: tp_row_dp_r2(xb, K32, wr, K, ob, N, 4); break;
-                    }
-                    continue;
-                }
-                switch (nb) {
-                    case 1: tp_row_dp(xb, K32, wr, K, ob, N, 1); break;
-                    case 2: tp_row_dp(xb, K32, wr, K, ob, N, 2); break;
-                    case 3: tp_row_dp(xb, K32, wr, K, ob, N, 3); break;
-                    default: tp_row_dp(xb, K32, wr, K, ob, N, 4); break;
+                switch (nb * 2 + rows - 1) {
+                    case 2: tp_rows_dp(xb, K32, wr, K, ob, N, 1, 1); break;
+                    case 3: tp_rows_dp(xb, K32, wr, K, ob, N, 1, 2); break;
+                    case 4: tp_rows_dp(xb, K32, wr, K, ob, N, 2, 1); break;
+                    case 5: tp_rows_dp(xb, K32, wr, K, ob, N, 2, 2); break;
+                    case 6: tp_rows_dp(xb, K32, wr, K, ob, N, 3, 1); break;
+                    case 7: tp_rows_dp(xb, K32, wr, K, ob, N, 3, 2); break;
+                    case 8: tp_rows_dp(xb, K32, wr, K, ob, N, 4, 1); break;
+                    default: tp_rows_dp(xb, K32, wr, K, ob, N, 4, 2); break;
                 }
             }
             for (int r = 0; r < rows; ++r)
@@ -435,6 +422,13 @@ XBLOCK_BYTES = 16384
 # one thread 4.32/3.68 -> 4.15/3.62. bf16 weights keep 16 KB: at B=4 two threads 4.32/4.42 ->
 # 4.70/4.37 with 8 KB.
 FP8_XBLOCK_BYTES = 8192
+
+# K in one piece: from this many activation rows two weight rows share every activation load
+# (0: never). Below four rows a pair's two weight streams per thread measured slower than one:
+# E4M3 from DRAM, interleaved medians of 22 (load 1.1-1.4, ``sum`` 30-32 GB/s), one row per load
+# -> pairs: B=1 11008x4096 two threads NTA 2048 1.07 -> 1.53 ms, one thread T0 1.53 -> 2.84; B=2
+# 11008x2048 two threads T0 0.67 -> 1.05 (NTA 0.48 -> 0.50). K blocks always pair their rows.
+PAIR_MIN_B = 4
 
 
 def _float_kernel_source() -> str:
@@ -510,6 +504,7 @@ def gemv_bf16_dp_kernel(
         e4m3_lo=lo,
         chunk=chunk,
         dp_prefetch=prefetch,
+        pair_min_b=PAIR_MIN_B,
         hint=hint,
         xblock=(FP8_XBLOCK_BYTES if fp8 else XBLOCK_BYTES) if xblock is None else xblock,
     )
