@@ -149,6 +149,14 @@ def test_k_blocks_keep_bits(rows: int, n: int, k: int, scale: float, build: str)
             assert torch.equal(out, whole), (xblock, threads)
         else:
             assert torch.equal(out[:-1], whole[:-1]), (xblock, threads)
+    if rows <= 4:  # the AVX-512 blocks pair weight rows: without the first row every pair changes
+        kern = gemv_fp8_shift_kernel(isa, 2048, hint="NTA", xblock=1024)
+        out = torch.empty(rows, n - 1)
+        st = kern(
+            x, rows, k, pw.data[1:], pw.scales, pw.rowscale[1:], pw.pts, bias[1:], 1, out, n - 1, 1
+        )
+        assert st == 0
+        assert torch.equal(out, whole[:, 1:])
 
 
 @pytest.mark.skipif(native.cpu_info().isa != "avx512", reason="one-row blocks: AVX-512 build")
@@ -288,3 +296,27 @@ def test_tuner_offers_the_row_unrolled_kernel_for_one_activation_row() -> None:
     with pytest.raises(autotune.InvalidCandidate, match="one activation row"):
         gops._native_kernel("fp8_e4m3", False, 256, isa, cand, rows=2)
     assert all(c.param("kernel") != "shift4" for c in gops.candidates("fp8_e5m2"))
+
+
+def test_tuner_offers_the_paired_avx512_shift_kernel_for_two_to_four_rows() -> None:
+    """shift512 (the AVX-512 build, its K blocks pairing weight rows) follows the shift4
+    candidates; it is valid only on AVX-512 for two to four activation rows (others take the
+    AVX2 build through the shift candidates)."""
+    from torchport import autotune
+    from torchport.gemv import ops as gops
+
+    names = [c.param("kernel") for c in gops.candidates("fp8_e4m3")]
+    assert names.index("shift512") > max(i for i, n in enumerate(names) if n == "shift4")
+    cand = next(c for c in gops.candidates("fp8_e4m3") if c.param("kernel") == "shift512")
+    for rows in (1, 5):
+        with pytest.raises(autotune.InvalidCandidate, match="two to four activation rows"):
+            gops._native_kernel("fp8_e4m3", False, 256, "avx512", cand, rows=rows)
+    with pytest.raises(autotune.InvalidCandidate, match="AVX-512"):
+        gops._native_kernel("fp8_e4m3", False, 256, "avx2", cand, rows=2)
+    with pytest.raises(autotune.InvalidCandidate, match="E4M3"):
+        gops._native_kernel("fp8_e5m2", False, 256, "avx512", cand, rows=2)
+    if native.cpu_info().isa == "avx512":
+        kern = gops._native_kernel("fp8_e4m3", False, 256, "avx512", cand, rows=4)
+        assert kern is gemv_fp8_shift_kernel(
+            "avx512", cand.param("prefetch"), hint=cand.param("hint")
+        )

@@ -71,7 +71,13 @@ loop's four or eight: its bits differ from K in one piece, within the same toler
 B=4 and K=4096 (64 KB of activations) every weight line met activation vectors re-read from L2:
 11008×4096 from DRAM,
 interleaved medians of 9 (load 2-3), B=4 one thread (CPU time) 9.3 → 6.0–6.4 ms, two threads 4.6–4.9
-→ 3.3–3.5 ms; eight or sixteen rows at a time measured 6.4 and 6.7–7.1 ms.
+→ 3.3–3.5 ms; eight or sixteen rows at a time measured 6.4 and 6.7–7.1 ms. The AVX-512 build's
+blocks run two to four activation rows against weight rows in pairs, every activation load (one
+per FMA otherwise) serving two rows (per row the same FMAs in the same order: the same bits; 16
+accumulators, which the AVX2 build's sixteen registers cannot hold beside the decode). Kernels
+alone from DRAM, two threads, interleaved medians of 18 (load 1.2), one row → pairs: B=4
+4096×11008 3.15 → 2.40 ms, 11008×4096 3.50 → 3.35, B=2 11008×4096 1.67 → 1.46; the tuner offers
+it beside the AVX2 build (:data:`torchport.gemv.ops.SHIFT512_PREFETCH`).
 """
 
 from __future__ import annotations
@@ -154,28 +160,39 @@ static double tp_prescale(const float *x, int64_t K, float *xs) {
     return ldexp(1.0, 120 - k);
 }
 
-/* The multi-row loop (NB >= 2) over k0 <= k < k1 (multiples of TP_G), the accumulators kept in accp
-   (NB x 2 vectors) between calls, so each row's sums do not depend on whether K runs in one piece
-   (tp_row) or in blocks. At each k prefetches pfa + k with the kernel's hint (the row's own stream
-   ahead) and the line of pfw (the weight row the next row group reads) into L2, either unless NULL. */
+/* The multi-row loop (NB >= 2) of R (1 or 2) consecutive weight rows over k0 <= k < k1 (multiples
+   of TP_G), every activation load serving the R rows; weight row r at w + r K, its accumulators
+   (NB x 2 vectors) at accp + 2 NB r, kept there between calls, so each row's sums depend neither on
+   whether K runs in one piece (tp_row) or in blocks nor on R (per row the same operations in the
+   same order). At each k prefetches each row's pfa + r K + k with the kernel's hint (the row's own
+   stream ahead) unless pfa is NULL, and for the first pfr rows the line of pfw + r K + k (the rows
+   the next row group reads) into L2. */
 TP_INLINE void tp_row_part(const float *xs, int64_t K, const uint8_t *w, const char *pfa, const uint8_t *pfw,
-                           int64_t k0, int64_t k1, tp_vf *accp, const int NB) {
-    tp_vf acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
-    for (int64_t k = k0; k < k1; k += TP_G) {
-        if (pfa) _mm_prefetch(pfa + k, _MM_HINT_${hint});
-        if (pfw) _mm_prefetch((const char *)(pfw + k), _MM_HINT_T1);
-        tp_vf w0, w1, w2, w3;
-        TP_E4M3X(w + k, w0, w1, w2, w3);
+                           int pfr, int64_t k0, int64_t k1, tp_vf *accp, const int NB, const int R) {
+    tp_vf acc[2][4][2];
+    for (int r = 0; r < R; ++r)
         for (int b = 0; b < NB; ++b) {
-            const float *xb = xs + b * K + k;
-            acc[b][0] = TP_FMA(w0, TP_LOADX(xb), acc[b][0]);
-            acc[b][1] = TP_FMA(w1, TP_LOADX(xb + TP_V), acc[b][1]);
-            acc[b][0] = TP_FMA(w2, TP_LOADX(xb + 2 * TP_V), acc[b][0]);
-            acc[b][1] = TP_FMA(w3, TP_LOADX(xb + 3 * TP_V), acc[b][1]);
+            acc[r][b][0] = accp[2 * (NB * r + b)];
+            acc[r][b][1] = accp[2 * (NB * r + b) + 1];
         }
+    for (int64_t k = k0; k < k1; k += TP_G) {
+        for (int r = 0; r < R; ++r) {
+            if (pfa) _mm_prefetch(pfa + r * K + k, _MM_HINT_${hint});
+            if (r < pfr) _mm_prefetch((const char *)(pfw + r * K + k), _MM_HINT_T1);
+        }
+        tp_vf wv[2][4];
+        for (int r = 0; r < R; ++r) TP_E4M3X(w + r * K + k, wv[r][0], wv[r][1], wv[r][2], wv[r][3]);
+        for (int b = 0; b < NB; ++b)
+            for (int j = 0; j < 4; ++j) {   /* vectors 0 and 2 into accumulator 0, 1 and 3 into 1 */
+                const tp_vf xv = TP_LOADX(xs + b * K + k + j * TP_V);
+                for (int r = 0; r < R; ++r) acc[r][b][j & 1] = TP_FMA(wv[r][j], xv, acc[r][b][j & 1]);
+            }
     }
-    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b) {
+            accp[2 * (NB * r + b)] = acc[r][b][0];
+            accp[2 * (NB * r + b) + 1] = acc[r][b][1];
+        }
 }
 
 /* One activation row over k0 <= k < k1 (multiples of TP_G): the one-row loop's four FMA chains,
@@ -219,7 +236,7 @@ TP_INLINE void tp_row(const float *xs, const float *x, const double *fac, int64_
         tp_vf a[8];
         for (int i = 0; i < 2 * NB; ++i) a[i] = TP_ZERO();
         k = K / TP_G * TP_G;
-        tp_row_part(xs, K, w, (const char *)w + ${prefetch}, NULL, 0, k, a, NB);
+        tp_row_part(xs, K, w, (const char *)w + ${prefetch}, NULL, 0, 0, k, a, NB, 1);
         for (int b = 0; b < NB; ++b) { acc[b][0] = a[2 * b]; acc[b][1] = a[2 * b + 1]; }
     }
 #if TP_V == 8
@@ -364,16 +381,30 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                             continue;
                         }
 #endif
+#if TP_V == 16
+                        if (B <= 4 && n + 1 < n1) {   /* AVX-512: two weight rows per activation load */
+                            const int64_t pfr = hi - TP_KR - n;   /* rows with a next group to prefetch */
+                            const int ipf = pfr < 2 ? (int)pfr : 2;
+                            tp_vf *ap = accb + (n - n0) * B * 2;
+                            switch (B) {
+                                case 2: tp_row_part(xs, K, wr, NULL, wr + TP_KR * K, ipf, kb, ke, ap, 2, 2); break;
+                                case 3: tp_row_part(xs, K, wr, NULL, wr + TP_KR * K, ipf, kb, ke, ap, 3, 2); break;
+                                default: tp_row_part(xs, K, wr, NULL, wr + TP_KR * K, ipf, kb, ke, ap, 4, 2); break;
+                            }
+                            ++n;   /* the pair's second row done */
+                            continue;
+                        }
+#endif
                         for (int64_t b = 0; b < B; b += 4) {
                             const int64_t nb = B - b < 4 ? B - b : 4;
                             const float *xb = xs + b * K;
                             tp_vf *ap = accb + ((n - n0) * B + b) * 2;
-                            const uint8_t *pf = b ? NULL : pfw;
+                            const int pf = b == 0 && pfw != NULL;
                             switch (nb) {
-                                case 1: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 1); break;
-                                case 2: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 2); break;
-                                case 3: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 3); break;
-                                default: tp_row_part(xb, K, wr, NULL, pf, kb, ke, ap, 4); break;
+                                case 1: tp_row_part(xb, K, wr, NULL, pfw, pf, kb, ke, ap, 1, 1); break;
+                                case 2: tp_row_part(xb, K, wr, NULL, pfw, pf, kb, ke, ap, 2, 1); break;
+                                case 3: tp_row_part(xb, K, wr, NULL, pfw, pf, kb, ke, ap, 3, 1); break;
+                                default: tp_row_part(xb, K, wr, NULL, pfw, pf, kb, ke, ap, 4, 1); break;
                             }
                         }
                     }

@@ -226,6 +226,13 @@ SHIFT_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 8192))
 # one-row T0 8192 2.710, four rows T0 8192 2.433 / 2.568 ms (two runs, load 1.6 / 3.7); the tuner's
 # cold timings put it beside the one-row kernel (2.91 vs 2.89 ms) or behind it (3.48 vs 2.48).
 SHIFT4_PREFETCH = (("T0", 8192),)
+# The shift kernel's AVX-512 build for two to four activation rows (``kernel="shift512"``; the
+# shift candidates run the AVX2 build there): its K blocks pair weight rows, every activation
+# load serving two. Kernels alone from DRAM, two threads, interleaved medians of 18 (load 1.2,
+# ``sum`` 49-52 GB/s), AVX2 build / AVX-512 build: B=4 4096x11008 2.92 / 2.40 ms, B=2 11008x4096
+# 2.11 / 1.46; but B=4 11008x4096 3.23 / 3.35 and 4096x4096 1.02 / 1.22: a candidate beside the
+# AVX2 build, not a replacement.
+SHIFT512_PREFETCH = (("NTA", 2048),)
 # The ``vdpbf16ps`` bf16 kernel (:mod:`torchport.gemv.bf16_kernel`, AVX512-BF16 only). Kernels
 # alone, 11008x4096 bf16 from DRAM on huge pages, bf16 activations, interleaved medians of 21-27
 # in one process, Zen 4, load 2-4, six runs: two threads NTA 2048 2.15-2.92 ms, T0 4096
@@ -271,7 +278,8 @@ def candidates(
     the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
     128, the group-32 kernel after them; E4M3 weights try the integer-shift decode
     (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first,
-    then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row).
+    then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row)
+    and its AVX-512 build for two to four rows (``kernel="shift512"``, :data:`SHIFT512_PREFETCH`).
     bf16 weights on a CPU with AVX512-BF16 try the ``vdpbf16ps`` kernel
     (:mod:`torchport.gemv.bf16_kernel`, ``kernel="dp"``, :data:`DP_PREFETCH`) first, and the float
     kernel then only with prefetch 512; the tuner times them on bf16-valued activations. E4M3
@@ -304,6 +312,7 @@ def candidates(
         return out
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         out += _hinted("shift", SHIFT_PREFETCH) + _hinted("shift4", SHIFT4_PREFETCH)
+        out += _hinted("shift512", SHIFT512_PREFETCH)
     dp = fmt == "bf16" and native.cpu_info().has_avx512_bf16
     if dp:  # the vdpbf16ps kernel first; the float kernel then only 512 bytes ahead
         out += _hinted("dp", DP_PREFETCH)
@@ -349,12 +358,20 @@ def _native_kernel(
                 f"row-unrolled shift kernel needs AVX2, E4M3 and one activation row ({fmt}, {rows})"
             )
         return gemv_fp8_shift_kernel(isa, pf, hint=hint, rows=4)
+    if cand.param("kernel") == "shift512":
+        if fmt != "fp8_e4m3" or isa != "avx512" or not 2 <= rows <= 4:
+            raise autotune.InvalidCandidate(
+                "paired AVX-512 shift kernel needs AVX-512, E4M3 and two to four activation rows "
+                f"({fmt}, isa {isa}, {rows} rows)"
+            )
+        return gemv_fp8_shift_kernel(isa, pf, hint=hint)
     if cand.param("kernel") == "shift":
         if fmt != "fp8_e4m3" or isa == "scalar":
             raise autotune.InvalidCandidate(f"shift-decode kernel needs AVX2 and E4M3 ({fmt})")
         # The AVX-512 build serves one activation row; with more rows (B * K floats beyond L1)
         # it streamed slower than the AVX2 build: 11008x4096 B=4 from DRAM, one thread, CPU
-        # time 7.2 vs 4.2 ms, two threads 3.8 vs 2.3 ms (one process, interleaved medians of 15)
+        # time 7.2 vs 4.2 ms, two threads 3.8 vs 2.3 ms (one process, interleaved medians of 15;
+        # before its K blocks paired weight rows: the shift512 candidate offers it there now)
         return gemv_fp8_shift_kernel("avx2" if isa == "avx512" and rows > 1 else isa, pf, hint=hint)
     return gemv_i8_kernel(fmt, isa, pf, r4) if int8 else gemv_kernel(fmt, isa, pf, r4)
 
