@@ -108,8 +108,9 @@ def test_gemv_uses_shift_kernel_results_for_e4m3() -> None:
 
 
 def test_several_rows_take_the_avx2_build_on_avx512() -> None:
-    """The AVX-512 shift kernel serves one activation row; two or more rows take the AVX2 build
-    (measured faster there), which the caller's plan then holds."""
+    """The shift candidates run the AVX-512 build for one activation row; two or more rows take
+    the AVX2 build (measured faster there in one piece), which the caller's plan then holds (the
+    shift512 candidate offers the AVX-512 build's paired K blocks beside it)."""
     from torchport.gemv import ops as gops
 
     cand = next(c for c in gops.candidates("fp8_e4m3") if c.param("kernel") == "shift")
@@ -300,8 +301,8 @@ def test_tuner_offers_the_row_unrolled_kernel_for_one_activation_row() -> None:
 
 def test_tuner_offers_the_paired_avx512_shift_kernel_for_two_to_four_rows() -> None:
     """shift512 (the AVX-512 build, its K blocks pairing weight rows) follows the shift4
-    candidates; it is valid only on AVX-512 for two to four activation rows (others take the
-    AVX2 build through the shift candidates)."""
+    candidates; it is valid only on AVX-512 for two to four activation rows whose activations
+    run in K blocks (others take the AVX2 build through the shift candidates)."""
     from torchport import autotune
     from torchport.gemv import ops as gops
 
@@ -310,13 +311,15 @@ def test_tuner_offers_the_paired_avx512_shift_kernel_for_two_to_four_rows() -> N
     cand = next(c for c in gops.candidates("fp8_e4m3") if c.param("kernel") == "shift512")
     for rows in (1, 5):
         with pytest.raises(autotune.InvalidCandidate, match="two to four activation rows"):
-            gops._native_kernel("fp8_e4m3", False, 256, "avx512", cand, rows=rows)
+            gops._native_kernel("fp8_e4m3", False, 4096, "avx512", cand, rows=rows)
     with pytest.raises(autotune.InvalidCandidate, match="AVX-512"):
-        gops._native_kernel("fp8_e4m3", False, 256, "avx2", cand, rows=2)
+        gops._native_kernel("fp8_e4m3", False, 4096, "avx2", cand, rows=2)
     with pytest.raises(autotune.InvalidCandidate, match="E4M3"):
-        gops._native_kernel("fp8_e5m2", False, 256, "avx512", cand, rows=2)
+        gops._native_kernel("fp8_e5m2", False, 4096, "avx512", cand, rows=2)
+    with pytest.raises(autotune.InvalidCandidate, match="only in K blocks"):
+        gops._native_kernel("fp8_e4m3", False, 1024, "avx512", cand, rows=2)  # 8 KB: one piece
     if native.cpu_info().isa == "avx512":
-        kern = gops._native_kernel("fp8_e4m3", False, 256, "avx512", cand, rows=4)
+        kern = gops._native_kernel("fp8_e4m3", False, 4096, "avx512", cand, rows=4)
         assert kern is gemv_fp8_shift_kernel(
             "avx512", cand.param("prefetch"), hint=cand.param("hint")
         )

@@ -337,7 +337,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, cons
                         const tp_wt *wr = w + n * K, *pfw = pfr > 0 ? wr + TP_KR * K : NULL;
                         __m512 *ap = accb + (n - n0) * B * 2;
 #define TP_PART(nb, r) tp_dp_part(xp, K32, wr, K, NULL, pfw, pfr < (r) ? (int)pfr : (r), kb, ke, ap, nb, r)
-                        switch (B * 2 + R - 1) {
+                        switch (B * 2 + R - 1) {   /* (B, R): blocks only from B <= 4 (kb_len) */
                             case 2: TP_PART(1, 1); break;
                             case 3: TP_PART(1, 2); break;
                             case 4: TP_PART(2, 1); break;

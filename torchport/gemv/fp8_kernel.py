@@ -385,11 +385,12 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                         if (B <= 4 && n + 1 < n1) {   /* AVX-512: two weight rows per activation load */
                             const int64_t pfr = hi - TP_KR - n;   /* rows with a next group to prefetch */
                             const int ipf = pfr < 2 ? (int)pfr : 2;
+                            const uint8_t *pf2 = pfr > 0 ? wr + TP_KR * K : NULL;
                             tp_vf *ap = accb + (n - n0) * B * 2;
                             switch (B) {
-                                case 2: tp_row_part(xs, K, wr, NULL, wr + TP_KR * K, ipf, kb, ke, ap, 2, 2); break;
-                                case 3: tp_row_part(xs, K, wr, NULL, wr + TP_KR * K, ipf, kb, ke, ap, 3, 2); break;
-                                default: tp_row_part(xs, K, wr, NULL, wr + TP_KR * K, ipf, kb, ke, ap, 4, 2); break;
+                                case 2: tp_row_part(xs, K, wr, NULL, pf2, ipf, kb, ke, ap, 2, 2); break;
+                                case 3: tp_row_part(xs, K, wr, NULL, pf2, ipf, kb, ke, ap, 3, 2); break;
+                                default: tp_row_part(xs, K, wr, NULL, pf2, ipf, kb, ke, ap, 4, 2); break;
                             }
                             ++n;   /* the pair's second row done */
                             continue;

@@ -33,6 +33,7 @@ from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
 from torchport.gemv.bf16_kernel import DP_WEIGHTS, gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
+from torchport.gemv.fp8_kernel import XBLOCK_BYTES as SHIFT_XBLOCK_BYTES
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
 
@@ -363,6 +364,11 @@ def _native_kernel(
             raise autotune.InvalidCandidate(
                 "paired AVX-512 shift kernel needs AVX-512, E4M3 and two to four activation rows "
                 f"({fmt}, isa {isa}, {rows} rows)"
+            )
+        if 4 * rows * k <= SHIFT_XBLOCK_BYTES:  # K in one piece: the unpaired loop, slower there
+            raise autotune.InvalidCandidate(
+                f"paired AVX-512 shift kernel pairs rows only in K blocks: {rows} rows of K={k} "
+                f"are {4 * rows * k} bytes, within one {SHIFT_XBLOCK_BYTES}-byte block"
             )
         return gemv_fp8_shift_kernel(isa, pf, hint=hint)
     if cand.param("kernel") == "shift":
