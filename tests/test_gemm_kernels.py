@@ -18,6 +18,7 @@ from torchport.gemm.pack import (
     pack_pairs_reference,
     pair_words,
 )
+from torchport.native.cpu import ISA_LEVELS
 
 ISA = native.cpu_info().isa
 TILES = kernels.TILES[ISA]
@@ -748,6 +749,34 @@ def test_vector_activation_against_float64_torch(act):
     assert torch.equal(out[ref.isinf()], ref[ref.isinf()])
     zero = ref == 0
     assert torch.equal(out[zero].signbit(), ref[zero].signbit())
+
+
+# the vector GELU's bound per build: err <= 3e-7 |ref| + B |x| against float64 (epilogue.py's
+# docstring). AVX-512's piecewise Phi reaches 0.37 of its bound on every float32 in [-10, 10], so
+# its degree 4 (Phi off by 3.6e-7) or a wrong digit in a coefficient fails here
+GELU_X_BOUND = {"avx2": 2e-7, "avx512": 1e-7}
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_vector_gelu_against_float64_dense(isa):
+    """``tp_vgelu`` of each vector build on a dense grid (every 2^-13 over [-10, 10], so about 4000
+    points in each of AVX-512's width-1/2 intervals, their edges included) plus the clamp edges,
+    within the build's stated bound of torch's float64 GELU."""
+    if ISA_LEVELS.index(isa) > ISA_LEVELS.index(native.cpu_info().max_isa):
+        pytest.skip(f"no {isa} on this CPU")
+    x = torch.arange(-10 * 2**13, 10 * 2**13 + 1, dtype=torch.float64) / 2**13
+    edges = [5.75, -5.75, 5.7499995, -5.7499995, 6.0, -6.0, 5.73, -5.73]
+    x = torch.cat([x, torch.tensor(edges, dtype=torch.float64)]).float()
+    x = torch.cat([x, torch.zeros(-x.numel() % 16)])
+    out = kernels.epilogue_pass(EpilogueSpec.decode("gelu"), torch.float32, isa)(
+        x.clone()[None], []
+    )
+    xd = x.double()
+    ref = torch.nn.functional.gelu(xd)
+    err = (out[0].double() - ref).abs()
+    bound = 3e-7 * ref.abs() + GELU_X_BOUND[isa] * xd.abs()
+    worst = int((err / (bound + 1e-30)).argmax())
+    assert bool((err <= bound).all()), (float(xd[worst]), float(err[worst]), float(bound[worst]))
 
 
 # --- the store's operand prefetch (epilogue.emit_prefetch) -----------------------------------------

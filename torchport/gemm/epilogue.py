@@ -8,13 +8,23 @@ that runs afterwards as ordinary torch ops.
 
 Numerics: every fused step runs in float32 on the accumulator (bf16 operands widen exactly); the
 result is rounded once to the output dtype (nearest-even for bf16, as torch). GELU (erf) is
-``x (1/2 + 1/2 erf(x / sqrt2))`` with a vectorised erf ``x P(x^2) / Q(x^2)`` (one division), clamped
-to +-1/2 beyond |x| = 5.73; GELU (tanh) and SiLU are ``x / (1 + exp(-y))`` with a vectorised
-degree-5 exp and one division. Measured against torch in float64 over [-12, 12] (step 1e-4): max
-absolute error 9.5e-7 (GELU), 5.1e-7 (GELU-tanh), 1.2e-6 (SiLU, at |x| ~ 4-8, where torch's own
-float32 SiLU has the same); within 3e-7 |ref| + 1e-7 |x| for GELU-tanh and SiLU, 3e-7 |ref| +
-2e-7 |x| for GELU (torch's float32 GELU itself reaches 1.04x the 1e-7 form). On this machine
-(AVX2, one thread, ``bench gemm_activation``): GELU 0.36, GELU-tanh 0.43, SiLU 0.32 ns per value.
+``x Phi(x)``. In the AVX-512 ``vdpbf16ps`` kernels and the epilogue pass Phi is a degree-5
+polynomial per interval of width 1/2 on [-5.75, 5.75], its coefficients picked per lane from
+registers, and 0 / 1 beyond; elsewhere (AVX2, and the fp32-accumulating AVX-512 tiles, whose M = 1
+tiles apply the epilogue to too few vectors to pay for loading the tables) it is ``1/2 + 1/2 erf(x /
+sqrt2)`` with a vectorised erf ``x P(x^2) / Q(x^2)`` (one division), clamped to +-1/2 beyond |x| =
+5.73. GELU (tanh) and SiLU are ``x / (1 + exp(-y))`` with a vectorised degree-5 exp and one
+division. Measured against torch in float64 over [-12, 12] (step 1e-4): max absolute error 9.5e-7
+(rational GELU), 5.1e-7 (GELU-tanh), 1.2e-6 (SiLU, at |x| ~ 4-8, where torch's own float32 SiLU
+has the same); within 3e-7 |ref| + 1e-7 |x| for GELU-tanh and SiLU, 3e-7 |ref| + 2e-7 |x| for the
+rational GELU (torch's float32 GELU itself reaches 1.04x the 1e-7 form). On every float32 in
+[-10, 10] (normal outputs): the piecewise GELU's max absolute error 4.5e-7 (x = 4.18: the
+product's rounding and Phi's 4.5e-8), at most 0.37 of 3e-7 |ref| + 1e-7 |x|; the rational's
+1.33e-6 (x = 5.51), 0.95 of 3e-7 |ref| + 2e-7 |x|. Both GELUs give torch's float64
+edges: -0 -> -0, -huge -> -0, -inf -> NaN, +inf -> inf, NaN -> NaN (torch's own float32 CPU GELU
+gives NaN for +inf and inf for 3e38). On this machine (Zen 4, one thread, ``bench
+gemm_activation``): AVX-512 piecewise GELU 0.205 ns per value (rational 0.28), GELU-tanh 0.28,
+SiLU 0.22; AVX2 rational GELU 0.34.
 """
 
 from __future__ import annotations

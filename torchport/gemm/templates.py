@@ -171,6 +171,113 @@ _GELU_P = _gelu_erf_coefs(_ERF_P, 0.5 * math.sqrt(0.5))
 _GELU_Q = _gelu_erf_coefs(_ERF_Q, 1.0)
 _GELU_CLAMP = _c_float(4.05 * math.sqrt(2.0))
 
+_GELU_RATIONAL = (
+    r"""
+/* GELU(x) = x (1/2 + 1/2 erf(x / sqrt2)) with 1/2 erf(x / sqrt2) = x P'(x^2) / Q'(x^2) (the erf
+   fit with x / sqrt2 and the 1/2 folded into the coefficients), clamped to +-1/2: the fit passes 1
+   at |x / sqrt2| = 3.97 and grows beyond, so x clamped to +-${gelu_clamp} (4.05 sqrt2) gives exactly
+   +-1/2 there (x = -inf: -inf * 0 = NaN, as torch). A true division: GELU near x = -5 needs erf to
+   ~1e-7 absolute, which an estimate-plus-Newton reciprocal (2^-22 relative) missed */
+TP_INLINE VEC tp_vgelu(VEC x) {
+    VEC c = VMIN(VMAX(x, VSET1(-${gelu_clamp})), VSET1(${gelu_clamp}));
+    VEC c2 = VMUL(c, c);
+    VEC p = ${gelu_p};
+    VEC q = ${gelu_q};
+    VEC e = VMIN(VMAX(VDIV(VMUL(c, p), q), VSET1(-0.5f)), VSET1(0.5f));
+    return VMUL(x, VADD(VSET1(0.5f), e));
+}
+""".replace("${gelu_p}", _horner("c2", _GELU_P, "VFMA", "VSET1"))
+    .replace("${gelu_q}", _horner("c2", _GELU_Q, "VFMA", "VSET1"))
+    .replace("${gelu_clamp}", _GELU_CLAMP)
+)
+
+# Phi(x) = 1/2 (1 + erf(x / sqrt2)) on [k/2 - 1/4, k/2 + 1/4], k = -11..11 (a row each, columns
+# c0..c5), as the degree-5 polynomial c0 + c1 r + ... + c5 r^5 in r = x - k/2. Our own fit per
+# interval: float64 weighted least squares on 600 Chebyshev points reweighted towards minimax
+# absolute error (Lawson), then rounded to float32 from c5 down, the lower coefficients refitted
+# after each rounding. Fit error with the float32 coefficients 4.5e-8 at most (k >= 0, where c0's
+# own rounding is that size); on the negative side it shrinks with Phi (1.8e-8 at x = -1, 4e-12 at
+# -5.5), so x Phi(x) stays accurate where Phi is small. Beyond +-5.75 Phi is taken as 1 and 0:
+# x Phi(x) is then off by at most 5.75 Phi(-5.75) = 2.6e-8.
+_GELU_PHI = """
+ 1.89936404e-08  1.07713021e-07  2.94997847e-07  5.23468657e-07  7.22114180e-07  7.02734042e-07
+ 2.86683047e-07  1.48682079e-06  3.70775547e-06  5.93663663e-06  7.19793661e-06  6.19690672e-06
+ 3.39784515e-06  1.59841875e-05  3.59139231e-05  5.12359838e-05  5.38025379e-05  4.00508252e-05
+ 3.16718761e-05  1.33831389e-04  2.67478317e-04  3.34457611e-04  2.97728460e-04  1.84967488e-04
+ 2.32630438e-04  8.72683653e-04  1.52680033e-03  1.63618405e-03  1.19406905e-03  5.81215427e-04
+ 1.34989887e-03  4.43184469e-03  6.64754026e-03  5.90952346e-03  3.33395065e-03  1.09737192e-03
+ 6.20966125e-03  1.75282881e-02  2.19115075e-02  1.53384712e-02  5.88575797e-03  6.33806223e-04
+ 2.27501225e-02  5.39909601e-02  5.39939068e-02  2.69960091e-02  4.37351549e-03 -2.26394413e-03
+ 6.68071955e-02  1.29517615e-01  9.71395969e-02  2.69802753e-02 -6.13145716e-03 -5.79949841e-03
+ 1.58655271e-01  2.41970763e-01  1.20980963e-01 -3.51197491e-06 -1.99760962e-02 -3.93783534e-03
+ 3.08537573e-01  3.52065325e-01  8.80096629e-02 -4.40066606e-02 -1.98849179e-02  4.54354519e-03
+ 5.00000000e-01  3.98942262e-01  5.19176817e-15 -6.64863661e-02 -1.25512922e-13  9.84472595e-03
+ 6.91462457e-01  3.52065325e-01 -8.80096629e-02 -4.40066606e-02  1.98849179e-02  4.54354519e-03
+ 8.41344714e-01  2.41970763e-01 -1.20980963e-01 -3.51197491e-06  1.99760962e-02 -3.93783534e-03
+ 9.33192790e-01  1.29517615e-01 -9.71395969e-02  2.69802753e-02  6.13145716e-03 -5.79949841e-03
+ 9.77249861e-01  5.39909601e-02 -5.39939068e-02  2.69960091e-02 -4.37351549e-03 -2.26394413e-03
+ 9.93790329e-01  1.75282881e-02 -2.19115075e-02  1.53384712e-02 -5.88575797e-03  6.33806223e-04
+ 9.98650074e-01  4.43184469e-03 -6.64754026e-03  5.90952346e-03 -3.33395065e-03  1.09737192e-03
+ 9.99767363e-01  8.72683653e-04 -1.52680033e-03  1.63618405e-03 -1.19406905e-03  5.81215427e-04
+ 9.99968350e-01  1.33831389e-04 -2.67478317e-04  3.34457611e-04 -2.97728460e-04  1.84967474e-04
+ 9.99996603e-01  1.59841875e-05 -3.59139231e-05  5.12359838e-05 -5.38025379e-05  4.00508252e-05
+ 9.99999702e-01  1.48682079e-06 -3.70775547e-06  5.93663663e-06 -7.19793661e-06  6.19690582e-06
+ 1.00000000e+00  1.07713021e-07 -2.94997847e-07  5.23468486e-07 -7.22113953e-07  7.02735917e-07
+"""
+_GELU_PHI_K = 11
+
+
+def _gelu_phi_lanes() -> list[list[str]]:
+    """``_GELU_PHI`` as 6 tables of 32 lanes: lane ``k % 32`` holds interval ``k``'s coefficient
+    (``k`` in [-12, 12]; -12 and 12 are the constants 0 and 1; lanes 13..19 are unused zeros)."""
+    lanes = [["0.0f"] * 32 for _ in range(6)]
+    for i, row in enumerate(_GELU_PHI.split("\n")[1:-1]):
+        for j, c in enumerate(row.split()):
+            lanes[j][(i - _GELU_PHI_K) % 32] = _c_float(float(c))
+    lanes[0][_GELU_PHI_K + 1] = "1.0f"
+    return lanes
+
+
+_GELU_PHI_LANES = _gelu_phi_lanes()
+
+
+def _gelu_phi_coef(j: int) -> str:
+    """Coefficient ``j`` of every lane's interval: one ``vpermt2ps`` of two 16-lane constants."""
+    lo, hi = (", ".join(_GELU_PHI_LANES[j][h * 16 : h * 16 + 16]) for h in (0, 1))
+    return f"_mm512_permutex2var_ps(_mm512_setr_ps({lo}), k, _mm512_setr_ps({hi}))"
+
+
+_GELU_PIECEWISE = (
+    r"""
+/* GELU(x) = x Phi(x), Phi(x) = 1/2 (1 + erf(x / sqrt2)) piecewise: a degree-5 polynomial per
+   interval of width 1/2 (k/2 +- 1/4, k = -11..11) in r = c - k/2, its coefficients picked per lane
+   by k from two registers (vpermt2ps: 32 lanes). 15 vector instructions, 6 of them on the FMA
+   pipes (the rational erf: 19, 13 and a division), plus the 12 table vectors' loads. c = x clamped
+   to +-6 with x's sign (vrangeps, AVX512DQ: the smaller of |x| and 6); k = +-12 are the constants 1
+   and 0 (x = -inf or -huge: -inf * 0 = NaN and -huge * 0 = -0, as torch; NaN stays NaN).
+   k = round(2c) from the 1.5 * 2^22 shifter's low mantissa bits (vpermt2ps reads 5: negative k
+   wrap to lanes 20..31), r = c - round(2c) / 2 exactly (vreduceps, the same rounding). Phi near 0
+   comes from the negative side's own small coefficients, so x Phi keeps its relative accuracy
+   there (no 1/2 + 1/2 erf cancellation) */
+TP_INLINE VEC tp_vgelu(VEC x) {
+    VEC c = _mm512_range_ps(x, VSET1(6.0f), 0x02);
+    __m512i k = _mm512_castps_si512(VADD(c, VSET1(6291456.0f)));
+    VEC r = _mm512_reduce_ps(c, 0x18);
+    VEC p = VFMA(${phi5}, r, ${phi4});
+    p = VFMA(p, r, ${phi3});
+    p = VFMA(p, r, ${phi2});
+    p = VFMA(p, r, ${phi1});
+    p = VFMA(p, r, ${phi0});
+    return VMUL(x, p);
+}
+""".replace("${phi5}", _gelu_phi_coef(5))
+    .replace("${phi4}", _gelu_phi_coef(4))
+    .replace("${phi3}", _gelu_phi_coef(3))
+    .replace("${phi2}", _gelu_phi_coef(2))
+    .replace("${phi1}", _gelu_phi_coef(1))
+    .replace("${phi0}", _gelu_phi_coef(0))
+)
+
 _VECTOR_MATH = (
     r"""
 /* exp(-x) for x clamped to [-89, 87]: 2^n 2^f with n = round(-x log2e) by the 1.5 * 2^23 shifter
@@ -194,33 +301,17 @@ TP_INLINE VEC tp_vexpm(VEC x) {
 TP_INLINE VEC tp_vxsigmoid(VEC x, VEC y) {
     return VDIV(x, VADD(VSET1(1.0f), tp_vexpm(y)));
 }
-/* GELU(x) = x (1/2 + 1/2 erf(x / sqrt2)) with 1/2 erf(x / sqrt2) = x P'(x^2) / Q'(x^2) (the erf
-   fit with x / sqrt2 and the 1/2 folded into the coefficients), clamped to +-1/2: the fit passes 1
-   at |x / sqrt2| = 3.97 and grows beyond, so x clamped to +-${gelu_clamp} (4.05 sqrt2) gives exactly
-   +-1/2 there (x = -inf: -inf * 0 = NaN, as torch). A true division: GELU near x = -5 needs erf to
-   ~1e-7 absolute, which an estimate-plus-Newton reciprocal (2^-22 relative) missed */
-TP_INLINE VEC tp_vgelu(VEC x) {
-    VEC c = VMIN(VMAX(x, VSET1(-${gelu_clamp})), VSET1(${gelu_clamp}));
-    VEC c2 = VMUL(c, c);
-    VEC p = ${gelu_p};
-    VEC q = ${gelu_q};
-    VEC e = VMIN(VMAX(VDIV(VMUL(c, p), q), VSET1(-0.5f)), VSET1(0.5f));
-    return VMUL(x, VADD(VSET1(0.5f), e));
-}
 /* tanh-GELU(x) = x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) */
 TP_INLINE VEC tp_vgelu_tanh(VEC x) {
     VEC y = VMUL(x, VFMA(VMUL(x, x), VSET1(0.0713548162726008f), VSET1(1.5957691216057308f)));
     return tp_vxsigmoid(x, y);
 }
 TP_INLINE VEC tp_vsilu(VEC x) { return tp_vxsigmoid(x, x); }
-""".replace("${gelu_p}", _horner("c2", _GELU_P, "VFMA", "VSET1"))
-    .replace("${gelu_q}", _horner("c2", _GELU_Q, "VFMA", "VSET1"))
-    .replace("${e0}", _EXP2_E[0])
+""".replace("${e0}", _EXP2_E[0])
     .replace("${e1}", _EXP2_E[1])
     .replace("${e2}", _EXP2_E[2])
     .replace("${e3}", _EXP2_E[3])
     .replace("${e4}", _EXP2_E[4])
-    .replace("${gelu_clamp}", _GELU_CLAMP)
 )
 
 _SCALAR_VMATH = r"""
@@ -230,12 +321,21 @@ _SCALAR_VMATH = r"""
 """
 
 
-def vocabulary(isa: str) -> str:
-    """Vector macros plus exp/erf/GELU/SiLU helpers for one ISA level."""
+def vocabulary(isa: str, piecewise_gelu: bool = True) -> str:
+    """Vector macros plus exp/erf/GELU/SiLU helpers for one ISA level.
+
+    ``piecewise_gelu`` (AVX-512 only): ``tp_vgelu`` by the interval tables (fewer instructions per
+    vector, but 12 table vectors, 768 bytes, loaded wherever it is inlined) rather than the
+    rational erf (scalar constants). The fp32-accumulating tiles take the rational: their M = 1
+    tiles apply the epilogue to 2 vectors per tile, between weight streams that evict the tables
+    (``bench gemm_epilogue_ab --m 1 --cfg 6:32:1:0:0:1:1``, bf16, bias+GELU+residual over bare,
+    three interleaved pairs of 400 rounds, load 1.2-1.7: rational 1.060-1.088, tables
+    1.117-1.159)."""
     head = _VOCAB[isa] + _SCALAR_MATH
     if isa == "scalar":
         return head + _SCALAR_VMATH
-    return head + _VECTOR_MATH
+    gelu = _GELU_PIECEWISE if isa == "avx512" and piecewise_gelu else _GELU_RATIONAL
+    return head + _VECTOR_MATH + gelu
 
 
 def _k_body(mr: int, nr: int, nv: int, vw: int, btag: str, a_idx: str, k: str) -> list[str]:
@@ -626,7 +726,7 @@ def render_source(
         raise ValueError(f"vdpbf16ps tiles need isa avx512 and bf16 B, got {isa} and {btag}")
     vec, sca = emit_c(spec)
     parts = [
-        vocabulary(isa),
+        vocabulary(isa, piecewise_gelu=dp),
         f"typedef {'uint16_t' if dp else 'float'} atype_t;",
         f"typedef {'float' if btag == 'f32' else 'uint16_t'} btype_t;",
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
