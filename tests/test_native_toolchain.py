@@ -220,6 +220,19 @@ def test_cpu_features_and_isa_override():
     assert "-mavx512f" in native.compile_flags("avx512")
 
 
+def test_avx512_level_needs_dq() -> None:
+    """The avx512 level compiles with -mavx512dq and its kernels use DQ instructions: a CPU
+    with AVX-512 F/BW/VL but no DQ stays at avx2."""
+    from dataclasses import replace
+
+    info = native.cpu_info()
+    base = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    full = replace(info, arch="x86_64", flags=frozenset(base | {"avx512dq"}))
+    no_dq = replace(info, arch="x86_64", flags=frozenset(base))
+    assert full.max_isa == "avx512"
+    assert no_dq.max_isa == "avx2"
+
+
 def _records(cache: Path, stem: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in Path(cache, "native").rglob(f"{stem}-*.json")]
 

@@ -57,7 +57,9 @@ class CpuInfo:
         """Widest ISA level the hardware supports (computed once per instance)."""
         if self.arch not in ("x86_64", "AMD64"):
             return "scalar"
-        if {"avx512f", "avx512bw", "avx512vl"} <= self.flags:
+        # the avx512 level compiles with -mavx512dq, and kernels use DQ instructions (vrangeps,
+        # vreduceps in the piecewise GELU, linalg's): no DQ, no avx512 level
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= self.flags:
             return "avx512"
         if {"avx2", "fma"} <= self.flags:
             return "avx2"
