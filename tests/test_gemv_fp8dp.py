@@ -171,3 +171,52 @@ def test_gemv_packed_with_bf16_activations(rows: int) -> None:
     assert not plan_f.candidate.name.startswith("dp")
     assert plan_b is not plan_f
     _check(gops.gemv_packed(xb.float(), pw), xb, pw)
+
+
+@pytest.mark.parametrize("weights", ["fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize("k", [64, 1000, 4096, 5000], ids=str)
+def test_bf16io_entry_is_the_float_entry_then_a_cast(weights: str, rows: int, k: int) -> None:
+    """``tp_gemv_bf16io`` (bf16 activations and results) gives the bits of ``tp_gemv`` on the
+    widened activations followed by torch's cast: K tails, K blocks (K = 5000 at four rows),
+    bias, one and two threads, NaN and infinities among the activations and a huge result
+    (overflow to inf in the cast)."""
+    g = torch.Generator().manual_seed(rows * k + len(weights))
+    w = torch.randn(37, k, generator=g) * 0.1
+    pw = _pack(w) if weights == "fp8_e4m3" else gops.pack_dense(w.bfloat16())
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    x[0, 3] = float("nan")
+    if rows > 1:
+        x[1, 5] = float("inf")
+    if rows > 2:
+        x[2, :] = 3e38  # sums beyond bf16's range
+    bias = torch.randn(37, generator=g)
+    kern = gemv_bf16_dp_kernel("avx512", weights=weights)
+    for threads in (1, 2):
+        for b in (None, bias):
+            full = torch.empty(rows, 37)
+            gops._launch(kern, x.float(), pw, b, full, threads)
+            out = torch.empty(rows, 37, dtype=torch.bfloat16)
+            bb = b if b is not None else torch.zeros(1)
+            st = kern.bf16io(x, rows, k, pw.data, pw.scales, pw.rowscale, pw.pts, bb,
+                             int(b is not None), out, 37, threads)  # fmt: skip
+            assert st == 0
+            assert torch.equal(out.view(torch.int16), full.bfloat16().view(torch.int16))
+
+
+def test_settled_route_with_bf16_activations_takes_the_bf16_entry() -> None:
+    """A settled route for bf16 activations on a ``vdpbf16ps`` plan returns bf16 results equal
+    to the first (unsettled) call's float32 result cast, and a non-contiguous activation is
+    served the same."""
+    g = torch.Generator().manual_seed(77)
+    pw = _pack(torch.randn(700, 640, generator=g) * 0.1)
+    x = torch.randn(4, 640, generator=g).bfloat16()
+    first = gops.gemv_packed(x, pw)  # the general path: float32 kernel call, then a cast
+    plan = gops.plan_for(pw, 4, False, True)
+    if not isinstance(plan.kernel, gops.DPKernel):
+        pytest.skip(f"the tuner chose {plan.candidate.name}, not the pair dot")
+    for _ in range(3):  # settles the route, then serves it
+        assert torch.equal(gops.gemv_packed(x, pw), first)
+    assert pw.routes[True] is not None
+    xt = torch.randn(640, 4, generator=g).bfloat16().t()  # non-contiguous
+    assert torch.equal(gops.gemv_packed(xt, pw), gops.gemv_packed(xt.contiguous(), pw))

@@ -137,6 +137,34 @@ static int tp_bf16_row(const float *x, int64_t K, int64_t KP, uint16_t *xh) {
     return 1;
 }
 
+/* A result as torch's CPU cast to bf16 writes it: nearest even, and every NaN 0xffff (its
+   vectorized conversion's NaN, whatever the length; not c10's scalar 0x7fc0). */
+TP_INLINE uint16_t tp_bf16_as_torch(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Row x (K bf16 values) into xh[0..KP) (zero past K), E4M3 weights in tp_bf16_row's order. */
+static void tp_bf16_copy(const uint16_t *x, int64_t K, int64_t KP, uint16_t *xh) {
+    int64_t k = 0;
+#if defined(TP_W_fp8_e4m3)
+    for (; k + 64 <= K; k += 64)
+        for (int L = 0; L < 4; ++L) {   /* words 16 L .. 16 L + 7 to 8 L, the next eight to 32 + 8 L */
+            _mm_storeu_si128((__m128i *)(xh + k + 8 * L), _mm_loadu_si128((const __m128i *)(x + k + 16 * L)));
+            _mm_storeu_si128((__m128i *)(xh + k + 32 + 8 * L), _mm_loadu_si128((const __m128i *)(x + k + 16 * L + 8)));
+        }
+    for (; k < KP; ++k) {
+        const int64_t j = k % 64;
+        xh[k - j + (j % 16 < 8 ? 0 : 32) + (j / 16) * 8 + j % 8] = k < K ? x[k] : 0;
+    }
+#else
+    memcpy(xh, x, sizeof(uint16_t) * (size_t)K);
+    for (k = K; k < KP; ++k) xh[k] = 0;
+#endif
+}
+
 #if defined(TP_W_fp8_e4m3)
 /* E4M3 magnitude (7 bits) -> the high byte (bits 14..8; the sign comes from the code) and the low
    byte of its bf16 value, as 128-byte tables for vpermi2b: every E4M3 value, subnormals included,
@@ -288,18 +316,26 @@ TP_INLINE void tp_rows_dp(const uint16_t *xp, int64_t K32, const tp_wt *w, int64
 /* Same contract as the float kernel's GEMV of this weight format (bf16: tp_gemv_float above, the
    float kernel itself, serves activations that are not all bf16 values; E4M3: status 4 for them,
    the caller takes another kernel). E4M3 rows are scaled by rowscale[n] before the bias. */
-TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, const uint8_t *scales,
-                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
-                      float *out, int64_t N, int64_t nthreads) {
+static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, const tp_wt *w,
+                      const uint8_t *scales, const float *rowscale, double pts_d, const float *bias,
+                      int64_t has_bias, float *out, uint16_t *outh, int64_t N, int64_t nthreads) {
     const int64_t K32 = (K + TP_KP - 1) / TP_KP * TP_KP;   /* narrowed activation row stride */
     uint16_t *xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(B * K32) + 64);
     if (!xp) return 3;
     int dp = 1;   /* every activation a bf16 value: the pair-dot path */
-    for (int64_t b = 0; b < B && dp; ++b) dp = tp_bf16_row(x + b * K, K, K32, xp + b * K32);
-    if (!dp) {   /* float32 activations */
+    if (xh)
+        for (int64_t b = 0; b < B; ++b) tp_bf16_copy(xh + b * K, K, K32, xp + b * K32);
+    else
+        for (int64_t b = 0; b < B && dp; ++b) dp = tp_bf16_row(x + b * K, K, K32, xp + b * K32);
+    if (outh) {   /* bf16 results: float sums here, each rounded (as torch) once final */
+        out = (float *)malloc(sizeof(float) * (size_t)(B * N) + 64);
+        if (!out) { free(xp); return 3; }
+    }
+    if (!dp) {   /* float32 activations (tp_gemv only: tp_gemv_bf16io's are bf16) */
         free(xp);
 #if defined(TP_W_fp8_e4m3)
-        (void)scales; (void)pts_d; (void)rowscale; (void)bias; (void)has_bias; (void)out; (void)N; (void)nthreads;
+        (void)scales; (void)pts_d; (void)rowscale; (void)bias; (void)has_bias; (void)N; (void)nthreads;
+        if (outh) free(out);
         return 4;
 #else
         return tp_gemv_float(x, B, K, w, scales, rowscale, pts_d, bias, has_bias, out, N, nthreads);
@@ -367,6 +403,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, cons
                     for (int64_t b = 0; b < B; ++b) {
                         out[b * N + n] *= TP_POST(n);
                         if (has_bias) out[b * N + n] += bias[n];
+                        if (outh) outh[b * N + n] = tp_bf16_as_torch(out[b * N + n]);
                     }
                 }
             }
@@ -394,14 +431,33 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, cons
                 for (int64_t b = 0; b < B; ++b) {
                     out[b * N + n + r] *= TP_POST(n + r);
                     if (has_bias) out[b * N + n + r] += bias[n + r];
+                    if (outh) outh[b * N + n + r] = tp_bf16_as_torch(out[b * N + n + r]);
                 }
             n += rows;
         }
         }
     }
     free(xp);
+    if (outh) free(out);
     return 0;
 #undef TP_POST
+}
+
+/* The GEMV's contract: float32 activations and results (see tp_gemv_io). */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const tp_wt *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    return tp_gemv_io(x, NULL, B, K, w, scales, rowscale, pts_d, bias, has_bias, out, NULL, N, nthreads);
+}
+
+/* The same for a bf16 model's decode: bf16 activations read as they are (no float32 copy to
+   narrow back), results rounded to bf16 as torch's cast rounds (tp_bf16_as_torch): the bits of
+   tp_gemv on the widened activations followed by that cast, without the caller's two torch
+   calls. */
+TP_EXPORT int tp_gemv_bf16io(const uint16_t *x, int64_t B, int64_t K, const tp_wt *w, const uint8_t *scales,
+                             const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                             uint16_t *out, int64_t N, int64_t nthreads) {
+    return tp_gemv_io(NULL, x, B, K, w, scales, rowscale, pts_d, bias, has_bias, NULL, out, N, nthreads);
 }
 #else
 #error "the vdpbf16ps GEMV needs AVX-512 with AVX512-BF16"
@@ -464,6 +520,14 @@ def _e4m3_bf16_bytes() -> tuple[str, str]:
 DP_WEIGHTS = ("bf16", "fp8_e4m3")
 
 
+class DPKernel(Kernel):
+    """The ``vdpbf16ps`` GEMV's ``tp_gemv`` entry (float32 activations and results) with its twin
+    :attr:`bf16io` (``tp_gemv_bf16io``: the same arguments, bf16 activations and bf16 results:
+    the bits of ``tp_gemv`` on the widened activations then torch's cast, NaN as 0xffff)."""
+
+    bf16io: Kernel
+
+
 @functools.cache
 def gemv_bf16_dp_kernel(
     isa: str,
@@ -472,7 +536,7 @@ def gemv_bf16_dp_kernel(
     hint: str = "T0",
     xblock: int | None = None,
     weights: str = "bf16",
-) -> Kernel:
+) -> DPKernel:
     """The ``vdpbf16ps`` GEMV (entry ``tp_gemv``, the same arguments as
     :func:`torchport.gemv.kernels.gemv_kernel`'s kernel of the weight format ``weights``: bf16 or
     ``fp8_e4m3``). ``prefetch``: bytes ahead of
@@ -520,4 +584,8 @@ def gemv_bf16_dp_kernel(
     name = f"gemv_{'fp8' if fp8 else 'bf16'}dp_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
     lib = native.build(src, name=name, isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_args(weights))
+    import torch
+
+    kern = DPKernel(lib, "tp_gemv", gemv_args(weights))
+    kern.bf16io = Kernel(lib, "tp_gemv_bf16io", gemv_args(weights, io=torch.bfloat16))
+    return kern

@@ -502,12 +502,13 @@ def gemv_kernel(
     return Kernel(lib, "tp_gemv", gemv_args(fmt))
 
 
-def gemv_args(fmt: str) -> list:
+def gemv_args(fmt: str, io: torch.dtype = torch.float32) -> list:
     """The argument spec of every GEMV kernel's ``tp_gemv`` entry for weight format ``fmt`` (the
-    kernels of one format share it; building it compiles nothing)."""
+    kernels of one format share it; building it compiles nothing). ``io``: the activations' and
+    results' dtype (bfloat16: the ``vdpbf16ps`` kernel's ``tp_gemv_bf16io`` entry)."""
     f32 = (torch.float32,)
     return [
-        TensorArg("x", f32, ndim=2),
+        TensorArg("x", (io,), ndim=2),
         IntArg("B"),
         IntArg("K"),
         TensorArg("w", (W_DTYPE[fmt],), ndim=2),
@@ -516,7 +517,7 @@ def gemv_args(fmt: str) -> list:
         FloatArg("pts"),
         TensorArg("bias", f32),
         IntArg("has_bias"),
-        TensorArg("out", f32, ndim=2),
+        TensorArg("out", (io,), ndim=2),
         IntArg("N"),
         IntArg("nthreads"),
     ]

@@ -31,7 +31,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
-from torchport.gemv.bf16_kernel import DP_WEIGHTS, gemv_bf16_dp_kernel
+from torchport.gemv.bf16_kernel import DP_WEIGHTS, DPKernel, gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import XBLOCK_BYTES as SHIFT_XBLOCK_BYTES
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
@@ -807,16 +807,19 @@ OUT_BATCH = 8
 OUT_BATCH_BYTES = 1 << 20
 
 
-def _out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
-    """A function returning a new uninitialised float32 tensor of ``shape`` per call, as
+def _out_source(
+    shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> Callable[[], torch.Tensor]:
+    """A function returning a new uninitialised tensor of ``shape`` and ``dtype`` per call, as
     ``torch.empty`` would, allocating :data:`OUT_BATCH` at a time (fewer for large outputs).
 
     Every tensor is a separate allocation handed out once. They are made outside inference mode
     (in it, ``torch.empty`` makes inference tensors, which autograd refuses to save for a
     backward), so the route returns ordinary tensors in and out of ``torch.inference_mode``.
     """
-    count = max(1, min(OUT_BATCH, OUT_BATCH_BYTES // max(1, 4 * math.prod(shape))))
-    empty, f32 = torch.empty, torch.float32
+    size = dtype.itemsize * math.prod(shape)
+    count = max(1, min(OUT_BATCH, OUT_BATCH_BYTES // max(1, size)))
+    empty = torch.empty
     ready: list[torch.Tensor] = []
     pop = ready.pop
 
@@ -825,7 +828,7 @@ def _out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
             return pop()
         except IndexError:  # used up (another thread may have taken the last one meanwhile)
             with torch.inference_mode(False):
-                made = [empty(shape, dtype=f32) for _ in range(count)]
+                made = [empty(shape, dtype=dtype) for _ in range(count)]
             out = made.pop()
             ready.extend(made)
             return out
@@ -838,15 +841,17 @@ def _out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
 # route, each route held up to OUT_BATCH - 1 unused outputs (200 decode weights of N = 11008 in
 # a model: up to 60 MB), and a route called only a few times (a benchmark rotating copies of one
 # weight) paid a cold batch allocation for each few calls.
-_OUT_SOURCES: dict[tuple[int, ...], Callable[[], torch.Tensor]] = {}
+_OUT_SOURCES: dict[tuple[tuple[int, ...], torch.dtype], Callable[[], torch.Tensor]] = {}
 
 
-def _shared_out_source(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
-    src = _OUT_SOURCES.get(shape)
+def _shared_out_source(
+    shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> Callable[[], torch.Tensor]:
+    src = _OUT_SOURCES.get((shape, dtype))
     if src is None:
         if len(_OUT_SOURCES) >= 64:
             _OUT_SOURCES.clear()
-        src = _OUT_SOURCES[shape] = _out_source(shape)
+        src = _OUT_SOURCES[(shape, dtype)] = _out_source(shape, dtype)
     return src
 
 
@@ -877,7 +882,10 @@ def settle_route(
     plan = _native_plan(pw, rows, allow_int8, x.dtype == torch.bfloat16)
     if plan is None:
         return None
-    call = plan.kernel.raw_call  # type: ignore[union-attr]
+    # bf16 activations meeting the vdpbf16ps kernel: its bf16-in, bf16-out entry (no float32
+    # copy of x, no cast of the result: two torch calls fewer, ~75 us of cold Python per call)
+    io = x.dtype == torch.bfloat16 and isinstance(plan.kernel, DPKernel)
+    call = (plan.kernel.bf16io if io else plan.kernel).raw_call  # type: ignore[union-attr]
     ad, arm_threads = plan.adaptive, plan.arm_threads
     nt_fixed = plan.threads or native.num_threads()  # the route is dropped if the count changes
     k, n, pts, fmt = pw.k, pw.n, pw.pts, pw.fmt
@@ -890,14 +898,18 @@ def settle_route(
     bptr, has_bias = (bf.data_ptr(), 1) if bf is not None else (0, 0)
     shape, out_shape = x.shape, (*x.shape[:-1], n)
     dtype, f32 = x.dtype, torch.float32
-    new_out = _shared_out_source(out_shape)
+    cast = dtype is not f32 and not io  # float32 activations in, the result cast back
+    new_out = _shared_out_source(out_shape, dtype if io else f32)
     pop = new_out.pop  # type: ignore[attr-defined]
     every = ROUTE_SAMPLE_EVERY
     calls = 0
 
     def run(x: torch.Tensor) -> torch.Tensor:
         nonlocal calls
-        xf = x if dtype is f32 and x.is_contiguous() else x.float().contiguous()
+        if cast:
+            xf = x.float().contiguous()
+        else:
+            xf = x if x.is_contiguous() else x.contiguous()
         try:
             out = pop()
         except IndexError:  # used up: the next batch
@@ -916,12 +928,12 @@ def settle_route(
                         raise _status_error(fmt, status, rows, k)
 
                 ad(go)
-                return out if dtype is f32 else out.to(dtype)
+                return out.to(dtype) if cast else out
             nt = arm_threads[ad.current]
         status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
         if status:
             raise _status_error(fmt, status, rows, k)
-        return out if dtype is f32 else out.to(dtype)
+        return out.to(dtype) if cast else out
 
     nthreads = torch.get_num_threads()
     bias0 = bias
