@@ -498,7 +498,7 @@ def test_routes_of_one_output_shape_share_an_output_source():
     from torchport.gemv.ops import _OUT_SOURCES
 
     sources = [inspect.getclosurevars(r.run).nonlocals["new_out"] for r in routes]
-    assert sources[0] is sources[1] is _OUT_SOURCES[(1, 40)]
+    assert sources[0] is sources[1] is _OUT_SOURCES[((1, 40), torch.float32)]
 
 
 def test_settled_route_outputs_are_distinct_and_usable_with_autograd():
