@@ -141,7 +141,9 @@ def test_k_blocks_keep_bits(fmt: str, n: int, k: int, rows: int) -> None:
     """With per-row corrections (one or two rows) K runs in blocks where the prepared
     activations exceed 20 KB (2 K bytes a row: K > 10240): the bits of K in one piece, on one and
     two threads, for blocks of 32, 2 or 3 (rounded to 2) 128-chunks, and an odd number of chunks
-    per row (K = 10880). Three and five rows (shared corrections) keep one piece."""
+    per row (K = 10880). Three and five rows (shared corrections) keep one piece. The blocks run
+    weight rows in pairs: without the first row every pair changes (and the last of an odd count
+    runs alone), the bits do not."""
     g = torch.Generator().manual_seed(n + k + rows)
     pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(rows, k, generator=g)
@@ -150,6 +152,9 @@ def test_k_blocks_keep_bits(fmt: str, n: int, k: int, rows: int) -> None:
     for xblock, threads in ((None, 2), (512, 1), (768, 2)):
         kern = gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=xblock)
         assert torch.equal(_run(kern, x, pw, bias, threads), whole), (xblock, threads)
+    pw1 = gops.PackedWeight(pw.fmt, pw.data[1:], pw.scales[1:], pw.rowscale, pw.pts, n - 1, k)
+    kern = gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=512)
+    assert torch.equal(_run(kern, x, pw1, bias[1:], 1), whole[:, 1:])
 
 
 def test_block_kernel_rejects_negative_xblock() -> None:

@@ -414,15 +414,19 @@ TP_INLINE __m512i tp_negsum128(__m512i c128, __m512i lo, __m512i hi) {
 #define TP_XS_IDX _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
 #define TP_XS(p) _mm512_permutexvar_ps(xsi, _mm512_castps128_ps512(_mm_loadu_ps(p)))
 
-/* One weight row's chunks c0 <= c < c1 (c0 even) against NB (<= 4) prepared activation rows (K a
-   multiple of 128), the accumulators kept in accp (NB x 2 vectors) between calls: chunk c goes to
+/* R (1 or 2) consecutive weight rows' chunks c0 <= c < c1 (c0 even) against NB (<= 4) prepared
+   activation rows (K a multiple of 128), every activation load (int8 values, corrections, lane
+   scales) serving the R rows: weight row r at w + r K / 2, its scales at sc + r sstride, its
+   accumulators (NB x 2 vectors) at accp + 2 NB r, kept there between calls: chunk c goes to
    accumulator c & 1 whether K runs in one piece (tp_row128) or in blocks of an even number of
-   chunks, so a row's sums do not depend on it. Prefetches pfa + 64 c with the kernel's hint (the
-   row's own stream ahead) and pfw + 64 c (the row the next row group reads) into L2, either
-   unless NULL. */
+   chunks, so a row's sums depend neither on that nor on R (per row the same operations in the
+   same order). Prefetches each row's pfa + r K / 2 + 64 c with the kernel's hint (the row's own
+   stream ahead) unless pfa is NULL, and for the first pfr rows pfw + r K / 2 + 64 c (the rows the
+   next row group reads) into L2. */
 TP_INLINE void tp_row128_part(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
-                              const uint8_t *w, const uint8_t *sc, const char *pfa, const uint8_t *pfw,
-                              int64_t c0, int64_t c1, __m512 *accp, const int NB, const int WC) {
+                              const uint8_t *w, const uint8_t *sc, int64_t sstride, const char *pfa,
+                              const uint8_t *pfw, int pfr, int64_t c0, int64_t c1, __m512 *accp,
+                              const int NB, const int WC, const int R) {
     const __m512i lut = WC ? TP_LUT_SIGNED : TP_LUT_UNSIGNED;
 #if defined(__AVX512VBMI__)
     /* vpermb reads six index bits; the table repeats every 16 bytes, so bits 4-5 do not matter and
@@ -432,36 +436,47 @@ TP_INLINE void tp_row128_part(const int8_t *xr, const int32_t *corr, const float
     const __m512i m4 = _mm512_set1_epi8(0x0F);
 #define TP_NIBBLES(idx) _mm512_shuffle_epi8(lut, _mm512_and_si512((idx), m4))
 #endif
-    const int64_t L = K / 8, LX = WC ? K / 32 : K / 8;
+    const int64_t L = K / 8, LX = WC ? K / 32 : K / 8, WR = K / 2;
     const __m512i c128 = _mm512_set1_epi8((char)0x80), xsi = TP_XS_IDX;
-    __m512 acc[4][2];
-    for (int b = 0; b < NB; ++b) { acc[b][0] = accp[2 * b]; acc[b][1] = accp[2 * b + 1]; }
+    __m512 acc[2][4][2];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b) {
+            acc[r][b][0] = accp[2 * (NB * r + b)];
+            acc[r][b][1] = accp[2 * (NB * r + b) + 1];
+        }
     /* chunk c into accumulator j (two chains, constant indices: acc stays in registers) */
 #define TP_CHUNK(c, j) do {                                                                           \
-        const uint8_t *wp = w + (c) * 64;                                                          \
-        if (pfa) _mm_prefetch(pfa + (c) * 64, _MM_HINT_${hint});                                   \
-        if (pfw) _mm_prefetch((const char *)(pfw + (c) * 64), _MM_HINT_T1);                        \
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(                               \
-            _mm256_loadu_si256((const __m256i *)wp)), _mm256_loadu_si256((const __m256i *)(wp + 32)), 1); \
-        const __m512i lo = TP_NIBBLES(v);                                                          \
-        const __m512i hi = TP_NIBBLES(_mm512_srli_epi16(v, 4));                                    \
-        const __m512 s = tp_scales128(sc, (c));                                                    \
-        const __m512i cw = WC ? tp_negsum128(c128, lo, hi) : _mm512_setzero_si512();              \
+        __m512i lo[2], hi[2], cw[2];                                                               \
+        __m512 s[2];                                                                               \
+        for (int r = 0; r < R; ++r) {                                                              \
+            const uint8_t *wp = w + r * WR + (c) * 64;                                             \
+            if (pfa) _mm_prefetch(pfa + r * WR + (c) * 64, _MM_HINT_${hint});                      \
+            if (r < pfr) _mm_prefetch((const char *)(pfw + r * WR + (c) * 64), _MM_HINT_T1);       \
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(                           \
+                _mm256_loadu_si256((const __m256i *)wp)), _mm256_loadu_si256((const __m256i *)(wp + 32)), 1); \
+            lo[r] = TP_NIBBLES(v);                                                                 \
+            hi[r] = TP_NIBBLES(_mm512_srli_epi16(v, 4));                                           \
+            s[r] = tp_scales128(sc + r * sstride, (c));                                            \
+            cw[r] = WC ? tp_negsum128(c128, lo[r], hi[r]) : _mm512_setzero_si512();                \
+        }                                                                                          \
         for (int b = 0; b < NB; ++b) {                                                             \
             const int8_t *xp = xr + b * K + (c) * 128;                                             \
             const __m512i xl = _mm512_loadu_si512((const void *)xp);                               \
             const __m512i xh = _mm512_loadu_si512((const void *)(xp + 64));                        \
-            __m512i p;                                                                             \
+            __m512i pc = _mm512_setzero_si512();                                                   \
             __m512 xs;                                                                             \
             if (WC) {                                                                              \
-                p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(cw, xl, lo), xh, hi);                  \
                 xs = TP_XS(xsv + b * LX + (c) * 4);                                                \
             } else {                                                                               \
-                p = _mm512_loadu_si512((const void *)(corr + b * L + (c) * 16));                   \
-                p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(p, lo, xl), hi, xh);                   \
+                pc = _mm512_loadu_si512((const void *)(corr + b * L + (c) * 16));                  \
                 xs = _mm512_loadu_ps(xsv + b * LX + (c) * 16);                                     \
             }                                                                                      \
-            acc[b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s, xs), acc[b][j]);   \
+            for (int r = 0; r < R; ++r) {                                                          \
+                __m512i p;                                                                         \
+                if (WC) p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(cw[r], xl, lo[r]), xh, hi[r]); \
+                else p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(pc, lo[r], xl), hi[r], xh);        \
+                acc[r][b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s[r], xs), acc[r][b][j]); \
+            }                                                                                      \
         }                                                                                          \
     } while (0)
     /* Weights: two 256-bit loads per line (one 512-bit load per line streamed from DRAM about 20 %
@@ -476,7 +491,11 @@ TP_INLINE void tp_row128_part(const int8_t *xr, const int32_t *corr, const float
     if (c < c1) TP_CHUNK(c, 0);
 #undef TP_CHUNK
 #undef TP_NIBBLES
-    for (int b = 0; b < NB; ++b) { accp[2 * b] = acc[b][0]; accp[2 * b + 1] = acc[b][1]; }
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b) {
+            accp[2 * (NB * r + b)] = acc[r][b][0];
+            accp[2 * (NB * r + b) + 1] = acc[r][b][1];
+        }
 }
 
 /* A row's sums from its accumulators (NB x 2 vectors). */
@@ -490,7 +509,7 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
                          const int WC) {
     __m512 acc[8];
     for (int i = 0; i < 2 * NB; ++i) acc[i] = _mm512_setzero_ps();
-    tp_row128_part(xr, corr, xsv, K, w, sc, (const char *)w + ${prefetch}, NULL, 0, K / 128, acc, NB, WC);
+    tp_row128_part(xr, corr, xsv, K, w, sc, 0, (const char *)w + ${prefetch}, NULL, 0, 0, K / 128, acc, NB, WC, 1);
     tp_row128_end(acc, out, ldo, NB);
 }
 
@@ -565,7 +584,12 @@ TP_INLINE void tp_row128_r2(const int8_t *xr, const int32_t *corr, const float *
    B=1 two threads 1.15/1.14 -> 1.01/1.06 ms, B=2 1.64 -> 1.56 (one thread 2.98 -> 2.52); MXFP4
    B=1 1.25/1.18 -> 0.92/0.96, B=2 1.64 -> 1.29. With shared corrections (from TP_WC_MIN_B rows)
    blocks measured slower (B=3 two threads NVFP4 1.44 -> 1.64, MXFP4 1.35 -> 1.46; B=4, which then
-   loses the two-row loop, 1.65 -> 2.05), so those keep K in one piece. */
+   loses the two-row loop, 1.65 -> 2.05), so those keep K in one piece. The blocks run their weight
+   rows in pairs, every activation load serving two (per row the same operations: the same bits).
+   4096x11008 from DRAM, previous / this build interleaved, medians of 18 (load 0.4-1.0, sum 29-34
+   GB/s), NTA 2048 / T0 4096 prefetch: NVFP4 B=1 two threads 1.06 / 0.78 -> 0.80 / 0.75 ms, one
+   thread 1.49 / 1.31 -> 1.31 / 1.23; MXFP4 B=1 0.98 / 0.68 -> 0.69 / 0.61; NVFP4 B=2 1.37 / 1.16 ->
+   1.19 / 1.08. */
 #define TP_KR 8
 #define TP_XBYTES ${xblock}
 #define TP_XMIN 20480
@@ -722,19 +746,20 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                 for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm512_setzero_ps();
                 for (int64_t cb = 0; cb < C; cb += cb_len) {
                     const int64_t ce = cb + cb_len < C ? cb + cb_len : C;
-                    for (int64_t n = n0; n < n1; ++n) {
+                    /* per-row corrections (blocks only without shared ones): one or two activation
+                       rows, the weight rows in pairs (every activation load serving two) */
+                    for (int64_t n = n0; n < n1; n += 2) {
+                        const int R = n + 1 < n1 ? 2 : 1;
+                        const int64_t pfr = hi - TP_KR - n;   /* rows with a next group to prefetch */
                         const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
-                        const uint8_t *pfw = n + TP_KR < hi ? wr + TP_KR * (K / 2) : NULL;
-                        for (int64_t b = 0; b < B; b += 4) {
-                            const int64_t nb = B - b < 4 ? B - b : 4;
-                            const int8_t *xb = xr + b * K;
-                            const int32_t *cbp = corr + b * L;
-                            const float *sb = xsv + b * LX;
-                            const uint8_t *pf = b ? NULL : pfw;
-                            __m512 *ap = accb + ((n - n0) * B + b) * 2;
-                            /* per-row corrections (blocks only without shared ones): one or two rows */
-                            if (nb == 1) tp_row128_part(xb, cbp, sb, K, wr, sr, NULL, pf, cb, ce, ap, 1, 0);
-                            else tp_row128_part(xb, cbp, sb, K, wr, sr, NULL, pf, cb, ce, ap, 2, 0);
+                        const uint8_t *pfw = pfr > 0 ? wr + TP_KR * (K / 2) : NULL;
+                        const int ipf = pfr < R ? (int)pfr : R;
+                        __m512 *ap = accb + (n - n0) * B * 2;
+                        switch (B * 2 + R - 1) {   /* (B, R), B <= 2 here */
+                            case 2: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 1, 0, 1); break;
+                            case 3: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 1, 0, 2); break;
+                            case 4: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 2, 0, 1); break;
+                            default: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 2, 0, 2); break;
                         }
                     }
                 }
