@@ -30,6 +30,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("AVX-512F", "avx512f"),
         ("AVX-512BW", "avx512bw"),
         ("AVX-512VL", "avx512vl"),
+        ("AVX-512DQ", "avx512dq"),
         ("AVX512-BF16", "avx512_bf16"),
         ("AVX512-VNNI", "avx512_vnni"),
         ("AVX512-VBMI", "avx512vbmi"),

@@ -22,6 +22,7 @@ Reference: :func:`gemv_reference` (float64 product with the dequantized weight).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable
@@ -863,6 +864,18 @@ def _shared_out_source(
 ROUTE_SAMPLE_EVERY = 4
 
 
+@functools.cache
+def _cast_nan_is_ffff() -> bool:
+    """Whether torch's CPU cast to bf16 writes NaN as 0xffff, as the ``vdpbf16ps`` kernel's bf16
+    entry does (its vectorized cast does; with ``ATEN_CPU_CAPABILITY=default`` the scalar one
+    writes 0x7fc0, and settled routes then keep the float32 entry and torch's cast)."""
+    for n in (1, 37):
+        codes = torch.full((n,), math.nan).bfloat16().view(torch.int16)
+        if not bool((codes == -1).all()):
+            return False
+    return True
+
+
 def settle_route(
     x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
 ) -> SettledRoute | None:
@@ -883,8 +896,9 @@ def settle_route(
     if plan is None:
         return None
     # bf16 activations meeting the vdpbf16ps kernel: its bf16-in, bf16-out entry (no float32
-    # copy of x, no cast of the result: two torch calls fewer, ~75 us of cold Python per call)
-    io = x.dtype == torch.bfloat16 and isinstance(plan.kernel, DPKernel)
+    # copy of x, no cast of the result: two torch calls fewer, ~75 us of cold Python per call),
+    # where torch's cast writes NaN as the entry does
+    io = x.dtype == torch.bfloat16 and isinstance(plan.kernel, DPKernel) and _cast_nan_is_ffff()
     call = (plan.kernel.bf16io if io else plan.kernel).raw_call  # type: ignore[union-attr]
     ad, arm_threads = plan.adaptive, plan.arm_threads
     nt_fixed = plan.threads or native.num_threads()  # the route is dropped if the count changes
@@ -968,4 +982,5 @@ def settle_route(
 
     # the captured pointers' storage (the tensors, not ``pw``: ``pw.routes`` holds the route)
     run.keep_alive = (pw.data, pw.scales, pw.rowscale, bf)  # type: ignore[attr-defined]
+    run.bf16io = io  # type: ignore[attr-defined]  # which entry the route calls (tests)
     return SettledRoute(stamp, nthreads, dtype, shape, bias, bver, bptr0, run, serve)
