@@ -102,37 +102,47 @@ typedef uint16_t tp_wt;
 #define TP_KP 32
 #endif
 
-/* Row x (K floats) as bf16 values into xh[0..KP) (zero past K) if every element is one (a bf16
-   activation widened to float32); returns 0 (xh then unusable) as soon as one is not. E4M3
-   weights: in the order tp_wstep leaves a line's weights in (per 64 elements, bf16 word 8 L + t
-   of the first vector is element 16 L + t, of the second 16 L + 8 + t, L = 0..3, t = 0..7). */
+/* Where element k of an activation row goes in the narrowed row: E4M3 weights in the order tp_wstep
+   leaves a line's weights in (per 64 elements, bf16 word 8 L + t of the first vector is element
+   16 L + t, of the second 16 L + 8 + t, L = 0..3, t = 0..7); bf16 weights as they are. */
+TP_INLINE int64_t tp_xpos(int64_t k) {
+#if defined(TP_W_fp8_e4m3)
+    const int64_t j = k % 64;
+    return k - j + (j % 16 < 8 ? 0 : 32) + (j / 16) * 8 + j % 8;
+#else
+    return k;
+#endif
+}
+/* Sixteen bf16 activations, elements k + 16 L .. k + 16 L + 15 (k a multiple of 64), into xh at
+   their tp_xpos places. */
+TP_INLINE void tp_xstore16(uint16_t *xh, int64_t k, int L, __m256i h) {
+#if defined(TP_W_fp8_e4m3)
+    _mm_storeu_si128((__m128i *)(xh + k + 8 * L), _mm256_castsi256_si128(h));
+    _mm_storeu_si128((__m128i *)(xh + k + 32 + 8 * L), _mm256_extracti128_si256(h, 1));
+#else
+    _mm256_storeu_si256((__m256i *)(xh + k + 16 * L), h);
+#endif
+}
+
+/* Row x (K floats) as bf16 values into xh[0..KP) at their tp_xpos places (zero past K) if every
+   element is one (a bf16 activation widened to float32); returns 0 (xh then unusable) as soon as
+   one is not. */
 static int tp_bf16_row(const float *x, int64_t K, int64_t KP, uint16_t *xh) {
-    /* whole groups of 64 (E4M3: the unit of the order above; bf16: four 16-element pieces) 16
-       floats at a time: their high halves, narrowed by vpmovdw, unless a low half is not zero */
+    /* whole groups of 64, 16 floats at a time: their high halves, narrowed by vpmovdw, unless a
+       low half is not zero */
     int64_t k = 0;
     for (; k + 64 <= K; k += 64)
         for (int L = 0; L < 4; ++L) {
             const __m512i v = _mm512_loadu_si512((const void *)(x + k + 16 * L));
             if (_mm512_test_epi32_mask(v, _mm512_set1_epi32(0xFFFF))) return 0;
-            const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16));
-#if defined(TP_W_fp8_e4m3)
-            _mm_storeu_si128((__m128i *)(xh + k + 8 * L), _mm256_castsi256_si128(h));
-            _mm_storeu_si128((__m128i *)(xh + k + 32 + 8 * L), _mm256_extracti128_si256(h, 1));
-#else
-            _mm256_storeu_si256((__m256i *)(xh + k + 16 * L), h);
-#endif
+            tp_xstore16(xh, k, L, _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
         }
     for (; k < KP; ++k) {
         float v = k < K ? x[k] : 0.0f;
         uint32_t u;
         memcpy(&u, &v, 4);
         if (u & 0xFFFFu) return 0;
-#if defined(TP_W_fp8_e4m3)
-        const int64_t j = k % 64;
-        xh[k - j + (j % 16 < 8 ? 0 : 32) + (j / 16) * 8 + j % 8] = (uint16_t)(u >> 16);
-#else
-        xh[k] = (uint16_t)(u >> 16);
-#endif
+        xh[tp_xpos(k)] = (uint16_t)(u >> 16);
     }
     return 1;
 }
@@ -146,23 +156,12 @@ TP_INLINE uint16_t tp_bf16_as_torch(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* Row x (K bf16 values) into xh[0..KP) (zero past K), E4M3 weights in tp_bf16_row's order. */
+/* Row x (K bf16 values) into xh[0..KP) at their tp_xpos places (zero past K). */
 static void tp_bf16_copy(const uint16_t *x, int64_t K, int64_t KP, uint16_t *xh) {
     int64_t k = 0;
-#if defined(TP_W_fp8_e4m3)
     for (; k + 64 <= K; k += 64)
-        for (int L = 0; L < 4; ++L) {   /* words 16 L .. 16 L + 7 to 8 L, the next eight to 32 + 8 L */
-            _mm_storeu_si128((__m128i *)(xh + k + 8 * L), _mm_loadu_si128((const __m128i *)(x + k + 16 * L)));
-            _mm_storeu_si128((__m128i *)(xh + k + 32 + 8 * L), _mm_loadu_si128((const __m128i *)(x + k + 16 * L + 8)));
-        }
-    for (; k < KP; ++k) {
-        const int64_t j = k % 64;
-        xh[k - j + (j % 16 < 8 ? 0 : 32) + (j / 16) * 8 + j % 8] = k < K ? x[k] : 0;
-    }
-#else
-    memcpy(xh, x, sizeof(uint16_t) * (size_t)K);
-    for (k = K; k < KP; ++k) xh[k] = 0;
-#endif
+        for (int L = 0; L < 4; ++L) tp_xstore16(xh, k, L, _mm256_loadu_si256((const __m256i *)(x + k + 16 * L)));
+    for (; k < KP; ++k) xh[tp_xpos(k)] = k < K ? x[k] : 0;
 }
 
 #if defined(TP_W_fp8_e4m3)
@@ -282,6 +281,21 @@ TP_INLINE void tp_dp_rest(const uint16_t *xp, int64_t K32, const tp_wt *w, const
     for (int b = 0; b < NB; ++b) out[b * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
 }
 
+/* F(NB, R) for run-time nb (1..4) and r (1..2), with NB and R compile-time constants (each pair
+   its own inlined loop) */
+#define TP_NB_R(nb, r, F) do {                                                                      \
+        switch ((nb) * 2 + (r) - 1) {                                                              \
+            case 2: F(1, 1); break;                                                                \
+            case 3: F(1, 2); break;                                                                \
+            case 4: F(2, 1); break;                                                                \
+            case 5: F(2, 2); break;                                                                \
+            case 6: F(3, 1); break;                                                                \
+            case 7: F(3, 2); break;                                                                \
+            case 8: F(4, 1); break;                                                                \
+            default: F(4, 2); break;                                                               \
+        }                                                                                          \
+    } while (0)
+
 /* R (1 or 2) consecutive weight rows against NB (<= 4) bf16 activation rows (row b at xp + b *
    K32), K in one piece, every activation load serving the R rows; row r's sums to out + r. */
 TP_INLINE void tp_rows_dp(const uint16_t *xp, int64_t K32, const tp_wt *w, int64_t K, float *out,
@@ -373,16 +387,7 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
                         const tp_wt *wr = w + n * K, *pfw = pfr > 0 ? wr + TP_KR * K : NULL;
                         __m512 *ap = accb + (n - n0) * B * 2;
 #define TP_PART(nb, r) tp_dp_part(xp, K32, wr, K, NULL, pfw, pfr < (r) ? (int)pfr : (r), kb, ke, ap, nb, r)
-                        switch (B * 2 + R - 1) {   /* (B, R): blocks only from B <= 4 (kb_len) */
-                            case 2: TP_PART(1, 1); break;
-                            case 3: TP_PART(1, 2); break;
-                            case 4: TP_PART(2, 1); break;
-                            case 5: TP_PART(2, 2); break;
-                            case 6: TP_PART(3, 1); break;
-                            case 7: TP_PART(3, 2); break;
-                            case 8: TP_PART(4, 1); break;
-                            default: TP_PART(4, 2); break;
-                        }
+                        TP_NB_R(B, R, TP_PART);   /* blocks only from B <= 4 (kb_len) */
 #undef TP_PART
                     }
                 }
@@ -416,16 +421,9 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
                 const int64_t nb = B - b < 4 ? B - b : 4;
                 const uint16_t *xb = xp + b * K32;
                 float *ob = out + b * N + n;
-                switch (nb * 2 + rows - 1) {
-                    case 2: tp_rows_dp(xb, K32, wr, K, ob, N, 1, 1); break;
-                    case 3: tp_rows_dp(xb, K32, wr, K, ob, N, 1, 2); break;
-                    case 4: tp_rows_dp(xb, K32, wr, K, ob, N, 2, 1); break;
-                    case 5: tp_rows_dp(xb, K32, wr, K, ob, N, 2, 2); break;
-                    case 6: tp_rows_dp(xb, K32, wr, K, ob, N, 3, 1); break;
-                    case 7: tp_rows_dp(xb, K32, wr, K, ob, N, 3, 2); break;
-                    case 8: tp_rows_dp(xb, K32, wr, K, ob, N, 4, 1); break;
-                    default: tp_rows_dp(xb, K32, wr, K, ob, N, 4, 2); break;
-                }
+#define TP_ROWS(nb_, r) tp_rows_dp(xb, K32, wr, K, ob, N, nb_, r)
+                TP_NB_R(nb, rows, TP_ROWS);
+#undef TP_ROWS
             }
             for (int r = 0; r < rows; ++r)
                 for (int64_t b = 0; b < B; ++b) {
