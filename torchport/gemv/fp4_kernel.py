@@ -519,7 +519,10 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
    four activation rows, where the kernel is bound by its per-row work rather than the stream
    (11008x4096 from DRAM, interleaved medians, load 0.3-0.7: NVFP4 two threads B=4 2.11-2.23 ->
    1.84-1.92 ms, B=8 4.56 -> 3.89, MXFP4 B=4 1.79 -> 1.59; B=2 and B=3 no gain, B=2 one thread
-   1.67 -> 1.80). */
+   1.67 -> 1.80). tp_row128_part with R = 2 does the same operations (the K blocks use it), but in
+   its place here GCC kept more accumulators on the stack and the loop ran slower (11008x4096 T0
+   4096, two threads, alternated medians of 38: NVFP4 B=4 1.193 -> 1.342 ms, MXFP4 1.080 -> 1.123,
+   B=8 2.094 -> 2.159), so this specialised copy stays. */
 TP_INLINE void tp_row128_r2(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
                             const uint8_t *w, const uint8_t *sc, int64_t sstride, float *out,
                             int64_t ldo, const int NB) {
