@@ -81,6 +81,62 @@ def test_claimed_rows_match_static_split(family: str, fmt: str, rows: int) -> No
     assert err <= tol * ref.abs().max().item() + 1e-5, err
 
 
+# K-block loops (activations over an L1 budget): a thread claims its next row range ahead so that
+# the last row group of a range prefetches the next range's first rows. (family, fmt, K, rows):
+# the FP4 lane-block kernel blocks from 20 KB of prepared activations (2 K bytes a row, one or two
+# rows); the others get a 512-byte block budget (``xblock``).
+KBLOCK_CASES = [
+    ("block", "nvfp4", 10368, 1),
+    ("block", "mxfp4", 5248, 2),
+    ("dp", "bf16", 1088, 3),
+    ("dp", "fp8_e4m3", 1088, 4),
+    ("shift", "fp8_e4m3", 1088, 2),
+    ("plain", "f32", 1088, 3),
+    ("plain", "nvfp4", 1088, 5),
+]
+
+
+def _kblock_kernel(family: str, fmt: str, chunk: int):
+    isa = native.cpu_info().isa
+    if family == "block":
+        return gemv_fp4_block_kernel(fmt, isa, 4096, chunk)
+    if family == "dp":
+        from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
+
+        return gemv_bf16_dp_kernel(isa, 2048, chunk, hint="NTA", xblock=512, weights=fmt)
+    if family == "shift":
+        return gemv_fp8_shift_kernel(isa, 2048, chunk, xblock=512)
+    return gemv_kernel(fmt, isa, 512, None, chunk, xblock=512)
+
+
+@pytest.mark.parametrize(("family", "fmt", "k", "rows"), KBLOCK_CASES)
+def test_k_block_claims_ahead_match_static_split(family: str, fmt: str, k: int, rows: int) -> None:
+    """Many small claims (1 KiB: one row group each, 67 rows: a ragged last claim), each taken one
+    ahead by the K-block loop, cover every row once with the static split's bits."""
+    if family in ("block", "dp") and native.cpu_info().isa != "avx512":
+        pytest.skip("K blocks of the lane-block and vdpbf16ps kernels are AVX-512 only")
+    if family == "dp" and not native.cpu_info().has_avx512_bf16:
+        pytest.skip("the vdpbf16ps kernel needs AVX512-BF16")
+    torch.manual_seed(k + rows)
+    n = 67
+    pw = _pack(fmt, torch.randn(n, k) * 0.05)
+    x = torch.randn(rows, k)
+    if family == "dp":
+        x = x.bfloat16().float()  # (the kernel's activations are bf16 values)
+    bias = torch.randn(n)
+    outs = []
+    for chunk in (0, 1 << 10):
+        out = torch.full((rows, n), float("nan"))
+        gops._launch(_kblock_kernel(family, fmt, chunk), x, pw, bias, out, 2)
+        outs.append(out)
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    ref = gops.gemv_reference(x.double(), gops.dequantize_packed(pw), bias).float()
+    tol = 0.05 if family == "block" else 1e-4
+    err = (outs[1] - ref).abs().max().item()
+    assert err <= tol * ref.abs().max().item() + 1e-5, err
+
+
 def test_step_rounds_to_whole_row_groups() -> None:
     """A claim bigger than N (the default 256 KiB here) still covers every row exactly once."""
     pw = _pack("nvfp4", torch.randn(N, K))

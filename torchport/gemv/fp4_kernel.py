@@ -377,6 +377,11 @@ static void tp_prep_x128(const float *x, int64_t K, float fold, int8_t *xr, int3
 #endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(FMT_nvfp4)
+#define TP_SPC 8   /* scale bytes per 128-chunk */
+#else
+#define TP_SPC 4
+#endif
 /* The block scales of 128-chunk c as per-lane floats (lane d <-> elements 8d..8d+7). */
 TP_INLINE __m512 tp_scales128(const uint8_t *sc, int64_t c) {
 #if defined(FMT_nvfp4)
@@ -422,10 +427,13 @@ TP_INLINE __m512i tp_negsum128(__m512i c128, __m512i lo, __m512i hi) {
    chunks, so a row's sums depend neither on that nor on R (per row the same operations in the
    same order). Prefetches each row's pfa + r K / 2 + 64 c with the kernel's hint (the row's own
    stream ahead) unless pfa is NULL, and for the first pfr rows pfw + r K / 2 + 64 c (the rows the
-   next row group reads) into L2. */
+   next row group reads) into L2, with their block scales (pfs + r sstride, every fourth chunk).
+   Without the scales' prefetch the K blocks read each row's scales as short runs from DRAM:
+   4096x11008 NVFP4 B=1 from DRAM, two threads, old / new interleaved: 0.82 / 0.69 ms (sum 45
+   GB/s), 0.88 / 0.81 ms (sum 35 GB/s). */
 TP_INLINE void tp_row128_part(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t K,
                               const uint8_t *w, const uint8_t *sc, int64_t sstride, const char *pfa,
-                              const uint8_t *pfw, int pfr, int64_t c0, int64_t c1, __m512 *accp,
+                              const uint8_t *pfw, const uint8_t *pfs, int pfr, int64_t c0, int64_t c1, __m512 *accp,
                               const int NB, const int WC, const int R) {
     const __m512i lut = WC ? TP_LUT_SIGNED : TP_LUT_UNSIGNED;
 #if defined(__AVX512VBMI__)
@@ -452,6 +460,8 @@ TP_INLINE void tp_row128_part(const int8_t *xr, const int32_t *corr, const float
             const uint8_t *wp = w + r * WR + (c) * 64;                                             \
             if (pfa) _mm_prefetch(pfa + r * WR + (c) * 64, _MM_HINT_${hint});                      \
             if (r < pfr) _mm_prefetch((const char *)(pfw + r * WR + (c) * 64), _MM_HINT_T1);       \
+            if (r < pfr && ((c) & 3) == 0)   /* their block scales: 32 or 16 bytes a step */        \
+                _mm_prefetch((const char *)(pfs + r * sstride + (c) * TP_SPC), _MM_HINT_T1);       \
             const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(                           \
                 _mm256_loadu_si256((const __m256i *)wp)), _mm256_loadu_si256((const __m256i *)(wp + 32)), 1); \
             lo[r] = TP_NIBBLES(v);                                                                 \
@@ -509,7 +519,7 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
                          const int WC) {
     __m512 acc[8];
     for (int i = 0; i < 2 * NB; ++i) acc[i] = _mm512_setzero_ps();
-    tp_row128_part(xr, corr, xsv, K, w, sc, 0, (const char *)w + ${prefetch}, NULL, 0, 0, K / 128, acc, NB, WC, 1);
+    tp_row128_part(xr, corr, xsv, K, w, sc, 0, (const char *)w + ${prefetch}, NULL, NULL, 0, 0, K / 128, acc, NB, WC, 1);
     tp_row128_end(acc, out, ldo, NB);
 }
 
@@ -727,8 +737,8 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
-#if defined(TP_HAVE_R2)
     int64_t cb_len = 0;   /* K block in 128-chunks (even), 0: K in one piece */
+#if defined(TP_HAVE_R2)
     const int64_t xbytes = B * (K + 4 * L + 4 * LX);   /* the prepared activations of every row */
     if (TP_XBYTES > 0 && !wc && xbytes > TP_XMIN && K / 128 > 2) {
         cb_len = TP_XBYTES / (xbytes / (K / 128)) / 2 * 2;
@@ -737,14 +747,17 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 #endif
     #pragma omp parallel num_threads(nt)
     {
-        int64_t lo, hi;
-        int tp_st_ = 0;
-        while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
+        int64_t lo, hi, nlo = 0, nhi = 0;
+        int tp_st_ = 0, ahead = 0;
+        while (cb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, &nlo, &nhi, &ahead)
+                      : tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
 #if defined(TP_HAVE_R2)
         if (cb_len) {   /* K blocks (see TP_XMIN) */
             const int64_t C = K / 128;
             for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
                 const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
+                int64_t p1;   /* the next row group [p0, p1), prefetched into L2 while this one runs */
+                const int64_t p0 = tp_next_group(n1, hi, TP_KR, ahead, nlo, nhi, &p1);
                 __m512 accb[TP_KR * 16];
                 for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm512_setzero_ps();
                 for (int64_t cb = 0; cb < C; cb += cb_len) {
@@ -753,16 +766,17 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                        rows, the weight rows in pairs (every activation load serving two) */
                     for (int64_t n = n0; n < n1; n += 2) {
                         const int R = n + 1 < n1 ? 2 : 1;
-                        const int64_t pfr = hi - TP_KR - n;   /* rows with a next group to prefetch */
+                        const int64_t pn = p0 + (n - n0), pfr = p1 - pn;   /* rows to prefetch */
                         const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
-                        const uint8_t *pfw = pfr > 0 ? wr + TP_KR * (K / 2) : NULL;
+                        const uint8_t *pfw = pfr > 0 ? w + pn * (K / 2) : NULL;
+                        const uint8_t *pfs = pfr > 0 ? scales + pn * sstride : NULL;
                         const int ipf = pfr < R ? (int)pfr : R;
                         __m512 *ap = accb + (n - n0) * B * 2;
                         switch (B * 2 + R - 1) {   /* (B, R), B <= 2 here */
-                            case 2: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 1, 0, 1); break;
-                            case 3: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 1, 0, 2); break;
-                            case 4: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 2, 0, 1); break;
-                            default: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, ipf, cb, ce, ap, 2, 0, 2); break;
+                            case 2: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, pfs, ipf, cb, ce, ap, 1, 0, 1); break;
+                            case 3: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, pfs, ipf, cb, ce, ap, 1, 0, 2); break;
+                            case 4: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, pfs, ipf, cb, ce, ap, 2, 0, 1); break;
+                            default: tp_row128_part(xr, corr, xsv, K, wr, sr, sstride, NULL, pfw, pfs, ipf, cb, ce, ap, 2, 0, 2); break;
                         }
                     }
                 }

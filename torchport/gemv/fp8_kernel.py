@@ -363,18 +363,22 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr & ~0x8040u);   /* subnormal weight codes must not read as zero */
-        int64_t lo, hi;
-        int tp_st_ = 0;
-        while (tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
+        int64_t lo, hi, nlo = 0, nhi = 0;
+        int tp_st_ = 0, ahead = 0;
+        while (kb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, &nlo, &nhi, &ahead)
+                      : tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
         if (kb_len) {   /* K blocks (B >= TP_KB_MIN_B, see TP_KR) */
             for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
                 const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
+                int64_t p1;   /* the next row group [p0, p1), prefetched into L2 while this one runs */
+                const int64_t p0 = tp_next_group(n1, hi, TP_KR, ahead, nlo, nhi, &p1);
                 tp_vf accb[TP_KR * 16];
                 for (int64_t i = 0; i < (n1 - n0) * (B > 1 ? 2 * B : 4); ++i) accb[i] = TP_ZERO();
                 for (int64_t kb = 0; kb < KF; kb += kb_len) {
                     const int64_t ke = kb + kb_len < KF ? kb + kb_len : KF;
                     for (int64_t n = n0; n < n1; ++n) {
-                        const uint8_t *wr = w + n * K, *pfw = n + TP_KR < hi ? wr + TP_KR * K : NULL;
+                        const int64_t pn = p0 + (n - n0), pfr = p1 - pn;   /* rows to prefetch */
+                        const uint8_t *wr = w + n * K, *pfw = pfr > 0 ? w + pn * K : NULL;
 #if TP_KB_MIN_B == 1
                         if (B == 1) {   /* the one-row chains (four accumulators a row) */
                             tp_row1_part(xs, wr, NULL, pfw, kb, ke, accb + (n - n0) * 4);
@@ -383,14 +387,12 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 #endif
 #if TP_V == 16
                         if (B <= 4 && n + 1 < n1) {   /* AVX-512: two weight rows per activation load */
-                            const int64_t pfr = hi - TP_KR - n;   /* rows with a next group to prefetch */
                             const int ipf = pfr < 2 ? (int)pfr : 2;
-                            const uint8_t *pf2 = pfr > 0 ? wr + TP_KR * K : NULL;
                             tp_vf *ap = accb + (n - n0) * B * 2;
                             switch (B) {
-                                case 2: tp_row_part(xs, K, wr, NULL, pf2, ipf, kb, ke, ap, 2, 2); break;
-                                case 3: tp_row_part(xs, K, wr, NULL, pf2, ipf, kb, ke, ap, 3, 2); break;
-                                default: tp_row_part(xs, K, wr, NULL, pf2, ipf, kb, ke, ap, 4, 2); break;
+                                case 2: tp_row_part(xs, K, wr, NULL, pfw, ipf, kb, ke, ap, 2, 2); break;
+                                case 3: tp_row_part(xs, K, wr, NULL, pfw, ipf, kb, ke, ap, 3, 2); break;
+                                default: tp_row_part(xs, K, wr, NULL, pfw, ipf, kb, ke, ap, 4, 2); break;
                             }
                             ++n;   /* the pair's second row done */
                             continue;
