@@ -9,8 +9,9 @@ streaming of two 128 MiB buffers on 2 MiB pages (all threads; the first configur
 thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight copies rotate so the working set exceeds L3 (cold).
 GB/s counts weight bytes (data + scales) per call. Every packed copy's settled route (see
 :func:`torchport.gemv.gemv_packed`) is made before timing: decode's steady state. The FP8 and FP4
-rows take float32 activations; ``fp8 bf16-x`` takes the bf16 activations the bf16 anchor takes
-(E4M3 weights then run on ``vdpbf16ps`` where the CPU has AVX512-BF16). ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
+rows take float32 activations; ``fp8 bf16-x`` and ``nvfp4 bf16-x`` take the bf16 activations the
+bf16 anchor takes and return bf16 results (E4M3 weights then run on ``vdpbf16ps`` where the CPU
+has AVX512-BF16; every kernel has a bf16-in, bf16-out entry). ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
 time per call, which time lost to other processes on a shared machine does not inflate.
 
 Run: ``torchport bench gemv [--quick]``.
@@ -67,6 +68,10 @@ def _alternate(gos: list[Callable[[], int]]) -> Callable[[int], int]:
     return lambda i: gos[i % 2]()
 
 
+def _bf16x(xb: torch.Tensor, pws: list, i: int) -> torch.Tensor:
+    return G.gemv_packed(xb, pws[i % len(pws)])
+
+
 def _bytes(w) -> int:
     if isinstance(w, torch.Tensor) and type(w) is torch.Tensor:
         return w.numel() * w.element_size()
@@ -105,7 +110,7 @@ def bench_batch(
         for pw in pws:
             G.gemv_packed(x, pw)
             G.gemv_packed(x, pw)
-    for pw in packs["fp8"]:  # E4M3 weights also meet the anchor's bf16 activations
+    for pw in packs["fp8"] + packs["nvfp4"]:  # E4M3 and NVFP4 also meet bf16 activations
         G.gemv_packed(xb, pw)
         G.gemv_packed(xb, pw)
 
@@ -119,7 +124,8 @@ def bench_batch(
     }
     for f in packs:
         fns[f"ours {f}"] = ours_packed(f)
-    fns["ours fp8 bf16x"] = lambda i: G.gemv_packed(xb, packs["fp8"][i % len(packs["fp8"])])
+    for f in ("fp8", "nvfp4"):  # the anchor's own (bf16) activations in, bf16 results out
+        fns[f"ours {f} bf16x"] = functools.partial(_bf16x, xb, packs[f])
     for name, gos in peak_reads().items():
         fns[name] = _alternate(gos)
     t = compare(fns, sets, reps=reps)
@@ -142,9 +148,11 @@ def bench_batch(
         a = f"F.linear {f}"
         o = t[f"ours {f}"]
         table.add(f"{tag} {f}", a, t[a], o, nbytes[f], of_bw=pct(f, o), of_peak=pct_peak(f, o))
-    # the quantized formats, then E4M3 weights with the anchor's own (bf16) activations (the
-    # vdpbf16ps kernel's case): (row name, timing name, weight format)
-    rows = [(f, f"ours {f}", f) for f in packs] + [("fp8 bf16-x", "ours fp8 bf16x", "fp8")]
+    # the quantized formats, then E4M3 and NVFP4 weights with the anchor's own (bf16)
+    # activations and bf16 results (the vdpbf16ps kernel's case for E4M3; the lane-block kernel's
+    # bf16 entry for NVFP4): (row name, timing name, weight format)
+    rows = [(f, f"ours {f}", f) for f in packs]
+    rows += [(f"{f} bf16-x", f"ours {f} bf16x", f) for f in ("fp8", "nvfp4")]
     for row, name, f in rows:
         table.add(
             f"{tag} {row}",

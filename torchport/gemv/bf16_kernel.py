@@ -84,7 +84,7 @@ from __future__ import annotations
 import functools
 
 from torchport import native
-from torchport.native import Kernel
+from torchport.gemv.kernels import GemvKernel
 
 _SOURCE = r"""
 #include <stdlib.h>
@@ -145,15 +145,6 @@ static int tp_bf16_row(const float *x, int64_t K, int64_t KP, uint16_t *xh) {
         xh[tp_xpos(k)] = (uint16_t)(u >> 16);
     }
     return 1;
-}
-
-/* A result as torch's CPU cast to bf16 writes it: nearest even, and every NaN 0xffff (its
-   vectorized conversion's NaN, whatever the length; not c10's scalar 0x7fc0). */
-TP_INLINE uint16_t tp_bf16_as_torch(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* Row x (K bf16 values) into xh[0..KP) at their tp_xpos places (zero past K). */
@@ -521,14 +512,6 @@ def _e4m3_bf16_bytes() -> tuple[str, str]:
 DP_WEIGHTS = ("bf16", "fp8_e4m3")
 
 
-class DPKernel(Kernel):
-    """The ``vdpbf16ps`` GEMV's ``tp_gemv`` entry (float32 activations and results) with its twin
-    :attr:`bf16io` (``tp_gemv_bf16io``: the same arguments, bf16 activations and bf16 results:
-    the bits of ``tp_gemv`` on the widened activations then torch's cast, NaN as 0xffff)."""
-
-    bf16io: Kernel
-
-
 @functools.cache
 def gemv_bf16_dp_kernel(
     isa: str,
@@ -537,7 +520,7 @@ def gemv_bf16_dp_kernel(
     hint: str = "T0",
     xblock: int | None = None,
     weights: str = "bf16",
-) -> DPKernel:
+) -> GemvKernel:
     """The ``vdpbf16ps`` GEMV (entry ``tp_gemv``, the same arguments as
     :func:`torchport.gemv.kernels.gemv_kernel`'s kernel of the weight format ``weights``: bf16 or
     ``fp8_e4m3``). ``prefetch``: bytes ahead of
@@ -547,7 +530,7 @@ def gemv_bf16_dp_kernel(
     for two to four activation rows, E4M3 weights from one (default :data:`XBLOCK_BYTES`, E4M3
     :data:`FP8_XBLOCK_BYTES`; 0: K in one piece). Raises
     ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint
     from torchport.gemv.kernels import XBLOCK_BYTES as FLOAT_XBLOCK_BYTES
 
     check_hint(hint)
@@ -584,9 +567,4 @@ def gemv_bf16_dp_kernel(
     src = native.render(SCHED_C + ("" if fp8 else _float_kernel_source()) + _SOURCE, **params)
     name = f"gemv_{'fp8' if fp8 else 'bf16'}dp_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
-    lib = native.build(src, name=name, isa=isa)
-    import torch
-
-    kern = DPKernel(lib, "tp_gemv", gemv_args(weights))
-    kern.bf16io = Kernel(lib, "tp_gemv_bf16io", gemv_args(weights, io=torch.bfloat16))
-    return kern
+    return GemvKernel(native.build(src, name=name, isa=isa), weights)

@@ -77,6 +77,7 @@ import functools
 import torch
 
 from torchport import native
+from torchport.gemv.kernels import GemvKernel
 from torchport.native import IntArg, Kernel, TensorArg
 
 _SOURCE = r"""
@@ -831,18 +832,17 @@ XBLOCK_BYTES = 8192
 @functools.cache
 def gemv_fp4_pair_kernel(
     fmt: str, isa: str, prefetch: int = 512, chunk: int | None = None
-) -> Kernel:
+) -> GemvKernel:
     """The pair-split int8-activation FP4 GEMV (AVX2; raises NativeError below AVX2). ``chunk``:
     weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, gemv_args
+    from torchport.gemv.kernels import CHUNK_BYTES
 
     if fmt not in FORMATS:
         raise ValueError(f"pair-split FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
     if isa == "scalar":
         raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    lib = _library(fmt, isa, prefetch, chunk)
-    return Kernel(lib, "tp_gemv", gemv_args(fmt))
+    return GemvKernel(_library(fmt, isa, prefetch, chunk), fmt)
 
 
 @functools.cache
@@ -853,14 +853,14 @@ def gemv_fp4_block_kernel(
     chunk: int | None = None,
     hint: str = "T0",
     xblock: int | None = None,
-) -> Kernel:
+) -> GemvKernel:
     """The lane-block int8-activation FP4 GEMV (AVX2; K a multiple of 128; raises NativeError
     below AVX2). ``prefetch``: bytes ahead of the weight stream, ``hint``: its locality
     (:data:`torchport.gemv.kernels.PREFETCH_HINTS`); ``chunk``: weight bytes per row claim
     (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static); ``xblock``: bytes of
     prepared activations (all rows) a K block keeps in L1 where they exceed 20 KB (AVX-512 only;
     default :data:`XBLOCK_BYTES`; 0: K in one piece)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, check_hint, gemv_args
+    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, check_hint
 
     if xblock is not None and xblock < 0:
         raise ValueError(f"lane-block FP4 gemv xblock must be >= 0 bytes, got {xblock!r}")
@@ -873,19 +873,23 @@ def gemv_fp4_block_kernel(
     chunk = CHUNK_BYTES if chunk is None else chunk
     xb = XBLOCK_BYTES if xblock is None else xblock
     src = native.render(
-        SCHED_C + _BLOCK_SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk, hint=hint, xblock=xb
+        SCHED_C + _BLOCK_SOURCE + BF16IO_C,
+        fmt=fmt,
+        prefetch=prefetch,
+        chunk=chunk,
+        hint=hint,
+        xblock=xb,
     )
     name = f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
-    lib = native.build(src, name=name, isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_args(fmt))
+    return GemvKernel(native.build(src, name=name, isa=isa), fmt)
 
 
 @functools.cache
 def _library(fmt: str, isa: str, prefetch: int, chunk: int) -> ctypes.CDLL:
-    from torchport.gemv.kernels import SCHED_C
+    from torchport.gemv.kernels import BF16IO_C, SCHED_C
 
-    src = native.render(SCHED_C + _SOURCE, fmt=fmt, prefetch=prefetch, chunk=chunk)
+    src = native.render(SCHED_C + _SOURCE + BF16IO_C, fmt=fmt, prefetch=prefetch, chunk=chunk)
     return native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}_c{chunk}", isa=isa)
 
 

@@ -85,7 +85,7 @@ from __future__ import annotations
 import functools
 
 from torchport import native
-from torchport.native import Kernel
+from torchport.gemv.kernels import GemvKernel
 
 _SOURCE = r"""
 #include <float.h>
@@ -483,7 +483,7 @@ def gemv_fp8_shift_kernel(
     hint: str = "T0",
     rows: int = 1,
     xblock: int | None = None,
-) -> Kernel:
+) -> GemvKernel:
     """The shift-decode E4M3 GEMV (entry ``tp_gemv``, the same arguments as
     :func:`torchport.gemv.kernels.gemv_kernel`'s ``fp8_e4m3`` kernel). ``prefetch``: bytes ahead
     of the weight stream, ``hint``: its locality (:data:`torchport.gemv.kernels.PREFETCH_HINTS`);
@@ -492,7 +492,7 @@ def gemv_fp8_shift_kernel(
     (each activation load serves them all; 1: the one-row loop); ``xblock``: bytes of prescaled
     activations (all rows) a K block keeps in L1 from two activation rows (default
     :data:`XBLOCK_BYTES`; 0: K in one piece)."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint, gemv_args
+    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint
 
     check_hint(hint)
     if isa == "scalar":
@@ -503,7 +503,7 @@ def gemv_fp8_shift_kernel(
         raise ValueError(f"shift-decode FP8 gemv xblock must be >= 0 bytes, got {xblock!r}")
     chunk = CHUNK_BYTES if chunk is None else chunk
     src = native.render(
-        SCHED_C + _SOURCE,
+        SCHED_C + _SOURCE + BF16IO_C,
         e4m3_table=_e4m3_table(),
         prefetch=prefetch,
         chunk=chunk,
@@ -513,5 +513,4 @@ def gemv_fp8_shift_kernel(
     )
     name = f"gemv_fp8shift_{isa}_p{prefetch}{hint}_c{chunk}" + (f"_r{rows}" if rows > 1 else "")
     name += "" if xblock is None else f"_x{xblock}"
-    lib = native.build(src, name=name, isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_args("fp8_e4m3"))
+    return GemvKernel(native.build(src, name=name, isa=isa), "fp8_e4m3")

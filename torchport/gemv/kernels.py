@@ -30,6 +30,7 @@ path; a portable scalar path is used below AVX2.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -43,6 +44,32 @@ FORMATS = ("f32", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp8_e4m3"
 # claim row ranges in turn from a shared counter, so a thread that starts late or runs on a busy
 # core takes fewer rows instead of holding up the call; measured A/B in bench_gemv_sched.
 CHUNK_BYTES = 256 << 10
+
+# The bf16-in, bf16-out entry of the GEMVs whose kernels take float32 activations (appended after
+# their ``tp_gemv``; the vdpbf16ps kernel defines its own, reading bf16 activations as they are).
+BF16IO_C = r"""
+/* tp_gemv for a bf16 model's decode: the activations widened (exactly) into a float32 copy, the
+   float32 results rounded as torch's cast rounds them (tp_bf16_as_torch): tp_gemv on x.float()
+   followed by .bfloat16(), without the caller's two torch calls. Status 3: no memory. */
+TP_EXPORT int tp_gemv_bf16io(const uint16_t *x, int64_t B, int64_t K, const void *w, const uint8_t *scales,
+                             const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                             uint16_t *out, int64_t N, int64_t nthreads) {
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(B * K) + 64);
+    float *of = (float *)malloc(sizeof(float) * (size_t)(B * N) + 64);
+    if (!xf || !of) { free(xf); free(of); return 3; }
+    for (int64_t i = 0; i < B * K; ++i) {
+        const uint32_t u = (uint32_t)x[i] << 16;
+        memcpy(xf + i, &u, 4);
+    }
+    const int status = tp_gemv(xf, B, K, w, scales, rowscale, pts_d, bias, has_bias, of, N, nthreads);
+    if (!status)
+        for (int64_t i = 0; i < B * N; ++i) out[i] = tp_bf16_as_torch(of[i]);
+    free(xf);
+    free(of);
+    return status;
+}
+"""
+
 
 # Locality hints of the weight-stream prefetch (``_MM_HINT_<hint>``) the lane-block FP4 and the
 # shift-decode FP8 kernels accept: ``T0`` (into every cache level) or ``NTA`` (non-temporal: the
@@ -59,6 +86,14 @@ def check_hint(hint: str) -> None:
 
 # Row scheduling shared by every GEMV kernel source (prepended before rendering; no placeholders).
 SCHED_C = r"""
+/* A result as torch's CPU cast to bf16 writes it: nearest even, and every NaN 0xffff (its
+   vectorized conversion's NaN, whatever the length; not c10's scalar 0x7fc0). */
+static inline uint16_t tp_bf16_as_torch(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 /* Rows per claim: about chunk_bytes of weights, a multiple of 8 rows; 0 = static split. */
 static inline int64_t tp_chunk_rows(int64_t nt, int64_t row_bytes, int64_t chunk_bytes) {
     if (chunk_bytes <= 0 || nt <= 1) return 0;
@@ -504,7 +539,7 @@ def gemv_kernel(
     rows4: int | None = None,
     chunk: int = CHUNK_BYTES,
     xblock: int | None = None,
-) -> Kernel:
+) -> GemvKernel:
     """The compiled GEMV for one weight format (cached per process and on disk).
 
     ``rows4``: for one activation row, stream four weight rows at once (x loaded once). Default:
@@ -520,7 +555,7 @@ def gemv_kernel(
     if xblock is not None and xblock < 0:
         raise ValueError(f"gemv xblock must be >= 0 bytes, got {xblock!r}")
     src = native.render(
-        SCHED_C + _SOURCE,
+        SCHED_C + _SOURCE + BF16IO_C,
         e4m3_table=_e4m3_table(),
         fmt=fmt,
         prefetch=prefetch,
@@ -530,14 +565,13 @@ def gemv_kernel(
     )
     name = f"gemv_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
-    lib = native.build(src, name=name, isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_args(fmt))
+    return GemvKernel(native.build(src, name=name, isa=isa), fmt)
 
 
 def gemv_args(fmt: str, io: torch.dtype = torch.float32) -> list:
     """The argument spec of every GEMV kernel's ``tp_gemv`` entry for weight format ``fmt`` (the
     kernels of one format share it; building it compiles nothing). ``io``: the activations' and
-    results' dtype (bfloat16: the ``vdpbf16ps`` kernel's ``tp_gemv_bf16io`` entry)."""
+    results' dtype (bfloat16: the ``tp_gemv_bf16io`` entry, :class:`GemvKernel`)."""
     f32 = (torch.float32,)
     return [
         TensorArg("x", (io,), ndim=2),
@@ -553,6 +587,17 @@ def gemv_args(fmt: str, io: torch.dtype = torch.float32) -> list:
         IntArg("N"),
         IntArg("nthreads"),
     ]
+
+
+class GemvKernel(Kernel):
+    """A GEMV library's ``tp_gemv`` entry (float32 activations and results, the
+    :func:`gemv_args` contract) with its twin :attr:`bf16io` (``tp_gemv_bf16io``: the same
+    arguments with bf16 activations and bf16 results: the bits of ``tp_gemv`` on the widened
+    activations, then torch's cast, NaN as 0xffff)."""
+
+    def __init__(self, lib: ctypes.CDLL, fmt: str) -> None:
+        super().__init__(lib, "tp_gemv", gemv_args(fmt))
+        self.bf16io = Kernel(lib, "tp_gemv_bf16io", gemv_args(fmt, io=torch.bfloat16))
 
 
 # --- FP4 weights × int8-quantized activations (maddubs) ------------------------------------------
@@ -761,12 +806,12 @@ I8_FORMATS = ("nvfp4", "mxfp4")
 @functools.cache
 def gemv_i8_kernel(
     fmt: str, isa: str, prefetch: int = 512, rows4: int = 0, chunk: int = CHUNK_BYTES
-) -> Kernel:
+) -> GemvKernel:
     """FP4-weight GEMV with activations quantized to int8 per 32 (``maddubs`` dot products)."""
     if fmt not in I8_FORMATS:
         raise ValueError(f"int8-activation gemv format must be one of {I8_FORMATS}, got {fmt!r}")
     src = native.render(
-        SCHED_C + _I8_SOURCE,
+        SCHED_C + _I8_SOURCE + BF16IO_C,
         e4m3_table=_e4m3_table(),
         fmt=fmt,
         prefetch=prefetch,
@@ -774,4 +819,4 @@ def gemv_i8_kernel(
         chunk=chunk,
     )
     lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}", isa=isa)
-    return Kernel(lib, "tp_gemv", gemv_args(fmt))
+    return GemvKernel(lib, fmt)

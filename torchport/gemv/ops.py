@@ -32,11 +32,11 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
-from torchport.gemv.bf16_kernel import DP_WEIGHTS, DPKernel, gemv_bf16_dp_kernel
+from torchport.gemv.bf16_kernel import DP_WEIGHTS, gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import XBLOCK_BYTES as SHIFT_XBLOCK_BYTES
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
-from torchport.gemv.kernels import FORMATS, I8_FORMATS, gemv_i8_kernel, gemv_kernel
+from torchport.gemv.kernels import FORMATS, I8_FORMATS, GemvKernel, gemv_i8_kernel, gemv_kernel
 
 MAX_ROWS = 8
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -895,10 +895,11 @@ def settle_route(
     plan = _native_plan(pw, rows, allow_int8, x.dtype == torch.bfloat16)
     if plan is None:
         return None
-    # bf16 activations meeting the vdpbf16ps kernel: its bf16-in, bf16-out entry (no float32
-    # copy of x, no cast of the result: two torch calls fewer, ~75 us of cold Python per call),
-    # where torch's cast writes NaN as the entry does
-    io = x.dtype == torch.bfloat16 and isinstance(plan.kernel, DPKernel) and _cast_nan_is_ffff()
+    # bf16 activations: the kernel's bf16-in, bf16-out entry (no float32 copy of x, no cast of
+    # the result: two torch calls fewer, ~75 us of cold Python per call; the vdpbf16ps kernel
+    # reads the bf16 values as they are, the others widen them in C), where torch's cast writes
+    # NaN as the entry does
+    io = x.dtype == torch.bfloat16 and isinstance(plan.kernel, GemvKernel) and _cast_nan_is_ffff()
     call = (plan.kernel.bf16io if io else plan.kernel).raw_call  # type: ignore[union-attr]
     ad, arm_threads = plan.adaptive, plan.arm_threads
     nt_fixed = plan.threads or native.num_threads()  # the route is dropped if the count changes
