@@ -16,7 +16,7 @@ from torchport import native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
-from torchport.gemv.kernels import GemvKernel, gemv_i8_kernel, gemv_kernel
+from torchport.gemv.kernels import NONFINITE_STATUS, GemvKernel, gemv_i8_kernel, gemv_kernel
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
 
 ISA = native.cpu_info().isa
@@ -71,23 +71,33 @@ def test_bf16io_entry_is_the_float_entry_then_torchs_cast(
     for k in ks:
         g = torch.Generator().manual_seed(rows * k + len(family))
         pw = _pack(fmt, torch.randn(N, k, generator=g) * 0.1)
-        x = torch.randn(rows, k, generator=g).bfloat16()
-        x[0, 3] = float("nan")
+        x = torch.randn(rows, k, generator=g).bfloat16()  # row 0 finite throughout
         if rows > 1:
-            x[1, 5] = float("inf")
-            x[-1, :] = 3e38  # sums beyond bf16's range (inf after the cast)
+            x[1, 3] = float("nan")  # (int8-activation kernels hand it to the float kernel)
+        if rows > 2:
+            x[2, 5] = float("inf")
+        if rows > 3:
+            x[3, :] = 3e38  # sums beyond bf16's range (inf after the cast)
         bias = torch.randn(N, generator=g)
         for threads in (1, 2):
             for b in (None, bias):
                 full = torch.empty(rows, N)
                 gops._launch(kern, x.float(), pw, b, full, threads)
                 out = torch.full((rows, N), 7.0, dtype=torch.bfloat16)
-                bb = b if b is not None else torch.zeros(1)
-                st = kern.bf16io(x, rows, k, pw.data, pw.scales, pw.rowscale, pw.pts, bb,
-                                 int(b is not None), out, N, threads)  # fmt: skip
+                raw = (x.data_ptr(), rows, k, pw.data.data_ptr(), pw.scales.data_ptr(),
+                       pw.rowscale.data_ptr(), pw.pts, b.data_ptr() if b is not None else 0,
+                       int(b is not None), out.data_ptr(), N, threads)  # fmt: skip
+                st = kern.bf16io.raw_call(*raw)
+                if st == NONFINITE_STATUS:  # an int8-activation kernel, non-finite activations
+                    assert kern.int8_isa is not None and rows > 1
+                    assert bool((out.float() == 7.0).all())  # nothing written
+                    twin = kern.float_twin()
+                    assert twin is not None
+                    st = twin.bf16io.raw_call(*raw)
                 assert st == 0
                 want = full.bfloat16().view(torch.int16)
                 assert torch.equal(out.view(torch.int16), want), (k, threads, b is None)
+                assert bool(full[0].isfinite().all())  # (a row whose rounding is compared)
 
 
 @pytest.mark.skipif(ISA == "scalar", reason="the lane-block kernel needs AVX2")
@@ -111,11 +121,11 @@ def test_settled_route_with_bf16_activations_takes_the_bf16_entry(fmt: str) -> N
     entry (where torch's cast agrees on NaN) and returns the bits of the first, general call
     (float32 kernel call, then a cast); a non-contiguous activation is served the same."""
     g = torch.Generator().manual_seed(len(fmt))
-    pw = _pack(fmt, torch.randn(700, 640, generator=g) * 0.1)
+    w = torch.randn(700, 640, generator=g) * 0.1
+    pw = _pack(fmt, w)
     x = torch.randn(1, 640, generator=g).bfloat16()
-    x[0, 9] = float("nan")
     first = gops.gemv_packed(x, pw)
-    assert first.dtype == torch.bfloat16
+    assert first.dtype == torch.bfloat16 and bool(first.isfinite().all())
     for _ in range(3):  # settles the route, then serves it
         out = gops.gemv_packed(x, pw)
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
@@ -123,5 +133,17 @@ def test_settled_route_with_bf16_activations_takes_the_bf16_entry(fmt: str) -> N
     if route is None:
         pytest.skip("no settled route (an ATen plan or native kernels off)")
     assert route.run.bf16io is gops._cast_nan_is_ffff()
-    xt = torch.randn(640, 1, generator=g).bfloat16().t()  # non-contiguous
-    assert torch.equal(gops.gemv_packed(xt, pw), gops.gemv_packed(xt.contiguous(), pw))
+    # other activations through the settled route against a weight that has no route (its first
+    # call takes the general path: float32 kernel call, then torch's cast); one of them
+    # non-contiguous, one with a NaN
+    fresh = _pack(fmt, w)
+    xt = torch.randn(640, 1, generator=g).bfloat16().t()
+    xn = torch.randn(1, 640, generator=g).bfloat16()
+    xn[0, 9] = float("nan")
+    for xs in (xt, xn):
+        fresh.routes.clear()
+        want = gops.gemv_packed(xs, fresh)
+        assert not fresh.routes.get(True)
+        got = gops.gemv_packed(xs, pw)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert bool(got.isnan().all())

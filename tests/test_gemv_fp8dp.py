@@ -216,7 +216,7 @@ def test_settled_route_with_bf16_activations_takes_the_bf16_entry() -> None:
     x = torch.randn(4, 640, generator=g).bfloat16()
     first = gops.gemv_packed(x, pw)  # the general path: float32 kernel call, then a cast
     plan = gops.plan_for(pw, 4, False, True)
-    if not isinstance(plan.kernel, gops.GemvKernel):
+    if not plan.candidate.name.startswith("dp"):
         pytest.skip(f"the tuner chose {plan.candidate.name}, not the pair dot")
     for _ in range(3):  # settles the route, then serves it
         assert torch.equal(gops.gemv_packed(x, pw), first)
@@ -237,7 +237,7 @@ def test_routes_take_the_bf16_entry_only_where_torchs_cast_agrees(monkeypatch, s
     x[0, 7] = float("nan")
     first = gops.gemv_packed(x, pw)
     plan = gops.plan_for(pw, 2, False, True)
-    if not isinstance(plan.kernel, gops.GemvKernel):
+    if not plan.candidate.name.startswith("dp"):
         pytest.skip(f"the tuner chose {plan.candidate.name}, not the pair dot")
     for _ in range(3):
         out = gops.gemv_packed(x, pw)

@@ -364,13 +364,13 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
     {
         int64_t lo, hi, nlo = 0, nhi = 0;
         int tp_st_ = 0, ahead = 0;
-        while (kb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, &nlo, &nhi, &ahead)
+        while (kb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)
                       : tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
         if (kb_len) {   /* K blocks (see TP_KR) */
             for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
                 const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
                 int64_t p1;   /* the next row group [p0, p1), prefetched into L2 while this one runs */
-                const int64_t p0 = tp_next_group(n1, hi, TP_KR, ahead, nlo, nhi, &p1);
+                const int64_t p0 = tp_next_group(n1, hi, TP_KR, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
                 __m512 accb[TP_KR * 16];
                 for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm512_setzero_ps();
                 for (int64_t kb = 0; kb < K64; kb += kb_len) {

@@ -246,6 +246,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                       const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
                       float *out, int64_t N, int64_t nthreads) {
     if (K % 64) return 2;
+    if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
 #if defined(FMT_nvfp4)
     const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
 #else
@@ -428,7 +429,8 @@ TP_INLINE __m512i tp_negsum128(__m512i c128, __m512i lo, __m512i hi) {
    chunks, so a row's sums depend neither on that nor on R (per row the same operations in the
    same order). Prefetches each row's pfa + r K / 2 + 64 c with the kernel's hint (the row's own
    stream ahead) unless pfa is NULL, and for the first pfr rows pfw + r K / 2 + 64 c (the rows the
-   next row group reads) into L2, with their block scales (pfs + r sstride, every fourth chunk).
+   next row group reads) into L2, with their block scales (pfs + r sstride, every fourth chunk and
+   the last).
    Without the scales' prefetch the K blocks read each row's scales as short runs from DRAM:
    4096x11008 NVFP4 B=1 from DRAM, two threads, old / new interleaved: 0.82 / 0.69 ms (sum 45
    GB/s), 0.88 / 0.81 ms (sum 35 GB/s). */
@@ -461,7 +463,7 @@ TP_INLINE void tp_row128_part(const int8_t *xr, const int32_t *corr, const float
             const uint8_t *wp = w + r * WR + (c) * 64;                                             \
             if (pfa) _mm_prefetch(pfa + r * WR + (c) * 64, _MM_HINT_${hint});                      \
             if (r < pfr) _mm_prefetch((const char *)(pfw + r * WR + (c) * 64), _MM_HINT_T1);       \
-            if (r < pfr && ((c) & 3) == 0)   /* their block scales: 32 or 16 bytes a step */        \
+            if (r < pfr && (((c) & 3) == 0 || (c) == c1 - 1))   /* their scales (a row's last line too) */ \
                 _mm_prefetch((const char *)(pfs + r * sstride + (c) * TP_SPC), _MM_HINT_T1);       \
             const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(                           \
                 _mm256_loadu_si256((const __m256i *)wp)), _mm256_loadu_si256((const __m256i *)(wp + 32)), 1); \
@@ -719,6 +721,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                       float *out, int64_t N, int64_t nthreads) {
     (void)rowscale;
     if (K % 128) return 2;
+    if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
 #if defined(FMT_nvfp4)
     const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
     const int64_t sstride = K / 16;
@@ -750,7 +753,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     {
         int64_t lo, hi, nlo = 0, nhi = 0;
         int tp_st_ = 0, ahead = 0;
-        while (cb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, &nlo, &nhi, &ahead)
+        while (cb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)
                       : tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
 #if defined(TP_HAVE_R2)
         if (cb_len) {   /* K blocks (see TP_XMIN) */
@@ -758,7 +761,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
             for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
                 const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
                 int64_t p1;   /* the next row group [p0, p1), prefetched into L2 while this one runs */
-                const int64_t p0 = tp_next_group(n1, hi, TP_KR, ahead, nlo, nhi, &p1);
+                const int64_t p0 = tp_next_group(n1, hi, TP_KR, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
                 __m512 accb[TP_KR * 16];
                 for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm512_setzero_ps();
                 for (int64_t cb = 0; cb < C; cb += cb_len) {
@@ -842,7 +845,7 @@ def gemv_fp4_pair_kernel(
     if isa == "scalar":
         raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    return GemvKernel(_library(fmt, isa, prefetch, chunk), fmt)
+    return GemvKernel(_library(fmt, isa, prefetch, chunk), fmt, int8_isa=isa)
 
 
 @functools.cache
@@ -882,7 +885,7 @@ def gemv_fp4_block_kernel(
     )
     name = f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
-    return GemvKernel(native.build(src, name=name, isa=isa), fmt)
+    return GemvKernel(native.build(src, name=name, isa=isa), fmt, int8_isa=isa)
 
 
 @functools.cache

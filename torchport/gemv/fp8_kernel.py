@@ -365,13 +365,13 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         _mm_setcsr(csr & ~0x8040u);   /* subnormal weight codes must not read as zero */
         int64_t lo, hi, nlo = 0, nhi = 0;
         int tp_st_ = 0, ahead = 0;
-        while (kb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, &nlo, &nhi, &ahead)
+        while (kb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)
                       : tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
         if (kb_len) {   /* K blocks (B >= TP_KB_MIN_B, see TP_KR) */
             for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
                 const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
                 int64_t p1;   /* the next row group [p0, p1), prefetched into L2 while this one runs */
-                const int64_t p0 = tp_next_group(n1, hi, TP_KR, ahead, nlo, nhi, &p1);
+                const int64_t p0 = tp_next_group(n1, hi, TP_KR, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
                 tp_vf accb[TP_KR * 16];
                 for (int64_t i = 0; i < (n1 - n0) * (B > 1 ? 2 * B : 4); ++i) accb[i] = TP_ZERO();
                 for (int64_t kb = 0; kb < KF; kb += kb_len) {

@@ -94,6 +94,19 @@ static inline uint16_t tp_bf16_as_torch(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+/* 1 when any of the n floats is NaN or infinite. The int8-activation kernels (FP4 weights) return
+   TP_NONFINITE for such activations, whose quantization would turn them into finite values: the
+   caller then runs the float kernel, whose IEEE products give NaN and infinities as torch does. */
+#define TP_NONFINITE 5
+static inline int tp_any_nonfinite(const float *x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        m |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    return (int)m;
+}
 /* Rows per claim: about chunk_bytes of weights, a multiple of 8 rows; 0 = static split. */
 static inline int64_t tp_chunk_rows(int64_t nt, int64_t row_bytes, int64_t chunk_bytes) {
     if (chunk_bytes <= 0 || nt <= 1) return 0;
@@ -117,33 +130,37 @@ static inline int tp_claim_rows(int64_t *next, int64_t N, int64_t step, int *sta
     *hi = s + step < N ? s + step : N;
     return 1;
 }
-/* Row claims of the K-block loops, which prefetch the next row group into L2 while one runs: the
-   range after [lo, hi) is claimed ahead ([nlo, nhi), *ahead = 0 when none is left) so that a
-   range's last group prefetches the next range's first rows, which otherwise start from DRAM (one
-   group in six with 256 KiB claims at K = 11008). Two threads, weights from DRAM, previous / this
-   build interleaved: 4096x11008 NVFP4 B=1 0.94 / 0.78 ms, E4M3 vdpbf16ps B=4 1.68 / 1.29, float32
-   B=4 8.8 / 5.7; 11008x4096 E4M3 vdpbf16ps B=4 1.52 / 1.41. */
+/* Row claims of the K-block loops, which prefetch the next row group into L2 while one runs: a
+   range's last group claims the next range ahead ([nlo, nhi), *ahead = 0 when none is left) and
+   prefetches its first rows, which otherwise start from DRAM (one group in six with 256 KiB claims
+   at K = 11008); the loop then takes that range (tp_claim_rows_ahead) instead of a new claim. The
+   claim is made at the last group, not with the range: a call of two claims would otherwise go to
+   one thread. Two threads, weights from DRAM, previous / this build interleaved: 4096x11008 NVFP4
+   B=1 0.94 / 0.78 ms, E4M3 vdpbf16ps B=4 1.68 / 1.29, float32 B=4 8.8 / 5.7; 11008x4096 E4M3
+   vdpbf16ps B=4 1.52 / 1.41. */
 static inline int tp_claim_rows_ahead(int64_t *next, int64_t N, int64_t step, int *state, int64_t *lo,
-                                      int64_t *hi, int64_t *nlo, int64_t *nhi, int *ahead) {
+                                      int64_t *hi, int64_t nlo, int64_t nhi, int *ahead) {
     if (*ahead) {
-        *lo = *nlo;
-        *hi = *nhi;
-    } else if (!tp_claim_rows(next, N, step, state, lo, hi)) {
-        return 0;
+        *ahead = 0;
+        *lo = nlo;
+        *hi = nhi;
+        return 1;
     }
-    *ahead = tp_claim_rows(next, N, step, state, nlo, nhi);
-    return 1;
+    return tp_claim_rows(next, N, step, state, lo, hi);
 }
-/* The row group after [n0, n1) (groups of kr rows): its first row, its end in *end; the next
-   range's first group after a range's last one, and 0 with *end = 0 when there is none. */
-static inline int64_t tp_next_group(int64_t n1, int64_t hi, int64_t kr, int ahead, int64_t nlo,
-                                    int64_t nhi, int64_t *end) {
+/* The row group after [n0, n1) (groups of kr rows) in [lo, hi): its first row, its end in *end;
+   at the range's last group the next range's first group, claimed here (see above), and 0 with
+   *end = 0 when there is none. */
+static inline int64_t tp_next_group(int64_t n1, int64_t hi, int64_t kr, int64_t *next, int64_t N,
+                                    int64_t step, int *state, int64_t *nlo, int64_t *nhi, int *ahead,
+                                    int64_t *end) {
     if (n1 < hi) {
         *end = n1 + kr < hi ? n1 + kr : hi;
         return n1;
     }
-    *end = ahead ? (nlo + kr < nhi ? nlo + kr : nhi) : 0;
-    return ahead ? nlo : 0;
+    *ahead = tp_claim_rows(next, N, step, state, nlo, nhi);
+    *end = *ahead ? (*nlo + kr < *nhi ? *nlo + kr : *nhi) : 0;
+    return *ahead ? *nlo : 0;
 }
 """
 
@@ -418,14 +435,14 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const W_T *w, const 
     {
         int64_t lo, hi, nlo = 0, nhi = 0;
         int tp_st_ = 0, ahead = 0;
-        while (kb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, &nlo, &nhi, &ahead)
+        while (kb_len ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)
                       : tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
 #if defined(TP_HAVE_KBLOCKS)
         if (kb_len) {
             for (int64_t n0 = lo; n0 < hi; n0 += TP_FKR) {
                 const int64_t n1 = n0 + TP_FKR < hi ? n0 + TP_FKR : hi;
                 int64_t p1;   /* the next row group [p0, p1), prefetched into L2 while this one runs */
-                const int64_t p0 = tp_next_group(n1, hi, TP_FKR, ahead, nlo, nhi, &p1);
+                const int64_t p0 = tp_next_group(n1, hi, TP_FKR, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
                 __m256 accb[TP_FKR * 16];
                 for (int64_t i = 0; i < (n1 - n0) * B * 2; ++i) accb[i] = _mm256_setzero_ps();
                 for (int64_t kb = 0; kb < KF; kb += kb_len) {
@@ -589,15 +606,30 @@ def gemv_args(fmt: str, io: torch.dtype = torch.float32) -> list:
     ]
 
 
+# The status an int8-activation kernel returns for non-finite activations (TP_NONFINITE in SCHED_C)
+NONFINITE_STATUS = 5
+
+
 class GemvKernel(Kernel):
     """A GEMV library's ``tp_gemv`` entry (float32 activations and results, the
     :func:`gemv_args` contract) with its twin :attr:`bf16io` (``tp_gemv_bf16io``: the same
     arguments with bf16 activations and bf16 results: the bits of ``tp_gemv`` on the widened
-    activations, then torch's cast, NaN as 0xffff)."""
+    activations, then torch's cast, NaN as 0xffff).
 
-    def __init__(self, lib: ctypes.CDLL, fmt: str) -> None:
+    ``int8_isa``: the kernel quantizes its activations to int8 (FP4 weights) and, built for that
+    ISA, returns :data:`NONFINITE_STATUS` without writing ``out`` when they hold a NaN or an
+    infinity; the caller runs :meth:`float_twin` instead."""
+
+    def __init__(self, lib: ctypes.CDLL, fmt: str, int8_isa: str | None = None) -> None:
         super().__init__(lib, "tp_gemv", gemv_args(fmt))
         self.bf16io = Kernel(lib, "tp_gemv_bf16io", gemv_args(fmt, io=torch.bfloat16))
+        self.fmt = fmt
+        self.int8_isa = int8_isa
+
+    def float_twin(self) -> GemvKernel | None:
+        """The float-activation kernel of this kernel's format and ISA (built on first use) for
+        calls it hands back with :data:`NONFINITE_STATUS`; None for a float-activation kernel."""
+        return None if self.int8_isa is None else gemv_kernel(self.fmt, self.int8_isa)
 
 
 # --- FP4 weights × int8-quantized activations (maddubs) ------------------------------------------
@@ -748,6 +780,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                       const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
                       float *out, int64_t N, int64_t nthreads) {
     if (K % 32) return 2;
+    if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
     const float pts = (float)pts_d;
     const int64_t G = K / 32;
 #if defined(FMT_nvfp4)
@@ -819,4 +852,4 @@ def gemv_i8_kernel(
         chunk=chunk,
     )
     lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}", isa=isa)
-    return GemvKernel(lib, fmt)
+    return GemvKernel(lib, fmt, int8_isa=isa)

@@ -27,6 +27,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -36,7 +37,14 @@ from torchport.gemv.bf16_kernel import DP_WEIGHTS, gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import XBLOCK_BYTES as SHIFT_XBLOCK_BYTES
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
-from torchport.gemv.kernels import FORMATS, I8_FORMATS, GemvKernel, gemv_i8_kernel, gemv_kernel
+from torchport.gemv.kernels import (
+    FORMATS,
+    I8_FORMATS,
+    NONFINITE_STATUS,
+    GemvKernel,
+    gemv_i8_kernel,
+    gemv_kernel,
+)
 
 MAX_ROWS = 8
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -392,7 +400,7 @@ def _launch(
     threads: int,
 ) -> None:
     rows = x.numel() // pw.k
-    status = kern.call_unchecked(  # type: ignore[attr-defined]
+    raw = (
         x.data_ptr(),
         rows,
         pw.k,
@@ -406,8 +414,23 @@ def _launch(
         pw.n,
         threads or native.num_threads(),
     )
+    status = kern.call_unchecked(*raw)  # type: ignore[attr-defined]
     if status:
-        raise _status_error(pw.fmt, status, rows, pw.k)
+        status = _nonfinite_retry(kern, status, False, raw)
+        if status:
+            raise _status_error(pw.fmt, status, rows, pw.k)
+
+
+def _nonfinite_retry(kern: object, status: int, io: bool, raw: tuple[Any, ...]) -> int:
+    """A call an int8-activation kernel handed back (non-finite activations, which int8 would
+    turn finite) run by its format's float kernel (``io``: its bf16 entry); other statuses
+    unchanged."""
+    if status != NONFINITE_STATUS or not isinstance(kern, GemvKernel):
+        return status
+    twin = kern.float_twin()
+    if twin is None:
+        return status
+    return int((twin.bf16io if io else twin).raw_call(*raw))
 
 
 def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeError:
@@ -419,6 +442,8 @@ def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeErro
         why = f"could not allocate the prepared activations for {rows} rows of K={k}"
     elif status == 4:
         why = "the pair-dot kernel got activations that are not bf16 values"
+    elif status == NONFINITE_STATUS:
+        why = "non-finite activations and no float kernel to take them"
     else:
         why = f"status {status}"
     return native.NativeError(f"gemv kernel {fmt} failed: {why}")
@@ -900,7 +925,8 @@ def settle_route(
     # reads the bf16 values as they are, the others widen them in C), where torch's cast writes
     # NaN as the entry does
     io = x.dtype == torch.bfloat16 and isinstance(plan.kernel, GemvKernel) and _cast_nan_is_ffff()
-    call = (plan.kernel.bf16io if io else plan.kernel).raw_call  # type: ignore[union-attr]
+    kern = plan.kernel
+    call = (kern.bf16io if io else kern).raw_call  # type: ignore[union-attr]
     ad, arm_threads = plan.adaptive, plan.arm_threads
     nt_fixed = plan.threads or native.num_threads()  # the route is dropped if the count changes
     k, n, pts, fmt = pw.k, pw.n, pw.pts, pw.fmt
@@ -936,18 +962,22 @@ def settle_route(
             if calls % every == 0 or ad.pending >= 0:  # a sampled call: the adaptive times it
 
                 def go(threads: int) -> None:
-                    status = call(
-                        xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads
-                    )
+                    raw = (xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads)
+                    status = call(*raw)
                     if status:
-                        raise _status_error(fmt, status, rows, k)
+                        status = _nonfinite_retry(kern, status, io, raw)
+                        if status:
+                            raise _status_error(fmt, status, rows, k)
 
                 ad(go)
                 return out.to(dtype) if cast else out
             nt = arm_threads[ad.current]
         status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
         if status:
-            raise _status_error(fmt, status, rows, k)
+            raw = (xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
+            status = _nonfinite_retry(kern, status, io, raw)
+            if status:
+                raise _status_error(fmt, status, rows, k)
         return out.to(dtype) if cast else out
 
     nthreads = torch.get_num_threads()

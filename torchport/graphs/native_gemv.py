@@ -44,6 +44,7 @@ def _ptr(cg: Any, t: torch.Tensor | None) -> str:
 
 def emit_gemv(cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
     """Emit the kernel call for a recorded ``gemv_packed`` / ``gemv_dense`` op."""
+    from torchport.gemv.kernels import NONFINITE_STATUS, GemvKernel
     from torchport.gemv.ops import PackedWeight, native_launch, pack_dense
 
     names = (
@@ -78,8 +79,17 @@ def emit_gemv(cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], o
     kernel, threads = launch
     fid = cg.add_fn(kernel._fn)  # type: ignore[attr-defined]
     code = cg.error(f"{name}: kernel {pw.fmt} (N={pw.n}, K={pw.k}) failed")
-    cg.lines.append(
-        f"  if (((tp_gemv_t)F[{fid}])({cg.ref(x)[0]}, {rows}, {pw.k}, {_ptr(cg, pw.data)}, "
-        f"{_ptr(cg, pw.scales)}, {_ptr(cg, pw.rowscale)}, {pw.pts!r}, {_ptr(cg, bias)}, "
-        f"{int(bias is not None)}, {cg.ref(out)[0]}, {pw.n}, {threads})) return {code};"
+    call = (
+        f"({cg.ref(x)[0]}, {rows}, {pw.k}, {_ptr(cg, pw.data)}, {_ptr(cg, pw.scales)}, "
+        f"{_ptr(cg, pw.rowscale)}, {pw.pts!r}, {_ptr(cg, bias)}, {int(bias is not None)}, "
+        f"{cg.ref(out)[0]}, {pw.n}, {threads})"
     )
+    twin = kernel.float_twin() if isinstance(kernel, GemvKernel) else None
+    if twin is None:
+        cg.lines.append(f"  if (((tp_gemv_t)F[{fid}]){call}) return {code};")
+        return
+    # an int8-activation kernel hands non-finite activations back: its format's float kernel
+    tid = cg.add_fn(twin._fn)
+    cg.lines.append(f"  {{ int s_ = ((tp_gemv_t)F[{fid}]){call};")
+    cg.lines.append(f"    if (s_ == {NONFINITE_STATUS}) s_ = ((tp_gemv_t)F[{tid}]){call};")
+    cg.lines.append(f"    if (s_) return {code}; }}")

@@ -1,0 +1,118 @@
+"""Non-finite activations meeting FP4 weights: the int8-activation kernels hand them back.
+
+Quantizing a NaN or an infinity to int8 would give finite values (a silent wrong answer), so the
+lane-block, pair-split and group-32 kernels return ``NONFINITE_STATUS`` for such activations
+without writing their output, and every caller (``_launch``, settled routes with float32 or bf16
+activations, graph capture's native tier) runs the format's float kernel instead, whose IEEE
+products give NaN and infinities where ``F.linear`` on the dequantized weight gives them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchport import native
+from torchport.gemv import ops as gops
+from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
+from torchport.gemv.kernels import NONFINITE_STATUS, gemv_i8_kernel, gemv_kernel
+from torchport.graphs import Graph
+from torchport.lowp import MXTensor, NVFP4Tensor
+
+ISA = native.cpu_info().isa
+pytestmark = pytest.mark.skipif(ISA == "scalar", reason="the int8-activation kernels need AVX2")
+
+
+def _pack(fmt: str, w: torch.Tensor) -> gops.PackedWeight:
+    return (NVFP4Tensor if fmt == "nvfp4" else MXTensor).from_float(w).gemv_pack()
+
+
+def _activations(rows: int, k: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=g)
+    x[rows - 1, 7] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}[kind]
+    return x
+
+
+def _same_pattern(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """NaN where the reference has NaN, the same infinities, finite values close."""
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.isposinf(), ref.isposinf())
+    assert torch.equal(out.isneginf(), ref.isneginf())
+    fin = ref.isfinite()
+    assert torch.allclose(out[fin].double(), ref[fin].double(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt", "k"),
+    [
+        ("block", "nvfp4", 256),
+        ("block", "mxfp4", 10368),
+        ("pair", "nvfp4", 192),
+        ("i8", "mxfp4", 96),
+    ],
+)
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_int8_kernels_hand_back_nonfinite_activations(family, fmt, k, kind) -> None:
+    kern = {
+        "block": lambda: gemv_fp4_block_kernel(fmt, ISA, 4096),
+        "pair": lambda: gemv_fp4_pair_kernel(fmt, ISA),
+        "i8": lambda: gemv_i8_kernel(fmt, ISA),
+    }[family]()
+    g = torch.Generator().manual_seed(k)
+    pw = _pack(fmt, torch.randn(37, k, generator=g) * 0.1)
+    for rows in (1, 3):
+        x = _activations(rows, k, kind, g)
+        out = torch.full((rows, 37), 7.0)
+        raw = (x.data_ptr(), rows, k, pw.data.data_ptr(), pw.scales.data_ptr(),
+               pw.rowscale.data_ptr(), pw.pts, 0, 0, out.data_ptr(), 37, 2)  # fmt: skip
+        assert kern.raw_call(*raw) == NONFINITE_STATUS
+        assert bool((out == 7.0).all())  # nothing written
+        assert kern.float_twin() is gemv_kernel(fmt, ISA)
+        gops._launch(kern, x, pw, None, out, 2)  # runs the float kernel
+        want = torch.empty(rows, 37)
+        gops._launch(gemv_kernel(fmt, ISA), x, pw, None, want, 2)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+        _same_pattern(out, F.linear(x.double(), gops.dequantize_packed(pw).double()).float())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_packed_propagates_nan_and_inf_like_f_linear(fmt, dtype) -> None:
+    """The general path and the settled route (float32 and bf16 activations, bias, one and three
+    rows) give NaN and infinities where F.linear on the dequantized weight does."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 512, generator=g) * 0.1
+    pw = _pack(fmt, w)
+    bias = torch.randn(300, generator=g)
+    wd = gops.dequantize_packed(pw).double()
+    for rows in (1, 3):
+        good = torch.randn(rows, 512, generator=g).to(dtype)
+        for _ in range(3):  # settle a route for this shape
+            gops.gemv_packed(good, pw, bias)
+        assert pw.routes.get(True) is not None
+        for kind in ("nan", "inf", "-inf"):
+            x = _activations(rows, 512, kind, g).to(dtype)
+            out = gops.gemv_packed(x, pw, bias)
+            ref = F.linear(x.double(), wd, bias.double()).to(dtype)
+            _same_pattern(out.float(), ref.float())
+            assert not bool(out[: rows - 1].isnan().any())  # other rows untouched by it
+
+
+def test_captured_quantized_linear_propagates_nan() -> None:
+    """Graph capture's native tier runs the float kernel for a replay whose activations hold NaN."""
+    g = torch.Generator().manual_seed(5)
+    w = NVFP4Tensor.from_float(torch.randn(64, 256, generator=g) * 0.1)
+    x = torch.randn(1, 256, generator=g)
+    gr = Graph()
+    with torch.no_grad(), gr:
+        y = F.linear(x, w)
+    assert gr.tier == "native"
+    assert f"s_ == {NONFINITE_STATUS}" in gr.source  # (an int8-activation plan: the twin call)
+    finite = y.clone()
+    x[0, 5] = float("nan")
+    gr.replay()
+    assert bool(y.isnan().all())
+    x[0, 5] = 0.5
+    gr.replay()
+    assert bool(y.isfinite().all()) and not torch.equal(y, finite)
