@@ -12,25 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gemv_inputs import pack
 from torchport import native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import NONFINITE_STATUS, GemvKernel, gemv_i8_kernel, gemv_kernel
-from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
 
 ISA = native.cpu_info().isa
 N = 37
-
-
-def _pack(fmt: str, w: torch.Tensor) -> gops.PackedWeight:
-    if fmt == "nvfp4":
-        return NVFP4Tensor.from_float(w).gemv_pack()
-    if fmt == "mxfp4":
-        return MXTensor.from_float(w).gemv_pack()
-    if fmt == "fp8_e4m3":
-        return Float8Tensor.from_float(w).gemv_pack()
-    return gops.pack_dense(w.to(torch.bfloat16 if fmt == "bf16" else torch.float32))
 
 
 def _kernel(family: str, fmt: str) -> GemvKernel:
@@ -70,7 +60,7 @@ def test_bf16io_entry_is_the_float_entry_then_torchs_cast(
     kern = _kernel(family, fmt)
     for k in ks:
         g = torch.Generator().manual_seed(rows * k + len(family))
-        pw = _pack(fmt, torch.randn(N, k, generator=g) * 0.1)
+        pw = pack(fmt, torch.randn(N, k, generator=g) * 0.1)
         x = torch.randn(rows, k, generator=g).bfloat16()  # row 0 finite throughout
         if rows > 1:
             x[1, 3] = float("nan")  # (int8-activation kernels hand it to the float kernel)
@@ -105,7 +95,7 @@ def test_bf16io_entry_rejects_what_the_float_entry_rejects() -> None:
     """A K off the lane-block kernel's multiple: the bf16 entry returns the float entry's status
     (2)."""
     kern = gemv_fp4_block_kernel("nvfp4", ISA, 4096)
-    pw = _pack("nvfp4", torch.randn(8, 256))
+    pw = pack("nvfp4", torch.randn(8, 256))
     x = torch.randn(1, 256).bfloat16()
     out = torch.empty(1, 8, dtype=torch.bfloat16)
     raw = (x, 1, 192, pw.data, pw.scales, pw.rowscale, pw.pts, torch.zeros(1), 0, out, 8, 1)
@@ -122,7 +112,7 @@ def test_settled_route_with_bf16_activations_takes_the_bf16_entry(fmt: str) -> N
     (float32 kernel call, then a cast); a non-contiguous activation is served the same."""
     g = torch.Generator().manual_seed(len(fmt))
     w = torch.randn(700, 640, generator=g) * 0.1
-    pw = _pack(fmt, w)
+    pw = pack(fmt, w)
     x = torch.randn(1, 640, generator=g).bfloat16()
     first = gops.gemv_packed(x, pw)
     assert first.dtype == torch.bfloat16 and bool(first.isfinite().all())
@@ -136,7 +126,7 @@ def test_settled_route_with_bf16_activations_takes_the_bf16_entry(fmt: str) -> N
     # other activations through the settled route against a weight that has no route (its first
     # call takes the general path: float32 kernel call, then torch's cast); one of them
     # non-contiguous, one with a NaN
-    fresh = _pack(fmt, w)
+    fresh = pack(fmt, w)
     xt = torch.randn(640, 1, generator=g).bfloat16().t()
     xn = torch.randn(1, 640, generator=g).bfloat16()
     xn[0, 9] = float("nan")

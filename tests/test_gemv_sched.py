@@ -12,28 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gemv_inputs import pack
 from torchport import native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import gemv_i8_kernel, gemv_kernel
-from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
+from torchport.lowp import NVFP4Tensor
 
 pytestmark = pytest.mark.skipif(
     native.cpu_info().isa == "scalar", reason="the pair/shift kernels need AVX2"
 )
 
 N, K = 1003, 256  # N * K > the kernels' one-thread cut-off; N prime-ish, not a multiple of 8
-
-
-def _pack(fmt: str, w: torch.Tensor) -> gops.PackedWeight:
-    if fmt == "nvfp4":
-        return NVFP4Tensor.from_float(w).gemv_pack()
-    if fmt == "mxfp4":
-        return MXTensor.from_float(w).gemv_pack()
-    if fmt == "fp8_e4m3":
-        return Float8Tensor.from_float(w).gemv_pack()
-    return gops.pack_dense(w.to(torch.bfloat16 if fmt == "bf16" else torch.float32))
 
 
 def _kernels(family: str, fmt: str, chunk: int):
@@ -65,7 +56,7 @@ CASES = [
 @pytest.mark.parametrize(("family", "fmt"), CASES)
 def test_claimed_rows_match_static_split(family: str, fmt: str, rows: int) -> None:
     torch.manual_seed(rows)
-    pw = _pack(fmt, torch.randn(N, K) * 0.05)
+    pw = pack(fmt, torch.randn(N, K) * 0.05)
     x = torch.randn(rows, K)
     bias = torch.randn(N)
     outs = []
@@ -119,7 +110,7 @@ def test_k_block_claims_ahead_match_static_split(family: str, fmt: str, k: int, 
         pytest.skip("the vdpbf16ps kernel needs AVX512-BF16")
     torch.manual_seed(k + rows)
     n = 67
-    pw = _pack(fmt, torch.randn(n, k) * 0.05)
+    pw = pack(fmt, torch.randn(n, k) * 0.05)
     x = torch.randn(rows, k)
     if family == "dp":
         x = x.bfloat16().float()  # (the kernel's activations are bf16 values)
@@ -139,7 +130,7 @@ def test_k_block_claims_ahead_match_static_split(family: str, fmt: str, k: int, 
 
 def test_step_rounds_to_whole_row_groups() -> None:
     """A claim bigger than N (the default 256 KiB here) still covers every row exactly once."""
-    pw = _pack("nvfp4", torch.randn(N, K))
+    pw = pack("nvfp4", torch.randn(N, K))
     x = torch.randn(1, K)
     out = torch.full((1, N), float("nan"))
     gops._launch(gemv_fp4_pair_kernel("nvfp4", native.cpu_info().isa), x, pw, None, out, 2)
@@ -181,7 +172,7 @@ def test_tuned_plan_adapts_thread_count_with_identical_results() -> None:
     arm gives the same bits, so outputs do not depend on which launch a call took."""
     if native.num_threads() < 2:
         pytest.skip("needs two threads")
-    pw = _pack("nvfp4", torch.randn(1024, 512) * 0.05)  # 2**19 weights: tuned
+    pw = pack("nvfp4", torch.randn(1024, 512) * 0.05)  # 2**19 weights: tuned
     x = torch.randn(1, 512)
     first = gops.gemv_packed(x, pw)
     plan = gops.plan_for(pw, 1, gops._use_int8(pw, True))
@@ -200,7 +191,7 @@ def test_settled_route_passes_one_call_in_four_to_the_adaptive() -> None:
     every call."""
     if native.num_threads() < 2:
         pytest.skip("needs two threads")
-    pw = _pack("nvfp4", torch.randn(1024, 512) * 0.05)  # 2**19 weights: tuned, adaptive
+    pw = pack("nvfp4", torch.randn(1024, 512) * 0.05)  # 2**19 weights: tuned, adaptive
     x = torch.randn(1, 512)
     first = gops.gemv_packed(x, pw)
     assert torch.equal(gops.gemv_packed(x, pw), first)  # settles the route
@@ -218,7 +209,7 @@ def test_settled_route_runs_the_adaptive_current_launch_between_samples(monkeypa
     current arm, whichever it is, and hands the adaptive exactly one call in ROUTE_SAMPLE_EVERY."""
     if native.num_threads() < 2:
         pytest.skip("needs two threads")
-    pw = _pack("nvfp4", torch.randn(1024, 512) * 0.05)
+    pw = pack("nvfp4", torch.randn(1024, 512) * 0.05)
     x = torch.randn(1, 512)
     first = gops.gemv_packed(x, pw)
     plan = gops.plan_for(pw, 1, gops._use_int8(pw, True))
@@ -477,7 +468,7 @@ def test_final_round_keeps_the_interleaved_winner_and_caches_it(fresh_cache, mon
     monkeypatch.setattr(tuner, "FINAL_ROUND_SPREAD", 1e9)  # every native timed may enter
     monkeypatch.setattr(timing, "interleaved", fake_interleaved)
     monkeypatch.setattr(gops, "_PLANS", {})
-    pw = _pack("nvfp4", torch.randn(768, 512) * 0.05)  # 3 * 2**17 weights: tuned
+    pw = pack("nvfp4", torch.randn(768, 512) * 0.05)  # 3 * 2**17 weights: tuned
     plan = gops.plan_for(pw, 1, gops._use_int8(pw, True))
     assert timed == [gops.FINAL_ROUND]
     (entry,) = [e for e in autotune.choice_cache.entries().values() if e["op"] == "gemv"]
