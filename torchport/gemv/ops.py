@@ -784,7 +784,9 @@ def linear_decode(
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for decode shapes (≤ 8 rows) through the native GEMV.
 
-    ``weight``: float32/bfloat16 ``[N, K]`` or a ``torchport.lowp`` quantized tensor.
+    ``weight``: float32/bfloat16 ``[N, K]`` or a ``torchport.lowp`` quantized tensor. NaN and
+    infinities in ``x`` give NaN and infinities where ``F.linear`` on the dequantized weight
+    does: FP4 weights' int8-activation kernels hand such calls to the format's float kernel.
     """
     pack = getattr(weight, "gemv_pack", None)
     if callable(pack):  # a quantized weight packs once and keeps its settled routes
