@@ -84,6 +84,9 @@ def check_hint(hint: str) -> None:
         raise ValueError(f"gemv prefetch hint must be one of {PREFETCH_HINTS}, got {hint!r}")
 
 
+# The status an int8-activation kernel returns for non-finite activations (TP_NONFINITE in SCHED_C)
+NONFINITE_STATUS = 5
+
 # Row scheduling shared by every GEMV kernel source (prepended before rendering; no placeholders).
 SCHED_C = r"""
 /* A result as torch's CPU cast to bf16 writes it: nearest even, and every NaN 0xffff (its
@@ -97,7 +100,7 @@ static inline uint16_t tp_bf16_as_torch(float f) {
 /* 1 when any of the n floats is NaN or infinite. The int8-activation kernels (FP4 weights) return
    TP_NONFINITE for such activations, whose quantization would turn them into finite values: the
    caller then runs the float kernel, whose IEEE products give NaN and infinities as torch does. */
-#define TP_NONFINITE 5
+#define TP_NONFINITE ${nonfinite}
 static inline int tp_any_nonfinite(const float *x, int64_t n) {
     uint32_t m = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -162,7 +165,7 @@ static inline int64_t tp_next_group(int64_t n1, int64_t hi, int64_t kr, int64_t 
     *end = *ahead ? (*nlo + kr < *nhi ? *nlo + kr : *nhi) : 0;
     return *ahead ? *nlo : 0;
 }
-"""
+""".replace("${nonfinite}", str(NONFINITE_STATUS))
 
 
 def e4m3_values() -> torch.Tensor:
@@ -604,10 +607,6 @@ def gemv_args(fmt: str, io: torch.dtype = torch.float32) -> list:
         IntArg("N"),
         IntArg("nthreads"),
     ]
-
-
-# The status an int8-activation kernel returns for non-finite activations (TP_NONFINITE in SCHED_C)
-NONFINITE_STATUS = 5
 
 
 class GemvKernel(Kernel):

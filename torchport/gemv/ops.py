@@ -416,21 +416,20 @@ def _launch(
     )
     status = kern.call_unchecked(*raw)  # type: ignore[attr-defined]
     if status:
-        status = _nonfinite_retry(kern, status, False, raw)
-        if status:
-            raise _status_error(pw.fmt, status, rows, pw.k)
+        _after_status(kern, status, False, raw, pw.fmt)
 
 
-def _nonfinite_retry(kern: object, status: int, io: bool, raw: tuple[Any, ...]) -> int:
-    """A call an int8-activation kernel handed back (non-finite activations, which int8 would
-    turn finite) run by its format's float kernel (``io``: its bf16 entry); other statuses
-    unchanged."""
-    if status != NONFINITE_STATUS or not isinstance(kern, GemvKernel):
-        return status
-    twin = kern.float_twin()
-    if twin is None:
-        return status
-    return int((twin.bf16io if io else twin).raw_call(*raw))
+def _after_status(kern: object, status: int, io: bool, raw: tuple[Any, ...], fmt: str) -> None:
+    """A kernel call's non-zero ``status`` (``raw``: its arguments): a call an int8-activation
+    kernel handed back (non-finite activations, which int8 would turn finite) runs on its
+    format's float kernel (``io``: its bf16 entry); any other failure, or the float kernel's,
+    raises :func:`_status_error`."""
+    if status == NONFINITE_STATUS and isinstance(kern, GemvKernel):
+        twin = kern.float_twin()
+        if twin is not None:
+            status = int((twin.bf16io if io else twin).raw_call(*raw))
+    if status:
+        raise _status_error(fmt, status, raw[1], raw[2])
 
 
 def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeError:
@@ -967,19 +966,15 @@ def settle_route(
                     raw = (xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads)
                     status = call(*raw)
                     if status:
-                        status = _nonfinite_retry(kern, status, io, raw)
-                        if status:
-                            raise _status_error(fmt, status, rows, k)
+                        _after_status(kern, status, io, raw, fmt)
 
                 ad(go)
                 return out.to(dtype) if cast else out
             nt = arm_threads[ad.current]
-        status = call(xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
+        raw = (xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
+        status = call(*raw)
         if status:
-            raw = (xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
-            status = _nonfinite_retry(kern, status, io, raw)
-            if status:
-                raise _status_error(fmt, status, rows, k)
+            _after_status(kern, status, io, raw, fmt)
         return out.to(dtype) if cast else out
 
     nthreads = torch.get_num_threads()
