@@ -49,7 +49,9 @@ alone when the group's count is odd; per row the same operations: the same bits)
 weight row per load the K loop issued a 512-bit activation load per ``vdpbf16ps``: a step of
 64 weights against four rows ran at about 2.8 G ``vdpbf16ps``/s on one core (the instruction
 alone: 3.65), and the kernel below that from DRAM. Kernels alone, from DRAM, interleaved medians
-of 22, two threads (load 1.2, ``sum`` 35–59 GB/s), one row per load → pairs: E4M3 B=4 11008×4096
+of 22, two threads (load 1.2, ``sum`` 35–59 GB/s; one weight copy per round, old build first, so
+the later kernels read part of it from L3: absolute times low, 4096² most), one row per load →
+pairs: E4M3 B=4 11008×4096
 2.10 → 1.54 ms (NTA 2048; T0 2.15 → 1.56), 4096×11008 1.92 → 1.57, 4096×4096 0.74 → 0.52, B=2
 11008×4096 1.24 → 1.13, B=1 4096×11008 (blocks from one row) 1.41 → 1.16; bf16 B=4 11008×4096
 3.24 → 2.54, 4096×11008 3.92 → 3.27. K in one piece keeps one weight row per load below four

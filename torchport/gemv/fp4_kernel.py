@@ -603,7 +603,8 @@ TP_INLINE void tp_row128_r2(const int8_t *xr, const int32_t *corr, const float *
    loses the two-row loop, 1.65 -> 2.05), so those keep K in one piece. The blocks run their weight
    rows in pairs, every activation load serving two (per row the same operations: the same bits).
    4096x11008 from DRAM, previous / this build interleaved, medians of 18 (load 0.4-1.0, sum 29-34
-   GB/s), NTA 2048 / T0 4096 prefetch: NVFP4 B=1 two threads 1.06 / 0.78 -> 0.80 / 0.75 ms, one
+   GB/s; every kernel of a round read one weight copy, partly from L3 after the first: absolute
+   times low), NTA 2048 / T0 4096 prefetch: NVFP4 B=1 two threads 1.06 / 0.78 -> 0.80 / 0.75 ms, one
    thread 1.49 / 1.31 -> 1.31 / 1.23; MXFP4 B=1 0.98 / 0.68 -> 0.69 / 0.61; NVFP4 B=2 1.37 / 1.16 ->
    1.19 / 1.08. */
 #define TP_KR 8

@@ -75,7 +75,8 @@ interleaved medians of 9 (load 2-3), B=4 one thread (CPU time) 9.3 → 6.0–6.4
 blocks run two to four activation rows against weight rows in pairs, every activation load (one
 per FMA otherwise) serving two rows (per row the same FMAs in the same order: the same bits; 16
 accumulators, which the AVX2 build's sixteen registers cannot hold beside the decode). Kernels
-alone from DRAM, two threads, interleaved medians of 18 (load 1.2), one row → pairs: B=4
+alone from DRAM, two threads, interleaved medians of 18 (load 1.2; one weight copy per round,
+partly from L3 after its first kernel), one row → pairs: B=4
 4096×11008 3.15 → 2.40 ms, 11008×4096 3.50 → 3.35, B=2 11008×4096 1.67 → 1.46; the tuner offers
 it beside the AVX2 build (:data:`torchport.gemv.ops.SHIFT512_PREFETCH`).
 """
