@@ -394,6 +394,29 @@ def test_settled_route_matches_general_path_and_invalidates(fmt):
         _check(F.linear(xs, wq, bias), xs, wd, bias, 3e-2)
 
 
+@pytest.mark.parametrize("bias_kind", ["bf16", "strided", "f32"])
+def test_settled_route_sees_bias_writes_through_data(bias_kind):
+    """A write through ``bias.data`` (its own version counter: the route's checks cannot see it)
+    reaches the next settled call: a bias the route must convert is converted on every call, a
+    float32 contiguous one is read where it lives. (A copy made when the route settled kept the
+    old values.)"""
+    g = torch.Generator().manual_seed(15)
+    wq, wd = _weight("nvfp4", torch.randn(32, 64, generator=g))
+    base = torch.randn(64, generator=g)
+    bias = {"bf16": base[:32].bfloat16(), "strided": base[::2], "f32": base[:32].clone()}[bias_kind]
+    x = torch.randn(1, 64, generator=g)
+    with torch.no_grad():
+        F.linear(x, wq, bias)
+        first = F.linear(x, wq, bias)  # the settled route
+        assert wq._route is not None and torch.equal(wq._route.serve(x, bias), first)
+        bias.data.add_(100.0)
+        route = wq._route
+        after = route.serve(x, bias)
+        assert after is not None  # still served: the route's checks saw nothing
+        _check(after, x, wd, bias.float(), 3e-2)
+        assert float((after - first).mean()) == pytest.approx(100.0, rel=1e-3)
+
+
 def test_settled_route_leaves_autograd_calls_to_the_general_path():
     g = torch.Generator().manual_seed(14)
     wq, wd = _weight("nvfp4", torch.randn(24, 64, generator=g))

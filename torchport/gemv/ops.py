@@ -932,12 +932,12 @@ def settle_route(
     nt_fixed = plan.threads or native.num_threads()  # the route is dropped if the count changes
     k, n, pts, fmt = pw.k, pw.n, pw.pts, pw.fmt
     dptr, sptr, rptr = pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr()
-    bf = None
-    if bias is not None:
-        bf = bias.detach()
-        if bf.dtype != torch.float32 or not bf.is_contiguous():
-            bf = bf.float().contiguous()
-    bptr, has_bias = (bf.data_ptr(), 1) if bf is not None else (0, 0)
+    # A float32 contiguous bias is read where it lives (a write through ``bias.data``, which has
+    # its own version counter, is seen); any other is converted on every call: a float32 copy
+    # made once here missed such writes (bf16 model, ``m.bias.data.add_(100)``: output unmoved)
+    bf = bias.detach() if bias is not None else None
+    convert = bf is not None and (bf.dtype != torch.float32 or not bf.is_contiguous())
+    bptr, has_bias = (bf.data_ptr(), 1) if bf is not None and not convert else (0, int(convert))
     shape, out_shape = x.shape, (*x.shape[:-1], n)
     dtype, f32 = x.dtype, torch.float32
     cast = dtype is not f32 and not io  # float32 activations in, the result cast back
@@ -957,13 +957,17 @@ def settle_route(
         except IndexError:  # used up: the next batch
             out = new_out()
         xp, op = xf.data_ptr(), out.data_ptr()
+        bp = bptr
+        if convert:  # (``bc`` keeps the copy alive through the call)
+            bc = bf.float().contiguous()  # type: ignore[union-attr]
+            bp = bc.data_ptr()
         nt = nt_fixed
         if ad is not None:
             calls += 1  # (a lost update under threads only shifts the sampling)
             if calls % every == 0 or ad.pending >= 0:  # a sampled call: the adaptive times it
 
                 def go(threads: int) -> None:
-                    raw = (xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, threads)
+                    raw = (xp, rows, k, dptr, sptr, rptr, pts, bp, has_bias, op, n, threads)
                     status = call(*raw)
                     if status:
                         _after_status(kern, status, io, raw, fmt)
@@ -971,7 +975,7 @@ def settle_route(
                 ad(go)
                 return out.to(dtype) if cast else out
             nt = arm_threads[ad.current]
-        raw = (xp, rows, k, dptr, sptr, rptr, pts, bptr, has_bias, op, n, nt)
+        raw = (xp, rows, k, dptr, sptr, rptr, pts, bp, has_bias, op, n, nt)
         status = call(*raw)
         if status:
             _after_status(kern, status, io, raw, fmt)
