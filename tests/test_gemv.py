@@ -561,3 +561,37 @@ def test_specialised_kernels_compile_only_their_own_library(monkeypatch) -> None
         kerns.append(gemv_bf16_dp_kernel(isa, 3008))
     fmts = ("nvfp4", "fp8_e4m3", "bf16")
     assert all(k.args == tuple(gk.gemv_args(f)) for k, f in zip(kerns, fmts))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "nvfp4", "fp8_e4m3"])
+def test_gemv_gradients_match_f_linear(fmt):
+    """``gemv`` under autograd gives ``F.linear``'s gradients: the input's and bias's for every
+    weight, a dense weight's own too (it has ``requires_grad``); a quantized weight is frozen.
+    (Backward through the GEMV's ops raised "no autograd formula" before, and a dense weight with
+    ``requires_grad`` meeting activations without it gave an output with no gradient.)"""
+    g = torch.Generator().manual_seed(16)
+    w0 = torch.randn(24, 64, generator=g) * 0.1
+    wq, wd = _weight(fmt, w0)
+    dense = fmt in ("f32", "bf16")
+    dt = torch.bfloat16 if fmt == "bf16" else torch.float32
+    x0 = torch.randn(2, 64, generator=g).to(dt)
+    b0 = torch.randn(24, generator=g).to(dt)
+    for x_grad in (True, False):
+        x, b = x0.clone().requires_grad_(x_grad), b0.clone().requires_grad_(True)
+        w = wq.clone().requires_grad_(True) if dense else wq
+        out = gemv(x, w, b)
+        assert out.requires_grad
+        seed = torch.randn(out.shape, generator=g).to(out.dtype)
+        (out * seed).sum().backward()
+        xr, br = (
+            x0.double().clone().requires_grad_(x_grad),
+            b0.double().clone().requires_grad_(True),
+        )
+        wr = wd.double().clone().requires_grad_(dense)
+        (F.linear(xr, wr, br) * seed.double()).sum().backward()
+        tol = dict(rtol=2e-2, atol=2e-2) if fmt == "bf16" else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.grad.double(), br.grad, **tol)
+        if x_grad:
+            torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
+        if dense:
+            torch.testing.assert_close(w.grad.double(), wr.grad, **tol)

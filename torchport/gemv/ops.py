@@ -709,6 +709,45 @@ def _(
     return x.new_empty((*x.shape[:-1], n))
 
 
+# Autograd of the two ops, as F.linear's: the input's gradient through the (dequantized) weight,
+# the bias's the summed rows; a dense weight's gradient too (a packed one is frozen: its codes and
+# scales have none). Before these, backward through either op raised torch's "no autograd formula".
+
+
+def _gemv_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.inputs = inputs
+
+
+def _gemv_grads(
+    ctx: Any, grad: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w_grad: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(input, weight, bias) gradients of ``F.linear(x, w, bias)`` for ``grad`` (``w`` float)."""
+    x = ctx.inputs[0]
+    g2 = grad.reshape(-1, w.shape[0]).float()
+    gx = (g2 @ w.float()).reshape(x.shape).to(x.dtype) if x.requires_grad else None
+    gw = None
+    if w_grad:
+        gw = (g2.t() @ x.detach().reshape(-1, w.shape[1]).float()).to(w.dtype)
+    gb = g2.sum(0).to(bias.dtype) if bias is not None and bias.requires_grad else None
+    return gx, gw, gb
+
+
+def _gemv_dense_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    _, w, bias = ctx.inputs
+    return _gemv_grads(ctx, grad, w.detach(), bias, w.requires_grad)
+
+
+def _gemv_packed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    _, data, scales, rowscale, pts, fmt, n, k, bias, _ = ctx.inputs
+    w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k))
+    gx, _, gb = _gemv_grads(ctx, grad, w, bias, False)
+    return gx, None, None, None, None, None, None, None, gb, None
+
+
+gemv_dense_op.register_autograd(_gemv_dense_backward, setup_context=_gemv_setup)
+gemv_packed_op.register_autograd(_gemv_packed_backward, setup_context=_gemv_setup)
+
+
 def gemv_packed(
     x: torch.Tensor,
     pw: PackedWeight,
@@ -790,7 +829,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pack = getattr(weight, "gemv_pack", None)
     if callable(pack):  # a quantized weight packs once and keeps its settled routes
         return gemv_packed(x, pack(), bias)
-    return _gemv_checked(x, pack_dense(weight), bias, True, settle=False)
+    pw = pack_dense(weight)
+    if weight.requires_grad and torch.is_grad_enabled():  # the op's autograd: weight grads too
+        check_activation(x, pw.k)
+        _check_bias(bias, pw.n)
+        return gemv_dense_op(x, weight, bias)
+    return _gemv_checked(x, pw, bias, True, settle=False)
 
 
 # --- settled eager routes ------------------------------------------------------------------------
