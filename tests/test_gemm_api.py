@@ -986,3 +986,30 @@ def test_bf16_small_m_through_the_tuner_any_layout(k, layout):
         y = G.mm(x, b, bias=bias, epilogue=["gelu"])
     ref = mm_reference(x, b, EpilogueSpec.decode("bias_col:bf16;gelu"), [bias])
     torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "spec,operands,match",
+    [
+        ("bias_col:f32", [torch.randn(1)], r"operand 0 .* shape \(17,\), got torch.float32 \(1,\)"),
+        ("add:f32", [torch.randn(1, 1)], r"shape \(5, 17\), got torch.float32 \(1, 1\)"),
+        ("bias_col:f32", [torch.randn(17).bfloat16()], r"float32 tensor .* got torch.bfloat16"),
+        ("bias_row:f32", [torch.randn(17)], r"shape \(5,\), got torch.float32 \(17,\)"),
+        ("bias_col:f32", [], r"takes 1 operand tensors, got 0"),
+        ("relu", [torch.randn(17)], r"takes 0 operand tensors, got 1"),
+    ],
+)
+def test_raw_op_checks_operands_against_its_spec(spec, operands, match) -> None:
+    """``torch.ops.torchport.gemm`` is public: operands that do not fit the spec raise before any
+    kernel reads them (a ``[1]`` bias for N = 17 was read past its end, a missing operand crashed
+    the process), in eager calls and under the fake implementation alike."""
+    a, b = torch.randn(5, 3), torch.randn(3, 17)
+    with pytest.raises(GemmInputError, match=match):
+        torch.ops.torchport.gemm(a, b, operands, spec)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, pytest.raises(GemmInputError, match=match):
+        fake = [mode.from_tensor(t) for t in operands]
+        torch.ops.torchport.gemm(mode.from_tensor(a), mode.from_tensor(b), fake, spec)
+    with pytest.raises(GemmInputError, match="matching inner dimensions"):
+        torch.ops.torchport.gemm(a, torch.randn(4, 17), [], "")

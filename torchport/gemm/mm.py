@@ -27,6 +27,7 @@ from torchport.autotune import ATEN, L3_BYTES, Candidate, InvalidCandidate
 from torchport.gemm import kernels
 from torchport.gemm.adaptive import ArmGroup, ThreadAdaptive
 from torchport.gemm.epilogue import (
+    _TAG_DT,
     OPERAND_KINDS,
     EpilogueSpec,
     Step,
@@ -677,10 +678,50 @@ def _choose(
 # --- the custom op ---------------------------------------------------------------------------------
 
 
+# the operand shape each step kind needs, from (M, N)
+_OPERAND_SHAPES = {
+    "bias_col": lambda m, n: (n,),
+    "scale_col": lambda m, n: (n,),
+    "bias_row": lambda m, n: (m,),
+    "scale_row": lambda m, n: (m,),
+    "add": lambda m, n: (m, n),
+}
+
+
+def _check_op_args(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], sp: EpilogueSpec, spec: str
+) -> None:
+    """The raw op's arguments against its spec: :func:`mm` builds them right, but the op is public
+    (``torch.ops.torchport.gemm``) and the kernels read each operand's full span unchecked (a
+    ``[1]`` bias for N = 17 read past its end; a missing operand crashed the process)."""
+    _check_matrix("a", a)
+    _check_matrix("b", b)
+    if a.dtype != b.dtype or a.shape[1] != b.shape[0]:
+        raise GemmInputError(
+            f"gemm: a and b must have one dtype and matching inner dimensions, got {a.dtype} "
+            f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}"
+        )
+    kinds = [op for op in sp.ops if op.kind in OPERAND_KINDS]
+    if len(operands) != len(kinds):
+        raise GemmInputError(
+            f"gemm: epilogue {spec!r} takes {len(kinds)} operand tensors, got {len(operands)}"
+        )
+    m, n = a.shape[0], b.shape[1]
+    for i, (op, t) in enumerate(zip(kinds, operands)):
+        want, dt = _OPERAND_SHAPES[op.kind](m, n), _TAG_DT[op.dtype]
+        if not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dt and t.shape == want):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
+            raise GemmInputError(
+                f"gemm: operand {i} of epilogue {spec!r} ({op.kind}:{op.dtype}) must be a cpu "
+                f"{dt} tensor of shape {want}, got {got}"
+            )
+
+
 def _gemm_impl(
     a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
 ) -> torch.Tensor:
     sp = EpilogueSpec.decode(spec)
+    _check_op_args(a, b, operands, sp, spec)
     if native.enabled() and a.shape[0] > 0 and b.shape[1] > 0:
         try:
             _, run = _settle(a, b, sp, spec, operands)
@@ -695,6 +736,7 @@ _gemm_op = torch.library.custom_op("torchport::gemm", _gemm_impl, mutates_args=(
 
 @_gemm_op.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str) -> torch.Tensor:
+    _check_op_args(a, b, operands, EpilogueSpec.decode(spec), spec)
     out = EpilogueSpec.decode(spec).out_dtype(a.dtype)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out)
 
