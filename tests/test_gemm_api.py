@@ -1013,3 +1013,23 @@ def test_raw_op_checks_operands_against_its_spec(spec, operands, match) -> None:
         torch.ops.torchport.gemm(mode.from_tensor(a), mode.from_tensor(b), fake, spec)
     with pytest.raises(GemmInputError, match="matching inner dimensions"):
         torch.ops.torchport.gemm(a, torch.randn(4, 17), [], "")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scalar_tensor_scale_gets_its_gradient(dtype) -> None:
+    """A 0-dim ``Scale`` tensor with ``requires_grad`` (a learnable temperature) is fused as a
+    broadcast column, so autograd reaches it; it was turned into a Python float and its gradient
+    stayed None. Without ``requires_grad`` (or under no_grad) it is still a constant."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(5, 3, generator=g).to(dtype).requires_grad_(True)
+    b = torch.randn(3, 17, generator=g).to(dtype)
+    s = torch.tensor(1.5, dtype=dtype, requires_grad=True)
+    with config.override(autotune=False):
+        G.mm(a, b, epilogue=[G.Scale(s), "relu"]).sum().backward()
+        a2, s2 = a.detach().clone().requires_grad_(True), s.detach().clone().requires_grad_(True)
+        torch.relu((a2 @ b) * s2).sum().backward()
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(s.grad, s2.grad, **tol)
+        torch.testing.assert_close(a.grad, a2.grad, **tol)
+        with torch.no_grad():
+            assert split([G.Scale(s)], 5, 17).spec.encode() == "scale=1.5"

@@ -375,13 +375,17 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
             operands.append(t)
         elif isinstance(step, Scale):
             if isinstance(step.value, torch.Tensor):
-                if step.value.dim() == 0:
+                grad = step.value.requires_grad and torch.is_grad_enabled()
+                if step.value.dim() == 0 and not grad:
                     ops.append(Op("scale", value=_finite(float(step.value), idx)))
                     continue
                 if step.dim not in ("col", "row"):
                     raise EpilogueError(f"Scale.dim must be 'col' or 'row', got {step.dim!r}")
                 length = n if step.dim == "col" else m
-                t = _operand(step.value, (idx, "scale"), (length,))
+                value = step.value
+                if value.dim() == 0:  # a learnable scalar: a broadcast column, so it gets a grad
+                    value = value.reshape(1).expand(length)  # (a float constant had none)
+                t = _operand(value, (idx, "scale"), (length,))
                 ops.append(_op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
                 operands.append(t)
             else:
