@@ -34,6 +34,8 @@ from torchport import native
 from torchport.gemv.hugepages import hugepage_empty
 
 MAX_BYTES = 2 << 30
+# operands packed once and not kept that the cache remembers by key (see PackCache)
+SEEN_KEYS = 4096
 # Packed buffers of at least this many bytes live in 2 MiB transparent huge pages (Linux, best
 # effort). The small-M kernels stream the whole packed weight per call; with 4 KiB pages the
 # hardware prefetchers restart at every page and the TLB refills 4096 times per 16 MB. Measured
@@ -280,11 +282,19 @@ class PackCache:
     writes through ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
     storage address is never reused under a live entry; the least recently used entries are dropped
     beyond ``max_bytes``.
+
+    A parameter's packing (or a view's of one, as ``weight.t()``) is kept from its first use; any
+    other operand's from its second with the same key and sampled values (a weight Inductor passes
+    as a fresh alias, a constant), so one-off operands are not kept: an activation recomputed at a
+    reused address holds other values. Every packing used to be kept, each entry holding its
+    tensor: 60 calls on new 1 MiB operands held 60 entries and 120 MiB until the byte bound.
     """
 
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[object, ...], _Entry] = OrderedDict()
+        # operands packed once and not kept: key -> sampled values (no tensor held)
+        self._seen: OrderedDict[tuple[object, ...], object] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -304,6 +314,7 @@ class PackCache:
             stale = self._entries.pop(key, None) if e is not None else None
             if stale is not None:
                 self._bytes -= stale.packed.numel() * stale.packed.element_size()
+        param = isinstance(b, torch.nn.Parameter) or isinstance(b._base, torch.nn.Parameter)
         b = b.detach()
         reuse = None
         if stale is not None:
@@ -323,18 +334,24 @@ class PackCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.packed.numel() * old.packed.element_size()
-            if ver >= 0 and size <= self.max_bytes:
-                self._entries[key] = _Entry(b, ver, _Probe(b), packed)
+            probe = _Probe(b) if ver >= 0 and size <= self.max_bytes else None
+            if probe is not None and (param or self._seen.pop(key, None) == probe.read()):
+                self._entries[key] = _Entry(b, ver, probe, packed)
                 self._bytes += size
                 while self._bytes > self.max_bytes and self._entries:
                     _, ev = self._entries.popitem(last=False)
                     self._bytes -= ev.packed.numel() * ev.packed.element_size()
+            elif probe is not None:  # first sighting (or other values): remembered, not kept
+                self._seen[key] = probe.read()
+                if len(self._seen) > SEEN_KEYS:
+                    self._seen.popitem(last=False)
         return packed
 
     def clear(self) -> None:
         """Drop every entry (and the references to the tensors they hold)."""
         with self._lock:
             self._entries.clear()
+            self._seen.clear()
             self._bytes = 0
 
     def __len__(self) -> int:
