@@ -840,7 +840,7 @@ def test_pack_cache_repacks_new_version_in_place_unless_held():
     from torchport.gemm.pack import pack_b_reference
 
     cache = PackCache()
-    w = torch.randn(50, 40)
+    w = torch.nn.Parameter(torch.randn(50, 40), requires_grad=False)  # kept from its first use
     first = cache.get(w.t(), 24)
     ptr = first.data_ptr()
     del first
@@ -1054,3 +1054,16 @@ def test_scalar_tensor_scale_gets_its_gradient(dtype) -> None:
         torch.testing.assert_close(a.grad, a2.grad, **tol)
         with torch.no_grad():
             assert split([G.Scale(s)], 5, 17).spec.encode() == "scale=1.5"
+
+
+@pytest.mark.parametrize("step", [G.Gelu, G.Relu, G.Silu, G.Bias])
+def test_a_step_class_instead_of_an_instance_is_an_error(step) -> None:
+    """``epilogue=[Gelu]`` (the class) was taken for a callable tail step: the call returned a
+    ``Gelu`` object instead of a tensor (Relu/Silu raised a TypeError from ``__init__``)."""
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    with pytest.raises(
+        EpilogueError, match=rf"class {step.__name__}, not a step.*{step.__name__}\(\)"
+    ):
+        G.mm(a, b, epilogue=[step])
+    with pytest.raises(EpilogueError, match="not a step"):
+        G.mm(a, b, epilogue=["relu", step])

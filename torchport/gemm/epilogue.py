@@ -250,6 +250,7 @@ _PLAIN_OPS: dict[Step, Op] = {
     Silu(): Op("silu"),
 }
 _PLAIN_OPS.update({name: _PLAIN_OPS[step] for name, step in _NAMED.items()})
+_STEP_TYPES = (Bias, Relu, Gelu, Silu, Add, Scale, Cast)
 
 
 # the parameter-free steps (names, Relu(), Gelu(...), Silu()) as they appear in _FAST_SPECS keys
@@ -346,6 +347,11 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
         ops.append(_op("bias_col", _DT_TAG[t.dtype]))
         operands.append(t)
     for idx, step in enumerate(as_steps(steps), 0 if bias is None else 1):
+        if isinstance(step, type) and step in _STEP_TYPES:  # a class, not a step: it was taken
+            raise EpilogueError(  # for a callable tail (epilogue=[Gelu] returned a Gelu object)
+                f"epilogue step {idx} is the class {step.__name__}, not a step: pass an "
+                f"instance, e.g. {step.__name__}()"
+            )
         if tail or out:
             if isinstance(step, str):
                 step = _named(step)
