@@ -151,3 +151,37 @@ def test_eager_backend_runs_without_rewrites_for_other_dtypes():
     out = torch.compile(m, backend=c)(x)
     torch.testing.assert_close(out, m(x))
     assert last_report().rewrites["gemm_fusion"] == 0  # type: ignore[union-attr]
+
+
+class _Stateful(nn.Module):
+    """A layer that updates buffers in forward through calls whose results are unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 12)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("cache", torch.zeros(64, 12))
+        self.register_buffer("total", torch.zeros(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        h = F.gelu(self.fc(x))
+        self.cache[: x.shape[0]] = h.detach()
+        torch.add(self.total, 1.0, out=self.total)
+        return h
+
+
+@pytest.mark.parametrize("how", ["eager", "inductor", "torch.compile"])
+def test_buffer_updates_survive_the_rewrite(how):
+    torch.manual_seed(0)
+    m, x = _Stateful(), torch.randn(64, 16)
+    c = (
+        torch.compile(m, backend="torchport")
+        if how == "torch.compile"
+        else torchport.compile(m, inner=how)
+    )
+    for _ in range(2):
+        h = c(x)
+    assert last_report().rewrites["gemm_fusion"] == 1  # type: ignore[union-attr]
+    assert int(m.calls) == 2 and m.total.tolist() == [2.0] * 12
+    torch.testing.assert_close(m.cache, h.detach())
