@@ -3,7 +3,9 @@
 Rules (one per anchor pattern) run on dynamo's graph of torch-level ops. Each finds a GEMM
 (``F.linear``; ``torch.matmul``/``@``/``torch.mm`` with a 2-D right operand; ``torch.addmm`` with
 unit ``alpha``/``beta``), then absorbs the single-user chain that follows while each step is one
-the kernel can fuse and keeps the GEMM's dtype:
+the kernel can fuse and keeps the GEMM's dtype, and no node between the GEMM and the step may
+have side effects (an in-place update, a grad-mode or autocast switch: the fused op runs where
+the chain's last step was):
 
 - ``+ t`` with ``t`` of shape ``[N]`` (bias) or of the output's shape (residual);
 - ``* c`` with a finite Python number, or ``* t`` with ``t`` of shape ``[N]``;
@@ -29,6 +31,7 @@ from torchport.compiler.backend import register_pre_grad_pass
 from torchport.compiler.passes import (
     Pass,
     Rule,
+    has_side_effects,
     has_static_shape,
     is_call,
     is_plain_tensor,
@@ -138,6 +141,23 @@ def _epilogue_step(
     return None
 
 
+def _side_effect_between(first: fx.Node, last: fx.Node) -> bool:
+    """True if a node after ``first`` and before ``last`` (graph order) may have side effects.
+
+    The fused op replaces the chain at its *last* step, so every node between the GEMM and that
+    step then runs before the GEMM. That is harmless for pure nodes (the residual's own
+    computation) but not for an update of the GEMM's input or of an operand (the GEMM would read
+    the new value), nor for a grad-mode or autocast switch (a GEMM under ``torch.no_grad()``
+    would record gradients). A ``last`` not found after ``first`` counts as True.
+    """
+    node = first.next
+    while node is not last:
+        if node.op == "root" or has_side_effects(node):
+            return True
+        node = node.next
+    return False
+
+
 def _absorb(
     gm: fx.GraphModule, anchor: fx.Node, a: fx.Node, b: fx.Node, fn: Any, first: list[Any]
 ) -> bool:
@@ -155,6 +175,8 @@ def _absorb(
     chain = [anchor]
     while len(cur.users) == 1 and not out_dtype:
         user = next(iter(cur.users))
+        if _side_effect_between(cur, user):
+            break  # the fused op would run after it (see _side_effect_between)
         step = _epilogue_step(user, cur, out)
         if step is None:
             break
