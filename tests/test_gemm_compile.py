@@ -252,3 +252,14 @@ def test_gemm_under_no_grad_stays_there():
     assert last_report().rewrites["gemm_fusion"] == 2  # type: ignore[union-attr]
     assert m.frozen.weight.grad is None and m.frozen.bias.grad is None
     torch.testing.assert_close([m.head.weight.grad, r.grad], want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_with_broadcast_bias_is_left_alone():
+    torch.manual_seed(0)
+    w, b1, x = torch.randn(12, 16), torch.full((1,), 3.0), torch.randn(40, 16)
+
+    def f(x):
+        return torch.relu(F.linear(x, w, b1))  # a [1] bias broadcasts over N = 12
+
+    torch.testing.assert_close(torchport.compile(f, inner="eager")(x), f(x))
+    assert last_report().rewrites["gemm_fusion"] == 0  # type: ignore[union-attr]

@@ -216,7 +216,11 @@ def _linear_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
     first: list[Any] = []
     if bias is not None:
         bt = _meta(bias)
-        if not _fusable(bt) or bt is None or bt.dtype != wt.dtype or bt.dim() != 1:
+        # the kernel reads N bias values: a bias F.linear would broadcast (shape [1]) stays
+        # with F.linear (a symbolic N would need a guard to compare: also left alone)
+        if not _fusable(bt) or bt is None or bt.dtype != wt.dtype or not has_static_shape(wt):
+            return False
+        if tuple(bt.shape) != (wt.shape[0],):
             return False
         first.append((Op("bias_col", _TAG[bt.dtype]), bias))
     return _absorb(gm, node, x, w, fused_linear, first)
