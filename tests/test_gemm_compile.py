@@ -263,3 +263,15 @@ def test_linear_with_broadcast_bias_is_left_alone():
 
     torch.testing.assert_close(torchport.compile(f, inner="eager")(x), f(x))
     assert last_report().rewrites["gemm_fusion"] == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("k, n", [(0, 6), (5, 0)], ids=["K=0", "N=0"])
+def test_fused_linear_nd_empty_inner_or_output_dim(k, n):
+    w, b = torch.randn(n, k), torch.randn(n)
+
+    def f(x, r):
+        return torch.relu(F.linear(x, w, b) + r)
+
+    x, r = torch.randn(4, 3, k), torch.randn(4, 3, n)
+    torch.testing.assert_close(torchport.compile(f, inner="eager")(x, r), f(x, r))
+    assert last_report().rewrites["gemm_fusion"] == 1  # type: ignore[union-attr]

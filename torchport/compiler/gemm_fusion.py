@@ -43,10 +43,14 @@ from torchport.gemm.mm import gemm_op
 _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _flat_operands(operands: list[torch.Tensor], spec: str, n: int) -> list[torch.Tensor]:
+def _flat_operands(
+    operands: list[torch.Tensor], spec: str, rows: int, n: int
+) -> list[torch.Tensor]:
     sp = EpilogueSpec.decode(spec)
     kinds = [op.kind for op in sp.ops if op.dtype]
-    return [t.reshape(-1, n) if k == "add" and t.dim() != 2 else t for k, t in zip(kinds, operands)]
+    return [
+        t.reshape(rows, n) if k == "add" and t.dim() != 2 else t for k, t in zip(kinds, operands)
+    ]
 
 
 def fused_linear(
@@ -55,7 +59,10 @@ def fused_linear(
     """``epilogue(linear(x, weight))`` over the last dimension (the pass's replacement)."""
     n, k = weight.shape
     lead = x.shape[:-1]
-    y = gemm_op(x.reshape(-1, k), weight.t(), _flat_operands(operands, spec, n), spec)
+    # the row count spelled out: reshape(-1, 0) of an empty tensor (K = 0 or N = 0) is
+    # ambiguous and raises, where F.linear returns the bias broadcast
+    rows = math.prod(lead)
+    y = gemm_op(x.reshape(rows, k), weight.t(), _flat_operands(operands, spec, rows, n), spec)
     return y.reshape(*lead, n)
 
 
@@ -65,7 +72,8 @@ def fused_matmul(
     """``epilogue(x @ b)`` for 2-D ``b`` (the pass's replacement)."""
     k, n = b.shape
     lead = x.shape[:-1]
-    y = gemm_op(x.reshape(-1, k), b, _flat_operands(operands, spec, n), spec)
+    rows = math.prod(lead)  # spelled out, as in fused_linear
+    y = gemm_op(x.reshape(rows, k), b, _flat_operands(operands, spec, rows, n), spec)
     return y.reshape(*lead, n)
 
 
