@@ -65,3 +65,39 @@ def test_bad_inner():
         torchport.compiler.CompileOptionError, match=r"inner must be one of .* got 'tvm'"
     ):
         torchport.compile(f, inner="tvm")
+
+
+def _mutating(x, b, out):
+    b.add_(1)  # a call_method whose result nothing reads
+    torch.add(b, 1.0, out=out)  # an out= call
+    torch.relu_(out)  # an in-place function
+    return torch.relu(torch.relu(x)) + 1
+
+
+def test_pass_clean_up_keeps_unused_mutations():
+    gm = fx.symbolic_trace(_mutating)
+    assert DOUBLE_RELU(gm, verify=True) == 1
+    assert [n.target for n in gm.graph.nodes if n.op != "placeholder"][:3] == [
+        "add_",
+        torch.add,
+        torch.relu_,
+    ]
+    b, out = torch.zeros(3), torch.full((3,), -5.0)
+    gm(torch.randn(3), b, out)
+    assert b.tolist() == [1.0] * 3 and out.tolist() == [2.0] * 3
+
+
+def test_pass_clean_up_removes_what_the_rewrite_left_unused():
+    def g(x):
+        y = torch.relu(torch.relu(x))
+        return torch.relu(x.sin()) + y
+
+    def _drop_relu_of_sin(gm: fx.GraphModule, node: fx.Node) -> bool:
+        if is_call(node, torch.relu) and is_call(node.args[0], torch.sin):
+            node.args = (node.args[0].args[0],)  # relu(sin(x)) -> relu(x): sin is now unused
+            return True
+        return False
+
+    gm = fx.symbolic_trace(g)
+    Pass("p", [Rule("relu(sin(x)) -> relu(x)", _drop_relu_of_sin)])(gm)
+    assert not any(n.target is torch.sin for n in gm.graph.nodes)

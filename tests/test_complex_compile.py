@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import torchport
 from torchport.compiler.complex import (
@@ -253,3 +255,17 @@ def test_complex_with_dynamic_spec_one_graph_fw_bw(inner: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     reps = torchport.compiler.reports()[n0:]
     assert len(reps) == 1 and reps[0].complex
+
+
+def test_lowering_keeps_an_unused_in_place_update() -> None:
+    def fn(z: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        b.add_(1)  # a call_method nothing reads: its effect is the update of b
+        return torch.ops.aten.mul.Tensor(z, z)
+
+    gm = fx.symbolic_trace(fn)
+    z, b = _randc((3,)), torch.zeros(3)
+    FakeTensorProp(gm).propagate(z, b.clone())
+    real, in_l, out_l = lower_complex(gm)
+    (out,) = join_outputs(list(real(*split_inputs([z, b], in_l))), out_l)
+    torch.testing.assert_close(out, z * z)
+    assert b.tolist() == [1.0] * 3

@@ -106,6 +106,15 @@ def test_linear_nd_and_residual(dtype):
     assert linear(x[0, 0], w).shape == (20,)
 
 
+@pytest.mark.parametrize("k, n", [(0, 6), (5, 0)], ids=["K=0", "N=0"])
+def test_linear_nd_empty_inner_or_output_dim(k, n):
+    # reshape(-1, 0) of an empty tensor is ambiguous: the row count must be spelled out
+    x, w, b, r = torch.randn(4, 3, k), torch.randn(n, k), torch.randn(n), torch.randn(4, 3, n)
+    y = linear(x, w, b, epilogue=[G.Add(r), "relu"])
+    assert y.shape == (4, 3, n)
+    torch.testing.assert_close(y, torch.relu(F.linear(x, w, b) + r))
+
+
 def test_autograd_matches_torch():
     torch.manual_seed(0)
     x = torch.randn(6, 12, requires_grad=True)

@@ -11,6 +11,7 @@ import torchport
 from torchport import config
 from torchport.compiler import TorchportBackend, last_report, verify_graph
 from torchport.compiler.gemm_fusion import GEMM_FUSION, fused_linear, fused_matmul
+from torchport.gemm.epilogue import EpilogueSpec
 
 
 @pytest.fixture(autouse=True)
@@ -151,3 +152,126 @@ def test_eager_backend_runs_without_rewrites_for_other_dtypes():
     out = torch.compile(m, backend=c)(x)
     torch.testing.assert_close(out, m(x))
     assert last_report().rewrites["gemm_fusion"] == 0  # type: ignore[union-attr]
+
+
+class _Stateful(nn.Module):
+    """A layer that updates buffers in forward through calls whose results are unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 12)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("cache", torch.zeros(64, 12))
+        self.register_buffer("total", torch.zeros(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        h = F.gelu(self.fc(x))
+        self.cache[: x.shape[0]] = h.detach()
+        torch.add(self.total, 1.0, out=self.total)
+        return h
+
+
+@pytest.mark.parametrize("how", ["eager", "inductor", "torch.compile"])
+def test_buffer_updates_survive_the_rewrite(how):
+    torch.manual_seed(0)
+    m, x = _Stateful(), torch.randn(64, 16)
+    c = (
+        torch.compile(m, backend="torchport")
+        if how == "torch.compile"
+        else torchport.compile(m, inner=how)
+    )
+    for _ in range(2):
+        h = c(x)
+    assert last_report().rewrites["gemm_fusion"] == 1  # type: ignore[union-attr]
+    assert int(m.calls) == 2 and m.total.tolist() == [2.0] * 12
+    torch.testing.assert_close(m.cache, h.detach())
+
+
+def _mutates_input(x, w):
+    y = F.linear(x, w)
+    s = x.mul_(2.0).sum()  # the GEMM reads x before this update
+    return torch.relu(y), s
+
+
+def _mutates_residual(x, w, r):
+    z = F.linear(x, w) + r
+    s = r.zero_().sum()  # the add reads r before this update
+    return F.gelu(z), s
+
+
+def _pure_between(x, w, r):
+    y = F.linear(x, w)
+    r2 = torch.tanh(r) * 2  # pure nodes between the GEMM and its steps: still fused
+    return F.gelu(y + r2), r2
+
+
+@pytest.mark.parametrize(
+    "fn, fused_ops",
+    [(_mutates_input, []), (_mutates_residual, ["add"]), (_pure_between, ["add", "gelu"])],
+    ids=["input", "residual", "pure"],
+)
+def test_chain_stops_before_a_side_effect(fn, fused_ops):
+    torch.manual_seed(0)
+    w, x, r = torch.randn(12, 16), torch.randn(40, 16), torch.randn(40, 12)
+    args = (x, w) if fn is _mutates_input else (x, w, r)
+    want = fn(*[a.clone() for a in args])
+    got = torchport.compile(fn, inner="eager", verify=True)(*[a.clone() for a in args])
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    captured = []
+
+    def capture(gm, example_inputs):
+        GEMM_FUSION(gm)
+        captured.extend(n for n in gm.graph.nodes if n.target is fused_linear)
+        return gm.forward
+
+    torch.compile(fn, backend=capture)(*[a.clone() for a in args])
+    assert [[op.kind for op in EpilogueSpec.decode(n.args[3]).ops] for n in captured] == [fused_ops]
+
+
+class _FrozenBase(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen, self.head = nn.Linear(16, 12), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.frozen(x)
+        return self.head(F.gelu(h) + r)
+
+
+def test_gemm_under_no_grad_stays_there():
+    torch.manual_seed(0)
+    m, x, r = _FrozenBase(), torch.randn(64, 16), torch.randn(64, 12, requires_grad=True)
+    m(x, r).sum().backward()
+    want = [m.head.weight.grad.clone(), r.grad.clone()]  # type: ignore[union-attr]
+    m.zero_grad()
+    r.grad = None
+    torchport.compile(m, inner="eager", verify=True)(x, r).sum().backward()
+    assert last_report().rewrites["gemm_fusion"] == 2  # type: ignore[union-attr]
+    assert m.frozen.weight.grad is None and m.frozen.bias.grad is None
+    torch.testing.assert_close([m.head.weight.grad, r.grad], want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_with_broadcast_bias_is_left_alone():
+    torch.manual_seed(0)
+    w, b1, x = torch.randn(12, 16), torch.full((1,), 3.0), torch.randn(40, 16)
+
+    def f(x):
+        return torch.relu(F.linear(x, w, b1))  # a [1] bias broadcasts over N = 12
+
+    torch.testing.assert_close(torchport.compile(f, inner="eager")(x), f(x))
+    assert last_report().rewrites["gemm_fusion"] == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("k, n", [(0, 6), (5, 0)], ids=["K=0", "N=0"])
+def test_fused_linear_nd_empty_inner_or_output_dim(k, n):
+    w, b = torch.randn(n, k), torch.randn(n)
+
+    def f(x, r):
+        return torch.relu(F.linear(x, w, b) + r)
+
+    x, r = torch.randn(4, 3, k), torch.randn(4, 3, n)
+    torch.testing.assert_close(torchport.compile(f, inner="eager")(x, r), f(x, r))
+    assert last_report().rewrites["gemm_fusion"] == 1  # type: ignore[union-attr]

@@ -39,6 +39,7 @@ from torchport.compiler.complex_rules import (
     _node_val,
     fold_select_of_stack,
 )
+from torchport.compiler.passes import eliminate_dead_code
 
 __all__ = [
     "RULES",
@@ -100,7 +101,9 @@ class _Lowering:
             else:
                 self.env[n] = self._call(n)
         gm = fx.GraphModule(self.src, self.graph)
-        gm.graph.eliminate_dead_code()
+        # rules may emit a part that nothing reads; unused nodes with side effects (a copied-over
+        # in-place update) stay
+        eliminate_dead_code(gm.graph)
         gm.recompile()
         return gm
 

@@ -3,7 +3,9 @@
 Rules (one per anchor pattern) run on dynamo's graph of torch-level ops. Each finds a GEMM
 (``F.linear``; ``torch.matmul``/``@``/``torch.mm`` with a 2-D right operand; ``torch.addmm`` with
 unit ``alpha``/``beta``), then absorbs the single-user chain that follows while each step is one
-the kernel can fuse and keeps the GEMM's dtype:
+the kernel can fuse and keeps the GEMM's dtype, and no node between the GEMM and the step may
+have side effects (an in-place update, a grad-mode or autocast switch: the fused op runs where
+the chain's last step was):
 
 - ``+ t`` with ``t`` of shape ``[N]`` (bias) or of the output's shape (residual);
 - ``* c`` with a finite Python number, or ``* t`` with ``t`` of shape ``[N]``;
@@ -29,6 +31,7 @@ from torchport.compiler.backend import register_pre_grad_pass
 from torchport.compiler.passes import (
     Pass,
     Rule,
+    has_side_effects,
     has_static_shape,
     is_call,
     is_plain_tensor,
@@ -40,10 +43,14 @@ from torchport.gemm.mm import gemm_op
 _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _flat_operands(operands: list[torch.Tensor], spec: str, n: int) -> list[torch.Tensor]:
+def _flat_operands(
+    operands: list[torch.Tensor], spec: str, rows: int, n: int
+) -> list[torch.Tensor]:
     sp = EpilogueSpec.decode(spec)
     kinds = [op.kind for op in sp.ops if op.dtype]
-    return [t.reshape(-1, n) if k == "add" and t.dim() != 2 else t for k, t in zip(kinds, operands)]
+    return [
+        t.reshape(rows, n) if k == "add" and t.dim() != 2 else t for k, t in zip(kinds, operands)
+    ]
 
 
 def fused_linear(
@@ -52,7 +59,10 @@ def fused_linear(
     """``epilogue(linear(x, weight))`` over the last dimension (the pass's replacement)."""
     n, k = weight.shape
     lead = x.shape[:-1]
-    y = gemm_op(x.reshape(-1, k), weight.t(), _flat_operands(operands, spec, n), spec)
+    # the row count spelled out: reshape(-1, 0) of an empty tensor (K = 0 or N = 0) is
+    # ambiguous and raises, where F.linear returns the bias broadcast
+    rows = math.prod(lead)
+    y = gemm_op(x.reshape(rows, k), weight.t(), _flat_operands(operands, spec, rows, n), spec)
     return y.reshape(*lead, n)
 
 
@@ -62,7 +72,8 @@ def fused_matmul(
     """``epilogue(x @ b)`` for 2-D ``b`` (the pass's replacement)."""
     k, n = b.shape
     lead = x.shape[:-1]
-    y = gemm_op(x.reshape(-1, k), b, _flat_operands(operands, spec, n), spec)
+    rows = math.prod(lead)  # spelled out, as in fused_linear
+    y = gemm_op(x.reshape(rows, k), b, _flat_operands(operands, spec, rows, n), spec)
     return y.reshape(*lead, n)
 
 
@@ -138,6 +149,23 @@ def _epilogue_step(
     return None
 
 
+def _side_effect_between(first: fx.Node, last: fx.Node) -> bool:
+    """True if a node after ``first`` and before ``last`` (graph order) may have side effects.
+
+    The fused op replaces the chain at its *last* step, so every node between the GEMM and that
+    step then runs before the GEMM. That is harmless for pure nodes (the residual's own
+    computation) but not for an update of the GEMM's input or of an operand (the GEMM would read
+    the new value), nor for a grad-mode or autocast switch (a GEMM under ``torch.no_grad()``
+    would record gradients). A ``last`` not found after ``first`` counts as True.
+    """
+    node = first.next
+    while node is not last:
+        if node.op == "root" or has_side_effects(node):
+            return True
+        node = node.next
+    return False
+
+
 def _absorb(
     gm: fx.GraphModule, anchor: fx.Node, a: fx.Node, b: fx.Node, fn: Any, first: list[Any]
 ) -> bool:
@@ -155,6 +183,8 @@ def _absorb(
     chain = [anchor]
     while len(cur.users) == 1 and not out_dtype:
         user = next(iter(cur.users))
+        if _side_effect_between(cur, user):
+            break  # the fused op would run after it (see _side_effect_between)
         step = _epilogue_step(user, cur, out)
         if step is None:
             break
@@ -194,7 +224,11 @@ def _linear_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
     first: list[Any] = []
     if bias is not None:
         bt = _meta(bias)
-        if not _fusable(bt) or bt is None or bt.dtype != wt.dtype or bt.dim() != 1:
+        # the kernel reads N bias values: a bias F.linear would broadcast (shape [1]) stays
+        # with F.linear (a symbolic N would need a guard to compare: also left alone)
+        if not _fusable(bt) or bt is None or bt.dtype != wt.dtype or not has_static_shape(wt):
+            return False
+        if tuple(bt.shape) != (wt.shape[0],):
             return False
         first.append((Op("bias_col", _TAG[bt.dtype]), bias))
     return _absorb(gm, node, x, w, fused_linear, first)

@@ -18,9 +18,13 @@ Example rule::
 
 from __future__ import annotations
 
+import functools
+import inspect
+import operator
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx
@@ -49,6 +53,10 @@ class Pass:
 
     def __call__(self, gm: fx.GraphModule, *, verify: bool = False) -> int:
         """Apply the rules; return the number of rewrites made."""
+        # Nodes that are unused before any rewrite are there for their effect (a buffer's
+        # ``add_``, an ``out=`` call, a grad-mode switch): the clean-up below removes only what
+        # the rewrites left unused, and never a node that may have side effects.
+        unused_before = {node for node in gm.graph.nodes if not node.users}
         total = 0
         for _ in range(self.max_rounds):
             changed = 0
@@ -66,13 +74,105 @@ class Pass:
             if not changed:
                 break
         if total:
-            gm.graph.eliminate_dead_code()
+            eliminate_dead_code(gm.graph, keep=unused_before)
             gm.recompile()
         return total
 
 
 def _erased(node: fx.Node) -> bool:
     return getattr(node, "_erased", False)
+
+
+def eliminate_dead_code(graph: fx.Graph, *, keep: Collection[fx.Node] = ()) -> bool:
+    """Remove the unused nodes that have no side effects; return True if any was removed.
+
+    fx's own ``eliminate_dead_code`` removes every unused node its purity check passes, and that
+    check passes in-place methods (``buf.add_(1)``) and ``out=`` calls. Here a node stays if it
+    is a placeholder (the graph's signature), is in ``keep``, or :func:`has_side_effects`.
+    """
+    return graph.eliminate_dead_code(
+        is_impure_node=lambda node: (
+            node.op == "placeholder" or node in keep or has_side_effects(node)
+        )
+    )
+
+
+# In-place operators (``x[i] = v``, ``x += y`` on a tensor that dynamo keeps as a call), whose
+# result may well be unused: their effect is the mutation.
+_INPLACE_OPERATORS = (
+    operator.setitem,
+    operator.delitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.imatmul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+)
+_INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
+
+
+def has_side_effects(node: fx.Node) -> bool:
+    """True if running ``node`` may do more than compute its value, so that it can be neither
+    removed when unused nor moved across another node.
+
+    Conservative: in-place methods and functions (a name ending in one ``_``: ``add_``,
+    ``copy_``, ``torch.relu_``), ``out=`` or ``inplace=True`` calls, in-place operators and
+    ``setitem``, module calls (a module may update its state, e.g. BatchNorm's running
+    statistics), the graph's output, and whatever fx's :meth:`torch.fx.Node.is_impure` reports
+    (mutable schemas, random ops, grad-mode and autocast switches, asserts). Placeholders and
+    attribute reads have none.
+    """
+    if node.op in ("placeholder", "get_attr"):
+        return False
+    if node.op in ("output", "call_module"):
+        return True
+    if node.is_impure():
+        return True
+    if "out" in node.kwargs or _inplace_flag(node):
+        return True
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+        return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+    if target in _INPLACE_OPERATORS:
+        return True
+    name = getattr(target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """True unless an ``inplace`` argument of ``node`` is absent or literally False (a traced
+    value counts as possibly True): ``F.relu(x, True)`` as well as ``F.relu(x, inplace=True)``."""
+    if "inplace" in node.kwargs:
+        return node.kwargs["inplace"] is not False
+    index = _inplace_index(node.target)
+    return index is not None and index < len(node.args) and node.args[index] is not False
+
+
+def _inplace_index(target: Any) -> int | None:
+    try:
+        return _inplace_index_cached(target)
+    except TypeError:  # an unhashable target: look it up uncached
+        return _inplace_index_cached.__wrapped__(target)
+
+
+@functools.cache
+def _inplace_index_cached(target: Any) -> int | None:
+    """Position of ``target``'s ``inplace`` parameter, or None (no such parameter, or no
+    signature, as for most builtins)."""
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
 
 
 def is_call(node: object, *targets: object) -> bool:

@@ -7,6 +7,7 @@ full shape ``[..., N]``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -53,11 +54,13 @@ def linear(
     if input.dim() == 2:  # rows already: the residual has the output's shape, no reshapes
         return mm(input, weight.t(), bias=bias, epilogue=epilogue)
     lead = tuple(input.shape[:-1])
-    x2 = input.reshape(-1, k)
+    # the row count spelled out: reshape(-1, 0) of an empty tensor (K = 0 or N = 0) is ambiguous
+    rows = math.prod(lead)
+    x2 = input.reshape(rows, k)
     steps: list[Step] = []
     for s in as_steps(epilogue):
         if isinstance(s, Add) and s.t.dim() != 2 and tuple(s.t.shape) == (*lead, n):
-            s = Add(s.t.reshape(-1, n))
+            s = Add(s.t.reshape(rows, n))
         steps.append(s)
     y = mm(x2, weight.t(), bias=bias, epilogue=steps)
     return y.reshape(*lead, n)
