@@ -676,7 +676,65 @@ def grid_mailbox(rank: int, world: int, sizes: list[int]) -> list[str]:
         Mesh.transfer = native  # type: ignore[method-assign]
 
 
+def contract_case(rank: int, world: int) -> list[str]:
+    """Regressions from a review of the collective contract (each was a silent wrong answer, a
+    lost connection or an untyped error): PREMUL_SUM reduce-scatter of a transposed input,
+    in-place reduce-scatter (output = the rank's own block, as NCCL allows), a recv into a leaf
+    that requires grad (the connection's reader thread died on it) followed by another recv, a
+    0-dim send, and ``wait(timeout)`` on a collective whose peer is late."""
+    bad = []
+    base = torch.arange(2 * 3 * world, dtype=torch.float32).reshape(2, 3 * world)
+    inp = base.t()  # [3 world, 2], non-contiguous
+    out = torch.zeros(3, 2)
+    dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(2.0))
+    want = 2.0 * world * inp.contiguous()[rank * 3 : (rank + 1) * 3]
+    if not torch.equal(out, want):
+        bad.append(f"premul reduce_scatter of a transposed input got {out.flatten().tolist()}")
+    for n in (4, 5000):  # one piece, and several under SMALL_CHUNK
+        flat = torch.full((world * n,), float(10**rank), dtype=torch.float64)
+        own = flat[rank * n : (rank + 1) * n]
+        dist.reduce_scatter_tensor(own, flat)
+        ins = [torch.full((n,), float(10**rank), dtype=torch.float64) for _ in range(world)]
+        dist.reduce_scatter(ins[rank], ins)
+        total = float(sum(10**q for q in range(world)))
+        if not (bool((own == total).all()) and bool((ins[rank] == total).all())):
+            bad.append(f"in-place reduce_scatter n={n} got {own[0].item()}, {ins[rank][0].item()}")
+    if rank == 0:
+        dist.send(torch.ones(3), 1, tag=11)
+        dist.send(torch.full((2,), 5.0), 1, tag=12)
+        dist.send(torch.tensor(3.5), 1, tag=13)
+    elif rank == 1:
+        leaf = torch.zeros(3, requires_grad=True)
+        later, scalar = torch.zeros(2), torch.zeros(())
+        for t, tag in ((leaf, 11), (later, 12), (scalar, 13)):
+            dist.irecv(t, 0, tag=tag).wait(datetime.timedelta(seconds=20))
+        got = (leaf.detach().tolist(), later.tolist(), scalar.item())
+        if got != ([1.0] * 3, [5.0, 5.0], 3.5):
+            bad.append(f"recv into a grad leaf / after it / 0-dim got {got}")
+    dist.barrier()
+    t = torch.ones(2)
+    if rank == 1:
+        time.sleep(1.0)
+        dist.all_reduce(t)
+    elif rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        t0 = time.monotonic()
+        try:
+            work.wait(datetime.timedelta(seconds=0.2))
+            bad.append("wait(0.2 s) on a late peer returned")
+        except Exception as e:
+            if "timed out" not in str(e) or time.monotonic() - t0 > 0.8:
+                bad.append(f"wait(0.2 s): {type(e).__name__} after {time.monotonic() - t0:.2f} s")
+        work.wait()
+        if t.tolist() != [float(world)] * 2:
+            bad.append(f"late all_reduce got {t.tolist()}")
+    else:
+        dist.all_reduce(t)
+    return bad
+
+
 SCENARIOS = {
+    "contract": contract_case,
     "fsdp2": fsdp2_losses,
     "grid": grid,
     "grid_mailbox": grid_mailbox,

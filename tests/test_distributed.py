@@ -33,6 +33,7 @@ PLANS = {
         [
             ("grid", (BLOCKED[2],)),
             ("p2p", ()),
+            ("contract", ()),
             ("mismatch", ()),
             ("auth", ()),
             ("timeout", ()),
@@ -40,7 +41,11 @@ PLANS = {
             ("fsdp2", ()),
         ],
     ),
-    "shm3": (3, {}, [("grid", (BLOCKED[3],)), ("p2p", ()), ("abort", ()), ("stuck_peer", ())]),
+    "shm3": (
+        3,
+        {},
+        [("grid", (BLOCKED[3],)), ("p2p", ()), ("contract", ()), ("abort", ()), ("stuck_peer", ())],
+    ),
     "shm4": (
         4,
         {},
@@ -59,6 +64,7 @@ PLANS = {
             ("grid", ([0, 4099],)),
             ("grid_mailbox", ([4099],)),
             ("p2p", ()),
+            ("contract", ()),
             ("abort", ()),
             ("abort_streaming", ()),
             ("mismatch_one", ()),
@@ -254,6 +260,14 @@ def test_point_to_point(plan):
 
 
 @pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "shm3", "tcp3"])
+def test_collective_contract_regressions(plan):
+    """dist_workers.contract_case on both transports (in-place reduce-scatter was wrong over TCP
+    only)."""
+    assert [r["contract"] for r in results(plan)] == [[]] * PLANS[plan][0]
+
+
+@pytest.mark.timeout(110)
 def test_unauthenticated_connection_is_rejected():
     for r in (r["auth"] for r in results("shm2")):
         assert r["rejected"] == 2, r
@@ -328,4 +342,7 @@ def test_world_of_one_is_identity(world1):
     out = torch.empty(5)
     dist.all_gather_into_tensor(out, t)
     assert torch.equal(out, t)
+    scalar_out = torch.zeros(())  # a 0-dim all_to_all_single copied nothing and succeeded
+    dist.all_to_all_single(scalar_out, torch.tensor(7.0))
+    assert scalar_out.item() == 7.0
     assert world1.getBackendName() == "torchport" and world1.get_error() is None

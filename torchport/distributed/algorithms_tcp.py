@@ -626,9 +626,18 @@ def reduce_scatter(
         nb = m * es
         segs = [[(ins[q] + lo * es, nb)] for q in range(w)]
         sig = make_sig(seq, OP_REDUCE_SCATTER, dtype, red, -1, numel * es, step)
-        blobs = exchange(comm, sig, segs, deadline, _slots(_scratch(comm, nb * w), nb, w))
+        scratch = _scratch(comm, nb * w)
+        blobs = exchange(comm, sig, segs, deadline, _slots(scratch, nb, w))
         if nb:
-            bases = [_expect(blobs[q], nb, q) if q != r else ins[r] + lo * es for q in range(w)]
+            own, dst = ins[r] + lo * es, out + lo * es
+            if r and own < dst + nb and dst < own + nb:
+                # in place (``out`` is this rank's own block, as NCCL allows): rank 0's block is
+                # copied into ``out`` first, so the own one is folded from its copy in the
+                # scratch's unused own slot (it was read after being overwritten: rank 1 of two
+                # got 2 instead of 11)
+                ctypes.memmove(scratch + r * nb, own, nb)
+                own = scratch + r * nb
+            bases = [_expect(blobs[q], nb, q) if q != r else own for q in range(w)]
             reads = [(q, 0, out + lo * es, nb, COPY if q == 0 else FOLD) for q in range(w)]
             _apply(comm, bases, reads, dtype, red)
 

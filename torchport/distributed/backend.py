@@ -242,7 +242,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         def run(deadline: float) -> None:
             if inp is not None:  # one flat input: rank q's block starts q * block bytes in
-                src = inp.contiguous() if name != "PREMUL_SUM" else inp * factor
+                # (the factor after .contiguous(): ``inp * factor`` kept a transposed input's
+                # strides, and the blocks are cut from memory in storage order)
+                src = inp.contiguous() if name != "PREMUL_SUM" else inp.contiguous() * factor
                 block, base = out.numel() * out.element_size(), _ptr(src)
                 ptrs = [base + q * block if block else 0 for q in range(comm.world)]
                 keep = [src]
@@ -487,7 +489,11 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
     @staticmethod
     def _row(t: torch.Tensor) -> int:
-        return t.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
+        """Elements per dim-0 row; a 0-dim tensor is one row of one (as :meth:`_splits` counts
+        it: it was a row of none, and world size 1 copied nothing and succeeded)."""
+        if not t.dim():
+            return 1
+        return t.numel() // t.shape[0] if t.shape[0] else 0
 
     def _splits(self, t: torch.Tensor, sizes: list[int], which: str) -> list[int]:
         w = self.comm.world

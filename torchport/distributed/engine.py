@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from torchport.distributed.errors import (
+    CollectiveArgumentError,
     CollectiveMismatchError,
     CommAbortedError,
     CommError,
@@ -436,8 +437,8 @@ class Communicator:
 
     # -- point to point ----------------------------------------------------------------
     def send_p2p(self, tensor: torch.Tensor, dst: int, tag: int) -> TorchportWork:
-        data = (
-            tensor.detach().contiguous().view(torch.uint8).reshape(-1).clone()
+        data = (  # (flat before the byte view: a 0-dim tensor of a wider dtype cannot view)
+            tensor.detach().contiguous().reshape(-1).view(torch.uint8).clone()
             if tensor.numel()
             else None
         )
@@ -479,7 +480,19 @@ class Communicator:
                 return
             if body:
                 data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
-                tensor.copy_(data.view(tensor.shape))
+                try:  # (no_grad: a leaf that requires grad receives, as with gloo)
+                    with torch.no_grad():
+                        tensor.copy_(data.view(tensor.shape))
+                except RuntimeError as e:  # e.g. an expanded view: this recv fails, typed; the
+                    # caller (a connection's reader thread) keeps reading: it died here before,
+                    # and every later frame on the connection was lost
+                    work._finish(
+                        CollectiveArgumentError(
+                            f"recv from rank {who} tag {tag}: could not write the received "
+                            f"{tensor.dtype} data into the tensor: {e}"
+                        )
+                    )
+                    return
             work._finish()
 
         if src is not None:
