@@ -342,6 +342,10 @@ def test_world_of_one_is_identity(world1):
     out = torch.empty(5)
     dist.all_gather_into_tensor(out, t)
     assert torch.equal(out, t)
+    from torchport.distributed import CollectiveArgumentError
+
+    with pytest.raises(CollectiveArgumentError, match="must not overlap itself"):
+        dist.all_reduce(torch.ones(1).expand(4))  # failed the group on the engine thread before
     scalar_out = torch.zeros(())  # a 0-dim all_to_all_single copied nothing and succeeded
     dist.all_to_all_single(scalar_out, torch.tensor(7.0))
     assert scalar_out.item() == 7.0

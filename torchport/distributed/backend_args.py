@@ -99,6 +99,13 @@ class _Staged:
     """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
 
     def __init__(self, t: torch.Tensor) -> None:
+        # checked where the op is issued: the copy back into such a tensor raised on the engine
+        # thread, which failed the whole group on every rank
+        if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+            raise CollectiveArgumentError(
+                "a collective's output tensor must not overlap itself (an expanded view writes "
+                f"several elements to one place), got shape {tuple(t.shape)} strides {t.stride()}"
+            )
         self.orig = t
         self.t = t if t.is_contiguous() else t.contiguous()
 
