@@ -226,8 +226,9 @@ def test_training_packs_each_weight_version_once(fresh_cache):
         ((torch.randn(2, 3), torch.randn(3, 2).bfloat16()), {}, r"same dtype"),
         ((torch.randn(2, 3, device="meta"), torch.randn(3, 2)), {}, r"device 'cpu', got meta"),
         (([[1.0]], torch.randn(1, 1)), {}, r"a must be a torch.Tensor, got list"),
+        ((torch.randn(2, 3).to_sparse(), torch.randn(3, 2)), {}, r"a must be a dense .*sparse_coo"),
     ],
-    ids=["mismatched-K", "1d", "3d", "float64", "mixed", "device", "not-tensor"],
+    ids=["mismatched-K", "1d", "3d", "float64", "mixed", "device", "not-tensor", "sparse"],
 )
 def test_bad_inputs(args, kwargs, match):
     with pytest.raises(GemmInputError, match=match):
@@ -1076,3 +1077,31 @@ def test_a_step_class_instead_of_an_instance_is_an_error(step) -> None:
         G.mm(a, b, epilogue=[step])
     with pytest.raises(EpilogueError, match="not a step"):
         G.mm(a, b, epilogue=["relu", step])
+
+
+def test_torch_func_transforms_run_torch_ops() -> None:
+    """Under torch.func transforms ``mm`` (and ``gemv``) compute with torch ops, which every
+    transform supports: the wrapped tensors took the eager fast path and failed ("Cannot access
+    data pointer"), and through the custom op, which has no forward-mode formula, jvp gave a
+    zero tangent."""
+    from torchport.gemv import gemv
+    from torchport.lowp import NVFP4Tensor
+
+    a, b = torch.randn(5, 3), torch.randn(3, 17)
+
+    def ref(x):
+        return F.gelu(x @ b)
+
+    with config.override(autotune=False):
+        ours = lambda x: G.mm(x, b, epilogue=["gelu"])  # noqa: E731
+        t1 = torch.func.jvp(ours, (a,), (torch.ones_like(a),))[1]
+        t2 = torch.func.jvp(ref, (a,), (torch.ones_like(a),))[1]
+        torch.testing.assert_close(t1, t2)
+        g1 = torch.func.grad(lambda x: ours(x).sum())(a)
+        torch.testing.assert_close(g1, torch.func.grad(lambda x: ref(x).sum())(a))
+        xs = torch.randn(2, 5, 3)
+        torch.testing.assert_close(torch.func.vmap(ours)(xs), ref(xs))
+    w, x = torch.randn(16, 64), torch.randn(1, 64)
+    for wt, wd in ((w, w), (NVFP4Tensor.from_float(w), NVFP4Tensor.from_float(w).dequantize())):
+        tangent = torch.func.jvp(lambda v, wt=wt: gemv(v, wt), (x,), (torch.ones_like(x),))[1]
+        torch.testing.assert_close(tangent, torch.ones_like(x) @ wd.t(), rtol=1e-5, atol=1e-5)

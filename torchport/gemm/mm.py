@@ -836,12 +836,16 @@ def _check_matrix(name: str, t: object) -> torch.Tensor:
         raise GemmInputError(f"mm: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise GemmInputError(f"mm: {name} must be on device 'cpu', got {t.device}")
+    if t.layout != torch.strided:  # (sparse and mkldnn tensors failed later, untyped)
+        raise GemmInputError(f"mm: {name} must be a dense (strided) tensor, got {t.layout}")
     if t.dim() != 2:
         raise GemmInputError(f"mm: {name} must be 2-D, got {t.dim()}-D shape {tuple(t.shape)}")
     if t.dtype not in DTYPES:
         raise GemmInputError(f"mm: {name} must be float32 or bfloat16, got {t.dtype}")
     return t
 
+
+_functorch_active = torch._C._are_functorch_transforms_active
 
 # encoded spec of a lone column bias, per bias dtype (what :func:`split` yields for it)
 _BIAS_SPECS = {torch.float32: "bias_col:f32", torch.bfloat16: "bias_col:bf16"}
@@ -881,6 +885,11 @@ def mm(
             f"mm: inner dimensions must match (a is {tuple(a.shape)}, b is {tuple(b.shape)}: "
             f"K={a.shape[1]} vs {b.shape[0]})"
         )
+    if _functorch_active():  # torch.func: torch ops, which every transform supports (the
+        # custom op has no forward-mode formula: jvp gave a zero tangent)
+        sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
+        y = mm_aten(a, b, sp.spec, sp.operands)
+        return apply_tail(y, sp.tail) if sp.tail else y
     if (epilogue is None or (isinstance(epilogue, (list, tuple)) and not epilogue)) and (
         bias is None or _plain_bias(bias, b.shape[1])
     ):

@@ -790,6 +790,9 @@ def _gemv_checked(
     the next call with this weight (only for weights the caller keeps, not per-call packs)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
+    if torch._C._are_functorch_transforms_active():  # torch.func: torch ops (the custom ops
+        return _aten_fallback(x, pw, bias).to(x.dtype).reshape(*x.shape[:-1], pw.n)  # have no
+        # forward-mode formula: jvp gave a zero tangent)
     if _eager(x, bias):
         routes = pw.routes
         if settle and _SEEN in routes:  # a weight used again: worth a route
