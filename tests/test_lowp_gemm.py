@@ -369,3 +369,90 @@ def test_fp4_x_fp4_decode_takes_the_integer_kernel(cfg, monkeypatch):
         lin2 = nn.Linear(96, 8)
         torchport.quantize_(lin2, cfg)
         assert lin2.weight._decode_fp4_act(torch.randn(1, 96), None) is None
+
+
+# --- loading into quantized weights (copy_), other writes --------------------------------------
+
+LOAD_CONFIGS = [
+    lowp.NVFP4WeightOnlyConfig(),
+    lowp.NVFP4WeightOnlyConfig(use_per_tensor_scale=False),
+    lowp.Float8WeightOnlyConfig(),
+    lowp.Float8WeightOnlyConfig(granularity="tensor"),
+    lowp.MXWeightOnlyConfig(),
+    lowp.MXWeightOnlyConfig(elem="fp8_e5m2"),
+    lowp.NVFP4DynamicActivationNVFP4WeightConfig(),
+]
+
+
+def _inner_equal(a, b) -> bool:
+    names, ctx = a.__tensor_flatten__()
+    return ctx == b.__tensor_flatten__()[1] and all(
+        torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).view(torch.uint8))
+        if getattr(a, n).element_size() == 1
+        else torch.equal(getattr(a, n), getattr(b, n))
+        for n in names
+    )
+
+
+@pytest.mark.parametrize("cfg", LOAD_CONFIGS, ids=lambda c: repr(c)[:70])
+def test_load_state_dict_into_quantized_model(cfg):
+    torch.manual_seed(5)
+    trained, fresh = nn.Linear(64, 32).eval(), nn.Linear(64, 32).eval()
+    float_sd = copy.deepcopy(trained.state_dict())
+    direct = copy.deepcopy(trained)
+    torchport.quantize_(direct, cfg)
+    x1, x20 = torch.randn(1, 64), torch.randn(20, 64)
+    for sd in (direct.state_dict(), float_sd):  # a quantized checkpoint, then a float one
+        model = copy.deepcopy(fresh)
+        torchport.quantize_(model, cfg)
+        with torch.no_grad():
+            model(x1)  # a decode call packs the old weight and settles its route
+            model.load_state_dict(sd)
+            assert _inner_equal(model.weight, direct.weight)
+            assert torch.equal(model(x1), direct(x1)) and torch.equal(model(x20), direct(x20))
+
+
+def test_copy_requantizes_other_recipes_and_keeps_settings():
+    torch.manual_seed(6)
+    w = torch.randn(16, 64)
+    t = NVFP4Tensor.from_float(torch.randn(16, 64), act_per_tensor_scale=True).to(torch.bfloat16)
+    t.copy_(MXTensor.from_float(w, "fp8_e4m3"))  # another recipe: its value, re-quantized
+    want = NVFP4Tensor.from_float(MXTensor.from_float(w, "fp8_e4m3").dequantize(torch.bfloat16))
+    assert torch.equal(t.qdata, want.qdata) and t.per_tensor_scale == want.per_tensor_scale
+    assert t.dtype == torch.bfloat16 and t.act_per_tensor_scale is True
+    f = Float8Tensor.from_float(torch.randn(16, 64), granularity="tensor")
+    f.copy_(Float8Tensor.from_float(w))  # row-wise source into a tensor-wise weight
+    assert f.scale.shape == () and torch.equal(
+        f.qdata.view(torch.uint8),
+        Float8Tensor.from_float(
+            Float8Tensor.from_float(w).dequantize(), granularity="tensor"
+        ).qdata.view(torch.uint8),
+    )
+    with pytest.raises(
+        LowPrecisionError, match=r"the source must have the same shape, got \(16, 32\)"
+    ):
+        t.copy_(torch.randn(16, 32))
+
+
+def test_other_writes_into_quantized_weights_raise():
+    lin = nn.Linear(64, 16)
+    torchport.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w = lin.weight
+    before = w.dequantize().clone()
+    writes = {
+        "add_": lambda: w.add_(1.0),
+        "mul_": lambda: w.mul_(0),
+        "zero_": lambda: w.zero_(),
+        "fill_": lambda: w.fill_(2.0),
+        "add.out": lambda: torch.add(torch.ones(16, 64), 1, out=w),
+        "index_put_": lambda: w.index_put_((torch.tensor([0]),), torch.tensor(0.0)),
+        "__setitem__": lambda: w.__setitem__(0, 0.0),
+    }
+    with torch.no_grad():
+        for name, op in writes.items():
+            with pytest.raises(LowPrecisionError, match=rf"{name}.*immutable except through copy_"):
+                op()
+        with pytest.raises(LowPrecisionError, match=r"__setitem__ on a NVFP4Tensor"):
+            w[0] = 0
+    assert torch.equal(w.dequantize(), before)
+    assert torch.equal(w + 1, before + 1)  # reads still see the dequantized value

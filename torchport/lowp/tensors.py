@@ -28,6 +28,13 @@ Autograd: ``F.linear`` with such a weight is differentiable with respect to the 
 Any other op sees the dequantized tensor (``dequantize()``), so the types compose with ordinary
 code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_flatten__`` lets
 ``torch.compile`` trace through them.
+
+Quantized weights are immutable except through ``copy_`` (what ``Module.load_state_dict`` calls):
+a source of the same type and quantized layout is copied bit for bit, any other source (a float
+tensor, another recipe) is quantized with this tensor's recipe, in place either way. Every other
+op that would write into one (``add_``, ``zero_``, ``out=`` variants, ``w[i] = v``, ...) raises
+:class:`~torchport.lowp.formats.LowPrecisionError`: run on the dequantized value, it would
+otherwise change a temporary and leave the weight as it was.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from torchport.gemv import MAX_ROWS, PackedWeight
 from torchport.gemv.hugepages import hugepage_copy
 from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
 from torchport.lowp import fp8, mx, nvfp4
+from torchport.lowp._common import HP_DTYPES
 from torchport.lowp.formats import LowPrecisionError, e8m0_to_f32, unpack_fp4
 
 aten = torch.ops.aten
@@ -54,6 +62,23 @@ _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MX
 HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
+_IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
+
+
+def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The LowPrecisionTensor argument that ``func`` writes into (schema ``alias_info.is_write``:
+    in-place ops, ``out=`` variants, ``set_``, ``resize_``, ...), or None."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = kwargs.get(arg.name, args[i] if i < len(args) else None)
+        for v in val if isinstance(val, list | tuple) else (val,):
+            if isinstance(v, LowPrecisionTensor):
+                return v
+    return None
 
 
 class LowPrecisionTensor(torch.Tensor):
@@ -64,6 +89,8 @@ class LowPrecisionTensor(torch.Tensor):
     _pack: PackedWeight | None
     # the last settled decode route (eager weight-only GEMV; see torchport.gemv.ops.settle_route)
     _route: SettledRoute | None = None
+    # attributes besides the inner tensors that a bit-exact copy_ takes from its source
+    _copied_meta: tuple[str, ...] = ()
 
     @staticmethod
     def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
@@ -132,6 +159,50 @@ class LowPrecisionTensor(torch.Tensor):
 
     def _with_dtype(self, dtype: torch.dtype) -> LowPrecisionTensor:
         raise TypeError(_ABSTRACT)
+
+    def _quantize_like(self, x: torch.Tensor) -> LowPrecisionTensor:
+        """``x`` (float32/bfloat16, this tensor's shape) quantized with this tensor's recipe."""
+        raise TypeError(_ABSTRACT)
+
+    def _copy_from(self, src: Any) -> None:
+        """``self.copy_(src)``: load ``src`` into the inner tensors in place.
+
+        A source of this type whose inner tensors have the same shapes and dtypes (the same
+        quantized layout) is copied bit for bit, with its :attr:`_copied_meta` (NVFP4's
+        per-tensor scale); any other tensor is quantized with this tensor's recipe, from its
+        value in this tensor's dtype (what a float parameter's ``copy_`` would hold). The
+        activation settings and dtype stay; the packed weight and settled route are dropped.
+        """
+        name = type(self).__name__
+        if not isinstance(src, torch.Tensor):
+            raise LowPrecisionError(
+                f"copy_ into {name}: the source must be a tensor, got {type(src).__name__}"
+            )
+        if tuple(src.shape) != tuple(self.shape):
+            raise LowPrecisionError(
+                f"copy_ into {name} of shape {tuple(self.shape)}: the source must have the same "
+                f"shape, got {tuple(src.shape)}"
+            )
+        names, _ = self.__tensor_flatten__()
+        if isinstance(src, type(self)) and all(  # the same quantized layout: bit-exact
+            getattr(src, n).shape == getattr(self, n).shape
+            and getattr(src, n).dtype == getattr(self, n).dtype
+            for n in names
+        ):
+            new = src
+        else:
+            if isinstance(src, LowPrecisionTensor):
+                x = src.dequantize(self.dtype)
+            else:
+                x = src.detach().to(self.dtype)
+            new = self._quantize_like(x if x.dtype in HP_DTYPES else x.float())
+        with torch.no_grad():
+            for n in names:
+                getattr(self, n).copy_(getattr(new, n))
+        for attr in self._copied_meta:
+            setattr(self, attr, getattr(new, attr))
+        self._pack = None  # repacked (and the route settled again) on the next call
+        self._route = None
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
@@ -230,6 +301,12 @@ class LowPrecisionTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__setitem__ and args and isinstance(args[0], LowPrecisionTensor):
+            # caught here: below, indexing yields a dequantized temporary that takes the write
+            raise LowPrecisionError(
+                f"__setitem__ on a {type(args[0]).__name__}: {_IMMUTABLE}, e.g. "
+                "w.copy_(new_float_weight)"
+            )
         if func is _linear and len(args) >= 2:  # a settled decode route first (see linear)
             route = getattr(args[1], "_route", None)
             if route is not None and not args[1].requires_grad:
@@ -263,6 +340,15 @@ class LowPrecisionTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _KEEP:
             return args[0]._apply(lambda t: func(t))
+        if func is aten.copy_.default and isinstance(args[0], LowPrecisionTensor):
+            args[0]._copy_from(args[1])
+            return args[0]
+        written = _written_lowp(func, args, kwargs)
+        if written is not None:
+            raise LowPrecisionError(
+                f"{func} would write into a {type(written).__name__}: {_IMMUTABLE}, e.g. "
+                "w.copy_(new_float_weight)"
+            )
         if (
             func is aten._to_copy.default
             and set(kwargs) <= {"dtype"}
@@ -354,6 +440,10 @@ class Float8Tensor(LowPrecisionTensor):
     def _with_dtype(self, dtype: torch.dtype) -> Float8Tensor:
         return Float8Tensor(self.qdata, self.scale, dtype, self.act_dtype)
 
+    def _quantize_like(self, x: torch.Tensor) -> Float8Tensor:
+        gran = "row" if self.scale.dim() else "tensor"
+        return Float8Tensor.from_float(x, self.qdata.dtype, gran, self.act_dtype)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return fp8.fp8_dequantize(self.qdata, self.scale, dtype or self.dtype)
 
@@ -399,6 +489,8 @@ class NVFP4Tensor(LowPrecisionTensor):
     ``act_per_tensor_scale`` None → weight-only; True/False → activations are quantized to NVFP4 at
     run time, with/without a dynamic per-tensor scale from each activation's amax.
     """
+
+    _copied_meta = ("per_tensor_scale",)
 
     def __new__(
         cls,
@@ -469,6 +561,12 @@ class NVFP4Tensor(LowPrecisionTensor):
     def _with_dtype(self, dtype: torch.dtype) -> NVFP4Tensor:
         return NVFP4Tensor(
             self.qdata, self.scale, self.per_tensor_scale, dtype, self.act_per_tensor_scale
+        )
+
+    def _quantize_like(self, x: torch.Tensor) -> NVFP4Tensor:
+        # a per-tensor scale (from x's amax) exactly when this tensor has one
+        return NVFP4Tensor.from_float(
+            x, self.per_tensor_scale is not None, self.act_per_tensor_scale
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -555,6 +653,9 @@ class MXTensor(LowPrecisionTensor):
 
     def _with_dtype(self, dtype: torch.dtype) -> MXTensor:
         return MXTensor(self.qdata, self.scale, self.elem, dtype, self.act_elem)
+
+    def _quantize_like(self, x: torch.Tensor) -> MXTensor:
+        return MXTensor.from_float(x, self.elem, self.act_elem)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return mx.mx_dequantize(self.qdata, self.scale, self.elem, dtype or self.dtype)
