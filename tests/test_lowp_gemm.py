@@ -456,3 +456,35 @@ def test_other_writes_into_quantized_weights_raise():
             w[0] = 0
     assert torch.equal(w.dequantize(), before)
     assert torch.equal(w + 1, before + 1)  # reads still see the dequantized value
+
+
+def test_save_load_and_deepcopy_after_decode(monkeypatch):
+    import io
+
+    from torchport.lowp import tensors
+
+    monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 0)  # the packed weight on huge pages
+    monkeypatch.setenv("TORCHPORT_GEMV_HUGEPAGES", "1")
+    torch.manual_seed(7)
+    m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).eval()
+    torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        y = m(x)
+        assert torch.equal(m(x), y) and m[0].weight._route is not None  # route settled
+    q = m[0].weight.qdata
+    assert q.untyped_storage().nbytes() > q.nbytes  # rebound to the padded huge-page copy
+    buf = io.BytesIO()
+    torch.save(m, buf)  # the whole module: the route (local functions) is not pickled
+    buf.seek(0)
+    m2 = torch.load(buf, weights_only=False)
+    state = m[0].weight.__getstate__()
+    assert state["_route"] is None and state["_pack"] is None
+    assert state["qdata"].untyped_storage().nbytes() == q.nbytes  # saved without the padding
+    m3 = copy.deepcopy(m)
+    assert m3[0].weight._route is None and m3[0].weight._pack is None
+    with torch.no_grad():
+        assert torch.equal(m2(x), y) and torch.equal(m3(x), y)
+        m.load_state_dict(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).state_dict())
+        assert not torch.equal(m(x), y)
+        assert torch.equal(m3(x), y)  # the copy does not read the original's bytes

@@ -39,6 +39,7 @@ otherwise change a temporary and leave the weight as it was.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import math
@@ -137,6 +138,36 @@ class LowPrecisionTensor(torch.Tensor):
             if old.is_contiguous() and old.element_size() == 1 and old.numel() == new.numel():
                 setattr(self, name, new.view(old.dtype).view(old.shape))
         return dataclasses.replace(pw, data=data, scales=scales)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The pickled state (``torch.save``): the caches left out (the settled route holds local
+        functions, the packed weight is rebuilt on first use) and each inner tensor saved alone
+        (a tensor viewing a larger storage, e.g. the padded huge-page copy, is cloned: pickling
+        saves whole storages)."""
+        state = dict(self.__dict__)
+        state["_pack"] = None
+        state["_route"] = None
+        for n in self.__tensor_flatten__()[0]:
+            t = state[n]
+            if type(t) is torch.Tensor and t.untyped_storage().nbytes() != t.nbytes:
+                state[n] = t.clone(memory_format=torch.contiguous_format)
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LowPrecisionTensor:
+        """A copy with its own inner tensors and no caches (torch's default would copy the
+        settled route, whose kernel call keeps reading the original's packed bytes)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        new = torch.Tensor._make_wrapper_subclass(
+            type(self),
+            self.shape,
+            dtype=self.dtype,
+            device=self.device,
+            requires_grad=self.requires_grad,
+        )
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def _stable_hash_for_caching(self) -> str:
         """Content hash for torch.compile's AOT-autograd cache (data, scales and metadata)."""
