@@ -488,3 +488,23 @@ def test_save_load_and_deepcopy_after_decode(monkeypatch):
         m.load_state_dict(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).state_dict())
         assert not torch.equal(m(x), y)
         assert torch.equal(m3(x), y)  # the copy does not read the original's bytes
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_fp8_dynamic_activation_prefill_matches_scale_granularity(granularity):
+    torch.manual_seed(8)
+    lin = nn.Linear(64, 32).eval()
+    torchport.quantize_(
+        lin, lowp.Float8DynamicActivationFloat8WeightConfig(granularity=granularity)
+    )
+    w = lin.weight
+    x = torch.randn(16, 64)  # prefill: scaled_mm on FP8 activations
+    xq, xs = lowp.fp8_quantize(x, torch.float8_e4m3fn, granularity)
+    assert xs.shape == ((16, 1) if granularity == "row" else ())
+    ws = w.scale.reshape(1, -1) if granularity == "row" else w.scale
+    ref = scaled_mm_reference(
+        xq, w.qdata.t(), xs, ws, bias=lin.bias.detach(), out_dtype=torch.float32
+    )
+    with torch.no_grad():
+        out = lin(x)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5)

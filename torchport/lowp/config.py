@@ -3,8 +3,8 @@
 Configs are keyword-only frozen dataclasses validated on construction (torchao's config names):
 
 - :class:`Float8WeightOnlyConfig` — FP8 weights, high-precision activations;
-- :class:`Float8DynamicActivationFloat8WeightConfig` — FP8 weights, activations quantized per row
-  at run time, prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
+- :class:`Float8DynamicActivationFloat8WeightConfig` — FP8 weights, activations quantized at run
+  time with the weights' granularity (per row or per tensor), prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
 - :class:`NVFP4WeightOnlyConfig` — NVFP4 weights (optional per-tensor scale);
 - :class:`MXWeightOnlyConfig` — MXFP4 / MXFP8 weights;
 - :class:`NVFP4DynamicActivationNVFP4WeightConfig` — NVFP4 weights and NVFP4 activations quantized
@@ -55,7 +55,8 @@ class Float8WeightOnlyConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Float8DynamicActivationFloat8WeightConfig(Float8WeightOnlyConfig):
-    """FP8 weights and FP8 activations (dynamic per-row scale) for prefill GEMMs."""
+    """FP8 weights and FP8 activations (dynamic scale, per row or per tensor as the weights')
+    for prefill GEMMs."""
 
     activation_dtype: torch.dtype = torch.float8_e4m3fn
 

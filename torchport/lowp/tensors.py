@@ -423,8 +423,10 @@ class _FrozenWeightLinear(torch.autograd.Function):
 class Float8Tensor(LowPrecisionTensor):
     """FP8 weight ``[N, K]`` with a per-tensor (``[]``) or per-row (``[N, 1]``) float32 scale.
 
-    ``act_dtype`` set → activations are quantized dynamically per row and the prefill path runs
-    :func:`torchport.scaled_mm` (weight + activation FP8); None → weight-only.
+    ``act_dtype`` set → activations are quantized dynamically with the weight's granularity (per
+    row for a per-row weight scale, per tensor for a per-tensor one: ``scaled_mm`` takes both
+    scales one way or the other) and the prefill path runs :func:`torchport.scaled_mm` (weight +
+    activation FP8); None → weight-only.
     """
 
     def __new__(
@@ -494,8 +496,10 @@ class Float8Tensor(LowPrecisionTensor):
         if self.act_dtype is None:
             return super().prefill_linear(x, bias)
         lead, k = x.shape[:-1], x.shape[-1]
-        xq, xs = fp8.fp8_quantize(x.reshape(-1, k), self.act_dtype, "row")
-        ws = self.scale.float().reshape(1, -1) if self.scale.dim() else self.scale.float()
+        # scaled_mm (as torch._scaled_mm) takes both scales row-wise or both tensor-wise
+        rowwise = self.scale.dim() != 0
+        xq, xs = fp8.fp8_quantize(x.reshape(-1, k), self.act_dtype, "row" if rowwise else "tensor")
+        ws = self.scale.float().reshape(1, -1) if rowwise else self.scale.float()
         out = scaled_mm(xq, self.qdata.t(), xs.float(), ws, bias=bias, out_dtype=x.dtype)
         return out.reshape(*lead, self.shape[0])
 
