@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -508,3 +509,23 @@ def test_fp8_dynamic_activation_prefill_matches_scale_granularity(granularity):
     with torch.no_grad():
         out = lin(x)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_float8_tensor_checks_the_scale_shape():
+    q = torch.randn(8, 32).to(F8)
+    for s in (torch.tensor(0.5), torch.tensor([0.5])):  # tensor-wise, one form
+        t = Float8Tensor(q, s, torch.float32)
+        assert t.scale.shape == () and torch.equal(t.dequantize(), q.float() * 0.5)
+    rows = torch.linspace(0.1, 2.0, 8).reshape(8, 1)
+    assert torch.equal(Float8Tensor(q, rows, torch.float32).dequantize(), q.float() * rows)
+    for bad in (torch.ones(8), torch.ones(7, 1), torch.ones(1, 32), torch.ones(8, 2)):
+        with pytest.raises(
+            LowPrecisionError, match=re.escape(f"row-wise), got {tuple(bad.shape)}")
+        ):
+            Float8Tensor(q, bad, torch.float32)
+        with pytest.raises(
+            LowPrecisionError, match=re.escape(f"row-wise), got {tuple(bad.shape)}")
+        ):
+            lowp.fp8_dequantize(q, bad)
+    with pytest.raises(LowPrecisionError, match=r"qdata must be float8, got torch.float32"):
+        Float8Tensor(q.float(), rows, torch.float32)

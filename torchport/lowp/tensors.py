@@ -55,7 +55,7 @@ from torchport.gemv.hugepages import hugepage_copy
 from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp._common import HP_DTYPES
-from torchport.lowp.formats import LowPrecisionError, e8m0_to_f32, unpack_fp4
+from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, e8m0_to_f32, unpack_fp4
 
 aten = torch.ops.aten
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
@@ -421,7 +421,8 @@ class _FrozenWeightLinear(torch.autograd.Function):
 
 
 class Float8Tensor(LowPrecisionTensor):
-    """FP8 weight ``[N, K]`` with a per-tensor (``[]``) or per-row (``[N, 1]``) float32 scale.
+    """FP8 weight ``[N, K]`` with a per-tensor (``[]``; ``[1]`` is taken as ``[]``) or per-row
+    (``[N, 1]``) float32 scale; any other scale shape raises.
 
     ``act_dtype`` set → activations are quantized dynamically with the weight's granularity (per
     row for a per-row weight scale, per tensor for a per-tensor one: ``scaled_mm`` takes both
@@ -445,6 +446,16 @@ class Float8Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_dtype: torch.dtype | None = None,
     ) -> None:
+        if qdata.dtype not in FP8_DTYPES:
+            raise LowPrecisionError(f"Float8Tensor: qdata must be float8, got {qdata.dtype}")
+        rowwise = (*qdata.shape[:-1], 1)
+        if tuple(scale.shape) in ((), (1,)):
+            scale = scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
+        elif tuple(scale.shape) != rowwise:
+            raise LowPrecisionError(
+                "Float8Tensor: scale must have shape () or (1,) (tensor-wise) or "
+                f"{rowwise} (row-wise), got {tuple(scale.shape)}"
+            )
         self.qdata, self.scale = qdata, scale
         self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
         self._pack = None
