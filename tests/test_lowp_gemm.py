@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torchport
@@ -529,3 +530,28 @@ def test_float8_tensor_checks_the_scale_shape():
             lowp.fp8_dequantize(q, bad)
     with pytest.raises(LowPrecisionError, match=r"qdata must be float8, got torch.float32"):
         Float8Tensor(q.float(), rows, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [lowp.NVFP4DynamicActivationNVFP4WeightConfig(), lowp.MXDynamicActivationMXWeightConfig()],
+    ids=["nvfp4", "mxfp4"],
+)
+def test_fp4_x_fp4_decode_checks_bias_and_k(cfg):
+    from torchport.gemv import GemvInputError
+
+    torch.manual_seed(9)
+    lin = nn.Linear(128, 32)
+    torchport.quantize_(lin, cfg)
+    w = lin.weight
+    with torch.no_grad():
+        for blen in (16, 64):  # the kernel would read N bias values: past a short one
+            with pytest.raises(
+                GemvInputError, match=rf"bias must have shape \(32,\), got \({blen},\)"
+            ):
+                F.linear(torch.randn(1, 128), w, torch.randn(blen))
+        for shape in ((2, 64), (4, 32)):  # same element count as whole rows of K
+            with pytest.raises(
+                GemvInputError, match=r"last dimension must equal the weight's K=128"
+            ):
+                F.linear(torch.randn(*shape), w)

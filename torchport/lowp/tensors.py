@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from torchport import config, native
-from torchport.gemv import MAX_ROWS, PackedWeight
+from torchport.gemv import MAX_ROWS, GemvInputError, PackedWeight
 from torchport.gemv.hugepages import hugepage_copy
 from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
 from torchport.lowp import fp8, mx, nvfp4
@@ -255,8 +255,18 @@ class LowPrecisionTensor(torch.Tensor):
         return False
 
     def _decode_fp4_act(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """Decode with FP4 weights × FP4 activations: exact int8 products (pair-split kernel)."""
-        k = self.shape[1]
+        """Decode with FP4 weights × FP4 activations: exact int8 products (pair-split kernel).
+
+        Raises :class:`~torchport.gemv.GemvInputError` for an activation whose last dimension is
+        not K or a bias that is not ``[N]``, as the weight-only GEMV does (the kernel reads
+        ``N`` bias values and the activation as rows of K)."""
+        n, k = self.shape
+        if x.dim() < 1 or x.shape[-1] != k:
+            raise GemvInputError(
+                f"gemv: x's last dimension must equal the weight's K={k}, got shape {tuple(x.shape)}"
+            )
+        if isinstance(bias, torch.Tensor) and (bias.dim() != 1 or bias.shape[0] != n):
+            raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
         if k % 64 or not native.enabled() or native.cpu_info().isa == "scalar":
             return None
         b_ok = bias is None or (
@@ -273,7 +283,7 @@ class LowPrecisionTensor(torch.Tensor):
         pw = self.gemv_pack()
         fold = 0.5 * 256.0 * pw.pts if pw.fmt == "nvfp4" else 0.5
         xr, corr, xsv = prepare_fp4_activations(act[0], act[1], fold)
-        rows, n = x2.shape[0], self.shape[0]
+        rows = x2.shape[0]
         out = torch.empty(rows, n)
         bf = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
         kern = gemv_fp4_prepped_kernel(pw.fmt, native.cpu_info().isa)
