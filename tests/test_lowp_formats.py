@@ -250,6 +250,25 @@ def test_bad_inputs_raise_typed_errors():
         nvfp4.nvfp4_quantize([1.0] * 16)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("native_kernel", [False, True], ids=["ref", "native"])
+def test_dequantize_checks_the_scale_dtype(native_kernel):
+    # the native kernels read one byte per scale: float32/int32 scales were misread, not rejected
+    x = torch.randn(4, 64)
+    q, s = nvfp4.nvfp4_quantize(x)
+    qm, sm = mx.mx_quantize(x)
+    kw = {"native_kernel": native_kernel}
+    for bad in (s.float(), s.float().bfloat16()):
+        with pytest.raises(LowPrecisionError, match=rf"float8_e4m3fn .*got {bad.dtype}"):
+            nvfp4.nvfp4_dequantize(q, bad, **kw)
+    for bad in (torch.exp2(sm.float() - 127), sm.to(torch.int32)):
+        with pytest.raises(LowPrecisionError, match=rf"E8M0 bytes .*got {bad.dtype}"):
+            mx.mx_dequantize(qm, bad, **kw)
+    ref = nvfp4.nvfp4_dequantize(q, s, **kw)  # the stored dtype and its raw bytes both serve
+    assert torch.equal(nvfp4.nvfp4_dequantize(q, s.view(torch.uint8), **kw), ref)
+    ref = mx.mx_dequantize(qm, sm, **kw)
+    assert torch.equal(mx.mx_dequantize(qm, sm.view(torch.float8_e8m0fnu), **kw), ref)
+
+
 def test_missing_compiler_falls_back_to_reference(monkeypatch):
     from torchport import native
     from torchport.lowp import kernels

@@ -108,6 +108,11 @@ def _check_packed(q: torch.Tensor, scales: torch.Tensor, block: int, what: str) 
     want = (*q.shape[:-1], k // block)
     if tuple(scales.shape) != want:
         raise LowPrecisionError(f"{what}: scales must have shape {want}, got {tuple(scales.shape)}")
+    if scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        # the kernel reads one byte per scale: other dtypes' values would be misread
+        raise LowPrecisionError(
+            f"{what}: scales must be float8_e4m3fn (or its uint8 bytes), got {scales.dtype}"
+        )
     return k
 
 
