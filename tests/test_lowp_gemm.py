@@ -555,3 +555,20 @@ def test_fp4_x_fp4_decode_checks_bias_and_k(cfg):
                 GemvInputError, match=r"last dimension must equal the weight's K=128"
             ):
                 F.linear(torch.randn(*shape), w)
+
+
+def test_block_scaled_mm_checks_activation_and_out_dtypes():
+    w = NVFP4Tensor.from_float(torch.randn(4, 32))
+    x = torch.randint(-3, 4, (2, 32))
+    with pytest.raises(
+        LowPrecisionError, match=r"x must be a floating-point tensor, got torch.int64"
+    ):
+        block_scaled_mm(x, w)
+    with torch.no_grad(), pytest.raises(LowPrecisionError, match=r"floating-point.*torch.int64"):
+        F.linear(x, w)  # was the float product truncated to integers
+    for od in (torch.int32, torch.complex64):
+        with pytest.raises(LowPrecisionError, match=rf"out_dtype must be one of .*got {od}"):
+            block_scaled_mm(x.float(), w, out_dtype=od)
+    y = block_scaled_mm(x.half(), w)  # other float dtypes compute in float32
+    assert y.dtype == torch.float16
+    assert torch.allclose(y.float(), x.float() @ w.dequantize().T, atol=1e-2, rtol=1e-3)
