@@ -285,3 +285,16 @@ def test_missing_compiler_falls_back_to_reference(monkeypatch):
     assert torch.equal(q, qr) and torch.equal(_u8(s), _u8(sr))
     with pytest.raises(native.CompilerNotFoundError, match="no C compiler"):
         mx.mx_quantize(x, native_kernel=True)
+
+
+def test_per_tensor_scale_types():
+    import numpy as np
+
+    x = torch.randn(2, 32)
+    want = nvfp4.nvfp4_quantize(x, 0.5)
+    for pts in (np.float32(0.5), np.float64(0.5), 0.5):  # any real number
+        got = nvfp4.nvfp4_quantize(x, pts)  # type: ignore[arg-type]
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    for bad in (True, torch.tensor(0.5), "0.5"):  # True was taken as a scale of 1.0
+        with pytest.raises(LowPrecisionError, match=r"per_tensor_scale must be a positive finite"):
+            nvfp4.nvfp4_quantize(x, bad)  # type: ignore[arg-type]

@@ -572,3 +572,24 @@ def test_block_scaled_mm_checks_activation_and_out_dtypes():
     y = block_scaled_mm(x.half(), w)  # other float dtypes compute in float32
     assert y.dtype == torch.float16
     assert torch.allclose(y.float(), x.float() @ w.dequantize().T, atol=1e-2, rtol=1e-3)
+
+
+def test_config_and_tensor_flags_must_be_bools():
+    # use_per_tensor_scale=1 used to mean a fixed per-tensor scale of 1.0; None/"yes" failed untyped
+    for bad in (1, 0, None, "yes", -2.0):
+        with pytest.raises(LowPrecisionError, match=r"use_per_tensor_scale must be True or False"):
+            lowp.NVFP4WeightOnlyConfig(use_per_tensor_scale=bad)  # type: ignore[arg-type]
+    for bad in (None, "no", 0.0):  # None made the linear weight-only
+        with pytest.raises(
+            LowPrecisionError, match=r"use_dynamic_per_tensor_scale must be True or False"
+        ):
+            lowp.NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=bad)  # type: ignore[arg-type]
+    w = torch.randn(8, 32)
+    with pytest.raises(
+        LowPrecisionError, match=r"act_per_tensor_scale must be None, True or False"
+    ):
+        NVFP4Tensor.from_float(w, act_per_tensor_scale="no")  # type: ignore[arg-type]
+    with pytest.raises(LowPrecisionError, match=r"per_tensor_scale must be a positive finite"):
+        NVFP4Tensor.from_float(w, per_tensor_scale="yes")  # type: ignore[arg-type]
+    with pytest.raises(LowPrecisionError, match=r"act_dtype must be float8_e4m3fn"):
+        Float8Tensor.from_float(w, act_dtype=torch.float16)

@@ -32,6 +32,16 @@ from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
 from torchport.lowp.tensors import Float8Tensor, LowPrecisionTensor, MXTensor, NVFP4Tensor
 
 
+def _check_bool(cfg: object, name: str) -> None:
+    """A flag field must be a bool: ``NVFP4Tensor.from_float`` reads a number as a fixed
+    per-tensor scale (``1`` would mean a scale of 1.0) and other values fail later, untyped."""
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        raise LowPrecisionError(
+            f"{type(cfg).__name__}: {name} must be True or False, got {value!r}"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Float8WeightOnlyConfig:
     """FP8 weights (``dtype``) with per-row or per-tensor scales."""
@@ -78,6 +88,9 @@ class NVFP4WeightOnlyConfig:
     use_per_tensor_scale: bool = True
     block = 16
 
+    def __post_init__(self) -> None:
+        _check_bool(self, "use_per_tensor_scale")
+
     def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
         return NVFP4Tensor.from_float(w, per_tensor_scale=self.use_per_tensor_scale)
 
@@ -103,6 +116,10 @@ class NVFP4DynamicActivationNVFP4WeightConfig(NVFP4WeightOnlyConfig):
     activation a per-tensor scale from its amax (torchao's ``NVFP4MMConfig.DYNAMIC``)."""
 
     use_dynamic_per_tensor_scale: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_bool(self, "use_dynamic_per_tensor_scale")
 
     def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
         return NVFP4Tensor.from_float(

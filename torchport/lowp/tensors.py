@@ -458,6 +458,10 @@ class Float8Tensor(LowPrecisionTensor):
     ) -> None:
         if qdata.dtype not in FP8_DTYPES:
             raise LowPrecisionError(f"Float8Tensor: qdata must be float8, got {qdata.dtype}")
+        if act_dtype is not None and act_dtype not in FP8_DTYPES:
+            raise LowPrecisionError(
+                f"Float8Tensor: act_dtype must be float8_e4m3fn, float8_e5m2 or None, got {act_dtype}"
+            )
         rowwise = (*qdata.shape[:-1], 1)
         if tuple(scale.shape) in ((), (1,)):
             scale = scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
@@ -535,6 +539,7 @@ def _nvfp4_pts(x: torch.Tensor, per_tensor_scale: bool | float) -> float | None:
         return None if pts == 0.0 or (pts is not None and not math.isfinite(pts)) else pts
     if per_tensor_scale is False:
         return None
+    nvfp4.check_per_tensor_scale(per_tensor_scale)  # typed error for a non-number
     return float(per_tensor_scale)
 
 
@@ -579,6 +584,10 @@ class NVFP4Tensor(LowPrecisionTensor):
         act_per_tensor_scale: bool | None = None,
     ) -> NVFP4Tensor:
         """Quantize; ``per_tensor_scale=True`` derives it from ``amax`` (torchao's two-level scaling)."""
+        if act_per_tensor_scale is not None and not isinstance(act_per_tensor_scale, bool):
+            raise LowPrecisionError(
+                f"act_per_tensor_scale must be None, True or False, got {act_per_tensor_scale!r}"
+            )
         pts = _nvfp4_pts(w, per_tensor_scale)
         q, s = nvfp4.nvfp4_quantize(w, pts)
         return cls(q, s, pts, w.dtype, act_per_tensor_scale)
