@@ -593,3 +593,19 @@ def test_config_and_tensor_flags_must_be_bools():
         NVFP4Tensor.from_float(w, per_tensor_scale="yes")  # type: ignore[arg-type]
     with pytest.raises(LowPrecisionError, match=r"act_dtype must be float8_e4m3fn"):
         Float8Tensor.from_float(w, act_dtype=torch.float16)
+
+
+def test_load_into_nvfp4_weight_quantized_from_zeros_keeps_the_per_tensor_scale():
+    torch.manual_seed(10)
+    trained = nn.Linear(64, 32)
+    model = nn.Linear(64, 32)
+    nn.init.zeros_(model.weight)  # e.g. a zero-initialised projection, quantized before loading
+    torchport.quantize_(model, lowp.NVFP4WeightOnlyConfig())
+    assert model.weight.per_tensor_scale == 1.0 and torch.equal(
+        model.weight.dequantize(), torch.zeros(32, 64)
+    )
+    direct = copy.deepcopy(trained)
+    torchport.quantize_(direct, lowp.NVFP4WeightOnlyConfig())
+    with torch.no_grad():
+        model.load_state_dict(trained.state_dict())
+    assert _inner_equal(model.weight, direct.weight)  # two-level scaling, as quantized directly

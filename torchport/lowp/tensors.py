@@ -589,6 +589,10 @@ class NVFP4Tensor(LowPrecisionTensor):
                 f"act_per_tensor_scale must be None, True or False, got {act_per_tensor_scale!r}"
             )
         pts = _nvfp4_pts(w, per_tensor_scale)
+        if per_tensor_scale is True and pts is None:
+            # amax 0 (or a scale that underflows): 1.0 gives the same bits as no scale and keeps
+            # the two-level recipe, which copy_ re-derives from a loaded source's amax
+            pts = 1.0
         q, s = nvfp4.nvfp4_quantize(w, pts)
         return cls(q, s, pts, w.dtype, act_per_tensor_scale)
 
