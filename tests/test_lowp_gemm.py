@@ -609,3 +609,18 @@ def test_load_into_nvfp4_weight_quantized_from_zeros_keeps_the_per_tensor_scale(
     with torch.no_grad():
         model.load_state_dict(trained.state_dict())
     assert _inner_equal(model.weight, direct.weight)  # two-level scaling, as quantized directly
+
+
+def test_compile_cache_hash_covers_the_inner_layout(monkeypatch):
+    from torchport import native
+
+    w = torch.randn(16, 32)
+    kinds = (
+        Float8Tensor.from_float(w),
+        Float8Tensor.from_float(w, torch.float8_e5m2),
+        Float8Tensor.from_float(w, granularity="tensor"),
+    )
+    # as for traced (fake) inputs, which have no bytes to hash: the e5m2 weight's compiled graph
+    # was the e4m3 one's (silently wrong values), the tensor-wise one's crashed on the scale shape
+    monkeypatch.setattr(native, "eager_fast_path", lambda *t: False)
+    assert len({t._stable_hash_for_caching() for t in kinds}) == 3

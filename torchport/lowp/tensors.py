@@ -175,6 +175,10 @@ class LowPrecisionTensor(torch.Tensor):
         h = hashlib.sha256(f"{type(self).__name__}|{tuple(self.shape)}|{self.dtype}|{ctx}".encode())
         for n in names:
             t = getattr(self, n)
+            # the inner tensors' layout always (traced inputs have no data to hash: without it,
+            # an e4m3 and an e5m2 weight of one shape, or a row- and a tensor-wise scale, would
+            # share a compiled graph), their bytes where they are real
+            h.update(f"|{n}:{t.dtype}:{tuple(t.shape)}:{tuple(t.stride())}".encode())
             if native.eager_fast_path(t):
                 h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
