@@ -624,3 +624,32 @@ def test_compile_cache_hash_covers_the_inner_layout(monkeypatch):
     # was the e4m3 one's (silently wrong values), the tensor-wise one's crashed on the scale shape
     monkeypatch.setattr(native, "eager_fast_path", lambda *t: False)
     assert len({t._stable_hash_for_caching() for t in kinds}) == 3
+
+
+@pytest.mark.parametrize(
+    "cfg", [lowp.NVFP4WeightOnlyConfig(), lowp.Float8WeightOnlyConfig()], ids=["nvfp4", "fp8"]
+)
+def test_copy_into_an_alias_reaches_the_weight(cfg, monkeypatch):
+    from torchport.lowp import tensors
+
+    torch.manual_seed(11)
+    trained = nn.Linear(64, 32)
+    direct = copy.deepcopy(trained)
+    torchport.quantize_(direct, cfg)
+    x = torch.randn(1, 64)
+    for huge in (False, True):  # the packed weight (and qdata) on the padded huge-page copy
+        monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 0 if huge else 1 << 40)
+        monkeypatch.setenv("TORCHPORT_GEMV_HUGEPAGES", "1")
+        model = nn.Linear(64, 32)
+        torchport.quantize_(model, cfg)
+        with torch.no_grad():
+            model(x)
+            model(x)  # packed, route settled (and qdata moved when huge)
+            model.weight.data.copy_(trained.weight)  # .data: an alias sharing the inner tensors
+            model.bias.copy_(trained.bias)
+            assert _inner_equal(model.weight, direct.weight)  # NVFP4: its per-tensor scale too
+            assert torch.equal(model(x), direct(x))  # not the old pack or route
+            sd = model.state_dict()  # detached aliases
+            sd["weight"].copy_(torch.zeros(32, 64))
+            assert torch.equal(model.weight.dequantize(), torch.zeros(32, 64))
+            assert torch.equal(model(x), model.bias.detach().reshape(1, 32))

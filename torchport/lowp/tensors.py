@@ -43,6 +43,7 @@ import copy
 import dataclasses
 import hashlib
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -64,6 +65,19 @@ HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
+
+
+# Real quantized tensors by the address of their qdata's storage. detach() (state_dict() entries,
+# ``w.data``) and to(dtype) give tensors sharing the inner tensors, so copy_ into one writes the
+# others' bytes too: they take its metadata (NVFP4's per-tensor scale) and drop their caches.
+# (weak references by id: a WeakSet would compare two references to one tensor with Tensor.__eq__)
+_SHARING: dict[int, dict[int, weakref.ref[Any]]] = {}
+_PRUNE_AT = [1024]  # drop dead entries when the table grows past this
+
+
+def _storage_key(t: Any) -> int | None:
+    """The address of a real inner tensor's storage (None for traced/fake ones)."""
+    return t.untyped_storage().data_ptr() if type(t) is torch.Tensor else None
 
 
 def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -137,7 +151,28 @@ class LowPrecisionTensor(torch.Tensor):
             old = getattr(self, name)
             if old.is_contiguous() and old.element_size() == 1 and old.numel() == new.numel():
                 setattr(self, name, new.view(old.dtype).view(old.shape))
+        self._share()  # under the moved storage (aliases made from now on share it)
         return dataclasses.replace(pw, data=data, scales=scales)
+
+    def _share(self) -> None:
+        """Enter this tensor in :data:`_SHARING` under its qdata's storage."""
+        key = _storage_key(self.qdata)
+        if key is None:
+            return
+        _SHARING.setdefault(key, {})[id(self)] = weakref.ref(self)
+        if len(_SHARING) > _PRUNE_AT[0]:
+            for k in list(_SHARING):
+                live = {i: r for i, r in _SHARING[k].items() if r() is not None}
+                if live:
+                    _SHARING[k] = live
+                else:
+                    del _SHARING[k]
+            _PRUNE_AT[0] = max(1024, 2 * len(_SHARING))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (``torch.load``): the state of :meth:`__getstate__`."""
+        self.__dict__.update(state)
+        self._share()
 
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state (``torch.save``): the caches left out (the settled route holds local
@@ -166,7 +201,7 @@ class LowPrecisionTensor(torch.Tensor):
             requires_grad=self.requires_grad,
         )
         memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 
     def _stable_hash_for_caching(self) -> str:
@@ -234,10 +269,16 @@ class LowPrecisionTensor(torch.Tensor):
         with torch.no_grad():
             for n in names:
                 getattr(self, n).copy_(getattr(new, n))
-        for attr in self._copied_meta:
-            setattr(self, attr, getattr(new, attr))
-        self._pack = None  # repacked (and the route settled again) on the next call
-        self._route = None
+        meta = {attr: getattr(new, attr) for attr in self._copied_meta}
+        key = _storage_key(self.qdata)
+        refs = list(_SHARING.get(key, {}).values()) if key is not None else []
+        sharing = [self, *(t for t in (r() for r in refs) if t is not None and t is not self)]
+        for t in sharing:  # this tensor and those sharing its bytes (detach(): w.data, state_dict)
+            if t is self or _storage_key(t.qdata) == key:
+                for attr, value in meta.items():
+                    setattr(t, attr, value)
+                t._pack = None  # repacked (and the route settled again) on the next call
+                t._route = None
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
@@ -477,6 +518,7 @@ class Float8Tensor(LowPrecisionTensor):
         self.qdata, self.scale = qdata, scale
         self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
         self._pack = None
+        self._share()
 
     @classmethod
     def from_float(
@@ -579,6 +621,7 @@ class NVFP4Tensor(LowPrecisionTensor):
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
         self.act_per_tensor_scale = act_per_tensor_scale
         self._pack = None
+        self._share()
 
     @classmethod
     def from_float(
@@ -688,6 +731,7 @@ class MXTensor(LowPrecisionTensor):
         self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
         self.act_elem = act_elem
         self._pack = None
+        self._share()
 
     @classmethod
     def from_float(
