@@ -34,7 +34,11 @@ a source of the same type and quantized layout is copied bit for bit, any other 
 tensor, another recipe) is quantized with this tensor's recipe, in place either way. Every other
 op that would write into one (``add_``, ``zero_``, ``out=`` variants, ``w[i] = v``, ...) raises
 :class:`~torchport.lowp.formats.LowPrecisionError`: run on the dequantized value, it would
-otherwise change a temporary and leave the weight as it was.
+otherwise change a temporary and leave the weight as it was. ``copy_`` drops the packed weight and
+settled route of every tensor sharing the bytes (``w.data``, ``state_dict()`` entries); a graph
+captured with :mod:`torchport.graphs` keeps reading the packed weight of its capture, which
+``copy_`` updates only in part (the NVFP4 and per-tensor FP8 scales are frozen there): capture
+again after loading new weights.
 """
 
 from __future__ import annotations
