@@ -68,6 +68,7 @@ _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MX
 HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
+_setitem = torch.Tensor.__setitem__
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
 
 
@@ -391,12 +392,6 @@ class LowPrecisionTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.Tensor.__setitem__ and args and isinstance(args[0], LowPrecisionTensor):
-            # caught here: below, indexing yields a dequantized temporary that takes the write
-            raise LowPrecisionError(
-                f"__setitem__ on a {type(args[0]).__name__}: {_IMMUTABLE}, e.g. "
-                "w.copy_(new_float_weight)"
-            )
         if func is _linear and len(args) >= 2:  # a settled decode route first (see linear)
             route = getattr(args[1], "_route", None)
             if route is not None and not args[1].requires_grad:
@@ -407,6 +402,12 @@ class LowPrecisionTensor(torch.Tensor):
                 out = route.serve(args[0], bias)
                 if out is not None:
                     return out
+        if func is _setitem and args and isinstance(args[0], LowPrecisionTensor):
+            # caught here: below, indexing yields a dequantized temporary that takes the write
+            raise LowPrecisionError(
+                f"__setitem__ on a {type(args[0]).__name__}: {_IMMUTABLE}, e.g. "
+                "w.copy_(new_float_weight)"
+            )
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], LowPrecisionTensor):
             x, w = args[0], args[1]
