@@ -250,6 +250,25 @@ def test_bad_inputs_raise_typed_errors():
         nvfp4.nvfp4_quantize([1.0] * 16)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("native_kernel", [False, True], ids=["ref", "native"])
+def test_dequantize_checks_the_scale_dtype(native_kernel):
+    # the native kernels read one byte per scale: float32/int32 scales were misread, not rejected
+    x = torch.randn(4, 64)
+    q, s = nvfp4.nvfp4_quantize(x)
+    qm, sm = mx.mx_quantize(x)
+    kw = {"native_kernel": native_kernel}
+    for bad in (s.float(), s.float().bfloat16()):
+        with pytest.raises(LowPrecisionError, match=rf"float8_e4m3fn .*got {bad.dtype}"):
+            nvfp4.nvfp4_dequantize(q, bad, **kw)
+    for bad in (torch.exp2(sm.float() - 127), sm.to(torch.int32)):
+        with pytest.raises(LowPrecisionError, match=rf"E8M0 bytes .*got {bad.dtype}"):
+            mx.mx_dequantize(qm, bad, **kw)
+    ref = nvfp4.nvfp4_dequantize(q, s, **kw)  # the stored dtype and its raw bytes both serve
+    assert torch.equal(nvfp4.nvfp4_dequantize(q, s.view(torch.uint8), **kw), ref)
+    ref = mx.mx_dequantize(qm, sm, **kw)
+    assert torch.equal(mx.mx_dequantize(qm, sm.view(torch.float8_e8m0fnu), **kw), ref)
+
+
 def test_missing_compiler_falls_back_to_reference(monkeypatch):
     from torchport import native
     from torchport.lowp import kernels
@@ -266,3 +285,16 @@ def test_missing_compiler_falls_back_to_reference(monkeypatch):
     assert torch.equal(q, qr) and torch.equal(_u8(s), _u8(sr))
     with pytest.raises(native.CompilerNotFoundError, match="no C compiler"):
         mx.mx_quantize(x, native_kernel=True)
+
+
+def test_per_tensor_scale_types():
+    import numpy as np
+
+    x = torch.randn(2, 32)
+    want = nvfp4.nvfp4_quantize(x, 0.5)
+    for pts in (np.float32(0.5), np.float64(0.5), 0.5):  # any real number
+        got = nvfp4.nvfp4_quantize(x, pts)  # type: ignore[arg-type]
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    for bad in (True, torch.tensor(0.5), "0.5"):  # True was taken as a scale of 1.0
+        with pytest.raises(LowPrecisionError, match=r"per_tensor_scale must be a positive finite"):
+            nvfp4.nvfp4_quantize(x, bad)  # type: ignore[arg-type]

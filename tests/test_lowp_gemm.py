@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torchport
@@ -369,3 +371,285 @@ def test_fp4_x_fp4_decode_takes_the_integer_kernel(cfg, monkeypatch):
         lin2 = nn.Linear(96, 8)
         torchport.quantize_(lin2, cfg)
         assert lin2.weight._decode_fp4_act(torch.randn(1, 96), None) is None
+
+
+# --- loading into quantized weights (copy_), other writes --------------------------------------
+
+LOAD_CONFIGS = [
+    lowp.NVFP4WeightOnlyConfig(),
+    lowp.NVFP4WeightOnlyConfig(use_per_tensor_scale=False),
+    lowp.Float8WeightOnlyConfig(),
+    lowp.Float8WeightOnlyConfig(granularity="tensor"),
+    lowp.MXWeightOnlyConfig(),
+    lowp.MXWeightOnlyConfig(elem="fp8_e5m2"),
+    lowp.NVFP4DynamicActivationNVFP4WeightConfig(),
+]
+
+
+def _inner_equal(a, b) -> bool:
+    names, ctx = a.__tensor_flatten__()
+    return ctx == b.__tensor_flatten__()[1] and all(
+        torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).view(torch.uint8))
+        if getattr(a, n).element_size() == 1
+        else torch.equal(getattr(a, n), getattr(b, n))
+        for n in names
+    )
+
+
+@pytest.mark.parametrize("cfg", LOAD_CONFIGS, ids=lambda c: repr(c)[:70])
+def test_load_state_dict_into_quantized_model(cfg):
+    torch.manual_seed(5)
+    trained, fresh = nn.Linear(64, 32).eval(), nn.Linear(64, 32).eval()
+    float_sd = copy.deepcopy(trained.state_dict())
+    direct = copy.deepcopy(trained)
+    torchport.quantize_(direct, cfg)
+    x1, x20 = torch.randn(1, 64), torch.randn(20, 64)
+    for sd in (direct.state_dict(), float_sd):  # a quantized checkpoint, then a float one
+        model = copy.deepcopy(fresh)
+        torchport.quantize_(model, cfg)
+        with torch.no_grad():
+            model(x1)  # a decode call packs the old weight and settles its route
+            model.load_state_dict(sd)
+            assert _inner_equal(model.weight, direct.weight)
+            assert torch.equal(model(x1), direct(x1)) and torch.equal(model(x20), direct(x20))
+
+
+def test_copy_requantizes_other_recipes_and_keeps_settings():
+    torch.manual_seed(6)
+    w = torch.randn(16, 64)
+    t = NVFP4Tensor.from_float(torch.randn(16, 64), act_per_tensor_scale=True).to(torch.bfloat16)
+    t.copy_(MXTensor.from_float(w, "fp8_e4m3"))  # another recipe: its value, re-quantized
+    want = NVFP4Tensor.from_float(MXTensor.from_float(w, "fp8_e4m3").dequantize(torch.bfloat16))
+    assert torch.equal(t.qdata, want.qdata) and t.per_tensor_scale == want.per_tensor_scale
+    assert t.dtype == torch.bfloat16 and t.act_per_tensor_scale is True
+    f = Float8Tensor.from_float(torch.randn(16, 64), granularity="tensor")
+    f.copy_(Float8Tensor.from_float(w))  # row-wise source into a tensor-wise weight
+    assert f.scale.shape == () and torch.equal(
+        f.qdata.view(torch.uint8),
+        Float8Tensor.from_float(
+            Float8Tensor.from_float(w).dequantize(), granularity="tensor"
+        ).qdata.view(torch.uint8),
+    )
+    with pytest.raises(
+        LowPrecisionError, match=r"the source must have the same shape, got \(16, 32\)"
+    ):
+        t.copy_(torch.randn(16, 32))
+
+
+def test_other_writes_into_quantized_weights_raise():
+    lin = nn.Linear(64, 16)
+    torchport.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w = lin.weight
+    before = w.dequantize().clone()
+    writes = {
+        "add_": lambda: w.add_(1.0),
+        "mul_": lambda: w.mul_(0),
+        "zero_": lambda: w.zero_(),
+        "fill_": lambda: w.fill_(2.0),
+        "add.out": lambda: torch.add(torch.ones(16, 64), 1, out=w),
+        "index_put_": lambda: w.index_put_((torch.tensor([0]),), torch.tensor(0.0)),
+        "__setitem__": lambda: w.__setitem__(0, 0.0),
+    }
+    with torch.no_grad():
+        for name, op in writes.items():
+            with pytest.raises(LowPrecisionError, match=rf"{name}.*immutable except through copy_"):
+                op()
+        with pytest.raises(LowPrecisionError, match=r"__setitem__ on a NVFP4Tensor"):
+            w[0] = 0
+    assert torch.equal(w.dequantize(), before)
+    assert torch.equal(w + 1, before + 1)  # reads still see the dequantized value
+
+
+def test_save_load_and_deepcopy_after_decode(monkeypatch):
+    import io
+
+    from torchport.lowp import tensors
+
+    monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 0)  # the packed weight on huge pages
+    monkeypatch.setenv("TORCHPORT_GEMV_HUGEPAGES", "1")
+    torch.manual_seed(7)
+    m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).eval()
+    torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        y = m(x)
+        assert torch.equal(m(x), y) and m[0].weight._route is not None  # route settled
+    q = m[0].weight.qdata
+    assert q.untyped_storage().nbytes() > q.nbytes  # rebound to the padded huge-page copy
+    buf = io.BytesIO()
+    torch.save(m, buf)  # the whole module: the route (local functions) is not pickled
+    buf.seek(0)
+    m2 = torch.load(buf, weights_only=False)
+    state = m[0].weight.__getstate__()
+    assert state["_route"] is None and state["_pack"] is None
+    assert state["qdata"].untyped_storage().nbytes() == q.nbytes  # saved without the padding
+    m3 = copy.deepcopy(m)
+    assert m3[0].weight._route is None and m3[0].weight._pack is None
+    with torch.no_grad():
+        assert torch.equal(m2(x), y) and torch.equal(m3(x), y)
+        m.load_state_dict(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).state_dict())
+        assert not torch.equal(m(x), y)
+        assert torch.equal(m3(x), y)  # the copy does not read the original's bytes
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_fp8_dynamic_activation_prefill_matches_scale_granularity(granularity):
+    torch.manual_seed(8)
+    lin = nn.Linear(64, 32).eval()
+    torchport.quantize_(
+        lin, lowp.Float8DynamicActivationFloat8WeightConfig(granularity=granularity)
+    )
+    w = lin.weight
+    x = torch.randn(16, 64)  # prefill: scaled_mm on FP8 activations
+    xq, xs = lowp.fp8_quantize(x, torch.float8_e4m3fn, granularity)
+    assert xs.shape == ((16, 1) if granularity == "row" else ())
+    ws = w.scale.reshape(1, -1) if granularity == "row" else w.scale
+    ref = scaled_mm_reference(
+        xq, w.qdata.t(), xs, ws, bias=lin.bias.detach(), out_dtype=torch.float32
+    )
+    with torch.no_grad():
+        out = lin(x)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_float8_tensor_checks_the_scale_shape():
+    q = torch.randn(8, 32).to(F8)
+    for s in (torch.tensor(0.5), torch.tensor([0.5])):  # tensor-wise, one form
+        t = Float8Tensor(q, s, torch.float32)
+        assert t.scale.shape == () and torch.equal(t.dequantize(), q.float() * 0.5)
+    rows = torch.linspace(0.1, 2.0, 8).reshape(8, 1)
+    assert torch.equal(Float8Tensor(q, rows, torch.float32).dequantize(), q.float() * rows)
+    for bad in (torch.ones(8), torch.ones(7, 1), torch.ones(1, 32), torch.ones(8, 2)):
+        with pytest.raises(
+            LowPrecisionError, match=re.escape(f"row-wise), got {tuple(bad.shape)}")
+        ):
+            Float8Tensor(q, bad, torch.float32)
+        with pytest.raises(
+            LowPrecisionError, match=re.escape(f"row-wise), got {tuple(bad.shape)}")
+        ):
+            lowp.fp8_dequantize(q, bad)
+    with pytest.raises(LowPrecisionError, match=r"qdata must be float8, got torch.float32"):
+        Float8Tensor(q.float(), rows, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [lowp.NVFP4DynamicActivationNVFP4WeightConfig(), lowp.MXDynamicActivationMXWeightConfig()],
+    ids=["nvfp4", "mxfp4"],
+)
+def test_fp4_x_fp4_decode_checks_bias_and_k(cfg):
+    from torchport.gemv import GemvInputError
+
+    torch.manual_seed(9)
+    lin = nn.Linear(128, 32)
+    torchport.quantize_(lin, cfg)
+    w = lin.weight
+    with torch.no_grad():
+        for blen in (16, 64):  # the kernel would read N bias values: past a short one
+            with pytest.raises(
+                GemvInputError, match=rf"bias must have shape \(32,\), got \({blen},\)"
+            ):
+                F.linear(torch.randn(1, 128), w, torch.randn(blen))
+        for shape in ((2, 64), (4, 32)):  # same element count as whole rows of K
+            with pytest.raises(
+                GemvInputError, match=r"last dimension must equal the weight's K=128"
+            ):
+                F.linear(torch.randn(*shape), w)
+
+
+def test_block_scaled_mm_checks_activation_and_out_dtypes():
+    w = NVFP4Tensor.from_float(torch.randn(4, 32))
+    x = torch.randint(-3, 4, (2, 32))
+    with pytest.raises(
+        LowPrecisionError, match=r"x must be a floating-point tensor, got torch.int64"
+    ):
+        block_scaled_mm(x, w)
+    with torch.no_grad(), pytest.raises(LowPrecisionError, match=r"floating-point.*torch.int64"):
+        F.linear(x, w)  # was the float product truncated to integers
+    for od in (torch.int32, torch.complex64):
+        with pytest.raises(LowPrecisionError, match=rf"out_dtype must be one of .*got {od}"):
+            block_scaled_mm(x.float(), w, out_dtype=od)
+    y = block_scaled_mm(x.half(), w)  # other float dtypes compute in float32
+    assert y.dtype == torch.float16
+    assert torch.allclose(y.float(), x.float() @ w.dequantize().T, atol=1e-2, rtol=1e-3)
+
+
+def test_config_and_tensor_flags_must_be_bools():
+    # use_per_tensor_scale=1 used to mean a fixed per-tensor scale of 1.0; None/"yes" failed untyped
+    for bad in (1, 0, None, "yes", -2.0):
+        with pytest.raises(LowPrecisionError, match=r"use_per_tensor_scale must be True or False"):
+            lowp.NVFP4WeightOnlyConfig(use_per_tensor_scale=bad)  # type: ignore[arg-type]
+    for bad in (None, "no", 0.0):  # None made the linear weight-only
+        with pytest.raises(
+            LowPrecisionError, match=r"use_dynamic_per_tensor_scale must be True or False"
+        ):
+            lowp.NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=bad)  # type: ignore[arg-type]
+    w = torch.randn(8, 32)
+    with pytest.raises(
+        LowPrecisionError, match=r"act_per_tensor_scale must be None, True or False"
+    ):
+        NVFP4Tensor.from_float(w, act_per_tensor_scale="no")  # type: ignore[arg-type]
+    with pytest.raises(LowPrecisionError, match=r"per_tensor_scale must be a positive finite"):
+        NVFP4Tensor.from_float(w, per_tensor_scale="yes")  # type: ignore[arg-type]
+    with pytest.raises(LowPrecisionError, match=r"act_dtype must be float8_e4m3fn"):
+        Float8Tensor.from_float(w, act_dtype=torch.float16)
+
+
+def test_load_into_nvfp4_weight_quantized_from_zeros_keeps_the_per_tensor_scale():
+    torch.manual_seed(10)
+    trained = nn.Linear(64, 32)
+    model = nn.Linear(64, 32)
+    nn.init.zeros_(model.weight)  # e.g. a zero-initialised projection, quantized before loading
+    torchport.quantize_(model, lowp.NVFP4WeightOnlyConfig())
+    assert model.weight.per_tensor_scale == 1.0 and torch.equal(
+        model.weight.dequantize(), torch.zeros(32, 64)
+    )
+    direct = copy.deepcopy(trained)
+    torchport.quantize_(direct, lowp.NVFP4WeightOnlyConfig())
+    with torch.no_grad():
+        model.load_state_dict(trained.state_dict())
+    assert _inner_equal(model.weight, direct.weight)  # two-level scaling, as quantized directly
+
+
+def test_compile_cache_hash_covers_the_inner_layout(monkeypatch):
+    from torchport import native
+
+    w = torch.randn(16, 32)
+    kinds = (
+        Float8Tensor.from_float(w),
+        Float8Tensor.from_float(w, torch.float8_e5m2),
+        Float8Tensor.from_float(w, granularity="tensor"),
+    )
+    # as for traced (fake) inputs, which have no bytes to hash: the e5m2 weight's compiled graph
+    # was the e4m3 one's (silently wrong values), the tensor-wise one's crashed on the scale shape
+    monkeypatch.setattr(native, "eager_fast_path", lambda *t: False)
+    assert len({t._stable_hash_for_caching() for t in kinds}) == 3
+
+
+@pytest.mark.parametrize(
+    "cfg", [lowp.NVFP4WeightOnlyConfig(), lowp.Float8WeightOnlyConfig()], ids=["nvfp4", "fp8"]
+)
+def test_copy_into_an_alias_reaches_the_weight(cfg, monkeypatch):
+    from torchport.lowp import tensors
+
+    torch.manual_seed(11)
+    trained = nn.Linear(64, 32)
+    direct = copy.deepcopy(trained)
+    torchport.quantize_(direct, cfg)
+    x = torch.randn(1, 64)
+    for huge in (False, True):  # the packed weight (and qdata) on the padded huge-page copy
+        monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 0 if huge else 1 << 40)
+        monkeypatch.setenv("TORCHPORT_GEMV_HUGEPAGES", "1")
+        model = nn.Linear(64, 32)
+        torchport.quantize_(model, cfg)
+        with torch.no_grad():
+            model(x)
+            model(x)  # packed, route settled (and qdata moved when huge)
+            model.weight.data.copy_(trained.weight)  # .data: an alias sharing the inner tensors
+            model.bias.copy_(trained.bias)
+            assert _inner_equal(model.weight, direct.weight)  # NVFP4: its per-tensor scale too
+            assert torch.equal(model(x), direct(x))  # not the old pack or route
+            sd = model.state_dict()  # detached aliases
+            sd["weight"].copy_(torch.zeros(32, 64))
+            assert torch.equal(model.weight.dequantize(), torch.zeros(32, 64))
+            assert torch.equal(model(x), model.bias.detach().reshape(1, 32))

@@ -3,8 +3,8 @@
 Configs are keyword-only frozen dataclasses validated on construction (torchao's config names):
 
 - :class:`Float8WeightOnlyConfig` — FP8 weights, high-precision activations;
-- :class:`Float8DynamicActivationFloat8WeightConfig` — FP8 weights, activations quantized per row
-  at run time, prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
+- :class:`Float8DynamicActivationFloat8WeightConfig` — FP8 weights, activations quantized at run
+  time with the weights' granularity (per row or per tensor), prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
 - :class:`NVFP4WeightOnlyConfig` — NVFP4 weights (optional per-tensor scale);
 - :class:`MXWeightOnlyConfig` — MXFP4 / MXFP8 weights;
 - :class:`NVFP4DynamicActivationNVFP4WeightConfig` — NVFP4 weights and NVFP4 activations quantized
@@ -32,6 +32,16 @@ from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
 from torchport.lowp.tensors import Float8Tensor, LowPrecisionTensor, MXTensor, NVFP4Tensor
 
 
+def _check_bool(cfg: object, name: str) -> None:
+    """A flag field must be a bool: ``NVFP4Tensor.from_float`` reads a number as a fixed
+    per-tensor scale (``1`` would mean a scale of 1.0) and other values fail later, untyped."""
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        raise LowPrecisionError(
+            f"{type(cfg).__name__}: {name} must be True or False, got {value!r}"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Float8WeightOnlyConfig:
     """FP8 weights (``dtype``) with per-row or per-tensor scales."""
@@ -55,7 +65,8 @@ class Float8WeightOnlyConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Float8DynamicActivationFloat8WeightConfig(Float8WeightOnlyConfig):
-    """FP8 weights and FP8 activations (dynamic per-row scale) for prefill GEMMs."""
+    """FP8 weights and FP8 activations (dynamic scale, per row or per tensor as the weights')
+    for prefill GEMMs."""
 
     activation_dtype: torch.dtype = torch.float8_e4m3fn
 
@@ -76,6 +87,9 @@ class NVFP4WeightOnlyConfig:
 
     use_per_tensor_scale: bool = True
     block = 16
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "use_per_tensor_scale")
 
     def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
         return NVFP4Tensor.from_float(w, per_tensor_scale=self.use_per_tensor_scale)
@@ -102,6 +116,10 @@ class NVFP4DynamicActivationNVFP4WeightConfig(NVFP4WeightOnlyConfig):
     activation a per-tensor scale from its amax (torchao's ``NVFP4MMConfig.DYNAMIC``)."""
 
     use_dynamic_per_tensor_scale: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_bool(self, "use_dynamic_per_tensor_scale")
 
     def quantize(self, w: torch.Tensor) -> LowPrecisionTensor:
         return NVFP4Tensor.from_float(

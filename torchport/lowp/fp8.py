@@ -97,4 +97,11 @@ def fp8_dequantize(
     """``fp8_value * scale`` (scale broadcastable: ``[]`` or ``[..., 1]``) in float32, then ``dtype``."""
     if q.dtype not in FP8_DTYPES:
         raise LowPrecisionError(f"fp8_dequantize: data must be float8, got {q.dtype}")
+    rowwise = (*q.shape[:-1], 1)
+    if tuple(scale.shape) not in ((), (1,), rowwise):
+        # a [N] scale would broadcast along K, scaling columns instead of rows
+        raise LowPrecisionError(
+            "fp8_dequantize: scale must have shape () or (1,) (tensor-wise) or "
+            f"{rowwise} (row-wise), got {tuple(scale.shape)}"
+        )
     return (q.float() * scale.float()).to(dtype)

@@ -108,6 +108,11 @@ def _k_of(q: torch.Tensor, scales: torch.Tensor, elem: str) -> int:
         raise LowPrecisionError(
             f"mx_dequantize: scales must have shape {want}, got {tuple(scales.shape)}"
         )
+    if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        # the kernel reads one byte per scale: other dtypes' values would be misread
+        raise LowPrecisionError(
+            f"mx_dequantize: scales must be E8M0 bytes (uint8 or float8_e8m0fnu), got {scales.dtype}"
+        )
     return k
 
 

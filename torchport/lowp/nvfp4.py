@@ -17,6 +17,8 @@ NaN/Inf inputs raise :class:`~torchport.lowp.formats.NonFiniteInputError`.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from torchport import native
@@ -43,8 +45,11 @@ def per_tensor_amax_to_scale(amax: torch.Tensor | float) -> float:
     return float(a / (F8E4M3_MAX * F4_E2M1_MAX))
 
 
-def _check_pts(pts: float | None) -> None:
-    if pts is not None and not (isinstance(pts, float | int) and pts > 0 and pts < float("inf")):
+def check_per_tensor_scale(pts: float | None) -> None:
+    """Raise unless ``pts`` is None or a positive finite real number (not a bool)."""
+    # any real number (NumPy's included) but a bool (True would be read as a scale of 1.0)
+    ok = isinstance(pts, numbers.Real) and not isinstance(pts, bool)
+    if pts is not None and not (ok and 0 < float(pts) < float("inf")):
         raise LowPrecisionError(f"per_tensor_scale must be a positive finite number, got {pts!r}")
 
 
@@ -53,7 +58,7 @@ def nvfp4_quantize_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch NVFP4 quantization → (packed uint8 ``[..., K/2]``, float8_e4m3fn ``[..., K/16]``)."""
     rows = as_rows(x, BLOCK, "nvfp4_quantize")
-    _check_pts(per_tensor_scale)
+    check_per_tensor_scale(per_tensor_scale)
     check_finite(rows, "nvfp4_quantize")
     lead = tuple(x.shape[:-1])
     k = rows.shape[1]
@@ -78,7 +83,7 @@ def nvfp4_quantize(
     if not use_native(native_kernel, x):
         return nvfp4_quantize_reference(x, per_tensor_scale)
     rows = as_rows(x, BLOCK, "nvfp4_quantize")
-    _check_pts(per_tensor_scale)
+    check_per_tensor_scale(per_tensor_scale)
     r, k = rows.shape
     q = torch.empty(r, k // 2, dtype=torch.uint8)
     s = torch.empty(r, k // BLOCK, dtype=torch.uint8)
@@ -108,6 +113,11 @@ def _check_packed(q: torch.Tensor, scales: torch.Tensor, block: int, what: str) 
     want = (*q.shape[:-1], k // block)
     if tuple(scales.shape) != want:
         raise LowPrecisionError(f"{what}: scales must have shape {want}, got {tuple(scales.shape)}")
+    if scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        # the kernel reads one byte per scale: other dtypes' values would be misread
+        raise LowPrecisionError(
+            f"{what}: scales must be float8_e4m3fn (or its uint8 bytes), got {scales.dtype}"
+        )
     return k
 
 

@@ -540,8 +540,9 @@ def block_scaled_mm(
 ) -> torch.Tensor:
     """``x @ dequantize(w).T + bias`` for a quantized weight ``w [N, K]`` (NVFP4, MX or FP8).
 
-    ``x``: float32/bfloat16 ``[..., K]`` or a quantized activation tensor (dequantized first).
-    Float32 accumulation; result in ``out_dtype`` (default ``x``'s dtype).
+    ``x``: a floating-point ``[..., K]`` tensor (float32/bfloat16; others are taken in float32) or
+    a quantized activation tensor (dequantized first). Float32 accumulation; result in
+    ``out_dtype`` (default ``x``'s dtype), one of :data:`OUT_DTYPES`.
     """
     from torchport.lowp.tensors import LowPrecisionTensor
 
@@ -551,8 +552,12 @@ def block_scaled_mm(
         raise LowPrecisionError(
             f"block_scaled_mm: w must be a 2-D torchport.lowp tensor, got {type(w).__name__}"
         )
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        # an integer x would give an integer result: the float32 product truncated
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise LowPrecisionError(f"block_scaled_mm: x must be a floating-point tensor, got {got}")
     n, k = w.shape
-    if x.shape[-1] != k:
+    if x.dim() < 1 or x.shape[-1] != k:
         raise LowPrecisionError(
             f"block_scaled_mm: x's last dimension must be K={k}, got {tuple(x.shape)}"
         )
@@ -561,6 +566,8 @@ def block_scaled_mm(
             f"block_scaled_mm: bias must have shape ({n},), got {tuple(bias.shape)}"
         )
     od = out_dtype or x.dtype
+    if od not in OUT_DTYPES:
+        raise LowPrecisionError(f"block_scaled_mm: out_dtype must be one of {OUT_DTYPES}, got {od}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float()
 

@@ -28,13 +28,26 @@ Autograd: ``F.linear`` with such a weight is differentiable with respect to the 
 Any other op sees the dequantized tensor (``dequantize()``), so the types compose with ordinary
 code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_flatten__`` lets
 ``torch.compile`` trace through them.
+
+Quantized weights are immutable except through ``copy_`` (what ``Module.load_state_dict`` calls):
+a source of the same type and quantized layout is copied bit for bit, any other source (a float
+tensor, another recipe) is quantized with this tensor's recipe, in place either way. Every other
+op that would write into one (``add_``, ``zero_``, ``out=`` variants, ``w[i] = v``, ...) raises
+:class:`~torchport.lowp.formats.LowPrecisionError`: run on the dequantized value, it would
+otherwise change a temporary and leave the weight as it was. ``copy_`` drops the packed weight and
+settled route of every tensor sharing the bytes (``w.data``, ``state_dict()`` entries); a graph
+captured with :mod:`torchport.graphs` keeps reading the packed weight of its capture, which
+``copy_`` updates only in part (the NVFP4 and per-tensor FP8 scales are frozen there): capture
+again after loading new weights.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -42,11 +55,12 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from torchport import config, native
-from torchport.gemv import MAX_ROWS, PackedWeight
+from torchport.gemv import MAX_ROWS, GemvInputError, PackedWeight
 from torchport.gemv.hugepages import hugepage_copy
 from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
 from torchport.lowp import fp8, mx, nvfp4
-from torchport.lowp.formats import LowPrecisionError, e8m0_to_f32, unpack_fp4
+from torchport.lowp._common import HP_DTYPES
+from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, e8m0_to_f32, unpack_fp4
 
 aten = torch.ops.aten
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
@@ -54,6 +68,37 @@ _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MX
 HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
+_setitem = torch.Tensor.__setitem__
+_IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
+
+
+# Real quantized tensors by the address of their qdata's storage. detach() (state_dict() entries,
+# ``w.data``) and to(dtype) give tensors sharing the inner tensors, so copy_ into one writes the
+# others' bytes too: they take its metadata (NVFP4's per-tensor scale) and drop their caches.
+# (weak references by id: a WeakSet would compare two references to one tensor with Tensor.__eq__)
+_SHARING: dict[int, dict[int, weakref.ref[Any]]] = {}
+_PRUNE_AT = [1024]  # drop dead entries when the table grows past this
+
+
+def _storage_key(t: Any) -> int | None:
+    """The address of a real inner tensor's storage (None for traced/fake ones)."""
+    return t.untyped_storage().data_ptr() if type(t) is torch.Tensor else None
+
+
+def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The LowPrecisionTensor argument that ``func`` writes into (schema ``alias_info.is_write``:
+    in-place ops, ``out=`` variants, ``set_``, ``resize_``, ...), or None."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = kwargs.get(arg.name, args[i] if i < len(args) else None)
+        for v in val if isinstance(val, list | tuple) else (val,):
+            if isinstance(v, LowPrecisionTensor):
+                return v
+    return None
 
 
 class LowPrecisionTensor(torch.Tensor):
@@ -64,6 +109,8 @@ class LowPrecisionTensor(torch.Tensor):
     _pack: PackedWeight | None
     # the last settled decode route (eager weight-only GEMV; see torchport.gemv.ops.settle_route)
     _route: SettledRoute | None = None
+    # attributes besides the inner tensors that a bit-exact copy_ takes from its source
+    _copied_meta: tuple[str, ...] = ()
 
     @staticmethod
     def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
@@ -109,7 +156,58 @@ class LowPrecisionTensor(torch.Tensor):
             old = getattr(self, name)
             if old.is_contiguous() and old.element_size() == 1 and old.numel() == new.numel():
                 setattr(self, name, new.view(old.dtype).view(old.shape))
+        self._share()  # under the moved storage (aliases made from now on share it)
         return dataclasses.replace(pw, data=data, scales=scales)
+
+    def _share(self) -> None:
+        """Enter this tensor in :data:`_SHARING` under its qdata's storage."""
+        key = _storage_key(self.qdata)
+        if key is None:
+            return
+        _SHARING.setdefault(key, {})[id(self)] = weakref.ref(self)
+        if len(_SHARING) > _PRUNE_AT[0]:
+            for k in list(_SHARING):
+                live = {i: r for i, r in _SHARING[k].items() if r() is not None}
+                if live:
+                    _SHARING[k] = live
+                else:
+                    del _SHARING[k]
+            _PRUNE_AT[0] = max(1024, 2 * len(_SHARING))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (``torch.load``): the state of :meth:`__getstate__`."""
+        self.__dict__.update(state)
+        self._share()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The pickled state (``torch.save``): the caches left out (the settled route holds local
+        functions, the packed weight is rebuilt on first use) and each inner tensor saved alone
+        (a tensor viewing a larger storage, e.g. the padded huge-page copy, is cloned: pickling
+        saves whole storages)."""
+        state = dict(self.__dict__)
+        state["_pack"] = None
+        state["_route"] = None
+        for n in self.__tensor_flatten__()[0]:
+            t = state[n]
+            if type(t) is torch.Tensor and t.untyped_storage().nbytes() != t.nbytes:
+                state[n] = t.clone(memory_format=torch.contiguous_format)
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LowPrecisionTensor:
+        """A copy with its own inner tensors and no caches (torch's default would copy the
+        settled route, whose kernel call keeps reading the original's packed bytes)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        new = torch.Tensor._make_wrapper_subclass(
+            type(self),
+            self.shape,
+            dtype=self.dtype,
+            device=self.device,
+            requires_grad=self.requires_grad,
+        )
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def _stable_hash_for_caching(self) -> str:
         """Content hash for torch.compile's AOT-autograd cache (data, scales and metadata)."""
@@ -117,6 +215,10 @@ class LowPrecisionTensor(torch.Tensor):
         h = hashlib.sha256(f"{type(self).__name__}|{tuple(self.shape)}|{self.dtype}|{ctx}".encode())
         for n in names:
             t = getattr(self, n)
+            # the inner tensors' layout always (traced inputs have no data to hash: without it,
+            # an e4m3 and an e5m2 weight of one shape, or a row- and a tensor-wise scale, would
+            # share a compiled graph), their bytes where they are real
+            h.update(f"|{n}:{t.dtype}:{tuple(t.shape)}:{tuple(t.stride())}".encode())
             if native.eager_fast_path(t):
                 h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
@@ -132,6 +234,56 @@ class LowPrecisionTensor(torch.Tensor):
 
     def _with_dtype(self, dtype: torch.dtype) -> LowPrecisionTensor:
         raise TypeError(_ABSTRACT)
+
+    def _quantize_like(self, x: torch.Tensor) -> LowPrecisionTensor:
+        """``x`` (float32/bfloat16, this tensor's shape) quantized with this tensor's recipe."""
+        raise TypeError(_ABSTRACT)
+
+    def _copy_from(self, src: Any) -> None:
+        """``self.copy_(src)``: load ``src`` into the inner tensors in place.
+
+        A source of this type whose inner tensors have the same shapes and dtypes (the same
+        quantized layout) is copied bit for bit, with its :attr:`_copied_meta` (NVFP4's
+        per-tensor scale); any other tensor is quantized with this tensor's recipe, from its
+        value in this tensor's dtype (what a float parameter's ``copy_`` would hold). The
+        activation settings and dtype stay; the packed weight and settled route are dropped.
+        """
+        name = type(self).__name__
+        if not isinstance(src, torch.Tensor):
+            raise LowPrecisionError(
+                f"copy_ into {name}: the source must be a tensor, got {type(src).__name__}"
+            )
+        if tuple(src.shape) != tuple(self.shape):
+            raise LowPrecisionError(
+                f"copy_ into {name} of shape {tuple(self.shape)}: the source must have the same "
+                f"shape, got {tuple(src.shape)}"
+            )
+        names, _ = self.__tensor_flatten__()
+        if isinstance(src, type(self)) and all(  # the same quantized layout: bit-exact
+            getattr(src, n).shape == getattr(self, n).shape
+            and getattr(src, n).dtype == getattr(self, n).dtype
+            for n in names
+        ):
+            new = src
+        else:
+            if isinstance(src, LowPrecisionTensor):
+                x = src.dequantize(self.dtype)
+            else:
+                x = src.detach().to(self.dtype)
+            new = self._quantize_like(x if x.dtype in HP_DTYPES else x.float())
+        with torch.no_grad():
+            for n in names:
+                getattr(self, n).copy_(getattr(new, n))
+        meta = {attr: getattr(new, attr) for attr in self._copied_meta}
+        key = _storage_key(self.qdata)
+        refs = list(_SHARING.get(key, {}).values()) if key is not None else []
+        sharing = [self, *(t for t in (r() for r in refs) if t is not None and t is not self)]
+        for t in sharing:  # this tensor and those sharing its bytes (detach(): w.data, state_dict)
+            if t is self or _storage_key(t.qdata) == key:
+                for attr, value in meta.items():
+                    setattr(t, attr, value)
+                t._pack = None  # repacked (and the route settled again) on the next call
+                t._route = None
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
@@ -153,8 +305,18 @@ class LowPrecisionTensor(torch.Tensor):
         return False
 
     def _decode_fp4_act(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """Decode with FP4 weights × FP4 activations: exact int8 products (pair-split kernel)."""
-        k = self.shape[1]
+        """Decode with FP4 weights × FP4 activations: exact int8 products (pair-split kernel).
+
+        Raises :class:`~torchport.gemv.GemvInputError` for an activation whose last dimension is
+        not K or a bias that is not ``[N]``, as the weight-only GEMV does (the kernel reads
+        ``N`` bias values and the activation as rows of K)."""
+        n, k = self.shape
+        if x.dim() < 1 or x.shape[-1] != k:
+            raise GemvInputError(
+                f"gemv: x's last dimension must equal the weight's K={k}, got shape {tuple(x.shape)}"
+            )
+        if isinstance(bias, torch.Tensor) and (bias.dim() != 1 or bias.shape[0] != n):
+            raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
         if k % 64 or not native.enabled() or native.cpu_info().isa == "scalar":
             return None
         b_ok = bias is None or (
@@ -171,7 +333,7 @@ class LowPrecisionTensor(torch.Tensor):
         pw = self.gemv_pack()
         fold = 0.5 * 256.0 * pw.pts if pw.fmt == "nvfp4" else 0.5
         xr, corr, xsv = prepare_fp4_activations(act[0], act[1], fold)
-        rows, n = x2.shape[0], self.shape[0]
+        rows = x2.shape[0]
         out = torch.empty(rows, n)
         bf = bias.detach().float().contiguous() if bias is not None else torch.empty(0)
         kern = gemv_fp4_prepped_kernel(pw.fmt, native.cpu_info().isa)
@@ -240,6 +402,12 @@ class LowPrecisionTensor(torch.Tensor):
                 out = route.serve(args[0], bias)
                 if out is not None:
                     return out
+        if func is _setitem and args and isinstance(args[0], LowPrecisionTensor):
+            # caught here: below, indexing yields a dequantized temporary that takes the write
+            raise LowPrecisionError(
+                f"__setitem__ on a {type(args[0]).__name__}: {_IMMUTABLE}, e.g. "
+                "w.copy_(new_float_weight)"
+            )
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], LowPrecisionTensor):
             x, w = args[0], args[1]
@@ -263,6 +431,15 @@ class LowPrecisionTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _KEEP:
             return args[0]._apply(lambda t: func(t))
+        if func is aten.copy_.default and isinstance(args[0], LowPrecisionTensor):
+            args[0]._copy_from(args[1])
+            return args[0]
+        written = _written_lowp(func, args, kwargs)
+        if written is not None:
+            raise LowPrecisionError(
+                f"{func} would write into a {type(written).__name__}: {_IMMUTABLE}, e.g. "
+                "w.copy_(new_float_weight)"
+            )
         if (
             func is aten._to_copy.default
             and set(kwargs) <= {"dtype"}
@@ -304,10 +481,13 @@ class _FrozenWeightLinear(torch.autograd.Function):
 
 
 class Float8Tensor(LowPrecisionTensor):
-    """FP8 weight ``[N, K]`` with a per-tensor (``[]``) or per-row (``[N, 1]``) float32 scale.
+    """FP8 weight ``[N, K]`` with a per-tensor (``[]``; ``[1]`` is taken as ``[]``) or per-row
+    (``[N, 1]``) float32 scale; any other scale shape raises.
 
-    ``act_dtype`` set → activations are quantized dynamically per row and the prefill path runs
-    :func:`torchport.scaled_mm` (weight + activation FP8); None → weight-only.
+    ``act_dtype`` set → activations are quantized dynamically with the weight's granularity (per
+    row for a per-row weight scale, per tensor for a per-tensor one: ``scaled_mm`` takes both
+    scales one way or the other) and the prefill path runs :func:`torchport.scaled_mm` (weight +
+    activation FP8); None → weight-only.
     """
 
     def __new__(
@@ -326,9 +506,24 @@ class Float8Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_dtype: torch.dtype | None = None,
     ) -> None:
+        if qdata.dtype not in FP8_DTYPES:
+            raise LowPrecisionError(f"Float8Tensor: qdata must be float8, got {qdata.dtype}")
+        if act_dtype is not None and act_dtype not in FP8_DTYPES:
+            raise LowPrecisionError(
+                f"Float8Tensor: act_dtype must be float8_e4m3fn, float8_e5m2 or None, got {act_dtype}"
+            )
+        rowwise = (*qdata.shape[:-1], 1)
+        if tuple(scale.shape) in ((), (1,)):
+            scale = scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
+        elif tuple(scale.shape) != rowwise:
+            raise LowPrecisionError(
+                "Float8Tensor: scale must have shape () or (1,) (tensor-wise) or "
+                f"{rowwise} (row-wise), got {tuple(scale.shape)}"
+            )
         self.qdata, self.scale = qdata, scale
         self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
         self._pack = None
+        self._share()
 
     @classmethod
     def from_float(
@@ -354,6 +549,10 @@ class Float8Tensor(LowPrecisionTensor):
     def _with_dtype(self, dtype: torch.dtype) -> Float8Tensor:
         return Float8Tensor(self.qdata, self.scale, dtype, self.act_dtype)
 
+    def _quantize_like(self, x: torch.Tensor) -> Float8Tensor:
+        gran = "row" if self.scale.dim() else "tensor"
+        return Float8Tensor.from_float(x, self.qdata.dtype, gran, self.act_dtype)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return fp8.fp8_dequantize(self.qdata, self.scale, dtype or self.dtype)
 
@@ -373,8 +572,10 @@ class Float8Tensor(LowPrecisionTensor):
         if self.act_dtype is None:
             return super().prefill_linear(x, bias)
         lead, k = x.shape[:-1], x.shape[-1]
-        xq, xs = fp8.fp8_quantize(x.reshape(-1, k), self.act_dtype, "row")
-        ws = self.scale.float().reshape(1, -1) if self.scale.dim() else self.scale.float()
+        # scaled_mm (as torch._scaled_mm) takes both scales row-wise or both tensor-wise
+        rowwise = self.scale.dim() != 0
+        xq, xs = fp8.fp8_quantize(x.reshape(-1, k), self.act_dtype, "row" if rowwise else "tensor")
+        ws = self.scale.float().reshape(1, -1) if rowwise else self.scale.float()
         out = scaled_mm(xq, self.qdata.t(), xs.float(), ws, bias=bias, out_dtype=x.dtype)
         return out.reshape(*lead, self.shape[0])
 
@@ -389,6 +590,7 @@ def _nvfp4_pts(x: torch.Tensor, per_tensor_scale: bool | float) -> float | None:
         return None if pts == 0.0 or (pts is not None and not math.isfinite(pts)) else pts
     if per_tensor_scale is False:
         return None
+    nvfp4.check_per_tensor_scale(per_tensor_scale)  # typed error for a non-number
     return float(per_tensor_scale)
 
 
@@ -399,6 +601,8 @@ class NVFP4Tensor(LowPrecisionTensor):
     ``act_per_tensor_scale`` None → weight-only; True/False → activations are quantized to NVFP4 at
     run time, with/without a dynamic per-tensor scale from each activation's amax.
     """
+
+    _copied_meta = ("per_tensor_scale",)
 
     def __new__(
         cls,
@@ -422,6 +626,7 @@ class NVFP4Tensor(LowPrecisionTensor):
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
         self.act_per_tensor_scale = act_per_tensor_scale
         self._pack = None
+        self._share()
 
     @classmethod
     def from_float(
@@ -431,7 +636,15 @@ class NVFP4Tensor(LowPrecisionTensor):
         act_per_tensor_scale: bool | None = None,
     ) -> NVFP4Tensor:
         """Quantize; ``per_tensor_scale=True`` derives it from ``amax`` (torchao's two-level scaling)."""
+        if act_per_tensor_scale is not None and not isinstance(act_per_tensor_scale, bool):
+            raise LowPrecisionError(
+                f"act_per_tensor_scale must be None, True or False, got {act_per_tensor_scale!r}"
+            )
         pts = _nvfp4_pts(w, per_tensor_scale)
+        if per_tensor_scale is True and pts is None:
+            # amax 0 (or a scale that underflows): 1.0 gives the same bits as no scale and keeps
+            # the two-level recipe, which copy_ re-derives from a loaded source's amax
+            pts = 1.0
         q, s = nvfp4.nvfp4_quantize(w, pts)
         return cls(q, s, pts, w.dtype, act_per_tensor_scale)
 
@@ -469,6 +682,12 @@ class NVFP4Tensor(LowPrecisionTensor):
     def _with_dtype(self, dtype: torch.dtype) -> NVFP4Tensor:
         return NVFP4Tensor(
             self.qdata, self.scale, self.per_tensor_scale, dtype, self.act_per_tensor_scale
+        )
+
+    def _quantize_like(self, x: torch.Tensor) -> NVFP4Tensor:
+        # a per-tensor scale (from x's amax) exactly when this tensor has one
+        return NVFP4Tensor.from_float(
+            x, self.per_tensor_scale is not None, self.act_per_tensor_scale
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -517,6 +736,7 @@ class MXTensor(LowPrecisionTensor):
         self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
         self.act_elem = act_elem
         self._pack = None
+        self._share()
 
     @classmethod
     def from_float(
@@ -555,6 +775,9 @@ class MXTensor(LowPrecisionTensor):
 
     def _with_dtype(self, dtype: torch.dtype) -> MXTensor:
         return MXTensor(self.qdata, self.scale, self.elem, dtype, self.act_elem)
+
+    def _quantize_like(self, x: torch.Tensor) -> MXTensor:
+        return MXTensor.from_float(x, self.elem, self.act_elem)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return mx.mx_dequantize(self.qdata, self.scale, self.elem, dtype or self.dtype)
