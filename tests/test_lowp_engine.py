@@ -368,3 +368,27 @@ def test_bf16_panels_offered_only_where_exact(monkeypatch):
     tiny = MXTensor.from_float(torch.randn(N, 64, generator=g) * 2.0**-126, "fp4_e2m1")
     assert mod._bf16_decoder(tiny) is None
     assert mod._bf16_decoder(MXTensor.from_float(torch.randn(N, 64, generator=g))) is not None
+
+
+@pytest.mark.parametrize("m", [4, 16])  # the decode path and the engine
+@pytest.mark.parametrize("od", [torch.float32, torch.bfloat16, E4, E5], ids=str)
+def test_scaled_mm_scale_result_bias_shape_and_fast_accum_as_torch(m, od):
+    """torch._scaled_mm's keywords: ``scale_result`` divides the result (bias included) before an
+    FP8 output's cast and is ignored for other outputs; ``use_fast_accum`` changes nothing on
+    the CPU; a ``[1, N]`` bias is accepted. (They raised TypeError / a bias-shape error.)"""
+    a, b = _fp8((m, K), m + 5), _fp8((N, K), m + 6).t()
+    sa, sb = torch.tensor(0.5), torch.tensor(0.25)
+    bias = torch.randn(1, N, generator=torch.Generator().manual_seed(m)).to(
+        torch.bfloat16 if od == torch.bfloat16 else torch.float32
+    )
+    for sr in (None, torch.tensor(4.0), torch.tensor([0.5])):
+        kw = dict(bias=bias, out_dtype=od, scale_result=sr)
+        got = scaled_mm(a, b, sa, sb, use_fast_accum=True, **kw)
+        ref = scaled_mm_reference(a, b, sa, sb, **kw).double()
+        want = torch._scaled_mm(a, b, sa, sb, use_fast_accum=True, **kw).double()
+        ulp = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, E4: 2.0**-3, E5: 2.0**-2}[od]
+        assert torch.allclose(got.double(), want, rtol=ulp, atol=1e-2), sr
+        assert torch.allclose(got.double(), ref, rtol=ulp, atol=1e-2), sr
+    for bad in (torch.tensor(2.0, dtype=torch.float64), torch.tensor([1.0, 2.0]), 2.0):
+        with pytest.raises(LowPrecisionError, match="scale_result must be a one-element float32"):
+            scaled_mm(a, b, sa, sb, out_dtype=od, scale_result=bad)

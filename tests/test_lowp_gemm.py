@@ -77,7 +77,9 @@ def test_scaled_mm_default_out_dtype_and_errors():
         scaled_mm(a, b, torch.ones(4), one)
     with pytest.raises(LowPrecisionError, match=r"scale_a must be a float32 tensor"):
         scaled_mm(a, b, one.double(), one)
-    with pytest.raises(LowPrecisionError, match=r"bias must have shape \(8,\), got \(3,\)"):
+    with pytest.raises(
+        LowPrecisionError, match=r"bias must have shape \(8,\) or \(1, 8\), got \(3,\)"
+    ):
         scaled_mm(a, b, one, one, bias=torch.ones(3))
     with pytest.raises(LowPrecisionError, match=r"out_dtype must be one of"):
         scaled_mm(a, b, one, one, out_dtype=torch.int32)

@@ -77,17 +77,42 @@ def _validate(
             "scaled_mm: scales must be tensor-wise (one element each) or row-wise "
             f"(scale_a ({m}, 1), scale_b (1, {n})), got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}"
         )
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
-        raise LowPrecisionError(f"scaled_mm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if bias is not None and tuple(bias.shape) not in ((n,), (1, n)):
+        raise LowPrecisionError(
+            f"scaled_mm: bias must have shape ({n},) or (1, {n}), got {tuple(bias.shape)}"
+        )
     od = a.dtype if out_dtype is None else out_dtype
     if od not in OUT_DTYPES:
         raise LowPrecisionError(f"scaled_mm: out_dtype must be one of {OUT_DTYPES}, got {od}")
     return rowwise and not tensorwise, od
 
 
-def _finish(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def _check_scale_result(scale_result: torch.Tensor | None) -> None:
+    if scale_result is not None and not (
+        isinstance(scale_result, torch.Tensor)
+        and scale_result.dtype == torch.float32
+        and scale_result.numel() == 1
+    ):
+        got = (
+            f"{scale_result.dtype} {tuple(scale_result.shape)}"
+            if isinstance(scale_result, torch.Tensor)
+            else type(scale_result).__name__
+        )
+        raise LowPrecisionError(
+            f"scaled_mm: scale_result must be a one-element float32 tensor, got {got}"
+        )
+
+
+def _finish(
+    acc: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    div: torch.Tensor | None = None,
+) -> torch.Tensor:
     if bias is not None:
         acc = acc + bias.float()
+    if div is not None:  # scale_result (FP8 output only)
+        acc = acc / div.float()
     return to_fp8_reference(acc, out_dtype) if out_dtype in FP8_DTYPES else acc.to(out_dtype)
 
 
@@ -99,16 +124,21 @@ def scaled_mm_reference(
     *,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    scale_result: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(a * scale_a) @ (b * scale_b) + bias`` in float64, then cast (saturating for FP8)."""
+    """``(a * scale_a) @ (b * scale_b) + bias`` in float64, divided by ``scale_result`` for an FP8
+    output, then cast (saturating for FP8)."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
+    _check_scale_result(scale_result)
     acc = (
         (a.double() @ b.double())
         * scale_a.double().reshape(-1, 1)
         * scale_b.double().reshape(1, -1)
     )
     if bias is not None:
-        acc = acc + bias.double()
+        acc = acc + bias.double().reshape(-1)
+    if scale_result is not None and od in FP8_DTYPES:
+        acc = acc / scale_result.double()
     return to_fp8_reference(acc, od) if od in FP8_DTYPES else acc.to(od)
 
 
@@ -120,9 +150,20 @@ def scaled_mm(
     *,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    scale_result: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    """FP8 scaled GEMM mirroring ``torch._scaled_mm`` (tensor-wise and row-wise scaling)."""
+    """FP8 scaled GEMM mirroring ``torch._scaled_mm`` (tensor-wise and row-wise scaling).
+
+    As torch's CPU implementation: ``bias`` is ``[N]`` or ``[1, N]``; ``scale_result`` (a
+    one-element float32 tensor) divides the result, bias included, before an FP8 ``out_dtype``'s
+    saturating cast and is ignored for other output dtypes; ``use_fast_accum`` is accepted and
+    changes nothing (the accumulation is float32 either way)."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
+    _check_scale_result(scale_result)
+    if bias is not None:
+        bias = bias.reshape(-1)
+    div = scale_result if scale_result is not None and od in FP8_DTYPES else None
     m, k = a.shape
     n = b.shape[1]
     if 0 < m <= MAX_ROWS and k > 0 and n > 0:
@@ -130,7 +171,7 @@ def scaled_mm(
         rs = scale_b.reshape(-1).expand(n).contiguous()
         pw = PackedWeight(fmt, b.t().contiguous().view(torch.uint8), _EMPTY_U8, rs, 1.0, n, k)
         acc = gemv_packed(a.float(), pw) * scale_a.reshape(-1, 1)
-        return _finish(acc, bias, od)
+        return _finish(acc, bias, od, div)
     # scale_a per row, scale_b per column (a tensor-wise scale broadcast: a scalar Scale step
     # would be compiled into the kernel, one kernel per scale value)
     sa = scale_a.reshape(-1).expand(m)
@@ -155,7 +196,7 @@ def scaled_mm(
     # (the bf16 copy of ``a`` is made only where that candidate can be offered)
     bf16 = _Bf16(a.bfloat16(), decode16) if _bf16_offered(od) else None
     acc = _panel_gemm(a.float(), decode, n, k, steps, bias, od, eager, tag, bf16)
-    return _cast_out(acc, od)
+    return _cast_out(acc if div is None else acc / div.float(), od)
 
 
 def _cast_out(acc: torch.Tensor, od: torch.dtype) -> torch.Tensor:
