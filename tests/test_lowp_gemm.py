@@ -655,3 +655,20 @@ def test_copy_into_an_alias_reaches_the_weight(cfg, monkeypatch):
             sd["weight"].copy_(torch.zeros(32, 64))
             assert torch.equal(model.weight.dequantize(), torch.zeros(32, 64))
             assert torch.equal(model(x), model.bias.detach().reshape(1, 32))
+
+
+def test_quantize_is_all_or_nothing_and_skips_empty_weights():
+    """A weight that cannot be quantized (a NaN) raises naming its module before any weight is
+    swapped (the model was left half quantized); an empty weight is skipped, not an untyped
+    reshape error."""
+    m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16), nn.Linear(0, 8), nn.Linear(64, 0))
+    with torch.no_grad():
+        m[1].weight[0, 0] = float("nan")
+    with pytest.raises(lowp.LowPrecisionError, match=r"module '1' \(nothing was swapped\)"):
+        torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    assert not any(isinstance(x.weight, lowp.LowPrecisionTensor) for x in m)
+    with torch.no_grad():
+        m[1].weight[0, 0] = 0.0
+    report = torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    assert report.quantized == ["0", "1"]
+    assert set(report.skipped) == {"2", "3"} and "empty weight" in report.skipped["2"]

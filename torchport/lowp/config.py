@@ -181,6 +181,9 @@ def quantize_(
     if not hasattr(config, "quantize"):
         raise LowPrecisionError(f"quantize_: unsupported config {type(config).__name__}")
     report = QuantizeReport()
+    # every weight is quantized before any is swapped: a weight that cannot be (a NaN) raises
+    # naming its module and leaves the model as it was (it was left half quantized)
+    todo: list[tuple[str, nn.Linear, torch.Tensor]] = []
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or (filter_fn is not None and not filter_fn(mod, fqn)):
             continue
@@ -196,6 +199,14 @@ def quantize_(
                 f"in_features {w.shape[1]} is not a multiple of block {config.block}"
             )
             continue
-        mod.weight = nn.Parameter(config.quantize(w.detach()), requires_grad=False)
+        if w.numel() == 0:
+            report.skipped[fqn] = f"empty weight {tuple(w.shape)}"
+            continue
+        try:
+            todo.append((fqn, mod, config.quantize(w.detach())))
+        except LowPrecisionError as e:
+            raise type(e)(f"quantize_: module {fqn!r} (nothing was swapped): {e}") from e
+    for fqn, mod, q in todo:
+        mod.weight = nn.Parameter(q, requires_grad=False)
         report.quantized.append(fqn)
     return report
