@@ -1105,3 +1105,13 @@ def test_torch_func_transforms_run_torch_ops() -> None:
     for wt, wd in ((w, w), (NVFP4Tensor.from_float(w), NVFP4Tensor.from_float(w).dequantize())):
         tangent = torch.func.jvp(lambda v, wt=wt: gemv(v, wt), (x,), (torch.ones_like(x),))[1]
         torch.testing.assert_close(tangent, torch.ones_like(x) @ wd.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_scale_by_negative_zero_is_not_interned_with_positive_zero() -> None:
+    """``Op("scale", 0.0) == Op("scale", -0.0)`` made ``Scale(-0.0)`` reuse the interned spec of an
+    earlier ``Scale(0.0)``: the product times -0.0 came out +0.0 (torch: -0.0)."""
+    a, b = torch.ones(2, 3), torch.ones(3, 4)
+    with config.override(autotune=False):
+        pos = G.mm(a, b, epilogue=[G.Scale(0.0)])
+        neg = G.mm(a, b, epilogue=[G.Scale(-0.0)])
+    assert not bool(torch.signbit(pos).any()) and bool(torch.signbit(neg).all())

@@ -31,6 +31,7 @@ SiLU 0.22; AVX2 rational GELU 0.34.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -116,6 +117,13 @@ class Op:
     kind: str  # bias_col bias_row add scale_col scale_row scale relu gelu gelu_tanh silu
     dtype: str = ""  # f32/bf16 for operand steps
     value: float = 0.0  # scalar scale
+    # compared and hashed with the value: 0.0 == -0.0, so the interned spec of Scale(-0.0) was
+    # Scale(0.0)'s when that came first (a product times -0.0 came out +0.0)
+    negative_zero: bool = field(init=False, repr=False, default=False)
+
+    def __post_init__(self) -> None:
+        neg0 = self.value == 0.0 and math.copysign(1.0, self.value) < 0
+        object.__setattr__(self, "negative_zero", neg0)
 
 
 TRANSCENDENTAL_KINDS = ("gelu", "gelu_tanh", "silu")
