@@ -1115,3 +1115,21 @@ def test_scale_by_negative_zero_is_not_interned_with_positive_zero() -> None:
         pos = G.mm(a, b, epilogue=[G.Scale(0.0)])
         neg = G.mm(a, b, epilogue=[G.Scale(-0.0)])
     assert not bool(torch.signbit(pos).any()) and bool(torch.signbit(neg).all())
+
+
+def test_tuning_check_takes_bf16_rounding_of_a_cast_to_float32() -> None:
+    """With bf16 inputs and a ``Cast(float32)`` epilogue ATen rounds the product to bf16 before
+    the cast while the kernels keep float32 sums: the tuner's check used the float32 tolerance,
+    rejected every native kernel, and a small-M shape whose first call had that epilogue was
+    settled on ATen for all its epilogues."""
+    mm_mod = sys.modules["torchport.gemm.mm"]
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(8, 1024, generator=g).bfloat16()
+    b = torch.randn(512, 1024, generator=g).bfloat16().t()
+    sp = split([G.Cast(torch.float32)], 8, 512)
+    native_out = G.kernels.mm_reference(a, b, sp.spec, [])  # float32 sums, as the kernels
+    aten_out = G.kernels.mm_aten(a, b, sp.spec, [])
+    assert native_out.dtype == aten_out.dtype == torch.float32
+    assert not mm_mod._close(native_out, aten_out)  # the float32 tolerance: rejected
+    assert mm_mod._close(native_out, aten_out, low=True)
+    assert not mm_mod._close(native_out + 100.0, aten_out, low=True)

@@ -12,6 +12,7 @@ ATen ops (:func:`_backward`), so the fused op trains.
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import threading
 import time
@@ -317,12 +318,16 @@ def _round_fns(
     ]
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+def _close(out: torch.Tensor, ref: torch.Tensor, low: bool = False) -> bool:
+    """A candidate's result against ATen's. ``low``: bf16 inputs, whose ATen product is rounded
+    to bf16 before a ``Cast(float32)`` epilogue while the kernels keep float32 sums, so the
+    float32 results differ by bf16 rounding (the float32 tolerance rejected every native kernel
+    and the shape's shared small-M choice went to ATen)."""
     if out.shape != ref.shape or out.dtype != ref.dtype:
         return False
     if out.numel() == 0:
         return True
-    tol = 3e-2 if out.dtype == torch.bfloat16 else 1e-3
+    tol = 3e-2 if low or out.dtype == torch.bfloat16 else 1e-3
     o, r = out.float(), ref.float()  # float32 is exact for both dtypes' values
     scale = float(r.abs().max()) + 1.0
     diff = float((o - r).abs().max())
@@ -656,7 +661,7 @@ def _choose(
             lambda c: _tuning_fn(c, spec),
             tuning_args,
             cold=False,
-            check=_close,
+            check=functools.partial(_close, low=a.dtype == torch.bfloat16),
             backends=autotune.allowed_backends(),
             confirm=True,
             budget_s=budget,
