@@ -672,3 +672,23 @@ def test_quantize_is_all_or_nothing_and_skips_empty_weights():
     report = torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
     assert report.quantized == ["0", "1"]
     assert set(report.skipped) == {"2", "3"} and "empty weight" in report.skipped["2"]
+
+
+@pytest.mark.parametrize("rows", [1, 12])
+def test_quantized_linear_follows_cpu_autocast(rows):
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a quantized linear computes with
+    bf16 activations and returns bf16, as ``F.linear`` does there (it returned float32, also
+    through a decode route settled outside autocast)."""
+    torch.manual_seed(rows)
+    m = nn.Linear(64, 32).eval()
+    torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    x = torch.randn(rows, 64)
+    with torch.no_grad():
+        m(x), m(x)  # settles a float32 decode route at rows=1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        plain = F.linear(x.bfloat16(), m.weight.dequantize(torch.bfloat16), m.bias.bfloat16())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), plain.float(), rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        assert m(x).dtype == torch.float32  # and back outside autocast

@@ -69,6 +69,7 @@ HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
 _setitem = torch.Tensor.__setitem__
+_autocast_on = torch._C._is_any_autocast_enabled
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
 
 
@@ -394,7 +395,7 @@ class LowPrecisionTensor(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _linear and len(args) >= 2:  # a settled decode route first (see linear)
             route = getattr(args[1], "_route", None)
-            if route is not None and not args[1].requires_grad:
+            if route is not None and not args[1].requires_grad and not _autocast_on():
                 if len(args) > 2:
                     bias = args[2]
                 else:
@@ -412,6 +413,14 @@ class LowPrecisionTensor(torch.Tensor):
         if func is F.linear and len(args) >= 2 and isinstance(args[1], LowPrecisionTensor):
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if _autocast_on() and torch.is_autocast_enabled("cpu") and isinstance(x, torch.Tensor):
+                # as autocast's F.linear (which this path bypasses): activations and bias in the
+                # autocast dtype, so the result comes out in it (it came out float32)
+                adt = torch.get_autocast_dtype("cpu")
+                if x.is_floating_point() and x.dtype != adt:
+                    x = x.to(adt)
+                if isinstance(bias, torch.Tensor) and bias.dtype != adt:
+                    bias = bias.to(adt)
             if not isinstance(x, LowPrecisionTensor):
                 if not torch.is_grad_enabled():
                     return w.linear(x, bias)
