@@ -240,15 +240,58 @@ def c_window_errors(st: dict[str, Any]) -> list[str]:
         lambda: win.get(src_rank=9),
         lambda: win.wait_signal((dist.get_rank() + 1) % dist.get_world_size(), timeout=0.05),
         lambda: win.tensor_register(torch.zeros(2)),
+        lambda: win.get(src_rank=1, offset_nelems=3, nelems=-1),
     ):
         try:
             fn()
             msgs.append("no error")
         except WindowError as e:
             msgs.append(str(e))
+
+    def fail() -> None:
+        raise WindowError("an async request failed")
+
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    win._issue(peer, fail, True)  # a failed async request, then a later one: fence() raises it
+    win._issue(peer, lambda: None, False)
+    try:
+        win.fence()
+        msgs.append("no error")
+    except WindowError as e:
+        msgs.append(str(e))
     win.fence()
     win.close()
     return msgs
+
+
+def c_window_threads(st: dict[str, Any], threads: int, rounds: int) -> Any:
+    """Ranks 0 and 1 accumulate from ``threads`` threads each into the last rank's tensor over
+    shared memory; the last rank returns the smallest element after the fence."""
+    import threading
+
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = 1 << 19
+    win = _new_window(torch.zeros(n), transport="shm")
+    if rank < 2:
+
+        def work() -> None:
+            for _ in range(rounds):
+                win.accumulate(torch.ones(n), world - 1)
+
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    win.fence()
+    low = float(win.local.min()) if rank == world - 1 else None
+    win.fence()
+    win.close()
+    return low
 
 
 def c_window_tcp_addr(st: dict[str, Any], addr: str) -> Any:
@@ -519,6 +562,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_script": c_window_script,
     "window_signal": c_window_signal,
     "window_errors": c_window_errors,
+    "window_threads": c_window_threads,
     "window_tcp_addr": c_window_tcp_addr,
     "fr_collectives": c_fr_collectives,
 }

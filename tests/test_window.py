@@ -96,6 +96,16 @@ def test_window_errors(trio):
         assert f"rank must be in [0, {WORLD}), got 9" in msgs[2]
         assert "no signal from rank" in msgs[3]
         assert "already registered" in msgs[4]
+        assert "element count must be >= 0, got -1" in msgs[5]
+        assert "an async request failed" in msgs[6]  # fence() had dropped it
+
+
+def test_shm_accumulate_from_threads_loses_nothing(trio):
+    """Two threads in each of two ranks accumulate into the third rank: the file lock alone did
+    not exclude a process's own threads (1-4 of 180 accumulates were lost)."""
+    res = trio.call_all(list(range(WORLD)), "window_threads", [(2, 30)] * WORLD)
+    assert all(s == "ok" for s, _ in res), res
+    assert res[-1][1] == 2 * 2 * 30
 
 
 def test_tcp_window_binds_configured_address_and_authenticates(trio):
