@@ -310,12 +310,49 @@ def test_native_index_out_of_range_raises_at_replay() -> None:
     with torch.no_grad(), g:
         y = F.embedding(idx, emb)
     assert g.tier == "native"
-    idx.fill_(-2)  # negative indices count from the end, as in ATen
+    idx.fill_(4)
     g.replay()
-    torch.testing.assert_close(y, emb[3:4])
-    idx.fill_(5)
-    with pytest.raises(IndexError, match="embedding: index out of range for size 5"):
-        g.replay()
+    torch.testing.assert_close(y, emb[4:5])
+    for bad in (5, -1, -2):  # ATen's embedding raises for negative indices too (they wrapped)
+        idx.fill_(bad)
+        with pytest.raises(IndexError, match="embedding: index out of range for size 5"):
+            g.replay()
+    cache, pos = torch.zeros(5, 4), torch.tensor([0])
+    g2 = Graph()
+    with torch.no_grad(), g2:
+        cache.index_copy_(0, pos, torch.ones(1, 4))
+    assert g2.tier == "native"
+    cache.zero_()
+    pos.fill_(-1)  # wrote the last row before; ATen raises
+    with pytest.raises(IndexError, match="index_copy: index out of range for size 5"):
+        g2.replay()
+    assert not bool(cache.any())
+
+
+def test_native_exp_and_sigmoid_over_the_whole_float_range() -> None:
+    """exp(88.5) came out 0.61x (the input clamped at 88) and exp(-87.2) 0 (normal results
+    flushed below -87): now within 2 ulp of ATen where the result is normal, its subnormals
+    within one subnormal step, and inf / 0 / NaN where ATen gives them."""
+    x = torch.cat(
+        [
+            torch.linspace(-110.0, 95.0, 4001),
+            torch.tensor([88.72, 88.7228, 88.73, -87.33, -103.9, float("inf"), -float("inf")]),
+            torch.tensor([float("nan")]),
+        ]
+    )
+    g = Graph()
+    with torch.no_grad(), g:
+        y, s = torch.exp(x), torch.sigmoid(x)
+    g.replay()
+    assert g.tier == "native"
+    want = torch.exp(x)
+    normal = want.abs() >= torch.finfo(torch.float32).tiny
+    ulp = torch.finfo(torch.float32).eps * want.abs()
+    assert bool(((y - want).abs() <= 2 * ulp)[normal & want.isfinite()].all())
+    sub = ~normal & want.isfinite()
+    assert bool(((y - want).abs() <= 2.0**-149 * 2)[sub].all())
+    assert torch.equal(y.isinf(), want.isinf()) and torch.equal(y.isnan(), want.isnan())
+    torch.testing.assert_close(s, torch.sigmoid(x), rtol=1e-6, atol=1e-45, equal_nan=True)
 
 
 def test_native_argmax_takes_nan_as_maximum() -> None:

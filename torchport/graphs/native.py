@@ -43,10 +43,13 @@ __all__ = ["lower"]
 
 # Branch-free exp/tanh so that gcc vectorises the loops (libm calls would stay scalar).
 # exp: range reduction x = k ln2 + r (ln2 split in two), degree-6 polynomial for e^r on
-# [-ln2/2, ln2/2], scale by 2^k through the exponent bits; <= 2 ulp on [-87, 88].
+# [-ln2/2, ln2/2], scale by 2^k as two powers of two (each a valid exponent field for k in
+# [-150, 128]: the product overflows to inf past ln(FLT_MAX) and rounds into the subnormals
+# below -87.3, once); <= 2 ulp where the result is normal. (Clamped at 88 with 2^k in one
+# field, exp(88.5) came out 0.61x and exp(-87.2) 0.)
 _MATH = r"""
 TP_INLINE float tp_expf(float x0) {
-    float x = x0 < -87.0f ? -87.0f : (x0 > 88.0f ? 88.0f : x0);
+    float x = x0 < -104.0f ? -104.0f : (x0 > 89.0f ? 89.0f : x0);
     x = x0 != x0 ? 0.0f : x;
     float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - k * 0.693359375f + k * 2.12194440e-4f;
@@ -57,12 +60,14 @@ TP_INLINE float tp_expf(float x0) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    float y = p * scale;
-    y = x0 > 88.7f ? __builtin_inff() : y;  /* overflow, as expf */
-    y = x0 < -87.0f ? 0.0f : y;             /* below the normal range */
+    int32_t k1 = (int32_t)k / 2, k2 = (int32_t)k - k1;
+    int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, 4);
+    memcpy(&s2, &b2, 4);
+    float y = (p * s1) * s2;
+    y = x0 > 89.0f ? __builtin_inff() : y;  /* overflow, as expf (the product does it up to 89) */
+    y = x0 < -104.0f ? 0.0f : y;            /* below the smallest subnormal */
     return x0 != x0 ? x0 : y;               /* NaN stays NaN */
 }
 TP_INLINE float tp_tanhf(float x) {

@@ -32,14 +32,16 @@ def _at(base: str, strides: Sequence[int], names: Sequence[str]) -> str:
 
 
 def _index(cg: Any, idx: torch.Tensor, pos: str, limit: int, what: str) -> str:
-    """C statements: ``long r = idx[pos]``, returning an error code when out of range."""
+    """C statements: ``long r = idx[pos]``, returning an error code when out of range: negative
+    too, as ATen's ``embedding`` and ``index_copy_`` raise for it (a -1 read or wrote the last
+    row: a decode position of -1 overwrote the last cache row)."""
     if idx.dim() > 1 or idx.dtype not in (torch.int64, torch.int32):
         raise cg.unsupported("index layout")
     ib, _, ist = cg.ref(idx)
     stride = ist[0] if idx.dim() else 0
     code = cg.error(f"{what}: index out of range for size {limit}")
     return (
-        f"long r = (long){ib}[{pos}*{stride}]; if (r < 0) r += {limit}; "
+        f"long r = (long){ib}[{pos}*{stride}]; "
         f"if (r < 0 || r >= {limit}) return {code}; "
     )
 
