@@ -103,8 +103,12 @@ class Graph:
         rec = self._rec
         if rec is None:
             raise GraphError("Graph.capture_end: no capture in progress")
+        stack = active_stack()  # this thread's: the capture must end where it began
+        if rec not in stack:  # (from another thread it raised ValueError half-way and left
+            # the capturing thread capturing for good)
+            raise GraphError("Graph.capture_end: call it on the thread that called capture_begin")
         self._rec = None
-        active_stack().remove(rec)
+        stack.remove(rec)
         rec.__exit__(None, None, None)
         self._release(rec)
         self._pending = rec
