@@ -1152,3 +1152,28 @@ def test_extreme_scale_input(b, dtype):
             q, r = tl.qr(a, mode=mode, method="jacobi")
             err = (q.double() @ r.double() - a.double()).abs().amax(dim=(-2, -1)) / amax
             assert float(err.max()) <= rtol, ("qr", mode, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(2, 2), (3, 3), (4, 4), (5, 5), (4, 2), (2, 4), (6, 3)], ids=str)
+def test_extreme_scale_small_matrices_in_lanes(shape, dtype):
+    """Batches of small matrices run one matrix per vector lane (Jacobi eigh below n = 6, SVD
+    below min(m, n) = 5): those kernels did not scale each matrix, so large entries gave inf
+    singular values and the sorted diagonal as eigenvalues, small ones lost every digit."""
+    rtol = 1e-5 if dtype == torch.float32 else 1e-11
+    m, n = shape
+    g = torch.Generator().manual_seed(m * 10 + n)
+    base = torch.randn((64, m, n), generator=g, dtype=torch.float64)
+    base = base / base.abs().amax(dim=(-2, -1), keepdim=True)
+    for t in _SCALES[dtype]:
+        a = (base * t).to(dtype)
+        amax = a.double().abs().amax(dim=(-2, -1))
+        sv = tl.svdvals(a, method="jacobi")
+        err = (sv.double() - torch.linalg.svdvals(a.double())).abs().amax(-1) / amax
+        assert float(err.max()) <= rtol, ("svdvals", t)
+        if m == n:
+            s = ((base + base.mT) * t).to(dtype)
+            smax = s.double().abs().amax(dim=(-2, -1))
+            lam = tl.eigvalsh(s, method="jacobi")
+            err = (lam.double() - torch.linalg.eigvalsh(s.double())).abs().amax(-1) / smax
+            assert float(err.max()) <= rtol, ("eigvalsh", t)

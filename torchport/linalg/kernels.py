@@ -536,11 +536,29 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
                        int64_t h, VT *cs, int64_t *lp, int64_t *lq) {
     const VT zero = {0}, one = zero + 1;
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
+    /* each lane scaled by the power of two that brings its largest entry into [1, 2), as in
+       eigh_vec_fused (exact; the eigenvalues scaled back at the end): unscaled, the Frobenius sum
+       overflowed for large entries (no rotation passed the threshold: the sorted diagonal came
+       back as the eigenvalues) and underflowed for small ones */
+    int ex[VLN];
+    VT fac = one;
+    for (int64_t l = 0; l < VLN; ++l) {
+        T mx = 0;
+        if (l < cnt)
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j <= i; ++j) {
+                    T x = TFABS(upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j]);
+                    mx = x > mx ? x : mx;
+                }
+        ex[l] = TP_SCALE_EXP(mx);
+        fac[l] = ${ldexp}((T)1, -ex[l]);
+    }
     VT frob = zero;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j <= i; ++j) {
             VT x = zero;
             for (int64_t l = 0; l < cnt; ++l) x[l] = upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j];
+            x *= fac;
             A[i * n + j] = x; A[j * n + i] = x;
             frob += (i == j ? one : one + one) * x * x;
         }
@@ -590,7 +608,7 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
         if (!rotated) break;
     }
     for (int64_t l = 0; l < cnt; ++l) {
-        for (int64_t j = 0; j < n; ++j) d[j] = A[j * n + j][l];
+        for (int64_t j = 0; j < n; ++j) d[j] = ${ldexp}(A[j * n + j][l], ex[l]);
         sort_asc(d, perm, n);
         for (int64_t j = 0; j < n; ++j) L[l * n + j] = d[perm[j]];
         if (wantv)
@@ -775,10 +793,23 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
     const int64_t p = trans ? n : m, q = trans ? m : n, k = q;
     const VT zero = {0}, one = zero + 1;
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(a + l * m * n, m * n)) return (int)l + 1;
+    /* each lane scaled by the power of two that brings its largest entry into [1, 2), as in
+       svd_one (exact; the singular values scaled back at the end): unscaled, the column sums of
+       squares overflowed to inf for large entries and underflowed for small ones */
+    int ex[VLN];
+    VT fac = one;
+    for (int64_t l = 0; l < VLN; ++l) {
+        T mx = 0;
+        if (l < cnt)
+            for (int64_t i = 0; i < m * n; ++i) mx = TP_MAX(mx, TFABS(a[l * m * n + i]));
+        ex[l] = TP_SCALE_EXP(mx);
+        fac[l] = (T)ldexp(1.0, -ex[l]);
+    }
     for (int64_t i = 0; i < m; ++i)
         for (int64_t j = 0; j < n; ++j) {
             VT x = zero;
             for (int64_t l = 0; l < cnt; ++l) x[l] = a[l * m * n + i * n + j];
+            x *= fac;
             if (!trans) W[j * p + i] = x; else W[i * p + j] = x;
         }
     if (uv) { for (int64_t j = 0; j < q * q; ++j) V[j] = zero; for (int64_t j = 0; j < q; ++j) V[j * q + j] = one; }
@@ -844,6 +875,7 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
         for (int64_t i = 0; i < q * p; ++i) Ws[i] = W[i][l];
         if (uv) for (int64_t i = 0; i < q * q; ++i) Vs[i] = V[i][l];
         svd_finish(Ws, Vs, nrm, perm, Ub, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full);
+        for (int64_t j = 0; j < k; ++j) S[l * k + j] = (T)ldexp((double)S[l * k + j], ex[l]);
     }
     return 0;
 }
