@@ -1177,3 +1177,28 @@ def test_extreme_scale_small_matrices_in_lanes(shape, dtype):
             lam = tl.eigvalsh(s, method="jacobi")
             err = (lam.double() - torch.linalg.eigvalsh(s.double())).abs().amax(-1) / smax
             assert float(err.max()) <= rtol, ("eigvalsh", t)
+
+
+def test_torch_signature_details_and_float8() -> None:
+    """Lower-case ``UPLO`` and ``driver=None`` are accepted as torch accepts them (both raised);
+    a cuSOLVER driver name and float8 input raise LinalgInputError (float8 passed the dtype check
+    and failed with a KeyError under method="jacobi")."""
+    from torchport.linalg import LinalgInputError
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 5, 5, generator=g, dtype=torch.float64)
+    s = a + a.mT
+    for method in ("auto", "jacobi"):
+        for up, lo in (("U", "u"), ("L", "l")):
+            assert torch.equal(
+                tl.eigvalsh(s, UPLO=lo, method=method), tl.eigvalsh(s, UPLO=up, method=method)
+            )
+        torch.testing.assert_close(
+            tl.svdvals(a, driver=None, method=method), torch.linalg.svdvals(a)
+        )
+        assert tl.svd(a, driver=None, method=method)[1].shape == (4, 5)
+        with pytest.raises(LinalgInputError, match="driver= is only supported on CUDA"):
+            tl.svd(a, driver="gesvd", method=method)
+        for fn in (tl.svdvals, tl.eigvalsh, tl.cholesky, tl.qr):
+            with pytest.raises(LinalgInputError, match=r"got torch\.float8_e4m3fn"):
+                fn(a.float().to(torch.float8_e4m3fn), method=method)

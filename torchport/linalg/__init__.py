@@ -99,6 +99,9 @@ class LinalgInputError(ValueError):
     """An argument to a ``torchport.linalg`` function does not meet its requirement."""
 
 
+_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
 def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
     if not isinstance(a, torch.Tensor):
         raise LinalgInputError(
@@ -109,11 +112,7 @@ def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
             f"torchport.linalg.{op}: A must have at least 2 dimensions, got {a.dim()}-D shape "
             f"{tuple(a.shape)}"
         )
-    if not (a.dtype.is_floating_point or a.dtype.is_complex) or a.dtype in (
-        torch.float16,
-        torch.bfloat16,
-        torch.complex32,
-    ):
+    if a.dtype not in _DTYPES:  # (a blacklist let the float8 types through to a KeyError)
         raise LinalgInputError(
             f"torchport.linalg.{op}: A must be float32, float64, complex64 or complex128, "
             f"got {a.dtype}"
@@ -621,13 +620,20 @@ def _close_at(i: int) -> Callable[[Any, Any], bool]:
 
 
 def svd(
-    A: torch.Tensor, full_matrices: bool = True, *, method: str = "auto"
+    A: torch.Tensor,
+    full_matrices: bool = True,
+    *,
+    driver: str | None = None,
+    method: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Singular value decomposition ``A = U diag(S) Vh`` (``torch.linalg.svd``'s contract).
 
     Returns ``(U, S, Vh)`` with S descending; ``full_matrices`` picks (m×m, n×n) or reduced
     (m×k, k×n) factors, k = min(m, n). U and Vh stay orthonormal for rank-deficient input.
+    ``driver``: None (as torch for CPU tensors; a cuSOLVER name raises).
     """
+    if driver is not None:
+        _driver("svd", driver)
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, full_matrices, True)
         if key in _lk_svd and _routes_gen[0] == _cfg_gen[0]:
@@ -656,8 +662,11 @@ def svd(
     return _rt.linalg_svd((u, s, vh))
 
 
-def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
-    """Singular values of ``A``, descending (``torch.linalg.svdvals``)."""
+def svdvals(A: torch.Tensor, *, driver: str | None = None, method: str = "auto") -> torch.Tensor:
+    """Singular values of ``A``, descending (``torch.linalg.svdvals``; ``driver`` as in
+    :func:`svd`)."""
+    if driver is not None:
+        _driver("svdvals", driver)
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, False, False)
         if key in _lk_svd and _routes_gen[0] == _cfg_gen[0] and not A.requires_grad:
@@ -685,9 +694,18 @@ def svdvals(A: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
 
 
 def _uplo(op: str, UPLO: str) -> bool:
-    if UPLO not in ("L", "U"):
+    if UPLO not in ("L", "U", "l", "u"):  # (torch takes either case)
         raise LinalgInputError(f"torchport.linalg.{op}: UPLO must be 'L' or 'U', got {UPLO!r}")
-    return UPLO == "U"
+    return UPLO in ("U", "u")
+
+
+def _driver(op: str, driver: str | None) -> None:
+    """``driver=``, as torch on CPU tensors: None only (it names a cuSOLVER routine)."""
+    if driver is not None:
+        raise LinalgInputError(
+            f"torchport.linalg.{op}: driver= is only supported on CUDA inputs (cuSOLVER), "
+            f"got {driver!r}"
+        )
 
 
 def eigh(
