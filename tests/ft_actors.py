@@ -351,12 +351,26 @@ def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
         rec.started(e)
         rec.dump("test: staged mismatch")
         return "staged"
-    work = dist.all_reduce(torch.ones(4), async_op=True)
-    deadline = time.monotonic() + 1.5
-    while not work.is_completed() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # a group and async_op passed by position, point-to-point ops and a gather whose list only
+    # the root has: recorded where they belong, and no false mismatch for the analyzer
+    if plan != "clean":  # (rank 1 of "hang" has left: no more collectives for rank 0)
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        deadline = time.monotonic() + 1.5
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rec.dump("test: end")
+        return "done"
+    sub = dist.new_group([0, 1])
+    dist.all_reduce(x, dist.ReduceOp.SUM, sub)
+    if rank == 0:
+        dist.send(x, 1)
+    else:
+        dist.recv(x, 0)
+    dist.gather(x, [torch.empty(4) for _ in range(2)] if rank == 0 else None, 0)
+    work = dist.all_reduce(torch.ones(4), dist.ReduceOp.SUM, None, True)
+    work.wait()
     rec.dump("test: end")
-    return "done"
+    return [(e["op"], e["group"], e["state"]) for e in rec.snapshot()["entries"]]
 
 
 def c_gloo_rebuild(st: dict[str, Any], port: int, rank: int, size: int, tag: str) -> float:

@@ -110,6 +110,10 @@ def test_analyzer_on_real_dumps(pair, tmp_path, plan, capsys):
         )
     else:
         assert text.startswith("no problem found")
+        for _, entries in res:  # the group passed by position is the sub-group's, not default
+            ops = [(op, group) for op, group, _ in entries]
+            assert ops[2][0] == "all_reduce" and ops[2][1] != "default", ops
+            assert entries[-1][0] == "all_reduce" and entries[-1][2] == "completed", entries
     assert set(v.last_completed) == {0, 1}
     assert cli.main(["fr", "analyze", str(tmp_path)]) == 0
     assert "last completed op" in capsys.readouterr().out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import os
@@ -139,11 +140,16 @@ class FlightRecorder:
             self.groups[group] = list(ranks)
         return e
 
-    def _new(self, op: str, group: str, sizes: Any, dtypes: Any, state: str) -> list[Any]:
-        """The recording hot path: one list into the ring, no lock (counters are atomic)."""
-        counter = self._seq.get(group)
+    def _new(
+        self, op: str, group: str, sizes: Any, dtypes: Any, state: str, seq_key: str | None = None
+    ) -> list[Any]:
+        """The recording hot path: one list into the ring, no lock (counters are atomic).
+        ``seq_key``: number the entry on the group's counter of that name (point-to-point ops'
+        own, :data:`P2P_OPS`) instead of its collectives' counter."""
+        key = group if seq_key is None else f"{group}\0{seq_key}"
+        counter = self._seq.get(key)
         if counter is None:
-            counter = self._seq.setdefault(group, itertools.count())
+            counter = self._seq.setdefault(key, itertools.count())
         now = time.time_ns()
         idx = next(self._ids)
         stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
@@ -382,29 +388,50 @@ def _group_key(group: Any) -> tuple[str, list[int]]:
     return name, ranks
 
 
+def _param_index(fn: Callable[..., Any], param: str) -> int | None:
+    """Position of ``fn``'s parameter ``param`` (None if it has none or no signature)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index(param) if param in names else None
+
+
+# point-to-point ops: numbered on their own counter per group, so that a send on one rank and
+# the recv on another do not shift the collectives' sequence ids (fr analyze matched a correct
+# send/recv pair as a mismatched collective)
+P2P_OPS = ("send", "recv")
+
+
 def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
     names, tensor = _group_names, torch.Tensor
+    # group and async_op may come by position too (all_reduce(t, op, group, True) was recorded
+    # on the default group and as completed on return)
+    gi, ai = _param_index(fn, "group"), _param_index(fn, "async_op")
+    own_only = name in ("gather", "scatter")  # the list exists on the root only
+    seq_key = "p2p" if name in P2P_OPS else None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        group = kwargs.get("group")
+        group = kwargs.get("group", args[gi] if gi is not None and gi < len(args) else None)
         hit = names.get(id(group))
         if hit is None:
             hit = _group_key(group)
             if hit[0] not in rec.groups:
                 rec.groups[hit[0]] = list(hit[1])
         a0 = args[0] if args else None
-        if type(a0) is tensor and len(args) < 3:  # the common case: one tensor (+ op / src)
-            e = rec._new(name, hit[0], (a0.shape,), (a0.dtype,), STARTED)
+        if type(a0) is tensor and (len(args) < 3 or own_only):  # one tensor (+ op / src)
+            e = rec._new(name, hit[0], (a0.shape,), (a0.dtype,), STARTED, seq_key)
         else:
             sizes, dtypes = _describe([a for a in args if isinstance(a, tensor | list)])
-            e = rec._new(name, hit[0], sizes, dtypes, STARTED)
+            e = rec._new(name, hit[0], sizes, dtypes, STARTED, seq_key)
         try:
             out = fn(*args, **kwargs)
         except BaseException as err:
             rec.completed(e, err)
             raise
-        if out is not None and kwargs.get("async_op"):
+        async_op = kwargs.get("async_op", args[ai] if ai is not None and ai < len(args) else False)
+        if out is not None and async_op:
             return rec.attach(out, e)
         e[_T_END] = time.time_ns()
         e[_STATE] = COMPLETED

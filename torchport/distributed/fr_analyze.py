@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchport.distributed.flight_recorder import P2P_OPS
+
 
 class DumpError(ValueError):
     """A dump file is missing, unreadable or not a Flight Recorder dump."""
@@ -99,6 +101,8 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
         for g, ranks in (d.get("groups") or {}).items():
             members.setdefault(g, set()).update(int(x) for x in ranks)
         for e in d["entries"]:
+            if e["op"] in P2P_OPS:  # numbered on their own counter: not lined up as collectives
+                continue
             groups.setdefault(e["group"], {}).setdefault(rank, {})[int(e["seq_id"])] = e
     for g in sorted(groups):
         per_rank = groups[g]
