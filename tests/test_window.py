@@ -118,3 +118,32 @@ def test_tcp_window_binds_configured_address_and_authenticates(trio):
         assert stranger.startswith("rejected"), stranger
         src = (r - 1) % WORLD  # rank src put src + 1 at offsets 1..2 of this rank
         assert local == [0.0, float(src + 1), float(src + 1), 0.0]
+
+
+def test_control_secret_file_is_private_and_shared(tmp_path, monkeypatch):
+    """Without TORCHPORT_SECRET the control servers' secret comes from a 0600 file of 32 random
+    bytes in the cache dir, the same for every process of the user; it was derived from the
+    user id, which anyone could compute and authenticate with. A file others may read, or a
+    symbolic link, raises AuthError."""
+    import os
+
+    from torchport import config
+    from torchport.distributed import AuthError
+    from torchport.distributed._control import default_secret
+
+    monkeypatch.delenv("TORCHPORT_SECRET", raising=False)
+    with config.override(cache_dir=str(tmp_path)):
+        first = default_secret()
+        path = tmp_path / "control-secret"
+        assert len(first) == 32 and path.stat().st_mode & 0o777 == 0o600
+        assert default_secret() == first
+        monkeypatch.setenv("TORCHPORT_SECRET", "job-secret")
+        assert default_secret() == b"job-secret"
+        monkeypatch.delenv("TORCHPORT_SECRET")
+        os.chmod(path, 0o644)
+        with pytest.raises(AuthError, match="no group/other permissions"):
+            default_secret()
+        os.remove(path)
+        os.symlink(tmp_path / "elsewhere", path)
+        with pytest.raises(AuthError, match="cannot be opened safely"):
+            default_secret()

@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -40,11 +41,60 @@ class PeerFailure(CommError):
 
 
 def default_secret() -> bytes:
-    """The job secret: ``TORCHPORT_SECRET`` if set, else a fixed per-user value (loopback use)."""
+    """The job secret: ``TORCHPORT_SECRET`` if set, else this user's secret file (one host).
+
+    The file (``<cache_dir>/control-secret``, 32 random bytes, mode 0600, made on first use) is
+    shared by every process of the user on the host; a job across hosts sets
+    ``TORCHPORT_SECRET``. It replaces a value derived from the user id, which anyone could
+    compute: a stranger with it authenticated to a lighthouse, reconfigure or heal server."""
     env = os.environ.get("TORCHPORT_SECRET")
     if env:
         return env.encode()
-    return hashlib.sha256(f"torchport-{os.getuid()}".encode()).digest()
+    from torchport import config
+
+    return _user_secret(os.path.join(str(config.get("cache_dir")), "control-secret"))
+
+
+def _user_secret(path: str) -> bytes:
+    """Read (or atomically create) the secret file at ``path``; it must be a regular file owned
+    by this user and unreadable by others, else :class:`AuthError`."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = -1
+        except OSError as e:  # a symbolic link (ELOOP) or unreadable
+            raise AuthError(f"secret file {path} cannot be opened safely: {e}") from e
+        if fd < 0:
+            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+            wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(wfd, secrets.token_bytes(32))
+            finally:
+                os.close(wfd)
+            try:
+                os.link(tmp, path)  # fails if another process made it first: read theirs
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise AuthError(
+                    f"secret file {path} must be a regular file owned by uid {os.getuid()} with "
+                    f"no group/other permissions (mode {oct(st.st_mode & 0o777)}, uid "
+                    f"{st.st_uid}); set TORCHPORT_SECRET or remove it"
+                )
+            data = os.read(fd, 64)
+        finally:
+            os.close(fd)
+        if len(data) < 16:
+            raise AuthError(f"secret file {path} holds {len(data)} bytes (at least 16 needed)")
+        return data
+    raise AuthError(f"could not create or read the secret file {path}")
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
