@@ -40,10 +40,7 @@ def _index(cg: Any, idx: torch.Tensor, pos: str, limit: int, what: str) -> str:
     ib, _, ist = cg.ref(idx)
     stride = ist[0] if idx.dim() else 0
     code = cg.error(f"{what}: index out of range for size {limit}")
-    return (
-        f"long r = (long){ib}[{pos}*{stride}]; "
-        f"if (r < 0 || r >= {limit}) return {code}; "
-    )
+    return f"long r = (long){ib}[{pos}*{stride}]; if (r < 0 || r >= {limit}) return {code}; "
 
 
 def emit_model_op(
