@@ -531,17 +531,11 @@ TP_INLINE int eigh_vec_round(VT *A, VT *V, int64_t n, int wantv, const int32_t *
     return 1;
 }
 
-TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
-                       VT *A, VT *V, T *d, int64_t *perm, const int32_t *pairs, int64_t npairs,
-                       int64_t h, VT *cs, int64_t *lp, int64_t *lq) {
-    const VT zero = {0}, one = zero + 1;
-    for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
-    /* each lane scaled by the power of two that brings its largest entry into [1, 2), as in
-       eigh_vec_fused (exact; the eigenvalues scaled back at the end): unscaled, the Frobenius sum
-       overflowed for large entries (no rotation passed the threshold: the sorted diagonal came
-       back as the eigenvalues) and underflowed for small ones */
-    int ex[VLN];
-    VT fac = one;
+/* Per lane l < cnt of VLN symmetric matrices (the triangle ``upper`` picks): ex[l] brings the
+   largest entry into [1, 2); returns the lanes' factors 2^-ex (1 for unused lanes). */
+TP_INLINE VT lane_scale_sym(const T *in, int64_t cnt, int64_t n, int upper, int *ex) {
+    const VT zero = {0};
+    VT fac = zero + 1;
     for (int64_t l = 0; l < VLN; ++l) {
         T mx = 0;
         if (l < cnt)
@@ -553,6 +547,19 @@ TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int uppe
         ex[l] = TP_SCALE_EXP(mx);
         fac[l] = ${ldexp}((T)1, -ex[l]);
     }
+    return fac;
+}
+
+TP_INLINE int eigh_vec(const T *in, T *L, T *Q, int64_t cnt, int64_t n, int upper, int wantv,
+                       VT *A, VT *V, T *d, int64_t *perm, const int32_t *pairs, int64_t npairs,
+                       int64_t h, VT *cs, int64_t *lp, int64_t *lq) {
+    const VT zero = {0}, one = zero + 1;
+    for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
+    /* each lane scaled by a power of two (lane_scale_sym; the eigenvalues scaled back at the
+       end): unscaled, the Frobenius sum overflowed for large entries (no rotation passed the
+       threshold: the sorted diagonal came back as the eigenvalues) and underflowed for small */
+    int ex[VLN];
+    const VT fac = lane_scale_sym(in, cnt, n, upper, ex);
     VT frob = zero;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j <= i; ++j) {
@@ -691,21 +698,10 @@ TP_INLINE int eigh_vec_fused(const T *in, T *L, T *Q, int64_t cnt, int64_t n, in
     const VT zero = {0}, one = zero + 1;
     const int64_t r = n + (n & 1);
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(in + l * n * n, n * n)) return (int)l + 1;
-    /* each lane scaled by the power of two that brings its largest entry into [1, 2): exact,
-       and the eigenvalues are scaled back at the end */
+    /* each lane scaled by a power of two (lane_scale_sym): exact, and the eigenvalues are
+       scaled back at the end */
     int ex[VLN];
-    VT fac = one;
-    for (int64_t l = 0; l < VLN; ++l) {
-        T mx = 0;
-        if (l < cnt)
-            for (int64_t i = 0; i < n; ++i)
-                for (int64_t j = 0; j <= i; ++j) {
-                    T x = TFABS(upper ? in[l * n * n + j * n + i] : in[l * n * n + i * n + j]);
-                    mx = x > mx ? x : mx;
-                }
-        ex[l] = TP_SCALE_EXP(mx);
-        fac[l] = ${ldexp}((T)1, -ex[l]);
-    }
+    const VT fac = lane_scale_sym(in, cnt, n, upper, ex);
     VT frob = zero;
     for (int64_t i = 0; i < r; ++i)
         for (int64_t j = i; j < r; ++j) {
