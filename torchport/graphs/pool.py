@@ -34,22 +34,38 @@ HEAP_GRANULE = 2 << 20
 _ORPHANS: list[tuple[list[Any], list[Any]]] = []
 
 
+_SWEEPING = threading.Lock()
+
+
 def _sweep_orphans() -> None:
     """Return the orphaned blocks whose storage died; forget the heaps left without any (before,
     orphans were kept forever: a pool dropped in the same collection as its last tensors, as a
-    deleted graph's is, leaked its heaps: 40 graphs, 80 MiB)."""
-    keep = []
-    for heaps, blocks in _ORPHANS:
-        left = []
-        for ref, heap, off, size in blocks:
-            if ref.expired():
-                heap.give(off, size)
-            else:
-                left.append((ref, heap, off, size))
-        heaps = [h for h in heaps if h.live]
-        if heaps:
-            keep.append((heaps, left))
-    _ORPHANS[:] = keep
+    deleted graph's is, leaked its heaps: 40 graphs, 80 MiB).
+
+    The blocks' storages do not own their memory, so an orphan entry must never be lost while
+    a tensor lives: one sweep at a time (another thread's, or this thread's re-entered from a
+    collection inside it, is skipped), entries updated in place and removed one by one, so an
+    entry appended meanwhile (``list.append`` is atomic) stays."""
+    if not _SWEEPING.acquire(blocking=False):
+        return
+    try:
+        for entry in list(_ORPHANS):
+            heaps, blocks = entry
+            left = []
+            for ref, heap, off, size in blocks:
+                if ref.expired():
+                    heap.give(off, size)
+                else:
+                    left.append((ref, heap, off, size))
+            blocks[:] = left
+            heaps[:] = [h for h in heaps if h.live]
+            if not heaps:  # by index (only the sweeper removes; appends go to the end)
+                for i, e in enumerate(_ORPHANS):
+                    if e is entry:
+                        del _ORPHANS[i]
+                        break
+    finally:
+        _SWEEPING.release()
 
 
 class MemPoolError(ValueError):
