@@ -1,8 +1,10 @@
-"""``torchport.nn.functional.linear``: :func:`torch.nn.functional.linear` on the GEMM engine.
+"""``torchport.nn.functional``: :func:`linear` on the GEMM engine and 2.14's recipe-based
+:func:`scaled_mm` on the CPU.
 
-Same contract as torch's (``input [..., K]``, ``weight [N, K]``, ``bias [N]``), plus an optional
-fused ``epilogue`` (see :mod:`torchport.gemm.epilogue`); residual operands may have the output's
-full shape ``[..., N]``.
+``linear`` has the same contract as torch's (``input [..., K]``, ``weight [N, K]``, ``bias [N]``),
+plus an optional fused ``epilogue`` (see :mod:`torchport.gemm.epilogue`); residual operands may
+have the output's full shape ``[..., N]``. ``scaled_mm``, ``ScalingType`` and ``SwizzleType`` are
+:mod:`torchport.lowp.scaled_recipes`'s (torch's own enums).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torchport.gemm.epilogue import Add, Step, as_steps
 from torchport.gemm.kernels import GemmInputError
 from torchport.gemm.mm import mm
+from torchport.lowp.scaled_recipes import ScalingType, SwizzleType, scaled_mm
 
 
 def linear(
@@ -64,3 +67,6 @@ def linear(
         steps.append(s)
     y = mm(x2, weight.t(), bias=bias, epilogue=steps)
     return y.reshape(*lead, n)
+
+
+__all__ = ["ScalingType", "SwizzleType", "linear", "scaled_mm"]
