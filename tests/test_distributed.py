@@ -330,9 +330,39 @@ def test_bad_arguments_raise_typed_errors(world1):
     with pytest.raises(E, match=r"expects exactly one tensor per call, got 2"):
         world1.allreduce([torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
     with pytest.raises(
-        E, match=r"every output must match the input \(3 x torch.float32\), got 2 x torch.float32"
+        E,
+        match=r"every output must match the input \(shape \(3,\), torch.float32\), "
+        r"got shape \(2,\), torch.float32 at index 0",
     ):
         dist.all_gather([torch.empty(2)], torch.ones(3))
+
+
+def test_list_and_block_shapes_are_checked_as_gloo_does(world1):
+    """An output of the right element count in another shape was filled in memory order; gloo
+    refuses it (a list tensor must have the input's shape; the flat tensor's blocks too)."""
+    from torchport.distributed import CollectiveArgumentError as E
+
+    want = r"got shape \(3, 2\), torch.float32 at index 0"
+    with pytest.raises(E, match=r"allgather: every output must match the input \(shape \(2, 3\)"):
+        dist.all_gather([torch.empty(3, 2)], torch.ones(2, 3))
+    with pytest.raises(E, match=want):
+        dist.gather(torch.ones(2, 3), [torch.empty(3, 2)], dst=0)
+    with pytest.raises(E, match=r"scatter: every input must match the output.*" + want):
+        dist.scatter(torch.empty(2, 3), [torch.ones(3, 2)], src=0)
+    with pytest.raises(E, match=r"reduce_scatter: every input must match the output.*" + want):
+        dist.reduce_scatter(torch.empty(2, 3), [torch.ones(3, 2)])
+    blocks = r"blocks of shape \(2, 3\) concatenated \(2, 3\) or stacked \(1, 2, 3\)"
+    with pytest.raises(E, match=r"all_gather_into_tensor: output must be .*" + blocks):
+        dist.all_gather_into_tensor(torch.empty(3, 2), torch.ones(2, 3))
+    with pytest.raises(E, match=r"reduce_scatter_tensor: input must be .*got shape \(6,\)"):
+        dist.reduce_scatter_tensor(torch.empty(2, 3), torch.ones(6))
+    # both documented forms, and a 0-dim input, still work
+    for out in (torch.empty(2, 3), torch.empty(1, 2, 3)):
+        dist.all_gather_into_tensor(out, torch.ones(2, 3))
+        assert bool((out == 1).all())
+    scalar_out = torch.empty(1)
+    dist.all_gather_into_tensor(scalar_out, torch.tensor(4.0))
+    assert scalar_out.tolist() == [4.0]
 
 
 def test_world_of_one_is_identity(world1):
