@@ -50,7 +50,7 @@ from torchport.distributed.transport_shm import (
     ShmArena,
     StepError,
 )
-from torchport.distributed.transport_tcp import Mesh, Once
+from torchport.distributed.transport_tcp import Delivery, Mesh, Once
 from torchport.distributed.wire import Kind
 
 # Abort reasons (low byte of the abort word / seq of ABORT frames).
@@ -480,33 +480,35 @@ class Communicator:
                 return
             if body:
                 data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
-                try:  # (no_grad: a leaf that requires grad receives, as with gloo)
-                    with torch.no_grad():
-                        tensor.copy_(data.view(tensor.shape))
-                except RuntimeError as e:  # e.g. an expanded view: this recv fails, typed; the
-                    # caller (a connection's reader thread) keeps reading: it died here before,
-                    # and every later frame on the connection was lost
-                    work._finish(
-                        CollectiveArgumentError(
-                            f"recv from rank {who} tag {tag}: could not write the received "
-                            f"{tensor.dtype} data into the tensor: {e}"
-                        )
-                    )
-                    return
+                with torch.no_grad():  # (a leaf that requires grad receives, as with gloo)
+                    tensor.copy_(data.view(tensor.shape))
             work._finish()
+
+        def failed(e: BaseException) -> None:
+            # the copy into the user's tensor raised (an expanded view): the mailbox hands the
+            # exception here and the connection's reader thread goes on reading
+            with self._lock:
+                self._pending = [p for p in self._pending if p[2] is not work]
+            err = CollectiveArgumentError(
+                f"recv from rank {work._src} tag {tag}: could not write the received "
+                f"{tensor.dtype} data into the tensor: {type(e).__name__}: {e}"
+            )
+            err.__cause__ = e
+            work._finish(err)
 
         if src is not None:
             key = (self.group_id, int(Kind.P2P), self.ranks[src], seq)
+            one = Delivery(deliver, failed)
             with self._lock:
-                self._pending.append((key, deliver, work))
-            self.mesh.mailbox.expect(key, deliver)
+                self._pending.append((key, one, work))
+            self.mesh.mailbox.expect(key, one)
             return work
         keys = [
             (self.group_id, int(Kind.P2P), g, seq)
             for q, g in enumerate(self.ranks)
             if q != self.rank
         ]
-        once = Once(deliver, keys)
+        once = Once(deliver, keys, failed)
         with self._lock:
             self._pending.append((keys[0] if keys else None, once, work))
         self.mesh.mailbox.expect_any(once)
