@@ -380,3 +380,26 @@ def test_world_of_one_is_identity(world1):
     dist.all_to_all_single(scalar_out, torch.tensor(7.0))
     assert scalar_out.item() == 7.0
     assert world1.getBackendName() == "torchport" and world1.get_error() is None
+
+
+def test_tensors_overlap_compares_the_bytes_elements_occupy():
+    from torchport.distributed.engine import tensors_overlap
+
+    buf = torch.zeros(4, 6)
+    assert tensors_overlap(buf[0], buf[0, 3:])  # contiguous, intersecting
+    assert not tensors_overlap(buf[0], buf[1])  # contiguous, adjacent
+    assert not tensors_overlap(buf[:, 0], buf[:, 1])  # interleaved columns: disjoint
+    assert tensors_overlap(buf[:, 2], buf[1:3, 2:4])
+    assert not tensors_overlap(buf[::2], buf[1::2])
+    assert tensors_overlap(buf.view(torch.int16)[:, 1], buf[:, 0])  # the high half of a float
+    assert not tensors_overlap(buf.view(torch.int16)[:, 2], buf[:, 0])
+    assert not tensors_overlap(buf[0, :0], buf[0])  # empty
+    assert not tensors_overlap(torch.zeros(3), torch.zeros(3))  # other storage
+
+
+def test_recv_into_a_self_overlapping_view_is_refused_when_issued(world1):
+    from torchport.distributed import CollectiveArgumentError
+
+    # (the communicator's own recv: the group refuses a source rank at world size 1)
+    with pytest.raises(CollectiveArgumentError, match=r"recv\(src=any, tag=3\): the output .* "):
+        world1.comm.recv_p2p(torch.zeros(1).expand(4), None, 3)
