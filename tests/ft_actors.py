@@ -318,6 +318,35 @@ def c_window_tcp_addr(st: dict[str, Any], addr: str) -> Any:
     return out
 
 
+def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
+    """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank = dist.get_rank()
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    st["win"] = _new_window(torch.zeros(4) + rank, transport=transport, timeout=timeout)
+    return st["win"].timeout_s
+
+
+def c_window_get(st: dict[str, Any], src: int) -> Any:
+    """``get`` from ``src``: its values, or the error's type and message; and the time taken."""
+    t0 = time.monotonic()
+    try:
+        got: Any = st["win"].get(src).tolist()
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    return got, time.monotonic() - t0
+
+
+def c_window_close(st: dict[str, Any]) -> None:
+    st["win"].fence()
+    st["win"].close()
+
+
 def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
     import torch.distributed as dist
 
@@ -578,5 +607,8 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_errors": c_window_errors,
     "window_threads": c_window_threads,
     "window_tcp_addr": c_window_tcp_addr,
+    "window_open": c_window_open,
+    "window_get": c_window_get,
+    "window_close": c_window_close,
     "fr_collectives": c_fr_collectives,
 }

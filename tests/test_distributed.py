@@ -403,3 +403,9 @@ def test_recv_into_a_self_overlapping_view_is_refused_when_issued(world1):
     # (the communicator's own recv: the group refuses a source rank at world size 1)
     with pytest.raises(CollectiveArgumentError, match=r"recv\(src=any, tag=3\): the output .* "):
         world1.comm.recv_p2p(torch.zeros(1).expand(4), None, 3)
+
+
+def test_a_window_on_a_torchport_group_takes_the_groups_timeout(world1):
+    from torchport.distributed.window import _group_timeout
+
+    assert _group_timeout(None) == 30.0 and _group_timeout(world1) == 30.0

@@ -120,6 +120,35 @@ def test_tcp_window_binds_configured_address_and_authenticates(trio):
         assert local == [0.0, float(src + 1), float(src + 1), 0.0]
 
 
+def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
+    """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
+    window's timeout, raises CommTimeoutError naming the peer and the request, and the next
+    request (on a new connection) works once the peer runs again."""
+    import signal
+
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("tcp", 0.5)] * WORLD) == [("ok", 0.5)] * WORLD
+    try:
+        assert trio.call(0, "window_get", 2)[0] == [2.0] * 4  # the connection is open
+        trio.kill(2, signal.SIGSTOP)
+        try:
+            (kind, msg), took = trio.call(0, "window_get", 2, timeout=10)
+        finally:
+            trio.kill(2, signal.SIGCONT)
+        assert kind == "CommTimeoutError" and "window get on rank 2" in msg, msg
+        assert 0.4 < took < 3.0
+        assert trio.call(0, "window_get", 2)[0] == [2.0] * 4
+    finally:
+        assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
+
+
+def test_window_timeout_defaults_to_the_groups(trio):
+    """Without ``timeout=`` a window takes its group's (gloo here: c10d's 30 minutes)."""
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("tcp", None)] * WORLD) == [("ok", 1800.0)] * WORLD
+    assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
+
+
 def test_control_secret_file_is_private_and_shared(tmp_path, monkeypatch):
     """Without TORCHPORT_SECRET the control servers' secret comes from a 0600 file of 32 random
     bytes in the cache dir, the same for every process of the user; it was derived from the

@@ -17,7 +17,9 @@ A window gives every rank of a group direct access to a tensor registered by eac
   ``async_op=True`` puts / accumulates / signals go to an ordered queue per target (requests to one
   target keep their order; the source tensor is snapshotted) and return a ``Work``; ``fence()``
   waits for all of this rank's outstanding ones. ``map_remote_tensor`` needs shared memory and
-  raises on this transport.
+  raises on this transport. Every request is bounded by the window's timeout (``timeout=``, else
+  the group's): a peer that stopped answering raises :class:`CommTimeoutError` naming the peer
+  and the request (it blocked ``get`` forever before), and the connection is reopened next time.
 
 Semantics (and the reference, :class:`ReferenceWindow`): a put of ``n`` elements at
 ``target_offset_nelems`` overwrites those elements of the target's flat tensor; accumulate adds
@@ -38,6 +40,7 @@ import secrets
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any, cast
 
 import numpy as np
@@ -54,6 +57,7 @@ from torchport.distributed._control import (
     recv_msg,
     send_msg,
 )
+from torchport.distributed.errors import CommTimeoutError
 from torchport.distributed.ft.transfer import DTYPES, _bytes_view
 from torchport.distributed.reconfigure import ReconfigurableGroup, Work
 
@@ -96,6 +100,25 @@ class _Coll:
             dist.all_reduce(torch.zeros(1), group=self.g)
 
 
+def _group_timeout(group: Any) -> float:
+    """Seconds: ``group``'s operation timeout (a torchport or gloo group, or a
+    ReconfigurableGroup), else c10d's default for CPU groups (30 min)."""
+    if isinstance(group, ReconfigurableGroup):
+        return group.timeout.total_seconds()
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    comm = getattr(pg, "comm", None)
+    if comm is not None:  # a torchport group (the c10d group is the backend itself)
+        return float(comm.timeout_s)
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        backend = None
+    t = getattr(getattr(backend, "options", None), "_timeout", None)
+    if isinstance(t, timedelta) and t.total_seconds() > 0:
+        return t.total_seconds()
+    return dist.default_pg_timeout.total_seconds()
+
+
 def _shm_create(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
     fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.ftruncate(fd, max(nbytes, 8))
@@ -115,11 +138,22 @@ class Window:
     """An RMA window over ``group``; create it with :func:`_new_window` (collective)."""
 
     def __init__(
-        self, group: Any = None, tensor: torch.Tensor | None = None, *, transport: str = "auto"
+        self,
+        group: Any = None,
+        tensor: torch.Tensor | None = None,
+        *,
+        transport: str = "auto",
+        timeout: timedelta | None = None,
     ) -> None:
         global _counter
         if transport not in ("auto", "shm", "tcp"):
             raise WindowError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
+        if timeout is not None and (
+            not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0
+        ):
+            raise WindowError(f"timeout must be a positive timedelta, got {timeout!r}")
+        # (tcp) the bound of every request to a peer's window server
+        self.timeout_s = timeout.total_seconds() if timeout is not None else _group_timeout(group)
         self._c = _Coll(group)
         self.rank, self.size = self._c.rank, self._c.size
         _counter += 1
@@ -444,17 +478,30 @@ class Window:
     ) -> None:
         with self._sock_locks[r]:
             sock = self._socks.get(r)
-            if sock is None:
-                sock = self._socks[r] = connect(self._addrs[r], self._secret, "window")
-                send_msg(sock, {"t": "hello", "src": self.rank})
-            send_msg(sock, msg)
-            if payload is not None and payload.numel():
-                sock.sendall(_bytes_view(payload.contiguous()))
-            reply = recv_msg(sock)
-            if reply.get("t") != "ok":
-                raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
-            if out is not None and out.numel():
-                recv_into_exact(sock, _bytes_view(out))
+            try:
+                if sock is None:
+                    sock = connect(self._addrs[r], self._secret, "window", self.timeout_s)
+                    sock.settimeout(self.timeout_s)  # each blocking send/recv of a request
+                    self._socks[r] = sock
+                    send_msg(sock, {"t": "hello", "src": self.rank})
+                send_msg(sock, msg)
+                if payload is not None and payload.numel():
+                    sock.sendall(_bytes_view(payload.contiguous()))
+                reply = recv_msg(sock)
+                if reply.get("t") != "ok":
+                    raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
+                if out is not None and out.numel():
+                    recv_into_exact(sock, _bytes_view(out))
+            except TimeoutError:
+                # the reply may still come: the stream's position is unknown, so the next
+                # request opens a new connection
+                self._socks.pop(r, None)
+                if sock is not None:
+                    sock.close()
+                raise CommTimeoutError(
+                    f"window {msg['t']} on rank {r}: no answer within the window's timeout "
+                    f"({self.timeout_s:g} s)"
+                ) from None
 
     def _serve(self, conn: socket.socket) -> None:
         hello = recv_msg(conn)
@@ -511,12 +558,17 @@ class Window:
 
 
 def _new_window(
-    tensor: torch.Tensor | None = None, group: Any = None, *, transport: str = "auto"
+    tensor: torch.Tensor | None = None,
+    group: Any = None,
+    *,
+    transport: str = "auto",
+    timeout: timedelta | None = None,
 ) -> Window:
-    """Collective: a new RMA window on ``group`` (default: the default group)."""
+    """Collective: a new RMA window on ``group`` (default: the default group); ``timeout``
+    bounds each tcp request (default: the group's timeout)."""
     if not _supports_window(group):
         raise WindowError(f"group {group!r} does not support windows")
-    return Window(group, tensor, transport=transport)
+    return Window(group, tensor, transport=transport, timeout=timeout)
 
 
 class ReferenceWindow:
