@@ -318,6 +318,42 @@ def c_window_tcp_addr(st: dict[str, Any], addr: str) -> Any:
     return out
 
 
+def c_window_edges(st: dict[str, Any], transport: str) -> Any:
+    """NumPy / tensor integers as ranks, offsets and counts; a float or bool offset; a put and
+    an accumulate to this rank from window memory overlapping the target range."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from torchport.distributed import WindowError, _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = (rank + 1) % world
+    win = _new_window(torch.arange(6.0) + 10 * rank, transport=transport)
+    win.put(torch.tensor([-1.0, -2.0]), np.int64(peer), np.int32(1))
+    win.fence()
+    got = win.get(np.int64(peer), torch.tensor(1), np.uint8(3)).tolist()
+    errors = []
+    for fn in (
+        lambda: win.put(torch.ones(1), peer, 1.0),
+        lambda: win.get(peer, 1.5),
+        lambda: win.accumulate(torch.ones(1), peer, True),
+        lambda: win.get(np.float64(1.0)),
+    ):
+        try:
+            fn()
+            errors.append("no error")
+        except WindowError as e:
+            errors.append(str(e))
+    win.fence()
+    win.put(win.local[0:4], rank, 2)  # memmove: the source is read before the target is written
+    win.accumulate(win.local[1:3], rank, 2)
+    win.fence()
+    out = (got, errors, win.local.tolist())
+    win.fence()
+    win.close()
+    return out
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -608,6 +644,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_threads": c_window_threads,
     "window_tcp_addr": c_window_tcp_addr,
     "window_open": c_window_open,
+    "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,
     "fr_collectives": c_fr_collectives,

@@ -120,6 +120,25 @@ def test_tcp_window_binds_configured_address_and_authenticates(trio):
         assert local == [0.0, float(src + 1), float(src + 1), 0.0]
 
 
+def test_window_index_arguments_and_overlapping_self_puts_agree_across_transports(trio):
+    """np.int64 offsets were refused (Python ints only); a put to this rank from window memory
+    overlapping the target raised untyped on shm and read the source first over tcp."""
+    ranks = list(range(WORLD))
+    by = {t: trio.call_all(ranks, "window_edges", [(t,)] * WORLD) for t in ("shm", "tcp")}
+    assert by["shm"] == by["tcp"]
+    for r, (s, (got, errors, local)) in enumerate(by["shm"]):
+        assert s == "ok"
+        assert got == [-1.0, -2.0, 10.0 * ((r + 1) % WORLD) + 3]
+        assert errors[0].startswith("put: the offset must be an integer, got 1.0"), errors
+        assert errors[1].startswith("get: the offset must be an integer, got 1.5"), errors
+        assert errors[2].startswith("accumulate: the offset must be an integer, got True")
+        assert errors[3].startswith("get: rank must be an integer, got np.float64(1.0)")
+        a = [10.0 * r, -1.0, -2.0, 10.0 * r + 3]  # after the peer's put at 1..2
+        after_put = a[:2] + a[:4]
+        want = [*after_put[:2], after_put[2] + after_put[1], after_put[3] + after_put[2]]
+        assert local == want + after_put[4:]
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

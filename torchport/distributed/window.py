@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import fcntl
 import mmap
+import operator
 import os
 import secrets
 import socket
@@ -294,19 +295,38 @@ class Window:
         return self._local
 
     # -- validation ------------------------------------------------------------------------
-    def _target(self, rank: int, dtype: torch.dtype, offset: int, n: int, what: str) -> None:
+    @staticmethod
+    def _int(value: Any, name: str, what: str) -> int:
+        """``value`` as an int: anything ``operator.index`` takes (np.int64, a 0-dim integer
+        tensor), never a bool or a float (a Python int only was accepted, so np.int64 was
+        refused)."""
+        if isinstance(value, bool | np.bool_):
+            raise WindowError(f"{what}: {name} must be an integer, got {value!r}")
+        try:
+            return operator.index(value)
+        except TypeError:
+            raise WindowError(f"{what}: {name} must be an integer, got {value!r}") from None
+
+    def _rank(self, rank: Any, what: str) -> int:
+        r = self._int(rank, "rank", what)
+        if not 0 <= r < self.size:
+            raise WindowError(f"{what}: rank must be in [0, {self.size}), got {r}")
+        return r
+
+    def _target(
+        self, rank: Any, dtype: torch.dtype | None, offset: Any, n: Any, what: str
+    ) -> tuple[int, int, int]:
+        """Validated ``(rank, offset, count)`` of a request; ``n`` None: to the end, ``dtype``
+        None: the target's."""
         if self._local is None:
             raise WindowError(f"{what}: no tensor is registered with this window")
-        if not 0 <= rank < self.size:
-            raise WindowError(f"{what}: rank must be in [0, {self.size}), got {rank}")
+        rank = self._rank(rank, what)
         tdt, shape = self._meta[rank]
         total = int(np.prod(shape)) if shape else 1
-        if dtype != tdt:
+        if dtype is not None and dtype != tdt:
             raise WindowError(f"{what}: dtype must match rank {rank}'s tensor ({tdt}), got {dtype}")
-        if not isinstance(offset, int) or not isinstance(n, int) or isinstance(offset, bool):
-            raise WindowError(
-                f"{what}: offset and element count must be ints, got {offset!r} and {n!r}"
-            )
+        offset = self._int(offset, "the offset", what)
+        n = total - offset if n is None else self._int(n, "the element count", what)
         if n < 0:  # (get(peer, 3, -1) returned [] on shm and raised untyped over tcp)
             raise WindowError(f"{what}: the element count must be >= 0, got {n}")
         if offset < 0 or offset + n > total:
@@ -314,6 +334,7 @@ class Window:
                 f"{what}: elements [{offset}, {offset + n}) must lie within rank {rank}'s "
                 f"{total} elements"
             )
+        return rank, offset, n
 
     @staticmethod
     def _done(value: Any = None) -> Work:
@@ -349,7 +370,7 @@ class Window:
         a sum under the target's file lock (accumulate) through shared memory, else one request
         ``wire`` to the target's window server."""
         src = tensor.reshape(-1)
-        self._target(dst, tensor.dtype, off, src.numel(), op)
+        dst, off, _ = self._target(dst, tensor.dtype, off, src.numel(), op)
         if self.transport != "shm":
             data = src.clone() if async_op else src  # async: the caller may reuse its tensor
             msg = {"t": wire, "off": off, "n": src.numel()}
@@ -357,6 +378,10 @@ class Window:
         tgt = self._remote[dst]
         assert tgt is not None
         view = tgt.view(-1)[off : off + src.numel()]
+        if src.numel() and src.untyped_storage().data_ptr() == tgt.untyped_storage().data_ptr():
+            # the source is window memory (``local`` or a mapped peer's) that may overlap the
+            # target range: read it first, as the tcp server does (copy_ raised untyped here)
+            src = src.clone()
         if op == "put":
             view.copy_(src)
         else:
@@ -375,20 +400,13 @@ class Window:
 
     def get(self, src_rank: int, offset_nelems: int = 0, nelems: int | None = None) -> torch.Tensor:
         """Read ``nelems`` elements of ``src_rank``'s tensor from ``offset_nelems`` (a copy)."""
-        if self._local is None:
-            raise WindowError("get: no tensor is registered with this window")
-        if not 0 <= src_rank < self.size:
-            raise WindowError(f"get: rank must be in [0, {self.size}), got {src_rank}")
-        dt, shape = self._meta[src_rank]
-        total = int(np.prod(shape)) if shape else 1
-        n = total - offset_nelems if nelems is None else nelems
-        self._target(src_rank, dt, offset_nelems, n, "get")
+        src_rank, off, n = self._target(src_rank, None, offset_nelems, nelems, "get")
         if self.transport == "shm":
             tgt = self._remote[src_rank]
             assert tgt is not None
-            return tgt.view(-1)[offset_nelems : offset_nelems + n].clone()
-        out = torch.empty(n, dtype=dt)
-        msg = {"t": "get", "off": offset_nelems, "n": n}
+            return tgt.view(-1)[off : off + n].clone()
+        out = torch.empty(n, dtype=self._meta[src_rank][0])
+        msg = {"t": "get", "off": off, "n": n}
         self._issue(src_rank, lambda: self._rpc(src_rank, msg, None, out), False)
         return out
 
@@ -396,8 +414,7 @@ class Window:
         """A tensor that *is* ``rank``'s registered memory (shared-memory transport only)."""
         if self._local is None:
             raise WindowError("map_remote_tensor: no tensor is registered with this window")
-        if not 0 <= rank < self.size:
-            raise WindowError(f"map_remote_tensor: rank must be in [0, {self.size}), got {rank}")
+        rank = self._rank(rank, "map_remote_tensor")
         if self.transport != "shm":
             raise WindowError(
                 f"map_remote_tensor needs the shared-memory transport; this window uses {self.transport!r}"
@@ -408,8 +425,7 @@ class Window:
 
     def signal(self, dst_rank: int, async_op: bool = False) -> Work | None:
         """Increment ``dst_rank``'s signal counter for this rank (after this rank's prior puts)."""
-        if not 0 <= dst_rank < self.size:
-            raise WindowError(f"signal: rank must be in [0, {self.size}), got {dst_rank}")
+        dst_rank = self._rank(dst_rank, "signal")
         if self.transport == "shm":
             arr = self._sig_remote[dst_rank]
             arr[self.rank] = arr[self.rank] + 1
@@ -419,8 +435,7 @@ class Window:
 
     def wait_signal(self, src_rank: int, timeout: float = 30.0) -> None:
         """Wait for (and consume) one signal from ``src_rank``."""
-        if not 0 <= src_rank < self.size:
-            raise WindowError(f"wait_signal: rank must be in [0, {self.size}), got {src_rank}")
+        src_rank = self._rank(src_rank, "wait_signal")
         want = self._consumed[src_rank] + 1
         deadline = time.monotonic() + timeout
         spins = 0
