@@ -354,6 +354,41 @@ def c_window_edges(st: dict[str, Any], transport: str) -> Any:
     return out
 
 
+def c_window_dereg(st: dict[str, Any], transport: str) -> Any:
+    """Deregister with views still held: what the views read, whether this process still maps
+    the tensors' files, the errors of later operations, and a second registration's get."""
+    import torch.distributed as dist
+
+    from torchport.distributed import WindowError, _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = (rank + 1) % world
+    win = _new_window(torch.arange(4.0) + 1 + rank, transport=transport)
+    held = [win.local[1:]] + ([win.map_remote_tensor(peer)] if transport == "shm" else [])
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(f"{win._name}-d" in line for line in f)
+
+    before = mapped()
+    win.fence()
+    win.tensor_deregister()
+    after = mapped()
+    errors = []
+    for fn in (lambda: win.get(peer), lambda: win.put(torch.ones(1), peer), lambda: win.local):
+        try:
+            fn()
+            errors.append("no error")
+        except WindowError as e:
+            errors.append(str(e))
+    views = [v.tolist() for v in held]
+    win.tensor_register(torch.full((2,), 10.0 + rank))
+    again = win.get(peer).tolist()
+    win.fence()
+    win.close()
+    return before, after, errors, views, again
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -644,6 +679,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_threads": c_window_threads,
     "window_tcp_addr": c_window_tcp_addr,
     "window_open": c_window_open,
+    "window_dereg": c_window_dereg,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

@@ -139,6 +139,22 @@ def test_window_index_arguments_and_overlapping_self_puts_agree_across_transport
         assert local == want + after_put[4:]
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_deregister_releases_the_mappings_and_later_use_is_typed(trio, transport):
+    """tensor_deregister kept every rank's mapping until close(): they are released at once
+    (views still held read zeros instead of faulting), later operations raise WindowError
+    naming the deregistration, and a new registration works."""
+    res = trio.call_all(list(range(WORLD)), "window_dereg", [(transport,)] * WORLD)
+    for r, (s, (before, after, errors, views, again)) in enumerate(res):
+        assert s == "ok", res
+        assert before == (WORLD if transport == "shm" else 1) and after == 0
+        assert all("was deregistered" in e for e in errors), errors
+        assert errors[0].startswith("get:") and errors[2].startswith("local:")
+        assert views == [[0.0] * 3] + ([[0.0] * 4] if transport == "shm" else [])
+        assert again == [10.0 + (r + 1) % WORLD] * 2
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

@@ -33,6 +33,7 @@ the source's preceding puts on x86's total store order); ``wait_signal(src)`` co
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import fcntl
 import mmap
 import operator
@@ -131,6 +132,40 @@ def _shm_open(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
     return mmap.mmap(fd, max(nbytes, 8)), fd
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_MAP_FIXED = 0x10  # Linux (the mmap module does not export it)
+
+
+def _replace_with_anonymous(m: mmap.mmap) -> None:
+    """Map fresh zero pages over ``m``'s range: its file's pages are no longer referenced by
+    this mapping, while the addresses stay valid for tensors that still view them."""
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        addr = ctypes.addressof(anchor)
+    finally:
+        del anchor  # (a live export would make the mmap refuse to close later)
+    got = _libc.mmap(
+        addr,
+        len(m),
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED,
+        -1,
+        0,
+    )
+    if got != addr:
+        err = ctypes.get_errno()
+        raise WindowError(f"could not release a window mapping: {os.strerror(err)}")
+
+
 def _host_id() -> int:
     return int.from_bytes(socket.gethostname().encode()[:7].ljust(7, b"\0"), "little")
 
@@ -172,6 +207,8 @@ class Window:
         self._meta: list[tuple[torch.dtype, list[int]]] = []
         self._maps: list[mmap.mmap] = []
         self._fds: list[int] = []
+        self._data: list[tuple[mmap.mmap, int]] = []  # the registered tensors' (mapping, fd)
+        self._retired: list[mmap.mmap] = []  # deregistered mappings, now anonymous memory
         self._lock = threading.Lock()
         self._socks: dict[int, socket.socket] = {}
         self._queues: dict[int, cf.ThreadPoolExecutor] = {}  # tcp: one ordered queue per target
@@ -251,8 +288,7 @@ class Window:
         nbytes = tensor.numel() * tensor.element_size()
         name = f"{self._name}-d{self._regs}-{self.rank}"
         m, fd = _shm_create(name, nbytes)
-        self._maps.append(m)
-        self._fds.append(fd)
+        self._data = [(m, fd)]  # this registration's mappings (own first), released by deregister
         self._data_fd = fd
         self._local = self._view(m, self.rank)
         self._local.copy_(tensor)
@@ -267,8 +303,7 @@ class Window:
                 dt, shape = self._meta[r]
                 n = int(np.prod(shape)) if shape else 1
                 m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
-                self._maps.append(m2)
-                self._fds.append(fd2)
+                self._data.append((m2, fd2))
                 self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
         self._c.barrier()
         os.unlink(f"/dev/shm/{name}")
@@ -282,17 +317,41 @@ class Window:
         return flat.view(dt).view(shape)
 
     def tensor_deregister(self) -> None:
-        """Collective: drop the registered tensors (after a fence)."""
-        self._c.barrier()
+        """Collective: drop the registered tensors and release their memory (after a fence).
+
+        The mappings of every rank's tensor were kept until ``close()``. Now each is replaced
+        in place by fresh anonymous memory (a tensor the caller still holds -- ``local``, a
+        ``map_remote_tensor`` view -- reads zeros and never faults), and once every rank has
+        done so each truncates its own file, which frees the shared pages. Window operations
+        afterwards raise :class:`WindowError` until a tensor is registered again.
+        """
+        if self._local is None:
+            raise WindowError("tensor_deregister: no tensor is registered with this window")
+        self._c.barrier()  # every rank's RMA on the old tensors has ended
         self._local = None
-        self._remote = []
+        self._remote, self._remote_fds = [], []
+        self._meta = []
+        self._deregistered = True
+        for m, _ in self._data:
+            _replace_with_anonymous(m)
+        self._c.barrier()  # nobody maps the old files any more: they may shrink
+        os.ftruncate(self._data_fd, 0)
+        for m, fd in self._data:
+            os.close(fd)
+            self._retired.append(m)  # unmapped with the window (a caller may hold a view)
+        self._data = []
 
     @property
     def local(self) -> torch.Tensor:
         """This rank's registered tensor as it lives in the window (puts land here)."""
         if self._local is None:
-            raise WindowError("no tensor is registered with this window")
+            raise WindowError(f"local: {self._unregistered()}")
         return self._local
+
+    def _unregistered(self) -> str:
+        if getattr(self, "_deregistered", False):
+            return "the window's tensor was deregistered (tensor_deregister); register one first"
+        return "no tensor is registered with this window"
 
     # -- validation ------------------------------------------------------------------------
     @staticmethod
@@ -319,7 +378,7 @@ class Window:
         """Validated ``(rank, offset, count)`` of a request; ``n`` None: to the end, ``dtype``
         None: the target's."""
         if self._local is None:
-            raise WindowError(f"{what}: no tensor is registered with this window")
+            raise WindowError(f"{what}: {self._unregistered()}")
         rank = self._rank(rank, what)
         tdt, shape = self._meta[rank]
         total = int(np.prod(shape)) if shape else 1
@@ -413,7 +472,7 @@ class Window:
     def map_remote_tensor(self, rank: int) -> torch.Tensor:
         """A tensor that *is* ``rank``'s registered memory (shared-memory transport only)."""
         if self._local is None:
-            raise WindowError("map_remote_tensor: no tensor is registered with this window")
+            raise WindowError(f"map_remote_tensor: {self._unregistered()}")
         rank = self._rank(rank, "map_remote_tensor")
         if self.transport != "shm":
             raise WindowError(
@@ -570,6 +629,10 @@ class Window:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        for m, fd in self._data:
+            self._maps.append(m)
+            os.close(fd)
+        self._data = []
 
 
 def _new_window(
