@@ -593,6 +593,33 @@ def p2p_case(rank: int, world: int) -> list[str]:
                 bad.append(f"anysource from {src} got {buf.tolist()}")
         if got != {q: float(q) for q in range(world - 1)}:
             bad.append(f"anysource senders {got}")
+    # a receive into memory an in-flight receive writes is refused when issued (which frame
+    # landed last was a race); disjoint strided views of one buffer are fine
+    if rank == 0:
+        dist.recv(torch.zeros(1), 1, tag=50)  # rank 1's receives are issued: send
+        dist.send(torch.full((3,), 1.0), 1, tag=51)
+        dist.send(torch.full((3,), 2.0), 1, tag=52)
+    elif rank == 1:
+        from torchport.distributed import CollectiveArgumentError
+
+        buf = torch.zeros(3, 2)
+        first = dist.irecv(buf[:, 0], 0, tag=51)
+        for op in (
+            lambda: dist.irecv(buf[1:, 0], 0, tag=53),
+            lambda: dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf.view(-1)[:2], 0, tag=54)]),
+        ):
+            try:
+                op()
+                bad.append("a receive overlapping an in-flight receive was issued")
+            except CollectiveArgumentError as e:
+                if "overlaps the output of recv(src=0, tag=51)" not in str(e):
+                    bad.append(f"overlap refused with {e}")
+        second = dist.irecv(buf[:, 1], 0, tag=52)
+        dist.send(torch.zeros(1), 0, tag=50)
+        second.wait()
+        first.wait()
+        if buf.tolist() != [[1.0, 2.0]] * 3:
+            bad.append(f"disjoint column receives got {buf.tolist()}")
     dist.barrier()
     return bad
 

@@ -318,6 +318,106 @@ def c_window_tcp_addr(st: dict[str, Any], addr: str) -> Any:
     return out
 
 
+def c_window_edges(st: dict[str, Any], transport: str) -> Any:
+    """NumPy / tensor integers as ranks, offsets and counts; a float or bool offset; a put and
+    an accumulate to this rank from window memory overlapping the target range."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from torchport.distributed import WindowError, _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = (rank + 1) % world
+    win = _new_window(torch.arange(6.0) + 10 * rank, transport=transport)
+    win.put(torch.tensor([-1.0, -2.0]), np.int64(peer), np.int32(1))
+    win.fence()
+    got = win.get(np.int64(peer), torch.tensor(1), np.uint8(3)).tolist()
+    errors = []
+    for fn in (
+        lambda: win.put(torch.ones(1), peer, 1.0),
+        lambda: win.get(peer, 1.5),
+        lambda: win.accumulate(torch.ones(1), peer, True),
+        lambda: win.get(np.float64(1.0)),
+    ):
+        try:
+            fn()
+            errors.append("no error")
+        except WindowError as e:
+            errors.append(str(e))
+    win.fence()
+    win.put(win.local[0:4], rank, 2)  # memmove: the source is read before the target is written
+    win.accumulate(win.local[1:3], rank, 2)
+    win.fence()
+    out = (got, errors, win.local.tolist())
+    win.fence()
+    win.close()
+    return out
+
+
+def c_window_dereg(st: dict[str, Any], transport: str) -> Any:
+    """Deregister with views still held: what the views read, whether this process still maps
+    the tensors' files, the errors of later operations, and a second registration's get."""
+    import torch.distributed as dist
+
+    from torchport.distributed import WindowError, _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = (rank + 1) % world
+    win = _new_window(torch.arange(4.0) + 1 + rank, transport=transport)
+    held = [win.local[1:]] + ([win.map_remote_tensor(peer)] if transport == "shm" else [])
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(f"{win._name}-d" in line for line in f)
+
+    before = mapped()
+    win.fence()
+    win.tensor_deregister()
+    after = mapped()
+    errors = []
+    for fn in (lambda: win.get(peer), lambda: win.put(torch.ones(1), peer), lambda: win.local):
+        try:
+            fn()
+            errors.append("no error")
+        except WindowError as e:
+            errors.append(str(e))
+    views = [v.tolist() for v in held]
+    win.tensor_register(torch.full((2,), 10.0 + rank))
+    again = win.get(peer).tolist()
+    win.fence()
+    win.close()
+    return before, after, errors, views, again
+
+
+def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
+    """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank = dist.get_rank()
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    st["win"] = _new_window(torch.zeros(4) + rank, transport=transport, timeout=timeout)
+    return st["win"].timeout_s
+
+
+def c_window_get(st: dict[str, Any], src: int) -> Any:
+    """``get`` from ``src``: its values, or the error's type and message; and the time taken."""
+    t0 = time.monotonic()
+    try:
+        got: Any = st["win"].get(src).tolist()
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    return got, time.monotonic() - t0
+
+
+def c_window_close(st: dict[str, Any]) -> None:
+    st["win"].fence()
+    st["win"].close()
+
+
 def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
     import torch.distributed as dist
 
@@ -578,5 +678,10 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_errors": c_window_errors,
     "window_threads": c_window_threads,
     "window_tcp_addr": c_window_tcp_addr,
+    "window_open": c_window_open,
+    "window_dereg": c_window_dereg,
+    "window_edges": c_window_edges,
+    "window_get": c_window_get,
+    "window_close": c_window_close,
     "fr_collectives": c_fr_collectives,
 }

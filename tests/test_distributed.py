@@ -330,9 +330,39 @@ def test_bad_arguments_raise_typed_errors(world1):
     with pytest.raises(E, match=r"expects exactly one tensor per call, got 2"):
         world1.allreduce([torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
     with pytest.raises(
-        E, match=r"every output must match the input \(3 x torch.float32\), got 2 x torch.float32"
+        E,
+        match=r"every output must match the input \(shape \(3,\), torch.float32\), "
+        r"got shape \(2,\), torch.float32 at index 0",
     ):
         dist.all_gather([torch.empty(2)], torch.ones(3))
+
+
+def test_list_and_block_shapes_are_checked_as_gloo_does(world1):
+    """An output of the right element count in another shape was filled in memory order; gloo
+    refuses it (a list tensor must have the input's shape; the flat tensor's blocks too)."""
+    from torchport.distributed import CollectiveArgumentError as E
+
+    want = r"got shape \(3, 2\), torch.float32 at index 0"
+    with pytest.raises(E, match=r"allgather: every output must match the input \(shape \(2, 3\)"):
+        dist.all_gather([torch.empty(3, 2)], torch.ones(2, 3))
+    with pytest.raises(E, match=want):
+        dist.gather(torch.ones(2, 3), [torch.empty(3, 2)], dst=0)
+    with pytest.raises(E, match=r"scatter: every input must match the output.*" + want):
+        dist.scatter(torch.empty(2, 3), [torch.ones(3, 2)], src=0)
+    with pytest.raises(E, match=r"reduce_scatter: every input must match the output.*" + want):
+        dist.reduce_scatter(torch.empty(2, 3), [torch.ones(3, 2)])
+    blocks = r"blocks of shape \(2, 3\) concatenated \(2, 3\) or stacked \(1, 2, 3\)"
+    with pytest.raises(E, match=r"all_gather_into_tensor: output must be .*" + blocks):
+        dist.all_gather_into_tensor(torch.empty(3, 2), torch.ones(2, 3))
+    with pytest.raises(E, match=r"reduce_scatter_tensor: input must be .*got shape \(6,\)"):
+        dist.reduce_scatter_tensor(torch.empty(2, 3), torch.ones(6))
+    # both documented forms, and a 0-dim input, still work
+    for out in (torch.empty(2, 3), torch.empty(1, 2, 3)):
+        dist.all_gather_into_tensor(out, torch.ones(2, 3))
+        assert bool((out == 1).all())
+    scalar_out = torch.empty(1)
+    dist.all_gather_into_tensor(scalar_out, torch.tensor(4.0))
+    assert scalar_out.tolist() == [4.0]
 
 
 def test_world_of_one_is_identity(world1):
@@ -350,3 +380,32 @@ def test_world_of_one_is_identity(world1):
     dist.all_to_all_single(scalar_out, torch.tensor(7.0))
     assert scalar_out.item() == 7.0
     assert world1.getBackendName() == "torchport" and world1.get_error() is None
+
+
+def test_tensors_overlap_compares_the_bytes_elements_occupy():
+    from torchport.distributed.engine import tensors_overlap
+
+    buf = torch.zeros(4, 6)
+    assert tensors_overlap(buf[0], buf[0, 3:])  # contiguous, intersecting
+    assert not tensors_overlap(buf[0], buf[1])  # contiguous, adjacent
+    assert not tensors_overlap(buf[:, 0], buf[:, 1])  # interleaved columns: disjoint
+    assert tensors_overlap(buf[:, 2], buf[1:3, 2:4])
+    assert not tensors_overlap(buf[::2], buf[1::2])
+    assert tensors_overlap(buf.view(torch.int16)[:, 1], buf[:, 0])  # the high half of a float
+    assert not tensors_overlap(buf.view(torch.int16)[:, 2], buf[:, 0])
+    assert not tensors_overlap(buf[0, :0], buf[0])  # empty
+    assert not tensors_overlap(torch.zeros(3), torch.zeros(3))  # other storage
+
+
+def test_recv_into_a_self_overlapping_view_is_refused_when_issued(world1):
+    from torchport.distributed import CollectiveArgumentError
+
+    # (the communicator's own recv: the group refuses a source rank at world size 1)
+    with pytest.raises(CollectiveArgumentError, match=r"recv\(src=any, tag=3\): the output .* "):
+        world1.comm.recv_p2p(torch.zeros(1).expand(4), None, 3)
+
+
+def test_a_window_on_a_torchport_group_takes_the_groups_timeout(world1):
+    from torchport.distributed.window import _group_timeout
+
+    assert _group_timeout(None) == 30.0 and _group_timeout(world1) == 30.0

@@ -144,6 +144,44 @@ def test_mailbox_any_source_takes_a_queued_frame_and_cancel_withdraws():
     assert got == [("early", bytearray())]  # a withdrawn receive never fires
 
 
+def test_mailbox_hands_a_callbacks_exception_to_its_operation():
+    """A raising callback fails its own operation (``Delivery.on_error``) instead of raising
+    into the thread that delivered the frame, whether delivered later or already queued."""
+    from torchport.distributed.transport_tcp import Delivery, Mailbox, Once
+
+    def boom(frame):
+        raise RuntimeError(f"cannot write {frame[0]}")
+
+    mb, errors = Mailbox(), []
+    k1, k2 = (0, 6, 1, 0), (0, 6, 2, 0)
+    mb.expect(k1, Delivery(boom, errors.append))
+    mb.deliver(k1, ("late", bytearray()))  # the reader's path: must not raise
+    mb.deliver(k2, ("queued", bytearray()))
+    mb.expect_any(Once(boom, [k1, k2], errors.append))  # the issuing thread's path
+    assert [str(e) for e in errors] == ["cannot write late", "cannot write queued"]
+    assert mb.callback_errors == 0
+    with pytest.warns(RuntimeWarning, match="names no operation to fail: RuntimeError"):
+        mb.expect(k1, boom)
+        mb.deliver(k1, ("orphan", bytearray()))
+    assert mb.callback_errors == 1 and str(mb.last_callback_error) == "cannot write orphan"
+
+
+def test_a_raising_callback_does_not_end_the_connections_reader(mesh_pair):
+    """The reader thread ran a waiting callback unguarded: one that raised ended the thread,
+    and every later frame on that connection was silently never delivered."""
+    m0, m1 = mesh_pair
+
+    def boom(frame):
+        raise RuntimeError("copy failed")
+
+    m0.mailbox.expect((5, int(Kind.P2P), 1, 1), boom)
+    with pytest.warns(RuntimeWarning, match="copy failed"):
+        m1.send(0, Kind.P2P, 5, 1, b"first", (0, 0, 0, 0))
+        m1.send(0, Kind.P2P, 5, 2, b"second", (0, 0, 0, 0))
+        _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 2), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"second" and m0.mailbox.callback_errors == 1
+
+
 def _hdr(length: int, sig: tuple[int, int, int, int]):
     from torchport.distributed.wire import Kind, decode_header, encode_header
 

@@ -329,3 +329,35 @@ def test_commit_hands_out_the_next_quorum_in_steady_state_only():
         for s in socks:
             s.close()
         lh.close()
+
+
+@pytest.mark.parametrize("addr", [None, "127.0.0.1", "127.0.0.2", "0.0.0.0"])
+def test_heal_server_binds_the_configured_address(addr):
+    """The heal server bound 127.0.0.1 whatever TORCHPORT_DIST_ADDR said, so a replica on
+    another host could not heal: it listens where the TCP mesh does and the quorum request
+    carries the address peers should dial (the host's own for 0.0.0.0)."""
+    import contextlib
+
+    from torchport import config
+    from torchport.distributed.ft import Manager
+
+    secret = b"h" * 32
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    with config.override(dist_addr=addr) if addr else contextlib.nullcontext():
+        mgr = Manager(
+            lighthouse=lh.address,
+            replica_id="r0",
+            state_dict=dict,
+            load_state_dict=lambda s: None,
+            secret=secret,
+            backend="gloo",
+        )
+    try:
+        bound = mgr._heal_server.address[0]
+        assert bound == (addr or "127.0.0.1")
+        want = socket.gethostbyname(socket.gethostname()) if addr == "0.0.0.0" else bound
+        assert mgr.heal_address[0] == want
+        assert mgr._request(0, 1.0)["heal_addr"] == [want, mgr._heal_server.address[1]]
+    finally:
+        mgr.shutdown()
+        lh.close()

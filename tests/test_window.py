@@ -120,6 +120,70 @@ def test_tcp_window_binds_configured_address_and_authenticates(trio):
         assert local == [0.0, float(src + 1), float(src + 1), 0.0]
 
 
+def test_window_index_arguments_and_overlapping_self_puts_agree_across_transports(trio):
+    """np.int64 offsets were refused (Python ints only); a put to this rank from window memory
+    overlapping the target raised untyped on shm and read the source first over tcp."""
+    ranks = list(range(WORLD))
+    by = {t: trio.call_all(ranks, "window_edges", [(t,)] * WORLD) for t in ("shm", "tcp")}
+    assert by["shm"] == by["tcp"]
+    for r, (s, (got, errors, local)) in enumerate(by["shm"]):
+        assert s == "ok"
+        assert got == [-1.0, -2.0, 10.0 * ((r + 1) % WORLD) + 3]
+        assert errors[0].startswith("put: the offset must be an integer, got 1.0"), errors
+        assert errors[1].startswith("get: the offset must be an integer, got 1.5"), errors
+        assert errors[2].startswith("accumulate: the offset must be an integer, got True")
+        assert errors[3].startswith("get: rank must be an integer, got np.float64(1.0)")
+        a = [10.0 * r, -1.0, -2.0, 10.0 * r + 3]  # after the peer's put at 1..2
+        after_put = a[:2] + a[:4]
+        want = [*after_put[:2], after_put[2] + after_put[1], after_put[3] + after_put[2]]
+        assert local == want + after_put[4:]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_deregister_releases_the_mappings_and_later_use_is_typed(trio, transport):
+    """tensor_deregister kept every rank's mapping until close(): they are released at once
+    (views still held read zeros instead of faulting), later operations raise WindowError
+    naming the deregistration, and a new registration works."""
+    res = trio.call_all(list(range(WORLD)), "window_dereg", [(transport,)] * WORLD)
+    for r, (s, (before, after, errors, views, again)) in enumerate(res):
+        assert s == "ok", res
+        assert before == (WORLD if transport == "shm" else 1) and after == 0
+        assert all("was deregistered" in e for e in errors), errors
+        assert errors[0].startswith("get:") and errors[2].startswith("local:")
+        assert views == [[0.0] * 3] + ([[0.0] * 4] if transport == "shm" else [])
+        assert again == [10.0 + (r + 1) % WORLD] * 2
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
+def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
+    """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
+    window's timeout, raises CommTimeoutError naming the peer and the request, and the next
+    request (on a new connection) works once the peer runs again."""
+    import signal
+
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("tcp", 0.5)] * WORLD) == [("ok", 0.5)] * WORLD
+    try:
+        assert trio.call(0, "window_get", 2)[0] == [2.0] * 4  # the connection is open
+        trio.kill(2, signal.SIGSTOP)
+        try:
+            (kind, msg), took = trio.call(0, "window_get", 2, timeout=10)
+        finally:
+            trio.kill(2, signal.SIGCONT)
+        assert kind == "CommTimeoutError" and "window get on rank 2" in msg, msg
+        assert 0.4 < took < 3.0
+        assert trio.call(0, "window_get", 2)[0] == [2.0] * 4
+    finally:
+        assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
+
+
+def test_window_timeout_defaults_to_the_groups(trio):
+    """Without ``timeout=`` a window takes its group's (gloo here: c10d's 30 minutes)."""
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("tcp", None)] * WORLD) == [("ok", 1800.0)] * WORLD
+    assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
+
+
 def test_control_secret_file_is_private_and_shared(tmp_path, monkeypatch):
     """Without TORCHPORT_SECRET the control servers' secret comes from a 0600 file of 32 random
     bytes in the cache dir, the same for every process of the user; it was derived from the

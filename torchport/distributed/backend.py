@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchport.distributed import algorithms as alg
 from torchport.distributed.backend_args import (
     _NATIVE_RED,
+    _check_blocks,
     _check_red,
     _cpu,
     _one,
@@ -202,6 +203,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 f"reduce_scatter_tensor: input must have world_size ({w}) x output numel "
                 f"({out.numel()}) elements of dtype {out.dtype}, got {inp.numel()} of {inp.dtype}"
             )
+        _check_blocks(inp, out, w, "reduce_scatter_tensor", "input")
         return self._reduce_scatter(
             out, lambda c: [c[q * out.numel() : (q + 1) * out.numel()] for q in range(w)], inp, opts
         )
@@ -216,17 +218,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
     ) -> TorchportWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         out = _one(output_tensors, "reduce_scatter")
-        if len(input_tensors) != 1 or len(input_tensors[0]) != self.comm.world:
-            raise CollectiveArgumentError(
-                f"reduce_scatter: expects one list of world_size ({self.comm.world}) input tensors"
-            )
-        ins = [_cpu(t, "reduce_scatter") for t in input_tensors[0]]
-        for t in ins:
-            if t.numel() != out.numel() or t.dtype != out.dtype:
-                raise CollectiveArgumentError(
-                    f"reduce_scatter: every input must match the output ({out.numel()} x {out.dtype}), "
-                    f"got {t.numel()} x {t.dtype}"
-                )
+        ins = self._check_list(input_tensors, out, "reduce_scatter", "input")
         return self._reduce_scatter(out, lambda _c: [t.reshape(-1) for t in ins], None, opts)
 
     def _reduce_scatter(
@@ -315,6 +307,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 f"all_gather_into_tensor: output must have world_size ({w}) x input numel "
                 f"({inp.numel()}) elements of dtype {inp.dtype}, got {out.numel()} of {out.dtype}"
             )
+        _check_blocks(out, inp, w, "all_gather_into_tensor", "output")
         n = inp.numel()
         return self._gather(
             "allgather",
@@ -350,21 +343,25 @@ class TorchportProcessGroup(dist.ProcessGroup):
         return self._gather_list("gather", outs, inp, root, opts)
 
     def _check_list(
-        self, lists: list[list[torch.Tensor]], inp: torch.Tensor, where: str
+        self, lists: list[list[torch.Tensor]], one: torch.Tensor, where: str, what: str = "output"
     ) -> list[torch.Tensor]:
+        """The world_size tensors of ``lists`` (the ``what`` side), each of ``one``'s shape and
+        dtype: gloo's condition (a list tensor of the right element count in another shape was
+        accepted and filled in memory order)."""
         w = self.comm.world
         if len(lists) != 1 or len(lists[0]) != w:
             raise CollectiveArgumentError(
-                f"{where}: expects one list of world_size ({w}) output tensors"
+                f"{where}: expects one list of world_size ({w}) {what} tensors"
             )
-        outs = [_cpu(t, where) for t in lists[0]]
-        for t in outs:
-            if t.numel() != inp.numel() or t.dtype != inp.dtype:
+        ts = [_cpu(t, where) for t in lists[0]]
+        other = "input" if what == "output" else "output"
+        for i, t in enumerate(ts):
+            if t.shape != one.shape or t.dtype != one.dtype:
                 raise CollectiveArgumentError(
-                    f"{where}: every output must match the input ({inp.numel()} x {inp.dtype}), "
-                    f"got {t.numel()} x {t.dtype}"
+                    f"{where}: every {what} must match the {other} (shape {tuple(one.shape)}, "
+                    f"{one.dtype}), got shape {tuple(t.shape)}, {t.dtype} at index {i}"
                 )
-        return outs
+        return ts
 
     def _gather_list(
         self, name: str, outs: list[torch.Tensor] | None, inp: torch.Tensor, root: int, opts: Any
@@ -441,7 +438,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         root = self._root(opts.rootRank, "scatter")
         ins = None
         if self.comm.rank == root:
-            ins = self._check_list(input_tensors, out, "scatter")
+            ins = self._check_list(input_tensors, out, "scatter", "input")
         s, comm = _Staged(out), self.comm
 
         def run(deadline: float) -> None:

@@ -114,5 +114,25 @@ class _Staged:
             self.orig.copy_(self.t)
 
 
+def _check_blocks(
+    big: torch.Tensor, small: torch.Tensor, world: int, where: str, what: str
+) -> None:
+    """Refuse a ``big`` tensor (world_size blocks of ``small``) in neither of torch's two forms.
+
+    torch documents ``all_gather_into_tensor``'s output and ``reduce_scatter_tensor``'s input as
+    the world_size tensors concatenated along dim 0 or stacked in a new dim 0; a tensor of the
+    right element count in another shape (``[3, 2]`` for blocks of ``[2, 3]``) was accepted and
+    filled in memory order. Gloo refuses it too (and refuses the stacked form as well).
+    """
+    shape = tuple(small.shape)
+    stacked = (world, *shape)
+    concat = (world * shape[0], *shape[1:]) if shape else stacked
+    if tuple(big.shape) not in (concat, stacked):
+        raise CollectiveArgumentError(
+            f"{where}: {what} must be the world_size ({world}) blocks of shape {shape} "
+            f"concatenated {concat} or stacked {stacked}, got shape {tuple(big.shape)}"
+        )
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0

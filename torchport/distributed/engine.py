@@ -50,7 +50,7 @@ from torchport.distributed.transport_shm import (
     ShmArena,
     StepError,
 )
-from torchport.distributed.transport_tcp import Mesh, Once
+from torchport.distributed.transport_tcp import Delivery, Mesh, Once
 from torchport.distributed.wire import Kind
 
 # Abort reasons (low byte of the abort word / seq of ABORT frames).
@@ -140,6 +140,42 @@ def describe_sig(sig: Sequence[int]) -> str:
     if root >= 0 and name in ("broadcast", "reduce", "gather", "scatter"):
         parts.append(f"root={root}")
     return f"collective #{sig[0]} {name}({', '.join(parts)}) step {sig[3]}"
+
+
+# Two strided tensors whose byte ranges intersect are compared element by element on a byte map
+# of the shared range up to this size; past it the pair counts as not overlapping (ATen's
+# "too hard" answer, which its own overlap checks let pass too).
+OVERLAP_MAP_BYTES = 64 << 20
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)``: the addresses ``t``'s elements occupy (``t`` non-empty; strides >= 0)."""
+    es, lo = t.element_size(), t.data_ptr()
+    hi = lo + es + sum((n - 1) * st * es for n, st in zip(t.shape, t.stride()))
+    return lo, hi
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether some byte belongs to an element of both ``a`` and ``b`` (CPU tensors)."""
+    if not a.numel() or not b.numel():
+        return False
+    (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
+    if ahi <= blo or bhi <= alo:
+        return False
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    lo, hi = min(alo, blo), max(ahi, bhi)
+    if hi - lo > OVERLAP_MAP_BYTES:
+        return False
+    marks = torch.zeros(hi - lo, dtype=torch.uint8)
+
+    def bytes_of(t: torch.Tensor) -> torch.Tensor:  # t's elements as rows of their bytes
+        es = t.element_size()
+        shape, strides = (*t.shape, es), (*(st * es for st in t.stride()), 1)
+        return marks.as_strided(shape, strides, t.data_ptr() - lo)
+
+    bytes_of(a).fill_(1)
+    return bool(bytes_of(b).any())
 
 
 def _addr(buf: bytearray) -> int:
@@ -456,7 +492,14 @@ class Communicator:
     def recv_p2p(self, tensor: torch.Tensor, src: int | None, tag: int) -> TorchportWork:
         """Receive into ``tensor`` from group rank ``src`` (None: from any rank; the Work's
         ``source_rank()`` then names the sender)."""
-        work = TorchportWork(f"recv(src={'any' if src is None else src}, tag={tag})", [tensor])
+        name = f"recv(src={'any' if src is None else src}, tag={tag})"
+        if torch._debug_has_internal_overlap(tensor) == 1:
+            raise CollectiveArgumentError(
+                f"{name}: the output tensor must not overlap itself (an expanded view writes "
+                f"several elements to one place), got shape {tuple(tensor.shape)} strides "
+                f"{tensor.stride()}"
+            )
+        work = TorchportWork(name, [tensor])
         if self.check_now(work):
             return work
         seq = tag & 0xFFFFFFFFFFFFFFFF
@@ -480,37 +523,54 @@ class Communicator:
                 return
             if body:
                 data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
-                try:  # (no_grad: a leaf that requires grad receives, as with gloo)
-                    with torch.no_grad():
-                        tensor.copy_(data.view(tensor.shape))
-                except RuntimeError as e:  # e.g. an expanded view: this recv fails, typed; the
-                    # caller (a connection's reader thread) keeps reading: it died here before,
-                    # and every later frame on the connection was lost
-                    work._finish(
-                        CollectiveArgumentError(
-                            f"recv from rank {who} tag {tag}: could not write the received "
-                            f"{tensor.dtype} data into the tensor: {e}"
-                        )
-                    )
-                    return
+                with torch.no_grad():  # (a leaf that requires grad receives, as with gloo)
+                    tensor.copy_(data.view(tensor.shape))
             work._finish()
+
+        def failed(e: BaseException) -> None:
+            # the copy into the user's tensor raised (an expanded view): the mailbox hands the
+            # exception here and the connection's reader thread goes on reading
+            with self._lock:
+                self._pending = [p for p in self._pending if p[2] is not work]
+            err = CollectiveArgumentError(
+                f"recv from rank {work._src} tag {tag}: could not write the received "
+                f"{tensor.dtype} data into the tensor: {type(e).__name__}: {e}"
+            )
+            err.__cause__ = e
+            work._finish(err)
 
         if src is not None:
             key = (self.group_id, int(Kind.P2P), self.ranks[src], seq)
+            one = Delivery(deliver, failed)
             with self._lock:
-                self._pending.append((key, deliver, work))
-            self.mesh.mailbox.expect(key, deliver)
+                self._refuse_overlap(work, tensor)
+                self._pending.append((key, one, work))
+            self.mesh.mailbox.expect(key, one)
             return work
         keys = [
             (self.group_id, int(Kind.P2P), g, seq)
             for q, g in enumerate(self.ranks)
             if q != self.rank
         ]
-        once = Once(deliver, keys)
+        once = Once(deliver, keys, failed)
         with self._lock:
+            self._refuse_overlap(work, tensor)
             self._pending.append((keys[0] if keys else None, once, work))
         self.mesh.mailbox.expect_any(once)
         return work
+
+    def _refuse_overlap(self, work: TorchportWork, tensor: torch.Tensor) -> None:
+        """Refuse a receive into memory an in-flight receive of this group also writes (under
+        ``_lock``): which frame lands last is a race (gloo does not check; a batch_isend_irecv
+        with two receives into one buffer gave either sender's data)."""
+        for _key, _cb, other in self._pending:
+            theirs = other._result[0] if other._result else None
+            if theirs is not None and tensors_overlap(tensor, theirs):
+                raise CollectiveArgumentError(
+                    f"{work.name}: the output tensor overlaps the output of {other.name}, "
+                    f"still in flight (shape {tuple(theirs.shape)} at {theirs.data_ptr():#x}, "
+                    f"this one shape {tuple(tensor.shape)} at {tensor.data_ptr():#x})"
+                )
 
     def check_now(self, work: TorchportWork) -> bool:
         """Finish ``work`` with the error state if failed; True if it did."""

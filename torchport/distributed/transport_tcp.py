@@ -22,7 +22,8 @@ returns, waiting for a receive in progress (which a lost connection or ``shutdow
 Internal API other modules build on:
 
 - ``Mesh.send(peer, kind, group, seq, payload, sig)``: send one frame to a global rank;
-- ``Mesh.mailbox.get(key, deadline, check)`` / ``expect(key, callback)``: receive frames;
+- ``Mesh.mailbox.get(key, deadline, check)`` / ``expect(key, callback)``: receive frames (a
+  :class:`Delivery` callback names the operation its exceptions fail);
 - ``Mesh.register(group_id, handler)``: route ABORT frames and lost peers to a communicator;
 - ``Mesh.peers``: the connection map ``{global rank: Connection}``.
 """
@@ -38,6 +39,7 @@ import select
 import socket
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,14 +208,37 @@ def read_frame(sock: socket.socket, max_length: int) -> Frame:
     return hdr, _recv_exact(sock, hdr.length) if hdr.length else bytearray()
 
 
-class Once:
-    """A callback waiting on several keys that fires for the first frame of any of them."""
+class Delivery:
+    """A mailbox callback together with the operation it belongs to.
 
-    def __init__(self, callback: Callable[[Frame], None], keys: list[Key]) -> None:
-        self.callback, self.keys, self.fired = callback, keys, False
+    An exception the callback raises (a copy into a user tensor that fails) is handed to
+    ``on_error``, which fails that operation; the thread that delivered the frame -- usually a
+    connection's reader -- goes on. It ended the reader before, and the connection silently
+    stopped delivering.
+    """
+
+    def __init__(
+        self,
+        callback: Callable[[Frame], None],
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.callback, self.on_error = callback, on_error
 
     def __call__(self, frame: Frame) -> None:
         self.callback(frame)
+
+
+class Once(Delivery):
+    """A callback waiting on several keys that fires for the first frame of any of them."""
+
+    def __init__(
+        self,
+        callback: Callable[[Frame], None],
+        keys: list[Key],
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        super().__init__(callback, on_error)
+        self.keys, self.fired = keys, False
 
 
 WAITING, FILLING, FILLED, FAILED = 0, 1, 2, 3
@@ -252,6 +277,32 @@ class Mailbox:
         self.waiters_addr = ctypes.addressof(self.waiters)
         self.on_wait: Callable[[], None] | None = None
         self._blocked = 0
+        # Exceptions of callbacks that name no operation to fail (not a :class:`Delivery`
+        # with ``on_error``, or its ``on_error`` raised too): counted, the last one kept, and
+        # warned about; the delivering thread goes on either way.
+        self.callback_errors = 0
+        self.last_callback_error: BaseException | None = None
+
+    def _call(self, cb: Callable[[Frame], None], frame: Frame) -> None:
+        """Run a waiting callback (unlocked); route its exception instead of raising it."""
+        try:
+            cb(frame)
+        except Exception as e:
+            on_error = getattr(cb, "on_error", None)
+            if on_error is not None:
+                try:
+                    on_error(e)
+                    return
+                except Exception as e2:
+                    e = e2
+            self.callback_errors += 1
+            self.last_callback_error = e
+            warnings.warn(
+                f"a mailbox callback for frame {frame[0]} raised and names no operation to "
+                f"fail: {type(e).__name__}: {e}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _sync_waiters(self) -> None:
         """Refresh ``waiters`` (under ``cond``) and poke lingering readers when it rises."""
@@ -307,7 +358,7 @@ class Mailbox:
                 cb = self._deliver_locked(key, frame)
             self.cond.notify_all()
         if cb is not None and frame is not None:
-            cb(frame)
+            self._call(cb, frame)
 
     def withdraw(self, key: Key, deadline: float, on_stuck: Callable[[], None]) -> None:
         """Remove ``key``'s target; wait for a receive into it that is in progress.
@@ -351,7 +402,7 @@ class Mailbox:
         with self.cond:
             cb = self._deliver_locked(key, frame)
         if cb is not None:
-            cb(frame)
+            self._call(cb, frame)
 
     def expect(self, key: Key, callback: Callable[[Frame], None]) -> None:
         """Call ``callback(frame)`` when the next frame for ``key`` is (or was) delivered."""
@@ -364,7 +415,7 @@ class Mailbox:
                 self._waiting.setdefault(key, deque()).append(callback)
                 self._sync_waiters()
                 return
-        callback(frame)
+        self._call(callback, frame)
 
     def expect_any(self, once: Once) -> None:
         """Call ``once`` for the first frame of any of ``once.keys`` (queued frames first)."""
@@ -386,7 +437,7 @@ class Mailbox:
                 self._frames.setdefault(key, deque()).appendleft(frame)
                 return
             once.fired = True
-        once(frame)
+        self._call(once, frame)
 
     def cancel(self, key: Key, callback: Callable[[Frame], None]) -> bool:
         """Withdraw an ``expect`` that has not fired; True if it was withdrawn."""

@@ -17,7 +17,9 @@ A window gives every rank of a group direct access to a tensor registered by eac
   ``async_op=True`` puts / accumulates / signals go to an ordered queue per target (requests to one
   target keep their order; the source tensor is snapshotted) and return a ``Work``; ``fence()``
   waits for all of this rank's outstanding ones. ``map_remote_tensor`` needs shared memory and
-  raises on this transport.
+  raises on this transport. Every request is bounded by the window's timeout (``timeout=``, else
+  the group's): a peer that stopped answering raises :class:`CommTimeoutError` naming the peer
+  and the request (it blocked ``get`` forever before), and the connection is reopened next time.
 
 Semantics (and the reference, :class:`ReferenceWindow`): a put of ``n`` elements at
 ``target_offset_nelems`` overwrites those elements of the target's flat tensor; accumulate adds
@@ -31,13 +33,16 @@ the source's preceding puts on x86's total store order); ``wait_signal(src)`` co
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import fcntl
 import mmap
+import operator
 import os
 import secrets
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any, cast
 
 import numpy as np
@@ -54,6 +59,7 @@ from torchport.distributed._control import (
     recv_msg,
     send_msg,
 )
+from torchport.distributed.errors import CommTimeoutError
 from torchport.distributed.ft.transfer import DTYPES, _bytes_view
 from torchport.distributed.reconfigure import ReconfigurableGroup, Work
 
@@ -96,6 +102,25 @@ class _Coll:
             dist.all_reduce(torch.zeros(1), group=self.g)
 
 
+def _group_timeout(group: Any) -> float:
+    """Seconds: ``group``'s operation timeout (a torchport or gloo group, or a
+    ReconfigurableGroup), else c10d's default for CPU groups (30 min)."""
+    if isinstance(group, ReconfigurableGroup):
+        return group.timeout.total_seconds()
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    comm = getattr(pg, "comm", None)
+    if comm is not None:  # a torchport group (the c10d group is the backend itself)
+        return float(comm.timeout_s)
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        backend = None
+    t = getattr(getattr(backend, "options", None), "_timeout", None)
+    if isinstance(t, timedelta) and t.total_seconds() > 0:
+        return t.total_seconds()
+    return dist.default_pg_timeout.total_seconds()
+
+
 def _shm_create(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
     fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.ftruncate(fd, max(nbytes, 8))
@@ -107,6 +132,40 @@ def _shm_open(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
     return mmap.mmap(fd, max(nbytes, 8)), fd
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_MAP_FIXED = 0x10  # Linux (the mmap module does not export it)
+
+
+def _replace_with_anonymous(m: mmap.mmap) -> None:
+    """Map fresh zero pages over ``m``'s range: its file's pages are no longer referenced by
+    this mapping, while the addresses stay valid for tensors that still view them."""
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        addr = ctypes.addressof(anchor)
+    finally:
+        del anchor  # (a live export would make the mmap refuse to close later)
+    got = _libc.mmap(
+        addr,
+        len(m),
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED,
+        -1,
+        0,
+    )
+    if got != addr:
+        err = ctypes.get_errno()
+        raise WindowError(f"could not release a window mapping: {os.strerror(err)}")
+
+
 def _host_id() -> int:
     return int.from_bytes(socket.gethostname().encode()[:7].ljust(7, b"\0"), "little")
 
@@ -115,11 +174,22 @@ class Window:
     """An RMA window over ``group``; create it with :func:`_new_window` (collective)."""
 
     def __init__(
-        self, group: Any = None, tensor: torch.Tensor | None = None, *, transport: str = "auto"
+        self,
+        group: Any = None,
+        tensor: torch.Tensor | None = None,
+        *,
+        transport: str = "auto",
+        timeout: timedelta | None = None,
     ) -> None:
         global _counter
         if transport not in ("auto", "shm", "tcp"):
             raise WindowError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
+        if timeout is not None and (
+            not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0
+        ):
+            raise WindowError(f"timeout must be a positive timedelta, got {timeout!r}")
+        # (tcp) the bound of every request to a peer's window server
+        self.timeout_s = timeout.total_seconds() if timeout is not None else _group_timeout(group)
         self._c = _Coll(group)
         self.rank, self.size = self._c.rank, self._c.size
         _counter += 1
@@ -137,6 +207,8 @@ class Window:
         self._meta: list[tuple[torch.dtype, list[int]]] = []
         self._maps: list[mmap.mmap] = []
         self._fds: list[int] = []
+        self._data: list[tuple[mmap.mmap, int]] = []  # the registered tensors' (mapping, fd)
+        self._retired: list[mmap.mmap] = []  # deregistered mappings, now anonymous memory
         self._lock = threading.Lock()
         self._socks: dict[int, socket.socket] = {}
         self._queues: dict[int, cf.ThreadPoolExecutor] = {}  # tcp: one ordered queue per target
@@ -216,8 +288,7 @@ class Window:
         nbytes = tensor.numel() * tensor.element_size()
         name = f"{self._name}-d{self._regs}-{self.rank}"
         m, fd = _shm_create(name, nbytes)
-        self._maps.append(m)
-        self._fds.append(fd)
+        self._data = [(m, fd)]  # this registration's mappings (own first), released by deregister
         self._data_fd = fd
         self._local = self._view(m, self.rank)
         self._local.copy_(tensor)
@@ -232,8 +303,7 @@ class Window:
                 dt, shape = self._meta[r]
                 n = int(np.prod(shape)) if shape else 1
                 m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
-                self._maps.append(m2)
-                self._fds.append(fd2)
+                self._data.append((m2, fd2))
                 self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
         self._c.barrier()
         os.unlink(f"/dev/shm/{name}")
@@ -247,32 +317,75 @@ class Window:
         return flat.view(dt).view(shape)
 
     def tensor_deregister(self) -> None:
-        """Collective: drop the registered tensors (after a fence)."""
-        self._c.barrier()
+        """Collective: drop the registered tensors and release their memory (after a fence).
+
+        The mappings of every rank's tensor were kept until ``close()``. Now each is replaced
+        in place by fresh anonymous memory (a tensor the caller still holds -- ``local``, a
+        ``map_remote_tensor`` view -- reads zeros and never faults), and once every rank has
+        done so each truncates its own file, which frees the shared pages. Window operations
+        afterwards raise :class:`WindowError` until a tensor is registered again.
+        """
+        if self._local is None:
+            raise WindowError("tensor_deregister: no tensor is registered with this window")
+        self._c.barrier()  # every rank's RMA on the old tensors has ended
         self._local = None
-        self._remote = []
+        self._remote, self._remote_fds = [], []
+        self._meta = []
+        self._deregistered = True
+        for m, _ in self._data:
+            _replace_with_anonymous(m)
+        self._c.barrier()  # nobody maps the old files any more: they may shrink
+        os.ftruncate(self._data_fd, 0)
+        for m, fd in self._data:
+            os.close(fd)
+            self._retired.append(m)  # unmapped with the window (a caller may hold a view)
+        self._data = []
 
     @property
     def local(self) -> torch.Tensor:
         """This rank's registered tensor as it lives in the window (puts land here)."""
         if self._local is None:
-            raise WindowError("no tensor is registered with this window")
+            raise WindowError(f"local: {self._unregistered()}")
         return self._local
 
+    def _unregistered(self) -> str:
+        if getattr(self, "_deregistered", False):
+            return "the window's tensor was deregistered (tensor_deregister); register one first"
+        return "no tensor is registered with this window"
+
     # -- validation ------------------------------------------------------------------------
-    def _target(self, rank: int, dtype: torch.dtype, offset: int, n: int, what: str) -> None:
+    @staticmethod
+    def _int(value: Any, name: str, what: str) -> int:
+        """``value`` as an int: anything ``operator.index`` takes (np.int64, a 0-dim integer
+        tensor), never a bool or a float (a Python int only was accepted, so np.int64 was
+        refused)."""
+        if isinstance(value, bool | np.bool_):
+            raise WindowError(f"{what}: {name} must be an integer, got {value!r}")
+        try:
+            return operator.index(value)
+        except TypeError:
+            raise WindowError(f"{what}: {name} must be an integer, got {value!r}") from None
+
+    def _rank(self, rank: Any, what: str) -> int:
+        r = self._int(rank, "rank", what)
+        if not 0 <= r < self.size:
+            raise WindowError(f"{what}: rank must be in [0, {self.size}), got {r}")
+        return r
+
+    def _target(
+        self, rank: Any, dtype: torch.dtype | None, offset: Any, n: Any, what: str
+    ) -> tuple[int, int, int]:
+        """Validated ``(rank, offset, count)`` of a request; ``n`` None: to the end, ``dtype``
+        None: the target's."""
         if self._local is None:
-            raise WindowError(f"{what}: no tensor is registered with this window")
-        if not 0 <= rank < self.size:
-            raise WindowError(f"{what}: rank must be in [0, {self.size}), got {rank}")
+            raise WindowError(f"{what}: {self._unregistered()}")
+        rank = self._rank(rank, what)
         tdt, shape = self._meta[rank]
         total = int(np.prod(shape)) if shape else 1
-        if dtype != tdt:
+        if dtype is not None and dtype != tdt:
             raise WindowError(f"{what}: dtype must match rank {rank}'s tensor ({tdt}), got {dtype}")
-        if not isinstance(offset, int) or not isinstance(n, int) or isinstance(offset, bool):
-            raise WindowError(
-                f"{what}: offset and element count must be ints, got {offset!r} and {n!r}"
-            )
+        offset = self._int(offset, "the offset", what)
+        n = total - offset if n is None else self._int(n, "the element count", what)
         if n < 0:  # (get(peer, 3, -1) returned [] on shm and raised untyped over tcp)
             raise WindowError(f"{what}: the element count must be >= 0, got {n}")
         if offset < 0 or offset + n > total:
@@ -280,6 +393,7 @@ class Window:
                 f"{what}: elements [{offset}, {offset + n}) must lie within rank {rank}'s "
                 f"{total} elements"
             )
+        return rank, offset, n
 
     @staticmethod
     def _done(value: Any = None) -> Work:
@@ -315,7 +429,7 @@ class Window:
         a sum under the target's file lock (accumulate) through shared memory, else one request
         ``wire`` to the target's window server."""
         src = tensor.reshape(-1)
-        self._target(dst, tensor.dtype, off, src.numel(), op)
+        dst, off, _ = self._target(dst, tensor.dtype, off, src.numel(), op)
         if self.transport != "shm":
             data = src.clone() if async_op else src  # async: the caller may reuse its tensor
             msg = {"t": wire, "off": off, "n": src.numel()}
@@ -323,6 +437,10 @@ class Window:
         tgt = self._remote[dst]
         assert tgt is not None
         view = tgt.view(-1)[off : off + src.numel()]
+        if src.numel() and src.untyped_storage().data_ptr() == tgt.untyped_storage().data_ptr():
+            # the source is window memory (``local`` or a mapped peer's) that may overlap the
+            # target range: read it first, as the tcp server does (copy_ raised untyped here)
+            src = src.clone()
         if op == "put":
             view.copy_(src)
         else:
@@ -341,29 +459,21 @@ class Window:
 
     def get(self, src_rank: int, offset_nelems: int = 0, nelems: int | None = None) -> torch.Tensor:
         """Read ``nelems`` elements of ``src_rank``'s tensor from ``offset_nelems`` (a copy)."""
-        if self._local is None:
-            raise WindowError("get: no tensor is registered with this window")
-        if not 0 <= src_rank < self.size:
-            raise WindowError(f"get: rank must be in [0, {self.size}), got {src_rank}")
-        dt, shape = self._meta[src_rank]
-        total = int(np.prod(shape)) if shape else 1
-        n = total - offset_nelems if nelems is None else nelems
-        self._target(src_rank, dt, offset_nelems, n, "get")
+        src_rank, off, n = self._target(src_rank, None, offset_nelems, nelems, "get")
         if self.transport == "shm":
             tgt = self._remote[src_rank]
             assert tgt is not None
-            return tgt.view(-1)[offset_nelems : offset_nelems + n].clone()
-        out = torch.empty(n, dtype=dt)
-        msg = {"t": "get", "off": offset_nelems, "n": n}
+            return tgt.view(-1)[off : off + n].clone()
+        out = torch.empty(n, dtype=self._meta[src_rank][0])
+        msg = {"t": "get", "off": off, "n": n}
         self._issue(src_rank, lambda: self._rpc(src_rank, msg, None, out), False)
         return out
 
     def map_remote_tensor(self, rank: int) -> torch.Tensor:
         """A tensor that *is* ``rank``'s registered memory (shared-memory transport only)."""
         if self._local is None:
-            raise WindowError("map_remote_tensor: no tensor is registered with this window")
-        if not 0 <= rank < self.size:
-            raise WindowError(f"map_remote_tensor: rank must be in [0, {self.size}), got {rank}")
+            raise WindowError(f"map_remote_tensor: {self._unregistered()}")
+        rank = self._rank(rank, "map_remote_tensor")
         if self.transport != "shm":
             raise WindowError(
                 f"map_remote_tensor needs the shared-memory transport; this window uses {self.transport!r}"
@@ -374,8 +484,7 @@ class Window:
 
     def signal(self, dst_rank: int, async_op: bool = False) -> Work | None:
         """Increment ``dst_rank``'s signal counter for this rank (after this rank's prior puts)."""
-        if not 0 <= dst_rank < self.size:
-            raise WindowError(f"signal: rank must be in [0, {self.size}), got {dst_rank}")
+        dst_rank = self._rank(dst_rank, "signal")
         if self.transport == "shm":
             arr = self._sig_remote[dst_rank]
             arr[self.rank] = arr[self.rank] + 1
@@ -385,8 +494,7 @@ class Window:
 
     def wait_signal(self, src_rank: int, timeout: float = 30.0) -> None:
         """Wait for (and consume) one signal from ``src_rank``."""
-        if not 0 <= src_rank < self.size:
-            raise WindowError(f"wait_signal: rank must be in [0, {self.size}), got {src_rank}")
+        src_rank = self._rank(src_rank, "wait_signal")
         want = self._consumed[src_rank] + 1
         deadline = time.monotonic() + timeout
         spins = 0
@@ -444,17 +552,30 @@ class Window:
     ) -> None:
         with self._sock_locks[r]:
             sock = self._socks.get(r)
-            if sock is None:
-                sock = self._socks[r] = connect(self._addrs[r], self._secret, "window")
-                send_msg(sock, {"t": "hello", "src": self.rank})
-            send_msg(sock, msg)
-            if payload is not None and payload.numel():
-                sock.sendall(_bytes_view(payload.contiguous()))
-            reply = recv_msg(sock)
-            if reply.get("t") != "ok":
-                raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
-            if out is not None and out.numel():
-                recv_into_exact(sock, _bytes_view(out))
+            try:
+                if sock is None:
+                    sock = connect(self._addrs[r], self._secret, "window", self.timeout_s)
+                    sock.settimeout(self.timeout_s)  # each blocking send/recv of a request
+                    self._socks[r] = sock
+                    send_msg(sock, {"t": "hello", "src": self.rank})
+                send_msg(sock, msg)
+                if payload is not None and payload.numel():
+                    sock.sendall(_bytes_view(payload.contiguous()))
+                reply = recv_msg(sock)
+                if reply.get("t") != "ok":
+                    raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
+                if out is not None and out.numel():
+                    recv_into_exact(sock, _bytes_view(out))
+            except TimeoutError:
+                # the reply may still come: the stream's position is unknown, so the next
+                # request opens a new connection
+                self._socks.pop(r, None)
+                if sock is not None:
+                    sock.close()
+                raise CommTimeoutError(
+                    f"window {msg['t']} on rank {r}: no answer within the window's timeout "
+                    f"({self.timeout_s:g} s)"
+                ) from None
 
     def _serve(self, conn: socket.socket) -> None:
         hello = recv_msg(conn)
@@ -508,15 +629,24 @@ class Window:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        for m, fd in self._data:
+            self._maps.append(m)
+            os.close(fd)
+        self._data = []
 
 
 def _new_window(
-    tensor: torch.Tensor | None = None, group: Any = None, *, transport: str = "auto"
+    tensor: torch.Tensor | None = None,
+    group: Any = None,
+    *,
+    transport: str = "auto",
+    timeout: timedelta | None = None,
 ) -> Window:
-    """Collective: a new RMA window on ``group`` (default: the default group)."""
+    """Collective: a new RMA window on ``group`` (default: the default group); ``timeout``
+    bounds each tcp request (default: the group's timeout)."""
     if not _supports_window(group):
         raise WindowError(f"group {group!r} does not support windows")
-    return Window(group, tensor, transport=transport)
+    return Window(group, tensor, transport=transport, timeout=timeout)
 
 
 class ReferenceWindow:

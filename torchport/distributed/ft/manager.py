@@ -175,7 +175,14 @@ class Manager:
         self._hb: socket.socket | None = None
         self._rpc: socket.socket | None = None
         self._closed = threading.Event()
-        self._heal_server = Server(self._serve_heal, secret=self._secret, role="heal")
+        # the heal server listens where the job's TCP mesh does (TORCHPORT_DIST_ADDR): it bound
+        # 127.0.0.1 always, so a replica on another host could never heal from this one
+        bind = str(config.get("dist_addr"))
+        self._heal_server = Server(self._serve_heal, secret=self._secret, role="heal", host=bind)
+        host, port = self._heal_server.address
+        if host in ("0.0.0.0", ""):  # listening on every interface: peers dial the host's address
+            host = socket.gethostbyname(socket.gethostname())
+        self.heal_address: tuple[str, int] = (host, port)
         self._mesh = ElasticMesh(self._secret) if backend == "torchport" else None
         self._connect()
         threading.Thread(target=self._beat, name="tp-ft-beat", daemon=True).start()
@@ -315,7 +322,7 @@ class Manager:
             "t": "quorum",
             "rid": self.replica_id,
             "step": step,
-            "heal_addr": list(self._heal_server.address),
+            "heal_addr": list(self.heal_address),
             "group": self._qid if self._pg is not None else -1,
             "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
             "timeout": timeout,
