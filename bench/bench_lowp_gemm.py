@@ -11,7 +11,13 @@
 ``--cpu-time`` adds a single-thread table of process CPU time for the epilogue vs the bare GEMM
 (insensitive to time lost to other processes on a shared machine).
 
-Run: ``torchport bench lowp_gemm [--quick] [--cpu-time]``.
+``--recipes`` times 2.14's recipe-based ``F.scaled_mm`` instead
+(:func:`torchport.nn.functional.scaled_mm`): tensor-wise and row-wise FP8 against torch's own CPU
+``F.scaled_mm``, and the block-scaled recipes torch's CPU build refuses (NVFP4 two-level with
+swizzled scales, MXFP8, 1x128 x 128x128 FP8) against "dequantize both operands to bf16, then bf16
+``F.linear``".
+
+Run: ``torchport bench lowp_gemm [--quick] [--cpu-time] [--recipes]``.
 """
 
 from __future__ import annotations
@@ -119,6 +125,62 @@ def bench_shape(
         )
 
 
+def bench_recipes(table: BenchTable, m: int, k: int, n: int, reps: int) -> None:
+    """``F.scaled_mm`` recipes: ours vs torch's CPU kernel, or vs dequantize + bf16 ``F.linear``."""
+    from torchport.lowp import mx_quantize, nvfp4_quantize
+    from torchport.lowp.nvfp4 import per_tensor_amax_to_scale
+    from torchport.lowp.scaled_recipes import _prepare, to_blocked_scales
+    from torchport.nn import functional as TPF
+
+    recipe, swz, fp4 = F.ScalingType, F.SwizzleType, torch.float4_e2m1fn_x2
+    x, w = torch.randn(m, k), torch.randn(n, k) * 0.02
+    flops = 2.0 * m * n * k
+    a8, b8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn).t()
+    gx, gw = per_tensor_amax_to_scale(x.abs().max()), per_tensor_amax_to_scale(w.abs().max())
+    (xq, xs), (wq, ws) = nvfp4_quantize(x, gx), nvfp4_quantize(w, gw)
+    (mxq, mxs), (mwq, mws) = mx_quantize(x, "fp8_e4m3"), mx_quantize(w, "fp8_e4m3")
+    kb = -(-k // 128)
+    cases: dict[str, tuple[tuple[Any, ...], bool]] = {
+        "tensorwise": ((a8, b8, torch.tensor(0.5), recipe.TensorWise, torch.tensor(2.0),
+                        recipe.TensorWise), True),
+        "rowwise": ((a8, b8, torch.rand(m, 1), recipe.RowWise, torch.rand(1, n),
+                     recipe.RowWise), True),
+        "nvfp4 2-level swizzled": ((
+            xq.view(fp4), wq.view(fp4).t(),
+            [to_blocked_scales(xs), torch.tensor(gx)], [recipe.BlockWise1x16, recipe.TensorWise],
+            [to_blocked_scales(ws), torch.tensor(gw)], [recipe.BlockWise1x16, recipe.TensorWise],
+            [swz.SWIZZLE_32_4_4, swz.NO_SWIZZLE], [swz.SWIZZLE_32_4_4, swz.NO_SWIZZLE]), False),
+        "mxfp8": ((mxq, mwq.t(), mxs.view(torch.float8_e8m0fnu), recipe.BlockWise1x32,
+                   mws.view(torch.float8_e8m0fnu), recipe.BlockWise1x32), False),
+        "fp8 1x128 x 128x128": ((a8, b8, torch.rand(m, kb), recipe.BlockWise1x128,
+                                 torch.rand(kb, -(-n // 128)), recipe.BlockWise128x128), False),
+    }  # fmt: skip
+    for name, (args, torch_has_it) in cases.items():
+        if torch_has_it:
+            anchor_name = "torch F.scaled_mm (CPU)"
+
+            def anchor(args: tuple[Any, ...] = args) -> torch.Tensor:
+                return F.scaled_mm(*args)
+        else:
+            # the anchor decodes with our native dequantizers (torch has none for these
+            # recipes on CPU): a faster anchor than a plain-torch decode would be
+            anchor_name = "dequant+bf16 linear"
+
+            def anchor(args: tuple[Any, ...] = args) -> torch.Tensor:
+                a, b, _, _ = _prepare(*(*args, None, None)[:8], None, torch.bfloat16, ())
+                return F.linear(
+                    a.dequantize(torch.float32).bfloat16(), b.dequantize(torch.float32).bfloat16()
+                )
+
+        def ours(args: tuple[Any, ...] = args) -> torch.Tensor:
+            return TPF.scaled_mm(*args)
+
+        t = compare({"anchor": anchor, "ours": ours}, [()], reps=reps)
+        table.add(
+            f"M={m} K={k} N={n} F.scaled_mm {name}", anchor_name, t["anchor"], t["ours"], flops
+        )
+
+
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -150,6 +212,7 @@ def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time, epilogue")
     p.add_argument("--prefill-only", action="store_true", help="skip the epilogue rows")
+    p.add_argument("--recipes", action="store_true", help="only 2.14's F.scaled_mm recipes")
     args = p.parse_args()
     shapes = (
         [(128, 4096, 4096)]
@@ -159,6 +222,11 @@ def main() -> None:
     reps = max(3, args.reps // 4)
     table = BenchTable("lowp_gemm", unit="GFLOP/s")
     table.start()
+    if args.recipes:
+        for m, k, n in [(1, 4096, 4096), *shapes[:1]]:
+            bench_recipes(table, m, k, n, reps)
+        table.save(args.json)
+        return
     for m, k, n in shapes:
         bench_shape(table, m, k, n, reps, args.prefill_only)
     table.save(args.json)

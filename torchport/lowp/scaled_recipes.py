@@ -28,9 +28,9 @@ layout (rows padded to 128, scale columns to 4; see :func:`to_blocked_scales`); 
 insists on swizzled NVFP4 scales; here both layouts are taken.
 
 How it runs: tensor-wise and row-wise FP8 go to :func:`torchport.scaled_mm` (the native FP8 GEMV
-at M ≤ 8, the GEMM engine's panels above). NVFP4 and MX ``b`` goes through
-:func:`torchport.lowp.block_scaled_mm` (native per-panel dequantization, engine GEMM; a block-scaled
-``a`` is dequantized natively first). The 1x128 / 128x128 recipes dequantize both operands in
+at M ≤ 8, the GEMM engine's panels above). A block-scaled ``a`` is dequantized natively first;
+NVFP4 and MX ``b`` is read in place by the decode GEMV at M ≤ 8 and goes through
+:func:`torchport.lowp.block_scaled_mm` above (native per-panel dequantization, engine GEMM). The 1x128 / 128x128 recipes dequantize both operands in
 float32 and run :func:`torchport.gemm.mm`. Float32 accumulation throughout; ``bias`` is added in
 float32 before the cast to ``output_dtype``. ``use_fast_accum`` is accepted and changes nothing.
 :func:`scaled_mm_reference` is the float64 reference the tests compare against.
@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as _F
 
 from torchport import gemm
+from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
 from torchport.lowp import mx, nvfp4
 from torchport.lowp.formats import (
     FP8_DTYPES,
@@ -294,6 +295,18 @@ class _Operand:
             return "fp4_e2m1"
         return "fp8_e4m3" if self.mat.dtype == torch.float8_e4m3fn else "fp8_e5m2"
 
+    def packed(self) -> PackedWeight:
+        """``b`` in the decode GEMV's layout (its bytes and scales as they are, no decode)."""
+        n, k = self.rows, self.k
+        empty = torch.empty(0, dtype=torch.float32)
+        scales = self.scale.contiguous().view(torch.uint8)
+        data = self.data.contiguous().view(torch.uint8)
+        if self.recipe == ScalingType.BlockWise1x16:
+            pts = 1.0 if self.global_scale is None else float(self.global_scale.item())
+            return PackedWeight("nvfp4", data, scales, empty, pts, n, k)
+        fmt = {"fp4_e2m1": "mxfp4", "fp8_e4m3": "mxfp8_e4m3", "fp8_e5m2": "mxfp8_e5m2"}
+        return PackedWeight(fmt[self._mx_elem()], data, scales, empty, 1.0, n, k)
+
     def as_weight(self) -> torch.Tensor:
         """``b`` as a torchport NVFP4/MX weight ``[N, K]`` for :func:`block_scaled_mm`."""
         from torchport.lowp.tensors import MXTensor, NVFP4Tensor
@@ -398,6 +411,9 @@ def scaled_mm(
         return _scaled_mm(mat_a, mat_b, a.scale, b.scale.t(), bias=bias, out_dtype=od)
     if a.recipe in _BLOCK and a.k % _BLOCK[a.recipe] == 0:
         x = a.dequantize(torch.float32)
+        if m <= MAX_ROWS:  # decode: the GEMV reads b's bytes, nothing is decoded to memory
+            # (float32 activations kept exact: they are already quantized values)
+            return _cast(gemv_packed(x, b.packed(), allow_int8=False), bias, od)
         return block_scaled_mm(x, b.as_weight(), bias=_bias32(bias), out_dtype=od)
     acc = gemm.mm(a.dequantize(torch.float32), b.dequantize(torch.float32).t())
     return _cast(acc, bias, od)
