@@ -275,3 +275,44 @@ def test_fused_linear_nd_empty_inner_or_output_dim(k, n):
     x, r = torch.randn(4, 3, k), torch.randn(4, 3, n)
     torch.testing.assert_close(torchport.compile(f, inner="eager")(x, r), f(x, r))
     assert last_report().rewrites["gemm_fusion"] == 1  # type: ignore[union-attr]
+
+
+def _bf16_linear_widened(x, w, b):
+    return F.gelu(F.linear(x, w, b)).to(torch.float32)
+
+
+def _f32_linear_narrowed(x, w, b):
+    return F.gelu(F.linear(x, w, b)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("how", ["torchport.compile", "torch.compile"])
+@pytest.mark.parametrize(
+    "fn, dtype", [(_bf16_linear_widened, torch.bfloat16), (_f32_linear_narrowed, torch.float32)]
+)
+def test_final_cast_rounds_as_eager(how, fn, dtype):
+    # eager rounds a bf16 linear's result to bf16 and then widens it: a fused cast to float32
+    # stored the unrounded float32 sums (up to 0.05 off at K = 256); a narrowing cast (one
+    # rounding of the float32 result) is still fused
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(*s).to(dtype) for s in ((24, 256), (40, 256), (40,)))
+    c = (
+        torch.compile(fn, backend="torchport")
+        if how == "torch.compile"
+        else torchport.compile(fn, inner="eager")
+    )
+    got, want = c(x, w, b), fn(x, w, b)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    if fn is _bf16_linear_widened:  # every value a bf16 one, as eager's
+        assert torch.equal(got, got.to(torch.bfloat16).float())
+    captured = []
+
+    def capture(gm, example_inputs):
+        GEMM_FUSION(gm)
+        captured.extend(n for n in gm.graph.nodes if n.target is fused_linear)
+        return gm.forward
+
+    torch.compile(fn, backend=capture)(x, w, b)
+    assert [EpilogueSpec.decode(n.args[3]).out for n in captured] == (
+        [""] if fn is _bf16_linear_widened else ["bf16"]
+    )

@@ -9,7 +9,9 @@ the chain's last step was):
 
 - ``+ t`` with ``t`` of shape ``[N]`` (bias) or of the output's shape (residual);
 - ``* c`` with a finite Python number, or ``* t`` with ``t`` of shape ``[N]``;
-- ``relu``, ``gelu`` (erf or tanh), ``silu``; a final ``.to(torch.bfloat16/float32)``.
+- ``relu``, ``gelu`` (erf or tanh), ``silu``; a final ``.to(torch.bfloat16/float32)`` that
+  keeps the dtype or narrows float32 to bfloat16 (a widening ``.to(torch.float32)`` of a bf16
+  GEMM stays in the graph: eager rounds to bf16 before widening, the fused store would not).
 
 The chain is replaced by one call of :func:`fused_linear`/:func:`fused_matmul`, which flatten
 leading dimensions and call ``torch.ops.torchport.gemm`` (a custom op with a fake implementation
@@ -113,7 +115,9 @@ def _epilogue_step(
             return Op("relu"), None
         if node.target == "to" and len(node.args) == 2 and not node.kwargs:
             dt = node.args[1]
-            if isinstance(dt, torch.dtype) and dt in _TAG and meta.dtype == dt:
+            # bf16 -> float32 is not fused: the kernel would store the float32 sums unrounded
+            widens = out.dtype == torch.bfloat16 and dt == torch.float32
+            if isinstance(dt, torch.dtype) and dt in _TAG and meta.dtype == dt and not widens:
                 return Op("cast", _TAG[dt]), None
         return None
     if meta.dtype != out.dtype or tuple(meta.shape) != tuple(out.shape):
