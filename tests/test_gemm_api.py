@@ -106,6 +106,25 @@ def test_linear_nd_and_residual(dtype):
     assert linear(x[0, 0], w).shape == (20,)
 
 
+def test_linear_nd_callable_tail_sees_the_nd_output():
+    # a callable tail step got the flattened [B*S, N] rows; it now gets [B, S, N], and fused
+    # steps after it (a residual of the output's shape, a relu) apply to what it returns
+    torch.manual_seed(0)
+    x, w, b, r = torch.randn(2, 5, 32), torch.randn(20, 32), torch.randn(20), torch.randn(2, 5, 20)
+    seen = []
+
+    def per_sequence_softmax(y):
+        seen.append(tuple(y.shape))
+        return y.softmax(dim=1)  # over S: only right on [B, S, N]
+
+    y = linear(x, w, b, epilogue=["gelu", per_sequence_softmax, G.Add(r), "relu"])
+    ref = torch.relu(F.gelu(F.linear(x, w, b)).softmax(dim=1) + r)
+    assert seen == [(2, 5, 20)] and y.shape == (2, 5, 20)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    # a tail that changes the shape returns its own shape
+    assert linear(x, w, epilogue=[lambda t: t.sum(1)]).shape == (2, 20)
+
+
 @pytest.mark.parametrize("k, n", [(0, 6), (5, 0)], ids=["K=0", "N=0"])
 def test_linear_nd_empty_inner_or_output_dim(k, n):
     # reshape(-1, 0) of an empty tensor is ambiguous: the row count must be spelled out

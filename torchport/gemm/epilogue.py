@@ -476,14 +476,38 @@ def apply_torch(
     return z
 
 
+def is_user_callable(step: Step) -> bool:
+    """True for a step :func:`split` leaves to the tail as it stands: a callable that is not one
+    of the step classes (``epilogue=[Gelu]``, the class, is an error there)."""
+    return callable(step) and not (isinstance(step, type) and step in _STEP_TYPES)
+
+
 def apply_tail(y: torch.Tensor, tail: Sequence[Step]) -> torch.Tensor:
-    """Run the unfused remainder of an epilogue as ordinary torch ops."""
+    """Run the unfused remainder of an epilogue as ordinary torch ops.
+
+    ``y`` may be N-D (:func:`torchport.nn.functional.linear` passes its ``[..., N]`` output, so a
+    callable sees the shape the caller expects): a known step then applies to its rows
+    ``[prod(...), N]`` (a residual of ``y``'s full shape is taken as is)."""
     for step in tail:
+        if isinstance(step, str):
+            step = _named(step)
         if isinstance(step, Cast):
             y = y.to(step.dtype)
         elif isinstance(step, (Bias, Add, Scale, Relu, Gelu, Silu)):
-            sp = split([step], y.shape[0], y.shape[1])
-            y = apply_torch(y, sp.spec, sp.operands)
+            if y.dim() == 2:
+                sp = split([step], y.shape[0], y.shape[1])
+                y = apply_torch(y, sp.spec, sp.operands)
+                continue
+            shape = y.shape
+            if y.dim() < 1:
+                raise EpilogueError(
+                    f"epilogue step {step!r} needs a result of at least 1-D, got 0-D"
+                )
+            m, n = math.prod(shape[:-1]), shape[-1]
+            if isinstance(step, Add) and step.t.shape == shape:
+                step = Add(step.t.reshape(m, n))
+            sp = split([step], m, n)
+            y = apply_torch(y.reshape(m, n), sp.spec, sp.operands).reshape(shape)
         else:
             assert callable(step)
             y = step(y)

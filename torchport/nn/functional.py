@@ -3,8 +3,9 @@
 
 ``linear`` has the same contract as torch's (``input [..., K]``, ``weight [N, K]``, ``bias [N]``),
 plus an optional fused ``epilogue`` (see :mod:`torchport.gemm.epilogue`); residual operands may
-have the output's full shape ``[..., N]``. ``scaled_mm``, ``ScalingType`` and ``SwizzleType`` are
-:mod:`torchport.lowp.scaled_recipes`'s (torch's own enums).
+have the output's full shape ``[..., N]``, and a callable step (with every step after it) runs on
+the ``[..., N]`` output, not on its flattened rows. ``scaled_mm``, ``ScalingType`` and
+``SwizzleType`` are :mod:`torchport.lowp.scaled_recipes`'s (torch's own enums).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torchport.gemm.epilogue import Add, Step, as_steps
+from torchport.gemm.epilogue import Add, Step, apply_tail, as_steps, is_user_callable
 from torchport.gemm.kernels import GemmInputError
 from torchport.gemm.mm import mm
 from torchport.lowp.scaled_recipes import ScalingType, SwizzleType, scaled_mm
@@ -61,12 +62,16 @@ def linear(
     rows = math.prod(lead)
     x2 = input.reshape(rows, k)
     steps: list[Step] = []
+    rest: list[Step] = []  # from the first callable on: run on the [..., N] output, as written
     for s in as_steps(epilogue):
+        if rest or is_user_callable(s):
+            rest.append(s)
+            continue
         if isinstance(s, Add) and s.t.dim() != 2 and tuple(s.t.shape) == (*lead, n):
             s = Add(s.t.reshape(rows, n))
         steps.append(s)
-    y = mm(x2, weight.t(), bias=bias, epilogue=steps)
-    return y.reshape(*lead, n)
+    y = mm(x2, weight.t(), bias=bias, epilogue=steps).reshape(*lead, n)
+    return apply_tail(y, rest) if rest else y
 
 
 __all__ = ["ScalingType", "SwizzleType", "linear", "scaled_mm"]
