@@ -751,6 +751,33 @@ def test_vector_activation_against_float64_torch(act):
     assert torch.equal(out[zero].signbit(), ref[zero].signbit())
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_vector_sigmoid_near_exp_overflow(isa, dtype):
+    """SiLU at x in [-88.72, -88.38] (and GELU-tanh where its sigmoid argument is there): exp(-x)
+    is a finite float in [2^127.5, 2^128], but the exponent bits 2^n of n = 128 were inf, so the
+    result was -0 where torch gives x exp(x) ~ -3e-37 (a normal float, in bf16 as well)."""
+    if ISA_LEVELS.index(isa) > ISA_LEVELS.index(native.cpu_info().max_isa):
+        pytest.skip(f"no {isa} on this CPU")
+    silu_x = torch.linspace(-88.72, -88.38, 48)
+    # gelu_tanh's sigmoid argument 2 sqrt(2/pi) (x + 0.044715 x^3) is -88.4 .. -88.7 here
+    gelu_x = torch.linspace(-10.0605, -10.0465, 48)
+    cases = [("silu", silu_x)] + ([("gelu_tanh", gelu_x)] if dtype == torch.float32 else [])
+    for act, x in cases:  # (in bf16 the GELU range holds no value; the SiLU one -88.5)
+        x = x.to(dtype)
+        out = kernels.epilogue_pass(EpilogueSpec.decode(act), dtype, isa)(x.clone()[None], [])
+        xd = x.double()
+        if act == "silu":
+            ref = torch.nn.functional.silu(xd)
+        else:  # x sigmoid(2y), y the tanh's argument (1 + tanh(y) is 0 in float64 here)
+            ref = xd * torch.sigmoid(2 * 0.7978845608028654 * (xd + 0.044715 * xd**3))
+        # float32: the float log2e in the exponent adds 1.3e-8 |y| relative (1.2e-6 at 88); for
+        # GELU-tanh y's own float32 roundings (a few ulps of 88) move exp(y) by up to ~1e-5
+        tol = 1e-2 if dtype == torch.bfloat16 else 2e-6 if act == "silu" else 3e-5
+        assert bool((ref != 0).all())
+        torch.testing.assert_close(out[0].double(), ref.to(dtype).double(), rtol=tol, atol=0)
+
+
 # the vector GELU's bound per build: err <= 3e-7 |ref| + B |x| against float64 (epilogue.py's
 # docstring). AVX-512's piecewise Phi reaches 0.37 of its bound on every float32 in [-10, 10], so
 # its degree 4 (Phi off by 3.6e-7) or a wrong digit in a coefficient fails here

@@ -28,6 +28,7 @@ small ``M``).
 from __future__ import annotations
 
 import math
+import struct
 
 from torchport.gemm.epilogue import EpilogueSpec, emit_c, emit_prefetch
 
@@ -77,6 +78,12 @@ _EXP2_E = (
 )
 
 
+def _twice(c: str) -> str:
+    """A C float literal for twice the float32 that ``c`` rounds to (the exact double)."""
+    v = 2.0 * struct.unpack("f", struct.pack("f", float(c.rstrip("f"))))[0]
+    return f"{v:.9e}f"
+
+
 def _horner(var: str, coefs: tuple[str, ...], fma: str, set1: str) -> str:
     expr = f"{set1}({coefs[-1]})"
     for c in coefs[-2::-1]:
@@ -100,9 +107,9 @@ _VOCAB = {
 #define VMAX(a, b) _mm256_max_ps(a, b)
 #define VMIN(a, b) _mm256_min_ps(a, b)
 #define VSUB(a, b) _mm256_sub_ps(a, b)
-/* 2^n from t = n + 1.5 * 2^23 (n in t's low mantissa bits): shift them into the exponent, add the
-   bias (n in [-126, 128]; 128 gives inf) */
-#define VPOW2BITS(t) _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(t), 23), _mm256_set1_epi32(127 << 23)))
+/* 2^(n-1) from t = n + 1.5 * 2^23 (n in t's low mantissa bits): shift them into the exponent, add
+   the bias less one (n in [-125, 128]: n = 128 is 2^127, finite; n = -126 gives 0) */
+#define VPOW2BITS(t) _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(t), 23), _mm256_set1_epi32(126 << 23)))
 #define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define VPREFETCH_L2(p) _mm_prefetch((const char *)(p), TP_B_PREFETCH_HINT)
 """,
@@ -121,7 +128,7 @@ _VOCAB = {
 #define VMAX(a, b) _mm512_max_ps(a, b)
 #define VMIN(a, b) _mm512_min_ps(a, b)
 #define VSUB(a, b) _mm512_sub_ps(a, b)
-#define VPOW2BITS(t) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_castps_si512(t), 23), _mm512_set1_epi32(127 << 23)))
+#define VPOW2BITS(t) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_castps_si512(t), 23), _mm512_set1_epi32(126 << 23)))
 #define VPREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define VPREFETCH_L2(p) _mm_prefetch((const char *)(p), TP_B_PREFETCH_HINT)
 """,
@@ -282,9 +289,12 @@ _VECTOR_MATH = (
     r"""
 /* exp(-x) for x clamped to [-89, 87]: 2^n 2^f with n = round(-x log2e) by the 1.5 * 2^23 shifter
    (t's low mantissa bits are n; m = -n exactly), f = -x log2e - n in [-1/2, 1/2] by one FMA (the
-   float log2e's error adds |x| 1.3e-8 relative), 2^f = 1 + f E(f) (degree 5, evaluated in pairs:
-   a shorter dependency chain than Horner's) times 2^n from its exponent bits: n = 128 (x <= -88.7)
-   gives 2^128 = inf, so exp(-x) overflows to inf as it should */
+   float log2e's error adds |x| 1.3e-8 relative), 2 * 2^f = 2 + f 2E(f) (degree 5, evaluated in
+   pairs: a shorter dependency chain than Horner's; every coefficient doubled, which is exact) times
+   2^(n-1) from its exponent bits. At n = 128 (x in [-88.72, -88.38]) exp(-x) is a finite float
+   that 2^128 = inf made inf (SiLU gave -0 there, torch ~-3e-37); now the product overflows to inf
+   exactly where exp(-x) does. n = -126 (x >= 87.0) gives 0 for exp(-x) < 2^-125.5: 1 + it is 1
+   either way. The same instructions as with 2^n */
 TP_INLINE VEC tp_vexpm(VEC x) {
     x = VMIN(VMAX(x, VSET1(-89.0f)), VSET1(87.0f));
     VEC t = VFMA(x, VSET1(-1.44269504088896341f), VSET1(12582912.0f));
@@ -292,7 +302,7 @@ TP_INLINE VEC tp_vexpm(VEC x) {
     VEC f = VFMA(x, VSET1(-1.44269504088896341f), m);
     VEC f2 = VMUL(f, f);
     VEC p = VFMA(VFMA(VSET1(${e4}), f, VSET1(${e3})), VMUL(f2, f2),
-        VFMA(VFMA(VSET1(${e2}), f, VSET1(${e1})), f2, VFMA(VSET1(${e0}), f, VSET1(1.0f))));
+        VFMA(VFMA(VSET1(${e2}), f, VSET1(${e1})), f2, VFMA(VSET1(${e0}), f, VSET1(2.0f))));
     return VMUL(p, VPOW2BITS(t));
 }
 /* x * sigmoid(y) = x / (1 + exp(-y)) (a true division: measured faster here than an estimate
@@ -307,11 +317,11 @@ TP_INLINE VEC tp_vgelu_tanh(VEC x) {
     return tp_vxsigmoid(x, y);
 }
 TP_INLINE VEC tp_vsilu(VEC x) { return tp_vxsigmoid(x, x); }
-""".replace("${e0}", _EXP2_E[0])
-    .replace("${e1}", _EXP2_E[1])
-    .replace("${e2}", _EXP2_E[2])
-    .replace("${e3}", _EXP2_E[3])
-    .replace("${e4}", _EXP2_E[4])
+""".replace("${e0}", _twice(_EXP2_E[0]))
+    .replace("${e1}", _twice(_EXP2_E[1]))
+    .replace("${e2}", _twice(_EXP2_E[2]))
+    .replace("${e3}", _twice(_EXP2_E[3]))
+    .replace("${e4}", _twice(_EXP2_E[4]))
 )
 
 _SCALAR_VMATH = r"""
