@@ -431,6 +431,27 @@ def test_settled_route_leaves_autograd_calls_to_the_general_path():
     _check(out.detach(), x, wd, None, 3e-2)
 
 
+@pytest.mark.parametrize("entry", ["F.linear", "gemv"])
+def test_settled_route_leaves_torch_func_transforms_to_torch_ops(entry):
+    """vmap over a quantized linear whose decode route had settled: the route served the
+    transform's wrapped activation and failed ("Cannot access data pointer of Tensor that
+    doesn't have storage"); it now declines, and the transform runs on torch ops."""
+    g = torch.Generator().manual_seed(16)
+    wq, wd = _weight("nvfp4", torch.randn(24, 64, generator=g))
+    x, xs = torch.randn(1, 64, generator=g), torch.randn(3, 1, 64, generator=g)
+
+    def f(v):
+        return F.linear(v, wq) if entry == "F.linear" else gemv(v, wq)
+
+    with torch.no_grad():
+        for _ in range(3):  # the second call settles the route, the third takes it
+            f(x)
+        routes = [wq._route] if entry == "F.linear" else list(wq.gemv_pack().routes.values())
+        assert any(r is not None for r in routes)
+        out = torch.func.vmap(f)(xs)
+    _check(out, xs, wd, None, 3e-2)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gemv_packed_route_follows_setting_env_and_override(fmt, monkeypatch):
     """``gemv_packed`` settles a route per (weight, activation dtype and shape) from the second

@@ -38,6 +38,7 @@ from torchport.gemm.epilogue import (
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
 from torchport.gemm.pack import pack_b, pack_b_pairs, pack_cache, packed_empty
+from torchport.native import functorch_active
 
 SMALL_M = 32
 # most rows for which the row-streaming driver (:mod:`~torchport.gemm.rows`) is a candidate
@@ -850,8 +851,6 @@ def _check_matrix(name: str, t: object) -> torch.Tensor:
     return t
 
 
-_functorch_active = torch._C._are_functorch_transforms_active
-
 # encoded spec of a lone column bias, per bias dtype (what :func:`split` yields for it)
 _BIAS_SPECS = {torch.float32: "bias_col:f32", torch.bfloat16: "bias_col:bf16"}
 
@@ -890,7 +889,7 @@ def mm(
             f"mm: inner dimensions must match (a is {tuple(a.shape)}, b is {tuple(b.shape)}: "
             f"K={a.shape[1]} vs {b.shape[0]})"
         )
-    if _functorch_active():  # torch.func: torch ops, which every transform supports (the
+    if functorch_active():  # torch.func: torch ops, which every transform supports (the
         # custom op has no forward-mode formula: jvp gave a zero tangent)
         sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
         y = mm_aten(a, b, sp.spec, sp.operands)

@@ -790,7 +790,7 @@ def _gemv_checked(
     the next call with this weight (only for weights the caller keeps, not per-call packs)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
-    if torch._C._are_functorch_transforms_active():  # torch.func: torch ops (the custom ops
+    if native.functorch_active():  # torch.func: torch ops (the custom ops
         return _aten_fallback(x, pw, bias).to(x.dtype).reshape(*x.shape[:-1], pw.n)  # have no
         # forward-mode formula: jvp gave a zero tangent)
     if _eager(x, bias):
@@ -1040,14 +1040,15 @@ def settle_route(
         torch.get_num_threads,
     )
     depth, fmodes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
+    functorch = native.functorch_active
     fmode = torch.overrides._get_current_function_mode
 
     def serve(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the route's checks and native.eager_fast_path in one frame (each getter read once)
         if type(x) is not tensor or bias is not bias0 or x.dtype is not dtype or x.shape != shape:
             return None
-        if not x.is_cpu or compiling() or depth() or (fmodes() and fmode()):
-            return None
+        if not x.is_cpu or compiling() or depth() or functorch() or (fmodes() and fmode()):
+            return None  # (under torch.func the wrapped x has no data pointer)
         if grad_enabled() and (x.requires_grad or (bias0 is not None and bias0.requires_grad)):
             return None
         if bias0 is not None and (bias0._version != bver or bias0.data_ptr() != bptr0):

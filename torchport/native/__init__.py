@@ -27,6 +27,7 @@ from torchport.native.launch import (
     TensorArg,
     check_tensor,
     eager_fast_path,
+    functorch_active,
     thread_scratch,
 )
 from torchport.native.prelude import PRELUDE, render
@@ -70,6 +71,7 @@ __all__ = [
     "eager_fast_path",
     "enabled",
     "find_compiler",
+    "functorch_active",
     "isa_flags",
     "native_dir",
     "note_fallback",

@@ -99,7 +99,7 @@ def eager_fast_path(*tensors: torch.Tensor) -> bool:
     tensor subclasses (fake, functional, proxies) and when autograd must record the call: then
     the ``torch.library`` custom op (with its fake implementation) is used.
     """
-    if torch.compiler.is_compiling() or _dispatch_depth() > 0 or _functorch_active():
+    if torch.compiler.is_compiling() or _dispatch_depth() > 0 or functorch_active():
         return False  # (torch.func's wrapped tensors are plain Tensors without a data pointer)
     if _function_modes_on() and torch.overrides._get_current_function_mode():
         return False
@@ -129,7 +129,11 @@ def thread_scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 _Tensor = torch.Tensor
 _dispatch_depth = torch._C._len_torch_dispatch_stack
-_functorch_active = torch._C._are_functorch_transforms_active
+# True while a torch.func transform (vmap, grad, jvp, ...) is active. Its wrapped tensors are
+# plain Tensors without a data pointer, and the custom ops have no forward-mode formula: every
+# entry that calls a kernel directly or through a custom op takes torch ops then. The one check
+# for it (the C function itself: no Python frame on the eager paths that call it)
+functorch_active = torch._C._are_functorch_transforms_active
 _function_modes_on = torch._C._is_torch_function_mode_enabled
 _grad_enabled = torch.is_grad_enabled
 
