@@ -692,3 +692,19 @@ def test_quantized_linear_follows_cpu_autocast(rows):
     torch.testing.assert_close(y.float(), plain.float(), rtol=2e-2, atol=2e-2)
     with torch.no_grad():
         assert m(x).dtype == torch.float32  # and back outside autocast
+
+
+def test_quantize_keeps_tied_weights_tied():
+    """Two linears sharing one weight Parameter got a quantized copy each (the tie split: twice
+    the memory, and loading one left the other); they now share one quantized Parameter."""
+    torch.manual_seed(12)
+    a, b, c = nn.Linear(64, 32), nn.Linear(64, 32), nn.Linear(64, 32)
+    b.weight = a.weight
+    m = nn.ModuleList([a, b, c])
+    report = torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    assert report.quantized == ["0", "1", "2"]
+    assert m[0].weight is m[1].weight and m[2].weight is not m[0].weight
+    assert isinstance(m[0].weight, NVFP4Tensor) and len(list(m.parameters())) == 5
+    with torch.no_grad():
+        m[0].weight.copy_(torch.zeros(32, 64))
+        assert torch.equal(m[1](torch.randn(1, 64)), m[1].bias.reshape(1, 32))

@@ -172,7 +172,8 @@ def quantize_(
     """Quantize the weights of ``model``'s ``nn.Linear`` modules in place (inference only).
 
     ``filter_fn(module, fqn)`` chooses linears (default: all). Weights become
-    ``nn.Parameter(<quantized tensor>, requires_grad=False)``; biases stay as they are.
+    ``nn.Parameter(<quantized tensor>, requires_grad=False)``; biases stay as they are. Linears
+    sharing one weight Parameter (tied weights) share one quantized Parameter after.
     """
     if not isinstance(model, nn.Module):
         raise LowPrecisionError(
@@ -184,6 +185,9 @@ def quantize_(
     # every weight is quantized before any is swapped: a weight that cannot be (a NaN) raises
     # naming its module and leaves the model as it was (it was left half quantized)
     todo: list[tuple[str, nn.Linear, torch.Tensor]] = []
+    # by the float weight's id: a weight tied between linears is quantized once and shared
+    # (each linear got a quantized copy of its own, splitting the tie)
+    quantized: dict[int, torch.Tensor] = {}
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or (filter_fn is not None and not filter_fn(mod, fqn)):
             continue
@@ -202,11 +206,18 @@ def quantize_(
         if w.numel() == 0:
             report.skipped[fqn] = f"empty weight {tuple(w.shape)}"
             continue
-        try:
-            todo.append((fqn, mod, config.quantize(w.detach())))
-        except LowPrecisionError as e:
-            raise type(e)(f"quantize_: module {fqn!r} (nothing was swapped): {e}") from e
+        q = quantized.get(id(w))
+        if q is None:
+            try:
+                q = quantized[id(w)] = config.quantize(w.detach())
+            except LowPrecisionError as e:
+                raise type(e)(f"quantize_: module {fqn!r} (nothing was swapped): {e}") from e
+        todo.append((fqn, mod, q))
+    params: dict[int, nn.Parameter] = {}  # one Parameter per quantized weight
     for fqn, mod, q in todo:
-        mod.weight = nn.Parameter(q, requires_grad=False)
+        p = params.get(id(q))
+        if p is None:
+            p = params[id(q)] = nn.Parameter(q, requires_grad=False)
+        mod.weight = p
         report.quantized.append(fqn)
     return report
