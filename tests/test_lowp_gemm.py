@@ -708,3 +708,47 @@ def test_quantize_keeps_tied_weights_tied():
     with torch.no_grad():
         m[0].weight.copy_(torch.zeros(32, 64))
         assert torch.equal(m[1](torch.randn(1, 64)), m[1].bias.reshape(1, 32))
+
+
+@pytest.mark.parametrize(
+    "make", [NVFP4Tensor.from_float, MXTensor.from_float, Float8Tensor.from_float]
+)
+def test_to_keeps_the_quantized_form_for_every_signature(make):
+    """``w.to(torch.bfloat16)`` kept the quantized form but ``w.to("cpu", torch.bfloat16)``,
+    ``w.to(other)``, ``w.to("cpu", copy=True)`` and ``non_blocking=True`` dequantized (their
+    ``_to_copy`` carries device/layout keywords); ``w.to(torch.int32)`` made an int32
+    quantized tensor. ``copy=True`` gives inner tensors of its own."""
+    t = make(torch.randn(32, 64))
+    other = torch.zeros(2, dtype=torch.bfloat16)
+    ref = t.dequantize(torch.bfloat16)
+    for b in (
+        t.to(torch.bfloat16),
+        t.to("cpu", torch.bfloat16),
+        t.to(torch.device("cpu"), torch.bfloat16, False, True),  # positional copy
+        t.to(device="cpu", dtype=torch.bfloat16),
+        t.to(dtype=torch.bfloat16),
+        t.to(other),
+        t.to(torch.bfloat16, non_blocking=True),
+        t.to(torch.bfloat16, copy=True),
+        t.to(torch.bfloat16, memory_format=torch.preserve_format),
+        t.bfloat16(),
+        t.type_as(other),
+    ):
+        assert type(b) is type(t) and b.dtype == torch.bfloat16 and torch.equal(b.dequantize(), ref)
+    copies = [t.to("cpu", copy=True), t.to(torch.float32, copy=True), t.to(t, copy=True)]
+    shared = [t.to("cpu", torch.bfloat16), t.to(t)]  # (the latter: t itself, as torch)
+    assert shared[1] is t
+    before = t.dequantize()
+    for c in copies:
+        assert (
+            type(c) is type(t) and c.dtype == torch.float32 and torch.equal(c.dequantize(), before)
+        )
+        assert c.qdata.untyped_storage().data_ptr() != t.qdata.untyped_storage().data_ptr()
+    with torch.no_grad():
+        t.copy_(torch.zeros(32, 64))
+    assert all(torch.equal(c.dequantize(), before) for c in copies)  # bytes of their own
+    assert torch.equal(shared[0].dequantize(), torch.zeros(32, 64, dtype=torch.bfloat16))
+    # a dtype the quantized form does not stand for, or another device: the dequantized value
+    i = t.to(torch.int32)
+    assert type(i) is torch.Tensor and i.dtype == torch.int32
+    assert type(t.to("meta")) is torch.Tensor

@@ -26,7 +26,11 @@ Autograd: ``F.linear`` with such a weight is differentiable with respect to the 
 :class:`~torchport.lowp.formats.LowPrecisionError`.
 
 Any other op sees the dequantized tensor (``dequantize()``), so the types compose with ordinary
-code; ``detach``/``clone``/``to(dtype)`` keep the quantized form. ``__tensor_flatten__`` lets
+code; ``detach``/``clone`` keep the quantized form, and so does ``to`` in every signature
+(``to(dtype)``, ``to("cpu", dtype)``, ``to(other)``, ``dtype=``, ``non_blocking=``, ``bfloat16()``)
+to a floating dtype of at least 16 bits on the CPU: the same codes standing for that dtype,
+sharing the inner tensors, or with inner tensors of its own for ``copy=True``. ``to`` another
+dtype (integer, FP8) or device gives the dequantized value converted. ``__tensor_flatten__`` lets
 ``torch.compile`` trace through them.
 
 Quantized weights are immutable except through ``copy_`` (what ``Module.load_state_dict`` calls):
@@ -69,6 +73,7 @@ HUGEPAGE_MIN_BYTES = 4 << 20
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
 _setitem = torch.Tensor.__setitem__
+_to = torch.Tensor.to
 _autocast_on = torch._C._is_any_autocast_enabled
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
 
@@ -79,6 +84,39 @@ _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-qua
 # (weak references by id: a WeakSet would compare two references to one tensor with Tensor.__eq__)
 _SHARING: dict[int, dict[int, weakref.ref[Any]]] = {}
 _PRUNE_AT = [1024]  # drop dead entries when the table grows past this
+
+
+# aten._to_copy's keywords (every Tensor.to signature passes what it was given of these) and the
+# memory formats of a dense copy: with a CPU device and a floating dtype, the copy is the same
+# codes standing for that dtype (a device or layout keyword made it dequantize, so
+# w.to("cpu", torch.bfloat16) and w.to(other) did where w.to(torch.bfloat16) did not)
+_TO_KEYWORDS = frozenset(
+    ("dtype", "device", "layout", "non_blocking", "memory_format", "pin_memory")
+)
+_DENSE_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _to_keeps_quantized(kwargs: dict[str, Any]) -> bool:
+    """Whether ``aten._to_copy(w, **kwargs)`` of a quantized ``w`` only relabels its dtype."""
+    if not kwargs.keys() <= _TO_KEYWORDS:
+        return False
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    return (
+        (dtype is None or (dtype.is_floating_point and dtype.itemsize >= 2))
+        and (device is None or torch.device(device).type == "cpu")
+        and kwargs.get("layout") in (None, torch.strided)
+        and kwargs.get("memory_format") in _DENSE_FORMATS
+        and not kwargs.get("pin_memory")
+    )
+
+
+def _copy_requested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``Tensor.to`` call passes ``copy=True``: as a keyword, or positionally after
+    ``dtype``/``other`` and ``non_blocking``, or after ``device, dtype, non_blocking``."""
+    if "copy" in kwargs:
+        return bool(kwargs["copy"])
+    at = 4 if len(args) > 1 and isinstance(args[1], (str, torch.device, int)) else 3
+    return len(args) > at and bool(args[at])
 
 
 def _storage_key(t: Any) -> int | None:
@@ -410,6 +448,12 @@ class LowPrecisionTensor(torch.Tensor):
                 "w.copy_(new_float_weight)"
             )
         kwargs = kwargs or {}
+        if func is _to and _copy_requested(args, kwargs):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            # a quantized result shares the inner tensors (see _to_keeps_quantized): copy=True
+            # promises storage of its own (a later copy_ into the source must not reach it)
+            return out.clone() if isinstance(out, LowPrecisionTensor) else out
         if func is F.linear and len(args) >= 2 and isinstance(args[1], LowPrecisionTensor):
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -451,10 +495,10 @@ class LowPrecisionTensor(torch.Tensor):
             )
         if (
             func is aten._to_copy.default
-            and set(kwargs) <= {"dtype"}
             and isinstance(args[0], LowPrecisionTensor)
+            and _to_keeps_quantized(kwargs)
         ):
-            return args[0]._with_dtype(kwargs.get("dtype", args[0].dtype))
+            return args[0]._with_dtype(kwargs.get("dtype") or args[0].dtype)
 
         def unwrap(t: Any) -> Any:
             return t.dequantize() if isinstance(t, LowPrecisionTensor) else t
