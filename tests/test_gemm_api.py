@@ -1061,8 +1061,13 @@ def test_raw_op_checks_operands_against_its_spec(spec, operands, match) -> None:
     with FakeTensorMode() as mode, pytest.raises(GemmInputError, match=match):
         fake = [mode.from_tensor(t) for t in operands]
         torch.ops.torchport.gemm(mode.from_tensor(a), mode.from_tensor(b), fake, spec)
-    with pytest.raises(GemmInputError, match="matching inner dimensions"):
+    # a and b: mm()'s checks and messages, naming the raw op
+    with pytest.raises(GemmInputError, match=r"gemm: inner dimensions must match.*K=3 vs 4"):
         torch.ops.torchport.gemm(a, torch.randn(4, 17), [], "")
+    with pytest.raises(GemmInputError, match=r"gemm: a and b must have the same dtype"):
+        torch.ops.torchport.gemm(a, b.bfloat16(), [], "")
+    with pytest.raises(GemmInputError, match=r"gemm: b must be 2-D, got 1-D"):
+        torch.ops.torchport.gemm(a, torch.randn(3), [], "")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

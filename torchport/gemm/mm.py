@@ -700,13 +700,7 @@ def _check_op_args(
     """The raw op's arguments against its spec: :func:`mm` builds them right, but the op is public
     (``torch.ops.torchport.gemm``) and the kernels read each operand's full span unchecked (a
     ``[1]`` bias for N = 17 read past its end; a missing operand crashed the process)."""
-    _check_matrix("a", a)
-    _check_matrix("b", b)
-    if a.dtype != b.dtype or a.shape[1] != b.shape[0]:
-        raise GemmInputError(
-            f"gemm: a and b must have one dtype and matching inner dimensions, got {a.dtype} "
-            f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}"
-        )
+    _check_ab(a, b, "gemm")
     kinds = [op for op in sp.ops if op.kind in OPERAND_KINDS]
     if len(operands) != len(kinds):
         raise GemmInputError(
@@ -837,18 +831,51 @@ torch.library.register_autograd("torchport::gemm", _backward, setup_context=_set
 # --- public API ------------------------------------------------------------------------------------
 
 
-def _check_matrix(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise GemmInputError(f"mm: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        raise GemmInputError(f"mm: {name} must be on device 'cpu', got {t.device}")
-    if t.layout != torch.strided:  # (sparse and mkldnn tensors failed later, untyped)
-        raise GemmInputError(f"mm: {name} must be a dense (strided) tensor, got {t.layout}")
-    if t.dim() != 2:
-        raise GemmInputError(f"mm: {name} must be 2-D, got {t.dim()}-D shape {tuple(t.shape)}")
-    if t.dtype not in DTYPES:
-        raise GemmInputError(f"mm: {name} must be float32 or bfloat16, got {t.dtype}")
-    return t
+_Tensor, _strided = torch.Tensor, torch.strided
+
+
+def _check_ab(a: object, b: object, who: str) -> None:
+    """``a [M, K]`` and ``b [K, N]`` for a GEMM: dense 2-D CPU tensors of one dtype, float32 or
+    bfloat16, with matching K (:func:`mm`'s checks, and the raw op's; ``who`` names the caller
+    in the error). Plain tensors that pass are recognised in one expression (mm's per-call
+    cost); anything else takes the checks one by one, each with its own message."""
+    if (
+        type(a) is _Tensor
+        and type(b) is _Tensor
+        and a.is_cpu
+        and b.is_cpu
+        and a.layout is _strided
+        and b.layout is _strided
+        and a.dim() == 2
+        and b.dim() == 2
+        and a.dtype in DTYPES
+        and a.dtype is b.dtype
+        and a.shape[1] == b.shape[0]
+    ):
+        return
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise GemmInputError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_cpu:
+            raise GemmInputError(f"{who}: {name} must be on device 'cpu', got {t.device}")
+        if t.layout != torch.strided:  # (sparse and mkldnn tensors failed later, untyped)
+            raise GemmInputError(f"{who}: {name} must be a dense (strided) tensor, got {t.layout}")
+        if t.dim() != 2:
+            raise GemmInputError(
+                f"{who}: {name} must be 2-D, got {t.dim()}-D shape {tuple(t.shape)}"
+            )
+        if t.dtype not in DTYPES:
+            raise GemmInputError(f"{who}: {name} must be float32 or bfloat16, got {t.dtype}")
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if a.dtype != b.dtype:
+        raise GemmInputError(
+            f"{who}: a and b must have the same dtype, got {a.dtype} and {b.dtype}"
+        )
+    if a.shape[1] != b.shape[0]:
+        raise GemmInputError(
+            f"{who}: inner dimensions must match (a is {tuple(a.shape)}, b is {tuple(b.shape)}: "
+            f"K={a.shape[1]} vs {b.shape[0]})"
+        )
 
 
 # encoded spec of a lone column bias, per bias dtype (what :func:`split` yields for it)
@@ -880,15 +907,7 @@ def mm(
     ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``); the fused ones run inside the kernel's
     store, anything else (a callable) runs afterwards as torch ops.
     """
-    a = _check_matrix("a", a)
-    b = _check_matrix("b", b)
-    if a.dtype != b.dtype:
-        raise GemmInputError(f"mm: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-    if a.shape[1] != b.shape[0]:
-        raise GemmInputError(
-            f"mm: inner dimensions must match (a is {tuple(a.shape)}, b is {tuple(b.shape)}: "
-            f"K={a.shape[1]} vs {b.shape[0]})"
-        )
+    _check_ab(a, b, "mm")
     if functorch_active():  # torch.func: torch ops, which every transform supports (the
         # custom op has no forward-mode formula: jvp gave a zero tangent)
         sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
