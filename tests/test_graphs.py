@@ -180,6 +180,45 @@ def test_native_tier_matches_eager(rows: int, cols: int) -> None:
         torch.testing.assert_close(y, _pointwise_mix(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["resize_input", "resize_view_of_input", "set_input", "set_output", "resize_storage"],
+)
+def test_native_replay_refuses_moved_storages(change: str) -> None:
+    # The C program holds raw pointers: replaying after a reallocation used freed memory.
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = torch.relu(x @ w) + 1
+    assert g.tier == "native"
+    g.replay()
+    label = "static output" if change == "set_output" else "static input e0"
+    if change == "resize_input":
+        x.resize_(64, 64)
+    elif change == "resize_view_of_input":
+        x.view(-1).resize_(4096)  # reallocates the storage x shares
+    elif change == "set_input":
+        x.set_(torch.randn(4, 8))
+    elif change == "set_output":
+        y.set_(torch.empty(4, 8))
+    else:
+        x.untyped_storage().resize_(4 * 4096)
+    with pytest.raises(GraphError, match=f"{label} .*no longer at its capture-time address"):
+        g.replay()
+
+
+def test_native_replay_guard_leaves_in_place_updates_alone() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = torch.relu(x @ w) + 1
+    x.copy_(torch.randn(4, 8))
+    x.resize_(2, 8)  # shrinking keeps the memory: still safe
+    x.resize_(4, 8)
+    g.replay()
+    torch.testing.assert_close(y, torch.relu(x @ w) + 1)
+
+
 def test_unsupported_ops_fall_back_to_torchscript() -> None:
     x = torch.randn(4, 4)
     g = Graph()

@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
-__all__ = ["CaptureError", "Program", "Recorder", "current_recorder"]
+__all__ = ["CaptureError", "GraphError", "Program", "Recorder", "current_recorder"]
 
 
 class _Active(threading.local):
@@ -57,6 +57,11 @@ def active_stack() -> list[Recorder]:
 
 class CaptureError(RuntimeError):
     """An operation or value that a graph capture cannot record."""
+
+
+class GraphError(RuntimeError):
+    """A ``Graph`` method called in the wrong state (replay before capture, nested capture...),
+    or a replay whose captured buffers were replaced since the capture."""
 
 
 def current_recorder() -> Recorder | None:
@@ -539,21 +544,11 @@ class Recorder(TorchDispatchMode):
         return tuple(pytree.tree_unflatten(vals, spec))
 
     # -- finishing ------------------------------------------------------------------------------
-    def finish(self) -> Program:
-        """Compile the recording; outputs are the produced tensors still alive now."""
-        trace, self.scope.trace = self.scope.trace, []
-        from torchport.graphs.native import lower
-
-        low = lower(trace)
-        if low is not None:
-            run, keep, csrc = low
-            self._keep.clear()
-            return Program(csrc, run, keep, [], self.ops, "native")
-        del trace
+    def _outputs(self) -> tuple[list[torch.Tensor], list[str]]:
+        """The produced tensors still alive (the static outputs) and their names."""
         outs: list[torch.Tensor] = []
         out_names: list[str] = []
         seen: set[int] = set()
-        self._keep.clear()
         for ref, name in self.produced:
             t = ref()
             if t is not None and id(t) not in seen:
@@ -562,6 +557,22 @@ class Recorder(TorchDispatchMode):
                     seen.add(id(t))
                     outs.append(t)
                     out_names.append(name)
+        return outs, out_names
+
+    def finish(self) -> Program:
+        """Compile the recording; outputs are the produced tensors still alive now."""
+        trace, self.scope.trace = self.scope.trace, []
+        from torchport.graphs.native import lower
+
+        low = lower(trace)
+        del trace  # the recorded intermediates die here, unless the caller kept them
+        self._keep.clear()
+        outs, out_names = self._outputs()
+        if low is not None:
+            run, guard, csrc = low
+            labels = [f"static input e{k}" for k in range(len(self.ext))]
+            guard([*self.ext, *outs], labels + [f"static output {n}" for n in out_names])
+            return Program(csrc, run, [], [], self.ops, "native")
         head = ["def prog(ext: List[Tensor], outs: List[Tensor]):"]
         head += [f"    e{k} = ext[{k}]" for k in range(len(self.ext))]
         tail = [f"    outs[{j}].copy_({n})" for j, n in enumerate(out_names)]

@@ -19,14 +19,10 @@ from typing import Any, Literal
 
 import torch
 
-from torchport.graphs.capture import Program, Recorder, active_stack, global_ban
+from torchport.graphs.capture import GraphError, Program, Recorder, active_stack, global_ban
 from torchport.graphs.pool import MemPool
 
 __all__ = ["Graph", "GraphError"]
-
-
-class GraphError(RuntimeError):
-    """A ``Graph`` method called in the wrong state (replay before capture, nested capture...)."""
 
 
 class Graph:
