@@ -482,7 +482,12 @@ class Recorder(TorchDispatchMode):
     ) -> tuple[Any, ...]:
         """Record a loop with a data-dependent trip count; return the final carried values."""
         self.has_control = True
-        from torchport.control.while_loop import WhileLoopError, check_body_output, check_pred
+        from torchport.control.while_loop import (
+            WhileLoopError,
+            body_values,
+            check_body_output,
+            check_pred,
+        )
 
         leaves, spec = pytree.tree_flatten(carried)
         for x in leaves:
@@ -504,8 +509,7 @@ class Recorder(TorchDispatchMode):
             return cond_fn(*pytree.tree_unflatten(list(xs), spec))
 
         def run_body(*xs: Any) -> Any:
-            out = body_fn(*pytree.tree_unflatten(list(xs), spec))
-            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            out = body_values(body_fn(*pytree.tree_unflatten(list(xs), spec)), len(carried))
             check_body_output(tuple(pytree.tree_unflatten(list(xs), spec)), out)
             return pytree.tree_leaves(out)
 
@@ -533,8 +537,7 @@ class Recorder(TorchDispatchMode):
         with _paused(self):
             vals = [x.clone() for x in leaves]
             while check_pred(cond_fn(*pytree.tree_unflatten(vals, spec))):
-                out = body_fn(*pytree.tree_unflatten(vals, spec))
-                out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+                out = body_values(body_fn(*pytree.tree_unflatten(vals, spec)), len(carried))
                 vals = [x.clone() for x in pytree.tree_leaves(out)]
         for n, v in zip(loop_vars, vals):
             self.bind(v, n)
