@@ -402,3 +402,17 @@ def test_capture_end_from_another_thread_is_refused() -> None:
     g.capture_end()
     g.replay()
     assert torch.equal(y, torch.full((3,), 2.0)) and float(x.sum().item()) == 3.0
+
+
+def test_torchscript_whole_view_of_static_input_keeps_aliasing(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # The output placement moved the view into the pool: it stopped seeing the input.
+    x = torch.zeros(8)
+    g = Graph()
+    with g:
+        v = x.view(2, 4)
+        y = v.sum(0)
+        w = y.view(4)  # two outputs on one storage keep sharing it too
+    g.replay()
+    assert v.data_ptr() == x.data_ptr() and w.data_ptr() == y.data_ptr()
+    x.fill_(1.0)
+    assert v.sum().item() == 8.0
