@@ -416,3 +416,16 @@ def test_torchscript_whole_view_of_static_input_keeps_aliasing(torchscript_tier)
     assert v.data_ptr() == x.data_ptr() and w.data_ptr() == y.data_ptr()
     x.fill_(1.0)
     assert v.sum().item() == 8.0
+
+
+def test_torchscript_switch_branch_returning_an_earlier_tensor_copies_it(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # The program bound the switch output to the tensor itself: the later add_ reached it.
+    x = torch.ones(3)
+    g = Graph()
+    with g:
+        h = x * 1.0
+        s = torchport.switch(torch.tensor(0), [lambda t: h, lambda t: t * 3], (x,))
+        h.add_(100)
+    torch.testing.assert_close(s, torch.ones(3))
+    g.replay()
+    torch.testing.assert_close(s, torch.ones(3))

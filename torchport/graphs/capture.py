@@ -410,6 +410,9 @@ class Recorder(TorchDispatchMode):
         self.emit(f"{idx} = int({self.name_of(index)})")
         with _paused(self):
             chosen = int(index.item())
+        # Tensors named before the switch: a branch returning one must copy it, as the eager
+        # switch output is a copy (an alias would follow later in-place ops on it).
+        outer = {name for _, name in self._names.values()}
         results = []
         blocks = []
         traces = []
@@ -460,7 +463,8 @@ class Recorder(TorchDispatchMode):
             pad = "    " * (self.scope.indent + 1)
             for j, n in enumerate(names):
                 if n is not None:
-                    src = f"{n}.clone()" if (n in operand_names or n.startswith("e")) else n
+                    outside = n in operand_names or n in outer or n.startswith("e")
+                    src = f"{n}.clone()" if outside else n
                     self.scope.lines.append(f"{pad}{outs[j]} = {src}")
             if not any(n is not None for n in names):
                 self.scope.lines.append(f"{pad}pass")
