@@ -429,3 +429,18 @@ def test_torchscript_switch_branch_returning_an_earlier_tensor_copies_it(torchsc
     torch.testing.assert_close(s, torch.ones(3))
     g.replay()
     torch.testing.assert_close(s, torch.ones(3))
+
+
+@pytest.mark.parametrize("keep_graph", [False, True])
+def test_torchscript_capture_in_inference_mode_replays_outside_it(
+    torchscript_tier,  # type: ignore[no-untyped-def]
+    keep_graph: bool,
+) -> None:
+    # Its outputs are inference tensors: writing them outside inference_mode raised.
+    x = torch.zeros(3)
+    g = Graph(keep_graph=keep_graph)
+    with torch.inference_mode(), g:
+        y = x + 1
+    x.fill_(2.0)
+    g.replay()
+    torch.testing.assert_close(y, torch.full((3,), 3.0))

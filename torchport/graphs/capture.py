@@ -589,9 +589,17 @@ class Recorder(TorchDispatchMode):
         except RuntimeError as e:
             raise CaptureError(f"graph capture: the recorded program does not compile: {e}") from e
         fn, ext = cu.prog, list(self.ext)
+        if any(t.is_inference() for t in outs):
+            # Outputs made under inference_mode are inference tensors, which only inference
+            # mode may write in place: replay there wherever it is called from.
+            def run_ts() -> None:
+                with torch._C._InferenceMode(True):
+                    fn(ext, outs)
 
-        def run_ts() -> None:
-            fn(ext, outs)
+        else:
+
+            def run_ts() -> None:
+                fn(ext, outs)
 
         return Program(source, run_ts, ext, outs, self.ops, "torchscript")
 

@@ -136,7 +136,8 @@ class Graph:
         for t in prog.outs:
             key = t.untyped_storage().data_ptr()
             shared[key] = shared.get(key, 0) + 1
-        with torch.no_grad():
+        inference = any(t.is_inference() for t in prog.outs)  # set_ on them needs the mode
+        with torch.no_grad(), torch.inference_mode(inference):
             for t in prog.outs:
                 st = t.untyped_storage()
                 owns = (
