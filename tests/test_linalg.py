@@ -602,13 +602,42 @@ def test_errors():
     with pytest.raises(tl.LinalgInputError, match=r"A must be a torch.Tensor, got list"):
         tl.svdvals([[1.0]])
     a = torch.randn(3, 4, 4)
-    a[2, 1, 1] = float("inf")
+    a[2, 1, 1] = float("nan")
     with pytest.raises(torch.linalg.LinAlgError, match=r"svd: \(Batch element 2\).*non-finite"):
         tl.svd(a, method="jacobi")
     with pytest.raises(torch.linalg.LinAlgError, match=r"eigh: \(Batch element 2\).*non-finite"):
         tl.eigh(a, method="jacobi")
     with pytest.raises(torch.linalg.LinAlgError, match=r"svd: The algorithm.*non-finite"):
         tl.svdvals(torch.full((2, 2), float("nan")), method="jacobi")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+@pytest.mark.parametrize("b", [1, 16])
+@pytest.mark.parametrize("where", [(1, 1), (0, 2)], ids=["diagonal", "off_diagonal"])
+def test_infinite_input_gets_torch_linalgs_answer_on_every_route(dtype, b, where):
+    """An inf made the native routes raise while LAPACK (torch.linalg, and "auto" wherever it
+    routes there) returns NaNs for some inputs and fails on others: now every route gives
+    torch.linalg's answer, NaNs where it returns them, LinAlgError where it raises."""
+    x = torch.randn(b, 4, 4, dtype=dtype)
+    a = x + x.mH
+    a[-1, where[0], where[1]] = a[-1, where[1], where[0]] = float("inf")
+    calls = {
+        "svd": lambda m: tl.svd(a, method=m).S,
+        "svdvals": lambda m: tl.svdvals(a, method=m),
+        "eigh": lambda m: tl.eigh(a, method=m).eigenvalues,
+        "eigvalsh": lambda m: tl.eigvalsh(a, method=m),
+    }
+
+    def outcome(call, method):  # the NaN pattern, or "raises"
+        try:
+            return call(method).isnan().tolist()
+        except torch.linalg.LinAlgError:
+            return "raises"
+
+    for name, call in calls.items():
+        want = outcome(call, "lapack")
+        for method in ("jacobi", "auto"):
+            assert outcome(call, method) == want, (name, method, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64, torch.complex128])
