@@ -1231,3 +1231,20 @@ def test_torch_signature_details_and_float8() -> None:
         for fn in (tl.svdvals, tl.eigvalsh, tl.cholesky, tl.qr):
             with pytest.raises(LinalgInputError, match=r"got torch\.float8_e4m3fn"):
                 fn(a.float().to(torch.float8_e4m3fn), method=method)
+
+
+@pytest.mark.parametrize(
+    "op", ["svd", "svdvals", "eigh", "eigvalsh", "qr", "cholesky", "cholesky_ex"]
+)
+def test_meta_tensors_get_shapes_on_every_method(op):
+    """method="jacobi" ran the reference algorithms on meta tensors, which read values
+    (Tensor.item() on meta raised); every method now propagates shapes as "auto" did."""
+    a = torch.empty(2, 4, 4, device="meta", dtype=torch.float64)
+    want = getattr(torch.linalg, op)(a)
+    want = want if isinstance(want, tuple) else (want,)
+    for method in tl.METHODS:
+        got = getattr(tl, op)(a, method=method)
+        got = got if isinstance(got, tuple) else (got,)
+        assert [(t.shape, t.dtype, t.device) for t in got] == [
+            (t.shape, t.dtype, t.device) for t in want
+        ], method

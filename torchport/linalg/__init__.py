@@ -312,7 +312,9 @@ def _route(
         raise LinalgInputError(
             f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
         )
-    if method == "lapack":
+    if method == "lapack" or a.device.type == "meta":
+        # meta tensors hold no values: torch.linalg's meta kernels give the shapes and dtypes
+        # every method returns (the reference algorithms of "jacobi" read values)
         return "lapack"
     if a.device.type != "cpu":
         return "reference" if method == "jacobi" else "lapack"
