@@ -1248,3 +1248,26 @@ def test_meta_tensors_get_shapes_on_every_method(op):
         assert [(t.shape, t.dtype, t.device) for t in got] == [
             (t.shape, t.dtype, t.device) for t in want
         ], method
+
+
+@pytest.mark.parametrize("method", ["auto", "jacobi"])
+def test_compile_fullgraph_traces_the_public_functions(method):
+    """torch.compile(fullgraph=True) broke on _check's is_conj(), then on the route tables and
+    settings: "auto" traces as torch.linalg, "jacobi" as the native kernels' custom ops."""
+    x = torch.randn(2, 4, 4, dtype=torch.float64)
+    a = x @ x.mT + 4 * torch.eye(4, dtype=torch.float64)
+
+    def f(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            tl.svdvals(a, method=method),
+            tl.eigvalsh(a, method=method),
+            tl.cholesky(a, method=method),
+        )
+
+    g = torch.compile(f, fullgraph=True, backend="eager")
+    for got, want in zip(
+        g(a), (torch.linalg.svdvals(a), torch.linalg.eigvalsh(a), torch.linalg.cholesky(a))
+    ):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive-definite"):
+        g(-a)

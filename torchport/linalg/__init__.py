@@ -122,6 +122,10 @@ def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
             f"torchport.linalg.{op}: A must be batches of square matrices, got "
             f"{a.shape[-2]} by {a.shape[-1]} matrices"
         )
+    if torch.compiler.is_dynamo_compiling():
+        # dynamo cannot trace is_conj()/is_neg() (a bool result breaks fullgraph=True); the
+        # resolves trace, and are no-ops on a tensor without the bit
+        return a.resolve_conj().resolve_neg()
     if a.is_conj() or a.is_neg():
         # a lazy conjugate (A.conj()) shares A's memory unconjugated, and .contiguous() keeps the
         # bit: the kernels read raw memory, so materialise it (differentiable)
@@ -208,14 +212,14 @@ def _native_ok(a: torch.Tensor) -> bool:
     conjugate or negative view (the launchers read raw memory: such a view takes the general
     path, which resolves it), no autograd to record, no tracing."""
     return not (
-        _routes_gen[0] != _cfg_gen[0]
+        torch.compiler.is_compiling()  # first: dynamo cannot trace the ContextVar read below
+        or _routes_gen[0] != _cfg_gen[0]
         or not _neutral_overrides()
         or _env_data.get(_NATIVE_ENV) != _native_env[0]
         or not a.is_cpu
         or a.is_conj()
         or a.is_neg()
         or (a.requires_grad and torch.is_grad_enabled())
-        or torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
         or (
             torch._C._is_torch_function_mode_enabled()
@@ -302,6 +306,14 @@ def _route(
 ) -> str:
     """'native', 'lapack' or 'reference' for this call; ``public`` is the options as the public
     function's inline LAPACK test spells them (default ``extra``)."""
+    if torch.compiler.is_dynamo_compiling():
+        # No tuning while dynamo traces (nor can it trace the settings and route tables):
+        # "jacobi" is the native kernels' custom ops (fake shapes), "auto" torch.linalg.
+        if method not in METHODS:
+            raise LinalgInputError(
+                f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
+            )
+        return "native" if method == "jacobi" else "lapack"
     _sync_routes()
     if method == "auto":
         fast = (op, a.shape, a.dtype, a.device, extra)
@@ -800,7 +812,8 @@ def qr(
         run = _one_learn("qr", a, (mode,), lambda: one.qr_plan(a.shape, a.dtype, mode))
         if run is not None:
             return run(a)
-    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
+    learn = route == "native" and a.is_cpu and a.numel() and not torch.compiler.is_compiling()
+    if learn and _neutral_overrides():
         if len(_qr_native) >= 4096:  # bound the table for programs with ever-new shapes
             _qr_native.clear()
         _qr_native[(method, a.shape, a.dtype, mode)] = run = _qr_plan(a, mode)
@@ -859,7 +872,8 @@ def _learn_native(a: torch.Tensor, upper: bool, method: str, route: str) -> None
     """Remember the launcher of a CPU Cholesky that ``method`` routed to native, for repeats
     (not under an override of a routing setting: the fast path assumes the settings it was
     learned with)."""
-    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
+    learn = route == "native" and a.is_cpu and a.numel() and not torch.compiler.is_compiling()
+    if learn and _neutral_overrides():
         if len(_chol_native) >= 4096:  # bound the table for programs with ever-new shapes
             _chol_native.clear()
         _chol_native[(method, a.shape, a.dtype, upper)] = _chol_plan(a, upper)
@@ -913,6 +927,8 @@ def _cholesky_ex(
         if check_errors and bad:
             _raise_not_pd(op, a, info)
         return _rt.linalg_cholesky_ex((fac, info))
+    elif check_errors and torch.compiler.is_compiling():  # the check inside the traced op
+        return _rt.linalg_cholesky_ex(ops.cholesky_checked(a, bool(upper), op))
     else:
         fac, info = ops.cholesky_ex(a, bool(upper))
     if check_errors:

@@ -261,6 +261,40 @@ def _chol_bwd(ctx: Any, gl: Any, ginfo: Any) -> tuple[Any, None]:
 _chol_op.register_autograd(_chol_bwd, setup_context=_chol_setup)
 
 
+def cholesky_checked_impl(
+    a: torch.Tensor, upper: bool, op: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cholesky_impl`, raising ``LinAlgError`` for a matrix that is not positive-definite
+    inside the op: under ``torch.compile`` the check cannot be a data-dependent branch after it."""
+    fac, info = cholesky_impl(a, upper)
+    from torchport.linalg import _raise_not_pd
+
+    _raise_not_pd(op, a, info)
+    return fac, info
+
+
+_chol_checked_op = torch.library.custom_op(
+    "torchport::linalg_cholesky_checked", cholesky_checked_impl, mutates_args=()
+)
+
+
+@_chol_checked_op.register_fake
+def _(a: torch.Tensor, upper: bool, op: str) -> tuple[Any, Any]:
+    return a.new_empty(a.shape), a.new_empty(a.shape[:-2], dtype=torch.int32)
+
+
+def _chol_checked_bwd(ctx: Any, gl: Any, ginfo: Any) -> tuple[Any, None, None]:
+    return _chol_bwd(ctx, gl, ginfo)[0], None, None
+
+
+_chol_checked_op.register_autograd(_chol_checked_bwd, setup_context=_chol_setup)
+
+
+def cholesky_checked(a: torch.Tensor, upper: bool, op: str) -> tuple[Any, Any]:
+    """The checked Cholesky through its custom op (for traced calls)."""
+    return _chol_checked_op(a, upper, op)
+
+
 def cholesky_ex(a: torch.Tensor, upper: bool) -> tuple[Any, Any]:
     """Dispatch: direct kernel call on plain eager tensors, else through the custom op."""
     if _fast(a):
