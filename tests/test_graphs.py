@@ -444,3 +444,17 @@ def test_torchscript_capture_in_inference_mode_replays_outside_it(
     x.fill_(2.0)
     g.replay()
     torch.testing.assert_close(y, torch.full((3,), 3.0))
+
+
+def test_torchscript_loop_body_returning_an_earlier_tensor_copies_it(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # The loop variable was bound to the tensor itself: the later add_ reached the output.
+    x = torch.ones(3)
+    g = Graph()
+    with g:
+        h = x * 2.0
+        _, y = torchport.while_loop(
+            lambda i, y: i < 2, lambda i, y: (i + 1, h), (torch.tensor(0), x)
+        )
+        h.add_(100)
+    g.replay()
+    torch.testing.assert_close(y, torch.full((3,), 2.0))

@@ -524,8 +524,12 @@ class Recorder(TorchDispatchMode):
                 f"tensor, got {pred!r}"
             )
         pred_name = self._value_name(pred)
+        # Tensors named before the loop (other than its own variables): a body returning one
+        # must copy it, or the loop variable would alias it and follow later in-place ops.
+        outer = {name for _, name in self._names.values()} - set(loop_vars)
         body_out, body_lines, body_trace = self._sub(run_body, probes)
         body_names = [self._value_name(t) for t in body_out]
+        body_names = [f"{b}.clone()" if b in outer or b.startswith("e") else b for b in body_names]
         pad = "    " * self.scope.indent
         self.scope.lines.extend(_dedent(cond_lines, 1))
         self.emit(f"while bool({pred_name}):")
