@@ -640,6 +640,33 @@ def test_infinite_input_gets_torch_linalgs_answer_on_every_route(dtype, b, where
             assert outcome(call, method) == want, (name, method, want)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_reference_route_gets_torch_linalgs_answer_for_non_finite_input(monkeypatch, bad):
+    """The reference route ("jacobi" off the CPU) returned its algorithms' NaNs where the other
+    routes raise (NaN): it now answers as they do, with torch.linalg's result."""
+    x = torch.randn(3, 4, 4, dtype=torch.float64)
+    a = x + x.mT
+    a[1, 0, 2] = a[1, 2, 0] = bad
+
+    def outcome(call):
+        try:
+            return call().isnan().tolist()
+        except torch.linalg.LinAlgError as e:
+            assert "(Batch element 1)" in str(e)
+            return "raises"
+
+    calls = {
+        "svd": lambda m: tl.svd(a, method=m).S,
+        "svdvals": lambda m: tl.svdvals(a, method=m),
+        "eigh": lambda m: tl.eigh(a, method=m).eigenvalues,
+        "eigvalsh": lambda m: tl.eigvalsh(a, method=m),
+    }
+    wants = {name: outcome(lambda c=call: c("lapack")) for name, call in calls.items()}
+    monkeypatch.setattr(tl, "_route", lambda *args, **kwargs: "reference")
+    for name, call in calls.items():
+        assert outcome(lambda c=call: c("jacobi")) == wants[name], name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64, torch.complex128])
 @pytest.mark.parametrize("b", [1, 16])
 @pytest.mark.parametrize("n", [3, 24])

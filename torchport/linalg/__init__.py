@@ -667,8 +667,12 @@ def svd(
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = _non_finite_at(flat)
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("svd", a, bad, lambda: torch.linalg.svd(a, full_matrices))
         ref = complex_svd_reference if a.is_complex() else svd_reference
-        u, s, vh = ref(ops._flat(a), full_matrices)
+        u, s, vh = ref(flat, full_matrices)
         batch = a.shape[:-2]
         u, s, vh = (t.reshape(batch + t.shape[1:]) for t in (u, s, vh))
     else:
@@ -701,10 +705,23 @@ def svdvals(A: torch.Tensor, *, driver: str | None = None, method: str = "auto")
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = _non_finite_at(flat)
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("svd", a, bad, lambda: torch.linalg.svdvals(a))
         ref = complex_svd_reference if a.is_complex() else svd_reference
-        s = ref(ops._flat(a), False, compute_uv=False)[1]
+        s = ref(flat, False, compute_uv=False)[1]
         return s.reshape(a.shape[:-2] + s.shape[-1:])
     return ops.svd(a, False, False)[1]
+
+
+def _non_finite_at(flat: torch.Tensor) -> int:
+    """1 + the first batch index of ``flat`` (B, m, n) holding a NaN or inf, or 0 (the native
+    kernels' report, for the reference route, whose algorithms just return NaNs)."""
+    finite = torch.isfinite(flat).flatten(-2).all(-1)
+    if bool(finite.all()):
+        return 0
+    return int((~finite).nonzero()[0, 0]) + 1
 
 
 def _uplo(op: str, UPLO: str) -> bool:
@@ -748,8 +765,12 @@ def eigh(
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = ops.read_triangle(flat, upper)[1]
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("eigh", a, bad, lambda: torch.linalg.eigh(a, UPLO))
         ref = complex_eigh_reference if a.is_complex() else eigh_reference
-        lam, q = ref(ops._flat(a), upper)
+        lam, q = ref(flat, upper)
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
     else:
         lam, q = ops.eigh(a, upper, True, method == "jacobi")
@@ -779,8 +800,12 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = ops.read_triangle(flat, upper)[1]
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("eigh", a, bad, lambda: torch.linalg.eigvalsh(a, UPLO))
         ref = complex_eigh_reference if a.is_complex() else eigh_reference
-        return ref(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
+        return ref(flat, upper, compute_v=False)[0].reshape(a.shape[:-1])
     return ops.eigh(a, upper, False, method == "jacobi")[0]
 
 
