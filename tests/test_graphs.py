@@ -180,6 +180,45 @@ def test_native_tier_matches_eager(rows: int, cols: int) -> None:
         torch.testing.assert_close(y, _pointwise_mix(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["resize_input", "resize_view_of_input", "set_input", "set_output", "resize_storage"],
+)
+def test_native_replay_refuses_moved_storages(change: str) -> None:
+    # The C program holds raw pointers: replaying after a reallocation used freed memory.
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = torch.relu(x @ w) + 1
+    assert g.tier == "native"
+    g.replay()
+    label = "static output" if change == "set_output" else "static input e0"
+    if change == "resize_input":
+        x.resize_(64, 64)
+    elif change == "resize_view_of_input":
+        x.view(-1).resize_(4096)  # reallocates the storage x shares
+    elif change == "set_input":
+        x.set_(torch.randn(4, 8))
+    elif change == "set_output":
+        y.set_(torch.empty(4, 8))
+    else:
+        x.untyped_storage().resize_(4 * 4096)
+    with pytest.raises(GraphError, match=f"{label} .*no longer at its capture-time address"):
+        g.replay()
+
+
+def test_native_replay_guard_leaves_in_place_updates_alone() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = torch.relu(x @ w) + 1
+    x.copy_(torch.randn(4, 8))
+    x.resize_(2, 8)  # shrinking keeps the memory: still safe
+    x.resize_(4, 8)
+    g.replay()
+    torch.testing.assert_close(y, torch.relu(x @ w) + 1)
+
+
 def test_unsupported_ops_fall_back_to_torchscript() -> None:
     x = torch.randn(4, 4)
     g = Graph()
@@ -363,3 +402,59 @@ def test_capture_end_from_another_thread_is_refused() -> None:
     g.capture_end()
     g.replay()
     assert torch.equal(y, torch.full((3,), 2.0)) and float(x.sum().item()) == 3.0
+
+
+def test_torchscript_whole_view_of_static_input_keeps_aliasing(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # The output placement moved the view into the pool: it stopped seeing the input.
+    x = torch.zeros(8)
+    g = Graph()
+    with g:
+        v = x.view(2, 4)
+        y = v.sum(0)
+        w = y.view(4)  # two outputs on one storage keep sharing it too
+    g.replay()
+    assert v.data_ptr() == x.data_ptr() and w.data_ptr() == y.data_ptr()
+    x.fill_(1.0)
+    assert v.sum().item() == 8.0
+
+
+def test_torchscript_switch_branch_returning_an_earlier_tensor_copies_it(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # The program bound the switch output to the tensor itself: the later add_ reached it.
+    x = torch.ones(3)
+    g = Graph()
+    with g:
+        h = x * 1.0
+        s = torchport.switch(torch.tensor(0), [lambda t: h, lambda t: t * 3], (x,))
+        h.add_(100)
+    torch.testing.assert_close(s, torch.ones(3))
+    g.replay()
+    torch.testing.assert_close(s, torch.ones(3))
+
+
+@pytest.mark.parametrize("keep_graph", [False, True])
+def test_torchscript_capture_in_inference_mode_replays_outside_it(
+    torchscript_tier,  # type: ignore[no-untyped-def]
+    keep_graph: bool,
+) -> None:
+    # Its outputs are inference tensors: writing them outside inference_mode raised.
+    x = torch.zeros(3)
+    g = Graph(keep_graph=keep_graph)
+    with torch.inference_mode(), g:
+        y = x + 1
+    x.fill_(2.0)
+    g.replay()
+    torch.testing.assert_close(y, torch.full((3,), 3.0))
+
+
+def test_torchscript_loop_body_returning_an_earlier_tensor_copies_it(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # The loop variable was bound to the tensor itself: the later add_ reached the output.
+    x = torch.ones(3)
+    g = Graph()
+    with g:
+        h = x * 2.0
+        _, y = torchport.while_loop(
+            lambda i, y: i < 2, lambda i, y: (i + 1, h), (torch.tensor(0), x)
+        )
+        h.add_(100)
+    g.replay()
+    torch.testing.assert_close(y, torch.full((3,), 2.0))

@@ -602,13 +602,69 @@ def test_errors():
     with pytest.raises(tl.LinalgInputError, match=r"A must be a torch.Tensor, got list"):
         tl.svdvals([[1.0]])
     a = torch.randn(3, 4, 4)
-    a[2, 1, 1] = float("inf")
+    a[2, 1, 1] = float("nan")
     with pytest.raises(torch.linalg.LinAlgError, match=r"svd: \(Batch element 2\).*non-finite"):
         tl.svd(a, method="jacobi")
     with pytest.raises(torch.linalg.LinAlgError, match=r"eigh: \(Batch element 2\).*non-finite"):
         tl.eigh(a, method="jacobi")
     with pytest.raises(torch.linalg.LinAlgError, match=r"svd: The algorithm.*non-finite"):
         tl.svdvals(torch.full((2, 2), float("nan")), method="jacobi")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+@pytest.mark.parametrize("b", [1, 16])
+@pytest.mark.parametrize("where", [(1, 1), (0, 2)], ids=["diagonal", "off_diagonal"])
+def test_infinite_input_gets_torch_linalgs_answer_on_every_route(dtype, b, where):
+    """An inf made the native routes raise while LAPACK (torch.linalg, and "auto" wherever it
+    routes there) returns NaNs for some inputs and fails on others: now every route gives
+    torch.linalg's answer, NaNs where it returns them, LinAlgError where it raises."""
+    x = torch.randn(b, 4, 4, dtype=dtype)
+    a = x + x.mH
+    a[-1, where[0], where[1]] = a[-1, where[1], where[0]] = float("inf")
+    calls = {
+        "svd": lambda m: tl.svd(a, method=m).S,
+        "svdvals": lambda m: tl.svdvals(a, method=m),
+        "eigh": lambda m: tl.eigh(a, method=m).eigenvalues,
+        "eigvalsh": lambda m: tl.eigvalsh(a, method=m),
+    }
+
+    def outcome(call, method):  # the NaN pattern, or "raises"
+        try:
+            return call(method).isnan().tolist()
+        except torch.linalg.LinAlgError:
+            return "raises"
+
+    for name, call in calls.items():
+        want = outcome(call, "lapack")
+        for method in ("jacobi", "auto"):
+            assert outcome(call, method) == want, (name, method, want)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_reference_route_gets_torch_linalgs_answer_for_non_finite_input(monkeypatch, bad):
+    """The reference route ("jacobi" off the CPU) returned its algorithms' NaNs where the other
+    routes raise (NaN): it now answers as they do, with torch.linalg's result."""
+    x = torch.randn(3, 4, 4, dtype=torch.float64)
+    a = x + x.mT
+    a[1, 0, 2] = a[1, 2, 0] = bad
+
+    def outcome(call):
+        try:
+            return call().isnan().tolist()
+        except torch.linalg.LinAlgError as e:
+            assert "(Batch element 1)" in str(e)
+            return "raises"
+
+    calls = {
+        "svd": lambda m: tl.svd(a, method=m).S,
+        "svdvals": lambda m: tl.svdvals(a, method=m),
+        "eigh": lambda m: tl.eigh(a, method=m).eigenvalues,
+        "eigvalsh": lambda m: tl.eigvalsh(a, method=m),
+    }
+    wants = {name: outcome(lambda c=call: c("lapack")) for name, call in calls.items()}
+    monkeypatch.setattr(tl, "_route", lambda *args, **kwargs: "reference")
+    for name, call in calls.items():
+        assert outcome(lambda c=call: c("jacobi")) == wants[name], name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64, torch.complex128])
@@ -1202,3 +1258,43 @@ def test_torch_signature_details_and_float8() -> None:
         for fn in (tl.svdvals, tl.eigvalsh, tl.cholesky, tl.qr):
             with pytest.raises(LinalgInputError, match=r"got torch\.float8_e4m3fn"):
                 fn(a.float().to(torch.float8_e4m3fn), method=method)
+
+
+@pytest.mark.parametrize(
+    "op", ["svd", "svdvals", "eigh", "eigvalsh", "qr", "cholesky", "cholesky_ex"]
+)
+def test_meta_tensors_get_shapes_on_every_method(op):
+    """method="jacobi" ran the reference algorithms on meta tensors, which read values
+    (Tensor.item() on meta raised); every method now propagates shapes as "auto" did."""
+    a = torch.empty(2, 4, 4, device="meta", dtype=torch.float64)
+    want = getattr(torch.linalg, op)(a)
+    want = want if isinstance(want, tuple) else (want,)
+    for method in tl.METHODS:
+        got = getattr(tl, op)(a, method=method)
+        got = got if isinstance(got, tuple) else (got,)
+        assert [(t.shape, t.dtype, t.device) for t in got] == [
+            (t.shape, t.dtype, t.device) for t in want
+        ], method
+
+
+@pytest.mark.parametrize("method", ["auto", "jacobi"])
+def test_compile_fullgraph_traces_the_public_functions(method):
+    """torch.compile(fullgraph=True) broke on _check's is_conj(), then on the route tables and
+    settings: "auto" traces as torch.linalg, "jacobi" as the native kernels' custom ops."""
+    x = torch.randn(2, 4, 4, dtype=torch.float64)
+    a = x @ x.mT + 4 * torch.eye(4, dtype=torch.float64)
+
+    def f(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            tl.svdvals(a, method=method),
+            tl.eigvalsh(a, method=method),
+            tl.cholesky(a, method=method),
+        )
+
+    g = torch.compile(f, fullgraph=True, backend="eager")
+    for got, want in zip(
+        g(a), (torch.linalg.svdvals(a), torch.linalg.eigvalsh(a), torch.linalg.cholesky(a))
+    ):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive-definite"):
+        g(-a)

@@ -53,6 +53,31 @@ def test_compile_fullgraph() -> None:
         torch.testing.assert_close(got[1], want[1])
 
 
+@pytest.mark.parametrize("mode", ["eager", "compile", "make_fx"])
+def test_body_returning_a_bare_tensor_for_one_carried_value(mode: str) -> None:
+    # torch accepts it; tuple() of the result split the tensor into its rows under compile.
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torchport.while_loop(lambda t: t.sum() < 6, lambda t: t + 1, (x,))
+
+    if mode == "compile":
+        f = torch.compile(f, fullgraph=True, backend="eager")
+    elif mode == "make_fx":
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        f = make_fx(f)(torch.zeros(3))
+    out = f(torch.zeros(3))
+    assert isinstance(out, tuple) and len(out) == 1
+    torch.testing.assert_close(out[0], torch.full((3,), 2.0))
+
+
+def test_body_returning_a_bare_tensor_for_two_carried_values_is_refused() -> None:
+    # tuple() of a (2, 3) tensor made two carried (3,) rows: accepted, silently wrong.
+    with pytest.raises(WhileLoopError, match=r"tuple of the 2 carried values.*Tensor\(2, 3\)"):
+        torchport.while_loop(
+            lambda a, b: a.sum() < 6, lambda a, b: torch.stack([a + 1, b]), (torch.zeros(3),) * 2
+        )
+
+
 @pytest.mark.parametrize(
     ("cond", "body", "carried", "match"),
     [

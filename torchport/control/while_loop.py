@@ -5,7 +5,9 @@
 
 - carried values are tensors or ints (possibly nested in tuples/lists/dicts); ``body_fn`` returns
   the same structure, with tensors of the same shape, dtype and device (checked each iteration in
-  eager, naming the leaf);
+  eager, naming the leaf), or a bare value when one value is carried (torch accepts that too);
+- the result is always a tuple (torch returns whatever ``body_fn`` returns, so a bare tensor for
+  a body returning one: here the same in every mode, whatever the trip count);
 - ``cond_fn`` returns a Python bool or a one-element bool tensor;
 - a loop whose condition is false at once returns **copies** of the tensors, never aliases.
 
@@ -72,6 +74,29 @@ def check_pred(pred: Any) -> bool:
     )
 
 
+def body_values(out: Any, n: int) -> tuple[Any, ...]:
+    """``body_fn``'s result as a tuple of ``n`` carried values, never unpacking a tensor.
+
+    A tuple or list is taken as is; a single value stands for one carried value, as torch's
+    ``while_loop`` accepts. (``tuple(tensor)`` would split a tensor along its first dimension
+    into that many "carried values".)
+    """
+    if isinstance(out, (tuple, list)):
+        return tuple(out)
+    if n != 1:
+        raise WhileLoopError(
+            f"while_loop: body_fn must return a tuple of the {n} carried values, got a single "
+            f"{_kind(out)}"
+        )
+    return (out,)
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor{tuple(x.shape)} {x.dtype}"
+    return type(x).__name__
+
+
 def check_body_output(before: Any, after: Any) -> None:
     """Raise unless ``after`` has ``before``'s structure and tensor metadata."""
     lb, sb = pytree.tree_flatten(before)
@@ -117,19 +142,16 @@ def while_loop(
     rec = current_recorder()
     if rec is not None:
         return rec.record_while(cond_fn, body_fn, carried)
-    if torch.compiler.is_compiling():
-        return tuple(torch._higher_order_ops.while_loop(cond_fn, body_fn, carried))
     from torchport.control.switch import _is_tracing
 
-    if _is_tracing(pytree.tree_leaves(carried), None):
-        return tuple(torch._higher_order_ops.while_loop(cond_fn, body_fn, carried))
+    if torch.compiler.is_compiling() or _is_tracing(pytree.tree_leaves(carried), None):
+        # torch's op returns what body_fn returns: a bare tensor for a body returning one.
+        out = torch._higher_order_ops.while_loop(cond_fn, body_fn, carried)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
     vals = carried
     ran = False
     while check_pred(cond_fn(*vals)):
-        out = body_fn(*vals)
-        if not isinstance(out, (tuple, list)):
-            out = (out,) if len(vals) == 1 else out
-        out = tuple(out)
+        out = body_values(body_fn(*vals), len(vals))
         check_body_output(vals, out)
         vals = out
         ran = True

@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
-__all__ = ["CaptureError", "Program", "Recorder", "current_recorder"]
+__all__ = ["CaptureError", "GraphError", "Program", "Recorder", "current_recorder"]
 
 
 class _Active(threading.local):
@@ -57,6 +57,11 @@ def active_stack() -> list[Recorder]:
 
 class CaptureError(RuntimeError):
     """An operation or value that a graph capture cannot record."""
+
+
+class GraphError(RuntimeError):
+    """A ``Graph`` method called in the wrong state (replay before capture, nested capture...),
+    or a replay whose captured buffers were replaced since the capture."""
 
 
 def current_recorder() -> Recorder | None:
@@ -405,6 +410,9 @@ class Recorder(TorchDispatchMode):
         self.emit(f"{idx} = int({self.name_of(index)})")
         with _paused(self):
             chosen = int(index.item())
+        # Tensors named before the switch: a branch returning one must copy it, as the eager
+        # switch output is a copy (an alias would follow later in-place ops on it).
+        outer = {name for _, name in self._names.values()}
         results = []
         blocks = []
         traces = []
@@ -455,7 +463,8 @@ class Recorder(TorchDispatchMode):
             pad = "    " * (self.scope.indent + 1)
             for j, n in enumerate(names):
                 if n is not None:
-                    src = f"{n}.clone()" if (n in operand_names or n.startswith("e")) else n
+                    outside = n in operand_names or n in outer or n.startswith("e")
+                    src = f"{n}.clone()" if outside else n
                     self.scope.lines.append(f"{pad}{outs[j]} = {src}")
             if not any(n is not None for n in names):
                 self.scope.lines.append(f"{pad}pass")
@@ -477,7 +486,12 @@ class Recorder(TorchDispatchMode):
     ) -> tuple[Any, ...]:
         """Record a loop with a data-dependent trip count; return the final carried values."""
         self.has_control = True
-        from torchport.control.while_loop import WhileLoopError, check_body_output, check_pred
+        from torchport.control.while_loop import (
+            WhileLoopError,
+            body_values,
+            check_body_output,
+            check_pred,
+        )
 
         leaves, spec = pytree.tree_flatten(carried)
         for x in leaves:
@@ -499,8 +513,7 @@ class Recorder(TorchDispatchMode):
             return cond_fn(*pytree.tree_unflatten(list(xs), spec))
 
         def run_body(*xs: Any) -> Any:
-            out = body_fn(*pytree.tree_unflatten(list(xs), spec))
-            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            out = body_values(body_fn(*pytree.tree_unflatten(list(xs), spec)), len(carried))
             check_body_output(tuple(pytree.tree_unflatten(list(xs), spec)), out)
             return pytree.tree_leaves(out)
 
@@ -511,8 +524,12 @@ class Recorder(TorchDispatchMode):
                 f"tensor, got {pred!r}"
             )
         pred_name = self._value_name(pred)
+        # Tensors named before the loop (other than its own variables): a body returning one
+        # must copy it, or the loop variable would alias it and follow later in-place ops.
+        outer = {name for _, name in self._names.values()} - set(loop_vars)
         body_out, body_lines, body_trace = self._sub(run_body, probes)
         body_names = [self._value_name(t) for t in body_out]
+        body_names = [f"{b}.clone()" if b in outer or b.startswith("e") else b for b in body_names]
         pad = "    " * self.scope.indent
         self.scope.lines.extend(_dedent(cond_lines, 1))
         self.emit(f"while bool({pred_name}):")
@@ -528,8 +545,7 @@ class Recorder(TorchDispatchMode):
         with _paused(self):
             vals = [x.clone() for x in leaves]
             while check_pred(cond_fn(*pytree.tree_unflatten(vals, spec))):
-                out = body_fn(*pytree.tree_unflatten(vals, spec))
-                out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+                out = body_values(body_fn(*pytree.tree_unflatten(vals, spec)), len(carried))
                 vals = [x.clone() for x in pytree.tree_leaves(out)]
         for n, v in zip(loop_vars, vals):
             self.bind(v, n)
@@ -539,21 +555,11 @@ class Recorder(TorchDispatchMode):
         return tuple(pytree.tree_unflatten(vals, spec))
 
     # -- finishing ------------------------------------------------------------------------------
-    def finish(self) -> Program:
-        """Compile the recording; outputs are the produced tensors still alive now."""
-        trace, self.scope.trace = self.scope.trace, []
-        from torchport.graphs.native import lower
-
-        low = lower(trace)
-        if low is not None:
-            run, keep, csrc = low
-            self._keep.clear()
-            return Program(csrc, run, keep, [], self.ops, "native")
-        del trace
+    def _outputs(self) -> tuple[list[torch.Tensor], list[str]]:
+        """The produced tensors still alive (the static outputs) and their names."""
         outs: list[torch.Tensor] = []
         out_names: list[str] = []
         seen: set[int] = set()
-        self._keep.clear()
         for ref, name in self.produced:
             t = ref()
             if t is not None and id(t) not in seen:
@@ -562,6 +568,22 @@ class Recorder(TorchDispatchMode):
                     seen.add(id(t))
                     outs.append(t)
                     out_names.append(name)
+        return outs, out_names
+
+    def finish(self) -> Program:
+        """Compile the recording; outputs are the produced tensors still alive now."""
+        trace, self.scope.trace = self.scope.trace, []
+        from torchport.graphs.native import lower
+
+        low = lower(trace)
+        del trace  # the recorded intermediates die here, unless the caller kept them
+        self._keep.clear()
+        outs, out_names = self._outputs()
+        if low is not None:
+            run, guard, csrc = low
+            labels = [f"static input e{k}" for k in range(len(self.ext))]
+            guard([*self.ext, *outs], labels + [f"static output {n}" for n in out_names])
+            return Program(csrc, run, [], [], self.ops, "native")
         head = ["def prog(ext: List[Tensor], outs: List[Tensor]):"]
         head += [f"    e{k} = ext[{k}]" for k in range(len(self.ext))]
         tail = [f"    outs[{j}].copy_({n})" for j, n in enumerate(out_names)]
@@ -571,9 +593,17 @@ class Recorder(TorchDispatchMode):
         except RuntimeError as e:
             raise CaptureError(f"graph capture: the recorded program does not compile: {e}") from e
         fn, ext = cu.prog, list(self.ext)
+        if any(t.is_inference() for t in outs):
+            # Outputs made under inference_mode are inference tensors, which only inference
+            # mode may write in place: replay there wherever it is called from.
+            def run_ts() -> None:
+                with torch._C._InferenceMode(True):
+                    fn(ext, outs)
 
-        def run_ts() -> None:
-            fn(ext, outs)
+        else:
+
+            def run_ts() -> None:
+                fn(ext, outs)
 
         return Program(source, run_ts, ext, outs, self.ops, "torchscript")
 

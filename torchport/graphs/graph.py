@@ -19,14 +19,10 @@ from typing import Any, Literal
 
 import torch
 
-from torchport.graphs.capture import Program, Recorder, active_stack, global_ban
+from torchport.graphs.capture import GraphError, Program, Recorder, active_stack, global_ban
 from torchport.graphs.pool import MemPool
 
 __all__ = ["Graph", "GraphError"]
-
-
-class GraphError(RuntimeError):
-    """A ``Graph`` method called in the wrong state (replay before capture, nested capture...)."""
 
 
 class Graph:
@@ -130,12 +126,24 @@ class Graph:
             global_ban.release()
 
     def _place_outputs(self, prog: Program) -> None:
-        """Move static outputs that own their storage into the pool (values unchanged)."""
-        with torch.no_grad():
+        """Move static outputs that own their storage into the pool (values unchanged).
+
+        An output on a static input's storage (a whole view of it made in the capture) or on
+        another output's stays where it is: moving it would break the aliasing eager has.
+        """
+        ext = {t.untyped_storage().data_ptr() for t in prog.ext}
+        shared: dict[int, int] = {}
+        for t in prog.outs:
+            key = t.untyped_storage().data_ptr()
+            shared[key] = shared.get(key, 0) + 1
+        inference = any(t.is_inference() for t in prog.outs)  # set_ on them needs the mode
+        with torch.no_grad(), torch.inference_mode(inference):
             for t in prog.outs:
                 st = t.untyped_storage()
                 owns = (
-                    t.is_contiguous()
+                    st.data_ptr() not in ext
+                    and shared[st.data_ptr()] == 1
+                    and t.is_contiguous()
                     and t.storage_offset() == 0
                     and st.nbytes() == t.numel() * t.element_size()
                     and not t.requires_grad

@@ -641,9 +641,19 @@ def _emit_block(cg: _Codegen, trace: Sequence[tuple[Any, ...]]) -> None:
 
 def lower(
     trace: Sequence[tuple[Any, ...]],
-) -> tuple[Callable[[], None], list[torch.Tensor], str] | None:
+) -> tuple[Callable[[], None], Callable[[Sequence[torch.Tensor], Sequence[str]], None], str] | None:
     """C function for ``trace`` (see :class:`~torchport.graphs.capture.Recorder`: ops with their
-    real tensors, ``switch`` and ``while`` items), or ``None`` if something is unsupported."""
+    real tensors, ``switch`` and ``while`` items), or ``None`` if something is unsupported.
+
+    Returns ``(run, guard, source)``. The program holds raw pointers into the captured storages
+    (and keeps those storages alive): after a ``resize_`` that reallocates one, or a ``set_``
+    that moves a captured tensor to other memory, a replay would use freed memory or write where
+    the tensor no longer looks. ``guard(tensors, labels)`` makes ``run`` compare each tensor's
+    ``data_ptr()`` with its value now and raise :class:`~torchport.graphs.GraphError` naming the
+    first that moved (about 0.1 us per tensor). Any reallocation of a storage moves every tensor
+    on it, so guarding the tensors the caller can reach (static inputs and outputs) suffices;
+    intermediates nobody holds cannot change.
+    """
     if not native.enabled():
         return None
     cg = _Codegen()
@@ -675,18 +685,47 @@ def lower(
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     scratch = [torch.empty(max(1, cg.pack_floats)), torch.empty(max(1, cg.tmp_floats))]
-    keep = list(cg.storages)
-    ptrs = (ctypes.c_void_p * (ns + 2))(*[t.untyped_storage().data_ptr() for t in keep + scratch])
+    # The storages themselves, not tensors on them: a later ``set_`` of a captured tensor then
+    # leaves the memory the program writes alive (and the guard reports the move).
+    keep = [t.untyped_storage() for t in cg.storages]
+    ptrs = (ctypes.c_void_p * (ns + 2))(
+        *[st.data_ptr() for st in keep], *[t.data_ptr() for t in scratch]
+    )
     fptrs = (ctypes.c_void_p * max(1, len(cg.fns)))(
         *[ctypes.cast(f, ctypes.c_void_p).value for f in cg.fns]
     )
 
     errors = list(cg.errors)
+    watch: list[torch.Tensor] = []  # filled by guard() once the capture knows its outputs
+    expect: list[int] = []
+    labels: list[str] = []
 
     def run() -> None:
+        if [t.data_ptr() for t in watch] != expect:
+            _moved(watch, expect, labels)
         rc = fn(ptrs, fptrs)
         if rc:
             raise IndexError(f"graph replay: {errors[rc - 1]}")
 
+    def guard(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+        watch[:] = tensors
+        expect[:] = [t.data_ptr() for t in tensors]
+        labels[:] = names
+
     run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch)
-    return run, keep, src
+    return run, guard, src
+
+
+def _moved(watch: Sequence[torch.Tensor], expect: Sequence[int], labels: Sequence[str]) -> None:
+    """Raise for the first watched tensor that left its capture-time address."""
+    from torchport.graphs.capture import GraphError
+
+    for t, label, p in zip(watch, labels, expect):
+        if t.data_ptr() != p:
+            raise GraphError(
+                f"Graph.replay: {label} (Tensor{tuple(t.shape)} {t.dtype}) is no longer at its "
+                f"capture-time address (0x{p:x}, now 0x{t.data_ptr():x}): its storage was "
+                "replaced or reallocated (set_, resize_, share_memory_) since the capture, and "
+                "the native program would use freed memory; write new values with copy_, or "
+                "reset() and capture again"
+            )

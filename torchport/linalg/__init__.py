@@ -122,6 +122,10 @@ def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
             f"torchport.linalg.{op}: A must be batches of square matrices, got "
             f"{a.shape[-2]} by {a.shape[-1]} matrices"
         )
+    if torch.compiler.is_dynamo_compiling():
+        # dynamo cannot trace is_conj()/is_neg() (a bool result breaks fullgraph=True); the
+        # resolves trace, and are no-ops on a tensor without the bit
+        return a.resolve_conj().resolve_neg()
     if a.is_conj() or a.is_neg():
         # a lazy conjugate (A.conj()) shares A's memory unconjugated, and .contiguous() keeps the
         # bit: the kernels read raw memory, so materialise it (differentiable)
@@ -208,14 +212,14 @@ def _native_ok(a: torch.Tensor) -> bool:
     conjugate or negative view (the launchers read raw memory: such a view takes the general
     path, which resolves it), no autograd to record, no tracing."""
     return not (
-        _routes_gen[0] != _cfg_gen[0]
+        torch.compiler.is_compiling()  # first: dynamo cannot trace the ContextVar read below
+        or _routes_gen[0] != _cfg_gen[0]
         or not _neutral_overrides()
         or _env_data.get(_NATIVE_ENV) != _native_env[0]
         or not a.is_cpu
         or a.is_conj()
         or a.is_neg()
         or (a.requires_grad and torch.is_grad_enabled())
-        or torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
         or (
             torch._C._is_torch_function_mode_enabled()
@@ -302,6 +306,14 @@ def _route(
 ) -> str:
     """'native', 'lapack' or 'reference' for this call; ``public`` is the options as the public
     function's inline LAPACK test spells them (default ``extra``)."""
+    if torch.compiler.is_dynamo_compiling():
+        # No tuning while dynamo traces (nor can it trace the settings and route tables):
+        # "jacobi" is the native kernels' custom ops (fake shapes), "auto" torch.linalg.
+        if method not in METHODS:
+            raise LinalgInputError(
+                f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
+            )
+        return "native" if method == "jacobi" else "lapack"
     _sync_routes()
     if method == "auto":
         fast = (op, a.shape, a.dtype, a.device, extra)
@@ -312,7 +324,9 @@ def _route(
         raise LinalgInputError(
             f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
         )
-    if method == "lapack":
+    if method == "lapack" or a.device.type == "meta":
+        # meta tensors hold no values: torch.linalg's meta kernels give the shapes and dtypes
+        # every method returns (the reference algorithms of "jacobi" read values)
         return "lapack"
     if a.device.type != "cpu":
         return "reference" if method == "jacobi" else "lapack"
@@ -653,8 +667,12 @@ def svd(
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = _non_finite_at(flat)
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("svd", a, bad, lambda: torch.linalg.svd(a, full_matrices))
         ref = complex_svd_reference if a.is_complex() else svd_reference
-        u, s, vh = ref(ops._flat(a), full_matrices)
+        u, s, vh = ref(flat, full_matrices)
         batch = a.shape[:-2]
         u, s, vh = (t.reshape(batch + t.shape[1:]) for t in (u, s, vh))
     else:
@@ -687,10 +705,23 @@ def svdvals(A: torch.Tensor, *, driver: str | None = None, method: str = "auto")
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = _non_finite_at(flat)
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("svd", a, bad, lambda: torch.linalg.svdvals(a))
         ref = complex_svd_reference if a.is_complex() else svd_reference
-        s = ref(ops._flat(a), False, compute_uv=False)[1]
+        s = ref(flat, False, compute_uv=False)[1]
         return s.reshape(a.shape[:-2] + s.shape[-1:])
     return ops.svd(a, False, False)[1]
+
+
+def _non_finite_at(flat: torch.Tensor) -> int:
+    """1 + the first batch index of ``flat`` (B, m, n) holding a NaN or inf, or 0 (the native
+    kernels' report, for the reference route, whose algorithms just return NaNs)."""
+    finite = torch.isfinite(flat).flatten(-2).all(-1)
+    if bool(finite.all()):
+        return 0
+    return int((~finite).nonzero()[0, 0]) + 1
 
 
 def _uplo(op: str, UPLO: str) -> bool:
@@ -734,8 +765,12 @@ def eigh(
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = ops.read_triangle(flat, upper)[1]
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("eigh", a, bad, lambda: torch.linalg.eigh(a, UPLO))
         ref = complex_eigh_reference if a.is_complex() else eigh_reference
-        lam, q = ref(ops._flat(a), upper)
+        lam, q = ref(flat, upper)
         lam, q = lam.reshape(a.shape[:-1]), q.reshape(a.shape)
     else:
         lam, q = ops.eigh(a, upper, True, method == "jacobi")
@@ -765,8 +800,12 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
         if run is not None:
             return run(a)
     if route == "reference":
+        flat = ops._flat(a)
+        bad = ops.read_triangle(flat, upper)[1]
+        if bad:  # as the native routes: torch.linalg's answer
+            return ops.non_finite("eigh", a, bad, lambda: torch.linalg.eigvalsh(a, UPLO))
         ref = complex_eigh_reference if a.is_complex() else eigh_reference
-        return ref(ops._flat(a), upper, compute_v=False)[0].reshape(a.shape[:-1])
+        return ref(flat, upper, compute_v=False)[0].reshape(a.shape[:-1])
     return ops.eigh(a, upper, False, method == "jacobi")[0]
 
 
@@ -798,7 +837,8 @@ def qr(
         run = _one_learn("qr", a, (mode,), lambda: one.qr_plan(a.shape, a.dtype, mode))
         if run is not None:
             return run(a)
-    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
+    learn = route == "native" and a.is_cpu and a.numel() and not torch.compiler.is_compiling()
+    if learn and _neutral_overrides():
         if len(_qr_native) >= 4096:  # bound the table for programs with ever-new shapes
             _qr_native.clear()
         _qr_native[(method, a.shape, a.dtype, mode)] = run = _qr_plan(a, mode)
@@ -857,7 +897,8 @@ def _learn_native(a: torch.Tensor, upper: bool, method: str, route: str) -> None
     """Remember the launcher of a CPU Cholesky that ``method`` routed to native, for repeats
     (not under an override of a routing setting: the fast path assumes the settings it was
     learned with)."""
-    if route == "native" and a.is_cpu and a.numel() and _neutral_overrides():
+    learn = route == "native" and a.is_cpu and a.numel() and not torch.compiler.is_compiling()
+    if learn and _neutral_overrides():
         if len(_chol_native) >= 4096:  # bound the table for programs with ever-new shapes
             _chol_native.clear()
         _chol_native[(method, a.shape, a.dtype, upper)] = _chol_plan(a, upper)
@@ -911,6 +952,8 @@ def _cholesky_ex(
         if check_errors and bad:
             _raise_not_pd(op, a, info)
         return _rt.linalg_cholesky_ex((fac, info))
+    elif check_errors and torch.compiler.is_compiling():  # the check inside the traced op
+        return _rt.linalg_cholesky_ex(ops.cholesky_checked(a, bool(upper), op))
     else:
         fac, info = ops.cholesky_ex(a, bool(upper))
     if check_errors:

@@ -21,7 +21,8 @@ are not inlined, so the batched and one-matrix entry points run the same machine
 bit for bit; S and the eigenvalues are then real. The plain-torch references of the
 algorithms are those of :mod:`torchport.linalg.reference`. A launcher returns what the public function returns
 (torch's named tuples, or the lone tensor of ``svdvals``, ``eigvalsh`` and ``cholesky``) and
-fails as the op layer does: ``torch.linalg.LinAlgError`` for non-finite input (svd, eigh) and,
+treats non-finite input (svd, eigh) as the op layer does (``ops.non_finite``: ``torch.linalg``'s
+answer, NaNs for infinities, ``torch.linalg.LinAlgError`` where LAPACK fails on NaN) and fails,
 through the ``fail`` callback, for a leading minor that is not positive-definite (cholesky).
 It assumes a plain eager CPU tensor of the planned shape and dtype, with nothing for autograd
 to record; the caller checks that (``torchport.linalg._native_ok``).
@@ -92,14 +93,6 @@ def _check_plan(shape: torch.Size) -> tuple[int, int]:
     return m, n
 
 
-def _not_finite(op: str, a: torch.Tensor) -> None:
-    where = "(Batch element 0): " if a.dim() > 2 else ""
-    raise torch.linalg.LinAlgError(
-        f"torchport.linalg.{op}: {where}The algorithm failed to converge because the input "
-        "matrix contained non-finite values."
-    )
-
-
 def svd_plan(
     shape: torch.Size, dtype: torch.dtype, full_matrices: bool, compute_uv: bool
 ) -> Callable[[torch.Tensor], Any]:
@@ -118,7 +111,7 @@ def svd_plan(
                 a = a.contiguous()
             s = torch.empty_like(s_like)
             if call(a.data_ptr(), s.data_ptr(), None, None, code):
-                _not_finite("svd", a)
+                return ops.non_finite("svd", a, 1, lambda: torch.linalg.svdvals(a))
             return s
 
         return vals
@@ -130,7 +123,7 @@ def svd_plan(
             a = a.contiguous()
         u, s, vh = torch.empty_like(u_like), torch.empty_like(s_like), torch.empty_like(vh_like)
         if call(a.data_ptr(), s.data_ptr(), u.data_ptr(), vh.data_ptr(), code):
-            _not_finite("svd", a)
+            return ops.non_finite("svd", a, 1, lambda: torch.linalg.svd(a, full_matrices))
         return _rt.linalg_svd((u, s, vh))
 
     return run
@@ -156,6 +149,7 @@ def eigh_plan(
     else:
         code = _code(0, n, upper, compute_v, bool(kernels.EIGH_ORDER), tridiagonal)
     lam_like = torch.empty(shape[:-1], dtype=dtype.to_real())
+    uplo = "U" if upper else "L"
     if not compute_v:
 
         def vals(a: torch.Tensor) -> torch.Tensor:
@@ -165,7 +159,7 @@ def eigh_plan(
             if call(a.data_ptr(), lam.data_ptr(), None, code):
                 m, bad = ops.read_triangle(a.view(1, n, n), upper)  # unread triangle's NaN/inf
                 if bad or call(m.data_ptr(), lam.data_ptr(), None, code):
-                    _not_finite("eigh", a)
+                    return ops.non_finite("eigh", a, 1, lambda: torch.linalg.eigvalsh(a, uplo))
             return lam
 
         return vals
@@ -178,7 +172,7 @@ def eigh_plan(
         if call(a.data_ptr(), lam.data_ptr(), q.data_ptr(), code):
             m, bad = ops.read_triangle(a.view(1, n, n), upper)  # unread triangle's NaN/inf
             if bad or call(m.data_ptr(), lam.data_ptr(), q.data_ptr(), code):
-                _not_finite("eigh", a)
+                return ops.non_finite("eigh", a, 1, lambda: torch.linalg.eigh(a, uplo))
         return _rt.linalg_eigh((lam, q))
 
     return run

@@ -10,16 +10,34 @@ formulas live in :mod:`torchport.linalg.autograd`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from torchport.linalg import autograd as ag
 from torchport.linalg import complex_factor, complex_jacobi, kernels
 
+_T = TypeVar("_T")
+
 
 def _batch_prefix(a: torch.Tensor, bad: int) -> str:
     return f"(Batch element {bad - 1}): " if a.dim() > 2 else ""
+
+
+def non_finite(op: str, a: torch.Tensor, bad: int, lapack: Callable[[], _T]) -> _T:
+    """What every route answers once a native kernel found non-finite values in ``a`` (batch
+    element ``bad - 1``): ``torch.linalg``'s result for that input, so that ``"jacobi"``, the
+    one-matrix launchers and the LAPACK route of ``"auto"`` agree. LAPACK runs through
+    infinities and returns NaNs, but fails on NaN, and torch then raises ``LinAlgError``: raised
+    here naming the batch element and the cause."""
+    try:
+        return lapack()
+    except torch.linalg.LinAlgError:
+        raise torch.linalg.LinAlgError(
+            f"torchport.linalg.{op}: {_batch_prefix(a, bad)}The algorithm failed to converge "
+            "because the input matrix contained non-finite values."
+        ) from None
 
 
 def _flat(a: torch.Tensor) -> torch.Tensor:
@@ -42,10 +60,9 @@ def svd_impl(
     run = complex_jacobi.svd if a.is_complex() else kernels.svd
     u, s, vh, bad = run(_flat(a), full_matrices, compute_uv)
     if bad:
-        raise torch.linalg.LinAlgError(
-            f"torchport.linalg.svd: {_batch_prefix(a, bad)}The algorithm failed to converge "
-            "because the input matrix contained non-finite values."
-        )
+        if compute_uv:
+            return non_finite("svd", a, bad, lambda: tuple(torch.linalg.svd(a, full_matrices)))
+        return non_finite("svd", a, bad, lambda: (u, torch.linalg.svdvals(a), vh))
     s = s.reshape(batch + s.shape[-1:])
     if not compute_uv:
         return a.new_empty(0), s, a.new_empty(0)
@@ -129,10 +146,10 @@ def eigh_impl(
         if not bad:
             lam, q, bad = _eigh_kernel(mirrored, upper, compute_v, jacobi)
     if bad:
-        raise torch.linalg.LinAlgError(
-            f"torchport.linalg.eigh: {_batch_prefix(a, bad)}The algorithm failed to converge "
-            "because the input matrix contained non-finite values."
-        )
+        uplo = "U" if upper else "L"
+        if compute_v:
+            return non_finite("eigh", a, bad, lambda: tuple(torch.linalg.eigh(a, uplo)))
+        return non_finite("eigh", a, bad, lambda: (torch.linalg.eigvalsh(a, uplo), a.new_empty(0)))
     lam = lam.reshape((*batch, n))
     return lam, (q.reshape((*batch, n, n)) if compute_v else a.new_empty(0))
 
@@ -242,6 +259,40 @@ def _chol_bwd(ctx: Any, gl: Any, ginfo: Any) -> tuple[Any, None]:
 
 
 _chol_op.register_autograd(_chol_bwd, setup_context=_chol_setup)
+
+
+def cholesky_checked_impl(
+    a: torch.Tensor, upper: bool, op: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cholesky_impl`, raising ``LinAlgError`` for a matrix that is not positive-definite
+    inside the op: under ``torch.compile`` the check cannot be a data-dependent branch after it."""
+    fac, info = cholesky_impl(a, upper)
+    from torchport.linalg import _raise_not_pd
+
+    _raise_not_pd(op, a, info)
+    return fac, info
+
+
+_chol_checked_op = torch.library.custom_op(
+    "torchport::linalg_cholesky_checked", cholesky_checked_impl, mutates_args=()
+)
+
+
+@_chol_checked_op.register_fake
+def _(a: torch.Tensor, upper: bool, op: str) -> tuple[Any, Any]:
+    return a.new_empty(a.shape), a.new_empty(a.shape[:-2], dtype=torch.int32)
+
+
+def _chol_checked_bwd(ctx: Any, gl: Any, ginfo: Any) -> tuple[Any, None, None]:
+    return _chol_bwd(ctx, gl, ginfo)[0], None, None
+
+
+_chol_checked_op.register_autograd(_chol_checked_bwd, setup_context=_chol_setup)
+
+
+def cholesky_checked(a: torch.Tensor, upper: bool, op: str) -> tuple[Any, Any]:
+    """The checked Cholesky through its custom op (for traced calls)."""
+    return _chol_checked_op(a, upper, op)
 
 
 def cholesky_ex(a: torch.Tensor, upper: bool) -> tuple[Any, Any]:
