@@ -195,6 +195,13 @@ def test_kernel_argument_validation(fresh_cache):
         k(torch.empty(8)[::2], 4, 1.0, 1)
     with pytest.raises(KernelArgumentError, match=r"'n' must be an int, got 2.0"):
         k(torch.empty(4), 2.0, 1.0, 1)
+    # out of int64_t range: ctypes alone would pass 2**64 + 4 as 4
+    with pytest.raises(
+        KernelArgumentError, match=r"'n' must fit in int64_t .*, got 18446744073709551620"
+    ):
+        k(torch.empty(4), 2**64 + 4, 1.0, 1)
+    with pytest.raises(KernelArgumentError, match=r"'nt' must fit in int64_t"):
+        k(torch.empty(4), 4, 1.0, -(2**63) - 1)
     with pytest.raises(KernelArgumentError, match=r"takes 4 arguments"):
         k(torch.empty(4))
     with pytest.raises(KernelArgumentError, match=r"must be a torch.Tensor, got list"):

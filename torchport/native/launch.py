@@ -62,6 +62,8 @@ class FloatArg:
 
 ArgSpec = TensorArg | IntArg | FloatArg
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 
 def _ctype(spec: ArgSpec) -> type:
     if isinstance(spec, TensorArg):
@@ -160,6 +162,12 @@ class Kernel:
                 if not isinstance(v, int) or isinstance(v, bool):
                     raise KernelArgumentError(
                         f"{self.name}: argument {spec.name!r} must be an int, got {v!r}"
+                    )
+                # ctypes wraps an out-of-range int modulo 2**64 without a word (2**64 + 5 -> 5)
+                if not _INT64_MIN <= v <= _INT64_MAX:
+                    raise KernelArgumentError(
+                        f"{self.name}: argument {spec.name!r} must fit in int64_t "
+                        f"[{_INT64_MIN}, {_INT64_MAX}], got {v}"
                     )
                 raw.append(v)
             else:
