@@ -130,6 +130,17 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(tmp_path):
     assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
 
 
+def test_cache_file_of_binary_garbage_is_ignored_and_rewritten(tmp_path):
+    path = tmp_path / "choices.json"
+    path.write_bytes(b"\xff\xfe\x00torn block\x80")  # not UTF-8: read_text() raised on it
+    cache = ChoiceCache(path)
+    with pytest.warns(autotune.CorruptChoiceCacheWarning, match="ignoring corrupt"):
+        assert cache.get("op", {"k": 1}) is None
+    with pytest.warns(autotune.CorruptChoiceCacheWarning):
+        cache.put("op", {"k": 1}, "fast", {"fast": 1.0})
+    assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
+
+
 def test_foreign_format_is_ignored(tmp_path):
     path = tmp_path / "choices.json"
     path.write_text(json.dumps({"format": "other", "entries": {}}))

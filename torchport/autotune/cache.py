@@ -75,14 +75,16 @@ class ChoiceCache:
     def _read_disk(self) -> dict[str, dict[str, Any]]:
         p = self.path
         try:
-            text = p.read_text()
+            raw = p.read_bytes()
         except FileNotFoundError:
             return {}
         except OSError as e:
             warnings.warn(f"torchport: cannot read {p}: {e}", CorruptChoiceCacheWarning, 2)
             return {}
         try:
-            data = json.loads(text)
+            # bytes, not read_text(): a damaged file that is not UTF-8 is corrupt like any other
+            # (UnicodeDecodeError is a ValueError), where read_text() raised it from every lookup
+            data = json.loads(raw)
             if not isinstance(data, dict) or data.get("format") != FORMAT:
                 raise ValueError("unexpected format")
             entries = data["entries"]
