@@ -141,6 +141,36 @@ def test_cache_file_of_binary_garbage_is_ignored_and_rewritten(tmp_path):
     assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"choice": ["fast"]},
+        {"choice": "fast", "timings_s": 3},
+        {"choice": "fast", "timings_s": {"a": "x"}},
+    ],
+    ids=["list-choice", "int-timings", "string-timing"],
+)
+def test_malformed_entry_is_ignored_and_retuned(fresh_cache, entry):
+    key = {"n": 5}
+    path = autotune.choice_cache.path
+    path.write_text(
+        json.dumps(
+            {
+                "format": "torchport-autotune-v1",
+                "entries": {
+                    autotune.cache.entry_key("toy", key): entry,
+                    "other": {"choice": "slow"},
+                },
+            }
+        )
+    )
+    warns = pytest.warns(autotune.CorruptChoiceCacheWarning, match="ignoring 1 malformed entries")
+    with warns, config.override(autotune_reps=3):
+        choice = _select(key, aten_delay=0.002)
+    assert not choice.from_cache and choice.candidate.name == "fast"
+    assert autotune.choice_cache.entries()["other"]["choice"] == "slow"  # a sound entry stays
+
+
 def test_foreign_format_is_ignored(tmp_path):
     path = tmp_path / "choices.json"
     path.write_text(json.dumps({"format": "other", "entries": {}}))

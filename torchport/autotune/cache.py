@@ -55,6 +55,18 @@ def entry_key(op: str, key: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _well_formed(entry: object) -> bool:
+    """True for an entry :func:`select` and the ops can use: a string choice and, if present,
+    timings mapping names to numbers (a damaged entry with a list choice or string timings
+    raised TypeError in every lookup of its problem)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("choice"), str):
+        return False
+    timings = entry.get("timings_s", {})
+    return isinstance(timings, dict) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) for t in timings.values()
+    )
+
+
 class ChoiceCache:
     """In-memory view of the persistent choice file."""
 
@@ -90,7 +102,7 @@ class ChoiceCache:
             entries = data["entries"]
             if not isinstance(entries, dict):
                 raise ValueError("entries is not an object")
-            return {k: v for k, v in entries.items() if isinstance(v, dict) and "choice" in v}
+            kept = {k: v for k, v in entries.items() if _well_formed(v)}
         except (ValueError, KeyError) as e:
             warnings.warn(
                 f"torchport: ignoring corrupt autotune cache {p} ({e}); it will be rewritten",
@@ -98,6 +110,14 @@ class ChoiceCache:
                 stacklevel=3,
             )
             return {}
+        if len(kept) < len(entries):
+            warnings.warn(
+                f"torchport: ignoring {len(entries) - len(kept)} malformed entries of the autotune "
+                f"cache {p}; they will be re-tuned",
+                CorruptChoiceCacheWarning,
+                stacklevel=3,
+            )
+        return kept
 
     def _refresh(self) -> None:
         p = self.path
