@@ -172,6 +172,56 @@ def test_ops_fall_back_visibly_without_compiler(fresh_cache, monkeypatch):
     assert native.toolchain.fallback_counts["axpy"] >= 2
 
 
+def _fresh_view(monkeypatch) -> None:
+    """A new process's view: nothing loaded, no directory checked yet."""
+    monkeypatch.setattr(native.toolchain, "_loaded", {})
+    monkeypatch.setattr(native.toolchain, "_private_dirs", set())
+
+
+def test_cache_others_can_write_loads_and_builds_nothing(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # not sticky: anyone may rename our directories and plant theirs
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(shared / "cache"))
+    _fresh_view(monkeypatch)
+    before = native.stats().compiles
+    with pytest.raises(native.UnsafeCacheError, match=r"shared must not be writable by other"):
+        native.build(_source("unsafe"), name="fill")
+    assert native.stats().compiles == before
+    # under a sticky directory (as /tmp), a cache of our own is fine
+    shared.chmod(0o1777)
+    assert _fill("unsafe")[1].item() == 3.5
+
+
+def test_cache_entry_directory_others_can_write_is_refused(fresh_cache, monkeypatch):
+    _fill("leaf")
+    (leaf,) = {p.parent for p in Path(fresh_cache, "native").rglob("fill-*.so")}
+    leaf.chmod(0o1777)  # sticky does not help here: a stranger could add the next kernel's .so
+    _fresh_view(monkeypatch)
+    with pytest.raises(native.UnsafeCacheError, match=r"must not be writable by other users"):
+        _fill("leaf")
+
+
+def test_cache_directory_of_another_user_is_refused(fresh_cache, monkeypatch):
+    from torchport.ops import elementwise
+
+    _fill("owner")
+    if os.geteuid() == 0:
+        os.chown(Path(fresh_cache, "native"), 65534, 65534)
+    else:  # the same as seen by another (non-root) user
+        monkeypatch.setattr(os, "geteuid", lambda: 65534)
+    _fresh_view(monkeypatch)
+    with pytest.raises(native.UnsafeCacheError, match=r"must be owned by this user \(uid"):
+        _fill("owner")
+    # ops take their ATen path, visibly
+    elementwise._kernel.cache_clear()
+    monkeypatch.setattr(native.toolchain, "_warned_fallback", set())
+    x, y = torch.randn(100), torch.randn(100)
+    with pytest.warns(native.NativeFallbackWarning, match="axpy unavailable, using ATen"):
+        assert torch.allclose(elementwise.axpy(2.0, x, y), 2.0 * x + y)
+    elementwise._kernel.cache_clear()
+
+
 def test_kernel_argument_validation(fresh_cache):
     lib = native.build(_source("args"), name="fill")
     k = Kernel(

@@ -445,9 +445,11 @@ def describe() -> list[tuple[str, str, Any, str]]:
 
 
 def cache_path(*parts: str) -> Path:
-    """Path under the cache directory (created)."""
-    p = Path(get("cache_dir")).expanduser().joinpath(*parts)
-    p.mkdir(parents=True, exist_ok=True)
+    """Path under the cache directory (created private to this user: it holds compiled code)."""
+    root = Path(get("cache_dir")).expanduser()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    p = root.joinpath(*parts)
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
     return p
 
 

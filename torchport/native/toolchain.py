@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import grp
 import hashlib
 import json
 import os
+import pwd
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -46,6 +49,10 @@ class CompileError(NativeError):
     """The C compiler rejected a generated kernel; the message carries its output."""
 
 
+class UnsafeCacheError(NativeError):
+    """The cache directory could be changed by another user: no object is loaded from it."""
+
+
 class CorruptCacheWarning(UserWarning):
     """A cache entry failed verification and was rebuilt."""
 
@@ -71,6 +78,7 @@ _lock = threading.Lock()
 _key_locks: dict[str, threading.Lock] = {}
 _loaded: dict[str, ctypes.CDLL] = {}
 _warned_fallback: set[str] = set()
+_private_dirs: set[str] = set()  # directories this process found safe to load code from
 fallback_counts: dict[str, int] = {}
 
 
@@ -141,13 +149,62 @@ def cache_key(source: str, flags: Sequence[str], cc: str) -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _own_group(gid: int) -> bool:
+    """True for this user's private group (same name, no other members): a directory writable by
+    it, as ``umask 002`` makes them on user-private-group systems, is writable by this user only."""
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == os.getegid() and group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def check_private(d: Path) -> None:
+    """Raise :class:`UnsafeCacheError` unless only this user (and root) can change what directory
+    ``d`` holds, so that an object found there was written by this user.
+
+    Every directory from ``d`` up to ``/`` (along the path as given and along its resolved one)
+    must be owned by this user or root; ``d`` itself must be writable by no other user (else one
+    could plant a ``.so`` with a matching record under the next kernel's name), and an ancestor
+    writable by others must be sticky (as ``/tmp``), so that our entries cannot be renamed away.
+    Checked once per directory per process."""
+    if str(d) in _private_dirs:
+        return
+    given = Path(os.path.abspath(d))
+    euid = os.geteuid()
+    for top in {given, Path(os.path.realpath(d))}:
+        for p in (top, *top.parents):
+            try:
+                st = os.stat(p)
+            except OSError as e:
+                raise UnsafeCacheError(f"cannot check native cache directory {p}: {e}") from e
+            mode = stat.S_IMODE(st.st_mode)
+            if st.st_uid not in (euid, 0):
+                raise UnsafeCacheError(
+                    f"native cache directory {p} must be owned by this user (uid {euid}) or "
+                    f"root, got uid {st.st_uid}: no kernel is loaded from it; point "
+                    "TORCHPORT_CACHE_DIR at a directory of your own"
+                )
+            shared = mode & 0o002 or (mode & 0o020 and not _own_group(st.st_gid))
+            if shared and (p == top or not mode & stat.S_ISVTX):
+                raise UnsafeCacheError(
+                    f"native cache directory {p} must not be writable by other users, got mode "
+                    f"{oct(mode)} (group {st.st_gid}): no kernel is loaded from it; run "
+                    f"`chmod go-w {p}` or point TORCHPORT_CACHE_DIR at a directory of your own"
+                )
+    _private_dirs.add(str(d))
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _entry_paths(name: str, key: str) -> tuple[Path, Path]:
     d = native_dir() / key[:2]
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, exist_ok=True)
+    check_private(d)
     stem = f"{name}-{key[:24]}"
     return d / f"{stem}.so", d / f"{stem}.json"
 
@@ -222,7 +279,8 @@ def build(
 ) -> ctypes.CDLL:
     """Compile ``source`` (or take it from the cache) and load it.
 
-    Raises :class:`CompilerNotFoundError` or :class:`CompileError`; never returns a stale object.
+    Raises :class:`CompilerNotFoundError` or :class:`CompileError`, and :class:`UnsafeCacheError`
+    where another user could write the cache directory; never returns a stale object.
     """
     if not name.replace("_", "").isalnum():
         raise ValueError(f"kernel name must be alphanumeric/underscore, got {name!r}")
