@@ -222,6 +222,22 @@ def test_cache_directory_of_another_user_is_refused(fresh_cache, monkeypatch):
     elementwise._kernel.cache_clear()
 
 
+def test_unwritable_cache_is_a_native_error_and_ops_fall_back(tmp_path, monkeypatch):
+    from torchport.ops import elementwise
+
+    (tmp_path / "file").write_text("")  # the same for a read-only or forbidden directory
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    _fresh_view(monkeypatch)
+    with pytest.raises(native.CacheUnavailableError, match=r"set TORCHPORT_CACHE_DIR to a writ"):
+        native.build(_source("nowrite"), name="fill")
+    elementwise._kernel.cache_clear()
+    monkeypatch.setattr(native.toolchain, "_warned_fallback", set())
+    x, y = torch.randn(100), torch.randn(100)
+    with pytest.warns(native.NativeFallbackWarning, match="axpy unavailable, using ATen"):
+        assert torch.allclose(elementwise.axpy(2.0, x, y), 2.0 * x + y)
+    elementwise._kernel.cache_clear()
+
+
 def test_kernel_argument_validation(fresh_cache):
     lib = native.build(_source("args"), name="fill")
     k = Kernel(

@@ -31,6 +31,7 @@ from torchport.native.launch import (
 )
 from torchport.native.prelude import PRELUDE, render
 from torchport.native.toolchain import (
+    CacheUnavailableError,
     CompileError,
     CompilerNotFoundError,
     CorruptCacheWarning,
@@ -51,6 +52,7 @@ from torchport.native.toolchain import (
 __all__ = [
     "C_TYPES",
     "PRELUDE",
+    "CacheUnavailableError",
     "CompileError",
     "CompilerNotFoundError",
     "CorruptCacheWarning",

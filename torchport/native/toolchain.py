@@ -49,6 +49,10 @@ class CompileError(NativeError):
     """The C compiler rejected a generated kernel; the message carries its output."""
 
 
+class CacheUnavailableError(NativeError):
+    """The cache directory cannot be created or written (read-only, no permission, a file)."""
+
+
 class UnsafeCacheError(NativeError):
     """The cache directory could be changed by another user: no object is loaded from it."""
 
@@ -202,8 +206,14 @@ def _digest(path: Path) -> str:
 
 
 def _entry_paths(name: str, key: str) -> tuple[Path, Path]:
-    d = native_dir() / key[:2]
-    d.mkdir(mode=0o700, exist_ok=True)
+    try:
+        d = native_dir() / key[:2]
+        d.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:  # callers fall back on NativeError, not on a bare OSError
+        raise CacheUnavailableError(
+            f"native cache directory under {config.get('cache_dir')!r} is unusable: {e}; "
+            "set TORCHPORT_CACHE_DIR to a writable directory"
+        ) from e
     check_private(d)
     stem = f"{name}-{key[:24]}"
     return d / f"{stem}.so", d / f"{stem}.json"
@@ -238,6 +248,23 @@ def _compile(
     key: str,
     header: Path | None = None,
 ) -> None:
+    try:
+        _compile_in(source, flags, cc, so, meta, key, header)
+    except OSError as e:  # the cache, not the compiler (whose OSErrors are typed below)
+        raise CacheUnavailableError(
+            f"cannot write kernel {so.stem} into the native cache {so.parent}: {e}"
+        ) from e
+
+
+def _compile_in(
+    source: str,
+    flags: Sequence[str],
+    cc: str,
+    so: Path,
+    meta: Path,
+    key: str,
+    header: Path | None,
+) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=so.parent))
     try:
         # A fixed relative file name keeps the object bytes independent of the temp directory,
@@ -249,8 +276,8 @@ def _compile(
             res = subprocess.run(
                 cmd, cwd=tmp, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
             )
-        except FileNotFoundError as e:
-            raise CompilerNotFoundError(f"C compiler {cc!r} not found: {e}") from e
+        except OSError as e:  # missing, or not executable
+            raise CompilerNotFoundError(f"C compiler {cc!r} cannot run: {e}") from e
         except subprocess.TimeoutExpired as e:
             raise CompileError(f"compiler timed out after {COMPILE_TIMEOUT_S:.0f} s: {cmd}") from e
         with _lock:
@@ -279,8 +306,9 @@ def build(
 ) -> ctypes.CDLL:
     """Compile ``source`` (or take it from the cache) and load it.
 
-    Raises :class:`CompilerNotFoundError` or :class:`CompileError`, and :class:`UnsafeCacheError`
-    where another user could write the cache directory; never returns a stale object.
+    Raises :class:`CompilerNotFoundError` or :class:`CompileError`, :class:`UnsafeCacheError`
+    where another user could write the cache directory and :class:`CacheUnavailableError` where
+    it cannot be written; never returns a stale object.
     """
     if not name.replace("_", "").isalnum():
         raise ValueError(f"kernel name must be alphanumeric/underscore, got {name!r}")
