@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -169,6 +170,22 @@ def test_malformed_entry_is_ignored_and_retuned(fresh_cache, entry):
         choice = _select(key, aten_delay=0.002)
     assert not choice.from_cache and choice.candidate.name == "fast"
     assert autotune.choice_cache.entries()["other"]["choice"] == "slow"  # a sound entry stays
+
+
+def test_unwritable_cache_keeps_choices_in_memory(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")  # the same for a read-only or forbidden directory
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    autotune.choice_cache.clear_memory()
+    try:
+        with pytest.warns(autotune.ChoiceCacheWriteWarning), config.override(autotune_reps=3):
+            first = _select({"n": 6}, aten_delay=0.002)
+        assert first.candidate.name == "fast" and not first.from_cache
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", autotune.ChoiceCacheWriteWarning)
+            again = _select({"n": 6}, aten_delay=0.002)
+        assert again.candidate.name == "fast" and again.from_cache
+    finally:
+        autotune.choice_cache.clear_memory()
 
 
 def test_foreign_format_is_ignored(tmp_path):

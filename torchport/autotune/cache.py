@@ -36,6 +36,10 @@ class CorruptChoiceCacheWarning(UserWarning):
     """The choice cache file was unreadable and is being rewritten."""
 
 
+class ChoiceCacheWriteWarning(UserWarning):
+    """The choice cache could not be written: a choice is kept by this process only."""
+
+
 def machine_identity() -> dict[str, Any]:
     """What a timing depends on beyond the problem itself."""
     return {
@@ -120,7 +124,15 @@ class ChoiceCache:
         return kept
 
     def _refresh(self) -> None:
-        p = self.path
+        try:
+            p = self.path
+        except OSError as e:  # the cache directory cannot be made: the memory view serves alone
+            warnings.warn(
+                f"torchport: autotune cache unusable ({e}); choices last this process only",
+                ChoiceCacheWriteWarning,
+                stacklevel=3,
+            )
+            return
         try:
             stamp = (str(p), p.stat().st_mtime)
         except OSError:
@@ -176,23 +188,33 @@ class ChoiceCache:
             self._memo.pop((op, json.dumps(key, sort_keys=True, default=str)), None)
             if not config.get("autotune_cache"):
                 return
-            p = self.path
-            with self._file_lock():
-                merged = self._read_disk()
-                merged[k] = entry
-                fd, tmp = tempfile.mkstemp(prefix=".choices-", dir=p.parent)
-                try:
-                    with os.fdopen(fd, "w") as f:
-                        json.dump(
-                            {"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True
-                        )
-                    os.replace(tmp, p)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
-                    raise
-                self._entries = merged
-                self._loaded_from = (str(p), p.stat().st_mtime)
+            try:
+                self._write(k, entry)
+            except OSError as e:  # read-only or forbidden cache: the tuning result still counts
+                warnings.warn(
+                    f"torchport: cannot write the autotune cache ({e}); the choice for {op} "
+                    "lasts this process only",
+                    ChoiceCacheWriteWarning,
+                    stacklevel=2,
+                )
+
+    def _write(self, k: str, entry: dict[str, Any]) -> None:
+        """Merge ``entry`` into the file under its lock (the caller holds ``self._lock``)."""
+        p = self.path
+        with self._file_lock():
+            merged = self._read_disk()
+            merged[k] = entry
+            fd, tmp = tempfile.mkstemp(prefix=".choices-", dir=p.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True)
+                os.replace(tmp, p)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            self._entries = merged
+            self._loaded_from = (str(p), p.stat().st_mtime)
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """All entries currently on disk (for `torchport info` and reports)."""
