@@ -123,6 +123,9 @@ SETTINGS: dict[str, Setting] = {
             kind=str,
             default=None,  # resolved lazily from XDG_CACHE_HOME / ~/.cache
             doc="Directory for compiled kernels and the autotuner's choice cache.",
+            # an empty value was the relative path '', i.e. a cache in whatever the current
+            # directory is (a new one per working directory, beside the user's files)
+            check=lambda v: None if v.strip() else "must be a directory path (unset: default)",
         ),
         Setting(
             name="cc",
