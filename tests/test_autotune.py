@@ -113,6 +113,16 @@ def test_cache_persists_and_hits_fast(fresh_cache):
     assert (time.perf_counter() - t0) / 100 < 1e-3
 
 
+def test_another_cache_dir_does_not_serve_the_first_ones_choices(fresh_cache, tmp_path):
+    with config.override(autotune_reps=3):
+        first = _select({"n": 7}, aten_delay=0.002)
+    assert first.candidate.name == "fast" and _select({"n": 7}, aten_delay=0.002).from_cache
+    with config.override(cache_dir=str(tmp_path / "other"), autotune_reps=3):
+        other = _select({"n": 7}, aten_delay=0.0)  # an empty cache: tuned afresh
+        assert not other.from_cache
+    assert _select({"n": 7}, aten_delay=0.0).candidate.name == "fast"  # the first one's again
+
+
 def test_requires_exactly_one_anchor():
     with pytest.raises(ValueError, match=r"exactly one ATen anchor candidate is required, got 0"):
         autotune.select("x", {}, [Candidate("a")], factory(0.0), lambda: (torch.ones(1),))

@@ -30,6 +30,7 @@ from torchport.native.cpu import cpu_info
 from torchport.version import __version__
 
 FORMAT = "torchport-autotune-v1"
+_CACHE_DIR = config.Snapshot("cache_dir")
 
 
 class CorruptChoiceCacheWarning(UserWarning):
@@ -81,6 +82,7 @@ class ChoiceCache:
         self._lock = threading.Lock()
         # (op, key json) → entry, for hits without hashing the machine identity again
         self._memo: dict[tuple[str, str], dict[str, Any]] = {}
+        self._dir: tuple[Any, ...] | None = None  # the cache_dir the views above belong to
 
     @property
     def path(self) -> Path:
@@ -145,6 +147,8 @@ class ChoiceCache:
         """The cached entry for (op, key) on this machine, or None."""
         if not config.get("autotune_cache"):
             return None
+        if self._path is None and _CACHE_DIR() != self._dir:
+            self._switch_dir()
         memo_key = (op, json.dumps(key, sort_keys=True, default=str))
         hit = self._memo.get(memo_key)
         if hit is not None:
@@ -158,6 +162,16 @@ class ChoiceCache:
             if hit is not None:
                 self._memo[memo_key] = hit
             return hit
+
+    def _switch_dir(self) -> None:
+        """Drop the views of another cache directory (``config.cache_dir`` changed since they
+        were read: the memo and entries served that directory's choices in the new one's place).
+        """
+        with self._lock:
+            self._entries = {}
+            self._memo = {}  # a new object: the GEMM engine drops what it settled from the old
+            self._loaded_from = None
+            self._dir = _CACHE_DIR()
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
@@ -228,6 +242,7 @@ class ChoiceCache:
             self._entries = {}
             self._memo = {}
             self._loaded_from = None
+            self._dir = None
 
 
 choice_cache = ChoiceCache()
