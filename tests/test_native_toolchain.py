@@ -367,6 +367,17 @@ def test_prelude_headers_are_precompiled_once_and_used(own_pch, tmp_path):
 
 
 @needs_gcc
+def test_precompiled_headers_under_umask_000(own_pch, monkeypatch):
+    monkeypatch.setattr(native.toolchain, "_private_dirs", set())
+    old = os.umask(0)  # containers run so: directories made by the umask are writable by all
+    try:
+        assert _fill("pch_umask")[1].item() == 3.5
+    finally:
+        os.umask(old)
+    assert "-include" in _records(own_pch, "fill")[0]["cmd"]
+
+
+@needs_gcc
 def test_precompiled_headers_with_relative_cache_dir_or_off(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TORCHPORT_CACHE_DIR", "relcache")

@@ -86,7 +86,10 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
                 return _ready[memo]
         header: Path | None = d / HEADER_NAME
         try:
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # each level private (parents=True would make pch/ by the umask, which under
+            # umask 000 is writable by all: check_private then refused every PCH)
+            base.absolute().mkdir(mode=0o700, parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, exist_ok=True)
             toolchain.check_private(d)  # GCC reads the PCH as trusted input: ours only
             # one builder at a time across processes (PCH bytes differ from build to build)
             with open(d / "lock", "a") as lock_file:
