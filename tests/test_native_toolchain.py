@@ -366,6 +366,18 @@ def test_prelude_headers_are_precompiled_once_and_used(own_pch, tmp_path):
     assert "-include" not in _records(own_pch, "plain")[0]["cmd"]
 
 
+def test_new_cache_directories_are_private_under_umask_000(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "a" / "b" / "cache"))
+    _fresh_view(monkeypatch)
+    old = os.umask(0)  # containers run so: mkdir(parents=True) made a/ and b/ writable by all
+    try:
+        assert _fill("umask")[1].item() == 3.5
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "cache"):
+        assert d.stat().st_mode & 0o777 == 0o700
+
+
 @needs_gcc
 def test_precompiled_headers_under_umask_000(own_pch, monkeypatch):
     monkeypatch.setattr(native.toolchain, "_private_dirs", set())
