@@ -117,9 +117,15 @@ EXTRA_COMMANDS.append(_register_fr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from torchport.config import ConfigError
+
     args = build_parser().parse_args(argv)
     func: Command = args.func
-    return func(args)
+    try:
+        return func(args)
+    except ConfigError as e:  # a bad TORCHPORT_* value: the message, as argparse reports usage
+        print(f"torchport: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
