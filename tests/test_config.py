@@ -18,6 +18,12 @@ def test_defaults_and_env(monkeypatch):
     assert config.get("autotune_reps") == 7
 
 
+@pytest.mark.parametrize("raw", ["off", "OFF", " Off ", "0", "false", "no"])
+def test_native_pch_off_spellings(monkeypatch, raw):
+    monkeypatch.setenv("TORCHPORT_NATIVE_PCH", raw)  # was a directory named OFF, 0, ...
+    assert config.get("native_pch") == "off"
+
+
 def test_bad_env_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "many")
     with pytest.raises(

@@ -109,9 +109,15 @@ def _positive(value: float) -> str | None:
     return None if value > 0 else "must be > 0"
 
 
+def _norm_pch(value: str) -> str:
+    # "OFF" or "0" was taken for a directory of that name in the current directory
+    return "off" if value.strip().lower() in ("off", "0", "false", "no") else value
+
+
 _NORMALISE: dict[str, Callable[[Any], Any]] = {
     "max_autotune_gemm_backends": _norm_backends,
     "isa": lambda v: v.strip().lower(),
+    "native_pch": _norm_pch,
 }
 
 SETTINGS: dict[str, Setting] = {
@@ -140,7 +146,8 @@ SETTINGS: dict[str, Setting] = {
             kind=str,
             default="",
             doc="Where GCC's precompiled kernel-prelude headers are kept: empty means "
-            "<cache_dir>/native/pch, 'off' parses the headers in every compile.",
+            "<cache_dir>/native/pch, 'off' (or 0, false, no; any case) parses the headers in "
+            "every compile.",
         ),
         Setting(
             name="native",
