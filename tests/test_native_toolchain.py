@@ -291,6 +291,8 @@ def test_cpu_features_and_isa_override():
         assert native.cpu_info().isa == info.max_isa or info.max_isa == "avx512"
     assert native.compile_flags("scalar") == list(native.toolchain.BASE_FLAGS)
     assert "-mavx512f" in native.compile_flags("avx512")
+    with pytest.raises(ValueError, match=r"isa must be one of .*, got 'AVX512'"):
+        native.build(_source("isa"), name="fill", isa="AVX512")  # was built at avx2, silently
 
 
 def test_avx512_level_needs_dq() -> None:

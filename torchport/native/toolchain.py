@@ -30,7 +30,7 @@ from pathlib import Path
 
 from torchport import config
 from torchport.native import pch
-from torchport.native.cpu import cpu_info, isa_flags
+from torchport.native.cpu import ISA_LEVELS, cpu_info, isa_flags
 
 ABI_VERSION = "1"
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-w")
@@ -297,7 +297,13 @@ def _compile_in(
 
 
 def compile_flags(isa: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """Full flag list for an ISA level (default: the CPU's level under ``config.isa``)."""
+    """Full flag list for an ISA level (default: the CPU's level under ``config.isa``).
+
+    A level above the hardware's is allowed (objects for another x86 machine build and load;
+    their kernels must not run here); an unknown name is a ValueError, where "AVX512" or "avx-512"
+    used to compile silently at the avx2 level."""
+    if isa is not None and isa not in ISA_LEVELS:
+        raise ValueError(f"isa must be one of {ISA_LEVELS}, got {isa!r}")
     return [*BASE_FLAGS, *isa_flags(isa or cpu_info().isa), *extra]
 
 
