@@ -153,6 +153,23 @@ def test_compile_error_carries_compiler_message(fresh_cache):
         native.build(bad, name="broken")
 
 
+def test_a_rejected_source_is_not_compiled_again(fresh_cache, tmp_path):
+    cc = tmp_path / "cc-no-openmp"  # runs, but rejects every kernel (clang without omp.h)
+    cc.write_text(
+        '#!/bin/sh\ncase "$1" in --version) echo "fakecc 1"; exit 0;; esac\n'
+        "echo \"fatal error: 'omp.h' file not found\" >&2; exit 1\n"
+    )
+    cc.chmod(0o755)
+    before = native.stats().compiles
+    with config.override(cc=str(cc), native_pch="off"):
+        with pytest.raises(CompileError, match=r"'omp.h' file not found"):
+            native.build(_source("rejected"), name="fill")
+        for _ in range(3):  # each call of an op that falls back asks again
+            with pytest.raises(CompileError, match=r"(?s)omp.h.*failed before in this process"):
+                native.build(_source("rejected"), name="fill")
+    assert native.stats().compiles == before + 1
+
+
 def test_ops_fall_back_visibly_without_compiler(fresh_cache, monkeypatch):
     from torchport.ops import elementwise
 

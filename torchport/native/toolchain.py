@@ -83,6 +83,9 @@ _key_locks: dict[str, threading.Lock] = {}
 _loaded: dict[str, ctypes.CDLL] = {}
 _warned_fallback: set[str] = set()
 _private_dirs: set[str] = set()  # directories this process found safe to load code from
+# key -> message of the CompileError its build raised: a source the compiler rejects is not
+# compiled again on every call of its op (each call paid a whole failing compile, ~0.1-0.5 s)
+_failed: dict[str, str] = {}
 fallback_counts: dict[str, int] = {}
 
 
@@ -326,7 +329,10 @@ def build(
         if lib is not None:
             _stats.memory_hits += 1
             return lib
+        failed = _failed.get(key)
         key_lock = _key_locks.setdefault(key, threading.Lock())
+    if failed is not None:  # a new exception each time: re-raising one would grow its traceback
+        raise CompileError(f"{failed}\n(failed before in this process; not compiled again)")
     with key_lock:
         with _lock:
             if key in _loaded:
@@ -350,24 +356,36 @@ def build(
         else:
             lib = None
         if lib is None:
-            header = pch.header_for(source, flags, cc)
-            failed_with: Path | None = None
             try:
-                _compile(source, flags, cc, so, meta, key, header)
+                lib = _compile_and_load(source, flags, cc, so, meta, key)
             except CompileError as e:
-                if header is None or isinstance(e.__cause__, subprocess.TimeoutExpired):
-                    raise
-                failed_with = header
-            if failed_with is not None:  # outside the handler: a faulty source's error alone
-                _compile(source, flags, cc, so, meta, key)
-                pch.discard(failed_with)  # it compiles without the precompiled headers only
-            try:
-                lib = ctypes.CDLL(str(so))
-            except OSError as e:  # e.g. an undeclared function, left undefined by the compiler
-                raise CompileError(f"kernel {so.stem} was compiled but does not load: {e}") from e
+                with _lock:
+                    _failed[key] = str(e)
+                raise
         with _lock:
             _loaded[key] = lib
         return lib
+
+
+def _compile_and_load(
+    source: str, flags: Sequence[str], cc: str, so: Path, meta: Path, key: str
+) -> ctypes.CDLL:
+    """Build the entry (with the precompiled headers if any, retried without them) and load it."""
+    header = pch.header_for(source, flags, cc)
+    failed_with: Path | None = None
+    try:
+        _compile(source, flags, cc, so, meta, key, header)
+    except CompileError as e:
+        if header is None or isinstance(e.__cause__, subprocess.TimeoutExpired):
+            raise
+        failed_with = header
+    if failed_with is not None:  # outside the handler: a faulty source's error alone
+        _compile(source, flags, cc, so, meta, key)
+        pch.discard(failed_with)  # it compiles without the precompiled headers only
+    try:
+        return ctypes.CDLL(str(so))
+    except OSError as e:  # e.g. an undeclared function, left undefined by the compiler
+        raise CompileError(f"kernel {so.stem} was compiled but does not load: {e}") from e
 
 
 def note_fallback(op: str, reason: BaseException | str) -> None:
