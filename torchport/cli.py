@@ -46,9 +46,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"compiler   {compiler_identity(cc)}")
     except native.NativeError as e:
         print(f"compiler   unavailable: {e}")
-    n, size = native.cache_size()
-    print(f"cache      {config.get('cache_dir')}  ({n} kernels, {size / 1e6:.2f} MB)")
-    print(f"autotune   {len(choice_cache.entries())} cached choices in {choice_cache.path}")
+    try:
+        n, size = native.cache_size()
+        print(f"cache      {config.get('cache_dir')}  ({n} kernels, {size / 1e6:.2f} MB)")
+        print(f"autotune   {len(choice_cache.entries())} cached choices in {choice_cache.path}")
+    except OSError as e:  # what `info` is run to diagnose: report it, go on
+        print(f"cache      {config.get('cache_dir')}  unusable: {e}")
     print("settings:")
     for name, env, value, _doc in config.describe():
         print(f"  {name:<28} {value!r:<24} ({env})")
