@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -168,6 +169,20 @@ def test_a_rejected_source_is_not_compiled_again(fresh_cache, tmp_path):
             with pytest.raises(CompileError, match=r"(?s)omp.h.*failed before in this process"):
                 native.build(_source("rejected"), name="fill")
     assert native.stats().compiles == before + 1
+
+
+def test_a_compiler_hanging_on_version_costs_its_timeout_once(fresh_cache, tmp_path, monkeypatch):
+    cc = tmp_path / "cc-hangs"
+    cc.write_text("#!/bin/sh\nexec sleep 30\n")
+    cc.chmod(0o755)
+    monkeypatch.setattr(native.toolchain, "IDENTITY_TIMEOUT_S", 0.3)
+    with config.override(cc=str(cc)):
+        for i in range(3):  # every call of an op that falls back asks again
+            t0 = time.perf_counter()
+            with pytest.raises(CompilerNotFoundError, match=r"cc-hangs' cannot run: .*timed out"):
+                native.build(_source("hangs"), name="fill")
+            if i > 0:
+                assert time.perf_counter() - t0 < 0.2
 
 
 def test_ops_fall_back_visibly_without_compiler(fresh_cache, monkeypatch):

@@ -122,17 +122,34 @@ def find_compiler() -> str:
     )
 
 
-@functools.cache
+IDENTITY_TIMEOUT_S = 30.0
+
+
 def compiler_identity(cc: str) -> str:
     """First line of ``cc --version`` plus the resolved path (part of every cache key)."""
+    ident, error = _identity(cc)
+    if ident is None:
+        raise CompilerNotFoundError(error)
+    return ident
+
+
+@functools.cache
+def _identity(cc: str) -> tuple[str | None, str]:
+    """``(identity, "")``, or ``(None, why)`` for a compiler that cannot run: remembered too, or a
+    compiler hanging on ``--version`` cost every build() of the process, each call of every op
+    falling back to ATen, the whole timeout again."""
     try:
         out = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
+            [cc, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=IDENTITY_TIMEOUT_S,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise CompilerNotFoundError(f"C compiler {cc!r} cannot run: {e}") from e
+        return None, f"C compiler {cc!r} cannot run: {e}"
     first = (out.stdout or out.stderr).splitlines()[:1]
-    return f"{os.path.realpath(cc)}|{first[0] if first else 'unknown'}"
+    return f"{os.path.realpath(cc)}|{first[0] if first else 'unknown'}", ""
 
 
 def native_dir() -> Path:
