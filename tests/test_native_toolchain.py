@@ -234,6 +234,26 @@ def test_cache_entry_directory_others_can_write_is_refused(fresh_cache, monkeypa
         _fill("leaf")
 
 
+def test_relative_cache_dir_is_checked_again_after_chdir(tmp_path, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path / "mine")
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", "relcache")
+    _fresh_view(monkeypatch)
+    assert _fill("rel_a")[1].item() == 3.5
+    (tmp_path / "theirs").mkdir(mode=0o777)
+    (tmp_path / "theirs").chmod(0o777)  # a directory anyone may fill
+    monkeypatch.chdir(tmp_path / "theirs")
+
+    def key(tag: str) -> str:
+        cc, flags = native.toolchain.find_compiler(), native.compile_flags()
+        return native.toolchain.cache_key(_source(tag), flags, cc)
+
+    # a kernel whose entry directory relcache/native/<xx> has the same relative name as rel_a's
+    tag = next(t for t in (f"rel_b{i}" for i in range(100_000)) if key(t)[:2] == key("rel_a")[:2])
+    with pytest.raises(native.UnsafeCacheError, match=r"theirs must not be writable by other"):
+        _fill(tag)
+
+
 def test_cache_directory_of_another_user_is_refused(fresh_cache, monkeypatch):
     from torchport.ops import elementwise
 

@@ -194,9 +194,9 @@ def check_private(d: Path) -> None:
     could plant a ``.so`` with a matching record under the next kernel's name), and an ancestor
     writable by others must be sticky (as ``/tmp``), so that our entries cannot be renamed away.
     Checked once per directory per process."""
-    if str(d) in _private_dirs:
+    given = Path(os.path.abspath(d))  # (a relative cache directory moves with os.chdir)
+    if str(given) in _private_dirs:
         return
-    given = Path(os.path.abspath(d))
     euid = os.geteuid()
     for top in {given, Path(os.path.realpath(d))}:
         for p in (top, *top.parents):
@@ -218,7 +218,7 @@ def check_private(d: Path) -> None:
                     f"{oct(mode)} (group {st.st_gid}): no kernel is loaded from it; run "
                     f"`chmod go-w {p}` or point TORCHPORT_CACHE_DIR at a directory of your own"
                 )
-    _private_dirs.add(str(d))
+    _private_dirs.add(str(given))
 
 
 def _digest(path: Path) -> str:
