@@ -326,6 +326,20 @@ def test_kernel_argument_validation(fresh_cache):
         k([1.0], 1, 1.0, 1)
 
 
+def test_negated_views_take_the_dispatcher_which_resolves_them(fresh_cache):
+    from torchport.ops import elementwise
+
+    one = torch.randn(1, dtype=torch.complex64).conj().imag  # the lazy negation bit
+    for x in (one, torch._neg_view(torch.randn(64))):
+        assert x.is_neg() and x.is_contiguous()
+        assert not native.eager_fast_path(x) and native.eager_fast_path(x.resolve_neg())
+        y = torch.randn(x.shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", native.NativeFallbackWarning)
+            out = elementwise.axpy(2.0, x, y)  # the kernel read the un-negated values
+        assert torch.allclose(out, 2.0 * x.resolve_neg() + y)
+
+
 def test_template_parameters_must_match():
     with pytest.raises(ValueError, match=r"missing \['b'\]"):
         native.render("int ${a}; int ${b};", a=1)
