@@ -320,6 +320,8 @@ def test_kernel_argument_validation(fresh_cache):
         k(torch.empty(4), 2**64 + 4, 1.0, 1)
     with pytest.raises(KernelArgumentError, match=r"'nt' must fit in int64_t"):
         k(torch.empty(4), 4, 1.0, -(2**63) - 1)
+    with pytest.raises(KernelArgumentError, match=r"'v' must fit in a double, got 1000"):
+        k(torch.empty(4), 4, 10**400, 1)  # was a bare OverflowError
     with pytest.raises(KernelArgumentError, match=r"takes 4 arguments"):
         k(torch.empty(4))
     with pytest.raises(KernelArgumentError, match=r"must be a torch.Tensor, got list"):

@@ -180,7 +180,12 @@ class Kernel:
                     raise KernelArgumentError(
                         f"{self.name}: argument {spec.name!r} must be a number, got {v!r}"
                     )
-                raw.append(float(v))
+                try:
+                    raw.append(float(v))
+                except OverflowError:  # an int past the double range (10**400)
+                    raise KernelArgumentError(
+                        f"{self.name}: argument {spec.name!r} must fit in a double, got {v}"
+                    ) from None
         status = self._fn(*raw)
         if status != 0:
             raise RuntimeError(f"{self.name} returned error status {status}")
