@@ -198,6 +198,13 @@ def test_unwritable_cache_keeps_choices_in_memory(tmp_path, monkeypatch):
         autotune.choice_cache.clear_memory()
 
 
+def test_cache_file_nested_too_deep_is_ignored(tmp_path):
+    path = tmp_path / "choices.json"
+    path.write_text("[" * 100_000)  # the parser's recursion limit: RecursionError escaped
+    with pytest.warns(autotune.CorruptChoiceCacheWarning, match="ignoring corrupt"):
+        assert ChoiceCache(path).get("op", {"k": 1}) is None
+
+
 def test_foreign_format_is_ignored(tmp_path):
     path = tmp_path / "choices.json"
     path.write_text(json.dumps({"format": "other", "entries": {}}))

@@ -109,7 +109,7 @@ class ChoiceCache:
             if not isinstance(entries, dict):
                 raise ValueError("entries is not an object")
             kept = {k: v for k, v in entries.items() if _well_formed(v)}
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, RecursionError) as e:  # (deep nesting: RecursionError)
             warnings.warn(
                 f"torchport: ignoring corrupt autotune cache {p} ({e}); it will be rewritten",
                 CorruptChoiceCacheWarning,
