@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -112,6 +113,16 @@ def test_cache_persists_and_hits_fast(fresh_cache):
     assert (time.perf_counter() - t0) / 100 < 1e-3
 
 
+def test_another_cache_dir_does_not_serve_the_first_ones_choices(fresh_cache, tmp_path):
+    with config.override(autotune_reps=3):
+        first = _select({"n": 7}, aten_delay=0.002)
+    assert first.candidate.name == "fast" and _select({"n": 7}, aten_delay=0.002).from_cache
+    with config.override(cache_dir=str(tmp_path / "other"), autotune_reps=3):
+        other = _select({"n": 7}, aten_delay=0.0)  # an empty cache: tuned afresh
+        assert not other.from_cache
+    assert _select({"n": 7}, aten_delay=0.0).candidate.name == "fast"  # the first one's again
+
+
 def test_requires_exactly_one_anchor():
     with pytest.raises(ValueError, match=r"exactly one ATen anchor candidate is required, got 0"):
         autotune.select("x", {}, [Candidate("a")], factory(0.0), lambda: (torch.ones(1),))
@@ -128,6 +139,70 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(tmp_path):
     data = json.loads(path.read_text())
     assert data["format"] == "torchport-autotune-v1" and len(data["entries"]) == 1
     assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
+
+
+def test_cache_file_of_binary_garbage_is_ignored_and_rewritten(tmp_path):
+    path = tmp_path / "choices.json"
+    path.write_bytes(b"\xff\xfe\x00torn block\x80")  # not UTF-8: read_text() raised on it
+    cache = ChoiceCache(path)
+    with pytest.warns(autotune.CorruptChoiceCacheWarning, match="ignoring corrupt"):
+        assert cache.get("op", {"k": 1}) is None
+    with pytest.warns(autotune.CorruptChoiceCacheWarning):
+        cache.put("op", {"k": 1}, "fast", {"fast": 1.0})
+    assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"choice": ["fast"]},
+        {"choice": "fast", "timings_s": 3},
+        {"choice": "fast", "timings_s": {"a": "x"}},
+    ],
+    ids=["list-choice", "int-timings", "string-timing"],
+)
+def test_malformed_entry_is_ignored_and_retuned(fresh_cache, entry):
+    key = {"n": 5}
+    path = autotune.choice_cache.path
+    path.write_text(
+        json.dumps(
+            {
+                "format": "torchport-autotune-v1",
+                "entries": {
+                    autotune.cache.entry_key("toy", key): entry,
+                    "other": {"choice": "slow"},
+                },
+            }
+        )
+    )
+    warns = pytest.warns(autotune.CorruptChoiceCacheWarning, match="ignoring 1 malformed entries")
+    with warns, config.override(autotune_reps=3):
+        choice = _select(key, aten_delay=0.002)
+    assert not choice.from_cache and choice.candidate.name == "fast"
+    assert autotune.choice_cache.entries()["other"]["choice"] == "slow"  # a sound entry stays
+
+
+def test_unwritable_cache_keeps_choices_in_memory(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")  # the same for a read-only or forbidden directory
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    autotune.choice_cache.clear_memory()
+    try:
+        with pytest.warns(autotune.ChoiceCacheWriteWarning), config.override(autotune_reps=3):
+            first = _select({"n": 6}, aten_delay=0.002)
+        assert first.candidate.name == "fast" and not first.from_cache
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", autotune.ChoiceCacheWriteWarning)
+            again = _select({"n": 6}, aten_delay=0.002)
+        assert again.candidate.name == "fast" and again.from_cache
+    finally:
+        autotune.choice_cache.clear_memory()
+
+
+def test_cache_file_nested_too_deep_is_ignored(tmp_path):
+    path = tmp_path / "choices.json"
+    path.write_text("[" * 100_000)  # the parser's recursion limit: RecursionError escaped
+    with pytest.warns(autotune.CorruptChoiceCacheWarning, match="ignoring corrupt"):
+        assert ChoiceCache(path).get("op", {"k": 1}) is None
 
 
 def test_foreign_format_is_ignored(tmp_path):

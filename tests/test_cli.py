@@ -18,6 +18,22 @@ def test_info_prints_cpu_features(capsys):
     assert "compiler" in out and "cache" in out
 
 
+def test_info_reports_an_unusable_cache(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")  # as a read-only or forbidden cache directory
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "unusable: [Errno 20] Not a directory" in out and "settings:" in out
+
+
+def test_bad_setting_is_reported_without_a_traceback(capsys, monkeypatch):
+    monkeypatch.setenv("TORCHPORT_ISA", "sse9")
+    assert cli.main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchport: error: isa (TORCHPORT_ISA): must be one of")
+    assert "'sse9'" in err
+
+
 def test_bench_list_and_unknown(capsys):
     assert cli.main(["bench", "list"]) == 0
     assert "elementwise" in capsys.readouterr().out.split()

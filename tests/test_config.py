@@ -18,6 +18,12 @@ def test_defaults_and_env(monkeypatch):
     assert config.get("autotune_reps") == 7
 
 
+@pytest.mark.parametrize("raw", ["off", "OFF", " Off ", "0", "false", "no"])
+def test_native_pch_off_spellings(monkeypatch, raw):
+    monkeypatch.setenv("TORCHPORT_NATIVE_PCH", raw)  # was a directory named OFF, 0, ...
+    assert config.get("native_pch") == "off"
+
+
 def test_bad_env_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("TORCHPORT_AUTOTUNE_REPS", "many")
     with pytest.raises(
@@ -27,6 +33,11 @@ def test_bad_env_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("TORCHPORT_NATIVE", "maybe")
     with pytest.raises(ConfigError, match=r"TORCHPORT_NATIVE must be a boolean"):
         config.get("native")
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", "")  # was the current directory, silently
+    with pytest.raises(ConfigError, match=r"cache_dir \(TORCHPORT_CACHE_DIR\): must be a dir"):
+        config.get("cache_dir")
+    with pytest.raises(ConfigError, match=r"must be a directory path"):
+        config.cache_dir = " "
     monkeypatch.setenv("TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS", "NATIVE,CUTLASS")
     with pytest.raises(ConfigError, match=r"unknown backend\(s\) \['CUTLASS'\]"):
         config.get("max_autotune_gemm_backends")

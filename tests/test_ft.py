@@ -207,6 +207,18 @@ def test_lighthouse_rejects_strangers():
         lh.close()
 
 
+def test_control_frame_nested_too_deep_is_a_comm_error():
+    a, b = socket.socketpair()
+    try:
+        body = b"[" * 20_000  # valid JSON so far, but deeper than the parser recurses
+        a.sendall(b"TPC1" + len(body).to_bytes(4, "big") + body)
+        with pytest.raises(CommError, match=r"malformed control frame: RecursionError"):
+            recv_msg(b)
+    finally:
+        a.close()
+        b.close()
+
+
 def _lighthouse_replica(lh: Lighthouse, secret: bytes, rid: str, socks: list) -> socket.socket:
     """Connect replica ``rid`` to ``lh`` (heartbeat + rpc connections, kept in ``socks``) and wait
     until the lighthouse has seen it; return the rpc connection."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -153,6 +154,37 @@ def test_compile_error_carries_compiler_message(fresh_cache):
         native.build(bad, name="broken")
 
 
+def test_a_rejected_source_is_not_compiled_again(fresh_cache, tmp_path):
+    cc = tmp_path / "cc-no-openmp"  # runs, but rejects every kernel (clang without omp.h)
+    cc.write_text(
+        '#!/bin/sh\ncase "$1" in --version) echo "fakecc 1"; exit 0;; esac\n'
+        "echo \"fatal error: 'omp.h' file not found\" >&2; exit 1\n"
+    )
+    cc.chmod(0o755)
+    before = native.stats().compiles
+    with config.override(cc=str(cc), native_pch="off"):
+        with pytest.raises(CompileError, match=r"'omp.h' file not found"):
+            native.build(_source("rejected"), name="fill")
+        for _ in range(3):  # each call of an op that falls back asks again
+            with pytest.raises(CompileError, match=r"(?s)omp.h.*failed before in this process"):
+                native.build(_source("rejected"), name="fill")
+    assert native.stats().compiles == before + 1
+
+
+def test_a_compiler_hanging_on_version_costs_its_timeout_once(fresh_cache, tmp_path, monkeypatch):
+    cc = tmp_path / "cc-hangs"
+    cc.write_text("#!/bin/sh\nexec sleep 30\n")
+    cc.chmod(0o755)
+    monkeypatch.setattr(native.toolchain, "IDENTITY_TIMEOUT_S", 0.3)
+    with config.override(cc=str(cc)):
+        for i in range(3):  # every call of an op that falls back asks again
+            t0 = time.perf_counter()
+            with pytest.raises(CompilerNotFoundError, match=r"cc-hangs' cannot run: .*timed out"):
+                native.build(_source("hangs"), name="fill")
+            if i > 0:
+                assert time.perf_counter() - t0 < 0.2
+
+
 def test_ops_fall_back_visibly_without_compiler(fresh_cache, monkeypatch):
     from torchport.ops import elementwise
 
@@ -170,6 +202,92 @@ def test_ops_fall_back_visibly_without_compiler(fresh_cache, monkeypatch):
     assert torch.allclose(out, 2.0 * x + y)
     assert native.stats().fallbacks == before + 2
     assert native.toolchain.fallback_counts["axpy"] >= 2
+
+
+def _fresh_view(monkeypatch) -> None:
+    """A new process's view: nothing loaded, no directory checked yet."""
+    monkeypatch.setattr(native.toolchain, "_loaded", {})
+    monkeypatch.setattr(native.toolchain, "_private_dirs", set())
+
+
+def test_cache_others_can_write_loads_and_builds_nothing(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # not sticky: anyone may rename our directories and plant theirs
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(shared / "cache"))
+    _fresh_view(monkeypatch)
+    before = native.stats().compiles
+    with pytest.raises(native.UnsafeCacheError, match=r"shared must not be writable by other"):
+        native.build(_source("unsafe"), name="fill")
+    assert native.stats().compiles == before
+    # under a sticky directory (as /tmp), a cache of our own is fine
+    shared.chmod(0o1777)
+    assert _fill("unsafe")[1].item() == 3.5
+
+
+def test_cache_entry_directory_others_can_write_is_refused(fresh_cache, monkeypatch):
+    _fill("leaf")
+    (leaf,) = {p.parent for p in Path(fresh_cache, "native").rglob("fill-*.so")}
+    leaf.chmod(0o1777)  # sticky does not help here: a stranger could add the next kernel's .so
+    _fresh_view(monkeypatch)
+    with pytest.raises(native.UnsafeCacheError, match=r"must not be writable by other users"):
+        _fill("leaf")
+
+
+def test_relative_cache_dir_is_checked_again_after_chdir(tmp_path, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path / "mine")
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", "relcache")
+    _fresh_view(monkeypatch)
+    assert _fill("rel_a")[1].item() == 3.5
+    (tmp_path / "theirs").mkdir(mode=0o777)
+    (tmp_path / "theirs").chmod(0o777)  # a directory anyone may fill
+    monkeypatch.chdir(tmp_path / "theirs")
+
+    def key(tag: str) -> str:
+        cc, flags = native.toolchain.find_compiler(), native.compile_flags()
+        return native.toolchain.cache_key(_source(tag), flags, cc)
+
+    # a kernel whose entry directory relcache/native/<xx> has the same relative name as rel_a's
+    tag = next(t for t in (f"rel_b{i}" for i in range(100_000)) if key(t)[:2] == key("rel_a")[:2])
+    with pytest.raises(native.UnsafeCacheError, match=r"theirs must not be writable by other"):
+        _fill(tag)
+
+
+def test_cache_directory_of_another_user_is_refused(fresh_cache, monkeypatch):
+    from torchport.ops import elementwise
+
+    _fill("owner")
+    if os.geteuid() == 0:
+        os.chown(Path(fresh_cache, "native"), 65534, 65534)
+    else:  # the same as seen by another (non-root) user
+        monkeypatch.setattr(os, "geteuid", lambda: 65534)
+    _fresh_view(monkeypatch)
+    with pytest.raises(native.UnsafeCacheError, match=r"must be owned by this user \(uid"):
+        _fill("owner")
+    # ops take their ATen path, visibly
+    elementwise._kernel.cache_clear()
+    monkeypatch.setattr(native.toolchain, "_warned_fallback", set())
+    x, y = torch.randn(100), torch.randn(100)
+    with pytest.warns(native.NativeFallbackWarning, match="axpy unavailable, using ATen"):
+        assert torch.allclose(elementwise.axpy(2.0, x, y), 2.0 * x + y)
+    elementwise._kernel.cache_clear()
+
+
+def test_unwritable_cache_is_a_native_error_and_ops_fall_back(tmp_path, monkeypatch):
+    from torchport.ops import elementwise
+
+    (tmp_path / "file").write_text("")  # the same for a read-only or forbidden directory
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    _fresh_view(monkeypatch)
+    with pytest.raises(native.CacheUnavailableError, match=r"set TORCHPORT_CACHE_DIR to a writ"):
+        native.build(_source("nowrite"), name="fill")
+    elementwise._kernel.cache_clear()
+    monkeypatch.setattr(native.toolchain, "_warned_fallback", set())
+    x, y = torch.randn(100), torch.randn(100)
+    with pytest.warns(native.NativeFallbackWarning, match="axpy unavailable, using ATen"):
+        assert torch.allclose(elementwise.axpy(2.0, x, y), 2.0 * x + y)
+    elementwise._kernel.cache_clear()
 
 
 def test_kernel_argument_validation(fresh_cache):
@@ -195,10 +313,33 @@ def test_kernel_argument_validation(fresh_cache):
         k(torch.empty(8)[::2], 4, 1.0, 1)
     with pytest.raises(KernelArgumentError, match=r"'n' must be an int, got 2.0"):
         k(torch.empty(4), 2.0, 1.0, 1)
+    # out of int64_t range: ctypes alone would pass 2**64 + 4 as 4
+    with pytest.raises(
+        KernelArgumentError, match=r"'n' must fit in int64_t .*, got 18446744073709551620"
+    ):
+        k(torch.empty(4), 2**64 + 4, 1.0, 1)
+    with pytest.raises(KernelArgumentError, match=r"'nt' must fit in int64_t"):
+        k(torch.empty(4), 4, 1.0, -(2**63) - 1)
+    with pytest.raises(KernelArgumentError, match=r"'v' must fit in a double, got 1000"):
+        k(torch.empty(4), 4, 10**400, 1)  # was a bare OverflowError
     with pytest.raises(KernelArgumentError, match=r"takes 4 arguments"):
         k(torch.empty(4))
     with pytest.raises(KernelArgumentError, match=r"must be a torch.Tensor, got list"):
         k([1.0], 1, 1.0, 1)
+
+
+def test_negated_views_take_the_dispatcher_which_resolves_them(fresh_cache):
+    from torchport.ops import elementwise
+
+    one = torch.randn(1, dtype=torch.complex64).conj().imag  # the lazy negation bit
+    for x in (one, torch._neg_view(torch.randn(64))):
+        assert x.is_neg() and x.is_contiguous()
+        assert not native.eager_fast_path(x) and native.eager_fast_path(x.resolve_neg())
+        y = torch.randn(x.shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", native.NativeFallbackWarning)
+            out = elementwise.axpy(2.0, x, y)  # the kernel read the un-negated values
+        assert torch.allclose(out, 2.0 * x.resolve_neg() + y)
 
 
 def test_template_parameters_must_match():
@@ -218,6 +359,8 @@ def test_cpu_features_and_isa_override():
         assert native.cpu_info().isa == info.max_isa or info.max_isa == "avx512"
     assert native.compile_flags("scalar") == list(native.toolchain.BASE_FLAGS)
     assert "-mavx512f" in native.compile_flags("avx512")
+    with pytest.raises(ValueError, match=r"isa must be one of .*, got 'AVX512'"):
+        native.build(_source("isa"), name="fill", isa="AVX512")  # was built at avx2, silently
 
 
 def test_avx512_level_needs_dq() -> None:
@@ -291,6 +434,29 @@ def test_prelude_headers_are_precompiled_once_and_used(own_pch, tmp_path):
     lib = native.build("int tp_one(void) { return 1; }\n", name="plain")
     assert lib.tp_one() == 1
     assert "-include" not in _records(own_pch, "plain")[0]["cmd"]
+
+
+def test_new_cache_directories_are_private_under_umask_000(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "a" / "b" / "cache"))
+    _fresh_view(monkeypatch)
+    old = os.umask(0)  # containers run so: mkdir(parents=True) made a/ and b/ writable by all
+    try:
+        assert _fill("umask")[1].item() == 3.5
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "cache"):
+        assert d.stat().st_mode & 0o777 == 0o700
+
+
+@needs_gcc
+def test_precompiled_headers_under_umask_000(own_pch, monkeypatch):
+    monkeypatch.setattr(native.toolchain, "_private_dirs", set())
+    old = os.umask(0)  # containers run so: directories made by the umask are writable by all
+    try:
+        assert _fill("pch_umask")[1].item() == 3.5
+    finally:
+        os.umask(old)
+    assert "-include" in _records(own_pch, "fill")[0]["cmd"]
 
 
 @needs_gcc

@@ -46,9 +46,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"compiler   {compiler_identity(cc)}")
     except native.NativeError as e:
         print(f"compiler   unavailable: {e}")
-    n, size = native.cache_size()
-    print(f"cache      {config.get('cache_dir')}  ({n} kernels, {size / 1e6:.2f} MB)")
-    print(f"autotune   {len(choice_cache.entries())} cached choices in {choice_cache.path}")
+    try:
+        n, size = native.cache_size()
+        print(f"cache      {config.get('cache_dir')}  ({n} kernels, {size / 1e6:.2f} MB)")
+        print(f"autotune   {len(choice_cache.entries())} cached choices in {choice_cache.path}")
+    except OSError as e:  # what `info` is run to diagnose: report it, go on
+        print(f"cache      {config.get('cache_dir')}  unusable: {e}")
     print("settings:")
     for name, env, value, _doc in config.describe():
         print(f"  {name:<28} {value!r:<24} ({env})")
@@ -117,9 +120,15 @@ EXTRA_COMMANDS.append(_register_fr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from torchport.config import ConfigError
+
     args = build_parser().parse_args(argv)
     func: Command = args.func
-    return func(args)
+    try:
+        return func(args)
+    except ConfigError as e:  # a bad TORCHPORT_* value: the message, as argparse reports usage
+        print(f"torchport: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -109,9 +109,15 @@ def _positive(value: float) -> str | None:
     return None if value > 0 else "must be > 0"
 
 
+def _norm_pch(value: str) -> str:
+    # "OFF" or "0" was taken for a directory of that name in the current directory
+    return "off" if value.strip().lower() in ("off", "0", "false", "no") else value
+
+
 _NORMALISE: dict[str, Callable[[Any], Any]] = {
     "max_autotune_gemm_backends": _norm_backends,
     "isa": lambda v: v.strip().lower(),
+    "native_pch": _norm_pch,
 }
 
 SETTINGS: dict[str, Setting] = {
@@ -123,6 +129,9 @@ SETTINGS: dict[str, Setting] = {
             kind=str,
             default=None,  # resolved lazily from XDG_CACHE_HOME / ~/.cache
             doc="Directory for compiled kernels and the autotuner's choice cache.",
+            # an empty value was the relative path '', i.e. a cache in whatever the current
+            # directory is (a new one per working directory, beside the user's files)
+            check=lambda v: None if v.strip() else "must be a directory path (unset: default)",
         ),
         Setting(
             name="cc",
@@ -137,7 +146,8 @@ SETTINGS: dict[str, Setting] = {
             kind=str,
             default="",
             doc="Where GCC's precompiled kernel-prelude headers are kept: empty means "
-            "<cache_dir>/native/pch, 'off' parses the headers in every compile.",
+            "<cache_dir>/native/pch, 'off' (or 0, false, no; any case) parses the headers in "
+            "every compile.",
         ),
         Setting(
             name="native",
@@ -445,9 +455,17 @@ def describe() -> list[tuple[str, str, Any, str]]:
 
 
 def cache_path(*parts: str) -> Path:
-    """Path under the cache directory (created)."""
+    """Path under the cache directory (created private to this user: it holds compiled code)."""
     p = Path(get("cache_dir")).expanduser().joinpath(*parts)
-    p.mkdir(parents=True, exist_ok=True)
+    if not p.is_dir():
+        # every missing level with mode 0700: mkdir(parents=True) makes the parents by the umask
+        # (0777 under umask 000), and the native toolchain loads nothing below a directory that
+        # others can write
+        missing = [p]
+        while not missing[-1].parent.exists() and missing[-1].parent != missing[-1]:
+            missing.append(missing[-1].parent)
+        for q in reversed(missing):
+            q.mkdir(mode=0o700, exist_ok=True)
     return p
 
 

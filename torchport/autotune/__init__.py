@@ -5,7 +5,12 @@ See :func:`select`. Timing helpers (:func:`measure`, :func:`interleaved`, :func:
 guard against noisy samples (a non-ATen winner re-timed in alternation against the ATen anchor).
 """
 
-from torchport.autotune.cache import ChoiceCache, CorruptChoiceCacheWarning, choice_cache
+from torchport.autotune.cache import (
+    ChoiceCache,
+    ChoiceCacheWriteWarning,
+    CorruptChoiceCacheWarning,
+    choice_cache,
+)
 from torchport.autotune.timing import (
     L3_BYTES,
     alternated_min,
@@ -38,6 +43,7 @@ __all__ = [
     "Candidate",
     "Choice",
     "ChoiceCache",
+    "ChoiceCacheWriteWarning",
     "Confirmation",
     "CorruptChoiceCacheWarning",
     "InvalidCandidate",

@@ -30,10 +30,15 @@ from torchport.native.cpu import cpu_info
 from torchport.version import __version__
 
 FORMAT = "torchport-autotune-v1"
+_CACHE_DIR = config.Snapshot("cache_dir")
 
 
 class CorruptChoiceCacheWarning(UserWarning):
     """The choice cache file was unreadable and is being rewritten."""
+
+
+class ChoiceCacheWriteWarning(UserWarning):
+    """The choice cache could not be written: a choice is kept by this process only."""
 
 
 def machine_identity() -> dict[str, Any]:
@@ -55,6 +60,18 @@ def entry_key(op: str, key: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _well_formed(entry: object) -> bool:
+    """True for an entry :func:`select` and the ops can use: a string choice and, if present,
+    timings mapping names to numbers (a damaged entry with a list choice or string timings
+    raised TypeError in every lookup of its problem)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("choice"), str):
+        return False
+    timings = entry.get("timings_s", {})
+    return isinstance(timings, dict) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) for t in timings.values()
+    )
+
+
 class ChoiceCache:
     """In-memory view of the persistent choice file."""
 
@@ -65,6 +82,7 @@ class ChoiceCache:
         self._lock = threading.Lock()
         # (op, key json) → entry, for hits without hashing the machine identity again
         self._memo: dict[tuple[str, str], dict[str, Any]] = {}
+        self._dir: tuple[Any, ...] | None = None  # the cache_dir the views above belong to
 
     @property
     def path(self) -> Path:
@@ -75,30 +93,48 @@ class ChoiceCache:
     def _read_disk(self) -> dict[str, dict[str, Any]]:
         p = self.path
         try:
-            text = p.read_text()
+            raw = p.read_bytes()
         except FileNotFoundError:
             return {}
         except OSError as e:
             warnings.warn(f"torchport: cannot read {p}: {e}", CorruptChoiceCacheWarning, 2)
             return {}
         try:
-            data = json.loads(text)
+            # bytes, not read_text(): a damaged file that is not UTF-8 is corrupt like any other
+            # (UnicodeDecodeError is a ValueError), where read_text() raised it from every lookup
+            data = json.loads(raw)
             if not isinstance(data, dict) or data.get("format") != FORMAT:
                 raise ValueError("unexpected format")
             entries = data["entries"]
             if not isinstance(entries, dict):
                 raise ValueError("entries is not an object")
-            return {k: v for k, v in entries.items() if isinstance(v, dict) and "choice" in v}
-        except (ValueError, KeyError) as e:
+            kept = {k: v for k, v in entries.items() if _well_formed(v)}
+        except (ValueError, KeyError, RecursionError) as e:  # (deep nesting: RecursionError)
             warnings.warn(
                 f"torchport: ignoring corrupt autotune cache {p} ({e}); it will be rewritten",
                 CorruptChoiceCacheWarning,
                 stacklevel=3,
             )
             return {}
+        if len(kept) < len(entries):
+            warnings.warn(
+                f"torchport: ignoring {len(entries) - len(kept)} malformed entries of the autotune "
+                f"cache {p}; they will be re-tuned",
+                CorruptChoiceCacheWarning,
+                stacklevel=3,
+            )
+        return kept
 
     def _refresh(self) -> None:
-        p = self.path
+        try:
+            p = self.path
+        except OSError as e:  # the cache directory cannot be made: the memory view serves alone
+            warnings.warn(
+                f"torchport: autotune cache unusable ({e}); choices last this process only",
+                ChoiceCacheWriteWarning,
+                stacklevel=3,
+            )
+            return
         try:
             stamp = (str(p), p.stat().st_mtime)
         except OSError:
@@ -111,6 +147,8 @@ class ChoiceCache:
         """The cached entry for (op, key) on this machine, or None."""
         if not config.get("autotune_cache"):
             return None
+        if self._path is None and _CACHE_DIR() != self._dir:
+            self._switch_dir()
         memo_key = (op, json.dumps(key, sort_keys=True, default=str))
         hit = self._memo.get(memo_key)
         if hit is not None:
@@ -124,6 +162,16 @@ class ChoiceCache:
             if hit is not None:
                 self._memo[memo_key] = hit
             return hit
+
+    def _switch_dir(self) -> None:
+        """Drop the views of another cache directory (``config.cache_dir`` changed since they
+        were read: the memo and entries served that directory's choices in the new one's place).
+        """
+        with self._lock:
+            self._entries = {}
+            self._memo = {}  # a new object: the GEMM engine drops what it settled from the old
+            self._loaded_from = None
+            self._dir = _CACHE_DIR()
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
@@ -154,23 +202,33 @@ class ChoiceCache:
             self._memo.pop((op, json.dumps(key, sort_keys=True, default=str)), None)
             if not config.get("autotune_cache"):
                 return
-            p = self.path
-            with self._file_lock():
-                merged = self._read_disk()
-                merged[k] = entry
-                fd, tmp = tempfile.mkstemp(prefix=".choices-", dir=p.parent)
-                try:
-                    with os.fdopen(fd, "w") as f:
-                        json.dump(
-                            {"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True
-                        )
-                    os.replace(tmp, p)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
-                    raise
-                self._entries = merged
-                self._loaded_from = (str(p), p.stat().st_mtime)
+            try:
+                self._write(k, entry)
+            except OSError as e:  # read-only or forbidden cache: the tuning result still counts
+                warnings.warn(
+                    f"torchport: cannot write the autotune cache ({e}); the choice for {op} "
+                    "lasts this process only",
+                    ChoiceCacheWriteWarning,
+                    stacklevel=2,
+                )
+
+    def _write(self, k: str, entry: dict[str, Any]) -> None:
+        """Merge ``entry`` into the file under its lock (the caller holds ``self._lock``)."""
+        p = self.path
+        with self._file_lock():
+            merged = self._read_disk()
+            merged[k] = entry
+            fd, tmp = tempfile.mkstemp(prefix=".choices-", dir=p.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True)
+                os.replace(tmp, p)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            self._entries = merged
+            self._loaded_from = (str(p), p.stat().st_mtime)
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """All entries currently on disk (for `torchport info` and reports)."""
@@ -184,6 +242,7 @@ class ChoiceCache:
             self._entries = {}
             self._memo = {}
             self._loaded_from = None
+            self._dir = None
 
 
 choice_cache = ChoiceCache()

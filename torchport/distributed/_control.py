@@ -131,8 +131,9 @@ def recv_msg(sock: socket.socket, limit: int = MAX_FRAME) -> dict[str, Any]:
         raise CommError(f"control frame of {n} bytes exceeds the limit {limit}")
     try:
         obj = json.loads(recv_exact(sock, n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CommError(f"malformed control frame: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: the
+        # last, or it escaped the handlers (which stop on CommError) and killed the server thread
+        raise CommError(f"malformed control frame: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise CommError(f"control frame must be a JSON object, got {type(obj).__name__}")
     return obj

@@ -32,12 +32,14 @@ from torchport.native.launch import (
 )
 from torchport.native.prelude import PRELUDE, render
 from torchport.native.toolchain import (
+    CacheUnavailableError,
     CompileError,
     CompilerNotFoundError,
     CorruptCacheWarning,
     NativeError,
     NativeFallbackWarning,
     Stats,
+    UnsafeCacheError,
     build,
     cache_size,
     compile_flags,
@@ -51,6 +53,7 @@ from torchport.native.toolchain import (
 __all__ = [
     "C_TYPES",
     "PRELUDE",
+    "CacheUnavailableError",
     "CompileError",
     "CompilerNotFoundError",
     "CorruptCacheWarning",
@@ -63,6 +66,7 @@ __all__ = [
     "NativeFallbackWarning",
     "Stats",
     "TensorArg",
+    "UnsafeCacheError",
     "build",
     "cache_size",
     "check_tensor",

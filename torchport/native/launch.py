@@ -62,6 +62,8 @@ class FloatArg:
 
 ArgSpec = TensorArg | IntArg | FloatArg
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 
 def _ctype(spec: ArgSpec) -> type:
     if isinstance(spec, TensorArg):
@@ -96,16 +98,19 @@ def eager_fast_path(*tensors: torch.Tensor) -> bool:
     """True if plain eager tensors may skip the custom-op dispatcher and call a kernel directly.
 
     False while tracing (torch.compile, export, make_fx, any dispatch or function mode), for
-    tensor subclasses (fake, functional, proxies) and when autograd must record the call: then
-    the ``torch.library`` custom op (with its fake implementation) is used.
+    tensor subclasses (fake, functional, proxies), when autograd must record the call and for a
+    tensor with the lazy negation bit (``z.conj().imag``, ``torch._neg_view``): its data pointer
+    holds the un-negated values, which a kernel read as they are (``mm(a, z.conj().imag)``
+    returned ``a @ z.imag``); the custom op's dispatcher materialises the negation first.
+    Then the ``torch.library`` custom op (with its fake implementation) is used.
     """
     if torch.compiler.is_compiling() or _dispatch_depth() > 0 or functorch_active():
         return False  # (torch.func's wrapped tensors are plain Tensors without a data pointer)
     if _function_modes_on() and torch.overrides._get_current_function_mode():
         return False
     grad = _grad_enabled()
-    for t in tensors:  # noqa: SIM110  (a loop, not all(<generator>): runs on every eager call)
-        if type(t) is not _Tensor or (grad and t.requires_grad):
+    for t in tensors:  # a loop, not all(<generator>): runs on every eager call
+        if type(t) is not _Tensor or (grad and t.requires_grad) or _is_neg(t):
             return False
     return True
 
@@ -136,6 +141,8 @@ _dispatch_depth = torch._C._len_torch_dispatch_stack
 functorch_active = torch._C._are_functorch_transforms_active
 _function_modes_on = torch._C._is_torch_function_mode_enabled
 _grad_enabled = torch.is_grad_enabled
+_is_neg = torch.Tensor.is_neg  # (the conjugation bit exists on complex tensors only, which the
+# ops taking them resolve themselves: linalg)
 
 
 class Kernel:
@@ -165,13 +172,24 @@ class Kernel:
                     raise KernelArgumentError(
                         f"{self.name}: argument {spec.name!r} must be an int, got {v!r}"
                     )
+                # ctypes wraps an out-of-range int modulo 2**64 without a word (2**64 + 5 -> 5)
+                if not _INT64_MIN <= v <= _INT64_MAX:
+                    raise KernelArgumentError(
+                        f"{self.name}: argument {spec.name!r} must fit in int64_t "
+                        f"[{_INT64_MIN}, {_INT64_MAX}], got {v}"
+                    )
                 raw.append(v)
             else:
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
                     raise KernelArgumentError(
                         f"{self.name}: argument {spec.name!r} must be a number, got {v!r}"
                     )
-                raw.append(float(v))
+                try:
+                    raw.append(float(v))
+                except OverflowError:  # an int past the double range (10**400)
+                    raise KernelArgumentError(
+                        f"{self.name}: argument {spec.name!r} must fit in a double, got {v}"
+                    ) from None
         status = self._fn(*raw)
         if status != 0:
             raise RuntimeError(f"{self.name} returned error status {status}")

@@ -61,8 +61,8 @@ def _key(flags: Sequence[str], cc: str) -> str:
 def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
     """The header to pass as ``-include`` for compiling ``source`` with ``flags`` (its PCH beside
     it), building the PCH on first use; None when the source does not start with the prelude's
-    headers, the compiler is not GCC, no PCH could be made, or another thread or process is
-    building it right now."""
+    headers, the compiler is not GCC, no PCH could be made (also where another user could write
+    its directory), or another thread or process is building it right now."""
     where = config.get("native_pch")
     if where == "off" or not source.startswith(HEADERS) or not _is_gcc(cc):
         return None
@@ -86,7 +86,11 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
                 return _ready[memo]
         header: Path | None = d / HEADER_NAME
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            # each level private (parents=True would make pch/ by the umask, which under
+            # umask 000 is writable by all: check_private then refused every PCH)
+            base.absolute().mkdir(mode=0o700, parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, exist_ok=True)
+            toolchain.check_private(d)  # GCC reads the PCH as trusted input: ours only
             # one builder at a time across processes (PCH bytes differ from build to build)
             with open(d / "lock", "a") as lock_file:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import grp
 import hashlib
 import json
 import os
+import pwd
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from torchport import config
 from torchport.native import pch
-from torchport.native.cpu import cpu_info, isa_flags
+from torchport.native.cpu import ISA_LEVELS, cpu_info, isa_flags
 
 ABI_VERSION = "1"
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-w")
@@ -44,6 +47,14 @@ class CompilerNotFoundError(NativeError):
 
 class CompileError(NativeError):
     """The C compiler rejected a generated kernel; the message carries its output."""
+
+
+class CacheUnavailableError(NativeError):
+    """The cache directory cannot be created or written (read-only, no permission, a file)."""
+
+
+class UnsafeCacheError(NativeError):
+    """The cache directory could be changed by another user: no object is loaded from it."""
 
 
 class CorruptCacheWarning(UserWarning):
@@ -71,6 +82,10 @@ _lock = threading.Lock()
 _key_locks: dict[str, threading.Lock] = {}
 _loaded: dict[str, ctypes.CDLL] = {}
 _warned_fallback: set[str] = set()
+_private_dirs: set[str] = set()  # directories this process found safe to load code from
+# key -> message of the CompileError its build raised: a source the compiler rejects is not
+# compiled again on every call of its op (each call paid a whole failing compile, ~0.1-0.5 s)
+_failed: dict[str, str] = {}
 fallback_counts: dict[str, int] = {}
 
 
@@ -107,17 +122,34 @@ def find_compiler() -> str:
     )
 
 
-@functools.cache
+IDENTITY_TIMEOUT_S = 30.0
+
+
 def compiler_identity(cc: str) -> str:
     """First line of ``cc --version`` plus the resolved path (part of every cache key)."""
+    ident, error = _identity(cc)
+    if ident is None:
+        raise CompilerNotFoundError(error)
+    return ident
+
+
+@functools.cache
+def _identity(cc: str) -> tuple[str | None, str]:
+    """``(identity, "")``, or ``(None, why)`` for a compiler that cannot run: remembered too, or a
+    compiler hanging on ``--version`` cost every build() of the process, each call of every op
+    falling back to ATen, the whole timeout again."""
     try:
         out = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
+            [cc, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=IDENTITY_TIMEOUT_S,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise CompilerNotFoundError(f"C compiler {cc!r} cannot run: {e}") from e
+        return None, f"C compiler {cc!r} cannot run: {e}"
     first = (out.stdout or out.stderr).splitlines()[:1]
-    return f"{os.path.realpath(cc)}|{first[0] if first else 'unknown'}"
+    return f"{os.path.realpath(cc)}|{first[0] if first else 'unknown'}", ""
 
 
 def native_dir() -> Path:
@@ -141,13 +173,68 @@ def cache_key(source: str, flags: Sequence[str], cc: str) -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _own_group(gid: int) -> bool:
+    """True for this user's private group (same name, no other members): a directory writable by
+    it, as ``umask 002`` makes them on user-private-group systems, is writable by this user only."""
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == os.getegid() and group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def check_private(d: Path) -> None:
+    """Raise :class:`UnsafeCacheError` unless only this user (and root) can change what directory
+    ``d`` holds, so that an object found there was written by this user.
+
+    Every directory from ``d`` up to ``/`` (along the path as given and along its resolved one)
+    must be owned by this user or root; ``d`` itself must be writable by no other user (else one
+    could plant a ``.so`` with a matching record under the next kernel's name), and an ancestor
+    writable by others must be sticky (as ``/tmp``), so that our entries cannot be renamed away.
+    Checked once per directory per process."""
+    given = Path(os.path.abspath(d))  # (a relative cache directory moves with os.chdir)
+    if str(given) in _private_dirs:
+        return
+    euid = os.geteuid()
+    for top in {given, Path(os.path.realpath(d))}:
+        for p in (top, *top.parents):
+            try:
+                st = os.stat(p)
+            except OSError as e:
+                raise UnsafeCacheError(f"cannot check native cache directory {p}: {e}") from e
+            mode = stat.S_IMODE(st.st_mode)
+            if st.st_uid not in (euid, 0):
+                raise UnsafeCacheError(
+                    f"native cache directory {p} must be owned by this user (uid {euid}) or "
+                    f"root, got uid {st.st_uid}: no kernel is loaded from it; point "
+                    "TORCHPORT_CACHE_DIR at a directory of your own"
+                )
+            shared = mode & 0o002 or (mode & 0o020 and not _own_group(st.st_gid))
+            if shared and (p == top or not mode & stat.S_ISVTX):
+                raise UnsafeCacheError(
+                    f"native cache directory {p} must not be writable by other users, got mode "
+                    f"{oct(mode)} (group {st.st_gid}): no kernel is loaded from it; run "
+                    f"`chmod go-w {p}` or point TORCHPORT_CACHE_DIR at a directory of your own"
+                )
+    _private_dirs.add(str(given))
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _entry_paths(name: str, key: str) -> tuple[Path, Path]:
-    d = native_dir() / key[:2]
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d = native_dir() / key[:2]
+        d.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:  # callers fall back on NativeError, not on a bare OSError
+        raise CacheUnavailableError(
+            f"native cache directory under {config.get('cache_dir')!r} is unusable: {e}; "
+            "set TORCHPORT_CACHE_DIR to a writable directory"
+        ) from e
+    check_private(d)
     stem = f"{name}-{key[:24]}"
     return d / f"{stem}.so", d / f"{stem}.json"
 
@@ -181,6 +268,23 @@ def _compile(
     key: str,
     header: Path | None = None,
 ) -> None:
+    try:
+        _compile_in(source, flags, cc, so, meta, key, header)
+    except OSError as e:  # the cache, not the compiler (whose OSErrors are typed below)
+        raise CacheUnavailableError(
+            f"cannot write kernel {so.stem} into the native cache {so.parent}: {e}"
+        ) from e
+
+
+def _compile_in(
+    source: str,
+    flags: Sequence[str],
+    cc: str,
+    so: Path,
+    meta: Path,
+    key: str,
+    header: Path | None,
+) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=so.parent))
     try:
         # A fixed relative file name keeps the object bytes independent of the temp directory,
@@ -192,8 +296,8 @@ def _compile(
             res = subprocess.run(
                 cmd, cwd=tmp, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
             )
-        except FileNotFoundError as e:
-            raise CompilerNotFoundError(f"C compiler {cc!r} not found: {e}") from e
+        except OSError as e:  # missing, or not executable
+            raise CompilerNotFoundError(f"C compiler {cc!r} cannot run: {e}") from e
         except subprocess.TimeoutExpired as e:
             raise CompileError(f"compiler timed out after {COMPILE_TIMEOUT_S:.0f} s: {cmd}") from e
         with _lock:
@@ -213,7 +317,13 @@ def _compile(
 
 
 def compile_flags(isa: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """Full flag list for an ISA level (default: the CPU's level under ``config.isa``)."""
+    """Full flag list for an ISA level (default: the CPU's level under ``config.isa``).
+
+    A level above the hardware's is allowed (objects for another x86 machine build and load;
+    their kernels must not run here); an unknown name is a ValueError, where "AVX512" or "avx-512"
+    used to compile silently at the avx2 level."""
+    if isa is not None and isa not in ISA_LEVELS:
+        raise ValueError(f"isa must be one of {ISA_LEVELS}, got {isa!r}")
     return [*BASE_FLAGS, *isa_flags(isa or cpu_info().isa), *extra]
 
 
@@ -222,7 +332,9 @@ def build(
 ) -> ctypes.CDLL:
     """Compile ``source`` (or take it from the cache) and load it.
 
-    Raises :class:`CompilerNotFoundError` or :class:`CompileError`; never returns a stale object.
+    Raises :class:`CompilerNotFoundError` or :class:`CompileError`, :class:`UnsafeCacheError`
+    where another user could write the cache directory and :class:`CacheUnavailableError` where
+    it cannot be written; never returns a stale object.
     """
     if not name.replace("_", "").isalnum():
         raise ValueError(f"kernel name must be alphanumeric/underscore, got {name!r}")
@@ -234,7 +346,10 @@ def build(
         if lib is not None:
             _stats.memory_hits += 1
             return lib
+        failed = _failed.get(key)
         key_lock = _key_locks.setdefault(key, threading.Lock())
+    if failed is not None:  # a new exception each time: re-raising one would grow its traceback
+        raise CompileError(f"{failed}\n(failed before in this process; not compiled again)")
     with key_lock:
         with _lock:
             if key in _loaded:
@@ -258,24 +373,36 @@ def build(
         else:
             lib = None
         if lib is None:
-            header = pch.header_for(source, flags, cc)
-            failed_with: Path | None = None
             try:
-                _compile(source, flags, cc, so, meta, key, header)
+                lib = _compile_and_load(source, flags, cc, so, meta, key)
             except CompileError as e:
-                if header is None or isinstance(e.__cause__, subprocess.TimeoutExpired):
-                    raise
-                failed_with = header
-            if failed_with is not None:  # outside the handler: a faulty source's error alone
-                _compile(source, flags, cc, so, meta, key)
-                pch.discard(failed_with)  # it compiles without the precompiled headers only
-            try:
-                lib = ctypes.CDLL(str(so))
-            except OSError as e:  # e.g. an undeclared function, left undefined by the compiler
-                raise CompileError(f"kernel {so.stem} was compiled but does not load: {e}") from e
+                with _lock:
+                    _failed[key] = str(e)
+                raise
         with _lock:
             _loaded[key] = lib
         return lib
+
+
+def _compile_and_load(
+    source: str, flags: Sequence[str], cc: str, so: Path, meta: Path, key: str
+) -> ctypes.CDLL:
+    """Build the entry (with the precompiled headers if any, retried without them) and load it."""
+    header = pch.header_for(source, flags, cc)
+    failed_with: Path | None = None
+    try:
+        _compile(source, flags, cc, so, meta, key, header)
+    except CompileError as e:
+        if header is None or isinstance(e.__cause__, subprocess.TimeoutExpired):
+            raise
+        failed_with = header
+    if failed_with is not None:  # outside the handler: a faulty source's error alone
+        _compile(source, flags, cc, so, meta, key)
+        pch.discard(failed_with)  # it compiles without the precompiled headers only
+    try:
+        return ctypes.CDLL(str(so))
+    except OSError as e:  # e.g. an undeclared function, left undefined by the compiler
+        raise CompileError(f"kernel {so.stem} was compiled but does not load: {e}") from e
 
 
 def note_fallback(op: str, reason: BaseException | str) -> None:
