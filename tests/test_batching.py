@@ -97,6 +97,21 @@ def test_derived_weights_cache_follows_in_place_updates() -> None:
     torch.testing.assert_close(second, torch.cat([w1, w2]))
 
 
+def test_derived_weights_cache_misses_a_new_tensor_at_a_reused_address() -> None:
+    # fresh weights per call: the allocator may put a new tensor where a freed one was, with the
+    # same address, shape and version counter (0); numpy memory rewritten under a new tensor
+    # object stands in for that reuse deterministically
+    np = pytest.importorskip("numpy")
+    buf = np.arange(6, dtype=np.float32).reshape(2, 3)
+    w2 = torch.randn(4, 3)
+    d = DerivedInput("w", "cat", (0, 1))
+    with torch.no_grad():
+        derive(d, [torch.from_numpy(buf), w2])  # the first tensor is freed after this call
+        buf[:] = -1.0
+        again = derive(d, [torch.from_numpy(buf), w2])
+    torch.testing.assert_close(again, torch.cat([torch.from_numpy(buf), w2]))
+
+
 def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
     class PerHead(nn.Module):
         def __init__(self) -> None:

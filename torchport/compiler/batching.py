@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -465,25 +466,37 @@ BATCHING = Pass(
 
 # --- derived weights at run time ------------------------------------------------------------------
 
-_CACHE: dict[tuple[Any, ...], torch.Tensor] = {}
+# key -> (weak references to the source tensors, their cat/stack)
+_CACHE: dict[tuple[Any, ...], tuple[tuple[weakref.ref[torch.Tensor], ...], torch.Tensor]] = {}
 _CACHE_MAX = 64
 
 
 def _cache_key(how: str, ts: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-    return (how, *[(t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in ts])
+    return (
+        how,
+        *[(t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype) for t in ts],
+    )
 
 
 def _cached(how: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """cat/stack of ``ts``, reused while no input's storage or version counter changes."""
+    """cat/stack of ``ts``, reused while the same tensors (not only the same addresses) are
+    passed and no input's storage or version counter changes.
+
+    The key alone is not enough: a tensor freed after one call and a new one allocated at its
+    address for the next (fresh weights per call) have equal addresses and version counters
+    (both 0), so a hit also requires each cached source to still be the very tensor passed.
+    """
     key = _cache_key(how, ts)
-    hit = _CACHE.get(key)
-    if hit is None:
-        with torch.no_grad():
-            hit = torch.cat(list(ts)) if how == "cat" else torch.stack(list(ts))
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = hit
-    return hit
+    entry = _CACHE.get(key)
+    if entry is not None and all(r() is t for r, t in zip(entry[0], ts, strict=True)):
+        return entry[1]
+    with torch.no_grad():
+        out = torch.cat(list(ts)) if how == "cat" else torch.stack(list(ts))
+    _CACHE.pop(key, None)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (tuple(weakref.ref(t) for t in ts), out)
+    return out
 
 
 def _cached_cat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
