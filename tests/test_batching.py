@@ -112,6 +112,35 @@ def test_derived_weights_cache_misses_a_new_tensor_at_a_reused_address() -> None
     torch.testing.assert_close(again, torch.cat([torch.from_numpy(buf), w2]))
 
 
+def _eager_batched(fn: Callable[..., object]) -> Callable[..., object]:
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=TorchportBackend(inner="eager", passes=[], batching=True))
+
+
+def test_batching_keeps_a_member_after_an_in_place_update_of_its_input() -> None:
+    def f(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = a + 1
+        y1 = torch.exp(b)
+        b.mul_(2)  # the second exp reads the updated b
+        return y1, torch.exp(b)
+
+    a = torch.randn(8)
+    for got, want in zip(_eager_batched(f)(a), f(a), strict=True):  # type: ignore[call-overload]
+        torch.testing.assert_close(got, want)
+
+
+def test_batching_does_not_hoist_a_weight_updated_in_the_graph() -> None:
+    def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w1.mul_(2)  # the concatenated weight must see this update
+        return F.linear(x, w1), F.linear(x, w2)
+
+    x, w1, w2 = torch.randn(3, 4), torch.randn(5, 4), torch.randn(6, 4)
+    got = _eager_batched(f)(x, w1.clone(), w2)
+    want = f(x, w1.clone(), w2)
+    for g, w in zip(got, want, strict=True):  # type: ignore[call-overload]
+        torch.testing.assert_close(g, w)
+
+
 def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
     class PerHead(nn.Module):
         def __init__(self) -> None:
