@@ -51,6 +51,8 @@ UNARY = {
     "pow_frac": lambda z: z**0.5 + z ** (1 + 1j),
     "view_as_real": lambda z: torch.view_as_real(z) * 1,
     "to_c128": lambda z: z.to(torch.complex128),
+    "pad_real_fill": lambda z: torch.nn.functional.pad(z, (1, 2), value=2.0),
+    "pad_complex_fill": lambda z: torch.constant_pad_nd(z, (0, 1, 1, 0), 1 - 3j),
 }
 BINARY = {
     "add": lambda a, b: a + b * 2 - 1j,

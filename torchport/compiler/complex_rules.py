@@ -466,7 +466,6 @@ for _op in _packets(
     "sum",
     "mean",
     "cumsum",
-    "constant_pad_nd",
     "diagonal",
     "split",
     "split_with_sizes",
@@ -485,6 +484,19 @@ for _op in _packets(
     "as_strided",
 ):
     RULES[_op] = _componentwise
+
+
+@_rule(*_packets("constant_pad_nd"))
+def _r_constant_pad(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # the fill is a complex number: its real part pads the real part, its imaginary part the
+    # imaginary part (a real fill v pads with v + 0i, so the imaginary part with 0, not v)
+    e, p = lw.e, _pair(a[0])
+    fill = _pair(a[2] if len(a) > 2 else kw.get("value", 0.0))
+    re = e.call(n.target, p.re, a[1], 0.0 if fill.re is None else fill.re)
+    if p.im is None and fill.im is None:
+        return Pair(re, None)
+    im_fill = 0.0 if fill.im is None else fill.im
+    return Pair(re, e.call(n.target, e.dense(p.im, p.re), a[1], im_fill))
 
 
 @_rule(operator.getitem)
