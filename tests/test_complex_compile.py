@@ -53,6 +53,8 @@ UNARY = {
     "to_c128": lambda z: z.to(torch.complex128),
     "pad_real_fill": lambda z: torch.nn.functional.pad(z, (1, 2), value=2.0),
     "pad_complex_fill": lambda z: torch.constant_pad_nd(z, (0, 1, 1, 0), 1 - 3j),
+    "sum_dtype": lambda z: z.sum(dtype=torch.complex128) + z.mean(-1, dtype=torch.complex128),
+    "cumsum_dtype": lambda z: z.cumsum(-1, dtype=torch.complex128),
 }
 BINARY = {
     "add": lambda a, b: a + b * 2 - 1j,

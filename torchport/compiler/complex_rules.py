@@ -439,8 +439,14 @@ def _r_addmm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
 
 def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     """Apply a shape op or linear reduction to each part (a zero part stays zero)."""
-    kw = {k: v for k, v in kw.items() if k != "dtype"}
     p = _pair(a[0])
+    val = _node_val(n)
+    if kw.get("dtype") is not None and _is_complex_val(val):
+        # sum/mean/cumsum(dtype=complex128) of complex64 accumulate in the requested precision:
+        # cast each part to its real dtype first, as ATen casts the input
+        rdt = val.dtype.to_real()
+        p = Pair(*(None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im)))
+    kw = {k: v for k, v in kw.items() if k != "dtype"}
     re = lw.e.call(n.target, p.re, *a[1:], **kw)
     im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
     return Pair(re, im)
