@@ -206,6 +206,18 @@ def test_unsupported_op_raises_naming_it(op: str) -> None:
         lower_complex(gm)
 
 
+def test_as_strided_of_a_complex_input_is_refused_and_of_an_intermediate_exact() -> None:
+    # the input's parts are views of the interleaved complex storage: the same strides applied
+    # to each part read real and imaginary values mixed
+    x = _randc((4, 3))
+    with pytest.raises(
+        ComplexDecompositionError, match=r"as_strided\.default on a complex graph input"
+    ):
+        _run_lowered(lambda z: z.t().as_strided((2, 2), (1, 2)) * 2, x)
+    (got,) = _run_lowered(lambda z: (z * 2).as_strided((2, 2), (1, 3), 1), x)
+    torch.testing.assert_close(got, (x * 2).as_strided((2, 2), (1, 3), 1))
+
+
 def test_unsupported_op_through_compile_is_a_clear_error() -> None:
     fn = torchport.compile(lambda z: (z * 2).prod(), inner="eager", batching=False)
     with pytest.raises(Exception, match=r"no real decomposition for aten\.prod"):

@@ -487,9 +487,36 @@ for _op in _packets(
     "transpose_copy",
     "t_copy",
     "alias_copy",
-    "as_strided",
 ):
     RULES[_op] = _componentwise
+
+
+def _views_an_input(x: Any) -> bool:
+    """True if graph value ``x`` is a graph input or a view of one (through aliasing ops)."""
+    while isinstance(x, fx.Node):
+        if x.op == "placeholder":
+            return True
+        schema = getattr(x.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            return False
+        x = x.args[0] if x.args else None
+    return False
+
+
+@_rule(*_packets("as_strided"))
+def _r_as_strided(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # as_strided addresses the storage, not the tensor. A complex graph input enters as its
+    # real/imag views, which address the interleaved complex storage in real elements (strides
+    # and offset doubled), so applying the same size/stride/offset to each part would read real
+    # and imaginary values mixed; an intermediate's parts are dense buffers laid out like the
+    # complex one, where applying it to each part is exact.
+    if _views_an_input(n.args[0]):
+        raise ComplexDecompositionError(
+            f"{n.target} on a complex graph input (or a view of one) is not supported by "
+            f"torchport complex compilation (node {n.name!r}): it addresses the complex storage, "
+            "which the real/imaginary split does not keep; compile with complex=False"
+        )
+    return _componentwise(lw, n, a, kw)
 
 
 @_rule(*_packets("constant_pad_nd"))
