@@ -94,6 +94,13 @@ def test_binary_rules_match_eager(name: str, shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(got, BINARY[name](a, b), rtol=1e-4, atol=1e-5)
 
 
+def test_tanh_of_a_large_real_part_is_finite() -> None:
+    # cosh 2x and sinh 2x overflow float32 beyond |x| ~ 44; tanh there is ±1
+    x = torch.tensor([50 + 0.5j, -60 + 1j, 300 - 2j, 0.3 - 0.2j, 10 + 3j], dtype=torch.complex64)
+    (got,) = _run_lowered(torch.tanh, x)
+    torch.testing.assert_close(got, torch.tanh(x), rtol=1e-5, atol=1e-6)
+
+
 def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.cat([a, b], 0)
     s = torch.stack([a, b], 0).permute(1, 2, 0).reshape(a.shape[0], -1)

@@ -216,9 +216,13 @@ def c_cos(e: _Emitter, a: Pair) -> Pair:
 def c_tanh(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.tanh, a.re), None)
+    # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y), with numerator and denominator divided by
+    # cosh 2x: sinh and cosh overflow for |x| > ~44 in float32 (inf/inf = nan where tanh is
+    # ±1), while tanh 2x and sech 2x = 1/cosh 2x stay finite (sech → 0)
     x2, y2 = e.mul(a.re, 2.0), e.mul(a.im, 2.0)
-    den = e.add(e.f(torch.cosh, x2), e.f(torch.cos, y2))
-    return Pair(e.div(e.f(torch.sinh, x2), den), e.div(e.f(torch.sin, y2), den))
+    sech = e.f(torch.reciprocal, e.f(torch.cosh, x2))
+    den = e.add(1.0, e.mul(e.f(torch.cos, y2), sech))
+    return Pair(e.div(e.f(torch.tanh, x2), den), e.div(e.mul(e.f(torch.sin, y2), sech), den))
 
 
 def c_sigmoid(e: _Emitter, a: Pair) -> Pair:
