@@ -101,6 +101,17 @@ def test_tanh_of_a_large_real_part_is_finite() -> None:
     torch.testing.assert_close(got, torch.tanh(x), rtol=1e-5, atol=1e-6)
 
 
+def test_abs_log_of_huge_and_tiny_magnitudes() -> None:
+    # |z|² overflows float32 above ~1.8e19 and underflows to 0 below ~1e-19
+    x = torch.tensor([1e20 + 1e20j, 3e-25 - 4e-25j, -2e30 + 0j, 1 - 1j], dtype=torch.complex64)
+
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return torch.stack([z.abs(), torch.log(z).real])
+
+    (got,) = _run_lowered(fn, x)
+    torch.testing.assert_close(got, fn(x), rtol=1e-5, atol=0.0)
+
+
 def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.cat([a, b], 0)
     s = torch.stack([a, b], 0).permute(1, 2, 0).reshape(a.shape[0], -1)

@@ -172,7 +172,9 @@ def c_div(e: _Emitter, a: Any, b: Any) -> Pair:
 def c_abs(e: _Emitter, a: Pair) -> Any:
     if a.im is None:
         return e.f(torch.abs, a.re)
-    return e.f(torch.sqrt, e.add(e.mul(a.re, a.re), e.mul(a.im, a.im)))
+    # hypot, as ATen's complex abs: sqrt(x² + y²) overflows for |z| > ~1.8e19 in complex64 and
+    # underflows to 0 below ~1e-19 (and log|z|, sqrt z and sgn z inherit that)
+    return e.f(torch.hypot, a.re, a.im)
 
 
 def c_exp(e: _Emitter, a: Pair) -> Pair:
