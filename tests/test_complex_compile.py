@@ -55,6 +55,9 @@ UNARY = {
     "pad_complex_fill": lambda z: torch.constant_pad_nd(z, (0, 1, 1, 0), 1 - 3j),
     "sum_dtype": lambda z: z.sum(dtype=torch.complex128) + z.mean(-1, dtype=torch.complex128),
     "cumsum_dtype": lambda z: z.cumsum(-1, dtype=torch.complex128),
+    "complex_fills": lambda z: (
+        torch.full_like(z, 1 + 2j) * z + torch.where(z.real > 0, z, 1j) + torch.full(z.shape, -2j)
+    ),
 }
 BINARY = {
     "add": lambda a, b: a + b * 2 - 1j,
@@ -92,6 +95,16 @@ def test_binary_rules_match_eager(name: str, shape: tuple[int, ...]) -> None:
     b[..., :1] = a[..., :1]  # some equal entries for eq/ne
     (got,) = _run_lowered(BINARY[name], a, b)
     torch.testing.assert_close(got, BINARY[name](a, b), rtol=1e-4, atol=1e-5)
+
+
+def test_complex_scalar_fills_through_compile() -> None:
+    # masked_fill/lerp decompose to full/where with a complex fill constant
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return z.masked_fill(z.imag > 0, 0.5 - 1j) + torch.lerp(z, 2 * z, 0.25)
+
+    z = _randc((4, 3))
+    got = torchport.compile(fn, inner="eager", batching=False)(z)
+    torch.testing.assert_close(got, fn(z), rtol=1e-5, atol=1e-6)
 
 
 def test_tanh_of_a_large_real_part_is_finite() -> None:

@@ -580,12 +580,19 @@ def _r_eq(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     return both if n.target in (aten.eq.Scalar, aten.eq.Tensor) else e.call(torch.logical_not, both)
 
 
+def _fill_value(v: Any) -> complex:
+    """A fill scalar as a complex number (the lowering maps a complex constant to a Pair)."""
+    if isinstance(v, Pair):
+        return complex(v.re, 0.0 if v.im is None else v.im)
+    return complex(v)
+
+
 @_rule(aten.full.default, aten.scalar_tensor.default)
 def _r_full(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     val = _node_val(n)
     kw = dict(kw)
     kw["dtype"] = val.dtype.to_real()
-    fill = complex(a[-1] if n.target is aten.full.default else a[0])
+    fill = _fill_value(a[-1] if n.target is aten.full.default else a[0])
     if n.target is aten.full.default:
         re = lw.e.call(aten.full.default, a[0], fill.real, **kw)
         im = lw.e.call(aten.full.default, a[0], fill.imag, **kw) if fill.imag else None
@@ -603,7 +610,7 @@ def _r_full_like(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) ->
     kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_format")}
     ref = _pair(a[0]).re
     if n.target is aten.full_like.default:
-        fill = complex(a[1])
+        fill = _fill_value(a[1])
     else:
         fill = 1 + 0j if n.target is aten.ones_like.default else 0j
     if _is_complex_val(val):
