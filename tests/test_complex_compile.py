@@ -125,6 +125,16 @@ def test_abs_log_of_huge_and_tiny_magnitudes() -> None:
     torch.testing.assert_close(got, fn(x), rtol=1e-5, atol=0.0)
 
 
+def test_division_by_huge_and_tiny_complex_magnitudes() -> None:
+    # c² + d² overflows float32 above ~1.8e19 (quotient 0) and underflows below ~1e-19 (inf/nan)
+    a = torch.tensor([1 + 1j, 2 - 3j, 1e20 + 0j, 0.5 + 0.25j, 3 + 0j], dtype=torch.complex64)
+    b = torch.tensor(
+        [1e-23 + 1e-23j, 4e20 - 1e20j, 1e20 + 1e20j, 0.3 - 2j, 2j], dtype=torch.complex64
+    )
+    (got,) = _run_lowered(lambda x, y: x / y, a, b)
+    torch.testing.assert_close(got, a / b, rtol=1e-5, atol=0.0)
+
+
 def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.cat([a, b], 0)
     s = torch.stack([a, b], 0).permute(1, 2, 0).reshape(a.shape[0], -1)

@@ -163,10 +163,31 @@ def c_div(e: _Emitter, a: Any, b: Any) -> Pair:
     pa, pb = _pair(a), _pair(b)
     if pb.im is None:
         return Pair(e.div(pa.re, pb.re), e.div(pa.im, pb.re))
+    if isinstance(pb.re, fx.Node) or isinstance(pb.im, fx.Node):
+        return _smith_div(e, pa, pb)
     den = e.add(e.mul(pb.re, pb.re), e.mul(pb.im, pb.im))
     re = e.add(e.mul(pa.re, pb.re), e.mul(pa.im, pb.im))
     im = e.sub(e.mul(pa.im, pb.re), e.mul(pa.re, pb.im))
     return Pair(e.div(re, den), e.div(im, den))
+
+
+def _smith_div(e: _Emitter, pa: Pair, pb: Pair) -> Pair:
+    """(a+bi)/(c+di) by Smith's algorithm, as ATen: scale by the ratio of the smaller to the
+    larger of |c|, |d| instead of dividing by c² + d², which overflows for |c+di| above ~1.8e19
+    in complex64 (a result of 0) and underflows below ~1e-19 (inf/nan)."""
+    ref = pb.re if isinstance(pb.re, fx.Node) else pb.im
+    c, d = e.dense(pb.re, ref), e.dense(pb.im, ref)
+    big = e.call(torch.ge, e.f(torch.abs, c), e.f(torch.abs, d))  # |c| >= |d|
+    rat = e.call(torch.where, big, e.div(d, c), e.div(c, d))  # smaller / larger
+    den = e.call(torch.where, big, e.add(c, e.mul(d, rat)), e.add(d, e.mul(c, rat)))
+    x, y = pa.re, pa.im
+    re_big, re_small = e.add(x, e.mul(y, rat)), e.add(e.mul(x, rat), y)
+    im_big, im_small = e.sub(y, e.mul(x, rat)), e.sub(e.mul(y, rat), x)
+
+    def pick(u: Any, v: Any) -> Any:
+        return e.call(torch.where, big, 0.0 if u is None else u, 0.0 if v is None else v)
+
+    return Pair(e.div(pick(re_big, re_small), den), e.div(pick(im_big, im_small), den))
 
 
 def c_abs(e: _Emitter, a: Pair) -> Any:
