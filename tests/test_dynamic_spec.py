@@ -361,6 +361,24 @@ def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
     assert static_dims[0].meta["val"].shape[2] == 4  # the static dim stays static
 
 
+def test_make_fx_checks_the_dims_the_spec_leaves_static() -> None:
+    # the graph holds static sizes as constants (x.shape[1] is 4 in it): another size would be
+    # computed with the traced one
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1) / x.shape[1] + y.sum() / y.shape[0]
+
+    gm = torchport.make_fx(f, dynamic_shapes={"x": TensorSpec([B, STATIC])})(
+        torch.ones(3, 4), torch.ones(2)
+    )
+    torch.testing.assert_close(
+        gm(torch.ones(5, 4), torch.ones(2)), f(torch.ones(5, 4), torch.ones(2))
+    )
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 1: expected static size 4"):
+        gm(torch.ones(3, 5), torch.ones(2))
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'y' dim 0: expected static size 2"):
+        gm(torch.ones(3, 4), torch.ones(6))
+
+
 def test_scalar_intvar_compiles_once() -> None:
     from torchport.frontend import SpecCompiled
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 import warnings
@@ -26,7 +27,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torchport.frontend.dynamic_spec import Expr, IntVar, ShapesSpec, resolve_spec
+from torchport.frontend.dynamic_spec import (
+    DynamicSpecViolation,
+    Expr,
+    IntVar,
+    ShapesSpec,
+    resolve_spec,
+)
 from torchport.frontend.spec_binding import Binding, bind, check_call, check_values
 
 
@@ -365,10 +372,78 @@ def make_fx(
             return fn(*a)
 
         gm = _make_fx(prologue_then_fn, tracing_mode="symbolic", **make_fx_kwargs)(*fake_args)
-        gm.register_forward_pre_hook(lambda _m, call_args: check_call(b, call_args, {}) and None)
+        static = _static_sizes(fn, b, args)
+
+        def check(_m: Any, call_args: tuple[Any, ...]) -> None:
+            check_call(b, call_args, {})
+            _check_static(static, call_args)
+
+        gm.register_forward_pre_hook(check)
         return gm
 
     return trace
+
+
+def _static_sizes(
+    fn: Callable[..., Any], b: Binding, args: Sequence[Any]
+) -> list[tuple[str, int, int | None, int]]:
+    """``(argument path, flat leaf, dim, size)`` of every tensor dim the spec leaves static (an
+    ``int`` or ``STATIC`` slot, or a tensor the spec does not mention; ``dim`` None: the rank).
+
+    The traced graph holds these sizes as constants (``x.shape[1]`` is a number in it), so a
+    call with another size would compute with the traced one.
+    """
+    dynamic = {(s.leaf, s.dim) for s in b.slots if s.dim is not None and isinstance(s.spec, Expr)}
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), {}))
+    names = _param_names(fn, len(args))
+    out: list[tuple[str, int, int | None, int]] = []
+    for i, (path, x) in enumerate(paths):
+        if not isinstance(x, torch.Tensor):
+            continue
+        where = _arg_path(path, names)
+        out.append((where, i, None, x.dim()))
+        out.extend((where, i, d, int(x.shape[d])) for d in range(x.dim()) if (i, d) not in dynamic)
+    return out
+
+
+def _param_names(fn: Callable[..., Any], n: int) -> list[str]:
+    """Names of the first ``n`` positional arguments of ``fn`` (``*args[j]`` past them)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return [f"args[{k}]" for k in range(n)]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    pos = [p.name for p in params if p.kind in kinds]
+    return [pos[k] if k < len(pos) else f"*args[{k - len(pos)}]" for k in range(n)]
+
+
+def _arg_path(path: Sequence[Any], names: Sequence[str]) -> str:
+    """``args[0]['ids']`` for the key path of a flat leaf of ``(args, {})``."""
+    rest = pytree.keystr(tuple(path[2:])) if len(path) > 2 else ""
+    k = getattr(path[1], "idx", None)
+    head = names[k] if isinstance(k, int) and k < len(names) else pytree.keystr(tuple(path[:2]))
+    return head + rest
+
+
+def _check_static(static: Sequence[tuple[str, int, int | None, int]], call_args: Any) -> None:
+    """Raise :class:`DynamicSpecViolation` if a static size differs from the traced one."""
+    flat = pytree.tree_leaves((tuple(call_args), {}))
+    for where, i, d, size in static:
+        x = flat[i]
+        if not isinstance(x, torch.Tensor):
+            raise DynamicSpecViolation(
+                f"argument {where!r}: traced as a tensor, got {type(x).__name__}"
+            )
+        if d is None and x.dim() != size:
+            raise DynamicSpecViolation(
+                f"argument {where!r}: expected a {size}-D tensor (as traced), got {x.dim()}-D"
+            )
+        if d is not None and int(x.shape[d]) != size:
+            raise DynamicSpecViolation(
+                f"argument {where!r} dim {d}: expected static size {size} (as traced; the spec "
+                f"does not make this dim dynamic), got {int(x.shape[d])}"
+            )
 
 
 def _fakify(b: Binding, args: Sequence[Any]) -> Any:
