@@ -379,6 +379,23 @@ def test_make_fx_checks_the_dims_the_spec_leaves_static() -> None:
         gm(torch.ones(3, 4), torch.ones(6))
 
 
+def test_compile_leaves_no_dim_marks_on_the_callers_tensors() -> None:
+    # mark_dynamic's marks live on the tensor: left there, another torch.compile that
+    # specialises the dim fails with ConstraintViolationError
+    fn = torchport.compile(
+        lambda x: x * 2, inner="eager", batching=False, dynamic_shapes={"x": TensorSpec([B, 8])}
+    )
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(fn(x), x * 2)
+    assert not hasattr(x, "_dynamo_dynamic_indices")
+
+    def specialises(t: torch.Tensor) -> torch.Tensor:
+        return t + 1 if t.shape[0] == 4 else t - 1
+
+    torch.testing.assert_close(torch.compile(specialises, backend="eager")(x), x + 1)
+    torch.testing.assert_close(fn(torch.randn(5, 8)).shape, torch.Size([5, 8]))
+
+
 def test_scalar_intvar_compiles_once() -> None:
     from torchport.frontend import SpecCompiled
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import sys
@@ -72,6 +73,16 @@ class SpecCompiled:
             # non-empty call would then recompile): run it eagerly (no elements, negligible work)
             # and trace at the first non-empty call, whose graph then serves empty calls too.
             return self.fn(*args, **kwargs)
+        # the tensors _mark_dims may mark: the flat inputs and attributes an ObjectSpec reaches
+        marks = _DimMarks([*flat, *(s.target(flat) for s in b.slots if s.dim is not None)])
+        try:
+            return self._call_marked(b, flat, args, kwargs)
+        finally:
+            marks.restore()
+
+    def _call_marked(
+        self, b: Binding, flat: list[Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Any:
         scalars = _mark_dims(b, flat, strict=self.relaxed is None)
         if self.compiled is None:
             self.compiled = self._compile_fn(self.fn)
@@ -92,7 +103,7 @@ class SpecCompiled:
             warnings.warn(
                 f"torchport.compile: the function specialises a dynamic dim of its spec "
                 f"({self.relaxed}); sizes it specialises on will recompile",
-                stacklevel=2,
+                stacklevel=3,
             )
             for t in flat:
                 for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range"):
@@ -101,6 +112,43 @@ class SpecCompiled:
             _mark_dims(b, flat, strict=False)
             with _compile_config(scalars):
                 return self.compiled(*args, **kwargs)
+
+
+_MARK_ATTRS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_dynamic_range",
+    "_dynamo_weak_dynamic_indices",
+    "_dynamo_hint_overrides",
+    "_specialize_on",
+    "_has_dynamo_dim_marking",
+)
+
+
+class _DimMarks:
+    """The dynamo dim marks of the caller's tensors, restored after a spec'd call.
+
+    ``mark_dynamic`` stores its marks on the tensor itself; left there, they would follow the
+    caller's tensor into any other ``torch.compile`` (where a function that specialises the dim
+    then fails with ``ConstraintViolationError``). The spec's marks are for this call only.
+    """
+
+    def __init__(self, flat: Sequence[Any]) -> None:
+        self._saved: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        seen: set[int] = set()
+        for t in flat:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                # mark_dynamic adds to these sets and dicts in place: keep copies
+                old = {a: copy.copy(getattr(t, a)) for a in _MARK_ATTRS if hasattr(t, a)}
+                self._saved.append((t, old))
+
+    def restore(self) -> None:
+        for t, old in self._saved:
+            for a in _MARK_ATTRS:
+                if a in old:
+                    setattr(t, a, old[a])
+                elif hasattr(t, a):
+                    delattr(t, a)
 
 
 def _canonical_empty(t: Any) -> Any:
