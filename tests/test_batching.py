@@ -141,6 +141,18 @@ def test_batching_does_not_hoist_a_weight_updated_in_the_graph() -> None:
         torch.testing.assert_close(g, w)
 
 
+def test_batching_leaves_small_complex_unary_ops_to_the_complex_decomposition() -> None:
+    # _foreach_exp of complex tensors has no real decomposition: the compile used to fail
+    def f(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.exp(a), torch.exp(b)
+
+    a, b = torch.randn(4, dtype=torch.complex64), torch.randn(5, dtype=torch.complex64)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=TorchportBackend(inner="eager", batching=True))(a, b)
+    for g, w in zip(got, f(a, b), strict=True):
+        torch.testing.assert_close(g, w)
+
+
 def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
     class PerHead(nn.Module):
         def __init__(self) -> None:

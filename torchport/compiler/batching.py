@@ -458,6 +458,9 @@ def _foreach(gm: fx.GraphModule, node: fx.Node) -> bool:
     t0 = node_tensor_meta(x0) if isinstance(x0, fx.Node) else None
     if t0 is None or not _concrete(t0) or t0.numel() > SMALL_NUMEL:
         return False
+    if t0.is_complex():
+        # the complex decomposition has rules for the ops, not for their _foreach_ forms
+        return False
 
     def same(n: fx.Node) -> bool:
         if n.op != "call_function" or n.target is not node.target or len(n.args) != 1 or n.kwargs:
