@@ -494,6 +494,10 @@ def test_object_spec_errors() -> None:
     spec2 = ShapesSpec({"cfg": ObjectSpec({"x": TensorSpec([ShapeVar("B"), STATIC])})})
     with pytest.raises(ValueError, match=r"torchport.export: argument 'cfg.x' is described by"):
         torchport.export(_obj_fn, (_Cfg(torch.randn(2, 3), 1),), dynamic_shapes=spec2)
+    # the same spec as a plain dict is a spec too (not a torch.export dynamic_shapes dict)
+    plain = {"cfg": ObjectSpec({"x": TensorSpec([ShapeVar("B"), STATIC])})}
+    with pytest.raises(ValueError, match=r"torchport.export: argument 'cfg.x' is described by"):
+        torchport.export(_obj_fn, (_Cfg(torch.randn(2, 3), 1),), dynamic_shapes=plain)
     with pytest.raises(ValueError, match=r"cfg: ObjectSpec describes the attributes of a plain"):
         bind(
             _obj_fn,

@@ -371,11 +371,11 @@ def _needs_prologue(b: Binding) -> bool:
 
 def _looks_like_spec_dict(x: object) -> bool:
     """True for a dict mapping parameter names to spec leaves/containers (not to Dims)."""
-    from torchport.frontend.dynamic_spec import DictSpec, SeqSpec, TensorSpec
+    from torchport.frontend.dynamic_spec import DictSpec, ObjectSpec, SeqSpec, TensorSpec
 
     if not isinstance(x, dict):
         return False
-    kinds = (TensorSpec, SeqSpec, DictSpec, Expr)
+    kinds = (TensorSpec, SeqSpec, DictSpec, ObjectSpec, Expr)
     return any(isinstance(v, kinds) for v in x.values()) or any(
         isinstance(k, str) and k.startswith("*") for k in x
     )
