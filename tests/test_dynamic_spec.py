@@ -396,6 +396,19 @@ def test_compile_leaves_no_dim_marks_on_the_callers_tensors() -> None:
     torch.testing.assert_close(fn(torch.randn(5, 8)).shape, torch.Size([5, 8]))
 
 
+def test_compile_checks_the_rank_of_every_call() -> None:
+    # the binding is cached per call structure, which does not include the rank
+    fn = torchport.compile(
+        lambda x: x * 2, inner="eager", batching=False, dynamic_shapes={"x": TensorSpec([B, 4])}
+    )
+    fn(torch.ones(3, 4))
+    for bad, got in ((torch.ones(3), "1-D"), (torch.ones(3, 4, 5), "3-D")):
+        with pytest.raises(
+            DynamicSpecViolation, match=rf"'x': its TensorSpec has 2 dims, got a {got}"
+        ):
+            fn(bad)
+
+
 def test_scalar_intvar_compiles_once() -> None:
     from torchport.frontend import SpecCompiled
 
