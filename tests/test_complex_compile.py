@@ -135,6 +135,20 @@ def test_division_by_huge_and_tiny_complex_magnitudes() -> None:
     torch.testing.assert_close(got, a / b, rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.parametrize("name", ["exp", "sin", "cos"])
+def test_overflow_times_an_exact_zero_is_zero(name: str) -> None:
+    # exp(100 + 0j) = inf + 0j and sin(100j) = 0 + inf j in ATen; inf * 0 gave nan parts
+    fn = UNARY[name]
+    x = torch.tensor(
+        [100 + 0j, -100 - 0j, 100j, -100j, complex(0.0, -0.0), 0.5 - 0.25j] * 4,
+        dtype=torch.complex64,
+    )
+    (got,) = _run_lowered(fn, x)
+    want = fn(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
+    assert torch.equal(torch.signbit(got.imag), torch.signbit(want.imag))
+
+
 def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.cat([a, b], 0)
     s = torch.stack([a, b], 0).permute(1, 2, 0).reshape(a.shape[0], -1)

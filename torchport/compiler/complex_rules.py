@@ -198,11 +198,19 @@ def c_abs(e: _Emitter, a: Pair) -> Any:
     return e.f(torch.hypot, a.re, a.im)
 
 
+def _keep_zero(e: _Emitter, z: Any, zero: Any, value: Any) -> Any:
+    """``zero`` where ``z == 0``, else ``value``: a product with a factor that is exactly 0
+    (sin 0) is 0 in ATen's complex functions even where the other factor overflowed to inf,
+    where the real formula computes inf * 0 = nan."""
+    return e.call(torch.where, e.call(operator.eq, z, 0), zero, value)
+
+
 def c_exp(e: _Emitter, a: Pair) -> Pair:
     ex = e.f(torch.exp, a.re)
     if a.im is None:
         return Pair(ex, None)
-    return Pair(e.mul(ex, e.f(torch.cos, a.im)), e.mul(ex, e.f(torch.sin, a.im)))
+    im = _keep_zero(e, a.im, a.im, e.mul(ex, e.f(torch.sin, a.im)))  # e^x + 0i for y = ±0
+    return Pair(e.mul(ex, e.f(torch.cos, a.im)), im)
 
 
 def c_log(e: _Emitter, a: Pair) -> Pair:
@@ -223,7 +231,8 @@ def c_sqrt(e: _Emitter, a: Pair) -> Pair:
 def c_sin(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.sin, a.re), None)
-    re = e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im))
+    # sin(±0 + iy) = ±0 + i sinh y, also where cosh y overflows
+    re = _keep_zero(e, a.re, a.re, e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im)))
     im = e.mul(e.f(torch.cos, a.re), e.f(torch.sinh, a.im))
     return Pair(re, im)
 
@@ -232,7 +241,9 @@ def c_cos(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.cos, a.re), None)
     re = e.mul(e.f(torch.cos, a.re), e.f(torch.cosh, a.im))
-    im = e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im)))
+    # cos(±0 + iy) = cosh y - i (±0 · sign y), also where sinh y overflows
+    zero = e.neg(e.mul(a.re, e.f(torch.copysign, e.dense(1.0, a.im), a.im)))
+    im = _keep_zero(e, a.re, zero, e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im))))
     return Pair(re, im)
 
 
