@@ -221,6 +221,27 @@ def test_compile_complex_forward_backward_eager_inner() -> None:
     assert torchport.compiler.last_report().complex  # type: ignore[union-attr]
 
 
+def test_backward_of_slicing_selecting_and_indexing() -> None:
+    # their gradients scatter into zeros: slice_scatter, select_scatter, diagonal_scatter and
+    # index_put had no rule, so any such training graph failed to compile
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        idx = torch.tensor([0, 2, 0])
+        return x[:, 1:-1].sum(1) * x[1, :3] + x[idx][:, 0] * 1j + x.diagonal() * 2
+
+    x = _randc((3, 4)).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    out = torchport.compile(fn, inner="eager", batching=False)(x2)
+    ref = fn(x)
+    gv = _randc(tuple(ref.shape))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, x2, gv)[0],
+        torch.autograd.grad(ref, x, gv)[0],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 def test_gradcheck_complex128() -> None:
     fn = torchport.compile(_model, inner="eager", batching=False)
     assert torch.autograd.gradcheck(fn, tuple(_args(torch.complex128)), eps=1e-6, atol=1e-5)

@@ -570,6 +570,33 @@ def _r_constant_pad(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any])
     return Pair(re, e.call(n.target, e.dense(p.im, p.re), a[1], im_fill))
 
 
+def _scatter(src_pos: int) -> Rule:
+    """A rule for an op that writes ``args[src_pos]`` into (a copy of) ``args[0]`` at positions its
+    other arguments name: the backward of slicing, selecting and indexing (``slice_scatter``,
+    ``select_scatter``, ``index_put``, ...). Both parts scatter alike."""
+
+    def rule(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        e, dst, src = lw.e, _pair(a[0]), _pair(a[src_pos])
+
+        def part(d: Any, s: Any) -> Any:
+            args = list(a)
+            args[0], args[src_pos] = d, s
+            return e.call(n.target, *args, **kw)
+
+        re = part(dst.re, src.re)
+        if dst.im is None and src.im is None:
+            return Pair(re, None)
+        return Pair(re, part(e.dense(dst.im, dst.re), e.dense(src.im, src.re)))
+
+    return rule
+
+
+for _op in _packets("slice_scatter", "select_scatter", "diagonal_scatter"):
+    RULES[_op] = _scatter(1)
+for _op in _packets("index_put"):
+    RULES[_op] = _scatter(2)
+
+
 @_rule(operator.getitem)
 def _r_getitem(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = a[0]
