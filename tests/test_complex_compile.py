@@ -242,6 +242,28 @@ def test_backward_of_slicing_selecting_and_indexing() -> None:
     )
 
 
+def test_roll_gather_index_select_forward_and_backward() -> None:
+    # roll decomposes to index_select; the gradients of gather and index_select are
+    # scatter_add and index_add into zeros: none of them had a rule
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor([2, 0, 1])
+        picked = x.gather(1, torch.tensor([[0], [1], [3]]))
+        return x.roll(1, 0) * picked + x.index_select(0, rows)
+
+    x = _randc((3, 4)).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    out = torchport.compile(fn, inner="eager", batching=False)(x2)
+    ref = fn(x)
+    gv = _randc(tuple(ref.shape))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, x2, gv)[0],
+        torch.autograd.grad(ref, x, gv)[0],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 def test_gradcheck_complex128() -> None:
     fn = torchport.compile(_model, inner="eager", batching=False)
     assert torch.autograd.gradcheck(fn, tuple(_args(torch.complex128)), eps=1e-6, atol=1e-5)

@@ -503,6 +503,8 @@ for _op in _packets(
     "slice",
     "select",
     "index",
+    "index_select",
+    "gather",
     "clone",
     "flip",
     "roll",
@@ -595,6 +597,16 @@ for _op in _packets("slice_scatter", "select_scatter", "diagonal_scatter"):
     RULES[_op] = _scatter(1)
 for _op in _packets("index_put"):
     RULES[_op] = _scatter(2)
+# gather's and index_select's gradients: scatter_add / index_add of the gradient into zeros
+for _op in (aten.scatter.src, aten.scatter_add.default):
+    RULES[_op] = _scatter(3)
+
+
+@_rule(aten.index_add.default)
+def _r_index_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    if isinstance(kw.get("alpha", 1), Pair):  # a complex alpha would mix the parts
+        raise ComplexDecompositionError(f"{n.target}: a complex alpha is not supported")
+    return _scatter(3)(lw, n, a, kw)  # self + alpha * source at index, per part
 
 
 @_rule(operator.getitem)
