@@ -347,6 +347,40 @@ def test_export_with_spec_runs_all_sizes_and_asserts() -> None:
         m(torch.randn(2, 4, 4), torch.randn(6))
 
 
+def test_export_with_a_spec_and_keyword_arguments() -> None:
+    # torch 2.13's export failed (AssertionError "Must provide a tree_name") on the wrapper's
+    # forward(*args, **kwargs) called with keywords
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * 2 + y.sum()
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *, y: torch.Tensor) -> torch.Tensor:
+            return f(x, y)
+
+    spec = ShapesSpec({"x": TensorSpec([B]), "y": TensorSpec([B])}, assumptions=[B % 2 == 1])
+    for mod in (f, M()):
+        m = torchport.export(mod, (torch.ones(3),), {"y": torch.ones(3)}, dynamic_shapes=spec)
+        m = m.module()
+        torch.testing.assert_close(
+            m(torch.ones(5), y=torch.ones(5)), f(torch.ones(5), torch.ones(5))
+        )
+        with pytest.raises(Exception, match=r"y.size\(\)\[0\] == x.size\(\)\[0\]|Mod"):
+            m(torch.ones(5), y=torch.ones(4))
+
+    def g(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return args[0] + kwargs["y"].sum()
+
+    with pytest.raises(ValueError, match=r"keyword arguments \['y'\] go to \*\*kwargs"):
+        torchport.export(
+            g,
+            (torch.ones(3),),
+            {"y": torch.ones(3)},
+            dynamic_shapes=ParamsSpec(
+                {"*args": [TensorSpec([B])], "**kwargs": {"y": TensorSpec([B])}}
+            ),
+        )
+
+
 def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
     gm = torchport.make_fx(_spec_fn)(torch.randn(3, 8, 4), torch.randn(7))
     for b, t in [(1, 2), (0, 4), (64, 128)]:

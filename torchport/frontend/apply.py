@@ -344,15 +344,63 @@ def export(
         # _FnModule.forward(*args): the Dims go under its variadic parameter's name
         ds = {"args": tuple(ds_args)}
         return torch.export.export(_FnModule(mod), args, dynamic_shapes=ds, strict=strict)
-    wrapped = _SpecModule(mod, b)
+    wrapped: torch.nn.Module = _SpecModule(mod, b)
+    shapes: Any = {"args": ds_args}
+    if kwargs:
+        # torch 2.13's export cannot match dynamic_shapes to a forward(*args, **kwargs) called
+        # with keywords (AssertionError "Must provide a tree_name ..."): give the wrapper the
+        # user's signature, and the Dims by parameter name
+        signed = _signed_spec_module(mod, b)
+        if signed is None:
+            raise ValueError(
+                "torchport.export: keyword arguments with a spec need a function or forward "
+                "with an inspectable signature; pass the arguments positionally"
+            )
+        wrapped, sig = signed
+        named = {
+            n
+            for n, p in sig.parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+        extra = sorted(set(kwargs) - named)
+        if extra:  # collected by **kwargs: the same torch failure
+            raise ValueError(
+                f"torchport.export: keyword arguments {extra} go to **kwargs, for which torch "
+                "2.13's export cannot take dynamic shapes; name them as parameters or pass them "
+                "positionally"
+            )
+        shapes = dict(sig.bind(*ds_args, **ds_kwargs).arguments)
     return torch.export.export(
         wrapped,
         args,
         kwargs,
-        dynamic_shapes={"args": ds_args, "kwargs": ds_kwargs} if kwargs else {"args": ds_args},
+        dynamic_shapes=shapes,
         strict=strict,
         prefer_deferred_runtime_asserts_over_guards=True,
     )
+
+
+def _signed_spec_module(
+    fn: Callable[..., Any], b: Binding
+) -> tuple[torch.nn.Module, inspect.Signature] | None:
+    """A :class:`_SpecModule` whose ``forward`` reports ``fn``'s signature (None if it has none)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    if "self" in sig.parameters:
+        return None
+
+    def forward(self: _SpecModule, *args: Any, **kwargs: Any) -> Any:
+        return _SpecModule.forward(self, *args, **kwargs)
+
+    me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[me, *sig.parameters.values()]
+    )
+    cls = type("_SignedSpecModule", (_SpecModule,), {"forward": forward})
+    return cls(fn, b), sig
 
 
 def _needs_prologue(b: Binding) -> bool:
