@@ -153,6 +153,16 @@ def test_batching_leaves_small_complex_unary_ops_to_the_complex_decomposition() 
         torch.testing.assert_close(g, w)
 
 
+def test_derived_weights_of_inference_tensors() -> None:
+    # weights made under inference_mode have no version counter: reading it raised
+    d = DerivedInput("w", "cat", (0, 1))
+    with torch.inference_mode():
+        w1, w2 = torch.randn(2, 3), torch.randn(4, 3)
+        torch.testing.assert_close(derive(d, [w1, w2]), torch.cat([w1, w2]))
+        w1.add_(1.0)  # allowed in inference mode, and no counter records it
+        torch.testing.assert_close(derive(d, [w1, w2]), torch.cat([w1, w2]))
+
+
 def test_per_head_rule_rewrites_to_bmm_and_verifies() -> None:
     class PerHead(nn.Module):
         def __init__(self) -> None:

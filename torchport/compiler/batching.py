@@ -543,6 +543,10 @@ def derive(d: DerivedInput, args: Sequence[Any]) -> torch.Tensor:
     ts = [args[i] for i in d.sources]
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return torch.cat(ts) if d.how == "cat" else torch.stack(ts)
+    if any(t.is_inference() for t in ts):
+        # inference tensors (weights made under inference_mode) have no version counter to
+        # validate a cached result with, and may be updated in place inside inference_mode
+        return torch.cat(ts) if d.how == "cat" else torch.stack(ts)
     return _cached(d.how, ts)
 
 
