@@ -264,6 +264,22 @@ def test_roll_gather_index_select_forward_and_backward() -> None:
     )
 
 
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_tensor_constants_and_item_assignment(inner: str) -> None:
+    # a complex constant stayed complex inside the real graph (view_as_complex error, or its
+    # imaginary part dropped by a real copy: y[0] = 1j wrote 0); with Inductor any tensor
+    # constant failed the fake re-trace
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.tensor([1j, 2j, 3j]) + x * torch.tensor([1.0, 2.0, 3.0])
+        y[0] = 1j
+        return y
+
+    x = _randc((4, 3))
+    torch._dynamo.reset()
+    got = torchport.compile(fn, inner=inner, batching=False)(x)
+    torch.testing.assert_close(got, fn(x))
+
+
 def test_gradcheck_complex128() -> None:
     fn = torchport.compile(_model, inner="eager", batching=False)
     assert torch.autograd.gradcheck(fn, tuple(_args(torch.complex128)), eps=1e-6, atol=1e-5)

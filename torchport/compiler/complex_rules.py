@@ -586,6 +586,8 @@ def _scatter(src_pos: int) -> Rule:
             return e.call(n.target, *args, **kw)
 
         re = part(dst.re, src.re)
+        if not _is_complex_val(_node_val(n)):
+            return re  # a complex src written into a real tensor keeps its real part
         if dst.im is None and src.im is None:
             return Pair(re, None)
         return Pair(re, part(e.dense(dst.im, dst.re), e.dense(src.im, src.re)))
@@ -593,7 +595,8 @@ def _scatter(src_pos: int) -> Rule:
     return rule
 
 
-for _op in _packets("slice_scatter", "select_scatter", "diagonal_scatter"):
+# copy(self, src): src in self's shape and dtype (an in-place write such as y[0] = 1j)
+for _op in _packets("slice_scatter", "select_scatter", "diagonal_scatter", "copy"):
     RULES[_op] = _scatter(1)
 for _op in _packets("index_put"):
     RULES[_op] = _scatter(2)
