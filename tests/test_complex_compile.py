@@ -149,6 +149,14 @@ def test_overflow_times_an_exact_zero_is_zero(name: str) -> None:
     assert torch.equal(torch.signbit(got.imag), torch.signbit(want.imag))
 
 
+def test_zero_to_a_complex_power_is_zero() -> None:
+    # exp(w log 0) = exp(-inf - inf j): 0 * cos(-inf) was nan, ATen gives 0
+    x = torch.tensor([0j, 1 + 1j, 0j, -2 + 0.5j], dtype=torch.complex64)
+    (got,) = _run_lowered(lambda z: z ** (2 + 1j), x)
+    torch.testing.assert_close(got[[0, 2]], torch.zeros(2, dtype=torch.complex64))
+    torch.testing.assert_close(got[[1, 3]], (x ** (2 + 1j))[[1, 3]], rtol=1e-5, atol=1e-6)
+
+
 def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.cat([a, b], 0)
     s = torch.stack([a, b], 0).permute(1, 2, 0).reshape(a.shape[0], -1)

@@ -210,7 +210,9 @@ def c_exp(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
         return Pair(ex, None)
     im = _keep_zero(e, a.im, a.im, e.mul(ex, e.f(torch.sin, a.im)))  # e^x + 0i for y = ±0
-    return Pair(e.mul(ex, e.f(torch.cos, a.im)), im)
+    # e^x = 0 (x = -inf, as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf
+    re = _keep_zero(e, ex, ex, e.mul(ex, e.f(torch.cos, a.im)))
+    return Pair(re, _keep_zero(e, ex, ex, im))
 
 
 def c_log(e: _Emitter, a: Pair) -> Pair:
