@@ -55,6 +55,14 @@ UNARY = {
     "pad_complex_fill": lambda z: torch.constant_pad_nd(z, (0, 1, 1, 0), 1 - 3j),
     "sum_dtype": lambda z: z.sum(dtype=torch.complex128) + z.mean(-1, dtype=torch.complex128),
     "cumsum_dtype": lambda z: z.cumsum(-1, dtype=torch.complex128),
+    "nan_inf_finite": lambda z: (
+        z.isnan().float() + z.isinf().float() + z.isfinite().float() + z.isnan().logical_not()
+    ),
+    "log10_log2": lambda z: torch.log10(z) + torch.log2(z),
+    "vector_norms": lambda z: (
+        torch.linalg.vector_norm(z, dim=-1) + torch.linalg.vector_norm(z, ord=1, dim=-1)
+    ),
+    "polar": lambda z: torch.polar(z.abs(), z.angle()) * 2,
     "complex_fills": lambda z: (
         torch.full_like(z, 1 + 2j) * z + torch.where(z.real > 0, z, 1j) + torch.full(z.shape, -2j)
     ),

@@ -7,6 +7,7 @@ stated beside each rule; :mod:`torchport.compiler.complex` drives them over a gr
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -434,6 +435,44 @@ def _r_sgn(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     return Pair(
         e.call(torch.where, zero, 0.0, q.re), e.call(torch.where, zero, 0.0, e.dense(q.im, q.re))
     )  # z/|z|, 0 at 0
+
+
+@_rule(aten.isnan.default, aten.isinf.default)
+def _r_isnan(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    fn = torch.isnan if n.target is aten.isnan.default else torch.isinf
+    re = e.call(fn, p.re)
+    return re if p.im is None else e.call(torch.logical_or, re, e.call(fn, p.im))  # either part
+
+
+@_rule(aten.isfinite.default)
+def _r_isfinite(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    re = e.call(torch.isfinite, p.re)
+    return re if p.im is None else e.call(torch.logical_and, re, e.call(torch.isfinite, p.im))
+
+
+@_rule(aten.log10.default, aten.log2.default)
+def _r_log_base(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    scale = 1.0 / math.log(10.0 if n.target is aten.log10.default else 2.0)
+    return c_mul(lw.e, c_log(lw.e, _pair(a[0])), scale)  # log z / log b
+
+
+@_rule(aten.polar.default)
+def _r_polar(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, r, theta = lw.e, a[0], a[1]  # r (cos θ + i sin θ)
+    return Pair(e.mul(r, e.f(torch.cos, theta)), e.mul(r, e.f(torch.sin, theta)))
+
+
+@_rule(aten.linalg_vector_norm.default)
+def _r_vector_norm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # every p-norm of a complex vector is that norm of the magnitudes |z|
+    e = lw.e
+    mag = c_abs(e, _pair(a[0]))
+    if kw.get("dtype") is not None:
+        mag = e.call(torch.Tensor.to, mag, _node_val(n).dtype)
+    kw = {k: v for k, v in kw.items() if k != "dtype"}
+    return e.call(aten.linalg_vector_norm.default, mag, *a[1:], **kw)
 
 
 @_rule(aten.view_as_real.default)
