@@ -133,22 +133,25 @@ class _DimMarks:
     """
 
     def __init__(self, flat: Sequence[Any]) -> None:
-        self._saved: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        # (the tensor's attribute dict, the marks it held); the marks are plain attributes, in
+        # the instance dict (read directly: this runs on every call)
+        self._saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
         seen: set[int] = set()
         for t in flat:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
+                d = t.__dict__
                 # mark_dynamic adds to these sets and dicts in place: keep copies
-                old = {a: copy.copy(getattr(t, a)) for a in _MARK_ATTRS if hasattr(t, a)}
-                self._saved.append((t, old))
+                old = {a: copy.copy(d[a]) for a in _MARK_ATTRS if a in d} if d else {}
+                self._saved.append((d, old))
 
     def restore(self) -> None:
-        for t, old in self._saved:
+        for d, old in self._saved:
             for a in _MARK_ATTRS:
                 if a in old:
-                    setattr(t, a, old[a])
-                elif hasattr(t, a):
-                    delattr(t, a)
+                    d[a] = old[a]
+                else:
+                    d.pop(a, None)
 
 
 def _canonical_empty(t: Any) -> Any:
