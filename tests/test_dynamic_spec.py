@@ -381,6 +381,26 @@ def test_export_with_a_spec_and_keyword_arguments() -> None:
         )
 
 
+def test_export_keeps_a_scalar_intvar_dynamic() -> None:
+    # export specialised the int (the program ran only for the example's n: "Guard failed:
+    # args_1 == 2"); it is now a dynamic int, its range and relations checked in the graph
+    n_var = IntVar("n", min=1, max=10)
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+            return x * n + x[:n].sum()
+
+    ep = torchport.export(
+        M(), (torch.ones(5), 2), dynamic_shapes={"x": TensorSpec([B]), "n": n_var}
+    )
+    m = ep.module()
+    for n in (1, 4, 10):
+        torch.testing.assert_close(m(torch.ones(12), n), M()(torch.ones(12), n))
+    for n in (0, 11):
+        with pytest.raises(Exception, match=r"<= 10|1 <= "):
+            m(torch.ones(12), n)
+
+
 def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
     gm = torchport.make_fx(_spec_fn)(torch.randn(3, 8, 4), torch.randn(7))
     for b, t in [(1, 2), (0, 4), (64, 128)]:

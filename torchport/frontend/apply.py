@@ -267,8 +267,18 @@ def export_dynamic_shapes(b: Binding, args: Sequence[Any], kwargs: dict[str, Any
             lin = spec.linear()
             d = (dims[lin[0]] * lin[1] + lin[2]) if lin and lin[1] > 0 else Dim.DYNAMIC
         per_leaf.setdefault(s.leaf, {})[s.dim] = d
+    # a scalar the spec makes dynamic: export takes ints as dynamic only through Dim.DYNAMIC
+    # (named Dims are for sizes); its range and relations are prologue checks
+    scalars = {s.leaf for s in b.slots if s.dim is None and isinstance(s.spec, Expr)}
     flat, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    leaves = [per_leaf.get(i) if isinstance(x, torch.Tensor) else None for i, x in enumerate(flat)]
+    leaves = [
+        per_leaf.get(i)
+        if isinstance(x, torch.Tensor)
+        else Dim.DYNAMIC
+        if i in scalars and isinstance(x, int)
+        else None
+        for i, x in enumerate(flat)
+    ]
     out_args, out_kwargs = pytree.tree_unflatten(leaves, tree)
     return out_args, out_kwargs
 
@@ -284,6 +294,11 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
                 torch._check(val == env[s.spec])
             else:
                 env[s.spec] = val
+                if s.dim is None:  # a dim's range is its Dim's; a scalar's is checked here
+                    if s.spec.min is not None:
+                        torch._check(val >= s.spec.min)
+                    if s.spec.max is not None:
+                        torch._check(val <= s.spec.max)
     for s in b.slots:
         if isinstance(s.spec, Expr) and not isinstance(s.spec, IntVar):
             x = s.target(flat)
