@@ -51,6 +51,21 @@ UNARY = {
     "pow_frac": lambda z: z**0.5 + z ** (1 + 1j),
     "view_as_real": lambda z: torch.view_as_real(z) * 1,
     "to_c128": lambda z: z.to(torch.complex128),
+    "pad_real_fill": lambda z: torch.nn.functional.pad(z, (1, 2), value=2.0),
+    "pad_complex_fill": lambda z: torch.constant_pad_nd(z, (0, 1, 1, 0), 1 - 3j),
+    "sum_dtype": lambda z: z.sum(dtype=torch.complex128) + z.mean(-1, dtype=torch.complex128),
+    "cumsum_dtype": lambda z: z.cumsum(-1, dtype=torch.complex128),
+    "nan_inf_finite": lambda z: (
+        z.isnan().float() + z.isinf().float() + z.isfinite().float() + z.isnan().logical_not()
+    ),
+    "log10_log2": lambda z: torch.log10(z) + torch.log2(z),
+    "vector_norms": lambda z: (
+        torch.linalg.vector_norm(z, dim=-1) + torch.linalg.vector_norm(z, ord=1, dim=-1)
+    ),
+    "polar": lambda z: torch.polar(z.abs(), z.angle()) * 2,
+    "complex_fills": lambda z: (
+        torch.full_like(z, 1 + 2j) * z + torch.where(z.real > 0, z, 1j) + torch.full(z.shape, -2j)
+    ),
 }
 BINARY = {
     "add": lambda a, b: a + b * 2 - 1j,
@@ -88,6 +103,66 @@ def test_binary_rules_match_eager(name: str, shape: tuple[int, ...]) -> None:
     b[..., :1] = a[..., :1]  # some equal entries for eq/ne
     (got,) = _run_lowered(BINARY[name], a, b)
     torch.testing.assert_close(got, BINARY[name](a, b), rtol=1e-4, atol=1e-5)
+
+
+def test_complex_scalar_fills_through_compile() -> None:
+    # masked_fill/lerp decompose to full/where with a complex fill constant
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return z.masked_fill(z.imag > 0, 0.5 - 1j) + torch.lerp(z, 2 * z, 0.25)
+
+    z = _randc((4, 3))
+    got = torchport.compile(fn, inner="eager", batching=False)(z)
+    torch.testing.assert_close(got, fn(z), rtol=1e-5, atol=1e-6)
+
+
+def test_tanh_of_a_large_real_part_is_finite() -> None:
+    # cosh 2x and sinh 2x overflow float32 beyond |x| ~ 44; tanh there is ±1
+    x = torch.tensor([50 + 0.5j, -60 + 1j, 300 - 2j, 0.3 - 0.2j, 10 + 3j], dtype=torch.complex64)
+    (got,) = _run_lowered(torch.tanh, x)
+    torch.testing.assert_close(got, torch.tanh(x), rtol=1e-5, atol=1e-6)
+
+
+def test_abs_log_of_huge_and_tiny_magnitudes() -> None:
+    # |z|² overflows float32 above ~1.8e19 and underflows to 0 below ~1e-19
+    x = torch.tensor([1e20 + 1e20j, 3e-25 - 4e-25j, -2e30 + 0j, 1 - 1j], dtype=torch.complex64)
+
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return torch.stack([z.abs(), torch.log(z).real])
+
+    (got,) = _run_lowered(fn, x)
+    torch.testing.assert_close(got, fn(x), rtol=1e-5, atol=0.0)
+
+
+def test_division_by_huge_and_tiny_complex_magnitudes() -> None:
+    # c² + d² overflows float32 above ~1.8e19 (quotient 0) and underflows below ~1e-19 (inf/nan)
+    a = torch.tensor([1 + 1j, 2 - 3j, 1e20 + 0j, 0.5 + 0.25j, 3 + 0j], dtype=torch.complex64)
+    b = torch.tensor(
+        [1e-23 + 1e-23j, 4e20 - 1e20j, 1e20 + 1e20j, 0.3 - 2j, 2j], dtype=torch.complex64
+    )
+    (got,) = _run_lowered(lambda x, y: x / y, a, b)
+    torch.testing.assert_close(got, a / b, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("name", ["exp", "sin", "cos"])
+def test_overflow_times_an_exact_zero_is_zero(name: str) -> None:
+    # exp(100 + 0j) = inf + 0j and sin(100j) = 0 + inf j in ATen; inf * 0 gave nan parts
+    fn = UNARY[name]
+    x = torch.tensor(
+        [100 + 0j, -100 - 0j, 100j, -100j, complex(0.0, -0.0), 0.5 - 0.25j] * 4,
+        dtype=torch.complex64,
+    )
+    (got,) = _run_lowered(fn, x)
+    want = fn(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
+    assert torch.equal(torch.signbit(got.imag), torch.signbit(want.imag))
+
+
+def test_zero_to_a_complex_power_is_zero() -> None:
+    # exp(w log 0) = exp(-inf - inf j): 0 * cos(-inf) was nan, ATen gives 0
+    x = torch.tensor([0j, 1 + 1j, 0j, -2 + 0.5j], dtype=torch.complex64)
+    (got,) = _run_lowered(lambda z: z ** (2 + 1j), x)
+    torch.testing.assert_close(got[[0, 2]], torch.zeros(2, dtype=torch.complex64))
+    torch.testing.assert_close(got[[1, 3]], (x ** (2 + 1j))[[1, 3]], rtol=1e-5, atol=1e-6)
 
 
 def _shape_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -162,6 +237,65 @@ def test_compile_complex_forward_backward_eager_inner() -> None:
     assert torchport.compiler.last_report().complex  # type: ignore[union-attr]
 
 
+def test_backward_of_slicing_selecting_and_indexing() -> None:
+    # their gradients scatter into zeros: slice_scatter, select_scatter, diagonal_scatter and
+    # index_put had no rule, so any such training graph failed to compile
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        idx = torch.tensor([0, 2, 0])
+        return x[:, 1:-1].sum(1) * x[1, :3] + x[idx][:, 0] * 1j + x.diagonal() * 2
+
+    x = _randc((3, 4)).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    out = torchport.compile(fn, inner="eager", batching=False)(x2)
+    ref = fn(x)
+    gv = _randc(tuple(ref.shape))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, x2, gv)[0],
+        torch.autograd.grad(ref, x, gv)[0],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_roll_gather_index_select_forward_and_backward() -> None:
+    # roll decomposes to index_select; the gradients of gather and index_select are
+    # scatter_add and index_add into zeros: none of them had a rule
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor([2, 0, 1])
+        picked = x.gather(1, torch.tensor([[0], [1], [3]]))
+        return x.roll(1, 0) * picked + x.index_select(0, rows)
+
+    x = _randc((3, 4)).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    out = torchport.compile(fn, inner="eager", batching=False)(x2)
+    ref = fn(x)
+    gv = _randc(tuple(ref.shape))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, x2, gv)[0],
+        torch.autograd.grad(ref, x, gv)[0],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_tensor_constants_and_item_assignment(inner: str) -> None:
+    # a complex constant stayed complex inside the real graph (view_as_complex error, or its
+    # imaginary part dropped by a real copy: y[0] = 1j wrote 0); with Inductor any tensor
+    # constant failed the fake re-trace
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.tensor([1j, 2j, 3j]) + x * torch.tensor([1.0, 2.0, 3.0])
+        y[0] = 1j
+        return y
+
+    x = _randc((4, 3))
+    torch._dynamo.reset()
+    got = torchport.compile(fn, inner=inner, batching=False)(x)
+    torch.testing.assert_close(got, fn(x))
+
+
 def test_gradcheck_complex128() -> None:
     fn = torchport.compile(_model, inner="eager", batching=False)
     assert torch.autograd.gradcheck(fn, tuple(_args(torch.complex128)), eps=1e-6, atol=1e-5)
@@ -200,6 +334,18 @@ def test_unsupported_op_raises_naming_it(op: str) -> None:
     gm = make_fx(fns[op])(_randc((3,)))
     with pytest.raises(ComplexDecompositionError, match=rf"no real decomposition for {op}"):
         lower_complex(gm)
+
+
+def test_as_strided_of_a_complex_input_is_refused_and_of_an_intermediate_exact() -> None:
+    # the input's parts are views of the interleaved complex storage: the same strides applied
+    # to each part read real and imaginary values mixed
+    x = _randc((4, 3))
+    with pytest.raises(
+        ComplexDecompositionError, match=r"as_strided\.default on a complex graph input"
+    ):
+        _run_lowered(lambda z: z.t().as_strided((2, 2), (1, 2)) * 2, x)
+    (got,) = _run_lowered(lambda z: (z * 2).as_strided((2, 2), (1, 3), 1), x)
+    torch.testing.assert_close(got, (x * 2).as_strided((2, 2), (1, 3), 1))
 
 
 def test_unsupported_op_through_compile_is_a_clear_error() -> None:

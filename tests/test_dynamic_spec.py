@@ -347,6 +347,60 @@ def test_export_with_spec_runs_all_sizes_and_asserts() -> None:
         m(torch.randn(2, 4, 4), torch.randn(6))
 
 
+def test_export_with_a_spec_and_keyword_arguments() -> None:
+    # torch 2.13's export failed (AssertionError "Must provide a tree_name") on the wrapper's
+    # forward(*args, **kwargs) called with keywords
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * 2 + y.sum()
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *, y: torch.Tensor) -> torch.Tensor:
+            return f(x, y)
+
+    spec = ShapesSpec({"x": TensorSpec([B]), "y": TensorSpec([B])}, assumptions=[B % 2 == 1])
+    for mod in (f, M()):
+        m = torchport.export(mod, (torch.ones(3),), {"y": torch.ones(3)}, dynamic_shapes=spec)
+        m = m.module()
+        torch.testing.assert_close(
+            m(torch.ones(5), y=torch.ones(5)), f(torch.ones(5), torch.ones(5))
+        )
+        with pytest.raises(Exception, match=r"y.size\(\)\[0\] == x.size\(\)\[0\]|Mod"):
+            m(torch.ones(5), y=torch.ones(4))
+
+    def g(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return args[0] + kwargs["y"].sum()
+
+    with pytest.raises(ValueError, match=r"keyword arguments \['y'\] go to \*\*kwargs"):
+        torchport.export(
+            g,
+            (torch.ones(3),),
+            {"y": torch.ones(3)},
+            dynamic_shapes=ParamsSpec(
+                {"*args": [TensorSpec([B])], "**kwargs": {"y": TensorSpec([B])}}
+            ),
+        )
+
+
+def test_export_keeps_a_scalar_intvar_dynamic() -> None:
+    # export specialised the int (the program ran only for the example's n: "Guard failed:
+    # args_1 == 2"); it is now a dynamic int, its range and relations checked in the graph
+    n_var = IntVar("n", min=1, max=10)
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+            return x * n + x[:n].sum()
+
+    ep = torchport.export(
+        M(), (torch.ones(5), 2), dynamic_shapes={"x": TensorSpec([B]), "n": n_var}
+    )
+    m = ep.module()
+    for n in (1, 4, 10):
+        torch.testing.assert_close(m(torch.ones(12), n), M()(torch.ones(12), n))
+    for n in (0, 11):
+        with pytest.raises(Exception, match=r"<= 10|1 <= "):
+            m(torch.ones(12), n)
+
+
 def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
     gm = torchport.make_fx(_spec_fn)(torch.randn(3, 8, 4), torch.randn(7))
     for b, t in [(1, 2), (0, 4), (64, 128)]:
@@ -359,6 +413,54 @@ def test_make_fx_with_spec_is_symbolic_and_checks() -> None:
     static_dims = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert "s" in str(static_dims[0].meta["val"].shape[0])  # B is symbolic
     assert static_dims[0].meta["val"].shape[2] == 4  # the static dim stays static
+
+
+def test_make_fx_checks_the_dims_the_spec_leaves_static() -> None:
+    # the graph holds static sizes as constants (x.shape[1] is 4 in it): another size would be
+    # computed with the traced one
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1) / x.shape[1] + y.sum() / y.shape[0]
+
+    gm = torchport.make_fx(f, dynamic_shapes={"x": TensorSpec([B, STATIC])})(
+        torch.ones(3, 4), torch.ones(2)
+    )
+    torch.testing.assert_close(
+        gm(torch.ones(5, 4), torch.ones(2)), f(torch.ones(5, 4), torch.ones(2))
+    )
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'x' dim 1: expected static size 4"):
+        gm(torch.ones(3, 5), torch.ones(2))
+    with pytest.raises(DynamicSpecViolation, match=r"argument 'y' dim 0: expected static size 2"):
+        gm(torch.ones(3, 4), torch.ones(6))
+
+
+def test_compile_leaves_no_dim_marks_on_the_callers_tensors() -> None:
+    # mark_dynamic's marks live on the tensor: left there, another torch.compile that
+    # specialises the dim fails with ConstraintViolationError
+    fn = torchport.compile(
+        lambda x: x * 2, inner="eager", batching=False, dynamic_shapes={"x": TensorSpec([B, 8])}
+    )
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(fn(x), x * 2)
+    assert not hasattr(x, "_dynamo_dynamic_indices")
+
+    def specialises(t: torch.Tensor) -> torch.Tensor:
+        return t + 1 if t.shape[0] == 4 else t - 1
+
+    torch.testing.assert_close(torch.compile(specialises, backend="eager")(x), x + 1)
+    torch.testing.assert_close(fn(torch.randn(5, 8)).shape, torch.Size([5, 8]))
+
+
+def test_compile_checks_the_rank_of_every_call() -> None:
+    # the binding is cached per call structure, which does not include the rank
+    fn = torchport.compile(
+        lambda x: x * 2, inner="eager", batching=False, dynamic_shapes={"x": TensorSpec([B, 4])}
+    )
+    fn(torch.ones(3, 4))
+    for bad, got in ((torch.ones(3), "1-D"), (torch.ones(3, 4, 5), "3-D")):
+        with pytest.raises(
+            DynamicSpecViolation, match=rf"'x': its TensorSpec has 2 dims, got a {got}"
+        ):
+            fn(bad)
 
 
 def test_scalar_intvar_compiles_once() -> None:
@@ -459,6 +561,10 @@ def test_object_spec_errors() -> None:
     spec2 = ShapesSpec({"cfg": ObjectSpec({"x": TensorSpec([ShapeVar("B"), STATIC])})})
     with pytest.raises(ValueError, match=r"torchport.export: argument 'cfg.x' is described by"):
         torchport.export(_obj_fn, (_Cfg(torch.randn(2, 3), 1),), dynamic_shapes=spec2)
+    # the same spec as a plain dict is a spec too (not a torch.export dynamic_shapes dict)
+    plain = {"cfg": ObjectSpec({"x": TensorSpec([ShapeVar("B"), STATIC])})}
+    with pytest.raises(ValueError, match=r"torchport.export: argument 'cfg.x' is described by"):
+        torchport.export(_obj_fn, (_Cfg(torch.randn(2, 3), 1),), dynamic_shapes=plain)
     with pytest.raises(ValueError, match=r"cfg: ObjectSpec describes the attributes of a plain"):
         bind(
             _obj_fn,

@@ -143,3 +143,19 @@ def test_custom_op_opcheck():
     x, y = torch.randn(5, 7), torch.randn(5, 7)
     torch.library.opcheck(E._axpy_op, (x, y, 1.5), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(E._rowsum_op, (x, 2), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_gradients_through_the_custom_ops():
+    # the ops had no autograd formula: backward raised "no autograd formula was registered"
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: E.axpy(-1.5, a, b), (x, y))
+    assert torch.autograd.gradcheck(lambda a: E.rowsum(a, unroll=2), (x,))
+    assert torch.autograd.gradcheck(lambda a: E.rowsum(a[:, ::2], unroll=1), (x,))
+    compiled = torch.compile(
+        lambda a, b: E.rowsum(E.axpy(2.0, a, b), unroll=2), backend="aot_eager"
+    )
+    gx, gy = torch.autograd.grad(compiled(x, y).square().sum(), (x, y))
+    want = torch.autograd.grad((2.0 * x + y).sum(1).square().sum(), (x, y))
+    torch.testing.assert_close((gx, gy), want)
+    torch.library.opcheck(E._axpy_op, (x, y, 1.5), test_utils=("test_autograd_registration",))

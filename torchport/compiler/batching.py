@@ -9,8 +9,10 @@ Rules (each rewrites one group found from its first member):
 - ``small elementwise → foreach``: the same unary op (exp, sigmoid, tanh, ...) on several small
   tensors becomes one ``torch._foreach_<op>`` call.
 
-A group qualifies only if every input of every member is defined before its first member (so the
-members are independent and the batched op can sit where the first one was). Concatenated or
+A group qualifies only if every input of every member is defined before its first member and no
+node between its members may have side effects (so the members are independent and the batched op
+can sit where the first one was), and no in-place update in the graph reaches a weight it
+concatenates before its last member. Concatenated or
 stacked *weights* are not computed in the graph: the rule adds a graph input for them, and
 :class:`BatchedCallable` computes it from the original weights on each call, reusing the last result
 while the weights are unchanged (same storage and version counter) and autograd does not need it.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from torchport import config
 from torchport.autotune import choice_cache, median, stats
-from torchport.compiler.passes import Pass, Rule, node_tensor_meta
+from torchport.compiler.passes import Pass, Rule, has_side_effects, node_tensor_meta
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 FOREACH = {
@@ -125,16 +128,38 @@ def _linear_parts(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
 
 
 def _group(gm: fx.GraphModule, first: fx.Node, same: Callable[[fx.Node], bool]) -> list[fx.Node]:
-    """``first`` and every later node with ``same(node)`` whose inputs precede ``first``."""
+    """``first`` and every later node with ``same(node)`` whose inputs precede ``first``.
+
+    The group ends at the first node after ``first`` that may have side effects (an in-place
+    update, a random op): the batched op computes every member where ``first`` was, so a member
+    past an update of its input (``exp(b); b.mul_(2); exp(b)``) would read the old value.
+    """
     pos = _positions(gm)
     p0 = pos[first]
     out = [first]
     for n in gm.graph.nodes:
-        if pos[n] <= p0 or not same(n):
+        if pos[n] <= p0:
             continue
-        if all(pos[i] < p0 for i in n.all_input_nodes):
+        if has_side_effects(n):
+            break
+        if same(n) and all(pos[i] < p0 for i in n.all_input_nodes):
             out.append(n)
     return out
+
+
+def _updated_before(gm: fx.GraphModule, sources: Sequence[fx.Node], end: fx.Node) -> bool:
+    """True if a node before ``end`` that may have side effects reads one of ``sources`` or a
+    value computed from them (a view): derived inputs are computed from the sources' values at
+    the call's start, so an in-graph update of a weight before its linear would be missed."""
+    reach = set(sources)
+    for n in gm.graph.nodes:
+        if n is end:
+            return False
+        if any(i in reach for i in n.all_input_nodes):
+            if has_side_effects(n):
+                return True
+            reach.add(n)
+    return False
 
 
 # --- the decision: compiled graph against compiled graph ------------------------------------------
@@ -327,6 +352,8 @@ def _parallel_linears(gm: fx.GraphModule, node: fx.Node) -> bool:
     specs = [_linear_parts(n) for n in group]
     ws = [s[1] for s in specs if s]
     bs = [s[2] for s in specs if s and s[2] is not None]
+    if _updated_before(gm, ws + bs, group[-1]):
+        return False
     outs = [int(node_tensor_meta(w).shape[0]) for w in ws]  # type: ignore[union-attr]
     wcat = _add_derived(gm, "cat", ws)
     bcat = _add_derived(gm, "cat", bs) if bs else None
@@ -382,6 +409,8 @@ def _per_head(gm: fx.GraphModule, node: fx.Node) -> bool:
     xs = [s[0] for s in specs if s]
     ws = [s[1] for s in specs if s]
     bs = [s[2] for s in specs if s and s[2] is not None]
+    if _updated_before(gm, ws + bs, heads[-1]):
+        return False
     out_f, in_f = int(wt0.shape[0]), int(wt0.shape[1])
     lead = tuple(int(s) for s in xt0.shape[:-1])
     wst = _add_derived(gm, "stack", ws)
@@ -429,6 +458,9 @@ def _foreach(gm: fx.GraphModule, node: fx.Node) -> bool:
     t0 = node_tensor_meta(x0) if isinstance(x0, fx.Node) else None
     if t0 is None or not _concrete(t0) or t0.numel() > SMALL_NUMEL:
         return False
+    if t0.is_complex():
+        # the complex decomposition has rules for the ops, not for their _foreach_ forms
+        return False
 
     def same(n: fx.Node) -> bool:
         if n.op != "call_function" or n.target is not node.target or len(n.args) != 1 or n.kwargs:
@@ -465,25 +497,37 @@ BATCHING = Pass(
 
 # --- derived weights at run time ------------------------------------------------------------------
 
-_CACHE: dict[tuple[Any, ...], torch.Tensor] = {}
+# key -> (weak references to the source tensors, their cat/stack)
+_CACHE: dict[tuple[Any, ...], tuple[tuple[weakref.ref[torch.Tensor], ...], torch.Tensor]] = {}
 _CACHE_MAX = 64
 
 
 def _cache_key(how: str, ts: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-    return (how, *[(t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in ts])
+    return (
+        how,
+        *[(t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype) for t in ts],
+    )
 
 
 def _cached(how: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """cat/stack of ``ts``, reused while no input's storage or version counter changes."""
+    """cat/stack of ``ts``, reused while the same tensors (not only the same addresses) are
+    passed and no input's storage or version counter changes.
+
+    The key alone is not enough: a tensor freed after one call and a new one allocated at its
+    address for the next (fresh weights per call) have equal addresses and version counters
+    (both 0), so a hit also requires each cached source to still be the very tensor passed.
+    """
     key = _cache_key(how, ts)
-    hit = _CACHE.get(key)
-    if hit is None:
-        with torch.no_grad():
-            hit = torch.cat(list(ts)) if how == "cat" else torch.stack(list(ts))
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = hit
-    return hit
+    entry = _CACHE.get(key)
+    if entry is not None and all(r() is t for r, t in zip(entry[0], ts, strict=True)):
+        return entry[1]
+    with torch.no_grad():
+        out = torch.cat(list(ts)) if how == "cat" else torch.stack(list(ts))
+    _CACHE.pop(key, None)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (tuple(weakref.ref(t) for t in ts), out)
+    return out
 
 
 def _cached_cat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -498,6 +542,10 @@ def derive(d: DerivedInput, args: Sequence[Any]) -> torch.Tensor:
     """The value of a derived input for one call (cached unless autograd needs the op)."""
     ts = [args[i] for i in d.sources]
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return torch.cat(ts) if d.how == "cat" else torch.stack(ts)
+    if any(t.is_inference() for t in ts):
+        # inference tensors (weights made under inference_mode) have no version counter to
+        # validate a cached result with, and may be updated in place inside inference_mode
         return torch.cat(ts) if d.how == "cat" else torch.stack(ts)
     return _cached(d.how, ts)
 

@@ -97,7 +97,7 @@ class _Lowering:
             elif n.op == "output":
                 self._output(n)
             elif n.op == "get_attr":
-                self.env[n] = self.graph.get_attr(n.target)
+                self.env[n] = self._get_attr(n)
             else:
                 self.env[n] = self._call(n)
         gm = fx.GraphModule(self.src, self.graph)
@@ -106,6 +106,28 @@ class _Lowering:
         eliminate_dead_code(gm.graph)
         gm.recompile()
         return gm
+
+    def _get_attr(self, n: fx.Node) -> Any:
+        """A complex tensor constant (``x * torch.tensor([1j, 2j])``) becomes two real constants
+        on the module, its real and imaginary parts; other attributes are read as they are."""
+        assert isinstance(n.target, str)
+        value: Any = self.src
+        for atom in n.target.split("."):
+            value = getattr(value, atom)
+        if not (isinstance(value, torch.Tensor) and value.is_complex()):
+            return self.graph.get_attr(n.target)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        names = []
+        with unset_fake_temporarily():  # the compiler may run under AOTAutograd's fake mode
+            parts = (("re", value.real.detach().clone()), ("im", value.imag.detach().clone()))
+        for part, data in parts:
+            name = f"{n.target.replace('.', '_')}_{part}"
+            while hasattr(self.src, name):
+                name += "_"
+            setattr(self.src, name, data)
+            names.append(name)
+        return Pair(self.graph.get_attr(names[0]), self.graph.get_attr(names[1]))
 
     def _placeholder(self, n: fx.Node) -> None:
         val = _node_val(n)
@@ -288,15 +310,22 @@ class ComplexCompiled:
 
         fake_mode = detect_fake_mode(list(example_inputs))
         assert fake_mode is not None, "AOTAutograd hands the compiler fake example inputs"
-        with fake_mode:
-            fake_real = split_inputs(
-                list(example_inputs), self.in_layout, contiguous=self.contiguous
-            )
-            aten_gm = make_fx(
-                self.real_gm, decomposition_table=select_decomp_table(), tracing_mode="fake"
-            )(*fake_real)
-        with _oblivious_view_strides(self.contiguous):
-            compiled = compile_fx_inner(aten_gm, fake_real, is_backward=is_backward)
+        allowed = fake_mode.allow_non_fake_inputs
+        # tensor constants of the graph (the parts of a complex constant) are real tensors:
+        # the trace takes them in as constants
+        fake_mode.allow_non_fake_inputs = True
+        try:
+            with fake_mode:
+                fake_real = split_inputs(
+                    list(example_inputs), self.in_layout, contiguous=self.contiguous
+                )
+                aten_gm = make_fx(
+                    self.real_gm, decomposition_table=select_decomp_table(), tracing_mode="fake"
+                )(*fake_real)
+            with _oblivious_view_strides(self.contiguous):
+                compiled = compile_fx_inner(aten_gm, fake_real, is_backward=is_backward)
+        finally:
+            fake_mode.allow_non_fake_inputs = allowed
         # Inductor reported the strides of the *real* outputs ([..., 2]); AOTAutograd would apply
         # them to the complex outputs it sees, so report "unknown" for every output instead.
         from torch._guards import TracingContext

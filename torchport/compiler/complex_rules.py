@@ -7,6 +7,7 @@ stated beside each rule; :mod:`torchport.compiler.complex` drives them over a gr
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,23 +164,56 @@ def c_div(e: _Emitter, a: Any, b: Any) -> Pair:
     pa, pb = _pair(a), _pair(b)
     if pb.im is None:
         return Pair(e.div(pa.re, pb.re), e.div(pa.im, pb.re))
+    if isinstance(pb.re, fx.Node) or isinstance(pb.im, fx.Node):
+        return _smith_div(e, pa, pb)
     den = e.add(e.mul(pb.re, pb.re), e.mul(pb.im, pb.im))
     re = e.add(e.mul(pa.re, pb.re), e.mul(pa.im, pb.im))
     im = e.sub(e.mul(pa.im, pb.re), e.mul(pa.re, pb.im))
     return Pair(e.div(re, den), e.div(im, den))
 
 
+def _smith_div(e: _Emitter, pa: Pair, pb: Pair) -> Pair:
+    """(a+bi)/(c+di) by Smith's algorithm, as ATen: scale by the ratio of the smaller to the
+    larger of |c|, |d| instead of dividing by c² + d², which overflows for |c+di| above ~1.8e19
+    in complex64 (a result of 0) and underflows below ~1e-19 (inf/nan)."""
+    ref = pb.re if isinstance(pb.re, fx.Node) else pb.im
+    c, d = e.dense(pb.re, ref), e.dense(pb.im, ref)
+    big = e.call(torch.ge, e.f(torch.abs, c), e.f(torch.abs, d))  # |c| >= |d|
+    rat = e.call(torch.where, big, e.div(d, c), e.div(c, d))  # smaller / larger
+    den = e.call(torch.where, big, e.add(c, e.mul(d, rat)), e.add(d, e.mul(c, rat)))
+    x, y = pa.re, pa.im
+    re_big, re_small = e.add(x, e.mul(y, rat)), e.add(e.mul(x, rat), y)
+    im_big, im_small = e.sub(y, e.mul(x, rat)), e.sub(e.mul(y, rat), x)
+
+    def pick(u: Any, v: Any) -> Any:
+        return e.call(torch.where, big, 0.0 if u is None else u, 0.0 if v is None else v)
+
+    return Pair(e.div(pick(re_big, re_small), den), e.div(pick(im_big, im_small), den))
+
+
 def c_abs(e: _Emitter, a: Pair) -> Any:
     if a.im is None:
         return e.f(torch.abs, a.re)
-    return e.f(torch.sqrt, e.add(e.mul(a.re, a.re), e.mul(a.im, a.im)))
+    # hypot, as ATen's complex abs: sqrt(x² + y²) overflows for |z| > ~1.8e19 in complex64 and
+    # underflows to 0 below ~1e-19 (and log|z|, sqrt z and sgn z inherit that)
+    return e.f(torch.hypot, a.re, a.im)
+
+
+def _keep_zero(e: _Emitter, z: Any, zero: Any, value: Any) -> Any:
+    """``zero`` where ``z == 0``, else ``value``: a product with a factor that is exactly 0
+    (sin 0) is 0 in ATen's complex functions even where the other factor overflowed to inf,
+    where the real formula computes inf * 0 = nan."""
+    return e.call(torch.where, e.call(operator.eq, z, 0), zero, value)
 
 
 def c_exp(e: _Emitter, a: Pair) -> Pair:
     ex = e.f(torch.exp, a.re)
     if a.im is None:
         return Pair(ex, None)
-    return Pair(e.mul(ex, e.f(torch.cos, a.im)), e.mul(ex, e.f(torch.sin, a.im)))
+    im = _keep_zero(e, a.im, a.im, e.mul(ex, e.f(torch.sin, a.im)))  # e^x + 0i for y = ±0
+    # e^x = 0 (x = -inf, as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf
+    re = _keep_zero(e, ex, ex, e.mul(ex, e.f(torch.cos, a.im)))
+    return Pair(re, _keep_zero(e, ex, ex, im))
 
 
 def c_log(e: _Emitter, a: Pair) -> Pair:
@@ -200,7 +234,8 @@ def c_sqrt(e: _Emitter, a: Pair) -> Pair:
 def c_sin(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.sin, a.re), None)
-    re = e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im))
+    # sin(±0 + iy) = ±0 + i sinh y, also where cosh y overflows
+    re = _keep_zero(e, a.re, a.re, e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im)))
     im = e.mul(e.f(torch.cos, a.re), e.f(torch.sinh, a.im))
     return Pair(re, im)
 
@@ -209,16 +244,22 @@ def c_cos(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.cos, a.re), None)
     re = e.mul(e.f(torch.cos, a.re), e.f(torch.cosh, a.im))
-    im = e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im)))
+    # cos(±0 + iy) = cosh y - i (±0 · sign y), also where sinh y overflows
+    zero = e.neg(e.mul(a.re, e.f(torch.copysign, e.dense(1.0, a.im), a.im)))
+    im = _keep_zero(e, a.re, zero, e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im))))
     return Pair(re, im)
 
 
 def c_tanh(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.tanh, a.re), None)
+    # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y), with numerator and denominator divided by
+    # cosh 2x: sinh and cosh overflow for |x| > ~44 in float32 (inf/inf = nan where tanh is
+    # ±1), while tanh 2x and sech 2x = 1/cosh 2x stay finite (sech → 0)
     x2, y2 = e.mul(a.re, 2.0), e.mul(a.im, 2.0)
-    den = e.add(e.f(torch.cosh, x2), e.f(torch.cos, y2))
-    return Pair(e.div(e.f(torch.sinh, x2), den), e.div(e.f(torch.sin, y2), den))
+    sech = e.f(torch.reciprocal, e.f(torch.cosh, x2))
+    den = e.add(1.0, e.mul(e.f(torch.cos, y2), sech))
+    return Pair(e.div(e.f(torch.tanh, x2), den), e.div(e.mul(e.f(torch.sin, y2), sech), den))
 
 
 def c_sigmoid(e: _Emitter, a: Pair) -> Pair:
@@ -396,6 +437,44 @@ def _r_sgn(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     )  # z/|z|, 0 at 0
 
 
+@_rule(aten.isnan.default, aten.isinf.default)
+def _r_isnan(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    fn = torch.isnan if n.target is aten.isnan.default else torch.isinf
+    re = e.call(fn, p.re)
+    return re if p.im is None else e.call(torch.logical_or, re, e.call(fn, p.im))  # either part
+
+
+@_rule(aten.isfinite.default)
+def _r_isfinite(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    re = e.call(torch.isfinite, p.re)
+    return re if p.im is None else e.call(torch.logical_and, re, e.call(torch.isfinite, p.im))
+
+
+@_rule(aten.log10.default, aten.log2.default)
+def _r_log_base(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    scale = 1.0 / math.log(10.0 if n.target is aten.log10.default else 2.0)
+    return c_mul(lw.e, c_log(lw.e, _pair(a[0])), scale)  # log z / log b
+
+
+@_rule(aten.polar.default)
+def _r_polar(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, r, theta = lw.e, a[0], a[1]  # r (cos θ + i sin θ)
+    return Pair(e.mul(r, e.f(torch.cos, theta)), e.mul(r, e.f(torch.sin, theta)))
+
+
+@_rule(aten.linalg_vector_norm.default)
+def _r_vector_norm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # every p-norm of a complex vector is that norm of the magnitudes |z|
+    e = lw.e
+    mag = c_abs(e, _pair(a[0]))
+    if kw.get("dtype") is not None:
+        mag = e.call(torch.Tensor.to, mag, _node_val(n).dtype)
+    kw = {k: v for k, v in kw.items() if k != "dtype"}
+    return e.call(aten.linalg_vector_norm.default, mag, *a[1:], **kw)
+
+
 @_rule(aten.view_as_real.default)
 def _r_view_as_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
@@ -439,8 +518,14 @@ def _r_addmm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
 
 def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     """Apply a shape op or linear reduction to each part (a zero part stays zero)."""
-    kw = {k: v for k, v in kw.items() if k != "dtype"}
     p = _pair(a[0])
+    val = _node_val(n)
+    if kw.get("dtype") is not None and _is_complex_val(val):
+        # sum/mean/cumsum(dtype=complex128) of complex64 accumulate in the requested precision:
+        # cast each part to its real dtype first, as ATen casts the input
+        rdt = val.dtype.to_real()
+        p = Pair(*(None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im)))
+    kw = {k: v for k, v in kw.items() if k != "dtype"}
     re = lw.e.call(n.target, p.re, *a[1:], **kw)
     im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
     return Pair(re, im)
@@ -459,6 +544,8 @@ for _op in _packets(
     "slice",
     "select",
     "index",
+    "index_select",
+    "gather",
     "clone",
     "flip",
     "roll",
@@ -466,7 +553,6 @@ for _op in _packets(
     "sum",
     "mean",
     "cumsum",
-    "constant_pad_nd",
     "diagonal",
     "split",
     "split_with_sizes",
@@ -482,9 +568,89 @@ for _op in _packets(
     "transpose_copy",
     "t_copy",
     "alias_copy",
-    "as_strided",
 ):
     RULES[_op] = _componentwise
+
+
+def _views_an_input(x: Any) -> bool:
+    """True if graph value ``x`` is a graph input or a view of one (through aliasing ops)."""
+    while isinstance(x, fx.Node):
+        if x.op == "placeholder":
+            return True
+        schema = getattr(x.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            return False
+        x = x.args[0] if x.args else None
+    return False
+
+
+@_rule(*_packets("as_strided"))
+def _r_as_strided(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # as_strided addresses the storage, not the tensor. A complex graph input enters as its
+    # real/imag views, which address the interleaved complex storage in real elements (strides
+    # and offset doubled), so applying the same size/stride/offset to each part would read real
+    # and imaginary values mixed; an intermediate's parts are dense buffers laid out like the
+    # complex one, where applying it to each part is exact.
+    if _views_an_input(n.args[0]):
+        raise ComplexDecompositionError(
+            f"{n.target} on a complex graph input (or a view of one) is not supported by "
+            f"torchport complex compilation (node {n.name!r}): it addresses the complex storage, "
+            "which the real/imaginary split does not keep; compile with complex=False"
+        )
+    return _componentwise(lw, n, a, kw)
+
+
+@_rule(*_packets("constant_pad_nd"))
+def _r_constant_pad(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # the fill is a complex number: its real part pads the real part, its imaginary part the
+    # imaginary part (a real fill v pads with v + 0i, so the imaginary part with 0, not v)
+    e, p = lw.e, _pair(a[0])
+    fill = _pair(a[2] if len(a) > 2 else kw.get("value", 0.0))
+    re = e.call(n.target, p.re, a[1], 0.0 if fill.re is None else fill.re)
+    if p.im is None and fill.im is None:
+        return Pair(re, None)
+    im_fill = 0.0 if fill.im is None else fill.im
+    return Pair(re, e.call(n.target, e.dense(p.im, p.re), a[1], im_fill))
+
+
+def _scatter(src_pos: int) -> Rule:
+    """A rule for an op that writes ``args[src_pos]`` into (a copy of) ``args[0]`` at positions its
+    other arguments name: the backward of slicing, selecting and indexing (``slice_scatter``,
+    ``select_scatter``, ``index_put``, ...). Both parts scatter alike."""
+
+    def rule(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        e, dst, src = lw.e, _pair(a[0]), _pair(a[src_pos])
+
+        def part(d: Any, s: Any) -> Any:
+            args = list(a)
+            args[0], args[src_pos] = d, s
+            return e.call(n.target, *args, **kw)
+
+        re = part(dst.re, src.re)
+        if not _is_complex_val(_node_val(n)):
+            return re  # a complex src written into a real tensor keeps its real part
+        if dst.im is None and src.im is None:
+            return Pair(re, None)
+        return Pair(re, part(e.dense(dst.im, dst.re), e.dense(src.im, src.re)))
+
+    return rule
+
+
+# copy(self, src): src in self's shape and dtype (an in-place write such as y[0] = 1j)
+for _op in _packets("slice_scatter", "select_scatter", "diagonal_scatter", "copy"):
+    RULES[_op] = _scatter(1)
+for _op in _packets("index_put"):
+    RULES[_op] = _scatter(2)
+# gather's and index_select's gradients: scatter_add / index_add of the gradient into zeros
+for _op in (aten.scatter.src, aten.scatter_add.default):
+    RULES[_op] = _scatter(3)
+
+
+@_rule(aten.index_add.default)
+def _r_index_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    if isinstance(kw.get("alpha", 1), Pair):  # a complex alpha would mix the parts
+        raise ComplexDecompositionError(f"{n.target}: a complex alpha is not supported")
+    return _scatter(3)(lw, n, a, kw)  # self + alpha * source at index, per part
 
 
 @_rule(operator.getitem)
@@ -529,12 +695,19 @@ def _r_eq(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     return both if n.target in (aten.eq.Scalar, aten.eq.Tensor) else e.call(torch.logical_not, both)
 
 
+def _fill_value(v: Any) -> complex:
+    """A fill scalar as a complex number (the lowering maps a complex constant to a Pair)."""
+    if isinstance(v, Pair):
+        return complex(v.re, 0.0 if v.im is None else v.im)
+    return complex(v)
+
+
 @_rule(aten.full.default, aten.scalar_tensor.default)
 def _r_full(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     val = _node_val(n)
     kw = dict(kw)
     kw["dtype"] = val.dtype.to_real()
-    fill = complex(a[-1] if n.target is aten.full.default else a[0])
+    fill = _fill_value(a[-1] if n.target is aten.full.default else a[0])
     if n.target is aten.full.default:
         re = lw.e.call(aten.full.default, a[0], fill.real, **kw)
         im = lw.e.call(aten.full.default, a[0], fill.imag, **kw) if fill.imag else None
@@ -552,7 +725,7 @@ def _r_full_like(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) ->
     kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_format")}
     ref = _pair(a[0]).re
     if n.target is aten.full_like.default:
-        fill = complex(a[1])
+        fill = _fill_value(a[1])
     else:
         fill = 1 + 0j if n.target is aten.ones_like.default else 0j
     if _is_complex_val(val):

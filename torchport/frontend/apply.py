@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import re
 import sys
 import warnings
@@ -26,7 +28,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torchport.frontend.dynamic_spec import Expr, IntVar, ShapesSpec, resolve_spec
+from torchport.frontend.dynamic_spec import (
+    DynamicSpecViolation,
+    Expr,
+    IntVar,
+    ShapesSpec,
+    resolve_spec,
+)
 from torchport.frontend.spec_binding import Binding, bind, check_call, check_values
 
 
@@ -65,6 +73,16 @@ class SpecCompiled:
             # non-empty call would then recompile): run it eagerly (no elements, negligible work)
             # and trace at the first non-empty call, whose graph then serves empty calls too.
             return self.fn(*args, **kwargs)
+        # the tensors _mark_dims may mark: the flat inputs and attributes an ObjectSpec reaches
+        marks = _DimMarks([*flat, *(s.target(flat) for s in b.slots if s.dim is not None)])
+        try:
+            return self._call_marked(b, flat, args, kwargs)
+        finally:
+            marks.restore()
+
+    def _call_marked(
+        self, b: Binding, flat: list[Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Any:
         scalars = _mark_dims(b, flat, strict=self.relaxed is None)
         if self.compiled is None:
             self.compiled = self._compile_fn(self.fn)
@@ -85,7 +103,7 @@ class SpecCompiled:
             warnings.warn(
                 f"torchport.compile: the function specialises a dynamic dim of its spec "
                 f"({self.relaxed}); sizes it specialises on will recompile",
-                stacklevel=2,
+                stacklevel=3,
             )
             for t in flat:
                 for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range"):
@@ -94,6 +112,46 @@ class SpecCompiled:
             _mark_dims(b, flat, strict=False)
             with _compile_config(scalars):
                 return self.compiled(*args, **kwargs)
+
+
+_MARK_ATTRS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_dynamic_range",
+    "_dynamo_weak_dynamic_indices",
+    "_dynamo_hint_overrides",
+    "_specialize_on",
+    "_has_dynamo_dim_marking",
+)
+
+
+class _DimMarks:
+    """The dynamo dim marks of the caller's tensors, restored after a spec'd call.
+
+    ``mark_dynamic`` stores its marks on the tensor itself; left there, they would follow the
+    caller's tensor into any other ``torch.compile`` (where a function that specialises the dim
+    then fails with ``ConstraintViolationError``). The spec's marks are for this call only.
+    """
+
+    def __init__(self, flat: Sequence[Any]) -> None:
+        # (the tensor's attribute dict, the marks it held); the marks are plain attributes, in
+        # the instance dict (read directly: this runs on every call)
+        self._saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        seen: set[int] = set()
+        for t in flat:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                d = t.__dict__
+                # mark_dynamic adds to these sets and dicts in place: keep copies
+                old = {a: copy.copy(d[a]) for a in _MARK_ATTRS if a in d} if d else {}
+                self._saved.append((d, old))
+
+    def restore(self) -> None:
+        for d, old in self._saved:
+            for a in _MARK_ATTRS:
+                if a in old:
+                    d[a] = old[a]
+                else:
+                    d.pop(a, None)
 
 
 def _canonical_empty(t: Any) -> Any:
@@ -209,8 +267,18 @@ def export_dynamic_shapes(b: Binding, args: Sequence[Any], kwargs: dict[str, Any
             lin = spec.linear()
             d = (dims[lin[0]] * lin[1] + lin[2]) if lin and lin[1] > 0 else Dim.DYNAMIC
         per_leaf.setdefault(s.leaf, {})[s.dim] = d
+    # a scalar the spec makes dynamic: export takes ints as dynamic only through Dim.DYNAMIC
+    # (named Dims are for sizes); its range and relations are prologue checks
+    scalars = {s.leaf for s in b.slots if s.dim is None and isinstance(s.spec, Expr)}
     flat, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    leaves = [per_leaf.get(i) if isinstance(x, torch.Tensor) else None for i, x in enumerate(flat)]
+    leaves = [
+        per_leaf.get(i)
+        if isinstance(x, torch.Tensor)
+        else Dim.DYNAMIC
+        if i in scalars and isinstance(x, int)
+        else None
+        for i, x in enumerate(flat)
+    ]
     out_args, out_kwargs = pytree.tree_unflatten(leaves, tree)
     return out_args, out_kwargs
 
@@ -226,6 +294,11 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
                 torch._check(val == env[s.spec])
             else:
                 env[s.spec] = val
+                if s.dim is None:  # a dim's range is its Dim's; a scalar's is checked here
+                    if s.spec.min is not None:
+                        torch._check(val >= s.spec.min)
+                    if s.spec.max is not None:
+                        torch._check(val <= s.spec.max)
     for s in b.slots:
         if isinstance(s.spec, Expr) and not isinstance(s.spec, IntVar):
             x = s.target(flat)
@@ -289,15 +362,63 @@ def export(
         # _FnModule.forward(*args): the Dims go under its variadic parameter's name
         ds = {"args": tuple(ds_args)}
         return torch.export.export(_FnModule(mod), args, dynamic_shapes=ds, strict=strict)
-    wrapped = _SpecModule(mod, b)
+    wrapped: torch.nn.Module = _SpecModule(mod, b)
+    shapes: Any = {"args": ds_args}
+    if kwargs:
+        # torch 2.13's export cannot match dynamic_shapes to a forward(*args, **kwargs) called
+        # with keywords (AssertionError "Must provide a tree_name ..."): give the wrapper the
+        # user's signature, and the Dims by parameter name
+        signed = _signed_spec_module(mod, b)
+        if signed is None:
+            raise ValueError(
+                "torchport.export: keyword arguments with a spec need a function or forward "
+                "with an inspectable signature; pass the arguments positionally"
+            )
+        wrapped, sig = signed
+        named = {
+            n
+            for n, p in sig.parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+        extra = sorted(set(kwargs) - named)
+        if extra:  # collected by **kwargs: the same torch failure
+            raise ValueError(
+                f"torchport.export: keyword arguments {extra} go to **kwargs, for which torch "
+                "2.13's export cannot take dynamic shapes; name them as parameters or pass them "
+                "positionally"
+            )
+        shapes = dict(sig.bind(*ds_args, **ds_kwargs).arguments)
     return torch.export.export(
         wrapped,
         args,
         kwargs,
-        dynamic_shapes={"args": ds_args, "kwargs": ds_kwargs} if kwargs else {"args": ds_args},
+        dynamic_shapes=shapes,
         strict=strict,
         prefer_deferred_runtime_asserts_over_guards=True,
     )
+
+
+def _signed_spec_module(
+    fn: Callable[..., Any], b: Binding
+) -> tuple[torch.nn.Module, inspect.Signature] | None:
+    """A :class:`_SpecModule` whose ``forward`` reports ``fn``'s signature (None if it has none)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    if "self" in sig.parameters:
+        return None
+
+    def forward(self: _SpecModule, *args: Any, **kwargs: Any) -> Any:
+        return _SpecModule.forward(self, *args, **kwargs)
+
+    me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[me, *sig.parameters.values()]
+    )
+    cls = type("_SignedSpecModule", (_SpecModule,), {"forward": forward})
+    return cls(fn, b), sig
 
 
 def _needs_prologue(b: Binding) -> bool:
@@ -316,11 +437,11 @@ def _needs_prologue(b: Binding) -> bool:
 
 def _looks_like_spec_dict(x: object) -> bool:
     """True for a dict mapping parameter names to spec leaves/containers (not to Dims)."""
-    from torchport.frontend.dynamic_spec import DictSpec, SeqSpec, TensorSpec
+    from torchport.frontend.dynamic_spec import DictSpec, ObjectSpec, SeqSpec, TensorSpec
 
     if not isinstance(x, dict):
         return False
-    kinds = (TensorSpec, SeqSpec, DictSpec, Expr)
+    kinds = (TensorSpec, SeqSpec, DictSpec, ObjectSpec, Expr)
     return any(isinstance(v, kinds) for v in x.values()) or any(
         isinstance(k, str) and k.startswith("*") for k in x
     )
@@ -365,10 +486,78 @@ def make_fx(
             return fn(*a)
 
         gm = _make_fx(prologue_then_fn, tracing_mode="symbolic", **make_fx_kwargs)(*fake_args)
-        gm.register_forward_pre_hook(lambda _m, call_args: check_call(b, call_args, {}) and None)
+        static = _static_sizes(fn, b, args)
+
+        def check(_m: Any, call_args: tuple[Any, ...]) -> None:
+            check_call(b, call_args, {})
+            _check_static(static, call_args)
+
+        gm.register_forward_pre_hook(check)
         return gm
 
     return trace
+
+
+def _static_sizes(
+    fn: Callable[..., Any], b: Binding, args: Sequence[Any]
+) -> list[tuple[str, int, int | None, int]]:
+    """``(argument path, flat leaf, dim, size)`` of every tensor dim the spec leaves static (an
+    ``int`` or ``STATIC`` slot, or a tensor the spec does not mention; ``dim`` None: the rank).
+
+    The traced graph holds these sizes as constants (``x.shape[1]`` is a number in it), so a
+    call with another size would compute with the traced one.
+    """
+    dynamic = {(s.leaf, s.dim) for s in b.slots if s.dim is not None and isinstance(s.spec, Expr)}
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), {}))
+    names = _param_names(fn, len(args))
+    out: list[tuple[str, int, int | None, int]] = []
+    for i, (path, x) in enumerate(paths):
+        if not isinstance(x, torch.Tensor):
+            continue
+        where = _arg_path(path, names)
+        out.append((where, i, None, x.dim()))
+        out.extend((where, i, d, int(x.shape[d])) for d in range(x.dim()) if (i, d) not in dynamic)
+    return out
+
+
+def _param_names(fn: Callable[..., Any], n: int) -> list[str]:
+    """Names of the first ``n`` positional arguments of ``fn`` (``*args[j]`` past them)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return [f"args[{k}]" for k in range(n)]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    pos = [p.name for p in params if p.kind in kinds]
+    return [pos[k] if k < len(pos) else f"*args[{k - len(pos)}]" for k in range(n)]
+
+
+def _arg_path(path: Sequence[Any], names: Sequence[str]) -> str:
+    """``args[0]['ids']`` for the key path of a flat leaf of ``(args, {})``."""
+    rest = pytree.keystr(tuple(path[2:])) if len(path) > 2 else ""
+    k = getattr(path[1], "idx", None)
+    head = names[k] if isinstance(k, int) and k < len(names) else pytree.keystr(tuple(path[:2]))
+    return head + rest
+
+
+def _check_static(static: Sequence[tuple[str, int, int | None, int]], call_args: Any) -> None:
+    """Raise :class:`DynamicSpecViolation` if a static size differs from the traced one."""
+    flat = pytree.tree_leaves((tuple(call_args), {}))
+    for where, i, d, size in static:
+        x = flat[i]
+        if not isinstance(x, torch.Tensor):
+            raise DynamicSpecViolation(
+                f"argument {where!r}: traced as a tensor, got {type(x).__name__}"
+            )
+        if d is None and x.dim() != size:
+            raise DynamicSpecViolation(
+                f"argument {where!r}: expected a {size}-D tensor (as traced), got {x.dim()}-D"
+            )
+        if d is not None and int(x.shape[d]) != size:
+            raise DynamicSpecViolation(
+                f"argument {where!r} dim {d}: expected static size {size} (as traced; the spec "
+                f"does not make this dim dynamic), got {int(x.shape[d])}"
+            )
 
 
 def _fakify(b: Binding, args: Sequence[Any]) -> Any:

@@ -45,6 +45,7 @@ class Slot:
     dim: int | None
     spec: Expr | int
     attrs: tuple[str, ...] = ()  # attribute path from the leaf (ObjectSpec)
+    ndim: int | None = None  # the rank its TensorSpec gives (None: a scalar)
 
     def target(self, flat: Sequence[Any]) -> Any:
         """The tensor or int this slot describes, in one call's flat arguments."""
@@ -124,7 +125,7 @@ def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int
             )
         for d, leaf in enumerate(spec):
             if leaf is not None:
-                out.append(Slot(where, start, d, leaf))
+                out.append(Slot(where, start, d, leaf, ndim=len(spec)))
         return 1
     if isinstance(spec, (Expr, int)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -159,7 +160,7 @@ def _walk_object(
         if isinstance(sub, (SeqSpec, DictSpec)):
             raise ValueError(f"{at}: ObjectSpec fields hold TensorSpec, IntVar, int or ObjectSpec")
         _walk(sub, value, at, leaf, tmp)
-        out.extend(Slot(t.where, leaf, t.dim, t.spec, path) for t in tmp)
+        out.extend(Slot(t.where, leaf, t.dim, t.spec, path, t.ndim) for t in tmp)
 
 
 def _dict_items_in_pytree_order(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
@@ -258,7 +259,15 @@ def _check_all_bound(b: Binding) -> None:
 
 def _slot_value(s: Slot, flat: Sequence[Any]) -> int:
     v = s.target(flat)
-    return int(v.shape[s.dim]) if s.dim is not None else int(v)
+    if s.dim is None:
+        return int(v)
+    # the binding is cached per call structure, not per rank: check the rank of every call
+    if not isinstance(v, torch.Tensor) or v.dim() != s.ndim:
+        got = f"a {v.dim()}-D tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+        raise DynamicSpecViolation(
+            f"argument {s.where!r}: its TensorSpec has {s.ndim} dims, got {got}"
+        )
+    return int(v.shape[s.dim])
 
 
 def _slot_name(s: Slot) -> str:

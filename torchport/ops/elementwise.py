@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -240,6 +241,18 @@ def _(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _axpy_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.alpha = inputs[2]
+
+
+def _axpy_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    # d(alpha*x + y)/dx = alpha, /dy = 1
+    return grad * ctx.alpha, grad, None
+
+
+_axpy_op.register_autograd(_axpy_backward, setup_context=_axpy_setup)
+
+
 def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Fused ``alpha * x + y`` (same shape and dtype; float32/float64/bfloat16; CPU)."""
     _check_dtype("axpy", "x", x)
@@ -326,6 +339,18 @@ _rowsum_op = torch.library.custom_op("torchport::rowsum", _rowsum_impl, mutates_
 @_rowsum_op.register_fake
 def _(x: torch.Tensor, unroll: int) -> torch.Tensor:
     return x.new_empty((x.shape[0],))
+
+
+def _rowsum_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.shape = inputs[0].shape
+
+
+def _rowsum_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    # every element of row i contributes once to out[i]
+    return grad.unsqueeze(1).expand(ctx.shape), None
+
+
+_rowsum_op.register_autograd(_rowsum_backward, setup_context=_rowsum_setup)
 
 
 def rowsum(x: torch.Tensor, *, unroll: int | None = None) -> torch.Tensor:
