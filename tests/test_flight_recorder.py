@@ -41,6 +41,50 @@ def test_ring_buffer_keeps_newest_and_counts_seq_per_group():
         FlightRecorder(buffer_size=-1)
 
 
+class _LateFuture:
+    """A finished future whose done-callbacks have not run yet (they run on the thread that
+    finished the work, which may be after ``wait()`` returned in the caller)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error, self.callbacks = error, []
+
+    def done(self) -> bool:
+        return True
+
+    def value(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def add_done_callback(self, cb) -> None:
+        self.callbacks.append(cb)
+
+
+class _Work:
+    def __init__(self, fut: _LateFuture) -> None:
+        self.fut = fut
+
+    def get_future(self) -> _LateFuture:
+        return self.fut
+
+
+def test_attached_work_is_settled_when_entries_are_read(tmp_path):
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=1, dump_dir=tmp_path)
+    ok, bad = _LateFuture(), _LateFuture(RuntimeError("peer lost"))
+    for fut in (ok, bad):
+        e = rec.record("all_reduce", "g", [torch.zeros(4)])
+        rec.started(e)
+        rec.attach(_Work(fut), e)
+    # the works finished (wait() returned) but their callbacks have not run: a dump now must
+    # not report the ops as still started
+    states = [e["state"] for e in rec.snapshot()["entries"]]
+    assert states == [COMPLETED, ERRORED], states
+    # the late callbacks change nothing and complete nothing twice
+    for fut in (ok, bad):
+        fut.callbacks[0](fut)
+    assert [e["state"] for e in rec.snapshot()["entries"]] == [COMPLETED, ERRORED]
+    assert rec.entries()[1][10].startswith("RuntimeError: peer lost")
+
+
 def test_buffer_size_from_environment(monkeypatch):
     monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "7")
     assert FlightRecorder().capacity == 7

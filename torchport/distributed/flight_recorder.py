@@ -107,6 +107,8 @@ class FlightRecorder:
         self._count = 0  # entries recorded so far (== next id)
         self._seq: dict[str, Any] = {}  # group -> itertools.count
         self._lock = threading.Lock()
+        # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
+        self._pending: dict[int, tuple[list[Any], Any]] = {}
         self._rank, self._world = rank, world_size
         d = dump_dir if dump_dir is not None else (config.get("fr_dump_dir") or "torchport-fr")
         self.dump_dir = Path(d)
@@ -176,19 +178,31 @@ class FlightRecorder:
             self._dump_quietly(f"error in {e[_OP]} #{e[_SEQ]} on {e[_GROUP]}: {e[_ERR]}")
 
     def attach(self, work: Any, e: list[Any]) -> Any:
-        """Complete ``e`` when ``work`` (a ``torch.distributed`` Work) finishes; returns ``work``."""
+        """Complete ``e`` when ``work`` (a ``torch.distributed`` Work) finishes; returns ``work``.
+
+        The future's callback may run after ``work.wait()`` has returned (on the thread that
+        finished the work), so :meth:`entries` also settles every attached entry whose future is
+        done: a dump taken after ``wait()`` shows the op completed, not still started."""
         fut = work.get_future()
-
-        def done(f: Any) -> None:
-            try:
-                f.value()
-            except Exception as err:
-                self.completed(e, err)
-            else:
-                self.completed(e)
-
-        fut.add_done_callback(done)
+        key = id(e)  # (held in _pending until settled: not reused meanwhile)
+        with self._lock:
+            self._pending[key] = (e, fut)
+        fut.add_done_callback(lambda f: self._settle(key, f))
         return work
+
+    def _settle(self, key: int, fut: Any) -> None:
+        """Complete the attached entry ``key`` from its finished future, once (the callback and
+        :meth:`entries` may both try)."""
+        with self._lock:
+            hit = self._pending.pop(key, None)
+        if hit is None:
+            return
+        try:
+            fut.value()
+        except Exception as err:
+            self.completed(hit[0], err)
+        else:
+            self.completed(hit[0])
 
     @contextlib.contextmanager
     def op(self, name: str, group: str, tensors: Sequence[Any] = ()) -> Iterator[list[Any]]:
@@ -203,7 +217,11 @@ class FlightRecorder:
         self.completed(e)
 
     def entries(self) -> list[list[Any]]:
-        """Recorded entries, oldest first."""
+        """Recorded entries, oldest first (attached ops whose work has finished settled first)."""
+        with self._lock:
+            finished = [(k, f) for k, (_, f) in self._pending.items() if f.done()]
+        for key, fut in finished:
+            self._settle(key, fut)
         with self._lock:
             cap = self.capacity
             if cap == 0:
@@ -218,6 +236,7 @@ class FlightRecorder:
             self._ids = itertools.count()
             self._count = 0
             self._seq = {}
+            self._pending = {}
 
     # -- dumps -----------------------------------------------------------------------------
     def snapshot(self, reason: str = "request") -> dict[str, Any]:
