@@ -1062,3 +1062,20 @@ def test_tp_pin_pins_the_calling_thread_and_restores_its_mask():
         "too_big": (True, True),
         "end": True,
     }, seen
+
+
+def test_interpreter_exit_waits_for_groups_being_retired(tmp_path):
+    """A group's teardown handed to the background (retire / retire_group) finishes before the
+    process exits (bounded by EXIT_WAIT_S): exiting under a gloo destructor aborted in C++."""
+    import subprocess
+    import sys
+
+    flag = tmp_path / "done"
+    code = (
+        "import pathlib, time\n"
+        "from torchport.distributed._gloo import in_background\n"
+        f"in_background(lambda: (time.sleep(0.5), pathlib.Path({str(flag)!r}).write_text('x')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    assert flag.exists()

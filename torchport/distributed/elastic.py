@@ -46,6 +46,7 @@ from typing import Any
 
 from torchport import config
 from torchport.distributed import engine
+from torchport.distributed._gloo import in_background
 from torchport.distributed._threads import WarmPool
 from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator
@@ -387,4 +388,4 @@ def drop_group(pg: Any) -> None:
 def retire_group(pg: Any) -> None:
     """:func:`drop_group` in the background (never blocks the caller)."""
     if pg is not None:
-        threading.Thread(target=drop_group, args=(pg,), daemon=True, name="tp-retire").start()
+        in_background(drop_group, pg)
