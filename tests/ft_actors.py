@@ -389,6 +389,26 @@ def c_window_dereg(st: dict[str, Any], transport: str) -> Any:
     return before, after, errors, views, again
 
 
+def c_window_close_held(st: dict[str, Any], transport: str) -> Any:
+    """Close and drop a window while holding ``local`` and (shm) a peer's view; what they read
+    after a barrier (every rank has closed, its window collected)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    win = _new_window(torch.full((5,), 1.0 + rank), transport=transport)
+    held = [win.local] + ([win.map_remote_tensor((rank + 1) % world)] if transport == "shm" else [])
+    win.fence()
+    win.close()
+    del win
+    gc.collect()
+    dist.barrier()
+    return [v.tolist() for v in held]
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -680,6 +700,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_tcp_addr": c_window_tcp_addr,
     "window_open": c_window_open,
     "window_dereg": c_window_dereg,
+    "window_close_held": c_window_close_held,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

@@ -113,6 +113,33 @@ def test_cache_persists_and_hits_fast(fresh_cache):
     assert (time.perf_counter() - t0) / 100 < 1e-3
 
 
+def test_native_only_outcome_where_every_native_fails_is_a_cache_hit(fresh_cache):
+    """With backends={NATIVE} and every native candidate failing, the ATen outcome was cached but
+    never served (the anchor is not an eligible backend), so each new process tuned again; it
+    is now a hit. An anchor cached for beating timed native candidates is still not served."""
+    failing = [c for c in CANDS if c.is_anchor or c.name in ("invalid", "crashes")]
+    calls: list[str] = []
+
+    def make(c: Candidate):
+        calls.append(c.name)
+        return factory(0.0)(c)
+
+    def pick(key, cands):
+        return autotune.select(
+            "toy", key, cands, make, lambda: (torch.ones(4),), cold=False, backends={"NATIVE"}
+        )
+
+    with config.override(autotune_reps=3):
+        first = pick({"n": 30}, failing)
+        assert first.candidate.is_anchor and not first.from_cache
+        autotune.choice_cache.clear_memory()  # as a new process
+        calls.clear()
+        again = pick({"n": 30}, failing)
+        assert again.candidate.is_anchor and again.from_cache and calls == []
+        _select({"n": 31}, aten_delay=0.0, fast_delay=0.002)  # ATen allowed: the anchor wins
+        assert not pick({"n": 31}, CANDS).from_cache  # native only: tuned again
+
+
 def test_another_cache_dir_does_not_serve_the_first_ones_choices(fresh_cache, tmp_path):
     with config.override(autotune_reps=3):
         first = _select({"n": 7}, aten_delay=0.002)

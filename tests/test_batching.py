@@ -328,3 +328,22 @@ def test_batching_equivalence_property(seed: int, rows: int, train: bool) -> Non
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     rep = last_report()
     assert rep is not None and rep.batching in ("batched", "no batchable group")
+
+
+def test_batching_runner_check_leaves_the_random_stream_alone(fresh_cache) -> None:
+    """The forms' agreement check draws no random numbers from the caller's stream (a graph with
+    dropout then sees eager's stream), and both forms draw the same numbers, so they agree."""
+    from torchport.compiler.batching import batching_runner
+
+    got: list = []
+
+    def build(batched: bool) -> Callable:
+        return lambda x: x + torch.rand(x.shape)
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with config.override(autotune=True, autotune_reps=3):
+        batching_runner({"graph": "rng"}, build, [torch.ones(3)], lambda *a: got.append(a))
+    assert torch.equal(torch.rand(3), expected)
+    assert got == []  # the check passed: the forms drew the same numbers, timing follows

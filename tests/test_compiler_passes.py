@@ -101,3 +101,18 @@ def test_pass_clean_up_removes_what_the_rewrite_left_unused():
     gm = fx.symbolic_trace(g)
     Pass("p", [Rule("relu(sin(x)) -> relu(x)", _drop_relu_of_sin)])(gm)
     assert not any(n.target is torch.sin for n in gm.graph.nodes)
+
+
+def test_compile_reports_are_bounded_and_counted(monkeypatch):
+    """Only the last MAX_REPORTS reports are kept (every compile used to keep its report for the
+    process's life); report_count() counts them all and reports(n0) still selects the new ones."""
+    from torchport.compiler import backend
+
+    monkeypatch.setattr(backend, "_reports", backend.deque(maxlen=3))
+    n0 = backend.report_count()
+    made = [backend.CompileReport(nodes_before=i) for i in range(5)]
+    for rep in made:
+        backend._record(rep)
+    assert backend.report_count() == n0 + 5
+    assert backend.reports() == made[2:] and backend.last_report() is made[4]
+    assert backend.reports(n0 + 3) == made[3:] and backend.reports(n0) == made[2:]

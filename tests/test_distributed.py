@@ -365,6 +365,26 @@ def test_list_and_block_shapes_are_checked_as_gloo_does(world1):
     assert scalar_out.tolist() == [4.0]
 
 
+def test_alltoall_list_shapes_and_dtypes_are_checked(world1):
+    """alltoall took an output of another shape with the right element count ([2, 1] for [2]
+    inputs) and filled it in memory order, and (called on the group, past torch's dtype check)
+    an output of another dtype; gloo refuses both. Dim 0 may still differ per peer."""
+    from torchport.distributed import CollectiveArgumentError as E
+
+    want = r"input 0's dtype and shape past dim 0 \(torch.float32, shape \(2,\)\), got"
+    with pytest.raises(E, match=want + r" torch.float32, shape \(2, 1\) at output index 0"):
+        dist.all_to_all([torch.empty(2, 1)], [torch.ones(2)])
+    with pytest.raises(E, match=want + r" torch.float64, shape \(2,\) at output index 0"):
+        world1.alltoall(
+            [torch.empty(2, dtype=torch.float64)], [torch.ones(2)], dist.AllToAllOptions()
+        )
+    with pytest.raises(E, match=r"shape \(2, 2\)\), got torch.float32, shape \(4,\) at output"):
+        dist.all_to_all([torch.empty(4)], [torch.ones(2, 2)])
+    out = [torch.empty(3, 2)]
+    dist.all_to_all(out, [torch.ones(3, 2)])
+    assert bool((out[0] == 1).all())
+
+
 def test_world_of_one_is_identity(world1):
     t = torch.arange(5.0)
     dist.all_reduce(t)

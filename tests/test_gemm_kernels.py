@@ -9,7 +9,7 @@ import torch
 
 from torchport import config, native
 from torchport.gemm import kernels, templates
-from torchport.gemm.epilogue import EpilogueSpec, apply_torch
+from torchport.gemm.epilogue import EpilogueSpec, Op, apply_torch
 from torchport.gemm.kernels import Config, mm_reference, run_native
 from torchport.gemm.pack import (
     pack_b,
@@ -887,3 +887,21 @@ def test_epilogue_ab_bench_runs_a_dp_config(capsys):
     argv = ["--m", "8", "--d", "1024", "--h", "4096", "--dtype", "bfloat16", "--quick"]
     assert benchmarks.run_benchmark("gemm_epilogue_ab", [*argv, "--cfg", "8:32:8:0:0:1:1:1"]) == 0
     assert "cfg=8:32:8:0:0:1:1:1" in capsys.readouterr().out
+
+
+def test_prebuild_jobs_see_the_callers_config_override(monkeypatch, tmp_path):
+    """prebuild's pool threads build in the caller's context: under
+    ``config.override(cache_dir=...)`` every job reads the override, not the environment's value
+    (the threads used to see the environment's, so kernels compiled into the wrong cache)."""
+    seen: list[str] = []
+
+    def record(*args, **kwargs):
+        seen.append(config.get("cache_dir"))
+
+    monkeypatch.setattr(kernels, "library", record)
+    monkeypatch.setattr(kernels, "_pack_fn", record)
+    monkeypatch.setattr(kernels, "_pass_function", record)
+    spec = EpilogueSpec((Op("relu"),))  # one op: the epilogue-pass job runs too
+    with config.override(cache_dir=str(tmp_path)):
+        kernels.prebuild(spec, "f32", "f32", ISA, TILES[:2], ())
+    assert seen and set(seen) == {str(tmp_path)}

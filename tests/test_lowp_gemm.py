@@ -752,3 +752,26 @@ def test_to_keeps_the_quantized_form_for_every_signature(make):
     i = t.to(torch.int32)
     assert type(i) is torch.Tensor and i.dtype == torch.int32
     assert type(t.to("meta")) is torch.Tensor
+
+
+def test_quantize_skips_a_weight_tied_to_a_module_it_does_not_quantize():
+    """A linear whose weight is an ``nn.Embedding``'s (tied input/output embeddings) got a
+    quantized weight while the embedding kept the float Parameter: the tie split and both copies
+    stayed. It is now skipped with a warning naming the embedding; other linears are quantized."""
+    torch.manual_seed(13)
+    emb, head, other = nn.Embedding(32, 64), nn.Linear(64, 32, bias=False), nn.Linear(64, 32)
+    head.weight = emb.weight
+    m = nn.ModuleDict({"emb": emb, "head": head, "other": other})
+    with pytest.warns(UserWarning, match=r"skipped 'head': weight shared with emb\.weight \(Emb"):
+        report = torchport.quantize_(m, lowp.NVFP4WeightOnlyConfig())
+    assert report.quantized == ["other"] and "emb.weight (Embedding)" in report.skipped["head"]
+    assert m["head"].weight is m["emb"].weight and not isinstance(emb.weight, NVFP4Tensor)
+    # a linear filter_fn leaves out holds the tie the same way
+    a, b = nn.Linear(64, 32), nn.Linear(64, 32)
+    b.weight = a.weight
+    pair = nn.Sequential(a, b)
+    with pytest.warns(UserWarning, match=r"skipped '0': weight shared with 1\.weight \(Linear"):
+        report = torchport.quantize_(
+            pair, lowp.NVFP4WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn == "0"
+        )
+    assert report.quantized == [] and pair[0].weight is pair[1].weight

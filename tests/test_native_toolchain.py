@@ -60,6 +60,25 @@ def test_build_and_run(fresh_cache):
     assert list(Path(fresh_cache, "native").rglob("*.so"))
 
 
+def test_stale_build_folders_are_swept_and_not_counted(fresh_cache):
+    """A ``.build-*`` folder left by a killed build was never removed and cache_size() counted
+    its kernel.so; now opening the cache directory removes one over an hour old (a live build
+    lasts at most the compile timeout) and cache_size() counts only entries."""
+    from torchport.native import toolchain
+
+    shard = Path(fresh_cache, "native", "ab")
+    shard.mkdir(parents=True, mode=0o700)
+    for d in ("old", "live"):
+        (shard / f".build-{d}").mkdir(mode=0o700)
+        (shard / f".build-{d}" / "kernel.so").write_bytes(b"x" * 10)
+    hours_ago = time.time() - 2 * toolchain.STALE_BUILD_S
+    os.utime(shard / ".build-old", (hours_ago, hours_ago))
+    (shard / "entry.so").write_bytes(b"y" * 7)
+    assert native.cache_size() == (1, 7)
+    toolchain._entry_paths("fill", "ab" + "0" * 62)
+    assert not (shard / ".build-old").exists() and (shard / ".build-live" / "kernel.so").exists()
+
+
 def test_second_process_hits_cache_without_compiler(fresh_cache):
     code = textwrap.dedent(
         """

@@ -366,3 +366,23 @@ def test_engine_join_reports_an_operation_still_running():
     release.set()
     assert eng.join(5.0) is True
     assert work.is_completed()
+
+
+def test_reconfigure_runs_in_the_callers_config_context():
+    """reconfigure() forms the group on a pool thread, which did not see the caller's
+    config.override (dist_transport, chunk sizes): it now runs in a copy of the caller's context."""
+    import concurrent.futures as cf
+
+    from torchport import config
+    from torchport.distributed.reconfigure import ReconfigurableGroup, ReconfigureOptions
+
+    seen: list[str] = []
+    g = ReconfigurableGroup.__new__(ReconfigurableGroup)  # only the pool and the step matter
+    g._pool = cf.ThreadPoolExecutor(1)
+    g._reconfigure_flagged = lambda opts: seen.append(config.get("dist_transport"))
+    try:
+        with config.override(dist_transport="tcp"):
+            g.reconfigure(ReconfigureOptions()).wait(timeout=10.0)
+    finally:
+        g._pool.shutdown(wait=True)
+    assert seen == ["tcp"]

@@ -155,6 +155,19 @@ def test_deregister_releases_the_mappings_and_later_use_is_typed(trio, transport
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_views_held_past_close_and_collection_keep_their_values(trio, transport):
+    """A view held past close() and the window's collection keeps its mapping alive (the tensor
+    references the mmap object; close() neither unmaps nor truncates), so it reads the last
+    values instead of faulting; no file is left in /dev/shm."""
+    res = trio.call_all(list(range(WORLD)), "window_close_held", [(transport,)] * WORLD)
+    for r, (s, views) in enumerate(res):
+        assert s == "ok", res
+        peer = [[1.0 + (r + 1) % WORLD] * 5] if transport == "shm" else []
+        assert views == [[1.0 + r] * 5, *peer]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

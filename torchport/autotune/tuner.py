@@ -193,7 +193,11 @@ def select(
         return Choice(op, anchor)
 
     hit = cache.get(op, key)
-    if hit is not None and hit["choice"] in by_name and by_name[hit["choice"]] in eligible:
+    if (
+        hit is not None
+        and hit["choice"] in by_name
+        and _usable(by_name[hit["choice"]], hit, eligible)
+    ):
         stats.cache_hits += 1
         chosen = by_name[hit["choice"]]
         timings = dict(hit.get("timings_s", {}))
@@ -230,6 +234,18 @@ def select(
     return _tune(
         op, key, anchor, eligible, factory, make_args, cold, check, cache, confirm, budget_s, final
     )
+
+
+def _usable(chosen: Candidate, hit: Mapping[str, Any], eligible: Sequence[Candidate]) -> bool:
+    """Whether a cached choice serves a call allowing ``eligible``: an eligible candidate, or the
+    anchor when the tuning that cached it timed no eligible one (they all failed, as with
+    backends={NATIVE} where no native candidate builds). Such an outcome was retuned by every
+    new process; an anchor cached for beating timed native candidates is still not served where
+    ATen is not allowed."""
+    if chosen in eligible:
+        return True
+    timed = hit.get("timings_s", {})
+    return chosen.is_anchor and not any(c.name in timed for c in eligible if not c.is_anchor)
 
 
 def _confirm_choice(

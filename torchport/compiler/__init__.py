@@ -12,6 +12,7 @@ from torchport.compiler.backend import (
     last_report,
     register_backend,
     register_pre_grad_pass,
+    report_count,
     reports,
 )
 from torchport.compiler.passes import (
@@ -48,6 +49,7 @@ __all__ = [
     "node_tensor_meta",
     "register_backend",
     "register_pre_grad_pass",
+    "report_count",
     "reports",
     "run_passes",
     "single_user",

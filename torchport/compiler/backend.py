@@ -10,6 +10,7 @@ each call's rewrite counts are kept in :func:`last_report`.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,11 @@ class CompileReport:
 
 
 PRE_GRAD_PASSES: list[tuple[int, Pass]] = []  # (order, pass); lower order runs first
-_reports: list[CompileReport] = []
+# the reports of the most recent graphs only: a long-running process (recompiling per shape, or
+# compiling many functions) would otherwise keep every report it ever made
+MAX_REPORTS = 256
+_reports: deque[CompileReport] = deque(maxlen=MAX_REPORTS)
+_count = 0  # reports ever recorded, the evicted ones included
 _lock = threading.Lock()
 
 
@@ -60,9 +65,24 @@ def last_report() -> CompileReport | None:
     return _reports[-1] if _reports else None
 
 
-def reports() -> list[CompileReport]:
-    """Reports of every graph compiled so far in this process."""
-    return list(_reports)
+def reports(since: int = 0) -> list[CompileReport]:
+    """Reports of the graphs compiled in this process (the last :data:`MAX_REPORTS` of them),
+    from the ``since``-th on: ``n0 = report_count()`` before compiling, ``reports(n0)`` after."""
+    with _lock:
+        first = _count - len(_reports)  # the number of the oldest report still kept
+        return list(_reports)[max(0, since - first) :]
+
+
+def report_count() -> int:
+    """How many graphs the torchport backend has compiled in this process (evicted ones too)."""
+    return _count
+
+
+def _record(report: CompileReport) -> None:
+    global _count
+    with _lock:
+        _reports.append(report)
+        _count += 1
 
 
 @dataclass(frozen=True)
@@ -87,7 +107,7 @@ class TorchportBackend:
         if self.batching:
             return self._maybe_batched(gm, example_inputs, passes)
         compiled, report = self._variant(gm, example_inputs, passes)
-        _reports.append(report)
+        _record(report)
         return compiled
 
     def _maybe_batched(
@@ -105,7 +125,7 @@ class TorchportBackend:
         if not n or not batching.timeable(example_inputs):
             compiled, report = self._variant(gm, example_inputs, passes)
             report.batching = "no batchable group" if not n else "inputs cannot be timed"
-            _reports.append(report)
+            _record(report)
             return compiled
         built: dict[bool, tuple[Callable[..., Any], CompileReport]] = {}
 
@@ -133,7 +153,7 @@ class TorchportBackend:
             build(use)
             return built[use][1]
 
-        _reports.append(report)
+        _record(report)
         return batching.batching_runner(key, build, example_inputs, decided)
 
     def _variant(

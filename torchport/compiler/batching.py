@@ -318,7 +318,17 @@ def batching_runner(
     if timeable(example_inputs):
         args = tuple(_scratch_copy(a) for a in example_inputs)
         step = {k: _with_backward(f) for k, f in forms.items()}
-        if not _outputs_close(step["batched"](*args), step["unbatched"](*args)):
+        # the check must not consume random numbers (a graph with dropout or randn would
+        # otherwise see a different stream than eager from then on), and both forms draw the
+        # same stream, so that random ops agree between them
+        rng = torch.get_rng_state()
+        try:
+            batched = step["batched"](*args)
+            torch.set_rng_state(rng)
+            unbatched = step["unbatched"](*args)
+        finally:
+            torch.set_rng_state(rng)
+        if not _outputs_close(batched, unbatched):
             # never expected: the rules are exact up to summation order
             stats.candidates_failed += 1
             choice_cache.put(OP, key, "unbatched", {})

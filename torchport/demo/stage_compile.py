@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchport.compiler import compile as tp_compile
-from torchport.compiler import reports
+from torchport.compiler import report_count, reports
 from torchport.demo.model import GPT
 from torchport.demo.report import Section
 from torchport.demo.train import TrainConfig, train
@@ -49,7 +49,7 @@ def stage_compile(ctx: DemoContext) -> Section:
     model = copy.deepcopy(ctx.model) if ctx.model is not None else GPT(ctx.model_cfg)
     inner = getattr(ctx.args, "compile_inner", "eager")
     compiled = tp_compile(lambda x, y: model.loss(x, y), inner=inner)
-    n_reports = len(reports())
+    n_reports = report_count()
     cfg = TrainConfig(
         steps=STEPS,
         time_limit_s=TIME_LIMIT_S,
@@ -81,7 +81,7 @@ def stage_compile(ctx: DemoContext) -> Section:
     s.add("validation loss before / after", f"{res.val_curve[0][1]:.4f} / {res.final_val:.4f}")
     s.add("compiled vs eager loss (same batch)", f"{got:.5f} vs {want:.5f}")
     rewrites: dict[str, int] = {}
-    for rep in reports()[n_reports:]:
+    for rep in reports(n_reports):
         for rule, n in rep.rule_counts.items():
             rewrites[rule] = rewrites.get(rule, 0) + n
     for rule, n in sorted(rewrites.items()):

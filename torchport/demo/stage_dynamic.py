@@ -15,7 +15,7 @@ from torchport.demo.report import Section
 def stage_dynamic(ctx: DemoContext) -> Section:
     """Compile the demo model with a ``ShapesSpec`` on the sequence length; count recompiles."""
     import torchport
-    from torchport.compiler import reports
+    from torchport.compiler import report_count
     from torchport.demo.model import GPT
 
     cfg = ctx.model_cfg
@@ -26,7 +26,7 @@ def stage_dynamic(ctx: DemoContext) -> Section:
     compiled = torchport.compile(model, dynamic_shapes=spec)
     lengths = sorted({max(2, (cfg.seq_len * k) // 10) for k in range(1, 11)} | {2, 3, cfg.seq_len})
     gen = torch.Generator().manual_seed(ctx.train_cfg.seed)
-    n0 = len(reports())
+    n0 = report_count()
     times: list[float] = []
     worst = 0.0
     with torch.no_grad():
@@ -36,7 +36,7 @@ def stage_dynamic(ctx: DemoContext) -> Section:
             out = compiled(idx)
             times.append(time.perf_counter() - t0)
             worst = max(worst, (out - model(idx)).abs().max().item())
-    compiles = len(reports()) - n0
+    compiles = report_count() - n0
     s = Section("dynamic shapes: one compile for every sequence length (ShapesSpec)")
     s.add("spec", f"idx: [STATIC, T], 2 <= T <= {cfg.seq_len}")
     s.add("sequence lengths run", len(lengths))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchport.distributed import algorithms as alg
 from torchport.distributed.backend_args import (
     _NATIVE_RED,
+    _check_alltoall,
     _check_blocks,
     _check_red,
     _cpu,
@@ -520,6 +521,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
             )
         outs = [_cpu(t, "alltoall") for t in output_tensors]
         ins = [_cpu(t, "alltoall") for t in input_tensors]
+        _check_alltoall(outs, ins)
         staged = [_Staged(o) for o in outs]
         comm = self.comm
 

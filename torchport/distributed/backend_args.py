@@ -134,5 +134,26 @@ def _check_blocks(
         )
 
 
+def _check_alltoall(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+    """Refuse alltoall lists whose tensors differ from input 0 in dtype or in shape past dim 0.
+
+    Gloo wants every tensor of input 0's shape and dtype; the per-peer sizes (dim 0) may differ
+    here, as NCCL allows (both ranks' byte counts are checked against each other as a
+    mismatch). An output ``[2, 1]`` for ``[2]`` inputs, or ``[4]`` for ``[2, 2]``, was
+    accepted and filled in memory order.
+    """
+    if not ins:
+        return
+    ref = ins[0]
+    for what, ts in (("input", ins), ("output", outs)):
+        for i, t in enumerate(ts):
+            if t.dtype != ref.dtype or t.dim() != ref.dim() or t.shape[1:] != ref.shape[1:]:
+                raise CollectiveArgumentError(
+                    f"alltoall: every input and output must have input 0's dtype and shape "
+                    f"past dim 0 ({ref.dtype}, shape {tuple(ref.shape)}), got {t.dtype}, "
+                    f"shape {tuple(t.shape)} at {what} index {i}"
+                )
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import contextvars
 import secrets
 import socket
 import threading
@@ -319,7 +320,10 @@ class ReconfigurableGroup:
     # -- reconfigure -----------------------------------------------------------------------
     def reconfigure(self, opts: ReconfigureOptions) -> Work:
         """Start a reconfigure (see module docstring); the returned Work raises on failure."""
-        return Work(self._pool.submit(self._reconfigure_flagged, opts))
+        # in the caller's context: forming the group reads config (dist_transport, chunk sizes,
+        # dist_addr), whose overrides are context variables the pool thread does not inherit
+        run = contextvars.copy_context().run
+        return Work(self._pool.submit(run, self._reconfigure_flagged, opts))
 
     def _reconfigure_flagged(self, opts: ReconfigureOptions) -> None:
         self._forming = True

@@ -10,6 +10,7 @@ the output scale); bfloat16 inputs widen exactly to float32, accumulate in float
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import functools
 from collections.abc import Callable, Sequence
@@ -128,17 +129,22 @@ def prebuild(
     """Build several tile libraries (``dp_tiles``: ``vdpbf16ps`` ones) and the weight-packing
     kernels concurrently (one compiler process per core)."""
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
+
+        def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+            # each job runs in a copy of the caller's context: config overrides (cache_dir,
+            # compiler flags) are context variables, which pool threads do not inherit; one
+            # copy per job because a context cannot be entered by two threads at once
+            return pool.submit(contextvars.copy_context().run, fn, *args)
+
         futures: list[Future[Any]] = [
-            pool.submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
+            submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
         ]
-        futures += [
-            pool.submit(library, spec, btag, otag, isa, mr, nr, True) for mr, nr in dp_tiles
-        ]
+        futures += [submit(library, spec, btag, otag, isa, mr, nr, True) for mr, nr in dp_tiles]
         # B's own width; the pair packing runs the 32-bit kernel on k-pair words
         bits = {32 if btag == "f32" else 16} | ({32} if dp_tiles else set())
-        futures += [pool.submit(_pack_fn, w) for w in sorted(bits)]
+        futures += [submit(_pack_fn, w) for w in sorted(bits)]
         if spec.ops:  # the ATen launch's epilogue pass (small-M adaptive runners)
-            futures.append(pool.submit(_pass_function, spec, btag, otag, isa))
+            futures.append(submit(_pass_function, spec, btag, otag, isa))
         for f in futures:
             with contextlib.suppress(native.NativeError):  # reported when the candidate builds
                 f.result()

@@ -21,6 +21,7 @@ counted in the returned report (never padded silently).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -173,7 +174,9 @@ def quantize_(
 
     ``filter_fn(module, fqn)`` chooses linears (default: all). Weights become
     ``nn.Parameter(<quantized tensor>, requires_grad=False)``; biases stay as they are. Linears
-    sharing one weight Parameter (tied weights) share one quantized Parameter after.
+    sharing one weight Parameter (tied weights) share one quantized Parameter after. A weight
+    also held by a module that is not quantized (an ``nn.Embedding`` tied to the output linear, a
+    linear ``filter_fn`` leaves out) is skipped with a warning: the tie is kept.
     """
     if not isinstance(model, nn.Module):
         raise LowPrecisionError(
@@ -188,9 +191,13 @@ def quantize_(
     # by the float weight's id: a weight tied between linears is quantized once and shared
     # (each linear got a quantized copy of its own, splitting the tie)
     quantized: dict[int, torch.Tensor] = {}
-    for fqn, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or (filter_fn is not None and not filter_fn(mod, fqn)):
-            continue
+    chosen = [
+        (fqn, mod)
+        for fqn, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))
+    ]
+    untouched = _untouched_holders(model, {id(mod) for _, mod in chosen})
+    for fqn, mod in chosen:
         w = mod.weight
         if isinstance(w, LowPrecisionTensor):
             report.skipped[fqn] = "already quantized"
@@ -205,6 +212,14 @@ def quantize_(
             continue
         if w.numel() == 0:
             report.skipped[fqn] = f"empty weight {tuple(w.shape)}"
+            continue
+        others = untouched.get(id(w))
+        if others:
+            # the float Parameter stays where quantize_ does not reach (tied input/output
+            # embeddings): quantizing here would split the tie and keep both copies
+            why = f"weight shared with {', '.join(others)}, which quantize_ does not quantize"
+            report.skipped[fqn] = why
+            warnings.warn(f"quantize_: skipped {fqn!r}: {why} (the tie is kept)", stacklevel=2)
             continue
         q = quantized.get(id(w))
         if q is None:
@@ -221,3 +236,17 @@ def quantize_(
         mod.weight = p
         report.quantized.append(fqn)
     return report
+
+
+def _untouched_holders(model: nn.Module, chosen: set[int]) -> dict[int, list[str]]:
+    """By Parameter id: the slots (``fqn.name``) holding it that quantize_ leaves as they are,
+    i.e. any slot but the weight of a chosen linear (modules reached twice count under every
+    name)."""
+    held: dict[int, list[str]] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        for name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            if name == "weight" and id(mod) in chosen:
+                continue
+            slot = f"{fqn}.{name}" if fqn else name
+            held.setdefault(id(p), []).append(f"{slot} ({type(mod).__name__})")
+    return held

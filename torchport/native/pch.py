@@ -94,6 +94,8 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
             # one builder at a time across processes (PCH bytes differ from build to build)
             with open(d / "lock", "a") as lock_file:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # builders hold the lock: any build folder here was left by a killed one
+                toolchain.sweep_stale_builds(d, 0.0)
                 if not _verified(d, key):
                     _build(d, pflags, cc, key)
         except BlockingIOError:

@@ -23,6 +23,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -221,6 +222,33 @@ def check_private(d: Path) -> None:
     _private_dirs.add(str(given))
 
 
+# A build's temporary folder (``.build-*``) lives at most COMPILE_TIMEOUT_S; one much older was
+# left by a killed process and is removed when its cache directory is first opened
+STALE_BUILD_S = 3600.0
+_swept: set[str] = set()  # directories swept by this process
+
+
+def sweep_stale_builds(d: Path, max_age_s: float = STALE_BUILD_S) -> int:
+    """Remove ``d``'s ``.build-*`` folders last modified more than ``max_age_s`` ago (once per
+    directory per process); returns how many went. Errors are ignored: another process may be
+    sweeping the same folder."""
+    memo = f"{os.path.abspath(d)}\0{max_age_s}"
+    with _lock:
+        if memo in _swept:
+            return 0
+        _swept.add(memo)
+    cutoff = time.time() - max_age_s
+    removed = 0
+    try:
+        stale = [p for p in d.glob(".build-*") if p.is_dir() and p.stat().st_mtime < cutoff]
+    except OSError:
+        return 0
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+        removed += not p.exists()
+    return removed
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -235,6 +263,7 @@ def _entry_paths(name: str, key: str) -> tuple[Path, Path]:
             "set TORCHPORT_CACHE_DIR to a writable directory"
         ) from e
     check_private(d)
+    sweep_stale_builds(d)
     stem = f"{name}-{key[:24]}"
     return d / f"{stem}.so", d / f"{stem}.json"
 
@@ -421,7 +450,12 @@ def note_fallback(op: str, reason: BaseException | str) -> None:
 
 
 def cache_size() -> tuple[int, int]:
-    """(number of objects, total bytes) in the native cache."""
+    """(number of objects, total bytes) in the native cache (builds in progress, or left by a
+    killed process, in ``.build-*`` folders, do not count)."""
     d = native_dir()
-    files = [p for p in d.rglob("*.so") if p.is_file()]
+    files = [
+        p
+        for p in d.rglob("*.so")
+        if p.is_file() and not any(q.startswith(".build-") for q in p.relative_to(d).parts)
+    ]
     return len(files), sum(p.stat().st_size for p in files)
