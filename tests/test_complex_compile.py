@@ -143,6 +143,20 @@ def test_division_by_huge_and_tiny_complex_magnitudes() -> None:
     torch.testing.assert_close(got, a / b, rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_sqrt_without_cancellation_or_overflow(dtype: torch.dtype) -> None:
+    # (|z| - x)/2 cancelled for a small imaginary part (1 + 1e-3i: imaginary part 2% off in
+    # complex64; -4 + 1e-5i: real part 0) and |x| + |z| overflowed (3e38 + 3e38i gave inf)
+    x = torch.tensor(
+        [1 + 1e-3j, -4 + 1e-5j, 3e38 + 3e38j, -2e38 - 1j, 1e-3 + 0j, 0j, complex(2, -0.0), -9 - 0j],
+        dtype=dtype,
+    )
+    (got,) = _run_lowered(torch.sqrt, x)
+    want = torch.sqrt(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
+    assert torch.equal(torch.signbit(got.imag), torch.signbit(want.imag))
+
+
 @pytest.mark.parametrize("name", ["exp", "sin", "cos"])
 def test_overflow_times_an_exact_zero_is_zero(name: str) -> None:
     # exp(100 + 0j) = inf + 0j and sin(100j) = 0 + inf j in ATen; inf * 0 gave nan parts
