@@ -145,6 +145,23 @@ def test_abs_log_of_huge_and_tiny_magnitudes() -> None:
     torch.testing.assert_close(got, fn(x), rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_log_near_the_unit_circle(dtype: torch.dtype) -> None:
+    # log hypot(x, y) cancels near |z| = 1: log(1 + 1e-4i) had real part 0 in complex64 (5e-9)
+    g = torch.Generator().manual_seed(0)
+    phasors = torch.polar(
+        torch.ones(64, dtype=torch.float64), torch.rand(64, dtype=torch.float64, generator=g) * 6.28
+    )
+    x = torch.cat(
+        [
+            torch.tensor([1 + 1e-4j, 0.9999 + 0.01j, -1 + 1e-3j, 1e-3 - 1.0001j, 1 + 0j, -1 + 0j]),
+            phasors * (1 + 1e-3 * torch.randn(64, dtype=torch.float64, generator=g)),
+        ]
+    ).to(dtype)
+    (got,) = _run_lowered(torch.log, x)
+    torch.testing.assert_close(got, torch.log(x), rtol=1e-5, atol=0.0)
+
+
 def test_division_by_huge_and_tiny_complex_magnitudes() -> None:
     # c² + d² overflows float32 above ~1.8e19 (quotient 0) and underflows below ~1e-19 (inf/nan)
     a = torch.tensor([1 + 1j, 2 - 3j, 1e20 + 0j, 0.5 + 0.25j, 3 + 0j], dtype=torch.complex64)

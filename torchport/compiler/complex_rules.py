@@ -217,7 +217,21 @@ def c_exp(e: _Emitter, a: Pair) -> Pair:
 
 
 def c_log(e: _Emitter, a: Pair) -> Pair:
-    return Pair(e.f(torch.log, c_abs(e, a)), c_angle(e, a))
+    return Pair(_log_abs(e, a), c_angle(e, a))
+
+
+def _log_abs(e: _Emitter, a: Pair) -> Any:
+    """log|z|, without the cancellation of log(hypot) near |z| = 1: there log|z| =
+    ½ log1p((b-1)(b+1) + s²) with b, s the larger and smaller of |x|, |y|; b - 1 is exact for b in
+    [0.5, 2] (log(1 + 1e-4i) in complex64 gave 0, ATen 5e-9)."""
+    r = c_abs(e, a)
+    if a.im is None:
+        return e.f(torch.log, r)
+    ax, ay = e.f(torch.abs, a.re), e.f(torch.abs, a.im)
+    big, small = e.f(torch.maximum, ax, ay), e.f(torch.minimum, ax, ay)
+    near = e.call(torch.logical_and, e.call(torch.ge, big, 0.5), e.call(torch.le, big, 2.0))
+    t = e.add(e.mul(e.sub(big, 1.0), e.add(big, 1.0)), e.mul(small, small))
+    return e.call(torch.where, near, e.mul(e.f(torch.log1p, t), 0.5), e.f(torch.log, r))
 
 
 def c_angle(e: _Emitter, a: Pair) -> Any:
