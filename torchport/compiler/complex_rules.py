@@ -966,3 +966,23 @@ def _r_to(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         re = lw.e.call(torch.Tensor.to, x.re, rdt)
         return Pair(re, None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt))
     return lw.e.call(torch.Tensor.to, x.re, val.dtype)  # complex → real keeps the real part
+
+
+@_rule(*_packets("_fft_c2c", "_fft_r2c", "_fft_c2r"))
+def _r_fft(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # The FFT itself stays ATen's, on a complex tensor rebuilt from the parts, its result split
+    # again: in real ops a DFT is a dense O(n²) matmul (slower and less accurate than pocketfft/
+    # MKL) or a radix FFT written from slices; Inductor has no FFT code generation and calls
+    # ATen's anyway (warning that it does not generate code for complex operators). The rest
+    # of the graph is still decomposed, and the FFTs of the backward graph take this rule too.
+    e = lw.e
+
+    def whole(x: Any) -> Any:
+        if not isinstance(x, Pair):
+            return x
+        return e.call(torch.complex, x.re, e.dense(x.im, x.re))
+
+    out = e.call(n.target, *(whole(x) for x in a), **kw)
+    if _is_complex_val(_node_val(n)):
+        return Pair(e.call(torch.real, out), e.call(torch.imag, out))
+    return out
