@@ -65,6 +65,8 @@ UNARY = {
     "polar": lambda z: torch.polar(z.abs(), z.angle()) * 2,
     "expm1": torch.expm1,
     "log1p": torch.log1p,
+    "exp2": torch.exp2,
+    "tril_triu_trace": lambda z: z.tril() + z.triu(1) * 2 + z.t().tril(-1).t() + torch.trace(z),
     "sinh_cosh_tan": lambda z: torch.sinh(z) + torch.cosh(z) * 0.5 + torch.tan(z),
     "asin": torch.asin,
     "acos": torch.acos,
@@ -474,12 +476,12 @@ def test_compile_complex_forward_backward_inductor() -> None:
 # --- unsupported ops ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["aten.sinc", "aten.logcumsumexp", "aten.vdot"])
+@pytest.mark.parametrize("op", ["aten.sinc", "aten.logcumsumexp", "aten.linalg_inv_ex"])
 def test_unsupported_op_raises_naming_it(op: str) -> None:
     fns = {
         "aten.sinc": lambda z: torch.sinc(z),
         "aten.logcumsumexp": lambda z: torch.logcumsumexp(z, 0),
-        "aten.vdot": lambda z: torch.vdot(z, z),
+        "aten.linalg_inv_ex": lambda z: torch.linalg.inv(torch.eye(3) + z.unsqueeze(0) * 0.1),
     }
     gm = make_fx(fns[op])(_randc((3,)))
     with pytest.raises(ComplexDecompositionError, match=rf"no real decomposition for {op}"):

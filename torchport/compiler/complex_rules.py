@@ -551,6 +551,11 @@ def _r_expm1(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
     return c_expm1(lw.e, _pair(a[0]))  # e^z - 1
 
 
+@_rule(aten.exp2.default)
+def _r_exp2(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_exp(lw.e, c_mul(lw.e, _pair(a[0]), math.log(2.0)))  # 2^z = e^(z log 2)
+
+
 @_rule(aten.log1p.default)
 def _r_log1p(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     return c_log1p(lw.e, _pair(a[0]))  # log(1 + z)
@@ -765,6 +770,9 @@ for _op in _packets(
     "sum",
     "mean",
     "cumsum",
+    "trace",
+    "tril",
+    "triu",
     "diagonal",
     "split",
     "split_with_sizes",
