@@ -8,7 +8,8 @@ complex values becomes real ops, one rule per op in :data:`RULES`:
 
     (a+bi)(c+di) = (ac - bd) + (ad + bc)i          exp(x+iy) = e^x cos y + i e^x sin y
     (a+bi)/(c+di) = ((ac+bd) + (bc-ad)i)/(c²+d²)    log z = log|z| + i atan2(y, x)
-    A@B = (Ar@Br - Ai@Bi) + (Ar@Bi + Ai@Br)i        sqrt z = sqrt((|z|+x)/2) + i copysign(sqrt((|z|-x)/2), y)
+    A@B = (Ar@Br - Ai@Bi) + (Ar@Bi + Ai@Br)i        sqrt z = t + i y/(2t), t = sqrt((|z|+x)/2) (x ≥ 0)
+    Π z_k = Π|z_k| · e^(i Σ arg z_k)                asin, acos, acosh: Kahan's √(1±z) formulas
 
 Shape ops (view, permute, slice, select, index, cat, stack, ...) and linear reductions (sum, mean)
 apply to both parts. At the boundary a complex input enters as its ``real`` and ``imag`` views (two
