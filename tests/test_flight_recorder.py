@@ -153,7 +153,7 @@ def test_analyzer_on_real_dumps(pair, tmp_path, plan, capsys):
             and "all_reduce[8](float32)" in text
         )
     else:
-        assert text.startswith("no problem found")
+        assert text.startswith("no problem found"), text
         for _, entries in res:  # the group passed by position is the sub-group's, not default
             ops = [(op, group) for op, group, _ in entries]
             assert ops[2][0] == "all_reduce" and ops[2][1] != "default", ops
