@@ -251,6 +251,9 @@ def test_split_group_and_new_group_reuse_the_mesh():
     assert [r["odd_sum"] for r in res] == [0.0, 4.0, 2.0, 4.0]
     assert all(r["same_mesh"] and r["sub_size"] == 2 and r["transport"] == "shm" for r in res)
     assert [r["odd_rank"] for r in res] == [None, 0, None, 1]
+    # a nested split names the parent's ranks (global rank 3 is rank 1 of [2, 3])
+    assert [r["nested_size"] for r in res] == [None, 1, None, 1]
+    assert all("ranks of the parent group, in [0, 2); got [2]" in r["beyond_parent"] for r in res)
 
 
 @pytest.mark.timeout(110)
