@@ -13,6 +13,7 @@ import torch
 
 from tests.ft_actors import Actors
 from torchport import cli, config
+from torchport.distributed import flight_recorder as fr
 from torchport.distributed.flight_recorder import (
     COMPLETED,
     ERRORED,
@@ -39,6 +40,36 @@ def test_ring_buffer_keeps_newest_and_counts_seq_per_group():
     assert FlightRecorder(buffer_size=0).entries() == []
     with pytest.raises(ValueError, match="buffer_size must be an int >= 0, got -1"):
         FlightRecorder(buffer_size=-1)
+
+
+class _Group:
+    __slots__ = ("__weakref__", "group_name")
+
+    def __init__(self, name: str) -> None:
+        self.group_name = name
+
+
+def test_a_group_reusing_a_destroyed_groups_id_is_recorded_under_its_own_name():
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=1)
+    wrapped = fr._wrap("all_reduce", all_reduce, rec)
+    g = _Group("old")
+    old_id = id(g)
+    wrapped(torch.ones(1), group=g)
+    del g
+    new = None
+    for i in range(100):  # the allocator hands the freed object's memory out again
+        new = _Group(f"new{i}")
+        if id(new) == old_id:
+            break
+        new = None
+    if new is None:
+        pytest.skip("no id was reused")
+    wrapped(torch.ones(1), group=new)
+    got = [(e[fr._GROUP], e[fr._SEQ]) for e in rec.entries()]
+    assert got == [("old", 0), (new.group_name, 0)]
 
 
 def test_buffer_size_from_environment(monkeypatch):

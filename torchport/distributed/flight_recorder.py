@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -368,13 +369,21 @@ _PATCHED = (
     "recv",
 )
 _originals: dict[str, Callable[..., Any]] = {}
-_group_names: dict[int, tuple[str, list[int]]] = {}
+# id(group) -> (name, ranks, a callable returning the group): the third item (a weak reference,
+# or a closure holding a group that takes none) tells a live group from a destroyed one whose id
+# a new group reuses -- keyed by id alone, the new group's ops were recorded under the old one's
+# name and sequence counter
+_group_names: dict[int, tuple[str, list[int], Callable[[], Any]]] = {}
 
 
-def _group_key(group: Any) -> tuple[str, list[int]]:
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _group_key(group: Any) -> tuple[str, list[int], Callable[[], Any]]:
     key = id(group)
     hit = _group_names.get(key)
-    if hit is not None:
+    if hit is not None and hit[2]() is group:
         return hit
     if group is None or group is dist.group.WORLD:
         name, ranks = "default", list(range(dist.get_world_size()))
@@ -382,10 +391,14 @@ def _group_key(group: Any) -> tuple[str, list[int]]:
         name = str(getattr(group, "group_name", None) or f"pg{key:x}")
         try:
             ranks = dist.get_process_group_ranks(group)
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, KeyError):  # KeyError: a group c10d never registered
             ranks = []
-    _group_names[key] = (name, ranks)
-    return name, ranks
+    try:
+        ref: Callable[[], Any] = weakref.ref(group)
+    except TypeError:  # None, or a group without weak references: keep it (its id stays unique)
+        ref = functools.partial(_identity, group)
+    hit = _group_names[key] = (name, ranks, ref)
+    return hit
 
 
 def _param_index(fn: Callable[..., Any], param: str) -> int | None:
@@ -415,7 +428,7 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         group = kwargs.get("group", args[gi] if gi is not None and gi < len(args) else None)
         hit = names.get(id(group))
-        if hit is None:
+        if hit is None or hit[2]() is not group:
             hit = _group_key(group)
             if hit[0] not in rec.groups:
                 rec.groups[hit[0]] = list(hit[1])
