@@ -385,6 +385,16 @@ def test_world_of_one_is_identity(world1):
     assert world1.getBackendName() == "torchport" and world1.get_error() is None
 
 
+def test_set_timeout_takes_a_positive_timedelta(world1):
+    from torchport.distributed import CollectiveArgumentError
+
+    for bad in (datetime.timedelta(0), datetime.timedelta(seconds=-1), 5.0):
+        with pytest.raises(CollectiveArgumentError, match=r"positive datetime\.timedelta, got"):
+            world1.set_timeout(bad)
+    world1.set_timeout(datetime.timedelta(seconds=30))
+    assert world1.comm.timeout_s == 30.0 and world1.get_error() is None
+
+
 def test_tensors_overlap_compares_the_bytes_elements_occupy():
     from torchport.distributed.engine import tensors_overlap
 
