@@ -168,3 +168,28 @@ def test_analyzer_bad_input(tmp_path, capsys):
     rec.dump()
     v = analyze(load_dumps(tmp_path))
     assert v.missing_ranks == [1] and "rank 1: no dump" in v.text()
+
+
+def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path):
+    def dump(name: str, obj: dict) -> None:
+        (tmp_path / name).write_text(json.dumps(obj))
+
+    entry = {"seq_id": 0, "op": "all_reduce", "group": "default", "state": "started"}
+    dump("rank_0.json", {"rank": "zero", "world_size": 1, "entries": []})
+    with pytest.raises(DumpError, match="rank must be an int >= 0, got 'zero'"):
+        load_dumps(tmp_path)
+    dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{"op": "all_reduce"}]})
+    with pytest.raises(DumpError, match=r"entry 0 needs keys \('seq_id', 'op', 'group', 'state'\)"):
+        load_dumps(tmp_path)
+    # a foreign dump without durations is still analysed
+    dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [entry]})
+    assert "was still started after 0 ms" in analyze(load_dumps(tmp_path)).text()
+    # a stale second dump of rank 0 (sorted after the real one) replaced it: "no problem found"
+    dump(
+        "rank_0_old.json",
+        {"rank": 0, "world_size": 1, "entries": [{**entry, "state": "completed"}]},
+    )
+    with pytest.raises(
+        DumpError, match=r"two dumps of rank 0: .*rank_0\.json and .*rank_0_old\.json"
+    ):
+        load_dumps(tmp_path)
