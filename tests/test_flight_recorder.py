@@ -72,6 +72,25 @@ def test_a_group_reusing_a_destroyed_groups_id_is_recorded_under_its_own_name():
     assert got == [("old", 0), (new.group_name, 0)]
 
 
+def test_the_record_does_not_depend_on_how_tensors_are_passed(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(fr, "_group_names", {})  # forget this test's default group afterwards
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
+    wrapped = fr._wrap("all_gather_into_tensor", all_gather_into_tensor, rec)
+    g = _Group("g")
+    out, inp = torch.ones(4), torch.ones(2, dtype=torch.half)
+    wrapped(output_tensor=out, input_tensor=inp, group=g)
+    wrapped(out, input_tensor=inp, group=g)
+    wrapped(out, inp)
+    wrapped(out, inp, g)
+    got = [(e["sizes"], e["dtypes"]) for e in rec.snapshot()["entries"]]
+    assert got == [([[4], [2]], ["float32", "float16"])] * 4
+
+
 def test_buffer_size_from_environment(monkeypatch):
     monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "7")
     assert FlightRecorder().capacity == 7

@@ -416,12 +416,31 @@ def _param_index(fn: Callable[..., Any], param: str) -> int | None:
 P2P_OPS = ("send", "recv")
 
 
+# parameters of the patched functions that never hold tensors (some are not annotated)
+_NOT_TENSORS = frozenset(
+    ("op", "group", "async_op", "src", "dst", "tag", "group_src", "group_dst", "device_ids")
+)
+
+
 def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
-    names, tensor = _group_names, torch.Tensor
+    names, tensor, kinds = _group_names, torch.Tensor, (torch.Tensor, list, tuple)
     # group and async_op may come by position too (all_reduce(t, op, group, True) was recorded
     # on the default group and as completed on return)
     gi, ai = _param_index(fn, "group"), _param_index(fn, "async_op")
     own_only = name in ("gather", "scatter")  # the list exists on the root only
+    # the first parameter, and the later ones that may hold tensors (annotated so, or not
+    # annotated): a call passing one of those by keyword takes the full path
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    first = params[0].name if params else ""
+    empty = inspect.Parameter.empty
+    more = tuple(
+        p.name
+        for p in params[1:]
+        if p.name not in _NOT_TENSORS and (p.annotation is empty or "Tensor" in str(p.annotation))
+    )
     seq_key = "p2p" if name in P2P_OPS else None
 
     @functools.wraps(fn)
@@ -432,11 +451,23 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
             hit = _group_key(group)
             if hit[0] not in rec.groups:
                 rec.groups[hit[0]] = list(hit[1])
-        a0 = args[0] if args else None
-        if type(a0) is tensor and (len(args) < 3 or own_only):  # one tensor (+ op / src)
+        # Every tensor argument, by position or keyword, so that the record does not depend on
+        # the call's spelling: all_reduce(tensor=t) was recorded without sizes, and
+        # all_gather_into_tensor(out, inp) without inp's while (out, inp, g) had it -- fr
+        # analyze saw a size mismatch between two ranks that called it either way.
+        a0, n = (args[0] if args else None), len(args)
+        if (
+            type(a0) is tensor
+            and (own_only or n == 1 or (n == 2 and not isinstance(args[1], kinds)))
+            and not (more and kwargs and any(k in kwargs for k in more))
+        ):  # one tensor (+ op / src): the hot path
             e = rec._new(name, hit[0], (a0.shape,), (a0.dtype,), STARTED, seq_key)
         else:
-            sizes, dtypes = _describe([a for a in args if isinstance(a, tensor | list)])
+            if own_only:  # the list exists on the root only: this rank's own tensor
+                given: Sequence[Any] = (a0 if args else kwargs.get(first),)
+            else:
+                given = (*args, *kwargs.values()) if kwargs else args
+            sizes, dtypes = _describe(given)
             e = rec._new(name, hit[0], sizes, dtypes, STARTED, seq_key)
         try:
             out = fn(*args, **kwargs)
