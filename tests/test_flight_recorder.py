@@ -91,6 +91,16 @@ def test_the_record_does_not_depend_on_how_tensors_are_passed(monkeypatch):
     assert got == [([[4], [2]], ["float32", "float16"])] * 4
 
 
+def test_a_scheduled_op_has_no_start_time_until_started():
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
+    e = rec.record("all_reduce", "g", [torch.ones(2)])
+    (entry,) = rec.snapshot()["entries"]
+    assert entry["state"] == "scheduled" and entry["time_started_ns"] is None
+    rec.started(e)
+    (entry,) = rec.snapshot()["entries"]
+    assert entry["time_started_ns"] >= entry["time_scheduled_ns"] > 0
+
+
 def test_buffer_size_from_environment(monkeypatch):
     monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "7")
     assert FlightRecorder().capacity == 7

@@ -154,7 +154,10 @@ class FlightRecorder:
         now = time.time_ns()
         idx = next(self._ids)
         stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
-        e = [next(counter), op, group, sizes, dtypes, state, now, now, 0, stack, None, idx]
+        # an op recorded as scheduled has no start time until started() (its dump showed the
+        # scheduling time as time_started_ns, an op never handed to the backend as started)
+        start = now if state is STARTED else 0
+        e = [next(counter), op, group, sizes, dtypes, state, now, start, 0, stack, None, idx]
         self._count = idx + 1
         if self.capacity:
             self._buf[idx % self.capacity] = e
