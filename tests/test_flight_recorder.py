@@ -101,6 +101,21 @@ def test_a_scheduled_op_has_no_start_time_until_started():
     assert entry["time_started_ns"] >= entry["time_scheduled_ns"] > 0
 
 
+def test_the_watchdog_dumps_for_a_stuck_op_after_clear(tmp_path):
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1, dump_dir=tmp_path)
+    rec.start_watchdog(timeout_s=0.05, period_s=0.01)
+    try:
+        for want in (1, 2):  # the entry after clear() has the same id as the first
+            rec.started(rec.record("all_reduce", "g", [torch.ones(1)]))
+            end = time.monotonic() + 1.5
+            while rec.dumps < want and time.monotonic() < end:
+                time.sleep(0.01)
+            assert rec.dumps == want
+            rec.clear()
+    finally:
+        rec.stop()
+
+
 def test_buffer_size_from_environment(monkeypatch):
     monkeypatch.setenv("TORCHPORT_FR_BUFFER_SIZE", "7")
     assert FlightRecorder().capacity == 7

@@ -222,6 +222,9 @@ class FlightRecorder:
             self._ids = itertools.count()
             self._count = 0
             self._seq = {}
+            # ids restart at 0: a stuck op whose id the watchdog dumped for before would
+            # otherwise never be dumped
+            self._dumped_for = -1
 
     # -- dumps -----------------------------------------------------------------------------
     def snapshot(self, reason: str = "request") -> dict[str, Any]:
