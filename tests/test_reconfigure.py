@@ -306,15 +306,20 @@ def test_wait_returns_after_the_futures_callbacks_ran():
         seen.append("callback")
 
     work.get_future().add_done_callback(callback)
-    finisher = threading.Thread(target=work._finish)
+    # a callback that waits on the Work itself returns at once (the gate opens after it)
+    work.get_future().add_done_callback(lambda _f: seen.append(f"waited {work.wait()}"))
+    finisher = threading.Thread(target=work._finish, daemon=True)
     finisher.start()
     try:
-        while not work.is_completed():
+        end = time.monotonic() + 5.0
+        while not work.is_completed() and time.monotonic() < end:
             time.sleep(0.001)
+        assert work.is_completed(), "a callback waiting on its own Work deadlocked"
         assert work.wait()
-        assert seen == ["callback"]
+        assert seen == ["callback", "waited True"]
     finally:
         finisher.join(5.0)
+        assert not finisher.is_alive()
 
 
 def test_an_op_whose_completion_is_polled_starts_at_once(monkeypatch):
