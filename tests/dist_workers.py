@@ -524,7 +524,7 @@ class _default:
 
 
 def split_case(rank: int, world: int) -> dict[str, Any]:
-    from torchport.distributed import split_group
+    from torchport.distributed import CollectiveArgumentError, split_group
     from torchport.distributed.groups import root_mesh
 
     mesh = root_mesh()
@@ -536,7 +536,16 @@ def split_case(rank: int, world: int) -> dict[str, Any]:
     u = torch.tensor([float(rank)])
     if rank in (1, 3):
         dist.all_reduce(u, group=odd)
+    # split ranks are ranks of the parent: its rank 1 is global rank 1 in one half, 3 in the other
+    nested = split_group(sub, split_ranks=[[1]])
+    try:
+        split_group(sub, split_ranks=[[0, 2]])
+        beyond = "no error"
+    except CollectiveArgumentError as e:
+        beyond = str(e)
     return {
+        "nested_size": None if nested is None else nested.size(),
+        "beyond_parent": beyond,
         "sub_rank": sub.rank(),
         "sub_size": sub.size(),
         "sum": t.item(),

@@ -251,6 +251,9 @@ def test_split_group_and_new_group_reuse_the_mesh():
     assert [r["odd_sum"] for r in res] == [0.0, 4.0, 2.0, 4.0]
     assert all(r["same_mesh"] and r["sub_size"] == 2 and r["transport"] == "shm" for r in res)
     assert [r["odd_rank"] for r in res] == [None, 0, None, 1]
+    # a nested split names the parent's ranks (global rank 3 is rank 1 of [2, 3])
+    assert [r["nested_size"] for r in res] == [None, 1, None, 1]
+    assert all("ranks of the parent group, in [0, 2); got [2]" in r["beyond_parent"] for r in res)
 
 
 @pytest.mark.timeout(110)
@@ -400,6 +403,16 @@ def test_world_of_one_is_identity(world1):
     dist.all_to_all_single(scalar_out, torch.tensor(7.0))
     assert scalar_out.item() == 7.0
     assert world1.getBackendName() == "torchport" and world1.get_error() is None
+
+
+def test_set_timeout_takes_a_positive_timedelta(world1):
+    from torchport.distributed import CollectiveArgumentError
+
+    for bad in (datetime.timedelta(0), datetime.timedelta(seconds=-1), 5.0):
+        with pytest.raises(CollectiveArgumentError, match=r"positive datetime\.timedelta, got"):
+            world1.set_timeout(bad)
+    world1.set_timeout(datetime.timedelta(seconds=30))
+    assert world1.comm.timeout_s == 30.0 and world1.get_error() is None
 
 
 def test_tensors_overlap_compares_the_bytes_elements_occupy():

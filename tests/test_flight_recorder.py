@@ -13,6 +13,7 @@ import torch
 
 from tests.ft_actors import Actors
 from torchport import cli, config
+from torchport.distributed import flight_recorder as fr
 from torchport.distributed.flight_recorder import (
     COMPLETED,
     ERRORED,
@@ -83,6 +84,80 @@ def test_attached_work_is_settled_when_entries_are_read(tmp_path):
         fut.callbacks[0](fut)
     assert [e["state"] for e in rec.snapshot()["entries"]] == [COMPLETED, ERRORED]
     assert rec.entries()[1][10].startswith("RuntimeError: peer lost")
+
+
+class _Group:
+    __slots__ = ("__weakref__", "group_name")
+
+    def __init__(self, name: str) -> None:
+        self.group_name = name
+
+
+def test_a_group_reusing_a_destroyed_groups_id_is_recorded_under_its_own_name():
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=1)
+    wrapped = fr._wrap("all_reduce", all_reduce, rec)
+    g = _Group("old")
+    old_id = id(g)
+    wrapped(torch.ones(1), group=g)
+    del g
+    new = None
+    for i in range(100):  # the allocator hands the freed object's memory out again
+        new = _Group(f"new{i}")
+        if id(new) == old_id:
+            break
+        new = None
+    if new is None:
+        pytest.skip("no id was reused")
+    wrapped(torch.ones(1), group=new)
+    got = [(e[fr._GROUP], e[fr._SEQ]) for e in rec.entries()]
+    assert got == [("old", 0), (new.group_name, 0)]
+
+
+def test_the_record_does_not_depend_on_how_tensors_are_passed(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(fr, "_group_names", {})  # forget this test's default group afterwards
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
+    wrapped = fr._wrap("all_gather_into_tensor", all_gather_into_tensor, rec)
+    g = _Group("g")
+    out, inp = torch.ones(4), torch.ones(2, dtype=torch.half)
+    wrapped(output_tensor=out, input_tensor=inp, group=g)
+    wrapped(out, input_tensor=inp, group=g)
+    wrapped(out, inp)
+    wrapped(out, inp, g)
+    got = [(e["sizes"], e["dtypes"]) for e in rec.snapshot()["entries"]]
+    assert got == [([[4], [2]], ["float32", "float16"])] * 4
+
+
+def test_a_scheduled_op_has_no_start_time_until_started():
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
+    e = rec.record("all_reduce", "g", [torch.ones(2)])
+    (entry,) = rec.snapshot()["entries"]
+    assert entry["state"] == "scheduled" and entry["time_started_ns"] is None
+    rec.started(e)
+    (entry,) = rec.snapshot()["entries"]
+    assert entry["time_started_ns"] >= entry["time_scheduled_ns"] > 0
+
+
+def test_the_watchdog_dumps_for_a_stuck_op_after_clear(tmp_path):
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1, dump_dir=tmp_path)
+    rec.start_watchdog(timeout_s=0.05, period_s=0.01)
+    try:
+        for want in (1, 2):  # the entry after clear() has the same id as the first
+            rec.started(rec.record("all_reduce", "g", [torch.ones(1)]))
+            end = time.monotonic() + 1.5
+            while rec.dumps < want and time.monotonic() < end:
+                time.sleep(0.01)
+            assert rec.dumps == want
+            rec.clear()
+    finally:
+        rec.stop()
 
 
 def test_buffer_size_from_environment(monkeypatch):
@@ -181,3 +256,28 @@ def test_analyzer_bad_input(tmp_path, capsys):
     rec.dump()
     v = analyze(load_dumps(tmp_path))
     assert v.missing_ranks == [1] and "rank 1: no dump" in v.text()
+
+
+def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path):
+    def dump(name: str, obj: dict) -> None:
+        (tmp_path / name).write_text(json.dumps(obj))
+
+    entry = {"seq_id": 0, "op": "all_reduce", "group": "default", "state": "started"}
+    dump("rank_0.json", {"rank": "zero", "world_size": 1, "entries": []})
+    with pytest.raises(DumpError, match="rank must be an int >= 0, got 'zero'"):
+        load_dumps(tmp_path)
+    dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{"op": "all_reduce"}]})
+    with pytest.raises(DumpError, match=r"entry 0 needs keys \('seq_id', 'op', 'group', 'state'\)"):
+        load_dumps(tmp_path)
+    # a foreign dump without durations is still analysed
+    dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [entry]})
+    assert "was still started after 0 ms" in analyze(load_dumps(tmp_path)).text()
+    # a stale second dump of rank 0 (sorted after the real one) replaced it: "no problem found"
+    dump(
+        "rank_0_old.json",
+        {"rank": 0, "world_size": 1, "entries": [{**entry, "state": "completed"}]},
+    )
+    with pytest.raises(
+        DumpError, match=r"two dumps of rank 0: .*rank_0\.json and .*rank_0_old\.json"
+    ):
+        load_dumps(tmp_path)

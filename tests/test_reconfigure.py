@@ -290,6 +290,38 @@ def _test_engine():
     return Engine("tp-test-engine", run)
 
 
+def test_wait_returns_after_the_futures_callbacks_ran():
+    """As on gloo, the future is settled (its callbacks run) before ``wait()`` returns: the
+    Flight Recorder completes an async op's entry in such a callback, and a dump taken right
+    after ``wait()`` showed the op as still running."""
+    import threading
+
+    from torchport.distributed.progress import TorchportWork
+
+    work = TorchportWork("async")
+    seen: list[str] = []
+
+    def callback(_fut) -> None:
+        time.sleep(0.2)  # a slow callback: wait() must not return before it ended
+        seen.append("callback")
+
+    work.get_future().add_done_callback(callback)
+    # a callback that waits on the Work itself returns at once (the gate opens after it)
+    work.get_future().add_done_callback(lambda _f: seen.append(f"waited {work.wait()}"))
+    finisher = threading.Thread(target=work._finish, daemon=True)
+    finisher.start()
+    try:
+        end = time.monotonic() + 5.0
+        while not work.is_completed() and time.monotonic() < end:
+            time.sleep(0.001)
+        assert work.is_completed(), "a callback waiting on its own Work deadlocked"
+        assert work.wait()
+        assert seen == ["callback", "waited True"]
+    finally:
+        finisher.join(5.0)
+        assert not finisher.is_alive()
+
+
 def test_an_op_whose_completion_is_polled_starts_at_once(monkeypatch):
     """An op nobody waits on is started by the engine thread at its next idle check; polling
     ``is_completed()``, like asking for a future, starts it at once. Idle sleeps of 30 s here:

@@ -101,30 +101,42 @@ def split_group(
     timeout: datetime.timedelta | None = None,
     group_desc: str | None = None,
 ) -> TorchportProcessGroup | None:
-    """Eagerly create this rank's sub-communicator among ``split_ranks`` (global ranks).
+    """Eagerly create this rank's sub-communicator among ``split_ranks``.
 
-    Called by every rank of the parent with the same ``split_ranks``; each rank gets the group
-    that contains it (or None), built at once on the parent's connections. Ranks inside a group
-    are ordered by global rank, so they are deterministic.
+    As in torch, ``split_ranks`` holds ranks *of the parent group* (group ranks, not global
+    ranks; the same thing for the default group). Called by every rank of the parent with the
+    same ``split_ranks``; each rank gets the group that contains it (or None), built at once on
+    the parent's connections. Ranks inside a group are ordered by global rank, so they are
+    deterministic.
     """
     parent = _pg(parent_pg)
     if not split_ranks:
         raise CollectiveArgumentError(
             "split_group: split_ranks must be a non-empty list of rank lists"
         )
-    me = dist.get_rank()
+    # the parent's global ranks in group-rank order (a nested split of [[2, 3]] named global
+    # rank 3 by 1: reading split ranks as global ranks gave rank 3 no group and let [[0, 2]]
+    # join members of two different parents)
+    to_global = dist.get_process_group_ranks(parent)
+    me = parent.rank()
     seen: set[int] = set()
     for ranks in split_ranks:
         if not ranks or len(set(ranks)) != len(ranks):
             raise CollectiveArgumentError(
                 f"split_group: each group must be non-empty without duplicates, got {list(ranks)}"
             )
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < len(to_global))]
+        if bad:
+            raise CollectiveArgumentError(
+                f"split_group: split ranks are ranks of the parent group, in [0, "
+                f"{len(to_global)}); got {bad} in {list(ranks)}"
+            )
         if seen & set(ranks):
             raise CollectiveArgumentError(
                 f"split_group: groups overlap on ranks {sorted(seen & set(ranks))}"
             )
         seen |= set(ranks)
-    mine = next((sorted(r) for r in split_ranks if me in r), None)
+    mine = next((sorted(to_global[r] for r in g) for g in split_ranks if me in g), None)
     del parent
     if mine is None:
         return None

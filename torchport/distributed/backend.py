@@ -101,7 +101,13 @@ class TorchportProcessGroup(dist.ProcessGroup):
             self.comm.mesh.close()
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
-        """Per-group default timeout for later operations."""
+        """Per-group default timeout for later operations (a positive ``timedelta``)."""
+        # a zero timeout timed out every later operation at once and failed the group on every
+        # rank (a per-op zero timeout means "the group's default" instead)
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise CollectiveArgumentError(
+                f"set_timeout: the timeout must be a positive datetime.timedelta, got {timeout!r}"
+            )
         self.comm.timeout_s = timeout.total_seconds()
 
     def _submit(

@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,10 @@ class FlightRecorder:
         now = time.time_ns()
         idx = next(self._ids)
         stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
-        e = [next(counter), op, group, sizes, dtypes, state, now, now, 0, stack, None, idx]
+        # an op recorded as scheduled has no start time until started() (its dump showed the
+        # scheduling time as time_started_ns, an op never handed to the backend as started)
+        start = now if state is STARTED else 0
+        e = [next(counter), op, group, sizes, dtypes, state, now, start, 0, stack, None, idx]
         self._count = idx + 1
         if self.capacity:
             self._buf[idx % self.capacity] = e
@@ -237,6 +241,9 @@ class FlightRecorder:
             self._count = 0
             self._seq = {}
             self._pending = {}
+            # ids restart at 0: a stuck op whose id the watchdog dumped for before would
+            # otherwise never be dumped
+            self._dumped_for = -1
 
     # -- dumps -----------------------------------------------------------------------------
     def snapshot(self, reason: str = "request") -> dict[str, Any]:
@@ -387,13 +394,21 @@ _PATCHED = (
     "recv",
 )
 _originals: dict[str, Callable[..., Any]] = {}
-_group_names: dict[int, tuple[str, list[int]]] = {}
+# id(group) -> (name, ranks, a callable returning the group): the third item (a weak reference,
+# or a closure holding a group that takes none) tells a live group from a destroyed one whose id
+# a new group reuses -- keyed by id alone, the new group's ops were recorded under the old one's
+# name and sequence counter
+_group_names: dict[int, tuple[str, list[int], Callable[[], Any]]] = {}
 
 
-def _group_key(group: Any) -> tuple[str, list[int]]:
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _group_key(group: Any) -> tuple[str, list[int], Callable[[], Any]]:
     key = id(group)
     hit = _group_names.get(key)
-    if hit is not None:
+    if hit is not None and hit[2]() is group:
         return hit
     if group is None or group is dist.group.WORLD:
         name, ranks = "default", list(range(dist.get_world_size()))
@@ -401,10 +416,14 @@ def _group_key(group: Any) -> tuple[str, list[int]]:
         name = str(getattr(group, "group_name", None) or f"pg{key:x}")
         try:
             ranks = dist.get_process_group_ranks(group)
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, KeyError):  # KeyError: a group c10d never registered
             ranks = []
-    _group_names[key] = (name, ranks)
-    return name, ranks
+    try:
+        ref: Callable[[], Any] = weakref.ref(group)
+    except TypeError:  # None, or a group without weak references: keep it (its id stays unique)
+        ref = functools.partial(_identity, group)
+    hit = _group_names[key] = (name, ranks, ref)
+    return hit
 
 
 def _param_index(fn: Callable[..., Any], param: str) -> int | None:
@@ -422,27 +441,58 @@ def _param_index(fn: Callable[..., Any], param: str) -> int | None:
 P2P_OPS = ("send", "recv")
 
 
+# parameters of the patched functions that never hold tensors (some are not annotated)
+_NOT_TENSORS = frozenset(
+    ("op", "group", "async_op", "src", "dst", "tag", "group_src", "group_dst", "device_ids")
+)
+
+
 def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
-    names, tensor = _group_names, torch.Tensor
+    names, tensor, kinds = _group_names, torch.Tensor, (torch.Tensor, list, tuple)
     # group and async_op may come by position too (all_reduce(t, op, group, True) was recorded
     # on the default group and as completed on return)
     gi, ai = _param_index(fn, "group"), _param_index(fn, "async_op")
     own_only = name in ("gather", "scatter")  # the list exists on the root only
+    # the first parameter, and the later ones that may hold tensors (annotated so, or not
+    # annotated): a call passing one of those by keyword takes the full path
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    first = params[0].name if params else ""
+    empty = inspect.Parameter.empty
+    more = tuple(
+        p.name
+        for p in params[1:]
+        if p.name not in _NOT_TENSORS and (p.annotation is empty or "Tensor" in str(p.annotation))
+    )
     seq_key = "p2p" if name in P2P_OPS else None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         group = kwargs.get("group", args[gi] if gi is not None and gi < len(args) else None)
         hit = names.get(id(group))
-        if hit is None:
+        if hit is None or hit[2]() is not group:
             hit = _group_key(group)
             if hit[0] not in rec.groups:
                 rec.groups[hit[0]] = list(hit[1])
-        a0 = args[0] if args else None
-        if type(a0) is tensor and (len(args) < 3 or own_only):  # one tensor (+ op / src)
+        # Every tensor argument, by position or keyword, so that the record does not depend on
+        # the call's spelling: all_reduce(tensor=t) was recorded without sizes, and
+        # all_gather_into_tensor(out, inp) without inp's while (out, inp, g) had it -- fr
+        # analyze saw a size mismatch between two ranks that called it either way.
+        a0, n = (args[0] if args else None), len(args)
+        if (
+            type(a0) is tensor
+            and (own_only or n == 1 or (n == 2 and not isinstance(args[1], kinds)))
+            and not (more and kwargs and any(k in kwargs for k in more))
+        ):  # one tensor (+ op / src): the hot path
             e = rec._new(name, hit[0], (a0.shape,), (a0.dtype,), STARTED, seq_key)
         else:
-            sizes, dtypes = _describe([a for a in args if isinstance(a, tensor | list)])
+            if own_only:  # the list exists on the root only: this rank's own tensor
+                given: Sequence[Any] = (a0 if args else kwargs.get(first),)
+            else:
+                given = (*args, *kwargs.values()) if kwargs else args
+            sizes, dtypes = _describe(given)
             e = rec._new(name, hit[0], sizes, dtypes, STARTED, seq_key)
         try:
             out = fn(*args, **kwargs)

@@ -47,22 +47,44 @@ class Verdict:
 
 
 _REQUIRED = ("rank", "world_size", "entries")
+_ENTRY_REQUIRED = ("seq_id", "op", "group", "state")
+
+
+def _check_dump(p: Path, obj: Any) -> int:
+    """The rank of dump ``obj`` (read from ``p``); DumpError if it lacks what analyze reads."""
+    if not isinstance(obj, dict) or any(k not in obj for k in _REQUIRED):
+        raise DumpError(f"{p} is not a Flight Recorder dump (needs keys {_REQUIRED})")
+    rank = obj["rank"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise DumpError(f"{p}: rank must be an int >= 0, got {rank!r}")
+    entries = obj["entries"]
+    if not isinstance(entries, list):
+        raise DumpError(f"{p}: entries must be a list, got {type(entries).__name__}")
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or any(k not in e for k in _ENTRY_REQUIRED):
+            raise DumpError(f"{p}: entry {i} needs keys {_ENTRY_REQUIRED}, got {e!r:.200}")
+    return rank
 
 
 def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:
-    """All ``*.json`` dumps in ``folder``, by rank."""
+    """All ``*.json`` dumps in ``folder``, by rank (two dumps of one rank are an error)."""
     d = Path(folder)
     if not d.is_dir():
         raise DumpError(f"dump folder must be an existing directory, got {str(d)!r}")
     dumps: dict[int, dict[str, Any]] = {}
+    where: dict[int, Path] = {}
     for p in sorted(d.glob("*.json")):
         try:
             obj = json.loads(p.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DumpError(f"cannot read Flight Recorder dump {p}: {e}") from None
-        if not isinstance(obj, dict) or any(k not in obj for k in _REQUIRED):
-            raise DumpError(f"{p} is not a Flight Recorder dump (needs keys {_REQUIRED})")
-        dumps[int(obj["rank"])] = obj
+        rank = _check_dump(p, obj)
+        if rank in dumps:
+            # keeping either one silently analysed a stale copy (a stuck rank read as healthy)
+            raise DumpError(
+                f"two dumps of rank {rank}: {where[rank]} and {p}; keep one dump per rank"
+            )
+        dumps[rank], where[rank] = obj, p
     if not dumps:
         raise DumpError(f"no Flight Recorder dumps (*.json) in {str(d)!r}")
     return dumps
@@ -165,7 +187,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                 v.stuck.append((rank, e["group"], e["seq_id"], e["op"]))
                 v.findings.append(
                     f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} was still "
-                    f"{e['state']} after {e['duration_ms']:.0f} ms when the dump was taken "
+                    f"{e['state']} after {e.get('duration_ms') or 0:.0f} ms when the dump was taken "
                     f"(reason: {dumps[rank].get('reason')})"
                 )
     for rank in sorted(dumps):

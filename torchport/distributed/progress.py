@@ -37,6 +37,8 @@ class TorchportWork(dist.Work):
         self.name = name
         self._result = result if result is not None else []
         self._done = False
+        self._ended = False  # _finish began (the error is final); _done follows the future
+        self._finisher = 0  # the thread running _finish (and the future's callbacks)
         self._gate = threading.Lock()
         self._gate.acquire()  # released by _finish
         self._error: BaseException | None = None
@@ -46,14 +48,19 @@ class TorchportWork(dist.Work):
 
     def _finish(self, error: BaseException | None = None) -> None:
         with _DONE_LOCK:
-            if self._done:
+            if self._ended:
                 return
             self._error = error
-            self._done = True
+            self._ended = True
+            self._finisher = threading.get_ident()
             fut = self._future
-        self._gate.release()
+        # As gloo does, settle the future (run its callbacks) before the Work reads as done:
+        # the Flight Recorder completes an async op's entry in such a callback, and a dump
+        # taken right after wait() returned showed that op as still running.
         if fut is not None:
             self._settle(fut)
+        self._done = True
+        self._gate.release()
 
     def _settle(self, fut: torch.futures.Future) -> None:
         if self._error is None:
@@ -63,7 +70,9 @@ class TorchportWork(dist.Work):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until done; raise the operation's error, or :class:`CommTimeoutError`."""
-        if not self._done:
+        # a callback of this Work's future waiting on it: the result is final, and the gate
+        # opens only after the callbacks returned
+        if not self._done and not (self._ended and self._finisher == threading.get_ident()):
             t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
             if self._engine is not None and not (t and t > 0):
                 # run it here rather than wait for the engine thread; not with a timeout: the
@@ -96,7 +105,7 @@ class TorchportWork(dist.Work):
             fut, fresh = self._future, self._future is None
             if fresh:
                 fut = self._future = torch.futures.Future()
-            done = self._done
+            done = self._ended
         assert fut is not None
         if fresh and done:  # finished before anyone asked: settle here
             self._settle(fut)
