@@ -701,7 +701,9 @@ def lower(
     labels: list[str] = []
 
     def run() -> None:
-        if [t.data_ptr() for t in watch] != expect:
+        # ~65 ns per watched tensor (static inputs and outputs): 3.4 us for the 51 of `bench
+        # graphs`' 200-op MLP, whose replay is ~65 us (a list comprehension took 4.2 us)
+        if list(map(_data_ptr, watch)) != expect:
             _moved(watch, expect, labels)
         rc = fn(ptrs, fptrs)
         if rc:
@@ -714,6 +716,9 @@ def lower(
 
     run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch)
     return run, guard, src
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _moved(watch: Sequence[torch.Tensor], expect: Sequence[int], labels: Sequence[str]) -> None:
