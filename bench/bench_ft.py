@@ -233,7 +233,8 @@ def bench_fr(table: BenchTable) -> None:
     def noop(tensor: torch.Tensor, op: object = None, group: object = None) -> None:
         return None
 
-    fr._group_names.setdefault(id(None), ("default", [0]))
+    # the default group's cache entry: name, ranks, and what the group's weak reference returns
+    fr._group_names.setdefault(id(None), ("default", [0], lambda: None))
     wrapped = fr._wrap("all_reduce", noop, rec)
 
     def api(_x: torch.Tensor) -> None:

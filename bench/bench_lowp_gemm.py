@@ -167,7 +167,9 @@ def bench_recipes(table: BenchTable, m: int, k: int, n: int, reps: int) -> None:
             anchor_name = "dequant+bf16 linear"
 
             def anchor(args: tuple[Any, ...] = args) -> torch.Tensor:
-                a, b, _, _ = _prepare(*(*args, None, None)[:8], None, torch.bfloat16, ())
+                ma, mb, sa, ra, sb, rb, *swz = args
+                za, zb = (*swz, None, None)[:2]  # the swizzles default to None
+                a, b, _, _ = _prepare(ma, mb, sa, ra, sb, rb, za, zb, None, torch.bfloat16, ())
                 return F.linear(
                     a.dequantize(torch.float32).bfloat16(), b.dequantize(torch.float32).bfloat16()
                 )

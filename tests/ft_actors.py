@@ -328,7 +328,8 @@ def c_window_edges(st: dict[str, Any], transport: str) -> Any:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = (rank + 1) % world
-    win = _new_window(torch.arange(6.0) + 10 * rank, transport=transport)
+    # Any: the calls below pass NumPy integers (accepted) and floats (refused) on purpose
+    win: Any = _new_window(torch.arange(6.0) + 10 * rank, transport=transport)
     win.put(torch.tensor([-1.0, -2.0]), np.int64(peer), np.int32(1))
     win.fence()
     got = win.get(np.int64(peer), torch.tensor(1), np.uint8(3)).tolist()
