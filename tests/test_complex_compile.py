@@ -498,6 +498,22 @@ def test_as_strided_of_a_complex_input_is_refused_and_of_an_intermediate_exact()
         _run_lowered(lambda z: z.t().as_strided((2, 2), (1, 2)) * 2, x)
     (got,) = _run_lowered(lambda z: (z * 2).as_strided((2, 2), (1, 3), 1), x)
     torch.testing.assert_close(got, (x * 2).as_strided((2, 2), (1, 3), 1))
+    # one output of split (an operator.getitem of a view op) is still a view of the input: the
+    # walk back to it stopped at getitem and the strides read mixed parts ([2+2j, 3+3j])
+    with pytest.raises(ComplexDecompositionError, match=r"as_strided"):
+        _run_lowered(lambda z: z.reshape(-1).split(2)[1].as_strided((2,), (1,), 1), x)
+
+
+def test_atanh_and_atan_near_the_branch_points() -> None:
+    # the real part is odd in x: computed for |x| (for x near -1 the formula in x lost every
+    # digit: atanh(-0.99999) gave -inf), and as logs where 4|x|/|1-z|^2 would overflow
+    for dt in (torch.complex64, torch.complex128):
+        z = torch.tensor([-0.999, -0.99999, 0.99999, 1 + 1e-20j, -1 + 1e-3j, 0.5j, -0.0], dtype=dt)
+        (got,) = _run_lowered(torch.atanh, z)
+        torch.testing.assert_close(got, torch.atanh(z), rtol=2e-5, atol=1e-6)
+        w = torch.tensor([0.99999j, 0.001 + 1j, -0.3 - 0.2j], dtype=dt)
+        (got,) = _run_lowered(torch.atan, w)
+        torch.testing.assert_close(got, torch.atan(w), rtol=2e-5, atol=1e-6)
 
 
 def test_unsupported_op_through_compile_is_a_clear_error() -> None:

@@ -342,13 +342,25 @@ def _times_minus_i(e: _Emitter, a: Pair) -> Pair:
 
 def c_atanh(e: _Emitter, a: Pair) -> Pair:
     # atanh z = ½ (log(1+z) - log(1-z)). Real part ¼ log1p(4x/|1-z|²) (Kahan): the difference of
-    # logs cancels for large |z|, and 4x/|1-z|² is formed as (x/d)(4/d), d = hypot(1-x, y), so
-    # neither |1-z|² nor 4x overflows. Imaginary part ½ (arg(1+z) - arg(1-z)): the signed zero of
+    # logs cancels for large |z|. The real part is odd in x, so it is computed for |x| and given
+    # x's sign (copysign keeps -0): for x near -1 the formula in x itself rounded 4x/|1-z|² to -1
+    # and log1p lost everything (atanh(-0.99999) gave -inf). 4|x|/|1-z|² is formed as
+    # (|x|/d)(4/d), d = hypot(1-|x|, y), and where d < 2^-60 (the product could overflow) as
+    # log(4|x|) - 2 log d instead. Imaginary part ½ (arg(1+z) - arg(1-z)): the signed zero of
     # -y puts the branch cuts (real axis beyond ±1) where ATen has them.
     x, y = _xy(e, a)
     one_m_x = e.sub(1.0, x)
-    d = e.f(torch.hypot, one_m_x, y)
-    re = e.mul(e.f(torch.log1p, e.mul(e.div(x, d), e.div(4.0, d))), 0.25)
+    ax = e.f(torch.abs, x)
+    d = e.f(torch.hypot, e.sub(1.0, ax), y)
+    near_one = e.call(torch.lt, d, 2.0**-60)
+    # each form gets harmless arguments where the other is taken, so that neither puts an
+    # inf or NaN into the gradient through where (log |x| at x = 0, 1/d at d = 0)
+    d_f = e.call(torch.where, near_one, 1.0, d)
+    fine = e.f(torch.log1p, e.mul(e.div(ax, d_f), e.div(4.0, d_f)))
+    ax_t = e.call(torch.where, near_one, ax, 1.0)
+    d_t = e.call(torch.where, near_one, d, 1.0)
+    tiny = e.sub(e.f(torch.log, e.mul(ax_t, 4.0)), e.mul(e.f(torch.log, d_t), 2.0))
+    re = e.f(torch.copysign, e.mul(e.call(torch.where, near_one, tiny, fine), 0.25), x)
     arg_p = e.f(torch.atan2, y, e.add(x, 1.0))
     arg_m = e.f(torch.atan2, e.neg(y), one_m_x)
     return Pair(re, e.mul(e.sub(arg_p, arg_m), 0.5))
@@ -797,6 +809,9 @@ def _views_an_input(x: Any) -> bool:
     while isinstance(x, fx.Node):
         if x.op == "placeholder":
             return True
+        if x.target is operator.getitem:  # one output of split/unbind/chunk: a view of its input
+            x = x.args[0]
+            continue
         schema = getattr(x.target, "_schema", None)
         if schema is None or not schema.returns or schema.returns[0].alias_info is None:
             return False
