@@ -775,3 +775,28 @@ def test_quantize_skips_a_weight_tied_to_a_module_it_does_not_quantize():
             pair, lowp.NVFP4WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn == "0"
         )
     assert report.quantized == [] and pair[0].weight is pair[1].weight
+
+
+@pytest.mark.parametrize("cfg", [lowp.NVFP4WeightOnlyConfig(), lowp.Float8WeightOnlyConfig()])
+def test_settled_decode_route_declines_a_lazily_negated_activation(cfg):
+    # from the second eager call a quantized weight's GEMV route is settled; it repeated
+    # eager_fast_path's checks but not the negation bit, so F.linear(_neg_view(x), w) read the
+    # un-negated memory and returned F.linear(+x, w)
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 64, bias=False)
+    torchport.quantize_(lin, cfg)
+    wd = lin.weight.dequantize()
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        for _ in range(2):
+            lin(x)
+        got = lin(torch._neg_view(x))
+    # (NVFP4's GEMV may quantize the activation: ~0.006 from the dequantized product; the
+    # un-negated answer was ~2.9 away)
+    assert (got - F.linear(-x, wd)).abs().max() < 0.05
+
+
+def test_to_with_device_none_and_positional_copy_gets_its_own_storage():
+    w = lowp.Float8Tensor.from_float(torch.randn(8, 16))
+    v = w.to(None, torch.bfloat16, False, True)  # device None, dtype, non_blocking, copy
+    assert v.qdata.data_ptr() != w.qdata.data_ptr()

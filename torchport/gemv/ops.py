@@ -1049,6 +1049,8 @@ def settle_route(
             return None
         if not x.is_cpu or compiling() or depth() or functorch() or (fmodes() and fmode()):
             return None  # (under torch.func the wrapped x has no data pointer)
+        if x.is_neg():  # a lazily negated view: its memory holds the un-negated values
+            return None
         if grad_enabled() and (x.requires_grad or (bias0 is not None and bias0.requires_grad)):
             return None
         if bias0 is not None and (bias0._version != bver or bias0.data_ptr() != bptr0):

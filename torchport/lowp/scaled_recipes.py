@@ -30,8 +30,9 @@ insists on swizzled NVFP4 scales; here both layouts are taken.
 How it runs: tensor-wise and row-wise FP8 go to :func:`torchport.scaled_mm` (the native FP8 GEMV
 at M ≤ 8, the GEMM engine's panels above). A block-scaled ``a`` is dequantized natively first;
 NVFP4 and MX ``b`` is read in place by the decode GEMV at M ≤ 8 and goes through
-:func:`torchport.lowp.block_scaled_mm` above (native per-panel dequantization, engine GEMM). The 1x128 / 128x128 recipes dequantize both operands in
-float32 and run :func:`torchport.gemm.mm`. Float32 accumulation throughout; ``bias`` is added in
+:func:`torchport.lowp.block_scaled_mm` above (native per-panel dequantization, engine GEMM). The 1x128 / 128x128 recipes
+dequantize ``a`` and decode ``b`` one float32 row panel at a time (thread scratch) for the
+autotuned panel GEMM of ``block_scaled_mm``. Float32 accumulation throughout; ``bias`` is added in
 float32 before the cast to ``output_dtype``. ``use_fast_accum`` is accepted and changes nothing.
 :func:`scaled_mm_reference` is the float64 reference the tests compare against.
 
@@ -239,7 +240,7 @@ class _Operand:
         if r == ScalingType.TensorWise:
             if s.numel() != 1:
                 raise _err(f"{name}: a TensorWise scale has one element, got {tuple(s.shape)}")
-            return s
+            return s.reshape(())  # (any shape of one element; b's is transposed below)
         if r == ScalingType.RowWise:
             want_shape = (rows, 1) if name == "mat_a" else (1, rows)
         elif r == ScalingType.BlockWise1x128:

@@ -115,7 +115,7 @@ def _copy_requested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     ``dtype``/``other`` and ``non_blocking``, or after ``device, dtype, non_blocking``."""
     if "copy" in kwargs:
         return bool(kwargs["copy"])
-    at = 4 if len(args) > 1 and isinstance(args[1], (str, torch.device, int)) else 3
+    at = 4 if len(args) > 1 and isinstance(args[1], (str, torch.device, int, type(None))) else 3
     return len(args) > at and bool(args[at])
 
 

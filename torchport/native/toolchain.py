@@ -405,8 +405,10 @@ def build(
             try:
                 lib = _compile_and_load(source, flags, cc, so, meta, key)
             except CompileError as e:
-                with _lock:
-                    _failed[key] = str(e)
+                # a rejection is remembered; a timeout (a loaded machine) is tried again later
+                if not isinstance(e.__cause__, subprocess.TimeoutExpired):
+                    with _lock:
+                        _failed[key] = str(e)
                 raise
         with _lock:
             _loaded[key] = lib
