@@ -122,33 +122,6 @@ def test_compile_fullgraph() -> None:
         torch.testing.assert_close(f(torch.tensor(k), x), BRANCHES[max(0, min(k, 4))](x))
 
 
-@pytest.mark.parametrize(
-    ("branches", "match"),
-    [
-        ([lambda t: t + 1, lambda t: t > 0], r"output 0 of branch1 \(Tensor\(3,\) torch.bool"),
-        ([lambda t: t, lambda t: t, lambda t: (t, t)], "branch2 returns"),
-        ([lambda t: t, lambda t: t.view(1, 3)], r"output 0 of branch1 \(Tensor\(1, 3\)"),
-        ([lambda t: (t, 1), lambda t: (t, None)], "output 1 of branch1 \\(None\\)"),
-    ],
-    ids=["dtype", "structure", "dims", "int_vs_none"],
-)
-def test_eager_mismatched_branches_raise_like_traced(branches: Any, match: str) -> None:
-    # Eager ran the chosen branch only: mismatched branches passed until traced or captured.
-    with pytest.raises(SwitchError, match=match):
-        torchport.switch(torch.tensor(0), branches, (torch.randn(3),))
-
-
-def test_eager_branch_check_allows_what_tracing_merges() -> None:
-    # Sizes and int values may differ (traced: unbacked); a branch reading values still runs.
-    x = torch.randn(4)
-    out = torchport.switch(torch.tensor(1), [lambda t: (t, 1), lambda t: (t[:2], 2)], (x,))
-    assert out[0].shape == (2,) and out[1] == 2
-    got = torchport.switch(torch.tensor(0), [lambda t: t * float(t.sum()), lambda t: t], (x,))
-    torch.testing.assert_close(got, x * float(x.sum()))
-    # an int index specialises on its branch, as in 2.14: nothing else is checked
-    assert torchport.switch(1, [lambda t: t, lambda t: t > 0], (x,)).dtype == torch.bool
-
-
 def test_traced_mismatched_structure_names_branch() -> None:
     branches = [lambda t: t + 1, lambda t: t * 2, lambda t: (t, t)]
     with pytest.raises(SwitchError, match="branch2 returns"):

@@ -9,9 +9,7 @@ chosen branch only; the index gets none.
 
 How each mode runs it:
 
-- eager: the chosen branch is called directly (no HOP, no tracing, ordinary autograd), after a
-  check that every branch returns matching outputs (on fake tensors, once per branch code and
-  operand shapes; a tensor index only: an int index specialises, as in 2.14);
+- eager: the chosen branch is called directly (no HOP, no tracing, ordinary autograd);
 - ``torch.export`` (non-strict, 2.13's default) and ``make_fx``: :data:`switch_op`, a
   ``HigherOrderOperator`` registered as ``torch.ops.higher_order.torchport_switch``, records
   **one** node holding all N branch graphs; the exported program runs and survives
@@ -172,8 +170,6 @@ def switch(
         return switch_op(index, tuple(leaves), *flat_branches)
     if not _is_tracing(leaves, index):
         # Eager: call the chosen branch directly; autograd records its ops as usual.
-        if n > 1:
-            _check_eager(branches, flat_branches, leaves)
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
         return flat_branches[i](*leaves)
     specs: list[pytree.TreeSpec | None] = [None] * n
@@ -185,80 +181,6 @@ def switch(
     spec0 = specs[0]
     assert spec0 is not None, "switch_op traced branch0"
     return pytree.tree_unflatten(list(out), spec0)
-
-
-# Eager switches whose branches were found to agree, by (branch code, operand metadata): the
-# check runs every branch on fake tensors (~0.4 ms), so a switch called in a loop (fresh lambdas
-# included: same code) pays it once. Bounded: cleared when full.
-_eager_checked: set[tuple[Any, ...]] = set()
-_EAGER_CHECKED_MAX = 256
-
-
-def _code_of(branch: Callable[..., Any]) -> Any:
-    f = getattr(branch, "__func__", branch)  # a bound method: its function
-    return getattr(f, "__code__", f)
-
-
-def _check_eager(
-    branches: Sequence[Callable[..., Any]],
-    flat_branches: Sequence[Callable[..., Any]],
-    leaves: Sequence[torch.Tensor],
-) -> None:
-    """Raise :class:`SwitchError` unless every branch returns what branch0 does, as traced
-    ``switch`` (and torch's eager one, which compiles) requires: the same structure, and per
-    output a tensor of the same dtype, device and number of dimensions (sizes may differ; traced,
-    they become unbacked), an int (values may differ) or ``None``. The branches run on fake
-    tensors; one that fake tensors cannot run (it reads values) leaves the call unchecked."""
-    key = (
-        tuple(_code_of(b) for b in branches),
-        tuple((x.shape, x.dtype, x.device) for x in leaves),
-    )
-    if key in _eager_checked:
-        return
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        FakeTensorMode,
-        UnsupportedOperatorException,
-    )
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fakes = [mode.from_tensor(x) for x in leaves]
-            outs = [pytree.tree_flatten(b(*fakes)) for b in flat_branches]
-    except (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        UnsupportedOperatorException,
-    ):
-        return
-    leaves0, spec0 = outs[0]
-    for i, (out, spec) in enumerate(outs):
-        if spec != spec0:
-            raise SwitchError(
-                "switch: branches must return the same output structure; branch0 returns "
-                f"{spec0} but branch{i} returns {spec}"
-            )
-        for j, (a, b) in enumerate(zip(leaves0, out)):
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-                same = a.dtype == b.dtype and a.device == b.device and a.dim() == b.dim()
-            else:
-                same = type(a) is type(b) and (a is None or isinstance(a, int))
-            if not same:
-                raise SwitchError(
-                    f"switch: output {j} of branch{i} ({_describe(b)}) does not match branch0's "
-                    f"({_describe(a)}); branches must return the same structure, dtypes, devices "
-                    "and numbers of dimensions"
-                )
-    if len(_eager_checked) >= _EAGER_CHECKED_MAX:
-        _eager_checked.clear()
-    _eager_checked.add(key)
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"Tensor{tuple(x.shape)} {x.dtype} on {x.device.type}"
-    return repr(x)
 
 
 def _call_flat_out(
