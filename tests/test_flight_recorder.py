@@ -281,3 +281,34 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path):
         DumpError, match=r"two dumps of rank 0: .*rank_0\.json and .*rank_0_old\.json"
     ):
         load_dumps(tmp_path)
+
+
+def test_a_late_callback_after_clear_does_not_complete_a_new_op_at_a_reused_id(tmp_path):
+    class W:
+        def __init__(self) -> None:
+            self.f: torch.futures.Future[None] = torch.futures.Future()
+
+        def get_future(self) -> torch.futures.Future[None]:
+            return self.f
+
+    rec = FlightRecorder(16, rank=0, world_size=1, dump_dir=tmp_path)
+    for _ in range(50):
+        e1 = rec._new("all_reduce", "default", (), (), "started")
+        w1 = W()
+        rec.attach(w1, e1)
+        k1 = id(e1)
+        rec.clear()
+        del e1
+        e2 = rec._new("all_reduce", "default", (), (), "started")
+        w2 = W()
+        rec.attach(w2, e2)
+        if id(e2) == k1:
+            w1.f.set_result(None)  # the old op finishes after clear()
+            assert e2[5] == "started"  # the new one is not marked completed by it
+            w2.f.set_result(None)
+            assert e2[5] == COMPLETED
+            return
+        w1.f.set_result(None)
+        w2.f.set_result(None)
+        rec.clear()
+    pytest.skip("no id was reused")

@@ -1298,3 +1298,13 @@ def test_compile_fullgraph_traces_the_public_functions(method):
         torch.testing.assert_close(got, want)
     with pytest.raises(torch.linalg.LinAlgError, match="not positive-definite"):
         g(-a)
+
+
+def test_svd_op_without_uv_on_non_finite_input_has_distinct_placeholders():
+    # the non-finite route returned one placeholder tensor as both U and Vh: the custom op's
+    # outputs may not alias, so the op (and svdvals(method="jacobi") under torch.compile) raised
+    a = torch.randn(2, 4, 4, dtype=torch.float64)
+    a[0, 1, 1] = float("inf")
+    u, s, vh = torch.ops.torchport.linalg_svd(a, False, False)
+    assert u.numel() == 0 and vh.numel() == 0 and u is not vh
+    torch.testing.assert_close(s, torch.linalg.svdvals(a), equal_nan=True)

@@ -198,9 +198,10 @@ class FlightRecorder:
         """Complete the attached entry ``key`` from its finished future, once (the callback and
         :meth:`entries` may both try)."""
         with self._lock:
-            hit = self._pending.pop(key, None)
-        if hit is None:
-            return
+            hit = self._pending.get(key)
+            if hit is None or hit[1] is not fut:  # settled, or a later entry at a reused id
+                return  # (clear() emptied _pending and the old entry's list was freed)
+            del self._pending[key]
         try:
             fut.value()
         except Exception as err:

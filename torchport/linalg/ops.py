@@ -62,7 +62,10 @@ def svd_impl(
     if bad:
         if compute_uv:
             return non_finite("svd", a, bad, lambda: tuple(torch.linalg.svd(a, full_matrices)))
-        return non_finite("svd", a, bad, lambda: (u, torch.linalg.svdvals(a), vh))
+        # (two placeholders of their own: a custom op's outputs may not alias each other)
+        return non_finite(
+            "svd", a, bad, lambda: (a.new_empty(0), torch.linalg.svdvals(a), a.new_empty(0))
+        )
     s = s.reshape(batch + s.shape[-1:])
     if not compute_uv:
         return a.new_empty(0), s, a.new_empty(0)
