@@ -44,13 +44,13 @@ decode GEMV and the prefill panels across calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as _F
 
 from torchport import gemm, native
-from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
+from torchport.gemv import MAX_ROWS, gemv_packed
 from torchport.lowp import mx, nvfp4
 from torchport.lowp.formats import (
     FP8_DTYPES,
@@ -63,6 +63,9 @@ from torchport.lowp.formats import (
 )
 from torchport.lowp.scaled_mm import OUT_DTYPES, _panel_gemm, block_scaled_mm
 from torchport.lowp.scaled_mm import scaled_mm as _scaled_mm
+
+if TYPE_CHECKING:  # (imported where used: tensors imports this package's modules)
+    from torchport.lowp.tensors import LowPrecisionTensor
 
 ScalingType = _F.ScalingType
 SwizzleType = _F.SwizzleType
@@ -316,19 +319,7 @@ class _Operand:
             return "fp4_e2m1"
         return "fp8_e4m3" if self.mat.dtype == torch.float8_e4m3fn else "fp8_e5m2"
 
-    def packed(self) -> PackedWeight:
-        """``b`` in the decode GEMV's layout (its bytes and scales as they are, no decode)."""
-        n, k = self.rows, self.k
-        empty = torch.empty(0, dtype=torch.float32)
-        scales = self.scale.contiguous().view(torch.uint8)
-        data = self.data.contiguous().view(torch.uint8)
-        if self.recipe == ScalingType.BlockWise1x16:
-            pts = 1.0 if self.global_scale is None else float(self.global_scale.item())
-            return PackedWeight("nvfp4", data, scales, empty, pts, n, k)
-        fmt = {"fp4_e2m1": "mxfp4", "fp8_e4m3": "mxfp8_e4m3", "fp8_e5m2": "mxfp8_e5m2"}
-        return PackedWeight(fmt[self._mx_elem()], data, scales, empty, 1.0, n, k)
-
-    def as_weight(self) -> torch.Tensor:
+    def as_weight(self) -> LowPrecisionTensor:
         """``b`` as a torchport NVFP4/MX weight ``[N, K]`` for :func:`block_scaled_mm`."""
         from torchport.lowp.tensors import MXTensor, NVFP4Tensor
 
@@ -434,7 +425,9 @@ def scaled_mm(
         x = a.dequantize(torch.float32)
         if m <= MAX_ROWS:  # decode: the GEMV reads b's bytes, nothing is decoded to memory
             # (float32 activations kept exact: they are already quantized values)
-            return _cast(gemv_packed(x, b.packed(), allow_int8=False), bias, od)
+            # (the weight tensor's own pack: b's bytes and scales as they are, no decode)
+            pw = b.as_weight()._make_pack()
+            return _cast(gemv_packed(x, pw, allow_int8=False), bias, od)
         return block_scaled_mm(x, b.as_weight(), bias=_bias32(bias), out_dtype=od)
     if a.recipe in _BLOCK:  # NVFP4/MX with K not a multiple of the block: decode, then engine
         acc = gemm.mm(a.dequantize(torch.float32), b.dequantize(torch.float32).t())
