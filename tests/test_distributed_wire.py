@@ -1073,7 +1073,7 @@ def test_interpreter_exit_waits_for_groups_being_retired(tmp_path):
     flag = tmp_path / "done"
     code = (
         "import pathlib, time\n"
-        "from torchport.distributed._gloo import in_background\n"
+        "from torchport.distributed._threads import in_background\n"
         f"in_background(lambda: (time.sleep(0.5), pathlib.Path({str(flag)!r}).write_text('x')))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)

@@ -7,14 +7,13 @@ membership) and hands the old one to :func:`retire`, which drops it on a backgro
 
 from __future__ import annotations
 
-import atexit
 import threading
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from torchport.distributed._threads import in_background
 
 _graveyard: list[Any] = []
 _grave_lock = threading.Lock()
@@ -44,34 +43,3 @@ def retire(pg: Any) -> None:
         items.clear()
 
     in_background(drop, doomed, name="tp-retire-gloo")
-
-
-# How long interpreter exit waits, in all, for groups still being retired (see in_background)
-EXIT_WAIT_S = 5.0
-_retiring: list[threading.Thread] = []
-_exit_hook = False
-
-
-def in_background(fn: Callable[..., Any], *args: Any, name: str = "tp-retire") -> None:
-    """Run ``fn(*args)`` (a group's teardown) on a daemon thread that interpreter exit waits for,
-    up to :data:`EXIT_WAIT_S` in all: a process that ended while a gloo group's destructor ran on
-    a daemon thread could abort in C++ ("terminate called without an active exception": its
-    worker threads destroyed while still joinable), seen once for the README's fault-tolerance
-    example under load."""
-    global _exit_hook
-    t = threading.Thread(target=fn, args=args, daemon=True, name=name)
-    with _grave_lock:
-        _retiring[:] = [x for x in _retiring if x.is_alive()]
-        _retiring.append(t)
-        if not _exit_hook:
-            atexit.register(_wait_retiring)
-            _exit_hook = True
-    t.start()
-
-
-def _wait_retiring() -> None:
-    deadline = time.monotonic() + EXIT_WAIT_S
-    with _grave_lock:
-        threads = list(_retiring)
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))

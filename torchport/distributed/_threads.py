@@ -14,13 +14,18 @@ Threads are started with :func:`_thread.start_new_thread`, which, unlike
 ``threading.Thread.start``, does not wait for the new thread to be scheduled. A thread whose task
 ends rejoins the pool while it holds fewer than ``spare`` idle threads and exits otherwise. Tasks are expected to handle their own errors; anything that escapes is printed (as
 ``threading`` does for a thread's uncaught exception) and the thread goes on serving.
+
+:func:`in_background` runs a group's teardown on a daemon thread that interpreter exit waits for
+(bounded), for callers that must not block on it.
 """
 
 from __future__ import annotations
 
 import _thread
+import atexit
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -99,3 +104,35 @@ class WarmPool:
             n, self._idle = self._idle, 0
         for _ in range(n):
             self._q.put(None)
+
+
+# How long interpreter exit waits, in all, for groups still being retired (see in_background)
+EXIT_WAIT_S = 5.0
+_retiring: list[threading.Thread] = []
+_retiring_lock = threading.Lock()
+_exit_hook = False
+
+
+def in_background(fn: Callable[..., Any], *args: Any, name: str = "tp-retire") -> None:
+    """Run ``fn(*args)`` (a group's teardown) on a daemon thread that interpreter exit waits for,
+    up to :data:`EXIT_WAIT_S` in all: a process that ended while a gloo group's destructor ran on
+    a daemon thread could abort in C++ ("terminate called without an active exception": its
+    worker threads destroyed while still joinable), seen once for the README's fault-tolerance
+    example under load."""
+    global _exit_hook
+    t = threading.Thread(target=fn, args=args, daemon=True, name=name)
+    with _retiring_lock:
+        _retiring[:] = [x for x in _retiring if x.is_alive()]
+        _retiring.append(t)
+        if not _exit_hook:
+            atexit.register(_wait_retiring)
+            _exit_hook = True
+    t.start()
+
+
+def _wait_retiring() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    with _retiring_lock:
+        threads = list(_retiring)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))

@@ -46,8 +46,7 @@ from typing import Any
 
 from torchport import config
 from torchport.distributed import engine
-from torchport.distributed._gloo import in_background
-from torchport.distributed._threads import WarmPool
+from torchport.distributed._threads import WarmPool, in_background
 from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator
 from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
