@@ -6,6 +6,8 @@ import json
 import multiprocessing
 import os
 import stat
+import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -280,6 +282,36 @@ def test_choice_cache_in_a_directory_others_can_write_stays_in_memory(tmp_path, 
         assert cache.get("op", {"k": 1})["choice"] == "fast"  # this process only
     assert json.loads((shared / "choices.json").read_text())["entries"] != {}  # not rewritten
     assert "fast" not in (shared / "choices.json").read_text()
+
+
+def test_threads_with_their_own_cache_dir_get_their_own_choices(tmp_path):
+    # the directory check ran before the cache's lock: with config.override(cache_dir=...) in
+    # two threads, each was served the other directory's choice (98 of ~10^4 lookups in 1.5 s)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches inside get(), as a loaded machine makes them
+    cache, wrong = ChoiceCache(), []
+    for name in ("a", "b"):
+        with config.override(cache_dir=str(tmp_path / name)):
+            _planted(config.cache_path("autotune") / "choices-v1.json", name)
+
+    def lookups(name: str) -> None:
+        with config.override(cache_dir=str(tmp_path / name)):
+            end = time.monotonic() + 0.6
+            while time.monotonic() < end:
+                hit = cache.get("op", {"k": 1})
+                if hit is None or hit["choice"] != name:
+                    wrong.append((name, hit))
+
+    try:
+        threads = [threading.Thread(target=lookups, args=(n,), daemon=True) for n in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
 
 
 def test_cache_file_nested_too_deep_is_ignored(tmp_path):

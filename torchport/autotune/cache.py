@@ -95,6 +95,12 @@ class ChoiceCache:
         # (op, key json) → entry, for hits without hashing the machine identity again
         self._memo: dict[tuple[str, str], dict[str, Any]] = {}
         self._dir: tuple[Any, ...] | None = None  # the cache_dir the views above belong to
+        # (cache_dir, memo) as one object, read once by the lock-free hit path: a memo taken
+        # from it is the one of that directory even while another thread switches directories
+        self._view: tuple[tuple[Any, ...] | None, dict[tuple[str, str], dict[str, Any]]] = (
+            None,
+            self._memo,
+        )
         self._warned_unsafe: set[str] = set()  # paths whose refusal was reported
 
     @property
@@ -188,14 +194,16 @@ class ChoiceCache:
         """The cached entry for (op, key) on this machine, or None."""
         if not config.get("autotune_cache"):
             return None
-        if self._path is None and _CACHE_DIR() != self._dir:
-            self._switch_dir()
+        where = self._where()
         memo_key = (op, json.dumps(key, sort_keys=True, default=str))
-        hit = self._memo.get(memo_key)
-        if hit is not None:
-            return hit
+        view_dir, memo = self._view
+        if view_dir == where:
+            hit = memo.get(memo_key)
+            if hit is not None:
+                return hit
         k = entry_key(op, key)
         with self._lock:
+            self._switch_dir(where)
             hit = self._entries.get(k)
             if hit is None:
                 self._refresh()
@@ -204,15 +212,23 @@ class ChoiceCache:
                 self._memo[memo_key] = hit
             return hit
 
-    def _switch_dir(self) -> None:
-        """Drop the views of another cache directory (``config.cache_dir`` changed since they
-        were read: the memo and entries served that directory's choices in the new one's place).
-        """
-        with self._lock:
-            self._entries = {}
-            self._memo = {}  # a new object: the GEMM engine drops what it settled from the old
-            self._loaded_from = None
-            self._dir = _CACHE_DIR()
+    def _where(self) -> tuple[Any, ...] | None:
+        """The cache directory setting this call serves (None for a cache with its own path):
+        read once per call, as ``config.override`` may give each thread its own."""
+        return None if self._path is not None else _CACHE_DIR()
+
+    def _switch_dir(self, where: tuple[Any, ...] | None) -> None:
+        """Make the views serve cache directory ``where``, dropping another one's (the caller
+        holds ``self._lock``, so no lookup reads or fills them half switched; under a lock
+        taken after the directory check, two threads with their own ``config.override`` of
+        ``cache_dir`` were served each other's choices)."""
+        if where == self._dir:
+            return
+        self._entries = {}
+        self._memo = {}  # a new object: the GEMM engine drops what it settled from the old
+        self._loaded_from = None
+        self._dir = where
+        self._view = (where, self._memo)
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
@@ -237,7 +253,9 @@ class ChoiceCache:
             "timings_s": dict(timings),
             "time": time.time(),
         }
+        where = self._where()
         with self._lock:
+            self._switch_dir(where)
             self._entries[k] = entry
             # a replaced choice must not be served from the lookup memo
             self._memo.pop((op, json.dumps(key, sort_keys=True, default=str)), None)
@@ -275,7 +293,9 @@ class ChoiceCache:
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """All entries currently on disk (for `torchport info` and reports)."""
+        where = self._where()
         with self._lock:
+            self._switch_dir(where)
             self._refresh()
             return dict(self._entries)
 
@@ -286,6 +306,7 @@ class ChoiceCache:
             self._memo = {}
             self._loaded_from = None
             self._dir = None
+            self._view = (None, self._memo)
 
 
 choice_cache = ChoiceCache()
