@@ -143,9 +143,9 @@ def describe_sig(sig: Sequence[int]) -> str:
 
 
 # Two strided tensors whose byte ranges intersect are compared on a byte map of the shared range
-# up to this size (one small allocation, the fastest exact test there); past it they are compared
+# up to this size (one allocation, the fastest exact test there); past it they are compared
 # by walking one tensor's elements in chunks of OVERLAP_CHUNK (bounded memory, exact for any span).
-OVERLAP_MAP_BYTES = 4 << 20
+OVERLAP_MAP_BYTES = 64 << 20
 OVERLAP_CHUNK = 1 << 16
 
 
