@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import stat
+import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -13,6 +17,8 @@ import torch
 
 from torchport import autotune, config
 from torchport.autotune import ATEN, Candidate, ChoiceCache, InvalidCandidate, tuner
+from torchport.autotune import cache as cache_mod
+from torchport.native import toolchain
 
 
 def _sleepy(seconds: float):
@@ -223,6 +229,89 @@ def test_unwritable_cache_keeps_choices_in_memory(tmp_path, monkeypatch):
         assert again.candidate.name == "fast" and again.from_cache
     finally:
         autotune.choice_cache.clear_memory()
+
+
+def _planted(path, choice: str = "evil") -> None:
+    """A well-formed choice file naming ``choice`` for ("op", {"k": 1})."""
+    entry = {"choice": choice, "timings_s": {choice: 1e-9}}
+    body = {"format": cache_mod.FORMAT, "entries": {cache_mod.entry_key("op", {"k": 1}): entry}}
+    path.write_text(json.dumps(body))
+
+
+def test_choice_file_others_can_write_is_not_read(tmp_path, monkeypatch):
+    # a choice file anyone could rewrite steered which candidate ran
+    monkeypatch.setattr(toolchain, "_private_dirs", set())
+    path = tmp_path / "choices.json"
+    _planted(path)
+    path.chmod(0o666)
+    cache = ChoiceCache(path)
+    with pytest.warns(autotune.UnsafeChoiceCacheWarning, match=r"the file must not be writable"):
+        assert cache.get("op", {"k": 1}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once
+        assert cache.get("op", {"k": 1}) is None
+        cache.put("op", {"k": 1}, "fast", {"fast": 1.0})  # replaced by a file of our own
+    assert stat.S_IMODE(path.stat().st_mode) & 0o022 == 0
+    assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
+
+
+def test_choice_file_of_another_user_is_not_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(toolchain, "_private_dirs", set())
+    path = tmp_path / "choices.json"
+    _planted(path)
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+    else:  # the same as seen by another (non-root) user
+        monkeypatch.setattr(os, "geteuid", lambda: 65534)
+    with pytest.warns(autotune.UnsafeChoiceCacheWarning, match=r"must be owned by this user"):
+        assert ChoiceCache(path).get("op", {"k": 1}) is None
+
+
+def test_choice_cache_in_a_directory_others_can_write_stays_in_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(toolchain, "_private_dirs", set())
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    _planted(shared / "choices.json")
+    shared.chmod(0o777)  # not sticky: anyone may put their own file in place
+    cache = ChoiceCache(shared / "choices.json")
+    with pytest.warns(autotune.UnsafeChoiceCacheWarning, match=r"shared must not be writable"):
+        assert cache.get("op", {"k": 1}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.put("op", {"k": 1}, "fast", {"fast": 1.0})
+        assert cache.get("op", {"k": 1})["choice"] == "fast"  # this process only
+    assert json.loads((shared / "choices.json").read_text())["entries"] != {}  # not rewritten
+    assert "fast" not in (shared / "choices.json").read_text()
+
+
+def test_threads_with_their_own_cache_dir_get_their_own_choices(tmp_path):
+    # the directory check ran before the cache's lock: with config.override(cache_dir=...) in
+    # two threads, each was served the other directory's choice (98 of ~10^4 lookups in 1.5 s)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches inside get(), as a loaded machine makes them
+    cache, wrong = ChoiceCache(), []
+    for name in ("a", "b"):
+        with config.override(cache_dir=str(tmp_path / name)):
+            _planted(config.cache_path("autotune") / "choices-v1.json", name)
+
+    def lookups(name: str) -> None:
+        with config.override(cache_dir=str(tmp_path / name)):
+            end = time.monotonic() + 0.6
+            while time.monotonic() < end:
+                hit = cache.get("op", {"k": 1})
+                if hit is None or hit["choice"] != name:
+                    wrong.append((name, hit))
+
+    try:
+        threads = [threading.Thread(target=lookups, args=(n,), daemon=True) for n in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
 
 
 def test_cache_file_nested_too_deep_is_ignored(tmp_path):

@@ -33,14 +33,22 @@ def test_bad_env_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("TORCHPORT_NATIVE", "maybe")
     with pytest.raises(ConfigError, match=r"TORCHPORT_NATIVE must be a boolean"):
         config.get("native")
-    monkeypatch.setenv("TORCHPORT_CACHE_DIR", "")  # was the current directory, silently
-    with pytest.raises(ConfigError, match=r"cache_dir \(TORCHPORT_CACHE_DIR\): must be a dir"):
-        config.get("cache_dir")
     with pytest.raises(ConfigError, match=r"must be a directory path"):
         config.cache_dir = " "
     monkeypatch.setenv("TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS", "NATIVE,CUTLASS")
     with pytest.raises(ConfigError, match=r"unknown backend\(s\) \['CUTLASS'\]"):
         config.get("max_autotune_gemm_backends")
+
+
+@pytest.mark.parametrize("name", sorted(config.SETTINGS))
+def test_empty_env_value_means_unset(monkeypatch, name):
+    # TORCHPORT_CACHE_DIR= raised ConfigError, TORCHPORT_NATIVE= turned the kernels off,
+    # TORCHPORT_AUTOTUNE_REPS= and TORCHPORT_ISA= raised: each now resolves as if unset
+    env = config.SETTINGS[name].env
+    monkeypatch.delenv(env, raising=False)
+    unset = config.get(name)
+    monkeypatch.setenv(env, "")
+    assert config.get(name) == unset
 
 
 def test_assignment_validates_and_resets():

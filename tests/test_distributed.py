@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
+import random
 
 import dist_workers as W
 import pytest
@@ -428,6 +430,54 @@ def test_tensors_overlap_compares_the_bytes_elements_occupy():
     assert not tensors_overlap(buf.view(torch.int16)[:, 2], buf[:, 0])
     assert not tensors_overlap(buf[0, :0], buf[0])  # empty
     assert not tensors_overlap(torch.zeros(3), torch.zeros(3))  # other storage
+
+
+def _overlap_reference(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Brute force: the sets of byte addresses the two tensors' elements occupy intersect."""
+
+    def addresses(t: torch.Tensor) -> set[int]:
+        es, out = t.element_size(), set()
+        for idx in itertools.product(*(range(n) for n in t.shape)):
+            start = t.data_ptr() + es * sum(i * st for i, st in zip(idx, t.stride()))
+            out.update(range(start, start + es))
+        return out
+
+    return bool(addresses(a) & addresses(b))
+
+
+@pytest.mark.parametrize(("map_bytes", "chunk"), [(64 << 20, 1 << 16), (1, 3), (16, 1 << 16)])
+def test_tensors_overlap_matches_the_byte_sets_for_any_span(monkeypatch, map_bytes, chunk):
+    # tiny limits send every pair through the bounded-memory walk (nested or not) and its chunks
+    from torchport.distributed import engine
+
+    monkeypatch.setattr(engine, "OVERLAP_MAP_BYTES", map_bytes)
+    monkeypatch.setattr(engine, "OVERLAP_CHUNK", chunk)
+    buf, rng = torch.zeros(256, dtype=torch.uint8), random.Random(7)
+
+    def view() -> torch.Tensor:  # strided, self-overlapping (stride 0, small) or interleaved
+        base = buf.view(rng.choice([torch.uint8, torch.int16, torch.float32, torch.float64]))
+        while True:
+            shape = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+            strides = [rng.choice([0, 1, 2, 3, 5, 8, 12]) for _ in shape]
+            off = rng.randint(0, 20)
+            if off + sum((n - 1) * st for n, st in zip(shape, strides)) < base.numel():
+                return base.as_strided(shape, strides, off)
+
+    for _ in range(250):
+        a, b = view(), view()
+        assert engine.tensors_overlap(a, b) == _overlap_reference(a, b), (a.stride(), b.stride())
+
+
+def test_tensors_overlap_is_exact_past_the_byte_map_limit():
+    # two column views of a 20000x1000 float32 matrix span 80 MB: they were called disjoint
+    from torchport.distributed.engine import tensors_overlap
+
+    m = torch.zeros(20000, 1000)
+    assert tensors_overlap(m[:, 5:7], m[:, 6:9])
+    assert not tensors_overlap(m[:, 5:7], m[:, 7:9])
+    assert tensors_overlap(m[:, 999], m[-1, 990:])
+    assert not tensors_overlap(m[:, 3], m.t()[4])
+    assert tensors_overlap(m.view(torch.int16)[:, 1], m[:, 0])
 
 
 def test_recv_into_a_self_overlapping_view_is_refused_when_issued(world1):

@@ -4,6 +4,7 @@ errors, autograd (gradcheck and torch.linalg's gradients) and the autotuned meth
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -1298,6 +1299,42 @@ def test_compile_fullgraph_traces_the_public_functions(method):
         torch.testing.assert_close(got, want)
     with pytest.raises(torch.linalg.LinAlgError, match="not positive-definite"):
         g(-a)
+
+
+def test_compiled_jacobi_follows_the_native_switch_per_call():
+    # a graph traced with the kernels on kept calling them under TORCHPORT_NATIVE=0 (eager
+    # falls back to torch.linalg on every call that finds them off)
+    from torchport import config
+    from torchport.native import toolchain
+
+    x = torch.randn(2, 4, 4, dtype=torch.float64)
+    a = x @ x.mT + 4 * torch.eye(4, dtype=torch.float64)
+
+    def f(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            tl.svdvals(a, method="jacobi"),
+            tl.eigh(a, method="jacobi")[0],
+            tl.cholesky(a, method="jacobi"),
+            tl.qr(a, method="jacobi")[1].abs(),
+        )
+
+    want = (
+        torch.linalg.svdvals(a),
+        torch.linalg.eigvalsh(a),
+        torch.linalg.cholesky(a),
+        torch.linalg.qr(a)[1].abs(),
+    )
+    g = torch.compile(f, fullgraph=True, backend="eager")
+    g(a)
+    for off in (True, False):
+        toolchain.fallback_counts.clear()
+        with config.override(native=not off), warnings.catch_warnings():
+            warnings.simplefilter("ignore", toolchain.NativeFallbackWarning)
+            got = g(a)
+        ops_off = {"linalg.svd", "linalg.eigh", "linalg.cholesky", "linalg.qr"} if off else set()
+        assert set(toolchain.fallback_counts) == ops_off
+        for t, w in zip(got, want):
+            torch.testing.assert_close(t, w)
 
 
 def test_svd_op_without_uv_on_non_finite_input_has_distinct_placeholders():

@@ -6,6 +6,7 @@ import fcntl
 import json
 import multiprocessing
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -291,6 +292,28 @@ def test_cache_directory_of_another_user_is_refused(fresh_cache, monkeypatch):
     with pytest.warns(native.NativeFallbackWarning, match="axpy unavailable, using ATen"):
         assert torch.allclose(elementwise.axpy(2.0, x, y), 2.0 * x + y)
     elementwise._kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("uid", "mode", "leaf", "refused"),
+    [
+        (1000, 0o700, True, None),  # our own
+        (0, 0o755, True, None),  # root's, read-only to others: a system-wide or bind-mounted cache
+        (0, 0o755, False, None),
+        (0, 0o1777, False, None),  # /tmp
+        (0, 0o1777, True, "writable"),  # sticky does not stop others adding entries to a leaf
+        (0, 0o777, False, "writable"),  # not sticky: our entries could be renamed away
+        (0, 0o775, True, "writable"),  # a group that is not ours
+        (1000, 0o770, False, "writable"),
+        (1001, 0o700, True, "owned"),  # another non-root user's, however private
+        (1001, 0o755, False, "owned"),
+    ],
+)
+def test_cache_trust_policy_on_stat_results(uid, mode, leaf, refused):
+    # the decision check_private (and the autotuner's choice file) applies, for user 1000
+    st = os.stat_result((stat.S_IFDIR | mode, 0, 0, 1, uid, 54321, 0, 0, 0, 0))
+    why = native.toolchain.unsafe_reason(st, 1000, leaf=leaf)
+    assert (why is None) if refused is None else (why is not None and refused in why), why
 
 
 def test_unwritable_cache_is_a_native_error_and_ops_fall_back(tmp_path, monkeypatch):

@@ -2,8 +2,10 @@
 
 Every setting is declared once in ``SETTINGS``. A value is resolved, in order, from the innermost
 active :func:`override` block, an explicit assignment (``torchport.config.NAME = value``), the
-environment variable, then the default. Assignments and overrides are validated on the spot; a
-bad environment value raises :class:`ConfigError` naming the variable when it is first read.
+environment variable, then the default. An environment variable set to the empty string counts
+as unset (``TORCHPORT_CACHE_DIR= cmd`` uses the default), as most tools treat one. Assignments
+and overrides are validated on the spot; a bad environment value raises :class:`ConfigError`
+naming the variable when it is first read.
 
 Example::
 
@@ -47,7 +49,7 @@ class Setting:
             low = raw.strip().lower()
             if low in ("1", "true", "yes", "on"):
                 return True
-            if low in ("0", "false", "no", "off", ""):
+            if low in ("0", "false", "no", "off"):
                 return False
             raise ConfigError(f"{self.env} must be a boolean (1/0/true/false), got {raw!r}")
         if self.kind is int:
@@ -129,8 +131,8 @@ SETTINGS: dict[str, Setting] = {
             kind=str,
             default=None,  # resolved lazily from XDG_CACHE_HOME / ~/.cache
             doc="Directory for compiled kernels and the autotuner's choice cache.",
-            # an empty value was the relative path '', i.e. a cache in whatever the current
-            # directory is (a new one per working directory, beside the user's files)
+            # an empty assignment would be the relative path '', i.e. a cache in whatever the
+            # current directory is (an empty environment value means unset: the default)
             check=lambda v: None if v.strip() else "must be a directory path (unset: default)",
         ),
         Setting(
@@ -347,7 +349,7 @@ def get(name: str) -> Any:
     cached = _env_cache.get(name)
     if cached is not None and cached[0] == raw:
         return cached[1]
-    if raw is None:
+    if not raw:  # unset, or set to "" (TORCHPORT_NATIVE= was False, TORCHPORT_ISA= an error)
         value = _default_cache_dir() if name == "cache_dir" else s.default
     else:
         value = s.validate(s.parse(raw))

@@ -9,6 +9,7 @@ from torchport.autotune.cache import (
     ChoiceCache,
     ChoiceCacheWriteWarning,
     CorruptChoiceCacheWarning,
+    UnsafeChoiceCacheWarning,
     choice_cache,
 )
 from torchport.autotune.timing import (
@@ -48,6 +49,7 @@ __all__ = [
     "CorruptChoiceCacheWarning",
     "InvalidCandidate",
     "TunerStats",
+    "UnsafeChoiceCacheWarning",
     "allowed_backends",
     "alternated_min",
     "beats_anchor",

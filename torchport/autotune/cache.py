@@ -6,6 +6,12 @@ served from memory (a hit is a dict lookup); a miss re-reads the file once in ca
 added the entry. Writes take an ``flock`` on a side lock file, merge with what is on disk, write a
 temporary file and ``os.replace`` it, so no writer loses another's entries and no reader sees a
 partial file. A corrupt or foreign file is ignored with a warning and rewritten.
+
+A choice steers which kernel runs, so the file is trusted only as the native ``.so`` cache is
+(:func:`torchport.native.toolchain.check_private`): in a directory only this user (or root) can
+change, owned by this user or root and writable by no one else. Otherwise it is not read (one
+:class:`UnsafeChoiceCacheWarning`); a file in a private directory is replaced by this user's own
+on the next write, and with an unsafe directory choices last this process only.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 
 from torchport import config
 from torchport.native.cpu import cpu_info
+from torchport.native.toolchain import UnsafeCacheError, check_private, unsafe_reason
 from torchport.version import __version__
 
 FORMAT = "torchport-autotune-v1"
@@ -39,6 +46,11 @@ class CorruptChoiceCacheWarning(UserWarning):
 
 class ChoiceCacheWriteWarning(UserWarning):
     """The choice cache could not be written: a choice is kept by this process only."""
+
+
+class UnsafeChoiceCacheWarning(UserWarning):
+    """The choice cache file or its directory could have been written by another user: its
+    choices are not used."""
 
 
 def machine_identity() -> dict[str, Any]:
@@ -83,6 +95,13 @@ class ChoiceCache:
         # (op, key json) → entry, for hits without hashing the machine identity again
         self._memo: dict[tuple[str, str], dict[str, Any]] = {}
         self._dir: tuple[Any, ...] | None = None  # the cache_dir the views above belong to
+        # (cache_dir, memo) as one object, read once by the lock-free hit path: a memo taken
+        # from it is the one of that directory even while another thread switches directories
+        self._view: tuple[tuple[Any, ...] | None, dict[tuple[str, str], dict[str, Any]]] = (
+            None,
+            self._memo,
+        )
+        self._warned_unsafe: set[str] = set()  # paths whose refusal was reported
 
     @property
     def path(self) -> Path:
@@ -90,10 +109,38 @@ class ChoiceCache:
             return self._path
         return config.cache_path("autotune") / "choices-v1.json"
 
+    def _unsafe(self, p: Path, why: str) -> None:
+        """Report once per path that ``p`` is not trusted (see the module docstring)."""
+        if str(p) in self._warned_unsafe:
+            return
+        self._warned_unsafe.add(str(p))
+        warnings.warn(
+            f"torchport: not using the autotune cache {p}: {why}; choices are re-tuned",
+            UnsafeChoiceCacheWarning,
+            stacklevel=4,
+        )
+
+    def _private_dir(self, p: Path) -> bool:
+        """True if only this user (or root) can change ``p``'s directory (else reported)."""
+        try:
+            check_private(p.parent)
+        except UnsafeCacheError as e:
+            self._unsafe(p, str(e))
+            return False
+        return True
+
     def _read_disk(self) -> dict[str, dict[str, Any]]:
         p = self.path
+        if not self._private_dir(p):
+            return {}
         try:
-            raw = p.read_bytes()
+            with open(p, "rb") as f:
+                # the stat of what was opened: a file swapped in after a check is not read
+                why = unsafe_reason(os.fstat(f.fileno()), os.geteuid(), leaf=True)
+                if why is not None:
+                    self._unsafe(p, f"the file {why}")
+                    return {}
+                raw = f.read()
         except FileNotFoundError:
             return {}
         except OSError as e:
@@ -147,14 +194,16 @@ class ChoiceCache:
         """The cached entry for (op, key) on this machine, or None."""
         if not config.get("autotune_cache"):
             return None
-        if self._path is None and _CACHE_DIR() != self._dir:
-            self._switch_dir()
+        where = self._where()
         memo_key = (op, json.dumps(key, sort_keys=True, default=str))
-        hit = self._memo.get(memo_key)
-        if hit is not None:
-            return hit
+        view_dir, memo = self._view
+        if view_dir == where:
+            hit = memo.get(memo_key)
+            if hit is not None:
+                return hit
         k = entry_key(op, key)
         with self._lock:
+            self._switch_dir(where)
             hit = self._entries.get(k)
             if hit is None:
                 self._refresh()
@@ -163,15 +212,23 @@ class ChoiceCache:
                 self._memo[memo_key] = hit
             return hit
 
-    def _switch_dir(self) -> None:
-        """Drop the views of another cache directory (``config.cache_dir`` changed since they
-        were read: the memo and entries served that directory's choices in the new one's place).
-        """
-        with self._lock:
-            self._entries = {}
-            self._memo = {}  # a new object: the GEMM engine drops what it settled from the old
-            self._loaded_from = None
-            self._dir = _CACHE_DIR()
+    def _where(self) -> tuple[Any, ...] | None:
+        """The cache directory setting this call serves (None for a cache with its own path):
+        read once per call, as ``config.override`` may give each thread its own."""
+        return None if self._path is not None else _CACHE_DIR()
+
+    def _switch_dir(self, where: tuple[Any, ...] | None) -> None:
+        """Make the views serve cache directory ``where``, dropping another one's (the caller
+        holds ``self._lock``, so no lookup reads or fills them half switched; under a lock
+        taken after the directory check, two threads with their own ``config.override`` of
+        ``cache_dir`` were served each other's choices)."""
+        if where == self._dir:
+            return
+        self._entries = {}
+        self._memo = {}  # a new object: the GEMM engine drops what it settled from the old
+        self._loaded_from = None
+        self._dir = where
+        self._view = (where, self._memo)
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
@@ -196,7 +253,9 @@ class ChoiceCache:
             "timings_s": dict(timings),
             "time": time.time(),
         }
+        where = self._where()
         with self._lock:
+            self._switch_dir(where)
             self._entries[k] = entry
             # a replaced choice must not be served from the lookup memo
             self._memo.pop((op, json.dumps(key, sort_keys=True, default=str)), None)
@@ -215,6 +274,8 @@ class ChoiceCache:
     def _write(self, k: str, entry: dict[str, Any]) -> None:
         """Merge ``entry`` into the file under its lock (the caller holds ``self._lock``)."""
         p = self.path
+        if not self._private_dir(p):  # (reported): the choice lasts this process only
+            return
         with self._file_lock():
             merged = self._read_disk()
             merged[k] = entry
@@ -232,7 +293,9 @@ class ChoiceCache:
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """All entries currently on disk (for `torchport info` and reports)."""
+        where = self._where()
         with self._lock:
+            self._switch_dir(where)
             self._refresh()
             return dict(self._entries)
 
@@ -243,6 +306,7 @@ class ChoiceCache:
             self._memo = {}
             self._loaded_from = None
             self._dir = None
+            self._view = (None, self._memo)
 
 
 choice_cache = ChoiceCache()

@@ -25,7 +25,7 @@ import ctypes
 import datetime
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -142,10 +142,11 @@ def describe_sig(sig: Sequence[int]) -> str:
     return f"collective #{sig[0]} {name}({', '.join(parts)}) step {sig[3]}"
 
 
-# Two strided tensors whose byte ranges intersect are compared element by element on a byte map
-# of the shared range up to this size; past it the pair counts as not overlapping (ATen's
-# "too hard" answer, which its own overlap checks let pass too).
+# Two strided tensors whose byte ranges intersect are compared on a byte map of the shared range
+# up to this size (one allocation, the fastest exact test there); past it they are compared
+# by walking one tensor's elements in chunks of OVERLAP_CHUNK (bounded memory, exact for any span).
 OVERLAP_MAP_BYTES = 64 << 20
+OVERLAP_CHUNK = 1 << 16
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -155,8 +156,91 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi
 
 
+def _layout(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``t``'s ``(size, byte stride)`` dims that move an element, largest stride first (size-1
+    and stride-0 dims only repeat addresses, so they change no byte set)."""
+    es = t.element_size()
+    dims = [(n, st * es) for n, st in zip(t.shape, t.stride()) if n > 1 and st > 0]
+    return sorted(dims, key=lambda d: d[1], reverse=True)
+
+
+def _nested(dims: list[tuple[int, int]]) -> bool:
+    """Whether each stride exceeds the reach of the dims inside it (every view of a plain buffer
+    by slicing, striding or permuting is): element starts are then distinct and ordered block by
+    block, which :func:`_last_start_at_or_below` relies on."""
+    reach = 0
+    for n, st in reversed(dims):
+        if st <= reach:
+            return False
+        reach += (n - 1) * st
+    return True
+
+
+def _starts(t: torch.Tensor, dims: list[tuple[int, int]]) -> Iterator[torch.Tensor]:
+    """Absolute start addresses of ``t``'s distinct elements, OVERLAP_CHUNK at a time (int64)."""
+    total = 1
+    for n, _ in dims:
+        total *= n
+    base = t.data_ptr()
+    for lo in range(0, total, OVERLAP_CHUNK):
+        idx = torch.arange(lo, min(total, lo + OVERLAP_CHUNK), dtype=torch.int64)
+        addr = torch.full_like(idx, base)
+        for n, st in reversed(dims):
+            addr += (idx % n) * st
+            idx = idx // n
+        yield addr
+
+
+def _last_start_at_or_below(
+    y: torch.Tensor, base: int, dims: list[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each address in ``y``: whether some element of the nested layout ``(base, dims)``
+    starts at or below it, and ``y`` minus the highest such start (greedy, outer dim first)."""
+    rem = y - base
+    found = rem >= 0
+    for n, st in dims:
+        rem = rem - (rem // st).clamp_(0, n - 1) * st
+    return found, rem
+
+
+def _overlap_by_walk(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact overlap test in memory bounded by OVERLAP_CHUNK: walk the elements of one tensor
+    and find, for each, the nearest element of the other (which must have a nested layout); when
+    neither is nested, compare the two on byte maps of OVERLAP_MAP_BYTES windows instead."""
+    da, db = _layout(a), _layout(b)
+    na, nb = _nested(da), _nested(db)
+    if na or nb:
+        # probe with the tensor of fewer elements when the other one can be searched
+        if not nb or (na and a.numel() > b.numel()):
+            a, b, da, db = b, a, db, da
+        ea, eb = a.element_size(), b.element_size()
+        for start in _starts(a, da):
+            # a's element [x, x + ea) meets b's element starting at s <= x + ea - 1 (the highest
+            # such s) iff s + eb > x, i.e. the remainder is below ea - 1 + eb
+            found, rem = _last_start_at_or_below(start + (ea - 1), b.data_ptr(), db)
+            if bool((found & (rem < ea - 1 + eb)).any()):
+                return True
+        return False
+    (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
+    lo, hi = max(alo, blo), min(ahi, bhi)
+    for w0 in range(lo, hi, OVERLAP_MAP_BYTES):
+        w1 = min(hi, w0 + OVERLAP_MAP_BYTES)
+        seen = [torch.zeros(w1 - w0, dtype=torch.bool) for _ in range(2)]
+        for marks, t, dims in ((seen[0], a, da), (seen[1], b, db)):
+            es = t.element_size()
+            for start in _starts(t, dims):
+                start = start[(start < w1) & (start + es > w0)]
+                for j in range(es):  # every byte of the element that lies in the window
+                    pos = start + (j - w0)
+                    marks[pos[(pos >= 0) & (pos < w1 - w0)]] = True
+        if bool((seen[0] & seen[1]).any()):
+            return True
+    return False
+
+
 def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether some byte belongs to an element of both ``a`` and ``b`` (CPU tensors)."""
+    """Whether some byte belongs to an element of both ``a`` and ``b`` (CPU tensors). Exact for
+    any layout and span; memory stays bounded (OVERLAP_MAP_BYTES, OVERLAP_CHUNK)."""
     if not a.numel() or not b.numel():
         return False
     (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
@@ -166,7 +250,9 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
     lo, hi = min(alo, blo), max(ahi, bhi)
     if hi - lo > OVERLAP_MAP_BYTES:
-        return False
+        # (this answered "no overlap" for two column views of a 20000x1000 float32 matrix
+        # sharing a column: their span passed the map's limit)
+        return _overlap_by_walk(a, b)
     marks = torch.zeros(hi - lo, dtype=torch.uint8)
 
     def bytes_of(t: torch.Tensor) -> torch.Tensor:  # t's elements as rows of their bytes

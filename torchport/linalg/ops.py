@@ -40,6 +40,19 @@ def non_finite(op: str, a: torch.Tensor, bad: int, lapack: Callable[[], _T]) -> 
         ) from None
 
 
+def _native_off(op: str) -> bool:
+    """True, and the fallback counted, if the native kernels are switched off now. Read on every
+    run of a custom op, as the eager route reads it on every call: under ``torch.compile`` the
+    ops are opaque, so a graph traced while the kernels were on follows ``TORCHPORT_NATIVE`` (or
+    ``config.override(native=False)``) at run time without a recompile."""
+    from torchport import native
+
+    if native.enabled():
+        return False
+    native.note_fallback(f"linalg.{op}", "native kernels are disabled (TORCHPORT_NATIVE=0)")
+    return True
+
+
 def _flat(a: torch.Tensor) -> torch.Tensor:
     b = 1
     for d in a.shape[:-2]:
@@ -72,7 +85,18 @@ def svd_impl(
     return u.reshape(batch + u.shape[-2:]), s, vh.reshape(batch + vh.shape[-2:])
 
 
-_svd_op = torch.library.custom_op("torchport::linalg_svd", svd_impl, mutates_args=())
+def _svd_op_impl(
+    a: torch.Tensor, full_matrices: bool, compute_uv: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _native_off("svd"):  # torch.linalg's answer, as the eager route gives it
+        if not compute_uv:
+            return a.new_empty(0), torch.linalg.svdvals(a), a.new_empty(0)
+        u, s, vh = torch.linalg.svd(a, full_matrices)
+        return u, s, vh
+    return svd_impl(a, full_matrices, compute_uv)
+
+
+_svd_op = torch.library.custom_op("torchport::linalg_svd", _svd_op_impl, mutates_args=())
 
 
 @_svd_op.register_fake
@@ -157,7 +181,19 @@ def eigh_impl(
     return lam, (q.reshape((*batch, n, n)) if compute_v else a.new_empty(0))
 
 
-_eigh_op = torch.library.custom_op("torchport::linalg_eigh", eigh_impl, mutates_args=())
+def _eigh_op_impl(
+    a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_off("eigh"):
+        uplo = "U" if upper else "L"
+        if not compute_v:
+            return torch.linalg.eigvalsh(a, uplo), a.new_empty(0)
+        lam, q = torch.linalg.eigh(a, uplo)
+        return lam, q
+    return eigh_impl(a, upper, compute_v, jacobi)
+
+
+_eigh_op = torch.library.custom_op("torchport::linalg_eigh", _eigh_op_impl, mutates_args=())
 
 
 @_eigh_op.register_fake
@@ -199,7 +235,14 @@ def qr_impl(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     return (q.reshape(batch + q.shape[-2:]) if mode != "r" else a.new_empty(0)), r
 
 
-_qr_op = torch.library.custom_op("torchport::linalg_qr", qr_impl, mutates_args=())
+def _qr_op_impl(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_off("qr"):
+        q, r = torch.linalg.qr(a, mode)
+        return (q if mode != "r" else a.new_empty(0)), r
+    return qr_impl(a, mode)
+
+
+_qr_op = torch.library.custom_op("torchport::linalg_qr", _qr_op_impl, mutates_args=())
 
 
 @_qr_op.register_fake
@@ -242,7 +285,14 @@ def cholesky_impl(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Ten
     return fac.reshape(a.shape), info.reshape(batch)
 
 
-_chol_op = torch.library.custom_op("torchport::linalg_cholesky_ex", cholesky_impl, mutates_args=())
+def _chol_op_impl(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_off("cholesky"):
+        fac, info = torch.linalg.cholesky_ex(a, upper=upper)
+        return fac, info
+    return cholesky_impl(a, upper)
+
+
+_chol_op = torch.library.custom_op("torchport::linalg_cholesky_ex", _chol_op_impl, mutates_args=())
 
 
 @_chol_op.register_fake
@@ -269,7 +319,7 @@ def cholesky_checked_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`cholesky_impl`, raising ``LinAlgError`` for a matrix that is not positive-definite
     inside the op: under ``torch.compile`` the check cannot be a data-dependent branch after it."""
-    fac, info = cholesky_impl(a, upper)
+    fac, info = _chol_op_impl(a, upper)
     from torchport.linalg import _raise_not_pd
 
     _raise_not_pd(op, a, info)

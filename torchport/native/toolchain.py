@@ -186,15 +186,34 @@ def _own_group(gid: int) -> bool:
     return gid == os.getegid() and group.gr_name == user and set(group.gr_mem) <= {user}
 
 
+def unsafe_reason(st: os.stat_result, euid: int, *, leaf: bool) -> str | None:
+    """Why a path with stat ``st`` may hold what another user planted, or None if it is safe for
+    user ``euid`` to trust: the policy :func:`check_private` applies to every directory up to
+    ``/`` and the autotuner applies to its choice file (a pure function of the stat result).
+
+    The owner must be ``euid`` or root (root can change anything anyway, so a root-owned
+    directory or file that no one else can write, as a system-wide read-only cache or a
+    bind-mounted folder, is as safe as our own). Writable by group (unless it is this user's
+    private group) or by others is refused for a ``leaf`` (the directory holding the entries,
+    or the file itself: anyone could add or rewrite one) and for an ancestor without the sticky
+    bit (anyone could rename our entries away and put theirs in place), not for a sticky one
+    (``/tmp``)."""
+    if st.st_uid not in (euid, 0):
+        return f"must be owned by this user (uid {euid}) or root, got uid {st.st_uid}"
+    mode = stat.S_IMODE(st.st_mode)
+    shared = mode & 0o002 or (mode & 0o020 and not _own_group(st.st_gid))
+    if shared and (leaf or not mode & stat.S_ISVTX):
+        return f"must not be writable by other users, got mode {oct(mode)} (group {st.st_gid})"
+    return None
+
+
 def check_private(d: Path) -> None:
     """Raise :class:`UnsafeCacheError` unless only this user (and root) can change what directory
     ``d`` holds, so that an object found there was written by this user.
 
     Every directory from ``d`` up to ``/`` (along the path as given and along its resolved one)
-    must be owned by this user or root; ``d`` itself must be writable by no other user (else one
-    could plant a ``.so`` with a matching record under the next kernel's name), and an ancestor
-    writable by others must be sticky (as ``/tmp``), so that our entries cannot be renamed away.
-    Checked once per directory per process."""
+    must pass :func:`unsafe_reason` (``d`` itself as the leaf). Checked once per directory per
+    process."""
     given = Path(os.path.abspath(d))  # (a relative cache directory moves with os.chdir)
     if str(given) in _private_dirs:
         return
@@ -205,19 +224,12 @@ def check_private(d: Path) -> None:
                 st = os.stat(p)
             except OSError as e:
                 raise UnsafeCacheError(f"cannot check native cache directory {p}: {e}") from e
-            mode = stat.S_IMODE(st.st_mode)
-            if st.st_uid not in (euid, 0):
+            why = unsafe_reason(st, euid, leaf=p == top)
+            if why is not None:
+                fix = f"run `chmod go-w {p}` or point" if st.st_uid in (euid, 0) else "point"
                 raise UnsafeCacheError(
-                    f"native cache directory {p} must be owned by this user (uid {euid}) or "
-                    f"root, got uid {st.st_uid}: no kernel is loaded from it; point "
+                    f"native cache directory {p} {why}: no kernel is loaded from it; {fix} "
                     "TORCHPORT_CACHE_DIR at a directory of your own"
-                )
-            shared = mode & 0o002 or (mode & 0o020 and not _own_group(st.st_gid))
-            if shared and (p == top or not mode & stat.S_ISVTX):
-                raise UnsafeCacheError(
-                    f"native cache directory {p} must not be writable by other users, got mode "
-                    f"{oct(mode)} (group {st.st_gid}): no kernel is loaded from it; run "
-                    f"`chmod go-w {p}` or point TORCHPORT_CACHE_DIR at a directory of your own"
                 )
     _private_dirs.add(str(given))
 
