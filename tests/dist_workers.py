@@ -356,6 +356,33 @@ def stuck_peer_case(rank: int, world: int) -> dict[str, Any]:
     return rec
 
 
+def destroy_in_flight_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 issues an allreduce rank 0 never joins, then destroys the group: the Work fails
+    with a typed error at once, destroy returns promptly and the group's threads end."""
+    import threading
+
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub)
+    name = sub.comm.name
+    if rank != 1:
+        time.sleep(0.5)
+        dist.destroy_process_group(sub)
+        return {}
+    work = dist.all_reduce(torch.ones(4), group=sub, async_op=True)
+    time.sleep(0.2)  # the engine thread has started it
+    t0 = time.monotonic()
+    dist.destroy_process_group(sub)
+    out: dict[str, Any] = {"destroy_s": time.monotonic() - t0, "completed": work.is_completed()}
+    try:
+        work.wait()
+        out["error"] = None
+    except Exception as e:
+        out["error"], out["msg"] = type(e).__name__, str(e)
+    time.sleep(0.1)
+    out["threads"] = [t.name for t in threading.enumerate() if t.name.endswith(f"-{name}")]
+    return out
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -781,6 +808,7 @@ SCENARIOS = {
     "late_peer": late_peer_case,
     "auth": auth_case,
     "timeout": timeout_case,
+    "destroy_in_flight": destroy_in_flight_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,

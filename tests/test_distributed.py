@@ -37,6 +37,7 @@ PLANS = {
             ("mismatch", ()),
             ("auth", ()),
             ("timeout", ()),
+            ("destroy_in_flight", ()),
             ("ddp", ()),
             ("fsdp2", ()),
         ],
@@ -55,7 +56,7 @@ PLANS = {
     "tcp2": (
         2,
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
-        [("grid", ([0, 4099],)), ("grid_mailbox", ([4099],))],
+        [("grid", ([0, 4099],)), ("grid_mailbox", ([4099],)), ("destroy_in_flight", ())],
     ),
     "tcp3": (
         3,
@@ -165,6 +166,17 @@ def test_per_op_timeout_is_typed_and_reaches_the_peer():
     assert res[1]["error"] == "timeout", res[1]
     assert 0.25 < res[1]["elapsed"] < 3.0
     assert res[0]["error"] == "RemoteError" and "rank 1 timed out" in res[0]["msg"], res[0]
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "tcp2"])
+def test_destroy_with_an_op_in_flight_aborts_it_at_once(plan):
+    """destroy_process_group(g) while g's allreduce waits for a peer that never joins: the
+    Work fails with CommAbortedError, destroy returns promptly, no thread of g lingers (it
+    blocked 5 s, then the op ran on to the 60 s group timeout)."""
+    r = results(plan)[1]["destroy_in_flight"]
+    assert r["error"] == "CommAbortedError" and "shut down" in r["msg"], r
+    assert r["completed"] and r["destroy_s"] < 1.0 and r["threads"] == [], r
 
 
 @pytest.mark.timeout(110)
