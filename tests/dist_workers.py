@@ -383,6 +383,33 @@ def destroy_in_flight_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def stale_incarnation_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 destroys a group and re-creates it under the same name (use_local_synchronization
+    names a group by its ranks) while rank 0 still runs an allreduce on the old one: no frame of
+    the old incarnation may complete an op of the new one."""
+    from torchport.distributed import TorchportDistError
+
+    ranks = list(range(world))
+    g = dist.new_group(ranks, backend="torchport", use_local_synchronization=True)
+    dist.barrier()  # (on the default group: the op counts of g stay in step)
+    opts = dist.AllreduceOptions()
+    opts.timeout = datetime.timedelta(seconds=0.5)
+    if rank == 1:
+        dist.destroy_process_group(g)
+        g = dist.new_group(ranks, backend="torchport", use_local_synchronization=True)
+        t = torch.full((4,), 1.0)
+    else:
+        time.sleep(0.3)  # rank 1 has re-created the group
+        t = torch.full((4,), 100.0)
+    try:
+        g.allreduce([t], opts).wait()
+        out: dict[str, Any] = {"error": None, "value": t[0].item()}
+    except TorchportDistError as e:
+        out = {"error": type(e).__name__}
+    dist.destroy_process_group(g)
+    return out
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -809,6 +836,7 @@ SCENARIOS = {
     "auth": auth_case,
     "timeout": timeout_case,
     "destroy_in_flight": destroy_in_flight_case,
+    "stale_incarnation": stale_incarnation_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,

@@ -56,7 +56,12 @@ PLANS = {
     "tcp2": (
         2,
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
-        [("grid", ([0, 4099],)), ("grid_mailbox", ([4099],)), ("destroy_in_flight", ())],
+        [
+            ("grid", ([0, 4099],)),
+            ("grid_mailbox", ([4099],)),
+            ("destroy_in_flight", ()),
+            ("stale_incarnation", ()),
+        ],
     ),
     "tcp3": (
         3,
@@ -177,6 +182,14 @@ def test_destroy_with_an_op_in_flight_aborts_it_at_once(plan):
     r = results(plan)[1]["destroy_in_flight"]
     assert r["error"] == "CommAbortedError" and "shut down" in r["msg"], r
     assert r["completed"] and r["destroy_s"] < 1.0 and r["threads"] == [], r
+
+
+@pytest.mark.timeout(110)
+def test_a_recreated_group_never_takes_frames_of_its_old_incarnation():
+    """Rank 1 re-creates a group under its old name (use_local_synchronization) while rank 0
+    runs an allreduce on the old one: both time out (each completed with 1 + 100 = 101)."""
+    res = [r["stale_incarnation"] for r in results("tcp2")]
+    assert [r["error"] for r in res] == ["CommTimeoutError"] * 2, res
 
 
 @pytest.mark.timeout(110)
