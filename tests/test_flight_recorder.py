@@ -116,6 +116,27 @@ def test_a_group_reusing_a_destroyed_groups_id_is_recorded_under_its_own_name():
     assert got == [("old", 0), (new.group_name, 0)]
 
 
+def test_the_default_groups_members_are_refreshed_after_a_reinit(monkeypatch):
+    """The default group destroyed and re-initialised with another world: its entries and the
+    dump's membership name the new world (they kept the first world's ranks)."""
+    world = [2]
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world[0])
+    monkeypatch.setattr(fr, "_group_names", {})
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
+    wrapped = fr._wrap("all_reduce", all_reduce, rec)
+    destroy = fr._wrap_destroy(lambda group=None: None)
+    wrapped(torch.ones(1))
+    assert rec.groups["default"] == [0, 1]
+    destroy()
+    world[0] = 3
+    wrapped(torch.ones(1))
+    assert rec.groups["default"] == [0, 1, 2]
+
+
 def test_the_record_does_not_depend_on_how_tensors_are_passed(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(fr, "_group_names", {})  # forget this test's default group afterwards
