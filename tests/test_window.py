@@ -190,6 +190,27 @@ def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
         assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
 
 
+def test_tcp_window_first_connect_to_a_stopped_peer_times_out_typed(trio):
+    """A peer stopped before the first request: the kernel accepts the connection, nobody
+    answers the handshake. That gave a CommError; it is the same CommTimeoutError as a later
+    request's, within the window's timeout."""
+    import signal
+
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("tcp", 0.5)] * WORLD) == [("ok", 0.5)] * WORLD
+    try:
+        trio.kill(2, signal.SIGSTOP)
+        try:
+            (kind, msg), took = trio.call(0, "window_get", 2, timeout=10)
+        finally:
+            trio.kill(2, signal.SIGCONT)
+        assert kind == "CommTimeoutError" and "window get on rank 2" in msg, msg
+        assert 0.4 < took < 3.0
+        assert trio.call(0, "window_get", 2)[0] == [2.0] * 4
+    finally:
+        assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
+
+
 def test_tcp_window_request_is_bounded_as_a_whole_by_the_timeout():
     """A window server trickling its reply (a byte every 20 ms, each recv well inside the
     0.3 s timeout) stretched a get of 64 bytes to ~1.6 s: the whole request ends at the

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchport.distributed._threads import WarmPool
-from torchport.distributed.errors import AuthError, CommError
+from torchport.distributed.errors import AuthError, CommError, ConnectTimeoutError
 
 MAGIC = b"TPC1"
 MAX_FRAME = 16 << 20
@@ -191,6 +191,10 @@ def connect(
     deadline = time.monotonic() + timeout  # the whole connect: dial and handshake
     try:
         sock = socket.create_connection(addr, timeout=timeout)
+    except TimeoutError as e:
+        raise ConnectTimeoutError(
+            f"cannot connect to {addr[0]}:{addr[1]} ({role}) within {timeout:g} s: {e}"
+        ) from None
     except OSError as e:
         raise CommError(f"cannot connect to {addr[0]}:{addr[1]} ({role}): {e}") from None
     try:
@@ -211,6 +215,10 @@ def connect(
         sock.close()
         if isinstance(e, CommError):
             raise
+        if isinstance(e, TimeoutError):  # a stopped peer: the kernel accepted, nobody answers
+            raise ConnectTimeoutError(
+                f"handshake with {addr[0]}:{addr[1]} ({role}) timed out after {timeout:g} s"
+            ) from None
         raise CommError(f"handshake with {addr[0]}:{addr[1]} failed: {e}") from None
     return sock
 

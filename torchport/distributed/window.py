@@ -558,6 +558,8 @@ class Window:
             sock = self._socks.get(r)
             try:
                 if sock is None:
+                    # (a peer stopped before it answered the handshake: ConnectTimeoutError, a
+                    # TimeoutError, typed below like a later request's timeout)
                     sock = connect(self._addrs[r], self._secret, "window", self.timeout_s)
                     self._socks[r] = sock
                     send_msg(sock, {"t": "hello", "src": self.rank}, deadline)
