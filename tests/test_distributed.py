@@ -467,3 +467,18 @@ def test_a_window_on_a_torchport_group_takes_the_groups_timeout(world1):
     from torchport.distributed.window import _group_timeout
 
     assert _group_timeout(None) == 30.0 and _group_timeout(world1) == 30.0
+
+
+def test_split_ranks_take_integers_as_operator_index_does_but_no_bools(world1):
+    """split_group refused NumPy integers as split ranks and took True as rank 1."""
+    import numpy as np
+
+    from torchport.distributed import CollectiveArgumentError, split_group
+
+    sub = split_group(split_ranks=[[np.int64(0)]])
+    assert sub is not None and sub.size() == 1
+    dist.destroy_process_group(sub)
+    for bad in (True, np.bool_(False), 0.0, "0"):
+        with pytest.raises(CollectiveArgumentError, match="split rank must be an integer") as e:
+            split_group(split_ranks=[[bad]])
+        assert repr(bad) in str(e.value)
