@@ -279,7 +279,7 @@ def test_analyzer_bad_input(tmp_path, capsys):
     assert v.missing_ranks == [1] and "rank 1: no dump" in v.text()
 
 
-def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path):
+def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
     def dump(name: str, obj: dict) -> None:
         (tmp_path / name).write_text(json.dumps(obj))
 
@@ -290,6 +290,14 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path):
     dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{"op": "all_reduce"}]})
     with pytest.raises(DumpError, match=r"entry 0 needs keys \('seq_id', 'op', 'group', 'state'\)"):
         load_dumps(tmp_path)
+    # a field analyze computes with, of the wrong type: the file, entry and field are named
+    # (a string or null seq_id ended in a traceback)
+    for field, value in (("seq_id", "7"), ("seq_id", None), ("seq_id", True), ("group", [1])):
+        dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{**entry, field: value}]})
+        with pytest.raises(DumpError, match=rf"rank_0\.json: entry 0: {field} must be"):
+            load_dumps(tmp_path)
+    assert cli.main(["fr", "analyze", str(tmp_path)]) == 2
+    assert "entry 0: group must be a string" in capsys.readouterr().out
     # a foreign dump without durations is still analysed
     dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [entry]})
     assert "was still started after 0 ms" in analyze(load_dumps(tmp_path)).text()
