@@ -410,6 +410,19 @@ def stale_incarnation_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def recreate_case(rank: int, world: int) -> list[float]:
+    """Every rank destroys a group and re-creates it under the same name (use_local_synchronization
+    names a group by its ranks), twice: each incarnation works."""
+    ranks, sums = list(range(world)), []
+    for i in range(3):
+        g = dist.new_group(ranks, backend="torchport", use_local_synchronization=True)
+        t = torch.full((4,), float(rank + i))
+        dist.all_reduce(t, group=g)
+        sums.append(t[0].item())
+        dist.destroy_process_group(g)
+    return sums
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -837,6 +850,7 @@ SCENARIOS = {
     "timeout": timeout_case,
     "destroy_in_flight": destroy_in_flight_case,
     "stale_incarnation": stale_incarnation_case,
+    "recreate": recreate_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,

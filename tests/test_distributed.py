@@ -38,6 +38,7 @@ PLANS = {
             ("auth", ()),
             ("timeout", ()),
             ("destroy_in_flight", ()),
+            ("recreate", ()),
             ("ddp", ()),
             ("fsdp2", ()),
         ],
@@ -60,6 +61,9 @@ PLANS = {
             ("grid", ([0, 4099],)),
             ("grid_mailbox", ([4099],)),
             ("destroy_in_flight", ()),
+            ("recreate", ()),
+            # last: its ranks have built the group's name a different number of times, so the
+            # name's later groups would not connect (each has its own incarnation count)
             ("stale_incarnation", ()),
         ],
     ),
@@ -190,6 +194,14 @@ def test_a_recreated_group_never_takes_frames_of_its_old_incarnation():
     runs an allreduce on the old one: both time out (each completed with 1 + 100 = 101)."""
     res = [r["stale_incarnation"] for r in results("tcp2")]
     assert [r["error"] for r in res] == ["CommTimeoutError"] * 2, res
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "tcp2"])
+def test_a_group_re_created_under_its_name_works_each_time(plan):
+    """On shared memory the second incarnation read the first one's arena keys from the
+    group's store (an unlinked path): FileNotFoundError."""
+    assert [r["recreate"] for r in results(plan)] == [[1.0, 3.0, 5.0]] * 2
 
 
 @pytest.mark.timeout(110)

@@ -132,6 +132,7 @@ def build_communicator(
                 _incarnations.clear()
             ranks: list[int] = list(range(size))
             gid = 0 if not global_ranks else group_id_for(name)
+            seen = 0
         else:
             assert _root is not None
             mesh = _root
@@ -148,8 +149,13 @@ def build_communicator(
     arena = local_arena = None
     chunk = int(config.get("dist_chunk_bytes"))
     local_ranks: list[int] = []
+    # the group's store keeps the arena keys of earlier incarnations of its name (the path of an
+    # unlinked arena, a full mapped count): a re-created group read them and failed to map
+    again = f"#{seen}" if seen else ""
     if local and transport != "tcp" and size > 1:
-        arena = _make_arena(store, rank, size, chunk + SLOT_EXTRA, timeout_s)
+        arena = _make_arena(
+            store, rank, size, chunk + SLOT_EXTRA, timeout_s, key=f"tp/arena{again}"
+        )
     else:
         chunk = int(config.get("dist_tcp_chunk_bytes"))
     if not local and transport == "auto":
@@ -163,7 +169,7 @@ def build_communicator(
                 len(local_ranks),
                 chunk + SLOT_EXTRA,
                 timeout_s,
-                key=f"tp/arena_host{local_ranks[0]}",
+                key=f"tp/arena_host{local_ranks[0]}{again}",
             )
     comm = Communicator(
         mesh,
