@@ -356,6 +356,73 @@ def stuck_peer_case(rank: int, world: int) -> dict[str, Any]:
     return rec
 
 
+def destroy_in_flight_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 issues an allreduce rank 0 never joins, then destroys the group: the Work fails
+    with a typed error at once, destroy returns promptly and the group's threads end."""
+    import threading
+
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub)
+    name = sub.comm.name
+    if rank != 1:
+        time.sleep(0.5)
+        dist.destroy_process_group(sub)
+        return {}
+    work = dist.all_reduce(torch.ones(4), group=sub, async_op=True)
+    time.sleep(0.2)  # the engine thread has started it
+    t0 = time.monotonic()
+    dist.destroy_process_group(sub)
+    out: dict[str, Any] = {"destroy_s": time.monotonic() - t0, "completed": work.is_completed()}
+    try:
+        work.wait()
+        out["error"] = None
+    except Exception as e:
+        out["error"], out["msg"] = type(e).__name__, str(e)
+    time.sleep(0.1)
+    out["threads"] = [t.name for t in threading.enumerate() if t.name.endswith(f"-{name}")]
+    return out
+
+
+def stale_incarnation_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 destroys a group and re-creates it under the same name (use_local_synchronization
+    names a group by its ranks) while rank 0 still runs an allreduce on the old one: no frame of
+    the old incarnation may complete an op of the new one."""
+    from torchport.distributed import TorchportDistError
+
+    ranks = list(range(world))
+    g = dist.new_group(ranks, backend="torchport", use_local_synchronization=True)
+    dist.barrier()  # (on the default group: the op counts of g stay in step)
+    opts = dist.AllreduceOptions()
+    opts.timeout = datetime.timedelta(seconds=0.5)
+    if rank == 1:
+        dist.destroy_process_group(g)
+        g = dist.new_group(ranks, backend="torchport", use_local_synchronization=True)
+        t = torch.full((4,), 1.0)
+    else:
+        time.sleep(0.3)  # rank 1 has re-created the group
+        t = torch.full((4,), 100.0)
+    try:
+        g.allreduce([t], opts).wait()
+        out: dict[str, Any] = {"error": None, "value": t[0].item()}
+    except TorchportDistError as e:
+        out = {"error": type(e).__name__}
+    dist.destroy_process_group(g)
+    return out
+
+
+def recreate_case(rank: int, world: int) -> list[float]:
+    """Every rank destroys a group and re-creates it under the same name (use_local_synchronization
+    names a group by its ranks), twice: each incarnation works."""
+    ranks, sums = list(range(world)), []
+    for i in range(3):
+        g = dist.new_group(ranks, backend="torchport", use_local_synchronization=True)
+        t = torch.full((4,), float(rank + i))
+        dist.all_reduce(t, group=g)
+        sums.append(t[0].item())
+        dist.destroy_process_group(g)
+    return sums
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -781,6 +848,9 @@ SCENARIOS = {
     "late_peer": late_peer_case,
     "auth": auth_case,
     "timeout": timeout_case,
+    "destroy_in_flight": destroy_in_flight_case,
+    "stale_incarnation": stale_incarnation_case,
+    "recreate": recreate_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,

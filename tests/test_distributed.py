@@ -39,6 +39,8 @@ PLANS = {
             ("mismatch", ()),
             ("auth", ()),
             ("timeout", ()),
+            ("destroy_in_flight", ()),
+            ("recreate", ()),
             ("ddp", ()),
             ("fsdp2", ()),
         ],
@@ -57,7 +59,15 @@ PLANS = {
     "tcp2": (
         2,
         {"TORCHPORT_DIST_TRANSPORT": "tcp"},
-        [("grid", ([0, 4099],)), ("grid_mailbox", ([4099],))],
+        [
+            ("grid", ([0, 4099],)),
+            ("grid_mailbox", ([4099],)),
+            ("destroy_in_flight", ()),
+            ("recreate", ()),
+            # last: its ranks have built the group's name a different number of times, so the
+            # name's later groups would not connect (each has its own incarnation count)
+            ("stale_incarnation", ()),
+        ],
     ),
     "tcp3": (
         3,
@@ -167,6 +177,33 @@ def test_per_op_timeout_is_typed_and_reaches_the_peer():
     assert res[1]["error"] == "timeout", res[1]
     assert 0.25 < res[1]["elapsed"] < 3.0
     assert res[0]["error"] == "RemoteError" and "rank 1 timed out" in res[0]["msg"], res[0]
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "tcp2"])
+def test_destroy_with_an_op_in_flight_aborts_it_at_once(plan):
+    """destroy_process_group(g) while g's allreduce waits for a peer that never joins: the
+    Work fails with CommAbortedError, destroy returns promptly, no thread of g lingers (it
+    blocked 5 s, then the op ran on to the 60 s group timeout)."""
+    r = results(plan)[1]["destroy_in_flight"]
+    assert r["error"] == "CommAbortedError" and "shut down" in r["msg"], r
+    assert r["completed"] and r["destroy_s"] < 1.0 and r["threads"] == [], r
+
+
+@pytest.mark.timeout(110)
+def test_a_recreated_group_never_takes_frames_of_its_old_incarnation():
+    """Rank 1 re-creates a group under its old name (use_local_synchronization) while rank 0
+    runs an allreduce on the old one: both time out (each completed with 1 + 100 = 101)."""
+    res = [r["stale_incarnation"] for r in results("tcp2")]
+    assert [r["error"] for r in res] == ["CommTimeoutError"] * 2, res
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "tcp2"])
+def test_a_group_re_created_under_its_name_works_each_time(plan):
+    """On shared memory the second incarnation read the first one's arena keys from the
+    group's store (an unlinked path): FileNotFoundError."""
+    assert [r["recreate"] for r in results(plan)] == [[1.0, 3.0, 5.0]] * 2
 
 
 @pytest.mark.timeout(110)
@@ -492,3 +529,18 @@ def test_a_window_on_a_torchport_group_takes_the_groups_timeout(world1):
     from torchport.distributed.window import _group_timeout
 
     assert _group_timeout(None) == 30.0 and _group_timeout(world1) == 30.0
+
+
+def test_split_ranks_take_integers_as_operator_index_does_but_no_bools(world1):
+    """split_group refused NumPy integers as split ranks and took True as rank 1."""
+    import numpy as np
+
+    from torchport.distributed import CollectiveArgumentError, split_group
+
+    sub = split_group(split_ranks=[[np.int64(0)]])
+    assert sub is not None and sub.size() == 1
+    dist.destroy_process_group(sub)
+    for bad in (True, np.bool_(False), 0.0, "0"):
+        with pytest.raises(CollectiveArgumentError, match="split rank must be an integer") as e:
+            split_group(split_ranks=[[bad]])
+        assert repr(bad) in str(e.value)

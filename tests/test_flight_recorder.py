@@ -116,6 +116,27 @@ def test_a_group_reusing_a_destroyed_groups_id_is_recorded_under_its_own_name():
     assert got == [("old", 0), (new.group_name, 0)]
 
 
+def test_the_default_groups_members_are_refreshed_after_a_reinit(monkeypatch):
+    """The default group destroyed and re-initialised with another world: its entries and the
+    dump's membership name the new world (they kept the first world's ranks)."""
+    world = [2]
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world[0])
+    monkeypatch.setattr(fr, "_group_names", {})
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
+    wrapped = fr._wrap("all_reduce", all_reduce, rec)
+    destroy = fr._wrap_destroy(lambda group=None: None)
+    wrapped(torch.ones(1))
+    assert rec.groups["default"] == [0, 1]
+    destroy()
+    world[0] = 3
+    wrapped(torch.ones(1))
+    assert rec.groups["default"] == [0, 1, 2]
+
+
 def test_the_record_does_not_depend_on_how_tensors_are_passed(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(fr, "_group_names", {})  # forget this test's default group afterwards
@@ -258,7 +279,7 @@ def test_analyzer_bad_input(tmp_path, capsys):
     assert v.missing_ranks == [1] and "rank 1: no dump" in v.text()
 
 
-def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path):
+def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
     def dump(name: str, obj: dict) -> None:
         (tmp_path / name).write_text(json.dumps(obj))
 
@@ -269,6 +290,14 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path):
     dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{"op": "all_reduce"}]})
     with pytest.raises(DumpError, match=r"entry 0 needs keys \('seq_id', 'op', 'group', 'state'\)"):
         load_dumps(tmp_path)
+    # a field analyze computes with, of the wrong type: the file, entry and field are named
+    # (a string or null seq_id ended in a traceback)
+    for field, value in (("seq_id", "7"), ("seq_id", None), ("seq_id", True), ("group", [1])):
+        dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{**entry, field: value}]})
+        with pytest.raises(DumpError, match=rf"rank_0\.json: entry 0: {field} must be"):
+            load_dumps(tmp_path)
+    assert cli.main(["fr", "analyze", str(tmp_path)]) == 2
+    assert "entry 0: group must be a string" in capsys.readouterr().out
     # a foreign dump without durations is still analysed
     dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [entry]})
     assert "was still started after 0 ms" in analyze(load_dumps(tmp_path)).text()

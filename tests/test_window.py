@@ -190,6 +190,62 @@ def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
         assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
 
 
+def test_tcp_window_first_connect_to_a_stopped_peer_times_out_typed(trio):
+    """A peer stopped before the first request: the kernel accepts the connection, nobody
+    answers the handshake. That gave a CommError; it is the same CommTimeoutError as a later
+    request's, within the window's timeout."""
+    import signal
+
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("tcp", 0.5)] * WORLD) == [("ok", 0.5)] * WORLD
+    try:
+        trio.kill(2, signal.SIGSTOP)
+        try:
+            (kind, msg), took = trio.call(0, "window_get", 2, timeout=10)
+        finally:
+            trio.kill(2, signal.SIGCONT)
+        assert kind == "CommTimeoutError" and "window get on rank 2" in msg, msg
+        assert 0.4 < took < 3.0
+        assert trio.call(0, "window_get", 2)[0] == [2.0] * 4
+    finally:
+        assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
+
+
+def test_tcp_window_request_is_bounded_as_a_whole_by_the_timeout():
+    """A window server trickling its reply (a byte every 20 ms, each recv well inside the
+    0.3 s timeout) stretched a get of 64 bytes to ~1.6 s: the whole request ends at the
+    timeout, with the typed error."""
+    import threading
+    import time
+
+    from torchport.distributed import CommTimeoutError
+    from torchport.distributed._control import MAGIC, Server, recv_msg
+    from torchport.distributed.window import Window
+
+    secret = b"s" * 32
+
+    def trickle(conn) -> None:
+        recv_msg(conn)  # hello
+        recv_msg(conn)  # the get
+        body = b'{"t":"ok"}'
+        for b in MAGIC + len(body).to_bytes(4, "big") + body + bytes(64):
+            conn.sendall(bytes([b]))
+            time.sleep(0.02)
+
+    srv = Server(trickle, secret=secret, role="window")
+    win = Window.__new__(Window)  # only what a tcp request uses
+    win.rank, win.timeout_s, win._secret = 0, 0.3, secret
+    win._addrs, win._socks = [("", 0), srv.address], {}
+    win._sock_locks = [threading.Lock(), threading.Lock()]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeoutError, match="window get on rank 1"):
+            win._rpc(1, {"t": "get", "off": 0, "n": 16}, None, torch.empty(16))
+        assert time.monotonic() - t0 < 0.9
+    finally:
+        srv.close()
+
+
 def test_window_timeout_defaults_to_the_groups(trio):
     """Without ``timeout=`` a window takes its group's (gloo here: c10d's 30 minutes)."""
     ranks = list(range(WORLD))

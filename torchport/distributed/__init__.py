@@ -23,9 +23,11 @@ and dumps, any backend), :mod:`~torchport.distributed.fr_analyze` (``torchport f
 from __future__ import annotations
 
 import datetime
+import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 # PeerFailure comes from the fault-tolerance control plane (reconfigure, windows, ft).
@@ -95,6 +97,22 @@ def _pg(group: Any) -> TorchportProcessGroup:
     return pg
 
 
+def _split_rank(value: Any, given: Any) -> int:
+    """A split rank as an int: anything ``operator.index`` takes (NumPy integers, a 0-dim
+    integer tensor; a NumPy integer was refused) except a bool (torch takes True as rank 1
+    unchecked; a flag is no rank)."""
+    if isinstance(value, bool | np.bool_):
+        raise CollectiveArgumentError(
+            f"split_group: a split rank must be an integer, got {value!r} in {list(given)}"
+        )
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise CollectiveArgumentError(
+            f"split_group: a split rank must be an integer, got {value!r} in {list(given)}"
+        ) from None
+
+
 def split_group(
     parent_pg: Any = None,
     split_ranks: Sequence[Sequence[int]] | None = None,
@@ -120,12 +138,13 @@ def split_group(
     to_global = dist.get_process_group_ranks(parent)
     me = parent.rank()
     seen: set[int] = set()
-    for ranks in split_ranks:
+    groups = [[_split_rank(r, given) for r in given] for given in split_ranks]
+    for ranks in groups:
         if not ranks or len(set(ranks)) != len(ranks):
             raise CollectiveArgumentError(
                 f"split_group: each group must be non-empty without duplicates, got {list(ranks)}"
             )
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < len(to_global))]
+        bad = [r for r in ranks if not 0 <= r < len(to_global)]
         if bad:
             raise CollectiveArgumentError(
                 f"split_group: split ranks are ranks of the parent group, in [0, "
@@ -136,7 +155,7 @@ def split_group(
                 f"split_group: groups overlap on ranks {sorted(seen & set(ranks))}"
             )
         seen |= set(ranks)
-    mine = next((sorted(to_global[r] for r in g) for g in split_ranks if me in g), None)
+    mine = next((sorted(to_global[r] for r in g) for g in groups if me in g), None)
     del parent
     if mine is None:
         return None

@@ -25,11 +25,12 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from torchport.distributed._threads import WarmPool
-from torchport.distributed.errors import AuthError, CommError
+from torchport.distributed.errors import AuthError, CommError, ConnectTimeoutError
 
 MAGIC = b"TPC1"
 MAX_FRAME = 16 << 20
@@ -97,40 +98,59 @@ def _user_secret(path: str) -> bytes:
     raise AuthError(f"could not create or read the secret file {path}")
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Receive exactly ``n`` bytes or raise :class:`CommError` on EOF."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Receive exactly ``n`` bytes or raise :class:`CommError` on EOF (``deadline``: see
+    :func:`recv_into_exact`)."""
     buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket or raise :class:`CommError` on EOF."""
+def _until(sock: socket.socket, deadline: float | None, what: str) -> None:
+    """Bound the socket's next blocking call by ``deadline`` (``time.monotonic()``); raise
+    ``TimeoutError`` once it passed."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"timed out {what}")
+    sock.settimeout(left)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from the socket or raise :class:`CommError` on EOF. With ``deadline``
+    (``time.monotonic()``) the whole receive ends by then (``TimeoutError``): the socket's own
+    timeout bounds each ``recv`` only, so a peer trickling bytes stretched it without bound."""
     got, n = 0, len(view)
     while got < n:
+        _until(sock, deadline, f"after {got} of {n} bytes")
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise CommError(f"connection closed by peer after {got} of {n} bytes")
         got += k
 
 
-def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
-    """Send one JSON control frame."""
+def send_msg(sock: socket.socket, obj: dict[str, Any], deadline: float | None = None) -> None:
+    """Send one JSON control frame (by ``deadline``, ``time.monotonic()``, if given)."""
     body = json.dumps(obj, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME:
         raise CommError(f"control frame of {len(body)} bytes exceeds the limit {MAX_FRAME}")
-    sock.sendall(_HDR.pack(MAGIC, len(body)) + body)
+    _until(sock, deadline, "sending a control frame")
+    sock.sendall(_HDR.pack(MAGIC, len(body)) + body)  # (sendall: the timeout bounds it whole)
 
 
-def recv_msg(sock: socket.socket, limit: int = MAX_FRAME) -> dict[str, Any]:
-    """Receive one JSON control frame (validated magic, bounded length, object body)."""
-    magic, n = _HDR.unpack(recv_exact(sock, _HDR.size))
+def recv_msg(
+    sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None
+) -> dict[str, Any]:
+    """Receive one JSON control frame (validated magic, bounded length, object body), by
+    ``deadline`` (``time.monotonic()``) if given."""
+    magic, n = _HDR.unpack(recv_exact(sock, _HDR.size, deadline))
     if magic != MAGIC:
         raise CommError(f"bad frame magic {magic!r}; expected {MAGIC!r}")
     if n > limit:
         raise CommError(f"control frame of {n} bytes exceeds the limit {limit}")
     try:
-        obj = json.loads(recv_exact(sock, n))
+        obj = json.loads(recv_exact(sock, n, deadline))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: the
         # last, or it escaped the handlers (which stop on CommError) and killed the server thread
         raise CommError(f"malformed control frame: {type(e).__name__}: {e}") from None
@@ -168,27 +188,37 @@ def connect(
     waiting for the server's "OK": the server reads it only once the answer has checked out, so
     the connection stays authenticated and the request saves a round trip.
     """
+    deadline = time.monotonic() + timeout  # the whole connect: dial and handshake
     try:
         sock = socket.create_connection(addr, timeout=timeout)
+    except TimeoutError as e:
+        raise ConnectTimeoutError(
+            f"cannot connect to {addr[0]}:{addr[1]} ({role}) within {timeout:g} s: {e}"
+        ) from None
     except OSError as e:
         raise CommError(f"cannot connect to {addr[0]}:{addr[1]} ({role}): {e}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = recv_exact(sock, 32)
+        nonce = recv_exact(sock, 32, deadline)
         answer = _mac(secret, nonce, role)
         if first is not None:
             body = json.dumps(first, separators=(",", ":")).encode()
             if len(body) > MAX_FRAME:
                 raise CommError(f"control frame of {len(body)} bytes exceeds the limit {MAX_FRAME}")
             answer += _HDR.pack(MAGIC, len(body)) + body
+        _until(sock, deadline, "sending the authentication answer")
         sock.sendall(answer)
-        if recv_exact(sock, 2) != b"OK":
+        if recv_exact(sock, 2, deadline) != b"OK":
             raise AuthError(f"server at {addr} rejected authentication")
         sock.settimeout(None)
     except (OSError, CommError) as e:
         sock.close()
         if isinstance(e, CommError):
             raise
+        if isinstance(e, TimeoutError):  # a stopped peer: the kernel accepted, nobody answers
+            raise ConnectTimeoutError(
+                f"handshake with {addr[0]}:{addr[1]} ({role}) timed out after {timeout:g} s"
+            ) from None
         raise CommError(f"handshake with {addr[0]}:{addr[1]} failed: {e}") from None
     return sock
 

@@ -276,6 +276,8 @@ def _timeout_s(value: Any, default: float) -> float:
     return default
 
 
+# How long closing waits for the engine threads to end before it aborts what they still run.
+SHUTDOWN_GRACE_S = 0.05
 SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a header beside a chunk)
 
 
@@ -668,10 +670,34 @@ class Communicator:
         return False
 
     def close(self) -> None:
-        """Stop the engine threads and release the arena (after in-flight work ended)."""
+        """Stop the engine threads and release the arena.
+
+        An operation still queued or running (one a peer never joined) is aborted, as c10d's
+        destroy/shutdown does: its Work fails with :class:`CommAbortedError` at once and the
+        peers see the group shut down; an idle group closes without telling anyone.
+        """
         self.engine.stop()
         self.sender.stop()
-        quiet = self.engine.join(5.0) & self.sender.join(5.0)
+        # an idle engine thread ends as soon as the stop rings; one still in an operation
+        # would run it to the group timeout (destroy blocked for the 5 s join, then the op
+        # ran on and its Work completed only at the timeout)
+        quiet = self.engine.join(SHUTDOWN_GRACE_S) & self.sender.join(SHUTDOWN_GRACE_S)
+        if (not quiet and (self.engine.busy() or self.sender.busy())) or self._pending:
+            self.fail(
+                CommAbortedError(
+                    f"communicator {self.name!r} (rank {self.rank}) was shut down with an "
+                    f"operation in flight"
+                ),
+                REASON_SHUTDOWN,
+            )
+        if not quiet:
+            quiet = self.engine.join(5.0) & self.sender.join(5.0)
+        for work in self.engine.drain() + self.sender.drain():  # queued behind the stop
+            work._finish(
+                self.error
+                if self.error is not None
+                else CommAbortedError(f"communicator {self.name!r} was shut down")
+            )
         self.mesh.unregister(self.group_id, self)
         if not quiet:  # an op still runs (e.g. a stalled thread): unmapping would crash it
             return  # the mappings go with the process

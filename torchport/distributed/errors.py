@@ -52,6 +52,12 @@ class WireError(CommError, ValueError):
     """A received frame violates the wire format (magic, version, kind or length bound)."""
 
 
+class ConnectTimeoutError(CommError, CommTimeoutError):
+    """Opening a control connection timed out (the peer accepted nothing or stopped answering
+    the handshake): a :class:`CommError` for callers that handle any failed connection, and a
+    :class:`CommTimeoutError` for those that tell a timeout from a refusal."""
+
+
 class AuthError(CommError):
     """A peer failed authentication (wrong secret, rank or job)."""
 

@@ -475,8 +475,9 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
         hit = names.get(id(group))
         if hit is None or hit[2]() is not group:
             hit = _group_key(group)
-            if hit[0] not in rec.groups:
-                rec.groups[hit[0]] = list(hit[1])
+            # a new group object: a group of that name re-created (the default group after a
+            # re-init with another world) names its own members, not the old ones
+            rec.groups[hit[0]] = list(hit[1])
         # Every tensor argument, by position or keyword, so that the record does not depend on
         # the call's spelling: all_reduce(tensor=t) was recorded without sizes, and
         # all_gather_into_tensor(out, inp) without inp's while (out, inp, g) had it -- fr
@@ -511,6 +512,22 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
     return wrapper
 
 
+def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``destroy_process_group`` that also forgets the default group's cached membership:
+    ``group=None`` is cached under one key for the life of the process, so after a re-init
+    with another world the entries still named the old world's ranks."""
+
+    @functools.wraps(fn)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _group_names.pop(id(None), None)
+
+    destroy_process_group.__torchport_fr__ = True  # type: ignore[attr-defined]
+    return destroy_process_group
+
+
 def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True) -> FlightRecorder:
     """Record every ``torch.distributed`` collective of this process, on any backend.
 
@@ -526,6 +543,11 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
             fn = _originals[name]
         _originals[name] = fn
         setattr(dist, name, _wrap(name, fn, rec))
+    fn = dist.destroy_process_group
+    if getattr(fn, "__torchport_fr__", False):
+        fn = _originals["destroy_process_group"]
+    _originals["destroy_process_group"] = fn
+    dist.destroy_process_group = _wrap_destroy(fn)
     rec.start_watchdog()
     if signal_dump and threading.current_thread() is threading.main_thread():
         enable_signal_dump(recorder=rec)

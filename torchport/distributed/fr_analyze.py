@@ -63,6 +63,13 @@ def _check_dump(p: Path, obj: Any) -> int:
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or any(k not in e for k in _ENTRY_REQUIRED):
             raise DumpError(f"{p}: entry {i} needs keys {_ENTRY_REQUIRED}, got {e!r:.200}")
+        # the fields analyze computes with (a string or null seq_id ended in a traceback)
+        seq = e["seq_id"]
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise DumpError(f"{p}: entry {i}: seq_id must be an int >= 0, got {seq!r:.200}")
+        for k in ("op", "group", "state"):
+            if not isinstance(e[k], str):
+                raise DumpError(f"{p}: entry {i}: {k} must be a string, got {e[k]!r:.200}")
     return rank
 
 
@@ -125,7 +132,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
         for e in d["entries"]:
             if e["op"] in P2P_OPS:  # numbered on their own counter: not lined up as collectives
                 continue
-            groups.setdefault(e["group"], {}).setdefault(rank, {})[int(e["seq_id"])] = e
+            groups.setdefault(e["group"], {}).setdefault(rank, {})[e["seq_id"]] = e
     for g in sorted(groups):
         per_rank = groups[g]
         expected = (members.get(g) or set(per_rank)) & set(dumps)

@@ -4,8 +4,11 @@ The first group created in a process with an empty ``global_ranks_in_group`` (th
 of ``init_process_group``) builds the root :class:`~torchport.distributed.transport_tcp.Mesh`:
 a per-job secret through the store, then authenticated connections to every rank. Every later
 group (``new_group``, :func:`split_group`) reuses that mesh: its frames carry a group id derived
-from the group name (identical on every rank), and its ranks are ordered by global rank, so
-sub-ranks are deterministic. A group gets a shared-memory arena when all its members run on this
+from the group name (identical on every rank) and the name's incarnation (how many groups of
+that name this process built on the mesh before: a group destroyed and re-created under the same
+name, as ``use_local_synchronization`` names groups by their ranks, gets a new id, so a late
+frame of the old one can never complete an op of the new one), and its ranks are ordered by
+global rank, so sub-ranks are deterministic. A group gets a shared-memory arena when all its members run on this
 host (same hostname and boot id) and ``TORCHPORT_DIST_TRANSPORT`` allows it. A group spanning
 hosts (transport ``auto``) is *hybrid*: the members on each host share an arena among
 themselves and reach the other hosts by TCP, chosen per peer in every step
@@ -31,6 +34,8 @@ from torchport.distributed.transport_tcp import Mesh
 
 _lock = threading.Lock()
 _root: Mesh | None = None
+# name -> groups of that name built on the root mesh so far (reset with the mesh)
+_incarnations: dict[str, int] = {}
 
 
 def host_id() -> str:
@@ -97,9 +102,11 @@ def _make_arena(
     return arena
 
 
-def group_id_for(name: str) -> int:
-    """Nonzero 32-bit id of a sub-group (0 is the root group)."""
-    return (zlib.crc32(name.encode()) & 0x7FFFFFFF) | 1
+def group_id_for(name: str, incarnation: int = 0) -> int:
+    """Nonzero 32-bit id of a sub-group (0 is the root group); ``incarnation`` > 0 for the
+    groups of a name built after its first."""
+    key = name if not incarnation else f"{name}\x00{incarnation}"
+    return (zlib.crc32(key.encode()) & 0x7FFFFFFF) | 1
 
 
 def build_communicator(
@@ -122,21 +129,33 @@ def build_communicator(
                 if _root is not None and not _root.closed:
                     _root.close()
                 _root = mesh
+                _incarnations.clear()
             ranks: list[int] = list(range(size))
             gid = 0 if not global_ranks else group_id_for(name)
+            seen = 0
         else:
             assert _root is not None
             mesh = _root
             ranks = sorted(global_ranks)
-            gid = group_id_for(name)
+            # every member builds the same groups of a name in the same order, so the count
+            # agrees across members; a member still on the old incarnation sends under the old
+            # id, whose frames the mesh drops (it was unregistered here)
+            seen = _incarnations.get(name, 0)
+            _incarnations[name] = seen + 1
+            gid = group_id_for(name, seen)
     local = all(mesh.hosts[g] == mesh.hosts[mesh.rank] for g in ranks)
     if transport == "shm" and not local:
         raise CommError("TORCHPORT_DIST_TRANSPORT=shm but the group spans several hosts")
     arena = local_arena = None
     chunk = int(config.get("dist_chunk_bytes"))
     local_ranks: list[int] = []
+    # the group's store keeps the arena keys of earlier incarnations of its name (the path of an
+    # unlinked arena, a full mapped count): a re-created group read them and failed to map
+    again = f"#{seen}" if seen else ""
     if local and transport != "tcp" and size > 1:
-        arena = _make_arena(store, rank, size, chunk + SLOT_EXTRA, timeout_s)
+        arena = _make_arena(
+            store, rank, size, chunk + SLOT_EXTRA, timeout_s, key=f"tp/arena{again}"
+        )
     else:
         chunk = int(config.get("dist_tcp_chunk_bytes"))
     if not local and transport == "auto":
@@ -150,7 +169,7 @@ def build_communicator(
                 len(local_ranks),
                 chunk + SLOT_EXTRA,
                 timeout_s,
-                key=f"tp/arena_host{local_ranks[0]}",
+                key=f"tp/arena_host{local_ranks[0]}{again}",
             )
     comm = Communicator(
         mesh,

@@ -222,6 +222,17 @@ class Engine:
     def stop(self) -> None:
         self._lib.doorbell_ring(self._cells, 1)
 
+    def busy(self) -> bool:
+        """Whether an operation is queued or running (a stopped engine's thread may still be
+        inside one)."""
+        return bool(self._items) or self._runner.locked()
+
+    def drain(self) -> list[TorchportWork]:
+        """Take every queued operation off the queue (the engine stopped: none will run)."""
+        with self._lock:
+            items, self._items = list(self._items), collections.deque()
+        return [work for work, _fn in items]
+
     def join(self, timeout: float) -> bool:
         """Wait until the thread ended and no caller runs an operation inline; True if so
         (then nothing of this engine touches the transport any more)."""

@@ -18,8 +18,9 @@ A window gives every rank of a group direct access to a tensor registered by eac
   target keep their order; the source tensor is snapshotted) and return a ``Work``; ``fence()``
   waits for all of this rank's outstanding ones. ``map_remote_tensor`` needs shared memory and
   raises on this transport. Every request is bounded by the window's timeout (``timeout=``, else
-  the group's): a peer that stopped answering raises :class:`CommTimeoutError` naming the peer
-  and the request (it blocked ``get`` forever before), and the connection is reopened next time.
+  the group's): a peer that stopped answering (or trickles bytes) raises :class:`CommTimeoutError` naming the
+  peer and the request once the whole request (connect included) took longer (it blocked ``get``
+  forever before), and the connection is reopened next time.
 
 Semantics (and the reference, :class:`ReferenceWindow`): a put of ``n`` elements at
 ``target_offset_nelems`` overwrites those elements of the target's flat tensor; accumulate adds
@@ -551,21 +552,29 @@ class Window:
         out: torch.Tensor | None = None,
     ) -> None:
         with self._sock_locks[r]:
+            # one deadline for the whole request (connect, send, reply): a timeout on each
+            # send/recv let a peer trickling bytes stretch a request without bound
+            deadline = time.monotonic() + self.timeout_s
             sock = self._socks.get(r)
             try:
                 if sock is None:
+                    # (a peer stopped before it answered the handshake: ConnectTimeoutError, a
+                    # TimeoutError, typed below like a later request's timeout)
                     sock = connect(self._addrs[r], self._secret, "window", self.timeout_s)
-                    sock.settimeout(self.timeout_s)  # each blocking send/recv of a request
                     self._socks[r] = sock
-                    send_msg(sock, {"t": "hello", "src": self.rank})
-                send_msg(sock, msg)
+                    send_msg(sock, {"t": "hello", "src": self.rank}, deadline)
+                send_msg(sock, msg, deadline)
                 if payload is not None and payload.numel():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("timed out before sending the payload")
+                    sock.settimeout(left)  # (sendall: bounds the whole send)
                     sock.sendall(_bytes_view(payload.contiguous()))
-                reply = recv_msg(sock)
+                reply = recv_msg(sock, deadline=deadline)
                 if reply.get("t") != "ok":
                     raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
                 if out is not None and out.numel():
-                    recv_into_exact(sock, _bytes_view(out))
+                    recv_into_exact(sock, _bytes_view(out), deadline)
             except TimeoutError:
                 # the reply may still come: the stream's position is unknown, so the next
                 # request opens a new connection
