@@ -368,10 +368,16 @@ def destroy_in_flight_case(rank: int, world: int) -> dict[str, Any]:
         time.sleep(0.5)
         dist.destroy_process_group(sub)
         return {}
+    from torchport.distributed import engine
+
     work = dist.all_reduce(torch.ones(4), group=sub, async_op=True)
     time.sleep(0.2)  # the engine thread has started it
     t0 = time.monotonic()
-    dist.destroy_process_group(sub)
+    flush, engine.SHUTDOWN_FLUSH_S = engine.SHUTDOWN_FLUSH_S, 0.3  # (5 s by default)
+    try:
+        dist.destroy_process_group(sub)
+    finally:
+        engine.SHUTDOWN_FLUSH_S = flush
     out: dict[str, Any] = {"destroy_s": time.monotonic() - t0, "completed": work.is_completed()}
     try:
         work.wait()
@@ -380,6 +386,31 @@ def destroy_in_flight_case(rank: int, world: int) -> dict[str, Any]:
         out["error"], out["msg"] = type(e).__name__, str(e)
     time.sleep(0.1)
     out["threads"] = [t.name for t in threading.enumerate() if t.name.endswith(f"-{name}")]
+    return out
+
+
+def destroy_flushes_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 issues an allreduce and destroys the group without waiting; the other ranks join
+    the allreduce 0.4 s later: destroy lets it finish (gloo's destructor and NCCL's graceful
+    shutdown flush pending work too), so every rank gets the sum."""
+    sub = dist.new_group(list(range(world)), backend="torchport")
+    dist.barrier(group=sub)
+    t = torch.full((4,), float(rank + 1))
+    if rank != 1:
+        time.sleep(0.4)
+        dist.all_reduce(t, group=sub)
+        dist.destroy_process_group(sub)
+        return {"sum": t.tolist()}
+    work = dist.all_reduce(t, group=sub, async_op=True)
+    t0 = time.monotonic()
+    dist.destroy_process_group(sub)
+    out: dict[str, Any] = {"destroy_s": time.monotonic() - t0, "completed": work.is_completed()}
+    try:
+        work.wait()
+        out["error"] = None
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["sum"] = t.tolist()
     return out
 
 
@@ -849,6 +880,7 @@ SCENARIOS = {
     "auth": auth_case,
     "timeout": timeout_case,
     "destroy_in_flight": destroy_in_flight_case,
+    "destroy_flushes": destroy_flushes_case,
     "stale_incarnation": stale_incarnation_case,
     "recreate": recreate_case,
     "abort": abort_case,

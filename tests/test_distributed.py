@@ -40,6 +40,7 @@ PLANS = {
             ("auth", ()),
             ("timeout", ()),
             ("destroy_in_flight", ()),
+            ("destroy_flushes", ()),
             ("recreate", ()),
             ("ddp", ()),
             ("fsdp2", ()),
@@ -63,6 +64,7 @@ PLANS = {
             ("grid", ([0, 4099],)),
             ("grid_mailbox", ([4099],)),
             ("destroy_in_flight", ()),
+            ("destroy_flushes", ()),
             ("recreate", ()),
             # last: its ranks have built the group's name a different number of times, so the
             # name's later groups would not connect (each has its own incarnation count)
@@ -188,6 +190,18 @@ def test_destroy_with_an_op_in_flight_aborts_it_at_once(plan):
     r = results(plan)[1]["destroy_in_flight"]
     assert r["error"] == "CommAbortedError" and "shut down" in r["msg"], r
     assert r["completed"] and r["destroy_s"] < 1.0 and r["threads"] == [], r
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "tcp2"])
+def test_destroy_lets_an_op_a_peer_joins_late_finish(plan):
+    """destroy_process_group(g) right after an async allreduce whose peer joins 0.4 s later:
+    the op finishes with the sum on every rank (a 50 ms grace aborted it: the peer got
+    'shut down' and rank 1 CommAbortedError)."""
+    res = [r["destroy_flushes"] for r in results(plan)]
+    assert all(r["sum"] == [3.0] * 4 for r in res), res
+    assert res[1]["error"] is None and res[1]["completed"], res
+    assert 0.2 < res[1]["destroy_s"] < 5.0, res
 
 
 @pytest.mark.timeout(110)

@@ -276,7 +276,11 @@ def _timeout_s(value: Any, default: float) -> float:
     return default
 
 
-# How long closing waits for the engine threads to end before it aborts what they still run.
+# Closing first lets queued and running operations finish for up to this long (their peers may
+# still be on their way to join them: gloo's destructor and NCCL's graceful shutdown flush
+# pending work too), capped by the group timeout; what is still in flight then is aborted.
+SHUTDOWN_FLUSH_S = 5.0
+# How long closing waits for the engine threads to end once stopped.
 SHUTDOWN_GRACE_S = 0.05
 SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a header beside a chunk)
 
@@ -672,10 +676,21 @@ class Communicator:
     def close(self) -> None:
         """Stop the engine threads and release the arena.
 
-        An operation still queued or running (one a peer never joined) is aborted, as c10d's
-        destroy/shutdown does: its Work fails with :class:`CommAbortedError` at once and the
-        peers see the group shut down; an idle group closes without telling anyone.
+        Operations still queued or running get up to :data:`SHUTDOWN_FLUSH_S` (at most the
+        group timeout) to finish, as gloo's destructor and NCCL's graceful shutdown flush pending
+        work, so a peer that joins late still gets its result. One still in flight after that
+        (a peer never joined) is aborted: its Work fails with :class:`CommAbortedError` and the
+        peers see the group shut down. An idle group closes at once without telling anyone.
         """
+        self.engine.urge()  # queued async work starts now rather than at the next poll
+        self.sender.urge()
+        flush_end = time.monotonic() + min(SHUTDOWN_FLUSH_S, self.timeout_s)
+        while self.error is None and (
+            self.engine.busy() or self.sender.busy() or self._pending
+        ):  # posted receives count: their senders may still come
+            if time.monotonic() >= flush_end:
+                break
+            time.sleep(0.002)
         self.engine.stop()
         self.sender.stop()
         # an idle engine thread ends as soon as the stop rings; one still in an operation
