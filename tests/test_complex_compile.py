@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -583,3 +584,52 @@ def test_lowering_keeps_an_unused_in_place_update() -> None:
     (out,) = join_outputs(list(real(*split_inputs([z, b], in_l))), out_l)
     torch.testing.assert_close(out, z * z)
     assert b.tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_huge_magnitudes_subnormals_and_zero_divisors(dtype: torch.dtype) -> None:
+    # |z| above the dtype's max made log|z| (log, log1p, log10) and Kahan's products (asin,
+    # acos, asinh, acosh) inf, 2y overflowed in tanh (NaN), 0/0 in Smith's division made both
+    # parts NaN (ATen: 1j/0 = nan + inf i), quartering subnormal parts cost sqrt 40 ulp, and
+    # sqrt(nan + inf i) was nan + inf i (ATen: inf + inf i)
+    big = 1e38 if dtype == torch.complex64 else 1e300
+    mx = torch.finfo(dtype.to_real()).max
+    sub = torch.finfo(dtype.to_real()).smallest_normal * 2**-20
+    z = torch.tensor(
+        [
+            complex(big, mx),
+            complex(-big, mx),
+            complex(mx, -mx),
+            complex(0.0, mx),
+            complex(-mx, 0.0),
+            complex(3e9, -2e10),
+            0.5 - 0.25j,
+        ],
+        dtype=dtype,
+    )
+    fns = {
+        "log": torch.log,
+        "log1p": torch.log1p,
+        "log10": torch.log10,
+        "asin": torch.asin,
+        "acos": torch.acos,
+        "asinh": torch.asinh,
+        "acosh": torch.acosh,
+        "tanh_imag": lambda w: torch.tanh(w.imag * 1j),
+    }
+    tol = 1e-5 if dtype == torch.complex64 else 1e-12
+    for name, fn in fns.items():
+        (got,) = _run_lowered(fn, z)
+        torch.testing.assert_close(got, fn(z), rtol=tol, atol=0.0, msg=name)
+    g = torch.Generator().manual_seed(0)
+    parts = torch.randint(1, 2**20, (2, 64), generator=g).to(dtype.to_real()) * sub
+    w = torch.complex(parts[0], -parts[1])
+    w = torch.cat([w, w * 2**18, torch.tensor([complex(math.nan, math.inf)], dtype=dtype)])
+    (got,) = _run_lowered(torch.sqrt, w)
+    torch.testing.assert_close(got, torch.sqrt(w), rtol=tol / 10, atol=0.0)
+    a = torch.tensor([1j, 1 + 0j, -2 + 1j, 0.5 - 1j], dtype=dtype)
+    b = torch.tensor([0j, 0j, complex(0.0, -0.0), 1 + 1j], dtype=dtype)
+    (got,) = _run_lowered(lambda u, v: u / v, a, b)
+    torch.testing.assert_close(got, a / b, rtol=tol, atol=0.0, equal_nan=True)
+    (got,) = _run_lowered(torch.exp, torch.tensor([complex(-big, -1.0)] * 9, dtype=dtype))
+    assert torch.signbit(got.imag).all()  # exp(-1e38 - 1i) = 0 - 0i

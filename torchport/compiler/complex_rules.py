@@ -188,7 +188,16 @@ def _smith_div(e: _Emitter, pa: Pair, pb: Pair) -> Pair:
     def pick(u: Any, v: Any) -> Any:
         return e.call(torch.where, big, 0.0 if u is None else u, 0.0 if v is None else v)
 
-    return Pair(e.div(pick(re_big, re_small), den), e.div(pick(im_big, im_small), den))
+    re, im = e.div(pick(re_big, re_small), den), e.div(pick(im_big, im_small), den)
+    # 0/0 made rat, and so both parts, NaN; ATen divides each part by 0 instead (a complex inf
+    # or NaN: 1j/0 = nan + inf i, 1/(0+0i) = inf + nan i)
+    ac, ad = e.f(torch.abs, c), e.f(torch.abs, d)
+    by_zero = e.call(torch.logical_and, e.call(operator.eq, ac, 0), e.call(operator.eq, ad, 0))
+    x0, y0 = 0.0 if x is None else x, 0.0 if y is None else y
+    return Pair(
+        e.call(torch.where, by_zero, e.div(x0, ac), re),
+        e.call(torch.where, by_zero, e.div(y0, ad), im),
+    )
 
 
 def c_abs(e: _Emitter, a: Pair) -> Any:
@@ -210,10 +219,12 @@ def c_exp(e: _Emitter, a: Pair) -> Pair:
     ex = e.f(torch.exp, a.re)
     if a.im is None:
         return Pair(ex, None)
-    im = _keep_zero(e, a.im, a.im, e.mul(ex, e.f(torch.sin, a.im)))  # e^x + 0i for y = ±0
-    # e^x = 0 (x = -inf, as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf
-    re = _keep_zero(e, ex, ex, e.mul(ex, e.f(torch.cos, a.im)))
-    return Pair(re, _keep_zero(e, ex, ex, im))
+    cos_y, sin_y = e.f(torch.cos, a.im), e.f(torch.sin, a.im)
+    im = _keep_zero(e, a.im, a.im, e.mul(ex, sin_y))  # e^x + 0i for y = ±0
+    # e^x = 0 (x = -inf, as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf, with
+    # the signs of cos y and sin y (exp(-1e38 - 1i) = 0 - 0i)
+    re = _keep_zero(e, ex, e.f(torch.copysign, ex, cos_y), e.mul(ex, cos_y))
+    return Pair(re, _keep_zero(e, ex, e.f(torch.copysign, ex, sin_y), im))
 
 
 def c_log(e: _Emitter, a: Pair) -> Pair:
@@ -231,7 +242,16 @@ def _log_abs(e: _Emitter, a: Pair) -> Any:
     big, small = e.f(torch.maximum, ax, ay), e.f(torch.minimum, ax, ay)
     near = e.call(torch.logical_and, e.call(torch.ge, big, 0.5), e.call(torch.le, big, 2.0))
     t = e.add(e.mul(e.sub(big, 1.0), e.add(big, 1.0)), e.mul(small, small))
-    return e.call(torch.where, near, e.mul(e.f(torch.log1p, t), 0.5), e.f(torch.log, r))
+    return e.call(torch.where, near, e.mul(e.f(torch.log1p, t), 0.5), _log_hypot(e, a.re, a.im, r))
+
+
+def _log_hypot(e: _Emitter, u: Any, v: Any, r: Any = None) -> Any:
+    """log hypot(u, v), also where the hypot overflows although its log is finite (|z| of
+    1e38 + 3.4e38i is above float32's max: log z had real part inf, ATen 88.76): there it is
+    log hypot(u/2, v/2) + log 2 (halving is exact above the subnormals)."""
+    r = e.f(torch.hypot, u, v) if r is None else r
+    halved = e.add(e.f(torch.log, e.f(torch.hypot, e.mul(u, 0.5), e.mul(v, 0.5))), math.log(2.0))
+    return e.call(torch.where, e.f(torch.isinf, r), halved, e.f(torch.log, r))
 
 
 def c_angle(e: _Emitter, a: Pair) -> Any:
@@ -243,9 +263,15 @@ def c_sqrt(e: _Emitter, a: Pair) -> Pair:
     # for x < 0: the part that (|z| - |x|)/2 would give cancels (1 + 1e-3i: |z| - x lost every
     # digit but one in float32, the imaginary part was 2% off; -4 + 1e-5i had real part 0), and
     # quartering before adding keeps |z| and |x| + |z| from overflowing (3e38 + 3e38i gave inf):
-    # t = sqrt 2 · sqrt(|x|/4 + |z/4|)
+    # t = sqrt 2 · sqrt(|x|/4 + |z/4|). Quartering a subnormal part drops its low bits (sqrt of
+    # complex64 values near 1e-40 was 40 ulp off), so a z with both parts below 2^-60 is scaled
+    # by 2^100 first, the result by 2^-50 after (powers of two: exact)
     x = a.re
     y = e.dense(a.im, x)
+    ax0, ay0 = e.f(torch.abs, x), e.f(torch.abs, y)
+    tiny = e.call(torch.lt, e.f(torch.maximum, ax0, ay0), 2.0**-60)
+    up, down = e.call(torch.where, tiny, 2.0**100, 1.0), e.call(torch.where, tiny, 2.0**-50, 1.0)
+    x, y = e.mul(x, up), e.mul(y, up)
     quarter_r = c_abs(e, Pair(e.mul(x, 0.25), e.mul(y, 0.25)))
     q = e.add(e.mul(e.f(torch.abs, x), 0.25), quarter_r)
     t = e.mul(e.f(torch.sqrt, q), math.sqrt(2.0))
@@ -254,10 +280,16 @@ def c_sqrt(e: _Emitter, a: Pair) -> Pair:
     small = e.call(torch.where, inf_y, y, e.div(y, two_t))
     ay = e.f(torch.abs, y)
     small_abs = e.call(torch.where, inf_y, ay, e.div(ay, two_t))
-    nonneg = e.call(torch.ge, x, 0)
-    re = e.call(torch.where, nonneg, t, small_abs)
+    # (and for x NaN: sqrt(nan ± inf i) = inf ± inf i, as ATen; t is NaN there)
+    nonneg = e.call(torch.logical_or, e.call(torch.ge, x, 0), inf_y)
+    re = e.call(
+        torch.where,
+        e.call(torch.logical_and, nonneg, e.call(torch.logical_not, inf_y)),
+        t,
+        small_abs,
+    )
     im = e.call(torch.where, nonneg, small, e.f(torch.copysign, t, y))
-    return Pair(re, im)
+    return Pair(e.mul(re, down), e.mul(im, down))
 
 
 def c_sin(e: _Emitter, a: Pair) -> Pair:
@@ -285,10 +317,15 @@ def c_tanh(e: _Emitter, a: Pair) -> Pair:
     # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y), with numerator and denominator divided by
     # cosh 2x: sinh and cosh overflow for |x| > ~44 in float32 (inf/inf = nan where tanh is
     # ±1), while tanh 2x and sech 2x = 1/cosh 2x stay finite (sech → 0)
-    x2, y2 = e.mul(a.re, 2.0), e.mul(a.im, 2.0)
+    # sin 2y and cos 2y from sin y and cos y: 2y overflows for |y| above half the max (tanh of
+    # 3.4e38i was NaN, ATen -0.61i)
+    x2 = e.mul(a.re, 2.0)
+    sin_y, cos_y = e.f(torch.sin, a.im), e.f(torch.cos, a.im)
+    sin_2y = e.mul(e.mul(sin_y, cos_y), 2.0)
+    cos_2y = e.mul(e.sub(cos_y, sin_y), e.add(cos_y, sin_y))
     sech = e.f(torch.reciprocal, e.f(torch.cosh, x2))
-    den = e.add(1.0, e.mul(e.f(torch.cos, y2), sech))
-    return Pair(e.div(e.f(torch.tanh, x2), den), e.div(e.mul(e.f(torch.sin, y2), sech), den))
+    den = e.add(1.0, e.mul(cos_2y, sech))
+    return Pair(e.div(e.f(torch.tanh, x2), den), e.div(e.mul(sin_2y, sech), den))
 
 
 def c_sigmoid(e: _Emitter, a: Pair) -> Pair:
@@ -326,7 +363,7 @@ def c_log1p(e: _Emitter, a: Pair) -> Pair:
     t = e.mul(x, e.add(x, 2.0))
     t = e.call(torch.where, e.call(operator.eq, y, 0), t, e.add(t, e.mul(y, y)))
     small = e.mul(e.f(torch.log1p, t), 0.5)
-    big = e.f(torch.log, e.f(torch.hypot, xp1, y))
+    big = _log_hypot(e, xp1, y)
     return Pair(e.call(torch.where, near, small, big), e.f(torch.atan2, y, xp1))
 
 
@@ -378,14 +415,34 @@ def _sqrt_1_pm(e: _Emitter, a: Pair, sign: float) -> Pair:
     return c_sqrt(e, Pair(e.sub(1.0, x), e.neg(y)))
 
 
+_FAR = 2.0**30  # |x| or |y| above this: the inverse functions' asymptotic forms are exact
+
+
+def _far(e: _Emitter, x: Any, y: Any) -> tuple[Any, Any]:
+    """``(far, L)``: where |x| or |y| exceeds 2^30, and L = log 2|z| there. Kahan's products of
+    square roots overflow for |z| near the dtype's max (asinh(1e308i) gave inf, ATen 710.5);
+    out there √(1-z)√(1+z) ~ ±iz up to a relative 1/|z|² (below either dtype's rounding), so
+    asin, acos, asinh and acosh are ±log 2|z| plus an argument. L takes |z| = 1 where not far,
+    so that its gradient through ``where`` is finite."""
+    far = e.call(
+        torch.logical_or,
+        e.call(torch.gt, e.f(torch.abs, x), _FAR),
+        e.call(torch.gt, e.f(torch.abs, y), _FAR),
+    )
+    xs, ys = e.call(torch.where, far, x, 1.0), e.call(torch.where, far, y, 0.0)
+    return far, e.add(_log_hypot(e, xs, ys), math.log(2.0))
+
+
 def c_asin(e: _Emitter, a: Pair) -> Pair:
     # Kahan: asin z = atan2(x, Re(√(1-z) √(1+z))) + i asinh(Im(conj(√(1-z)) √(1+z))): no log of a
     # difference (log(iz + √(1-z²)) cancels), and the square roots' branch cuts give asin's
     m, p = _sqrt_1_pm(e, a, -1.0), _sqrt_1_pm(e, a, 1.0)
-    x, _ = _xy(e, a)
+    x, y = _xy(e, a)
     re = e.f(torch.atan2, x, e.sub(e.mul(m.re, p.re), e.mul(m.im, p.im)))
     im = e.f(torch.asinh, e.sub(e.mul(m.re, p.im), e.mul(m.im, p.re)))
-    return Pair(re, im)
+    far, big_l = _far(e, x, y)  # far out: atan2(x, |y|) + i copysign(log 2|z|, y)
+    re = e.call(torch.where, far, e.f(torch.atan2, x, e.f(torch.abs, y)), re)
+    return Pair(re, e.call(torch.where, far, e.f(torch.copysign, big_l, y), im))
 
 
 def c_acos(e: _Emitter, a: Pair) -> Pair:
@@ -393,7 +450,10 @@ def c_acos(e: _Emitter, a: Pair) -> Pair:
     m, p = _sqrt_1_pm(e, a, -1.0), _sqrt_1_pm(e, a, 1.0)
     re = e.mul(e.f(torch.atan2, m.re, p.re), 2.0)
     im = e.f(torch.asinh, e.sub(e.mul(p.re, m.im), e.mul(p.im, m.re)))
-    return Pair(re, im)
+    x, y = _xy(e, a)
+    far, big_l = _far(e, x, y)  # far out: atan2(|y|, x) - i copysign(log 2|z|, y)
+    re = e.call(torch.where, far, e.f(torch.atan2, e.f(torch.abs, y), x), re)
+    return Pair(re, e.call(torch.where, far, e.f(torch.copysign, big_l, e.neg(y)), im))
 
 
 def c_acosh(e: _Emitter, a: Pair) -> Pair:
@@ -402,7 +462,9 @@ def c_acosh(e: _Emitter, a: Pair) -> Pair:
     m = c_sqrt(e, Pair(e.sub(x, 1.0), y))
     p = c_sqrt(e, Pair(e.add(x, 1.0), y))
     re = e.f(torch.asinh, e.add(e.mul(m.re, p.re), e.mul(m.im, p.im)))
-    return Pair(re, e.mul(e.f(torch.atan2, m.im, p.re), 2.0))
+    im = e.mul(e.f(torch.atan2, m.im, p.re), 2.0)
+    far, big_l = _far(e, x, y)  # far out: log 2|z| + i arg z
+    return Pair(e.call(torch.where, far, big_l, re), e.call(torch.where, far, c_angle(e, a), im))
 
 
 def c_asinh(e: _Emitter, a: Pair) -> Pair:
