@@ -477,12 +477,12 @@ def test_compile_complex_forward_backward_inductor() -> None:
 # --- unsupported ops ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["aten.sinc", "aten.logcumsumexp", "aten.linalg_inv_ex"])
+@pytest.mark.parametrize("op", ["aten.sinc", "aten.logaddexp", "aten._linalg_det"])
 def test_unsupported_op_raises_naming_it(op: str) -> None:
     fns = {
         "aten.sinc": lambda z: torch.sinc(z),
-        "aten.logcumsumexp": lambda z: torch.logcumsumexp(z, 0),
-        "aten.linalg_inv_ex": lambda z: torch.linalg.inv(torch.eye(3) + z.unsqueeze(0) * 0.1),
+        "aten.logaddexp": lambda z: torch.logaddexp(z, z * 2),
+        "aten._linalg_det": lambda z: torch.linalg.det(torch.eye(3) + z.unsqueeze(0) * 0.1),
     }
     gm = make_fx(fns[op])(_randc((3,)))
     with pytest.raises(ComplexDecompositionError, match=rf"no real decomposition for {op}"):
@@ -518,8 +518,12 @@ def test_atanh_and_atan_near_the_branch_points() -> None:
 
 
 def test_unsupported_op_through_compile_is_a_clear_error() -> None:
-    fn = torchport.compile(lambda z: torch.logcumsumexp(z * 2, 0), inner="eager", batching=False)
-    with pytest.raises(Exception, match=r"no real decomposition for aten\.logcumsumexp"):
+    fn = torchport.compile(
+        lambda z: torch.linalg.det(z.reshape(1, 3) * torch.ones(3, 1) + torch.eye(3)),
+        inner="eager",
+        batching=False,
+    )
+    with pytest.raises(Exception, match=r"no real decomposition for aten\._linalg_det"):
         fn(_randc((3,)))
 
 
@@ -633,3 +637,71 @@ def test_huge_magnitudes_subnormals_and_zero_divisors(dtype: torch.dtype) -> Non
     torch.testing.assert_close(got, a / b, rtol=tol, atol=0.0, equal_nan=True)
     (got,) = _run_lowered(torch.exp, torch.tensor([complex(-big, -1.0)] * 9, dtype=dtype))
     assert torch.signbit(got.imag).all()  # exp(-1e38 - 1i) = 0 - 0i
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_logcumsumexp_is_stable_and_takes_atens_branch(dtype: torch.dtype) -> None:
+    # terms 1000 below the running maximum and one far above it (exp overflows, cumsum of
+    # exp(z - max) underflows); the imaginary part is ATen's scan's, not the principal arg
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 30, dtype=dtype, generator=g) * 3
+    z[0, 0], z[1, 5], z[2, 7] = -1000 + 2j, 80 + 1j, 0.5 + 40j
+    tol = 1e-5 if dtype == torch.complex64 else 1e-12
+
+    def along(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda w: torch.logcumsumexp(w, d)
+
+    for dim in (1, 0, -1):
+        (got,) = _run_lowered(along(dim), z)
+        torch.testing.assert_close(got, torch.logcumsumexp(z, dim), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_linalg_inv_ex_inverse_and_info(dtype: torch.dtype) -> None:
+    # the inverse from the real 2n x 2n embedding; info is the complex LU's first zero pivot
+    # (exactly singular: a zero column, a zero matrix)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, 4, dtype=dtype, generator=g) + 2 * torch.eye(4, dtype=dtype)
+    (inv, info) = _run_lowered(torch.linalg.inv_ex, a)
+    want = torch.linalg.inv_ex(a)
+    tol = 1e-4 if dtype == torch.complex64 else 1e-10
+    torch.testing.assert_close(inv, want.inverse, rtol=tol, atol=tol)
+    assert torch.equal(info, want.info)
+    s = torch.zeros(3, 3, dtype=dtype)
+    s[:, 0], s[1, 1] = 1, 1j
+    for m in (s, torch.zeros(2, 2, dtype=dtype), s[:2, :2] * (1 + 2j)):
+        (_, info) = _run_lowered(torch.linalg.inv_ex, m)
+        assert torch.equal(info, torch.linalg.inv_ex(m).info)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_logcumsumexp_and_inverse_forward_backward(inner: str) -> None:
+    # both raised ComplexDecompositionError; the backward graph takes logcumsumexp (of the
+    # flipped gradient) and the inverse's products
+    def fn(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.logcumsumexp(z, 1) * 0.5 + (torch.linalg.inv(m) @ z.mT).sum(-1)
+
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(3, 3, dtype=torch.complex64, generator=g, requires_grad=True)
+    m0 = torch.randn(3, 3, dtype=torch.complex64, generator=g) + 3 * torch.eye(3)
+    m = m0.requires_grad_(True)
+    z2 = z.detach().clone().requires_grad_(True)
+    m2 = m.detach().clone().requires_grad_(True)
+    torch._dynamo.reset()
+    out = torchport.compile(fn, inner=inner, batching=False)(z2, m2)
+    assert torchport.compiler.last_report().complex  # type: ignore[union-attr]
+    ref = fn(z, m)
+    gv = torch.randn(ref.shape, dtype=ref.dtype, generator=g)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    got_g = torch.autograd.grad(out, (z2, m2), gv)
+    for a, b in zip(got_g, torch.autograd.grad(ref, (z, m), gv), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gradcheck_logcumsumexp_and_inverse_complex128() -> None:
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return torch.logcumsumexp(z, 0) + torch.linalg.inv(z[:2, :2] + 2 * torch.eye(2)).sum()
+
+    fn_c = torchport.compile(fn, inner="eager", batching=False)
+    z = (torch.randn(2, 2, dtype=torch.complex128) * 0.5).requires_grad_(True)
+    assert torch.autograd.gradcheck(fn_c, (z,), eps=1e-6, atol=1e-5)

@@ -675,6 +675,89 @@ def _cast_parts(lw: Any, n: fx.Node, p: Pair, kw: dict[str, Any]) -> Pair:
     return Pair(*(None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im)))
 
 
+@_rule(aten.logcumsumexp.default)
+def _r_logcumsumexp(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # log Σ_{j≤k} e^(x_j) (cos y_j + i sin y_j): each of the four signed sums Σ e^(x_j) c_j over
+    # the terms with c_j = ±cos y_j > 0 (±sin y_j > 0) is a real logcumsumexp of x_j + log c_j,
+    # which never overflows; their difference is taken after shifting all four by their
+    # maximum m_k, and log S_k = m_k + log|S_k e^-m_k| + i arg S_k. (cumsum(exp(z - max)) with one
+    # shift per slice underflowed the terms far below the maximum: log 0 = -inf.)
+    e, p = lw.e, _pair(a[0])
+    dim = a[1] if len(a) > 1 else kw["dim"]
+    if p.im is None:
+        return Pair(e.call(aten.logcumsumexp.default, p.re, dim), None)
+    x = p.re
+
+    def signed_sums(f: Any) -> tuple[Any, Any]:
+        sums = []
+        for sel, mag in ((e.call(torch.gt, f, 0), f), (e.call(torch.lt, f, 0), e.neg(f))):
+            log_mag = e.f(torch.log, e.call(torch.where, sel, mag, 1.0))  # no log 0 unselected
+            terms = e.call(torch.where, sel, e.add(x, log_mag), -math.inf)
+            sums.append(e.call(aten.logcumsumexp.default, terms, dim))
+        return sums[0], sums[1]
+
+    cos_p, cos_n = signed_sums(e.f(torch.cos, p.im))
+    sin_p, sin_n = signed_sums(e.f(torch.sin, p.im))
+    m = e.f(torch.maximum, e.f(torch.maximum, cos_p, cos_n), e.f(torch.maximum, sin_p, sin_n))
+    m = e.call(torch.where, e.f(torch.isinf, m), 0.0, m)  # all terms -inf (or one +inf): no shift
+
+    def shifted(u: Any, v: Any) -> Any:
+        return e.sub(e.f(torch.exp, e.sub(u, m)), e.f(torch.exp, e.sub(v, m)))
+
+    re, im = shifted(cos_p, cos_n), shifted(sin_p, sin_n)
+    log_abs, arg = e.add(m, e.f(torch.log, e.f(torch.hypot, re, im))), e.f(torch.atan2, im, re)
+    return Pair(log_abs, _scan_branch(e, p, log_abs, arg, dim))
+
+
+def _scan_branch(e: _Emitter, z: Pair, log_abs: Any, arg: Any, dim: Any) -> Any:
+    """The imaginary part of ATen's complex logcumsumexp, which is not the principal arg: its
+    scan adds z_k as ``max + log1p(e^(min - max))``, max and min by real part, so the result takes
+    Im z_k plus a correction in (-π/2, π/2) where Re z_k exceeds log|S_(k-1)| (a reset), and
+    otherwise the previous imaginary part plus such a correction: arg S_k unwrapped from the last
+    reset. Each correction is the principal difference of consecutive args, summed by cumsum."""
+
+    def wrap(t: Any) -> Any:  # to (-π, π]
+        return e.f(torch.atan2, e.f(torch.sin, t), e.f(torch.cos, t))
+
+    idx = e.sub(e.call(torch.cumsum, e.call(torch.ones_like, arg), dim), 1.0)  # k along dim
+    first = e.call(operator.eq, idx, 0)
+    prev_abs = e.call(torch.roll, log_abs, 1, dim)
+    reset = e.call(torch.logical_or, first, e.call(torch.gt, z.re, prev_abs))
+    step = e.call(torch.where, reset, 0.0, wrap(e.sub(arg, e.call(torch.roll, arg, 1, dim))))
+    steps = e.call(torch.cumsum, step, dim)
+    at_reset = e.add(z.im, wrap(e.sub(arg, z.im)))
+    last = e.call(torch.cummax, e.call(torch.where, reset, idx, -1.0), dim)
+    last = e.call(torch.Tensor.long, e.call(operator.getitem, last, 0))
+    base = e.call(torch.gather, e.sub(at_reset, steps), dim, last)
+    return e.add(base, steps)
+
+
+@_rule(aten.linalg_inv_ex.default)
+def _r_inv_ex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # (A + iB)^-1 = X + iY from the real 2n x 2n matrix whose 2x2 block (i, j) is
+    # [[a, -b], [b, a]] for the entry a + ib: its inverse has the same structure, with X and Y in
+    # the first column of each block. The blocks interleave (rather than [[A, -B], [B, A]]) for
+    # the info: partial-pivoted LU meets its first zero pivot at the first column in the span of
+    # those before it; the real span of columns 1..2k is the complex span of columns 1..k, and a
+    # column i·c_k never is the first dependent one, so torch's info k (the complex LU's first
+    # zero pivot) is (real info + 1) / 2 in exact arithmetic.
+    e, p = lw.e, _pair(a[0])
+    if p.im is None:
+        res = e.call(aten.linalg_inv_ex.default, p.re, **kw)
+        return (Pair(e.call(operator.getitem, res, 0), None), e.call(operator.getitem, res, 1))
+    re, im = p.re, p.im
+    rows = (e.call(torch.stack, [re, e.neg(im)], -1), e.call(torch.stack, [im, re], -1))
+    blocks = e.call(torch.stack, list(rows), -3)  # [..., i, r, j, c]
+    m = e.call(torch.flatten, e.call(torch.flatten, blocks, -2, -1), -3, -2)
+    res = e.call(aten.linalg_inv_ex.default, m, **kw)
+    inv, info = e.call(operator.getitem, res, 0), e.call(operator.getitem, res, 1)
+    inv = e.call(torch.unflatten, e.call(torch.unflatten, inv, -1, (-1, 2)), -3, (-1, 2))
+    first_col = e.call(torch.select, inv, -1, 0)  # [..., i, r, j]
+    x, y = e.call(torch.select, first_col, -2, 0), e.call(torch.select, first_col, -2, 1)
+    info = e.call(torch.div, e.add(info, 1), 2, rounding_mode="floor")
+    return (Pair(x, y), info)
+
+
 @_rule(aten.prod.default, aten.prod.dim_int, aten.cumprod.default)
 def _r_prod(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     # Π z_k = Π|z_k| · (cos Σ arg z_k + i sin Σ arg z_k) (cumulative for cumprod): a real product
@@ -953,6 +1036,8 @@ def _r_index_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) ->
 @_rule(operator.getitem)
 def _r_getitem(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = a[0]
+    if isinstance(p, (tuple, list)):  # one result of a rule that returns several (inv_ex)
+        return p[a[1]]
     assert isinstance(p, Pair)
     im = None if p.im is None else lw.e.call(operator.getitem, p.im, a[1])
     return Pair(lw.e.call(operator.getitem, p.re, a[1]), im)  # element of a split/unbind
