@@ -705,3 +705,19 @@ def test_gradcheck_logcumsumexp_and_inverse_complex128() -> None:
     fn_c = torchport.compile(fn, inner="eager", batching=False)
     z = (torch.randn(2, 2, dtype=torch.complex128) * 0.5).requires_grad_(True)
     assert torch.autograd.gradcheck(fn_c, (z,), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_tanh_and_atanh_of_infinite_parts(dtype: torch.dtype) -> None:
+    # atanh(±inf + iy) had real part inf/inf = NaN (ATen ±0 + i copysign(π/2, y)), tanh(±inf +
+    # i inf) was NaN (ATen ±1 ± 0i) and tanh(0 + i inf) NaN + NaN i (ATen 0 + NaN i); atan and
+    # tan are the same functions rotated
+    parts = (0.0, -0.0, 1.0, -0.5, 1e30, math.inf, -math.inf)
+    z = torch.tensor([complex(a, b) for a in parts for b in parts], dtype=dtype)
+    for fn in (torch.tanh, torch.atanh, torch.tan, torch.atan):
+        (got,) = _run_lowered(fn, z)
+        want = fn(z)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0, equal_nan=True, msg=str(fn))
+        for g, w in ((got.real, want.real), (got.imag, want.imag)):
+            zero = w == 0
+            assert torch.equal(torch.signbit(g[zero]), torch.signbit(w[zero])), fn

@@ -150,7 +150,15 @@ def c_tanh(e: _Emitter, a: Pair) -> Pair:
     cos_2y = e.mul(e.sub(cos_y, sin_y), e.add(cos_y, sin_y))
     sech = e.f(torch.reciprocal, e.f(torch.cosh, x2))
     den = e.add(1.0, e.mul(cos_2y, sech))
-    return Pair(e.div(e.f(torch.tanh, x2), den), e.div(e.mul(sin_2y, sech), den))
+    re, im = e.div(e.f(torch.tanh, x2), den), e.div(e.mul(sin_2y, sech), den)
+    # infinite parts, as ATen (C99): tanh(±0 + iy) = ±0 + i tan y for every y (0/den was NaN
+    # for y = ±inf), tanh(±inf + iy) = ±1 ± 0i also for y = ±inf or NaN (sin 2y was NaN there)
+    x, y = a.re, a.im
+    inf_x = e.f(torch.isinf, x)
+    re = e.call(torch.where, e.call(operator.eq, x, 0), x, re)
+    re = e.call(torch.where, inf_x, e.f(torch.copysign, e.dense(1.0, x), x), re)
+    odd_y = e.call(torch.logical_and, inf_x, e.call(torch.logical_not, e.f(torch.isfinite, y)))
+    return Pair(re, e.call(torch.where, odd_y, e.f(torch.copysign, e.dense(0.0, y), y), im))
 
 
 def c_sigmoid(e: _Emitter, a: Pair) -> Pair:
@@ -225,7 +233,14 @@ def c_atanh(e: _Emitter, a: Pair) -> Pair:
     re = e.f(torch.copysign, e.mul(e.call(torch.where, near_one, tiny, fine), 0.25), x)
     arg_p = e.f(torch.atan2, y, e.add(x, 1.0))
     arg_m = e.f(torch.atan2, e.neg(y), one_m_x)
-    return Pair(re, e.mul(e.sub(arg_p, arg_m), 0.5))
+    im = e.mul(e.sub(arg_p, arg_m), 0.5)
+    # an infinite part, as ATen (C99): atanh z = ±0 + i copysign(π/2, y) (the real part's
+    # 4|x|/d² was inf/inf = NaN; the imaginary part is NaN where y is); atan inherits it
+    inf_z = e.call(torch.logical_or, e.f(torch.isinf, x), e.f(torch.isinf, y))
+    re = e.call(torch.where, inf_z, e.f(torch.copysign, e.dense(0.0, x), x), re)
+    half_pi = e.f(torch.copysign, e.dense(math.pi / 2, y), y)
+    keep_nan = e.call(torch.logical_and, inf_z, e.call(torch.logical_not, e.f(torch.isnan, y)))
+    return Pair(re, e.call(torch.where, keep_nan, half_pi, im))
 
 
 def c_atan(e: _Emitter, a: Pair) -> Pair:
