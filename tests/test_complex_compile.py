@@ -721,3 +721,16 @@ def test_tanh_and_atanh_of_infinite_parts(dtype: torch.dtype) -> None:
         for g, w in ((got.real, want.real), (got.imag, want.imag)):
             zero = w == 0
             assert torch.equal(torch.signbit(g[zero]), torch.signbit(w[zero])), fn
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_exp_sin_cos_of_infinite_parts(dtype: torch.dtype) -> None:
+    # sin(inf + 0i) and cos(nan + 0i) were NaN + NaN i (ATen NaN ± 0i), cos(inf + inf i) NaN
+    # (ATen inf + NaN i); exp(-1e38 + inf i) was 0 (ATen NaN + NaN i: only x = -inf gives 0)
+    # and exp(inf + inf i) NaN + NaN i (ATen inf + NaN i); sinh/cosh and pow inherit these
+    parts = (0.0, -0.0, 1.0, -2.5, -1e30, math.inf, -math.inf, math.nan)
+    z = torch.tensor([complex(a, b) for a in parts for b in parts], dtype=dtype)
+    for fn in (torch.exp, torch.sin, torch.cos, torch.sinh, torch.cosh):
+        (got,) = _run_lowered(fn, z)
+        want = fn(z)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0, equal_nan=True, msg=str(fn))

@@ -50,10 +50,23 @@ def c_exp(e: _Emitter, a: Pair) -> Pair:
         return Pair(ex, None)
     cos_y, sin_y = e.f(torch.cos, a.im), e.f(torch.sin, a.im)
     im = _keep_zero(e, a.im, a.im, e.mul(ex, sin_y))  # e^x + 0i for y = ±0
-    # e^x = 0 (x = -inf, as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf, with
-    # the signs of cos y and sin y (exp(-1e38 - 1i) = 0 - 0i)
-    re = _keep_zero(e, ex, e.f(torch.copysign, ex, cos_y), e.mul(ex, cos_y))
-    return Pair(re, _keep_zero(e, ex, e.f(torch.copysign, ex, sin_y), im))
+    # x = -inf (as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf or NaN, with the
+    # signs of cos y and sin y where y is finite and of y where not, as ATen; an e^x that
+    # underflowed (x finite) times cos y or sin y is ±0 anyway, and NaN for y = ±inf, as ATen
+    # (exp(-1e38 + inf i) is NaN + NaN i there)
+    fin_y = e.f(torch.isfinite, a.im)
+    zero_re = e.call(torch.where, fin_y, e.f(torch.copysign, ex, cos_y), 0.0)
+    zero_im = e.call(
+        torch.where, fin_y, e.f(torch.copysign, ex, sin_y), e.mul(e.f(torch.sign, a.im), 0.0)
+    )
+    minus_inf = e.call(operator.eq, a.re, -math.inf)
+    re = e.call(torch.where, minus_inf, zero_re, e.mul(ex, cos_y))
+    # x = +inf, y = ±inf or NaN: inf + NaN i, as ATen (C99), where inf · cos y was NaN
+    inf_re = e.call(
+        torch.logical_and, e.call(operator.eq, a.re, math.inf), e.call(torch.logical_not, fin_y)
+    )
+    re = e.call(torch.where, inf_re, math.inf, re)
+    return Pair(re, e.call(torch.where, minus_inf, zero_im, im))
 
 
 def c_log(e: _Emitter, a: Pair) -> Pair:
@@ -123,7 +136,16 @@ def c_sin(e: _Emitter, a: Pair) -> Pair:
     # sin(±0 + iy) = ±0 + i sinh y, also where cosh y overflows
     re = _keep_zero(e, a.re, a.re, e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im)))
     im = e.mul(e.f(torch.cos, a.re), e.f(torch.sinh, a.im))
-    return Pair(re, im)
+    # x = ±inf or NaN: ATen's imaginary part is y for y = ±0 and +inf for y = ±inf (cos x times
+    # sinh y was NaN), NaN otherwise
+    y = a.im
+    odd = e.call(
+        torch.where,
+        e.call(operator.eq, y, 0),
+        y,
+        e.call(torch.where, e.f(torch.isinf, y), math.inf, math.nan),
+    )
+    return Pair(re, e.call(torch.where, e.f(torch.isfinite, a.re), im, odd))
 
 
 def c_cos(e: _Emitter, a: Pair) -> Pair:
@@ -133,6 +155,11 @@ def c_cos(e: _Emitter, a: Pair) -> Pair:
     # cos(±0 + iy) = cosh y - i (±0 · sign y), also where sinh y overflows
     zero = e.neg(e.mul(a.re, e.f(torch.copysign, e.dense(1.0, a.im), a.im)))
     im = _keep_zero(e, a.re, zero, e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im))))
+    # x = ±inf or NaN: ATen gives inf + NaN i for y = ±inf and NaN + 0i for y = ±0 (cos x and
+    # sin x are NaN there)
+    y, odd_x = a.im, e.call(torch.logical_not, e.f(torch.isfinite, a.re))
+    re = e.call(torch.where, e.call(torch.logical_and, odd_x, e.f(torch.isinf, y)), math.inf, re)
+    im = e.call(torch.where, e.call(torch.logical_and, odd_x, e.call(operator.eq, y, 0)), 0.0, im)
     return Pair(re, im)
 
 
