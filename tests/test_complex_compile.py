@@ -734,3 +734,24 @@ def test_exp_sin_cos_of_infinite_parts(dtype: torch.dtype) -> None:
         (got,) = _run_lowered(fn, z)
         want = fn(z)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0, equal_nan=True, msg=str(fn))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_signed_zeros_of_a_real_numerator_and_expm1_overflow(dtype: torch.dtype) -> None:
+    # a known-zero part was left out of the formulas (0 - b as -b, a·rat + 0 as a·rat), so zero
+    # results had the other sign: 1/(2 + 0i) = 0.5 - 0i and 1/(0 - 1i) = +0 + 1i (ATen 0.5 + 0i,
+    # -0 + 1i; reciprocal, rsqrt, sigmoid); expm1(1e38 + 0i) kept 0i where ATen gives NaN
+    z = torch.tensor(
+        [2 + 0j, complex(0.0, -1.0), complex(-1.0, -0.0), complex(0.0, 0.5), complex(-0.0, 2.0)],
+        dtype=dtype,
+    )
+    for fn in (torch.reciprocal, torch.rsqrt, torch.sigmoid):
+        (got,) = _run_lowered(fn, z)
+        want = fn(z)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0, msg=str(fn))
+        for g, w in ((got.real, want.real), (got.imag, want.imag)):
+            assert torch.equal(torch.signbit(g[w == 0]), torch.signbit(w[w == 0])), fn
+    big = 1e38 if dtype == torch.complex64 else 1e300
+    x = torch.tensor([complex(big, 0.0), complex(big, -0.0), complex(-big, -0.0)], dtype=dtype)
+    (got,) = _run_lowered(torch.expm1, x)
+    torch.testing.assert_close(got, torch.expm1(x), equal_nan=True)

@@ -86,7 +86,9 @@ class _Emitter:
         if b is None:
             return a
         if a is None:
-            return self.neg(b)
+            # 0 - b, not -b: they differ for b = +0 (+0 vs -0), and ATen computes with the zero
+            # (1/(2 + 0i) = 0.5 + 0i, not 0.5 - 0i); same cost, one op either way
+            return -b if isinstance(b, (int, float)) and b != 0 else self.sub(0.0, b)
         if isinstance(a, (int, float)) and isinstance(b, (int, float)):
             return a - b
         return self.call(operator.sub, a, b)
@@ -182,7 +184,9 @@ def _smith_div(e: _Emitter, pa: Pair, pb: Pair) -> Pair:
     big = e.call(torch.ge, e.f(torch.abs, c), e.f(torch.abs, d))  # |c| >= |d|
     rat = e.call(torch.where, big, e.div(d, c), e.div(c, d))  # smaller / larger
     den = e.call(torch.where, big, e.add(c, e.mul(d, rat)), e.add(d, e.mul(c, rat)))
-    x, y = pa.re, pa.im
+    # a real (or imaginary) numerator's zero part takes part as +0, as in ATen, where it decides
+    # signs of zero results: 1/(0 - 1i) = -0 + 1i ((+0 · -0 + 0)/-1), not +0 + 1i
+    x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
     re_big, re_small = e.add(x, e.mul(y, rat)), e.add(e.mul(x, rat), y)
     im_big, im_small = e.sub(y, e.mul(x, rat)), e.sub(e.mul(y, rat), x)
 

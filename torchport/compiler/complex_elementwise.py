@@ -205,8 +205,10 @@ def c_expm1(e: _Emitter, a: Pair) -> Pair:
     x, y = a.re, a.im
     s = e.f(torch.sin, e.mul(y, 0.5))
     re = e.sub(e.mul(e.f(torch.expm1, x), e.f(torch.cos, y)), e.mul(e.mul(s, s), 2.0))
+    # (e^x sin y without keeping y = ±0 exact: ATen's expm1(1e38 + 0i) is inf + NaN i, unlike
+    # its exp; for a finite e^x the product is ±0 = y anyway)
     ex = e.f(torch.exp, x)
-    return Pair(re, _keep_zero(e, y, y, e.mul(ex, e.f(torch.sin, y))))
+    return Pair(re, e.mul(ex, e.f(torch.sin, y)))
 
 
 def c_log1p(e: _Emitter, a: Pair) -> Pair:
