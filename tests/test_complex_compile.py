@@ -755,3 +755,19 @@ def test_signed_zeros_of_a_real_numerator_and_expm1_overflow(dtype: torch.dtype)
     x = torch.tensor([complex(big, 0.0), complex(big, -0.0), complex(-big, -0.0)], dtype=dtype)
     (got,) = _run_lowered(torch.expm1, x)
     torch.testing.assert_close(got, torch.expm1(x), equal_nan=True)
+
+
+def test_pow_by_the_exponents_aten_computes_as_other_functions() -> None:
+    # ATen computes z ** 0.5 as sqrt (and -0.5, -1, -2 as rsqrt/reciprocal); through
+    # e^(p log z), (-inf) ** 0.5 was -inf + inf i (ATen inf i), (-1) ** 0.5 was -4e-8 + 1i
+    # (ATen 1i), and a float 2.0 took that path too
+    z = torch.tensor(
+        [complex(-math.inf, 0.0), -1 + 0j, complex(-4.0, -0.0), 2 + 3j, 0j, 0.3 - 0.2j],
+        dtype=torch.complex64,
+    )
+
+    def powers(w: torch.Tensor) -> torch.Tensor:
+        return torch.stack([w**0.5, w**-0.5, w**-1.0, w**-2.0, w**2.0, w**3.0])
+
+    (got,) = _run_lowered(powers, z)
+    torch.testing.assert_close(got, powers(z), rtol=1e-5, atol=1e-6, equal_nan=True)
