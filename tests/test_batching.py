@@ -347,3 +347,33 @@ def test_batching_runner_check_leaves_the_random_stream_alone(fresh_cache) -> No
         batching_runner({"graph": "rng"}, build, [torch.ones(3)], lambda *a: got.append(a))
     assert torch.equal(torch.rand(3), expected)
     assert got == []  # the check passed: the forms drew the same numbers, timing follows
+
+
+def test_batching_runner_check_restores_cuda_generators_only_when_initialised(
+    fresh_cache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check restored only the CPU generator: a graph drawing on CUDA advanced the caller's
+    CUDA stream. The CUDA generators are restored when CUDA is initialised, and CUDA is never
+    initialised by the check (stand-ins here: the test machine has no GPU)."""
+    from torchport.compiler.batching import batching_runner
+
+    state = {"cuda": 0}
+    sets: list[list[int]] = []
+
+    def build(batched: bool) -> Callable:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            state["cuda"] += 1  # a draw from the (stand-in) CUDA generator
+            return x + state["cuda"] * 0
+
+        return fn
+
+    with config.override(autotune=True, autotune_reps=3):
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("initialised"))
+        batching_runner({"graph": "cuda-off"}, build, [torch.ones(3)], lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [state["cuda"]])
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: sets.append(list(s)))
+        state["cuda"] = 7
+        batching_runner({"graph": "cuda-on"}, build, [torch.ones(3)], lambda *a: None)
+    assert sets and all(s == [7] for s in sets)  # restored to the state before the check

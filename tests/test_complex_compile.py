@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -476,12 +477,12 @@ def test_compile_complex_forward_backward_inductor() -> None:
 # --- unsupported ops ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["aten.sinc", "aten.logcumsumexp", "aten.linalg_inv_ex"])
+@pytest.mark.parametrize("op", ["aten.sinc", "aten.logaddexp", "aten._linalg_det"])
 def test_unsupported_op_raises_naming_it(op: str) -> None:
     fns = {
         "aten.sinc": lambda z: torch.sinc(z),
-        "aten.logcumsumexp": lambda z: torch.logcumsumexp(z, 0),
-        "aten.linalg_inv_ex": lambda z: torch.linalg.inv(torch.eye(3) + z.unsqueeze(0) * 0.1),
+        "aten.logaddexp": lambda z: torch.logaddexp(z, z * 2),
+        "aten._linalg_det": lambda z: torch.linalg.det(torch.eye(3) + z.unsqueeze(0) * 0.1),
     }
     gm = make_fx(fns[op])(_randc((3,)))
     with pytest.raises(ComplexDecompositionError, match=rf"no real decomposition for {op}"):
@@ -517,8 +518,12 @@ def test_atanh_and_atan_near_the_branch_points() -> None:
 
 
 def test_unsupported_op_through_compile_is_a_clear_error() -> None:
-    fn = torchport.compile(lambda z: torch.logcumsumexp(z * 2, 0), inner="eager", batching=False)
-    with pytest.raises(Exception, match=r"no real decomposition for aten\.logcumsumexp"):
+    fn = torchport.compile(
+        lambda z: torch.linalg.det(z.reshape(1, 3) * torch.ones(3, 1) + torch.eye(3)),
+        inner="eager",
+        batching=False,
+    )
+    with pytest.raises(Exception, match=r"no real decomposition for aten\._linalg_det"):
         fn(_randc((3,)))
 
 
@@ -583,3 +588,186 @@ def test_lowering_keeps_an_unused_in_place_update() -> None:
     (out,) = join_outputs(list(real(*split_inputs([z, b], in_l))), out_l)
     torch.testing.assert_close(out, z * z)
     assert b.tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_huge_magnitudes_subnormals_and_zero_divisors(dtype: torch.dtype) -> None:
+    # |z| above the dtype's max made log|z| (log, log1p, log10) and Kahan's products (asin,
+    # acos, asinh, acosh) inf, 2y overflowed in tanh (NaN), 0/0 in Smith's division made both
+    # parts NaN (ATen: 1j/0 = nan + inf i), quartering subnormal parts cost sqrt 40 ulp, and
+    # sqrt(nan + inf i) was nan + inf i (ATen: inf + inf i)
+    big = 1e38 if dtype == torch.complex64 else 1e300
+    mx = torch.finfo(dtype.to_real()).max
+    sub = torch.finfo(dtype.to_real()).smallest_normal * 2**-20
+    z = torch.tensor(
+        [
+            complex(big, mx),
+            complex(-big, mx),
+            complex(mx, -mx),
+            complex(0.0, mx),
+            complex(-mx, 0.0),
+            complex(3e9, -2e10),
+            0.5 - 0.25j,
+        ],
+        dtype=dtype,
+    )
+    fns = {
+        "log": torch.log,
+        "log1p": torch.log1p,
+        "log10": torch.log10,
+        "asin": torch.asin,
+        "acos": torch.acos,
+        "asinh": torch.asinh,
+        "acosh": torch.acosh,
+        "tanh_imag": lambda w: torch.tanh(w.imag * 1j),
+    }
+    tol = 1e-5 if dtype == torch.complex64 else 1e-12
+    for name, fn in fns.items():
+        (got,) = _run_lowered(fn, z)
+        torch.testing.assert_close(got, fn(z), rtol=tol, atol=0.0, msg=name)
+    g = torch.Generator().manual_seed(0)
+    parts = torch.randint(1, 2**20, (2, 64), generator=g).to(dtype.to_real()) * sub
+    w = torch.complex(parts[0], -parts[1])
+    w = torch.cat([w, w * 2**18, torch.tensor([complex(math.nan, math.inf)], dtype=dtype)])
+    (got,) = _run_lowered(torch.sqrt, w)
+    torch.testing.assert_close(got, torch.sqrt(w), rtol=tol / 10, atol=0.0)
+    a = torch.tensor([1j, 1 + 0j, -2 + 1j, 0.5 - 1j], dtype=dtype)
+    b = torch.tensor([0j, 0j, complex(0.0, -0.0), 1 + 1j], dtype=dtype)
+    (got,) = _run_lowered(lambda u, v: u / v, a, b)
+    torch.testing.assert_close(got, a / b, rtol=tol, atol=0.0, equal_nan=True)
+    (got,) = _run_lowered(torch.exp, torch.tensor([complex(-big, -1.0)] * 9, dtype=dtype))
+    assert torch.signbit(got.imag).all()  # exp(-1e38 - 1i) = 0 - 0i
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_logcumsumexp_is_stable_and_takes_atens_branch(dtype: torch.dtype) -> None:
+    # terms 1000 below the running maximum and one far above it (exp overflows, cumsum of
+    # exp(z - max) underflows); the imaginary part is ATen's scan's, not the principal arg
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 30, dtype=dtype, generator=g) * 3
+    z[0, 0], z[1, 5], z[2, 7] = -1000 + 2j, 80 + 1j, 0.5 + 40j
+    tol = 1e-5 if dtype == torch.complex64 else 1e-12
+
+    def along(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda w: torch.logcumsumexp(w, d)
+
+    for dim in (1, 0, -1):
+        (got,) = _run_lowered(along(dim), z)
+        torch.testing.assert_close(got, torch.logcumsumexp(z, dim), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_linalg_inv_ex_inverse_and_info(dtype: torch.dtype) -> None:
+    # the inverse from the real 2n x 2n embedding; info is the complex LU's first zero pivot
+    # (exactly singular: a zero column, a zero matrix)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, 4, dtype=dtype, generator=g) + 2 * torch.eye(4, dtype=dtype)
+    (inv, info) = _run_lowered(torch.linalg.inv_ex, a)
+    want = torch.linalg.inv_ex(a)
+    tol = 1e-4 if dtype == torch.complex64 else 1e-10
+    torch.testing.assert_close(inv, want.inverse, rtol=tol, atol=tol)
+    assert torch.equal(info, want.info)
+    s = torch.zeros(3, 3, dtype=dtype)
+    s[:, 0], s[1, 1] = 1, 1j
+    for m in (s, torch.zeros(2, 2, dtype=dtype), s[:2, :2] * (1 + 2j)):
+        (_, info) = _run_lowered(torch.linalg.inv_ex, m)
+        assert torch.equal(info, torch.linalg.inv_ex(m).info)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_logcumsumexp_and_inverse_forward_backward(inner: str) -> None:
+    # both raised ComplexDecompositionError; the backward graph takes logcumsumexp (of the
+    # flipped gradient) and the inverse's products
+    def fn(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.logcumsumexp(z, 1) * 0.5 + (torch.linalg.inv(m) @ z.mT).sum(-1)
+
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(3, 3, dtype=torch.complex64, generator=g, requires_grad=True)
+    m0 = torch.randn(3, 3, dtype=torch.complex64, generator=g) + 3 * torch.eye(3)
+    m = m0.requires_grad_(True)
+    z2 = z.detach().clone().requires_grad_(True)
+    m2 = m.detach().clone().requires_grad_(True)
+    torch._dynamo.reset()
+    out = torchport.compile(fn, inner=inner, batching=False)(z2, m2)
+    assert torchport.compiler.last_report().complex  # type: ignore[union-attr]
+    ref = fn(z, m)
+    gv = torch.randn(ref.shape, dtype=ref.dtype, generator=g)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    got_g = torch.autograd.grad(out, (z2, m2), gv)
+    for a, b in zip(got_g, torch.autograd.grad(ref, (z, m), gv), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gradcheck_logcumsumexp_and_inverse_complex128() -> None:
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return torch.logcumsumexp(z, 0) + torch.linalg.inv(z[:2, :2] + 2 * torch.eye(2)).sum()
+
+    fn_c = torchport.compile(fn, inner="eager", batching=False)
+    z = (torch.randn(2, 2, dtype=torch.complex128) * 0.5).requires_grad_(True)
+    assert torch.autograd.gradcheck(fn_c, (z,), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_tanh_and_atanh_of_infinite_parts(dtype: torch.dtype) -> None:
+    # atanh(±inf + iy) had real part inf/inf = NaN (ATen ±0 + i copysign(π/2, y)), tanh(±inf +
+    # i inf) was NaN (ATen ±1 ± 0i) and tanh(0 + i inf) NaN + NaN i (ATen 0 + NaN i); atan and
+    # tan are the same functions rotated
+    parts = (0.0, -0.0, 1.0, -0.5, 1e30, math.inf, -math.inf)
+    z = torch.tensor([complex(a, b) for a in parts for b in parts], dtype=dtype)
+    for fn in (torch.tanh, torch.atanh, torch.tan, torch.atan):
+        (got,) = _run_lowered(fn, z)
+        want = fn(z)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0, equal_nan=True, msg=str(fn))
+        for g, w in ((got.real, want.real), (got.imag, want.imag)):
+            zero = w == 0
+            assert torch.equal(torch.signbit(g[zero]), torch.signbit(w[zero])), fn
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_exp_sin_cos_of_infinite_parts(dtype: torch.dtype) -> None:
+    # sin(inf + 0i) and cos(nan + 0i) were NaN + NaN i (ATen NaN ± 0i), cos(inf + inf i) NaN
+    # (ATen inf + NaN i); exp(-1e38 + inf i) was 0 (ATen NaN + NaN i: only x = -inf gives 0)
+    # and exp(inf + inf i) NaN + NaN i (ATen inf + NaN i); sinh/cosh and pow inherit these
+    parts = (0.0, -0.0, 1.0, -2.5, -1e30, math.inf, -math.inf, math.nan)
+    z = torch.tensor([complex(a, b) for a in parts for b in parts], dtype=dtype)
+    for fn in (torch.exp, torch.sin, torch.cos, torch.sinh, torch.cosh):
+        (got,) = _run_lowered(fn, z)
+        want = fn(z)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0, equal_nan=True, msg=str(fn))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_signed_zeros_of_a_real_numerator_and_expm1_overflow(dtype: torch.dtype) -> None:
+    # a known-zero part was left out of the formulas (0 - b as -b, a·rat + 0 as a·rat), so zero
+    # results had the other sign: 1/(2 + 0i) = 0.5 - 0i and 1/(0 - 1i) = +0 + 1i (ATen 0.5 + 0i,
+    # -0 + 1i; reciprocal, rsqrt, sigmoid); expm1(1e38 + 0i) kept 0i where ATen gives NaN
+    z = torch.tensor(
+        [2 + 0j, complex(0.0, -1.0), complex(-1.0, -0.0), complex(0.0, 0.5), complex(-0.0, 2.0)],
+        dtype=dtype,
+    )
+    for fn in (torch.reciprocal, torch.rsqrt, torch.sigmoid):
+        (got,) = _run_lowered(fn, z)
+        want = fn(z)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0, msg=str(fn))
+        for g, w in ((got.real, want.real), (got.imag, want.imag)):
+            assert torch.equal(torch.signbit(g[w == 0]), torch.signbit(w[w == 0])), fn
+    big = 1e38 if dtype == torch.complex64 else 1e300
+    x = torch.tensor([complex(big, 0.0), complex(big, -0.0), complex(-big, -0.0)], dtype=dtype)
+    (got,) = _run_lowered(torch.expm1, x)
+    torch.testing.assert_close(got, torch.expm1(x), equal_nan=True)
+
+
+def test_pow_by_the_exponents_aten_computes_as_other_functions() -> None:
+    # ATen computes z ** 0.5 as sqrt (and -0.5, -1, -2 as rsqrt/reciprocal); through
+    # e^(p log z), (-inf) ** 0.5 was -inf + inf i (ATen inf i), (-1) ** 0.5 was -4e-8 + 1i
+    # (ATen 1i), and a float 2.0 took that path too
+    z = torch.tensor(
+        [complex(-math.inf, 0.0), -1 + 0j, complex(-4.0, -0.0), 2 + 3j, 0j, 0.3 - 0.2j],
+        dtype=torch.complex64,
+    )
+
+    def powers(w: torch.Tensor) -> torch.Tensor:
+        return torch.stack([w**0.5, w**-0.5, w**-1.0, w**-2.0, w**2.0, w**3.0])
+
+    (got,) = _run_lowered(powers, z)
+    torch.testing.assert_close(got, powers(z), rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -291,6 +291,25 @@ ORDER = ("unbatched", "batched")  # call order A B, then B A, ... (each leads ha
 WARMUP_CALLS = 2  # untimed calls of each form before timing
 
 
+def _snapshot_generators() -> Callable[[], None]:
+    """Snapshot the default generators a graph's random ops can draw from; returns the restore.
+
+    The CPU generator, and every CUDA device's when CUDA is initialised: a graph on CUDA
+    tensors was compiled (so CUDA initialised) before its check runs, and a process that never
+    used CUDA must not initialise it here (``torch.cuda.get_rng_state_all`` would, and fails
+    without a GPU). Other accelerators' generators are not covered: torchport's compiler targets
+    CPU and CUDA."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore() -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    return restore
+
+
 def batching_runner(
     key: dict[str, Any],
     build: Callable[[bool], Callable[..., Any]],
@@ -321,13 +340,13 @@ def batching_runner(
         # the check must not consume random numbers (a graph with dropout or randn would
         # otherwise see a different stream than eager from then on), and both forms draw the
         # same stream, so that random ops agree between them
-        rng = torch.get_rng_state()
+        restore = _snapshot_generators()
         try:
             batched = step["batched"](*args)
-            torch.set_rng_state(rng)
+            restore()
             unbatched = step["unbatched"](*args)
         finally:
-            torch.set_rng_state(rng)
+            restore()
         if not _outputs_close(batched, unbatched):
             # never expected: the rules are exact up to summation order
             stats.candidates_failed += 1

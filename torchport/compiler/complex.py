@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from torchport.compiler.complex_rules import (
     RULES,
@@ -297,6 +298,7 @@ class ComplexCompiled:
     ) -> None:
         self.real_gm, self.in_layout, self.out_layout = lower_complex(gm)
         self.inner = inner
+        self.out_strides = _traced_strides(gm) if inner != "eager" else []
         self.contiguous = inner != "eager" and has_symbolic_sizes(example_inputs)
         if inner == "eager":
             self._run: Callable[[list[Any]], Any] = lambda a: self.real_gm(*a)
@@ -346,7 +348,34 @@ class ComplexCompiled:
         else:
             real_args = split_inputs(call_args, self.in_layout, contiguous=self.contiguous)
         outs = self._run(real_args)
-        return join_outputs(list(outs), self.out_layout)
+        joined = join_outputs(list(outs), self.out_layout)
+        for i, strides in self.out_strides:
+            o = joined[i]
+            if o.stride() != strides:
+                joined[i] = torch.empty_strided(o.shape, strides, dtype=o.dtype).copy_(o)
+        return joined
+
+
+def _traced_strides(gm: fx.GraphModule) -> list[tuple[int, tuple[int, ...]]]:
+    """``(index, strides)`` of the complex outputs whose traced layout is not row-major (ATen's
+    inverse is column-major, LAPACK's). A forward output saved for the backward reaches the
+    backward graph with the traced strides in its example input, and Inductor's backward checks
+    them on every call; the joined output is row-major ([..., 2] stacked), so it is laid out as
+    traced (a copy for such outputs only). Symbolic strides are left alone."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    results = (
+        out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    )
+    fixed = []
+    for i, r in enumerate(results):
+        v = _node_val(r)
+        if not _is_complex_val(v) or not all(isinstance(s, int) for s in (*v.shape, *v.stride())):
+            continue
+        if v.is_contiguous() or v.numel() <= 1:
+            continue
+        if is_non_overlapping_and_dense_or_false(v):
+            fixed.append((i, tuple(v.stride())))
+    return fixed
 
 
 def complex_aot_backend(inner: str) -> Callable[..., Any]:

@@ -1,0 +1,246 @@
+"""Core of the complex decomposition: the (real, imag) :class:`Pair`, the graph emitter, complex
+arithmetic on pairs, and the rule type.
+
+The rules live in themed modules (:mod:`~torchport.compiler.complex_elementwise`,
+:mod:`~torchport.compiler.complex_reductions`, :mod:`~torchport.compiler.complex_shape`,
+:mod:`~torchport.compiler.complex_linalg`), each with its own table;
+:mod:`torchport.compiler.complex_rules` collects them into the one table the lowering reads.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+
+class ComplexDecompositionError(RuntimeError):
+    """A complex-valued op in the graph has no real decomposition."""
+
+
+@dataclass
+class Pair:
+    """A complex value as two real graph values; ``im is None`` means the imaginary part is 0."""
+
+    re: Any
+    im: Any
+
+
+def _is_complex_val(v: object) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_complex()
+
+
+def _node_val(n: object) -> Any:
+    return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+
+
+def fold_select_of_stack(x: Any, dim: Any, index: Any, ndim: int | None = None) -> Any:
+    """``select(stack(parts, -1), last dim, i)`` → ``parts[i]``, else None.
+
+    Complex boundaries stack (real, imag) into ``[..., 2]`` and the next op often selects a part
+    back (``real``/``view_as_complex`` after ``view_as_real``). Folding keeps the graph free of
+    the round trip, which matters beyond speed: Inductor lowers a select to a squeeze view whose
+    stride computation guards every symbolic size != 1 (a recompile at size 1).
+    """
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is torch.stack):
+        return None
+    parts = x.args[0]
+    sdim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+    last = dim == -1 or (ndim is not None and dim == ndim - 1)
+    if sdim != -1 or not last or not isinstance(parts, (list, tuple)) or type(index) is not int:
+        return None
+    if not -len(parts) <= index < len(parts):
+        return None
+    return parts[index]
+
+
+class _Emitter:
+    """Builds the real graph; arithmetic helpers treat ``None`` as an exact zero."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.g = graph
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if fn is torch.select and not kwargs and len(args) == 3:
+            part = fold_select_of_stack(args[0], args[1], args[2])
+            if part is not None:
+                return part
+        return self.g.call_function(fn, tuple(args), kwargs)
+
+    def add(self, a: Any, b: Any) -> Any:
+        if a is None:
+            return b
+        if b is None:
+            return a
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a + b
+        return self.call(operator.add, a, b)
+
+    def sub(self, a: Any, b: Any) -> Any:
+        if b is None:
+            return a
+        if a is None:
+            # 0 - b, not -b: they differ for b = +0 (+0 vs -0), and ATen computes with the zero
+            # (1/(2 + 0i) = 0.5 + 0i, not 0.5 - 0i); same cost, one op either way
+            return -b if isinstance(b, (int, float)) and b != 0 else self.sub(0.0, b)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a - b
+        return self.call(operator.sub, a, b)
+
+    def mul(self, a: Any, b: Any) -> Any:
+        if a is None or b is None:
+            return None
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a * b
+        return self.call(operator.mul, a, b)
+
+    def div(self, a: Any, b: Any) -> Any:
+        if a is None:
+            return None
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a / b
+        return self.call(operator.truediv, a, b)
+
+    def neg(self, a: Any) -> Any:
+        if a is None:
+            return None
+        if isinstance(a, (int, float)):
+            return -a
+        return self.call(operator.neg, a)
+
+    def f(self, fn: Callable[..., Any], a: Any, *rest: Any, **kw: Any) -> Any:
+        """Apply a real function; a known-zero input is materialised as zeros if needed."""
+        return self.call(fn, a, *rest, **kw)
+
+    def zeros_like(self, ref: Any) -> Any:
+        return self.call(torch.zeros_like, ref)
+
+    def dense(self, a: Any, ref: Any) -> Any:
+        """``a`` as a graph tensor (zeros shaped like ``ref`` when a is a known zero)."""
+        if a is None:
+            return self.zeros_like(ref)
+        if isinstance(a, (int, float)):
+            return self.call(torch.full_like, ref, a)
+        return a
+
+
+def _pair(v: Any) -> Pair:
+    """View any value (real tensor node, number, complex number, Pair) as a Pair."""
+    if isinstance(v, Pair):
+        return v
+    if isinstance(v, complex):
+        return Pair(v.real, v.imag if v.imag != 0 else None)
+    return Pair(v, None)
+
+
+# --- complex arithmetic on Pairs -------------------------------------------------------------
+
+
+def c_add(e: _Emitter, a: Any, b: Any, alpha: Any = 1) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    if alpha != 1:
+        pb = c_mul(e, pb, alpha)
+    return Pair(e.add(pa.re, pb.re), e.add(pa.im, pb.im))
+
+
+def c_sub(e: _Emitter, a: Any, b: Any, alpha: Any = 1) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    if alpha != 1:
+        pb = c_mul(e, pb, alpha)
+    return Pair(e.sub(pa.re, pb.re), e.sub(pa.im, pb.im))
+
+
+def c_mul(e: _Emitter, a: Any, b: Any) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    re = e.sub(e.mul(pa.re, pb.re), e.mul(pa.im, pb.im))
+    im = e.add(e.mul(pa.re, pb.im), e.mul(pa.im, pb.re))
+    return Pair(re, im)
+
+
+def c_div(e: _Emitter, a: Any, b: Any) -> Pair:
+    pa, pb = _pair(a), _pair(b)
+    if pb.im is None:
+        return Pair(e.div(pa.re, pb.re), e.div(pa.im, pb.re))
+    if isinstance(pb.re, fx.Node) or isinstance(pb.im, fx.Node):
+        return _smith_div(e, pa, pb)
+    den = e.add(e.mul(pb.re, pb.re), e.mul(pb.im, pb.im))
+    re = e.add(e.mul(pa.re, pb.re), e.mul(pa.im, pb.im))
+    im = e.sub(e.mul(pa.im, pb.re), e.mul(pa.re, pb.im))
+    return Pair(e.div(re, den), e.div(im, den))
+
+
+def _smith_div(e: _Emitter, pa: Pair, pb: Pair) -> Pair:
+    """(a+bi)/(c+di) by Smith's algorithm, as ATen: scale by the ratio of the smaller to the
+    larger of |c|, |d| instead of dividing by c² + d², which overflows for |c+di| above ~1.8e19
+    in complex64 (a result of 0) and underflows below ~1e-19 (inf/nan)."""
+    ref = pb.re if isinstance(pb.re, fx.Node) else pb.im
+    c, d = e.dense(pb.re, ref), e.dense(pb.im, ref)
+    big = e.call(torch.ge, e.f(torch.abs, c), e.f(torch.abs, d))  # |c| >= |d|
+    rat = e.call(torch.where, big, e.div(d, c), e.div(c, d))  # smaller / larger
+    den = e.call(torch.where, big, e.add(c, e.mul(d, rat)), e.add(d, e.mul(c, rat)))
+    # a real (or imaginary) numerator's zero part takes part as +0, as in ATen, where it decides
+    # signs of zero results: 1/(0 - 1i) = -0 + 1i ((+0 · -0 + 0)/-1), not +0 + 1i
+    x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
+    re_big, re_small = e.add(x, e.mul(y, rat)), e.add(e.mul(x, rat), y)
+    im_big, im_small = e.sub(y, e.mul(x, rat)), e.sub(e.mul(y, rat), x)
+
+    def pick(u: Any, v: Any) -> Any:
+        return e.call(torch.where, big, 0.0 if u is None else u, 0.0 if v is None else v)
+
+    re, im = e.div(pick(re_big, re_small), den), e.div(pick(im_big, im_small), den)
+    # 0/0 made rat, and so both parts, NaN; ATen divides each part by 0 instead (a complex inf
+    # or NaN: 1j/0 = nan + inf i, 1/(0+0i) = inf + nan i)
+    ac, ad = e.f(torch.abs, c), e.f(torch.abs, d)
+    by_zero = e.call(torch.logical_and, e.call(operator.eq, ac, 0), e.call(operator.eq, ad, 0))
+    x0, y0 = 0.0 if x is None else x, 0.0 if y is None else y
+    return Pair(
+        e.call(torch.where, by_zero, e.div(x0, ac), re),
+        e.call(torch.where, by_zero, e.div(y0, ad), im),
+    )
+
+
+def c_abs(e: _Emitter, a: Pair) -> Any:
+    if a.im is None:
+        return e.f(torch.abs, a.re)
+    # hypot, as ATen's complex abs: sqrt(x² + y²) overflows for |z| > ~1.8e19 in complex64 and
+    # underflows to 0 below ~1e-19 (and log|z|, sqrt z and sgn z inherit that)
+    return e.f(torch.hypot, a.re, a.im)
+
+
+def c_angle(e: _Emitter, a: Pair) -> Any:
+    return e.f(torch.atan2, e.dense(a.im, a.re), a.re)
+
+
+# --- rule tables ------------------------------------------------------------------------------
+
+Rule = Callable[[Any, fx.Node, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def registrar(table: dict[Any, Rule]) -> Callable[..., Callable[[Rule], Rule]]:
+    """A decorator ``rule(*ops)`` that enters the decorated rule in ``table`` for each op (each
+    themed module keeps its own table; :mod:`torchport.compiler.complex_rules` collects them)."""
+
+    def rule(*ops: Any) -> Callable[[Rule], Rule]:
+        def reg(fn: Rule) -> Rule:
+            for op in ops:
+                table[op] = fn
+            return fn
+
+        return reg
+
+    return rule
+
+
+def _packets(*names: str) -> list[Any]:
+    """Every overload of the named aten ops."""
+    out: list[Any] = []
+    for name in names:
+        pkt = getattr(aten, name)
+        out.extend(getattr(pkt, o) for o in pkt.overloads())
+    return out

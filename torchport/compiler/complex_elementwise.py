@@ -1,0 +1,562 @@
+"""Complex decomposition rules: elementwise arithmetic and functions (exp/log, the trigonometric
+and hyperbolic functions and their inverses, pow, sqrt, abs/angle/sgn, the isnan family, polar).
+
+Each rule takes the lowering (whose ``e`` emits real graph nodes), the complex node and its mapped
+arguments (complex values as :class:`Pair`), and returns a Pair or a real value; the formulas are
+stated beside each rule.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from torchport.compiler.complex_base import (
+    ComplexDecompositionError,
+    Pair,
+    Rule,
+    _Emitter,
+    _packets,
+    _pair,
+    aten,
+    c_abs,
+    c_add,
+    c_angle,
+    c_div,
+    c_mul,
+    c_sub,
+    registrar,
+)
+
+RULES: dict[Any, Rule] = {}
+_rule = registrar(RULES)
+
+
+def _keep_zero(e: _Emitter, z: Any, zero: Any, value: Any) -> Any:
+    """``zero`` where ``z == 0``, else ``value``: a product with a factor that is exactly 0
+    (sin 0) is 0 in ATen's complex functions even where the other factor overflowed to inf,
+    where the real formula computes inf * 0 = nan."""
+    return e.call(torch.where, e.call(operator.eq, z, 0), zero, value)
+
+
+def c_exp(e: _Emitter, a: Pair) -> Pair:
+    ex = e.f(torch.exp, a.re)
+    if a.im is None:
+        return Pair(ex, None)
+    cos_y, sin_y = e.f(torch.cos, a.im), e.f(torch.sin, a.im)
+    im = _keep_zero(e, a.im, a.im, e.mul(ex, sin_y))  # e^x + 0i for y = ±0
+    # x = -inf (as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf or NaN, with the
+    # signs of cos y and sin y where y is finite and of y where not, as ATen; an e^x that
+    # underflowed (x finite) times cos y or sin y is ±0 anyway, and NaN for y = ±inf, as ATen
+    # (exp(-1e38 + inf i) is NaN + NaN i there)
+    fin_y = e.f(torch.isfinite, a.im)
+    zero_re = e.call(torch.where, fin_y, e.f(torch.copysign, ex, cos_y), 0.0)
+    zero_im = e.call(
+        torch.where, fin_y, e.f(torch.copysign, ex, sin_y), e.mul(e.f(torch.sign, a.im), 0.0)
+    )
+    minus_inf = e.call(operator.eq, a.re, -math.inf)
+    re = e.call(torch.where, minus_inf, zero_re, e.mul(ex, cos_y))
+    # x = +inf, y = ±inf or NaN: inf + NaN i, as ATen (C99), where inf · cos y was NaN
+    inf_re = e.call(
+        torch.logical_and, e.call(operator.eq, a.re, math.inf), e.call(torch.logical_not, fin_y)
+    )
+    re = e.call(torch.where, inf_re, math.inf, re)
+    return Pair(re, e.call(torch.where, minus_inf, zero_im, im))
+
+
+def c_log(e: _Emitter, a: Pair) -> Pair:
+    return Pair(_log_abs(e, a), c_angle(e, a))
+
+
+def _log_abs(e: _Emitter, a: Pair) -> Any:
+    """log|z|, without the cancellation of log(hypot) near |z| = 1: there log|z| =
+    ½ log1p((b-1)(b+1) + s²) with b, s the larger and smaller of |x|, |y|; b - 1 is exact for b in
+    [0.5, 2] (log(1 + 1e-4i) in complex64 gave 0, ATen 5e-9)."""
+    r = c_abs(e, a)
+    if a.im is None:
+        return e.f(torch.log, r)
+    ax, ay = e.f(torch.abs, a.re), e.f(torch.abs, a.im)
+    big, small = e.f(torch.maximum, ax, ay), e.f(torch.minimum, ax, ay)
+    near = e.call(torch.logical_and, e.call(torch.ge, big, 0.5), e.call(torch.le, big, 2.0))
+    t = e.add(e.mul(e.sub(big, 1.0), e.add(big, 1.0)), e.mul(small, small))
+    return e.call(torch.where, near, e.mul(e.f(torch.log1p, t), 0.5), _log_hypot(e, a.re, a.im, r))
+
+
+def _log_hypot(e: _Emitter, u: Any, v: Any, r: Any = None) -> Any:
+    """log hypot(u, v), also where the hypot overflows although its log is finite (|z| of
+    1e38 + 3.4e38i is above float32's max: log z had real part inf, ATen 88.76): there it is
+    log hypot(u/2, v/2) + log 2 (halving is exact above the subnormals)."""
+    r = e.f(torch.hypot, u, v) if r is None else r
+    halved = e.add(e.f(torch.log, e.f(torch.hypot, e.mul(u, 0.5), e.mul(v, 0.5))), math.log(2.0))
+    return e.call(torch.where, e.f(torch.isinf, r), halved, e.f(torch.log, r))
+
+
+def c_sqrt(e: _Emitter, a: Pair) -> Pair:
+    # t = sqrt((|x| + |z|)/2), then sqrt z = t + i y/(2t) for x >= 0 and |y|/(2t) + i copysign(t, y)
+    # for x < 0: the part that (|z| - |x|)/2 would give cancels (1 + 1e-3i: |z| - x lost every
+    # digit but one in float32, the imaginary part was 2% off; -4 + 1e-5i had real part 0), and
+    # quartering before adding keeps |z| and |x| + |z| from overflowing (3e38 + 3e38i gave inf):
+    # t = sqrt 2 · sqrt(|x|/4 + |z/4|). Quartering a subnormal part drops its low bits (sqrt of
+    # complex64 values near 1e-40 was 40 ulp off), so a z with both parts below 2^-60 is scaled
+    # by 2^100 first, the result by 2^-50 after (powers of two: exact)
+    x = a.re
+    y = e.dense(a.im, x)
+    ax0, ay0 = e.f(torch.abs, x), e.f(torch.abs, y)
+    tiny = e.call(torch.lt, e.f(torch.maximum, ax0, ay0), 2.0**-60)
+    up, down = e.call(torch.where, tiny, 2.0**100, 1.0), e.call(torch.where, tiny, 2.0**-50, 1.0)
+    x, y = e.mul(x, up), e.mul(y, up)
+    quarter_r = c_abs(e, Pair(e.mul(x, 0.25), e.mul(y, 0.25)))
+    q = e.add(e.mul(e.f(torch.abs, x), 0.25), quarter_r)
+    t = e.mul(e.f(torch.sqrt, q), math.sqrt(2.0))
+    two_t = e.call(torch.where, e.call(operator.eq, t, 0), 1.0, e.mul(t, 2.0))  # z = 0: 0 + yi
+    inf_y = e.f(torch.isinf, y)  # y/(2t) is inf/inf there; sqrt(x ± inf i) = inf ± inf i
+    small = e.call(torch.where, inf_y, y, e.div(y, two_t))
+    ay = e.f(torch.abs, y)
+    small_abs = e.call(torch.where, inf_y, ay, e.div(ay, two_t))
+    # (and for x NaN: sqrt(nan ± inf i) = inf ± inf i, as ATen; t is NaN there)
+    nonneg = e.call(torch.logical_or, e.call(torch.ge, x, 0), inf_y)
+    re = e.call(
+        torch.where,
+        e.call(torch.logical_and, nonneg, e.call(torch.logical_not, inf_y)),
+        t,
+        small_abs,
+    )
+    im = e.call(torch.where, nonneg, small, e.f(torch.copysign, t, y))
+    return Pair(e.mul(re, down), e.mul(im, down))
+
+
+def c_sin(e: _Emitter, a: Pair) -> Pair:
+    if a.im is None:
+        return Pair(e.f(torch.sin, a.re), None)
+    # sin(±0 + iy) = ±0 + i sinh y, also where cosh y overflows
+    re = _keep_zero(e, a.re, a.re, e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im)))
+    im = e.mul(e.f(torch.cos, a.re), e.f(torch.sinh, a.im))
+    # x = ±inf or NaN: ATen's imaginary part is y for y = ±0 and +inf for y = ±inf (cos x times
+    # sinh y was NaN), NaN otherwise
+    y = a.im
+    odd = e.call(
+        torch.where,
+        e.call(operator.eq, y, 0),
+        y,
+        e.call(torch.where, e.f(torch.isinf, y), math.inf, math.nan),
+    )
+    return Pair(re, e.call(torch.where, e.f(torch.isfinite, a.re), im, odd))
+
+
+def c_cos(e: _Emitter, a: Pair) -> Pair:
+    if a.im is None:
+        return Pair(e.f(torch.cos, a.re), None)
+    re = e.mul(e.f(torch.cos, a.re), e.f(torch.cosh, a.im))
+    # cos(±0 + iy) = cosh y - i (±0 · sign y), also where sinh y overflows
+    zero = e.neg(e.mul(a.re, e.f(torch.copysign, e.dense(1.0, a.im), a.im)))
+    im = _keep_zero(e, a.re, zero, e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im))))
+    # x = ±inf or NaN: ATen gives inf + NaN i for y = ±inf and NaN + 0i for y = ±0 (cos x and
+    # sin x are NaN there)
+    y, odd_x = a.im, e.call(torch.logical_not, e.f(torch.isfinite, a.re))
+    re = e.call(torch.where, e.call(torch.logical_and, odd_x, e.f(torch.isinf, y)), math.inf, re)
+    im = e.call(torch.where, e.call(torch.logical_and, odd_x, e.call(operator.eq, y, 0)), 0.0, im)
+    return Pair(re, im)
+
+
+def c_tanh(e: _Emitter, a: Pair) -> Pair:
+    if a.im is None:
+        return Pair(e.f(torch.tanh, a.re), None)
+    # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y), with numerator and denominator divided by
+    # cosh 2x: sinh and cosh overflow for |x| > ~44 in float32 (inf/inf = nan where tanh is
+    # ±1), while tanh 2x and sech 2x = 1/cosh 2x stay finite (sech → 0)
+    # sin 2y and cos 2y from sin y and cos y: 2y overflows for |y| above half the max (tanh of
+    # 3.4e38i was NaN, ATen -0.61i)
+    x2 = e.mul(a.re, 2.0)
+    sin_y, cos_y = e.f(torch.sin, a.im), e.f(torch.cos, a.im)
+    sin_2y = e.mul(e.mul(sin_y, cos_y), 2.0)
+    cos_2y = e.mul(e.sub(cos_y, sin_y), e.add(cos_y, sin_y))
+    sech = e.f(torch.reciprocal, e.f(torch.cosh, x2))
+    den = e.add(1.0, e.mul(cos_2y, sech))
+    re, im = e.div(e.f(torch.tanh, x2), den), e.div(e.mul(sin_2y, sech), den)
+    # infinite parts, as ATen (C99): tanh(±0 + iy) = ±0 + i tan y for every y (0/den was NaN
+    # for y = ±inf), tanh(±inf + iy) = ±1 ± 0i also for y = ±inf or NaN (sin 2y was NaN there)
+    x, y = a.re, a.im
+    inf_x = e.f(torch.isinf, x)
+    re = e.call(torch.where, e.call(operator.eq, x, 0), x, re)
+    re = e.call(torch.where, inf_x, e.f(torch.copysign, e.dense(1.0, x), x), re)
+    odd_y = e.call(torch.logical_and, inf_x, e.call(torch.logical_not, e.f(torch.isfinite, y)))
+    return Pair(re, e.call(torch.where, odd_y, e.f(torch.copysign, e.dense(0.0, y), y), im))
+
+
+def c_sigmoid(e: _Emitter, a: Pair) -> Pair:
+    return c_div(e, 1.0, c_add(e, 1.0, c_exp(e, Pair(e.neg(a.re), e.neg(a.im)))))
+
+
+def _xy(e: _Emitter, a: Pair) -> tuple[Any, Any]:
+    """The parts of ``a`` as graph tensors (a known-zero imaginary part as +0)."""
+    return a.re, e.dense(a.im, a.re)
+
+
+def c_expm1(e: _Emitter, a: Pair) -> Pair:
+    if a.im is None:
+        return Pair(e.f(torch.expm1, a.re), None)
+    # e^z - 1 = (expm1 x cos y - 2 sin²(y/2)) + i e^x sin y: no cancellation of e^x cos y - 1
+    # near z = 0
+    x, y = a.re, a.im
+    s = e.f(torch.sin, e.mul(y, 0.5))
+    re = e.sub(e.mul(e.f(torch.expm1, x), e.f(torch.cos, y)), e.mul(e.mul(s, s), 2.0))
+    # (e^x sin y without keeping y = ±0 exact: ATen's expm1(1e38 + 0i) is inf + NaN i, unlike
+    # its exp; for a finite e^x the product is ±0 = y anyway)
+    ex = e.f(torch.exp, x)
+    return Pair(re, e.mul(ex, e.f(torch.sin, y)))
+
+
+def c_log1p(e: _Emitter, a: Pair) -> Pair:
+    x, y = _xy(e, a)
+    xp1 = e.add(x, 1.0)
+    # log|1+z| = ½ log1p(x(x+2) + y²) near z = 0 (log|1+z| cancels there), log hypot(1+x, y)
+    # elsewhere (where x(x+2) + y² could overflow), as ATen
+    near = e.call(
+        torch.logical_and,
+        e.call(torch.lt, e.f(torch.abs, x), 0.5),
+        e.call(torch.lt, e.f(torch.abs, y), 0.5),
+    )
+    # (the y = 0 case apart so that log1p(-0) keeps its sign: -0 + 0² is +0)
+    t = e.mul(x, e.add(x, 2.0))
+    t = e.call(torch.where, e.call(operator.eq, y, 0), t, e.add(t, e.mul(y, y)))
+    small = e.mul(e.f(torch.log1p, t), 0.5)
+    big = _log_hypot(e, xp1, y)
+    return Pair(e.call(torch.where, near, small, big), e.f(torch.atan2, y, xp1))
+
+
+def _times_i(e: _Emitter, a: Pair) -> Pair:
+    x, y = _xy(e, a)
+    return Pair(e.neg(y), x)  # i(x + iy) = -y + ix
+
+
+def _times_minus_i(e: _Emitter, a: Pair) -> Pair:
+    x, y = _xy(e, a)
+    return Pair(y, e.neg(x))  # -i(x + iy) = y - ix
+
+
+def c_atanh(e: _Emitter, a: Pair) -> Pair:
+    # atanh z = ½ (log(1+z) - log(1-z)). Real part ¼ log1p(4x/|1-z|²) (Kahan): the difference of
+    # logs cancels for large |z|. The real part is odd in x, so it is computed for |x| and given
+    # x's sign (copysign keeps -0): for x near -1 the formula in x itself rounded 4x/|1-z|² to -1
+    # and log1p lost everything (atanh(-0.99999) gave -inf). 4|x|/|1-z|² is formed as
+    # (|x|/d)(4/d), d = hypot(1-|x|, y), and where d < 2^-60 (the product could overflow) as
+    # log(4|x|) - 2 log d instead. Imaginary part ½ (arg(1+z) - arg(1-z)): the signed zero of
+    # -y puts the branch cuts (real axis beyond ±1) where ATen has them.
+    x, y = _xy(e, a)
+    one_m_x = e.sub(1.0, x)
+    ax = e.f(torch.abs, x)
+    d = e.f(torch.hypot, e.sub(1.0, ax), y)
+    near_one = e.call(torch.lt, d, 2.0**-60)
+    # each form gets harmless arguments where the other is taken, so that neither puts an
+    # inf or NaN into the gradient through where (log |x| at x = 0, 1/d at d = 0)
+    d_f = e.call(torch.where, near_one, 1.0, d)
+    fine = e.f(torch.log1p, e.mul(e.div(ax, d_f), e.div(4.0, d_f)))
+    ax_t = e.call(torch.where, near_one, ax, 1.0)
+    d_t = e.call(torch.where, near_one, d, 1.0)
+    tiny = e.sub(e.f(torch.log, e.mul(ax_t, 4.0)), e.mul(e.f(torch.log, d_t), 2.0))
+    re = e.f(torch.copysign, e.mul(e.call(torch.where, near_one, tiny, fine), 0.25), x)
+    arg_p = e.f(torch.atan2, y, e.add(x, 1.0))
+    arg_m = e.f(torch.atan2, e.neg(y), one_m_x)
+    im = e.mul(e.sub(arg_p, arg_m), 0.5)
+    # an infinite part, as ATen (C99): atanh z = ±0 + i copysign(π/2, y) (the real part's
+    # 4|x|/d² was inf/inf = NaN; the imaginary part is NaN where y is); atan inherits it
+    inf_z = e.call(torch.logical_or, e.f(torch.isinf, x), e.f(torch.isinf, y))
+    re = e.call(torch.where, inf_z, e.f(torch.copysign, e.dense(0.0, x), x), re)
+    half_pi = e.f(torch.copysign, e.dense(math.pi / 2, y), y)
+    keep_nan = e.call(torch.logical_and, inf_z, e.call(torch.logical_not, e.f(torch.isnan, y)))
+    return Pair(re, e.call(torch.where, keep_nan, half_pi, im))
+
+
+def c_atan(e: _Emitter, a: Pair) -> Pair:
+    return _times_minus_i(e, c_atanh(e, _times_i(e, a)))  # atan z = -i atanh(iz)
+
+
+def _sqrt_1_pm(e: _Emitter, a: Pair, sign: float) -> Pair:
+    """sqrt(1 + sign·z), with the sign of a zero imaginary part following ``sign·y``."""
+    x, y = _xy(e, a)
+    if sign > 0:
+        return c_sqrt(e, Pair(e.add(x, 1.0), y))
+    return c_sqrt(e, Pair(e.sub(1.0, x), e.neg(y)))
+
+
+_FAR = 2.0**30  # |x| or |y| above this: the inverse functions' asymptotic forms are exact
+
+
+def _far(e: _Emitter, x: Any, y: Any) -> tuple[Any, Any]:
+    """``(far, L)``: where |x| or |y| exceeds 2^30, and L = log 2|z| there. Kahan's products of
+    square roots overflow for |z| near the dtype's max (asinh(1e308i) gave inf, ATen 710.5);
+    out there √(1-z)√(1+z) ~ ±iz up to a relative 1/|z|² (below either dtype's rounding), so
+    asin, acos, asinh and acosh are ±log 2|z| plus an argument. L takes |z| = 1 where not far,
+    so that its gradient through ``where`` is finite."""
+    far = e.call(
+        torch.logical_or,
+        e.call(torch.gt, e.f(torch.abs, x), _FAR),
+        e.call(torch.gt, e.f(torch.abs, y), _FAR),
+    )
+    xs, ys = e.call(torch.where, far, x, 1.0), e.call(torch.where, far, y, 0.0)
+    return far, e.add(_log_hypot(e, xs, ys), math.log(2.0))
+
+
+def c_asin(e: _Emitter, a: Pair) -> Pair:
+    # Kahan: asin z = atan2(x, Re(√(1-z) √(1+z))) + i asinh(Im(conj(√(1-z)) √(1+z))): no log of a
+    # difference (log(iz + √(1-z²)) cancels), and the square roots' branch cuts give asin's
+    m, p = _sqrt_1_pm(e, a, -1.0), _sqrt_1_pm(e, a, 1.0)
+    x, y = _xy(e, a)
+    re = e.f(torch.atan2, x, e.sub(e.mul(m.re, p.re), e.mul(m.im, p.im)))
+    im = e.f(torch.asinh, e.sub(e.mul(m.re, p.im), e.mul(m.im, p.re)))
+    far, big_l = _far(e, x, y)  # far out: atan2(x, |y|) + i copysign(log 2|z|, y)
+    re = e.call(torch.where, far, e.f(torch.atan2, x, e.f(torch.abs, y)), re)
+    return Pair(re, e.call(torch.where, far, e.f(torch.copysign, big_l, y), im))
+
+
+def c_acos(e: _Emitter, a: Pair) -> Pair:
+    # Kahan: acos z = 2 atan2(Re √(1-z), Re √(1+z)) + i asinh(Im(conj(√(1+z)) √(1-z)))
+    m, p = _sqrt_1_pm(e, a, -1.0), _sqrt_1_pm(e, a, 1.0)
+    re = e.mul(e.f(torch.atan2, m.re, p.re), 2.0)
+    im = e.f(torch.asinh, e.sub(e.mul(p.re, m.im), e.mul(p.im, m.re)))
+    x, y = _xy(e, a)
+    far, big_l = _far(e, x, y)  # far out: atan2(|y|, x) - i copysign(log 2|z|, y)
+    re = e.call(torch.where, far, e.f(torch.atan2, e.f(torch.abs, y), x), re)
+    return Pair(re, e.call(torch.where, far, e.f(torch.copysign, big_l, e.neg(y)), im))
+
+
+def c_acosh(e: _Emitter, a: Pair) -> Pair:
+    # Kahan: acosh z = asinh(Re(conj(√(z-1)) √(z+1))) + i 2 atan2(Im √(z-1), Re √(z+1))
+    x, y = _xy(e, a)
+    m = c_sqrt(e, Pair(e.sub(x, 1.0), y))
+    p = c_sqrt(e, Pair(e.add(x, 1.0), y))
+    re = e.f(torch.asinh, e.add(e.mul(m.re, p.re), e.mul(m.im, p.im)))
+    im = e.mul(e.f(torch.atan2, m.im, p.re), 2.0)
+    far, big_l = _far(e, x, y)  # far out: log 2|z| + i arg z
+    return Pair(e.call(torch.where, far, big_l, re), e.call(torch.where, far, c_angle(e, a), im))
+
+
+def c_asinh(e: _Emitter, a: Pair) -> Pair:
+    return _times_minus_i(e, c_asin(e, _times_i(e, a)))  # asinh z = -i asin(iz)
+
+
+def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
+    # the exponents ATen computes as other functions, so with their values at the branch cut
+    # and at infinities: z ** 0.5 through e^(0.5 log z) was -inf + inf i at -inf (ATen's sqrt:
+    # inf i) and -4e-8 + 1i at -1 (1i)
+    if isinstance(p, (int, float)) and not isinstance(p, bool):
+        if p == 0.5:
+            return c_sqrt(e, a)
+        if p == -0.5:
+            return c_div(e, 1.0, c_sqrt(e, a))
+        if p in (-1, -2):
+            return c_div(e, 1.0, a if p == -1 else c_mul(e, a, a))
+        if isinstance(p, float) and p.is_integer():
+            p = int(p)
+    if isinstance(p, int) and 0 <= p <= 4:
+        out: Pair = Pair(e.dense(1.0, a.re), None)
+        for _ in range(p):
+            out = c_mul(e, out, a)
+        return out
+    return c_exp(e, c_mul(e, _pair(p), c_log(e, a)))
+
+
+@_rule(*_packets("add"))
+def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_add(lw.e, a[0], a[1], kw.get("alpha", 1))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+
+
+@_rule(*_packets("sub"))
+def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sub(lw.e, a[0], a[1], kw.get("alpha", 1))  # componentwise difference
+
+
+@_rule(*_packets("rsub"))
+def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sub(lw.e, a[1], c_mul(lw.e, a[0], kw.get("alpha", 1)))  # b - alpha*a
+
+
+@_rule(*_packets("mul"))
+def _r_mul(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_mul(lw.e, a[0], a[1])  # (ac-bd) + (ad+bc)i
+
+
+@_rule(*_packets("div"))
+def _r_div(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    if kw.get("rounding_mode") is not None:
+        raise ComplexDecompositionError(f"{n.target}: rounding_mode is undefined for complex")
+    return c_div(lw.e, a[0], a[1])  # multiply by conj, divide by |b|²
+
+
+@_rule(aten.reciprocal.default)
+def _r_recip(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_div(lw.e, 1.0, a[0])  # 1/z
+
+
+@_rule(aten.neg.default)
+def _r_neg(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return Pair(lw.e.neg(p.re), lw.e.neg(p.im))  # -z
+
+
+@_rule(
+    aten.conj.default, aten._conj.default, aten.conj_physical.default, aten._conj_physical.default
+)
+def _r_conj(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return Pair(p.re, lw.e.neg(p.im))  # conj(a+bi) = a-bi
+
+
+@_rule(
+    aten.resolve_conj.default,
+    aten.resolve_neg.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+)
+def _r_identity(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return a[0]  # lazy-bit resolution and aliasing do not change the value
+
+
+@_rule(aten.exp.default)
+def _r_exp(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_exp(lw.e, _pair(a[0]))  # e^x (cos y + i sin y)
+
+
+@_rule(aten.log.default)
+def _r_log(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_log(lw.e, _pair(a[0]))  # log|z| + i arg z
+
+
+@_rule(aten.sqrt.default)
+def _r_sqrt(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sqrt(lw.e, _pair(a[0]))  # principal square root
+
+
+@_rule(aten.rsqrt.default)
+def _r_rsqrt(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_div(lw.e, 1.0, c_sqrt(lw.e, _pair(a[0])))  # 1/sqrt z
+
+
+@_rule(aten.sin.default)
+def _r_sin(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sin(lw.e, _pair(a[0]))  # sin x cosh y + i cos x sinh y
+
+
+@_rule(aten.cos.default)
+def _r_cos(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_cos(lw.e, _pair(a[0]))  # cos x cosh y - i sin x sinh y
+
+
+@_rule(aten.tanh.default)
+def _r_tanh(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_tanh(lw.e, _pair(a[0]))  # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y)
+
+
+@_rule(aten.sigmoid.default)
+def _r_sigmoid(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_sigmoid(lw.e, _pair(a[0]))  # 1/(1+e^-z)
+
+
+@_rule(*_packets("pow"))
+def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    base, p = a[0], a[1]
+    if isinstance(p, (Pair, fx.Node, complex)) or not isinstance(base, (Pair, fx.Node)):
+        return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))))  # z^w = e^(w log z)
+    return c_pow(lw.e, _pair(base), p)  # small integer powers by repeated products
+
+
+@_rule(aten.expm1.default)
+def _r_expm1(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_expm1(lw.e, _pair(a[0]))  # e^z - 1
+
+
+@_rule(aten.exp2.default)
+def _r_exp2(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_exp(lw.e, c_mul(lw.e, _pair(a[0]), math.log(2.0)))  # 2^z = e^(z log 2)
+
+
+@_rule(aten.log1p.default)
+def _r_log1p(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_log1p(lw.e, _pair(a[0]))  # log(1 + z)
+
+
+@_rule(aten.sinh.default)
+def _r_sinh(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e = lw.e
+    return _times_minus_i(e, c_sin(e, _times_i(e, _pair(a[0]))))  # sinh z = -i sin(iz)
+
+
+@_rule(aten.cosh.default)
+def _r_cosh(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_cos(lw.e, _times_i(lw.e, _pair(a[0])))  # cosh z = cos(iz)
+
+
+@_rule(aten.tan.default)
+def _r_tan(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e = lw.e
+    return _times_minus_i(e, c_tanh(e, _times_i(e, _pair(a[0]))))  # tan z = -i tanh(iz)
+
+
+_INVERSE: dict[Any, Callable[[_Emitter, Pair], Pair]] = {
+    aten.asin.default: c_asin,
+    aten.acos.default: c_acos,
+    aten.atan.default: c_atan,
+    aten.asinh.default: c_asinh,
+    aten.acosh.default: c_acosh,
+    aten.atanh.default: c_atanh,
+}
+
+
+@_rule(*_INVERSE)
+def _r_inverse_trig(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return _INVERSE[n.target](lw.e, _pair(a[0]))  # principal values, ATen's branch cuts
+
+
+@_rule(aten.abs.default)
+def _r_abs(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_abs(lw.e, _pair(a[0]))  # sqrt(x² + y²) (a real tensor)
+
+
+@_rule(aten.angle.default)
+def _r_angle(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return c_angle(lw.e, _pair(a[0]))  # atan2(y, x) (a real tensor)
+
+
+@_rule(aten.sgn.default)
+def _r_sgn(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    r = c_abs(e, p)
+    zero = e.call(operator.eq, r, 0)
+    safe = e.call(torch.where, zero, 1.0, r)
+    q = c_div(e, p, safe)
+    return Pair(
+        e.call(torch.where, zero, 0.0, q.re), e.call(torch.where, zero, 0.0, e.dense(q.im, q.re))
+    )  # z/|z|, 0 at 0
+
+
+@_rule(aten.isnan.default, aten.isinf.default)
+def _r_isnan(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    fn = torch.isnan if n.target is aten.isnan.default else torch.isinf
+    re = e.call(fn, p.re)
+    return re if p.im is None else e.call(torch.logical_or, re, e.call(fn, p.im))  # either part
+
+
+@_rule(aten.isfinite.default)
+def _r_isfinite(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, p = lw.e, _pair(a[0])
+    re = e.call(torch.isfinite, p.re)
+    return re if p.im is None else e.call(torch.logical_and, re, e.call(torch.isfinite, p.im))
+
+
+@_rule(aten.log10.default, aten.log2.default)
+def _r_log_base(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    scale = 1.0 / math.log(10.0 if n.target is aten.log10.default else 2.0)
+    return c_mul(lw.e, c_log(lw.e, _pair(a[0])), scale)  # log z / log b
+
+
+@_rule(aten.polar.default)
+def _r_polar(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, r, theta = lw.e, a[0], a[1]  # r (cos θ + i sin θ)
+    return Pair(e.mul(r, e.f(torch.cos, theta)), e.mul(r, e.f(torch.sin, theta)))

@@ -1,0 +1,306 @@
+"""Complex decomposition rules: views, shape ops and linear reductions applied to each part,
+indexing and the scatters of its backward, cat/stack, where/eq, fills and dtype casts.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from torchport.compiler.complex_base import (
+    ComplexDecompositionError,
+    Pair,
+    Rule,
+    _is_complex_val,
+    _node_val,
+    _packets,
+    _pair,
+    aten,
+    registrar,
+)
+
+RULES: dict[Any, Rule] = {}
+_rule = registrar(RULES)
+
+
+@_rule(aten.view_as_real.default)
+def _r_view_as_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return lw.e.call(torch.stack, [p.re, lw.e.dense(p.im, p.re)], -1)  # [..., 2] real tensor
+
+
+@_rule(aten.view_as_complex.default)
+def _r_view_as_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e = lw.e
+    return Pair(e.call(torch.select, a[0], -1, 0), e.call(torch.select, a[0], -1, 1))  # last dim
+
+
+@_rule(aten.complex.default)
+def _r_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return Pair(a[0], a[1])  # complex(re, im)
+
+
+@_rule(aten.real.default)
+def _r_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return _pair(a[0]).re  # Re z
+
+
+@_rule(aten.imag.default)
+def _r_imag(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = _pair(a[0])
+    return lw.e.dense(p.im, p.re)  # Im z
+
+
+def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """Apply a shape op or linear reduction to each part (a zero part stays zero)."""
+    p = _pair(a[0])
+    val = _node_val(n)
+    if kw.get("dtype") is not None and _is_complex_val(val):
+        # sum/mean/cumsum(dtype=complex128) of complex64 accumulate in the requested precision:
+        # cast each part to its real dtype first, as ATen casts the input
+        rdt = val.dtype.to_real()
+        p = Pair(*(None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im)))
+    kw = {k: v for k, v in kw.items() if k != "dtype"}
+    re = lw.e.call(n.target, p.re, *a[1:], **kw)
+    im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
+    return Pair(re, im)
+
+
+for _op in _packets(
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "permute",
+    "transpose",
+    "t",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "index",
+    "index_select",
+    "gather",
+    "clone",
+    "flip",
+    "roll",
+    "repeat",
+    "sum",
+    "mean",
+    "cumsum",
+    "trace",
+    "tril",
+    "triu",
+    "diagonal",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "narrow",
+    "squeeze_copy",
+    "view_copy",
+    "permute_copy",
+    "expand_copy",
+    "slice_copy",
+    "select_copy",
+    "unsqueeze_copy",
+    "transpose_copy",
+    "t_copy",
+    "alias_copy",
+):
+    RULES[_op] = _componentwise
+
+
+def _views_an_input(x: Any) -> bool:
+    """True if graph value ``x`` is a graph input or a view of one (through aliasing ops)."""
+    while isinstance(x, fx.Node):
+        if x.op == "placeholder":
+            return True
+        if x.target is operator.getitem:  # one output of split/unbind/chunk: a view of its input
+            x = x.args[0]
+            continue
+        schema = getattr(x.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            return False
+        x = x.args[0] if x.args else None
+    return False
+
+
+@_rule(*_packets("as_strided"))
+def _r_as_strided(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # as_strided addresses the storage, not the tensor. A complex graph input enters as its
+    # real/imag views, which address the interleaved complex storage in real elements (strides
+    # and offset doubled), so applying the same size/stride/offset to each part would read real
+    # and imaginary values mixed; an intermediate's parts are dense buffers laid out like the
+    # complex one, where applying it to each part is exact.
+    if _views_an_input(n.args[0]):
+        raise ComplexDecompositionError(
+            f"{n.target} on a complex graph input (or a view of one) is not supported by "
+            f"torchport complex compilation (node {n.name!r}): it addresses the complex storage, "
+            "which the real/imaginary split does not keep; compile with complex=False"
+        )
+    return _componentwise(lw, n, a, kw)
+
+
+@_rule(*_packets("constant_pad_nd"))
+def _r_constant_pad(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # the fill is a complex number: its real part pads the real part, its imaginary part the
+    # imaginary part (a real fill v pads with v + 0i, so the imaginary part with 0, not v)
+    e, p = lw.e, _pair(a[0])
+    fill = _pair(a[2] if len(a) > 2 else kw.get("value", 0.0))
+    re = e.call(n.target, p.re, a[1], 0.0 if fill.re is None else fill.re)
+    if p.im is None and fill.im is None:
+        return Pair(re, None)
+    im_fill = 0.0 if fill.im is None else fill.im
+    return Pair(re, e.call(n.target, e.dense(p.im, p.re), a[1], im_fill))
+
+
+def _scatter(src_pos: int) -> Rule:
+    """A rule for an op that writes ``args[src_pos]`` into (a copy of) ``args[0]`` at positions its
+    other arguments name: the backward of slicing, selecting and indexing (``slice_scatter``,
+    ``select_scatter``, ``index_put``, ...). Both parts scatter alike."""
+
+    def rule(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        e, dst, src = lw.e, _pair(a[0]), _pair(a[src_pos])
+
+        def part(d: Any, s: Any) -> Any:
+            args = list(a)
+            args[0], args[src_pos] = d, s
+            return e.call(n.target, *args, **kw)
+
+        re = part(dst.re, src.re)
+        if not _is_complex_val(_node_val(n)):
+            return re  # a complex src written into a real tensor keeps its real part
+        if dst.im is None and src.im is None:
+            return Pair(re, None)
+        return Pair(re, part(e.dense(dst.im, dst.re), e.dense(src.im, src.re)))
+
+    return rule
+
+
+# copy(self, src): src in self's shape and dtype (an in-place write such as y[0] = 1j)
+for _op in _packets("slice_scatter", "select_scatter", "diagonal_scatter", "copy"):
+    RULES[_op] = _scatter(1)
+
+
+for _op in _packets("index_put"):
+    RULES[_op] = _scatter(2)
+
+
+# gather's and index_select's gradients: scatter_add / index_add of the gradient into zeros
+for _op in (aten.scatter.src, aten.scatter_add.default):
+    RULES[_op] = _scatter(3)
+
+
+@_rule(aten.index_add.default)
+def _r_index_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    if isinstance(kw.get("alpha", 1), Pair):  # a complex alpha would mix the parts
+        raise ComplexDecompositionError(f"{n.target}: a complex alpha is not supported")
+    return _scatter(3)(lw, n, a, kw)  # self + alpha * source at index, per part
+
+
+@_rule(operator.getitem)
+def _r_getitem(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    p = a[0]
+    if isinstance(p, (tuple, list)):  # one result of a rule that returns several (inv_ex)
+        return p[a[1]]
+    assert isinstance(p, Pair)
+    im = None if p.im is None else lw.e.call(operator.getitem, p.im, a[1])
+    return Pair(lw.e.call(operator.getitem, p.re, a[1]), im)  # element of a split/unbind
+
+
+@_rule(*_packets("cat", "stack"))
+def _r_cat(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    parts = [_pair(x) for x in a[0]]
+    e = lw.e
+    re = e.call(n.target, [p.re for p in parts], *a[1:], **kw)
+    if all(p.im is None for p in parts):
+        return Pair(re, None)
+    im = e.call(n.target, [e.dense(p.im, p.re) for p in parts], *a[1:], **kw)
+    return Pair(re, im)  # concatenate each part
+
+
+@_rule(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def _r_where(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, x, y = lw.e, _pair(a[1]), _pair(a[2])
+    re = e.call(torch.where, a[0], x.re, y.re)
+    if x.im is None and y.im is None:
+        return Pair(re, None)
+    return Pair(
+        re, e.call(torch.where, a[0], 0.0 if x.im is None else x.im, 0.0 if y.im is None else y.im)
+    )
+
+
+@_rule(aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor)
+def _r_eq(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    e, x, y = lw.e, _pair(a[0]), _pair(a[1])
+    ref = x.re if isinstance(x.re, fx.Node) else y.re
+    same_re = (
+        e.call(torch.eq, x.re, y.re) if isinstance(x.re, fx.Node) else e.call(torch.eq, y.re, x.re)
+    )
+    xi, yi = e.dense(x.im, ref), (0.0 if y.im is None else y.im)
+    both = e.call(torch.logical_and, same_re, e.call(torch.eq, xi, yi))
+    return both if n.target in (aten.eq.Scalar, aten.eq.Tensor) else e.call(torch.logical_not, both)
+
+
+def _fill_value(v: Any) -> complex:
+    """A fill scalar as a complex number (the lowering maps a complex constant to a Pair)."""
+    if isinstance(v, Pair):
+        return complex(v.re, 0.0 if v.im is None else v.im)
+    return complex(v)
+
+
+@_rule(aten.full.default, aten.scalar_tensor.default)
+def _r_full(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    val = _node_val(n)
+    kw = dict(kw)
+    kw["dtype"] = val.dtype.to_real()
+    fill = _fill_value(a[-1] if n.target is aten.full.default else a[0])
+    if n.target is aten.full.default:
+        re = lw.e.call(aten.full.default, a[0], fill.real, **kw)
+        im = lw.e.call(aten.full.default, a[0], fill.imag, **kw) if fill.imag else None
+    else:
+        re = lw.e.call(aten.scalar_tensor.default, fill.real, **kw)
+        im = lw.e.call(aten.scalar_tensor.default, fill.imag, **kw) if fill.imag else None
+    return Pair(re, im)  # constant parts
+
+
+@_rule(aten.empty_permuted.default, aten.empty.memory_format, aten.empty_strided.default)
+def _r_empty(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # an uninitialised complex buffer (the ``ones_like`` of atanh's gradient, then filled):
+    # a real one in the real dtype; its imaginary part is as undefined as zero
+    kw = dict(kw)
+    kw["dtype"] = _node_val(n).dtype.to_real()
+    return Pair(lw.e.call(n.target, *a, **kw), None)
+
+
+@_rule(
+    aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default
+)
+def _r_full_like(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    val = _node_val(n)
+    kw = {k: v for k, v in kw.items() if k not in ("dtype", "memory_format")}
+    ref = _pair(a[0]).re
+    if n.target is aten.full_like.default:
+        fill = _fill_value(a[1])
+    else:
+        fill = 1 + 0j if n.target is aten.ones_like.default else 0j
+    if _is_complex_val(val):
+        rdt = val.dtype.to_real()
+        re = lw.e.call(torch.full_like, ref, fill.real, dtype=rdt, **kw)
+        im = lw.e.call(torch.full_like, ref, fill.imag, dtype=rdt, **kw) if fill.imag else None
+        return Pair(re, im)
+    return lw.e.call(torch.full_like, ref, fill.real, dtype=val.dtype, **kw)
+
+
+@_rule(aten._to_copy.default, aten.to.dtype)
+def _r_to(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    val = _node_val(n)
+    x = _pair(a[0])
+    if _is_complex_val(val):
+        rdt = val.dtype.to_real()
+        re = lw.e.call(torch.Tensor.to, x.re, rdt)
+        return Pair(re, None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt))
+    return lw.e.call(torch.Tensor.to, x.re, val.dtype)  # complex → real keeps the real part
