@@ -390,7 +390,11 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
         elif isinstance(step, Scale):
             if isinstance(step.value, torch.Tensor):
                 grad = step.value.requires_grad and torch.is_grad_enabled()
-                if step.value.dim() == 0 and not grad:
+                # a constant scalar's value goes into the kernel's code, but while tracing
+                # (torch.compile, export) reading it is data-dependent (float() of a traced
+                # tensor stopped a fullgraph compile): there it takes the learnable scalar's
+                # route, a broadcast column
+                if step.value.dim() == 0 and not grad and not torch.compiler.is_compiling():
                     ops.append(Op("scale", value=_finite(float(step.value), idx)))
                     continue
                 if step.dim not in ("col", "row"):
@@ -398,7 +402,9 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                 length = n if step.dim == "col" else m
                 value = step.value
                 if value.dim() == 0:  # a learnable scalar: a broadcast column, so it gets a grad
-                    value = value.reshape(1).expand(length)  # (a float constant had none)
+                    if value.dtype not in FUSABLE_DTYPES:  # (a float constant had none); the
+                        value = value.float()  # constant route took any dtype's value
+                    value = value.reshape(1).expand(length)
                 t = _operand(value, (idx, "scale"), (length,))
                 ops.append(_op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
                 operands.append(t)
@@ -436,7 +442,9 @@ def _check_step_operands(step: Bias | Add | Scale, m: int, n: int) -> None:
 
 
 def _finite(v: float, idx: int) -> float:
-    if not torch.isfinite(torch.tensor(v)):
+    # math, not torch.isfinite(torch.tensor(v)): under torch.compile the tensor's test was a
+    # data-dependent branch, which stopped a fullgraph compile of mm(..., [Scale(0.5)])
+    if not math.isfinite(v):
         raise EpilogueError(f"epilogue step {idx}: scale must be finite, got {v}")
     return v
 
