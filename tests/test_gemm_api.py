@@ -1209,3 +1209,25 @@ def test_tuning_check_takes_bf16_rounding_of_a_cast_to_float32() -> None:
     assert not mm_mod._close(native_out, aten_out)  # the float32 tolerance: rejected
     assert mm_mod._close(native_out, aten_out, low=True)
     assert not mm_mod._close(native_out + 100.0, aten_out, low=True)
+
+
+def test_changing_scale_values_stop_compiling_new_kernels(monkeypatch):
+    """A constant scale is compiled into the kernel: a value that changed on every call (a
+    schedule) compiled a library per call (0.5-2.7 s each, every one kept loaded). Past
+    SCALE_CONSTANTS values a new one is a column operand, and results stay exact."""
+    monkeypatch.setattr(epilogue_mod, "SCALE_CONSTANTS", 2, raising=False)
+    monkeypatch.setattr(epilogue_mod, "_scale_constants", set(), raising=False)
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 16), torch.randn(16, 12)
+    values = [0.5, -1.25, 3.0, 0.1, -0.0, 7.5]
+    specs = set()
+    for v in values:
+        sp = split([G.Scale(v), "relu"], 5, 12)
+        specs.add(sp.spec.encode())
+        want = torch.relu((a @ b) * v)
+        got = mm(a, b, epilogue=[G.Scale(v), "relu"])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.signbit(), want.signbit())
+    assert specs == {"scale=0.5;relu", "scale=-1.25;relu", "scale_col:f32;relu"}
+    again = split([G.Scale(0.5)], 5, 12)  # a value compiled in stays compiled in
+    assert again.spec.encode() == "scale=0.5" and not again.operands

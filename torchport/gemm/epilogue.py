@@ -395,7 +395,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                 # tensor stopped a fullgraph compile): there it takes the learnable scalar's
                 # route, a broadcast column
                 if step.value.dim() == 0 and not grad and not torch.compiler.is_compiling():
-                    ops.append(Op("scale", value=_finite(float(step.value), idx)))
+                    _scalar_scale(_finite(float(step.value), idx), n, ops, operands)
                     continue
                 if step.dim not in ("col", "row"):
                     raise EpilogueError(f"Scale.dim must be 'col' or 'row', got {step.dim!r}")
@@ -413,7 +413,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                     raise EpilogueError(
                         f"epilogue step {idx}: scale must be a number or tensor, got {step.value!r}"
                     )
-                ops.append(Op("scale", value=_finite(float(step.value), idx)))
+                _scalar_scale(_finite(float(step.value), idx), n, ops, operands)
         elif isinstance(step, Gelu):
             raise EpilogueError(
                 f"Gelu.approximate must be 'none' or 'tanh', got {step.approximate!r}"
@@ -439,6 +439,27 @@ def _named(name: str) -> Step:
 def _check_step_operands(step: Bias | Add | Scale, m: int, n: int) -> None:
     if isinstance(step, Add):
         _operand(step.t, "residual", (m, n))
+
+
+# A constant scale is compiled into the kernel (its library and its tuning key), so each new
+# value costs a compilation (~0.5 s) and, beyond SMALL_M rows, a tuning (1.6-2.7 s measured at
+# M=64), and its library stays loaded: a scale that changed on every call (a schedule, a
+# temperature) compiled on every call. The first SCALE_CONSTANTS distinct values are compiled in;
+# any later one is passed as a [N] column operand (one kernel for all of them).
+SCALE_CONSTANTS = 16
+_scale_constants: set[str] = set()  # float.hex() of the values compiled in (keeps -0.0 apart)
+
+
+def _scalar_scale(v: float, n: int, ops: list[Op], operands: list[torch.Tensor]) -> None:
+    """Append a constant scale ``v`` (finite) to ``ops``: compiled in while it is one of the
+    first :data:`SCALE_CONSTANTS` values, else a float32 column operand of ``n`` copies."""
+    key = v.hex()
+    if key in _scale_constants or len(_scale_constants) < SCALE_CONSTANTS:
+        _scale_constants.add(key)
+        ops.append(Op("scale", value=v))
+    else:
+        ops.append(_op("scale_col", "f32"))
+        operands.append(torch.full((n,), v, dtype=torch.float32))
 
 
 def _finite(v: float, idx: int) -> float:
