@@ -162,6 +162,18 @@ def test_fake_tensor_and_opcheck():
     )
 
 
+def test_relu_backward_passes_the_gradient_at_nan_as_eager():
+    # eager's relu backward zeroes the gradient where the input is <= 0 only: at a NaN it
+    # passes it; the fused op's where(x > 0, g, 0) zeroed it (a NaN row's grad_a was 0)
+    torch.manual_seed(0)
+    a, b, g = torch.randn(4, 8), torch.randn(8, 6), torch.randn(4, 6)
+    a[1, 2] = float("nan")
+    a1, a2 = a.clone().requires_grad_(), a.clone().requires_grad_()
+    mm(a1, b, epilogue=["relu"]).backward(g)
+    torch.relu(a2 @ b).backward(g)
+    torch.testing.assert_close(a1.grad, a2.grad, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_pack_cache_repacks_after_inplace_update():
     cache = PackCache()
     w = torch.nn.Parameter(torch.randn(16, 8), requires_grad=False)  # kept from its first use
