@@ -1243,3 +1243,14 @@ def test_changing_scale_values_stop_compiling_new_kernels(monkeypatch):
     assert specs == {"scale=0.5;relu", "scale=-1.25;relu", "scale_col:f32;relu"}
     again = split([G.Scale(0.5)], 5, 12)  # a value compiled in stays compiled in
     assert again.spec.encode() == "scale=0.5" and not again.operands
+
+
+def test_scale_takes_numpy_scalars_and_rejects_a_huge_int_typed():
+    np = pytest.importorskip("numpy")
+    a, b = torch.randn(3, 8), torch.randn(8, 5)
+    got = mm(a, b, epilogue=[G.Scale(np.float32(0.5))])
+    torch.testing.assert_close(got, (a @ b) * 0.5, rtol=1e-5, atol=1e-5)
+    with pytest.raises(EpilogueError, match="finite"):  # was an untyped OverflowError
+        split([G.Scale(10**400)], 3, 5)
+    with pytest.raises(EpilogueError, match="number or tensor"):
+        split([G.Scale(np.bool_(True))], 3, 5)

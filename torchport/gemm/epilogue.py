@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -409,11 +410,19 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                 ops.append(_op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
                 operands.append(t)
             else:
-                if isinstance(step.value, bool) or not isinstance(step.value, (int, float)):
+                # any real number (a numpy scalar too, as torch's own ``x * c`` takes), not bool
+                num = step.value
+                if isinstance(num, bool) or not isinstance(num, numbers.Real):
                     raise EpilogueError(
-                        f"epilogue step {idx}: scale must be a number or tensor, got {step.value!r}"
+                        f"epilogue step {idx}: scale must be a number or tensor, got {num!r}"
                     )
-                _scalar_scale(_finite(float(step.value), idx), n, ops, operands)
+                try:
+                    v = float(num)
+                except OverflowError:  # an int beyond float's range (was raised untyped)
+                    raise EpilogueError(
+                        f"epilogue step {idx}: scale must be finite, got {num!r}"
+                    ) from None
+                _scalar_scale(_finite(v, idx), n, ops, operands)
         elif isinstance(step, Gelu):
             raise EpilogueError(
                 f"Gelu.approximate must be 'none' or 'tanh', got {step.approximate!r}"
