@@ -19,8 +19,12 @@ os.environ.setdefault("TORCHPORT_PROGRESS", "0")
 def fresh_cache(tmp_path, monkeypatch):
     """A private, empty cache directory for one test."""
     from torchport.autotune import choice_cache
+    from torchport.gemm import epilogue
 
     monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "cache"))
+    # constant scales compile in as in a fresh process (past epilogue.SCALE_CONSTANTS distinct
+    # values a process passes new ones as operands: tests of a new value's compilation use this)
+    monkeypatch.setattr(epilogue, "_scale_constants", set())
     choice_cache.clear_memory()
     yield tmp_path / "cache"
     choice_cache.clear_memory()

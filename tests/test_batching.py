@@ -97,6 +97,24 @@ def test_derived_weights_cache_follows_in_place_updates() -> None:
     torch.testing.assert_close(second, torch.cat([w1, w2]))
 
 
+def test_derived_weights_cache_follows_a_fused_optimizer_step() -> None:
+    # Adam(fused=True) updates its parameters without bumping their version counters: the
+    # cached cat of the weights from before the step was served after it
+    w1, w2 = nn.Parameter(torch.randn(2, 3)), nn.Parameter(torch.randn(4, 3))
+    d = DerivedInput("w", "cat", (0, 1))
+    opt = torch.optim.Adam([w1, w2], lr=0.1, fused=True)
+    with torch.no_grad():
+        first = derive(d, [w1, w2])
+    w1.grad, w2.grad = torch.ones_like(w1), torch.ones_like(w2)
+    version = w1._version
+    opt.step()
+    assert w1._version == version  # the step bypassed the version counter
+    with torch.no_grad():
+        second = derive(d, [w1, w2])
+    assert second is not first
+    torch.testing.assert_close(second, torch.cat([w1, w2]))
+
+
 def test_derived_weights_cache_misses_a_new_tensor_at_a_reused_address() -> None:
     # fresh weights per call: the allocator may put a new tensor where a freed one was, with the
     # same address, shape and version counter (0); numpy memory rewritten under a new tensor

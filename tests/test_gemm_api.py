@@ -162,6 +162,18 @@ def test_fake_tensor_and_opcheck():
     )
 
 
+def test_relu_backward_passes_the_gradient_at_nan_as_eager():
+    # eager's relu backward zeroes the gradient where the input is <= 0 only: at a NaN it
+    # passes it; the fused op's where(x > 0, g, 0) zeroed it (a NaN row's grad_a was 0)
+    torch.manual_seed(0)
+    a, b, g = torch.randn(4, 8), torch.randn(8, 6), torch.randn(4, 6)
+    a[1, 2] = float("nan")
+    a1, a2 = a.clone().requires_grad_(), a.clone().requires_grad_()
+    mm(a1, b, epilogue=["relu"]).backward(g)
+    torch.relu(a2 @ b).backward(g)
+    torch.testing.assert_close(a1.grad, a2.grad, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_pack_cache_repacks_after_inplace_update():
     cache = PackCache()
     w = torch.nn.Parameter(torch.randn(16, 8), requires_grad=False)  # kept from its first use
@@ -229,6 +241,58 @@ def test_training_packs_each_weight_version_once(fresh_cache):
             torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
             opt.step()
             opt.zero_grad()
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """A step written the old way, through ``.data`` (no version counter bump)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True), lambda ps: _DataSGD(ps, lr=0.1)],
+    ids=["fused_adam", "data_sgd"],
+)
+def test_optimizer_step_that_keeps_the_version_repacks(make_opt):
+    """Fused optimisers (and ``.data`` writes) update a weight without bumping its version
+    counter: a step that changed only rows outside the 16-element probe (a gradient in one
+    output row) kept the old packing, and the next GEMM used the weights from before the step."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    with config.override(autotune=False):  # the first native candidate serves every call
+        for row in range(4):  # some of these rows hold no probed element
+            w = torch.nn.Parameter(torch.randn(48, 64))
+            opt = make_opt([w])
+            linear(x, w)  # packed and cached
+            grad = torch.zeros_like(w)
+            grad[row] = 1.0
+            w.grad = grad
+            version = w._version
+            opt.step()
+            assert w._version == version  # the step bypassed the version counter
+            torch.testing.assert_close(linear(x, w), x @ w.detach().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_optimizer_step_over_a_storageless_parameter_with_a_cached_packing():
+    # the step hook looks up the parameters' storages: a sparse one has none
+    lin = torch.nn.Linear(8, 4)
+    with config.override(autotune=False):
+        linear(torch.randn(2, 8), lin.weight, lin.bias)
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (3,))
+    p = torch.nn.Parameter(sparse.clone())
+    opt = torch.optim.SGD([p, lin.weight], lr=0.1)
+    p.grad, lin.weight.grad = sparse.clone(), torch.ones_like(lin.weight)
+    opt.step()
+    assert float(p.to_dense()[0]) == pytest.approx(0.9)
 
 
 @pytest.mark.parametrize(
@@ -1157,3 +1221,36 @@ def test_tuning_check_takes_bf16_rounding_of_a_cast_to_float32() -> None:
     assert not mm_mod._close(native_out, aten_out)  # the float32 tolerance: rejected
     assert mm_mod._close(native_out, aten_out, low=True)
     assert not mm_mod._close(native_out + 100.0, aten_out, low=True)
+
+
+def test_changing_scale_values_stop_compiling_new_kernels(monkeypatch):
+    """A constant scale is compiled into the kernel: a value that changed on every call (a
+    schedule) compiled a library per call (0.5-2.7 s each, every one kept loaded). Past
+    SCALE_CONSTANTS values a new one is a column operand, and results stay exact."""
+    monkeypatch.setattr(epilogue_mod, "SCALE_CONSTANTS", 2, raising=False)
+    monkeypatch.setattr(epilogue_mod, "_scale_constants", set(), raising=False)
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 16), torch.randn(16, 12)
+    values = [0.5, -1.25, 3.0, 0.1, -0.0, 7.5]
+    specs = set()
+    for v in values:
+        sp = split([G.Scale(v), "relu"], 5, 12)
+        specs.add(sp.spec.encode())
+        want = torch.relu((a @ b) * v)
+        got = mm(a, b, epilogue=[G.Scale(v), "relu"])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.signbit(), want.signbit())
+    assert specs == {"scale=0.5;relu", "scale=-1.25;relu", "scale_col:f32;relu"}
+    again = split([G.Scale(0.5)], 5, 12)  # a value compiled in stays compiled in
+    assert again.spec.encode() == "scale=0.5" and not again.operands
+
+
+def test_scale_takes_numpy_scalars_and_rejects_a_huge_int_typed():
+    np = pytest.importorskip("numpy")
+    a, b = torch.randn(3, 8), torch.randn(8, 5)
+    got = mm(a, b, epilogue=[G.Scale(np.float32(0.5))])
+    torch.testing.assert_close(got, (a @ b) * 0.5, rtol=1e-5, atol=1e-5)
+    with pytest.raises(EpilogueError, match="finite"):  # was an untyped OverflowError
+        split([G.Scale(10**400)], 3, 5)
+    with pytest.raises(EpilogueError, match="number or tensor"):
+        split([G.Scale(np.bool_(True))], 3, 5)

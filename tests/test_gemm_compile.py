@@ -316,3 +316,25 @@ def test_final_cast_rounds_as_eager(how, fn, dtype):
     assert [EpilogueSpec.decode(n.args[3]).out for n in captured] == (
         [""] if fn is _bf16_linear_widened else ["bf16"]
     )
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [0.5, 3, torch.tensor(0.75), torch.tensor(2.0, dtype=torch.float64)],
+    ids=["float", "int", "tensor", "f64_tensor"],
+)
+def test_mm_with_a_constant_scale_compiles_fullgraph(scale):
+    # the scale's finiteness test was a tensor (torch.isfinite(torch.tensor(v))) and a 0-d
+    # tensor's value was read with float(): both data-dependent branches under dynamo, so
+    # torch.compile(fullgraph=True) and strict torch.export of mm(..., [Scale(c)]) raised
+    import torchport.gemm as G
+
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 16), torch.randn(16, 8)
+
+    def f(a):
+        return G.mm(a, b, epilogue=[G.Scale(scale), "relu"])
+
+    want = torch.relu((a @ b) * float(scale))
+    got = torch.compile(f, backend="torchport", fullgraph=True)(a)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

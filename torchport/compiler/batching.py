@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils import _pytree as pytree
 
 from torchport import config
@@ -557,6 +558,19 @@ def _cached(how: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = (tuple(weakref.ref(t) for t in ts), out)
     return out
+
+
+def _after_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimiser step hook: forget every derived weight. Fused optimisers
+    (``Adam(fused=True)``) and ``.data``-style steps update parameters without bumping their
+    version counters, so the key above still matched after such a step and a batched graph run
+    under ``no_grad`` (evaluation between training steps) read the weights from before it. The
+    stepped weights' entries are stale anyway; the others (at most :data:`_CACHE_MAX`) are one
+    cat each to redo."""
+    _CACHE.clear()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def _cached_cat(ts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -390,24 +391,38 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
         elif isinstance(step, Scale):
             if isinstance(step.value, torch.Tensor):
                 grad = step.value.requires_grad and torch.is_grad_enabled()
-                if step.value.dim() == 0 and not grad:
-                    ops.append(Op("scale", value=_finite(float(step.value), idx)))
+                # a constant scalar's value goes into the kernel's code, but while tracing
+                # (torch.compile, export) reading it is data-dependent (float() of a traced
+                # tensor stopped a fullgraph compile): there it takes the learnable scalar's
+                # route, a broadcast column
+                if step.value.dim() == 0 and not grad and not torch.compiler.is_compiling():
+                    _scalar_scale(_finite(float(step.value), idx), n, ops, operands)
                     continue
                 if step.dim not in ("col", "row"):
                     raise EpilogueError(f"Scale.dim must be 'col' or 'row', got {step.dim!r}")
                 length = n if step.dim == "col" else m
                 value = step.value
                 if value.dim() == 0:  # a learnable scalar: a broadcast column, so it gets a grad
-                    value = value.reshape(1).expand(length)  # (a float constant had none)
+                    if value.dtype not in FUSABLE_DTYPES:  # (a float constant had none); the
+                        value = value.float()  # constant route took any dtype's value
+                    value = value.reshape(1).expand(length)
                 t = _operand(value, (idx, "scale"), (length,))
                 ops.append(_op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
                 operands.append(t)
             else:
-                if isinstance(step.value, bool) or not isinstance(step.value, (int, float)):
+                # any real number (a numpy scalar too, as torch's own ``x * c`` takes), not bool
+                num = step.value
+                if isinstance(num, bool) or not isinstance(num, numbers.Real):
                     raise EpilogueError(
-                        f"epilogue step {idx}: scale must be a number or tensor, got {step.value!r}"
+                        f"epilogue step {idx}: scale must be a number or tensor, got {num!r}"
                     )
-                ops.append(Op("scale", value=_finite(float(step.value), idx)))
+                try:
+                    v = float(num)
+                except OverflowError:  # an int beyond float's range (was raised untyped)
+                    raise EpilogueError(
+                        f"epilogue step {idx}: scale must be finite, got {num!r}"
+                    ) from None
+                _scalar_scale(_finite(v, idx), n, ops, operands)
         elif isinstance(step, Gelu):
             raise EpilogueError(
                 f"Gelu.approximate must be 'none' or 'tanh', got {step.approximate!r}"
@@ -435,8 +450,31 @@ def _check_step_operands(step: Bias | Add | Scale, m: int, n: int) -> None:
         _operand(step.t, "residual", (m, n))
 
 
+# A constant scale is compiled into the kernel (its library and its tuning key), so each new
+# value costs a compilation (~0.5 s) and, beyond SMALL_M rows, a tuning (1.6-2.7 s measured at
+# M=64), and its library stays loaded: a scale that changed on every call (a schedule, a
+# temperature) compiled on every call. The first SCALE_CONSTANTS distinct values are compiled in;
+# any later one is passed as a [N] column operand (one kernel for all of them).
+SCALE_CONSTANTS = 16
+_scale_constants: set[str] = set()  # float.hex() of the values compiled in (keeps -0.0 apart)
+
+
+def _scalar_scale(v: float, n: int, ops: list[Op], operands: list[torch.Tensor]) -> None:
+    """Append a constant scale ``v`` (finite) to ``ops``: compiled in while it is one of the
+    first :data:`SCALE_CONSTANTS` values, else a float32 column operand of ``n`` copies."""
+    key = v.hex()
+    if key in _scale_constants or len(_scale_constants) < SCALE_CONSTANTS:
+        _scale_constants.add(key)
+        ops.append(Op("scale", value=v))
+    else:
+        ops.append(_op("scale_col", "f32"))
+        operands.append(torch.full((n,), v, dtype=torch.float32))
+
+
 def _finite(v: float, idx: int) -> float:
-    if not torch.isfinite(torch.tensor(v)):
+    # math, not torch.isfinite(torch.tensor(v)): under torch.compile the tensor's test was a
+    # data-dependent branch, which stopped a fullgraph compile of mm(..., [Scale(0.5)])
+    if not math.isfinite(v):
         raise EpilogueError(f"epilogue step {idx}: scale must be finite, got {v}")
     return v
 

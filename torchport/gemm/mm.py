@@ -787,7 +787,9 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         elif k == "scale":
             g = g * op.value
         elif k == "relu":
-            g = torch.where(x > 0, g, torch.zeros_like(g))
+            # as eager's relu backward (zero where the input is <= 0): a NaN input passes the
+            # gradient (where(x > 0, ...) zeroed it, so a NaN row's grad_a was 0, not g @ b.T)
+            g = torch.ops.aten.threshold_backward(g, x, 0)
         elif k in ("gelu", "gelu_tanh"):
             approx = "none" if k == "gelu" else "tanh"
             g = torch.ops.aten.gelu_backward(g, x, approximate=approx)

@@ -24,11 +24,12 @@ import operator
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchport import native
 from torchport.gemv.hugepages import hugepage_empty
@@ -266,10 +267,14 @@ class _Probe:
         return self._read() == self._value
 
 
+# an entry version no lookup matches (version counters start at 0; -1 is an inference tensor)
+_STALE = -2
+
+
 @dataclass
 class _Entry:
     tensor: torch.Tensor  # held: its storage cannot be freed and reused while cached
-    version: int
+    version: int  # _STALE once an optimiser stepped the tensor (see PackCache.invalidate)
     probe: _Probe
     packed: torch.Tensor
 
@@ -347,6 +352,32 @@ class PackCache:
                     self._seen.popitem(last=False)
         return packed
 
+    def invalidate(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Mark stale every entry whose tensor shares storage with one of ``tensors`` (its next
+        lookup repacks, into the old buffer when nothing else holds it); returns how many.
+
+        For writes that leave the version counter alone: fused optimisers
+        (``torch.optim.Adam(fused=True)`` and the other ``_fused_*_`` kernels) update their
+        parameters without bumping it, as do steps written with ``p.data.add_(...)``, so a step
+        that changed no sampled element (rows without gradient) kept the old packing: the next
+        GEMM read the weights from before the step. Every optimiser step calls this (a global
+        step hook, :func:`_after_optimizer_step`)."""
+        if not self._entries:
+            return 0
+        storages = set()
+        for t in tensors:
+            try:
+                storages.add(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # no storage (sparse, a wrapper
+                continue  # subclass): nothing the cache holds
+        count = 0
+        with self._lock:
+            for e in self._entries.values():
+                if e.version != _STALE and e.tensor.untyped_storage().data_ptr() in storages:
+                    e.version = _STALE
+                    count += 1
+        return count
+
     def clear(self) -> None:
         """Drop every entry (and the references to the tensors they hold)."""
         with self._lock:
@@ -363,3 +394,14 @@ class PackCache:
 
 
 pack_cache = PackCache()
+
+
+def _after_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimiser step hook: the stepped parameters' packings are stale, whether or not
+    the step bumped their version counters (:meth:`PackCache.invalidate`). Costs a storage
+    lookup per parameter, and nothing while the cache is empty."""
+    if len(pack_cache):
+        pack_cache.invalidate(p for group in opt.param_groups for p in group["params"])
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
