@@ -483,7 +483,7 @@ def test_save_load_and_deepcopy_after_decode(monkeypatch):
     buf.seek(0)
     m2 = torch.load(buf, weights_only=False)
     state = m[0].weight.__getstate__()
-    assert state["_route"] is None and state["_pack"] is None
+    assert state.keys().isdisjoint(("_route", "_pack", "_cache"))  # no caches pickled
     assert state["qdata"].untyped_storage().nbytes() == q.nbytes  # saved without the padding
     m3 = copy.deepcopy(m)
     assert m3[0].weight._route is None and m3[0].weight._pack is None
@@ -800,3 +800,32 @@ def test_to_with_device_none_and_positional_copy_gets_its_own_storage():
     w = lowp.Float8Tensor.from_float(torch.randn(8, 16))
     v = w.to(None, torch.bfloat16, False, True)  # device None, dtype, non_blocking, copy
     assert v.qdata.data_ptr() != w.qdata.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [lowp.NVFP4WeightOnlyConfig(), lowp.MXWeightOnlyConfig(), lowp.Float8WeightOnlyConfig()],
+    ids=["nvfp4", "mx", "fp8"],
+)
+def test_module_to_dtype_and_device_on_a_quantized_model(cfg):
+    # Module._apply swaps a wrapper subclass Parameter (torch.utils.swap_tensors), which refuses
+    # a tensor with a weak reference; the alias table held one to every quantized tensor, so
+    # model.to(torch.bfloat16), model.half() and even model.cpu() raised "Couldn't swap"
+    torch.manual_seed(13)
+    model = nn.Linear(64, 32)
+    torchport.quantize_(model, cfg)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want, wd = model(x), model.weight.dequantize()
+        model.cpu()
+        assert torch.equal(model(x), want)
+        model.to(torch.bfloat16)
+        w = model.weight
+        assert isinstance(w, type(model.weight)) and w.dtype == torch.bfloat16
+        ref = F.linear(x.bfloat16(), w.dequantize(), model.bias)
+        assert torch.allclose(model(x.bfloat16()).float(), ref.float(), atol=0.1)
+        model.float()  # the same codes (the bias went through bfloat16)
+        assert model.weight.dtype == torch.float32 and torch.equal(model.weight.dequantize(), wd)
+        # the swapped Parameter still shares its bytes with state_dict() aliases
+        model.state_dict()["weight"].copy_(torch.zeros(32, 64))
+        assert torch.equal(model(x[:1]), model.bias.reshape(1, 32))

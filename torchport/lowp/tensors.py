@@ -78,11 +78,13 @@ _autocast_on = torch._C._is_any_autocast_enabled
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
 
 
-# Real quantized tensors by the address of their qdata's storage. detach() (state_dict() entries,
-# ``w.data``) and to(dtype) give tensors sharing the inner tensors, so copy_ into one writes the
-# others' bytes too: they take its metadata (NVFP4's per-tensor scale) and drop their caches.
-# (weak references by id: a WeakSet would compare two references to one tensor with Tensor.__eq__)
-_SHARING: dict[int, dict[int, weakref.ref[Any]]] = {}
+# The caches of real quantized tensors by the address of their qdata's storage. detach()
+# (state_dict() entries, ``w.data``) and to(dtype) give tensors sharing the inner tensors, so
+# copy_ into one writes the others' bytes too: they take its metadata (NVFP4's per-tensor scale)
+# and drop their caches. The table refers weakly to each tensor's _Cache, never to the tensor:
+# torch.utils.swap_tensors, which Module._apply uses for wrapper subclasses (model.to(dtype),
+# model.cpu(), model.half()), refuses a tensor with a weak reference.
+_SHARING: dict[int, dict[int, weakref.ref[_Cache]]] = {}
 _PRUNE_AT = [1024]  # drop dead entries when the table grows past this
 
 
@@ -140,22 +142,52 @@ def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     return None
 
 
+class _Cache:
+    """A quantized tensor's state that a ``copy_`` into a tensor sharing its bytes replaces:
+    the packed weight, the settled route and the :attr:`LowPrecisionTensor._copied_meta`
+    attributes (set here by name), and ``key``, the storage of qdata it is entered under in
+    :data:`_SHARING`."""
+
+    def __init__(self) -> None:
+        self.pack: PackedWeight | None = None
+        # the last settled decode route (eager weight-only GEMV; torchport.gemv.ops.settle_route)
+        self.route: SettledRoute | None = None
+        self.key: int | None = None
+
+
 class LowPrecisionTensor(torch.Tensor):
     """Base of the quantized tensor types (not used directly)."""
 
     qdata: torch.Tensor
     _orig_dtype: torch.dtype
-    _pack: PackedWeight | None
-    # the last settled decode route (eager weight-only GEMV; see torchport.gemv.ops.settle_route)
-    _route: SettledRoute | None = None
-    # attributes besides the inner tensors that a bit-exact copy_ takes from its source
+    _cache: _Cache
+    # attributes besides the inner tensors that a bit-exact copy_ takes from its source (kept in
+    # the _Cache: properties in the subclass)
     _copied_meta: tuple[str, ...] = ()
 
     @staticmethod
     def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
-        return torch.Tensor._make_wrapper_subclass(
+        t = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
         )
+        t._cache = _Cache()
+        return t
+
+    @property
+    def _pack(self) -> PackedWeight | None:
+        return self._cache.pack
+
+    @_pack.setter
+    def _pack(self, value: PackedWeight | None) -> None:
+        self._cache.pack = value
+
+    @property
+    def _route(self) -> SettledRoute | None:
+        return self._cache.route
+
+    @_route.setter
+    def _route(self, value: SettledRoute | None) -> None:
+        self._cache.route = value
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor this stands for (native dequantize kernel)."""
@@ -203,7 +235,8 @@ class LowPrecisionTensor(torch.Tensor):
         key = _storage_key(self.qdata)
         if key is None:
             return
-        _SHARING.setdefault(key, {})[id(self)] = weakref.ref(self)
+        self._cache.key = key
+        _SHARING.setdefault(key, {})[id(self._cache)] = weakref.ref(self._cache)
         if len(_SHARING) > _PRUNE_AT[0]:
             for k in list(_SHARING):
                 live = {i: r for i, r in _SHARING[k].items() if r() is not None}
@@ -214,18 +247,23 @@ class LowPrecisionTensor(torch.Tensor):
             _PRUNE_AT[0] = max(1024, 2 * len(_SHARING))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickling (``torch.load``): the state of :meth:`__getstate__`."""
-        self.__dict__.update(state)
+        """Unpickling (``torch.load``): the state of :meth:`__getstate__` (or of one saved
+        before the caches moved to a :class:`_Cache`: ``_pack``/``_route`` keys, ignored)."""
+        self._cache = _Cache()
+        for name, value in state.items():
+            if name in self._copied_meta:
+                setattr(self, name, value)
+            elif name not in ("_pack", "_route", "_cache"):
+                self.__dict__[name] = value
         self._share()
 
     def __getstate__(self) -> dict[str, Any]:
-        """The pickled state (``torch.save``): the caches left out (the settled route holds local
-        functions, the packed weight is rebuilt on first use) and each inner tensor saved alone
-        (a tensor viewing a larger storage, e.g. the padded huge-page copy, is cloned: pickling
-        saves whole storages)."""
-        state = dict(self.__dict__)
-        state["_pack"] = None
-        state["_route"] = None
+        """The pickled state (``torch.save``): the :attr:`_copied_meta` attributes, not the
+        caches (the settled route holds local functions, the packed weight is rebuilt on first
+        use), and each inner tensor saved alone (a tensor viewing a larger storage, e.g. the
+        padded huge-page copy, is cloned: pickling saves whole storages)."""
+        state = {n: v for n, v in self.__dict__.items() if n != "_cache"}
+        state.update((n, getattr(self, n)) for n in self._copied_meta)
         for n in self.__tensor_flatten__()[0]:
             t = state[n]
             if type(t) is torch.Tensor and t.untyped_storage().nbytes() != t.nbytes:
@@ -316,13 +354,14 @@ class LowPrecisionTensor(torch.Tensor):
         meta = {attr: getattr(new, attr) for attr in self._copied_meta}
         key = _storage_key(self.qdata)
         refs = list(_SHARING.get(key, {}).values()) if key is not None else []
-        sharing = [self, *(t for t in (r() for r in refs) if t is not None and t is not self)]
-        for t in sharing:  # this tensor and those sharing its bytes (detach(): w.data, state_dict)
-            if t is self or _storage_key(t.qdata) == key:
+        mine = self._cache
+        caches = [mine, *(c for c in (r() for r in refs) if c is not None and c is not mine)]
+        for c in caches:  # this tensor's and those sharing its bytes (w.data, state_dict entries)
+            if c is mine or c.key == key:  # (not one whose qdata moved to huge pages since)
                 for attr, value in meta.items():
-                    setattr(t, attr, value)
-                t._pack = None  # repacked (and the route settled again) on the next call
-                t._route = None
+                    setattr(c, attr, value)
+                c.pack = None  # repacked (and the route settled again) on the next call
+                c.route = None
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
@@ -432,7 +471,9 @@ class LowPrecisionTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _linear and len(args) >= 2:  # a settled decode route first (see linear)
-            route = getattr(args[1], "_route", None)
+            # (the _Cache attribute directly: the _route property took 0.2 µs more per call)
+            cache = getattr(args[1], "_cache", None)
+            route = cache.route if isinstance(cache, _Cache) else None
             if route is not None and not args[1].requires_grad and not _autocast_on():
                 if len(args) > 2:
                     bias = args[2]
@@ -680,6 +721,16 @@ class NVFP4Tensor(LowPrecisionTensor):
         self.act_per_tensor_scale = act_per_tensor_scale
         self._pack = None
         self._share()
+
+    @property
+    def per_tensor_scale(self) -> float | None:
+        """The FP32 per-tensor scale (None: one-level scaling); a ``copy_`` into this tensor or
+        one sharing its bytes sets it (kept in the :class:`_Cache` for that)."""
+        return self._cache.per_tensor_scale  # type: ignore[attr-defined]
+
+    @per_tensor_scale.setter
+    def per_tensor_scale(self, value: float | None) -> None:
+        self._cache.per_tensor_scale = value  # type: ignore[attr-defined]
 
     @classmethod
     def from_float(
