@@ -829,3 +829,30 @@ def test_module_to_dtype_and_device_on_a_quantized_model(cfg):
         # the swapped Parameter still shares its bytes with state_dict() aliases
         model.state_dict()["weight"].copy_(torch.zeros(32, 64))
         assert torch.equal(model(x[:1]), model.bias.reshape(1, 32))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [lowp.NVFP4WeightOnlyConfig(), lowp.MXWeightOnlyConfig(), lowp.Float8WeightOnlyConfig()],
+    ids=["nvfp4", "mx", "fp8"],
+)
+def test_share_memory_on_a_quantized_model(cfg):
+    # model.share_memory() (torch.multiprocessing) crashed the process with a segfault: torch's
+    # share_memory_ read the storage of the wrapper tensor, which has none. The inner tensors
+    # move to shared memory now, and the packed weight and settled route (pointing into the freed
+    # memory) of the weight and of its aliases are dropped.
+    torch.manual_seed(14)
+    model = nn.Linear(64, 32)
+    torchport.quantize_(model, cfg)
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        want = model(x)
+        model(x)  # packed, route settled
+        alias = model.state_dict()["weight"]  # shares the inner tensors
+        model.share_memory()
+        w = model.weight
+        assert w.is_shared() and w.qdata.is_shared() and w._pack is None and w._route is None
+        assert alias._pack is None and alias.qdata.is_shared()
+        assert torch.equal(model(x), want) and torch.equal(model(x), want)
+        alias.copy_(torch.zeros(32, 64))  # still reaches the weight
+        assert torch.equal(model(x), model.bias.reshape(1, 32))

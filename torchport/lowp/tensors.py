@@ -74,6 +74,8 @@ _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
 _setitem = torch.Tensor.__setitem__
 _to = torch.Tensor.to
+_share_memory = torch.Tensor.share_memory_
+_is_shared = torch.Tensor.is_shared
 _autocast_on = torch._C._is_any_autocast_enabled
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
 
@@ -352,16 +354,40 @@ class LowPrecisionTensor(torch.Tensor):
             for n in names:
                 getattr(self, n).copy_(getattr(new, n))
         meta = {attr: getattr(new, attr) for attr in self._copied_meta}
+        for c in self._sharing_caches():
+            for attr, value in meta.items():
+                setattr(c, attr, value)
+            c.pack = None  # repacked (and the route settled again) on the next call
+            c.route = None
+
+    def _sharing_caches(self) -> list[_Cache]:
+        """The :class:`_Cache` of this tensor and of every live tensor sharing its bytes
+        (``w.data``, ``state_dict()`` entries, ``to(dtype)``), by qdata's storage."""
         key = _storage_key(self.qdata)
         refs = list(_SHARING.get(key, {}).values()) if key is not None else []
         mine = self._cache
-        caches = [mine, *(c for c in (r() for r in refs) if c is not None and c is not mine)]
-        for c in caches:  # this tensor's and those sharing its bytes (w.data, state_dict entries)
-            if c is mine or c.key == key:  # (not one whose qdata moved to huge pages since)
-                for attr, value in meta.items():
-                    setattr(c, attr, value)
-                c.pack = None  # repacked (and the route settled again) on the next call
-                c.route = None
+        others = (c for c in (r() for r in refs) if c is not None and c is not mine)
+        # (not one whose qdata moved to huge pages since it was entered under this storage)
+        return [mine, *(c for c in others if c.key == key)]
+
+    def _share_memory(self) -> None:
+        """``share_memory_()``: the inner tensors' storages moved to shared memory in place.
+
+        torch's own ``share_memory_`` reads the storage of the wrapper, which has none: it
+        crashed the process (``model.share_memory()`` on a quantized model). Moving a storage
+        frees its old memory, which the packed weight and the settled route of every tensor
+        sharing it point into: their caches are dropped and entered under the new storage."""
+        caches = self._sharing_caches()
+        with torch.no_grad():
+            for n in self.__tensor_flatten__()[0]:
+                getattr(self, n).share_memory_()
+        key = _storage_key(self.qdata)
+        if key is None or caches[0].key == key:  # already shared: nothing moved
+            return
+        for c in caches:
+            c.pack = c.route = None
+            c.key = key
+            _SHARING.setdefault(key, {})[id(c)] = weakref.ref(c)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
@@ -489,6 +515,11 @@ class LowPrecisionTensor(torch.Tensor):
                 "w.copy_(new_float_weight)"
             )
         kwargs = kwargs or {}
+        if func is _share_memory and isinstance(args[0], LowPrecisionTensor):
+            args[0]._share_memory()
+            return args[0]
+        if func is _is_shared and isinstance(args[0], LowPrecisionTensor):
+            return args[0].qdata.is_shared()
         if func is _to and _copy_requested(args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
