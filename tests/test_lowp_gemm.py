@@ -856,3 +856,37 @@ def test_share_memory_on_a_quantized_model(cfg):
         assert torch.equal(model(x), want) and torch.equal(model(x), want)
         alias.copy_(torch.zeros(32, 64))  # still reaches the weight
         assert torch.equal(model(x), model.bias.reshape(1, 32))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [lowp.NVFP4WeightOnlyConfig(), lowp.MXWeightOnlyConfig(), lowp.Float8WeightOnlyConfig()],
+    ids=["nvfp4", "mx", "fp8"],
+)
+def test_torch_load_with_weights_only_and_a_checked_layout(cfg):
+    # torch.load's default (weights_only=True) refused a saved quantized state_dict ("Weights
+    # only load failed": the tensor types were not safe globals); now they are, and the state
+    # a file gives is checked: inner tensors that do not make up the wrapper's shape raise
+    import io
+
+    torch.manual_seed(15)
+    model, other = nn.Linear(64, 32), nn.Linear(64, 32)
+    torchport.quantize_(model, cfg)
+    torchport.quantize_(other, cfg)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    other.load_state_dict(torch.load(buf))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(other(x), model(x))
+    w = model.weight
+    bad = w.__getstate__()
+    bad["qdata"] = bad["qdata"][:4]  # 4 rows of codes for a 32-row weight
+    t = torch.Tensor._make_wrapper_subclass(type(w), w.shape, dtype=w.dtype)
+    with pytest.raises(LowPrecisionError, match=r"scale|inner tensors stand for shape \(4, 64\)"):
+        t.__setstate__(bad)
+    bad = w.__getstate__()
+    bad["dequantize"] = 1.0  # would shadow the method
+    with pytest.raises(LowPrecisionError, match="unexpected state entry 'dequantize'"):
+        t.__setstate__(bad)

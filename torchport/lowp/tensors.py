@@ -255,9 +255,29 @@ class LowPrecisionTensor(torch.Tensor):
         for name, value in state.items():
             if name in self._copied_meta:
                 setattr(self, name, value)
-            elif name not in ("_pack", "_route", "_cache"):
+            elif name in ("_pack", "_route", "_cache"):
+                continue
+            elif hasattr(type(self), name):  # would shadow a method or class setting
+                raise LowPrecisionError(f"{type(self).__name__}: unexpected state entry {name!r}")
+            else:
                 self.__dict__[name] = value
+        # torch.load(weights_only=True) may build these (registered safe globals below) from a
+        # file: inner tensors that do not make up the wrapper's shape would be read past their
+        # ends by the kernels, so they must agree (LowPrecisionError otherwise)
+        for n in self.__tensor_flatten__()[0]:
+            if not isinstance(self.__dict__.get(n), torch.Tensor):
+                raise LowPrecisionError(f"{type(self).__name__}: the state has no tensor {n!r}")
+        got = self._inner_shape()
+        if got != tuple(self.shape):
+            raise LowPrecisionError(
+                f"{type(self).__name__} of shape {tuple(self.shape)}: its inner tensors stand "
+                f"for shape {got}"
+            )
         self._share()
+
+    def _inner_shape(self) -> tuple[int, ...]:
+        """The logical shape the inner tensors stand for (checking their dtypes and shapes)."""
+        raise TypeError(_ABSTRACT)
 
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state (``torch.save``): the :attr:`_copied_meta` attributes, not the
@@ -631,6 +651,18 @@ class Float8Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_dtype: torch.dtype | None = None,
     ) -> None:
+        scale = self._checked_scale(qdata, scale, act_dtype)
+        self.qdata, self.scale = qdata, scale
+        self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
+        self._pack = None
+        self._share()
+
+    @staticmethod
+    def _checked_scale(
+        qdata: torch.Tensor, scale: torch.Tensor, act_dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """``scale`` in its one form (``[]`` tensor-wise, ``[..., 1]`` row-wise), after checking
+        the qdata dtype, the scale shape and ``act_dtype``."""
         if qdata.dtype not in FP8_DTYPES:
             raise LowPrecisionError(f"Float8Tensor: qdata must be float8, got {qdata.dtype}")
         if act_dtype is not None and act_dtype not in FP8_DTYPES:
@@ -639,16 +671,13 @@ class Float8Tensor(LowPrecisionTensor):
             )
         rowwise = (*qdata.shape[:-1], 1)
         if tuple(scale.shape) in ((), (1,)):
-            scale = scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
-        elif tuple(scale.shape) != rowwise:
+            return scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
+        if tuple(scale.shape) != rowwise:
             raise LowPrecisionError(
                 "Float8Tensor: scale must have shape () or (1,) (tensor-wise) or "
                 f"{rowwise} (row-wise), got {tuple(scale.shape)}"
             )
-        self.qdata, self.scale = qdata, scale
-        self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
-        self._pack = None
-        self._share()
+        return scale
 
     @classmethod
     def from_float(
@@ -670,6 +699,10 @@ class Float8Tensor(LowPrecisionTensor):
         cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
     ) -> Float8Tensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
+
+    def _inner_shape(self) -> tuple[int, ...]:
+        self.scale = self._checked_scale(self.qdata, self.scale, self.act_dtype)
+        return tuple(self.qdata.shape)
 
     def _with_dtype(self, dtype: torch.dtype) -> Float8Tensor:
         return Float8Tensor(self.qdata, self.scale, dtype, self.act_dtype)
@@ -814,6 +847,10 @@ class NVFP4Tensor(LowPrecisionTensor):
     ) -> NVFP4Tensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
 
+    def _inner_shape(self) -> tuple[int, ...]:
+        k = nvfp4._check_packed(self.qdata, self.scale, nvfp4.BLOCK, "NVFP4Tensor")
+        return (*self.qdata.shape[:-1], k)
+
     def _with_dtype(self, dtype: torch.dtype) -> NVFP4Tensor:
         return NVFP4Tensor(
             self.qdata, self.scale, self.per_tensor_scale, dtype, self.act_per_tensor_scale
@@ -908,6 +945,10 @@ class MXTensor(LowPrecisionTensor):
     ) -> MXTensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
 
+    def _inner_shape(self) -> tuple[int, ...]:
+        k = mx._k_of(self.qdata, self.scale, self.elem)
+        return (*self.qdata.shape[:-1], k)
+
     def _with_dtype(self, dtype: torch.dtype) -> MXTensor:
         return MXTensor(self.qdata, self.scale, self.elem, dtype, self.act_elem)
 
@@ -927,3 +968,8 @@ class MXTensor(LowPrecisionTensor):
         empty = self.qdata.new_empty(0, dtype=torch.float32)
         data = self.qdata.view(torch.uint8).contiguous()
         return PackedWeight(fmt, data, self.scale.contiguous(), empty, 1.0, n, k)
+
+
+# torch.load's default weights_only unpickler may rebuild these (as torchao registers its own
+# tensor subclasses): a saved quantized state_dict loads without weights_only=False
+torch.serialization.add_safe_globals([Float8Tensor, NVFP4Tensor, MXTensor])
