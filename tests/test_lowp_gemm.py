@@ -890,3 +890,25 @@ def test_torch_load_with_weights_only_and_a_checked_layout(cfg):
     bad["dequantize"] = 1.0  # would shadow the method
     with pytest.raises(LowPrecisionError, match="unexpected state entry 'dequantize'"):
         t.__setstate__(bad)
+
+
+def test_nvfp4_and_mx_tensors_check_their_inner_tensors():
+    # NVFP4Tensor(q, scale[:, :1], ...) and MXTensor(...) with a short or float32 scale were
+    # accepted; F.linear then read the scales past their end or misread them (results off by
+    # orders of magnitude, no error). Float8Tensor already checked its scale.
+    q, s = lowp.nvfp4_quantize(torch.randn(32, 64))
+    for bad_q, bad_s, what in (
+        (q, s[:, :1], r"scales must have shape \(32, 4\)"),
+        (q, s.float(), "scales must be float8_e4m3fn"),
+        (q.float(), s, "packed data must be uint8"),
+    ):
+        with pytest.raises(LowPrecisionError, match=f"NVFP4Tensor: {what}"):
+            NVFP4Tensor(bad_q, bad_s, None, torch.float32)
+    mq, ms = lowp.mx_quantize(torch.randn(32, 64))
+    with pytest.raises(LowPrecisionError, match=r"MXTensor: .*scales must have shape \(32, 2\)"):
+        MXTensor(mq, ms[:, :1], "fp4_e2m1", torch.float32)
+    with pytest.raises(LowPrecisionError, match="MXTensor: elem must be one of"):
+        MXTensor(mq, ms, "fp5", torch.float32)
+    assert torch.equal(
+        NVFP4Tensor(q, s, None, torch.float32).dequantize(), lowp.nvfp4_dequantize(q, s)
+    )

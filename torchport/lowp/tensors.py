@@ -780,6 +780,9 @@ class NVFP4Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_per_tensor_scale: bool | None = None,
     ) -> None:
+        # the kernels read K/16 one-byte scales per row: another shape or dtype was read past
+        # its end or misread (silently wrong results)
+        nvfp4._check_packed(qdata, scale, nvfp4.BLOCK, "NVFP4Tensor")
         self.qdata, self.scale = qdata, scale
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
         self.act_per_tensor_scale = act_per_tensor_scale
@@ -905,6 +908,10 @@ class MXTensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_elem: str | None = None,
     ) -> None:
+        try:  # (as NVFP4Tensor: the kernels read K/32 one-byte scales per row)
+            mx._k_of(qdata, scale, elem)
+        except LowPrecisionError as e:
+            raise LowPrecisionError(f"MXTensor: {e}") from e
         self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
         self.act_elem = act_elem
         self._pack = None
