@@ -912,3 +912,24 @@ def test_nvfp4_and_mx_tensors_check_their_inner_tensors():
     assert torch.equal(
         NVFP4Tensor(q, s, None, torch.float32).dequantize(), lowp.nvfp4_dequantize(q, s)
     )
+
+
+@pytest.mark.parametrize(
+    "cfg", [lowp.NVFP4WeightOnlyConfig(), lowp.Float8WeightOnlyConfig()], ids=["nvfp4", "fp8"]
+)
+def test_assigning_data_of_a_quantized_weight(cfg):
+    # model.weight.data = new changed only the wrapper (which has no data): the weight, its
+    # packed form and settled route silently stayed as they were
+    torch.manual_seed(16)
+    model, src = nn.Linear(64, 32), nn.Linear(64, 32)
+    torchport.quantize_(model, cfg)
+    torchport.quantize_(src, cfg)
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        model(x)
+        model(x)  # packed, route settled
+        model.weight.data = src.weight.detach()
+        # (through the same GEMV: NVFP4's may quantize the activation)
+        assert torch.allclose(model(x), F.linear(x, src.weight, model.bias), atol=1e-5)
+        with pytest.raises(LowPrecisionError, match=r"\.data = on a .*w\.copy_\(new\)"):
+            model.weight.data = torch.randn(32, 64)  # a float tensor: copy_ quantizes it

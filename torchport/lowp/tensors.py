@@ -38,7 +38,9 @@ a source of the same type and quantized layout is copied bit for bit, any other 
 tensor, another recipe) is quantized with this tensor's recipe, in place either way. Every other
 op that would write into one (``add_``, ``zero_``, ``out=`` variants, ``w[i] = v``, ...) raises
 :class:`~torchport.lowp.formats.LowPrecisionError`: run on the dequantized value, it would
-otherwise change a temporary and leave the weight as it was. ``copy_`` drops the packed weight and
+otherwise change a temporary and leave the weight as it was. ``w.data = v`` takes the inner
+tensors and settings of a ``v`` of the same type, shape and dtype (any other ``v`` raises), and
+``share_memory_`` moves the inner tensors to shared memory. ``copy_`` drops the packed weight and
 settled route of every tensor sharing the bytes (``w.data``, ``state_dict()`` entries); a graph
 captured with :mod:`torchport.graphs` keeps reading the packed weight of its capture, which
 ``copy_`` updates only in part (the NVFP4 and per-tensor FP8 scales are frozen there): capture
@@ -75,6 +77,8 @@ _linear = F.linear
 _setitem = torch.Tensor.__setitem__
 _to = torch.Tensor.to
 _share_memory = torch.Tensor.share_memory_
+# ``w.data = v`` reaches __torch_function__ as this descriptor's (fresh, bound) ``__set__``
+_DATA = torch._C.TensorBase.__dict__["data"]
 _is_shared = torch.Tensor.is_shared
 _autocast_on = torch._C._is_any_autocast_enabled
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
@@ -390,6 +394,32 @@ class LowPrecisionTensor(torch.Tensor):
         # (not one whose qdata moved to huge pages since it was entered under this storage)
         return [mine, *(c for c in others if c.key == key)]
 
+    def _set_data(self, new: Any) -> None:
+        """``self.data = new``: this tensor takes ``new``'s inner tensors and settings (a
+        tensor of its type, shape and dtype; its packed weight and route are dropped), as a
+        plain tensor takes ``new``'s storage. torch's own ``set_data`` changed only the wrapper,
+        which has no data: the weight silently stayed as it was."""
+        name = type(self).__name__
+        if not (
+            isinstance(new, type(self)) and new.shape == self.shape and new.dtype == self.dtype
+        ):
+            got = (
+                f"{type(new).__name__} {tuple(new.shape)} {new.dtype}"
+                if isinstance(new, torch.Tensor)
+                else type(new).__name__
+            )
+            raise LowPrecisionError(
+                f".data = on a {name} {tuple(self.shape)} {self.dtype}: assign a {name} of that "
+                f"shape and dtype, or load other values with w.copy_(new), got {got}"
+            )
+        for k, v in new.__dict__.items():
+            if k != "_cache":
+                self.__dict__[k] = v
+        for attr in self._copied_meta:
+            setattr(self, attr, getattr(new, attr))
+        self._pack = self._route = None
+        self._share()
+
     def _share_memory(self) -> None:
         """``share_memory_()``: the inner tensors' storages moved to shared memory in place.
 
@@ -535,6 +565,13 @@ class LowPrecisionTensor(torch.Tensor):
                 "w.copy_(new_float_weight)"
             )
         kwargs = kwargs or {}
+        if (
+            getattr(func, "__self__", None) is _DATA
+            and func.__name__ == "__set__"
+            and isinstance(args[0], LowPrecisionTensor)
+        ):
+            args[0]._set_data(args[1])
+            return None
         if func is _share_memory and isinstance(args[0], LowPrecisionTensor):
             args[0]._share_memory()
             return args[0]
