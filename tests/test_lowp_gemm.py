@@ -933,3 +933,10 @@ def test_assigning_data_of_a_quantized_weight(cfg):
         assert torch.allclose(model(x), F.linear(x, src.weight, model.bias), atol=1e-5)
         with pytest.raises(LowPrecisionError, match=r"\.data = on a .*w\.copy_\(new\)"):
             model.weight.data = torch.randn(32, 64)  # a float tensor: copy_ quantizes it
+
+
+def test_dlpack_exports_the_dequantized_value():
+    # torch.from_dlpack(w) of a quantized tensor exported the wrapper (no data: a null
+    # pointer) and crashed the process reading it
+    w = MXTensor.from_float(torch.randn(8, 32))
+    assert torch.equal(torch.from_dlpack(w), w.dequantize())

@@ -77,6 +77,7 @@ _linear = F.linear
 _setitem = torch.Tensor.__setitem__
 _to = torch.Tensor.to
 _share_memory = torch.Tensor.share_memory_
+_dlpack = torch.Tensor.__dlpack__
 # ``w.data = v`` reaches __torch_function__ as this descriptor's (fresh, bound) ``__set__``
 _DATA = torch._C.TensorBase.__dict__["data"]
 _is_shared = torch.Tensor.is_shared
@@ -572,6 +573,10 @@ class LowPrecisionTensor(torch.Tensor):
         ):
             args[0]._set_data(args[1])
             return None
+        if func is _dlpack and isinstance(args[0], LowPrecisionTensor):
+            # torch's own exported the wrapper, whose data pointer is null: a consumer
+            # (torch.from_dlpack, NumPy) crashed reading it; the dequantized value is exported
+            return args[0].dequantize().__dlpack__(*args[1:], **kwargs)
         if func is _share_memory and isinstance(args[0], LowPrecisionTensor):
             args[0]._share_memory()
             return args[0]
