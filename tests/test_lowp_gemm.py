@@ -904,6 +904,9 @@ def test_nvfp4_and_mx_tensors_check_their_inner_tensors():
     ):
         with pytest.raises(LowPrecisionError, match=f"NVFP4Tensor: {what}"):
             NVFP4Tensor(bad_q, bad_s, None, torch.float32)
+    for pts in (float("nan"), -0.5, 0.0, "1"):
+        with pytest.raises(LowPrecisionError, match="per_tensor_scale must be a positive finite"):
+            NVFP4Tensor(q, s, pts, torch.float32)
     mq, ms = lowp.mx_quantize(torch.randn(32, 64))
     with pytest.raises(LowPrecisionError, match=r"MXTensor: .*scales must have shape \(32, 2\)"):
         MXTensor(mq, ms[:, :1], "fp4_e2m1", torch.float32)

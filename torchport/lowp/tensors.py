@@ -825,6 +825,8 @@ class NVFP4Tensor(LowPrecisionTensor):
         # the kernels read K/16 one-byte scales per row: another shape or dtype was read past
         # its end or misread (silently wrong results)
         nvfp4._check_packed(qdata, scale, nvfp4.BLOCK, "NVFP4Tensor")
+        # (a NaN, negative or zero per-tensor scale gave NaN, sign-flipped or zero outputs)
+        nvfp4.check_per_tensor_scale(per_tensor_scale)
         self.qdata, self.scale = qdata, scale
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
         self.act_per_tensor_scale = act_per_tensor_scale
