@@ -943,3 +943,16 @@ def test_dlpack_exports_the_dequantized_value():
     # pointer) and crashed the process reading it
     w = MXTensor.from_float(torch.randn(8, 32))
     assert torch.equal(torch.from_dlpack(w), w.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
+def test_fp8_dynamic_activation_takes_float16_and_float64(dtype):
+    # the FP8 weight-only path took float16/float64 activations but the dynamic-activation one
+    # raised "fp8_quantize: input dtype must be float32 or bfloat16" from F.linear
+    torch.manual_seed(17)
+    w = Float8Tensor.from_float(torch.randn(48, 64), act_dtype=F8)
+    x, b = torch.randn(9, 64, dtype=dtype), torch.randn(48, dtype=dtype)
+    out = F.linear(x, w, b)
+    xq, xs = lowp.fp8_quantize(x.float(), F8)
+    ref = (xq.float() * xs) @ w.dequantize().T + b.float()
+    assert out.dtype == dtype and torch.allclose(out.float(), ref, rtol=2e-3, atol=2e-2)

@@ -774,7 +774,11 @@ class Float8Tensor(LowPrecisionTensor):
         lead, k = x.shape[:-1], x.shape[-1]
         # scaled_mm (as torch._scaled_mm) takes both scales row-wise or both tensor-wise
         rowwise = self.scale.dim() != 0
-        xq, xs = fp8.fp8_quantize(x.reshape(-1, k), self.act_dtype, "row" if rowwise else "tensor")
+        x2 = x.reshape(-1, k)
+        # float16/float64 activations (the weight-only path takes them): quantized from float32
+        # (fp8_quantize takes float32/bfloat16; every float16 value is exact in float32)
+        x2 = x2 if x2.dtype in HP_DTYPES else x2.float()
+        xq, xs = fp8.fp8_quantize(x2, self.act_dtype, "row" if rowwise else "tensor")
         ws = self.scale.float().reshape(1, -1) if rowwise else self.scale.float()
         out = scaled_mm(xq, self.qdata.t(), xs.float(), ws, bias=bias, out_dtype=x.dtype)
         return out.reshape(*lead, self.shape[0])
