@@ -616,3 +616,34 @@ def test_gemv_gradients_match_f_linear(fmt):
             torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
         if dense:
             torch.testing.assert_close(w.grad.double(), wr.grad, **tol)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 64), (), (1, 64)], ids=str)
+def test_compile_routes_only_a_bias_of_shape_n(monkeypatch, bias_shape):
+    # F.linear broadcasts any bias shape against [rows, N]; the GEMV reads N bias values, so a
+    # routed per-row bias [2, N] added row 0's bias to every row and a scalar one was read past
+    # its single element (NaN or garbage). Only a [N] bias is routed now.
+    import torchport
+    from torchport.compiler import last_report
+    from torchport.gemv import routing
+
+    monkeypatch.setattr(routing, "native_wins", lambda *a: True)  # as if the tuner chose it
+    torch._dynamo.reset()
+    w, b = torch.randn(64, 32), torch.randn(bias_shape)
+
+    def f(x, w, b):
+        return F.linear(x, w, b)
+
+    xs = [torch.randn(2, 32)] + ([torch.randn(32)] if b.dim() < 2 or b.shape[0] == 1 else [])
+    for x in xs:
+        with torch.no_grad():
+            out = torchport.compile(f, inner="eager")(x, w, b)
+        ref = F.linear(x, w, b)
+        assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
+        assert RULE not in last_report().rule_counts  # type: ignore[union-attr]
+    torch._dynamo.reset()
+    with torch.no_grad():  # a bias of shape [N] is still routed
+        torchport.compile(f, inner="eager")(torch.randn(2, 32), w, torch.randn(64))
+    assert last_report().rule_counts.get(RULE) == 1  # type: ignore[union-attr]
+    with pytest.raises(GemvInputError, match=r"bias must have shape \(64,\)"):
+        torch.ops.torchport.gemv_dense(torch.randn(2, 32), w, b)  # the op checks it too

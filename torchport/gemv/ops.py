@@ -668,6 +668,7 @@ def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 @torch.library.custom_op("torchport::gemv_dense", mutates_args=())
 def gemv_dense_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Decode GEMV with a dense float32/bfloat16 weight."""
+    _check_bias(bias, w.shape[0])  # the kernel reads N values: a scalar bias was read past its end
     return _run(x, pack_dense(w), bias)
 
 
@@ -690,6 +691,7 @@ def gemv_packed_op(
     allow_int8: bool = True,
 ) -> torch.Tensor:
     """Decode GEMV with a packed low-precision weight."""
+    _check_bias(bias, n)  # (as gemv_dense)
     return _run(x, PackedWeight(fmt, data, scales, rowscale, pts, n, k), bias, allow_int8)
 
 

@@ -3,8 +3,8 @@
 Registered with :func:`torchport.compiler.register_pre_grad_pass` when :mod:`torchport.gemv` is
 imported, so ``torchport.compile(model)`` sends ``F.linear(x, W, b)`` with at most
 :data:`~torchport.gemv.MAX_ROWS` activation rows (``[B, 1, K]``, ``[1, K]``), a float32/bfloat16
-2-D weight of the same dtype, and no autograd (the output does not require grad) to
-``torchport::gemv_dense`` -- but only where it wins: a weight with fewer than
+2-D weight of the same dtype, no bias or a ``[N]`` one (not another shape F.linear broadcasts),
+and no autograd (the output does not require grad) to ``torchport::gemv_dense`` -- but only where it wins: a weight with fewer than
 :data:`~torchport.gemv.ops.TUNE_MIN_WEIGHTS` elements stays with Inductor/ATen (a few µs of work,
 where an opaque custom op costs more than it saves and blocks fusion), and a larger one is routed
 only if the autotuner (``F.linear`` anchor, cold weights, :func:`~torchport.gemv.ops.plan_for`)
@@ -81,7 +81,11 @@ def _linear_to_gemv(gm: fx.GraphModule, node: fx.Node) -> bool:
     if rows is None or not 0 < rows <= MAX_ROWS:
         return False
     bm = node_tensor_meta(bias) if isinstance(bias, fx.Node) else None
-    if bias is not None and (bm is None or bm.dtype != xm.dtype):
+    # the kernel reads N bias values: F.linear broadcasts any bias shape ([rows, N] per row, a
+    # scalar), which routed gave row 0's bias on every row or a read past a scalar's element
+    if bias is not None and (
+        bm is None or bm.dtype != xm.dtype or tuple(bm.shape) != (wm.shape[0],)
+    ):
         return False
     if not all(type(s) is int for s in wm.shape):
         return False

@@ -38,7 +38,9 @@ a source of the same type and quantized layout is copied bit for bit, any other 
 tensor, another recipe) is quantized with this tensor's recipe, in place either way. Every other
 op that would write into one (``add_``, ``zero_``, ``out=`` variants, ``w[i] = v``, ...) raises
 :class:`~torchport.lowp.formats.LowPrecisionError`: run on the dequantized value, it would
-otherwise change a temporary and leave the weight as it was. ``copy_`` drops the packed weight and
+otherwise change a temporary and leave the weight as it was. ``w.data = v`` takes the inner
+tensors and settings of a ``v`` of the same type, shape and dtype (any other ``v`` raises), and
+``share_memory_`` moves the inner tensors to shared memory. ``copy_`` drops the packed weight and
 settled route of every tensor sharing the bytes (``w.data``, ``state_dict()`` entries); a graph
 captured with :mod:`torchport.graphs` keeps reading the packed weight of its capture, which
 ``copy_`` updates only in part (the NVFP4 and per-tensor FP8 scales are frozen there): capture
@@ -74,15 +76,22 @@ _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
 _setitem = torch.Tensor.__setitem__
 _to = torch.Tensor.to
+_share_memory = torch.Tensor.share_memory_
+_dlpack = torch.Tensor.__dlpack__
+# ``w.data = v`` reaches __torch_function__ as this descriptor's (fresh, bound) ``__set__``
+_DATA = torch._C.TensorBase.__dict__["data"]
+_is_shared = torch.Tensor.is_shared
 _autocast_on = torch._C._is_any_autocast_enabled
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
 
 
-# Real quantized tensors by the address of their qdata's storage. detach() (state_dict() entries,
-# ``w.data``) and to(dtype) give tensors sharing the inner tensors, so copy_ into one writes the
-# others' bytes too: they take its metadata (NVFP4's per-tensor scale) and drop their caches.
-# (weak references by id: a WeakSet would compare two references to one tensor with Tensor.__eq__)
-_SHARING: dict[int, dict[int, weakref.ref[Any]]] = {}
+# The caches of real quantized tensors by the address of their qdata's storage. detach()
+# (state_dict() entries, ``w.data``) and to(dtype) give tensors sharing the inner tensors, so
+# copy_ into one writes the others' bytes too: they take its metadata (NVFP4's per-tensor scale)
+# and drop their caches. The table refers weakly to each tensor's _Cache, never to the tensor:
+# torch.utils.swap_tensors, which Module._apply uses for wrapper subclasses (model.to(dtype),
+# model.cpu(), model.half()), refuses a tensor with a weak reference.
+_SHARING: dict[int, dict[int, weakref.ref[_Cache]]] = {}
 _PRUNE_AT = [1024]  # drop dead entries when the table grows past this
 
 
@@ -140,22 +149,52 @@ def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     return None
 
 
+class _Cache:
+    """A quantized tensor's state that a ``copy_`` into a tensor sharing its bytes replaces:
+    the packed weight, the settled route and the :attr:`LowPrecisionTensor._copied_meta`
+    attributes (set here by name), and ``key``, the storage of qdata it is entered under in
+    :data:`_SHARING`."""
+
+    def __init__(self) -> None:
+        self.pack: PackedWeight | None = None
+        # the last settled decode route (eager weight-only GEMV; torchport.gemv.ops.settle_route)
+        self.route: SettledRoute | None = None
+        self.key: int | None = None
+
+
 class LowPrecisionTensor(torch.Tensor):
     """Base of the quantized tensor types (not used directly)."""
 
     qdata: torch.Tensor
     _orig_dtype: torch.dtype
-    _pack: PackedWeight | None
-    # the last settled decode route (eager weight-only GEMV; see torchport.gemv.ops.settle_route)
-    _route: SettledRoute | None = None
-    # attributes besides the inner tensors that a bit-exact copy_ takes from its source
+    _cache: _Cache
+    # attributes besides the inner tensors that a bit-exact copy_ takes from its source (kept in
+    # the _Cache: properties in the subclass)
     _copied_meta: tuple[str, ...] = ()
 
     @staticmethod
     def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
-        return torch.Tensor._make_wrapper_subclass(
+        t = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
         )
+        t._cache = _Cache()
+        return t
+
+    @property
+    def _pack(self) -> PackedWeight | None:
+        return self._cache.pack
+
+    @_pack.setter
+    def _pack(self, value: PackedWeight | None) -> None:
+        self._cache.pack = value
+
+    @property
+    def _route(self) -> SettledRoute | None:
+        return self._cache.route
+
+    @_route.setter
+    def _route(self, value: SettledRoute | None) -> None:
+        self._cache.route = value
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor this stands for (native dequantize kernel)."""
@@ -203,7 +242,8 @@ class LowPrecisionTensor(torch.Tensor):
         key = _storage_key(self.qdata)
         if key is None:
             return
-        _SHARING.setdefault(key, {})[id(self)] = weakref.ref(self)
+        self._cache.key = key
+        _SHARING.setdefault(key, {})[id(self._cache)] = weakref.ref(self._cache)
         if len(_SHARING) > _PRUNE_AT[0]:
             for k in list(_SHARING):
                 live = {i: r for i, r in _SHARING[k].items() if r() is not None}
@@ -214,18 +254,43 @@ class LowPrecisionTensor(torch.Tensor):
             _PRUNE_AT[0] = max(1024, 2 * len(_SHARING))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickling (``torch.load``): the state of :meth:`__getstate__`."""
-        self.__dict__.update(state)
+        """Unpickling (``torch.load``): the state of :meth:`__getstate__` (or of one saved
+        before the caches moved to a :class:`_Cache`: ``_pack``/``_route`` keys, ignored)."""
+        self._cache = _Cache()
+        for name, value in state.items():
+            if name in self._copied_meta:
+                setattr(self, name, value)
+            elif name in ("_pack", "_route", "_cache"):
+                continue
+            elif hasattr(type(self), name):  # would shadow a method or class setting
+                raise LowPrecisionError(f"{type(self).__name__}: unexpected state entry {name!r}")
+            else:
+                self.__dict__[name] = value
+        # torch.load(weights_only=True) may build these (registered safe globals below) from a
+        # file: inner tensors that do not make up the wrapper's shape would be read past their
+        # ends by the kernels, so they must agree (LowPrecisionError otherwise)
+        for n in self.__tensor_flatten__()[0]:
+            if not isinstance(self.__dict__.get(n), torch.Tensor):
+                raise LowPrecisionError(f"{type(self).__name__}: the state has no tensor {n!r}")
+        got = self._inner_shape()
+        if got != tuple(self.shape):
+            raise LowPrecisionError(
+                f"{type(self).__name__} of shape {tuple(self.shape)}: its inner tensors stand "
+                f"for shape {got}"
+            )
         self._share()
 
+    def _inner_shape(self) -> tuple[int, ...]:
+        """The logical shape the inner tensors stand for (checking their dtypes and shapes)."""
+        raise TypeError(_ABSTRACT)
+
     def __getstate__(self) -> dict[str, Any]:
-        """The pickled state (``torch.save``): the caches left out (the settled route holds local
-        functions, the packed weight is rebuilt on first use) and each inner tensor saved alone
-        (a tensor viewing a larger storage, e.g. the padded huge-page copy, is cloned: pickling
-        saves whole storages)."""
-        state = dict(self.__dict__)
-        state["_pack"] = None
-        state["_route"] = None
+        """The pickled state (``torch.save``): the :attr:`_copied_meta` attributes, not the
+        caches (the settled route holds local functions, the packed weight is rebuilt on first
+        use), and each inner tensor saved alone (a tensor viewing a larger storage, e.g. the
+        padded huge-page copy, is cloned: pickling saves whole storages)."""
+        state = {n: v for n, v in self.__dict__.items() if n != "_cache"}
+        state.update((n, getattr(self, n)) for n in self._copied_meta)
         for n in self.__tensor_flatten__()[0]:
             t = state[n]
             if type(t) is torch.Tensor and t.untyped_storage().nbytes() != t.nbytes:
@@ -314,15 +379,66 @@ class LowPrecisionTensor(torch.Tensor):
             for n in names:
                 getattr(self, n).copy_(getattr(new, n))
         meta = {attr: getattr(new, attr) for attr in self._copied_meta}
+        for c in self._sharing_caches():
+            for attr, value in meta.items():
+                setattr(c, attr, value)
+            c.pack = None  # repacked (and the route settled again) on the next call
+            c.route = None
+
+    def _sharing_caches(self) -> list[_Cache]:
+        """The :class:`_Cache` of this tensor and of every live tensor sharing its bytes
+        (``w.data``, ``state_dict()`` entries, ``to(dtype)``), by qdata's storage."""
         key = _storage_key(self.qdata)
         refs = list(_SHARING.get(key, {}).values()) if key is not None else []
-        sharing = [self, *(t for t in (r() for r in refs) if t is not None and t is not self)]
-        for t in sharing:  # this tensor and those sharing its bytes (detach(): w.data, state_dict)
-            if t is self or _storage_key(t.qdata) == key:
-                for attr, value in meta.items():
-                    setattr(t, attr, value)
-                t._pack = None  # repacked (and the route settled again) on the next call
-                t._route = None
+        mine = self._cache
+        others = (c for c in (r() for r in refs) if c is not None and c is not mine)
+        # (not one whose qdata moved to huge pages since it was entered under this storage)
+        return [mine, *(c for c in others if c.key == key)]
+
+    def _set_data(self, new: Any) -> None:
+        """``self.data = new``: this tensor takes ``new``'s inner tensors and settings (a
+        tensor of its type, shape and dtype; its packed weight and route are dropped), as a
+        plain tensor takes ``new``'s storage. torch's own ``set_data`` changed only the wrapper,
+        which has no data: the weight silently stayed as it was."""
+        name = type(self).__name__
+        if not (
+            isinstance(new, type(self)) and new.shape == self.shape and new.dtype == self.dtype
+        ):
+            got = (
+                f"{type(new).__name__} {tuple(new.shape)} {new.dtype}"
+                if isinstance(new, torch.Tensor)
+                else type(new).__name__
+            )
+            raise LowPrecisionError(
+                f".data = on a {name} {tuple(self.shape)} {self.dtype}: assign a {name} of that "
+                f"shape and dtype, or load other values with w.copy_(new), got {got}"
+            )
+        for k, v in new.__dict__.items():
+            if k != "_cache":
+                self.__dict__[k] = v
+        for attr in self._copied_meta:
+            setattr(self, attr, getattr(new, attr))
+        self._pack = self._route = None
+        self._share()
+
+    def _share_memory(self) -> None:
+        """``share_memory_()``: the inner tensors' storages moved to shared memory in place.
+
+        torch's own ``share_memory_`` reads the storage of the wrapper, which has none: it
+        crashed the process (``model.share_memory()`` on a quantized model). Moving a storage
+        frees its old memory, which the packed weight and the settled route of every tensor
+        sharing it point into: their caches are dropped and entered under the new storage."""
+        caches = self._sharing_caches()
+        with torch.no_grad():
+            for n in self.__tensor_flatten__()[0]:
+                getattr(self, n).share_memory_()
+        key = _storage_key(self.qdata)
+        if key is None or caches[0].key == key:  # already shared: nothing moved
+            return
+        for c in caches:
+            c.pack = c.route = None
+            c.key = key
+            _SHARING.setdefault(key, {})[id(c)] = weakref.ref(c)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
@@ -432,7 +548,9 @@ class LowPrecisionTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _linear and len(args) >= 2:  # a settled decode route first (see linear)
-            route = getattr(args[1], "_route", None)
+            # (the _Cache attribute directly: the _route property took 0.2 µs more per call)
+            cache = getattr(args[1], "_cache", None)
+            route = cache.route if isinstance(cache, _Cache) else None
             if route is not None and not args[1].requires_grad and not _autocast_on():
                 if len(args) > 2:
                     bias = args[2]
@@ -448,6 +566,22 @@ class LowPrecisionTensor(torch.Tensor):
                 "w.copy_(new_float_weight)"
             )
         kwargs = kwargs or {}
+        if (
+            getattr(func, "__self__", None) is _DATA
+            and func.__name__ == "__set__"
+            and isinstance(args[0], LowPrecisionTensor)
+        ):
+            args[0]._set_data(args[1])
+            return None
+        if func is _dlpack and isinstance(args[0], LowPrecisionTensor):
+            # torch's own exported the wrapper, whose data pointer is null: a consumer
+            # (torch.from_dlpack, NumPy) crashed reading it; the dequantized value is exported
+            return args[0].dequantize().__dlpack__(*args[1:], **kwargs)
+        if func is _share_memory and isinstance(args[0], LowPrecisionTensor):
+            args[0]._share_memory()
+            return args[0]
+        if func is _is_shared and isinstance(args[0], LowPrecisionTensor):
+            return args[0].qdata.is_shared()
         if func is _to and _copy_requested(args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
@@ -559,6 +693,18 @@ class Float8Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_dtype: torch.dtype | None = None,
     ) -> None:
+        scale = self._checked_scale(qdata, scale, act_dtype)
+        self.qdata, self.scale = qdata, scale
+        self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
+        self._pack = None
+        self._share()
+
+    @staticmethod
+    def _checked_scale(
+        qdata: torch.Tensor, scale: torch.Tensor, act_dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """``scale`` in its one form (``[]`` tensor-wise, ``[..., 1]`` row-wise), after checking
+        the qdata dtype, the scale shape and ``act_dtype``."""
         if qdata.dtype not in FP8_DTYPES:
             raise LowPrecisionError(f"Float8Tensor: qdata must be float8, got {qdata.dtype}")
         if act_dtype is not None and act_dtype not in FP8_DTYPES:
@@ -567,16 +713,13 @@ class Float8Tensor(LowPrecisionTensor):
             )
         rowwise = (*qdata.shape[:-1], 1)
         if tuple(scale.shape) in ((), (1,)):
-            scale = scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
-        elif tuple(scale.shape) != rowwise:
+            return scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
+        if tuple(scale.shape) != rowwise:
             raise LowPrecisionError(
                 "Float8Tensor: scale must have shape () or (1,) (tensor-wise) or "
                 f"{rowwise} (row-wise), got {tuple(scale.shape)}"
             )
-        self.qdata, self.scale = qdata, scale
-        self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
-        self._pack = None
-        self._share()
+        return scale
 
     @classmethod
     def from_float(
@@ -598,6 +741,10 @@ class Float8Tensor(LowPrecisionTensor):
         cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
     ) -> Float8Tensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
+
+    def _inner_shape(self) -> tuple[int, ...]:
+        self.scale = self._checked_scale(self.qdata, self.scale, self.act_dtype)
+        return tuple(self.qdata.shape)
 
     def _with_dtype(self, dtype: torch.dtype) -> Float8Tensor:
         return Float8Tensor(self.qdata, self.scale, dtype, self.act_dtype)
@@ -627,7 +774,11 @@ class Float8Tensor(LowPrecisionTensor):
         lead, k = x.shape[:-1], x.shape[-1]
         # scaled_mm (as torch._scaled_mm) takes both scales row-wise or both tensor-wise
         rowwise = self.scale.dim() != 0
-        xq, xs = fp8.fp8_quantize(x.reshape(-1, k), self.act_dtype, "row" if rowwise else "tensor")
+        x2 = x.reshape(-1, k)
+        # float16/float64 activations (the weight-only path takes them): quantized from float32
+        # (fp8_quantize takes float32/bfloat16; every float16 value is exact in float32)
+        x2 = x2 if x2.dtype in HP_DTYPES else x2.float()
+        xq, xs = fp8.fp8_quantize(x2, self.act_dtype, "row" if rowwise else "tensor")
         ws = self.scale.float().reshape(1, -1) if rowwise else self.scale.float()
         out = scaled_mm(xq, self.qdata.t(), xs.float(), ws, bias=bias, out_dtype=x.dtype)
         return out.reshape(*lead, self.shape[0])
@@ -675,11 +826,26 @@ class NVFP4Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_per_tensor_scale: bool | None = None,
     ) -> None:
+        # the kernels read K/16 one-byte scales per row: another shape or dtype was read past
+        # its end or misread (silently wrong results)
+        nvfp4._check_packed(qdata, scale, nvfp4.BLOCK, "NVFP4Tensor")
+        # (a NaN, negative or zero per-tensor scale gave NaN, sign-flipped or zero outputs)
+        nvfp4.check_per_tensor_scale(per_tensor_scale)
         self.qdata, self.scale = qdata, scale
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
         self.act_per_tensor_scale = act_per_tensor_scale
         self._pack = None
         self._share()
+
+    @property
+    def per_tensor_scale(self) -> float | None:
+        """The FP32 per-tensor scale (None: one-level scaling); a ``copy_`` into this tensor or
+        one sharing its bytes sets it (kept in the :class:`_Cache` for that)."""
+        return self._cache.per_tensor_scale  # type: ignore[attr-defined]
+
+    @per_tensor_scale.setter
+    def per_tensor_scale(self, value: float | None) -> None:
+        self._cache.per_tensor_scale = value  # type: ignore[attr-defined]
 
     @classmethod
     def from_float(
@@ -731,6 +897,10 @@ class NVFP4Tensor(LowPrecisionTensor):
         cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any = None, stride: Any = None
     ) -> NVFP4Tensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
+
+    def _inner_shape(self) -> tuple[int, ...]:
+        k = nvfp4._check_packed(self.qdata, self.scale, nvfp4.BLOCK, "NVFP4Tensor")
+        return (*self.qdata.shape[:-1], k)
 
     def _with_dtype(self, dtype: torch.dtype) -> NVFP4Tensor:
         return NVFP4Tensor(
@@ -786,6 +956,10 @@ class MXTensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_elem: str | None = None,
     ) -> None:
+        try:  # (as NVFP4Tensor: the kernels read K/32 one-byte scales per row)
+            mx._k_of(qdata, scale, elem)
+        except LowPrecisionError as e:
+            raise LowPrecisionError(f"MXTensor: {e}") from e
         self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
         self.act_elem = act_elem
         self._pack = None
@@ -826,6 +1000,10 @@ class MXTensor(LowPrecisionTensor):
     ) -> MXTensor:
         return cls(inner["qdata"], inner["scale"], *ctx)
 
+    def _inner_shape(self) -> tuple[int, ...]:
+        k = mx._k_of(self.qdata, self.scale, self.elem)
+        return (*self.qdata.shape[:-1], k)
+
     def _with_dtype(self, dtype: torch.dtype) -> MXTensor:
         return MXTensor(self.qdata, self.scale, self.elem, dtype, self.act_elem)
 
@@ -845,3 +1023,8 @@ class MXTensor(LowPrecisionTensor):
         empty = self.qdata.new_empty(0, dtype=torch.float32)
         data = self.qdata.view(torch.uint8).contiguous()
         return PackedWeight(fmt, data, self.scale.contiguous(), empty, 1.0, n, k)
+
+
+# torch.load's default weights_only unpickler may rebuild these (as torchao registers its own
+# tensor subclasses): a saved quantized state_dict loads without weights_only=False
+torch.serialization.add_safe_globals([Float8Tensor, NVFP4Tensor, MXTensor])
