@@ -138,6 +138,26 @@ def test_nvfp4_two_level_is_the_dequantized_product():
     assert rel < 0.2, rel
 
 
+@pytest.mark.parametrize("m", [1, 32])  # the decode GEMV and the block-scaled GEMM
+@pytest.mark.parametrize("side", ["a", "b"])
+@pytest.mark.parametrize("g", [0.0, -0.5, float("nan")])
+def test_nvfp4_global_scale_takes_any_value_on_either_side(m, side, g):
+    """torch applies a zero, negative or NaN global scale to the product; b's was refused
+    (NVFP4Tensor takes positive finite per-tensor scales only) while a's was taken."""
+    torch.manual_seed(5)
+    qa, sa, ra, wa = _nvfp4(torch.randn(m, 64), True, False)
+    qb, sb, rb, wb = _nvfp4(torch.randn(48, 64), True, False)
+    if side == "a":
+        sa = [sa[0], torch.tensor(g)]
+    else:
+        sb = [sb[0], torch.tensor(g)]
+    args = (qa, qb.t(), sa, ra, sb, rb, wa, wb)
+    bias = torch.randn(48)
+    out = F.scaled_mm(*args, bias=bias, output_dtype=torch.float32)
+    ref = scaled_mm_reference(*args, bias=bias, output_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-3, equal_nan=True)
+
+
 def test_odd_k_blocks_padded_by_ceil():
     torch.manual_seed(3)
     x, w = torch.randn(3, 40), torch.randn(5, 40)  # K=40: the third NVFP4 block is partial

@@ -43,6 +43,7 @@ decode GEMV and the prefill panels across calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -319,12 +320,24 @@ class _Operand:
             return "fp4_e2m1"
         return "fp8_e4m3" if self.mat.dtype == torch.float8_e4m3fn else "fp8_e5m2"
 
+    def outer_global_scale(self) -> float | None:
+        """An NVFP4 global scale the weight tensor cannot carry (zero, negative or not finite:
+        :class:`~torchport.lowp.NVFP4Tensor` takes positive finite ones only), to be applied to
+        the product instead, as torch takes any value; None when there is none or it can."""
+        if self.global_scale is None:
+            return None
+        g = float(self.global_scale.item())
+        return None if 0.0 < g < math.inf else g
+
     def as_weight(self) -> LowPrecisionTensor:
-        """``b`` as a torchport NVFP4/MX weight ``[N, K]`` for :func:`block_scaled_mm`."""
+        """``b`` as a torchport NVFP4/MX weight ``[N, K]`` for :func:`block_scaled_mm` (an
+        :meth:`outer_global_scale` left out)."""
         from torchport.lowp.tensors import MXTensor, NVFP4Tensor
 
         if self.recipe == ScalingType.BlockWise1x16:
             pts = None if self.global_scale is None else float(self.global_scale.item())
+            if self.outer_global_scale() is not None:
+                pts = None
             scale = self.scale.contiguous().view(torch.float8_e4m3fn)
             return NVFP4Tensor(self.data.view(torch.uint8), scale, pts, torch.float32)
         data = self.data if self.mat.dtype in FP8_DTYPES else self.data.view(torch.uint8)
@@ -423,11 +436,16 @@ def scaled_mm(
         return _scaled_mm(mat_a, mat_b, a.scale, b.scale.t(), bias=bias, out_dtype=od)
     if a.recipe in _BLOCK and a.k % _BLOCK[a.recipe] == 0:
         x = a.dequantize(torch.float32)
+        outer = b.outer_global_scale()
         if m <= MAX_ROWS:  # decode: the GEMV reads b's bytes, nothing is decoded to memory
             # (float32 activations kept exact: they are already quantized values)
             # (the weight tensor's own pack: b's bytes and scales as they are, no decode)
             pw = b.as_weight()._make_pack()
-            return _cast(gemv_packed(x, pw, allow_int8=False), bias, od)
+            acc = gemv_packed(x, pw, allow_int8=False)
+            return _cast(acc if outer is None else acc * outer, bias, od)
+        if outer is not None:
+            acc = block_scaled_mm(x, b.as_weight(), out_dtype=torch.float32)
+            return _cast(acc * outer, bias, od)
         return block_scaled_mm(x, b.as_weight(), bias=_bias32(bias), out_dtype=od)
     if a.recipe in _BLOCK:  # NVFP4/MX with K not a multiple of the block: decode, then engine
         acc = gemm.mm(a.dequantize(torch.float32), b.dequantize(torch.float32).t())
