@@ -95,6 +95,39 @@ def test_explicit_generator_is_rejected() -> None:
         torch.rand(3, generator=gen)
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: torch.nonzero(x),
+        lambda x: x[x > 0],
+        lambda x: torch.unique(x),
+        lambda x: torch.repeat_interleave(x.long()),
+    ],
+    ids=["nonzero", "bool_mask_index", "unique", "repeat_interleave"],
+)
+@pytest.mark.parametrize("mode", ["global", "relaxed"])
+def test_data_dependent_output_shape_is_rejected(op, mode: str) -> None:  # type: ignore[no-untyped-def]
+    # Recorded, nonzero's 3 capture-time rows came back from a replay finding 1 nonzero as 3
+    # copies of that row (the result broadcast into the capture-time buffer).
+    x = torch.tensor([1.0, 0.0, 2.0, 0.0, 3.0])
+    g = Graph(capture_error_mode=mode)  # type: ignore[arg-type]
+    with pytest.raises(CaptureError, match="shape depends on the input values"), g:
+        op(x)
+
+
+def test_integer_index_and_sized_repeat_interleave_stay_capturable() -> None:
+    x, idx, reps = torch.randn(5), torch.tensor([0, 3]), torch.tensor([1, 2, 0])
+    g = Graph()
+    with config.override(native=False), g:
+        y = x[idx]
+        z = torch.repeat_interleave(reps, output_size=3)
+    x.copy_(torch.arange(5.0))
+    reps.copy_(torch.tensor([0, 0, 3]))
+    g.replay()
+    torch.testing.assert_close(y, torch.tensor([0.0, 3.0]))
+    torch.testing.assert_close(z, torch.tensor([2, 2, 2]))
+
+
 def test_int_carried_in_captured_loop_is_rejected() -> None:
     with pytest.raises(torchport.control.WhileLoopError, match="0-dim int64 tensor"), Graph():
         torchport.while_loop(lambda n, x: n < 3, lambda n, x: (n + 1, x), (0, torch.ones(1)))

@@ -155,6 +155,30 @@ CAPTURABLE_CUSTOM_OPS = frozenset({"torchport::gemv_packed", "torchport::gemv_de
 _PYTHON_VALUE_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item", "is_same_size"}
 
 
+def _data_dependent_shape(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """True for an op whose output shape depends on its input values (``nonzero``,
+    ``masked_select``, ``unique``, ``x[mask]``...), which torch tags ``dynamic_output_shape``.
+
+    Some tagged ops have a fixed shape in the form called, and stay capturable: ``x[idx]``
+    with integer indices (``aten.index.Tensor`` is tagged for its boolean-mask form),
+    ``one_hot`` given ``num_classes`` and ``repeat_interleave`` given ``output_size``.
+    """
+    if torch.Tag.dynamic_output_shape not in func.tags:
+        return False
+    aten = torch.ops.aten
+    if func is aten.index.Tensor:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", [])
+        return any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+        )
+    if func is aten.one_hot.default:
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return bool(classes < 0)
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    return True
+
+
 def _literal(v: Any) -> str:
     if isinstance(v, bool):
         return "True" if v else "False"
@@ -295,6 +319,16 @@ class Recorder(TorchDispatchMode):
                 f"graph capture: {opname} returns a Python value (e.g. Tensor.item() or "
                 "bool(tensor)); data-dependent Python control flow cannot be captured, use "
                 "torchport.switch / torchport.while_loop instead"
+            )
+        if _data_dependent_shape(func, args, kwargs):
+            # A replay cannot change an output's shape: the program would run the op on new
+            # data and copy its differently-sized result into the capture-time buffer, which
+            # broadcasts (nonzero's 3 rows became 3 copies of the 1 row found at replay).
+            raise CaptureError(
+                f"graph capture: {opname} returns a tensor whose shape depends on the input "
+                "values, which a replay cannot follow (shapes are frozen at capture time); use "
+                "a fixed-size form instead (nonzero_static, torch.where with a mask, integer "
+                "indices)"
             )
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Generator):
