@@ -240,6 +240,38 @@ def test_native_replay_refuses_moved_storages(change: str) -> None:
         g.replay()
 
 
+@pytest.mark.parametrize("change", ["set_smaller", "resize_smaller", "resize_larger", "output"])
+def test_torchscript_replay_refuses_reshaped_static_tensors(torchscript_tier, change: str) -> None:  # type: ignore[no-untyped-def]
+    # The interpreter runs at the tensors' new shapes: x set_ to 1 element made the replay
+    # broadcast 2 * x[0] into all 3 elements of y, silently.
+    x = torch.tensor([1.0, 2.0, 3.0])
+    g = Graph()
+    with g:
+        y = x * 2
+    assert g.tier == "torchscript"
+    if change == "set_smaller":
+        x.set_(torch.tensor([10.0]))
+    elif change == "resize_smaller":
+        x.resize_(1)
+    elif change == "resize_larger":
+        x.resize_(6)
+    else:
+        y.resize_(1)
+    label = r"static output v\d+" if change == "output" else "static input e0"
+    with pytest.raises(GraphError, match=f"{label} has shape .* but was captured with \\(3,\\)"):
+        g.replay()
+
+
+def test_torchscript_replay_follows_same_shape_set_(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    x = torch.tensor([1.0, 2.0, 3.0])
+    g = Graph()
+    with g:
+        y = x * 2
+    x.set_(torch.tensor([4.0, 5.0, 6.0]))
+    g.replay()
+    torch.testing.assert_close(y, torch.tensor([8.0, 10.0, 12.0]))
+
+
 def test_native_replay_guard_leaves_in_place_updates_alone() -> None:
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     g = Graph()

@@ -627,19 +627,47 @@ class Recorder(TorchDispatchMode):
         except RuntimeError as e:
             raise CaptureError(f"graph capture: the recorded program does not compile: {e}") from e
         fn, ext = cu.prog, list(self.ext)
+        # The program follows the tensors it is given, so a static input whose shape changed
+        # since the capture (set_, resize_) would run every op at the new shape and copy_ the
+        # results into the capture-shape outputs, which broadcasts: x resized from 3 elements to
+        # 1 gave y = x * 2 as 3 copies of one value. Check the shapes first (~0.1 us a tensor).
+        watch = [*ext, *outs]
+        shapes = list(map(_size, watch))
+        labels = [f"static input e{k}" for k in range(len(ext))]
+        labels += [f"static output {n}" for n in out_names]
         if any(t.is_inference() for t in outs):
             # Outputs made under inference_mode are inference tensors, which only inference
             # mode may write in place: replay there wherever it is called from.
             def run_ts() -> None:
+                if list(map(_size, watch)) != shapes:
+                    _reshaped(watch, shapes, labels)
                 with torch._C._InferenceMode(True):
                     fn(ext, outs)
 
         else:
 
             def run_ts() -> None:
+                if list(map(_size, watch)) != shapes:
+                    _reshaped(watch, shapes, labels)
                 fn(ext, outs)
 
         return Program(source, run_ts, ext, outs, self.ops, "torchscript")
+
+
+_size = torch.Tensor.size
+
+
+def _reshaped(
+    watch: Sequence[torch.Tensor], shapes: Sequence[torch.Size], labels: Sequence[str]
+) -> None:
+    """Raise for the first watched tensor whose shape is not its capture-time shape."""
+    for t, shape, label in zip(watch, shapes, labels):
+        if t.shape != shape:
+            raise GraphError(
+                f"Graph.replay: {label} has shape {tuple(t.shape)} but was captured with "
+                f"{tuple(shape)} (set_ or resize_ since the capture); shapes are frozen at "
+                "capture time: write new values with copy_, or reset() and capture again"
+            )
 
 
 def _dedent(lines: list[str], levels: int) -> list[str]:
