@@ -262,6 +262,20 @@ def test_torchscript_replay_refuses_reshaped_static_tensors(torchscript_tier, ch
         g.replay()
 
 
+def test_torchscript_expanded_output_replays(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # copy_ into a stride-0 output raised "more than one element of the written-to tensor
+    # refers to a single memory location" at every replay.
+    x = torch.randn(3, 1)
+    g = Graph()
+    with g:
+        y = torch.erf(x).expand(3, 4)
+        z = (x * 2).expand(2, 3, 5).transpose(0, 2)
+    x.copy_(torch.arange(3.0).view(3, 1))
+    g.replay()
+    torch.testing.assert_close(y, torch.erf(x).expand(3, 4))
+    torch.testing.assert_close(z, (x * 2).expand(2, 3, 5).transpose(0, 2))
+
+
 def test_torchscript_replay_follows_same_shape_set_(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
     x = torch.tensor([1.0, 2.0, 3.0])
     g = Graph()

@@ -620,7 +620,7 @@ class Recorder(TorchDispatchMode):
             return Program(csrc, run, [], [], self.ops, "native")
         head = ["def prog(ext: List[Tensor], outs: List[Tensor]):"]
         head += [f"    e{k} = ext[{k}]" for k in range(len(self.ext))]
-        tail = [f"    outs[{j}].copy_({n})" for j, n in enumerate(out_names)]
+        tail = [_copy_out(j, n, t) for j, (n, t) in enumerate(zip(out_names, outs))]
         source = "\n".join([*head, *self.scope.lines, *tail, "    return None"]) + "\n"
         try:
             cu = torch.jit.CompilationUnit(source)
@@ -652,6 +652,29 @@ class Recorder(TorchDispatchMode):
                 fn(ext, outs)
 
         return Program(source, run_ts, ext, outs, self.ops, "torchscript")
+
+
+def _copy_out(j: int, name: str, t: torch.Tensor) -> str:
+    """The statement rewriting static output ``j`` (``t``) with the replay's value ``name``.
+
+    An output with stride-0 dimensions (``expand``) has elements sharing memory, which
+    ``copy_`` refuses to write ("more than one element of the written-to tensor refers to a
+    single memory location": every replay of ``y = x.exp().expand(2, 3)`` failed); both sides
+    are narrowed to one slice along those dimensions, which the replayed value (the same op
+    at the same shapes) repeats too.
+    """
+    dims = [d for d in range(t.dim()) if t.stride(d) == 0 and t.size(d) > 1]
+    cut = "".join(f".narrow({d}, 0, 1)" for d in dims)
+    part = t
+    for d in dims:
+        part = part.narrow(d, 0, 1)
+    if torch._debug_has_internal_overlap(part) == 1:  # 1: MemOverlap::Yes, copy_ would raise
+        raise CaptureError(
+            f"graph capture: static output {name} (Tensor{tuple(t.shape)}, strides "
+            f"{t.stride()}) has elements sharing memory and cannot be rewritten by a replay; "
+            "return a .clone() or .contiguous() of it"
+        )
+    return f"    outs[{j}]{cut}.copy_({name}{cut})"
 
 
 _size = torch.Tensor.size
