@@ -133,6 +133,14 @@ def test_int_carried_in_captured_loop_is_rejected() -> None:
         torchport.while_loop(lambda n, x: n < 3, lambda n, x: (n + 1, x), (0, torch.ones(1)))
 
 
+def test_captured_loop_with_a_float_condition_names_it() -> None:
+    # Formatting the error with the tensor's repr read its value, which the capture bans: the
+    # user got a CaptureError about Tensor.item() instead of the WhileLoopError.
+    match = r"bool tensor, got Tensor\(\) torch.float32"
+    with pytest.raises(torchport.control.WhileLoopError, match=match), Graph():
+        torchport.while_loop(lambda x: x.sum(), lambda x: x + 1, (torch.ones(3),))
+
+
 @pytest.fixture
 def torchscript_tier():  # type: ignore[no-untyped-def]
     """Force the TorchScript tier (no C compile) for tests about Graph's state machine."""

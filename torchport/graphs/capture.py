@@ -555,7 +555,7 @@ class Recorder(TorchDispatchMode):
         if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
             raise WhileLoopError(
                 "while_loop: inside a graph capture cond_fn must return a one-element bool "
-                f"tensor, got {pred!r}"
+                f"tensor, got {_describe(pred)}"  # (a tensor's repr reads its values: banned)
             )
         pred_name = self._value_name(pred)
         # Tensors named before the loop (other than its own variables): a body returning one
