@@ -141,6 +141,18 @@ def test_captured_loop_with_a_float_condition_names_it() -> None:
         torchport.while_loop(lambda x: x.sum(), lambda x: x + 1, (torch.ones(3),))
 
 
+def test_captured_loop_mutating_a_carried_value_is_refused() -> None:
+    # Eager mul_ updated the caller's x; the captured loop ran on a copy and left x unchanged.
+    def body(i: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a.mul_(2)
+        return i + 1, a
+
+    x = torch.ones(3)
+    match = r"modifies carried value 1 \(Tensor\(3,\) torch.float32\) in place"
+    with pytest.raises(torchport.control.WhileLoopError, match=match), Graph():
+        torchport.while_loop(lambda i, a: i < 2, body, (torch.tensor(0), x))
+
+
 @pytest.fixture
 def torchscript_tier():  # type: ignore[no-untyped-def]
     """Force the TorchScript tier (no C compile) for tests about Graph's state machine."""

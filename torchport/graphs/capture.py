@@ -551,6 +551,7 @@ class Recorder(TorchDispatchMode):
             check_body_output(tuple(pytree.tree_unflatten(list(xs), spec)), out)
             return pytree.tree_leaves(out)
 
+        versions = [p._version for p in probes]
         pred, cond_lines, cond_trace = self._sub(run_cond, probes)
         if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
             raise WhileLoopError(
@@ -562,6 +563,16 @@ class Recorder(TorchDispatchMode):
         # must copy it, or the loop variable would alias it and follow later in-place ops.
         outer = {name for _, name in self._names.values()} - set(loop_vars)
         body_out, body_lines, body_trace = self._sub(run_body, probes)
+        for k, (p, v) in enumerate(zip(probes, versions)):
+            if p._version != v:
+                # The captured loop runs on copies of the carried values, so the caller's
+                # tensor was silently left unchanged where eager mutates it; torch.while_loop
+                # refuses input mutation when traced, and so does the capture.
+                raise WhileLoopError(
+                    f"while_loop: cond_fn or body_fn modifies carried value {k} "
+                    f"({_describe(leaves[k])}) in place, which a graph capture cannot replay "
+                    "(the captured loop works on copies); return a new tensor instead"
+                )
         body_names = [self._value_name(t) for t in body_out]
         body_names = [f"{b}.clone()" if b in outer or b.startswith("e") else b for b in body_names]
         pad = "    " * self.scope.indent
