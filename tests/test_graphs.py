@@ -320,6 +320,20 @@ def test_torchscript_expanded_output_replays(torchscript_tier) -> None:  # type:
     torch.testing.assert_close(z, (x * 2).expand(2, 3, 5).transpose(0, 2))
 
 
+def test_torchscript_replay_leaves_autograd_alone(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # Replayed under grad mode, the output captured under no_grad from a Parameter came back
+    # requiring grad, with a new autograd graph (grad_fn CopyBackwards) at every replay.
+    lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = lin(x) * 2
+    x.copy_(torch.randn(2, 4))
+    g.replay()
+    assert not y.requires_grad and y.grad_fn is None
+    with torch.no_grad():
+        torch.testing.assert_close(y, lin(x) * 2)
+
+
 def test_torchscript_replay_follows_same_shape_set_(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
     x = torch.tensor([1.0, 2.0, 3.0])
     g = Graph()

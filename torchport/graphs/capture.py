@@ -702,11 +702,18 @@ class Recorder(TorchDispatchMode):
                     fn(ext, outs)
 
         else:
-
+            # Replay leaves autograd alone, as the native tier and CUDA graphs do: under grad
+            # mode the copy_ into the outputs made an output captured under no_grad from a
+            # Parameter require grad (grad_fn CopyBackwards), building a graph every replay.
             def run_ts() -> None:
                 if list(map(_size, watch)) != shapes:
                     _reshaped(watch, shapes, labels)
-                fn(ext, outs)
+                prev = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)
+                try:
+                    fn(ext, outs)
+                finally:
+                    torch._C._set_grad_enabled(prev)
 
         return Program(source, run_ts, ext, outs, self.ops, "torchscript")
 
