@@ -334,6 +334,27 @@ def test_torchscript_replay_leaves_autograd_alone(torchscript_tier) -> None:  # 
         torch.testing.assert_close(y, lin(x) * 2)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_replay_inside_another_capture(native: bool) -> None:
+    # A native replay is one C call the outer recorder never saw: the outer graph's replays
+    # used y as it was at capture time (z = 10 * old y), silently.
+    x = torch.randn(4)
+    g1, g2 = Graph(), Graph()
+    with config.override(native=native), g1:
+        y = x * 2 + 1
+    assert g1.tier == ("native" if native else "torchscript")
+    if native:
+        with pytest.raises(GraphError, match="inside another graph's capture"), g2:
+            g1.replay()
+        return
+    with g2:
+        g1.replay()
+        z = y * 10
+    x.copy_(torch.ones(4))
+    g2.replay()
+    torch.testing.assert_close(z, torch.full((4,), 30.0))
+
+
 def test_torchscript_replay_follows_same_shape_set_(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
     x = torch.tensor([1.0, 2.0, 3.0])
     g = Graph()
