@@ -17,8 +17,9 @@ compiler) and its C++ interpreter executes the ops. Either way replay costs one 
 
 Operations whose result Python would consume (``Tensor.item()``, ``bool(tensor)``, ops returning
 Python numbers) are governed by the graph's ``capture_error_mode`` (see
-:class:`~torchport.graphs.Graph`); ops taking an explicit ``torch.Generator`` and non-ATen ops
-cannot be captured in any mode: they raise :class:`CaptureError` naming the op, at capture time.
+:class:`~torchport.graphs.Graph`); ops taking an explicit ``torch.Generator``, non-ATen ops and
+ops whose output shape depends on the data (``nonzero``, ``x[mask]``...) cannot be captured in
+any mode: they raise :class:`CaptureError` naming the op, at capture time.
 The exceptions are torchport's decode GEMV ops (:data:`CAPTURABLE_CUSTOM_OPS`): a quantized
 ``nn.Linear`` (NVFP4/MX/FP8 weights) inside a capture records one such op on plain tensors.
 """
