@@ -95,9 +95,90 @@ def test_explicit_generator_is_rejected() -> None:
         torch.rand(3, generator=gen)
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: torch.nonzero(x),
+        lambda x: x[x > 0],
+        lambda x: torch.unique(x),
+        lambda x: torch.repeat_interleave(x.long()),
+    ],
+    ids=["nonzero", "bool_mask_index", "unique", "repeat_interleave"],
+)
+@pytest.mark.parametrize("mode", ["global", "relaxed"])
+def test_data_dependent_output_shape_is_rejected(op, mode: str) -> None:  # type: ignore[no-untyped-def]
+    # Recorded, nonzero's 3 capture-time rows came back from a replay finding 1 nonzero as 3
+    # copies of that row (the result broadcast into the capture-time buffer).
+    x = torch.tensor([1.0, 0.0, 2.0, 0.0, 3.0])
+    g = Graph(capture_error_mode=mode)  # type: ignore[arg-type]
+    with pytest.raises(CaptureError, match="shape depends on the input values"), g:
+        op(x)
+
+
+def test_integer_index_and_sized_repeat_interleave_stay_capturable() -> None:
+    x, idx, reps = torch.randn(5), torch.tensor([0, 3]), torch.tensor([1, 2, 0])
+    g = Graph()
+    with config.override(native=False), g:
+        y = x[idx]
+        z = torch.repeat_interleave(reps, output_size=3)
+    x.copy_(torch.arange(5.0))
+    reps.copy_(torch.tensor([0, 0, 3]))
+    g.replay()
+    torch.testing.assert_close(y, torch.tensor([0.0, 3.0]))
+    torch.testing.assert_close(z, torch.tensor([2, 2, 2]))
+
+
 def test_int_carried_in_captured_loop_is_rejected() -> None:
     with pytest.raises(torchport.control.WhileLoopError, match="0-dim int64 tensor"), Graph():
         torchport.while_loop(lambda n, x: n < 3, lambda n, x: (n + 1, x), (0, torch.ones(1)))
+
+
+def test_captured_loop_with_a_float_condition_names_it() -> None:
+    # Formatting the error with the tensor's repr read its value, which the capture bans: the
+    # user got a CaptureError about Tensor.item() instead of the WhileLoopError.
+    match = r"bool tensor, got Tensor\(\) torch.float32"
+    with pytest.raises(torchport.control.WhileLoopError, match=match), Graph():
+        torchport.while_loop(lambda x: x.sum(), lambda x: x + 1, (torch.ones(3),))
+
+
+def test_captured_loop_mutating_a_carried_value_is_refused() -> None:
+    # Eager mul_ updated the caller's x; the captured loop ran on a copy and left x unchanged.
+    def body(i: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a.mul_(2)
+        return i + 1, a
+
+    x = torch.ones(3)
+    match = r"modifies carried value 1 \(Tensor\(3,\) torch.float32\) in place"
+    with pytest.raises(torchport.control.WhileLoopError, match=match), Graph():
+        torchport.while_loop(lambda i, a: i < 2, body, (torch.tensor(0), x))
+
+
+def test_capture_leaves_buffers_as_eager_does_with_switch_and_loop() -> None:
+    # Recording ran every branch and the loop body once more than eager: a buffer written in
+    # the branch not taken held -9 after the capture (eager: 1), a loop accumulator 3 (eager: 2).
+    x, buf, acc, acc2 = torch.ones(3), torch.zeros(3), torch.zeros(3), torch.zeros(3)
+
+    def body(i: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        acc.add_(y)
+        torchport.switch(i, [lambda t: acc2.add_(t), lambda t: acc2.sub_(t * 10)], (y,))
+        return i + 1, y
+
+    g = Graph()
+    with g:
+        torchport.switch(torch.tensor(0), [lambda y: buf.add_(y), lambda y: buf.sub_(y * 10)], (x,))
+        torchport.while_loop(lambda i, y: i < 2, body, (torch.tensor(0), x))
+    expected = [torch.ones(3), torch.full((3,), 2.0), torch.full((3,), -9.0)]
+    for t, want in zip((buf, acc, acc2), expected):
+        torch.testing.assert_close(t, want)
+    for t in (buf, acc, acc2):
+        t.zero_()
+    g.replay()
+    for t, want in zip((buf, acc, acc2), expected):
+        torch.testing.assert_close(t, want)
+    out = torch.empty(0)  # resized by the out= op of the branch not taken: put back as well
+    with Graph():
+        torchport.switch(torch.tensor(1), [lambda y: torch.add(y, 1, out=out), torch.neg], (x,))
+    assert out.shape == (0,)
 
 
 @pytest.fixture
@@ -205,6 +286,87 @@ def test_native_replay_refuses_moved_storages(change: str) -> None:
         x.untyped_storage().resize_(4 * 4096)
     with pytest.raises(GraphError, match=f"{label} .*no longer at its capture-time address"):
         g.replay()
+
+
+@pytest.mark.parametrize("change", ["set_smaller", "resize_smaller", "resize_larger", "output"])
+def test_torchscript_replay_refuses_reshaped_static_tensors(torchscript_tier, change: str) -> None:  # type: ignore[no-untyped-def]
+    # The interpreter runs at the tensors' new shapes: x set_ to 1 element made the replay
+    # broadcast 2 * x[0] into all 3 elements of y, silently.
+    x = torch.tensor([1.0, 2.0, 3.0])
+    g = Graph()
+    with g:
+        y = x * 2
+    assert g.tier == "torchscript"
+    if change == "set_smaller":
+        x.set_(torch.tensor([10.0]))
+    elif change == "resize_smaller":
+        x.resize_(1)
+    elif change == "resize_larger":
+        x.resize_(6)
+    else:
+        y.resize_(1)
+    label = r"static output v\d+" if change == "output" else "static input e0"
+    with pytest.raises(GraphError, match=f"{label} has shape .* but was captured with \\(3,\\)"):
+        g.replay()
+
+
+def test_torchscript_expanded_output_replays(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # copy_ into a stride-0 output raised "more than one element of the written-to tensor
+    # refers to a single memory location" at every replay.
+    x = torch.randn(3, 1)
+    g = Graph()
+    with g:
+        y = torch.erf(x).expand(3, 4)
+        z = (x * 2).expand(2, 3, 5).transpose(0, 2)
+    x.copy_(torch.arange(3.0).view(3, 1))
+    g.replay()
+    torch.testing.assert_close(y, torch.erf(x).expand(3, 4))
+    torch.testing.assert_close(z, (x * 2).expand(2, 3, 5).transpose(0, 2))
+
+
+def test_torchscript_replay_leaves_autograd_alone(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    # Replayed under grad mode, the output captured under no_grad from a Parameter came back
+    # requiring grad, with a new autograd graph (grad_fn CopyBackwards) at every replay.
+    lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    g = Graph()
+    with torch.no_grad(), g:
+        y = lin(x) * 2
+    x.copy_(torch.randn(2, 4))
+    g.replay()
+    assert not y.requires_grad and y.grad_fn is None
+    with torch.no_grad():
+        torch.testing.assert_close(y, lin(x) * 2)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_replay_inside_another_capture(native: bool) -> None:
+    # A native replay is one C call the outer recorder never saw: the outer graph's replays
+    # used y as it was at capture time (z = 10 * old y), silently.
+    x = torch.randn(4)
+    g1, g2 = Graph(), Graph()
+    with config.override(native=native), g1:
+        y = x * 2 + 1
+    assert g1.tier == ("native" if native else "torchscript")
+    if native:
+        with pytest.raises(GraphError, match="inside another graph's capture"), g2:
+            g1.replay()
+        return
+    with g2:
+        g1.replay()
+        z = y * 10
+    x.copy_(torch.ones(4))
+    g2.replay()
+    torch.testing.assert_close(z, torch.full((4,), 30.0))
+
+
+def test_torchscript_replay_follows_same_shape_set_(torchscript_tier) -> None:  # type: ignore[no-untyped-def]
+    x = torch.tensor([1.0, 2.0, 3.0])
+    g = Graph()
+    with g:
+        y = x * 2
+    x.set_(torch.tensor([4.0, 5.0, 6.0]))
+    g.replay()
+    torch.testing.assert_close(y, torch.tensor([8.0, 10.0, 12.0]))
 
 
 def test_native_replay_guard_leaves_in_place_updates_alone() -> None:

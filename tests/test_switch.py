@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -38,6 +39,14 @@ def test_eager_matches_reference_with_clamping(n: int, index: int, kind: str) ->
     want = BRANCHES[max(0, min(index, n - 1))](x)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(switch_reference(idx, BRANCHES[:n], (x,)), want)
+
+
+@pytest.mark.parametrize("value", [-128, 5, 127])
+def test_int8_index_with_more_branches_than_it_can_count(value: int) -> None:
+    # clamp(0, 199) on an int8 index raised "value cannot be converted to type int8_t".
+    branches = [functools.partial(torch.add, other=k) for k in range(200)]
+    out = torchport.switch(torch.tensor(value, dtype=torch.int8), branches, (torch.zeros(()),))
+    assert out.item() == max(value, 0)
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (7, 3), (2, 0, 5)], ids=str)

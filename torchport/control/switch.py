@@ -109,7 +109,9 @@ def _validate(index: Any, branches: Any, leaves: list[Any]) -> None:
 
 def _clamp(index: Any, n: int) -> Any:
     if isinstance(index, torch.Tensor):
-        return index.reshape(()).clamp(0, n - 1)
+        # An int8 index cannot hold n - 1 past 127 (clamp raised "value cannot be converted to
+        # type int8_t without overflow"); every value it holds is in range of those branches.
+        return index.reshape(()).clamp(0, min(n - 1, torch.iinfo(index.dtype).max))
     if isinstance(index, torch.SymInt):
         return torch.sym_max(0, torch.sym_min(index, n - 1))
     return max(0, min(int(index), n - 1))

@@ -17,8 +17,9 @@ compiler) and its C++ interpreter executes the ops. Either way replay costs one 
 
 Operations whose result Python would consume (``Tensor.item()``, ``bool(tensor)``, ops returning
 Python numbers) are governed by the graph's ``capture_error_mode`` (see
-:class:`~torchport.graphs.Graph`); ops taking an explicit ``torch.Generator`` and non-ATen ops
-cannot be captured in any mode: they raise :class:`CaptureError` naming the op, at capture time.
+:class:`~torchport.graphs.Graph`); ops taking an explicit ``torch.Generator``, non-ATen ops and
+ops whose output shape depends on the data (``nonzero``, ``x[mask]``...) cannot be captured in
+any mode: they raise :class:`CaptureError` naming the op, at capture time.
 The exceptions are torchport's decode GEMV ops (:data:`CAPTURABLE_CUSTOM_OPS`): a quantized
 ``nn.Linear`` (NVFP4/MX/FP8 weights) inside a capture records one such op on plain tensors.
 """
@@ -155,6 +156,30 @@ CAPTURABLE_CUSTOM_OPS = frozenset({"torchport::gemv_packed", "torchport::gemv_de
 _PYTHON_VALUE_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item", "is_same_size"}
 
 
+def _data_dependent_shape(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """True for an op whose output shape depends on its input values (``nonzero``,
+    ``masked_select``, ``unique``, ``x[mask]``...), which torch tags ``dynamic_output_shape``.
+
+    Some tagged ops have a fixed shape in the form called, and stay capturable: ``x[idx]``
+    with integer indices (``aten.index.Tensor`` is tagged for its boolean-mask form),
+    ``one_hot`` given ``num_classes`` and ``repeat_interleave`` given ``output_size``.
+    """
+    if torch.Tag.dynamic_output_shape not in func.tags:
+        return False
+    aten = torch.ops.aten
+    if func is aten.index.Tensor:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", [])
+        return any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+        )
+    if func is aten.one_hot.default:
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return bool(classes < 0)
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    return True
+
+
 def _literal(v: Any) -> str:
     if isinstance(v, bool):
         return "True" if v else "False"
@@ -236,6 +261,12 @@ class Recorder(TorchDispatchMode):
         self.paused = False
         self._sub_out_names: dict[int, str] = {}
         self.has_control = False
+        # > 0 while branches / a loop body are recorded: that run only writes the program, so
+        # what it writes into tensors from outside is backed up first and put back after
+        # (see _record_writes), and the real effects come from one real run afterwards.
+        self._dry = 0
+        self._backups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._backed: set[int] = set()
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self, prefix: str = "v") -> str:
@@ -296,6 +327,16 @@ class Recorder(TorchDispatchMode):
                 "bool(tensor)); data-dependent Python control flow cannot be captured, use "
                 "torchport.switch / torchport.while_loop instead"
             )
+        if _data_dependent_shape(func, args, kwargs):
+            # A replay cannot change an output's shape: the program would run the op on new
+            # data and copy its differently-sized result into the capture-time buffer, which
+            # broadcasts (nonzero's 3 rows became 3 copies of the 1 row found at replay).
+            raise CaptureError(
+                f"graph capture: {opname} returns a tensor whose shape depends on the input "
+                "values, which a replay cannot follow (shapes are frozen at capture time); use "
+                "a fixed-size form instead (nonzero_static, torch.where with a mask, integer "
+                "indices)"
+            )
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Generator):
                 raise CaptureError(
@@ -303,6 +344,8 @@ class Recorder(TorchDispatchMode):
                     "captured; use the default generator"
                 )
         call = self._format_call(func, args, kwargs)
+        if self._dry:
+            self._back_up_writes(func, args, kwargs)
         if func._schema.name in CAPTURABLE_CUSTOM_OPS:
             # A GEMV's first call may build and tune its kernel (reading values, timing ATen):
             # real work outside the recording, allowed past capture_error_mode's ban.
@@ -317,6 +360,44 @@ class Recorder(TorchDispatchMode):
         self.scope.trace.append(("op", func, tuple(args), dict(kwargs), out))
         self._bind_outputs(opname, call, out)
         return out
+
+    def _back_up_writes(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Clone the tensors ``func`` is about to write (in-place / ``out=``), for a dry run."""
+        for i, sa in enumerate(func._schema.arguments):
+            if sa.alias_info is None or not sa.alias_info.is_write:
+                continue
+            v = kwargs.get(sa.name) if sa.kwarg_only or i >= len(args) else args[i]
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                # once per tensor: the first backup is what the restore needs (a decode loop's
+                # body writes each cache more than once: a clone each time was a copy each)
+                if isinstance(t, torch.Tensor) and id(t) not in self._backed:
+                    self._backed.add(id(t))  # (the backup list keeps t, so its id stays its)
+                    self._backups.append((t, t.clone()))  # (the mode is off inside dispatch)
+
+    @contextlib.contextmanager
+    def _record_writes(self) -> Iterator[bool]:
+        """A dry run: record the program, then put back what it wrote into existing tensors.
+
+        Every branch of a switch is recorded, and a loop's cond/body once before the loop
+        really runs: their in-place writes to static buffers and operands (``buf.add_(y)`` in a
+        branch not taken) were left applied, so after the capture the buffers held values
+        eager mode never produces (and replays started from them). Yields whether this is the
+        outermost dry run, the one that restores (an inner one's writes are inside it).
+        """
+        outermost = self._dry == 0
+        self._dry += 1
+        try:
+            yield outermost
+        finally:
+            self._dry -= 1
+            if outermost:
+                backups, self._backups = self._backups, []
+                self._backed.clear()
+                with _paused(self), torch.no_grad():
+                    for t, saved in reversed(backups):
+                        if t.shape != saved.shape:  # an out= argument the op resized
+                            t.resize_(saved.shape)
+                        t.copy_(saved)
 
     def _format_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         parts = []
@@ -416,45 +497,50 @@ class Recorder(TorchDispatchMode):
         results = []
         blocks = []
         traces = []
-        for b in branches:
-            out, lines, trace = self._sub(b, operands)
-            leaves, spec = pytree.tree_flatten(out)
-            names = [self._value_name(x) if isinstance(x, torch.Tensor) else None for x in leaves]
-            results.append((leaves, spec, names))
-            blocks.append(lines)
-            traces.append((trace, leaves))
-        spec0 = results[0][1]
-        for i, (_, spec, _) in enumerate(results):
-            if spec != spec0:
-                from torchport.control.switch import SwitchError
-
-                raise SwitchError(
-                    "switch: branches must return the same output structure; branch0 returns "
-                    f"{spec0} but branch{i} returns {spec}"
-                )
-        outs = [self.fresh("s") for _ in results[0][0]]
-        operand_names = {self.name_of(o) for o in operands if isinstance(o, torch.Tensor)}
-        for j, leaf0 in enumerate(results[0][0]):
-            for i, (leaves, _, _) in enumerate(results):
-                x = leaves[j]
-                if isinstance(leaf0, torch.Tensor) != isinstance(x, torch.Tensor) or (
-                    isinstance(x, torch.Tensor)
-                    and (x.shape != leaf0.shape or x.dtype != leaf0.dtype)
-                ):
+        with self._record_writes() as outermost:
+            for b in branches:
+                out, lines, trace = self._sub(b, operands)
+                leaves, spec = pytree.tree_flatten(out)
+                names = [
+                    self._value_name(x) if isinstance(x, torch.Tensor) else None for x in leaves
+                ]
+                results.append((leaves, spec, names))
+                blocks.append(lines)
+                traces.append((trace, leaves))
+            # (checked before the dry run puts back what branches wrote: a leaf may be a
+            # buffer an out= op resized)
+            spec0 = results[0][1]
+            for i, (_, spec, _) in enumerate(results):
+                if spec != spec0:
                     from torchport.control.switch import SwitchError
 
                     raise SwitchError(
-                        f"switch: output {j} of branch{i} ({_describe(x)}) does not match "
-                        f"branch0's ({_describe(leaf0)}); a captured switch needs equal shapes "
-                        "and dtypes"
+                        "switch: branches must return the same output structure; branch0 returns "
+                        f"{spec0} but branch{i} returns {spec}"
                     )
-                if not isinstance(x, torch.Tensor) and x != leaf0:
-                    from torchport.control.switch import SwitchError
+            outs = [self.fresh("s") for _ in results[0][0]]
+            operand_names = {self.name_of(o) for o in operands if isinstance(o, torch.Tensor)}
+            for j, leaf0 in enumerate(results[0][0]):
+                for i, (leaves, _, _) in enumerate(results):
+                    x = leaves[j]
+                    if isinstance(leaf0, torch.Tensor) != isinstance(x, torch.Tensor) or (
+                        isinstance(x, torch.Tensor)
+                        and (x.shape != leaf0.shape or x.dtype != leaf0.dtype)
+                    ):
+                        from torchport.control.switch import SwitchError
 
-                    raise SwitchError(
-                        f"switch: output {j} is {leaf0!r} in branch0 but {x!r} in branch{i}; "
-                        "a captured graph cannot return a data-dependent Python int"
-                    )
+                        raise SwitchError(
+                            f"switch: output {j} of branch{i} ({_describe(x)}) does not match "
+                            f"branch0's ({_describe(leaf0)}); a captured switch needs equal shapes "
+                            "and dtypes"
+                        )
+                    if not isinstance(x, torch.Tensor) and x != leaf0:
+                        from torchport.control.switch import SwitchError
+
+                        raise SwitchError(
+                            f"switch: output {j} is {leaf0!r} in branch0 but {x!r} in branch{i}; "
+                            "a captured graph cannot return a data-dependent Python int"
+                        )
         for i, (lines, (_, _, names)) in enumerate(zip(blocks, results)):
             kw = "if" if i == 0 else ("elif" if i < len(blocks) - 1 else "else")
             head = f"{kw} {idx} == {i}:" if kw != "else" else "else:"
@@ -471,6 +557,8 @@ class Recorder(TorchDispatchMode):
         leaves, spec, _ = results[chosen]
         final = []
         with _paused(self):
+            if outermost:  # the real run: the chosen branch alone, as eager runs it
+                leaves = pytree.tree_leaves(branches[chosen](*operands))
             for j, x in enumerate(leaves):
                 if isinstance(x, torch.Tensor):
                     c = x.clone()
@@ -517,17 +605,29 @@ class Recorder(TorchDispatchMode):
             check_body_output(tuple(pytree.tree_unflatten(list(xs), spec)), out)
             return pytree.tree_leaves(out)
 
-        pred, cond_lines, cond_trace = self._sub(run_cond, probes)
-        if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
-            raise WhileLoopError(
-                "while_loop: inside a graph capture cond_fn must return a one-element bool "
-                f"tensor, got {pred!r}"
-            )
-        pred_name = self._value_name(pred)
-        # Tensors named before the loop (other than its own variables): a body returning one
-        # must copy it, or the loop variable would alias it and follow later in-place ops.
-        outer = {name for _, name in self._names.values()} - set(loop_vars)
-        body_out, body_lines, body_trace = self._sub(run_body, probes)
+        versions = [p._version for p in probes]
+        with self._record_writes() as outermost:
+            pred, cond_lines, cond_trace = self._sub(run_cond, probes)
+            if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
+                raise WhileLoopError(
+                    "while_loop: inside a graph capture cond_fn must return a one-element bool "
+                    f"tensor, got {_describe(pred)}"  # (a tensor's repr reads its values: banned)
+                )
+            pred_name = self._value_name(pred)
+            # Tensors named before the loop (other than its own variables): a body returning one
+            # must copy it, or the loop variable would alias it and follow later in-place ops.
+            outer = {name for _, name in self._names.values()} - set(loop_vars)
+            body_out, body_lines, body_trace = self._sub(run_body, probes)
+            for k, (p, v) in enumerate(zip(probes, versions)):
+                if p._version != v:
+                    # The captured loop runs on copies of the carried values, so the caller's
+                    # tensor was silently left unchanged where eager mutates it; torch.while_loop
+                    # refuses input mutation when traced, and so does the capture.
+                    raise WhileLoopError(
+                        f"while_loop: cond_fn or body_fn modifies carried value {k} "
+                        f"({_describe(leaves[k])}) in place, which a graph capture cannot replay "
+                        "(the captured loop works on copies); return a new tensor instead"
+                    )
         body_names = [self._value_name(t) for t in body_out]
         body_names = [f"{b}.clone()" if b in outer or b.startswith("e") else b for b in body_names]
         pad = "    " * self.scope.indent
@@ -541,10 +641,11 @@ class Recorder(TorchDispatchMode):
             self.scope.lines.append(f"{pad}    {n} = {t}")
         # The second copy of the condition re-declares its typed list temporaries: rename them.
         self.scope.lines.extend(re.sub(r"\b(l\d+)\b", r"\1_r", ln) for ln in cond_lines)
-        # The real values: run the loop eagerly, outside the recorder.
+        # The real values: run the loop eagerly, outside the recorder (not inside another dry
+        # run, whose backups would miss what this loop writes: its values are not used).
         with _paused(self):
             vals = [x.clone() for x in leaves]
-            while check_pred(cond_fn(*pytree.tree_unflatten(vals, spec))):
+            while outermost and check_pred(cond_fn(*pytree.tree_unflatten(vals, spec))):
                 out = body_values(body_fn(*pytree.tree_unflatten(vals, spec)), len(carried))
                 vals = [x.clone() for x in pytree.tree_leaves(out)]
         for n, v in zip(loop_vars, vals):
@@ -586,26 +687,84 @@ class Recorder(TorchDispatchMode):
             return Program(csrc, run, [], [], self.ops, "native")
         head = ["def prog(ext: List[Tensor], outs: List[Tensor]):"]
         head += [f"    e{k} = ext[{k}]" for k in range(len(self.ext))]
-        tail = [f"    outs[{j}].copy_({n})" for j, n in enumerate(out_names)]
+        tail = [_copy_out(j, n, t) for j, (n, t) in enumerate(zip(out_names, outs))]
         source = "\n".join([*head, *self.scope.lines, *tail, "    return None"]) + "\n"
         try:
             cu = torch.jit.CompilationUnit(source)
         except RuntimeError as e:
             raise CaptureError(f"graph capture: the recorded program does not compile: {e}") from e
         fn, ext = cu.prog, list(self.ext)
+        # The program follows the tensors it is given, so a static input whose shape changed
+        # since the capture (set_, resize_) would run every op at the new shape and copy_ the
+        # results into the capture-shape outputs, which broadcasts: x resized from 3 elements to
+        # 1 gave y = x * 2 as 3 copies of one value. Check the shapes first (~0.1 us a tensor).
+        watch = [*ext, *outs]
+        shapes = list(map(_size, watch))
+        labels = [f"static input e{k}" for k in range(len(ext))]
+        labels += [f"static output {n}" for n in out_names]
         if any(t.is_inference() for t in outs):
             # Outputs made under inference_mode are inference tensors, which only inference
             # mode may write in place: replay there wherever it is called from.
             def run_ts() -> None:
+                if list(map(_size, watch)) != shapes:
+                    _reshaped(watch, shapes, labels)
                 with torch._C._InferenceMode(True):
                     fn(ext, outs)
 
         else:
-
+            # Replay leaves autograd alone, as the native tier and CUDA graphs do: under grad
+            # mode the copy_ into the outputs made an output captured under no_grad from a
+            # Parameter require grad (grad_fn CopyBackwards), building a graph every replay.
             def run_ts() -> None:
-                fn(ext, outs)
+                if list(map(_size, watch)) != shapes:
+                    _reshaped(watch, shapes, labels)
+                prev = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)
+                try:
+                    fn(ext, outs)
+                finally:
+                    torch._C._set_grad_enabled(prev)
 
         return Program(source, run_ts, ext, outs, self.ops, "torchscript")
+
+
+def _copy_out(j: int, name: str, t: torch.Tensor) -> str:
+    """The statement rewriting static output ``j`` (``t``) with the replay's value ``name``.
+
+    An output with stride-0 dimensions (``expand``) has elements sharing memory, which
+    ``copy_`` refuses to write ("more than one element of the written-to tensor refers to a
+    single memory location": every replay of ``y = x.exp().expand(2, 3)`` failed); both sides
+    are narrowed to one slice along those dimensions, which the replayed value (the same op
+    at the same shapes) repeats too.
+    """
+    dims = [d for d in range(t.dim()) if t.stride(d) == 0 and t.size(d) > 1]
+    cut = "".join(f".narrow({d}, 0, 1)" for d in dims)
+    part = t
+    for d in dims:
+        part = part.narrow(d, 0, 1)
+    if torch._debug_has_internal_overlap(part) == 1:  # 1: MemOverlap::Yes, copy_ would raise
+        raise CaptureError(
+            f"graph capture: static output {name} (Tensor{tuple(t.shape)}, strides "
+            f"{t.stride()}) has elements sharing memory and cannot be rewritten by a replay; "
+            "return a .clone() or .contiguous() of it"
+        )
+    return f"    outs[{j}]{cut}.copy_({name}{cut})"
+
+
+_size = torch.Tensor.size
+
+
+def _reshaped(
+    watch: Sequence[torch.Tensor], shapes: Sequence[torch.Size], labels: Sequence[str]
+) -> None:
+    """Raise for the first watched tensor whose shape is not its capture-time shape."""
+    for t, shape, label in zip(watch, shapes, labels):
+        if t.shape != shape:
+            raise GraphError(
+                f"Graph.replay: {label} has shape {tuple(t.shape)} but was captured with "
+                f"{tuple(shape)} (set_ or resize_ since the capture); shapes are frozen at "
+                "capture time: write new values with copy_, or reset() and capture again"
+            )
 
 
 def _dedent(lines: list[str], levels: int) -> list[str]:

@@ -19,7 +19,14 @@ from typing import Any, Literal
 
 import torch
 
-from torchport.graphs.capture import GraphError, Program, Recorder, active_stack, global_ban
+from torchport.graphs.capture import (
+    GraphError,
+    Program,
+    Recorder,
+    active_stack,
+    current_recorder,
+    global_ban,
+)
 from torchport.graphs.pool import MemPool
 
 __all__ = ["Graph", "GraphError"]
@@ -175,6 +182,15 @@ class Graph:
             self.instantiate()
             prog = self._program
             assert prog is not None
+        if prog.tier == "native" and current_recorder() is not None:
+            # One C call: the capture on this thread would not see it, and its replays would
+            # skip it (reading this graph's outputs as they were at capture time).
+            raise GraphError(
+                "Graph.replay: a native-tier graph cannot be replayed inside another graph's "
+                "capture (its C program is invisible to the recorder, so the outer graph would "
+                "not rerun it); run its ops in the outer capture directly, or capture this "
+                "graph with torchport.config native=False (TorchScript tier, recorded op by op)"
+            )
         prog.run()
 
     def reset(self) -> None:
