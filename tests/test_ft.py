@@ -373,3 +373,58 @@ def test_heal_server_binds_the_configured_address(addr):
     finally:
         mgr.shutdown()
         lh.close()
+
+
+def test_heal_broken_off_midway_never_trains_on_torn_state():
+    """A heal source killed mid-transfer left the healing replica's own tensors (received into
+    in place) half overwritten; with no other member at the quorum's step it then trained on that
+    mix at its old step. It now refuses the quorum (and to serve its state) until it has healed."""
+    from torchport.distributed._control import Server
+    from torchport.distributed.ft import Manager, QuorumError
+
+    secret = b"t" * 32
+    w = torch.zeros(1000)
+
+    def dying_source(conn: socket.socket) -> None:  # sends 400 of 4000 bytes, then "dies"
+        recv_msg(conn)
+        user = {"__dict__": [["w", {"__tensor__": 0}]]}
+        structure = {"__dict__": [["user", user], ["step", 5]]}
+        send_msg(
+            conn,
+            {
+                "t": "state",
+                "structure": structure,
+                "tensors": [["float32", [1000], 4000]],
+                "total": 4000,
+            },
+        )
+        conn.sendall(torch.ones(100).numpy().tobytes())
+        conn.close()
+
+    src = Server(dying_source, secret=secret, role="heal")
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="b",
+        state_dict=lambda: {"w": w},
+        load_state_dict=lambda s: w.copy_(s["w"]),
+        secret=secret,
+        timeout=2.0,
+        quorum_timeout=0.5,
+    )
+    try:
+        q = {"quorum_id": 1, "heal_addrs": [list(src.address)], "steps": [5], "max_step": 5}
+        with pytest.raises(StateTransferError, match="broke off") as info:
+            mgr._heal(q, 0, 0)
+        assert info.value.partial and w.sum().item() == 100.0  # torn: the fix cannot undo that
+        with pytest.raises(QuorumError, match="torn by an interrupted heal"):
+            mgr.start_quorum()  # alone at its old step: it used to train on the torn state here
+        healer = connect(mgr.heal_address, secret, "heal", timeout=2)
+        send_msg(healer, {"t": "get_state", "step": 0})
+        with pytest.raises(StateTransferError, match="state is torn"):
+            recv_state(healer)
+        healer.close()
+    finally:
+        mgr.shutdown()
+        lh.close()
+        src.close()

@@ -57,7 +57,7 @@ from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.errors import TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
-from torchport.distributed.ft.transfer import fetch_state, send_state
+from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
 
 class QuorumError(CommError):
@@ -162,6 +162,10 @@ class Manager:
         self.metrics = Metrics()
         self.init_sync = init_sync
         self._synced = False
+        # a heal that wrote into this replica's own tensors broke off (or its load failed): the
+        # state is no step's at all, so it must heal from a member at the quorum's step before
+        # training, and must not serve it to others
+        self._torn = False
         self._step = 0
         self._qid = -1
         self._members: list[str] = []
@@ -310,6 +314,8 @@ class Manager:
             self._build_group(int(q["quorum_id"]), rank, len(members), q)
         if self._step < int(q["max_step"]):
             self._heal(q, rank, None)
+        elif self._torn:
+            self._heal(q, rank, self._untorn_source(q, rank))
         elif self.init_sync and not self._synced and rank != 0:
             self._heal(q, rank, 0)  # first quorum: start from member 0's initial state
         self._synced = True
@@ -404,21 +410,38 @@ class Manager:
             retire(self._pg)
         self._pg, self._qid = None, -1
 
+    def _untorn_source(self, q: dict[str, Any], rank: int) -> int:
+        """A member other than this (torn) replica at the quorum's step to heal from."""
+        others = [i for i, s in enumerate(q["steps"]) if s == q["max_step"] and i != rank]
+        if not others:
+            raise CommError(
+                f"replica {self.replica_id}: its state was torn by an interrupted heal and no "
+                f"other member of quorum {q['quorum_id']} is at step {q['max_step']} to heal from"
+            )
+        return others[rank % len(others)]
+
     def _heal(self, q: dict[str, Any], rank: int, src: int | None) -> None:
         if src is None:
             healthy = [i for i, s in enumerate(q["steps"]) if s == q["max_step"]]
             src = healthy[rank % len(healthy)]
         host, port = q["heal_addrs"][src]
         self.metrics.note(f"heal from member {src} at step {q['steps'][src]}")
-        with torch.no_grad():  # receive straight into this replica's own (warm) tensors
-            state, hdr, secs = fetch_state(
-                (host, int(port)),
-                self._secret,
-                timeout=self.timeout,
-                into={"user": self._state_dict(), "step": self._step},
-            )
+        try:
+            with torch.no_grad():  # receive straight into this replica's own (warm) tensors
+                state, hdr, secs = fetch_state(
+                    (host, int(port)),
+                    self._secret,
+                    timeout=self.timeout,
+                    into={"user": self._state_dict(), "step": self._step},
+                )
+        except StateTransferError as e:
+            # a break-off after bytes landed in our own tensors leaves half of each state
+            self._torn = self._torn or e.partial
+            raise
+        self._torn = True  # until the load completes: a failing load_state_dict tears it too
         self._load_state_dict(state["user"])
         self._step = int(state["step"])
+        self._torn = False
         self.metrics.heals += 1
         self.metrics.heal_bytes += int(hdr["total"])
         self.metrics.heal_s.append(secs)
@@ -427,6 +450,9 @@ class Manager:
         msg = recv_msg(conn)
         if msg.get("t") != "get_state":
             send_msg(conn, {"t": "error", "error": f"unknown heal request {msg.get('t')!r}"})
+            return
+        if self._torn:
+            send_msg(conn, {"t": "error", "error": f"replica {self.replica_id}'s state is torn"})
             return
         send_state(conn, {"user": self._state_dict(), "step": self._step})
 

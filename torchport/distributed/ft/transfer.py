@@ -47,7 +47,15 @@ MAX_PAYLOAD = 1 << 40
 
 
 class StateTransferError(CommError):
-    """The state could not be encoded, sent or received."""
+    """The state could not be encoded, sent or received.
+
+    ``partial``: the receive broke off after bytes had been written into tensors of ``into``
+    (the receiver's own state), which now holds neither its old state nor the sender's.
+    """
+
+    def __init__(self, message: str, partial: bool = False) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -159,21 +167,30 @@ def recv_state(
         _paths(hdr["structure"], "", paths)
     tensors: list[torch.Tensor] = []
     seen = 0
+    written = False  # bytes went into a tensor of ``into``: a failure from here on tears it
     for i, (dtype_name, shape, nbytes) in enumerate(hdr["tensors"]):
         dtype = DTYPES.get(dtype_name)
         if dtype is None:
-            raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
+            raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}", written)
         dims = [int(s) for s in shape]
         t = targets.get(paths.get(i, ""), None) if targets else None
-        if t is None or t.dtype != dtype or list(t.shape) != dims or not t.is_contiguous():
+        own = t is not None and t.dtype == dtype and list(t.shape) == dims and t.is_contiguous()
+        if not own:
             t = torch.empty(dims, dtype=dtype)
+        assert t is not None
         if t.numel() * t.element_size() != int(nbytes):
-            raise StateTransferError(f"byte count {nbytes} does not match {dtype_name}{shape}")
+            raise StateTransferError(
+                f"byte count {nbytes} does not match {dtype_name}{shape}", written
+            )
         seen += int(nbytes)
         if seen > total:
-            raise StateTransferError("tensor sizes exceed the announced total")
+            raise StateTransferError("tensor sizes exceed the announced total", written)
         if nbytes:
-            recv_into_exact(sock, _bytes_view(t))
+            written = written or own
+            try:
+                recv_into_exact(sock, _bytes_view(t))
+            except (OSError, CommError) as e:
+                raise StateTransferError(f"state transfer broke off: {e}", written) from None
         tensors.append(t)
     return decode(hdr["structure"], tensors), hdr
 
@@ -194,7 +211,9 @@ def fetch_state(
         sock.settimeout(timeout)
         send_msg(sock, {"t": "get_state", "step": step})
         state, hdr = recv_state(sock, into=into)
-    except OSError as e:
+    except StateTransferError:
+        raise
+    except (OSError, CommError) as e:
         raise StateTransferError(f"state transfer from {addr} failed: {e}") from None
     finally:
         sock.close()
