@@ -428,3 +428,33 @@ def test_heal_broken_off_midway_never_trains_on_torn_state():
         mgr.shutdown()
         lh.close()
         src.close()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"structure": None, "tensors": [["float32", [-4], 16]], "total": 16},
+        {"structure": {"__tensor__": 3}, "tensors": [], "total": 0},
+        {"structure": {"__tensor__": -1}, "tensors": [["float32", [1], 4]], "total": 4},
+        {"structure": None, "tensors": [], "total": "x"},
+        {"structure": None, "tensors": [5], "total": 0},
+        {"structure": {"__dict__": [[[1], 2]]}, "tensors": [], "total": 0},
+        {"structure": None, "tensors": [["float32", [2], 4]], "total": 4},
+    ],
+)
+def test_malformed_state_header_is_a_state_transfer_error(header):
+    """A malformed header from a heal peer raised RuntimeError/IndexError/ValueError/TypeError,
+    which the quorum does not retry (the healing replica died), and some were found only after
+    bytes had landed in the receiver's own tensors. All are StateTransferErrors now, raised before
+    any byte is received."""
+    a, b = socket.socketpair()
+    mine = {"w": torch.zeros(1)}
+    try:
+        send_msg(a, {"t": "state", **header})
+        a.sendall(torch.ones(2).numpy().tobytes())
+        with pytest.raises(StateTransferError) as info:
+            recv_state(b, into=mine)
+        assert not info.value.partial and mine["w"].item() == 0.0
+    finally:
+        a.close()
+        b.close()

@@ -10,6 +10,7 @@ header per tensor. Header size and total payload are bounded.
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections.abc import Mapping
@@ -81,11 +82,14 @@ def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     )
 
 
-def decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def decode(obj: Any, tensors: list[Any]) -> Any:
     """Inverse of :func:`encode`."""
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            return tensors[int(obj["__tensor__"])]
+            i = int(obj["__tensor__"])
+            if not 0 <= i < len(tensors):
+                raise StateTransferError(f"state structure names tensor {i} of {len(tensors)}")
+            return tensors[i]
         if "__dict__" in obj:
             return {k: decode(v, tensors) for k, v in obj["__dict__"]}
         if "__list__" in obj:
@@ -158,33 +162,33 @@ def recv_state(
         raise StateTransferError(
             f"expected a state header, got {hdr.get('t')!r}: {hdr.get('error')}"
         )
-    total = int(hdr["total"])
-    if total > max_payload:
-        raise StateTransferError(f"state of {total} bytes exceeds the limit {max_payload}")
     targets = tensor_paths(into) if into is not None else {}
     paths: dict[int, str] = {}
-    if targets:
-        _paths(hdr["structure"], "", paths)
+    # the whole header is checked before any byte lands in ``into``: a malformed one (a buggy or
+    # mismatched peer) is a StateTransferError that leaves the receiver's own state intact
+    try:
+        total = int(hdr["total"])
+        metas = [_meta(entry) for entry in hdr["tensors"]]
+        decode(hdr["structure"], [None] * len(metas))  # tensor indices and keys (hashable)
+        if targets:
+            _paths(hdr["structure"], "", paths)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise StateTransferError(f"malformed state header: {type(e).__name__}: {e}") from None
+    if total > max_payload:
+        raise StateTransferError(f"state of {total} bytes exceeds the limit {max_payload}")
+    if sum(m[2] for m in metas) > total:
+        raise StateTransferError("tensor sizes exceed the announced total")
     tensors: list[torch.Tensor] = []
-    seen = 0
     written = False  # bytes went into a tensor of ``into``: a failure from here on tears it
-    for i, (dtype_name, shape, nbytes) in enumerate(hdr["tensors"]):
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None:
-            raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}", written)
-        dims = [int(s) for s in shape]
+    for i, (dtype, dims, nbytes) in enumerate(metas):
         t = targets.get(paths.get(i, ""), None) if targets else None
         own = t is not None and t.dtype == dtype and list(t.shape) == dims and t.is_contiguous()
-        if not own:
-            t = torch.empty(dims, dtype=dtype)
+        try:
+            if not own:
+                t = torch.empty(dims, dtype=dtype)
+        except RuntimeError as e:  # e.g. more memory than the host has
+            raise StateTransferError(f"cannot allocate a state tensor: {e}", written) from None
         assert t is not None
-        if t.numel() * t.element_size() != int(nbytes):
-            raise StateTransferError(
-                f"byte count {nbytes} does not match {dtype_name}{shape}", written
-            )
-        seen += int(nbytes)
-        if seen > total:
-            raise StateTransferError("tensor sizes exceed the announced total", written)
         if nbytes:
             written = written or own
             try:
@@ -193,6 +197,22 @@ def recv_state(
                 raise StateTransferError(f"state transfer broke off: {e}", written) from None
         tensors.append(t)
     return decode(hdr["structure"], tensors), hdr
+
+
+def _meta(entry: Any) -> tuple[torch.dtype, list[int], int]:
+    """A header's ``[dtype, shape, nbytes]`` entry, checked: known dtype, non-negative dims,
+    byte count equal to the shape's."""
+    dtype_name, shape, nbytes = entry
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
+    dims = [int(d) for d in shape]
+    if any(d < 0 for d in dims):
+        raise StateTransferError(f"peer sent a negative dimension in shape {dims}")
+    want = math.prod(dims) * dtype.itemsize
+    if int(nbytes) != want:
+        raise StateTransferError(f"byte count {nbytes} does not match {dtype_name}{dims}")
+    return dtype, dims, want
 
 
 def fetch_state(
