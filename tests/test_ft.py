@@ -458,3 +458,40 @@ def test_malformed_state_header_is_a_state_transfer_error(header):
     finally:
         a.close()
         b.close()
+
+
+def test_ddp_launches_buckets_in_index_order_whatever_the_graph():
+    """Buckets were launched as their gradients completed; with a parameter unused on one replica
+    (data-dependent graph) two replicas issued the allreduces in different orders, and the quorum,
+    which pairs them by issue order, averaged one replica's bucket 0 with another's bucket 1 (same
+    sizes: silently). Every replica now launches them in bucket order."""
+    from torch import nn
+
+    from torchport.distributed.ft.ddp import DistributedDataParallel
+
+    class Recorder:  # stands in for the manager: records what each allreduce carries
+        def __init__(self) -> None:
+            self.sent: list[torch.Tensor] = []
+
+        def allreduce(self, t: torch.Tensor):
+            self.sent.append(t.clone())
+            return type("W", (), {"wait": lambda self: True})()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4, bias=False)
+            self.b = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+            y = self.a(x)
+            return (self.b(y) if use_b else y).sum()
+
+    for use_b in (True, False):
+        net, mgr = Net(), Recorder()
+        ddp = DistributedDataParallel(net, mgr, bucket_cap_mb=64 / (1 << 20))  # type: ignore[arg-type]
+        assert [len(b) for b in ddp._buckets] == [1, 1] and ddp._buckets[0][0] is net.b.weight
+        ddp(torch.ones(1, 4), use_b).backward()
+        assert len(mgr.sent) == 2
+        assert torch.equal(mgr.sent[0], net.b.weight.grad.reshape(-1))  # bucket 0 (b) first
+        assert torch.equal(mgr.sent[1], net.a.weight.grad.reshape(-1))
