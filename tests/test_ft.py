@@ -495,3 +495,30 @@ def test_ddp_launches_buckets_in_index_order_whatever_the_graph():
         assert len(mgr.sent) == 2
         assert torch.equal(mgr.sent[0], net.b.weight.grad.reshape(-1))  # bucket 0 (b) first
         assert torch.equal(mgr.sent[1], net.a.weight.grad.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"heartbeat": 0.0}, {"timeout": -1.0}, {"timeout": 0.0}, {"quorum_timeout": float("nan")}],
+)
+def test_manager_rejects_nonpositive_timeouts(kw):
+    """A zero heartbeat was accepted and spun the beat thread flat out (0.8 CPU s per idle second);
+    a negative timeout failed inside socket code with an untyped "Timeout value out of range"."""
+    from torchport.distributed.ft import Manager
+
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds > 0"):
+        Manager(
+            lighthouse=("127.0.0.1", 1),
+            replica_id="a",
+            state_dict=dict,
+            load_state_dict=lambda s: None,
+            **kw,
+        )
+
+
+@pytest.mark.parametrize("kw", [{"heartbeat": 0.0}, {"join_timeout": -1.0}])
+def test_lighthouse_rejects_bad_periods(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
+        Lighthouse(secret=b"x" * 32, **kw)

@@ -418,3 +418,12 @@ def test_reconfigure_runs_in_the_callers_config_context():
     finally:
         g._pool.shutdown(wait=True)
     assert seen == ["tcp"]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"heartbeat": 0.0}, {"heartbeat": -1.0}, {"timeout": timedelta(seconds=0)}]
+)
+def test_group_rejects_nonpositive_heartbeat_and_timeout(kw):
+    """A zero heartbeat was accepted: the watch server threads then sent beats flat out."""
+    with pytest.raises(ReconfigureError, match=f"{next(iter(kw))} must be"):
+        ReconfigurableGroup(**kw)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import contextvars
+import math
 import secrets
 import socket
 import threading
@@ -225,6 +226,13 @@ class ReconfigurableGroup:
             raise ReconfigureError(
                 f"reconfigure needs backend 'torchport' or 'gloo', got {backend!r}"
             )
+        if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
+            # zero: every watch connection's server thread sent beats flat out
+            raise ReconfigureError(
+                f"heartbeat must be a finite number of seconds > 0, got {heartbeat!r}"
+            )
+        if timeout is not None and not timeout.total_seconds() > 0:
+            raise ReconfigureError(f"timeout must be > 0, got {timeout!r}")
         host = host or str(config.get("dist_addr"))
         self.backend = backend
         self.timeout = timeout or timedelta(seconds=30)

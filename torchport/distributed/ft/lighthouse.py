@@ -36,6 +36,7 @@ request and receive every member's, over the authenticated connection.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -89,6 +90,13 @@ class Lighthouse:
     ) -> None:
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
+            # zero: the monitor thread spun flat out and every replica was evicted at once
+            raise ValueError(f"heartbeat must be a finite number of seconds > 0, got {heartbeat!r}")
+        if not (math.isfinite(join_timeout) and join_timeout >= 0):
+            raise ValueError(
+                f"join_timeout must be a finite number of seconds >= 0, got {join_timeout!r}"
+            )
         self.min_replicas = min_replicas
         self.join_timeout = join_timeout
         self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat

@@ -32,6 +32,7 @@ torchport group is aborted, so its in-flight ops end on every member.
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 import time
@@ -151,6 +152,15 @@ class Manager:
     ) -> None:
         if backend not in ("torchport", "gloo"):
             raise ValueError(f"backend must be 'torchport' or 'gloo', got {backend!r}")
+        # a zero heartbeat spun the beat thread flat out; a negative timeout failed deep in
+        # socket code with "Timeout value out of range"
+        for name, value in (
+            ("timeout", timeout),
+            ("quorum_timeout", quorum_timeout),
+            ("heartbeat", heartbeat),
+        ):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         self.backend = backend
         self.lighthouse = (str(lighthouse[0]), int(lighthouse[1]))
         self.replica_id = str(replica_id)
