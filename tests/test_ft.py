@@ -522,3 +522,28 @@ def test_lighthouse_rejects_bad_periods(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
         Lighthouse(secret=b"x" * 32, **kw)
+
+
+def test_malformed_quorum_request_does_not_block_other_replicas():
+    """A quorum request with a bad field ("step": "x") was stored as pending; every other
+    replica's request then failed (its handler evaluated all pending steps and died) until the
+    sender's heartbeat stopped. It is refused alone now, and so is a malformed vote."""
+    secret = b"m" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    socks: list = []
+    try:
+        bad = _lighthouse_replica(lh, secret, "bad", socks)
+        good = _lighthouse_replica(lh, secret, "good", socks)
+        ask = {"t": "quorum", "heal_addr": ["x", 1], "timeout": 2}
+        send_msg(bad, {**ask, "rid": "bad", "step": "x"})
+        assert "step must be an int" in recv_msg(bad)["error"]
+        send_msg(bad, {"t": "commit", "rid": "bad", "quorum_id": 1, "step": 0, "members": "bad"})
+        reply = recv_msg(bad)
+        assert reply["ok"] is False and "members must be a list" in reply["error"]
+        send_msg(good, {**ask, "rid": "good", "step": 0})
+        q = recv_msg(good)
+        assert q["t"] == "quorum" and q["members"] == ["good"]
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()
