@@ -130,8 +130,9 @@ class Manager:
         heartbeat: heartbeat period (s); default ``config.ft_heartbeat``.
         secret: job secret (default from ``TORCHPORT_SECRET``).
         recorder: optional Flight Recorder for the manager's collectives.
-        init_sync: on its first quorum a replica other than member 0 copies member 0's state,
-            so replicas need not be initialised identically.
+        init_sync: in every quorum before the first commit (the quorum's step is 0) a replica
+            other than member 0 copies member 0's state, so replicas need not be initialised
+            identically.
         backend: ``"torchport"`` (default) or ``"gloo"``: what carries the gradient allreduce.
     """
 
@@ -171,7 +172,6 @@ class Manager:
         self.recorder = recorder
         self.metrics = Metrics()
         self.init_sync = init_sync
-        self._synced = False
         # a heal that wrote into this replica's own tensors broke off (or its load failed): the
         # state is no step's at all, so it must heal from a member at the quorum's step before
         # training, and must not serve it to others
@@ -326,9 +326,11 @@ class Manager:
             self._heal(q, rank, None)
         elif self._torn:
             self._heal(q, rank, self._untorn_source(q, rank))
-        elif self.init_sync and not self._synced and rank != 0:
-            self._heal(q, rank, 0)  # first quorum: start from member 0's initial state
-        self._synced = True
+        elif self.init_sync and rank != 0 and int(q["max_step"]) == 0:
+            # nothing committed yet: start from member 0's initial state. Not only on this
+            # replica's first quorum: a member 0 that crashed before the first commit comes back
+            # with a fresh init, and replicas synced to its previous life would silently diverge
+            self._heal(q, rank, 0)
         if self._error is not None:
             raise CommError(f"failure during quorum: {self._error}")
 
