@@ -751,7 +751,12 @@ class ReconfigurableGroup:
             work.get_future().add_done_callback(lambda _f: ev.set())
             t = self.timeout.total_seconds() if timeout is None else timeout
             if not ev.wait(t):
-                raise CommError(f"{name} timed out after {t} s")
+                # the op is still in flight: fail the group (as c10d's watchdog aborts a timed-out
+                # communicator), or it completed later with a slow peer and rewrote the tensor
+                # this rank had been told failed, while the peer reported success
+                err = CommError(f"{name} timed out after {t} s")
+                self._fail(err)
+                raise err
             if self._error is not None and not work.is_completed():
                 raise PeerFailure(f"{name} aborted: {self._error}")
             try:
