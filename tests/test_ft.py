@@ -594,3 +594,23 @@ def test_init_sync_follows_a_member_0_restarted_before_the_first_commit():
         for m in managers:
             m.shutdown()
         lh.close()
+
+
+def test_manager_with_unreachable_lighthouse_leaves_nothing_running():
+    """Manager() raised when the lighthouse could not be reached but left its heal server and
+    elastic mesh listening (two threads and two sockets per attempt, for the process's life)."""
+    import threading
+
+    from torchport.distributed.ft import Manager
+
+    before = threading.active_count()
+    with pytest.raises(CommError, match="cannot connect"):
+        Manager(
+            lighthouse=("127.0.0.1", 1),
+            replica_id="a",
+            state_dict=dict,
+            load_state_dict=lambda s: None,
+            secret=b"l" * 32,
+            timeout=1.0,
+        )
+    _wait_for(lambda: threading.active_count() <= before, 2, "the manager's threads to end")

@@ -198,15 +198,25 @@ class Manager:
             host = socket.gethostbyname(socket.gethostname())
         self.heal_address: tuple[str, int] = (host, port)
         self._mesh = ElasticMesh(self._secret) if backend == "torchport" else None
-        self._connect()
+        try:
+            self._connect()
+        except BaseException:  # an unreachable lighthouse: leave no listener or thread behind
+            self._heal_server.close()
+            if self._mesh is not None:
+                self._mesh.close()
+            raise
         threading.Thread(target=self._beat, name="tp-ft-beat", daemon=True).start()
 
     # -- connections and heartbeats --------------------------------------------------------
     def _connect(self) -> None:
         hb = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
-        send_msg(hb, {"t": "hb", "rid": self.replica_id})
-        rpc = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
-        send_msg(rpc, {"t": "rpc", "rid": self.replica_id})
+        try:
+            send_msg(hb, {"t": "hb", "rid": self.replica_id})
+            rpc = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
+            send_msg(rpc, {"t": "rpc", "rid": self.replica_id})
+        except BaseException:
+            hb.close()
+            raise
         self._hb, self._rpc = hb, rpc
         threading.Thread(target=self._listen, args=(hb,), name="tp-ft-listen", daemon=True).start()
 
