@@ -614,3 +614,29 @@ def test_manager_with_unreachable_lighthouse_leaves_nothing_running():
             timeout=1.0,
         )
     _wait_for(lambda: threading.active_count() <= before, 2, "the manager's threads to end")
+
+
+def test_silent_unauthenticated_connections_take_bounded_threads():
+    """Every connection to a control server (heal, lighthouse, reconfigure) got a thread for its
+    5 s authentication handshake, without bound (500 silent connections: 500 threads). At most
+    MAX_HANDSHAKES are in the handshake now; the others wait in the listen backlog."""
+    import threading
+
+    from torchport.distributed._control import MAX_HANDSHAKES, Server
+
+    served = threading.Event()
+    srv = Server(lambda c: served.set(), secret=b"f" * 32, role="heal")
+    before = threading.active_count()
+    socks = [socket.create_connection(srv.address) for _ in range(MAX_HANDSHAKES + 64)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() <= before + MAX_HANDSHAKES
+        for s in socks:
+            s.close()
+        ok = connect(srv.address, b"f" * 32, "heal", timeout=5)  # served once slots free up
+        ok.close()
+        assert served.wait(5)
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
