@@ -640,3 +640,59 @@ def test_silent_unauthenticated_connections_take_bounded_threads():
         for s in socks:
             s.close()
         srv.close()
+
+
+def test_heal_from_a_hung_source_ends_on_the_failure_notice():
+    """A heal from a source that hung mid-transfer (SIGSTOP) waited out the manager's whole
+    timeout, although the lighthouse reports the hang within 3 heartbeats (and the quorum waited
+    for the healing replica meanwhile); the failure notice now ends the transfer at once."""
+    import threading
+
+    from torchport.distributed import PeerFailure
+    from torchport.distributed._control import Server
+    from torchport.distributed.ft import Manager
+
+    secret = b"g" * 32
+    release = threading.Event()
+
+    def hung_source(conn: socket.socket) -> None:
+        recv_msg(conn)
+        structure = {"__dict__": [["user", {"__dict__": []}], ["step", {"__tensor__": 0}]]}
+        send_msg(
+            conn, {"t": "state", "structure": structure, "tensors": [["int64", [], 8]], "total": 8}
+        )
+        release.wait(30)  # stops sending, connection open
+
+    src = Server(hung_source, secret=secret, role="heal")
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="b",
+        state_dict=dict,
+        load_state_dict=lambda s: None,
+        secret=secret,
+        timeout=20.0,
+    )
+    box: list = []
+    q = {"quorum_id": 1, "heal_addrs": [list(src.address)], "steps": [5], "max_step": 5}
+
+    def heal() -> None:
+        try:
+            mgr._heal(q, 0, 0)
+        except StateTransferError as e:
+            box.append(e)
+
+    t = threading.Thread(target=heal)
+    try:
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        mgr.report_error(PeerFailure("replica(s) ['a'] failed: no heartbeat"))
+        t.join(5)
+        assert not t.is_alive() and time.monotonic() - t0 < 2 and box
+    finally:
+        release.set()
+        mgr.shutdown()
+        lh.close()
+        src.close()
+        t.join(5)

@@ -184,6 +184,7 @@ class Manager:
         self._store: dist.Store | None = None
         self._error: BaseException | None = None
         self._works: list[_Work] = []
+        self._heal_sock: socket.socket | None = None  # the open state transfer, if healing
         self._next: dict[str, Any] | None = None  # next quorum, handed out with the last commit
         self._lock = threading.Lock()
         self._hb: socket.socket | None = None
@@ -263,6 +264,12 @@ class Manager:
             works = list(self._works)
             pg = self._pg
             self._next = None
+            heal = self._heal_sock
+        if first and heal is not None:
+            # a heal from a source that hung (SIGSTOP) waited out the whole timeout while the
+            # lighthouse knew within 3 heartbeats, and the quorum waited for this replica
+            with contextlib.suppress(OSError):
+                heal.shutdown(socket.SHUT_RDWR)
         if first and self._mesh is not None and pg is not None:
             pg.abort()  # the step failed: end its in-flight ops here and on every member
         for w in works:
@@ -455,6 +462,7 @@ class Manager:
                     self._secret,
                     timeout=self.timeout,
                     into={"user": self._state_dict(), "step": self._step},
+                    on_connect=self._set_heal_sock,
                 )
         except StateTransferError as e:
             # a break-off after bytes landed in our own tensors leaves half of each state
@@ -467,6 +475,13 @@ class Manager:
         self.metrics.heals += 1
         self.metrics.heal_bytes += int(hdr["total"])
         self.metrics.heal_s.append(secs)
+
+    def _set_heal_sock(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._heal_sock = sock
+        if sock is not None and self._error is not None:  # failed before it was registered
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _serve_heal(self, conn: socket.socket) -> None:
         msg = recv_msg(conn)

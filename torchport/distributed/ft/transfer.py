@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -222,10 +222,17 @@ def fetch_state(
     timeout: float = 60.0,
     step: int | None = None,
     into: Any = None,
+    on_connect: Callable[[socket.socket | None], None] | None = None,
 ) -> tuple[Any, dict[str, Any], float]:
-    """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`."""
+    """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`.
+
+    ``on_connect`` is called with the connection once it is open and with None when it is
+    closed: shutting it down from another thread ends the transfer at once.
+    """
     t0 = time.perf_counter()
     sock = connect(addr, secret, "heal", timeout=timeout)
+    if on_connect is not None:
+        on_connect(sock)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         sock.settimeout(timeout)
@@ -236,5 +243,7 @@ def fetch_state(
     except (OSError, CommError) as e:
         raise StateTransferError(f"state transfer from {addr} failed: {e}") from None
     finally:
+        if on_connect is not None:
+            on_connect(None)
         sock.close()
     return state, hdr, time.perf_counter() - t0
