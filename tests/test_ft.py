@@ -696,3 +696,39 @@ def test_heal_from_a_hung_source_ends_on_the_failure_notice():
         lh.close()
         src.close()
         t.join(5)
+
+
+def test_survivor_that_missed_the_commit_reply_still_gets_a_quorum():
+    """A replica whose vote reply was lost (connection broke after the lighthouse decided) did not
+    apply the step but still counted as holding it; once the other holders died, its own request
+    (at the old step) waited for a holder "that has not asked yet" - itself - and the job ended
+    in QuorumError. A live holder that asks at a lower step no longer blocks the round."""
+    secret = b"v" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    socks: list = []
+    try:
+        rpcs = {rid: _lighthouse_replica(lh, secret, rid, socks) for rid in ("r0", "r1")}
+
+        def ask(rid: str, step: int) -> None:
+            msg = {"t": "quorum", "rid": rid, "step": step, "heal_addr": ["x", 1], "timeout": 1.5}
+            send_msg(rpcs[rid], msg)
+
+        ask("r0", 0)
+        ask("r1", 0)
+        q = recv_msg(rpcs["r0"])
+        assert recv_msg(rpcs["r1"])["members"] == q["members"] == ["r0", "r1"]
+        vote = {"t": "commit", "quorum_id": q["quorum_id"], "step": 0, "members": q["members"]}
+        for rid in ("r0", "r1"):
+            send_msg(rpcs[rid], {**vote, "rid": rid, "ok": True, "timeout": 5})
+        assert all(recv_msg(rpcs[rid])["ok"] for rid in ("r0", "r1"))
+        for s in socks[:2]:  # r0 dies; r1 never saw its "ok" and asks at step 0 again
+            s.close()
+        _wait_for(lambda: any("replica r0 dead" in e for _, e in lh.events), 5, "r0 dead")
+        ask("r1", 0)
+        rpcs["r1"].settimeout(5)
+        q = recv_msg(rpcs["r1"])
+        assert q["t"] == "quorum" and q["members"] == ["r1"], q
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()

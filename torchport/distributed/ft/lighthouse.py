@@ -218,9 +218,12 @@ class Lighthouse:
         if len(asked) < self.min_replicas or (self._busy & alive) - asked:
             return False
         if max(int(self._pending[r]["step"]) for r in asked) < self._top and (
-            self._holders & alive
+            (self._holders & alive) - asked
         ):
-            return False  # nobody asking holds the latest committed state: wait for one who does
+            # nobody asking holds the latest committed state: wait for a holder who has not
+            # asked yet. A holder that asks at a lower step never applied it (its vote's reply
+            # was lost): waiting for it waited for itself, and the round never formed.
+            return False
         if alive <= asked:
             return True
         return time.monotonic() - self._first_request > self.join_timeout
