@@ -162,6 +162,26 @@ def c_allreduce(st: dict[str, Any], value: float) -> Any:
     return ("ok", t.tolist())
 
 
+def c_allreduce_late(
+    st: dict[str, Any], value: float, timeout: float, delay: float, linger: float
+) -> Any:
+    """Allreduce after ``delay`` s under a ``timeout`` s group limit; on failure, the tensor
+    ``linger`` s later (a timed-out op must never write it afterwards)."""
+    from datetime import timedelta
+
+    from torchport.distributed import CommError
+
+    time.sleep(delay)
+    st["g"].timeout = timedelta(seconds=timeout)
+    t = torch.full((5,), float(value))
+    try:
+        st["g"].allreduce(t)
+    except CommError as e:
+        time.sleep(linger)
+        return ("error", type(e).__name__, t.tolist())
+    return ("ok", t.tolist())
+
+
 def c_init_dist(st: dict[str, Any], path: str, rank: int, world: int, backend: str = "gloo") -> int:
     import torch.distributed as dist
 
@@ -681,6 +701,7 @@ def c_threads(st: dict[str, Any]) -> dict[int, str]:
 
 
 COMMANDS: dict[str, Callable[..., Any]] = {
+    "allreduce_late": c_allreduce_late,
     "step_overhead": c_step_overhead,
     "cpu": c_cpu,
     "threads": c_threads,

@@ -373,3 +373,362 @@ def test_heal_server_binds_the_configured_address(addr):
     finally:
         mgr.shutdown()
         lh.close()
+
+
+def test_heal_broken_off_midway_never_trains_on_torn_state():
+    """A heal source killed mid-transfer left the healing replica's own tensors (received into
+    in place) half overwritten; with no other member at the quorum's step it then trained on that
+    mix at its old step. It now refuses the quorum (and to serve its state) until it has healed."""
+    from torchport.distributed._control import Server
+    from torchport.distributed.ft import Manager, QuorumError
+
+    secret = b"t" * 32
+    w = torch.zeros(1000)
+
+    def dying_source(conn: socket.socket) -> None:  # sends 400 of 4000 bytes, then "dies"
+        recv_msg(conn)
+        user = {"__dict__": [["w", {"__tensor__": 0}]]}
+        structure = {"__dict__": [["user", user], ["step", 5]]}
+        send_msg(
+            conn,
+            {
+                "t": "state",
+                "structure": structure,
+                "tensors": [["float32", [1000], 4000]],
+                "total": 4000,
+            },
+        )
+        conn.sendall(torch.ones(100).numpy().tobytes())
+        conn.close()
+
+    src = Server(dying_source, secret=secret, role="heal")
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="b",
+        state_dict=lambda: {"w": w},
+        load_state_dict=lambda s: w.copy_(s["w"]),
+        secret=secret,
+        timeout=2.0,
+        quorum_timeout=0.5,
+    )
+    try:
+        q = {"quorum_id": 1, "heal_addrs": [list(src.address)], "steps": [5], "max_step": 5}
+        with pytest.raises(StateTransferError, match="broke off") as info:
+            mgr._heal(q, 0, 0)
+        assert info.value.partial and w.sum().item() == 100.0  # torn: the fix cannot undo that
+        with pytest.raises(QuorumError, match="torn by an interrupted heal"):
+            mgr.start_quorum()  # alone at its old step: it used to train on the torn state here
+        healer = connect(mgr.heal_address, secret, "heal", timeout=2)
+        send_msg(healer, {"t": "get_state", "step": 0})
+        with pytest.raises(StateTransferError, match="state is torn"):
+            recv_state(healer)
+        healer.close()
+    finally:
+        mgr.shutdown()
+        lh.close()
+        src.close()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"structure": None, "tensors": [["float32", [-4], 16]], "total": 16},
+        {"structure": {"__tensor__": 3}, "tensors": [], "total": 0},
+        {"structure": {"__tensor__": -1}, "tensors": [["float32", [1], 4]], "total": 4},
+        {"structure": None, "tensors": [], "total": "x"},
+        {"structure": None, "tensors": [5], "total": 0},
+        {"structure": {"__dict__": [[[1], 2]]}, "tensors": [], "total": 0},
+        {"structure": None, "tensors": [["float32", [2], 4]], "total": 4},
+    ],
+)
+def test_malformed_state_header_is_a_state_transfer_error(header):
+    """A malformed header from a heal peer raised RuntimeError/IndexError/ValueError/TypeError,
+    which the quorum does not retry (the healing replica died), and some were found only after
+    bytes had landed in the receiver's own tensors. All are StateTransferErrors now, raised before
+    any byte is received."""
+    a, b = socket.socketpair()
+    mine = {"w": torch.zeros(1)}
+    try:
+        send_msg(a, {"t": "state", **header})
+        a.sendall(torch.ones(2).numpy().tobytes())
+        with pytest.raises(StateTransferError) as info:
+            recv_state(b, into=mine)
+        assert not info.value.partial and mine["w"].item() == 0.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_ddp_launches_buckets_in_index_order_whatever_the_graph():
+    """Buckets were launched as their gradients completed; with a parameter unused on one replica
+    (data-dependent graph) two replicas issued the allreduces in different orders, and the quorum,
+    which pairs them by issue order, averaged one replica's bucket 0 with another's bucket 1 (same
+    sizes: silently). Every replica now launches them in bucket order."""
+    from torch import nn
+
+    from torchport.distributed.ft.ddp import DistributedDataParallel
+
+    class Recorder:  # stands in for the manager: records what each allreduce carries
+        def __init__(self) -> None:
+            self.sent: list[torch.Tensor] = []
+
+        def allreduce(self, t: torch.Tensor):
+            self.sent.append(t.clone())
+            return type("W", (), {"wait": lambda self: True})()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4, bias=False)
+            self.b = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+            y = self.a(x)
+            return (self.b(y) if use_b else y).sum()
+
+    for use_b in (True, False):
+        net, mgr = Net(), Recorder()
+        ddp = DistributedDataParallel(net, mgr, bucket_cap_mb=64 / (1 << 20))  # type: ignore[arg-type]
+        assert [len(b) for b in ddp._buckets] == [1, 1] and ddp._buckets[0][0] is net.b.weight
+        ddp(torch.ones(1, 4), use_b).backward()
+        assert len(mgr.sent) == 2
+        assert torch.equal(mgr.sent[0], net.b.weight.grad.reshape(-1))  # bucket 0 (b) first
+        assert torch.equal(mgr.sent[1], net.a.weight.grad.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"heartbeat": 0.0}, {"timeout": -1.0}, {"timeout": 0.0}, {"quorum_timeout": float("nan")}],
+)
+def test_manager_rejects_nonpositive_timeouts(kw):
+    """A zero heartbeat was accepted and spun the beat thread flat out (0.8 CPU s per idle second);
+    a negative timeout failed inside socket code with an untyped "Timeout value out of range"."""
+    from torchport.distributed.ft import Manager
+
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds > 0"):
+        Manager(
+            lighthouse=("127.0.0.1", 1),
+            replica_id="a",
+            state_dict=dict,
+            load_state_dict=lambda s: None,
+            **kw,
+        )
+
+
+@pytest.mark.parametrize("kw", [{"heartbeat": 0.0}, {"join_timeout": -1.0}])
+def test_lighthouse_rejects_bad_periods(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
+        Lighthouse(secret=b"x" * 32, **kw)
+
+
+def test_malformed_quorum_request_does_not_block_other_replicas():
+    """A quorum request with a bad field ("step": "x") was stored as pending; every other
+    replica's request then failed (its handler evaluated all pending steps and died) until the
+    sender's heartbeat stopped. It is refused alone now, and so is a malformed vote."""
+    secret = b"m" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    socks: list = []
+    try:
+        bad = _lighthouse_replica(lh, secret, "bad", socks)
+        good = _lighthouse_replica(lh, secret, "good", socks)
+        ask = {"t": "quorum", "heal_addr": ["x", 1], "timeout": 2}
+        send_msg(bad, {**ask, "rid": "bad", "step": "x"})
+        assert "step must be an int" in recv_msg(bad)["error"]
+        send_msg(bad, {"t": "commit", "rid": "bad", "quorum_id": 1, "step": 0, "members": "bad"})
+        reply = recv_msg(bad)
+        assert reply["ok"] is False and "members must be a list" in reply["error"]
+        send_msg(good, {**ask, "rid": "good", "step": 0})
+        q = recv_msg(good)
+        assert q["t"] == "quorum" and q["members"] == ["good"]
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()
+
+
+def test_init_sync_follows_a_member_0_restarted_before_the_first_commit():
+    """init_sync copied member 0's initial state only on a replica's first quorum: a member 0
+    that crashed before the first commit came back with a fresh init, the others kept its
+    previous life's, and the replicas trained on different parameters without any error."""
+    import threading
+
+    from torchport.distributed.ft import Manager
+
+    secret = b"i" * 32
+    lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=5.0, secret=secret)
+    managers: list = []
+
+    def replica(rid: str, w: torch.Tensor):
+        m = Manager(
+            lighthouse=lh.address,
+            replica_id=rid,
+            state_dict=lambda: {"w": w},
+            load_state_dict=lambda s: w.copy_(s["w"]),
+            secret=secret,
+            timeout=5.0,
+            quorum_timeout=10.0,
+        )
+        managers.append(m)
+        return m
+
+    def quorum(*ms) -> None:
+        threads = [threading.Thread(target=m.start_quorum) for m in ms]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+
+    try:
+        w0, w1 = torch.zeros(4), torch.ones(4)
+        r0, r1 = replica("r0", w0), replica("r1", w1)
+        quorum(r0, r1)
+        assert torch.equal(w1, w0)
+        r0.shutdown()  # crashes before any commit and restarts with another init
+        w0 = torch.full((4,), 7.0)
+        quorum(replica("r0", w0), r1)
+        assert torch.equal(w1, w0) and r1.current_step() == 0
+    finally:
+        for m in managers:
+            m.shutdown()
+        lh.close()
+
+
+def test_manager_with_unreachable_lighthouse_leaves_nothing_running():
+    """Manager() raised when the lighthouse could not be reached but left its heal server and
+    elastic mesh listening (two threads and two sockets per attempt, for the process's life)."""
+    import threading
+
+    from torchport.distributed.ft import Manager
+
+    before = threading.active_count()
+    with pytest.raises(CommError, match="cannot connect"):
+        Manager(
+            lighthouse=("127.0.0.1", 1),
+            replica_id="a",
+            state_dict=dict,
+            load_state_dict=lambda s: None,
+            secret=b"l" * 32,
+            timeout=1.0,
+        )
+    _wait_for(lambda: threading.active_count() <= before, 2, "the manager's threads to end")
+
+
+def test_silent_unauthenticated_connections_take_bounded_threads():
+    """Every connection to a control server (heal, lighthouse, reconfigure) got a thread for its
+    5 s authentication handshake, without bound (500 silent connections: 500 threads). At most
+    MAX_HANDSHAKES are in the handshake now; the others wait in the listen backlog."""
+    import threading
+
+    from torchport.distributed._control import MAX_HANDSHAKES, Server
+
+    served = threading.Event()
+    srv = Server(lambda c: served.set(), secret=b"f" * 32, role="heal")
+    before = threading.active_count()
+    socks = [socket.create_connection(srv.address) for _ in range(MAX_HANDSHAKES + 64)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() <= before + MAX_HANDSHAKES
+        for s in socks:
+            s.close()
+        ok = connect(srv.address, b"f" * 32, "heal", timeout=5)  # served once slots free up
+        ok.close()
+        assert served.wait(5)
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+
+
+def test_heal_from_a_hung_source_ends_on_the_failure_notice():
+    """A heal from a source that hung mid-transfer (SIGSTOP) waited out the manager's whole
+    timeout, although the lighthouse reports the hang within 3 heartbeats (and the quorum waited
+    for the healing replica meanwhile); the failure notice now ends the transfer at once."""
+    import threading
+
+    from torchport.distributed import PeerFailure
+    from torchport.distributed._control import Server
+    from torchport.distributed.ft import Manager
+
+    secret = b"g" * 32
+    release = threading.Event()
+
+    def hung_source(conn: socket.socket) -> None:
+        recv_msg(conn)
+        structure = {"__dict__": [["user", {"__dict__": []}], ["step", {"__tensor__": 0}]]}
+        send_msg(
+            conn, {"t": "state", "structure": structure, "tensors": [["int64", [], 8]], "total": 8}
+        )
+        release.wait(30)  # stops sending, connection open
+
+    src = Server(hung_source, secret=secret, role="heal")
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="b",
+        state_dict=dict,
+        load_state_dict=lambda s: None,
+        secret=secret,
+        timeout=20.0,
+    )
+    box: list = []
+    q = {"quorum_id": 1, "heal_addrs": [list(src.address)], "steps": [5], "max_step": 5}
+
+    def heal() -> None:
+        try:
+            mgr._heal(q, 0, 0)
+        except StateTransferError as e:
+            box.append(e)
+
+    t = threading.Thread(target=heal)
+    try:
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        mgr.report_error(PeerFailure("replica(s) ['a'] failed: no heartbeat"))
+        t.join(5)
+        assert not t.is_alive() and time.monotonic() - t0 < 2 and box
+    finally:
+        release.set()
+        mgr.shutdown()
+        lh.close()
+        src.close()
+        t.join(5)
+
+
+def test_survivor_that_missed_the_commit_reply_still_gets_a_quorum():
+    """A replica whose vote reply was lost (connection broke after the lighthouse decided) did not
+    apply the step but still counted as holding it; once the other holders died, its own request
+    (at the old step) waited for a holder "that has not asked yet" - itself - and the job ended
+    in QuorumError. A live holder that asks at a lower step no longer blocks the round."""
+    secret = b"v" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    socks: list = []
+    try:
+        rpcs = {rid: _lighthouse_replica(lh, secret, rid, socks) for rid in ("r0", "r1")}
+
+        def ask(rid: str, step: int) -> None:
+            msg = {"t": "quorum", "rid": rid, "step": step, "heal_addr": ["x", 1], "timeout": 1.5}
+            send_msg(rpcs[rid], msg)
+
+        ask("r0", 0)
+        ask("r1", 0)
+        q = recv_msg(rpcs["r0"])
+        assert recv_msg(rpcs["r1"])["members"] == q["members"] == ["r0", "r1"]
+        vote = {"t": "commit", "quorum_id": q["quorum_id"], "step": 0, "members": q["members"]}
+        for rid in ("r0", "r1"):
+            send_msg(rpcs[rid], {**vote, "rid": rid, "ok": True, "timeout": 5})
+        assert all(recv_msg(rpcs[rid])["ok"] for rid in ("r0", "r1"))
+        for s in socks[:2]:  # r0 dies; r1 never saw its "ok" and asks at step 0 again
+            s.close()
+        _wait_for(lambda: any("replica r0 dead" in e for _, e in lh.events), 5, "r0 dead")
+        ask("r1", 0)
+        rpcs["r1"].settimeout(5)
+        q = recv_msg(rpcs["r1"])
+        assert q["t"] == "quorum" and q["members"] == ["r1"], q
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()

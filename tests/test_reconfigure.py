@@ -418,3 +418,26 @@ def test_reconfigure_runs_in_the_callers_config_context():
     finally:
         g._pool.shutdown(wait=True)
     assert seen == ["tcp"]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"heartbeat": 0.0}, {"heartbeat": -1.0}, {"timeout": timedelta(seconds=0)}]
+)
+def test_group_rejects_nonpositive_heartbeat_and_timeout(kw):
+    """A zero heartbeat was accepted: the watch server threads then sent beats flat out."""
+    with pytest.raises(ReconfigureError, match=f"{next(iter(kw))} must be"):
+        ReconfigurableGroup(**kw)
+
+
+def test_timed_out_collective_fails_the_group_on_every_rank():
+    """A collective that timed out raised CommError but stayed in flight, the group usable: when
+    the slow peer arrived the op completed, rewrote the tensor this rank had been told failed,
+    and the peer reported success. A timeout now fails the group (its in-flight op ends on every
+    rank), as c10d's watchdog aborts a timed-out communicator."""
+    with Actors(2) as A:
+        hs = [A.call(i, "init_reconf", 0.05, timeout=120) for i in range(2)]
+        _ok(A.call_all([0, 1], "reconf", [(1, hs)] * 2))
+        args = [(1.0, 0.3, 0.0, 1.0), (2.0, 10.0, 0.8, 0.0)]  # rank 1 arrives 0.5 s too late
+        res = _ok(A.call_all([0, 1], "allreduce_late", args))
+        assert res[0] == ("error", "CommError", [1.0] * 5), res  # never rewritten afterwards
+        assert res[1][0] == "error", res  # the peer does not report a success either

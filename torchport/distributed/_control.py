@@ -223,6 +223,9 @@ def connect(
     return sock
 
 
+MAX_HANDSHAKES = 128  # connections of one server in the authentication handshake at once
+
+
 class Server:
     """A threaded TCP server: each authenticated connection is handled on its own daemon thread.
 
@@ -251,14 +254,21 @@ class Server:
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        # connections still in the handshake hold a slot: without a bound, silent
+        # unauthenticated connections got a thread each (5 s apiece); past it, further ones
+        # wait in the kernel's listen backlog until a slot frees
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept, name=f"tp-{role}-srv", daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
         while not self._closed:
+            if not self._slots.acquire(timeout=0.1):
+                continue  # every slot is in a handshake: look at ``_closed`` again
             try:
                 conn, _ = self._sock.accept()
             except OSError:
+                self._slots.release()
                 return
             if self._workers is not None:
                 self._workers.run(self._serve, conn)
@@ -267,8 +277,11 @@ class Server:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            server_handshake(conn, self._secret, self._role)
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                server_handshake(conn, self._secret, self._role)
+            finally:
+                self._slots.release()
         except (OSError, CommError):
             conn.close()
             return

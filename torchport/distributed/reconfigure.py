@@ -48,6 +48,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import contextvars
+import math
 import secrets
 import socket
 import threading
@@ -225,6 +226,13 @@ class ReconfigurableGroup:
             raise ReconfigureError(
                 f"reconfigure needs backend 'torchport' or 'gloo', got {backend!r}"
             )
+        if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
+            # zero: every watch connection's server thread sent beats flat out
+            raise ReconfigureError(
+                f"heartbeat must be a finite number of seconds > 0, got {heartbeat!r}"
+            )
+        if timeout is not None and not timeout.total_seconds() > 0:
+            raise ReconfigureError(f"timeout must be > 0, got {timeout!r}")
         host = host or str(config.get("dist_addr"))
         self.backend = backend
         self.timeout = timeout or timedelta(seconds=30)
@@ -743,7 +751,12 @@ class ReconfigurableGroup:
             work.get_future().add_done_callback(lambda _f: ev.set())
             t = self.timeout.total_seconds() if timeout is None else timeout
             if not ev.wait(t):
-                raise CommError(f"{name} timed out after {t} s")
+                # the op is still in flight: fail the group (as c10d's watchdog aborts a timed-out
+                # communicator), or it completed later with a slow peer and rewrote the tensor
+                # this rank had been told failed, while the peer reported success
+                err = CommError(f"{name} timed out after {t} s")
+                self._fail(err)
+                raise err
             if self._error is not None and not work.is_completed():
                 raise PeerFailure(f"{name} aborted: {self._error}")
             try:

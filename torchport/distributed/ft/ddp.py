@@ -3,7 +3,7 @@
 Parameters are grouped into buckets (about ``bucket_cap_mb`` each) in reverse registration order,
 which approximates the order in which backward produces their gradients. A
 ``register_post_accumulate_grad_hook`` on every parameter counts ready gradients; when a bucket is
-complete its gradients are flattened into one fresh buffer and its allreduce is launched at once,
+complete (and every bucket before it has been launched: all replicas issue them in one order) its gradients are flattened into one fresh buffer and its allreduce is launched at once,
 so communication runs on gloo's thread while autograd computes the remaining gradients. A callback
 queued on the autograd engine waits for all buckets at the end of backward and writes the averaged
 gradients back. Buckets are fresh buffers per step, so a stale op of an abandoned group can never
@@ -49,6 +49,10 @@ class DistributedDataParallel(nn.Module):
         self._ready = [0] * len(self._buckets)
         self._pending: list[tuple[_Work, torch.Tensor] | None] = [None] * len(self._buckets)
         self._queued = False
+        # buckets launch in index order on every replica, whatever order their gradients arrive
+        # in: the quorum pairs allreduces by issue order, and a data-dependent graph (a parameter
+        # unused on one replica) completed them in different orders on different replicas
+        self._launched = 0
         self.overlapped = 0  # buckets launched before backward finished (last step)
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
@@ -57,6 +61,7 @@ class DistributedDataParallel(nn.Module):
         self._ready = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
         self._queued = False
+        self._launched = 0
         return self.module(*args, **kwargs)
 
     def _hook(self, p: torch.Tensor) -> None:
@@ -66,8 +71,10 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         b = self._bucket_of[id(p)]
         self._ready[b] += 1
-        if self._ready[b] == len(self._buckets[b]):
-            self._launch(b)
+        while self._launched < len(self._buckets) and self._ready[self._launched] == len(
+            self._buckets[self._launched]
+        ):
+            self._launch(self._launched)
             self.overlapped += 1
 
     def _launch(self, b: int) -> None:
@@ -78,11 +85,11 @@ class DistributedDataParallel(nn.Module):
             grads.append(p.grad.reshape(-1))
         flat = torch.cat(grads)
         self._pending[b] = (self.manager.allreduce(flat), flat)
+        self._launched = b + 1
 
     def _finish(self) -> None:
-        for b in range(len(self._buckets)):
-            if self._pending[b] is None:
-                self._launch(b)
+        for b in range(self._launched, len(self._buckets)):
+            self._launch(b)
         for b, item in enumerate(self._pending):
             assert item is not None
             work, flat = item

@@ -36,6 +36,7 @@ request and receive every member's, over the authenticated connection.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -89,6 +90,13 @@ class Lighthouse:
     ) -> None:
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
+            # zero: the monitor thread spun flat out and every replica was evicted at once
+            raise ValueError(f"heartbeat must be a finite number of seconds > 0, got {heartbeat!r}")
+        if not (math.isfinite(join_timeout) and join_timeout >= 0):
+            raise ValueError(
+                f"join_timeout must be a finite number of seconds >= 0, got {join_timeout!r}"
+            )
         self.min_replicas = min_replicas
         self.join_timeout = join_timeout
         self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
@@ -210,9 +218,12 @@ class Lighthouse:
         if len(asked) < self.min_replicas or (self._busy & alive) - asked:
             return False
         if max(int(self._pending[r]["step"]) for r in asked) < self._top and (
-            self._holders & alive
+            (self._holders & alive) - asked
         ):
-            return False  # nobody asking holds the latest committed state: wait for one who does
+            # nobody asking holds the latest committed state: wait for a holder who has not
+            # asked yet. A holder that asks at a lower step never applied it (its vote's reply
+            # was lost): waiting for it waited for itself, and the round never formed.
+            return False
         if alive <= asked:
             return True
         return time.monotonic() - self._first_request > self.join_timeout
@@ -252,6 +263,11 @@ class Lighthouse:
         self._cv.notify_all()
 
     def _quorum(self, msg: dict[str, Any]) -> dict[str, Any]:
+        # a malformed request is refused here: stored as pending, it made every other replica's
+        # quorum request fail (each handler evaluates all pending steps) until its sender died
+        bad = _bad_request(msg)
+        if bad is not None:
+            return {"t": "error", "error": f"malformed quorum request: {bad}"}
         rid = str(msg["rid"])
         deadline = time.monotonic() + float(msg.get("timeout", 60.0))
         with self._cv:
@@ -282,6 +298,9 @@ class Lighthouse:
 
     # -- commit ----------------------------------------------------------------------------
     def _commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        bad = _bad_vote(msg)
+        if bad is not None:
+            return {"t": "commit", "ok": False, "quorum": None, "error": f"malformed vote: {bad}"}
         rid, qid, step = str(msg["rid"]), int(msg["quorum_id"]), int(msg["step"])
         deadline = time.monotonic() + float(msg.get("timeout", 60.0))
         with self._cv:
@@ -356,6 +375,57 @@ class Lighthouse:
         """Stop serving (replicas see their connections close)."""
         self._stop.set()
         self._server.close()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_seconds(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _bad_request(msg: Any) -> str | None:
+    """What is wrong with a quorum request (alone or as a vote's ``next``), or None."""
+    if not isinstance(msg, dict):
+        return f"a request must be an object, got {type(msg).__name__}"
+    if not isinstance(msg.get("rid"), str):
+        return f"rid must be a string, got {msg.get('rid')!r}"
+    if not _is_int(msg.get("step")) or msg["step"] < 0:
+        return f"step must be an int >= 0, got {msg.get('step')!r}"
+    addr = msg.get("heal_addr")
+    if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)):
+        return f"heal_addr must be [host, port], got {addr!r}"
+    if not _is_int(addr[1]):
+        return f"heal_addr's port must be an int, got {addr[1]!r}"
+    if "group" in msg and not _is_int(msg["group"]):
+        return f"group must be an int, got {msg['group']!r}"
+    if "timeout" in msg and not _is_seconds(msg["timeout"]):
+        return f"timeout must be a finite number of seconds >= 0, got {msg['timeout']!r}"
+    mesh = msg.get("mesh")
+    if mesh is not None and not (isinstance(mesh, list) and len(mesh) == 4):
+        return f"mesh must be [id, host, port, host_id] or null, got {mesh!r}"
+    return None
+
+
+def _bad_vote(msg: dict[str, Any]) -> str | None:
+    """What is wrong with a commit vote, or None."""
+    if not isinstance(msg.get("rid"), str):
+        return f"rid must be a string, got {msg.get('rid')!r}"
+    for key in ("quorum_id", "step"):
+        if not _is_int(msg.get(key)):
+            return f"{key} must be an int, got {msg.get(key)!r}"
+    members = msg.get("members")
+    if not (isinstance(members, list) and all(isinstance(m, str) for m in members)):
+        return f"members must be a list of replica ids, got {members!r}"
+    if not isinstance(msg.get("ok"), bool):
+        return f"ok must be a bool, got {msg.get('ok')!r}"
+    if "timeout" in msg and not _is_seconds(msg["timeout"]):
+        return f"timeout must be a finite number of seconds >= 0, got {msg['timeout']!r}"
+    nxt = msg.get("next")
+    if nxt is not None and _bad_request(nxt) is not None:
+        return f"next: {_bad_request(nxt)}"
+    return None
 
 
 def main() -> None:

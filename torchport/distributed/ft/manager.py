@@ -32,6 +32,7 @@ torchport group is aborted, so its in-flight ops end on every member.
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 import time
@@ -57,7 +58,7 @@ from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.errors import TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
-from torchport.distributed.ft.transfer import fetch_state, send_state
+from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
 
 class QuorumError(CommError):
@@ -129,8 +130,9 @@ class Manager:
         heartbeat: heartbeat period (s); default ``config.ft_heartbeat``.
         secret: job secret (default from ``TORCHPORT_SECRET``).
         recorder: optional Flight Recorder for the manager's collectives.
-        init_sync: on its first quorum a replica other than member 0 copies member 0's state,
-            so replicas need not be initialised identically.
+        init_sync: in every quorum before the first commit (the quorum's step is 0) a replica
+            other than member 0 copies member 0's state, so replicas need not be initialised
+            identically.
         backend: ``"torchport"`` (default) or ``"gloo"``: what carries the gradient allreduce.
     """
 
@@ -151,6 +153,15 @@ class Manager:
     ) -> None:
         if backend not in ("torchport", "gloo"):
             raise ValueError(f"backend must be 'torchport' or 'gloo', got {backend!r}")
+        # a zero heartbeat spun the beat thread flat out; a negative timeout failed deep in
+        # socket code with "Timeout value out of range"
+        for name, value in (
+            ("timeout", timeout),
+            ("quorum_timeout", quorum_timeout),
+            ("heartbeat", heartbeat),
+        ):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         self.backend = backend
         self.lighthouse = (str(lighthouse[0]), int(lighthouse[1]))
         self.replica_id = str(replica_id)
@@ -161,7 +172,10 @@ class Manager:
         self.recorder = recorder
         self.metrics = Metrics()
         self.init_sync = init_sync
-        self._synced = False
+        # a heal that wrote into this replica's own tensors broke off (or its load failed): the
+        # state is no step's at all, so it must heal from a member at the quorum's step before
+        # training, and must not serve it to others
+        self._torn = False
         self._step = 0
         self._qid = -1
         self._members: list[str] = []
@@ -170,6 +184,7 @@ class Manager:
         self._store: dist.Store | None = None
         self._error: BaseException | None = None
         self._works: list[_Work] = []
+        self._heal_sock: socket.socket | None = None  # the open state transfer, if healing
         self._next: dict[str, Any] | None = None  # next quorum, handed out with the last commit
         self._lock = threading.Lock()
         self._hb: socket.socket | None = None
@@ -184,15 +199,25 @@ class Manager:
             host = socket.gethostbyname(socket.gethostname())
         self.heal_address: tuple[str, int] = (host, port)
         self._mesh = ElasticMesh(self._secret) if backend == "torchport" else None
-        self._connect()
+        try:
+            self._connect()
+        except BaseException:  # an unreachable lighthouse: leave no listener or thread behind
+            self._heal_server.close()
+            if self._mesh is not None:
+                self._mesh.close()
+            raise
         threading.Thread(target=self._beat, name="tp-ft-beat", daemon=True).start()
 
     # -- connections and heartbeats --------------------------------------------------------
     def _connect(self) -> None:
         hb = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
-        send_msg(hb, {"t": "hb", "rid": self.replica_id})
-        rpc = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
-        send_msg(rpc, {"t": "rpc", "rid": self.replica_id})
+        try:
+            send_msg(hb, {"t": "hb", "rid": self.replica_id})
+            rpc = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
+            send_msg(rpc, {"t": "rpc", "rid": self.replica_id})
+        except BaseException:
+            hb.close()
+            raise
         self._hb, self._rpc = hb, rpc
         threading.Thread(target=self._listen, args=(hb,), name="tp-ft-listen", daemon=True).start()
 
@@ -239,6 +264,12 @@ class Manager:
             works = list(self._works)
             pg = self._pg
             self._next = None
+            heal = self._heal_sock
+        if first and heal is not None:
+            # a heal from a source that hung (SIGSTOP) waited out the whole timeout while the
+            # lighthouse knew within 3 heartbeats, and the quorum waited for this replica
+            with contextlib.suppress(OSError):
+                heal.shutdown(socket.SHUT_RDWR)
         if first and self._mesh is not None and pg is not None:
             pg.abort()  # the step failed: end its in-flight ops here and on every member
         for w in works:
@@ -310,9 +341,13 @@ class Manager:
             self._build_group(int(q["quorum_id"]), rank, len(members), q)
         if self._step < int(q["max_step"]):
             self._heal(q, rank, None)
-        elif self.init_sync and not self._synced and rank != 0:
-            self._heal(q, rank, 0)  # first quorum: start from member 0's initial state
-        self._synced = True
+        elif self._torn:
+            self._heal(q, rank, self._untorn_source(q, rank))
+        elif self.init_sync and rank != 0 and int(q["max_step"]) == 0:
+            # nothing committed yet: start from member 0's initial state. Not only on this
+            # replica's first quorum: a member 0 that crashed before the first commit comes back
+            # with a fresh init, and replicas synced to its previous life would silently diverge
+            self._heal(q, rank, 0)
         if self._error is not None:
             raise CommError(f"failure during quorum: {self._error}")
 
@@ -404,29 +439,57 @@ class Manager:
             retire(self._pg)
         self._pg, self._qid = None, -1
 
+    def _untorn_source(self, q: dict[str, Any], rank: int) -> int:
+        """A member other than this (torn) replica at the quorum's step to heal from."""
+        others = [i for i, s in enumerate(q["steps"]) if s == q["max_step"] and i != rank]
+        if not others:
+            raise CommError(
+                f"replica {self.replica_id}: its state was torn by an interrupted heal and no "
+                f"other member of quorum {q['quorum_id']} is at step {q['max_step']} to heal from"
+            )
+        return others[rank % len(others)]
+
     def _heal(self, q: dict[str, Any], rank: int, src: int | None) -> None:
         if src is None:
             healthy = [i for i, s in enumerate(q["steps"]) if s == q["max_step"]]
             src = healthy[rank % len(healthy)]
         host, port = q["heal_addrs"][src]
         self.metrics.note(f"heal from member {src} at step {q['steps'][src]}")
-        with torch.no_grad():  # receive straight into this replica's own (warm) tensors
-            state, hdr, secs = fetch_state(
-                (host, int(port)),
-                self._secret,
-                timeout=self.timeout,
-                into={"user": self._state_dict(), "step": self._step},
-            )
+        try:
+            with torch.no_grad():  # receive straight into this replica's own (warm) tensors
+                state, hdr, secs = fetch_state(
+                    (host, int(port)),
+                    self._secret,
+                    timeout=self.timeout,
+                    into={"user": self._state_dict(), "step": self._step},
+                    on_connect=self._set_heal_sock,
+                )
+        except StateTransferError as e:
+            # a break-off after bytes landed in our own tensors leaves half of each state
+            self._torn = self._torn or e.partial
+            raise
+        self._torn = True  # until the load completes: a failing load_state_dict tears it too
         self._load_state_dict(state["user"])
         self._step = int(state["step"])
+        self._torn = False
         self.metrics.heals += 1
         self.metrics.heal_bytes += int(hdr["total"])
         self.metrics.heal_s.append(secs)
+
+    def _set_heal_sock(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._heal_sock = sock
+        if sock is not None and self._error is not None:  # failed before it was registered
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _serve_heal(self, conn: socket.socket) -> None:
         msg = recv_msg(conn)
         if msg.get("t") != "get_state":
             send_msg(conn, {"t": "error", "error": f"unknown heal request {msg.get('t')!r}"})
+            return
+        if self._torn:
+            send_msg(conn, {"t": "error", "error": f"replica {self.replica_id}'s state is torn"})
             return
         send_state(conn, {"user": self._state_dict(), "step": self._step})
 

@@ -10,9 +10,10 @@ header per tensor. Header size and total payload are bounded.
 
 from __future__ import annotations
 
+import math
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -47,7 +48,15 @@ MAX_PAYLOAD = 1 << 40
 
 
 class StateTransferError(CommError):
-    """The state could not be encoded, sent or received."""
+    """The state could not be encoded, sent or received.
+
+    ``partial``: the receive broke off after bytes had been written into tensors of ``into``
+    (the receiver's own state), which now holds neither its old state nor the sender's.
+    """
+
+    def __init__(self, message: str, partial: bool = False) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -73,11 +82,14 @@ def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     )
 
 
-def decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def decode(obj: Any, tensors: list[Any]) -> Any:
     """Inverse of :func:`encode`."""
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            return tensors[int(obj["__tensor__"])]
+            i = int(obj["__tensor__"])
+            if not 0 <= i < len(tensors):
+                raise StateTransferError(f"state structure names tensor {i} of {len(tensors)}")
+            return tensors[i]
         if "__dict__" in obj:
             return {k: decode(v, tensors) for k, v in obj["__dict__"]}
         if "__list__" in obj:
@@ -150,32 +162,57 @@ def recv_state(
         raise StateTransferError(
             f"expected a state header, got {hdr.get('t')!r}: {hdr.get('error')}"
         )
-    total = int(hdr["total"])
-    if total > max_payload:
-        raise StateTransferError(f"state of {total} bytes exceeds the limit {max_payload}")
     targets = tensor_paths(into) if into is not None else {}
     paths: dict[int, str] = {}
-    if targets:
-        _paths(hdr["structure"], "", paths)
+    # the whole header is checked before any byte lands in ``into``: a malformed one (a buggy or
+    # mismatched peer) is a StateTransferError that leaves the receiver's own state intact
+    try:
+        total = int(hdr["total"])
+        metas = [_meta(entry) for entry in hdr["tensors"]]
+        decode(hdr["structure"], [None] * len(metas))  # tensor indices and keys (hashable)
+        if targets:
+            _paths(hdr["structure"], "", paths)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise StateTransferError(f"malformed state header: {type(e).__name__}: {e}") from None
+    if total > max_payload:
+        raise StateTransferError(f"state of {total} bytes exceeds the limit {max_payload}")
+    if sum(m[2] for m in metas) > total:
+        raise StateTransferError("tensor sizes exceed the announced total")
     tensors: list[torch.Tensor] = []
-    seen = 0
-    for i, (dtype_name, shape, nbytes) in enumerate(hdr["tensors"]):
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None:
-            raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
-        dims = [int(s) for s in shape]
+    written = False  # bytes went into a tensor of ``into``: a failure from here on tears it
+    for i, (dtype, dims, nbytes) in enumerate(metas):
         t = targets.get(paths.get(i, ""), None) if targets else None
-        if t is None or t.dtype != dtype or list(t.shape) != dims or not t.is_contiguous():
-            t = torch.empty(dims, dtype=dtype)
-        if t.numel() * t.element_size() != int(nbytes):
-            raise StateTransferError(f"byte count {nbytes} does not match {dtype_name}{shape}")
-        seen += int(nbytes)
-        if seen > total:
-            raise StateTransferError("tensor sizes exceed the announced total")
+        own = t is not None and t.dtype == dtype and list(t.shape) == dims and t.is_contiguous()
+        try:
+            if not own:
+                t = torch.empty(dims, dtype=dtype)
+        except RuntimeError as e:  # e.g. more memory than the host has
+            raise StateTransferError(f"cannot allocate a state tensor: {e}", written) from None
+        assert t is not None
         if nbytes:
-            recv_into_exact(sock, _bytes_view(t))
+            written = written or own
+            try:
+                recv_into_exact(sock, _bytes_view(t))
+            except (OSError, CommError) as e:
+                raise StateTransferError(f"state transfer broke off: {e}", written) from None
         tensors.append(t)
     return decode(hdr["structure"], tensors), hdr
+
+
+def _meta(entry: Any) -> tuple[torch.dtype, list[int], int]:
+    """A header's ``[dtype, shape, nbytes]`` entry, checked: known dtype, non-negative dims,
+    byte count equal to the shape's."""
+    dtype_name, shape, nbytes = entry
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
+    dims = [int(d) for d in shape]
+    if any(d < 0 for d in dims):
+        raise StateTransferError(f"peer sent a negative dimension in shape {dims}")
+    want = math.prod(dims) * dtype.itemsize
+    if int(nbytes) != want:
+        raise StateTransferError(f"byte count {nbytes} does not match {dtype_name}{dims}")
+    return dtype, dims, want
 
 
 def fetch_state(
@@ -185,17 +222,28 @@ def fetch_state(
     timeout: float = 60.0,
     step: int | None = None,
     into: Any = None,
+    on_connect: Callable[[socket.socket | None], None] | None = None,
 ) -> tuple[Any, dict[str, Any], float]:
-    """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`."""
+    """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`.
+
+    ``on_connect`` is called with the connection once it is open and with None when it is
+    closed: shutting it down from another thread ends the transfer at once.
+    """
     t0 = time.perf_counter()
     sock = connect(addr, secret, "heal", timeout=timeout)
+    if on_connect is not None:
+        on_connect(sock)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         sock.settimeout(timeout)
         send_msg(sock, {"t": "get_state", "step": step})
         state, hdr = recv_state(sock, into=into)
-    except OSError as e:
+    except StateTransferError:
+        raise
+    except (OSError, CommError) as e:
         raise StateTransferError(f"state transfer from {addr} failed: {e}") from None
     finally:
+        if on_connect is not None:
+            on_connect(None)
         sock.close()
     return state, hdr, time.perf_counter() - t0
