@@ -282,6 +282,27 @@ def test_optimizer_step_that_keeps_the_version_repacks(make_opt):
             torch.testing.assert_close(linear(x, w), x @ w.detach().t(), rtol=1e-5, atol=1e-5)
 
 
+def test_optimizer_step_keeps_the_packing_of_a_frozen_weight():
+    """The step hook marked every listed parameter stale: a frozen weight (no gradient, left
+    alone by the optimiser, listed through model.parameters()) was repacked after every step."""
+    from torchport.gemm.pack import pack_cache
+
+    torch.manual_seed(0)
+    frozen = torch.nn.Parameter(torch.randn(48, 64), requires_grad=False)
+    head = torch.nn.Parameter(torch.randn(8, 48))
+    opt = torch.optim.AdamW([frozen, head], lr=0.1)
+    x = torch.randn(4, 64)
+    with config.override(autotune=False):
+        linear(x, frozen)
+        before = pack_cache.misses
+        for _ in range(3):
+            linear(x, frozen)
+            head.grad = torch.ones_like(head)
+            opt.step()
+        assert pack_cache.misses == before
+        torch.testing.assert_close(linear(x, frozen), x @ frozen.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_optimizer_step_over_a_storageless_parameter_with_a_cached_packing():
     # the step hook looks up the parameters' storages: a sparse one has none
     lin = torch.nn.Linear(8, 4)
