@@ -267,6 +267,20 @@ def test_choice_file_of_another_user_is_not_read(tmp_path, monkeypatch):
         assert ChoiceCache(path).get("op", {"k": 1}) is None
 
 
+def test_choice_cache_in_a_directory_not_made_yet_creates_it(tmp_path, monkeypatch):
+    # the trust check of a missing directory failed ("cannot check ... No such file or
+    # directory"): a warning on every put and the file never written
+    monkeypatch.setattr(toolchain, "_private_dirs", set())
+    path = tmp_path / "new" / "sub" / "choices.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ChoiceCache(path).get("op", {"k": 1}) is None  # nothing to read: no warning
+        ChoiceCache(path).put("op", {"k": 1}, "fast", {"fast": 1.0})
+    assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
+    for d in (path.parent, path.parent.parent):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
 def test_choice_cache_in_a_directory_others_can_write_stays_in_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(toolchain, "_private_dirs", set())
     shared = tmp_path / "shared"
