@@ -256,15 +256,31 @@ def test_choice_file_others_can_write_is_not_read(tmp_path, monkeypatch):
 
 
 def test_choice_file_of_another_user_is_not_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(toolchain, "_private_dirs", set())
+    # the directory counts as checked: as another (non-root) user the directory check failed
+    # first, so the test passed without the file's own check
+    monkeypatch.setattr(toolchain, "_private_dirs", {str(tmp_path)})
     path = tmp_path / "choices.json"
     _planted(path)
     if os.geteuid() == 0:
         os.chown(path, 65534, 65534)
     else:  # the same as seen by another (non-root) user
         monkeypatch.setattr(os, "geteuid", lambda: 65534)
-    with pytest.warns(autotune.UnsafeChoiceCacheWarning, match=r"must be owned by this user"):
+    with pytest.warns(autotune.UnsafeChoiceCacheWarning, match=r"the file must be owned by"):
         assert ChoiceCache(path).get("op", {"k": 1}) is None
+
+
+def test_choice_cache_in_a_directory_not_made_yet_creates_it(tmp_path, monkeypatch):
+    # the trust check of a missing directory failed ("cannot check ... No such file or
+    # directory"): a warning on every put and the file never written
+    monkeypatch.setattr(toolchain, "_private_dirs", set())
+    path = tmp_path / "new" / "sub" / "choices.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ChoiceCache(path).get("op", {"k": 1}) is None  # nothing to read: no warning
+        ChoiceCache(path).put("op", {"k": 1}, "fast", {"fast": 1.0})
+    assert ChoiceCache(path).get("op", {"k": 1})["choice"] == "fast"
+    for d in (path.parent, path.parent.parent):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
 
 
 def test_choice_cache_in_a_directory_others_can_write_stays_in_memory(tmp_path, monkeypatch):

@@ -115,6 +115,25 @@ def test_derived_weights_cache_follows_a_fused_optimizer_step() -> None:
     torch.testing.assert_close(second, torch.cat([w1, w2]))
 
 
+def test_derived_weights_cache_keeps_frozen_weights_over_an_optimizer_step() -> None:
+    # the step hook cleared every derived weight: the cat of frozen weights (no gradient, left
+    # alone by the optimiser) was rebuilt after every step; a stepped one's still is
+    frozen = [nn.Parameter(torch.randn(2, 3), requires_grad=False) for _ in range(2)]
+    trained = [nn.Parameter(torch.randn(2, 3)) for _ in range(2)]
+    d = DerivedInput("w", "cat", (0, 1))
+    opt = torch.optim.Adam([*frozen, *trained], lr=0.1, fused=True)
+    with torch.no_grad():
+        cat_frozen, cat_trained = derive(d, frozen), derive(d, trained)
+    for p in trained:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        assert derive(d, frozen) is cat_frozen
+        again = derive(d, trained)
+    assert again is not cat_trained
+    torch.testing.assert_close(again, torch.cat(trained))
+
+
 def test_derived_weights_cache_misses_a_new_tensor_at_a_reused_address() -> None:
     # fresh weights per call: the allocator may put a new tensor where a freed one was, with the
     # same address, shape and version counter (0); numpy memory rewritten under a new tensor

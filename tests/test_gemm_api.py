@@ -282,6 +282,27 @@ def test_optimizer_step_that_keeps_the_version_repacks(make_opt):
             torch.testing.assert_close(linear(x, w), x @ w.detach().t(), rtol=1e-5, atol=1e-5)
 
 
+def test_optimizer_step_keeps_the_packing_of_a_frozen_weight():
+    """The step hook marked every listed parameter stale: a frozen weight (no gradient, left
+    alone by the optimiser, listed through model.parameters()) was repacked after every step."""
+    from torchport.gemm.pack import pack_cache
+
+    torch.manual_seed(0)
+    frozen = torch.nn.Parameter(torch.randn(48, 64), requires_grad=False)
+    head = torch.nn.Parameter(torch.randn(8, 48))
+    opt = torch.optim.AdamW([frozen, head], lr=0.1)
+    x = torch.randn(4, 64)
+    with config.override(autotune=False):
+        linear(x, frozen)
+        before = pack_cache.misses
+        for _ in range(3):
+            linear(x, frozen)
+            head.grad = torch.ones_like(head)
+            opt.step()
+        assert pack_cache.misses == before
+        torch.testing.assert_close(linear(x, frozen), x @ frozen.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_optimizer_step_over_a_storageless_parameter_with_a_cached_packing():
     # the step hook looks up the parameters' storages: a sparse one has none
     lin = torch.nn.Linear(8, 4)
@@ -1243,6 +1264,37 @@ def test_changing_scale_values_stop_compiling_new_kernels(monkeypatch):
     assert specs == {"scale=0.5;relu", "scale=-1.25;relu", "scale_col:f32;relu"}
     again = split([G.Scale(0.5)], 5, 12)  # a value compiled in stays compiled in
     assert again.spec.encode() == "scale=0.5" and not again.operands
+
+
+@pytest.mark.parametrize("use_native", [False, True])
+def test_scale_column_of_a_scalar_is_not_rounded_to_bf16(monkeypatch, use_native):
+    """A scalar Scale past SCALE_CONSTANTS is a float32 column; the ATen route and the
+    recomputing backward cast it to bf16 first (0.1 -> 0.10009765625), so a bf16 mm(...,
+    [Scale(0.1)]) and its grad_a differed from eager's (a @ b) * 0.1 and from the value
+    compiled in."""
+    monkeypatch.setattr(epilogue_mod, "SCALE_CONSTANTS", 0, raising=False)
+    monkeypatch.setattr(epilogue_mod, "_scale_constants", set(), raising=False)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=g).bfloat16()
+    b = torch.randn(64, 48, generator=g).bfloat16()
+    up = torch.randn(32, 48, generator=g).bfloat16()
+    assert split([G.Scale(0.1)], 32, 48).spec.encode() == "scale_col:f32"
+    with config.override(native=use_native):
+        a1 = a.clone().requires_grad_()
+        got = mm(a1, b, epilogue=[G.Scale(0.1)])
+        got.backward(up)
+        monkeypatch.setattr(epilogue_mod, "SCALE_CONSTANTS", 1, raising=False)
+        a2 = a.clone().requires_grad_()
+        compiled_in = mm(a2, b, epilogue=[G.Scale(0.1)])  # the value compiled in
+        compiled_in.backward(up)
+    assert split([G.Scale(0.1)], 32, 48).spec.encode() == "scale=0.1"
+    a3 = a.clone().requires_grad_()
+    eager = (a3 @ b) * 0.1
+    eager.backward(up)
+    assert torch.equal(got, compiled_in)
+    if not use_native:  # the kernels round the float32 sums once; ATen rounds a @ b first
+        assert torch.equal(got, eager)
+    assert torch.equal(a1.grad, a3.grad) and torch.equal(a2.grad, a3.grad)
 
 
 def test_scale_takes_numpy_scalars_and_rejects_a_huge_int_typed():

@@ -1345,3 +1345,35 @@ def test_svd_op_without_uv_on_non_finite_input_has_distinct_placeholders():
     u, s, vh = torch.ops.torchport.linalg_svd(a, False, False)
     assert u.numel() == 0 and vh.numel() == 0 and u is not vh
     torch.testing.assert_close(s, torch.linalg.svdvals(a), equal_nan=True)
+
+
+def test_linalg_ops_return_the_fakes_row_major_layout_off_the_native_route():
+    # with the kernels off (and on the non-finite route) the custom ops returned torch.linalg's
+    # column-major U, Vh, Q, R and L while their fakes are row-major: a graph compiled by
+    # Inductor raised "expected size 4==4, stride 1==4" at run time
+    from torchport import config
+    from torchport.native import toolchain
+
+    x = torch.randn(2, 4, 4, dtype=torch.float64)
+    a = x @ x.mT + 4 * torch.eye(4, dtype=torch.float64)
+
+    def f(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            *torch.ops.torchport.linalg_svd(a, False, True),
+            torch.ops.torchport.linalg_eigh(a, False, True, True)[1],
+            *torch.ops.torchport.linalg_qr(a, "reduced"),
+            torch.ops.torchport.linalg_cholesky_ex(a, False)[0],
+        )
+
+    g = torch.compile(f, fullgraph=True, backend="inductor")
+    g(a)
+    with config.override(native=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", toolchain.NativeFallbackWarning)
+        got = g(a)
+        assert all(t.is_contiguous() for t in f(a))
+    torch.testing.assert_close(got[3].abs(), torch.linalg.eigh(a)[1].abs())
+    torch.testing.assert_close(got[6], torch.linalg.cholesky(a))
+    bad = a.clone()
+    bad[0, 1, 1] = float("inf")  # the kernels report it; torch.linalg answers
+    assert all(t.is_contiguous() for t in torch.ops.torchport.linalg_svd(bad, False, True))
+    assert all(t.is_contiguous() for t in torch.ops.torchport.linalg_eigh(bad, False, True, True))

@@ -459,16 +459,21 @@ def describe() -> list[tuple[str, str, Any, str]]:
 def cache_path(*parts: str) -> Path:
     """Path under the cache directory (created private to this user: it holds compiled code)."""
     p = Path(get("cache_dir")).expanduser().joinpath(*parts)
-    if not p.is_dir():
-        # every missing level with mode 0700: mkdir(parents=True) makes the parents by the umask
-        # (0777 under umask 000), and the native toolchain loads nothing below a directory that
-        # others can write
-        missing = [p]
-        while not missing[-1].parent.exists() and missing[-1].parent != missing[-1]:
-            missing.append(missing[-1].parent)
-        for q in reversed(missing):
-            q.mkdir(mode=0o700, exist_ok=True)
+    make_private_dirs(p)
     return p
+
+
+def make_private_dirs(p: Path) -> None:
+    """Create directory ``p`` and its missing parents, each with mode 0700: mkdir(parents=True)
+    makes the parents by the umask (0777 under umask 000), and the native toolchain loads
+    nothing below a directory that others can write."""
+    if p.is_dir():
+        return
+    missing = [p]
+    while not missing[-1].parent.exists() and missing[-1].parent != missing[-1]:
+        missing.append(missing[-1].parent)
+    for q in reversed(missing):
+        q.mkdir(mode=0o700, exist_ok=True)
 
 
 class _ConfigModule(types.ModuleType):

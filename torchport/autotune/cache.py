@@ -120,8 +120,19 @@ class ChoiceCache:
             stacklevel=4,
         )
 
-    def _private_dir(self, p: Path) -> bool:
-        """True if only this user (or root) can change ``p``'s directory (else reported)."""
+    def _private_dir(self, p: Path, create: bool = False) -> bool:
+        """True if only this user (or root) can change ``p``'s directory (else reported).
+        A missing directory is made (mode 0700, as the default one) when ``create``, else it
+        holds nothing to read: False, unreported. (``ChoiceCache(path)`` in a directory not made
+        yet reported "cannot check ... No such file or directory" and never wrote the file.)"""
+        if not p.parent.is_dir():
+            if not create:
+                return False
+            try:
+                config.make_private_dirs(p.parent)
+            except OSError as e:
+                self._unsafe(p, f"cannot create its directory: {e}")
+                return False
         try:
             check_private(p.parent)
         except UnsafeCacheError as e:
@@ -274,7 +285,7 @@ class ChoiceCache:
     def _write(self, k: str, entry: dict[str, Any]) -> None:
         """Merge ``entry`` into the file under its lock (the caller holds ``self._lock``)."""
         p = self.path
-        if not self._private_dir(p):  # (reported): the choice lasts this process only
+        if not self._private_dir(p, create=True):  # (reported): lasts this process only
             return
         with self._file_lock():
             merged = self._read_disk()

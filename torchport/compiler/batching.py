@@ -560,14 +560,34 @@ def _cached(how: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def _storage_of(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, a wrapper subclass)
+        return None
+
+
 def _after_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimiser step hook: forget every derived weight. Fused optimisers
-    (``Adam(fused=True)``) and ``.data``-style steps update parameters without bumping their
-    version counters, so the key above still matched after such a step and a batched graph run
-    under ``no_grad`` (evaluation between training steps) read the weights from before it. The
-    stepped weights' entries are stale anyway; the others (at most :data:`_CACHE_MAX`) are one
-    cat each to redo."""
-    _CACHE.clear()
+    """Global optimiser step hook: forget the derived weights built from stepped parameters.
+    Fused optimisers (``Adam(fused=True)``) and ``.data``-style steps update parameters without
+    bumping their version counters, so the key above still matched after such a step and a
+    batched graph run under ``no_grad`` (evaluation between training steps) read the weights
+    from before it. A parameter without a gradient is skipped, as torch's optimisers skip it:
+    clearing everything rebuilt the cat of frozen weights after every step."""
+    if not _CACHE:
+        return
+    stepped = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    if not stepped:
+        return
+    storages = {_storage_of(p) for p in stepped}
+    if None in storages:  # a stepped parameter without a storage: no way to match, drop all
+        _CACHE.clear()
+        return
+    for key, (refs, _) in list(_CACHE.items()):
+        if any(_storage_of(r()) in (None, *storages) for r in refs):
+            del _CACHE[key]
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)

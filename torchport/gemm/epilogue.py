@@ -497,9 +497,12 @@ def apply_torch(
         elif k == "add":
             z = z + next(it).to(z.dtype)
         elif k == "scale_col":
-            z = z * next(it).to(z.dtype)
+            # in the wider of the two dtypes, rounded once: a float32 scale column (a scalar
+            # Scale past SCALE_CONSTANTS) cast to bf16 first turned 0.1 into 0.10009765625,
+            # unlike eager's (a @ b) * 0.1 and the kernels' float32 epilogue
+            z = (z * next(it)).to(z.dtype)
         elif k == "scale_row":
-            z = z * next(it).to(z.dtype)[:, None]
+            z = (z * next(it)[:, None]).to(z.dtype)
         elif k == "scale":
             z = z * op.value
         elif k == "relu":

@@ -759,9 +759,14 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     vals: list[torch.Tensor | None] = []
     for op in sp.ops:
         hs.append(h)
+        # a scale operand keeps its dtype: _step and the gradient multiply in the wider dtype
+        # and round once, as the forward does (a float32 column of 0.1 cast to bf16 first was
+        # 0.10009765625)
         t = (
-            next(it).to(dt)
-            if op.kind in ("bias_col", "bias_row", "add", "scale_col", "scale_row")
+            next(it)
+            if op.kind in ("scale_col", "scale_row")
+            else next(it).to(dt)
+            if op.kind in ("bias_col", "bias_row", "add")
             else None
         )
         vals.append(t)
@@ -779,11 +784,11 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         elif k == "scale_col":
             assert t is not None
             grads_ops.append((g * x).sum(0))
-            g = g * t
+            g = (g * t).to(dt)
         elif k == "scale_row":
             assert t is not None
             grads_ops.append((g * x).sum(1))
-            g = g * t[:, None]
+            g = (g * t[:, None]).to(dt)
         elif k == "scale":
             g = g * op.value
         elif k == "relu":
@@ -812,10 +817,10 @@ def _step(h: torch.Tensor, op: Any, t: torch.Tensor | None) -> torch.Tensor:
         return h + t[:, None]
     if k == "scale_col":
         assert t is not None
-        return h * t
+        return (h * t).to(h.dtype)
     if k == "scale_row":
         assert t is not None
-        return h * t[:, None]
+        return (h * t[:, None]).to(h.dtype)
     if k == "scale":
         return h * op.value
     if k == "relu":

@@ -399,9 +399,17 @@ pack_cache = PackCache()
 def _after_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimiser step hook: the stepped parameters' packings are stale, whether or not
     the step bumped their version counters (:meth:`PackCache.invalidate`). Costs a storage
-    lookup per parameter, and nothing while the cache is empty."""
+    lookup per parameter, and nothing while the cache is empty. A parameter without a gradient
+    is skipped, as every torch optimiser skips it: a frozen weight (``requires_grad=False``,
+    listed through ``model.parameters()``) was repacked after every step."""
     if len(pack_cache):
-        pack_cache.invalidate(p for group in opt.param_groups for p in group["params"])
+        pack_cache.invalidate(_stepped(opt))
+
+
+def _stepped(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters an optimiser step may have written: those with a gradient (dense or
+    sparse); torch's optimisers leave a parameter whose ``.grad`` is None untouched."""
+    return [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)

@@ -53,6 +53,13 @@ def _native_off(op: str) -> bool:
     return True
 
 
+def _dense(outs: tuple[torch.Tensor, ...]) -> Any:
+    """``outs`` row-major, as the custom ops' fakes promise: torch.linalg's U, Vh, Q, R and L
+    are column-major, and a graph compiled by Inductor asserted the fakes' strides on them
+    ("expected size 4==4, stride 1==4") on the native-off and non-finite routes."""
+    return tuple(t.contiguous() for t in outs)
+
+
 def _flat(a: torch.Tensor) -> torch.Tensor:
     b = 1
     for d in a.shape[:-2]:
@@ -91,9 +98,8 @@ def _svd_op_impl(
     if _native_off("svd"):  # torch.linalg's answer, as the eager route gives it
         if not compute_uv:
             return a.new_empty(0), torch.linalg.svdvals(a), a.new_empty(0)
-        u, s, vh = torch.linalg.svd(a, full_matrices)
-        return u, s, vh
-    return svd_impl(a, full_matrices, compute_uv)
+        return _dense(tuple(torch.linalg.svd(a, full_matrices)))
+    return _dense(svd_impl(a, full_matrices, compute_uv))
 
 
 _svd_op = torch.library.custom_op("torchport::linalg_svd", _svd_op_impl, mutates_args=())
@@ -188,9 +194,8 @@ def _eigh_op_impl(
         uplo = "U" if upper else "L"
         if not compute_v:
             return torch.linalg.eigvalsh(a, uplo), a.new_empty(0)
-        lam, q = torch.linalg.eigh(a, uplo)
-        return lam, q
-    return eigh_impl(a, upper, compute_v, jacobi)
+        return _dense(tuple(torch.linalg.eigh(a, uplo)))
+    return _dense(eigh_impl(a, upper, compute_v, jacobi))
 
 
 _eigh_op = torch.library.custom_op("torchport::linalg_eigh", _eigh_op_impl, mutates_args=())
@@ -238,7 +243,7 @@ def qr_impl(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _qr_op_impl(a: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_off("qr"):
         q, r = torch.linalg.qr(a, mode)
-        return (q if mode != "r" else a.new_empty(0)), r
+        return _dense(((q if mode != "r" else a.new_empty(0)), r))
     return qr_impl(a, mode)
 
 
@@ -287,8 +292,7 @@ def cholesky_impl(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Ten
 
 def _chol_op_impl(a: torch.Tensor, upper: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_off("cholesky"):
-        fac, info = torch.linalg.cholesky_ex(a, upper=upper)
-        return fac, info
+        return _dense(tuple(torch.linalg.cholesky_ex(a, upper=upper)))
     return cholesky_impl(a, upper)
 
 
