@@ -266,7 +266,6 @@ class Recorder(TorchDispatchMode):
         # (see _record_writes), and the real effects come from one real run afterwards.
         self._dry = 0
         self._backups: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._backed: set[int] = set()
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self, prefix: str = "v") -> str:
@@ -368,10 +367,7 @@ class Recorder(TorchDispatchMode):
                 continue
             v = kwargs.get(sa.name) if sa.kwarg_only or i >= len(args) else args[i]
             for t in v if isinstance(v, (list, tuple)) else (v,):
-                # once per tensor: the first backup is what the restore needs (a decode loop's
-                # body writes each cache more than once: a clone each time was a copy each)
-                if isinstance(t, torch.Tensor) and id(t) not in self._backed:
-                    self._backed.add(id(t))  # (the backup list keeps t, so its id stays its)
+                if isinstance(t, torch.Tensor):
                     self._backups.append((t, t.clone()))  # (the mode is off inside dispatch)
 
     @contextlib.contextmanager
@@ -392,7 +388,6 @@ class Recorder(TorchDispatchMode):
             self._dry -= 1
             if outermost:
                 backups, self._backups = self._backups, []
-                self._backed.clear()
                 with _paused(self), torch.no_grad():
                     for t, saved in reversed(backups):
                         if t.shape != saved.shape:  # an out= argument the op resized
