@@ -390,8 +390,6 @@ class Recorder(TorchDispatchMode):
                 backups, self._backups = self._backups, []
                 with _paused(self), torch.no_grad():
                     for t, saved in reversed(backups):
-                        if t.shape != saved.shape:  # an out= argument the op resized
-                            t.resize_(saved.shape)
                         t.copy_(saved)
 
     def _format_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
@@ -502,40 +500,38 @@ class Recorder(TorchDispatchMode):
                 results.append((leaves, spec, names))
                 blocks.append(lines)
                 traces.append((trace, leaves))
-            # (checked before the dry run puts back what branches wrote: a leaf may be a
-            # buffer an out= op resized)
-            spec0 = results[0][1]
-            for i, (_, spec, _) in enumerate(results):
-                if spec != spec0:
+        spec0 = results[0][1]
+        for i, (_, spec, _) in enumerate(results):
+            if spec != spec0:
+                from torchport.control.switch import SwitchError
+
+                raise SwitchError(
+                    "switch: branches must return the same output structure; branch0 returns "
+                    f"{spec0} but branch{i} returns {spec}"
+                )
+        outs = [self.fresh("s") for _ in results[0][0]]
+        operand_names = {self.name_of(o) for o in operands if isinstance(o, torch.Tensor)}
+        for j, leaf0 in enumerate(results[0][0]):
+            for i, (leaves, _, _) in enumerate(results):
+                x = leaves[j]
+                if isinstance(leaf0, torch.Tensor) != isinstance(x, torch.Tensor) or (
+                    isinstance(x, torch.Tensor)
+                    and (x.shape != leaf0.shape or x.dtype != leaf0.dtype)
+                ):
                     from torchport.control.switch import SwitchError
 
                     raise SwitchError(
-                        "switch: branches must return the same output structure; branch0 returns "
-                        f"{spec0} but branch{i} returns {spec}"
+                        f"switch: output {j} of branch{i} ({_describe(x)}) does not match "
+                        f"branch0's ({_describe(leaf0)}); a captured switch needs equal shapes "
+                        "and dtypes"
                     )
-            outs = [self.fresh("s") for _ in results[0][0]]
-            operand_names = {self.name_of(o) for o in operands if isinstance(o, torch.Tensor)}
-            for j, leaf0 in enumerate(results[0][0]):
-                for i, (leaves, _, _) in enumerate(results):
-                    x = leaves[j]
-                    if isinstance(leaf0, torch.Tensor) != isinstance(x, torch.Tensor) or (
-                        isinstance(x, torch.Tensor)
-                        and (x.shape != leaf0.shape or x.dtype != leaf0.dtype)
-                    ):
-                        from torchport.control.switch import SwitchError
+                if not isinstance(x, torch.Tensor) and x != leaf0:
+                    from torchport.control.switch import SwitchError
 
-                        raise SwitchError(
-                            f"switch: output {j} of branch{i} ({_describe(x)}) does not match "
-                            f"branch0's ({_describe(leaf0)}); a captured switch needs equal shapes "
-                            "and dtypes"
-                        )
-                    if not isinstance(x, torch.Tensor) and x != leaf0:
-                        from torchport.control.switch import SwitchError
-
-                        raise SwitchError(
-                            f"switch: output {j} is {leaf0!r} in branch0 but {x!r} in branch{i}; "
-                            "a captured graph cannot return a data-dependent Python int"
-                        )
+                    raise SwitchError(
+                        f"switch: output {j} is {leaf0!r} in branch0 but {x!r} in branch{i}; "
+                        "a captured graph cannot return a data-dependent Python int"
+                    )
         for i, (lines, (_, _, names)) in enumerate(zip(blocks, results)):
             kw = "if" if i == 0 else ("elif" if i < len(blocks) - 1 else "else")
             head = f"{kw} {idx} == {i}:" if kw != "else" else "else:"
