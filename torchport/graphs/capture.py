@@ -261,11 +261,6 @@ class Recorder(TorchDispatchMode):
         self.paused = False
         self._sub_out_names: dict[int, str] = {}
         self.has_control = False
-        # > 0 while branches / a loop body are recorded: that run only writes the program, so
-        # what it writes into tensors from outside is backed up first and put back after
-        # (see _record_writes), and the real effects come from one real run afterwards.
-        self._dry = 0
-        self._backups: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self, prefix: str = "v") -> str:
@@ -343,8 +338,6 @@ class Recorder(TorchDispatchMode):
                     "captured; use the default generator"
                 )
         call = self._format_call(func, args, kwargs)
-        if self._dry:
-            self._back_up_writes(func, args, kwargs)
         if func._schema.name in CAPTURABLE_CUSTOM_OPS:
             # A GEMV's first call may build and tune its kernel (reading values, timing ATen):
             # real work outside the recording, allowed past capture_error_mode's ban.
@@ -359,38 +352,6 @@ class Recorder(TorchDispatchMode):
         self.scope.trace.append(("op", func, tuple(args), dict(kwargs), out))
         self._bind_outputs(opname, call, out)
         return out
-
-    def _back_up_writes(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Clone the tensors ``func`` is about to write (in-place / ``out=``), for a dry run."""
-        for i, sa in enumerate(func._schema.arguments):
-            if sa.alias_info is None or not sa.alias_info.is_write:
-                continue
-            v = kwargs.get(sa.name) if sa.kwarg_only or i >= len(args) else args[i]
-            for t in v if isinstance(v, (list, tuple)) else (v,):
-                if isinstance(t, torch.Tensor):
-                    self._backups.append((t, t.clone()))  # (the mode is off inside dispatch)
-
-    @contextlib.contextmanager
-    def _record_writes(self) -> Iterator[bool]:
-        """A dry run: record the program, then put back what it wrote into existing tensors.
-
-        Every branch of a switch is recorded, and a loop's cond/body once before the loop
-        really runs: their in-place writes to static buffers and operands (``buf.add_(y)`` in a
-        branch not taken) were left applied, so after the capture the buffers held values
-        eager mode never produces (and replays started from them). Yields whether this is the
-        outermost dry run, the one that restores (an inner one's writes are inside it).
-        """
-        outermost = self._dry == 0
-        self._dry += 1
-        try:
-            yield outermost
-        finally:
-            self._dry -= 1
-            if outermost:
-                backups, self._backups = self._backups, []
-                with _paused(self), torch.no_grad():
-                    for t, saved in reversed(backups):
-                        t.copy_(saved)
 
     def _format_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         parts = []
@@ -490,16 +451,13 @@ class Recorder(TorchDispatchMode):
         results = []
         blocks = []
         traces = []
-        with self._record_writes() as outermost:
-            for b in branches:
-                out, lines, trace = self._sub(b, operands)
-                leaves, spec = pytree.tree_flatten(out)
-                names = [
-                    self._value_name(x) if isinstance(x, torch.Tensor) else None for x in leaves
-                ]
-                results.append((leaves, spec, names))
-                blocks.append(lines)
-                traces.append((trace, leaves))
+        for b in branches:
+            out, lines, trace = self._sub(b, operands)
+            leaves, spec = pytree.tree_flatten(out)
+            names = [self._value_name(x) if isinstance(x, torch.Tensor) else None for x in leaves]
+            results.append((leaves, spec, names))
+            blocks.append(lines)
+            traces.append((trace, leaves))
         spec0 = results[0][1]
         for i, (_, spec, _) in enumerate(results):
             if spec != spec0:
@@ -548,8 +506,6 @@ class Recorder(TorchDispatchMode):
         leaves, spec, _ = results[chosen]
         final = []
         with _paused(self):
-            if outermost:  # the real run: the chosen branch alone, as eager runs it
-                leaves = pytree.tree_leaves(branches[chosen](*operands))
             for j, x in enumerate(leaves):
                 if isinstance(x, torch.Tensor):
                     c = x.clone()
@@ -597,28 +553,27 @@ class Recorder(TorchDispatchMode):
             return pytree.tree_leaves(out)
 
         versions = [p._version for p in probes]
-        with self._record_writes() as outermost:
-            pred, cond_lines, cond_trace = self._sub(run_cond, probes)
-            if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
+        pred, cond_lines, cond_trace = self._sub(run_cond, probes)
+        if not isinstance(pred, torch.Tensor) or pred.numel() != 1 or pred.dtype != torch.bool:
+            raise WhileLoopError(
+                "while_loop: inside a graph capture cond_fn must return a one-element bool "
+                f"tensor, got {_describe(pred)}"  # (a tensor's repr reads its values: banned)
+            )
+        pred_name = self._value_name(pred)
+        # Tensors named before the loop (other than its own variables): a body returning one
+        # must copy it, or the loop variable would alias it and follow later in-place ops.
+        outer = {name for _, name in self._names.values()} - set(loop_vars)
+        body_out, body_lines, body_trace = self._sub(run_body, probes)
+        for k, (p, v) in enumerate(zip(probes, versions)):
+            if p._version != v:
+                # The captured loop runs on copies of the carried values, so the caller's
+                # tensor was silently left unchanged where eager mutates it; torch.while_loop
+                # refuses input mutation when traced, and so does the capture.
                 raise WhileLoopError(
-                    "while_loop: inside a graph capture cond_fn must return a one-element bool "
-                    f"tensor, got {_describe(pred)}"  # (a tensor's repr reads its values: banned)
+                    f"while_loop: cond_fn or body_fn modifies carried value {k} "
+                    f"({_describe(leaves[k])}) in place, which a graph capture cannot replay "
+                    "(the captured loop works on copies); return a new tensor instead"
                 )
-            pred_name = self._value_name(pred)
-            # Tensors named before the loop (other than its own variables): a body returning one
-            # must copy it, or the loop variable would alias it and follow later in-place ops.
-            outer = {name for _, name in self._names.values()} - set(loop_vars)
-            body_out, body_lines, body_trace = self._sub(run_body, probes)
-            for k, (p, v) in enumerate(zip(probes, versions)):
-                if p._version != v:
-                    # The captured loop runs on copies of the carried values, so the caller's
-                    # tensor was silently left unchanged where eager mutates it; torch.while_loop
-                    # refuses input mutation when traced, and so does the capture.
-                    raise WhileLoopError(
-                        f"while_loop: cond_fn or body_fn modifies carried value {k} "
-                        f"({_describe(leaves[k])}) in place, which a graph capture cannot replay "
-                        "(the captured loop works on copies); return a new tensor instead"
-                    )
         body_names = [self._value_name(t) for t in body_out]
         body_names = [f"{b}.clone()" if b in outer or b.startswith("e") else b for b in body_names]
         pad = "    " * self.scope.indent
@@ -632,11 +587,10 @@ class Recorder(TorchDispatchMode):
             self.scope.lines.append(f"{pad}    {n} = {t}")
         # The second copy of the condition re-declares its typed list temporaries: rename them.
         self.scope.lines.extend(re.sub(r"\b(l\d+)\b", r"\1_r", ln) for ln in cond_lines)
-        # The real values: run the loop eagerly, outside the recorder (not inside another dry
-        # run, whose backups would miss what this loop writes: its values are not used).
+        # The real values: run the loop eagerly, outside the recorder.
         with _paused(self):
             vals = [x.clone() for x in leaves]
-            while outermost and check_pred(cond_fn(*pytree.tree_unflatten(vals, spec))):
+            while check_pred(cond_fn(*pytree.tree_unflatten(vals, spec))):
                 out = body_values(body_fn(*pytree.tree_unflatten(vals, spec)), len(carried))
                 vals = [x.clone() for x in pytree.tree_leaves(out)]
         for n, v in zip(loop_vars, vals):
