@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -654,6 +655,50 @@ def test_logcumsumexp_is_stable_and_takes_atens_branch(dtype: torch.dtype) -> No
     for dim in (1, 0, -1):
         (got,) = _run_lowered(along(dim), z)
         torch.testing.assert_close(got, torch.logcumsumexp(z, dim), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_logcumsumexp_ties_and_pure_imaginary_take_atens_branch(dtype: torch.dtype) -> None:
+    # ATen's scan resets on a tie (Re z_k equal to Re of the sum so far): [0j, 4j] is 5.1416i,
+    # not -1.1416i, which needs the first sum to be exactly z_0; a 0-dim input is itself
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        torch.tensor([0j, 4j, 1j, 1j], dtype=dtype),
+        1j * (torch.randn(60, 6, generator=g) * 6).to(dtype),
+        (
+            torch.randint(-2, 3, (60, 6), generator=g)
+            + 1j * torch.randint(-3, 4, (60, 6), generator=g)
+        ).to(dtype),
+    ]
+    for z in cases:
+        for dim in (0, -1):
+            (got,) = _run_lowered(functools.partial(torch.logcumsumexp, dim=dim), z)
+            torch.testing.assert_close(got, torch.logcumsumexp(z, dim), rtol=1e-5, atol=1e-5)
+    z0 = torch.tensor(1 + 2j, dtype=dtype)
+    (got,) = _run_lowered(lambda w: torch.logcumsumexp(w, 0), z0)
+    assert got.shape == () and got == z0
+
+
+def test_logcumsumexp_nan_and_inf_as_atens_scan() -> None:
+    # a NaN imaginary part dropped out of the signed sums ([1, 2+nan j, 3] gave 1+nan j, 3.13);
+    # +inf real parts gave the wrong angle; ATen's fold: NaN infects the rest, Im z = inf is
+    # NaN once a second term counts, Re z = -inf adds nothing, Re z = +inf sets the sum
+    inf, nan = math.inf, math.nan
+    rows = [
+        [1, complex(2, nan), 3, 4j],
+        [1, complex(nan, 0), 3, 4j],
+        [1 + 1j, complex(-inf, 3), 2j, 1],
+        [complex(-inf, 2), 1 + 1j, complex(-inf, 0), 2],
+        [complex(1, inf), complex(-inf, 0), 2, 3],
+        [1 + 1j, complex(inf, 0.5), 3, complex(inf, 0.25)],
+        [complex(inf, 1), 5, complex(inf, 2), 3j],
+        [complex(inf, 3), complex(inf, -3), 1, 2],
+        [complex(1, inf), complex(inf, 2), 3, complex(inf, inf)],
+    ]
+    z = torch.tensor(rows, dtype=torch.complex128)
+    (got,) = _run_lowered(lambda w: torch.logcumsumexp(w, 1), z)
+    want = torch.logcumsumexp(z, 1)
+    torch.testing.assert_close(torch.view_as_real(got), torch.view_as_real(want), equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
