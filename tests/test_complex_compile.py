@@ -816,3 +816,20 @@ def test_pow_by_the_exponents_aten_computes_as_other_functions() -> None:
 
     (got,) = _run_lowered(powers, z)
     torch.testing.assert_close(got, powers(z), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_pow_by_other_integral_floats_is_exp_log() -> None:
+    # z ** 1e300 raised OverflowError (int(1e300) of an integral float, run at each call) and
+    # z ** 4.0 took the repeated product, where ATen's kernel takes e^(p log z) for every
+    # exponent but 0, ±0.5, ±1, ±2, 3: their non-finite values differ
+    vals = [0.0, 1.0, -1.0, 0.5, -2.5, math.inf, -math.inf, math.nan, 1e300]
+    z = torch.tensor([complex(a, b) for a in vals for b in vals], dtype=torch.complex128)
+
+    def powers(w: torch.Tensor) -> torch.Tensor:
+        return torch.stack([w**4.0, w**4, w**1e300, w**-3.0])
+
+    (got,) = _run_lowered(powers, z)
+    want = powers(z)
+    fin = want.isfinite()
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-9, atol=1e-12)
+    assert (got.isfinite() == fin).float().mean() > 0.9
