@@ -14,6 +14,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import torchport
 from torchport.compiler.complex import (
+    ComplexCompiled,
     ComplexDecompositionError,
     join_outputs,
     lower_complex,
@@ -699,6 +700,18 @@ def test_logcumsumexp_nan_and_inf_as_atens_scan() -> None:
     (got,) = _run_lowered(lambda w: torch.logcumsumexp(w, 1), z)
     want = torch.logcumsumexp(z, 1)
     torch.testing.assert_close(torch.view_as_real(got), torch.view_as_real(want), equal_nan=True)
+
+
+def test_restrided_output_stays_on_its_device() -> None:
+    # the copy that lays a complex output out as traced (column-major here) was allocated on
+    # the CPU whatever the output's device: a meta output failed to copy out of meta
+    cc = ComplexCompiled.__new__(ComplexCompiled)
+    cc.in_layout, cc.out_layout, cc.contiguous = [True], [True], False
+    cc.out_strides = [(0, (1, 3))]
+    cc._run = lambda a: [torch.stack([a[0] * 2, a[1] * 2], -1)]
+    z = torch.empty(3, 3, dtype=torch.complex64, device="meta")
+    (out,) = cc(z)
+    assert out.device.type == "meta" and out.stride() == (1, 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)

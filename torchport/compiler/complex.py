@@ -352,7 +352,9 @@ class ComplexCompiled:
         for i, strides in self.out_strides:
             o = joined[i]
             if o.stride() != strides:
-                joined[i] = torch.empty_strided(o.shape, strides, dtype=o.dtype).copy_(o)
+                joined[i] = torch.empty_strided(
+                    o.shape, strides, dtype=o.dtype, device=o.device
+                ).copy_(o)
         return joined
 
 
