@@ -714,6 +714,16 @@ def test_restrided_output_stays_on_its_device() -> None:
     assert out.device.type == "meta" and out.stride() == (1, 3)
 
 
+def test_column_major_output_is_written_as_traced() -> None:
+    # exp(t.t()) * 2 is column-major in eager; the real graph stacked its parts row-major, so
+    # ComplexCompiled restrided every call's output with a copy; it now stacks in stride order
+    x = torch.randn(4, 3, dtype=torch.complex64)
+    (got,) = _run_lowered(lambda t: torch.exp(t.t()) * 2, x)
+    want = torch.exp(x.t()) * 2
+    assert got.stride() == want.stride() == (1, 3)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
 def test_linalg_inv_ex_inverse_and_info(dtype: torch.dtype) -> None:
     # the inverse from the real 2n x 2n embedding; info is the complex LU's first zero pivot
