@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import torchport
 from torchport.compiler.complex import (
+    ComplexCompiled,
     ComplexDecompositionError,
     join_outputs,
     lower_complex,
@@ -657,6 +659,72 @@ def test_logcumsumexp_is_stable_and_takes_atens_branch(dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_logcumsumexp_ties_and_pure_imaginary_take_atens_branch(dtype: torch.dtype) -> None:
+    # ATen's scan resets on a tie (Re z_k equal to Re of the sum so far): [0j, 4j] is 5.1416i,
+    # not -1.1416i, which needs the first sum to be exactly z_0; a 0-dim input is itself
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        torch.tensor([0j, 4j, 1j, 1j], dtype=dtype),
+        1j * (torch.randn(60, 6, generator=g) * 6).to(dtype),
+        (
+            torch.randint(-2, 3, (60, 6), generator=g)
+            + 1j * torch.randint(-3, 4, (60, 6), generator=g)
+        ).to(dtype),
+    ]
+    for z in cases:
+        for dim in (0, -1):
+            (got,) = _run_lowered(functools.partial(torch.logcumsumexp, dim=dim), z)
+            torch.testing.assert_close(got, torch.logcumsumexp(z, dim), rtol=1e-5, atol=1e-5)
+    z0 = torch.tensor(1 + 2j, dtype=dtype)
+    (got,) = _run_lowered(lambda w: torch.logcumsumexp(w, 0), z0)
+    assert got.shape == () and got == z0
+
+
+def test_logcumsumexp_nan_and_inf_as_atens_scan() -> None:
+    # a NaN imaginary part dropped out of the signed sums ([1, 2+nan j, 3] gave 1+nan j, 3.13);
+    # +inf real parts gave the wrong angle; ATen's fold: NaN infects the rest, Im z = inf is
+    # NaN once a second term counts, Re z = -inf adds nothing, Re z = +inf sets the sum
+    inf, nan = math.inf, math.nan
+    rows = [
+        [1, complex(2, nan), 3, 4j],
+        [1, complex(nan, 0), 3, 4j],
+        [1 + 1j, complex(-inf, 3), 2j, 1],
+        [complex(-inf, 2), 1 + 1j, complex(-inf, 0), 2],
+        [complex(1, inf), complex(-inf, 0), 2, 3],
+        [1 + 1j, complex(inf, 0.5), 3, complex(inf, 0.25)],
+        [complex(inf, 1), 5, complex(inf, 2), 3j],
+        [complex(inf, 3), complex(inf, -3), 1, 2],
+        [complex(1, inf), complex(inf, 2), 3, complex(inf, inf)],
+    ]
+    z = torch.tensor(rows, dtype=torch.complex128)
+    (got,) = _run_lowered(lambda w: torch.logcumsumexp(w, 1), z)
+    want = torch.logcumsumexp(z, 1)
+    torch.testing.assert_close(torch.view_as_real(got), torch.view_as_real(want), equal_nan=True)
+
+
+def test_restrided_output_stays_on_its_device() -> None:
+    # the copy that lays a complex output out as traced (column-major here) was allocated on
+    # the CPU whatever the output's device: a meta output failed to copy out of meta
+    cc = ComplexCompiled.__new__(ComplexCompiled)
+    cc.in_layout, cc.out_layout, cc.contiguous = [True], [True], False
+    cc.out_strides = [(0, (1, 3))]
+    cc._run = lambda a: [torch.stack([a[0] * 2, a[1] * 2], -1)]
+    z = torch.empty(3, 3, dtype=torch.complex64, device="meta")
+    (out,) = cc(z)
+    assert out.device.type == "meta" and out.stride() == (1, 3)
+
+
+def test_column_major_output_is_written_as_traced() -> None:
+    # exp(t.t()) * 2 is column-major in eager; the real graph stacked its parts row-major, so
+    # ComplexCompiled restrided every call's output with a copy; it now stacks in stride order
+    x = torch.randn(4, 3, dtype=torch.complex64)
+    (got,) = _run_lowered(lambda t: torch.exp(t.t()) * 2, x)
+    want = torch.exp(x.t()) * 2
+    assert got.stride() == want.stride() == (1, 3)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
 def test_linalg_inv_ex_inverse_and_info(dtype: torch.dtype) -> None:
     # the inverse from the real 2n x 2n embedding; info is the complex LU's first zero pivot
     # (exactly singular: a zero column, a zero matrix)
@@ -771,3 +839,20 @@ def test_pow_by_the_exponents_aten_computes_as_other_functions() -> None:
 
     (got,) = _run_lowered(powers, z)
     torch.testing.assert_close(got, powers(z), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_pow_by_other_integral_floats_is_exp_log() -> None:
+    # z ** 1e300 raised OverflowError (int(1e300) of an integral float, run at each call) and
+    # z ** 4.0 took the repeated product, where ATen's kernel takes e^(p log z) for every
+    # exponent but 0, ±0.5, ±1, ±2, 3: their non-finite values differ
+    vals = [0.0, 1.0, -1.0, 0.5, -2.5, math.inf, -math.inf, math.nan, 1e300]
+    z = torch.tensor([complex(a, b) for a in vals for b in vals], dtype=torch.complex128)
+
+    def powers(w: torch.Tensor) -> torch.Tensor:
+        return torch.stack([w**4.0, w**4, w**1e300, w**-3.0])
+
+    (got,) = _run_lowered(powers, z)
+    want = powers(z)
+    fin = want.isfinite()
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-9, atol=1e-12)
+    assert (got.isfinite() == fin).float().mean() > 0.9

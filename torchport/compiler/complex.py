@@ -154,12 +154,31 @@ class _Lowering:
             if isinstance(v, Pair):
                 ref = v.re if isinstance(v.re, fx.Node) else None
                 assert ref is not None, "complex output with a constant real part"
-                outs.append(self.e.call(torch.stack, [v.re, self.e.dense(v.im, ref)], -1))
+                outs.append(self._stacked(o, v.re, self.e.dense(v.im, ref)))
                 self.out_layout.append(True)
             else:
                 outs.append(v)
                 self.out_layout.append(False)
         self.graph.output(tuple(outs))
+
+    def _stacked(self, o: Any, re: Any, im: Any) -> Any:
+        """``[..., 2]`` (real, imag) of a complex output, laid out as traced where that layout is
+        dense but not row-major (``exp(t.t())``, an inverse): the parts are stacked in stride
+        order and permuted back, so a compiler writes that layout directly and the joined
+        output needs no restriding copy (``ComplexCompiled`` still copies if it differs)."""
+        v = _node_val(o) if isinstance(o, fx.Node) else None
+        if (
+            v is None
+            or not all(isinstance(s, int) for s in (*v.shape, *v.stride()))
+            or v.is_contiguous()
+            or v.numel() <= 1
+            or not is_non_overlapping_and_dense_or_false(v)
+        ):
+            return self.e.call(torch.stack, [re, im], -1)
+        order = sorted(range(v.dim()), key=lambda d: -v.stride(d))  # outermost first
+        back = [order.index(d) for d in range(v.dim())] + [v.dim()]
+        parts = [self.e.call(torch.permute, x, order) for x in (re, im)]
+        return self.e.call(torch.permute, self.e.call(torch.stack, parts, -1), back)
 
     def _call(self, n: fx.Node) -> Any:
         args, kwargs = self.lookup(n.args), self.lookup(n.kwargs)
@@ -352,7 +371,9 @@ class ComplexCompiled:
         for i, strides in self.out_strides:
             o = joined[i]
             if o.stride() != strides:
-                joined[i] = torch.empty_strided(o.shape, strides, dtype=o.dtype).copy_(o)
+                joined[i] = torch.empty_strided(
+                    o.shape, strides, dtype=o.dtype, device=o.device
+                ).copy_(o)
         return joined
 
 
@@ -360,8 +381,10 @@ def _traced_strides(gm: fx.GraphModule) -> list[tuple[int, tuple[int, ...]]]:
     """``(index, strides)`` of the complex outputs whose traced layout is not row-major (ATen's
     inverse is column-major, LAPACK's). A forward output saved for the backward reaches the
     backward graph with the traced strides in its example input, and Inductor's backward checks
-    them on every call; the joined output is row-major ([..., 2] stacked), so it is laid out as
-    traced (a copy for such outputs only). Symbolic strides are left alone."""
+    them on every call. The real graph stacks such an output's parts in its stride order
+    (``_Lowering._stacked``), so the joined output is normally laid out as traced already; where
+    it is not (a size-1 dimension's stride), a copy lays it out. Symbolic strides are left
+    alone."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     results = (
         out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]

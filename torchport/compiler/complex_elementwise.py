@@ -341,9 +341,12 @@ def c_asinh(e: _Emitter, a: Pair) -> Pair:
 
 
 def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
-    # the exponents ATen computes as other functions, so with their values at the branch cut
-    # and at infinities: z ** 0.5 through e^(0.5 log z) was -inf + inf i at -inf (ATen's sqrt:
-    # inf i) and -4e-8 + 1i at -1 (1i)
+    # the exponents ATen computes as other functions (pow_Tensor_Scalar: 0 fills ones, 1 copies;
+    # its complex kernel: 0.5 sqrt, -0.5 rsqrt, -1 reciprocal, 2 and 3 products, -2 the
+    # reciprocal of the square; int or float alike), so with their values at the branch cut and
+    # at infinities: z ** 0.5 through e^(0.5 log z) was -inf + inf i at -inf (ATen's sqrt: inf i)
+    # and -4e-8 + 1i at -1 (1i). Every other exponent, 4 and 1e300 too, is ATen's std::pow,
+    # e^(p log z)
     if isinstance(p, (int, float)) and not isinstance(p, bool):
         if p == 0.5:
             return c_sqrt(e, a)
@@ -351,13 +354,11 @@ def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
             return c_div(e, 1.0, c_sqrt(e, a))
         if p in (-1, -2):
             return c_div(e, 1.0, a if p == -1 else c_mul(e, a, a))
-        if isinstance(p, float) and p.is_integer():
-            p = int(p)
-    if isinstance(p, int) and 0 <= p <= 4:
-        out: Pair = Pair(e.dense(1.0, a.re), None)
-        for _ in range(p):
-            out = c_mul(e, out, a)
-        return out
+        if p in (0, 1, 2, 3):
+            out: Pair = Pair(e.dense(1.0, a.re), None)
+            for _ in range(int(p)):
+                out = c_mul(e, out, a)
+            return out
     return c_exp(e, c_mul(e, _pair(p), c_log(e, a)))
 
 
