@@ -900,6 +900,24 @@ def job(rank: int, world: int, init_method: str, plan: list[tuple[str, tuple]]) 
     return out
 
 
+def gloo_job(
+    rank: int, world: int, init_method: str, plan: list[tuple[str, tuple]]
+) -> dict[str, Any]:
+    """Like :func:`job` with a gloo default group: torchport groups then build their own mesh."""
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        init_method=init_method,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    out = {}
+    for name, args in plan:
+        out[name] = SCENARIOS[name](rank, world, *args)
+        dist.barrier()
+    return out
+
+
 def enter_host(ns: str, hostname: str) -> None:
     """Move this process into network namespace ``ns`` with its own hostname (a fake host)."""
     import ctypes

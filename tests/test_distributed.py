@@ -220,6 +220,19 @@ def test_a_group_re_created_under_its_name_works_each_time(plan):
     assert [r["recreate"] for r in results(plan)] == [[1.0, 3.0, 5.0]] * 2
 
 
+@functools.cache
+def gloo_results() -> list[dict]:
+    """World 2 with a gloo default group (torchport groups on meshes of their own)."""
+    return run_world(W.gloo_job, 2, [("recreate", ())], timeout=60)
+
+
+@pytest.mark.timeout(70)
+def test_a_group_on_its_own_mesh_re_created_under_its_name_works_each_time():
+    """Gloo default group: the second incarnation reused its predecessor's store keys (arena path,
+    job secret, addresses): FileNotFoundError / lost connection."""
+    assert [r["recreate"] for r in gloo_results()] == [[1.0, 3.0, 5.0]] * 2
+
+
 @pytest.mark.timeout(110)
 def test_mismatched_collectives_fail_on_every_rank():
     res = [r["mismatch"] for r in results("shm2")]
