@@ -454,6 +454,26 @@ def recreate_case(rank: int, world: int) -> list[float]:
     return sums
 
 
+def after_close_case(rank: int, world: int) -> list[str]:
+    """Ops issued on a torchport group object after destroy_process_group(g): each fails at once
+    (they queued on the stopped engine and never completed, or ran inline on the unmapped arena)."""
+    g = dist.new_group(list(range(world)), backend="torchport")
+    dist.destroy_process_group(g)
+    out = []
+    for make_op in (
+        lambda: g.allreduce([torch.ones(2)]),
+        lambda: g.send([torch.ones(2)], (rank + 1) % world, 0),
+        lambda: g.recv([torch.ones(2)], (rank + 1) % world, 0),
+    ):
+        t0 = time.monotonic()
+        try:
+            make_op().wait(datetime.timedelta(seconds=2))
+            out.append("completed")
+        except Exception as e:
+            out.append(type(e).__name__ if time.monotonic() - t0 < 0.5 else "slow")
+    return out
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -883,6 +903,7 @@ SCENARIOS = {
     "destroy_flushes": destroy_flushes_case,
     "stale_incarnation": stale_incarnation_case,
     "recreate": recreate_case,
+    "after_close": after_close_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,

@@ -223,7 +223,7 @@ def test_a_group_re_created_under_its_name_works_each_time(plan):
 @functools.cache
 def gloo_results() -> list[dict]:
     """World 2 with a gloo default group (torchport groups on meshes of their own)."""
-    return run_world(W.gloo_job, 2, [("recreate", ())], timeout=60)
+    return run_world(W.gloo_job, 2, [("recreate", ()), ("after_close", ())], timeout=60)
 
 
 @pytest.mark.timeout(70)
@@ -231,6 +231,13 @@ def test_a_group_on_its_own_mesh_re_created_under_its_name_works_each_time():
     """Gloo default group: the second incarnation reused its predecessor's store keys (arena path,
     job secret, addresses): FileNotFoundError / lost connection."""
     assert [r["recreate"] for r in gloo_results()] == [[1.0, 3.0, 5.0]] * 2
+
+
+@pytest.mark.timeout(70)
+def test_an_op_on_a_destroyed_group_fails_at_once():
+    """It used to queue on the stopped engine and never complete (a wait() could run it inline
+    on the closed communicator, its arena unmapped)."""
+    assert [r["after_close"] for r in gloo_results()] == [["CommAbortedError"] * 3] * 2
 
 
 @pytest.mark.timeout(110)

@@ -315,6 +315,9 @@ class Communicator:
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
         self.op_seq = 0
         self.error: BaseException | None = None
+        # set by close(): a later op would queue on a stopped engine, or run inline on an
+        # unmapped arena; it fails at once instead
+        self.closed = False
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
         self._lock = threading.Lock()
         self._running = threading.local()  # .work: the operation run() runs on this thread
@@ -424,11 +427,8 @@ class Communicator:
     ) -> TorchportWork:
         """Issue ``fn`` on the engine; return its Work at once."""
         work = TorchportWork(name, result)
-        if self.error is not None:
-            try:
-                self.check()
-            except CommunicatorErrorState as e:
-                work._finish(e)
+        if self.error is not None or self.closed:
+            self.check_now(work)
             return work
         self.engine.submit(work, fn)
         return work
@@ -665,7 +665,16 @@ class Communicator:
                 )
 
     def check_now(self, work: TorchportWork) -> bool:
-        """Finish ``work`` with the error state if failed; True if it did."""
+        """Finish ``work`` with the error state if failed, or with :class:`CommAbortedError` if
+        closed; True if it did."""
+        if self.closed and self.error is None:
+            work._finish(
+                CommAbortedError(
+                    f"{work.name} on communicator {self.name!r} (rank {self.rank}): the group "
+                    f"was destroyed"
+                )
+            )
+            return True
         try:
             self.check()
         except CommunicatorErrorState as e:
@@ -691,6 +700,7 @@ class Communicator:
             if time.monotonic() >= flush_end:
                 break
             time.sleep(0.002)
+        self.closed = True
         self.engine.stop()
         self.sender.stop()
         # an idle engine thread ends as soon as the stop rings; one still in an operation
