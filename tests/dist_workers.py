@@ -474,6 +474,29 @@ def after_close_case(rank: int, world: int) -> list[str]:
     return out
 
 
+def destroy_in_callback_case(rank: int, world: int) -> dict[str, Any]:
+    """A Work future callback (run on the engine thread) destroys the group: the close must not
+    wait for its own thread (it aborted the group after the 5 s flush, waited 5 s more for its
+    own join and left the arenas mapped)."""
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm = g.comm
+    dist.barrier(group=g)
+    t = torch.full((4,), float(rank + 1))
+    t0 = time.monotonic()
+    work = dist.all_reduce(t, group=g, async_op=True)
+    fut = work.get_future().then(lambda _f: dist.destroy_process_group(g))
+    fut.wait()
+    end = time.monotonic() + 2.0
+    while comm.arena is not None and comm.arena._mm is not None and time.monotonic() < end:
+        time.sleep(0.01)
+    return {
+        "s": time.monotonic() - t0,
+        "sum": t.tolist(),
+        "error": None if comm.error is None else type(comm.error).__name__,
+        "unmapped": comm.arena is None or comm.arena._mm is None,
+    }
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -904,6 +927,7 @@ SCENARIOS = {
     "stale_incarnation": stale_incarnation_case,
     "recreate": recreate_case,
     "after_close": after_close_case,
+    "destroy_in_callback": destroy_in_callback_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,

@@ -223,7 +223,12 @@ def test_a_group_re_created_under_its_name_works_each_time(plan):
 @functools.cache
 def gloo_results() -> list[dict]:
     """World 2 with a gloo default group (torchport groups on meshes of their own)."""
-    return run_world(W.gloo_job, 2, [("recreate", ()), ("after_close", ())], timeout=60)
+    return run_world(
+        W.gloo_job,
+        2,
+        [("recreate", ()), ("after_close", ()), ("destroy_in_callback", ())],
+        timeout=60,
+    )
 
 
 @pytest.mark.timeout(70)
@@ -238,6 +243,45 @@ def test_an_op_on_a_destroyed_group_fails_at_once():
     """It used to queue on the stopped engine and never complete (a wait() could run it inline
     on the closed communicator, its arena unmapped)."""
     assert [r["after_close"] for r in gloo_results()] == [["CommAbortedError"] * 3] * 2
+
+
+@pytest.mark.timeout(70)
+def test_destroy_from_a_work_callback_closes_without_waiting_for_itself():
+    """No rank aborts the group (a peer whose own mesh closed first may see the connection
+    lost: CommError on an idle group)."""
+    res = [r["destroy_in_callback"] for r in gloo_results()]
+    assert all(r["sum"] == [3.0] * 4 and r["unmapped"] for r in res), res
+    assert all(r["error"] in (None, "CommError") for r in res), res
+    assert all(r["s"] < 1.5 for r in res), res
+
+
+@pytest.mark.timeout(10)
+def test_an_op_whose_work_is_completing_is_not_in_flight():
+    """close() told the peers the group shut down when its 0.05 s join missed an op that had
+    completed its Work but not yet released the runner (busy() holds then)."""
+    import threading
+
+    from torchport.distributed.progress import Engine, TorchportWork
+
+    completed, release = threading.Event(), threading.Event()
+
+    def run(work: TorchportWork, fn) -> None:
+        fn()
+        work._finish()
+        completed.set()
+        release.wait(5.0)  # the Work is done; the runner is still held
+
+    engine = Engine("tp-test-inflight", run)
+    try:
+        assert not engine.in_flight()
+        engine.submit(TorchportWork("op"), lambda: None)
+        engine.urge()
+        assert completed.wait(5.0)
+        assert engine.busy() and not engine.in_flight()
+    finally:
+        release.set()
+        engine.stop()
+        assert engine.join(5.0)
 
 
 @pytest.mark.timeout(110)

@@ -690,7 +690,26 @@ class Communicator:
         work, so a peer that joins late still gets its result. One still in flight after that
         (a peer never joined) is aborted: its Work fails with :class:`CommAbortedError` and the
         peers see the group shut down. An idle group closes at once without telling anyone.
+
+        Called from inside an operation of this group on this thread (a Work's future callback
+        runs where the Work completes: the engine thread, or a caller of ``wait()`` running the
+        queue inline), the close runs on a thread of its own once that operation returned:
+        here it would wait for its own thread. A group that built its own mesh closes the mesh
+        last (its peers would see the connections lost while the group still flushes).
         """
+        if getattr(self._running, "work", None) is not None:
+            threading.Thread(target=self._close, daemon=True, name=f"tp-close-{self.name}").start()
+            return
+        self._close()
+
+    def _close(self) -> None:
+        try:
+            self._stop()
+        finally:
+            if self.owns_mesh:
+                self.mesh.close()
+
+    def _stop(self) -> None:
         self.engine.urge()  # queued async work starts now rather than at the next poll
         self.sender.urge()
         flush_end = time.monotonic() + min(SHUTDOWN_FLUSH_S, self.timeout_s)
@@ -707,7 +726,9 @@ class Communicator:
         # would run it to the group timeout (destroy blocked for the 5 s join, then the op
         # ran on and its Work completed only at the timeout)
         quiet = self.engine.join(SHUTDOWN_GRACE_S) & self.sender.join(SHUTDOWN_GRACE_S)
-        if (not quiet and (self.engine.busy() or self.sender.busy())) or self._pending:
+        # (in_flight: an op whose Work is just completing still holds the runner; it is no
+        # reason to tell the peers the group shut down)
+        if (not quiet and (self.engine.in_flight() or self.sender.in_flight())) or self._pending:
             self.fail(
                 CommAbortedError(
                     f"communicator {self.name!r} (rank {self.rank}) was shut down with an "
