@@ -497,6 +497,41 @@ def destroy_in_callback_case(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def overlap_unlocked_case(rank: int, world: int) -> float:
+    """Posting a receive tests it for overlap against the pending ones (a walk of up to ~0.4 s
+    for large strided views): seconds the group's lock was held meanwhile (the mailbox reader
+    needs it to deliver). The test is made slow (0.3 s) on purpose here."""
+    import threading
+
+    from torchport.distributed import engine
+
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm, peer = g.comm, (rank + 1) % world
+    entered = threading.Event()
+    real = engine.tensors_overlap
+
+    def slow(a: torch.Tensor, b: torch.Tensor) -> bool:
+        entered.set()
+        time.sleep(0.3)
+        return real(a, b)
+
+    engine.tensors_overlap = slow
+    try:
+        g.recv([torch.zeros(4)], peer, 1)
+        poster = threading.Thread(target=lambda: g.recv([torch.zeros(4)], peer, 2))
+        poster.start()
+        entered.wait(5.0)
+        t0 = time.monotonic()
+        with comm._lock:
+            held = time.monotonic() - t0
+        poster.join(5.0)
+    finally:
+        engine.tensors_overlap = real
+        comm.abort()
+        dist.destroy_process_group(g)
+    return held
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -927,6 +962,7 @@ SCENARIOS = {
     "stale_incarnation": stale_incarnation_case,
     "recreate": recreate_case,
     "after_close": after_close_case,
+    "overlap_unlocked": overlap_unlocked_case,
     "destroy_in_callback": destroy_in_callback_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,

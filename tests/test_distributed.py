@@ -226,7 +226,12 @@ def gloo_results() -> list[dict]:
     return run_world(
         W.gloo_job,
         2,
-        [("recreate", ()), ("after_close", ()), ("destroy_in_callback", ())],
+        [
+            ("recreate", ()),
+            ("after_close", ()),
+            ("destroy_in_callback", ()),
+            ("overlap_unlocked", ()),
+        ],
         timeout=60,
     )
 
@@ -253,6 +258,12 @@ def test_destroy_from_a_work_callback_closes_without_waiting_for_itself():
     assert all(r["sum"] == [3.0] * 4 and r["unmapped"] for r in res), res
     assert all(r["error"] in (None, "CommError") for r in res), res
     assert all(r["s"] < 1.5 for r in res), res
+
+
+@pytest.mark.timeout(70)
+def test_a_posted_receive_is_tested_for_overlap_outside_the_groups_lock():
+    """The lock was held for the whole test (0.3 s here), stalling the mailbox reader."""
+    assert all(held < 0.1 for held in (r["overlap_unlocked"] for r in gloo_results()))
 
 
 @pytest.mark.timeout(10)
