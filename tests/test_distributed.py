@@ -626,10 +626,12 @@ def test_split_ranks_take_integers_as_operator_index_does_but_no_bools(world1):
 
     from torchport.distributed import CollectiveArgumentError, split_group
 
-    sub = split_group(split_ranks=[[np.int64(0)]])
-    assert sub is not None and sub.size() == 1
-    dist.destroy_process_group(sub)
-    for bad in (True, np.bool_(False), 0.0, "0"):
+    for good in (np.int64(0), torch.tensor(0), torch.tensor([[0]])):  # (as operator.index)
+        sub = split_group(split_ranks=[[good]])
+        assert sub is not None and sub.size() == 1
+        dist.destroy_process_group(sub)
+    # (torch.tensor(True) passed as rank 1)
+    for bad in (True, np.bool_(False), torch.tensor(False), torch.tensor([True]), 0.0, "0"):
         with pytest.raises(CollectiveArgumentError, match="split rank must be an integer") as e:
             split_group(split_ranks=[[bad]])
         assert repr(bad) in str(e.value)
