@@ -454,6 +454,84 @@ def recreate_case(rank: int, world: int) -> list[float]:
     return sums
 
 
+def after_close_case(rank: int, world: int) -> list[str]:
+    """Ops issued on a torchport group object after destroy_process_group(g): each fails at once
+    (they queued on the stopped engine and never completed, or ran inline on the unmapped arena)."""
+    g = dist.new_group(list(range(world)), backend="torchport")
+    dist.destroy_process_group(g)
+    out = []
+    for make_op in (
+        lambda: g.allreduce([torch.ones(2)]),
+        lambda: g.send([torch.ones(2)], (rank + 1) % world, 0),
+        lambda: g.recv([torch.ones(2)], (rank + 1) % world, 0),
+    ):
+        t0 = time.monotonic()
+        try:
+            make_op().wait(datetime.timedelta(seconds=2))
+            out.append("completed")
+        except Exception as e:
+            out.append(type(e).__name__ if time.monotonic() - t0 < 0.5 else "slow")
+    return out
+
+
+def destroy_in_callback_case(rank: int, world: int) -> dict[str, Any]:
+    """A Work future callback (run on the engine thread) destroys the group: the close must not
+    wait for its own thread (it aborted the group after the 5 s flush, waited 5 s more for its
+    own join and left the arenas mapped)."""
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm = g.comm
+    dist.barrier(group=g)
+    t = torch.full((4,), float(rank + 1))
+    t0 = time.monotonic()
+    work = dist.all_reduce(t, group=g, async_op=True)
+    fut = work.get_future().then(lambda _f: dist.destroy_process_group(g))
+    fut.wait()
+    end = time.monotonic() + 2.0
+    while comm.arena is not None and comm.arena._mm is not None and time.monotonic() < end:
+        time.sleep(0.01)
+    return {
+        "s": time.monotonic() - t0,
+        "sum": t.tolist(),
+        "error": None if comm.error is None else type(comm.error).__name__,
+        "unmapped": comm.arena is None or comm.arena._mm is None,
+    }
+
+
+def overlap_unlocked_case(rank: int, world: int) -> float:
+    """Posting a receive tests it for overlap against the pending ones (a walk of up to ~0.4 s
+    for large strided views): seconds the group's lock was held meanwhile (the mailbox reader
+    needs it to deliver). The test is made slow (0.3 s) on purpose here."""
+    import threading
+
+    from torchport.distributed import engine
+
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm, peer = g.comm, (rank + 1) % world
+    entered = threading.Event()
+    real = engine.tensors_overlap
+
+    def slow(a: torch.Tensor, b: torch.Tensor) -> bool:
+        entered.set()
+        time.sleep(0.3)
+        return real(a, b)
+
+    engine.tensors_overlap = slow
+    try:
+        g.recv([torch.zeros(4)], peer, 1)
+        poster = threading.Thread(target=lambda: g.recv([torch.zeros(4)], peer, 2))
+        poster.start()
+        entered.wait(5.0)
+        t0 = time.monotonic()
+        with comm._lock:
+            held = time.monotonic() - t0
+        poster.join(5.0)
+    finally:
+        engine.tensors_overlap = real
+        comm.abort()
+        dist.destroy_process_group(g)
+    return held
+
+
 def timeout_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 runs an allreduce with a 0.3 s per-op timeout that rank 0 never joins."""
     from torchport.distributed import CommTimeoutError, get_error
@@ -883,6 +961,9 @@ SCENARIOS = {
     "destroy_flushes": destroy_flushes_case,
     "stale_incarnation": stale_incarnation_case,
     "recreate": recreate_case,
+    "after_close": after_close_case,
+    "overlap_unlocked": overlap_unlocked_case,
+    "destroy_in_callback": destroy_in_callback_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,
@@ -893,6 +974,24 @@ SCENARIOS = {
 def job(rank: int, world: int, init_method: str, plan: list[tuple[str, tuple]]) -> dict[str, Any]:
     """Initialise once, then run the named scenarios in order (one spawn per world size)."""
     init(rank, world, init_method)
+    out = {}
+    for name, args in plan:
+        out[name] = SCENARIOS[name](rank, world, *args)
+        dist.barrier()
+    return out
+
+
+def gloo_job(
+    rank: int, world: int, init_method: str, plan: list[tuple[str, tuple]]
+) -> dict[str, Any]:
+    """Like :func:`job` with a gloo default group: torchport groups then build their own mesh."""
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        init_method=init_method,
+        timeout=datetime.timedelta(seconds=30),
+    )
     out = {}
     for name, args in plan:
         out[name] = SCENARIOS[name](rank, world, *args)

@@ -220,6 +220,81 @@ def test_a_group_re_created_under_its_name_works_each_time(plan):
     assert [r["recreate"] for r in results(plan)] == [[1.0, 3.0, 5.0]] * 2
 
 
+@functools.cache
+def gloo_results() -> list[dict]:
+    """World 2 with a gloo default group (torchport groups on meshes of their own)."""
+    return run_world(
+        W.gloo_job,
+        2,
+        [
+            ("recreate", ()),
+            ("after_close", ()),
+            ("destroy_in_callback", ()),
+            ("overlap_unlocked", ()),
+        ],
+        timeout=60,
+    )
+
+
+@pytest.mark.timeout(70)
+def test_a_group_on_its_own_mesh_re_created_under_its_name_works_each_time():
+    """Gloo default group: the second incarnation reused its predecessor's store keys (arena path,
+    job secret, addresses): FileNotFoundError / lost connection."""
+    assert [r["recreate"] for r in gloo_results()] == [[1.0, 3.0, 5.0]] * 2
+
+
+@pytest.mark.timeout(70)
+def test_an_op_on_a_destroyed_group_fails_at_once():
+    """It used to queue on the stopped engine and never complete (a wait() could run it inline
+    on the closed communicator, its arena unmapped)."""
+    assert [r["after_close"] for r in gloo_results()] == [["CommAbortedError"] * 3] * 2
+
+
+@pytest.mark.timeout(70)
+def test_destroy_from_a_work_callback_closes_without_waiting_for_itself():
+    """No rank aborts the group (a peer whose own mesh closed first may see the connection
+    lost: CommError on an idle group)."""
+    res = [r["destroy_in_callback"] for r in gloo_results()]
+    assert all(r["sum"] == [3.0] * 4 and r["unmapped"] for r in res), res
+    assert all(r["error"] in (None, "CommError") for r in res), res
+    assert all(r["s"] < 1.5 for r in res), res
+
+
+@pytest.mark.timeout(70)
+def test_a_posted_receive_is_tested_for_overlap_outside_the_groups_lock():
+    """The lock was held for the whole test (0.3 s here), stalling the mailbox reader."""
+    assert all(held < 0.1 for held in (r["overlap_unlocked"] for r in gloo_results()))
+
+
+@pytest.mark.timeout(10)
+def test_an_op_whose_work_is_completing_is_not_in_flight():
+    """close() told the peers the group shut down when its 0.05 s join missed an op that had
+    completed its Work but not yet released the runner (busy() holds then)."""
+    import threading
+
+    from torchport.distributed.progress import Engine, TorchportWork
+
+    completed, release = threading.Event(), threading.Event()
+
+    def run(work: TorchportWork, fn) -> None:
+        fn()
+        work._finish()
+        completed.set()
+        release.wait(5.0)  # the Work is done; the runner is still held
+
+    engine = Engine("tp-test-inflight", run)
+    try:
+        assert not engine.in_flight()
+        engine.submit(TorchportWork("op"), lambda: None)
+        engine.urge()
+        assert completed.wait(5.0)
+        assert engine.busy() and not engine.in_flight()
+    finally:
+        release.set()
+        engine.stop()
+        assert engine.join(5.0)
+
+
 @pytest.mark.timeout(110)
 def test_mismatched_collectives_fail_on_every_rank():
     res = [r["mismatch"] for r in results("shm2")]
@@ -551,10 +626,12 @@ def test_split_ranks_take_integers_as_operator_index_does_but_no_bools(world1):
 
     from torchport.distributed import CollectiveArgumentError, split_group
 
-    sub = split_group(split_ranks=[[np.int64(0)]])
-    assert sub is not None and sub.size() == 1
-    dist.destroy_process_group(sub)
-    for bad in (True, np.bool_(False), 0.0, "0"):
+    for good in (np.int64(0), torch.tensor(0), torch.tensor([[0]])):  # (as operator.index)
+        sub = split_group(split_ranks=[[good]])
+        assert sub is not None and sub.size() == 1
+        dist.destroy_process_group(sub)
+    # (torch.tensor(True) passed as rank 1)
+    for bad in (True, np.bool_(False), torch.tensor(False), torch.tensor([True]), 0.0, "0"):
         with pytest.raises(CollectiveArgumentError, match="split rank must be an integer") as e:
             split_group(split_ranks=[[bad]])
         assert repr(bad) in str(e.value)

@@ -292,7 +292,15 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
         load_dumps(tmp_path)
     # a field analyze computes with, of the wrong type: the file, entry and field are named
     # (a string or null seq_id ended in a traceback)
-    for field, value in (("seq_id", "7"), ("seq_id", None), ("seq_id", True), ("group", [1])):
+    for field, value in (
+        ("seq_id", "7"),
+        ("seq_id", None),
+        ("seq_id", True),
+        ("seq_id", 7.5),
+        ("seq_id", -1.0),
+        ("seq_id", float("nan")),
+        ("group", [1]),
+    ):
         dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{**entry, field: value}]})
         with pytest.raises(DumpError, match=rf"rank_0\.json: entry 0: {field} must be"):
             load_dumps(tmp_path)
@@ -301,6 +309,10 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
     # a foreign dump without durations is still analysed
     dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [entry]})
     assert "was still started after 0 ms" in analyze(load_dumps(tmp_path)).text()
+    # an integral float seq_id, as other JSON writers may write it, was refused
+    dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{**entry, "seq_id": 7.0}]})
+    dumps = load_dumps(tmp_path)
+    assert dumps[0]["entries"][0]["seq_id"] == 7 and "#7 " in analyze(dumps).text()
     # a stale second dump of rank 0 (sorted after the real one) replaced it: "no problem found"
     dump(
         "rank_0_old.json",

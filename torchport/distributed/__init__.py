@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 # PeerFailure comes from the fault-tolerance control plane (reconfigure, windows, ft).
@@ -98,10 +99,12 @@ def _pg(group: Any) -> TorchportProcessGroup:
 
 
 def _split_rank(value: Any, given: Any) -> int:
-    """A split rank as an int: anything ``operator.index`` takes (NumPy integers, a 0-dim
-    integer tensor; a NumPy integer was refused) except a bool (torch takes True as rank 1
-    unchecked; a flag is no rank)."""
-    if isinstance(value, bool | np.bool_):
+    """A split rank as an int: anything ``operator.index`` takes (NumPy integers, an integer
+    tensor of one element, of any shape; a NumPy integer was refused) except a bool or a bool
+    tensor (torch takes True as rank 1 unchecked; a flag is no rank)."""
+    if isinstance(value, bool | np.bool_) or (
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool
+    ):
         raise CollectiveArgumentError(
             f"split_group: a split rank must be an integer, got {value!r} in {list(given)}"
         )

@@ -96,9 +96,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        self.comm.close()
-        if getattr(self.comm, "owns_mesh", False):
-            self.comm.mesh.close()
+        self.comm.close()  # (closes the group's own mesh too, if it built one)
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """Per-group default timeout for later operations (a positive ``timedelta``)."""

@@ -315,6 +315,9 @@ class Communicator:
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
         self.op_seq = 0
         self.error: BaseException | None = None
+        # set by close(): a later op would queue on a stopped engine, or run inline on an
+        # unmapped arena; it fails at once instead
+        self.closed = False
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
         self._lock = threading.Lock()
         self._running = threading.local()  # .work: the operation run() runs on this thread
@@ -424,11 +427,8 @@ class Communicator:
     ) -> TorchportWork:
         """Issue ``fn`` on the engine; return its Work at once."""
         work = TorchportWork(name, result)
-        if self.error is not None:
-            try:
-                self.check()
-            except CommunicatorErrorState as e:
-                work._finish(e)
+        if self.error is not None or self.closed:
+            self.check_now(work)
             return work
         self.engine.submit(work, fn)
         return work
@@ -634,9 +634,8 @@ class Communicator:
         if src is not None:
             key = (self.group_id, int(Kind.P2P), self.ranks[src], seq)
             one = Delivery(deliver, failed)
-            with self._lock:
-                self._refuse_overlap(work, tensor)
-                self._pending.append((key, one, work))
+            if not self._post(work, tensor, (key, one, work)):
+                return work
             self.mesh.mailbox.expect(key, one)
             return work
         keys = [
@@ -645,17 +644,49 @@ class Communicator:
             if q != self.rank
         ]
         once = Once(deliver, keys, failed)
-        with self._lock:
-            self._refuse_overlap(work, tensor)
-            self._pending.append((keys[0] if keys else None, once, work))
+        if not self._post(work, tensor, (keys[0] if keys else None, once, work)):
+            return work
         self.mesh.mailbox.expect_any(once)
         return work
 
-    def _refuse_overlap(self, work: TorchportWork, tensor: torch.Tensor) -> None:
-        """Refuse a receive into memory an in-flight receive of this group also writes (under
-        ``_lock``): which frame lands last is a race (gloo does not check; a batch_isend_irecv
-        with two receives into one buffer gave either sender's data)."""
-        for _key, _cb, other in self._pending:
+    def _post(
+        self,
+        work: TorchportWork,
+        tensor: torch.Tensor,
+        entry: tuple[Any, Callable[..., None], TorchportWork],
+    ) -> bool:
+        """Add a posted receive to ``_pending`` once it overlaps none of the receives there.
+
+        The overlap tests run outside ``_lock`` on a snapshot (an exact test of two large
+        strided views walks their elements, 0.36 s for two column halves of a 20000x1000 matrix,
+        and the mailbox reader needs the lock to deliver); receives posted meanwhile are tested
+        in another round, so the entry is appended under the same lock that saw none left.
+
+        False (``work`` finished with the error) if the group failed or closed meanwhile: the
+        failure took the pending list already, so the entry would never be finished."""
+        checked: dict[int, TorchportWork] = {}  # (holds the works: their ids stay unique)
+        while True:
+            with self._lock:
+                if self.error is None and not self.closed:
+                    fresh = [p[2] for p in self._pending if id(p[2]) not in checked]
+                    if not fresh:
+                        self._pending.append(entry)
+                        return True
+                else:
+                    fresh = []
+            if not fresh:
+                self.check_now(work)
+                return False
+            self._refuse_overlap(work, tensor, fresh)
+            checked.update((id(w), w) for w in fresh)
+
+    def _refuse_overlap(
+        self, work: TorchportWork, tensor: torch.Tensor, pending: list[TorchportWork]
+    ) -> None:
+        """Refuse a receive into memory an in-flight receive of this group also writes: which
+        frame lands last is a race (gloo does not check; a batch_isend_irecv with two receives
+        into one buffer gave either sender's data)."""
+        for other in pending:
             theirs = other._result[0] if other._result else None
             if theirs is not None and tensors_overlap(tensor, theirs):
                 raise CollectiveArgumentError(
@@ -665,7 +696,16 @@ class Communicator:
                 )
 
     def check_now(self, work: TorchportWork) -> bool:
-        """Finish ``work`` with the error state if failed; True if it did."""
+        """Finish ``work`` with the error state if failed, or with :class:`CommAbortedError` if
+        closed; True if it did."""
+        if self.closed and self.error is None:
+            work._finish(
+                CommAbortedError(
+                    f"{work.name} on communicator {self.name!r} (rank {self.rank}): the group "
+                    f"was destroyed"
+                )
+            )
+            return True
         try:
             self.check()
         except CommunicatorErrorState as e:
@@ -681,7 +721,26 @@ class Communicator:
         work, so a peer that joins late still gets its result. One still in flight after that
         (a peer never joined) is aborted: its Work fails with :class:`CommAbortedError` and the
         peers see the group shut down. An idle group closes at once without telling anyone.
+
+        Called from inside an operation of this group on this thread (a Work's future callback
+        runs where the Work completes: the engine thread, or a caller of ``wait()`` running the
+        queue inline), the close runs on a thread of its own once that operation returned:
+        here it would wait for its own thread. A group that built its own mesh closes the mesh
+        last (its peers would see the connections lost while the group still flushes).
         """
+        if getattr(self._running, "work", None) is not None:
+            threading.Thread(target=self._close, daemon=True, name=f"tp-close-{self.name}").start()
+            return
+        self._close()
+
+    def _close(self) -> None:
+        try:
+            self._stop()
+        finally:
+            if self.owns_mesh:
+                self.mesh.close()
+
+    def _stop(self) -> None:
         self.engine.urge()  # queued async work starts now rather than at the next poll
         self.sender.urge()
         flush_end = time.monotonic() + min(SHUTDOWN_FLUSH_S, self.timeout_s)
@@ -691,13 +750,16 @@ class Communicator:
             if time.monotonic() >= flush_end:
                 break
             time.sleep(0.002)
+        self.closed = True
         self.engine.stop()
         self.sender.stop()
         # an idle engine thread ends as soon as the stop rings; one still in an operation
         # would run it to the group timeout (destroy blocked for the 5 s join, then the op
         # ran on and its Work completed only at the timeout)
         quiet = self.engine.join(SHUTDOWN_GRACE_S) & self.sender.join(SHUTDOWN_GRACE_S)
-        if (not quiet and (self.engine.busy() or self.sender.busy())) or self._pending:
+        # (in_flight: an op whose Work is just completing still holds the runner; it is no
+        # reason to tell the peers the group shut down)
+        if (not quiet and (self.engine.in_flight() or self.sender.in_flight())) or self._pending:
             self.fail(
                 CommAbortedError(
                     f"communicator {self.name!r} (rank {self.rank}) was shut down with an "

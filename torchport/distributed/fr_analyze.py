@@ -65,8 +65,14 @@ def _check_dump(p: Path, obj: Any) -> int:
             raise DumpError(f"{p}: entry {i} needs keys {_ENTRY_REQUIRED}, got {e!r:.200}")
         # the fields analyze computes with (a string or null seq_id ended in a traceback)
         seq = e["seq_id"]
+        if isinstance(seq, float) and seq.is_integer():
+            # (JSON writers other than ours may write an integral number as 7.0)
+            seq = e["seq_id"] = int(seq)
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-            raise DumpError(f"{p}: entry {i}: seq_id must be an int >= 0, got {seq!r:.200}")
+            raise DumpError(
+                f"{p}: entry {i}: seq_id must be an int >= 0 (an integral float is taken), "
+                f"got {seq!r:.200}"
+            )
         for k in ("op", "group", "state"):
             if not isinstance(e[k], str):
                 raise DumpError(f"{p}: entry {i}: {k} must be a string, got {e[k]!r:.200}")

@@ -34,7 +34,8 @@ from torchport.distributed.transport_tcp import Mesh
 
 _lock = threading.Lock()
 _root: Mesh | None = None
-# name -> groups of that name built on the root mesh so far (reset with the mesh)
+# name -> groups of that name built so far, on the root mesh or on their own (reset when a
+# root mesh is built)
 _incarnations: dict[str, int] = {}
 
 
@@ -53,10 +54,13 @@ def root_mesh() -> Mesh | None:
     return _root
 
 
-def _build_mesh(store: Any, rank: int, size: int, timeout_s: float) -> Mesh:
+def _build_mesh(store: Any, rank: int, size: int, timeout_s: float, again: str = "") -> Mesh:
+    # again: suffix of the store keys of a re-created group's own mesh (its predecessor's
+    # secret and addresses stay in the same store prefix)
+    prefix = f"tp{again}/"
     if rank == 0:
-        store.set("tp/secret", auth.new_secret())
-    secret = bytes(store.get("tp/secret"))
+        store.set(f"{prefix}secret", auth.new_secret())
+    secret = bytes(store.get(f"{prefix}secret"))
     if len(secret) != auth.SECRET_BYTES:
         raise CommError(
             f"job secret in the store has {len(secret)} bytes, expected {auth.SECRET_BYTES}"
@@ -75,6 +79,7 @@ def _build_mesh(store: Any, rank: int, size: int, timeout_s: float) -> Mesh:
             + SLOT_EXTRA,
         ),
         host_id=host_id(),
+        key_prefix=prefix,
     )
 
 
@@ -124,15 +129,19 @@ def build_communicator(
     with _lock:
         is_root = not global_ranks or _root is None or _root.closed
         if is_root:
-            mesh = _build_mesh(store, rank, size, timeout_s)
+            # a group on its own mesh (the default group is another backend's) re-created under
+            # its name reuses the store prefix too: count it like a group on the root mesh
+            seen = _incarnations.get(name, 0) if global_ranks else 0
+            if global_ranks:
+                _incarnations[name] = seen + 1
+            mesh = _build_mesh(store, rank, size, timeout_s, again=f"#{seen}" if seen else "")
             if not global_ranks:
                 if _root is not None and not _root.closed:
                     _root.close()
                 _root = mesh
                 _incarnations.clear()
             ranks: list[int] = list(range(size))
-            gid = 0 if not global_ranks else group_id_for(name)
-            seen = 0
+            gid = 0 if not global_ranks else group_id_for(name, seen)
         else:
             assert _root is not None
             mesh = _root

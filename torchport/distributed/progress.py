@@ -161,6 +161,7 @@ class Engine:
         )
         self._lock = threading.Lock()
         self._runner = threading.Lock()
+        self._current: TorchportWork | None = None  # the operation being run (under _runner)
         # Doorbell cells read by native code while the thread sleeps without the GIL:
         # [posted, taken, stop, sleeping, futex word, urgent, sleeps ended, -]. Posting wakes
         # the thread only from a deep sleep (tp_doorbell_post); a ring (stop, or a future
@@ -204,7 +205,9 @@ class Engine:
             with self._runner:
                 item = self._pop()
                 if item is not None:
+                    self._current = item[0]
                     self._run(*item)
+                    self._current = None
 
     def help(self, work: TorchportWork) -> None:
         """Run queued operations inline up to ``work`` unless another thread is running them."""
@@ -215,8 +218,11 @@ class Engine:
                 item = self._pop()
                 if item is None:
                     return
+                self._current = item[0]
                 self._run(*item)
+                self._current = None
         finally:
+            self._current = None
             self._runner.release()
 
     def stop(self) -> None:
@@ -226,6 +232,12 @@ class Engine:
         """Whether an operation is queued or running (a stopped engine's thread may still be
         inside one)."""
         return bool(self._items) or self._runner.locked()
+
+    def in_flight(self) -> bool:
+        """Whether an operation is queued, or running and not yet finishing (unlike
+        :meth:`busy`, false for one whose Work is completing while the runner is still held)."""
+        cur = self._current
+        return bool(self._items) or (cur is not None and not cur._ended)
 
     def drain(self) -> list[TorchportWork]:
         """Take every queued operation off the queue (the engine stopped: none will run)."""

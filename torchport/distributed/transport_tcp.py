@@ -643,21 +643,24 @@ class Mesh:
         timeout_s: float,
         max_frame: int,
         host_id: str,
+        key_prefix: str = "tp/",
     ) -> None:
+        # key_prefix: a group re-created in the same store prefix must not read the addresses
+        # its destroyed predecessor published there
         self._init_state(rank, world, secret, max_frame, addr, backlog=max(16, world))
-        store.set(f"tp/addr/{rank}", self.address)
-        store.set(f"tp/host/{rank}", host_id)
+        store.set(f"{key_prefix}addr/{rank}", self.address)
+        store.set(f"{key_prefix}host/{rank}", host_id)
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
         self._acceptor.start()
         deadline = time.monotonic() + timeout_s
         self.hosts = {}
         for q in range(world):
-            self.hosts[q] = store.get(f"tp/host/{q}").decode()
+            self.hosts[q] = store.get(f"{key_prefix}host/{q}").decode()
         here = sum(h == host_id for h in self.hosts.values())
         self.linger_us = LINGER_US if here <= len(os.sched_getaffinity(0)) else 0
         self.pin_cpu = _spread_cpu(sum(self.hosts[q] == host_id for q in range(rank)))
         for q in range(rank):
-            h, p = store.get(f"tp/addr/{q}").decode().rsplit(":", 1)
+            h, p = store.get(f"{key_prefix}addr/{q}").decode().rsplit(":", 1)
             self._connect(q, h, int(p), deadline)
         with self._ready:
             while len(self.peers) < world - 1:
