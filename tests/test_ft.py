@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -774,6 +775,41 @@ def test_silent_unauthenticated_connections_take_bounded_threads():
     finally:
         for s in socks:
             s.close()
+        srv.close()
+
+
+def test_trickling_handshake_holds_a_slot_for_the_handshake_timeout_only(monkeypatch):
+    """The server's handshake timed out per recv only: a client sending its 32-byte answer a byte
+    every 0.2 s held its slot 6.4 s (past a 0.5 s handshake timeout), so with every slot taken a
+    legitimate connect timed out. The whole exchange now has one deadline."""
+    import threading
+
+    import torchport.distributed._control as control
+
+    monkeypatch.setattr(control, "MAX_HANDSHAKES", 1)
+    monkeypatch.setattr(control, "HANDSHAKE_TIMEOUT", 0.5, raising=False)
+    secret = b"k" * 32
+    srv = control.Server(lambda c: None, secret=secret, role="heal")
+    slow = socket.create_connection(srv.address)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            slow.recv(32)
+            while not stop.wait(0.2):
+                slow.sendall(b"x")
+
+    t = threading.Thread(target=trickle)
+    try:
+        t.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        connect(srv.address, secret, "heal", timeout=3).close()
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        stop.set()
+        t.join(5)
+        slow.close()
         srv.close()
 
 
