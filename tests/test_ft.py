@@ -420,6 +420,9 @@ def test_heal_broken_off_midway_never_trains_on_torn_state():
         assert info.value.partial and w.sum().item() == 100.0  # torn: the fix cannot undo that
         with pytest.raises(QuorumError, match="torn by an interrupted heal"):
             mgr.start_quorum()  # alone, so no valid state anywhere: it used to train on the torn one
+        unmarked = {"quorum_id": 2, "members": ["b"], "steps": [0], "max_step": 0}
+        with pytest.raises(CommError, match="torn by an interrupted heal"):
+            mgr._sources(unmarked, 0)  # a quorum not marking it torn: still not its own source
         healer = connect(mgr.heal_address, secret, "heal", timeout=2)
         send_msg(healer, {"t": "get_state", "step": 0})
         with pytest.raises(StateTransferError, match="state is torn"):

@@ -449,7 +449,8 @@ class Manager:
 
     def _sources(self, q: dict[str, Any], rank: int) -> list[int]:
         """The members holding a valid state at the quorum's step, in member order."""
-        torn = q.get("torn") or [False] * len(q["members"])
+        torn = list(q.get("torn") or [False] * len(q["members"]))
+        torn[rank] = torn[rank] or self._torn  # never its own source, whatever the quorum says
         valid = [i for i, s in enumerate(q["steps"]) if s == q["max_step"] and not torn[i]]
         if not valid:  # every member is torn: no state to train on anywhere
             raise CommError(
