@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -418,7 +419,10 @@ def test_heal_broken_off_midway_never_trains_on_torn_state():
             mgr._heal(q, 0, 0)
         assert info.value.partial and w.sum().item() == 100.0  # torn: the fix cannot undo that
         with pytest.raises(QuorumError, match="torn by an interrupted heal"):
-            mgr.start_quorum()  # alone at its old step: it used to train on the torn state here
+            mgr.start_quorum()  # alone, so no valid state anywhere: it used to train on the torn one
+        unmarked = {"quorum_id": 2, "members": ["b"], "steps": [0], "max_step": 0}
+        with pytest.raises(CommError, match="torn by an interrupted heal"):
+            mgr._sources(unmarked, 0)  # a quorum not marking it torn: still not its own source
         healer = connect(mgr.heal_address, secret, "heal", timeout=2)
         send_msg(healer, {"t": "get_state", "step": 0})
         with pytest.raises(StateTransferError, match="state is torn"):
@@ -428,6 +432,141 @@ def test_heal_broken_off_midway_never_trains_on_torn_state():
         mgr.shutdown()
         lh.close()
         src.close()
+
+
+def _ft_replicas(lh: Lighthouse, secret: bytes, managers: list, **kw):
+    """A factory of in-process managers whose state is one tensor ``w`` (shut down by the caller)."""
+    from torchport.distributed.ft import Manager
+
+    def replica(rid: str, w: torch.Tensor):
+        m = Manager(
+            lighthouse=lh.address,
+            replica_id=rid,
+            state_dict=lambda: {"w": w},
+            load_state_dict=lambda s: w.copy_(s["w"]),
+            secret=secret,
+            timeout=5.0,
+            **kw,
+        )
+        managers.append(m)
+        return m
+
+    return replica
+
+
+def _quorum(*ms) -> list:
+    """Every manager's start_quorum at once; the errors they raised."""
+    import threading
+
+    errors: list = []
+
+    def run(m) -> None:
+        try:
+            m.start_quorum()
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in ms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return errors
+
+
+def test_torn_replica_heals_from_a_valid_member_at_an_older_step():
+    """A replica torn by a broken-off heal kept asking for quorums at its pre-heal step; when that
+    was the highest step, the quorum named it the source of a valid member at an older step, it
+    refused (torn), and every attempt failed until QuorumError. It now asks at step 0 marked torn,
+    and heals from the valid member (taking that member's step)."""
+    secret = b"o" * 32
+    lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=5.0, secret=secret)
+    managers: list = []
+    replica = _ft_replicas(lh, secret, managers, quorum_timeout=3.0)
+    try:
+        wa, wb = torch.full((4,), 2.0), torch.full((4,), 9.0)
+        a, b = replica("a", wa), replica("b", wb)
+        a._step, b._step, b._torn = 2, 3, True  # b's heal to some step 3 broke off midway
+        assert _quorum(a, b) == []
+        assert torch.equal(wb, wa) and b.current_step() == 2 and not b._torn
+    finally:
+        for m in managers:
+            m.shutdown()
+        lh.close()
+
+
+def test_torn_replica_at_step_0_init_syncs_from_member_0():
+    """With init_sync, a replica torn at step 0 re-healed from any other member at step 0 (here
+    member 2, itself still copying member 0's state or holding its own init), not from member 0:
+    it then trained on another model than member 0's without an error."""
+    secret = b"z" * 32
+    lh = Lighthouse(min_replicas=3, join_timeout=5.0, heartbeat=5.0, secret=secret)
+    managers: list = []
+    replica = _ft_replicas(lh, secret, managers, quorum_timeout=5.0)
+    try:
+        w0, w1, w2 = torch.zeros(4), torch.full((4,), 9.0), torch.full((4,), 2.0)
+        r0, r1, r2 = replica("r0", w0), replica("r1", w1), replica("r2", w2)
+        r1._torn = True  # r1 (member 1 of 3) was torn by a broken-off init_sync heal
+        assert _quorum(r0, r1, r2) == []
+        assert torch.equal(w1, w0) and torch.equal(w2, w0) and not r1._torn
+    finally:
+        for m in managers:
+            m.shutdown()
+        lh.close()
+
+
+def test_replica_receiving_a_heal_does_not_serve_its_state():
+    """A replica still receiving a heal into its own tensors served them to another healer (a mix
+    of its old state and the bytes received so far); it now refuses, as a torn one does."""
+    import threading
+
+    from torchport.distributed._control import Server
+    from torchport.distributed.ft import Manager
+
+    secret = b"r" * 32
+    release = threading.Event()
+
+    def slow_source(conn: socket.socket) -> None:  # sends the header, then holds the transfer
+        recv_msg(conn)
+        user = {"__dict__": [["w", {"__tensor__": 0}]]}
+        structure = {"__dict__": [["user", user], ["step", 5]]}
+        send_msg(
+            conn,
+            {"t": "state", "structure": structure, "tensors": [["float32", [4], 16]], "total": 16},
+        )
+        release.wait(10)
+        conn.sendall(torch.ones(4).numpy().tobytes())
+
+    src = Server(slow_source, secret=secret, role="heal")
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    w = torch.zeros(4)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="b",
+        state_dict=lambda: {"w": w},
+        load_state_dict=lambda s: w.copy_(s["w"]),
+        secret=secret,
+        timeout=5.0,
+    )
+    q = {"quorum_id": 1, "heal_addrs": [list(src.address)], "steps": [5], "max_step": 5}
+    t = threading.Thread(target=mgr._heal, args=(q, 0, 0))
+    try:
+        t.start()
+        _wait_for(lambda: mgr._receiving, 5, "the heal to start")
+        healer = connect(mgr.heal_address, secret, "heal", timeout=2)
+        send_msg(healer, {"t": "get_state", "step": 0})
+        with pytest.raises(StateTransferError, match="being received"):
+            recv_state(healer)
+        healer.close()
+        release.set()
+        t.join(5)
+        assert not t.is_alive() and mgr.current_step() == 5 and w.sum().item() == 4.0
+    finally:
+        release.set()
+        mgr.shutdown()
+        lh.close()
+        src.close()
+        t.join(5)
 
 
 @pytest.mark.parametrize(
@@ -639,6 +778,41 @@ def test_silent_unauthenticated_connections_take_bounded_threads():
     finally:
         for s in socks:
             s.close()
+        srv.close()
+
+
+def test_trickling_handshake_holds_a_slot_for_the_handshake_timeout_only(monkeypatch):
+    """The server's handshake timed out per recv only: a client sending its 32-byte answer a byte
+    every 0.2 s held its slot 6.4 s (past a 0.5 s handshake timeout), so with every slot taken a
+    legitimate connect timed out. The whole exchange now has one deadline."""
+    import threading
+
+    import torchport.distributed._control as control
+
+    monkeypatch.setattr(control, "MAX_HANDSHAKES", 1)
+    monkeypatch.setattr(control, "HANDSHAKE_TIMEOUT", 0.5, raising=False)
+    secret = b"k" * 32
+    srv = control.Server(lambda c: None, secret=secret, role="heal")
+    slow = socket.create_connection(srv.address)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            slow.recv(32)
+            while not stop.wait(0.2):
+                slow.sendall(b"x")
+
+    t = threading.Thread(target=trickle)
+    try:
+        t.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        connect(srv.address, secret, "heal", timeout=3).close()
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        stop.set()
+        t.join(5)
+        slow.close()
         srv.close()
 
 

@@ -164,13 +164,18 @@ def _mac(secret: bytes, nonce: bytes, role: str) -> bytes:
 
 
 def server_handshake(sock: socket.socket, secret: bytes, role: str, timeout: float = 5.0) -> None:
-    """Challenge the client; raise :class:`AuthError` if it does not answer with the right MAC."""
-    sock.settimeout(timeout)
+    """Challenge the client; raise :class:`AuthError` if it does not answer with the right MAC.
+    The whole exchange ends within ``timeout`` s (``TimeoutError`` otherwise): a per-``recv``
+    timeout let a client trickling its answer a byte at a time hold the server's slot 32 times
+    as long."""
+    deadline = time.monotonic() + timeout
     nonce = secrets.token_bytes(32)
+    _until(sock, deadline, "sending the authentication challenge")
     sock.sendall(nonce)
-    answer = recv_exact(sock, 32)
+    answer = recv_exact(sock, 32, deadline)
     if not hmac.compare_digest(answer, _mac(secret, nonce, role)):
         raise AuthError(f"peer failed authentication for {role!r}")
+    _until(sock, deadline, "confirming the authentication")
     sock.sendall(b"OK")
     sock.settimeout(None)
 
@@ -224,6 +229,7 @@ def connect(
 
 
 MAX_HANDSHAKES = 128  # connections of one server in the authentication handshake at once
+HANDSHAKE_TIMEOUT = 5.0  # s, a server's whole handshake with one connection
 
 
 class Server:
@@ -255,8 +261,12 @@ class Server:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         # connections still in the handshake hold a slot: without a bound, silent
-        # unauthenticated connections got a thread each (5 s apiece); past it, further ones
-        # wait in the kernel's listen backlog until a slot frees
+        # unauthenticated connections got a thread each; past it, further ones wait in the
+        # kernel's listen backlog until a slot frees. A slot is held HANDSHAKE_TIMEOUT at most
+        # (one deadline for the whole exchange), so a flood of MAX_HANDSHAKES connections
+        # delays a legitimate peer by that long, and can neither add threads nor get past
+        # authentication; a client that keeps reopening them as fast as they expire can still
+        # keep legitimate peers waiting (a denial of service the bound does not prevent)
         self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept, name=f"tp-{role}-srv", daemon=True)
         self._thread.start()
@@ -279,7 +289,7 @@ class Server:
         try:
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                server_handshake(conn, self._secret, self._role)
+                server_handshake(conn, self._secret, self._role, HANDSHAKE_TIMEOUT)
             finally:
                 self._slots.release()
         except (OSError, CommError):

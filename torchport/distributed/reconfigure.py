@@ -753,7 +753,10 @@ class ReconfigurableGroup:
             if not ev.wait(t):
                 # the op is still in flight: fail the group (as c10d's watchdog aborts a timed-out
                 # communicator), or it completed later with a slow peer and rewrote the tensor
-                # this rank had been told failed, while the peer reported success
+                # this rank had been told failed, while the peer reported success. On gloo only
+                # the group's error is set: a gloo op cannot be aborted (abort()/shutdown() of a
+                # torch 2.13 ProcessGroupGloo return without ending it), so it can still complete
+                # with a slow peer (README)
                 err = CommError(f"{name} timed out after {t} s")
                 self._fail(err)
                 raise err

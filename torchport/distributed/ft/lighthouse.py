@@ -13,7 +13,8 @@ failure notices, and an *rpc* channel for quorum requests and commit votes.
   ``min_replicas`` have asked and ``join_timeout`` has passed since the first request. Members are
   ordered by replica id; the quorum id changes whenever membership changes, a commit failed, or a
   member lost its group, which tells the replicas to form a new process group. The reply names the
-  highest step among members, so replicas behind it heal from one that is at it.
+  highest step among members, so replicas behind it heal from one that is at it (a replica whose
+  state a broken-off heal tore asks at step 0, marked torn, and heals from a valid member).
   Two rules prevent a split brain (two disjoint quorums committing the same step from different
   states): a round never forms while a live member of the previous quorum has neither voted nor
   asked again (however slow it is), and while a live replica that committed the highest step
@@ -250,6 +251,7 @@ class Lighthouse:
             "quorum_id": self._quorum_id,
             "members": members,
             "steps": [int(i["step"]) for i in infos],
+            "torn": [bool(i.get("torn")) for i in infos],  # at step 0, no valid state to serve
             "heal_addrs": [i["heal_addr"] for i in infos],
             "meshes": [i.get("mesh") for i in infos],  # torchport members' mesh listeners
             "max_step": max_step,
@@ -360,6 +362,7 @@ class Lighthouse:
             **last,
             "steps": [step + 1] * len(members),
             "max_step": step + 1,
+            "torn": [False] * len(members),  # every one of them just trained and committed
             "heal_addrs": [vote.nexts[m].get("heal_addr") for m in members],
             "meshes": [vote.nexts[m].get("mesh") for m in members],
         }
@@ -398,6 +401,8 @@ def _bad_request(msg: Any) -> str | None:
         return f"heal_addr must be [host, port], got {addr!r}"
     if not _is_int(addr[1]):
         return f"heal_addr's port must be an int, got {addr[1]!r}"
+    if "torn" in msg and not isinstance(msg["torn"], bool):
+        return f"torn must be a bool, got {msg['torn']!r}"
     if "group" in msg and not _is_int(msg["group"]):
         return f"group must be an int, got {msg['group']!r}"
     if "timeout" in msg and not _is_seconds(msg["timeout"]):

@@ -131,8 +131,8 @@ class Manager:
         secret: job secret (default from ``TORCHPORT_SECRET``).
         recorder: optional Flight Recorder for the manager's collectives.
         init_sync: in every quorum before the first commit (the quorum's step is 0) a replica
-            other than member 0 copies member 0's state, so replicas need not be initialised
-            identically.
+            other than member 0 copies member 0's state (the first member whose state is not
+            torn), so replicas need not be initialised identically.
         backend: ``"torchport"`` (default) or ``"gloo"``: what carries the gradient allreduce.
     """
 
@@ -176,6 +176,10 @@ class Manager:
         # state is no step's at all, so it must heal from a member at the quorum's step before
         # training, and must not serve it to others
         self._torn = False
+        # a heal is receiving into this replica's own tensors: serving them now would hand out
+        # a mix of two states. Set before the first byte lands, so no later serve starts; none
+        # is under way then either, as a quorum never names a replica it heals as a source
+        self._receiving = False
         self._step = 0
         self._qid = -1
         self._members: list[str] = []
@@ -339,24 +343,28 @@ class Manager:
         self._members, self._rank = members, rank
         if q["quorum_id"] != self._qid or self._pg is None:
             self._build_group(int(q["quorum_id"]), rank, len(members), q)
-        if self._step < int(q["max_step"]):
-            self._heal(q, rank, None)
-        elif self._torn:
-            self._heal(q, rank, self._untorn_source(q, rank))
-        elif self.init_sync and rank != 0 and int(q["max_step"]) == 0:
-            # nothing committed yet: start from member 0's initial state. Not only on this
-            # replica's first quorum: a member 0 that crashed before the first commit comes back
-            # with a fresh init, and replicas synced to its previous life would silently diverge
-            self._heal(q, rank, 0)
+        sources = self._sources(q, rank)
+        if self.init_sync and int(q["max_step"]) == 0:
+            # nothing committed yet: every replica, torn or not, starts from the first valid
+            # member's initial state (member 0 unless it is torn). Not only on this replica's
+            # first quorum: a member 0 that crashed before the first commit comes back with a
+            # fresh init, and replicas synced to its previous life would silently diverge
+            if sources[0] != rank:
+                self._heal(q, rank, sources[0])
+        elif self._torn or self._step < int(q["max_step"]):
+            self._heal(q, rank, sources[rank % len(sources)])
         if self._error is not None:
             raise CommError(f"failure during quorum: {self._error}")
 
     def _request(self, step: int, timeout: float) -> dict[str, Any]:
         """A quorum request for ``step`` (sent alone, or inside a commit vote as ``next``)."""
+        # a torn replica holds no step's state: it asks at the lowest step, marked torn, so the
+        # quorum's step comes from members with a valid state and it heals from one of them
         return {
             "t": "quorum",
             "rid": self.replica_id,
-            "step": step,
+            "step": 0 if self._torn else step,
+            "torn": self._torn,
             "heal_addr": list(self.heal_address),
             "group": self._qid if self._pg is not None else -1,
             "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
@@ -439,22 +447,23 @@ class Manager:
             retire(self._pg)
         self._pg, self._qid = None, -1
 
-    def _untorn_source(self, q: dict[str, Any], rank: int) -> int:
-        """A member other than this (torn) replica at the quorum's step to heal from."""
-        others = [i for i, s in enumerate(q["steps"]) if s == q["max_step"] and i != rank]
-        if not others:
+    def _sources(self, q: dict[str, Any], rank: int) -> list[int]:
+        """The members holding a valid state at the quorum's step, in member order."""
+        torn = list(q.get("torn") or [False] * len(q["members"]))
+        torn[rank] = torn[rank] or self._torn  # never its own source, whatever the quorum says
+        valid = [i for i, s in enumerate(q["steps"]) if s == q["max_step"] and not torn[i]]
+        if not valid:  # every member is torn: no state to train on anywhere
             raise CommError(
                 f"replica {self.replica_id}: its state was torn by an interrupted heal and no "
-                f"other member of quorum {q['quorum_id']} is at step {q['max_step']} to heal from"
+                f"other member of quorum {q['quorum_id']} holds a valid state to heal from"
             )
-        return others[rank % len(others)]
+        return valid
 
-    def _heal(self, q: dict[str, Any], rank: int, src: int | None) -> None:
-        if src is None:
-            healthy = [i for i, s in enumerate(q["steps"]) if s == q["max_step"]]
-            src = healthy[rank % len(healthy)]
+    def _heal(self, q: dict[str, Any], rank: int, src: int) -> None:
         host, port = q["heal_addrs"][src]
         self.metrics.note(f"heal from member {src} at step {q['steps'][src]}")
+        with self._lock:
+            self._receiving = True  # _serve_heal refuses from here on: our tensors change
         try:
             with torch.no_grad():  # receive straight into this replica's own (warm) tensors
                 state, hdr, secs = fetch_state(
@@ -468,6 +477,9 @@ class Manager:
             # a break-off after bytes landed in our own tensors leaves half of each state
             self._torn = self._torn or e.partial
             raise
+        finally:
+            with self._lock:
+                self._receiving = False
         self._torn = True  # until the load completes: a failing load_state_dict tears it too
         self._load_state_dict(state["user"])
         self._step = int(state["step"])
@@ -488,8 +500,10 @@ class Manager:
         if msg.get("t") != "get_state":
             send_msg(conn, {"t": "error", "error": f"unknown heal request {msg.get('t')!r}"})
             return
-        if self._torn:
-            send_msg(conn, {"t": "error", "error": f"replica {self.replica_id}'s state is torn"})
+        with self._lock:
+            busy = "torn" if self._torn else "being received" if self._receiving else None
+        if busy is not None:  # the healer's quorum retries, as for any failed heal
+            send_msg(conn, {"t": "error", "error": f"replica {self.replica_id}'s state is {busy}"})
             return
         send_state(conn, {"user": self._state_dict(), "step": self._step})
 
