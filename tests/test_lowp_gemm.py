@@ -858,6 +858,24 @@ def test_share_memory_on_a_quantized_model(cfg):
         assert torch.equal(model(x), model.bias.reshape(1, 32))
 
 
+def test_share_memory_when_only_qdata_was_shared():
+    # share_memory_ judged "nothing moved" from qdata's storage alone: with qdata already in
+    # shared memory and the scale not, the scale moved and the settled route kept its freed
+    # pointer (the next F.linear read garbage scales); is_shared() looked at qdata only
+    torch.manual_seed(16)
+    w0 = NVFP4Tensor.from_float(torch.randn(64, 64))
+    w = NVFP4Tensor(
+        w0.qdata.clone().share_memory_(), w0.scale.clone(), w0.per_tensor_scale, torch.float32
+    )
+    x = torch.randn(1, 64)
+    want = F.linear(x, w)
+    F.linear(x, w)  # route settled
+    assert not w.is_shared()
+    w.share_memory_()
+    assert w.scale.is_shared() and w.is_shared() and w._route is None and w._pack is None
+    assert torch.equal(F.linear(x, w), want)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [lowp.NVFP4WeightOnlyConfig(), lowp.MXWeightOnlyConfig(), lowp.Float8WeightOnlyConfig()],

@@ -429,12 +429,16 @@ class LowPrecisionTensor(torch.Tensor):
         frees its old memory, which the packed weight and the settled route of every tensor
         sharing it point into: their caches are dropped and entered under the new storage."""
         caches = self._sharing_caches()
+        names = self.__tensor_flatten__()[0]
+        before = [_storage_key(getattr(self, n)) for n in names]
         with torch.no_grad():
-            for n in self.__tensor_flatten__()[0]:
+            for n in names:
                 getattr(self, n).share_memory_()
         key = _storage_key(self.qdata)
-        if key is None or caches[0].key == key:  # already shared: nothing moved
-            return
+        # every inner tensor's storage, not qdata's alone: with qdata already shared and the
+        # scale not, the scale moved and the route kept reading its freed memory
+        if key is None or before == [_storage_key(getattr(self, n)) for n in names]:
+            return  # already shared: nothing moved
         for c in caches:
             c.pack = c.route = None
             c.key = key
@@ -581,7 +585,9 @@ class LowPrecisionTensor(torch.Tensor):
             args[0]._share_memory()
             return args[0]
         if func is _is_shared and isinstance(args[0], LowPrecisionTensor):
-            return args[0].qdata.is_shared()
+            # every inner tensor (qdata shared and the scale not is not a shared tensor)
+            t = args[0]
+            return all(getattr(t, n).is_shared() for n in t.__tensor_flatten__()[0])
         if func is _to and _copy_requested(args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
