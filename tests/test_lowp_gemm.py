@@ -910,6 +910,82 @@ def test_torch_load_with_weights_only_and_a_checked_layout(cfg):
         t.__setstate__(bad)
 
 
+@pytest.mark.parametrize("cls", [NVFP4Tensor, MXTensor, Float8Tensor], ids=["nvfp4", "mx", "fp8"])
+def test_quantized_tensors_check_devices_and_wrapper_dtype(cls):
+    # meta inner tensors under a CPU wrapper (a crafted file, or the constructor) handed the
+    # GEMV a null pointer (SIGSEGV), and a file loaded with map_location="meta" gave a meta
+    # weight that did the same; an int64/bool wrapper dtype loaded. Inner tensors must be on the
+    # wrapper's device, a meta weight propagates shapes, and the wrapper dtype is a float dtype
+    import io
+
+    torch.manual_seed(17)
+    w = cls.from_float(torch.randn(32, 64))
+    st = w.__getstate__()
+    st["qdata"], st["scale"] = st["qdata"].to("meta"), st["scale"].to("meta")
+    t = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=w.dtype)
+    with pytest.raises(LowPrecisionError, match="qdata must be on the tensor's device cpu"):
+        t.__setstate__(st)
+    for dt in (torch.int64, torch.bool):
+        t = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=dt)
+        with pytest.raises(LowPrecisionError, match="_orig_dtype must be the tensor's dtype"):
+            t.__setstate__(w.__getstate__())
+    buf = io.BytesIO()
+    torch.save({"w": w}, buf)
+    buf.seek(0)
+    m = torch.load(buf, map_location="meta")["w"]
+    assert m.is_meta and m.qdata.is_meta
+    for rows in (1, 16):  # decode and prefill
+        out = F.linear(torch.randn(rows, 64), m)
+        assert out.is_meta and out.shape == (rows, 32)
+    assert m.dequantize().is_meta and (m + 1).shape == (32, 64)
+    with pytest.raises(LowPrecisionError, match="GEMV needs a CPU weight"):
+        m.gemv_pack()
+    q, s = w.qdata.to("meta"), w.scale.to("meta")
+    args = {NVFP4Tensor: (None,), MXTensor: ("fp4_e2m1",), Float8Tensor: ()}[cls]
+    c = cls(q, s, *args, torch.float32) if cls is not Float8Tensor else cls(q, s, torch.float32)
+    assert c.is_meta and F.linear(torch.randn(1, 64), c).shape == (1, 32)
+    with pytest.raises(LowPrecisionError, match="_orig_dtype must be"):
+        cls(w.qdata, w.scale, *args, torch.int64)
+
+
+def test_loaded_settings_are_checked():
+    # a file's per_tensor_scale (NaN, negative, zero, 'x') loaded unchecked and a missing one was
+    # not refused; MX act_elem="fp5" and _orig_dtype="x" loaded and failed later in detach/clone
+    # with a TypeError. Every setting is now checked on load as the constructor checks it.
+    nv = NVFP4Tensor.from_float(torch.randn(32, 64))
+    for bad in (float("nan"), -2.0, 0.0, "x"):
+        st = nv.__getstate__()
+        st["per_tensor_scale"] = bad
+        t = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, nv.shape, dtype=nv.dtype)
+        with pytest.raises(LowPrecisionError, match="per_tensor_scale must be a positive"):
+            t.__setstate__(st)
+    for name, value, cls, w in (
+        ("act_per_tensor_scale", 1, NVFP4Tensor, nv),
+        ("act_elem", "fp5", MXTensor, MXTensor.from_float(torch.randn(32, 64))),
+        ("elem", "fp5", MXTensor, MXTensor.from_float(torch.randn(32, 64))),
+        ("_orig_dtype", "x", MXTensor, MXTensor.from_float(torch.randn(32, 64))),
+        ("act_dtype", torch.int8, Float8Tensor, Float8Tensor.from_float(torch.randn(32, 64))),
+    ):
+        st = w.__getstate__()
+        st[name] = value
+        t = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=w.dtype)
+        with pytest.raises(LowPrecisionError, match=f"{name}.*{re.escape(repr(value))}"):
+            t.__setstate__(st)
+    for name in ("per_tensor_scale", "_orig_dtype", "act_per_tensor_scale"):
+        st = nv.__getstate__()
+        del st[name]
+        t = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, nv.shape, dtype=nv.dtype)
+        with pytest.raises(LowPrecisionError, match=f"the state has no entry '{name}'"):
+            t.__setstate__(st)
+    with pytest.raises(LowPrecisionError, match="act_elem must be one of"):
+        MXTensor(*mx_inner(), "fp4_e2m1", torch.float32, "fp5")
+
+
+def mx_inner():
+    w = MXTensor.from_float(torch.randn(32, 64))
+    return w.qdata, w.scale
+
+
 def test_nvfp4_and_mx_tensors_check_their_inner_tensors():
     # NVFP4Tensor(q, scale[:, :1], ...) and MXTensor(...) with a short or float32 scale were
     # accepted; F.linear then read the scales past their end or misread them (results off by
