@@ -948,6 +948,27 @@ def test_quantized_tensors_check_devices_and_wrapper_dtype(cls):
         cls(w.qdata, w.scale, *args, torch.int64)
 
 
+def test_copy_into_a_slice_keeps_the_other_slices_scale():
+    # two weights whose qdata are slices of one buffer (a loader slicing one file buffer) were
+    # entered under one storage: copy_ into one set the other's per_tensor_scale (its values
+    # changed silently). Both still drop their packed weights (the bytes are one buffer).
+    torch.manual_seed(18)
+    a = NVFP4Tensor.from_float(torch.randn(32, 64))
+    b = NVFP4Tensor.from_float(torch.randn(32, 64) * 100)
+    buf = torch.cat([a.qdata.reshape(-1), b.qdata.reshape(-1)])
+    wa = NVFP4Tensor(buf[:1024].view(32, 32), a.scale.clone(), a.per_tensor_scale, torch.float32)
+    wb = NVFP4Tensor(buf[1024:].view(32, 32), b.scale.clone(), b.per_tensor_scale, torch.float32)
+    alias = wa.detach()
+    want = wb.dequantize()
+    x = torch.randn(1, 64)
+    ref = F.linear(x, wb)  # packed
+    wa.copy_(NVFP4Tensor.from_float(torch.randn(32, 64) * 7))
+    assert wb.per_tensor_scale == b.per_tensor_scale and torch.equal(wb.dequantize(), want)
+    assert wb._pack is None and torch.equal(F.linear(x, wb), ref)
+    assert alias.per_tensor_scale == wa.per_tensor_scale != a.per_tensor_scale
+    assert torch.equal(alias.dequantize(), wa.dequantize())
+
+
 def test_loaded_settings_are_checked():
     # a file's per_tensor_scale (NaN, negative, zero, 'x') loaded unchecked and a missing one was
     # not refused; MX act_elem="fp5" and _orig_dtype="x" loaded and failed later in detach/clone

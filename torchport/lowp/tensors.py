@@ -135,6 +135,14 @@ def _storage_key(t: Any) -> int | None:
     return t.untyped_storage().data_ptr() if type(t) is torch.Tensor else None
 
 
+def _view_of(t: LowPrecisionTensor) -> tuple[Any, ...]:
+    """Offset, shape and strides of each inner tensor (which bytes of its storage it reads)."""
+    return tuple(
+        (x.storage_offset(), tuple(x.shape), x.stride())
+        for x in (getattr(t, n) for n in t.__tensor_flatten__()[0])
+    )
+
+
 def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The LowPrecisionTensor argument that ``func`` writes into (schema ``alias_info.is_write``:
     in-place ops, ``out=`` variants, ``set_``, ``resize_``, ...), or None."""
@@ -162,6 +170,10 @@ class _Cache:
         # the last settled decode route (eager weight-only GEMV; torchport.gemv.ops.settle_route)
         self.route: SettledRoute | None = None
         self.key: int | None = None
+        # the inner tensors' views of their storages (see _view_of) when entered: a copy_ passes
+        # its _copied_meta only to tensors with the very same views (two weights sliced from one
+        # buffer share the storage, not the bytes each one's scale applies to)
+        self.view: tuple[Any, ...] = ()
 
 
 class LowPrecisionTensor(torch.Tensor):
@@ -259,6 +271,7 @@ class LowPrecisionTensor(torch.Tensor):
         if key is None:
             return
         self._cache.key = key
+        self._cache.view = _view_of(self)
         _SHARING.setdefault(key, {})[id(self._cache)] = weakref.ref(self._cache)
         if len(_SHARING) > _PRUNE_AT[0]:
             for k in list(_SHARING):
@@ -427,9 +440,14 @@ class LowPrecisionTensor(torch.Tensor):
             for n in names:
                 getattr(self, n).copy_(getattr(new, n))
         meta = {attr: getattr(new, attr) for attr in self._copied_meta}
+        view = _view_of(self)
         for c in self._sharing_caches():
-            for attr, value in meta.items():
-                setattr(c, attr, value)
+            # every tensor on this storage may read the written bytes (caches dropped), but only
+            # one with these very views stands for them (a slice of one buffer beside this one
+            # kept its own per-tensor scale: it took this one's)
+            if c is self._cache or c.view == view:
+                for attr, value in meta.items():
+                    setattr(c, attr, value)
             c.pack = None  # repacked (and the route settled again) on the next call
             c.route = None
 
