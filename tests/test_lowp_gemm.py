@@ -858,6 +858,24 @@ def test_share_memory_on_a_quantized_model(cfg):
         assert torch.equal(model(x), model.bias.reshape(1, 32))
 
 
+def test_share_memory_when_only_qdata_was_shared():
+    # share_memory_ judged "nothing moved" from qdata's storage alone: with qdata already in
+    # shared memory and the scale not, the scale moved and the settled route kept its freed
+    # pointer (the next F.linear read garbage scales); is_shared() looked at qdata only
+    torch.manual_seed(16)
+    w0 = NVFP4Tensor.from_float(torch.randn(64, 64))
+    w = NVFP4Tensor(
+        w0.qdata.clone().share_memory_(), w0.scale.clone(), w0.per_tensor_scale, torch.float32
+    )
+    x = torch.randn(1, 64)
+    want = F.linear(x, w)
+    F.linear(x, w)  # route settled
+    assert not w.is_shared()
+    w.share_memory_()
+    assert w.scale.is_shared() and w.is_shared() and w._route is None and w._pack is None
+    assert torch.equal(F.linear(x, w), want)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [lowp.NVFP4WeightOnlyConfig(), lowp.MXWeightOnlyConfig(), lowp.Float8WeightOnlyConfig()],
@@ -890,6 +908,103 @@ def test_torch_load_with_weights_only_and_a_checked_layout(cfg):
     bad["dequantize"] = 1.0  # would shadow the method
     with pytest.raises(LowPrecisionError, match="unexpected state entry 'dequantize'"):
         t.__setstate__(bad)
+
+
+@pytest.mark.parametrize("cls", [NVFP4Tensor, MXTensor, Float8Tensor], ids=["nvfp4", "mx", "fp8"])
+def test_quantized_tensors_check_devices_and_wrapper_dtype(cls):
+    # meta inner tensors under a CPU wrapper (a crafted file, or the constructor) handed the
+    # GEMV a null pointer (SIGSEGV), and a file loaded with map_location="meta" gave a meta
+    # weight that did the same; an int64/bool wrapper dtype loaded. Inner tensors must be on the
+    # wrapper's device, a meta weight propagates shapes, and the wrapper dtype is a float dtype
+    import io
+
+    torch.manual_seed(17)
+    w = cls.from_float(torch.randn(32, 64))
+    st = w.__getstate__()
+    st["qdata"], st["scale"] = st["qdata"].to("meta"), st["scale"].to("meta")
+    t = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=w.dtype)
+    with pytest.raises(LowPrecisionError, match="qdata must be on the tensor's device cpu"):
+        t.__setstate__(st)
+    for dt in (torch.int64, torch.bool):
+        t = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=dt)
+        with pytest.raises(LowPrecisionError, match="_orig_dtype must be the tensor's dtype"):
+            t.__setstate__(w.__getstate__())
+    buf = io.BytesIO()
+    torch.save({"w": w}, buf)
+    buf.seek(0)
+    m = torch.load(buf, map_location="meta")["w"]
+    assert m.is_meta and m.qdata.is_meta
+    for rows in (1, 16):  # decode and prefill
+        out = F.linear(torch.randn(rows, 64), m)
+        assert out.is_meta and out.shape == (rows, 32)
+    assert m.dequantize().is_meta and (m + 1).shape == (32, 64)
+    with pytest.raises(LowPrecisionError, match="GEMV needs a CPU weight"):
+        m.gemv_pack()
+    q, s = w.qdata.to("meta"), w.scale.to("meta")
+    args = {NVFP4Tensor: (None,), MXTensor: ("fp4_e2m1",), Float8Tensor: ()}[cls]
+    c = cls(q, s, *args, torch.float32) if cls is not Float8Tensor else cls(q, s, torch.float32)
+    assert c.is_meta and F.linear(torch.randn(1, 64), c).shape == (1, 32)
+    with pytest.raises(LowPrecisionError, match="_orig_dtype must be"):
+        cls(w.qdata, w.scale, *args, torch.int64)
+
+
+def test_copy_into_a_slice_keeps_the_other_slices_scale():
+    # two weights whose qdata are slices of one buffer (a loader slicing one file buffer) were
+    # entered under one storage: copy_ into one set the other's per_tensor_scale (its values
+    # changed silently). Both still drop their packed weights (the bytes are one buffer).
+    torch.manual_seed(18)
+    a = NVFP4Tensor.from_float(torch.randn(32, 64))
+    b = NVFP4Tensor.from_float(torch.randn(32, 64) * 100)
+    buf = torch.cat([a.qdata.reshape(-1), b.qdata.reshape(-1)])
+    wa = NVFP4Tensor(buf[:1024].view(32, 32), a.scale.clone(), a.per_tensor_scale, torch.float32)
+    wb = NVFP4Tensor(buf[1024:].view(32, 32), b.scale.clone(), b.per_tensor_scale, torch.float32)
+    alias = wa.detach()
+    want = wb.dequantize()
+    x = torch.randn(1, 64)
+    ref = F.linear(x, wb)  # packed
+    wa.copy_(NVFP4Tensor.from_float(torch.randn(32, 64) * 7))
+    assert wb.per_tensor_scale == b.per_tensor_scale and torch.equal(wb.dequantize(), want)
+    assert wb._pack is None and torch.equal(F.linear(x, wb), ref)
+    assert alias.per_tensor_scale == wa.per_tensor_scale != a.per_tensor_scale
+    assert torch.equal(alias.dequantize(), wa.dequantize())
+
+
+def test_loaded_settings_are_checked():
+    # a file's per_tensor_scale (NaN, negative, zero, 'x') loaded unchecked and a missing one was
+    # not refused; MX act_elem="fp5" and _orig_dtype="x" loaded and failed later in detach/clone
+    # with a TypeError. Every setting is now checked on load as the constructor checks it.
+    nv = NVFP4Tensor.from_float(torch.randn(32, 64))
+    for bad in (float("nan"), -2.0, 0.0, "x"):
+        st = nv.__getstate__()
+        st["per_tensor_scale"] = bad
+        t = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, nv.shape, dtype=nv.dtype)
+        with pytest.raises(LowPrecisionError, match="per_tensor_scale must be a positive"):
+            t.__setstate__(st)
+    for name, value, cls, w in (
+        ("act_per_tensor_scale", 1, NVFP4Tensor, nv),
+        ("act_elem", "fp5", MXTensor, MXTensor.from_float(torch.randn(32, 64))),
+        ("elem", "fp5", MXTensor, MXTensor.from_float(torch.randn(32, 64))),
+        ("_orig_dtype", "x", MXTensor, MXTensor.from_float(torch.randn(32, 64))),
+        ("act_dtype", torch.int8, Float8Tensor, Float8Tensor.from_float(torch.randn(32, 64))),
+    ):
+        st = w.__getstate__()
+        st[name] = value
+        t = torch.Tensor._make_wrapper_subclass(cls, w.shape, dtype=w.dtype)
+        with pytest.raises(LowPrecisionError, match=f"{name}.*{re.escape(repr(value))}"):
+            t.__setstate__(st)
+    for name in ("per_tensor_scale", "_orig_dtype", "act_per_tensor_scale"):
+        st = nv.__getstate__()
+        del st[name]
+        t = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, nv.shape, dtype=nv.dtype)
+        with pytest.raises(LowPrecisionError, match=f"the state has no entry '{name}'"):
+            t.__setstate__(st)
+    with pytest.raises(LowPrecisionError, match="act_elem must be one of"):
+        MXTensor(*mx_inner(), "fp4_e2m1", torch.float32, "fp5")
+
+
+def mx_inner():
+    w = MXTensor.from_float(torch.randn(32, 64))
+    return w.qdata, w.scale
 
 
 def test_nvfp4_and_mx_tensors_check_their_inner_tensors():

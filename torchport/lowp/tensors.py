@@ -82,6 +82,8 @@ _dlpack = torch.Tensor.__dlpack__
 _DATA = torch._C.TensorBase.__dict__["data"]
 _is_shared = torch.Tensor.is_shared
 _autocast_on = torch._C._is_any_autocast_enabled
+# the dtypes a quantized tensor may stand for (to(dtype) keeps it quantized for these)
+_WRAPPER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
 
 
@@ -133,6 +135,14 @@ def _storage_key(t: Any) -> int | None:
     return t.untyped_storage().data_ptr() if type(t) is torch.Tensor else None
 
 
+def _view_of(t: LowPrecisionTensor) -> tuple[Any, ...]:
+    """Offset, shape and strides of each inner tensor (which bytes of its storage it reads)."""
+    return tuple(
+        (x.storage_offset(), tuple(x.shape), x.stride())
+        for x in (getattr(t, n) for n in t.__tensor_flatten__()[0])
+    )
+
+
 def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The LowPrecisionTensor argument that ``func`` writes into (schema ``alias_info.is_write``:
     in-place ops, ``out=`` variants, ``set_``, ``resize_``, ...), or None."""
@@ -160,6 +170,10 @@ class _Cache:
         # the last settled decode route (eager weight-only GEMV; torchport.gemv.ops.settle_route)
         self.route: SettledRoute | None = None
         self.key: int | None = None
+        # the inner tensors' views of their storages (see _view_of) when entered: a copy_ passes
+        # its _copied_meta only to tensors with the very same views (two weights sliced from one
+        # buffer share the storage, not the bytes each one's scale applies to)
+        self.view: tuple[Any, ...] = ()
 
 
 class LowPrecisionTensor(torch.Tensor):
@@ -172,10 +186,22 @@ class LowPrecisionTensor(torch.Tensor):
     # the _Cache: properties in the subclass)
     _copied_meta: tuple[str, ...] = ()
 
+    # the non-tensor entries of the pickled state besides the _copied_meta ones (each checked on
+    # load as the constructor checks its argument: see _check_settings)
+    _settings: tuple[str, ...] = ("_orig_dtype",)
+
     @staticmethod
-    def __new__(cls, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, *_: Any, **__: Any):
+    def __new__(
+        cls,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        *_: Any,
+        device: torch.device | None = None,
+        **__: Any,
+    ):
+        # on its inner tensors' device (the CPU, or meta: shapes only), checked in __init__
         t = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
+            cls, shape, dtype=dtype, device=device or torch.device("cpu"), requires_grad=False
         )
         t._cache = _Cache()
         return t
@@ -208,6 +234,8 @@ class LowPrecisionTensor(torch.Tensor):
             raise LowPrecisionError(
                 f"{type(self).__name__} GEMV needs a 2-D weight, got shape {tuple(self.shape)}"
             )
+        if self.qdata.is_meta:
+            raise LowPrecisionError(f"{type(self).__name__} GEMV needs a CPU weight, got meta")
         if type(self.qdata) is torch.Tensor and not torch.compiler.is_compiling():
             # Real storage (possibly under a dispatch mode, e.g. a graph capture): pack outside
             # any mode, once, so that a capture records only the GEMV, not the packing.
@@ -243,6 +271,7 @@ class LowPrecisionTensor(torch.Tensor):
         if key is None:
             return
         self._cache.key = key
+        self._cache.view = _view_of(self)
         _SHARING.setdefault(key, {})[id(self._cache)] = weakref.ref(self._cache)
         if len(_SHARING) > _PRUNE_AT[0]:
             for k in list(_SHARING):
@@ -268,10 +297,15 @@ class LowPrecisionTensor(torch.Tensor):
                 self.__dict__[name] = value
         # torch.load(weights_only=True) may build these (registered safe globals below) from a
         # file: inner tensors that do not make up the wrapper's shape would be read past their
-        # ends by the kernels, so they must agree (LowPrecisionError otherwise)
+        # ends by the kernels, so they must agree (LowPrecisionError otherwise), and every setting
+        # is checked as the constructor checks it (_check_settings)
+        for n in (*self._settings, *self._copied_meta):
+            if n not in state:
+                raise LowPrecisionError(f"{type(self).__name__}: the state has no entry {n!r}")
         for n in self.__tensor_flatten__()[0]:
             if not isinstance(self.__dict__.get(n), torch.Tensor):
                 raise LowPrecisionError(f"{type(self).__name__}: the state has no tensor {n!r}")
+        self._check_settings()
         got = self._inner_shape()
         if got != tuple(self.shape):
             raise LowPrecisionError(
@@ -283,6 +317,33 @@ class LowPrecisionTensor(torch.Tensor):
     def _inner_shape(self) -> tuple[int, ...]:
         """The logical shape the inner tensors stand for (checking their dtypes and shapes)."""
         raise TypeError(_ABSTRACT)
+
+    def _check_settings(self) -> None:
+        """Raise :class:`LowPrecisionError` unless the wrapper's dtype is a float dtype these
+        types stand for (the one of ``_orig_dtype``), the device is the CPU or meta with every
+        inner tensor on it, and the subclass's settings are valid (:meth:`_check_own`). The
+        constructor and ``__setstate__`` (a file's state) both call it: a meta inner tensor
+        under a CPU wrapper handed the kernels a null pointer (a crash), an integer wrapper
+        dtype or a bad setting loaded and failed later with untyped errors."""
+        name = type(self).__name__
+        od = self._orig_dtype
+        if not (isinstance(od, torch.dtype) and od in _WRAPPER_DTYPES and od == self.dtype):
+            raise LowPrecisionError(
+                f"{name}: _orig_dtype must be the tensor's dtype, one of {_WRAPPER_DTYPES}, got "
+                f"_orig_dtype={od!r} for a {self.dtype} tensor"
+            )
+        if self.device.type not in ("cpu", "meta"):
+            raise LowPrecisionError(f"{name}: must be on the CPU or meta device, got {self.device}")
+        for n in self.__tensor_flatten__()[0]:
+            t = getattr(self, n)
+            if t.device != self.device:
+                raise LowPrecisionError(
+                    f"{name}: {n} must be on the tensor's device {self.device}, got {t.device}"
+                )
+        self._check_own()
+
+    def _check_own(self) -> None:
+        """The subclass's settings check (raises :class:`LowPrecisionError`)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """The pickled state (``torch.save``): the :attr:`_copied_meta` attributes, not the
@@ -323,7 +384,7 @@ class LowPrecisionTensor(torch.Tensor):
             # an e4m3 and an e5m2 weight of one shape, or a row- and a tensor-wise scale, would
             # share a compiled graph), their bytes where they are real
             h.update(f"|{n}:{t.dtype}:{tuple(t.shape)}:{tuple(t.stride())}".encode())
-            if native.eager_fast_path(t):
+            if native.eager_fast_path(t) and not t.is_meta:
                 h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
@@ -379,9 +440,14 @@ class LowPrecisionTensor(torch.Tensor):
             for n in names:
                 getattr(self, n).copy_(getattr(new, n))
         meta = {attr: getattr(new, attr) for attr in self._copied_meta}
+        view = _view_of(self)
         for c in self._sharing_caches():
-            for attr, value in meta.items():
-                setattr(c, attr, value)
+            # every tensor on this storage may read the written bytes (caches dropped), but only
+            # one with these very views stands for them (a slice of one buffer beside this one
+            # kept its own per-tensor scale: it took this one's)
+            if c is self._cache or c.view == view:
+                for attr, value in meta.items():
+                    setattr(c, attr, value)
             c.pack = None  # repacked (and the route settled again) on the next call
             c.route = None
 
@@ -429,12 +495,16 @@ class LowPrecisionTensor(torch.Tensor):
         frees its old memory, which the packed weight and the settled route of every tensor
         sharing it point into: their caches are dropped and entered under the new storage."""
         caches = self._sharing_caches()
+        names = self.__tensor_flatten__()[0]
+        before = [_storage_key(getattr(self, n)) for n in names]
         with torch.no_grad():
-            for n in self.__tensor_flatten__()[0]:
+            for n in names:
                 getattr(self, n).share_memory_()
         key = _storage_key(self.qdata)
-        if key is None or caches[0].key == key:  # already shared: nothing moved
-            return
+        # every inner tensor's storage, not qdata's alone: with qdata already shared and the
+        # scale not, the scale moved and the route kept reading its freed memory
+        if key is None or before == [_storage_key(getattr(self, n)) for n in names]:
+            return  # already shared: nothing moved
         for c in caches:
             c.pack = c.route = None
             c.key = key
@@ -522,6 +592,10 @@ class LowPrecisionTensor(torch.Tensor):
             out = route.serve(x, bias)
             if out is not None:
                 return out
+        if (
+            self.qdata.is_meta
+        ):  # shapes only (the kernels must never see a meta tensor's null pointer)
+            return self._meta_linear(x)
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
         if decode and self._fp4_x_fp4():
@@ -538,6 +612,20 @@ class LowPrecisionTensor(torch.Tensor):
         else:
             out = self.prefill_linear(xa, bias)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _meta_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear`` with a meta weight: the output's shape and dtype on the meta device."""
+        n, k = self.shape
+        if x.dim() < 1 or x.shape[-1] != k:
+            raise LowPrecisionError(
+                f"F.linear with a {type(self).__name__} of shape {(n, k)}: the input's last "
+                f"dimension must be {k}, got shape {tuple(x.shape)}"
+            )
+        return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device="meta")
+
+    def _meta_value(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """The dequantized value of a meta tensor (shape and dtype only)."""
+        return torch.empty(self.shape, dtype=dtype or self.dtype, device="meta")
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, {self._describe()})"
@@ -581,7 +669,9 @@ class LowPrecisionTensor(torch.Tensor):
             args[0]._share_memory()
             return args[0]
         if func is _is_shared and isinstance(args[0], LowPrecisionTensor):
-            return args[0].qdata.is_shared()
+            # every inner tensor (qdata shared and the scale not is not a shared tensor)
+            t = args[0]
+            return all(getattr(t, n).is_shared() for n in t.__tensor_flatten__()[0])
         if func is _to and _copy_requested(args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
@@ -684,7 +774,7 @@ class Float8Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_dtype: torch.dtype | None = None,
     ):
-        return super().__new__(cls, qdata.shape, orig_dtype)
+        return super().__new__(cls, qdata.shape, orig_dtype, device=qdata.device)
 
     def __init__(
         self,
@@ -696,8 +786,11 @@ class Float8Tensor(LowPrecisionTensor):
         scale = self._checked_scale(qdata, scale, act_dtype)
         self.qdata, self.scale = qdata, scale
         self._orig_dtype, self.act_dtype = orig_dtype, act_dtype
+        self._check_settings()
         self._pack = None
         self._share()
+
+    _settings = ("_orig_dtype", "act_dtype")
 
     @staticmethod
     def _checked_scale(
@@ -754,6 +847,8 @@ class Float8Tensor(LowPrecisionTensor):
         return Float8Tensor.from_float(x, self.qdata.dtype, gran, self.act_dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.qdata.is_meta:
+            return self._meta_value(dtype)
         return fp8.fp8_dequantize(self.qdata, self.scale, dtype or self.dtype)
 
     def _describe(self) -> str:
@@ -807,6 +902,16 @@ class NVFP4Tensor(LowPrecisionTensor):
     """
 
     _copied_meta = ("per_tensor_scale",)
+    _settings = ("_orig_dtype", "act_per_tensor_scale")
+
+    def _check_own(self) -> None:
+        # (a NaN, negative or zero per-tensor scale gave NaN, sign-flipped or zero outputs)
+        nvfp4.check_per_tensor_scale(self.per_tensor_scale)
+        act = self.act_per_tensor_scale
+        if not (act is None or isinstance(act, bool)):
+            raise LowPrecisionError(
+                f"NVFP4Tensor: act_per_tensor_scale must be None, True or False, got {act!r}"
+            )
 
     def __new__(
         cls,
@@ -816,7 +921,8 @@ class NVFP4Tensor(LowPrecisionTensor):
         orig_dtype: torch.dtype,
         act_per_tensor_scale: bool | None = None,
     ):
-        return super().__new__(cls, (*qdata.shape[:-1], qdata.shape[-1] * 2), orig_dtype)
+        shape = (*qdata.shape[:-1], qdata.shape[-1] * 2)
+        return super().__new__(cls, shape, orig_dtype, device=qdata.device)
 
     def __init__(
         self,
@@ -829,11 +935,10 @@ class NVFP4Tensor(LowPrecisionTensor):
         # the kernels read K/16 one-byte scales per row: another shape or dtype was read past
         # its end or misread (silently wrong results)
         nvfp4._check_packed(qdata, scale, nvfp4.BLOCK, "NVFP4Tensor")
-        # (a NaN, negative or zero per-tensor scale gave NaN, sign-flipped or zero outputs)
-        nvfp4.check_per_tensor_scale(per_tensor_scale)
         self.qdata, self.scale = qdata, scale
         self.per_tensor_scale, self._orig_dtype = per_tensor_scale, orig_dtype
         self.act_per_tensor_scale = act_per_tensor_scale
+        self._check_settings()
         self._pack = None
         self._share()
 
@@ -914,6 +1019,8 @@ class NVFP4Tensor(LowPrecisionTensor):
         )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.qdata.is_meta:
+            return self._meta_value(dtype)
         return nvfp4.nvfp4_dequantize(
             self.qdata, self.scale, self.per_tensor_scale, dtype or self.dtype
         )
@@ -937,6 +1044,16 @@ class MXTensor(LowPrecisionTensor):
     """MX ``[N, K]`` (OCP MX v1.0, torchao FLOOR recipe; see :mod:`torchport.lowp.mx`): ``qdata``
     (packed uint8 for ``fp4_e2m1``, float8 otherwise) and E8M0 ``scale [N, K/32]`` (uint8)."""
 
+    _settings = ("elem", "_orig_dtype", "act_elem")
+
+    def _check_own(self) -> None:
+        if self.elem not in mx.ELEMS:
+            raise LowPrecisionError(f"MXTensor: elem must be one of {mx.ELEMS}, got {self.elem!r}")
+        if self.act_elem is not None and self.act_elem not in mx.ELEMS:
+            raise LowPrecisionError(
+                f"MXTensor: act_elem must be one of {mx.ELEMS} or None, got {self.act_elem!r}"
+            )
+
     def __new__(
         cls,
         qdata: torch.Tensor,
@@ -946,7 +1063,7 @@ class MXTensor(LowPrecisionTensor):
         act_elem: str | None = None,
     ):
         k = qdata.shape[-1] * (2 if elem == "fp4_e2m1" else 1)
-        return super().__new__(cls, (*qdata.shape[:-1], k), orig_dtype)
+        return super().__new__(cls, (*qdata.shape[:-1], k), orig_dtype, device=qdata.device)
 
     def __init__(
         self,
@@ -962,6 +1079,7 @@ class MXTensor(LowPrecisionTensor):
             raise LowPrecisionError(f"MXTensor: {e}") from e
         self.qdata, self.scale, self.elem, self._orig_dtype = qdata, scale, elem, orig_dtype
         self.act_elem = act_elem
+        self._check_settings()
         self._pack = None
         self._share()
 
@@ -1011,6 +1129,8 @@ class MXTensor(LowPrecisionTensor):
         return MXTensor.from_float(x, self.elem, self.act_elem)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.qdata.is_meta:
+            return self._meta_value(dtype)
         return mx.mx_dequantize(self.qdata, self.scale, self.elem, dtype or self.dtype)
 
     def _describe(self) -> str:
