@@ -948,6 +948,30 @@ def test_quantized_tensors_check_devices_and_wrapper_dtype(cls):
         cls(w.qdata, w.scale, *args, torch.int64)
 
 
+def test_meta_weights_keep_their_own_scales_and_check_the_bias():
+    # every meta storage has address 0, so all meta weights were entered under one key: a
+    # copy_ into one (load_state_dict into a meta model) set every same-shaped meta weight's
+    # per-tensor scale; and F.linear with a meta weight took a bias of any shape
+    import io
+
+    torch.manual_seed(19)
+    w = torch.randn(32, 64)
+
+    def meta(q: NVFP4Tensor) -> NVFP4Tensor:
+        buf = io.BytesIO()
+        torch.save(q, buf)
+        buf.seek(0)
+        return torch.load(buf, map_location="meta")
+
+    m1, m2 = meta(NVFP4Tensor.from_float(w, 0.5)), meta(NVFP4Tensor.from_float(w * 2, 0.25))
+    m1.copy_(NVFP4Tensor.from_float(w * 3, 0.125))
+    assert (m1.per_tensor_scale, m2.per_tensor_scale) == (0.125, 0.25)
+    x = torch.randn(3, 64)
+    assert F.linear(x, m2, torch.randn(32)).shape == (3, 32)
+    with pytest.raises(LowPrecisionError, match=r"bias must broadcast .* got shape \(7,\)"):
+        F.linear(x, m2, torch.randn(7))
+
+
 def test_copy_into_a_slice_keeps_the_other_slices_scale():
     # two weights whose qdata are slices of one buffer (a loader slicing one file buffer) were
     # entered under one storage: copy_ into one set the other's per_tensor_scale (its values

@@ -131,8 +131,12 @@ def _copy_requested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def _storage_key(t: Any) -> int | None:
-    """The address of a real inner tensor's storage (None for traced/fake ones)."""
-    return t.untyped_storage().data_ptr() if type(t) is torch.Tensor else None
+    """The address of a real inner tensor's storage (None for traced/fake ones, and for a
+    storage at address 0: every meta tensor and empty storage has it, so keying on it would
+    make them all share one per-tensor scale)."""
+    if type(t) is not torch.Tensor:
+        return None
+    return t.untyped_storage().data_ptr() or None
 
 
 def _view_of(t: LowPrecisionTensor) -> tuple[Any, ...]:
@@ -595,7 +599,7 @@ class LowPrecisionTensor(torch.Tensor):
         if (
             self.qdata.is_meta
         ):  # shapes only (the kernels must never see a meta tensor's null pointer)
-            return self._meta_linear(x)
+            return self._meta_linear(x, bias)
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
         if decode and self._fp4_x_fp4():
@@ -613,15 +617,27 @@ class LowPrecisionTensor(torch.Tensor):
             out = self.prefill_linear(xa, bias)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
-    def _meta_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``F.linear`` with a meta weight: the output's shape and dtype on the meta device."""
+    def _meta_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear`` with a meta weight: the output's shape and dtype on the meta device
+        (the input's and bias's shapes checked as ``F.linear`` does)."""
         n, k = self.shape
         if x.dim() < 1 or x.shape[-1] != k:
             raise LowPrecisionError(
                 f"F.linear with a {type(self).__name__} of shape {(n, k)}: the input's last "
                 f"dimension must be {k}, got shape {tuple(x.shape)}"
             )
-        return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device="meta")
+        shape = (*x.shape[:-1], n)
+        if bias is not None:
+            try:
+                ok = torch.broadcast_shapes(shape, bias.shape) == torch.Size(shape)
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise LowPrecisionError(
+                    f"F.linear with a {type(self).__name__} of shape {(n, k)}: the bias must "
+                    f"broadcast to the output's shape {shape}, got shape {tuple(bias.shape)}"
+                )
+        return torch.empty(shape, dtype=x.dtype, device="meta")
 
     def _meta_value(self, dtype: torch.dtype | None) -> torch.Tensor:
         """The dequantized value of a meta tensor (shape and dtype only)."""
