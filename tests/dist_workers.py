@@ -484,16 +484,71 @@ def destroy_in_callback_case(rank: int, world: int) -> dict[str, Any]:
     t = torch.full((4,), float(rank + 1))
     t0 = time.monotonic()
     work = dist.all_reduce(t, group=g, async_op=True)
-    fut = work.get_future().then(lambda _f: dist.destroy_process_group(g))
+    issued: list[Any] = []
+
+    def destroy(_f: Any) -> None:
+        dist.destroy_process_group(g)
+        # destroy returned: an op issued now fails at once (it was queued and ran while the
+        # close, handed off to a thread of its own, flushed)
+        issued.append(g.allreduce([torch.ones(2)]))
+
+    fut = work.get_future().then(destroy)
     fut.wait()
+    s = time.monotonic() - t0
+    try:
+        issued[0].wait(datetime.timedelta(seconds=2))
+        after = "completed"
+    except Exception as e:
+        after = type(e).__name__
     end = time.monotonic() + 2.0
     while comm.arena is not None and comm.arena._mm is not None and time.monotonic() < end:
         time.sleep(0.01)
+    # an op the engine's queue still held once the close stopped it (a wait() running the
+    # queue inline) is refused, not run on the unmapped arena
+    from torchport.distributed.progress import TorchportWork
+
+    ran: list[bool] = []
+    late = TorchportWork("late")
+    comm.run(late, lambda: ran.append(True))
     return {
-        "s": time.monotonic() - t0,
+        "s": s,
+        "after": after,
+        "late": (bool(ran), type(late._error).__name__),
         "sum": t.tolist(),
         "error": None if comm.error is None else type(comm.error).__name__,
         "unmapped": comm.arena is None or comm.arena._mm is None,
+    }
+
+
+def destroy_in_recv_callback_case(rank: int, world: int) -> dict[str, Any]:
+    """A receive's future callback (run on the mesh reader thread) destroys the group while
+    another receive is pending: the close flushes it (run inline on the reader thread, it
+    waited 5 s for a receive only that thread could deliver, then aborted the group)."""
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm = g.comm
+    dist.barrier(group=g)
+    t0 = time.monotonic()
+    if rank == 0:
+        g.send([torch.ones(4)], 1, 1).wait()
+        time.sleep(0.2)
+        g.send([torch.full((4,), 2.0)], 1, 2).wait()
+        time.sleep(0.2)
+        dist.destroy_process_group(g)
+        return {}
+    second = torch.zeros(4)
+    pending = g.recv([second], 0, 2)  # posted first: the callback below flushes it
+    first = g.recv([torch.zeros(4)], 0, 1)
+    first.get_future().then(lambda _f: dist.destroy_process_group(g))
+    try:
+        pending.wait(datetime.timedelta(seconds=10))
+        error = None
+    except Exception as e:
+        error = type(e).__name__
+    return {
+        "s": time.monotonic() - t0,
+        "second": second.tolist(),
+        "error": error,
+        "group_error": None if comm.error is None else type(comm.error).__name__,
     }
 
 
@@ -963,6 +1018,7 @@ SCENARIOS = {
     "recreate": recreate_case,
     "after_close": after_close_case,
     "overlap_unlocked": overlap_unlocked_case,
+    "destroy_in_recv_callback": destroy_in_recv_callback_case,
     "destroy_in_callback": destroy_in_callback_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,
