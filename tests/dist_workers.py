@@ -552,6 +552,48 @@ def destroy_in_recv_callback_case(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def overlap_delivered_case(rank: int, world: int) -> str | None:
+    """A receive posted while the one it overlaps is delivered during the overlap test is
+    accepted (it was refused for a receive no longer in flight); the error name if refused."""
+    import threading
+
+    from torchport.distributed import engine
+
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm, peer = g.comm, (rank + 1) % world
+    buf = torch.zeros(8)
+    real = engine.tensors_overlap
+    first = g.recv([buf[0:4]], peer, 1)
+    out: list[str | None] = []
+
+    def slow(a: torch.Tensor, b: torch.Tensor) -> bool:
+        g.send([torch.ones(4)], peer, 1)  # the peer's first receive
+        first.wait(datetime.timedelta(seconds=5))  # ours is delivered during the test
+        return real(a, b)
+
+    def post() -> None:
+        try:
+            work = g.recv([buf[2:6]], peer, 2)
+            g.send([torch.ones(4)], peer, 2).wait()
+            work.wait(datetime.timedelta(seconds=5))
+            out.append(None)
+        except Exception as e:
+            out.append(type(e).__name__)
+
+    engine.tensors_overlap = slow
+    try:
+        poster = threading.Thread(target=post)
+        poster.start()
+        poster.join(8.0)
+        dist.barrier()  # (the abort below fails the peer's receives)
+        assert not poster.is_alive(), "the posting thread hangs"
+    finally:
+        engine.tensors_overlap = real
+        comm.abort()
+        dist.destroy_process_group(g)
+    return out[0]
+
+
 def overlap_unlocked_case(rank: int, world: int) -> float:
     """Posting a receive tests it for overlap against the pending ones (a walk of up to ~0.4 s
     for large strided views): seconds the group's lock was held meanwhile (the mailbox reader
@@ -575,11 +617,14 @@ def overlap_unlocked_case(rank: int, world: int) -> float:
         g.recv([torch.zeros(4)], peer, 1)
         poster = threading.Thread(target=lambda: g.recv([torch.zeros(4)], peer, 2))
         poster.start()
-        entered.wait(5.0)
+        ran = entered.wait(5.0)
         t0 = time.monotonic()
         with comm._lock:
             held = time.monotonic() - t0
         poster.join(5.0)
+        dist.barrier()  # the abort below fails the peer's receives: its test ran first
+        assert ran, "the overlap test never ran"
+        assert not poster.is_alive(), "the posting thread is still inside the overlap test"
     finally:
         engine.tensors_overlap = real
         comm.abort()
@@ -1019,6 +1064,7 @@ SCENARIOS = {
     "after_close": after_close_case,
     "overlap_unlocked": overlap_unlocked_case,
     "destroy_in_recv_callback": destroy_in_recv_callback_case,
+    "overlap_delivered": overlap_delivered_case,
     "destroy_in_callback": destroy_in_callback_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,

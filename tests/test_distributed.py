@@ -232,6 +232,7 @@ def gloo_results() -> list[dict]:
             ("destroy_in_callback", ()),
             ("overlap_unlocked", ()),
             ("destroy_in_recv_callback", ()),
+            ("overlap_delivered", ()),
         ],
         timeout=60,
     )
@@ -270,6 +271,12 @@ def test_destroy_from_a_receive_callback_flushes_the_groups_other_receives():
     res = gloo_results()[1]["destroy_in_recv_callback"]
     assert res["error"] is None and res["second"] == [2.0] * 4, res
     assert res["group_error"] in (None, "CommError") and res["s"] < 2.0, res
+
+
+@pytest.mark.timeout(70)
+def test_a_receive_delivered_during_an_overlap_test_does_not_refuse_the_new_one():
+    """The snapshot's receive was delivered while the test ran: CollectiveArgumentError."""
+    assert [r["overlap_delivered"] for r in gloo_results()] == [None, None]
 
 
 @pytest.mark.timeout(70)

@@ -691,8 +691,11 @@ class Communicator:
         frame lands last is a race (gloo does not check; a batch_isend_irecv with two receives
         into one buffer gave either sender's data)."""
         for other in pending:
+            if other._ended:  # delivered since the snapshot: it writes no more
+                continue
             theirs = other._result[0] if other._result else None
-            if theirs is not None and tensors_overlap(tensor, theirs):
+            # (the test may take a while: one delivered meanwhile is no conflict either)
+            if theirs is not None and tensors_overlap(tensor, theirs) and not other._ended:
                 raise CollectiveArgumentError(
                     f"{work.name}: the output tensor overlaps the output of {other.name}, "
                     f"still in flight (shape {tuple(theirs.shape)} at {theirs.data_ptr():#x}, "
