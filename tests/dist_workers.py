@@ -484,17 +484,114 @@ def destroy_in_callback_case(rank: int, world: int) -> dict[str, Any]:
     t = torch.full((4,), float(rank + 1))
     t0 = time.monotonic()
     work = dist.all_reduce(t, group=g, async_op=True)
-    fut = work.get_future().then(lambda _f: dist.destroy_process_group(g))
+    issued: list[Any] = []
+
+    def destroy(_f: Any) -> None:
+        dist.destroy_process_group(g)
+        # destroy returned: an op issued now fails at once (it was queued and ran while the
+        # close, handed off to a thread of its own, flushed)
+        issued.append(g.allreduce([torch.ones(2)]))
+
+    fut = work.get_future().then(destroy)
     fut.wait()
+    s = time.monotonic() - t0
+    try:
+        issued[0].wait(datetime.timedelta(seconds=2))
+        after = "completed"
+    except Exception as e:
+        after = type(e).__name__
     end = time.monotonic() + 2.0
     while comm.arena is not None and comm.arena._mm is not None and time.monotonic() < end:
         time.sleep(0.01)
+    # an op the engine's queue still held once the close stopped it (a wait() running the
+    # queue inline) is refused, not run on the unmapped arena
+    from torchport.distributed.progress import TorchportWork
+
+    ran: list[bool] = []
+    late = TorchportWork("late")
+    comm.run(late, lambda: ran.append(True))
     return {
-        "s": time.monotonic() - t0,
+        "s": s,
+        "after": after,
+        "late": (bool(ran), type(late._error).__name__),
         "sum": t.tolist(),
         "error": None if comm.error is None else type(comm.error).__name__,
         "unmapped": comm.arena is None or comm.arena._mm is None,
     }
+
+
+def destroy_in_recv_callback_case(rank: int, world: int) -> dict[str, Any]:
+    """A receive's future callback (run on the mesh reader thread) destroys the group while
+    another receive is pending: the close flushes it (run inline on the reader thread, it
+    waited 5 s for a receive only that thread could deliver, then aborted the group)."""
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm = g.comm
+    dist.barrier(group=g)
+    t0 = time.monotonic()
+    if rank == 0:
+        g.send([torch.ones(4)], 1, 1).wait()
+        time.sleep(0.2)
+        g.send([torch.full((4,), 2.0)], 1, 2).wait()
+        time.sleep(0.2)
+        dist.destroy_process_group(g)
+        return {}
+    second = torch.zeros(4)
+    pending = g.recv([second], 0, 2)  # posted first: the callback below flushes it
+    first = g.recv([torch.zeros(4)], 0, 1)
+    first.get_future().then(lambda _f: dist.destroy_process_group(g))
+    try:
+        pending.wait(datetime.timedelta(seconds=10))
+        error = None
+    except Exception as e:
+        error = type(e).__name__
+    return {
+        "s": time.monotonic() - t0,
+        "second": second.tolist(),
+        "error": error,
+        "group_error": None if comm.error is None else type(comm.error).__name__,
+    }
+
+
+def overlap_delivered_case(rank: int, world: int) -> str | None:
+    """A receive posted while the one it overlaps is delivered during the overlap test is
+    accepted (it was refused for a receive no longer in flight); the error name if refused."""
+    import threading
+
+    from torchport.distributed import engine
+
+    g = dist.new_group(list(range(world)), backend="torchport")
+    comm, peer = g.comm, (rank + 1) % world
+    buf = torch.zeros(8)
+    real = engine.tensors_overlap
+    first = g.recv([buf[0:4]], peer, 1)
+    out: list[str | None] = []
+
+    def slow(a: torch.Tensor, b: torch.Tensor) -> bool:
+        g.send([torch.ones(4)], peer, 1)  # the peer's first receive
+        first.wait(datetime.timedelta(seconds=5))  # ours is delivered during the test
+        return real(a, b)
+
+    def post() -> None:
+        try:
+            work = g.recv([buf[2:6]], peer, 2)
+            g.send([torch.ones(4)], peer, 2).wait()
+            work.wait(datetime.timedelta(seconds=5))
+            out.append(None)
+        except Exception as e:
+            out.append(type(e).__name__)
+
+    engine.tensors_overlap = slow
+    try:
+        poster = threading.Thread(target=post)
+        poster.start()
+        poster.join(8.0)
+        dist.barrier()  # (the abort below fails the peer's receives)
+        assert not poster.is_alive(), "the posting thread hangs"
+    finally:
+        engine.tensors_overlap = real
+        comm.abort()
+        dist.destroy_process_group(g)
+    return out[0]
 
 
 def overlap_unlocked_case(rank: int, world: int) -> float:
@@ -520,11 +617,14 @@ def overlap_unlocked_case(rank: int, world: int) -> float:
         g.recv([torch.zeros(4)], peer, 1)
         poster = threading.Thread(target=lambda: g.recv([torch.zeros(4)], peer, 2))
         poster.start()
-        entered.wait(5.0)
+        ran = entered.wait(5.0)
         t0 = time.monotonic()
         with comm._lock:
             held = time.monotonic() - t0
         poster.join(5.0)
+        dist.barrier()  # the abort below fails the peer's receives: its test ran first
+        assert ran, "the overlap test never ran"
+        assert not poster.is_alive(), "the posting thread is still inside the overlap test"
     finally:
         engine.tensors_overlap = real
         comm.abort()
@@ -963,6 +1063,8 @@ SCENARIOS = {
     "recreate": recreate_case,
     "after_close": after_close_case,
     "overlap_unlocked": overlap_unlocked_case,
+    "destroy_in_recv_callback": destroy_in_recv_callback_case,
+    "overlap_delivered": overlap_delivered_case,
     "destroy_in_callback": destroy_in_callback_case,
     "abort": abort_case,
     "abort_streaming": abort_streaming_case,

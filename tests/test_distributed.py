@@ -231,6 +231,8 @@ def gloo_results() -> list[dict]:
             ("after_close", ()),
             ("destroy_in_callback", ()),
             ("overlap_unlocked", ()),
+            ("destroy_in_recv_callback", ()),
+            ("overlap_delivered", ()),
         ],
         timeout=60,
     )
@@ -258,6 +260,23 @@ def test_destroy_from_a_work_callback_closes_without_waiting_for_itself():
     assert all(r["sum"] == [3.0] * 4 and r["unmapped"] for r in res), res
     assert all(r["error"] in (None, "CommError") for r in res), res
     assert all(r["s"] < 1.5 for r in res), res
+    assert all(r["after"] != "completed" for r in res), res
+    assert all(not r["late"][0] and r["late"][1] != "NoneType" for r in res), res
+
+
+@pytest.mark.timeout(70)
+def test_destroy_from_a_receive_callback_flushes_the_groups_other_receives():
+    """It closed inline on the mesh reader thread: the other receive could not be delivered
+    (5 s flush, then the group aborted)."""
+    res = gloo_results()[1]["destroy_in_recv_callback"]
+    assert res["error"] is None and res["second"] == [2.0] * 4, res
+    assert res["group_error"] in (None, "CommError") and res["s"] < 2.0, res
+
+
+@pytest.mark.timeout(70)
+def test_a_receive_delivered_during_an_overlap_test_does_not_refuse_the_new_one():
+    """The snapshot's receive was delivered while the test ran: CollectiveArgumentError."""
+    assert [r["overlap_delivered"] for r in gloo_results()] == [None, None]
 
 
 @pytest.mark.timeout(70)

@@ -50,7 +50,7 @@ from torchport.distributed.transport_shm import (
     ShmArena,
     StepError,
 )
-from torchport.distributed.transport_tcp import Delivery, Mesh, Once
+from torchport.distributed.transport_tcp import Delivery, Mesh, Once, on_reader_thread
 from torchport.distributed.wire import Kind
 
 # Abort reasons (low byte of the abort word / seq of ABORT frames).
@@ -318,6 +318,9 @@ class Communicator:
         # set by close(): a later op would queue on a stopped engine, or run inline on an
         # unmapped arena; it fails at once instead
         self.closed = False
+        # set once the flush ended: an op queued before the close and run after it (a wait()
+        # running the queue inline) would touch the unmapped arena; it fails instead
+        self._stopped = False
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
         self._lock = threading.Lock()
         self._running = threading.local()  # .work: the operation run() runs on this thread
@@ -394,8 +397,9 @@ class Communicator:
 
     # -- running operations ------------------------------------------------------------
     def run(self, work: TorchportWork, fn: Callable[[], None]) -> None:
-        """Engine-side wrapper: refuse when failed, map errors, complete the work."""
-        if self.error is not None and self.check_now(work):  # issued after it failed
+        """Engine-side wrapper: refuse when failed or stopped, map errors, complete the work."""
+        # (failed: issued after it failed; stopped: the engine's queue outlived the flush)
+        if (self.error is not None or self._stopped) and self.check_now(work):
             return
         outer = getattr(self._running, "work", None)
         self._running.work = work
@@ -687,8 +691,11 @@ class Communicator:
         frame lands last is a race (gloo does not check; a batch_isend_irecv with two receives
         into one buffer gave either sender's data)."""
         for other in pending:
+            if other._ended:  # delivered since the snapshot: it writes no more
+                continue
             theirs = other._result[0] if other._result else None
-            if theirs is not None and tensors_overlap(tensor, theirs):
+            # (the test may take a while: one delivered meanwhile is no conflict either)
+            if theirs is not None and tensors_overlap(tensor, theirs) and not other._ended:
                 raise CollectiveArgumentError(
                     f"{work.name}: the output tensor overlaps the output of {other.name}, "
                     f"still in flight (shape {tuple(theirs.shape)} at {theirs.data_ptr():#x}, "
@@ -722,13 +729,17 @@ class Communicator:
         (a peer never joined) is aborted: its Work fails with :class:`CommAbortedError` and the
         peers see the group shut down. An idle group closes at once without telling anyone.
 
+        Operations issued once this is called fail at once, even while the flush runs on.
         Called from inside an operation of this group on this thread (a Work's future callback
         runs where the Work completes: the engine thread, or a caller of ``wait()`` running the
-        queue inline), the close runs on a thread of its own once that operation returned:
-        here it would wait for its own thread. A group that built its own mesh closes the mesh
+        queue inline), or on a connection's reader thread (where a receive completes), the
+        close runs on a thread of its own: here it would wait for its own thread, or for
+        receives only this thread delivers. A group that built its own mesh closes the mesh
         last (its peers would see the connections lost while the group still flushes).
         """
-        if getattr(self._running, "work", None) is not None:
+        with self._lock:  # (_post appends a receive under it only while not closed)
+            self.closed = True
+        if getattr(self._running, "work", None) is not None or on_reader_thread():
             threading.Thread(target=self._close, daemon=True, name=f"tp-close-{self.name}").start()
             return
         self._close()
@@ -750,7 +761,7 @@ class Communicator:
             if time.monotonic() >= flush_end:
                 break
             time.sleep(0.002)
-        self.closed = True
+        self._stopped = True  # before the joins: an inline runner after them refuses its op
         self.engine.stop()
         self.sender.stop()
         # an idle engine thread ends as soon as the stop rings; one still in an operation

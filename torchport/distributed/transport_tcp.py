@@ -595,6 +595,17 @@ def _skip_receives(ops: ctypes.Array, ns: int, n: int) -> None:
         ops[OPW * i + 9] = 0
 
 
+# Set on a thread while it reads a connection: a receive's Work completes there, so a future
+# callback of it runs there too (see on_reader_thread).
+_reader = threading.local()
+
+
+def on_reader_thread() -> bool:
+    """Whether this thread reads a mesh connection. A group closed here would wait for
+    receives only this thread can deliver (Communicator.close hands the close off)."""
+    return bool(getattr(_reader, "active", False))
+
+
 class Mesh:
     """The authenticated connections of one process to every other rank of a root group."""
 
@@ -766,6 +777,13 @@ class Mesh:
 
     # -- data path ---------------------------------------------------------------------
     def _read_loop(self, conn: Connection) -> None:
+        _reader.active = True  # (a warm thread of the elastic mesh runs other tasks later)
+        try:
+            self._read_frames(conn)
+        finally:
+            _reader.active = False
+
+    def _read_frames(self, conn: Connection) -> None:
         lib, fd, own = tcp_lib(), conn.sock.fileno(), conn.own_addr
         waiters = self.mailbox.waiters_addr
         stream = 0  # a frame was just read: the next one is not lingered on (tp_conn_wait)
