@@ -245,6 +245,10 @@ def main() -> None:
         help="TORCHPORT_DIST_TRANSPORT for the torchport group (tcp: the TCP algorithms)",
     )
     args = p.parse_args()
+    for name, text in (("--sizes", args.sizes), ("--worlds", args.worlds)):
+        # checked here: a bad value failed in every spawned worker with a traceback each
+        if text and not all(s.strip().isdigit() and int(s) > 0 for s in text.split(",")):
+            p.error(f"{name} must be comma-separated positive integers, got {text!r}")
     reps = QUICK_LARGE_SAMPLES if args.quick else min(args.reps, 7)
     table = BenchTable("collectives", unit="GB/s")
     table.start()
