@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import multiprocessing as mp
+import multiprocessing.forkserver as _mp_forkserver
 import os
 import queue
 import tempfile
@@ -19,6 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+# pid of the fork server run_world started (see run_world)
+_server_pid: int | None = None
 
 
 def _entry(
@@ -52,8 +56,16 @@ def run_world(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Results of ``target`` on every rank, in rank order."""
+    global _server_pid
     ctx = mp.get_context("forkserver")
-    # The fork server imports torch once; every rank then starts in milliseconds.
+    # The fork server imports torch once; every rank then starts in milliseconds. The server is
+    # one per process: one started earlier by other code (the demo's replicas preload
+    # torchport.demo.ft_worker) would fork our ranks from its own imports and settings -- the
+    # pipelined-abort test then missed its bound on every run after test_cli's demo test --
+    # so a server this harness did not start is stopped and ours started in its place.
+    server: Any = _mp_forkserver._forkserver  # (private attributes: typeshed omits them)
+    if server._forkserver_pid is not None and server._forkserver_pid != _server_pid:
+        server._stop()
     ctx.set_forkserver_preload(["torch", "torchport.distributed", "dist_harness", "dist_workers"])
     q = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="tp-dist-")
@@ -65,6 +77,7 @@ def run_world(
     ]
     for p in procs:
         p.start()
+    _server_pid = server._forkserver_pid
     pids = [p.pid for p in procs]
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
