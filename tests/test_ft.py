@@ -692,42 +692,19 @@ def test_init_sync_follows_a_member_0_restarted_before_the_first_commit():
     """init_sync copied member 0's initial state only on a replica's first quorum: a member 0
     that crashed before the first commit came back with a fresh init, the others kept its
     previous life's, and the replicas trained on different parameters without any error."""
-    import threading
-
-    from torchport.distributed.ft import Manager
-
     secret = b"i" * 32
     lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=5.0, secret=secret)
     managers: list = []
-
-    def replica(rid: str, w: torch.Tensor):
-        m = Manager(
-            lighthouse=lh.address,
-            replica_id=rid,
-            state_dict=lambda: {"w": w},
-            load_state_dict=lambda s: w.copy_(s["w"]),
-            secret=secret,
-            timeout=5.0,
-            quorum_timeout=10.0,
-        )
-        managers.append(m)
-        return m
-
-    def quorum(*ms) -> None:
-        threads = [threading.Thread(target=m.start_quorum) for m in ms]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
+    replica = _ft_replicas(lh, secret, managers, quorum_timeout=10.0)
 
     try:
         w0, w1 = torch.zeros(4), torch.ones(4)
         r0, r1 = replica("r0", w0), replica("r1", w1)
-        quorum(r0, r1)
+        assert _quorum(r0, r1) == []
         assert torch.equal(w1, w0)
         r0.shutdown()  # crashes before any commit and restarts with another init
         w0 = torch.full((4,), 7.0)
-        quorum(replica("r0", w0), r1)
+        assert _quorum(replica("r0", w0), r1) == []
         assert torch.equal(w1, w0) and r1.current_step() == 0
     finally:
         for m in managers:
