@@ -703,13 +703,16 @@ class Communicator:
                 )
 
     def check_now(self, work: TorchportWork) -> bool:
-        """Finish ``work`` with the error state if failed, or with :class:`CommAbortedError` if
-        closed; True if it did."""
-        if self.closed and self.error is None:
+        """Finish ``work`` with :class:`CommAbortedError` if closed (once the close has stopped
+        the engines, whether or not the group also failed meanwhile: a peer's shutdown racing
+        this rank's destroy must not turn "destroyed" into an error state), else with the error
+        state if failed; True if it did."""
+        if self.closed and (self.error is None or self._stopped):
+            cause = "" if self.error is None else f" (it had failed: {self.error})"
             work._finish(
                 CommAbortedError(
                     f"{work.name} on communicator {self.name!r} (rank {self.rank}): the group "
-                    f"was destroyed"
+                    f"was destroyed{cause}"
                 )
             )
             return True
