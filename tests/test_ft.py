@@ -883,3 +883,45 @@ def test_survivor_that_missed_the_commit_reply_still_gets_a_quorum():
         for s in socks:
             s.close()
         lh.close()
+
+
+def test_manager_allreduce_refuses_an_integer_tensor_at_the_call():
+    """An int64 tensor (a step counter) was summed over the quorum, then wait() raised a bare
+    RuntimeError from the in-place division, leaving the sum in the tensor, and should_commit
+    still committed the step. The average needs a floating-point tensor: the call refuses any
+    other dtype now, naming it, before anything is sent (in a quorum of one as well)."""
+    import threading
+
+    from torchport.distributed import CollectiveArgumentError
+
+    secret = b"n" * 32
+    lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=5.0, secret=secret)
+    managers: list = []
+    replica = _ft_replicas(lh, secret, managers, quorum_timeout=5.0)
+    try:
+        a, b = replica("a", torch.zeros(2)), replica("b", torch.zeros(2))
+        assert _quorum(a, b) == []
+        out: dict = {}
+
+        def step(m, name: str) -> None:
+            counter = torch.tensor([3], dtype=torch.int64)
+            with pytest.raises(CollectiveArgumentError, match=r"got dtype torch\.int64"):
+                m.allreduce(counter)
+            grad = torch.full((2,), 1.0 if name == "a" else 3.0)
+            out[name] = (counter.item(), m.allreduce(grad).wait(), grad, m.should_commit())
+
+        threads = [threading.Thread(target=step, args=(m, n)) for m, n in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        for name in ("a", "b"):
+            counter, ok, grad, committed = out[name]
+            assert counter == 3 and ok and committed and torch.equal(grad, torch.full((2,), 2.0))
+        alone = replica("c", torch.zeros(2))
+        with pytest.raises(CollectiveArgumentError, match=r"dtype torch\.bool"):
+            alone.allreduce(torch.ones(1, dtype=torch.bool))
+    finally:
+        for m in managers:
+            m.shutdown()
+        lh.close()

@@ -13,7 +13,8 @@ Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
   shared memory between local replicas); on ``gloo`` a new gloo group under a fresh store prefix. A replica whose committed step
   is behind the quorum's highest step heals first: it fetches the full state (model + optimizer +
   step) from a member at that step as raw tensor bytes (:mod:`.transfer`) and loads it.
-* ``allreduce`` sums a tensor over the quorum and divides by the number of members. It never raises
+* ``allreduce`` sums a tensor over the quorum and divides by the number of members (so it takes
+  floating-point and complex tensors only, and refuses others at the call). It never raises
   on a peer failure: the failure is recorded (``errored()``), waits return promptly, and the vote
   fails.
 * ``should_commit`` waits for outstanding allreduces and votes; the step counter advances only on a
@@ -56,7 +57,7 @@ from torchport.distributed._control import (
 )
 from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
-from torchport.distributed.errors import TorchportDistError
+from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
@@ -509,7 +510,21 @@ class Manager:
 
     # -- collectives -----------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor) -> _Work:
-        """Average ``tensor`` in place over the quorum (async); ``wait()`` says if it succeeded."""
+        """Average ``tensor`` in place over the quorum (async); ``wait()`` says if it succeeded.
+
+        The average needs a floating-point (or complex) tensor: any other dtype is refused here
+        with :class:`CollectiveArgumentError` (sum an integer counter on ``process_group``
+        instead). torchft divides in a continuation of the sum, where an integer tensor fails
+        the step; here ``wait()`` raised a bare RuntimeError after the sum had already landed,
+        and the step still committed.
+        """
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            # refused whatever the quorum's size: a quorum of one never divides, so a late check
+            # let a program pass with one replica and fail once a second joined
+            raise CollectiveArgumentError(
+                f"Manager.allreduce averages, which needs a floating-point or complex tensor, "
+                f"got dtype {tensor.dtype}"
+            )
         n = len(self._members)
         w = _Work(self, tensor, n)
         with self._lock:
