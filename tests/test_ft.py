@@ -925,3 +925,48 @@ def test_manager_allreduce_refuses_an_integer_tensor_at_the_call():
         for m in managers:
             m.shutdown()
         lh.close()
+
+
+def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
+    """fetch_state's timeout bounded each receive: a source sending its 4000-byte tensor 100
+    bytes every 0.2 s (always inside a 0.5 s timeout) stretched the transfer to 8 s. The whole
+    transfer now has one deadline; the typed timeout names the limit and the time it took."""
+    import threading
+
+    from torchport.distributed._control import Server
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.ft import StateTransferTimeoutError, fetch_state
+
+    secret = b"d" * 32
+    stop = threading.Event()
+
+    def trickling_source(conn: socket.socket) -> None:
+        recv_msg(conn)
+        structure = {"__dict__": [["w", {"__tensor__": 0}]]}
+        send_msg(
+            conn,
+            {
+                "t": "state",
+                "structure": structure,
+                "tensors": [["float32", [1000], 4000]],
+                "total": 4000,
+            },
+        )
+        with contextlib.suppress(OSError):
+            for _ in range(40):
+                if stop.wait(0.2):
+                    return
+                conn.sendall(bytes(100))
+
+    src = Server(trickling_source, secret=secret, role="heal")
+    mine = {"w": torch.ones(1000)}
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StateTransferTimeoutError, match=r"within its 0\.5 s limit") as info:
+            fetch_state(src.address, secret, timeout=0.5, into=mine)
+        assert time.monotonic() - t0 < 1.5
+        assert isinstance(info.value, CommTimeoutError) and info.value.partial
+        assert "gave up after 0." in str(info.value)
+    finally:
+        stop.set()
+        src.close()
