@@ -970,3 +970,63 @@ def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
     finally:
         stop.set()
         src.close()
+
+
+def test_abandoned_gloo_group_build_is_torn_down_when_it_completes_late():
+    """A gloo replica that gave up building its group (a failure noticed mid-build, or the
+    timeout) left the build running; the group it completed later stayed in the failed frame,
+    alive while anything held the CommError (here: the caller keeps its errors), so every
+    abandoned quorum kept a gloo group (3 threads, 4 sockets). It is retired once it exists."""
+    import threading
+
+    import torch.distributed as dist
+
+    from torchport.distributed._control import PeerFailure
+    from torchport.distributed._gloo import gloo_group
+    from torchport.distributed.ft import Manager
+
+    def held() -> tuple[int, int]:
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+    secret = b"b" * 32
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="a",
+        state_dict=dict,
+        load_state_dict=lambda s: None,
+        secret=secret,
+        timeout=3.0,
+        backend="gloo",
+    )
+    kept: list = []
+    after: list = []
+    try:
+        for qid in (1, 2, 3):
+            peer: list = []  # the other member joins after this one gave up
+            joins = threading.Timer(
+                0.15,
+                lambda q=qid, out=peer: out.append(
+                    gloo_group(dist.PrefixStore(f"tp-ft/q{q}", store), 1, 2, 3.0)
+                ),
+            )
+            joins.start()
+            threading.Timer(0.05, mgr.report_error, args=(PeerFailure("x"),)).start()
+            with pytest.raises(CommError, match="failed: x") as info:
+                mgr._build_group(qid, 0, 2, {"store_port": store.port})
+            kept.append(info.value)
+            joins.join(5)
+            assert peer and peer[0].size() == 2  # so this member's build completed too
+            mgr._error = None
+            peer.clear()  # the peer's own group goes; this member's must go too
+            time.sleep(0.1)
+            after.append(held())
+        _wait_for(
+            lambda: all(n <= first for n, first in zip(held(), after[0])),
+            3,
+            f"no growth per abandoned build (threads, fds): {after} -> {held()}",
+        )
+    finally:
+        mgr.shutdown()
+        lh.close()

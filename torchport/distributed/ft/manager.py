@@ -398,18 +398,37 @@ class Manager:
         prefix = dist.PrefixStore(f"tp-ft/q{qid}", self._store)
         box: dict[str, Any] = {}
         done = threading.Event()
+        box_lock = threading.Lock()
 
         def build() -> None:
             try:
-                box["pg"] = gloo_group(prefix, rank, size, self.timeout)
+                pg = gloo_group(prefix, rank, size, self.timeout)
             except Exception as e:
                 box["err"] = e
+            else:
+                with box_lock:
+                    abandoned = box.get("abandoned", False)
+                    if not abandoned:
+                        box["pg"] = pg
+                if abandoned:  # completed after the manager gave up: nobody will use it
+                    retire(pg)
             done.set()
 
-        threading.Thread(target=build, daemon=True).start()
+        # gloo's rendezvous cannot be cancelled: an abandoned build runs on (up to ``timeout``)
+        threading.Thread(target=build, name="tp-ft-gloo-build", daemon=True).start()
         while not done.wait(0.002):
-            if self._error is not None or time.perf_counter() - t0 > self.timeout:
-                raise CommError(f"building the group for quorum {qid} failed: {self._error}")
+            late = time.perf_counter() - t0 > self.timeout
+            if self._error is not None or late:
+                # A group the build completes later was left in ``box``, alive for as long as
+                # anything held this frame (the CommError's traceback: a caller keeping the
+                # errors kept one gloo group, 3 threads and 4 sockets, per abandoned build).
+                # It is retired as soon as it exists now, whoever holds what.
+                with box_lock:
+                    box["abandoned"] = True
+                    pg = box.pop("pg", None)
+                retire(pg)
+                why = f"not built within {self.timeout} s" if late else f"failed: {self._error}"
+                raise CommError(f"building the group for quorum {qid} {why}")
         if "err" in box:
             raise CommError(f"building the group for quorum {qid} failed: {box['err']}")
         self._pg, self._qid = box["pg"], qid
