@@ -1030,3 +1030,43 @@ def test_abandoned_gloo_group_build_is_torn_down_when_it_completes_late():
     finally:
         mgr.shutdown()
         lh.close()
+
+
+def test_malformed_lighthouse_hello_gets_an_error_reply_and_one_log_line(caplog, capfd):
+    """A heartbeat hello without "rid" raised KeyError out of the lighthouse's handler thread (a
+    traceback, the connection closed without a reply); one with a list for rid registered a
+    replica named "[1]"; an unknown hello or rpc request closed without a word. Each is answered
+    with an error and logged in one line now, and the lighthouse goes on serving."""
+    import logging
+
+    secret = b"h" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    caplog.set_level(logging.WARNING, logger="torchport.distributed.ft.lighthouse")
+    socks: list = []
+    try:
+        cases = [
+            ({"t": "hb"}, "rid must be a string, got None"),
+            ({"t": "hb", "rid": [1]}, "rid must be a string, got [1]"),
+            ({"t": "what"}, "unknown lighthouse hello 'what'"),
+        ]
+        for hello, why in cases:
+            s = connect(lh.address, secret, "lighthouse", timeout=5)
+            socks.append(s)
+            s.settimeout(5)
+            send_msg(s, hello)
+            reply = recv_msg(s)
+            assert reply["t"] == "error" and why in reply["error"], reply
+        rpc = _lighthouse_replica(lh, secret, "good", socks)
+        send_msg(rpc, {"t": "bogus"})
+        assert recv_msg(rpc)["error"] == "unknown lighthouse request 'bogus'"
+        rpc = _lighthouse_replica(lh, secret, "good", socks)  # still serving
+        send_msg(rpc, {"t": "quorum", "rid": "good", "step": 0, "heal_addr": ["x", 1]})
+        assert recv_msg(rpc)["members"] == ["good"]
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 4 and all("\n" not in m for m in lines), lines
+        assert not any("replica [1]" in e for _, e in lh.events)
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()
+    assert "Traceback" not in capfd.readouterr().err
