@@ -883,3 +883,190 @@ def test_survivor_that_missed_the_commit_reply_still_gets_a_quorum():
         for s in socks:
             s.close()
         lh.close()
+
+
+def test_manager_allreduce_refuses_an_integer_tensor_at_the_call():
+    """An int64 tensor (a step counter) was summed over the quorum, then wait() raised a bare
+    RuntimeError from the in-place division, leaving the sum in the tensor, and should_commit
+    still committed the step. The average needs a floating-point tensor: the call refuses any
+    other dtype now, naming it, before anything is sent (in a quorum of one as well)."""
+    import threading
+
+    from torchport.distributed import CollectiveArgumentError
+
+    secret = b"n" * 32
+    lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=5.0, secret=secret)
+    managers: list = []
+    replica = _ft_replicas(lh, secret, managers, quorum_timeout=5.0)
+    try:
+        a, b = replica("a", torch.zeros(2)), replica("b", torch.zeros(2))
+        assert _quorum(a, b) == []
+        out: dict = {}
+
+        def step(m, name: str) -> None:
+            counter = torch.tensor([3], dtype=torch.int64)
+            with pytest.raises(CollectiveArgumentError, match=r"got dtype torch\.int64"):
+                m.allreduce(counter)
+            grad = torch.full((2,), 1.0 if name == "a" else 3.0)
+            out[name] = (counter.item(), m.allreduce(grad).wait(), grad, m.should_commit())
+
+        threads = [threading.Thread(target=step, args=(m, n)) for m, n in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        for name in ("a", "b"):
+            counter, ok, grad, committed = out[name]
+            assert counter == 3 and ok and committed and torch.equal(grad, torch.full((2,), 2.0))
+        alone = replica("c", torch.zeros(2))
+        with pytest.raises(CollectiveArgumentError, match=r"dtype torch\.bool"):
+            alone.allreduce(torch.ones(1, dtype=torch.bool))
+    finally:
+        for m in managers:
+            m.shutdown()
+        lh.close()
+
+
+def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
+    """fetch_state's timeout bounded each receive: a source sending its 4000-byte tensor 100
+    bytes every 0.2 s (always inside a 0.5 s timeout) stretched the transfer to 8 s. The whole
+    transfer now has one deadline; the typed timeout names the limit and the time it took."""
+    import threading
+
+    from torchport.distributed._control import Server
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.ft import StateTransferTimeoutError, fetch_state
+
+    secret = b"d" * 32
+    stop = threading.Event()
+
+    def trickling_source(conn: socket.socket) -> None:
+        recv_msg(conn)
+        structure = {"__dict__": [["w", {"__tensor__": 0}]]}
+        send_msg(
+            conn,
+            {
+                "t": "state",
+                "structure": structure,
+                "tensors": [["float32", [1000], 4000]],
+                "total": 4000,
+            },
+        )
+        with contextlib.suppress(OSError):
+            for _ in range(40):
+                if stop.wait(0.2):
+                    return
+                conn.sendall(bytes(100))
+
+    src = Server(trickling_source, secret=secret, role="heal")
+    mine = {"w": torch.ones(1000)}
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StateTransferTimeoutError, match=r"within its 0\.5 s limit") as info:
+            fetch_state(src.address, secret, timeout=0.5, into=mine)
+        assert time.monotonic() - t0 < 1.5
+        assert isinstance(info.value, CommTimeoutError) and info.value.partial
+        assert "gave up after 0." in str(info.value)
+    finally:
+        stop.set()
+        src.close()
+
+
+def test_abandoned_gloo_group_build_is_torn_down_when_it_completes_late():
+    """A gloo replica that gave up building its group (a failure noticed mid-build, or the
+    timeout) left the build running; the group it completed later stayed in the failed frame,
+    alive while anything held the CommError (here: the caller keeps its errors), so every
+    abandoned quorum kept a gloo group (3 threads, 4 sockets). It is retired once it exists."""
+    import threading
+
+    import torch.distributed as dist
+
+    from torchport.distributed._control import PeerFailure
+    from torchport.distributed._gloo import gloo_group
+    from torchport.distributed.ft import Manager
+
+    def held() -> tuple[int, int]:
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+    secret = b"b" * 32
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="a",
+        state_dict=dict,
+        load_state_dict=lambda s: None,
+        secret=secret,
+        timeout=3.0,
+        backend="gloo",
+    )
+    kept: list = []
+    after: list = []
+    try:
+        for qid in (1, 2, 3):
+            peer: list = []  # the other member joins after this one gave up
+            joins = threading.Timer(
+                0.15,
+                lambda q=qid, out=peer: out.append(
+                    gloo_group(dist.PrefixStore(f"tp-ft/q{q}", store), 1, 2, 3.0)
+                ),
+            )
+            joins.start()
+            threading.Timer(0.05, mgr.report_error, args=(PeerFailure("x"),)).start()
+            with pytest.raises(CommError, match="failed: x") as info:
+                mgr._build_group(qid, 0, 2, {"store_port": store.port})
+            kept.append(info.value)
+            joins.join(5)
+            assert peer and peer[0].size() == 2  # so this member's build completed too
+            mgr._error = None
+            peer.clear()  # the peer's own group goes; this member's must go too
+            time.sleep(0.1)
+            after.append(held())
+        _wait_for(
+            lambda: all(n <= first for n, first in zip(held(), after[0])),
+            3,
+            f"no growth per abandoned build (threads, fds): {after} -> {held()}",
+        )
+    finally:
+        mgr.shutdown()
+        lh.close()
+
+
+def test_malformed_lighthouse_hello_gets_an_error_reply_and_one_log_line(caplog, capfd):
+    """A heartbeat hello without "rid" raised KeyError out of the lighthouse's handler thread (a
+    traceback, the connection closed without a reply); one with a list for rid registered a
+    replica named "[1]"; an unknown hello or rpc request closed without a word. Each is answered
+    with an error and logged in one line now, and the lighthouse goes on serving."""
+    import logging
+
+    secret = b"h" * 32
+    lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
+    caplog.set_level(logging.WARNING, logger="torchport.distributed.ft.lighthouse")
+    socks: list = []
+    try:
+        cases = [
+            ({"t": "hb"}, "rid must be a string, got None"),
+            ({"t": "hb", "rid": [1]}, "rid must be a string, got [1]"),
+            ({"t": "what"}, "unknown lighthouse hello 'what'"),
+        ]
+        for hello, why in cases:
+            s = connect(lh.address, secret, "lighthouse", timeout=5)
+            socks.append(s)
+            s.settimeout(5)
+            send_msg(s, hello)
+            reply = recv_msg(s)
+            assert reply["t"] == "error" and why in reply["error"], reply
+        rpc = _lighthouse_replica(lh, secret, "good", socks)
+        send_msg(rpc, {"t": "bogus"})
+        assert recv_msg(rpc)["error"] == "unknown lighthouse request 'bogus'"
+        rpc = _lighthouse_replica(lh, secret, "good", socks)  # still serving
+        send_msg(rpc, {"t": "quorum", "rid": "good", "step": 0, "heal_addr": ["x", 1]})
+        assert recv_msg(rpc)["members"] == ["good"]
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 4 and all("\n" not in m for m in lines), lines
+        assert not any("replica [1]" in e for _, e in lh.events)
+    finally:
+        for s in socks:
+            s.close()
+        lh.close()
+    assert "Traceback" not in capfd.readouterr().err

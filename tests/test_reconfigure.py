@@ -441,3 +441,54 @@ def test_timed_out_collective_fails_the_group_on_every_rank():
         res = _ok(A.call_all([0, 1], "allreduce_late", args))
         assert res[0] == ("error", "CommError", [1.0] * 5), res  # never rewritten afterwards
         assert res[1][0] == "error", res  # the peer does not report a success either
+
+
+def test_malformed_check_requests_get_an_error_reply_and_one_log_line(caplog, capfd):
+    """An authenticated peer's check request with a uuid that is not a non-negative int ("abc",
+    null, a list, Infinity) raised out of the control server's handler thread: a traceback, and
+    the connection closed without a reply; -5, true and 1.5 (checked as 1) were answered as if
+    valid. Each is answered with an error now and logged in one line, the connection stays
+    usable, and a frame too malformed to answer (a 5000-digit integer) is logged and closed."""
+    import logging
+
+    from torchport.distributed._control import _HDR, MAGIC, connect, recv_msg, send_msg
+
+    secret = b"u" * 32
+    g = ReconfigurableGroup(secret=secret)
+    caplog.set_level(logging.WARNING, logger="torchport.distributed.reconfigure")
+    try:
+        host, port, _, nonce = parse_handle(g.get_reconfigure_handle())
+        conn = connect((host, port), secret, "reconf", timeout=5)
+        conn.settimeout(5)
+        bad = ["abc", None, [1], -5, True, 1.5]
+        for uuid in bad:
+            send_msg(conn, {"t": "check", "nonce": nonce, "uuid": uuid})
+            reply = recv_msg(conn)
+            assert reply["t"] == "error", (uuid, reply)
+            assert f"uuid must be a non-negative int, got {uuid!r}" in reply["error"]
+        body = b'{"t":"check","nonce":"x","uuid":Infinity}'
+        conn.sendall(_HDR.pack(MAGIC, len(body)) + body)
+        assert "got inf" in recv_msg(conn)["error"]
+        send_msg(conn, {"t": "check", "nonce": nonce, "uuid": 3})  # the same connection serves
+        assert recv_msg(conn) == {
+            "t": "check",
+            "current": True,
+            "uuid_used": False,
+            "mesh": g._mesh.me.to_json(),
+        }
+        conn.close()
+        huge = connect((host, port), secret, "reconf", timeout=5)
+        body = b'{"t":"check","nonce":"x","uuid":' + b"9" * 5000 + b"}"
+        huge.sendall(_HDR.pack(MAGIC, len(body)) + body)
+        huge.settimeout(5)
+        assert huge.recv(1) == b""  # closed without a reply: nothing to answer
+        huge.close()
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < len(bad) + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == len(bad) + 2 and all("\n" not in m for m in lines), lines
+        assert "4300 digits" in lines[-1]
+    finally:
+        g.close()
+    assert "Traceback" not in capfd.readouterr().err

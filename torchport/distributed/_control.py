@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchport.distributed._threads import WarmPool
-from torchport.distributed.errors import AuthError, CommError, ConnectTimeoutError
+from torchport.distributed.errors import AuthError, CommError, ConnectTimeoutError, WireError
 
 MAGIC = b"TPC1"
 MAX_FRAME = 16 << 20
@@ -143,19 +143,21 @@ def recv_msg(
     sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None
 ) -> dict[str, Any]:
     """Receive one JSON control frame (validated magic, bounded length, object body), by
-    ``deadline`` (``time.monotonic()``) if given."""
+    ``deadline`` (``time.monotonic()``) if given. A frame that breaks these rules is a
+    :class:`WireError` (a :class:`CommError`), which a server can tell from a lost connection."""
     magic, n = _HDR.unpack(recv_exact(sock, _HDR.size, deadline))
     if magic != MAGIC:
-        raise CommError(f"bad frame magic {magic!r}; expected {MAGIC!r}")
+        raise WireError(f"bad frame magic {magic!r}; expected {MAGIC!r}")
     if n > limit:
-        raise CommError(f"control frame of {n} bytes exceeds the limit {limit}")
+        raise WireError(f"control frame of {n} bytes exceeds the limit {limit}")
     try:
         obj = json.loads(recv_exact(sock, n, deadline))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: the
-        # last, or it escaped the handlers (which stop on CommError) and killed the server thread
-        raise CommError(f"malformed control frame: {type(e).__name__}: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON; an integer of more than 4300
+        # digits (ValueError from int()); deep nesting: each escaped the handlers (which stop on
+        # CommError) and killed the server thread with a traceback
+        raise WireError(f"malformed control frame: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
-        raise CommError(f"control frame must be a JSON object, got {type(obj).__name__}")
+        raise WireError(f"control frame must be a JSON object, got {type(obj).__name__}")
     return obj
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import contextvars
+import logging
 import math
 import secrets
 import socket
@@ -79,7 +80,9 @@ from torchport.distributed.elastic import (
     retire_group,
 )
 from torchport.distributed.engine import REASON_ERROR
+from torchport.distributed.errors import WireError
 
+_log = logging.getLogger(__name__)
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
 _U64 = (1 << 64) - 1
 _SPARE = 8  # idle threads kept by the control server and the mesh (see _threads.WarmPool)  # a frame's seq field (fault notices carry the generation there)
@@ -294,13 +297,26 @@ class ReconfigurableGroup:
 
     def _handle(self, conn: socket.socket) -> None:
         while True:  # a peer keeps its check connection open and reuses it
-            msg = recv_msg(conn)
+            try:
+                msg = recv_msg(conn)
+            except WireError as e:  # not a frame to answer: one line, and the connection closes
+                _log.warning("reconfigure control server: %s; closing the connection", e)
+                return
             if msg.get("t") == "check":
+                uuid = msg.get("uuid")
+                if not (isinstance(uuid, int) and not isinstance(uuid, bool) and uuid >= 0):
+                    # int() of it raised out of this thread (a traceback, no reply) for "abc",
+                    # null, a list or Infinity, and truncated 1.5 to 1: refused with a reply;
+                    # the connection stays usable (the frame itself was well formed)
+                    why = f"uuid must be a non-negative int, got {_clip(uuid)}"
+                    _log.warning("reconfigure control server: refused a check request: %s", why)
+                    send_msg(conn, {"t": "error", "error": f"malformed check request: {why}"})
+                    continue
                 with self._lock:
                     reply = {
                         "t": "check",
                         "current": msg.get("nonce") == self._nonce,
-                        "uuid_used": int(msg.get("uuid", -1)) in self._used,
+                        "uuid_used": uuid in self._used,
                         "mesh": self._mesh.me.to_json() if self._mesh is not None else None,
                     }
                 send_msg(conn, reply)
@@ -323,7 +339,10 @@ class ReconfigurableGroup:
                     time.sleep(self.heartbeat)
                 return
             else:
-                raise CommError(f"unknown control request {msg.get('t')!r}")
+                why = f"unknown control request {_clip(msg.get('t'))}"
+                _log.warning("reconfigure control server: %s; closing the connection", why)
+                send_msg(conn, {"t": "error", "error": why})
+                return
 
     # -- reconfigure -----------------------------------------------------------------------
     def reconfigure(self, opts: ReconfigureOptions) -> Work:
@@ -436,6 +455,8 @@ class ReconfigurableGroup:
         self, handle: str, uuid: int, r: dict[str, Any], deadline: float | None = None
     ) -> tuple[str | None, Any]:
         """(problem or None, the peer's mesh record) from a check reply."""
+        if r.get("t") == "error":  # the peer refused the request (a malformed one)
+            return f"handle {handle!r}: the peer refused the check: {r.get('error')}", None
         if not r.get("current"):
             return f"handle {handle!r} is stale: that rank has been reconfigured since", None
         if r.get("uuid_used"):
@@ -815,6 +836,12 @@ class ReconfigurableGroup:
         self.pg = None
         if self._mesh is not None:
             self._mesh.close()
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a one-line report of a peer's value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _default: ReconfigurableGroup | None = None

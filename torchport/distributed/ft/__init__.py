@@ -25,6 +25,7 @@ from torchport.distributed.ft.lighthouse import Lighthouse
 from torchport.distributed.ft.manager import Manager, Metrics, QuorumError
 from torchport.distributed.ft.transfer import (
     StateTransferError,
+    StateTransferTimeoutError,
     fetch_state,
     recv_state,
     send_state,
@@ -38,6 +39,7 @@ __all__ = [
     "OptimizerWrapper",
     "QuorumError",
     "StateTransferError",
+    "StateTransferTimeoutError",
     "fetch_state",
     "recv_state",
     "send_state",

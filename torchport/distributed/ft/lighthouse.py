@@ -37,6 +37,7 @@ request and receive every member's, over the authenticated connection.
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import threading
@@ -47,7 +48,10 @@ from typing import Any
 import torch.distributed as dist
 
 from torchport import config
-from torchport.distributed._control import CommError, Server, default_secret, recv_msg, send_msg
+from torchport.distributed._control import Server, default_secret, recv_msg, send_msg
+from torchport.distributed.errors import CommError, WireError
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,18 +133,37 @@ class Lighthouse:
 
     # -- connections -------------------------------------------------------------------------
     def _handle(self, conn: socket.socket) -> None:
-        hello = recv_msg(conn)
-        if hello.get("t") == "hb":
-            self._heartbeats(conn, str(hello["rid"]))
-        elif hello.get("t") == "rpc":
-            while True:
-                msg = recv_msg(conn)
-                if msg.get("t") == "quorum":
-                    send_msg(conn, self._quorum(msg))
-                elif msg.get("t") == "commit":
-                    send_msg(conn, self._commit(msg))
-                else:
-                    raise CommError(f"unknown lighthouse request {msg.get('t')!r}")
+        # A malformed frame or request from an authenticated peer is answered (where a reply
+        # can be framed) and logged in one line, and only this connection closes: a heartbeat
+        # hello without "rid" raised KeyError out of the handler thread (a traceback, no reply)
+        try:
+            hello = recv_msg(conn)
+            if hello.get("t") == "hb":
+                rid = hello.get("rid")
+                if not isinstance(rid, str):
+                    self._refuse(conn, f"heartbeat hello: rid must be a string, got {_clip(rid)}")
+                    return
+                self._heartbeats(conn, rid)
+            elif hello.get("t") == "rpc":
+                while True:
+                    msg = recv_msg(conn)
+                    if msg.get("t") == "quorum":
+                        send_msg(conn, self._quorum(msg))
+                    elif msg.get("t") == "commit":
+                        send_msg(conn, self._commit(msg))
+                    else:
+                        self._refuse(conn, f"unknown lighthouse request {_clip(msg.get('t'))}")
+                        return
+            else:
+                self._refuse(conn, f"unknown lighthouse hello {_clip(hello.get('t'))}")
+        except WireError as e:
+            _log.warning("lighthouse: %s; closing the connection", e)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, why: str) -> None:
+        """Answer a malformed request with an error, log it in one line (the caller closes)."""
+        _log.warning("lighthouse: refused %s; closing the connection", why)
+        send_msg(conn, {"t": "error", "error": why})
 
     def _heartbeats(self, conn: socket.socket, rid: str) -> None:
         rep = _Replica(rid, conn, time.monotonic())
@@ -378,6 +401,12 @@ class Lighthouse:
         """Stop serving (replicas see their connections close)."""
         self._stop.set()
         self._server.close()
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a one-line report of a peer's value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_int(v: Any) -> bool:

@@ -13,7 +13,8 @@ Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
   shared memory between local replicas); on ``gloo`` a new gloo group under a fresh store prefix. A replica whose committed step
   is behind the quorum's highest step heals first: it fetches the full state (model + optimizer +
   step) from a member at that step as raw tensor bytes (:mod:`.transfer`) and loads it.
-* ``allreduce`` sums a tensor over the quorum and divides by the number of members. It never raises
+* ``allreduce`` sums a tensor over the quorum and divides by the number of members (so it takes
+  floating-point and complex tensors only, and refuses others at the call). It never raises
   on a peer failure: the failure is recorded (``errored()``), waits return promptly, and the vote
   fails.
 * ``should_commit`` waits for outstanding allreduces and votes; the step counter advances only on a
@@ -56,7 +57,7 @@ from torchport.distributed._control import (
 )
 from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
-from torchport.distributed.errors import TorchportDistError
+from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
@@ -125,7 +126,9 @@ class Manager:
         replica_id: stable name of this replica (a restarted process reuses it).
         state_dict: returns the replica's full training state (tensors, dicts, lists, numbers).
         load_state_dict: loads such a state (received from a healthy replica when healing).
-        timeout: limit (s) for any single wait (allreduce, commit vote).
+        timeout: limit (s) for any single wait (allreduce, commit vote) and for a heal's whole
+            state transfer (set it above the state's size over the link's bandwidth: a heal
+            that needs longer fails every time).
         quorum_timeout: limit (s) to form a quorum.
         heartbeat: heartbeat period (s); default ``config.ft_heartbeat``.
         secret: job secret (default from ``TORCHPORT_SECRET``).
@@ -397,18 +400,37 @@ class Manager:
         prefix = dist.PrefixStore(f"tp-ft/q{qid}", self._store)
         box: dict[str, Any] = {}
         done = threading.Event()
+        box_lock = threading.Lock()
 
         def build() -> None:
             try:
-                box["pg"] = gloo_group(prefix, rank, size, self.timeout)
+                pg = gloo_group(prefix, rank, size, self.timeout)
             except Exception as e:
                 box["err"] = e
+            else:
+                with box_lock:
+                    abandoned = box.get("abandoned", False)
+                    if not abandoned:
+                        box["pg"] = pg
+                if abandoned:  # completed after the manager gave up: nobody will use it
+                    retire(pg)
             done.set()
 
-        threading.Thread(target=build, daemon=True).start()
+        # gloo's rendezvous cannot be cancelled: an abandoned build runs on (up to ``timeout``)
+        threading.Thread(target=build, name="tp-ft-gloo-build", daemon=True).start()
         while not done.wait(0.002):
-            if self._error is not None or time.perf_counter() - t0 > self.timeout:
-                raise CommError(f"building the group for quorum {qid} failed: {self._error}")
+            late = time.perf_counter() - t0 > self.timeout
+            if self._error is not None or late:
+                # A group the build completes later was left in ``box``, alive for as long as
+                # anything held this frame (the CommError's traceback: a caller keeping the
+                # errors kept one gloo group, 3 threads and 4 sockets, per abandoned build).
+                # It is retired as soon as it exists now, whoever holds what.
+                with box_lock:
+                    box["abandoned"] = True
+                    pg = box.pop("pg", None)
+                retire(pg)
+                why = f"not built within {self.timeout} s" if late else f"failed: {self._error}"
+                raise CommError(f"building the group for quorum {qid} {why}")
         if "err" in box:
             raise CommError(f"building the group for quorum {qid} failed: {box['err']}")
         self._pg, self._qid = box["pg"], qid
@@ -509,7 +531,21 @@ class Manager:
 
     # -- collectives -----------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor) -> _Work:
-        """Average ``tensor`` in place over the quorum (async); ``wait()`` says if it succeeded."""
+        """Average ``tensor`` in place over the quorum (async); ``wait()`` says if it succeeded.
+
+        The average needs a floating-point (or complex) tensor: any other dtype is refused here
+        with :class:`CollectiveArgumentError` (sum an integer counter on ``process_group``
+        instead). torchft divides in a continuation of the sum, where an integer tensor fails
+        the step; here ``wait()`` raised a bare RuntimeError after the sum had already landed,
+        and the step still committed.
+        """
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            # refused whatever the quorum's size: a quorum of one never divides, so a late check
+            # let a program pass with one replica and fail once a second joined
+            raise CollectiveArgumentError(
+                f"Manager.allreduce averages, which needs a floating-point or complex tensor, "
+                f"got dtype {tensor.dtype}"
+            )
         n = len(self._members)
         w = _Work(self, tensor, n)
         with self._lock:

@@ -25,6 +25,7 @@ from torchport.distributed._control import (
     recv_msg,
     send_msg,
 )
+from torchport.distributed.errors import CommTimeoutError
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -57,6 +58,10 @@ class StateTransferError(CommError):
     def __init__(self, message: str, partial: bool = False) -> None:
         super().__init__(message)
         self.partial = partial
+
+
+class StateTransferTimeoutError(StateTransferError, CommTimeoutError):
+    """The whole transfer did not finish by its deadline (``partial`` as for the base class)."""
 
 
 def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -149,15 +154,24 @@ def tensor_paths(state: Any) -> dict[str, torch.Tensor]:
 
 
 def recv_state(
-    sock: socket.socket, max_payload: int = MAX_PAYLOAD, into: Any = None
+    sock: socket.socket,
+    max_payload: int = MAX_PAYLOAD,
+    into: Any = None,
+    deadline: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Receive a state sent by :func:`send_state`; returns (state, header).
 
     ``into``: an existing state of the same layout (e.g. the receiver's own); tensors whose path,
     dtype and shape match are received directly into it, which avoids allocating (and
     page-faulting) fresh memory. Others are allocated.
+
+    ``deadline`` (``time.monotonic()``): the whole receive, header and payload, ends by then
+    (:class:`StateTransferTimeoutError`).
     """
-    hdr = recv_msg(sock, limit=MAX_HEADER)
+    try:
+        hdr = recv_msg(sock, limit=MAX_HEADER, deadline=deadline)
+    except TimeoutError as e:
+        raise StateTransferTimeoutError(f"state header not received in time: {e}") from None
     if hdr.get("t") != "state":
         raise StateTransferError(
             f"expected a state header, got {hdr.get('t')!r}: {hdr.get('error')}"
@@ -192,7 +206,11 @@ def recv_state(
         if nbytes:
             written = written or own
             try:
-                recv_into_exact(sock, _bytes_view(t))
+                recv_into_exact(sock, _bytes_view(t), deadline)
+            except TimeoutError as e:
+                raise StateTransferTimeoutError(
+                    f"state transfer timed out in tensor {i} of {len(metas)}: {e}", written
+                ) from None
             except (OSError, CommError) as e:
                 raise StateTransferError(f"state transfer broke off: {e}", written) from None
         tensors.append(t)
@@ -226,20 +244,35 @@ def fetch_state(
 ) -> tuple[Any, dict[str, Any], float]:
     """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`.
 
+    ``timeout`` bounds the whole transfer, connection included
+    (:class:`StateTransferTimeoutError`): it bounded each receive only, so a source trickling
+    its state a few bytes at a time stretched the transfer without bound.
+
     ``on_connect`` is called with the connection once it is open and with None when it is
     closed: shutting it down from another thread ends the transfer at once.
     """
     t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout
     sock = connect(addr, secret, "heal", timeout=timeout)
     if on_connect is not None:
         on_connect(sock)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.settimeout(timeout)
-        send_msg(sock, {"t": "get_state", "step": step})
-        state, hdr = recv_state(sock, into=into)
+        send_msg(sock, {"t": "get_state", "step": step}, deadline)
+        state, hdr = recv_state(sock, into=into, deadline=deadline)
+    except StateTransferTimeoutError as e:
+        raise StateTransferTimeoutError(
+            f"state transfer from {addr} did not finish within its {timeout:g} s limit "
+            f"(gave up after {time.perf_counter() - t0:.2f} s): {e}",
+            e.partial,
+        ) from None
     except StateTransferError:
         raise
+    except TimeoutError:  # sending the request
+        raise StateTransferTimeoutError(
+            f"state request to {addr} not sent within its {timeout:g} s limit "
+            f"(gave up after {time.perf_counter() - t0:.2f} s)"
+        ) from None
     except (OSError, CommError) as e:
         raise StateTransferError(f"state transfer from {addr} failed: {e}") from None
     finally:
