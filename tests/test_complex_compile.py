@@ -856,3 +856,41 @@ def test_pow_by_other_integral_floats_is_exp_log() -> None:
     fin = want.isfinite()
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-9, atol=1e-12)
     assert (got.isfinite() == fin).float().mean() > 0.9
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per element: equal parts with equal signs (of zeros too), or NaN where eager has NaN."""
+    g, w = torch.view_as_real(got), torch.view_as_real(want)
+    same = ((g == w) & (torch.signbit(g) == torch.signbit(w))) | (g.isnan() & w.isnan())
+    return same.all(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_add_sub_with_alpha_take_atens_complex_product(dtype: torch.dtype) -> None:
+    # ATen's add kernel computes a + alpha·b as a complex product: 1 + 2·(inf + 0i) is
+    # inf + NaN i (2·0 + 0·inf); the real alpha was applied to each part alone (inf + 0i),
+    # rsub(z, 2, alpha=3) (the .Scalar overload, alpha positional) ignored alpha (2 - z), and
+    # alpha·b of two numbers was folded in double (1e30 · 3 off by 1 ulp in complex64)
+    parts = (0.0, -0.0, 1.0, -2.5, 1e30, math.inf, -math.inf, math.nan)
+    vals = [complex(x, y) for x in parts for y in parts]
+    a = torch.tensor([v for v in vals for _ in vals], dtype=dtype)
+    b = torch.tensor(vals * len(vals), dtype=dtype)
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [
+                torch.add(x, y, alpha=2),
+                torch.sub(x, y, alpha=-2.5),
+                torch.rsub(x, y, alpha=1e30),
+                torch.add(x, y, alpha=complex(2.0, -0.0)),
+                torch.sub(x, y, alpha=0.5 - 3j),
+                torch.add(x, y.real, alpha=1j),
+                torch.add(y.real, x, alpha=-1),
+                torch.add(x, complex(math.inf, 0.0), alpha=2),
+                torch.sub(x, 1 - 3j, alpha=1e30),
+                torch.rsub(x, 2, alpha=3),
+            ]
+        )
+
+    (got,) = _run_lowered(fn, a, b)
+    assert _same_bits(got, fn(a, b)).all()

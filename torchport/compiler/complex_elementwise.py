@@ -21,11 +21,13 @@ from torchport.compiler.complex_base import (
     Pair,
     Rule,
     _Emitter,
+    _node_val,
     _packets,
     _pair,
     aten,
     c_abs,
     c_add,
+    c_add_scaled,
     c_angle,
     c_div,
     c_mul,
@@ -362,19 +364,69 @@ def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
     return c_exp(e, c_mul(e, _pair(p), c_log(e, a)))
 
 
+def _alpha_parts(e: _Emitter, n: fx.Node, a: tuple[Any, ...], negate: bool) -> tuple[Any, Any]:
+    """(re, im) of the ``alpha`` (``-alpha`` for sub/rsub) ATen's add kernel multiplies by: a
+    real alpha has imaginary part +0, also negated (``-Scalar(2)`` is -2 + 0i); a complex one
+    keeps the signs of its parts (``-(1j)`` is -0 - 1i), so it is read from the node, where a
+    zero imaginary part still has its sign. The ``.Scalar`` overloads take alpha positionally."""
+    raw = n.args[2] if len(n.args) > 2 else n.kwargs["alpha"]
+    if isinstance(raw, complex):
+        raw = -raw if negate else raw
+        return raw.real, raw.imag
+    if isinstance(raw, (int, float)):
+        return (-raw if negate else raw), 0.0
+    alpha = a[2] if len(a) > 2 else raw  # a graph value: a real number
+    return (e.neg(alpha) if negate else alpha), 0.0
+
+
+def _has_alpha(n: fx.Node) -> bool:
+    return len(n.args) > 2 or "alpha" in n.kwargs
+
+
+def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any]) -> Pair:
+    """``a + alpha·b`` (:func:`c_add_scaled`); with ``b`` and alpha both numbers, alpha·b is
+    computed in the node's precision first, as ATen does (folded in Python's double,
+    ``sub(z, 1 - 3j, alpha=1e30)`` in complex64 was 1 ulp off)."""
+    pb, (ar, ai) = _pair(b), alpha
+    parts = (pb.re, pb.im, ar, ai)
+    if not all(x is None or isinstance(x, (int, float)) for x in parts):
+        return c_add_scaled(e, a, b, ar, ai)
+    val = _node_val(n)
+    rdt = val.dtype.to_real() if isinstance(val, torch.Tensor) else torch.float64
+    c, d, ar_t, ai_t = (torch.tensor(0.0 if x is None else x, dtype=rdt) for x in parts)
+    t_re, t_im = (c * ar_t - d * ai_t).item(), (d * ar_t + c * ai_t).item()
+    pa = _pair(a)
+    x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
+    return Pair(e.add(x, t_re), e.add(y, t_im))
+
+
+# Without alpha, add/sub/rsub are componentwise, one real op per part. ATen's kernel computes
+# a + 1·b as a complex product even then, so where b has an infinite or NaN part the other part
+# of the sum is NaN in eager (1 + (inf + 0i) = inf + NaN i; compiled: inf + 0i), and a -0 part
+# may come out +0; matching that would triple the arithmetic of the most common complex op
+# (Inductor's own complex add decomposition is componentwise too). With an explicit alpha
+# (alpha=1 is dropped at tracing) the product is ATen's, bit for bit.
+
+
 @_rule(*_packets("add"))
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_add(lw.e, a[0], a[1], kw.get("alpha", 1))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+    if not _has_alpha(n):
+        return c_add(lw.e, a[0], a[1])  # (a+bi)+(c+di) = (a+c)+(b+d)i
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=False))
 
 
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_sub(lw.e, a[0], a[1], kw.get("alpha", 1))  # componentwise difference
+    if not _has_alpha(n):
+        return c_sub(lw.e, a[0], a[1])  # componentwise difference
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=True))
 
 
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_sub(lw.e, a[1], c_mul(lw.e, a[0], kw.get("alpha", 1)))  # b - alpha*a
+    if not _has_alpha(n):
+        return c_sub(lw.e, a[1], a[0])  # b - a
+    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, negate=True))
 
 
 @_rule(*_packets("mul"))
