@@ -915,3 +915,30 @@ def test_differentiating_the_lowered_graph_is_refused() -> None:
     (got,) = torch.autograd.grad(fn(zc), zc, gv)
     (want,) = torch.autograd.grad(torch.logcumsumexp(ze, 1), ze, gv)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_exp_and_pow_where_e_to_the_x_overflows_but_the_result_does_not(dtype: torch.dtype) -> None:
+    # ATen's complex exp (C's cexp) scales e^x above x = 88: exp(88.5 + 1i) is 1.47e38 + 2.29e38i
+    # in complex64 and z ** p with |z|^p near the dtype's max finite, where e^x alone gave inf;
+    # z ** (3 + 0j) is z·z·z in ATen (NaN + inf i where a product overflows), it was e^(3 log z)
+    rdt = dtype.to_real()
+    g = torch.Generator().manual_seed(0)
+    ang = (torch.rand(200, generator=g, dtype=torch.float64) * 2 - 1) * math.pi
+    log_max = math.log(torch.finfo(rdt).max)
+    tol = 1e-4 if dtype == torch.complex64 else 1e-10
+    z = torch.tensor([88.5 + 1j, 89.5 + 1.5j, 100 + 1.5707963j, 88.03 - 2j, 700 + 3j], dtype=dtype)
+    (got,) = _run_lowered(torch.exp, z)
+    want = torch.view_as_real(torch.exp(z))
+    torch.testing.assert_close(torch.view_as_real(got), want, rtol=tol, atol=0.0)
+    for p in (4.0, -3.7):
+        target = log_max + torch.rand(200, generator=g, dtype=torch.float64) * 3 - 2
+        w = torch.polar(torch.exp(target / p), ang).to(dtype)
+        (got,) = _run_lowered(functools.partial(torch.pow, exponent=p), w)
+        want = torch.view_as_real(w**p)
+        torch.testing.assert_close(torch.view_as_real(got), want, rtol=tol, atol=0.0, msg=str(p))
+    w = torch.polar(torch.exp((log_max + ang[50:100] / 6) / 3), ang[:50])
+    w = w.to(dtype)
+    (got,) = _run_lowered(lambda v: v ** (3 + 0j), w)
+    want = torch.view_as_real(w ** (3 + 0j))
+    torch.testing.assert_close(torch.view_as_real(got), want, rtol=tol, atol=0.0, equal_nan=True)

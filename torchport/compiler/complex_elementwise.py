@@ -46,11 +46,22 @@ def _keep_zero(e: _Emitter, z: Any, zero: Any, value: Any) -> Any:
     return e.call(torch.where, e.call(operator.eq, z, 0), zero, value)
 
 
+_EXP_SHIFT = 88.0  # c_exp's scaling point: e^88 is finite in float32
+
+
 def c_exp(e: _Emitter, a: Pair) -> Pair:
-    ex = e.f(torch.exp, a.re)
     if a.im is None:
-        return Pair(ex, None)
+        return Pair(e.f(torch.exp, a.re), None)
+    # ATen's complex exp is C's cexp, which scales where e^x overflows but e^x cos y need not
+    # (exp(88.5 + 1i) is 1.47e38 + 2.29e38i in complex64, and z ** p near |z|^p = float max):
+    # for x above 88 (glibc's floor((max_exp - 1) ln 2) of float32; complex128 scales from there
+    # too) it takes (cos y · e^88) · e^(x - 88); e^x alone was inf. Below 88 nothing changes.
+    big = e.call(operator.gt, a.re, _EXP_SHIFT)
+    ex = e.f(torch.exp, e.call(torch.where, big, e.sub(a.re, _EXP_SHIFT), a.re))
     cos_y, sin_y = e.f(torch.cos, a.im), e.f(torch.sin, a.im)
+    # e^88 rounded to the parts' dtype, as the product with a tensor rounds it
+    cos_y = e.call(torch.where, big, e.mul(cos_y, math.exp(_EXP_SHIFT)), cos_y)
+    sin_y = e.call(torch.where, big, e.mul(sin_y, math.exp(_EXP_SHIFT)), sin_y)
     im = _keep_zero(e, a.im, a.im, e.mul(ex, sin_y))  # e^x + 0i for y = ±0
     # x = -inf (as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf or NaN, with the
     # signs of cos y and sin y where y is finite and of y where not, as ATen; an e^x that
@@ -514,6 +525,10 @@ def _r_sigmoid(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> A
 @_rule(*_packets("pow"))
 def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     base, p = a[0], a[1]
+    if isinstance(p, Pair) and p.im is None and isinstance(p.re, (int, float)):
+        # a complex exponent with zero imaginary part takes ATen's real-exponent cases too
+        # (z ** (3 + 0j) is z·z·z there: its overflow is NaN where e^(3 log z) is finite)
+        p = p.re
     if isinstance(p, (Pair, fx.Node, complex)) or not isinstance(base, (Pair, fx.Node)):
         return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))))  # z^w = e^(w log z)
     return c_pow(lw.e, _pair(base), p)  # small integer powers by repeated products
