@@ -1306,3 +1306,24 @@ def test_scale_takes_numpy_scalars_and_rejects_a_huge_int_typed():
         split([G.Scale(10**400)], 3, 5)
     with pytest.raises(EpilogueError, match="number or tensor"):
         split([G.Scale(np.bool_(True))], 3, 5)
+
+
+def test_bf16_gemm_sums_float32_bias_and_scale_gradients_in_float32():
+    # a float32 bias/scale of a bf16 GEMM had its gradient summed in bf16 and rounded there
+    # (0.03 off on a bias gradient of ~8: 1 bf16 ulp); eager's float32 autograd sums in float32
+    # from exact products. A bf16 bias stays F.linear's: one bf16 rounding of the sum.
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 48).bfloat16(), torch.randn(40, 48).bfloat16()
+    g = torch.randn(64, 40).bfloat16()
+    for bdt in (torch.float32, torch.bfloat16):
+        b = torch.randn(40, dtype=bdt)
+        b1, b2 = (b.clone().requires_grad_() for _ in range(2))
+        linear(x, w, b1).backward(g)
+        y = F.linear(x, w, b2) if bdt == torch.bfloat16 else ((x @ w.t()).float() + b2).bfloat16()
+        y.backward(g)
+        assert b1.grad is not None and torch.equal(b1.grad, b2.grad), bdt
+    s = torch.randn(40)
+    s1, s2 = (s.clone().requires_grad_() for _ in range(2))
+    linear(x, w, epilogue=[G.Scale(s1)]).backward(g)
+    ((x @ w.t()).float() * s2).bfloat16().backward(g)
+    assert s1.grad is not None and torch.equal(s1.grad, s2.grad)

@@ -102,8 +102,26 @@ def test_explicit_generator_is_rejected() -> None:
         lambda x: x[x > 0],
         lambda x: torch.unique(x),
         lambda x: torch.repeat_interleave(x.long()),
+        # out= overloads torch leaves untagged (index.Tensor_out was recorded, its shape frozen)
+        lambda x: torch.ops.aten.index.Tensor_out(x, [x > 0], out=torch.empty(0)),
+        lambda x: torch.ops.aten.bincount.out(x.long(), out=torch.empty(0, dtype=torch.long)),
+        lambda x: torch.ops.aten.unique_consecutive.out(
+            x, out0=torch.empty(0), out1=torch.empty(0, dtype=torch.long), out2=torch.empty(0)
+        ),
+        lambda x: torch.ops.aten.repeat_interleave.Tensor_out(
+            x.long(), out=torch.empty(0, dtype=torch.long)
+        ),
     ],
-    ids=["nonzero", "bool_mask_index", "unique", "repeat_interleave"],
+    ids=[
+        "nonzero",
+        "bool_mask_index",
+        "unique",
+        "repeat_interleave",
+        "index_out",
+        "bincount_out",
+        "unique_consecutive_out",
+        "repeat_interleave_out",
+    ],
 )
 @pytest.mark.parametrize("mode", ["global", "relaxed"])
 def test_data_dependent_output_shape_is_rejected(op, mode: str) -> None:  # type: ignore[no-untyped-def]
@@ -121,11 +139,13 @@ def test_integer_index_and_sized_repeat_interleave_stay_capturable() -> None:
     with config.override(native=False), g:
         y = x[idx]
         z = torch.repeat_interleave(reps, output_size=3)
+        w = torch.ops.aten.index.Tensor_out(x, [idx], out=torch.empty(2))
     x.copy_(torch.arange(5.0))
     reps.copy_(torch.tensor([0, 0, 3]))
     g.replay()
     torch.testing.assert_close(y, torch.tensor([0.0, 3.0]))
     torch.testing.assert_close(z, torch.tensor([2, 2, 2]))
+    torch.testing.assert_close(w, torch.tensor([0.0, 3.0]))
 
 
 def test_int_carried_in_captured_loop_is_rejected() -> None:

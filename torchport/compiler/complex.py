@@ -45,6 +45,7 @@ from torchport.compiler.passes import eliminate_dead_code
 
 __all__ = [
     "RULES",
+    "ComplexAutogradError",
     "ComplexCompiled",
     "ComplexDecompositionError",
     "complex_aot_backend",
@@ -215,15 +216,45 @@ def _flat(x: Any) -> list[Any]:
     return [x]
 
 
+class ComplexAutogradError(RuntimeError):
+    """The real graph of :func:`lower_complex` was run where autograd would differentiate it."""
+
+
+def _refuse_autograd(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook of a lowered graph: refuse inputs that require grad (with grad enabled).
+
+    The rules compute ATen's values, not differentiable formulas: they select special values with
+    masks (``exp`` keeps y where y = 0, logcumsumexp splits the terms by the sign of sin y), and
+    the derivative of such a mask is 0, so autograd through the real graph gave wrong gradients
+    at those points (logcumsumexp and exp at zero imaginary parts). AOTAutograd lowers the forward
+    and the backward graph separately and runs neither under autograd.
+    """
+    if not torch.is_grad_enabled():
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for i, a in enumerate(args):
+        # a fake input is a trace (Inductor's re-trace of the graph), not a differentiation
+        if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, FakeTensor):
+            raise ComplexAutogradError(
+                "the real graph of a complex lowering must not be differentiated (its rules "
+                "select ATen's values with masks, whose derivatives are wrong at those points); "
+                f"input {i} requires grad. Compile with torchport.compile (complex=True lowers "
+                "the forward and the backward graph separately) or run it under torch.no_grad()"
+            )
+
+
 def lower_complex(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[bool], list[bool]]:
     """Rewrite a complex aten graph into a real one.
 
     Returns ``(real_gm, in_layout, out_layout)``: a complex input becomes two inputs, its ``real``
     and ``imag`` views, a complex output is returned as ``[..., 2]`` (real, imag); the layouts say which
-    inputs and outputs were complex.
+    inputs and outputs were complex. Calling ``real_gm`` with an input that requires grad, grad
+    enabled, raises :class:`ComplexAutogradError`: the real graph is not differentiable.
     """
     lw = _Lowering(gm)
     real = lw.run()
+    real.register_forward_pre_hook(_refuse_autograd)
     return real, lw.in_layout, lw.out_layout
 
 

@@ -142,18 +142,27 @@ def _pair(v: Any) -> Pair:
 # --- complex arithmetic on Pairs -------------------------------------------------------------
 
 
-def c_add(e: _Emitter, a: Any, b: Any, alpha: Any = 1) -> Pair:
+def c_add(e: _Emitter, a: Any, b: Any) -> Pair:
     pa, pb = _pair(a), _pair(b)
-    if alpha != 1:
-        pb = c_mul(e, pb, alpha)
     return Pair(e.add(pa.re, pb.re), e.add(pa.im, pb.im))
 
 
-def c_sub(e: _Emitter, a: Any, b: Any, alpha: Any = 1) -> Pair:
+def c_sub(e: _Emitter, a: Any, b: Any) -> Pair:
     pa, pb = _pair(a), _pair(b)
-    if alpha != 1:
-        pb = c_mul(e, pb, alpha)
     return Pair(e.sub(pa.re, pb.re), e.sub(pa.im, pb.im))
+
+
+def c_add_scaled(e: _Emitter, a: Any, b: Any, alpha_re: Any, alpha_im: Any) -> Pair:
+    """``a + alpha·b`` as ATen's add kernel computes it (``sub`` passes ``-alpha``): a full
+    complex product in which alpha's imaginary part and any known-zero part take part, so
+    ``1 + 2·(inf + 0i)`` is inf + NaN i (2·0 + 0·inf) and ``-0 + 1·(-0 - 0i)`` has real part +0,
+    as in eager. Known-zero parts count as +0."""
+    pa, pb = _pair(a), _pair(b)
+    c, d = (0.0 if pb.re is None else pb.re), (0.0 if pb.im is None else pb.im)
+    t_re = e.sub(e.mul(c, alpha_re), e.mul(d, alpha_im))
+    t_im = e.add(e.mul(d, alpha_re), e.mul(c, alpha_im))
+    x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
+    return Pair(e.add(x, t_re), e.add(y, t_im))
 
 
 def c_mul(e: _Emitter, a: Any, b: Any) -> Pair:

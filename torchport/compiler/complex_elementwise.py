@@ -21,11 +21,13 @@ from torchport.compiler.complex_base import (
     Pair,
     Rule,
     _Emitter,
+    _node_val,
     _packets,
     _pair,
     aten,
     c_abs,
     c_add,
+    c_add_scaled,
     c_angle,
     c_div,
     c_mul,
@@ -44,11 +46,22 @@ def _keep_zero(e: _Emitter, z: Any, zero: Any, value: Any) -> Any:
     return e.call(torch.where, e.call(operator.eq, z, 0), zero, value)
 
 
+_EXP_SHIFT = 88.0  # c_exp's scaling point: e^88 is finite in float32
+
+
 def c_exp(e: _Emitter, a: Pair) -> Pair:
-    ex = e.f(torch.exp, a.re)
     if a.im is None:
-        return Pair(ex, None)
+        return Pair(e.f(torch.exp, a.re), None)
+    # ATen's complex exp is C's cexp, which scales where e^x overflows but e^x cos y need not
+    # (exp(88.5 + 1i) is 1.47e38 + 2.29e38i in complex64, and z ** p near |z|^p = float max):
+    # for x above 88 (glibc's floor((max_exp - 1) ln 2) of float32; complex128 scales from there
+    # too) it takes (cos y · e^88) · e^(x - 88); e^x alone was inf. Below 88 nothing changes.
+    big = e.call(operator.gt, a.re, _EXP_SHIFT)
+    ex = e.f(torch.exp, e.call(torch.where, big, e.sub(a.re, _EXP_SHIFT), a.re))
     cos_y, sin_y = e.f(torch.cos, a.im), e.f(torch.sin, a.im)
+    # e^88 rounded to the parts' dtype, as the product with a tensor rounds it
+    cos_y = e.call(torch.where, big, e.mul(cos_y, math.exp(_EXP_SHIFT)), cos_y)
+    sin_y = e.call(torch.where, big, e.mul(sin_y, math.exp(_EXP_SHIFT)), sin_y)
     im = _keep_zero(e, a.im, a.im, e.mul(ex, sin_y))  # e^x + 0i for y = ±0
     # x = -inf (as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf or NaN, with the
     # signs of cos y and sin y where y is finite and of y where not, as ATen; an e^x that
@@ -362,19 +375,69 @@ def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
     return c_exp(e, c_mul(e, _pair(p), c_log(e, a)))
 
 
+def _alpha_parts(e: _Emitter, n: fx.Node, a: tuple[Any, ...], negate: bool) -> tuple[Any, Any]:
+    """(re, im) of the ``alpha`` (``-alpha`` for sub/rsub) ATen's add kernel multiplies by: a
+    real alpha has imaginary part +0, also negated (``-Scalar(2)`` is -2 + 0i); a complex one
+    keeps the signs of its parts (``-(1j)`` is -0 - 1i), so it is read from the node, where a
+    zero imaginary part still has its sign. The ``.Scalar`` overloads take alpha positionally."""
+    raw = n.args[2] if len(n.args) > 2 else n.kwargs["alpha"]
+    if isinstance(raw, complex):
+        raw = -raw if negate else raw
+        return raw.real, raw.imag
+    if isinstance(raw, (int, float)):
+        return (-raw if negate else raw), 0.0
+    alpha = a[2] if len(a) > 2 else raw  # a graph value: a real number
+    return (e.neg(alpha) if negate else alpha), 0.0
+
+
+def _has_alpha(n: fx.Node) -> bool:
+    return len(n.args) > 2 or "alpha" in n.kwargs
+
+
+def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any]) -> Pair:
+    """``a + alpha·b`` (:func:`c_add_scaled`); with ``b`` and alpha both numbers, alpha·b is
+    computed in the node's precision first, as ATen does (folded in Python's double,
+    ``sub(z, 1 - 3j, alpha=1e30)`` in complex64 was 1 ulp off)."""
+    pb, (ar, ai) = _pair(b), alpha
+    parts = (pb.re, pb.im, ar, ai)
+    if not all(x is None or isinstance(x, (int, float)) for x in parts):
+        return c_add_scaled(e, a, b, ar, ai)
+    val = _node_val(n)
+    rdt = val.dtype.to_real() if isinstance(val, torch.Tensor) else torch.float64
+    c, d, ar_t, ai_t = (torch.tensor(0.0 if x is None else x, dtype=rdt) for x in parts)
+    t_re, t_im = (c * ar_t - d * ai_t).item(), (d * ar_t + c * ai_t).item()
+    pa = _pair(a)
+    x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
+    return Pair(e.add(x, t_re), e.add(y, t_im))
+
+
+# Without alpha, add/sub/rsub are componentwise, one real op per part. ATen's kernel computes
+# a + 1·b as a complex product even then, so where b has an infinite or NaN part the other part
+# of the sum is NaN in eager (1 + (inf + 0i) = inf + NaN i; compiled: inf + 0i), and a -0 part
+# may come out +0; matching that would triple the arithmetic of the most common complex op
+# (Inductor's own complex add decomposition is componentwise too). With an explicit alpha
+# (alpha=1 is dropped at tracing) the product is ATen's, bit for bit.
+
+
 @_rule(*_packets("add"))
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_add(lw.e, a[0], a[1], kw.get("alpha", 1))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+    if not _has_alpha(n):
+        return c_add(lw.e, a[0], a[1])  # (a+bi)+(c+di) = (a+c)+(b+d)i
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=False))
 
 
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_sub(lw.e, a[0], a[1], kw.get("alpha", 1))  # componentwise difference
+    if not _has_alpha(n):
+        return c_sub(lw.e, a[0], a[1])  # componentwise difference
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=True))
 
 
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_sub(lw.e, a[1], c_mul(lw.e, a[0], kw.get("alpha", 1)))  # b - alpha*a
+    if not _has_alpha(n):
+        return c_sub(lw.e, a[1], a[0])  # b - a
+    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, negate=True))
 
 
 @_rule(*_packets("mul"))
@@ -462,6 +525,10 @@ def _r_sigmoid(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> A
 @_rule(*_packets("pow"))
 def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     base, p = a[0], a[1]
+    if isinstance(p, Pair) and p.im is None and isinstance(p.re, (int, float)):
+        # a complex exponent with zero imaginary part takes ATen's real-exponent cases too
+        # (z ** (3 + 0j) is z·z·z there: its overflow is NaN where e^(3 log z) is finite)
+        p = p.re
     if isinstance(p, (Pair, fx.Node, complex)) or not isinstance(base, (Pair, fx.Node)):
         return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))))  # z^w = e^(w log z)
     return c_pow(lw.e, _pair(base), p)  # small integer powers by repeated products

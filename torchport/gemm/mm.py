@@ -757,37 +757,44 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     hs: list[torch.Tensor] = []
     it = iter(operands)
     vals: list[torch.Tensor | None] = []
+    accs: list[torch.dtype] = []  # per step: the dtype its operand's gradient is summed in
     for op in sp.ops:
         hs.append(h)
         # a scale operand keeps its dtype: _step and the gradient multiply in the wider dtype
         # and round once, as the forward does (a float32 column of 0.1 cast to bf16 first was
         # 0.10009765625)
+        raw = next(it) if op.kind in OPERAND_KINDS else None
         t = (
-            next(it)
+            raw
             if op.kind in ("scale_col", "scale_row")
-            else next(it).to(dt)
-            if op.kind in ("bias_col", "bias_row", "add")
+            else raw.to(dt)
+            if raw is not None and op.kind in ("bias_col", "bias_row", "add")
             else None
         )
         vals.append(t)
+        accs.append(dt if raw is None else raw.dtype)
         h = _step(h, op, t)
     g = grad.to(dt)
     grads_ops: list[torch.Tensor | None] = []
-    for op, x, t in zip(reversed(sp.ops), reversed(hs), reversed(vals)):
+    # a float32 bias or scale of a bf16 GEMM gets its gradient summed in float32 from exact
+    # products (bf16 x bf16 fits float32), as eager's float32 autograd sums: the bf16 sum was
+    # rounded to bf16 (1 bf16 ulp off, 0.03 on a bias gradient of ~8). A bf16 operand's sum is
+    # rounded to bf16 once, as F.linear's bias gradient.
+    for op, x, t, acc in zip(reversed(sp.ops), reversed(hs), reversed(vals), reversed(accs)):
         k = op.kind
         if k == "bias_col":
-            grads_ops.append(g.sum(0))
+            grads_ops.append(g.sum(0, dtype=acc))
         elif k == "bias_row":
-            grads_ops.append(g.sum(1))
+            grads_ops.append(g.sum(1, dtype=acc))
         elif k == "add":
             grads_ops.append(g)
         elif k == "scale_col":
             assert t is not None
-            grads_ops.append((g * x).sum(0))
+            grads_ops.append((g.to(acc) * x).sum(0))
             g = (g * t).to(dt)
         elif k == "scale_row":
             assert t is not None
-            grads_ops.append((g * x).sum(1))
+            grads_ops.append((g.to(acc) * x).sum(1))
             g = (g * t[:, None]).to(dt)
         elif k == "scale":
             g = g * op.value

@@ -156,6 +156,21 @@ CAPTURABLE_CUSTOM_OPS = frozenset({"torchport::gemv_packed", "torchport::gemv_de
 _PYTHON_VALUE_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item", "is_same_size"}
 
 
+def _functional_form(func: Any) -> Any:
+    """The overload an ``out=`` overload (``out``, ``X_out``) or ``index.Tensor_hacked_twin``
+    computes the result of (``default``, ``X``, ``index.Tensor``); any other op itself."""
+    name = func._overloadname
+    if name == "out":
+        base = "default"
+    elif name.endswith("_out"):
+        base = name[: -len("_out")]
+    elif name == "Tensor_hacked_twin":
+        base = "Tensor"
+    else:
+        return func
+    return getattr(func.overloadpacket, base, func)
+
+
 def _data_dependent_shape(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """True for an op whose output shape depends on its input values (``nonzero``,
     ``masked_select``, ``unique``, ``x[mask]``...), which torch tags ``dynamic_output_shape``.
@@ -163,7 +178,13 @@ def _data_dependent_shape(func: Any, args: Sequence[Any], kwargs: dict[str, Any]
     Some tagged ops have a fixed shape in the form called, and stay capturable: ``x[idx]``
     with integer indices (``aten.index.Tensor`` is tagged for its boolean-mask form),
     ``one_hot`` given ``num_classes`` and ``repeat_interleave`` given ``output_size``.
+
+    torch tags only some ``out=`` overloads (``nonzero.out`` and ``masked_select.out``, not
+    ``index.Tensor_out``, ``unique_consecutive.out``, ``bincount.out``, ...), nor the TorchScript
+    twin ``index.Tensor_hacked_twin``: those are judged by the functional overload they write
+    out (``x[mask]`` through ``index.Tensor_out`` was recorded, its shape frozen).
     """
+    func = _functional_form(func)
     if torch.Tag.dynamic_output_shape not in func.tags:
         return False
     aten = torch.ops.aten

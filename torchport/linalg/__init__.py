@@ -442,6 +442,23 @@ def _tune_batch(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> int:
     return max(1, min(b, cap))
 
 
+def _refuse_tuning_in_capture(op: str, b: int, m: int, n: int, dtype: torch.dtype) -> None:
+    """Tuning inside a graph capture: a ``CaptureError`` naming the op and the warm-up that
+    avoids it, instead of the capture's refusal of the tuner's probe input (``aten.randn.generator
+    takes an explicit torch.Generator``), which named neither."""
+    from torchport.graphs.capture import CaptureError, current_recorder
+
+    if current_recorder() is not None:
+        raise CaptureError(
+            f"torchport.linalg.{op}: the first call for a batch of {b} {m}x{n} {dtype} matrices "
+            "tunes the native kernels against torch.linalg (random probe inputs, timed runs), "
+            "which a graph capture cannot record; call it outside the capture (a warm-up call "
+            "before it fixes the route, but only a LAPACK route without an error check, such as "
+            "qr's, can then be recorded: the native kernels are not ATen ops, and torch.linalg's "
+            "eigh/svd/cholesky read their error flag as a Python value)"
+        )
+
+
 def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     """Ask the autotuner (persistent cache) whether the native kernel beats torch.linalg.
 
@@ -458,6 +475,7 @@ def _tune(op: str, key: tuple[Any, ...], b: int) -> bool:
     tb = _tune_batch(op, b, m, n, dtype)
 
     def make_args() -> tuple[torch.Tensor]:
+        _refuse_tuning_in_capture(op, b, m, n, dtype)
         g = autotune.sample_generator()
         wide = torch.complex128 if dtype.is_complex else torch.float64
         x = torch.randn((tb, m, n), generator=g, dtype=wide)
