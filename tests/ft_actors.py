@@ -430,6 +430,26 @@ def c_window_close_held(st: dict[str, Any], transport: str) -> Any:
     return [v.tolist() for v in held]
 
 
+def c_window_after_subgroup(st: dict[str, Any], transport: str) -> Any:
+    """A window on the subgroup of ranks 0 and 1 (rank 2 joins none), then one on the world:
+    what each rank gets from the next rank."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sub = dist.new_group([0, 1])
+    if rank in (0, 1):
+        first = _new_window(torch.zeros(2), group=sub, transport=transport)
+        first.fence()
+        first.close()
+    win = _new_window(torch.zeros(3) + rank, transport=transport)
+    got = win.get((rank + 1) % world).tolist()
+    win.fence()
+    win.close()
+    return got
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -723,6 +743,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_open": c_window_open,
     "window_dereg": c_window_dereg,
     "window_close_held": c_window_close_held,
+    "window_after_subgroup": c_window_after_subgroup,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

@@ -168,6 +168,18 @@ def test_views_held_past_close_and_collection_keep_their_values(trio, transport)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_window_after_one_on_a_subgroup_agrees_on_its_files(trio, transport):
+    """Each process numbered its windows on its own: after a window on ranks 0 and 1, the
+    world's window was #2 there and #1 on rank 2, whose files nobody had created
+    (FileNotFoundError on every rank, files left in /dev/shm). The name is rank 0's."""
+    res = trio.call_all(list(range(WORLD)), "window_after_subgroup", [(transport,)] * WORLD)
+    for r, (s, got) in enumerate(res):
+        assert s == "ok", res
+        assert got == [float((r + 1) % WORLD)] * 3
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

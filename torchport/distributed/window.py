@@ -194,9 +194,12 @@ class Window:
         self._c = _Coll(group)
         self.rank, self.size = self._c.rank, self._c.size
         _counter += 1
-        tok = torch.tensor([secrets.randbits(62), _host_id()], dtype=torch.int64)
+        tok = torch.tensor([secrets.randbits(62), _host_id(), _counter], dtype=torch.int64)
         toks = self._c.allgather(tok)
-        self._name = f"tpwin-{int(toks[0][0]):x}-{_counter}"
+        # every part of the name from rank 0: each process counts only the windows it joined,
+        # so after a window on a subgroup the ranks' own counters differed and each opened
+        # files no peer had created (FileNotFoundError on every rank, files left in /dev/shm)
+        self._name = f"tpwin-{int(toks[0][0]):x}-{int(toks[0][2])}"
         same_host = all(int(t[1]) == int(toks[0][1]) for t in toks)
         self.transport = ("shm" if same_host else "tcp") if transport == "auto" else transport
         if self.transport == "shm" and not same_host:
