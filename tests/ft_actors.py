@@ -450,6 +450,21 @@ def c_window_after_subgroup(st: dict[str, Any], transport: str) -> Any:
     return got
 
 
+def c_window_hosts(st: dict[str, Any], hostname: str) -> Any:
+    """The transport an ``auto`` window picks while this rank's hostname reads ``hostname``."""
+    import socket
+    from unittest import mock
+
+    from torchport.distributed import _new_window
+
+    with mock.patch.object(socket, "gethostname", return_value=hostname):
+        win = _new_window(torch.zeros(2))
+    picked = win.transport
+    win.fence()
+    win.close()
+    return picked
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -744,6 +759,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_dereg": c_window_dereg,
     "window_close_held": c_window_close_held,
     "window_after_subgroup": c_window_after_subgroup,
+    "window_hosts": c_window_hosts,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

@@ -180,6 +180,17 @@ def test_a_window_after_one_on_a_subgroup_agrees_on_its_files(trio, transport):
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
 
 
+def test_hosts_sharing_a_name_prefix_are_told_apart(trio):
+    """The host identity was the hostname's first 7 bytes: ``trainer-0`` .. ``trainer-2`` were
+    one host, and ``auto`` took the shared-memory transport across hosts. Now the full
+    hostname (and boot id) counts; one hostname is still one host."""
+    ranks = list(range(WORLD))
+    apart = trio.call_all(ranks, "window_hosts", [(f"trainer-{r}",) for r in ranks])
+    assert apart == [("ok", "tcp")] * WORLD
+    alike = trio.call_all(ranks, "window_hosts", [("trainer-0",)] * WORLD)
+    assert alike == [("ok", "shm")] * WORLD
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import fcntl
+import hashlib
 import mmap
 import operator
 import os
@@ -62,6 +63,7 @@ from torchport.distributed._control import (
 )
 from torchport.distributed.errors import CommTimeoutError
 from torchport.distributed.ft.transfer import DTYPES, _bytes_view
+from torchport.distributed.groups import host_id
 from torchport.distributed.reconfigure import ReconfigurableGroup, Work
 
 _DTYPE_LIST = list(DTYPES.values())
@@ -168,7 +170,12 @@ def _replace_with_anonymous(m: mmap.mmap) -> None:
 
 
 def _host_id() -> int:
-    return int.from_bytes(socket.gethostname().encode()[:7].ljust(7, b"\0"), "little")
+    """This host's :func:`~torchport.distributed.groups.host_id` (hostname and boot id) as a
+    62-bit int for the creation allgather: it was the hostname's first 7 bytes, so hosts named
+    ``worker-1`` and ``worker-2`` counted as one and the window took the shared-memory
+    transport across hosts."""
+    digest = hashlib.blake2b(host_id().encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 class Window:
