@@ -269,6 +269,40 @@ def test_tcp_window_request_is_bounded_as_a_whole_by_the_timeout():
         srv.close()
 
 
+def test_tcp_window_request_to_a_peer_that_closed_the_connection_is_typed_and_redials():
+    """A peer whose side of the connection went away (it died: here a server that closes each
+    connection after one request): the request raised a raw BrokenPipeError or
+    ConnectionResetError, and the dead socket was kept, so every later request failed too.
+    The failure is a CommError naming the peer and the request, and the next one dials again."""
+    import threading
+
+    from torchport.distributed import CommError
+    from torchport.distributed._control import Server, recv_msg, send_msg
+    from torchport.distributed.window import Window
+
+    secret = b"s" * 32
+
+    def one_request(conn) -> None:
+        recv_msg(conn)  # hello
+        recv_msg(conn)  # the get (of nothing)
+        send_msg(conn, {"t": "ok"})
+        conn.shutdown(2)  # (a dead process's kernel does the same)
+
+    srv = Server(one_request, secret=secret, role="window")
+    win = Window.__new__(Window)  # only what a tcp request uses
+    win.rank, win.timeout_s, win._secret = 0, 5.0, secret
+    win._addrs, win._socks = [("", 0), srv.address], {}
+    win._sock_locks = [threading.Lock(), threading.Lock()]
+    get = {"t": "get", "off": 0, "n": 0}
+    try:
+        win._rpc(1, get, None, torch.empty(0))
+        with pytest.raises(CommError, match="window get on rank 1 failed"):
+            win._rpc(1, get, None, torch.empty(0))
+        win._rpc(1, get, None, torch.empty(0))  # on a new connection
+    finally:
+        srv.close()
+
+
 def test_window_timeout_defaults_to_the_groups(trio):
     """Without ``timeout=`` a window takes its group's (gloo here: c10d's 30 minutes)."""
     ranks = list(range(WORLD))

@@ -595,6 +595,17 @@ class Window:
                     f"window {msg['t']} on rank {r}: no answer within the window's timeout "
                     f"({self.timeout_s:g} s)"
                 ) from None
+            except (OSError, CommError) as e:
+                # the peer closed or reset the connection (it died, or refused a request): the
+                # stream is unusable, so it is dropped and the next request dials again. A raw
+                # BrokenPipeError escaped here, and every later request to that peer failed on
+                # the dead socket even once it listened again
+                self._socks.pop(r, None)
+                if sock is not None:
+                    sock.close()
+                if isinstance(e, WindowError):
+                    raise
+                raise CommError(f"window {msg['t']} on rank {r} failed: {e}") from None
 
     def _serve(self, conn: socket.socket) -> None:
         hello = recv_msg(conn)
