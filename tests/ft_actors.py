@@ -465,6 +465,25 @@ def c_window_hosts(st: dict[str, Any], hostname: str) -> Any:
     return picked
 
 
+def c_window_grad(st: dict[str, Any], transport: str) -> Any:
+    """A window registered from, then put and accumulated into from, tensors that require grad:
+    whether ``local`` and a ``get`` require grad, and ``local``'s values."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank = dist.get_rank()
+    win = _new_window(torch.zeros(4, requires_grad=True) + rank, transport=transport)
+    x = torch.ones(2, requires_grad=True)
+    win.put(x, rank, 0)
+    win.accumulate(x, rank, 2)
+    win.fence()
+    out = (win.local.requires_grad, win.get(rank).requires_grad, win.local.tolist())
+    win.fence()
+    win.close()
+    return out
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -760,6 +779,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_close_held": c_window_close_held,
     "window_after_subgroup": c_window_after_subgroup,
     "window_hosts": c_window_hosts,
+    "window_grad": c_window_grad,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

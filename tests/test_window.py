@@ -191,6 +191,17 @@ def test_hosts_sharing_a_name_prefix_are_told_apart(trio):
     assert alike == [("ok", "shm")] * WORLD
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sources_that_require_grad_leave_window_memory_out_of_autograd(trio, transport):
+    """Registering, putting or accumulating a tensor that requires grad recorded the copy into
+    window memory: ``local`` required grad (shm, and tcp after the registration) and every put
+    grew its graph. Only the data is taken now, on both transports."""
+    res = trio.call_all(list(range(WORLD)), "window_grad", [(transport,)] * WORLD)
+    for r, (s, got) in enumerate(res):
+        assert s == "ok", res
+        assert got == (False, False, [1.0, 1.0, r + 1.0, r + 1.0])
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

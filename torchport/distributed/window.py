@@ -302,7 +302,7 @@ class Window:
         self._data = [(m, fd)]  # this registration's mappings (own first), released by deregister
         self._data_fd = fd
         self._local = self._view(m, self.rank)
-        self._local.copy_(tensor)
+        self._local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
         self._remote = [None] * self.size
         self._remote_fds = [-1] * self.size
         self._c.barrier()
@@ -439,7 +439,9 @@ class Window:
         """One-sided write of ``tensor`` at element ``off`` of ``dst``'s tensor: a copy (put) or
         a sum under the target's file lock (accumulate) through shared memory, else one request
         ``wire`` to the target's window server."""
-        src = tensor.reshape(-1)
+        # the data only: a source that requires grad made the shared-memory copy_/add_ record
+        # into window memory (``local`` then required grad, and each put grew its graph)
+        src = tensor.detach().reshape(-1)
         dst, off, _ = self._target(dst, tensor.dtype, off, src.numel(), op)
         if self.transport != "shm":
             data = src.clone() if async_op else src  # async: the caller may reuse its tensor
