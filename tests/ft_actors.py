@@ -484,6 +484,33 @@ def c_window_grad(st: dict[str, Any], transport: str) -> Any:
     return out
 
 
+def c_window_after_close(st: dict[str, Any], transport: str) -> Any:
+    """The errors (type: message) of window operations after ``close()``."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    win = _new_window(torch.zeros(2), transport=transport)
+    win.fence()
+    win.close()
+    errors = []
+    for fn in (
+        lambda: win.signal(peer),
+        lambda: win.wait_signal(peer, 0.1),
+        lambda: win.get(peer),
+        lambda: win.put(torch.ones(1), peer),
+        lambda: win.map_remote_tensor(peer),
+        lambda: win.tensor_register(torch.zeros(2)),
+    ):
+        try:
+            fn()
+            errors.append("no error")
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -780,6 +807,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_after_subgroup": c_window_after_subgroup,
     "window_hosts": c_window_hosts,
     "window_grad": c_window_grad,
+    "window_after_close": c_window_after_close,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

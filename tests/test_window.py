@@ -202,6 +202,18 @@ def test_sources_that_require_grad_leave_window_memory_out_of_autograd(trio, tra
         assert got == (False, False, [1.0, 1.0, r + 1.0, r + 1.0])
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_operations_after_close_raise_window_error(trio, transport):
+    """signal and wait_signal after close() raised IndexError on the released counters (shm),
+    get said no tensor was registered: every operation names the close."""
+    res = trio.call_all(list(range(WORLD)), "window_after_close", [(transport,)] * WORLD)
+    for s, errors in res:
+        assert s == "ok", res
+        names = ["signal", "wait_signal", "get", "put", "map_remote_tensor", "tensor_register"]
+        for name, e in zip(names, errors, strict=True):
+            assert e == f"WindowError: {name}: the window was closed (close)", errors
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

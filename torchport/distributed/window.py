@@ -237,6 +237,7 @@ class Window:
         self._consumed = [0] * self.size
         self._sig_remote: list[Any] = [None] * self.size
         self._server: Server | None = None
+        self._closed = False
         addrs: list[tuple[str, int]] = []
         if self.transport == "tcp":
             self._secret = self._group_secret()
@@ -286,6 +287,8 @@ class Window:
             raise WindowError(f"unsupported window dtype {tensor.dtype}")
         if tensor.dim() > 8:
             raise WindowError(f"window tensors may have at most 8 dims, got {tensor.dim()}")
+        if self._closed:
+            raise WindowError("tensor_register: the window was closed (close)")
         if self._local is not None:
             raise WindowError("a tensor is already registered; call tensor_deregister first")
         self._regs += 1
@@ -360,6 +363,8 @@ class Window:
         return self._local
 
     def _unregistered(self) -> str:
+        if self._closed:
+            return "the window was closed (close)"
         if getattr(self, "_deregistered", False):
             return "the window's tensor was deregistered (tensor_deregister); register one first"
         return "no tensor is registered with this window"
@@ -378,6 +383,8 @@ class Window:
             raise WindowError(f"{what}: {name} must be an integer, got {value!r}") from None
 
     def _rank(self, rank: Any, what: str) -> int:
+        if self._closed:  # (signal / wait_signal raised IndexError on the released counters)
+            raise WindowError(f"{what}: {self._unregistered()}")
         r = self._int(rank, "rank", what)
         if not 0 <= r < self.size:
             raise WindowError(f"{what}: rank must be in [0, {self.size}), got {r}")
@@ -645,7 +652,9 @@ class Window:
                 send_msg(conn, {"t": "error", "error": f"unknown request {kind!r}"})
 
     def close(self) -> None:
-        """Release the mappings and the server (call after a fence)."""
+        """Release the mappings and the server (call after a fence); later window operations
+        raise :class:`WindowError`."""
+        self._closed = True
         for q in self._queues.values():
             q.shutdown(wait=True)
         self._queues.clear()
