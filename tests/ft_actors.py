@@ -511,6 +511,27 @@ def c_window_after_close(st: dict[str, Any], transport: str) -> Any:
     return errors
 
 
+def c_window_on_group(st: dict[str, Any]) -> Any:
+    """A window of [rank, rank] on the actor's reconfigurable group, kept as ``st["rwin"]``."""
+    from torchport.distributed import _new_window
+
+    g = st["g"]
+    st["rwin"] = _new_window(torch.full((2,), float(g.rank())), group=g)
+    return st["rwin"].transport
+
+
+def c_window_on_group_use(st: dict[str, Any], dst: int) -> Any:
+    """Put 99 into ``dst`` and fence on the kept window (or the error), then its ``local``."""
+    win = st["rwin"]
+    try:
+        win.put(torch.full((2,), 99.0), dst)
+        win.fence()
+        got = "ok"
+    except Exception as e:
+        got = f"{type(e).__name__}: {e}"
+    return got, win._local.tolist()
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -808,6 +829,8 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_hosts": c_window_hosts,
     "window_grad": c_window_grad,
     "window_after_close": c_window_after_close,
+    "window_on_group": c_window_on_group,
+    "window_on_group_use": c_window_on_group_use,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

@@ -214,6 +214,27 @@ def test_operations_after_close_raise_window_error(trio, transport):
             assert e == f"WindowError: {name}: the window was closed (close)", errors
 
 
+def test_a_window_on_a_reconfigured_group_refuses_operations():
+    """A window on a reconfigurable group kept the members it was made with: after a shrink
+    that dropped rank 1, old rank 2 is rank 1, and rank 0's put to rank 1 landed in the dropped
+    process's memory, no error anywhere. Every operation now raises WindowError."""
+    with Actors(3) as a:
+        ranks = [0, 1, 2]
+        handles = [h for _, h in a.call_all(ranks, "init_reconf", timeout=60)]
+        first = a.call_all(ranks, "reconf", [(1, handles)] * 3, timeout=60)
+        assert all(s == "ok" and r[0] == "ok" for s, r in first), first
+        assert a.call_all(ranks, "window_on_group") == [("ok", "shm")] * 3
+        kept = [h for _, h in a.call_all([0, 2], "handle")]  # (rotated by the reconfigure)
+        shrunk = a.call_all([0, 2], "reconf", [(2, kept)] * 2, timeout=60)
+        assert all(s == "ok" and r[0] == "ok" for s, r in shrunk), shrunk
+        res = a.call_all([0, 2], "window_on_group_use", [(1,), (0,)])
+        (s0, (put0, _)), (s2, (put2, local)) = res
+        assert s0 == s2 == "ok", res
+        for got in (put0, put2):
+            assert got.startswith("WindowError: put: the window's group was reconfigured"), got
+        assert local == [2.0, 2.0]
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

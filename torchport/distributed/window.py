@@ -200,6 +200,9 @@ class Window:
         self.timeout_s = timeout.total_seconds() if timeout is not None else _group_timeout(group)
         self._c = _Coll(group)
         self.rank, self.size = self._c.rank, self._c.size
+        # a reconfigurable group's communicator when the window was made: a reconfigure
+        # replaces it, and the window's ranks, mappings and servers are then the old members'
+        self._pg = group.pg if isinstance(group, ReconfigurableGroup) else None
         _counter += 1
         tok = torch.tensor([secrets.randbits(62), _host_id(), _counter], dtype=torch.int64)
         toks = self._c.allgather(tok)
@@ -289,6 +292,7 @@ class Window:
             raise WindowError(f"window tensors may have at most 8 dims, got {tensor.dim()}")
         if self._closed:
             raise WindowError("tensor_register: the window was closed (close)")
+        self._check_members("tensor_register")
         if self._local is not None:
             raise WindowError("a tensor is already registered; call tensor_deregister first")
         self._regs += 1
@@ -341,6 +345,7 @@ class Window:
         """
         if self._local is None:
             raise WindowError("tensor_deregister: no tensor is registered with this window")
+        self._check_members("tensor_deregister")
         self._c.barrier()  # every rank's RMA on the old tensors has ended
         self._local = None
         self._remote, self._remote_fds = [], []
@@ -361,6 +366,16 @@ class Window:
         if self._local is None:
             raise WindowError(f"local: {self._unregistered()}")
         return self._local
+
+    def _check_members(self, what: str) -> None:
+        """WindowError once the window's reconfigurable group was reconfigured: rank ``r`` then
+        named another process than the window maps, so a put to a rank that had left the group
+        landed in that process's memory and the new rank ``r`` never saw it (no error)."""
+        if self._pg is not None and self._c.g.pg is not self._pg:
+            raise WindowError(
+                f"{what}: the window's group was reconfigured after the window was created "
+                "(its ranks are other processes now); create a new window on the group"
+            )
 
     def _unregistered(self) -> str:
         if self._closed:
@@ -385,6 +400,7 @@ class Window:
     def _rank(self, rank: Any, what: str) -> int:
         if self._closed:  # (signal / wait_signal raised IndexError on the released counters)
             raise WindowError(f"{what}: {self._unregistered()}")
+        self._check_members(what)
         r = self._int(rank, "rank", what)
         if not 0 <= r < self.size:
             raise WindowError(f"{what}: rank must be in [0, {self.size}), got {r}")
@@ -534,6 +550,7 @@ class Window:
         Waits for this rank's outstanding ``async_op`` operations first; the first of their
         errors is raised after the barrier (so no peer is left waiting in it).
         """
+        self._check_members("fence")  # (on every member alike: none waits in the barrier)
         with self._plock:
             pending, self._pending = self._pending, []
             failed, self._failed = self._failed, []
