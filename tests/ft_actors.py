@@ -532,6 +532,36 @@ def c_window_on_group_use(st: dict[str, Any], dst: int) -> Any:
     return got, win._local.tolist()
 
 
+def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
+    """Ranks 0 and 1 make a window on a group with a 2 s timeout, and rank 1 cannot map its
+    peer's file of kind ``which`` ("s": the signal counters, at creation; "d": the registered
+    tensor): the type of each rank's error."""
+    from datetime import timedelta
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from torchport.distributed import window
+
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if rank == 2:
+        return None
+    real = window._shm_open
+
+    def failing(name: str, nbytes: int) -> Any:
+        if rank == 1 and name.split("-")[3].startswith(which):  # tpwin-<id>-<n>-<kind>...
+            raise OSError("injected: cannot map")
+        return real(name, nbytes)
+
+    with mock.patch.object(window, "_shm_open", failing):
+        try:
+            window._new_window(torch.zeros(4), group=sub, transport="shm")
+        except Exception as e:
+            return type(e).__name__
+    return "no error"
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -831,6 +861,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_after_close": c_window_after_close,
     "window_on_group": c_window_on_group,
     "window_on_group_use": c_window_on_group_use,
+    "window_peer_fails_mapping": c_window_peer_fails_mapping,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

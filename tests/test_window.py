@@ -235,6 +235,17 @@ def test_a_window_on_a_reconfigured_group_refuses_operations():
         assert local == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("which", ["s", "d"])
+def test_a_peer_failing_during_creation_leaves_no_file_in_dev_shm(trio, which):
+    """A rank that failed to map a peer's file (or a peer that never arrived) left its own file
+    in /dev/shm: nobody unlinks it later, so the signal counters or a whole registered tensor
+    stayed in RAM for good. Each rank unlinks its own file when creation fails."""
+    res = trio.call_all(list(range(WORLD)), "window_peer_fails_mapping", [(which,)] * WORLD)
+    assert res[1] == ("ok", "OSError") and res[2] == ("ok", None), res
+    assert res[0][0] == "ok" and res[0][1] != "no error", res  # its barrier timed out
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

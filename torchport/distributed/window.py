@@ -34,6 +34,7 @@ the source's preceding puts on x86's total store order); ``wait_signal(src)`` co
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -169,6 +170,11 @@ def _replace_with_anonymous(m: mmap.mmap) -> None:
         raise WindowError(f"could not release a window mapping: {os.strerror(err)}")
 
 
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def _host_id() -> int:
     """This host's :func:`~torchport.distributed.groups.host_id` (hostname and boot id) as a
     62-bit int for the creation allgather: it was the hostname's first 7 bytes, so hosts named
@@ -232,46 +238,53 @@ class Window:
         self._failed: list[BaseException] = []  # async errors dropped from _pending, for fence()
         self._sock_locks = [threading.Lock() for _ in range(self.size)]
         # signal counters: slot [src] of rank r's array, written only by src
-        sig_name = f"{self._name}-s{self.rank}"
-        m, fd = _shm_create(sig_name, 8 * self.size)
-        self._maps.append(m)
-        self._fds.append(fd)
-        self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
         self._consumed = [0] * self.size
         self._sig_remote: list[Any] = [None] * self.size
         self._server: Server | None = None
         self._closed = False
-        addrs: list[tuple[str, int]] = []
-        if self.transport == "tcp":
-            self._secret = self._group_secret()
-            bind = str(config.get("dist_addr"))
-            self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
-            host = self._server.address[0]
-            if host in ("0.0.0.0", ""):
-                host = socket.gethostbyname(socket.gethostname())
-            try:
-                ip = int.from_bytes(socket.inet_aton(host), "big")
-            except OSError:
-                raise WindowError(
-                    f"the window server needs an IPv4 address, got {host!r} (TORCHPORT_DIST_ADDR)"
-                ) from None
-            me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
-            addrs = [
-                (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
-                for a in self._c.allgather(me)
-            ]
-        self._addrs = addrs
-        self._c.barrier()
-        if self.transport == "shm":
-            for r in range(self.size):
-                if r == self.rank:
-                    self._sig_remote[r] = self._sig_local
-                    continue
-                m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
-                self._maps.append(m)
-                self._fds.append(fd)
-                self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
-        self._c.barrier()
+        sig_name = f"{self._name}-s{self.rank}"
+        m, fd = _shm_create(sig_name, 8 * self.size)
+        try:
+            self._maps.append(m)
+            self._fds.append(fd)
+            self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
+            addrs: list[tuple[str, int]] = []
+            if self.transport == "tcp":
+                self._secret = self._group_secret()
+                bind = str(config.get("dist_addr"))
+                self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
+                host = self._server.address[0]
+                if host in ("0.0.0.0", ""):
+                    host = socket.gethostbyname(socket.gethostname())
+                try:
+                    ip = int.from_bytes(socket.inet_aton(host), "big")
+                except OSError:
+                    raise WindowError(
+                        f"the window server needs an IPv4 address, got {host!r} "
+                        "(TORCHPORT_DIST_ADDR)"
+                    ) from None
+                me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
+                addrs = [
+                    (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
+                    for a in self._c.allgather(me)
+                ]
+            self._addrs = addrs
+            self._c.barrier()
+            if self.transport == "shm":
+                for r in range(self.size):
+                    if r == self.rank:
+                        self._sig_remote[r] = self._sig_local
+                        continue
+                    m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
+                    self._maps.append(m)
+                    self._fds.append(fd)
+                    self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
+            self._c.barrier()
+        except BaseException:
+            # a peer failed or vanished before every rank had mapped the file: nothing
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
+            _unlink_quietly(f"/dev/shm/{sig_name}")
+            raise
         os.unlink(f"/dev/shm/{sig_name}")  # everyone has mapped it: nothing can leak
         if tensor is not None:
             self.tensor_register(tensor)
@@ -306,24 +319,31 @@ class Window:
         nbytes = tensor.numel() * tensor.element_size()
         name = f"{self._name}-d{self._regs}-{self.rank}"
         m, fd = _shm_create(name, nbytes)
-        self._data = [(m, fd)]  # this registration's mappings (own first), released by deregister
-        self._data_fd = fd
-        self._local = self._view(m, self.rank)
-        self._local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
-        self._remote = [None] * self.size
-        self._remote_fds = [-1] * self.size
-        self._c.barrier()
-        if self.transport == "shm":
-            for r in range(self.size):
-                if r == self.rank:
-                    self._remote[r], self._remote_fds[r] = self._local, fd
-                    continue
-                dt, shape = self._meta[r]
-                n = int(np.prod(shape)) if shape else 1
-                m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
-                self._data.append((m2, fd2))
-                self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
-        self._c.barrier()
+        try:
+            # this registration's mappings (own first), released by deregister
+            self._data = [(m, fd)]
+            self._data_fd = fd
+            self._local = self._view(m, self.rank)
+            self._local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
+            self._remote = [None] * self.size
+            self._remote_fds = [-1] * self.size
+            self._c.barrier()
+            if self.transport == "shm":
+                for r in range(self.size):
+                    if r == self.rank:
+                        self._remote[r], self._remote_fds[r] = self._local, fd
+                        continue
+                    dt, shape = self._meta[r]
+                    n = int(np.prod(shape)) if shape else 1
+                    m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
+                    self._data.append((m2, fd2))
+                    self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
+            self._c.barrier()
+        except BaseException:
+            # a peer failed or vanished before every rank had mapped the file: nothing
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
+            _unlink_quietly(f"/dev/shm/{name}")
+            raise
         os.unlink(f"/dev/shm/{name}")
 
     def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
