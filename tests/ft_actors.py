@@ -279,6 +279,11 @@ def c_window_errors(st: dict[str, Any]) -> list[str]:
         msgs.append("no error")
     except WindowError as e:
         msgs.append(str(e))
+    try:  # an offset past the end, to the end of the tensor
+        win.get(src_rank=1, offset_nelems=9)
+        msgs.append("no error")
+    except WindowError as e:
+        msgs.append(str(e))
     win.fence()
     win.close()
     return msgs

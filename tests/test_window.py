@@ -98,6 +98,8 @@ def test_window_errors(trio):
         assert "already registered" in msgs[4]
         assert "element count must be >= 0, got -1" in msgs[5]
         assert "an async request failed" in msgs[6]  # fence() had dropped it
+        # (it said "the element count must be >= 0, got -3": no count was given)
+        assert "get: elements [9, 9) must lie within rank 1's 6 elements" in msgs[7]
 
 
 def test_shm_accumulate_from_threads_loses_nothing(trio):

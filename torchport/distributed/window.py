@@ -439,7 +439,8 @@ class Window:
         if dtype is not None and dtype != tdt:
             raise WindowError(f"{what}: dtype must match rank {rank}'s tensor ({tdt}), got {dtype}")
         offset = self._int(offset, "the offset", what)
-        n = total - offset if n is None else self._int(n, "the element count", what)
+        # (to the end from an offset past it: the range error, not "count must be >= 0, got -3")
+        n = max(total - offset, 0) if n is None else self._int(n, "the element count", what)
         if n < 0:  # (get(peer, 3, -1) returned [] on shm and raised untyped over tcp)
             raise WindowError(f"{what}: the element count must be >= 0, got {n}")
         if offset < 0 or offset + n > total:
