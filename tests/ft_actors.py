@@ -567,6 +567,22 @@ def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
     return "no error"
 
 
+def c_window_nonmember(st: dict[str, Any]) -> Any:
+    """Rank 2 asks for a window on the group of ranks 0 and 1: its error."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    sub = dist.new_group([0, 1])
+    if dist.get_rank() != 2:
+        return None
+    try:
+        _new_window(torch.zeros(2), group=sub)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -867,6 +883,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_on_group": c_window_on_group,
     "window_on_group_use": c_window_on_group_use,
     "window_peer_fails_mapping": c_window_peer_fails_mapping,
+    "window_nonmember": c_window_nonmember,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

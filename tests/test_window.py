@@ -248,6 +248,14 @@ def test_a_peer_failing_during_creation_leaves_no_file_in_dev_shm(trio, which):
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
 
 
+def test_a_window_on_a_group_this_rank_is_not_in_says_so(trio):
+    """new_group gives a non-member GroupMember.NON_GROUP_MEMBER (-100), and a window on it
+    raised "group -100 does not support windows"."""
+    res = trio.call_all(list(range(WORLD)), "window_nonmember")
+    assert res[:2] == [("ok", None)] * 2
+    assert res[2][1].startswith("WindowError: this rank is not a member of the group"), res
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

@@ -723,6 +723,11 @@ def _new_window(
 ) -> Window:
     """Collective: a new RMA window on ``group`` (default: the default group); ``timeout``
     bounds each tcp request (default: the group's timeout)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # (said "group -100 does not support windows")
+        raise WindowError(
+            "this rank is not a member of the group (new_group gave it "
+            "GroupMember.NON_GROUP_MEMBER): only the group's members create its window"
+        )
     if not _supports_window(group):
         raise WindowError(f"group {group!r} does not support windows")
     return Window(group, tensor, transport=transport, timeout=timeout)
