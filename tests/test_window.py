@@ -368,6 +368,25 @@ def test_tcp_window_request_to_a_peer_that_closed_the_connection_is_typed_and_re
         srv.close()
 
 
+def test_a_window_without_a_group_uses_the_reconfigurable_default(monkeypatch):
+    """After init_process_group(enable_reconfigure=True), _reconfigure and the handles take the
+    reconfigurable group as the default, but _new_window(t) raised ValueError "Default process
+    group has not been initialized"."""
+    from torchport.distributed import _new_window, reconfigure
+
+    monkeypatch.setattr(reconfigure, "_default", None)
+    g = reconfigure.init_process_group(enable_reconfigure=True)
+    assert g is not None
+    try:
+        reconfigure._reconfigure(1, [reconfigure._get_reconfigure_handle()]).wait()
+        win = _new_window(torch.arange(3.0))
+        assert win.size == 1 and win.get(0).tolist() == [0.0, 1.0, 2.0]
+        win.fence()
+        win.close()
+    finally:
+        g.close()
+
+
 def test_window_timeout_defaults_to_the_groups(trio):
     """Without ``timeout=`` a window takes its group's (gloo here: c10d's 30 minutes)."""
     ranks = list(range(WORLD))

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from torchport import config
+from torchport.distributed import reconfigure
 from torchport.distributed._control import (
     CommError,
     Server,
@@ -721,8 +722,13 @@ def _new_window(
     transport: str = "auto",
     timeout: timedelta | None = None,
 ) -> Window:
-    """Collective: a new RMA window on ``group`` (default: the default group); ``timeout``
-    bounds each tcp request (default: the group's timeout)."""
+    """Collective: a new RMA window on ``group`` (default: the default group, the
+    reconfigurable one of ``init_process_group(..., enable_reconfigure=True)`` first, as for
+    ``_reconfigure``); ``timeout`` bounds each tcp request (default: the group's timeout)."""
+    if group is None:
+        # (a ValueError "Default process group has not been initialized" with only the
+        # reconfigurable group, which _reconfigure and the handles took as the default)
+        group = reconfigure._default
     if group is dist.GroupMember.NON_GROUP_MEMBER:  # (said "group -100 does not support windows")
         raise WindowError(
             "this rank is not a member of the group (new_group gave it "
