@@ -583,6 +583,27 @@ def c_window_nonmember(st: dict[str, Any]) -> Any:
     return "no error"
 
 
+def c_window_bad_register(st: dict[str, Any]) -> Any:
+    """Rank 1 registers a 9-dim tensor, the others a valid one: each rank's error; then every
+    rank registers [rank] and gets the next rank's."""
+    import torch.distributed as dist
+
+    from torchport.distributed import WindowError, _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    win = _new_window()
+    try:
+        win.tensor_register(torch.zeros([1] * 9) if rank == 1 else torch.zeros(2))
+        err = "no error"
+    except WindowError as e:
+        err = str(e)
+    win.tensor_register(torch.full((1,), float(rank)))
+    got = win.get((rank + 1) % world).tolist()
+    win.fence()
+    win.close()
+    return err, got
+
+
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
     """A window of 4 zeros + rank kept in the actor's state (``window_get``, ``window_close``)."""
     from datetime import timedelta
@@ -884,6 +905,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_on_group_use": c_window_on_group_use,
     "window_peer_fails_mapping": c_window_peer_fails_mapping,
     "window_nonmember": c_window_nonmember,
+    "window_bad_register": c_window_bad_register,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

@@ -256,6 +256,20 @@ def test_a_window_on_a_group_this_rank_is_not_in_says_so(trio):
     assert res[2][1].startswith("WindowError: this rank is not a member of the group"), res
 
 
+def test_a_tensor_one_rank_cannot_register_fails_every_rank_at_once(trio):
+    """A rank whose tensor the window refuses (9 dims) raised before the exchange of shapes, and
+    the other ranks waited in it for the group's timeout (30 minutes on gloo). Every rank raises
+    now, and the window takes a registration afterwards."""
+    res = trio.call_all(list(range(WORLD)), "window_bad_register", timeout=15)
+    for r, (s, (err, got)) in enumerate(res):
+        assert s == "ok", res
+        if r == 1:
+            assert err == "window tensors may have at most 8 dims, got 9"
+        else:
+            assert err.startswith("tensor_register: rank(s) [1] gave a tensor"), err
+        assert got == [float((r + 1) % WORLD)]
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

@@ -297,23 +297,43 @@ class Window:
 
     # -- registration ----------------------------------------------------------------------
     def tensor_register(self, tensor: torch.Tensor) -> None:
-        """Collective: register this rank's tensor (copied into window memory; see ``local``)."""
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            raise WindowError(f"tensor_register needs a CPU tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in _DTYPE_LIST:
-            raise WindowError(f"unsupported window dtype {tensor.dtype}")
-        if tensor.dim() > 8:
-            raise WindowError(f"window tensors may have at most 8 dims, got {tensor.dim()}")
+        """Collective: register this rank's tensor (copied into window memory; see ``local``).
+
+        A tensor the window cannot take raises :class:`WindowError` on every rank (the others
+        name the rank), after the exchange of the tensors' shapes: raised before it, the other
+        ranks waited in that exchange for the group's timeout (30 minutes on gloo)."""
         if self._closed:
             raise WindowError("tensor_register: the window was closed (close)")
         self._check_members("tensor_register")
         if self._local is not None:
             raise WindowError("a tensor is already registered; call tensor_deregister first")
-        self._regs += 1
+        problem = None
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            problem = f"tensor_register needs a CPU tensor, got {type(tensor).__name__}"
+        elif tensor.dtype not in _DTYPE_LIST:
+            problem = f"unsupported window dtype {tensor.dtype}"
+        elif tensor.dim() > 8:
+            problem = f"window tensors may have at most 8 dims, got {tensor.dim()}"
         meta = torch.zeros(_META, dtype=torch.int64)
-        meta[0], meta[1], meta[2] = _DTYPE_LIST.index(tensor.dtype), tensor.numel(), tensor.dim()
-        meta[3 : 3 + tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        if problem is None:
+            meta[0], meta[1], meta[2] = (
+                _DTYPE_LIST.index(tensor.dtype),
+                tensor.numel(),
+                tensor.dim(),
+            )
+            meta[3 : 3 + tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        else:
+            meta[0] = -1  # tells the peers
         metas = self._c.allgather(meta)
+        if problem is not None:
+            raise WindowError(problem)
+        refused = [r for r, m in enumerate(metas) if int(m[0]) < 0]
+        if refused:
+            raise WindowError(
+                f"tensor_register: rank(s) {refused} gave a tensor the window cannot take "
+                "(their error says why); nothing was registered"
+            )
+        self._regs += 1
         self._meta = [
             (_DTYPE_LIST[int(m[0])], [int(x) for x in m[3 : 3 + int(m[2])]]) for m in metas
         ]
