@@ -279,6 +279,11 @@ def c_window_errors(st: dict[str, Any]) -> list[str]:
         msgs.append("no error")
     except WindowError as e:
         msgs.append(str(e))
+    try:  # an offset past the end, to the end of the tensor
+        win.get(src_rank=1, offset_nelems=9)
+        msgs.append("no error")
+    except WindowError as e:
+        msgs.append(str(e))
     win.fence()
     win.close()
     return msgs
@@ -428,6 +433,175 @@ def c_window_close_held(st: dict[str, Any], transport: str) -> Any:
     gc.collect()
     dist.barrier()
     return [v.tolist() for v in held]
+
+
+def c_window_after_subgroup(st: dict[str, Any], transport: str) -> Any:
+    """A window on the subgroup of ranks 0 and 1 (rank 2 joins none), then one on the world:
+    what each rank gets from the next rank."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sub = dist.new_group([0, 1])
+    if rank in (0, 1):
+        first = _new_window(torch.zeros(2), group=sub, transport=transport)
+        first.fence()
+        first.close()
+    win = _new_window(torch.zeros(3) + rank, transport=transport)
+    got = win.get((rank + 1) % world).tolist()
+    win.fence()
+    win.close()
+    return got
+
+
+def c_window_hosts(st: dict[str, Any], hostname: str) -> Any:
+    """The transport an ``auto`` window picks while this rank's hostname reads ``hostname``."""
+    import socket
+    from unittest import mock
+
+    from torchport.distributed import _new_window
+
+    with mock.patch.object(socket, "gethostname", return_value=hostname):
+        win = _new_window(torch.zeros(2))
+    picked = win.transport
+    win.fence()
+    win.close()
+    return picked
+
+
+def c_window_grad(st: dict[str, Any], transport: str) -> Any:
+    """A window registered from, then put and accumulated into from, tensors that require grad:
+    whether ``local`` and a ``get`` require grad, and ``local``'s values."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    rank = dist.get_rank()
+    win = _new_window(torch.zeros(4, requires_grad=True) + rank, transport=transport)
+    x = torch.ones(2, requires_grad=True)
+    win.put(x, rank, 0)
+    win.accumulate(x, rank, 2)
+    win.fence()
+    out = (win.local.requires_grad, win.get(rank).requires_grad, win.local.tolist())
+    win.fence()
+    win.close()
+    return out
+
+
+def c_window_after_close(st: dict[str, Any], transport: str) -> Any:
+    """The errors (type: message) of window operations after ``close()``."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    win = _new_window(torch.zeros(2), transport=transport)
+    win.fence()
+    win.close()
+    errors = []
+    for fn in (
+        lambda: win.signal(peer),
+        lambda: win.wait_signal(peer, 0.1),
+        lambda: win.get(peer),
+        lambda: win.put(torch.ones(1), peer),
+        lambda: win.map_remote_tensor(peer),
+        lambda: win.tensor_register(torch.zeros(2)),
+    ):
+        try:
+            fn()
+            errors.append("no error")
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def c_window_on_group(st: dict[str, Any]) -> Any:
+    """A window of [rank, rank] on the actor's reconfigurable group, kept as ``st["rwin"]``."""
+    from torchport.distributed import _new_window
+
+    g = st["g"]
+    st["rwin"] = _new_window(torch.full((2,), float(g.rank())), group=g)
+    return st["rwin"].transport
+
+
+def c_window_on_group_use(st: dict[str, Any], dst: int) -> Any:
+    """Put 99 into ``dst`` and fence on the kept window (or the error), then its ``local``."""
+    win = st["rwin"]
+    try:
+        win.put(torch.full((2,), 99.0), dst)
+        win.fence()
+        got = "ok"
+    except Exception as e:
+        got = f"{type(e).__name__}: {e}"
+    return got, win._local.tolist()
+
+
+def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
+    """Ranks 0 and 1 make a window on a group with a 2 s timeout, and rank 1 cannot map its
+    peer's file of kind ``which`` ("s": the signal counters, at creation; "d": the registered
+    tensor): the type of each rank's error."""
+    from datetime import timedelta
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from torchport.distributed import window
+
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if rank == 2:
+        return None
+    real = window._shm_open
+
+    def failing(name: str, nbytes: int) -> Any:
+        if rank == 1 and name.split("-")[3].startswith(which):  # tpwin-<id>-<n>-<kind>...
+            raise OSError("injected: cannot map")
+        return real(name, nbytes)
+
+    with mock.patch.object(window, "_shm_open", failing):
+        try:
+            window._new_window(torch.zeros(4), group=sub, transport="shm")
+        except Exception as e:
+            return type(e).__name__
+    return "no error"
+
+
+def c_window_nonmember(st: dict[str, Any]) -> Any:
+    """Rank 2 asks for a window on the group of ranks 0 and 1: its error."""
+    import torch.distributed as dist
+
+    from torchport.distributed import _new_window
+
+    sub = dist.new_group([0, 1])
+    if dist.get_rank() != 2:
+        return None
+    try:
+        _new_window(torch.zeros(2), group=sub)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def c_window_bad_register(st: dict[str, Any]) -> Any:
+    """Rank 1 registers a 9-dim tensor, the others a valid one: each rank's error; then every
+    rank registers [rank] and gets the next rank's."""
+    import torch.distributed as dist
+
+    from torchport.distributed import WindowError, _new_window
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    win = _new_window()
+    try:
+        win.tensor_register(torch.zeros([1] * 9) if rank == 1 else torch.zeros(2))
+        err = "no error"
+    except WindowError as e:
+        err = str(e)
+    win.tensor_register(torch.full((1,), float(rank)))
+    got = win.get((rank + 1) % world).tolist()
+    win.fence()
+    win.close()
+    return err, got
 
 
 def c_window_open(st: dict[str, Any], transport: str, timeout_s: float | None) -> Any:
@@ -723,6 +897,15 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_open": c_window_open,
     "window_dereg": c_window_dereg,
     "window_close_held": c_window_close_held,
+    "window_after_subgroup": c_window_after_subgroup,
+    "window_hosts": c_window_hosts,
+    "window_grad": c_window_grad,
+    "window_after_close": c_window_after_close,
+    "window_on_group": c_window_on_group,
+    "window_on_group_use": c_window_on_group_use,
+    "window_peer_fails_mapping": c_window_peer_fails_mapping,
+    "window_nonmember": c_window_nonmember,
+    "window_bad_register": c_window_bad_register,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

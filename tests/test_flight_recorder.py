@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import tempfile
 import time
@@ -306,6 +307,20 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
             load_dumps(tmp_path)
     assert cli.main(["fr", "analyze", str(tmp_path)]) == 2
     assert "entry 0: group must be a string" in capsys.readouterr().out
+    # the other fields analyze reads ended in a traceback (TypeError, ValueError from the
+    # format, AttributeError) instead of naming the file and the field
+    for fix, what in (
+        ({"world_size": None}, "world_size must be an int >= 1, got None"),
+        ({"world_size": "2"}, "world_size must be an int >= 1, got '2'"),
+        ({"groups": [1]}, "groups must map group names to lists of ranks, got [1]"),
+        ({"entries": [{**entry, "sizes": 4}]}, "entry 0: sizes must be a list of lists"),
+        ({"entries": [{**entry, "dtypes": [1]}]}, "entry 0: dtypes must be a list of strings"),
+        ({"entries": [{**entry, "duration_ms": "5"}]}, "entry 0: duration_ms must be a number"),
+    ):
+        dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [], **fix})
+        with pytest.raises(DumpError, match=re.escape(what)):
+            load_dumps(tmp_path)
+        assert cli.main(["fr", "analyze", str(tmp_path)]) == 2
     # a foreign dump without durations is still analysed
     dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [entry]})
     assert "was still started after 0 ms" in analyze(load_dumps(tmp_path)).text()

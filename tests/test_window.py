@@ -98,6 +98,8 @@ def test_window_errors(trio):
         assert "already registered" in msgs[4]
         assert "element count must be >= 0, got -1" in msgs[5]
         assert "an async request failed" in msgs[6]  # fence() had dropped it
+        # (it said "the element count must be >= 0, got -3": no count was given)
+        assert "get: elements [9, 9) must lie within rank 1's 6 elements" in msgs[7]
 
 
 def test_shm_accumulate_from_threads_loses_nothing(trio):
@@ -166,6 +168,106 @@ def test_views_held_past_close_and_collection_keep_their_values(trio, transport)
         peer = [[1.0 + (r + 1) % WORLD] * 5] if transport == "shm" else []
         assert views == [[1.0 + r] * 5, *peer]
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_window_after_one_on_a_subgroup_agrees_on_its_files(trio, transport):
+    """Each process numbered its windows on its own: after a window on ranks 0 and 1, the
+    world's window was #2 there and #1 on rank 2, whose files nobody had created
+    (FileNotFoundError on every rank, files left in /dev/shm). The name is rank 0's."""
+    res = trio.call_all(list(range(WORLD)), "window_after_subgroup", [(transport,)] * WORLD)
+    for r, (s, got) in enumerate(res):
+        assert s == "ok", res
+        assert got == [float((r + 1) % WORLD)] * 3
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
+def test_hosts_sharing_a_name_prefix_are_told_apart(trio):
+    """The host identity was the hostname's first 7 bytes: ``trainer-0`` .. ``trainer-2`` were
+    one host, and ``auto`` took the shared-memory transport across hosts. Now the full
+    hostname (and boot id) counts; one hostname is still one host."""
+    ranks = list(range(WORLD))
+    apart = trio.call_all(ranks, "window_hosts", [(f"trainer-{r}",) for r in ranks])
+    assert apart == [("ok", "tcp")] * WORLD
+    alike = trio.call_all(ranks, "window_hosts", [("trainer-0",)] * WORLD)
+    assert alike == [("ok", "shm")] * WORLD
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sources_that_require_grad_leave_window_memory_out_of_autograd(trio, transport):
+    """Registering, putting or accumulating a tensor that requires grad recorded the copy into
+    window memory: ``local`` required grad (shm, and tcp after the registration) and every put
+    grew its graph. Only the data is taken now, on both transports."""
+    res = trio.call_all(list(range(WORLD)), "window_grad", [(transport,)] * WORLD)
+    for r, (s, got) in enumerate(res):
+        assert s == "ok", res
+        assert got == (False, False, [1.0, 1.0, r + 1.0, r + 1.0])
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_operations_after_close_raise_window_error(trio, transport):
+    """signal and wait_signal after close() raised IndexError on the released counters (shm),
+    get said no tensor was registered: every operation names the close."""
+    res = trio.call_all(list(range(WORLD)), "window_after_close", [(transport,)] * WORLD)
+    for s, errors in res:
+        assert s == "ok", res
+        names = ["signal", "wait_signal", "get", "put", "map_remote_tensor", "tensor_register"]
+        for name, e in zip(names, errors, strict=True):
+            assert e == f"WindowError: {name}: the window was closed (close)", errors
+
+
+def test_a_window_on_a_reconfigured_group_refuses_operations():
+    """A window on a reconfigurable group kept the members it was made with: after a shrink
+    that dropped rank 1, old rank 2 is rank 1, and rank 0's put to rank 1 landed in the dropped
+    process's memory, no error anywhere. Every operation now raises WindowError."""
+    with Actors(3) as a:
+        ranks = [0, 1, 2]
+        handles = [h for _, h in a.call_all(ranks, "init_reconf", timeout=60)]
+        first = a.call_all(ranks, "reconf", [(1, handles)] * 3, timeout=60)
+        assert all(s == "ok" and r[0] == "ok" for s, r in first), first
+        assert a.call_all(ranks, "window_on_group") == [("ok", "shm")] * 3
+        kept = [h for _, h in a.call_all([0, 2], "handle")]  # (rotated by the reconfigure)
+        shrunk = a.call_all([0, 2], "reconf", [(2, kept)] * 2, timeout=60)
+        assert all(s == "ok" and r[0] == "ok" for s, r in shrunk), shrunk
+        res = a.call_all([0, 2], "window_on_group_use", [(1,), (0,)])
+        (s0, (put0, _)), (s2, (put2, local)) = res
+        assert s0 == s2 == "ok", res
+        for got in (put0, put2):
+            assert got.startswith("WindowError: put: the window's group was reconfigured"), got
+        assert local == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("which", ["s", "d"])
+def test_a_peer_failing_during_creation_leaves_no_file_in_dev_shm(trio, which):
+    """A rank that failed to map a peer's file (or a peer that never arrived) left its own file
+    in /dev/shm: nobody unlinks it later, so the signal counters or a whole registered tensor
+    stayed in RAM for good. Each rank unlinks its own file when creation fails."""
+    res = trio.call_all(list(range(WORLD)), "window_peer_fails_mapping", [(which,)] * WORLD)
+    assert res[1] == ("ok", "OSError") and res[2] == ("ok", None), res
+    assert res[0][0] == "ok" and res[0][1] != "no error", res  # its barrier timed out
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+
+
+def test_a_window_on_a_group_this_rank_is_not_in_says_so(trio):
+    """new_group gives a non-member GroupMember.NON_GROUP_MEMBER (-100), and a window on it
+    raised "group -100 does not support windows"."""
+    res = trio.call_all(list(range(WORLD)), "window_nonmember")
+    assert res[:2] == [("ok", None)] * 2
+    assert res[2][1].startswith("WindowError: this rank is not a member of the group"), res
+
+
+def test_a_tensor_one_rank_cannot_register_fails_every_rank_at_once(trio):
+    """A rank whose tensor the window refuses (9 dims) raised before the exchange of shapes, and
+    the other ranks waited in it for the group's timeout (30 minutes on gloo). Every rank raises
+    now, and the window takes a registration afterwards."""
+    res = trio.call_all(list(range(WORLD)), "window_bad_register", timeout=15)
+    for r, (s, (err, got)) in enumerate(res):
+        assert s == "ok", res
+        if r == 1:
+            assert err == "window tensors may have at most 8 dims, got 9"
+        else:
+            assert err.startswith("tensor_register: rank(s) [1] gave a tensor"), err
+        assert got == [float((r + 1) % WORLD)]
 
 
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
@@ -244,6 +346,59 @@ def test_tcp_window_request_is_bounded_as_a_whole_by_the_timeout():
         assert time.monotonic() - t0 < 0.9
     finally:
         srv.close()
+
+
+def test_tcp_window_request_to_a_peer_that_closed_the_connection_is_typed_and_redials():
+    """A peer whose side of the connection went away (it died: here a server that closes each
+    connection after one request): the request raised a raw BrokenPipeError or
+    ConnectionResetError, and the dead socket was kept, so every later request failed too.
+    The failure is a CommError naming the peer and the request, and the next one dials again."""
+    import threading
+
+    from torchport.distributed import CommError
+    from torchport.distributed._control import Server, recv_msg, send_msg
+    from torchport.distributed.window import Window
+
+    secret = b"s" * 32
+
+    def one_request(conn) -> None:
+        recv_msg(conn)  # hello
+        recv_msg(conn)  # the get (of nothing)
+        send_msg(conn, {"t": "ok"})
+        conn.shutdown(2)  # (a dead process's kernel does the same)
+
+    srv = Server(one_request, secret=secret, role="window")
+    win = Window.__new__(Window)  # only what a tcp request uses
+    win.rank, win.timeout_s, win._secret = 0, 5.0, secret
+    win._addrs, win._socks = [("", 0), srv.address], {}
+    win._sock_locks = [threading.Lock(), threading.Lock()]
+    get = {"t": "get", "off": 0, "n": 0}
+    try:
+        win._rpc(1, get, None, torch.empty(0))
+        with pytest.raises(CommError, match="window get on rank 1 failed"):
+            win._rpc(1, get, None, torch.empty(0))
+        win._rpc(1, get, None, torch.empty(0))  # on a new connection
+    finally:
+        srv.close()
+
+
+def test_a_window_without_a_group_uses_the_reconfigurable_default(monkeypatch):
+    """After init_process_group(enable_reconfigure=True), _reconfigure and the handles take the
+    reconfigurable group as the default, but _new_window(t) raised ValueError "Default process
+    group has not been initialized"."""
+    from torchport.distributed import _new_window, reconfigure
+
+    monkeypatch.setattr(reconfigure, "_default", None)
+    g = reconfigure.init_process_group(enable_reconfigure=True)
+    assert g is not None
+    try:
+        reconfigure._reconfigure(1, [reconfigure._get_reconfigure_handle()]).wait()
+        win = _new_window(torch.arange(3.0))
+        assert win.size == 1 and win.get(0).tolist() == [0.0, 1.0, 2.0]
+        win.fence()
+        win.close()
+    finally:
+        g.close()
 
 
 def test_window_timeout_defaults_to_the_groups(trio):

@@ -57,6 +57,17 @@ def _check_dump(p: Path, obj: Any) -> int:
     rank = obj["rank"]
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise DumpError(f"{p}: rank must be an int >= 0, got {rank!r}")
+    # the other fields analyze reads, when present (of another type, a foreign or damaged
+    # dump ended the analysis in a TypeError / ValueError / AttributeError traceback)
+    world = obj["world_size"]
+    if not _is_int(world) or world < 1:
+        raise DumpError(f"{p}: world_size must be an int >= 1, got {world!r:.200}")
+    groups = obj.get("groups")
+    if groups is not None and not (
+        isinstance(groups, dict)
+        and all(isinstance(m, list) and all(_is_int(x) for x in m) for m in groups.values())
+    ):
+        raise DumpError(f"{p}: groups must map group names to lists of ranks, got {groups!r:.200}")
     entries = obj["entries"]
     if not isinstance(entries, list):
         raise DumpError(f"{p}: entries must be a list, got {type(entries).__name__}")
@@ -76,7 +87,25 @@ def _check_dump(p: Path, obj: Any) -> int:
         for k in ("op", "group", "state"):
             if not isinstance(e[k], str):
                 raise DumpError(f"{p}: entry {i}: {k} must be a string, got {e[k]!r:.200}")
+        sizes, dtypes = e.get("sizes", []), e.get("dtypes", [])
+        if not isinstance(sizes, list) or not all(
+            isinstance(x, list) and all(_is_int(d) for d in x) for x in sizes
+        ):
+            raise DumpError(
+                f"{p}: entry {i}: sizes must be a list of lists of ints, got {sizes!r:.200}"
+            )
+        if not isinstance(dtypes, list) or not all(isinstance(x, str) for x in dtypes):
+            raise DumpError(
+                f"{p}: entry {i}: dtypes must be a list of strings, got {dtypes!r:.200}"
+            )
+        took = e.get("duration_ms")
+        if took is not None and (not isinstance(took, int | float) or isinstance(took, bool)):
+            raise DumpError(f"{p}: entry {i}: duration_ms must be a number, got {took!r:.200}")
     return rank
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:

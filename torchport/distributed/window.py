@@ -34,8 +34,10 @@ the source's preceding puts on x86's total store order); ``wait_signal(src)`` co
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import fcntl
+import hashlib
 import mmap
 import operator
 import os
@@ -51,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from torchport import config
+from torchport.distributed import reconfigure
 from torchport.distributed._control import (
     CommError,
     Server,
@@ -62,6 +65,7 @@ from torchport.distributed._control import (
 )
 from torchport.distributed.errors import CommTimeoutError
 from torchport.distributed.ft.transfer import DTYPES, _bytes_view
+from torchport.distributed.groups import host_id
 from torchport.distributed.reconfigure import ReconfigurableGroup, Work
 
 _DTYPE_LIST = list(DTYPES.values())
@@ -167,8 +171,18 @@ def _replace_with_anonymous(m: mmap.mmap) -> None:
         raise WindowError(f"could not release a window mapping: {os.strerror(err)}")
 
 
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def _host_id() -> int:
-    return int.from_bytes(socket.gethostname().encode()[:7].ljust(7, b"\0"), "little")
+    """This host's :func:`~torchport.distributed.groups.host_id` (hostname and boot id) as a
+    62-bit int for the creation allgather: it was the hostname's first 7 bytes, so hosts named
+    ``worker-1`` and ``worker-2`` counted as one and the window took the shared-memory
+    transport across hosts."""
+    digest = hashlib.blake2b(host_id().encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 class Window:
@@ -193,10 +207,16 @@ class Window:
         self.timeout_s = timeout.total_seconds() if timeout is not None else _group_timeout(group)
         self._c = _Coll(group)
         self.rank, self.size = self._c.rank, self._c.size
+        # a reconfigurable group's communicator when the window was made: a reconfigure
+        # replaces it, and the window's ranks, mappings and servers are then the old members'
+        self._pg = group.pg if isinstance(group, ReconfigurableGroup) else None
         _counter += 1
-        tok = torch.tensor([secrets.randbits(62), _host_id()], dtype=torch.int64)
+        tok = torch.tensor([secrets.randbits(62), _host_id(), _counter], dtype=torch.int64)
         toks = self._c.allgather(tok)
-        self._name = f"tpwin-{int(toks[0][0]):x}-{_counter}"
+        # every part of the name from rank 0: each process counts only the windows it joined,
+        # so after a window on a subgroup the ranks' own counters differed and each opened
+        # files no peer had created (FileNotFoundError on every rank, files left in /dev/shm)
+        self._name = f"tpwin-{int(toks[0][0]):x}-{int(toks[0][2])}"
         same_host = all(int(t[1]) == int(toks[0][1]) for t in toks)
         self.transport = ("shm" if same_host else "tcp") if transport == "auto" else transport
         if self.transport == "shm" and not same_host:
@@ -219,45 +239,53 @@ class Window:
         self._failed: list[BaseException] = []  # async errors dropped from _pending, for fence()
         self._sock_locks = [threading.Lock() for _ in range(self.size)]
         # signal counters: slot [src] of rank r's array, written only by src
-        sig_name = f"{self._name}-s{self.rank}"
-        m, fd = _shm_create(sig_name, 8 * self.size)
-        self._maps.append(m)
-        self._fds.append(fd)
-        self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
         self._consumed = [0] * self.size
         self._sig_remote: list[Any] = [None] * self.size
         self._server: Server | None = None
-        addrs: list[tuple[str, int]] = []
-        if self.transport == "tcp":
-            self._secret = self._group_secret()
-            bind = str(config.get("dist_addr"))
-            self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
-            host = self._server.address[0]
-            if host in ("0.0.0.0", ""):
-                host = socket.gethostbyname(socket.gethostname())
-            try:
-                ip = int.from_bytes(socket.inet_aton(host), "big")
-            except OSError:
-                raise WindowError(
-                    f"the window server needs an IPv4 address, got {host!r} (TORCHPORT_DIST_ADDR)"
-                ) from None
-            me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
-            addrs = [
-                (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
-                for a in self._c.allgather(me)
-            ]
-        self._addrs = addrs
-        self._c.barrier()
-        if self.transport == "shm":
-            for r in range(self.size):
-                if r == self.rank:
-                    self._sig_remote[r] = self._sig_local
-                    continue
-                m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
-                self._maps.append(m)
-                self._fds.append(fd)
-                self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
-        self._c.barrier()
+        self._closed = False
+        sig_name = f"{self._name}-s{self.rank}"
+        m, fd = _shm_create(sig_name, 8 * self.size)
+        try:
+            self._maps.append(m)
+            self._fds.append(fd)
+            self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
+            addrs: list[tuple[str, int]] = []
+            if self.transport == "tcp":
+                self._secret = self._group_secret()
+                bind = str(config.get("dist_addr"))
+                self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
+                host = self._server.address[0]
+                if host in ("0.0.0.0", ""):
+                    host = socket.gethostbyname(socket.gethostname())
+                try:
+                    ip = int.from_bytes(socket.inet_aton(host), "big")
+                except OSError:
+                    raise WindowError(
+                        f"the window server needs an IPv4 address, got {host!r} "
+                        "(TORCHPORT_DIST_ADDR)"
+                    ) from None
+                me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
+                addrs = [
+                    (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
+                    for a in self._c.allgather(me)
+                ]
+            self._addrs = addrs
+            self._c.barrier()
+            if self.transport == "shm":
+                for r in range(self.size):
+                    if r == self.rank:
+                        self._sig_remote[r] = self._sig_local
+                        continue
+                    m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
+                    self._maps.append(m)
+                    self._fds.append(fd)
+                    self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
+            self._c.barrier()
+        except BaseException:
+            # a peer failed or vanished before every rank had mapped the file: nothing
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
+            _unlink_quietly(f"/dev/shm/{sig_name}")
+            raise
         os.unlink(f"/dev/shm/{sig_name}")  # everyone has mapped it: nothing can leak
         if tensor is not None:
             self.tensor_register(tensor)
@@ -269,44 +297,74 @@ class Window:
 
     # -- registration ----------------------------------------------------------------------
     def tensor_register(self, tensor: torch.Tensor) -> None:
-        """Collective: register this rank's tensor (copied into window memory; see ``local``)."""
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            raise WindowError(f"tensor_register needs a CPU tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in _DTYPE_LIST:
-            raise WindowError(f"unsupported window dtype {tensor.dtype}")
-        if tensor.dim() > 8:
-            raise WindowError(f"window tensors may have at most 8 dims, got {tensor.dim()}")
+        """Collective: register this rank's tensor (copied into window memory; see ``local``).
+
+        A tensor the window cannot take raises :class:`WindowError` on every rank (the others
+        name the rank), after the exchange of the tensors' shapes: raised before it, the other
+        ranks waited in that exchange for the group's timeout (30 minutes on gloo)."""
+        if self._closed:
+            raise WindowError("tensor_register: the window was closed (close)")
+        self._check_members("tensor_register")
         if self._local is not None:
             raise WindowError("a tensor is already registered; call tensor_deregister first")
-        self._regs += 1
+        problem = None
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            problem = f"tensor_register needs a CPU tensor, got {type(tensor).__name__}"
+        elif tensor.dtype not in _DTYPE_LIST:
+            problem = f"unsupported window dtype {tensor.dtype}"
+        elif tensor.dim() > 8:
+            problem = f"window tensors may have at most 8 dims, got {tensor.dim()}"
         meta = torch.zeros(_META, dtype=torch.int64)
-        meta[0], meta[1], meta[2] = _DTYPE_LIST.index(tensor.dtype), tensor.numel(), tensor.dim()
-        meta[3 : 3 + tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        if problem is None:
+            meta[0], meta[1], meta[2] = (
+                _DTYPE_LIST.index(tensor.dtype),
+                tensor.numel(),
+                tensor.dim(),
+            )
+            meta[3 : 3 + tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        else:
+            meta[0] = -1  # tells the peers
         metas = self._c.allgather(meta)
+        if problem is not None:
+            raise WindowError(problem)
+        refused = [r for r, m in enumerate(metas) if int(m[0]) < 0]
+        if refused:
+            raise WindowError(
+                f"tensor_register: rank(s) {refused} gave a tensor the window cannot take "
+                "(their error says why); nothing was registered"
+            )
+        self._regs += 1
         self._meta = [
             (_DTYPE_LIST[int(m[0])], [int(x) for x in m[3 : 3 + int(m[2])]]) for m in metas
         ]
         nbytes = tensor.numel() * tensor.element_size()
         name = f"{self._name}-d{self._regs}-{self.rank}"
         m, fd = _shm_create(name, nbytes)
-        self._data = [(m, fd)]  # this registration's mappings (own first), released by deregister
-        self._data_fd = fd
-        self._local = self._view(m, self.rank)
-        self._local.copy_(tensor)
-        self._remote = [None] * self.size
-        self._remote_fds = [-1] * self.size
-        self._c.barrier()
-        if self.transport == "shm":
-            for r in range(self.size):
-                if r == self.rank:
-                    self._remote[r], self._remote_fds[r] = self._local, fd
-                    continue
-                dt, shape = self._meta[r]
-                n = int(np.prod(shape)) if shape else 1
-                m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
-                self._data.append((m2, fd2))
-                self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
-        self._c.barrier()
+        try:
+            # this registration's mappings (own first), released by deregister
+            self._data = [(m, fd)]
+            self._data_fd = fd
+            self._local = self._view(m, self.rank)
+            self._local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
+            self._remote = [None] * self.size
+            self._remote_fds = [-1] * self.size
+            self._c.barrier()
+            if self.transport == "shm":
+                for r in range(self.size):
+                    if r == self.rank:
+                        self._remote[r], self._remote_fds[r] = self._local, fd
+                        continue
+                    dt, shape = self._meta[r]
+                    n = int(np.prod(shape)) if shape else 1
+                    m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
+                    self._data.append((m2, fd2))
+                    self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
+            self._c.barrier()
+        except BaseException:
+            # a peer failed or vanished before every rank had mapped the file: nothing
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
+            _unlink_quietly(f"/dev/shm/{name}")
+            raise
         os.unlink(f"/dev/shm/{name}")
 
     def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
@@ -328,6 +386,7 @@ class Window:
         """
         if self._local is None:
             raise WindowError("tensor_deregister: no tensor is registered with this window")
+        self._check_members("tensor_deregister")
         self._c.barrier()  # every rank's RMA on the old tensors has ended
         self._local = None
         self._remote, self._remote_fds = [], []
@@ -349,7 +408,19 @@ class Window:
             raise WindowError(f"local: {self._unregistered()}")
         return self._local
 
+    def _check_members(self, what: str) -> None:
+        """WindowError once the window's reconfigurable group was reconfigured: rank ``r`` then
+        named another process than the window maps, so a put to a rank that had left the group
+        landed in that process's memory and the new rank ``r`` never saw it (no error)."""
+        if self._pg is not None and self._c.g.pg is not self._pg:
+            raise WindowError(
+                f"{what}: the window's group was reconfigured after the window was created "
+                "(its ranks are other processes now); create a new window on the group"
+            )
+
     def _unregistered(self) -> str:
+        if self._closed:
+            return "the window was closed (close)"
         if getattr(self, "_deregistered", False):
             return "the window's tensor was deregistered (tensor_deregister); register one first"
         return "no tensor is registered with this window"
@@ -368,6 +439,9 @@ class Window:
             raise WindowError(f"{what}: {name} must be an integer, got {value!r}") from None
 
     def _rank(self, rank: Any, what: str) -> int:
+        if self._closed:  # (signal / wait_signal raised IndexError on the released counters)
+            raise WindowError(f"{what}: {self._unregistered()}")
+        self._check_members(what)
         r = self._int(rank, "rank", what)
         if not 0 <= r < self.size:
             raise WindowError(f"{what}: rank must be in [0, {self.size}), got {r}")
@@ -386,7 +460,8 @@ class Window:
         if dtype is not None and dtype != tdt:
             raise WindowError(f"{what}: dtype must match rank {rank}'s tensor ({tdt}), got {dtype}")
         offset = self._int(offset, "the offset", what)
-        n = total - offset if n is None else self._int(n, "the element count", what)
+        # (to the end from an offset past it: the range error, not "count must be >= 0, got -3")
+        n = max(total - offset, 0) if n is None else self._int(n, "the element count", what)
         if n < 0:  # (get(peer, 3, -1) returned [] on shm and raised untyped over tcp)
             raise WindowError(f"{what}: the element count must be >= 0, got {n}")
         if offset < 0 or offset + n > total:
@@ -429,7 +504,9 @@ class Window:
         """One-sided write of ``tensor`` at element ``off`` of ``dst``'s tensor: a copy (put) or
         a sum under the target's file lock (accumulate) through shared memory, else one request
         ``wire`` to the target's window server."""
-        src = tensor.reshape(-1)
+        # the data only: a source that requires grad made the shared-memory copy_/add_ record
+        # into window memory (``local`` then required grad, and each put grew its graph)
+        src = tensor.detach().reshape(-1)
         dst, off, _ = self._target(dst, tensor.dtype, off, src.numel(), op)
         if self.transport != "shm":
             data = src.clone() if async_op else src  # async: the caller may reuse its tensor
@@ -515,6 +592,7 @@ class Window:
         Waits for this rank's outstanding ``async_op`` operations first; the first of their
         errors is raised after the barrier (so no peer is left waiting in it).
         """
+        self._check_members("fence")  # (on every member alike: none waits in the barrier)
         with self._plock:
             pending, self._pending = self._pending, []
             failed, self._failed = self._failed, []
@@ -585,6 +663,17 @@ class Window:
                     f"window {msg['t']} on rank {r}: no answer within the window's timeout "
                     f"({self.timeout_s:g} s)"
                 ) from None
+            except (OSError, CommError) as e:
+                # the peer closed or reset the connection (it died, or refused a request): the
+                # stream is unusable, so it is dropped and the next request dials again. A raw
+                # BrokenPipeError escaped here, and every later request to that peer failed on
+                # the dead socket even once it listened again
+                self._socks.pop(r, None)
+                if sock is not None:
+                    sock.close()
+                if isinstance(e, WindowError):
+                    raise
+                raise CommError(f"window {msg['t']} on rank {r} failed: {e}") from None
 
     def _serve(self, conn: socket.socket) -> None:
         hello = recv_msg(conn)
@@ -622,7 +711,9 @@ class Window:
                 send_msg(conn, {"t": "error", "error": f"unknown request {kind!r}"})
 
     def close(self) -> None:
-        """Release the mappings and the server (call after a fence)."""
+        """Release the mappings and the server (call after a fence); later window operations
+        raise :class:`WindowError`."""
+        self._closed = True
         for q in self._queues.values():
             q.shutdown(wait=True)
         self._queues.clear()
@@ -651,8 +742,18 @@ def _new_window(
     transport: str = "auto",
     timeout: timedelta | None = None,
 ) -> Window:
-    """Collective: a new RMA window on ``group`` (default: the default group); ``timeout``
-    bounds each tcp request (default: the group's timeout)."""
+    """Collective: a new RMA window on ``group`` (default: the default group, the
+    reconfigurable one of ``init_process_group(..., enable_reconfigure=True)`` first, as for
+    ``_reconfigure``); ``timeout`` bounds each tcp request (default: the group's timeout)."""
+    if group is None:
+        # (a ValueError "Default process group has not been initialized" with only the
+        # reconfigurable group, which _reconfigure and the handles took as the default)
+        group = reconfigure._default
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # (said "group -100 does not support windows")
+        raise WindowError(
+            "this rank is not a member of the group (new_group gave it "
+            "GroupMember.NON_GROUP_MEMBER): only the group's members create its window"
+        )
     if not _supports_window(group):
         raise WindowError(f"group {group!r} does not support windows")
     return Window(group, tensor, transport=transport, timeout=timeout)
