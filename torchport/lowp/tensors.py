@@ -256,8 +256,13 @@ class LowPrecisionTensor(torch.Tensor):
     def _on_huge_pages(self, pw: PackedWeight) -> PackedWeight:
         """``pw`` with its data (and scales) moved to huge-page memory when at least
         :data:`HUGEPAGE_MIN_BYTES` (``config.gemv_hugepages``); ``qdata``/``scale`` are rebound to
-        the moved buffers (same values, one copy kept)."""
+        the moved buffers (same values, one copy kept). Not while another live tensor shares
+        qdata's storage (a ``state_dict()`` entry or ``w.data`` taken before this first pack):
+        moving would part them, and a ``copy_`` into either then left the other reading its old
+        codes beside the new scales they still shared."""
         if not config.get("gemv_hugepages") or pw.data.nbytes < HUGEPAGE_MIN_BYTES:
+            return pw
+        if len(self._sharing_caches()) > 1:
             return pw
         data, scales = hugepage_copy(pw.data), pw.scales
         if scales.nbytes >= HUGEPAGE_MIN_BYTES // 4:
