@@ -647,6 +647,32 @@ def test_gemv_double_backward_and_saved_inputs_match_f_linear(fmt):
             out.sum().backward()
 
 
+@pytest.mark.parametrize("fmt", ["f32", "nvfp4", "nvfp4_x_nvfp4"])
+def test_lazily_negated_bias_and_weight_are_read_negated(fmt):
+    """A bias (or dense weight) with the lazy negation bit (``torch._neg_view``, what
+    ``z.conj().imag`` makes) holds its un-negated values in memory: the kernels added ``-b``
+    where ``F.linear`` adds ``b`` (and multiplied by ``-W``). They now see the negated values:
+    the same results as with the negation materialised (``resolve_neg``)."""
+    g = torch.Generator().manual_seed(18)
+    w0 = torch.randn(6, 64, generator=g)
+    if fmt == "nvfp4_x_nvfp4":  # FP4 activations too: the pair-split kernel's entry
+        wq = NVFP4Tensor.from_float(w0, act_per_tensor_scale=True)
+    else:
+        wq, _ = _weight(fmt, w0)
+    x, b = torch.randn(1, 64, generator=g), torch.randn(6, generator=g)
+    bn = torch._neg_view(b)
+    assert bn.is_neg() and bn.is_contiguous()
+    calls = [lambda bias: gemv(x, wq, bias)]
+    if fmt == "f32":
+        wn = torch._neg_view(-wq)  # holds -W, reads as W
+        calls.append(lambda bias: gemv(x, wn, bias))
+    else:  # the quantized linear's entry; its second call settles a route, the third takes it
+        calls += [lambda bias: F.linear(x, wq, bias)] * 3
+    with torch.no_grad():
+        for call in calls:
+            torch.testing.assert_close(call(bn), call(bn.resolve_neg()), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bias_shape", [(2, 64), (), (1, 64)], ids=str)
 def test_compile_routes_only_a_bias_of_shape_n(monkeypatch, bias_shape):
     # F.linear broadcasts any bias shape against [rows, N]; the GEMV reads N bias values, so a

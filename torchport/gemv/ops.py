@@ -80,14 +80,17 @@ class PackedWeight:
 
 
 def pack_dense(w: torch.Tensor) -> PackedWeight:
-    """Pack a plain float32/bfloat16 ``[N, K]`` weight (no copy when already contiguous)."""
+    """Pack a plain float32/bfloat16 ``[N, K]`` weight (no copy when already contiguous and
+    without the lazy negation bit)."""
     if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
         raise GemvInputError(
             f"gemv: a dense weight must be a 2-D float32 or bfloat16 tensor, got {w.dtype} "
             f"shape {tuple(w.shape)}"
         )
     fmt = "f32" if w.dtype == torch.float32 else "bf16"
-    return PackedWeight(fmt, w.detach().contiguous(), _EMPTY_U8, _EMPTY_F32, 1.0, *w.shape)
+    # resolve_neg: a lazily negated weight's memory holds the un-negated values the kernel read
+    data = w.detach().resolve_neg().contiguous()
+    return PackedWeight(fmt, data, _EMPTY_U8, _EMPTY_F32, 1.0, *w.shape)
 
 
 def gemv_reference(
@@ -652,13 +655,16 @@ def _aten_fallback(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None)
 
 
 def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """True if the kernel may be called directly (plain tensors or parameters, no autograd)."""
+    """True if the kernel may be called directly (plain tensors or parameters, no autograd, no
+    lazy negation: a bias with the bit holds its un-negated values, which the kernel added)."""
     if not native.eager_fast_path(x):
         return False
     if bias is None:
         return True
-    return type(bias) in (torch.Tensor, torch.nn.Parameter) and not (
-        bias.requires_grad and torch.is_grad_enabled()
+    return (
+        type(bias) in (torch.Tensor, torch.nn.Parameter)
+        and not (bias.requires_grad and torch.is_grad_enabled())
+        and not bias.is_neg()
     )
 
 

@@ -553,8 +553,10 @@ class LowPrecisionTensor(torch.Tensor):
             raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
         if k % 64 or not native.enabled() or native.cpu_info().isa == "scalar":
             return None
-        b_ok = bias is None or (
-            type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dim() == 1
+        b_ok = bias is None or (  # (a lazily negated bias's memory holds the un-negated values)
+            type(bias) in (torch.Tensor, torch.nn.Parameter)
+            and bias.dim() == 1
+            and not bias.is_neg()
         )
         if not (b_ok and native.eager_fast_path(x)):
             return None
