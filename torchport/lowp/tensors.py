@@ -760,13 +760,28 @@ class LowPrecisionTensor(torch.Tensor):
 
 
 class _FrozenWeightLinear(torch.autograd.Function):
-    """``F.linear`` with a frozen quantized weight: gradients for the input and the bias only."""
+    """``F.linear`` with a frozen quantized weight: gradients for the input and the bias only.
+
+    Forward and ``setup_context`` apart (and a generated vmap rule: the forward runs on torch
+    ops under a transform) so that ``torch.func`` transforms (``grad``, ``jacrev``, ``vmap`` of
+    them) accept it: with a ``ctx`` in ``forward`` they raised "it must override the
+    setup_context staticmethod"."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
+    def forward(x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
+        return wbox[0].linear(x, bias)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, bias, wbox = inputs
         w = wbox[0]
+        # under a transform every tensor input arrives wrapped, the weight in its tuple too (the
+        # backward needs the quantized tensor itself: its dequantize)
+        while torch._C._functorch.is_functorch_wrapped_tensor(w):
+            w = torch._C._functorch.get_unwrapped(w)
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
-        return w.linear(x, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
