@@ -452,6 +452,22 @@ def test_settled_route_leaves_torch_func_transforms_to_torch_ops(entry):
     _check(out, xs, wd, None, 3e-2)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_torch_func_grad_of_gemv_with_a_bf16_bias(fmt):
+    """``torch.func.grad`` over ``gemv`` with bf16 activations and a bf16 bias: the transform's
+    torch-ops path added the bf16 bias to a float32 product and raised "self and mat2 must have
+    the same dtype"; it now matches F.linear's gradient on the dequantized weight."""
+    g = torch.Generator().manual_seed(19)
+    wq, wd = _weight(fmt, torch.randn(8, 64, generator=g))
+    x = torch.randn(1, 64, generator=g).bfloat16()
+    b = torch.randn(8, generator=g).bfloat16()
+
+    got = torch.func.grad(lambda v: gemv(v, wq, b).float().pow(2).sum())(x)
+    want = torch.func.grad(lambda v: F.linear(v, wd, b.float()).pow(2).sum())(x.float())
+    assert got.dtype == torch.bfloat16  # (bf16 rounding of the output and the gradient apart)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gemv_packed_route_follows_setting_env_and_override(fmt, monkeypatch):
     """``gemv_packed`` settles a route per (weight, activation dtype and shape) from the second

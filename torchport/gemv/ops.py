@@ -808,9 +808,11 @@ def _gemv_checked(
     the next call with this weight (only for weights the caller keeps, not per-call packs)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
-    if native.functorch_active():  # torch.func: torch ops (the custom ops
-        return _aten_fallback(x, pw, bias).to(x.dtype).reshape(*x.shape[:-1], pw.n)  # have no
-        # forward-mode formula: jvp gave a zero tangent)
+    if native.functorch_active():  # torch.func: torch ops (the custom ops have no forward-mode
+        # formula: jvp gave a zero tangent); in float32, as the kernel (a bf16 bias beside the
+        # float32 product raised a dtype mismatch under grad)
+        bf = bias.float() if bias is not None else None
+        return _aten_fallback(x, pw, bf).to(x.dtype).reshape(*x.shape[:-1], pw.n)
     if _eager(x, bias):
         routes = pw.routes
         if settle and _SEEN in routes:  # a weight used again: worth a route
