@@ -452,6 +452,22 @@ def test_settled_route_leaves_torch_func_transforms_to_torch_ops(entry):
     _check(out, xs, wd, None, 3e-2)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_torch_func_grad_of_gemv_with_a_bf16_bias(fmt):
+    """``torch.func.grad`` over ``gemv`` with bf16 activations and a bf16 bias: the transform's
+    torch-ops path added the bf16 bias to a float32 product and raised "self and mat2 must have
+    the same dtype"; it now matches F.linear's gradient on the dequantized weight."""
+    g = torch.Generator().manual_seed(19)
+    wq, wd = _weight(fmt, torch.randn(8, 64, generator=g))
+    x = torch.randn(1, 64, generator=g).bfloat16()
+    b = torch.randn(8, generator=g).bfloat16()
+
+    got = torch.func.grad(lambda v: gemv(v, wq, b).float().pow(2).sum())(x)
+    want = torch.func.grad(lambda v: F.linear(v, wd, b.float()).pow(2).sum())(x.float())
+    assert got.dtype == torch.bfloat16  # (bf16 rounding of the output and the gradient apart)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gemv_packed_route_follows_setting_env_and_override(fmt, monkeypatch):
     """``gemv_packed`` settles a route per (weight, activation dtype and shape) from the second
@@ -616,6 +632,61 @@ def test_gemv_gradients_match_f_linear(fmt):
             torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
         if dense:
             torch.testing.assert_close(w.grad.double(), wr.grad, **tol)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "nvfp4"])
+def test_gemv_double_backward_and_saved_inputs_match_f_linear(fmt):
+    """A gradient penalty (the input's gradient, made with ``create_graph``, differentiated
+    again) through ``gemv`` gives ``F.linear``'s weight and bias gradients: the backward used a
+    detached weight and input, so the terms through them were missing (weight gradients off by
+    up to 3946). An input written in place between forward and backward raises as with
+    ``F.linear``; the backward read the new values (the weight gradient came out doubled)."""
+    g = torch.Generator().manual_seed(17)
+    wq, wd = _weight(fmt, torch.randn(6, 32, generator=g))
+    dense = fmt == "f32"
+    x0, b0 = torch.randn(2, 32, generator=g), torch.randn(6, generator=g)
+    grads = []
+    for f, w0 in ((gemv, wq), (F.linear, wd)):
+        w = w0.clone().requires_grad_(True) if dense else w0
+        x, b = x0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+        with config.override(gemv_fp4_int8=False):  # float32 activations: rounding apart only
+            out = f(x, w, b)
+        (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        grads.append(torch.autograd.grad(gx.pow(2).sum(), (w, b) if dense else (b,)))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    if dense:
+        w, x = wq.clone().requires_grad_(True), x0.clone()
+        out = gemv(x, w)
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "nvfp4", "nvfp4_x_nvfp4"])
+def test_lazily_negated_bias_and_weight_are_read_negated(fmt):
+    """A bias (or dense weight) with the lazy negation bit (``torch._neg_view``, what
+    ``z.conj().imag`` makes) holds its un-negated values in memory: the kernels added ``-b``
+    where ``F.linear`` adds ``b`` (and multiplied by ``-W``). They now see the negated values:
+    the same results as with the negation materialised (``resolve_neg``)."""
+    g = torch.Generator().manual_seed(18)
+    w0 = torch.randn(6, 64, generator=g)
+    if fmt == "nvfp4_x_nvfp4":  # FP4 activations too: the pair-split kernel's entry
+        wq = NVFP4Tensor.from_float(w0, act_per_tensor_scale=True)
+    else:
+        wq, _ = _weight(fmt, w0)
+    x, b = torch.randn(1, 64, generator=g), torch.randn(6, generator=g)
+    bn = torch._neg_view(b)
+    assert bn.is_neg() and bn.is_contiguous()
+    calls = [lambda bias: gemv(x, wq, bias)]
+    if fmt == "f32":
+        wn = torch._neg_view(-wq)  # holds -W, reads as W
+        calls.append(lambda bias: gemv(x, wn, bias))
+    else:  # the quantized linear's entry; its second call settles a route, the third takes it
+        calls += [lambda bias: F.linear(x, wq, bias)] * 3
+    with torch.no_grad():
+        for call in calls:
+            torch.testing.assert_close(call(bn), call(bn.resolve_neg()), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bias_shape", [(2, 64), (), (1, 64)], ids=str)

@@ -73,3 +73,29 @@ def test_compiled_frozen_weight_rejects_requires_grad() -> None:
     compiled = torch.compile(lin, backend="inductor")
     with pytest.raises(Exception, match=r"weights are frozen.*got requires_grad=True"):
         compiled(torch.randn(2, 32, requires_grad=True))
+
+
+@pytest.mark.parametrize("rows", [1, 12])
+def test_torch_func_transforms_of_a_quantized_linear(rows) -> None:
+    """``torch.func.grad``, ``jacrev`` and ``vmap(grad)`` through ``F.linear`` with a quantized
+    weight give the input and bias gradients of the dequantized weight; they raised "it must
+    override the setup_context staticmethod" (the frozen-weight autograd function took a ctx in
+    its forward), decode and prefill alike."""
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w, b, wd = lin.weight, lin.bias.detach(), lin.weight.dequantize()
+    x = torch.randn(rows, 64)
+
+    def f(x, b, w):
+        return torch.nn.functional.linear(x, w, b).pow(2).sum()
+
+    gx, gb = torch.func.grad(f, argnums=(0, 1))(x, b, w)
+    rx, rb = torch.func.grad(f, argnums=(0, 1))(x, b, wd)
+    torch.testing.assert_close(gx, rx, rtol=2e-2, atol=2e-1)  # int8 activations at decode
+    torch.testing.assert_close(gb, rb, rtol=2e-2, atol=2e-1)
+    jac = torch.func.jacrev(lambda v: torch.nn.functional.linear(v, w, b))(x)
+    assert jac.shape == (rows, 16, rows, 64)
+    torch.testing.assert_close(jac[0, :, 0], wd)  # d out[0] / d x[0] = W
+    per_row = torch.func.vmap(torch.func.grad(lambda v: f(v, b, w)))(x.unsqueeze(1))
+    torch.testing.assert_close(per_row.squeeze(1), rx, rtol=2e-2, atol=2e-1)

@@ -657,6 +657,33 @@ def test_copy_into_an_alias_reaches_the_weight(cfg, monkeypatch):
             assert torch.equal(model(x), model.bias.detach().reshape(1, 32))
 
 
+@pytest.mark.parametrize(
+    "cfg", [lowp.NVFP4WeightOnlyConfig(), lowp.Float8WeightOnlyConfig()], ids=["nvfp4", "fp8"]
+)
+def test_an_alias_taken_before_the_first_decode_keeps_sharing_the_weight(cfg, monkeypatch):
+    """A state_dict() entry taken before the first decode call: the call moved the weight's
+    qdata to huge pages and left the entry on the old bytes, the scales still shared, so a copy_
+    into either gave the other the new scales beside its old codes (outputs off by hundreds).
+    With a live alias the weight now stays where it is."""
+    from torchport.lowp import tensors
+
+    monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 0)
+    monkeypatch.setenv("TORCHPORT_GEMV_HUGEPAGES", "1")
+    torch.manual_seed(12)
+    trained = nn.Linear(64, 32)
+    model = nn.Linear(64, 32)
+    torchport.quantize_(model, cfg)
+    sd = model.state_dict()  # detached aliases, taken before the weight is first packed
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        model(x)
+        model(x)  # packed, route settled
+        sd["weight"].copy_(torch.zeros(32, 64))  # an in-place load through the entry
+        assert torch.equal(model(x), model.bias.detach().reshape(1, 32))
+        model.weight.copy_(trained.weight)  # and the other way
+        assert _inner_equal(sd["weight"], model.weight)
+
+
 def test_quantize_is_all_or_nothing_and_skips_empty_weights():
     """A weight that cannot be quantized (a NaN) raises naming its module before any weight is
     swapped (the model was left half quantized); an empty weight is skipped, not an untyped

@@ -80,14 +80,17 @@ class PackedWeight:
 
 
 def pack_dense(w: torch.Tensor) -> PackedWeight:
-    """Pack a plain float32/bfloat16 ``[N, K]`` weight (no copy when already contiguous)."""
+    """Pack a plain float32/bfloat16 ``[N, K]`` weight (no copy when already contiguous and
+    without the lazy negation bit)."""
     if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
         raise GemvInputError(
             f"gemv: a dense weight must be a 2-D float32 or bfloat16 tensor, got {w.dtype} "
             f"shape {tuple(w.shape)}"
         )
     fmt = "f32" if w.dtype == torch.float32 else "bf16"
-    return PackedWeight(fmt, w.detach().contiguous(), _EMPTY_U8, _EMPTY_F32, 1.0, *w.shape)
+    # resolve_neg: a lazily negated weight's memory holds the un-negated values the kernel read
+    data = w.detach().resolve_neg().contiguous()
+    return PackedWeight(fmt, data, _EMPTY_U8, _EMPTY_F32, 1.0, *w.shape)
 
 
 def gemv_reference(
@@ -652,13 +655,16 @@ def _aten_fallback(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None)
 
 
 def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """True if the kernel may be called directly (plain tensors or parameters, no autograd)."""
+    """True if the kernel may be called directly (plain tensors or parameters, no autograd, no
+    lazy negation: a bias with the bit holds its un-negated values, which the kernel added)."""
     if not native.eager_fast_path(x):
         return False
     if bias is None:
         return True
-    return type(bias) in (torch.Tensor, torch.nn.Parameter) and not (
-        bias.requires_grad and torch.is_grad_enabled()
+    return (
+        type(bias) in (torch.Tensor, torch.nn.Parameter)
+        and not (bias.requires_grad and torch.is_grad_enabled())
+        and not bias.is_neg()
     )
 
 
@@ -714,40 +720,50 @@ def _(
 # Autograd of the two ops, as F.linear's: the input's gradient through the (dequantized) weight,
 # the bias's the summed rows; a dense weight's gradient too (a packed one is frozen: its codes and
 # scales have none). Before these, backward through either op raised torch's "no autograd formula".
+# The backward is made of differentiable torch ops on the saved input and weight, so a gradient
+# taken with ``create_graph`` differentiates again (a detached weight dropped the penalty's
+# terms through it), and the tensors are saved as F.linear saves them, the input only for the
+# weight's gradient and the weight only for the input's, version-checked (one written in place
+# between forward and backward raises instead of giving the gradient of the new values).
 
 
-def _gemv_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    ctx.inputs = inputs
-
-
-def _gemv_grads(
-    ctx: Any, grad: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w_grad: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(input, weight, bias) gradients of ``F.linear(x, w, bias)`` for ``grad`` (``w`` float)."""
-    x = ctx.inputs[0]
-    g2 = grad.reshape(-1, w.shape[0]).float()
-    gx = (g2 @ w.float()).reshape(x.shape).to(x.dtype) if x.requires_grad else None
-    gw = None
-    if w_grad:
-        gw = (g2.t() @ x.detach().reshape(-1, w.shape[1]).float()).to(w.dtype)
-    gb = g2.sum(0).to(bias.dtype) if bias is not None and bias.requires_grad else None
-    return gx, gw, gb
+def _gemv_dense_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, w, bias = inputs
+    ctx.save_for_backward(x if w.requires_grad else None, w if x.requires_grad else None)
+    ctx.meta = (x.shape, x.dtype, w.dtype, bias.dtype if bias is not None else None)
 
 
 def _gemv_dense_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    _, w, bias = ctx.inputs
-    return _gemv_grads(ctx, grad, w.detach(), bias, w.requires_grad)
+    x, w = ctx.saved_tensors
+    x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
+    need_x, need_w, need_b = ctx.needs_input_grad
+    g2 = grad.reshape(-1, grad.shape[-1]).float()
+    gx = (g2 @ w.float()).reshape(x_shape).to(x_dtype) if need_x else None
+    gw = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).to(w_dtype) if need_w else None
+    gb = g2.sum(0).to(b_dtype) if need_b else None
+    return gx, gw, gb
+
+
+def _gemv_packed_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, data, scales, rowscale, pts, fmt, n, k, bias, _ = inputs
+    ctx.save_for_backward(data, scales, rowscale)
+    ctx.meta = (x.shape, x.dtype, pts, fmt, n, k, bias.dtype if bias is not None else None)
 
 
 def _gemv_packed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    _, data, scales, rowscale, pts, fmt, n, k, bias, _ = ctx.inputs
-    w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k))
-    gx, _, gb = _gemv_grads(ctx, grad, w, bias, False)
+    data, scales, rowscale = ctx.saved_tensors
+    x_shape, x_dtype, pts, fmt, n, k, b_dtype = ctx.meta
+    g2 = grad.reshape(-1, n).float()
+    gx = None
+    if ctx.needs_input_grad[0]:
+        w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k))
+        gx = (g2 @ w).reshape(x_shape).to(x_dtype)
+    gb = g2.sum(0).to(b_dtype) if ctx.needs_input_grad[8] else None
     return gx, None, None, None, None, None, None, None, gb, None
 
 
-gemv_dense_op.register_autograd(_gemv_dense_backward, setup_context=_gemv_setup)
-gemv_packed_op.register_autograd(_gemv_packed_backward, setup_context=_gemv_setup)
+gemv_dense_op.register_autograd(_gemv_dense_backward, setup_context=_gemv_dense_setup)
+gemv_packed_op.register_autograd(_gemv_packed_backward, setup_context=_gemv_packed_setup)
 
 
 def gemv_packed(
@@ -792,9 +808,11 @@ def _gemv_checked(
     the next call with this weight (only for weights the caller keeps, not per-call packs)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
-    if native.functorch_active():  # torch.func: torch ops (the custom ops
-        return _aten_fallback(x, pw, bias).to(x.dtype).reshape(*x.shape[:-1], pw.n)  # have no
-        # forward-mode formula: jvp gave a zero tangent)
+    if native.functorch_active():  # torch.func: torch ops (the custom ops have no forward-mode
+        # formula: jvp gave a zero tangent); in float32, as the kernel (a bf16 bias beside the
+        # float32 product raised a dtype mismatch under grad)
+        bf = bias.float() if bias is not None else None
+        return _aten_fallback(x, pw, bf).to(x.dtype).reshape(*x.shape[:-1], pw.n)
     if _eager(x, bias):
         routes = pw.routes
         if settle and _SEEN in routes:  # a weight used again: worth a route

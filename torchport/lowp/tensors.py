@@ -256,8 +256,13 @@ class LowPrecisionTensor(torch.Tensor):
     def _on_huge_pages(self, pw: PackedWeight) -> PackedWeight:
         """``pw`` with its data (and scales) moved to huge-page memory when at least
         :data:`HUGEPAGE_MIN_BYTES` (``config.gemv_hugepages``); ``qdata``/``scale`` are rebound to
-        the moved buffers (same values, one copy kept)."""
+        the moved buffers (same values, one copy kept). Not while another live tensor shares
+        qdata's storage (a ``state_dict()`` entry or ``w.data`` taken before this first pack):
+        moving would part them, and a ``copy_`` into either then left the other reading its old
+        codes beside the new scales they still shared."""
         if not config.get("gemv_hugepages") or pw.data.nbytes < HUGEPAGE_MIN_BYTES:
+            return pw
+        if len(self._sharing_caches()) > 1:
             return pw
         data, scales = hugepage_copy(pw.data), pw.scales
         if scales.nbytes >= HUGEPAGE_MIN_BYTES // 4:
@@ -548,8 +553,10 @@ class LowPrecisionTensor(torch.Tensor):
             raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
         if k % 64 or not native.enabled() or native.cpu_info().isa == "scalar":
             return None
-        b_ok = bias is None or (
-            type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dim() == 1
+        b_ok = bias is None or (  # (a lazily negated bias's memory holds the un-negated values)
+            type(bias) in (torch.Tensor, torch.nn.Parameter)
+            and bias.dim() == 1
+            and not bias.is_neg()
         )
         if not (b_ok and native.eager_fast_path(x)):
             return None
@@ -753,13 +760,28 @@ class LowPrecisionTensor(torch.Tensor):
 
 
 class _FrozenWeightLinear(torch.autograd.Function):
-    """``F.linear`` with a frozen quantized weight: gradients for the input and the bias only."""
+    """``F.linear`` with a frozen quantized weight: gradients for the input and the bias only.
+
+    Forward and ``setup_context`` apart (and a generated vmap rule: the forward runs on torch
+    ops under a transform) so that ``torch.func`` transforms (``grad``, ``jacrev``, ``vmap`` of
+    them) accept it: with a ``ctx`` in ``forward`` they raised "it must override the
+    setup_context staticmethod"."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
+    def forward(x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
+        return wbox[0].linear(x, bias)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, bias, wbox = inputs
         w = wbox[0]
+        # under a transform every tensor input arrives wrapped, the weight in its tuple too (the
+        # backward needs the quantized tensor itself: its dequantize)
+        while torch._C._functorch.is_functorch_wrapped_tensor(w):
+            w = torch._C._functorch.get_unwrapped(w)
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
-        return w.linear(x, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
