@@ -993,7 +993,8 @@ def contract_case(rank: int, world: int) -> list[str]:
     lost connection or an untyped error): PREMUL_SUM reduce-scatter of a transposed input,
     in-place reduce-scatter (output = the rank's own block, as NCCL allows), a recv into a leaf
     that requires grad (the connection's reader thread died on it) followed by another recv, a
-    0-dim send, and ``wait(timeout)`` on a collective whose peer is late."""
+    0-dim send, ``wait(timeout)`` on a collective whose peer is late, and all_gather_coalesced's
+    output layout (one list per rank)."""
     bad = []
     base = torch.arange(2 * 3 * world, dtype=torch.float32).reshape(2, 3 * world)
     inp = base.t()  # [3 world, 2], non-contiguous
@@ -1023,6 +1024,12 @@ def contract_case(rank: int, world: int) -> list[str]:
         got = (leaf.detach().tolist(), later.tolist(), scalar.item())
         if got != ([1.0] * 3, [5.0, 5.0], 3.5):
             bad.append(f"recv into a grad leaf / after it / 0-dim got {got}")
+    # all_gather_coalesced: output_lists[q][i] is rank q's input i (it came back transposed)
+    outs = [[torch.zeros(1) for _ in range(world)] for _ in range(world)]
+    dist.all_gather_coalesced(outs, [torch.full((1,), 10.0 * rank + i) for i in range(world)])
+    got = [[o.item() for o in row] for row in outs]
+    if got != [[10.0 * q + i for i in range(world)] for q in range(world)]:
+        bad.append(f"all_gather_coalesced got {got}")
     dist.barrier()
     t = torch.ones(2)
     if rank == 1:

@@ -535,6 +535,22 @@ def test_alltoall_list_shapes_and_dtypes_are_checked(world1):
     assert bool((out[0] == 1).all())
 
 
+def test_all_gather_coalesced_takes_one_output_list_per_rank(world1):
+    """torch's layout is ``output_lists[rank][input]``; the backend read one list per input:
+    two inputs on a world of one were refused (and, with as many inputs as ranks, every rank
+    got the transposed blocks: dist_workers.contract_case checks that on 2 and 3 ranks)."""
+    from torchport.distributed import CollectiveArgumentError
+
+    outs = [[torch.zeros(2, 2), torch.zeros(1)]]
+    dist.all_gather_coalesced(outs, [torch.full((2, 2), 1.0), torch.full((1,), 2.0)])
+    assert outs[0][0].tolist() == [[1.0, 1.0]] * 2 and outs[0][1].tolist() == [2.0]
+    with pytest.raises(
+        CollectiveArgumentError,
+        match=r"world_size \(1\) output lists of len\(inputs\) \(2\) tensors each, got lists of \[1\]",
+    ):
+        world1.allgather_coalesced([[torch.zeros(1)]], [torch.ones(1), torch.ones(1)])
+
+
 def test_world_of_one_is_identity(world1):
     t = torch.arange(5.0)
     dist.all_reduce(t)

@@ -429,7 +429,19 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
-        works = [self.allgather([outs], [i], opts) for outs, i in zip(output_lists, inputs)]
+        """``output_lists[q][i]`` receives rank q's ``inputs[i]``: one list per *rank*, as torch
+        documents ``all_gather_coalesced`` (it was read as one list per input: with as many
+        inputs as ranks every output got the transposed block, otherwise a typed error)."""
+        w, n = self.comm.world, len(inputs)
+        if len(output_lists) != w or any(len(outs) != n for outs in output_lists):
+            raise CollectiveArgumentError(
+                f"allgather_coalesced: expects world_size ({w}) output lists of len(inputs) "
+                f"({n}) tensors each, got lists of {[len(outs) for outs in output_lists]}"
+            )
+        per_input = [[outs[i] for outs in output_lists] for i in range(n)]
+        for outs, t in zip(per_input, inputs):  # every check before the first op is issued
+            self._check_list([outs], _cpu(t, "allgather_coalesced"), "allgather_coalesced")
+        works = [self.allgather([outs], [t], opts) for outs, t in zip(per_input, inputs)]
         return self._chain("allgather_coalesced", works, [t for o in output_lists for t in o])
 
     def scatter(
