@@ -551,6 +551,21 @@ def test_all_gather_coalesced_takes_one_output_list_per_rank(world1):
         world1.allgather_coalesced([[torch.zeros(1)]], [torch.ones(1), torch.ones(1)])
 
 
+def test_an_all_to_all_block_to_itself_of_another_size_is_a_mismatch(world1):
+    """Over TCP no peer checks a rank's block to itself: 4 rows sent to itself into a 2-row
+    output were copied whole, past the output's end (rows of ``big`` beyond it overwritten)."""
+    from torchport.distributed import CollectiveMismatchError
+
+    sub = dist.new_group([0], backend="torchport")  # (its failure leaves world1 usable)
+    big = torch.full((8,), -1.0)
+    with pytest.raises(
+        CollectiveMismatchError, match=r"rank 0 sends 16 bytes to rank 0, which expects 8 bytes"
+    ):
+        dist.all_to_all_single(big[:2], torch.ones(4), group=sub)
+    assert big.tolist() == [-1.0] * 8
+    dist.destroy_process_group(sub)
+
+
 def test_world_of_one_is_identity(world1):
     t = torch.arange(5.0)
     dist.all_reduce(t)
