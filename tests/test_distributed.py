@@ -566,6 +566,31 @@ def test_an_all_to_all_block_to_itself_of_another_size_is_a_mismatch(world1):
     dist.destroy_process_group(sub)
 
 
+def test_collectives_write_into_leaves_that_require_grad(world1):
+    """As gloo does (and the in-place native paths did): a staged write-back, AVG's divide,
+    PREMUL_SUM's scale and all_reduce_coalesced's copy raised 'a leaf Variable that requires
+    grad is being used in an in-place operation' on the engine thread, failing the group."""
+    sub = dist.new_group([0], backend="torchport")  # (a failure would leave world1 usable)
+
+    def leaf(transposed: bool = False) -> torch.Tensor:
+        base = torch.arange(6.0).reshape(2, 3)
+        return (base.t().contiguous().t() if transposed else base).requires_grad_()
+
+    x = leaf(transposed=True)  # non-contiguous: staged
+    dist.all_reduce(x, group=sub)
+    dist.broadcast(x, src=0, group=sub)
+    y, z = leaf(), leaf()
+    dist.all_reduce(y, op=dist.ReduceOp.AVG, group=sub)
+    dist.all_reduce(z, op=dist._make_nccl_premul_sum(2.0), group=sub)
+    c = [leaf(), leaf()]
+    dist.all_reduce_coalesced(c, group=sub)
+    want = torch.arange(6.0).reshape(2, 3)
+    assert all(torch.equal(t.detach(), want) for t in (x, y, *c)), (x, y, c)
+    assert torch.equal(z.detach(), 2 * want) and z.requires_grad and z.is_leaf
+    assert sub.get_error() is None
+    dist.destroy_process_group(sub)
+
+
 def test_world_of_one_is_identity(world1):
     t = torch.arange(5.0)
     dist.all_reduce(t)

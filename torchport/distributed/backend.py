@@ -148,7 +148,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         name, factor = _red_name(opts.reduceOp)
-        ts = [_cpu(t, "allreduce_coalesced") for t in tensors]
+        given = [_cpu(t, "allreduce_coalesced") for t in tensors]
+        # (written back with copy_: a detached alias, as in _Staged, for a leaf that requires grad)
+        ts = [t.detach() if t.requires_grad else t for t in given]
         codes = [_check_red(name, t.dtype, "allreduce_coalesced") for t in ts]
         comm = self.comm
 
@@ -171,7 +173,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
                     ts[i].copy_(flat[off : off + n].view(ts[i].shape))
                     off += n
 
-        return self._submit("allreduce_coalesced", opts, run, ts)
+        return self._submit("allreduce_coalesced", opts, run, given)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
         opts = opts if opts is not None else dist.ReduceOptions()

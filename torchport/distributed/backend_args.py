@@ -106,6 +106,12 @@ class _Staged:
                 "a collective's output tensor must not overlap itself (an expanded view writes "
                 f"several elements to one place), got shape {tuple(t.shape)} strides {t.stride()}"
             )
+        if t.requires_grad:
+            # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops:
+            # on a leaf that requires grad (a parameter) they raised on the engine thread and
+            # failed the group on every rank; gloo's and the native paths' writes bypass
+            # autograd, and so do these on a detached alias of the same memory
+            t = t.detach()
         self.orig = t
         self.t = t if t.is_contiguous() else t.contiguous()
 
