@@ -602,6 +602,8 @@ def test_world_of_one_is_identity(world1):
 
     with pytest.raises(CollectiveArgumentError, match="must not overlap itself"):
         dist.all_reduce(torch.ones(1).expand(4))  # failed the group on the engine thread before
+    with pytest.raises(CollectiveArgumentError, match="must not overlap itself"):
+        dist.all_reduce_coalesced([torch.ones(2), torch.ones(1).expand(3)])  # (so did this)
     scalar_out = torch.zeros(())  # a 0-dim all_to_all_single copied nothing and succeeded
     dist.all_to_all_single(scalar_out, torch.tensor(7.0))
     assert scalar_out.item() == 7.0

@@ -25,6 +25,7 @@ from torchport.distributed.backend_args import (
     _NATIVE_RED,
     _check_alltoall,
     _check_blocks,
+    _check_no_self_overlap,
     _check_red,
     _cpu,
     _one,
@@ -149,6 +150,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         name, factor = _red_name(opts.reduceOp)
         given = [_cpu(t, "allreduce_coalesced") for t in tensors]
+        for t in given:
+            _check_no_self_overlap(t)
         # (written back with copy_: a detached alias, as in _Staged, for a leaf that requires grad)
         ts = [t.detach() if t.requires_grad else t for t in given]
         codes = [_check_red(name, t.dtype, "allreduce_coalesced") for t in ts]

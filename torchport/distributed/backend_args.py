@@ -95,17 +95,21 @@ def _cpu(t: Any, where: str) -> torch.Tensor:
     return t
 
 
+def _check_no_self_overlap(t: torch.Tensor) -> None:
+    """Refuse an output that overlaps itself where the op is issued: the copy back into such a
+    tensor raised on the engine thread, which failed the whole group on every rank."""
+    if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+        raise CollectiveArgumentError(
+            "a collective's output tensor must not overlap itself (an expanded view writes "
+            f"several elements to one place), got shape {tuple(t.shape)} strides {t.stride()}"
+        )
+
+
 class _Staged:
     """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        # checked where the op is issued: the copy back into such a tensor raised on the engine
-        # thread, which failed the whole group on every rank
-        if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
-            raise CollectiveArgumentError(
-                "a collective's output tensor must not overlap itself (an expanded view writes "
-                f"several elements to one place), got shape {tuple(t.shape)} strides {t.stride()}"
-            )
+        _check_no_self_overlap(t)
         if t.requires_grad:
             # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops:
             # on a leaf that requires grad (a parameter) they raised on the engine thread and
