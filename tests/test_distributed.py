@@ -591,6 +591,20 @@ def test_collectives_write_into_leaves_that_require_grad(world1):
     dist.destroy_process_group(sub)
 
 
+def test_coalesced_tensor_collectives_take_one_output_per_input(world1):
+    """Two outputs for one input: the second output was silently left as it was."""
+    from torchport.distributed import CollectiveArgumentError
+
+    outs = [torch.zeros(2), torch.zeros(2)]
+    for op, opts in (
+        (world1.reduce_scatter_tensor_coalesced, dist.ReduceScatterOptions()),
+        (world1.allgather_into_tensor_coalesced, None),
+    ):
+        with pytest.raises(CollectiveArgumentError, match=r"got 2 outputs for 1 inputs"):
+            op(outs, [torch.ones(2)], opts)
+    assert outs[0].tolist() == outs[1].tolist() == [0.0, 0.0]
+
+
 def test_world_of_one_is_identity(world1):
     t = torch.arange(5.0)
     dist.all_reduce(t)

@@ -274,10 +274,20 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
+        self._same_count(outputs, inputs, "reduce_scatter_tensor_coalesced")
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return self._chain("reduce_scatter_tensor_coalesced", works, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    @staticmethod
+    def _same_count(outputs: list[torch.Tensor], inputs: list[torch.Tensor], where: str) -> None:
+        # zip() stopped at the shorter list: the outputs past it were silently left untouched
+        if len(outputs) != len(inputs):
+            raise CollectiveArgumentError(
+                f"{where}: expects one output per input, got {len(outputs)} outputs for "
+                f"{len(inputs)} inputs"
+            )
 
     def _chain(
         self, name: str, works: list[TorchportWork], result: list[torch.Tensor]
@@ -426,6 +436,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
+        self._same_count(outputs, inputs, "allgather_into_tensor_coalesced")
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return self._chain("allgather_into_tensor_coalesced", works, outputs)
 
