@@ -475,6 +475,11 @@ def test_bad_arguments_raise_typed_errors(world1):
         world1.broadcast([torch.ones(1)], _opts(dist.BroadcastOptions, rootRank=3))
     with pytest.raises(E, match=r"tensors must be on device 'cpu', got meta"):
         world1.allreduce([torch.ones(2, device="meta")], dist.AllreduceOptions())
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (4,))
+    with pytest.raises(E, match=r"must be dense \(layout torch.strided\), got torch.sparse_coo"):
+        dist.all_gather_into_tensor(torch.empty(4), sparse)  # failed the group on the engine
+    with pytest.raises(E, match=r"allreduce: tensors must be dense"):
+        dist.all_reduce(sparse)  # (refused as "overlapping itself")
     with pytest.raises(E, match=r"destination must be another rank in \[0, 1\), got 0"):
         world1.send([torch.ones(1)], 0, 0)
     with pytest.raises(E, match=r"expects exactly one tensor per call, got 2"):

@@ -92,6 +92,13 @@ def _cpu(t: Any, where: str) -> torch.Tensor:
         raise CollectiveArgumentError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise CollectiveArgumentError(f"{where}: tensors must be on device 'cpu', got {t.device}")
+    if t.layout is not torch.strided:
+        # a sparse input's .contiguous() / data_ptr() raised on the engine thread (an untyped
+        # RuntimeError failing the group on every rank); a sparse output was refused as
+        # "overlapping itself" (~60 ns per call)
+        raise CollectiveArgumentError(
+            f"{where}: tensors must be dense (layout torch.strided), got {t.layout}"
+        )
     return t
 
 
