@@ -996,8 +996,8 @@ def contract_case(rank: int, world: int) -> list[str]:
     lost connection or an untyped error): PREMUL_SUM reduce-scatter of a transposed input,
     in-place reduce-scatter (output = the rank's own block, as NCCL allows), a recv into a leaf
     that requires grad (the connection's reader thread died on it) followed by another recv, a
-    0-dim send, ``wait(timeout)`` on a collective whose peer is late, and all_gather_coalesced's
-    output layout (one list per rank)."""
+    0-dim send, ``wait(timeout)`` on a collective whose peer is late, in-place all_to_all_single
+    and all_gather_coalesced's output layout (one list per rank)."""
     bad = []
     base = torch.arange(2 * 3 * world, dtype=torch.float32).reshape(2, 3 * world)
     inp = base.t()  # [3 world, 2], non-contiguous
@@ -1027,6 +1027,12 @@ def contract_case(rank: int, world: int) -> list[str]:
         got = (leaf.detach().tolist(), later.tolist(), scalar.item())
         if got != ([1.0] * 3, [5.0, 5.0], 3.5):
             bad.append(f"recv into a grad leaf / after it / 0-dim got {got}")
+    # in-place all_to_all_single: over TCP a received block overwrote rows not yet sent
+    t = torch.arange(2.0 * world) + 100 * rank
+    dist.all_to_all_single(t, t)
+    want = [100.0 * q + 2 * rank + k for q in range(world) for k in range(2)]
+    if t.tolist() != want:
+        bad.append(f"in-place all_to_all_single got {t.tolist()}")
     # all_gather_coalesced: output_lists[q][i] is rank q's input i (it came back transposed)
     outs = [[torch.zeros(1) for _ in range(world)] for _ in range(world)]
     dist.all_gather_coalesced(outs, [torch.full((1,), 10.0 * rank + i) for i in range(world)])
