@@ -996,8 +996,8 @@ def contract_case(rank: int, world: int) -> list[str]:
     lost connection or an untyped error): PREMUL_SUM reduce-scatter of a transposed input,
     in-place reduce-scatter (output = the rank's own block, as NCCL allows), a recv into a leaf
     that requires grad (the connection's reader thread died on it) followed by another recv, a
-    0-dim send, ``wait(timeout)`` on a collective whose peer is late, in-place all_to_all_single
-    and all_gather_coalesced's output layout (one list per rank)."""
+    0-dim send, ``wait(timeout)`` on a collective whose peer is late, in-place all_to_all_single /
+    all_to_all and all_gather_coalesced's output layout (one list per rank)."""
     bad = []
     base = torch.arange(2 * 3 * world, dtype=torch.float32).reshape(2, 3 * world)
     inp = base.t()  # [3 world, 2], non-contiguous
@@ -1033,6 +1033,10 @@ def contract_case(rank: int, world: int) -> list[str]:
     want = [100.0 * q + 2 * rank + k for q in range(world) for k in range(2)]
     if t.tolist() != want:
         bad.append(f"in-place all_to_all_single got {t.tolist()}")
+    ts = [torch.full((2,), 10.0 * rank + d) for d in range(world)]
+    dist.all_to_all(ts, ts)  # (the list form too)
+    if [t[0].item() for t in ts] != [10.0 * q + rank for q in range(world)]:
+        bad.append(f"in-place all_to_all got {[t.tolist() for t in ts]}")
     # all_gather_coalesced: output_lists[q][i] is rank q's input i (it came back transposed)
     outs = [[torch.zeros(1) for _ in range(world)] for _ in range(world)]
     dist.all_gather_coalesced(outs, [torch.full((1,), 10.0 * rank + i) for i in range(world)])

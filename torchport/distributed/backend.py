@@ -559,6 +559,14 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         def run(deadline: float) -> None:
             srcs = [t.contiguous() for t in ins]
+            # in place (an output is an input): a block received over TCP overwrote an input
+            # not yet sent (rank 0 of 3 got its own block back from rank 1); such inputs are
+            # sent from copies
+            spans = [(_ptr(o.t), _ptr(o.t) + o.t.numel() * o.t.element_size()) for o in staged]
+            for i, t in enumerate(srcs):
+                lo, hi = _ptr(t), _ptr(t) + t.numel() * t.element_size()
+                if lo and any(a < hi and lo < b for a, b in spans if a):
+                    srcs[i] = t.clone()
             alg.alltoall(
                 comm,
                 [_ptr(t) for t in srcs],
