@@ -728,11 +728,12 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
         ),
         # over TCP: a pipelined chain of two pieces, then the acknowledgement back up
         lambda: dist.broadcast(torch.ones(300_000 + odd), src=0),
-        # the odd rank expects one row more from rank 0 (and one fewer from itself)
+        # the odd rank expects one row more from rank 0 and one fewer from rank 1 (its block to
+        # itself agrees: a rank checks that one before it sends, and fails at once)
         lambda: dist.all_to_all_single(
             torch.empty(3 * world),
             torch.ones(3 * world),
-            [3 + odd, *[3] * (world - 2), 3 - odd],
+            [3 + odd, 3 - odd, *[3] * (world - 2)],
             [3] * world,
         ),
     ]
@@ -760,7 +761,9 @@ def late_peer_case(rank: int, world: int) -> dict[str, Any]:
     failed (and told it: rank 1 then fails at once, sending nothing). Rank 0 got the last
     rank's block and waits for rank 1's, so it can learn of the failure only from the last
     rank's ABORT frame, on a socket whose receives are all done: it must still fail within
-    seconds, not at the group's timeout."""
+    seconds, not at the group's timeout. (The last rank's block to itself agrees: with one
+    that does not it fails before sending anything, possibly while rank 0 is still in the
+    barrier.)"""
     from torchport.distributed import TorchportDistError
 
     odd = rank == world - 1
@@ -770,12 +773,17 @@ def late_peer_case(rank: int, world: int) -> dict[str, Any]:
     dist.barrier(group=pg)
     if rank == 1:
         time.sleep(0.5)
+    elif odd:
+        # every rank's barrier is done before this rank can fail: its failure notice travels on
+        # another socket than rank 0's last barrier frame to rank 1 and could overtake it, and
+        # rank 1's barrier then failed (1 run in 5-7)
+        time.sleep(0.2)
     t0 = time.monotonic()
     try:
         dist.all_to_all_single(
             torch.empty(3 * world),
             torch.ones(3 * world),
-            [3 + odd, *[3] * (world - 2), 3 - odd],
+            [3 + odd, 3 - odd, *[3] * (world - 2)],
             [3] * world,
             group=pg,
         )
@@ -993,7 +1001,8 @@ def contract_case(rank: int, world: int) -> list[str]:
     lost connection or an untyped error): PREMUL_SUM reduce-scatter of a transposed input,
     in-place reduce-scatter (output = the rank's own block, as NCCL allows), a recv into a leaf
     that requires grad (the connection's reader thread died on it) followed by another recv, a
-    0-dim send, and ``wait(timeout)`` on a collective whose peer is late."""
+    0-dim send, ``wait(timeout)`` on a collective whose peer is late, in-place all_to_all_single /
+    all_to_all and all_gather_coalesced's output layout (one list per rank)."""
     bad = []
     base = torch.arange(2 * 3 * world, dtype=torch.float32).reshape(2, 3 * world)
     inp = base.t()  # [3 world, 2], non-contiguous
@@ -1023,6 +1032,22 @@ def contract_case(rank: int, world: int) -> list[str]:
         got = (leaf.detach().tolist(), later.tolist(), scalar.item())
         if got != ([1.0] * 3, [5.0, 5.0], 3.5):
             bad.append(f"recv into a grad leaf / after it / 0-dim got {got}")
+    # in-place all_to_all_single: over TCP a received block overwrote rows not yet sent
+    t = torch.arange(2.0 * world) + 100 * rank
+    dist.all_to_all_single(t, t)
+    want = [100.0 * q + 2 * rank + k for q in range(world) for k in range(2)]
+    if t.tolist() != want:
+        bad.append(f"in-place all_to_all_single got {t.tolist()}")
+    ts = [torch.full((2,), 10.0 * rank + d) for d in range(world)]
+    dist.all_to_all(ts, ts)  # (the list form too)
+    if [t[0].item() for t in ts] != [10.0 * q + rank for q in range(world)]:
+        bad.append(f"in-place all_to_all got {[t.tolist() for t in ts]}")
+    # all_gather_coalesced: output_lists[q][i] is rank q's input i (it came back transposed)
+    outs = [[torch.zeros(1) for _ in range(world)] for _ in range(world)]
+    dist.all_gather_coalesced(outs, [torch.full((1,), 10.0 * rank + i) for i in range(world)])
+    got = [[o.item() for o in row] for row in outs]
+    if got != [[10.0 * q + i for i in range(world)] for q in range(world)]:
+        bad.append(f"all_gather_coalesced got {got}")
     dist.barrier()
     t = torch.ones(2)
     if rank == 1:

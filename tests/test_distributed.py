@@ -475,6 +475,11 @@ def test_bad_arguments_raise_typed_errors(world1):
         world1.broadcast([torch.ones(1)], _opts(dist.BroadcastOptions, rootRank=3))
     with pytest.raises(E, match=r"tensors must be on device 'cpu', got meta"):
         world1.allreduce([torch.ones(2, device="meta")], dist.AllreduceOptions())
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (4,))
+    with pytest.raises(E, match=r"must be dense \(layout torch.strided\), got torch.sparse_coo"):
+        dist.all_gather_into_tensor(torch.empty(4), sparse)  # failed the group on the engine
+    with pytest.raises(E, match=r"allreduce: tensors must be dense"):
+        dist.all_reduce(sparse)  # (refused as "overlapping itself")
     with pytest.raises(E, match=r"destination must be another rank in \[0, 1\), got 0"):
         world1.send([torch.ones(1)], 0, 0)
     with pytest.raises(E, match=r"expects exactly one tensor per call, got 2"):
@@ -535,6 +540,76 @@ def test_alltoall_list_shapes_and_dtypes_are_checked(world1):
     assert bool((out[0] == 1).all())
 
 
+def test_all_gather_coalesced_takes_one_output_list_per_rank(world1):
+    """torch's layout is ``output_lists[rank][input]``; the backend read one list per input:
+    two inputs on a world of one were refused (and, with as many inputs as ranks, every rank
+    got the transposed blocks: dist_workers.contract_case checks that on 2 and 3 ranks)."""
+    from torchport.distributed import CollectiveArgumentError
+
+    outs = [[torch.zeros(2, 2), torch.zeros(1)]]
+    dist.all_gather_coalesced(outs, [torch.full((2, 2), 1.0), torch.full((1,), 2.0)])
+    assert outs[0][0].tolist() == [[1.0, 1.0]] * 2 and outs[0][1].tolist() == [2.0]
+    with pytest.raises(
+        CollectiveArgumentError,
+        match=r"world_size \(1\) output lists of len\(inputs\) \(2\) tensors each, got lists of \[1\]",
+    ):
+        world1.allgather_coalesced([[torch.zeros(1)]], [torch.ones(1), torch.ones(1)])
+
+
+def test_an_all_to_all_block_to_itself_of_another_size_is_a_mismatch(world1):
+    """Over TCP no peer checks a rank's block to itself: 4 rows sent to itself into a 2-row
+    output were copied whole, past the output's end (rows of ``big`` beyond it overwritten)."""
+    from torchport.distributed import CollectiveMismatchError
+
+    sub = dist.new_group([0], backend="torchport")  # (its failure leaves world1 usable)
+    big = torch.full((8,), -1.0)
+    with pytest.raises(
+        CollectiveMismatchError, match=r"rank 0 sends 16 bytes to rank 0, which expects 8 bytes"
+    ):
+        dist.all_to_all_single(big[:2], torch.ones(4), group=sub)
+    assert big.tolist() == [-1.0] * 8
+    dist.destroy_process_group(sub)
+
+
+def test_collectives_write_into_leaves_that_require_grad(world1):
+    """As gloo does (and the in-place native paths did): a staged write-back, AVG's divide,
+    PREMUL_SUM's scale and all_reduce_coalesced's copy raised 'a leaf Variable that requires
+    grad is being used in an in-place operation' on the engine thread, failing the group."""
+    sub = dist.new_group([0], backend="torchport")  # (a failure would leave world1 usable)
+
+    def leaf(transposed: bool = False) -> torch.Tensor:
+        base = torch.arange(6.0).reshape(2, 3)
+        return (base.t().contiguous().t() if transposed else base).requires_grad_()
+
+    x = leaf(transposed=True)  # non-contiguous: staged
+    dist.all_reduce(x, group=sub)
+    dist.broadcast(x, src=0, group=sub)
+    y, z = leaf(), leaf()
+    dist.all_reduce(y, op=dist.ReduceOp.AVG, group=sub)
+    dist.all_reduce(z, op=dist._make_nccl_premul_sum(2.0), group=sub)
+    c = [leaf(), leaf()]
+    dist.all_reduce_coalesced(c, group=sub)
+    want = torch.arange(6.0).reshape(2, 3)
+    assert all(torch.equal(t.detach(), want) for t in (x, y, *c)), (x, y, c)
+    assert torch.equal(z.detach(), 2 * want) and z.requires_grad and z.is_leaf
+    assert sub.get_error() is None
+    dist.destroy_process_group(sub)
+
+
+def test_coalesced_tensor_collectives_take_one_output_per_input(world1):
+    """Two outputs for one input: the second output was silently left as it was."""
+    from torchport.distributed import CollectiveArgumentError
+
+    outs = [torch.zeros(2), torch.zeros(2)]
+    for op, opts in (
+        (world1.reduce_scatter_tensor_coalesced, dist.ReduceScatterOptions()),
+        (world1.allgather_into_tensor_coalesced, None),
+    ):
+        with pytest.raises(CollectiveArgumentError, match=r"got 2 outputs for 1 inputs"):
+            op(outs, [torch.ones(2)], opts)
+    assert outs[0].tolist() == outs[1].tolist() == [0.0, 0.0]
+
+
 def test_world_of_one_is_identity(world1):
     t = torch.arange(5.0)
     dist.all_reduce(t)
@@ -546,6 +621,8 @@ def test_world_of_one_is_identity(world1):
 
     with pytest.raises(CollectiveArgumentError, match="must not overlap itself"):
         dist.all_reduce(torch.ones(1).expand(4))  # failed the group on the engine thread before
+    with pytest.raises(CollectiveArgumentError, match="must not overlap itself"):
+        dist.all_reduce_coalesced([torch.ones(2), torch.ones(1).expand(3)])  # (so did this)
     scalar_out = torch.zeros(())  # a 0-dim all_to_all_single copied nothing and succeeded
     dist.all_to_all_single(scalar_out, torch.tensor(7.0))
     assert scalar_out.item() == 7.0

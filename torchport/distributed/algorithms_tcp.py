@@ -725,6 +725,15 @@ def _direct_alltoall(
         return make_sig(seq, OP_ALLTOALL, dtype, 0, -1, n, k)
 
     comm._last_sig = sig(in_lens[(r + 1) % w], 0)
+    if in_lens[r] != out_lens[r]:
+        # no peer checks a rank's block to itself (the shared-memory and hybrid paths check
+        # the whole matrix): the copy below wrote in_lens[r] bytes into an out_lens[r]-byte
+        # block -- past the end of the output when it is the last block, else stale rows
+        raise CollectiveMismatchError(
+            f"mismatched collectives on communicator {comm.name!r}: alltoall split sizes "
+            f"disagree: rank {r} sends {in_lens[r]} bytes to rank {r}, which expects "
+            f"{out_lens[r]} bytes from rank {r}"
+        )
     if in_lens[r]:
         ctypes.memmove(outs[r], ins[r], in_lens[r])
     sends, recvs, expect = list[XSend](), list[XRecv](), list[tuple[int, int]]()

@@ -25,6 +25,7 @@ from torchport.distributed.backend_args import (
     _NATIVE_RED,
     _check_alltoall,
     _check_blocks,
+    _check_no_self_overlap,
     _check_red,
     _cpu,
     _one,
@@ -148,7 +149,11 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         name, factor = _red_name(opts.reduceOp)
-        ts = [_cpu(t, "allreduce_coalesced") for t in tensors]
+        given = [_cpu(t, "allreduce_coalesced") for t in tensors]
+        for t in given:
+            _check_no_self_overlap(t)
+        # (written back with copy_: a detached alias, as in _Staged, for a leaf that requires grad)
+        ts = [t.detach() if t.requires_grad else t for t in given]
         codes = [_check_red(name, t.dtype, "allreduce_coalesced") for t in ts]
         comm = self.comm
 
@@ -171,7 +176,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
                     ts[i].copy_(flat[off : off + n].view(ts[i].shape))
                     off += n
 
-        return self._submit("allreduce_coalesced", opts, run, ts)
+        return self._submit("allreduce_coalesced", opts, run, given)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -269,10 +274,20 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
+        self._same_count(outputs, inputs, "reduce_scatter_tensor_coalesced")
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return self._chain("reduce_scatter_tensor_coalesced", works, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    @staticmethod
+    def _same_count(outputs: list[torch.Tensor], inputs: list[torch.Tensor], where: str) -> None:
+        # zip() stopped at the shorter list: the outputs past it were silently left untouched
+        if len(outputs) != len(inputs):
+            raise CollectiveArgumentError(
+                f"{where}: expects one output per input, got {len(outputs)} outputs for "
+                f"{len(inputs)} inputs"
+            )
 
     def _chain(
         self, name: str, works: list[TorchportWork], result: list[torch.Tensor]
@@ -421,6 +436,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
+        self._same_count(outputs, inputs, "allgather_into_tensor_coalesced")
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return self._chain("allgather_into_tensor_coalesced", works, outputs)
 
@@ -429,7 +445,19 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
-        works = [self.allgather([outs], [i], opts) for outs, i in zip(output_lists, inputs)]
+        """``output_lists[q][i]`` receives rank q's ``inputs[i]``: one list per *rank*, as torch
+        documents ``all_gather_coalesced`` (it was read as one list per input: with as many
+        inputs as ranks every output got the transposed block, otherwise a typed error)."""
+        w, n = self.comm.world, len(inputs)
+        if len(output_lists) != w or any(len(outs) != n for outs in output_lists):
+            raise CollectiveArgumentError(
+                f"allgather_coalesced: expects world_size ({w}) output lists of len(inputs) "
+                f"({n}) tensors each, got lists of {[len(outs) for outs in output_lists]}"
+            )
+        per_input = [[outs[i] for outs in output_lists] for i in range(n)]
+        for outs, t in zip(per_input, inputs):  # every check before the first op is issued
+            self._check_list([outs], _cpu(t, "allgather_coalesced"), "allgather_coalesced")
+        works = [self.allgather([outs], [t], opts) for outs, t in zip(per_input, inputs)]
         return self._chain("allgather_coalesced", works, [t for o in output_lists for t in o])
 
     def scatter(
@@ -531,6 +559,14 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         def run(deadline: float) -> None:
             srcs = [t.contiguous() for t in ins]
+            # in place (an output is an input): a block received over TCP overwrote an input
+            # not yet sent (rank 0 of 3 got its own block back from rank 1); such inputs are
+            # sent from copies
+            spans = [(_ptr(o.t), _ptr(o.t) + o.t.numel() * o.t.element_size()) for o in staged]
+            for i, t in enumerate(srcs):
+                lo, hi = _ptr(t), _ptr(t) + t.numel() * t.element_size()
+                if lo and any(a < hi and lo < b for a, b in spans if a):
+                    srcs[i] = t.clone()
             alg.alltoall(
                 comm,
                 [_ptr(t) for t in srcs],
@@ -566,6 +602,11 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         def run(deadline: float) -> None:
             src = inp.contiguous()
+            dst, n_in, n_out = _ptr(s.t), sum(in_lens), sum(out_lens)
+            if src.numel() and dst and _ptr(src) < dst + n_out and dst < _ptr(src) + n_in:
+                # in place (output = input): a block received over TCP overwrote input rows
+                # not yet sent to their peer (rank 0 of 3 sent its own rows 2-5 back to itself)
+                src = src.clone()
             alg.alltoall(
                 comm,
                 offsets(_ptr(src), in_lens),

@@ -92,20 +92,37 @@ def _cpu(t: Any, where: str) -> torch.Tensor:
         raise CollectiveArgumentError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise CollectiveArgumentError(f"{where}: tensors must be on device 'cpu', got {t.device}")
+    if t.layout is not torch.strided:
+        # a sparse input's .contiguous() / data_ptr() raised on the engine thread (an untyped
+        # RuntimeError failing the group on every rank); a sparse output was refused as
+        # "overlapping itself" (~60 ns per call)
+        raise CollectiveArgumentError(
+            f"{where}: tensors must be dense (layout torch.strided), got {t.layout}"
+        )
     return t
+
+
+def _check_no_self_overlap(t: torch.Tensor) -> None:
+    """Refuse an output that overlaps itself where the op is issued: the copy back into such a
+    tensor raised on the engine thread, which failed the whole group on every rank."""
+    if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+        raise CollectiveArgumentError(
+            "a collective's output tensor must not overlap itself (an expanded view writes "
+            f"several elements to one place), got shape {tuple(t.shape)} strides {t.stride()}"
+        )
 
 
 class _Staged:
     """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        # checked where the op is issued: the copy back into such a tensor raised on the engine
-        # thread, which failed the whole group on every rank
-        if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
-            raise CollectiveArgumentError(
-                "a collective's output tensor must not overlap itself (an expanded view writes "
-                f"several elements to one place), got shape {tuple(t.shape)} strides {t.stride()}"
-            )
+        _check_no_self_overlap(t)
+        if t.requires_grad:
+            # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops:
+            # on a leaf that requires grad (a parameter) they raised on the engine thread and
+            # failed the group on every rank; gloo's and the native paths' writes bypass
+            # autograd, and so do these on a detached alias of the same memory
+            t = t.detach()
         self.orig = t
         self.t = t if t.is_contiguous() else t.contiguous()
 
