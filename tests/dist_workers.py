@@ -565,15 +565,25 @@ def overlap_delivered_case(rank: int, world: int) -> str | None:
     real = engine.tensors_overlap
     first = g.recv([buf[0:4]], peer, 1)
     out: list[str | None] = []
+    sent: list[bool] = []
+
+    def send_first() -> None:
+        if not sent:
+            sent.append(True)
+            g.send([torch.ones(4)], peer, 1)  # the peer's first receive
 
     def slow(a: torch.Tensor, b: torch.Tensor) -> bool:
-        g.send([torch.ones(4)], peer, 1)  # the peer's first receive
+        send_first()
         first.wait(datetime.timedelta(seconds=5))  # ours is delivered during the test
         return real(a, b)
 
     def post() -> None:
         try:
             work = g.recv([buf[2:6]], peer, 2)
+            # A peer whose own first receive was in before its test skips the test (nothing
+            # left in flight to overlap), so its send is made here: else this rank's wait in
+            # the test above timed out (a load-dependent failure).
+            send_first()
             g.send([torch.ones(4)], peer, 2).wait()
             work.wait(datetime.timedelta(seconds=5))
             out.append(None)
