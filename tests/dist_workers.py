@@ -237,6 +237,20 @@ def _ddp(rank: int, group: Any) -> list[float]:
     return losses
 
 
+def gc_inherited_case(rank: int, world: int) -> dict[str, Any]:
+    """What a full garbage collection costs this rank: the objects it inherited from the fork
+    server (torch and torchport.distributed preloaded) frozen, and the seconds one full
+    collection holds the GIL (a collection that fell in abort() delayed every peer's failure
+    by that much)."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    tracked = len(gc.get_objects())
+    t0 = time.perf_counter()
+    gc.collect()
+    return {"frozen": frozen, "tracked": tracked, "collect_s": time.perf_counter() - t0}
+
+
 def abort_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 0 aborts while the other ranks wait in an allreduce rank 0 never joins."""
     from torchport.distributed import CommAbortedError, RemoteError, get_error
@@ -1102,6 +1116,7 @@ SCENARIOS = {
     "overlap_delivered": overlap_delivered_case,
     "destroy_in_callback": destroy_in_callback_case,
     "abort": abort_case,
+    "gc_inherited": gc_inherited_case,
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,
     "ddp": ddp_losses,

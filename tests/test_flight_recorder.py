@@ -217,6 +217,26 @@ def test_error_timeout_and_signal_dumps(tmp_path):
     assert json.loads((tmp_path / "rank_3.json").read_text())["reason"] == "signal SIGUSR1"
 
 
+def test_signal_dump_closes_its_sockets_at_exit(tmp_path):
+    """enable_signal_dump's socket pair lived until interpreter teardown, which reported it
+    ('ResourceWarning: unclosed <socket.socket ... family=1>' at the end of every test run);
+    the exit hook it registers ends the helper thread and closes both, and a later enable
+    works again."""
+    rec = FlightRecorder(rank=3, world_size=4, dump_dir=tmp_path)
+    enable_signal_dump(recorder=rec)
+    r, w = fr._sig_state["sock"]
+    thread = fr._sig_state["thread"]
+    fr._close_signal_dump()
+    assert r.fileno() == -1 and w.fileno() == -1 and not thread.is_alive()
+    assert signal.set_wakeup_fd(-1) == -1  # no longer ours
+    enable_signal_dump(recorder=rec)
+    t0 = time.monotonic()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    while not (tmp_path / "rank_3.json").exists():
+        assert time.monotonic() - t0 < 1.0, "signal dump took more than 1 s"
+        time.sleep(0.005)
+
+
 @pytest.fixture(params=["gloo", "torchport"])
 def pair(request):
     with Actors(2) as a:

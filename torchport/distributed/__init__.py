@@ -23,7 +23,9 @@ and dumps, any backend), :mod:`~torchport.distributed.fr_analyze` (``torchport f
 from __future__ import annotations
 
 import datetime
+import gc
 import operator
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,6 +89,16 @@ def _register() -> None:
 
 
 _register()
+
+# A process forked from one that imported torch and torchport (a fork server's preloaded ranks,
+# the FT demo's replicas) inherits some 300 000 objects, and every full (generation-2) garbage
+# collection in it walks them all: 0.3-0.6 s on a 2-core VM, holding the GIL, so no engine or
+# mesh thread of the rank runs meanwhile. One that fell in abort() delayed its ABORT frames by
+# that much (peers failed 0.2-0.6 s after the abort, bound 0.1 s). Freezing moves what the child
+# inherited into the permanent generation, which collections skip (20 us for the whole heap);
+# the cost is that a reference cycle among those inherited objects, dropped in the child, is
+# not reclaimed there (gc.unfreeze() undoes it). The fork server itself is exec'd, not forked.
+os.register_at_fork(after_in_child=gc.freeze)
 
 
 def _pg(group: Any) -> TorchportProcessGroup:

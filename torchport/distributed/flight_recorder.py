@@ -24,6 +24,7 @@ dumps into a plain-words verdict.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import inspect
@@ -362,6 +363,11 @@ def enable_signal_dump(sig: int = signal.SIGUSR1, recorder: FlightRecorder | Non
     signal.signal(sig, lambda *_: None)
     signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
     _sig_state.update(sock=(r, w), recorder=rec, sig=sig)
+    if not _sig_state.get("atexit"):
+        # the pair lives as long as the process; left to interpreter teardown it was reported
+        # as 'ResourceWarning: unclosed <socket.socket ... family=1>' at every exit
+        atexit.register(_close_signal_dump)
+        _sig_state["atexit"] = True
 
     def loop() -> None:
         while True:
@@ -374,7 +380,27 @@ def enable_signal_dump(sig: int = signal.SIGUSR1, recorder: FlightRecorder | Non
             if any(b == _sig_state["sig"] for b in data):
                 _sig_state["recorder"]._dump_quietly(f"signal {signal.Signals(sig).name}")
 
-    threading.Thread(target=loop, name="tp-fr-signal", daemon=True).start()
+    thread = threading.Thread(target=loop, name="tp-fr-signal", daemon=True)
+    _sig_state["thread"] = thread
+    thread.start()
+
+
+def _close_signal_dump() -> None:
+    """Undo :func:`enable_signal_dump` (at exit): stop waking on signals, end the helper thread
+    (closing the write end gives its ``recv`` end-of-file) and close both sockets."""
+    sock = _sig_state.pop("sock", None)
+    if sock is None:
+        return
+    r, w = sock
+    with contextlib.suppress(ValueError):  # not the main thread: leave the wakeup fd alone
+        old = signal.set_wakeup_fd(-1)
+        if old != w.fileno():  # someone else's since: put it back
+            signal.set_wakeup_fd(old)
+    w.close()
+    thread = _sig_state.pop("thread", None)
+    if thread is not None:
+        thread.join(1.0)
+    r.close()
 
 
 # -- recording every torch.distributed collective -----------------------------------------
