@@ -368,3 +368,40 @@ def test_a_late_callback_after_clear_does_not_complete_a_new_op_at_a_reused_id(t
         w2.f.set_result(None)
         rec.clear()
     pytest.skip("no id was reused")
+
+
+@pytest.mark.parametrize("plan", ["clean", "hang"])
+def test_point_to_point_ops_are_recorded_once_and_a_recv_never_sent_is_named(pair, tmp_path, plan):
+    """isend / irecv / batch_isend_irecv left no entry (a job hung in irecv got "no problem
+    found"); each p2p op is now one entry, P2POps made before install or used after uninstall
+    still work, and the analyzer names the rank waiting for a send that never came."""
+    res = pair.call_all([0, 1], "fr_p2p", [(str(tmp_path), plan)] * 2, timeout=30)
+    assert all(s == "ok" for s, _ in res), res
+    if plan == "clean":
+        (_, r0), (_, r1) = res
+        # isend #0, the batch's three ops sharing #1 (as torch 2.14 numbers a coalesced
+        # batch), send #2, then the all_reduce on its own counter
+        assert r0 == [
+            ("send", 0, COMPLETED, 1),
+            ("send", 1, COMPLETED, 1),
+            ("recv", 1, COMPLETED, 1),
+            ("send", 1, COMPLETED, 1),
+            ("send", 2, COMPLETED, 1),
+            ("all_reduce", 0, COMPLETED, None),
+        ], r0
+        assert [(op, seq) for op, seq, _, _ in r1] == [
+            ("recv", 0),
+            ("recv", 1),
+            ("send", 1),
+            ("recv", 1),
+            ("recv", 2),
+            ("all_reduce", 0),
+        ], r1
+        assert analyze(load_dumps(tmp_path)).text().startswith("no problem found")
+        return
+    v = analyze(load_dumps(tmp_path))
+    assert v.unmatched_p2p == [(1, "default", 3, "recv", 0)], v.text()
+    assert (
+        "rank 1 is waiting in recv #3 from rank 0 on group 'default', which rank 0 never sent"
+        in (v.text())
+    )
