@@ -736,6 +736,35 @@ def c_fr_p2p(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
     return got
 
 
+def c_fr_restart(st: dict[str, Any], dump_dir: str, path: str, backend: str) -> Any:
+    """The default group destroyed and re-created; rank 1 meanwhile "restarted" (a fresh
+    recorder and caches, as a new process has), rank 0 survived with its recorder."""
+    import torch.distributed as dist
+
+    from torchport.distributed import flight_recorder as fr
+
+    rank = dist.get_rank()
+    rec = fr.FlightRecorder(64, dump_dir=dump_dir)
+    fr.install(rec, signal_dump=False)
+    try:
+        x = torch.ones(2)
+        for _ in range(3):
+            dist.all_reduce(x)
+        dist.destroy_process_group()
+        dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=2)
+        if rank == 1:
+            fr.uninstall()
+            rec = fr.FlightRecorder(64, dump_dir=dump_dir)
+            fr.install(rec, signal_dump=False)
+        dist.all_reduce(x)
+        dist.broadcast(x, 0)
+        rec.dump("test: end")
+        return [(e[fr._OP], e[fr._SEQ], e[fr._INC]) for e in rec.entries()]
+    finally:
+        fr.uninstall()
+        rec.stop()
+
+
 def c_gloo_rebuild(st: dict[str, Any], port: int, rank: int, size: int, tag: str) -> float:
     """Anchor for reconfigure: build a plain gloo group over a TCPStore prefix (no validation)."""
     from datetime import timedelta
@@ -959,4 +988,5 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_close": c_window_close,
     "fr_collectives": c_fr_collectives,
     "fr_p2p": c_fr_p2p,
+    "fr_restart": c_fr_restart,
 }

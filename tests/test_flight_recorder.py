@@ -316,6 +316,8 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
         ({"entries": [{**entry, "sizes": 4}]}, "entry 0: sizes must be a list of lists"),
         ({"entries": [{**entry, "dtypes": [1]}]}, "entry 0: dtypes must be a list of strings"),
         ({"entries": [{**entry, "duration_ms": "5"}]}, "entry 0: duration_ms must be a number"),
+        ({"entries": [{**entry, "peer": "1"}]}, "entry 0: peer must be an int >= -1, got '1'"),
+        ({"entries": [{**entry, "incarnation": -1}]}, "entry 0: incarnation must be an int >= 0"),
     ):
         dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [], **fix})
         with pytest.raises(DumpError, match=re.escape(what)):
@@ -405,3 +407,17 @@ def test_point_to_point_ops_are_recorded_once_and_a_recv_never_sent_is_named(pai
         "rank 1 is waiting in recv #3 from rank 0 on group 'default', which rank 0 never sent"
         in (v.text())
     )
+
+
+def test_a_re_created_group_restarts_its_sequence_ids_on_every_rank(pair, tmp_path):
+    """The default group destroyed and re-created while rank 1 restarted: rank 0's ids kept
+    counting (3, 4) while rank 1 began at 0, and the analyzer reported rank 1 as never having
+    entered collective #1."""
+    path = tempfile.mkdtemp() + "/s2"
+    res = pair.call_all([0, 1], "fr_restart", [(str(tmp_path), path, pair.backend)] * 2, timeout=30)
+    assert all(s == "ok" for s, _ in res), res
+    (_, r0), (_, r1) = res
+    assert r0[-2:] == [("all_reduce", 0, 1), ("broadcast", 1, 1)], r0
+    assert r1 == [("all_reduce", 0, 0), ("broadcast", 1, 0)], r1
+    text = analyze(load_dumps(tmp_path)).text()
+    assert text.startswith("no problem found"), text

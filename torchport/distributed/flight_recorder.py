@@ -49,7 +49,8 @@ SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "e
 FORMAT_VERSION = 1
 
 # entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
-# rank, -1 for a receive from any source, None for a collective)
+# rank, -1 for a receive from any source, None for a collective); _INC: the incarnation of the
+# group's name the op ran on (see FlightRecorder.adopt)
 (
     _SEQ,
     _OP,
@@ -64,7 +65,8 @@ FORMAT_VERSION = 1
     _ERR,
     _ID,
     _PEER,
-) = range(13)
+    _INC,
+) = range(14)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -139,7 +141,12 @@ class FlightRecorder:
         self._buf: list[list[Any] | None] = [None] * n
         self._ids = itertools.count()
         self._count = 0  # entries recorded so far (== next id)
-        self._seq: dict[str, Any] = {}  # group (or group + NUL + p2p) -> itertools.count
+        # counter key (group, or group + NUL + p2p) -> (itertools.count, the name's incarnation)
+        self._seq: dict[str, tuple[Any, int]] = {}
+        # group name -> how many group objects of that name came before the current one, and
+        # a callable returning the current one (see adopt)
+        self._incs: dict[str, int] = {}
+        self._owners: dict[str, Callable[[], Any]] = {}
         self._lock = threading.Lock()
         # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
         self._pending: dict[int, tuple[list[Any], Any]] = {}
@@ -192,9 +199,10 @@ class FlightRecorder:
         own, :data:`P2P_OPS`) instead of its collectives' counter; ``seq``: use this number
         instead (the ops of one ``batch_isend_irecv`` share one, see :meth:`next_seq`)."""
         key = group if seq_key is None else f"{group}\0{seq_key}"
-        counter = self._seq.get(key)
-        if counter is None:
-            counter = self._seq.setdefault(key, itertools.count())
+        hit = self._seq.get(key)
+        if hit is None:
+            hit = self._seq.setdefault(key, (itertools.count(), self._incs.get(group, 0)))
+        counter, inc = hit
         now = time.time_ns()
         idx = next(self._ids)
         stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
@@ -202,7 +210,7 @@ class FlightRecorder:
         # scheduling time as time_started_ns, an op never handed to the backend as started)
         start = now if state is STARTED else 0
         n = next(counter) if seq is None else seq
-        e = [n, op, group, sizes, dtypes, state, now, start, 0, stack, None, idx, peer]
+        e = [n, op, group, sizes, dtypes, state, now, start, 0, stack, None, idx, peer, inc]
         self._count = idx + 1
         if self.capacity:
             self._buf[idx % self.capacity] = e
@@ -211,10 +219,33 @@ class FlightRecorder:
     def next_seq(self, group: str, seq_key: str | None = None) -> int:
         """Take the next sequence id of ``group``'s counter ``seq_key`` (as :meth:`_new` would)."""
         key = group if seq_key is None else f"{group}\0{seq_key}"
-        counter = self._seq.get(key)
-        if counter is None:
-            counter = self._seq.setdefault(key, itertools.count())
-        return int(next(counter))
+        hit = self._seq.get(key)
+        if hit is None:
+            hit = self._seq.setdefault(key, (itertools.count(), self._incs.get(group, 0)))
+        return int(next(hit[0]))
+
+    def adopt(self, name: str, group: Any) -> None:
+        """Make ``group`` the current process group of the name ``name``.
+
+        A group destroyed and re-created under the same name (the default group after a
+        re-init, a ``new_group`` of the same ranks) is a new incarnation: its sequence ids
+        restart at 0, as they do in a process that joined only now (a restarted rank), and its
+        entries carry the incarnation so that ``fr analyze`` lines up only each rank's newest
+        one (the ids kept counting on the surviving ranks: a false "never entered")."""
+        with self._lock:
+            ref = self._owners.get(name)
+            if ref is not None and ref() is group:
+                return
+            try:
+                self._owners[name] = weakref.ref(group)
+            except TypeError:  # a group without weak references: keep it (no id reuse)
+                self._owners[name] = functools.partial(_identity, group)
+            if ref is None:
+                return  # the first group of that name here: incarnation 0 (or as recorded)
+            self._incs[name] = self._incs.get(name, 0) + 1
+            mine = f"{name}\0"
+            for key in [k for k in self._seq if k == name or k.startswith(mine)]:
+                del self._seq[key]
 
     @staticmethod
     def started(e: list[Any]) -> None:
@@ -327,6 +358,7 @@ class FlightRecorder:
                     "error": e[_ERR],
                     "stack": e[_STACK],
                     "peer": e[_PEER],
+                    "incarnation": e[_INC],
                 }
             )
         return {
@@ -516,11 +548,13 @@ _p2p_state = _P2PState()
 
 
 def _seen(group: Any, rec: FlightRecorder) -> tuple[str, list[int], Callable[[], Any]]:
-    """Cache a group object not seen before: its name and members."""
+    """Cache a group object not seen before: its name and members, and (a group re-created
+    under an old name) a new incarnation of the name's sequence ids."""
     hit = _group_key(group)
     # a group of that name re-created (the default group after a re-init with another world)
     # names its own members, not the old ones
     rec.groups[hit[0]] = list(hit[1])
+    rec.adopt(hit[0], dist.group.WORLD if group is None else group)
     return hit
 
 

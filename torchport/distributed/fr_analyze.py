@@ -11,6 +11,9 @@ rank's ring buffer still holds) and reports, in plain words:
 * ops that errored, or were still running when the dump was taken (stuck);
 * the last completed op of every rank.
 
+A group destroyed and re-created under the same name is lined up in its newest incarnation on
+every rank (the entries' ``incarnation``): a restarted rank knows only the new one.
+
 It accepts dumps from any backend: entries whose state never left ``scheduled`` are reported as
 such rather than crashing the analysis.
 """
@@ -102,9 +105,11 @@ def _check_dump(p: Path, obj: Any) -> int:
             raise DumpError(
                 f"{p}: entry {i}: dtypes must be a list of strings, got {dtypes!r:.200}"
             )
-        peer = e.get("peer")
-        if peer is not None and not (_is_int(peer) and peer >= -1):
-            raise DumpError(f"{p}: entry {i}: peer must be an int >= -1, got {peer!r:.200}")
+        for k in ("incarnation", "peer"):
+            x = e.get(k)
+            if x is not None and not (_is_int(x) and x >= (0 if k == "incarnation" else -1)):
+                low = 0 if k == "incarnation" else -1
+                raise DumpError(f"{p}: entry {i}: {k} must be an int >= {low}, got {x!r:.200}")
         took = e.get("duration_ms")
         if took is not None and (not isinstance(took, int | float) or isinstance(took, bool)):
             raise DumpError(f"{p}: entry {i}: duration_ms must be a number, got {took!r:.200}")
@@ -175,9 +180,14 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
     for rank, d in dumps.items():
         for g, ranks in (d.get("groups") or {}).items():
             members.setdefault(g, set()).update(int(x) for x in ranks)
+        newest: dict[str, int] = {}
+        for e in d["entries"]:
+            newest[e["group"]] = max(newest.get(e["group"], 0), e.get("incarnation") or 0)
         if d["entries"] and d["entries"][0].get("record_id", 0) != 0:
             wrapped.add(rank)
         for e in d["entries"]:
+            if (e.get("incarnation") or 0) != newest[e["group"]]:
+                continue  # an earlier group of that name: a restarted rank has none of it
             if e["op"] in P2P_OPS:  # numbered on their own counter: not lined up as collectives
                 peer = e.get("peer")
                 if isinstance(peer, int) and peer >= 0:
