@@ -421,3 +421,37 @@ def test_a_re_created_group_restarts_its_sequence_ids_on_every_rank(pair, tmp_pa
     assert r1 == [("all_reduce", 0, 0), ("broadcast", 1, 0)], r1
     text = analyze(load_dumps(tmp_path)).text()
     assert text.startswith("no problem found"), text
+
+
+def test_a_subclass_send_calling_its_base_records_the_op_once(monkeypatch):
+    """install() wraps the p2p methods of ProcessGroup and of each subclass defining its own;
+    a subclass's send that calls its base's is one entry, not two."""
+    monkeypatch.setattr(fr, "_group_names", {})
+
+    class Work:
+        def get_future(self) -> torch.futures.Future[None]:
+            f: torch.futures.Future[None] = torch.futures.Future()
+            f.set_result(None)
+            return f
+
+    class Base:
+        __slots__ = ("__weakref__", "group_name")
+
+        def send(self, tensors, dstRank, tag=0):
+            return Work()
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2)
+    base_send = fr._wrap_p2p("send", Base.send, rec)
+
+    class Sub(Base):
+        __slots__ = ()
+
+        def send(self, tensors, dstRank, tag=0):
+            return base_send(self, tensors, dstRank, tag)
+
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: [3, 5])
+    pg = Sub()
+    pg.group_name = "pp"
+    fr._wrap_p2p("send", Sub.send, rec)(pg, [torch.ones(2)], 1)
+    got = [(e["op"], e["seq_id"], e["peer"], e["state"]) for e in rec.snapshot()["entries"]]
+    assert got == [("send", 0, 5, COMPLETED)]  # the peer as a global rank
