@@ -318,6 +318,7 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
         ({"entries": [{**entry, "duration_ms": "5"}]}, "entry 0: duration_ms must be a number"),
         ({"entries": [{**entry, "peer": "1"}]}, "entry 0: peer must be an int >= -1, got '1'"),
         ({"entries": [{**entry, "incarnation": -1}]}, "entry 0: incarnation must be an int >= 0"),
+        ({"entries": [{**entry, "tag": "a"}]}, "entry 0: tag must be an int, got 'a'"),
     ):
         dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [], **fix})
         with pytest.raises(DumpError, match=re.escape(what)):
@@ -455,3 +456,24 @@ def test_a_subclass_send_calling_its_base_records_the_op_once(monkeypatch):
     fr._wrap_p2p("send", Sub.send, rec)(pg, [torch.ones(2)], 1)
     got = [(e["op"], e["seq_id"], e["peer"], e["state"]) for e in rec.snapshot()["entries"]]
     assert got == [("send", 0, 5, COMPLETED)]  # the peer as a global rank
+
+
+def test_sends_and_recvs_are_paired_per_tag(tmp_path):
+    """torch pairs a send with a recv per peer and tag: rank 0 sending tag 1 then tag 2 and
+    rank 1 receiving tag 2 then tag 1 is correct (paired by order alone it was a size
+    mismatch), and a recv of a tag never sent is named."""
+
+    def p2p(seq: int, op: str, peer: int, tag: int, n: int, state: str = "completed") -> dict:
+        return {"seq_id": seq, "op": op, "group": "default", "state": state, "peer": peer,
+                "tag": tag, "sizes": [[n]], "dtypes": ["float32"]}  # fmt: skip
+
+    for rank, entries in (
+        (0, [p2p(0, "send", 1, 1, 4), p2p(1, "send", 1, 2, 8)]),
+        (1, [p2p(0, "recv", 0, 2, 8), p2p(1, "recv", 0, 1, 4), p2p(2, "recv", 0, 3, 2, "started")]),
+    ):
+        (tmp_path / f"rank_{rank}.json").write_text(
+            json.dumps({"rank": rank, "world_size": 2, "entries": entries})
+        )
+    v = analyze(load_dumps(tmp_path))
+    assert v.mismatches == [], v.text()
+    assert v.unmatched_p2p == [(1, "default", 2, "recv", 0)], v.text()

@@ -50,7 +50,8 @@ FORMAT_VERSION = 1
 
 # entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
 # rank, -1 for a receive from any source, None for a collective); _INC: the incarnation of the
-# group's name the op ran on (see FlightRecorder.adopt)
+# group's name the op ran on (see FlightRecorder.adopt); _TAG: a point-to-point op's tag (torch
+# pairs a send with a recv per peer and tag)
 (
     _SEQ,
     _OP,
@@ -66,7 +67,8 @@ FORMAT_VERSION = 1
     _ID,
     _PEER,
     _INC,
-) = range(14)
+    _TAG,
+) = range(15)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -193,6 +195,7 @@ class FlightRecorder:
         seq_key: str | None = None,
         peer: int | None = None,
         seq: int | None = None,
+        tag: int | None = None,
     ) -> list[Any]:
         """The recording hot path: one list into the ring, no lock (counters are atomic).
         ``seq_key``: number the entry on the group's counter of that name (point-to-point ops'
@@ -210,7 +213,7 @@ class FlightRecorder:
         # scheduling time as time_started_ns, an op never handed to the backend as started)
         start = now if state is STARTED else 0
         n = next(counter) if seq is None else seq
-        e = [n, op, group, sizes, dtypes, state, now, start, 0, stack, None, idx, peer, inc]
+        e = [n, op, group, sizes, dtypes, state, now, start, 0, stack, None, idx, peer, inc, tag]
         self._count = idx + 1
         if self.capacity:
             self._buf[idx % self.capacity] = e
@@ -359,6 +362,7 @@ class FlightRecorder:
                     "stack": e[_STACK],
                     "peer": e[_PEER],
                     "incarnation": e[_INC],
+                    "tag": e[_TAG],
                 }
             )
         return {
@@ -638,13 +642,15 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
         hit = names.get(id(pg))
         if hit is None or hit[2]() is not pg:
             hit = _seen(pg, rec)
-        peer = -1
-        if not anysource:
+        if anysource:
+            peer, tag = -1, args[0] if args else kwargs.get("tag", 0)
+        else:
             p = args[0] if args else kwargs.get("dstRank" if op == "send" else "srcRank", -1)
             ranks = hit[1]
             peer = ranks[p] if isinstance(p, int) and 0 <= p < len(ranks) else p
+            tag = args[1] if len(args) > 1 else kwargs.get("tag", 0)
         sizes, dtypes = _describe((tensors,))
-        e = rec._new(op, hit[0], sizes, dtypes, STARTED, "p2p", peer, state.seq)
+        e = rec._new(op, hit[0], sizes, dtypes, STARTED, "p2p", peer, state.seq, tag)
         state.busy = True
         try:
             work = fn(pg, tensors, *args, **kwargs)

@@ -110,6 +110,9 @@ def _check_dump(p: Path, obj: Any) -> int:
             if x is not None and not (_is_int(x) and x >= (0 if k == "incarnation" else -1)):
                 low = 0 if k == "incarnation" else -1
                 raise DumpError(f"{p}: entry {i}: {k} must be an int >= {low}, got {x!r:.200}")
+        tag = e.get("tag")
+        if tag is not None and not _is_int(tag):
+            raise DumpError(f"{p}: entry {i}: tag must be an int, got {tag!r:.200}")
         took = e.get("duration_ms")
         if took is not None and (not isinstance(took, int | float) or isinstance(took, bool)):
             raise DumpError(f"{p}: entry {i}: duration_ms must be a number, got {took!r:.200}")
@@ -173,9 +176,10 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
     # per group: rank -> seq -> entry
     groups: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
     members: dict[str, set[int]] = {}
-    # (group, sender, receiver) -> the sender's sends / the receiver's receives, in issue order
-    sends: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-    recvs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    # (group, sender, receiver, tag) -> the sender's sends / the receiver's receives, in issue
+    # order (torch pairs them per peer and tag)
+    sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
+    recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
     wrapped: set[int] = set()  # ranks whose ring buffer dropped entries: counts are incomplete
     for rank, d in dumps.items():
         for g, ranks in (d.get("groups") or {}).items():
@@ -191,10 +195,11 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
             if e["op"] in P2P_OPS:  # numbered on their own counter: not lined up as collectives
                 peer = e.get("peer")
                 if isinstance(peer, int) and peer >= 0:
+                    tag = e.get("tag") or 0
                     if e["op"] == "send":
-                        sends.setdefault((e["group"], rank, peer), []).append(e)
+                        sends.setdefault((e["group"], rank, peer, tag), []).append(e)
                     else:
-                        recvs.setdefault((e["group"], peer, rank), []).append(e)
+                        recvs.setdefault((e["group"], peer, rank, tag), []).append(e)
                 continue
             groups.setdefault(e["group"], {}).setdefault(rank, {})[e["seq_id"]] = e
     for g in sorted(groups):
@@ -283,15 +288,15 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
 def _match_p2p(
     v: Verdict,
     dumps: dict[int, dict[str, Any]],
-    sends: dict[tuple[str, int, int], list[dict[str, Any]]],
-    recvs: dict[tuple[str, int, int], list[dict[str, Any]]],
+    sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
+    recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
     wrapped: set[int],
 ) -> None:
     """Pair the k-th send from one rank to another with the k-th receive there (torch matches
-    them in that order per pair and group): name an op still waiting whose other side was never
+    them in that order per pair, group and tag): name an op still waiting whose other side was never
     issued, and a pair whose sizes or dtypes differ."""
     for key in sorted(set(sends) | set(recvs)):
-        g, src, dst = key
+        g, src, dst, _ = key
         if src not in dumps or dst not in dumps or src in wrapped or dst in wrapped:
             continue  # a missing dump is reported as such; a wrapped buffer has no full count
         s, r = sends.get(key, []), recvs.get(key, [])
