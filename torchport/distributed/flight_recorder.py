@@ -16,8 +16,10 @@ Dumps are JSON, one file per rank (``rank_<r>.json`` in ``TORCHPORT_FR_DUMP_DIR`
 * on timeout: a watchdog dumps when an op stays incomplete longer than ``TORCHPORT_FR_TIMEOUT``;
 * on error or abort: when a recorded op raises, or :meth:`FlightRecorder.abort_hook` is called.
 
-Use :func:`install` to record every ``torch.distributed`` collective of this process (any backend),
-or call :meth:`FlightRecorder.record` / :meth:`FlightRecorder.attach` around ops issued on a raw
+Use :func:`install` to record every ``torch.distributed`` collective and point-to-point op of this
+process (any backend; point-to-point ops are recorded in the process group's own ``send`` /
+``recv`` methods, so also when called on a ``ProcessGroup`` directly), or call
+:meth:`FlightRecorder.record` / :meth:`FlightRecorder.attach` around collectives issued on a raw
 ``ProcessGroup``. ``torchport fr analyze DIR`` (see :mod:`torchport.distributed.fr_analyze`) turns the
 dumps into a plain-words verdict.
 """
