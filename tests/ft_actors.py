@@ -688,6 +688,83 @@ def c_fr_collectives(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
     return [(e["op"], e["group"], e["state"]) for e in rec.snapshot()["entries"]]
 
 
+def c_fr_p2p(st: dict[str, Any], dump_dir: str, plan: str) -> Any:
+    """Point-to-point ops under ``install()``: isend / irecv, batch_isend_irecv (with a P2POp
+    made before install, and the batch reused after uninstall), send / recv; ``plan="hang"``:
+    rank 1 waits in an irecv that rank 0 never sends. Returns (op, seq, state, peer) per entry."""
+    import torch.distributed as dist
+
+    from torchport.distributed import flight_recorder as fr
+
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    early = dist.P2POp(dist.isend if rank == 0 else dist.irecv, torch.zeros(2), peer)
+    rec = fr.FlightRecorder(64, dump_dir=dump_dir)
+    fr.install(rec, signal_dump=False)
+    try:
+        t = torch.zeros(3)
+        work = dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)
+        assert work is not None
+        work.wait()
+        ops = [
+            dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, peer),
+            dist.P2POp(dist.irecv if rank == 0 else dist.isend, torch.zeros(5), peer),
+            early,
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+        dist.all_reduce(t)
+        if plan == "hang":
+            if rank == 1:
+                # rank 0 never sends it (the actor is killed with it pending)
+                st["stuck"] = dist.irecv(torch.zeros(4), 0)
+                time.sleep(0.2)
+                rec.dump("test: waiting in irecv")
+            else:
+                rec.dump("test: rank 0 done")
+            return "dumped"
+        rec.dump("test: end")
+        got = [(e[fr._OP], e[fr._SEQ], e[fr._STATE], e[fr._PEER]) for e in rec.entries()]
+    finally:
+        fr.uninstall()
+        rec.stop()
+    for w in dist.batch_isend_irecv(ops):  # P2POps made under install, used after it
+        w.wait()
+    return got
+
+
+def c_fr_restart(st: dict[str, Any], dump_dir: str, path: str, backend: str) -> Any:
+    """The default group destroyed and re-created; rank 1 meanwhile "restarted" (a fresh
+    recorder and caches, as a new process has), rank 0 survived with its recorder."""
+    import torch.distributed as dist
+
+    from torchport.distributed import flight_recorder as fr
+
+    rank = dist.get_rank()
+    rec = fr.FlightRecorder(64, dump_dir=dump_dir)
+    fr.install(rec, signal_dump=False)
+    try:
+        x = torch.ones(2)
+        for _ in range(3):
+            dist.all_reduce(x)
+        dist.destroy_process_group()
+        dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=2)
+        if rank == 1:
+            fr.uninstall()
+            rec = fr.FlightRecorder(64, dump_dir=dump_dir)
+            fr.install(rec, signal_dump=False)
+        dist.all_reduce(x)
+        dist.broadcast(x, 0)
+        rec.dump("test: end")
+        return [(e[fr._OP], e[fr._SEQ], e[fr._INC]) for e in rec.entries()]
+    finally:
+        fr.uninstall()
+        rec.stop()
+
+
 def c_gloo_rebuild(st: dict[str, Any], port: int, rank: int, size: int, tag: str) -> float:
     """Anchor for reconfigure: build a plain gloo group over a TCPStore prefix (no validation)."""
     from datetime import timedelta
@@ -910,4 +987,6 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_get": c_window_get,
     "window_close": c_window_close,
     "fr_collectives": c_fr_collectives,
+    "fr_p2p": c_fr_p2p,
+    "fr_restart": c_fr_restart,
 }

@@ -336,6 +336,9 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
         ({"entries": [{**entry, "sizes": 4}]}, "entry 0: sizes must be a list of lists"),
         ({"entries": [{**entry, "dtypes": [1]}]}, "entry 0: dtypes must be a list of strings"),
         ({"entries": [{**entry, "duration_ms": "5"}]}, "entry 0: duration_ms must be a number"),
+        ({"entries": [{**entry, "peer": "1"}]}, "entry 0: peer must be an int >= -1, got '1'"),
+        ({"entries": [{**entry, "incarnation": -1}]}, "entry 0: incarnation must be an int >= 0"),
+        ({"entries": [{**entry, "tag": "a"}]}, "entry 0: tag must be an int, got 'a'"),
     ):
         dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [], **fix})
         with pytest.raises(DumpError, match=re.escape(what)):
@@ -388,3 +391,109 @@ def test_a_late_callback_after_clear_does_not_complete_a_new_op_at_a_reused_id(t
         w2.f.set_result(None)
         rec.clear()
     pytest.skip("no id was reused")
+
+
+@pytest.mark.parametrize("plan", ["clean", "hang"])
+def test_point_to_point_ops_are_recorded_once_and_a_recv_never_sent_is_named(pair, tmp_path, plan):
+    """isend / irecv / batch_isend_irecv left no entry (a job hung in irecv got "no problem
+    found"); each p2p op is now one entry, P2POps made before install or used after uninstall
+    still work, and the analyzer names the rank waiting for a send that never came."""
+    res = pair.call_all([0, 1], "fr_p2p", [(str(tmp_path), plan)] * 2, timeout=30)
+    assert all(s == "ok" for s, _ in res), res
+    if plan == "clean":
+        (_, r0), (_, r1) = res
+        # isend #0, the batch's three ops sharing #1 (as torch 2.14 numbers a coalesced
+        # batch), send #2, then the all_reduce on its own counter
+        assert r0 == [
+            ("send", 0, COMPLETED, 1),
+            ("send", 1, COMPLETED, 1),
+            ("recv", 1, COMPLETED, 1),
+            ("send", 1, COMPLETED, 1),
+            ("send", 2, COMPLETED, 1),
+            ("all_reduce", 0, COMPLETED, None),
+        ], r0
+        assert [(op, seq) for op, seq, _, _ in r1] == [
+            ("recv", 0),
+            ("recv", 1),
+            ("send", 1),
+            ("recv", 1),
+            ("recv", 2),
+            ("all_reduce", 0),
+        ], r1
+        assert analyze(load_dumps(tmp_path)).text().startswith("no problem found")
+        return
+    v = analyze(load_dumps(tmp_path))
+    assert v.unmatched_p2p == [(1, "default", 3, "recv", 0)], v.text()
+    assert (
+        "rank 1 is waiting in recv #3 from rank 0 on group 'default', which rank 0 never sent"
+        in (v.text())
+    )
+
+
+def test_a_re_created_group_restarts_its_sequence_ids_on_every_rank(pair, tmp_path):
+    """The default group destroyed and re-created while rank 1 restarted: rank 0's ids kept
+    counting (3, 4) while rank 1 began at 0, and the analyzer reported rank 1 as never having
+    entered collective #1."""
+    path = tempfile.mkdtemp() + "/s2"
+    res = pair.call_all([0, 1], "fr_restart", [(str(tmp_path), path, pair.backend)] * 2, timeout=30)
+    assert all(s == "ok" for s, _ in res), res
+    (_, r0), (_, r1) = res
+    assert r0[-2:] == [("all_reduce", 0, 1), ("broadcast", 1, 1)], r0
+    assert r1 == [("all_reduce", 0, 0), ("broadcast", 1, 0)], r1
+    text = analyze(load_dumps(tmp_path)).text()
+    assert text.startswith("no problem found"), text
+
+
+def test_a_subclass_send_calling_its_base_records_the_op_once(monkeypatch):
+    """install() wraps the p2p methods of ProcessGroup and of each subclass defining its own;
+    a subclass's send that calls its base's is one entry, not two."""
+    monkeypatch.setattr(fr, "_group_names", {})
+
+    class Work:
+        def get_future(self) -> torch.futures.Future[None]:
+            f: torch.futures.Future[None] = torch.futures.Future()
+            f.set_result(None)
+            return f
+
+    class Base:
+        __slots__ = ("__weakref__", "group_name")
+
+        def send(self, tensors, dstRank, tag=0):
+            return Work()
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2)
+    base_send = fr._wrap_p2p("send", Base.send, rec)
+
+    class Sub(Base):
+        __slots__ = ()
+
+        def send(self, tensors, dstRank, tag=0):
+            return base_send(self, tensors, dstRank, tag)
+
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: [3, 5])
+    pg = Sub()
+    pg.group_name = "pp"
+    fr._wrap_p2p("send", Sub.send, rec)(pg, [torch.ones(2)], 1)
+    got = [(e["op"], e["seq_id"], e["peer"], e["state"]) for e in rec.snapshot()["entries"]]
+    assert got == [("send", 0, 5, COMPLETED)]  # the peer as a global rank
+
+
+def test_sends_and_recvs_are_paired_per_tag(tmp_path):
+    """torch pairs a send with a recv per peer and tag: rank 0 sending tag 1 then tag 2 and
+    rank 1 receiving tag 2 then tag 1 is correct (paired by order alone it was a size
+    mismatch), and a recv of a tag never sent is named."""
+
+    def p2p(seq: int, op: str, peer: int, tag: int, n: int, state: str = "completed") -> dict:
+        return {"seq_id": seq, "op": op, "group": "default", "state": state, "peer": peer,
+                "tag": tag, "sizes": [[n]], "dtypes": ["float32"]}  # fmt: skip
+
+    for rank, entries in (
+        (0, [p2p(0, "send", 1, 1, 4), p2p(1, "send", 1, 2, 8)]),
+        (1, [p2p(0, "recv", 0, 2, 8), p2p(1, "recv", 0, 1, 4), p2p(2, "recv", 0, 3, 2, "started")]),
+    ):
+        (tmp_path / f"rank_{rank}.json").write_text(
+            json.dumps({"rank": rank, "world_size": 2, "entries": entries})
+        )
+    v = analyze(load_dumps(tmp_path))
+    assert v.mismatches == [], v.text()
+    assert v.unmatched_p2p == [(1, "default", 2, "recv", 0)], v.text()

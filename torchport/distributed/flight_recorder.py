@@ -16,8 +16,10 @@ Dumps are JSON, one file per rank (``rank_<r>.json`` in ``TORCHPORT_FR_DUMP_DIR`
 * on timeout: a watchdog dumps when an op stays incomplete longer than ``TORCHPORT_FR_TIMEOUT``;
 * on error or abort: when a recorded op raises, or :meth:`FlightRecorder.abort_hook` is called.
 
-Use :func:`install` to record every ``torch.distributed`` collective of this process (any backend),
-or call :meth:`FlightRecorder.record` / :meth:`FlightRecorder.attach` around ops issued on a raw
+Use :func:`install` to record every ``torch.distributed`` collective and point-to-point op of this
+process (any backend; point-to-point ops are recorded in the process group's own ``send`` /
+``recv`` methods, so also when called on a ``ProcessGroup`` directly), or call
+:meth:`FlightRecorder.record` / :meth:`FlightRecorder.attach` around collectives issued on a raw
 ``ProcessGroup``. ``torchport fr analyze DIR`` (see :mod:`torchport.distributed.fr_analyze`) turns the
 dumps into a plain-words verdict.
 """
@@ -49,10 +51,27 @@ from torchport import config
 SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "errored"
 FORMAT_VERSION = 1
 
-# entry slots (a list per op keeps recording cheap)
-_SEQ, _OP, _GROUP, _SIZES, _DTYPES, _STATE, _T_SCHED, _T_START, _T_END, _STACK, _ERR, _ID = range(
-    12
-)
+# entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
+# rank, -1 for a receive from any source, None for a collective); _INC: the incarnation of the
+# group's name the op ran on (see FlightRecorder.adopt); _TAG: a point-to-point op's tag (torch
+# pairs a send with a recv per peer and tag)
+(
+    _SEQ,
+    _OP,
+    _GROUP,
+    _SIZES,
+    _DTYPES,
+    _STATE,
+    _T_SCHED,
+    _T_START,
+    _T_END,
+    _STACK,
+    _ERR,
+    _ID,
+    _PEER,
+    _INC,
+    _TAG,
+) = range(15)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -81,6 +100,26 @@ def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return sizes, dtypes
 
 
+class _PolledWork:
+    """The future-like face of a Work that has no future: done once the work is completed,
+    failed if it holds an exception."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def done(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def value(self) -> None:
+        # (not wait(): gloo's send / recv work waits for its buffer again, forever; exception()
+        # is deprecated and logs that once per process, but tells a failed op from a finished one)
+        err = self.work.exception()
+        if isinstance(err, BaseException):
+            raise err
+
+
 class FlightRecorder:
     """A ring buffer of op records with JSON dumps.
 
@@ -107,7 +146,12 @@ class FlightRecorder:
         self._buf: list[list[Any] | None] = [None] * n
         self._ids = itertools.count()
         self._count = 0  # entries recorded so far (== next id)
-        self._seq: dict[str, Any] = {}  # group -> itertools.count
+        # counter key (group, or group + NUL + p2p) -> (itertools.count, the name's incarnation)
+        self._seq: dict[str, tuple[Any, int]] = {}
+        # group name -> how many group objects of that name came before the current one, and
+        # a callable returning the current one (see adopt)
+        self._incs: dict[str, int] = {}
+        self._owners: dict[str, Callable[[], Any]] = {}
         self._lock = threading.Lock()
         # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
         self._pending: dict[int, tuple[list[Any], Any]] = {}
@@ -145,26 +189,69 @@ class FlightRecorder:
         return e
 
     def _new(
-        self, op: str, group: str, sizes: Any, dtypes: Any, state: str, seq_key: str | None = None
+        self,
+        op: str,
+        group: str,
+        sizes: Any,
+        dtypes: Any,
+        state: str,
+        seq_key: str | None = None,
+        peer: int | None = None,
+        seq: int | None = None,
+        tag: int | None = None,
     ) -> list[Any]:
         """The recording hot path: one list into the ring, no lock (counters are atomic).
         ``seq_key``: number the entry on the group's counter of that name (point-to-point ops'
-        own, :data:`P2P_OPS`) instead of its collectives' counter."""
+        own, :data:`P2P_OPS`) instead of its collectives' counter; ``seq``: use this number
+        instead (the ops of one ``batch_isend_irecv`` share one, see :meth:`next_seq`)."""
         key = group if seq_key is None else f"{group}\0{seq_key}"
-        counter = self._seq.get(key)
-        if counter is None:
-            counter = self._seq.setdefault(key, itertools.count())
+        hit = self._seq.get(key)
+        if hit is None:
+            hit = self._seq.setdefault(key, (itertools.count(), self._incs.get(group, 0)))
+        counter, inc = hit
         now = time.time_ns()
         idx = next(self._ids)
         stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
         # an op recorded as scheduled has no start time until started() (its dump showed the
         # scheduling time as time_started_ns, an op never handed to the backend as started)
         start = now if state is STARTED else 0
-        e = [next(counter), op, group, sizes, dtypes, state, now, start, 0, stack, None, idx]
+        n = next(counter) if seq is None else seq
+        e = [n, op, group, sizes, dtypes, state, now, start, 0, stack, None, idx, peer, inc, tag]
         self._count = idx + 1
         if self.capacity:
             self._buf[idx % self.capacity] = e
         return e
+
+    def next_seq(self, group: str, seq_key: str | None = None) -> int:
+        """Take the next sequence id of ``group``'s counter ``seq_key`` (as :meth:`_new` would)."""
+        key = group if seq_key is None else f"{group}\0{seq_key}"
+        hit = self._seq.get(key)
+        if hit is None:
+            hit = self._seq.setdefault(key, (itertools.count(), self._incs.get(group, 0)))
+        return int(next(hit[0]))
+
+    def adopt(self, name: str, group: Any) -> None:
+        """Make ``group`` the current process group of the name ``name``.
+
+        A group destroyed and re-created under the same name (the default group after a
+        re-init, a ``new_group`` of the same ranks) is a new incarnation: its sequence ids
+        restart at 0, as they do in a process that joined only now (a restarted rank), and its
+        entries carry the incarnation so that ``fr analyze`` lines up only each rank's newest
+        one (the ids kept counting on the surviving ranks: a false "never entered")."""
+        with self._lock:
+            ref = self._owners.get(name)
+            if ref is not None and ref() is group:
+                return
+            try:
+                self._owners[name] = weakref.ref(group)
+            except TypeError:  # a group without weak references: keep it (no id reuse)
+                self._owners[name] = functools.partial(_identity, group)
+            if ref is None:
+                return  # the first group of that name here: incarnation 0 (or as recorded)
+            self._incs[name] = self._incs.get(name, 0) + 1
+            mine = f"{name}\0"
+            for key in [k for k in self._seq if k == name or k.startswith(mine)]:
+                del self._seq[key]
 
     @staticmethod
     def started(e: list[Any]) -> None:
@@ -187,8 +274,14 @@ class FlightRecorder:
 
         The future's callback may run after ``work.wait()`` has returned (on the thread that
         finished the work), so :meth:`entries` also settles every attached entry whose future is
-        done: a dump taken after ``wait()`` shows the op completed, not still started."""
-        fut = work.get_future()
+        done: a dump taken after ``wait()`` shows the op completed, not still started. A work
+        without a future (gloo's send and recv) is polled there the same way."""
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented": settled by entries()
+            with self._lock:
+                self._pending[id(e)] = (e, _PolledWork(work))
+            return work
         key = id(e)  # (held in _pending until settled: not reused meanwhile)
         with self._lock:
             self._pending[key] = (e, fut)
@@ -270,6 +363,9 @@ class FlightRecorder:
                     "duration_ms": (end - (e[_T_START] or e[_T_SCHED])) / 1e6,
                     "error": e[_ERR],
                     "stack": e[_STACK],
+                    "peer": e[_PEER],
+                    "incarnation": e[_INC],
+                    "tag": e[_TAG],
                 }
             )
         return {
@@ -417,8 +513,6 @@ _PATCHED = (
     "gather",
     "scatter",
     "barrier",
-    "send",
-    "recv",
 )
 _originals: dict[str, Callable[..., Any]] = {}
 # id(group) -> (name, ranks, a callable returning the group): the third item (a weak reference,
@@ -467,6 +561,34 @@ def _param_index(fn: Callable[..., Any], param: str) -> int | None:
 # send/recv pair as a mismatched collective)
 P2P_OPS = ("send", "recv")
 
+# Point-to-point ops are recorded where every torch.distributed path to them meets: the process
+# group's send / recv / recv_anysource methods (dist.send calls dist.isend, batch_isend_irecv
+# calls each P2POp's isend / irecv, and those call these). Wrapping dist.isend / dist.irecv
+# instead broke dist.P2POp, which accepts torch's own two functions only and picks the peer
+# keyword by identity with them, and torch's send went through its unwrapped isend.
+_P2P_METHODS = {"send": "send", "recv": "recv", "recv_anysource": "recv"}
+# (class, method) -> the original attribute of that class
+_p2p_originals: dict[tuple[type, str], Any] = {}
+
+
+class _P2PState(threading.local):
+    busy = False  # inside a recorded p2p method (a subclass's calling its base's: record once)
+    seq: int | None = None  # the shared sequence id of the batch_isend_irecv being issued
+
+
+_p2p_state = _P2PState()
+
+
+def _seen(group: Any, rec: FlightRecorder) -> tuple[str, list[int], Callable[[], Any]]:
+    """Cache a group object not seen before: its name and members, and (a group re-created
+    under an old name) a new incarnation of the name's sequence ids."""
+    hit = _group_key(group)
+    # a group of that name re-created (the default group after a re-init with another world)
+    # names its own members, not the old ones
+    rec.groups[hit[0]] = list(hit[1])
+    rec.adopt(hit[0], dist.group.WORLD if group is None else group)
+    return hit
+
 
 # parameters of the patched functions that never hold tensors (some are not annotated)
 _NOT_TENSORS = frozenset(
@@ -500,10 +622,7 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
         group = kwargs.get("group", args[gi] if gi is not None and gi < len(args) else None)
         hit = names.get(id(group))
         if hit is None or hit[2]() is not group:
-            hit = _group_key(group)
-            # a new group object: a group of that name re-created (the default group after a
-            # re-init with another world) names its own members, not the old ones
-            rec.groups[hit[0]] = list(hit[1])
+            hit = _seen(group, rec)
         # Every tensor argument, by position or keyword, so that the record does not depend on
         # the call's spelling: all_reduce(tensor=t) was recorded without sizes, and
         # all_gather_into_tensor(out, inp) without inp's while (out, inp, g) had it -- fr
@@ -538,6 +657,82 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
     return wrapper
 
 
+def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    """A process group's ``send`` / ``recv`` / ``recv_anysource`` that records the op (peer as a
+    global rank) and settles the entry when the returned Work completes."""
+    names, state, op = _group_names, _p2p_state, _P2P_METHODS[method]
+    anysource = method == "recv_anysource"
+
+    @functools.wraps(fn)
+    def wrapper(pg: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if state.busy:
+            return fn(pg, tensors, *args, **kwargs)
+        hit = names.get(id(pg))
+        if hit is None or hit[2]() is not pg:
+            hit = _seen(pg, rec)
+        if anysource:
+            peer, tag = -1, args[0] if args else kwargs.get("tag", 0)
+        else:
+            p = args[0] if args else kwargs.get("dstRank" if op == "send" else "srcRank", -1)
+            ranks = hit[1]
+            peer = ranks[p] if isinstance(p, int) and 0 <= p < len(ranks) else p
+            tag = args[1] if len(args) > 1 else kwargs.get("tag", 0)
+        sizes, dtypes = _describe((tensors,))
+        e = rec._new(op, hit[0], sizes, dtypes, STARTED, "p2p", peer, state.seq, tag)
+        state.busy = True
+        try:
+            work = fn(pg, tensors, *args, **kwargs)
+        except BaseException as err:
+            rec.completed(e, err)
+            raise
+        finally:
+            state.busy = False
+        if work is None:
+            rec.completed(e)
+            return work
+        return rec.attach(work, e)
+
+    wrapper.__torchport_fr__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    """``batch_isend_irecv`` whose ops share one point-to-point sequence id, as torch 2.14's
+    recorder numbers a coalesced batch (each op is still its own entry)."""
+    names, state = _group_names, _p2p_state
+
+    @functools.wraps(fn)
+    def batch_isend_irecv(p2p_op_list: Any) -> Any:
+        if state.seq is not None or not isinstance(p2p_op_list, list) or not p2p_op_list:
+            return fn(p2p_op_list)  # (torch names what is wrong with the list)
+        group = getattr(p2p_op_list[0], "group", None)
+        if group is None:
+            group = dist.group.WORLD
+        hit = names.get(id(group))
+        if hit is None or hit[2]() is not group:
+            hit = _seen(group, rec)
+        state.seq = rec.next_seq(hit[0], "p2p")
+        try:
+            return fn(p2p_op_list)
+        finally:
+            state.seq = None
+
+    batch_isend_irecv.__torchport_fr__ = True  # type: ignore[attr-defined]
+    return batch_isend_irecv
+
+
+def _process_group_classes() -> list[type]:
+    """``ProcessGroup`` and its subclasses (a backend's own group may define its own send)."""
+    out: list[type] = []
+    todo: list[type] = [dist.ProcessGroup]
+    while todo:
+        c = todo.pop()
+        if c not in out:
+            out.append(c)
+            todo.extend(c.__subclasses__())
+    return out
+
+
 def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``destroy_process_group`` that also forgets the default group's cached membership:
     ``group=None`` is cached under one key for the life of the process, so after a re-init
@@ -555,9 +750,14 @@ def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True) -> FlightRecorder:
-    """Record every ``torch.distributed`` collective of this process, on any backend.
+    """Record every ``torch.distributed`` collective and point-to-point op of this process, on
+    any backend.
 
-    Also starts the timeout watchdog and (from the main thread) the ``SIGUSR1`` dump.
+    Point-to-point ops (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
+    recorded in the process group's ``send`` / ``recv`` / ``recv_anysource`` methods, of
+    ``ProcessGroup`` and of the subclasses defined when this is called; ``dist.isend`` and
+    ``dist.irecv`` stay torch's own, so ``dist.P2POp`` works with ops made at any time. Also
+    starts the timeout watchdog and (from the main thread) the ``SIGUSR1`` dump.
     Idempotent; undo with :func:`uninstall`.
     """
     global _recorder
@@ -574,6 +774,18 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
         fn = _originals["destroy_process_group"]
     _originals["destroy_process_group"] = fn
     dist.destroy_process_group = _wrap_destroy(fn)
+    fn = dist.batch_isend_irecv
+    if getattr(fn, "__torchport_fr__", False):
+        fn = _originals["batch_isend_irecv"]
+    _originals["batch_isend_irecv"] = fn
+    dist.batch_isend_irecv = _wrap_batch(fn, rec)
+    for cls in _process_group_classes():
+        for method in _P2P_METHODS:
+            if method not in cls.__dict__:
+                continue  # inherited: recorded by the class that defines it
+            orig = _p2p_originals.get((cls, method), cls.__dict__[method])
+            _p2p_originals[(cls, method)] = orig
+            setattr(cls, method, _wrap_p2p(method, orig, rec))
     rec.start_watchdog()
     if signal_dump and threading.current_thread() is threading.main_thread():
         enable_signal_dump(recorder=rec)
@@ -585,4 +797,7 @@ def uninstall() -> None:
     for name, fn in _originals.items():
         setattr(dist, name, fn)
     _originals.clear()
+    for (cls, method), orig in _p2p_originals.items():
+        setattr(cls, method, orig)
+    _p2p_originals.clear()
     _group_names.clear()

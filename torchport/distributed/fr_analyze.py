@@ -5,9 +5,14 @@ rank's ring buffer still holds) and reports, in plain words:
 
 * ranks with no dump at all (crashed or killed before they could dump);
 * the first collective a rank never entered while its peers did (the classic hang);
+* a point-to-point op a rank waits in whose peer never issued its side (a ``recv`` from a rank
+  that never sent it), and matched sends and receives whose sizes or dtypes differ;
 * collectives whose op name, sizes or dtypes differ between ranks (a mismatch);
 * ops that errored, or were still running when the dump was taken (stuck);
 * the last completed op of every rank.
+
+A group destroyed and re-created under the same name is lined up in its newest incarnation on
+every rank (the entries' ``incarnation``): a restarted rank knows only the new one.
 
 It accepts dumps from any backend: entries whose state never left ``scheduled`` are reported as
 such rather than crashing the analysis.
@@ -38,6 +43,8 @@ class Verdict:
         default_factory=list
     )  # rank, group, seq, op
     mismatches: list[tuple[str, int, str]] = field(default_factory=list)  # group, seq, what
+    # rank, group, seq, op, peer: a point-to-point op waiting for a side its peer never issued
+    unmatched_p2p: list[tuple[int, str, int, str, int]] = field(default_factory=list)
     stuck: list[tuple[int, str, int, str]] = field(default_factory=list)
     errored: list[tuple[int, str, int, str]] = field(default_factory=list)
     last_completed: dict[int, str] = field(default_factory=dict)
@@ -98,6 +105,14 @@ def _check_dump(p: Path, obj: Any) -> int:
             raise DumpError(
                 f"{p}: entry {i}: dtypes must be a list of strings, got {dtypes!r:.200}"
             )
+        for k in ("incarnation", "peer"):
+            x = e.get(k)
+            if x is not None and not (_is_int(x) and x >= (0 if k == "incarnation" else -1)):
+                low = 0 if k == "incarnation" else -1
+                raise DumpError(f"{p}: entry {i}: {k} must be an int >= {low}, got {x!r:.200}")
+        tag = e.get("tag")
+        if tag is not None and not _is_int(tag):
+            raise DumpError(f"{p}: entry {i}: tag must be an int, got {tag!r:.200}")
         took = e.get("duration_ms")
         if took is not None and (not isinstance(took, int | float) or isinstance(took, bool)):
             raise DumpError(f"{p}: entry {i}: duration_ms must be a number, got {took!r:.200}")
@@ -161,11 +176,30 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
     # per group: rank -> seq -> entry
     groups: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
     members: dict[str, set[int]] = {}
+    # (group, sender, receiver, tag) -> the sender's sends / the receiver's receives, in issue
+    # order (torch pairs them per peer and tag)
+    sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
+    recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
+    wrapped: set[int] = set()  # ranks whose ring buffer dropped entries: counts are incomplete
     for rank, d in dumps.items():
         for g, ranks in (d.get("groups") or {}).items():
             members.setdefault(g, set()).update(int(x) for x in ranks)
+        newest: dict[str, int] = {}
         for e in d["entries"]:
+            newest[e["group"]] = max(newest.get(e["group"], 0), e.get("incarnation") or 0)
+        if d["entries"] and d["entries"][0].get("record_id", 0) != 0:
+            wrapped.add(rank)
+        for e in d["entries"]:
+            if (e.get("incarnation") or 0) != newest[e["group"]]:
+                continue  # an earlier group of that name: a restarted rank has none of it
             if e["op"] in P2P_OPS:  # numbered on their own counter: not lined up as collectives
+                peer = e.get("peer")
+                if isinstance(peer, int) and peer >= 0:
+                    tag = e.get("tag") or 0
+                    if e["op"] == "send":
+                        sends.setdefault((e["group"], rank, peer, tag), []).append(e)
+                    else:
+                        recvs.setdefault((e["group"], peer, rank, tag), []).append(e)
                 continue
             groups.setdefault(e["group"], {}).setdefault(rank, {})[e["seq_id"]] = e
     for g in sorted(groups):
@@ -205,6 +239,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                         f"rank {ranks[0]} called {_sig(ref)} but rank {r} called {_sig(have[r])}"
                     )
                     break
+    _match_p2p(v, dumps, sends, recvs, wrapped)
     for rank in sorted(dumps):
         entries = dumps[rank]["entries"]
         done = [e for e in entries if e["state"] == "completed"]
@@ -238,9 +273,63 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
             v.findings.append(f"rank {rank}: {len(more)} ops failed in total")
     for rank in sorted(v.last_completed):
         v.findings.append(f"rank {rank}: last completed op {v.last_completed[rank]}")
-    if not (v.missing_ranks or v.never_entered or v.mismatches or v.stuck or v.errored):
+    if not (
+        v.missing_ranks
+        or v.never_entered
+        or v.mismatches
+        or v.unmatched_p2p
+        or v.stuck
+        or v.errored
+    ):
         v.findings.insert(0, "no problem found: every rank entered and completed the same ops")
     return v
+
+
+def _match_p2p(
+    v: Verdict,
+    dumps: dict[int, dict[str, Any]],
+    sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
+    recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
+    wrapped: set[int],
+) -> None:
+    """Pair the k-th send from one rank to another with the k-th receive there (torch matches
+    them in that order per pair, group and tag): name an op still waiting whose other side was never
+    issued, and a pair whose sizes or dtypes differ."""
+    for key in sorted(set(sends) | set(recvs)):
+        g, src, dst, _ = key
+        if src not in dumps or dst not in dumps or src in wrapped or dst in wrapped:
+            continue  # a missing dump is reported as such; a wrapped buffer has no full count
+        s, r = sends.get(key, []), recvs.get(key, [])
+        for k in range(min(len(s), len(r))):
+            a, b = s[k], r[k]
+            diff = "/".join(
+                w for w, f in (("size", "sizes"), ("dtype", "dtypes")) if a.get(f) != b.get(f)
+            )
+            if diff:
+                v.mismatches.append((g, a["seq_id"], diff))
+                v.findings.append(
+                    f"send #{a['seq_id']} from rank {src} to rank {dst} on group {g!r} does not "
+                    f"match its receive #{b['seq_id']} ({diff} mismatch): rank {src} sent "
+                    f"{_sig(a)} but rank {dst} received into {_sig(b)}"
+                )
+                break
+        if len(s) == len(r):
+            continue
+        # the first op past the other side's count: its peer never issued the matching side
+        longer, rank, peer, other = (
+            (r, dst, src, "sent") if len(r) > len(s) else (s, src, dst, "received")
+        )
+        e = longer[min(len(s), len(r))]
+        if e["state"] not in ("started", "scheduled"):
+            continue  # (a send may complete before its receive is posted)
+        n = min(len(s), len(r))
+        v.unmatched_p2p.append((rank, g, e["seq_id"], e["op"], peer))
+        v.findings.append(
+            f"rank {rank} is waiting in {e['op']} #{e['seq_id']} "
+            f"{'from' if e['op'] == 'recv' else 'to'} rank {peer} on group {g!r}, which rank "
+            f"{peer} never {'sent' if e['op'] == 'recv' else 'received'} (rank {peer} "
+            f"{other} {n} message(s) {'to' if other == 'sent' else 'from'} rank {rank} there)"
+        )
 
 
 def cmd_fr(args: argparse.Namespace) -> int:
