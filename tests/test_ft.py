@@ -929,8 +929,9 @@ def test_manager_allreduce_refuses_an_integer_tensor_at_the_call():
 
 def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
     """fetch_state's timeout bounded each receive: a source sending its 4000-byte tensor 100
-    bytes every 0.2 s (always inside a 0.5 s timeout) stretched the transfer to 8 s. The whole
-    transfer now has one deadline; the typed timeout names the limit and the time it took."""
+    bytes every 0.2 s (always inside a 0.5 s timeout) stretched the transfer to 8 s. Each
+    PROGRESS_BYTES (here: the whole 4000) must now arrive within the timeout; the typed timeout
+    names the limit, the bytes received and the time it took."""
     import threading
 
     from torchport.distributed._control import Server
@@ -962,11 +963,58 @@ def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
     mine = {"w": torch.ones(1000)}
     try:
         t0 = time.monotonic()
-        with pytest.raises(StateTransferTimeoutError, match=r"within its 0\.5 s limit") as info:
+        with pytest.raises(StateTransferTimeoutError, match=r"beyond its 0\.5 s limit") as info:
             fetch_state(src.address, secret, timeout=0.5, into=mine)
         assert time.monotonic() - t0 < 1.5
         assert isinstance(info.value, CommTimeoutError) and info.value.partial
         assert "gave up after 0." in str(info.value)
+        assert "bytes received in" in str(info.value)
+    finally:
+        stop.set()
+        src.close()
+
+
+def test_fetch_state_from_a_steady_source_may_take_longer_than_its_timeout():
+    """fetch_state's timeout bounded the whole transfer (8eb0b27), so a state that needed longer
+    than the timeout over the link failed every heal (40 MB at 100 MB/s with a 0.25 s timeout).
+    The timeout bounds each PROGRESS_BYTES now: a source sending 1 MiB every 0.25 s takes about
+    2.5 times a 0.5 s timeout in total and is received whole."""
+    import threading
+
+    from torchport.distributed._control import Server
+    from torchport.distributed.ft import fetch_state
+    from torchport.distributed.ft.transfer import PROGRESS_BYTES
+
+    secret = b"e" * 32
+    chunks = 5
+    n = chunks * PROGRESS_BYTES // 4
+    payload = torch.arange(n, dtype=torch.float32)
+    stop = threading.Event()
+
+    def steady_source(conn: socket.socket) -> None:
+        recv_msg(conn)
+        structure = {"__dict__": [["w", {"__tensor__": 0}]]}
+        send_msg(
+            conn,
+            {
+                "t": "state",
+                "structure": structure,
+                "tensors": [["float32", [n], 4 * n]],
+                "total": 4 * n,
+            },
+        )
+        raw = memoryview(payload.numpy()).cast("B")
+        with contextlib.suppress(OSError):
+            for i in range(chunks):
+                if i and stop.wait(0.25):
+                    return
+                conn.sendall(raw[i * PROGRESS_BYTES : (i + 1) * PROGRESS_BYTES])
+
+    src = Server(steady_source, secret=secret, role="heal")
+    try:
+        state, hdr, secs = fetch_state(src.address, secret, timeout=0.5)
+        assert secs > 0.5 * 2 and hdr["total"] == 4 * n
+        assert torch.equal(state["w"], payload)
     finally:
         stop.set()
         src.close()

@@ -126,9 +126,10 @@ class Manager:
         replica_id: stable name of this replica (a restarted process reuses it).
         state_dict: returns the replica's full training state (tensors, dicts, lists, numbers).
         load_state_dict: loads such a state (received from a healthy replica when healing).
-        timeout: limit (s) for any single wait (allreduce, commit vote) and for a heal's whole
-            state transfer (set it above the state's size over the link's bandwidth: a heal
-            that needs longer fails every time).
+        timeout: limit (s) for any single wait (allreduce, commit vote) and for a heal's
+            progress: the heal fails when its source does not connect, or the next MiB of the
+            state (:data:`~torchport.distributed.ft.transfer.PROGRESS_BYTES`) does not arrive,
+            within it; a steady transfer may take longer in total, whatever the state's size.
         quorum_timeout: limit (s) to form a quorum.
         heartbeat: heartbeat period (s); default ``config.ft_heartbeat``.
         secret: job secret (default from ``TORCHPORT_SECRET``).
