@@ -1080,6 +1080,66 @@ def test_abandoned_gloo_group_build_is_torn_down_when_it_completes_late():
         lh.close()
 
 
+def test_abandoned_gloo_build_keeps_no_reference_in_the_raised_error(monkeypatch):
+    """A gloo group the build completed just as the manager gave up was retired, but the
+    abandoning frame's local still held it: the raised CommError's traceback kept it alive
+    while the caller kept the error. The build here completes while the manager's first wait is
+    still asleep, so the manager finds the group in its box when it gives up."""
+    import gc
+    import threading
+    import types
+    import weakref
+
+    import torch.distributed as dist
+
+    import torchport.distributed.ft.manager as M
+    from torchport.distributed._control import PeerFailure
+
+    class FakeGroup:
+        pass
+
+    made: list = []
+
+    def fake_gloo_group(store: object, rank: int, size: int, timeout: float) -> FakeGroup:
+        made.append(weakref.ref(pg := FakeGroup()))
+        return pg
+
+    class LateEvent(threading.Event):
+        """Its first wait returns False after the build has finished (and set it)."""
+
+        first = True
+
+        def wait(self, timeout: float | None = None) -> bool:
+            if LateEvent.first:
+                LateEvent.first = False
+                super().wait(5)
+                return False
+            return super().wait(timeout)
+
+    monkeypatch.setattr(M, "gloo_group", fake_gloo_group)
+    monkeypatch.setattr(M, "retire", lambda pg: None)  # keeps nothing itself
+    monkeypatch.setattr(
+        M,
+        "threading",
+        types.SimpleNamespace(Event=LateEvent, Lock=threading.Lock, Thread=threading.Thread),
+    )
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mgr = object.__new__(M.Manager)
+    mgr._mesh, mgr._pg, mgr._qid, mgr.timeout = None, None, -1, 3.0
+    mgr._store, mgr._error = store, PeerFailure("x")
+    with pytest.raises(CommError, match="failed: x") as info:
+        mgr._build_group(1, 0, 2, {"store_port": store.port})
+    kept = info.value
+    assert made
+    # (the build thread drops its own reference as it returns, just after setting the event)
+    _wait_for(
+        lambda: gc.collect() >= 0 and made[0]() is None,
+        2,
+        "the retired group to be freed while the caller keeps the error",
+    )
+    assert kept.__traceback__ is not None
+
+
 def test_malformed_lighthouse_hello_gets_an_error_reply_and_one_log_line(caplog, capfd):
     """A heartbeat hello without "rid" raised KeyError out of the lighthouse's handler thread (a
     traceback, the connection closed without a reply); one with a list for rid registered a

@@ -430,6 +430,9 @@ class Manager:
                     box["abandoned"] = True
                     pg = box.pop("pg", None)
                 retire(pg)
+                # and this frame keeps no reference either: the CommError's traceback holds it,
+                # so a local ``pg`` kept the retired group alive while the caller kept the error
+                del pg
                 why = f"not built within {self.timeout} s" if late else f"failed: {self._error}"
                 raise CommError(f"building the group for quorum {qid} {why}")
         if "err" in box:
