@@ -888,8 +888,9 @@ def test_survivor_that_missed_the_commit_reply_still_gets_a_quorum():
 def test_manager_allreduce_refuses_an_integer_tensor_at_the_call():
     """An int64 tensor (a step counter) was summed over the quorum, then wait() raised a bare
     RuntimeError from the in-place division, leaving the sum in the tensor, and should_commit
-    still committed the step. The average needs a floating-point tensor: the call refuses any
-    other dtype now, naming it, before anything is sent (in a quorum of one as well)."""
+    still committed the step. The average needs a floating-point tensor of a reducible dtype
+    (not float8): the call refuses any other dtype now, naming it, before anything is sent (in a
+    quorum of one as well)."""
     import threading
 
     from torchport.distributed import CollectiveArgumentError
@@ -921,6 +922,11 @@ def test_manager_allreduce_refuses_an_integer_tensor_at_the_call():
         alone = replica("c", torch.zeros(2))
         with pytest.raises(CollectiveArgumentError, match=r"dtype torch\.bool"):
             alone.allreduce(torch.ones(1, dtype=torch.bool))
+        # float8 is floating-point, but no backend reduces it: with two replicas it failed the
+        # step in wait(), with one it passed; refused at the call now
+        for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            with pytest.raises(CollectiveArgumentError, match=rf"got dtype {dt}"):
+                alone.allreduce(torch.ones(1, dtype=dt))
     finally:
         for m in managers:
             m.shutdown()
