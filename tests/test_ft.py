@@ -980,6 +980,24 @@ def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
         src.close()
 
 
+def test_fetch_state_from_a_source_that_never_answers_the_handshake_is_a_transfer_timeout():
+    """fetch_state's timeout covers the connection, but a source whose kernel accepted and that
+    never answered the handshake raised ConnectTimeoutError, not the StateTransferTimeoutError
+    the docstring promised (nor any StateTransferError). It is wrapped now, the cause kept."""
+    from torchport.distributed.errors import ConnectTimeoutError
+    from torchport.distributed.ft import StateTransferTimeoutError, fetch_state
+
+    listener = socket.socket()
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)  # the kernel accepts; nobody answers
+        with pytest.raises(StateTransferTimeoutError, match=r"within its 0\.2 s limit") as info:
+            fetch_state(listener.getsockname(), b"c" * 32, timeout=0.2)
+        assert isinstance(info.value.__cause__, ConnectTimeoutError) and not info.value.partial
+    finally:
+        listener.close()
+
+
 def test_fetch_state_from_a_steady_source_may_take_longer_than_its_timeout():
     """fetch_state's timeout bounded the whole transfer (8eb0b27), so a state that needed longer
     than the timeout over the link failed every heal (40 MB at 100 MB/s with a 0.25 s timeout).

@@ -26,7 +26,7 @@ from torchport.distributed._control import (
     connect,
     send_msg,
 )
-from torchport.distributed.errors import CommTimeoutError, WireError
+from torchport.distributed.errors import CommTimeoutError, ConnectTimeoutError, WireError
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -316,16 +316,23 @@ def fetch_state(
 
     ``timeout`` (s) bounds each part of the transfer that can stall: the connection (dial and
     handshake), the request, and each :data:`PROGRESS_BYTES` of the answer (counted from the
-    previous ones; see :func:`recv_state`). The connection running past it is a
-    ``ConnectTimeoutError``, the rest a :class:`StateTransferTimeoutError`, so a stopped or
-    trickling source fails within about ``timeout``, while a steady one may send a state of any
-    size.
+    previous ones; see :func:`recv_state`). Any of them running past it is a
+    :class:`StateTransferTimeoutError` (a connection's ``ConnectTimeoutError`` is its cause), so
+    a stopped or trickling source fails within about ``timeout``, while a steady one may send a
+    state of any size. Other connection failures raise as :func:`connect` does (``CommError``,
+    ``AuthError``).
 
     ``on_connect`` is called with the connection once it is open and with None when it is
     closed: shutting it down from another thread ends the transfer at once.
     """
     t0 = time.perf_counter()
-    sock = connect(addr, secret, "heal", timeout=timeout)
+    try:
+        sock = connect(addr, secret, "heal", timeout=timeout)
+    except ConnectTimeoutError as e:  # a stopped source: the transfer's timeout, as any stall
+        raise StateTransferTimeoutError(
+            f"state source {addr} did not complete the connection within its {timeout:g} s "
+            f"limit (gave up after {time.perf_counter() - t0:.2f} s): {e}"
+        ) from e
     if on_connect is not None:
         on_connect(sock)
     try:
