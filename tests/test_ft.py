@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -971,9 +972,11 @@ def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
         t0 = time.monotonic()
         with pytest.raises(StateTransferTimeoutError, match=r"beyond its 0\.5 s limit") as info:
             fetch_state(src.address, secret, timeout=0.5, into=mine)
-        assert time.monotonic() - t0 < 1.5
+        # (bounds wide enough for a loaded machine: the trickle alone would take 8 s)
+        assert time.monotonic() - t0 < 4.0
         assert isinstance(info.value, CommTimeoutError) and info.value.partial
-        assert "gave up after 0." in str(info.value)
+        took = re.search(r"gave up after (\d+\.\d+) s", str(info.value))
+        assert took and 0.45 <= float(took[1]) < 4.0, str(info.value)
         assert "bytes received in" in str(info.value)
     finally:
         stop.set()
@@ -1076,18 +1079,20 @@ def test_abandoned_gloo_group_build_is_torn_down_when_it_completes_late():
     after: list = []
     try:
         for qid in (1, 2, 3):
-            peer: list = []  # the other member joins after this one gave up
-            joins = threading.Timer(
-                0.15,
-                lambda q=qid, out=peer: out.append(
+            # the failure is noticed while the build waits for its peer (the build thread starts
+            # first, the manager sees the error at its first look), and the other member joins
+            # only after this one gave up: in this order, with no timer racing another
+            mgr.report_error(PeerFailure("x"))
+            with pytest.raises(CommError, match="failed: x") as info:
+                mgr._build_group(qid, 0, 2, {"store_port": store.port})
+            kept.append(info.value)
+            peer: list = []
+            joins = threading.Thread(
+                target=lambda q=qid, out=peer: out.append(
                     gloo_group(dist.PrefixStore(f"tp-ft/q{q}", store), 1, 2, 3.0)
                 ),
             )
             joins.start()
-            threading.Timer(0.05, mgr.report_error, args=(PeerFailure("x"),)).start()
-            with pytest.raises(CommError, match="failed: x") as info:
-                mgr._build_group(qid, 0, 2, {"store_port": store.port})
-            kept.append(info.value)
             joins.join(5)
             assert peer and peer[0].size() == 2  # so this member's build completed too
             mgr._error = None
