@@ -1004,8 +1004,8 @@ def test_fetch_state_from_a_source_that_never_answers_the_handshake_is_a_transfe
 def test_fetch_state_from_a_steady_source_may_take_longer_than_its_timeout():
     """fetch_state's timeout bounded the whole transfer (8eb0b27), so a state that needed longer
     than the timeout over the link failed every heal (40 MB at 100 MB/s with a 0.25 s timeout).
-    The timeout bounds each PROGRESS_BYTES now: a source sending 1 MiB every 0.25 s takes about
-    2.5 times a 0.5 s timeout in total and is received whole."""
+    The timeout bounds each PROGRESS_BYTES now: a source sending 1 MiB every 0.2 s takes 1.4 s,
+    over twice a 0.6 s timeout, in total and is received whole."""
     import threading
 
     from torchport.distributed._control import Server
@@ -1013,7 +1013,7 @@ def test_fetch_state_from_a_steady_source_may_take_longer_than_its_timeout():
     from torchport.distributed.ft.transfer import PROGRESS_BYTES
 
     secret = b"e" * 32
-    chunks = 5
+    chunks = 8
     n = chunks * PROGRESS_BYTES // 4
     payload = torch.arange(n, dtype=torch.float32)
     stop = threading.Event()
@@ -1033,14 +1033,14 @@ def test_fetch_state_from_a_steady_source_may_take_longer_than_its_timeout():
         raw = memoryview(payload.numpy()).cast("B")
         with contextlib.suppress(OSError):
             for i in range(chunks):
-                if i and stop.wait(0.25):
+                if i and stop.wait(0.2):
                     return
                 conn.sendall(raw[i * PROGRESS_BYTES : (i + 1) * PROGRESS_BYTES])
 
     src = Server(steady_source, secret=secret, role="heal")
     try:
-        state, hdr, secs = fetch_state(src.address, secret, timeout=0.5)
-        assert secs > 0.5 * 2 and hdr["total"] == 4 * n
+        state, hdr, secs = fetch_state(src.address, secret, timeout=0.6)
+        assert secs > 0.6 * 2 and hdr["total"] == 4 * n
         assert torch.equal(state["w"], payload)
     finally:
         stop.set()
