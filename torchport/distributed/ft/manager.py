@@ -14,9 +14,9 @@ Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
   is behind the quorum's highest step heals first: it fetches the full state (model + optimizer +
   step) from a member at that step as raw tensor bytes (:mod:`.transfer`) and loads it.
 * ``allreduce`` sums a tensor over the quorum and divides by the number of members (so it takes
-  floating-point and complex tensors only, and refuses others at the call). It never raises
-  on a peer failure: the failure is recorded (``errored()``), waits return promptly, and the vote
-  fails.
+  floating-point and complex tensors only, float8 excepted, and refuses others at the call). It
+  never raises on a peer failure: the failure is recorded (``errored()``), waits return promptly,
+  and the vote fails.
 * ``should_commit`` waits for outstanding allreduces and votes; the step counter advances only on a
   unanimous commit, so a step is never lost (it is retried with the same step number, hence the same
   data) and never applied twice. The vote also carries this replica's request for the next step's
@@ -60,6 +60,17 @@ from torchport.distributed.elastic import ElasticMesh, Member, form_group, retir
 from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
+
+# what the average can take: a dtype both backends reduce and that holds a quotient (float8 is
+# floating-point, but neither backend reduces it: it failed the step, not the call)
+AVERAGEABLE = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+)
 
 
 class QuorumError(CommError):
@@ -126,9 +137,10 @@ class Manager:
         replica_id: stable name of this replica (a restarted process reuses it).
         state_dict: returns the replica's full training state (tensors, dicts, lists, numbers).
         load_state_dict: loads such a state (received from a healthy replica when healing).
-        timeout: limit (s) for any single wait (allreduce, commit vote) and for a heal's whole
-            state transfer (set it above the state's size over the link's bandwidth: a heal
-            that needs longer fails every time).
+        timeout: limit (s) for any single wait (allreduce, commit vote) and for a heal's
+            progress: the heal fails when its source does not connect, or the next MiB of the
+            state (:data:`~torchport.distributed.ft.transfer.PROGRESS_BYTES`) does not arrive,
+            within it; a steady transfer may take longer in total, whatever the state's size.
         quorum_timeout: limit (s) to form a quorum.
         heartbeat: heartbeat period (s); default ``config.ft_heartbeat``.
         secret: job secret (default from ``TORCHPORT_SECRET``).
@@ -429,6 +441,9 @@ class Manager:
                     box["abandoned"] = True
                     pg = box.pop("pg", None)
                 retire(pg)
+                # and this frame keeps no reference either: the CommError's traceback holds it,
+                # so a local ``pg`` kept the retired group alive while the caller kept the error
+                del pg
                 why = f"not built within {self.timeout} s" if late else f"failed: {self._error}"
                 raise CommError(f"building the group for quorum {qid} {why}")
         if "err" in box:
@@ -533,17 +548,19 @@ class Manager:
     def allreduce(self, tensor: torch.Tensor) -> _Work:
         """Average ``tensor`` in place over the quorum (async); ``wait()`` says if it succeeded.
 
-        The average needs a floating-point (or complex) tensor: any other dtype is refused here
-        with :class:`CollectiveArgumentError` (sum an integer counter on ``process_group``
+        The average needs a floating-point or complex tensor of a dtype the reduction takes
+        (:data:`AVERAGEABLE`: not float8): any other dtype is refused here with
+        :class:`CollectiveArgumentError` (sum an integer counter on ``process_group``
         instead). torchft divides in a continuation of the sum, where an integer tensor fails
         the step; here ``wait()`` raised a bare RuntimeError after the sum had already landed,
         and the step still committed.
         """
-        if not (tensor.is_floating_point() or tensor.is_complex()):
+        if tensor.dtype not in AVERAGEABLE:
             # refused whatever the quorum's size: a quorum of one never divides, so a late check
             # let a program pass with one replica and fail once a second joined
             raise CollectiveArgumentError(
-                f"Manager.allreduce averages, which needs a floating-point or complex tensor, "
+                f"Manager.allreduce averages, which needs a floating-point or complex tensor of "
+                f"a reducible dtype ({', '.join(str(d) for d in AVERAGEABLE)}), "
                 f"got dtype {tensor.dtype}"
             )
         n = len(self._members)

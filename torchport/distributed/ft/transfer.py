@@ -10,6 +10,7 @@ header per tensor. Header size and total payload are bounded.
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import time
@@ -19,13 +20,13 @@ from typing import Any
 import torch
 
 from torchport.distributed._control import (
+    _HDR,
+    MAGIC,
     CommError,
     connect,
-    recv_into_exact,
-    recv_msg,
     send_msg,
 )
-from torchport.distributed.errors import CommTimeoutError
+from torchport.distributed.errors import CommTimeoutError, ConnectTimeoutError, WireError
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -46,6 +47,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 MAX_HEADER = 64 << 20
 MAX_PAYLOAD = 1 << 40
+# a receive with a timeout fails when this many bytes (or the rest, if fewer) have not arrived
+# within the timeout of the previous such chunk: a stalled or trickling source fails within about
+# the timeout, while a steady one may take any time in total, whatever the state's size
+PROGRESS_BYTES = 1 << 20
 
 
 class StateTransferError(CommError):
@@ -61,7 +66,8 @@ class StateTransferError(CommError):
 
 
 class StateTransferTimeoutError(StateTransferError, CommTimeoutError):
-    """The whole transfer did not finish by its deadline (``partial`` as for the base class)."""
+    """The transfer stalled: the source did not answer, or the next :data:`PROGRESS_BYTES` of
+    the state did not arrive, within the timeout (``partial`` as for the base class)."""
 
 
 def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -153,11 +159,72 @@ def tensor_paths(state: Any) -> dict[str, torch.Tensor]:
     return {idx[i]: t for i, t in enumerate(tensors)}
 
 
+class _Progress:
+    """Receives with a progress deadline: each :data:`PROGRESS_BYTES` must arrive within
+    ``timeout`` s of the previous ones (none: the socket's own timeout applies).
+
+    One deadline for the whole receive (8eb0b27) failed every heal of a state larger than the
+    timeout times the link's bandwidth; a deadline per ``recv`` let a source trickling a few
+    bytes at a time stretch a transfer without bound. This one caps no state's size and still
+    ends a stall within about the timeout."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.t0 = time.monotonic()
+        self.received = 0  # bytes so far
+        self._mark = 0  # ``received`` when the deadline was last moved
+        self._deadline = None if timeout is None else self.t0 + timeout
+
+    def recv_into(self, sock: socket.socket, view: memoryview) -> None:
+        """Fill ``view``: ``TimeoutError`` on a stall, :class:`CommError` on EOF."""
+        got, n = 0, len(view)
+        while got < n:
+            if self._deadline is not None:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"stalled after {got} of {n} bytes")
+                sock.settimeout(left)
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise CommError(f"connection closed by peer after {got} of {n} bytes")
+            got += k
+            self.received += k
+            if self.timeout is not None and self.received - self._mark >= PROGRESS_BYTES:
+                self._mark = self.received
+                self._deadline = time.monotonic() + self.timeout
+
+    def recv_header(self, sock: socket.socket) -> dict[str, Any]:
+        """One control frame of up to :data:`MAX_HEADER` bytes (as ``recv_msg`` checks it)."""
+        head = bytearray(_HDR.size)
+        self.recv_into(sock, memoryview(head))
+        magic, n = _HDR.unpack(head)
+        if magic != MAGIC:
+            raise WireError(f"bad frame magic {magic!r}; expected {MAGIC!r}")
+        if n > MAX_HEADER:
+            raise WireError(f"state header of {n} bytes exceeds the limit {MAX_HEADER}")
+        body = bytearray(n)
+        self.recv_into(sock, memoryview(body))
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise WireError(f"malformed state header frame: {type(e).__name__}: {e}") from None
+        if not isinstance(obj, dict):
+            raise WireError(f"state header must be a JSON object, got {type(obj).__name__}")
+        return obj
+
+    def stalled(self) -> str:
+        """What a timeout message says: the limit, the bytes received and the time taken."""
+        return (
+            f"no {PROGRESS_BYTES} bytes arrived within {self.timeout:g} s "
+            f"({self.received} bytes received in {time.monotonic() - self.t0:.2f} s)"
+        )
+
+
 def recv_state(
     sock: socket.socket,
     max_payload: int = MAX_PAYLOAD,
     into: Any = None,
-    deadline: float | None = None,
+    timeout: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Receive a state sent by :func:`send_state`; returns (state, header).
 
@@ -165,13 +232,16 @@ def recv_state(
     dtype and shape match are received directly into it, which avoids allocating (and
     page-faulting) fresh memory. Others are allocated.
 
-    ``deadline`` (``time.monotonic()``): the whole receive, header and payload, ends by then
-    (:class:`StateTransferTimeoutError`).
+    ``timeout`` (s): a progress limit: each :data:`PROGRESS_BYTES` of the receive (header and
+    payload) must arrive within it of the previous ones, else
+    :class:`StateTransferTimeoutError`. The total time is not bounded: a steady source may send
+    a state of any size, a stalled or trickling one fails within about ``timeout``.
     """
+    progress = _Progress(timeout)
     try:
-        hdr = recv_msg(sock, limit=MAX_HEADER, deadline=deadline)
-    except TimeoutError as e:
-        raise StateTransferTimeoutError(f"state header not received in time: {e}") from None
+        hdr = progress.recv_header(sock)
+    except TimeoutError:
+        raise StateTransferTimeoutError(f"state header: {progress.stalled()}") from None
     if hdr.get("t") != "state":
         raise StateTransferError(
             f"expected a state header, got {hdr.get('t')!r}: {hdr.get('error')}"
@@ -206,10 +276,10 @@ def recv_state(
         if nbytes:
             written = written or own
             try:
-                recv_into_exact(sock, _bytes_view(t), deadline)
-            except TimeoutError as e:
+                progress.recv_into(sock, _bytes_view(t))
+            except TimeoutError:
                 raise StateTransferTimeoutError(
-                    f"state transfer timed out in tensor {i} of {len(metas)}: {e}", written
+                    f"state payload, tensor {i} of {len(metas)}: {progress.stalled()}", written
                 ) from None
             except (OSError, CommError) as e:
                 raise StateTransferError(f"state transfer broke off: {e}", written) from None
@@ -244,25 +314,34 @@ def fetch_state(
 ) -> tuple[Any, dict[str, Any], float]:
     """Ask a heal server for its state; returns (state, header, seconds). See :func:`recv_state`.
 
-    ``timeout`` bounds the whole transfer, connection included
-    (:class:`StateTransferTimeoutError`): it bounded each receive only, so a source trickling
-    its state a few bytes at a time stretched the transfer without bound.
+    ``timeout`` (s) bounds each part of the transfer that can stall: the connection (dial and
+    handshake), the request, and each :data:`PROGRESS_BYTES` of the answer (counted from the
+    previous ones; see :func:`recv_state`). Any of them running past it is a
+    :class:`StateTransferTimeoutError` (a connection's ``ConnectTimeoutError`` is its cause), so
+    a stopped or trickling source fails within about ``timeout``, while a steady one may send a
+    state of any size. Other connection failures raise as :func:`connect` does (``CommError``,
+    ``AuthError``).
 
     ``on_connect`` is called with the connection once it is open and with None when it is
     closed: shutting it down from another thread ends the transfer at once.
     """
     t0 = time.perf_counter()
-    deadline = time.monotonic() + timeout
-    sock = connect(addr, secret, "heal", timeout=timeout)
+    try:
+        sock = connect(addr, secret, "heal", timeout=timeout)
+    except ConnectTimeoutError as e:  # a stopped source: the transfer's timeout, as any stall
+        raise StateTransferTimeoutError(
+            f"state source {addr} did not complete the connection within its {timeout:g} s "
+            f"limit (gave up after {time.perf_counter() - t0:.2f} s): {e}"
+        ) from e
     if on_connect is not None:
         on_connect(sock)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        send_msg(sock, {"t": "get_state", "step": step}, deadline)
-        state, hdr = recv_state(sock, into=into, deadline=deadline)
+        send_msg(sock, {"t": "get_state", "step": step}, time.monotonic() + timeout)
+        state, hdr = recv_state(sock, into=into, timeout=timeout)
     except StateTransferTimeoutError as e:
         raise StateTransferTimeoutError(
-            f"state transfer from {addr} did not finish within its {timeout:g} s limit "
+            f"state transfer from {addr} stalled beyond its {timeout:g} s limit "
             f"(gave up after {time.perf_counter() - t0:.2f} s): {e}",
             e.partial,
         ) from None
