@@ -663,6 +663,33 @@ def test_gemv_double_backward_and_saved_inputs_match_f_linear(fmt):
             out.sum().backward()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "mxfp4"])
+def test_weight_packed_under_inference_mode_still_gives_gradients(fmt):
+    """A quantized weight whose first use (the pack) ran under ``torch.inference_mode()`` holds
+    inference tensors in its pack; ``gemv`` with such a weight and an input or bias that
+    requires grad raised "Inference tensors cannot be saved for backward" (the backward saved
+    the pack with ``save_for_backward``, also when only the bias needed a gradient). The
+    gradients now match those of a weight packed in grad mode."""
+    g = torch.Generator().manual_seed(19)
+    w0 = torch.randn(16, 64, generator=g)
+    x0, b0 = torch.randn(1, 64, generator=g), torch.randn(16, generator=g)
+    grads = []
+    for infer in (True, False):
+        wq, _ = _weight(fmt, w0)
+        if infer:
+            with torch.inference_mode():
+                gemv(x0, wq)  # the first use packs
+            pw = wq.gemv_pack()
+            assert any(t.is_inference() for t in (pw.data, pw.scales, pw.rowscale))
+        for x_grad in (True, False):
+            x, b = x0.clone().requires_grad_(x_grad), b0.clone().requires_grad_(True)
+            gemv(x, wq, b).pow(2).sum().backward()
+            grads += [b.grad] + ([x.grad] if x_grad else [])
+    half = len(grads) // 2
+    for got, want in zip(grads[:half], grads[half:]):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("fmt", ["f32", "nvfp4", "nvfp4_x_nvfp4"])
 def test_lazily_negated_bias_and_weight_are_read_negated(fmt):
     """A bias (or dense weight) with the lazy negation bit (``torch._neg_view``, what
