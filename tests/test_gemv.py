@@ -663,6 +663,26 @@ def test_gemv_double_backward_and_saved_inputs_match_f_linear(fmt):
             out.sum().backward()
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_func_through_a_dense_weight_matches_f_linear(dt):
+    """``torch.func`` transforms of ``gemv`` with respect to a dense weight give ``F.linear``'s
+    results: ``grad`` and ``jacrev`` raised "must override the setup_context staticmethod" (the
+    weight, requiring grad inside the transform, took the custom op's autograd) and ``jvp``
+    gave a zero tangent (the packed copy of the weight is detached)."""
+    g = torch.Generator().manual_seed(20)
+    x, w, b, t = (torch.randn(*s, generator=g).to(dt) for s in ((2, 32), (6, 32), (6,), (6, 32)))
+
+    def loss(lin):
+        return lambda a, c, e: lin(a, c, e).float().pow(2).sum()
+
+    got = torch.func.grad(loss(gemv), argnums=(0, 1, 2))(x, w, b)
+    want = torch.func.grad(loss(F.linear), argnums=(0, 1, 2))(x, w, b)
+    for p, q in zip(got, want):
+        torch.testing.assert_close(p, q)
+    tan = torch.func.jvp(lambda c: gemv(x, c, b), (w,), (t,))[1]
+    torch.testing.assert_close(tan, torch.func.jvp(lambda c: F.linear(x, c, b), (w,), (t,))[1])
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "mxfp4"])
 def test_weight_packed_under_inference_mode_still_gives_gradients(fmt):
     """A quantized weight whose first use (the pack) ran under ``torch.inference_mode()`` holds

@@ -861,6 +861,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if callable(pack):  # a quantized weight packs once and keeps its settled routes
         return gemv_packed(x, pack(), bias)
     pw = pack_dense(weight)
+    if native.functorch_active():  # torch.func: torch ops on the weight itself, which may be
+        # what is transformed (the packed copy is detached: grad w.r.t. the weight raised "must
+        # override the setup_context staticmethod" through the op's autograd)
+        check_activation(x, pw.k)
+        _check_bias(bias, pw.n)
+        bf = bias.float() if bias is not None else None
+        out = torch.nn.functional.linear(x.reshape(-1, pw.k).float(), weight.float(), bf)
+        return out.to(x.dtype).reshape(*x.shape[:-1], pw.n)
     if weight.requires_grad and torch.is_grad_enabled():  # the op's autograd: weight grads too
         check_activation(x, pw.k)
         _check_bias(bias, pw.n)
