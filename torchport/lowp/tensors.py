@@ -259,7 +259,8 @@ class LowPrecisionTensor(torch.Tensor):
         the moved buffers (same values, one copy kept). Not while another live tensor shares
         qdata's storage (a ``state_dict()`` entry or ``w.data`` taken before this first pack):
         moving would part them, and a ``copy_`` into either then left the other reading its old
-        codes beside the new scales they still shared."""
+        codes beside the new scales they still shared. Only here, at the pack: such a weight
+        stays where it is after the alias goes, until a ``copy_`` drops the pack."""
         if not config.get("gemv_hugepages") or pw.data.nbytes < HUGEPAGE_MIN_BYTES:
             return pw
         if len(self._sharing_caches()) > 1:
