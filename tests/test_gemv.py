@@ -637,10 +637,15 @@ def test_gemv_gradients_match_f_linear(fmt):
 @pytest.mark.parametrize("fmt", ["f32", "nvfp4"])
 def test_gemv_double_backward_and_saved_inputs_match_f_linear(fmt):
     """A gradient penalty (the input's gradient, made with ``create_graph``, differentiated
-    again) through ``gemv`` gives ``F.linear``'s weight and bias gradients: the backward used a
+    again) through ``gemv`` gives ``F.linear``'s gradients.
+
+    ``f32`` (the dense op; failed before): the weight and bias gradients; the backward used a
     detached weight and input, so the terms through them were missing (weight gradients off by
     up to 3946). An input written in place between forward and backward raises as with
-    ``F.linear``; the backward read the new values (the weight gradient came out doubled)."""
+    ``F.linear``; the backward read the new values (the weight gradient came out doubled).
+    ``nvfp4`` (the packed op, frozen weight; passed before too, kept as a guard): the bias
+    gradient, which needs the packed backward's input gradient to stay differentiable in the
+    incoming gradient."""
     g = torch.Generator().manual_seed(17)
     wq, wd = _weight(fmt, torch.randn(6, 32, generator=g))
     dense = fmt == "f32"
