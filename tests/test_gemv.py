@@ -637,10 +637,15 @@ def test_gemv_gradients_match_f_linear(fmt):
 @pytest.mark.parametrize("fmt", ["f32", "nvfp4"])
 def test_gemv_double_backward_and_saved_inputs_match_f_linear(fmt):
     """A gradient penalty (the input's gradient, made with ``create_graph``, differentiated
-    again) through ``gemv`` gives ``F.linear``'s weight and bias gradients: the backward used a
+    again) through ``gemv`` gives ``F.linear``'s gradients.
+
+    ``f32`` (the dense op; failed before): the weight and bias gradients; the backward used a
     detached weight and input, so the terms through them were missing (weight gradients off by
     up to 3946). An input written in place between forward and backward raises as with
-    ``F.linear``; the backward read the new values (the weight gradient came out doubled)."""
+    ``F.linear``; the backward read the new values (the weight gradient came out doubled).
+    ``nvfp4`` (the packed op, frozen weight; passed before too, kept as a guard): the bias
+    gradient, which needs the packed backward's input gradient to stay differentiable in the
+    incoming gradient."""
     g = torch.Generator().manual_seed(17)
     wq, wd = _weight(fmt, torch.randn(6, 32, generator=g))
     dense = fmt == "f32"
@@ -661,6 +666,53 @@ def test_gemv_double_backward_and_saved_inputs_match_f_linear(fmt):
         x.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_func_through_a_dense_weight_matches_f_linear(dt):
+    """``torch.func`` transforms of ``gemv`` with respect to a dense weight give ``F.linear``'s
+    results: ``grad`` and ``jacrev`` raised "must override the setup_context staticmethod" (the
+    weight, requiring grad inside the transform, took the custom op's autograd) and ``jvp``
+    gave a zero tangent (the packed copy of the weight is detached)."""
+    g = torch.Generator().manual_seed(20)
+    x, w, b, t = (torch.randn(*s, generator=g).to(dt) for s in ((2, 32), (6, 32), (6,), (6, 32)))
+
+    def loss(lin):
+        return lambda a, c, e: lin(a, c, e).float().pow(2).sum()
+
+    got = torch.func.grad(loss(gemv), argnums=(0, 1, 2))(x, w, b)
+    want = torch.func.grad(loss(F.linear), argnums=(0, 1, 2))(x, w, b)
+    for p, q in zip(got, want):
+        torch.testing.assert_close(p, q)
+    tan = torch.func.jvp(lambda c: gemv(x, c, b), (w,), (t,))[1]
+    torch.testing.assert_close(tan, torch.func.jvp(lambda c: F.linear(x, c, b), (w,), (t,))[1])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "mxfp4"])
+def test_weight_packed_under_inference_mode_still_gives_gradients(fmt):
+    """A quantized weight whose first use (the pack) ran under ``torch.inference_mode()`` holds
+    inference tensors in its pack; ``gemv`` with such a weight and an input or bias that
+    requires grad raised "Inference tensors cannot be saved for backward" (the backward saved
+    the pack with ``save_for_backward``, also when only the bias needed a gradient). The
+    gradients now match those of a weight packed in grad mode."""
+    g = torch.Generator().manual_seed(19)
+    w0 = torch.randn(16, 64, generator=g)
+    x0, b0 = torch.randn(1, 64, generator=g), torch.randn(16, generator=g)
+    grads = []
+    for infer in (True, False):
+        wq, _ = _weight(fmt, w0)
+        if infer:
+            with torch.inference_mode():
+                gemv(x0, wq)  # the first use packs
+            pw = wq.gemv_pack()
+            assert any(t.is_inference() for t in (pw.data, pw.scales, pw.rowscale))
+        for x_grad in (True, False):
+            x, b = x0.clone().requires_grad_(x_grad), b0.clone().requires_grad_(True)
+            gemv(x, wq, b).pow(2).sum().backward()
+            grads += [b.grad] + ([x.grad] if x_grad else [])
+    half = len(grads) // 2
+    for got, want in zip(grads[:half], grads[half:]):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("fmt", ["f32", "nvfp4", "nvfp4_x_nvfp4"])

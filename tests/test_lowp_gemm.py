@@ -684,6 +684,30 @@ def test_an_alias_taken_before_the_first_decode_keeps_sharing_the_weight(cfg, mo
         assert _inner_equal(sd["weight"], model.weight)
 
 
+def test_a_weight_packed_beside_an_alias_moves_to_huge_pages_after_a_copy(monkeypatch):
+    """What the README states: the huge-page move happens only when the weight is packed, so a
+    weight packed while a state_dict() entry shared its qdata stays put after the entry is
+    dropped, and moves at the pack after a ``copy_`` (which drops the pack)."""
+    from torchport.lowp import tensors
+
+    monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 0)
+    monkeypatch.setenv("TORCHPORT_GEMV_HUGEPAGES", "1")
+    torch.manual_seed(13)
+    model = nn.Linear(64, 32)
+    torchport.quantize_(model, lowp.NVFP4WeightOnlyConfig())
+    ptr = lambda: model.weight.qdata.untyped_storage().data_ptr()  # noqa: E731
+    start, x = ptr(), torch.randn(1, 64)
+    sd = model.state_dict()
+    with torch.no_grad():
+        model(x)
+        del sd
+        model(x)
+        assert ptr() == start
+        model.weight.copy_(model.weight.dequantize())
+        model(x)
+    assert ptr() != start
+
+
 def test_quantize_is_all_or_nothing_and_skips_empty_weights():
     """A weight that cannot be quantized (a NaN) raises naming its module before any weight is
     swapped (the model was left half quantized); an empty weight is skipped, not an untyped

@@ -746,16 +746,24 @@ def _gemv_dense_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | N
 
 def _gemv_packed_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     x, data, scales, rowscale, pts, fmt, n, k, bias, _ = inputs
-    ctx.save_for_backward(data, scales, rowscale)
+    # The pack is needed only for the input's gradient (a bias-only backward kept it for
+    # nothing). A weight first packed under torch.inference_mode() holds inference tensors,
+    # which save_for_backward refuses ("Inference tensors cannot be saved for backward"); they
+    # stay ctx attributes: outside inference mode they cannot be written in place, and the
+    # pack is replaced, not rewritten, when the weight changes.
+    pack = (data, scales, rowscale) if x.requires_grad else ()
+    ctx.frozen = tuple(t if t.is_inference() else None for t in pack)
+    ctx.save_for_backward(*(None if t.is_inference() else t for t in pack))
     ctx.meta = (x.shape, x.dtype, pts, fmt, n, k, bias.dtype if bias is not None else None)
 
 
 def _gemv_packed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    data, scales, rowscale = ctx.saved_tensors
     x_shape, x_dtype, pts, fmt, n, k, b_dtype = ctx.meta
     g2 = grad.reshape(-1, n).float()
     gx = None
     if ctx.needs_input_grad[0]:
+        saved = ctx.saved_tensors
+        data, scales, rowscale = (f if f is not None else s for f, s in zip(ctx.frozen, saved))
         w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k))
         gx = (g2 @ w).reshape(x_shape).to(x_dtype)
     gb = g2.sum(0).to(b_dtype) if ctx.needs_input_grad[8] else None
@@ -853,6 +861,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if callable(pack):  # a quantized weight packs once and keeps its settled routes
         return gemv_packed(x, pack(), bias)
     pw = pack_dense(weight)
+    if native.functorch_active():  # torch.func: torch ops on the weight itself, which may be
+        # what is transformed (the packed copy is detached: grad w.r.t. the weight raised "must
+        # override the setup_context staticmethod" through the op's autograd)
+        check_activation(x, pw.k)
+        _check_bias(bias, pw.n)
+        bf = bias.float() if bias is not None else None
+        out = torch.nn.functional.linear(x.reshape(-1, pw.k).float(), weight.float(), bf)
+        return out.to(x.dtype).reshape(*x.shape[:-1], pw.n)
     if weight.requires_grad and torch.is_grad_enabled():  # the op's autograd: weight grads too
         check_activation(x, pw.k)
         _check_bias(bias, pw.n)

@@ -259,7 +259,8 @@ class LowPrecisionTensor(torch.Tensor):
         the moved buffers (same values, one copy kept). Not while another live tensor shares
         qdata's storage (a ``state_dict()`` entry or ``w.data`` taken before this first pack):
         moving would part them, and a ``copy_`` into either then left the other reading its old
-        codes beside the new scales they still shared."""
+        codes beside the new scales they still shared. Only here, at the pack: such a weight
+        stays where it is after the alias goes, until a ``copy_`` drops the pack."""
         if not config.get("gemv_hugepages") or pw.data.nbytes < HUGEPAGE_MIN_BYTES:
             return pw
         if len(self._sharing_caches()) > 1:
@@ -721,7 +722,9 @@ class LowPrecisionTensor(torch.Tensor):
                         "requires_grad=False on the quantized weight, got requires_grad=True"
                     )
                 if x.requires_grad or (bias is not None and bias.requires_grad):
-                    return _FrozenWeightLinear.apply(x, bias, (w,))
+                    if native.functorch_active():
+                        return _FrozenWeightLinear.apply(x, bias, (w,))
+                    return _FrozenWeightLinearEager.apply(x, bias, (w,))
                 return w.linear(x, bias)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -790,6 +793,23 @@ class _FrozenWeightLinear(torch.autograd.Function):
         gx = (g2 @ w.dequantize(grad.dtype)).reshape(ctx.x_shape)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
         return (gx if ctx.needs_input_grad[0] else None), gb, None
+
+
+class _FrozenWeightLinearEager(torch.autograd.Function):
+    """:class:`_FrozenWeightLinear` with its ``ctx`` in ``forward``, for calls outside
+    ``torch.func`` transforms. A function with a separate ``setup_context`` makes every
+    ``apply`` bind its arguments to ``forward``'s signature (``inspect.signature(...).bind``):
+    about 17 µs on each ``F.linear`` call with a quantized weight and an input or bias that
+    requires grad (a quantized ``nn.Linear``'s bias requires grad), 40 µs a decode call where
+    the kernel takes 23. The transforms need that form; eager and ``torch.compile`` take this."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
+        w = wbox[0]  # no transform: no wrapper to take off
+        ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
+        return w.linear(x, bias)
+
+    backward = _FrozenWeightLinear.backward
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
