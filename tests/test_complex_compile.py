@@ -896,6 +896,23 @@ def test_add_sub_with_alpha_take_atens_complex_product(dtype: torch.dtype) -> No
     assert _same_bits(got, fn(a, b)).all()
 
 
+def test_add_sub_with_a_symbolic_alpha_under_dynamic_shapes() -> None:
+    # a keyword alpha that is a graph value (r.shape[0] under dynamic=True) was read from the
+    # source graph's node, so the lowered graph used a node of another graph: compilation failed
+    # ("Argument 'sym_size_int' ... does not belong to this Graph")
+    z = torch.tensor([1 + 2j, 3 - 1j, -0.5 + 0.25j], dtype=torch.complex64)
+    w = torch.tensor([2 + 1j, -1 + 4j, 0.5 + 0j], dtype=torch.complex64)
+
+    def fn(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        n = r.shape[0]
+        return torch.add(x, y, alpha=n) + torch.sub(x, y, alpha=n) + torch.rsub(x, y, alpha=n)
+
+    compiled = torchport.compile(fn, inner="eager", dynamic=True, batching=False)
+    for n in (3, 5):
+        r = torch.zeros(n)
+        torch.testing.assert_close(compiled(z, w, r), fn(z, w, r), rtol=0.0, atol=0.0)
+
+
 def test_differentiating_the_lowered_graph_is_refused() -> None:
     # autograd through the real graph gave wrong gradients where rules pick ATen's values with
     # masks: logcumsumexp's and exp's imaginary gradients at zero imaginary parts (d/dy of the

@@ -375,18 +375,23 @@ def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
     return c_exp(e, c_mul(e, _pair(p), c_log(e, a)))
 
 
-def _alpha_parts(e: _Emitter, n: fx.Node, a: tuple[Any, ...], negate: bool) -> tuple[Any, Any]:
+def _alpha_parts(
+    e: _Emitter, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any], negate: bool
+) -> tuple[Any, Any]:
     """(re, im) of the ``alpha`` (``-alpha`` for sub/rsub) ATen's add kernel multiplies by: a
     real alpha has imaginary part +0, also negated (``-Scalar(2)`` is -2 + 0i); a complex one
-    keeps the signs of its parts (``-(1j)`` is -0 - 1i), so it is read from the node, where a
-    zero imaginary part still has its sign. The ``.Scalar`` overloads take alpha positionally."""
+    keeps the signs of its parts (``-(1j)`` is -0 - 1i), so a number is read from the node,
+    where a zero imaginary part still has its sign. A graph value (a SymInt/SymFloat alpha such
+    as ``r.shape[0]`` under ``dynamic=True``) is a real number, taken from the lowered arguments
+    ``a``/``kw``: the node's own argument belongs to the source graph. The ``.Scalar`` overloads
+    take alpha positionally."""
     raw = n.args[2] if len(n.args) > 2 else n.kwargs["alpha"]
     if isinstance(raw, complex):
         raw = -raw if negate else raw
         return raw.real, raw.imag
     if isinstance(raw, (int, float)):
         return (-raw if negate else raw), 0.0
-    alpha = a[2] if len(a) > 2 else raw  # a graph value: a real number
+    alpha = a[2] if len(a) > 2 else kw["alpha"]
     return (e.neg(alpha) if negate else alpha), 0.0
 
 
@@ -423,21 +428,21 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
         return c_add(lw.e, a[0], a[1])  # (a+bi)+(c+di) = (a+c)+(b+d)i
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=False))
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=False))
 
 
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
         return c_sub(lw.e, a[0], a[1])  # componentwise difference
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=True))
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=True))
 
 
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
         return c_sub(lw.e, a[1], a[0])  # b - a
-    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, negate=True))
+    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, kw, negate=True))
 
 
 @_rule(*_packets("mul"))
