@@ -976,3 +976,20 @@ def test_complex128_exp_scales_only_above_709() -> None:
     w = torch.tensor([709.5 + 1j, 710 - 2j], dtype=torch.complex128)  # scaled: finite in eager
     (got,) = _run_lowered(torch.exp, w)
     torch.testing.assert_close(got, torch.exp(w), rtol=1e-14, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64], ids=str)
+def test_real_base_to_a_complex_exponent_with_zero_imaginary_part(dtype: torch.dtype) -> None:
+    # ATen promotes a real base to complex (imaginary part +0) before its real-exponent cases;
+    # the rule dropped the +0 from their products: nan ** (2 + 0j) gave nan + 0i (eager
+    # nan + nan i), (-0.) ** (-1 + 0j) gave -inf + 0i (eager 1/(-0 + 0i) = inf + nan i)
+    if dtype == torch.int64:
+        x = torch.tensor([0, 1, -2, 3, -7])
+    else:
+        parts = (0.0, -0.0, 1.0, -2.5, 3.0, 1e20, -1e20, math.inf, -math.inf, math.nan)
+        x = torch.tensor(parts, dtype=dtype)
+    for p in (2 + 0j, 3 + 0j, -1 + 0j, -2 + 0j, 0j, 1 + 0j):
+        fn = functools.partial(torch.pow, exponent=p)
+        (got,) = _run_lowered(fn, x)
+        want = fn(x)
+        assert got.dtype == want.dtype and _same_bits(got, want).all(), p

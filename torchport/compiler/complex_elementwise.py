@@ -534,6 +534,17 @@ def _r_sigmoid(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> A
     return c_sigmoid(lw.e, _pair(a[0]), exp_shift(n))  # 1/(1+e^-z)
 
 
+def _real_as_result(e: _Emitter, x: fx.Node, src_node: Any, n: fx.Node) -> Any:
+    """Real tensor ``x`` (lowered from ``src_node``) in the real dtype of ``n``'s complex value:
+    an integer base, or a float32 one of a complex128 result, is converted first, as ATen
+    promotes it; ``x`` itself where the dtypes agree or are unknown."""
+    val, src = _node_val(n), _node_val(src_node)
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return x
+    rdt = val.dtype.to_real()
+    return x if src.dtype == rdt else e.call(torch.Tensor.to, x, rdt)
+
+
 @_rule(*_packets("pow"))
 def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     base, p = a[0], a[1]
@@ -541,6 +552,12 @@ def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         # a complex exponent with zero imaginary part takes ATen's real-exponent cases too
         # (z ** (3 + 0j) is z·z·z there: its overflow is NaN where e^(3 log z) is finite)
         p = p.re
+        if isinstance(base, fx.Node):
+            # a real base is promoted to complex first, and its imaginary part +0 takes part
+            # in those products (nan ** (2 + 0j) is (nan + 0i)² = nan + nan i, (-0.) ** (-1 + 0j)
+            # is 1/(-0 + 0i) = inf + nan i); as a known zero it dropped out (nan + 0i, -inf + 0i)
+            re = _real_as_result(lw.e, base, n.args[0], n)
+            base = Pair(re, lw.e.zeros_like(re))
     if isinstance(p, (Pair, fx.Node, complex)) or not isinstance(base, (Pair, fx.Node)):
         # z^w = e^(w log z)
         return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))), exp_shift(n))
