@@ -896,6 +896,23 @@ def test_add_sub_with_alpha_take_atens_complex_product(dtype: torch.dtype) -> No
     assert _same_bits(got, fn(a, b)).all()
 
 
+def test_add_sub_with_a_symbolic_alpha_under_dynamic_shapes() -> None:
+    # a keyword alpha that is a graph value (r.shape[0] under dynamic=True) was read from the
+    # source graph's node, so the lowered graph used a node of another graph: compilation failed
+    # ("Argument 'sym_size_int' ... does not belong to this Graph")
+    z = torch.tensor([1 + 2j, 3 - 1j, -0.5 + 0.25j], dtype=torch.complex64)
+    w = torch.tensor([2 + 1j, -1 + 4j, 0.5 + 0j], dtype=torch.complex64)
+
+    def fn(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        n = r.shape[0]
+        return torch.add(x, y, alpha=n) + torch.sub(x, y, alpha=n) + torch.rsub(x, y, alpha=n)
+
+    compiled = torchport.compile(fn, inner="eager", dynamic=True, batching=False)
+    for n in (3, 5):
+        r = torch.zeros(n)
+        torch.testing.assert_close(compiled(z, w, r), fn(z, w, r), rtol=0.0, atol=0.0)
+
+
 def test_differentiating_the_lowered_graph_is_refused() -> None:
     # autograd through the real graph gave wrong gradients where rules pick ATen's values with
     # masks: logcumsumexp's and exp's imaginary gradients at zero imaginary parts (d/dy of the
@@ -942,3 +959,37 @@ def test_exp_and_pow_where_e_to_the_x_overflows_but_the_result_does_not(dtype: t
     (got,) = _run_lowered(lambda v: v ** (3 + 0j), w)
     want = torch.view_as_real(w ** (3 + 0j))
     torch.testing.assert_close(torch.view_as_real(got), want, rtol=tol, atol=0.0, equal_nan=True)
+
+
+def test_complex128_exp_scales_only_above_709() -> None:
+    # glibc's cexp scales e^x by e^t only above t = 709 for double (88 for float); complex128
+    # exp was scaled from 88, which rounded (cos y · e^88) · e^(x - 88) differently from
+    # e^x cos y: 1 ulp off eager for most x in (88, 709] (bit-equal 37 %, before the rule 99 %)
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(2000, generator=g, dtype=torch.float64) * 620 + 88
+    y = (torch.rand(2000, generator=g, dtype=torch.float64) * 2 - 1) * 3
+    (got,) = _run_lowered(torch.exp, torch.complex(x, y))
+    assert torch.equal(got.real, torch.exp(x) * torch.cos(y))
+    assert torch.equal(got.imag, torch.exp(x) * torch.sin(y))
+    want = torch.exp(torch.complex(x, y))
+    assert (_same_bits(got, want).double().mean()) > 0.9
+    w = torch.tensor([709.5 + 1j, 710 - 2j], dtype=torch.complex128)  # scaled: finite in eager
+    (got,) = _run_lowered(torch.exp, w)
+    torch.testing.assert_close(got, torch.exp(w), rtol=1e-14, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64], ids=str)
+def test_real_base_to_a_complex_exponent_with_zero_imaginary_part(dtype: torch.dtype) -> None:
+    # ATen promotes a real base to complex (imaginary part +0) before its real-exponent cases;
+    # the rule dropped the +0 from their products: nan ** (2 + 0j) gave nan + 0i (eager
+    # nan + nan i), (-0.) ** (-1 + 0j) gave -inf + 0i (eager 1/(-0 + 0i) = inf + nan i)
+    if dtype == torch.int64:
+        x = torch.tensor([0, 1, -2, 3, -7])
+    else:
+        parts = (0.0, -0.0, 1.0, -2.5, 3.0, 1e20, -1e20, math.inf, -math.inf, math.nan)
+        x = torch.tensor(parts, dtype=dtype)
+    for p in (2 + 0j, 3 + 0j, -1 + 0j, -2 + 0j, 0j, 1 + 0j):
+        fn = functools.partial(torch.pow, exponent=p)
+        (got,) = _run_lowered(fn, x)
+        want = fn(x)
+        assert got.dtype == want.dtype and _same_bits(got, want).all(), p

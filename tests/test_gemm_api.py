@@ -1327,3 +1327,23 @@ def test_bf16_gemm_sums_float32_bias_and_scale_gradients_in_float32():
     linear(x, w, epilogue=[G.Scale(s1)]).backward(g)
     ((x @ w.t()).float() * s2).bfloat16().backward(g)
     assert s1.grad is not None and torch.equal(s1.grad, s2.grad)
+
+
+def test_float32_gemm_sums_bf16_bias_and_scale_gradients_in_float32():
+    # a bf16 bias/scale of a float32 GEMM had its gradient summed in bf16, each element rounded
+    # to bf16 first (0.0625 off on the bias, 0.5 on the scale); eager adds/multiplies in float32
+    # (promotion) and rounds the float32 sum once
+    torch.manual_seed(0)
+    x, w, g = torch.randn(64, 48), torch.randn(40, 48), torch.randn(64, 40)
+    b = torch.randn(40).bfloat16()
+    b1, b2 = (b.clone().requires_grad_() for _ in range(2))
+    linear(x, w, b1).backward(g)
+    ((x @ w.t()) + b2).backward(g)
+    assert b1.grad is not None and b1.grad.dtype == torch.bfloat16
+    assert torch.equal(b1.grad, b2.grad)
+    s = torch.randn(40).bfloat16()
+    s1, s2 = (s.clone().requires_grad_() for _ in range(2))
+    linear(x, w, epilogue=[G.Scale(s1)]).backward(g)
+    ((x @ w.t()) * s2).backward(g)
+    assert s1.grad is not None and s1.grad.dtype == torch.bfloat16
+    assert torch.equal(s1.grad, s2.grad)

@@ -46,22 +46,29 @@ def _keep_zero(e: _Emitter, z: Any, zero: Any, value: Any) -> Any:
     return e.call(torch.where, e.call(operator.eq, z, 0), zero, value)
 
 
-_EXP_SHIFT = 88.0  # c_exp's scaling point: e^88 is finite in float32
+def exp_shift(n: fx.Node) -> float:
+    """c_exp's scaling point for the dtype of ``n``'s value: glibc's cexp threshold
+    floor((max_exp - 1) ln 2), 88 for complex64 and 709 for complex128 (e^t is finite there).
+    complex128 scaled from 88 was 1 ulp off eager for most x in (88, 709]."""
+    val = _node_val(n)
+    double = isinstance(val, torch.Tensor) and val.dtype in (torch.complex128, torch.float64)
+    return 709.0 if double else 88.0
 
 
-def c_exp(e: _Emitter, a: Pair) -> Pair:
+def c_exp(e: _Emitter, a: Pair, shift: float) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.exp, a.re), None)
     # ATen's complex exp is C's cexp, which scales where e^x overflows but e^x cos y need not
     # (exp(88.5 + 1i) is 1.47e38 + 2.29e38i in complex64, and z ** p near |z|^p = float max):
-    # for x above 88 (glibc's floor((max_exp - 1) ln 2) of float32; complex128 scales from there
-    # too) it takes (cos y · e^88) · e^(x - 88); e^x alone was inf. Below 88 nothing changes.
-    big = e.call(operator.gt, a.re, _EXP_SHIFT)
-    ex = e.f(torch.exp, e.call(torch.where, big, e.sub(a.re, _EXP_SHIFT), a.re))
+    # for x above the dtype's ``shift`` t (:func:`exp_shift`) it takes (cos y · e^t) · e^(x - t);
+    # e^x alone was inf. Below t the values are as before; the rule costs 7 nodes per element
+    # (a compare, a subtraction, 2 products and 3 wheres), also where no x exceeds t.
+    big = e.call(operator.gt, a.re, shift)
+    ex = e.f(torch.exp, e.call(torch.where, big, e.sub(a.re, shift), a.re))
     cos_y, sin_y = e.f(torch.cos, a.im), e.f(torch.sin, a.im)
-    # e^88 rounded to the parts' dtype, as the product with a tensor rounds it
-    cos_y = e.call(torch.where, big, e.mul(cos_y, math.exp(_EXP_SHIFT)), cos_y)
-    sin_y = e.call(torch.where, big, e.mul(sin_y, math.exp(_EXP_SHIFT)), sin_y)
+    # e^t rounded to the parts' dtype, as the product with a tensor rounds it
+    cos_y = e.call(torch.where, big, e.mul(cos_y, math.exp(shift)), cos_y)
+    sin_y = e.call(torch.where, big, e.mul(sin_y, math.exp(shift)), sin_y)
     im = _keep_zero(e, a.im, a.im, e.mul(ex, sin_y))  # e^x + 0i for y = ±0
     # x = -inf (as in 0 ** w = exp(w log 0)) gives 0 whatever y, even y = ±inf or NaN, with the
     # signs of cos y and sin y where y is finite and of y where not, as ATen; an e^x that
@@ -201,8 +208,8 @@ def c_tanh(e: _Emitter, a: Pair) -> Pair:
     return Pair(re, e.call(torch.where, odd_y, e.f(torch.copysign, e.dense(0.0, y), y), im))
 
 
-def c_sigmoid(e: _Emitter, a: Pair) -> Pair:
-    return c_div(e, 1.0, c_add(e, 1.0, c_exp(e, Pair(e.neg(a.re), e.neg(a.im)))))
+def c_sigmoid(e: _Emitter, a: Pair, shift: float) -> Pair:
+    return c_div(e, 1.0, c_add(e, 1.0, c_exp(e, Pair(e.neg(a.re), e.neg(a.im)), shift)))
 
 
 def _xy(e: _Emitter, a: Pair) -> tuple[Any, Any]:
@@ -353,7 +360,7 @@ def c_asinh(e: _Emitter, a: Pair) -> Pair:
     return _times_minus_i(e, c_asin(e, _times_i(e, a)))  # asinh z = -i asin(iz)
 
 
-def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
+def c_pow(e: _Emitter, a: Pair, p: Any, shift: float) -> Pair:
     # the exponents ATen computes as other functions (pow_Tensor_Scalar: 0 fills ones, 1 copies;
     # its complex kernel: 0.5 sqrt, -0.5 rsqrt, -1 reciprocal, 2 and 3 products, -2 the
     # reciprocal of the square; int or float alike), so with their values at the branch cut and
@@ -372,21 +379,26 @@ def c_pow(e: _Emitter, a: Pair, p: Any) -> Pair:
             for _ in range(int(p)):
                 out = c_mul(e, out, a)
             return out
-    return c_exp(e, c_mul(e, _pair(p), c_log(e, a)))
+    return c_exp(e, c_mul(e, _pair(p), c_log(e, a)), shift)
 
 
-def _alpha_parts(e: _Emitter, n: fx.Node, a: tuple[Any, ...], negate: bool) -> tuple[Any, Any]:
+def _alpha_parts(
+    e: _Emitter, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any], negate: bool
+) -> tuple[Any, Any]:
     """(re, im) of the ``alpha`` (``-alpha`` for sub/rsub) ATen's add kernel multiplies by: a
     real alpha has imaginary part +0, also negated (``-Scalar(2)`` is -2 + 0i); a complex one
-    keeps the signs of its parts (``-(1j)`` is -0 - 1i), so it is read from the node, where a
-    zero imaginary part still has its sign. The ``.Scalar`` overloads take alpha positionally."""
+    keeps the signs of its parts (``-(1j)`` is -0 - 1i), so a number is read from the node,
+    where a zero imaginary part still has its sign. A graph value (a SymInt/SymFloat alpha such
+    as ``r.shape[0]`` under ``dynamic=True``) is a real number, taken from the lowered arguments
+    ``a``/``kw``: the node's own argument belongs to the source graph. The ``.Scalar`` overloads
+    take alpha positionally."""
     raw = n.args[2] if len(n.args) > 2 else n.kwargs["alpha"]
     if isinstance(raw, complex):
         raw = -raw if negate else raw
         return raw.real, raw.imag
     if isinstance(raw, (int, float)):
         return (-raw if negate else raw), 0.0
-    alpha = a[2] if len(a) > 2 else raw  # a graph value: a real number
+    alpha = a[2] if len(a) > 2 else kw["alpha"]
     return (e.neg(alpha) if negate else alpha), 0.0
 
 
@@ -423,21 +435,21 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
         return c_add(lw.e, a[0], a[1])  # (a+bi)+(c+di) = (a+c)+(b+d)i
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=False))
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=False))
 
 
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
         return c_sub(lw.e, a[0], a[1])  # componentwise difference
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, negate=True))
+    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=True))
 
 
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
         return c_sub(lw.e, a[1], a[0])  # b - a
-    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, negate=True))
+    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, kw, negate=True))
 
 
 @_rule(*_packets("mul"))
@@ -484,7 +496,7 @@ def _r_identity(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> 
 
 @_rule(aten.exp.default)
 def _r_exp(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_exp(lw.e, _pair(a[0]))  # e^x (cos y + i sin y)
+    return c_exp(lw.e, _pair(a[0]), exp_shift(n))  # e^x (cos y + i sin y)
 
 
 @_rule(aten.log.default)
@@ -519,7 +531,18 @@ def _r_tanh(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 
 @_rule(aten.sigmoid.default)
 def _r_sigmoid(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_sigmoid(lw.e, _pair(a[0]))  # 1/(1+e^-z)
+    return c_sigmoid(lw.e, _pair(a[0]), exp_shift(n))  # 1/(1+e^-z)
+
+
+def _real_as_result(e: _Emitter, x: fx.Node, src_node: Any, n: fx.Node) -> Any:
+    """Real tensor ``x`` (lowered from ``src_node``) in the real dtype of ``n``'s complex value:
+    an integer base, or a float32 one of a complex128 result, is converted first, as ATen
+    promotes it; ``x`` itself where the dtypes agree or are unknown."""
+    val, src = _node_val(n), _node_val(src_node)
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return x
+    rdt = val.dtype.to_real()
+    return x if src.dtype == rdt else e.call(torch.Tensor.to, x, rdt)
 
 
 @_rule(*_packets("pow"))
@@ -529,9 +552,16 @@ def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         # a complex exponent with zero imaginary part takes ATen's real-exponent cases too
         # (z ** (3 + 0j) is z·z·z there: its overflow is NaN where e^(3 log z) is finite)
         p = p.re
+        if isinstance(base, fx.Node):
+            # a real base is promoted to complex first, and its imaginary part +0 takes part
+            # in those products (nan ** (2 + 0j) is (nan + 0i)² = nan + nan i, (-0.) ** (-1 + 0j)
+            # is 1/(-0 + 0i) = inf + nan i); as a known zero it dropped out (nan + 0i, -inf + 0i)
+            re = _real_as_result(lw.e, base, n.args[0], n)
+            base = Pair(re, lw.e.zeros_like(re))
     if isinstance(p, (Pair, fx.Node, complex)) or not isinstance(base, (Pair, fx.Node)):
-        return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))))  # z^w = e^(w log z)
-    return c_pow(lw.e, _pair(base), p)  # small integer powers by repeated products
+        # z^w = e^(w log z)
+        return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))), exp_shift(n))
+    return c_pow(lw.e, _pair(base), p, exp_shift(n))  # small integer powers by products
 
 
 @_rule(aten.expm1.default)
@@ -541,7 +571,7 @@ def _r_expm1(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
 
 @_rule(aten.exp2.default)
 def _r_exp2(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_exp(lw.e, c_mul(lw.e, _pair(a[0]), math.log(2.0)))  # 2^z = e^(z log 2)
+    return c_exp(lw.e, c_mul(lw.e, _pair(a[0]), math.log(2.0)), exp_shift(n))  # e^(z log 2)
 
 
 @_rule(aten.log1p.default)

@@ -757,7 +757,10 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     hs: list[torch.Tensor] = []
     it = iter(operands)
     vals: list[torch.Tensor | None] = []
-    accs: list[torch.dtype] = []  # per step: the dtype its operand's gradient is summed in
+    # per step: the dtype its operand's gradient is summed in, the wider of the GEMM's and the
+    # operand's (eager's promotion: a bf16 bias of a float32 GEMM is added in float32, and its
+    # gradient summed there; summed in bf16, each element was rounded first, 0.0625 off)
+    accs: list[torch.dtype] = []
     for op in sp.ops:
         hs.append(h)
         # a scale operand keeps its dtype: _step and the gradient multiply in the wider dtype
@@ -772,14 +775,21 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             else None
         )
         vals.append(t)
-        accs.append(dt if raw is None else raw.dtype)
+        accs.append(dt if raw is None else torch.promote_types(dt, raw.dtype))
         h = _step(h, op, t)
     g = grad.to(dt)
     grads_ops: list[torch.Tensor | None] = []
     # a float32 bias or scale of a bf16 GEMM gets its gradient summed in float32 from exact
     # products (bf16 x bf16 fits float32), as eager's float32 autograd sums: the bf16 sum was
     # rounded to bf16 (1 bf16 ulp off, 0.03 on a bias gradient of ~8). A bf16 operand's sum is
-    # rounded to bf16 once, as F.linear's bias gradient.
+    # rounded to bf16 once, as F.linear's bias gradient; a bf16 operand of a float32 GEMM is
+    # summed in float32 and rounded once (all as eager). Memory, only where a bf16 gradient is
+    # summed in float32: ATen's CPU sum with dtype= widens its input first (an M x N float32
+    # temporary, 16 MiB at 2048 x 2048), and a scale's product takes two (32 MiB; mul_ into the
+    # widened copy allocates the same, CPU TensorIterator widens the bf16 factor too). Eager's
+    # own float32 autograd widens the whole gradient as well. A bf16 ones-vector matmul rounds
+    # its sums to bf16, and a row-chunked sum equals ATen's only where the chunks line up with
+    # its cascade's levels (16-row steps, then sums of 16), not in general: not eager's bits.
     for op, x, t, acc in zip(reversed(sp.ops), reversed(hs), reversed(vals), reversed(accs)):
         k = op.kind
         if k == "bias_col":
