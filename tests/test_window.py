@@ -270,6 +270,27 @@ def test_a_tensor_one_rank_cannot_register_fails_every_rank_at_once(trio):
         assert got == [float((r + 1) % WORLD)]
 
 
+def test_shm_create_failing_after_the_file_was_made_cleans_up(monkeypatch):
+    """A failure of the allocation or the mapping after ``O_CREAT`` (an address-space limit,
+    a full /dev/shm) left the file in /dev/shm and its fd open, with an untyped OSError."""
+    import errno
+    import mmap as mmap_mod
+    import secrets
+
+    from torchport.distributed import window
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap_mod, "mmap", no_memory)
+    name = f"tpwin-test-{secrets.token_hex(6)}"
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(window.WindowError, match=r"4096 bytes .*\(errno 12\)"):
+        window._shm_create(name, 4096)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
     """A SIGSTOPped peer blocked a tcp ``get`` forever: every request is bounded by the
     window's timeout, raises CommTimeoutError naming the peer and the request, and the next

@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import ctypes
+import errno
 import fcntl
 import hashlib
 import mmap
@@ -127,14 +128,56 @@ def _group_timeout(group: Any) -> float:
 
 
 def _shm_create(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
-    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.ftruncate(fd, max(nbytes, 8))
-    return mmap.mmap(fd, max(nbytes, 8)), fd
+    """A new ``/dev/shm`` file of ``nbytes`` (at least 8), mapped: ``(mapping, fd)``.
+
+    The pages are reserved up front (``posix_fallocate``): a file only truncated to size faulted
+    with SIGBUS on the first write once ``/dev/shm`` was full. Any failure after the file was
+    made closes it and unlinks it (the file stayed in ``/dev/shm`` and the fd leaked) and raises
+    :class:`WindowError` naming the size and the errno."""
+    size = max(nbytes, 8)
+    path = f"/dev/shm/{name}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        raise WindowError(
+            f"could not create the window file {path} ({size} bytes): {e.strerror} "
+            f"(errno {e.errno})"
+        ) from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # (not tmpfs: size it only)
+                raise
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size), fd
+    except OSError as e:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise WindowError(
+            f"could not allocate and map {size} bytes of shared memory for {path}: "
+            f"{e.strerror} (errno {e.errno})"
+        ) from None
 
 
 def _shm_open(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
-    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-    return mmap.mmap(fd, max(nbytes, 8)), fd
+    """A peer's ``/dev/shm`` file mapped: ``(mapping, fd)``; WindowError if it cannot be (the fd
+    leaked when the mapping failed)."""
+    size = max(nbytes, 8)
+    path = f"/dev/shm/{name}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise WindowError(
+            f"could not open the window file {path}: {e.strerror} (errno {e.errno})"
+        ) from None
+    try:
+        return mmap.mmap(fd, size), fd
+    except OSError as e:
+        os.close(fd)
+        raise WindowError(
+            f"could not map {size} bytes of the window file {path}: {e.strerror} (errno {e.errno})"
+        ) from None
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
