@@ -583,20 +583,36 @@ def c_window_nonmember(st: dict[str, Any]) -> Any:
     return "no error"
 
 
-def c_window_bad_register(st: dict[str, Any]) -> Any:
-    """Rank 1 registers a 9-dim tensor, the others a valid one: each rank's error; then every
-    rank registers [rank] and gets the next rank's."""
+def c_window_bad_register(st: dict[str, Any], bad: str = "dims") -> Any:
+    """Rank 1 registers a tensor the window cannot take (``bad``: "dims" 9 dims, "sparse" a
+    sparse COO tensor, "nospace" one whose file cannot be allocated, ENOSPC), the others a
+    valid one: each rank's error; then every rank registers [rank] and gets the next rank's."""
+    import errno
+    from unittest import mock
+
     import torch.distributed as dist
 
-    from torchport.distributed import WindowError, _new_window
+    from torchport.distributed import WindowError, _new_window, window
 
     rank, world = dist.get_rank(), dist.get_world_size()
     win = _new_window()
-    try:
-        win.tensor_register(torch.zeros([1] * 9) if rank == 1 else torch.zeros(2))
-        err = "no error"
-    except WindowError as e:
-        err = str(e)
+    t = torch.zeros(2)
+    if rank == 1 and bad == "dims":
+        t = torch.zeros([1] * 9)
+    elif rank == 1 and bad == "sparse":
+        t = torch.zeros(4).to_sparse()
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    nospace = (
+        mock.patch.object(window.os, "posix_fallocate", side_effect=full)
+        if rank == 1 and bad == "nospace"
+        else contextlib.nullcontext()
+    )
+    with nospace:
+        try:
+            win.tensor_register(t)
+            err = "no error"
+        except WindowError as e:
+            err = str(e)
     win.tensor_register(torch.full((1,), float(rank)))
     got = win.get((rank + 1) % world).tolist()
     win.fence()

@@ -333,6 +333,18 @@ class Window:
         if tensor is not None:
             self.tensor_register(tensor)
 
+    def _agree(self, failure: BaseException | None, what: str) -> None:
+        """Collective (an allgather where a barrier stood): ``failure`` on any rank raises on
+        every rank at once, the failing rank its own error, the others WindowError naming it.
+        A rank that raised alone left the others in the next collective for the group's
+        timeout (30 minutes on gloo), and they then disagreed on the window's state."""
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+        failed = [r for r, f in enumerate(self._c.allgather(flag)) if int(f[0])]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise WindowError(f"{what} failed on rank(s) {failed} (their error says why)")
+
     def _group_secret(self) -> bytes:
         """32 random bytes drawn by rank 0, shared over the group's collectives."""
         mine = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
@@ -344,7 +356,11 @@ class Window:
 
         A tensor the window cannot take raises :class:`WindowError` on every rank (the others
         name the rank), after the exchange of the tensors' shapes: raised before it, the other
-        ranks waited in that exchange for the group's timeout (30 minutes on gloo)."""
+        ranks waited in that exchange for the group's timeout (30 minutes on gloo). The tensor
+        is copied into this rank's file before the exchange, so a copy or an allocation that
+        fails is such a refusal too; a peer's file that cannot be mapped afterwards fails every
+        rank alike, and any failure leaves the window with nothing registered (a later
+        registration works)."""
         if self._closed:
             raise WindowError("tensor_register: the window was closed (close)")
         self._check_members("tensor_register")
@@ -353,10 +369,29 @@ class Window:
         problem = None
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             problem = f"tensor_register needs a CPU tensor, got {type(tensor).__name__}"
+        elif tensor.layout != torch.strided or tensor.is_nested:
+            # (a sparse or mkldnn tensor passed, and copy_ into the window failed after the
+            # exchange on that rank alone: the others waited in a barrier for the timeout)
+            kind = "nested" if tensor.is_nested else str(tensor.layout)
+            problem = f"tensor_register needs a dense (strided) tensor, got layout {kind}"
         elif tensor.dtype not in _DTYPE_LIST:
             problem = f"unsupported window dtype {tensor.dtype}"
         elif tensor.dim() > 8:
             problem = f"window tensors may have at most 8 dims, got {tensor.dim()}"
+        name = f"{self._name}-d{self._regs + 1}-{self.rank}"
+        own: tuple[mmap.mmap, int] | None = None
+        local: torch.Tensor | None = None
+        if problem is None:
+            try:
+                own = _shm_create(name, tensor.numel() * tensor.element_size())
+                local = self._view_of(own[0], tensor.dtype, list(tensor.shape))
+                local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
+            except Exception as e:
+                problem = f"tensor_register could not place the tensor in window memory: {e}"
+                local = None
+                if own is not None:
+                    self._release_data([own], name)
+                    own = None
         meta = torch.zeros(_META, dtype=torch.int64)
         if problem is None:
             meta[0], meta[1], meta[2] = (
@@ -367,56 +402,88 @@ class Window:
             meta[3 : 3 + tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
         else:
             meta[0] = -1  # tells the peers
-        metas = self._c.allgather(meta)
-        if problem is not None:
-            raise WindowError(problem)
+        try:
+            # every rank's file exists once this returns: the peers may open it
+            metas = self._c.allgather(meta)
+        except BaseException:
+            local = None
+            if own is not None:
+                self._release_data([own], name)
+            raise
         refused = [r for r, m in enumerate(metas) if int(m[0]) < 0]
         if refused:
+            local = None
+            if own is not None:
+                self._release_data([own], name)
+            if problem is not None:
+                raise WindowError(problem)
             raise WindowError(
                 f"tensor_register: rank(s) {refused} gave a tensor the window cannot take "
                 "(their error says why); nothing was registered"
             )
+        assert own is not None and local is not None
         self._regs += 1
         self._meta = [
             (_DTYPE_LIST[int(m[0])], [int(x) for x in m[3 : 3 + int(m[2])]]) for m in metas
         ]
-        nbytes = tensor.numel() * tensor.element_size()
-        name = f"{self._name}-d{self._regs}-{self.rank}"
-        m, fd = _shm_create(name, nbytes)
+        # this registration's mappings (own first), released by deregister; set before the
+        # last exchange: a peer's tcp put may arrive as soon as that returns on the peer
+        self._data = [own]
+        self._data_fd = own[1]
+        self._local = local
+        self._remote = [None] * self.size
+        self._remote_fds = [-1] * self.size
+        del local
         try:
-            # this registration's mappings (own first), released by deregister
-            self._data = [(m, fd)]
-            self._data_fd = fd
-            self._local = self._view(m, self.rank)
-            self._local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
-            self._remote = [None] * self.size
-            self._remote_fds = [-1] * self.size
-            self._c.barrier()
+            failure: BaseException | None = None
             if self.transport == "shm":
-                for r in range(self.size):
-                    if r == self.rank:
-                        self._remote[r], self._remote_fds[r] = self._local, fd
-                        continue
-                    dt, shape = self._meta[r]
-                    n = int(np.prod(shape)) if shape else 1
-                    m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
-                    self._data.append((m2, fd2))
-                    self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
-            self._c.barrier()
+                try:
+                    for r in range(self.size):
+                        if r == self.rank:
+                            self._remote[r], self._remote_fds[r] = self._local, own[1]
+                            continue
+                        dt, shape = self._meta[r]
+                        n = int(np.prod(shape)) if shape else 1
+                        m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
+                        self._data.append((m2, fd2))
+                        self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
+                except Exception as e:
+                    failure = e
+            self._agree(failure, "tensor_register")
         except BaseException:
             # a peer failed or vanished before every rank had mapped the file: nothing
-            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
-            _unlink_quietly(f"/dev/shm/{name}")
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good); and
+            # the registration is dropped on every rank (it stayed on the failing ones, which
+            # then refused every later registration as "already registered")
+            self._local = None
+            self._remote, self._remote_fds, self._meta = [], [], []
+            data, self._data = self._data, []
+            self._release_data(data, name)
             raise
         os.unlink(f"/dev/shm/{name}")
 
-    def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
-        dt, shape = self._meta[r]
+    @staticmethod
+    def _release_data(data: list[tuple[mmap.mmap, int]], own_name: str) -> None:
+        """Undo a registration that failed: unlink this rank's file, close the fds and the
+        mappings (no view of them is left)."""
+        _unlink_quietly(f"/dev/shm/{own_name}")
+        for m, fd in data:
+            os.close(fd)
+            with contextlib.suppress(BufferError):  # (a view still held: freed with it)
+                m.close()
+
+    @staticmethod
+    def _view_of(m: mmap.mmap, dt: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """The first ``prod(shape)`` elements of ``m`` as a ``dt`` tensor of ``shape``."""
         n = int(np.prod(shape)) if shape else 1
         if n == 0:
             return torch.empty(shape, dtype=dt)
         flat = torch.frombuffer(m, dtype=torch.uint8, count=n * dt.itemsize)
         return flat.view(dt).view(shape)
+
+    def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
+        dt, shape = self._meta[r]
+        return self._view_of(m, dt, shape)
 
     def tensor_deregister(self) -> None:
         """Collective: drop the registered tensors and release their memory (after a fence).
