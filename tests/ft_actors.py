@@ -538,7 +538,7 @@ def c_window_on_group_use(st: dict[str, Any], dst: int) -> Any:
 
 
 def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
-    """Ranks 0 and 1 make a window on a group with a 2 s timeout, and rank 1 cannot map its
+    """Ranks 0 and 1 make a window on a group with a 4 s timeout, and rank 1 cannot map its
     peer's file of kind ``which`` ("s": the signal counters, at creation; "d": the registered
     tensor): the type of each rank's error."""
     from datetime import timedelta
@@ -549,7 +549,7 @@ def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
     from torchport.distributed import window
 
     rank = dist.get_rank()
-    sub = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=4))
     if rank == 2:
         return None
     real = window._shm_open
@@ -565,6 +565,24 @@ def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
         except Exception as e:
             return type(e).__name__
     return "no error"
+
+
+def c_window_refused_leak(st: dict[str, Any], transport: str) -> Any:
+    """Three windows whose tensor every rank refuses (9 dims): (open fds before, after, window
+    server threads left)."""
+    import gc
+    import threading
+
+    from torchport.distributed import WindowError, _new_window
+
+    gc.collect()  # (earlier tests' windows: their fds go with them)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with contextlib.suppress(WindowError):
+            _new_window(torch.zeros([1] * 9), transport=transport)
+    gc.collect()
+    threads = sum("window" in t.name for t in threading.enumerate())
+    return before, len(os.listdir("/proc/self/fd")), threads
 
 
 def c_window_nonmember(st: dict[str, Any]) -> Any:
@@ -922,6 +940,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_peer_fails_mapping": c_window_peer_fails_mapping,
     "window_nonmember": c_window_nonmember,
     "window_bad_register": c_window_bad_register,
+    "window_refused_leak": c_window_refused_leak,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

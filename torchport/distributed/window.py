@@ -286,52 +286,85 @@ class Window:
         self._sig_remote: list[Any] = [None] * self.size
         self._server: Server | None = None
         self._closed = False
+        self._sig_local = np.zeros(0, dtype=np.int64)
         sig_name = f"{self._name}-s{self.rank}"
-        m, fd = _shm_create(sig_name, 8 * self.size)
+        made = False
         try:
-            self._maps.append(m)
-            self._fds.append(fd)
-            self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
-            addrs: list[tuple[str, int]] = []
+            failure: BaseException | None = None
+            try:
+                m, fd = _shm_create(sig_name, 8 * self.size)
+                made = True
+                self._maps.append(m)
+                self._fds.append(fd)
+                self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
+            except Exception as e:
+                failure = e
+            # every rank's file exists after this (a rank that could not make its own raised
+            # alone, and the others waited in the next collective for the group's timeout)
+            self._agree(failure, "window creation")
+            self._addrs: list[tuple[str, int]] = []
             if self.transport == "tcp":
-                self._secret = self._group_secret()
-                bind = str(config.get("dist_addr"))
-                self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
-                host = self._server.address[0]
-                if host in ("0.0.0.0", ""):
-                    host = socket.gethostbyname(socket.gethostname())
-                try:
-                    ip = int.from_bytes(socket.inet_aton(host), "big")
-                except OSError:
-                    raise WindowError(
-                        f"the window server needs an IPv4 address, got {host!r} "
-                        "(TORCHPORT_DIST_ADDR)"
-                    ) from None
-                me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
-                addrs = [
-                    (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
-                    for a in self._c.allgather(me)
-                ]
-            self._addrs = addrs
-            self._c.barrier()
+                self._start_server()
             if self.transport == "shm":
-                for r in range(self.size):
-                    if r == self.rank:
-                        self._sig_remote[r] = self._sig_local
-                        continue
-                    m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
-                    self._maps.append(m)
-                    self._fds.append(fd)
-                    self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
-            self._c.barrier()
+                try:
+                    for r in range(self.size):
+                        if r == self.rank:
+                            self._sig_remote[r] = self._sig_local
+                            continue
+                        m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
+                        self._maps.append(m)
+                        self._fds.append(fd)
+                        self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
+                except Exception as e:
+                    failure = e
+            self._agree(failure, "window creation")
         except BaseException:
             # a peer failed or vanished before every rank had mapped the file: nothing
-            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
-            _unlink_quietly(f"/dev/shm/{sig_name}")
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good); the
+            # server, its thread and the fds of the window (never returned) stayed too
+            if made:
+                _unlink_quietly(f"/dev/shm/{sig_name}")
+            self._abandon()
             raise
         os.unlink(f"/dev/shm/{sig_name}")  # everyone has mapped it: nothing can leak
         if tensor is not None:
-            self.tensor_register(tensor)
+            try:
+                self.tensor_register(tensor)
+            except BaseException:
+                self._abandon()  # (a refused tensor left the window's server and fds behind)
+                raise
+
+    def _start_server(self) -> None:
+        """(tcp) Draw the group's secret, start this rank's window server and exchange the
+        servers' addresses; a rank whose server could not start makes every rank raise."""
+        self._secret = self._group_secret()
+        problem = None
+        me = torch.tensor([-1, 0], dtype=torch.int64)
+        try:
+            bind = str(config.get("dist_addr"))
+            self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
+            host = self._server.address[0]
+            if host in ("0.0.0.0", ""):
+                host = socket.gethostbyname(socket.gethostname())
+            try:
+                ip = int.from_bytes(socket.inet_aton(host), "big")
+            except OSError:
+                raise WindowError(
+                    f"the window server needs an IPv4 address, got {host!r} (TORCHPORT_DIST_ADDR)"
+                ) from None
+            me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
+        except Exception as e:
+            problem = e
+        got = self._c.allgather(me)
+        if problem is not None:
+            raise problem
+        refused = [r for r, a in enumerate(got) if int(a[0]) < 0]
+        if refused:
+            raise WindowError(
+                f"window creation: rank(s) {refused} could not start their window server "
+                "(their error says why)"
+            )
+        self._addrs = [(socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1])) for a in got]
 
     def _agree(self, failure: BaseException | None, what: str) -> None:
         """Collective (an allgather where a barrier stood): ``failure`` on any rank raises on
@@ -344,6 +377,15 @@ class Window:
             raise failure
         if failed:
             raise WindowError(f"{what} failed on rank(s) {failed} (their error says why)")
+
+    def _abandon(self) -> None:
+        """Release everything a window that failed to come up holds (``close()`` and its
+        mappings; local, no collective): it is never returned, so nobody closes it."""
+        self.close()
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # (a view still held: freed with it)
+                m.close()
+        self._maps = []
 
     def _group_secret(self) -> bytes:
         """32 random bytes drawn by rank 0, shared over the group's collectives."""
