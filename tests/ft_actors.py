@@ -507,6 +507,8 @@ def c_window_after_close(st: dict[str, Any], transport: str) -> Any:
         lambda: win.put(torch.ones(1), peer),
         lambda: win.map_remote_tensor(peer),
         lambda: win.tensor_register(torch.zeros(2)),
+        win.fence,
+        win.tensor_deregister,
     ):
         try:
             fn()

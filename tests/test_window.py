@@ -207,11 +207,13 @@ def test_sources_that_require_grad_leave_window_memory_out_of_autograd(trio, tra
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_operations_after_close_raise_window_error(trio, transport):
     """signal and wait_signal after close() raised IndexError on the released counters (shm),
-    get said no tensor was registered: every operation names the close."""
+    get and tensor_deregister said no tensor was registered, fence ran a barrier: every
+    operation names the close."""
     res = trio.call_all(list(range(WORLD)), "window_after_close", [(transport,)] * WORLD)
     for s, errors in res:
         assert s == "ok", res
         names = ["signal", "wait_signal", "get", "put", "map_remote_tensor", "tensor_register"]
+        names += ["fence", "tensor_deregister"]
         for name, e in zip(names, errors, strict=True):
             assert e == f"WindowError: {name}: the window was closed (close)", errors
 
@@ -315,6 +317,23 @@ def test_shm_create_failing_after_the_file_was_made_cleans_up(monkeypatch):
         window._shm_create(name, 4096)
     assert not os.path.exists(f"/dev/shm/{name}")
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_after_the_groups_own_close_the_window_names_the_close():
+    """After ReconfigurableGroup.close() (its communicator dropped), a window operation said
+    the group was reconfigured."""
+    from types import SimpleNamespace
+
+    from torchport.distributed import window
+
+    win = window.Window.__new__(window.Window)
+    win._pg = object()
+    win._c = SimpleNamespace(g=SimpleNamespace(pg=None))
+    with pytest.raises(window.WindowError, match=r"^put: the window's group was closed"):
+        win._check_members("put")
+    win._c.g.pg = object()
+    with pytest.raises(window.WindowError, match=r"^put: the window's group was reconfigured"):
+        win._check_members("put")
 
 
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):

@@ -536,8 +536,8 @@ class Window:
         done so each truncates its own file, which frees the shared pages. Window operations
         afterwards raise :class:`WindowError` until a tensor is registered again.
         """
-        if self._local is None:
-            raise WindowError("tensor_deregister: no tensor is registered with this window")
+        if self._local is None:  # (after close(): said "no tensor is registered")
+            raise WindowError(f"tensor_deregister: {self._unregistered()}")
         self._check_members("tensor_deregister")
         self._c.barrier()  # every rank's RMA on the old tensors has ended
         self._local = None
@@ -564,6 +564,9 @@ class Window:
         """WindowError once the window's reconfigurable group was reconfigured: rank ``r`` then
         named another process than the window maps, so a put to a rank that had left the group
         landed in that process's memory and the new rank ``r`` never saw it (no error)."""
+        if self._pg is not None and self._c.g.pg is None:
+            # (the group's own close() also drops its communicator: it said "reconfigured")
+            raise WindowError(f"{what}: the window's group was closed (ReconfigurableGroup.close)")
         if self._pg is not None and self._c.g.pg is not self._pg:
             raise WindowError(
                 f"{what}: the window's group was reconfigured after the window was created "
@@ -744,6 +747,8 @@ class Window:
         Waits for this rank's outstanding ``async_op`` operations first; the first of their
         errors is raised after the barrier (so no peer is left waiting in it).
         """
+        if self._closed:  # (it ran a barrier over the group after close())
+            raise WindowError("fence: the window was closed (close)")
         self._check_members("fence")  # (on every member alike: none waits in the barrier)
         with self._plock:
             pending, self._pending = self._pending, []
