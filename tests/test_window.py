@@ -319,6 +319,30 @@ def test_shm_create_failing_after_the_file_was_made_cleans_up(monkeypatch):
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_host_identity_tells_private_dev_shm_mounts_apart(monkeypatch):
+    """Containers with one hostname (and so one boot id) but their own /dev/shm mount counted
+    as one host: ``auto`` took shared memory and creation failed (FileNotFoundError) opening
+    the peers' files. The device of /dev/shm is part of the identity now (windows and the
+    collectives' shm-or-tcp choice alike)."""
+    from torchport.distributed import groups, window
+
+    real = os.stat
+    here = (groups.host_id(), window._host_id())
+
+    def other_mount(path, *args, **kwargs):
+        st = real(path, *args, **kwargs)
+        if path != "/dev/shm":
+            return st
+        fields = list(st)
+        fields[2] = st.st_dev + 1  # (st_dev)
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", other_mount)
+    assert groups.host_id() != here[0] and window._host_id() != here[1]
+    monkeypatch.undo()
+    assert (groups.host_id(), window._host_id()) == here
+
+
 def test_after_the_groups_own_close_the_window_names_the_close():
     """After ReconfigurableGroup.close() (its communicator dropped), a window operation said
     the group was reconfigured."""
