@@ -587,6 +587,33 @@ def c_window_refused_leak(st: dict[str, Any], transport: str) -> Any:
     return before, len(os.listdir("/proc/self/fd")), threads
 
 
+def c_track_shm(st: dict[str, Any]) -> None:
+    """From now on record the names of the ``/dev/shm`` files this process's windows create
+    (``shm_made``): a test then looks for leftovers among its own windows' files only (other
+    windows on the host, of parallel tests, come and go)."""
+    from torchport.distributed import window
+
+    made: list[str] = st.setdefault("shm_made", [])
+    real = window._shm_create
+    if getattr(real, "tracked", False):
+        return
+
+    def tracking(name: str, nbytes: int) -> Any:
+        made.append(name)
+        return real(name, nbytes)
+
+    tracking.tracked = True  # type: ignore[attr-defined]
+    window._shm_create = tracking  # type: ignore[assignment]
+
+
+def c_shm_made(st: dict[str, Any]) -> list[str]:
+    """The names recorded since the last call (see :func:`c_track_shm`)."""
+    made = st.setdefault("shm_made", [])
+    names = list(made)
+    made.clear()
+    return names
+
+
 def c_window_nonmember(st: dict[str, Any]) -> Any:
     """Rank 2 asks for a window on the group of ranks 0 and 1: its error."""
     import torch.distributed as dist
@@ -943,6 +970,8 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_nonmember": c_window_nonmember,
     "window_bad_register": c_window_bad_register,
     "window_refused_leak": c_window_refused_leak,
+    "track_shm": c_track_shm,
+    "shm_made": c_shm_made,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

@@ -25,7 +25,16 @@ def trio():
             [(f"{d}/s", i, WORLD) for i in range(WORLD)],
             timeout=120,
         )
+        a.call_all(list(range(WORLD)), "track_shm")
         yield a
+
+
+def _left_in_dev_shm(actors: Actors) -> list[str]:
+    """The ``/dev/shm`` files the actors' windows made since the last call that are still
+    there. Only the test's own: looking for any ``tpwin-*`` file failed whenever another
+    window on the host (a parallel test, CI) was up."""
+    made = [n for _, names in actors.call_all(list(range(WORLD)), "shm_made") for n in names]
+    return [n for n in made if os.path.exists(f"/dev/shm/{n}")]
 
 
 def _script(seed: int) -> list[tuple]:
@@ -76,7 +85,7 @@ def test_window_matches_reference(trio, transport, seed):
         assert got == gets[r]
         if transport == "shm":
             assert mapped == finals[(r + 1) % WORLD]  # map_remote_tensor is the peer's memory
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -154,7 +163,7 @@ def test_deregister_releases_the_mappings_and_later_use_is_typed(trio, transport
         assert errors[0].startswith("get:") and errors[2].startswith("local:")
         assert views == [[0.0] * 3] + ([[0.0] * 4] if transport == "shm" else [])
         assert again == [10.0 + (r + 1) % WORLD] * 2
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -167,7 +176,7 @@ def test_views_held_past_close_and_collection_keep_their_values(trio, transport)
         assert s == "ok", res
         peer = [[1.0 + (r + 1) % WORLD] * 5] if transport == "shm" else []
         assert views == [[1.0 + r] * 5, *peer]
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -179,7 +188,7 @@ def test_a_window_after_one_on_a_subgroup_agrees_on_its_files(trio, transport):
     for r, (s, got) in enumerate(res):
         assert s == "ok", res
         assert got == [float((r + 1) % WORLD)] * 3
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 def test_hosts_sharing_a_name_prefix_are_told_apart(trio):
@@ -251,7 +260,7 @@ def test_a_peer_failing_during_creation_leaves_no_file_in_dev_shm(trio, which):
     )
     assert res[1] == ("ok", "OSError") and res[2] == ("ok", None), res
     assert res[0] == ("ok", "WindowError"), res
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 def test_a_window_on_a_group_this_rank_is_not_in_says_so(trio):
@@ -295,7 +304,7 @@ def test_a_refused_window_leaves_no_server_or_fds(trio, transport):
     for s, (before, after, threads) in res:
         assert s == "ok", res
         assert (after, threads) == (before, 0), res
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 def test_shm_create_failing_after_the_file_was_made_cleans_up(monkeypatch):
