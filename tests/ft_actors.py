@@ -507,6 +507,8 @@ def c_window_after_close(st: dict[str, Any], transport: str) -> Any:
         lambda: win.put(torch.ones(1), peer),
         lambda: win.map_remote_tensor(peer),
         lambda: win.tensor_register(torch.zeros(2)),
+        win.fence,
+        win.tensor_deregister,
     ):
         try:
             fn()
@@ -538,7 +540,7 @@ def c_window_on_group_use(st: dict[str, Any], dst: int) -> Any:
 
 
 def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
-    """Ranks 0 and 1 make a window on a group with a 2 s timeout, and rank 1 cannot map its
+    """Ranks 0 and 1 make a window on a group with a 4 s timeout, and rank 1 cannot map its
     peer's file of kind ``which`` ("s": the signal counters, at creation; "d": the registered
     tensor): the type of each rank's error."""
     from datetime import timedelta
@@ -549,7 +551,7 @@ def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
     from torchport.distributed import window
 
     rank = dist.get_rank()
-    sub = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=4))
     if rank == 2:
         return None
     real = window._shm_open
@@ -565,6 +567,51 @@ def c_window_peer_fails_mapping(st: dict[str, Any], which: str) -> Any:
         except Exception as e:
             return type(e).__name__
     return "no error"
+
+
+def c_window_refused_leak(st: dict[str, Any], transport: str) -> Any:
+    """Three windows whose tensor every rank refuses (9 dims): (open fds before, after, window
+    server threads left)."""
+    import gc
+    import threading
+
+    from torchport.distributed import WindowError, _new_window
+
+    gc.collect()  # (earlier tests' windows: their fds go with them)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with contextlib.suppress(WindowError):
+            _new_window(torch.zeros([1] * 9), transport=transport)
+    gc.collect()
+    threads = sum("window" in t.name for t in threading.enumerate())
+    return before, len(os.listdir("/proc/self/fd")), threads
+
+
+def c_track_shm(st: dict[str, Any]) -> None:
+    """From now on record the names of the ``/dev/shm`` files this process's windows create
+    (``shm_made``): a test then looks for leftovers among its own windows' files only (other
+    windows on the host, of parallel tests, come and go)."""
+    from torchport.distributed import window
+
+    made: list[str] = st.setdefault("shm_made", [])
+    real = window._shm_create
+    if getattr(real, "tracked", False):
+        return
+
+    def tracking(name: str, nbytes: int) -> Any:
+        made.append(name)
+        return real(name, nbytes)
+
+    tracking.tracked = True  # type: ignore[attr-defined]
+    window._shm_create = tracking  # type: ignore[assignment]
+
+
+def c_shm_made(st: dict[str, Any]) -> list[str]:
+    """The names recorded since the last call (see :func:`c_track_shm`)."""
+    made = st.setdefault("shm_made", [])
+    names = list(made)
+    made.clear()
+    return names
 
 
 def c_window_nonmember(st: dict[str, Any]) -> Any:
@@ -583,20 +630,36 @@ def c_window_nonmember(st: dict[str, Any]) -> Any:
     return "no error"
 
 
-def c_window_bad_register(st: dict[str, Any]) -> Any:
-    """Rank 1 registers a 9-dim tensor, the others a valid one: each rank's error; then every
-    rank registers [rank] and gets the next rank's."""
+def c_window_bad_register(st: dict[str, Any], bad: str = "dims") -> Any:
+    """Rank 1 registers a tensor the window cannot take (``bad``: "dims" 9 dims, "sparse" a
+    sparse COO tensor, "nospace" one whose file cannot be allocated, ENOSPC), the others a
+    valid one: each rank's error; then every rank registers [rank] and gets the next rank's."""
+    import errno
+    from unittest import mock
+
     import torch.distributed as dist
 
-    from torchport.distributed import WindowError, _new_window
+    from torchport.distributed import WindowError, _new_window, window
 
     rank, world = dist.get_rank(), dist.get_world_size()
     win = _new_window()
-    try:
-        win.tensor_register(torch.zeros([1] * 9) if rank == 1 else torch.zeros(2))
-        err = "no error"
-    except WindowError as e:
-        err = str(e)
+    t = torch.zeros(2)
+    if rank == 1 and bad == "dims":
+        t = torch.zeros([1] * 9)
+    elif rank == 1 and bad == "sparse":
+        t = torch.zeros(4).to_sparse()
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    nospace = (
+        mock.patch.object(window.os, "posix_fallocate", side_effect=full)
+        if rank == 1 and bad == "nospace"
+        else contextlib.nullcontext()
+    )
+    with nospace:
+        try:
+            win.tensor_register(t)
+            err = "no error"
+        except WindowError as e:
+            err = str(e)
     win.tensor_register(torch.full((1,), float(rank)))
     got = win.get((rank + 1) % world).tolist()
     win.fence()
@@ -983,6 +1046,9 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_peer_fails_mapping": c_window_peer_fails_mapping,
     "window_nonmember": c_window_nonmember,
     "window_bad_register": c_window_bad_register,
+    "window_refused_leak": c_window_refused_leak,
+    "track_shm": c_track_shm,
+    "shm_made": c_shm_made,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
     "window_close": c_window_close,

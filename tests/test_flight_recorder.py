@@ -351,6 +351,24 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
     dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [{**entry, "seq_id": 7.0}]})
     dumps = load_dumps(tmp_path)
     assert dumps[0]["entries"][0]["seq_id"] == 7 and "#7 " in analyze(dumps).text()
+    # ... but an integral float rank, world_size, group rank or size was refused (older code
+    # took int(world_size)): every integer field takes them, and refuses non-integral ones
+    floats = {"rank": 0.0, "world_size": 1.0, "groups": {"0": [0.0]}}
+    sized = {**entry, "seq_id": 7.0, "sizes": [[2.0, 3.0]], "dtypes": ["float32"]}
+    dump("rank_0.json", {**floats, "entries": [sized]})
+    dumps = load_dumps(tmp_path)
+    assert (dumps[0]["rank"], dumps[0]["world_size"], dumps[0]["groups"]) == (0, 1, {"0": [0]})
+    assert dumps[0]["entries"][0]["sizes"] == [[2, 3]] and "#7 " in analyze(dumps).text()
+    for fix, what in (
+        ({"rank": 0.5}, "rank must be an int >= 0, got 0.5"),
+        ({"world_size": 1.5}, "world_size must be an int >= 1, got 1.5"),
+        ({"groups": {"0": [0.5]}}, "groups must map group names to lists of ranks"),
+        ({"entries": [{**sized, "sizes": [[2.5]]}]}, "entry 0: sizes must be a list of lists"),
+    ):
+        dump("rank_0.json", {**floats, "entries": [sized], **fix})
+        with pytest.raises(DumpError, match=re.escape(what)):
+            load_dumps(tmp_path)
+    dump("rank_0.json", {"rank": 0, "world_size": 1, "entries": [entry]})
     # a stale second dump of rank 0 (sorted after the real one) replaced it: "no problem found"
     dump(
         "rank_0_old.json",

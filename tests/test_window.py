@@ -25,7 +25,16 @@ def trio():
             [(f"{d}/s", i, WORLD) for i in range(WORLD)],
             timeout=120,
         )
+        a.call_all(list(range(WORLD)), "track_shm")
         yield a
+
+
+def _left_in_dev_shm(actors: Actors) -> list[str]:
+    """The ``/dev/shm`` files the actors' windows made since the last call that are still
+    there. Only the test's own: looking for any ``tpwin-*`` file failed whenever another
+    window on the host (a parallel test, CI) was up."""
+    made = [n for _, names in actors.call_all(list(range(WORLD)), "shm_made") for n in names]
+    return [n for n in made if os.path.exists(f"/dev/shm/{n}")]
 
 
 def _script(seed: int) -> list[tuple]:
@@ -76,7 +85,7 @@ def test_window_matches_reference(trio, transport, seed):
         assert got == gets[r]
         if transport == "shm":
             assert mapped == finals[(r + 1) % WORLD]  # map_remote_tensor is the peer's memory
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -154,7 +163,7 @@ def test_deregister_releases_the_mappings_and_later_use_is_typed(trio, transport
         assert errors[0].startswith("get:") and errors[2].startswith("local:")
         assert views == [[0.0] * 3] + ([[0.0] * 4] if transport == "shm" else [])
         assert again == [10.0 + (r + 1) % WORLD] * 2
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -167,7 +176,7 @@ def test_views_held_past_close_and_collection_keep_their_values(trio, transport)
         assert s == "ok", res
         peer = [[1.0 + (r + 1) % WORLD] * 5] if transport == "shm" else []
         assert views == [[1.0 + r] * 5, *peer]
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -179,7 +188,7 @@ def test_a_window_after_one_on_a_subgroup_agrees_on_its_files(trio, transport):
     for r, (s, got) in enumerate(res):
         assert s == "ok", res
         assert got == [float((r + 1) % WORLD)] * 3
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert not _left_in_dev_shm(trio)
 
 
 def test_hosts_sharing_a_name_prefix_are_told_apart(trio):
@@ -207,11 +216,13 @@ def test_sources_that_require_grad_leave_window_memory_out_of_autograd(trio, tra
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_operations_after_close_raise_window_error(trio, transport):
     """signal and wait_signal after close() raised IndexError on the released counters (shm),
-    get said no tensor was registered: every operation names the close."""
+    get and tensor_deregister said no tensor was registered, fence ran a barrier: every
+    operation names the close."""
     res = trio.call_all(list(range(WORLD)), "window_after_close", [(transport,)] * WORLD)
     for s, errors in res:
         assert s == "ok", res
         names = ["signal", "wait_signal", "get", "put", "map_remote_tensor", "tensor_register"]
+        names += ["fence", "tensor_deregister"]
         for name, e in zip(names, errors, strict=True):
             assert e == f"WindowError: {name}: the window was closed (close)", errors
 
@@ -241,11 +252,15 @@ def test_a_window_on_a_reconfigured_group_refuses_operations():
 def test_a_peer_failing_during_creation_leaves_no_file_in_dev_shm(trio, which):
     """A rank that failed to map a peer's file (or a peer that never arrived) left its own file
     in /dev/shm: nobody unlinks it later, so the signal counters or a whole registered tensor
-    stayed in RAM for good. Each rank unlinks its own file when creation fails."""
-    res = trio.call_all(list(range(WORLD)), "window_peer_fails_mapping", [(which,)] * WORLD)
+    stayed in RAM for good. Each rank unlinks its own file when creation fails. The peer that
+    mapped its files no longer waits in a barrier for the group's timeout: the failure
+    travels in the exchange that ends the step, and it raises WindowError at once."""
+    res = trio.call_all(
+        list(range(WORLD)), "window_peer_fails_mapping", [(which,)] * WORLD, timeout=15
+    )
     assert res[1] == ("ok", "OSError") and res[2] == ("ok", None), res
-    assert res[0][0] == "ok" and res[0][1] != "no error", res  # its barrier timed out
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tpwin-")]
+    assert res[0] == ("ok", "WindowError"), res
+    assert not _left_in_dev_shm(trio)
 
 
 def test_a_window_on_a_group_this_rank_is_not_in_says_so(trio):
@@ -256,18 +271,102 @@ def test_a_window_on_a_group_this_rank_is_not_in_says_so(trio):
     assert res[2][1].startswith("WindowError: this rank is not a member of the group"), res
 
 
-def test_a_tensor_one_rank_cannot_register_fails_every_rank_at_once(trio):
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("dims", "window tensors may have at most 8 dims, got 9"),
+        ("sparse", "tensor_register needs a dense (strided) tensor, got layout torch.sparse_coo"),
+        ("nospace", "tensor_register could not place the tensor in window memory: could not "),
+    ],
+)
+def test_a_tensor_one_rank_cannot_register_fails_every_rank_at_once(trio, bad, why):
     """A rank whose tensor the window refuses (9 dims) raised before the exchange of shapes, and
-    the other ranks waited in it for the group's timeout (30 minutes on gloo). Every rank raises
-    now, and the window takes a registration afterwards."""
-    res = trio.call_all(list(range(WORLD)), "window_bad_register", timeout=15)
+    the other ranks waited in it for the group's timeout (30 minutes on gloo). A sparse tensor,
+    or a file that could not be allocated, failed on that rank after the exchange: the others
+    waited in a barrier, and every rank kept the registration ("already registered" ever
+    after). Every rank raises now, and the window takes a registration afterwards."""
+    res = trio.call_all(list(range(WORLD)), "window_bad_register", [(bad,)] * WORLD, timeout=15)
     for r, (s, (err, got)) in enumerate(res):
         assert s == "ok", res
         if r == 1:
-            assert err == "window tensors may have at most 8 dims, got 9"
+            assert err.startswith(why), err
         else:
             assert err.startswith("tensor_register: rank(s) [1] gave a tensor"), err
         assert got == [float((r + 1) % WORLD)]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_refused_window_leaves_no_server_or_fds(trio, transport):
+    """A window whose creation failed (here: a tensor every rank refused) is never returned, so
+    nobody closes it: its window server thread, listening socket and file descriptors stayed
+    (13 fds more after 6 such windows). Every failure path releases them."""
+    res = trio.call_all(list(range(WORLD)), "window_refused_leak", [(transport,)] * WORLD)
+    for s, (before, after, threads) in res:
+        assert s == "ok", res
+        assert (after, threads) == (before, 0), res
+    assert not _left_in_dev_shm(trio)
+
+
+def test_shm_create_failing_after_the_file_was_made_cleans_up(monkeypatch):
+    """A failure of the allocation or the mapping after ``O_CREAT`` (an address-space limit,
+    a full /dev/shm) left the file in /dev/shm and its fd open, with an untyped OSError."""
+    import errno
+    import mmap as mmap_mod
+    import secrets
+
+    from torchport.distributed import window
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap_mod, "mmap", no_memory)
+    name = f"tpwin-test-{secrets.token_hex(6)}"
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(window.WindowError, match=r"4096 bytes .*\(errno 12\)"):
+        window._shm_create(name, 4096)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_host_identity_tells_private_dev_shm_mounts_apart(monkeypatch):
+    """Containers with one hostname (and so one boot id) but their own /dev/shm mount counted
+    as one host: ``auto`` took shared memory and creation failed (FileNotFoundError) opening
+    the peers' files. The device of /dev/shm is part of the identity now (windows and the
+    collectives' shm-or-tcp choice alike)."""
+    from torchport.distributed import groups, window
+
+    real = os.stat
+    here = (groups.host_id(), window._host_id())
+
+    def other_mount(path, *args, **kwargs):
+        st = real(path, *args, **kwargs)
+        if path != "/dev/shm":
+            return st
+        fields = list(st)
+        fields[2] = st.st_dev + 1  # (st_dev)
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", other_mount)
+    assert groups.host_id() != here[0] and window._host_id() != here[1]
+    monkeypatch.undo()
+    assert (groups.host_id(), window._host_id()) == here
+
+
+def test_after_the_groups_own_close_the_window_names_the_close():
+    """After ReconfigurableGroup.close() (its communicator dropped), a window operation said
+    the group was reconfigured."""
+    from types import SimpleNamespace
+
+    from torchport.distributed import window
+
+    win = window.Window.__new__(window.Window)
+    win._pg = object()
+    win._c = SimpleNamespace(g=SimpleNamespace(pg=None))
+    with pytest.raises(window.WindowError, match=r"^put: the window's group was closed"):
+        win._check_members("put")
+    win._c.g.pg = object()
+    with pytest.raises(window.WindowError, match=r"^put: the window's group was reconfigured"):
+        win._check_members("put")
 
 
 def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):

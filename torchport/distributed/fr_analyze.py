@@ -24,7 +24,7 @@ import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torchport.distributed.flight_recorder import P2P_OPS
 
@@ -61,20 +61,26 @@ def _check_dump(p: Path, obj: Any) -> int:
     """The rank of dump ``obj`` (read from ``p``); DumpError if it lacks what analyze reads."""
     if not isinstance(obj, dict) or any(k not in obj for k in _REQUIRED):
         raise DumpError(f"{p} is not a Flight Recorder dump (needs keys {_REQUIRED})")
-    rank = obj["rank"]
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise DumpError(f"{p}: rank must be an int >= 0, got {rank!r}")
+    # integral floats (7.0, as JSON writers other than ours may write 7) are taken as ints in
+    # every integer field: seq_id took them while world_size, ranks and sizes were refused
+    rank = _int_of(obj["rank"])
+    if rank is None or rank < 0:
+        raise DumpError(f"{p}: rank must be an int >= 0, got {obj['rank']!r:.200}")
+    obj["rank"] = rank
     # the other fields analyze reads, when present (of another type, a foreign or damaged
     # dump ended the analysis in a TypeError / ValueError / AttributeError traceback)
-    world = obj["world_size"]
-    if not _is_int(world) or world < 1:
-        raise DumpError(f"{p}: world_size must be an int >= 1, got {world!r:.200}")
+    world = _int_of(obj["world_size"])
+    if world is None or world < 1:
+        raise DumpError(f"{p}: world_size must be an int >= 1, got {obj['world_size']!r:.200}")
+    obj["world_size"] = world
     groups = obj.get("groups")
-    if groups is not None and not (
-        isinstance(groups, dict)
-        and all(isinstance(m, list) and all(_is_int(x) for x in m) for m in groups.values())
-    ):
-        raise DumpError(f"{p}: groups must map group names to lists of ranks, got {groups!r:.200}")
+    if groups is not None:
+        members = _int_lists(groups.values()) if isinstance(groups, dict) else None
+        if members is None:
+            raise DumpError(
+                f"{p}: groups must map group names to lists of ranks, got {groups!r:.200}"
+            )
+        obj["groups"] = dict(zip(groups, members, strict=True))
     entries = obj["entries"]
     if not isinstance(entries, list):
         raise DumpError(f"{p}: entries must be a list, got {type(entries).__name__}")
@@ -82,25 +88,24 @@ def _check_dump(p: Path, obj: Any) -> int:
         if not isinstance(e, dict) or any(k not in e for k in _ENTRY_REQUIRED):
             raise DumpError(f"{p}: entry {i} needs keys {_ENTRY_REQUIRED}, got {e!r:.200}")
         # the fields analyze computes with (a string or null seq_id ended in a traceback)
-        seq = e["seq_id"]
-        if isinstance(seq, float) and seq.is_integer():
-            # (JSON writers other than ours may write an integral number as 7.0)
-            seq = e["seq_id"] = int(seq)
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        seq = _int_of(e["seq_id"])
+        if seq is None or seq < 0:
             raise DumpError(
                 f"{p}: entry {i}: seq_id must be an int >= 0 (an integral float is taken), "
-                f"got {seq!r:.200}"
+                f"got {e['seq_id']!r:.200}"
             )
+        e["seq_id"] = seq
         for k in ("op", "group", "state"):
             if not isinstance(e[k], str):
                 raise DumpError(f"{p}: entry {i}: {k} must be a string, got {e[k]!r:.200}")
         sizes, dtypes = e.get("sizes", []), e.get("dtypes", [])
-        if not isinstance(sizes, list) or not all(
-            isinstance(x, list) and all(_is_int(d) for d in x) for x in sizes
-        ):
+        shapes = _int_lists(sizes) if isinstance(sizes, list) else None
+        if shapes is None:
             raise DumpError(
                 f"{p}: entry {i}: sizes must be a list of lists of ints, got {sizes!r:.200}"
             )
+        if "sizes" in e:
+            e["sizes"] = shapes
         if not isinstance(dtypes, list) or not all(isinstance(x, str) for x in dtypes):
             raise DumpError(
                 f"{p}: entry {i}: dtypes must be a list of strings, got {dtypes!r:.200}"
@@ -119,8 +124,25 @@ def _check_dump(p: Path, obj: Any) -> int:
     return rank
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _int_of(x: Any) -> int | None:
+    """``x`` as an int if it is one (not a bool) or an integral float, else None."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _int_lists(lists: Any) -> list[list[int]] | None:
+    """Each of ``lists`` (an iterable of lists) as a list of ints (see :func:`_int_of`), or
+    None if any is no list or holds a non-integer."""
+    out: list[list[int]] = []
+    for x in lists:
+        if not isinstance(x, list):
+            return None
+        ints = [_int_of(d) for d in x]
+        if any(d is None for d in ints):
+            return None
+        out.append(cast(list[int], ints))
+    return out
 
 
 def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:

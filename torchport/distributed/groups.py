@@ -18,6 +18,7 @@ themselves and reach the other hosts by TCP, chosen per peer in every step
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 import time
@@ -40,13 +41,23 @@ _incarnations: dict[str, int] = {}
 
 
 def host_id() -> str:
-    """Identity of this host for transport selection: hostname + kernel boot id."""
+    """Identity of this host for transport selection: hostname, kernel boot id and the device
+    of ``/dev/shm``.
+
+    Two processes share memory only if they see one ``/dev/shm``: containers on one machine
+    with the same hostname (and so the same boot id) but their own ``/dev/shm`` mount counted
+    as one host, took the shared-memory transport and failed opening each other's files.
+    Only equality of ids is ever compared."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "unknown"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = f"/shm{os.stat('/dev/shm').st_dev}"
+    except OSError:  # (no /dev/shm: no shared-memory transport to tell apart)
+        shm = ""
+    return f"{socket.gethostname()}/{boot}{shm}"
 
 
 def root_mesh() -> Mesh | None:

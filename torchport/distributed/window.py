@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import ctypes
+import errno
 import fcntl
 import hashlib
 import mmap
@@ -127,14 +128,56 @@ def _group_timeout(group: Any) -> float:
 
 
 def _shm_create(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
-    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.ftruncate(fd, max(nbytes, 8))
-    return mmap.mmap(fd, max(nbytes, 8)), fd
+    """A new ``/dev/shm`` file of ``nbytes`` (at least 8), mapped: ``(mapping, fd)``.
+
+    The pages are reserved up front (``posix_fallocate``): a file only truncated to size faulted
+    with SIGBUS on the first write once ``/dev/shm`` was full. Any failure after the file was
+    made closes it and unlinks it (the file stayed in ``/dev/shm`` and the fd leaked) and raises
+    :class:`WindowError` naming the size and the errno."""
+    size = max(nbytes, 8)
+    path = f"/dev/shm/{name}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        raise WindowError(
+            f"could not create the window file {path} ({size} bytes): {e.strerror} "
+            f"(errno {e.errno})"
+        ) from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # (not tmpfs: size it only)
+                raise
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size), fd
+    except OSError as e:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise WindowError(
+            f"could not allocate and map {size} bytes of shared memory for {path}: "
+            f"{e.strerror} (errno {e.errno})"
+        ) from None
 
 
 def _shm_open(name: str, nbytes: int) -> tuple[mmap.mmap, int]:
-    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-    return mmap.mmap(fd, max(nbytes, 8)), fd
+    """A peer's ``/dev/shm`` file mapped: ``(mapping, fd)``; WindowError if it cannot be (the fd
+    leaked when the mapping failed)."""
+    size = max(nbytes, 8)
+    path = f"/dev/shm/{name}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise WindowError(
+            f"could not open the window file {path}: {e.strerror} (errno {e.errno})"
+        ) from None
+    try:
+        return mmap.mmap(fd, size), fd
+    except OSError as e:
+        os.close(fd)
+        raise WindowError(
+            f"could not map {size} bytes of the window file {path}: {e.strerror} (errno {e.errno})"
+        ) from None
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -243,52 +286,106 @@ class Window:
         self._sig_remote: list[Any] = [None] * self.size
         self._server: Server | None = None
         self._closed = False
+        self._sig_local = np.zeros(0, dtype=np.int64)
         sig_name = f"{self._name}-s{self.rank}"
-        m, fd = _shm_create(sig_name, 8 * self.size)
+        made = False
         try:
-            self._maps.append(m)
-            self._fds.append(fd)
-            self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
-            addrs: list[tuple[str, int]] = []
+            failure: BaseException | None = None
+            try:
+                m, fd = _shm_create(sig_name, 8 * self.size)
+                made = True
+                self._maps.append(m)
+                self._fds.append(fd)
+                self._sig_local = np.frombuffer(m, dtype=np.int64, count=self.size)
+            except Exception as e:
+                failure = e
+            # every rank's file exists after this (a rank that could not make its own raised
+            # alone, and the others waited in the next collective for the group's timeout)
+            self._agree(failure, "window creation")
+            self._addrs: list[tuple[str, int]] = []
             if self.transport == "tcp":
-                self._secret = self._group_secret()
-                bind = str(config.get("dist_addr"))
-                self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
-                host = self._server.address[0]
-                if host in ("0.0.0.0", ""):
-                    host = socket.gethostbyname(socket.gethostname())
-                try:
-                    ip = int.from_bytes(socket.inet_aton(host), "big")
-                except OSError:
-                    raise WindowError(
-                        f"the window server needs an IPv4 address, got {host!r} "
-                        "(TORCHPORT_DIST_ADDR)"
-                    ) from None
-                me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
-                addrs = [
-                    (socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1]))
-                    for a in self._c.allgather(me)
-                ]
-            self._addrs = addrs
-            self._c.barrier()
+                self._start_server()
             if self.transport == "shm":
-                for r in range(self.size):
-                    if r == self.rank:
-                        self._sig_remote[r] = self._sig_local
-                        continue
-                    m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
-                    self._maps.append(m)
-                    self._fds.append(fd)
-                    self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
-            self._c.barrier()
+                try:
+                    for r in range(self.size):
+                        if r == self.rank:
+                            self._sig_remote[r] = self._sig_local
+                            continue
+                        m, fd = _shm_open(f"{self._name}-s{r}", 8 * self.size)
+                        self._maps.append(m)
+                        self._fds.append(fd)
+                        self._sig_remote[r] = np.frombuffer(m, dtype=np.int64, count=self.size)
+                except Exception as e:
+                    failure = e
+            self._agree(failure, "window creation")
         except BaseException:
             # a peer failed or vanished before every rank had mapped the file: nothing
-            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
-            _unlink_quietly(f"/dev/shm/{sig_name}")
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good); the
+            # server, its thread and the fds of the window (never returned) stayed too
+            if made:
+                _unlink_quietly(f"/dev/shm/{sig_name}")
+            self._abandon()
             raise
         os.unlink(f"/dev/shm/{sig_name}")  # everyone has mapped it: nothing can leak
         if tensor is not None:
-            self.tensor_register(tensor)
+            try:
+                self.tensor_register(tensor)
+            except BaseException:
+                self._abandon()  # (a refused tensor left the window's server and fds behind)
+                raise
+
+    def _start_server(self) -> None:
+        """(tcp) Draw the group's secret, start this rank's window server and exchange the
+        servers' addresses; a rank whose server could not start makes every rank raise."""
+        self._secret = self._group_secret()
+        problem = None
+        me = torch.tensor([-1, 0], dtype=torch.int64)
+        try:
+            bind = str(config.get("dist_addr"))
+            self._server = Server(self._serve, secret=self._secret, role="window", host=bind)
+            host = self._server.address[0]
+            if host in ("0.0.0.0", ""):
+                host = socket.gethostbyname(socket.gethostname())
+            try:
+                ip = int.from_bytes(socket.inet_aton(host), "big")
+            except OSError:
+                raise WindowError(
+                    f"the window server needs an IPv4 address, got {host!r} (TORCHPORT_DIST_ADDR)"
+                ) from None
+            me = torch.tensor([ip, self._server.address[1]], dtype=torch.int64)
+        except Exception as e:
+            problem = e
+        got = self._c.allgather(me)
+        if problem is not None:
+            raise problem
+        refused = [r for r, a in enumerate(got) if int(a[0]) < 0]
+        if refused:
+            raise WindowError(
+                f"window creation: rank(s) {refused} could not start their window server "
+                "(their error says why)"
+            )
+        self._addrs = [(socket.inet_ntoa(int(a[0]).to_bytes(4, "big")), int(a[1])) for a in got]
+
+    def _agree(self, failure: BaseException | None, what: str) -> None:
+        """Collective (an allgather where a barrier stood): ``failure`` on any rank raises on
+        every rank at once, the failing rank its own error, the others WindowError naming it.
+        A rank that raised alone left the others in the next collective for the group's
+        timeout (30 minutes on gloo), and they then disagreed on the window's state."""
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+        failed = [r for r, f in enumerate(self._c.allgather(flag)) if int(f[0])]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise WindowError(f"{what} failed on rank(s) {failed} (their error says why)")
+
+    def _abandon(self) -> None:
+        """Release everything a window that failed to come up holds (``close()`` and its
+        mappings; local, no collective): it is never returned, so nobody closes it."""
+        self.close()
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # (a view still held: freed with it)
+                m.close()
+        self._maps = []
 
     def _group_secret(self) -> bytes:
         """32 random bytes drawn by rank 0, shared over the group's collectives."""
@@ -301,7 +398,11 @@ class Window:
 
         A tensor the window cannot take raises :class:`WindowError` on every rank (the others
         name the rank), after the exchange of the tensors' shapes: raised before it, the other
-        ranks waited in that exchange for the group's timeout (30 minutes on gloo)."""
+        ranks waited in that exchange for the group's timeout (30 minutes on gloo). The tensor
+        is copied into this rank's file before the exchange, so a copy or an allocation that
+        fails is such a refusal too; a peer's file that cannot be mapped afterwards fails every
+        rank alike, and any failure leaves the window with nothing registered (a later
+        registration works)."""
         if self._closed:
             raise WindowError("tensor_register: the window was closed (close)")
         self._check_members("tensor_register")
@@ -310,10 +411,29 @@ class Window:
         problem = None
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             problem = f"tensor_register needs a CPU tensor, got {type(tensor).__name__}"
+        elif tensor.layout != torch.strided or tensor.is_nested:
+            # (a sparse or mkldnn tensor passed, and copy_ into the window failed after the
+            # exchange on that rank alone: the others waited in a barrier for the timeout)
+            kind = "nested" if tensor.is_nested else str(tensor.layout)
+            problem = f"tensor_register needs a dense (strided) tensor, got layout {kind}"
         elif tensor.dtype not in _DTYPE_LIST:
             problem = f"unsupported window dtype {tensor.dtype}"
         elif tensor.dim() > 8:
             problem = f"window tensors may have at most 8 dims, got {tensor.dim()}"
+        name = f"{self._name}-d{self._regs + 1}-{self.rank}"
+        own: tuple[mmap.mmap, int] | None = None
+        local: torch.Tensor | None = None
+        if problem is None:
+            try:
+                own = _shm_create(name, tensor.numel() * tensor.element_size())
+                local = self._view_of(own[0], tensor.dtype, list(tensor.shape))
+                local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
+            except Exception as e:
+                problem = f"tensor_register could not place the tensor in window memory: {e}"
+                local = None
+                if own is not None:
+                    self._release_data([own], name)
+                    own = None
         meta = torch.zeros(_META, dtype=torch.int64)
         if problem is None:
             meta[0], meta[1], meta[2] = (
@@ -324,56 +444,88 @@ class Window:
             meta[3 : 3 + tensor.dim()] = torch.tensor(list(tensor.shape), dtype=torch.int64)
         else:
             meta[0] = -1  # tells the peers
-        metas = self._c.allgather(meta)
-        if problem is not None:
-            raise WindowError(problem)
+        try:
+            # every rank's file exists once this returns: the peers may open it
+            metas = self._c.allgather(meta)
+        except BaseException:
+            local = None
+            if own is not None:
+                self._release_data([own], name)
+            raise
         refused = [r for r, m in enumerate(metas) if int(m[0]) < 0]
         if refused:
+            local = None
+            if own is not None:
+                self._release_data([own], name)
+            if problem is not None:
+                raise WindowError(problem)
             raise WindowError(
                 f"tensor_register: rank(s) {refused} gave a tensor the window cannot take "
                 "(their error says why); nothing was registered"
             )
+        assert own is not None and local is not None
         self._regs += 1
         self._meta = [
             (_DTYPE_LIST[int(m[0])], [int(x) for x in m[3 : 3 + int(m[2])]]) for m in metas
         ]
-        nbytes = tensor.numel() * tensor.element_size()
-        name = f"{self._name}-d{self._regs}-{self.rank}"
-        m, fd = _shm_create(name, nbytes)
+        # this registration's mappings (own first), released by deregister; set before the
+        # last exchange: a peer's tcp put may arrive as soon as that returns on the peer
+        self._data = [own]
+        self._data_fd = own[1]
+        self._local = local
+        self._remote = [None] * self.size
+        self._remote_fds = [-1] * self.size
+        del local
         try:
-            # this registration's mappings (own first), released by deregister
-            self._data = [(m, fd)]
-            self._data_fd = fd
-            self._local = self._view(m, self.rank)
-            self._local.copy_(tensor.detach())  # (window memory never joins an autograd graph)
-            self._remote = [None] * self.size
-            self._remote_fds = [-1] * self.size
-            self._c.barrier()
+            failure: BaseException | None = None
             if self.transport == "shm":
-                for r in range(self.size):
-                    if r == self.rank:
-                        self._remote[r], self._remote_fds[r] = self._local, fd
-                        continue
-                    dt, shape = self._meta[r]
-                    n = int(np.prod(shape)) if shape else 1
-                    m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
-                    self._data.append((m2, fd2))
-                    self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
-            self._c.barrier()
+                try:
+                    for r in range(self.size):
+                        if r == self.rank:
+                            self._remote[r], self._remote_fds[r] = self._local, own[1]
+                            continue
+                        dt, shape = self._meta[r]
+                        n = int(np.prod(shape)) if shape else 1
+                        m2, fd2 = _shm_open(f"{self._name}-d{self._regs}-{r}", n * dt.itemsize)
+                        self._data.append((m2, fd2))
+                        self._remote[r], self._remote_fds[r] = self._view(m2, r), fd2
+                except Exception as e:
+                    failure = e
+            self._agree(failure, "tensor_register")
         except BaseException:
             # a peer failed or vanished before every rank had mapped the file: nothing
-            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good)
-            _unlink_quietly(f"/dev/shm/{name}")
+            # unlinks it later (it stayed in /dev/shm, a tensor's size of RAM, for good); and
+            # the registration is dropped on every rank (it stayed on the failing ones, which
+            # then refused every later registration as "already registered")
+            self._local = None
+            self._remote, self._remote_fds, self._meta = [], [], []
+            data, self._data = self._data, []
+            self._release_data(data, name)
             raise
         os.unlink(f"/dev/shm/{name}")
 
-    def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
-        dt, shape = self._meta[r]
+    @staticmethod
+    def _release_data(data: list[tuple[mmap.mmap, int]], own_name: str) -> None:
+        """Undo a registration that failed: unlink this rank's file, close the fds and the
+        mappings (no view of them is left)."""
+        _unlink_quietly(f"/dev/shm/{own_name}")
+        for m, fd in data:
+            os.close(fd)
+            with contextlib.suppress(BufferError):  # (a view still held: freed with it)
+                m.close()
+
+    @staticmethod
+    def _view_of(m: mmap.mmap, dt: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """The first ``prod(shape)`` elements of ``m`` as a ``dt`` tensor of ``shape``."""
         n = int(np.prod(shape)) if shape else 1
         if n == 0:
             return torch.empty(shape, dtype=dt)
         flat = torch.frombuffer(m, dtype=torch.uint8, count=n * dt.itemsize)
         return flat.view(dt).view(shape)
+
+    def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
+        dt, shape = self._meta[r]
+        return self._view_of(m, dt, shape)
 
     def tensor_deregister(self) -> None:
         """Collective: drop the registered tensors and release their memory (after a fence).
@@ -384,8 +536,8 @@ class Window:
         done so each truncates its own file, which frees the shared pages. Window operations
         afterwards raise :class:`WindowError` until a tensor is registered again.
         """
-        if self._local is None:
-            raise WindowError("tensor_deregister: no tensor is registered with this window")
+        if self._local is None:  # (after close(): said "no tensor is registered")
+            raise WindowError(f"tensor_deregister: {self._unregistered()}")
         self._check_members("tensor_deregister")
         self._c.barrier()  # every rank's RMA on the old tensors has ended
         self._local = None
@@ -412,6 +564,9 @@ class Window:
         """WindowError once the window's reconfigurable group was reconfigured: rank ``r`` then
         named another process than the window maps, so a put to a rank that had left the group
         landed in that process's memory and the new rank ``r`` never saw it (no error)."""
+        if self._pg is not None and self._c.g.pg is None:
+            # (the group's own close() also drops its communicator: it said "reconfigured")
+            raise WindowError(f"{what}: the window's group was closed (ReconfigurableGroup.close)")
         if self._pg is not None and self._c.g.pg is not self._pg:
             raise WindowError(
                 f"{what}: the window's group was reconfigured after the window was created "
@@ -592,6 +747,8 @@ class Window:
         Waits for this rank's outstanding ``async_op`` operations first; the first of their
         errors is raised after the barrier (so no peer is left waiting in it).
         """
+        if self._closed:  # (it ran a barrier over the group after close())
+            raise WindowError("fence: the window was closed (close)")
         self._check_members("fence")  # (on every member alike: none waits in the barrier)
         with self._plock:
             pending, self._pending = self._pending, []
