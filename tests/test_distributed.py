@@ -583,9 +583,13 @@ def test_an_all_to_all_block_to_itself_of_another_size_is_a_mismatch(world1):
 
 
 def test_collectives_write_into_leaves_that_require_grad(world1):
-    """As gloo does (and the in-place native paths did): a staged write-back, AVG's divide,
-    PREMUL_SUM's scale and all_reduce_coalesced's copy raised 'a leaf Variable that requires
-    grad is being used in an in-place operation' on the engine thread, failing the group."""
+    """A staged write-back, AVG's divide, PREMUL_SUM's scale and all_reduce_coalesced's copy
+    raised 'a leaf Variable that requires grad is being used in an in-place operation' on the
+    engine thread, failing the group; then, through a detach()ed alias, they bumped the leaf's
+    version, so a backward that had saved it raised 'modified by an inplace operation'. As
+    gloo's all_reduce / broadcast (and the native in-place path) do, the leaf is written and
+    its version left alone. (Gloo refuses all_reduce_coalesced on such a leaf; this writes it.)
+    """
     sub = dist.new_group([0], backend="torchport")  # (a failure would leave world1 usable)
 
     def leaf(transposed: bool = False) -> torch.Tensor:
@@ -593,16 +597,20 @@ def test_collectives_write_into_leaves_that_require_grad(world1):
         return (base.t().contiguous().t() if transposed else base).requires_grad_()
 
     x = leaf(transposed=True)  # non-contiguous: staged
+    y, z, c = leaf(), leaf(), [leaf(), leaf(transposed=True)]
+    everyone = (x, y, z, *c)
+    loss = sum((t * t).sum() for t in everyone)  # saves each tensor for the backward
     dist.all_reduce(x, group=sub)
     dist.broadcast(x, src=0, group=sub)
-    y, z = leaf(), leaf()
     dist.all_reduce(y, op=dist.ReduceOp.AVG, group=sub)
     dist.all_reduce(z, op=dist._make_nccl_premul_sum(2.0), group=sub)
-    c = [leaf(), leaf()]
     dist.all_reduce_coalesced(c, group=sub)
     want = torch.arange(6.0).reshape(2, 3)
     assert all(torch.equal(t.detach(), want) for t in (x, y, *c)), (x, y, c)
     assert torch.equal(z.detach(), 2 * want) and z.requires_grad and z.is_leaf
+    assert [t._version for t in everyone] == [0] * 5
+    loss.backward()
+    assert torch.equal(x.grad, 2 * want)
     assert sub.get_error() is None
     dist.destroy_process_group(sub)
 

@@ -152,8 +152,12 @@ class TorchportProcessGroup(dist.ProcessGroup):
         given = [_cpu(t, "allreduce_coalesced") for t in tensors]
         for t in given:
             _check_no_self_overlap(t)
-        # (written back with copy_: a detached alias, as in _Staged, for a leaf that requires grad)
-        ts = [t.detach() if t.requires_grad else t for t in given]
+        # written back with copy_ through .data, as in _Staged: on the tensor itself the copy
+        # raised for a leaf that requires grad, and on a detach()ed alias it bumped the version
+        # counter (a later backward that saved the tensor raised). Gloo refuses such a leaf
+        # (its flatten's in-place copy raises on the caller); this writes it, as all_reduce of
+        # one such leaf does on both backends.
+        ts = [t.data if t.requires_grad else t for t in given]
         codes = [_check_red(name, t.dtype, "allreduce_coalesced") for t in ts]
         comm = self.comm
 

@@ -118,11 +118,14 @@ class _Staged:
     def __init__(self, t: torch.Tensor) -> None:
         _check_no_self_overlap(t)
         if t.requires_grad:
-            # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops:
-            # on a leaf that requires grad (a parameter) they raised on the engine thread and
-            # failed the group on every rank; gloo's and the native paths' writes bypass
-            # autograd, and so do these on a detached alias of the same memory
-            t = t.detach()
+            # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops: on
+            # a leaf that requires grad (a parameter) they raised on the engine thread, and on
+            # a detach()ed alias they bumped the shared version counter, so a later backward
+            # that had saved the tensor raised 'modified by an inplace operation'. Gloo's and
+            # the native paths' writes leave autograd and the version alone, and so do these
+            # through .data (same memory, its own version counter). A tensor that does not
+            # require grad keeps the bump (the GEMM pack cache reads it as "changed").
+            t = t.data
         self.orig = t
         self.t = t if t.is_contiguous() else t.contiguous()
 
