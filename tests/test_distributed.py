@@ -567,6 +567,21 @@ def test_all_gather_coalesced_takes_one_output_list_per_rank(world1):
         world1.allgather_coalesced([[torch.zeros(1)]], [torch.ones(1), torch.ones(1)])
 
 
+def test_all_gather_coalesced_checks_every_output_before_issuing(world1):
+    """An expanded (self-overlapping) second output was refused only when its own allgather
+    was issued: the first had already run (``o0`` written) and on more ranks this rank issued
+    fewer ops than its peers. An empty inputs list (refused by gloo) completed as a no-op."""
+    from torchport.distributed import CollectiveArgumentError
+
+    o0 = torch.zeros(3)
+    with pytest.raises(CollectiveArgumentError, match=r"must not overlap itself"):
+        dist.all_gather_coalesced([[o0, torch.zeros(1).expand(3)]], [torch.ones(3), torch.ones(3)])
+    dist.barrier()  # (an op issued before the refusal has run by now)
+    assert o0.tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(CollectiveArgumentError, match=r"non-empty list of input tensors, got \[\]"):
+        world1.allgather_coalesced([[]], [])
+
+
 def test_an_all_to_all_block_to_itself_of_another_size_is_a_mismatch(world1):
     """Over TCP no peer checks a rank's block to itself: 4 rows sent to itself into a 2-row
     output were copied whole, past the output's end (rows of ``big`` beyond it overwritten)."""

@@ -453,14 +453,25 @@ class TorchportProcessGroup(dist.ProcessGroup):
         documents ``all_gather_coalesced`` (it was read as one list per input: with as many
         inputs as ranks every output got the transposed block, otherwise a typed error)."""
         w, n = self.comm.world, len(inputs)
+        if not n:
+            # as gloo refuses it (an empty chain completed with nothing gathered)
+            raise CollectiveArgumentError(
+                "allgather_coalesced: requires a non-empty list of input tensors, got []"
+            )
         if len(output_lists) != w or any(len(outs) != n for outs in output_lists):
             raise CollectiveArgumentError(
                 f"allgather_coalesced: expects world_size ({w}) output lists of len(inputs) "
                 f"({n}) tensors each, got lists of {[len(outs) for outs in output_lists]}"
             )
         per_input = [[outs[i] for outs in output_lists] for i in range(n)]
-        for outs, t in zip(per_input, inputs):  # every check before the first op is issued
-            self._check_list([outs], _cpu(t, "allgather_coalesced"), "allgather_coalesced")
+        # every check before the first op is issued: a self-overlapping output refused by the
+        # allgather of its input had let the earlier allgathers run (their outputs written) and
+        # left this rank one op short of its peers
+        for outs, t in zip(per_input, inputs):
+            for o in self._check_list(
+                [outs], _cpu(t, "allgather_coalesced"), "allgather_coalesced"
+            ):
+                _check_no_self_overlap(o)
         works = [self.allgather([outs], [t], opts) for outs, t in zip(per_input, inputs)]
         return self._chain("allgather_coalesced", works, [t for o in output_lists for t in o])
 
