@@ -582,6 +582,31 @@ def test_all_gather_coalesced_checks_every_output_before_issuing(world1):
         world1.allgather_coalesced([[]], [])
 
 
+def test_all_to_all_copies_exactly_the_inputs_that_overlap_an_output():
+    """The in-place check compared every input with every output (O(w^2) a call: 3.6 ms at
+    w=256); it now bisects the outputs' merged byte ranges. Exact against the pairwise rule."""
+    import random
+
+    from torchport.distributed.backend_args import _apart_from
+
+    rng = random.Random(5)
+    buf = torch.zeros(64)
+    for _ in range(200):
+        views = [
+            buf[a : a + n] for a, n in ((rng.randrange(64), rng.randrange(6)) for _ in range(9))
+        ]
+        ins, outs = views[:4], views[4:]
+        got = _apart_from(list(ins), outs)
+        for t, g in zip(ins, got):
+            lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
+            hit = t.numel() > 0 and any(
+                o.numel() and o.data_ptr() < hi and lo < o.data_ptr() + o.nbytes for o in outs
+            )
+            assert (g is not t) == hit and torch.equal(g, t)
+    apart = [torch.ones(2) for _ in range(256)]
+    assert _apart_from(apart, [torch.ones(2) for _ in range(256)]) is apart  # nothing copied
+
+
 def test_an_all_to_all_block_to_itself_of_another_size_is_a_mismatch(world1):
     """Over TCP no peer checks a rank's block to itself: 4 rows sent to itself into a 2-row
     output were copied whole, past the output's end (rows of ``big`` beyond it overwritten)."""

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchport.distributed import algorithms as alg
 from torchport.distributed.backend_args import (
     _NATIVE_RED,
+    _apart_from,
     _check_alltoall,
     _check_blocks,
     _check_no_self_overlap,
@@ -573,15 +574,10 @@ class TorchportProcessGroup(dist.ProcessGroup):
         comm = self.comm
 
         def run(deadline: float) -> None:
-            srcs = [t.contiguous() for t in ins]
             # in place (an output is an input): a block received over TCP overwrote an input
             # not yet sent (rank 0 of 3 got its own block back from rank 1); such inputs are
             # sent from copies
-            spans = [(_ptr(o.t), _ptr(o.t) + o.t.numel() * o.t.element_size()) for o in staged]
-            for i, t in enumerate(srcs):
-                lo, hi = _ptr(t), _ptr(t) + t.numel() * t.element_size()
-                if lo and any(a < hi and lo < b for a, b in spans if a):
-                    srcs[i] = t.clone()
+            srcs = _apart_from([t.contiguous() for t in ins], [s.t for s in staged])
             alg.alltoall(
                 comm,
                 [_ptr(t) for t in srcs],

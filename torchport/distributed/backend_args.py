@@ -7,6 +7,7 @@ copies (:class:`_Staged`) and written back after the operation.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,3 +178,39 @@ def _check_alltoall(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -
 
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0
+
+
+def _apart_from(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``srcs`` with every tensor whose bytes overlap any of ``outs`` replaced by a copy.
+
+    In place (an output is also an input), a block received over TCP overwrote an input not yet
+    sent. Comparing every input with every output cost O(w^2) per call (3.6 ms at w=256); the
+    outputs' byte ranges are sorted and merged once and each input bisects them: O(w log w),
+    still exact.
+    """
+    spans = sorted((p, p + t.nbytes) for t in outs if (p := _ptr(t)))
+    starts: list[int] = []
+    ends: list[int] = []
+    for a, b in spans:
+        if ends and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    if not starts:
+        return srcs
+    first, last = starts[0], ends[-1]
+    out = srcs
+    for i, t in enumerate(srcs):
+        lo = _ptr(t)
+        if not lo:
+            continue
+        hi = lo + t.nbytes
+        if hi <= first or lo >= last:
+            continue
+        j = bisect_right(ends, lo)  # the first merged range ending after lo
+        if j < len(starts) and starts[j] < hi:
+            if out is srcs:
+                out = list(srcs)
+            out[i] = t.clone()
+    return out
