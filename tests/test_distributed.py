@@ -607,18 +607,24 @@ def test_all_to_all_copies_exactly_the_inputs_that_overlap_an_output():
     assert _apart_from(apart, [torch.ones(2) for _ in range(256)]) is apart  # nothing copied
 
 
-def test_an_all_to_all_block_to_itself_of_another_size_is_a_mismatch(world1):
+def test_an_all_to_all_block_to_itself_of_another_size_is_refused_at_the_call(world1):
     """Over TCP no peer checks a rank's block to itself: 4 rows sent to itself into a 2-row
-    output were copied whole, past the output's end (rows of ``big`` beyond it overwritten)."""
-    from torchport.distributed import CollectiveMismatchError
+    output were copied whole, past the output's end (rows of ``big`` beyond it overwritten);
+    then the mismatch, found in the transfer, failed the whole group. Both sizes are the
+    caller's own: refused where the op is issued, as gloo does, and the group stays usable."""
+    from torchport.distributed import CollectiveArgumentError
 
-    sub = dist.new_group([0], backend="torchport")  # (its failure leaves world1 usable)
+    sub = dist.new_group([0], backend="torchport")
     big = torch.full((8,), -1.0)
-    with pytest.raises(
-        CollectiveMismatchError, match=r"rank 0 sends 16 bytes to rank 0, which expects 8 bytes"
-    ):
+    want = r"rank 0 sends 16 bytes to rank 0, which expects 8 bytes"
+    with pytest.raises(CollectiveArgumentError, match=want):
         dist.all_to_all_single(big[:2], torch.ones(4), group=sub)
+    with pytest.raises(CollectiveArgumentError, match=want):
+        dist.all_to_all([big[:2]], [torch.ones(4)], group=sub)
     assert big.tolist() == [-1.0] * 8
+    assert sub.get_error() is None
+    dist.all_to_all_single(big[:4], torch.ones(4), group=sub)
+    assert big.tolist() == [1.0] * 4 + [-1.0] * 4
     dist.destroy_process_group(sub)
 
 

@@ -28,6 +28,7 @@ from torchport.distributed.backend_args import (
     _check_blocks,
     _check_no_self_overlap,
     _check_red,
+    _check_self_block,
     _cpu,
     _one,
     _ptr,
@@ -570,6 +571,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
         outs = [_cpu(t, "alltoall") for t in output_tensors]
         ins = [_cpu(t, "alltoall") for t in input_tensors]
         _check_alltoall(outs, ins)
+        r = self.comm.rank
+        _check_self_block("alltoall", r, ins[r].nbytes, outs[r].nbytes)
         staged = [_Staged(o) for o in outs]
         comm = self.comm
 
@@ -602,6 +605,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
         opts: Any,
     ) -> TorchportWork:
         """all_to_all_single on byte lengths: pieces are consecutive in ``out`` / ``inp``."""
+        r = self.comm.rank
+        _check_self_block(name, r, in_lens[r], out_lens[r])
         s, comm = _Staged(out), self.comm
 
         def offsets(base: int, lens: list[int]) -> list[int]:

@@ -176,6 +176,20 @@ def _check_alltoall(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -
                 )
 
 
+def _check_self_block(where: str, rank: int, sent: int, expected: int) -> None:
+    """Refuse, where the op is issued, a rank's block to itself whose two sizes differ.
+
+    Both are this rank's own arguments; found inside the transfer (over TCP no peer checks
+    that block, on shared memory the size matrix) the mismatch failed the whole group on
+    every rank, where gloo raises on the caller and the group stays usable.
+    """
+    if sent != expected:
+        raise CollectiveArgumentError(
+            f"{where}: a rank's block to itself must have one size on both sides: rank {rank} "
+            f"sends {sent} bytes to rank {rank}, which expects {expected} bytes"
+        )
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0
 
