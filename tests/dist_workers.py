@@ -788,20 +788,26 @@ def late_peer_case(rank: int, world: int) -> dict[str, Any]:
     seconds, not at the group's timeout. (The last rank's block to itself agrees: with one
     that does not it fails before sending anything, possibly while rank 0 is still in the
     barrier.)"""
-    from torchport.distributed import TorchportDistError
+    from torchport.distributed import TorchportDistError, get_error
 
     odd = rank == world - 1
     pg = dist.new_group(
         list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=20)
     )
     dist.barrier(group=pg)
+    # every rank's barrier on pg is done before the last rank can fail: its failure notice
+    # travels on another socket than rank 0's last barrier frame to rank 1 and could overtake
+    # it, and rank 1's barrier then failed (1 run in 5-7). A rank leaves this barrier on the
+    # default group only once every rank entered it, so after its pg barrier (a sleep of
+    # 0.2 s here only made the overtaking rarer)
+    dist.barrier()
     if rank == 1:
-        time.sleep(0.5)
-    elif odd:
-        # every rank's barrier is done before this rank can fail: its failure notice travels on
-        # another socket than rank 0's last barrier frame to rank 1 and could overtake it, and
-        # rank 1's barrier then failed (1 run in 5-7)
-        time.sleep(0.2)
+        # issue only once the last rank's failure has reached this rank (a 0.5 s sleep did
+        # not make sure of it); the case's deadline stays well under the test's
+        end = time.monotonic() + 10
+        while get_error(pg) is None and time.monotonic() < end:
+            time.sleep(0.01)
+    told = get_error(pg) is not None
     t0 = time.monotonic()
     try:
         dist.all_to_all_single(
@@ -814,7 +820,7 @@ def late_peer_case(rank: int, world: int) -> dict[str, Any]:
         call = "ok"
     except TorchportDistError as e:
         call = f"{type(e).__name__}: {e}"
-    return {"call": call, "elapsed": time.monotonic() - t0}
+    return {"call": call, "elapsed": time.monotonic() - t0, "told": told}
 
 
 class _default:

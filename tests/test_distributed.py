@@ -395,7 +395,7 @@ def test_a_late_peer_does_not_leave_a_rank_waiting():
     ABORT frame must still reach rank 0 (dist_workers.late_peer_case)."""
     res = [r["late_peer"] for r in results("tcp3")]
     assert res[-1]["call"].startswith("CollectiveMismatchError"), res
-    assert res[1]["call"].split(":")[0] in TYPED, res
+    assert res[1]["call"].split(":")[0] in TYPED and res[1]["told"], res
     for q, case in enumerate(res):
         assert case["elapsed"] < 5.0, (q, case)
         assert case["call"] == "ok" or case["call"].split(":")[0] in TYPED, (q, case)
