@@ -753,7 +753,7 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
         # over TCP: a pipelined chain of two pieces, then the acknowledgement back up
         lambda: dist.broadcast(torch.ones(300_000 + odd), src=0),
         # the odd rank expects one row more from rank 0 and one fewer from rank 1 (its block to
-        # itself agrees: a rank checks that one before it sends, and fails at once)
+        # itself agrees: one that does not is refused at the call and fails no group)
         lambda: dist.all_to_all_single(
             torch.empty(3 * world),
             torch.ones(3 * world),
@@ -785,9 +785,8 @@ def late_peer_case(rank: int, world: int) -> dict[str, Any]:
     failed (and told it: rank 1 then fails at once, sending nothing). Rank 0 got the last
     rank's block and waits for rank 1's, so it can learn of the failure only from the last
     rank's ABORT frame, on a socket whose receives are all done: it must still fail within
-    seconds, not at the group's timeout. (The last rank's block to itself agrees: with one
-    that does not it fails before sending anything, possibly while rank 0 is still in the
-    barrier.)"""
+    seconds, not at the group's timeout. (The last rank's block to itself agrees: one that
+    does not is refused at the call, before anything is sent, and fails no group.)"""
     from torchport.distributed import TorchportDistError, get_error
 
     odd = rank == world - 1
