@@ -695,11 +695,13 @@ def mismatch_case(rank: int, world: int) -> list[str]:
             dist.all_reduce(torch.ones(10)) if rank == 0 else dist.broadcast(torch.ones(10), src=0)
         ),
         lambda: dist.broadcast(torch.ones(10), src=rank),
+        # rank 0 sends one row more to the last rank than it expects (its block to itself
+        # agrees: one that does not is refused at the call, on that rank only)
         lambda: dist.all_to_all_single(
             torch.empty(3 * world),
-            torch.ones(3 * world),
+            torch.ones(3 * world + (rank == 0)),
             [3] * world,
-            [3 + (rank == 0), *[3] * (world - 2), 3 - (rank == 0)],
+            [*[3] * (world - 1), 3 + (rank == 0)],
         ),
     ]
     for i, fn in enumerate(cases):
@@ -753,7 +755,7 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
         # over TCP: a pipelined chain of two pieces, then the acknowledgement back up
         lambda: dist.broadcast(torch.ones(300_000 + odd), src=0),
         # the odd rank expects one row more from rank 0 and one fewer from rank 1 (its block to
-        # itself agrees: a rank checks that one before it sends, and fails at once)
+        # itself agrees: one that does not is refused at the call and fails no group)
         lambda: dist.all_to_all_single(
             torch.empty(3 * world),
             torch.ones(3 * world),
@@ -785,23 +787,28 @@ def late_peer_case(rank: int, world: int) -> dict[str, Any]:
     failed (and told it: rank 1 then fails at once, sending nothing). Rank 0 got the last
     rank's block and waits for rank 1's, so it can learn of the failure only from the last
     rank's ABORT frame, on a socket whose receives are all done: it must still fail within
-    seconds, not at the group's timeout. (The last rank's block to itself agrees: with one
-    that does not it fails before sending anything, possibly while rank 0 is still in the
-    barrier.)"""
-    from torchport.distributed import TorchportDistError
+    seconds, not at the group's timeout. (The last rank's block to itself agrees: one that
+    does not is refused at the call, before anything is sent, and fails no group.)"""
+    from torchport.distributed import TorchportDistError, get_error
 
     odd = rank == world - 1
     pg = dist.new_group(
         list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=20)
     )
     dist.barrier(group=pg)
+    # every rank's barrier on pg is done before the last rank can fail: its failure notice
+    # travels on another socket than rank 0's last barrier frame to rank 1 and could overtake
+    # it, and rank 1's barrier then failed (1 run in 5-7). A rank leaves this barrier on the
+    # default group only once every rank entered it, so after its pg barrier (a sleep of
+    # 0.2 s here only made the overtaking rarer)
+    dist.barrier()
     if rank == 1:
-        time.sleep(0.5)
-    elif odd:
-        # every rank's barrier is done before this rank can fail: its failure notice travels on
-        # another socket than rank 0's last barrier frame to rank 1 and could overtake it, and
-        # rank 1's barrier then failed (1 run in 5-7)
-        time.sleep(0.2)
+        # issue only once the last rank's failure has reached this rank (a 0.5 s sleep did
+        # not make sure of it); the case's deadline stays well under the test's
+        end = time.monotonic() + 10
+        while get_error(pg) is None and time.monotonic() < end:
+            time.sleep(0.01)
+    told = get_error(pg) is not None
     t0 = time.monotonic()
     try:
         dist.all_to_all_single(
@@ -814,7 +821,7 @@ def late_peer_case(rank: int, world: int) -> dict[str, Any]:
         call = "ok"
     except TorchportDistError as e:
         call = f"{type(e).__name__}: {e}"
-    return {"call": call, "elapsed": time.monotonic() - t0}
+    return {"call": call, "elapsed": time.monotonic() - t0, "told": told}
 
 
 class _default:

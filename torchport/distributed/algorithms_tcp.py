@@ -728,7 +728,8 @@ def _direct_alltoall(
     if in_lens[r] != out_lens[r]:
         # no peer checks a rank's block to itself (the shared-memory and hybrid paths check
         # the whole matrix): the copy below wrote in_lens[r] bytes into an out_lens[r]-byte
-        # block -- past the end of the output when it is the last block, else stale rows
+        # block -- past the end of the output when it is the last block, else stale rows.
+        # (The c10d backend refuses this at the call; this guards direct callers.)
         raise CollectiveMismatchError(
             f"mismatched collectives on communicator {comm.name!r}: alltoall split sizes "
             f"disagree: rank {r} sends {in_lens[r]} bytes to rank {r}, which expects "

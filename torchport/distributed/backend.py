@@ -23,10 +23,12 @@ import torch.distributed as dist
 from torchport.distributed import algorithms as alg
 from torchport.distributed.backend_args import (
     _NATIVE_RED,
+    _apart_from,
     _check_alltoall,
     _check_blocks,
     _check_no_self_overlap,
     _check_red,
+    _check_self_block,
     _cpu,
     _one,
     _ptr,
@@ -152,8 +154,12 @@ class TorchportProcessGroup(dist.ProcessGroup):
         given = [_cpu(t, "allreduce_coalesced") for t in tensors]
         for t in given:
             _check_no_self_overlap(t)
-        # (written back with copy_: a detached alias, as in _Staged, for a leaf that requires grad)
-        ts = [t.detach() if t.requires_grad else t for t in given]
+        # written back with copy_ through .data, as in _Staged: on the tensor itself the copy
+        # raised for a leaf that requires grad, and on a detach()ed alias it bumped the version
+        # counter (a later backward that saved the tensor raised). Gloo refuses such a leaf
+        # (its flatten's in-place copy raises on the caller); this writes it, as all_reduce of
+        # one such leaf does on both backends.
+        ts = [t.data if t.requires_grad else t for t in given]
         codes = [_check_red(name, t.dtype, "allreduce_coalesced") for t in ts]
         comm = self.comm
 
@@ -449,14 +455,25 @@ class TorchportProcessGroup(dist.ProcessGroup):
         documents ``all_gather_coalesced`` (it was read as one list per input: with as many
         inputs as ranks every output got the transposed block, otherwise a typed error)."""
         w, n = self.comm.world, len(inputs)
+        if not n:
+            # as gloo refuses it (an empty chain completed with nothing gathered)
+            raise CollectiveArgumentError(
+                "allgather_coalesced: requires a non-empty list of input tensors, got []"
+            )
         if len(output_lists) != w or any(len(outs) != n for outs in output_lists):
             raise CollectiveArgumentError(
                 f"allgather_coalesced: expects world_size ({w}) output lists of len(inputs) "
                 f"({n}) tensors each, got lists of {[len(outs) for outs in output_lists]}"
             )
         per_input = [[outs[i] for outs in output_lists] for i in range(n)]
-        for outs, t in zip(per_input, inputs):  # every check before the first op is issued
-            self._check_list([outs], _cpu(t, "allgather_coalesced"), "allgather_coalesced")
+        # every check before the first op is issued: a self-overlapping output refused by the
+        # allgather of its input had let the earlier allgathers run (their outputs written) and
+        # left this rank one op short of its peers
+        for outs, t in zip(per_input, inputs):
+            for o in self._check_list(
+                [outs], _cpu(t, "allgather_coalesced"), "allgather_coalesced"
+            ):
+                _check_no_self_overlap(o)
         works = [self.allgather([outs], [t], opts) for outs, t in zip(per_input, inputs)]
         return self._chain("allgather_coalesced", works, [t for o in output_lists for t in o])
 
@@ -554,19 +571,16 @@ class TorchportProcessGroup(dist.ProcessGroup):
         outs = [_cpu(t, "alltoall") for t in output_tensors]
         ins = [_cpu(t, "alltoall") for t in input_tensors]
         _check_alltoall(outs, ins)
+        r = self.comm.rank
+        _check_self_block("alltoall", r, ins[r].nbytes, outs[r].nbytes)
         staged = [_Staged(o) for o in outs]
         comm = self.comm
 
         def run(deadline: float) -> None:
-            srcs = [t.contiguous() for t in ins]
             # in place (an output is an input): a block received over TCP overwrote an input
             # not yet sent (rank 0 of 3 got its own block back from rank 1); such inputs are
             # sent from copies
-            spans = [(_ptr(o.t), _ptr(o.t) + o.t.numel() * o.t.element_size()) for o in staged]
-            for i, t in enumerate(srcs):
-                lo, hi = _ptr(t), _ptr(t) + t.numel() * t.element_size()
-                if lo and any(a < hi and lo < b for a, b in spans if a):
-                    srcs[i] = t.clone()
+            srcs = _apart_from([t.contiguous() for t in ins], [s.t for s in staged])
             alg.alltoall(
                 comm,
                 [_ptr(t) for t in srcs],
@@ -591,6 +605,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
         opts: Any,
     ) -> TorchportWork:
         """all_to_all_single on byte lengths: pieces are consecutive in ``out`` / ``inp``."""
+        r = self.comm.rank
+        _check_self_block(name, r, in_lens[r], out_lens[r])
         s, comm = _Staged(out), self.comm
 
         def offsets(base: int, lens: list[int]) -> list[int]:

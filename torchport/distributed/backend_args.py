@@ -7,6 +7,7 @@ copies (:class:`_Staged`) and written back after the operation.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,11 +119,14 @@ class _Staged:
     def __init__(self, t: torch.Tensor) -> None:
         _check_no_self_overlap(t)
         if t.requires_grad:
-            # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops:
-            # on a leaf that requires grad (a parameter) they raised on the engine thread and
-            # failed the group on every rank; gloo's and the native paths' writes bypass
-            # autograd, and so do these on a detached alias of the same memory
-            t = t.detach()
+            # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops: on
+            # a leaf that requires grad (a parameter) they raised on the engine thread, and on
+            # a detach()ed alias they bumped the shared version counter, so a later backward
+            # that had saved the tensor raised 'modified by an inplace operation'. Gloo's and
+            # the native paths' writes leave autograd and the version alone, and so do these
+            # through .data (same memory, its own version counter). A tensor that does not
+            # require grad keeps the bump (the GEMM pack cache reads it as "changed").
+            t = t.data
         self.orig = t
         self.t = t if t.is_contiguous() else t.contiguous()
 
@@ -172,5 +176,55 @@ def _check_alltoall(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -
                 )
 
 
+def _check_self_block(where: str, rank: int, sent: int, expected: int) -> None:
+    """Refuse, where the op is issued, a rank's block to itself whose two sizes differ.
+
+    Both are this rank's own arguments; found inside the transfer (over TCP no peer checks
+    that block, on shared memory the size matrix) the mismatch failed the whole group on
+    every rank, where gloo raises on the caller and the group stays usable.
+    """
+    if sent != expected:
+        raise CollectiveArgumentError(
+            f"{where}: a rank's block to itself must have one size on both sides: rank {rank} "
+            f"sends {sent} bytes to rank {rank}, which expects {expected} bytes"
+        )
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0
+
+
+def _apart_from(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``srcs`` with every tensor whose bytes overlap any of ``outs`` replaced by a copy.
+
+    In place (an output is also an input), a block received over TCP overwrote an input not yet
+    sent. Comparing every input with every output cost O(w^2) per call (3.6 ms at w=256); the
+    outputs' byte ranges are sorted and merged once and each input bisects them: O(w log w),
+    still exact.
+    """
+    spans = sorted((p, p + t.nbytes) for t in outs if (p := _ptr(t)))
+    starts: list[int] = []
+    ends: list[int] = []
+    for a, b in spans:
+        if ends and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    if not starts:
+        return srcs
+    first, last = starts[0], ends[-1]
+    out = srcs
+    for i, t in enumerate(srcs):
+        lo = _ptr(t)
+        if not lo:
+            continue
+        hi = lo + t.nbytes
+        if hi <= first or lo >= last:
+            continue
+        j = bisect_right(ends, lo)  # the first merged range ending after lo
+        if j < len(starts) and starts[j] < hi:
+            if out is srcs:
+                out = list(srcs)
+            out[i] = t.clone()
+    return out
