@@ -603,7 +603,7 @@ def c_track_shm(st: dict[str, Any]) -> None:
         return real(name, nbytes)
 
     tracking.tracked = True  # type: ignore[attr-defined]
-    window._shm_create = tracking  # type: ignore[assignment]
+    window._shm_create = tracking
 
 
 def c_shm_made(st: dict[str, Any]) -> list[str]:
