@@ -129,7 +129,7 @@ def test_the_default_groups_members_are_refreshed_after_a_reinit(monkeypatch):
 
     rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
     wrapped = fr._wrap("all_reduce", all_reduce, rec)
-    destroy = fr._wrap_destroy(lambda group=None: None)
+    destroy = fr._wrap_destroy(lambda group=None: None, rec)
     wrapped(torch.ones(1))
     assert rec.groups["default"] == [0, 1]
     destroy()
@@ -497,3 +497,36 @@ def test_sends_and_recvs_are_paired_per_tag(tmp_path):
     v = analyze(load_dumps(tmp_path))
     assert v.mismatches == [], v.text()
     assert v.unmatched_p2p == [(1, "default", 2, "recv", 0)], v.text()
+
+
+def test_a_rank_late_to_a_re_created_group_is_named_not_its_peer(monkeypatch, tmp_path):
+    """Both ranks destroy and re-create the default group; rank 0 enters its first all_reduce,
+    rank 1 has recorded nothing on the new group yet. Rank 1's dump showed only the old
+    incarnation, which the analyzer compared with rank 0's new one (rank 0 blamed); the
+    destroy now starts the new incarnation, dumped as the rank's current one."""
+    monkeypatch.setattr(fr, "_group_names", {})
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: [0, 1])
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    old = _Group("default")
+    recs = [FlightRecorder(buffer_size=16, rank=r, world_size=2, dump_dir=tmp_path) for r in (0, 1)]
+    for rec in recs:
+        fr._group_names.clear()  # (one process plays both ranks)
+        for _ in range(3):
+            fr._wrap("all_reduce", all_reduce, rec)(torch.ones(2), group=old)
+        fr._wrap_destroy(lambda group=None: None, rec)()  # the default: every group
+    new = _Group("default")
+    recs[0].adopt("default", new)
+    e = recs[0]._new("all_reduce", "default", [], [], fr.STARTED)  # rank 0 waits in #0
+    assert e[fr._INC] == 1 and recs[0].incarnations() == recs[1].incarnations() == {"default": 1}
+    for rec in recs:
+        rec.dump()
+    v = analyze(load_dumps(tmp_path))
+    assert v.never_entered == [(1, "default", 0, "all_reduce")], v.text()
+    # a dump without the field (older) is still read: each rank's newest entries
+    snap = json.loads((tmp_path / "rank_1.json").read_text())
+    del snap["incarnations"]
+    (tmp_path / "rank_1.json").write_text(json.dumps(snap))
+    assert analyze(load_dumps(tmp_path)).never_entered[0][:2] == (0, "default")

@@ -246,12 +246,35 @@ class FlightRecorder:
                 self._owners[name] = weakref.ref(group)
             except TypeError:  # a group without weak references: keep it (no id reuse)
                 self._owners[name] = functools.partial(_identity, group)
-            if ref is None:
-                return  # the first group of that name here: incarnation 0 (or as recorded)
+            if ref is None or ref is _retired:
+                # the first group of that name here: incarnation 0 (or as recorded); or the
+                # one after a destroyed group, whose incarnation retire() has counted already
+                return
             self._incs[name] = self._incs.get(name, 0) + 1
             mine = f"{name}\0"
             for key in [k for k in self._seq if k == name or k.startswith(mine)]:
                 del self._seq[key]
+
+    def retire(self, name: str | None = None) -> None:
+        """The group of the name ``name`` (every group: None) was destroyed: the next group of
+        that name is a new incarnation, counted now so that a dump taken before this rank
+        records an op on it says so (the rank still showed the old incarnation, and fr analyze
+        compared a peer's new ops with this rank's old ones: the wrong rank blamed)."""
+        with self._lock:
+            for n in list(self._owners) if name is None else [name]:
+                ref = self._owners.get(n)
+                if ref is None or ref is _retired:
+                    continue
+                self._owners[n] = _retired
+                self._incs[n] = self._incs.get(n, 0) + 1
+                mine = f"{n}\0"
+                for key in [k for k in self._seq if k == n or k.startswith(mine)]:
+                    del self._seq[key]
+
+    def incarnations(self) -> dict[str, int]:
+        """The current incarnation of every group name this recorder has seen a group of."""
+        with self._lock:
+            return {n: self._incs.get(n, 0) for n in sorted(set(self._owners) | set(self._incs))}
 
     @staticmethod
     def started(e: list[Any]) -> None:
@@ -378,6 +401,9 @@ class FlightRecorder:
             "time_ns": now,
             "buffer_size": self.capacity,
             "groups": self.groups,
+            # each group name's current incarnation (bumped at destroy, before any op of the
+            # new group is recorded): fr analyze lines up this one, even when it has no entries
+            "incarnations": self.incarnations(),
             "entries": out,
         }
 
@@ -524,6 +550,11 @@ _group_names: dict[int, tuple[str, list[int], Callable[[], Any]]] = {}
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _retired() -> None:
+    """The owner of a group name whose group was destroyed (see FlightRecorder.retire)."""
+    return None
 
 
 def _group_key(group: Any) -> tuple[str, list[int], Callable[[], Any]]:
@@ -733,17 +764,25 @@ def _process_group_classes() -> list[type]:
     return out
 
 
-def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``destroy_process_group`` that also forgets the default group's cached membership:
-    ``group=None`` is cached under one key for the life of the process, so after a re-init
-    with another world the entries still named the old world's ranks."""
+def _wrap_destroy(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    """``destroy_process_group`` that also forgets the default group's cached membership
+    (``group=None`` is cached under one key for the life of the process, so after a re-init
+    with another world the entries still named the old world's ranks) and starts the next
+    incarnation of the destroyed groups' names (all of them for the default group)."""
 
     @functools.wraps(fn)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[0] if args else None)
         try:
             return fn(*args, **kwargs)
         finally:
             _group_names.pop(id(None), None)
+            if group is None or group is dist.group.WORLD:
+                rec.retire()  # torch destroys every group with the default one
+            else:
+                hit = _group_names.get(id(group))
+                if hit is not None and hit[2]() is group:
+                    rec.retire(hit[0])
 
     destroy_process_group.__torchport_fr__ = True  # type: ignore[attr-defined]
     return destroy_process_group
@@ -773,7 +812,7 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     if getattr(fn, "__torchport_fr__", False):
         fn = _originals["destroy_process_group"]
     _originals["destroy_process_group"] = fn
-    dist.destroy_process_group = _wrap_destroy(fn)
+    dist.destroy_process_group = _wrap_destroy(fn, rec)
     fn = dist.batch_isend_irecv
     if getattr(fn, "__torchport_fr__", False):
         fn = _originals["batch_isend_irecv"]

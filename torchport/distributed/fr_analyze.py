@@ -11,8 +11,10 @@ rank's ring buffer still holds) and reports, in plain words:
 * ops that errored, or were still running when the dump was taken (stuck);
 * the last completed op of every rank.
 
-A group destroyed and re-created under the same name is lined up in its newest incarnation on
-every rank (the entries' ``incarnation``): a restarted rank knows only the new one.
+A group destroyed and re-created under the same name is lined up in its current incarnation on
+every rank (the dump's ``incarnations``; the entries' ``incarnation`` says which one each op ran
+on): a restarted rank knows only the new one, and a rank with no op on the new group yet has
+not entered its first one. Dumps without ``incarnations`` line up each rank's newest entries.
 
 It accepts dumps from any backend: entries whose state never left ``scheduled`` are reported as
 such rather than crashing the analysis.
@@ -75,6 +77,11 @@ def _check_dump(p: Path, obj: Any) -> int:
         and all(isinstance(m, list) and all(_is_int(x) for x in m) for m in groups.values())
     ):
         raise DumpError(f"{p}: groups must map group names to lists of ranks, got {groups!r:.200}")
+    incs = obj.get("incarnations")
+    if incs is not None and not (
+        isinstance(incs, dict) and all(_is_int(n) and n >= 0 for n in incs.values())
+    ):
+        raise DumpError(f"{p}: incarnations must map group names to ints >= 0, got {incs!r:.200}")
     entries = obj["entries"]
     if not isinstance(entries, list):
         raise DumpError(f"{p}: entries must be a list, got {type(entries).__name__}")
@@ -184,9 +191,13 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
     for rank, d in dumps.items():
         for g, ranks in (d.get("groups") or {}).items():
             members.setdefault(g, set()).update(int(x) for x in ranks)
+        # the incarnation of each group to line up: the rank's current one (dumped since a
+        # rank that had not yet recorded an op on a re-created group showed only the old one,
+        # compared with its peers' new one), else (older dumps) the newest it has entries of
         newest: dict[str, int] = {}
         for e in d["entries"]:
             newest[e["group"]] = max(newest.get(e["group"], 0), e.get("incarnation") or 0)
+        newest.update(d.get("incarnations") or {})
         if d["entries"] and d["entries"][0].get("record_id", 0) != 0:
             wrapped.add(rank)
         for e in d["entries"]:
