@@ -530,3 +530,24 @@ def test_a_rank_late_to_a_re_created_group_is_named_not_its_peer(monkeypatch, tm
     del snap["incarnations"]
     (tmp_path / "rank_1.json").write_text(json.dumps(snap))
     assert analyze(load_dumps(tmp_path)).never_entered[0][:2] == (0, "default")
+
+
+def test_a_receive_from_any_source_does_not_shift_the_pairs(tmp_path):
+    """Rank 1 receives rank 0's first message (4 floats) from any source and its second (8) by
+    source: correct. Dropping the any-source receive paired the 8-float receive with the
+    4-float send (a false size mismatch); receives after one from any source are not paired."""
+
+    def p2p(seq: int, op: str, peer: int, n: int) -> dict:
+        return {"seq_id": seq, "op": op, "group": "default", "state": "completed", "peer": peer,
+                "tag": 0, "sizes": [[n]], "dtypes": ["float32"]}  # fmt: skip
+
+    for rank, entries in (
+        (0, [p2p(0, "send", 1, 4), p2p(1, "send", 1, 8)]),
+        (1, [p2p(0, "recv", -1, 4), p2p(1, "recv", 0, 8)]),
+    ):
+        (tmp_path / f"rank_{rank}.json").write_text(
+            json.dumps({"rank": rank, "world_size": 2, "entries": entries})
+        )
+    v = analyze(load_dumps(tmp_path))
+    assert v.mismatches == [] and v.unmatched_p2p == [], v.text()
+    assert v.text().startswith("no problem found"), v.text()

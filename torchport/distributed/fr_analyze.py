@@ -188,6 +188,10 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
     sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
     recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
     wrapped: set[int] = set()  # ranks whose ring buffer dropped entries: counts are incomplete
+    # (group, receiver, tag) that received from any source: the sends it took are unknown, so
+    # its later receives of that tag are not paired (dropping the any-source one alone paired
+    # every later receive with the send before its own: a false size mismatch)
+    anysource: set[tuple[str, int, Any]] = set()
     for rank, d in dumps.items():
         for g, ranks in (d.get("groups") or {}).items():
             members.setdefault(g, set()).update(int(x) for x in ranks)
@@ -204,12 +208,13 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
             if (e.get("incarnation") or 0) != newest[e["group"]]:
                 continue  # an earlier group of that name: a restarted rank has none of it
             if e["op"] in P2P_OPS:  # numbered on their own counter: not lined up as collectives
-                peer = e.get("peer")
-                if isinstance(peer, int) and peer >= 0:
-                    tag = e.get("tag") or 0
+                peer, tag = e.get("peer"), e.get("tag") or 0
+                if e["op"] == "recv" and peer == -1:
+                    anysource.add((e["group"], rank, tag))
+                elif isinstance(peer, int) and peer >= 0:
                     if e["op"] == "send":
                         sends.setdefault((e["group"], rank, peer, tag), []).append(e)
-                    else:
+                    elif (e["group"], rank, tag) not in anysource:
                         recvs.setdefault((e["group"], peer, rank, tag), []).append(e)
                 continue
             groups.setdefault(e["group"], {}).setdefault(rank, {})[e["seq_id"]] = e
@@ -250,7 +255,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                         f"rank {ranks[0]} called {_sig(ref)} but rank {r} called {_sig(have[r])}"
                     )
                     break
-    _match_p2p(v, dumps, sends, recvs, wrapped)
+    _match_p2p(v, dumps, sends, recvs, wrapped, anysource)
     for rank in sorted(dumps):
         entries = dumps[rank]["entries"]
         done = [e for e in entries if e["state"] == "completed"]
@@ -302,12 +307,14 @@ def _match_p2p(
     sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
     recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
     wrapped: set[int],
+    anysource: set[tuple[str, int, Any]],
 ) -> None:
     """Pair the k-th send from one rank to another with the k-th receive there (torch matches
     them in that order per pair, group and tag): name an op still waiting whose other side was never
-    issued, and a pair whose sizes or dtypes differ."""
+    issued, and a pair whose sizes or dtypes differ. After a receive from any source (in
+    ``anysource``) only the receives issued before it are paired, and counts are not compared."""
     for key in sorted(set(sends) | set(recvs)):
-        g, src, dst, _ = key
+        g, src, dst, tag = key
         if src not in dumps or dst not in dumps or src in wrapped or dst in wrapped:
             continue  # a missing dump is reported as such; a wrapped buffer has no full count
         s, r = sends.get(key, []), recvs.get(key, [])
@@ -324,7 +331,7 @@ def _match_p2p(
                     f"{_sig(a)} but rank {dst} received into {_sig(b)}"
                 )
                 break
-        if len(s) == len(r):
+        if len(s) == len(r) or (g, dst, tag) in anysource:
             continue
         # the first op past the other side's count: its peer never issued the matching side
         longer, rank, peer, other = (
