@@ -551,3 +551,66 @@ def test_a_receive_from_any_source_does_not_shift_the_pairs(tmp_path):
     v = analyze(load_dumps(tmp_path))
     assert v.mismatches == [] and v.unmatched_p2p == [], v.text()
     assert v.text().startswith("no problem found"), v.text()
+
+
+class _GlooP2PWork:
+    """A gloo send / recv Work: no future, completed only inside wait()."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.done, self.fail = False, fail
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented")
+
+    def wait(self, timeout=None):
+        self.done = True
+        if self.fail:
+            raise RuntimeError("Timed out waiting for recv")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def is_success(self) -> bool:
+        return not self.fail
+
+
+def test_a_work_without_future_is_held_weakly_and_settled_by_wait(tmp_path):
+    """A gloo send / recv entry stayed in the recorder with its Work (and tensor) until a dump
+    (never without the watchdog: 500 x 1 MiB alive), and its duration was the polling time.
+    wait() now completes it at the time it returns (or errors it), a work dropped unwaited
+    leaves it 'unknown', and completion seen by polling has no duration."""
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
+    wait = fr._wrap_wait(_GlooP2PWork.wait, rec)
+    works = [_GlooP2PWork(), _GlooP2PWork(fail=True), _GlooP2PWork(), _GlooP2PWork()]
+    es = [rec._new("send", "g", [], [], fr.STARTED, "p2p", 1) for _ in works]
+    for w, e in zip(works, es, strict=True):
+        assert rec.attach(w, e) is w
+    assert wait(works[0]) is True
+    with pytest.raises(RuntimeError, match="Timed out"):
+        wait(works[1])
+    polled = works[2]
+    polled.done = True  # seen by polling only
+    del w
+    works.clear()  # works[3] dropped, never waited
+    assert list(rec._polled) == [id(polled)]
+    got = [(e["state"], e["duration_ms"] is None) for e in rec.snapshot()["entries"]]
+    assert rec._polled == {}
+    assert got == [(COMPLETED, False), (ERRORED, False), (COMPLETED, True), (fr.UNKNOWN, True)]
+
+
+def test_an_op_that_never_settles_does_not_hide_a_later_hang_from_the_watchdog(tmp_path):
+    """The watchdog dumped for the first overdue entry only: after a never-waited gloo isend
+    was dumped for, a later all_reduce hung for seconds without a dump."""
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1, dump_dir=tmp_path)
+    rec.start_watchdog(timeout_s=0.05, period_s=0.01)
+    try:
+        for want in (1, 2):
+            rec.started(rec.record("send" if want == 1 else "all_reduce", "g"))
+            end = time.monotonic() + 1.5
+            while rec.dumps < want and time.monotonic() < end:
+                time.sleep(0.01)
+            assert rec.dumps == want
+        assert "all_reduce" in json.loads((tmp_path / "rank_0.json").read_text())["reason"]
+    finally:
+        rec.stop()

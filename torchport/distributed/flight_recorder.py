@@ -3,7 +3,9 @@
 Every collective is recorded in a per-process ring buffer (``TORCHPORT_FR_BUFFER_SIZE`` entries,
 default 2000) with its per-group sequence id, op name, group, tensor sizes and dtypes, and its state
 ``scheduled`` → ``started`` → ``completed`` (or ``errored``) with wall-clock timestamps and duration,
-plus the Python stack when ``TORCHPORT_FR_STACK=1``. Recording costs about a microsecond: an entry is
+plus the Python stack when ``TORCHPORT_FR_STACK=1``. A point-to-point op whose Work has no future
+(gloo's, complete only inside ``wait()``) ends when its ``wait()`` returns; seen completed only by
+polling, its duration is unknown (null), and dropped without ``wait()`` its state is ``unknown``. Recording costs about a microsecond: an entry is
 one Python list written into a preallocated ring slot, holding the tensors' ``torch.Size`` and dtype
 objects as they are (names and lists are made only when dumping), ids come from lock-free
 ``itertools.count`` counters (atomic under the GIL), and timestamps are ``time.time_ns()``.
@@ -49,6 +51,11 @@ import torch.distributed as dist
 from torchport import config
 
 SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "errored"
+# a point-to-point op whose Work was dropped without wait(): gloo's send / recv Works complete
+# only inside wait(), so whether the op finished is not known (not a hang: nobody waits)
+UNKNOWN = "unknown"
+# _T_END of an op whose completion was seen by polling, not when it happened: no duration
+_END_UNKNOWN = -1
 FORMAT_VERSION = 1
 
 # entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
@@ -100,24 +107,14 @@ def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return sizes, dtypes
 
 
-class _PolledWork:
-    """The future-like face of a Work that has no future: done once the work is completed,
-    failed if it holds an exception."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-
-    def done(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def value(self) -> None:
-        # (not wait(): gloo's send / recv work waits for its buffer again, forever; exception()
-        # is deprecated and logs that once per process, but tells a failed op from a finished one)
-        err = self.work.exception()
-        if isinstance(err, BaseException):
-            raise err
+def _poll_failure(work: Any) -> BaseException | None:
+    """The error of a completed Work that has no future, None if it succeeded (not wait():
+    gloo's send / recv work waits for its buffer again, forever)."""
+    if work.is_success():
+        return None
+    # (exception() is deprecated and says so once per process: asked only of a failed work)
+    err = work.exception()
+    return err if isinstance(err, BaseException) else RuntimeError("the work failed")
 
 
 class FlightRecorder:
@@ -155,6 +152,11 @@ class FlightRecorder:
         self._lock = threading.Lock()
         # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
         self._pending: dict[int, tuple[list[Any], Any]] = {}
+        # attached ops whose Work has no future (gloo's send / recv): id(work) -> (entry, a
+        # weak reference to the work), settled by the work's wait() (see _waited), by polling
+        # in entries(), or as unknown when the work is dropped: held weakly, a Work and its
+        # tensor outlived the op until the next dump (for ever without the watchdog)
+        self._polled: dict[int, tuple[list[Any], Any]] = {}
         self._rank, self._world = rank, world_size
         d = dump_dir if dump_dir is not None else (config.get("fr_dump_dir") or "torchport-fr")
         self.dump_dir = Path(d)
@@ -301,15 +303,59 @@ class FlightRecorder:
         without a future (gloo's send and recv) is polled there the same way."""
         try:
             fut = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented": settled by entries()
-            with self._lock:
-                self._pending[id(e)] = (e, _PolledWork(work))
+        except RuntimeError:  # "Work::getFuture not implemented": see _polled
+            key = id(work)
+            try:
+                ref: Callable[[], Any] = weakref.ref(work, lambda r: self._dropped(key, r))
+            except TypeError:  # a work without weak references: held until it completes
+                ref = functools.partial(_identity, work)
+            self._polled[key] = (e, ref)
             return work
         key = id(e)  # (held in _pending until settled: not reused meanwhile)
         with self._lock:
             self._pending[key] = (e, fut)
         fut.add_done_callback(lambda f: self._settle(key, f))
         return work
+
+    def _waited(self, work: Any, error: BaseException | None) -> None:
+        """``work.wait()`` returned (or raised ``error``): complete its entry, if it has one,
+        with the time it was seen to end (a gloo send / recv completes inside wait())."""
+        hit = self._polled.pop(id(work), None)  # (atomic: no lock, see _dropped)
+        if hit is None:
+            return
+        if hit[1]() is not work:  # a dropped work's id, reused before its callback ran
+            self._dropped(id(work), hit[1], hit)
+            return
+        if hit[0][_STATE] is STARTED:
+            self.completed(hit[0], error)
+
+    def _dropped(self, key: int, ref: Any, hit: Any = None) -> None:
+        """The work of a polled entry was freed without wait(): whether its op finished is
+        unknown. Runs wherever the work is freed, maybe under this recorder's lock: takes none."""
+        if hit is None:
+            hit = self._polled.get(key)
+            if hit is None or hit[1] is not ref:
+                return
+            self._polled.pop(key, None)
+        e = hit[0]
+        if e[_STATE] is STARTED:
+            e[_T_END] = _END_UNKNOWN
+            e[_STATE] = UNKNOWN
+
+    def _poll(self) -> None:
+        """Settle polled entries whose work reports completion (no duration: when it ended
+        is not known)."""
+        for key, (e, ref) in list(self._polled.items()):
+            work = ref()
+            if work is None or not work.is_completed():
+                continue
+            if self._polled.get(key, (None, None))[1] is not ref:
+                continue
+            self._polled.pop(key, None)
+            if e[_STATE] is STARTED:
+                err = _poll_failure(work)
+                self.completed(e, err)
+                e[_T_END] = _END_UNKNOWN
 
     def _settle(self, key: int, fut: Any) -> None:
         """Complete the attached entry ``key`` from its finished future, once (the callback and
@@ -344,6 +390,8 @@ class FlightRecorder:
             finished = [(k, f) for k, (_, f) in self._pending.items() if f.done()]
         for key, fut in finished:
             self._settle(key, fut)
+        if self._polled:
+            self._poll()
         with self._lock:
             cap = self.capacity
             if cap == 0:
@@ -359,6 +407,7 @@ class FlightRecorder:
             self._count = 0
             self._seq = {}
             self._pending = {}
+            self._polled.clear()  # (the wait() hook holds this dict)
             # ids restart at 0: a stuck op whose id the watchdog dumped for before would
             # otherwise never be dumped
             self._dumped_for = -1
@@ -371,6 +420,7 @@ class FlightRecorder:
         out = []
         for e in self.entries():
             end = e[_T_END] or now
+            took = None if end == _END_UNKNOWN else (end - (e[_T_START] or e[_T_SCHED])) / 1e6
             out.append(
                 {
                     "record_id": e[_ID],
@@ -382,8 +432,9 @@ class FlightRecorder:
                     "state": e[_STATE],
                     "time_scheduled_ns": e[_T_SCHED],
                     "time_started_ns": e[_T_START] or None,
-                    "time_completed_ns": e[_T_END] or None,
-                    "duration_ms": (end - (e[_T_START] or e[_T_SCHED])) / 1e6,
+                    "time_completed_ns": e[_T_END] if e[_T_END] > 0 else None,
+                    # null: completion seen by polling or never waited for (gloo p2p)
+                    "duration_ms": took,
                     "error": e[_ERR],
                     "stack": e[_STACK],
                     "peer": e[_PEER],
@@ -437,15 +488,22 @@ class FlightRecorder:
         def loop() -> None:
             while not self._stop.wait(period_s):
                 now = time.time_ns()
-                for e in self.entries():
-                    if e[_STATE] in (SCHEDULED, STARTED) and now - e[_T_SCHED] > limit_ns:
-                        if e[_ID] != self._dumped_for:
-                            self._dumped_for = e[_ID]
-                            self._dump_quietly(
-                                f"timeout: {e[_OP]} #{e[_SEQ]} on {e[_GROUP]} incomplete "
-                                f"after {(now - e[_T_SCHED]) / 1e9:.2f} s"
-                            )
-                        break
+                # dump once per newly overdue op: keyed on the first overdue entry alone, an
+                # op that stays incomplete (a gloo isend never waited on) hid every later hang
+                late = [
+                    e
+                    for e in self.entries()
+                    if e[_STATE] in (SCHEDULED, STARTED)
+                    and now - e[_T_SCHED] > limit_ns
+                    and e[_ID] > self._dumped_for
+                ]
+                if late:
+                    e = late[0]
+                    self._dumped_for = late[-1][_ID]
+                    self._dump_quietly(
+                        f"timeout: {e[_OP]} #{e[_SEQ]} on {e[_GROUP]} incomplete "
+                        f"after {(now - e[_T_SCHED]) / 1e9:.2f} s"
+                    )
 
         self._watchdog = threading.Thread(target=loop, name="tp-fr-watchdog", daemon=True)
         self._watchdog.start()
@@ -752,6 +810,32 @@ def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., An
     return batch_isend_irecv
 
 
+def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    """``Work.wait`` that completes the entry of a point-to-point op whose work has no future
+    (gloo's send / recv: done only inside wait()) when the wait returns, or errors it when the
+    wait raises; one dict test for any other work."""
+    polled = rec._polled
+
+    @functools.wraps(fn)
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        if not polled:
+            return fn(work, *args, **kwargs)
+        try:
+            out = fn(work, *args, **kwargs)
+        except BaseException as err:
+            rec._waited(work, err)
+            raise
+        if out is not False:  # (False: not completed within the timeout)
+            rec._waited(work, None)
+        return out
+
+    wait.__torchport_fr__ = True  # type: ignore[attr-defined]
+    return wait
+
+
+_wait_original: list[Any] = []  # Work.wait as found by install()
+
+
 def _process_group_classes() -> list[type]:
     """``ProcessGroup`` and its subclasses (a backend's own group may define its own send)."""
     out: list[type] = []
@@ -813,6 +897,11 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
         fn = _originals["destroy_process_group"]
     _originals["destroy_process_group"] = fn
     dist.destroy_process_group = _wrap_destroy(fn, rec)
+    fn = dist.Work.__dict__["wait"]
+    if getattr(fn, "__torchport_fr__", False):
+        fn = _wait_original[0]
+    _wait_original[:] = [fn]
+    dist.Work.wait = _wrap_wait(fn, rec)  # type: ignore[method-assign]
     fn = dist.batch_isend_irecv
     if getattr(fn, "__torchport_fr__", False):
         fn = _originals["batch_isend_irecv"]
@@ -839,4 +928,6 @@ def uninstall() -> None:
     for (cls, method), orig in _p2p_originals.items():
         setattr(cls, method, orig)
     _p2p_originals.clear()
+    if _wait_original:
+        dist.Work.wait = _wait_original.pop()  # type: ignore[method-assign]
     _group_names.clear()
