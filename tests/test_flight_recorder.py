@@ -614,3 +614,34 @@ def test_an_op_that_never_settles_does_not_hide_a_later_hang_from_the_watchdog(t
         assert "all_reduce" in json.loads((tmp_path / "rank_0.json").read_text())["reason"]
     finally:
         rec.stop()
+
+
+def test_a_numpy_integer_peer_and_tag_are_dumped_as_ints(monkeypatch, tmp_path, caplog):
+    """torch takes dist.send(t, numpy.int64(1)); the entry kept the numpy int as its peer and
+    every later dump of the process failed in json (TypeError). A dump that fails for another
+    reason no longer replaces the op's error in completed(): it is logged."""
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(fr, "_group_names", {})
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: [3, 5])
+
+    class Pg:
+        __slots__ = ("__weakref__", "group_name")
+
+        def send(self, tensors, dstRank, tag=0):
+            return None
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
+    pg = Pg()
+    pg.group_name = "pp"
+    fr._wrap_p2p("send", Pg.send, rec)(pg, [torch.ones(2)], np.int64(1), np.int32(7))
+    (entry,) = json.loads(rec.dump().read_text())["entries"]
+    assert (entry["peer"], entry["tag"]) == (5, 7)
+
+    def broken(reason="request", path=None):
+        raise TypeError("not JSON serializable")
+
+    monkeypatch.setattr(rec, "dump", broken)
+    e = rec.record("all_reduce", "g")
+    rec.completed(e, RuntimeError("the op's own error"))  # no TypeError
+    assert e[fr._STATE] == ERRORED and "the op's own error" in e[fr._ERR]
+    assert "dump (error in all_reduce #0 on g" in caplog.text and "TypeError" in caplog.text

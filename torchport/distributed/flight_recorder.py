@@ -34,6 +34,8 @@ import functools
 import inspect
 import itertools
 import json
+import logging
+import operator
 import os
 import signal
 import socket
@@ -57,6 +59,7 @@ UNKNOWN = "unknown"
 # _T_END of an op whose completion was seen by polling, not when it happened: no duration
 _END_UNKNOWN = -1
 FORMAT_VERSION = 1
+_log = logging.getLogger(__name__)
 
 # entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
 # rank, -1 for a receive from any source, None for a collective); _INC: the incarnation of the
@@ -470,8 +473,14 @@ class FlightRecorder:
         return p
 
     def _dump_quietly(self, reason: str) -> None:
-        with contextlib.suppress(OSError):
+        """Dump, logging a failure in one line: called from the watchdog and signal threads
+        (which an exception ended) and from completed() (where it replaced the op's error)."""
+        try:
             self.dump(reason)
+        except Exception as err:
+            _log.warning(
+                "flight recorder dump (%s) failed: %s: %s", reason, type(err).__name__, err
+            )
 
     def abort_hook(self, reason: str = "abort") -> None:
         """Call when a group is aborted: dumps with the given reason."""
@@ -608,6 +617,14 @@ _group_names: dict[int, tuple[str, list[int], Callable[[], Any]]] = {}
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _as_int(x: Any) -> int | None:
+    """``x`` as an int if it is an integer of any kind, else None (torch refuses it)."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def _retired() -> None:
@@ -759,13 +776,16 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
         hit = names.get(id(pg))
         if hit is None or hit[2]() is not pg:
             hit = _seen(pg, rec)
+        # peer and tag as ints: torch takes any integer (numpy.int64(1)), which kept as is
+        # made every later dump of the process fail in json
+        peer: int | None
         if anysource:
-            peer, tag = -1, args[0] if args else kwargs.get("tag", 0)
+            peer, tag = -1, _as_int(args[0] if args else kwargs.get("tag", 0))
         else:
-            p = args[0] if args else kwargs.get("dstRank" if op == "send" else "srcRank", -1)
+            p = _as_int(args[0] if args else kwargs.get("dstRank" if op == "send" else "srcRank"))
             ranks = hit[1]
-            peer = ranks[p] if isinstance(p, int) and 0 <= p < len(ranks) else p
-            tag = args[1] if len(args) > 1 else kwargs.get("tag", 0)
+            peer = ranks[p] if p is not None and 0 <= p < len(ranks) else p
+            tag = _as_int(args[1] if len(args) > 1 else kwargs.get("tag", 0))
         sizes, dtypes = _describe((tensors,))
         e = rec._new(op, hit[0], sizes, dtypes, STARTED, "p2p", peer, state.seq, tag)
         state.busy = True
