@@ -18,6 +18,7 @@ from torchport.distributed import flight_recorder as fr
 from torchport.distributed.flight_recorder import (
     COMPLETED,
     ERRORED,
+    STARTED,
     FlightRecorder,
     enable_signal_dump,
 )
@@ -571,15 +572,12 @@ class _GlooP2PWork:
     def is_completed(self) -> bool:
         return self.done
 
-    def is_success(self) -> bool:
-        return not self.fail
-
 
 def test_a_work_without_future_is_held_weakly_and_settled_by_wait(tmp_path):
     """A gloo send / recv entry stayed in the recorder with its Work (and tensor) until a dump
     (never without the watchdog: 500 x 1 MiB alive), and its duration was the polling time.
     wait() now completes it at the time it returns (or errors it), a work dropped unwaited
-    leaves it 'unknown', and completion seen by polling has no duration."""
+    leaves it 'unknown' (no duration), and no deprecated exception() / is_success() is asked."""
     rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
     wait = fr._wrap_wait(_GlooP2PWork.wait, rec)
     works = [_GlooP2PWork(), _GlooP2PWork(fail=True), _GlooP2PWork(), _GlooP2PWork()]
@@ -589,14 +587,13 @@ def test_a_work_without_future_is_held_weakly_and_settled_by_wait(tmp_path):
     assert wait(works[0]) is True
     with pytest.raises(RuntimeError, match="Timed out"):
         wait(works[1])
-    polled = works[2]
-    polled.done = True  # seen by polling only
+    held = works[2]  # held, never waited: started
     del w
-    works.clear()  # works[3] dropped, never waited
-    assert list(rec._polled) == [id(polled)]
+    works.clear()  # works[3] dropped, never waited: unknown
+    assert list(rec._no_future) == [id(held)]
     got = [(e["state"], e["duration_ms"] is None) for e in rec.snapshot()["entries"]]
-    assert rec._polled == {}
-    assert got == [(COMPLETED, False), (ERRORED, False), (COMPLETED, True), (fr.UNKNOWN, True)]
+    assert got == [(COMPLETED, False), (ERRORED, False), (STARTED, False), (fr.UNKNOWN, True)]
+    assert wait(held) and rec.entries()[2][fr._STATE] == COMPLETED and rec._no_future == {}
 
 
 def test_an_op_that_never_settles_does_not_hide_a_later_hang_from_the_watchdog(tmp_path):

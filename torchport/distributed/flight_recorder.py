@@ -4,8 +4,8 @@ Every collective is recorded in a per-process ring buffer (``TORCHPORT_FR_BUFFER
 default 2000) with its per-group sequence id, op name, group, tensor sizes and dtypes, and its state
 ``scheduled`` → ``started`` → ``completed`` (or ``errored``) with wall-clock timestamps and duration,
 plus the Python stack when ``TORCHPORT_FR_STACK=1``. A point-to-point op whose Work has no future
-(gloo's, complete only inside ``wait()``) ends when its ``wait()`` returns; seen completed only by
-polling, its duration is unknown (null), and dropped without ``wait()`` its state is ``unknown``. Recording costs about a microsecond: an entry is
+(gloo's, complete only inside ``wait()``) ends when its ``wait()`` returns or raises; dropped
+without ``wait()``, its state is ``unknown`` (duration null). Recording costs about a microsecond: an entry is
 one Python list written into a preallocated ring slot, holding the tensors' ``torch.Size`` and dtype
 objects as they are (names and lists are made only when dumping), ids come from lock-free
 ``itertools.count`` counters (atomic under the GIL), and timestamps are ``time.time_ns()``.
@@ -56,7 +56,7 @@ SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "e
 # a point-to-point op whose Work was dropped without wait(): gloo's send / recv Works complete
 # only inside wait(), so whether the op finished is not known (not a hang: nobody waits)
 UNKNOWN = "unknown"
-# _T_END of an op whose completion was seen by polling, not when it happened: no duration
+# _T_END of an op whose end was never seen (UNKNOWN): no duration
 _END_UNKNOWN = -1
 FORMAT_VERSION = 1
 _log = logging.getLogger(__name__)
@@ -110,16 +110,6 @@ def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return sizes, dtypes
 
 
-def _poll_failure(work: Any) -> BaseException | None:
-    """The error of a completed Work that has no future, None if it succeeded (not wait():
-    gloo's send / recv work waits for its buffer again, forever)."""
-    if work.is_success():
-        return None
-    # (exception() is deprecated and says so once per process: asked only of a failed work)
-    err = work.exception()
-    return err if isinstance(err, BaseException) else RuntimeError("the work failed")
-
-
 class FlightRecorder:
     """A ring buffer of op records with JSON dumps.
 
@@ -156,10 +146,12 @@ class FlightRecorder:
         # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
         self._pending: dict[int, tuple[list[Any], Any]] = {}
         # attached ops whose Work has no future (gloo's send / recv): id(work) -> (entry, a
-        # weak reference to the work), settled by the work's wait() (see _waited), by polling
-        # in entries(), or as unknown when the work is dropped: held weakly, a Work and its
-        # tensor outlived the op until the next dump (for ever without the watchdog)
-        self._polled: dict[int, tuple[list[Any], Any]] = {}
+        # weak reference to the work), settled by the work's wait() (see _waited) or as unknown
+        # when the work is dropped: polled and held by entries(), a Work and its tensor outlived
+        # the op until the next dump (for ever without the watchdog), the duration was the
+        # polling time, and telling a failure needs Work.exception() / is_success(), which
+        # torch 2.13 deprecates with a warning printed by every rank
+        self._no_future: dict[int, tuple[list[Any], Any]] = {}
         self._rank, self._world = rank, world_size
         d = dump_dir if dump_dir is not None else (config.get("fr_dump_dir") or "torchport-fr")
         self.dump_dir = Path(d)
@@ -303,16 +295,16 @@ class FlightRecorder:
         The future's callback may run after ``work.wait()`` has returned (on the thread that
         finished the work), so :meth:`entries` also settles every attached entry whose future is
         done: a dump taken after ``wait()`` shows the op completed, not still started. A work
-        without a future (gloo's send and recv) is polled there the same way."""
+        without a future (gloo's send and recv) is held weakly and settled by its ``wait()``."""
         try:
             fut = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented": see _polled
+        except RuntimeError:  # "Work::getFuture not implemented": see _no_future
             key = id(work)
             try:
                 ref: Callable[[], Any] = weakref.ref(work, lambda r: self._dropped(key, r))
             except TypeError:  # a work without weak references: held until it completes
                 ref = functools.partial(_identity, work)
-            self._polled[key] = (e, ref)
+            self._no_future[key] = (e, ref)
             return work
         key = id(e)  # (held in _pending until settled: not reused meanwhile)
         with self._lock:
@@ -323,7 +315,7 @@ class FlightRecorder:
     def _waited(self, work: Any, error: BaseException | None) -> None:
         """``work.wait()`` returned (or raised ``error``): complete its entry, if it has one,
         with the time it was seen to end (a gloo send / recv completes inside wait())."""
-        hit = self._polled.pop(id(work), None)  # (atomic: no lock, see _dropped)
+        hit = self._no_future.pop(id(work), None)  # (atomic: no lock, see _dropped)
         if hit is None:
             return
         if hit[1]() is not work:  # a dropped work's id, reused before its callback ran
@@ -333,32 +325,17 @@ class FlightRecorder:
             self.completed(hit[0], error)
 
     def _dropped(self, key: int, ref: Any, hit: Any = None) -> None:
-        """The work of a polled entry was freed without wait(): whether its op finished is
+        """The work of an entry without future was freed without wait(): whether its op finished is
         unknown. Runs wherever the work is freed, maybe under this recorder's lock: takes none."""
         if hit is None:
-            hit = self._polled.get(key)
+            hit = self._no_future.get(key)
             if hit is None or hit[1] is not ref:
                 return
-            self._polled.pop(key, None)
+            self._no_future.pop(key, None)
         e = hit[0]
         if e[_STATE] is STARTED:
             e[_T_END] = _END_UNKNOWN
             e[_STATE] = UNKNOWN
-
-    def _poll(self) -> None:
-        """Settle polled entries whose work reports completion (no duration: when it ended
-        is not known)."""
-        for key, (e, ref) in list(self._polled.items()):
-            work = ref()
-            if work is None or not work.is_completed():
-                continue
-            if self._polled.get(key, (None, None))[1] is not ref:
-                continue
-            self._polled.pop(key, None)
-            if e[_STATE] is STARTED:
-                err = _poll_failure(work)
-                self.completed(e, err)
-                e[_T_END] = _END_UNKNOWN
 
     def _settle(self, key: int, fut: Any) -> None:
         """Complete the attached entry ``key`` from its finished future, once (the callback and
@@ -393,8 +370,6 @@ class FlightRecorder:
             finished = [(k, f) for k, (_, f) in self._pending.items() if f.done()]
         for key, fut in finished:
             self._settle(key, fut)
-        if self._polled:
-            self._poll()
         with self._lock:
             cap = self.capacity
             if cap == 0:
@@ -410,7 +385,7 @@ class FlightRecorder:
             self._count = 0
             self._seq = {}
             self._pending = {}
-            self._polled.clear()  # (the wait() hook holds this dict)
+            self._no_future.clear()  # (the wait() hook holds this dict)
             # ids restart at 0: a stuck op whose id the watchdog dumped for before would
             # otherwise never be dumped
             self._dumped_for = -1
@@ -436,7 +411,7 @@ class FlightRecorder:
                     "time_scheduled_ns": e[_T_SCHED],
                     "time_started_ns": e[_T_START] or None,
                     "time_completed_ns": e[_T_END] if e[_T_END] > 0 else None,
-                    # null: completion seen by polling or never waited for (gloo p2p)
+                    # null: an op whose end was never seen (a gloo p2p work never waited on)
                     "duration_ms": took,
                     "error": e[_ERR],
                     "stack": e[_STACK],
@@ -834,11 +809,11 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
     """``Work.wait`` that completes the entry of a point-to-point op whose work has no future
     (gloo's send / recv: done only inside wait()) when the wait returns, or errors it when the
     wait raises; one dict test for any other work."""
-    polled = rec._polled
+    no_future = rec._no_future
 
     @functools.wraps(fn)
     def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-        if not polled:
+        if not no_future:
             return fn(work, *args, **kwargs)
         try:
             out = fn(work, *args, **kwargs)
