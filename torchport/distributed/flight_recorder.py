@@ -299,17 +299,21 @@ class FlightRecorder:
         try:
             fut = work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented": see _no_future
-            key = id(work)
-            try:
-                ref: Callable[[], Any] = weakref.ref(work, lambda r: self._dropped(key, r))
-            except TypeError:  # a work without weak references: held until it completes
-                ref = functools.partial(_identity, work)
-            self._no_future[key] = (e, ref)
-            return work
+            return self._attach_without_future(work, e)
         key = id(e)  # (held in _pending until settled: not reused meanwhile)
         with self._lock:
             self._pending[key] = (e, fut)
         fut.add_done_callback(lambda f: self._settle(key, f))
+        return work
+
+    def _attach_without_future(self, work: Any, e: list[Any]) -> Any:
+        """:meth:`attach` for a work known to have no future; returns ``work``."""
+        key = id(work)
+        try:
+            ref: Callable[[], Any] = weakref.ref(work, lambda r: self._dropped(key, r))
+        except TypeError:  # a work without weak references: held until its wait()
+            ref = functools.partial(_identity, work)
+        self._no_future[key] = (e, ref)
         return work
 
     def _waited(self, work: Any, error: BaseException | None) -> None:
@@ -742,6 +746,7 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
     """A process group's ``send`` / ``recv`` / ``recv_anysource`` that records the op (peer as a
     global rank) and settles the entry when the returned Work completes."""
     names, state, op = _group_names, _p2p_state, _P2P_METHODS[method]
+    futureless = _futureless
     anysource = method == "recv_anysource"
 
     @functools.wraps(fn)
@@ -774,7 +779,15 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
         if work is None:
             rec.completed(e)
             return work
-        return rec.attach(work, e)
+        # a group whose p2p works on this device have no future (gloo): asking each one cost a
+        # C++ exception, ~8 us an op (the works of one group and device are of one backend)
+        dev = _device_type(tensors)
+        if futureless.get((id(pg), dev)) is hit[2]:
+            return rec._attach_without_future(work, e)
+        rec.attach(work, e)
+        if id(work) in rec._no_future:
+            futureless[(id(pg), dev)] = hit[2]
+        return work
 
     wrapper.__torchport_fr__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -829,6 +842,17 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
 
 
 _wait_original: list[Any] = []  # Work.wait as found by install()
+
+
+# (id(group), device type) -> the group's _group_names reference, for groups whose p2p works
+# on that device have no future (a group id reused by a new group has a new reference)
+_futureless: dict[tuple[int, str], Callable[[], Any]] = {}
+
+
+def _device_type(tensors: Any) -> str:
+    """The device type of the first tensor of a p2p op's tensor list ("" if none)."""
+    t = tensors[0] if isinstance(tensors, list | tuple) and tensors else tensors
+    return t.device.type if isinstance(t, torch.Tensor) else ""
 
 
 def _process_group_classes() -> list[type]:
@@ -923,6 +947,7 @@ def uninstall() -> None:
     for (cls, method), orig in _p2p_originals.items():
         setattr(cls, method, orig)
     _p2p_originals.clear()
+    _futureless.clear()
     if _wait_original:
         dist.Work.wait = _wait_original.pop()  # type: ignore[method-assign]
     _group_names.clear()
