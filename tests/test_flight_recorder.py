@@ -519,7 +519,8 @@ def test_a_rank_late_to_a_re_created_group_is_named_not_its_peer(monkeypatch, tm
             fr._wrap("all_reduce", all_reduce, rec)(torch.ones(2), group=old)
         fr._wrap_destroy(lambda group=None: None, rec)()  # the default: every group
     new = _Group("default")
-    recs[0].adopt("default", new)
+    fr._seen(new, recs[0])  # rank 0's first op on the new group
+    assert "default" not in recs[1].groups  # (the new group's members are not known there)
     e = recs[0]._new("all_reduce", "default", [], [], fr.STARTED)  # rank 0 waits in #0
     assert e[fr._INC] == 1 and recs[0].incarnations() == recs[1].incarnations() == {"default": 1}
     for rec in recs:
@@ -671,3 +672,28 @@ def test_a_groups_works_without_future_are_asked_for_one_once(monkeypatch):
         wait(send(pg, [torch.ones(2)], 1))
     assert len(asked) == 1
     assert [e[fr._STATE] for e in rec.entries()] == [COMPLETED] * 3
+
+
+def test_a_rank_left_out_of_a_re_created_group_is_not_expected_in_it(monkeypatch, tmp_path):
+    """Group 'sub' of ranks 0-2 destroyed and re-created with ranks 0-1: rank 2's dump kept
+    the old members, and the analyzer expected rank 2 in the new group's ops."""
+    monkeypatch.setattr(fr, "_group_names", {})
+    old, new = _Group("sub"), _Group("sub")
+    members = {id(old): [0, 1, 2], id(new): [0, 1]}
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: members[id(g)])
+    recs = [
+        FlightRecorder(buffer_size=8, rank=r, world_size=3, dump_dir=tmp_path) for r in range(3)
+    ]
+    for rec in recs:
+        fr._group_names.clear()  # (one process plays every rank)
+        fr._seen(old, rec)
+        rec.completed(rec._new("all_reduce", "sub", [], [], fr.STARTED))
+        fr._wrap_destroy(lambda group=None: None, rec)(old)
+    for rec in recs[:2]:
+        fr._group_names.clear()
+        fr._seen(new, rec)
+        rec.completed(rec._new("all_reduce", "sub", [], [], fr.STARTED))
+    for rec in recs:
+        rec.dump()
+    v = analyze(load_dumps(tmp_path))
+    assert v.text().startswith("no problem found"), v.text()

@@ -264,6 +264,9 @@ class FlightRecorder:
                     continue
                 self._owners[n] = _retired
                 self._incs[n] = self._incs.get(n, 0) + 1
+                # its members are the new group's, known when it is seen (kept, a rank left
+                # out of a re-created group was expected in it: a false "never entered")
+                self.groups.pop(n, None)
                 mine = f"{n}\0"
                 for key in [k for k in self._seq if k == n or k.startswith(mine)]:
                     del self._seq[key]
