@@ -697,3 +697,16 @@ def test_a_rank_left_out_of_a_re_created_group_is_not_expected_in_it(monkeypatch
         rec.dump()
     v = analyze(load_dumps(tmp_path))
     assert v.text().startswith("no problem found"), v.text()
+
+
+def test_a_delivered_send_never_waited_on_is_not_reported_stuck(tmp_path):
+    """A gloo isend never waited on stays 'started' (its Work completes only inside wait()),
+    but rank 1 received it: the analyzer reported it as a stuck send."""
+    for rank, op, peer, state in ((0, "send", 1, "started"), (1, "recv", 0, "completed")):
+        entry = {"seq_id": 0, "op": op, "group": "default", "state": state, "peer": peer,
+                 "tag": 0, "sizes": [[4]], "dtypes": ["float32"]}  # fmt: skip
+        (tmp_path / f"rank_{rank}.json").write_text(
+            json.dumps({"rank": rank, "world_size": 2, "entries": [entry]})
+        )
+    v = analyze(load_dumps(tmp_path))
+    assert v.stuck == [] and v.text().startswith("no problem found"), v.text()

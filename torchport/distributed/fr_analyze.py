@@ -255,7 +255,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                         f"rank {ranks[0]} called {_sig(ref)} but rank {r} called {_sig(have[r])}"
                     )
                     break
-    _match_p2p(v, dumps, sends, recvs, wrapped, anysource)
+    delivered = _match_p2p(v, dumps, sends, recvs, wrapped, anysource)
     for rank in sorted(dumps):
         entries = dumps[rank]["entries"]
         done = [e for e in entries if e["state"] == "completed"]
@@ -276,7 +276,9 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                     f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} failed: "
                     f"{err[:160]}{'…' if len(err) > 160 else ''}"
                 )
-            elif e["state"] in ("started", "scheduled"):
+            elif e["state"] in ("started", "scheduled") and id(e) not in delivered:
+                # (a send whose receive completed was delivered: its Work was just never
+                # waited on, and a gloo send completes only inside wait())
                 v.stuck.append((rank, e["group"], e["seq_id"], e["op"]))
                 v.findings.append(
                     f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} was still "
@@ -308,11 +310,13 @@ def _match_p2p(
     recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
     wrapped: set[int],
     anysource: set[tuple[str, int, Any]],
-) -> None:
+) -> set[int]:
     """Pair the k-th send from one rank to another with the k-th receive there (torch matches
     them in that order per pair, group and tag): name an op still waiting whose other side was never
     issued, and a pair whose sizes or dtypes differ. After a receive from any source (in
-    ``anysource``) only the receives issued before it are paired, and counts are not compared."""
+    ``anysource``) only the receives issued before it are paired, and counts are not compared.
+    Returns the ids of the sends paired with a completed receive (delivered)."""
+    delivered: set[int] = set()
     for key in sorted(set(sends) | set(recvs)):
         g, src, dst, tag = key
         if src not in dumps or dst not in dumps or src in wrapped or dst in wrapped:
@@ -320,6 +324,8 @@ def _match_p2p(
         s, r = sends.get(key, []), recvs.get(key, [])
         for k in range(min(len(s), len(r))):
             a, b = s[k], r[k]
+            if b["state"] == "completed":
+                delivered.add(id(a))
             diff = "/".join(
                 w for w, f in (("size", "sizes"), ("dtype", "dtypes")) if a.get(f) != b.get(f)
             )
@@ -348,6 +354,7 @@ def _match_p2p(
             f"{peer} never {'sent' if e['op'] == 'recv' else 'received'} (rank {peer} "
             f"{other} {n} message(s) {'to' if other == 'sent' else 'from'} rank {rank} there)"
         )
+    return delivered
 
 
 def cmd_fr(args: argparse.Namespace) -> int:
