@@ -710,3 +710,38 @@ def test_a_delivered_send_never_waited_on_is_not_reported_stuck(tmp_path):
         )
     v = analyze(load_dumps(tmp_path))
     assert v.stuck == [] and v.text().startswith("no problem found"), v.text()
+
+
+def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
+    """A gloo isend never waited on stays 'started' (its Work completes only inside wait()):
+    the watchdog dumped a timeout for it. It now counts such an op only while its wait()
+    runs (a send or recv that really hangs)."""
+    import threading
+
+    release = threading.Event()
+
+    class Blocking(_GlooP2PWork):
+        def wait(self, timeout=None):
+            release.wait(5)
+            return super().wait(timeout)
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=2, dump_dir=tmp_path)
+    wait = fr._wrap_wait(Blocking.wait, rec)
+    rec.start_watchdog(timeout_s=0.05, period_s=0.01)
+    try:
+        work = Blocking()
+        rec.attach(work, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
+        time.sleep(0.3)
+        assert rec.dumps == 0  # nobody waits: not late
+        waiter = threading.Thread(target=wait, args=(work,))
+        waiter.start()
+        end = time.monotonic() + 1.5
+        while rec.dumps < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert rec.dumps == 1  # waited for and incomplete: late
+        release.set()
+        waiter.join(5)
+        assert rec.entries()[0][fr._STATE] == COMPLETED
+    finally:
+        release.set()
+        rec.stop()

@@ -152,6 +152,9 @@ class FlightRecorder:
         # polling time, and telling a failure needs Work.exception() / is_success(), which
         # torch 2.13 deprecates with a warning printed by every rank
         self._no_future: dict[int, tuple[list[Any], Any]] = {}
+        # ids of the entries in _no_future whose work's wait() is running: only those can
+        # hang (a gloo isend nobody waits on stays started and is not late)
+        self._waiting: set[int] = set()
         self._rank, self._world = rank, world_size
         d = dump_dir if dump_dir is not None else (config.get("fr_dump_dir") or "torchport-fr")
         self.dump_dir = Path(d)
@@ -393,6 +396,7 @@ class FlightRecorder:
             self._seq = {}
             self._pending = {}
             self._no_future.clear()  # (the wait() hook holds this dict)
+            self._waiting.clear()
             # ids restart at 0: a stuck op whose id the watchdog dumped for before would
             # otherwise never be dumped
             self._dumped_for = -1
@@ -481,12 +485,14 @@ class FlightRecorder:
                 now = time.time_ns()
                 # dump once per newly overdue op: keyed on the first overdue entry alone, an
                 # op that stays incomplete (a gloo isend never waited on) hid every later hang
+                unwaited = {e[_ID] for e, _ in list(self._no_future.values())} - self._waiting
                 late = [
                     e
                     for e in self.entries()
                     if e[_STATE] in (SCHEDULED, STARTED)
                     and now - e[_T_SCHED] > limit_ns
                     and e[_ID] > self._dumped_for
+                    and e[_ID] not in unwaited
                 ]
                 if late:
                     e = late[0]
@@ -825,17 +831,23 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
     """``Work.wait`` that completes the entry of a point-to-point op whose work has no future
     (gloo's send / recv: done only inside wait()) when the wait returns, or errors it when the
     wait raises; one dict test for any other work."""
-    no_future = rec._no_future
+    no_future, waiting = rec._no_future, rec._waiting
 
     @functools.wraps(fn)
     def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
         if not no_future:
             return fn(work, *args, **kwargs)
+        hit = no_future.get(id(work))
+        if hit is not None:
+            waiting.add(hit[0][_ID])  # (for the watchdog: someone waits for this op now)
         try:
             out = fn(work, *args, **kwargs)
         except BaseException as err:
             rec._waited(work, err)
             raise
+        finally:
+            if hit is not None:
+                waiting.discard(hit[0][_ID])
         if out is not False:  # (False: not completed within the timeout)
             rec._waited(work, None)
         return out
