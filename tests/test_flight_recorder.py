@@ -715,7 +715,7 @@ def test_a_delivered_send_never_waited_on_is_not_reported_stuck(tmp_path):
 def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
     """A gloo isend never waited on stays 'started' (its Work completes only inside wait()):
     the watchdog dumped a timeout for it. It now counts such an op only while its wait()
-    runs (a send or recv that really hangs)."""
+    runs, from the time it began (a send or recv that really hangs)."""
     import threading
 
     release = threading.Event()
@@ -727,12 +727,17 @@ def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
 
     rec = FlightRecorder(buffer_size=4, rank=0, world_size=2, dump_dir=tmp_path)
     wait = fr._wrap_wait(Blocking.wait, rec)
-    rec.start_watchdog(timeout_s=0.05, period_s=0.01)
+    rec.start_watchdog(timeout_s=0.2, period_s=0.01)
     try:
         work = Blocking()
         rec.attach(work, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
-        time.sleep(0.3)
+        quick = _GlooP2PWork()
+        rec.attach(quick, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
+        time.sleep(0.4)
         assert rec.dumps == 0  # nobody waits: not late
+        quick_wait = fr._wrap_wait(lambda w: time.sleep(0.03) or w.wait(), rec)
+        quick_wait(quick)
+        assert rec.dumps == 0  # waited for 30 ms (< 200) only: not late, though issued 400 ago
         waiter = threading.Thread(target=wait, args=(work,))
         waiter.start()
         end = time.monotonic() + 1.5
@@ -741,7 +746,7 @@ def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
         assert rec.dumps == 1  # waited for and incomplete: late
         release.set()
         waiter.join(5)
-        assert rec.entries()[0][fr._STATE] == COMPLETED
+        assert [e[fr._STATE] for e in rec.entries()] == [COMPLETED, COMPLETED]
     finally:
         release.set()
         rec.stop()

@@ -152,9 +152,10 @@ class FlightRecorder:
         # polling time, and telling a failure needs Work.exception() / is_success(), which
         # torch 2.13 deprecates with a warning printed by every rank
         self._no_future: dict[int, tuple[list[Any], Any]] = {}
-        # ids of the entries in _no_future whose work's wait() is running: only those can
-        # hang (a gloo isend nobody waits on stays started and is not late)
-        self._waiting: set[int] = set()
+        # ids of the entries in _no_future whose work's wait() is running -> when it began:
+        # only those can hang, counted from then (a gloo isend nobody waits on stays started
+        # and is not late; one waited for only after a long computation is not late either)
+        self._waiting: dict[int, int] = {}
         self._rank, self._world = rank, world_size
         d = dump_dir if dump_dir is not None else (config.get("fr_dump_dir") or "torchport-fr")
         self.dump_dir = Path(d)
@@ -485,14 +486,15 @@ class FlightRecorder:
                 now = time.time_ns()
                 # dump once per newly overdue op: keyed on the first overdue entry alone, an
                 # op that stays incomplete (a gloo isend never waited on) hid every later hang
-                unwaited = {e[_ID] for e, _ in list(self._no_future.values())} - self._waiting
+                no_future = {e[_ID] for e, _ in list(self._no_future.values())}
+                waiting = self._waiting.copy()
                 late = [
                     e
                     for e in self.entries()
                     if e[_STATE] in (SCHEDULED, STARTED)
-                    and now - e[_T_SCHED] > limit_ns
+                    and now - (waiting.get(e[_ID], now) if e[_ID] in no_future else e[_T_SCHED])
+                    > limit_ns
                     and e[_ID] > self._dumped_for
-                    and e[_ID] not in unwaited
                 ]
                 if late:
                     e = late[0]
@@ -839,7 +841,7 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
             return fn(work, *args, **kwargs)
         hit = no_future.get(id(work))
         if hit is not None:
-            waiting.add(hit[0][_ID])  # (for the watchdog: someone waits for this op now)
+            waiting[hit[0][_ID]] = time.time_ns()  # (for the watchdog: waited for since)
         try:
             out = fn(work, *args, **kwargs)
         except BaseException as err:
@@ -847,7 +849,7 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
             raise
         finally:
             if hit is not None:
-                waiting.discard(hit[0][_ID])
+                waiting.pop(hit[0][_ID], None)
         if out is not False:  # (False: not completed within the timeout)
             rec._waited(work, None)
         return out
