@@ -5,10 +5,11 @@ default 2000) with its per-group sequence id, op name, group, tensor sizes and d
 ``scheduled`` → ``started`` → ``completed`` (or ``errored``) with wall-clock timestamps and duration,
 plus the Python stack when ``TORCHPORT_FR_STACK=1``. A point-to-point op whose Work has no future
 (gloo's, complete only inside ``wait()``) ends when its ``wait()`` returns or raises; dropped
-without ``wait()``, its state is ``unknown`` (duration null). Recording costs about a microsecond: an entry is
-one Python list written into a preallocated ring slot, holding the tensors' ``torch.Size`` and dtype
-objects as they are (names and lists are made only when dumping), ids come from lock-free
-``itertools.count`` counters (atomic under the GIL), and timestamps are ``time.time_ns()``.
+without ``wait()``, its state is ``unknown`` (duration null). Recording costs about a
+microsecond: an entry is one Python list written into a preallocated ring slot, holding the
+tensors' ``torch.Size`` and dtype objects as they are (names and lists are made only when
+dumping), ids come from lock-free ``itertools.count`` counters (atomic under the GIL), and
+timestamps are ``time.time_ns()``; an async op's Work is attached under the recorder's lock.
 
 Dumps are JSON, one file per rank (``rank_<r>.json`` in ``TORCHPORT_FR_DUMP_DIR``), written
 
