@@ -532,6 +532,10 @@ def test_a_rank_late_to_a_re_created_group_is_named_not_its_peer(monkeypatch, tm
     del snap["incarnations"]
     (tmp_path / "rank_1.json").write_text(json.dumps(snap))
     assert analyze(load_dumps(tmp_path)).never_entered[0][:2] == (0, "default")
+    snap["incarnations"] = {"default": "1"}  # of another type: refused, naming the field
+    (tmp_path / "rank_1.json").write_text(json.dumps(snap))
+    with pytest.raises(DumpError, match="incarnations must map group names to ints"):
+        load_dumps(tmp_path)
 
 
 def test_a_receive_from_any_source_does_not_shift_the_pairs(tmp_path):
