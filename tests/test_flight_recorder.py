@@ -18,6 +18,7 @@ from torchport.distributed import flight_recorder as fr
 from torchport.distributed.flight_recorder import (
     COMPLETED,
     ERRORED,
+    STARTED,
     FlightRecorder,
     enable_signal_dump,
 )
@@ -129,7 +130,7 @@ def test_the_default_groups_members_are_refreshed_after_a_reinit(monkeypatch):
 
     rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
     wrapped = fr._wrap("all_reduce", all_reduce, rec)
-    destroy = fr._wrap_destroy(lambda group=None: None)
+    destroy = fr._wrap_destroy(lambda group=None: None, rec)
     wrapped(torch.ones(1))
     assert rec.groups["default"] == [0, 1]
     destroy()
@@ -515,3 +516,259 @@ def test_sends_and_recvs_are_paired_per_tag(tmp_path):
     v = analyze(load_dumps(tmp_path))
     assert v.mismatches == [], v.text()
     assert v.unmatched_p2p == [(1, "default", 2, "recv", 0)], v.text()
+
+
+def test_a_rank_late_to_a_re_created_group_is_named_not_its_peer(monkeypatch, tmp_path):
+    """Both ranks destroy and re-create the default group; rank 0 enters its first all_reduce,
+    rank 1 has recorded nothing on the new group yet. Rank 1's dump showed only the old
+    incarnation, which the analyzer compared with rank 0's new one (rank 0 blamed); the
+    destroy now starts the new incarnation, dumped as the rank's current one."""
+    monkeypatch.setattr(fr, "_group_names", {})
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: [0, 1])
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    old = _Group("default")
+    recs = [FlightRecorder(buffer_size=16, rank=r, world_size=2, dump_dir=tmp_path) for r in (0, 1)]
+    for rec in recs:
+        fr._group_names.clear()  # (one process plays both ranks)
+        for _ in range(3):
+            fr._wrap("all_reduce", all_reduce, rec)(torch.ones(2), group=old)
+        fr._wrap_destroy(lambda group=None: None, rec)()  # the default: every group
+    new = _Group("default")
+    fr._seen(new, recs[0])  # rank 0's first op on the new group
+    assert "default" not in recs[1].groups  # (the new group's members are not known there)
+    e = recs[0]._new("all_reduce", "default", [], [], fr.STARTED)  # rank 0 waits in #0
+    assert e[fr._INC] == 1 and recs[0].incarnations() == recs[1].incarnations() == {"default": 1}
+    for rec in recs:
+        rec.dump()
+    v = analyze(load_dumps(tmp_path))
+    assert v.never_entered == [(1, "default", 0, "all_reduce")], v.text()
+    # a dump without the field (older) is still read: each rank's newest entries
+    snap = json.loads((tmp_path / "rank_1.json").read_text())
+    del snap["incarnations"]
+    (tmp_path / "rank_1.json").write_text(json.dumps(snap))
+    assert analyze(load_dumps(tmp_path)).never_entered[0][:2] == (0, "default")
+    snap["incarnations"] = {"default": "1"}  # of another type: refused, naming the field
+    (tmp_path / "rank_1.json").write_text(json.dumps(snap))
+    with pytest.raises(DumpError, match="incarnations must map group names to ints"):
+        load_dumps(tmp_path)
+
+
+def test_a_receive_from_any_source_does_not_shift_the_pairs(tmp_path):
+    """Rank 1 receives rank 0's first message (4 floats) from any source and its second (8) by
+    source: correct. Dropping the any-source receive paired the 8-float receive with the
+    4-float send (a false size mismatch); receives after one from any source are not paired."""
+
+    def p2p(seq: int, op: str, peer: int, n: int) -> dict:
+        return {"seq_id": seq, "op": op, "group": "default", "state": "completed", "peer": peer,
+                "tag": 0, "sizes": [[n]], "dtypes": ["float32"]}  # fmt: skip
+
+    for rank, entries in (
+        (0, [p2p(0, "send", 1, 4), p2p(1, "send", 1, 8)]),
+        (1, [p2p(0, "recv", -1, 4), p2p(1, "recv", 0, 8)]),
+    ):
+        (tmp_path / f"rank_{rank}.json").write_text(
+            json.dumps({"rank": rank, "world_size": 2, "entries": entries})
+        )
+    v = analyze(load_dumps(tmp_path))
+    assert v.mismatches == [] and v.unmatched_p2p == [], v.text()
+    assert v.text().startswith("no problem found"), v.text()
+
+
+class _GlooP2PWork:
+    """A gloo send / recv Work: no future, completed only inside wait()."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.done, self.fail = False, fail
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented")
+
+    def wait(self, timeout=None):
+        self.done = True
+        if self.fail:
+            raise RuntimeError("Timed out waiting for recv")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_work_without_future_is_held_weakly_and_settled_by_wait(tmp_path):
+    """A gloo send / recv entry stayed in the recorder with its Work (and tensor) until a dump
+    (never without the watchdog: 500 x 1 MiB alive), and its duration was the polling time.
+    wait() now completes it at the time it returns (or errors it), a work dropped unwaited
+    leaves it 'unknown' (no duration), and no deprecated exception() / is_success() is asked."""
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
+    wait = fr._wrap_wait(_GlooP2PWork.wait, rec)
+    works = [_GlooP2PWork(), _GlooP2PWork(fail=True), _GlooP2PWork(), _GlooP2PWork()]
+    es = [rec._new("send", "g", [], [], fr.STARTED, "p2p", 1) for _ in works]
+    for w, e in zip(works, es, strict=True):
+        assert rec.attach(w, e) is w
+    assert wait(works[0]) is True
+    with pytest.raises(RuntimeError, match="Timed out"):
+        wait(works[1])
+    held = works[2]  # held, never waited: started
+    del w
+    works.clear()  # works[3] dropped, never waited: unknown
+    assert list(rec._no_future) == [id(held)]
+    got = [(e["state"], e["duration_ms"] is None) for e in rec.snapshot()["entries"]]
+    assert got == [(COMPLETED, False), (ERRORED, False), (STARTED, False), (fr.UNKNOWN, True)]
+    assert wait(held) and rec.entries()[2][fr._STATE] == COMPLETED and rec._no_future == {}
+
+
+def test_an_op_that_never_settles_does_not_hide_a_later_hang_from_the_watchdog(tmp_path):
+    """The watchdog dumped for the first overdue entry only: after a never-waited gloo isend
+    was dumped for, a later all_reduce hung for seconds without a dump."""
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1, dump_dir=tmp_path)
+    rec.start_watchdog(timeout_s=0.05, period_s=0.01)
+    try:
+        for want in (1, 2):
+            rec.started(rec.record("send" if want == 1 else "all_reduce", "g"))
+            end = time.monotonic() + 1.5
+            while rec.dumps < want and time.monotonic() < end:
+                time.sleep(0.01)
+            assert rec.dumps == want
+        assert "all_reduce" in json.loads((tmp_path / "rank_0.json").read_text())["reason"]
+    finally:
+        rec.stop()
+
+
+def test_a_numpy_integer_peer_and_tag_are_dumped_as_ints(monkeypatch, tmp_path, caplog):
+    """torch takes dist.send(t, numpy.int64(1)); the entry kept the numpy int as its peer and
+    every later dump of the process failed in json (TypeError). A dump that fails for another
+    reason no longer replaces the op's error in completed(): it is logged."""
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(fr, "_group_names", {})
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: [3, 5])
+
+    class Pg:
+        __slots__ = ("__weakref__", "group_name")
+
+        def send(self, tensors, dstRank, tag=0):
+            return None
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
+    pg = Pg()
+    pg.group_name = "pp"
+    fr._wrap_p2p("send", Pg.send, rec)(pg, [torch.ones(2)], np.int64(1), np.int32(7))
+    (entry,) = json.loads(rec.dump().read_text())["entries"]
+    assert (entry["peer"], entry["tag"]) == (5, 7)
+
+    def broken(reason="request", path=None):
+        raise TypeError("not JSON serializable")
+
+    monkeypatch.setattr(rec, "dump", broken)
+    e = rec.record("all_reduce", "g")
+    rec.completed(e, RuntimeError("the op's own error"))  # no TypeError
+    assert e[fr._STATE] == ERRORED and "the op's own error" in e[fr._ERR]
+    assert "dump (error in all_reduce #0 on g" in caplog.text and "TypeError" in caplog.text
+
+
+def test_a_groups_works_without_future_are_asked_for_one_once(monkeypatch):
+    """Every gloo send / recv asked its Work for a future, which raised a C++ exception (~8 us
+    an op); a group (and device) whose works have none is now asked once."""
+    monkeypatch.setattr(fr, "_group_names", {})
+    monkeypatch.setattr(fr, "_futureless", {})
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: [0, 1])
+    asked = []
+
+    class Work(_GlooP2PWork):
+        def get_future(self):
+            asked.append(self)
+            return super().get_future()
+
+    class Pg:
+        __slots__ = ("__weakref__", "group_name")
+
+        def send(self, tensors, dstRank, tag=0):
+            return Work()
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2)
+    pg = Pg()
+    pg.group_name = "pp"
+    send, wait = fr._wrap_p2p("send", Pg.send, rec), fr._wrap_wait(Work.wait, rec)
+    for _ in range(3):
+        wait(send(pg, [torch.ones(2)], 1))
+    assert len(asked) == 1
+    assert [e[fr._STATE] for e in rec.entries()] == [COMPLETED] * 3
+
+
+def test_a_rank_left_out_of_a_re_created_group_is_not_expected_in_it(monkeypatch, tmp_path):
+    """Group 'sub' of ranks 0-2 destroyed and re-created with ranks 0-1: rank 2's dump kept
+    the old members, and the analyzer expected rank 2 in the new group's ops."""
+    monkeypatch.setattr(fr, "_group_names", {})
+    old, new = _Group("sub"), _Group("sub")
+    members = {id(old): [0, 1, 2], id(new): [0, 1]}
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: members[id(g)])
+    recs = [
+        FlightRecorder(buffer_size=8, rank=r, world_size=3, dump_dir=tmp_path) for r in range(3)
+    ]
+    for rec in recs:
+        fr._group_names.clear()  # (one process plays every rank)
+        fr._seen(old, rec)
+        rec.completed(rec._new("all_reduce", "sub", [], [], fr.STARTED))
+        fr._wrap_destroy(lambda group=None: None, rec)(old)
+    for rec in recs[:2]:
+        fr._group_names.clear()
+        fr._seen(new, rec)
+        rec.completed(rec._new("all_reduce", "sub", [], [], fr.STARTED))
+    for rec in recs:
+        rec.dump()
+    v = analyze(load_dumps(tmp_path))
+    assert v.text().startswith("no problem found"), v.text()
+
+
+def test_a_delivered_send_never_waited_on_is_not_reported_stuck(tmp_path):
+    """A gloo isend never waited on stays 'started' (its Work completes only inside wait()),
+    but rank 1 received it: the analyzer reported it as a stuck send."""
+    for rank, op, peer, state in ((0, "send", 1, "started"), (1, "recv", 0, "completed")):
+        entry = {"seq_id": 0, "op": op, "group": "default", "state": state, "peer": peer,
+                 "tag": 0, "sizes": [[4]], "dtypes": ["float32"]}  # fmt: skip
+        (tmp_path / f"rank_{rank}.json").write_text(
+            json.dumps({"rank": rank, "world_size": 2, "entries": [entry]})
+        )
+    v = analyze(load_dumps(tmp_path))
+    assert v.stuck == [] and v.text().startswith("no problem found"), v.text()
+
+
+def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
+    """A gloo isend never waited on stays 'started' (its Work completes only inside wait()):
+    the watchdog dumped a timeout for it. It now counts such an op only while its wait()
+    runs, from the time it began (a send or recv that really hangs)."""
+    import threading
+
+    release = threading.Event()
+
+    class Blocking(_GlooP2PWork):
+        def wait(self, timeout=None):
+            release.wait(5)
+            return super().wait(timeout)
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=2, dump_dir=tmp_path)
+    wait = fr._wrap_wait(Blocking.wait, rec)
+    rec.start_watchdog(timeout_s=0.2, period_s=0.01)
+    try:
+        work = Blocking()
+        rec.attach(work, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
+        quick = _GlooP2PWork()
+        rec.attach(quick, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
+        time.sleep(0.4)
+        assert rec.dumps == 0  # nobody waits: not late
+        quick_wait = fr._wrap_wait(lambda w: time.sleep(0.03) or w.wait(), rec)
+        quick_wait(quick)
+        assert rec.dumps == 0  # waited for 30 ms (< 200) only: not late, though issued 400 ago
+        waiter = threading.Thread(target=wait, args=(work,))
+        waiter.start()
+        end = time.monotonic() + 1.5
+        while rec.dumps < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert rec.dumps == 1  # waited for and incomplete: late
+        release.set()
+        waiter.join(5)
+        assert [e[fr._STATE] for e in rec.entries()] == [COMPLETED, COMPLETED]
+    finally:
+        release.set()
+        rec.stop()

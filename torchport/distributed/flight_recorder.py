@@ -3,10 +3,13 @@
 Every collective is recorded in a per-process ring buffer (``TORCHPORT_FR_BUFFER_SIZE`` entries,
 default 2000) with its per-group sequence id, op name, group, tensor sizes and dtypes, and its state
 ``scheduled`` → ``started`` → ``completed`` (or ``errored``) with wall-clock timestamps and duration,
-plus the Python stack when ``TORCHPORT_FR_STACK=1``. Recording costs about a microsecond: an entry is
-one Python list written into a preallocated ring slot, holding the tensors' ``torch.Size`` and dtype
-objects as they are (names and lists are made only when dumping), ids come from lock-free
-``itertools.count`` counters (atomic under the GIL), and timestamps are ``time.time_ns()``.
+plus the Python stack when ``TORCHPORT_FR_STACK=1``. A point-to-point op whose Work has no future
+(gloo's, complete only inside ``wait()``) ends when its ``wait()`` returns or raises; dropped
+without ``wait()``, its state is ``unknown`` (duration null). Recording costs about a
+microsecond: an entry is one Python list written into a preallocated ring slot, holding the
+tensors' ``torch.Size`` and dtype objects as they are (names and lists are made only when
+dumping), ids come from lock-free ``itertools.count`` counters (atomic under the GIL), and
+timestamps are ``time.time_ns()``; an async op's Work is attached under the recorder's lock.
 
 Dumps are JSON, one file per rank (``rank_<r>.json`` in ``TORCHPORT_FR_DUMP_DIR``), written
 
@@ -32,6 +35,8 @@ import functools
 import inspect
 import itertools
 import json
+import logging
+import operator
 import os
 import signal
 import socket
@@ -49,7 +54,13 @@ import torch.distributed as dist
 from torchport import config
 
 SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "errored"
+# a point-to-point op whose Work was dropped without wait(): gloo's send / recv Works complete
+# only inside wait(), so whether the op finished is not known (not a hang: nobody waits)
+UNKNOWN = "unknown"
+# _T_END of an op whose end was never seen (UNKNOWN): no duration
+_END_UNKNOWN = -1
 FORMAT_VERSION = 1
+_log = logging.getLogger(__name__)
 
 # entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
 # rank, -1 for a receive from any source, None for a collective); _INC: the incarnation of the
@@ -100,26 +111,6 @@ def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return sizes, dtypes
 
 
-class _PolledWork:
-    """The future-like face of a Work that has no future: done once the work is completed,
-    failed if it holds an exception."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-
-    def done(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def value(self) -> None:
-        # (not wait(): gloo's send / recv work waits for its buffer again, forever; exception()
-        # is deprecated and logs that once per process, but tells a failed op from a finished one)
-        err = self.work.exception()
-        if isinstance(err, BaseException):
-            raise err
-
-
 class FlightRecorder:
     """A ring buffer of op records with JSON dumps.
 
@@ -155,6 +146,17 @@ class FlightRecorder:
         self._lock = threading.Lock()
         # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
         self._pending: dict[int, tuple[list[Any], Any]] = {}
+        # attached ops whose Work has no future (gloo's send / recv): id(work) -> (entry, a
+        # weak reference to the work), settled by the work's wait() (see _waited) or as unknown
+        # when the work is dropped: polled and held by entries(), a Work and its tensor outlived
+        # the op until the next dump (for ever without the watchdog), the duration was the
+        # polling time, and telling a failure needs Work.exception() / is_success(), which
+        # torch 2.13 deprecates with a warning printed by every rank
+        self._no_future: dict[int, tuple[list[Any], Any]] = {}
+        # ids of the entries in _no_future whose work's wait() is running -> when it began:
+        # only those can hang, counted from then (a gloo isend nobody waits on stays started
+        # and is not late; one waited for only after a long computation is not late either)
+        self._waiting: dict[int, int] = {}
         self._rank, self._world = rank, world_size
         d = dump_dir if dump_dir is not None else (config.get("fr_dump_dir") or "torchport-fr")
         self.dump_dir = Path(d)
@@ -246,12 +248,38 @@ class FlightRecorder:
                 self._owners[name] = weakref.ref(group)
             except TypeError:  # a group without weak references: keep it (no id reuse)
                 self._owners[name] = functools.partial(_identity, group)
-            if ref is None:
-                return  # the first group of that name here: incarnation 0 (or as recorded)
+            if ref is None or ref is _retired:
+                # the first group of that name here: incarnation 0 (or as recorded); or the
+                # one after a destroyed group, whose incarnation retire() has counted already
+                return
             self._incs[name] = self._incs.get(name, 0) + 1
             mine = f"{name}\0"
             for key in [k for k in self._seq if k == name or k.startswith(mine)]:
                 del self._seq[key]
+
+    def retire(self, name: str | None = None) -> None:
+        """The group of the name ``name`` (every group: None) was destroyed: the next group of
+        that name is a new incarnation, counted now so that a dump taken before this rank
+        records an op on it says so (the rank still showed the old incarnation, and fr analyze
+        compared a peer's new ops with this rank's old ones: the wrong rank blamed)."""
+        with self._lock:
+            for n in list(self._owners) if name is None else [name]:
+                ref = self._owners.get(n)
+                if ref is None or ref is _retired:
+                    continue
+                self._owners[n] = _retired
+                self._incs[n] = self._incs.get(n, 0) + 1
+                # its members are the new group's, known when it is seen (kept, a rank left
+                # out of a re-created group was expected in it: a false "never entered")
+                self.groups.pop(n, None)
+                mine = f"{n}\0"
+                for key in [k for k in self._seq if k == n or k.startswith(mine)]:
+                    del self._seq[key]
+
+    def incarnations(self) -> dict[str, int]:
+        """The current incarnation of every group name this recorder has seen a group of."""
+        with self._lock:
+            return {n: self._incs.get(n, 0) for n in sorted(set(self._owners) | set(self._incs))}
 
     @staticmethod
     def started(e: list[Any]) -> None:
@@ -275,18 +303,51 @@ class FlightRecorder:
         The future's callback may run after ``work.wait()`` has returned (on the thread that
         finished the work), so :meth:`entries` also settles every attached entry whose future is
         done: a dump taken after ``wait()`` shows the op completed, not still started. A work
-        without a future (gloo's send and recv) is polled there the same way."""
+        without a future (gloo's send and recv) is held weakly and settled by its ``wait()``."""
         try:
             fut = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented": settled by entries()
-            with self._lock:
-                self._pending[id(e)] = (e, _PolledWork(work))
-            return work
+        except RuntimeError:  # "Work::getFuture not implemented": see _no_future
+            return self._attach_without_future(work, e)
         key = id(e)  # (held in _pending until settled: not reused meanwhile)
         with self._lock:
             self._pending[key] = (e, fut)
         fut.add_done_callback(lambda f: self._settle(key, f))
         return work
+
+    def _attach_without_future(self, work: Any, e: list[Any]) -> Any:
+        """:meth:`attach` for a work known to have no future; returns ``work``."""
+        key = id(work)
+        try:
+            ref: Callable[[], Any] = weakref.ref(work, lambda r: self._dropped(key, r))
+        except TypeError:  # a work without weak references: held until its wait()
+            ref = functools.partial(_identity, work)
+        self._no_future[key] = (e, ref)
+        return work
+
+    def _waited(self, work: Any, error: BaseException | None) -> None:
+        """``work.wait()`` returned (or raised ``error``): complete its entry, if it has one,
+        with the time it was seen to end (a gloo send / recv completes inside wait())."""
+        hit = self._no_future.pop(id(work), None)  # (atomic: no lock, see _dropped)
+        if hit is None:
+            return
+        if hit[1]() is not work:  # a dropped work's id, reused before its callback ran
+            self._dropped(id(work), hit[1], hit)
+            return
+        if hit[0][_STATE] is STARTED:
+            self.completed(hit[0], error)
+
+    def _dropped(self, key: int, ref: Any, hit: Any = None) -> None:
+        """The work of an entry without future was freed without wait(): whether its op finished is
+        unknown. Runs wherever the work is freed, maybe under this recorder's lock: takes none."""
+        if hit is None:
+            hit = self._no_future.get(key)
+            if hit is None or hit[1] is not ref:
+                return
+            self._no_future.pop(key, None)
+        e = hit[0]
+        if e[_STATE] is STARTED:
+            e[_T_END] = _END_UNKNOWN
+            e[_STATE] = UNKNOWN
 
     def _settle(self, key: int, fut: Any) -> None:
         """Complete the attached entry ``key`` from its finished future, once (the callback and
@@ -336,6 +397,8 @@ class FlightRecorder:
             self._count = 0
             self._seq = {}
             self._pending = {}
+            self._no_future.clear()  # (the wait() hook holds this dict)
+            self._waiting.clear()
             # ids restart at 0: a stuck op whose id the watchdog dumped for before would
             # otherwise never be dumped
             self._dumped_for = -1
@@ -348,6 +411,7 @@ class FlightRecorder:
         out = []
         for e in self.entries():
             end = e[_T_END] or now
+            took = None if end == _END_UNKNOWN else (end - (e[_T_START] or e[_T_SCHED])) / 1e6
             out.append(
                 {
                     "record_id": e[_ID],
@@ -359,8 +423,9 @@ class FlightRecorder:
                     "state": e[_STATE],
                     "time_scheduled_ns": e[_T_SCHED],
                     "time_started_ns": e[_T_START] or None,
-                    "time_completed_ns": e[_T_END] or None,
-                    "duration_ms": (end - (e[_T_START] or e[_T_SCHED])) / 1e6,
+                    "time_completed_ns": e[_T_END] if e[_T_END] > 0 else None,
+                    # null: an op whose end was never seen (a gloo p2p work never waited on)
+                    "duration_ms": took,
                     "error": e[_ERR],
                     "stack": e[_STACK],
                     "peer": e[_PEER],
@@ -378,6 +443,9 @@ class FlightRecorder:
             "time_ns": now,
             "buffer_size": self.capacity,
             "groups": self.groups,
+            # each group name's current incarnation (bumped at destroy, before any op of the
+            # new group is recorded): fr analyze lines up this one, even when it has no entries
+            "incarnations": self.incarnations(),
             "entries": out,
         }
 
@@ -393,8 +461,14 @@ class FlightRecorder:
         return p
 
     def _dump_quietly(self, reason: str) -> None:
-        with contextlib.suppress(OSError):
+        """Dump, logging a failure in one line: called from the watchdog and signal threads
+        (which an exception ended) and from completed() (where it replaced the op's error)."""
+        try:
             self.dump(reason)
+        except Exception as err:
+            _log.warning(
+                "flight recorder dump (%s) failed: %s: %s", reason, type(err).__name__, err
+            )
 
     def abort_hook(self, reason: str = "abort") -> None:
         """Call when a group is aborted: dumps with the given reason."""
@@ -411,15 +485,25 @@ class FlightRecorder:
         def loop() -> None:
             while not self._stop.wait(period_s):
                 now = time.time_ns()
-                for e in self.entries():
-                    if e[_STATE] in (SCHEDULED, STARTED) and now - e[_T_SCHED] > limit_ns:
-                        if e[_ID] != self._dumped_for:
-                            self._dumped_for = e[_ID]
-                            self._dump_quietly(
-                                f"timeout: {e[_OP]} #{e[_SEQ]} on {e[_GROUP]} incomplete "
-                                f"after {(now - e[_T_SCHED]) / 1e9:.2f} s"
-                            )
-                        break
+                # dump once per newly overdue op: keyed on the first overdue entry alone, an
+                # op that stays incomplete (a gloo isend never waited on) hid every later hang
+                no_future = {e[_ID] for e, _ in list(self._no_future.values())}
+                waiting = self._waiting.copy()
+                late = [
+                    e
+                    for e in self.entries()
+                    if e[_STATE] in (SCHEDULED, STARTED)
+                    and now - (waiting.get(e[_ID], now) if e[_ID] in no_future else e[_T_SCHED])
+                    > limit_ns
+                    and e[_ID] > self._dumped_for
+                ]
+                if late:
+                    e = late[0]
+                    self._dumped_for = late[-1][_ID]
+                    self._dump_quietly(
+                        f"timeout: {e[_OP]} #{e[_SEQ]} on {e[_GROUP]} incomplete "
+                        f"after {(now - e[_T_SCHED]) / 1e9:.2f} s"
+                    )
 
         self._watchdog = threading.Thread(target=loop, name="tp-fr-watchdog", daemon=True)
         self._watchdog.start()
@@ -524,6 +608,19 @@ _group_names: dict[int, tuple[str, list[int], Callable[[], Any]]] = {}
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _as_int(x: Any) -> int | None:
+    """``x`` as an int if it is an integer of any kind, else None (torch refuses it)."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+def _retired() -> None:
+    """The owner of a group name whose group was destroyed (see FlightRecorder.retire)."""
+    return None
 
 
 def _group_key(group: Any) -> tuple[str, list[int], Callable[[], Any]]:
@@ -661,6 +758,7 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
     """A process group's ``send`` / ``recv`` / ``recv_anysource`` that records the op (peer as a
     global rank) and settles the entry when the returned Work completes."""
     names, state, op = _group_names, _p2p_state, _P2P_METHODS[method]
+    futureless = _futureless
     anysource = method == "recv_anysource"
 
     @functools.wraps(fn)
@@ -670,13 +768,16 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
         hit = names.get(id(pg))
         if hit is None or hit[2]() is not pg:
             hit = _seen(pg, rec)
+        # peer and tag as ints: torch takes any integer (numpy.int64(1)), which kept as is
+        # made every later dump of the process fail in json
+        peer: int | None
         if anysource:
-            peer, tag = -1, args[0] if args else kwargs.get("tag", 0)
+            peer, tag = -1, _as_int(args[0] if args else kwargs.get("tag", 0))
         else:
-            p = args[0] if args else kwargs.get("dstRank" if op == "send" else "srcRank", -1)
+            p = _as_int(args[0] if args else kwargs.get("dstRank" if op == "send" else "srcRank"))
             ranks = hit[1]
-            peer = ranks[p] if isinstance(p, int) and 0 <= p < len(ranks) else p
-            tag = args[1] if len(args) > 1 else kwargs.get("tag", 0)
+            peer = ranks[p] if p is not None and 0 <= p < len(ranks) else p
+            tag = _as_int(args[1] if len(args) > 1 else kwargs.get("tag", 0))
         sizes, dtypes = _describe((tensors,))
         e = rec._new(op, hit[0], sizes, dtypes, STARTED, "p2p", peer, state.seq, tag)
         state.busy = True
@@ -690,7 +791,15 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
         if work is None:
             rec.completed(e)
             return work
-        return rec.attach(work, e)
+        # a group whose p2p works on this device have no future (gloo): asking each one cost a
+        # C++ exception, ~8 us an op (the works of one group and device are of one backend)
+        dev = _device_type(tensors)
+        if futureless.get((id(pg), dev)) is hit[2]:
+            return rec._attach_without_future(work, e)
+        rec.attach(work, e)
+        if id(work) in rec._no_future:
+            futureless[(id(pg), dev)] = hit[2]
+        return work
 
     wrapper.__torchport_fr__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -721,6 +830,49 @@ def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., An
     return batch_isend_irecv
 
 
+def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    """``Work.wait`` that completes the entry of a point-to-point op whose work has no future
+    (gloo's send / recv: done only inside wait()) when the wait returns, or errors it when the
+    wait raises; one dict test for any other work."""
+    no_future, waiting = rec._no_future, rec._waiting
+
+    @functools.wraps(fn)
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        if not no_future:
+            return fn(work, *args, **kwargs)
+        hit = no_future.get(id(work))
+        if hit is not None:
+            waiting[hit[0][_ID]] = time.time_ns()  # (for the watchdog: waited for since)
+        try:
+            out = fn(work, *args, **kwargs)
+        except BaseException as err:
+            rec._waited(work, err)
+            raise
+        finally:
+            if hit is not None:
+                waiting.pop(hit[0][_ID], None)
+        if out is not False:  # (False: not completed within the timeout)
+            rec._waited(work, None)
+        return out
+
+    wait.__torchport_fr__ = True  # type: ignore[attr-defined]
+    return wait
+
+
+_wait_original: list[Any] = []  # Work.wait as found by install()
+
+
+# (id(group), device type) -> the group's _group_names reference, for groups whose p2p works
+# on that device have no future (a group id reused by a new group has a new reference)
+_futureless: dict[tuple[int, str], Callable[[], Any]] = {}
+
+
+def _device_type(tensors: Any) -> str:
+    """The device type of the first tensor of a p2p op's tensor list ("" if none)."""
+    t = tensors[0] if isinstance(tensors, list | tuple) and tensors else tensors
+    return t.device.type if isinstance(t, torch.Tensor) else ""
+
+
 def _process_group_classes() -> list[type]:
     """``ProcessGroup`` and its subclasses (a backend's own group may define its own send)."""
     out: list[type] = []
@@ -733,17 +885,25 @@ def _process_group_classes() -> list[type]:
     return out
 
 
-def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``destroy_process_group`` that also forgets the default group's cached membership:
-    ``group=None`` is cached under one key for the life of the process, so after a re-init
-    with another world the entries still named the old world's ranks."""
+def _wrap_destroy(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    """``destroy_process_group`` that also forgets the default group's cached membership
+    (``group=None`` is cached under one key for the life of the process, so after a re-init
+    with another world the entries still named the old world's ranks) and starts the next
+    incarnation of the destroyed groups' names (all of them for the default group)."""
 
     @functools.wraps(fn)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[0] if args else None)
         try:
             return fn(*args, **kwargs)
         finally:
             _group_names.pop(id(None), None)
+            if group is None or group is dist.group.WORLD:
+                rec.retire()  # torch destroys every group with the default one
+            else:
+                hit = _group_names.get(id(group))
+                if hit is not None and hit[2]() is group:
+                    rec.retire(hit[0])
 
     destroy_process_group.__torchport_fr__ = True  # type: ignore[attr-defined]
     return destroy_process_group
@@ -773,7 +933,12 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     if getattr(fn, "__torchport_fr__", False):
         fn = _originals["destroy_process_group"]
     _originals["destroy_process_group"] = fn
-    dist.destroy_process_group = _wrap_destroy(fn)
+    dist.destroy_process_group = _wrap_destroy(fn, rec)
+    fn = dist.Work.__dict__["wait"]
+    if getattr(fn, "__torchport_fr__", False):
+        fn = _wait_original[0]
+    _wait_original[:] = [fn]
+    dist.Work.wait = _wrap_wait(fn, rec)  # type: ignore[method-assign]
     fn = dist.batch_isend_irecv
     if getattr(fn, "__torchport_fr__", False):
         fn = _originals["batch_isend_irecv"]
@@ -800,4 +965,7 @@ def uninstall() -> None:
     for (cls, method), orig in _p2p_originals.items():
         setattr(cls, method, orig)
     _p2p_originals.clear()
+    _futureless.clear()
+    if _wait_original:
+        dist.Work.wait = _wait_original.pop()  # type: ignore[method-assign]
     _group_names.clear()

@@ -11,8 +11,10 @@ rank's ring buffer still holds) and reports, in plain words:
 * ops that errored, or were still running when the dump was taken (stuck);
 * the last completed op of every rank.
 
-A group destroyed and re-created under the same name is lined up in its newest incarnation on
-every rank (the entries' ``incarnation``): a restarted rank knows only the new one.
+A group destroyed and re-created under the same name is lined up in its current incarnation on
+every rank (the dump's ``incarnations``; the entries' ``incarnation`` says which one each op ran
+on): a restarted rank knows only the new one, and a rank with no op on the new group yet has
+not entered its first one. Dumps without ``incarnations`` line up each rank's newest entries.
 
 It accepts dumps from any backend: entries whose state never left ``scheduled`` are reported as
 such rather than crashing the analysis.
@@ -81,6 +83,14 @@ def _check_dump(p: Path, obj: Any) -> int:
                 f"{p}: groups must map group names to lists of ranks, got {groups!r:.200}"
             )
         obj["groups"] = dict(zip(groups, members, strict=True))
+    incs = obj.get("incarnations")
+    if incs is not None:
+        counts = [_int_of(n) for n in incs.values()] if isinstance(incs, dict) else [None]
+        if any(n is None or n < 0 for n in counts):
+            raise DumpError(
+                f"{p}: incarnations must map group names to ints >= 0, got {incs!r:.200}"
+            )
+        obj["incarnations"] = dict(zip(incs, counts, strict=True))
     entries = obj["entries"]
     if not isinstance(entries, list):
         raise DumpError(f"{p}: entries must be a list, got {type(entries).__name__}")
@@ -208,24 +218,33 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
     sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
     recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]] = {}
     wrapped: set[int] = set()  # ranks whose ring buffer dropped entries: counts are incomplete
+    # (group, receiver, tag) that received from any source: the sends it took are unknown, so
+    # its later receives of that tag are not paired (dropping the any-source one alone paired
+    # every later receive with the send before its own: a false size mismatch)
+    anysource: set[tuple[str, int, Any]] = set()
     for rank, d in dumps.items():
         for g, ranks in (d.get("groups") or {}).items():
             members.setdefault(g, set()).update(int(x) for x in ranks)
+        # the incarnation of each group to line up: the rank's current one (dumped since a
+        # rank that had not yet recorded an op on a re-created group showed only the old one,
+        # compared with its peers' new one), else (older dumps) the newest it has entries of
         newest: dict[str, int] = {}
         for e in d["entries"]:
             newest[e["group"]] = max(newest.get(e["group"], 0), e.get("incarnation") or 0)
+        newest.update(d.get("incarnations") or {})
         if d["entries"] and d["entries"][0].get("record_id", 0) != 0:
             wrapped.add(rank)
         for e in d["entries"]:
             if (e.get("incarnation") or 0) != newest[e["group"]]:
                 continue  # an earlier group of that name: a restarted rank has none of it
             if e["op"] in P2P_OPS:  # numbered on their own counter: not lined up as collectives
-                peer = e.get("peer")
-                if isinstance(peer, int) and peer >= 0:
-                    tag = e.get("tag") or 0
+                peer, tag = e.get("peer"), e.get("tag") or 0
+                if e["op"] == "recv" and peer == -1:
+                    anysource.add((e["group"], rank, tag))
+                elif isinstance(peer, int) and peer >= 0:
                     if e["op"] == "send":
                         sends.setdefault((e["group"], rank, peer, tag), []).append(e)
-                    else:
+                    elif (e["group"], rank, tag) not in anysource:
                         recvs.setdefault((e["group"], peer, rank, tag), []).append(e)
                 continue
             groups.setdefault(e["group"], {}).setdefault(rank, {})[e["seq_id"]] = e
@@ -266,7 +285,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                         f"rank {ranks[0]} called {_sig(ref)} but rank {r} called {_sig(have[r])}"
                     )
                     break
-    _match_p2p(v, dumps, sends, recvs, wrapped)
+    delivered = _match_p2p(v, dumps, sends, recvs, wrapped, anysource)
     for rank in sorted(dumps):
         entries = dumps[rank]["entries"]
         done = [e for e in entries if e["state"] == "completed"]
@@ -287,7 +306,9 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                     f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} failed: "
                     f"{err[:160]}{'…' if len(err) > 160 else ''}"
                 )
-            elif e["state"] in ("started", "scheduled"):
+            elif e["state"] in ("started", "scheduled") and id(e) not in delivered:
+                # (a send whose receive completed was delivered: its Work was just never
+                # waited on, and a gloo send completes only inside wait())
                 v.stuck.append((rank, e["group"], e["seq_id"], e["op"]))
                 v.findings.append(
                     f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} was still "
@@ -318,17 +339,23 @@ def _match_p2p(
     sends: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
     recvs: dict[tuple[str, int, int, Any], list[dict[str, Any]]],
     wrapped: set[int],
-) -> None:
+    anysource: set[tuple[str, int, Any]],
+) -> set[int]:
     """Pair the k-th send from one rank to another with the k-th receive there (torch matches
     them in that order per pair, group and tag): name an op still waiting whose other side was never
-    issued, and a pair whose sizes or dtypes differ."""
+    issued, and a pair whose sizes or dtypes differ. After a receive from any source (in
+    ``anysource``) only the receives issued before it are paired, and counts are not compared.
+    Returns the ids of the sends paired with a completed receive (delivered)."""
+    delivered: set[int] = set()
     for key in sorted(set(sends) | set(recvs)):
-        g, src, dst, _ = key
+        g, src, dst, tag = key
         if src not in dumps or dst not in dumps or src in wrapped or dst in wrapped:
             continue  # a missing dump is reported as such; a wrapped buffer has no full count
         s, r = sends.get(key, []), recvs.get(key, [])
         for k in range(min(len(s), len(r))):
             a, b = s[k], r[k]
+            if b["state"] == "completed":
+                delivered.add(id(a))
             diff = "/".join(
                 w for w, f in (("size", "sizes"), ("dtype", "dtypes")) if a.get(f) != b.get(f)
             )
@@ -340,7 +367,7 @@ def _match_p2p(
                     f"{_sig(a)} but rank {dst} received into {_sig(b)}"
                 )
                 break
-        if len(s) == len(r):
+        if len(s) == len(r) or (g, dst, tag) in anysource:
             continue
         # the first op past the other side's count: its peer never issued the matching side
         longer, rank, peer, other = (
@@ -357,6 +384,7 @@ def _match_p2p(
             f"{peer} never {'sent' if e['op'] == 'recv' else 'received'} (rank {peer} "
             f"{other} {n} message(s) {'to' if other == 'sent' else 'from'} rank {rank} there)"
         )
+    return delivered
 
 
 def cmd_fr(args: argparse.Namespace) -> int:
