@@ -160,3 +160,36 @@ def test_torch_func_transforms_with_activation_quantization(cfg) -> None:
     else:
         with pytest.raises(RuntimeError, match="data-dependent control flow"):
             per_row()
+
+
+@pytest.mark.parametrize("first", ["jvp", "jacfwd", "grad_other_arg", "gemv_jvp"])
+def test_a_weight_first_used_under_torch_func_keeps_a_usable_pack(first) -> None:
+    """A quantized weight whose first use (the pack, cached on the weight) is under a
+    ``torch.func`` transform that wraps every op's result (``jvp``, ``jacfwd``, ``grad`` with
+    respect to another argument) works in eager mode afterwards: the pack was made of the
+    transform's wrappers, and every later call (``lin(x)`` under ``no_grad`` included) raised
+    "Cannot access data pointer of Tensor that doesn't have storage"."""
+    from torchport.gemv import gemv
+
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w, b, x = lin.weight, lin.bias.detach(), torch.randn(2, 64)
+    f = lambda v: torch.nn.functional.linear(v, w, b)  # noqa: E731
+    if first == "jvp":
+        torch.func.jvp(f, (x,), (x,))
+    elif first == "jacfwd":
+        torch.func.jacfwd(f)(x)
+    elif first == "grad_other_arg":
+        torch.func.grad(lambda s: (f(x) * s).sum())(torch.tensor(2.0))
+    else:
+        torch.func.jvp(lambda v: gemv(v, w, b), (x,), (x,))
+    pw = w.gemv_pack()
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    assert not any(wrapped(t) for t in (pw.data, pw.scales, pw.rowscale))
+    want = x @ w.dequantize().T + b
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), want, rtol=2e-2, atol=2e-1)  # int8 activations
+    xg = x.clone().requires_grad_()
+    lin(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, w.dequantize().sum(0).expand_as(x))

@@ -242,10 +242,19 @@ class LowPrecisionTensor(torch.Tensor):
             raise LowPrecisionError(f"{type(self).__name__} GEMV needs a CPU weight, got meta")
         if type(self.qdata) is torch.Tensor and not torch.compiler.is_compiling():
             # Real storage (possibly under a dispatch mode, e.g. a graph capture): pack outside
-            # any mode, once, so that a capture records only the GEMV, not the packing.
+            # any mode, once, so that a capture records only the GEMV, not the packing. And
+            # outside any torch.func transform: under jvp every op's result is wrapped for the
+            # transform's level, so a pack first made there held wrappers without storage, and
+            # every later call with the weight (plain eager included) raised reading their data
+            # pointers.
+            from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
             from torch.utils._python_dispatch import _disable_current_modes
 
-            with _disable_current_modes(), torch.no_grad():
+            with (
+                temporarily_clear_interpreter_stack(),
+                _disable_current_modes(),
+                torch.no_grad(),
+            ):
                 self._pack = self._on_huge_pages(self._make_pack())
             return self._pack
         return self._make_pack()  # fake/traced tensors: never cached
