@@ -153,7 +153,11 @@ def test_torch_func_transforms_with_activation_quantization(cfg) -> None:
     assert gx.shape == x.shape
     jac = torch.func.jacrev(lambda v: torch.nn.functional.linear(v, w, b))(x)
     torch.testing.assert_close(jac[0, :, 0], w.dequantize())
-    torch.func.jvp(lambda v: torch.nn.functional.linear(v, w, b), (x,), (x,))
+    # jvp: the straight-through tangent, as jacrev's (the kernels and the FP4 quantization's
+    # zero derivative gave an all-zero tangent with the FP4 activation configs)
+    t = torch.randn(2, 64)
+    tan = torch.func.jvp(lambda v: torch.nn.functional.linear(v, w, b), (x,), (t,))[1]
+    torch.testing.assert_close(tan, torch.einsum("bnck,ck->bn", jac, t))
     per_row = lambda: torch.func.vmap(torch.func.grad(f))(x.unsqueeze(1))  # noqa: E731
     if isinstance(cfg, lowp.Float8DynamicActivationFloat8WeightConfig):
         torch.testing.assert_close(per_row().squeeze(1), gx)
@@ -193,3 +197,24 @@ def test_a_weight_first_used_under_torch_func_keeps_a_usable_pack(first) -> None
     xg = x.clone().requires_grad_()
     lin(xg).sum().backward()
     torch.testing.assert_close(xg.grad, w.dequantize().sum(0).expand_as(x))
+
+
+def test_jvp_through_a_quantized_linear_module() -> None:
+    """``torch.func.jvp`` (and ``hessian``, forward over reverse) through a quantize_'d
+    ``nn.Linear``, whose bias requires grad: the autograd function raised "You must implement
+    the jvp function"; the tangent is ``t @ dequantize(W).T`` plus the bias's tangent."""
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    wd = lin.weight.dequantize()
+    x, t, bt = torch.randn(2, 64), torch.randn(2, 64), torch.randn(16)
+    tan = torch.func.jvp(lin, (x,), (t,))[1]
+    torch.testing.assert_close(tan, t @ wd.T)
+    w = lin.weight
+    f = lambda v, bb: torch.nn.functional.linear(v, w, bb)  # noqa: E731
+    tan = torch.func.jvp(f, (x, lin.bias.detach()), (t, bt))[1]
+    torch.testing.assert_close(tan, t @ wd.T + bt)
+    tan = torch.func.jvp(lambda bb: f(x, bb), (lin.bias.detach(),), (bt,))[1]
+    torch.testing.assert_close(tan, bt.expand(2, 16))
+    h = torch.func.hessian(lambda v: lin(v).pow(2).sum())(x[0])
+    torch.testing.assert_close(h, 2 * wd.T @ wd)

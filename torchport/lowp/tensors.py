@@ -723,16 +723,17 @@ class LowPrecisionTensor(torch.Tensor):
                 if isinstance(bias, torch.Tensor) and bias.dtype != adt:
                     bias = bias.to(adt)
             if not isinstance(x, LowPrecisionTensor):
+                if native.functorch_active():
+                    # always the function: jvp's dual inputs do not require grad, and forward
+                    # mode ignores the grad mode; the kernels and the activation quantization
+                    # (a zero derivative) gave a zero tangent, or none at all
+                    if torch.is_grad_enabled():
+                        _check_frozen(w)
+                    return _FrozenWeightLinear.apply(x, bias, (w,))
                 if not torch.is_grad_enabled():
                     return w.linear(x, bias)
-                if w.requires_grad:
-                    raise LowPrecisionError(
-                        f"{type(w).__name__} weights are frozen (no weight gradient): set "
-                        "requires_grad=False on the quantized weight, got requires_grad=True"
-                    )
+                _check_frozen(w)
                 if x.requires_grad or (bias is not None and bias.requires_grad):
-                    if native.functorch_active():
-                        return _FrozenWeightLinear.apply(x, bias, (w,))
                     return _FrozenWeightLinearEager.apply(x, bias, (w,))
                 return w.linear(x, bias)
         with torch._C.DisableTorchFunctionSubclass():
@@ -771,6 +772,15 @@ class LowPrecisionTensor(torch.Tensor):
         )
 
 
+def _check_frozen(w: LowPrecisionTensor) -> None:
+    """Raise for a quantized weight that requires grad (it has no gradient)."""
+    if w.requires_grad:
+        raise LowPrecisionError(
+            f"{type(w).__name__} weights are frozen (no weight gradient): set "
+            "requires_grad=False on the quantized weight, got requires_grad=True"
+        )
+
+
 class _FrozenWeightLinear(torch.autograd.Function):
     """``F.linear`` with a frozen quantized weight: gradients for the input and the bias only.
 
@@ -794,6 +804,7 @@ class _FrozenWeightLinear(torch.autograd.Function):
         while torch._C._functorch.is_functorch_wrapped_tensor(w):
             w = torch._C._functorch.get_unwrapped(w)
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
+        ctx.x_dtype = x.dtype
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -802,6 +813,20 @@ class _FrozenWeightLinear(torch.autograd.Function):
         gx = (g2 @ w.dequantize(grad.dtype)).reshape(ctx.x_shape)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
         return (gx if ctx.needs_input_grad[0] else None), gb, None
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor | None, bias_t: torch.Tensor | None, _: Any) -> Any:
+        """Forward mode, the transpose of :meth:`backward`: ``x_t @ dequantize(W).T + bias_t``
+        (activation quantization straight-through), in the output's dtype."""
+        w, dtype = ctx.w, ctx.x_dtype
+        shape = (*ctx.x_shape[:-1], w.shape[0])
+        if x_t is not None:
+            out = (x_t.reshape(-1, w.shape[1]) @ w.dequantize(x_t.dtype).T).reshape(shape)
+        else:
+            out = torch.zeros(shape, dtype=dtype)
+        if bias_t is not None:
+            out = out + bias_t
+        return out.to(dtype)
 
 
 class _FrozenWeightLinearEager(torch.autograd.Function):
@@ -816,9 +841,11 @@ class _FrozenWeightLinearEager(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
         w = wbox[0]  # no transform: no wrapper to take off
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
+        ctx.x_dtype = x.dtype
         return w.linear(x, bias)
 
     backward = _FrozenWeightLinear.backward
+    jvp = _FrozenWeightLinear.jvp
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
