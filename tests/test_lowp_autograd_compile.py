@@ -218,3 +218,23 @@ def test_jvp_through_a_quantized_linear_module() -> None:
     torch.testing.assert_close(tan, bt.expand(2, 16))
     h = torch.func.hessian(lambda v: lin(v).pow(2).sum())(x[0])
     torch.testing.assert_close(h, 2 * wd.T @ wd)
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_copy_into_the_weight_between_forward_and_backward_raises(rows) -> None:
+    """``F.linear`` with a quantized weight, then ``w.copy_(new)``, then the backward: raises as
+    torch does for a weight modified in place after the forward saved it (the backward silently
+    used the new weight's values), decode and prefill. (Under ``torch.func`` the transform itself
+    refuses a copy_ into the captured weight.)"""
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w, w1 = lin.weight, torch.randn(16, 64)
+    x = torch.randn(rows, 64, requires_grad=True)
+    out = lin(x)
+    with torch.no_grad():
+        w.copy_(w1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    lin(x).sum().backward()  # written before the forward: its gradient
+    torch.testing.assert_close(x.grad, w.dequantize().sum(0).expand_as(x))

@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_map
 from torchport import config, native
 from torchport.gemv import MAX_ROWS, GemvInputError, PackedWeight
 from torchport.gemv.hugepages import hugepage_copy
-from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
+from torchport.gemv.ops import SettledRoute, linear_decode, note_written, settle_route
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp._common import HP_DTYPES
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, e8m0_to_f32, unpack_fp4
@@ -178,6 +178,9 @@ class _Cache:
         # its _copied_meta only to tensors with the very same views (two weights sliced from one
         # buffer share the storage, not the bytes each one's scale applies to)
         self.view: tuple[Any, ...] = ()
+        # copy_ calls that wrote the bytes (a backward of F.linear that kept this tensor checks
+        # it did not move since the forward, as torch checks a saved tensor's version)
+        self.writes = 0
 
 
 class LowPrecisionTensor(torch.Tensor):
@@ -458,6 +461,10 @@ class LowPrecisionTensor(torch.Tensor):
         with torch.no_grad():
             for n in names:
                 getattr(self, n).copy_(getattr(new, n))
+        # under __torch_dispatch__ the copies bump no version counter: a backward that kept the
+        # inner tensors (gemv's, sharing them through the pack) gave the gradient of the new
+        # codes with the old per-tensor scale
+        note_written(tuple(getattr(self, n) for n in names))
         meta = {attr: getattr(new, attr) for attr in self._copied_meta}
         view = _view_of(self)
         for c in self._sharing_caches():
@@ -469,6 +476,7 @@ class LowPrecisionTensor(torch.Tensor):
                     setattr(c, attr, value)
             c.pack = None  # repacked (and the route settled again) on the next call
             c.route = None
+            c.writes += 1
 
     def _sharing_caches(self) -> list[_Cache]:
         """The :class:`_Cache` of this tensor and of every live tensor sharing its bytes
@@ -804,11 +812,17 @@ class _FrozenWeightLinear(torch.autograd.Function):
         while torch._C._functorch.is_functorch_wrapped_tensor(w):
             w = torch._C._functorch.get_unwrapped(w)
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.writes = x.dtype, w._cache.writes
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         w = ctx.w
+        if w._cache.writes != ctx.writes:  # (as torch's check of a saved tensor's version)
+            raise RuntimeError(
+                "F.linear backward: one of the variables needed for gradient computation has "
+                f"been modified by an inplace operation: the {type(w).__name__} weight was "
+                "written by copy_ after the forward"
+            )
         g2 = grad.reshape(-1, w.shape[0])
         gx = (g2 @ w.dequantize(grad.dtype)).reshape(ctx.x_shape)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
@@ -841,7 +855,7 @@ class _FrozenWeightLinearEager(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
         w = wbox[0]  # no transform: no wrapper to take off
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.writes = x.dtype, w._cache.writes
         return w.linear(x, bias)
 
     backward = _FrozenWeightLinear.backward
