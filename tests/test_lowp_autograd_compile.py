@@ -238,3 +238,24 @@ def test_copy_into_the_weight_between_forward_and_backward_raises(rows) -> None:
         out.sum().backward()
     lin(x).sum().backward()  # written before the forward: its gradient
     torch.testing.assert_close(x.grad, w.dequantize().sum(0).expand_as(x))
+
+
+def test_weight_quantized_under_inference_mode_differentiates_in_eager_mode_only() -> None:
+    """What the README states: a weight quantized under ``torch.inference_mode()`` (inference
+    tensors inside) gives input gradients in eager mode (the pack is kept as a ctx attribute),
+    while ``torch.compile``'s backward saves the weight's tensors, which torch refuses."""
+    from torchport.gemv import gemv
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        lin = torch.nn.Linear(64, 16)
+        lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w = lin.weight
+    assert w.qdata.is_inference()
+    x = torch.randn(1, 64, requires_grad=True)
+    gemv(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, w.dequantize().sum(0, keepdim=True))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda v: gemv(v, w), backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        compiled(torch.randn(1, 64, requires_grad=True)).sum().backward()
