@@ -715,6 +715,33 @@ def test_weight_packed_under_inference_mode_still_gives_gradients(fmt):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("first", ["grad", "no_grad", "inference"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "mxfp4"])
+def test_copy_into_a_quantized_weight_between_forward_and_backward_raises(fmt, first):
+    """``w.copy_(new)`` into a quantized weight between ``gemv(x, w)`` and its backward raises
+    as torch does for a saved tensor modified in place: the backward, which keeps the pack (the
+    weight's own inner tensors), silently gave the gradient of the new codes with the old
+    per-tensor scale (matching neither weight). Also for a pack first made under
+    ``torch.inference_mode()`` (inference tensors: no version counter). A copy_ before the
+    forward changes nothing."""
+    g = torch.Generator().manual_seed(23)
+    w0, w1 = torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)
+    wq, _ = _weight(fmt, w0)
+    x0 = torch.randn(1, 64, generator=g)
+    if first != "grad":
+        with torch.inference_mode() if first == "inference" else torch.no_grad():
+            gemv(x0, wq)  # the first use packs
+    x = x0.clone().requires_grad_()
+    out = gemv(x, wq)
+    with torch.no_grad():
+        wq.copy_(w1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    x = x0.clone().requires_grad_()
+    gemv(x, wq).sum().backward()
+    torch.testing.assert_close(x.grad, wq.dequantize().sum(0, keepdim=True))
+
+
 @pytest.mark.parametrize("fmt", ["f32", "nvfp4", "nvfp4_x_nvfp4"])
 def test_lazily_negated_bias_and_weight_are_read_negated(fmt):
     """A bias (or dense weight) with the lazy negation bit (``torch._neg_view``, what

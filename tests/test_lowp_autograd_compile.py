@@ -153,10 +153,109 @@ def test_torch_func_transforms_with_activation_quantization(cfg) -> None:
     assert gx.shape == x.shape
     jac = torch.func.jacrev(lambda v: torch.nn.functional.linear(v, w, b))(x)
     torch.testing.assert_close(jac[0, :, 0], w.dequantize())
-    torch.func.jvp(lambda v: torch.nn.functional.linear(v, w, b), (x,), (x,))
+    # jvp: the straight-through tangent, as jacrev's (the kernels and the FP4 quantization's
+    # zero derivative gave an all-zero tangent with the FP4 activation configs)
+    t = torch.randn(2, 64)
+    tan = torch.func.jvp(lambda v: torch.nn.functional.linear(v, w, b), (x,), (t,))[1]
+    torch.testing.assert_close(tan, torch.einsum("bnck,ck->bn", jac, t))
     per_row = lambda: torch.func.vmap(torch.func.grad(f))(x.unsqueeze(1))  # noqa: E731
     if isinstance(cfg, lowp.Float8DynamicActivationFloat8WeightConfig):
         torch.testing.assert_close(per_row().squeeze(1), gx)
     else:
         with pytest.raises(RuntimeError, match="data-dependent control flow"):
             per_row()
+
+
+@pytest.mark.parametrize("first", ["jvp", "jacfwd", "grad_other_arg", "gemv_jvp"])
+def test_a_weight_first_used_under_torch_func_keeps_a_usable_pack(first) -> None:
+    """A quantized weight whose first use (the pack, cached on the weight) is under a
+    ``torch.func`` transform that wraps every op's result (``jvp``, ``jacfwd``, ``grad`` with
+    respect to another argument) works in eager mode afterwards: the pack was made of the
+    transform's wrappers, and every later call (``lin(x)`` under ``no_grad`` included) raised
+    "Cannot access data pointer of Tensor that doesn't have storage"."""
+    from torchport.gemv import gemv
+
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w, b, x = lin.weight, lin.bias.detach(), torch.randn(2, 64)
+    f = lambda v: torch.nn.functional.linear(v, w, b)  # noqa: E731
+    if first == "jvp":
+        torch.func.jvp(f, (x,), (x,))
+    elif first == "jacfwd":
+        torch.func.jacfwd(f)(x)
+    elif first == "grad_other_arg":
+        torch.func.grad(lambda s: (f(x) * s).sum())(torch.tensor(2.0))
+    else:
+        torch.func.jvp(lambda v: gemv(v, w, b), (x,), (x,))
+    pw = w.gemv_pack()
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    assert not any(wrapped(t) for t in (pw.data, pw.scales, pw.rowscale))
+    want = x @ w.dequantize().T + b
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), want, rtol=2e-2, atol=2e-1)  # int8 activations
+    xg = x.clone().requires_grad_()
+    lin(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, w.dequantize().sum(0).expand_as(x))
+
+
+def test_jvp_through_a_quantized_linear_module() -> None:
+    """``torch.func.jvp`` (and ``hessian``, forward over reverse) through a quantize_'d
+    ``nn.Linear``, whose bias requires grad: the autograd function raised "You must implement
+    the jvp function"; the tangent is ``t @ dequantize(W).T`` plus the bias's tangent."""
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    wd = lin.weight.dequantize()
+    x, t, bt = torch.randn(2, 64), torch.randn(2, 64), torch.randn(16)
+    tan = torch.func.jvp(lin, (x,), (t,))[1]
+    torch.testing.assert_close(tan, t @ wd.T)
+    w = lin.weight
+    f = lambda v, bb: torch.nn.functional.linear(v, w, bb)  # noqa: E731
+    tan = torch.func.jvp(f, (x, lin.bias.detach()), (t, bt))[1]
+    torch.testing.assert_close(tan, t @ wd.T + bt)
+    tan = torch.func.jvp(lambda bb: f(x, bb), (lin.bias.detach(),), (bt,))[1]
+    torch.testing.assert_close(tan, bt.expand(2, 16))
+    h = torch.func.hessian(lambda v: lin(v).pow(2).sum())(x[0])
+    torch.testing.assert_close(h, 2 * wd.T @ wd)
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_copy_into_the_weight_between_forward_and_backward_raises(rows) -> None:
+    """``F.linear`` with a quantized weight, then ``w.copy_(new)``, then the backward: raises as
+    torch does for a weight modified in place after the forward saved it (the backward silently
+    used the new weight's values), decode and prefill. (Under ``torch.func`` the transform itself
+    refuses a copy_ into the captured weight.)"""
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w, w1 = lin.weight, torch.randn(16, 64)
+    x = torch.randn(rows, 64, requires_grad=True)
+    out = lin(x)
+    with torch.no_grad():
+        w.copy_(w1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    lin(x).sum().backward()  # written before the forward: its gradient
+    torch.testing.assert_close(x.grad, w.dequantize().sum(0).expand_as(x))
+
+
+def test_weight_quantized_under_inference_mode_differentiates_in_eager_mode_only() -> None:
+    """What the README states: a weight quantized under ``torch.inference_mode()`` (inference
+    tensors inside) gives input gradients in eager mode (the pack is kept as a ctx attribute),
+    while ``torch.compile``'s backward saves the weight's tensors, which torch refuses."""
+    from torchport.gemv import gemv
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        lin = torch.nn.Linear(64, 16)
+        lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    w = lin.weight
+    assert w.qdata.is_inference()
+    x = torch.randn(1, 64, requires_grad=True)
+    gemv(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, w.dequantize().sum(0, keepdim=True))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda v: gemv(v, w), backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        compiled(torch.randn(1, 64, requires_grad=True)).sum().backward()

@@ -744,15 +744,43 @@ def _gemv_dense_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | N
     return gx, gw, gb
 
 
+# Writes into inference tensors' storages (by address), which have no version counter:
+# ``note_written`` counts them (a quantized weight's ``copy_`` calls it), and a backward that kept
+# such a tensor compares the count with the one at its forward. A live storage's address is its
+# own, so a count that moved while the tensor was kept is a write into it.
+_INFERENCE_WRITES: dict[int, int] = {}
+
+
+def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
+    """Record that ``tensors`` (plain CPU tensors) were written in place where autograd does not
+    see it (inside a ``__torch_dispatch__``): their version counters are bumped, and the write
+    counts of the inference tensors' storages, so that a backward that kept any of them raises
+    as torch's does for a tensor modified in place after it was saved."""
+    torch.autograd.graph.increment_version([t for t in tensors if not t.is_inference()])
+    for t in tensors:
+        if t.is_inference() and t.untyped_storage().data_ptr():
+            key = t.untyped_storage().data_ptr()
+            _INFERENCE_WRITES[key] = _INFERENCE_WRITES.get(key, 0) + 1
+
+
+def _writes_of(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    return _INFERENCE_WRITES.get(t.untyped_storage().data_ptr(), 0)
+
+
 def _gemv_packed_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     x, data, scales, rowscale, pts, fmt, n, k, bias, _ = inputs
     # The pack is needed only for the input's gradient (a bias-only backward kept it for
-    # nothing). A weight first packed under torch.inference_mode() holds inference tensors,
-    # which save_for_backward refuses ("Inference tensors cannot be saved for backward"); they
-    # stay ctx attributes: outside inference mode they cannot be written in place, and the
-    # pack is replaced, not rewritten, when the weight changes.
+    # nothing). Its tensors share the weight's inner tensors (qdata itself, or views of it), which
+    # a copy_ into the weight rewrites in place (it bumps their versions: see note_written), so
+    # they are saved with version checks. A weight first packed under torch.inference_mode()
+    # holds inference tensors, which save_for_backward refuses ("Inference tensors cannot be
+    # saved for backward"); they stay ctx attributes with their storages' write counts, checked
+    # in the backward instead.
     pack = (data, scales, rowscale) if x.requires_grad else ()
     ctx.frozen = tuple(t if t.is_inference() else None for t in pack)
+    ctx.writes = tuple(_writes_of(t) for t in ctx.frozen)
     ctx.save_for_backward(*(None if t.is_inference() else t for t in pack))
     ctx.meta = (x.shape, x.dtype, pts, fmt, n, k, bias.dtype if bias is not None else None)
 
@@ -762,6 +790,12 @@ def _gemv_packed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | 
     g2 = grad.reshape(-1, n).float()
     gx = None
     if ctx.needs_input_grad[0]:
+        if ctx.writes != tuple(_writes_of(t) for t in ctx.frozen):
+            raise RuntimeError(
+                "gemv backward: one of the variables needed for gradient computation has been "
+                "modified by an inplace operation: the quantized weight (an inference tensor) "
+                "was written by copy_ after the forward"
+            )
         saved = ctx.saved_tensors
         data, scales, rowscale = (f if f is not None else s for f, s in zip(ctx.frozen, saved))
         w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k))

@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_map
 from torchport import config, native
 from torchport.gemv import MAX_ROWS, GemvInputError, PackedWeight
 from torchport.gemv.hugepages import hugepage_copy
-from torchport.gemv.ops import SettledRoute, linear_decode, settle_route
+from torchport.gemv.ops import SettledRoute, linear_decode, note_written, settle_route
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp._common import HP_DTYPES
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, e8m0_to_f32, unpack_fp4
@@ -178,6 +178,9 @@ class _Cache:
         # its _copied_meta only to tensors with the very same views (two weights sliced from one
         # buffer share the storage, not the bytes each one's scale applies to)
         self.view: tuple[Any, ...] = ()
+        # copy_ calls that wrote the bytes (a backward of F.linear that kept this tensor checks
+        # it did not move since the forward, as torch checks a saved tensor's version)
+        self.writes = 0
 
 
 class LowPrecisionTensor(torch.Tensor):
@@ -242,10 +245,19 @@ class LowPrecisionTensor(torch.Tensor):
             raise LowPrecisionError(f"{type(self).__name__} GEMV needs a CPU weight, got meta")
         if type(self.qdata) is torch.Tensor and not torch.compiler.is_compiling():
             # Real storage (possibly under a dispatch mode, e.g. a graph capture): pack outside
-            # any mode, once, so that a capture records only the GEMV, not the packing.
+            # any mode, once, so that a capture records only the GEMV, not the packing. And
+            # outside any torch.func transform: under jvp every op's result is wrapped for the
+            # transform's level, so a pack first made there held wrappers without storage, and
+            # every later call with the weight (plain eager included) raised reading their data
+            # pointers.
+            from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
             from torch.utils._python_dispatch import _disable_current_modes
 
-            with _disable_current_modes(), torch.no_grad():
+            with (
+                temporarily_clear_interpreter_stack(),
+                _disable_current_modes(),
+                torch.no_grad(),
+            ):
                 self._pack = self._on_huge_pages(self._make_pack())
             return self._pack
         return self._make_pack()  # fake/traced tensors: never cached
@@ -449,6 +461,10 @@ class LowPrecisionTensor(torch.Tensor):
         with torch.no_grad():
             for n in names:
                 getattr(self, n).copy_(getattr(new, n))
+        # under __torch_dispatch__ the copies bump no version counter: a backward that kept the
+        # inner tensors (gemv's, sharing them through the pack) gave the gradient of the new
+        # codes with the old per-tensor scale
+        note_written(tuple(getattr(self, n) for n in names))
         meta = {attr: getattr(new, attr) for attr in self._copied_meta}
         view = _view_of(self)
         for c in self._sharing_caches():
@@ -460,6 +476,7 @@ class LowPrecisionTensor(torch.Tensor):
                     setattr(c, attr, value)
             c.pack = None  # repacked (and the route settled again) on the next call
             c.route = None
+            c.writes += 1
 
     def _sharing_caches(self) -> list[_Cache]:
         """The :class:`_Cache` of this tensor and of every live tensor sharing its bytes
@@ -714,16 +731,17 @@ class LowPrecisionTensor(torch.Tensor):
                 if isinstance(bias, torch.Tensor) and bias.dtype != adt:
                     bias = bias.to(adt)
             if not isinstance(x, LowPrecisionTensor):
+                if native.functorch_active():
+                    # always the function: jvp's dual inputs do not require grad, and forward
+                    # mode ignores the grad mode; the kernels and the activation quantization
+                    # (a zero derivative) gave a zero tangent, or none at all
+                    if torch.is_grad_enabled():
+                        _check_frozen(w)
+                    return _FrozenWeightLinear.apply(x, bias, (w,))
                 if not torch.is_grad_enabled():
                     return w.linear(x, bias)
-                if w.requires_grad:
-                    raise LowPrecisionError(
-                        f"{type(w).__name__} weights are frozen (no weight gradient): set "
-                        "requires_grad=False on the quantized weight, got requires_grad=True"
-                    )
+                _check_frozen(w)
                 if x.requires_grad or (bias is not None and bias.requires_grad):
-                    if native.functorch_active():
-                        return _FrozenWeightLinear.apply(x, bias, (w,))
                     return _FrozenWeightLinearEager.apply(x, bias, (w,))
                 return w.linear(x, bias)
         with torch._C.DisableTorchFunctionSubclass():
@@ -762,6 +780,15 @@ class LowPrecisionTensor(torch.Tensor):
         )
 
 
+def _check_frozen(w: LowPrecisionTensor) -> None:
+    """Raise for a quantized weight that requires grad (it has no gradient)."""
+    if w.requires_grad:
+        raise LowPrecisionError(
+            f"{type(w).__name__} weights are frozen (no weight gradient): set "
+            "requires_grad=False on the quantized weight, got requires_grad=True"
+        )
+
+
 class _FrozenWeightLinear(torch.autograd.Function):
     """``F.linear`` with a frozen quantized weight: gradients for the input and the bias only.
 
@@ -785,14 +812,35 @@ class _FrozenWeightLinear(torch.autograd.Function):
         while torch._C._functorch.is_functorch_wrapped_tensor(w):
             w = torch._C._functorch.get_unwrapped(w)
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
+        ctx.x_dtype, ctx.writes = x.dtype, w._cache.writes
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         w = ctx.w
+        if w._cache.writes != ctx.writes:  # (as torch's check of a saved tensor's version)
+            raise RuntimeError(
+                "F.linear backward: one of the variables needed for gradient computation has "
+                f"been modified by an inplace operation: the {type(w).__name__} weight was "
+                "written by copy_ after the forward"
+            )
         g2 = grad.reshape(-1, w.shape[0])
         gx = (g2 @ w.dequantize(grad.dtype)).reshape(ctx.x_shape)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
         return (gx if ctx.needs_input_grad[0] else None), gb, None
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor | None, bias_t: torch.Tensor | None, _: Any) -> Any:
+        """Forward mode, the transpose of :meth:`backward`: ``x_t @ dequantize(W).T + bias_t``
+        (activation quantization straight-through), in the output's dtype."""
+        w, dtype = ctx.w, ctx.x_dtype
+        shape = (*ctx.x_shape[:-1], w.shape[0])
+        if x_t is not None:
+            out = (x_t.reshape(-1, w.shape[1]) @ w.dequantize(x_t.dtype).T).reshape(shape)
+        else:
+            out = torch.zeros(shape, dtype=dtype)
+        if bias_t is not None:
+            out = out + bias_t
+        return out.to(dtype)
 
 
 class _FrozenWeightLinearEager(torch.autograd.Function):
@@ -807,9 +855,11 @@ class _FrozenWeightLinearEager(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
         w = wbox[0]  # no transform: no wrapper to take off
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
+        ctx.x_dtype, ctx.writes = x.dtype, w._cache.writes
         return w.linear(x, bias)
 
     backward = _FrozenWeightLinear.backward
+    jvp = _FrozenWeightLinear.jvp
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
