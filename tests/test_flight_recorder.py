@@ -772,3 +772,61 @@ def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
     finally:
         release.set()
         rec.stop()
+
+
+def test_a_p2p_wait_that_hangs_after_a_later_op_was_dumped_for_is_dumped(tmp_path):
+    """An irecv, then an all_reduce that runs past the timeout (dumped for), then the irecv's
+    wait() hangs: keyed on the highest id dumped for, the recv (a lower id, late only once its
+    wait() runs) was never dumped (/tmp/s26/readJ/waitmask.py)."""
+    import threading
+
+    release = threading.Event()
+
+    class Blocking(_GlooP2PWork):
+        def wait(self, timeout=None):
+            release.wait(5)
+            return super().wait(timeout)
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
+    wait = fr._wrap_wait(Blocking.wait, rec)
+    rec.start_watchdog(timeout_s=0.1, period_s=0.01)
+    try:
+        work = Blocking()
+        rec.attach(work, rec._new("recv", "g", [], [], fr.STARTED, "p2p", 1))
+        rec.started(rec.record("all_reduce", "g", [torch.ones(1)]))  # never completes
+        end = time.monotonic() + 1.5
+        while rec.dumps < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert rec.dumps == 1
+        waiter = threading.Thread(target=wait, args=(work,))
+        waiter.start()
+        end = time.monotonic() + 1.5
+        while rec.dumps < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert rec.dumps == 2, "the hung recv's wait was not dumped"
+        assert "recv #" in json.loads((tmp_path / "rank_0.json").read_text())["reason"]
+        release.set()
+        waiter.join(5)
+    finally:
+        release.set()
+        rec.stop()
+
+
+def test_destroying_the_world_group_by_name_starts_a_new_incarnation(monkeypatch, tmp_path):
+    """destroy_process_group(dist.group.WORLD): torch sets group.WORLD to None as it destroys
+    it, and the wrapper, deciding after the call, took it for a subgroup: no new incarnation,
+    so a rank late to the re-created group had its peer blamed (/tmp/s26/readJ/lr_world.py)."""
+    import types
+
+    world = _Group("default")
+    fake = types.SimpleNamespace(group=types.SimpleNamespace(WORLD=world))
+    monkeypatch.setattr(fr, "dist", fake)
+    monkeypatch.setattr(fr, "_group_names", {})
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=2, dump_dir=tmp_path)
+    rec.adopt("default", world)  # seen through group=None calls (cached under id(None))
+
+    def destroy(group=None):
+        fake.group.WORLD = None  # as torch does
+
+    fr._wrap_destroy(destroy, rec)(world)
+    assert rec.incarnations() == {"default": 1}

@@ -164,7 +164,7 @@ class FlightRecorder:
         self.groups: dict[str, list[int]] = {}
         self.dumps = 0
         self._watchdog: threading.Thread | None = None
-        self._dumped_for = -1
+        self._dumped: set[int] = set()  # ids of the overdue ops a dump was taken for
         self._stop = threading.Event()
 
     # -- identity --------------------------------------------------------------------------
@@ -401,7 +401,7 @@ class FlightRecorder:
             self._waiting.clear()
             # ids restart at 0: a stuck op whose id the watchdog dumped for before would
             # otherwise never be dumped
-            self._dumped_for = -1
+            self._dumped = set()
 
     # -- dumps -----------------------------------------------------------------------------
     def snapshot(self, reason: str = "request") -> dict[str, Any]:
@@ -489,17 +489,20 @@ class FlightRecorder:
                 # op that stays incomplete (a gloo isend never waited on) hid every later hang
                 no_future = {e[_ID] for e, _ in list(self._no_future.values())}
                 waiting = self._waiting.copy()
-                late = [
+                overdue = [
                     e
                     for e in self.entries()
                     if e[_STATE] in (SCHEDULED, STARTED)
                     and now - (waiting.get(e[_ID], now) if e[_ID] in no_future else e[_T_SCHED])
                     > limit_ns
-                    and e[_ID] > self._dumped_for
                 ]
+                # a set of the dumped ids, not the highest: a future-less p2p op becomes overdue
+                # only once its wait() runs, after later ops may have been dumped for, and its
+                # hang was then never dumped; only ids still overdue are kept (bounded)
+                late = [e for e in overdue if e[_ID] not in self._dumped]
+                self._dumped = {e[_ID] for e in overdue}
                 if late:
                     e = late[0]
-                    self._dumped_for = late[-1][_ID]
                     self._dump_quietly(
                         f"timeout: {e[_OP]} #{e[_SEQ]} on {e[_GROUP]} incomplete "
                         f"after {(now - e[_T_SCHED]) / 1e9:.2f} s"
@@ -894,11 +897,15 @@ def _wrap_destroy(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., 
     @functools.wraps(fn)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         group = kwargs.get("group", args[0] if args else None)
+        # decided before the call: torch sets group.WORLD to None as it destroys it, so an
+        # explicit destroy_process_group(dist.group.WORLD) was taken for a subgroup's (no
+        # incarnation started: the analyzer then blamed the rank not yet late)
+        default = group is None or group is dist.group.WORLD
         try:
             return fn(*args, **kwargs)
         finally:
             _group_names.pop(id(None), None)
-            if group is None or group is dist.group.WORLD:
+            if default:
                 rec.retire()  # torch destroys every group with the default one
             else:
                 hit = _group_names.get(id(group))
