@@ -347,9 +347,15 @@ def test_host_identity_tells_private_dev_shm_mounts_apart(monkeypatch):
         return os.stat_result(fields)
 
     monkeypatch.setattr(os, "stat", other_mount)
-    assert groups.host_id() != here[0] and window._host_id() != here[1]
+    other = groups.host_id()
+    assert other != here[0] and window._host_id() != here[1]
     monkeypatch.undo()
     assert (groups.host_id(), window._host_id()) == here
+    # CPUs are the machine's: the tcp mesh counts both mounts' ranks together for pinning
+    # and busy polling (counted apart, each container pinned from the first CPU up)
+    from torchport.distributed.transport_tcp import _cpu_host
+
+    assert _cpu_host(other) == _cpu_host(here[0]) != _cpu_host("elsewhere" + here[0])
 
 
 def test_after_the_groups_own_close_the_window_names_the_close():

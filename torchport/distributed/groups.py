@@ -47,7 +47,8 @@ def host_id() -> str:
     Two processes share memory only if they see one ``/dev/shm``: containers on one machine
     with the same hostname (and so the same boot id) but their own ``/dev/shm`` mount counted
     as one host, took the shared-memory transport and failed opening each other's files.
-    Only equality of ids is ever compared."""
+    Only equality of ids is ever compared; the tcp mesh counts ranks per machine without the
+    ``/dev/shm`` part (CPUs)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

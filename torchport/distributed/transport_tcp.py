@@ -102,6 +102,13 @@ U64 = 0xFFFFFFFFFFFFFFFF  # a header's seq is stored as u64 (wire.encode_header)
 DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drops
 
 
+def _cpu_host(hid: str) -> str:
+    """The machine part of a ``groups.host_id()`` (hostname and boot id, without the
+    ``/dev/shm`` device): processes that share CPUs though not ``/dev/shm`` (host-network
+    containers on one machine) count together for CPU pinning and busy polling."""
+    return hid.split("/shm", 1)[0]  # (hostnames hold no '/')
+
+
 def _spread_cpu(local: int) -> int:
     """The CPU a large transfer of this host's ``local``-th rank pins its thread to: the ranks
     of a host take this process's allowed CPUs in turn, lowest first (at four ranks on two
@@ -667,9 +674,13 @@ class Mesh:
         self.hosts = {}
         for q in range(world):
             self.hosts[q] = store.get(f"{key_prefix}host/{q}").decode()
-        here = sum(h == host_id for h in self.hosts.values())
+        # CPUs are the machine's, not the /dev/shm mount's: ranks of host-network containers
+        # on one machine (each its own /dev/shm) share them, so they are counted together
+        cpus = [_cpu_host(self.hosts[q]) for q in range(world)]
+        mine = _cpu_host(host_id)
+        here = cpus.count(mine)
         self.linger_us = LINGER_US if here <= len(os.sched_getaffinity(0)) else 0
-        self.pin_cpu = _spread_cpu(sum(self.hosts[q] == host_id for q in range(rank)))
+        self.pin_cpu = _spread_cpu(cpus[:rank].count(mine))
         for q in range(rank):
             h, p = store.get(f"{key_prefix}addr/{q}").decode().rsplit(":", 1)
             self._connect(q, h, int(p), deadline)

@@ -220,10 +220,10 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _host_id() -> int:
-    """This host's :func:`~torchport.distributed.groups.host_id` (hostname and boot id) as a
-    62-bit int for the creation allgather: it was the hostname's first 7 bytes, so hosts named
-    ``worker-1`` and ``worker-2`` counted as one and the window took the shared-memory
-    transport across hosts."""
+    """This host's :func:`~torchport.distributed.groups.host_id` (hostname, boot id and the
+    ``/dev/shm`` device) as a 62-bit int for the creation allgather: it was the hostname's
+    first 7 bytes, so hosts named ``worker-1`` and ``worker-2`` counted as one and the window
+    took the shared-memory transport across hosts."""
     digest = hashlib.blake2b(host_id().encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
