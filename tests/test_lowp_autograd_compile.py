@@ -240,6 +240,25 @@ def test_copy_into_the_weight_between_forward_and_backward_raises(rows) -> None:
     torch.testing.assert_close(x.grad, w.dequantize().sum(0).expand_as(x))
 
 
+def test_data_assignment_to_the_weight_between_forward_and_backward_raises() -> None:
+    """``w.data = other`` (a quantized tensor of the same type) after ``F.linear``'s forward:
+    the autograd holds ``w`` itself, whose inner tensors the assignment swaps, so the backward
+    silently took the new weight's gradient (/tmp/s26/readK/j.py). Counted as a write, it
+    raises as after ``copy_``; assigned before the forward, the new weight's gradient."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 16)
+    lowp.quantize_(lin, lowp.NVFP4WeightOnlyConfig())
+    other = torch.nn.Linear(64, 16)
+    lowp.quantize_(other, lowp.NVFP4WeightOnlyConfig())
+    x = torch.randn(3, 64, requires_grad=True)
+    out = lin(x)
+    lin.weight.data = other.weight.detach()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, other.weight.dequantize().sum(0).expand_as(x))
+
+
 def test_weight_quantized_under_inference_mode_differentiates_in_eager_mode_only() -> None:
     """What the README states: a weight quantized under ``torch.inference_mode()`` (inference
     tensors inside) gives input gradients in eager mode (the pack is kept as a ctx attribute),

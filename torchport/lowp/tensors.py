@@ -512,6 +512,9 @@ class LowPrecisionTensor(torch.Tensor):
         for attr in self._copied_meta:
             setattr(self, attr, getattr(new, attr))
         self._pack = self._route = None
+        # a backward whose forward read the old weight would take the new one (F.linear's
+        # autograd holds this very tensor): counted as a write, it raises as after copy_
+        self._cache.writes += 1
         self._share()
 
     def _share_memory(self) -> None:
@@ -821,7 +824,7 @@ class _FrozenWeightLinear(torch.autograd.Function):
             raise RuntimeError(
                 "F.linear backward: one of the variables needed for gradient computation has "
                 f"been modified by an inplace operation: the {type(w).__name__} weight was "
-                "written by copy_ after the forward"
+                "written (copy_ or .data =) after the forward"
             )
         g2 = grad.reshape(-1, w.shape[0])
         gx = (g2 @ w.dequantize(grad.dtype)).reshape(ctx.x_shape)
