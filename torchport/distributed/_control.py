@@ -145,19 +145,31 @@ def recv_msg(
     """Receive one JSON control frame (validated magic, bounded length, object body), by
     ``deadline`` (``time.monotonic()``) if given. A frame that breaks these rules is a
     :class:`WireError` (a :class:`CommError`), which a server can tell from a lost connection."""
-    magic, n = _HDR.unpack(recv_exact(sock, _HDR.size, deadline))
+    n = frame_length(recv_exact(sock, _HDR.size, deadline), limit)
+    return decode_frame(recv_exact(sock, n, deadline))
+
+
+def frame_length(head: bytes | bytearray, limit: int, what: str = "control frame") -> int:
+    """The body length a frame's header announces; :class:`WireError` for a bad magic or a
+    length over ``limit`` (``what`` names the frame in the message)."""
+    magic, n = _HDR.unpack(head)
     if magic != MAGIC:
         raise WireError(f"bad frame magic {magic!r}; expected {MAGIC!r}")
     if n > limit:
-        raise WireError(f"control frame of {n} bytes exceeds the limit {limit}")
+        raise WireError(f"{what} of {n} bytes exceeds the limit {limit}")
+    return int(n)
+
+
+def decode_frame(body: bytes | bytearray, what: str = "control frame") -> dict[str, Any]:
+    """A frame's JSON object body; :class:`WireError` if it is no JSON object."""
     try:
-        obj = json.loads(recv_exact(sock, n, deadline))
+        obj = json.loads(body)
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON; an integer of more than 4300
         # digits (ValueError from int()); deep nesting: each escaped the handlers (which stop on
         # CommError) and killed the server thread with a traceback
-        raise WireError(f"malformed control frame: {type(e).__name__}: {e}") from None
+        raise WireError(f"malformed {what}: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
-        raise WireError(f"control frame must be a JSON object, got {type(obj).__name__}")
+        raise WireError(f"{what} must be a JSON object, got {type(obj).__name__}")
     return obj
 
 

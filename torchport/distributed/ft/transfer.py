@@ -10,7 +10,6 @@ header per tensor. Header size and total payload are bounded.
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import time
@@ -21,12 +20,13 @@ import torch
 
 from torchport.distributed._control import (
     _HDR,
-    MAGIC,
     CommError,
     connect,
+    decode_frame,
+    frame_length,
     send_msg,
 )
-from torchport.distributed.errors import CommTimeoutError, ConnectTimeoutError, WireError
+from torchport.distributed.errors import CommTimeoutError, ConnectTimeoutError
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -194,23 +194,12 @@ class _Progress:
                 self._deadline = time.monotonic() + self.timeout
 
     def recv_header(self, sock: socket.socket) -> dict[str, Any]:
-        """One control frame of up to :data:`MAX_HEADER` bytes (as ``recv_msg`` checks it)."""
+        """One control frame of up to :data:`MAX_HEADER` bytes (checked as ``recv_msg`` does)."""
         head = bytearray(_HDR.size)
         self.recv_into(sock, memoryview(head))
-        magic, n = _HDR.unpack(head)
-        if magic != MAGIC:
-            raise WireError(f"bad frame magic {magic!r}; expected {MAGIC!r}")
-        if n > MAX_HEADER:
-            raise WireError(f"state header of {n} bytes exceeds the limit {MAX_HEADER}")
-        body = bytearray(n)
+        body = bytearray(frame_length(head, MAX_HEADER, "state header"))
         self.recv_into(sock, memoryview(body))
-        try:
-            obj = json.loads(body)
-        except (ValueError, RecursionError) as e:
-            raise WireError(f"malformed state header frame: {type(e).__name__}: {e}") from None
-        if not isinstance(obj, dict):
-            raise WireError(f"state header must be a JSON object, got {type(obj).__name__}")
-        return obj
+        return decode_frame(body, "state header")
 
     def stalled(self) -> str:
         """What a timeout message says: the limit, the bytes received and the time taken."""
