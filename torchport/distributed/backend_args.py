@@ -21,6 +21,8 @@ ReduceOp = dist.ReduceOp
 _NATIVE_RED = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "BAND": 4, "BOR": 5, "BXOR": 6}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _COMPLEX = (torch.complex64, torch.complex128)
+# the dtypes ReduceOp.AVG / PREMUL_SUM take (a quotient / a scaled sum: no integers, no float8)
+AVG_DTYPES = _FLOATS + _COMPLEX
 
 
 def _red_name(op: Any) -> tuple[str, float]:
@@ -39,7 +41,7 @@ def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
     if dtype_code(dtype) == BYTES_CODE:
         raise CollectiveArgumentError(f"{where}: reductions do not support dtype {dtype}")
     if name in ("AVG", "PREMUL_SUM"):
-        if dtype not in _FLOATS + _COMPLEX:
+        if dtype not in AVG_DTYPES:
             raise CollectiveArgumentError(
                 f"{where}: ReduceOp.{name} requires a floating-point or complex dtype, got {dtype}"
             )

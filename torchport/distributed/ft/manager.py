@@ -56,21 +56,15 @@ from torchport.distributed._control import (
     send_msg,
 )
 from torchport.distributed._gloo import gloo_group, retire
+from torchport.distributed.backend_args import AVG_DTYPES
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
-# what the average can take: a dtype both backends reduce and that holds a quotient (float8 is
-# floating-point, but neither backend reduces it: it failed the step, not the call)
-AVERAGEABLE = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-)
+# what the average can take: the dtypes the torchport backend averages (gloo reduces them too;
+# float8 is floating-point, but neither backend reduces it: it failed the step, not the call)
+AVERAGEABLE = AVG_DTYPES
 
 
 class QuorumError(CommError):
