@@ -8,6 +8,7 @@ import re
 import signal
 import tempfile
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -174,10 +175,7 @@ def test_the_watchdog_dumps_for_a_stuck_op_after_clear(tmp_path):
     try:
         for want in (1, 2):  # the entry after clear() has the same id as the first
             rec.started(rec.record("all_reduce", "g", [torch.ones(1)]))
-            end = time.monotonic() + 1.5
-            while rec.dumps < want and time.monotonic() < end:
-                time.sleep(0.01)
-            assert rec.dumps == want
+            assert _await_dumps(rec, want) == want
             rec.clear()
     finally:
         rec.stop()
@@ -596,6 +594,26 @@ class _GlooP2PWork:
         return self.done
 
 
+class _BlockingP2PWork(_GlooP2PWork):
+    """A gloo send / recv Work whose wait() blocks until ``release`` is set (a hung p2p op)."""
+
+    def __init__(self, release: Any) -> None:
+        super().__init__()
+        self.release = release
+
+    def wait(self, timeout=None):
+        self.release.wait(5)
+        return super().wait(timeout)
+
+
+def _await_dumps(rec: FlightRecorder, want: int, within: float = 1.5) -> int:
+    """The recorder's dump count once it reaches ``want`` or ``within`` seconds pass."""
+    end = time.monotonic() + within
+    while rec.dumps < want and time.monotonic() < end:
+        time.sleep(0.01)
+    return rec.dumps
+
+
 def test_a_work_without_future_is_held_weakly_and_settled_by_wait(tmp_path):
     """A gloo send / recv entry stayed in the recorder with its Work (and tensor) until a dump
     (never without the watchdog: 500 x 1 MiB alive), and its duration was the polling time.
@@ -627,10 +645,7 @@ def test_an_op_that_never_settles_does_not_hide_a_later_hang_from_the_watchdog(t
     try:
         for want in (1, 2):
             rec.started(rec.record("send" if want == 1 else "all_reduce", "g"))
-            end = time.monotonic() + 1.5
-            while rec.dumps < want and time.monotonic() < end:
-                time.sleep(0.01)
-            assert rec.dumps == want
+            assert _await_dumps(rec, want) == want
         assert "all_reduce" in json.loads((tmp_path / "rank_0.json").read_text())["reason"]
     finally:
         rec.stop()
@@ -742,16 +757,11 @@ def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
 
     release = threading.Event()
 
-    class Blocking(_GlooP2PWork):
-        def wait(self, timeout=None):
-            release.wait(5)
-            return super().wait(timeout)
-
     rec = FlightRecorder(buffer_size=4, rank=0, world_size=2, dump_dir=tmp_path)
-    wait = fr._wrap_wait(Blocking.wait, rec)
+    wait = fr._wrap_wait(_BlockingP2PWork.wait, rec)
     rec.start_watchdog(timeout_s=0.2, period_s=0.01)
     try:
-        work = Blocking()
+        work = _BlockingP2PWork(release)
         rec.attach(work, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
         quick = _GlooP2PWork()
         rec.attach(quick, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
@@ -762,10 +772,7 @@ def test_the_watchdog_ignores_a_gloo_p2p_op_nobody_waits_for(tmp_path):
         assert rec.dumps == 0  # waited for 30 ms (< 200) only: not late, though issued 400 ago
         waiter = threading.Thread(target=wait, args=(work,))
         waiter.start()
-        end = time.monotonic() + 1.5
-        while rec.dumps < 1 and time.monotonic() < end:
-            time.sleep(0.01)
-        assert rec.dumps == 1  # waited for and incomplete: late
+        assert _await_dumps(rec, 1) == 1  # waited for and incomplete: late
         release.set()
         waiter.join(5)
         assert [e[fr._STATE] for e in rec.entries()] == [COMPLETED, COMPLETED]
@@ -782,28 +789,17 @@ def test_a_p2p_wait_that_hangs_after_a_later_op_was_dumped_for_is_dumped(tmp_pat
 
     release = threading.Event()
 
-    class Blocking(_GlooP2PWork):
-        def wait(self, timeout=None):
-            release.wait(5)
-            return super().wait(timeout)
-
     rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
-    wait = fr._wrap_wait(Blocking.wait, rec)
+    wait = fr._wrap_wait(_BlockingP2PWork.wait, rec)
     rec.start_watchdog(timeout_s=0.1, period_s=0.01)
     try:
-        work = Blocking()
+        work = _BlockingP2PWork(release)
         rec.attach(work, rec._new("recv", "g", [], [], fr.STARTED, "p2p", 1))
         rec.started(rec.record("all_reduce", "g", [torch.ones(1)]))  # never completes
-        end = time.monotonic() + 1.5
-        while rec.dumps < 1 and time.monotonic() < end:
-            time.sleep(0.01)
-        assert rec.dumps == 1
+        assert _await_dumps(rec, 1) == 1
         waiter = threading.Thread(target=wait, args=(work,))
         waiter.start()
-        end = time.monotonic() + 1.5
-        while rec.dumps < 2 and time.monotonic() < end:
-            time.sleep(0.01)
-        assert rec.dumps == 2, "the hung recv's wait was not dumped"
+        assert _await_dumps(rec, 2) == 2, "the hung recv's wait was not dumped"
         assert "recv #" in json.loads((tmp_path / "rank_0.json").read_text())["reason"]
         release.set()
         waiter.join(5)
