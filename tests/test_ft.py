@@ -8,7 +8,9 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -934,38 +936,40 @@ def test_manager_allreduce_refuses_an_integer_tensor_at_the_call():
         lh.close()
 
 
+def _paced_state_source(
+    w: torch.Tensor, piece: int, pause: float, stop: threading.Event, *, pause_first: bool
+) -> Callable[[socket.socket], None]:
+    """A heal-server handler answering a state request with ``{"w": w}`` (a float32 tensor),
+    its bytes sent ``piece`` at a time, ``pause`` s apart (also before the first piece if
+    ``pause_first``), until ``stop`` is set."""
+    raw = memoryview(w.numpy()).cast("B")
+
+    def source(conn: socket.socket) -> None:
+        recv_msg(conn)
+        structure = {"__dict__": [["w", {"__tensor__": 0}]]}
+        header = {"t": "state", "structure": structure, "total": len(raw)}
+        send_msg(conn, {**header, "tensors": [["float32", [w.numel()], len(raw)]]})
+        with contextlib.suppress(OSError):
+            for i in range(0, len(raw), piece):
+                if (i or pause_first) and stop.wait(pause):
+                    return
+                conn.sendall(raw[i : i + piece])
+
+    return source
+
+
 def test_fetch_state_from_a_trickling_source_ends_by_its_timeout():
     """fetch_state's timeout bounded each receive: a source sending its 4000-byte tensor 100
     bytes every 0.2 s (always inside a 0.5 s timeout) stretched the transfer to 8 s. Each
     PROGRESS_BYTES (here: the whole 4000) must now arrive within the timeout; the typed timeout
     names the limit, the bytes received and the time it took."""
-    import threading
-
     from torchport.distributed._control import Server
     from torchport.distributed.errors import CommTimeoutError
     from torchport.distributed.ft import StateTransferTimeoutError, fetch_state
 
     secret = b"d" * 32
     stop = threading.Event()
-
-    def trickling_source(conn: socket.socket) -> None:
-        recv_msg(conn)
-        structure = {"__dict__": [["w", {"__tensor__": 0}]]}
-        send_msg(
-            conn,
-            {
-                "t": "state",
-                "structure": structure,
-                "tensors": [["float32", [1000], 4000]],
-                "total": 4000,
-            },
-        )
-        with contextlib.suppress(OSError):
-            for _ in range(40):
-                if stop.wait(0.2):
-                    return
-                conn.sendall(bytes(100))
-
+    trickling_source = _paced_state_source(torch.zeros(1000), 100, 0.2, stop, pause_first=True)
     src = Server(trickling_source, secret=secret, role="heal")
     mine = {"w": torch.ones(1000)}
     try:
@@ -1006,8 +1010,6 @@ def test_fetch_state_from_a_steady_source_may_take_longer_than_its_timeout():
     than the timeout over the link failed every heal (40 MB at 100 MB/s with a 0.25 s timeout).
     The timeout bounds each PROGRESS_BYTES now: a source sending 1 MiB every 0.2 s takes 1.4 s,
     over twice a 0.6 s timeout, in total and is received whole."""
-    import threading
-
     from torchport.distributed._control import Server
     from torchport.distributed.ft import fetch_state
     from torchport.distributed.ft.transfer import PROGRESS_BYTES
@@ -1017,26 +1019,7 @@ def test_fetch_state_from_a_steady_source_may_take_longer_than_its_timeout():
     n = chunks * PROGRESS_BYTES // 4
     payload = torch.arange(n, dtype=torch.float32)
     stop = threading.Event()
-
-    def steady_source(conn: socket.socket) -> None:
-        recv_msg(conn)
-        structure = {"__dict__": [["w", {"__tensor__": 0}]]}
-        send_msg(
-            conn,
-            {
-                "t": "state",
-                "structure": structure,
-                "tensors": [["float32", [n], 4 * n]],
-                "total": 4 * n,
-            },
-        )
-        raw = memoryview(payload.numpy()).cast("B")
-        with contextlib.suppress(OSError):
-            for i in range(chunks):
-                if i and stop.wait(0.2):
-                    return
-                conn.sendall(raw[i * PROGRESS_BYTES : (i + 1) * PROGRESS_BYTES])
-
+    steady_source = _paced_state_source(payload, PROGRESS_BYTES, 0.2, stop, pause_first=False)
     src = Server(steady_source, secret=secret, role="heal")
     try:
         state, hdr, secs = fetch_state(src.address, secret, timeout=0.6)
