@@ -624,9 +624,7 @@ class LowPrecisionTensor(torch.Tensor):
             out = route.serve(x, bias)
             if out is not None:
                 return out
-        if (
-            self.qdata.is_meta
-        ):  # shapes only (the kernels must never see a meta tensor's null pointer)
+        if self.qdata.is_meta:  # shapes only (the kernels must never see its null pointer)
             return self._meta_linear(x, bias)
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
@@ -814,6 +812,12 @@ class _FrozenWeightLinear(torch.autograd.Function):
         # backward needs the quantized tensor itself: its dequantize)
         while torch._C._functorch.is_functorch_wrapped_tensor(w):
             w = torch._C._functorch.get_unwrapped(w)
+        _FrozenWeightLinear._save_ctx(ctx, x, bias, w)
+
+    @staticmethod
+    def _save_ctx(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, w: Any) -> None:
+        """What the backward and ``jvp`` read (both Functions): the weight, the input's shape
+        and dtype, whether there is a bias, and the weight's write count now."""
         ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
         ctx.x_dtype, ctx.writes = x.dtype, w._cache.writes
 
@@ -857,8 +861,7 @@ class _FrozenWeightLinearEager(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, wbox: tuple[Any]) -> Any:
         w = wbox[0]  # no transform: no wrapper to take off
-        ctx.w, ctx.x_shape, ctx.has_bias = w, x.shape, bias is not None
-        ctx.x_dtype, ctx.writes = x.dtype, w._cache.writes
+        _FrozenWeightLinear._save_ctx(ctx, x, bias, w)
         return w.linear(x, bias)
 
     backward = _FrozenWeightLinear.backward
