@@ -654,6 +654,15 @@ def _aten_fallback(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None)
     return torch.nn.functional.linear(x.reshape(-1, pw.k).float(), dequantize_packed(pw), bias)
 
 
+def _func_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """GEMV under a ``torch.func`` transform: ``F.linear`` on torch ops in float32 (``w`` the
+    float32 ``[N, K]`` weight), as the kernel computes (a bf16 bias beside the float32 product
+    raised a dtype mismatch under grad), the output in ``x``'s dtype and shape."""
+    bf = bias.float() if bias is not None else None
+    out = torch.nn.functional.linear(x.reshape(-1, w.shape[1]).float(), w, bf)
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
 def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """True if the kernel may be called directly (plain tensors or parameters, no autograd, no
     lazy negation: a bias with the bit holds its un-negated values, which the kernel added)."""
@@ -758,8 +767,8 @@ def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
     as torch's does for a tensor modified in place after it was saved."""
     torch.autograd.graph.increment_version([t for t in tensors if not t.is_inference()])
     for t in tensors:
-        if t.is_inference() and t.untyped_storage().data_ptr():
-            key = t.untyped_storage().data_ptr()
+        key = t.untyped_storage().data_ptr()
+        if t.is_inference() and key:
             _INFERENCE_WRITES[key] = _INFERENCE_WRITES.get(key, 0) + 1
 
 
@@ -851,10 +860,8 @@ def _gemv_checked(
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
     if native.functorch_active():  # torch.func: torch ops (the custom ops have no forward-mode
-        # formula: jvp gave a zero tangent); in float32, as the kernel (a bf16 bias beside the
-        # float32 product raised a dtype mismatch under grad)
-        bf = bias.float() if bias is not None else None
-        return _aten_fallback(x, pw, bf).to(x.dtype).reshape(*x.shape[:-1], pw.n)
+        # formula: jvp gave a zero tangent)
+        return _func_linear(x, dequantize_packed(pw), bias)
     if _eager(x, bias):
         routes = pw.routes
         if settle and _SEEN in routes:  # a weight used again: worth a route
@@ -900,9 +907,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         # override the setup_context staticmethod" through the op's autograd)
         check_activation(x, pw.k)
         _check_bias(bias, pw.n)
-        bf = bias.float() if bias is not None else None
-        out = torch.nn.functional.linear(x.reshape(-1, pw.k).float(), weight.float(), bf)
-        return out.to(x.dtype).reshape(*x.shape[:-1], pw.n)
+        return _func_linear(x, weight.float(), bias)
     if weight.requires_grad and torch.is_grad_enabled():  # the op's autograd: weight grads too
         check_activation(x, pw.k)
         _check_bias(bias, pw.n)
