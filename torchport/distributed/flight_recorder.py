@@ -252,10 +252,7 @@ class FlightRecorder:
                 # the first group of that name here: incarnation 0 (or as recorded); or the
                 # one after a destroyed group, whose incarnation retire() has counted already
                 return
-            self._incs[name] = self._incs.get(name, 0) + 1
-            mine = f"{name}\0"
-            for key in [k for k in self._seq if k == name or k.startswith(mine)]:
-                del self._seq[key]
+            self._next_incarnation(name)
 
     def retire(self, name: str | None = None) -> None:
         """The group of the name ``name`` (every group: None) was destroyed: the next group of
@@ -268,13 +265,18 @@ class FlightRecorder:
                 if ref is None or ref is _retired:
                     continue
                 self._owners[n] = _retired
-                self._incs[n] = self._incs.get(n, 0) + 1
+                self._next_incarnation(n)
                 # its members are the new group's, known when it is seen (kept, a rank left
                 # out of a re-created group was expected in it: a false "never entered")
                 self.groups.pop(n, None)
-                mine = f"{n}\0"
-                for key in [k for k in self._seq if k == n or k.startswith(mine)]:
-                    del self._seq[key]
+
+    def _next_incarnation(self, name: str) -> None:
+        """(under ``_lock``) Start the next incarnation of ``name``: its sequence ids
+        (collective and point-to-point) restart at 0."""
+        self._incs[name] = self._incs.get(name, 0) + 1
+        mine = f"{name}\0"
+        for key in [k for k in self._seq if k == name or k.startswith(mine)]:
+            del self._seq[key]
 
     def incarnations(self) -> dict[str, int]:
         """The current incarnation of every group name this recorder has seen a group of."""
@@ -715,7 +717,6 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
         for p in params[1:]
         if p.name not in _NOT_TENSORS and (p.annotation is empty or "Tensor" in str(p.annotation))
     )
-    seq_key = "p2p" if name in P2P_OPS else None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -733,14 +734,14 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
             and (own_only or n == 1 or (n == 2 and not isinstance(args[1], kinds)))
             and not (more and kwargs and any(k in kwargs for k in more))
         ):  # one tensor (+ op / src): the hot path
-            e = rec._new(name, hit[0], (a0.shape,), (a0.dtype,), STARTED, seq_key)
+            e = rec._new(name, hit[0], (a0.shape,), (a0.dtype,), STARTED)
         else:
             if own_only:  # the list exists on the root only: this rank's own tensor
                 given: Sequence[Any] = (a0 if args else kwargs.get(first),)
             else:
                 given = (*args, *kwargs.values()) if kwargs else args
             sizes, dtypes = _describe(given)
-            e = rec._new(name, hit[0], sizes, dtypes, STARTED, seq_key)
+            e = rec._new(name, hit[0], sizes, dtypes, STARTED)
         try:
             out = fn(*args, **kwargs)
         except BaseException as err:

@@ -120,19 +120,14 @@ def _check_dump(p: Path, obj: Any) -> int:
             raise DumpError(
                 f"{p}: entry {i}: dtypes must be a list of strings, got {dtypes!r:.200}"
             )
-        for k in ("incarnation", "peer"):
+        for k, low in (("incarnation", 0), ("peer", -1), ("tag", None)):
             x = e.get(k)
-            low = 0 if k == "incarnation" else -1
             if x is not None:
                 v = _int_of(x)
-                if v is None or v < low:
-                    raise DumpError(f"{p}: entry {i}: {k} must be an int >= {low}, got {x!r:.200}")
+                if v is None or (low is not None and v < low):
+                    bound = "" if low is None else f" >= {low}"
+                    raise DumpError(f"{p}: entry {i}: {k} must be an int{bound}, got {x!r:.200}")
                 e[k] = v
-        tag = e.get("tag")
-        if tag is not None:
-            if _int_of(tag) is None:
-                raise DumpError(f"{p}: entry {i}: tag must be an int, got {tag!r:.200}")
-            e["tag"] = _int_of(tag)
         took = e.get("duration_ms")
         if took is not None and (not isinstance(took, int | float) or isinstance(took, bool)):
             raise DumpError(f"{p}: entry {i}: duration_ms must be a number, got {took!r:.200}")
