@@ -617,12 +617,10 @@ class TorchportProcessGroup(dist.ProcessGroup):
             return ptrs
 
         def run(deadline: float) -> None:
-            src = inp.contiguous()
-            dst, n_in, n_out = _ptr(s.t), sum(in_lens), sum(out_lens)
-            if src.numel() and dst and _ptr(src) < dst + n_out and dst < _ptr(src) + n_in:
-                # in place (output = input): a block received over TCP overwrote input rows
-                # not yet sent to their peer (rank 0 of 3 sent its own rows 2-5 back to itself)
-                src = src.clone()
+            # in place (output = input): a block received over TCP overwrote input rows not yet
+            # sent to their peer (rank 0 of 3 sent its own rows 2-5 back to itself); the splits
+            # cover both tensors whole, so their byte ranges are the blocks' (_splits)
+            src = _apart_from([inp.contiguous()], [s.t])[0]
             alg.alltoall(
                 comm,
                 offsets(_ptr(src), in_lens),
