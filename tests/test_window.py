@@ -366,7 +366,7 @@ def test_after_the_groups_own_close_the_window_names_the_close():
     from torchport.distributed import window
 
     win = window.Window.__new__(window.Window)
-    win._pg = object()
+    win._closed, win._pg = False, object()
     win._c = SimpleNamespace(g=SimpleNamespace(pg=None))
     with pytest.raises(window.WindowError, match=r"^put: the window's group was closed"):
         win._check_members("put")

@@ -403,8 +403,6 @@ class Window:
         fails is such a refusal too; a peer's file that cannot be mapped afterwards fails every
         rank alike, and any failure leaves the window with nothing registered (a later
         registration works)."""
-        if self._closed:
-            raise WindowError("tensor_register: the window was closed (close)")
         self._check_members("tensor_register")
         if self._local is not None:
             raise WindowError("a tensor is already registered; call tensor_deregister first")
@@ -561,13 +559,18 @@ class Window:
         return self._local
 
     def _check_members(self, what: str) -> None:
-        """WindowError once the window's reconfigurable group was reconfigured: rank ``r`` then
-        named another process than the window maps, so a put to a rank that had left the group
-        landed in that process's memory and the new rank ``r`` never saw it (no error)."""
-        if self._pg is not None and self._c.g.pg is None:
+        """WindowError once the window was closed, or once its reconfigurable group was
+        reconfigured: rank ``r`` then named another process than the window maps, so a put to a
+        rank that had left the group landed in that process's memory and the new rank ``r``
+        never saw it (no error)."""
+        if self._closed:
+            raise WindowError(f"{what}: the window was closed (close)")
+        if self._pg is None:
+            return
+        if self._c.g.pg is None:
             # (the group's own close() also drops its communicator: it said "reconfigured")
             raise WindowError(f"{what}: the window's group was closed (ReconfigurableGroup.close)")
-        if self._pg is not None and self._c.g.pg is not self._pg:
+        if self._c.g.pg is not self._pg:
             raise WindowError(
                 f"{what}: the window's group was reconfigured after the window was created "
                 "(its ranks are other processes now); create a new window on the group"
@@ -594,8 +597,7 @@ class Window:
             raise WindowError(f"{what}: {name} must be an integer, got {value!r}") from None
 
     def _rank(self, rank: Any, what: str) -> int:
-        if self._closed:  # (signal / wait_signal raised IndexError on the released counters)
-            raise WindowError(f"{what}: {self._unregistered()}")
+        # (closed: signal / wait_signal raised IndexError on the released counters)
         self._check_members(what)
         r = self._int(rank, "rank", what)
         if not 0 <= r < self.size:
@@ -747,8 +749,7 @@ class Window:
         Waits for this rank's outstanding ``async_op`` operations first; the first of their
         errors is raised after the barrier (so no peer is left waiting in it).
         """
-        if self._closed:  # (it ran a barrier over the group after close())
-            raise WindowError("fence: the window was closed (close)")
+        # (closed: it ran a barrier over the group after close())
         self._check_members("fence")  # (on every member alike: none waits in the barrier)
         with self._plock:
             pending, self._pending = self._pending, []
