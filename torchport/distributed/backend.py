@@ -35,6 +35,7 @@ from torchport.distributed.backend_args import (
     _red_for,
     _red_name,
     _Staged,
+    _writable,
 )
 from torchport.distributed.engine import (
     Communicator,
@@ -152,14 +153,10 @@ class TorchportProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         name, factor = _red_name(opts.reduceOp)
         given = [_cpu(t, "allreduce_coalesced") for t in tensors]
-        for t in given:
-            _check_no_self_overlap(t)
-        # written back with copy_ through .data, as in _Staged: on the tensor itself the copy
-        # raised for a leaf that requires grad, and on a detach()ed alias it bumped the version
-        # counter (a later backward that saved the tensor raised). Gloo refuses such a leaf
-        # (its flatten's in-place copy raises on the caller); this writes it, as all_reduce of
-        # one such leaf does on both backends.
-        ts = [t.data if t.requires_grad else t for t in given]
+        # every one checked before any is written (_writable, as _Staged). Gloo refuses a leaf
+        # that requires grad (its flatten's in-place copy raises on the caller); this writes it,
+        # as all_reduce of one such leaf does on both backends.
+        ts = [_writable(t) for t in given]
         codes = [_check_red(name, t.dtype, "allreduce_coalesced") for t in ts]
         comm = self.comm
 

@@ -115,20 +115,25 @@ def _check_no_self_overlap(t: torch.Tensor) -> None:
         )
 
 
+def _writable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` checked as a collective's output (not self-overlapping), as the tensor the
+    collective's in-place torch ops write (copy-back, AVG's divide, PREMUL_SUM's scale).
+
+    On a leaf that requires grad (a parameter) those ops raised on the engine thread, and on a
+    ``detach()``ed alias they bumped the shared version counter, so a later backward that had
+    saved the tensor raised 'modified by an inplace operation'. Gloo's and the native paths'
+    writes leave autograd and the version alone, and so do these through ``.data`` (same memory,
+    its own version counter). A tensor that does not require grad keeps the bump (the GEMM pack
+    cache reads it as "changed")."""
+    _check_no_self_overlap(t)
+    return t.data if t.requires_grad else t
+
+
 class _Staged:
     """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        _check_no_self_overlap(t)
-        if t.requires_grad:
-            # the write-back (and AVG's divide, PREMUL_SUM's scale) are in-place torch ops: on
-            # a leaf that requires grad (a parameter) they raised on the engine thread, and on
-            # a detach()ed alias they bumped the shared version counter, so a later backward
-            # that had saved the tensor raised 'modified by an inplace operation'. Gloo's and
-            # the native paths' writes leave autograd and the version alone, and so do these
-            # through .data (same memory, its own version counter). A tensor that does not
-            # require grad keeps the bump (the GEMM pack cache reads it as "changed").
-            t = t.data
+        t = _writable(t)
         self.orig = t
         self.t = t if t.is_contiguous() else t.contiguous()
 
