@@ -837,7 +837,7 @@ def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., An
 def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
     """``Work.wait`` that completes the entry of a point-to-point op whose work has no future
     (gloo's send / recv: done only inside wait()) when the wait returns, or errors it when the
-    wait raises; one dict test for any other work."""
+    wait raises; one dict test for any other work (two while such an op is pending)."""
     no_future, waiting = rec._no_future, rec._waiting
 
     @functools.wraps(fn)
@@ -845,16 +845,17 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
         if not no_future:
             return fn(work, *args, **kwargs)
         hit = no_future.get(id(work))
-        if hit is not None:
-            waiting[hit[0][_ID]] = time.time_ns()  # (for the watchdog: waited for since)
+        if hit is None:  # (not one of them: nothing to settle)
+            return fn(work, *args, **kwargs)
+        key = hit[0][_ID]
+        waiting[key] = time.time_ns()  # (for the watchdog: waited for since)
         try:
             out = fn(work, *args, **kwargs)
         except BaseException as err:
             rec._waited(work, err)
             raise
         finally:
-            if hit is not None:
-                waiting.pop(hit[0][_ID], None)
+            waiting.pop(key, None)
         if out is not False:  # (False: not completed within the timeout)
             rec._waited(work, None)
         return out
