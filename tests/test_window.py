@@ -540,3 +540,29 @@ def test_control_secret_file_is_private_and_shared(tmp_path, monkeypatch):
         os.symlink(tmp_path / "elsewhere", path)
         with pytest.raises(AuthError, match="cannot be opened safely"):
             default_secret()
+
+
+def test_a_corrupt_peer_meta_leaves_nothing_registered():
+    """A peer's shape record naming no dtype the window knows raised after the registration
+    was counted and outside the clean-up: this rank's file stayed in /dev/shm with its fd and
+    mapping. It is decoded inside the guarded exchange now."""
+    import secrets
+
+    from torchport.distributed import window
+
+    win = window.Window.__new__(window.Window)  # only what tensor_register uses
+    win._closed, win._pg, win._local, win._regs = False, None, None, 0
+    win._name, win.rank, win.size = f"tpwin-test-{secrets.token_hex(6)}", 0, 2
+
+    def allgather(t: torch.Tensor) -> list[torch.Tensor]:
+        bad = t.clone()
+        bad[0] = len(window._DTYPE_LIST)  # (no such dtype)
+        return [t, bad]
+
+    win._c = type("Coll", (), {"allgather": staticmethod(allgather)})()
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(IndexError):
+        win.tensor_register(torch.ones(3))
+    assert win._regs == 0 and win._local is None
+    assert not os.path.exists(f"/dev/shm/{win._name}-d1-0")
+    assert len(os.listdir("/proc/self/fd")) == fds
