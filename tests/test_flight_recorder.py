@@ -637,6 +637,23 @@ def test_a_work_without_future_is_held_weakly_and_settled_by_wait(tmp_path):
     assert wait(held) and rec.entries()[2][fr._STATE] == COMPLETED and rec._no_future == {}
 
 
+def test_waiting_on_another_work_leaves_a_pending_p2p_op_alone(monkeypatch, tmp_path):
+    """While a gloo send / recv was pending, every other Work's wait() (a collective's) also
+    went through the settling step, looked up again and found nothing to settle: only the
+    pending ops' works take it now."""
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2, dump_dir=tmp_path)
+    wait = fr._wrap_wait(_GlooP2PWork.wait, rec)
+    pending, other = _GlooP2PWork(), _GlooP2PWork()
+    rec.attach(pending, rec._new("send", "g", [], [], fr.STARTED, "p2p", 1))
+    settled: list[Any] = []
+    real = rec._waited
+    monkeypatch.setattr(rec, "_waited", lambda w, err: settled.append(w) or real(w, err))
+    assert wait(other) is True and settled == []
+    assert rec.entries()[0][fr._STATE] == STARTED and rec._waiting == {}
+    assert wait(pending) is True and settled == [pending]
+    assert rec.entries()[0][fr._STATE] == COMPLETED and rec._no_future == {}
+
+
 def test_an_op_that_never_settles_does_not_hide_a_later_hang_from_the_watchdog(tmp_path):
     """The watchdog dumped for the first overdue entry only: after a never-waited gloo isend
     was dumped for, a later all_reduce hung for seconds without a dump."""

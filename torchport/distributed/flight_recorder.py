@@ -603,7 +603,9 @@ _PATCHED = (
     "scatter",
     "barrier",
 )
-_originals: dict[str, Callable[..., Any]] = {}
+# (owner, name) -> the attribute as install() first found it, for every function (owner: the
+# torch.distributed module) and method (owner: Work, a ProcessGroup class) it replaced
+_originals: dict[tuple[Any, str], Any] = {}
 # id(group) -> (name, ranks, a callable returning the group): the third item (a weak reference,
 # or a closure holding a group that takes none) tells a live group from a destroyed one whose id
 # a new group reuses -- keyed by id alone, the new group's ops were recorded under the old one's
@@ -669,8 +671,6 @@ P2P_OPS = ("send", "recv")
 # instead broke dist.P2POp, which accepts torch's own two functions only and picks the peer
 # keyword by identity with them, and torch's send went through its unwrapped isend.
 _P2P_METHODS = {"send": "send", "recv": "recv", "recv_anysource": "recv"}
-# (class, method) -> the original attribute of that class
-_p2p_originals: dict[tuple[type, str], Any] = {}
 
 
 class _P2PState(threading.local):
@@ -837,7 +837,7 @@ def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., An
 def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
     """``Work.wait`` that completes the entry of a point-to-point op whose work has no future
     (gloo's send / recv: done only inside wait()) when the wait returns, or errors it when the
-    wait raises; one dict test for any other work."""
+    wait raises; one dict test for any other work (two while such an op is pending)."""
     no_future, waiting = rec._no_future, rec._waiting
 
     @functools.wraps(fn)
@@ -845,25 +845,23 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
         if not no_future:
             return fn(work, *args, **kwargs)
         hit = no_future.get(id(work))
-        if hit is not None:
-            waiting[hit[0][_ID]] = time.time_ns()  # (for the watchdog: waited for since)
+        if hit is None:  # (not one of them: nothing to settle)
+            return fn(work, *args, **kwargs)
+        key = hit[0][_ID]
+        waiting[key] = time.time_ns()  # (for the watchdog: waited for since)
         try:
             out = fn(work, *args, **kwargs)
         except BaseException as err:
             rec._waited(work, err)
             raise
         finally:
-            if hit is not None:
-                waiting.pop(hit[0][_ID], None)
+            waiting.pop(key, None)
         if out is not False:  # (False: not completed within the timeout)
             rec._waited(work, None)
         return out
 
     wait.__torchport_fr__ = True  # type: ignore[attr-defined]
     return wait
-
-
-_wait_original: list[Any] = []  # Work.wait as found by install()
 
 
 # (id(group), device type) -> the group's _group_names reference, for groups whose p2p works
@@ -917,6 +915,17 @@ def _wrap_destroy(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., 
     return destroy_process_group
 
 
+def _patch(owner: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> None:
+    """Set ``owner.name`` to ``make(original)``, ``original`` being the attribute ``owner``
+    itself holds (not one it inherits), or the one install() replaced if that is its own
+    wrapper (a second install() wraps the original again, not the first wrapper)."""
+    fn = vars(owner)[name]
+    if getattr(fn, "__torchport_fr__", False):
+        fn = _originals[(owner, name)]
+    _originals[(owner, name)] = fn
+    setattr(owner, name, make(fn))
+
+
 def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True) -> FlightRecorder:
     """Record every ``torch.distributed`` collective and point-to-point op of this process, on
     any backend.
@@ -932,33 +941,14 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     rec = recorder or get_recorder()
     _recorder = rec
     for name in _PATCHED:
-        fn = getattr(dist, name)
-        if getattr(fn, "__torchport_fr__", False):
-            fn = _originals[name]
-        _originals[name] = fn
-        setattr(dist, name, _wrap(name, fn, rec))
-    fn = dist.destroy_process_group
-    if getattr(fn, "__torchport_fr__", False):
-        fn = _originals["destroy_process_group"]
-    _originals["destroy_process_group"] = fn
-    dist.destroy_process_group = _wrap_destroy(fn, rec)
-    fn = dist.Work.__dict__["wait"]
-    if getattr(fn, "__torchport_fr__", False):
-        fn = _wait_original[0]
-    _wait_original[:] = [fn]
-    dist.Work.wait = _wrap_wait(fn, rec)  # type: ignore[method-assign]
-    fn = dist.batch_isend_irecv
-    if getattr(fn, "__torchport_fr__", False):
-        fn = _originals["batch_isend_irecv"]
-    _originals["batch_isend_irecv"] = fn
-    dist.batch_isend_irecv = _wrap_batch(fn, rec)
+        _patch(dist, name, functools.partial(_wrap, name, rec=rec))
+    _patch(dist, "destroy_process_group", functools.partial(_wrap_destroy, rec=rec))
+    _patch(dist, "batch_isend_irecv", functools.partial(_wrap_batch, rec=rec))
+    _patch(dist.Work, "wait", functools.partial(_wrap_wait, rec=rec))
     for cls in _process_group_classes():
         for method in _P2P_METHODS:
-            if method not in cls.__dict__:
-                continue  # inherited: recorded by the class that defines it
-            orig = _p2p_originals.get((cls, method), cls.__dict__[method])
-            _p2p_originals[(cls, method)] = orig
-            setattr(cls, method, _wrap_p2p(method, orig, rec))
+            if method in vars(cls):  # (inherited: recorded by the class that defines it)
+                _patch(cls, method, functools.partial(_wrap_p2p, method, rec=rec))
     rec.start_watchdog()
     if signal_dump and threading.current_thread() is threading.main_thread():
         enable_signal_dump(recorder=rec)
@@ -966,14 +956,9 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
 
 
 def uninstall() -> None:
-    """Restore the original ``torch.distributed`` functions."""
-    for name, fn in _originals.items():
-        setattr(dist, name, fn)
+    """Restore the ``torch.distributed`` functions and methods :func:`install` replaced."""
+    for (owner, name), fn in _originals.items():
+        setattr(owner, name, fn)
     _originals.clear()
-    for (cls, method), orig in _p2p_originals.items():
-        setattr(cls, method, orig)
-    _p2p_originals.clear()
     _futureless.clear()
-    if _wait_original:
-        dist.Work.wait = _wait_original.pop()  # type: ignore[method-assign]
     _group_names.clear()

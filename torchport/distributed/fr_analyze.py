@@ -185,9 +185,11 @@ def _sig(e: dict[str, Any]) -> str:
     return f"{e['op']}[{sizes}]({dtypes})" if sizes else f"{e['op']}"
 
 
-def _describe_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
+def _describe_diff(a: dict[str, Any], b: dict[str, Any], *, op: bool = True) -> str:
+    """What differs between two entries, as "op/size/dtype" ("" if nothing); ``op=False``: a
+    send and its receive, whose ops differ by nature."""
     what = []
-    if a["op"] != b["op"]:
+    if op and a["op"] != b["op"]:
         what.append("op")
     if a.get("sizes") != b.get("sizes"):
         what.append("size")
@@ -351,9 +353,7 @@ def _match_p2p(
             a, b = s[k], r[k]
             if b["state"] == "completed":
                 delivered.add(id(a))
-            diff = "/".join(
-                w for w, f in (("size", "sizes"), ("dtype", "dtypes")) if a.get(f) != b.get(f)
-            )
+            diff = _describe_diff(a, b, op=False)
             if diff:
                 v.mismatches.append((g, a["seq_id"], diff))
                 v.findings.append(
