@@ -690,6 +690,26 @@ def test_coalesced_tensor_collectives_take_one_output_per_input(world1):
     assert outs[0].tolist() == outs[1].tolist() == [0.0, 0.0]
 
 
+def test_coalesced_tensor_collectives_check_every_pair_before_issuing(world1):
+    """A bad second pair (an output of the wrong size) was refused only after the first pair's
+    op was issued: its output written here, and on more ranks this rank one op ahead."""
+    from torchport.distributed import CollectiveArgumentError
+
+    for op, opts, what in (
+        (
+            world1.reduce_scatter_tensor_coalesced,
+            dist.ReduceScatterOptions(),
+            "reduce_scatter_tensor",
+        ),
+        (world1.allgather_into_tensor_coalesced, None, "all_gather_into_tensor"),
+    ):
+        o0 = torch.zeros(2)
+        with pytest.raises(CollectiveArgumentError, match=rf"^{what}: "):
+            op([o0, torch.zeros(3)], [torch.ones(2), torch.ones(2)], opts)
+        dist.barrier()  # (an op issued before the refusal has run by now)
+        assert o0.tolist() == [0.0, 0.0], what
+
+
 def test_world_of_one_is_identity(world1):
     t = torch.arange(5.0)
     dist.all_reduce(t)
