@@ -49,6 +49,24 @@ def _wait_for(cond, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _wait_listener_gone(port: int) -> None:
+    """Wait until nothing listens on ``port``. A TCPStore has no close(): its listener goes with
+    the last reference, and a CommError the test keeps holds one in a cycle (its traceback
+    holds the test's frame), so the caller first drops its own and a collection frees the rest."""
+    import gc
+    import socket
+
+    def gone() -> bool:
+        gc.collect()
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return True
+        return False
+
+    _wait_for(gone, 3, f"the test's TCPStore to stop listening on port {port}")
+
+
 @pytest.mark.parametrize(
     "fault,backend",
     [
@@ -1089,7 +1107,12 @@ def test_abandoned_gloo_group_build_is_torn_down_when_it_completes_late():
         )
     finally:
         mgr.shutdown()
+        assert mgr._store is None  # (its client connection lasted as long as the manager)
         lh.close()
+        # (it listened until some later test's collection)
+        port, store, info = store.port, None, None
+        kept.clear()
+        _wait_listener_gone(port)
 
 
 def test_abandoned_gloo_build_keeps_no_reference_in_the_raised_error(monkeypatch):
@@ -1150,6 +1173,9 @@ def test_abandoned_gloo_build_keeps_no_reference_in_the_raised_error(monkeypatch
         "the retired group to be freed while the caller keeps the error",
     )
     assert kept.__traceback__ is not None
+    # (its listener was left to some later test's collection)
+    port, store, mgr._store, info, kept = store.port, None, None, None, None
+    _wait_listener_gone(port)
 
 
 def test_malformed_lighthouse_hello_gets_an_error_reply_and_one_log_line(caplog, capfd):

@@ -670,6 +670,9 @@ class Manager:
         self._inject_close()
         self._heal_server.close()
         self._drop_group()
+        # a TCPStore has no close(): its connection to the lighthouse's store goes with the last
+        # reference (kept until the manager itself was freed)
+        self._store = None
         if self._mesh is not None:
             self._mesh.close()
 
