@@ -724,6 +724,24 @@ def mismatch_case(rank: int, world: int) -> list[str]:
     return msgs
 
 
+def same_size_dtypes_case(rank: int, world: int) -> list[str]:
+    """Ranks calling with different dtypes of one element size that the kernels do not fold
+    (moved as bytes): a mismatch naming both dtypes, never the bytes reinterpreted."""
+    from torchport.distributed import CollectiveMismatchError
+
+    msgs = []
+    pairs = [(torch.float8_e4m3fn, torch.float8_e5m2), (torch.uint16, torch.bits16)]
+    for i, pair in enumerate(pairs):
+        pg = dist.new_group(list(range(world)), backend="torchport")
+        t = torch.empty(6, dtype=pair[rank % 2])
+        try:
+            dist.broadcast(t, src=0, group=pg)
+            msgs.append(f"case {i}: no error")
+        except CollectiveMismatchError as e:
+            msgs.append(f"case {i}: mismatch: {e}")
+    return msgs
+
+
 def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
     """One rank (the last) issues a different size / dtype / collective; per-source waits.
 
@@ -1110,6 +1128,7 @@ SCENARIOS = {
     "split": split_case,
     "mismatch": mismatch_case,
     "mismatch_one": mismatch_one_rank_case,
+    "same_size_dtypes": same_size_dtypes_case,
     "late_peer": late_peer_case,
     "auth": auth_case,
     "timeout": timeout_case,

@@ -37,6 +37,7 @@ PLANS = {
             ("p2p", ()),
             ("contract", ()),
             ("mismatch", ()),
+            ("same_size_dtypes", ()),
             ("auth", ()),
             ("timeout", ()),
             ("destroy_in_flight", ()),
@@ -66,6 +67,7 @@ PLANS = {
             ("destroy_in_flight", ()),
             ("destroy_flushes", ()),
             ("recreate", ()),
+            ("same_size_dtypes", ()),
             # last: its ranks have built the group's name a different number of times, so the
             # name's later groups would not connect (each has its own incarnation count)
             ("stale_incarnation", ()),
@@ -339,6 +341,19 @@ def test_mismatched_collectives_fail_on_every_rank():
     assert "broadcast" in res[0][3] + res[1][3]
     assert "root" in res[0][4]
     assert "split sizes disagree" in res[0][5] and "split sizes disagree" in res[1][5]
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm2", "tcp2"])
+def test_different_dtypes_of_one_size_moved_as_bytes_are_a_mismatch(plan):
+    """float8_e4m3fn against float8_e5m2, uint16 against bits16: before, every dtype the
+    kernels do not fold shared one signature code, so a broadcast copied the bytes across."""
+    res = [r["same_size_dtypes"] for r in results(plan)]
+    for i, names in enumerate((("float8_e4m3fn", "float8_e5m2"), ("uint16", "bits16"))):
+        msgs = [m[i] for m in res]
+        assert any(m.startswith(f"case {i}: mismatch") for m in msgs), msgs
+        both = " ".join(msgs)
+        assert names[0] in both or names[1] in both, msgs
 
 
 # what the odd rank's own description of each mismatch_one case contains (dist_workers)
@@ -673,6 +688,26 @@ def test_coalesced_tensor_collectives_take_one_output_per_input(world1):
         with pytest.raises(CollectiveArgumentError, match=r"got 2 outputs for 1 inputs"):
             op(outs, [torch.ones(2)], opts)
     assert outs[0].tolist() == outs[1].tolist() == [0.0, 0.0]
+
+
+def test_coalesced_tensor_collectives_check_every_pair_before_issuing(world1):
+    """A bad second pair (an output of the wrong size) was refused only after the first pair's
+    op was issued: its output written here, and on more ranks this rank one op ahead."""
+    from torchport.distributed import CollectiveArgumentError
+
+    for op, opts, what in (
+        (
+            world1.reduce_scatter_tensor_coalesced,
+            dist.ReduceScatterOptions(),
+            "reduce_scatter_tensor",
+        ),
+        (world1.allgather_into_tensor_coalesced, None, "all_gather_into_tensor"),
+    ):
+        o0 = torch.zeros(2)
+        with pytest.raises(CollectiveArgumentError, match=rf"^{what}: "):
+            op([o0, torch.zeros(3)], [torch.ones(2), torch.ones(2)], opts)
+        dist.barrier()  # (an op issued before the refusal has run by now)
+        assert o0.tolist() == [0.0, 0.0], what
 
 
 def test_world_of_one_is_identity(world1):

@@ -119,6 +119,16 @@ def test_bad_arguments_are_typed_errors(backend):
         assert parse_handle(h)[0] == "127.0.0.1"
         with pytest.raises(ReconfigureError, match="uuid must be a non-negative int, got -3"):
             _reconfigure(-3, [h], g).wait()
+        # a uuid past 64 bits had peers' JSON decoders fail (> 4300 digits) or shared fault
+        # notices with the uuid 2**64 below it; 2**64 - 1 itself is taken
+        with pytest.raises(ReconfigureError, match=rf"at most 2\*\*64 - 1 .*got {1 << 64}$"):
+            _reconfigure(1 << 64, [h], g).wait()
+        with pytest.raises(
+            ReconfigureError, match=r"non-negative int, got a negative int of 16610"
+        ):
+            _reconfigure(-(10**5000), [h], g).wait()
+        with pytest.raises(ReconfigureError, match=r"at most 2\*\*64 - 1 .*of 16610 bits"):
+            _reconfigure(10**5000, [h], g).wait()
         with pytest.raises(ReconfigureError, match="at least one rank"):
             _reconfigure(1, [], g).wait()
         with pytest.raises(ReconfigureError, match="must be distinct"):
@@ -466,6 +476,9 @@ def test_malformed_check_requests_get_an_error_reply_and_one_log_line(caplog, ca
             reply = recv_msg(conn)
             assert reply["t"] == "error", (uuid, reply)
             assert f"uuid must be a non-negative int, got {uuid!r}" in reply["error"]
+        bad.append(1 << 64)  # past the u64 of a fault notice: refused as well
+        send_msg(conn, {"t": "check", "nonce": nonce, "uuid": 1 << 64})
+        assert "uuid must be at most 2**64 - 1" in recv_msg(conn)["error"]
         body = b'{"t":"check","nonce":"x","uuid":Infinity}'
         conn.sendall(_HDR.pack(MAGIC, len(body)) + body)
         assert "got inf" in recv_msg(conn)["error"]

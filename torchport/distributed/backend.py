@@ -205,6 +205,14 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> TorchportWork:
+        return self._reduce_scatter_base_op(output, input, opts)()
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def _reduce_scatter_base_op(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any
+    ) -> Callable[[], TorchportWork]:
+        """Every check of reduce_scatter_tensor(output, input), then a call that issues it."""
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         out, inp, w = (
             _cpu(output, "reduce_scatter_tensor"),
@@ -221,8 +229,6 @@ class TorchportProcessGroup(dist.ProcessGroup):
             out, lambda c: [c[q * out.numel() : (q + 1) * out.numel()] for q in range(w)], inp, opts
         )
 
-    reduce_scatter_single = _reduce_scatter_base
-
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
@@ -232,7 +238,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         out = _one(output_tensors, "reduce_scatter")
         ins = self._check_list(input_tensors, out, "reduce_scatter", "input")
-        return self._reduce_scatter(out, lambda _c: [t.reshape(-1) for t in ins], None, opts)
+        return self._reduce_scatter(out, lambda _c: [t.reshape(-1) for t in ins], None, opts)()
 
     def _reduce_scatter(
         self,
@@ -240,7 +246,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
         parts: Callable[[torch.Tensor], list[torch.Tensor]],
         inp: torch.Tensor | None,
         opts: Any,
-    ) -> TorchportWork:
+    ) -> Callable[[], TorchportWork]:
+        """Checks the reduce op and stages ``out``; the call returned issues the operation."""
         name, factor = _red_name(opts.reduceOp)
         code = _check_red(name, out.dtype, "reduce_scatter")
         s, comm, dc = _Staged(out), self.comm, dtype_code(out.dtype)
@@ -272,13 +279,16 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 s.t.div_(comm.world)
             s.back()
 
-        return self._submit("reduce_scatter", opts, run, [out])
+        return lambda: self._submit("reduce_scatter", opts, run, [out])
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
         self._same_count(outputs, inputs, "reduce_scatter_tensor_coalesced")
-        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        # every pair checked before the first is issued: a bad pair k had been refused after
+        # pairs < k were issued, leaving this rank ahead of its peers by a part of the batch
+        issue = [self._reduce_scatter_base_op(o, i, opts) for o, i in zip(outputs, inputs)]
+        works = [op() for op in issue]
         return self._chain("reduce_scatter_tensor_coalesced", works, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -320,6 +330,14 @@ class TorchportProcessGroup(dist.ProcessGroup):
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> TorchportWork:
+        return self._allgather_base_op(output, input, opts)()
+
+    all_gather_single = _allgather_base
+
+    def _allgather_base_op(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any
+    ) -> Callable[[], TorchportWork]:
+        """Every check of all_gather_into_tensor(output, input), then a call that issues it."""
         out, inp, w = (
             _cpu(output, "all_gather_into_tensor"),
             _cpu(input, "all_gather_into_tensor"),
@@ -340,8 +358,6 @@ class TorchportProcessGroup(dist.ProcessGroup):
             -1,
             opts,
         )
-
-    all_gather_single = _allgather_base
 
     def allgather(
         self,
@@ -417,7 +433,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
         inp: torch.Tensor,
         root: int,
         opts: Any,
-    ) -> TorchportWork:
+    ) -> Callable[[], TorchportWork]:
+        """Stages ``out``; the call returned issues the gather."""
         s, comm = _Staged(out), self.comm
 
         def run(deadline: float) -> None:
@@ -434,13 +451,15 @@ class TorchportProcessGroup(dist.ProcessGroup):
             )
             s.back()
 
-        return self._submit(name, opts, run, [out])
+        return lambda: self._submit(name, opts, run, [out])
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchportWork:
         self._same_count(outputs, inputs, "allgather_into_tensor_coalesced")
-        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        # every pair checked before the first is issued (as reduce_scatter_tensor_coalesced)
+        issue = [self._allgather_base_op(o, i, opts) for o, i in zip(outputs, inputs)]
+        works = [op() for op in issue]
         return self._chain("allgather_into_tensor_coalesced", works, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced

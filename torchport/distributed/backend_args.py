@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchport.distributed.engine import BYTES_CODE, dtype_code
+from torchport.distributed.engine import NATIVE_CODES, dtype_code
 from torchport.distributed.errors import CollectiveArgumentError
 
 ReduceOp = dist.ReduceOp
@@ -38,7 +38,7 @@ def _red_name(op: Any) -> tuple[str, float]:
 
 def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
     """Native op code for ``name`` on ``dtype`` or a typed error."""
-    if dtype_code(dtype) == BYTES_CODE:
+    if dtype_code(dtype) >= NATIVE_CODES:
         raise CollectiveArgumentError(f"{where}: reductions do not support dtype {dtype}")
     if name in ("AVG", "PREMUL_SUM"):
         if dtype not in AVG_DTYPES:

@@ -93,13 +93,23 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.complex64,
     torch.complex128,
 )
-DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
-BYTES_CODE = len(DTYPES)  # any other dtype: moved as bytes, never reduced
+# Codes below NATIVE_CODES name a dtype the native kernels fold; every other torch dtype
+# (uint16/32/64, the float8 and sub-byte types, the quantized ones) is moved as bytes, never
+# reduced, but still gets a code of its own after them, so two ranks calling with different
+# dtypes of one size (float8_e4m3fn and float8_e5m2) see a signature mismatch instead of
+# reinterpreting the bytes. The extra codes follow the dtypes' names: every rank runs one torch.
+NATIVE_CODES = len(DTYPES)
+ALL_DTYPES: tuple[torch.dtype, ...] = DTYPES + tuple(
+    sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(DTYPES), key=str)
+)
+DTYPE_CODE = {d: i for i, d in enumerate(ALL_DTYPES)}
+assert len(ALL_DTYPES) <= 0xFF, "the signature holds a dtype code in 8 bits"
 RED_NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 
 
 def dtype_code(dt: torch.dtype) -> int:
-    return DTYPE_CODE.get(dt, BYTES_CODE)
+    """``dt``'s code in the step signature (below NATIVE_CODES: one the native kernels fold)."""
+    return DTYPE_CODE[dt]
 
 
 def make_sig(
@@ -133,7 +143,7 @@ def describe_sig(sig: Sequence[int]) -> str:
     code = sig[1]
     op, dt, red, root = code & 0xFF, (code >> 8) & 0xFF, (code >> 16) & 0xFF, (code >> 24) - 1
     name = OP_NAMES[op] if op < len(OP_NAMES) else f"op{op}"
-    dname = str(DTYPES[dt]).removeprefix("torch.") if dt < len(DTYPES) else "bytes"
+    dname = str(ALL_DTYPES[dt]).removeprefix("torch.") if dt < len(ALL_DTYPES) else f"dtype{dt}"
     parts = [f"dtype={dname}", f"bytes={sig[2]}"]
     if name in ("allreduce", "reduce", "reduce_scatter"):
         parts.append(f"op={RED_NAMES[red] if red < len(RED_NAMES) else red}")

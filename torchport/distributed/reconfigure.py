@@ -84,8 +84,11 @@ from torchport.distributed.errors import WireError
 
 _log = logging.getLogger(__name__)
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
-_U64 = (1 << 64) - 1
-_SPARE = 8  # idle threads kept by the control server and the mesh (see _threads.WarmPool)  # a frame's seq field (fault notices carry the generation there)
+# The largest uuid: a fault notice on the mesh carries the generation in a frame's u64 seq
+# field (two uuids 2**64 apart were the same generation there), and a peer's JSON decoder refuses
+# an integer of more than 4300 digits (a larger uuid failed every peer's check request).
+MAX_UUID = (1 << 64) - 1
+_SPARE = 8  # idle threads kept by the control server and the mesh (see _threads.WarmPool)
 
 
 class ReconfigureError(CommError):
@@ -304,11 +307,11 @@ class ReconfigurableGroup:
                 return
             if msg.get("t") == "check":
                 uuid = msg.get("uuid")
-                if not (isinstance(uuid, int) and not isinstance(uuid, bool) and uuid >= 0):
+                why = _bad_uuid(uuid)
+                if why is not None:
                     # int() of it raised out of this thread (a traceback, no reply) for "abc",
                     # null, a list or Infinity, and truncated 1.5 to 1: refused with a reply;
                     # the connection stays usable (the frame itself was well formed)
-                    why = f"uuid must be a non-negative int, got {_clip(uuid)}"
                     _log.warning("reconfigure control server: refused a check request: %s", why)
                     send_msg(conn, {"t": "error", "error": f"malformed check request: {why}"})
                     continue
@@ -360,8 +363,9 @@ class ReconfigurableGroup:
             self._forming = False
 
     def _order(self, opts: ReconfigureOptions) -> list[str]:
-        if not isinstance(opts.uuid, int) or isinstance(opts.uuid, bool) or opts.uuid < 0:
-            raise ReconfigureError(f"uuid must be a non-negative int, got {opts.uuid!r}")
+        why = _bad_uuid(opts.uuid)
+        if why is not None:
+            raise ReconfigureError(why)
         hs = opts.handles
         if isinstance(hs, set | frozenset):
             order = sorted(hs)
@@ -609,7 +613,7 @@ class ReconfigurableGroup:
         """A fault notice from member ``mid`` about the membership of generation ``seq``."""
         with self._lock:
             gen, ids = self._generation, self._member_ids
-            ok = gen >= 0 and seq == gen & _U64 and mid in ids
+            ok = gen >= 0 and seq == gen and mid in ids  # (a uuid fits the u64 field: MAX_UUID)
         if ok:
             cause = text.decode(errors="replace")[:_MAX_CAUSE]
             self._fail(PeerFailure(f"{cause} (reported by rank {ids.index(mid)})"), background=True)
@@ -713,7 +717,7 @@ class ReconfigurableGroup:
         for r, mid in enumerate(ids):
             if r not in (me, culprit):
                 with contextlib.suppress(CommError):
-                    self._mesh.notify(mid, uuid & _U64, cause[:_MAX_CAUSE])
+                    self._mesh.notify(mid, uuid, cause[:_MAX_CAUSE])
 
     def _notify(self, uuid: int, me: int, culprit: int, cause: str, members: list[str]) -> None:
         """Send a fault notice to every member but this one and the culprit (bounded wait)."""
@@ -838,8 +842,20 @@ class ReconfigurableGroup:
             self._mesh.close()
 
 
+def _bad_uuid(uuid: Any) -> str | None:
+    """Why ``uuid`` is not a reconfigure uuid (an int in [0, MAX_UUID]), or None."""
+    if not isinstance(uuid, int) or isinstance(uuid, bool) or uuid < 0:
+        return f"uuid must be a non-negative int, got {_clip(uuid)}"
+    if uuid > MAX_UUID:
+        return f"uuid must be at most 2**64 - 1 ({MAX_UUID}), got {_clip(uuid)}"
+    return None
+
+
 def _clip(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters, for a one-line report of a peer's value."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:
+        # (repr raises past 4300 digits): a long int is described by its size
+        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
