@@ -495,6 +495,34 @@ def test_a_subclass_send_calling_its_base_records_the_op_once(monkeypatch):
     assert got == [("send", 0, 5, COMPLETED)]  # the peer as a global rank
 
 
+def test_a_subclass_wrapping_ours_with_functools_wraps_is_patched_again(monkeypatch):
+    """install() knows its own wrappers by identity: a ProcessGroup subclass defined while
+    installed, whose send carries functools.wraps of our wrapper (and so any attribute ours
+    has), is wrapped as any other method (it raised KeyError, leaving a half-install)."""
+    import functools
+
+    import torch.distributed as dist
+
+    rec = FlightRecorder(buffer_size=8, rank=0, world_size=2)
+    monkeypatch.setattr(rec, "start_watchdog", lambda *a, **k: None)
+    torch_send = vars(dist.ProcessGroup)["send"]
+    try:
+        fr.install(rec, signal_dump=False)
+
+        class MyPG(dist.ProcessGroup):
+            @functools.wraps(dist.ProcessGroup.send)
+            def send(self, tensors, dstRank, tag=0):
+                return super().send(tensors, dstRank, tag)
+
+        mine = vars(MyPG)["send"]
+        fr.install(rec, signal_dump=False)
+        assert vars(MyPG)["send"] is not mine  # wrapped, its own original kept
+    finally:
+        fr.uninstall()
+    assert vars(MyPG)["send"] is mine
+    assert vars(dist.ProcessGroup)["send"] is torch_send
+
+
 def test_sends_and_recvs_are_paired_per_tag(tmp_path):
     """torch pairs a send with a recv per peer and tag: rank 0 sending tag 1 then tag 2 and
     rank 1 receiving tag 2 then tag 1 is correct (paired by order alone it was a size

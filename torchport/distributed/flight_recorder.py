@@ -606,6 +606,7 @@ _PATCHED = (
 # (owner, name) -> the attribute as install() first found it, for every function (owner: the
 # torch.distributed module) and method (owner: Work, a ProcessGroup class) it replaced
 _originals: dict[tuple[Any, str], Any] = {}
+_wrappers: dict[tuple[Any, str], Any] = {}  # what install() set, per (owner, name)
 # id(group) -> (name, ranks, a callable returning the group): the third item (a weak reference,
 # or a closure holding a group that takes none) tells a live group from a destroyed one whose id
 # a new group reuses -- keyed by id alone, the new group's ops were recorded under the old one's
@@ -754,7 +755,6 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
         e[_STATE] = COMPLETED
         return out
 
-    wrapper.__torchport_fr__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -805,7 +805,6 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
             futureless[(id(pg), dev)] = hit[2]
         return work
 
-    wrapper.__torchport_fr__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -830,7 +829,6 @@ def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., An
         finally:
             state.seq = None
 
-    batch_isend_irecv.__torchport_fr__ = True  # type: ignore[attr-defined]
     return batch_isend_irecv
 
 
@@ -860,7 +858,6 @@ def _wrap_wait(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any
             rec._waited(work, None)
         return out
 
-    wait.__torchport_fr__ = True  # type: ignore[attr-defined]
     return wait
 
 
@@ -911,7 +908,6 @@ def _wrap_destroy(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., 
                 if hit is not None and hit[2]() is group:
                     rec.retire(hit[0])
 
-    destroy_process_group.__torchport_fr__ = True  # type: ignore[attr-defined]
     return destroy_process_group
 
 
@@ -919,11 +915,15 @@ def _patch(owner: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> 
     """Set ``owner.name`` to ``make(original)``, ``original`` being the attribute ``owner``
     itself holds (not one it inherits), or the one install() replaced if that is its own
     wrapper (a second install() wraps the original again, not the first wrapper)."""
+    key = (owner, name)
     fn = vars(owner)[name]
-    if getattr(fn, "__torchport_fr__", False):
-        fn = _originals[(owner, name)]
-    _originals[(owner, name)] = fn
-    setattr(owner, name, make(fn))
+    # recognised by identity: functools.wraps would copy a marker attribute onto another
+    # library's wrapper of ours (a ProcessGroup subclass defined while installed)
+    if key in _wrappers and _wrappers[key] is fn:
+        fn = _originals[key]
+    _originals[key] = fn
+    _wrappers[key] = make(fn)
+    setattr(owner, name, _wrappers[key])
 
 
 def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True) -> FlightRecorder:
@@ -960,5 +960,6 @@ def uninstall() -> None:
     for (owner, name), fn in _originals.items():
         setattr(owner, name, fn)
     _originals.clear()
+    _wrappers.clear()
     _futureless.clear()
     _group_names.clear()
