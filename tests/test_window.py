@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import tempfile
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tests.ft_actors import Actors
-from torchport.distributed.window import ReferenceWindow
+from torchport.distributed.window import ReferenceWindow, WindowError
 
 WORLD, N = 3, 7  # prime length: offsets and sizes that are not multiples of anything
 
@@ -560,30 +561,28 @@ def test_a_corrupt_peer_meta_leaves_nothing_registered():
         return [t, bad]
 
     win._c = type("Coll", (), {"allgather": staticmethod(allgather)})()
+    gc.collect()  # (an earlier test's leftover fd closed by a collection in between)
     fds = len(os.listdir("/proc/self/fd"))
-    with pytest.raises(IndexError):
+    with pytest.raises(WindowError, match=r"rank\(s\) \[1\] sent dtype index"):
         win.tensor_register(torch.ones(3))
     assert win._regs == 0 and win._local is None
     assert not os.path.exists(f"/dev/shm/{win._name}-d1-0")
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
-def test_a_put_detaches_only_a_source_that_requires_grad(monkeypatch):
-    """Every put and accumulate detached its source, also one outside autograd (1-2 us of an
-    18 us shared-memory put): only a source that requires grad is detached now, and window
-    memory still stays out of autograd."""
+def test_window_memory_takes_no_tangent_from_a_forward_mode_dual():
+    """A put of a forward-mode dual (requires_grad False) gave window memory a tangent while
+    the level was open; the source is always detached, and a grad-requiring one too."""
+    import torch.autograd.forward_ad as fwad
+
     from torchport.distributed import window
 
     win = window.Window.__new__(window.Window)  # one rank, shared memory: what a put uses
     win._closed, win._pg, win.rank, win.size, win.transport = False, None, 0, 1, "shm"
     win._local = torch.zeros(5)
     win._remote, win._remote_fds, win._meta = [win._local], [-1], [(torch.float32, [5])]
-    detached = []
-    real = torch.Tensor.detach
-    monkeypatch.setattr(torch.Tensor, "detach", lambda t: detached.append(t) or real(t))
-    win.put(torch.ones(2), 0, 1)
-    assert detached == []
-    grad = torch.full((2,), 2.0, requires_grad=True)
-    win.put(grad, 0, 3)
-    assert len(detached) == 1 and detached[0] is grad
+    with fwad.dual_level():
+        win.put(fwad.make_dual(torch.ones(2), torch.full((2,), 7.0)), 0, 1)
+        assert fwad.unpack_dual(win._local).tangent is None
+    win.put(torch.full((2,), 2.0, requires_grad=True), 0, 3)
     assert win._local.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0] and not win._local.requires_grad

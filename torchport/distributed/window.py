@@ -455,6 +455,13 @@ class Window:
                 )
             # (decoded here: a peer's corrupt meta raised after the count and left this
             # rank's file in /dev/shm)
+            bad = [r for r, m in enumerate(metas) if not 0 <= int(m[0]) < len(_DTYPE_LIST)]
+            if bad:
+                raise WindowError(
+                    f"tensor_register: rank(s) {bad} sent dtype index(es) "
+                    f"{[int(metas[r][0]) for r in bad]}, not among this build's "
+                    f"{len(_DTYPE_LIST)} (every rank must run the same torchport)"
+                )
             decoded = [
                 (_DTYPE_LIST[int(m[0])], [int(x) for x in m[3 : 3 + int(m[2])]]) for m in metas
             ]
@@ -662,9 +669,9 @@ class Window:
         a sum under the target's file lock (accumulate) through shared memory, else one request
         ``wire`` to the target's window server."""
         # the data only: a source that requires grad made the shared-memory copy_/add_ record
-        # into window memory (``local`` then required grad, and each put grew its graph); any
-        # other is used as it is (detaching it cost 1-2 us of an 18 us put)
-        src = (tensor.detach() if tensor.requires_grad else tensor).reshape(-1)
+        # into window memory (``local`` then required grad, and each put grew its graph), and a
+        # forward-mode dual (requires_grad False) gave it a tangent: always detached (1-2 us)
+        src = tensor.detach().reshape(-1)
         dst, off, _ = self._target(dst, tensor.dtype, off, src.numel(), op)
         if self.transport != "shm":
             data = src.clone() if async_op else src  # async: the caller may reuse its tensor
