@@ -17,9 +17,6 @@ from torchport.distributed._threads import in_background
 
 _graveyard: list[Any] = []
 _grave_lock = threading.Lock()
-# What cut_rendezvous publishes for a rank that never did: not a gloo address list (9 bytes, no
-# whole number of 8-byte pair ids), so a rendezvous that reads it fails at once.
-ABANDONED = "abandoned"
 
 
 def gloo_group(
@@ -31,30 +28,6 @@ def gloo_group(
     opts._timeout = timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, size, opts)
-
-
-def cut_rendezvous(host: str, port: int, prefix: str, size: int, timeout_s: float = 2.0) -> None:
-    """End, within milliseconds, every gloo build still in its rendezvous under ``prefix`` (a
-    group nobody will use: its builder gave up on it).
-
-    gloo's rendezvous cannot be cancelled: each rank publishes its addresses under
-    ``<prefix>/0/<rank>`` (torch's per-device prefix ``0``, gloo's key for the rank) and waits up
-    to the group's timeout for every other rank's. Every key still missing gets
-    :data:`ABANDONED` (``compare_set`` with an empty expected value writes only absent keys), so
-    each waiting build reads it and fails. Runs in the background on a connection of its own
-    (the builder's store client is busy with the build's wait); if torch ever lays the keys out
-    differently, the builds just run to their timeout as before.
-    """
-
-    def cut() -> None:
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            for r in range(size):
-                store.compare_set(f"{prefix}/0/{r}", "", ABANDONED)
-        except Exception:  # the store is gone: so is every build that waited on it
-            pass
-
-    in_background(cut, name="tp-cut-gloo-rendezvous")
 
 
 def retire(pg: Any) -> None:

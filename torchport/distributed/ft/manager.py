@@ -55,7 +55,7 @@ from torchport.distributed._control import (
     recv_msg,
     send_msg,
 )
-from torchport.distributed._gloo import cut_rendezvous, gloo_group, retire
+from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.backend_args import AVG_DTYPES
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
@@ -422,7 +422,7 @@ class Manager:
                     retire(pg)
             done.set()
 
-        # gloo's rendezvous cannot be cancelled: an abandoned build is ended by cut_rendezvous
+        # gloo's rendezvous cannot be cancelled: an abandoned build runs on (up to ``timeout``)
         threading.Thread(target=build, name="tp-ft-gloo-build", daemon=True).start()
         while not done.wait(0.002):
             late = time.perf_counter() - t0 > self.timeout
@@ -434,12 +434,7 @@ class Manager:
                 with box_lock:
                     box["abandoned"] = True
                     pg = box.pop("pg", None)
-                    waiting = pg is None and "err" not in box
                 retire(pg)
-                if waiting:  # (it ran on in gloo's rendezvous for up to ``timeout``)
-                    store = self._store
-                    assert isinstance(store, dist.TCPStore)
-                    cut_rendezvous(store.host, store.port, f"tp-ft/q{qid}", size)
                 # and this frame keeps no reference either: the CommError's traceback holds it,
                 # so a local ``pg`` kept the retired group alive while the caller kept the error
                 del pg
