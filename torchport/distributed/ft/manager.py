@@ -396,14 +396,16 @@ class Manager:
             self._form_torchport(qid, q, t0)
             return
         store_port = int(q["store_port"])
-        if self._store is None or getattr(self._store, "port", None) != store_port:
-            self._store = dist.TCPStore(
+        # a local: shutdown() from another thread drops self._store at any time
+        store = self._store
+        if store is None or getattr(store, "port", None) != store_port:
+            store = self._store = dist.TCPStore(
                 self.lighthouse[0],
                 store_port,
                 is_master=False,
                 timeout=timedelta(seconds=self.timeout),
             )
-        prefix = dist.PrefixStore(f"tp-ft/q{qid}", self._store)
+        prefix = dist.PrefixStore(f"tp-ft/q{qid}", store)
         box: dict[str, Any] = {}
         done = threading.Event()
         box_lock = threading.Lock()
