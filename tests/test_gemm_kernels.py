@@ -937,6 +937,26 @@ def test_epilogue_ab_bench_runs_a_dp_config(capsys):
     assert "cfg=8:32:8:0:0:1:1:1" in capsys.readouterr().out
 
 
+def test_epilogue_ab_bench_rotates_every_launcher_over_every_copy():
+    """Each of ``bench gemm_epilogue_ab``'s six launchers uses every weight copy (eight for bf16
+    1024->4096, four for fp32), and one round's calls take distinct copies: the running call
+    count pinned each launcher to half of them (bare on the even copies, silu on the odd)."""
+    import runpy
+
+    from torchport import benchmarks
+
+    bench_dir = benchmarks.bench_dir()
+    assert bench_dir is not None
+    copy_index = runpy.run_path(str(bench_dir / "bench_gemm_epilogue_ab.py"))["copy_index"]
+    for copies in (8, 4, 3, 1):
+        for slot in range(6):
+            seen = {copy_index(rnd, slot, copies) for rnd in range(copies)}
+            assert seen == set(range(copies)), (copies, slot, seen)
+        for rnd in range(5):
+            used = [copy_index(rnd, slot, copies) for slot in range(min(6, copies))]
+            assert len(set(used)) == len(used), (copies, rnd, used)
+
+
 def test_prebuild_jobs_see_the_callers_config_override(monkeypatch, tmp_path):
     """prebuild's pool threads build in the caller's context: under
     ``config.override(cache_dir=...)`` every job reads the override, not the environment's value
