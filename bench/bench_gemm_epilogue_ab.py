@@ -33,6 +33,16 @@ from torchport.gemm.pack import pack_b, pack_b_pairs
 ROTATE_BYTES = 64 << 20  # weight copies: twice this machine's L3
 
 
+def copy_index(rnd: int, slot: int, copies: int) -> int:
+    """The weight (and residual) copy that launcher ``slot`` uses in round ``rnd``: the copies
+    rotate with the round, so every launcher visits every copy and the calls of one round take
+    consecutive copies (least recently used ones). The running call count (``call % copies``)
+    pinned each launcher to the copies of one residue: six launchers over eight bf16 copies put
+    bare, gelu and bias on the even copies and bare2, silu and res on the odd ones, so a copy
+    that runs slower (its pages) biased those ratios."""
+    return (rnd + slot) % copies
+
+
 def main() -> None:
     p = arg_parser(__doc__ or "")  # --reps (rounds), --quick (2 rounds), --json (unused)
     p.add_argument("--m", type=int, default=32)
@@ -74,12 +84,11 @@ def main() -> None:
         tol = 3e-2 if dt == torch.bfloat16 else 1e-4
         torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
     samples: dict[str, list[float]] = {k: [] for k in launches}
-    call = 0
-    for _ in range(args.reps):
-        for k, launch in launches.items():
-            packed = packs[call % copies]
-            ops = [ress[call % copies] if t is res else t for t in splits[k].operands]
-            call += 1
+    for rnd in range(args.reps):
+        for slot, (k, launch) in enumerate(launches.items()):
+            c = copy_index(rnd, slot, copies)
+            packed = packs[c]
+            ops = [ress[c] if t is res else t for t in splits[k].operands]
             t0 = clock()
             launch(x, b, ops, packed=packed)
             samples[k].append(clock() - t0)

@@ -806,6 +806,54 @@ def test_vector_gelu_against_float64_dense(isa):
     assert bool((err <= bound).all()), (float(xd[worst]), float(err[worst]), float(bound[worst]))
 
 
+# the degree-4 Phi of bf16 outputs (templates._GELU_PHI4), in bf16 ulps of the exact GELU: x in
+# (-5.75, -4] (|GELU| < 1.3e-4, relative error up to 2e-3) and x > -4; degree 5 reaches 0.64 /
+# 0.58 and 0.51 there (through its float32 result)
+GELU_BF16_ULPS = {"tail": 1.0, "main": 0.57}
+
+
+@pytest.mark.skipif(native.cpu_info().max_isa != "avx512", reason="needs AVX-512")
+def test_vector_gelu_bf16_output_against_float64():
+    """A bf16 output's GELU (the epilogue pass with ``out=bf16``, the vdpbf16ps tiles' vocabulary:
+    degree-4 Phi) on every 2^-13 over [-10, 10], the table's interval edges and clamp, and torch's
+    edges: within :data:`GELU_BF16_ULPS` of the float64 GELU; x <= -5.75 (Phi taken as 0) within
+    2.6e-8 absolute; -0, -huge -> -0, -inf -> NaN, +inf -> inf, NaN -> NaN; and at most 2 % of
+    the grid's values off the correctly rounded bf16 (a wrong coefficient digit shows as more)."""
+    # the tables' lookups: one per coefficient (degree 4 for bf16 outputs, 5 for float32 ones)
+    for otag, lookups in (("bf16", 5), ("f32", 6)):
+        vocab = templates.vocabulary("avx512", otag=otag)
+        assert vocab.count("_mm512_permutex2var_ps") == lookups, otag
+    x = torch.arange(-10 * 2**13, 10 * 2**13 + 1, dtype=torch.float64) / 2**13
+    edges = [5.75, -5.75, 5.7499995, -5.7499995, 6.0, -6.0, -5.74, 0.25, -0.25, 3e38, -3e38]
+    edges += [-0.0, math.inf, -math.inf, math.nan]
+    x = torch.cat([x, torch.tensor(edges, dtype=torch.float64)]).float()
+    x = torch.cat([x, torch.zeros(-x.numel() % 16)])
+    apply = kernels.epilogue_pass(EpilogueSpec.decode("gelu;out=bf16"), torch.float32, "avx512")
+    out = apply(x.clone()[None], [])[0]
+    assert out.dtype == torch.bfloat16
+    out, xd = out.double(), x.double()
+    ref = torch.nn.functional.gelu(xd)
+    fin = ref.isfinite() & xd.isfinite() & (xd.abs() < 1e30)
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    err = (out - ref).abs()
+    for part, sel in (("tail", (xd > -5.75) & (xd <= -4)), ("main", xd > -4)):
+        sel = sel & fin & (ref != 0)
+        worst = float((err[sel] / ulp[sel]).max())
+        assert worst <= GELU_BF16_ULPS[part], (part, worst)
+    beyond = fin & (xd <= -5.75)
+    assert float(err[beyond].max()) <= 2.6e-8
+    assert bool((out[xd == 0] == 0).all())
+    grid = fin & (xd > -5.75)
+    off = float((out[grid] != ref[grid].to(torch.bfloat16).double()).double().mean())
+    assert off <= 0.02, off
+    special = {3e38: 3e38, -3e38: -0.0, -0.0: -0.0, math.inf: math.inf}
+    for v, want in special.items():
+        got = out[(x == v) & (x.signbit() == (math.copysign(1, v) < 0))]
+        assert torch.equal(got, torch.full_like(got, want).to(torch.bfloat16).double()), (v, got)
+        assert torch.equal(got.signbit(), torch.full_like(got, want).signbit()), v
+    assert bool(out[x.isnan()].isnan().all()) and bool(out[x == -math.inf].isnan().all())
+
+
 # --- the store's operand prefetch (epilogue.emit_prefetch) -----------------------------------------
 
 _PF_PROBE = r"""
@@ -887,6 +935,26 @@ def test_epilogue_ab_bench_runs_a_dp_config(capsys):
     argv = ["--m", "8", "--d", "1024", "--h", "4096", "--dtype", "bfloat16", "--quick"]
     assert benchmarks.run_benchmark("gemm_epilogue_ab", [*argv, "--cfg", "8:32:8:0:0:1:1:1"]) == 0
     assert "cfg=8:32:8:0:0:1:1:1" in capsys.readouterr().out
+
+
+def test_epilogue_ab_bench_rotates_every_launcher_over_every_copy():
+    """Each of ``bench gemm_epilogue_ab``'s six launchers uses every weight copy (eight for bf16
+    1024->4096, four for fp32), and one round's calls take distinct copies: the running call
+    count pinned each launcher to half of them (bare on the even copies, silu on the odd)."""
+    import runpy
+
+    from torchport import benchmarks
+
+    bench_dir = benchmarks.bench_dir()
+    assert bench_dir is not None
+    copy_index = runpy.run_path(str(bench_dir / "bench_gemm_epilogue_ab.py"))["copy_index"]
+    for copies in (8, 4, 3, 1):
+        for slot in range(6):
+            seen = {copy_index(rnd, slot, copies) for rnd in range(copies)}
+            assert seen == set(range(copies)), (copies, slot, seen)
+        for rnd in range(5):
+            used = [copy_index(rnd, slot, copies) for slot in range(min(6, copies))]
+            assert len(set(used)) == len(used), (copies, rnd, used)
 
 
 def test_prebuild_jobs_see_the_callers_config_override(monkeypatch, tmp_path):

@@ -544,7 +544,7 @@ def _pass_source(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> str:
     args = "int64_t i, int64_t j, const void *const *ep, const int64_t *eld"
     unused = "(void)i; (void)j; (void)ep; (void)eld;"
     parts = [
-        templates.vocabulary(isa),
+        templates.vocabulary(isa, otag=otag),
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {templates.VW[isa]}",
         f"#define TP_PASS_SPLIT_MIN {pass_split_min(spec)}",
