@@ -993,3 +993,38 @@ def test_real_base_to_a_complex_exponent_with_zero_imaginary_part(dtype: torch.d
         (got,) = _run_lowered(fn, x)
         want = fn(x)
         assert got.dtype == want.dtype and _same_bits(got, want).all(), p
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_mul_with_a_real_operand_takes_its_zero_imaginary_part(dtype: torch.dtype) -> None:
+    # ATen promotes a real operand to complex before its complex product, so its imaginary
+    # part +0 takes part: x.to(c64) ** (2 + 0j) and x.to(c64) * x.to(c64) at x = inf gave
+    # inf + 0i (eager inf·0 + 0·inf: inf + NaN i), x.to(c64) ** 3 at x = 1e30 inf + 0i (eager
+    # inf + NaN i) and (-2 + 0i)² 4 + 0i (eager 4 - 0i). A complex value times a real one still
+    # scales each part alone (README): z * 2 is not compared
+    parts = (0.0, -0.0, 1.0, -2.5, 1e30, math.inf, -math.inf, math.nan)
+    rdt = dtype.to_real()
+    x = torch.tensor([p for p in parts for _ in parts], dtype=rdt)
+    y = torch.tensor(list(parts) * len(parts), dtype=rdt)
+    z = torch.complex(x, y)
+
+    def fn(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        xc, yc = x.to(dtype), y.to(dtype)
+        return torch.stack(
+            [
+                xc * yc,
+                yc * 2,
+                xc * xc,
+                xc * -0.0,
+                xc ** (2 + 0j),
+                xc**3,
+                xc**-2,
+                z**2,
+                z**3,
+            ]
+        )
+
+    (got,) = _run_lowered(fn, z, x, y)
+    want = fn(z, x, y)
+    bad = ~_same_bits(got, want)
+    assert not bad.any(), (bad.nonzero()[:4].tolist(), got[bad][:4], want[bad][:4])
