@@ -1028,3 +1028,28 @@ def test_mul_with_a_real_operand_takes_its_zero_imaginary_part(dtype: torch.dtyp
     want = fn(z, x, y)
     bad = ~_same_bits(got, want)
     assert not bad.any(), (bad.nonzero()[:4].tolist(), got[bad][:4], want[bad][:4])
+
+
+def test_symbolic_sizes_and_strides_of_a_complex_tensor() -> None:
+    # make_fx(tracing_mode="symbolic") traces z.shape[0], z.numel() and z.stride(0) as
+    # sym_size/sym_numel/sym_stride nodes on the complex tensor, which had no rule
+    # (ComplexDecompositionError: no real decomposition for aten.sym_size.int)
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return z * z.shape[0] + z.sum() * z.numel() + z.stride(0) + z.unsqueeze(0).stride(0)
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(5, 3, dtype=torch.complex64))
+    targets = {n.target for n in gm.graph.nodes}
+    assert {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int} <= targets
+    real, in_l, out_l = lower_complex(gm)
+    for shape in ((5, 3), (2, 7), (1, 1)):
+        z = torch.randn(shape, dtype=torch.complex64)
+        outs = real(*split_inputs([z], in_l))
+        (got,) = join_outputs(list(outs), out_l)
+        torch.testing.assert_close(got, fn(z))
+
+    # an input every other column of a complex matrix: stride 2·s0 for sizes (s1, s0), not a
+    # contiguous layout, which a stride of the parts does not give either
+    strided = torch.randn(4, 6, dtype=torch.complex64)[:, ::2]
+    gm = make_fx(lambda z: z * z.stride(0), tracing_mode="symbolic")(strided)
+    with pytest.raises(ComplexDecompositionError, match="contiguous layout only"):
+        lower_complex(gm)
