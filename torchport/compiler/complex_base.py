@@ -158,10 +158,17 @@ def c_add_scaled(e: _Emitter, a: Any, b: Any, alpha_re: Any, alpha_im: Any) -> P
     complex product in which alpha's imaginary part and any known-zero part take part, so
     ``1 + 2·(inf + 0i)`` is inf + NaN i (2·0 + 0·inf) and ``-0 + 1·(-0 - 0i)`` has real part +0,
     as in eager. Known-zero parts count as +0."""
-    pa, pb = _pair(a), _pair(b)
+    pb = _pair(b)
     c, d = (0.0 if pb.re is None else pb.re), (0.0 if pb.im is None else pb.im)
     t_re = e.sub(e.mul(c, alpha_re), e.mul(d, alpha_im))
     t_im = e.add(e.mul(d, alpha_re), e.mul(c, alpha_im))
+    return c_add_product(e, a, t_re, t_im)
+
+
+def c_add_product(e: _Emitter, a: Any, t_re: Any, t_im: Any) -> Pair:
+    """``a + t`` for the product ``t = t_re + t_im·i`` of :func:`c_add_scaled` (or one computed
+    in the node's precision): ``a``'s known-zero parts count as +0, as in ATen's sum."""
+    pa = _pair(a)
     x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
     return Pair(e.add(x, t_re), e.add(y, t_im))
 

@@ -27,6 +27,7 @@ from torchport.compiler.complex_base import (
     aten,
     c_abs,
     c_add,
+    c_add_product,
     c_add_scaled,
     c_angle,
     c_div,
@@ -422,9 +423,7 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
     rdt = val.dtype.to_real() if isinstance(val, torch.Tensor) else torch.float64
     c, d, ar_t, ai_t = (torch.tensor(0.0 if x is None else x, dtype=rdt) for x in parts)
     t_re, t_im = (c * ar_t - d * ai_t).item(), (d * ar_t + c * ai_t).item()
-    pa = _pair(a)
-    x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
-    return Pair(e.add(x, t_re), e.add(y, t_im))
+    return c_add_product(e, a, t_re, t_im)
 
 
 # Without alpha, add/sub/rsub are componentwise, one real op per part. ATen's kernel computes
