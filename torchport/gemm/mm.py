@@ -755,7 +755,9 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     # recompute the chain's intermediate values with ATen ops, in float32 as the kernels compute
     # them (a float32 accumulator, the epilogue on it; one rounding at the store): recomputed in
     # bf16, a bf16 GEMM's product and a float32 bias were rounded to bf16 before a float32
-    # Scale's gradient multiplied by them (its sum was off by the bias's rounding times sum(g))
+    # Scale's gradient multiplied by them (its sum was off by the bias's rounding times sum(g)).
+    # For a bf16 GEMM that costs float32 copies of a and b and an M x N float32 product (twice
+    # the bf16 recompute's memory); for a float32 one the casts are no-ops
     cdt = torch.float32
     h = a.to(cdt) @ b.to(cdt)
     hs: list[torch.Tensor] = []
