@@ -993,3 +993,63 @@ def test_real_base_to_a_complex_exponent_with_zero_imaginary_part(dtype: torch.d
         (got,) = _run_lowered(fn, x)
         want = fn(x)
         assert got.dtype == want.dtype and _same_bits(got, want).all(), p
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_mul_with_a_real_operand_takes_its_zero_imaginary_part(dtype: torch.dtype) -> None:
+    # ATen promotes a real operand to complex before its complex product, so its imaginary
+    # part +0 takes part: x.to(c64) ** (2 + 0j) and x.to(c64) * x.to(c64) at x = inf gave
+    # inf + 0i (eager inf·0 + 0·inf: inf + NaN i), x.to(c64) ** 3 at x = 1e30 inf + 0i (eager
+    # inf + NaN i) and (-2 + 0i)² 4 + 0i (eager 4 - 0i). A complex value times a real one still
+    # scales each part alone (README): z * 2 is not compared
+    parts = (0.0, -0.0, 1.0, -2.5, 1e30, math.inf, -math.inf, math.nan)
+    rdt = dtype.to_real()
+    x = torch.tensor([p for p in parts for _ in parts], dtype=rdt)
+    y = torch.tensor(list(parts) * len(parts), dtype=rdt)
+    z = torch.complex(x, y)
+
+    def fn(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        xc, yc = x.to(dtype), y.to(dtype)
+        return torch.stack(
+            [
+                xc * yc,
+                yc * 2,
+                xc * xc,
+                xc * -0.0,
+                xc ** (2 + 0j),
+                xc**3,
+                xc**-2,
+                z**2,
+                z**3,
+            ]
+        )
+
+    (got,) = _run_lowered(fn, z, x, y)
+    want = fn(z, x, y)
+    bad = ~_same_bits(got, want)
+    assert not bad.any(), (bad.nonzero()[:4].tolist(), got[bad][:4], want[bad][:4])
+
+
+def test_symbolic_sizes_and_strides_of_a_complex_tensor() -> None:
+    # make_fx(tracing_mode="symbolic") traces z.shape[0], z.numel() and z.stride(0) as
+    # sym_size/sym_numel/sym_stride nodes on the complex tensor, which had no rule
+    # (ComplexDecompositionError: no real decomposition for aten.sym_size.int)
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return z * z.shape[0] + z.sum() * z.numel() + z.stride(0) + z.unsqueeze(0).stride(0)
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(5, 3, dtype=torch.complex64))
+    targets = {n.target for n in gm.graph.nodes}
+    assert {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int} <= targets
+    real, in_l, out_l = lower_complex(gm)
+    for shape in ((5, 3), (2, 7), (1, 1)):
+        z = torch.randn(shape, dtype=torch.complex64)
+        outs = real(*split_inputs([z], in_l))
+        (got,) = join_outputs(list(outs), out_l)
+        torch.testing.assert_close(got, fn(z))
+
+    # an input every other column of a complex matrix: stride 2·s0 for sizes (s1, s0), not a
+    # contiguous layout, which a stride of the parts does not give either
+    strided = torch.randn(4, 6, dtype=torch.complex64)[:, ::2]
+    gm = make_fx(lambda z: z * z.stride(0), tracing_mode="symbolic")(strided)
+    with pytest.raises(ComplexDecompositionError, match="contiguous layout only"):
+        lower_complex(gm)

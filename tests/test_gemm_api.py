@@ -1325,8 +1325,32 @@ def test_bf16_gemm_sums_float32_bias_and_scale_gradients_in_float32():
     s = torch.randn(40)
     s1, s2 = (s.clone().requires_grad_() for _ in range(2))
     linear(x, w, epilogue=[G.Scale(s1)]).backward(g)
-    ((x @ w.t()).float() * s2).bfloat16().backward(g)
+    # the scaled product is the kernels' float32 one (the backward recomputes it in float32)
+    ((x.float() @ w.float().t()) * s2).bfloat16().backward(g)
     assert s1.grad is not None and torch.equal(s1.grad, s2.grad)
+
+
+def test_bf16_gemm_backward_recomputes_in_the_forwards_float32():
+    # the kernels add a float32 bias to the float32 accumulator and scale that; the backward
+    # recomputed a @ b and the bias in bf16, so a float32 Scale's gradient multiplied g by
+    # values rounded twice to bf16 (bias 1000.3 as 1000: off by 0.3 * sum(g), not rounding)
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 48).bfloat16(), torch.randn(48, 24).bfloat16()
+    g = torch.randn(32, 24).bfloat16()
+    bias = 1000.3 + torch.randn(24)
+    scale = torch.randn(24)
+    for tail in ([], ["gelu"]):
+        s = scale.clone().requires_grad_()
+        a1 = a.clone().requires_grad_()
+        mm(a1, b, epilogue=[G.Bias(bias), G.Scale(s), *tail]).backward(g)
+        a64 = a.double().requires_grad_()
+        s64 = scale.double().requires_grad_()
+        y = (a64 @ b.double() + bias.double()) * s64
+        (F.gelu(y) if tail else y).backward(g.double())
+        assert s.grad is not None and a1.grad is not None
+        torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-5, atol=1e-3)
+        # grad_a is bf16 (one rounding of g @ b.T, and of g where the chain rounds it)
+        torch.testing.assert_close(a1.grad.double(), a64.grad, rtol=3e-2, atol=5e-2)
 
 
 def test_float32_gemm_sums_bf16_bias_and_scale_gradients_in_float32():

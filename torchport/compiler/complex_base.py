@@ -9,6 +9,7 @@ The rules live in themed modules (:mod:`~torchport.compiler.complex_elementwise`
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,10 +158,17 @@ def c_add_scaled(e: _Emitter, a: Any, b: Any, alpha_re: Any, alpha_im: Any) -> P
     complex product in which alpha's imaginary part and any known-zero part take part, so
     ``1 + 2·(inf + 0i)`` is inf + NaN i (2·0 + 0·inf) and ``-0 + 1·(-0 - 0i)`` has real part +0,
     as in eager. Known-zero parts count as +0."""
-    pa, pb = _pair(a), _pair(b)
+    pb = _pair(b)
     c, d = (0.0 if pb.re is None else pb.re), (0.0 if pb.im is None else pb.im)
     t_re = e.sub(e.mul(c, alpha_re), e.mul(d, alpha_im))
     t_im = e.add(e.mul(d, alpha_re), e.mul(c, alpha_im))
+    return c_add_product(e, a, t_re, t_im)
+
+
+def c_add_product(e: _Emitter, a: Any, t_re: Any, t_im: Any) -> Pair:
+    """``a + t`` for the product ``t = t_re + t_im·i`` of :func:`c_add_scaled` (or one computed
+    in the node's precision): ``a``'s known-zero parts count as +0, as in ATen's sum."""
+    pa = _pair(a)
     x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
     return Pair(e.add(x, t_re), e.add(y, t_im))
 
@@ -170,6 +178,38 @@ def c_mul(e: _Emitter, a: Any, b: Any) -> Pair:
     re = e.sub(e.mul(pa.re, pb.re), e.mul(pa.im, pb.im))
     im = e.add(e.mul(pa.re, pb.im), e.mul(pa.im, pb.re))
     return Pair(re, im)
+
+
+def c_mul_promoted(e: _Emitter, a: Any, b: Any) -> Pair:
+    """``a·b`` as ATen's complex mul kernel computes it: a real operand is promoted to complex
+    first and its imaginary part +0 takes part in the products, so (inf + 0i)·2 is inf + NaN i
+    (inf·0 + 0·2), (nan + 0i)² is nan + nan i and (-2 + 0i)² is 4 - 0i, as in eager, where
+    :func:`c_mul` leaves those products out (inf + 0i, nan + 0i, 4 + 0i). Each known zero costs
+    one product with 0 and one add, not a full complex product; a square of a real-valued
+    complex costs one op (a·0 + 0·a is a·0)."""
+    pa, pb = _pair(a), _pair(b)
+    if pa.im is not None and pb.im is not None:
+        return c_mul(e, pa, pb)
+    if pa.im is None and pb.im is None:
+        # (a + 0i)(c + 0i) = (ac - 0·0) + (a·0 + 0·c)i, and ac - (+0) is ac for every ac
+        za = e.mul(pa.re, 0.0)
+        return Pair(e.mul(pa.re, pb.re), za if pb.re is pa.re else e.add(za, e.mul(0.0, pb.re)))
+    if pa.im is None:
+        pa, pb = pb, pa  # the product is symmetric, bit for bit (x·c - y·0 is c·x - 0·y)
+    (x, y), c = (pa.re, pa.im), pb.re
+    yz = e.mul(y, 0.0)
+    # x·c - (+0) is x·c (a number y makes one: 1j * x), so only a graph value, -0 or NaN is
+    # subtracted
+    re = (
+        e.mul(x, c)
+        if isinstance(yz, (int, float)) and _is_plus_zero(yz)
+        else e.sub(e.mul(x, c), yz)
+    )
+    return Pair(re, e.add(e.mul(x, 0.0), e.mul(y, c)))
+
+
+def _is_plus_zero(v: float) -> bool:
+    return v == 0 and math.copysign(1.0, v) > 0
 
 
 def c_div(e: _Emitter, a: Any, b: Any) -> Pair:

@@ -304,3 +304,50 @@ def _r_to(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         re = lw.e.call(torch.Tensor.to, x.re, rdt)
         return Pair(re, None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt))
     return lw.e.call(torch.Tensor.to, x.re, val.dtype)  # complex → real keeps the real part
+
+
+def _part_ref(p: Pair) -> Any:
+    """A graph part of ``p`` with its shape (the real part, unless that is a constant)."""
+    return p.re if isinstance(p.re, fx.Node) else p.im
+
+
+@_rule(aten.sym_size.int, aten.sym_numel.default)
+def _r_sym_size(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # under symbolic tracing (make_fx(tracing_mode="symbolic")) a size of a complex tensor is a
+    # node on it; each part has the complex shape, so the size is the part's
+    return lw.e.call(n.target, _part_ref(_pair(a[0])), *a[1:], **kw)
+
+
+@_rule(aten.sym_stride.int)
+def _r_sym_stride(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # a stride of the complex tensor counts complex elements; a part's own stride does not say
+    # it (the real view of an interleaved input has twice the stride, a computed part is laid
+    # out by the compiler), so it is taken from the traced value: a static stride as the number,
+    # a contiguous one as the product of the sizes after that dim (of the part, so symbolic)
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+
+    src = _node_val(n.args[0])
+    dim = a[1]
+    if not isinstance(src, torch.Tensor) or type(dim) is not int:
+        raise ComplexDecompositionError(
+            f"{n.target}: needs the traced complex tensor and an int dim, got {n.args!r}"
+        )
+    dim %= max(src.dim(), 1)
+    stride = src.stride(dim)
+    if is_concrete_int(stride):
+        return int(stride)
+    later = [src.shape[d] for d in range(dim + 1, src.dim())]
+    want = 1
+    for s in later:
+        want = want * s
+    if not statically_known_true(stride == want):
+        raise ComplexDecompositionError(
+            f"{n.target}: a symbolic stride of a complex tensor is computed for a contiguous "
+            f"layout only; dim {dim} has stride {stride} for sizes {tuple(src.shape)}"
+        )
+    ref = _part_ref(_pair(a[0]))
+    out: Any = 1
+    for d in range(dim + 1, src.dim()):
+        size = lw.e.call(aten.sym_size.int, ref, d)
+        out = size if out == 1 else lw.e.call(operator.mul, out, size)
+    return out

@@ -752,8 +752,14 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     a, b, *operands = ctx.saved_tensors
     sp = EpilogueSpec.decode(ctx.spec)
     dt = a.dtype
-    # recompute the chain's intermediate values with ATen ops
-    h = a @ b
+    # recompute the chain's intermediate values with ATen ops, in float32 as the kernels compute
+    # them (a float32 accumulator, the epilogue on it; one rounding at the store): recomputed in
+    # bf16, a bf16 GEMM's product and a float32 bias were rounded to bf16 before a float32
+    # Scale's gradient multiplied by them (its sum was off by the bias's rounding times sum(g)).
+    # For a bf16 GEMM that costs float32 copies of a and b and an M x N float32 product (twice
+    # the bf16 recompute's memory); for a float32 one the casts are no-ops
+    cdt = torch.float32
+    h = a.to(cdt) @ b.to(cdt)
     hs: list[torch.Tensor] = []
     it = iter(operands)
     vals: list[torch.Tensor | None] = []
@@ -770,7 +776,7 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         t = (
             raw
             if op.kind in ("scale_col", "scale_row")
-            else raw.to(dt)
+            else raw.to(cdt)
             if raw is not None and op.kind in ("bias_col", "bias_row", "add")
             else None
         )
@@ -811,12 +817,12 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         elif k == "relu":
             # as eager's relu backward (zero where the input is <= 0): a NaN input passes the
             # gradient (where(x > 0, ...) zeroed it, so a NaN row's grad_a was 0, not g @ b.T)
-            g = torch.ops.aten.threshold_backward(g, x, 0)
+            g = torch.ops.aten.threshold_backward(g.to(cdt), x, 0).to(dt)
         elif k in ("gelu", "gelu_tanh"):
             approx = "none" if k == "gelu" else "tanh"
-            g = torch.ops.aten.gelu_backward(g, x, approximate=approx)
+            g = torch.ops.aten.gelu_backward(g.to(cdt), x, approximate=approx).to(dt)
         else:
-            g = torch.ops.aten.silu_backward(g, x)
+            g = torch.ops.aten.silu_backward(g.to(cdt), x).to(dt)
     grads_ops.reverse()
     ga = g @ b.t() if ctx.needs_input_grad[0] else None
     gb = a.t() @ g if ctx.needs_input_grad[1] else None
