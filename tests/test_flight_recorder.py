@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -24,6 +26,7 @@ from torchport.distributed.flight_recorder import (
     enable_signal_dump,
 )
 from torchport.distributed.fr_analyze import DumpError, analyze, load_dumps
+from torchport.distributed.fr_torch import ExportError, export, to_torch
 
 
 def test_ring_buffer_keeps_newest_and_counts_seq_per_group():
@@ -843,3 +846,144 @@ def test_destroying_the_world_group_by_name_starts_a_new_incarnation(monkeypatch
 
     fr._wrap_destroy(destroy, rec)(world)
     assert rec.incarnations() == {"default": 1}
+
+
+# -- dumps in torch's format, read by torch's own analyzer ---------------------------------------
+
+
+def _torch_fr_trace(folder: Any, *args: str) -> str:
+    """torch's Flight Recorder analyzer (``fr_trace``) on ``folder``: its log (it writes to
+    stderr), after checking that it ended without a traceback."""
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Traceback" not in out, out
+    return out
+
+
+@pytest.mark.parametrize("pair", ["gloo"], indirect=True)
+@pytest.mark.parametrize("plan", ["clean", "mismatch", "hang"])
+def test_torchs_analyzer_reads_exported_dumps(pair, tmp_path, plan):
+    """A 2-rank run recorded by install(), exported with ``torchport fr export``: torch 2.13's
+    analyzer matches every collective of the clean run, names the culprit rank of the size
+    mismatch and the rank missing from the hang's collective (it could read none of our JSON)."""
+    ours, theirs = tmp_path / "ours", tmp_path / "torch"
+    res = pair.call_all([0, 1], "fr_collectives", [(str(ours), plan)] * 2, timeout=30)
+    assert all(s != "no error" for s, _ in res), res
+    assert cli.main(["fr", "export", str(ours), "--to", str(theirs)]) == 0
+    assert sorted(p.name for p in theirs.iterdir()) == ["nccl_trace_rank_0", "nccl_trace_rank_1"]
+    log = _torch_fr_trace(theirs, "-v")
+    if plan == "clean":  # all_reduce, broadcast, all_reduce (sub-group), send, gather, all_reduce
+        assert log.count("pass_check=True") == 6 and "pass_check=False" not in log, log
+        assert "has errors" not in log and "Not all ranks" not in log, log
+    elif plan == "mismatch":
+        assert "Collective sequence number: 3 has errors" in log, log
+        assert "Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH" in log, log
+        assert "does not match found input sizes: '[[8]]'" in log, log
+    else:
+        assert "Not all ranks joining collective, sequence number: 3" in log, log
+        assert "missing ranks: {1}" in log, log
+
+
+def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
+    """Entry by entry: torch's op names, inputs and outputs split as its recorder splits them,
+    c10 dtype names, ids from 1, send / recv in group ranks, and states torch knows."""
+    rec = FlightRecorder(rank=1, world_size=2, dump_dir=tmp_path)
+    x, b = torch.ones(3, 2), torch.ones(4, dtype=torch.bfloat16)
+    rec.groups["default"] = [0, 1]
+
+    def done(op: str, tensors: Any, err: BaseException | None = None) -> None:
+        rec.completed(rec.record(op, "default", tensors), err)
+
+    done("all_gather", [[x, x], x])
+    done("all_gather_into_tensor", [torch.ones(6, 2), x])
+    done("reduce_scatter", [b[:2], [b[:2], b[:2]]])
+    done("gather", [x])
+    done("barrier", [])
+    rec.completed(rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", 0))
+    rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", -1)  # any source
+    done("my_op", [x])  # torch has no such op
+    done("all_reduce", [x], RuntimeError("peer gone"))
+    rec.record("broadcast", "default", [x])  # never started
+    with caplog.at_level("WARNING"):
+        d = to_torch(rec.snapshot(), backend="gloo")
+    assert "a receive from any source" in caplog.text and "torch has no op 'my_op'" in caplog.text
+    assert d["version"] == "2.10" and d["pg_config"] == {
+        "0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}
+    }
+    got = [
+        (
+            e["profiling_name"],
+            e["collective_seq_id"],
+            e["p2p_seq_id"],
+            e["input_sizes"],
+            e["input_dtypes"],
+            e["output_sizes"],
+            e["state"],
+        )
+        for e in d["entries"]
+    ]
+    assert got == [
+        ("gloo:all_gather", 1, 0, [[3, 2]], ["Float"], [[2, 3, 2]], "completed"),
+        ("gloo:_all_gather_base", 2, 0, [[3, 2]], ["Float"], [[6, 2]], "completed"),
+        ("gloo:reduce_scatter", 3, 0, [[2, 2]], ["BFloat16"], [[2]], "completed"),
+        ("gloo:gather", 4, 0, [[3, 2]], ["Float"], [], "completed"),
+        ("gloo:barrier", 5, 0, [], [], [], "completed"),
+        ("gloo:recv 1<-0", 5, 1, [[3, 2]], ["Float"], [[3, 2]], "completed"),
+        # (my_op, left out, took #6 on the group's counter) errored: torch retires it
+        ("gloo:all_reduce", 7, 1, [[3, 2]], ["Float"], [[3, 2]], "completed"),
+        ("gloo:broadcast", 8, 1, [[3, 2]], ["Float"], [[3, 2]], "scheduled"),
+    ], got
+    last = d["entries"][-1]
+    assert last["time_discovered_started_ns"] is None and "duration_ms" not in last
+    assert [e["op_id"] for e in d["entries"]] == list(range(1, 9))
+    assert d["entries"][5]["is_p2p"] and d["entries"][0]["retired"]
+    assert d["pg_status"] == {
+        "0": {
+            "last_enqueued_collective": 8,
+            "last_started_collective": 7,
+            "last_completed_collective": 7,
+        }
+    }
+
+
+def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
+    """dump(format="torch") writes nccl_trace_rank_<r>; an unknown format, a destination that
+    cannot be written and dumps of two jobs are refused with typed errors naming the value."""
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path / "ours")
+    rec.groups["default"] = [0, 1]
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+    p = rec.dump(format="torch")
+    assert p == tmp_path / "ours" / "nccl_trace_rank_0" and p.stat().st_size > 0
+    with pytest.raises(ValueError, match="format must be 'json' or 'torch', got 'pickle'"):
+        rec.dump(format="pickle")
+    src = rec.dump()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ExportError, match="export destination must be a folder"):
+        export(src, blocker)
+    with pytest.raises(ExportError, match="cannot write torch Flight Recorder dump"):
+        export(src, blocker / "sub")  # (a file where a folder must be)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        export(src, tmp_path / "t", backend="mpi")
+    with pytest.raises(DumpError, match="must be an existing file or folder"):
+        export(tmp_path / "nope", tmp_path / "t")
+    other = json.loads(src.read_text())
+    other.update(rank=1, world_size=4)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "rank_1.json").write_text(json.dumps(other))
+    with pytest.raises(ExportError, match=r"different jobs: world_size 2 in .* but 4 in"):
+        export([src, tmp_path / "b"], tmp_path / "t")
+    other.update(world_size=2, groups={"default": [0, 1, 2]})
+    (tmp_path / "b" / "rank_1.json").write_text(json.dumps(other))
+    with pytest.raises(ExportError, match=r"different jobs: group 'default' has ranks \[0, 1\]"):
+        export([src, tmp_path / "b"], tmp_path / "t")
+    with pytest.raises(DumpError, match="two dumps of rank 0"):
+        export([src, src], tmp_path / "t")
+    assert cli.main(["fr", "export", str(src), "--to", str(blocker)]) == 2
+    assert "error: export destination must be a folder" in capsys.readouterr().out
+    assert not (tmp_path / "t").exists()

@@ -384,6 +384,16 @@ def _match_p2p(
 
 def cmd_fr(args: argparse.Namespace) -> int:
     """Flight Recorder tools."""
+    if args.fr_command == "export":
+        from torchport.distributed.fr_torch import export
+
+        try:
+            paths = export(args.src, args.to, backend=args.backend)
+        except (DumpError, ValueError) as e:
+            print(f"error: {e}")
+            return 2
+        print(f"wrote {len(paths)} torch Flight Recorder dump(s) to {args.to}")
+        return 0
     try:
         verdict = analyze(load_dumps(args.dir))
     except DumpError as e:
@@ -404,3 +414,14 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     a.add_argument("dir", help="folder holding rank_<r>.json dumps")
     a.add_argument("--json", action="store_true", help="machine-readable output")
     a.set_defaults(func=cmd_fr)
+    x = fr_sub.add_parser(
+        "export",
+        help="write the dumps in SRC (rank_<r>.json files or folders) in torch's format, for "
+        "python -m torch.distributed.flight_recorder.fr_trace DIR",
+    )
+    x.add_argument("src", nargs="+", help="rank_<r>.json dumps, or folders holding them")
+    x.add_argument("--to", required=True, help="folder for nccl_trace_rank_<r> files")
+    x.add_argument(
+        "--backend", default="nccl", help="prefix of torch's profiling names (nccl, gloo, ...)"
+    )
+    x.set_defaults(func=cmd_fr)
