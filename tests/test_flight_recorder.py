@@ -892,7 +892,7 @@ def test_torchs_analyzer_reads_exported_dumps(pair, tmp_path, plan):
 def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     """Entry by entry: torch's op names, inputs and outputs split as its recorder splits them,
     c10 dtype names, ids from 1, send / recv in group ranks, and states torch knows."""
-    rec = FlightRecorder(rank=1, world_size=2, dump_dir=tmp_path)
+    rec = FlightRecorder(rank=1, world_size=2, dump_dir=tmp_path, record_stack=True)
     x, b = torch.ones(3, 2), torch.ones(4, dtype=torch.bfloat16)
     rec.groups["default"] = [0, 1]
 
@@ -909,8 +909,9 @@ def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     done("my_op", [x])  # torch has no such op
     done("all_reduce", [x], RuntimeError("peer gone"))
     rec.record("broadcast", "default", [x])  # never started
+    snap = rec.snapshot()
     with caplog.at_level("WARNING"):
-        d = to_torch(rec.snapshot(), backend="gloo")
+        d = to_torch(snap, backend="gloo")
     assert "a receive from any source" in caplog.text and "torch has no op 'my_op'" in caplog.text
     assert d["version"] == "2.10" and d["pg_config"] == {
         "0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}
@@ -940,6 +941,11 @@ def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     ], got
     last = d["entries"][-1]
     assert last["time_discovered_started_ns"] is None and "duration_ms" not in last
+    # frames innermost first, as torch captures them (ours are outermost first)
+    ours = [re.search(r", in (\S+)", line)[1] for line in snap["entries"][-1]["stack"]]
+    names = [f["name"] for f in last["frames"]]
+    assert len(ours) > 2 and names == ours[::-1], (names, ours)
+    assert last["frames"][0]["line"].isdigit()
     assert [e["op_id"] for e in d["entries"]] == list(range(1, 9))
     assert d["entries"][5]["is_p2p"] and d["entries"][0]["retired"]
     assert d["pg_status"] == {
@@ -970,6 +976,8 @@ def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
         export(src, blocker / "sub")  # (a file where a folder must be)
     with pytest.raises(ValueError, match="backend must be one of"):
         export(src, tmp_path / "t", backend="mpi")
+    with pytest.raises(ValueError, match="not ending in a digit, got 'rank1'"):
+        export(src, tmp_path / "t", prefix="rank1")  # torch reads the rank from the end
     with pytest.raises(DumpError, match="must be an existing file or folder"):
         export(tmp_path / "nope", tmp_path / "t")
     other = json.loads(src.read_text())

@@ -45,7 +45,7 @@ import logging
 import os
 import pickle
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +162,10 @@ def _numel(shape: list[int]) -> int:
 
 
 def _frames(stack: Any) -> list[dict[str, str]]:
-    """torch's ``frames`` (name, filename, line) from our recorded stack lines."""
+    """torch's ``frames`` (name, filename, line; innermost first, as torch captures them) from
+    our recorded stack (``traceback.format_stack`` lines, outermost first)."""
     out = []
-    for line in stack or ():
+    for line in reversed(stack or ()):
         m = _FRAME.match(line) if isinstance(line, str) else None
         if m:
             out.append({"name": m["name"], "filename": m["file"], "line": m["line"]})
@@ -338,7 +339,7 @@ def write_torch_dump(dump: dict[str, Any], path: str | os.PathLike[str]) -> Path
     return p
 
 
-def _read(sources: Iterable[str | os.PathLike[str]]) -> dict[int, tuple[Path, dict[str, Any]]]:
+def _read(sources: Sequence[str | os.PathLike[str]]) -> dict[int, tuple[Path, dict[str, Any]]]:
     """Our JSON dumps in ``sources`` (files, or folders of ``*.json``), checked, by rank."""
     files: list[Path] = []
     for s in sources:
@@ -399,7 +400,7 @@ def export(
 ) -> list[Path]:
     """Write torch's dump of every rank in ``sources`` (our ``rank_<r>.json`` files, or folders
     of them) as ``<to>/<prefix><rank>``; returns the paths written, by rank."""
-    if not re.fullmatch(r"[\w\-]*\D", prefix or "0"):
+    if not re.fullmatch(r"[\w\-]*[A-Za-z_\-]", prefix):
         # torch finds the rank as the digits at the end of the name
         raise ValueError(
             f"prefix must be letters, digits, '_' or '-' not ending in a digit, got {prefix!r}"
