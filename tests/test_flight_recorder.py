@@ -957,6 +957,29 @@ def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     }
 
 
+def test_a_batch_of_p2p_ops_ends_in_torchs_coalesced_entry(tmp_path):
+    """The ops of a batch_isend_irecv (sharing a p2p seq id) were exported without the
+    ``coalesced`` entry torch's recorder ends a batch with, so torch's analyzer took the next
+    op for part of the batch; the entry follows the batch, in its least advanced state."""
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path)
+    rec.groups["default"] = [0, 1]
+    x = torch.ones(2)
+    seq = rec.next_seq("default", "p2p")
+    rec.completed(rec._new("send", "default", [x.shape], [x.dtype], STARTED, "p2p", 1, seq))
+    rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", 1, seq)  # still running
+    rec.completed(rec._new("send", "default", [x.shape], [x.dtype], STARTED, "p2p", 1))
+    got = [
+        (e["profiling_name"], e["p2p_seq_id"], e["state"], e["input_sizes"])
+        for e in to_torch(rec.snapshot())["entries"]
+    ]
+    assert got == [
+        ("nccl:send 0->1", 1, "completed", [[2]]),
+        ("nccl:recv 0<-1", 1, "started", [[2]]),
+        ("nccl:coalesced", 1, "started", []),
+        ("nccl:send 0->1", 2, "completed", [[2]]),
+    ], got
+
+
 def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
     """dump(format="torch") writes nccl_trace_rank_<r>; an unknown format, a destination that
     cannot be written and dumps of two jobs are refused with typed errors naming the value."""

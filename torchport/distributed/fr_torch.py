@@ -23,6 +23,8 @@ How our entries map onto torch's:
   ``all_gather`` list is one ``[world, *shape]`` output (``reduce_scatter``'s one input); a
   ``gather`` has no outputs and a ``scatter`` no inputs (the root's list is not recorded);
   ``barrier`` has neither. Dtypes are c10's names (``Float``, ``BFloat16``).
+* The ops of a ``batch_isend_irecv`` (which share a ``p2p_seq_id``) are followed by torch's
+  ``"<backend>:coalesced"`` entry, as torch's recorder ends a coalesced batch.
 * ``state``: ``scheduled`` / ``started`` / ``completed`` as ours; an ``errored`` op is
   ``completed`` (torch retires a work that ended in an exception; the error is in our JSON only)
   and an ``unknown`` one (a gloo p2p work dropped without ``wait()``) ``started``.
@@ -320,8 +322,42 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         "comm_lib_version": "",
         "pg_config": config,
         "pg_status": status,
-        "entries": out,
+        "entries": _end_batches(out, backend),
     }
+
+
+_STATE_ORDER = {"scheduled": 0, "started": 1, "completed": 2}
+
+
+def _end_batches(entries: list[dict[str, Any]], backend: str) -> list[dict[str, Any]]:
+    """``entries`` with torch's ``coalesced`` entry after each ``batch_isend_irecv`` (a run of
+    two or more point-to-point ops of one group sharing a ``p2p_seq_id``), as torch's recorder
+    ends a coalesced batch; its analyzer matches the batch's ops up to it. It takes the record
+    id of the batch's last op (ours are numbered already) and the state of its least advanced."""
+    out: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+
+    def close() -> None:
+        if len(run) > 1:
+            end = dict(run[-1], frames=[], profiling_name=f"{backend}:coalesced")
+            end.pop("duration_ms", None)
+            end.update(input_sizes=[], input_dtypes=[], output_sizes=[], output_dtypes=[])
+            least = min(run, key=lambda e: _STATE_ORDER.get(e["state"], 0))
+            for k in ("state", "time_discovered_started_ns", "time_discovered_completed_ns"):
+                end[k] = least[k]
+            end["retired"] = least["state"] == "completed"
+            out.append(end)
+        run.clear()
+
+    for e in entries:
+        key = (e["process_group"], e["p2p_seq_id"])
+        if run and (not e["is_p2p"] or (run[-1]["process_group"], run[-1]["p2p_seq_id"]) != key):
+            close()
+        out.append(e)
+        if e["is_p2p"]:
+            run.append(e)
+    close()
+    return out
 
 
 def write_torch_dump(dump: dict[str, Any], path: str | os.PathLike[str]) -> Path:
