@@ -980,6 +980,26 @@ def test_a_batch_of_p2p_ops_ends_in_torchs_coalesced_entry(tmp_path):
     ], got
 
 
+def test_overlapping_torch_dumps_of_one_rank_do_not_share_a_temporary_file(tmp_path, monkeypatch):
+    """Two dumps of one process (the watchdog's and an error's) wrote the same temporary file
+    (named by pid alone): the first os.replace moved both, the second failed (ExportError)."""
+    from torchport.distributed import fr_torch
+
+    real, calls = os.replace, []
+
+    def replace(src, dst):  # the other dump runs between this one's write and its replace
+        calls.append(src)
+        if len(calls) == 1:
+            fr_torch.write_torch_dump({"entries": [], "n": 2}, dst)
+        real(src, dst)
+
+    monkeypatch.setattr(fr_torch.os, "replace", replace)
+    path = tmp_path / "nccl_trace_rank_0"
+    fr_torch.write_torch_dump({"entries": [], "n": 1}, path)
+    assert len(calls) == 2 and calls[0] != calls[1] and path.stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nccl_trace_rank_0"]
+
+
 def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
     """dump(format="torch") writes nccl_trace_rank_<r>; an unknown format, a destination that
     cannot be written and dumps of two jobs are refused with typed errors naming the value."""

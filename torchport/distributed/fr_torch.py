@@ -47,6 +47,8 @@ import logging
 import os
 import pickle
 import re
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -363,7 +365,8 @@ def _end_batches(entries: list[dict[str, Any]], backend: str) -> list[dict[str, 
 def write_torch_dump(dump: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write torch's dump dict ``dump`` (see :func:`to_torch`) to ``path`` atomically."""
     p = Path(path)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    # (one temporary file per writer: the watchdog, signal and error dumps may overlap)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.{time.time_ns()}.tmp")
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(pickle.dumps(dump, protocol=2))
