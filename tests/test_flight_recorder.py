@@ -162,6 +162,26 @@ def test_the_record_does_not_depend_on_how_tensors_are_passed(monkeypatch):
     assert got == [([[4], [2]], ["float32", "float16"])] * 4
 
 
+def test_the_recorded_stack_ends_at_the_ops_call_site(monkeypatch):
+    """With TORCHPORT_FR_STACK the stack ended one frame early: the function that issued the
+    collective (through an install() wrapper or record()) was never in it."""
+    monkeypatch.setattr(fr, "_group_names", {})
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1, record_stack=True)
+    wrapped = fr._wrap("all_reduce", all_reduce, rec)
+
+    def train_step() -> None:
+        wrapped(torch.ones(1), group=_Group("g"))
+        rec.record("broadcast", "g", [torch.ones(1)])
+
+    train_step()
+    for e in rec.snapshot()["entries"]:
+        assert ", in train_step\n" in e["stack"][-1], e["stack"][-2:]
+
+
 def test_a_scheduled_op_has_no_start_time_until_started():
     rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
     e = rec.record("all_reduce", "g", [torch.ones(2)])

@@ -214,7 +214,9 @@ class FlightRecorder:
         counter, inc = hit
         now = time.time_ns()
         idx = next(self._ids)
-        stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
+        # without this frame and its caller (record() or an install() wrapper): the stack ends
+        # at the op's call site ([:-3] dropped the call site itself)
+        stack = traceback.format_stack(limit=12)[:-2] if self.record_stack else None
         # an op recorded as scheduled has no start time until started() (its dump showed the
         # scheduling time as time_started_ns, an op never handed to the backend as started)
         start = now if state is STARTED else 0
