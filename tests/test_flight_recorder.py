@@ -927,12 +927,18 @@ def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     rec.completed(rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", 0))
     rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", -1)  # any source
     done("my_op", [x])  # torch has no such op
+    done("my_op", [x])
     done("all_reduce", [x], RuntimeError("peer gone"))
     rec.record("broadcast", "default", [x])  # never started
     snap = rec.snapshot()
     with caplog.at_level("WARNING"):
         d = to_torch(snap, backend="gloo")
-    assert "a receive from any source" in caplog.text and "torch has no op 'my_op'" in caplog.text
+    assert "1 entry left out of the torch dump (record ids 6): its peer is not recorded" in (
+        caplog.text
+    )
+    assert "2 entries left out of the torch dump (record ids 7, 8): torch has no op 'my_op'" in (
+        caplog.text
+    )
     assert d["version"] == "2.10" and d["pg_config"] == {
         "0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}
     }
@@ -955,9 +961,9 @@ def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
         ("gloo:gather", 4, 0, [[3, 2]], ["Float"], [], "completed"),
         ("gloo:barrier", 5, 0, [], [], [], "completed"),
         ("gloo:recv 1<-0", 5, 1, [[3, 2]], ["Float"], [[3, 2]], "completed"),
-        # (my_op, left out, took #6 on the group's counter) errored: torch retires it
-        ("gloo:all_reduce", 7, 1, [[3, 2]], ["Float"], [[3, 2]], "completed"),
-        ("gloo:broadcast", 8, 1, [[3, 2]], ["Float"], [[3, 2]], "scheduled"),
+        # (my_op twice, left out, took #6, #7 on the group's counter) errored: torch retires it
+        ("gloo:all_reduce", 8, 1, [[3, 2]], ["Float"], [[3, 2]], "completed"),
+        ("gloo:broadcast", 9, 1, [[3, 2]], ["Float"], [[3, 2]], "scheduled"),
     ], got
     last = d["entries"][-1]
     assert last["time_discovered_started_ns"] is None and "duration_ms" not in last
@@ -970,9 +976,9 @@ def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     assert d["entries"][5]["is_p2p"] and d["entries"][0]["retired"]
     assert d["pg_status"] == {
         "0": {
-            "last_enqueued_collective": 8,
-            "last_started_collective": 7,
-            "last_completed_collective": 7,
+            "last_enqueued_collective": 9,
+            "last_started_collective": 8,
+            "last_completed_collective": 8,
         }
     }
 

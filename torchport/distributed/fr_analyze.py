@@ -407,7 +407,7 @@ def cmd_fr(args: argparse.Namespace) -> int:
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
-    """Add ``torchport fr analyze DIR``."""
+    """Add ``torchport fr analyze DIR`` and ``torchport fr export SRC... --to DIR``."""
     p = sub.add_parser("fr", help="Flight Recorder tools")
     fr_sub = p.add_subparsers(dest="fr_command", required=True)
     a = fr_sub.add_parser("analyze", help="analyze all ranks' Flight Recorder dumps in DIR")

@@ -246,6 +246,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     pg_ids: dict[str, int] = {}
     config: dict[str, dict[str, str]] = {}
     out: list[dict[str, Any]] = []
+    skipped: dict[str, list[Any]] = {}  # why -> the record ids left out for it
     for e in entries:
         group, inc, state = e["group"], e.get("incarnation") or 0, e["state"]
         p2p = e["op"] in ("send", "recv")
@@ -253,9 +254,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         members = sorted(groups.get(group, []))
         why = _left_out(e, name, rank, members)
         if why:
-            _log.warning(
-                "rank %d: entry %s left out of the torch dump: %s", rank, e.get("record_id"), why
-            )
+            skipped.setdefault(why, []).append(e.get("record_id"))
             continue
         assert name is not None  # (_left_out said why otherwise)
         # torch's ids count from 1; our seq ids from 0
@@ -313,6 +312,15 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         out.append(entry)
         if not p2p:
             _note_status(status.setdefault(str(pg_id), {}), coll_seq, torch_state)
+    for why, ids in skipped.items():  # (one line per reason: a dump holds thousands of ops)
+        _log.warning(
+            "rank %d: %d entr%s left out of the torch dump (record ids %s): %s",
+            rank,
+            len(ids),
+            "y" if len(ids) == 1 else "ies",
+            ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else ""),
+            why,
+        )
     # every group of this rank, also one without entries in the window (torch lists each group
     # the rank is a member of)
     for group, members in groups.items():
