@@ -983,6 +983,32 @@ def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     }
 
 
+def test_a_re_created_groups_newest_incarnation_keeps_torchs_name(tmp_path):
+    """The default group re-created: a surviving rank exported its new ops on "0.1" while a
+    restarted rank (incarnation 0 there) exported them on "0", so torch's analyzer saw each
+    rank missing from the other's group. The newest incarnation is "0" on every rank; older
+    ones are "0.<n>"."""
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path)
+    rec.groups["default"] = [0, 1]
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+    world = _Group("0")
+    rec.adopt("default", world)
+    rec.retire("default")
+    rec.groups["default"] = [0, 1]
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+    snap = rec.snapshot()
+    assert [e["incarnation"] for e in snap["entries"]] == [0, 1]
+    d = to_torch(snap)
+    assert [e["process_group"] for e in d["entries"]] == [
+        ("0.0", "default_pg"),
+        ("0", "default_pg"),
+    ]
+    assert [e["collective_seq_id"] for e in d["entries"]] == [1, 1]
+    assert sorted(d["pg_config"]) == ["0", "0.0"]
+    del snap["incarnations"]  # (an older dump: the newest among the entries)
+    assert [e["process_group"][0] for e in to_torch(snap)["entries"]] == ["0.0", "0"]
+
+
 def test_a_batch_of_p2p_ops_ends_in_torchs_coalesced_entry(tmp_path):
     """The ops of a batch_isend_irecv (sharing a p2p seq id) were exported without the
     ``coalesced`` entry torch's recorder ends a batch with, so torch's analyzer took the next

@@ -33,8 +33,10 @@ How our entries map onto torch's:
   default group timeout, ``thread_name`` / ``thread_id`` are empty, ``comm_lib_version`` is empty,
   ``frames`` is empty unless stacks were recorded (``TORCHPORT_FR_STACK=1``).
 * Groups: ``default`` is torch's ``("0", "default_pg")``, any other keeps its name with the
-  description ``"undefined"``; a group re-created under the same name is ``"<name>.<n>"`` from
-  its second incarnation on.
+  description ``"undefined"``. Of a group re-created under the same name, the newest
+  incarnation keeps the name (a restarted rank knows only that one) and the ops of an older
+  one ``n`` are on the group ``"<name>.<n>"`` (with the newest one's members: the older ones'
+  are not kept).
 
 Our JSON stays the default dump format; this module writes pickle and never reads it.
 """
@@ -176,9 +178,12 @@ def _frames(stack: Any) -> list[dict[str, str]]:
     return out
 
 
-def _pg_name(group: str, inc: int) -> str:
+def _pg_name(group: str, inc: int, current: int) -> str:
+    """torch's group name of incarnation ``inc`` of our group ``group`` whose newest
+    incarnation is ``current``: the newest keeps the name (a restarted rank knows only that
+    one, as its incarnation 0), older ones are ``<name>.<inc>``."""
     base = "0" if group == "default" else group
-    return base if inc == 0 else f"{base}.{inc}"
+    return base if inc == current else f"{base}.{inc}"
 
 
 def _pg_id(pg: str, ids: dict[str, int]) -> int:
@@ -232,6 +237,11 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     groups: dict[str, list[int]] = {k: list(v) for k, v in (dump.get("groups") or {}).items()}
     groups.setdefault("default", list(range(world)))
     entries = dump["entries"]
+    # each group's newest incarnation: the dump's (counted at the destroy), else its entries'
+    current: dict[str, int] = {}
+    for e in entries:
+        current[e["group"]] = max(current.get(e["group"], 0), e.get("incarnation") or 0)
+    current.update(dump.get("incarnations") or {})
 
     # the group's count of each kind (collective, p2p) before each entry: the last seq id of
     # that kind seen; before the dump's first one, that entry's own seq id (the buffer wrapped)
@@ -266,7 +276,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         coll_seq, p2p_seq = (other, own) if p2p else (own, other)
         op_id = op_ids.get((group, inc), coll_seq + p2p_seq - 1) + 1
         op_ids[(group, inc)] = op_id
-        pg = _pg_name(group, inc)
+        pg = _pg_name(group, inc, current.get(group, 0))
         pg_id = _pg_id(pg, pg_ids)
         config[pg] = _pg_config(pg, group, members)
         desc = config[pg]["desc"]
@@ -325,7 +335,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     # the rank is a member of)
     for group, members in groups.items():
         if rank in members:
-            pg = _pg_name(group, (dump.get("incarnations") or {}).get(group, 0))
+            pg = _pg_name(group, 0, 0)
             config.setdefault(pg, _pg_config(pg, group, sorted(members)))
     return {
         "version": TORCH_FORMAT_VERSION,
