@@ -909,6 +909,21 @@ def test_torchs_analyzer_reads_exported_dumps(pair, tmp_path, plan):
         assert "missing ranks: {1}" in log, log
 
 
+@pytest.mark.parametrize("pair", ["gloo"], indirect=True)
+def test_torchs_analyzer_matches_a_re_created_groups_ops_across_a_restart(pair, tmp_path):
+    """The default group re-created while rank 1 restarted: torch's analyzer matches the new
+    group's all_reduce and broadcast on both ranks and reports only the old incarnation's ops,
+    which the restarted rank no longer has."""
+    path = tempfile.mkdtemp() + "/s2"
+    ours, theirs = tmp_path / "ours", tmp_path / "torch"
+    res = pair.call_all([0, 1], "fr_restart", [(str(ours), path, "gloo")] * 2, timeout=30)
+    assert all(s == "ok" for s, _ in res), res
+    export(ours, theirs)
+    log = _torch_fr_trace(theirs)
+    assert "group info: 0.0:default_pg" in log and "missing ranks: {1}" in log, log
+    assert "group info: 0:default_pg" not in log, log  # (printed for a failed match only)
+
+
 def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
     """Entry by entry: torch's op names, inputs and outputs split as its recorder splits them,
     c10 dtype names, ids from 1, send / recv in group ranks, and states torch knows."""
