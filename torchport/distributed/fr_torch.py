@@ -14,8 +14,9 @@ How our entries map onto torch's:
   ``_all_gather_base``, ``reduce_scatter_tensor`` ``_reduce_scatter_base``, ``all_to_all_single``
   ``all_to_all``, the fault-tolerance manager's ``allreduce`` ``all_reduce``); a send or receive is
   ``"send <me>-><peer>"`` / ``"recv <me><-<peer>"`` in group ranks, as torch writes them. An op
-  torch has no name for, and a receive from any source (its sender is not recorded), is left out,
-  with a warning: torch's analyzer refuses such an entry.
+  torch has no name for, a receive from any source (its sender is not recorded) and an op of a
+  group whose members were not recorded are left out, with one warning per reason: torch's
+  analyzer refuses such an entry.
 * ``collective_seq_id`` / ``p2p_seq_id`` count from 1 as torch's do (ours count from 0); the other
   kind's counter of an entry is the group's count at that point of the dump (of a dump whose
   buffer wrapped, taken from the next entry of that kind). ``op_id`` counts the group's ops.
@@ -31,7 +32,8 @@ How our entries map onto torch's:
   ``duration_ms`` is present for completed ops only.
 * Not recorded by us, left as torch's recorder would without them: ``timeout_ms`` is torch's
   default group timeout, ``thread_name`` / ``thread_id`` are empty, ``comm_lib_version`` is empty,
-  ``frames`` is empty unless stacks were recorded (``TORCHPORT_FR_STACK=1``).
+  ``frames`` is empty unless stacks were recorded (``TORCHPORT_FR_STACK=1``; innermost first,
+  as torch lists them).
 * Groups: ``default`` is torch's ``("0", "default_pg")``, any other keeps its name with the
   description ``"undefined"``. Of a group re-created under the same name, the newest
   incarnation keeps the name (a restarted rank knows only that one) and the ops of an older
