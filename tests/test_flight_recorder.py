@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -24,6 +26,7 @@ from torchport.distributed.flight_recorder import (
     enable_signal_dump,
 )
 from torchport.distributed.fr_analyze import DumpError, analyze, load_dumps
+from torchport.distributed.fr_torch import ExportError, export, to_torch
 
 
 def test_ring_buffer_keeps_newest_and_counts_seq_per_group():
@@ -157,6 +160,26 @@ def test_the_record_does_not_depend_on_how_tensors_are_passed(monkeypatch):
     wrapped(out, inp, g)
     got = [(e["sizes"], e["dtypes"]) for e in rec.snapshot()["entries"]]
     assert got == [([[4], [2]], ["float32", "float16"])] * 4
+
+
+def test_the_recorded_stack_ends_at_the_ops_call_site(monkeypatch):
+    """With TORCHPORT_FR_STACK the stack ended one frame early: the function that issued the
+    collective (through an install() wrapper or record()) was never in it."""
+    monkeypatch.setattr(fr, "_group_names", {})
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    rec = FlightRecorder(buffer_size=4, rank=0, world_size=1, record_stack=True)
+    wrapped = fr._wrap("all_reduce", all_reduce, rec)
+
+    def train_step() -> None:
+        wrapped(torch.ones(1), group=_Group("g"))
+        rec.record("broadcast", "g", [torch.ones(1)])
+
+    train_step()
+    for e in rec.snapshot()["entries"]:
+        assert ", in train_step\n" in e["stack"][-1], e["stack"][-2:]
 
 
 def test_a_scheduled_op_has_no_start_time_until_started():
@@ -871,3 +894,242 @@ def test_destroying_the_world_group_by_name_starts_a_new_incarnation(monkeypatch
 
     fr._wrap_destroy(destroy, rec)(world)
     assert rec.incarnations() == {"default": 1}
+
+
+# -- dumps in torch's format, read by torch's own analyzer ---------------------------------------
+
+
+def _torch_fr_trace(folder: Any, *args: str) -> str:
+    """torch's Flight Recorder analyzer (``fr_trace``) on ``folder``: its log (it writes to
+    stderr), after checking that it ended without a traceback."""
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Traceback" not in out, out
+    return out
+
+
+@pytest.mark.parametrize("plan", ["clean", "mismatch", "hang"])
+def test_torchs_analyzer_reads_exported_dumps(pair, tmp_path, plan):
+    """A 2-rank run recorded by install(), exported with ``torchport fr export``: torch 2.13's
+    analyzer matches every collective of the clean run, names the culprit rank of the size
+    mismatch (on torchport both ranks' calls errored) and the rank missing from the hang's
+    collective (it could read none of our JSON)."""
+    ours, theirs = tmp_path / "ours", tmp_path / "torch"
+    res = pair.call_all([0, 1], "fr_collectives", [(str(ours), plan)] * 2, timeout=30)
+    assert all(s == "ok" and v != "no error" for s, v in res), res
+    assert cli.main(["fr", "export", str(ours), "--to", str(theirs)]) == 0
+    assert sorted(p.name for p in theirs.iterdir()) == ["nccl_trace_rank_0", "nccl_trace_rank_1"]
+    log = _torch_fr_trace(theirs, "-v")
+    if plan == "clean":  # all_reduce, broadcast, all_reduce (sub-group), send, gather, all_reduce
+        assert log.count("pass_check=True") == 6 and "pass_check=False" not in log, log
+        assert "has errors" not in log and "Not all ranks" not in log, log
+    elif plan == "mismatch":
+        assert "Collective sequence number: 3 has errors" in log, log
+        assert "Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH" in log, log
+        assert "does not match found input sizes: '[[8]]'" in log, log
+    else:
+        assert "Not all ranks joining collective, sequence number: 3" in log, log
+        assert "missing ranks: {1}" in log, log
+
+
+@pytest.mark.parametrize("pair", ["gloo"], indirect=True)
+def test_torchs_analyzer_matches_a_re_created_groups_ops_across_a_restart(pair, tmp_path):
+    """The default group re-created while rank 1 restarted: torch's analyzer matches the new
+    group's all_reduce and broadcast on both ranks and reports only the old incarnation's ops,
+    which the restarted rank no longer has."""
+    path = tempfile.mkdtemp() + "/s2"
+    ours, theirs = tmp_path / "ours", tmp_path / "torch"
+    res = pair.call_all([0, 1], "fr_restart", [(str(ours), path, "gloo")] * 2, timeout=30)
+    assert all(s == "ok" for s, _ in res), res
+    export(ours, theirs)
+    log = _torch_fr_trace(theirs)
+    assert "group info: 0.0:default_pg" in log and "missing ranks: {1}" in log, log
+    assert "group info: 0:default_pg" not in log, log  # (printed for a failed match only)
+
+
+def test_to_torch_maps_ops_sizes_dtypes_and_states(tmp_path, caplog):
+    """Entry by entry: torch's op names, inputs and outputs split as its recorder splits them,
+    c10 dtype names, ids from 1, send / recv in group ranks, and states torch knows."""
+    rec = FlightRecorder(rank=1, world_size=2, dump_dir=tmp_path, record_stack=True)
+    x, b = torch.ones(3, 2), torch.ones(4, dtype=torch.bfloat16)
+    rec.groups["default"] = [0, 1]
+
+    def done(op: str, tensors: Any, err: BaseException | None = None) -> None:
+        rec.completed(rec.record(op, "default", tensors), err)
+
+    done("all_gather", [[x, x], x])
+    done("all_gather_into_tensor", [torch.ones(6, 2), x])
+    done("reduce_scatter", [b[:2], [b[:2], b[:2]]])
+    done("gather", [x])
+    done("barrier", [])
+    rec.completed(rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", 0))
+    rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", -1)  # any source
+    done("my_op", [x])  # torch has no such op
+    done("my_op", [x])
+    done("all_reduce", [x], RuntimeError("peer gone"))
+    rec.record("broadcast", "default", [x])  # never started
+    snap = rec.snapshot()
+    with caplog.at_level("WARNING"):
+        d = to_torch(snap, backend="gloo")
+    assert "1 entry left out of the torch dump (record ids 6): its peer is not recorded" in (
+        caplog.text
+    )
+    assert "2 entries left out of the torch dump (record ids 7, 8): torch has no op 'my_op'" in (
+        caplog.text
+    )
+    assert d["version"] == "2.10" and d["pg_config"] == {
+        "0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}
+    }
+    got = [
+        (
+            e["profiling_name"],
+            e["collective_seq_id"],
+            e["p2p_seq_id"],
+            e["input_sizes"],
+            e["input_dtypes"],
+            e["output_sizes"],
+            e["state"],
+        )
+        for e in d["entries"]
+    ]
+    assert got == [
+        ("gloo:all_gather", 1, 0, [[3, 2]], ["Float"], [[2, 3, 2]], "completed"),
+        ("gloo:_all_gather_base", 2, 0, [[3, 2]], ["Float"], [[6, 2]], "completed"),
+        ("gloo:reduce_scatter", 3, 0, [[2, 2]], ["BFloat16"], [[2]], "completed"),
+        ("gloo:gather", 4, 0, [[3, 2]], ["Float"], [], "completed"),
+        ("gloo:barrier", 5, 0, [], [], [], "completed"),
+        ("gloo:recv 1<-0", 5, 1, [[3, 2]], ["Float"], [[3, 2]], "completed"),
+        # (my_op twice, left out, took #6, #7 on the group's counter) errored: torch retires it
+        ("gloo:all_reduce", 8, 1, [[3, 2]], ["Float"], [[3, 2]], "completed"),
+        ("gloo:broadcast", 9, 1, [[3, 2]], ["Float"], [[3, 2]], "scheduled"),
+    ], got
+    last = d["entries"][-1]
+    assert last["time_discovered_started_ns"] is None and "duration_ms" not in last
+    # frames innermost first, as torch captures them (ours are outermost first)
+    ours = [re.search(r", in (\S+)", line)[1] for line in snap["entries"][-1]["stack"]]
+    names = [f["name"] for f in last["frames"]]
+    assert len(ours) > 2 and names == ours[::-1], (names, ours)
+    assert last["frames"][0]["line"].isdigit()
+    assert [e["op_id"] for e in d["entries"]] == list(range(1, 9))
+    assert d["entries"][5]["is_p2p"] and d["entries"][0]["retired"]
+    assert d["pg_status"] == {
+        "0": {
+            "last_enqueued_collective": 9,
+            "last_started_collective": 8,
+            "last_completed_collective": 8,
+        }
+    }
+
+
+def test_a_re_created_groups_newest_incarnation_keeps_torchs_name(tmp_path):
+    """The default group re-created: a surviving rank exported its new ops on "0.1" while a
+    restarted rank (incarnation 0 there) exported them on "0", so torch's analyzer saw each
+    rank missing from the other's group. The newest incarnation is "0" on every rank; older
+    ones are "0.<n>"."""
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path)
+    rec.groups["default"] = [0, 1]
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+    world = _Group("0")
+    rec.adopt("default", world)
+    rec.retire("default")
+    rec.groups["default"] = [0, 1]
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+    snap = rec.snapshot()
+    assert [e["incarnation"] for e in snap["entries"]] == [0, 1]
+    d = to_torch(snap)
+    assert [e["process_group"] for e in d["entries"]] == [
+        ("0.0", "default_pg"),
+        ("0", "default_pg"),
+    ]
+    assert [e["collective_seq_id"] for e in d["entries"]] == [1, 1]
+    assert sorted(d["pg_config"]) == ["0", "0.0"]
+    del snap["incarnations"]  # (an older dump: the newest among the entries)
+    assert [e["process_group"][0] for e in to_torch(snap)["entries"]] == ["0.0", "0"]
+
+
+def test_a_batch_of_p2p_ops_ends_in_torchs_coalesced_entry(tmp_path):
+    """The ops of a batch_isend_irecv (sharing a p2p seq id) were exported without the
+    ``coalesced`` entry torch's recorder ends a batch with, so torch's analyzer took the next
+    op for part of the batch; the entry follows the batch, in its least advanced state."""
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path)
+    rec.groups["default"] = [0, 1]
+    x = torch.ones(2)
+    seq = rec.next_seq("default", "p2p")
+    rec.completed(rec._new("send", "default", [x.shape], [x.dtype], STARTED, "p2p", 1, seq))
+    rec._new("recv", "default", [x.shape], [x.dtype], STARTED, "p2p", 1, seq)  # still running
+    rec.completed(rec._new("send", "default", [x.shape], [x.dtype], STARTED, "p2p", 1))
+    got = [
+        (e["profiling_name"], e["p2p_seq_id"], e["state"], e["input_sizes"])
+        for e in to_torch(rec.snapshot())["entries"]
+    ]
+    assert got == [
+        ("nccl:send 0->1", 1, "completed", [[2]]),
+        ("nccl:recv 0<-1", 1, "started", [[2]]),
+        ("nccl:coalesced", 1, "started", []),
+        ("nccl:send 0->1", 2, "completed", [[2]]),
+    ], got
+
+
+def test_overlapping_torch_dumps_of_one_rank_do_not_share_a_temporary_file(tmp_path, monkeypatch):
+    """Two dumps of one process (the watchdog's and an error's) wrote the same temporary file
+    (named by pid alone): the first os.replace moved both, the second failed (ExportError)."""
+    from torchport.distributed import fr_torch
+
+    real, calls = os.replace, []
+
+    def replace(src, dst):  # the other dump runs between this one's write and its replace
+        calls.append(src)
+        if len(calls) == 1:
+            fr_torch.write_torch_dump({"entries": [], "n": 2}, dst)
+        real(src, dst)
+
+    monkeypatch.setattr(fr_torch.os, "replace", replace)
+    path = tmp_path / "nccl_trace_rank_0"
+    fr_torch.write_torch_dump({"entries": [], "n": 1}, path)
+    assert len(calls) == 2 and calls[0] != calls[1] and path.stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nccl_trace_rank_0"]
+
+
+def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
+    """dump(format="torch") writes nccl_trace_rank_<r>; an unknown format, a destination that
+    cannot be written and dumps of two jobs are refused with typed errors naming the value."""
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path / "ours")
+    rec.groups["default"] = [0, 1]
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+    p = rec.dump(format="torch")
+    assert p == tmp_path / "ours" / "nccl_trace_rank_0" and p.stat().st_size > 0
+    with pytest.raises(ValueError, match="format must be 'json' or 'torch', got 'pickle'"):
+        rec.dump(format="pickle")
+    src = rec.dump()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ExportError, match="export destination must be a folder"):
+        export(src, blocker)
+    with pytest.raises(ExportError, match="cannot write torch Flight Recorder dump"):
+        export(src, blocker / "sub")  # (a file where a folder must be)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        export(src, tmp_path / "t", backend="mpi")
+    with pytest.raises(ValueError, match="not ending in a digit, got 'rank1'"):
+        export(src, tmp_path / "t", prefix="rank1")  # torch reads the rank from the end
+    with pytest.raises(DumpError, match="must be an existing file or folder"):
+        export(tmp_path / "nope", tmp_path / "t")
+    other = json.loads(src.read_text())
+    other.update(rank=1, world_size=4)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "rank_1.json").write_text(json.dumps(other))
+    with pytest.raises(ExportError, match=r"different jobs: world_size 2 in .* but 4 in"):
+        export([src, tmp_path / "b"], tmp_path / "t")
+    other.update(world_size=2, groups={"default": [0, 1, 2]})
+    (tmp_path / "b" / "rank_1.json").write_text(json.dumps(other))
+    with pytest.raises(ExportError, match=r"different jobs: group 'default' has ranks \[0, 1\]"):
+        export([src, tmp_path / "b"], tmp_path / "t")
+    with pytest.raises(DumpError, match="two dumps of rank 0"):
+        export([src, src], tmp_path / "t")
+    assert cli.main(["fr", "export", str(src), "--to", str(blocker)]) == 2
+    assert "error: export destination must be a folder" in capsys.readouterr().out
+    assert not (tmp_path / "t").exists()

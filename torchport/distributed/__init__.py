@@ -15,6 +15,7 @@ parent's connections.
 
 Fault tolerance lives beside it: :mod:`~torchport.distributed.flight_recorder` (per-op ring buffer
 and dumps, any backend), :mod:`~torchport.distributed.fr_analyze` (``torchport fr analyze``),
+:mod:`~torchport.distributed.fr_torch` (``torchport fr export``: dumps for torch's own analyzer),
 :mod:`~torchport.distributed.reconfigure` (2.14's ``_reconfigure`` API),
 :mod:`~torchport.distributed.window` (one-sided RMA windows) and :mod:`~torchport.distributed.ft`
 (fault-tolerant data-parallel training).

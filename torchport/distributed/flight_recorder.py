@@ -24,7 +24,8 @@ process (any backend; point-to-point ops are recorded in the process group's own
 ``recv`` methods, so also when called on a ``ProcessGroup`` directly), or call
 :meth:`FlightRecorder.record` / :meth:`FlightRecorder.attach` around collectives issued on a raw
 ``ProcessGroup``. ``torchport fr analyze DIR`` (see :mod:`torchport.distributed.fr_analyze`) turns the
-dumps into a plain-words verdict.
+dumps into a plain-words verdict; ``torchport fr export SRC --to DIR`` or ``dump(format="torch")``
+writes them in torch's format, for torch's own analyzer (:mod:`torchport.distributed.fr_torch`).
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ class FlightRecorder:
         counter, inc = hit
         now = time.time_ns()
         idx = next(self._ids)
-        stack = traceback.format_stack(limit=12)[:-3] if self.record_stack else None
+        # without this frame and its caller (record() or an install() wrapper): the stack ends
+        # at the op's call site ([:-3] dropped the call site itself)
+        stack = traceback.format_stack(limit=12)[:-2] if self.record_stack else None
         # an op recorded as scheduled has no start time until started() (its dump showed the
         # scheduling time as time_started_ns, an op never handed to the backend as started)
         start = now if state is STARTED else 0
@@ -451,9 +454,30 @@ class FlightRecorder:
             "entries": out,
         }
 
-    def dump(self, reason: str = "request", path: str | os.PathLike[str] | None = None) -> Path:
-        """Write this rank's dump atomically; returns its path."""
+    def dump(
+        self,
+        reason: str = "request",
+        path: str | os.PathLike[str] | None = None,
+        *,
+        format: str = "json",
+    ) -> Path:
+        """Write this rank's dump atomically; returns its path.
+
+        ``format="json"``: ours, ``rank_<r>.json``; ``"torch"``: the pickle torch's analyzer
+        reads (``torchfrtrace DIR``), ``nccl_trace_rank_<r>`` (see
+        :mod:`torchport.distributed.fr_torch`)."""
+        if format not in ("json", "torch"):
+            raise ValueError(f"format must be 'json' or 'torch', got {format!r}")
         snap = self.snapshot(reason)
+        if format == "torch":
+            from torchport.distributed import fr_torch
+
+            name = f"{fr_torch.DEFAULT_PREFIX}{snap['rank']}"
+            out = fr_torch.write_torch_dump(
+                fr_torch.to_torch(snap), Path(path) if path is not None else self.dump_dir / name
+            )
+            self.dumps += 1
+            return out
         p = Path(path) if path is not None else self.dump_dir / f"rank_{snap['rank']}.json"
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.{time.time_ns()}.tmp")

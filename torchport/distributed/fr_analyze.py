@@ -384,6 +384,16 @@ def _match_p2p(
 
 def cmd_fr(args: argparse.Namespace) -> int:
     """Flight Recorder tools."""
+    if args.fr_command == "export":
+        from torchport.distributed.fr_torch import export
+
+        try:
+            paths = export(args.src, args.to, backend=args.backend)
+        except ValueError as e:  # (DumpError among them)
+            print(f"error: {e}")
+            return 2
+        print(f"wrote {len(paths)} torch Flight Recorder dump(s) to {args.to}")
+        return 0
     try:
         verdict = analyze(load_dumps(args.dir))
     except DumpError as e:
@@ -397,10 +407,21 @@ def cmd_fr(args: argparse.Namespace) -> int:
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
-    """Add ``torchport fr analyze DIR``."""
+    """Add ``torchport fr analyze DIR`` and ``torchport fr export SRC... --to DIR``."""
     p = sub.add_parser("fr", help="Flight Recorder tools")
     fr_sub = p.add_subparsers(dest="fr_command", required=True)
     a = fr_sub.add_parser("analyze", help="analyze all ranks' Flight Recorder dumps in DIR")
     a.add_argument("dir", help="folder holding rank_<r>.json dumps")
     a.add_argument("--json", action="store_true", help="machine-readable output")
     a.set_defaults(func=cmd_fr)
+    x = fr_sub.add_parser(
+        "export",
+        help="write the dumps in SRC (rank_<r>.json files or folders) in torch's format, for "
+        "python -m torch.distributed.flight_recorder.fr_trace DIR",
+    )
+    x.add_argument("src", nargs="+", help="rank_<r>.json dumps, or folders holding them")
+    x.add_argument("--to", required=True, help="folder for nccl_trace_rank_<r> files")
+    x.add_argument(
+        "--backend", default="nccl", help="prefix of torch's profiling names (nccl, gloo, ...)"
+    )
+    x.set_defaults(func=cmd_fr)
