@@ -10,7 +10,10 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
+import pathlib
 import random
+import subprocess
+import sys
 
 import dist_workers as W
 import pytest
@@ -263,6 +266,29 @@ def test_an_op_on_a_destroyed_group_fails_at_once():
     """It used to queue on the stopped engine and never complete (a wait() could run it inline
     on the closed communicator, its arena unmapped)."""
     assert [r["after_close"] for r in gloo_results()] == [["CommAbortedError"] * 3] * 2
+
+
+@pytest.mark.timeout(90)
+def test_importing_torchport_after_init_leaves_destroy_able_to_free_a_gloo_group(tmp_path):
+    """Importing torchport after ``init_process_group`` imported ``torch.distributed.nn``, whose
+    default arguments then held the default group: ``destroy_process_group()`` left a gloo group
+    and its worker threads alive into interpreter exit, where one that still released the last
+    collective's tensors aborted the process ("terminate called without an active exception",
+    1 run in 40 under load). Here the group's threads must be gone after the destroy."""
+    code = (
+        "import glob, torch, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/s', rank=0, world_size=1)\n"
+        "import torchport.distributed\n"
+        "dist.all_reduce(torch.zeros(1))\n"
+        "dist.destroy_process_group()\n"
+        "print(sorted(open(p).read().strip() for p in glob.glob('/proc/self/task/*/comm')))\n"
+    )
+    root = pathlib.Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=80
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gloo" not in proc.stdout, proc.stdout
 
 
 @pytest.mark.timeout(70)
