@@ -116,3 +116,55 @@ def test_captured_quantized_linear_propagates_nan() -> None:
     x[0, 5] = 0.5
     gr.replay()
     assert bool(y.isfinite().all()) and not torch.equal(y, finite)
+
+
+def _with_code(w: torch.Tensor, row: int, col: int, code: int) -> torch.Tensor:
+    w.view(torch.uint8)[row, col] = code
+    return w
+
+
+@pytest.mark.parametrize(
+    ("dtype", "code"),
+    [
+        (torch.float8_e4m3fn, 0x7F),
+        (torch.float8_e4m3fn, 0xFF),
+        (torch.float8_e5m2, 0x7C),
+        (torch.float8_e5m2, 0xFD),
+    ],
+)
+@pytest.mark.parametrize("col", [5, 68], ids=["vector", "tail"])
+def test_fp8_nan_and_inf_weight_codes_decode_as_torch(dtype, code, col) -> None:
+    """E4M3's NaN codes (0x7F/0xFF) and E5M2's infinity/NaN codes in a raw float8 weight give the
+    NaN and infinities torch's cast gives them, in the register decode (col 5) and in the K % 32
+    tail's table decode (col 68); E4M3 0x7F read as 480 (vector) or 0 (tail) before."""
+    from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
+    from torchport.lowp import Float8Tensor
+
+    g = torch.Generator().manual_seed(col + code)
+    w = Float8Tensor.from_float(torch.randn(6, 70, generator=g), dtype, "row")
+    _with_code(w.qdata, 2, col, code)
+    pw = w.gemv_pack()
+    kernels = [gemv_kernel(pw.fmt, ISA)]
+    if pw.fmt == "fp8_e4m3":
+        kernels.append(gemv_fp8_shift_kernel(ISA, 2048))
+    x = torch.randn(2, 70, generator=g).abs()  # one sign: an infinity stays one
+    ref = F.linear(x.double(), w.dequantize().double()).float()
+    assert not bool(ref[:, 2].isfinite().any()) and bool(ref[:, [0, 1, 3]].isfinite().all())
+    for kern in kernels:
+        out = torch.empty(2, 6)
+        gops._launch(kern, x, pw, None, out, 1)
+        _same_pattern(out, ref)
+
+
+@pytest.mark.parametrize("elem", ["fp4_e2m1", "fp8_e4m3", "fp8_e5m2"])
+def test_mx_nan_scale_code_gives_nan(elem) -> None:
+    """The E8M0 NaN code 0xFF gives NaN (torch's e8m0 cast), not the infinity its exponent bits
+    spell, whose products with same-signed weights stayed infinite."""
+    w = MXTensor.from_float(torch.full((3, 64), 0.5), elem)
+    w.scale.view(torch.uint8)[1, 1] = 0xFF
+    pw = w.gemv_pack()
+    x = torch.ones(1, 64)
+    out = torch.empty(1, 3)
+    gops._launch(gemv_kernel(pw.fmt, ISA), x, pw, None, out, 1)
+    assert bool(out[0, 1].isnan()) and bool(out[0, [0, 2]].isfinite().all())
+    assert bool(w.dequantize()[1, 32:].isnan().all())
