@@ -111,6 +111,20 @@ static inline int tp_any_nonfinite(const float *x, int64_t n) {
     }
     return (int)m;
 }
+/* One 32-element activation group to int8 for the int8-activation kernels: codes
+   round_half_even(x * 127 / amax) into q, returns the group scale amax / 127. A group whose amax
+   is below 2^-64 is read times 2^64 (exact), so 127 / amax stays finite (from amax < 3.7e-37 it
+   was infinite, and converting the infinite or NaN products to int8 was undefined: the group
+   gave 0) and the codes are those an unbounded exponent gives; other groups are unchanged. Its
+   scale is then subnormal from amax < 127 * 2^-126, rounded to a multiple of 2^-149. */
+static inline float tp_quant32(const float *p, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
+    const float up = amax < 0x1p-64f ? 0x1p64f : 1.0f;
+    const float inv = amax > 0.0f ? 127.0f / (amax * up) : 0.0f;
+    for (int i = 0; i < 32; ++i) q[i] = (int8_t)nearbyintf(p[i] * up * inv);
+    return amax / 127.0f;
+}
 /* Rows per claim: about chunk_bytes of weights, a multiple of 8 rows; 0 = static split. */
 static inline int64_t tp_chunk_rows(int64_t nt, int64_t row_bytes, int64_t chunk_bytes) {
     if (chunk_bytes <= 0 || nt <= 1) return 0;
@@ -658,14 +672,7 @@ TP_INLINE float tp_e8m0f(uint8_t e) { return TP_E8M0F[e]; }
 
 /* Activations: per 32-element group g, xs = amax / 127 and xq = round_half_even(x / xs). */
 static void tp_quant_x(const float *x, int64_t n, int8_t *xq, float *xs) {
-    for (int64_t g = 0; g < n / 32; ++g) {
-        const float *p = x + g * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
-        float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        xs[g] = s;
-        for (int i = 0; i < 32; ++i) xq[g * 32 + i] = (int8_t)nearbyintf(p[i] * inv);
-    }
+    for (int64_t g = 0; g < n / 32; ++g) xs[g] = tp_quant32(x + g * 32, xq + g * 32);
 }
 
 #if defined(__AVX2__)
