@@ -859,8 +859,9 @@ def _gemv_checked(
     the next call with this weight (only for weights the caller keeps, not per-call packs)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
-    if native.functorch_active():  # torch.func: torch ops (the custom ops have no forward-mode
-        # formula: jvp gave a zero tangent)
+    if native.functorch_active() or native.forward_ad_active():  # torch.func or forward-mode
+        # AD: torch ops (the custom ops have no forward-mode formula: jvp gave a zero tangent, and
+        # a dual input that does not require grad reached the kernel, which dropped it)
         return _func_linear(x, dequantize_packed(pw), bias)
     if _eager(x, bias):
         routes = pw.routes
@@ -902,9 +903,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if callable(pack):  # a quantized weight packs once and keeps its settled routes
         return gemv_packed(x, pack(), bias)
     pw = pack_dense(weight)
-    if native.functorch_active():  # torch.func: torch ops on the weight itself, which may be
-        # what is transformed (the packed copy is detached: grad w.r.t. the weight raised "must
-        # override the setup_context staticmethod" through the op's autograd)
+    if native.functorch_active() or native.forward_ad_active():  # torch.func or forward AD:
+        # torch ops on the weight itself, which may be what is transformed or dual (the packed
+        # copy is detached: grad w.r.t. the weight raised "must override the setup_context
+        # staticmethod" through the op's autograd, and a dual weight's tangent was dropped)
         check_activation(x, pw.k)
         _check_bias(bias, pw.n)
         return _func_linear(x, weight.float(), bias)
@@ -1117,6 +1119,7 @@ def settle_route(
     depth, fmodes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
     functorch = native.functorch_active
     fmode = torch.overrides._get_current_function_mode
+    fwad = torch.autograd.forward_ad  # its dual_level's global, read inline (see forward_ad_active)
 
     def serve(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the route's checks and native.eager_fast_path in one frame (each getter read once)
@@ -1125,6 +1128,8 @@ def settle_route(
         if not x.is_cpu or compiling() or depth() or functorch() or (fmodes() and fmode()):
             return None  # (under torch.func the wrapped x has no data pointer)
         if x.is_neg():  # a lazily negated view: its memory holds the un-negated values
+            return None
+        if fwad._current_level >= 0:  # forward AD: x may carry a tangent the kernel drops
             return None
         if grad_enabled() and (x.requires_grad or (bias0 is not None and bias0.requires_grad)):
             return None

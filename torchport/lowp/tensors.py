@@ -739,6 +739,12 @@ class LowPrecisionTensor(torch.Tensor):
                     if torch.is_grad_enabled():
                         _check_frozen(w)
                     return _FrozenWeightLinear.apply(x, bias, (w,))
+                if native.forward_ad_active():
+                    # a dual input or bias need not require grad, and forward mode ignores the
+                    # grad mode: the Function's jvp, where the kernel dropped the tangent
+                    if torch.is_grad_enabled():
+                        _check_frozen(w)
+                    return _FrozenWeightLinearEager.apply(x, bias, (w,))
                 if not torch.is_grad_enabled():
                     return w.linear(x, bias)
                 _check_frozen(w)
