@@ -306,3 +306,34 @@ def test_weight_quantized_under_inference_mode_differentiates_in_eager_mode_only
     compiled = torch.compile(lambda v: gemv(v, w), backend="aot_eager", fullgraph=True)
     with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
         compiled(torch.randn(1, 64, requires_grad=True)).sum().backward()
+
+
+def test_inference_write_counts_go_with_their_storage() -> None:
+    """``copy_`` into a weight made under ``torch.inference_mode()`` counts the write under its
+    storage's address (for the backward's in-place check); the entry stayed after the weight was
+    gone, so a model reloaded in a loop grew the map by one entry per inner tensor each time."""
+    import gc
+
+    from torchport.gemv import ops as gops
+
+    def written() -> lowp.Float8Tensor:
+        with torch.inference_mode():
+            w = lowp.Float8Tensor.from_float(torch.randn(8, 32), torch.float8_e4m3fn, "row")
+            w.copy_(torch.randn(8, 32))
+        return w
+
+    w = written()
+    keys = [t.untyped_storage().data_ptr() for t in (w.qdata, w.scale)]
+    assert all(gops._INFERENCE_WRITES.get(k) == 1 for k in keys)
+    view = w.qdata[2:]  # a view keeps the storage, and so its count
+    del w
+    gc.collect()
+    assert gops._INFERENCE_WRITES.get(keys[0]) == 1
+    del view
+    gc.collect()
+    assert keys[0] not in gops._INFERENCE_WRITES and keys[1] not in gops._INFERENCE_WRITES
+    before = len(gops._INFERENCE_WRITES)
+    for _ in range(20):
+        written()
+    gc.collect()
+    assert len(gops._INFERENCE_WRITES) == before
