@@ -168,3 +168,48 @@ def test_mx_nan_scale_code_gives_nan(elem) -> None:
     gops._launch(gemv_kernel(pw.fmt, ISA), x, pw, None, out, 1)
     assert bool(out[0, 1].isnan()) and bool(out[0, [0, 2]].isfinite().all())
     assert bool(w.dequantize()[1, 32:].isnan().all())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_nan_scale_code_takes_the_float_kernel(fmt) -> None:
+    """A block scale holding its NaN code (E4M3 0x7F, E8M0 0xFF) gives the row NaN as torch's
+    dequantized F.linear: the int8-activation kernels' register decodes read it as 480 or as
+    infinity (NVFP4's row came out finite), so such a pack leaves them to the float kernel."""
+    from torchport.gemv import gemv
+
+    g = torch.Generator().manual_seed(8)
+    w = _pack(fmt, torch.randn(4, 256, generator=g))  # (a clean weight keeps the int8 kernels)
+    assert w.int8
+    t = (NVFP4Tensor if fmt == "nvfp4" else MXTensor).from_float(torch.randn(4, 256, generator=g))
+    t.scale.view(torch.uint8)[1, 3] = 0x7F if fmt == "nvfp4" else 0xFF
+    assert not t.gemv_pack().int8
+    x = torch.randn(2, 256, generator=g)
+    out = gemv(x, t)
+    assert bool(out[:, 1].isnan().all()) and bool(out[:, [0, 2, 3]].isfinite().all())
+    assert torch.equal(out.isnan(), F.linear(x, t.dequantize()).isnan())
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["plain", "hugepages"])
+def test_mxfp8_e4m3_nan_element_code_gives_its_row_nan(huge, monkeypatch) -> None:
+    """An MX E4M3 element holding 0x7F gives its row NaN as torch's dequantized F.linear (the
+    float kernel's register decode read 480): the pack's own copy of the scales gets the E8M0 NaN
+    code for that block; the tensor's scales and dequantize keep theirs, also where the pack moves
+    to huge pages (which rebinds qdata and scale to the moved buffers of the pack's own)."""
+    from torchport.gemv import gemv
+    from torchport.gemv.hugepages import HUGE
+    from torchport.lowp import tensors
+
+    if huge:
+        monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 256)
+
+    g = torch.Generator().manual_seed(9)
+    t = MXTensor.from_float(torch.randn(4, 128, generator=g), "fp8_e4m3")
+    t.qdata.view(torch.uint8)[2, 70] = 0x7F
+    own = t.scale.clone()
+    x = torch.randn(1, 128, generator=g)
+    out = gemv(x, t)
+    assert bool(out[0, 2].isnan()) and bool(out[0, [0, 1, 3]].isfinite().all())
+    assert torch.equal(t.scale.view(torch.uint8), own.view(torch.uint8))
+    assert int(t.dequantize().isnan().sum()) == 1
+    ptr = t.gemv_pack().data.data_ptr()
+    assert t.qdata.data_ptr() == ptr and (ptr % HUGE == 0) is huge  # (the codes: rebound)

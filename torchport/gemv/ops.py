@@ -67,6 +67,10 @@ class PackedWeight:
     pts: float  # NVFP4 per-tensor scale (1.0 when absent)
     n: int
     k: int
+    # whether the int8-activation kernels may serve (FP4 formats): False for block scales holding
+    # a NaN code, which their register decodes read as finite (E4M3 0x7F as 480, E8M0 0xFF as
+    # infinity) where the float kernel's tables read NaN, as torch
+    int8: bool = True
     # settled eager routes of :func:`gemv_packed` for this weight, by (x dtype, x shape,
     # allow_int8) and, under the key ``allow_int8`` alone, the one the last settled call took;
     # settled from its second eager call on (see :func:`settle_route`; not part of the weight's
@@ -568,7 +572,9 @@ _FP4_INT8 = config.Snapshot("gemv_fp4_int8")
 
 
 def _use_int8(pw: PackedWeight, allow_int8: bool) -> bool:
-    return allow_int8 and pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(_FP4_INT8()[0])
+    return (
+        allow_int8 and pw.int8 and pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(_FP4_INT8()[0])
+    )
 
 
 def native_launch(
