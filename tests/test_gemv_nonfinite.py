@@ -154,6 +154,9 @@ def test_fp8_nan_and_inf_weight_codes_decode_as_torch(dtype, code, col) -> None:
         out = torch.empty(2, 6)
         gops._launch(kern, x, pw, None, out, 1)
         _same_pattern(out, ref)
+    # the pack's NaN row scale is its own: the tensor's scale and dequantize keep their values
+    assert bool(w.scale.isfinite().all())
+    assert int(w.dequantize().isnan().sum()) == int(code in (0x7F, 0xFF, 0xFD))
 
 
 @pytest.mark.parametrize("elem", ["fp4_e2m1", "fp8_e4m3", "fp8_e5m2"])

@@ -1013,7 +1013,9 @@ class Float8Tensor(LowPrecisionTensor):
             # tuned per instruction); torch's cast reads NaN, which makes the row's every
             # product NaN. So a scan, once for this cached pack, gives such rows a NaN row
             # scale: the same NaN outputs, at no cost per call.
-            rs.masked_fill_(_e4m3_nan(data, 1), math.nan)
+            nan_rows = _e4m3_nan(data, 1)
+            if _true(nan_rows.any()):  # out of place: rs may be the tensor's own (N, 1) scale
+                rs = rs.masked_fill(nan_rows, math.nan)
         return PackedWeight(fmt, data, empty, rs, 1.0, n, k)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
