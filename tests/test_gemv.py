@@ -356,6 +356,33 @@ def test_gemv_dense_weight_may_route_to_f_linear(fresh_cache):
         ops._PLANS.clear()
 
 
+@pytest.mark.parametrize(
+    ("xdt", "wdt"), [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+)
+def test_gemv_aten_plan_with_mixed_dtypes_keeps_the_weight_exact(fresh_cache, xdt, wdt):
+    """A dense weight on the ATen plan whose dtype is not the activations': F.linear (which
+    refuses mixed dtypes) ran on the weight cast to x's dtype, so a float32 weight was rounded to
+    bf16. It now computes as the kernels do: float32 products of the exact values, bias added in
+    float32, the result in x's dtype."""
+    from torchport.gemv import ops
+
+    ops._PLANS.clear()
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(600, 512, generator=g) * (1 + 2.0**-12)).to(wdt)  # not bf16 values
+    b = torch.randn(600, generator=g)
+    x = torch.randn(2, 512, generator=g).to(xdt)
+    try:
+        with config.override(max_autotune_gemm_backends="ATEN"):
+            out = gemv(x, w, b)
+            plan = next(p for k, p in ops._PLANS.items() if k[3:5] == (600, 512))
+            assert plan.kernel is None
+        want = F.linear(x.float(), w.float(), b).to(xdt)
+        assert out.dtype == xdt
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    finally:
+        ops._PLANS.clear()
+
+
 # --- settled eager routes (quantized nn.Linear decode) ---------------------------------------------
 
 

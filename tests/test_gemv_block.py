@@ -41,6 +41,30 @@ def _bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_int8_kernels_quantize_tiny_groups(fmt: str) -> None:
+    """Activation groups whose amax is below 127 / FLT_MAX (3.7e-37), subnormal ones included,
+    stay within the int8 bound in every int8-activation kernel: 127 / amax was infinite there
+    (its products' conversion to int8 undefined) and such a group gave 0."""
+    from torchport.gemv.kernels import gemv_i8_kernel
+
+    g = torch.Generator().manual_seed(11)
+    pw = _pack(fmt, torch.randn(5, 256, generator=g))
+    x = torch.randn(2, 256, generator=g)
+    x[0] *= 1e-38
+    x[1] *= 1e-39
+    x[1, 32:64] *= 1e-2  # a subnormal group
+    wd = gops.dequantize_packed(pw)
+    ref = gops.gemv_reference(x.double(), wd)
+    # a subnormal group scale amax / 127 is rounded to a multiple of 2^-149
+    tol = _bound(x, wd) * 1.001 + wd.double().abs().sum(1) * 127 * 2.0**-149
+    isa = native.cpu_info().isa
+    for kern in (gemv_i8_kernel, gemv_fp4_pair_kernel, gemv_fp4_block_kernel):
+        out = _run(kern(fmt, isa), x, pw, threads=1)
+        assert bool(((out.double() - ref).abs() <= tol).all()), kern.__name__
+        assert bool((out != 0).all())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(("n", "k"), [(1, 128), (7, 384), (130, 4096)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])  # from 4 rows: two weight rows at once
 def test_block_kernel_matches_pair_kernel_and_bound(fmt: str, n: int, k: int, rows: int) -> None:

@@ -68,19 +68,24 @@ def test_every_e4m3_code_decodes_exactly() -> None:
     different order: a one-hot activation at K position j reads back column j's codes decoded
     (times the row scale) exactly, which checks the tables, the sign and where each weight meets
     its activation (positions in all four 128-bit lanes, both halves of a line, the masked tail
-    of K = 100)."""
+    of K = 100). The NaN codes 0x7F/0xFF, which make a row's every product NaN (as in torch: NaN
+    times 0 is NaN), stand in for code 0 there; then one of each, in the lines and in the tail,
+    gives its row NaN."""
     k = 100
     idx = (torch.arange(256)[:, None] + 37 * torch.arange(k)[None, :]) % 256
+    idx = idx.masked_fill((idx & 0x7F) == 0x7F, 0)
     data = idx.to(torch.int32).to(torch.uint8).contiguous()
     rowscale = torch.full((256,), 0.5)
     empty = torch.empty(0, dtype=torch.uint8)
     pw = gops.PackedWeight("fp8_e4m3", data, empty, rowscale, 1.0, 256, k)
     table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    table = table.nan_to_num(nan=0.0)
     for j in (0, 7, 8, 15, 16, 31, 33, 47, 56, 63, 64, 70, 99):
         x = torch.zeros(1, k)
         x[0, j] = 1.0
         assert torch.equal(_run(x, pw)[0], table[idx[:, j]] * 0.5), j
+    data[3, 40], data[9, 97] = 0x7F, 0xFF
+    out = _run(torch.ones(1, k), pw)[0]
+    assert bool(out[[3, 9]].isnan().all()) and int(out.isnan().sum()) == 2
 
 
 def test_float_activations_are_refused() -> None:

@@ -116,3 +116,103 @@ def test_captured_quantized_linear_propagates_nan() -> None:
     x[0, 5] = 0.5
     gr.replay()
     assert bool(y.isfinite().all()) and not torch.equal(y, finite)
+
+
+def _with_code(w: torch.Tensor, row: int, col: int, code: int) -> torch.Tensor:
+    w.view(torch.uint8)[row, col] = code
+    return w
+
+
+@pytest.mark.parametrize(
+    ("dtype", "code"),
+    [
+        (torch.float8_e4m3fn, 0x7F),
+        (torch.float8_e4m3fn, 0xFF),
+        (torch.float8_e5m2, 0x7C),
+        (torch.float8_e5m2, 0xFD),
+    ],
+)
+@pytest.mark.parametrize("col", [5, 68], ids=["vector", "tail"])
+def test_fp8_nan_and_inf_weight_codes_decode_as_torch(dtype, code, col) -> None:
+    """E4M3's NaN codes (0x7F/0xFF) and E5M2's infinity/NaN codes in a raw float8 weight give the
+    NaN and infinities torch's cast gives them, in the register decode (col 5) and in the K % 32
+    tail's table decode (col 68); E4M3 0x7F read as 480 (vector) or 0 (tail) before."""
+    from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
+    from torchport.lowp import Float8Tensor
+
+    g = torch.Generator().manual_seed(col + code)
+    w = Float8Tensor.from_float(torch.randn(6, 70, generator=g), dtype, "row")
+    _with_code(w.qdata, 2, col, code)
+    pw = w.gemv_pack()
+    kernels = [gemv_kernel(pw.fmt, ISA)]
+    if pw.fmt == "fp8_e4m3":
+        kernels.append(gemv_fp8_shift_kernel(ISA, 2048))
+    x = torch.randn(2, 70, generator=g).abs()  # one sign: an infinity stays one
+    ref = F.linear(x.double(), w.dequantize().double()).float()
+    assert not bool(ref[:, 2].isfinite().any()) and bool(ref[:, [0, 1, 3]].isfinite().all())
+    for kern in kernels:
+        out = torch.empty(2, 6)
+        gops._launch(kern, x, pw, None, out, 1)
+        _same_pattern(out, ref)
+    # the pack's NaN row scale is its own: the tensor's scale and dequantize keep their values
+    assert bool(w.scale.isfinite().all())
+    assert int(w.dequantize().isnan().sum()) == int(code in (0x7F, 0xFF, 0xFD))
+
+
+@pytest.mark.parametrize("elem", ["fp4_e2m1", "fp8_e4m3", "fp8_e5m2"])
+def test_mx_nan_scale_code_gives_nan(elem) -> None:
+    """The E8M0 NaN code 0xFF gives NaN (torch's e8m0 cast), not the infinity its exponent bits
+    spell, whose products with same-signed weights stayed infinite."""
+    w = MXTensor.from_float(torch.full((3, 64), 0.5), elem)
+    w.scale.view(torch.uint8)[1, 1] = 0xFF
+    pw = w.gemv_pack()
+    x = torch.ones(1, 64)
+    out = torch.empty(1, 3)
+    gops._launch(gemv_kernel(pw.fmt, ISA), x, pw, None, out, 1)
+    assert bool(out[0, 1].isnan()) and bool(out[0, [0, 2]].isfinite().all())
+    assert bool(w.dequantize()[1, 32:].isnan().all())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_nan_scale_code_takes_the_float_kernel(fmt) -> None:
+    """A block scale holding its NaN code (E4M3 0x7F, E8M0 0xFF) gives the row NaN as torch's
+    dequantized F.linear: the int8-activation kernels' register decodes read it as 480 or as
+    infinity (NVFP4's row came out finite), so such a pack leaves them to the float kernel."""
+    from torchport.gemv import gemv
+
+    g = torch.Generator().manual_seed(8)
+    w = _pack(fmt, torch.randn(4, 256, generator=g))  # (a clean weight keeps the int8 kernels)
+    assert w.int8
+    t = (NVFP4Tensor if fmt == "nvfp4" else MXTensor).from_float(torch.randn(4, 256, generator=g))
+    t.scale.view(torch.uint8)[1, 3] = 0x7F if fmt == "nvfp4" else 0xFF
+    assert not t.gemv_pack().int8
+    x = torch.randn(2, 256, generator=g)
+    out = gemv(x, t)
+    assert bool(out[:, 1].isnan().all()) and bool(out[:, [0, 2, 3]].isfinite().all())
+    assert torch.equal(out.isnan(), F.linear(x, t.dequantize()).isnan())
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["plain", "hugepages"])
+def test_mxfp8_e4m3_nan_element_code_gives_its_row_nan(huge, monkeypatch) -> None:
+    """An MX E4M3 element holding 0x7F gives its row NaN as torch's dequantized F.linear (the
+    float kernel's register decode read 480): the pack's own copy of the scales gets the E8M0 NaN
+    code for that block; the tensor's scales and dequantize keep theirs, also where the pack moves
+    to huge pages (which rebinds qdata and scale to the moved buffers of the pack's own)."""
+    from torchport.gemv import gemv
+    from torchport.gemv.hugepages import HUGE
+    from torchport.lowp import tensors
+
+    if huge:
+        monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 256)
+
+    g = torch.Generator().manual_seed(9)
+    t = MXTensor.from_float(torch.randn(4, 128, generator=g), "fp8_e4m3")
+    t.qdata.view(torch.uint8)[2, 70] = 0x7F
+    own = t.scale.clone()
+    x = torch.randn(1, 128, generator=g)
+    out = gemv(x, t)
+    assert bool(out[0, 2].isnan()) and bool(out[0, [0, 1, 3]].isfinite().all())
+    assert torch.equal(t.scale.view(torch.uint8), own.view(torch.uint8))
+    assert int(t.dequantize().isnan().sum()) == 1
+    ptr = t.gemv_pack().data.data_ptr()
+    assert t.qdata.data_ptr() == ptr and (ptr % HUGE == 0) is huge  # (the codes: rebound)

@@ -220,6 +220,34 @@ def test_jvp_through_a_quantized_linear_module() -> None:
     torch.testing.assert_close(h, 2 * wd.T @ wd)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_eager_forward_ad_through_a_quantized_linear(grad) -> None:
+    """Eager ``torch.autograd.forward_ad`` with a dual input whose primal does not require grad
+    and no bias that does (forward mode ignores the grad mode): F.linear, its settled route and
+    gemv reached the kernel, which dropped the tangent (None)."""
+    import torch.autograd.forward_ad as fwad
+
+    from torchport.gemv import gemv
+
+    torch.manual_seed(6)
+    w = lowp.Float8Tensor.from_float(torch.randn(16, 64), torch.float8_e4m3fn, "row")
+    wd = w.dequantize()
+    x, t, b, bt = torch.randn(1, 64), torch.randn(1, 64), torch.randn(16), torch.randn(16)
+    for _ in range(3):  # settle the decode route for this input
+        torch.nn.functional.linear(x, w)
+    with fwad.dual_level(), torch.set_grad_enabled(grad):
+        for f in (torch.nn.functional.linear, gemv):
+            out, tan = fwad.unpack_dual(f(fwad.make_dual(x, t), w))
+            torch.testing.assert_close(out, x @ wd.T)
+            torch.testing.assert_close(tan, t @ wd.T)
+            tan = fwad.unpack_dual(f(x, w, fwad.make_dual(b, bt))).tangent
+            torch.testing.assert_close(tan, bt.expand(1, 16))
+        # a dense weight's own tangent (gemv packed a detached copy)
+        wt = torch.randn(16, 64)
+        tan = fwad.unpack_dual(gemv(x, fwad.make_dual(wd, wt))).tangent
+        torch.testing.assert_close(tan, x @ wt.T)
+
+
 @pytest.mark.parametrize("rows", [1, 20])
 def test_copy_into_the_weight_between_forward_and_backward_raises(rows) -> None:
     """``F.linear`` with a quantized weight, then ``w.copy_(new)``, then the backward: raises as
@@ -278,3 +306,34 @@ def test_weight_quantized_under_inference_mode_differentiates_in_eager_mode_only
     compiled = torch.compile(lambda v: gemv(v, w), backend="aot_eager", fullgraph=True)
     with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
         compiled(torch.randn(1, 64, requires_grad=True)).sum().backward()
+
+
+def test_inference_write_counts_go_with_their_storage() -> None:
+    """``copy_`` into a weight made under ``torch.inference_mode()`` counts the write under its
+    storage's address (for the backward's in-place check); the entry stayed after the weight was
+    gone, so a model reloaded in a loop grew the map by one entry per inner tensor each time."""
+    import gc
+
+    from torchport.gemv import ops as gops
+
+    def written() -> lowp.Float8Tensor:
+        with torch.inference_mode():
+            w = lowp.Float8Tensor.from_float(torch.randn(8, 32), torch.float8_e4m3fn, "row")
+            w.copy_(torch.randn(8, 32))
+        return w
+
+    w = written()
+    keys = [t.untyped_storage().data_ptr() for t in (w.qdata, w.scale)]
+    assert all(gops._INFERENCE_WRITES.get(k) == 1 for k in keys)
+    view = w.qdata[2:]  # a view keeps the storage, and so its count
+    del w
+    gc.collect()
+    assert gops._INFERENCE_WRITES.get(keys[0]) == 1
+    del view
+    gc.collect()
+    assert keys[0] not in gops._INFERENCE_WRITES and keys[1] not in gops._INFERENCE_WRITES
+    before = len(gops._INFERENCE_WRITES)
+    for _ in range(20):
+        written()
+    gc.collect()
+    assert len(gops._INFERENCE_WRITES) == before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -267,6 +269,26 @@ def test_dequantize_checks_the_scale_dtype(native_kernel):
     assert torch.equal(nvfp4.nvfp4_dequantize(q, s.view(torch.uint8), **kw), ref)
     ref = mx.mx_dequantize(qm, sm, **kw)
     assert torch.equal(mx.mx_dequantize(qm, sm.view(torch.float8_e8m0fnu), **kw), ref)
+
+
+@pytest.mark.parametrize("native_kernel", [False, True], ids=["ref", "native"])
+def test_dequantize_reads_nan_and_inf_codes_as_torch(native_kernel):
+    # the native kernel read an E4M3 scale 0x7F as 480 and E5M2 infinity/NaN codes as finite
+    kw = {"native_kernel": native_kernel}
+    q, s = nvfp4.nvfp4_quantize(torch.randn(2, 32))
+    s = s.clone()
+    s.view(torch.uint8)[1, 0] = 0x7F
+    out = nvfp4.nvfp4_dequantize(q, s, **kw)
+    assert bool(out[1, :16].isnan().all()) and bool(out[1, 16:].isfinite().all())
+    for elem, codes, want in (
+        ("fp8_e4m3", (0x7F, 0xFF), (math.nan, math.nan)),
+        ("fp8_e5m2", (0x7C, 0xFC, 0x7E), (math.inf, -math.inf, math.nan)),
+    ):
+        qm, sm = mx.mx_quantize(torch.ones(1, 32), elem)
+        qm = qm.clone()
+        qm.view(torch.uint8)[0, : len(codes)] = torch.tensor(codes, dtype=torch.uint8)
+        got = mx.mx_dequantize(qm, sm, elem, **kw)[0, : len(codes)]
+        torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=0, equal_nan=True)
 
 
 def test_missing_compiler_falls_back_to_reference(monkeypatch):

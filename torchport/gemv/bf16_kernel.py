@@ -495,14 +495,14 @@ def _float_kernel_source() -> str:
 def _e4m3_bf16_bytes() -> tuple[str, str]:
     """The vpermi2b tables of the E4M3 decode: for each 7-bit magnitude code, the high byte (sign
     bit clear) and the low byte of its value as bf16 (exact: every E4M3 value is a normal bf16
-    number), the NaN code as the float kernel's table has it (0)."""
+    number), the NaN code as the float kernel's table has it (NaN: 0x7FC0, whose products are NaN)."""
     import torch
 
     from torchport.gemv.kernels import e4m3_values
 
     vals = e4m3_values()[:128]
     b16 = vals.bfloat16()
-    if not torch.equal(b16.float(), vals):
+    if not torch.allclose(b16.float(), vals, rtol=0.0, atol=0.0, equal_nan=True):
         raise RuntimeError("an E4M3 value is not exact in bf16")
     bits = b16.view(torch.int16).to(torch.int32) & 0xFFFF
     hi = ", ".join(str(int(b) >> 8) for b in bits)
@@ -532,7 +532,7 @@ def gemv_bf16_dp_kernel(
     for two to four activation rows, E4M3 weights from one (default :data:`XBLOCK_BYTES`, E4M3
     :data:`FP8_XBLOCK_BYTES`; 0: K in one piece). Raises
     ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16."""
-    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, check_hint
+    from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, _e8m0_table, check_hint
     from torchport.gemv.kernels import XBLOCK_BYTES as FLOAT_XBLOCK_BYTES
 
     check_hint(hint)
@@ -561,6 +561,7 @@ def gemv_bf16_dp_kernel(
     if not fp8:  # bf16 weights: the float kernel serves float32 activations (its parameters)
         params.update(
             e4m3_table=_e4m3_table(),
+            e8m0_table=_e8m0_table(),
             fmt="bf16",
             prefetch=FLOAT_PREFETCH,
             rows4=0,

@@ -89,11 +89,7 @@ static void tp_prep_x(const float *x, int64_t K, float fold, int8_t *xr, int32_t
     for (int64_t c = 0; c < K / 64; ++c) {
         int8_t q[64];
         for (int h = 0; h < 2; ++h) {
-            const float *p = x + c * 64 + h * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
-            float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < 32; ++i) q[h * 32 + i] = (int8_t)nearbyintf(p[i] * inv);
+            const float s = tp_quant32(x + c * 64 + h * 32, q + h * 32);
             for (int l = 0; l < 4; ++l) xsv[c * 8 + h * 4 + l] = s * fold;
         }
         for (int j = 0; j < 32; ++j) { xr[c * 64 + j] = q[2 * j]; xr[c * 64 + 32 + j] = q[2 * j + 1]; }
@@ -287,14 +283,7 @@ _BLOCK_SOURCE = r"""
 /* One 128-chunk of an activation row quantized to int8: per 32 elements, scale amax / 127 and
    round half to even (the pair-split kernel's quantization). */
 static void tp_quant128(const float *x, int8_t *q, float *s) {
-    for (int g = 0; g < 4; ++g) {
-        const float *p = x + g * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
-        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        s[g] = amax / 127.0f;
-        for (int i = 0; i < 32; ++i) q[g * 32 + i] = (int8_t)nearbyintf(p[i] * inv);
-    }
+    for (int g = 0; g < 4; ++g) s[g] = tp_quant32(x + g * 32, q + g * 32);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)

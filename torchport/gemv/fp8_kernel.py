@@ -39,7 +39,9 @@ up to float32 summation order (the same tolerance, :func:`torchport.gemv.gemv_re
 Subnormal operands are only the rare subnormal weight codes. The kernel clears the MXCSR
 denormals-are-zero / flush-to-zero bits in each of its threads for the call (``torch.set_flush_
 denormal(True)`` would otherwise read subnormal codes as zero) and restores them. E4M3's NaN codes
-(0x7F/0xFF) decode to finite values, as in the float kernel: quantized data never holds them.
+(0x7F/0xFF) decode to finite values in registers, as in the float kernel (quantized data never
+holds them; a cached ``Float8Tensor`` pack gives a row holding one a NaN row scale, so its output
+is NaN as torch's); the tail's table decode reads them as NaN.
 At ``isa="avx512"`` the same decode runs on 512-bit vectors: 64 weights (one cache line, loaded
 as two 256-bit halves) per eleven instructions, the activations permuted per 64 (byte ``4l + j``
 ↔ vector ``j`` lane ``l``, ``l`` < 16). Kernel-level A/B in one process (one thread, thread CPU

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
@@ -110,6 +111,20 @@ static inline int tp_any_nonfinite(const float *x, int64_t n) {
     }
     return (int)m;
 }
+/* One 32-element activation group to int8 for the int8-activation kernels: codes
+   round_half_even(x * 127 / amax) into q, returns the group scale amax / 127. A group whose amax
+   is below 2^-64 is read times 2^64 (exact), so 127 / amax stays finite (from amax < 3.7e-37 it
+   was infinite, and converting the infinite or NaN products to int8 was undefined: the group
+   gave 0) and the codes are those an unbounded exponent gives; other groups are unchanged. Its
+   scale is then subnormal from amax < 127 * 2^-126, rounded to a multiple of 2^-149. */
+static inline float tp_quant32(const float *p, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
+    const float up = amax < 0x1p-64f ? 0x1p64f : 1.0f;
+    const float inv = amax > 0.0f ? 127.0f / (amax * up) : 0.0f;
+    for (int i = 0; i < 32; ++i) q[i] = (int8_t)nearbyintf(p[i] * up * inv);
+    return amax / 127.0f;
+}
 /* Rows per claim: about chunk_bytes of weights, a multiple of 8 rows; 0 = static split. */
 static inline int64_t tp_chunk_rows(int64_t nt, int64_t row_bytes, int64_t chunk_bytes) {
     if (chunk_bytes <= 0 || nt <= 1) return 0;
@@ -169,25 +184,36 @@ static inline int64_t tp_next_group(int64_t n1, int64_t hi, int64_t kr, int64_t 
 
 
 def e4m3_values() -> torch.Tensor:
-    """The float32 value of every E4M3 code 0..255 as the decoding kernels have it: the NaN codes
-    (0x7F/0xFF, which never occur in quantized data) as zero."""
-    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    return torch.nan_to_num(vals, nan=0.0)
+    """The float32 value of every E4M3 code 0..255 as the decoding kernels' tables have it: torch's,
+    the NaN codes 0x7F/0xFF included (quantized data never holds them, but a raw float8 weight
+    can, and torch's cast of it gives NaN)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def _e4m3_table() -> str:
-    return ", ".join(f"{v.item()!r}f" for v in e4m3_values())
+    return ", ".join("NAN" if v != v else f"{v!r}f" for v in e4m3_values().tolist())
+
+
+def _e8m0_table() -> str:
+    """Every E8M0 scale byte's value as a C initializer: ``2**(e - 127)`` as exact hexadecimal
+    literals (``e = 0`` is the subnormal ``2**-127``), the NaN code 0xFF as ``NAN``."""
+    vals = [math.ldexp(1.0, e - 127) for e in range(255)]
+    return ", ".join([f"{v.hex()}f" for v in vals] + ["NAN"])
 
 
 _SOURCE = r"""
 static const float TP_E4M3F[256] = { ${e4m3_table} };
+static const float TP_E8M0F[256] = { ${e8m0_table} };
 static const float TP_E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 TP_INLINE float tp_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-TP_INLINE float tp_e8m0f(uint8_t e) { return e ? tp_f((uint32_t)e << 23) : tp_f(0x00400000u); }
+/* 2^(e - 127), 0xFF NaN: one load, where the shift and the test for e = 0 were three operations
+   and read 0xFF as infinity */
+TP_INLINE float tp_e8m0f(uint8_t e) { return TP_E8M0F[e]; }
+/* E5M2 is the top byte of an IEEE half: exponent 31 is infinity (m = 0) or NaN, as in float32 */
 TP_INLINE float tp_e5m2f(uint8_t b) {
     uint32_t e = (b >> 2) & 31u, m = b & 3u;
-    float v = e ? tp_f(((e + 112u) << 23) | (m << 21)) : (float)m * (1.0f / 65536.0f);
+    float v = e ? tp_f(((e == 31u ? 255u : e + 112u) << 23) | (m << 21)) : (float)m * (1.0f / 65536.0f);
     return (b & 0x80u) ? -v : v;
 }
 
@@ -577,6 +603,7 @@ def gemv_kernel(
     src = native.render(
         SCHED_C + _SOURCE + BF16IO_C,
         e4m3_table=_e4m3_table(),
+        e8m0_table=_e8m0_table(),
         fmt=fmt,
         prefetch=prefetch,
         rows4=rows4,
@@ -636,20 +663,16 @@ class GemvKernel(Kernel):
 _I8_SOURCE = r"""
 #include <stdlib.h>
 static const float TP_E4M3F[256] = { ${e4m3_table} };
+static const float TP_E8M0F[256] = { ${e8m0_table} };
 #define FMT_${fmt} 1
 TP_INLINE float tp_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-TP_INLINE float tp_e8m0f(uint8_t e) { return e ? tp_f((uint32_t)e << 23) : tp_f(0x00400000u); }
+/* 2^(e - 127), 0xFF NaN: one load, where the shift and the test for e = 0 were three operations
+   and read 0xFF as infinity */
+TP_INLINE float tp_e8m0f(uint8_t e) { return TP_E8M0F[e]; }
 
 /* Activations: per 32-element group g, xs = amax / 127 and xq = round_half_even(x / xs). */
 static void tp_quant_x(const float *x, int64_t n, int8_t *xq, float *xs) {
-    for (int64_t g = 0; g < n / 32; ++g) {
-        const float *p = x + g * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
-        float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        xs[g] = s;
-        for (int i = 0; i < 32; ++i) xq[g * 32 + i] = (int8_t)nearbyintf(p[i] * inv);
-    }
+    for (int64_t g = 0; g < n / 32; ++g) xs[g] = tp_quant32(x + g * 32, xq + g * 32);
 }
 
 #if defined(__AVX2__)
@@ -845,6 +868,7 @@ def gemv_i8_kernel(
     src = native.render(
         SCHED_C + _I8_SOURCE + BF16IO_C,
         e4m3_table=_e4m3_table(),
+        e8m0_table=_e8m0_table(),
         fmt=fmt,
         prefetch=prefetch,
         rows4=rows4,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -66,6 +67,10 @@ class PackedWeight:
     pts: float  # NVFP4 per-tensor scale (1.0 when absent)
     n: int
     k: int
+    # whether the int8-activation kernels may serve (FP4 formats): False for block scales holding
+    # a NaN code, which their register decodes read as finite (E4M3 0x7F as 480, E8M0 0xFF as
+    # infinity) where the float kernel's tables read NaN, as torch
+    int8: bool = True
     # settled eager routes of :func:`gemv_packed` for this weight, by (x dtype, x shape,
     # allow_int8) and, under the key ``allow_int8`` alone, the one the last settled call took;
     # settled from its second eager call on (see :func:`settle_route`; not part of the weight's
@@ -567,7 +572,9 @@ _FP4_INT8 = config.Snapshot("gemv_fp4_int8")
 
 
 def _use_int8(pw: PackedWeight, allow_int8: bool) -> bool:
-    return allow_int8 and pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(_FP4_INT8()[0])
+    return (
+        allow_int8 and pw.int8 and pw.fmt in I8_FORMATS and pw.k % 32 == 0 and bool(_FP4_INT8()[0])
+    )
 
 
 def native_launch(
@@ -626,8 +633,13 @@ def _run(
         native.note_fallback("gemv", e)
         return _aten_fallback(xf, pw, b).reshape(out_shape).to(x.dtype)
     if plan.kernel is None:  # F.linear won the tuning (dense weights only)
+        if x.dtype != pw.data.dtype:  # (F.linear refuses mixed dtypes) as the kernels compute:
+            # float32 products of the exact values, the result in x's dtype; the weight cast to
+            # x's dtype rounded a float32 weight to bf16 (and copied it on every call)
+            out = torch.nn.functional.linear(xf, pw.data.float(), b)
+            return out.reshape(out_shape).to(x.dtype)
         bx = bias.to(x.dtype) if bias is not None else None
-        return torch.nn.functional.linear(x, pw.data.to(x.dtype), bx)
+        return torch.nn.functional.linear(x, pw.data, bx)
     out = torch.empty(out_shape, dtype=torch.float32)
     kern = plan.kernel
     plan.launch(lambda nt: _launch(kern, xf, pw, b, out, nt))
@@ -756,8 +768,19 @@ def _gemv_dense_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | N
 # Writes into inference tensors' storages (by address), which have no version counter:
 # ``note_written`` counts them (a quantized weight's ``copy_`` calls it), and a backward that kept
 # such a tensor compares the count with the one at its forward. A live storage's address is its
-# own, so a count that moved while the tensor was kept is a write into it.
+# own, so a count that moved while the tensor was kept is a write into it. An entry goes with its
+# storage (a finalizer on the storage object, which torch keeps as long as the storage lives):
+# every weight ever written kept one, a model reloaded in a loop a growing map.
 _INFERENCE_WRITES: dict[int, int] = {}
+# The finalizer's token per address: a storage that died drops its entry only if no later storage
+# at the same address has made one since.
+_WRITE_TOKENS: dict[int, object] = {}
+
+
+def _forget_writes(key: int, token: object) -> None:
+    if _WRITE_TOKENS.get(key) is token:
+        del _WRITE_TOKENS[key]
+        _INFERENCE_WRITES.pop(key, None)
 
 
 def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
@@ -767,8 +790,12 @@ def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
     as torch's does for a tensor modified in place after it was saved."""
     torch.autograd.graph.increment_version([t for t in tensors if not t.is_inference()])
     for t in tensors:
-        key = t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
         if t.is_inference() and key:
+            if key not in _INFERENCE_WRITES:  # the storage's first write: its entry's lifetime
+                token = _WRITE_TOKENS[key] = object()
+                weakref.finalize(storage, _forget_writes, key, token)
             _INFERENCE_WRITES[key] = _INFERENCE_WRITES.get(key, 0) + 1
 
 
@@ -859,8 +886,9 @@ def _gemv_checked(
     the next call with this weight (only for weights the caller keeps, not per-call packs)."""
     check_activation(x, pw.k)
     _check_bias(bias, pw.n)
-    if native.functorch_active():  # torch.func: torch ops (the custom ops have no forward-mode
-        # formula: jvp gave a zero tangent)
+    if native.functorch_active() or native.forward_ad_active():  # torch.func or forward-mode
+        # AD: torch ops (the custom ops have no forward-mode formula: jvp gave a zero tangent, and
+        # a dual input that does not require grad reached the kernel, which dropped it)
         return _func_linear(x, dequantize_packed(pw), bias)
     if _eager(x, bias):
         routes = pw.routes
@@ -902,9 +930,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if callable(pack):  # a quantized weight packs once and keeps its settled routes
         return gemv_packed(x, pack(), bias)
     pw = pack_dense(weight)
-    if native.functorch_active():  # torch.func: torch ops on the weight itself, which may be
-        # what is transformed (the packed copy is detached: grad w.r.t. the weight raised "must
-        # override the setup_context staticmethod" through the op's autograd)
+    if native.functorch_active() or native.forward_ad_active():  # torch.func or forward AD:
+        # torch ops on the weight itself, which may be what is transformed or dual (the packed
+        # copy is detached: grad w.r.t. the weight raised "must override the setup_context
+        # staticmethod" through the op's autograd, and a dual weight's tangent was dropped)
         check_activation(x, pw.k)
         _check_bias(bias, pw.n)
         return _func_linear(x, weight.float(), bias)
@@ -1117,6 +1146,7 @@ def settle_route(
     depth, fmodes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
     functorch = native.functorch_active
     fmode = torch.overrides._get_current_function_mode
+    fwad = torch.autograd.forward_ad  # its dual_level's global, read inline (see forward_ad_active)
 
     def serve(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the route's checks and native.eager_fast_path in one frame (each getter read once)
@@ -1125,6 +1155,8 @@ def settle_route(
         if not x.is_cpu or compiling() or depth() or functorch() or (fmodes() and fmode()):
             return None  # (under torch.func the wrapped x has no data pointer)
         if x.is_neg():  # a lazily negated view: its memory holds the un-negated values
+            return None
+        if fwad._current_level >= 0:  # forward AD: x may carry a tangent the kernel drops
             return None
         if grad_enabled() and (x.requires_grad or (bias0 is not None and bias0.requires_grad)):
             return None

@@ -48,14 +48,15 @@ TP_INLINE uint8_t tp_f32_to_e5m2(float x) {
 }
 
 TP_INLINE float tp_e4m3_to_f32(uint8_t b) {
+    if ((b & 0x7fu) == 0x7fu) return NAN;   /* E4M3FN's only NaN codes (no infinities) */
     uint32_t e = (b >> 3) & 15u, m = b & 7u;
     float v = e ? tp_float(((e + 120u) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
     return (b & 0x80u) ? -v : v;
 }
 
 TP_INLINE float tp_e5m2_to_f32(uint8_t b) {
-    uint32_t e = (b >> 2) & 31u, m = b & 3u;
-    float v = e ? tp_float(((e + 112u) << 23) | (m << 21)) : (float)m * (1.0f / 65536.0f);
+    uint32_t e = (b >> 2) & 31u, m = b & 3u;   /* exponent 31: infinity (m = 0) or NaN */
+    float v = e ? tp_float(((e == 31u ? 255u : e + 112u) << 23) | (m << 21)) : (float)m * (1.0f / 65536.0f);
     return (b & 0x80u) ? -v : v;
 }
 

@@ -280,9 +280,14 @@ class LowPrecisionTensor(torch.Tensor):
         data, scales = hugepage_copy(pw.data), pw.scales
         if scales.nbytes >= HUGEPAGE_MIN_BYTES // 4:
             scales = hugepage_copy(scales)
-        for name, new in (("qdata", data), ("scale", scales)):
+        for name, new, packed in (("qdata", data, pw.data), ("scale", scales, pw.scales)):
             old = getattr(self, name)
-            if old.is_contiguous() and old.element_size() == 1 and old.numel() == new.numel():
+            if (
+                old.is_contiguous()
+                and old.element_size() == 1
+                and old.numel() == new.numel()
+                and packed.data_ptr() == old.data_ptr()  # the pack's are its own, not a copy
+            ):  # (MX scales with NaN folded in are a copy: the tensor keeps its own)
                 setattr(self, name, new.view(old.dtype).view(old.shape))
         self._share()  # under the moved storage (aliases made from now on share it)
         return dataclasses.replace(pw, data=data, scales=scales)
@@ -739,6 +744,12 @@ class LowPrecisionTensor(torch.Tensor):
                     if torch.is_grad_enabled():
                         _check_frozen(w)
                     return _FrozenWeightLinear.apply(x, bias, (w,))
+                if native.forward_ad_active():
+                    # a dual input or bias need not require grad, and forward mode ignores the
+                    # grad mode: the Function's jvp, where the kernel dropped the tangent
+                    if torch.is_grad_enabled():
+                        _check_frozen(w)
+                    return _FrozenWeightLinearEager.apply(x, bias, (w,))
                 if not torch.is_grad_enabled():
                     return w.linear(x, bias)
                 _check_frozen(w)
@@ -868,6 +879,28 @@ class _FrozenWeightLinearEager(torch.autograd.Function):
     jvp = _FrozenWeightLinear.jvp
 
 
+def _scannable(codes: torch.Tensor) -> bool:
+    """Whether a pack may scan its codes for NaN: real, non-empty storage outside tracing (a
+    traced pack is built on every call, where the scan would read the weight again each time)."""
+    return type(codes) is torch.Tensor and not torch.compiler.is_compiling() and codes.numel() > 0
+
+
+def _true(flag: torch.Tensor) -> bool:
+    """A one-element bool tensor's value, read through NumPy: a pack made while a graph captures
+    (``capture_error_mode="global"``) may not call ``bool(tensor)`` (aten.is_nonzero)."""
+    return bool(flag.numpy())
+
+
+def _e4m3_nan(codes: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Whether E4M3 bytes hold a NaN code (0x7F/0xFF), along ``dim`` (``None``: any). They are
+    the largest codes as int8 (127) and as uint8 (255): two max reductions, 30 ms for 11008x4096
+    here where ``((codes & 0x7F) == 0x7F).any(1)`` took 330."""
+    u8 = codes.view(torch.uint8)
+    if dim is None:
+        return (u8.view(torch.int8).amax() == 127) | (u8.amax() == 255)
+    return (u8.view(torch.int8).amax(dim) == 127) | (u8.amax(dim) == 255)
+
+
 # --- FP8 -----------------------------------------------------------------------------------------
 
 
@@ -973,7 +1006,17 @@ class Float8Tensor(LowPrecisionTensor):
         rs = self.scale.float().reshape(-1).expand(n).contiguous()
         fmt = "fp8_e4m3" if self.qdata.dtype == torch.float8_e4m3fn else "fp8_e5m2"
         empty = self.qdata.new_empty(0, dtype=torch.uint8)
-        return PackedWeight(fmt, self.qdata.view(torch.uint8).contiguous(), empty, rs, 1.0, n, k)
+        data = self.qdata.view(torch.uint8).contiguous()
+        if fmt == "fp8_e4m3" and _scannable(data):
+            # The register decodes (half-precision and integer-shift) read E4M3's NaN codes
+            # 0x7F/0xFF as 480 (a per-element check would cost vector instructions in the loops
+            # tuned per instruction); torch's cast reads NaN, which makes the row's every
+            # product NaN. So a scan, once for this cached pack, gives such rows a NaN row
+            # scale: the same NaN outputs, at no cost per call.
+            nan_rows = _e4m3_nan(data, 1)
+            if _true(nan_rows.any()):  # out of place: rs may be the tensor's own (N, 1) scale
+                rs = rs.masked_fill(nan_rows, math.nan)
+        return PackedWeight(fmt, data, empty, rs, 1.0, n, k)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from torchport.lowp.scaled_mm import scaled_mm
@@ -1148,7 +1191,10 @@ class NVFP4Tensor(LowPrecisionTensor):
         pts = self.per_tensor_scale if self.per_tensor_scale is not None else 1.0
         empty = self.qdata.new_empty(0, dtype=torch.float32)
         scales = self.scale.view(torch.uint8).contiguous()
-        return PackedWeight("nvfp4", self.qdata.contiguous(), scales, empty, pts, n, k)
+        # a NaN block scale: the float kernel (its E4M3 table reads NaN, the int8 kernels' bit
+        # decode 480), found once for this cached pack
+        int8 = not (_scannable(scales) and _true(_e4m3_nan(scales, None)))
+        return PackedWeight("nvfp4", self.qdata.contiguous(), scales, empty, pts, n, k, int8)
 
 
 # --- MX ------------------------------------------------------------------------------------------
@@ -1256,7 +1302,20 @@ class MXTensor(LowPrecisionTensor):
         fmt = {"fp4_e2m1": "mxfp4", "fp8_e4m3": "mxfp8_e4m3", "fp8_e5m2": "mxfp8_e5m2"}[self.elem]
         empty = self.qdata.new_empty(0, dtype=torch.float32)
         data = self.qdata.view(torch.uint8).contiguous()
-        return PackedWeight(fmt, data, self.scale.contiguous(), empty, 1.0, n, k)
+        scales = self.scale.contiguous()
+        if self.elem == "fp8_e4m3" and _scannable(data):
+            # E4M3 elements' NaN codes: the float kernel's register decode reads them as 480
+            # (see Float8Tensor._make_pack); torch's cast as NaN, which makes the row's every
+            # product NaN. The pack's copy of the scales gets the E8M0 NaN code for the blocks
+            # that hold one (the kernel's E8M0 table reads NaN): NaN rows, nothing per call.
+            nan_blocks = _e4m3_nan(data.reshape(n, -1, mx.BLOCK), 2)
+            if _true(nan_blocks.any()):
+                u8 = scales.view(torch.uint8).masked_fill(nan_blocks, 255)
+                scales = u8.view(scales.dtype)
+        # an E8M0 NaN scale (0xFF): the float kernel (its table reads NaN, the int8 kernels'
+        # exponent shift infinity), found once for this cached pack
+        int8 = not (_scannable(scales) and _true(scales.view(torch.uint8).amax() == 255))
+        return PackedWeight(fmt, data, scales, empty, 1.0, n, k, int8)
 
 
 # torch.load's default weights_only unpickler may rebuild these (as torchao registers its own

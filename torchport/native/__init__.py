@@ -27,6 +27,7 @@ from torchport.native.launch import (
     TensorArg,
     check_tensor,
     eager_fast_path,
+    forward_ad_active,
     functorch_active,
     thread_scratch,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "eager_fast_path",
     "enabled",
     "find_compiler",
+    "forward_ad_active",
     "functorch_active",
     "isa_flags",
     "native_dir",

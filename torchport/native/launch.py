@@ -143,6 +143,15 @@ _function_modes_on = torch._C._is_torch_function_mode_enabled
 _grad_enabled = torch.is_grad_enabled
 _is_neg = torch.Tensor.is_neg  # (the conjugation bit exists on complex tensors only, which the
 # ops taking them resolve themselves: linalg)
+_fwad = torch.autograd.forward_ad
+
+
+def forward_ad_active() -> bool:
+    """True inside a ``torch.autograd.forward_ad.dual_level()``. Its dual tensors are plain
+    tensors that need not require grad, and a kernel call (or a custom op, which has no
+    forward-mode formula) drops their tangents: the entries that would take such a route check
+    this first (the level is the module's Python global: no C function reads it)."""
+    return _fwad._current_level >= 0
 
 
 class Kernel:
