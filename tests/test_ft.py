@@ -1115,6 +1115,50 @@ def test_abandoned_gloo_group_build_is_torn_down_when_it_completes_late():
         _wait_listener_gone(port)
 
 
+def test_shutdown_while_a_gloo_build_waits_ends_the_build_and_keeps_nothing(monkeypatch):
+    """shutdown() from another thread while _build_group waited for a peer: the build went on
+    to its timeout, then set a group (gloo's threads and sockets) and a store connection on the
+    shut-down manager. It is abandoned at the shutdown now, with a CommError saying so."""
+    import threading
+
+    import torch.distributed as dist
+
+    import torchport.distributed.ft.manager as M
+
+    gate = threading.Event()
+    built: list = []
+
+    def slow_gloo_group(store: object, rank: int, size: int, timeout: float) -> object:
+        gate.wait(5)  # the peer comes only after the shutdown
+        built.append(pg := object())
+        return pg
+
+    retired: list = []
+    monkeypatch.setattr(M, "gloo_group", slow_gloo_group)
+    monkeypatch.setattr(M, "retire", lambda pg: retired.append(pg))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mgr = object.__new__(M.Manager)
+    mgr._mesh, mgr._pg, mgr._qid, mgr.timeout = None, None, -1, 30.0
+    mgr._store, mgr._error, mgr._closed = None, None, threading.Event()
+    mgr.lighthouse = ("127.0.0.1", 0)
+
+    def shutdown() -> None:  # the part of Manager.shutdown() the build sees
+        mgr._closed.set()
+        mgr._store = None
+
+    threading.Timer(0.2, shutdown).start()
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="abandoned: the manager was shut down"):
+        mgr._build_group(1, 0, 2, {"store_port": store.port})
+    assert time.monotonic() - t0 < 5  # not the 30 s timeout
+    assert mgr._pg is None and mgr._store is None
+    gate.set()
+    _wait_for(lambda: bool(built) and retired[-1] is built[0], 5, "the late group's retirement")
+    port = store.port
+    del store
+    _wait_listener_gone(port)
+
+
 def test_abandoned_gloo_build_keeps_no_reference_in_the_raised_error(monkeypatch):
     """A gloo group the build completed just as the manager gave up was retired, but the
     abandoning frame's local still held it: the raised CommError's traceback kept it alive
@@ -1161,7 +1205,7 @@ def test_abandoned_gloo_build_keeps_no_reference_in_the_raised_error(monkeypatch
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mgr = object.__new__(M.Manager)
     mgr._mesh, mgr._pg, mgr._qid, mgr.timeout = None, None, -1, 3.0
-    mgr._store, mgr._error = store, PeerFailure("x")
+    mgr._store, mgr._error, mgr._closed = store, PeerFailure("x"), threading.Event()
     with pytest.raises(CommError, match="failed: x") as info:
         mgr._build_group(1, 0, 2, {"store_port": store.port})
     kept = info.value

@@ -399,12 +399,14 @@ class Manager:
         # a local: shutdown() from another thread drops self._store at any time
         store = self._store
         if store is None or getattr(store, "port", None) != store_port:
-            store = self._store = dist.TCPStore(
+            store = dist.TCPStore(
                 self.lighthouse[0],
                 store_port,
                 is_master=False,
                 timeout=timedelta(seconds=self.timeout),
             )
+            if not self._closed.is_set():  # (a shut-down manager keeps no connection)
+                self._store = store
         prefix = dist.PrefixStore(f"tp-ft/q{qid}", store)
         box: dict[str, Any] = {}
         done = threading.Event()
@@ -426,9 +428,14 @@ class Manager:
 
         # gloo's rendezvous cannot be cancelled: an abandoned build runs on (up to ``timeout``)
         threading.Thread(target=build, name="tp-ft-gloo-build", daemon=True).start()
-        while not done.wait(0.002):
+        while True:
+            # a shutdown() while this waits ends the build too: a group set after it dropped
+            # the manager's kept gloo's threads and sockets alive on a shut-down manager
+            finished, closed = done.wait(0.002), self._closed.is_set()
+            if finished and not closed:
+                break
             late = time.perf_counter() - t0 > self.timeout
-            if self._error is not None or late:
+            if self._error is not None or late or closed:
                 # A group the build completes later was left in ``box``, alive for as long as
                 # anything held this frame (the CommError's traceback: a caller keeping the
                 # errors kept one gloo group, 3 threads and 4 sockets, per abandoned build).
@@ -440,7 +447,13 @@ class Manager:
                 # and this frame keeps no reference either: the CommError's traceback holds it,
                 # so a local ``pg`` kept the retired group alive while the caller kept the error
                 del pg
-                why = f"not built within {self.timeout} s" if late else f"failed: {self._error}"
+                why = (
+                    "abandoned: the manager was shut down"
+                    if closed
+                    else f"not built within {self.timeout} s"
+                    if late
+                    else f"failed: {self._error}"
+                )
                 raise CommError(f"building the group for quorum {qid} {why}")
         if "err" in box:
             raise CommError(f"building the group for quorum {qid} failed: {box['err']}")
