@@ -17,6 +17,7 @@ Run: ``torchport bench gemm_epilogue_ab --m 32 --d 1024 --h 4096 --dtype bfloat1
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -33,14 +34,18 @@ from torchport.gemm.pack import pack_b, pack_b_pairs
 ROTATE_BYTES = 64 << 20  # weight copies: twice this machine's L3
 
 
-def copy_index(rnd: int, slot: int, copies: int) -> int:
-    """The weight (and residual) copy that launcher ``slot`` uses in round ``rnd``: the copies
-    rotate with the round, so every launcher visits every copy and the calls of one round take
-    consecutive copies (least recently used ones). The running call count (``call % copies``)
-    pinned each launcher to the copies of one residue: six launchers over eight bf16 copies put
-    bare, gelu and bias on the even copies and bare2, silu and res on the odd ones, so a copy
-    that runs slower (its pages) biased those ratios."""
-    return (rnd + slot) % copies
+def copy_count(nbytes: int, launchers: int) -> int:
+    """How many weight (and residual) copies of ``nbytes`` to rotate over: enough to fill
+    :data:`ROTATE_BYTES`, and sharing no factor with the number of launchers, so that the running
+    call count (``call % copies``) takes every call from the least recently used copy (the same
+    reuse distance for every launcher) and still moves each launcher over every copy. Eight bf16
+    copies for six launchers pinned bare, gelu and bias to the even copies (a copy whose pages run
+    slower biased their ratios); rotating by round instead gave launchers different reuse
+    distances (fp32's bare reread the copy the previous call had just streamed: warm)."""
+    copies = max(1, ROTATE_BYTES // nbytes)
+    while math.gcd(copies, launchers) != 1:
+        copies += 1
+    return copies
 
 
 def main() -> None:
@@ -60,7 +65,7 @@ def main() -> None:
     isa = native.cpu_info().isa
     torch.manual_seed(0)
     x = torch.randn(m, d).to(dt)
-    copies = max(1, ROTATE_BYTES // (d * h * dt.itemsize))
+    copies = copy_count(d * h * dt.itemsize, 6)  # (six launchers, below)
     weights = [(torch.randn(h, d) * d**-0.5).to(dt) for _ in range(copies)]
     packs = [(pack_b_pairs if cfg.dp else pack_b)(w.t(), cfg.nr) for w in weights]
     bias = torch.randn(h).to(dt)
@@ -84,9 +89,10 @@ def main() -> None:
         tol = 3e-2 if dt == torch.bfloat16 else 1e-4
         torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
     samples: dict[str, list[float]] = {k: [] for k in launches}
-    for rnd in range(args.reps):
-        for slot, (k, launch) in enumerate(launches.items()):
-            c = copy_index(rnd, slot, copies)
+    call = 0
+    for _ in range(args.reps):
+        for k, launch in launches.items():
+            c, call = call % copies, call + 1
             packed = packs[c]
             ops = [ress[c] if t is res else t for t in splits[k].operands]
             t0 = clock()

@@ -937,24 +937,27 @@ def test_epilogue_ab_bench_runs_a_dp_config(capsys):
     assert "cfg=8:32:8:0:0:1:1:1" in capsys.readouterr().out
 
 
-def test_epilogue_ab_bench_rotates_every_launcher_over_every_copy():
-    """Each of ``bench gemm_epilogue_ab``'s six launchers uses every weight copy (eight for bf16
-    1024->4096, four for fp32), and one round's calls take distinct copies: the running call
-    count pinned each launcher to half of them (bare on the even copies, silu on the odd)."""
+def test_epilogue_ab_bench_gives_every_launcher_every_copy_at_one_reuse_distance():
+    """``bench gemm_epilogue_ab``'s six launchers take copies in call order over a copy count
+    coprime with six: each launcher visits every copy, and every call reads the least recently
+    used copy (the same number of other copies read since its last use, for every launcher).
+    Eight bf16 copies pinned each launcher to half of them; rotating by round gave fp32's bare a
+    copy the previous call had just streamed (warm)."""
     import runpy
 
     from torchport import benchmarks
 
     bench_dir = benchmarks.bench_dir()
     assert bench_dir is not None
-    copy_index = runpy.run_path(str(bench_dir / "bench_gemm_epilogue_ab.py"))["copy_index"]
-    for copies in (8, 4, 3, 1):
+    copy_count = runpy.run_path(str(bench_dir / "bench_gemm_epilogue_ab.py"))["copy_count"]
+    for nbytes in (8 << 20, 16 << 20, 2 << 20, 1 << 30):  # bf16 / fp32 1024->4096, small, big
+        copies = copy_count(nbytes, 6)
+        assert copies * nbytes >= min(64 << 20, nbytes) and math.gcd(copies, 6) == 1
+        seq = [call % copies for call in range(6 * copies * 3)]
         for slot in range(6):
-            seen = {copy_index(rnd, slot, copies) for rnd in range(copies)}
-            assert seen == set(range(copies)), (copies, slot, seen)
-        for rnd in range(5):
-            used = [copy_index(rnd, slot, copies) for slot in range(min(6, copies))]
-            assert len(set(used)) == len(used), (copies, rnd, used)
+            assert set(seq[slot::6]) == set(range(copies)), (nbytes, slot)
+        for t in range(copies, len(seq)):  # the previous use of the copy: `copies` calls ago
+            assert seq[t - copies] == seq[t] and seq[t] not in seq[t - copies + 1 : t]
 
 
 def test_prebuild_jobs_see_the_callers_config_override(monkeypatch, tmp_path):
