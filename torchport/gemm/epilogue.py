@@ -26,10 +26,12 @@ edges: -0 -> -0, -huge -> -0, -inf -> NaN, +inf -> inf, NaN -> NaN (torch's own 
 gives NaN for +inf and inf for 3e38). A bfloat16 output's piecewise Phi is degree 4 (one FMA and
 one table lookup fewer: bias+GELU+residual over the bare vdpbf16ps 8x32 kernel, M = 32
 1024->4096, one thread, two interleaved pairs of 800-round medians, 1.061 and 1.055 at degree 5,
-1.050 and 1.050 at degree 4; bias+residual without an activation 1.035 in the same run, so
+1.050 and 1.050 at degree 4; bias+residual without an activation 1.035 in the same scratch A/B, so
 most of what is left is reading and adding those operands): Phi off by 7.4e-7 at most, and on every 2^-13 in [-10, 10] the bf16 GELU is within 0.57 bf16 ulp of the exact value
 for x > -4 and 1 ulp on (-5.75, -4] (|GELU| < 1.3e-4 there), 1.7 % of the values one ulp off the
-correctly rounded bf16 (degree 5: 0.2 %). On this machine (Zen 4, one thread, ``bench
+correctly rounded bf16 (degree 5: 0.2 %); over every float32 the worst are 0.582 and 1.007 ulp
+(x = -3.83 and -5.48), and a fused Add that cancels most of the GELU exposes Phi's error (up to
+2.1 bf16 ulp where degree 5 gives 0.6). On this machine (Zen 4, one thread, ``bench
 gemm_activation``): AVX-512 piecewise GELU 0.205 ns per value (rational 0.28), GELU-tanh 0.28,
 SiLU 0.22; AVX2 rational GELU 0.34.
 """
