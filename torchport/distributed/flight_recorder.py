@@ -215,7 +215,9 @@ class FlightRecorder:
         now = time.time_ns()
         idx = next(self._ids)
         # without this frame and its caller (record() or an install() wrapper): the stack ends
-        # at the op's call site ([:-3] dropped the call site itself)
+        # at the op's call site for those ([:-3] dropped the call site itself); through op()
+        # it ends with contextlib's __enter__ and op, and a p2p op's with torch's own send /
+        # recv frame (its wrapper is called from inside torch.distributed)
         stack = traceback.format_stack(limit=12)[:-2] if self.record_stack else None
         # an op recorded as scheduled has no start time until started() (its dump showed the
         # scheduling time as time_started_ns, an op never handed to the backend as started)
