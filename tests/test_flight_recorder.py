@@ -1052,6 +1052,25 @@ def test_a_re_created_groups_newest_incarnation_keeps_torchs_name(tmp_path):
     assert [e["process_group"][0] for e in to_torch(snap)["entries"]] == ["0.0", "0"]
 
 
+def test_a_dump_after_destroying_a_group_keeps_its_name_for_the_last_ops(tmp_path):
+    """A rank dumped after destroy_process_group() (which counts the next incarnation) and
+    before any op of a new group: its ops were exported on "0.0" while a peer that had not
+    destroyed the group exported them on "0", and torch's analyzer reported every op as
+    missing a rank (/tmp/s27/readE/destroyed.py). They keep "0" on both."""
+    names = []
+    for rank in (0, 1):
+        rec = FlightRecorder(rank=rank, world_size=2, dump_dir=tmp_path)
+        rec.groups["default"] = [0, 1]
+        rec.adopt("default", _Group("0"))
+        rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+        if rank == 0:
+            rec.retire()
+            assert rec.incarnations() == {"default": 1}
+        d = to_torch(rec.snapshot())
+        names.append(([e["process_group"][0] for e in d["entries"]], sorted(d["pg_config"])))
+    assert names == [(["0"], ["0"])] * 2
+
+
 def test_a_batch_of_p2p_ops_ends_in_torchs_coalesced_entry(tmp_path):
     """The ops of a batch_isend_irecv (sharing a p2p seq id) were exported without the
     ``coalesced`` entry torch's recorder ends a batch with, so torch's analyzer took the next

@@ -36,8 +36,10 @@ How our entries map onto torch's:
   as torch lists them).
 * Groups: ``default`` is torch's ``("0", "default_pg")``, any other keeps its name with the
   description ``"undefined"``. Of a group re-created under the same name, the newest
-  incarnation keeps the name (a restarted rank knows only that one) and the ops of an older
-  one ``n`` are on the group ``"<name>.<n>"`` (with the newest one's members: the older ones'
+  incarnation with ops in the dump keeps the name (a restarted rank knows only that one; a
+  rank that destroyed the group but has no op of the next one yet keeps it for its last ops,
+  as a peer that did not destroy it does) and the ops of an older one ``n`` are on the group
+  ``"<name>.<n>"`` (with the newest one's members: the older ones'
   are not kept).
 
 Our JSON stays the default dump format; this module writes pickle and never reads it.
@@ -239,11 +241,13 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     groups: dict[str, list[int]] = {k: list(v) for k, v in (dump.get("groups") or {}).items()}
     groups.setdefault("default", list(range(world)))
     entries = dump["entries"]
-    # each group's newest incarnation: the dump's (counted at the destroy), else its entries'
+    # each group's newest incarnation among the entries: it keeps torch's name. Not the dump's
+    # count: a rank that destroyed the group (which counts the next one) before any op of a
+    # new one named its last ops "<name>.<n>" while a peer that had not destroyed it yet kept
+    # the plain name, and torch's analyzer reported every one of them as missing a rank
     current: dict[str, int] = {}
     for e in entries:
         current[e["group"]] = max(current.get(e["group"], 0), e.get("incarnation") or 0)
-    current.update(dump.get("incarnations") or {})
 
     # the group's count of each kind (collective, p2p) before each entry: the last seq id of
     # that kind seen; before the dump's first one, that entry's own seq id (the buffer wrapped)
