@@ -926,12 +926,21 @@ def test_torchs_analyzer_reads_exported_dumps(pair, tmp_path, plan):
     assert sorted(p.name for p in theirs.iterdir()) == ["nccl_trace_rank_0", "nccl_trace_rank_1"]
     log = _torch_fr_trace(theirs, "-v")
     if plan == "clean":  # all_reduce, broadcast, all_reduce (sub-group), send, gather, all_reduce
-        assert log.count("pass_check=True") == 6 and "pass_check=False" not in log, log
+        # (pass_check of each collective: "pass_check=True" without the tabulate package, a
+        # table's third column with it)
+        checks = re.findall(r"pass_check=(True|False)|^ *\d+ +\S+ +(True|False) ", log, re.M)
+        assert [a or b for a, b in checks] == ["True"] * 6, log
         assert "has errors" not in log and "Not all ranks" not in log, log
     elif plan == "mismatch":
+        # the culprit is the rank whose file os.walk lists second (the folder's order): either
         assert "Collective sequence number: 3 has errors" in log, log
-        assert "Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH" in log, log
-        assert "does not match found input sizes: '[[8]]'" in log, log
+        m = re.search(
+            r"Culprit rank (\d); Error type: SIZE_OR_SYNTAX_MISMATCH, Expected input "
+            r"sizes: '(\[\[\d\]\])' does not match found input sizes: '(\[\[\d\]\])'",
+            log,
+        )
+        assert m is not None, log
+        assert (m[1], m[2], m[3]) in (("1", "[[4]]", "[[8]]"), ("0", "[[8]]", "[[4]]")), log
     else:
         assert "Not all ranks joining collective, sequence number: 3" in log, log
         assert "missing ranks: {1}" in log, log
