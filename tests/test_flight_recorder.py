@@ -1080,6 +1080,24 @@ def test_a_dump_after_destroying_a_group_keeps_its_name_for_the_last_ops(tmp_pat
     assert names == [(["0"], ["0"])] * 2
 
 
+def test_entries_left_out_at_the_start_do_not_misalign_torchs_analyzer(tmp_path):
+    """Rank 0 ran two ops on a group whose members were not recorded (left out), then two
+    all_reduces with rank 1: its first exported record id was 2, and torch's analyzer, which
+    starts every rank at the highest first record id, dropped rank 1's two all_reduces (a
+    false "missing ranks": /tmp/s27/readE/align.py). The exported record ids are dense."""
+    ids = []
+    for rank in (0, 1):
+        rec = FlightRecorder(rank=rank, world_size=2, dump_dir=tmp_path)
+        rec.groups["default"] = [0, 1]
+        if rank == 0:
+            for _ in range(2):
+                rec.completed(rec.record("all_reduce", "q", [torch.ones(2)]))
+        for _ in range(2):
+            rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+        ids.append([e["record_id"] for e in to_torch(rec.snapshot())["entries"]])
+    assert ids == [[0, 1], [0, 1]]
+
+
 def test_a_batch_of_p2p_ops_ends_in_torchs_coalesced_entry(tmp_path):
     """The ops of a batch_isend_irecv (sharing a p2p seq id) were exported without the
     ``coalesced`` entry torch's recorder ends a batch with, so torch's analyzer took the next

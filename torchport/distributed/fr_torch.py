@@ -26,6 +26,9 @@ How our entries map onto torch's:
   ``barrier`` has neither. Dtypes are c10's names (``Float``, ``BFloat16``).
 * The ops of a ``batch_isend_irecv`` (which share a ``p2p_seq_id``) are followed by torch's
   ``"<backend>:coalesced"`` entry, as torch's recorder ends a coalesced batch.
+* ``record_id`` is ours less the entries left out before it (torch's analyzer lines the ranks
+  up from the highest first record id: left out ops at the start of one rank would hide the
+  others' first ops).
 * ``state``: ``scheduled`` / ``started`` / ``completed`` as ours; an ``errored`` op is
   ``completed`` (torch retires a work that ended in an exception; the error is in our JSON only)
   and an ``unknown`` one (a gloo p2p work dropped without ``wait()``) ``started``.
@@ -263,6 +266,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     config: dict[str, dict[str, str]] = {}
     out: list[dict[str, Any]] = []
     skipped: dict[str, list[Any]] = {}  # why -> the record ids left out for it
+    n_skipped = 0
     for e in entries:
         group, inc, state = e["group"], e.get("incarnation") or 0, e["state"]
         p2p = e["op"] in ("send", "recv")
@@ -271,6 +275,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         why = _left_out(e, name, rank, members)
         if why:
             skipped.setdefault(why, []).append(e.get("record_id"))
+            n_skipped += 1
             continue
         assert name is not None  # (_left_out said why otherwise)
         # torch's ids count from 1; our seq ids from 0
@@ -293,6 +298,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         dtypes = [_C10_DTYPES.get(d, d) for d in e.get("dtypes", [])]
         (in_s, in_d), (out_s, out_d) = _split(name, sizes, dtypes)
         t_end = e.get("time_completed_ns")
+        rid = e.get("record_id")
         torch_state = {"errored": "completed", "unknown": "started"}.get(state, state)
         done = torch_state == "completed"
         t_start = e.get("time_started_ns") or (e.get("time_scheduled_ns") if done else None)
@@ -300,7 +306,11 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
             t_start = None
         entry: dict[str, Any] = {
             "frames": _frames(e.get("stack")),
-            "record_id": e.get("record_id", len(out)),
+            # less the entries left out before it: torch's analyzer starts every rank at the
+            # highest first record id of any rank, so a gap at the start of one rank's dump
+            # dropped the other ranks' first ops (a false "missing ranks"); a wrapped
+            # buffer's offset stays
+            "record_id": len(out) if rid is None else rid - n_skipped,
             "pg_id": pg_id,
             "process_group": (pg, desc),
             "thread_name": "",
