@@ -1141,6 +1141,48 @@ def test_overlapping_torch_dumps_of_one_rank_do_not_share_a_temporary_file(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nccl_trace_rank_0"]
 
 
+def test_a_dumps_temporary_file_is_skipped_by_torchs_loader_and_made_exclusively(
+    tmp_path, monkeypatch
+):
+    """A writer killed between write and rename left ``.nccl_trace_rank_1.<pid>....tmp``,
+    which torch's loader read as a dump of rank "1.<pid>...." (ValueError for the whole
+    folder: /tmp/s27/readE/misc.py a); and a link planted at the predictable temporary name
+    was written through (readE symlink.py). Both formats' dumps share the writer."""
+    import itertools
+    from argparse import Namespace
+    from pathlib import Path
+
+    from torch.distributed.flight_recorder.components.loader import read_dir
+
+    temps = []
+    real = os.replace
+
+    def replace(src, dst):
+        temps.append(Path(src).name)
+        real(src, dst)
+
+    monkeypatch.setattr(fr.os, "replace", replace)
+    for rank in (0, 1):
+        rec = FlightRecorder(rank=rank, world_size=2, dump_dir=tmp_path)
+        rec.groups["default"] = [0, 1]
+        rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+        rec.dump(format="torch")
+    rec.dump()  # (ours)
+    for name in temps:  # as if each writer had been killed before its rename
+        (tmp_path / name).write_bytes(b"x")
+    details, _ = read_dir(Namespace(trace_dir=str(tmp_path), prefix=None))
+    assert sorted(details) == ["nccl_trace_rank_0", "nccl_trace_rank_1"]
+
+    monkeypatch.setattr(fr.time, "time_ns", lambda: 123)
+    monkeypatch.setattr(fr, "_tmp_ids", itertools.count())
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / f".~{os.getpid()}.123.0~").symlink_to(victim)
+    out = tmp_path / "out"
+    fr.write_atomic(out, b"dump")
+    assert victim.read_text() == "precious" and not out.is_symlink() and out.read_bytes() == b"dump"
+
+
 def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
     """dump(format="torch") writes nccl_trace_rank_<r>; an unknown format, a destination that
     cannot be written and dumps of two jobs are refused with typed errors naming the value."""

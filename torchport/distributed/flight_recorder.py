@@ -479,10 +479,7 @@ class FlightRecorder:
             self.dumps += 1
             return out
         p = Path(path) if path is not None else self.dump_dir / f"rank_{snap['rank']}.json"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.{time.time_ns()}.tmp")
-        tmp.write_text(json.dumps(snap, indent=1))
-        os.replace(tmp, p)
+        write_atomic(p, json.dumps(snap, indent=1).encode())
         self.dumps += 1
         return p
 
@@ -636,6 +633,39 @@ _wrappers: dict[tuple[Any, str], Any] = {}  # what install() set, per (owner, na
 # a new group reuses -- keyed by id alone, the new group's ops were recorded under the old one's
 # name and sequence counter
 _group_names: dict[int, tuple[str, list[int], Callable[[], Any]]] = {}
+
+
+_tmp_ids = itertools.count()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: into a new temporary file beside it, then renamed.
+
+    The temporary file is created exclusively (``O_EXCL``: a file or link planted at its name
+    is never written through; the next name is tried) and named ``.~<digits>~``, without any
+    dump's name in it and not ending in a digit: torch's analyzer reads every file of a folder
+    whose name holds its prefix and takes the digits at the end of a name for a rank, so a
+    leftover of a killed writer (``.nccl_trace_rank_1.<pid>....tmp``) broke its reading of the
+    whole folder. One file per writer: the watchdog, signal and error dumps may overlap."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".~{os.getpid()}.{time.time_ns()}.{next(_tmp_ids)}~")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temporary file name beside {str(path)!r}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _identity(x: Any) -> Any:

@@ -50,18 +50,16 @@ Our JSON stays the default dump format; this module writes pickle and never read
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import pickle
 import re
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torchport.distributed.flight_recorder import write_atomic
 from torchport.distributed.fr_analyze import DumpError, _check_dump
 
 TORCH_FORMAT_VERSION = "2.10"  # torch 2.13's FlightRecorder.hpp version_val
@@ -399,15 +397,9 @@ def _end_batches(entries: list[dict[str, Any]], backend: str) -> list[dict[str, 
 def write_torch_dump(dump: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write torch's dump dict ``dump`` (see :func:`to_torch`) to ``path`` atomically."""
     p = Path(path)
-    # (one temporary file per writer: the watchdog, signal and error dumps may overlap)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.{time.time_ns()}.tmp")
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(pickle.dumps(dump, protocol=2))
-        os.replace(tmp, p)
+        write_atomic(p, pickle.dumps(dump, protocol=2))
     except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise ExportError(f"cannot write torch Flight Recorder dump {str(p)!r}: {err}") from None
     return p
 
