@@ -1098,6 +1098,41 @@ def test_entries_left_out_at_the_start_do_not_misalign_torchs_analyzer(tmp_path)
     assert ids == [[0, 1], [0, 1]]
 
 
+def test_a_destroyed_groups_ops_are_exported_with_its_members(tmp_path, caplog):
+    """A group destroyed before the dump: retire() dropped its members, and its ops were left
+    out of the torch dump as of "a group whose members are not recorded" (readE misc.py b).
+    The recorder keeps the members of destroyed groups (the newest 256), by incarnation."""
+    rec = FlightRecorder(rank=0, world_size=4, dump_dir=tmp_path)
+    rec.groups["default"] = [0, 1, 2, 3]
+    rec.groups["7"] = [0, 1]
+    rec.adopt("7", _Group("7"))
+    rec.completed(rec.record("all_reduce", "7", [torch.ones(2)]))
+    rec.retire("7")
+    rec.groups["7"] = [0, 2]
+    rec.adopt("7", _Group("7"))
+    rec.completed(rec.record("all_reduce", "7", [torch.ones(2)]))
+    snap = rec.snapshot()
+    assert snap["retired_groups"] == [["7", 0, [0, 1]]] and snap["groups"]["7"] == [0, 2]
+    path = rec.dump()
+    with caplog.at_level("WARNING"):
+        export(path, tmp_path / "t")
+        d = to_torch(json.loads(path.read_text()))
+    assert "left out" not in caplog.text
+    assert [e["process_group"][0] for e in d["entries"]] == ["7.0", "7"]
+    assert d["pg_config"]["7.0"]["ranks"] == "[0, 1]" and d["pg_config"]["7"]["ranks"] == "[0, 2]"
+    for i in range(300):  # (bounded)
+        rec.groups[f"g{i}"] = [0]
+        rec.adopt(f"g{i}", _Group(f"g{i}"))
+        rec.retire(f"g{i}")
+    old = rec.snapshot()["retired_groups"]
+    assert len(old) == 256 and old[-1] == ["g299", 0, [0]]
+    from torchport.distributed.fr_analyze import _check_dump
+
+    bad = {"rank": 0, "world_size": 1, "entries": [], "retired_groups": [["g", -1, [0]]]}
+    with pytest.raises(DumpError, match="retired_groups must be .name, incarnation, ranks."):
+        _check_dump(tmp_path, bad)
+
+
 def test_a_batch_of_p2p_ops_ends_in_torchs_coalesced_entry(tmp_path):
     """The ops of a batch_isend_irecv (sharing a p2p seq id) were exported without the
     ``coalesced`` entry torch's recorder ends a batch with, so torch's analyzer took the next

@@ -62,6 +62,7 @@ UNKNOWN = "unknown"
 _END_UNKNOWN = -1
 FORMAT_VERSION = 1
 _log = logging.getLogger(__name__)
+_OLD_GROUPS = 256  # destroyed groups whose members a dump keeps (see FlightRecorder.retire)
 
 # entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
 # rank, -1 for a receive from any source, None for a collective); _INC: the incarnation of the
@@ -144,6 +145,9 @@ class FlightRecorder:
         # a callable returning the current one (see adopt)
         self._incs: dict[str, int] = {}
         self._owners: dict[str, Callable[[], Any]] = {}
+        # (group name, incarnation) -> members of a destroyed group, the newest _OLD_GROUPS
+        # (its ops stay in the buffer: the torch export needs their members)
+        self._old_groups: dict[tuple[str, int], list[int]] = {}
         self._lock = threading.Lock()
         # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
         self._pending: dict[int, tuple[list[Any], Any]] = {}
@@ -268,10 +272,16 @@ class FlightRecorder:
                 if ref is None or ref is _retired:
                     continue
                 self._owners[n] = _retired
+                inc = self._incs.get(n, 0)
                 self._next_incarnation(n)
                 # its members are the new group's, known when it is seen (kept, a rank left
-                # out of a re-created group was expected in it: a false "never entered")
-                self.groups.pop(n, None)
+                # out of a re-created group was expected in it: a false "never entered");
+                # the old ones are kept apart for the old incarnation's ops
+                members = self.groups.pop(n, None)
+                if members is not None:
+                    self._old_groups[(n, inc)] = list(members)
+                    while len(self._old_groups) > _OLD_GROUPS:
+                        del self._old_groups[next(iter(self._old_groups))]
 
     def _next_incarnation(self, name: str) -> None:
         """(under ``_lock``) Start the next incarnation of ``name``: its sequence ids
@@ -451,6 +461,8 @@ class FlightRecorder:
             # each group name's current incarnation (bumped at destroy, before any op of the
             # new group is recorded): fr analyze lines up this one, even when it has no entries
             "incarnations": self.incarnations(),
+            # [name, incarnation, members] of the newest destroyed groups (their ops' members)
+            "retired_groups": [[n, i, list(m)] for (n, i), m in list(self._old_groups.items())],
             "entries": out,
         }
 

@@ -91,6 +91,20 @@ def _check_dump(p: Path, obj: Any) -> int:
                 f"{p}: incarnations must map group names to ints >= 0, got {incs!r:.200}"
             )
         obj["incarnations"] = dict(zip(incs, counts, strict=True))
+    old = obj.get("retired_groups")
+    if old is not None:
+        ok = isinstance(old, list) and all(
+            isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) for t in old
+        )
+        incs_old = [_int_of(t[1]) for t in old] if ok else []
+        ranks_old = _int_lists([t[2] for t in old]) if ok else None
+        if ranks_old is None or any(n is None or n < 0 for n in incs_old):
+            raise DumpError(
+                f"{p}: retired_groups must be [name, incarnation, ranks] lists, got {old!r:.200}"
+            )
+        obj["retired_groups"] = [
+            [t[0], n, r] for t, n, r in zip(old, incs_old, ranks_old, strict=True)
+        ]
     entries = obj["entries"]
     if not isinstance(entries, list):
         raise DumpError(f"{p}: entries must be a list, got {type(entries).__name__}")

@@ -42,8 +42,8 @@ How our entries map onto torch's:
   incarnation with ops in the dump keeps the name (a restarted rank knows only that one; a
   rank that destroyed the group but has no op of the next one yet keeps it for its last ops,
   as a peer that did not destroy it does) and the ops of an older one ``n`` are on the group
-  ``"<name>.<n>"`` (with the newest one's members: the older ones'
-  are not kept).
+  ``"<name>.<n>"`` (with its own members, which the recorder keeps for its newest 256
+  destroyed groups; else with the newest one's).
 
 Our JSON stays the default dump format; this module writes pickle and never reads it.
 """
@@ -241,6 +241,8 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     rank, world = int(dump["rank"]), int(dump["world_size"])
     groups: dict[str, list[int]] = {k: list(v) for k, v in (dump.get("groups") or {}).items()}
     groups.setdefault("default", list(range(world)))
+    # the members of destroyed groups, by (name, incarnation)
+    old_groups = {(g, int(i)): list(r) for g, i, r in dump.get("retired_groups") or ()}
     entries = dump["entries"]
     # each group's newest incarnation among the entries: it keeps torch's name. Not the dump's
     # count: a rank that destroyed the group (which counts the next one) before any op of a
@@ -269,7 +271,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         group, inc, state = e["group"], e.get("incarnation") or 0, e["state"]
         p2p = e["op"] in ("send", "recv")
         name = _TORCH_OPS.get(e["op"])
-        members = sorted(groups.get(group, []))
+        members = sorted(old_groups.get((group, inc)) or groups.get(group, []))
         why = _left_out(e, name, rank, members)
         if why:
             skipped.setdefault(why, []).append(e.get("record_id"))
