@@ -1129,7 +1129,7 @@ def test_a_destroyed_groups_ops_are_exported_with_its_members(tmp_path, caplog):
     from torchport.distributed.fr_analyze import _check_dump
 
     bad = {"rank": 0, "world_size": 1, "entries": [], "retired_groups": [["g", -1, [0]]]}
-    with pytest.raises(DumpError, match="retired_groups must be .name, incarnation, ranks."):
+    with pytest.raises(DumpError, match=r"retired_groups must be \[name, incarnation, ranks\]"):
         _check_dump(tmp_path, bad)
 
 
@@ -1231,10 +1231,17 @@ def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
     src = rec.dump()
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(ExportError, match="export destination must be a folder"):
+    # an unwritable destination: the OSError, as of our JSON dump (it was an ExportError, a
+    # ValueError, of the torch format only: readE misc.py c)
+    with pytest.raises(NotADirectoryError, match="export destination must be a folder"):
         export(src, blocker)
-    with pytest.raises(ExportError, match="cannot write torch Flight Recorder dump"):
+    with pytest.raises(OSError, match="file") as err:
         export(src, blocker / "sub")  # (a file where a folder must be)
+    assert not isinstance(err.value, ValueError)
+    for fmt in ("json", "torch"):
+        with pytest.raises(OSError) as err:
+            rec.dump(path=blocker / "sub" / "x", format=fmt)
+        assert not isinstance(err.value, ValueError)
     with pytest.raises(ValueError, match="backend must be one of"):
         export(src, tmp_path / "t", backend="mpi")
     with pytest.raises(ValueError, match="not ending in a digit, got 'rank1'"):
@@ -1254,5 +1261,27 @@ def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
     with pytest.raises(DumpError, match="two dumps of rank 0"):
         export([src, src], tmp_path / "t")
     assert cli.main(["fr", "export", str(src), "--to", str(blocker)]) == 2
-    assert "error: export destination must be a folder" in capsys.readouterr().out
+    assert "export destination must be a folder" in capsys.readouterr().out
     assert not (tmp_path / "t").exists()
+
+
+def test_export_refuses_a_folder_with_other_ranks_dumps_unless_told_to_overwrite(tmp_path, capsys):
+    """An export of 2 ranks into a folder holding a 4-rank job's dumps left ranks 2 and 3
+    there, and torch's analyzer read them with the new ones (readE 10). Such a folder is
+    refused before anything is written; --overwrite removes them (and only them)."""
+    rec = FlightRecorder(rank=0, world_size=2, dump_dir=tmp_path / "ours")
+    rec.groups["default"] = [0, 1]
+    rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+    src = rec.dump()
+    dest = tmp_path / "t"
+    dest.mkdir()
+    for name in ("nccl_trace_rank_0", "nccl_trace_rank_3", "notes.txt"):
+        (dest / name).write_bytes(b"old")
+    with pytest.raises(ExportError, match=r"holds dumps of other ranks \(nccl_trace_rank_3\)"):
+        export(src, dest)
+    assert (dest / "nccl_trace_rank_0").read_bytes() == b"old"
+    assert cli.main(["fr", "export", str(src), "--to", str(dest)]) == 2
+    assert "--overwrite" in capsys.readouterr().out
+    assert cli.main(["fr", "export", str(src), "--to", str(dest), "--overwrite"]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == ["nccl_trace_rank_0", "notes.txt"]
+    assert (dest / "nccl_trace_rank_0").read_bytes() != b"old"

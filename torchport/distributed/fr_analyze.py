@@ -402,8 +402,8 @@ def cmd_fr(args: argparse.Namespace) -> int:
         from torchport.distributed.fr_torch import export
 
         try:
-            paths = export(args.src, args.to, backend=args.backend)
-        except ValueError as e:  # (DumpError among them)
+            paths = export(args.src, args.to, backend=args.backend, overwrite=args.overwrite)
+        except (ValueError, OSError) as e:  # (DumpError among them; OSError: the writing)
             print(f"error: {e}")
             return 2
         print(f"wrote {len(paths)} torch Flight Recorder dump(s) to {args.to}")
@@ -437,5 +437,11 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--to", required=True, help="folder for nccl_trace_rank_<r> files")
     x.add_argument(
         "--backend", default="nccl", help="prefix of torch's profiling names (nccl, gloo, ...)"
+    )
+    x.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="remove other ranks' dumps (of an earlier, bigger job) from the --to folder; "
+        "without it such a folder is refused",
     )
     x.set_defaults(func=cmd_fr)

@@ -50,6 +50,7 @@ Our JSON stays the default dump format; this module writes pickle and never read
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -71,7 +72,9 @@ _log = logging.getLogger(__name__)
 
 
 class ExportError(DumpError):
-    """Dumps that cannot be exported together (another job's), or a destination not writable."""
+    """Dumps that cannot be exported together (another job's), or a destination holding other
+    ranks' dumps. (A destination that cannot be written raises the OSError, as
+    ``FlightRecorder.dump`` does.)"""
 
 
 # our op name -> torch's (the names torch's analyzer knows; types.COLLECTIVES and send / recv)
@@ -397,12 +400,10 @@ def _end_batches(entries: list[dict[str, Any]], backend: str) -> list[dict[str, 
 
 
 def write_torch_dump(dump: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write torch's dump dict ``dump`` (see :func:`to_torch`) to ``path`` atomically."""
+    """Write torch's dump dict ``dump`` (see :func:`to_torch`) to ``path`` atomically;
+    OSError (naming the file) if it cannot be written, as our JSON dump does."""
     p = Path(path)
-    try:
-        write_atomic(p, pickle.dumps(dump, protocol=2))
-    except OSError as err:
-        raise ExportError(f"cannot write torch Flight Recorder dump {str(p)!r}: {err}") from None
+    write_atomic(p, pickle.dumps(dump, protocol=2))
     return p
 
 
@@ -464,9 +465,15 @@ def export(
     *,
     backend: str = "nccl",
     prefix: str = DEFAULT_PREFIX,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Write torch's dump of every rank in ``sources`` (our ``rank_<r>.json`` files, or folders
-    of them) as ``<to>/<prefix><rank>``; returns the paths written, by rank."""
+    of them) as ``<to>/<prefix><rank>``; returns the paths written, by rank.
+
+    torch's analyzer reads every ``<prefix><r>`` file of the folder: one of a rank not
+    exported (an earlier, bigger job's) would be analysed with these. Such files are removed
+    with ``overwrite=True``; without it the folder is refused (ExportError) before anything is
+    written. A folder or file that cannot be written raises the OSError."""
     if not re.fullmatch(r"[\w\-]*[A-Za-z_\-]", prefix):
         # torch finds the rank as the digits at the end of the name
         raise ValueError(
@@ -481,7 +488,21 @@ def export(
     _same_job(dumps)
     dest = Path(to)
     if dest.exists() and not dest.is_dir():
-        raise ExportError(f"export destination must be a folder, got the file {str(dest)!r}")
+        raise NotADirectoryError(errno.ENOTDIR, "export destination must be a folder", str(dest))
+    mine = {f"{prefix}{rank}" for rank in dumps}
+    stale = sorted(
+        p
+        for p in (dest.iterdir() if dest.is_dir() else ())
+        if p.name not in mine and re.fullmatch(re.escape(prefix) + r"\d+", p.name)
+    )
+    if stale and not overwrite:
+        raise ExportError(
+            f"export destination {str(dest)!r} holds dumps of other ranks ({stale[0].name}"
+            f"{', ...' if len(stale) > 1 else ''}), which torch's analyzer would read with "
+            "these: choose an empty folder, or overwrite them (--overwrite)"
+        )
+    for p in stale:
+        p.unlink()
     return [
         write_torch_dump(to_torch(obj, backend=backend), dest / f"{prefix}{rank}")
         for rank, (_, obj) in sorted(dumps.items())
