@@ -175,14 +175,15 @@ def _numel(shape: list[int]) -> int:
     return out
 
 
-def _frames(stack: Any) -> list[dict[str, str]]:
-    """torch's ``frames`` (name, filename, line; innermost first, as torch captures them) from
-    our recorded stack (``traceback.format_stack`` lines, outermost first)."""
-    out = []
+def _frames(stack: Any) -> list[dict[str, Any]]:
+    """torch's ``frames`` (name, filename, line as an int, as torch's captured tracebacks
+    give it; innermost first, as torch captures them) from our recorded stack
+    (``traceback.format_stack`` lines, outermost first)."""
+    out: list[dict[str, Any]] = []
     for line in reversed(stack or ()):
         m = _FRAME.match(line) if isinstance(line, str) else None
         if m:
-            out.append({"name": m["name"], "filename": m["file"], "line": m["line"]})
+            out.append({"name": m["name"], "filename": m["file"], "line": int(m["line"])})
     return out
 
 
