@@ -25,7 +25,11 @@ How our entries map onto torch's:
   ``gather`` has no outputs and a ``scatter`` no inputs (the root's list is not recorded);
   ``barrier`` has neither. Dtypes are c10's names (``Float``, ``BFloat16``).
 * The ops of a ``batch_isend_irecv`` (which share a ``p2p_seq_id``) are followed by torch's
-  ``"<backend>:coalesced"`` entry, as torch's recorder ends a coalesced batch.
+  ``"<backend>:coalesced"`` entry, as torch's recorder ends a coalesced batch. They keep our
+  numbering (ProcessGroupNCCL gives a batch the next collective id instead), on which torch
+  2.13's analyzer fails when a batch's ``p2p_seq_id`` equals a neighbouring collective's id;
+  a rank's one-op part of a batch looks like a lone send / recv (no ``coalesced`` end): see
+  the README's account.
 * ``record_id`` is ours less the entries left out before it (torch's analyzer lines the ranks
   up from the highest first record id: left out ops at the start of one rank would hide the
   others' first ops).
