@@ -62,6 +62,7 @@ UNKNOWN = "unknown"
 _END_UNKNOWN = -1
 FORMAT_VERSION = 1
 _log = logging.getLogger(__name__)
+_OLD_GROUPS = 256  # destroyed groups whose members a dump keeps (see FlightRecorder.retire)
 
 # entry slots (a list per op keeps recording cheap); _PEER: a point-to-point op's peer (global
 # rank, -1 for a receive from any source, None for a collective); _INC: the incarnation of the
@@ -144,6 +145,9 @@ class FlightRecorder:
         # a callable returning the current one (see adopt)
         self._incs: dict[str, int] = {}
         self._owners: dict[str, Callable[[], Any]] = {}
+        # (group name, incarnation) -> members of a destroyed group, the newest _OLD_GROUPS
+        # (its ops stay in the buffer: the torch export needs their members)
+        self._old_groups: dict[tuple[str, int], list[int]] = {}
         self._lock = threading.Lock()
         # attached async ops not yet completed: id(entry) -> (entry, future) (see attach)
         self._pending: dict[int, tuple[list[Any], Any]] = {}
@@ -270,10 +274,16 @@ class FlightRecorder:
                 if ref is None or ref is _retired:
                     continue
                 self._owners[n] = _retired
+                inc = self._incs.get(n, 0)
                 self._next_incarnation(n)
                 # its members are the new group's, known when it is seen (kept, a rank left
-                # out of a re-created group was expected in it: a false "never entered")
-                self.groups.pop(n, None)
+                # out of a re-created group was expected in it: a false "never entered");
+                # the old ones are kept apart for the old incarnation's ops
+                members = self.groups.pop(n, None)
+                if members is not None:
+                    self._old_groups[(n, inc)] = list(members)
+                    while len(self._old_groups) > _OLD_GROUPS:
+                        del self._old_groups[next(iter(self._old_groups))]
 
     def _next_incarnation(self, name: str) -> None:
         """(under ``_lock``) Start the next incarnation of ``name``: its sequence ids
@@ -453,6 +463,8 @@ class FlightRecorder:
             # each group name's current incarnation (bumped at destroy, before any op of the
             # new group is recorded): fr analyze lines up this one, even when it has no entries
             "incarnations": self.incarnations(),
+            # [name, incarnation, members] of the newest destroyed groups (their ops' members)
+            "retired_groups": [[n, i, list(m)] for (n, i), m in list(self._old_groups.items())],
             "entries": out,
         }
 
@@ -481,10 +493,7 @@ class FlightRecorder:
             self.dumps += 1
             return out
         p = Path(path) if path is not None else self.dump_dir / f"rank_{snap['rank']}.json"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.{time.time_ns()}.tmp")
-        tmp.write_text(json.dumps(snap, indent=1))
-        os.replace(tmp, p)
+        write_atomic(p, json.dumps(snap, indent=1).encode())
         self.dumps += 1
         return p
 
@@ -638,6 +647,39 @@ _wrappers: dict[tuple[Any, str], Any] = {}  # what install() set, per (owner, na
 # a new group reuses -- keyed by id alone, the new group's ops were recorded under the old one's
 # name and sequence counter
 _group_names: dict[int, tuple[str, list[int], Callable[[], Any]]] = {}
+
+
+_tmp_ids = itertools.count()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: into a new temporary file beside it, then renamed.
+
+    The temporary file is created exclusively (``O_EXCL``: a file or link planted at its name
+    is never written through; the next name is tried) and named ``.~<digits>~``, without any
+    dump's name in it and not ending in a digit: torch's analyzer reads every file of a folder
+    whose name holds its prefix and takes the digits at the end of a name for a rank, so a
+    leftover of a killed writer (``.nccl_trace_rank_1.<pid>....tmp``) broke its reading of the
+    whole folder. One file per writer: the watchdog, signal and error dumps may overlap."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".~{os.getpid()}.{time.time_ns()}.{next(_tmp_ids)}~")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temporary file name beside {str(path)!r}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _identity(x: Any) -> Any:

@@ -91,6 +91,20 @@ def _check_dump(p: Path, obj: Any) -> int:
                 f"{p}: incarnations must map group names to ints >= 0, got {incs!r:.200}"
             )
         obj["incarnations"] = dict(zip(incs, counts, strict=True))
+    old = obj.get("retired_groups")
+    if old is not None:
+        ok = isinstance(old, list) and all(
+            isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) for t in old
+        )
+        incs_old = [_int_of(t[1]) for t in old] if ok else []
+        ranks_old = _int_lists([t[2] for t in old]) if ok else None
+        if ranks_old is None or any(n is None or n < 0 for n in incs_old):
+            raise DumpError(
+                f"{p}: retired_groups must be [name, incarnation, ranks] lists, got {old!r:.200}"
+            )
+        obj["retired_groups"] = [
+            [t[0], n, r] for t, n, r in zip(old, incs_old, ranks_old, strict=True)
+        ]
     entries = obj["entries"]
     if not isinstance(entries, list):
         raise DumpError(f"{p}: entries must be a list, got {type(entries).__name__}")
@@ -388,8 +402,8 @@ def cmd_fr(args: argparse.Namespace) -> int:
         from torchport.distributed.fr_torch import export
 
         try:
-            paths = export(args.src, args.to, backend=args.backend)
-        except ValueError as e:  # (DumpError among them)
+            paths = export(args.src, args.to, backend=args.backend, overwrite=args.overwrite)
+        except (ValueError, OSError) as e:  # (DumpError among them; OSError: the writing)
             print(f"error: {e}")
             return 2
         print(f"wrote {len(paths)} torch Flight Recorder dump(s) to {args.to}")
@@ -423,5 +437,11 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--to", required=True, help="folder for nccl_trace_rank_<r> files")
     x.add_argument(
         "--backend", default="nccl", help="prefix of torch's profiling names (nccl, gloo, ...)"
+    )
+    x.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="remove other ranks' dumps (of an earlier, bigger job) from the --to folder; "
+        "without it such a folder is refused",
     )
     x.set_defaults(func=cmd_fr)

@@ -25,7 +25,14 @@ How our entries map onto torch's:
   ``gather`` has no outputs and a ``scatter`` no inputs (the root's list is not recorded);
   ``barrier`` has neither. Dtypes are c10's names (``Float``, ``BFloat16``).
 * The ops of a ``batch_isend_irecv`` (which share a ``p2p_seq_id``) are followed by torch's
-  ``"<backend>:coalesced"`` entry, as torch's recorder ends a coalesced batch.
+  ``"<backend>:coalesced"`` entry, as torch's recorder ends a coalesced batch. They keep our
+  numbering (ProcessGroupNCCL gives a batch the next collective id instead), on which torch
+  2.13's analyzer fails when a batch's ``p2p_seq_id`` equals a neighbouring collective's id;
+  a rank's one-op part of a batch looks like a lone send / recv (no ``coalesced`` end): see
+  the README's account.
+* ``record_id`` is ours less the entries left out before it (torch's analyzer lines the ranks
+  up from the highest first record id: left out ops at the start of one rank would hide the
+  others' first ops).
 * ``state``: ``scheduled`` / ``started`` / ``completed`` as ours; an ``errored`` op is
   ``completed`` (torch retires a work that ended in an exception; the error is in our JSON only)
   and an ``unknown`` one (a gloo p2p work dropped without ``wait()``) ``started``.
@@ -36,27 +43,28 @@ How our entries map onto torch's:
   as torch lists them).
 * Groups: ``default`` is torch's ``("0", "default_pg")``, any other keeps its name with the
   description ``"undefined"``. Of a group re-created under the same name, the newest
-  incarnation keeps the name (a restarted rank knows only that one) and the ops of an older
-  one ``n`` are on the group ``"<name>.<n>"`` (with the newest one's members: the older ones'
-  are not kept).
+  incarnation with ops in the dump keeps the name (a restarted rank knows only that one; a
+  rank that destroyed the group but has no op of the next one yet keeps it for its last ops,
+  as a peer that did not destroy it does) and the ops of an older one ``n`` are on the group
+  ``"<name>.<n>"`` (with its own members, which the recorder keeps for its newest 256
+  destroyed groups; else with the newest one's).
 
 Our JSON stays the default dump format; this module writes pickle and never reads it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import logging
 import os
 import pickle
 import re
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torchport.distributed.flight_recorder import write_atomic
 from torchport.distributed.fr_analyze import DumpError, _check_dump
 
 TORCH_FORMAT_VERSION = "2.10"  # torch 2.13's FlightRecorder.hpp version_val
@@ -68,7 +76,9 @@ _log = logging.getLogger(__name__)
 
 
 class ExportError(DumpError):
-    """Dumps that cannot be exported together (another job's), or a destination not writable."""
+    """Dumps that cannot be exported together (another job's), or a destination holding other
+    ranks' dumps. (A destination that cannot be written raises the OSError, as
+    ``FlightRecorder.dump`` does.)"""
 
 
 # our op name -> torch's (the names torch's analyzer knows; types.COLLECTIVES and send / recv)
@@ -169,14 +179,15 @@ def _numel(shape: list[int]) -> int:
     return out
 
 
-def _frames(stack: Any) -> list[dict[str, str]]:
-    """torch's ``frames`` (name, filename, line; innermost first, as torch captures them) from
-    our recorded stack (``traceback.format_stack`` lines, outermost first)."""
-    out = []
+def _frames(stack: Any) -> list[dict[str, Any]]:
+    """torch's ``frames`` (name, filename, line as an int, as torch's captured tracebacks
+    give it; innermost first, as torch captures them) from our recorded stack
+    (``traceback.format_stack`` lines, outermost first)."""
+    out: list[dict[str, Any]] = []
     for line in reversed(stack or ()):
         m = _FRAME.match(line) if isinstance(line, str) else None
         if m:
-            out.append({"name": m["name"], "filename": m["file"], "line": m["line"]})
+            out.append({"name": m["name"], "filename": m["file"], "line": int(m["line"])})
     return out
 
 
@@ -238,12 +249,16 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     rank, world = int(dump["rank"]), int(dump["world_size"])
     groups: dict[str, list[int]] = {k: list(v) for k, v in (dump.get("groups") or {}).items()}
     groups.setdefault("default", list(range(world)))
+    # the members of destroyed groups, by (name, incarnation)
+    old_groups = {(g, int(i)): list(r) for g, i, r in dump.get("retired_groups") or ()}
     entries = dump["entries"]
-    # each group's newest incarnation: the dump's (counted at the destroy), else its entries'
+    # each group's newest incarnation among the entries: it keeps torch's name. Not the dump's
+    # count: a rank that destroyed the group (which counts the next one) before any op of a
+    # new one named its last ops "<name>.<n>" while a peer that had not destroyed it yet kept
+    # the plain name, and torch's analyzer reported every one of them as missing a rank
     current: dict[str, int] = {}
     for e in entries:
         current[e["group"]] = max(current.get(e["group"], 0), e.get("incarnation") or 0)
-    current.update(dump.get("incarnations") or {})
 
     # the group's count of each kind (collective, p2p) before each entry: the last seq id of
     # that kind seen; before the dump's first one, that entry's own seq id (the buffer wrapped)
@@ -259,14 +274,16 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     config: dict[str, dict[str, str]] = {}
     out: list[dict[str, Any]] = []
     skipped: dict[str, list[Any]] = {}  # why -> the record ids left out for it
+    n_skipped = 0
     for e in entries:
         group, inc, state = e["group"], e.get("incarnation") or 0, e["state"]
         p2p = e["op"] in ("send", "recv")
         name = _TORCH_OPS.get(e["op"])
-        members = sorted(groups.get(group, []))
+        members = sorted(old_groups.get((group, inc)) or groups.get(group, []))
         why = _left_out(e, name, rank, members)
         if why:
             skipped.setdefault(why, []).append(e.get("record_id"))
+            n_skipped += 1
             continue
         assert name is not None  # (_left_out said why otherwise)
         # torch's ids count from 1; our seq ids from 0
@@ -289,6 +306,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
         dtypes = [_C10_DTYPES.get(d, d) for d in e.get("dtypes", [])]
         (in_s, in_d), (out_s, out_d) = _split(name, sizes, dtypes)
         t_end = e.get("time_completed_ns")
+        rid = e.get("record_id")
         torch_state = {"errored": "completed", "unknown": "started"}.get(state, state)
         done = torch_state == "completed"
         t_start = e.get("time_started_ns") or (e.get("time_scheduled_ns") if done else None)
@@ -296,7 +314,11 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
             t_start = None
         entry: dict[str, Any] = {
             "frames": _frames(e.get("stack")),
-            "record_id": e.get("record_id", len(out)),
+            # less the entries left out before it: torch's analyzer starts every rank at the
+            # highest first record id of any rank, so a gap at the start of one rank's dump
+            # dropped the other ranks' first ops (a false "missing ranks"); a wrapped
+            # buffer's offset stays
+            "record_id": len(out) if rid is None else rid - n_skipped,
             "pg_id": pg_id,
             "process_group": (pg, desc),
             "thread_name": "",
@@ -383,18 +405,10 @@ def _end_batches(entries: list[dict[str, Any]], backend: str) -> list[dict[str, 
 
 
 def write_torch_dump(dump: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write torch's dump dict ``dump`` (see :func:`to_torch`) to ``path`` atomically."""
+    """Write torch's dump dict ``dump`` (see :func:`to_torch`) to ``path`` atomically;
+    OSError (naming the file) if it cannot be written, as our JSON dump does."""
     p = Path(path)
-    # (one temporary file per writer: the watchdog, signal and error dumps may overlap)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.{time.time_ns()}.tmp")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(pickle.dumps(dump, protocol=2))
-        os.replace(tmp, p)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise ExportError(f"cannot write torch Flight Recorder dump {str(p)!r}: {err}") from None
+    write_atomic(p, pickle.dumps(dump, protocol=2))
     return p
 
 
@@ -456,9 +470,15 @@ def export(
     *,
     backend: str = "nccl",
     prefix: str = DEFAULT_PREFIX,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Write torch's dump of every rank in ``sources`` (our ``rank_<r>.json`` files, or folders
-    of them) as ``<to>/<prefix><rank>``; returns the paths written, by rank."""
+    of them) as ``<to>/<prefix><rank>``; returns the paths written, by rank.
+
+    torch's analyzer reads every ``<prefix><r>`` file of the folder: one of a rank not
+    exported (an earlier, bigger job's) would be analysed with these. Such files are removed
+    with ``overwrite=True``; without it the folder is refused (ExportError) before anything is
+    written. A folder or file that cannot be written raises the OSError."""
     if not re.fullmatch(r"[\w\-]*[A-Za-z_\-]", prefix):
         # torch finds the rank as the digits at the end of the name
         raise ValueError(
@@ -473,7 +493,21 @@ def export(
     _same_job(dumps)
     dest = Path(to)
     if dest.exists() and not dest.is_dir():
-        raise ExportError(f"export destination must be a folder, got the file {str(dest)!r}")
+        raise NotADirectoryError(errno.ENOTDIR, "export destination must be a folder", str(dest))
+    mine = {f"{prefix}{rank}" for rank in dumps}
+    stale = sorted(
+        p
+        for p in (dest.iterdir() if dest.is_dir() else ())
+        if p.name not in mine and re.fullmatch(re.escape(prefix) + r"\d+", p.name)
+    )
+    if stale and not overwrite:
+        raise ExportError(
+            f"export destination {str(dest)!r} holds dumps of other ranks ({stale[0].name}"
+            f"{', ...' if len(stale) > 1 else ''}), which torch's analyzer would read with "
+            "these: choose an empty folder, or overwrite them (--overwrite)"
+        )
+    for p in stale:
+        p.unlink()
     return [
         write_torch_dump(to_torch(obj, backend=backend), dest / f"{prefix}{rank}")
         for rank, (_, obj) in sorted(dumps.items())
