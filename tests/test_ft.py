@@ -158,7 +158,10 @@ def test_fault_at_rank_step(tmp_path, fault, backend):
         # the survivors went on without r1; r1 healed when it came back
         assert any("quorum" in e and "'r1'" not in e for e in events)
         assert summaries[1]["heals"] >= 1 and summaries[1]["heal_bytes"] > 0
-        assert summaries[0]["aborted_steps"] >= 1  # the step r1 failed in was not committed
+        # the step r1 failed in was not committed, by the survivor(s) in its quorum: with
+        # min_replicas=1 a quorum may form without one of them (quorum ['r1', 'r2'] while r0
+        # waited: r0 then had no aborted step, 10 of 10 runs on a quiet machine)
+        assert summaries[0]["aborted_steps"] + summaries[2]["aborted_steps"] >= 1, summaries
     if fault == "slow":
         assert all(s["aborted_steps"] == 0 for s in summaries)
         # steady state: quorums came with the previous commit (one lighthouse round trip a step)
