@@ -1053,3 +1053,24 @@ def test_symbolic_sizes_and_strides_of_a_complex_tensor() -> None:
     gm = make_fx(lambda z: z * z.stride(0), tracing_mode="symbolic")(strided)
     with pytest.raises(ComplexDecompositionError, match="contiguous layout only"):
         lower_complex(gm)
+
+
+@pytest.mark.parametrize("mode", ["real", "symbolic"])
+def test_complex_of_broadcast_parts_has_the_broadcast_shape(mode: str) -> None:
+    # torch.complex(a[3], b[5, 3]) broadcasts; the lowering kept a as the real part, so
+    # z.numel() was the real part's 3 (b*3 + 5, not b*15 + 5), z.real [3] and zeros_like(z) [3]
+    def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        z = torch.complex(a, b)
+        return b * z.numel() + z.shape[0], z.real * 1, torch.zeros_like(z) + z, z - 1
+
+    for a, b in (
+        (torch.randn(3), torch.randn(5, 3)),
+        (torch.randn(5, 1), torch.randn(3)),
+    ):
+        gm = make_fx(fn, tracing_mode=mode)(a, b)
+        real, in_l, out_l = lower_complex(gm)
+        outs = real(*split_inputs([a, b], in_l))
+        got = join_outputs(list(outs), out_l)
+        for g, w in zip(got, fn(a, b)):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -40,7 +40,22 @@ def _r_view_as_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, An
 
 @_rule(aten.complex.default)
 def _r_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return Pair(a[0], a[1])  # complex(re, im)
+    # complex(re, im) broadcasts its parts: each part of a Pair has the complex shape (sizes,
+    # real/imag and fills read it from a part), so parts of other shapes are expanded to it (a
+    # view). complex(a[3], b[5, 3]) kept a as the real part: numel() was 3, real [3]
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    val = _node_val(n)
+    shapes = [getattr(_node_val(x), "shape", None) for x in n.args[:2]]
+    if isinstance(val, torch.Tensor) and all(
+        s is not None
+        and len(s) == val.dim()
+        and all(statically_known_true(d == w) for d, w in zip(s, val.shape))
+        for s in shapes
+    ):
+        return Pair(a[0], a[1])
+    both = lw.e.call(torch.broadcast_tensors, a[0], a[1])
+    return Pair(lw.e.call(operator.getitem, both, 0), lw.e.call(operator.getitem, both, 1))
 
 
 @_rule(aten.real.default)
