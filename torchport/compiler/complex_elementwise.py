@@ -35,6 +35,7 @@ from torchport.compiler.complex_base import (
     c_mul_promoted,
     c_sub,
     registrar,
+    zero_im,
 )
 
 RULES: dict[Any, Rule] = {}
@@ -383,7 +384,10 @@ def c_pow(e: _Emitter, a: Pair, p: Any, shift: float) -> Pair:
             return sq if p == 2 else c_mul_promoted(e, sq, a)
         if p in (0, 1):
             one = Pair(e.dense(1.0, a.re), None)
-            return one if p == 0 else c_mul(e, one, a)  # 1·x, 1·y: a copy, as ATen's
+            if p == 0:
+                return one
+            copy = c_mul(e, one, a)  # 1·x, 1·y: a copy, as ATen's (a zero's sign kept)
+            return Pair(copy.re, copy.im, a.neg_zero)
     return c_exp(e, c_mul(e, _pair(p), c_log(e, a)), shift)
 
 
@@ -421,6 +425,8 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
         return c_add_scaled(e, a, b, ar, ai)
     val = _node_val(n)
     rdt = val.dtype.to_real() if isinstance(val, torch.Tensor) else torch.float64
+    if pb.im is None:
+        parts = (pb.re, zero_im(pb), ar, ai)  # b's known-zero imaginary part with its sign
     c, d, ar_t, ai_t = (torch.tensor(0.0 if x is None else x, dtype=rdt) for x in parts)
     t_re, t_im = (c * ar_t - d * ai_t).item(), (d * ar_t + c * ai_t).item()
     return c_add_product(e, a, t_re, t_im)
@@ -488,7 +494,8 @@ def _r_recip(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
 @_rule(aten.neg.default)
 def _r_neg(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return Pair(lw.e.neg(p.re), lw.e.neg(p.im))  # -z
+    # -z; a known-zero imaginary part changes sign as eager's does ((-x.to(c64))² reads it)
+    return Pair(lw.e.neg(p.re), lw.e.neg(p.im), p.im is None and not p.neg_zero)
 
 
 @_rule(
@@ -496,7 +503,7 @@ def _r_neg(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 )
 def _r_conj(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return Pair(p.re, lw.e.neg(p.im))  # conj(a+bi) = a-bi
+    return Pair(p.re, lw.e.neg(p.im), p.im is None and not p.neg_zero)  # conj(a+bi) = a-bi
 
 
 @_rule(

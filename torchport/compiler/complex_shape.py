@@ -29,7 +29,7 @@ _rule = registrar(RULES)
 @_rule(aten.view_as_real.default)
 def _r_view_as_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return lw.e.call(torch.stack, [p.re, lw.e.dense(p.im, p.re)], -1)  # [..., 2] real tensor
+    return lw.e.call(torch.stack, [p.re, lw.e.dense_im(p, p.re)], -1)  # [..., 2] real tensor
 
 
 @_rule(aten.view_as_complex.default)
@@ -66,7 +66,7 @@ def _r_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 @_rule(aten.imag.default)
 def _r_imag(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return lw.e.dense(p.im, p.re)  # Im z
+    return lw.e.dense_im(p, p.re)  # Im z
 
 
 def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
@@ -77,12 +77,16 @@ def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) 
         # sum/mean/cumsum(dtype=complex128) of complex64 accumulate in the requested precision:
         # cast each part to its real dtype first, as ATen casts the input
         rdt = val.dtype.to_real()
-        p = Pair(*(None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im)))
+        re, im = (None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im))
+        p = Pair(re, im, p.neg_zero)
     kw = {k: v for k, v in kw.items() if k != "dtype"}
     re = lw.e.call(n.target, p.re, *a[1:], **kw)
     im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
-    return Pair(re, im)
+    # a view, copy or selection keeps a known zero's sign; a sum, or tril's zeros, make +0
+    return Pair(re, im, p.neg_zero and n.target not in _SUMS)
 
+
+_SUMS = frozenset(_packets("sum", "mean", "cumsum", "trace", "tril", "triu"))
 
 for _op in _packets(
     "view",
@@ -223,7 +227,8 @@ def _r_getitem(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> A
         return p[a[1]]
     assert isinstance(p, Pair)
     im = None if p.im is None else lw.e.call(operator.getitem, p.im, a[1])
-    return Pair(lw.e.call(operator.getitem, p.re, a[1]), im)  # element of a split/unbind
+    re = lw.e.call(operator.getitem, p.re, a[1])
+    return Pair(re, im, p.neg_zero)  # element of a split/unbind
 
 
 @_rule(*_packets("cat", "stack"))
@@ -231,9 +236,9 @@ def _r_cat(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     parts = [_pair(x) for x in a[0]]
     e = lw.e
     re = e.call(n.target, [p.re for p in parts], *a[1:], **kw)
-    if all(p.im is None for p in parts):
-        return Pair(re, None)
-    im = e.call(n.target, [e.dense(p.im, p.re) for p in parts], *a[1:], **kw)
+    if all(p.im is None and p.neg_zero == parts[0].neg_zero for p in parts):
+        return Pair(re, None, parts[0].neg_zero)
+    im = e.call(n.target, [e.dense_im(p, p.re) for p in parts], *a[1:], **kw)
     return Pair(re, im)  # concatenate each part
 
 
@@ -317,7 +322,8 @@ def _r_to(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if _is_complex_val(val):
         rdt = val.dtype.to_real()
         re = lw.e.call(torch.Tensor.to, x.re, rdt)
-        return Pair(re, None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt))
+        im = None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt)
+        return Pair(re, im, x.neg_zero)
     return lw.e.call(torch.Tensor.to, x.re, val.dtype)  # complex → real keeps the real part
 
 
