@@ -1051,7 +1051,7 @@ def test_symbolic_sizes_and_strides_of_a_complex_tensor() -> None:
     # contiguous layout, which a stride of the parts does not give either
     strided = torch.randn(4, 6, dtype=torch.complex64)[:, ::2]
     gm = make_fx(lambda z: z * z.stride(0), tracing_mode="symbolic")(strided)
-    with pytest.raises(ComplexDecompositionError, match="contiguous layout only"):
+    with pytest.raises(ComplexDecompositionError, match="a product of its sizes"):
         lower_complex(gm)
 
 
@@ -1124,3 +1124,22 @@ def test_negated_and_conjugated_real_valued_products_keep_the_zeros_sign(
         want = torch.cat([neg_fn(x[i : i + 1]) for i in range(x.numel())], dim=1)
         bad = ~_same_bits(got, want)
         assert not bad.any(), (reps, bad.nonzero()[:4].tolist(), got[bad][:4], want[bad][:4])
+
+
+def test_symbolic_strides_of_a_channels_last_complex_tensor() -> None:
+    # a channels-last [N, C, H, W] tensor's strides are (H*W*C, 1, W*C, C): products of its
+    # sizes, but not of the later dims', and the stride rule raised for stride(3) and stride(2)
+    # (ComplexDecompositionError: computed for a contiguous layout only)
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return z * z.stride(3) + z.stride(2) - z.stride(0)
+
+    def make(*shape: int) -> torch.Tensor:
+        z = torch.randn(shape, dtype=torch.complex64)
+        return z.to(memory_format=torch.channels_last)
+
+    gm = make_fx(fn, tracing_mode="symbolic")(make(2, 3, 4, 5))
+    real, in_l, out_l = lower_complex(gm)
+    for shape in ((2, 3, 4, 5), (3, 6, 2, 7)):
+        z = make(*shape)
+        (got,) = join_outputs(list(real(*split_inputs([z], in_l))), out_l)
+        torch.testing.assert_close(got, fn(z), rtol=0, atol=0)

@@ -4,6 +4,7 @@ indexing and the scatters of its backward, cat/stack, where/eq, fills and dtype 
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -344,7 +345,9 @@ def _r_sym_stride(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -
     # a stride of the complex tensor counts complex elements; a part's own stride does not say
     # it (the real view of an interleaved input has twice the stride, a computed part is laid
     # out by the compiler), so it is taken from the traced value: a static stride as the number,
-    # a contiguous one as the product of the sizes after that dim (of the part, so symbolic)
+    # a symbolic one as the product of the sizes (of the part, so symbolic) it is known to equal:
+    # the later dims' for a contiguous layout, others for a permuted one (channels-last's
+    # stride(3) is C, its stride(2) W*C)
     from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
     src = _node_val(n.args[0])
@@ -357,18 +360,23 @@ def _r_sym_stride(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -
     stride = src.stride(dim)
     if is_concrete_int(stride):
         return int(stride)
-    later = [src.shape[d] for d in range(dim + 1, src.dim())]
-    want = 1
-    for s in later:
-        want = want * s
-    if not statically_known_true(stride == want):
+    dims = range(src.dim())
+    contiguous = tuple(range(dim + 1, src.dim()))
+    subsets = [contiguous] + [c for r in dims for c in itertools.combinations(dims, r + 1)]
+    for subset in subsets:
+        want = 1
+        for d in subset:
+            want = want * src.shape[d]
+        if statically_known_true(stride == want):
+            break
+    else:
         raise ComplexDecompositionError(
-            f"{n.target}: a symbolic stride of a complex tensor is computed for a contiguous "
-            f"layout only; dim {dim} has stride {stride} for sizes {tuple(src.shape)}"
+            f"{n.target}: a symbolic stride of a complex tensor is computed where it is a "
+            f"product of its sizes; dim {dim} has stride {stride} for sizes {tuple(src.shape)}"
         )
     ref = _part_ref(_pair(a[0]))
     out: Any = 1
-    for d in range(dim + 1, src.dim()):
+    for d in subset:
         size = lw.e.call(aten.sym_size.int, ref, d)
         out = size if out == 1 else lw.e.call(operator.mul, out, size)
     return out
