@@ -1143,3 +1143,27 @@ def test_symbolic_strides_of_a_channels_last_complex_tensor() -> None:
         z = make(*shape)
         (got,) = join_outputs(list(real(*split_inputs([z], in_l))), out_l)
         torch.testing.assert_close(got, fn(z), rtol=0, atol=0)
+
+
+def test_sum_of_a_real_valued_and_a_broadcast_complex_tensor_has_full_parts() -> None:
+    # x.to(c64) + w for x [5, 3] and w [3]: the sum's imaginary part was w's, shape [3], so
+    # (x.to(c64) + w).sum() had a fifth of eager's imaginary part (silently, also through
+    # torchport.compile) and returning the sum failed to stack its parts
+    x, w = torch.randn(5, 3), torch.randn(3, dtype=torch.complex64)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xc = x.to(torch.complex64)
+        return (
+            (xc + w).sum(),
+            (xc - w).sum(0),
+            torch.rsub(xc, w),
+            xc.add(w, alpha=2).imag,
+            w - xc,
+            torch.view_as_real(xc + w),
+        )
+
+    real, in_l, out_l = lower_complex(make_fx(fn)(x, w))
+    got = join_outputs(list(real(*split_inputs([x, w], in_l))), out_l)
+    for g, want in zip(got, fn(x, w)):
+        assert g.shape == want.shape
+        torch.testing.assert_close(g, want)

@@ -45,6 +45,36 @@ def _node_val(n: object) -> Any:
     return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
 
 
+def operands_have_its_shape(n: fx.Node) -> bool:
+    """True when every graph operand of ``n`` has ``n``'s traced shape (statically): no operand
+    is broadcast, so parts taken from one operand have the result's shape."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    val = _node_val(n)
+    if not isinstance(val, torch.Tensor):
+        return False
+    for x in n.args:
+        if not isinstance(x, fx.Node):
+            continue
+        v = _node_val(x)
+        if v is None:
+            return False
+        if not isinstance(v, torch.Tensor):
+            continue  # a SymInt alpha or size
+        if v.dim() != val.dim():
+            return False
+        s = v.shape
+        if not all(statically_known_true(d == w) for d, w in zip(s, val.shape)):
+            return False
+    return True
+
+
+def broadcast_parts(e: _Emitter, re: Any, im: Any) -> Pair:
+    """``Pair(re, im)`` with both parts expanded to their broadcast shape (views)."""
+    both = e.call(torch.broadcast_tensors, re, im)
+    return Pair(e.call(operator.getitem, both, 0), e.call(operator.getitem, both, 1))
+
+
 def fold_select_of_stack(x: Any, dim: Any, index: Any, ndim: int | None = None) -> Any:
     """``select(stack(parts, -1), last dim, i)`` → ``parts[i]``, else None.
 

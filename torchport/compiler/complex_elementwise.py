@@ -25,6 +25,7 @@ from torchport.compiler.complex_base import (
     _packets,
     _pair,
     aten,
+    broadcast_parts,
     c_abs,
     c_add,
     c_add_product,
@@ -34,6 +35,7 @@ from torchport.compiler.complex_base import (
     c_mul,
     c_mul_promoted,
     c_sub,
+    operands_have_its_shape,
     registrar,
     zero_im,
 )
@@ -440,25 +442,39 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
 # (alpha=1 is dropped at tracing) the product is ATen's, bit for bit.
 
 
+def _full_parts(e: _Emitter, n: fx.Node, p: Pair) -> Pair:
+    """A sum's parts at the result's shape: where one operand's imaginary part is a known zero
+    the sum's is the other's, of that operand's shape, so x.to(c64) + w for x [5, 3] and w [3]
+    had a [3] imaginary part (its sum() a fifth of eager's, silently; an output failed to
+    stack). Only a broadcast sum is expanded (views)."""
+    if p.im is None or not isinstance(p.re, fx.Node) or operands_have_its_shape(n):
+        return p
+    full = broadcast_parts(e, p.re, p.im)
+    return Pair(full.re, full.im, p.neg_zero)
+
+
 @_rule(*_packets("add"))
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return c_add(lw.e, a[0], a[1])  # (a+bi)+(c+di) = (a+c)+(b+d)i
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=False))
+        return _full_parts(lw.e, n, c_add(lw.e, a[0], a[1]))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+    alpha = _alpha_parts(lw.e, n, a, kw, negate=False)
+    return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
 
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return c_sub(lw.e, a[0], a[1])  # componentwise difference
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=True))
+        return _full_parts(lw.e, n, c_sub(lw.e, a[0], a[1]))  # componentwise difference
+    alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
+    return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
 
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return c_sub(lw.e, a[1], a[0])  # b - a
-    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, kw, negate=True))
+        return _full_parts(lw.e, n, c_sub(lw.e, a[1], a[0]))  # b - a
+    alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
+    return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[1], a[0], alpha))
 
 
 # mul of a complex value by a real one (a real tensor or number) scales each part alone; ATen

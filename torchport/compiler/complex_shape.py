@@ -20,6 +20,8 @@ from torchport.compiler.complex_base import (
     _packets,
     _pair,
     aten,
+    broadcast_parts,
+    operands_have_its_shape,
     registrar,
 )
 
@@ -44,19 +46,9 @@ def _r_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> A
     # complex(re, im) broadcasts its parts: each part of a Pair has the complex shape (sizes,
     # real/imag and fills read it from a part), so parts of other shapes are expanded to it (a
     # view). complex(a[3], b[5, 3]) kept a as the real part: numel() was 3, real [3]
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    val = _node_val(n)
-    shapes = [getattr(_node_val(x), "shape", None) for x in n.args[:2]]
-    if isinstance(val, torch.Tensor) and all(
-        s is not None
-        and len(s) == val.dim()
-        and all(statically_known_true(d == w) for d, w in zip(s, val.shape))
-        for s in shapes
-    ):
+    if operands_have_its_shape(n):
         return Pair(a[0], a[1])
-    both = lw.e.call(torch.broadcast_tensors, a[0], a[1])
-    return Pair(lw.e.call(operator.getitem, both, 0), lw.e.call(operator.getitem, both, 1))
+    return broadcast_parts(lw.e, a[0], a[1])
 
 
 @_rule(aten.real.default)
