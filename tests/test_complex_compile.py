@@ -1167,3 +1167,23 @@ def test_sum_of_a_real_valued_and_a_broadcast_complex_tensor_has_full_parts() ->
     for g, want in zip(got, fn(x, w)):
         assert g.shape == want.shape
         torch.testing.assert_close(g, want)
+
+
+def test_real_valued_complex_plus_an_imaginary_number_is_a_tensor() -> None:
+    # x.to(c64) + 1j had the number 1.0 as its imaginary part, and the next rule applied a
+    # tensor op to it: sum() and exp() raised (RuntimeError / BackendCompilerFailed)
+    x = torch.tensor([2.0, -0.5, 0.0])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xc = x.to(torch.complex64)
+        return (xc + 1j).sum(), (xc - 2j).exp(), (1j + xc).imag, xc.add(1j, alpha=2).sum(0)
+
+    got = _run_lowered_all(fn, x)
+    for g, want in zip(got, fn(x)):
+        assert g.shape == want.shape
+        torch.testing.assert_close(g, want)
+
+
+def _run_lowered_all(fn: Callable[..., object], *args: torch.Tensor) -> list[torch.Tensor]:
+    real, in_l, out_l = lower_complex(make_fx(fn)(*args))
+    return join_outputs(list(real(*split_inputs(list(args), in_l))), out_l)

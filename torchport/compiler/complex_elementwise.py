@@ -443,10 +443,16 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
 
 
 def _full_parts(e: _Emitter, n: fx.Node, p: Pair) -> Pair:
-    """A sum's parts at the result's shape: where one operand's imaginary part is a known zero
-    the sum's is the other's, of that operand's shape, so x.to(c64) + w for x [5, 3] and w [3]
-    had a [3] imaginary part (its sum() a fifth of eager's, silently; an output failed to
-    stack). Only a broadcast sum is expanded (views)."""
+    """A sum's parts as tensors of the result's shape. Where one operand's imaginary part is a
+    known zero the sum's is the other's: of that operand's shape, so x.to(c64) + w for x [5, 3]
+    and w [3] had a [3] imaginary part (its sum() a fifth of eager's, silently; an output
+    failed to stack), and for a number a number (x.to(c64) + 1j: sum and exp of it raised,
+    a rule applied a tensor op to 1.0). A broadcast sum's parts are expanded (views), a number
+    part beside a tensor one is filled to its shape."""
+    if isinstance(p.re, fx.Node) and isinstance(p.im, (int, float)):
+        return Pair(p.re, e.dense(p.im, p.re))
+    if isinstance(p.im, fx.Node) and isinstance(p.re, (int, float)):
+        return Pair(e.dense(p.re, p.im), p.im)
     if p.im is None or not isinstance(p.re, fx.Node) or operands_have_its_shape(n):
         return p
     full = broadcast_parts(e, p.re, p.im)
