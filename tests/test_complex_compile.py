@@ -1051,5 +1051,139 @@ def test_symbolic_sizes_and_strides_of_a_complex_tensor() -> None:
     # contiguous layout, which a stride of the parts does not give either
     strided = torch.randn(4, 6, dtype=torch.complex64)[:, ::2]
     gm = make_fx(lambda z: z * z.stride(0), tracing_mode="symbolic")(strided)
-    with pytest.raises(ComplexDecompositionError, match="contiguous layout only"):
+    with pytest.raises(ComplexDecompositionError, match="a product of its sizes"):
         lower_complex(gm)
+
+
+@pytest.mark.parametrize("mode", ["real", "symbolic"])
+def test_complex_of_broadcast_parts_has_the_broadcast_shape(mode: str) -> None:
+    # torch.complex(a[3], b[5, 3]) broadcasts; the lowering kept a as the real part, so
+    # z.numel() was the real part's 3 (b*3 + 5, not b*15 + 5), z.real [3] and zeros_like(z) [3]
+    def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        z = torch.complex(a, b)
+        return b * z.numel() + z.shape[0], z.real * 1, torch.zeros_like(z) + z, z - 1
+
+    for a, b in (
+        (torch.randn(3), torch.randn(5, 3)),
+        (torch.randn(5, 1), torch.randn(3)),
+    ):
+        gm = make_fx(fn, tracing_mode=mode)(a, b)
+        real, in_l, out_l = lower_complex(gm)
+        outs = real(*split_inputs([a, b], in_l))
+        got = join_outputs(list(outs), out_l)
+        for g, w in zip(got, fn(a, b)):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_negated_and_conjugated_real_valued_products_keep_the_zeros_sign(
+    dtype: torch.dtype,
+) -> None:
+    # conj and -z of x.to(c64) have imaginary part -0, which ATen's products read; the lowering
+    # kept it as +0, so conj(xc)·xc at x = -2 was 4 - 0i (eager 4 + 0i), conj(xc)² at 2 4 + 0i
+    # (eager 4 - 0i), (-xc)² at 2 4 - 0i (eager's -z: 4 + 0i), xc·(2 - 0j) at -0 -0 + 0i
+    base = [2.0, -2.0, 0.0, -0.0, math.inf, math.nan]
+
+    def conj_fn(x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(dtype)
+        c = xc.conj_physical()
+        return torch.stack(
+            [c * xc, c**2, torch.conj(xc) ** 2, c**3, xc * complex(2.0, -0.0), c.flip(0) ** 2]
+        )
+
+    def neg_fn(x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(dtype)
+        n = -xc
+        return torch.stack(
+            [
+                n**2,
+                n * n,
+                n * xc,
+                n**3,
+                n**-2,
+                n,
+                torch.cat([n, n])[: x.numel()] ** 2,
+                torch.cat([n, xc]).view(2, -1)[0] ** 2,
+                n.add(xc, alpha=2),
+                torch.view_as_complex(torch.view_as_real(n) * 1),
+            ]
+        )
+
+    for reps in (1, 16):
+        x = torch.tensor(base * reps, dtype=dtype.to_real())
+        (got,) = _run_lowered(conj_fn, x)
+        want = conj_fn(x)
+        bad = ~_same_bits(got, want)
+        assert not bad.any(), (reps, bad.nonzero()[:4].tolist(), got[bad][:4], want[bad][:4])
+        # eager's neg is -z in its scalar loop but 0 - z in its vectorized one (+0 where -z
+        # has -0), so eager's own product depends on the element's place in the tensor (whole
+        # vectors: 8 complex64 / 4 complex128 with AVX-512); the lowering's is -z's, eager's
+        # one element at a time
+        (got,) = _run_lowered(neg_fn, x)
+        want = torch.cat([neg_fn(x[i : i + 1]) for i in range(x.numel())], dim=1)
+        bad = ~_same_bits(got, want)
+        assert not bad.any(), (reps, bad.nonzero()[:4].tolist(), got[bad][:4], want[bad][:4])
+
+
+def test_symbolic_strides_of_a_channels_last_complex_tensor() -> None:
+    # a channels-last [N, C, H, W] tensor's strides are (H*W*C, 1, W*C, C): products of its
+    # sizes, but not of the later dims', and the stride rule raised for stride(3) and stride(2)
+    # (ComplexDecompositionError: computed for a contiguous layout only)
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        return z * z.stride(3) + z.stride(2) - z.stride(0)
+
+    def make(*shape: int) -> torch.Tensor:
+        z = torch.randn(shape, dtype=torch.complex64)
+        return z.to(memory_format=torch.channels_last)
+
+    gm = make_fx(fn, tracing_mode="symbolic")(make(2, 3, 4, 5))
+    real, in_l, out_l = lower_complex(gm)
+    for shape in ((2, 3, 4, 5), (3, 6, 2, 7)):
+        z = make(*shape)
+        (got,) = join_outputs(list(real(*split_inputs([z], in_l))), out_l)
+        torch.testing.assert_close(got, fn(z), rtol=0, atol=0)
+
+
+def test_sum_of_a_real_valued_and_a_broadcast_complex_tensor_has_full_parts() -> None:
+    # x.to(c64) + w for x [5, 3] and w [3]: the sum's imaginary part was w's, shape [3], so
+    # (x.to(c64) + w).sum() had a fifth of eager's imaginary part (silently, also through
+    # torchport.compile) and returning the sum failed to stack its parts
+    x, w = torch.randn(5, 3), torch.randn(3, dtype=torch.complex64)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xc = x.to(torch.complex64)
+        return (
+            (xc + w).sum(),
+            (xc - w).sum(0),
+            torch.rsub(xc, w),
+            xc.add(w, alpha=2).imag,
+            w - xc,
+            torch.view_as_real(xc + w),
+        )
+
+    real, in_l, out_l = lower_complex(make_fx(fn)(x, w))
+    got = join_outputs(list(real(*split_inputs([x, w], in_l))), out_l)
+    for g, want in zip(got, fn(x, w)):
+        assert g.shape == want.shape
+        torch.testing.assert_close(g, want)
+
+
+def test_real_valued_complex_plus_an_imaginary_number_is_a_tensor() -> None:
+    # x.to(c64) + 1j had the number 1.0 as its imaginary part, and the next rule applied a
+    # tensor op to it: sum() and exp() raised (RuntimeError / BackendCompilerFailed)
+    x = torch.tensor([2.0, -0.5, 0.0])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xc = x.to(torch.complex64)
+        return (xc + 1j).sum(), (xc - 2j).exp(), (1j + xc).imag, xc.add(1j, alpha=2).sum(0)
+
+    got = _run_lowered_all(fn, x)
+    for g, want in zip(got, fn(x)):
+        assert g.shape == want.shape
+        torch.testing.assert_close(g, want)
+
+
+def _run_lowered_all(fn: Callable[..., object], *args: torch.Tensor) -> list[torch.Tensor]:
+    real, in_l, out_l = lower_complex(make_fx(fn)(*args))
+    return join_outputs(list(real(*split_inputs(list(args), in_l))), out_l)

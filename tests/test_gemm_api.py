@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchport.gemm as G
 from torchport import autotune, config, native
@@ -1351,6 +1352,52 @@ def test_bf16_gemm_backward_recomputes_in_the_forwards_float32():
         torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-5, atol=1e-3)
         # grad_a is bf16 (one rounding of g @ b.T, and of g where the chain rounds it)
         torch.testing.assert_close(a1.grad.double(), a64.grad, rtol=3e-2, atol=5e-2)
+
+
+class _MatmulLog(TorchDispatchMode):
+    """Records the input dtypes of every aten.mm a block runs (backward included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mms: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.mm.default:
+            self.mms.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_gemm_backward_recomputes_only_what_a_step_reads():
+    # 6a6a976's float32 recompute of a @ b ran on every backward, though only a scale operand's
+    # gradient and an activation's derivative read it: a plain bf16 mm/linear (bias, add, a
+    # constant scale) spent a float32 GEMM and float32 copies of a and b on nothing (1.6-2.8x
+    # the backward's time, readD)
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 32).bfloat16(), torch.randn(32, 8).bfloat16()
+    bias, res, g = torch.randn(8).bfloat16(), torch.randn(16, 8).bfloat16(), torch.randn(16, 8)
+    g = g.bfloat16()
+    for ep, n_f32 in (
+        ([G.Bias(bias)], 0),
+        ([G.Bias(bias), G.Add(res), G.Scale(0.5)], 0),
+        ([G.Bias(bias), "relu"], 1),
+        ([G.Scale(torch.randn(8)), G.Bias(bias)], 1),
+    ):
+        a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+        y = mm(a1, b1, epilogue=ep)
+        with _MatmulLog() as log:
+            y.backward(g)
+        # grad_a and grad_b in bf16, and the float32 recompute only where a step reads it
+        assert log.mms.count((torch.bfloat16, torch.bfloat16)) == 2, (ep, log.mms)
+        assert log.mms.count((torch.float32, torch.float32)) == n_f32, (ep, log.mms)
+    # the gradients are those of eager's ops (bias and add: g itself; grad_a, grad_b bf16 GEMMs)
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    bias1, res1 = bias.clone().requires_grad_(), res.clone().requires_grad_()
+    mm(a1, b1, epilogue=[G.Bias(bias1), G.Add(res1), G.Scale(0.5)]).backward(g)
+    g2 = g * 0.5
+    assert a1.grad is not None and torch.equal(a1.grad, g2 @ b.t())
+    assert b1.grad is not None and torch.equal(b1.grad, a.t() @ g2)
+    assert bias1.grad is not None and torch.equal(bias1.grad, g2.sum(0))
+    assert res1.grad is not None and torch.equal(res1.grad, g2)
 
 
 def test_float32_gemm_sums_bf16_bias_and_scale_gradients_in_float32():

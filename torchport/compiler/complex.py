@@ -39,6 +39,7 @@ from torchport.compiler.complex_rules import (
     _Emitter,
     _is_complex_val,
     _node_val,
+    _pair,
     fold_select_of_stack,
 )
 from torchport.compiler.passes import eliminate_dead_code
@@ -90,7 +91,7 @@ class _Lowering:
         if isinstance(x, dict):
             return {k: self.lookup(v) for k, v in x.items()}
         if isinstance(x, complex):
-            return Pair(x.real, x.imag if x.imag else None)
+            return _pair(x)  # a zero imaginary part as known, with its sign
         return x
 
     def run(self) -> fx.GraphModule:
@@ -155,7 +156,7 @@ class _Lowering:
             if isinstance(v, Pair):
                 ref = v.re if isinstance(v.re, fx.Node) else None
                 assert ref is not None, "complex output with a constant real part"
-                outs.append(self._stacked(o, v.re, self.e.dense(v.im, ref)))
+                outs.append(self._stacked(o, v.re, self.e.dense_im(v, ref)))
                 self.out_layout.append(True)
             else:
                 outs.append(v)

@@ -27,10 +27,14 @@ class ComplexDecompositionError(RuntimeError):
 
 @dataclass
 class Pair:
-    """A complex value as two real graph values; ``im is None`` means the imaginary part is 0."""
+    """A complex value as two real graph values; ``im is None`` means the imaginary part is 0:
+    +0, or -0 where ``neg_zero`` says so (a negated or conjugated real-valued complex value,
+    a complex number's -0j). Only what eager computes with that zero reads its sign (ATen's
+    products, :func:`c_mul_promoted` and :func:`c_add_scaled`, and the dense part)."""
 
     re: Any
     im: Any
+    neg_zero: bool = False
 
 
 def _is_complex_val(v: object) -> bool:
@@ -39,6 +43,36 @@ def _is_complex_val(v: object) -> bool:
 
 def _node_val(n: object) -> Any:
     return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+
+
+def operands_have_its_shape(n: fx.Node) -> bool:
+    """True when every graph operand of ``n`` has ``n``'s traced shape (statically): no operand
+    is broadcast, so parts taken from one operand have the result's shape."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    val = _node_val(n)
+    if not isinstance(val, torch.Tensor):
+        return False
+    for x in n.args:
+        if not isinstance(x, fx.Node):
+            continue
+        v = _node_val(x)
+        if v is None:
+            return False
+        if not isinstance(v, torch.Tensor):
+            continue  # a SymInt alpha or size
+        if v.dim() != val.dim():
+            return False
+        s = v.shape
+        if not all(statically_known_true(d == w) for d, w in zip(s, val.shape)):
+            return False
+    return True
+
+
+def broadcast_parts(e: _Emitter, re: Any, im: Any) -> Pair:
+    """``Pair(re, im)`` with both parts expanded to their broadcast shape (views)."""
+    both = e.call(torch.broadcast_tensors, re, im)
+    return Pair(e.call(operator.getitem, both, 0), e.call(operator.getitem, both, 1))
 
 
 def fold_select_of_stack(x: Any, dim: Any, index: Any, ndim: int | None = None) -> Any:
@@ -122,6 +156,10 @@ class _Emitter:
     def zeros_like(self, ref: Any) -> Any:
         return self.call(torch.zeros_like, ref)
 
+    def dense_im(self, p: Pair, ref: Any) -> Any:
+        """``p``'s imaginary part as a graph tensor: a known zero with its sign."""
+        return self.dense(zero_im(p) if p.im is None and p.neg_zero else p.im, ref)
+
     def dense(self, a: Any, ref: Any) -> Any:
         """``a`` as a graph tensor (zeros shaped like ``ref`` when a is a known zero)."""
         if a is None:
@@ -136,8 +174,15 @@ def _pair(v: Any) -> Pair:
     if isinstance(v, Pair):
         return v
     if isinstance(v, complex):
-        return Pair(v.real, v.imag if v.imag != 0 else None)
+        if v.imag != 0:
+            return Pair(v.real, v.imag)
+        return Pair(v.real, None, math.copysign(1.0, v.imag) < 0)  # 2 - 0j keeps its -0
     return Pair(v, None)
+
+
+def zero_im(p: Pair) -> float:
+    """The known-zero imaginary part of ``p`` (``im is None``) as a signed number."""
+    return -0.0 if p.neg_zero else 0.0
 
 
 # --- complex arithmetic on Pairs -------------------------------------------------------------
@@ -157,9 +202,9 @@ def c_add_scaled(e: _Emitter, a: Any, b: Any, alpha_re: Any, alpha_im: Any) -> P
     """``a + alpha·b`` as ATen's add kernel computes it (``sub`` passes ``-alpha``): a full
     complex product in which alpha's imaginary part and any known-zero part take part, so
     ``1 + 2·(inf + 0i)`` is inf + NaN i (2·0 + 0·inf) and ``-0 + 1·(-0 - 0i)`` has real part +0,
-    as in eager. Known-zero parts count as +0."""
+    as in eager. A known-zero real part counts as +0, a known-zero imaginary part with its sign."""
     pb = _pair(b)
-    c, d = (0.0 if pb.re is None else pb.re), (0.0 if pb.im is None else pb.im)
+    c, d = (0.0 if pb.re is None else pb.re), (zero_im(pb) if pb.im is None else pb.im)
     t_re = e.sub(e.mul(c, alpha_re), e.mul(d, alpha_im))
     t_im = e.add(e.mul(d, alpha_re), e.mul(c, alpha_im))
     return c_add_product(e, a, t_re, t_im)
@@ -167,9 +212,10 @@ def c_add_scaled(e: _Emitter, a: Any, b: Any, alpha_re: Any, alpha_im: Any) -> P
 
 def c_add_product(e: _Emitter, a: Any, t_re: Any, t_im: Any) -> Pair:
     """``a + t`` for the product ``t = t_re + t_im·i`` of :func:`c_add_scaled` (or one computed
-    in the node's precision): ``a``'s known-zero parts count as +0, as in ATen's sum."""
+    in the node's precision): ``a``'s known-zero parts take part as in ATen's sum (a real part
+    as +0, an imaginary one with its sign)."""
     pa = _pair(a)
-    x, y = (0.0 if pa.re is None else pa.re), (0.0 if pa.im is None else pa.im)
+    x, y = (0.0 if pa.re is None else pa.re), (zero_im(pa) if pa.im is None else pa.im)
     return Pair(e.add(x, t_re), e.add(y, t_im))
 
 
@@ -184,20 +230,28 @@ def c_mul_promoted(e: _Emitter, a: Any, b: Any) -> Pair:
     """``a·b`` as ATen's complex mul kernel computes it: a real operand is promoted to complex
     first and its imaginary part +0 takes part in the products, so (inf + 0i)·2 is inf + NaN i
     (inf·0 + 0·2), (nan + 0i)² is nan + nan i and (-2 + 0i)² is 4 - 0i, as in eager, where
-    :func:`c_mul` leaves those products out (inf + 0i, nan + 0i, 4 + 0i). Each known zero costs
-    one product with 0 and one add, not a full complex product; a square of a real-valued
-    complex costs one op (a·0 + 0·a is a·0)."""
+    :func:`c_mul` leaves those products out (inf + 0i, nan + 0i, 4 + 0i). A known-zero
+    imaginary part takes part with its sign ((-2 - 0i)² is 4 + 0i). Each known zero costs one
+    product with it and one add, not a full complex product; a square of a real-valued complex
+    costs one op (a·z + z·a is a·z)."""
     pa, pb = _pair(a), _pair(b)
     if pa.im is not None and pb.im is not None:
         return c_mul(e, pa, pb)
     if pa.im is None and pb.im is None:
-        # (a + 0i)(c + 0i) = (ac - 0·0) + (a·0 + 0·c)i, and ac - (+0) is ac for every ac
-        za = e.mul(pa.re, 0.0)
-        return Pair(e.mul(pa.re, pb.re), za if pb.re is pa.re else e.add(za, e.mul(0.0, pb.re)))
+        # (a + za·i)(c + zb·i) = (ac - za·zb) + (a·zb + za·c)i. ac - (+0) is ac for every ac;
+        # ac - (-0) turns a -0 product to +0, and a·a is never -0
+        za, zb = zero_im(pa), zero_im(pb)
+        re = e.mul(pa.re, pb.re)
+        if not (pb.re is pa.re or _is_plus_zero(za * zb)):
+            re = e.sub(re, -0.0)
+        t = e.mul(pa.re, zb)
+        if pb.re is pa.re and pa.neg_zero == pb.neg_zero:
+            return Pair(re, t)  # a·z is ±0 or NaN, and so is its sum with itself
+        return Pair(re, e.add(t, e.mul(za, pb.re)))
     if pa.im is None:
         pa, pb = pb, pa  # the product is symmetric, bit for bit (x·c - y·0 is c·x - 0·y)
-    (x, y), c = (pa.re, pa.im), pb.re
-    yz = e.mul(y, 0.0)
+    (x, y), c, zc = (pa.re, pa.im), pb.re, zero_im(pb)
+    yz = e.mul(y, zc)
     # x·c - (+0) is x·c (a number y makes one: 1j * x), so only a graph value, -0 or NaN is
     # subtracted
     re = (
@@ -205,7 +259,7 @@ def c_mul_promoted(e: _Emitter, a: Any, b: Any) -> Pair:
         if isinstance(yz, (int, float)) and _is_plus_zero(yz)
         else e.sub(e.mul(x, c), yz)
     )
-    return Pair(re, e.add(e.mul(x, 0.0), e.mul(y, c)))
+    return Pair(re, e.add(e.mul(x, zc), e.mul(y, c)))
 
 
 def _is_plus_zero(v: float) -> bool:

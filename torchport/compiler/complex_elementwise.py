@@ -25,6 +25,7 @@ from torchport.compiler.complex_base import (
     _packets,
     _pair,
     aten,
+    broadcast_parts,
     c_abs,
     c_add,
     c_add_product,
@@ -34,7 +35,9 @@ from torchport.compiler.complex_base import (
     c_mul,
     c_mul_promoted,
     c_sub,
+    operands_have_its_shape,
     registrar,
+    zero_im,
 )
 
 RULES: dict[Any, Rule] = {}
@@ -383,7 +386,10 @@ def c_pow(e: _Emitter, a: Pair, p: Any, shift: float) -> Pair:
             return sq if p == 2 else c_mul_promoted(e, sq, a)
         if p in (0, 1):
             one = Pair(e.dense(1.0, a.re), None)
-            return one if p == 0 else c_mul(e, one, a)  # 1·x, 1·y: a copy, as ATen's
+            if p == 0:
+                return one
+            copy = c_mul(e, one, a)  # 1·x, 1·y: a copy, as ATen's (a zero's sign kept)
+            return Pair(copy.re, copy.im, a.neg_zero)
     return c_exp(e, c_mul(e, _pair(p), c_log(e, a)), shift)
 
 
@@ -421,6 +427,8 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
         return c_add_scaled(e, a, b, ar, ai)
     val = _node_val(n)
     rdt = val.dtype.to_real() if isinstance(val, torch.Tensor) else torch.float64
+    if pb.im is None:
+        parts = (pb.re, zero_im(pb), ar, ai)  # b's known-zero imaginary part with its sign
     c, d, ar_t, ai_t = (torch.tensor(0.0 if x is None else x, dtype=rdt) for x in parts)
     t_re, t_im = (c * ar_t - d * ai_t).item(), (d * ar_t + c * ai_t).item()
     return c_add_product(e, a, t_re, t_im)
@@ -434,25 +442,45 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
 # (alpha=1 is dropped at tracing) the product is ATen's, bit for bit.
 
 
+def _full_parts(e: _Emitter, n: fx.Node, p: Pair) -> Pair:
+    """A sum's parts as tensors of the result's shape. Where one operand's imaginary part is a
+    known zero the sum's is the other's: of that operand's shape, so x.to(c64) + w for x [5, 3]
+    and w [3] had a [3] imaginary part (its sum() a fifth of eager's, silently; an output
+    failed to stack), and for a number a number (x.to(c64) + 1j: sum and exp of it raised,
+    a rule applied a tensor op to 1.0). A broadcast sum's parts are expanded (views), a number
+    part beside a tensor one is filled to its shape."""
+    if isinstance(p.re, fx.Node) and isinstance(p.im, (int, float)):
+        return Pair(p.re, e.dense(p.im, p.re))
+    if isinstance(p.im, fx.Node) and isinstance(p.re, (int, float)):
+        return Pair(e.dense(p.re, p.im), p.im)
+    if p.im is None or not isinstance(p.re, fx.Node) or operands_have_its_shape(n):
+        return p
+    full = broadcast_parts(e, p.re, p.im)
+    return Pair(full.re, full.im, p.neg_zero)
+
+
 @_rule(*_packets("add"))
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return c_add(lw.e, a[0], a[1])  # (a+bi)+(c+di) = (a+c)+(b+d)i
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=False))
+        return _full_parts(lw.e, n, c_add(lw.e, a[0], a[1]))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+    alpha = _alpha_parts(lw.e, n, a, kw, negate=False)
+    return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
 
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return c_sub(lw.e, a[0], a[1])  # componentwise difference
-    return _add_scaled(lw.e, n, a[0], a[1], _alpha_parts(lw.e, n, a, kw, negate=True))
+        return _full_parts(lw.e, n, c_sub(lw.e, a[0], a[1]))  # componentwise difference
+    alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
+    return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
 
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return c_sub(lw.e, a[1], a[0])  # b - a
-    return _add_scaled(lw.e, n, a[1], a[0], _alpha_parts(lw.e, n, a, kw, negate=True))
+        return _full_parts(lw.e, n, c_sub(lw.e, a[1], a[0]))  # b - a
+    alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
+    return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[1], a[0], alpha))
 
 
 # mul of a complex value by a real one (a real tensor or number) scales each part alone; ATen
@@ -488,7 +516,8 @@ def _r_recip(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
 @_rule(aten.neg.default)
 def _r_neg(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return Pair(lw.e.neg(p.re), lw.e.neg(p.im))  # -z
+    # -z; a known-zero imaginary part changes sign as eager's does ((-x.to(c64))² reads it)
+    return Pair(lw.e.neg(p.re), lw.e.neg(p.im), p.im is None and not p.neg_zero)
 
 
 @_rule(
@@ -496,7 +525,7 @@ def _r_neg(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 )
 def _r_conj(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return Pair(p.re, lw.e.neg(p.im))  # conj(a+bi) = a-bi
+    return Pair(p.re, lw.e.neg(p.im), p.im is None and not p.neg_zero)  # conj(a+bi) = a-bi
 
 
 @_rule(

@@ -33,7 +33,8 @@ def _cast_parts(lw: Any, n: fx.Node, p: Pair, kw: dict[str, Any]) -> Pair:
     if kw.get("dtype") is None:
         return p
     rdt = _node_val(n).dtype.to_real()
-    return Pair(*(None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im)))
+    re, im = (None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im))
+    return Pair(re, im, p.neg_zero)
 
 
 @_rule(aten.logcumsumexp.default)

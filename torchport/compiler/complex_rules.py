@@ -32,6 +32,7 @@ from torchport.compiler.complex_base import (
     _Emitter,
     _is_complex_val,
     _node_val,
+    _pair,
     fold_select_of_stack,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "_Emitter",
     "_is_complex_val",
     "_node_val",
+    "_pair",
     "fold_select_of_stack",
 ]
 

@@ -4,6 +4,7 @@ indexing and the scatters of its backward, cat/stack, where/eq, fills and dtype 
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -19,6 +20,8 @@ from torchport.compiler.complex_base import (
     _packets,
     _pair,
     aten,
+    broadcast_parts,
+    operands_have_its_shape,
     registrar,
 )
 
@@ -29,7 +32,7 @@ _rule = registrar(RULES)
 @_rule(aten.view_as_real.default)
 def _r_view_as_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return lw.e.call(torch.stack, [p.re, lw.e.dense(p.im, p.re)], -1)  # [..., 2] real tensor
+    return lw.e.call(torch.stack, [p.re, lw.e.dense_im(p, p.re)], -1)  # [..., 2] real tensor
 
 
 @_rule(aten.view_as_complex.default)
@@ -40,7 +43,12 @@ def _r_view_as_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, An
 
 @_rule(aten.complex.default)
 def _r_complex(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return Pair(a[0], a[1])  # complex(re, im)
+    # complex(re, im) broadcasts its parts: each part of a Pair has the complex shape (sizes,
+    # real/imag and fills read it from a part), so parts of other shapes are expanded to it (a
+    # view). complex(a[3], b[5, 3]) kept a as the real part: numel() was 3, real [3]
+    if operands_have_its_shape(n):
+        return Pair(a[0], a[1])
+    return broadcast_parts(lw.e, a[0], a[1])
 
 
 @_rule(aten.real.default)
@@ -51,7 +59,7 @@ def _r_real(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 @_rule(aten.imag.default)
 def _r_imag(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     p = _pair(a[0])
-    return lw.e.dense(p.im, p.re)  # Im z
+    return lw.e.dense_im(p, p.re)  # Im z
 
 
 def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
@@ -62,12 +70,16 @@ def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) 
         # sum/mean/cumsum(dtype=complex128) of complex64 accumulate in the requested precision:
         # cast each part to its real dtype first, as ATen casts the input
         rdt = val.dtype.to_real()
-        p = Pair(*(None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im)))
+        re, im = (None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im))
+        p = Pair(re, im, p.neg_zero)
     kw = {k: v for k, v in kw.items() if k != "dtype"}
     re = lw.e.call(n.target, p.re, *a[1:], **kw)
     im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
-    return Pair(re, im)
+    # a view, copy or selection keeps a known zero's sign; a sum, or tril's zeros, make +0
+    return Pair(re, im, p.neg_zero and n.target not in _SUMS)
 
+
+_SUMS = frozenset(_packets("sum", "mean", "cumsum", "trace", "tril", "triu"))
 
 for _op in _packets(
     "view",
@@ -208,7 +220,8 @@ def _r_getitem(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> A
         return p[a[1]]
     assert isinstance(p, Pair)
     im = None if p.im is None else lw.e.call(operator.getitem, p.im, a[1])
-    return Pair(lw.e.call(operator.getitem, p.re, a[1]), im)  # element of a split/unbind
+    re = lw.e.call(operator.getitem, p.re, a[1])
+    return Pair(re, im, p.neg_zero)  # element of a split/unbind
 
 
 @_rule(*_packets("cat", "stack"))
@@ -216,9 +229,9 @@ def _r_cat(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     parts = [_pair(x) for x in a[0]]
     e = lw.e
     re = e.call(n.target, [p.re for p in parts], *a[1:], **kw)
-    if all(p.im is None for p in parts):
-        return Pair(re, None)
-    im = e.call(n.target, [e.dense(p.im, p.re) for p in parts], *a[1:], **kw)
+    if all(p.im is None and p.neg_zero == parts[0].neg_zero for p in parts):
+        return Pair(re, None, parts[0].neg_zero)
+    im = e.call(n.target, [e.dense_im(p, p.re) for p in parts], *a[1:], **kw)
     return Pair(re, im)  # concatenate each part
 
 
@@ -302,7 +315,8 @@ def _r_to(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if _is_complex_val(val):
         rdt = val.dtype.to_real()
         re = lw.e.call(torch.Tensor.to, x.re, rdt)
-        return Pair(re, None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt))
+        im = None if x.im is None else lw.e.call(torch.Tensor.to, x.im, rdt)
+        return Pair(re, im, x.neg_zero)
     return lw.e.call(torch.Tensor.to, x.re, val.dtype)  # complex → real keeps the real part
 
 
@@ -323,7 +337,9 @@ def _r_sym_stride(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -
     # a stride of the complex tensor counts complex elements; a part's own stride does not say
     # it (the real view of an interleaved input has twice the stride, a computed part is laid
     # out by the compiler), so it is taken from the traced value: a static stride as the number,
-    # a contiguous one as the product of the sizes after that dim (of the part, so symbolic)
+    # a symbolic one as the product of the sizes (of the part, so symbolic) it is known to equal:
+    # the later dims' for a contiguous layout, others for a permuted one (channels-last's
+    # stride(3) is C, its stride(2) W*C)
     from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
     src = _node_val(n.args[0])
@@ -336,18 +352,23 @@ def _r_sym_stride(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -
     stride = src.stride(dim)
     if is_concrete_int(stride):
         return int(stride)
-    later = [src.shape[d] for d in range(dim + 1, src.dim())]
-    want = 1
-    for s in later:
-        want = want * s
-    if not statically_known_true(stride == want):
+    dims = range(src.dim())
+    contiguous = tuple(range(dim + 1, src.dim()))
+    subsets = [contiguous] + [c for r in dims for c in itertools.combinations(dims, r + 1)]
+    for subset in subsets:
+        want = 1
+        for d in subset:
+            want = want * src.shape[d]
+        if statically_known_true(stride == want):
+            break
+    else:
         raise ComplexDecompositionError(
-            f"{n.target}: a symbolic stride of a complex tensor is computed for a contiguous "
-            f"layout only; dim {dim} has stride {stride} for sizes {tuple(src.shape)}"
+            f"{n.target}: a symbolic stride of a complex tensor is computed where it is a "
+            f"product of its sizes; dim {dim} has stride {stride} for sizes {tuple(src.shape)}"
         )
     ref = _part_ref(_pair(a[0]))
     out: Any = 1
-    for d in range(dim + 1, src.dim()):
+    for d in subset:
         size = lw.e.call(aten.sym_size.int, ref, d)
         out = size if out == 1 else lw.e.call(operator.mul, out, size)
     return out

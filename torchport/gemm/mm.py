@@ -741,6 +741,10 @@ def _(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out)
 
 
+# the steps whose backward reads the value they were applied to (the rest need no recompute)
+_READS_INPUT = frozenset(("scale_col", "scale_row", "relu", "gelu", "gelu_tanh", "silu"))
+
+
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     a, b, operands, spec = inputs
     ctx.spec = spec
@@ -756,33 +760,36 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     # them (a float32 accumulator, the epilogue on it; one rounding at the store): recomputed in
     # bf16, a bf16 GEMM's product and a float32 bias were rounded to bf16 before a float32
     # Scale's gradient multiplied by them (its sum was off by the bias's rounding times sum(g)).
-    # For a bf16 GEMM that costs float32 copies of a and b and an M x N float32 product (twice
-    # the bf16 recompute's memory); for a float32 one the casts are no-ops
+    # Only a step that reads its input value (a scale operand's gradient, an activation's
+    # derivative) needs it: without one (plain mm/linear, bias, add, a constant scale) nothing is
+    # recomputed, and the chain stops at the last such step. torch 2.13 has no CPU GEMM from
+    # bf16 to a float32 product (mm/addmm/bmm's out_dtype overloads are CUDA only), so for a
+    # bf16 GEMM the recompute holds float32 copies of a and b and the float32 product at once,
+    # 4 x (M*K + K*N + M*N) bytes (twice a and b's own size, plus the product); after it, one
+    # M x N float32 value per reading step, and one more while a step or derivative runs. For a
+    # float32 GEMM the casts are no-ops (only the product is new)
     cdt = torch.float32
-    h = a.to(cdt) @ b.to(cdt)
-    hs: list[torch.Tensor] = []
+    reads = [op.kind in _READS_INPUT for op in sp.ops]
+    last = max((i for i, r in enumerate(reads) if r), default=-1)
+    h = a.to(cdt) @ b.to(cdt) if last >= 0 else None
+    hs: list[torch.Tensor | None] = []
     it = iter(operands)
     vals: list[torch.Tensor | None] = []
     # per step: the dtype its operand's gradient is summed in, the wider of the GEMM's and the
     # operand's (eager's promotion: a bf16 bias of a float32 GEMM is added in float32, and its
     # gradient summed there; summed in bf16, each element was rounded first, 0.0625 off)
     accs: list[torch.dtype] = []
-    for op in sp.ops:
-        hs.append(h)
+    for i, op in enumerate(sp.ops):
+        hs.append(h if reads[i] else None)
         # a scale operand keeps its dtype: _step and the gradient multiply in the wider dtype
         # and round once, as the forward does (a float32 column of 0.1 cast to bf16 first was
-        # 0.10009765625)
+        # 0.10009765625); a bias or add operand is added to the float32 value by promotion
+        # (exact, no float32 copy of a bf16 residual), and the backward does not read it
         raw = next(it) if op.kind in OPERAND_KINDS else None
-        t = (
-            raw
-            if op.kind in ("scale_col", "scale_row")
-            else raw.to(cdt)
-            if raw is not None and op.kind in ("bias_col", "bias_row", "add")
-            else None
-        )
-        vals.append(t)
+        vals.append(raw if op.kind in ("scale_col", "scale_row") else None)
         accs.append(dt if raw is None else torch.promote_types(dt, raw.dtype))
-        h = _step(h, op, t)
+        if h is not None:
+            h = _step(h, op, raw) if i < last else None
     g = grad.to(dt)
     grads_ops: list[torch.Tensor | None] = []
     # a float32 bias or scale of a bf16 GEMM gets its gradient summed in float32 from exact
@@ -805,23 +812,26 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         elif k == "add":
             grads_ops.append(g)
         elif k == "scale_col":
-            assert t is not None
+            assert t is not None and x is not None
             grads_ops.append((g.to(acc) * x).sum(0))
             g = (g * t).to(dt)
         elif k == "scale_row":
-            assert t is not None
+            assert t is not None and x is not None
             grads_ops.append((g.to(acc) * x).sum(1))
             g = (g * t[:, None]).to(dt)
         elif k == "scale":
             g = g * op.value
         elif k == "relu":
+            assert x is not None
             # as eager's relu backward (zero where the input is <= 0): a NaN input passes the
             # gradient (where(x > 0, ...) zeroed it, so a NaN row's grad_a was 0, not g @ b.T)
             g = torch.ops.aten.threshold_backward(g.to(cdt), x, 0).to(dt)
         elif k in ("gelu", "gelu_tanh"):
+            assert x is not None
             approx = "none" if k == "gelu" else "tanh"
             g = torch.ops.aten.gelu_backward(g.to(cdt), x, approximate=approx).to(dt)
         else:
+            assert x is not None
             g = torch.ops.aten.silu_backward(g.to(cdt), x).to(dt)
     grads_ops.reverse()
     ga = g @ b.t() if ctx.needs_input_grad[0] else None
