@@ -69,8 +69,9 @@ class PackedWeight:
     k: int
     # whether the int8-activation kernels may serve (FP4 formats): False for block scales holding
     # a NaN code, which their register decodes read as finite (E4M3 0x7F as 480, E8M0 0xFF as
-    # infinity) where the float kernel's tables read NaN, as torch
-    int8: bool = True
+    # infinity) where the float kernel's tables read NaN, as torch. No default: a pack rebuilt
+    # from its parts (the custom op, a captured graph) that left it out read such scales finite
+    int8: bool
     # settled eager routes of :func:`gemv_packed` for this weight, by (x dtype, x shape,
     # allow_int8) and, under the key ``allow_int8`` alone, the one the last settled call took;
     # settled from its second eager call on (see :func:`settle_route`; not part of the weight's
@@ -95,7 +96,8 @@ def pack_dense(w: torch.Tensor) -> PackedWeight:
     fmt = "f32" if w.dtype == torch.float32 else "bf16"
     # resolve_neg: a lazily negated weight's memory holds the un-negated values the kernel read
     data = w.detach().resolve_neg().contiguous()
-    return PackedWeight(fmt, data, _EMPTY_U8, _EMPTY_F32, 1.0, *w.shape)
+    n, k = w.shape
+    return PackedWeight(fmt, data, _EMPTY_U8, _EMPTY_F32, 1.0, n, k, False)
 
 
 def gemv_reference(
@@ -513,7 +515,12 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
         def run(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, rs: torch.Tensor):
             out = torch.empty(rows, pw.n)
             _launch(
-                kern, x, PackedWeight(pw.fmt, d, sc, rs, pw.pts, pw.n, pw.k), None, out, threads
+                kern,
+                x,
+                PackedWeight(pw.fmt, d, sc, rs, pw.pts, pw.n, pw.k, pw.int8),
+                None,
+                out,
+                threads,
             )
             return out
 
@@ -717,9 +724,12 @@ def gemv_packed_op(
     bias: torch.Tensor | None,
     allow_int8: bool = True,
 ) -> torch.Tensor:
-    """Decode GEMV with a packed low-precision weight."""
+    """Decode GEMV with a packed low-precision weight. ``allow_int8``: the caller's choice and
+    the pack's own ``int8`` (False for NaN block scales), which the op's arguments carry only
+    folded into this one."""
     _check_bias(bias, n)  # (as gemv_dense)
-    return _run(x, PackedWeight(fmt, data, scales, rowscale, pts, n, k), bias, allow_int8)
+    pw = PackedWeight(fmt, data, scales, rowscale, pts, n, k, allow_int8)
+    return _run(x, pw, bias, allow_int8)
 
 
 @gemv_packed_op.register_fake
@@ -834,7 +844,7 @@ def _gemv_packed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | 
             )
         saved = ctx.saved_tensors
         data, scales, rowscale = (f if f is not None else s for f, s in zip(ctx.frozen, saved))
-        w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k))
+        w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k, False))
         gx = (g2 @ w).reshape(x_shape).to(x_dtype)
     gb = g2.sum(0).to(b_dtype) if ctx.needs_input_grad[8] else None
     return gx, None, None, None, None, None, None, None, gb, None
@@ -904,8 +914,10 @@ def _gemv_checked(
         return _run(x, pw, bias, allow_int8)
     if pw.fmt in ("f32", "bf16"):
         return gemv_dense_op(x, pw.data, bias)
+    # the pack's int8 flag travels folded into allow_int8 (the op rebuilds the pack from its
+    # parts; without it, NaN block scales read finite when x requires grad or in a captured graph)
     return gemv_packed_op(
-        x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias, allow_int8
+        x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias, allow_int8 and pw.int8
     )
 
 

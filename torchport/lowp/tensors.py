@@ -1016,7 +1016,7 @@ class Float8Tensor(LowPrecisionTensor):
             nan_rows = _e4m3_nan(data, 1)
             if _true(nan_rows.any()):  # out of place: rs may be the tensor's own (N, 1) scale
                 rs = rs.masked_fill(nan_rows, math.nan)
-        return PackedWeight(fmt, data, empty, rs, 1.0, n, k)
+        return PackedWeight(fmt, data, empty, rs, 1.0, n, k, False)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from torchport.lowp.scaled_mm import scaled_mm
