@@ -239,3 +239,15 @@ def test_fp4_nan_scale_code_survives_the_custom_op_and_capture(fmt) -> None:
     assert gr.tier == "native"
     gr.replay()
     assert torch.equal(y.isnan(), nan)
+
+
+def test_fp4_activations_meet_a_nan_block_scale_as_torch() -> None:
+    """FP4 weights with FP4 activations (the pair-split integer kernel) and a block scale holding
+    E4M3's NaN code: the row is NaN as torch's dequantized F.linear; the kernel's scale decode read
+    0x7F as 480 (a finite row), so such a pack takes the float path."""
+    g = torch.Generator().manual_seed(8)
+    t = NVFP4Tensor.from_float(torch.randn(4, 256, generator=g), act_per_tensor_scale=True)
+    t.scale.view(torch.uint8)[1, 3] = 0x7F
+    x = torch.randn(1, 256, generator=g)
+    out = F.linear(x, t)
+    assert bool(out[0, 1].isnan()) and bool(out[0, [0, 2, 3]].isfinite().all())

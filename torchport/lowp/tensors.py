@@ -586,13 +586,15 @@ class LowPrecisionTensor(torch.Tensor):
         )
         if not (b_ok and native.eager_fast_path(x)):
             return None
+        pw = self.gemv_pack()
+        if not pw.int8:  # a NaN block scale: the pair-split kernel's register decode reads it
+            return None  # finite (E4M3 0x7F as 480), the float kernel's table NaN, as torch
         x2 = x.reshape(-1, k)
         act = self.fp4_activation(x2)
         if act is None:
             return None
         from torchport.gemv.fp4_kernel import gemv_fp4_prepped_kernel, prepare_fp4_activations
 
-        pw = self.gemv_pack()
         fold = 0.5 * 256.0 * pw.pts if pw.fmt == "nvfp4" else 0.5
         xr, corr, xsv = prepare_fp4_activations(act[0], act[1], fold)
         rows = x2.shape[0]
