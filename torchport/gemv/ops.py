@@ -775,22 +775,17 @@ def _gemv_dense_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | N
     return gx, gw, gb
 
 
-# Writes into inference tensors' storages (by address), which have no version counter:
-# ``note_written`` counts them (a quantized weight's ``copy_`` calls it), and a backward that kept
-# such a tensor compares the count with the one at its forward. A live storage's address is its
-# own, so a count that moved while the tensor was kept is a write into it. An entry goes with its
-# storage (a finalizer on the storage object, which torch keeps as long as the storage lives):
-# every weight ever written kept one, a model reloaded in a loop a growing map.
-_INFERENCE_WRITES: dict[int, int] = {}
-# The finalizer's token per address: a storage that died drops its entry only if no later storage
-# at the same address has made one since.
-_WRITE_TOKENS: dict[int, object] = {}
-
-
-def _forget_writes(key: int, token: object) -> None:
-    if _WRITE_TOKENS.get(key) is token:
-        del _WRITE_TOKENS[key]
-        _INFERENCE_WRITES.pop(key, None)
+# Writes into inference tensors' storages, which have no version counter: ``note_written``
+# counts them (a quantized weight's ``copy_`` calls it), and a backward that kept such a tensor
+# compares the count with the one at its forward. Keyed by the storage object (torch keeps one
+# per storage, views included, as long as the storage lives), held weakly: an entry goes with its
+# storage (every weight ever written kept one, a model reloaded in a loop a growing map). Keyed by
+# address, a storage moved in place (``share_memory_()``) left its count at the old address,
+# where a new storage inherited it, and the moved one's death later dropped the live one's entry:
+# a backward with no write raised "modified by an inplace operation".
+_INFERENCE_WRITES: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
@@ -800,19 +795,15 @@ def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
     as torch's does for a tensor modified in place after it was saved."""
     torch.autograd.graph.increment_version([t for t in tensors if not t.is_inference()])
     for t in tensors:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if t.is_inference() and key:
-            if key not in _INFERENCE_WRITES:  # the storage's first write: its entry's lifetime
-                token = _WRITE_TOKENS[key] = object()
-                weakref.finalize(storage, _forget_writes, key, token)
-            _INFERENCE_WRITES[key] = _INFERENCE_WRITES.get(key, 0) + 1
+        if t.is_inference():
+            storage = t.untyped_storage()
+            _INFERENCE_WRITES[storage] = _INFERENCE_WRITES.get(storage, 0) + 1
 
 
 def _writes_of(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    return _INFERENCE_WRITES.get(t.untyped_storage().data_ptr(), 0)
+    return _INFERENCE_WRITES.get(t.untyped_storage(), 0)
 
 
 def _gemv_packed_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
