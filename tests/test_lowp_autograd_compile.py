@@ -248,6 +248,34 @@ def test_eager_forward_ad_through_a_quantized_linear(grad) -> None:
         torch.testing.assert_close(tan, x @ wt.T)
 
 
+def test_forward_ad_level_keeps_the_settled_route(monkeypatch) -> None:
+    """Inside a forward-AD dual level the settled route refuses every call (x may carry a
+    tangent); each quantized F.linear settled a new route anyway (one settle per call, twice the
+    call's time), which also replaced the one settled before the level."""
+    import torch.autograd.forward_ad as fwad
+
+    from torchport.lowp import tensors
+
+    w = lowp.Float8Tensor.from_float(torch.randn(16, 64), torch.float8_e4m3fn, "row")
+    x = torch.randn(1, 64)
+    for _ in range(3):
+        torch.nn.functional.linear(x, w)
+    route = w._route
+    assert route is not None
+    calls, settle = [], tensors.settle_route
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return settle(*args, **kwargs)
+
+    monkeypatch.setattr(tensors, "settle_route", counting)
+    with fwad.dual_level():
+        for _ in range(5):
+            out = torch.nn.functional.linear(x, w)
+    assert not calls and w._route is route
+    assert torch.equal(torch.nn.functional.linear(x, w), out)
+
+
 @pytest.mark.parametrize("rows", [1, 20])
 def test_copy_into_the_weight_between_forward_and_backward_raises(rows) -> None:
     """``F.linear`` with a quantized weight, then ``w.copy_(new)``, then the backward: raises as

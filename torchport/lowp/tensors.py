@@ -643,7 +643,10 @@ class LowPrecisionTensor(torch.Tensor):
         xa = x if xq is None else xq
         if decode:
             pw = self.gemv_pack()
-            if xq is None and self._pack is pw:  # weight-only, eager weight: settle the route
+            # weight-only, eager weight: settle the route; not inside a forward-AD dual level,
+            # whose every call the route refuses (settled anew per call: 23 -> 51 us), and whose
+            # end leaves the route settled before it valid
+            if xq is None and self._pack is pw and not native.forward_ad_active():
                 self._route = settle_route(x, pw, bias)
             out = linear_decode(xa, pw, bias, allow_int8=xq is None)
         else:
