@@ -82,6 +82,7 @@ _dlpack = torch.Tensor.__dlpack__
 _DATA = torch._C.TensorBase.__dict__["data"]
 _is_shared = torch.Tensor.is_shared
 _autocast_on = torch._C._is_any_autocast_enabled
+_FWAD = torch.autograd.forward_ad  # its dual level's global (see native.forward_ad_active)
 # the dtypes a quantized tensor may stand for (to(dtype) keeps it quantized for these)
 _WRAPPER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
@@ -749,7 +750,7 @@ class LowPrecisionTensor(torch.Tensor):
                     if torch.is_grad_enabled():
                         _check_frozen(w)
                     return _FrozenWeightLinear.apply(x, bias, (w,))
-                if native.forward_ad_active():
+                if _FWAD._current_level >= 0:  # (native.forward_ad_active inline: ~15 ns less)
                     # a dual input or bias need not require grad, and forward mode ignores the
                     # grad mode: the Function's jvp, where the kernel dropped the tangent
                     if torch.is_grad_enabled():
