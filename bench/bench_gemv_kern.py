@@ -56,6 +56,7 @@ def _pack(fmt: str, n: int, k: int) -> PackedWeight:
         pw.pts,
         pw.n,
         pw.k,
+        pw.int8,
     )
 
 

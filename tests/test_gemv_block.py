@@ -99,6 +99,7 @@ def test_two_row_path_keeps_every_rows_bits(fmt: str, rows: int) -> None:
         pw.pts,
         36,
         pw.k,
+        pw.int8,
     )
     kern = gemv_fp4_block_kernel(fmt, native.cpu_info().isa)
     full = _run(kern, x, pw, bias)
@@ -142,7 +143,7 @@ def test_block_kernel_decodes_edge_scales(fmt: str, codes: list[int]) -> None:
     pw0 = _pack(fmt, torch.randn(n, k, generator=g))
     pick = torch.randint(0, len(codes), pw0.scales.shape, generator=g)
     scales = torch.tensor(codes, dtype=torch.uint8)[pick].contiguous()
-    pw = gops.PackedWeight(fmt, pw0.data, scales, pw0.rowscale, 1.0, n, k)
+    pw = gops.PackedWeight(fmt, pw0.data, scales, pw0.rowscale, 1.0, n, k, pw0.int8)
     x = torch.randn(3, k, generator=g)
     isa = native.cpu_info().isa
     out = _run(gemv_fp4_block_kernel(fmt, isa), x, pw)
@@ -176,7 +177,9 @@ def test_k_blocks_keep_bits(fmt: str, n: int, k: int, rows: int) -> None:
     for xblock, threads in ((None, 2), (512, 1), (768, 2)):
         kern = gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=xblock)
         assert torch.equal(_run(kern, x, pw, bias, threads), whole), (xblock, threads)
-    pw1 = gops.PackedWeight(pw.fmt, pw.data[1:], pw.scales[1:], pw.rowscale, pw.pts, n - 1, k)
+    pw1 = gops.PackedWeight(
+        pw.fmt, pw.data[1:], pw.scales[1:], pw.rowscale, pw.pts, n - 1, k, pw.int8
+    )
     kern = gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=512)
     assert torch.equal(_run(kern, x, pw1, bias[1:], 1), whole[:, 1:])
 

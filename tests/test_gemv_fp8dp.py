@@ -77,7 +77,7 @@ def test_every_e4m3_code_decodes_exactly() -> None:
     data = idx.to(torch.int32).to(torch.uint8).contiguous()
     rowscale = torch.full((256,), 0.5)
     empty = torch.empty(0, dtype=torch.uint8)
-    pw = gops.PackedWeight("fp8_e4m3", data, empty, rowscale, 1.0, 256, k)
+    pw = gops.PackedWeight("fp8_e4m3", data, empty, rowscale, 1.0, 256, k, False)
     table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     for j in (0, 7, 8, 15, 16, 31, 33, 47, 56, 63, 64, 70, 99):
         x = torch.zeros(1, k)
@@ -103,7 +103,9 @@ def test_two_weight_rows_keep_every_rows_bits(rows: int) -> None:
     x = torch.randn(rows, 1000, generator=g).bfloat16()
     bias = torch.randn(37, generator=g)
     pw = _pack(w)
-    pw1 = gops.PackedWeight(pw.fmt, pw.data[1:], pw.scales, pw.rowscale[1:], pw.pts, 36, 1000)
+    pw1 = gops.PackedWeight(
+        pw.fmt, pw.data[1:], pw.scales, pw.rowscale[1:], pw.pts, 36, 1000, False
+    )
     full = _run(x, pw, bias)
     assert torch.equal(full, _run(x, pw, bias, threads=1))
     assert torch.equal(full[:, 1:], _run(x, pw1, bias[1:]))
@@ -125,7 +127,7 @@ def test_k_blocks_keep_bits(rows: int, k: int) -> None:
     _check(whole, x, pw, bias)
     for xblock, threads in ((256, 1), (256, 2), (None, 2), (16384, 2)):
         assert torch.equal(_run(x, pw, bias, threads=threads, xblock=xblock), whole)
-    pw1 = gops.PackedWeight(pw.fmt, pw.data[1:], pw.scales, pw.rowscale[1:], pw.pts, 40, k)
+    pw1 = gops.PackedWeight(pw.fmt, pw.data[1:], pw.scales, pw.rowscale[1:], pw.pts, 40, k, False)
     assert torch.equal(_run(x, pw1, bias[1:], threads=1, xblock=256), whole[:, 1:])
 
 

@@ -216,3 +216,38 @@ def test_mxfp8_e4m3_nan_element_code_gives_its_row_nan(huge, monkeypatch) -> Non
     assert int(t.dequantize().isnan().sum()) == 1
     ptr = t.gemv_pack().data.data_ptr()
     assert t.qdata.data_ptr() == ptr and (ptr % HUGE == 0) is huge  # (the codes: rebound)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_nan_scale_code_survives_the_custom_op_and_capture(fmt) -> None:
+    """The pack's ``int8`` flag (False for a NaN block scale) reaches the kernel choice where the
+    pack is rebuilt from its parts: the custom op (an eager ``gemv`` whose x requires grad) and a
+    captured graph's native tier. Both built the pack with int8 on, and NVFP4's int8 kernels read
+    E4M3 0x7F as 480: a finite row where torch gives NaN."""
+    from torchport.gemv import gemv
+
+    g = torch.Generator().manual_seed(8)
+    t = (NVFP4Tensor if fmt == "nvfp4" else MXTensor).from_float(torch.randn(4, 256, generator=g))
+    t.scale.view(torch.uint8)[1, 3] = 0x7F if fmt == "nvfp4" else 0xFF
+    x = torch.randn(2, 256, generator=g)
+    nan = F.linear(x, t.dequantize()).isnan()
+    assert bool(nan[:, 1].all())
+    assert torch.equal(gemv(x.clone().requires_grad_(), t).isnan(), nan)
+    gr = Graph()
+    with torch.no_grad(), gr:
+        y = F.linear(x, t)
+    assert gr.tier == "native"
+    gr.replay()
+    assert torch.equal(y.isnan(), nan)
+
+
+def test_fp4_activations_meet_a_nan_block_scale_as_torch() -> None:
+    """FP4 weights with FP4 activations (the pair-split integer kernel) and a block scale holding
+    E4M3's NaN code: the row is NaN as torch's dequantized F.linear; the kernel's scale decode read
+    0x7F as 480 (a finite row), so such a pack takes the float path."""
+    g = torch.Generator().manual_seed(8)
+    t = NVFP4Tensor.from_float(torch.randn(4, 256, generator=g), act_per_tensor_scale=True)
+    t.scale.view(torch.uint8)[1, 3] = 0x7F
+    x = torch.randn(1, 256, generator=g)
+    out = F.linear(x, t)
+    assert bool(out[0, 1].isnan()) and bool(out[0, [0, 2, 3]].isfinite().all())

@@ -248,6 +248,34 @@ def test_eager_forward_ad_through_a_quantized_linear(grad) -> None:
         torch.testing.assert_close(tan, x @ wt.T)
 
 
+def test_forward_ad_level_keeps_the_settled_route(monkeypatch) -> None:
+    """Inside a forward-AD dual level the settled route refuses every call (x may carry a
+    tangent); each quantized F.linear settled a new route anyway (one settle per call, twice the
+    call's time), which also replaced the one settled before the level."""
+    import torch.autograd.forward_ad as fwad
+
+    from torchport.lowp import tensors
+
+    w = lowp.Float8Tensor.from_float(torch.randn(16, 64), torch.float8_e4m3fn, "row")
+    x = torch.randn(1, 64)
+    for _ in range(3):
+        torch.nn.functional.linear(x, w)
+    route = w._route
+    assert route is not None
+    calls, settle = [], tensors.settle_route
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return settle(*args, **kwargs)
+
+    monkeypatch.setattr(tensors, "settle_route", counting)
+    with fwad.dual_level():
+        for _ in range(5):
+            out = torch.nn.functional.linear(x, w)
+    assert not calls and w._route is route
+    assert torch.equal(torch.nn.functional.linear(x, w), out)
+
+
 @pytest.mark.parametrize("rows", [1, 20])
 def test_copy_into_the_weight_between_forward_and_backward_raises(rows) -> None:
     """``F.linear`` with a quantized weight, then ``w.copy_(new)``, then the backward: raises as
@@ -309,9 +337,9 @@ def test_weight_quantized_under_inference_mode_differentiates_in_eager_mode_only
 
 
 def test_inference_write_counts_go_with_their_storage() -> None:
-    """``copy_`` into a weight made under ``torch.inference_mode()`` counts the write under its
-    storage's address (for the backward's in-place check); the entry stayed after the weight was
-    gone, so a model reloaded in a loop grew the map by one entry per inner tensor each time."""
+    """``copy_`` into a weight made under ``torch.inference_mode()`` counts the write for its
+    storage (for the backward's in-place check); the entry stayed after the weight was gone, so a
+    model reloaded in a loop grew the map by one entry per inner tensor each time."""
     import gc
 
     from torchport.gemv import ops as gops
@@ -323,17 +351,48 @@ def test_inference_write_counts_go_with_their_storage() -> None:
         return w
 
     w = written()
-    keys = [t.untyped_storage().data_ptr() for t in (w.qdata, w.scale)]
-    assert all(gops._INFERENCE_WRITES.get(k) == 1 for k in keys)
+    assert all(gops._writes_of(t) == 1 for t in (w.qdata, w.scale))
     view = w.qdata[2:]  # a view keeps the storage, and so its count
     del w
     gc.collect()
-    assert gops._INFERENCE_WRITES.get(keys[0]) == 1
+    assert gops._writes_of(view) == 1
+    before = len(gops._INFERENCE_WRITES)
     del view
     gc.collect()
-    assert keys[0] not in gops._INFERENCE_WRITES and keys[1] not in gops._INFERENCE_WRITES
-    before = len(gops._INFERENCE_WRITES)
+    assert len(gops._INFERENCE_WRITES) == before - 1
     for _ in range(20):
         written()
     gc.collect()
-    assert len(gops._INFERENCE_WRITES) == before
+    assert len(gops._INFERENCE_WRITES) == before - 1
+
+
+def test_inference_write_count_follows_a_moved_storage() -> None:
+    """A weight storage moved in place (``share_memory_()``) between the forward and the backward
+    keeps its write count: keyed by address, the count stayed at the old address (where a new
+    storage would inherit it) and the backward, reading 0 at the new one, raised "modified by an
+    inplace operation" with no write. A write after the move still raises."""
+    from torchport.gemv import ops as gops
+
+    n = k = 64
+    with torch.inference_mode():
+        data = torch.zeros(n, k, dtype=torch.uint8)
+        rowscale = torch.ones(n)
+    gops.note_written((data,))  # (a weight loaded by copy_)
+    empty = torch.empty(0, dtype=torch.uint8)
+
+    def forward() -> torch.Tensor:
+        x = torch.randn(1, k, requires_grad=True)
+        return gops.gemv_packed_op(x, data, empty, rowscale, 1.0, "fp8_e4m3", n, k, None, False)
+
+    y = forward()
+    old = data.data_ptr()
+    data.share_memory_()
+    assert data.data_ptr() != old and gops._writes_of(data) == 1
+    y.sum().backward()
+    with torch.inference_mode():  # a storage made now (at the old address or not) has no writes
+        fresh = torch.zeros(n, k, dtype=torch.uint8)
+    assert gops._writes_of(fresh) == 0
+    y = forward()
+    gops.note_written((data,))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -115,14 +115,20 @@ static inline int tp_any_nonfinite(const float *x, int64_t n) {
    round_half_even(x * 127 / amax) into q, returns the group scale amax / 127. A group whose amax
    is below 2^-64 is read times 2^64 (exact), so 127 / amax stays finite (from amax < 3.7e-37 it
    was infinite, and converting the infinite or NaN products to int8 was undefined: the group
-   gave 0) and the codes are those an unbounded exponent gives; other groups are unchanged. Its
-   scale is then subnormal from amax < 127 * 2^-126, rounded to a multiple of 2^-149. */
+   gave 0) and the codes are those an unbounded exponent gives; other groups are unchanged (their
+   loop is the one multiply per element it was: the rare case branches per group). Its scale is
+   then subnormal from amax < 127 * 2^-126, rounded to a multiple of 2^-149. (amax is never NaN:
+   the comparison keeps the previous maximum for a NaN element.) */
 static inline float tp_quant32(const float *p, int8_t *q) {
     float amax = 0.0f;
     for (int i = 0; i < 32; ++i) { float a = fabsf(p[i]); amax = a > amax ? a : amax; }
-    const float up = amax < 0x1p-64f ? 0x1p64f : 1.0f;
-    const float inv = amax > 0.0f ? 127.0f / (amax * up) : 0.0f;
-    for (int i = 0; i < 32; ++i) q[i] = (int8_t)nearbyintf(p[i] * up * inv);
+    if (amax < 0x1p-64f) {
+        const float inv = amax > 0.0f ? 127.0f / (amax * 0x1p64f) : 0.0f;
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)nearbyintf(p[i] * 0x1p64f * inv);
+    } else {
+        const float inv = 127.0f / amax;
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)nearbyintf(p[i] * inv);
+    }
     return amax / 127.0f;
 }
 /* Rows per claim: about chunk_bytes of weights, a multiple of 8 rows; 0 = static split. */

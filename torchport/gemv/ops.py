@@ -69,8 +69,9 @@ class PackedWeight:
     k: int
     # whether the int8-activation kernels may serve (FP4 formats): False for block scales holding
     # a NaN code, which their register decodes read as finite (E4M3 0x7F as 480, E8M0 0xFF as
-    # infinity) where the float kernel's tables read NaN, as torch
-    int8: bool = True
+    # infinity) where the float kernel's tables read NaN, as torch. No default: a pack rebuilt
+    # from its parts (the custom op, a captured graph) that left it out read such scales finite
+    int8: bool
     # settled eager routes of :func:`gemv_packed` for this weight, by (x dtype, x shape,
     # allow_int8) and, under the key ``allow_int8`` alone, the one the last settled call took;
     # settled from its second eager call on (see :func:`settle_route`; not part of the weight's
@@ -95,7 +96,8 @@ def pack_dense(w: torch.Tensor) -> PackedWeight:
     fmt = "f32" if w.dtype == torch.float32 else "bf16"
     # resolve_neg: a lazily negated weight's memory holds the un-negated values the kernel read
     data = w.detach().resolve_neg().contiguous()
-    return PackedWeight(fmt, data, _EMPTY_U8, _EMPTY_F32, 1.0, *w.shape)
+    n, k = w.shape
+    return PackedWeight(fmt, data, _EMPTY_U8, _EMPTY_F32, 1.0, n, k, False)
 
 
 def gemv_reference(
@@ -513,7 +515,12 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
         def run(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, rs: torch.Tensor):
             out = torch.empty(rows, pw.n)
             _launch(
-                kern, x, PackedWeight(pw.fmt, d, sc, rs, pw.pts, pw.n, pw.k), None, out, threads
+                kern,
+                x,
+                PackedWeight(pw.fmt, d, sc, rs, pw.pts, pw.n, pw.k, pw.int8),
+                None,
+                out,
+                threads,
             )
             return out
 
@@ -717,9 +724,12 @@ def gemv_packed_op(
     bias: torch.Tensor | None,
     allow_int8: bool = True,
 ) -> torch.Tensor:
-    """Decode GEMV with a packed low-precision weight."""
+    """Decode GEMV with a packed low-precision weight. ``allow_int8``: the caller's choice and
+    the pack's own ``int8`` (False for NaN block scales), which the op's arguments carry only
+    folded into this one."""
     _check_bias(bias, n)  # (as gemv_dense)
-    return _run(x, PackedWeight(fmt, data, scales, rowscale, pts, n, k), bias, allow_int8)
+    pw = PackedWeight(fmt, data, scales, rowscale, pts, n, k, allow_int8)
+    return _run(x, pw, bias, allow_int8)
 
 
 @gemv_packed_op.register_fake
@@ -765,22 +775,17 @@ def _gemv_dense_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | N
     return gx, gw, gb
 
 
-# Writes into inference tensors' storages (by address), which have no version counter:
-# ``note_written`` counts them (a quantized weight's ``copy_`` calls it), and a backward that kept
-# such a tensor compares the count with the one at its forward. A live storage's address is its
-# own, so a count that moved while the tensor was kept is a write into it. An entry goes with its
-# storage (a finalizer on the storage object, which torch keeps as long as the storage lives):
-# every weight ever written kept one, a model reloaded in a loop a growing map.
-_INFERENCE_WRITES: dict[int, int] = {}
-# The finalizer's token per address: a storage that died drops its entry only if no later storage
-# at the same address has made one since.
-_WRITE_TOKENS: dict[int, object] = {}
-
-
-def _forget_writes(key: int, token: object) -> None:
-    if _WRITE_TOKENS.get(key) is token:
-        del _WRITE_TOKENS[key]
-        _INFERENCE_WRITES.pop(key, None)
+# Writes into inference tensors' storages, which have no version counter: ``note_written``
+# counts them (a quantized weight's ``copy_`` calls it), and a backward that kept such a tensor
+# compares the count with the one at its forward. Keyed by the storage object (torch keeps one
+# per storage, views included, as long as the storage lives), held weakly: an entry goes with its
+# storage (every weight ever written kept one, a model reloaded in a loop a growing map). Keyed by
+# address, a storage moved in place (``share_memory_()``) left its count at the old address,
+# where a new storage inherited it, and the moved one's death later dropped the live one's entry:
+# a backward with no write raised "modified by an inplace operation".
+_INFERENCE_WRITES: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
@@ -790,19 +795,15 @@ def note_written(tensors: tuple[torch.Tensor, ...]) -> None:
     as torch's does for a tensor modified in place after it was saved."""
     torch.autograd.graph.increment_version([t for t in tensors if not t.is_inference()])
     for t in tensors:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if t.is_inference() and key:
-            if key not in _INFERENCE_WRITES:  # the storage's first write: its entry's lifetime
-                token = _WRITE_TOKENS[key] = object()
-                weakref.finalize(storage, _forget_writes, key, token)
-            _INFERENCE_WRITES[key] = _INFERENCE_WRITES.get(key, 0) + 1
+        if t.is_inference():
+            storage = t.untyped_storage()
+            _INFERENCE_WRITES[storage] = _INFERENCE_WRITES.get(storage, 0) + 1
 
 
 def _writes_of(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    return _INFERENCE_WRITES.get(t.untyped_storage().data_ptr(), 0)
+    return _INFERENCE_WRITES.get(t.untyped_storage(), 0)
 
 
 def _gemv_packed_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -834,7 +835,7 @@ def _gemv_packed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | 
             )
         saved = ctx.saved_tensors
         data, scales, rowscale = (f if f is not None else s for f, s in zip(ctx.frozen, saved))
-        w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k))
+        w = dequantize_packed(PackedWeight(fmt, data, scales, rowscale, pts, n, k, False))
         gx = (g2 @ w).reshape(x_shape).to(x_dtype)
     gb = g2.sum(0).to(b_dtype) if ctx.needs_input_grad[8] else None
     return gx, None, None, None, None, None, None, None, gb, None
@@ -904,8 +905,10 @@ def _gemv_checked(
         return _run(x, pw, bias, allow_int8)
     if pw.fmt in ("f32", "bf16"):
         return gemv_dense_op(x, pw.data, bias)
+    # the pack's int8 flag travels folded into allow_int8 (the op rebuilds the pack from its
+    # parts; without it, NaN block scales read finite when x requires grad or in a captured graph)
     return gemv_packed_op(
-        x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias, allow_int8
+        x, pw.data, pw.scales, pw.rowscale, pw.pts, pw.fmt, pw.n, pw.k, bias, allow_int8 and pw.int8
     )
 
 

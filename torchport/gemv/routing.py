@@ -56,7 +56,7 @@ def native_wins(dtype: torch.dtype, n: int, k: int, rows: int) -> bool:
     w = torch.randn(n, k, dtype=dtype, generator=autotune.sample_generator())
     empty_u8, empty_f32 = torch.empty(0, dtype=torch.uint8), torch.empty(0)
     try:
-        plan = plan_for(PackedWeight(fmt, w, empty_u8, empty_f32, 1.0, n, k), rows, False)
+        plan = plan_for(PackedWeight(fmt, w, empty_u8, empty_f32, 1.0, n, k, False), rows, False)
     except native.NativeError:
         return False
     return plan.kernel is not None

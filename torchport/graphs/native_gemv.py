@@ -55,6 +55,8 @@ def emit_gemv(cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], o
     a = dict(zip(names, args))
     a.update(kwargs)
     x, bias = a["x"], a.get("bias")
+    # (gemv_packed's allow_int8 holds the pack's int8 flag too: see ops._gemv_checked)
+    int8 = bool(a.get("allow_int8", True))
     if name == "gemv_dense":
         if not _contiguous(a["w"]):
             raise cg.unsupported("gemv_dense on a strided weight")
@@ -63,7 +65,7 @@ def emit_gemv(cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], o
         data, scales, rowscale = a["data"], a["scales"], a["rowscale"]
         if not all(_contiguous(t) for t in (data, scales, rowscale)):
             raise cg.unsupported("gemv_packed on strided weight storage")
-        pw = PackedWeight(a["fmt"], data, scales, rowscale, float(a["pts"]), a["n"], a["k"])
+        pw = PackedWeight(a["fmt"], data, scales, rowscale, float(a["pts"]), a["n"], a["k"], int8)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not _contiguous(out):
         raise cg.unsupported("gemv output (float32, contiguous)")
     if x.dtype != torch.float32 or not _contiguous(x) or x.shape[-1] != pw.k:
@@ -73,7 +75,7 @@ def emit_gemv(cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], o
     ):
         raise cg.unsupported("gemv bias (float32, contiguous)")
     rows = x.numel() // pw.k if pw.k else 0
-    launch = native_launch(pw, rows, bool(a.get("allow_int8", True)))
+    launch = native_launch(pw, rows, int8)
     if launch is None:
         raise cg.unsupported("gemv without a native kernel for this problem")
     kernel, threads = launch

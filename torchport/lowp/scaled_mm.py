@@ -169,7 +169,9 @@ def scaled_mm(
     if 0 < m <= MAX_ROWS and k > 0 and n > 0:
         fmt = "fp8_e4m3" if b.dtype == torch.float8_e4m3fn else "fp8_e5m2"
         rs = scale_b.reshape(-1).expand(n).contiguous()
-        pw = PackedWeight(fmt, b.t().contiguous().view(torch.uint8), _EMPTY_U8, rs, 1.0, n, k)
+        pw = PackedWeight(
+            fmt, b.t().contiguous().view(torch.uint8), _EMPTY_U8, rs, 1.0, n, k, False
+        )
         acc = gemv_packed(a.float(), pw) * scale_a.reshape(-1, 1)
         return _finish(acc, bias, od, div)
     # scale_a per row, scale_b per column (a tensor-wise scale broadcast: a scalar Scale step

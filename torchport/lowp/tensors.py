@@ -82,6 +82,7 @@ _dlpack = torch.Tensor.__dlpack__
 _DATA = torch._C.TensorBase.__dict__["data"]
 _is_shared = torch.Tensor.is_shared
 _autocast_on = torch._C._is_any_autocast_enabled
+_FWAD = torch.autograd.forward_ad  # its dual level's global (see native.forward_ad_active)
 # the dtypes a quantized tensor may stand for (to(dtype) keeps it quantized for these)
 _WRAPPER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _IMMUTABLE = "quantized weights are immutable except through copy_ (which re-quantizes the source)"
@@ -586,13 +587,15 @@ class LowPrecisionTensor(torch.Tensor):
         )
         if not (b_ok and native.eager_fast_path(x)):
             return None
+        pw = self.gemv_pack()
+        if not pw.int8:  # a NaN block scale: the pair-split kernel's register decode reads it
+            return None  # finite (E4M3 0x7F as 480), the float kernel's table NaN, as torch
         x2 = x.reshape(-1, k)
         act = self.fp4_activation(x2)
         if act is None:
             return None
         from torchport.gemv.fp4_kernel import gemv_fp4_prepped_kernel, prepare_fp4_activations
 
-        pw = self.gemv_pack()
         fold = 0.5 * 256.0 * pw.pts if pw.fmt == "nvfp4" else 0.5
         xr, corr, xsv = prepare_fp4_activations(act[0], act[1], fold)
         rows = x2.shape[0]
@@ -641,7 +644,10 @@ class LowPrecisionTensor(torch.Tensor):
         xa = x if xq is None else xq
         if decode:
             pw = self.gemv_pack()
-            if xq is None and self._pack is pw:  # weight-only, eager weight: settle the route
+            # weight-only, eager weight: settle the route; not inside a forward-AD dual level,
+            # whose every call the route refuses (settled anew per call: 23 -> 51 us), and whose
+            # end leaves the route settled before it valid
+            if xq is None and self._pack is pw and not native.forward_ad_active():
                 self._route = settle_route(x, pw, bias)
             out = linear_decode(xa, pw, bias, allow_int8=xq is None)
         else:
@@ -744,7 +750,7 @@ class LowPrecisionTensor(torch.Tensor):
                     if torch.is_grad_enabled():
                         _check_frozen(w)
                     return _FrozenWeightLinear.apply(x, bias, (w,))
-                if native.forward_ad_active():
+                if _FWAD._current_level >= 0:  # (native.forward_ad_active inline: ~15 ns less)
                     # a dual input or bias need not require grad, and forward mode ignores the
                     # grad mode: the Function's jvp, where the kernel dropped the tangent
                     if torch.is_grad_enabled():
@@ -1016,7 +1022,7 @@ class Float8Tensor(LowPrecisionTensor):
             nan_rows = _e4m3_nan(data, 1)
             if _true(nan_rows.any()):  # out of place: rs may be the tensor's own (N, 1) scale
                 rs = rs.masked_fill(nan_rows, math.nan)
-        return PackedWeight(fmt, data, empty, rs, 1.0, n, k)
+        return PackedWeight(fmt, data, empty, rs, 1.0, n, k, False)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from torchport.lowp.scaled_mm import scaled_mm
