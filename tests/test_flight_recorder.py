@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -1080,6 +1081,34 @@ def test_a_dump_after_destroying_a_group_keeps_its_name_for_the_last_ops(tmp_pat
     assert names == [(["0"], ["0"])] * 2
 
 
+def test_export_names_a_re_created_groups_incarnations_alike_on_every_rank(tmp_path):
+    """Both ranks destroyed and re-created the default group; rank 0 hangs in the new group's
+    first all_reduce, rank 1 never reached it. One dump cannot tell rank 1 from a rank that
+    destroyed the group last: rank 1's old ops were exported on "0" and rank 0's on "0.0",
+    and torch's analyzer gave four false reports and not the true one (readJ). export() names
+    the incarnations from every rank's dump: the old ops are "0.0" on both, the hang "0"."""
+    for rank in (0, 1):
+        rec = FlightRecorder(rank=rank, world_size=2, dump_dir=tmp_path / "ours")
+        rec.groups["default"] = [0, 1]
+        rec.adopt("default", _Group("0"))
+        for _ in range(2):
+            rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
+        rec.retire()
+        if rank == 0:
+            rec.adopt("default", _Group("0"))
+            rec.started(rec.record("all_reduce", "default", [torch.ones(2)]))
+        rec.dump()
+    paths = export(tmp_path / "ours", tmp_path / "t")
+    names = [
+        [
+            (e["process_group"][0], e["collective_seq_id"])
+            for e in pickle.loads(p.read_bytes())["entries"]
+        ]
+        for p in paths
+    ]
+    assert names == [[("0.0", 1), ("0.0", 2), ("0", 1)], [("0.0", 1), ("0.0", 2)]]
+
+
 def test_entries_left_out_at_the_start_do_not_misalign_torchs_analyzer(tmp_path):
     """Rank 0 ran two ops on a group whose members were not recorded (left out), then two
     all_reduces with rank 1: its first exported record id was 2, and torch's analyzer, which
@@ -1285,3 +1314,11 @@ def test_export_refuses_a_folder_with_other_ranks_dumps_unless_told_to_overwrite
     assert cli.main(["fr", "export", str(src), "--to", str(dest), "--overwrite"]) == 0
     assert sorted(p.name for p in dest.iterdir()) == ["nccl_trace_rank_0", "notes.txt"]
     assert (dest / "nccl_trace_rank_0").read_bytes() != b"old"
+    # torch's loader also reads sub-folders and any name containing the prefix (readJ): such
+    # files are refused even with --overwrite, which removes only the folder's own <prefix><r>
+    for where in ("old/nccl_trace_rank_2", "prev_nccl_trace_rank_3"):
+        (dest / where).parent.mkdir(exist_ok=True)
+        (dest / where).write_bytes(b"old")
+        with pytest.raises(ExportError, match="torch's analyzer would read"):
+            export(src, dest, overwrite=True)
+        (dest / where).unlink()

@@ -239,9 +239,28 @@ def _note_status(st: dict[str, int], seq: int, state: str) -> None:
         st["last_completed_collective"] = seq
 
 
-def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
+def newest_incarnations(dumps: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Each group's newest incarnation that has entries in any of ``dumps``: the one that keeps
+    torch's plain name. One rank's dump cannot tell: a rank that destroyed and re-created the
+    group but never reached its first op looks like one that destroyed it last (a peer of the
+    first hangs in the new group's op, which must be "<name>" on both; the second's last ops
+    must keep "<name>" while its peer has not destroyed yet)."""
+    newest: dict[str, int] = {}
+    for dump in dumps:
+        for e in dump["entries"]:
+            g = e["group"]
+            newest[g] = max(newest.get(g, 0), e.get("incarnation") or 0)
+    return newest
+
+
+def to_torch(
+    dump: dict[str, Any], *, backend: str = "nccl", newest: dict[str, int] | None = None
+) -> dict[str, Any]:
     """torch's Flight Recorder dump dict for one of our snapshots (a checked ``rank_<r>.json``
-    or :meth:`FlightRecorder.snapshot`); ``backend`` is the profiling names' prefix."""
+    or :meth:`FlightRecorder.snapshot`); ``backend`` is the profiling names' prefix. ``newest``
+    (:func:`newest_incarnations` of every rank's dump; :func:`export` passes it) names each
+    group's incarnation that keeps torch's plain name; by default this dump's own newest one
+    with entries, which is right unless ranks disagree on the group's re-creation."""
     if backend not in TORCH_BACKENDS:
         raise ValueError(
             f"backend must be one of {TORCH_BACKENDS} (torch's analyzer), got {backend!r}"
@@ -256,9 +275,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     # count: a rank that destroyed the group (which counts the next one) before any op of a
     # new one named its last ops "<name>.<n>" while a peer that had not destroyed it yet kept
     # the plain name, and torch's analyzer reported every one of them as missing a rank
-    current: dict[str, int] = {}
-    for e in entries:
-        current[e["group"]] = max(current.get(e["group"], 0), e.get("incarnation") or 0)
+    current = newest_incarnations([dump]) if newest is None else newest
 
     # the group's count of each kind (collective, p2p) before each entry: the last seq id of
     # that kind seen; before the dump's first one, that entry's own seq id (the buffer wrapped)
@@ -317,7 +334,9 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
             # less the entries left out before it: torch's analyzer starts every rank at the
             # highest first record id of any rank, so a gap at the start of one rank's dump
             # dropped the other ranks' first ops (a false "missing ranks"); a wrapped
-            # buffer's offset stays
+            # buffer's offset stays. Entries left out and already evicted from a wrapped
+            # buffer cannot be subtracted (the recorder does not count them): there the
+            # analyzer may still report ranks missing from the first ops
             "record_id": len(out) if rid is None else rid - n_skipped,
             "pg_id": pg_id,
             "process_group": (pg, desc),
@@ -494,12 +513,21 @@ def export(
     dest = Path(to)
     if dest.exists() and not dest.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "export destination must be a folder", str(dest))
-    mine = {f"{prefix}{rank}" for rank in dumps}
-    stale = sorted(
-        p
-        for p in (dest.iterdir() if dest.is_dir() else ())
-        if p.name not in mine and re.fullmatch(re.escape(prefix) + r"\d+", p.name)
-    )
+    mine = {dest / f"{prefix}{rank}" for rank in dumps}
+    # torch's loader reads every file under the folder (sub-folders too) whose name contains
+    # the prefix, keyed by file name: any such file not written here is another job's
+    found = sorted(p for p in (dest.rglob(f"*{prefix}*") if dest.is_dir() else ()) if p not in mine)
+    stale = [
+        p for p in found if p.parent == dest and re.fullmatch(re.escape(prefix) + r"\d+", p.name)
+    ]
+    other = [p for p in found if p not in stale and not p.is_dir()]
+    if other:
+        raise ExportError(
+            f"export destination {str(dest)!r} holds {str(other[0])!r}"
+            f"{' and more' if len(other) > 1 else ''}, which torch's analyzer would read with "
+            f"these dumps (every file under the folder whose name contains {prefix!r}): "
+            "choose another folder"
+        )
     if stale and not overwrite:
         raise ExportError(
             f"export destination {str(dest)!r} holds dumps of other ranks ({stale[0].name}"
@@ -508,7 +536,8 @@ def export(
         )
     for p in stale:
         p.unlink()
+    newest = newest_incarnations([obj for _, obj in dumps.values()])
     return [
-        write_torch_dump(to_torch(obj, backend=backend), dest / f"{prefix}{rank}")
+        write_torch_dump(to_torch(obj, backend=backend, newest=newest), dest / f"{prefix}{rank}")
         for rank, (_, obj) in sorted(dumps.items())
     ]
