@@ -1162,6 +1162,50 @@ def test_shutdown_while_a_gloo_build_waits_ends_the_build_and_keeps_nothing(monk
     _wait_listener_gone(port)
 
 
+def test_a_shut_down_manager_stops_asking_for_quorums(monkeypatch):
+    """shutdown() while start_quorum's gloo build waited: the abandoned build's CommError was
+    retried until quorum_timeout, each retry reconnecting the shut-down manager to the
+    lighthouse (sockets and a listener thread left open) and starting another gloo build for
+    each quorum offered (34 in 2 s: readK). start_quorum now stops at the shutdown."""
+    import threading
+
+    import torchport.distributed.ft.manager as M
+    from torchport.distributed.ft import Lighthouse, Manager, QuorumError
+
+    gate = threading.Event()
+    builds: list = []
+
+    def slow_gloo_group(store: object, rank: int, size: int, timeout: float) -> object:
+        builds.append(1)
+        gate.wait(timeout)
+        return object()
+
+    monkeypatch.setattr(M, "gloo_group", slow_gloo_group)
+    monkeypatch.setattr(M, "retire", lambda pg: None)
+    secret = b"k" * 32
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="r0",
+        state_dict=dict,
+        load_state_dict=lambda s: None,
+        secret=secret,
+        backend="gloo",
+        timeout=3.0,
+        quorum_timeout=2.0,
+    )
+    try:
+        threading.Timer(0.3, mgr.shutdown).start()
+        with pytest.raises(QuorumError, match="the manager was shut down"):
+            mgr.start_quorum()
+        assert len(builds) == 1 and mgr._hb is None and mgr._rpc is None
+        assert not [t for t in threading.enumerate() if t.name == "tp-ft-listen"]
+    finally:
+        gate.set()
+        mgr._inject_close()
+        lh.close()
+
+
 def test_abandoned_gloo_build_keeps_no_reference_in_the_raised_error(monkeypatch):
     """A gloo group the build completed just as the manager gave up was retired, but the
     abandoning frame's local still held it: the raised CommError's traceback kept it alive

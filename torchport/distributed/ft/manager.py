@@ -313,7 +313,9 @@ class Manager:
             return
         deadline = time.monotonic() + self.quorum_timeout
         last: BaseException | None = None
-        while time.monotonic() < deadline:
+        # a shut-down manager stops here: a retry reconnected to the lighthouse (sockets and a
+        # listener thread left open) and started a gloo build per quorum it was offered
+        while time.monotonic() < deadline and not self._closed.is_set():
             with self._lock:
                 self._error = None
                 self._works = []
@@ -326,6 +328,8 @@ class Manager:
                 self.metrics.note(f"quorum attempt failed: {e}")
                 self._drop_group()
                 time.sleep(0.005)
+        if self._closed.is_set():
+            raise QuorumError(f"replica {self.replica_id}: the manager was shut down ({last})")
         raise QuorumError(
             f"replica {self.replica_id}: no quorum within {self.quorum_timeout} s: {last}"
         )
