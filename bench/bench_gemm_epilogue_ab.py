@@ -42,7 +42,7 @@ def copy_count(nbytes: int, launchers: int) -> int:
     copies for six launchers pinned bare, gelu and bias to the even copies (a copy whose pages run
     slower biased their ratios); rotating by round instead gave launchers different reuse
     distances (fp32's bare reread the copy the previous call had just streamed: warm)."""
-    copies = max(1, ROTATE_BYTES // nbytes)
+    copies = max(1, -(-ROTATE_BYTES // nbytes))  # (rounded up: 40 MiB copies fill it twice)
     while math.gcd(copies, launchers) != 1:
         copies += 1
     return copies
