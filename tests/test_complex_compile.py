@@ -1187,3 +1187,42 @@ def test_real_valued_complex_plus_an_imaginary_number_is_a_tensor() -> None:
 def _run_lowered_all(fn: Callable[..., object], *args: torch.Tensor) -> list[torch.Tensor]:
     real, in_l, out_l = lower_complex(make_fx(fn)(*args))
     return join_outputs(list(real(*split_inputs(list(args), in_l))), out_l)
+
+
+def _close_with_signs(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal values with equal signs of zero, NaN matching NaN (real or complex tensors)."""
+    g = torch.view_as_real(got) if got.is_complex() else got
+    w = torch.view_as_real(want) if want.is_complex() else want
+    close = torch.isclose(g, w, rtol=1e-6, atol=0.0, equal_nan=True)
+    return bool((close & (torch.signbit(g) == torch.signbit(w))).all())
+
+
+_CUT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "angle": torch.angle,
+    "asin": torch.asin,
+    "acos": torch.acos,
+    "acosh": torch.acosh,
+    "atanh": torch.atanh,
+    "pow_half": lambda z: z**0.5,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CUT_FNS))
+def test_conjugated_real_valued_complex_keeps_its_side_of_the_branch_cut(name: str) -> None:
+    # conj(x.to(c64)) has imaginary part -0: log/sqrt/angle/asin/... read it as +0 and returned
+    # the conjugate of eager's value at x < 0 (log|x| + πi for log|x| - πi), silently
+    f = _CUT_FNS[name]
+    x = torch.tensor([-2.0, -0.0, 0.0, 2.0])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xc = x.to(torch.complex64)
+        physical, lazy = torch.conj_physical(xc), torch.conj(xc).clone()
+        picked = torch.where(x < 0, physical, xc)  # -0 where x < 0, +0 elsewhere
+        padded = torch.nn.functional.pad(physical, (1, 0), value=3.0)
+        return f(physical), f(lazy), f(picked), f(padded)
+
+    got = _run_lowered_all(fn, x)
+    for i, (g, want) in enumerate(zip(got, fn(x))):
+        assert _close_with_signs(g, want), (name, i, g, want)

@@ -130,7 +130,7 @@ def c_sqrt(e: _Emitter, a: Pair) -> Pair:
     # complex64 values near 1e-40 was 40 ulp off), so a z with both parts below 2^-60 is scaled
     # by 2^100 first, the result by 2^-50 after (powers of two: exact)
     x = a.re
-    y = e.dense(a.im, x)
+    y = e.dense_im(a, x)  # the sign of a known-zero y picks the side of the cut at x < 0
     ax0, ay0 = e.f(torch.abs, x), e.f(torch.abs, y)
     tiny = e.call(torch.lt, e.f(torch.maximum, ax0, ay0), 2.0**-60)
     up, down = e.call(torch.where, tiny, 2.0**100, 1.0), e.call(torch.where, tiny, 2.0**-50, 1.0)
@@ -218,8 +218,9 @@ def c_sigmoid(e: _Emitter, a: Pair, shift: float) -> Pair:
 
 
 def _xy(e: _Emitter, a: Pair) -> tuple[Any, Any]:
-    """The parts of ``a`` as graph tensors (a known-zero imaginary part as +0)."""
-    return a.re, e.dense(a.im, a.re)
+    """The parts of ``a`` as graph tensors (a known-zero imaginary part with its sign: the
+    branch-cut functions read it, so log(conj(x.to(c64))) at x < 0 is log|x| - πi, as eager)."""
+    return a.re, e.dense_im(a, a.re)
 
 
 def c_expm1(e: _Emitter, a: Pair) -> Pair:
