@@ -1226,3 +1226,25 @@ def test_conjugated_real_valued_complex_keeps_its_side_of_the_branch_cut(name: s
     got = _run_lowered_all(fn, x)
     for i, (g, want) in enumerate(zip(got, fn(x))):
         assert _close_with_signs(g, want), (name, i, g, want)
+
+
+def test_view_of_a_broadcast_complex_value_reshapes_its_parts() -> None:
+    # complex(a[3], b[5, 3]) and x.to(c64) + w[3] have parts expanded with stride 0 (the complex
+    # value itself is dense): view(-1) of a part raised (RuntimeError, and BackendCompilerFailed
+    # through compile) where eager's view of the dense value is fine
+    torch.manual_seed(0)
+    a, b, x = torch.randn(3), torch.randn(5, 3), torch.randn(5, 3)
+    w = torch.randn(3, dtype=torch.complex64)
+
+    def fn(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple:
+        z, s = torch.complex(a, b), x.to(torch.complex64) + w
+        return z.view(-1), z.reshape(15) * 2, s.view(-1), s.flatten().exp(), s.view(3, 5).sum(0)
+
+    args = (a, b, x, w)
+    for got in (
+        _run_lowered_all(fn, *args),
+        torchport.compile(fn, inner="eager", batching=False)(*args),
+    ):
+        for g, want in zip(got, fn(*args)):
+            assert g.shape == want.shape
+            torch.testing.assert_close(g, want)

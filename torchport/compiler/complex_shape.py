@@ -74,13 +74,18 @@ def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) 
         re, im = (None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im))
         p = Pair(re, im, p.neg_zero)
     kw = {k: v for k, v in kw.items() if k != "dtype"}
-    re = lw.e.call(n.target, p.re, *a[1:], **kw)
-    im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
+    # a part may be a stride-0 expansion where the complex value was dense (complex(a[3], b[5, 3])
+    # or x.to(c64) + w[3] broadcast their parts): view(-1) of it raised, so a view reshapes (a
+    # view wherever one exists, a copy only where eager's dense value had no copy to make)
+    target = torch.reshape if n.target in _VIEWS else n.target
+    re = lw.e.call(target, p.re, *a[1:], **kw)
+    im = None if p.im is None else lw.e.call(target, p.im, *a[1:], **kw)
     # a view, copy or selection keeps a known zero's sign; a sum, or tril's zeros, make +0
     return Pair(re, im, p.neg_zero and n.target not in _SUMS)
 
 
 _SUMS = frozenset(_packets("sum", "mean", "cumsum", "trace", "tril", "triu"))
+_VIEWS = frozenset((aten.view.default, aten._unsafe_view.default))
 
 for _op in _packets(
     "view",
