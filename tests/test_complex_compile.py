@@ -1248,3 +1248,30 @@ def test_view_of_a_broadcast_complex_value_reshapes_its_parts() -> None:
         for g, want in zip(got, fn(*args)):
             assert g.shape == want.shape
             torch.testing.assert_close(g, want)
+
+
+def test_broadcast_add_sub_adds_no_expand_where_parts_have_the_result_shape() -> None:
+    # z[5, 3] + w[3] has both parts of shape [5, 3] already (each the sum of two tensors), yet
+    # the parts were broadcast again: broadcast_tensors and two getitems, 3 nodes became 6
+    z, w = torch.randn(5, 3, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)
+    r, c, x = torch.randn(3), torch.randn(5, 1), torch.randn(1, 3)
+    counts = {
+        (lambda z, w: z + w, (z, w)): 3,  # add, add, stack
+        (lambda z, w: w - z, (z, w)): 3,
+        (lambda z, r: z + r, (z, r)): 2,  # the imaginary part is z's: [5, 3] already
+        (lambda z, r: torch.rsub(z, r), (z, r)): 3,  # r - Re z, 0 - Im z
+    }
+    for (fn, args), want in counts.items():
+        gm, _, _ = lower_complex(make_fx(fn)(*args))
+        assert sum(nd.op == "call_function" for nd in gm.graph.nodes) == want
+        (got,) = _run_lowered_all(fn, *args)
+        torch.testing.assert_close(got, fn(*args))
+
+    def mixed(c: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # a part only one operand of another shape gives still takes the result's shape
+        cc = c.to(torch.complex64)
+        return cc + w, w - cc, cc + x, x.to(torch.complex64) - cc * 1j, (cc + w).sum()
+
+    for g, want in zip(_run_lowered_all(mixed, c, x, w), mixed(c, x, w)):
+        assert g.shape == want.shape
+        torch.testing.assert_close(g, want)

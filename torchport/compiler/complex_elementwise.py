@@ -443,27 +443,58 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
 # (alpha=1 is dropped at tracing) the product is ATen's, bit for bit.
 
 
-def _full_parts(e: _Emitter, n: fx.Node, p: Pair) -> Pair:
+def _full_parts(e: _Emitter, n: fx.Node, p: Pair, terms: tuple[Any, ...] = ()) -> Pair:
     """A sum's parts as tensors of the result's shape. Where one operand's imaginary part is a
     known zero the sum's is the other's: of that operand's shape, so x.to(c64) + w for x [5, 3]
     and w [3] had a [3] imaginary part (its sum() a fifth of eager's, silently; an output
     failed to stack), and for a number a number (x.to(c64) + 1j: sum and exp of it raised,
-    a rule applied a tensor op to 1.0). A broadcast sum's parts are expanded (views), a number
-    part beside a tensor one is filled to its shape."""
+    a rule applied a tensor op to 1.0). A part of another shape is expanded (a view), a number
+    part beside a tensor one is filled to its shape. ``terms``, the lowered operands where each
+    part of the sum is the sum of their same parts (no alpha): a part both gave a tensor to, or
+    that one operand of the result's shape gave, has that shape already and stays as it is
+    (z[5, 3] + w[3] took a broadcast_tensors and two getitems, 3 nodes to 6)."""
     if isinstance(p.re, fx.Node) and isinstance(p.im, (int, float)):
         return Pair(p.re, e.dense(p.im, p.re))
     if isinstance(p.im, fx.Node) and isinstance(p.re, (int, float)):
         return Pair(e.dense(p.re, p.im), p.im)
     if p.im is None or not isinstance(p.re, fx.Node) or operands_have_its_shape(n):
         return p
+    if terms:
+        re_full = _part_has_its_shape(n, [_pair(t).re for t in terms])
+        im_full = _part_has_its_shape(n, [_pair(t).im for t in terms])
+        if re_full and im_full:
+            return p
+        if re_full:
+            return Pair(p.re, e.call(torch.Tensor.expand_as, p.im, p.re), p.neg_zero)
+        if im_full:
+            return Pair(e.call(torch.Tensor.expand_as, p.re, p.im), p.im, p.neg_zero)
     full = broadcast_parts(e, p.re, p.im)
     return Pair(full.re, full.im, p.neg_zero)
+
+
+def _part_has_its_shape(n: fx.Node, parts: list[Any]) -> bool:
+    """True if the part of the componentwise sum ``n`` that adds ``parts`` (the same part of
+    each operand, in ``n.args`` order) has ``n``'s shape: two tensor terms broadcast to it,
+    one has it if its operand does."""
+    tensors = [i for i, x in enumerate(parts) if isinstance(x, fx.Node)]
+    if len(tensors) != 1:
+        return len(tensors) == 2
+    val, tv = _node_val(n), _node_val(n.args[tensors[0]])
+    if (
+        not isinstance(val, torch.Tensor)
+        or not isinstance(tv, torch.Tensor)
+        or tv.dim() != val.dim()
+    ):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(statically_known_true(d == w) for d, w in zip(tv.shape, val.shape))
 
 
 @_rule(*_packets("add"))
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return _full_parts(lw.e, n, c_add(lw.e, a[0], a[1]))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+        return _full_parts(lw.e, n, c_add(lw.e, a[0], a[1]), a[:2])  # (a+bi)+(c+di) = (a+c)+(b+d)i
     alpha = _alpha_parts(lw.e, n, a, kw, negate=False)
     return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
@@ -471,7 +502,7 @@ def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return _full_parts(lw.e, n, c_sub(lw.e, a[0], a[1]))  # componentwise difference
+        return _full_parts(lw.e, n, c_sub(lw.e, a[0], a[1]), a[:2])  # componentwise difference
     alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
     return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
@@ -479,7 +510,7 @@ def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return _full_parts(lw.e, n, c_sub(lw.e, a[1], a[0]))  # b - a
+        return _full_parts(lw.e, n, c_sub(lw.e, a[1], a[0]), a[:2])  # b - a
     alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
     return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[1], a[0], alpha))
 
