@@ -1194,7 +1194,7 @@ def _close_with_signs(got: torch.Tensor, want: torch.Tensor) -> bool:
     g = torch.view_as_real(got) if got.is_complex() else got
     w = torch.view_as_real(want) if want.is_complex() else want
     close = torch.isclose(g, w, rtol=1e-6, atol=0.0, equal_nan=True)
-    return bool((close & (torch.signbit(g) == torch.signbit(w))).all())
+    return bool((close & ((torch.signbit(g) == torch.signbit(w)) | w.isnan())).all())
 
 
 _CUT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -1275,3 +1275,16 @@ def test_broadcast_add_sub_adds_no_expand_where_parts_have_the_result_shape() ->
     for g, want in zip(_run_lowered_all(mixed, c, x, w), mixed(c, x, w)):
         assert g.shape == want.shape
         torch.testing.assert_close(g, want)
+
+
+def test_exp_of_a_conjugated_real_valued_complex_keeps_the_zeros_sign() -> None:
+    # exp(x - 0i) is e^x - 0i in eager; the lowering made it + 0i, so log(-exp(conj(x))) was
+    # log e^x - πi where eager has + πi
+    x = torch.tensor([-2.0, -0.0, 0.0, 2.0, math.inf, -math.inf, math.nan])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c = torch.conj_physical(x.to(torch.complex64))
+        return torch.exp(c), torch.log(-torch.exp(c)), torch.exp(x.to(torch.complex64))
+
+    for g, want in zip(_run_lowered_all(fn, x), fn(x)):
+        assert _close_with_signs(g, want), (g, want)

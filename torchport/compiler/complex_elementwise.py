@@ -62,7 +62,9 @@ def exp_shift(n: fx.Node) -> float:
 
 def c_exp(e: _Emitter, a: Pair, shift: float) -> Pair:
     if a.im is None:
-        return Pair(e.f(torch.exp, a.re), None)
+        # e^x (cos ±0 + i sin ±0) = e^x ± 0i: the zero keeps its sign, as C's cexp (a +0 put
+        # log(-exp(conj(x.to(c64)))) on the upper side of the cut, eager's on the lower)
+        return Pair(e.f(torch.exp, a.re), None, a.neg_zero)
     # ATen's complex exp is C's cexp, which scales where e^x overflows but e^x cos y need not
     # (exp(88.5 + 1i) is 1.47e38 + 2.29e38i in complex64, and z ** p near |z|^p = float max):
     # for x above the dtype's ``shift`` t (:func:`exp_shift`) it takes (cos y · e^t) · e^(x - t);
