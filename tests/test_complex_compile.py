@@ -1279,12 +1279,13 @@ def test_broadcast_add_sub_adds_no_expand_where_parts_have_the_result_shape() ->
 
 def test_exp_of_a_conjugated_real_valued_complex_keeps_the_zeros_sign() -> None:
     # exp(x - 0i) is e^x - 0i in eager; the lowering made it + 0i, so log(-exp(conj(x))) was
-    # log e^x - πi where eager has + πi
+    # log e^x - πi where eager has + πi (tanh likewise dropped the sign)
     x = torch.tensor([-2.0, -0.0, 0.0, 2.0, math.inf, -math.inf, math.nan])
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         c = torch.conj_physical(x.to(torch.complex64))
-        return torch.exp(c), torch.log(-torch.exp(c)), torch.exp(x.to(torch.complex64))
+        plain = x.to(torch.complex64)
+        return torch.exp(c), torch.log(-torch.exp(c)), torch.exp(plain), torch.tanh(c)
 
     for g, want in zip(_run_lowered_all(fn, x), fn(x)):
         assert _close_with_signs(g, want), (g, want)

@@ -192,7 +192,7 @@ def c_cos(e: _Emitter, a: Pair) -> Pair:
 
 def c_tanh(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
-        return Pair(e.f(torch.tanh, a.re), None)
+        return Pair(e.f(torch.tanh, a.re), None, a.neg_zero)  # Im = ±0 · (a positive number)
     # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y), with numerator and denominator divided by
     # cosh 2x: sinh and cosh overflow for |x| > ~44 in float32 (inf/inf = nan where tanh is
     # ±1), while tanh 2x and sech 2x = 1/cosh 2x stay finite (sech → 0)
