@@ -1187,3 +1187,105 @@ def test_real_valued_complex_plus_an_imaginary_number_is_a_tensor() -> None:
 def _run_lowered_all(fn: Callable[..., object], *args: torch.Tensor) -> list[torch.Tensor]:
     real, in_l, out_l = lower_complex(make_fx(fn)(*args))
     return join_outputs(list(real(*split_inputs(list(args), in_l))), out_l)
+
+
+def _close_with_signs(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal values with equal signs of zero, NaN matching NaN (real or complex tensors)."""
+    g = torch.view_as_real(got) if got.is_complex() else got
+    w = torch.view_as_real(want) if want.is_complex() else want
+    close = torch.isclose(g, w, rtol=1e-6, atol=0.0, equal_nan=True)
+    return bool((close & ((torch.signbit(g) == torch.signbit(w)) | w.isnan())).all())
+
+
+_CUT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "angle": torch.angle,
+    "asin": torch.asin,
+    "acos": torch.acos,
+    "acosh": torch.acosh,
+    "atanh": torch.atanh,
+    "pow_half": lambda z: z**0.5,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CUT_FNS))
+def test_conjugated_real_valued_complex_keeps_its_side_of_the_branch_cut(name: str) -> None:
+    # conj(x.to(c64)) has imaginary part -0: log/sqrt/angle/asin/... read it as +0 and returned
+    # the conjugate of eager's value at x < 0 (log|x| + πi for log|x| - πi), silently
+    f = _CUT_FNS[name]
+    x = torch.tensor([-2.0, -0.0, 0.0, 2.0])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xc = x.to(torch.complex64)
+        physical, lazy = torch.conj_physical(xc), torch.conj(xc).clone()
+        picked = torch.where(x < 0, physical, xc)  # -0 where x < 0, +0 elsewhere
+        padded = torch.nn.functional.pad(physical, (1, 0), value=3.0)
+        return f(physical), f(lazy), f(picked), f(padded)
+
+    got = _run_lowered_all(fn, x)
+    for i, (g, want) in enumerate(zip(got, fn(x))):
+        assert _close_with_signs(g, want), (name, i, g, want)
+
+
+def test_view_of_a_broadcast_complex_value_reshapes_its_parts() -> None:
+    # complex(a[3], b[5, 3]) and x.to(c64) + w[3] have parts expanded with stride 0 (the complex
+    # value itself is dense): view(-1) of a part raised (RuntimeError, and BackendCompilerFailed
+    # through compile) where eager's view of the dense value is fine
+    torch.manual_seed(0)
+    a, b, x = torch.randn(3), torch.randn(5, 3), torch.randn(5, 3)
+    w = torch.randn(3, dtype=torch.complex64)
+
+    def fn(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple:
+        z, s = torch.complex(a, b), x.to(torch.complex64) + w
+        return z.view(-1), z.reshape(15) * 2, s.view(-1), s.flatten().exp(), s.view(3, 5).sum(0)
+
+    args = (a, b, x, w)
+    for got in (
+        _run_lowered_all(fn, *args),
+        torchport.compile(fn, inner="eager", batching=False)(*args),
+    ):
+        for g, want in zip(got, fn(*args)):
+            assert g.shape == want.shape
+            torch.testing.assert_close(g, want)
+
+
+def test_broadcast_add_sub_adds_no_expand_where_parts_have_the_result_shape() -> None:
+    # z[5, 3] + w[3] has both parts of shape [5, 3] already (each the sum of two tensors), yet
+    # the parts were broadcast again: broadcast_tensors and two getitems, 3 nodes became 6
+    z, w = torch.randn(5, 3, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)
+    r, c, x = torch.randn(3), torch.randn(5, 1), torch.randn(1, 3)
+    counts = {
+        (lambda z, w: z + w, (z, w)): 3,  # add, add, stack
+        (lambda z, w: w - z, (z, w)): 3,
+        (lambda z, r: z + r, (z, r)): 2,  # the imaginary part is z's: [5, 3] already
+        (lambda z, r: torch.rsub(z, r), (z, r)): 3,  # r - Re z, 0 - Im z
+    }
+    for (fn, args), want in counts.items():
+        gm, _, _ = lower_complex(make_fx(fn)(*args))
+        assert sum(nd.op == "call_function" for nd in gm.graph.nodes) == want
+        (got,) = _run_lowered_all(fn, *args)
+        torch.testing.assert_close(got, fn(*args))
+
+    def mixed(c: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # a part only one operand of another shape gives still takes the result's shape
+        cc = c.to(torch.complex64)
+        return cc + w, w - cc, cc + x, x.to(torch.complex64) - cc * 1j, (cc + w).sum()
+
+    for g, want in zip(_run_lowered_all(mixed, c, x, w), mixed(c, x, w)):
+        assert g.shape == want.shape
+        torch.testing.assert_close(g, want)
+
+
+def test_exp_of_a_conjugated_real_valued_complex_keeps_the_zeros_sign() -> None:
+    # exp(x - 0i) is e^x - 0i in eager; the lowering made it + 0i, so log(-exp(conj(x))) was
+    # log e^x - πi where eager has + πi (tanh likewise dropped the sign)
+    x = torch.tensor([-2.0, -0.0, 0.0, 2.0, math.inf, -math.inf, math.nan])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c = torch.conj_physical(x.to(torch.complex64))
+        plain = x.to(torch.complex64)
+        return torch.exp(c), torch.log(-torch.exp(c)), torch.exp(plain), torch.tanh(c)
+
+    for g, want in zip(_run_lowered_all(fn, x), fn(x)):
+        assert _close_with_signs(g, want), (g, want)

@@ -317,7 +317,7 @@ def c_abs(e: _Emitter, a: Pair) -> Any:
 
 
 def c_angle(e: _Emitter, a: Pair) -> Any:
-    return e.f(torch.atan2, e.dense(a.im, a.re), a.re)
+    return e.f(torch.atan2, e.dense_im(a, a.re), a.re)  # atan2(-0, x < 0) = -π, as eager
 
 
 # --- rule tables ------------------------------------------------------------------------------

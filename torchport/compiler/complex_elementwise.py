@@ -62,7 +62,9 @@ def exp_shift(n: fx.Node) -> float:
 
 def c_exp(e: _Emitter, a: Pair, shift: float) -> Pair:
     if a.im is None:
-        return Pair(e.f(torch.exp, a.re), None)
+        # e^x (cos ±0 + i sin ±0) = e^x ± 0i: the zero keeps its sign, as C's cexp (a +0 put
+        # log(-exp(conj(x.to(c64)))) on the upper side of the cut, eager's on the lower)
+        return Pair(e.f(torch.exp, a.re), None, a.neg_zero)
     # ATen's complex exp is C's cexp, which scales where e^x overflows but e^x cos y need not
     # (exp(88.5 + 1i) is 1.47e38 + 2.29e38i in complex64, and z ** p near |z|^p = float max):
     # for x above the dtype's ``shift`` t (:func:`exp_shift`) it takes (cos y · e^t) · e^(x - t);
@@ -130,7 +132,7 @@ def c_sqrt(e: _Emitter, a: Pair) -> Pair:
     # complex64 values near 1e-40 was 40 ulp off), so a z with both parts below 2^-60 is scaled
     # by 2^100 first, the result by 2^-50 after (powers of two: exact)
     x = a.re
-    y = e.dense(a.im, x)
+    y = e.dense_im(a, x)  # the sign of a known-zero y picks the side of the cut at x < 0
     ax0, ay0 = e.f(torch.abs, x), e.f(torch.abs, y)
     tiny = e.call(torch.lt, e.f(torch.maximum, ax0, ay0), 2.0**-60)
     up, down = e.call(torch.where, tiny, 2.0**100, 1.0), e.call(torch.where, tiny, 2.0**-50, 1.0)
@@ -190,7 +192,7 @@ def c_cos(e: _Emitter, a: Pair) -> Pair:
 
 def c_tanh(e: _Emitter, a: Pair) -> Pair:
     if a.im is None:
-        return Pair(e.f(torch.tanh, a.re), None)
+        return Pair(e.f(torch.tanh, a.re), None, a.neg_zero)  # Im = ±0 · (a positive number)
     # (sinh 2x + i sin 2y)/(cosh 2x + cos 2y), with numerator and denominator divided by
     # cosh 2x: sinh and cosh overflow for |x| > ~44 in float32 (inf/inf = nan where tanh is
     # ±1), while tanh 2x and sech 2x = 1/cosh 2x stay finite (sech → 0)
@@ -218,8 +220,9 @@ def c_sigmoid(e: _Emitter, a: Pair, shift: float) -> Pair:
 
 
 def _xy(e: _Emitter, a: Pair) -> tuple[Any, Any]:
-    """The parts of ``a`` as graph tensors (a known-zero imaginary part as +0)."""
-    return a.re, e.dense(a.im, a.re)
+    """The parts of ``a`` as graph tensors (a known-zero imaginary part with its sign: the
+    branch-cut functions read it, so log(conj(x.to(c64))) at x < 0 is log|x| - πi, as eager)."""
+    return a.re, e.dense_im(a, a.re)
 
 
 def c_expm1(e: _Emitter, a: Pair) -> Pair:
@@ -442,27 +445,58 @@ def _add_scaled(e: _Emitter, n: fx.Node, a: Any, b: Any, alpha: tuple[Any, Any])
 # (alpha=1 is dropped at tracing) the product is ATen's, bit for bit.
 
 
-def _full_parts(e: _Emitter, n: fx.Node, p: Pair) -> Pair:
+def _full_parts(e: _Emitter, n: fx.Node, p: Pair, terms: tuple[Any, ...] = ()) -> Pair:
     """A sum's parts as tensors of the result's shape. Where one operand's imaginary part is a
     known zero the sum's is the other's: of that operand's shape, so x.to(c64) + w for x [5, 3]
     and w [3] had a [3] imaginary part (its sum() a fifth of eager's, silently; an output
     failed to stack), and for a number a number (x.to(c64) + 1j: sum and exp of it raised,
-    a rule applied a tensor op to 1.0). A broadcast sum's parts are expanded (views), a number
-    part beside a tensor one is filled to its shape."""
+    a rule applied a tensor op to 1.0). A part of another shape is expanded (a view), a number
+    part beside a tensor one is filled to its shape. ``terms``, the lowered operands where each
+    part of the sum is the sum of their same parts (no alpha): a part both gave a tensor to, or
+    that one operand of the result's shape gave, has that shape already and stays as it is
+    (z[5, 3] + w[3] took a broadcast_tensors and two getitems, 3 nodes to 6)."""
     if isinstance(p.re, fx.Node) and isinstance(p.im, (int, float)):
         return Pair(p.re, e.dense(p.im, p.re))
     if isinstance(p.im, fx.Node) and isinstance(p.re, (int, float)):
         return Pair(e.dense(p.re, p.im), p.im)
     if p.im is None or not isinstance(p.re, fx.Node) or operands_have_its_shape(n):
         return p
+    if terms:
+        re_full = _part_has_its_shape(n, [_pair(t).re for t in terms])
+        im_full = _part_has_its_shape(n, [_pair(t).im for t in terms])
+        if re_full and im_full:
+            return p
+        if re_full:
+            return Pair(p.re, e.call(torch.Tensor.expand_as, p.im, p.re), p.neg_zero)
+        if im_full:
+            return Pair(e.call(torch.Tensor.expand_as, p.re, p.im), p.im, p.neg_zero)
     full = broadcast_parts(e, p.re, p.im)
     return Pair(full.re, full.im, p.neg_zero)
+
+
+def _part_has_its_shape(n: fx.Node, parts: list[Any]) -> bool:
+    """True if the part of the componentwise sum ``n`` that adds ``parts`` (the same part of
+    each operand, in ``n.args`` order) has ``n``'s shape: two tensor terms broadcast to it,
+    one has it if its operand does."""
+    tensors = [i for i, x in enumerate(parts) if isinstance(x, fx.Node)]
+    if len(tensors) != 1:
+        return len(tensors) == 2
+    val, tv = _node_val(n), _node_val(n.args[tensors[0]])
+    if (
+        not isinstance(val, torch.Tensor)
+        or not isinstance(tv, torch.Tensor)
+        or tv.dim() != val.dim()
+    ):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(statically_known_true(d == w) for d, w in zip(tv.shape, val.shape))
 
 
 @_rule(*_packets("add"))
 def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return _full_parts(lw.e, n, c_add(lw.e, a[0], a[1]))  # (a+bi)+(c+di) = (a+c)+(b+d)i
+        return _full_parts(lw.e, n, c_add(lw.e, a[0], a[1]), a[:2])  # (a+bi)+(c+di) = (a+c)+(b+d)i
     alpha = _alpha_parts(lw.e, n, a, kw, negate=False)
     return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
@@ -470,7 +504,7 @@ def _r_add(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 @_rule(*_packets("sub"))
 def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return _full_parts(lw.e, n, c_sub(lw.e, a[0], a[1]))  # componentwise difference
+        return _full_parts(lw.e, n, c_sub(lw.e, a[0], a[1]), a[:2])  # componentwise difference
     alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
     return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[0], a[1], alpha))
 
@@ -478,7 +512,7 @@ def _r_sub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 @_rule(*_packets("rsub"))
 def _r_rsub(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if not _has_alpha(n):
-        return _full_parts(lw.e, n, c_sub(lw.e, a[1], a[0]))  # b - a
+        return _full_parts(lw.e, n, c_sub(lw.e, a[1], a[0]), a[:2])  # b - a
     alpha = _alpha_parts(lw.e, n, a, kw, negate=True)
     return _full_parts(lw.e, n, _add_scaled(lw.e, n, a[1], a[0], alpha))
 

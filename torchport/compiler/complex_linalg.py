@@ -89,7 +89,7 @@ def _r_fft(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     def whole(x: Any) -> Any:
         if not isinstance(x, Pair):
             return x
-        return e.call(torch.complex, x.re, e.dense(x.im, x.re))
+        return e.call(torch.complex, x.re, e.dense_im(x, x.re))
 
     out = e.call(n.target, *(whole(x) for x in a), **kw)
     if _is_complex_val(_node_val(n)):

@@ -23,6 +23,7 @@ from torchport.compiler.complex_base import (
     broadcast_parts,
     operands_have_its_shape,
     registrar,
+    zero_im,
 )
 
 RULES: dict[Any, Rule] = {}
@@ -73,13 +74,18 @@ def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) 
         re, im = (None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im))
         p = Pair(re, im, p.neg_zero)
     kw = {k: v for k, v in kw.items() if k != "dtype"}
-    re = lw.e.call(n.target, p.re, *a[1:], **kw)
-    im = None if p.im is None else lw.e.call(n.target, p.im, *a[1:], **kw)
+    # a part may be a stride-0 expansion where the complex value was dense (complex(a[3], b[5, 3])
+    # or x.to(c64) + w[3] broadcast their parts): view(-1) of it raised, so a view reshapes (a
+    # view wherever one exists, a copy only where eager's dense value had no copy to make)
+    target = torch.reshape if n.target in _VIEWS else n.target
+    re = lw.e.call(target, p.re, *a[1:], **kw)
+    im = None if p.im is None else lw.e.call(target, p.im, *a[1:], **kw)
     # a view, copy or selection keeps a known zero's sign; a sum, or tril's zeros, make +0
     return Pair(re, im, p.neg_zero and n.target not in _SUMS)
 
 
 _SUMS = frozenset(_packets("sum", "mean", "cumsum", "trace", "tril", "triu"))
+_VIEWS = frozenset((aten.view.default, aten._unsafe_view.default))
 
 for _op in _packets(
     "view",
@@ -163,10 +169,10 @@ def _r_constant_pad(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any])
     e, p = lw.e, _pair(a[0])
     fill = _pair(a[2] if len(a) > 2 else kw.get("value", 0.0))
     re = e.call(n.target, p.re, a[1], 0.0 if fill.re is None else fill.re)
-    if p.im is None and fill.im is None:
-        return Pair(re, None)
-    im_fill = 0.0 if fill.im is None else fill.im
-    return Pair(re, e.call(n.target, e.dense(p.im, p.re), a[1], im_fill))
+    if p.im is None and fill.im is None and p.neg_zero == fill.neg_zero:
+        return Pair(re, None, p.neg_zero)
+    im_fill = zero_im(fill) if fill.im is None else fill.im  # a -0 part stays -0 (branch cuts)
+    return Pair(re, e.call(n.target, e.dense_im(p, p.re), a[1], im_fill))
 
 
 def _scatter(src_pos: int) -> Rule:
@@ -187,7 +193,7 @@ def _scatter(src_pos: int) -> Rule:
             return re  # a complex src written into a real tensor keeps its real part
         if dst.im is None and src.im is None:
             return Pair(re, None)
-        return Pair(re, part(e.dense(dst.im, dst.re), e.dense(src.im, src.re)))
+        return Pair(re, part(e.dense_im(dst, dst.re), e.dense_im(src, src.re)))
 
     return rule
 
@@ -239,11 +245,12 @@ def _r_cat(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 def _r_where(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     e, x, y = lw.e, _pair(a[1]), _pair(a[2])
     re = e.call(torch.where, a[0], x.re, y.re)
-    if x.im is None and y.im is None:
-        return Pair(re, None)
-    return Pair(
-        re, e.call(torch.where, a[0], 0.0 if x.im is None else x.im, 0.0 if y.im is None else y.im)
-    )
+    if x.im is None and y.im is None and x.neg_zero == y.neg_zero:
+        return Pair(re, None, x.neg_zero)
+    # a known-zero part keeps its sign: where(x < 0, conj(x.to(c64)), ...) fed to log is on the
+    # lower side of the cut, as eager (a +0 there gave log|x| + πi)
+    xi, yi = (zero_im(p) if p.im is None else p.im for p in (x, y))
+    return Pair(re, e.call(torch.where, a[0], xi, yi))
 
 
 @_rule(aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor)
