@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -169,25 +170,30 @@ def _int_lists(lists: Any) -> list[list[int]] | None:
     return out
 
 
-def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:
-    """All ``*.json`` dumps in ``folder``, by rank (two dumps of one rank are an error)."""
-    d = Path(folder)
-    if not d.is_dir():
-        raise DumpError(f"dump folder must be an existing directory, got {str(d)!r}")
-    dumps: dict[int, dict[str, Any]] = {}
-    where: dict[int, Path] = {}
-    for p in sorted(d.glob("*.json")):
+def read_dump_files(files: Iterable[Path]) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """Our JSON dumps ``files``, checked, by rank with their paths (two dumps of one rank are an
+    error: keeping either one silently analysed a stale copy, a stuck rank read as healthy)."""
+    dumps: dict[int, tuple[Path, dict[str, Any]]] = {}
+    for p in files:
         try:
             obj = json.loads(p.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DumpError(f"cannot read Flight Recorder dump {p}: {e}") from None
         rank = _check_dump(p, obj)
         if rank in dumps:
-            # keeping either one silently analysed a stale copy (a stuck rank read as healthy)
             raise DumpError(
-                f"two dumps of rank {rank}: {where[rank]} and {p}; keep one dump per rank"
+                f"two dumps of rank {rank}: {dumps[rank][0]} and {p}; keep one dump per rank"
             )
-        dumps[rank], where[rank] = obj, p
+        dumps[rank] = (p, obj)
+    return dumps
+
+
+def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:
+    """All ``*.json`` dumps in ``folder``, by rank (two dumps of one rank are an error)."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise DumpError(f"dump folder must be an existing directory, got {str(d)!r}")
+    dumps = {r: obj for r, (_, obj) in read_dump_files(sorted(d.glob("*.json"))).items()}
     if not dumps:
         raise DumpError(f"no Flight Recorder dumps (*.json) in {str(d)!r}")
     return dumps

@@ -55,7 +55,6 @@ Our JSON stays the default dump format; this module writes pickle and never read
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import pickle
@@ -65,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from torchport.distributed.flight_recorder import write_atomic
-from torchport.distributed.fr_analyze import DumpError, _check_dump
+from torchport.distributed.fr_analyze import DumpError, read_dump_files
 
 TORCH_FORMAT_VERSION = "2.10"  # torch 2.13's FlightRecorder.hpp version_val
 DEFAULT_PREFIX = "nccl_trace_rank_"
@@ -442,18 +441,7 @@ def _read(sources: Sequence[str | os.PathLike[str]]) -> dict[int, tuple[Path, di
             files.append(p)
         else:
             raise DumpError(f"a dump source must be an existing file or folder, got {str(p)!r}")
-    dumps: dict[int, tuple[Path, dict[str, Any]]] = {}
-    for p in files:
-        try:
-            obj = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DumpError(f"cannot read Flight Recorder dump {p}: {e}") from None
-        rank = _check_dump(p, obj)
-        if rank in dumps:
-            raise DumpError(
-                f"two dumps of rank {rank}: {dumps[rank][0]} and {p}; keep one per rank"
-            )
-        dumps[rank] = (p, obj)
+    dumps = read_dump_files(files)
     if not dumps:
         raise DumpError("no Flight Recorder dumps (*.json) in " + ", ".join(map(str, sources)))
     return dumps
