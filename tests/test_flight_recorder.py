@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import signal
 import subprocess
@@ -1079,34 +1078,6 @@ def test_a_dump_after_destroying_a_group_keeps_its_name_for_the_last_ops(tmp_pat
         d = to_torch(rec.snapshot())
         names.append(([e["process_group"][0] for e in d["entries"]], sorted(d["pg_config"])))
     assert names == [(["0"], ["0"])] * 2
-
-
-def test_export_names_a_re_created_groups_incarnations_alike_on_every_rank(tmp_path):
-    """Both ranks destroyed and re-created the default group; rank 0 hangs in the new group's
-    first all_reduce, rank 1 never reached it. One dump cannot tell rank 1 from a rank that
-    destroyed the group last: rank 1's old ops were exported on "0" and rank 0's on "0.0",
-    and torch's analyzer gave four false reports and not the true one (readJ). export() names
-    the incarnations from every rank's dump: the old ops are "0.0" on both, the hang "0"."""
-    for rank in (0, 1):
-        rec = FlightRecorder(rank=rank, world_size=2, dump_dir=tmp_path / "ours")
-        rec.groups["default"] = [0, 1]
-        rec.adopt("default", _Group("0"))
-        for _ in range(2):
-            rec.completed(rec.record("all_reduce", "default", [torch.ones(2)]))
-        rec.retire()
-        if rank == 0:
-            rec.adopt("default", _Group("0"))
-            rec.started(rec.record("all_reduce", "default", [torch.ones(2)]))
-        rec.dump()
-    paths = export(tmp_path / "ours", tmp_path / "t")
-    names = [
-        [
-            (e["process_group"][0], e["collective_seq_id"])
-            for e in pickle.loads(p.read_bytes())["entries"]
-        ]
-        for p in paths
-    ]
-    assert names == [[("0.0", 1), ("0.0", 2), ("0", 1)], [("0.0", 1), ("0.0", 2)]]
 
 
 def test_entries_left_out_at_the_start_do_not_misalign_torchs_analyzer(tmp_path):

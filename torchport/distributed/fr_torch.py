@@ -238,28 +238,9 @@ def _note_status(st: dict[str, int], seq: int, state: str) -> None:
         st["last_completed_collective"] = seq
 
 
-def newest_incarnations(dumps: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """Each group's newest incarnation that has entries in any of ``dumps``: the one that keeps
-    torch's plain name. One rank's dump cannot tell: a rank that destroyed and re-created the
-    group but never reached its first op looks like one that destroyed it last (a peer of the
-    first hangs in the new group's op, which must be "<name>" on both; the second's last ops
-    must keep "<name>" while its peer has not destroyed yet)."""
-    newest: dict[str, int] = {}
-    for dump in dumps:
-        for e in dump["entries"]:
-            g = e["group"]
-            newest[g] = max(newest.get(g, 0), e.get("incarnation") or 0)
-    return newest
-
-
-def to_torch(
-    dump: dict[str, Any], *, backend: str = "nccl", newest: dict[str, int] | None = None
-) -> dict[str, Any]:
+def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     """torch's Flight Recorder dump dict for one of our snapshots (a checked ``rank_<r>.json``
-    or :meth:`FlightRecorder.snapshot`); ``backend`` is the profiling names' prefix. ``newest``
-    (:func:`newest_incarnations` of every rank's dump; :func:`export` passes it) names each
-    group's incarnation that keeps torch's plain name; by default this dump's own newest one
-    with entries, which is right unless ranks disagree on the group's re-creation."""
+    or :meth:`FlightRecorder.snapshot`); ``backend`` is the profiling names' prefix."""
     if backend not in TORCH_BACKENDS:
         raise ValueError(
             f"backend must be one of {TORCH_BACKENDS} (torch's analyzer), got {backend!r}"
@@ -274,7 +255,13 @@ def to_torch(
     # count: a rank that destroyed the group (which counts the next one) before any op of a
     # new one named its last ops "<name>.<n>" while a peer that had not destroyed it yet kept
     # the plain name, and torch's analyzer reported every one of them as missing a rank
-    current = newest_incarnations([dump]) if newest is None else newest
+    # (per dump, not across the ranks: a restarted rank numbers its incarnations from 0, so one
+    # rank's count says nothing about another's. The cost: when every rank destroyed and
+    # re-created the group and one hangs in the new group's first op while a peer never got
+    # there, the peer's last ops keep the plain name and torch's analyzer misreports them)
+    current: dict[str, int] = {}
+    for e in entries:
+        current[e["group"]] = max(current.get(e["group"], 0), e.get("incarnation") or 0)
 
     # the group's count of each kind (collective, p2p) before each entry: the last seq id of
     # that kind seen; before the dump's first one, that entry's own seq id (the buffer wrapped)
@@ -524,8 +511,7 @@ def export(
         )
     for p in stale:
         p.unlink()
-    newest = newest_incarnations([obj for _, obj in dumps.values()])
     return [
-        write_torch_dump(to_torch(obj, backend=backend, newest=newest), dest / f"{prefix}{rank}")
+        write_torch_dump(to_torch(obj, backend=backend), dest / f"{prefix}{rank}")
         for rank, (_, obj) in sorted(dumps.items())
     ]
