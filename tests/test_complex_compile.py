@@ -1228,6 +1228,29 @@ def test_conjugated_real_valued_complex_keeps_its_side_of_the_branch_cut(name: s
         assert _close_with_signs(g, want), (name, i, g, want)
 
 
+def test_where_and_scatter_of_signed_known_zeros_keep_shape_dtype_and_sign() -> None:
+    # where() between two known-zero imaginary parts of different signs made them from two
+    # Python scalars: a float32 part shaped like the condition (a broadcast condition failed
+    # at run time, complex128 failed in the FFT fallback); a scatter of two known zeros
+    # dropped their sign (log of it then on the wrong side of the cut)
+    x = torch.tensor([[-2.0, -0.0, 0.0, 2.0]] * 3, dtype=torch.float64)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xc = x.to(torch.complex128)
+        picked = torch.where(x[0] < 0, torch.conj_physical(xc), xc)  # broadcast condition
+        spread = torch.fft.fft(torch.where(x < 0, torch.conj_physical(xc), xc))
+        scattered = torch.select_scatter(torch.conj_physical(xc), xc[0] * 0 - 1, 0, 0)
+        return picked * 2, spread, torch.log(scattered)
+
+    for got in (
+        _run_lowered_all(fn, x),
+        torchport.compile(fn, inner="eager", batching=False)(x),
+    ):
+        for i, (g, want) in enumerate(zip(got, fn(x))):
+            assert g.shape == want.shape and g.dtype == want.dtype, i
+            assert _close_with_signs(g, want), (i, g, want)
+
+
 def test_view_of_a_broadcast_complex_value_reshapes_its_parts() -> None:
     # complex(a[3], b[5, 3]) and x.to(c64) + w[3] have parts expanded with stride 0 (the complex
     # value itself is dense): view(-1) of a part raised (RuntimeError, and BackendCompilerFailed

@@ -191,8 +191,8 @@ def _scatter(src_pos: int) -> Rule:
         re = part(dst.re, src.re)
         if not _is_complex_val(_node_val(n)):
             return re  # a complex src written into a real tensor keeps its real part
-        if dst.im is None and src.im is None:
-            return Pair(re, None)
+        if dst.im is None and src.im is None and dst.neg_zero == src.neg_zero:
+            return Pair(re, None, dst.neg_zero)
         return Pair(re, part(e.dense_im(dst, dst.re), e.dense_im(src, src.re)))
 
     return rule
@@ -249,7 +249,9 @@ def _r_where(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
         return Pair(re, None, x.neg_zero)
     # a known-zero part keeps its sign: where(x < 0, conj(x.to(c64)), ...) fed to log is on the
     # lower side of the cut, as eager (a +0 there gave log|x| + πi)
-    xi, yi = (zero_im(p) if p.im is None else p.im for p in (x, y))
+    # (shaped and typed like the real result: two signed scalars made a float32 tensor shaped
+    # like the condition, wrong for a broadcast condition or complex128)
+    xi, yi = (e.dense_im(p, re) if p.im is None else p.im for p in (x, y))
     return Pair(re, e.call(torch.where, a[0], xi, yi))
 
 
