@@ -1206,6 +1206,46 @@ def test_a_shut_down_manager_stops_asking_for_quorums(monkeypatch):
         lh.close()
 
 
+def test_a_shutdown_during_a_reconnect_leaves_no_connection(monkeypatch):
+    """shutdown() while start_quorum reconnected to the lighthouse closed nothing (the sockets
+    were not set yet): the shut-down manager kept fresh sockets and a listener thread (readL)."""
+    import threading
+
+    import torchport.distributed.ft.manager as M
+    from torchport.distributed.ft import Lighthouse, Manager, QuorumError
+
+    secret = b"k" * 32
+    lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
+    mgr = Manager(
+        lighthouse=lh.address,
+        replica_id="r0",
+        state_dict=dict,
+        load_state_dict=lambda s: None,
+        secret=secret,
+        backend="gloo",
+        timeout=3.0,
+        quorum_timeout=2.0,
+    )
+    real = M.connect
+
+    def slow_connect(*a: object, **k: object) -> object:
+        time.sleep(0.3)  # a slow handshake: the shutdown lands inside it
+        return real(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(M, "connect", slow_connect)
+    monkeypatch.setattr(M, "gloo_group", lambda store, rank, size, timeout: object())
+    try:
+        mgr._inject_close()  # the connection dropped: the next quorum reconnects
+        threading.Timer(0.1, mgr.shutdown).start()
+        with pytest.raises(QuorumError, match="the manager was shut down"):
+            mgr.start_quorum()
+        assert mgr._hb is None and mgr._rpc is None
+        assert not [t for t in threading.enumerate() if t.name == "tp-ft-listen"]
+    finally:
+        mgr._inject_close()
+        lh.close()
+
+
 def test_abandoned_gloo_build_keeps_no_reference_in_the_raised_error(monkeypatch):
     """A gloo group the build completed just as the manager gave up was retired, but the
     abandoning frame's local still held it: the raised CommError's traceback kept it alive

@@ -232,6 +232,12 @@ class Manager:
             hb.close()
             raise
         self._hb, self._rpc = hb, rpc
+        # checked after the sockets are set: shutdown() sets _closed before it closes them, so
+        # either it sees these, or this sees its mark (a shutdown during the connect closed
+        # nothing, and the new sockets and listener thread outlived the manager: readL)
+        if self._closed.is_set():
+            self._inject_close()
+            raise CommError(f"replica {self.replica_id}: the manager was shut down")
         threading.Thread(target=self._listen, args=(hb,), name="tp-ft-listen", daemon=True).start()
 
     def _beat(self) -> None:
