@@ -458,7 +458,7 @@ def test_heal_broken_off_midway_never_trains_on_torn_state():
         src.close()
 
 
-def _ft_replicas(lh: Lighthouse, secret: bytes, managers: list, **kw):
+def _ft_replicas(lh: Lighthouse, secret: bytes, managers: list, timeout: float = 5.0, **kw):
     """A factory of in-process managers whose state is one tensor ``w`` (shut down by the caller)."""
     from torchport.distributed.ft import Manager
 
@@ -469,7 +469,7 @@ def _ft_replicas(lh: Lighthouse, secret: bytes, managers: list, **kw):
             state_dict=lambda: {"w": w},
             load_state_dict=lambda s: w.copy_(s["w"]),
             secret=secret,
-            timeout=5.0,
+            timeout=timeout,
             **kw,
         )
         managers.append(m)
@@ -1170,7 +1170,7 @@ def test_a_shut_down_manager_stops_asking_for_quorums(monkeypatch):
     import threading
 
     import torchport.distributed.ft.manager as M
-    from torchport.distributed.ft import Lighthouse, Manager, QuorumError
+    from torchport.distributed.ft import QuorumError
 
     gate = threading.Event()
     builds: list = []
@@ -1184,16 +1184,8 @@ def test_a_shut_down_manager_stops_asking_for_quorums(monkeypatch):
     monkeypatch.setattr(M, "retire", lambda pg: None)
     secret = b"k" * 32
     lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
-    mgr = Manager(
-        lighthouse=lh.address,
-        replica_id="r0",
-        state_dict=dict,
-        load_state_dict=lambda s: None,
-        secret=secret,
-        backend="gloo",
-        timeout=3.0,
-        quorum_timeout=2.0,
-    )
+    make = _ft_replicas(lh, secret, [], backend="gloo", timeout=3.0, quorum_timeout=2.0)
+    mgr = make("r0", torch.zeros(1))
     try:
         threading.Timer(0.3, mgr.shutdown).start()
         with pytest.raises(QuorumError, match="the manager was shut down"):
@@ -1212,20 +1204,12 @@ def test_a_shutdown_during_a_reconnect_leaves_no_connection(monkeypatch):
     import threading
 
     import torchport.distributed.ft.manager as M
-    from torchport.distributed.ft import Lighthouse, Manager, QuorumError
+    from torchport.distributed.ft import QuorumError
 
     secret = b"k" * 32
     lh = Lighthouse(min_replicas=1, heartbeat=5.0, secret=secret)
-    mgr = Manager(
-        lighthouse=lh.address,
-        replica_id="r0",
-        state_dict=dict,
-        load_state_dict=lambda s: None,
-        secret=secret,
-        backend="gloo",
-        timeout=3.0,
-        quorum_timeout=2.0,
-    )
+    make = _ft_replicas(lh, secret, [], backend="gloo", timeout=3.0, quorum_timeout=2.0)
+    mgr = make("r0", torch.zeros(1))
     real = M.connect
 
     def slow_connect(*a: object, **k: object) -> object:
