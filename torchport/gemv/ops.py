@@ -643,8 +643,7 @@ def _run(
         if x.dtype != pw.data.dtype:  # (F.linear refuses mixed dtypes) as the kernels compute:
             # float32 products of the exact values, the result in x's dtype; the weight cast to
             # x's dtype rounded a float32 weight to bf16 (and copied it on every call)
-            out = torch.nn.functional.linear(xf, pw.data.float(), b)
-            return out.reshape(out_shape).to(x.dtype)
+            return _aten_fallback(xf, pw, b).reshape(out_shape).to(x.dtype)
         bx = bias.to(x.dtype) if bias is not None else None
         return torch.nn.functional.linear(x, pw.data, bx)
     out = torch.empty(out_shape, dtype=torch.float32)
