@@ -743,19 +743,23 @@ class LowPrecisionTensor(torch.Tensor):
                 if isinstance(bias, torch.Tensor) and bias.dtype != adt:
                     bias = bias.to(adt)
             if not isinstance(x, LowPrecisionTensor):
-                if native.functorch_active():
-                    # always the function: jvp's dual inputs do not require grad, and forward
-                    # mode ignores the grad mode; the kernels and the activation quantization
-                    # (a zero derivative) gave a zero tangent, or none at all
+                # always the function under torch.func (jvp's dual inputs do not require grad,
+                # and forward mode ignores the grad mode; the kernels and the activation
+                # quantization, a zero derivative, gave a zero tangent or none at all) and at an
+                # eager forward-AD level (a dual input or bias need not require grad: the
+                # Function's jvp, where the kernel dropped the tangent)
+                fn: type[torch.autograd.Function] | None = (
+                    _FrozenWeightLinear
+                    if native.functorch_active()
+                    # (native.forward_ad_active inline: ~15 ns less)
+                    else _FrozenWeightLinearEager
+                    if _FWAD._current_level >= 0
+                    else None
+                )
+                if fn is not None:
                     if torch.is_grad_enabled():
                         _check_frozen(w)
-                    return _FrozenWeightLinear.apply(x, bias, (w,))
-                if _FWAD._current_level >= 0:  # (native.forward_ad_active inline: ~15 ns less)
-                    # a dual input or bias need not require grad, and forward mode ignores the
-                    # grad mode: the Function's jvp, where the kernel dropped the tangent
-                    if torch.is_grad_enabled():
-                        _check_frozen(w)
-                    return _FrozenWeightLinearEager.apply(x, bias, (w,))
+                    return fn.apply(x, bias, (w,))
                 if not torch.is_grad_enabled():
                     return w.linear(x, bias)
                 _check_frozen(w)
