@@ -170,6 +170,14 @@ def _int_lists(lists: Any) -> list[list[int]] | None:
     return out
 
 
+def newest_incarnations(entries: list[dict[str, Any]]) -> dict[str, int]:
+    """Each group's newest incarnation among ``entries`` (a dump's)."""
+    newest: dict[str, int] = {}
+    for e in entries:
+        newest[e["group"]] = max(newest.get(e["group"], 0), e.get("incarnation") or 0)
+    return newest
+
+
 def read_dump_files(files: Iterable[Path]) -> dict[int, tuple[Path, dict[str, Any]]]:
     """Our JSON dumps ``files``, checked, by rank with their paths (two dumps of one rank are an
     error: keeping either one silently analysed a stale copy, a stuck rank read as healthy)."""
@@ -245,9 +253,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
         # the incarnation of each group to line up: the rank's current one (dumped since a
         # rank that had not yet recorded an op on a re-created group showed only the old one,
         # compared with its peers' new one), else (older dumps) the newest it has entries of
-        newest: dict[str, int] = {}
-        for e in d["entries"]:
-            newest[e["group"]] = max(newest.get(e["group"], 0), e.get("incarnation") or 0)
+        newest = newest_incarnations(d["entries"])
         newest.update(d.get("incarnations") or {})
         if d["entries"] and d["entries"][0].get("record_id", 0) != 0:
             wrapped.add(rank)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import pickle
 import re
@@ -63,8 +64,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchport.distributed.flight_recorder import write_atomic
-from torchport.distributed.fr_analyze import DumpError, read_dump_files
+from torchport.distributed.flight_recorder import P2P_OPS, write_atomic
+from torchport.distributed.fr_analyze import DumpError, newest_incarnations, read_dump_files
 
 TORCH_FORMAT_VERSION = "2.10"  # torch 2.13's FlightRecorder.hpp version_val
 DEFAULT_PREFIX = "nccl_trace_rank_"
@@ -162,20 +163,13 @@ def _split(op: str, sizes: list[list[int]], dtypes: list[str]) -> tuple[_Side, _
         ins, outs = (single, flat) if op == "all_gather" else (flat, single)
     elif op in ("_all_gather_base", "_reduce_scatter_base") and n == 2:
         # (output, input): the larger is the gathered / scattered buffer, whatever the spelling
-        big = 0 if _numel(sizes[0]) >= _numel(sizes[1]) else 1
+        big = 0 if math.prod(sizes[0]) >= math.prod(sizes[1]) else 1
         pair = ([sizes[big]], [dtypes[big]]), ([sizes[1 - big]], [dtypes[1 - big]])
         outs, ins = pair if op == "_all_gather_base" else pair[::-1]
     elif op == "all_to_all" and n >= 2:  # (output(s), input(s))
         h = n // 2
         outs, ins = (sizes[:h], dtypes[:h]), (sizes[h:], dtypes[h:])
     return (list(ins[0]), list(ins[1])), (list(outs[0]), list(outs[1]))
-
-
-def _numel(shape: list[int]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def _frames(stack: Any) -> list[dict[str, Any]]:
@@ -214,7 +208,7 @@ def _left_out(e: dict[str, Any], name: str | None, rank: int, members: list[int]
         return f"torch has no op {e['op']!r}"
     if rank not in members:
         return f"the members of its group {e['group']!r} are not recorded"
-    if e["op"] in ("send", "recv") and e.get("peer") not in members:
+    if e["op"] in P2P_OPS and e.get("peer") not in members:
         if e.get("peer") == -1:
             return "its peer is not recorded (a receive from any source)"
         return f"its peer {e.get('peer')} is not in its group {e['group']!r}"
@@ -238,13 +232,17 @@ def _note_status(st: dict[str, int], seq: int, state: str) -> None:
         st["last_completed_collective"] = seq
 
 
-def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
-    """torch's Flight Recorder dump dict for one of our snapshots (a checked ``rank_<r>.json``
-    or :meth:`FlightRecorder.snapshot`); ``backend`` is the profiling names' prefix."""
+def _check_backend(backend: str) -> None:
     if backend not in TORCH_BACKENDS:
         raise ValueError(
             f"backend must be one of {TORCH_BACKENDS} (torch's analyzer), got {backend!r}"
         )
+
+
+def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
+    """torch's Flight Recorder dump dict for one of our snapshots (a checked ``rank_<r>.json``
+    or :meth:`FlightRecorder.snapshot`); ``backend`` is the profiling names' prefix."""
+    _check_backend(backend)
     rank, world = int(dump["rank"]), int(dump["world_size"])
     groups: dict[str, list[int]] = {k: list(v) for k, v in (dump.get("groups") or {}).items()}
     groups.setdefault("default", list(range(world)))
@@ -259,17 +257,13 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     # rank's count says nothing about another's. The cost: when every rank destroyed and
     # re-created the group and one hangs in the new group's first op while a peer never got
     # there, the peer's last ops keep the plain name and torch's analyzer misreports them)
-    current: dict[str, int] = {}
-    for e in entries:
-        current[e["group"]] = max(current.get(e["group"], 0), e.get("incarnation") or 0)
+    current = newest_incarnations(entries)
 
     # the group's count of each kind (collective, p2p) before each entry: the last seq id of
     # that kind seen; before the dump's first one, that entry's own seq id (the buffer wrapped)
     first: dict[tuple[str, int, bool], int] = {}
     for e in entries:
-        first.setdefault(
-            (e["group"], e.get("incarnation") or 0, e["op"] in ("send", "recv")), e["seq_id"]
-        )
+        first.setdefault((e["group"], e.get("incarnation") or 0, e["op"] in P2P_OPS), e["seq_id"])
     count: dict[tuple[str, int, bool], int] = {}
     op_ids: dict[tuple[str, int], int] = {}
     status: dict[str, dict[str, int]] = {}
@@ -280,7 +274,7 @@ def to_torch(dump: dict[str, Any], *, backend: str = "nccl") -> dict[str, Any]:
     n_skipped = 0
     for e in entries:
         group, inc, state = e["group"], e.get("incarnation") or 0, e["state"]
-        p2p = e["op"] in ("send", "recv")
+        p2p = e["op"] in P2P_OPS
         name = _TORCH_OPS.get(e["op"])
         members = sorted(old_groups.get((group, inc)) or groups.get(group, []))
         why = _left_out(e, name, rank, members)
@@ -478,10 +472,7 @@ def export(
         raise ValueError(
             f"prefix must be letters, digits, '_' or '-' not ending in a digit, got {prefix!r}"
         )
-    if backend not in TORCH_BACKENDS:
-        raise ValueError(
-            f"backend must be one of {TORCH_BACKENDS} (torch's analyzer), got {backend!r}"
-        )
+    _check_backend(backend)
     srcs = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
     dumps = _read(srcs)
     _same_job(dumps)
