@@ -21,6 +21,7 @@ import torch
 from torchport.distributed._control import (
     _HDR,
     CommError,
+    _until,
     connect,
     decode_frame,
     frame_length,
@@ -179,11 +180,7 @@ class _Progress:
         """Fill ``view``: ``TimeoutError`` on a stall, :class:`CommError` on EOF."""
         got, n = 0, len(view)
         while got < n:
-            if self._deadline is not None:
-                left = self._deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"stalled after {got} of {n} bytes")
-                sock.settimeout(left)
+            _until(sock, self._deadline, f"after {got} of {n} bytes")
             k = sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise CommError(f"connection closed by peer after {got} of {n} bytes")
