@@ -34,6 +34,7 @@ SHAPES = [
     (33, 95, 130),
     (47, 130, 64),
     (70, 97, 301),
+    (20, 1000, 96),  # one M block, 32 panels: runs of two panels per chunk with two threads
 ]
 
 
@@ -42,17 +43,20 @@ SHAPES = [
 @pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
 @pytest.mark.parametrize("b_layout", ["c", "weight_t"])
 @pytest.mark.parametrize(
-    "mc,kc", [(32, 0), (40, 0), (64, 32), (96, 64)], ids=["mc32", "mc40", "mc64_kc32", "mc96_kc64"]
+    "mc,kc,pf",
+    [(32, 0, 0), (40, 0, 4), (64, 32, 0), (96, 64, 2)],
+    ids=["mc32", "mc40_pf4", "mc64_kc32", "mc96_kc64_pf2"],
 )
-def test_amx_grid(m, n, k, a_layout, b_layout, mc, kc):
+def test_amx_grid(m, n, k, a_layout, b_layout, mc, kc, pf):
     """Whole and partial blocks, the K tail (kp % 16 pairs on vdpbf16ps; all of K below 32),
     M blocks (mc rounded up to 32 rows) and K blocks (sums carried between them through the
-    chunk's fp32 buffer), A read in place or copied into pairs, two threads."""
+    chunk's fp32 buffer), runs of panels per chunk (one M block), the B prefetch, A read in place
+    or copied into pairs, two threads."""
     a, b = _make(m, n, k, torch.bfloat16, a_layout, b_layout)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out = run_native(a, b, EpilogueSpec(), [], Config(*AMX_TILE, mc, kc=kc, dp=AMX))
+        out = run_native(a, b, EpilogueSpec(), [], Config(*AMX_TILE, mc, pf, kc=kc, dp=AMX))
     finally:
         torch.set_num_threads(before)
     _assert_close(out, a, b, EpilogueSpec(), [])
@@ -123,7 +127,7 @@ def test_amx_config_is_invalid_where_it_does_not_apply():
             run_native(a, b, EpilogueSpec(), [], Config(*AMX_TILE, 32, dp=AMX))
         bad_cfgs = (
             Config(*AMX_TILE, 32, kc=48, dp=AMX),
-            Config(*AMX_TILE, 32, pf=8, dp=AMX),
+            Config(*AMX_TILE, 32, pf=65, dp=AMX),
             Config(*AMX_TILE, 32, ks=2, dp=AMX),
         )
         for bad in bad_cfgs:

@@ -192,9 +192,10 @@ def check_config(cfg: Config, isa: str) -> None:
                 f"AMX tile {cfg.mr}x{cfg.nr} needs AMX-BF16 and isa avx512 "
                 f"(this machine: isa {isa}, AMX {amx_ready()})"
             )
-        if cfg.kc % 32 or cfg.ks > 1 or cfg.pf:
+        if cfg.kc % 32 or cfg.ks > 1 or cfg.pf > 64:
             raise InvalidCandidate(
-                f"the AMX kernel takes kc a multiple of 32 (0: whole K), no ks or pf, got {cfg}"
+                f"the AMX kernel takes kc a multiple of 32 (0: whole K), pf <= 64 k steps and "
+                f"no ks, got {cfg}"
             )
     elif cfg.dp:
         small = (cfg.mr, cfg.nr) in templates.DP_TILES["small"]
@@ -487,7 +488,7 @@ def amx_ready() -> bool:
 def _amx_function(spec: EpilogueSpec, otag: str) -> Any:
     fn = _amx_library(spec, otag).tp_gemm_amx_32x32
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, p, p, i, p]
+    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -498,7 +499,7 @@ def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Lau
     :func:`_pairs`; ``cfg.mc`` rows per work chunk."""
     out_dtype = spec.out_dtype(a_dtype)
     fn = _amx_function(spec, _TAG[out_dtype])
-    mc, kc, nt = cfg.mc, cfg.kc, cfg.nt
+    mc, kc, pf, nt = cfg.mc, cfg.kc, cfg.pf, cfg.nt
     operand_args = _operand_args(spec)
 
     def launch(
@@ -533,6 +534,7 @@ def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Lau
             kp,
             mc,
             kc,
+            pf,
             eptr,
             eld,
             min(nt, threads) if nt else threads,

@@ -1067,15 +1067,21 @@ static void tp_amx_ktail(float *acc, int nrow, const uint32_t *A, int64_t lda, c
    and the one store of C. Returns -1 when the OS refuses AMX (nothing written), 0 when done. */
 TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int64_t lda,
         const uint32_t *Bp, int64_t M, int64_t N, int64_t kp, int64_t mc, int64_t kc,
-        const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W) {
+        int64_t pf, const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W) {
     if (M <= 0 || N <= 0) return 0;
     if (!tp_amx_permit()) return -1;
     mc = TP_MAX(32, (mc + 31) / 32 * 32);
     const int64_t np = (N + 31) / 32, nmb = (M + mc - 1) / mc, kt = kp / 16;
-    const int64_t mb16 = (M + 15) / 16, nch = np * nmb;
+    const int64_t mb16 = (M + 15) / 16;
     const int64_t kcb = kc > 0 ? TP_MAX(1, kc / 32) : TP_MAX(1, kt);
-    int64_t nt = TP_MIN(nthreads, nch);
+    int64_t nt = TP_MIN(nthreads, np * nmb);
     if ((double)M * (double)N * (double)kp < 65536.0) nt = 1;
+    /* one M block (weight streaming): runs of panels per chunk, TP_CHUNKS_PER_THREAD per
+       thread, so the B prefetch below runs on into the chunk's next panel; else one panel */
+    const int64_t npc = nmb == 1 && nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD)
+                        : nmb == 1 ? 1 : np;
+    const int64_t nch = npc * nmb;
+    const int64_t pfb = pf * 2048; /* bytes of the panel stream ahead (pf k steps of 2 KB) */
     int fail = 0;
     #pragma omp parallel num_threads(nt)
     {
@@ -1101,13 +1107,14 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t ch = 0; ch < nch; ++ch) {
             if (!acc) continue;
-            const int64_t i0 = (ch / np) * mc, i1 = TP_MIN(M, i0 + mc), jp = ch % np;
-            const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
-            const uint32_t *bp = Bp + jp * kp * 32;
+            const int64_t i0 = (ch / npc) * mc, i1 = TP_MIN(M, i0 + mc), pc = ch % npc;
             if (!configured) {
                 tp_amx_config();
                 configured = 1;
             }
+            for (int64_t jp = np * pc / npc; jp < np * (pc + 1) / npc; ++jp) {
+            const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
+            const uint32_t *bp = Bp + jp * kp * 32;
             if (kt == 0) memset(acc, 0, (size_t)nb * 1024 * sizeof(float));
             /* K blocks of kcb tiles: the panel's kcb x 16 k pairs (kcb KB) stay in L1 while every
                32-row block of the chunk uses them; the sums go through acc between blocks */
@@ -1118,6 +1125,8 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     const int two = i + 16 < i1;
                     const uint32_t *w0 = W + (i / 16) * kt * 256, *w1 = w0 + kt * 256;
                     float *blk = acc + b * 1024;
+                    if (k1 == kt) /* the epilogue's operand lines, in flight during the last K block */
+                        for (int64_t r = i; r < TP_MIN(i + 32, i1); ++r) tp_epi_pf(r, j, nr, ep, eld);
                     if (k0 == 0) {
                         _tile_zero(0);
                         _tile_zero(1);
@@ -1135,6 +1144,10 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                         }
                         for (int64_t kk = k0; kk < k1; ++kk) {
                             const uint32_t *bk = bp + kk * 16 * 32;
+                            if (pfb) {
+                                const char *q = (const char *)bk + pfb;
+                                for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
+                            }
                             _tile_loadd(4, w0 + kk * 256, 64);
                             _tile_loadd(6, bk, 128);
                             _tile_loadd(7, bk + 16, 128);
@@ -1149,6 +1162,10 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     } else {
                         for (int64_t kk = k0; kk < k1; ++kk) {
                             const uint32_t *bk = bp + kk * 16 * 32;
+                            if (pfb) {
+                                const char *q = (const char *)bk + pfb;
+                                for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
+                            }
                             _tile_loadd(4, w0 + kk * 256, 64);
                             _tile_loadd(6, bk, 128);
                             _tile_loadd(7, bk + 16, 128);
@@ -1176,6 +1193,7 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                             SSTORE_OTAG(c + q, tp_epi_s(blk[r * 32 + q], i + r, j + q, ep, eld));
                     }
                 }
+            }
             }
         }
         if (configured) _tile_release();
