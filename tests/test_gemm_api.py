@@ -1082,11 +1082,12 @@ def test_bf16_small_m_offers_pair_dot_tiles_only_where_they_run():
         assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx512", 4))
         assert not any(c.param("dp", 0) for c in G.candidates(m, 4096, 1024, "avx2", 2))
     # beyond SMALL_M: the large-M vdpbf16ps tiles (the blocked drivers), not the small-M ones
-    large = [c for c in G.candidates(64, 4096, 1024, "avx512", 2) if c.param("dp", 0)]
+    # (dp 2: the AMX kernel where the machine has it, tests/test_gemm_amx.py)
+    large = [c for c in G.candidates(64, 4096, 1024, "avx512", 2) if c.param("dp", 0) == 1]
     assert bool(large) == has_dot
     assert all((c.param("mr"), c.param("nr")) in templates.DP_TILES["large"] for c in large)
     for c in G.candidates(8, 4096, 1024, "avx512", 2):
-        if c.param("dp", 0):
+        if c.param("dp", 0) == 1:
             assert mm_mod._config(c).dp == 1
             assert (c.param("mr"), c.param("nr")) in templates.DP_TILES["small"]
 
@@ -1098,7 +1099,7 @@ def test_bf16_small_m_pair_dot_candidates_prefetch_8kb_ahead(m):
     k pairs of ``nr`` 32-bit words), and from 8 rows none runs without prefetch (slower and
     bimodal there, so tuning noise could pick it)."""
     for n, k in ((4096, 1024), (11008, 4096)):
-        dps = [c for c in G.candidates(m, n, k, "avx512", 2) if c.param("dp", 0)]
+        dps = [c for c in G.candidates(m, n, k, "avx512", 2) if c.param("dp", 0) == 1]
         assert dps
         for c in dps:
             pf, nr = int(c.param("pf")), int(c.param("nr"))

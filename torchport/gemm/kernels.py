@@ -54,7 +54,8 @@ class Config:
     thread cap ``nt`` (0: torch's intra-op threads; 1: one thread, which on a shared, loaded
     machine avoids waiting for a descheduled second thread at the end of a short kernel).
     ``dp`` (1): a ``vdpbf16ps`` tile (bf16 operands, AVX512-BF16; :data:`templates.DP_TILES`,
-    whose "small" tiles run the weight-streaming pair-dot driver over whole K, ``mc`` unused).
+    whose "small" tiles run the weight-streaming pair-dot driver over whole K, ``mc`` unused);
+    ``dp`` 2 (:data:`AMX`): the AMX-BF16 kernel, ``mr x nr`` 32 x 32, ``mc`` rows per chunk.
     ``nr`` 1: the row-streaming driver (:mod:`~torchport.gemm.rows`; ``B`` packed as ``[N, K]``
     rows, ``mr`` rows of ``A`` per register block, ``pf`` a non-temporal prefetch distance in
     bytes; ``mc``, ``kc``, ``ks`` unused), for M up to ``rows.MAX_M``."""
@@ -72,7 +73,8 @@ class Config:
     def name(self) -> str:
         if self.nr == 1:
             return f"r{self.mr}_pf{self.pf}" + (f"_nt{self.nt}" if self.nt else "")
-        base = f"{'dp' if self.dp else 't'}{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
+        kind = {0: "t", 1: "dp", 2: "amx"}.get(self.dp, f"dp{self.dp}")
+        base = f"{kind}{self.mr}x{self.nr}_mc{self.mc}_pf{self.pf}"
         opt = (f"_kc{self.kc}" if self.kc else "") + (f"_ks{self.ks}" if self.ks > 1 else "")
         return base + opt + (f"_nt{self.nt}" if self.nt else "")
 
@@ -125,9 +127,10 @@ def prebuild(
     isa: str,
     tiles: Sequence[tuple[int, int]],
     dp_tiles: Sequence[tuple[int, int]] = (),
+    amx: bool = False,
 ) -> None:
-    """Build several tile libraries (``dp_tiles``: ``vdpbf16ps`` ones) and the weight-packing
-    kernels concurrently (one compiler process per core)."""
+    """Build several tile libraries (``dp_tiles``: ``vdpbf16ps`` ones; ``amx``: the AMX kernel)
+    and the weight-packing kernels concurrently (one compiler process per core)."""
     with ThreadPoolExecutor(max_workers=max(1, native.cpu_info().cores)) as pool:
 
         def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -140,8 +143,10 @@ def prebuild(
             submit(library, spec, btag, otag, isa, mr, nr) for mr, nr in tiles
         ]
         futures += [submit(library, spec, btag, otag, isa, mr, nr, True) for mr, nr in dp_tiles]
+        if amx:
+            futures.append(submit(_amx_library, spec, otag))
         # B's own width; the pair packing runs the 32-bit kernel on k-pair words
-        bits = {32 if btag == "f32" else 16} | ({32} if dp_tiles else set())
+        bits = {32 if btag == "f32" else 16} | ({32} if dp_tiles or amx else set())
         futures += [submit(_pack_fn, w) for w in sorted(bits)]
         if spec.ops:  # the ATen launch's epilogue pass (small-M adaptive runners)
             futures.append(submit(_pass_function, spec, btag, otag, isa))
@@ -181,7 +186,18 @@ def _function(
 
 def check_config(cfg: Config, isa: str) -> None:
     """Raise :class:`InvalidCandidate` if ``cfg`` is not compiled for ``isa``."""
-    if cfg.dp:
+    if cfg.dp == AMX:
+        if isa != "avx512" or not amx_ready() or (cfg.mr, cfg.nr) != AMX_TILE:
+            raise InvalidCandidate(
+                f"AMX tile {cfg.mr}x{cfg.nr} needs AMX-BF16 and isa avx512 "
+                f"(this machine: isa {isa}, AMX {amx_ready()})"
+            )
+        if cfg.kc % 32 or cfg.ks > 1 or cfg.pf > 64:
+            raise InvalidCandidate(
+                f"the AMX kernel takes kc a multiple of 32 (0: whole K), pf <= 64 k steps and "
+                f"no ks, got {cfg}"
+            )
+    elif cfg.dp:
         small = (cfg.mr, cfg.nr) in templates.DP_TILES["small"]
         if (
             isa != "avx512"
@@ -290,6 +306,8 @@ def launcher(
     dp = bool(cfg.dp)
     if dp and (a_dtype, b_dtype) != (torch.bfloat16, torch.bfloat16):
         raise InvalidCandidate(f"vdpbf16ps tiles need bf16 operands, got {a_dtype}, {b_dtype}")
+    if cfg.dp == AMX:
+        return _amx_launcher(spec, cfg, a_dtype)
     if dp and (cfg.mr, cfg.nr) in templates.DP_TILES["small"]:
         return _dp_launcher(spec, cfg, a_dtype)
     if cfg.nr == 1:
@@ -428,6 +446,102 @@ def _dp_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Laun
         )
         if status != 0:
             raise RuntimeError(f"tp_gemm_dp_{cfg.mr}x{nr} returned status {status} for {cfg}")
+        return c
+
+    return launch
+
+
+# --- bf16 on AMX tiles (TDPBF16PS) -----------------------------------------------------------------
+
+# Config.dp of the AMX kernel (1: the vdpbf16ps tiles), and its one output block (MR, NR)
+AMX = 2
+AMX_TILE = (templates.AMX_MR, templates.AMX_NR)
+
+
+@functools.cache
+def _amx_library(spec: EpilogueSpec, otag: str) -> ctypes.CDLL:
+    src = native.render(templates.render_amx_source(spec, otag).replace("$", "$$"))
+    name = f"gemm_amx_bf16_{otag}_e{len(spec.ops)}"
+    return native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
+
+
+@functools.cache
+def _amx_permitted() -> bool:
+    try:
+        lib = _amx_library(NO_EPILOGUE, "f32")
+    except native.NativeError:
+        return False
+    return bool(lib.tp_amx_available())
+
+
+def amx_ready() -> bool:
+    """True when the AMX-BF16 kernel can run here: the CPU has AMX-TILE, AMX-BF16 and
+    AVX512-BF16 (its K tail), the ISA level is avx512 (``config.isa`` may lower it) and the
+    kernel (built once per process) was granted the tile state by the OS."""
+    info = native.cpu_info()
+    if not (info.has_amx and info.has_avx512_bf16):
+        return False
+    return _amx_permitted()
+
+
+@functools.cache
+def _amx_function(spec: EpilogueSpec, otag: str) -> Any:
+    fn = _amx_library(spec, otag).tp_gemm_amx_32x32
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Launch:
+    """:func:`launcher` of the AMX kernel (bf16 operands, checked there): ``b`` pair-packed with
+    panels of 32 (the vdpbf16ps tiles' layout, which is AMX's B tile layout), ``a`` as
+    :func:`_pairs`; ``cfg.mc`` rows per work chunk."""
+    out_dtype = spec.out_dtype(a_dtype)
+    fn = _amx_function(spec, _TAG[out_dtype])
+    mc, kc, pf, nt = cfg.mc, cfg.kc, cfg.pf, cfg.nt
+    operand_args = _operand_args(spec)
+
+    def launch(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        operands: Sequence[torch.Tensor],
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        m, k = a.shape
+        n = b.shape[1]
+        c = torch.empty(m, n, dtype=out_dtype)
+        if m == 0 or n == 0:
+            return c
+        if packed is None:
+            packed = pack_cache.get(b, templates.AMX_NR, pairs=True)
+        a = _pairs(a)
+        eptr, eld, _keep = operand_args(operands)  # _keep: alive until the call returns
+        threads = max(1, torch.get_num_threads())
+        kp = (k + 1) // 2
+        # A's whole k tiles, copied by the kernel (16 rows of 16 k-pair words each)
+        work = native.thread_scratch(
+            "gemm.amx_a", max(1, (m + 15) // 16 * (kp // 16) * 512), torch.bfloat16
+        )
+        status = fn(
+            c.data_ptr(),
+            n,
+            a.data_ptr(),
+            a.stride(0) // 2,
+            packed.data_ptr(),
+            m,
+            n,
+            kp,
+            mc,
+            kc,
+            pf,
+            eptr,
+            eld,
+            min(nt, threads) if nt else threads,
+            work.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"tp_gemm_amx_32x32 returned status {status} for {cfg}")
         return c
 
     return launch

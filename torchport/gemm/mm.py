@@ -77,6 +77,9 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     # where the fp32 tiles are compute-bound on bf16 (measured one thread, weights streamed:
     # M=8 1024->4096 0.59 vs 0.81 ms = 105 % of torch.sum's bandwidth; M=32 1.09 vs 2.02 ms)
     dp = elem_size == 2 and isa == "avx512" and native.cpu_info().has_avx512_bf16
+    # bf16 on AMX tiles where the machine has them (Sapphire Rapids and later): 16 x 16 x 32
+    # products per instruction, the rate ATen's oneDNN reaches there with its own AMX kernels
+    amx = dp and kernels.amx_ready()
     # calls run at about this rate (FLOP/s) when estimating tuning cost (conservative)
     rate = 5e10
     if scale == 0:
@@ -133,6 +136,16 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
                 Config(*t, mm_, pf, nt=1, dp=1),
                 *cfgs,
             ]
+            if amx and m >= 8:
+                # a 32 x 32 block per tile step, weights streamed once (mc >= M), the panel
+                # stream prefetched 4 k steps (8 KB) ahead: measured bf16 M=32 1024->4096,
+                # weights rotated over 256 MB, medians of 200: 0.39-0.47 ms against 0.46-0.49
+                # without
+                cfgs = [
+                    Config(*kernels.AMX_TILE, 32, 4, dp=kernels.AMX),
+                    Config(*kernels.AMX_TILE, 32, dp=kernels.AMX),
+                    *cfgs,
+                ]
     else:
         cfgs = [
             Config(6, 16 * scale, 96),
@@ -166,6 +179,19 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
                 *cfgs[:1],
             ]
             rate = 2.5e11
+            if amx:
+                # K blocks of 256 (the panel's 16 KB slice stays in L1 while the chunk's 32-row
+                # blocks use it), M blocks of 128 or 256 rows (measured Sapphire-Rapids-class
+                # VM, bf16, one thread, interleaved medians of 31: M=512 2048->4096 1061
+                # GFLOP/s for mc 128 kc 256, 932 whole K, ATen (oneDNN on AMX) 783; M=512
+                # 1024->4096 973 vs 888, ATen 857; at M=2048 ATen was ahead: 1001 vs 903)
+                cfgs = [
+                    Config(*kernels.AMX_TILE, 128, kc=256, dp=kernels.AMX),
+                    Config(*kernels.AMX_TILE, 256, kc=256, dp=kernels.AMX),
+                    Config(*kernels.AMX_TILE, 128, dp=kernels.AMX),
+                    *cfgs[:3],
+                ]
+                rate = 1e12
         cfgs = [c for c in cfgs if c.kc < k]
     # problems whose single call is long get fewer candidates (cold-tuning budget)
     est_s = 2.0 * m * n * k / rate
@@ -178,7 +204,7 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     for c in cfgs[:9]:
         params: tuple[tuple[str, int], ...] = (("mr", c.mr), ("nr", c.nr), ("mc", c.mc))
         params += (("pf", c.pf), ("kc", c.kc), ("ks", c.ks), ("nt", c.nt))
-        params += (("dp", 1),) if c.dp else ()
+        params += (("dp", c.dp),) if c.dp else ()
         cands.append(Candidate(c.name, params=params))
     return cands
 
@@ -470,7 +496,8 @@ def _native_runner(
                 otag,
                 isa,
                 [] if cfg.dp else tile,
-                tile if cfg.dp else [],
+                tile if cfg.dp == 1 else [],
+                amx=cfg.dp == kernels.AMX,
             )
         tuned = kernels.launcher(spec, cfg, a.dtype, b.dtype, isa)
         events = lambda: pack_cache.misses  # noqa: E731
@@ -636,13 +663,14 @@ def _choose(
         }
         otag = spec.out or kernels._TAG[a.dtype]
         fp32_tiles = sorted((mr, nr) for mr, nr, dp in tiles if not dp)
-        dp_tiles = sorted((mr, nr) for mr, nr, dp in tiles if dp)
+        dp_tiles = sorted((mr, nr) for mr, nr, dp in tiles if dp == 1)
+        amx = any(dp == kernels.AMX for _, _, dp in tiles)
         # the argument copies (random operands: tens of ms each, up to 16 of them) are made
         # meanwhile, on this process's otherwise idle thread, while the compilers run
         with ThreadPoolExecutor(max_workers=1) as pool:
             # in the caller's context: config overrides (cold_cache_bytes) are context variables
             made = pool.submit(contextvars.copy_context().run, make_args)
-            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles)
+            kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles, amx)
             premade.append(made.result())
         spent = time.perf_counter() - t_start
         budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))

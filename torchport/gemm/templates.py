@@ -756,26 +756,17 @@ DP_TILES: dict[str, tuple[tuple[int, int], ...]] = {
 }
 
 
-def render_source(
-    spec: EpilogueSpec,
-    btag: str,
-    otag: str,
-    isa: str,
-    tiles: tuple[tuple[int, int], ...],
-    dp: bool = False,
-) -> str:
-    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``.
-    ``dp``: the ``vdpbf16ps`` tiles instead (:data:`DP_TILES`, AVX512-BF16 builds only): ``A``
-    bf16 read as k pairs, ``B`` pair-packed ``[ceil(N/NR)][K/2][NR][2]`` (``K`` even), fp32
-    accumulators; the large-M tiles with the same drivers, blocking and epilogue as the fp32
-    tiles (``tp_gemm_{MR}x{NR}``), the small-M ones with :func:`_dp_driver`."""
-    vw = VW[isa]
-    if dp and (isa != "avx512" or btag != "bf16"):
-        raise ValueError(f"vdpbf16ps tiles need isa avx512 and bf16 B, got {isa} and {btag}")
+def _preamble(
+    spec: EpilogueSpec, btag: str, otag: str, isa: str, piecewise_gelu: bool
+) -> list[str]:
+    """Vocabulary, element typedefs, tuning constants and the epilogue functions (``tp_epi_v``,
+    ``tp_epi_s``, ``tp_epi_pf``) every GEMM source starts with; ``piecewise_gelu``: the bf16
+    pair-dot kernels' (``atype_t`` bf16, GELU by the interval tables)."""
     vec, sca = emit_c(spec)
-    parts = [
-        vocabulary(isa, piecewise_gelu=dp, otag=otag),
-        f"typedef {'uint16_t' if dp else 'float'} atype_t;",
+    vw = VW[isa]
+    return [
+        vocabulary(isa, piecewise_gelu=piecewise_gelu, otag=otag),
+        f"typedef {'uint16_t' if piecewise_gelu else 'float'} atype_t;",
         f"typedef {'float' if btag == 'f32' else 'uint16_t'} btype_t;",
         f"typedef {'float' if otag == 'f32' else 'uint16_t'} otype_t;",
         f"#define VWIDTH {vw}\n#define VSTORE_OTAG VSTORE_{otag}\n#define SSTORE_OTAG SSTORE_{otag}",
@@ -797,6 +788,25 @@ def render_source(
         + sca
         + "\n    return s;\n}",
     ]
+
+
+def render_source(
+    spec: EpilogueSpec,
+    btag: str,
+    otag: str,
+    isa: str,
+    tiles: tuple[tuple[int, int], ...],
+    dp: bool = False,
+) -> str:
+    """Body (before :func:`torchport.native.render`) with every tile variant in ``tiles``.
+    ``dp``: the ``vdpbf16ps`` tiles instead (:data:`DP_TILES`, AVX512-BF16 builds only): ``A``
+    bf16 read as k pairs, ``B`` pair-packed ``[ceil(N/NR)][K/2][NR][2]`` (``K`` even), fp32
+    accumulators; the large-M tiles with the same drivers, blocking and epilogue as the fp32
+    tiles (``tp_gemm_{MR}x{NR}``), the small-M ones with :func:`_dp_driver`."""
+    vw = VW[isa]
+    if dp and (isa != "avx512" or btag != "bf16"):
+        raise ValueError(f"vdpbf16ps tiles need isa avx512 and bf16 B, got {isa} and {btag}")
+    parts = _preamble(spec, btag, otag, isa, piecewise_gelu=dp)
     parts.append(_COMMON)
     seen: set[tuple[int, int, bool]] = set()
     for mr, nr in tiles:
@@ -987,3 +997,214 @@ TP_EXPORT int tp_gemm_dpbf16_4x32(otype_t *C, int64_t ldc, const uint16_t *A, in
 }
 #endif
 """
+
+
+# --- bf16 on AMX tiles (Intel AMX-BF16: TDPBF16PS) ---------------------------------------------
+
+# Compiler flags of the AMX library (on top of the avx512 level's): the tile intrinsics
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
+
+# Output block of one AMX step: 2 x 2 tiles of 16 x 16 fp32 (tiles 0-3), two A tiles of 16 rows x
+# 32 bf16 (4, 5), two B tiles of 16 k pairs x 16 columns (6, 7): all eight tile registers
+AMX_MR, AMX_NR = 32, 32
+
+_AMX = r"""
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+   XTILEDATA, once per process; torch's oneDNN asks the same): 1 granted, 0 refused */
+static int tp_amx_ok = -1;
+static int tp_amx_permit(void) {
+    if (tp_amx_ok < 0) tp_amx_ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return tp_amx_ok;
+}
+TP_EXPORT int tp_amx_available(void) { return tp_amx_permit(); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tp_tilecfg_t;
+
+/* Tiles 0-3: the 2 x 2 block of 16 x 16 fp32 sums; 4, 5: A, 16 rows x 32 bf16; 6, 7: B, 16 k
+   pairs x 16 columns (every tile 16 rows of 64 bytes) */
+static void tp_amx_config(void) {
+    tp_tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* The k pairs past the last whole tile (kp % 16 of them) for rows [0, nrow) of the block:
+   vdpbf16ps on the fp32 sums the tiles stored (acc, 32 x 32, row stride 32) */
+static void tp_amx_ktail(float *acc, int nrow, const uint32_t *A, int64_t lda, const uint32_t *bp,
+        int64_t k0, int64_t kp) {
+    for (int r = 0; r < nrow; ++r) {
+        __m512 s0 = _mm512_loadu_ps(acc + r * 32), s1 = _mm512_loadu_ps(acc + r * 32 + 16);
+        for (int64_t k = k0; k < kp; ++k) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)A[r * lda + k]);
+            s0 = _mm512_dpbf16_ps(s0, a, (__m512bh)_mm512_loadu_si512(bp + k * 32));
+            s1 = _mm512_dpbf16_ps(s1, a, (__m512bh)_mm512_loadu_si512(bp + k * 32 + 16));
+        }
+        _mm512_storeu_ps(acc + r * 32, s0);
+        _mm512_storeu_ps(acc + r * 32 + 16, s1);
+    }
+}
+
+/* C[M, N] (row stride ldc) = epilogue(A[M, 2 kp] @ B): A bf16 rows as k-pair words (row stride lda
+   words), Bp pair-packed panels [ceil(N/32)][kp][32] words (pack_b_pairs with nr 32, the layout of
+   AMX's B tile: a tile row is a k pair of 16 columns, 64 bytes, rows 128 bytes apart).
+   First the threads copy A's whole k tiles into W as [ceil(M/16)][kp/16][16 rows][16 words]
+   (rows past M zero), so every A tile is one contiguous kilobyte. Then work chunks, (M block of
+   mc rows, panel) pairs with M blocks outer, are handed out dynamically; a chunk walks its rows
+   32 at a time (16 for the last odd block), each block over whole K in the tiles, stored to an
+   fp32 block, the K tail (kp % 16 pairs) added with vdpbf16ps from A itself, then the epilogue
+   and the one store of C. Returns -1 when the OS refuses AMX (nothing written), 0 when done. */
+TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int64_t lda,
+        const uint32_t *Bp, int64_t M, int64_t N, int64_t kp, int64_t mc, int64_t kc,
+        int64_t pf, const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W) {
+    if (M <= 0 || N <= 0) return 0;
+    if (!tp_amx_permit()) return -1;
+    mc = TP_MAX(32, (mc + 31) / 32 * 32);
+    const int64_t np = (N + 31) / 32, nmb = (M + mc - 1) / mc, kt = kp / 16;
+    const int64_t mb16 = (M + 15) / 16;
+    const int64_t kcb = kc > 0 ? TP_MAX(1, kc / 32) : TP_MAX(1, kt);
+    int64_t nt = TP_MIN(nthreads, np * nmb);
+    if ((double)M * (double)N * (double)kp < 65536.0) nt = 1;
+    /* one M block (weight streaming): runs of panels per chunk, TP_CHUNKS_PER_THREAD per
+       thread, so the B prefetch below runs on into the chunk's next panel; else one panel */
+    const int64_t npc = nmb == 1 && nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD)
+                        : nmb == 1 ? 1 : np;
+    const int64_t nch = npc * nmb;
+    const int64_t pfb = pf * 2048; /* bytes of the panel stream ahead (pf k steps of 2 KB) */
+    int fail = 0;
+    #pragma omp parallel num_threads(nt)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < mb16 * kt; ++t) {
+            const int64_t ib = t / kt, kk = t % kt;
+            uint32_t *dst = W + t * 256;
+            for (int64_t r = 0; r < 16; ++r) {
+                const int64_t row = ib * 16 + r;
+                if (row < M)
+                    _mm512_storeu_si512(dst + r * 16, _mm512_loadu_si512(A + row * lda + kk * 16));
+                else
+                    _mm512_storeu_si512(dst + r * 16, _mm512_setzero_si512());
+            }
+        }
+        /* the chunk's fp32 sums, one 32 x 32 block (row stride 32) per 32 rows */
+        float *acc = (float *)aligned_alloc(64, (size_t)mc * 32 * sizeof(float));
+        int configured = 0;
+        if (!acc) {
+            #pragma omp atomic write
+            fail = 1;
+        }
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t ch = 0; ch < nch; ++ch) {
+            if (!acc) continue;
+            const int64_t i0 = (ch / npc) * mc, i1 = TP_MIN(M, i0 + mc), pc = ch % npc;
+            if (!configured) {
+                tp_amx_config();
+                configured = 1;
+            }
+            for (int64_t jp = np * pc / npc; jp < np * (pc + 1) / npc; ++jp) {
+            const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
+            const uint32_t *bp = Bp + jp * kp * 32;
+            if (kt == 0) memset(acc, 0, (size_t)nb * 1024 * sizeof(float));
+            /* K blocks of kcb tiles: the panel's kcb x 16 k pairs (kcb KB) stay in L1 while every
+               32-row block of the chunk uses them; the sums go through acc between blocks */
+            for (int64_t k0 = 0; k0 < kt; k0 += kcb) {
+                const int64_t k1 = TP_MIN(kt, k0 + kcb);
+                for (int64_t b = 0; b < nb; ++b) {
+                    const int64_t i = i0 + 32 * b;
+                    const int two = i + 16 < i1;
+                    const uint32_t *w0 = W + (i / 16) * kt * 256, *w1 = w0 + kt * 256;
+                    float *blk = acc + b * 1024;
+                    if (k1 == kt) /* the epilogue's operand lines, in flight during the last K block */
+                        for (int64_t r = i; r < TP_MIN(i + 32, i1); ++r) tp_epi_pf(r, j, nr, ep, eld);
+                    if (k0 == 0) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                    } else {
+                        _tile_loadd(0, blk, 128);
+                        _tile_loadd(1, blk + 16, 128);
+                    }
+                    if (two) {
+                        if (k0 == 0) {
+                            _tile_zero(2);
+                            _tile_zero(3);
+                        } else {
+                            _tile_loadd(2, blk + 512, 128);
+                            _tile_loadd(3, blk + 528, 128);
+                        }
+                        for (int64_t kk = k0; kk < k1; ++kk) {
+                            const uint32_t *bk = bp + kk * 16 * 32;
+                            if (pfb) {
+                                const char *q = (const char *)bk + pfb;
+                                for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
+                            }
+                            _tile_loadd(4, w0 + kk * 256, 64);
+                            _tile_loadd(6, bk, 128);
+                            _tile_loadd(7, bk + 16, 128);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_loadd(5, w1 + kk * 256, 64);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                        _tile_stored(2, blk + 512, 128);
+                        _tile_stored(3, blk + 528, 128);
+                    } else {
+                        for (int64_t kk = k0; kk < k1; ++kk) {
+                            const uint32_t *bk = bp + kk * 16 * 32;
+                            if (pfb) {
+                                const char *q = (const char *)bk + pfb;
+                                for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
+                            }
+                            _tile_loadd(4, w0 + kk * 256, 64);
+                            _tile_loadd(6, bk, 128);
+                            _tile_loadd(7, bk + 16, 128);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                    }
+                    _tile_stored(0, blk, 128);
+                    _tile_stored(1, blk + 16, 128);
+                }
+            }
+            for (int64_t b = 0; b < nb; ++b) {
+                const int64_t i = i0 + 32 * b;
+                const int nrow = (int)TP_MIN(32, i1 - i);
+                float *blk = acc + b * 1024;
+                if (kt * 16 < kp) tp_amx_ktail(blk, nrow, A + i * lda, lda, bp, kt * 16, kp);
+                for (int r = 0; r < nrow; ++r) {
+                    otype_t *c = C + (i + r) * ldc + j;
+                    if (nr == 32) {
+                        VSTORE_OTAG(c, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
+                        VSTORE_OTAG(c + 16,
+                            tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
+                    } else {
+                        for (int64_t q = 0; q < nr; ++q)
+                            SSTORE_OTAG(c + q, tp_epi_s(blk[r * 32 + q], i + r, j + q, ep, eld));
+                    }
+                }
+            }
+            }
+        }
+        if (configured) _tile_release();
+        free(acc);
+    }
+    return fail ? -2 : 0;
+}
+"""
+
+
+def render_amx_source(spec: EpilogueSpec, otag: str) -> str:
+    """Body of the AMX-BF16 library (compiled with :data:`AMX_FLAGS` at the avx512 level):
+    ``tp_gemm_amx_32x32`` for this epilogue and output dtype, and ``tp_amx_available``."""
+    return "\n".join([*_preamble(spec, "bf16", otag, "avx512", piecewise_gelu=True), _AMX])

@@ -65,6 +65,15 @@ HEADERS = r"""
 #endif
 #include <avx512bf16intrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <amxtileintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <amxbf16intrin.h>
+#endif
+#if defined(__AMX_INT8__)
+#include <amxint8intrin.h>
+#endif
 #elif defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif

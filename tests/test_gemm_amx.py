@@ -1,0 +1,165 @@
+"""The AMX-BF16 GEMM kernel (``Config.dp`` 2) against the float64 reference: row and column
+remainders around its 16- and 32-row blocks, K tails below one tile, layouts, epilogues, threads;
+its configuration checks and its place among the autotuner's candidates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_gemm_kernels import _assert_close, _make, _operands
+from torchport import config, native
+from torchport.autotune import InvalidCandidate
+from torchport.gemm import kernels
+from torchport.gemm.epilogue import EpilogueSpec
+from torchport.gemm.kernels import AMX, AMX_TILE, Config, run_native
+
+needs_amx = pytest.mark.skipif(
+    not kernels.amx_ready(), reason="needs AMX-BF16 (and the OS's leave)"
+)
+
+# M around the 16-row tiles and 32-row blocks, K below / at / past one 32-wide k tile (odd too),
+# N around the 32-column panels; zero sizes
+SHAPES = [
+    (0, 5, 32),
+    (1, 1, 1),
+    (1, 67, 64),
+    (5, 0, 40),
+    (4, 9, 0),
+    (15, 31, 17),
+    (16, 32, 32),
+    (17, 33, 33),
+    (31, 64, 96),
+    (32, 70, 100),
+    (33, 95, 130),
+    (47, 130, 64),
+    (70, 97, 301),
+    (20, 1000, 96),  # one M block, 32 panels: runs of two panels per chunk with two threads
+]
+
+
+@needs_amx
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("a_layout", ["c", "t", "strided"])
+@pytest.mark.parametrize("b_layout", ["c", "weight_t"])
+@pytest.mark.parametrize(
+    "mc,kc,pf",
+    [(32, 0, 0), (40, 0, 4), (64, 32, 0), (96, 64, 2)],
+    ids=["mc32", "mc40_pf4", "mc64_kc32", "mc96_kc64_pf2"],
+)
+def test_amx_grid(m, n, k, a_layout, b_layout, mc, kc, pf):
+    """Whole and partial blocks, the K tail (kp % 16 pairs on vdpbf16ps; all of K below 32),
+    M blocks (mc rounded up to 32 rows) and K blocks (sums carried between them through the
+    chunk's fp32 buffer), runs of panels per chunk (one M block), the B prefetch, A read in place
+    or copied into pairs, two threads."""
+    a, b = _make(m, n, k, torch.bfloat16, a_layout, b_layout)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = run_native(a, b, EpilogueSpec(), [], Config(*AMX_TILE, mc, pf, kc=kc, dp=AMX))
+    finally:
+        torch.set_num_threads(before)
+    _assert_close(out, a, b, EpilogueSpec(), [])
+
+
+CHAINS = [
+    "bias_col:bf16;gelu;add:bf16",
+    "gelu_tanh;add:bf16;bias_col:bf16",
+    "scale_row:f32;silu",
+    "bias_row:f32;relu;out=f32",
+    "scale_col:f32;out=f32",
+]
+
+
+@needs_amx
+@pytest.mark.parametrize("text", CHAINS)
+@pytest.mark.parametrize("m,n,k", [(45, 75, 64), (3, 40, 70), (96, 64, 32)], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_epilogue_chains(text, m, n, k, threads):
+    """Row and column operands, residuals, activations and fp32 output on the full-width store
+    and on the remainder columns' scalar store."""
+    spec = EpilogueSpec.decode(text)
+    a, b = _make(m, n, k, torch.bfloat16, "c", "weight_t")
+    ops = _operands(spec, m, n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = run_native(a, b, spec, ops, Config(*AMX_TILE, 64, kc=32, dp=AMX))
+    finally:
+        torch.set_num_threads(before)
+    _assert_close(out, a, b, spec, ops)
+
+
+@needs_amx
+def test_amx_exact_sums_bit_for_bit():
+    """Small integers: every product and partial sum is exact in fp32, so the tiles (and the
+    K tail) give exactly the reference's rounding, as the vdpbf16ps tiles do."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-4, 5, (45, 103), generator=g).to(torch.bfloat16)
+    b = torch.randint(-4, 5, (103, 77), generator=g).to(torch.bfloat16)
+    ref = (a.double() @ b.double()).to(torch.bfloat16)
+    out = run_native(a, b, EpilogueSpec(), [], Config(*AMX_TILE, 64, dp=AMX))
+    assert torch.equal(out, ref)
+    dp = run_native(a, b, EpilogueSpec(), [], Config(6, 64, 8, dp=1))
+    assert torch.equal(out, dp)
+
+
+@needs_amx
+def test_amx_non_finite_values_stay_where_they_are():
+    """A NaN or inf in A or B reaches only its own row or column of C (the zero rows that pad
+    the last 16-row tile and the zero pairs that pad B multiply finite values only)."""
+    a, b = _make(20, 40, 40, torch.bfloat16, "c", "weight_t")
+    a, b = a.clone(), b.contiguous().clone()
+    a[3, 5] = float("nan")
+    b[7, 33] = float("inf")
+    out = run_native(a, b, EpilogueSpec.decode("out=f32"), [], Config(*AMX_TILE, 32, dp=AMX))
+    ref = a.double() @ b.double()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.isinf(), ref.isinf())
+    fin = ref.isfinite()
+    torch.testing.assert_close(out.double()[fin], ref[fin], atol=1e-2, rtol=1e-2)
+
+
+def test_amx_config_is_invalid_where_it_does_not_apply():
+    a, b = _make(3, 3, 4, torch.float32, "c", "c")
+    if kernels.amx_ready():
+        with pytest.raises(InvalidCandidate, match="need bf16 operands"):
+            run_native(a, b, EpilogueSpec(), [], Config(*AMX_TILE, 32, dp=AMX))
+        bad_cfgs = (
+            Config(*AMX_TILE, 32, kc=48, dp=AMX),
+            Config(*AMX_TILE, 32, pf=65, dp=AMX),
+            Config(*AMX_TILE, 32, ks=2, dp=AMX),
+        )
+        for bad in bad_cfgs:
+            with pytest.raises(InvalidCandidate, match="kc a multiple of 32"):
+                kernels.check_config(bad, "avx512")
+        with pytest.raises(InvalidCandidate, match="AMX tile 16x32"):
+            kernels.check_config(Config(16, 32, 32, dp=AMX), "avx512")
+    with (
+        config.override(isa="avx2"),
+        pytest.raises(InvalidCandidate, match="AMX tile 32x32 needs AMX-BF16"),
+    ):
+        run_native(a.bfloat16(), b.bfloat16(), EpilogueSpec(), [], Config(*AMX_TILE, 32, dp=AMX))
+
+
+def test_amx_candidates_only_where_amx_runs():
+    from torchport.gemm.mm import candidates
+
+    for m in (16, 512):
+        names = [c.name for c in candidates(m, 4096, 1024, "avx512", 2)]
+        assert len(names) <= 10
+        if kernels.amx_ready():
+            assert names[1].startswith("amx32x32_")
+        else:
+            assert not any(n.startswith("amx") for n in names)
+    for m in (4, 512):  # fp32, and bf16 below 8 rows: none
+        assert not any(c.name.startswith("amx") for c in candidates(m, 4096, 1024, "avx512", 4))
+    assert not any(c.name.startswith("amx") for c in candidates(4, 4096, 1024, "avx512", 2))
+    with config.override(isa="avx2"):
+        assert not any(c.name.startswith("amx") for c in candidates(512, 4096, 1024, "avx2", 2))
+
+
+def test_amx_ready_needs_the_cpu_flags():
+    info = native.cpu_info()
+    if not (info.has_amx and info.has_avx512_bf16):
+        assert not kernels.amx_ready()
