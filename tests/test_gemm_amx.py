@@ -163,3 +163,20 @@ def test_amx_ready_needs_the_cpu_flags():
     info = native.cpu_info()
     if not (info.has_amx and info.has_avx512_bf16):
         assert not kernels.amx_ready()
+
+
+def test_amx_and_pair_dot_tiles_share_one_packing_in_tuning():
+    """The AMX kernel reads the vdpbf16ps tiles' pair packing (32-wide panels): the tuner's
+    rotation packs it once per copy for both, and groups them as one layout."""
+    from torchport.gemm import mm
+
+    cands = [c for c in mm.candidates(8, 4096, 1024, "avx512", 2) if not c.is_anchor]
+    assert all(mm._pack_layout(c)[1] in (0, 1) for c in cands)
+    amx = [c for c in cands if int(c.param("dp", 0)) == AMX]
+    dp = [c for c in cands if int(c.param("dp", 0)) == 1 and int(c.param("nr")) == 32]
+    if amx and dp:
+        assert mm._pack_layout(amx[0]) == mm._pack_layout(dp[0])
+    a, b = _make(8, 96, 64, torch.bfloat16, "c", "weight_t")
+    rot = mm._Rotation([(a, b, [])])
+    first = rot.packed(0, 32, AMX)
+    assert rot.packed(0, 32, 1) is first and rot.packed(0, 32, AMX) is first

@@ -540,6 +540,8 @@ def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Lau
             min(nt, threads) if nt else threads,
             work.data_ptr(),
         )
+        if status == -2:
+            raise MemoryError(f"tp_gemm_amx_32x32: no memory for a thread's sums ({cfg})")
         if status != 0:
             raise RuntimeError(f"tp_gemm_amx_32x32 returned status {status} for {cfg}")
         return c

@@ -241,6 +241,7 @@ class _Rotation:
     def packed(self, idx: int, nr: int, dp: int = 0) -> torch.Tensor:
         """Copy ``idx``'s weight packed for panel width ``nr`` (``dp``: pair-packed for the
         vdpbf16ps tiles, :func:`~torchport.gemm.pack.pack_b_pairs`, in the same buffer)."""
+        dp = int(bool(dp))  # the AMX kernel (dp 2) reads the vdpbf16ps tiles' pair packing
         hit = self.packs.get((idx, nr, dp))
         if hit is None:
             b = self.copies[idx][1]
@@ -273,14 +274,16 @@ def _tuning_order(cands: list[Candidate]) -> list[Candidate]:
     and pairing; stable within one), so a rotation packs each layout's copies once (see
     :class:`_Rotation`)."""
     first: dict[tuple[int, int], int] = {}
-
-    def layout(c: Candidate) -> tuple[int, int]:
-        return int(c.param("nr")), int(c.param("dp", 0))
-
     for c in cands:
         if not c.is_anchor:
-            first.setdefault(layout(c), len(first))
-    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[layout(c)])
+            first.setdefault(_pack_layout(c), len(first))
+    return sorted(cands, key=lambda c: -1 if c.is_anchor else first[_pack_layout(c)])
+
+
+def _pack_layout(c: Candidate) -> tuple[int, int]:
+    """A native candidate's packing of B: (panel width, 1 if pair-packed); the vdpbf16ps tiles
+    (dp 1) and the AMX kernel (dp 2) read the same pair packing."""
+    return int(c.param("nr")), int(bool(int(c.param("dp", 0))))
 
 
 def _tuning_fn(c: Candidate, spec: EpilogueSpec) -> Callable[[_Rotation], torch.Tensor]:
@@ -318,7 +321,7 @@ def _round_fns(
     untimed call), so no call repacks a buffer another layout just filled; a single copy of the
     real operands (whose packs of every width live in the pack cache) is read by all. The round
     as a whole still rotates over every copy."""
-    layouts = list(dict.fromkeys((int(c.param("nr")), int(c.param("dp", 0))) for c in cands))
+    layouts = list(dict.fromkeys(_pack_layout(c) for c in cands))
     isa = native.cpu_info().isa
 
     def one(cfg: Config, lane: int) -> Callable[[_Rotation], torch.Tensor]:
@@ -340,9 +343,7 @@ def _round_fns(
 
         return ours
 
-    return [
-        one(_config(c), layouts.index((int(c.param("nr")), int(c.param("dp", 0))))) for c in cands
-    ]
+    return [one(_config(c), layouts.index(_pack_layout(c))) for c in cands]
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, low: bool = False) -> bool:
@@ -614,7 +615,10 @@ def _choose(
     }
     cands = candidates(mb, n, k, isa, b.element_size())
     if any(c.param("dp", 0) for c in cands):
-        key["tiles"] = "dp"  # choices cached before the vdpbf16ps tiles existed are re-tuned
+        # choices cached before the vdpbf16ps tiles (or, where it runs, the AMX kernel) existed
+        # are re-tuned
+        amx = any(int(c.param("dp", 0)) == kernels.AMX for c in cands)
+        key["tiles"] = "amx" if amx else "dp"
 
     def make_args() -> tuple[Any, ...]:
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -1016,9 +1016,17 @@ _AMX = r"""
    XTILEDATA, once per process; torch's oneDNN asks the same): 1 granted, 0 refused */
 static int tp_amx_ok = -1;
 static int tp_amx_permit(void) {
-    if (tp_amx_ok < 0) tp_amx_ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return tp_amx_ok;
+    int ok = __atomic_load_n(&tp_amx_ok, __ATOMIC_ACQUIRE);
+    if (ok < 0) {
+        ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&tp_amx_ok, ok, __ATOMIC_RELEASE);
+    }
+    return ok;
 }
+/* gcc's tile intrinsics tell the compiler of no memory access (_tile_loadd has no memory operand,
+   _tile_loadconfig an 8-byte one): a compiler barrier before each tile load of memory that C
+   code wrote (the config, the packed A, the sums) keeps those stores ahead of it */
+#define TP_TILE_FENCE() __asm__ volatile("" ::: "memory")
 TP_EXPORT int tp_amx_available(void) { return tp_amx_permit(); }
 
 typedef struct {
@@ -1026,6 +1034,7 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tp_tilecfg_t;
+_Static_assert(sizeof(tp_tilecfg_t) == 64, "the tile configuration is 64 bytes");
 
 /* Tiles 0-3: the 2 x 2 block of 16 x 16 fp32 sums; 4, 5: A, 16 rows x 32 bf16; 6, 7: B, 16 k
    pairs x 16 columns (every tile 16 rows of 64 bytes) */
@@ -1037,6 +1046,7 @@ static void tp_amx_config(void) {
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
+    TP_TILE_FENCE();
     _tile_loadconfig(&c);
 }
 
@@ -1106,12 +1116,13 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
         }
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t ch = 0; ch < nch; ++ch) {
-            if (!acc) continue;
+            if (!acc) continue; /* fail is set: the call reports it */
             const int64_t i0 = (ch / npc) * mc, i1 = TP_MIN(M, i0 + mc), pc = ch % npc;
             if (!configured) {
                 tp_amx_config();
                 configured = 1;
             }
+            TP_TILE_FENCE(); /* W's copy (the omp for's barrier is a call too) */
             for (int64_t jp = np * pc / npc; jp < np * (pc + 1) / npc; ++jp) {
             const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
             const uint32_t *bp = Bp + jp * kp * 32;
@@ -1131,6 +1142,7 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                         _tile_zero(0);
                         _tile_zero(1);
                     } else {
+                        TP_TILE_FENCE();
                         _tile_loadd(0, blk, 128);
                         _tile_loadd(1, blk + 16, 128);
                     }
