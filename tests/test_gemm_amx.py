@@ -4,6 +4,8 @@ its configuration checks and its place among the autotuner's candidates."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -168,7 +170,7 @@ def test_amx_ready_needs_the_cpu_flags():
 def test_amx_and_pair_dot_tiles_share_one_packing_in_tuning():
     """The AMX kernel reads the vdpbf16ps tiles' pair packing (32-wide panels): the tuner's
     rotation packs it once per copy for both, and groups them as one layout."""
-    from torchport.gemm import mm
+    mm = importlib.import_module("torchport.gemm.mm")  # (torchport.gemm.mm is also a function)
 
     cands = [c for c in mm.candidates(8, 4096, 1024, "avx512", 2) if not c.is_anchor]
     assert all(mm._pack_layout(c)[1] in (0, 1) for c in cands)
