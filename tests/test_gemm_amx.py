@@ -182,3 +182,21 @@ def test_amx_and_pair_dot_tiles_share_one_packing_in_tuning():
     rot = mm._Rotation([(a, b, [])])
     first = rot.packed(0, 32, AMX)
     assert rot.packed(0, 32, 1) is first and rot.packed(0, 32, AMX) is first
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [8192, 8200], ids=["aligned_rows", "mixed_rows"])
+@pytest.mark.parametrize("chain", ["", "bias_col:bf16;out=f32"], ids=["bf16", "f32_out"])
+def test_amx_streamed_outputs(n, chain):
+    """Outputs of at least templates.AMX_STREAM_MIN_BYTES go out with non-temporal stores where a
+    row's 32-column line is 64-byte aligned (every row for N = 8192; for N = 8200 bf16 the row
+    stride is 16400 bytes, so rows alternate between the streamed and the ordinary store)."""
+    from torchport.gemm import templates
+
+    spec = EpilogueSpec.decode(chain)
+    m = -(-templates.AMX_STREAM_MIN_BYTES // (n * (4 if spec.out else 2))) + 3
+    a, b = _make(m, n, 40, torch.bfloat16, "c", "weight_t")
+    ops = _operands(spec, m, n)
+    out = run_native(a, b, spec, ops, Config(*AMX_TILE, 128, dp=AMX))
+    assert out.numel() * out.element_size() >= templates.AMX_STREAM_MIN_BYTES
+    _assert_close(out, a, b, spec, ops)

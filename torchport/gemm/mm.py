@@ -181,13 +181,17 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
             rate = 2.5e11
             if amx:
                 # K blocks of 256 (the panel's 16 KB slice stays in L1 while the chunk's 32-row
-                # blocks use it), M blocks of 128 or 256 rows (measured Sapphire-Rapids-class
-                # VM, bf16, one thread, interleaved medians of 31: M=512 2048->4096 1061
-                # GFLOP/s for mc 128 kc 256, 932 whole K, ATen (oneDNN on AMX) 783; M=512
-                # 1024->4096 973 vs 888, ATen 857; at M=2048 ATen was ahead: 1001 vs 903)
+                # blocks use it); M blocks as large as keep the block of A (mc x K bf16) within
+                # about 2 MB, since every M block streams all of B again and this machine's
+                # memory feeds a core ~12 GB/s against AMX's ~3 TFLOP/s (measured two threads,
+                # bf16, interleaved medians of 15, GFLOP/s for mc 512 / 256 / 128, kc 256, and
+                # ATen (oneDNN on AMX): M=2048 1024->4096 2153 / 2060 / 1882, ATen 2508; M=512
+                # 768->3072 2313 / 1948 / 1717, ATen 2204; M=512 4096->11008 1368 / 1667 /
+                # 1599, ATen 1809)
+                fit = max(64, min(512, (2 << 20) // (2 * k) // 32 * 32))
                 cfgs = [
-                    Config(*kernels.AMX_TILE, 128, kc=256, dp=kernels.AMX),
-                    Config(*kernels.AMX_TILE, 256, kc=256, dp=kernels.AMX),
+                    Config(*kernels.AMX_TILE, fit, kc=256, dp=kernels.AMX),
+                    Config(*kernels.AMX_TILE, max(64, fit // 2), kc=256, dp=kernels.AMX),
                     Config(*kernels.AMX_TILE, 128, dp=kernels.AMX),
                     *cfgs[:3],
                 ]
