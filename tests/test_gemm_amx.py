@@ -200,3 +200,24 @@ def test_amx_streamed_outputs(n, chain):
     out = run_native(a, b, spec, ops, Config(*AMX_TILE, 128, dp=AMX))
     assert out.numel() * out.element_size() >= templates.AMX_STREAM_MIN_BYTES
     _assert_close(out, a, b, spec, ops)
+
+
+@needs_amx
+@pytest.mark.parametrize("mc,kc,pf", [(96, 64, 0), (64, 0, 0), (32, 0, 4), (128, 32, 0)], ids=str)
+@pytest.mark.parametrize("m,n,k", [(100, 130, 200), (33, 300, 64), (64, 97, 31)], ids=str)
+def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
+    """A block's epilogue runs spread over the next block's K loop (the next row block, or the
+    next panel's first block, whose sums go to the other half of the buffer), the last one at
+    the end of the chunk; with K blocks, several row blocks and a K tail, every row's residual
+    and bias land on their own outputs."""
+    spec = EpilogueSpec.decode("bias_col:bf16;gelu;add:bf16;scale_row:f32")
+    a, b = _make(m, n, k, torch.bfloat16, "c", "weight_t")
+    ops = _operands(spec, m, n)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = run_native(a, b, spec, ops, Config(*AMX_TILE, mc, pf, kc=kc, dp=AMX))
+            _assert_close(out, a, b, spec, ops)
+    finally:
+        torch.set_num_threads(before)

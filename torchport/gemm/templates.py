@@ -1072,6 +1072,38 @@ static void tp_amx_ktail(float *acc, int nrow, const uint32_t *A, int64_t lda, c
     }
 }
 
+/* A finished 32 x 32 block of sums whose epilogue and store are still due: rows [done, rows) */
+typedef struct {
+    const float *blk;
+    int64_t i, j, nr;
+    int rows, done;
+} tp_amx_pend_t;
+
+/* Applies the epilogue to rows [p->done, upto) of the pending block and stores them to C
+   (whole aligned 64-byte lines with non-temporal stores when stream) */
+TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t ldc, int stream,
+        const void *const *ep, const int64_t *eld) {
+    const float *blk = p->blk;
+    const int64_t i = p->i, j = p->j, nr = p->nr;
+    for (int r = p->done; r < upto; ++r) {
+        otype_t *c = C + (i + r) * ldc + j;
+        if (nr == 32 && stream && ((uintptr_t)c & 63) == 0) {
+            otype_t line[32] __attribute__((aligned(64)));
+            VSTORE_OTAG(line, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
+            VSTORE_OTAG(line + 16, tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
+            for (size_t q = 0; q < sizeof line; q += 64)
+                _mm512_stream_si512((__m512i *)((char *)c + q), _mm512_load_si512((const char *)line + q));
+        } else if (nr == 32) {
+            VSTORE_OTAG(c, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
+            VSTORE_OTAG(c + 16, tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
+        } else {
+            for (int64_t q = 0; q < nr; ++q)
+                SSTORE_OTAG(c + q, tp_epi_s(blk[r * 32 + q], i + r, j + q, ep, eld));
+        }
+    }
+    if (upto > p->done) p->done = upto;
+}
+
 /* C[M, N] (row stride ldc) = epilogue(A[M, 2 kp] @ B): A bf16 rows as k-pair words (row stride lda
    words), Bp pair-packed panels [ceil(N/32)][kp][32] words (pack_b_pairs with nr 32, the layout of
    AMX's B tile: a tile row is a k pair of 16 columns, 64 bytes, rows 128 bytes apart).
@@ -1116,9 +1148,12 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     _mm512_storeu_si512(dst + r * 16, _mm512_setzero_si512());
             }
         }
-        /* the chunk's fp32 sums, one 32 x 32 block (row stride 32) per 32 rows */
-        float *acc = (float *)aligned_alloc(64, (size_t)mc * 32 * sizeof(float));
+        /* the fp32 sums, one 32 x 32 block (row stride 32) per 32 rows of the chunk, in two
+           halves used by alternate panels (a block whose epilogue is pending stays intact while
+           the next panel's blocks fill the other half) */
+        float *acc = (float *)aligned_alloc(64, (size_t)mc * 64 * sizeof(float));
         int configured = 0;
+        tp_amx_pend_t pend = {0, 0, 0, 0, 0, 0};
         if (!acc) {
             #pragma omp atomic write
             fail = 1;
@@ -1135,16 +1170,31 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
             for (int64_t jp = np * pc / npc; jp < np * (pc + 1) / npc; ++jp) {
             const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
             const uint32_t *bp = Bp + jp * kp * 32;
-            if (kt == 0) memset(acc, 0, (size_t)nb * 1024 * sizeof(float));
+            float *const half = acc + (jp & 1) * mc * 32;
+            if (kt == 0) { /* no whole k tile: the K tail alone */
+                memset(half, 0, (size_t)nb * 1024 * sizeof(float));
+                for (int64_t b = 0; b < nb; ++b) {
+                    const int64_t i = i0 + 32 * b;
+                    const int nrow = (int)TP_MIN(32, i1 - i);
+                    tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
+                    tp_amx_ktail(half + b * 1024, nrow, A + i * lda, lda, bp, 0, kp);
+                    pend = (tp_amx_pend_t){half + b * 1024, i, j, nr, nrow, 0};
+                }
+                continue;
+            }
             /* K blocks of kcb tiles: the panel's kcb x 16 k pairs (kcb KB) stay in L1 while every
-               32-row block of the chunk uses them; the sums go through acc between blocks */
+               32-row block of the chunk uses them; the sums go through acc between blocks. The
+               epilogue of a block runs spread over the next block's K loop (a few rows per k
+               step): vector work beside the tile unit's, which has its own pipes */
             for (int64_t k0 = 0; k0 < kt; k0 += kcb) {
                 const int64_t k1 = TP_MIN(kt, k0 + kcb);
                 for (int64_t b = 0; b < nb; ++b) {
                     const int64_t i = i0 + 32 * b;
                     const int two = i + 16 < i1;
                     const uint32_t *w0 = W + (i / 16) * kt * 256, *w1 = w0 + kt * 256;
-                    float *blk = acc + b * 1024;
+                    float *blk = half + b * 1024;
+                    const int per = pend.done < pend.rows
+                        ? (int)((pend.rows - pend.done + (k1 - k0) - 1) / (k1 - k0)) : 0;
                     if (k1 == kt) /* the epilogue's operand lines, in flight during the last K block */
                         for (int64_t r = i; r < TP_MIN(i + 32, i1); ++r) tp_epi_pf(r, j, nr, ep, eld);
                     if (k0 == 0) {
@@ -1177,6 +1227,8 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                             _tile_loadd(5, w1 + kk * 256, 64);
                             _tile_dpbf16ps(2, 5, 6);
                             _tile_dpbf16ps(3, 5, 7);
+                            if (per) tp_amx_store_rows(&pend, TP_MIN(pend.rows, pend.done + per),
+                                C, ldc, stream, ep, eld);
                         }
                         _tile_stored(2, blk + 512, 128);
                         _tile_stored(3, blk + 528, 128);
@@ -1192,38 +1244,22 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                             _tile_loadd(7, bk + 16, 128);
                             _tile_dpbf16ps(0, 4, 6);
                             _tile_dpbf16ps(1, 4, 7);
+                            if (per) tp_amx_store_rows(&pend, TP_MIN(pend.rows, pend.done + per),
+                                C, ldc, stream, ep, eld);
                         }
                     }
                     _tile_stored(0, blk, 128);
                     _tile_stored(1, blk + 16, 128);
-                }
-            }
-            for (int64_t b = 0; b < nb; ++b) {
-                const int64_t i = i0 + 32 * b;
-                const int nrow = (int)TP_MIN(32, i1 - i);
-                float *blk = acc + b * 1024;
-                if (kt * 16 < kp) tp_amx_ktail(blk, nrow, A + i * lda, lda, bp, kt * 16, kp);
-                for (int r = 0; r < nrow; ++r) {
-                    otype_t *c = C + (i + r) * ldc + j;
-                    if (nr == 32 && stream && ((uintptr_t)c & 63) == 0) {
-                        otype_t line[32] __attribute__((aligned(64)));
-                        VSTORE_OTAG(line, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
-                        VSTORE_OTAG(line + 16,
-                            tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
-                        for (size_t q = 0; q < sizeof line; q += 64)
-                            _mm512_stream_si512((__m512i *)((char *)c + q),
-                                _mm512_load_si512((const char *)line + q));
-                    } else if (nr == 32) {
-                        VSTORE_OTAG(c, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
-                        VSTORE_OTAG(c + 16,
-                            tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
-                    } else {
-                        for (int64_t q = 0; q < nr; ++q)
-                            SSTORE_OTAG(c + q, tp_epi_s(blk[r * 32 + q], i + r, j + q, ep, eld));
+                    if (k1 == kt) { /* the block is complete: its epilogue is the next pending */
+                        const int nrow = (int)TP_MIN(32, i1 - i);
+                        tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
+                        if (kt * 16 < kp) tp_amx_ktail(blk, nrow, A + i * lda, lda, bp, kt * 16, kp);
+                        pend = (tp_amx_pend_t){blk, i, j, nr, nrow, 0};
                     }
                 }
             }
             }
+            tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
         }
         if (configured) _tile_release();
         if (stream) _mm_sfence(); /* the streamed lines ordered before the region's barrier */
