@@ -133,7 +133,7 @@ def cell(
     with torch.no_grad():
         ours(*args)
         tune_s = time.perf_counter() - t0
-        # pack every copy's weights once and let small-M runners learn their launches
+        # pack every copy's weights (settle: twice each) and let small-M runners learn their launches
         # (ThreadAdaptive's round robin), outside the timing
         settle(ours, sets)
         fns: dict[str, Callable[..., Any]] = {"eager": eager_fn(kind), "ours": ours}
@@ -172,13 +172,18 @@ def cell(
 SETTLE_CALLS = 12  # > the adaptive runner's learning round (3 launches x 3 calls)
 
 
+def settle_calls(sets: list[tuple[Any, ...]]) -> int:
+    """How many calls :func:`settle` makes over ``sets``."""
+    return max(2 * len(sets), SETTLE_CALLS)
+
+
 def settle(fn: Callable[..., Any], sets: list[tuple[Any, ...]]) -> None:
     """Untimed calls of ``fn``: every argument set twice, at least :data:`SETTLE_CALLS`. Twice:
     the pack cache keeps a plain tensor's packing from its second sighting (a Parameter's from
     its first), and the rotated copies are plain clones, so after one pass every timed call of
     the first pass repacked its copy (2-12 ms for a 1024x4096 bf16 weight into fresh huge pages
     on the twenty-eighth session's VM, against 0.3-0.5 ms for the GEMM)."""
-    for i in range(max(2 * len(sets), SETTLE_CALLS)):
+    for i in range(settle_calls(sets)):
         fn(*sets[i % len(sets)])
 
 
@@ -217,7 +222,7 @@ def epilogue_overhead(
         if budget_s > 0:
             t0 = time.perf_counter()
             settle(bare, with_res)
-            per_call = (time.perf_counter() - t0) / max(len(with_res), SETTLE_CALLS)
+            per_call = (time.perf_counter() - t0) / settle_calls(with_res)
             reps = max(reps, min(MAX_EPILOGUE_REPS, int(budget_s / (len(fns) * per_call))))
         t = compare(fns, with_res, reps=reps)
     table.add(name + " +bias,gelu,res", "ours, no epilogue", t["bare"], t["fused"], flops)

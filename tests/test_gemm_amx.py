@@ -14,7 +14,7 @@ from torchport import config, native
 from torchport.autotune import InvalidCandidate
 from torchport.gemm import kernels
 from torchport.gemm.epilogue import EpilogueSpec
-from torchport.gemm.kernels import AMX, AMX_TILE, Config, run_native
+from torchport.gemm.kernels import AMX, AMX_TILE, Config, mm_reference, run_native
 
 needs_amx = pytest.mark.skipif(
     not kernels.amx_ready(), reason="needs AMX-BF16 (and the OS's leave)"
@@ -189,8 +189,8 @@ def test_amx_and_pair_dot_tiles_share_one_packing_in_tuning():
 @pytest.mark.parametrize("chain", ["", "bias_col:bf16;out=f32"], ids=["bf16", "f32_out"])
 def test_amx_streamed_outputs(n, chain):
     """Outputs of at least templates.AMX_STREAM_MIN_BYTES go out with non-temporal stores where a
-    row's 32-column line is 64-byte aligned (every row for N = 8192; for N = 8200 bf16 the row
-    stride is 16400 bytes, so rows alternate between the streamed and the ordinary store)."""
+    row's 32-column line is 64-byte aligned (every row for N = 8192; for N = 8200 the row stride
+    is 16400 bytes in bf16, so every fourth row is streamed, 32800 in fp32, every other row)."""
     from torchport.gemm import templates
 
     spec = EpilogueSpec.decode(chain)
@@ -213,11 +213,25 @@ def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
     spec = EpilogueSpec.decode("bias_col:bf16;gelu;add:bf16;scale_row:f32")
     a, b = _make(m, n, k, torch.bfloat16, "c", "weight_t")
     ops = _operands(spec, m, n)
+    # and exactly: small integers (exact sums), distinct integer bias and residual per column and
+    # row, power-of-two row scales, ReLU (exact) in place of GELU: a residual, bias or scale
+    # landing on another row or column is an error of at least 1 where the output is exact
+    g = torch.Generator().manual_seed(m + n + k)
+    ai = torch.randint(-3, 4, (m, k), generator=g).to(torch.bfloat16)
+    bi = torch.randint(-3, 4, (k, n), generator=g).to(torch.bfloat16)
+    exact = EpilogueSpec.decode("bias_col:bf16;relu;add:f32;scale_row:f32;out=f32")
+    ex_ops = [
+        torch.arange(n, dtype=torch.float32).remainder(7).to(torch.bfloat16),
+        torch.arange(m * n, dtype=torch.float32).reshape(m, n).remainder(97),
+        torch.pow(2.0, torch.arange(m).remainder(5).float() - 2),
+    ]
+    want = mm_reference(ai, bi, exact, ex_ops)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            out = run_native(a, b, spec, ops, Config(*AMX_TILE, mc, pf, kc=kc, dp=AMX))
-            _assert_close(out, a, b, spec, ops)
+            cfg = Config(*AMX_TILE, mc, pf, kc=kc, dp=AMX)
+            _assert_close(run_native(a, b, spec, ops, cfg), a, b, spec, ops)
+            assert torch.equal(run_native(ai, bi, exact, ex_ops, cfg), want)
     finally:
         torch.set_num_threads(before)

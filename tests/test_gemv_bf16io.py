@@ -106,14 +106,19 @@ def test_bf16io_entry_rejects_what_the_float_entry_rejects() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "f32"])
-def test_settled_route_with_bf16_activations_takes_the_bf16_entry(fmt: str) -> None:
+def test_settled_route_with_bf16_activations_takes_the_bf16_entry(
+    fmt: str, fresh_cache: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 activations on a native plan of any family: the settled route calls the kernel's bf16
     entry (where torch's cast agrees on NaN) and returns the bits of the first, general call
     (float32 kernel call, then a cast); a non-contiguous activation is served the same."""
     g = torch.Generator().manual_seed(len(fmt))
     w = torch.randn(700, 640, generator=g) * 0.1
     x = torch.randn(1, 640, generator=g).bfloat16()
-    with config.override(max_autotune_gemm_backends="NATIVE"):  # a native plan (f32: ATen can win)
+    # a native plan (f32: ATen can win), tuned into this test's own choice cache and plan memo
+    # (neither key holds the allowed backends)
+    monkeypatch.setattr(gops, "_PLANS", {})
+    with config.override(max_autotune_gemm_backends="NATIVE"):
         pw = pack(fmt, w)
         first = gops.gemv_packed(x, pw)
     assert first.dtype == torch.bfloat16 and bool(first.isfinite().all())

@@ -1108,11 +1108,15 @@ TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t
    words), Bp pair-packed panels [ceil(N/32)][kp][32] words (pack_b_pairs with nr 32, the layout of
    AMX's B tile: a tile row is a k pair of 16 columns, 64 bytes, rows 128 bytes apart).
    First the threads copy A's whole k tiles into W as [ceil(M/16)][kp/16][16 rows][16 words]
-   (rows past M zero), so every A tile is one contiguous kilobyte. Then work chunks, (M block of
-   mc rows, panel) pairs with M blocks outer, are handed out dynamically; a chunk walks its rows
-   32 at a time (16 for the last odd block), each block over whole K in the tiles, stored to an
-   fp32 block, the K tail (kp % 16 pairs) added with vdpbf16ps from A itself, then the epilogue
-   and the one store of C. Returns -1 when the OS refuses AMX (nothing written), 0 when done. */
+   (rows past M zero), so every A tile is one contiguous kilobyte. Then work chunks are handed
+   out dynamically: (M block of mc rows, panel) pairs with M blocks outer, or with one M block
+   runs of panels. For each panel a chunk takes K blocks of kc (outer) and its 32-row blocks
+   (inner; 16 rows for the last odd one), the sums carried between K blocks in an fp32 buffer
+   (two halves, alternate panels). A block finished by its last K block gets the K tail
+   (kp % 16 pairs, vdpbf16ps from A itself) and becomes pending: its epilogue and its one store
+   of C run a few rows per k step of the next block's K loop (the last one at the chunk's end).
+   Returns -1 when the OS refuses AMX (nothing written), -2 when a thread's buffer could not be
+   allocated, 0 when done. */
 TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int64_t lda,
         const uint32_t *Bp, int64_t M, int64_t N, int64_t kp, int64_t mc, int64_t kc,
         int64_t pf, const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W) {
@@ -1182,7 +1186,7 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                 }
                 continue;
             }
-            /* K blocks of kcb tiles: the panel's kcb x 16 k pairs (kcb KB) stay in L1 while every
+            /* K blocks of kcb tiles: the panel's kcb x 16 k pairs (2 kcb KB) stay in L1 while every
                32-row block of the chunk uses them; the sums go through acc between blocks. The
                epilogue of a block runs spread over the next block's K loop (a few rows per k
                step): vector work beside the tile unit's, which has its own pipes */
