@@ -1217,40 +1217,30 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                             _tile_loadd(2, blk + 512, 128);
                             _tile_loadd(3, blk + 528, 128);
                         }
-                        for (int64_t kk = k0; kk < k1; ++kk) {
-                            const uint32_t *bk = bp + kk * 16 * 32;
-                            if (pfb) {
-                                const char *q = (const char *)bk + pfb;
-                                for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
-                            }
-                            _tile_loadd(4, w0 + kk * 256, 64);
-                            _tile_loadd(6, bk, 128);
-                            _tile_loadd(7, bk + 16, 128);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
+                    }
+                    for (int64_t kk = k0; kk < k1; ++kk) {
+                        const uint32_t *bk = bp + kk * 16 * 32;
+                        if (pfb) {
+                            const char *q = (const char *)bk + pfb;
+                            for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
+                        }
+                        _tile_loadd(4, w0 + kk * 256, 64);
+                        _tile_loadd(6, bk, 128);
+                        _tile_loadd(7, bk + 16, 128);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (two) { /* (the same every k step: predicted) */
                             _tile_loadd(5, w1 + kk * 256, 64);
                             _tile_dpbf16ps(2, 5, 6);
                             _tile_dpbf16ps(3, 5, 7);
-                            if (per) tp_amx_store_rows(&pend, TP_MIN(pend.rows, pend.done + per),
-                                C, ldc, stream, ep, eld);
                         }
+                        if (per)
+                            tp_amx_store_rows(&pend, TP_MIN(pend.rows, pend.done + per), C, ldc,
+                                stream, ep, eld);
+                    }
+                    if (two) {
                         _tile_stored(2, blk + 512, 128);
                         _tile_stored(3, blk + 528, 128);
-                    } else {
-                        for (int64_t kk = k0; kk < k1; ++kk) {
-                            const uint32_t *bk = bp + kk * 16 * 32;
-                            if (pfb) {
-                                const char *q = (const char *)bk + pfb;
-                                for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
-                            }
-                            _tile_loadd(4, w0 + kk * 256, 64);
-                            _tile_loadd(6, bk, 128);
-                            _tile_loadd(7, bk + 16, 128);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            if (per) tp_amx_store_rows(&pend, TP_MIN(pend.rows, pend.done + per),
-                                C, ldc, stream, ep, eld);
-                        }
                     }
                     _tile_stored(0, blk, 128);
                     _tile_stored(1, blk + 16, 128);
