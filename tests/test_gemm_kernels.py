@@ -658,9 +658,10 @@ def test_large_m_bf16_candidates_put_the_dp_tiles_first():
     from torchport.gemm.mm import candidates
 
     names = [c.name for c in candidates(512, 4096, 1024, "avx512", 2)]
-    if native.cpu_info().has_avx512_bf16:  # after the AMX kernel's, where it runs
-        first_dp = 4 if kernels.amx_ready() else 1
-        assert names[first_dp].startswith("dp6x64") and len(names) <= 10
+    if kernels.amx_ready():  # the AMX kernel's instead (tests/test_gemm_amx.py)
+        assert names[1].startswith("amx") and not any(n.startswith("dp") for n in names)
+    elif native.cpu_info().has_avx512_bf16:
+        assert names[1].startswith("dp6x64") and len(names) <= 10
     with config.override(isa="avx2"):
         names = [c.name for c in candidates(512, 4096, 1024, "avx2", 2)]
         assert not any(n.startswith("dp") for n in names)
