@@ -235,3 +235,26 @@ def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
             assert torch.equal(run_native(ai, bi, exact, ex_ops, cfg), want)
     finally:
         torch.set_num_threads(before)
+
+
+def test_amx_large_m_candidates_for_any_k():
+    """K = 0 (no division by it), K <= 256 (the M-block candidates without K blocks rather than
+    dropped) and K >= 16384 (no candidate twice) on the large-M list."""
+    mm = importlib.import_module("torchport.gemm.mm")
+    for k in (0, 1, 100, 256, 257, 768, 16384, 65536):
+        cands = mm.candidates(64, 48, k, "avx512", 2)
+        names = [c.name for c in cands]
+        assert len(names) == len(set(names)) and len(names) <= 10
+        amx = [c for c in cands if int(c.param("dp", 0)) == AMX]
+        if kernels.amx_ready() and k > 0:
+            assert len(amx) >= 2, (k, names)
+            assert all(int(c.param("kc")) < max(k, 2) for c in amx)
+
+
+@needs_amx
+def test_amx_zero_k_through_the_api():
+    import torchport.gemm as G
+
+    a, b = torch.zeros(64, 0, dtype=torch.bfloat16), torch.zeros(0, 48, dtype=torch.bfloat16)
+    out = G.mm(a, b, bias=torch.ones(48, dtype=torch.bfloat16))
+    assert torch.equal(out, torch.ones(64, 48, dtype=torch.bfloat16))

@@ -188,13 +188,18 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
                 # ATen (oneDNN on AMX): M=2048 1024->4096 2153 / 2060 / 1882, ATen 2508; M=512
                 # 768->3072 2313 / 1948 / 1717, ATen 2204; M=512 4096->11008 1368 / 1667 /
                 # 1599, ATen 1809)
-                fit = max(64, min(512, (2 << 20) // (2 * k) // 32 * 32))
-                cfgs = [
-                    Config(*kernels.AMX_TILE, fit, kc=256, dp=kernels.AMX),
-                    Config(*kernels.AMX_TILE, max(64, fit // 2), kc=256, dp=kernels.AMX),
-                    Config(*kernels.AMX_TILE, 128, dp=kernels.AMX),
-                ]
-                # no vdpbf16ps tiles beside them: 5-6x slower than AMX and ATen there (tuning
+                fit = max(64, min(512, (2 << 20) // (2 * max(k, 1)) // 32 * 32))
+                kb = 256 if k > 256 else 0  # (one K block would be the whole K anyway)
+                cfgs = list(
+                    dict.fromkeys(  # (distinct: fit and fit / 2 are both 64 from K = 16384 up)
+                        [
+                            Config(*kernels.AMX_TILE, fit, kc=kb, dp=kernels.AMX),
+                            Config(*kernels.AMX_TILE, max(64, fit // 2), kc=kb, dp=kernels.AMX),
+                            Config(*kernels.AMX_TILE, 128, dp=kernels.AMX),
+                        ]
+                    )
+                )
+                # no vdpbf16ps tiles beside them: 4-6x slower than AMX and ATen there (tuning
                 # of M=2048 768->3072: 44-46 ms per call against 7-11 ms), they took timing
                 # budget from the two that decide
                 rate = 1e12
