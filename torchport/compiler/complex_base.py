@@ -45,11 +45,21 @@ def _node_val(n: object) -> Any:
     return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
 
 
+def same_traced_shape(v: object, val: object) -> bool:
+    """True when ``v`` and ``val`` are tensors whose shapes are statically known equal (a
+    symbolic size counts only where the shape environment proves it)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor):
+        return False
+    if v.dim() != val.dim():
+        return False
+    return all(statically_known_true(d == w) for d, w in zip(v.shape, val.shape))
+
+
 def operands_have_its_shape(n: fx.Node) -> bool:
     """True when every graph operand of ``n`` has ``n``'s traced shape (statically): no operand
     is broadcast, so parts taken from one operand have the result's shape."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     val = _node_val(n)
     if not isinstance(val, torch.Tensor):
         return False
@@ -61,10 +71,7 @@ def operands_have_its_shape(n: fx.Node) -> bool:
             return False
         if not isinstance(v, torch.Tensor):
             continue  # a SymInt alpha or size
-        if v.dim() != val.dim():
-            return False
-        s = v.shape
-        if not all(statically_known_true(d == w) for d, w in zip(s, val.shape)):
+        if not same_traced_shape(v, val):
             return False
     return True
 

@@ -37,6 +37,7 @@ from torchport.compiler.complex_base import (
     c_sub,
     operands_have_its_shape,
     registrar,
+    same_traced_shape,
     zero_im,
 )
 
@@ -481,16 +482,7 @@ def _part_has_its_shape(n: fx.Node, parts: list[Any]) -> bool:
     tensors = [i for i, x in enumerate(parts) if isinstance(x, fx.Node)]
     if len(tensors) != 1:
         return len(tensors) == 2
-    val, tv = _node_val(n), _node_val(n.args[tensors[0]])
-    if (
-        not isinstance(val, torch.Tensor)
-        or not isinstance(tv, torch.Tensor)
-        or tv.dim() != val.dim()
-    ):
-        return False
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return all(statically_known_true(d == w) for d, w in zip(tv.shape, val.shape))
+    return same_traced_shape(_node_val(n.args[tensors[0]]), _node_val(n))
 
 
 @_rule(*_packets("add"))
