@@ -482,14 +482,16 @@ PAIR_MIN_B = 4
 
 
 def _float_kernel_source() -> str:
-    """The float kernel's source (:data:`torchport.gemv.kernels._SOURCE`) with its entry renamed
-    ``tp_gemv_float``, a static function the pair-dot entry hands float32 activations to."""
+    """The float kernel's source (:data:`torchport.gemv.kernels._SOURCE`, after the decode
+    tables it reads, ``DECODE_C``) with its entry renamed ``tp_gemv_float``, a static function
+    the pair-dot entry hands float32 activations to."""
     from torchport.gemv.kernels import _SOURCE as FLOAT_SOURCE
+    from torchport.gemv.kernels import DECODE_C
 
     entry = "TP_EXPORT int tp_gemv("
     if FLOAT_SOURCE.count(entry) != 1:
         raise RuntimeError("the float GEMV source must define its tp_gemv entry exactly once")
-    return FLOAT_SOURCE.replace(entry, "static int tp_gemv_float(")
+    return DECODE_C + FLOAT_SOURCE.replace(entry, "static int tp_gemv_float(")
 
 
 def _e4m3_bf16_bytes() -> tuple[str, str]:

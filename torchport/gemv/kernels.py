@@ -207,15 +207,20 @@ def _e8m0_table() -> str:
     return ", ".join([f"{v.hex()}f" for v in vals] + ["NAN"])
 
 
-_SOURCE = r"""
+# The scale and FP8 decode tables and helpers the float and the int8-activation kernels share
+# (placed ahead of either source; parameters e4m3_table and e8m0_table)
+DECODE_C = r"""
 static const float TP_E4M3F[256] = { ${e4m3_table} };
 static const float TP_E8M0F[256] = { ${e8m0_table} };
-static const float TP_E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-
 TP_INLINE float tp_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 /* 2^(e - 127), 0xFF NaN: one load, where the shift and the test for e = 0 were three operations
    and read 0xFF as infinity */
 TP_INLINE float tp_e8m0f(uint8_t e) { return TP_E8M0F[e]; }
+"""
+
+_SOURCE = r"""
+static const float TP_E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
 /* E5M2 is the top byte of an IEEE half: exponent 31 is infinity (m = 0) or NaN, as in float32 */
 TP_INLINE float tp_e5m2f(uint8_t b) {
     uint32_t e = (b >> 2) & 31u, m = b & 3u;
@@ -607,7 +612,7 @@ def gemv_kernel(
     if xblock is not None and xblock < 0:
         raise ValueError(f"gemv xblock must be >= 0 bytes, got {xblock!r}")
     src = native.render(
-        SCHED_C + _SOURCE + BF16IO_C,
+        SCHED_C + DECODE_C + _SOURCE + BF16IO_C,
         e4m3_table=_e4m3_table(),
         e8m0_table=_e8m0_table(),
         fmt=fmt,
@@ -668,13 +673,7 @@ class GemvKernel(Kernel):
 
 _I8_SOURCE = r"""
 #include <stdlib.h>
-static const float TP_E4M3F[256] = { ${e4m3_table} };
-static const float TP_E8M0F[256] = { ${e8m0_table} };
 #define FMT_${fmt} 1
-TP_INLINE float tp_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-/* 2^(e - 127), 0xFF NaN: one load, where the shift and the test for e = 0 were three operations
-   and read 0xFF as infinity */
-TP_INLINE float tp_e8m0f(uint8_t e) { return TP_E8M0F[e]; }
 
 /* Activations: per 32-element group g, xs = amax / 127 and xq = round_half_even(x / xs). */
 static void tp_quant_x(const float *x, int64_t n, int8_t *xq, float *xs) {
@@ -872,7 +871,7 @@ def gemv_i8_kernel(
     if fmt not in I8_FORMATS:
         raise ValueError(f"int8-activation gemv format must be one of {I8_FORMATS}, got {fmt!r}")
     src = native.render(
-        SCHED_C + _I8_SOURCE + BF16IO_C,
+        SCHED_C + DECODE_C + _I8_SOURCE + BF16IO_C,
         e4m3_table=_e4m3_table(),
         e8m0_table=_e8m0_table(),
         fmt=fmt,
