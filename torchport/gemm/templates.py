@@ -1087,15 +1087,14 @@ TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t
     const int64_t i = p->i, j = p->j, nr = p->nr;
     for (int r = p->done; r < upto; ++r) {
         otype_t *c = C + (i + r) * ldc + j;
-        if (nr == 32 && stream && ((uintptr_t)c & 63) == 0) {
+        if (nr == 32) { /* the row's line(s) through a buffer where they are streamed */
             otype_t line[32] __attribute__((aligned(64)));
-            VSTORE_OTAG(line, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
-            VSTORE_OTAG(line + 16, tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
-            for (size_t q = 0; q < sizeof line; q += 64)
+            const int nt = stream && ((uintptr_t)c & 63) == 0;
+            otype_t *dst = nt ? line : c;
+            VSTORE_OTAG(dst, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
+            VSTORE_OTAG(dst + 16, tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
+            for (size_t q = 0; nt && q < sizeof line; q += 64)
                 _mm512_stream_si512((__m512i *)((char *)c + q), _mm512_load_si512((const char *)line + q));
-        } else if (nr == 32) {
-            VSTORE_OTAG(c, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
-            VSTORE_OTAG(c + 16, tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
         } else {
             for (int64_t q = 0; q < nr; ++q)
                 SSTORE_OTAG(c + q, tp_epi_s(blk[r * 32 + q], i + r, j + q, ep, eld));
@@ -1175,30 +1174,20 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
             const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
             const uint32_t *bp = Bp + jp * kp * 32;
             float *const half = acc + (jp & 1) * mc * 32;
-            if (kt == 0) { /* no whole k tile: the K tail alone */
-                memset(half, 0, (size_t)nb * 1024 * sizeof(float));
-                for (int64_t b = 0; b < nb; ++b) {
-                    const int64_t i = i0 + 32 * b;
-                    const int nrow = (int)TP_MIN(32, i1 - i);
-                    tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
-                    tp_amx_ktail(half + b * 1024, nrow, A + i * lda, lda, bp, 0, kp);
-                    pend = (tp_amx_pend_t){half + b * 1024, i, j, nr, nrow, 0};
-                }
-                continue;
-            }
-            /* K blocks of kcb tiles: the panel's kcb x 16 k pairs (2 kcb KB) stay in L1 while every
+            /* K blocks of kcb tiles (one empty block when K has no whole tile: zero sums, then the
+               K tail alone): the panel's kcb x 16 k pairs (2 kcb KB) stay in L1 while every
                32-row block of the chunk uses them; the sums go through acc between blocks. The
                epilogue of a block runs spread over the next block's K loop (a few rows per k
                step): vector work beside the tile unit's, which has its own pipes */
-            for (int64_t k0 = 0; k0 < kt; k0 += kcb) {
-                const int64_t k1 = TP_MIN(kt, k0 + kcb);
+            for (int64_t k0 = 0; k0 == 0 || k0 < kt; k0 += kcb) {
+                const int64_t k1 = TP_MIN(kt, k0 + kcb), steps = TP_MAX(1, k1 - k0);
                 for (int64_t b = 0; b < nb; ++b) {
                     const int64_t i = i0 + 32 * b;
                     const int two = i + 16 < i1;
                     const uint32_t *w0 = W + (i / 16) * kt * 256, *w1 = w0 + kt * 256;
                     float *blk = half + b * 1024;
                     const int per = pend.done < pend.rows
-                        ? (int)((pend.rows - pend.done + (k1 - k0) - 1) / (k1 - k0)) : 0;
+                        ? (int)((pend.rows - pend.done + steps - 1) / steps) : 0;
                     if (k1 == kt) /* the epilogue's operand lines, in flight during the last K block */
                         for (int64_t r = i; r < TP_MIN(i + 32, i1); ++r) tp_epi_pf(r, j, nr, ep, eld);
                     if (k0 == 0) {
