@@ -374,7 +374,7 @@ def test_native_transfer_stops_at_check_and_deadline_and_yields_an_owned_socket(
         m0.transfer([], want, time.monotonic() + 0.05, lambda: None)
     conn = m0.peers[1]
     assert conn.own.value == 0  # released after each error
-    assert tcp_lib().conn_take(conn.own_addr, 100) == 1  # another collective owns it now
+    assert tcp_lib().conn_claim(conn.own_addr) == 1  # another collective owns it now
     assert conn.own.value == OWN_COLL
     try:
         assert m0.transfer([], want, time.monotonic() + 1, lambda: None) is None
@@ -726,10 +726,19 @@ def test_a_reader_lingers_on_a_collective_frame_and_leaves_it_to_a_collective():
     waiters = ctypes.c_int32(0)
     try:
 
-        def wait(linger_us: int, stream: int, slice_ms: int = 3000) -> tuple[int, float]:
+        def wait(
+            linger_us: int, stream: int, slice_ms: int = 3000, big_us: int = 0, big: int = 1 << 40
+        ) -> tuple[int, float]:
             t0 = time.monotonic()
             got = lib.conn_wait(
-                addr, a.fileno(), slice_ms, linger_us, stream, ctypes.addressof(waiters)
+                addr,
+                a.fileno(),
+                slice_ms,
+                linger_us,
+                big_us,
+                big,
+                stream,
+                ctypes.addressof(waiters),
             )
             return got, time.monotonic() - t0
 
@@ -742,7 +751,7 @@ def test_a_reader_lingers_on_a_collective_frame_and_leaves_it_to_a_collective():
         time.sleep(0.05)
         _frame_sent(b, Kind.COLL, b"abc")
         time.sleep(0.05)
-        assert lib.conn_take(addr, 1000) == 1  # the reader left it: the collective has it
+        assert lib.conn_claim(addr) == 1  # the reader left it: the collective has it
         assert drain(HEADER_SIZE + 3)[-3:] == b"abc"
         lib.conn_release(addr)
         reader.join(10)
@@ -762,6 +771,16 @@ def test_a_reader_lingers_on_a_collective_frame_and_leaves_it_to_a_collective():
         got, dt = wait(100_000, 0)
         assert got == 1 and dt >= 0.09
         drain(HEADER_SIZE + 1)
+        lib.conn_release(addr)
+        _frame_sent(b, Kind.COLL, b"big")  # a frame of at least `big` bytes: its own linger
+        got, dt = wait(0, 0, big_us=100_000, big=3)
+        assert got == 1 and dt >= 0.09
+        drain(HEADER_SIZE + 3)
+        lib.conn_release(addr)
+        _frame_sent(b, Kind.COLL, b"sm")  # ... a smaller one is read at once (no linger_us)
+        got, dt = wait(0, 0, big_us=2_000_000, big=3)
+        assert got == 1 and dt < 1.0
+        drain(HEADER_SIZE + 2)
         lib.conn_release(addr)
         waiters.value = 1  # a consumer waits on the mailbox: no linger
         _frame_sent(b, Kind.COLL, b"w")
@@ -783,6 +802,136 @@ def test_a_reader_lingers_on_a_collective_frame_and_leaves_it_to_a_collective():
     finally:
         a.close()
         b.close()
+
+
+def test_a_collective_claims_a_socket_its_reader_is_reading_and_gets_it_handed_over():
+    """``tp_conn_claim`` never waits: a free socket is owned at once; one whose reader is
+    mid-frame is claimed (3) and handed over when the reader ends that frame
+    (``tp_conn_done``), waking a collective waiting in ``tp_conn_await``; a claim given up
+    (``tp_conn_unclaim``) leaves the socket to the reader, or releases it when it had been
+    handed over already. A second claimant is refused (0)."""
+    import ctypes
+
+    from torchport.distributed.tcp_kernels import (
+        OWN_CLAIMED,
+        OWN_COLL,
+        OWN_FREE,
+        OWN_READER,
+        tcp_lib,
+    )
+
+    lib = tcp_lib()
+    own = ctypes.c_int32(OWN_FREE)
+    addr = ctypes.addressof(own)
+    assert lib.conn_claim(addr) == 1 and own.value == OWN_COLL
+    assert lib.conn_claim(addr) == 0  # another collective owns it
+    lib.conn_release(addr)
+    own.value = OWN_READER  # the reader is mid-frame
+    assert lib.conn_claim(addr) == -1 and own.value == OWN_CLAIMED
+    assert lib.conn_claim(addr) == 0  # claimed by another collective already
+    t0 = time.monotonic()
+    assert lib.conn_await(addr, 20_000) == 0 and time.monotonic() - t0 >= 0.015
+    lib.conn_done(addr)  # the reader's frame is in: handed over, not freed
+    assert own.value == OWN_COLL and lib.conn_await(addr, 0) == 1
+    lib.conn_release(addr)
+    assert own.value == OWN_FREE
+    own.value = OWN_READER
+    assert lib.conn_claim(addr) == -1
+    lib.conn_unclaim(addr)  # given up before the handover: the reader's again
+    assert own.value == OWN_READER
+    lib.conn_done(addr)
+    assert own.value == OWN_FREE
+    own.value = OWN_READER
+    assert lib.conn_claim(addr) == -1
+    lib.conn_done(addr)
+    lib.conn_unclaim(addr)  # given up after the handover: released
+    assert own.value == OWN_FREE
+    own.value = OWN_READER  # a collective waiting for the handover wakes at it
+    assert lib.conn_claim(addr) == -1
+    out: list[tuple[int, float]] = []
+
+    def wait() -> None:
+        t = time.monotonic()
+        out.append((lib.conn_await(addr, 5_000_000), time.monotonic() - t))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    lib.conn_done(addr)
+    waiter.join(10)
+    assert out and out[0][0] == 1 and out[0][1] < 2.0
+    lib.conn_release(addr)
+
+
+def test_a_transfer_sends_while_the_reader_finishes_a_frame_then_takes_the_socket(mesh_pair):
+    """A transfer whose receive socket is mid-frame on its reader thread (the peer ahead) does
+    not wait for that frame before sending: its frame reaches the peer while the reader still
+    reads; the socket is handed over once the frame is in, and the frame the reader read is
+    the transfer's receive, settled into place."""
+    import torch
+
+    from torchport.distributed.tcp_kernels import OWN_CLAIMED, OWN_FREE, OWN_READER
+    from torchport.distributed.transport_tcp import RECEIVED, XRecv, XSend
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    m0.linger_us = m0.linger_big_us = 0
+    time.sleep(0.25)  # the readers' next slices use it (READER_SLICE_MS)
+    n, sig, seq = 1 << 16, (7, 6, 5, 4), 21
+    payload = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).tolist())
+    dst = torch.zeros(n, dtype=torch.uint8)
+    src = torch.tensor(list(b"hello"), dtype=torch.uint8)
+    conn0, conn1 = m0.peers[1], m1.peers[0]
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(
+                m0.transfer(
+                    [XSend(1, Kind.COLL, 5, seq, src.data_ptr(), 5, sig)],
+                    [XRecv(1, 5, seq, sig, dst.data_ptr(), n)],
+                    time.monotonic() + 20,
+                    lambda: None,
+                )
+            )
+        except Exception as e:
+            out.append(e)
+
+    with conn1.lock:
+        conn1.sock.sendall(encode_header(Kind.COLL, 5, 1, seq, n, sig) + payload[:100])
+        end = time.monotonic() + 5
+        while conn0.own.value != OWN_READER and time.monotonic() < end:
+            time.sleep(0.001)
+        assert conn0.own.value == OWN_READER  # m0's reader is part-way through the frame
+        t = threading.Thread(target=run)
+        t.start()
+        _, body = m1.mailbox.get((5, int(Kind.COLL), 0, seq), time.monotonic() + 10, lambda: None)
+        assert bytes(body) == b"hello"  # sent while the receive waits on the reader
+        assert conn0.own.value == OWN_CLAIMED and not out
+        conn1.sock.sendall(payload[100:])
+    t.join(30)
+    assert out and isinstance(out[0], list), out
+    ((hdr, got),) = out[0]
+    assert got is RECEIVED and hdr.sig == sig and hdr.length == n
+    assert bytes(dst.tolist()) == payload
+    assert conn0.own.value == OWN_FREE
+
+
+def test_a_quiet_target_does_not_count_as_a_mailbox_waiter():
+    """A transfer's own posted targets (quiet) leave lingering readers lingering; others count."""
+    from torchport.distributed.transport_tcp import Mailbox, Target
+
+    box = Mailbox()
+    key, other = (5, int(Kind.COLL), 1, 3), (5, int(Kind.COLL), 2, 3)
+    box.post(key, Target(1, 8, (0, 0, 0, 0), quiet=True))
+    assert box.waiters.value == 0
+    box.post(other, Target(1, 8, (0, 0, 0, 0)))
+    assert box.waiters.value == 1
+    box.post(key, Target(1, 8, (0, 0, 0, 0)))  # replaced by a loud one
+    assert box.waiters.value == 2
+    box.withdraw(key, time.monotonic() + 1, lambda: None)
+    box.withdraw(other, time.monotonic() + 1, lambda: None)
+    assert box.waiters.value == 0
 
 
 def test_a_consumer_waiting_on_the_mailbox_is_not_kept_waiting_by_the_linger(mesh_pair):

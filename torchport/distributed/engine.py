@@ -548,9 +548,13 @@ class Communicator:
         red: int,
         deadline: float,
     ) -> None:
-        """A publish-to-all step as an exchange (the same segments to every peer)."""
-        blobs = exchange(self, sig, [list(pubs)] * self.world, deadline)
+        """A publish-to-all step as an exchange (the same segments to every peer). With
+        nothing published (a barrier) every peer's frame is known to be empty: the exchange
+        is then one native transfer, not a wait on the mailbox (whose waiting consumer stops
+        the reader threads from leaving early frames of the next collective in the socket)."""
         own = sum(n for _, n in pubs)
+        into = [(0, 0)] * self.world if own == 0 else None
+        blobs = exchange(self, sig, [list(pubs)] * self.world, deadline, into)
         if reads and any(r[0] == self.rank for r in reads):  # reads of our own publication
             buf = bytearray(own)
             off = 0

@@ -9,12 +9,18 @@ expects from every peer -- in one native loop over the raw socket descriptors
 parked.
 
 **Read ownership.** Every connection has a 32-bit ownership word: 0 free, 1 its reader
-thread (reading one frame), 2 a collective. The reader waits in :func:`conn_wait` (``poll``
-on the socket, then a compare-and-swap 0 -> 1 and a second, zero-timeout ``poll``: a
-socket a collective emptied meanwhile is given back; while a collective owns the socket it
-sleeps on the word's futex instead of polling) and releases the word after each frame; a
-collective takes the word with :func:`conn_take` (0 -> 2, waiting only while the reader
-finishes one frame) and releases it (waking the reader) when its transfer ends.
+thread (reading one frame), 2 a collective, 3 the reader (reading one frame) with a
+collective waiting for the socket. The reader waits in :func:`conn_wait` (``poll`` on the
+socket, then a compare-and-swap 0 -> 1 and a second, zero-timeout ``poll``: a socket a
+collective emptied meanwhile is given back; while a collective owns the socket it sleeps on
+the word's futex instead of polling) and ends each frame with :func:`conn_done` (1 -> 0, or
+3 -> 2: the socket goes straight to the waiting collective, which the reader cannot take it
+back from). A collective claims the word with :func:`conn_claim`, which never waits: 0 -> 2
+(owned), or 1 -> 3 (the reader is mid-frame: the socket is handed over when that frame is
+in, meanwhile the collective moves its other frames -- the receives on that socket gated --
+and waits in :func:`conn_await` only when nothing else is left); it gives a claim up with
+:func:`conn_unclaim` and releases an owned socket with :func:`conn_release` (waking the
+reader).
 
 **Transfer table** (``tp_tcp_xfer``): ``OPW`` int64 words per operation::
 
@@ -30,8 +36,10 @@ finishes one frame) and releases it (waking the reader) when its transfer ends.
     8 gate      the operation does not start while this word is nonzero (the caller clears
                 it, e.g. once the bytes a send carries are computed or a receive's buffer is
                 free again); it still holds its place in its socket's order.
-                Mesh.transfer gates only sends: a gated receive would leave its socket
-                unread (a peer's ABORT frame behind it too) until the gate opens
+                Mesh.transfer gates sends, and the receives on a socket its reader
+                thread still reads a frame from (claimed, not yet handed over): a gated
+                receive on an owned socket would leave it unread (a peer's ABORT frame
+                behind it too) until the gate opens
     9 notify    receive: 1 -> the loop returns ``NOTIFY`` (out[0] = its index) as soon as
                 it completes, and sets the word to 2 (returned once)
 
@@ -43,7 +51,8 @@ returned to Python unread beyond its header (status ``FOREIGN``), which validate
 the ordinary bounded decoder and handles it as the reader thread would. The loop returns
 ``SLICE`` once ``slice_ms`` of wall time passed since the call, whether bytes moved or not
 (the progress words let the next call resume), so the caller can watch aborts and its
-deadline: an aborted group is noticed within one slice even while a transfer streams.
+deadline: an aborted group is noticed within one slice even while a transfer streams. It
+returns ``IDLE`` at once when every operation left waits on a gate or on a receive.
 """
 
 from __future__ import annotations
@@ -56,8 +65,9 @@ from torchport.distributed.wire import Kind
 
 OPW = 10  # int64 words per transfer operation
 MAXFD = 64  # distinct sockets one tp_tcp_xfer call can track (Mesh.transfer checks it)
-DONE, SLICE, FOREIGN, SENT, CLOSED, NOTIFY = 0, 1, 2, 3, 4, 5  # tp_tcp_xfer status (< 0: -errno)
-OWN_FREE, OWN_READER, OWN_COLL = 0, 1, 2
+# tp_tcp_xfer status (< 0: -errno)
+DONE, SLICE, FOREIGN, SENT, CLOSED, NOTIFY, IDLE = 0, 1, 2, 3, 4, 5, 6
+OWN_FREE, OWN_READER, OWN_COLL, OWN_CLAIMED = 0, 1, 2, 3
 
 _SOURCE = r"""
 #include <errno.h>
@@ -110,31 +120,43 @@ TP_EXPORT void tp_conn_release(int32_t *own) {
     syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
+/* The reader finished its frame: the socket is free again (1 -> 0), or goes to the collective
+   that claimed it meanwhile (3 -> 2). */
+TP_EXPORT void tp_conn_done(int32_t *own) {
+    int32_t v = 1;
+    if (!__atomic_compare_exchange_n(own, &v, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        __atomic_store_n(own, 2, __ATOMIC_RELEASE);  /* v == 3: only the reader moves it */
+    syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
 /* Reader thread: wait until the socket is readable (or hung up) and this thread owns it.
-   1: owned, read one frame then tp_conn_release; 0: nothing within slice_ms. Ownership is
+   1: owned, read one frame then tp_conn_done; 0: nothing within slice_ms. Ownership is
    only ever taken with the 0 -> 1 compare-and-swap, and kept only while the socket is still
    readable after it (a collective may have drained it between the poll and the swap: the
    reader would then block in recv holding the socket).
    Linger: a COLL frame (its header peeked) that arrives while the socket is free is left in
-   the socket for up to linger_us, once, for this rank's collective to take the socket and
-   receive it in place (no copy through a mailbox buffer, no reader wake-up); unless
-   stream (the caller read a frame just before: frames arriving back to back are read at
-   once) or *waiters is non-zero (a consumer waits on the mailbox for what this reader
-   delivers: nobody would take the socket). A collective's release re-arms it; tp_conn_poke
-   ends a linger at once. Any other kind is read at once. */
+   the socket for up to linger_us (big_linger_us when its payload is at least big_bytes and
+   that is longer), once, for this rank's collective to take the socket and receive it in
+   place (no copy through a mailbox buffer, no reader wake-up); unless stream (the caller
+   read a frame just before: frames arriving back to back are read at once) or *waiters is
+   non-zero (a consumer waits on the mailbox for what this reader delivers: nobody would
+   take the socket). A collective's release re-arms it; tp_conn_poke ends a linger at once.
+   Any other kind is read at once. */
 TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms, int64_t linger_us,
-                               int64_t stream, const int32_t *waiters) {
+                               int64_t big_linger_us, int64_t big_bytes, int64_t stream,
+                               const int32_t *waiters) {
     int64_t end = tp_ms_now() + slice_ms;
-    int linger = linger_us > 0 && !stream;
+    int may = linger_us > 0 || big_linger_us > 0;
+    int linger = may && !stream;
     for (;;) {
         int64_t left = end - tp_ms_now();
         if (left <= 0) return 0;
         int32_t v = __atomic_load_n(own, __ATOMIC_ACQUIRE);
-        if (v != 0) { tp_futex_wait(own, v, left); linger = linger_us > 0; continue; }
+        if (v != 0) { tp_futex_wait(own, v, left); linger = may; continue; }
         struct pollfd p = { (int)fd, POLLIN, 0 };
         int r = poll(&p, 1, 0);
         if (r == 0) {  /* idle: the next frame to arrive may be lingered on */
-            linger = linger_us > 0;
+            linger = may;
             r = poll(&p, 1, (int)left);
         }
         int failed = r < 0 && errno != EINTR;  /* owned, the reader's recv reports it */
@@ -143,9 +165,15 @@ TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms, int64
             unsigned char h[HDR];
             ssize_t k = recv((int)fd, h, HDR, MSG_PEEK | MSG_DONTWAIT);
             if (k == HDR && memcmp(h, "TPRT", 4) == 0 && h[5] == ${coll}) {
+                uint64_t length;
+                memcpy(&length, h + HDR - 8, 8);  /* the header's last field (little-endian) */
+                int64_t us = linger_us;
+                if (big_linger_us > us && length >= (uint64_t)big_bytes) us = big_linger_us;
                 linger = 0;
-                tp_futex_wait_us(own, 0, linger_us);  /* at once if already taken; a poke ends it */
-                continue;
+                if (us > 0) {
+                    tp_futex_wait_us(own, 0, us);  /* at once if already taken; a poke ends it */
+                    continue;
+                }
             }
         }
         int32_t zero = 0;
@@ -155,23 +183,38 @@ TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms, int64
         p.revents = 0;
         int q = poll(&p, 1, 0);
         if (q > 0 || (q < 0 && errno != EINTR)) return 1;  /* readable or failed: recv says */
-        tp_conn_release(own);  /* emptied before the swap: give it back, wait again */
+        tp_conn_done(own);  /* emptied before the swap: give it back, wait again */
     }
 }
 
-/* A collective takes the socket: 1 taken; 0 another collective holds it; -1 the reader
-   did not finish its frame within slice_ms. */
-TP_EXPORT int64_t tp_conn_take(int32_t *own, int64_t slice_ms) {
-    int64_t end = tp_ms_now() + slice_ms;
+/* A collective asks for the socket, without waiting: 1 owned (0 -> 2); -1 claimed (1 -> 3:
+   the reader is mid-frame and hands the socket over when it is in, tp_conn_done); 0 another
+   collective owns or claimed it. */
+TP_EXPORT int64_t tp_conn_claim(int32_t *own) {
     for (;;) {
-        int32_t zero = 0;
-        if (__atomic_compare_exchange_n(own, &zero, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        int32_t v = 0;
+        if (__atomic_compare_exchange_n(own, &v, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             return 1;
-        if (zero == 2) return 0;
-        int64_t left = end - tp_ms_now();
-        if (left <= 0) return -1;
-        tp_futex_wait(own, zero, left);
+        if (v != 1) return 0;
+        if (__atomic_compare_exchange_n(own, &v, 3, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return -1;
+        /* the reader finished (0) or took another frame (1) meanwhile: ask again */
     }
+}
+
+/* Give up a claim (tp_conn_claim returned -1): the reader keeps the socket (3 -> 1), or, when
+   it was handed over meanwhile (2), the socket is released. */
+TP_EXPORT void tp_conn_unclaim(int32_t *own) {
+    int32_t v = 3;
+    if (!__atomic_compare_exchange_n(own, &v, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        tp_conn_release(own);
+}
+
+/* Wait up to us microseconds for a claimed socket to be handed over; 1 once it is (the word
+   is 2, the caller owns it). */
+TP_EXPORT int64_t tp_conn_await(int32_t *own, int64_t us) {
+    if (__atomic_load_n(own, __ATOMIC_ACQUIRE) == 3) tp_futex_wait_us(own, 3, us);
+    return __atomic_load_n(own, __ATOMIC_ACQUIRE) == 2;
 }
 
 /* Pin the calling thread to one CPU: cpu >= 0 that one (when the thread's mask allows it),
@@ -325,7 +368,7 @@ TP_EXPORT int64_t tp_tcp_xfer(int64_t *ops, int64_t n, int64_t slice_ms, int64_t
         int64_t left = end - tp_ms_now();
         if (progress) { if (left <= 0) return ${slice}; continue; }
         if (left <= 0) return ${slice};
-        if (npf == 0) return ${slice};  /* waiting only on dependencies: cannot happen */
+        if (npf == 0) return ${idle};  /* every operation left waits on a gate or a receive */
         int r = poll(pf, npf, (int)left);
         if (r < 0 && errno != EINTR) { out[0] = -1; return -errno; }
     }
@@ -339,14 +382,23 @@ class TcpLib:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.conn_wait = lib.tp_conn_wait
-        self.conn_wait.argtypes = [p, i64, i64, i64, i64, p]
+        self.conn_wait.argtypes = [p, i64, i64, i64, i64, i64, i64, p]
         self.conn_wait.restype = i64
         self.conn_poke = lib.tp_conn_poke
         self.conn_poke.argtypes = [p]
         self.conn_poke.restype = None
-        self.conn_take = lib.tp_conn_take
-        self.conn_take.argtypes = [p, i64]
-        self.conn_take.restype = i64
+        self.conn_done = lib.tp_conn_done
+        self.conn_done.argtypes = [p]
+        self.conn_done.restype = None
+        self.conn_claim = lib.tp_conn_claim
+        self.conn_claim.argtypes = [p]
+        self.conn_claim.restype = i64
+        self.conn_unclaim = lib.tp_conn_unclaim
+        self.conn_unclaim.argtypes = [p]
+        self.conn_unclaim.restype = None
+        self.conn_await = lib.tp_conn_await
+        self.conn_await.argtypes = [p, i64]
+        self.conn_await.restype = i64
         self.conn_release = lib.tp_conn_release
         self.conn_release.argtypes = [p]
         self.conn_release.restype = None
@@ -377,6 +429,7 @@ def tcp_lib() -> TcpLib:
         sent=SENT,
         closed=CLOSED,
         notify=NOTIFY,
+        idle=IDLE,
         coll=int(Kind.COLL),
     )
     return TcpLib(native.build(src, name="tp_tcp"))

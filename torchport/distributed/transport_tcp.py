@@ -51,9 +51,11 @@ from torchport.distributed.tcp_kernels import (
     CLOSED,
     DONE,
     FOREIGN,
+    IDLE,
     MAXFD,
     NOTIFY,
     OPW,
+    OWN_COLL,
     SENT,
     SLICE,
     tcp_lib,
@@ -78,6 +80,7 @@ PIN_BYTES = 256 << 10
 # faster unposted (1 MB cells: alltoall w2 -25 %, allgather w2 -16 %, reduce_scatter w4 -6 %).
 POST_BYTES = 4 << 20
 SLICE_MS = 10  # a native transfer returns this often, progress or not (abort, deadline checks)
+LATE_SLICE_MS = 1  # ... and this often while a socket it claimed is still being read (Mesh._own)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
 # A COLL frame arriving while no collective owns its socket is left there this long for the
 # collective to take the socket and receive it in place (tp_conn_wait): read by the reader
@@ -87,6 +90,11 @@ READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this 
 # rank often waits for a CPU longer than the linger, which then only adds wake-ups (w4 on 2
 # CPUs: 1 MB broadcast -3 %, 64 KB alltoall -9 %; w2: 1 MB alltoall +12 %).
 LINGER_US = 2000
+# ... and a frame of at least POST_BYTES this long, however many ranks share the CPUs: read by
+# the reader first it costs a zero-filled buffer and a copy of its whole length (alltoall
+# 64 MB w4 on 2 CPUs, 16 MB frames, bench_collectives_cell 20 samples: 0.87x gloo with the
+# socket claims of Mesh._own alone, 0.95-0.96x with this linger; 0.79x before both).
+LINGER_BIG_US = 20000
 MAX_EARLY_ABORTS = 1024  # ABORT frames kept for groups not registered yet (oldest dropped)
 FINISH_S = 1.0  # after an error, frames part-way sent or received get this long to complete
 ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblocks within 100 ms
@@ -253,12 +261,16 @@ WAITING, FILLING, FILLED, FAILED = 0, 1, 2, 3
 
 @dataclass
 class Target:
-    """Where the payload of one expected frame goes: ``size`` bytes at ``ptr``."""
+    """Where the payload of one expected frame goes: ``size`` bytes at ``ptr``. A ``quiet``
+    one does not count among the mailbox's waiters: the collective that posts it takes the
+    socket itself (``Mesh.transfer``), so a reader lingering on that frame should go on
+    lingering, not read it."""
 
     ptr: int
     size: int
     sig: tuple[int, int, int, int]
     state: int = WAITING
+    quiet: bool = False
 
 
 class Mailbox:
@@ -269,6 +281,7 @@ class Mailbox:
         self._frames: dict[Key, deque[Frame]] = {}
         self._waiting: dict[Key, deque[Callable[[Frame], None]]] = {}
         self._targets: dict[Key, Target] = {}
+        self._loud = 0  # targets that are not quiet (Target)
         # Groups that failed or closed here: their queued COLL/P2P frames were purged and
         # later ones are dropped on arrival (``dropped`` counts both) -- nothing would ever
         # take them. CTRL frames are kept: a group forming under a reused id exchanges them
@@ -313,7 +326,7 @@ class Mailbox:
 
     def _sync_waiters(self) -> None:
         """Refresh ``waiters`` (under ``cond``) and poke lingering readers when it rises."""
-        n = self._blocked + len(self._waiting) + len(self._targets)
+        n = self._blocked + len(self._waiting) + self._loud
         rose = n > self.waiters.value
         self.waiters.value = n
         if rose and self.on_wait is not None:
@@ -339,6 +352,8 @@ class Mailbox:
         if target.size <= 0:
             return
         with self.cond:
+            old = self._targets.get(key)
+            self._loud += (not target.quiet) - (old is not None and not old.quiet)
             self._targets[key] = target
             self._sync_waiters()
 
@@ -374,6 +389,7 @@ class Mailbox:
         """
         with self.cond:
             t = self._targets.pop(key, None)
+            self._loud -= t is not None and not t.quiet
             self._sync_waiters()
             stuck = False
             while t is not None and t.state == FILLING:
@@ -631,6 +647,7 @@ class Mesh:
         self.rejected = 0
         self.closed = False
         self.linger_us = 0  # LINGER_US once the ranks on this host are known (fixed meshes)
+        self.linger_big_us = 0  # LINGER_BIG_US (fixed meshes)
         self.pin_cpu = -1  # a large transfer's CPU (tcp_kernels.tp_pin; -1: the one it runs on)
         self._pins = 0  # large transfers running now (_pin_begin): only the first takes pin_cpu
         self._pins_lock = threading.Lock()
@@ -680,6 +697,7 @@ class Mesh:
         mine = _cpu_host(host_id)
         here = cpus.count(mine)
         self.linger_us = LINGER_US if here <= len(os.sched_getaffinity(0)) else 0
+        self.linger_big_us = LINGER_BIG_US
         self.pin_cpu = _spread_cpu(cpus[:rank].count(mine))
         for q in range(rank):
             h, p = store.get(f"{key_prefix}addr/{q}").decode().rsplit(":", 1)
@@ -767,7 +785,7 @@ class Mesh:
     def _poke_readers(self) -> None:
         """End any reader's linger on a collective frame: a consumer now waits on the mailbox
         for what the readers deliver (``Mailbox.on_wait``; called under its lock)."""
-        if not self.linger_us:
+        if not self.linger_us and not self.linger_big_us:
             return
         poke = tcp_lib().conn_poke
         for conn in list(self.peers.values()):
@@ -801,7 +819,16 @@ class Mesh:
         try:
             while True:
                 # Parked (no GIL) while a collective owns the socket (Mesh.transfer).
-                if not lib.conn_wait(own, fd, READER_SLICE_MS, self.linger_us, stream, waiters):
+                if not lib.conn_wait(
+                    own,
+                    fd,
+                    READER_SLICE_MS,
+                    self.linger_us,
+                    self.linger_big_us,
+                    POST_BYTES,
+                    stream,
+                    waiters,
+                ):
                     stream = 0
                     if self.closed:
                         return
@@ -811,7 +838,7 @@ class Mesh:
                     raw = _recv_exact(conn.sock, HEADER_SIZE)
                     self._take_frame(conn, decode_header(raw, max_length=self.max_frame))
                 finally:
-                    lib.conn_release(own)
+                    lib.conn_done(own)  # (to a collective that claimed it meanwhile)
         except (OSError, ConnectionError, WireError) as e:
             self._lost(conn, e)
 
@@ -987,22 +1014,31 @@ class Mesh:
         with self._pins_lock:
             self._pins -= 1
 
-    def _own(self, peers: list[int]) -> list[Connection] | None:
-        """Take read ownership of the connections to ``peers`` (ascending order); None (and
-        nothing held) when another collective owns one or its reader stays mid-frame."""
-        lib, got = tcp_lib(), list[Connection]()
+    def _own(self, peers: list[int]) -> tuple[list[Connection], list[Connection]] | None:
+        """Claim read ownership of the connections to ``peers`` without waiting: returns
+        those owned now and those claimed (their reader thread is mid-frame and hands the
+        socket over once that frame is in: ``tcp_kernels.tp_conn_claim``); None (nothing
+        held or claimed) when another collective owns or claimed one."""
+        lib = tcp_lib()
+        got, claimed = list[Connection](), list[Connection]()
+
+        def give_back() -> None:
+            for c in got:
+                lib.conn_release(c.own_addr)
+            for c in claimed:
+                lib.conn_unclaim(c.own_addr)
+
         for peer in sorted(set(peers)):
             conn = self.peers.get(peer)
             if conn is None:
-                for c in got:
-                    lib.conn_release(c.own_addr)
+                give_back()
                 raise CommError(f"rank {self.rank} has no connection to rank {peer}")
-            if lib.conn_take(conn.own_addr, 1000) != 1:
-                for c in got:
-                    lib.conn_release(c.own_addr)
+            rc = lib.conn_claim(conn.own_addr)
+            if rc == 0:
+                give_back()
                 return None
-            got.append(conn)
-        return got
+            (got if rc == 1 else claimed).append(conn)
+        return got, claimed
 
     def transfer(
         self,
@@ -1023,7 +1059,8 @@ class Mesh:
         (its header equal to the expected one), or the differing frame as received (the
         caller reports the mismatch; then receives not yet done are ``None``). Returns None,
         having sent nothing, when a connection to receive from cannot be owned now (another
-        collective holds it) or the transfer spans more than ``MAXFD`` peers (what the native
+        collective holds or claimed it; one whose reader thread is mid-frame is claimed and
+        read from once that frame is in, the rest of the transfer moving meanwhile) or the transfer spans more than ``MAXFD`` peers (what the native
         loop tracks): the caller takes the mailbox path instead. Raises
         :class:`CommError` on a lost connection, :class:`CommTimeoutError` past ``deadline``
         and whatever ``check()`` raises (checked every ``SLICE_MS``, progress or not).
@@ -1131,7 +1168,6 @@ class Mesh:
         for i, gate in enumerate(x.gate for x in sends):
             if gate:
                 gates.setdefault(gate, []).append(i)
-        notified: list[int] = []  # receives completed on this thread before the loop
 
         def notify(j: int) -> None:
             assert on_notify is not None, "a receive notifies a transfer without on_notify"
@@ -1140,17 +1176,34 @@ class Mesh:
                     ops[OPW * i + 8] = 0
 
         for x in posted:
-            self.mailbox.post(x.key, Target(x.ptr, x.size, x.sig))
+            self.mailbox.post(x.key, Target(x.ptr, x.size, x.sig, quiet=True))
+        # Sockets whose reader thread is mid-frame (a peer ahead of this rank) are claimed,
+        # not waited for: this transfer's sends and other receives start at once, the
+        # receives on such a socket gated until the reader hands it over (``late``, by peer;
+        # their targets stay posted meanwhile, so that frame still lands in place).
+        late: dict[int, Connection] = {}
+
+        def withdraw(peers: set[int], until: float) -> None:
+            for x in posted:
+                if x.peer in peers:
+                    self.mailbox.withdraw(
+                        x.key, until, functools.partial(self.shutdown_peer, x.peer)
+                    )
+
+        got = None
         try:
-            owned = self._own([r.peer for r in recvs])
+            got = self._own([r.peer for r in recvs])
         finally:
             if posted:  # owned (or given up): the reader fills no target any more
-                for x in posted:
-                    self.mailbox.withdraw(
-                        x.key, deadline, functools.partial(self.shutdown_peer, x.peer)
-                    )
-        if owned is None:
+                mid = {c.peer for c in got[1]} if got else set()
+                withdraw({x.peer for x in posted} - mid, deadline)
+        if got is None:
             return None
+        owned = got[0]
+        late.update((c.peer, c) for c in got[1])
+        for j, x in enumerate(recvs):
+            if x.peer in late:
+                ops[OPW * (ns + j) + 8] = 1
         bad = aborting = False
 
         def watch() -> None:
@@ -1159,29 +1212,63 @@ class Mesh:
             check()
             aborting = False
 
-        locked: list[Connection] = []
-        lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
-        broken: set[int] = set()  # sockets whose stream is unreadable (a frame cut short)
-        pinned = counted = False
-        try:  # from here on the sockets are owned: every error path must release them
-            # Frames read by the reader threads before we owned the sockets. Never one for a
-            # reused slot (the pipelined allreduce): its sender waits for a frame that this
-            # transfer sends.
-            for j, x in enumerate(recvs) if self.mailbox.queued() else ():
+        def take_early(peers: set[int] | None) -> None:
+            """Settle the frames the reader threads of ``peers`` (None: all) delivered to the
+            mailbox before this transfer owned their sockets (a socket's frames arrive in
+            its receives' order: the first receive with none ends that peer's)."""
+            nonlocal bad
+            notified: list[int] = []  # receives completed here
+            done: set[int] = set()
+            for j, x in enumerate(recvs):
+                if (peers is not None and x.peer not in peers) or x.peer in done:
+                    continue
+                i = ns + j
+                if ops[OPW * i + 5] >= HEADER_SIZE + x.size:
+                    continue  # settled before (several receives may share a key)
                 early = self.mailbox.take(x.key)
-                if early is not None:
-                    i = ns + j
-                    frames[j], ok = _settle(early, x, conns[x.peer].spares)
-                    ops[OPW * i + 5] = HEADER_SIZE + x.size
-                    bad = bad or not ok
-                    if ok and x.notify:
-                        ops[OPW * i + 9] = 2
-                        notified.append(j)
+                if early is None:
+                    done.add(x.peer)
+                    continue
+                frames[j], ok = _settle(early, x, conns[x.peer].spares)
+                ops[OPW * i + 5] = HEADER_SIZE + x.size
+                bad = bad or not ok
+                if ok and x.notify:
+                    ops[OPW * i + 9] = 2
+                    notified.append(j)
             if bad:
                 _skip_receives(ops, ns, n)
             else:
                 for j in notified:
                     notify(j)
+
+        def adopt(wait_us: int) -> list[Connection]:
+            """The claimed sockets handed over by now (waiting up to ``wait_us`` for the first
+            one): their early frames settled, their receives ungated."""
+            if wait_us:
+                lib.conn_await(next(iter(late.values())).own_addr, wait_us)
+            took = [c for c in late.values() if c.own.value == OWN_COLL]
+            if took:
+                peers = {c.peer for c in took}
+                for peer in peers:
+                    del late[peer]
+                withdraw(peers, deadline)
+                take_early(peers)
+                for j, x in enumerate(recvs):
+                    if x.peer in peers:
+                        ops[OPW * (ns + j) + 8] = 0
+            return took
+
+        locked: list[Connection] = []
+        lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
+        broken: set[int] = set()  # sockets whose stream is unreadable (a frame cut short)
+        pinned = counted = False
+        settle_by = deadline
+        try:  # from here on the sockets are owned: every error path must release them
+            # Frames read by the reader threads before we owned the sockets. Never one for a
+            # reused slot (the pipelined allreduce): its sender waits for a frame that this
+            # transfer sends.
+            if self.mailbox.queued():
+                take_early(None)
             for peer in sorted({x.peer for x in sends}):
                 conns[peer].lock.acquire()
                 locked.append(conns[peer])
@@ -1199,7 +1286,12 @@ class Mesh:
             # SLICE_MS would otherwise keep them from ever running
             checked = time.monotonic()
             while True:
-                rc = lib.xfer(ops, n, SLICE_MS, out)
+                # a handed-over socket is noticed between native calls: short ones meanwhile
+                rc = lib.xfer(ops, n, LATE_SLICE_MS if late else SLICE_MS, out)
+                if late:
+                    owned = owned + adopt(SLICE_MS * 1000 if rc == IDLE else 0)
+                if rc == IDLE:
+                    rc = SLICE
                 if rc == DONE:
                     break
                 if rc == SENT:
@@ -1260,6 +1352,7 @@ class Mesh:
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
         except BaseException as e:
             finish_s = ABORT_FINISH_S if aborting else FINISH_S
+            settle_by = time.monotonic() + finish_s
             owned = self._finish_partial(
                 ops, n, owned, e, lost, broken, finish_s, locked, on_cut if aborting else None
             )
@@ -1276,6 +1369,12 @@ class Mesh:
                 self._lost(conn, err)
             for conn in owned:
                 lib.conn_release(conn.own_addr)
+            if late:  # (after a mismatch or an error) the readers keep those sockets; a
+                # frame one still reads into a target here gets as long as one part-way
+                # received by this thread (_finish_partial), then its connection is shut
+                for conn in late.values():
+                    lib.conn_unclaim(conn.own_addr)
+                withdraw(set(late), settle_by)
         return frames
 
     def _release_done(
