@@ -917,6 +917,65 @@ def test_a_transfer_sends_while_the_reader_finishes_a_frame_then_takes_the_socke
     assert conn0.own.value == OWN_FREE
 
 
+def test_an_abort_while_a_claimed_socket_is_still_read_gives_the_claim_up(mesh_pair):
+    """A transfer aborted while it waits for a claimed socket fails within the abort bound,
+    leaves the socket to its reader (the claim given up, not a wedged ownership word), and the
+    frame the reader finishes goes to the mailbox, never into the failed call's buffer."""
+    import torch
+
+    from torchport.distributed.tcp_kernels import OWN_CLAIMED, OWN_FREE, OWN_READER
+    from torchport.distributed.transport_tcp import XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    m0.linger_us = m0.linger_big_us = 0
+    time.sleep(0.25)  # the readers' next slices use it (READER_SLICE_MS)
+    n, sig, seq = 1 << 16, (7, 6, 5, 3), 22
+    dst = torch.zeros(n, dtype=torch.uint8)
+    conn0, conn1 = m0.peers[1], m1.peers[0]
+    aborted = threading.Event()
+    out: list[object] = []
+
+    def check() -> None:
+        if aborted.is_set():
+            raise _Aborted("group aborted")
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            m0.transfer([], [XRecv(1, 5, seq, sig, dst.data_ptr(), n)], t0 + 20, check)
+            out.append("returned")
+        except _Aborted:
+            out.append(time.monotonic())
+
+    with conn1.lock:
+        conn1.sock.sendall(encode_header(Kind.COLL, 5, 1, seq, n, sig) + b"\x07" * 100)
+        end = time.monotonic() + 5
+        while conn0.own.value != OWN_READER and time.monotonic() < end:
+            time.sleep(0.001)
+        t = threading.Thread(target=run)
+        t.start()
+        end = time.monotonic() + 5
+        while conn0.own.value != OWN_CLAIMED and time.monotonic() < end:
+            time.sleep(0.001)
+        assert conn0.own.value == OWN_CLAIMED
+        at = time.monotonic()
+        aborted.set()
+        t.join(10)
+        assert out and isinstance(out[0], float) and out[0] - at < 0.1, out
+        assert conn0.own.value == OWN_READER  # the reader still has its frame
+        conn1.sock.sendall(b"\x07" * (n - 100))
+    frame = m0.mailbox.get((5, int(Kind.COLL), 1, seq), time.monotonic() + 10, lambda: None)
+    assert bytes(frame[1]) == b"\x07" * n and not dst.any()
+    end = time.monotonic() + 5
+    while conn0.own.value != OWN_FREE and time.monotonic() < end:
+        time.sleep(0.001)
+    assert conn0.own.value == OWN_FREE
+    m1.send(0, Kind.P2P, 5, 23, b"next")  # the connection still works
+    _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 23), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"next"
+
+
 def test_a_quiet_target_does_not_count_as_a_mailbox_waiter():
     """A transfer's own posted targets (quiet) leave lingering readers lingering; others count."""
     from torchport.distributed.transport_tcp import Mailbox, Target

@@ -52,7 +52,8 @@ the ordinary bounded decoder and handles it as the reader thread would. The loop
 ``SLICE`` once ``slice_ms`` of wall time passed since the call, whether bytes moved or not
 (the progress words let the next call resume), so the caller can watch aborts and its
 deadline: an aborted group is noticed within one slice even while a transfer streams. It
-returns ``IDLE`` at once when every operation left waits on a gate or on a receive.
+returns ``IDLE`` at once when no operation left can move: each waits on a gate, or is a send
+waiting on a receive that does.
 """
 
 from __future__ import annotations
@@ -123,9 +124,13 @@ TP_EXPORT void tp_conn_release(int32_t *own) {
 /* The reader finished its frame: the socket is free again (1 -> 0), or goes to the collective
    that claimed it meanwhile (3 -> 2). */
 TP_EXPORT void tp_conn_done(int32_t *own) {
-    int32_t v = 1;
-    if (!__atomic_compare_exchange_n(own, &v, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        __atomic_store_n(own, 2, __ATOMIC_RELEASE);  /* v == 3: only the reader moves it */
+    for (;;) {
+        int32_t v = 1;
+        if (__atomic_compare_exchange_n(own, &v, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
+        if (v != 3) break;  /* (not the reader's: nothing to give) */
+        if (__atomic_compare_exchange_n(own, &v, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
+        /* the claim was given up meanwhile (3 -> 1, tp_conn_unclaim): free it */
+    }
     syscall(SYS_futex, own, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 
@@ -140,7 +145,8 @@ TP_EXPORT void tp_conn_done(int32_t *own) {
    place (no copy through a mailbox buffer, no reader wake-up); unless stream (the caller
    read a frame just before: frames arriving back to back are read at once) or *waiters is
    non-zero (a consumer waits on the mailbox for what this reader delivers: nobody would
-   take the socket). A collective's release re-arms it; tp_conn_poke ends a linger at once.
+   take the socket). Any time the word was taken meanwhile re-arms it; tp_conn_poke ends a
+   linger at once.
    Any other kind is read at once. */
 TP_EXPORT int64_t tp_conn_wait(int32_t *own, int64_t fd, int64_t slice_ms, int64_t linger_us,
                                int64_t big_linger_us, int64_t big_bytes, int64_t stream,

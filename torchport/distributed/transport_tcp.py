@@ -289,9 +289,9 @@ class Mailbox:
         self._dead: set[int] = set()
         self.dropped = 0
         # Consumers that wait here for what the reader threads deliver (blocked ``get`` calls,
-        # ``expect`` callbacks, posted targets), read by the readers without the lock: while
-        # non-zero a reader never lingers on a collective frame (tp_conn_wait), since no
-        # collective will take the socket for it. ``on_wait`` (the mesh: poke every reader)
+        # ``expect`` callbacks, posted targets but quiet ones), read by the readers without the
+        # lock: while non-zero a reader never lingers on a collective frame (tp_conn_wait),
+        # since no collective will take the socket for it. ``on_wait`` (the mesh: poke every reader)
         # ends a linger already begun when a consumer starts waiting.
         self.waiters = ctypes.c_int32(0)
         self.waiters_addr = ctypes.addressof(self.waiters)
@@ -532,7 +532,8 @@ class Connection:
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
     seen: float = 0.0  # time.monotonic() of the last frame header received (liveness)
-    # Read ownership word (see tcp_kernels): 0 free, 1 the reader thread, 2 a collective.
+    # Read ownership word (see tcp_kernels): 0 free, 1 the reader thread, 2 a collective,
+    # 3 the reader thread with a collective's claim (handed over when its frame is in).
     own: ctypes.c_int32 = field(default_factory=ctypes.c_int32)
     own_addr: int = 0  # its address (set once: a transfer passes it to native calls)
     # Payload buffers of frames the reader thread read before a collective owned the socket
@@ -569,10 +570,11 @@ class XRecv:
     """One COLL frame for :meth:`Mesh.transfer` to receive into ``size`` bytes at ``ptr``
     (``notify``: the transfer's ``on_notify`` is called with its index once it is in).
 
-    A receive never waits on anything but its socket (no gate): a socket whose next receive
-    waited would stay unread -- a peer's ABORT frame behind it too -- while the rank whose
-    frame would open the gate may have given up. Flow control belongs to the sender (an
-    ``XSend`` waits on receives or a gate)."""
+    A receive never waits on anything but its socket (no gate of the caller's): a socket whose
+    next receive waited would stay unread -- a peer's ABORT frame behind it too -- while the
+    rank whose frame would open the gate may have given up. Flow control belongs to the sender
+    (an ``XSend`` waits on receives or a gate). (``Mesh.transfer`` itself gates the receives of
+    a socket its reader thread is still reading from: that socket is being read.)"""
 
     peer: int
     group: int
@@ -1060,8 +1062,9 @@ class Mesh:
         caller reports the mismatch; then receives not yet done are ``None``). Returns None,
         having sent nothing, when a connection to receive from cannot be owned now (another
         collective holds or claimed it; one whose reader thread is mid-frame is claimed and
-        read from once that frame is in, the rest of the transfer moving meanwhile) or the transfer spans more than ``MAXFD`` peers (what the native
-        loop tracks): the caller takes the mailbox path instead. Raises
+        read from once that frame is in, the rest of the transfer moving meanwhile) or the
+        transfer spans more than ``MAXFD`` peers (what the native loop tracks): the caller
+        takes the mailbox path instead. Raises
         :class:`CommError` on a lost connection, :class:`CommTimeoutError` past ``deadline``
         and whatever ``check()`` raises (checked every ``SLICE_MS``, progress or not).
 
@@ -1241,22 +1244,35 @@ class Mesh:
                 for j in notified:
                     notify(j)
 
-        def adopt(wait_us: int) -> list[Connection]:
-            """The claimed sockets handed over by now (waiting up to ``wait_us`` for the first
-            one): their early frames settled, their receives ungated."""
-            if wait_us:
-                lib.conn_await(next(iter(late.values())).own_addr, wait_us)
+        def adopt(wait_ms: int) -> None:
+            """Own the claimed sockets handed over by now (waiting up to ``wait_ms`` for one):
+            their early frames settled, their receives ungated."""
+            nonlocal owned
+            first = next(iter(late.values())).own_addr
+            end = time.monotonic() + wait_ms / 1000
             took = [c for c in late.values() if c.own.value == OWN_COLL]
+            while not took and time.monotonic() < end:
+                lib.conn_await(first, 1000)  # (another one's hand-over is seen within 1 ms)
+                took = [c for c in late.values() if c.own.value == OWN_COLL]
             if took:
                 peers = {c.peer for c in took}
                 for peer in peers:
                     del late[peer]
+                owned = owned + took  # released by the caller from here on, whatever happens
                 withdraw(peers, deadline)
                 take_early(peers)
                 for j, x in enumerate(recvs):
                     if x.peer in peers:
                         ops[OPW * (ns + j) + 8] = 0
-            return took
+
+        def drop_late(until: float) -> None:
+            """Give the claims still open up: their targets first (a frame a reader fills into
+            one gets until ``until``, then its connection is shut), then the claims (a reader
+            could otherwise go on to a next frame for a target still posted)."""
+            withdraw(set(late), until)
+            for conn in late.values():
+                lib.conn_unclaim(conn.own_addr)
+            late.clear()
 
         locked: list[Connection] = []
         lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
@@ -1289,7 +1305,7 @@ class Mesh:
                 # a handed-over socket is noticed between native calls: short ones meanwhile
                 rc = lib.xfer(ops, n, LATE_SLICE_MS if late else SLICE_MS, out)
                 if late:
-                    owned = owned + adopt(SLICE_MS * 1000 if rc == IDLE else 0)
+                    adopt(SLICE_MS if rc == IDLE else 0)
                 if rc == IDLE:
                     rc = SLICE
                 if rc == DONE:
@@ -1300,7 +1316,8 @@ class Mesh:
                     locked = []
                     continue
                 if rc == NOTIFY:
-                    notify(int(out[0]) - ns)
+                    if not bad:  # (a mismatch settled by adopt: nothing notifies any more)
+                        notify(int(out[0]) - ns)
                     if time.monotonic() - checked < SLICE_MS / 1000:
                         # the group's error flag only: an abort on this rank is seen at the
                         # next piece in, not at the end of the slice
@@ -1353,6 +1370,8 @@ class Mesh:
         except BaseException as e:
             finish_s = ABORT_FINISH_S if aborting else FINISH_S
             settle_by = time.monotonic() + finish_s
+            if late:  # before on_cut reports the failure: no reader fills the caller's buffer
+                drop_late(settle_by)
             owned = self._finish_partial(
                 ops, n, owned, e, lost, broken, finish_s, locked, on_cut if aborting else None
             )
@@ -1369,12 +1388,9 @@ class Mesh:
                 self._lost(conn, err)
             for conn in owned:
                 lib.conn_release(conn.own_addr)
-            if late:  # (after a mismatch or an error) the readers keep those sockets; a
-                # frame one still reads into a target here gets as long as one part-way
-                # received by this thread (_finish_partial), then its connection is shut
-                for conn in late.values():
-                    lib.conn_unclaim(conn.own_addr)
-                withdraw(set(late), settle_by)
+            if late:  # (after a mismatch) the readers keep those sockets; a frame one still
+                # reads into a target gets as long as one part-way received by this thread
+                drop_late(min(settle_by, time.monotonic() + FINISH_S))
         return frames
 
     def _release_done(
