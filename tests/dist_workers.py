@@ -772,6 +772,9 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
         ),
         # over TCP: a pipelined chain of two pieces, then the acknowledgement back up
         lambda: dist.broadcast(torch.ones(300_000 + odd), src=0),
+        # a barrier (nothing published: over TCP every peer's frame is expected empty) against
+        # an allreduce whose frames are not
+        lambda: dist.barrier() if odd else dist.all_reduce(torch.ones(n)),
         # the odd rank expects one row more from rank 0 and one fewer from rank 1 (its block to
         # itself agrees: one that does not is refused at the call and fails no group)
         lambda: dist.all_to_all_single(

@@ -392,6 +392,7 @@ ODD_CALL = (
     "bytes=24",
     "op=MAX",
     "bytes=1200004",
+    "barrier",
     "alltoall",
 )
 A2A = len(ODD_CALL) - 1  # over TCP only the receiver of a block checks its size (one round)
