@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 import time
@@ -974,6 +975,73 @@ def test_an_abort_while_a_claimed_socket_is_still_read_gives_the_claim_up(mesh_p
     m1.send(0, Kind.P2P, 5, 23, b"next")  # the connection still works
     _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 23), time.monotonic() + 5, lambda: None)
     assert bytes(body) == b"next"
+
+
+def test_an_abort_while_a_reader_fills_the_calls_buffer_shuts_that_connection_in_time(
+    mesh_pair, monkeypatch
+):
+    """The claimed socket's reader is part-way through the call's own frame, straight into the
+    call's buffer (a posted target): an abort waits at most ABORT_FINISH_S for that frame, then
+    shuts the connection, and the call fails with nothing written into its buffer afterwards."""
+    import torch
+
+    from torchport.distributed import transport_tcp
+    from torchport.distributed.tcp_kernels import OWN_CLAIMED
+    from torchport.distributed.transport_tcp import ABORT_FINISH_S, XRecv
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    m0.linger_us = m0.linger_big_us = 0
+    time.sleep(0.25)  # the readers' next slices use it (READER_SLICE_MS)
+    monkeypatch.setattr(transport_tcp, "POST_BYTES", 1024)  # this frame's target is posted
+    n, sig, seq = 1 << 16, (7, 6, 5, 2), 24
+    dst = torch.zeros(n, dtype=torch.uint8)
+    conn0, conn1 = m0.peers[1], m1.peers[0]
+    posted, aborted = threading.Event(), threading.Event()
+    own = m0._own
+
+    def late_own(peers: list[int]):  # the frame's header arrives between post and claim
+        posted.set()
+        time.sleep(0.3)
+        return own(peers)
+
+    monkeypatch.setattr(m0, "_own", late_own)
+    out: list[object] = []
+
+    def check() -> None:
+        if aborted.is_set():
+            raise _Aborted("group aborted")
+
+    def run() -> None:
+        try:
+            m0.transfer(
+                [], [XRecv(1, 5, seq, sig, dst.data_ptr(), n)], time.monotonic() + 20, check
+            )
+            out.append("returned")
+        except _Aborted:
+            out.append(time.monotonic())
+
+    t = threading.Thread(target=run)
+    with conn1.lock:
+        t.start()
+        assert posted.wait(5)
+        conn1.sock.sendall(encode_header(Kind.COLL, 5, 1, seq, n, sig) + b"\x09" * 1000)
+        end = time.monotonic() + 5
+        while conn0.own.value != OWN_CLAIMED and time.monotonic() < end:
+            time.sleep(0.001)
+        assert conn0.own.value == OWN_CLAIMED
+        assert dst[:1000].eq(9).all()  # the reader fills the call's own buffer
+        at = time.monotonic()
+        aborted.set()
+        t.join(10)
+        assert out and isinstance(out[0], float), out
+        assert out[0] - at < 2 * ABORT_FINISH_S + 0.06, out[0] - at
+        with contextlib.suppress(OSError):
+            conn1.sock.sendall(b"\x09" * (n - 1000))
+    time.sleep(0.2)
+    assert not dst[1000:].any()  # nothing written after the call failed
+    with pytest.raises(OSError):  # that connection was shut
+        conn0.sock.send(b"x")
 
 
 def test_a_quiet_target_does_not_count_as_a_mailbox_waiter():

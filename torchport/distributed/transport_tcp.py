@@ -91,9 +91,10 @@ READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this 
 # CPUs: 1 MB broadcast -3 %, 64 KB alltoall -9 %; w2: 1 MB alltoall +12 %).
 LINGER_US = 2000
 # ... and a frame of at least POST_BYTES this long, however many ranks share the CPUs: read by
-# the reader first it costs a zero-filled buffer and a copy of its whole length (alltoall
-# 64 MB w4 on 2 CPUs, 16 MB frames, bench_collectives_cell 20 samples: 0.87x gloo with the
-# socket claims of Mesh._own alone, 0.95-0.96x with this linger; 0.79x before both).
+# the reader first it costs a buffer (a new, zero-filled one above SPARE_MAX_BYTES) and a copy of
+# its whole length (alltoall 64 MB w4 on 2 CPUs, 16 MB frames, bench_collectives_cell 20
+# samples: 0.87x gloo with the socket claims of Mesh._own alone, 0.95-0.96x with this linger;
+# 0.79x before both).
 LINGER_BIG_US = 20000
 MAX_EARLY_ABORTS = 1024  # ABORT frames kept for groups not registered yet (oldest dropped)
 FINISH_S = 1.0  # after an error, frames part-way sent or received get this long to complete
@@ -393,10 +394,11 @@ class Mailbox:
             self._sync_waiters()
             stuck = False
             while t is not None and t.state == FILLING:
-                if not stuck and time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if not stuck and left < 0:
                     stuck = True
                     on_stuck()
-                self.cond.wait(0.05)
+                self.cond.wait(0.05 if stuck else min(0.05, max(left, 0.001)))
 
     def _deliver_locked(self, key: Key, frame: Frame) -> Callable[[Frame], None] | None:
         """Queue ``frame`` (waking ``get``) or return the waiting callback to call unlocked
@@ -1265,14 +1267,13 @@ class Mesh:
                     if x.peer in peers:
                         ops[OPW * (ns + j) + 8] = 0
 
-        def drop_late(until: float) -> None:
-            """Give the claims still open up: their targets first (a frame a reader fills into
+        def drop_late(peers: set[int], until: float) -> None:
+            """Give the claims on ``peers`` up: their targets first (a frame a reader fills into
             one gets until ``until``, then its connection is shut), then the claims (a reader
             could otherwise go on to a next frame for a target still posted)."""
-            withdraw(set(late), until)
-            for conn in late.values():
-                lib.conn_unclaim(conn.own_addr)
-            late.clear()
+            withdraw(peers, until)
+            for peer in peers:
+                lib.conn_unclaim(late.pop(peer).own_addr)
 
         locked: list[Connection] = []
         lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
@@ -1285,6 +1286,19 @@ class Mesh:
             # transfer sends.
             if self.mailbox.queued():
                 take_early(None)
+                # a claimed socket whose receives all came through the mailbox: nothing to wait for
+                drop_late(
+                    {
+                        peer
+                        for peer in late
+                        if all(
+                            ops[OPW * (ns + j) + 5] >= HEADER_SIZE + x.size
+                            for j, x in enumerate(recvs)
+                            if x.peer == peer
+                        )
+                    },
+                    deadline,
+                )
             for peer in sorted({x.peer for x in sends}):
                 conns[peer].lock.acquire()
                 locked.append(conns[peer])
@@ -1368,10 +1382,11 @@ class Mesh:
                 ):
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
         except BaseException as e:
-            finish_s = ABORT_FINISH_S if aborting else FINISH_S
-            settle_by = time.monotonic() + finish_s
+            settle_by = time.monotonic() + (ABORT_FINISH_S if aborting else FINISH_S)
             if late:  # before on_cut reports the failure: no reader fills the caller's buffer
-                drop_late(settle_by)
+                drop_late(set(late), settle_by)
+            # one budget for both (an abort still fails the call within ABORT_FINISH_S)
+            finish_s = max(0.0, settle_by - time.monotonic())
             owned = self._finish_partial(
                 ops, n, owned, e, lost, broken, finish_s, locked, on_cut if aborting else None
             )
@@ -1388,9 +1403,9 @@ class Mesh:
                 self._lost(conn, err)
             for conn in owned:
                 lib.conn_release(conn.own_addr)
-            if late:  # (after a mismatch) the readers keep those sockets; a frame one still
-                # reads into a target gets as long as one part-way received by this thread
-                drop_late(min(settle_by, time.monotonic() + FINISH_S))
+            if late:  # (a mismatch settled them) the readers keep those sockets; a frame one
+                # still reads into a target gets as long as one part-way received by this thread
+                drop_late(set(late), min(settle_by, time.monotonic() + FINISH_S))
         return frames
 
     def _release_done(
