@@ -1217,6 +1217,10 @@ class Mesh:
             check()
             aborting = False
 
+        def received(j: int) -> bool:
+            """Whether receive ``j`` is complete (in place, or settled from the mailbox)."""
+            return ops[OPW * (ns + j) + 5] >= HEADER_SIZE + recvs[j].size
+
         def take_early(peers: set[int] | None) -> None:
             """Settle the frames the reader threads of ``peers`` (None: all) delivered to the
             mailbox before this transfer owned their sockets (a socket's frames arrive in
@@ -1227,13 +1231,13 @@ class Mesh:
             for j, x in enumerate(recvs):
                 if (peers is not None and x.peer not in peers) or x.peer in done:
                     continue
-                i = ns + j
-                if ops[OPW * i + 5] >= HEADER_SIZE + x.size:
+                if received(j):
                     continue  # settled before (several receives may share a key)
                 early = self.mailbox.take(x.key)
                 if early is None:
                     done.add(x.peer)
                     continue
+                i = ns + j
                 frames[j], ok = _settle(early, x, conns[x.peer].spares)
                 ops[OPW * i + 5] = HEADER_SIZE + x.size
                 bad = bad or not ok
@@ -1289,13 +1293,9 @@ class Mesh:
                 # a claimed socket whose receives all came through the mailbox: nothing to wait for
                 drop_late(
                     {
-                        peer
-                        for peer in late
-                        if all(
-                            ops[OPW * (ns + j) + 5] >= HEADER_SIZE + x.size
-                            for j, x in enumerate(recvs)
-                            if x.peer == peer
-                        )
+                        p
+                        for p in late
+                        if all(received(j) for j, x in enumerate(recvs) if x.peer == p)
                     },
                     deadline,
                 )
@@ -1375,11 +1375,7 @@ class Mesh:
             for conn in owned:
                 conn.seen = now
             for j, x in enumerate(recvs):
-                if (
-                    not bad
-                    and frames[j] is None
-                    and ops[OPW * (ns + j) + 5] == HEADER_SIZE + x.size
-                ):
+                if not bad and frames[j] is None and received(j):
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
         except BaseException as e:
             settle_by = time.monotonic() + (ABORT_FINISH_S if aborting else FINISH_S)
