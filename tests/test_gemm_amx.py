@@ -258,3 +258,34 @@ def test_amx_zero_k_through_the_api():
     a, b = torch.zeros(64, 0, dtype=torch.bfloat16), torch.zeros(0, 48, dtype=torch.bfloat16)
     out = G.mm(a, b, bias=torch.ones(48, dtype=torch.bfloat16))
     assert torch.equal(out, torch.ones(64, 48, dtype=torch.bfloat16))
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [2048, 2056], ids=["aligned_rows", "mixed_rows"])
+def test_amx_bf16_rows_round_as_torch(n):
+    """A row's 32 bf16 outputs go out as one 64-byte vector, streamed or stored: every value
+    (ties, infinities; NaN as 0x7fc0) is the kernel's own fp32 sum rounded as torch rounds
+    it, on streamed and cached rows alike (the output is past AMX_STREAM_MIN_BYTES; with N = 2056
+    only some rows start on a 64-byte line)."""
+    from torchport.gemm import templates
+
+    m = -(-templates.AMX_STREAM_MIN_BYTES // (n * 2)) + 5
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(m, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(64, n, generator=g).to(torch.bfloat16)
+    a[2, 0] = float("inf")
+    a[3, 7] = float("nan")
+    a[4] = torch.ldexp(torch.ones(64), torch.arange(64) % 9 - 4).to(torch.bfloat16)
+    b[:, 5] = torch.ldexp(torch.ones(64), -(torch.arange(64) % 9)).to(torch.bfloat16)  # ties
+    cfg = Config(*AMX_TILE, 128, dp=AMX)
+    out = run_native(a, b, EpilogueSpec(), [], cfg)
+    sums = run_native(a, b, EpilogueSpec.decode("out=f32"), [], cfg)
+    assert out.numel() * 2 >= templates.AMX_STREAM_MIN_BYTES
+    want = sums.to(torch.bfloat16)
+    nan = want.isnan()  # (torch's NaN bits differ by build; ours is always 0x7fc0)
+    assert torch.equal(out.isnan(), nan) and nan[3].all()
+    assert torch.equal(
+        out.view(torch.int16)[nan], torch.full_like(out.view(torch.int16)[nan], 0x7FC0)
+    )
+    assert torch.equal(out.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert out[2].isinf().any()

@@ -1010,9 +1010,13 @@ AMX_MR, AMX_NR = 32, 32
 
 # Outputs from this size up are written with non-temporal stores (measured two threads, bf16
 # M=2048 1024->4096, mc 512, kc 256, best of 7 in a C harness: 2541 / 2749 GFLOP/s against 2113 /
-# 2187 with ordinary stores, whose read for ownership doubles the output's memory traffic);
-# smaller ones stay in cache for the next layer
-AMX_STREAM_MIN_BYTES = 16 << 20
+# 2187 with ordinary stores, whose read for ownership doubles the output's memory traffic). From
+# 16 MiB until the thirtieth session; at 1 MiB (half a core's L2), interleaved medians of 7 against
+# ATen in the same run, GFLOP/s, best mc: M=512 768->3072 (3 MiB out) 2388-2648 against 2076-2292
+# with ordinary stores, 2048 768->3072 2489-2552 against 1858-1989, 512 1024->4096 2507-2715
+# against 2135-2307; an up and a down projection in a row (the second reads the streamed output)
+# lost nothing measurable
+AMX_STREAM_MIN_BYTES = 1 << 20
 
 _AMX = r"""
 #include <stdlib.h>
@@ -1079,22 +1083,34 @@ typedef struct {
     int rows, done;
 } tp_amx_pend_t;
 
-/* Applies the epilogue to rows [p->done, upto) of the pending block and stores them to C
-   (whole aligned 64-byte lines with non-temporal stores when stream) */
+/* Applies the epilogue to rows [p->done, upto) of the pending block and stores them to C, a
+   row's 32 outputs from registers (bf16: one 64-byte vector), with non-temporal stores when
+   stream and the row's line(s) are aligned (no read for ownership) */
 TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t ldc, int stream,
         const void *const *ep, const int64_t *eld) {
     const float *blk = p->blk;
     const int64_t i = p->i, j = p->j, nr = p->nr;
     for (int r = p->done; r < upto; ++r) {
         otype_t *c = C + (i + r) * ldc + j;
-        if (nr == 32) { /* the row's line(s) through a buffer where they are streamed */
-            otype_t line[32] __attribute__((aligned(64)));
+        if (nr == 32) {
+            const __m512 lo = tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld);
+            const __m512 hi = tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld);
             const int nt = stream && ((uintptr_t)c & 63) == 0;
-            otype_t *dst = nt ? line : c;
-            VSTORE_OTAG(dst, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
-            VSTORE_OTAG(dst + 16, tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
-            for (size_t q = 0; nt && q < sizeof line; q += 64)
-                _mm512_stream_si512((__m512i *)((char *)c + q), _mm512_load_si512((const char *)line + q));
+#if TP_OUT_BF16
+            const __m512i line = tp_f32x32_to_bf16_line(lo, hi);
+            if (nt)
+                _mm512_stream_si512((__m512i *)c, line);
+            else
+                _mm512_storeu_si512(c, line);
+#else
+            if (nt) {
+                _mm512_stream_ps(c, lo);
+                _mm512_stream_ps(c + 16, hi);
+            } else {
+                _mm512_storeu_ps(c, lo);
+                _mm512_storeu_ps(c + 16, hi);
+            }
+#endif
         } else {
             for (int64_t q = 0; q < nr; ++q)
                 SSTORE_OTAG(c + q, tp_epi_s(blk[r * 32 + q], i + r, j + q, ep, eld));
@@ -1127,10 +1143,9 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
     const int64_t kcb = kc > 0 ? TP_MAX(1, kc / 32) : TP_MAX(1, kt);
     int64_t nt = TP_MIN(nthreads, np * nmb);
     if ((double)M * (double)N * (double)kp < 65536.0) nt = 1;
-    /* one M block (weight streaming): runs of panels per chunk, TP_CHUNKS_PER_THREAD per
-       thread, so the B prefetch below runs on into the chunk's next panel; else one panel */
-    const int64_t npc = nmb == 1 && nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD)
-                        : nmb == 1 ? 1 : np;
+    /* a chunk is an M block and a run of panels (TP_CHUNKS_PER_THREAD runs per thread and M
+       block), so the B prefetches below run on into the chunk's next panel */
+    const int64_t npc = nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD) : 1;
     const int64_t nch = npc * nmb;
     const int64_t pfb = pf * 2048; /* bytes of the panel stream ahead (pf k steps of 2 KB) */
     /* an output larger than TP_AMX_STREAM_MIN_BYTES is written with non-temporal stores (whole
@@ -1170,7 +1185,8 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                 configured = 1;
             }
             TP_TILE_FENCE(); /* W's copy (the omp for's barrier is a call too) */
-            for (int64_t jp = np * pc / npc; jp < np * (pc + 1) / npc; ++jp) {
+            const int64_t jend = np * (pc + 1) / npc;
+            for (int64_t jp = np * pc / npc; jp < jend; ++jp) {
             const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
             const uint32_t *bp = Bp + jp * kp * 32;
             float *const half = acc + (jp & 1) * mc * 32;
@@ -1181,6 +1197,21 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                step): vector work beside the tile unit's, which has its own pipes */
             for (int64_t k0 = 0; k0 == 0 || k0 < kt; k0 += kcb) {
                 const int64_t k1 = TP_MIN(kt, k0 + kcb), steps = TP_MAX(1, k1 - k0);
+                /* the next K block's slice of B (this panel's, or the chunk's next panel's
+                   first), a few lines per k step over this K block's row blocks, so the first
+                   row block of the next K block finds it in L1 (a C harness of this loop, one
+                   thread, random bf16, 16 row blocks of 8 k steps, B from L3: 1.38-1.51 ->
+                   1.52-1.67 TFLOP/s, three runs each) */
+                const char *nx = NULL;
+                int64_t nxl = 0, nxq = 0;
+                if (k1 < kt) {
+                    nx = (const char *)(bp + k1 * 512);
+                    nxl = (TP_MIN(kt, k1 + kcb) - k1) * 32;
+                } else if (jp + 1 < jend) {
+                    nx = (const char *)(Bp + (jp + 1) * kp * 32);
+                    nxl = TP_MIN(kt, kcb) * 32;
+                }
+                const int64_t nxper = (nxl + nb * steps - 1) / (nb * steps);
                 for (int64_t b = 0; b < nb; ++b) {
                     const int64_t i = i0 + 32 * b;
                     const int two = i + 16 < i1;
@@ -1209,6 +1240,7 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     }
                     for (int64_t kk = k0; kk < k1; ++kk) {
                         const uint32_t *bk = bp + kk * 16 * 32;
+                        for (int64_t e = 0; e < nxper && nxq < nxl; ++e, ++nxq) VPREFETCH(nx + 64 * nxq);
                         if (pfb) {
                             const char *q = (const char *)bk + pfb;
                             for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
@@ -1258,4 +1290,5 @@ def render_amx_source(spec: EpilogueSpec, otag: str) -> str:
     ``tp_gemm_amx_32x32`` for this epilogue and output dtype, and ``tp_amx_available``."""
     parts = _preamble(spec, "bf16", otag, "avx512", piecewise_gelu=True)
     parts.append(f"#define TP_AMX_STREAM_MIN_BYTES {AMX_STREAM_MIN_BYTES}")
+    parts.append(f"#define TP_OUT_BF16 {int(otag == 'bf16')}")
     return "\n".join([*parts, _AMX])
