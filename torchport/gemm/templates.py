@@ -1130,11 +1130,14 @@ TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t
    (two halves, alternate panels). A block finished by its last K block gets the K tail
    (kp % 16 pairs, vdpbf16ps from A itself) and becomes pending: its epilogue and its one store
    of C run a few rows per k step of the next block's K loop (the last one at the chunk's end).
-   Returns -1 when the OS refuses AMX (nothing written), -2 when a thread's buffer could not be
-   allocated, 0 when done. */
+   S holds the threads' sums: nthreads x (mc rounded up to 32) x 64 floats, 64-byte aligned
+   (the caller's workspace: an allocation here of 128 KB per thread went to mmap, so every
+   call paid its page faults and the unmap).
+   Returns -1 when the OS refuses AMX (nothing written), 0 when done. */
 TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int64_t lda,
         const uint32_t *Bp, int64_t M, int64_t N, int64_t kp, int64_t mc, int64_t kc,
-        int64_t pf, const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W) {
+        int64_t pf, const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W,
+        float *S) {
     if (M <= 0 || N <= 0) return 0;
     if (!tp_amx_permit()) return -1;
     mc = TP_MAX(32, (mc + 31) / 32 * 32);
@@ -1151,7 +1154,6 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
     /* an output larger than TP_AMX_STREAM_MIN_BYTES is written with non-temporal stores (whole
        64-byte lines, no read for ownership): it would not stay in L2 anyway */
     const int stream = (double)M * (double)N * sizeof(otype_t) >= (double)TP_AMX_STREAM_MIN_BYTES;
-    int fail = 0;
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
@@ -1169,16 +1171,11 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
         /* the fp32 sums, one 32 x 32 block (row stride 32) per 32 rows of the chunk, in two
            halves used by alternate panels (a block whose epilogue is pending stays intact while
            the next panel's blocks fill the other half) */
-        float *acc = (float *)aligned_alloc(64, (size_t)mc * 64 * sizeof(float));
+        float *const acc = S + (size_t)omp_get_thread_num() * (size_t)mc * 64;
         int configured = 0;
         tp_amx_pend_t pend = {0, 0, 0, 0, 0, 0};
-        if (!acc) {
-            #pragma omp atomic write
-            fail = 1;
-        }
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t ch = 0; ch < nch; ++ch) {
-            if (!acc) continue; /* fail is set: the call reports it */
             const int64_t i0 = (ch / npc) * mc, i1 = TP_MIN(M, i0 + mc), pc = ch % npc;
             if (!configured) {
                 tp_amx_config();
@@ -1278,9 +1275,8 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
         }
         if (configured) _tile_release();
         if (stream) _mm_sfence(); /* the streamed lines ordered before the region's barrier */
-        free(acc);
     }
-    return fail ? -2 : 0;
+    return 0;
 }
 """
 
