@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import struct
 
-from torchport.gemm.epilogue import EpilogueSpec, emit_c, emit_prefetch
+from torchport.gemm.epilogue import TRANSCENDENTAL_KINDS, EpilogueSpec, emit_c, emit_prefetch
 
 VW = {"avx2": 8, "avx512": 16, "scalar": 1}
 
@@ -1076,7 +1076,12 @@ static void tp_amx_ktail(float *acc, int nrow, const uint32_t *A, int64_t lda, c
     }
 }
 
-/* A finished 32 x 32 block of sums whose epilogue and store are still due: rows [done, rows) */
+/* rows ahead of the epilogue whose operand lines are prefetched */
+#define TP_AMX_EPI_AHEAD 8
+
+/* Finished sums (rows of 32 floats: a 32-row block, or with TP_AMX_PANEL_EPI a whole panel of
+   the chunk) whose epilogue and store are still due: rows [done, rows), C's rows i + done.. and
+   columns j.. j + nr */
 typedef struct {
     const float *blk;
     int64_t i, j, nr;
@@ -1092,6 +1097,11 @@ TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t
     const int64_t i = p->i, j = p->j, nr = p->nr;
     for (int r = p->done; r < upto; ++r) {
         otype_t *c = C + (i + r) * ldc + j;
+        if (r + TP_AMX_EPI_AHEAD < p->rows) { /* a later row's sums and operand lines */
+            VPREFETCH(blk + (r + TP_AMX_EPI_AHEAD) * 32);
+            VPREFETCH(blk + (r + TP_AMX_EPI_AHEAD) * 32 + 16);
+            tp_epi_pf(i + r + TP_AMX_EPI_AHEAD, j, nr, ep, eld);
+        }
         if (nr == 32) {
             const __m512 lo = tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld);
             const __m512 hi = tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld);
@@ -1129,7 +1139,9 @@ TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t
    (inner; 16 rows for the last odd one), the sums carried between K blocks in an fp32 buffer
    (two halves, alternate panels). A block finished by its last K block gets the K tail
    (kp % 16 pairs, vdpbf16ps from A itself) and becomes pending: its epilogue and its one store
-   of C run a few rows per k step of the next block's K loop (the last one at the chunk's end).
+   of C run a few rows per k step of the next block's K loop (the last one at the chunk's end);
+   with TP_AMX_PANEL_EPI (epilogues with a transcendental or a residual) a finished panel
+   becomes pending instead, its rows spread evenly over all of the chunk's next panel's k steps.
    S holds the threads' sums: nthreads x (mc rounded up to 32) x 64 floats, 64-byte aligned
    (the caller's workspace: an allocation here of 128 KB per thread went to mmap, so every
    call paid its page faults and the unmap).
@@ -1190,8 +1202,19 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
             /* K blocks of kcb tiles (one empty block when K has no whole tile: zero sums, then the
                K tail alone): the panel's kcb x 16 k pairs (2 kcb KB) stay in L1 while every
                32-row block of the chunk uses them; the sums go through acc between blocks. The
-               epilogue of a block runs spread over the next block's K loop (a few rows per k
-               step): vector work beside the tile unit's, which has its own pipes */
+               pending epilogue runs a few rows per k step: vector work beside the tile unit's,
+               which slows the tiles less the thinner it is spread. A block's over the next
+               block's steps of the last K block (a third of the time at K = 768, K blocks of
+               256); a heavy epilogue's (TP_AMX_PANEL_EPI) a whole panel's over all of the next
+               panel's steps, the same rows per step from the first K block to the last
+               (measured bf16 bias + GELU + residual over the bare kernel, interleaved medians
+               of 21: M=2048 768->3072 1.53-1.64x -> 1.41-1.45x, M=512 1024->4096 1.40-1.48x ->
+               1.24-1.36x; the bare kernel the other way 2-8 % slower, its sums from L2) */
+#if TP_AMX_PANEL_EPI
+            const int per = pend.done < pend.rows
+                ? (int)((pend.rows - pend.done + nb * TP_MAX(1, kt) - 1) / (nb * TP_MAX(1, kt)))
+                : 0;
+#endif
             for (int64_t k0 = 0; k0 == 0 || k0 < kt; k0 += kcb) {
                 const int64_t k1 = TP_MIN(kt, k0 + kcb), steps = TP_MAX(1, k1 - k0);
                 /* the next K block's slice of B (this panel's, or the chunk's next panel's
@@ -1214,10 +1237,12 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     const int two = i + 16 < i1;
                     const uint32_t *w0 = W + (i / 16) * kt * 256, *w1 = w0 + kt * 256;
                     float *blk = half + b * 1024;
+#if !TP_AMX_PANEL_EPI
                     const int per = pend.done < pend.rows
                         ? (int)((pend.rows - pend.done + steps - 1) / steps) : 0;
                     if (k1 == kt) /* the epilogue's operand lines, in flight during the last K block */
                         for (int64_t r = i; r < TP_MIN(i + 32, i1); ++r) tp_epi_pf(r, j, nr, ep, eld);
+#endif
                     if (k0 == 0) {
                         _tile_zero(0);
                         _tile_zero(1);
@@ -1262,14 +1287,22 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     }
                     _tile_stored(0, blk, 128);
                     _tile_stored(1, blk + 16, 128);
-                    if (k1 == kt) { /* the block is complete: its epilogue is the next pending */
+                    if (k1 == kt) { /* the block is complete: its K tail */
                         const int nrow = (int)TP_MIN(32, i1 - i);
-                        tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
+                        TP_TILE_FENCE(); /* (the tile stores before C code reads the sums) */
                         if (kt * 16 < kp) tp_amx_ktail(blk, nrow, A + i * lda, lda, bp, kt * 16, kp);
+#if !TP_AMX_PANEL_EPI /* and its epilogue the next pending */
+                        tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
                         pend = (tp_amx_pend_t){blk, i, j, nr, nrow, 0};
+#endif
                     }
                 }
             }
+#if TP_AMX_PANEL_EPI /* the panel is complete: the previous one's last rows out, this one pending */
+            tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
+            pend = (tp_amx_pend_t){half, i0, j, nr, (int)(i1 - i0), 0};
+            for (int64_t r = i0; r < TP_MIN(i1, i0 + TP_AMX_EPI_AHEAD); ++r) tp_epi_pf(r, j, nr, ep, eld);
+#endif
             }
             tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
         }
@@ -1287,4 +1320,6 @@ def render_amx_source(spec: EpilogueSpec, otag: str) -> str:
     parts = _preamble(spec, "bf16", otag, "avx512", piecewise_gelu=True)
     parts.append(f"#define TP_AMX_STREAM_MIN_BYTES {AMX_STREAM_MIN_BYTES}")
     parts.append(f"#define TP_OUT_BF16 {int(otag == 'bf16')}")
+    heavy = any(op.kind in (*TRANSCENDENTAL_KINDS, "add") for op in spec.ops)
+    parts.append(f"#define TP_AMX_PANEL_EPI {int(heavy)}")
     return "\n".join([*parts, _AMX])

@@ -141,8 +141,15 @@ TP_INLINE __m512i tp_f32x16_bf16_bits(__m512 v) {
 TP_INLINE void tp_f32x16_to_bf16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(tp_f32x16_bf16_bits(v)));
 }
-/* 32 fp32 (lo: the first 16) -> one 64-byte vector of 32 bf16, rounded as tp_f32x16_to_bf16 */
+/* 32 fp32 (lo: the first 16) -> one 64-byte vector of 32 bf16, rounded as tp_f32x16_to_bf16.
+   With AVX512-BF16 one vcvtne2ps2bf16 (nearest even too) unless a lane is NaN or subnormal,
+   which that instruction keeps the payload of or flushes to zero */
 TP_INLINE __m512i tp_f32x32_to_bf16_line(__m512 lo, __m512 hi) {
+#if defined(__AVX512BF16__)
+    const int odd = 0x01 | 0x20 | 0x80; /* fpclass: quiet NaN, subnormal, signalling NaN */
+    if (__builtin_expect((_mm512_fpclass_ps_mask(lo, odd) | _mm512_fpclass_ps_mask(hi, odd)) == 0, 1))
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#endif
     const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36,
         34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     return _mm512_permutex2var_epi16(tp_f32x16_bf16_bits(lo), even, tp_f32x16_bf16_bits(hi));
