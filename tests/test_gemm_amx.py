@@ -245,7 +245,8 @@ def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
 
 def test_amx_large_m_candidates_for_any_k():
     """K = 0 (no division by it), K <= 256 (the M-block candidates without K blocks rather than
-    dropped) and K >= 16384 (no candidate twice) on the large-M list."""
+    dropped) and K >= 16384 (no candidate twice) on the large-M list; M blocks of 128 rows or
+    more at any K."""
     mm = importlib.import_module("torchport.gemm.mm")
     for k in (0, 1, 100, 256, 257, 768, 16384, 65536):
         cands = mm.candidates(64, 48, k, "avx512", 2)
@@ -255,6 +256,7 @@ def test_amx_large_m_candidates_for_any_k():
         if kernels.amx_ready() and k > 0:
             assert len(amx) >= 2, (k, names)
             assert all(int(c.param("kc")) < max(k, 2) for c in amx)
+            assert all(int(c.param("mc")) >= 128 for c in amx)  # (fewer passes over B)
 
 
 @needs_amx

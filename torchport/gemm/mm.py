@@ -194,14 +194,16 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
                 # bf16, interleaved medians of 15, GFLOP/s for mc 512 / 256 / 128, kc 256, and
                 # ATen (oneDNN on AMX): M=2048 1024->4096 2153 / 2060 / 1882, ATen 2508; M=512
                 # 768->3072 2313 / 1948 / 1717, ATen 2204; M=512 4096->11008 1368 / 1667 /
-                # 1599, ATen 1809)
-                fit = max(64, min(512, (2 << 20) // (2 * max(k, 1)) // 32 * 32))
+                # 1599, ATen 1809). At least 128 rows: below that every M block streams the
+                # weight again (in-process A/B of the kernel alone, bf16 + bias, M=512
+                # 11008->4096: mc 64 37.5 ms, 128 29.2, 256 29.4, 512 28.2)
+                fit = max(128, min(512, (2 << 20) // (2 * max(k, 1)) // 32 * 32))
                 kb = 256 if k > 256 else 0  # (one K block would be the whole K anyway)
                 cfgs = list(
-                    dict.fromkeys(  # (distinct: fit and fit / 2 are both 64 from K = 16384 up)
+                    dict.fromkeys(  # (distinct: fit and fit / 2 are both 128 from K = 8192 up)
                         [
                             Config(*kernels.AMX_TILE, fit, kc=kb, dp=kernels.AMX),
-                            Config(*kernels.AMX_TILE, max(64, fit // 2), kc=kb, dp=kernels.AMX),
+                            Config(*kernels.AMX_TILE, max(128, fit // 2), kc=kb, dp=kernels.AMX),
                             Config(*kernels.AMX_TILE, 128, dp=kernels.AMX),
                         ]
                     )
