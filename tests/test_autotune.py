@@ -478,7 +478,7 @@ def test_noisy_search_win_is_rejected_by_confirmation(fresh_cache, fake_clock):
     """The case seen in the field: ATen's samples were inflated by a load burst during the
     one-after-the-other search (20 ms), so a native kernel at 12 ms 'won'; timed alternately,
     ATen is 1.6 ms and the native kernel is rejected, in memory and on disk."""
-    search_calls = 1 + 5  # check call (the warm-up), five timed repetitions
+    search_calls = 2 + 5  # check call (the warm-up), the settling call, five timed repetitions
     make = _fake_factory(
         fake_clock, lambda i: 0.020 if i < search_calls else 0.0016, lambda i: 0.012
     )
@@ -494,7 +494,7 @@ def test_noisy_search_win_is_rejected_by_confirmation(fresh_cache, fake_clock):
 
 
 def test_same_search_without_confirmation_would_pick_native(fresh_cache, fake_clock):
-    search_calls = 1 + 5
+    search_calls = 2 + 5
     make = _fake_factory(
         fake_clock, lambda i: 0.020 if i < search_calls else 0.0016, lambda i: 0.012
     )
@@ -563,9 +563,10 @@ def test_budget_caps_the_search_time(fresh_cache, fake_clock):
     make = _fake_factory(fake_clock, lambda i: 0.05, lambda i: 0.02, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "budget"}, make, budget_s=0.3)
-    # per candidate: one checked call (the warm-up), then timed calls until its 0.15 s share
-    assert calls.count("aten") == 1 + 3  # 0.05 s each: the three-call minimum
-    assert calls.count("native") == 1 + 8  # 0.02 s each: 8 calls reach 0.16 s >= 0.15 s
+    # per candidate: one checked call (the warm-up), one settling call (no page faults here),
+    # then timed calls until its 0.15 s share
+    assert calls.count("aten") == 2 + 3  # 0.05 s each: the three-call minimum
+    assert calls.count("native") == 2 + 8  # 0.02 s each: 8 calls reach 0.16 s >= 0.15 s
     assert ch.candidate.name == "native"
 
 
@@ -579,7 +580,7 @@ def test_budget_times_calls_over_long_call_s_once(fresh_cache, fake_clock):
     make = _fake_factory(fake_clock, lambda i: t_long, lambda i: t_long / 2, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "over-long"}, make, budget_s=100.0, confirm=True)
-    assert calls.count("aten") == 1 + 1 and calls.count("native") == 1 + 1
+    assert calls.count("aten") == 2 + 1 and calls.count("native") == 2 + 1
     assert ch.candidate.name == "native"
 
 
@@ -591,14 +592,14 @@ def test_budget_times_long_calls_once(fresh_cache, fake_clock):
     make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.2, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "long"}, make, budget_s=0.3, confirm=True)
-    assert calls.count("aten") == 1 + 1 and calls.count("native") == 1 + 1
+    assert calls.count("aten") == 2 + 1 and calls.count("native") == 2 + 1
     assert ch.candidate.name == "native"
     calls.clear()
     close = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "long-close"}, close, budget_s=0.3, confirm=True)
     # 1.33x: confirmed in alternation, one round after the warm-up round
-    assert calls.count("aten") == 2 + 2 and calls.count("native") == 2 + 2
+    assert calls.count("aten") == 3 + 2 and calls.count("native") == 3 + 2
     assert ch.candidate.name == "native"
 
 
@@ -607,24 +608,26 @@ def test_long_calls_burst_on_the_candidates_confirmation_keeps_it(fresh_cache, f
     on the native kernel's confirmation calls no longer rejects a kernel whose fastest call, in
     the search, beat the anchor's fastest (the case seen with bf16 M=2048 768->3072)."""
     calls: list = []
-    # ATen 0.4 s a call; native 0.3 s, but 0.5 s through its confirmation (calls 2 and up)
-    make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3 if i < 2 else 0.5, calls)
+    # ATen 0.4 s a call; native 0.3 s, but 0.5 s through its confirmation (calls 3 and up)
+    make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3 if i < 3 else 0.5, calls)
     with config.override(autotune_reps=100, autotune_noise=0.03):
         ch = _select_pair({"case": "long-burst"}, make, budget_s=0.3, confirm=True)
     assert ch.timings_s["confirm:native"] == pytest.approx(0.5)  # the confirmation was hit ...
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.4)
-    assert calls.count("native") == 2 + 2  # ... in its one round after the warm-up
+    assert calls.count("native") == 3 + 2  # ... in its one round after the warm-up
     assert ch.candidate.name == "native"
     assert autotune.choice_cache.get("toy.pair", {"case": "long-burst"})["choice"] == "native"
 
 
 def test_long_calls_burst_on_the_anchors_search_is_still_rejected(fresh_cache, fake_clock):
-    """The guard's own case at long calls: ATen's search call was slowed (0.45 s, so a 0.3 s
-    kernel looked 1.5x faster); ATen's confirmation shows 0.28 s and the kernel is rejected."""
-    make = _fake_factory(fake_clock, lambda i: 0.45 if i < 2 else 0.28, lambda i: 0.3)
+    """The guard's own case at long calls: ATen's search call was slowed (0.44 s, so a 0.3 s
+    kernel looked 1.47x faster, just short of the 1.5x that skips the confirmation: at exactly
+    1.5x the fake clock's rounding decided it); ATen's confirmation shows 0.28 s and the kernel
+    is rejected."""
+    make = _fake_factory(fake_clock, lambda i: 0.44 if i < 3 else 0.28, lambda i: 0.3)
     with config.override(autotune_reps=100, autotune_noise=0.03):
         ch = _select_pair({"case": "long-anchor-burst"}, make, budget_s=0.3, confirm=True)
-    assert ch.timings_s["aten"] == pytest.approx(0.45)
+    assert ch.timings_s["aten"] == pytest.approx(0.44)
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.28)
     assert ch.candidate.name == "aten"
 
@@ -654,7 +657,8 @@ def _select_trio(key, make, cands=TRIO, **kw):
         )
 
 
-SEARCH_CALLS = 1 + 5  # per candidate: the checked call (the warm-up), five timed repetitions
+SEARCH_CALLS = 2 + 5  # per candidate: the checked call (the warm-up), the settling call (see
+# timing.settle_faults), five timed repetitions
 
 # "b" is slow only during the search (its first calls), so the search ranks it behind "a"
 LIED = {
@@ -778,3 +782,36 @@ def test_final_round_uses_final_factory_and_keeps_the_choice_when_it_fails(fresh
     )
     assert built == [["a", "b"]] and ch.candidate.name == "a"
     assert autotune.choice_cache.get("toy.trio", {"case": "ff"})["choice"] == "a"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts the process's minor page faults")
+def test_settle_faults_calls_until_a_call_takes_no_fresh_pages():
+    """The allocator's settling before a candidate is timed: untimed calls while each touches
+    fresh pages (here the first three map and write 4 MiB), at most SETTLE_FAULT_CALLS; it
+    returns the calls made and the last one's duration."""
+    import mmap
+
+    from torchport.autotune import timing
+
+    made: list[int] = []
+
+    def fresh_then_quiet(x):
+        made.append(1)
+        if len(made) <= 3:
+            with mmap.mmap(-1, 4 << 20) as m:
+                m.write(b"\1" * (4 << 20))  # ~1024 page faults
+        return x
+
+    n, last_s = timing.settle_faults(fresh_then_quiet, [(1,)], max_time_s=10.0)
+    assert n == 4 and len(made) == 4 and last_s >= 0.0
+
+    def always_fresh(x):
+        with mmap.mmap(-1, 4 << 20) as m:
+            m.write(b"\1" * (4 << 20))
+        return x
+
+    assert timing.settle_faults(always_fresh, [(1,)], max_time_s=10.0)[0] == (
+        timing.SETTLE_FAULT_CALLS
+    )
+    # past max_time_s it stops after the first call, faults or not
+    assert timing.settle_faults(always_fresh, [(1,)], max_time_s=0.0)[0] == 1

@@ -207,9 +207,10 @@ def test_amx_streamed_outputs(n, chain):
 @pytest.mark.parametrize("m,n,k", [(100, 130, 200), (33, 300, 64), (64, 97, 31)], ids=str)
 def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
     """A block's epilogue runs spread over the next block's K loop (the next row block, or the
-    next panel's first block, whose sums go to the other half of the buffer), the last one at
-    the end of the chunk; with K blocks, several row blocks and a K tail, every row's residual
-    and bias land on their own outputs."""
+    next panel's first block, whose sums go to the other half of the buffer), a heavy epilogue's
+    (residual, activation) a whole panel's over the next panel's, the last one at the end of the
+    chunk; with K blocks, several row blocks and a K tail, every row's residual, scale and bias
+    land on their own outputs."""
     spec = EpilogueSpec.decode("bias_col:bf16;gelu;add:bf16;scale_row:f32")
     a, b = _make(m, n, k, torch.bfloat16, "c", "weight_t")
     ops = _operands(spec, m, n)
@@ -226,6 +227,10 @@ def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
         torch.pow(2.0, torch.arange(m).remainder(5).float() - 2),
     ]
     want = mm_reference(ai, bi, exact, ex_ops)
+    # without a residual or an activation the epilogue is a block's, not a panel's (TP_AMX_PANEL_EPI)
+    plain = EpilogueSpec.decode("bias_col:bf16;relu;scale_row:f32;out=f32")
+    plain_ops = [ex_ops[0], ex_ops[2]]
+    want_plain = mm_reference(ai, bi, plain, plain_ops)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -233,13 +238,15 @@ def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
             cfg = Config(*AMX_TILE, mc, pf, kc=kc, dp=AMX)
             _assert_close(run_native(a, b, spec, ops, cfg), a, b, spec, ops)
             assert torch.equal(run_native(ai, bi, exact, ex_ops, cfg), want)
+            assert torch.equal(run_native(ai, bi, plain, plain_ops, cfg), want_plain)
     finally:
         torch.set_num_threads(before)
 
 
 def test_amx_large_m_candidates_for_any_k():
     """K = 0 (no division by it), K <= 256 (the M-block candidates without K blocks rather than
-    dropped) and K >= 16384 (no candidate twice) on the large-M list."""
+    dropped) and K >= 16384 (no candidate twice) on the large-M list; M blocks of 128 rows or
+    more at any K."""
     mm = importlib.import_module("torchport.gemm.mm")
     for k in (0, 1, 100, 256, 257, 768, 16384, 65536):
         cands = mm.candidates(64, 48, k, "avx512", 2)
@@ -249,6 +256,7 @@ def test_amx_large_m_candidates_for_any_k():
         if kernels.amx_ready() and k > 0:
             assert len(amx) >= 2, (k, names)
             assert all(int(c.param("kc")) < max(k, 2) for c in amx)
+            assert all(int(c.param("mc")) >= 128 for c in amx)  # (fewer passes over B)
 
 
 @needs_amx
@@ -258,3 +266,43 @@ def test_amx_zero_k_through_the_api():
     a, b = torch.zeros(64, 0, dtype=torch.bfloat16), torch.zeros(0, 48, dtype=torch.bfloat16)
     out = G.mm(a, b, bias=torch.ones(48, dtype=torch.bfloat16))
     assert torch.equal(out, torch.ones(64, 48, dtype=torch.bfloat16))
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [2048, 2056], ids=["aligned_rows", "mixed_rows"])
+def test_amx_bf16_rows_round_as_torch(n):
+    """A row's 32 bf16 outputs go out as one 64-byte vector, streamed or stored: every value
+    (ties, infinities, subnormals; NaN as 0x7fc0) is the kernel's own fp32 sum rounded as torch rounds
+    it, on streamed and cached rows alike (the output is past AMX_STREAM_MIN_BYTES; with N = 2056
+    only some rows start on a 64-byte line)."""
+    from torchport.gemm import templates
+
+    m = -(-templates.AMX_STREAM_MIN_BYTES // (n * 2)) + 5
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(m, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(64, n, generator=g).to(torch.bfloat16)
+    a[2, 0] = float("inf")
+    a[3, 7] = float("nan")
+    a[4] = torch.ldexp(torch.ones(64), torch.arange(64) % 9 - 4).to(torch.bfloat16)
+    b[:, 5] = torch.ldexp(torch.ones(64), -(torch.arange(64) % 9)).to(torch.bfloat16)  # ties
+    cfg = Config(*AMX_TILE, 128, dp=AMX)
+    out = run_native(a, b, EpilogueSpec(), [], cfg)
+    sums = run_native(a, b, EpilogueSpec.decode("out=f32"), [], cfg)
+    assert out.numel() * 2 >= templates.AMX_STREAM_MIN_BYTES
+    want = sums.to(torch.bfloat16)
+    nan = want.isnan()  # (torch's NaN bits differ by build; ours is always 0x7fc0)
+    assert torch.equal(out.isnan(), nan) and nan[3].all()
+    assert torch.equal(
+        out.view(torch.int16)[nan], torch.full_like(out.view(torch.int16)[nan], 0x7FC0)
+    )
+    assert torch.equal(out.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert out[2].isinf().any()
+    # subnormal outputs (a row scale of 2^-130 on normal sums) round as torch rounds them too
+    tiny = EpilogueSpec.decode("scale_row:f32")
+    scale = torch.full((m,), 2.0**-130)
+    scale[0] = 1.0
+    sub = run_native(a, b, tiny, [scale], cfg)
+    want = (sums * scale[:, None]).to(torch.bfloat16)
+    fin = ~want.isnan()
+    assert torch.equal(sub.view(torch.int16)[fin], want.view(torch.int16)[fin])
+    assert ((sub[5:] != 0) & (sub[5:].abs() < 2.0**-126)).any()

@@ -488,7 +488,7 @@ def amx_ready() -> bool:
 def _amx_function(spec: EpilogueSpec, otag: str) -> Any:
     fn = _amx_library(spec, otag).tp_gemm_amx_32x32
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p]
+    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p, p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -523,6 +523,11 @@ def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Lau
         work = native.thread_scratch(
             "gemm.amx_a", max(1, (m + 15) // 16 * (kp // 16) * 512), torch.bfloat16
         )
+        # each thread's fp32 sums: mc rounded up to 32 rows, times 64 columns (two halves)
+        nthreads = min(nt, threads) if nt else threads
+        sums = native.thread_scratch(
+            "gemm.amx_sums", nthreads * max(32, (mc + 31) // 32 * 32) * 64, torch.float32
+        )
         status = fn(
             c.data_ptr(),
             n,
@@ -537,11 +542,10 @@ def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Lau
             pf,
             eptr,
             eld,
-            min(nt, threads) if nt else threads,
+            nthreads,
             work.data_ptr(),
+            sums.data_ptr(),
         )
-        if status == -2:
-            raise MemoryError(f"tp_gemm_amx_32x32: no memory for a thread's sums ({cfg})")
         if status != 0:
             raise RuntimeError(f"tp_gemm_amx_32x32 returned status {status} for {cfg}")
         return c

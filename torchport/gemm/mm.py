@@ -60,6 +60,16 @@ FINAL_ROUND_SHARE = 0.3
 # --- candidates ----------------------------------------------------------------------------------
 
 
+def _flop_rate(m: int, isa: str, elem_size: int) -> float:
+    """About how fast (FLOP/s, conservative) the tuned kernels run a problem of ``m`` rows,
+    for tuning-cost estimates: bf16 beyond SMALL_M rows 1e12 on AMX, 2.5e11 on vdpbf16ps;
+    anything else 5e10 (small M is costed by its weight bytes besides)."""
+    bf16_dp = elem_size == 2 and isa == "avx512" and native.cpu_info().has_avx512_bf16
+    if m > SMALL_M and bf16_dp:
+        return 1e12 if kernels.amx_ready() else 2.5e11
+    return 5e10
+
+
 def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Candidate]:
     """ATen anchor plus at most nine native configurations for this problem size: register
     tiles and prefetch for the weight-streaming small-M path (plus a K-split across the threads
@@ -80,8 +90,6 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
     # bf16 on AMX tiles where the machine has them (Sapphire Rapids and later): 16 x 16 x 32
     # products per instruction, the rate ATen's oneDNN reaches there with its own AMX kernels
     amx = dp and kernels.amx_ready()
-    # calls run at about this rate (FLOP/s) when estimating tuning cost (conservative)
-    rate = 5e10
     if scale == 0:
         cfgs = [Config(4, 4, max(m, 1)), Config(1, 8, max(m, 1))]
     elif m <= SMALL_M:
@@ -178,7 +186,6 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
                 Config(4, 96, min(m, 256), dp=1),
                 *cfgs[:1],
             ]
-            rate = 2.5e11
             if amx:
                 # K blocks of 256 (the panel's 16 KB slice stays in L1 while the chunk's 32-row
                 # blocks use it); M blocks as large as keep the block of A (mc x K bf16) within
@@ -187,14 +194,16 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
                 # bf16, interleaved medians of 15, GFLOP/s for mc 512 / 256 / 128, kc 256, and
                 # ATen (oneDNN on AMX): M=2048 1024->4096 2153 / 2060 / 1882, ATen 2508; M=512
                 # 768->3072 2313 / 1948 / 1717, ATen 2204; M=512 4096->11008 1368 / 1667 /
-                # 1599, ATen 1809)
-                fit = max(64, min(512, (2 << 20) // (2 * max(k, 1)) // 32 * 32))
+                # 1599, ATen 1809). At least 128 rows: below that every M block streams the
+                # weight again (in-process A/B of the kernel alone, bf16 + bias, M=512
+                # 11008->4096: mc 64 37.5 ms, 128 29.2, 256 29.4, 512 28.2)
+                fit = max(128, min(512, (2 << 20) // (2 * max(k, 1)) // 32 * 32))
                 kb = 256 if k > 256 else 0  # (one K block would be the whole K anyway)
                 cfgs = list(
-                    dict.fromkeys(  # (distinct: fit and fit / 2 are both 64 from K = 16384 up)
+                    dict.fromkeys(  # (distinct: fit and fit / 2 are both 128 from K = 8192 up)
                         [
                             Config(*kernels.AMX_TILE, fit, kc=kb, dp=kernels.AMX),
-                            Config(*kernels.AMX_TILE, max(64, fit // 2), kc=kb, dp=kernels.AMX),
+                            Config(*kernels.AMX_TILE, max(128, fit // 2), kc=kb, dp=kernels.AMX),
                             Config(*kernels.AMX_TILE, 128, dp=kernels.AMX),
                         ]
                     )
@@ -202,10 +211,9 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
                 # no vdpbf16ps tiles beside them: 4-6x slower than AMX and ATen there (tuning
                 # of M=2048 768->3072: 44-46 ms per call against 7-11 ms), they took timing
                 # budget from the two that decide
-                rate = 1e12
         cfgs = [c for c in cfgs if c.kc < k]
     # problems whose single call is long get fewer candidates (cold-tuning budget)
-    est_s = 2.0 * m * n * k / rate
+    est_s = 2.0 * m * n * k / _flop_rate(m, isa, elem_size)
     if est_s > 0.05:
         cfgs = cfgs[: max(1, int(0.4 / est_s))]
     if n * k * elem_size >= L3_BYTES:
@@ -694,7 +702,11 @@ def _choose(
         return premade.pop() if premade else make_args()
 
     # fit the timing into the cold-tuning budget: reps so that candidates x calls x est <= budget
-    est = 2.0 * mb * n * k / 5e10 + (k * n * b.element_size()) / 2e10
+    # (at 5e10 FLOP/s for every shape an AMX call of 7 ms was costed 0.34 s: one timed call
+    # per candidate, and the first candidate after the anchor absorbed the allocator's warm-up,
+    # a fresh 16 MB output of page faults per call for the first few calls, 16 against 7 ms)
+    est = 2.0 * mb * n * k / _flop_rate(mb, isa, b.element_size())
+    est += (k * n * b.element_size()) / 2e10
     reps = int(budget / (len(cands) * max(est, 1e-6))) - 2
     reps = max(1, min(config.get("autotune_reps"), reps))
     with config.override(autotune_reps=reps):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import struct
 
-from torchport.gemm.epilogue import EpilogueSpec, emit_c, emit_prefetch
+from torchport.gemm.epilogue import TRANSCENDENTAL_KINDS, EpilogueSpec, emit_c, emit_prefetch
 
 VW = {"avx2": 8, "avx512": 16, "scalar": 1}
 
@@ -1010,9 +1010,13 @@ AMX_MR, AMX_NR = 32, 32
 
 # Outputs from this size up are written with non-temporal stores (measured two threads, bf16
 # M=2048 1024->4096, mc 512, kc 256, best of 7 in a C harness: 2541 / 2749 GFLOP/s against 2113 /
-# 2187 with ordinary stores, whose read for ownership doubles the output's memory traffic);
-# smaller ones stay in cache for the next layer
-AMX_STREAM_MIN_BYTES = 16 << 20
+# 2187 with ordinary stores, whose read for ownership doubles the output's memory traffic). From
+# 16 MiB until the thirtieth session; at 1 MiB (half a core's L2), interleaved medians of 7 against
+# ATen in the same run, GFLOP/s, best mc: M=512 768->3072 (3 MiB out) 2388-2648 against 2076-2292
+# with ordinary stores, 2048 768->3072 2489-2552 against 1858-1989, 512 1024->4096 2507-2715
+# against 2135-2307; an up and a down projection in a row (the second reads the streamed output)
+# lost nothing measurable
+AMX_STREAM_MIN_BYTES = 1 << 20
 
 _AMX = r"""
 #include <stdlib.h>
@@ -1072,29 +1076,51 @@ static void tp_amx_ktail(float *acc, int nrow, const uint32_t *A, int64_t lda, c
     }
 }
 
-/* A finished 32 x 32 block of sums whose epilogue and store are still due: rows [done, rows) */
+/* rows ahead of the epilogue whose operand lines are prefetched */
+#define TP_AMX_EPI_AHEAD 8
+
+/* Finished sums (rows of 32 floats: a 32-row block, or with TP_AMX_PANEL_EPI a whole panel of
+   the chunk) whose epilogue and store are still due: rows [done, rows), C's rows i + done.. and
+   columns j.. j + nr */
 typedef struct {
     const float *blk;
     int64_t i, j, nr;
     int rows, done;
 } tp_amx_pend_t;
 
-/* Applies the epilogue to rows [p->done, upto) of the pending block and stores them to C
-   (whole aligned 64-byte lines with non-temporal stores when stream) */
+/* Applies the epilogue to rows [p->done, upto) of the pending block and stores them to C, a
+   row's 32 outputs from registers (bf16: one 64-byte vector), with non-temporal stores when
+   stream and the row's line(s) are aligned (no read for ownership) */
 TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t ldc, int stream,
         const void *const *ep, const int64_t *eld) {
     const float *blk = p->blk;
     const int64_t i = p->i, j = p->j, nr = p->nr;
     for (int r = p->done; r < upto; ++r) {
         otype_t *c = C + (i + r) * ldc + j;
-        if (nr == 32) { /* the row's line(s) through a buffer where they are streamed */
-            otype_t line[32] __attribute__((aligned(64)));
+        if (r + TP_AMX_EPI_AHEAD < p->rows) { /* a later row's sums and operand lines */
+            VPREFETCH(blk + (r + TP_AMX_EPI_AHEAD) * 32);
+            VPREFETCH(blk + (r + TP_AMX_EPI_AHEAD) * 32 + 16);
+            tp_epi_pf(i + r + TP_AMX_EPI_AHEAD, j, nr, ep, eld);
+        }
+        if (nr == 32) {
+            const __m512 lo = tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld);
+            const __m512 hi = tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld);
             const int nt = stream && ((uintptr_t)c & 63) == 0;
-            otype_t *dst = nt ? line : c;
-            VSTORE_OTAG(dst, tp_epi_v(_mm512_load_ps(blk + r * 32), i + r, j, ep, eld));
-            VSTORE_OTAG(dst + 16, tp_epi_v(_mm512_load_ps(blk + r * 32 + 16), i + r, j + 16, ep, eld));
-            for (size_t q = 0; nt && q < sizeof line; q += 64)
-                _mm512_stream_si512((__m512i *)((char *)c + q), _mm512_load_si512((const char *)line + q));
+#if TP_OUT_BF16
+            const __m512i line = tp_f32x32_to_bf16_line(lo, hi);
+            if (nt)
+                _mm512_stream_si512((__m512i *)c, line);
+            else
+                _mm512_storeu_si512(c, line);
+#else
+            if (nt) {
+                _mm512_stream_ps(c, lo);
+                _mm512_stream_ps(c + 16, hi);
+            } else {
+                _mm512_storeu_ps(c, lo);
+                _mm512_storeu_ps(c + 16, hi);
+            }
+#endif
         } else {
             for (int64_t q = 0; q < nr; ++q)
                 SSTORE_OTAG(c + q, tp_epi_s(blk[r * 32 + q], i + r, j + q, ep, eld));
@@ -1113,12 +1139,17 @@ TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t
    (inner; 16 rows for the last odd one), the sums carried between K blocks in an fp32 buffer
    (two halves, alternate panels). A block finished by its last K block gets the K tail
    (kp % 16 pairs, vdpbf16ps from A itself) and becomes pending: its epilogue and its one store
-   of C run a few rows per k step of the next block's K loop (the last one at the chunk's end).
-   Returns -1 when the OS refuses AMX (nothing written), -2 when a thread's buffer could not be
-   allocated, 0 when done. */
+   of C run a few rows per k step of the next block's K loop (the last one at the chunk's end);
+   with TP_AMX_PANEL_EPI (epilogues with a transcendental or a residual) a finished panel
+   becomes pending instead, its rows spread evenly over all of the chunk's next panel's k steps.
+   S holds the threads' sums: nthreads x (mc rounded up to 32) x 64 floats, 64-byte aligned
+   (the caller's workspace: an allocation here of 128 KB per thread went to mmap, so every
+   call paid its page faults and the unmap).
+   Returns -1 when the OS refuses AMX (nothing written), 0 when done. */
 TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int64_t lda,
         const uint32_t *Bp, int64_t M, int64_t N, int64_t kp, int64_t mc, int64_t kc,
-        int64_t pf, const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W) {
+        int64_t pf, const void *const *ep, const int64_t *eld, int64_t nthreads, uint32_t *W,
+        float *S) {
     if (M <= 0 || N <= 0) return 0;
     if (!tp_amx_permit()) return -1;
     mc = TP_MAX(32, (mc + 31) / 32 * 32);
@@ -1127,16 +1158,14 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
     const int64_t kcb = kc > 0 ? TP_MAX(1, kc / 32) : TP_MAX(1, kt);
     int64_t nt = TP_MIN(nthreads, np * nmb);
     if ((double)M * (double)N * (double)kp < 65536.0) nt = 1;
-    /* one M block (weight streaming): runs of panels per chunk, TP_CHUNKS_PER_THREAD per
-       thread, so the B prefetch below runs on into the chunk's next panel; else one panel */
-    const int64_t npc = nmb == 1 && nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD)
-                        : nmb == 1 ? 1 : np;
+    /* a chunk is an M block and a run of panels (TP_CHUNKS_PER_THREAD runs per thread and M
+       block), so the B prefetches below run on into the chunk's next panel */
+    const int64_t npc = nt > 1 ? TP_MIN(np, nt * TP_CHUNKS_PER_THREAD) : 1;
     const int64_t nch = npc * nmb;
     const int64_t pfb = pf * 2048; /* bytes of the panel stream ahead (pf k steps of 2 KB) */
     /* an output larger than TP_AMX_STREAM_MIN_BYTES is written with non-temporal stores (whole
        64-byte lines, no read for ownership): it would not stay in L2 anyway */
     const int stream = (double)M * (double)N * sizeof(otype_t) >= (double)TP_AMX_STREAM_MIN_BYTES;
-    int fail = 0;
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
@@ -1154,42 +1183,66 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
         /* the fp32 sums, one 32 x 32 block (row stride 32) per 32 rows of the chunk, in two
            halves used by alternate panels (a block whose epilogue is pending stays intact while
            the next panel's blocks fill the other half) */
-        float *acc = (float *)aligned_alloc(64, (size_t)mc * 64 * sizeof(float));
+        float *const acc = S + (size_t)omp_get_thread_num() * (size_t)mc * 64;
         int configured = 0;
         tp_amx_pend_t pend = {0, 0, 0, 0, 0, 0};
-        if (!acc) {
-            #pragma omp atomic write
-            fail = 1;
-        }
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t ch = 0; ch < nch; ++ch) {
-            if (!acc) continue; /* fail is set: the call reports it */
             const int64_t i0 = (ch / npc) * mc, i1 = TP_MIN(M, i0 + mc), pc = ch % npc;
             if (!configured) {
                 tp_amx_config();
                 configured = 1;
             }
             TP_TILE_FENCE(); /* W's copy (the omp for's barrier is a call too) */
-            for (int64_t jp = np * pc / npc; jp < np * (pc + 1) / npc; ++jp) {
+            const int64_t jend = np * (pc + 1) / npc;
+            for (int64_t jp = np * pc / npc; jp < jend; ++jp) {
             const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
             const uint32_t *bp = Bp + jp * kp * 32;
             float *const half = acc + (jp & 1) * mc * 32;
             /* K blocks of kcb tiles (one empty block when K has no whole tile: zero sums, then the
                K tail alone): the panel's kcb x 16 k pairs (2 kcb KB) stay in L1 while every
                32-row block of the chunk uses them; the sums go through acc between blocks. The
-               epilogue of a block runs spread over the next block's K loop (a few rows per k
-               step): vector work beside the tile unit's, which has its own pipes */
+               pending epilogue runs a few rows per k step: vector work beside the tile unit's,
+               which slows the tiles less the thinner it is spread. A block's over the next
+               block's steps of the last K block (a third of the time at K = 768, K blocks of
+               256); a heavy epilogue's (TP_AMX_PANEL_EPI) a whole panel's over all of the next
+               panel's steps, the same rows per step from the first K block to the last
+               (measured bf16 bias + GELU + residual over the bare kernel, interleaved medians
+               of 21: M=2048 768->3072 1.53-1.64x -> 1.41-1.45x, M=512 1024->4096 1.40-1.48x ->
+               1.24-1.36x; the bare kernel the other way 2-8 % slower, its sums from L2) */
+#if TP_AMX_PANEL_EPI
+            const int per = pend.done < pend.rows
+                ? (int)((pend.rows - pend.done + nb * TP_MAX(1, kt) - 1) / (nb * TP_MAX(1, kt)))
+                : 0;
+#endif
             for (int64_t k0 = 0; k0 == 0 || k0 < kt; k0 += kcb) {
                 const int64_t k1 = TP_MIN(kt, k0 + kcb), steps = TP_MAX(1, k1 - k0);
+                /* the next K block's slice of B (this panel's, or the chunk's next panel's
+                   first), a few lines per k step over this K block's row blocks, so the first
+                   row block of the next K block finds it in L1 (a C harness of this loop, one
+                   thread, random bf16, 16 row blocks of 8 k steps, B from L3: 1.38-1.51 ->
+                   1.52-1.67 TFLOP/s, three runs each) */
+                const char *nx = NULL;
+                int64_t nxl = 0, nxq = 0;
+                if (k1 < kt) {
+                    nx = (const char *)(bp + k1 * 512);
+                    nxl = (TP_MIN(kt, k1 + kcb) - k1) * 32;
+                } else if (jp + 1 < jend) {
+                    nx = (const char *)(Bp + (jp + 1) * kp * 32);
+                    nxl = TP_MIN(kt, kcb) * 32;
+                }
+                const int64_t nxper = (nxl + nb * steps - 1) / (nb * steps);
                 for (int64_t b = 0; b < nb; ++b) {
                     const int64_t i = i0 + 32 * b;
                     const int two = i + 16 < i1;
                     const uint32_t *w0 = W + (i / 16) * kt * 256, *w1 = w0 + kt * 256;
                     float *blk = half + b * 1024;
+#if !TP_AMX_PANEL_EPI
                     const int per = pend.done < pend.rows
                         ? (int)((pend.rows - pend.done + steps - 1) / steps) : 0;
                     if (k1 == kt) /* the epilogue's operand lines, in flight during the last K block */
                         for (int64_t r = i; r < TP_MIN(i + 32, i1); ++r) tp_epi_pf(r, j, nr, ep, eld);
+#endif
                     if (k0 == 0) {
                         _tile_zero(0);
                         _tile_zero(1);
@@ -1209,6 +1262,7 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     }
                     for (int64_t kk = k0; kk < k1; ++kk) {
                         const uint32_t *bk = bp + kk * 16 * 32;
+                        for (int64_t e = 0; e < nxper && nxq < nxl; ++e, ++nxq) VPREFETCH(nx + 64 * nxq);
                         if (pfb) {
                             const char *q = (const char *)bk + pfb;
                             for (int l = 0; l < 32; ++l) VPREFETCH_L2(q + 64 * l);
@@ -1233,22 +1287,29 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     }
                     _tile_stored(0, blk, 128);
                     _tile_stored(1, blk + 16, 128);
-                    if (k1 == kt) { /* the block is complete: its epilogue is the next pending */
+                    if (k1 == kt) { /* the block is complete: its K tail */
                         const int nrow = (int)TP_MIN(32, i1 - i);
-                        tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
+                        TP_TILE_FENCE(); /* (the tile stores before C code reads the sums) */
                         if (kt * 16 < kp) tp_amx_ktail(blk, nrow, A + i * lda, lda, bp, kt * 16, kp);
+#if !TP_AMX_PANEL_EPI /* and its epilogue the next pending */
+                        tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
                         pend = (tp_amx_pend_t){blk, i, j, nr, nrow, 0};
+#endif
                     }
                 }
             }
+#if TP_AMX_PANEL_EPI /* the panel is complete: the previous one's last rows out, this one pending */
+            tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
+            pend = (tp_amx_pend_t){half, i0, j, nr, (int)(i1 - i0), 0};
+            for (int64_t r = i0; r < TP_MIN(i1, i0 + TP_AMX_EPI_AHEAD); ++r) tp_epi_pf(r, j, nr, ep, eld);
+#endif
             }
             tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
         }
         if (configured) _tile_release();
         if (stream) _mm_sfence(); /* the streamed lines ordered before the region's barrier */
-        free(acc);
     }
-    return fail ? -2 : 0;
+    return 0;
 }
 """
 
@@ -1258,4 +1319,7 @@ def render_amx_source(spec: EpilogueSpec, otag: str) -> str:
     ``tp_gemm_amx_32x32`` for this epilogue and output dtype, and ``tp_amx_available``."""
     parts = _preamble(spec, "bf16", otag, "avx512", piecewise_gelu=True)
     parts.append(f"#define TP_AMX_STREAM_MIN_BYTES {AMX_STREAM_MIN_BYTES}")
+    parts.append(f"#define TP_OUT_BF16 {int(otag == 'bf16')}")
+    heavy = any(op.kind in (*TRANSCENDENTAL_KINDS, "add") for op in spec.ops)
+    parts.append(f"#define TP_AMX_PANEL_EPI {int(heavy)}")
     return "\n".join([*parts, _AMX])

@@ -130,13 +130,29 @@ TP_INLINE __m512 tp_bf16x16_to_f32(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-TP_INLINE void tp_f32x16_to_bf16(uint16_t *p, __m512 v) {
+/* 16 fp32 -> their bf16 bits in the low halves of 16 words (round to nearest even, NaN -> 0x7fc0) */
+TP_INLINE __m512i tp_f32x16_bf16_bits(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+TP_INLINE void tp_f32x16_to_bf16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(tp_f32x16_bf16_bits(v)));
+}
+/* 32 fp32 (lo: the first 16) -> one 64-byte vector of 32 bf16, rounded as tp_f32x16_to_bf16.
+   With AVX512-BF16 one vcvtne2ps2bf16 (nearest even too) unless a lane is NaN or subnormal,
+   which that instruction keeps the payload of or flushes to zero */
+TP_INLINE __m512i tp_f32x32_to_bf16_line(__m512 lo, __m512 hi) {
+#if defined(__AVX512BF16__)
+    const int odd = 0x01 | 0x20 | 0x80; /* fpclass: quiet NaN, subnormal, signalling NaN */
+    if (__builtin_expect((_mm512_fpclass_ps_mask(lo, odd) | _mm512_fpclass_ps_mask(hi, odd)) == 0, 1))
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#endif
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36,
+        34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutex2var_epi16(tp_f32x16_bf16_bits(lo), even, tp_f32x16_bf16_bits(hi));
 }
 #endif
 
