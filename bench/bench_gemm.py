@@ -6,8 +6,8 @@ issue's M × (d, h) grid. Anchors timed in the same run, interleaved: eager ATen
 ``torch._inductor.config.freezing = True`` (weights frozen into the graph, compiled once per
 cell). Ours is ``torchport.nn.functional.linear`` with fused epilogues, autotuned before timing
 (tuning time reported). The frozen graph reads one copy of its weights, so its row compares it
-with ours on that same copy (inputs rotated alike for both); ``vs_rotated_ours`` is its ratio
-against ours over the rotated weights, the comparison of the earlier sessions. For M ≤ 32 the weight-stream bandwidth of ours is reported as a fraction
+with ours on one copy of the same values (inputs rotated alike for both); ``vs_rotated_ours`` is
+its ratio against ours over the rotated weights, the comparison of the earlier sessions. For M ≤ 32 the weight-stream bandwidth of ours is reported as a fraction
 of the measured read bandwidth: ``bw_pct`` against ``torch.sum`` over the cell's own weights,
 timed interleaved with the GEMMs on the same rotated copies (same bytes, same conditions), and
 ``bw512_pct`` against ``torch.sum`` over a 512 MiB tensor timed once at the start of the run.
@@ -146,9 +146,11 @@ def cell(
         if with_max_autotune:
             fns["max_autotune"] = max_autotune(model, x)
             # the frozen graph reads one copy of its weights (constants, they cannot rotate):
-            # against it, ours on that same copy with the inputs rotated alike (before the
-            # thirtieth session ours rotated over ROTATE_BYTES of weights in this row too)
-            fns["ours_one_weight"] = lambda x_, *_: ours(x_, *params)
+            # against it, ours on one copy of those values with the inputs rotated alike (before
+            # the thirtieth session ours rotated over ROTATE_BYTES of weights in this row too).
+            # A clone: set 0's own weights would keep set 0's packing warm for the rotated calls
+            one = tuple(p.clone() for p in params)
+            fns["ours_one_weight"] = lambda x_, *_: ours(x_, *one)
         t = compare(fns, sets, reps=reps)
     flops = 2.0 * m * d * h * (1 if kind == "linear" else 2)
     dt = str(dtype).removeprefix("torch.")

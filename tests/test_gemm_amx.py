@@ -297,6 +297,12 @@ def test_amx_bf16_rows_round_as_torch(n):
     )
     assert torch.equal(out.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
     assert out[2].isinf().any()
+    # a NaN with its sign and payload set (a residual's 0xffc00001) comes out as 0x7fc0 on both
+    # store paths, not with its payload (what vcvtne2ps2bf16 alone would keep)
+    resid = torch.zeros(m, n)
+    resid.view(torch.int32)[:, 5] = -4194303  # 0xffc00001
+    nanout = run_native(a, b, EpilogueSpec.decode("add:f32"), [resid], cfg)
+    assert (nanout.view(torch.int16)[:, 5] == 0x7FC0).all()
     # subnormal outputs (a row scale of 2^-130 on normal sums) round as torch rounds them too
     tiny = EpilogueSpec.decode("scale_row:f32")
     scale = torch.full((m,), 2.0**-130)

@@ -189,8 +189,9 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
             if amx:
                 # K blocks of 256 (the panel's 16 KB slice stays in L1 while the chunk's 32-row
                 # blocks use it); M blocks as large as keep the block of A (mc x K bf16) within
-                # about 2 MB, since every M block streams all of B again and this machine's
-                # memory feeds a core ~12 GB/s against AMX's ~3 TFLOP/s (measured two threads,
+                # about 2 MB (but at least 128 rows, below), since every M block streams all of
+                # B again and this machine's memory feeds a core ~12 GB/s against AMX's ~3
+                # TFLOP/s (measured two threads,
                 # bf16, interleaved medians of 15, GFLOP/s for mc 512 / 256 / 128, kc 256, and
                 # ATen (oneDNN on AMX): M=2048 1024->4096 2153 / 2060 / 1882, ATen 2508; M=512
                 # 768->3072 2313 / 1948 / 1717, ATen 2204; M=512 4096->11008 1368 / 1667 /

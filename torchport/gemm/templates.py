@@ -1014,8 +1014,9 @@ AMX_MR, AMX_NR = 32, 32
 # 16 MiB until the thirtieth session; at 1 MiB (half a core's L2), interleaved medians of 7 against
 # ATen in the same run, GFLOP/s, best mc: M=512 768->3072 (3 MiB out) 2388-2648 against 2076-2292
 # with ordinary stores, 2048 768->3072 2489-2552 against 1858-1989, 512 1024->4096 2507-2715
-# against 2135-2307; an up and a down projection in a row (the second reads the streamed output)
-# lost nothing measurable
+# against 2135-2307; in one process, the two builds interleaved on the same operands (bias, mc
+# 256, kc 256), ordinary stores took 1.65x / 1.59x / 1.54x the time; an up and a down projection
+# in a row (the second reads the streamed output) lost nothing measurable
 AMX_STREAM_MIN_BYTES = 1 << 20
 
 _AMX = r"""
@@ -1199,6 +1200,7 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
             const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
             const uint32_t *bp = Bp + jp * kp * 32;
             float *const half = acc + (jp & 1) * mc * 32;
+            TP_TILE_FENCE(); /* (the pending sums read before this panel's tiles store into them) */
             /* K blocks of kcb tiles (one empty block when K has no whole tile: zero sums, then the
                K tail alone): the panel's kcb x 16 k pairs (2 kcb KB) stay in L1 while every
                32-row block of the chunk uses them; the sums go through acc between blocks. The
@@ -1224,7 +1226,10 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                    1.52-1.67 TFLOP/s, three runs each) */
                 const char *nx = NULL;
                 int64_t nxl = 0, nxq = 0;
-                if (k1 < kt) {
+                if (kcb >= kt) {
+                    /* (whole K in one block, the weight-streaming path: the next slice would be a
+                       whole panel, into L1: M=32 4096->11008 ran 15-20 % slower with it) */
+                } else if (k1 < kt) {
                     nx = (const char *)(bp + k1 * 512);
                     nxl = (TP_MIN(kt, k1 + kcb) - k1) * 32;
                 } else if (jp + 1 < jend) {
