@@ -1,0 +1,131 @@
+"""AMX kernel variants in one process: the AMX library's C source as built, and edited copies of it.
+
+Separate-process A/Bs on the development VM moved by 5–10 % between runs, more than most kernel
+changes are worth. This renders ``templates.render_amx_source`` for one epilogue, applies each
+variant's textual edits (``old>>new``), builds every variant as its own library and calls them
+round robin (the order reversed every other round) on the same operands, with the output
+allocated per call as the launcher does; ``--aten`` adds ``torch.addmm`` with the same bias. A
+variant named ``mMC_kKC`` runs the source as built with its own M block and K block. Every
+variant's output must equal the first one's (NaN where it has NaN). Prints each median and its
+ratio to the first variant (> 1: slower).
+
+Run: ``torchport bench gemm_amx_ab --shape 2048x3072x768 --mc 256 --kc 256 --epilogue
+bias_col:bf16 --variant 'ordinary=#define TP_AMX_STREAM_MIN_BYTES 1048576>>#define
+TP_AMX_STREAM_MIN_BYTES 1073741824' --variant m512_k256 --aten`` (shape ``MxNxK``; ``--variant``
+is ``name=old>>new[|old>>new...]`` or ``mMC_kKC``; needs AMX-BF16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from torchport import native
+from torchport.benchmarks import arg_parser
+from torchport.gemm import kernels, templates
+from torchport.gemm.epilogue import EpilogueSpec
+from torchport.gemm.pack import pack_cache
+
+
+def build(src: str, name: str) -> Any:
+    """The ``tp_gemm_amx_32x32`` of ``src`` built as its own library."""
+    lib = native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
+    fn = lib.tp_gemm_amx_32x32
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p, p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def operands(spec: EpilogueSpec, m: int, n: int) -> list[torch.Tensor]:
+    """Random epilogue operands of ``spec``'s kinds and dtypes."""
+    dts = {"bf16": torch.bfloat16, "f32": torch.float32}
+    shapes = {"add": (m, n), "bias_row": (m,), "scale_row": (m,), "bias_col": (n,)}
+    shapes["scale_col"] = (n,)
+    return [torch.randn(shapes[op.kind]).to(dts[op.dtype]) for op in spec.ops if op.kind in shapes]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = arg_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="2048x3072x768", help="MxNxK")
+    p.add_argument("--mc", type=int, default=256)
+    p.add_argument("--kc", type=int, default=256)
+    p.add_argument("--epilogue", default="bias_col:bf16", help="an EpilogueSpec's text")
+    p.add_argument("--variant", action="append", default=[], help="name=old>>new|... or mMC_kKC")
+    p.add_argument("--aten", action="store_true", help="also time torch.addmm (bias_col only)")
+    args = p.parse_args(argv)
+    if not kernels.amx_ready():
+        raise SystemExit("bench gemm_amx_ab: this machine has no AMX-BF16 the kernel may use")
+    reps = 3 if args.quick else max(3, args.reps)
+    m, n, k = (int(v) for v in args.shape.split("x"))
+    spec = EpilogueSpec.decode(args.epilogue)
+    base = native.render(templates.render_amx_source(spec, spec.out or "bf16").replace("$", "$$"))
+    fns: dict[str, tuple[Any, int, int]] = {
+        "as_built": (build(base, "amxab_base"), args.mc, args.kc)
+    }
+    for v in args.variant:
+        blocks = re.fullmatch(r"m(\d+)_k(\d+)", v)
+        if blocks:
+            fns[v] = (fns["as_built"][0], int(blocks.group(1)), int(blocks.group(2)))
+            continue
+        name, _, edits = v.partition("=")
+        src = base
+        for edit in filter(None, edits.split("|")):
+            old, _, new = edit.partition(">>")
+            if old not in src:
+                raise SystemExit(f"variant {name!r}: {old!r} is not in the source")
+            src = src.replace(old, new)
+        fns[name] = (build(src, f"amxab_{name}"), args.mc, args.kc)
+    torch.manual_seed(0)
+    a, b = torch.randn(m, k).to(torch.bfloat16), torch.randn(k, n).to(torch.bfloat16)
+    packed = pack_cache.get(b, templates.AMX_NR, pairs=True)
+    ops = operands(spec, m, n)
+    eptr, eld, _keep = kernels._operand_args(spec)(ops)
+    kp, nt = (k + 1) // 2, torch.get_num_threads()
+    work = torch.empty((m + 15) // 16 * (kp // 16) * 512 + 1, dtype=torch.bfloat16)
+    most = max(mc for _, mc, _ in fns.values())
+    sums = torch.empty(nt * max(32, (most + 31) // 32 * 32) * 64, dtype=torch.float32)
+    out_dtype = spec.out_dtype(torch.bfloat16)
+
+    def call(entry: tuple[Any, int, int]) -> torch.Tensor:
+        fn, mc, kc = entry
+        c = torch.empty(m, n, dtype=out_dtype)
+        args_ = (c.data_ptr(), n, a.data_ptr(), k // 2, packed.data_ptr(), m, n, kp, mc, kc, 0)
+        status = fn(*args_, eptr, eld, nt, work.data_ptr(), sums.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"tp_gemm_amx_32x32 returned {status}")
+        return c
+
+    runs: dict[str, Any] = {name: (lambda e=e: call(e)) for name, e in fns.items()}
+    if args.aten:
+        if [op.kind for op in spec.ops] != ["bias_col"]:
+            raise SystemExit("--aten compares with torch.addmm: --epilogue bias_col:bf16 only")
+        runs["aten"] = lambda: torch.addmm(ops[0], a, b)
+    first = call(fns["as_built"]).float()
+    for name, e in fns.items():
+        if not torch.equal(call(e).float().nan_to_num(), first.nan_to_num()):
+            raise SystemExit(f"variant {name!r} computes another result than the source as built")
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs.items())
+    for r in range(reps):
+        for name, run in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    flops = 2.0 * m * n * k
+    print(
+        f"# AMX kernel variants, M={m} N={n} K={k}, {args.epilogue or 'no epilogue'}, {reps} rounds"
+    )
+    for name, t in med.items():
+        ratio = t / med["as_built"]
+        print(f"{name:24s} {t * 1e3:9.3f} ms  {flops / t / 1e9:8.0f} GFLOP/s  {ratio:6.3f}x")
+
+
+if __name__ == "__main__":
+    main()
