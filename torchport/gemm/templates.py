@@ -1209,9 +1209,10 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                block's steps of the last K block (a third of the time at K = 768, K blocks of
                256); a heavy epilogue's (TP_AMX_PANEL_EPI) a whole panel's over all of the next
                panel's steps, the same rows per step from the first K block to the last
-               (measured bf16 bias + GELU + residual over the bare kernel, interleaved medians
-               of 21: M=2048 768->3072 1.53-1.64x -> 1.41-1.45x, M=512 1024->4096 1.40-1.48x ->
-               1.24-1.36x; the bare kernel the other way 2-8 % slower, its sums from L2) */
+               (in-process A/B, bench gemm_amx_ab-style, bf16, M=512 768->3072, 512 1024->4096,
+               2048 768->3072: block spreading took 1.068-1.111x the time for bias + GELU +
+               residual, 1.008-1.041x for bias + SiLU; for no epilogue or a bias, panel
+               spreading took 0.986-1.036x, 5 of 6 slower: its pending sums come from L2) */
 #if TP_AMX_PANEL_EPI
             const int per = pend.done < pend.rows
                 ? (int)((pend.rows - pend.done + nb * TP_MAX(1, kt) - 1) / (nb * TP_MAX(1, kt)))
@@ -1223,12 +1224,15 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                    first), a few lines per k step over this K block's row blocks, so the first
                    row block of the next K block finds it in L1 (a C harness of this loop, one
                    thread, random bf16, 16 row blocks of 8 k steps, B from L3: 1.38-1.51 ->
-                   1.52-1.67 TFLOP/s, three runs each) */
+                   1.52-1.67 TFLOP/s, three runs each; in the whole kernel, in-process, bias,
+                   M=512 and 2048 768->3072, 512 1024->4096, 2048 4096->1024: 0.990-1.029x the
+                   time without it, within the noise) */
                 const char *nx = NULL;
                 int64_t nxl = 0, nxq = 0;
                 if (kcb >= kt) {
                     /* (whole K in one block, the weight-streaming path: the next slice would be a
-                       whole panel, into L1: M=32 4096->11008 ran 15-20 % slower with it) */
+                       whole panel, into L1: in-process, bias, M=32 1024->4096 1.10x and M=8
+                       4096->11008 1.03x the time with it) */
                 } else if (k1 < kt) {
                     nx = (const char *)(bp + k1 * 512);
                     nxl = (TP_MIN(kt, k1 + kcb) - k1) * 32;
