@@ -723,39 +723,26 @@ class ShmLib:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.step = lib.tp_shm_step
-        self.step.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, p, i64, i64, i64, i64, p]
-        self.step.restype = ctypes.c_int
-        self.fold = lib.tp_fold
-        self.fold.argtypes = [p, p, i64, i64, i64]
-        self.fold.restype = ctypes.c_int
-        self.apply = lib.tp_apply
-        self.apply.argtypes = [p, p, i64, i64, i64]
-        self.apply.restype = ctypes.c_int
-        self.set_abort = lib.tp_set_abort
-        self.set_abort.argtypes = [p, i64]
-        self.set_abort.restype = ctypes.c_int64
-        self.reread = lib.tp_shm_reread
-        self.reread.argtypes = [p, i64, i64, i64, p, i64, i64, i64]
-        self.reread.restype = ctypes.c_int
-        self.doorbell_wait = lib.tp_doorbell_wait
-        self.doorbell_wait.argtypes = [p, i64, i64, i64, i64]
-        self.doorbell_wait.restype = ctypes.c_int64
-        self.doorbell_post = lib.tp_doorbell_post
-        self.doorbell_post.argtypes = [p]
-        self.doorbell_post.restype = None
-        self.doorbell_ring = lib.tp_doorbell_ring
-        self.doorbell_ring.argtypes = [p, i64]
-        self.doorbell_ring.restype = None
-        self.allreduce_packed = lib.tp_shm_allreduce_packed
-        self.allreduce_packed.argtypes = [p]
-        self.allreduce_packed.restype = ctypes.c_int
-        self.set_yield = lib.tp_set_yield
-        self.set_yield.argtypes = [i64]
-        self.set_yield.restype = None
-        self.get_abort = lib.tp_get_abort
-        self.get_abort.argtypes = [p]
-        self.get_abort.restype = ctypes.c_int64
+        self.step = native.c_function(
+            lib,
+            "tp_shm_step",
+            [p, p, i64, i64, i64, i64, p, p, i64, p, i64, i64, i64, i64, p],
+            ctypes.c_int,
+        )
+        self.fold = native.c_function(lib, "tp_fold", [p, p, i64, i64, i64], ctypes.c_int)
+        self.apply = native.c_function(lib, "tp_apply", [p, p, i64, i64, i64], ctypes.c_int)
+        self.set_abort = native.c_function(lib, "tp_set_abort", [p, i64], ctypes.c_int64)
+        self.reread = native.c_function(
+            lib, "tp_shm_reread", [p, i64, i64, i64, p, i64, i64, i64], ctypes.c_int
+        )
+        self.doorbell_wait = native.c_function(
+            lib, "tp_doorbell_wait", [p, i64, i64, i64, i64], ctypes.c_int64
+        )
+        self.doorbell_post = native.c_function(lib, "tp_doorbell_post", [p], None)
+        self.doorbell_ring = native.c_function(lib, "tp_doorbell_ring", [p, i64], None)
+        self.allreduce_packed = native.c_function(lib, "tp_shm_allreduce_packed", [p], ctypes.c_int)
+        self.set_yield = native.c_function(lib, "tp_set_yield", [i64], None)
+        self.get_abort = native.c_function(lib, "tp_get_abort", [p], ctypes.c_int64)
 
 
 @functools.cache

@@ -387,39 +387,19 @@ class TcpLib:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.conn_wait = lib.tp_conn_wait
-        self.conn_wait.argtypes = [p, i64, i64, i64, i64, i64, i64, p]
-        self.conn_wait.restype = i64
-        self.conn_poke = lib.tp_conn_poke
-        self.conn_poke.argtypes = [p]
-        self.conn_poke.restype = None
-        self.conn_done = lib.tp_conn_done
-        self.conn_done.argtypes = [p]
-        self.conn_done.restype = None
-        self.conn_claim = lib.tp_conn_claim
-        self.conn_claim.argtypes = [p]
-        self.conn_claim.restype = i64
-        self.conn_unclaim = lib.tp_conn_unclaim
-        self.conn_unclaim.argtypes = [p]
-        self.conn_unclaim.restype = None
-        self.conn_await = lib.tp_conn_await
-        self.conn_await.argtypes = [p, i64]
-        self.conn_await.restype = i64
-        self.conn_release = lib.tp_conn_release
-        self.conn_release.argtypes = [p]
-        self.conn_release.restype = None
-        self.pin = lib.tp_pin
-        self.pin.argtypes = [i64]
-        self.pin.restype = i64
-        self.open_fds = lib.tp_tcp_open_fds
-        self.open_fds.argtypes = [p, i64, i64, p, i64]
-        self.open_fds.restype = i64
-        self.settle = lib.tp_tcp_settle
-        self.settle.argtypes = [p, i64, p, i64, p, i64]
-        self.settle.restype = i64
-        self.xfer = lib.tp_tcp_xfer
-        self.xfer.argtypes = [p, i64, i64, p]
-        self.xfer.restype = i64
+        self.conn_wait = native.c_function(
+            lib, "tp_conn_wait", [p, i64, i64, i64, i64, i64, i64, p], i64
+        )
+        self.conn_poke = native.c_function(lib, "tp_conn_poke", [p], None)
+        self.conn_done = native.c_function(lib, "tp_conn_done", [p], None)
+        self.conn_claim = native.c_function(lib, "tp_conn_claim", [p], i64)
+        self.conn_unclaim = native.c_function(lib, "tp_conn_unclaim", [p], None)
+        self.conn_await = native.c_function(lib, "tp_conn_await", [p, i64], i64)
+        self.conn_release = native.c_function(lib, "tp_conn_release", [p], None)
+        self.pin = native.c_function(lib, "tp_pin", [i64], i64)
+        self.open_fds = native.c_function(lib, "tp_tcp_open_fds", [p, i64, i64, p, i64], i64)
+        self.settle = native.c_function(lib, "tp_tcp_settle", [p, i64, p, i64, p, i64], i64)
+        self.xfer = native.c_function(lib, "tp_tcp_xfer", [p, i64, i64, p], i64)
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -118,6 +119,15 @@ def eager_fast_path(*tensors: torch.Tensor) -> bool:
 _scratch = threading.local()
 
 
+def c_function(lib: ctypes.CDLL, symbol: str, argtypes: Sequence[Any], restype: Any) -> Any:
+    """``lib``'s exported ``symbol`` with its ctypes signature set: for raw calls on hot paths
+    that :class:`Kernel`'s per-call checks would slow (the collectives' loops)."""
+    fn = getattr(lib, symbol)
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return fn
+
+
 def thread_scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's flat scratch buffer ``name``: at least ``numel`` elements of ``dtype``,
     reused by the thread's next request of the same name (so the caller must be done with it by
@@ -160,10 +170,7 @@ class Kernel:
     def __init__(self, lib: ctypes.CDLL, symbol: str, args: Sequence[ArgSpec]) -> None:
         self.name = symbol
         self.args = tuple(args)
-        fn = getattr(lib, symbol)
-        fn.argtypes = [_ctype(a) for a in self.args]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fn = c_function(lib, symbol, [_ctype(a) for a in self.args], ctypes.c_int)
         self._lib = lib  # keep the library alive as long as the kernel
 
     def __call__(self, *values: object) -> int:
