@@ -1206,9 +1206,14 @@ class Mesh:
             return None
         owned = got[0]
         late.update((c.peer, c) for c in got[1])
-        for j, x in enumerate(recvs):
-            if x.peer in late:
-                ops[OPW * (ns + j) + 8] = 1
+
+        def set_gate(peers: set[int] | dict[int, Connection], shut: int) -> None:
+            """Gate (1) or ungate (0) the receives from ``peers`` (table word 8)."""
+            for j, x in enumerate(recvs):
+                if x.peer in peers:
+                    ops[OPW * (ns + j) + 8] = shut
+
+        set_gate(late, 1)
         bad = aborting = False
 
         def watch() -> None:
@@ -1256,10 +1261,11 @@ class Mesh:
             nonlocal owned
             first = next(iter(late.values())).own_addr
             end = time.monotonic() + wait_ms / 1000
-            took = [c for c in late.values() if c.own.value == OWN_COLL]
-            while not took and time.monotonic() < end:
-                lib.conn_await(first, 1000)  # (another one's hand-over is seen within 1 ms)
+            while True:
                 took = [c for c in late.values() if c.own.value == OWN_COLL]
+                if took or time.monotonic() >= end:
+                    break
+                lib.conn_await(first, 1000)  # (another one's hand-over is seen within 1 ms)
             if took:
                 peers = {c.peer for c in took}
                 for peer in peers:
@@ -1267,9 +1273,7 @@ class Mesh:
                 owned = owned + took  # released by the caller from here on, whatever happens
                 withdraw(peers, deadline)
                 take_early(peers)
-                for j, x in enumerate(recvs):
-                    if x.peer in peers:
-                        ops[OPW * (ns + j) + 8] = 0
+                set_gate(peers, 0)
 
         def drop_late(peers: set[int], until: float) -> None:
             """Give the claims on ``peers`` up: their targets first (a frame a reader fills into
