@@ -3,8 +3,8 @@
 Separate-process A/Bs on the development VM moved by 5–10 % between runs, more than most kernel
 changes are worth. This renders ``templates.render_amx_source`` for one epilogue, applies each
 variant's textual edits (``old>>new``), builds every variant as its own library and calls them
-round robin (the order reversed every other round) on the same operands, with the output
-allocated per call as the launcher does; ``--aten`` adds ``torch.addmm`` with the same bias. A
+round robin (the order reversed every other round) on the same operands, each through the
+engine's own AMX launcher (its workspaces, its output allocation); ``--aten`` adds ``torch.addmm`` with the same bias. A
 variant named ``mMC_kKC`` runs the source as built with its own M block and K block. Every
 variant's output must equal the first one's (NaN where it has NaN). Prints each median and its
 ratio to the first variant (> 1: slower).
@@ -29,17 +29,17 @@ from torchport import native
 from torchport.benchmarks import arg_parser
 from torchport.gemm import kernels, templates
 from torchport.gemm.epilogue import EpilogueSpec
+from torchport.gemm.kernels import Config
 from torchport.gemm.pack import pack_cache
 
 
 def build(src: str, name: str) -> Any:
-    """The ``tp_gemm_amx_32x32`` of ``src`` built as its own library."""
+    """The ``tp_gemm_amx_32x32`` of ``src`` built as its own library, with the signature the
+    AMX launcher calls it with."""
     lib = native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
-    fn = lib.tp_gemm_amx_32x32
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p, p]
-    fn.restype = ctypes.c_int
-    return fn
+    argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p, p]
+    return native.c_function(lib, "tp_gemm_amx_32x32", argtypes, ctypes.c_int)
 
 
 def operands(spec: EpilogueSpec, m: int, n: int) -> list[torch.Tensor]:
@@ -65,13 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     m, n, k = (int(v) for v in args.shape.split("x"))
     spec = EpilogueSpec.decode(args.epilogue)
     base = native.render(templates.render_amx_source(spec, spec.out or "bf16").replace("$", "$$"))
-    fns: dict[str, tuple[Any, int, int]] = {
-        "as_built": (build(base, "amxab_base"), args.mc, args.kc)
-    }
+
+    def launcher(fn: Any, mc: int, kc: int) -> Any:  # (the launcher the engine runs, on fn)
+        cfg = Config(*kernels.AMX_TILE, mc, kc=kc, dp=kernels.AMX)
+        return kernels._amx_launcher(spec, cfg, torch.bfloat16, fn=fn)
+
+    built = build(base, "amxab_base")
+    launches = {"as_built": launcher(built, args.mc, args.kc)}
     for v in args.variant:
         blocks = re.fullmatch(r"m(\d+)_k(\d+)", v)
         if blocks:
-            fns[v] = (fns["as_built"][0], int(blocks.group(1)), int(blocks.group(2)))
+            launches[v] = launcher(built, int(blocks.group(1)), int(blocks.group(2)))
             continue
         name, _, edits = v.partition("=")
         src = base
@@ -80,35 +84,22 @@ def main(argv: list[str] | None = None) -> None:
             if old not in src:
                 raise SystemExit(f"variant {name!r}: {old!r} is not in the source")
             src = src.replace(old, new)
-        fns[name] = (build(src, f"amxab_{name}"), args.mc, args.kc)
+        launches[name] = launcher(build(src, f"amxab_{name}"), args.mc, args.kc)
     torch.manual_seed(0)
     a, b = torch.randn(m, k).to(torch.bfloat16), torch.randn(k, n).to(torch.bfloat16)
     packed = pack_cache.get(b, templates.AMX_NR, pairs=True)
     ops = operands(spec, m, n)
-    eptr, eld, _keep = kernels._operand_args(spec)(ops)
-    kp, nt = (k + 1) // 2, torch.get_num_threads()
-    work = torch.empty((m + 15) // 16 * (kp // 16) * 512 + 1, dtype=torch.bfloat16)
-    most = max(mc for _, mc, _ in fns.values())
-    sums = torch.empty(nt * max(32, (most + 31) // 32 * 32) * 64, dtype=torch.float32)
-    out_dtype = spec.out_dtype(torch.bfloat16)
 
-    def call(entry: tuple[Any, int, int]) -> torch.Tensor:
-        fn, mc, kc = entry
-        c = torch.empty(m, n, dtype=out_dtype)
-        args_ = (c.data_ptr(), n, a.data_ptr(), k // 2, packed.data_ptr(), m, n, kp, mc, kc, 0)
-        status = fn(*args_, eptr, eld, nt, work.data_ptr(), sums.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"tp_gemm_amx_32x32 returned {status}")
-        return c
-
-    runs: dict[str, Any] = {name: (lambda e=e: call(e)) for name, e in fns.items()}
+    runs: dict[str, Any] = {
+        name: (lambda f=f: f(a, b, ops, packed=packed)) for name, f in launches.items()
+    }
     if args.aten:
         if [op.kind for op in spec.ops] != ["bias_col"]:
             raise SystemExit("--aten compares with torch.addmm: --epilogue bias_col:bf16 only")
         runs["aten"] = lambda: torch.addmm(ops[0], a, b)
-    first = call(fns["as_built"]).float()
-    for name, e in fns.items():
-        if not torch.equal(call(e).float().nan_to_num(), first.nan_to_num()):
+    first = runs["as_built"]().float()
+    for name in launches:
+        if not torch.equal(runs[name]().float().nan_to_num(), first.nan_to_num()):
             raise SystemExit(f"variant {name!r} computes another result than the source as built")
     samples: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs.items())

@@ -493,12 +493,13 @@ def _amx_function(spec: EpilogueSpec, otag: str) -> Any:
     return fn
 
 
-def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Launch:
+def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, fn: Any = None) -> _Launch:
     """:func:`launcher` of the AMX kernel (bf16 operands, checked there): ``b`` pair-packed with
     panels of 32 (the vdpbf16ps tiles' layout, which is AMX's B tile layout), ``a`` as
-    :func:`_pairs`; ``cfg.mc`` rows per work chunk."""
+    :func:`_pairs`; ``cfg.mc`` rows per work chunk. ``fn``: another build of
+    ``tp_gemm_amx_32x32`` with the same signature (``bench gemm_amx_ab``'s edited sources)."""
     out_dtype = spec.out_dtype(a_dtype)
-    fn = _amx_function(spec, _TAG[out_dtype])
+    fn = _amx_function(spec, _TAG[out_dtype]) if fn is None else fn
     mc, kc, pf, nt = cfg.mc, cfg.kc, cfg.pf, cfg.nt
     operand_args = _operand_args(spec)
 
