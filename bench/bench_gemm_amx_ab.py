@@ -17,7 +17,6 @@ is ``name=old>>new[|old>>new...]`` or ``mMC_kKC``; needs AMX-BF16).
 
 from __future__ import annotations
 
-import ctypes
 import re
 import statistics
 import time
@@ -34,12 +33,9 @@ from torchport.gemm.pack import pack_cache
 
 
 def build(src: str, name: str) -> Any:
-    """The ``tp_gemm_amx_32x32`` of ``src`` built as its own library, with the signature the
-    AMX launcher calls it with."""
+    """The ``tp_gemm_amx_32x32`` of ``src`` built as its own library."""
     lib = native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p, p]
-    return native.c_function(lib, "tp_gemm_amx_32x32", argtypes, ctypes.c_int)
+    return kernels.amx_bind(lib)
 
 
 def operands(spec: EpilogueSpec, m: int, n: int) -> list[torch.Tensor]:

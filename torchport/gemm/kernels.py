@@ -486,11 +486,15 @@ def amx_ready() -> bool:
 
 @functools.cache
 def _amx_function(spec: EpilogueSpec, otag: str) -> Any:
-    fn = _amx_library(spec, otag).tp_gemm_amx_32x32
+    return amx_bind(_amx_library(spec, otag))
+
+
+def amx_bind(lib: ctypes.CDLL) -> Any:
+    """``tp_gemm_amx_32x32`` of a built AMX library, with the signature :func:`_amx_launcher`
+    calls it with."""
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p, p]
-    fn.restype = ctypes.c_int
-    return fn
+    argtypes = [p, i, p, i, p, i, i, i, i, i, i, p, p, i, p, p]
+    return native.c_function(lib, "tp_gemm_amx_32x32", argtypes, ctypes.c_int)
 
 
 def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, fn: Any = None) -> _Launch:
