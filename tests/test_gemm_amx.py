@@ -244,19 +244,63 @@ def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
 
 
 def test_amx_large_m_candidates_for_any_k():
-    """K = 0 (no division by it), K <= 256 (the M-block candidates without K blocks rather than
+    """K = 0 (no division by it), K <= 256 (the M-block candidate without K blocks rather than
     dropped) and K >= 16384 (no candidate twice) on the large-M list; M blocks of 128 rows or
-    more at any K."""
+    more at any K, and of 512 rows at M = 512 whatever K (K pieces keep A in L2)."""
     mm = importlib.import_module("torchport.gemm.mm")
-    for k in (0, 1, 100, 256, 257, 768, 16384, 65536):
-        cands = mm.candidates(64, 48, k, "avx512", 2)
-        names = [c.name for c in cands]
-        assert len(names) == len(set(names)) and len(names) <= 10
-        amx = [c for c in cands if int(c.param("dp", 0)) == AMX]
-        if kernels.amx_ready() and k > 0:
-            assert len(amx) >= 2, (k, names)
-            assert all(int(c.param("kc")) < max(k, 2) for c in amx)
-            assert all(int(c.param("mc")) >= 128 for c in amx)  # (fewer passes over B)
+    for m in (64, 512):
+        for k in (0, 1, 100, 256, 257, 768, 4096, 16384, 65536):
+            cands = mm.candidates(m, 48, k, "avx512", 2)
+            names = [c.name for c in cands]
+            assert len(names) == len(set(names)) and len(names) <= 10
+            amx = [c for c in cands if int(c.param("dp", 0)) == AMX]
+            if kernels.amx_ready() and k > 0:
+                # (at M <= 128 every M block of 128 rows or more is the same one block)
+                assert len(amx) >= (2 if k > 256 or m > 128 else 1), (m, k, names)
+                assert all(int(c.param("kc")) < max(k, 2) for c in amx)
+                assert all(int(c.param("mc")) >= 128 for c in amx)  # (fewer passes over B)
+                if m == 512 and k > 256:
+                    assert int(amx[0].param("mc")) == 512, (k, names)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "m,n,k,mc", [(40, 300, 33000, 32), (130, 300, 4200, 128)], ids=["three_pieces", "two_pieces"]
+)
+def test_amx_k_pieces(m, n, k, mc):
+    """An M block's A beyond templates.AMX_A_PIECE_BYTES runs in K pieces, the sums of up to
+    AMX_SUM_SLOTS panels kept between them (one thread: one run of every panel, sub-runs of 8 and
+    2; two threads: runs of one panel): exact integer sums through a plain and a heavy epilogue,
+    the K tail after the last piece, a partial last M block; and random bf16 operands against the
+    float64 reference."""
+    from torchport.gemm import templates
+
+    assert mc * 64 * (k // 32) > templates.AMX_A_PIECE_BYTES  # (the shape does run in pieces)
+    g = torch.Generator().manual_seed(k)
+    ai = torch.randint(-3, 4, (m, k), generator=g).to(torch.bfloat16)
+    bi = torch.randint(-3, 4, (k, n), generator=g).to(torch.bfloat16)
+    heavy = EpilogueSpec.decode("bias_col:bf16;relu;add:f32;scale_row:f32;out=f32")
+    heavy_ops = [
+        torch.arange(n, dtype=torch.float32).remainder(7).to(torch.bfloat16),
+        torch.arange(m * n, dtype=torch.float32).reshape(m, n).remainder(97),
+        torch.pow(2.0, torch.arange(m).remainder(5).float() - 2),
+    ]
+    plain = EpilogueSpec.decode("bias_col:bf16;scale_row:f32;out=f32")
+    plain_ops = [heavy_ops[0], heavy_ops[2]]
+    a, b = _make(m, n, k, torch.bfloat16, "c", "weight_t")
+    spec = EpilogueSpec.decode("bias_col:bf16;gelu;add:bf16")
+    ops = _operands(spec, m, n)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cfg = Config(*AMX_TILE, mc, kc=256, dp=AMX)
+            for sp, sp_ops in ((heavy, heavy_ops), (plain, plain_ops)):
+                got = run_native(ai, bi, sp, sp_ops, cfg)
+                assert torch.equal(got, mm_reference(ai, bi, sp, sp_ops)), (threads, sp)
+            _assert_close(run_native(a, b, spec, ops, cfg), a, b, spec, ops)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_amx

@@ -528,10 +528,12 @@ def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, fn: Any
         work = native.thread_scratch(
             "gemm.amx_a", max(1, (m + 15) // 16 * (kp // 16) * 512), torch.bfloat16
         )
-        # each thread's fp32 sums: mc rounded up to 32 rows, times 64 columns (two halves)
+        # each thread's fp32 sums: mc rounded up to 32 rows, times 32 columns per slot (two
+        # alternate halves, or a slot per panel of a sub-run with K pieces)
         nthreads = min(nt, threads) if nt else threads
+        rows = max(32, (mc + 31) // 32 * 32)
         sums = native.thread_scratch(
-            "gemm.amx_sums", nthreads * max(32, (mc + 31) // 32 * 32) * 64, torch.float32
+            "gemm.amx_sums", nthreads * rows * 32 * templates.AMX_SUM_SLOTS, torch.float32
         )
         status = fn(
             c.data_ptr(),

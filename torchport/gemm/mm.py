@@ -188,20 +188,21 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
             ]
             if amx:
                 # K blocks of 256 (the panel's 16 KB slice stays in L1 while the chunk's 32-row
-                # blocks use it); M blocks as large as keep the block of A (mc x K bf16) within
-                # about 2 MB (but at least 128 rows, below), since every M block streams all of
-                # B again and this machine's memory feeds a core ~12 GB/s against AMX's ~3
-                # TFLOP/s (measured two threads,
-                # bf16, interleaved medians of 15, GFLOP/s for mc 512 / 256 / 128, kc 256, and
-                # ATen (oneDNN on AMX): M=2048 1024->4096 2153 / 2060 / 1882, ATen 2508; M=512
-                # 768->3072 2313 / 1948 / 1717, ATen 2204; M=512 4096->11008 1368 / 1667 /
-                # 1599, ATen 1809). At least 128 rows: below that every M block streams the
-                # weight again (in-process A/B of the kernel alone, bf16 + bias, M=512
-                # 11008->4096: mc 64 37.5 ms, 128 29.2, 256 29.4, 512 28.2)
-                fit = max(128, min(512, (2 << 20) // (2 * max(k, 1)) // 32 * 32))
+                # blocks use it); M blocks of up to 512 rows, since every M block streams all of B
+                # again and this machine's memory feeds a core ~12 GB/s against AMX's ~3 TFLOP/s.
+                # An M block's A beyond 1 MiB runs in K pieces that stay in L2
+                # (templates.AMX_A_PIECE_BYTES), so large M blocks no longer cost an L3 stream of
+                # A per panel: in-process, weights rotated over 256 MiB, interleaved medians of 9,
+                # bias, mc 512 with / without K pieces: M=512 4096->11008 17.4 / 28.5 ms (ATen
+                # 26.3), 512 11008->4096 19.0 / 34.3 (ATen 27.2), 2048 4096->11008 83.9 / 131.6
+                # (ATen 93.0); before the pieces, M blocks were sized to keep A within ~2 MB
+                # (mc 128 from K = 4096: 512 4096->11008 22.5 ms, 11008->4096 33.5). At least 128
+                # rows: below that every M block streams the weight again (M=512 11008->4096: mc
+                # 64 37.5 ms, 128 29.2 in an earlier session's A/B)
+                fit = max(128, min(512, (m + 31) // 32 * 32))
                 kb = 256 if k > 256 else 0  # (one K block would be the whole K anyway)
                 cfgs = list(
-                    dict.fromkeys(  # (distinct: fit and fit / 2 are both 128 from K = 8192 up)
+                    dict.fromkeys(  # (distinct: fit and fit / 2 are both 128 up to M = 128)
                         [
                             Config(*kernels.AMX_TILE, fit, kc=kb, dp=kernels.AMX),
                             Config(*kernels.AMX_TILE, max(128, fit // 2), kc=kb, dp=kernels.AMX),

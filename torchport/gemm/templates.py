@@ -1018,6 +1018,12 @@ AMX_MR, AMX_NR = 32, 32
 # 256, kc 256), ordinary stores took 1.65x / 1.59x / 1.54x the time; an up and a down projection
 # in a row (the second reads the streamed output) lost nothing measurable
 AMX_STREAM_MIN_BYTES = 1 << 20
+# K pieces: an M block's A beyond this many bytes (mc rows x K bf16) runs in K pieces of at most
+# this size, so the piece stays in L2 (2 MiB per core on the AMX Xeons) across panels; the sums of
+# AMX_SUM_SLOTS panels are kept between pieces (each thread's workspace: that many 32-column slots
+# of mc rows).
+AMX_A_PIECE_BYTES = 1 << 20
+AMX_SUM_SLOTS = 8
 
 _AMX = r"""
 #include <stdlib.h>
@@ -1167,6 +1173,16 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
     /* an output larger than TP_AMX_STREAM_MIN_BYTES is written with non-temporal stores (whole
        64-byte lines, no read for ownership): it would not stay in L2 anyway */
     const int stream = (double)M * (double)N * sizeof(otype_t) >= (double)TP_AMX_STREAM_MIN_BYTES;
+    /* K pieces: where an M block's A (mc rows x kt tiles of 64 bytes per row) exceeds
+       TP_AMX_A_PIECE_BYTES, it no longer stays in L2 from one panel to the next and every panel
+       reads it again from L3. A chunk then runs its panels in sub-runs of TP_AMX_SUM_SLOTS, each
+       sub-run K piece by K piece (kpc tiles, whole K blocks), the sums of every panel of the
+       sub-run in their own slot between pieces: a piece's A stays in L2 across the sub-run's
+       panels. */
+    int64_t kpc = TP_MAX(1, kt);
+    if (kt > kcb && (double)mc * 64.0 * (double)kt > (double)TP_AMX_A_PIECE_BYTES)
+        kpc = TP_MAX(kcb, (int64_t)(TP_AMX_A_PIECE_BYTES / ((size_t)mc * 64)) / kcb * kcb);
+    const int64_t nq = (TP_MAX(1, kt) + kpc - 1) / kpc;
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
@@ -1184,7 +1200,7 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
         /* the fp32 sums, one 32 x 32 block (row stride 32) per 32 rows of the chunk, in two
            halves used by alternate panels (a block whose epilogue is pending stays intact while
            the next panel's blocks fill the other half) */
-        float *const acc = S + (size_t)omp_get_thread_num() * (size_t)mc * 64;
+        float *const acc = S + (size_t)omp_get_thread_num() * (size_t)mc * 32 * TP_AMX_SUM_SLOTS;
         int configured = 0;
         tp_amx_pend_t pend = {0, 0, 0, 0, 0, 0};
         #pragma omp for schedule(dynamic, 1) nowait
@@ -1195,11 +1211,17 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                 configured = 1;
             }
             TP_TILE_FENCE(); /* W's copy (the omp for's barrier is a call too) */
-            const int64_t jend = np * (pc + 1) / npc;
-            for (int64_t jp = np * pc / npc; jp < jend; ++jp) {
+            const int64_t jbeg = np * pc / npc, jend = np * (pc + 1) / npc;
+            const int64_t nsub = nq > 1 ? TP_AMX_SUM_SLOTS : jend - jbeg;
+            for (int64_t sub = jbeg; sub < jend; sub += nsub) {
+            const int64_t send = TP_MIN(jend, sub + nsub);
+            for (int64_t q = 0; q < nq; ++q) {
+            const int64_t kq0 = q * kpc, kq1 = TP_MIN(kt, kq0 + kpc);
+            for (int64_t jp = sub; jp < send; ++jp) {
             const int64_t j = jp * 32, nr = TP_MIN(32, N - j), nb = (i1 - i0 + 31) / 32;
             const uint32_t *bp = Bp + jp * kp * 32;
-            float *const half = acc + (jp & 1) * mc * 32;
+            /* two halves for alternate panels, or a slot per panel of the sub-run (K pieces) */
+            float *const half = acc + (nq > 1 ? jp - sub : (jp & 1)) * mc * 32;
             TP_TILE_FENCE(); /* (the pending sums read before this panel's tiles store into them) */
             /* K blocks of kcb tiles (one empty block when K has no whole tile: zero sums, then the
                K tail alone): the panel's kcb x 16 k pairs (2 kcb KB) stay in L1 while every
@@ -1215,11 +1237,11 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                spreading took 0.986-1.036x, 5 of 6 slower: its pending sums come from L2) */
 #if TP_AMX_PANEL_EPI
             const int per = pend.done < pend.rows
-                ? (int)((pend.rows - pend.done + nb * TP_MAX(1, kt) - 1) / (nb * TP_MAX(1, kt)))
+                ? (int)((pend.rows - pend.done + nb * TP_MAX(1, kq1 - kq0) - 1) / (nb * TP_MAX(1, kq1 - kq0)))
                 : 0;
 #endif
-            for (int64_t k0 = 0; k0 == 0 || k0 < kt; k0 += kcb) {
-                const int64_t k1 = TP_MIN(kt, k0 + kcb), steps = TP_MAX(1, k1 - k0);
+            for (int64_t k0 = kq0; k0 == kq0 || k0 < kq1; k0 += kcb) {
+                const int64_t k1 = TP_MIN(kq1, k0 + kcb), steps = TP_MAX(1, k1 - k0);
                 /* the next K block's slice of B (this panel's, or the chunk's next panel's
                    first), a few lines per k step over this K block's row blocks, so the first
                    row block of the next K block finds it in L1 (a C harness of this loop, one
@@ -1233,12 +1255,12 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                     /* (whole K in one block, the weight-streaming path: the next slice would be a
                        whole panel, into L1: in-process, bias, M=32 1024->4096 1.10x and M=8
                        4096->11008 1.03x the time with it) */
-                } else if (k1 < kt) {
+                } else if (k1 < kq1) {
                     nx = (const char *)(bp + k1 * 512);
-                    nxl = (TP_MIN(kt, k1 + kcb) - k1) * 32;
-                } else if (jp + 1 < jend) {
-                    nx = (const char *)(Bp + (jp + 1) * kp * 32);
-                    nxl = TP_MIN(kt, kcb) * 32;
+                    nxl = (TP_MIN(kq1, k1 + kcb) - k1) * 32;
+                } else if (jp + 1 < send) { /* (the next panel's first block of this piece) */
+                    nx = (const char *)(Bp + (jp + 1) * kp * 32 + kq0 * 512);
+                    nxl = (TP_MIN(kq1, kq0 + kcb) - kq0) * 32;
                 }
                 const int64_t nxper = (nxl + nb * steps - 1) / (nb * steps);
                 for (int64_t b = 0; b < nb; ++b) {
@@ -1308,10 +1330,14 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                 }
             }
 #if TP_AMX_PANEL_EPI /* the panel is complete: the previous one's last rows out, this one pending */
-            tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
-            pend = (tp_amx_pend_t){half, i0, j, nr, (int)(i1 - i0), 0};
-            for (int64_t r = i0; r < TP_MIN(i1, i0 + TP_AMX_EPI_AHEAD); ++r) tp_epi_pf(r, j, nr, ep, eld);
+            if (q == nq - 1) {
+                tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
+                pend = (tp_amx_pend_t){half, i0, j, nr, (int)(i1 - i0), 0};
+                for (int64_t r = i0; r < TP_MIN(i1, i0 + TP_AMX_EPI_AHEAD); ++r) tp_epi_pf(r, j, nr, ep, eld);
+            }
 #endif
+            }
+            }
             }
             tp_amx_store_rows(&pend, pend.rows, C, ldc, stream, ep, eld);
         }
@@ -1328,6 +1354,8 @@ def render_amx_source(spec: EpilogueSpec, otag: str) -> str:
     ``tp_gemm_amx_32x32`` for this epilogue and output dtype, and ``tp_amx_available``."""
     parts = _preamble(spec, "bf16", otag, "avx512", piecewise_gelu=True)
     parts.append(f"#define TP_AMX_STREAM_MIN_BYTES {AMX_STREAM_MIN_BYTES}")
+    parts.append(f"#define TP_AMX_A_PIECE_BYTES {AMX_A_PIECE_BYTES}")
+    parts.append(f"#define TP_AMX_SUM_SLOTS {AMX_SUM_SLOTS}")
     parts.append(f"#define TP_OUT_BF16 {int(otag == 'bf16')}")
     heavy = any(op.kind in (*TRANSCENDENTAL_KINDS, "add") for op in spec.ops)
     parts.append(f"#define TP_AMX_PANEL_EPI {int(heavy)}")
