@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epilogue", default="bias_col:bf16", help="an EpilogueSpec's text")
     p.add_argument("--variant", action="append", default=[], help="name=old>>new|... or mMC_kKC")
     p.add_argument("--aten", action="store_true", help="also time torch.addmm (bias_col only)")
+    p.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        help="bytes of weight copies to rotate through (each call reads the next copy; 0: one)",
+    )
     args = p.parse_args(argv)
     if not kernels.amx_ready():
         raise SystemExit("bench gemm_amx_ab: this machine has no AMX-BF16 the kernel may use")
@@ -83,16 +89,32 @@ def main(argv: list[str] | None = None) -> None:
         launches[name] = launcher(build(src, f"amxab_{name}"), args.mc, args.kc)
     torch.manual_seed(0)
     a, b = torch.randn(m, k).to(torch.bfloat16), torch.randn(k, n).to(torch.bfloat16)
-    packed = pack_cache.get(b, templates.AMX_NR, pairs=True)
+    # weight copies (each with its packed panels) rotated so that a call reads a cold weight
+    # when their total exceeds the last-level cache, as a model's layers do
+    copies = [(b, pack_cache.get(b, templates.AMX_NR, pairs=True))]
+    while len(copies) * b.nbytes < args.cold:
+        c = b.clone()
+        copies.append((c, pack_cache.get(c, templates.AMX_NR, pairs=True)))
     ops = operands(spec, m, n)
 
+    def rotated(call: Any) -> Any:
+        turn = [0]
+
+        def run() -> Any:
+            w, packed = copies[turn[0] % len(copies)]
+            turn[0] += 1
+            return call(w, packed)
+
+        return run
+
     runs: dict[str, Any] = {
-        name: (lambda f=f: f(a, b, ops, packed=packed)) for name, f in launches.items()
+        name: rotated(lambda w, packed, f=f: f(a, w, ops, packed=packed))
+        for name, f in launches.items()
     }
     if args.aten:
         if [op.kind for op in spec.ops] != ["bias_col"]:
             raise SystemExit("--aten compares with torch.addmm: --epilogue bias_col:bf16 only")
-        runs["aten"] = lambda: torch.addmm(ops[0], a, b)
+        runs["aten"] = rotated(lambda w, packed: torch.addmm(ops[0], a, w))
     first = runs["as_built"]().float()
     for name in launches:
         if not torch.equal(runs[name]().float().nan_to_num(), first.nan_to_num()):
@@ -107,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     med = {name: statistics.median(v) for name, v in samples.items()}
     flops = 2.0 * m * n * k
     print(
-        f"# AMX kernel variants, M={m} N={n} K={k}, {args.epilogue or 'no epilogue'}, {reps} rounds"
+        f"# AMX kernel variants, M={m} N={n} K={k}, {args.epilogue or 'no epilogue'}, {reps} rounds, "
+        f"{len(copies)} weight copies"
     )
     for name, t in med.items():
         ratio = t / med["as_built"]
