@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         src = base
         for edit in filter(None, edits.split("|")):
             old, _, new = edit.partition(">>")
+            if "TP_AMX_SUM_SLOTS" in old:  # (the launcher sizes the workspace from the Python one)
+                raise SystemExit(
+                    "the sums workspace follows templates.AMX_SUM_SLOTS: edit it there"
+                )
             if old not in src:
                 raise SystemExit(f"variant {name!r}: {old!r} is not in the source")
             src = src.replace(old, new)

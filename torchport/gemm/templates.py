@@ -1141,15 +1141,16 @@ TP_INLINE void tp_amx_store_rows(tp_amx_pend_t *p, int upto, otype_t *C, int64_t
    AMX's B tile: a tile row is a k pair of 16 columns, 64 bytes, rows 128 bytes apart).
    First the threads copy A's whole k tiles into W as [ceil(M/16)][kp/16][16 rows][16 words]
    (rows past M zero), so every A tile is one contiguous kilobyte. Then work chunks are handed
-   out dynamically: (M block of mc rows, panel) pairs with M blocks outer, or with one M block
-   runs of panels. For each panel a chunk takes K blocks of kc (outer) and its 32-row blocks
-   (inner; 16 rows for the last odd one), the sums carried between K blocks in an fp32 buffer
-   (two halves, alternate panels). A block finished by its last K block gets the K tail
+   out dynamically: an M block of mc rows and a run of panels. For each panel a chunk takes K
+   blocks of kc (outer) and its 32-row blocks (inner; 16 rows for the last odd one), the sums
+   carried between K blocks in an fp32 buffer (two halves, alternate panels; with K pieces, below,
+   a slot per panel of a sub-run). A block finished by its last K block gets the K tail
    (kp % 16 pairs, vdpbf16ps from A itself) and becomes pending: its epilogue and its one store
    of C run a few rows per k step of the next block's K loop (the last one at the chunk's end);
    with TP_AMX_PANEL_EPI (epilogues with a transcendental or a residual) a finished panel
    becomes pending instead, its rows spread evenly over all of the chunk's next panel's k steps.
-   S holds the threads' sums: nthreads x (mc rounded up to 32) x 64 floats, 64-byte aligned
+   S holds the threads' sums: nthreads x (mc rounded up to 32) x 32 x TP_AMX_SUM_SLOTS floats,
+   64-byte aligned
    (the caller's workspace: an allocation here of 128 KB per thread went to mmap, so every
    call paid its page faults and the unmap).
    Returns -1 when the OS refuses AMX (nothing written), 0 when done. */
@@ -1180,8 +1181,9 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
        sub-run in their own slot between pieces: a piece's A stays in L2 across the sub-run's
        panels. */
     int64_t kpc = TP_MAX(1, kt);
-    if (kt > kcb && (double)mc * 64.0 * (double)kt > (double)TP_AMX_A_PIECE_BYTES)
-        kpc = TP_MAX(kcb, (int64_t)(TP_AMX_A_PIECE_BYTES / ((size_t)mc * 64)) / kcb * kcb);
+    const int64_t mrows = TP_MIN(mc, (M + 31) / 32 * 32); /* (an M block's rows at most) */
+    if (kt > kcb && (double)mrows * 64.0 * (double)kt > (double)TP_AMX_A_PIECE_BYTES)
+        kpc = TP_MAX(kcb, (int64_t)(TP_AMX_A_PIECE_BYTES / ((size_t)mrows * 64)) / kcb * kcb);
     const int64_t nq = (TP_MAX(1, kt) + kpc - 1) / kpc;
     #pragma omp parallel num_threads(nt)
     {
@@ -1199,7 +1201,9 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
         }
         /* the fp32 sums, one 32 x 32 block (row stride 32) per 32 rows of the chunk, in two
            halves used by alternate panels (a block whose epilogue is pending stays intact while
-           the next panel's blocks fill the other half) */
+           the next panel's blocks fill the other half), or with K pieces in a slot per panel of
+           the sub-run (the last sub-run's last panel, pending, stays intact while the next
+           sub-run's first panel fills slot 0) */
         float *const acc = S + (size_t)omp_get_thread_num() * (size_t)mc * 32 * TP_AMX_SUM_SLOTS;
         int configured = 0;
         tp_amx_pend_t pend = {0, 0, 0, 0, 0, 0};
@@ -1261,6 +1265,12 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                 } else if (jp + 1 < send) { /* (the next panel's first block of this piece) */
                     nx = (const char *)(Bp + (jp + 1) * kp * 32 + kq0 * 512);
                     nxl = (TP_MIN(kq1, kq0 + kcb) - kq0) * 32;
+                } else if (q + 1 < nq) { /* (the sub-run's first panel, the next piece) */
+                    nx = (const char *)(Bp + sub * kp * 32 + kq1 * 512);
+                    nxl = (TP_MIN(kt, kq1 + kcb) - kq1) * 32;
+                } else if (send < jend) { /* (the next sub-run's first panel, the first piece) */
+                    nx = (const char *)(Bp + send * kp * 32);
+                    nxl = TP_MIN(kt, kcb) * 32;
                 }
                 const int64_t nxper = (nxl + nb * steps - 1) / (nb * steps);
                 for (int64_t b = 0; b < nb; ++b) {
