@@ -202,6 +202,25 @@ def test_amx_streamed_outputs(n, chain):
     _assert_close(out, a, b, spec, ops)
 
 
+def _exact_case(m: int, n: int, k: int, seed: int) -> tuple:
+    """Operands whose results are exact: small integers (exact sums), a distinct integer bias and
+    residual per column and row, power-of-two row scales, ReLU (exact) in place of GELU, so a
+    residual, bias or scale landing on another row or column is an error of at least 1. Returns
+    (a, b, a heavy spec (a residual: panel epilogues, TP_AMX_PANEL_EPI), its operands, a plain
+    spec (block epilogues), its operands)."""
+    g = torch.Generator().manual_seed(seed)
+    ai = torch.randint(-3, 4, (m, k), generator=g).to(torch.bfloat16)
+    bi = torch.randint(-3, 4, (k, n), generator=g).to(torch.bfloat16)
+    heavy = EpilogueSpec.decode("bias_col:bf16;relu;add:f32;scale_row:f32;out=f32")
+    heavy_ops = [
+        torch.arange(n, dtype=torch.float32).remainder(7).to(torch.bfloat16),
+        torch.arange(m * n, dtype=torch.float32).reshape(m, n).remainder(97),
+        torch.pow(2.0, torch.arange(m).remainder(5).float() - 2),
+    ]
+    plain = EpilogueSpec.decode("bias_col:bf16;relu;scale_row:f32;out=f32")
+    return ai, bi, heavy, heavy_ops, plain, [heavy_ops[0], heavy_ops[2]]
+
+
 @needs_amx
 @pytest.mark.parametrize("mc,kc,pf", [(96, 64, 0), (64, 0, 0), (32, 0, 4), (128, 32, 0)], ids=str)
 @pytest.mark.parametrize("m,n,k", [(100, 130, 200), (33, 300, 64), (64, 97, 31)], ids=str)
@@ -214,22 +233,9 @@ def test_amx_epilogue_overlapped_with_the_next_block(mc, kc, pf, m, n, k):
     spec = EpilogueSpec.decode("bias_col:bf16;gelu;add:bf16;scale_row:f32")
     a, b = _make(m, n, k, torch.bfloat16, "c", "weight_t")
     ops = _operands(spec, m, n)
-    # and exactly: small integers (exact sums), distinct integer bias and residual per column and
-    # row, power-of-two row scales, ReLU (exact) in place of GELU: a residual, bias or scale
-    # landing on another row or column is an error of at least 1 where the output is exact
-    g = torch.Generator().manual_seed(m + n + k)
-    ai = torch.randint(-3, 4, (m, k), generator=g).to(torch.bfloat16)
-    bi = torch.randint(-3, 4, (k, n), generator=g).to(torch.bfloat16)
-    exact = EpilogueSpec.decode("bias_col:bf16;relu;add:f32;scale_row:f32;out=f32")
-    ex_ops = [
-        torch.arange(n, dtype=torch.float32).remainder(7).to(torch.bfloat16),
-        torch.arange(m * n, dtype=torch.float32).reshape(m, n).remainder(97),
-        torch.pow(2.0, torch.arange(m).remainder(5).float() - 2),
-    ]
+    # and exactly
+    ai, bi, exact, ex_ops, plain, plain_ops = _exact_case(m, n, k, m + n + k)
     want = mm_reference(ai, bi, exact, ex_ops)
-    # without a residual or an activation the epilogue is a block's, not a panel's (TP_AMX_PANEL_EPI)
-    plain = EpilogueSpec.decode("bias_col:bf16;relu;scale_row:f32;out=f32")
-    plain_ops = [ex_ops[0], ex_ops[2]]
     want_plain = mm_reference(ai, bi, plain, plain_ops)
     before = torch.get_num_threads()
     try:
@@ -276,17 +282,7 @@ def test_amx_k_pieces(m, n, k, mc):
     from torchport.gemm import templates
 
     assert mc * 64 * (k // 32) > templates.AMX_A_PIECE_BYTES  # (the shape does run in pieces)
-    g = torch.Generator().manual_seed(k)
-    ai = torch.randint(-3, 4, (m, k), generator=g).to(torch.bfloat16)
-    bi = torch.randint(-3, 4, (k, n), generator=g).to(torch.bfloat16)
-    heavy = EpilogueSpec.decode("bias_col:bf16;relu;add:f32;scale_row:f32;out=f32")
-    heavy_ops = [
-        torch.arange(n, dtype=torch.float32).remainder(7).to(torch.bfloat16),
-        torch.arange(m * n, dtype=torch.float32).reshape(m, n).remainder(97),
-        torch.pow(2.0, torch.arange(m).remainder(5).float() - 2),
-    ]
-    plain = EpilogueSpec.decode("bias_col:bf16;scale_row:f32;out=f32")
-    plain_ops = [heavy_ops[0], heavy_ops[2]]
+    ai, bi, heavy, heavy_ops, plain, plain_ops = _exact_case(m, n, k, k)
     a, b = _make(m, n, k, torch.bfloat16, "c", "weight_t")
     spec = EpilogueSpec.decode("bias_col:bf16;gelu;add:bf16")
     ops = _operands(spec, m, n)
