@@ -17,6 +17,7 @@ is ``name=old>>new[|old>>new...]`` or ``mMC_kKC``; needs AMX-BF16).
 
 from __future__ import annotations
 
+import itertools
 import re
 import statistics
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from torchport import native
+from torchport.autotune import cold_copies
 from torchport.benchmarks import arg_parser
 from torchport.gemm import kernels, templates
 from torchport.gemm.epilogue import EpilogueSpec
@@ -95,21 +97,15 @@ def main(argv: list[str] | None = None) -> None:
     a, b = torch.randn(m, k).to(torch.bfloat16), torch.randn(k, n).to(torch.bfloat16)
     # weight copies (each with its packed panels) rotated so that a call reads a cold weight
     # when their total exceeds the last-level cache, as a model's layers do
-    copies = [(b, pack_cache.get(b, templates.AMX_NR, pairs=True))]
-    while len(copies) * b.nbytes < args.cold:
-        c = b.clone()
-        copies.append((c, pack_cache.get(c, templates.AMX_NR, pairs=True)))
+    copies = [
+        (w, pack_cache.get(w, templates.AMX_NR, pairs=True))
+        for (w,) in cold_copies((b,), budget=args.cold)
+    ]
     ops = operands(spec, m, n)
 
     def rotated(call: Any) -> Any:
-        turn = [0]
-
-        def run() -> Any:
-            w, packed = copies[turn[0] % len(copies)]
-            turn[0] += 1
-            return call(w, packed)
-
-        return run
+        turns = itertools.cycle(copies)
+        return lambda: call(*next(turns))
 
     runs: dict[str, Any] = {
         name: rotated(lambda w, packed, f=f: f(a, w, ops, packed=packed))

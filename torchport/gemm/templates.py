@@ -1240,9 +1240,9 @@ TP_EXPORT int tp_gemm_amx_32x32(otype_t *C, int64_t ldc, const uint32_t *A, int6
                residual, 1.008-1.041x for bias + SiLU; for no epilogue or a bias, panel
                spreading took 0.986-1.036x, 5 of 6 slower: its pending sums come from L2) */
 #if TP_AMX_PANEL_EPI
+            const int64_t psteps = nb * TP_MAX(1, kq1 - kq0); /* this panel's k steps (this piece) */
             const int per = pend.done < pend.rows
-                ? (int)((pend.rows - pend.done + nb * TP_MAX(1, kq1 - kq0) - 1) / (nb * TP_MAX(1, kq1 - kq0)))
-                : 0;
+                ? (int)((pend.rows - pend.done + psteps - 1) / psteps) : 0;
 #endif
             for (int64_t k0 = kq0; k0 == kq0 || k0 < kq1; k0 += kcb) {
                 const int64_t k1 = TP_MIN(kq1, k0 + kcb), steps = TP_MAX(1, k1 - k0);
