@@ -572,7 +572,8 @@ def test_budget_caps_the_search_time(fresh_cache, fake_clock):
 
 def test_budget_times_calls_over_long_call_s_once(fresh_cache, fake_clock):
     """Calls longer than LONG_CALL_S are timed once even when the budget share would allow
-    more (cold tuning of ~0.1 s GEMMs), and a 1.5x winner skips the confirmation."""
+    more (cold tuning of ~0.1 s GEMMs): the settling call after the checked one is that timed
+    call; a 1.5x winner skips the confirmation."""
     from torchport.autotune import tuner
 
     calls: list = []
@@ -580,26 +581,26 @@ def test_budget_times_calls_over_long_call_s_once(fresh_cache, fake_clock):
     make = _fake_factory(fake_clock, lambda i: t_long, lambda i: t_long / 2, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "over-long"}, make, budget_s=100.0, confirm=True)
-    assert calls.count("aten") == 2 + 1 and calls.count("native") == 2 + 1
+    assert calls.count("aten") == 2 and calls.count("native") == 2
     assert ch.candidate.name == "native"
 
 
 def test_budget_times_long_calls_once(fresh_cache, fake_clock):
-    """A candidate whose single call outlasts its share of budget_s is timed once after the
-    checked call, and a winner by more than 1.5x over such an anchor is kept without the
-    alternating confirmation (a burst of load does not make calls this long 1.5x apart)."""
+    """A candidate whose single call outlasts its share of budget_s is timed once, on the call
+    after the checked one, and a winner by more than 1.5x over such an anchor is kept without
+    the alternating confirmation (a burst of load does not make calls this long 1.5x apart)."""
     calls: list = []
     make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.2, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "long"}, make, budget_s=0.3, confirm=True)
-    assert calls.count("aten") == 2 + 1 and calls.count("native") == 2 + 1
+    assert calls.count("aten") == 2 and calls.count("native") == 2
     assert ch.candidate.name == "native"
     calls.clear()
     close = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "long-close"}, close, budget_s=0.3, confirm=True)
-    # 1.33x: confirmed in alternation, one round after the warm-up round
-    assert calls.count("aten") == 3 + 2 and calls.count("native") == 3 + 2
+    # 1.33x: confirmed in alternation, one round without a warm-up (the search spent the budget)
+    assert calls.count("aten") == 2 + 1 and calls.count("native") == 2 + 1
     assert ch.candidate.name == "native"
 
 
@@ -608,13 +609,13 @@ def test_long_calls_burst_on_the_candidates_confirmation_keeps_it(fresh_cache, f
     on the native kernel's confirmation calls no longer rejects a kernel whose fastest call, in
     the search, beat the anchor's fastest (the case seen with bf16 M=2048 768->3072)."""
     calls: list = []
-    # ATen 0.4 s a call; native 0.3 s, but 0.5 s through its confirmation (calls 3 and up)
-    make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3 if i < 3 else 0.5, calls)
+    # ATen 0.4 s a call; native 0.3 s, but 0.5 s through its confirmation (calls 2 and up)
+    make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3 if i < 2 else 0.5, calls)
     with config.override(autotune_reps=100, autotune_noise=0.03):
         ch = _select_pair({"case": "long-burst"}, make, budget_s=0.3, confirm=True)
     assert ch.timings_s["confirm:native"] == pytest.approx(0.5)  # the confirmation was hit ...
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.4)
-    assert calls.count("native") == 3 + 2  # ... in its one round after the warm-up
+    assert calls.count("native") == 2 + 1  # ... in its one round
     assert ch.candidate.name == "native"
     assert autotune.choice_cache.get("toy.pair", {"case": "long-burst"})["choice"] == "native"
 
@@ -624,12 +625,25 @@ def test_long_calls_burst_on_the_anchors_search_is_still_rejected(fresh_cache, f
     kernel looked 1.47x faster, just short of the 1.5x that skips the confirmation: at exactly
     1.5x the fake clock's rounding decided it); ATen's confirmation shows 0.28 s and the kernel
     is rejected."""
-    make = _fake_factory(fake_clock, lambda i: 0.44 if i < 3 else 0.28, lambda i: 0.3)
+    make = _fake_factory(fake_clock, lambda i: 0.44 if i < 2 else 0.28, lambda i: 0.3)
     with config.override(autotune_reps=100, autotune_noise=0.03):
         ch = _select_pair({"case": "long-anchor-burst"}, make, budget_s=0.3, confirm=True)
     assert ch.timings_s["aten"] == pytest.approx(0.44)
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.28)
     assert ch.candidate.name == "aten"
+
+
+def test_long_calls_confirm_in_what_the_search_left_of_the_budget(fresh_cache, fake_clock):
+    """The confirmation of long calls runs alternating rounds only while the search left some
+    of budget_s (one round at least), with no warm-up round: 0.1 s calls, a budget of 1.2 s,
+    a search of two calls each (0.2 + 0.18 s) leaves 0.82 s, so rounds of 0.19 s until past it:
+    five."""
+    calls: list = []
+    make = _fake_factory(fake_clock, lambda i: 0.1, lambda i: 0.09, calls)
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-left"}, make, budget_s=1.2, confirm=True)
+    assert ch.candidate.name == "native"
+    assert calls.count("aten") == 2 + 5 and calls.count("native") == 2 + 5
 
 
 # --- final round: the fastest candidates of the search meet in one interleaved round ----------
@@ -802,8 +816,8 @@ def test_settle_faults_calls_until_a_call_takes_no_fresh_pages():
                 m.write(b"\1" * (4 << 20))  # ~1024 page faults
         return x
 
-    n, last_s = timing.settle_faults(fresh_then_quiet, [(1,)], max_time_s=10.0)
-    assert n == 4 and len(made) == 4 and last_s >= 0.0
+    n, last_s, quiet = timing.settle_faults(fresh_then_quiet, [(1,)], max_time_s=10.0)
+    assert n == 4 and len(made) == 4 and last_s >= 0.0 and quiet
 
     def always_fresh(x):
         with mmap.mmap(-1, 4 << 20) as m:
@@ -814,4 +828,4 @@ def test_settle_faults_calls_until_a_call_takes_no_fresh_pages():
         timing.SETTLE_FAULT_CALLS
     )
     # past max_time_s it stops after the first call, faults or not
-    assert timing.settle_faults(always_fresh, [(1,)], max_time_s=0.0)[0] == 1
+    assert timing.settle_faults(always_fresh, [(1,)], max_time_s=0.0)[:3:2] == (1, False)

@@ -11,7 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -78,12 +78,22 @@ def _minor_faults() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
+class Settled(NamedTuple):
+    """What :func:`settle_faults` did: calls made, the last one's seconds, and whether that call
+    was quiet (took fewer than :data:`SETTLE_QUIET_FAULTS` fresh pages: a timing of the settled
+    allocator, as good as a measured call)."""
+
+    calls: int
+    last_s: float
+    quiet: bool
+
+
 def settle_faults(
     fn: Callable[..., Any], arg_sets: Sequence[tuple[Any, ...]], max_time_s: float
-) -> tuple[int, float]:
+) -> Settled:
     """Untimed calls of ``fn`` while each one page-faults (at least one, at most
-    :data:`SETTLE_FAULT_CALLS` and, past the first, ``max_time_s``); returns how many it made
-    and the seconds the last one took. A large output can come from fresh pages on
+    :data:`SETTLE_FAULT_CALLS` and, past the first, ``max_time_s``); returns how many it made,
+    the seconds the last one took and whether it was quiet. A large output can come from fresh pages on
     every call for a while, until the heap's free chunks line up (glibc: a freed 64-byte-aligned
     chunk is too small for the next aligned request of its size): measured in a GEMM tuning,
     M=2048 1024->4096 bf16, 16 MB outputs, the first candidate timed after ATen took 14-16 ms
@@ -97,9 +107,10 @@ def settle_faults(
         t0 = clock()
         fn(*arg_sets[(n - 1 - i) % n])  # from the last set: the first ones stay coldest for timing
         last_s = clock() - t0
-        if _minor_faults() - before < SETTLE_QUIET_FAULTS or clock() - start > max_time_s:
-            return i + 1, last_s
-    return SETTLE_FAULT_CALLS, last_s
+        quiet = _minor_faults() - before < SETTLE_QUIET_FAULTS
+        if quiet or clock() - start > max_time_s:
+            return Settled(i + 1, last_s, quiet)
+    return Settled(SETTLE_FAULT_CALLS, last_s, False)
 
 
 def measure(

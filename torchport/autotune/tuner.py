@@ -120,13 +120,19 @@ def confirm(
     reps: int | None = None,
     max_time_s: float = 2.0,
     min_rounds: int = 3,
+    warmup: int = 1,
 ) -> Confirmation:
-    """Time ``fn`` and ``anchor_fn`` in alternation on ``arg_sets``; ``won`` if ``fn`` still
-    :func:`beats_anchor`. Used by :func:`select` (``confirm=True``) and by ops that decide
-    between ATen and a native route themselves."""
+    """Time ``fn`` and ``anchor_fn`` in alternation on ``arg_sets`` (after ``warmup`` untimed
+    rounds); ``won`` if ``fn`` still :func:`beats_anchor`. Used by :func:`select`
+    (``confirm=True``) and by ops that decide between ATen and a native route themselves."""
     n = max(5, int(config.get("autotune_reps")) if reps is None else reps)
     t_fn, t_anchor = interleaved(
-        [fn, anchor_fn], arg_sets, reps=n, max_time_s=max_time_s, min_rounds=min_rounds
+        [fn, anchor_fn],
+        arg_sets,
+        reps=n,
+        warmup=warmup,
+        max_time_s=max_time_s,
+        min_rounds=min_rounds,
     )
     won = beats_anchor(t_fn, t_anchor)
     if won:
@@ -258,6 +264,7 @@ def _confirm_choice(
     args: tuple[Any, ...] | None = None,
     confirm_s: float = 2.0,
     min_rounds: int = 3,
+    warmup: int = 1,
 ) -> bool:
     """Alternating timing of ``chosen`` against ``anchor``; records both in ``timings``.
 
@@ -268,7 +275,12 @@ def _confirm_choice(
             args = make_args()
         arg_sets = cold_copies(args) if cold else [args]
         res = confirm(
-            factory(chosen), factory(anchor), arg_sets, max_time_s=confirm_s, min_rounds=min_rounds
+            factory(chosen),
+            factory(anchor),
+            arg_sets,
+            max_time_s=confirm_s,
+            min_rounds=min_rounds,
+            warmup=warmup,
         )
     except Exception:  # a candidate that fails now is never chosen
         stats.rejected += 1
@@ -390,6 +402,7 @@ def _tune(
     reps = config.get("autotune_reps")
     order = [anchor] + [c for c in eligible if not c.is_anchor]
     cap_s = 2.0 if budget_s is None else max(0.01, budget_s / len(order))
+    search_t0 = timing.clock()
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}
     anchor_out: Any = None
@@ -421,13 +434,17 @@ def _tune(
             # packs every copy's weights) tells a long call: before, a 7 ms kernel whose first
             # call packed for 0.1 s was timed once, on a call of 4096 fresh pages (20 ms)
             t0 = timing.clock()
-            _, settled_s = timing.settle_faults(fn, arg_sets, cap_s / 4)
+            settled = timing.settle_faults(fn, arg_sets, cap_s / 4)
             left_s = max(0.0, cap_s - (timing.clock() - t0))  # (the share includes the settling)
-            once = budget_s is not None and min(first_s, settled_s) > min(cap_s, LONG_CALL_S)
-            n_reps, least = (1, 1) if once else (reps, 3)
-            times = measure(
-                fn, arg_sets, reps=n_reps, warmup=warm, max_time_s=left_s, min_reps=least
-            )
+            once = budget_s is not None and min(first_s, settled.last_s) > min(cap_s, LONG_CALL_S)
+            if once:
+                # the settling call is that one timed call: quiet, or the share ran out while
+                # every call faults (an output over glibc's mmap threshold, 32 MiB, comes from
+                # fresh pages on every call: bf16 M=2048 4096->11008, 85 ms calls, where one
+                # more call per candidate took a tenth of the 2 s bound)
+                times = [settled.last_s]
+            else:
+                times = measure(fn, arg_sets, reps=reps, warmup=warm, max_time_s=left_s)
             timings[cand.name] = median(times)
             stats.candidates_timed += 1
         except InvalidCandidate as e:
@@ -455,20 +472,20 @@ def _tune(
             long_calls = budget_s is not None and timings[anchor.name] > min(cap_s, LONG_CALL_S)
             if long_calls and timings[choice.name] < timings[anchor.name] / 1.5:
                 ok = True  # calls this long are not 1.5x apart through a burst of load
+            elif long_calls:
+                # both have run already (code loaded, weights packed): no warm-up round, and
+                # rounds only while the search left some of the budget, one at least (a warm-up
+                # and 2 * cap_s of rounds took 0.9 s at bf16 M=2048 4096->11008, 85 ms calls)
+                left_s = max(0.0, (budget_s or 0.0) - (timing.clock() - search_t0))
+                ok = _confirm_choice(
+                    choice, anchor, factory, make_args, cold, timings, args, left_s, 1, 0
+                )
+                if not ok:
+                    ok = _long_call_verdict(timings, choice.name, anchor.name)
             else:
                 ok = _confirm_choice(
-                    choice,
-                    anchor,
-                    factory,
-                    make_args,
-                    cold,
-                    timings,
-                    args,
-                    2 * cap_s,
-                    min_rounds=1 if long_calls else 3,
+                    choice, anchor, factory, make_args, cold, timings, args, 2 * cap_s
                 )
-                if not ok and long_calls:
-                    ok = _long_call_verdict(timings, choice.name, anchor.name)
             _confirmed[_memo_key(op, key, choice)] = ok
             if not ok:
                 choice = anchor
