@@ -13,6 +13,8 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import platform
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -458,28 +460,48 @@ AMX = 2
 AMX_TILE = (templates.AMX_MR, templates.AMX_NR)
 
 
+# set when an AMX library failed to compile (a compiler without -mamx-tile): no AMX candidates
+# from then on in this process, rather than a failing compile for every new shape
+_amx_unbuildable: list[bool] = []
+
+
 @functools.cache
 def _amx_library(spec: EpilogueSpec, otag: str) -> ctypes.CDLL:
     src = native.render(templates.render_amx_source(spec, otag).replace("$", "$$"))
     name = f"gemm_amx_bf16_{otag}_e{len(spec.ops)}"
-    return native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
+    try:
+        return native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
+    except native.CompileError:
+        _amx_unbuildable.append(True)
+        raise
+
+
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): x86-64 Linux's syscall number and arguments
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 @functools.cache
 def _amx_permitted() -> bool:
-    try:
-        lib = _amx_library(NO_EPILOGUE, "f32")
-    except native.NativeError:
+    """Whether Linux grants this process the AMX tile data state (the request the kernels also
+    make, once per process; torch's oneDNN asks the same). Asked from Python: before, the
+    answer came from building an AMX library, 0.49 s of compilation ahead of a fresh cache's
+    first bf16 GEMM, whatever its shape."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    return bool(lib.tp_amx_available())
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def amx_ready() -> bool:
     """True when the AMX-BF16 kernel can run here: the CPU has AMX-TILE, AMX-BF16 and
-    AVX512-BF16 (its K tail), the ISA level is avx512 (``config.isa`` may lower it) and the
-    kernel (built once per process) was granted the tile state by the OS."""
+    AVX512-BF16 (its K tail), the OS grants the tile state, and no AMX library failed to
+    compile in this process (mm.candidates also asks for the avx512 ISA level, which
+    ``config.isa`` may lower)."""
     info = native.cpu_info()
-    if not (info.has_amx and info.has_avx512_bf16):
+    if not (info.has_amx and info.has_avx512_bf16) or _amx_unbuildable:
         return False
     return _amx_permitted()
 
