@@ -646,6 +646,28 @@ def test_long_calls_confirm_in_what_the_search_left_of_the_budget(fresh_cache, f
     assert calls.count("aten") == 2 + 5 and calls.count("native") == 2 + 5
 
 
+def test_long_calls_narrow_loss_to_a_lucky_anchor_call_is_confirmed(fresh_cache, fake_clock):
+    """One timed call each decides a long-call search: the anchor's lucky call (0.39 s, where it
+    takes 0.44) beat a kernel of 0.40 s by less than the noise margin; a native candidate within
+    LONG_CALL_RECHECK of the anchor meets it in the alternating confirmation and is kept. A
+    kernel that is as slow in the confirmation stays behind the anchor."""
+    make = _fake_factory(fake_clock, lambda i: 0.39 if i < 2 else 0.44, lambda i: 0.40)
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-lucky-anchor"}, make, budget_s=0.3, confirm=True)
+    assert ch.timings_s["aten"] == pytest.approx(0.39)
+    assert ch.timings_s["confirm:aten"] == pytest.approx(0.44)
+    assert ch.candidate.name == "native"
+    make = _fake_factory(fake_clock, lambda i: 0.39, lambda i: 0.40)
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-slower"}, make, budget_s=0.3, confirm=True)
+    assert "confirm:native" in ch.timings_s and ch.candidate.name == "aten"
+    calls: list = []
+    far = _fake_factory(fake_clock, lambda i: 0.39, lambda i: 0.45, calls)  # beyond 1.10x
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-far"}, far, budget_s=0.3, confirm=True)
+    assert ch.candidate.name == "aten" and calls.count("native") == 2  # no confirmation
+
+
 # --- final round: the fastest candidates of the search meet in one interleaved round ----------
 
 TRIO = [Candidate("aten", ATEN), Candidate("a"), Candidate("b")]
