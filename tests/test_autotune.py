@@ -604,6 +604,12 @@ def test_budget_times_long_calls_once(fresh_cache, fake_clock):
     assert ch.candidate.name == "native"
 
 
+def _select_long(case: str, make, budget_s: float = 0.3):
+    """A confirmed toy tuning under a budget (long calls), 3 % noise margin."""
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        return _select_pair({"case": case}, make, budget_s=budget_s, confirm=True)
+
+
 def test_long_calls_burst_on_the_candidates_confirmation_keeps_it(fresh_cache, fake_clock):
     """Long calls (timed once in the search, one alternating round to confirm): a burst of load
     on the native kernel's confirmation calls no longer rejects a kernel whose fastest call, in
@@ -611,8 +617,7 @@ def test_long_calls_burst_on_the_candidates_confirmation_keeps_it(fresh_cache, f
     calls: list = []
     # ATen 0.4 s a call; native 0.3 s, but 0.5 s through its confirmation (calls 2 and up)
     make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3 if i < 2 else 0.5, calls)
-    with config.override(autotune_reps=100, autotune_noise=0.03):
-        ch = _select_pair({"case": "long-burst"}, make, budget_s=0.3, confirm=True)
+    ch = _select_long("long-burst", make)
     assert ch.timings_s["confirm:native"] == pytest.approx(0.5)  # the confirmation was hit ...
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.4)
     assert calls.count("native") == 2 + 1  # ... in its one round
@@ -626,8 +631,7 @@ def test_long_calls_burst_on_the_anchors_search_is_still_rejected(fresh_cache, f
     1.5x the fake clock's rounding decided it); ATen's confirmation shows 0.28 s and the kernel
     is rejected."""
     make = _fake_factory(fake_clock, lambda i: 0.44 if i < 2 else 0.28, lambda i: 0.3)
-    with config.override(autotune_reps=100, autotune_noise=0.03):
-        ch = _select_pair({"case": "long-anchor-burst"}, make, budget_s=0.3, confirm=True)
+    ch = _select_long("long-anchor-burst", make)
     assert ch.timings_s["aten"] == pytest.approx(0.44)
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.28)
     assert ch.candidate.name == "aten"
@@ -640,8 +644,7 @@ def test_long_calls_confirm_in_what_the_search_left_of_the_budget(fresh_cache, f
     five."""
     calls: list = []
     make = _fake_factory(fake_clock, lambda i: 0.1, lambda i: 0.09, calls)
-    with config.override(autotune_reps=100, autotune_noise=0.03):
-        ch = _select_pair({"case": "long-left"}, make, budget_s=1.2, confirm=True)
+    ch = _select_long("long-left", make, budget_s=1.2)
     assert ch.candidate.name == "native"
     assert calls.count("aten") == 2 + 5 and calls.count("native") == 2 + 5
 
@@ -652,19 +655,16 @@ def test_long_calls_narrow_loss_to_a_lucky_anchor_call_is_confirmed(fresh_cache,
     LONG_CALL_RECHECK of the anchor meets it in the alternating confirmation and is kept. A
     kernel that is as slow in the confirmation stays behind the anchor."""
     make = _fake_factory(fake_clock, lambda i: 0.39 if i < 2 else 0.44, lambda i: 0.40)
-    with config.override(autotune_reps=100, autotune_noise=0.03):
-        ch = _select_pair({"case": "long-lucky-anchor"}, make, budget_s=0.3, confirm=True)
+    ch = _select_long("long-lucky-anchor", make)
     assert ch.timings_s["aten"] == pytest.approx(0.39)
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.44)
     assert ch.candidate.name == "native"
     make = _fake_factory(fake_clock, lambda i: 0.39, lambda i: 0.40)
-    with config.override(autotune_reps=100, autotune_noise=0.03):
-        ch = _select_pair({"case": "long-slower"}, make, budget_s=0.3, confirm=True)
+    ch = _select_long("long-slower", make)
     assert "confirm:native" in ch.timings_s and ch.candidate.name == "aten"
     calls: list = []
     far = _fake_factory(fake_clock, lambda i: 0.39, lambda i: 0.45, calls)  # beyond 1.10x
-    with config.override(autotune_reps=100, autotune_noise=0.03):
-        ch = _select_pair({"case": "long-far"}, far, budget_s=0.3, confirm=True)
+    ch = _select_long("long-far", far)
     assert ch.candidate.name == "aten" and calls.count("native") == 2  # no confirmation
 
 
