@@ -540,6 +540,20 @@ def test_saved_native_choice_is_revalidated_once_per_process(fresh_cache, fake_c
         assert again.candidate.name == "native" and len(calls) == n_timed  # not timed again
 
 
+def test_saved_native_choice_of_long_calls_is_revalidated_in_two_rounds(fresh_cache, fake_clock):
+    """A saved native choice whose anchor took longer than LONG_CALL_S is confirmed in two
+    alternating rounds after the warm-up (one process's first call of such a shape spent five
+    rounds, about 1 s at 85 ms calls); a choice that loses them goes back to ATen."""
+    for case, native_s in (("long-good", 0.2), ("long-bad", 0.5)):
+        autotune.choice_cache.put("toy.pair", {"case": case}, "native", {"aten": 0.4})
+        calls: list = []
+        make = _fake_factory(fake_clock, lambda i: 0.4, lambda i, s=native_s: s, calls)
+        with config.override(autotune_reps=5):
+            ch = _select_pair({"case": case}, make, confirm=True)
+        assert calls.count("aten") == 1 + 2 and calls.count("native") == 1 + 2
+        assert ch.candidate.name == ("native" if native_s < 0.4 else "aten")
+
+
 def test_saved_native_choice_that_now_fails_is_not_used(fresh_cache, fake_clock):
     autotune.choice_cache.put("toy.pair", {"case": "saved-broken"}, "native", {"aten": 0.02})
 
@@ -599,8 +613,9 @@ def test_budget_times_long_calls_once(fresh_cache, fake_clock):
     close = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.3, calls)
     with config.override(autotune_reps=100):
         ch = _select_pair({"case": "long-close"}, close, budget_s=0.3, confirm=True)
-    # 1.33x: confirmed in alternation, one round without a warm-up (the search spent the budget)
-    assert calls.count("aten") == 2 + 1 and calls.count("native") == 2 + 1
+    # 1.33x: confirmed in alternation, one round (the search spent the budget) after the
+    # candidate's own warm-up call (the anchor has none)
+    assert calls.count("aten") == 2 + 1 and calls.count("native") == 2 + 1 + 1
     assert ch.candidate.name == "native"
 
 
@@ -620,7 +635,7 @@ def test_long_calls_burst_on_the_candidates_confirmation_keeps_it(fresh_cache, f
     ch = _select_long("long-burst", make)
     assert ch.timings_s["confirm:native"] == pytest.approx(0.5)  # the confirmation was hit ...
     assert ch.timings_s["confirm:aten"] == pytest.approx(0.4)
-    assert calls.count("native") == 2 + 1  # ... in its one round
+    assert calls.count("native") == 2 + 1 + 1  # ... in its one round, after its warm-up
     assert ch.candidate.name == "native"
     assert autotune.choice_cache.get("toy.pair", {"case": "long-burst"})["choice"] == "native"
 
@@ -639,14 +654,35 @@ def test_long_calls_burst_on_the_anchors_search_is_still_rejected(fresh_cache, f
 
 def test_long_calls_confirm_in_what_the_search_left_of_the_budget(fresh_cache, fake_clock):
     """The confirmation of long calls runs alternating rounds only while the search left some
-    of budget_s (one round at least), with no warm-up round: 0.1 s calls, a budget of 1.2 s,
-    a search of two calls each (0.2 + 0.18 s) leaves 0.82 s, so rounds of 0.19 s until past it:
-    five."""
+    of budget_s (one round at least), with a warm-up call of the candidate alone: 0.1 s calls,
+    a budget of 1.2 s, a search of two calls each (0.2 + 0.18 s) leaves 0.82 s, so rounds of
+    0.19 s until past it: five."""
     calls: list = []
     make = _fake_factory(fake_clock, lambda i: 0.1, lambda i: 0.09, calls)
     ch = _select_long("long-left", make, budget_s=1.2)
     assert ch.candidate.name == "native"
-    assert calls.count("aten") == 2 + 5 and calls.count("native") == 2 + 5
+    assert calls.count("aten") == 2 + 5 and calls.count("native") == 2 + 1 + 5
+
+
+def test_long_call_settled_on_a_faulting_call_gets_one_more(fresh_cache, fake_clock, monkeypatch):
+    """A long call's settling call is its one timed call only when it was quiet; a settling
+    that ran out of its share on a faulting call (here native's, 0.6 s) is followed by one more
+    call and the faster of the two is the sample."""
+    from torchport.autotune import timing
+
+    calls: list = []
+
+    def settle(fn, arg_sets, max_time_s):
+        t0 = timing.clock()
+        fn(*arg_sets[-1])
+        return timing.Settled(1, timing.clock() - t0, quiet=calls[-1] != "native")
+
+    monkeypatch.setattr(timing, "settle_faults", settle)
+    make = _fake_factory(fake_clock, lambda i: 0.4, lambda i: 0.6 if i == 1 else 0.3, calls)
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-faulting"}, make, budget_s=0.3)
+    assert calls.count("aten") == 2 and calls.count("native") == 3
+    assert ch.timings_s["native"] == pytest.approx(0.3) and ch.candidate.name == "native"
 
 
 def test_long_calls_narrow_loss_to_a_lucky_anchor_call_is_confirmed(fresh_cache, fake_clock):
@@ -666,6 +702,11 @@ def test_long_calls_narrow_loss_to_a_lucky_anchor_call_is_confirmed(fresh_cache,
     far = _fake_factory(fake_clock, lambda i: 0.39, lambda i: 0.45, calls)  # beyond 1.10x
     ch = _select_long("long-far", far)
     assert ch.candidate.name == "aten" and calls.count("native") == 2  # no confirmation
+    # only a confirmed tuning promotes a narrow loser; the search alone keeps the anchor
+    near = _fake_factory(fake_clock, lambda i: 0.39, lambda i: 0.36 if i > 1 else 0.40)
+    with config.override(autotune_reps=100, autotune_noise=0.03):
+        ch = _select_pair({"case": "long-unconfirmed"}, near, budget_s=0.3)
+    assert ch.candidate.name == "aten" and "confirm:native" not in ch.timings_s
 
 
 # --- final round: the fastest candidates of the search meet in one interleaved round ----------

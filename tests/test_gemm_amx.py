@@ -352,3 +352,81 @@ def test_amx_bf16_rows_round_as_torch(n):
     fin = ~want.isnan()
     assert torch.equal(sub.view(torch.int16)[fin], want.view(torch.int16)[fin])
     assert ((sub[5:] != 0) & (sub[5:].abs() < 2.0**-126)).any()
+
+
+@needs_amx
+def test_an_amx_library_that_does_not_compile_turns_amx_off_and_tunes_the_rest(
+    fresh_cache, monkeypatch
+):
+    """AMX permission is asked of the OS, not of the compiler: where the AMX library does not
+    compile, the shape being tuned moves to its other candidates under their own key (it
+    tuned ATen alone under the AMX key before, and kept it there for every later process), and
+    AMX is off for the rest of the process. A rejection of one epilogue's library alone, or a
+    compile timeout, leaves AMX on."""
+    import subprocess
+
+    import torchport.gemm as G
+
+    mm = importlib.import_module("torchport.gemm.mm")
+    real_build = native.build
+    rejected: set[str] = set()
+
+    def build(src, name="kernel", **kw):
+        if name.startswith("gemm_amx") and name in rejected:
+            raise native.CompileError(f"{name}: no AMX in this compiler")
+        return real_build(src, name=name, **kw)
+
+    monkeypatch.setattr(native, "build", build)
+    monkeypatch.setattr(kernels, "_amx_unbuildable", [])
+    kernels._amx_library.cache_clear()
+    try:
+        # one epilogue's library rejected: AMX stays on
+        spec = EpilogueSpec.decode("scale_col:f32")
+        rejected.add(f"gemm_amx_bf16_bf16_e{len(spec.ops)}")
+        with pytest.raises(native.CompileError):
+            kernels._amx_library(spec, "bf16")
+        assert kernels.amx_ready()
+
+        def timeout(src, name="kernel", **kw):
+            try:
+                raise subprocess.TimeoutExpired("gcc", 1.0)
+            except subprocess.TimeoutExpired as e:
+                raise native.CompileError("compiler timed out") from e
+
+        monkeypatch.setattr(native, "build", timeout)
+        kernels._amx_library.cache_clear()
+        with pytest.raises(native.CompileError):
+            kernels._amx_library(kernels.NO_EPILOGUE, "f32")
+        assert kernels.amx_ready()
+        monkeypatch.setattr(native, "build", build)
+        # every AMX library rejected: the tuning in progress falls back to the vdpbf16ps tiles
+        rejected.update({"gemm_amx_bf16_f32_e0", "gemm_amx_bf16_bf16_e0"})
+        kernels._amx_library.cache_clear()
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+        b = torch.randn(512, 256, generator=g).to(torch.bfloat16)
+        y = G.mm(a, b)
+        assert not kernels.amx_ready()
+        torch.testing.assert_close(y.float(), mm_reference(a, b).float(), atol=3e-2, rtol=3e-2)
+        entries = [
+            e for e in autotune_entries() if e["key"].get("m") == 64 and e["key"]["k"] == 512
+        ]
+        assert [e["key"].get("tiles") for e in entries] == ["dp"]
+        timed = entries[0]["timings_s"]
+        assert any(not n.startswith(("aten", "amx", "confirm:", "final:")) for n in timed), timed
+        assert mm.candidates(512, 4096, 1024, "avx512", 2)  # (no AMX ones now)
+        assert not any(
+            c.name.startswith("amx") for c in mm.candidates(512, 4096, 1024, "avx512", 2)
+        )
+    finally:
+        kernels._amx_library.cache_clear()
+
+
+def autotune_entries() -> list[dict]:
+    """Every entry of the autotuner's choice file in the current cache directory."""
+    import json
+
+    from torchport.autotune import choice_cache
+
+    path = choice_cache.path
+    return list(json.loads(path.read_text())["entries"].values()) if path.exists() else []

@@ -14,6 +14,7 @@ import contextvars
 import ctypes
 import functools
 import platform
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -460,8 +461,8 @@ AMX = 2
 AMX_TILE = (templates.AMX_MR, templates.AMX_NR)
 
 
-# set when an AMX library failed to compile (a compiler without -mamx-tile): no AMX candidates
-# from then on in this process, rather than a failing compile for every new shape
+# set when the plainest AMX library fails to compile (a compiler without -mamx-tile): no AMX
+# candidates from then on in this process, rather than a failing compile for every new shape
 _amx_unbuildable: list[bool] = []
 
 
@@ -471,8 +472,14 @@ def _amx_library(spec: EpilogueSpec, otag: str) -> ctypes.CDLL:
     name = f"gemm_amx_bf16_{otag}_e{len(spec.ops)}"
     try:
         return native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
-    except native.CompileError:
-        _amx_unbuildable.append(True)
+    except native.CompileError as e:
+        # a rejection, not a timeout (a loaded machine): one epilogue's, or AMX's at all?
+        if not isinstance(e.__cause__, subprocess.TimeoutExpired):
+            if (spec, otag) == (NO_EPILOGUE, "f32"):
+                _amx_unbuildable.append(True)
+            else:
+                with contextlib.suppress(native.NativeError):
+                    _amx_library(NO_EPILOGUE, "f32")
         raise
 
 

@@ -647,12 +647,18 @@ def _choose(
         "epilogue": "" if shape_key else spec.encode(),
         "isa": isa,
     }
-    cands = candidates(mb, n, k, isa, b.element_size())
-    if any(c.param("dp", 0) for c in cands):
-        # choices cached before the vdpbf16ps tiles (or, where it runs, the AMX kernel) existed
-        # are re-tuned
-        amx = any(int(c.param("dp", 0)) == kernels.AMX for c in cands)
-        key["tiles"] = "amx" if amx else "dp"
+
+    def with_candidates() -> list[Candidate]:
+        cands = candidates(mb, n, k, isa, b.element_size())
+        key.pop("tiles", None)
+        if any(c.param("dp", 0) for c in cands):
+            # choices cached before the vdpbf16ps tiles (or, where it runs, the AMX kernel)
+            # existed are re-tuned
+            amx = any(int(c.param("dp", 0)) == kernels.AMX for c in cands)
+            key["tiles"] = "amx" if amx else "dp"
+        return cands
+
+    cands = with_candidates()
 
     def make_args() -> tuple[Any, ...]:
         def one() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -691,9 +697,11 @@ def _choose(
     t_start = time.perf_counter()
     budget = TUNE_BUDGET_S
     native_ok = native.enabled() and autotune.NATIVE in autotune.allowed_backends()
-    if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
-        # a new shape: compile every candidate's tile library (and the pack kernel) first, in
-        # parallel; what that took comes off the timing budget
+
+    def prebuild() -> bool:
+        """Compile every candidate's tile library (and the pack kernel) in parallel, the
+        argument copies made meanwhile; False when the AMX library the candidates need did not
+        compile (AMX is then off in this process)."""
         tiles = {
             (int(c.param("mr")), int(c.param("nr")), int(c.param("dp", 0)))
             for c in cands
@@ -709,7 +717,18 @@ def _choose(
             # in the caller's context: config overrides (cold_cache_bytes) are context variables
             made = pool.submit(contextvars.copy_context().run, make_args)
             kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles, amx)
-            premade.append(made.result())
+            premade[:] = [made.result()]
+        return not amx or kernels.amx_ready()
+
+    if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
+        # a new shape: its libraries first; what that took comes off the timing budget
+        if not prebuild():
+            # the AMX library did not compile: the shape's other candidates, under their own
+            # key (tuning the AMX ones would time ATen alone and keep it under the AMX key, for
+            # this and every later process)
+            cands = with_candidates()
+            if autotune.choice_cache.get("gemm", key) is None:
+                prebuild()
         spent = time.perf_counter() - t_start
         budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))
 
