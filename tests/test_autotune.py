@@ -664,6 +664,23 @@ def test_long_calls_confirm_in_what_the_search_left_of_the_budget(fresh_cache, f
     assert calls.count("aten") == 2 + 5 and calls.count("native") == 2 + 1 + 5
 
 
+def test_narrow_search_loss_is_confirmed_in_alternation(fresh_cache, fake_clock):
+    """Short calls too: the search timed ATen during a lull (1.00 ms against its 1.20) and a
+    1.02 ms kernel lost by less than the noise margin; within NARROW_RECHECK it meets ATen in
+    the alternating confirmation and is kept. Without confirmation the search decides."""
+    search = 2 + 5  # the checked call, the settling call, five timed calls
+    make = _fake_factory(fake_clock, lambda i: 1.0e-3 if i < search else 1.2e-3, lambda i: 1.02e-3)
+    with config.override(autotune_reps=5, autotune_noise=0.03):
+        ch = _select_pair({"case": "narrow"}, make, confirm=True)
+    assert ch.timings_s["aten"] == pytest.approx(1.0e-3)
+    assert ch.timings_s["confirm:aten"] == pytest.approx(1.2e-3)
+    assert ch.candidate.name == "native"
+    make = _fake_factory(fake_clock, lambda i: 1.0e-3 if i < search else 1.2e-3, lambda i: 1.02e-3)
+    with config.override(autotune_reps=5, autotune_noise=0.03):
+        ch = _select_pair({"case": "narrow-unconfirmed"}, make)
+    assert ch.candidate.name == "aten"
+
+
 def test_long_call_settled_on_a_faulting_call_gets_one_more(fresh_cache, fake_clock, monkeypatch):
     """A long call's settling call is its one timed call only when it was quiet; a settling
     that ran out of its share on a faulting call (here native's, 0.6 s) is followed by one more
@@ -688,7 +705,7 @@ def test_long_call_settled_on_a_faulting_call_gets_one_more(fresh_cache, fake_cl
 def test_long_calls_narrow_loss_to_a_lucky_anchor_call_is_confirmed(fresh_cache, fake_clock):
     """One timed call each decides a long-call search: the anchor's lucky call (0.39 s, where it
     takes 0.44) beat a kernel of 0.40 s by less than the noise margin; a native candidate within
-    LONG_CALL_RECHECK of the anchor meets it in the alternating confirmation and is kept. A
+    NARROW_RECHECK of the anchor meets it in the alternating confirmation and is kept. A
     kernel that is as slow in the confirmation stays behind the anchor."""
     make = _fake_factory(fake_clock, lambda i: 0.39 if i < 2 else 0.44, lambda i: 0.40)
     ch = _select_long("long-lucky-anchor", make)
