@@ -59,6 +59,19 @@ def test_compare_flips_the_call_order_every_round():
     assert "".join(calls[-8:]) == "abbaabba" and len(calls) > 8
 
 
+def test_compare_rotates_own_sets_apart_from_the_shared_ones():
+    """``own_sets``: a function given sets of its own rotates over them alone; the others keep
+    sharing one rotation (each call the set least recently used by any of them)."""
+    seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    fns = {k: (lambda i, k=k: seen[k].append(i)) for k in seen}
+    shared = [(0,), (1,), (2,)]
+    benchmarks.compare(fns, shared, reps=4, warmup=0, own_sets={"c": [(10,), (11,)]})
+    # (each function's one warm-up call first, then four timed rounds)
+    assert seen["c"] == [10, 10, 11, 10, 11]
+    assert seen["a"][0] == seen["b"][0] == 0
+    assert sorted(seen["a"][1:] + seen["b"][1:]) == [0, 0, 0, 1, 1, 1, 2, 2]
+
+
 def test_python_dash_m_entry_point():
     res = subprocess.run(
         [sys.executable, "-m", "torchport", "--help"], capture_output=True, text=True, timeout=120
