@@ -9,7 +9,8 @@ cell). Ours is ``torchport.nn.functional.linear`` with fused epilogues, autotune
 with ours on one copy of the same values (inputs rotated alike for both); ``vs_rotated_ours`` is
 its ratio against ours over the rotated weights, the comparison of the earlier sessions. For M ≤ 32 the weight-stream bandwidth of ours is reported as a fraction
 of the measured read bandwidth: ``bw_pct`` against ``torch.sum`` over the cell's own weights,
-timed interleaved with the GEMMs on the same rotated copies (same bytes, same conditions), and
+timed interleaved with the GEMMs on copies of the same size (its own: ours reads its packed
+copies, and `sum`, eager and `torch.compile` each rotate over copies no other function reads), and
 ``bw512_pct`` against ``torch.sum`` over a 512 MiB tensor timed once at the start of the run.
 Weights smaller than :data:`ROTATE_BYTES` (4× L3) are rotated over enough copies that every call
 streams its weights from DRAM (a 1024×4096 fp32 weight is 16 MB, half of L3).
@@ -155,9 +156,15 @@ def cell(
             fns["ours_one_weight"] = lambda x_, *_: ours(x_, *one)
         # the anchors and `sum` read the weights themselves, ours its packed copies: each rotates
         # over copies of its own (see compare's own_sets)
+        # (copies of a clone: cold_copies' first set is its argument itself, which the shared
+        # sets start with too)
         own = {}
         if len(sets) > 1:
-            own = {k: cold_copies(args, budget=ROTATE_BYTES) for k in fns if k in SELF_READERS}
+            own = {
+                k: cold_copies(tuple(t.clone() for t in args), budget=ROTATE_BYTES)
+                for k in fns
+                if k in SELF_READERS
+            }
         t = compare(fns, sets, reps=reps, own_sets=own)
     flops = 2.0 * m * d * h * (1 if kind == "linear" else 2)
     dt = str(dtype).removeprefix("torch.")

@@ -60,16 +60,33 @@ def test_compare_flips_the_call_order_every_round():
 
 
 def test_compare_rotates_own_sets_apart_from_the_shared_ones():
-    """``own_sets``: a function given sets of its own rotates over them alone; the others keep
-    sharing one rotation (each call the set least recently used by any of them)."""
+    """``own_sets``: a function given sets of its own rotates over them alone, and every
+    function steps through its sets with a counter of its own (a shared counter handed the
+    others only some of the shared sets, by the order's period)."""
     seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
     fns = {k: (lambda i, k=k: seen[k].append(i)) for k in seen}
     shared = [(0,), (1,), (2,)]
     benchmarks.compare(fns, shared, reps=4, warmup=0, own_sets={"c": [(10,), (11,)]})
     # (each function's one warm-up call first, then four timed rounds)
     assert seen["c"] == [10, 10, 11, 10, 11]
-    assert seen["a"][0] == seen["b"][0] == 0
-    assert sorted(seen["a"][1:] + seen["b"][1:]) == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert seen["a"] == seen["b"] == [0, 0, 1, 2, 0]
+    seen = {"a": [], "b": [], "c": []}
+    benchmarks.compare(fns, shared, reps=4, warmup=0)  # one shared rotation
+    assert sorted(seen["a"][1:] + seen["b"][1:] + seen["c"][1:]) == [
+        0,
+        0,
+        0,
+        0,
+        1,
+        1,
+        1,
+        1,
+        2,
+        2,
+        2,
+        2,
+    ]
+    assert seen["a"][1:3] == [0, 2]  # rounds a b c, then c b a: a's second call is call 5, set 2
 
 
 def test_python_dash_m_entry_point():

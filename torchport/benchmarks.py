@@ -85,31 +85,34 @@ def compare(
 ) -> dict[str, float]:
     """Median seconds per call of each function, timed round-robin in one run.
 
-    ``own_sets``: argument sets of their own for some functions, each rotated over alone (the
-    others share ``arg_sets``). Where one function reads other memory than the arguments (a
-    packed copy of the weights) the shared rotation lets the others keep the arguments warm
-    in a large last-level cache: on a VM whose cache held much of 128 MiB, fp32 M=1
-    1024->4096 took 0.51 ms in `F.linear` against 0.64 in ours on shared sets, 0.65 against 0.63
-    with sets of their own (both at the DRAM's 26 GB/s)."""
+    ``own_sets``: argument sets of their own for some functions (memory no other function
+    reads); then every function steps through its sets (``own_sets[name]`` or ``arg_sets``)
+    with a counter of its own. Where one function reads other memory than the arguments (a
+    packed copy of the weights) a shared rotation lets the others keep the arguments warm in
+    a large last-level cache: on a VM whose cache held much of 128 MiB, `bench gemm --quick`'s
+    fp32 M=1 1024->4096 read 0.65-0.75x `F.linear` on shared sets and 0.94-0.98x with sets of
+    their own (both at the DRAM's 26 GB/s)."""
     own = dict(own_sets or {})
     for k, fn in fns.items():
         measure(fn, own.get(k, arg_sets), reps=0, warmup=warmup, max_time_s=0.0)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     t_end = time.perf_counter() + max_time_s
     n = len(arg_sets)
-    # one rotation shared by all functions: every call gets the set least recently touched (by
-    # anyone), so each side sees equally cold inputs. (A per-function offset such as hash(name)
+    # without own sets, one rotation shared by all functions: every call gets the set least
+    # recently touched (by anyone), so each side sees equally cold inputs. (A per-function offset such as hash(name)
     # varies per process and can hand one side the set the previous call just warmed.)
     # the order flips every round (A B, B A, A B, ...): a call timed right after another one can
     # run 5-40 % slower at ~10-1000 us sizes whatever it is (cache and predictor state left by
     # the previous call), so a fixed order would bias the second function's figures
     order = list(fns.items())
     call = 0
-    turns = dict.fromkeys(own, 0)
+    turns = dict.fromkeys(fns, 0)
     for i in range(reps):
         for k, fn in order if i % 2 == 0 else reversed(order):
-            if k in own:
-                args = own[k][turns[k] % len(own[k])]
+            if own:  # (each function through its own sequence: a shared counter would hand
+                # a function only some of the sets, by the order's period)
+                sets = own.get(k, arg_sets)
+                args = sets[turns[k] % len(sets)]
                 turns[k] += 1
             else:
                 args = arg_sets[call % n]

@@ -519,7 +519,7 @@ def _tune(
                 ok = _confirm_choice(
                     choice, anchor, factory, make_args, cold, timings, args, left_s, 1, False
                 )
-                if not ok:
+                if not ok and f"confirm:{choice.name}" in timings:  # (not when it raised)
                     ok = _long_call_verdict(timings, choice.name, anchor.name)
             else:
                 ok = _confirm_choice(
