@@ -217,7 +217,14 @@ def select(
                     # M=2048 4096->11008 is 0.17 s; five of them took a process's first call
                     # 1 s longer, for every such cached shape)
                     ok = _confirm_choice(
-                        chosen, anchor, factory, make_args, cold, timings, None, 0.0, 2
+                        chosen,
+                        anchor,
+                        factory,
+                        make_args,
+                        cold,
+                        timings,
+                        confirm_s=0.0,
+                        min_rounds=2,
                     )
                 else:
                     ok = _confirm_choice(chosen, anchor, factory, make_args, cold, timings)
@@ -517,13 +524,22 @@ def _tune(
                 # 85 ms calls)
                 left_s = max(0.0, (budget_s or 0.0) - (timing.clock() - search_t0))
                 ok = _confirm_choice(
-                    choice, anchor, factory, make_args, cold, timings, args, left_s, 1, False
+                    choice,
+                    anchor,
+                    factory,
+                    make_args,
+                    cold,
+                    timings,
+                    args,
+                    confirm_s=left_s,
+                    min_rounds=1,
+                    warm_anchor=False,
                 )
                 if not ok and f"confirm:{choice.name}" in timings:  # (not when it raised)
                     ok = _long_call_verdict(timings, choice.name, anchor.name)
             else:
                 ok = _confirm_choice(
-                    choice, anchor, factory, make_args, cold, timings, args, 2 * cap_s
+                    choice, anchor, factory, make_args, cold, timings, args, confirm_s=2 * cap_s
                 )
             _confirmed[_memo_key(op, key, choice)] = ok
             if not ok:

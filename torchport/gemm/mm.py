@@ -700,8 +700,8 @@ def _choose(
 
     def prebuild() -> bool:
         """Compile every candidate's tile library (and the pack kernel) in parallel, the
-        argument copies made meanwhile; False when the AMX library the candidates need did not
-        compile (AMX is then off in this process)."""
+        argument copies made meanwhile (once: a second build keeps the first's); False when the
+        AMX library the candidates need did not compile (AMX is then off in this process)."""
         tiles = {
             (int(c.param("mr")), int(c.param("nr")), int(c.param("dp", 0)))
             for c in cands
@@ -715,9 +715,10 @@ def _choose(
         # meanwhile, on this process's otherwise idle thread, while the compilers run
         with ThreadPoolExecutor(max_workers=1) as pool:
             # in the caller's context: config overrides (cold_cache_bytes) are context variables
-            made = pool.submit(contextvars.copy_context().run, make_args)
+            made = None if premade else pool.submit(contextvars.copy_context().run, make_args)
             kernels.prebuild(spec, kernels._TAG[b.dtype], otag, isa, fp32_tiles, dp_tiles, amx)
-            premade[:] = [made.result()]
+            if made is not None:
+                premade.append(made.result())
         return not amx or kernels.amx_ready()
 
     if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
