@@ -163,28 +163,9 @@ def _function(
     spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int, nr: int, dp: bool = False
 ) -> Any:
     lib = library(spec, btag, otag, isa, mr, nr, dp)
-    fn = getattr(lib, f"tp_gemm_{mr}x{nr}")
-    fn.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-    ]
-    fn.restype = ctypes.c_int
-    return fn
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    argtypes = [p, i, p, i, i, p, i, i, i, i, i, p, p, i, i, i, p]
+    return native.c_function(lib, f"tp_gemm_{mr}x{nr}", argtypes, ctypes.c_int)
 
 
 def check_config(cfg: Config, isa: str) -> None:
@@ -396,11 +377,10 @@ def _pairs(a: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _dp_function(spec: EpilogueSpec, otag: str, mr: int, nr: int) -> Any:
-    fn = getattr(library(spec, "bf16", otag, "avx512", mr, nr, True), f"tp_gemm_dp_{mr}x{nr}")
+    lib = library(spec, "bf16", otag, "avx512", mr, nr, True)
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, i, i, i, i, p, p, i, p]
-    fn.restype = ctypes.c_int
-    return fn
+    argtypes = [p, i, p, i, p, i, i, i, i, p, p, i, p]
+    return native.c_function(lib, f"tp_gemm_dp_{mr}x{nr}", argtypes, ctypes.c_int)
 
 
 def _dp_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype) -> _Launch:
@@ -497,9 +477,10 @@ def _amx_permitted() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+        syscall = native.c_function(libc, "syscall", [ctypes.c_long] * 3, ctypes.c_long)
     except (OSError, AttributeError):
         return False
+    return int(syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
 
 
 def amx_ready() -> bool:
@@ -594,11 +575,10 @@ def _amx_launcher(spec: EpilogueSpec, cfg: Config, a_dtype: torch.dtype, fn: Any
 
 @functools.cache
 def _rows_function(spec: EpilogueSpec, btag: str, otag: str, isa: str, mr: int) -> Any:
-    fn = getattr(library(spec, btag, otag, isa, mr, 1), f"tp_gemm_rows_{mr}")
+    lib = library(spec, btag, otag, isa, mr, 1)
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, i, i, i, i, i, p, p, i]
-    fn.restype = ctypes.c_int
-    return fn
+    argtypes = [p, i, p, i, p, i, i, i, i, i, p, p, i]
+    return native.c_function(lib, f"tp_gemm_rows_{mr}", argtypes, ctypes.c_int)
 
 
 def _rows_launcher(
@@ -720,12 +700,8 @@ def _pass_function(spec: EpilogueSpec, stag: str, otag: str, isa: str) -> Any:
     lib = native.build(
         src, name=f"gemm_epi_{stag}_{otag}_{isa}_e{len(spec.ops)}", isa=isa, extra_flags=["-O2"]
     )
-    fn = lib.tp_epilogue_pass
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    fn.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    return native.c_function(lib, "tp_epilogue_pass", [p, i, p, i, i, i, p, p, i], ctypes.c_int)
 
 
 _Pass = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]

@@ -96,10 +96,8 @@ def _pack_fn(bits: int) -> object:
     # 11008x4096 transposed, two threads, interleaved medians of 9, fp32 43.9 vs 45.3 ms, bf16
     # 51.5 vs 47.8 ms)
     lib = native.build(src, name=f"gemm_pack{bits}", extra_flags=["-O2"])
-    fn = getattr(lib, f"tp_pack_{bits}")
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 6
-    fn.restype = ctypes.c_int
-    return fn
+    argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 6
+    return native.c_function(lib, f"tp_pack_{bits}", argtypes, ctypes.c_int)
 
 
 def pack_b_reference(b: torch.Tensor, nr: int) -> torch.Tensor:
