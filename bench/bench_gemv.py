@@ -2,11 +2,13 @@
 
 Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 CPU GEMV
 (``torch._weight_int4pack_mm_for_cpu``, group 32); the read-bandwidth baseline is a large
-``Tensor.sum`` over a > L3 tensor, timed interleaved with every cell (its % column uses that
+``Tensor.sum`` over two tensors of at least the largest reported cache each, timed interleaved with every cell (its % column uses that
 cell's sum, so a load change between cells does not skew it). The second baseline is the native
 read peak (:mod:`torchport.gemv.readpeak`): every :data:`~torchport.gemv.readpeak.READ_CONFIGS`
-streaming of two 128 MiB buffers on 2 MiB pages (all threads; the first configuration on one
-thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight copies rotate so the working set exceeds L3 (cold).
+streaming of two such buffers on 2 MiB pages (all threads; the first configuration on one
+thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight
+copies rotate over twice the largest cache the OS reports, at least 96 MB
+(:func:`torchport.autotune.cold_bytes`), so calls read them from memory.
 GB/s counts weight bytes (data + scales) per call. Every packed copy's settled route (see
 :func:`torchport.gemv.gemv_packed`) is made before timing: decode's steady state. The FP8 and FP4
 rows take float32 activations; ``fp8 bf16-x`` and ``nvfp4 bf16-x`` take the bf16 activations the
@@ -29,12 +31,15 @@ import torch.nn.functional as F
 
 from torchport import config
 from torchport import gemv as G
+from torchport.autotune import cold_bytes
 from torchport.benchmarks import BenchTable, arg_parser, compare
 from torchport.gemv.hugepages import hugepage_empty
 from torchport.gemv.readpeak import READ_CONFIGS, read_launcher
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
 
-COLD_BYTES = 96 << 20  # > 32 MiB L3 with margin
+# the weights' rotation: twice the largest cache the OS reports (this Xeon VM reports 480 MiB and
+# served much of a 96 MB rotation from it), at least 96 MB
+COLD_BYTES = cold_bytes()
 
 
 def _copies(make, nbytes: int) -> list:
@@ -43,18 +48,19 @@ def _copies(make, nbytes: int) -> list:
 
 @functools.cache
 def bw_bufs() -> list[torch.Tensor]:
-    """The read-bandwidth baseline's inputs: two 128 MiB tensors, summed in alternation."""
-    return [torch.rand(32 << 20) for _ in range(2)]
+    """The read-bandwidth baseline's inputs: two tensors of :data:`PEAK_BYTES`, summed in
+    alternation."""
+    return [torch.rand(PEAK_BYTES // 4) for _ in range(2)]
 
 
-PEAK_BYTES = 128 << 20
+PEAK_BYTES = max(128 << 20, COLD_BYTES // 2)  # each of the two read baselines' buffers
 
 
 @functools.cache
 def peak_reads() -> dict[str, list[Callable[[], int]]]:
     """The native read peak's launches: per read configuration (all threads; the first also on
-    one thread), one launcher per buffer (two 128 MiB buffers on 2 MiB pages, read in
-    alternation as the sum's)."""
+    one thread), one launcher per buffer (two buffers of :data:`PEAK_BYTES` on 2 MiB pages,
+    read in alternation as the sum's)."""
     bufs = [hugepage_empty((PEAK_BYTES,), torch.uint8).fill_(i + 1) for i in range(2)]
     reads = {f"read {c.name}": [read_launcher(b, 0, c) for b in bufs] for c in READ_CONFIGS}
     # one thread too: on a shared machine a two-thread read waits for a descheduled thread (as
@@ -130,7 +136,7 @@ def bench_batch(
         fns[name] = _alternate(gos)
     t = compare(fns, sets, reps=reps)
     tag = f"N={n} K={k} B={b}"
-    bw = (32 << 20) * 4 / t["sum"] / 1e9  # this cell's own read bandwidth (interleaved sum)
+    bw = PEAK_BYTES / t["sum"] / 1e9  # this cell's own read bandwidth (interleaved sum)
     reads = {name: PEAK_BYTES / t[name] / 1e9 for name in peak_reads()}
     top = max(reads, key=reads.__getitem__)
     peak = reads[top]  # this cell's native read peak: the fastest read configuration

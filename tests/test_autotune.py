@@ -372,6 +372,21 @@ def test_cold_copies_exceed_budget():
     assert len(autotune.cold_copies((x,), budget=0)) == 1
 
 
+def test_cold_bytes_from_the_reported_caches(tmp_path):
+    """The largest cache sysfs reports (units K/M/G or bytes; unreadable or malformed entries
+    skipped) sets the rotation: twice it, at least the floor; none reported: L3_BYTES."""
+    from torchport.autotune.timing import last_level_cache_bytes
+
+    for i, size in enumerate(["48K", "2048K", "491520K", "garbage", "1M"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    (tmp_path / "index9").mkdir()  # no size file
+    assert last_level_cache_bytes(str(tmp_path)) == 491520 << 10
+    assert last_level_cache_bytes(str(tmp_path / "missing")) == autotune.L3_BYTES
+    assert autotune.cold_bytes() >= 96 << 20
+    assert autotune.cold_bytes(floor=1 << 40) == 1 << 40
+
+
 # --- noise guard: confirmation of native winners, with injected timings --------------------------
 
 

@@ -15,6 +15,7 @@ from torchport.autotune.cache import (
 from torchport.autotune.timing import (
     L3_BYTES,
     alternated_min,
+    cold_bytes,
     cold_copies,
     interleaved,
     measure,
@@ -54,6 +55,7 @@ __all__ = [
     "alternated_min",
     "beats_anchor",
     "choice_cache",
+    "cold_bytes",
     "cold_copies",
     "confirm",
     "interleaved",
