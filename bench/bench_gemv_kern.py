@@ -3,7 +3,7 @@
 Each variant (``--variants``, specs ``fmt:kernel:hint:prefetch[:rows]``, e.g. ``fp8:shift:NTA:2048``,
 ``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``) is called on
 B = ``--batch`` activation rows against copies of one ``--rows`` × ``--k`` weight on 2 MiB pages,
-rotated so the working set exceeds L3. Every repetition times, interleaved in one process, each
+rotated over twice the largest reported cache (``cold_bytes``). Every repetition times, interleaved in one process, each
 variant and the native read peak (:mod:`torchport.gemv.readpeak`, one stream without prefetch and
 four streams NTA 512 ahead; the faster is the peak) on one thread and on all threads (wall
 time; one thread also thread CPU time). Prints medians: ms per call, GB/s of weight bytes (data +
@@ -24,8 +24,9 @@ from collections.abc import Callable
 import torch
 
 from torchport import native
+from torchport.autotune import cold_bytes
 from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
-from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel
+from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_wblock_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.hugepages import hugepage_copy, hugepage_empty
 from torchport.gemv.kernels import gemv_kernel
@@ -33,7 +34,7 @@ from torchport.gemv.ops import PackedWeight, _launch, pack_dense
 from torchport.gemv.readpeak import READ_CONFIGS, read_launcher
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
 
-COLD_BYTES = 96 << 20
+COLD_BYTES = cold_bytes()  # twice the largest reported cache, at least 96 MB
 
 
 def _pack(fmt: str, n: int, k: int) -> PackedWeight:
@@ -69,6 +70,10 @@ def _kernel(spec: str) -> tuple[str, object]:
         return fmt, gemv_fp8_shift_kernel(isa, int(pf), hint=hint, rows=rows)
     if kind == "block":
         return fmt, gemv_fp4_block_kernel(fmt, isa, int(pf), hint=hint)
+    if kind == "wblock":  # rest: rows (1 or 2), xmin (bytes; K blocks above it), xblock (bytes)
+        rows = int(rest[0]) if rest else 2
+        extra = {k: int(v) for k, v in zip(("xmin", "xblock"), rest[1:])}
+        return fmt, gemv_fp4_wblock_kernel(fmt, isa, int(pf), hint=hint, rows=rows, **extra)
     if kind == "dp":
         if fmt != "bf16":
             raise ValueError(f"the dp kernel takes bf16 weights, got spec {spec!r}")

@@ -815,11 +815,272 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 #endif
 """
 
+_WBLOCK_SOURCE = r"""
+#include <stdlib.h>
+#define FMT_${fmt} 1
+#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#error "the whole-block FP4 GEMV needs AVX-512 BW and VNNI"
+#endif
+#if defined(FMT_nvfp4)
+#define TP_SPU 16   /* scale bytes per 256-unit: sixteen 16-element blocks */
+#else
+#define TP_SPU 8    /* eight 32-element blocks */
+#endif
+
+/* One 256-unit of an activation row -> four 64-byte vectors whose int32 lane j (four bytes) meets
+   the four weight bytes lane j of A / B holds (block j, see tp_row256_part): lo(A) elements 16j+2t,
+   hi(A) 16j+2t+1, lo(B) 16j+8+2t, hi(B) 16j+9+2t (t = 0..3), the int8 codes of tp_quant32 (per 32
+   elements, amax / 127, round half even: cvtps2dq rounds as nearbyintf, the products are the
+   same; a group with amax < 2^-64 goes through tp_quant32 itself); corr: -12 * the sum of block
+   j's sixteen codes (the weights' +12 offset), xs: the unit's eight group scales times fold. */
+TP_INLINE void tp_prep_unit256(const float *x, float fold, int8_t *o, int32_t *corr, float *xs) {
+    int8_t q[256];
+    for (int g = 0; g < 8; ++g) {
+        const float *p = x + g * 32;
+        const __m512 a = _mm512_loadu_ps(p), c = _mm512_loadu_ps(p + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        if (amax < 0x1p-64f) {
+            xs[g] = tp_quant32(p, q + g * 32) * fold;
+            continue;
+        }
+        const __m512 inv = _mm512_set1_ps(127.0f / amax);
+        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv))));
+        xs[g] = amax / 127.0f * fold;
+    }
+    /* per 16-byte block: the even bytes 0..6, odd 1..7, even 8..14, odd 9..15 as dwords 0..3,
+       then dword d of block j to vector d, lane j */
+    const __m512i sh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    const __m512i i01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i i23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+    __m512i y[4];
+    for (int i = 0; i < 4; ++i) y[i] = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)(q + 64 * i)), sh);
+    const __m512i p01 = _mm512_permutex2var_epi32(y[0], i01, y[1]), p23 = _mm512_permutex2var_epi32(y[2], i01, y[3]);
+    const __m512i q01 = _mm512_permutex2var_epi32(y[0], i23, y[1]), q23 = _mm512_permutex2var_epi32(y[2], i23, y[3]);
+    const __m512i v[4] = {_mm512_shuffle_i64x2(p01, p23, 0x44), _mm512_shuffle_i64x2(p01, p23, 0xEE),
+                          _mm512_shuffle_i64x2(q01, q23, 0x44), _mm512_shuffle_i64x2(q01, q23, 0xEE)};
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i sum = _mm512_setzero_si512();
+    for (int d = 0; d < 4; ++d) {
+        _mm512_storeu_si512((void *)(o + 64 * d), v[d]);
+        sum = _mm512_dpbusd_epi32(sum, ones, v[d]);
+    }
+    _mm512_storeu_si512((void *)corr, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-12)));
+}
+
+/* The block scales of unit u as per-lane floats: lane j <-> 16-element block j (NVFP4: its E4M3
+   scale as a half holding value * 2^-8, the 2^8 folded into the activation scale; MX: the 32-
+   element block j / 2's E8M0 as 2^(e - 127), e = 0 -> 2^-127). */
+TP_INLINE __m512 tp_scales256(const uint8_t *sc, int64_t u) {
+#if defined(FMT_nvfp4)
+    const __m256i perm = _mm256_setr_epi8(-128, 0, -128, 1, -128, 2, -128, 3, -128, 4, -128, 5, -128, 6, -128, 7,
+                                          -128, 8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15);
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(sc + u * 16)));
+    const __m256i h = _mm256_shuffle_epi8(b, perm);
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF)));
+#else
+    const __m512i perm = _mm512_setr_epi32(0x00808080, 0x00808080, 0x01808080, 0x01808080,
+                                           0x02808080, 0x02808080, 0x03808080, 0x03808080,
+                                           0x04808080, 0x04808080, 0x05808080, 0x05808080,
+                                           0x06808080, 0x06808080, 0x07808080, 0x07808080);
+    int64_t v;
+    memcpy(&v, sc + u * 8, 8);
+    const __m512i e = _mm512_srli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi64(v), perm), 1);
+    return _mm512_castsi512_ps(_mm512_max_epu32(e, _mm512_set1_epi32(0x00400000)));
+#endif
+}
+
+/* R (1 or 2) consecutive weight rows' units u0 <= u < u1 against NB (<= 4) prepared activation
+   rows, every activation load serving the R rows. A unit is 256 weights, two lines (v1, v2):
+   vpermt2d gathers their even dwords into A and the odd ones into B, so dword j of A and of B are
+   the two halves of 16-element block j; each nibble vector maps through the table
+   u = 2 * e2m1 + 12, and four vpdpbusd (onto the lane's correction) leave int32 lane j holding
+   block j's whole dot product sum 2 * e2m1 * q (exact: |lane| <= 16 * 24 * 127): one cvt, mul
+   and fma per 256 weights and row. Weight row r at w + r K / 2, its scales at sc + r sstride, its
+   NB accumulators at accp + NB r, kept there between calls (a row's sums do not depend on K
+   blocks or R: the same operations in the same order). Prefetch as the lane-block kernel's
+   tp_row128_part. */
+TP_INLINE void tp_row256_part(const int8_t *xr, const int32_t *corr, const float *xs, int64_t K,
+                              const uint8_t *w, const uint8_t *sc, int64_t sstride, const char *pfa,
+                              const uint8_t *pfw, const uint8_t *pfs, int pfr, int64_t u0, int64_t u1,
+                              __m512 *accp, const int NB, const int R) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+#if defined(__AVX512VBMI__)
+#define TP_NIBBLES(idx) _mm512_permutexvar_epi8((idx), lut)
+#else
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+#define TP_NIBBLES(idx) _mm512_shuffle_epi8(lut, _mm512_and_si512((idx), m4))
+#endif
+    const int64_t WR = K / 2, LC = K / 16, LX = K / 32;
+    const __m512i ia = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i ib = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i xsi = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 acc[2][4];
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b) acc[r][b] = accp[NB * r + b];
+    for (int64_t u = u0; u < u1; ++u) {
+        __m512i al[2], ah[2], bl[2], bh[2];
+        __m512 s[2];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t *wp = w + r * WR + u * 128;
+            if (pfa) {
+                _mm_prefetch(pfa + r * WR + u * 128, _MM_HINT_${hint});
+                _mm_prefetch(pfa + r * WR + u * 128 + 64, _MM_HINT_${hint});
+            }
+            if (r < pfr) {
+                _mm_prefetch((const char *)(pfw + r * WR + u * 128), _MM_HINT_T1);
+                _mm_prefetch((const char *)(pfw + r * WR + u * 128 + 64), _MM_HINT_T1);
+                if ((u & 3) == 0 || u == u1 - 1)   /* their scales (a row's last unit too) */
+                    _mm_prefetch((const char *)(pfs + r * sstride + u * TP_SPU), _MM_HINT_T1);
+            }
+            const __m512i v1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wp)),
+                                                  _mm256_loadu_si256((const __m256i *)(wp + 32)), 1);
+            const __m512i v2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wp + 64))),
+                                                  _mm256_loadu_si256((const __m256i *)(wp + 96)), 1);
+            const __m512i A = _mm512_permutex2var_epi32(v1, ia, v2), B = _mm512_permutex2var_epi32(v1, ib, v2);
+            al[r] = TP_NIBBLES(A);
+            ah[r] = TP_NIBBLES(_mm512_srli_epi16(A, 4));
+            bl[r] = TP_NIBBLES(B);
+            bh[r] = TP_NIBBLES(_mm512_srli_epi16(B, 4));
+            s[r] = tp_scales256(sc + r * sstride, u);
+        }
+        for (int b = 0; b < NB; ++b) {
+            const int8_t *xp = xr + b * K + u * 256;
+            const __m512i x0 = _mm512_loadu_si512((const void *)xp), x1 = _mm512_loadu_si512((const void *)(xp + 64));
+            const __m512i x2 = _mm512_loadu_si512((const void *)(xp + 128)), x3 = _mm512_loadu_si512((const void *)(xp + 192));
+            const __m512i pc = _mm512_loadu_si512((const void *)(corr + b * LC + u * 16));
+            const __m512 xv = _mm512_permutexvar_ps(xsi, _mm512_castps256_ps512(_mm256_loadu_ps(xs + b * LX + u * 8)));
+            for (int r = 0; r < R; ++r) {
+                __m512i p = _mm512_dpbusd_epi32(pc, al[r], x0);
+                p = _mm512_dpbusd_epi32(p, ah[r], x1);
+                p = _mm512_dpbusd_epi32(p, bl[r], x2);
+                p = _mm512_dpbusd_epi32(p, bh[r], x3);
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s[r], xv), acc[r][b]);
+            }
+        }
+    }
+#undef TP_NIBBLES
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b) accp[NB * r + b] = acc[r][b];
+}
+
+/* (NB, R) dispatch with constant arguments (the loops above unroll, acc stays in registers) */
+TP_INLINE void tp_rows256(const int8_t *xr, const int32_t *corr, const float *xs, int64_t K,
+                          const uint8_t *w, const uint8_t *sc, int64_t sstride, const char *pfa,
+                          const uint8_t *pfw, const uint8_t *pfs, int pfr, int64_t u0, int64_t u1,
+                          __m512 *accp, int64_t nb, int R) {
+    switch ((int)nb * 2 + R - 1) {
+        case 2: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 1, 1); break;
+        case 3: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 1, 2); break;
+        case 4: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 2, 1); break;
+        case 5: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 2, 2); break;
+        case 6: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 3, 1); break;
+        case 7: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 3, 2); break;
+        case 8: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 4, 1); break;
+        default: tp_row256_part(xr, corr, xs, K, w, sc, sstride, pfa, pfw, pfs, pfr, u0, u1, accp, 4, 2); break;
+    }
+}
+
+#define TP_KR 8   /* weight rows per group (K blocks) */
+
+/* Same contract as the other GEMVs (rowscale unused); K must be a multiple of 256 (status 2). */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    (void)rowscale;
+    if (K % 256) return 2;
+    if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
+#if defined(FMT_nvfp4)
+    const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
+    const int64_t sstride = K / 16;
+#else
+    const float fold = 0.5f;
+    const int64_t sstride = K / 32;
+    (void)pts_d;
+#endif
+    const int64_t U = K / 256, LC = K / 16, LX = K / 32;
+    int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * LC) + 64);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(B * LX) + 64);
+    if (!xr || !corr || !xs) { free(xr); free(corr); free(xs); return 3; }
+    for (int64_t i = 0; i < B * U; ++i) {
+        const int64_t b = i / U, u = i % U;
+        tp_prep_unit256(x + b * K + u * 256, fold, xr + b * K + u * 256, corr + b * LC + u * 16, xs + b * LX + u * 8);
+    }
+    int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    int64_t tp_next_ = 0;
+    const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
+    /* K blocks where four rows' prepared activations (K + 4 LC + 4 LX bytes a row) exceed
+       ${xmin} bytes: a block of ${xblock} bytes of them stays in L1 while a group of TP_KR weight
+       rows uses it */
+    const int64_t xrow = K + 4 * LC + 4 * LX, nbmax = B < 4 ? B : 4;
+    int64_t ub = U;
+    if (${xblock} > 0 && nbmax * xrow > ${xmin}) {
+        int64_t per = ${xblock} / (nbmax * (xrow / U));   /* units a block may hold */
+        per = per < 1 ? 1 : per;
+        const int64_t nblk = (U + per - 1) / per;
+        ub = (U + nblk - 1) / nblk;   /* blocks of equal length (the last one shorter by < nblk) */
+    }
+    const int blocked = ub < U;
+    /* weight rows in pairs (every activation load serving two) from three activation rows: at one
+       row pairs streamed slower (11008x4096 from DRAM, two threads, interleaved medians of 11:
+       1.25 against 1.03 ms), at two about equal */
+    const int pair = ${rows} == 2 && B >= 3;
+    #pragma omp parallel num_threads(nt)
+    {
+        int64_t lo, hi, nlo = 0, nhi = 0;
+        int tp_st_ = 0, ahead = 0;
+        __m512 accb[TP_KR * 4];
+        while (blocked ? tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)
+                       : tp_claim_rows(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi)) {
+            for (int64_t n0 = lo; n0 < hi; n0 += TP_KR) {
+                const int64_t n1 = n0 + TP_KR < hi ? n0 + TP_KR : hi;
+                int64_t p0 = 0, p1 = 0;   /* the next row group [p0, p1), prefetched into L2 (K blocks) */
+                if (blocked) p0 = tp_next_group(n1, hi, TP_KR, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
+                for (int64_t b = 0; b < B; b += 4) {
+                    const int64_t nb = B - b < 4 ? B - b : 4;
+                    const int8_t *xb = xr + b * K;
+                    const int32_t *cb = corr + b * LC;
+                    const float *sb = xs + b * LX;
+                    for (int64_t i = 0; i < (n1 - n0) * nb; ++i) accb[i] = _mm512_setzero_ps();
+                    for (int64_t u = 0; u < U; u += ub) {
+                        const int64_t ue = u + ub < U ? u + ub : U;
+                        for (int64_t n = n0; n < n1; n += 1 + pair) {
+                            const int R = pair && n + 1 < n1 ? 2 : 1;
+                            const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
+                            const int64_t pn = p0 + (n - n0), pfr = blocked && b == 0 ? p1 - pn : 0;
+                            const uint8_t *pfw = pfr > 0 ? w + pn * (K / 2) : NULL;
+                            const uint8_t *pfs = pfr > 0 ? scales + pn * sstride : NULL;
+                            const int ipf = pfr < R ? (int)(pfr > 0 ? pfr : 0) : R;
+                            const char *pfa = blocked ? NULL : (const char *)wr + ${prefetch};
+                            tp_rows256(xb, cb, sb, K, wr, sr, sstride, pfa, pfw, pfs, ipf, u, ue,
+                                       accb + (n - n0) * nb, nb, R);
+                        }
+                    }
+                    for (int64_t n = n0; n < n1; ++n)
+                        for (int64_t i = 0; i < nb; ++i) {
+                            float v = _mm512_reduce_add_ps(accb[(n - n0) * nb + i]);
+                            if (has_bias) v += bias[n];
+                            out[(b + i) * N + n] = v;
+                        }
+                }
+            }
+        }
+    }
+    free(xr);
+    free(corr);
+    free(xs);
+    return 0;
+}
+"""
+
 FORMATS = ("nvfp4", "mxfp4")
 
 # Prepared activation bytes (all rows) one K block of the lane-block kernel keeps in L1 where they
 # exceed TP_XMIN (20 KB; AVX-512 build; see TP_XBYTES in the source).
 XBLOCK_BYTES = 8192
+# Prepared activation bytes (up to four rows) above which the whole-block kernel runs K in blocks.
+WBLOCK_XMIN = 20480
 
 
 @functools.cache
@@ -875,6 +1136,51 @@ def gemv_fp4_block_kernel(
     )
     name = f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
+    return GemvKernel(native.build(src, name=name, isa=isa), fmt, int8_isa=isa)
+
+
+@functools.cache
+def gemv_fp4_wblock_kernel(
+    fmt: str,
+    isa: str,
+    prefetch: int = 4096,
+    chunk: int | None = None,
+    hint: str = "T0",
+    xblock: int | None = None,
+    rows: int = 2,
+    xmin: int = WBLOCK_XMIN,
+) -> GemvKernel:
+    """The whole-block int8-activation FP4 GEMV (AVX-512 BW + VNNI; K a multiple of 256; raises
+    NativeError elsewhere): every int32 lane of its ``vpdpbusd`` sums holds one 16-element block,
+    so a block scale costs one ``cvt``/``mul``/``fma`` per 256 weights and row. ``prefetch``,
+    ``hint``, ``chunk`` as :func:`gemv_fp4_block_kernel`; ``rows``: 2 runs weight rows in pairs
+    (each activation load serving two) from three activation rows, 1 never; ``xblock``: bytes of prepared activations a K block keeps in L1 where
+    up to four rows' exceed ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece)."""
+    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, check_hint
+
+    if fmt not in FORMATS:
+        raise ValueError(f"whole-block FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    if rows not in (1, 2):
+        raise ValueError(f"whole-block FP4 gemv rows must be 1 or 2, got {rows!r}")
+    if xblock is not None and xblock < 0:
+        raise ValueError(f"whole-block FP4 gemv xblock must be >= 0 bytes, got {xblock!r}")
+    check_hint(hint)
+    info = native.cpu_info()
+    if isa != "avx512" or not info.has_vnni:
+        raise native.NativeError(f"the whole-block FP4 GEMV needs AVX-512 VNNI (isa is {isa!r})")
+    chunk = CHUNK_BYTES if chunk is None else chunk
+    xb = XBLOCK_BYTES if xblock is None else xblock
+    src = native.render(
+        SCHED_C + _WBLOCK_SOURCE + BF16IO_C,
+        fmt=fmt,
+        prefetch=prefetch,
+        chunk=chunk,
+        hint=hint,
+        xblock=xb,
+        xmin=xmin,
+        rows=rows,
+    )
+    name = f"gemv_fp4wblk_{fmt}_p{prefetch}{hint}_c{chunk}_x{xb}_m{xmin}_r{rows}"
     return GemvKernel(native.build(src, name=name, isa=isa), fmt, int8_isa=isa)
 
 

@@ -35,7 +35,11 @@ import torch
 from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
 from torchport.gemv.bf16_kernel import DP_WEIGHTS, gemv_bf16_dp_kernel
-from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
+from torchport.gemv.fp4_kernel import (
+    gemv_fp4_block_kernel,
+    gemv_fp4_pair_kernel,
+    gemv_fp4_wblock_kernel,
+)
 from torchport.gemv.fp8_kernel import XBLOCK_BYTES as SHIFT_XBLOCK_BYTES
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.kernels import (
@@ -231,6 +235,12 @@ TUNE_MIN_WEIGHTS = 1 << 18
 # medians of 25, Zen 3, load 1.5-1.8: NVFP4 1.020 -> 0.806 ms, MXFP4 0.955 -> 0.816 ms; NTA 1024
 # 0.945 / 0.875, NTA 512 0.903 / 1.004).
 BLOCK_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 4096))
+# The whole-block FP4 kernel (AVX-512 VNNI, K a multiple of 256): one ``cvt``/``mul``/``fma`` per
+# 16-element block instead of two. Kernels alone, 11008x4096 NVFP4, B=4, two threads, 40 weight
+# copies (1 GB: this VM's L3 held much of the 96 MB rotation used before), interleaved medians of
+# 21 (Intel Xeon, AMX machine): the lane-block kernel T0 4096 1.503 ms, this one 1.358 (pairs) /
+# 1.392 (no pairs); L2-resident (384 rows) one thread 0.088 -> 0.070 ms.
+WBLOCK_PREFETCH = (("T0", 4096),)
 # The same for the E4M3 shift-decode kernel: NTA 2048 against T0 8192 1.901 -> 1.651 ms (same
 # run; NTA 1024 1.714, 768 1.641). T0 8192 stays a candidate: the AVX-512 kernel streamed from
 # DRAM faster with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one
@@ -295,7 +305,8 @@ def candidates(
     (one activation row: stream four weight rows at once), ``threads`` (0 = all, or 1). With
     int8 activations (FP4 weights) the lane-block kernel (:mod:`torchport.gemv.fp4_kernel`,
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
-    the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
+    on AVX-512 VNNI its whole-block variant (``kernel="wblock"``, K a multiple of 256,
+    :data:`WBLOCK_PREFETCH`), then the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
     128, the group-32 kernel after them; E4M3 weights try the integer-shift decode
     (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first,
     then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row)
@@ -317,6 +328,9 @@ def candidates(
     params: tuple[tuple[str, object], ...]
     if int8:
         out += _hinted("block", BLOCK_PREFETCH)
+        info = native.cpu_info()
+        if info.isa == "avx512" and info.has_vnni and (k is None or k % 256 == 0):
+            out += _hinted("wblock", WBLOCK_PREFETCH)
         for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
@@ -360,6 +374,12 @@ def _native_kernel(
                 f"lane-block kernel needs AVX2 and K % 128 == 0 (K={k})"
             )
         return gemv_fp4_block_kernel(fmt, isa, pf, hint=hint)
+    if cand.param("kernel") == "wblock":
+        if k % 256 or isa != "avx512" or not native.cpu_info().has_vnni:
+            raise autotune.InvalidCandidate(
+                f"whole-block kernel needs AVX-512 VNNI and K % 256 == 0 (K={k}, isa {isa})"
+            )
+        return gemv_fp4_wblock_kernel(fmt, isa, pf, hint=hint)
     if cand.param("kernel") == "pair":
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
