@@ -373,18 +373,22 @@ def test_cold_copies_exceed_budget():
 
 
 def test_cold_bytes_from_the_reported_caches(tmp_path):
-    """The largest cache sysfs reports (units K/M/G or bytes; unreadable or malformed entries
-    skipped) sets the rotation: twice it, at least the floor; none reported: L3_BYTES."""
+    """The largest cache sysfs reports (units K/M/G or bytes; unreadable, non-UTF-8 or malformed
+    entries skipped) sets the rotation: twice it, within the floor and the ceiling; none
+    reported: L3_BYTES."""
     from torchport.autotune.timing import last_level_cache_bytes
 
-    for i, size in enumerate(["48K", "2048K", "491520K", "garbage", "1M"]):
+    for i, size in enumerate(["48K", "2048K", "491520K", "garbage", "1M", "\u00b2K", "12.5M"]):
         (tmp_path / f"index{i}").mkdir()
         (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    (tmp_path / "index8").mkdir()
+    (tmp_path / "index8" / "size").write_bytes(b"\xff\xfeK")  # not UTF-8
     (tmp_path / "index9").mkdir()  # no size file
     assert last_level_cache_bytes(str(tmp_path)) == 491520 << 10
     assert last_level_cache_bytes(str(tmp_path / "missing")) == autotune.L3_BYTES
-    assert autotune.cold_bytes() >= 96 << 20
-    assert autotune.cold_bytes(floor=1 << 40) == 1 << 40
+    assert 96 << 20 <= autotune.cold_bytes() <= 2 << 30
+    assert autotune.cold_bytes(floor=1 << 40, ceiling=1 << 41) == 1 << 40
+    assert autotune.cold_bytes(floor=1 << 40) == 2 << 30  # the ceiling wins
 
 
 # --- noise guard: confirmation of native winners, with injected timings --------------------------

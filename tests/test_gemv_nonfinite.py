@@ -15,7 +15,11 @@ import torch.nn.functional as F
 
 from torchport import native
 from torchport.gemv import ops as gops
-from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
+from torchport.gemv.fp4_kernel import (
+    gemv_fp4_block_kernel,
+    gemv_fp4_pair_kernel,
+    gemv_fp4_wblock_kernel,
+)
 from torchport.gemv.kernels import NONFINITE_STATUS, gemv_i8_kernel, gemv_kernel
 from torchport.graphs import Graph
 from torchport.lowp import MXTensor, NVFP4Tensor
@@ -48,14 +52,19 @@ def _same_pattern(out: torch.Tensor, ref: torch.Tensor) -> None:
     [
         ("block", "nvfp4", 256),
         ("block", "mxfp4", 10368),
+        ("wblock", "nvfp4", 11008),
+        ("wblock", "mxfp4", 256),
         ("pair", "nvfp4", 192),
         ("i8", "mxfp4", 96),
     ],
 )
 @pytest.mark.parametrize("kind", ["nan", "inf"])
 def test_int8_kernels_hand_back_nonfinite_activations(family, fmt, k, kind) -> None:
+    if family == "wblock" and (ISA != "avx512" or not native.cpu_info().has("avx512_vnni")):
+        pytest.skip("the whole-block kernel needs AVX-512 VNNI")
     kern = {
         "block": lambda: gemv_fp4_block_kernel(fmt, ISA, 4096),
+        "wblock": lambda: gemv_fp4_wblock_kernel(fmt, ISA),
         "pair": lambda: gemv_fp4_pair_kernel(fmt, ISA),
         "i8": lambda: gemv_i8_kernel(fmt, ISA),
     }[family]()

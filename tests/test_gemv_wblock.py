@@ -22,7 +22,8 @@ from torchport.lowp import MXTensor, NVFP4Tensor
 
 _INFO = native.cpu_info()
 pytestmark = pytest.mark.skipif(
-    _INFO.isa != "avx512" or not _INFO.has_vnni, reason="the whole-block kernel needs AVX-512 VNNI"
+    _INFO.isa != "avx512" or not _INFO.has("avx512_vnni"),
+    reason="the whole-block kernel needs AVX-512 VNNI",
 )
 
 _E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -60,17 +61,69 @@ def _unit_scale_pack(fmt: str, codes: torch.Tensor) -> gops.PackedWeight:
 def test_exact_where_every_sum_is_an_integer(fmt: str, n: int, k: int, rows: int) -> None:
     """Integer activations with one 127 in every 32-group quantize to themselves, and with unit
     block scales each product is a multiple of 0.5 and every partial sum exact in float32: the
-    kernel must equal the float64 reference exactly. Any lane-to-block mix-up (activation order,
-    block scales, corrections) breaks the equality."""
+    kernel must equal the float64 reference exactly. A mix-up of the activations' order or the
+    corrections breaks the equality (the scales' lanes: the next test)."""
     g = torch.Generator().manual_seed(n * 7 + k + rows)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int64)
     pw = _unit_scale_pack(fmt, codes)
     x = torch.randint(-127, 128, (rows, k), generator=g).float()
     x.view(rows, k // 32, 32)[:, :, 5] = 127.0
     ref = x.double() @ _E2M1[codes].double().T
+    for threads, load in ((1, 512), (2, 512), (2, 256)):
+        out = _run(gemv_fp4_wblock_kernel(fmt, "avx512", load=load), x, pw, threads=threads)
+        assert torch.equal(out.double(), ref), (threads, load)
+
+
+def _scaled_pack(fmt: str, codes: torch.Tensor, span: int, g: torch.Generator):
+    """FP4 codes with power-of-two block scales 2^-span..2^span (E4M3 codes 0x38 + 8e, negative
+    ones too for NVFP4; E8M0 127 + e) and the dequantized weights."""
+    n, k = codes.shape
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    block = 16 if fmt == "nvfp4" else 32
+    e = torch.randint(-span, span + 1, (n, k // block), generator=g)
+    if fmt == "nvfp4":
+        neg = torch.randint(0, 2, e.shape, generator=g).bool()
+        scales = (0x38 + 8 * e) | (neg.long() << 7)
+        value = torch.where(neg, -1.0, 1.0).double() * 2.0 ** e.double()
+    else:
+        scales, value = 127 + e, 2.0 ** e.double()
+    pw = gops.PackedWeight(
+        fmt, data, scales.to(torch.uint8).contiguous(), torch.empty(0), 1.0, n, k, True
+    )
+    return pw, _E2M1[codes].double() * value.repeat_interleave(block, 1)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("n", "k", "span"), [(9, 768, 2), (21, 11008, 1)], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_exact_with_power_of_two_scales(fmt: str, n: int, k: int, span: int, rows: int) -> None:
+    """Power-of-two block scales (negative E4M3 ones too) and activation groups scaled by
+    2^-span..2^span keep every product and partial sum exact: a mix-up of the block scales' or
+    the group scales' lanes, or a wrong sign, breaks the equality."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int64)
+    pw, wd = _scaled_pack(fmt, codes, span, g)
+    x = torch.randint(-127, 128, (rows, k), generator=g).float()
+    x.view(rows, k // 32, 32)[:, :, 5] = 127.0
+    gs = 2.0 ** torch.randint(-span, span + 1, (rows, k // 32, 1), generator=g).float()
+    x = (x.view(rows, k // 32, 32) * gs).reshape(rows, k)
+    ref = x.double() @ wd.T
     for threads in (1, 2):
-        out = _run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw, threads=threads)
+        out = _run(gemv_fp4_wblock_kernel(fmt, "avx512", chunk=1), x, pw, threads=threads)
         assert torch.equal(out.double(), ref), threads
+
+
+def test_mx_scale_code_zero_is_two_to_the_minus_127() -> None:
+    """E8M0 code 0 is the subnormal 2^-127 (not zero): products stay exact multiples of it."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (9, 768), generator=g, dtype=torch.int64)
+    pw = _unit_scale_pack("mxfp4", codes)
+    pw.scales.zero_()
+    x = torch.randint(-127, 128, (3, 768), generator=g).float()
+    x.view(3, 24, 32)[:, :, 5] = 127.0
+    ref = x.double() @ (_E2M1[codes].double() * 2.0**-127).T
+    out = _run(gemv_fp4_wblock_kernel("mxfp4", "avx512"), x, pw)
+    assert torch.equal(out.double(), ref) and bool((ref != 0).all())
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -123,9 +176,10 @@ def test_tiny_groups_stay_within_the_bound(fmt: str) -> None:
 @pytest.mark.parametrize(("n", "k"), [(37, 512), (21, 11008), (9, 4096)], ids=str)
 def test_bits_do_not_depend_on_batch_pairs_blocks_or_threads(fmt: str, n: int, k: int) -> None:
     """Each output row keeps its bits: alone or in a batch of 2-8 (pairs of weight rows from three
-    activation rows, K blocks where four rows' prepared activations exceed 20 KB), with the
-    weight's first row dropped (every pair changes), for blocks of 1, 3 units or none, on one or
-    two threads."""
+    activation rows, K blocks where up to four rows' prepared activations exceed ``xmin``), with
+    the weight's first row dropped (every pair changes), for blocks of one unit, three (at four
+    rows and more) or none, on one thread or on two claiming one row at a time, with 512-bit or
+    256-bit weight loads."""
     g = torch.Generator().manual_seed(n + k)
     pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(8, k, generator=g)
@@ -136,8 +190,11 @@ def test_bits_do_not_depend_on_batch_pairs_blocks_or_threads(fmt: str, n: int, k
         pw.fmt, pw.data[1:], pw.scales[1:], pw.rowscale, pw.pts, n - 1, k, pw.int8
     )
     unit = (k + k // 4 + k // 8) // (k // 256)  # prepared activation bytes per unit and row
-    for xblock, rows, threads in ((None, 2, 2), (0, 2, 1), (unit, 2, 2), (3 * unit, 1, 1)):
-        kern = gemv_fp4_wblock_kernel(fmt, "avx512", xblock=xblock, rows=rows, xmin=0)
+    cases = ((None, 2, 2, 512), (0, 2, 1, 256), (unit, 2, 2, 256), (12 * unit, 1, 2, 512))
+    for xblock, rows, threads, load in cases:
+        kern = gemv_fp4_wblock_kernel(
+            fmt, "avx512", chunk=1, xblock=xblock, rows=rows, xmin=0, load=load
+        )
         for b in (2, 3, 4, 8):
             assert torch.equal(_run(kern, x[:b], pw, bias, threads), alone[:b]), (xblock, b)
         assert torch.equal(_run(kern, x[:5], pw1, bias[1:], threads), alone[:5, 1:])
@@ -148,6 +205,8 @@ def test_rejects_bad_arguments() -> None:
         gemv_fp4_wblock_kernel("mxfp8_e4m3", "avx512")
     with pytest.raises(ValueError, match=r"rows must be 1 or 2, got 3"):
         gemv_fp4_wblock_kernel("nvfp4", "avx512", rows=3)
+    with pytest.raises(ValueError, match=r"load must be 256 or 512 bits, got 128"):
+        gemv_fp4_wblock_kernel("nvfp4", "avx512", load=128)
     with pytest.raises(ValueError, match=r"xblock must be >= 0 bytes, got -1"):
         gemv_fp4_wblock_kernel("nvfp4", "avx512", xblock=-1)
     with pytest.raises(native.NativeError, match=r"needs AVX-512 VNNI \(isa is 'avx2'\)"):
@@ -156,9 +215,9 @@ def test_rejects_bad_arguments() -> None:
 
 def test_k_not_multiple_of_256_is_status_2_and_an_invalid_candidate() -> None:
     pw = _pack("nvfp4", torch.randn(4, 384))
-    out = torch.empty(1, 4)
+    x, out = torch.randn(1, 384), torch.empty(1, 4)
     kern = gemv_fp4_wblock_kernel("nvfp4", "avx512")
-    args = (torch.randn(1, 384).data_ptr(), 1, 384, pw.data.data_ptr(), pw.scales.data_ptr())
+    args = (x.data_ptr(), 1, 384, pw.data.data_ptr(), pw.scales.data_ptr())
     status = kern.call_unchecked(*args, 0, pw.pts, 0, 0, out.data_ptr(), 4, 1)
     assert status == 2
     cand = next(c for c in gops.candidates("nvfp4", True) if c.param("kernel") == "wblock")

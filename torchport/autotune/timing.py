@@ -35,19 +35,20 @@ def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> 
         try:
             with open(path) as f:
                 text = f.read().strip()
-        except OSError:
+        except (OSError, ValueError):  # unreadable, or not text (UnicodeDecodeError)
             continue
         unit = _SIZE_UNITS.get(text[-1:], 1)
         digits = text[:-1] if text[-1:] in _SIZE_UNITS else text
-        if digits.isdigit():
+        if digits.isascii() and digits.isdigit():
             sizes.append(int(digits) * unit)
     return max(sizes, default=L3_BYTES)
 
 
-def cold_bytes(floor: int = 96 << 20) -> int:
+def cold_bytes(floor: int = 96 << 20, ceiling: int = 2 << 30) -> int:
     """Bytes a rotation of weight copies should span so calls read them from memory: twice the
-    largest cache the OS reports, at least ``floor``."""
-    return max(floor, 2 * last_level_cache_bytes())
+    largest cache the OS reports, at least ``floor`` and at most ``ceiling`` (a benchmark holds
+    such a rotation per format at once)."""
+    return min(ceiling, max(floor, 2 * last_level_cache_bytes()))
 
 
 clock: Callable[[], float] = time.perf_counter

@@ -1,4 +1,5 @@
-"""FP4 (NVFP4/MXFP4) decode GEMV with int8 activations: the lane-block and pair-split kernels.
+"""FP4 (NVFP4/MXFP4) decode GEMV with int8 activations: the lane-block, whole-block and pair-split
+kernels.
 
 **Lane-block kernel** (:func:`gemv_fp4_block_kernel`, K a multiple of 128, tried first). Per
 128 weights (64 bytes, one cache line) it loads the line as two 32-byte halves ``n0``/``n1`` and
@@ -43,6 +44,15 @@ With per-row corrections (one or two activation rows, AVX-512) K runs in blocks 
 prepared activations exceed 20 KB (K > 10240 for one row): the weight stream through L1 evicted a
 22 KB row at K = 11008 (4096×11008 B=1 two threads NVFP4 1.14–1.15 → 1.01–1.06 ms, MXFP4
 1.18–1.25 → 0.92–0.96; same bits, see ``TP_XMIN``).
+
+**Whole-block kernel** (:func:`gemv_fp4_wblock_kernel`, AVX-512 VNNI, K a multiple of 256): the
+lane-block kernel's int32 lanes hold eight elements, so a 16-element NVFP4 block is two lanes and
+its scale is applied twice. This kernel takes 256 weights (two lines) at a time and gathers their
+even and their odd dwords with two ``vpermt2d``: dword ``j`` of both is a half of block ``j``, four
+``vpdpbusd`` (the weights unsigned, ``2·e2m1 + 12``, onto each activation row's correction lane)
+leave int32 lane ``j`` holding block ``j``'s whole dot product, and the float work is one ``cvt`` +
+``mul`` + ``fma`` per 256 weights and row (MX: a 32-element block is two lanes). Its activations are
+quantized by vector code with the scalar routine's products and rounding.
 
 **Pair-split kernel** (:func:`gemv_fp4_pair_kernel`, K a multiple of 64):
 
@@ -818,6 +828,8 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 _WBLOCK_SOURCE = r"""
 #include <stdlib.h>
 #define FMT_${fmt} 1
+/* each weight line as one 512-bit load (1) or two 256-bit loads and an insert (0): see WBLOCK_LOADS */
+#define TP_LOAD512 ${load512}
 #if !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #error "the whole-block FP4 GEMV needs AVX-512 BW and VNNI"
 #endif
@@ -933,10 +945,14 @@ TP_INLINE void tp_row256_part(const int8_t *xr, const int32_t *corr, const float
                 if ((u & 3) == 0 || u == u1 - 1)   /* their scales (a row's last unit too) */
                     _mm_prefetch((const char *)(pfs + r * sstride + u * TP_SPU), _MM_HINT_T1);
             }
+#if TP_LOAD512
+            const __m512i v1 = _mm512_loadu_si512((const void *)wp), v2 = _mm512_loadu_si512((const void *)(wp + 64));
+#else
             const __m512i v1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)wp)),
                                                   _mm256_loadu_si256((const __m256i *)(wp + 32)), 1);
             const __m512i v2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wp + 64))),
                                                   _mm256_loadu_si256((const __m256i *)(wp + 96)), 1);
+#endif
             const __m512i A = _mm512_permutex2var_epi32(v1, ia, v2), B = _mm512_permutex2var_epi32(v1, ib, v2);
             al[r] = TP_NIBBLES(A);
             ah[r] = TP_NIBBLES(_mm512_srli_epi16(A, 4));
@@ -1010,7 +1026,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
-    /* K blocks where four rows' prepared activations (K + 4 LC + 4 LX bytes a row) exceed
+    /* K blocks where up to four rows' prepared activations (K + 4 LC + 4 LX bytes a row) exceed
        ${xmin} bytes: a block of ${xblock} bytes of them stays in L1 while a group of TP_KR weight
        rows uses it */
     const int64_t xrow = K + 4 * LC + 4 * LX, nbmax = B < 4 ? B : 4;
@@ -1149,24 +1165,27 @@ def gemv_fp4_wblock_kernel(
     xblock: int | None = None,
     rows: int = 2,
     xmin: int = WBLOCK_XMIN,
+    load: int = 512,
 ) -> GemvKernel:
     """The whole-block int8-activation FP4 GEMV (AVX-512 BW + VNNI; K a multiple of 256; raises
     NativeError elsewhere): every int32 lane of its ``vpdpbusd`` sums holds one 16-element block,
     so a block scale costs one ``cvt``/``mul``/``fma`` per 256 weights and row. ``prefetch``,
     ``hint``, ``chunk`` as :func:`gemv_fp4_block_kernel`; ``rows``: 2 runs weight rows in pairs
     (each activation load serving two) from three activation rows, 1 never; ``xblock``: bytes of prepared activations a K block keeps in L1 where
-    up to four rows' exceed ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece)."""
+    up to four rows' exceed ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece);
+    ``load``: bits per weight load (512: one per line; 256: two and an insert)."""
     from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, check_hint
 
     if fmt not in FORMATS:
         raise ValueError(f"whole-block FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
     if rows not in (1, 2):
         raise ValueError(f"whole-block FP4 gemv rows must be 1 or 2, got {rows!r}")
+    if load not in (256, 512):
+        raise ValueError(f"whole-block FP4 gemv load must be 256 or 512 bits, got {load!r}")
     if xblock is not None and xblock < 0:
         raise ValueError(f"whole-block FP4 gemv xblock must be >= 0 bytes, got {xblock!r}")
     check_hint(hint)
-    info = native.cpu_info()
-    if isa != "avx512" or not info.has_vnni:
+    if isa != "avx512" or not native.cpu_info().has("avx512_vnni"):
         raise native.NativeError(f"the whole-block FP4 GEMV needs AVX-512 VNNI (isa is {isa!r})")
     chunk = CHUNK_BYTES if chunk is None else chunk
     xb = XBLOCK_BYTES if xblock is None else xblock
@@ -1179,8 +1198,9 @@ def gemv_fp4_wblock_kernel(
         xblock=xb,
         xmin=xmin,
         rows=rows,
+        load512=int(load == 512),
     )
-    name = f"gemv_fp4wblk_{fmt}_p{prefetch}{hint}_c{chunk}_x{xb}_m{xmin}_r{rows}"
+    name = f"gemv_fp4wblk_{fmt}_p{prefetch}{hint}_c{chunk}_x{xb}_m{xmin}_r{rows}_l{load}"
     return GemvKernel(native.build(src, name=name, isa=isa), fmt, int8_isa=isa)
 
 

@@ -241,6 +241,11 @@ BLOCK_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 4096))
 # 21 (Intel Xeon, AMX machine): the lane-block kernel T0 4096 1.503 ms, this one 1.358 (pairs) /
 # 1.392 (no pairs); L2-resident (384 rows) one thread 0.088 -> 0.070 ms.
 WBLOCK_PREFETCH = (("T0", 4096),)
+# Its weight loads, bits: one 512-bit load per line streamed faster here (11008x4096 B=4 NVFP4, two
+# threads, 960 MB of copies, interleaved medians of 15: 1.416 -> 1.336 ms, MXFP4 1.408 -> 1.336; B=1
+# 1.066 / 1.044), where on Zen 4 the lane-block kernel's streamed about 20 % slower (hence two
+# 256-bit loads there): both are offered.
+WBLOCK_LOADS = (512, 256)
 # The same for the E4M3 shift-decode kernel: NTA 2048 against T0 8192 1.901 -> 1.651 ms (same
 # run; NTA 1024 1.714, 768 1.641). T0 8192 stays a candidate: the AVX-512 kernel streamed from
 # DRAM faster with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one
@@ -306,7 +311,7 @@ def candidates(
     int8 activations (FP4 weights) the lane-block kernel (:mod:`torchport.gemv.fp4_kernel`,
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
     on AVX-512 VNNI its whole-block variant (``kernel="wblock"``, K a multiple of 256,
-    :data:`WBLOCK_PREFETCH`), then the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
+    :data:`WBLOCK_PREFETCH`, :data:`WBLOCK_LOADS`), then the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
     128, the group-32 kernel after them; E4M3 weights try the integer-shift decode
     (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first,
     then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row)
@@ -329,8 +334,22 @@ def candidates(
     if int8:
         out += _hinted("block", BLOCK_PREFETCH)
         info = native.cpu_info()
-        if info.isa == "avx512" and info.has_vnni and (k is None or k % 256 == 0):
-            out += _hinted("wblock", WBLOCK_PREFETCH)
+        if info.isa == "avx512" and info.has("avx512_vnni") and (k is None or k % 256 == 0):
+            out += [
+                autotune.Candidate(
+                    f"wblock{load}_{_pf_name(hint, pf)}_t{threads}",
+                    params=(
+                        ("kernel", "wblock"),
+                        ("prefetch", pf),
+                        ("hint", hint),
+                        ("threads", threads),
+                        ("load", load),
+                    ),
+                )
+                for threads in (0, 1)
+                for load in WBLOCK_LOADS
+                for hint, pf in WBLOCK_PREFETCH
+            ]
         for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
@@ -375,11 +394,11 @@ def _native_kernel(
             )
         return gemv_fp4_block_kernel(fmt, isa, pf, hint=hint)
     if cand.param("kernel") == "wblock":
-        if k % 256 or isa != "avx512" or not native.cpu_info().has_vnni:
+        if k % 256 or isa != "avx512" or not native.cpu_info().has("avx512_vnni"):
             raise autotune.InvalidCandidate(
                 f"whole-block kernel needs AVX-512 VNNI and K % 256 == 0 (K={k}, isa {isa})"
             )
-        return gemv_fp4_wblock_kernel(fmt, isa, pf, hint=hint)
+        return gemv_fp4_wblock_kernel(fmt, isa, pf, hint=hint, load=cand.param("load", 512))
     if cand.param("kernel") == "pair":
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
@@ -466,7 +485,7 @@ def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeErro
     """The error for a GEMV kernel's non-zero status (2: K off the kernel's block multiple, 3: its
     activation buffers could not be allocated)."""
     if status == 2:
-        why = f"K={k} is not a multiple of the kernel's block (64 or 128)"
+        why = f"K={k} is not a multiple of the kernel's block (64, 128 or 256)"
     elif status == 3:
         why = f"could not allocate the prepared activations for {rows} rows of K={k}"
     elif status == 4:
