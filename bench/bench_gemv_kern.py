@@ -74,7 +74,7 @@ def _kernel(spec: str) -> tuple[str, object]:
         kind == "wblock"
     ):  # rest: rows (1 or 2), xmin (bytes; K blocks above it), xblock (bytes), load (bits)
         rows = int(rest[0]) if rest else 2
-        extra = {k: int(v) for k, v in zip(("xmin", "xblock", "load"), rest[1:])}
+        extra = {k: int(v) for k, v in zip(("xmin", "xblock", "load", "chunk"), rest[1:])}
         return fmt, gemv_fp4_wblock_kernel(fmt, isa, int(pf), hint=hint, rows=rows, **extra)
     if kind == "dp":
         if fmt != "bf16":
