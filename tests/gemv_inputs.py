@@ -1,4 +1,5 @@
-"""Shared inputs of the GEMV tests: a weight packed in any GEMV format."""
+"""Shared inputs and checks of the GEMV tests: a weight packed in any GEMV format, a kernel call,
+the int8-activation error bound."""
 
 from __future__ import annotations
 
@@ -17,3 +18,18 @@ def pack(fmt: str, w: torch.Tensor) -> gops.PackedWeight:
     if fmt == "fp8_e4m3":
         return Float8Tensor.from_float(w).gemv_pack()
     return gops.pack_dense(w.to(torch.bfloat16 if fmt == "bf16" else torch.float32))
+
+
+def run(kern, x: torch.Tensor, pw: gops.PackedWeight, bias=None, threads: int = 2) -> torch.Tensor:
+    """``kern`` on activations ``x`` [B, K] and packed weight ``pw``: the [B, N] result."""
+    out = torch.empty(x.shape[0], pw.n)
+    gops._launch(kern, x, pw, bias, out, threads)
+    return out
+
+
+def int8_bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    """The error bound of int8-quantized activations (per 32 elements, amax/127, round to
+    nearest) against dequantized weights ``wd``: ``Σ_k |w_k| · amax_g(k) / 254``."""
+    b, k = x.shape
+    g = x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32)
+    return (g.reshape(b, k) / 254).double() @ wd.double().abs().T

@@ -13,31 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gemv_inputs import int8_bound, pack, run
 from torchport import autotune, native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
-from torchport.lowp import MXTensor, NVFP4Tensor
 
 pytestmark = pytest.mark.skipif(
     native.cpu_info().isa == "scalar", reason="the lane-block kernel needs AVX2"
 )
-
-
-def _pack(fmt: str, w: torch.Tensor) -> gops.PackedWeight:
-    t = NVFP4Tensor.from_float(w) if fmt == "nvfp4" else MXTensor.from_float(w)
-    return t.gemv_pack()
-
-
-def _run(kern, x: torch.Tensor, pw: gops.PackedWeight, bias=None, threads: int = 2):
-    out = torch.empty(x.shape[0], pw.n)
-    gops._launch(kern, x, pw, bias, out, threads)
-    return out
-
-
-def _bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
-    b, k = x.shape
-    g = x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32)
-    return (g.reshape(b, k) / 254).double() @ wd.double().abs().T
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -48,7 +31,7 @@ def test_int8_kernels_quantize_tiny_groups(fmt: str) -> None:
     from torchport.gemv.kernels import gemv_i8_kernel
 
     g = torch.Generator().manual_seed(11)
-    pw = _pack(fmt, torch.randn(5, 256, generator=g))
+    pw = pack(fmt, torch.randn(5, 256, generator=g))
     x = torch.randn(2, 256, generator=g)
     x[0] *= 1e-38
     x[1] *= 1e-39
@@ -56,10 +39,10 @@ def test_int8_kernels_quantize_tiny_groups(fmt: str) -> None:
     wd = gops.dequantize_packed(pw)
     ref = gops.gemv_reference(x.double(), wd)
     # a subnormal group scale amax / 127 is rounded to a multiple of 2^-149
-    tol = _bound(x, wd) * 1.001 + wd.double().abs().sum(1) * 127 * 2.0**-149
+    tol = int8_bound(x, wd) * 1.001 + wd.double().abs().sum(1) * 127 * 2.0**-149
     isa = native.cpu_info().isa
     for kern in (gemv_i8_kernel, gemv_fp4_pair_kernel, gemv_fp4_block_kernel):
-        out = _run(kern(fmt, isa), x, pw, threads=1)
+        out = run(kern(fmt, isa), x, pw, threads=1)
         assert bool(((out.double() - ref).abs() <= tol).all()), kern.__name__
         assert bool((out != 0).all())
 
@@ -69,16 +52,16 @@ def test_int8_kernels_quantize_tiny_groups(fmt: str) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])  # from 4 rows: two weight rows at once
 def test_block_kernel_matches_pair_kernel_and_bound(fmt: str, n: int, k: int, rows: int) -> None:
     g = torch.Generator().manual_seed(n * 31 + k + rows)
-    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    pw = pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(rows, k, generator=g) * 2
     bias = torch.randn(n, generator=g)
     isa = native.cpu_info().isa
-    out = _run(gemv_fp4_block_kernel(fmt, isa), x, pw, bias)
-    pair = _run(gemv_fp4_pair_kernel(fmt, isa), x, pw, bias)
+    out = run(gemv_fp4_block_kernel(fmt, isa), x, pw, bias)
+    pair = run(gemv_fp4_pair_kernel(fmt, isa), x, pw, bias)
     assert torch.allclose(out, pair, rtol=1e-5, atol=1e-5)
     wd = gops.dequantize_packed(pw)
     ref = gops.gemv_reference(x.double(), wd, bias)
-    assert bool(((out.double() - ref).abs() <= _bound(x, wd) * 1.001 + 1e-5).all())
+    assert bool(((out.double() - ref).abs() <= int8_bound(x, wd) * 1.001 + 1e-5).all())
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -88,7 +71,7 @@ def test_two_row_path_keeps_every_rows_bits(fmt: str, rows: int) -> None:
     by position: the weight without its first row pairs every row differently (and the odd last
     row runs alone), yet each output row keeps its bits, on one and two threads."""
     g = torch.Generator().manual_seed(rows)
-    pw = _pack(fmt, torch.randn(37, 512, generator=g))
+    pw = pack(fmt, torch.randn(37, 512, generator=g))
     x = torch.randn(rows, 512, generator=g)
     bias = torch.randn(37, generator=g)
     shifted = gops.PackedWeight(
@@ -102,9 +85,9 @@ def test_two_row_path_keeps_every_rows_bits(fmt: str, rows: int) -> None:
         pw.int8,
     )
     kern = gemv_fp4_block_kernel(fmt, native.cpu_info().isa)
-    full = _run(kern, x, pw, bias)
-    assert torch.equal(full, _run(kern, x, pw, bias, threads=1))
-    assert torch.equal(full[:, 1:], _run(kern, x, shifted, bias[1:]))
+    full = run(kern, x, pw, bias)
+    assert torch.equal(full, run(kern, x, pw, bias, threads=1))
+    assert torch.equal(full[:, 1:], run(kern, x, shifted, bias[1:]))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -116,7 +99,7 @@ def test_shared_corrections_keep_every_rows_bits(fmt: str, rows: int) -> None:
     zero 128-chunk, a single outlier (``q = +-127`` next to zeros) and all-negative values."""
     g = torch.Generator().manual_seed(rows + 17)
     k = 512
-    pw = _pack(fmt, torch.randn(45, k, generator=g))  # N * K * min(B, 4) >= 65536: two threads
+    pw = pack(fmt, torch.randn(45, k, generator=g))  # N * K * min(B, 4) >= 65536: two threads
     x = torch.randn(rows, k, generator=g)
     x[0, 128:256] = 0.0
     x[1, :] = 0.0
@@ -124,10 +107,10 @@ def test_shared_corrections_keep_every_rows_bits(fmt: str, rows: int) -> None:
     x[2] = -x[2].abs()
     bias = torch.randn(45, generator=g)
     kern = gemv_fp4_block_kernel(fmt, native.cpu_info().isa)
-    together = _run(kern, x, pw, bias)
-    assert torch.equal(together, _run(kern, x, pw, bias, threads=1))
+    together = run(kern, x, pw, bias)
+    assert torch.equal(together, run(kern, x, pw, bias, threads=1))
     for i in range(rows):
-        assert torch.equal(together[i], _run(kern, x[i : i + 1], pw, bias)[0]), i
+        assert torch.equal(together[i], run(kern, x[i : i + 1], pw, bias)[0]), i
 
 
 @pytest.mark.parametrize(
@@ -140,18 +123,18 @@ def test_shared_corrections_keep_every_rows_bits(fmt: str, rows: int) -> None:
 def test_block_kernel_decodes_edge_scales(fmt: str, codes: list[int]) -> None:
     n, k = 9, 256
     g = torch.Generator().manual_seed(3)
-    pw0 = _pack(fmt, torch.randn(n, k, generator=g))
+    pw0 = pack(fmt, torch.randn(n, k, generator=g))
     pick = torch.randint(0, len(codes), pw0.scales.shape, generator=g)
     scales = torch.tensor(codes, dtype=torch.uint8)[pick].contiguous()
     pw = gops.PackedWeight(fmt, pw0.data, scales, pw0.rowscale, 1.0, n, k, pw0.int8)
     x = torch.randn(3, k, generator=g)
     isa = native.cpu_info().isa
-    out = _run(gemv_fp4_block_kernel(fmt, isa), x, pw)
-    pair = _run(gemv_fp4_pair_kernel(fmt, isa), x, pw)
+    out = run(gemv_fp4_block_kernel(fmt, isa), x, pw)
+    pair = run(gemv_fp4_pair_kernel(fmt, isa), x, pw)
     wd = gops.dequantize_packed(pw)
     ref = gops.gemv_reference(x.double(), wd)
     tiny = 1e-30 * (x.double().abs() @ wd.double().abs().T) + 1e-37  # 2^-127-scaled blocks
-    assert bool(((out.double() - ref).abs() <= _bound(x, wd) * 1.001 + tiny).all())
+    assert bool(((out.double() - ref).abs() <= int8_bound(x, wd) * 1.001 + tiny).all())
     assert torch.allclose(out, pair, rtol=1e-5, atol=1e-30)
 
 
@@ -170,18 +153,18 @@ def test_k_blocks_keep_bits(fmt: str, n: int, k: int, rows: int) -> None:
     weight rows in pairs: without the first row every pair changes (and the last of an odd count
     runs alone), the bits do not."""
     g = torch.Generator().manual_seed(n + k + rows)
-    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    pw = pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g)
-    whole = _run(gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=0), x, pw, bias, 1)
+    whole = run(gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=0), x, pw, bias, 1)
     for xblock, threads in ((None, 2), (512, 1), (768, 2)):
         kern = gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=xblock)
-        assert torch.equal(_run(kern, x, pw, bias, threads), whole), (xblock, threads)
+        assert torch.equal(run(kern, x, pw, bias, threads), whole), (xblock, threads)
     pw1 = gops.PackedWeight(
         pw.fmt, pw.data[1:], pw.scales[1:], pw.rowscale, pw.pts, n - 1, k, pw.int8
     )
     kern = gemv_fp4_block_kernel(fmt, "avx512", 2048, hint="NTA", xblock=512)
-    assert torch.equal(_run(kern, x, pw1, bias[1:], 1), whole[:, 1:])
+    assert torch.equal(run(kern, x, pw1, bias[1:], 1), whole[:, 1:])
 
 
 def test_block_kernel_rejects_negative_xblock() -> None:
@@ -190,7 +173,7 @@ def test_block_kernel_rejects_negative_xblock() -> None:
 
 
 def test_block_kernel_rejects_k_not_multiple_of_128() -> None:
-    pw = _pack("nvfp4", torch.randn(4, 192))
+    pw = pack("nvfp4", torch.randn(4, 192))
     out = torch.empty(1, 4)
     kern = gemv_fp4_block_kernel("nvfp4", native.cpu_info().isa)
     status = kern.call_unchecked(
@@ -224,12 +207,12 @@ def test_block_kernel_rejects_unknown_format() -> None:
 def test_block_kernel_prefetch_hint_keeps_bits(fmt: str, n: int, k: int, rows: int) -> None:
     """The prefetch hint and distance change only how the weights stream in, never the result."""
     g = torch.Generator().manual_seed(n + k + rows)
-    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    pw = pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(rows, k, generator=g)
     isa = native.cpu_info().isa
-    t0 = _run(gemv_fp4_block_kernel(fmt, isa, 4096, hint="T0"), x, pw)
+    t0 = run(gemv_fp4_block_kernel(fmt, isa, 4096, hint="T0"), x, pw)
     for pf in (1024, 2048):
-        assert torch.equal(_run(gemv_fp4_block_kernel(fmt, isa, pf, hint="NTA"), x, pw), t0)
+        assert torch.equal(run(gemv_fp4_block_kernel(fmt, isa, pf, hint="NTA"), x, pw), t0)
 
 
 @pytest.mark.parametrize("hint", ["T0", "NTA"])

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gemv_inputs import int8_bound, pack, run
 from torchport import autotune, native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_wblock_kernel
-from torchport.lowp import MXTensor, NVFP4Tensor
 
 _INFO = native.cpu_info()
 pytestmark = pytest.mark.skipif(
@@ -27,23 +27,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 _E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def _pack(fmt: str, w: torch.Tensor) -> gops.PackedWeight:
-    t = NVFP4Tensor.from_float(w) if fmt == "nvfp4" else MXTensor.from_float(w)
-    return t.gemv_pack()
-
-
-def _run(kern, x: torch.Tensor, pw: gops.PackedWeight, bias=None, threads: int = 2):
-    out = torch.empty(x.shape[0], pw.n)
-    gops._launch(kern, x, pw, bias, out, threads)
-    return out
-
-
-def _bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
-    b, k = x.shape
-    g = x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32)
-    return (g.reshape(b, k) / 254).double() @ wd.double().abs().T
 
 
 def _unit_scale_pack(fmt: str, codes: torch.Tensor) -> gops.PackedWeight:
@@ -70,7 +53,7 @@ def test_exact_where_every_sum_is_an_integer(fmt: str, n: int, k: int, rows: int
     x.view(rows, k // 32, 32)[:, :, 5] = 127.0
     ref = x.double() @ _E2M1[codes].double().T
     for threads, load in ((1, 512), (2, 512), (2, 256)):
-        out = _run(gemv_fp4_wblock_kernel(fmt, "avx512", load=load), x, pw, threads=threads)
+        out = run(gemv_fp4_wblock_kernel(fmt, "avx512", load=load), x, pw, threads=threads)
         assert torch.equal(out.double(), ref), (threads, load)
 
 
@@ -109,7 +92,7 @@ def test_exact_with_power_of_two_scales(fmt: str, n: int, k: int, span: int, row
     x = (x.view(rows, k // 32, 32) * gs).reshape(rows, k)
     ref = x.double() @ wd.T
     for threads in (1, 2):
-        out = _run(gemv_fp4_wblock_kernel(fmt, "avx512", chunk=1), x, pw, threads=threads)
+        out = run(gemv_fp4_wblock_kernel(fmt, "avx512", chunk=1), x, pw, threads=threads)
         assert torch.equal(out.double(), ref), threads
 
 
@@ -122,7 +105,7 @@ def test_mx_scale_code_zero_is_two_to_the_minus_127() -> None:
     x = torch.randint(-127, 128, (3, 768), generator=g).float()
     x.view(3, 24, 32)[:, :, 5] = 127.0
     ref = x.double() @ (_E2M1[codes].double() * 2.0**-127).T
-    out = _run(gemv_fp4_wblock_kernel("mxfp4", "avx512"), x, pw)
+    out = run(gemv_fp4_wblock_kernel("mxfp4", "avx512"), x, pw)
     assert torch.equal(out.double(), ref) and bool((ref != 0).all())
 
 
@@ -136,7 +119,7 @@ def test_rounds_half_to_even_as_the_scalar_quantizer(fmt: str) -> None:
     x = torch.randint(-126, 126, (2, 512), generator=g).float() + 0.5
     x.view(2, 16, 32)[:, :, 0] = -127.0
     ref = torch.round(x).double() @ _E2M1[codes].double().T
-    out = _run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw)
+    out = run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw)
     assert torch.equal(out.double(), ref)
 
 
@@ -145,29 +128,29 @@ def test_rounds_half_to_even_as_the_scalar_quantizer(fmt: str) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 def test_matches_lane_block_kernel_and_bound(fmt: str, n: int, k: int, rows: int) -> None:
     g = torch.Generator().manual_seed(n * 31 + k + rows)
-    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    pw = pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(rows, k, generator=g) * 2
     bias = torch.randn(n, generator=g)
-    out = _run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw, bias)
-    blk = _run(gemv_fp4_block_kernel(fmt, "avx512"), x, pw, bias)
+    out = run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw, bias)
+    blk = run(gemv_fp4_block_kernel(fmt, "avx512"), x, pw, bias)
     assert torch.allclose(out, blk, rtol=1e-5, atol=1e-5)
     wd = gops.dequantize_packed(pw)
     ref = gops.gemv_reference(x.double(), wd, bias)
-    assert bool(((out.double() - ref).abs() <= _bound(x, wd) * 1.001 + 1e-5).all())
+    assert bool(((out.double() - ref).abs() <= int8_bound(x, wd) * 1.001 + 1e-5).all())
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_tiny_groups_stay_within_the_bound(fmt: str) -> None:
     """Groups with amax below 2^-64 (subnormal ones included) take the scalar quantizer."""
     g = torch.Generator().manual_seed(11)
-    pw = _pack(fmt, torch.randn(5, 256, generator=g))
+    pw = pack(fmt, torch.randn(5, 256, generator=g))
     x = torch.randn(2, 256, generator=g)
     x[0] *= 1e-38
     x[1, 32:64] *= 1e-41
     wd = gops.dequantize_packed(pw)
     ref = gops.gemv_reference(x.double(), wd)
-    tol = _bound(x, wd) * 1.001 + wd.double().abs().sum(1) * 127 * 2.0**-149
-    out = _run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw, threads=1)
+    tol = int8_bound(x, wd) * 1.001 + wd.double().abs().sum(1) * 127 * 2.0**-149
+    out = run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw, threads=1)
     assert bool(((out.double() - ref).abs() <= tol).all())
     assert bool((out != 0).all())
 
@@ -181,11 +164,11 @@ def test_bits_do_not_depend_on_batch_pairs_blocks_or_threads(fmt: str, n: int, k
     rows and more) or none, on one thread or on two claiming one row at a time, with 512-bit or
     256-bit weight loads."""
     g = torch.Generator().manual_seed(n + k)
-    pw = _pack(fmt, torch.randn(n, k, generator=g) * 0.05)
+    pw = pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(8, k, generator=g)
     bias = torch.randn(n, generator=g)
     base = gemv_fp4_wblock_kernel(fmt, "avx512", xblock=0, rows=1)
-    alone = torch.cat([_run(base, x[i : i + 1], pw, bias, 1) for i in range(8)])
+    alone = torch.cat([run(base, x[i : i + 1], pw, bias, 1) for i in range(8)])
     pw1 = gops.PackedWeight(
         pw.fmt, pw.data[1:], pw.scales[1:], pw.rowscale, pw.pts, n - 1, k, pw.int8
     )
@@ -196,8 +179,8 @@ def test_bits_do_not_depend_on_batch_pairs_blocks_or_threads(fmt: str, n: int, k
             fmt, "avx512", chunk=1, xblock=xblock, rows=rows, xmin=0, load=load
         )
         for b in (2, 3, 4, 8):
-            assert torch.equal(_run(kern, x[:b], pw, bias, threads), alone[:b]), (xblock, b)
-        assert torch.equal(_run(kern, x[:5], pw1, bias[1:], threads), alone[:5, 1:])
+            assert torch.equal(run(kern, x[:b], pw, bias, threads), alone[:b]), (xblock, b)
+        assert torch.equal(run(kern, x[:5], pw1, bias[1:], threads), alone[:5, 1:])
 
 
 def test_rejects_bad_arguments() -> None:
@@ -214,7 +197,7 @@ def test_rejects_bad_arguments() -> None:
 
 
 def test_k_not_multiple_of_256_is_status_2_and_an_invalid_candidate() -> None:
-    pw = _pack("nvfp4", torch.randn(4, 384))
+    pw = pack("nvfp4", torch.randn(4, 384))
     x, out = torch.randn(1, 384), torch.empty(1, 4)
     kern = gemv_fp4_wblock_kernel("nvfp4", "avx512")
     args = (x.data_ptr(), 1, 384, pw.data.data_ptr(), pw.scales.data_ptr())

@@ -90,9 +90,34 @@ from torchport import native
 from torchport.gemv.kernels import GemvKernel
 from torchport.native import IntArg, Kernel, TensorArg
 
-_SOURCE = r"""
+# The start of every FP4 GEMV source (parameter fmt): its format macro, the factor folded into the
+# activation scales and the block scales' row stride.
+_FORMAT_C = r"""
 #include <stdlib.h>
 #define FMT_${fmt} 1
+#if defined(FMT_nvfp4)
+#define TP_FOLD(pts) (0.5f * 256.0f * (float)(pts))   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
+#define TP_SSTRIDE(K) ((K) / 16)
+#else
+#define TP_FOLD(pts) (0.5f)
+#define TP_SSTRIDE(K) ((K) / 32)
+#endif
+#if defined(__AVX512F__)
+/* Sixteen E4M3 scale bytes, each the high byte of a 16-bit word (low byte 0), as floats holding
+   value * 2^-8 (the 2^8 is folded into the activation scale): shifted one bit down and bit 14
+   cleared, each word is the half with the byte's sign, exponent and mantissa. */
+TP_INLINE __m512 tp_e4m3_words_ps(__m256i h) {
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF)));
+}
+/* Sixteen E8M0 scale bytes, each the top byte of a dword (the rest 0), as floats 2^(e - 127):
+   shifted into the exponent field; e = 0 gives 2^-127, a subnormal. */
+TP_INLINE __m512 tp_e8m0_dwords_ps(__m512i t) {
+    return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_srli_epi32(t, 1), _mm512_set1_epi32(0x00400000)));
+}
+#endif
+"""
+
+_SOURCE = r"""
 
 /* Activation row -> int8 in pair-split order per 64-chunk, per-lane corrections and scales. */
 static void tp_prep_x(const float *x, int64_t K, float fold, int8_t *xr, int32_t *corr, float *xsv) {
@@ -213,11 +238,7 @@ TP_INLINE void tp_row(const int8_t *xr, const int32_t *corr, const float *xsv, i
 static void tp_gemv_core(const int8_t *xr, const int32_t *corr, const float *xsv, int64_t B, int64_t K,
                          const uint8_t *w, const uint8_t *scales, const float *bias, int64_t has_bias,
                          float *out, int64_t N, int64_t nthreads) {
-#if defined(FMT_nvfp4)
-    const int64_t sstride = K / 16;
-#else
-    const int64_t sstride = K / 32;
-#endif
+    const int64_t sstride = TP_SSTRIDE(K);
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
     const int64_t tp_step_ = tp_chunk_rows(nt, K / 2 + sstride, ${chunk});
@@ -253,11 +274,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                       float *out, int64_t N, int64_t nthreads) {
     if (K % 64) return 2;
     if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
-#if defined(FMT_nvfp4)
-    const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
-#else
-    const float fold = 0.5f;
-#endif
+    const float fold = TP_FOLD(pts_d);
     int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
     int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * K / 8) + 64);
     float *xsv = (float *)malloc(sizeof(float) * (size_t)(B * K / 8) + 64);
@@ -287,8 +304,6 @@ TP_EXPORT int tp_gemv_prepped(const int8_t *xr, const int32_t *corr, const float
 
 
 _BLOCK_SOURCE = r"""
-#include <stdlib.h>
-#define FMT_${fmt} 1
 
 /* One 128-chunk of an activation row quantized to int8: per 32 elements, scale amax / 127 and
    round half to even (the pair-split kernel's quantization). */
@@ -392,8 +407,7 @@ TP_INLINE __m512 tp_scales128(const uint8_t *sc, int64_t c) {
                                           -128, 4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7, -128, 7);
     int64_t v;
     memcpy(&v, sc + c * 8, 8);
-    __m256i u = _mm256_shuffle_epi8(_mm256_set1_epi64x(v), perm);
-    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(u, 1), _mm256_set1_epi16((short)0xBFFF)));
+    return tp_e4m3_words_ps(_mm256_shuffle_epi8(_mm256_set1_epi64x(v), perm));
 #else
     /* 4 E8M0 bytes (32-element blocks: 128-bit lane j <-> byte j) into bits 30..23; e = 0 -> 2^-127 */
     const __m512i perm = _mm512_setr_epi32(0x00808080, 0x00808080, 0x00808080, 0x00808080,
@@ -402,8 +416,7 @@ TP_INLINE __m512 tp_scales128(const uint8_t *sc, int64_t c) {
                                            0x03808080, 0x03808080, 0x03808080, 0x03808080);
     int32_t v;
     memcpy(&v, sc + c * 4, 4);
-    __m512i e = _mm512_srli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(v), perm), 1);
-    return _mm512_castsi512_ps(_mm512_max_epu32(e, _mm512_set1_epi32(0x00400000)));
+    return tp_e8m0_dwords_ps(_mm512_shuffle_epi8(_mm512_set1_epi32(v), perm));
 #endif
 }
 
@@ -722,14 +735,8 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     (void)rowscale;
     if (K % 128) return 2;
     if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
-#if defined(FMT_nvfp4)
-    const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
-    const int64_t sstride = K / 16;
-#else
-    const float fold = 0.5f;
-    const int64_t sstride = K / 32;
-    (void)pts_d;
-#endif
+    const float fold = TP_FOLD(pts_d);
+    const int64_t sstride = TP_SSTRIDE(K);
     const int wc = B >= TP_WC_MIN_B;   /* shared corrections (AVX-512 only) */
     const int64_t L = wc ? 0 : K / 128 * TP_LPC, LX = K / 128 * (wc ? 4 : TP_XPC);
     int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
@@ -826,8 +833,6 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 """
 
 _WBLOCK_SOURCE = r"""
-#include <stdlib.h>
-#define FMT_${fmt} 1
 /* each weight line as one 512-bit load (1) or two 256-bit loads and an insert (0): see WBLOCK_LOADS */
 #define TP_LOAD512 ${load512}
 #if !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
@@ -888,8 +893,7 @@ TP_INLINE __m512 tp_scales256(const uint8_t *sc, int64_t u) {
     const __m256i perm = _mm256_setr_epi8(-128, 0, -128, 1, -128, 2, -128, 3, -128, 4, -128, 5, -128, 6, -128, 7,
                                           -128, 8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15);
     const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(sc + u * 16)));
-    const __m256i h = _mm256_shuffle_epi8(b, perm);
-    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF)));
+    return tp_e4m3_words_ps(_mm256_shuffle_epi8(b, perm));
 #else
     const __m512i perm = _mm512_setr_epi32(0x00808080, 0x00808080, 0x01808080, 0x01808080,
                                            0x02808080, 0x02808080, 0x03808080, 0x03808080,
@@ -897,8 +901,7 @@ TP_INLINE __m512 tp_scales256(const uint8_t *sc, int64_t u) {
                                            0x06808080, 0x06808080, 0x07808080, 0x07808080);
     int64_t v;
     memcpy(&v, sc + u * 8, 8);
-    const __m512i e = _mm512_srli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi64(v), perm), 1);
-    return _mm512_castsi512_ps(_mm512_max_epu32(e, _mm512_set1_epi32(0x00400000)));
+    return tp_e8m0_dwords_ps(_mm512_shuffle_epi8(_mm512_set1_epi64(v), perm));
 #endif
 }
 
@@ -1006,14 +1009,8 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
     (void)rowscale;
     if (K % 256) return 2;
     if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
-#if defined(FMT_nvfp4)
-    const float fold = 0.5f * 256.0f * (float)pts_d;   /* 2*e2m1 table, E4M3 decoded as v * 2^-8 */
-    const int64_t sstride = K / 16;
-#else
-    const float fold = 0.5f;
-    const int64_t sstride = K / 32;
-    (void)pts_d;
-#endif
+    const float fold = TP_FOLD(pts_d);
+    const int64_t sstride = TP_SSTRIDE(K);
     const int64_t U = K / 256, LC = K / 16, LX = K / 32;
     int8_t *xr = (int8_t *)malloc((size_t)(B * K) + 64);
     int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(B * LC) + 64);
@@ -1130,28 +1127,37 @@ def gemv_fp4_block_kernel(
     (default :data:`torchport.gemv.kernels.CHUNK_BYTES`; 0 = static); ``xblock``: bytes of
     prepared activations (all rows) a K block keeps in L1 where they exceed 20 KB (AVX-512 only;
     default :data:`XBLOCK_BYTES`; 0: K in one piece)."""
-    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, check_hint
-
-    if xblock is not None and xblock < 0:
-        raise ValueError(f"lane-block FP4 gemv xblock must be >= 0 bytes, got {xblock!r}")
-
-    if fmt not in FORMATS:
-        raise ValueError(f"lane-block FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
-    check_hint(hint)
+    chunk, xb = _lane_args("lane-block", fmt, hint, chunk, xblock)
     if isa == "scalar":
         raise native.NativeError("the lane-block FP4 GEMV needs AVX2 (isa is 'scalar')")
-    chunk = CHUNK_BYTES if chunk is None else chunk
-    xb = XBLOCK_BYTES if xblock is None else xblock
-    src = native.render(
-        SCHED_C + _BLOCK_SOURCE + BF16IO_C,
-        fmt=fmt,
-        prefetch=prefetch,
-        chunk=chunk,
-        hint=hint,
-        xblock=xb,
-    )
     name = f"gemv_fp4blk_{fmt}_{isa}_p{prefetch}{hint}_c{chunk}"
     name += "" if xblock is None else f"_x{xblock}"
+    return _build(
+        _BLOCK_SOURCE, name, fmt, isa, prefetch=prefetch, chunk=chunk, hint=hint, xblock=xb
+    )
+
+
+def _lane_args(
+    kind: str, fmt: str, hint: str, chunk: int | None, xblock: int | None
+) -> tuple[int, int]:
+    """Check the arguments the lane-block and whole-block kernels share; their claim size and K
+    block bytes with the defaults filled in."""
+    from torchport.gemv.kernels import CHUNK_BYTES, check_hint
+
+    if fmt not in FORMATS:
+        raise ValueError(f"{kind} FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    if xblock is not None and xblock < 0:
+        raise ValueError(f"{kind} FP4 gemv xblock must be >= 0 bytes, got {xblock!r}")
+    check_hint(hint)
+    return (CHUNK_BYTES if chunk is None else chunk), (XBLOCK_BYTES if xblock is None else xblock)
+
+
+def _build(source: str, name: str, fmt: str, isa: str, **params: object) -> GemvKernel:
+    """An FP4 kernel source with the scheduling prelude, the format's definitions and the
+    bf16-in, bf16-out entry, rendered and built."""
+    from torchport.gemv.kernels import BF16IO_C, SCHED_C
+
+    src = native.render(SCHED_C + _FORMAT_C + source + BF16IO_C, fmt=fmt, **params)
     return GemvKernel(native.build(src, name=name, isa=isa), fmt, int8_isa=isa)
 
 
@@ -1174,41 +1180,25 @@ def gemv_fp4_wblock_kernel(
     (each activation load serving two) from three activation rows, 1 never; ``xblock``: bytes of prepared activations a K block keeps in L1 where
     up to four rows' exceed ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece);
     ``load``: bits per weight load (512: one per line; 256: two and an insert)."""
-    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, check_hint
-
-    if fmt not in FORMATS:
-        raise ValueError(f"whole-block FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    chunk, xb = _lane_args("whole-block", fmt, hint, chunk, xblock)
     if rows not in (1, 2):
         raise ValueError(f"whole-block FP4 gemv rows must be 1 or 2, got {rows!r}")
     if load not in (256, 512):
         raise ValueError(f"whole-block FP4 gemv load must be 256 or 512 bits, got {load!r}")
-    if xblock is not None and xblock < 0:
-        raise ValueError(f"whole-block FP4 gemv xblock must be >= 0 bytes, got {xblock!r}")
-    check_hint(hint)
     if isa != "avx512" or not native.cpu_info().has("avx512_vnni"):
         raise native.NativeError(f"the whole-block FP4 GEMV needs AVX-512 VNNI (isa is {isa!r})")
-    chunk = CHUNK_BYTES if chunk is None else chunk
-    xb = XBLOCK_BYTES if xblock is None else xblock
-    src = native.render(
-        SCHED_C + _WBLOCK_SOURCE + BF16IO_C,
-        fmt=fmt,
-        prefetch=prefetch,
-        chunk=chunk,
-        hint=hint,
-        xblock=xb,
-        xmin=xmin,
-        rows=rows,
-        load512=int(load == 512),
-    )
     name = f"gemv_fp4wblk_{fmt}_p{prefetch}{hint}_c{chunk}_x{xb}_m{xmin}_r{rows}_l{load}"
-    return GemvKernel(native.build(src, name=name, isa=isa), fmt, int8_isa=isa)
+    params = {"prefetch": prefetch, "chunk": chunk, "hint": hint, "xblock": xb, "xmin": xmin}
+    return _build(_WBLOCK_SOURCE, name, fmt, isa, rows=rows, load512=int(load == 512), **params)
 
 
 @functools.cache
 def _library(fmt: str, isa: str, prefetch: int, chunk: int) -> ctypes.CDLL:
     from torchport.gemv.kernels import BF16IO_C, SCHED_C
 
-    src = native.render(SCHED_C + _SOURCE + BF16IO_C, fmt=fmt, prefetch=prefetch, chunk=chunk)
+    src = native.render(
+        SCHED_C + _FORMAT_C + _SOURCE + BF16IO_C, fmt=fmt, prefetch=prefetch, chunk=chunk
+    )
     return native.build(src, name=f"gemv_fp4pair_{fmt}_{isa}_p{prefetch}_c{chunk}", isa=isa)
 
 
