@@ -1177,8 +1177,8 @@ def gemv_fp4_wblock_kernel(
     NativeError elsewhere): every int32 lane of its ``vpdpbusd`` sums holds one 16-element block,
     so a block scale costs one ``cvt``/``mul``/``fma`` per 256 weights and row. ``prefetch``,
     ``hint``, ``chunk`` as :func:`gemv_fp4_block_kernel`; ``rows``: 2 runs weight rows in pairs
-    (each activation load serving two) from three activation rows, 1 never; ``xblock``: bytes of prepared activations a K block keeps in L1 where
-    up to four rows' exceed ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece);
+    (each activation load serving two) from three activation rows, 1 never; ``xblock``: bytes
+    of prepared activations a K block keeps in L1 where up to four rows' exceed ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece);
     ``load``: bits per weight load (512: one per line; 256: two and an insert)."""
     chunk, xb = _lane_args("whole-block", fmt, hint, chunk, xblock)
     if rows not in (1, 2):

@@ -311,8 +311,9 @@ def candidates(
     int8 activations (FP4 weights) the lane-block kernel (:mod:`torchport.gemv.fp4_kernel`,
     ``kernel="block"``, K a multiple of 128, prefetch :data:`BLOCK_PREFETCH`) comes first, then
     on AVX-512 VNNI its whole-block variant (``kernel="wblock"``, K a multiple of 256,
-    :data:`WBLOCK_PREFETCH`, :data:`WBLOCK_LOADS`), then the pair-split kernel (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of
-    128, the group-32 kernel after them; E4M3 weights try the integer-shift decode
+    :data:`WBLOCK_PREFETCH`, :data:`WBLOCK_LOADS`), then the pair-split kernel
+    (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of 128, the group-32
+    kernel after them; E4M3 weights try the integer-shift decode
     (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first,
     then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row)
     and its AVX-512 build for two to four rows (``kernel="shift512"``, :data:`SHIFT512_PREFETCH`).
