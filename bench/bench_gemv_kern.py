@@ -70,9 +70,7 @@ def _kernel(spec: str) -> tuple[str, object]:
         return fmt, gemv_fp8_shift_kernel(isa, int(pf), hint=hint, rows=rows)
     if kind == "block":
         return fmt, gemv_fp4_block_kernel(fmt, isa, int(pf), hint=hint)
-    if (
-        kind == "wblock"
-    ):  # rest: rows (1 or 2), xmin (bytes; K blocks above it), xblock (bytes), load (bits)
+    if kind == "wblock":  # rest: rows, xmin, xblock (bytes), load (bits), chunk (bytes a claim)
         rows = int(rest[0]) if rest else 2
         extra = {k: int(v) for k, v in zip(("xmin", "xblock", "load", "chunk"), rest[1:])}
         return fmt, gemv_fp4_wblock_kernel(fmt, isa, int(pf), hint=hint, rows=rows, **extra)

@@ -386,7 +386,9 @@ def test_cold_bytes_from_the_reported_caches(tmp_path):
     (tmp_path / "index9").mkdir()  # no size file
     assert last_level_cache_bytes(str(tmp_path)) == 491520 << 10
     assert last_level_cache_bytes(str(tmp_path / "missing")) == autotune.L3_BYTES
-    assert 96 << 20 <= autotune.cold_bytes() <= 2 << 30
+    assert autotune.cold_bytes() == autotune.cold_bytes(cache_bytes=last_level_cache_bytes())
+    assert autotune.cold_bytes(cache_bytes=480 << 20) == 960 << 20
+    assert autotune.cold_bytes(cache_bytes=32 << 20) == 96 << 20  # the floor
     assert autotune.cold_bytes(floor=1 << 40, ceiling=1 << 41) == 1 << 40
     assert autotune.cold_bytes(floor=1 << 40) == 2 << 30  # the ceiling wins
 

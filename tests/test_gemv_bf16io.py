@@ -49,7 +49,7 @@ def _kernel(family: str, fmt: str) -> GemvKernel:
 CASES = [
     ("block", "nvfp4", (128, 1280)),
     ("block", "mxfp4", (256, 10368)),  # (K blocks at one or two rows on AVX-512)
-    ("wblock", "nvfp4", (256, 11008)),  # (K % 256 == 0; K blocks from one row at 11008)
+    ("wblock", "nvfp4", (256, 11008)),  # (K % 256 == 0)
     ("pair", "nvfp4", (64, 1024)),
     ("i8", "mxfp4", (32, 992)),
     ("shift", "fp8_e4m3", (40, 1000, 4096)),

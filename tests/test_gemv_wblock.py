@@ -158,11 +158,11 @@ def test_tiny_groups_stay_within_the_bound(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(("n", "k"), [(37, 512), (21, 11008), (9, 4096)], ids=str)
 def test_bits_do_not_depend_on_batch_pairs_blocks_or_threads(fmt: str, n: int, k: int) -> None:
-    """Each output row keeps its bits: alone or in a batch of 2-8 (pairs of weight rows from three
-    activation rows, K blocks where up to four rows' prepared activations exceed ``xmin``), with
-    the weight's first row dropped (every pair changes), for blocks of one unit, three (at four
-    rows and more) or none, on one thread or on two claiming one row at a time, with 512-bit or
-    256-bit weight loads."""
+    """Each output row keeps its bits: alone or in a batch of 2-8 (pairs of weight rows in passes
+    of three or four activation rows, K blocks where up to four rows' prepared activations exceed
+    ``xmin``), with the weight's first row dropped (every pair changes), for blocks of one unit,
+    three (at four rows and more) or none, on one thread or on two claiming eight rows at a time
+    (where the call is large enough for two), with 512-bit or 256-bit weight loads."""
     g = torch.Generator().manual_seed(n + k)
     pw = pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(8, k, generator=g)

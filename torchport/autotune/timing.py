@@ -44,11 +44,14 @@ def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> 
     return max(sizes, default=L3_BYTES)
 
 
-def cold_bytes(floor: int = 96 << 20, ceiling: int = 2 << 30) -> int:
+def cold_bytes(
+    floor: int = 96 << 20, ceiling: int = 2 << 30, cache_bytes: int | None = None
+) -> int:
     """Bytes a rotation of weight copies should span so calls read them from memory: twice the
-    largest cache the OS reports, at least ``floor`` and at most ``ceiling`` (a benchmark holds
-    such a rotation per format at once)."""
-    return min(ceiling, max(floor, 2 * last_level_cache_bytes()))
+    largest cache (``cache_bytes``, default the one the OS reports), at least ``floor`` and at
+    most ``ceiling`` (a benchmark holds such a rotation per format at once)."""
+    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    return min(ceiling, max(floor, 2 * cache))
 
 
 clock: Callable[[], float] = time.perf_counter

@@ -1035,10 +1035,10 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         ub = (U + nblk - 1) / nblk;   /* blocks of equal length (the last one shorter by < nblk) */
     }
     const int blocked = ub < U;
-    /* weight rows in pairs (every activation load serving two) from three activation rows: at one
-       row pairs streamed slower (11008x4096 from DRAM, two threads, interleaved medians of 11:
-       1.25 against 1.03 ms), at two about equal */
-    const int pair = ${rows} == 2 && B >= 3;
+    /* weight rows in pairs (every activation load serving two) in passes of three or four
+       activation rows: at one row pairs streamed slower (11008x4096 from DRAM, two threads,
+       interleaved medians of 11: 1.25 against 1.03 ms), at two about equal */
+    const int pair = ${rows} == 2;
     #pragma omp parallel num_threads(nt)
     {
         int64_t lo, hi, nlo = 0, nhi = 0;
@@ -1052,14 +1052,15 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                 if (blocked) p0 = tp_next_group(n1, hi, TP_KR, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
                 for (int64_t b = 0; b < B; b += 4) {
                     const int64_t nb = B - b < 4 ? B - b : 4;
+                    const int pr = pair && nb >= 3;   /* this pass pairs its weight rows */
                     const int8_t *xb = xr + b * K;
                     const int32_t *cb = corr + b * LC;
                     const float *sb = xs + b * LX;
                     for (int64_t i = 0; i < (n1 - n0) * nb; ++i) accb[i] = _mm512_setzero_ps();
                     for (int64_t u = 0; u < U; u += ub) {
                         const int64_t ue = u + ub < U ? u + ub : U;
-                        for (int64_t n = n0; n < n1; n += 1 + pair) {
-                            const int R = pair && n + 1 < n1 ? 2 : 1;
+                        for (int64_t n = n0; n < n1; n += 1 + pr) {
+                            const int R = pr && n + 1 < n1 ? 2 : 1;
                             const uint8_t *wr = w + n * (K / 2), *sr = scales + n * sstride;
                             const int64_t pn = p0 + (n - n0), pfr = blocked && b == 0 ? p1 - pn : 0;
                             const uint8_t *pfw = pfr > 0 ? w + pn * (K / 2) : NULL;
@@ -1177,9 +1178,10 @@ def gemv_fp4_wblock_kernel(
     NativeError elsewhere): every int32 lane of its ``vpdpbusd`` sums holds one 16-element block,
     so a block scale costs one ``cvt``/``mul``/``fma`` per 256 weights and row. ``prefetch``,
     ``hint``, ``chunk`` as :func:`gemv_fp4_block_kernel`; ``rows``: 2 runs weight rows in pairs
-    (each activation load serving two) from three activation rows, 1 never; ``xblock``: bytes
-    of prepared activations a K block keeps in L1 where up to four rows' exceed ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece);
-    ``load``: bits per weight load (512: one per line; 256: two and an insert)."""
+    (each activation load serving two) in passes of three or four activation rows, 1 never;
+    ``xblock``: bytes of prepared activations a K block keeps in L1 where up to four rows' exceed
+    ``xmin`` bytes (default :data:`XBLOCK_BYTES`; 0: K in one piece); ``load``: bits per weight
+    load (512: one per line; 256: two and an insert)."""
     chunk, xb = _lane_args("whole-block", fmt, hint, chunk, xblock)
     if rows not in (1, 2):
         raise ValueError(f"whole-block FP4 gemv rows must be 1 or 2, got {rows!r}")
