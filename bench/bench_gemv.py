@@ -2,9 +2,9 @@
 
 Anchors, measured in the same run: ``F.linear`` fp32 and bf16, and torch's int4 CPU GEMV
 (``torch._weight_int4pack_mm_for_cpu``, group 32); the read-bandwidth baseline is a large
-``Tensor.sum`` over two tensors of at least the largest reported cache each, timed interleaved with every cell (its % column uses that
-cell's sum, so a load change between cells does not skew it). The second baseline is the native
-read peak (:mod:`torchport.gemv.readpeak`): every :data:`~torchport.gemv.readpeak.READ_CONFIGS`
+``Tensor.sum`` over two tensors of :data:`PEAK_BYTES` (half the weights' rotation, at least 128
+MiB), timed interleaved with every cell (its % column uses that cell's sum, so a load change
+between cells does not skew it). The second baseline is the native read peak (:mod:`torchport.gemv.readpeak`): every :data:`~torchport.gemv.readpeak.READ_CONFIGS`
 streaming of two such buffers on 2 MiB pages (all threads; the first configuration on one
 thread too), interleaved the same way; the fastest is the cell's peak (``of_peak``). Weight
 copies rotate over twice the largest cache the OS reports, at least 96 MB

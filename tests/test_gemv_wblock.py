@@ -29,13 +29,20 @@ pytestmark = pytest.mark.skipif(
 _E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
+def _codes_pack(fmt: str, codes: torch.Tensor, scales: torch.Tensor) -> gops.PackedWeight:
+    """FP4 codes [N, K] (two a byte, element 2i in the low nibble) with block scale codes
+    [N, K / block] and no tensor scale."""
+    n, k = codes.shape
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    sc = scales.to(torch.uint8).contiguous()
+    return gops.PackedWeight(fmt, data, sc, torch.empty(0), 1.0, n, k, True)
+
+
 def _unit_scale_pack(fmt: str, codes: torch.Tensor) -> gops.PackedWeight:
     """FP4 codes [N, K] with every block scale 1 (E4M3 0x38, E8M0 127) and no tensor scale."""
     n, k = codes.shape
-    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).contiguous()
     block, one = (16, 0x38) if fmt == "nvfp4" else (32, 127)
-    scales = torch.full((n, k // block), one, dtype=torch.uint8)
-    return gops.PackedWeight(fmt, data, scales, torch.empty(0), 1.0, n, k, True)
+    return _codes_pack(fmt, codes, torch.full((n, k // block), one))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -61,7 +68,6 @@ def _scaled_pack(fmt: str, codes: torch.Tensor, span: int, g: torch.Generator):
     """FP4 codes with power-of-two block scales 2^-span..2^span (E4M3 codes 0x38 + 8e, negative
     ones too for NVFP4; E8M0 127 + e) and the dequantized weights."""
     n, k = codes.shape
-    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).contiguous()
     block = 16 if fmt == "nvfp4" else 32
     e = torch.randint(-span, span + 1, (n, k // block), generator=g)
     if fmt == "nvfp4":
@@ -70,9 +76,7 @@ def _scaled_pack(fmt: str, codes: torch.Tensor, span: int, g: torch.Generator):
         value = torch.where(neg, -1.0, 1.0).double() * 2.0 ** e.double()
     else:
         scales, value = 127 + e, 2.0 ** e.double()
-    pw = gops.PackedWeight(
-        fmt, data, scales.to(torch.uint8).contiguous(), torch.empty(0), 1.0, n, k, True
-    )
+    pw = _codes_pack(fmt, codes, scales)
     return pw, _E2M1[codes].double() * value.repeat_interleave(block, 1)
 
 

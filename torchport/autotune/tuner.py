@@ -212,22 +212,20 @@ def select(
             ok = _confirmed.get(memo)
             if ok is None:
                 t0 = clock()
-                if timings.get(anchor.name, 0.0) > LONG_CALL_S:
-                    # long calls: two alternating rounds after the warm-up (a round of bf16
-                    # M=2048 4096->11008 is 0.17 s; five of them took a process's first call
-                    # 1 s longer, for every such cached shape)
-                    ok = _confirm_choice(
-                        chosen,
-                        anchor,
-                        factory,
-                        make_args,
-                        cold,
-                        timings,
-                        confirm_s=0.0,
-                        min_rounds=2,
-                    )
-                else:
-                    ok = _confirm_choice(chosen, anchor, factory, make_args, cold, timings)
+                # long calls: two alternating rounds after the warm-up (a round of bf16 M=2048
+                # 4096->11008 is 0.17 s; five of them took a process's first call 1 s longer,
+                # for every such cached shape); others: rounds for up to 2 s, three at least
+                long = timings.get(anchor.name, 0.0) > LONG_CALL_S
+                ok = _confirm_choice(
+                    chosen,
+                    anchor,
+                    factory,
+                    make_args,
+                    cold,
+                    timings,
+                    confirm_s=0.0 if long else 2.0,
+                    min_rounds=2 if long else 3,
+                )
                 _confirmed[memo] = ok
                 if not ok:
                     cache.put(op, key, anchor.name, timings)
