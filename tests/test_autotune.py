@@ -88,6 +88,41 @@ def test_picks_fastest_correct_candidate(fresh_cache):
     assert set(ch.timings_s) == {"aten", "fast", "slow"}  # ATen always timed in the same run
 
 
+def test_cold_callable_makes_the_rotated_sets(fresh_cache):
+    """``cold`` as a callable: the search and the confirmation rotate the argument sets it
+    makes from the made arguments (every timed call reads one of them)."""
+    made: list[int] = []
+    seen: set[int] = set()
+
+    def sets(args):
+        made.append(len(args))
+        return [args] + [(args[0] + i,) for i in range(1, 4)]
+
+    def make(c: Candidate):
+        inner = factory(0.002)(c)
+
+        def f(x):
+            seen.add(int(x[0]))
+            return inner(torch.ones(4))
+
+        return f
+
+    with config.override(autotune_reps=5):
+        ch = autotune.select(
+            "toy",
+            {"n": "cold-callable"},
+            CANDS[:3],
+            make,
+            lambda: (torch.zeros(4),),
+            cold=sets,
+            check=_check,
+            confirm=True,
+        )
+    assert ch.candidate.name == "fast"
+    assert made and set(made) == {1}  # called with the made arguments
+    assert seen == {0, 1, 2, 3}  # the calls rotated its sets
+
+
 def test_never_chooses_a_loser_to_aten(fresh_cache):
     with config.override(autotune_reps=5):
         ch = _select({"n": 2}, aten_delay=0.0005, fast_delay=0.0006)

@@ -310,7 +310,7 @@ def test_gemv_launch_parameters_are_autotuned(fresh_cache, monkeypatch):
     full = ops.candidates
     names = [c.name for c in full("f32")]
     assert names[0] == "aten_linear" and names[1] == "native_p512_r1_t0" and len(set(names)) == 9
-    assert [c.name for c in full("nvfp4", int8=True)][1] == "block_p2048nta_t0"
+    assert [c.name for c in full("nvfp4", int8=True)][1] == "block_p3072l2_t0"
     # the pair-split kernel only where the lane-block kernel cannot serve (K % 128 != 0)
     for k, pair in ((4096, False), (192, True), (None, True)):
         kernels = {c.param("kernel") for c in full("nvfp4", int8=True, k=k)}
@@ -824,3 +824,35 @@ def test_compile_routes_only_a_bias_of_shape_n(monkeypatch, bias_shape):
     assert last_report().rule_counts.get(RULE) == 1  # type: ignore[union-attr]
     with pytest.raises(GemvInputError, match=r"bias must have shape \(64,\)"):
         torch.ops.torchport.gemv_dense(torch.randn(2, 32), w, b)  # the op checks it too
+
+
+def test_tuner_streams_huge_page_copies_past_the_cache(monkeypatch):
+    """The GEMV tuner's rotation (ops._memory_sets): the made arguments first, then copies of the
+    weight on 2 MiB boundaries (equal, separate storage) until cold_bytes() is passed, at most
+    TUNE_MAX_COPIES; cold_cache_bytes = 0 switches cold timing off."""
+    from torchport import autotune
+    from torchport.gemv import ops
+    from torchport.gemv.hugepages import HUGE
+
+    pw = NVFP4Tensor.from_float(torch.randn(64, 256)).gemv_pack()
+    args = (torch.randn(2, 256), pw.data, pw.scales, pw.rowscale)
+    per = pw.data.nbytes + pw.scales.nbytes
+    monkeypatch.setattr(autotune, "cold_bytes", lambda: 3 * per + 1)
+    with config.override(cold_cache_bytes=1):
+        sets = ops._memory_sets(args)
+        assert len(sets) == 4 and sets[0] is args
+        for x, d, sc, rs in sets[1:]:
+            assert d.data_ptr() % HUGE == 0 and sc.data_ptr() % HUGE == 0
+            assert (
+                torch.equal(d, pw.data) and torch.equal(sc, pw.scales) and torch.equal(x, args[0])
+            )
+            assert d.data_ptr() != pw.data.data_ptr() and x.data_ptr() != args[0].data_ptr()
+            assert rs is pw.rowscale
+        monkeypatch.setattr(ops, "TUNE_MAX_COPIES", 2)
+        assert len(ops._memory_sets(args)) == 2
+    with config.override(cold_cache_bytes=100 * per):  # the larger of the two budgets
+        assert len(ops._memory_sets(args)) == 2
+        monkeypatch.setattr(ops, "TUNE_MAX_COPIES", 64)
+        assert len(ops._memory_sets(args)) == 64
+    with config.override(cold_cache_bytes=0):
+        assert ops._memory_sets(args) == [args]

@@ -166,12 +166,12 @@ def test_dp_kernel_rejects_bad_settings() -> None:
 def test_tuner_offers_the_dp_kernel_first_for_bf16() -> None:
     names = [c.name for c in gops.candidates("bf16")]
     assert names[0] == "aten_linear"
-    assert names[1:5] == ["dp_p0_t0", "dp_p2048nta_t0", "dp_p0_t1", "dp_p2048nta_t1"]
+    assert names[1:5] == ["dp_p2048l2_t0", "dp_p0_t0", "dp_p2048l2_t1", "dp_p0_t1"]
     assert len(names) <= 10
     assert not any(n.startswith("dp") for n in (c.name for c in gops.candidates("f32")))
     cand = gops.candidates("bf16")[1]
     assert gops._native_kernel("bf16", False, 64, "avx512", cand) is gemv_bf16_dp_kernel(
-        "avx512", 0, hint="T0"
+        "avx512", 2048, hint="T1"
     )
     with pytest.raises(autotune.InvalidCandidate, match="bf16"):
         gops._native_kernel("f32", False, 64, "avx512", cand)

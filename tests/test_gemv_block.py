@@ -215,7 +215,7 @@ def test_block_kernel_prefetch_hint_keeps_bits(fmt: str, n: int, k: int, rows: i
         assert torch.equal(run(gemv_fp4_block_kernel(fmt, isa, pf, hint="NTA"), x, pw), t0)
 
 
-@pytest.mark.parametrize("hint", ["T0", "NTA"])
+@pytest.mark.parametrize("hint", ["T0", "NTA", "T1"])
 def test_block_kernel_hint_reaches_the_prefetch(monkeypatch, hint: str) -> None:
     """The hint is the weight prefetch's locality in the built source (results cannot show it)."""
     seen: list[str] = []
@@ -223,13 +223,15 @@ def test_block_kernel_hint_reaches_the_prefetch(monkeypatch, hint: str) -> None:
     monkeypatch.setattr(native, "build", lambda src, **kw: seen.append(src) or build(src, **kw))
     gemv_fp4_block_kernel("mxfp4", native.cpu_info().isa, 1536, hint=hint)  # 1536: uncached
     src = seen[0]  # the kernel's own library (the argument list may build another)
-    other = "NTA" if hint == "T0" else "T0"
-    assert f"_MM_HINT_{hint});" in src and f"_MM_HINT_{other});" not in src
+    # the row's own stream ahead (the next row group's L2 prefetches are T1 whatever the hint)
+    own = "_mm_prefetch(pfa + r * WR + (c) * 64, _MM_HINT_"
+    assert f"{own}{hint});" in src
+    assert not any(f"{own}{o});" in src for o in {"T0", "NTA", "T1"} - {hint})
 
 
 def test_block_kernel_rejects_unknown_hint() -> None:
-    with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA'\), got 'T1'"):
-        gemv_fp4_block_kernel("nvfp4", native.cpu_info().isa, hint="T1")
+    with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA', 'T1'\), got 'T2'"):
+        gemv_fp4_block_kernel("nvfp4", native.cpu_info().isa, hint="T2")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

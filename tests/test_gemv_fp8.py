@@ -223,7 +223,7 @@ def test_shift_kernel_hint_reaches_the_prefetch(monkeypatch, hint: str) -> None:
 
 
 def test_shift_kernel_rejects_unknown_hint() -> None:
-    with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA'\), got 'nta'"):
+    with pytest.raises(ValueError, match=r"hint must be one of \('T0', 'NTA', 'T1'\), got 'nta'"):
         gemv_fp8_shift_kernel(native.cpu_info().isa, hint="nta")
 
 

@@ -147,12 +147,12 @@ def test_rejects_other_weight_formats() -> None:
 def test_tuner_offers_the_pair_dot_for_bf16_activations_only() -> None:
     names = [c.name for c in gops.candidates("fp8_e4m3", bx=True)]
     assert names[0] == "aten_linear"
-    assert names[1:5] == ["dp_p2048nta_t0", "dp_p0_t0", "dp_p2048nta_t1", "dp_p0_t1"]
+    assert names[1:5] == ["dp_p2048l2_t0", "dp_p2048nta_t0", "dp_p2048l2_t1", "dp_p2048nta_t1"]
     assert len(names) <= 10
     assert not any(n.startswith("dp") for n in (c.name for c in gops.candidates("fp8_e4m3")))
     cand = gops.candidates("fp8_e4m3", bx=True)[1]
     got = gops._native_kernel("fp8_e4m3", False, 64, "avx512", cand)
-    assert got is gemv_bf16_dp_kernel("avx512", 2048, hint="NTA", weights="fp8_e4m3")
+    assert got is gemv_bf16_dp_kernel("avx512", 2048, hint="T1", weights="fp8_e4m3")
     with pytest.raises(autotune.InvalidCandidate, match="E4M3"):
         gops._native_kernel("nvfp4", False, 64, "avx512", cand)
 

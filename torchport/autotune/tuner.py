@@ -37,6 +37,18 @@ from torchport.autotune.timing import clock, cold_copies, interleaved, measure, 
 ATEN = "ATEN"
 NATIVE = "NATIVE"
 
+# ``select``'s ``cold``: False (the arguments as made), True (copies over ``cold_cache_bytes``,
+# :func:`~torchport.autotune.timing.cold_copies`), or the op's own maker of the rotated argument
+# sets from the made arguments (a GEMV's weights on huge pages past the cache the OS reports)
+Cold = bool | Callable[[tuple[Any, ...]], Sequence[tuple[Any, ...]]]
+
+
+def _arg_sets(args: tuple[Any, ...], cold: Cold) -> Sequence[tuple[Any, ...]]:
+    """The argument sets a search or confirmation rotates for ``cold`` (see :data:`Cold`)."""
+    if callable(cold):
+        return cold(args)
+    return cold_copies(args) if cold else [args]
+
 
 class InvalidCandidate(Exception):
     """A candidate configuration cannot serve this problem; the search skips it."""
@@ -157,7 +169,7 @@ def select(
     factory: Callable[[Candidate], Callable[..., Any]],
     make_args: Callable[[], tuple[Any, ...]],
     *,
-    cold: bool = True,
+    cold: Cold = True,
     check: Callable[[Any, Any], bool] | None = None,
     cache: ChoiceCache | None = None,
     backends: set[str] | None = None,
@@ -170,6 +182,7 @@ def select(
     """Choose the fastest valid candidate for ``(op, key)``, using and filling the choice cache.
 
     ``make_args`` builds representative arguments (called only when timing is needed);
+    ``cold`` says how the timed calls rotate copies of them (:data:`Cold`);
     ``check(out, anchor_out)`` accepts a candidate's result. Backends outside ``backends``
     (default: :func:`allowed_backends`) are never chosen, but the ATen anchor is always timed.
     ``confirm=True`` re-times a non-ATen winner against the anchor in alternation before it is
@@ -272,7 +285,7 @@ def _confirm_choice(
     anchor: Candidate,
     factory: Callable[[Candidate], Callable[..., Any]],
     make_args: Callable[[], tuple[Any, ...]],
-    cold: bool,
+    cold: Cold,
     timings: dict[str, float],
     args: tuple[Any, ...] | None = None,
     confirm_s: float = 2.0,
@@ -288,7 +301,7 @@ def _confirm_choice(
     try:
         if args is None:
             args = make_args()
-        arg_sets = cold_copies(args) if cold else [args]
+        arg_sets = _arg_sets(args, cold)
         fn = factory(chosen)
         if not warm_anchor:
             fn(*arg_sets[0])
@@ -412,7 +425,7 @@ def _tune(
     eligible: Sequence[Candidate],
     factory: Callable[[Candidate], Callable[..., Any]],
     make_args: Callable[[], tuple[Any, ...]],
-    cold: bool,
+    cold: Cold,
     check: Callable[[Any, Any], bool] | None,
     cache: ChoiceCache,
     confirm_win: bool = False,
@@ -421,7 +434,7 @@ def _tune(
 ) -> Choice:
     t_start = time.perf_counter()
     args = make_args()
-    arg_sets = cold_copies(args) if cold else [args]
+    arg_sets = _arg_sets(args, cold)
     reps = config.get("autotune_reps")
     order = [anchor] + [c for c in eligible if not c.is_anchor]
     cap_s = 2.0 if budget_s is None else max(0.01, budget_s / len(order))

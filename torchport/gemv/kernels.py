@@ -72,11 +72,14 @@ TP_EXPORT int tp_gemv_bf16io(const uint16_t *x, int64_t B, int64_t K, const void
 """
 
 
-# Locality hints of the weight-stream prefetch (``_MM_HINT_<hint>``) the lane-block FP4 and the
-# shift-decode FP8 kernels accept: ``T0`` (into every cache level) or ``NTA`` (non-temporal: the
-# line is meant to leave the caches without displacing other data). The native read peak also
-# streamed fastest with NTA (:data:`torchport.gemv.readpeak.READ_CONFIGS`).
-PREFETCH_HINTS = ("T0", "NTA")
+# Locality hints of the weight-stream prefetch (``_MM_HINT_<hint>``) the lane-block and
+# whole-block FP4, the shift-decode FP8 and the ``vdpbf16ps`` kernels accept: ``T0`` (into every
+# cache level), ``T1`` (into L2, not L1: the line fill buffers stay free for the loads that hit
+# L2) or ``NTA`` (non-temporal: the line is meant to leave the caches without displacing other
+# data). The native read peak streamed fastest with NTA on Zen; on the Intel Xeon VM of sessions
+# 28-34, T1 2048-3072 bytes ahead streamed the FP4 kernels from DRAM 20-30 % faster than T0 4096
+# and NTA 2048 ran at 0.6-0.8x (see torchport.gemv.ops.BLOCK_PREFETCH).
+PREFETCH_HINTS = ("T0", "NTA", "T1")
 
 
 def check_hint(hint: str) -> None:

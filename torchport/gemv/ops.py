@@ -42,6 +42,7 @@ from torchport.gemv.fp4_kernel import (
 )
 from torchport.gemv.fp8_kernel import XBLOCK_BYTES as SHIFT_XBLOCK_BYTES
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
+from torchport.gemv.hugepages import hugepage_copy
 from torchport.gemv.kernels import (
     FORMATS,
     I8_FORMATS,
@@ -234,13 +235,20 @@ TUNE_MIN_WEIGHTS = 1 << 18
 # (11008x4096 B=1 from DRAM, huge-page weights, two threads, the kernel alone, interleaved
 # medians of 25, Zen 3, load 1.5-1.8: NVFP4 1.020 -> 0.806 ms, MXFP4 0.955 -> 0.816 ms; NTA 1024
 # 0.945 / 0.875, NTA 512 0.903 / 1.004).
-BLOCK_PREFETCH = (("NTA", 2048), ("NTA", 1024), ("T0", 4096))
+# On the Intel Xeon VM (sessions 28-34) prefetching into L2 (T1) won instead: kernels alone,
+# 11008x4096, 960 MB of huge-page copies, two threads, interleaved medians of 15 (bench_gemv_kern,
+# thirty-fourth session), B=1 NVFP4 NTA 2048 1.747, T0 4096 1.202, T1 2048 0.987, T1 3072 0.936
+# ms; MXFP4 1.505 / 1.282 / 0.958 / 0.927; B=4 NVFP4 1.940 / 1.443 / 1.235 / 1.389, MXFP4 2.012 /
+# 1.598 / 1.144 / 1.320. Both kinds are offered (NTA 1024 left out for them).
+BLOCK_PREFETCH = (("T1", 3072), ("T1", 2048), ("NTA", 2048), ("T0", 4096))
 # The whole-block FP4 kernel (AVX-512 VNNI, K a multiple of 256): one ``cvt``/``mul``/``fma`` per
 # 16-element block instead of two. Kernels alone, 11008x4096 NVFP4, B=4, two threads, 40 weight
 # copies (1 GB: this VM's L3 held much of the 96 MB rotation used before), interleaved medians of
 # 21 (Intel Xeon, AMX machine): the lane-block kernel T0 4096 1.503 ms, this one 1.358 (pairs) /
 # 1.392 (no pairs); L2-resident (384 rows) one thread 0.088 -> 0.070 ms.
-WBLOCK_PREFETCH = (("T0", 4096),)
+# T1 3072 ahead streamed it faster at B=1 (same runs as BLOCK_PREFETCH's: NVFP4 1.203 -> 0.911 ms,
+# MXFP4 1.034 -> 0.871; B=4 1.302 -> 1.238, 1.250 -> 1.240).
+WBLOCK_PREFETCH = (("T1", 3072), ("T0", 4096))
 # Its weight loads, bits: one 512-bit load per line streamed faster here (11008x4096 B=4 NVFP4, two
 # threads, 960 MB of copies, interleaved medians of 15: 1.416 -> 1.336 ms, MXFP4 1.408 -> 1.336; B=1
 # 1.066 / 1.044), where on Zen 4 the lane-block kernel's streamed about 20 % slower (hence two
@@ -275,16 +283,23 @@ SHIFT512_PREFETCH = (("NTA", 2048),)
 # thread 3.05-4.49 / 3.29-4.42 / 3.28-6.54 / 4.68-6.23 ms. No software prefetch (the hardware
 # prefetchers keep up with a kernel this light) in the last two runs: one thread 2.94 / 3.52 ms
 # against NTA 2048's 3.37 / 3.86, two threads 2.59 / 1.99 against 2.58 / 2.15.
-DP_PREFETCH = (("T0", 0), ("NTA", 2048))
+# On the Intel Xeon VM (thirty-fourth session; 11008x4096, 960 MB of huge-page copies, two threads,
+# medians of 15) T1 2048 ahead led at B=1: T0/0 3.404, NTA 2048 8.492 (sic), T1 2048 3.043, T1 3072
+# 3.371 ms; B=4 3.675 / 3.814 / 3.796 / 3.739. NTA 2048 (Zen 4's first above) is left out: the
+# candidate list stays at nine.
+DP_PREFETCH = (("T1", 2048), ("T0", 0))
 # The same kernel on E4M3 weights (half the bytes per weight, five decode instructions per line).
 # Kernels alone, 11008x4096 from DRAM, bf16-valued activations, interleaved medians of 15 (load
 # 3-4): B=1 two threads T0/0 1.25, NTA 2048 1.14 ms (the shift kernel 1.31), one thread 1.46 /
 # 2.04 (shift 2.60); B=4 two threads 2.15 / 2.07 (shift, AVX2 build: 3.18).
-FP8_DP_PREFETCH = (("NTA", 2048), ("T0", 0))
+# Intel Xeon VM, same runs as DP_PREFETCH's: B=1 NTA 2048 2.587, T0/0 2.774, T1 2048 1.947, T1 3072
+# 2.107 ms; B=4 2.801 / 2.760 / 2.683 / 2.693. T0/0 (behind NTA 2048 on Zen 4 too) is left out.
+FP8_DP_PREFETCH = (("T1", 2048), ("NTA", 2048))
 
 
 def _pf_name(hint: str, pf: int) -> str:
-    return f"p{pf}" if hint == "T0" else f"p{pf}{hint.lower()}"
+    """``p<bytes ahead>`` and the hint: nothing for T0, ``nta``, ``l2`` (T1)."""
+    return f"p{pf}" + {"T0": "", "T1": "l2"}.get(hint, hint.lower())
 
 
 def _hinted(kernel: str, table: tuple[tuple[str, int], ...]) -> list[autotune.Candidate]:
@@ -512,6 +527,31 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool((out - ref).norm() <= 0.05 * ref.norm() + 1e-6)
 
 
+# Weight copies the tuner rotates at most (see _memory_sets)
+TUNE_MAX_COPIES = 64
+
+
+def _memory_sets(args: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """The tuner's rotated argument sets for a GEMV (``args``: x, data, scales, rowscale): copies of
+    the weight on 2 MiB pages, as packed weights live, over :func:`torchport.autotune.cold_bytes`
+    (twice the largest cache the OS reports, at least 96 MB; at most :data:`TUNE_MAX_COPIES`
+    copies), so each timed call streams its weight from memory as decode does. The
+    ``cold_cache_bytes`` rotation (64 MiB of plain pages) was largely held by the cache of the
+    Intel Xeon VM of sessions 28-34, where the prefetch settings that decide a streamed call's
+    speed (T1 against T0 ahead: 0.91 against 1.20 ms) barely moved the timings."""
+    budget = config.get("cold_cache_bytes")
+    if budget == 0:  # cold timing switched off: the arguments as made
+        return [args]
+    x, data, scales, rowscale = args
+    per = max(1, data.nbytes + scales.nbytes)
+    n = min(TUNE_MAX_COPIES, max(2, math.ceil(max(budget, autotune.cold_bytes()) / per)))
+    sets = [args]
+    for _ in range(n - 1):
+        sc = hugepage_copy(scales) if scales.numel() else scales
+        sets.append((x.clone(), hugepage_copy(data), sc, rowscale))
+    return sets
+
+
 def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> LaunchPlan:
     """The launch plan for ``pw`` with ``rows`` activation rows (memoised; autotuned on first use);
     ``bx``: the activations are bf16 values (a bfloat16 tensor widened), see :func:`candidates`.
@@ -542,8 +582,9 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
     dense = pw.fmt in ("f32", "bf16")
     wa = _anchor_weight(pw)
 
-    # Timed on cold weights, as decode reads them: the tuner rotates copies of (x, data, scales)
-    # whose total exceeds L3; the anchor rotates the dense weight the same way.
+    # Timed on weights streamed from memory, as decode reads them: the tuner rotates huge-page
+    # copies of (x, data, scales) past the cache (_memory_sets); the anchor rotates the dense
+    # weight the same way.
     def factory(c: autotune.Candidate):
         if c.is_anchor:
             if dense:
@@ -574,7 +615,8 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
         "rows": rows,
         "isa": isa,
         "threads": native.num_threads(),
-        "timing": "cold",  # entries tuned on hot (L3-resident) weights are not reused
+        # entries tuned on hot (L3-resident) or cache-sized rotations are not reused
+        "timing": "memory",
         "space": _space_id(cands),  # entries from another candidate list are not reused
     }
     if bx:
@@ -592,7 +634,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
         cands,
         factory,
         make_args,
-        cold=True,
+        cold=_memory_sets,
         check=_close,
         backends=None if dense else {autotune.NATIVE},
         final_round=FINAL_ROUND,
