@@ -498,9 +498,20 @@ def test_interleaved_alternates_and_takes_medians(fake_clock):
     fa = _costed(fake_clock, lambda i: [1e-3, 9e-3, 1e-3, 1e-3, 1e-3, 1e-3][i], calls, "a")
     fb = _costed(fake_clock, lambda i: 2e-3, calls, "b")
     ta, tb = autotune.interleaved([fa, fb], [(torch.ones(1),)], reps=5, warmup=1)
-    assert calls == ["a", "b"] * 6  # one warm-up round, then five alternating rounds
+    # one warm-up round, then five rounds, the order reversed every round
+    assert calls == ["a", "b"] + ["a", "b", "b", "a"] * 2 + ["a", "b"]
     # the one slow sample (9 ms) does not move the median
     assert (ta, tb) == pytest.approx((1e-3, 2e-3))
+
+
+def test_interleaved_hands_every_call_the_least_recently_read_set():
+    """One rotation over all calls: no call reads the set the call before it read (a warm
+    operand), and every set is read in turn."""
+    seen: list[tuple[str, int]] = []
+    fns = [lambda s, name=name: seen.append((name, s)) for name in "abc"]
+    autotune.interleaved(fns, [(i,) for i in range(4)], reps=4, warmup=1, min_rounds=4)
+    assert [s for _, s in seen] == [i % 4 for i in range(15)]
+    assert [n for n, _ in seen] == list("abc") + list("abc" + "cba") * 2
 
 
 def test_alternated_min_drops_loaded_groups_and_flips_order(fake_clock):
@@ -832,10 +843,13 @@ def test_final_round_picks_the_interleaved_winner_and_caches_it(fresh_cache, fak
     assert ch.timings_s["b"] == pytest.approx(1.2e-3)
     assert ch.timings_s["final:a"] == pytest.approx(1.0e-3)  # ... beside the round's
     assert ch.timings_s["final:b"] == pytest.approx(0.8e-3)
-    # the round alternates the two (the anchor is not in it), after one warm-up round
+    # the round alternates the two (the anchor is not in it), after one warm-up round, the
+    # order reversed every round
     round_calls = calls[3 * SEARCH_CALLS :]
     assert "aten" not in round_calls and len(round_calls) >= 2 * (1 + tuner.FINAL_ROUND_MIN)
-    assert round_calls == ["a", "b"] * (len(round_calls) // 2)
+    rounds = [round_calls[i : i + 2] for i in range(2, len(round_calls), 2)]
+    assert round_calls[:2] == ["a", "b"] and len(round_calls) % 2 == 0
+    assert rounds == [["a", "b"] if r % 2 == 0 else ["b", "a"] for r in range(len(rounds))]
     assert autotune.choice_cache.get("toy.trio", key)["choice"] == "b"
     calls.clear()
     again = _select_trio(key, _trio_factory(fake_clock, LIED, calls), final_round=2)

@@ -189,24 +189,33 @@ def interleaved(
     max_time_s: float = 10.0,
     min_rounds: int = 3,
 ) -> list[float]:
-    """Median seconds per call of each of ``fns``, timed in alternation (f0, f1, f0, f1, ...).
+    """Median seconds per call of each of ``fns``, timed in alternation (f0, f1, f1, f0, f0, f1,
+    ...: the order reversed every round).
 
     A burst of load on a shared machine then hits every function alike, where timing one after
-    the other lets the burst decide. Argument sets rotate per round, so within a round every
-    function reads the same set.
+    the other lets the burst decide. Every call takes the next argument set of one rotation (the
+    set least recently read by anyone): with one set per round a call after the round's first
+    read its operands warm, which decided a GEMV tuner's final round (9.4 MB weights on a VM
+    whose cache held them: the second and third candidates of each round timed 0.22-0.30 ms, the
+    first 0.38, where the kernels alone stream at 0.34-0.39). Reversing the order puts every
+    function after another alike (a call right after another function's runs slower).
     """
     n = len(arg_sets)
-    for i in range(warmup):
+    call = 0
+    for _ in range(warmup):
         for fn in fns:
-            fn(*arg_sets[i % n])
+            fn(*arg_sets[call % n])
+            call += 1
     samples: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
     start = clock()
     for i in range(max(1, reps)):
-        args = arg_sets[i % n]
-        for fn, out in zip(fns, samples):
+        for j in order if i % 2 == 0 else order[::-1]:
+            args = arg_sets[call % n]
+            call += 1
             t0 = clock()
-            fn(*args)
-            out.append(clock() - t0)
+            fns[j](*args)
+            samples[j].append(clock() - t0)
         if i + 1 >= min_rounds and clock() - start >= max_time_s:
             break
     return [median(s) for s in samples]
