@@ -135,7 +135,7 @@ def bench_batch(
         fns[f"ours {f} bf16x"] = functools.partial(_bf16x, xb, packs[f])
     t = compare(fns, sets, reps=reps)
     # The native read peaks in a rotation of their own right after the cell's: among the cell's
-    # calls their 480 MB streams slowed the calls after them (4096^2 B=1, the same rotation
+    # calls their 480 MiB streams slowed the calls after them (4096^2 B=1, the same rotation
     # without / with them: ours MXFP4 0.39 / 0.49 ms, bf16 F.linear 1.61 / 1.87 ms)
     t.update(compare({k: _alternate(g) for k, g in peak_reads().items()}, sets[:2], reps=reps))
     tag = f"N={n} K={k} B={b}"

@@ -119,8 +119,21 @@ def test_cold_callable_makes_the_rotated_sets(fresh_cache):
             confirm=True,
         )
     assert ch.candidate.name == "fast"
-    assert made and set(made) == {1}  # called with the made arguments
+    assert made == [1, 1]  # the search's sets and the confirmation's, from the made arguments
     assert seen == {0, 1, 2, 3}  # the calls rotated its sets
+    tuner._confirmed.clear()  # a cached choice is confirmed once per process: on its sets too
+    with config.override(autotune_reps=5):
+        again = autotune.select(
+            "toy",
+            {"n": "cold-callable"},
+            CANDS[:3],
+            make,
+            lambda: (torch.zeros(4),),
+            cold=sets,
+            check=_check,
+            confirm=True,
+        )
+    assert again.from_cache and again.candidate.name == "fast" and made == [1, 1, 1]
 
 
 def test_never_chooses_a_loser_to_aten(fresh_cache):
@@ -504,14 +517,21 @@ def test_interleaved_alternates_and_takes_medians(fake_clock):
     assert (ta, tb) == pytest.approx((1e-3, 2e-3))
 
 
-def test_interleaved_hands_every_call_the_least_recently_read_set():
-    """One rotation over all calls: no call reads the set the call before it read (a warm
-    operand), and every set is read in turn."""
+def test_interleaved_rotates_every_function_through_every_set():
+    """Each function steps through all the sets, the functions a third of the rotation apart:
+    between two reads of one set come at least n - k other calls (n = 6 sets, k = 3 functions;
+    the reversed order moves a call by up to k - 1 places), and every function reads every set
+    (with one set per round, the round's later calls read it warm)."""
     seen: list[tuple[str, int]] = []
     fns = [lambda s, name=name: seen.append((name, s)) for name in "abc"]
-    autotune.interleaved(fns, [(i,) for i in range(4)], reps=4, warmup=1, min_rounds=4)
-    assert [s for _, s in seen] == [i % 4 for i in range(15)]
-    assert [n for n, _ in seen] == list("abc") + list("abc" + "cba") * 2
+    autotune.interleaved(fns, [(i,) for i in range(6)], reps=12, warmup=1, min_rounds=12)
+    assert [n for n, _ in seen] == list("abc") + list("abc" + "cba") * 6
+    for name in "abc":
+        assert sorted({s for n, s in seen if n == name}) == list(range(6))
+    last: dict[int, int] = {}
+    for i, (_, s) in enumerate(seen):
+        assert i - last.get(s, -6) > 6 - 3, (i, s)
+        last[s] = i
 
 
 def test_alternated_min_drops_loaded_groups_and_flips_order(fake_clock):

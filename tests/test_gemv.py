@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 
 import pytest
@@ -826,18 +827,22 @@ def test_compile_routes_only_a_bias_of_shape_n(monkeypatch, bias_shape):
         torch.ops.torchport.gemv_dense(torch.randn(2, 32), w, b)  # the op checks it too
 
 
-def test_tuner_streams_huge_page_copies_past_the_cache(monkeypatch):
+def test_tuner_streams_weight_copies_past_the_cache(monkeypatch):
     """The GEMV tuner's rotation (ops._memory_sets): the made arguments first, then copies of the
-    weight on 2 MiB boundaries (equal, separate storage) until cold_bytes() is passed, at most
-    TUNE_MAX_COPIES; cold_cache_bytes = 0 switches cold timing off."""
+    weight (equal, separate storage) until cold_bytes() or cold_cache_bytes is passed, at most
+    TUNE_MAX_COPIES, placed as the weights live: a quantized pack's data on 2 MiB pages from
+    lowp's HUGEPAGE_MIN_BYTES (scales from a quarter of it) with gemv_hugepages on, plain clones
+    otherwise and for dense weights; cold_cache_bytes = 0 switches cold timing off."""
     from torchport import autotune
     from torchport.gemv import ops
     from torchport.gemv.hugepages import HUGE
+    from torchport.lowp import tensors
 
     pw = NVFP4Tensor.from_float(torch.randn(64, 256)).gemv_pack()
     args = (torch.randn(2, 256), pw.data, pw.scales, pw.rowscale)
     per = pw.data.nbytes + pw.scales.nbytes
     monkeypatch.setattr(autotune, "cold_bytes", lambda: 3 * per + 1)
+    monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 4 * pw.scales.nbytes)  # both: huge
     with config.override(cold_cache_bytes=1):
         sets = ops._memory_sets(args)
         assert len(sets) == 4 and sets[0] is args
@@ -850,9 +855,31 @@ def test_tuner_streams_huge_page_copies_past_the_cache(monkeypatch):
             assert rs is pw.rowscale
         monkeypatch.setattr(ops, "TUNE_MAX_COPIES", 2)
         assert len(ops._memory_sets(args)) == 2
-    with config.override(cold_cache_bytes=100 * per):  # the larger of the two budgets
-        assert len(ops._memory_sets(args)) == 2
         monkeypatch.setattr(ops, "TUNE_MAX_COPIES", 64)
+
+        def huge(sets):  # (data, scales) on a 2 MiB boundary, per copy (heap chunks are not)
+            return {
+                (d.data_ptr() % HUGE == 0, sc.data_ptr() % HUGE == 0) for _, d, sc, _ in sets[1:]
+            }
+
+        # scales (an eighth of the data) below a quarter of the size a pack moves at stay put
+        monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", pw.data.nbytes)
+        assert huge(ops._memory_sets(args)) == {(True, False)}
+        monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 2 * pw.data.nbytes)
+        assert huge(ops._memory_sets(args)) == {(False, False)}
+        monkeypatch.setattr(tensors, "HUGEPAGE_MIN_BYTES", 4 * pw.scales.nbytes)
+        with config.override(gemv_hugepages=False):
+            assert huge(ops._memory_sets(args)) == {(False, False)}
+        # a dense weight: plain clones, empty scales copied as they are
+        wd = torch.randn(64, 256)
+        dargs = (args[0], wd, torch.empty(0, dtype=torch.uint8), torch.empty(0))
+        dsets = ops._memory_sets(dargs, dense=True)
+        assert len(dsets) == math.ceil((3 * per + 1) / wd.nbytes)
+        assert all(torch.equal(d, wd) and sc.numel() == 0 for _, d, sc, _ in dsets[1:])
+    with config.override(cold_cache_bytes=100 * per):  # the larger of the two budgets
         assert len(ops._memory_sets(args)) == 64
+        monkeypatch.setattr(autotune, "cold_bytes", lambda: per // 2)
+        with config.override(cold_cache_bytes=per // 2):  # the weight alone passes it: no copy
+            assert ops._memory_sets(args) == [args]
     with config.override(cold_cache_bytes=0):
         assert ops._memory_sets(args) == [args]

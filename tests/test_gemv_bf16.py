@@ -143,7 +143,7 @@ def test_k_blocks_keep_bits(rows: int, k: int) -> None:
     assert torch.equal(_run(x, w[1:], bias[1:], threads=1, xblock=256), whole[:, 1:])
 
 
-@pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("NTA", 0)])
+@pytest.mark.parametrize("hint,pf", [("NTA", 2048), ("T0", 4096), ("NTA", 0), ("T1", 2048)])
 def test_dp_kernel_prefetch_settings_keep_bits(hint: str, pf: int) -> None:
     g = torch.Generator().manual_seed(11)
     w = torch.randn(70, 1000, generator=g).bfloat16()

@@ -211,8 +211,8 @@ def test_block_kernel_prefetch_hint_keeps_bits(fmt: str, n: int, k: int, rows: i
     x = torch.randn(rows, k, generator=g)
     isa = native.cpu_info().isa
     t0 = run(gemv_fp4_block_kernel(fmt, isa, 4096, hint="T0"), x, pw)
-    for pf in (1024, 2048):
-        assert torch.equal(run(gemv_fp4_block_kernel(fmt, isa, pf, hint="NTA"), x, pw), t0)
+    for pf, hint in ((1024, "NTA"), (2048, "NTA"), (2048, "T1"), (3072, "T1")):
+        assert torch.equal(run(gemv_fp4_block_kernel(fmt, isa, pf, hint=hint), x, pw), t0)
 
 
 @pytest.mark.parametrize("hint", ["T0", "NTA", "T1"])
@@ -235,7 +235,7 @@ def test_block_kernel_rejects_unknown_hint() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("hint", ["T0", "NTA"])
+@pytest.mark.parametrize("hint", ["T0", "NTA", "T1"])
 def test_block_kernel_avx512_builds(fmt: str, hint: str) -> None:
     """The AVX-512 + VNNI build compiles with either prefetch hint (cannot run on every machine)."""
     gemv_fp4_block_kernel(fmt, "avx512", 2048, hint=hint)

@@ -227,7 +227,7 @@ def test_shift_kernel_rejects_unknown_hint() -> None:
         gemv_fp8_shift_kernel(native.cpu_info().isa, hint="nta")
 
 
-@pytest.mark.parametrize("hint", ["T0", "NTA"])
+@pytest.mark.parametrize("hint", ["T0", "NTA", "T1"])
 def test_shift_kernel_avx512_builds(hint: str) -> None:
     """The AVX-512 build compiles with either prefetch hint (cannot run on every machine)."""
     gemv_fp8_shift_kernel("avx512", 2048, hint=hint)

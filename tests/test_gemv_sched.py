@@ -460,10 +460,18 @@ def test_final_round_keeps_the_interleaved_winner_and_caches_it(fresh_cache, mon
     from torchport.autotune import timing, tuner
 
     timed: list[int] = []
+    rotations: list[int] = []
 
     def fake_interleaved(fns, arg_sets, **kw):
         timed.append(len(fns))
+        rotations.append(len(arg_sets))
         return [2e-3, 1e-3, 3e-3][: len(fns)]  # the second-fastest by the search wins the round
+
+    made: list[int] = []  # the tuner's rotation is the GEMV's own (weights read from memory)
+    memory_sets = gops._memory_sets
+    monkeypatch.setattr(
+        gops, "_memory_sets", lambda args, **kw: made.append(1) or memory_sets(args, **kw)
+    )
 
     monkeypatch.setattr(tuner, "FINAL_ROUND_SPREAD", 1e9)  # every native timed may enter
     monkeypatch.setattr(timing, "interleaved", fake_interleaved)
@@ -471,7 +479,9 @@ def test_final_round_keeps_the_interleaved_winner_and_caches_it(fresh_cache, mon
     pw = pack("nvfp4", torch.randn(768, 512) * 0.05)  # 3 * 2**17 weights: tuned
     plan = gops.plan_for(pw, 1, gops._use_int8(pw, True))
     assert timed == [gops.FINAL_ROUND]
+    assert made == [1] and rotations[0] > 1
     (entry,) = [e for e in autotune.choice_cache.entries().values() if e["op"] == "gemv"]
+    assert entry["key"]["timing"] == "memory"
     finals = {k[6:]: v for k, v in entry["timings_s"].items() if k.startswith("final:")}
     assert len(finals) == gops.FINAL_ROUND and "aten_linear" not in finals
     assert plan.candidate.name == entry["choice"] == min(finals, key=finals.__getitem__)

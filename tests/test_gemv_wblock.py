@@ -166,7 +166,8 @@ def test_bits_do_not_depend_on_batch_pairs_blocks_or_threads(fmt: str, n: int, k
     of three or four activation rows, K blocks where up to four rows' prepared activations exceed
     ``xmin``), with the weight's first row dropped (every pair changes), for blocks of one unit,
     three (at four rows and more) or none, on one thread or on two claiming eight rows at a time
-    (where the call is large enough for two), with 512-bit or 256-bit weight loads."""
+    (where the call is large enough for two), with 512-bit or 256-bit weight loads and each
+    prefetch hint (T0, T1, NTA) at 2048-4096 bytes ahead."""
     g = torch.Generator().manual_seed(n + k)
     pw = pack(fmt, torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(8, k, generator=g)
@@ -177,10 +178,15 @@ def test_bits_do_not_depend_on_batch_pairs_blocks_or_threads(fmt: str, n: int, k
         pw.fmt, pw.data[1:], pw.scales[1:], pw.rowscale, pw.pts, n - 1, k, pw.int8
     )
     unit = (k + k // 4 + k // 8) // (k // 256)  # prepared activation bytes per unit and row
-    cases = ((None, 2, 2, 512), (0, 2, 1, 256), (unit, 2, 2, 256), (12 * unit, 1, 2, 512))
-    for xblock, rows, threads, load in cases:
+    cases = (
+        (None, 2, 2, 512, "T0", 4096),
+        (0, 2, 1, 256, "T1", 3072),
+        (unit, 2, 2, 256, "T1", 2048),
+        (12 * unit, 1, 2, 512, "NTA", 2048),
+    )
+    for xblock, rows, threads, load, hint, pf in cases:
         kern = gemv_fp4_wblock_kernel(
-            fmt, "avx512", chunk=1, xblock=xblock, rows=rows, xmin=0, load=load
+            fmt, "avx512", pf, chunk=1, xblock=xblock, rows=rows, xmin=0, load=load, hint=hint
         )
         for b in (2, 3, 4, 8):
             assert torch.equal(run(kern, x[:b], pw, bias, threads), alone[:b]), (xblock, b)

@@ -210,7 +210,11 @@ SETTINGS: dict[str, Setting] = {
             env="TORCHPORT_COLD_CACHE_BYTES",
             kind=int,
             default=64 << 20,
-            doc="Bytes of rotated input copies used for cold-cache timing (> L3).",
+            doc=(
+                "Bytes of rotated input copies used for cold-cache timing (> L3); the decode GEMV"
+                " tunes on the larger of this and twice the largest cache the OS reports"
+                " (autotune.cold_bytes); 0 switches cold timing off."
+            ),
             check=lambda v: None if v >= 0 else "must be >= 0",
         ),
         Setting(

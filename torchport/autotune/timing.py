@@ -193,26 +193,30 @@ def interleaved(
     ...: the order reversed every round).
 
     A burst of load on a shared machine then hits every function alike, where timing one after
-    the other lets the burst decide. Every call takes the next argument set of one rotation (the
-    set least recently read by anyone): with one set per round a call after the round's first
-    read its operands warm, which decided a GEMV tuner's final round (9.4 MB weights on a VM
+    the other lets the burst decide. Each function steps through every argument set in turn, the
+    functions ``len(arg_sets) // len(fns)`` sets apart, so a set is read again only after about
+    ``len(arg_sets) - len(fns)`` other calls: with one set per round every call after the round's first read its operands
+    warm, which decided a GEMV tuner's final round (NVFP4 4096x4096 B=1, 9.4 MB weights, on a VM
     whose cache held them: the second and third candidates of each round timed 0.22-0.30 ms, the
-    first 0.38, where the kernels alone stream at 0.34-0.39). Reversing the order puts every
+    first 0.38, where the search had all three at 0.33-0.35). Reversing the order puts every
     function after another alike (a call right after another function's runs slower).
     """
-    n = len(arg_sets)
-    call = 0
-    for _ in range(warmup):
-        for fn in fns:
-            fn(*arg_sets[call % n])
-            call += 1
+    n, k = len(arg_sets), len(fns)
+    stride = max(1, n // k)  # function j reads set (round + j * stride) % n
+
+    def args_of(r: int, j: int) -> tuple[Any, ...]:
+        return arg_sets[(r + j * stride) % n]
+
+    for r in range(warmup):
+        for j, fn in enumerate(fns):
+            fn(*args_of(r, j))
     samples: list[list[float]] = [[] for _ in fns]
-    order = list(range(len(fns)))
+    order = list(range(k))
     start = clock()
     for i in range(max(1, reps)):
+        r = warmup + i
         for j in order if i % 2 == 0 else order[::-1]:
-            args = arg_sets[call % n]
-            call += 1
+            args = args_of(r, j)
             t0 = clock()
             fns[j](*args)
             samples[j].append(clock() - t0)

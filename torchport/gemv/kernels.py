@@ -77,8 +77,9 @@ TP_EXPORT int tp_gemv_bf16io(const uint16_t *x, int64_t B, int64_t K, const void
 # cache level), ``T1`` (into L2, not L1: the line fill buffers stay free for the loads that hit
 # L2) or ``NTA`` (non-temporal: the line is meant to leave the caches without displacing other
 # data). The native read peak streamed fastest with NTA on Zen; on the Intel Xeon VM of sessions
-# 28-34, T1 2048-3072 bytes ahead streamed the FP4 kernels from DRAM 20-30 % faster than T0 4096
-# and NTA 2048 ran at 0.6-0.8x (see torchport.gemv.ops.BLOCK_PREFETCH).
+# 28-34, T1 2048-3072 bytes ahead streamed the FP4 kernels from DRAM at B=1 1.00-1.38x as fast as
+# T0 4096 (three shapes, both kernels) and NTA 2048 at 0.69-0.97x (see
+# torchport.gemv.ops.BLOCK_PREFETCH).
 PREFETCH_HINTS = ("T0", "NTA", "T1")
 
 

@@ -531,24 +531,38 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 TUNE_MAX_COPIES = 64
 
 
-def _memory_sets(args: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
-    """The tuner's rotated argument sets for a GEMV (``args``: x, data, scales, rowscale): copies of
-    the weight on 2 MiB pages, as packed weights live, over :func:`torchport.autotune.cold_bytes`
-    (twice the largest cache the OS reports, at least 96 MB; at most :data:`TUNE_MAX_COPIES`
-    copies), so each timed call streams its weight from memory as decode does. The
-    ``cold_cache_bytes`` rotation (64 MiB of plain pages) was largely held by the cache of the
-    Intel Xeon VM of sessions 28-34, where the prefetch settings that decide a streamed call's
-    speed (T1 against T0 ahead: 0.91 against 1.20 ms) barely moved the timings."""
+def _memory_sets(
+    args: tuple[torch.Tensor, ...], dense: bool = False
+) -> list[tuple[torch.Tensor, ...]]:
+    """The tuner's rotated argument sets for a GEMV (``args``: x, data, scales, rowscale): the
+    made arguments, then copies of the weight placed as the weights it is tuned for live (a
+    quantized pack's data from ``lowp.tensors.HUGEPAGE_MIN_BYTES`` on 2 MiB pages when
+    ``gemv_hugepages`` is on, its scales from a quarter of that; ``dense`` weights stay where their
+    owner put them: plain clones) until :func:`torchport.autotune.cold_bytes` (twice the largest
+    cache the OS reports, at least 96 MB) or ``cold_cache_bytes``, whichever is larger, is
+    passed (at most :data:`TUNE_MAX_COPIES` sets; one where the weight alone passes it), so each
+    timed call streams its weight from memory as decode does. The ``cold_cache_bytes`` rotation
+    alone (64 MiB of plain clones) was largely held by the cache of the Intel Xeon VM of sessions
+    28-34, where the prefetch settings that decide a streamed call's speed (T1 against T0 ahead:
+    0.91 against 1.20 ms) barely moved the timings."""
+    from torchport.lowp import tensors  # (lowp imports this module; read at call time)
+
     budget = config.get("cold_cache_bytes")
     if budget == 0:  # cold timing switched off: the arguments as made
         return [args]
     x, data, scales, rowscale = args
     per = max(1, data.nbytes + scales.nbytes)
-    n = min(TUNE_MAX_COPIES, max(2, math.ceil(max(budget, autotune.cold_bytes()) / per)))
+    n = min(TUNE_MAX_COPIES, max(1, math.ceil(max(budget, autotune.cold_bytes()) / per)))
+    least = tensors.HUGEPAGE_MIN_BYTES
+    huge = not dense and bool(config.get("gemv_hugepages")) and data.nbytes >= least
+    huge_scales = huge and scales.nbytes >= least // 4
+
+    def place(t: torch.Tensor, on_huge: bool) -> torch.Tensor:
+        return hugepage_copy(t) if on_huge else t.clone()
+
     sets = [args]
     for _ in range(n - 1):
-        sc = hugepage_copy(scales) if scales.numel() else scales
-        sets.append((x.clone(), hugepage_copy(data), sc, rowscale))
+        sets.append((x.clone(), place(data, huge), place(scales, huge_scales), rowscale))
     return sets
 
 
@@ -582,9 +596,10 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
     dense = pw.fmt in ("f32", "bf16")
     wa = _anchor_weight(pw)
 
-    # Timed on weights streamed from memory, as decode reads them: the tuner rotates huge-page
-    # copies of (x, data, scales) past the cache (_memory_sets); the anchor rotates the dense
-    # weight the same way.
+    # Timed on weights streamed from memory, as decode reads them: the tuner rotates copies of
+    # (x, data, scales) past the cache, placed as the weight lives (_memory_sets); a dense
+    # weight's anchor rotates the same copies, a quantized weight's reads its one dequantized
+    # copy (it is timed, never chosen).
     def factory(c: autotune.Candidate):
         if c.is_anchor:
             if dense:
@@ -634,7 +649,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
         cands,
         factory,
         make_args,
-        cold=_memory_sets,
+        cold=functools.partial(_memory_sets, dense=dense),
         check=_close,
         backends=None if dense else {autotune.NATIVE},
         final_round=FINAL_ROUND,
