@@ -107,32 +107,24 @@ def test_cold_callable_makes_the_rotated_sets(fresh_cache):
 
         return f
 
-    with config.override(autotune_reps=5):
-        ch = autotune.select(
-            "toy",
-            {"n": "cold-callable"},
-            CANDS[:3],
-            make,
-            lambda: (torch.zeros(4),),
-            cold=sets,
-            check=_check,
-            confirm=True,
-        )
-    assert ch.candidate.name == "fast"
+    def select():
+        with config.override(autotune_reps=5):
+            return autotune.select(
+                "toy",
+                {"n": "cold-callable"},
+                CANDS[:3],
+                make,
+                lambda: (torch.zeros(4),),
+                cold=sets,
+                check=_check,
+                confirm=True,
+            )
+
+    assert select().candidate.name == "fast"
     assert made == [1, 1]  # the search's sets and the confirmation's, from the made arguments
     assert seen == {0, 1, 2, 3}  # the calls rotated its sets
     tuner._confirmed.clear()  # a cached choice is confirmed once per process: on its sets too
-    with config.override(autotune_reps=5):
-        again = autotune.select(
-            "toy",
-            {"n": "cold-callable"},
-            CANDS[:3],
-            make,
-            lambda: (torch.zeros(4),),
-            cold=sets,
-            check=_check,
-            confirm=True,
-        )
+    again = select()
     assert again.from_cache and again.candidate.name == "fast" and made == [1, 1, 1]
 
 
