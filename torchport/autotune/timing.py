@@ -195,11 +195,12 @@ def interleaved(
     A burst of load on a shared machine then hits every function alike, where timing one after
     the other lets the burst decide. Each function steps through every argument set in turn, the
     functions ``len(arg_sets) // len(fns)`` sets apart, so a set is read again only after about
-    ``len(arg_sets) - len(fns)`` other calls: with one set per round every call after the round's first read its operands
-    warm, which decided a GEMV tuner's final round (NVFP4 4096x4096 B=1, 9.4 MB weights, on a VM
-    whose cache held them: the second and third candidates of each round timed 0.22-0.30 ms, the
-    first 0.38, where the search had all three at 0.33-0.35). Reversing the order puts every
-    function after another alike (a call right after another function's runs slower).
+    ``len(arg_sets) - len(fns)`` other calls: with one set per round every call after the round's
+    first read its operands warm, which decided a GEMV tuner's final round (NVFP4 4096x4096 B=1,
+    9.4 MB weights, on a VM whose cache held them: the second and third candidates of each round
+    timed 0.22-0.30 ms, the first 0.38, where the search had all three at 0.33-0.35). Reversing
+    the order puts every function after another alike (a call right after another function's
+    runs slower).
     """
     n, k = len(arg_sets), len(fns)
     stride = max(1, n // k)  # function j reads set (round + j * stride) % n

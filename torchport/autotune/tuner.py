@@ -39,7 +39,8 @@ NATIVE = "NATIVE"
 
 # ``select``'s ``cold``: False (the arguments as made), True (copies over ``cold_cache_bytes``,
 # :func:`~torchport.autotune.timing.cold_copies`), or the op's own maker of the rotated argument
-# sets from the made arguments (a GEMV's weights on huge pages past the cache the OS reports)
+# sets from the made arguments (a GEMV's weight copies, placed as its weights live, past the
+# cache the OS reports)
 Cold = bool | Callable[[tuple[Any, ...]], Sequence[tuple[Any, ...]]]
 
 
