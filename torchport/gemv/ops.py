@@ -536,11 +536,10 @@ def _memory_sets(
 ) -> list[tuple[torch.Tensor, ...]]:
     """The tuner's rotated argument sets for a GEMV (``args``: x, data, scales, rowscale): the
     made arguments, then copies of the weight placed as the weights it is tuned for live (a
-    quantized pack's data from ``lowp.tensors.HUGEPAGE_MIN_BYTES`` on 2 MiB pages when
-    ``gemv_hugepages`` is on, its scales from a quarter of that; ``dense`` weights stay where their
-    owner put them: plain clones) until :func:`torchport.autotune.cold_bytes` (twice the largest
-    cache the OS reports, at least 96 MB) or ``cold_cache_bytes``, whichever is larger, is
-    passed (at most :data:`TUNE_MAX_COPIES` sets; one where the weight alone passes it), so each
+    quantized pack's data and scales on 2 MiB pages where ``lowp.tensors.pack_on_huge_pages``
+    moves them; ``dense`` weights stay where their owner put them: plain clones) until
+    :func:`torchport.autotune.cold_bytes` (twice the largest cache the OS reports, at least 96
+    MB) or ``cold_cache_bytes``, whichever is larger, is passed (at most :data:`TUNE_MAX_COPIES` sets; one where the weight alone passes it), so each
     timed call streams its weight from memory as decode does. The ``cold_cache_bytes`` rotation
     alone (64 MiB of plain clones) was largely held by the cache of the Intel Xeon VM of sessions
     28-34, where the prefetch settings that decide a streamed call's speed (T1 against T0 ahead:
@@ -553,9 +552,9 @@ def _memory_sets(
     x, data, scales, rowscale = args
     per = max(1, data.nbytes + scales.nbytes)
     n = min(TUNE_MAX_COPIES, max(1, math.ceil(max(budget, autotune.cold_bytes()) / per)))
-    least = tensors.HUGEPAGE_MIN_BYTES
-    huge = not dense and bool(config.get("gemv_hugepages")) and data.nbytes >= least
-    huge_scales = huge and scales.nbytes >= least // 4
+    huge, huge_scales = (
+        (False, False) if dense else tensors.pack_on_huge_pages(data.nbytes, scales.nbytes)
+    )
 
     def place(t: torch.Tensor, on_huge: bool) -> torch.Tensor:
         return hugepage_copy(t) if on_huge else t.clone()

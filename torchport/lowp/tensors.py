@@ -72,6 +72,17 @@ aten = torch.ops.aten
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
 # Packed weights at least this large move to huge-page memory (see LowPrecisionTensor.gemv_pack).
 HUGEPAGE_MIN_BYTES = 4 << 20
+
+
+def pack_on_huge_pages(data_nbytes: int, scales_nbytes: int) -> tuple[bool, bool]:
+    """Whether a GEMV pack of this size moves to huge-page memory: (its data, its scales). The
+    data from :data:`HUGEPAGE_MIN_BYTES` when ``config.gemv_hugepages`` is on, the scales with it
+    from a quarter of that. The rule of :meth:`LowPrecisionTensor._on_huge_pages`, and of the GEMV
+    tuner's weight copies (``torchport.gemv.ops._memory_sets``)."""
+    data = bool(config.get("gemv_hugepages")) and data_nbytes >= HUGEPAGE_MIN_BYTES
+    return data, data and scales_nbytes >= HUGEPAGE_MIN_BYTES // 4
+
+
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
 _linear = F.linear
 _setitem = torch.Tensor.__setitem__
@@ -274,12 +285,13 @@ class LowPrecisionTensor(torch.Tensor):
         moving would part them, and a ``copy_`` into either then left the other reading its old
         codes beside the new scales they still shared. Only here, at the pack: such a weight
         stays where it is after the alias goes, until a ``copy_`` drops the pack."""
-        if not config.get("gemv_hugepages") or pw.data.nbytes < HUGEPAGE_MIN_BYTES:
+        huge, huge_scales = pack_on_huge_pages(pw.data.nbytes, pw.scales.nbytes)
+        if not huge:
             return pw
         if len(self._sharing_caches()) > 1:
             return pw
         data, scales = hugepage_copy(pw.data), pw.scales
-        if scales.nbytes >= HUGEPAGE_MIN_BYTES // 4:
+        if huge_scales:
             scales = hugepage_copy(scales)
         for name, new, packed in (("qdata", data, pw.data), ("scale", scales, pw.scales)):
             old = getattr(self, name)
