@@ -14,7 +14,7 @@ GB/s counts weight bytes (data + scales) per call. Every packed copy's settled r
 :func:`torchport.gemv.gemv_packed`) is made before timing: decode's steady state. The FP8 and FP4
 rows take float32 activations; ``fp8 bf16-x`` and ``nvfp4 bf16-x`` take the bf16 activations the
 bf16 anchor takes and return bf16 results (E4M3 weights then run on ``vdpbf16ps`` where the CPU
-has AVX512-BF16; every kernel has a bf16-in, bf16-out entry). ``--quick``: (11008, 4096), B = 1 only. ``--cpu-time`` adds a single-thread table of process CPU
+has AVX512-BF16; every kernel has a bf16-in, bf16-out entry). ``--quick``: (11008, 4096), B = 1 only; ``--batches 8``: other activation row counts (up to 8). ``--cpu-time`` adds a single-thread table of process CPU
 time per call, which time lost to other processes on a shared machine does not inflate.
 
 Run: ``torchport bench gemv [--quick]``.
@@ -261,12 +261,17 @@ def cpu_time_table(n: int, k: int, reps: int) -> None:
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time per call")
+    p.add_argument(
+        "--batches", default="", help="comma-separated activation rows (default 1,4; --quick 1)"
+    )
     args = p.parse_args()
     config.set(
         "progress", False
     )  # the GEMV tunes its launch parameters on first use: keep output clean
     shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
     batches = [1] if args.quick else [1, 4]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     reps = 11 if args.quick else args.reps
     table = BenchTable("gemv", unit="GB/s")
     table.start()

@@ -1,7 +1,7 @@
 """Decode GEMV kernels alone, A/B: streamed weights on one and two threads against the read peak.
 
 Each variant (``--variants``, specs ``fmt:kernel:hint:prefetch[:rows]``, e.g. ``fp8:shift:NTA:2048``,
-``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel) is called on
+``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel, ``nvfp4:amx:T1:1024``: FP4 on AMX-INT8 tiles) is called on
 B = ``--batch`` activation rows against copies of one ``--rows`` × ``--k`` weight on 2 MiB pages,
 rotated over twice the largest reported cache (``cold_bytes``). Every repetition times, interleaved in one process, each
 variant and the native read peak (:mod:`torchport.gemv.readpeak`, one stream without prefetch and
@@ -26,7 +26,11 @@ import torch
 from torchport import native
 from torchport.autotune import cold_bytes
 from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
-from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_wblock_kernel
+from torchport.gemv.fp4_kernel import (
+    gemv_fp4_amx_kernel,
+    gemv_fp4_block_kernel,
+    gemv_fp4_wblock_kernel,
+)
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.hugepages import hugepage_copy, hugepage_empty
 from torchport.gemv.kernels import gemv_kernel
@@ -74,6 +78,8 @@ def _kernel(spec: str) -> tuple[str, object]:
         rows = int(rest[0]) if rest else 2
         extra = {k: int(v) for k, v in zip(("xmin", "xblock", "load", "chunk"), rest[1:])}
         return fmt, gemv_fp4_wblock_kernel(fmt, isa, int(pf), hint=hint, rows=rows, **extra)
+    if kind == "amx":  # FP4 weights on AMX-INT8 tiles
+        return fmt, gemv_fp4_amx_kernel(fmt, hint=hint)  # (no prefetch distance: next group)
     if kind == "dp":  # bf16 weights, or E4M3 ones decoded to bf16 (bf16-valued activations)
         if fmt not in ("bf16", "fp8"):
             raise ValueError(f"the dp kernel takes bf16 or fp8 weights, got spec {spec!r}")

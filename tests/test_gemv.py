@@ -181,7 +181,9 @@ def test_compile_routes_large_decode_linear_by_tuner_decision(fresh_cache, monke
 
     full = ops.candidates
     monkeypatch.setattr(
-        ops, "candidates", lambda fmt, int8=False, k=None, bx=False: full(fmt, int8, k, bx)[:2]
+        ops,
+        "candidates",
+        lambda fmt, int8=False, k=None, bx=False, rows=None: full(fmt, int8, k, bx)[:2],
     )
     ops._PLANS.clear()
     torch._dynamo.reset()  # static shapes (a recompile would make them dynamic)
@@ -320,7 +322,9 @@ def test_gemv_launch_parameters_are_autotuned(fresh_cache, monkeypatch):
     monkeypatch.setattr(
         ops,
         "candidates",
-        lambda fmt, int8=False, k=None, bx=False: full(fmt, int8, k)[:2] + full(fmt, int8, k)[-1:],
+        lambda fmt, int8=False, k=None, bx=False, rows=None: (
+            full(fmt, int8, k)[:2] + full(fmt, int8, k)[-1:]
+        ),
     )
     ops._PLANS.clear()
     torch.manual_seed(0)

@@ -16,6 +16,8 @@ from tests.gemv_inputs import pack
 from torchport import config, native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import (
+    amx_int8_ready,
+    gemv_fp4_amx_kernel,
     gemv_fp4_block_kernel,
     gemv_fp4_pair_kernel,
     gemv_fp4_wblock_kernel,
@@ -34,6 +36,10 @@ def _kernel(family: str, fmt: str) -> GemvKernel:
         if ISA != "avx512" or not native.cpu_info().has("avx512_vnni"):
             pytest.skip("the whole-block kernel needs AVX-512 VNNI")
         return gemv_fp4_wblock_kernel(fmt, ISA)
+    if family == "amx":
+        if not amx_int8_ready():
+            pytest.skip("the AMX kernel needs AVX-512 VBMI and AMX-INT8")
+        return gemv_fp4_amx_kernel(fmt)
     if family == "pair":
         return gemv_fp4_pair_kernel(fmt, ISA)
     if family == "i8":
@@ -43,13 +49,14 @@ def _kernel(family: str, fmt: str) -> GemvKernel:
     return gemv_kernel(fmt, ISA)
 
 
-# (family, weight format, K values): the lane-block kernel needs K % 128 == 0, the whole-block
-# kernel K % 256 == 0, the pair-split
+# (family, weight format, K values): the lane-block and AMX kernels need K % 128 == 0, the
+# whole-block kernel K % 256 == 0, the pair-split
 # kernel K % 64 == 0, the int8 kernel K % 32 == 0
 CASES = [
     ("block", "nvfp4", (128, 1280)),
     ("block", "mxfp4", (256, 10368)),  # (K blocks at one or two rows on AVX-512)
     ("wblock", "nvfp4", (256, 11008)),  # (K % 256 == 0)
+    ("amx", "mxfp4", (128, 4224)),  # (K % 128 == 0)
     ("pair", "nvfp4", (64, 1024)),
     ("i8", "mxfp4", (32, 992)),
     ("shift", "fp8_e4m3", (40, 1000, 4096)),

@@ -31,6 +31,7 @@ import math
 import struct
 
 from torchport.gemm.epilogue import TRANSCENDENTAL_KINDS, EpilogueSpec, emit_c, emit_prefetch
+from torchport.native.prelude import AMX_TILE_C
 
 VW = {"avx2": 8, "avx512": 16, "scalar": 1}
 
@@ -1026,33 +1027,6 @@ AMX_A_PIECE_BYTES = 1 << 20
 AMX_SUM_SLOTS = 8
 
 _AMX = r"""
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-/* Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-   XTILEDATA, once per process; torch's oneDNN asks the same): 1 granted, 0 refused */
-static int tp_amx_ok = -1;
-static int tp_amx_permit(void) {
-    int ok = __atomic_load_n(&tp_amx_ok, __ATOMIC_ACQUIRE);
-    if (ok < 0) {
-        ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-        __atomic_store_n(&tp_amx_ok, ok, __ATOMIC_RELEASE);
-    }
-    return ok;
-}
-/* gcc's tile intrinsics tell the compiler of no memory access (_tile_loadd has no memory operand,
-   _tile_loadconfig an 8-byte one): a compiler barrier before each tile load of memory that C
-   code wrote (the config, the packed A, the sums) keeps those stores ahead of it */
-#define TP_TILE_FENCE() __asm__ volatile("" ::: "memory")
-TP_EXPORT int tp_amx_available(void) { return tp_amx_permit(); }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tp_tilecfg_t;
-_Static_assert(sizeof(tp_tilecfg_t) == 64, "the tile configuration is 64 bytes");
-
 /* Tiles 0-3: the 2 x 2 block of 16 x 16 fp32 sums; 4, 5: A, 16 rows x 32 bf16; 6, 7: B, 16 k
    pairs x 16 columns (every tile 16 rows of 64 bytes) */
 static void tp_amx_config(void) {
@@ -1369,4 +1343,4 @@ def render_amx_source(spec: EpilogueSpec, otag: str) -> str:
     parts.append(f"#define TP_OUT_BF16 {int(otag == 'bf16')}")
     heavy = any(op.kind in (*TRANSCENDENTAL_KINDS, "add") for op in spec.ops)
     parts.append(f"#define TP_AMX_PANEL_EPI {int(heavy)}")
-    return "\n".join([*parts, _AMX])
+    return "\n".join([*parts, AMX_TILE_C + _AMX])

@@ -109,6 +109,17 @@ _FORMAT_C = r"""
 TP_INLINE __m512 tp_e4m3_words_ps(__m256i h) {
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF)));
 }
+/* tp_quant32 in vector code, the same codes and scale (cvtps2dq rounds as nearbyintf, the
+   products are the same; a group with amax < 2^-64 goes through tp_quant32 itself) */
+TP_INLINE float tp_quant32_v(const float *p, int8_t *q) {
+    const __m512 a = _mm512_loadu_ps(p), c = _mm512_loadu_ps(p + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    if (amax < 0x1p-64f) return tp_quant32(p, q);
+    const __m512 inv = _mm512_set1_ps(127.0f / amax);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv))));
+    return amax / 127.0f;
+}
 /* Sixteen E8M0 scale bytes, each the top byte of a dword (the rest 0), as floats 2^(e - 127):
    shifted into the exponent field; e = 0 gives 2^-127, a subnormal. */
 TP_INLINE __m512 tp_e8m0_dwords_ps(__m512i t) {
@@ -852,19 +863,7 @@ _WBLOCK_SOURCE = r"""
    j's sixteen codes (the weights' +12 offset), xs: the unit's eight group scales times fold. */
 TP_INLINE void tp_prep_unit256(const float *x, float fold, int8_t *o, int32_t *corr, float *xs) {
     int8_t q[256];
-    for (int g = 0; g < 8; ++g) {
-        const float *p = x + g * 32;
-        const __m512 a = _mm512_loadu_ps(p), c = _mm512_loadu_ps(p + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-        if (amax < 0x1p-64f) {
-            xs[g] = tp_quant32(p, q + g * 32) * fold;
-            continue;
-        }
-        const __m512 inv = _mm512_set1_ps(127.0f / amax);
-        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv))));
-        xs[g] = amax / 127.0f * fold;
-    }
+    for (int g = 0; g < 8; ++g) xs[g] = tp_quant32_v(x + g * 32, q + g * 32) * fold;
     /* per 16-byte block: the even bytes 0..6, odd 1..7, even 8..14, odd 9..15 as dwords 0..3,
        then dword d of block j to vector d, lane j */
     const __m512i sh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
@@ -1088,6 +1087,223 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
 }
 """
 
+_AMX_SOURCE = r"""
+#if !(defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AMX_INT8__))
+#error "the AMX FP4 GEMV needs AVX-512 BW and VBMI and AMX-INT8"
+#endif
+#if defined(FMT_nvfp4)
+#define TP_NJ 4   /* blocks (and scale bytes) per 64-weight chunk: tile columns per activation row */
+#else
+#define TP_NJ 2
+#endif
+#define TP_SCH (16 / TP_NJ)   /* chunks whose block scales one 16-byte decode covers */
+/* The block of k-quad r of a chunk: a tile row of A holds the chunk's even elements in bytes
+   0..31 (byte p: element 2p) and its odd ones in 32..63 (element 2(p - 32) + 1), so bytes
+   4r..4r+3 are elements 8r, +2, +4, +6 (r < 8) or 8(r - 8) + 1, +3, +5, +7 */
+#define TP_BLK(r) ((((r) & 7) * TP_NJ) / 8)
+#define TP_QUAD0(r) ((r) < 8 ? 8 * (r) : 8 * ((r) - 8) + 1)
+
+/* B tiles, one per 64-weight chunk u: 16 k-quads x C = B * TP_NJ int32 columns, column
+   b * TP_NJ + j holding activation row b's four codes of k-quad r when r is in block j, else 0
+   (block-diagonal: one TDPBSSD leaves every (weight row, activation row, block) dot apart). */
+static void tp_amx_btiles(const int8_t *q, int64_t B, int64_t K, int32_t *bt) {
+    const int64_t C = B * TP_NJ, U = K / 64;
+    memset(bt, 0, (size_t)(U * 16 * C) * sizeof(int32_t));
+    for (int64_t u = 0; u < U; ++u)
+        for (int64_t b = 0; b < B; ++b) {
+            const int8_t *xq = q + b * K + u * 64;
+            for (int r = 0; r < 16; ++r) {
+                const int e = TP_QUAD0(r);
+                const int8_t v[4] = {xq[e], xq[e + 2], xq[e + 4], xq[e + 6]};
+                memcpy(bt + (u * 16 + r) * C + b * TP_NJ + TP_BLK(r), v, 4);
+            }
+        }
+}
+
+/* The 16 rows' next 128 weights (chunks u, u + 1) as two A tiles' codes in stage (1024 bytes each,
+   row i at 64 i): vpermb of the low and the high nibbles, table 2 * e2m1. */
+TP_INLINE void tp_amx_decode(const uint8_t *w, int64_t WR, int64_t n0, int nr, int64_t u, int8_t *stage) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+    for (int i = 0; i < nr; ++i) {
+        const uint8_t *wp = w + (n0 + i) * WR + u * 32;
+        const __m512i v = _mm512_loadu_si512((const void *)wp);
+        const __m512i lo = _mm512_permutexvar_epi8(v, lut), hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
+        _mm256_store_si256((__m256i *)(stage + 64 * i), _mm512_castsi512_si256(lo));
+        _mm256_store_si256((__m256i *)(stage + 64 * i + 32), _mm512_castsi512_si256(hi));
+        _mm256_store_si256((__m256i *)(stage + 1024 + 64 * i), _mm512_extracti64x4_epi64(lo, 1));
+        _mm256_store_si256((__m256i *)(stage + 1024 + 64 * i + 32), _mm512_extracti64x4_epi64(hi, 1));
+    }
+}
+
+/* The int32 block dots of chunks u, u + 1 (cbuf: two 16 x 16 tiles) into the rows' float
+   accumulators, each lane (b, j) times the row's block scale and the activation group scale;
+   the block scales of TP_SCH chunks decoded into sbuf when u starts them. */
+TP_INLINE void tp_amx_scale(const uint8_t *scales, int64_t sstride, int64_t n0, int nr, int64_t u,
+                            const float *asv, const int32_t *cbuf, float *sbuf, __m512 *acc) {
+    if (u % TP_SCH == 0) {
+        const int64_t rem = sstride - u * TP_NJ;
+        const __mmask16 m = rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1u);
+        for (int i = 0; i < nr; ++i) {
+            const uint8_t *sp = scales + (n0 + i) * sstride + u * TP_NJ;
+            const __m128i sb = _mm_maskz_loadu_epi8(m, sp);
+#if defined(FMT_nvfp4)
+            const __m512 f = tp_e4m3_words_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(sb), 8));
+#else
+            const __m512 f = tp_e8m0_dwords_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(sb), 24));
+#endif
+            _mm512_store_ps(sbuf + 16 * i, f);
+        }
+    }
+    const __m512 a0 = _mm512_load_ps(asv + u * 16), a1 = _mm512_load_ps(asv + u * 16 + 16);
+    const int s0 = (int)(u % TP_SCH) * TP_NJ;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+#if defined(FMT_nvfp4)
+        const __m512 v0 = _mm512_broadcast_f32x4(_mm_load_ps(sbuf + 16 * i + s0));
+        const __m512 v1 = _mm512_broadcast_f32x4(_mm_load_ps(sbuf + 16 * i + s0 + TP_NJ));
+#else
+        const __m512 v0 = _mm512_broadcast_f32x2(_mm_castpd_ps(_mm_load_sd((const double *)(sbuf + 16 * i + s0))));
+        const __m512 v1 = _mm512_broadcast_f32x2(_mm_castpd_ps(_mm_load_sd((const double *)(sbuf + 16 * i + s0 + TP_NJ))));
+#endif
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cbuf + 16 * i))), _mm512_mul_ps(v0, a0), acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cbuf + 256 + 16 * i))), _mm512_mul_ps(v1, a1), acc[i]);
+    }
+}
+
+/* Rows [n0, n0 + nr) (nr <= 16) of the weight against every activation row, two chunks (128
+   weights) a step, software-pipelined over tiles that are not renamed: step t loads its A and B
+   tiles and issues its two TDPBSSDs into C tiles 4, 5 (even t) or 6, 7 (odd t), then stores step
+   t - 1's dots (done meanwhile), decodes step t + 1's weights into the other stage buffer and
+   scales step t - 2's stored dots into the accumulators. */
+#define TP_AMX_STEP(C0, C1)                                                                           \
+    do {                                                                                              \
+        const int64_t u = 2 * t;                                                                      \
+        for (int64_t l = t * lw / steps; l < (t + 1) * lw / steps; ++l) _mm_prefetch(pw + 64 * l, _MM_HINT_${hint}); \
+        for (int64_t l = t * ls / steps; l < (t + 1) * ls / steps; ++l) _mm_prefetch(ps + 64 * l, _MM_HINT_${hint}); \
+        const int8_t *st = stage + 2048 * (t & 1);                                                   \
+        TP_TILE_FENCE();                                                                              \
+        _tile_loadd(0, st, 64);                                                                       \
+        _tile_loadd(1, st + 1024, 64);                                                                \
+        _tile_loadd(2, bt + u * 16 * C, C * 4);                                                       \
+        _tile_loadd(3, bt + (u + 1) * 16 * C, C * 4);                                                 \
+        _tile_zero(C0);                                                                               \
+        _tile_zero(C1);                                                                               \
+        _tile_dpbssd(C0, 0, 2);                                                                       \
+        _tile_dpbssd(C1, 1, 3);                                                                       \
+        if (t) { /* step t - 1's dots, in the other C tiles */                                        \
+            int32_t *cb = cbuf + 512 * ((t - 1) & 1);                                                 \
+            if (C0 == 4) { _tile_stored(6, cb, 64); _tile_stored(7, cb + 256, 64); }                  \
+            else { _tile_stored(4, cb, 64); _tile_stored(5, cb + 256, 64); }                          \
+        }                                                                                             \
+        if (t + 1 < steps) tp_amx_decode(w, WR, n0, nr, u + 2, stage + 2048 * ((t + 1) & 1));         \
+        if (t >= 2) tp_amx_scale(scales, sstride, n0, nr, u - 4, asv, cbuf + 512 * (t & 1), sbuf, acc); \
+        TP_TILE_FENCE();                                                                              \
+    } while (0)
+
+TP_INLINE void tp_amx_rows(const uint8_t *w, const uint8_t *scales, int64_t sstride, int64_t K,
+                           const int32_t *bt, const float *asv, int64_t C, int64_t n0, int nr,
+                           int64_t p0, int64_t p1, int8_t *stage, int32_t *cbuf, float *sbuf, __m512 *acc) {
+    const int64_t WR = K / 2, steps = K / 128;
+    /* the next group's rows [p0, p1) (contiguous weights and scales) stream into L2 meanwhile,
+       a step's share of their lines at a time: the group's own rows then load from L2, and
+       memory is read in order rather than as sixteen interleaved row streams */
+    const char *pw = (const char *)(w + p0 * WR), *ps = (const char *)(scales + p0 * sstride);
+    const int64_t lw = (p1 - p0) * WR / 64, ls = ((p1 - p0) * sstride + 63) / 64;
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    tp_amx_decode(w, WR, n0, nr, 0, stage);
+    int64_t t = 0;
+    for (; t + 1 < steps; t += 2) {
+        TP_AMX_STEP(4, 5);
+        ++t;
+        TP_AMX_STEP(6, 7);
+        --t;
+    }
+    if (t < steps) TP_AMX_STEP(4, 5);   /* (t = steps - 1, even) */
+    /* the last step's dots, then the last two steps' scaling */
+    int32_t *cb = cbuf + 512 * ((steps - 1) & 1);
+    TP_TILE_FENCE();
+    if ((steps - 1) & 1) { _tile_stored(6, cb, 64); _tile_stored(7, cb + 256, 64); }
+    else { _tile_stored(4, cb, 64); _tile_stored(5, cb + 256, 64); }
+    TP_TILE_FENCE();
+    if (steps >= 2) tp_amx_scale(scales, sstride, n0, nr, 2 * steps - 4, asv, cbuf + 512 * (steps & 1), sbuf, acc);
+    tp_amx_scale(scales, sstride, n0, nr, 2 * steps - 2, asv, cb, sbuf, acc);
+}
+#undef TP_AMX_STEP
+
+/* Same contract as the other GEMVs (rowscale unused); K must be a multiple of 128 (status 2), the
+   OS must grant the AMX tile state (status 6) and B be 1 to 16 / TP_NJ (status 7). */
+TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, const uint8_t *scales,
+                      const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
+                      float *out, int64_t N, int64_t nthreads) {
+    (void)rowscale;
+    if (K % 128) return 2;
+    if (!tp_amx_permit()) return 6;
+    if (B < 1 || B * TP_NJ > 16) return 7;
+    if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
+    const float fold = TP_FOLD(pts_d);
+    const int64_t sstride = TP_SSTRIDE(K), U = K / 64, LX = K / 32, C = B * TP_NJ;
+    int8_t *q = (int8_t *)malloc((size_t)(B * K) + 64);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(B * LX) + 64);
+    int32_t *bt = (int32_t *)aligned_alloc(64, ((size_t)(U * 16 * C) * 4 + 63) / 64 * 64);
+    float *asv = (float *)aligned_alloc(64, (size_t)U * 64);
+    if (!q || !xs || !bt || !asv) { free(q); free(xs); free(bt); free(asv); return 3; }
+    for (int64_t g = 0; g < B * LX; ++g) xs[g] = tp_quant32_v(x + g * 32, q + g * 32) * fold;
+    tp_amx_btiles(q, B, K, bt);
+    /* the activation group scale of every column (b, j) of chunk u (0 past column C) */
+    for (int64_t u = 0; u < U; ++u)
+        for (int c = 0; c < 16; ++c)
+            asv[u * 16 + c] = c < C ? xs[(c / TP_NJ) * LX + 2 * u + (2 * (c % TP_NJ)) / TP_NJ] : 0.0f;
+    const int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
+    int64_t tp_next_ = 0;
+    const int64_t tp_step_ = (tp_chunk_rows(nt, K / 2 + sstride, ${chunk}) + 15) / 16 * 16;
+    #pragma omp parallel num_threads(nt)
+    {
+        tp_tilecfg_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) cfg.rows[t] = 16;
+        cfg.colsb[0] = cfg.colsb[1] = 64;                                  /* A: 16 rows x 64 codes */
+        for (int t = 2; t < 8; ++t) cfg.colsb[t] = (uint16_t)(C * 4);   /* B, and C (two sets) */
+        TP_TILE_FENCE();
+        _tile_loadconfig(&cfg);
+        int8_t stage[4096] __attribute__((aligned(64)));
+        int32_t cbuf[1024] __attribute__((aligned(64)));
+        float sbuf[256] __attribute__((aligned(64)));
+        float sums[256] __attribute__((aligned(64)));
+        memset(stage, 0, sizeof stage);
+        memset(cbuf, 0, sizeof cbuf);
+        memset(sbuf, 0, sizeof sbuf);
+        __m512 acc[16];
+        int64_t lo, hi, nlo = 0, nhi = 0;
+        int tp_st_ = 0, ahead = 0;
+        while (tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)) {
+            for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+                const int nr = (int)(hi - n0 < 16 ? hi - n0 : 16);
+                int64_t p1 = 0;
+                const int64_t p0 = tp_next_group(n0 + nr, hi, 16, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
+                if (nr < 16) memset(stage, 0, sizeof stage);
+                tp_amx_rows(w, scales, sstride, K, bt, asv, C, n0, nr, p0, p1, stage, cbuf, sbuf, acc);
+                for (int i = 0; i < nr; ++i) {
+                    _mm512_store_ps(sums, acc[i]);
+                    for (int64_t b = 0; b < B; ++b) {
+                        float v = 0.0f;
+                        for (int j = 0; j < TP_NJ; ++j) v += sums[b * TP_NJ + j];
+                        if (has_bias) v += bias[n0 + i];
+                        out[b * N + n0 + i] = v;
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(q);
+    free(xs);
+    free(bt);
+    free(asv);
+    return 0;
+}
+"""
+
 FORMATS = ("nvfp4", "mxfp4")
 
 # Prepared activation bytes (all rows) one K block of the lane-block kernel keeps in L1 where they
@@ -1192,6 +1408,58 @@ def gemv_fp4_wblock_kernel(
     name = f"gemv_fp4wblk_{fmt}_p{prefetch}{hint}_c{chunk}_x{xb}_m{xmin}_r{rows}_l{load}"
     params = {"prefetch": prefetch, "chunk": chunk, "hint": hint, "xblock": xb, "xmin": xmin}
     return _build(_WBLOCK_SOURCE, name, fmt, isa, rows=rows, load512=int(load == 512), **params)
+
+
+# Compiler flags of the AMX FP4 GEMV (on top of the avx512 level's): tiles and their int8 dot
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+# Activation rows the AMX kernel takes at most: its tile has 16 int32 columns, one per
+# (activation row, block of a 64-weight chunk): four NVFP4 blocks, two MX blocks
+AMX_MAX_ROWS = {"nvfp4": 4, "mxfp4": 8}
+
+
+def amx_int8_ready() -> bool:
+    """True when the AMX FP4 GEMV can run here: AVX-512 with VBMI, AMX-TILE and AMX-INT8 on the
+    CPU, the avx512 ISA level in force, and the OS granting the tile state."""
+    from torchport.gemm.kernels import _amx_permitted
+
+    info = native.cpu_info()
+    if info.isa != "avx512" or not {"avx512vbmi", "amx_tile", "amx_int8"} <= info.flags:
+        return False
+    return _amx_permitted()
+
+
+@functools.cache
+def gemv_fp4_amx_kernel(fmt: str, hint: str = "T1", chunk: int | None = None) -> GemvKernel:
+    """The AMX-INT8 FP4 GEMV for one to :data:`AMX_MAX_ROWS` activation rows (K a multiple of
+    128; raises NativeError where :func:`amx_int8_ready` is false): per 16 weight rows and 128
+    weights, the decoded int8 weights are two A tiles and the activations block-diagonal B
+    tiles, so one ``tdpbssd`` per 64 weights gives every (row, activation row, block) dot; the
+    vector work left is the decode (three instructions per 128 weights and row) and a ``cvt``,
+    ``mul`` and ``fma`` per 64 weights and row for all activation rows together. ``prefetch``:
+    bytes ahead of each weight row's stream, ``hint`` its locality; ``chunk`` as
+    :func:`gemv_fp4_block_kernel`."""
+    from torchport.gemv.kernels import CHUNK_BYTES, check_hint
+
+    if fmt not in FORMATS:
+        raise ValueError(f"AMX FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
+    check_hint(hint)
+    if not amx_int8_ready():
+        raise native.NativeError(
+            "the AMX FP4 GEMV needs AVX-512 VBMI and AMX-INT8 granted by the OS"
+        )
+    chunk = CHUNK_BYTES if chunk is None else chunk
+    from torchport.gemv.kernels import BF16IO_C, SCHED_C
+    from torchport.native.prelude import AMX_TILE_C
+
+    src = native.render(
+        SCHED_C + AMX_TILE_C + _FORMAT_C + _AMX_SOURCE + BF16IO_C,
+        fmt=fmt,
+        hint=hint,
+        chunk=chunk,
+    )
+    name = f"gemv_fp4amx_{fmt}_{hint}_c{chunk}"
+    lib = native.build(src, name=name, isa="avx512", extra_flags=AMX_FLAGS)
+    return GemvKernel(lib, fmt, int8_isa="avx512")
 
 
 @functools.cache

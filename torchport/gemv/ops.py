@@ -36,6 +36,9 @@ from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
 from torchport.gemv.bf16_kernel import DP_WEIGHTS, gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import (
+    AMX_MAX_ROWS,
+    amx_int8_ready,
+    gemv_fp4_amx_kernel,
     gemv_fp4_block_kernel,
     gemv_fp4_pair_kernel,
     gemv_fp4_wblock_kernel,
@@ -254,6 +257,13 @@ WBLOCK_PREFETCH = (("T1", 3072), ("T0", 4096))
 # 1.066 / 1.044), where on Zen 4 the lane-block kernel's streamed about 20 % slower (hence two
 # 256-bit loads there): both are offered.
 WBLOCK_LOADS = (512, 256)
+# Activation rows (first, last) for which the AMX FP4 kernel is offered, per format. Its cost
+# hardly depends on the rows (one tile of dots serves them all), the vector kernels' grows with
+# them: two threads, weights from DRAM (bench_gemv_kern, medians of 9-11, thirty-fifth session)
+# MXFP4 4096x4096 B=2 0.544 ms against the whole-block kernel's 0.415, B=8 0.597 against 0.800;
+# 11008x4096 B=5 1.515-1.547 against 1.688, B=8 1.546 against 2.330; 4096x11008 B=8 1.583 against
+# 2.264; NVFP4 4096x4096 B=4 0.616 against 0.529 (its tile takes four NVFP4 rows at most).
+AMX_ROWS = {"mxfp4": (5, 8)}
 # The same for the E4M3 shift-decode kernel: NTA 2048 against T0 8192 1.901 -> 1.651 ms (same
 # run; NTA 1024 1.714, 768 1.641). T0 8192 stays a candidate: the AVX-512 kernel streamed from
 # DRAM faster with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one
@@ -316,7 +326,7 @@ def _hinted(kernel: str, table: tuple[tuple[str, int], ...]) -> list[autotune.Ca
 
 
 def candidates(
-    fmt: str, int8: bool = False, k: int | None = None, bx: bool = False
+    fmt: str, int8: bool = False, k: int | None = None, bx: bool = False, rows: int | None = None
 ) -> list[autotune.Candidate]:
     """The search space for one format: the ATen anchor, then the default kernel, then variants.
 
@@ -328,7 +338,9 @@ def candidates(
     on AVX-512 VNNI its whole-block variant (``kernel="wblock"``, K a multiple of 256,
     :data:`WBLOCK_PREFETCH`, :data:`WBLOCK_LOADS`), then the pair-split kernel
     (``kernel="pair"``, K a multiple of 64) unless ``k`` is a multiple of 128, the group-32
-    kernel after them; E4M3 weights try the integer-shift decode
+    kernel after them; where the CPU has AMX-INT8 and ``rows`` is in :data:`AMX_ROWS` of the
+    format, the AMX kernel (``kernel="amx"``, K a multiple of 128, prefetch hint T1 or T0) after
+    the whole-block one; E4M3 weights try the integer-shift decode
     (:mod:`torchport.gemv.fp8_kernel`, ``kernel="shift"``, prefetch :data:`SHIFT_PREFETCH`) first,
     then its four-row unroll (``kernel="shift4"``, :data:`SHIFT4_PREFETCH`; one activation row)
     and its AVX-512 build for two to four rows (``kernel="shift512"``, :data:`SHIFT512_PREFETCH`).
@@ -365,6 +377,21 @@ def candidates(
                 for threads in (0, 1)
                 for load in WBLOCK_LOADS
                 for hint, pf in WBLOCK_PREFETCH
+            ]
+        if (
+            fmt in AMX_ROWS
+            and rows is not None
+            and AMX_ROWS[fmt][0] <= rows <= AMX_ROWS[fmt][1]
+            and (k is None or k % 128 == 0)
+            and amx_int8_ready()
+        ):
+            out += [
+                autotune.Candidate(
+                    f"amx_{'l2' if hint == 'T1' else 'l1'}_t{threads}",
+                    params=(("kernel", "amx"), ("hint", hint), ("threads", threads)),
+                )
+                for threads in (0, 1)
+                for hint in ("T1", "T0")
             ]
         for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
@@ -415,6 +442,13 @@ def _native_kernel(
                 f"whole-block kernel needs AVX-512 VNNI and K % 256 == 0 (K={k}, isa {isa})"
             )
         return gemv_fp4_wblock_kernel(fmt, isa, pf, hint=hint, load=cand.param("load", 512))
+    if cand.param("kernel") == "amx":
+        if k % 128 or not amx_int8_ready() or rows > AMX_MAX_ROWS.get(fmt, 0):
+            raise autotune.InvalidCandidate(
+                f"AMX FP4 kernel needs AMX-INT8, K % 128 == 0 and at most "
+                f"{AMX_MAX_ROWS.get(fmt, 0)} activation rows ({fmt}, K={k}, {rows} rows)"
+            )
+        return gemv_fp4_amx_kernel(fmt, hint=hint)
     if cand.param("kernel") == "pair":
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
@@ -499,7 +533,8 @@ def _after_status(kern: object, status: int, io: bool, raw: tuple[Any, ...], fmt
 
 def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeError:
     """The error for a GEMV kernel's non-zero status (2: K off the kernel's block multiple, 3: its
-    activation buffers could not be allocated)."""
+    activation buffers could not be allocated; the AMX kernel's 6: no tile state, 7: more
+    activation rows than its tile takes)."""
     if status == 2:
         why = f"K={k} is not a multiple of the kernel's block (64, 128 or 256)"
     elif status == 3:
@@ -508,6 +543,10 @@ def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeErro
         why = "the pair-dot kernel got activations that are not bf16 values"
     elif status == NONFINITE_STATUS:
         why = "non-finite activations and no float kernel to take them"
+    elif status == 6:
+        why = "the OS did not grant the AMX tile state"
+    elif status == 7:
+        why = f"{rows} activation rows are more than the kernel's tile takes"
     else:
         why = f"status {status}"
     return native.NativeError(f"gemv kernel {fmt} failed: {why}")
@@ -581,7 +620,7 @@ def plan_for(pw: PackedWeight, rows: int, int8: bool, bx: bool = False) -> Launc
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    cands = candidates(pw.fmt, int8, pw.k, bx)
+    cands = candidates(pw.fmt, int8, pw.k, bx, rows)
     if pw.n * pw.k < TUNE_MIN_WEIGHTS:  # the first candidate that can serve, on one thread
         for c in cands[1:]:
             try:

@@ -169,6 +169,38 @@ TP_INLINE void tp_chunk(int64_t n, int64_t nt, int64_t t, int64_t align, int64_t
 
 PRELUDE = HEADERS + _DEFINITIONS
 
+# The start of every source that runs AMX tiles (the GEMM engine's AMX-BF16 kernel, the FP4
+# GEMV's AMX-INT8 one; compiled with -mamx-tile): the tile state's permission, a compiler barrier
+# for tile loads and the tile configuration's layout.
+AMX_TILE_C = r"""
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+   XTILEDATA, once per process; torch's oneDNN asks the same): 1 granted, 0 refused */
+static int tp_amx_ok = -1;
+static int tp_amx_permit(void) {
+    int ok = __atomic_load_n(&tp_amx_ok, __ATOMIC_ACQUIRE);
+    if (ok < 0) {
+        ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&tp_amx_ok, ok, __ATOMIC_RELEASE);
+    }
+    return ok;
+}
+/* gcc's tile intrinsics tell the compiler of no memory access (_tile_loadd has no memory operand,
+   _tile_loadconfig an 8-byte one): a compiler barrier before each tile load of memory that C
+   code wrote (the config, the packed A, the sums) keeps those stores ahead of it */
+#define TP_TILE_FENCE() __asm__ volatile("" ::: "memory")
+TP_EXPORT int tp_amx_available(void) { return tp_amx_permit(); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tp_tilecfg_t;
+_Static_assert(sizeof(tp_tilecfg_t) == 64, "the tile configuration is 64 bytes");
+"""
+
 
 def render(body: str, **params: object) -> str:
     """Prelude + a template body with ``${name}`` parameters substituted (``string.Template``).
