@@ -33,3 +33,20 @@ def int8_bound(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
     b, k = x.shape
     g = x.reshape(b, k // 32, 32).abs().amax(-1, keepdim=True).expand(b, k // 32, 32)
     return (g.reshape(b, k) / 254).double() @ wd.double().abs().T
+
+
+def check_tiny_groups(kern, fmt: str) -> None:
+    """An int8-activation FP4 kernel on activation groups with amax below 2^-64 (subnormal ones
+    included), which take the scalar quantizer: within the int8 bound (plus the subnormal scale's
+    rounding) of the float64 reference, and no group flushed to zero."""
+    g = torch.Generator().manual_seed(11)
+    pw = pack(fmt, torch.randn(5, 256, generator=g))
+    x = torch.randn(2, 256, generator=g)
+    x[0] *= 1e-38
+    x[1, 32:64] *= 1e-41
+    wd = gops.dequantize_packed(pw)
+    ref = gops.gemv_reference(x.double(), wd)
+    tol = int8_bound(x, wd) * 1.001 + wd.double().abs().sum(1) * 127 * 2.0**-149
+    out = run(kern, x, pw, threads=1)
+    assert bool(((out.double() - ref).abs() <= tol).all())
+    assert bool((out != 0).all())

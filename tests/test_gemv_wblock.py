@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gemv_inputs import int8_bound, pack, run
+from tests.gemv_inputs import check_tiny_groups, int8_bound, pack, run
 from torchport import autotune, native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_wblock_kernel
@@ -146,17 +146,7 @@ def test_matches_lane_block_kernel_and_bound(fmt: str, n: int, k: int, rows: int
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_tiny_groups_stay_within_the_bound(fmt: str) -> None:
     """Groups with amax below 2^-64 (subnormal ones included) take the scalar quantizer."""
-    g = torch.Generator().manual_seed(11)
-    pw = pack(fmt, torch.randn(5, 256, generator=g))
-    x = torch.randn(2, 256, generator=g)
-    x[0] *= 1e-38
-    x[1, 32:64] *= 1e-41
-    wd = gops.dequantize_packed(pw)
-    ref = gops.gemv_reference(x.double(), wd)
-    tol = int8_bound(x, wd) * 1.001 + wd.double().abs().sum(1) * 127 * 2.0**-149
-    out = run(gemv_fp4_wblock_kernel(fmt, "avx512"), x, pw, threads=1)
-    assert bool(((out.double() - ref).abs() <= tol).all())
-    assert bool((out != 0).all())
+    check_tiny_groups(gemv_fp4_wblock_kernel(fmt, "avx512"), fmt)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
