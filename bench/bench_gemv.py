@@ -272,6 +272,8 @@ def main() -> None:
     batches = [1] if args.quick else [1, 4]
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
+        if not all(1 <= b <= G.MAX_ROWS for b in batches):
+            p.error(f"--batches: each must be 1 to {G.MAX_ROWS} activation rows, got {batches}")
     reps = 11 if args.quick else args.reps
     table = BenchTable("gemv", unit="GB/s")
     table.start()

@@ -1,7 +1,7 @@
 """Decode GEMV kernels alone, A/B: streamed weights on one and two threads against the read peak.
 
 Each variant (``--variants``, specs ``fmt:kernel:hint:prefetch[:rows]``, e.g. ``fp8:shift:NTA:2048``,
-``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel, ``nvfp4:amx:T1:1024``: FP4 on AMX-INT8 tiles) is called on
+``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel, ``nvfp4:amx:T1:0``: FP4 on AMX-INT8 tiles, whose prefetch field is unused) is called on
 B = ``--batch`` activation rows against copies of one ``--rows`` × ``--k`` weight on 2 MiB pages,
 rotated over twice the largest reported cache (``cold_bytes``). Every repetition times, interleaved in one process, each
 variant and the native read peak (:mod:`torchport.gemv.readpeak`, one stream without prefetch and

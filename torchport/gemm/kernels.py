@@ -13,9 +13,7 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-import platform
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -463,26 +461,6 @@ def _amx_library(spec: EpilogueSpec, otag: str) -> ctypes.CDLL:
         raise
 
 
-# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): x86-64 Linux's syscall number and arguments
-_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
-
-
-@functools.cache
-def _amx_permitted() -> bool:
-    """Whether Linux grants this process the AMX tile data state (the request the kernels also
-    make, once per process; torch's oneDNN asks the same). Asked from Python: before, the
-    answer came from building an AMX library, 0.49 s of compilation ahead of a fresh cache's
-    first bf16 GEMM, whatever its shape."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = native.c_function(libc, "syscall", [ctypes.c_long] * 3, ctypes.c_long)
-    except (OSError, AttributeError):
-        return False
-    return int(syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
-
-
 def amx_ready() -> bool:
     """True when the AMX-BF16 kernel can run here: the CPU has AMX-TILE, AMX-BF16 and
     AVX512-BF16 (its K tail), the OS grants the tile state, and no AMX library failed to
@@ -491,7 +469,7 @@ def amx_ready() -> bool:
     info = native.cpu_info()
     if not (info.has_amx and info.has_avx512_bf16) or _amx_unbuildable:
         return False
-    return _amx_permitted()
+    return native.amx_permitted()
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-"""FP4 (NVFP4/MXFP4) decode GEMV with int8 activations: the lane-block, whole-block and pair-split
-kernels.
+"""FP4 (NVFP4/MXFP4) decode GEMV with int8 activations: the lane-block, whole-block, pair-split and
+AMX kernels (the last: :func:`gemv_fp4_amx_kernel`, AMX-INT8 tiles, for several activation rows).
 
 **Lane-block kernel** (:func:`gemv_fp4_block_kernel`, K a multiple of 128, tried first). Per
 128 weights (64 bytes, one cache line) it loads the line as two 32-byte halves ``n0``/``n1`` and
@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import subprocess
 
 import torch
 
@@ -109,6 +110,9 @@ _FORMAT_C = r"""
 TP_INLINE __m512 tp_e4m3_words_ps(__m256i h) {
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF)));
 }
+/* FP4 code -> 2 * e2m1 (signed), or 2 * e2m1 + 12 (unsigned), in every 128-bit lane */
+#define TP_LUT_SIGNED _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12))
+#define TP_LUT_UNSIGNED _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0))
 /* tp_quant32 in vector code, the same codes and scale (cvtps2dq rounds as nearbyintf, the
    products are the same; a group with amax < 2^-64 goes through tp_quant32 itself) */
 TP_INLINE float tp_quant32_v(const float *p, int8_t *q) {
@@ -437,9 +441,6 @@ TP_INLINE __m512i tp_negsum128(__m512i c128, __m512i lo, __m512i hi) {
     const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, _mm512_add_epi8(lo, hi));
     return _mm512_sub_epi32(_mm512_setzero_si512(), t);
 }
-/* FP4 code -> 2 * e2m1 (signed), or 2 * e2m1 + 12 (unsigned), in every 128-bit lane */
-#define TP_LUT_SIGNED _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12))
-#define TP_LUT_UNSIGNED _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0))
 /* The four group scales of a chunk (floats p[0..3]) as lanes {4g..4g+3} <- p[g] */
 #define TP_XS_IDX _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
 #define TP_XS(p) _mm512_permutexvar_ps(xsi, _mm512_castps128_ps512(_mm_loadu_ps(p)))
@@ -918,7 +919,7 @@ TP_INLINE void tp_row256_part(const int8_t *xr, const int32_t *corr, const float
                               const uint8_t *w, const uint8_t *sc, int64_t sstride, const char *pfa,
                               const uint8_t *pfw, const uint8_t *pfs, int pfr, int64_t u0, int64_t u1,
                               __m512 *accp, const int NB, const int R) {
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i lut = TP_LUT_UNSIGNED;
 #if defined(__AVX512VBMI__)
 #define TP_NIBBLES(idx) _mm512_permutexvar_epi8((idx), lut)
 #else
@@ -1124,7 +1125,7 @@ static void tp_amx_btiles(const int8_t *q, int64_t B, int64_t K, int32_t *bt) {
    row i at 64 i): vpermb of the low and the high nibbles, table 2 * e2m1, and one 512-bit store
    per tile row (two 256-bit halves each: 10 % slower, one thread, L2-resident 256x4096 B=4). */
 TP_INLINE void tp_amx_decode(const uint8_t *w, int64_t WR, int64_t n0, int nr, int64_t u, int8_t *stage) {
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+    const __m512i lut = TP_LUT_SIGNED;
     for (int i = 0; i < nr; ++i) {
         const uint8_t *wp = w + (n0 + i) * WR + u * 32;
         const __m512i v = _mm512_loadu_si512((const void *)wp);
@@ -1170,64 +1171,45 @@ TP_INLINE void tp_amx_scale(const uint8_t *scales, int64_t sstride, int64_t n0, 
 }
 
 /* Rows [n0, n0 + nr) (nr <= 16) of the weight against every activation row, two chunks (128
-   weights) a step, software-pipelined over tiles that are not renamed: step t loads its A and B
-   tiles and issues its two TDPBSSDs into C tiles 4, 5 (even t) or 6, 7 (odd t), then stores step
-   t - 1's dots (done meanwhile), decodes step t + 1's weights into the other stage buffer and
-   scales step t - 2's stored dots into the accumulators. */
-#define TP_AMX_STEP(C0, C1)                                                                           \
-    do {                                                                                              \
-        const int64_t u = 2 * t;                                                                      \
-        for (int64_t l = t * lw / steps; l < (t + 1) * lw / steps; ++l) _mm_prefetch(pw + 64 * l, _MM_HINT_${hint}); \
-        for (int64_t l = t * ls / steps; l < (t + 1) * ls / steps; ++l) _mm_prefetch(ps + 64 * l, _MM_HINT_${hint}); \
-        const int8_t *st = stage + 2048 * (t & 1);                                                   \
-        TP_TILE_FENCE();                                                                              \
-        _tile_loadd(0, st, 64);                                                                       \
-        _tile_loadd(1, st + 1024, 64);                                                                \
-        _tile_loadd(2, bt + u * 16 * C, C * 4);                                                       \
-        _tile_loadd(3, bt + (u + 1) * 16 * C, C * 4);                                                 \
-        _tile_zero(C0);                                                                               \
-        _tile_zero(C1);                                                                               \
-        _tile_dpbssd(C0, 0, 2);                                                                       \
-        _tile_dpbssd(C1, 1, 3);                                                                       \
-        if (t) { /* step t - 1's dots, in the other C tiles */                                        \
-            int32_t *cb = cbuf + 512 * ((t - 1) & 1);                                                 \
-            if (C0 == 4) { _tile_stored(6, cb, 64); _tile_stored(7, cb + 256, 64); }                  \
-            else { _tile_stored(4, cb, 64); _tile_stored(5, cb + 256, 64); }                          \
-        }                                                                                             \
-        if (t + 1 < steps) tp_amx_decode(w, WR, n0, nr, u + 2, stage + 2048 * ((t + 1) & 1));         \
-        if (t >= 2) tp_amx_scale(scales, sstride, n0, nr, u - 4, asv, cbuf + 512 * (t & 1), sbuf, acc); \
-        TP_TILE_FENCE();                                                                              \
-    } while (0)
-
+   weights) a step, software-pipelined: step t loads its A and B tiles and issues its two
+   TDPBSSDs, then (while the tile unit works) decodes step t + 1's weights into the other stage
+   buffer and scales step t - 1's dots (stored at the end of step t - 1, in the other cbuf half)
+   into the accumulators, then stores its own dots. (C tiles alternating between steps, each
+   stored a step later, measured no faster.) Meanwhile the next group's rows [p0, p1), whose
+   weights and scales are contiguous, stream into the cache, a step's share of their lines at a
+   time: the group's own rows then load from L2, and memory is read in order rather than as
+   sixteen interleaved row streams. */
 TP_INLINE void tp_amx_rows(const uint8_t *w, const uint8_t *scales, int64_t sstride, int64_t K,
                            const int32_t *bt, const float *asv, int64_t C, int64_t n0, int nr,
                            int64_t p0, int64_t p1, int8_t *stage, int32_t *cbuf, float *sbuf, __m512 *acc) {
     const int64_t WR = K / 2, steps = K / 128;
-    /* the next group's rows [p0, p1) (contiguous weights and scales) stream into L2 meanwhile,
-       a step's share of their lines at a time: the group's own rows then load from L2, and
-       memory is read in order rather than as sixteen interleaved row streams */
     const char *pw = (const char *)(w + p0 * WR), *ps = (const char *)(scales + p0 * sstride);
     const int64_t lw = (p1 - p0) * WR / 64, ls = ((p1 - p0) * sstride + 63) / 64;
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     tp_amx_decode(w, WR, n0, nr, 0, stage);
-    int64_t t = 0;
-    for (; t + 1 < steps; t += 2) {
-        TP_AMX_STEP(4, 5);
-        ++t;
-        TP_AMX_STEP(6, 7);
-        --t;
+    for (int64_t t = 0; t < steps; ++t) {
+        const int64_t u = 2 * t;
+        for (int64_t l = t * lw / steps; l < (t + 1) * lw / steps; ++l) _mm_prefetch(pw + 64 * l, _MM_HINT_${hint});
+        for (int64_t l = t * ls / steps; l < (t + 1) * ls / steps; ++l) _mm_prefetch(ps + 64 * l, _MM_HINT_${hint});
+        const int8_t *st = stage + 2048 * (t & 1);
+        int32_t *cb = cbuf + 512 * (t & 1);
+        TP_TILE_FENCE();
+        _tile_loadd(0, st, 64);
+        _tile_loadd(1, st + 1024, 64);
+        _tile_loadd(2, bt + u * 16 * C, C * 4);
+        _tile_loadd(3, bt + (u + 1) * 16 * C, C * 4);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_dpbssd(4, 0, 2);
+        _tile_dpbssd(5, 1, 3);
+        if (t + 1 < steps) tp_amx_decode(w, WR, n0, nr, u + 2, stage + 2048 * ((t + 1) & 1));
+        if (t) tp_amx_scale(scales, sstride, n0, nr, u - 2, asv, cbuf + 512 * ((t - 1) & 1), sbuf, acc);
+        _tile_stored(4, cb, 64);
+        _tile_stored(5, cb + 256, 64);
+        TP_TILE_FENCE();
     }
-    if (t < steps) TP_AMX_STEP(4, 5);   /* (t = steps - 1, even) */
-    /* the last step's dots, then the last two steps' scaling */
-    int32_t *cb = cbuf + 512 * ((steps - 1) & 1);
-    TP_TILE_FENCE();
-    if ((steps - 1) & 1) { _tile_stored(6, cb, 64); _tile_stored(7, cb + 256, 64); }
-    else { _tile_stored(4, cb, 64); _tile_stored(5, cb + 256, 64); }
-    TP_TILE_FENCE();
-    if (steps >= 2) tp_amx_scale(scales, sstride, n0, nr, 2 * steps - 4, asv, cbuf + 512 * (steps & 1), sbuf, acc);
-    tp_amx_scale(scales, sstride, n0, nr, 2 * steps - 2, asv, cb, sbuf, acc);
+    tp_amx_scale(scales, sstride, n0, nr, 2 * steps - 2, asv, cbuf + 512 * ((steps - 1) & 1), sbuf, acc);
 }
-#undef TP_AMX_STEP
 
 /* Same contract as the other GEMVs (rowscale unused); K must be a multiple of 128 (status 2), the
    OS must grant the AMX tile state (status 6) and B be 1 to 16 / TP_NJ (status 7). */
@@ -1235,7 +1217,7 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
                       const float *rowscale, double pts_d, const float *bias, int64_t has_bias,
                       float *out, int64_t N, int64_t nthreads) {
     (void)rowscale;
-    if (K % 128) return 2;
+    if (K <= 0 || K % 128) return 2;
     if (!tp_amx_permit()) return 6;
     if (B < 1 || B * TP_NJ > 16) return 7;
     if (tp_any_nonfinite(x, B * K)) return TP_NONFINITE;
@@ -1260,15 +1242,15 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         tp_tilecfg_t cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) cfg.rows[t] = 16;
+        for (int t = 0; t < 6; ++t) cfg.rows[t] = 16;
         cfg.colsb[0] = cfg.colsb[1] = 64;                                  /* A: 16 rows x 64 codes */
-        for (int t = 2; t < 8; ++t) cfg.colsb[t] = (uint16_t)(C * 4);   /* B, and C (two sets) */
+        for (int t = 2; t < 6; ++t) cfg.colsb[t] = (uint16_t)(C * 4);   /* B, C */
         TP_TILE_FENCE();
         _tile_loadconfig(&cfg);
         int8_t stage[4096] __attribute__((aligned(64)));
         int32_t cbuf[1024] __attribute__((aligned(64)));
         float sbuf[256] __attribute__((aligned(64)));
-        float sums[256] __attribute__((aligned(64)));
+        float sums[16] __attribute__((aligned(64)));
         memset(stage, 0, sizeof stage);
         memset(cbuf, 0, sizeof cbuf);
         memset(sbuf, 0, sizeof sbuf);
@@ -1416,48 +1398,68 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 AMX_MAX_ROWS = {"nvfp4": 4, "mxfp4": 8}
 
 
-def amx_int8_ready() -> bool:
-    """True when the AMX FP4 GEMV can run here: AVX-512 with VBMI, AMX-TILE and AMX-INT8 on the
-    CPU, the avx512 ISA level in force, and the OS granting the tile state."""
-    from torchport.gemm.kernels import _amx_permitted
+# Set when an AMX GEMV library fails to compile (a compiler without -mamx-int8): no AMX candidates
+# from then on in this process, rather than a failing compile for every new shape
+_amx_unbuildable: list[bool] = []
 
+
+def _amx_int8_missing() -> str | None:
+    """Why the AMX FP4 GEMV cannot run here (None: it can)."""
     info = native.cpu_info()
-    if info.isa != "avx512" or not {"avx512vbmi", "amx_tile", "amx_int8"} <= info.flags:
-        return False
-    return _amx_permitted()
+    if info.isa != "avx512":
+        return f"the avx512 ISA level (isa is {info.isa!r})"
+    lacking = sorted({"avx512vbmi", "amx_tile", "amx_int8"} - info.flags)
+    if lacking:
+        return f"CPU flags {', '.join(lacking)} (absent here)"
+    if _amx_unbuildable:
+        return "a compiler that builds AMX-INT8 (an AMX library failed to compile here)"
+    if not native.amx_permitted():
+        return "the AMX tile state, which the OS did not grant"
+    return None
+
+
+def amx_int8_ready() -> bool:
+    """True when the AMX FP4 GEMV can run here: the avx512 ISA level in force on a CPU with
+    AVX-512 VBMI, AMX-TILE and AMX-INT8, the OS granting the tile state, and no AMX GEMV
+    library having failed to compile in this process."""
+    return _amx_int8_missing() is None
 
 
 @functools.cache
 def gemv_fp4_amx_kernel(fmt: str, hint: str = "T1", chunk: int | None = None) -> GemvKernel:
     """The AMX-INT8 FP4 GEMV for one to :data:`AMX_MAX_ROWS` activation rows (K a multiple of
-    128; raises NativeError where :func:`amx_int8_ready` is false): per 16 weight rows and 128
-    weights, the decoded int8 weights are two A tiles and the activations block-diagonal B
-    tiles, so one ``tdpbssd`` per 64 weights gives every (row, activation row, block) dot; the
-    vector work left is the decode (three instructions per 128 weights and row) and a ``cvt``,
-    ``mul`` and ``fma`` per 64 weights and row for all activation rows together. ``prefetch``:
-    bytes ahead of each weight row's stream, ``hint`` its locality; ``chunk`` as
-    :func:`gemv_fp4_block_kernel`."""
-    from torchport.gemv.kernels import CHUNK_BYTES, check_hint
+    128; raises NativeError, naming what is missing, where :func:`amx_int8_ready` is false).
+
+    Per 16 weight rows and 128 weights the decoded int8 weights (``2·e2m1``: a ``vpermb`` of
+    the low and of the high nibbles, a ``vshufi64x2`` and a store per tile row and 64 weights)
+    are two A tiles and the activations block-diagonal B tiles, so one ``tdpbssd`` per 64
+    weights gives every (weight row, activation row, block) dot product; per 64 weights and row a
+    ``cvt``, ``mul`` and ``fma`` then scale them for all activation rows at once. There is no
+    prefetch distance: while a group of 16 rows runs, the next group's rows (contiguous in
+    memory) are prefetched with locality ``hint`` (``T1``: into L2; ``T0``: every level).
+    ``chunk``: weight bytes per row claim as :func:`gemv_fp4_block_kernel` (rounded up to 16
+    rows; 0 = one static split)."""
+    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, check_hint
+    from torchport.native.prelude import AMX_TILE_C
 
     if fmt not in FORMATS:
         raise ValueError(f"AMX FP4 gemv format must be one of {FORMATS}, got {fmt!r}")
     check_hint(hint)
-    if not amx_int8_ready():
-        raise native.NativeError(
-            "the AMX FP4 GEMV needs AVX-512 VBMI and AMX-INT8 granted by the OS"
-        )
+    missing = _amx_int8_missing()
+    if missing is not None:
+        raise native.NativeError(f"the AMX FP4 GEMV needs {missing}")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    from torchport.gemv.kernels import BF16IO_C, SCHED_C
-    from torchport.native.prelude import AMX_TILE_C
-
     src = native.render(
-        SCHED_C + AMX_TILE_C + _FORMAT_C + _AMX_SOURCE + BF16IO_C,
-        fmt=fmt,
-        hint=hint,
-        chunk=chunk,
+        SCHED_C + AMX_TILE_C + _FORMAT_C + _AMX_SOURCE + BF16IO_C, fmt=fmt, hint=hint, chunk=chunk
     )
-    name = f"gemv_fp4amx_{fmt}_{hint}_c{chunk}"
-    lib = native.build(src, name=name, isa="avx512", extra_flags=AMX_FLAGS)
+    try:
+        lib = native.build(
+            src, name=f"gemv_fp4amx_{fmt}_{hint}_c{chunk}", isa="avx512", extra_flags=AMX_FLAGS
+        )
+    except native.CompileError as e:
+        if not isinstance(e.__cause__, subprocess.TimeoutExpired):  # a rejection, not a timeout
+            _amx_unbuildable.append(True)
+        raise
     return GemvKernel(lib, fmt, int8_isa="avx512")
 
 

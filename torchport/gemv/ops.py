@@ -259,10 +259,12 @@ WBLOCK_PREFETCH = (("T1", 3072), ("T0", 4096))
 WBLOCK_LOADS = (512, 256)
 # Activation rows (first, last) for which the AMX FP4 kernel is offered, per format. Its cost
 # hardly depends on the rows (one tile of dots serves them all), the vector kernels' grows with
-# them: two threads, weights from DRAM (bench_gemv_kern, medians of 9-11, thirty-fifth session)
-# MXFP4 4096x4096 B=2 0.544 ms against the whole-block kernel's 0.415, B=8 0.597 against 0.800;
-# 11008x4096 B=5 1.515-1.547 against 1.688, B=8 1.546 against 2.330; 4096x11008 B=8 1.583 against
-# 2.264; NVFP4 4096x4096 B=4 0.616 against 0.529 (its tile takes four NVFP4 rows at most).
+# them. Two threads, weights from DRAM, MXFP4 (bench_gemv_kern, medians of 9, thirty-fifth
+# session; AMX T1 against the faster of the lane-block and whole-block kernels): 4096x4096 B=5
+# 0.584 against 0.653 ms, B=8 0.608 against 0.813; 11008x4096 B=5 1.540 / 1.660, B=8 1.538 /
+# 2.153; 4096x11008 B=5 1.516 / 1.558, B=8 1.609 / 2.179. Below five rows it lost (4096x4096
+# B=2 0.544 against the lane-block kernel's 0.409, B=4 0.564 against the whole-block kernel's
+# 0.521; NVFP4 B=4 0.610 against 0.512), and its tile takes four NVFP4 rows at most.
 AMX_ROWS = {"mxfp4": (5, 8)}
 # The same for the E4M3 shift-decode kernel: NTA 2048 against T0 8192 1.901 -> 1.651 ms (same
 # run; NTA 1024 1.714, 768 1.641). T0 8192 stays a candidate: the AVX-512 kernel streamed from
@@ -443,11 +445,14 @@ def _native_kernel(
             )
         return gemv_fp4_wblock_kernel(fmt, isa, pf, hint=hint, load=cand.param("load", 512))
     if cand.param("kernel") == "amx":
-        if k % 128 or not amx_int8_ready() or rows > AMX_MAX_ROWS.get(fmt, 0):
+        most = AMX_MAX_ROWS.get(fmt, 0)
+        if k % 128 or not 1 <= rows <= most:
             raise autotune.InvalidCandidate(
-                f"AMX FP4 kernel needs AMX-INT8, K % 128 == 0 and at most "
-                f"{AMX_MAX_ROWS.get(fmt, 0)} activation rows ({fmt}, K={k}, {rows} rows)"
+                f"AMX FP4 kernel needs K % 128 == 0 and 1 to {most} activation rows "
+                f"({fmt}, K={k}, {rows} rows)"
             )
+        if not amx_int8_ready():
+            raise autotune.InvalidCandidate("AMX FP4 kernel cannot run here (amx_int8_ready)")
         return gemv_fp4_amx_kernel(fmt, hint=hint)
     if cand.param("kernel") == "pair":
         if k % 64 or isa == "scalar":
@@ -546,7 +551,8 @@ def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeErro
     elif status == 6:
         why = "the OS did not grant the AMX tile state"
     elif status == 7:
-        why = f"{rows} activation rows are more than the kernel's tile takes"
+        most = AMX_MAX_ROWS.get(fmt, 0)
+        why = f"the AMX kernel takes 1 to {most} activation rows of {fmt} weights, got {rows}"
     else:
         why = f"status {status}"
     return native.NativeError(f"gemv kernel {fmt} failed: {why}")

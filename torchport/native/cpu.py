@@ -11,9 +11,11 @@ templates may target, lowered further by ``torchport.config.isa``:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
+import sys
 from dataclasses import dataclass
 
 from torchport import config
@@ -151,3 +153,24 @@ def isa_flags(isa: str) -> list[str]:
         if info.has("avx512vbmi"):
             flags.append("-mavx512vbmi")
     return flags
+
+
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): x86-64 Linux's syscall number and arguments
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux grants this process the AMX tile data state (the request the AMX kernels
+    also make, once per process; torch's oneDNN asks the same). Asked from Python, so that
+    whether AMX candidates exist does not depend on building an AMX library first."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    from torchport.native.launch import c_function
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = c_function(libc, "syscall", [ctypes.c_long] * 3, ctypes.c_long)
+    except (OSError, AttributeError):
+        return False
+    return int(syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
