@@ -1,7 +1,7 @@
 """Decode GEMV kernels alone, A/B: streamed weights on one and two threads against the read peak.
 
 Each variant (``--variants``, specs ``fmt:kernel:hint:prefetch[:rows]``, e.g. ``fp8:shift:NTA:2048``,
-``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel, ``nvfp4:amx:T1:0``: FP4 on AMX-INT8 tiles, whose prefetch field is unused) is called on
+``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel, ``fp8:dpamx:T1:0``: on AMX-BF16 tiles, ``nvfp4:amx:T1:0``: FP4 on AMX-INT8 tiles, whose prefetch field is unused) is called on
 B = ``--batch`` activation rows against copies of one ``--rows`` × ``--k`` weight on 2 MiB pages,
 rotated over twice the largest reported cache (``cold_bytes``). Every repetition times, interleaved in one process, each
 variant and the native read peak (:mod:`torchport.gemv.readpeak`, one stream without prefetch and
@@ -80,11 +80,12 @@ def _kernel(spec: str) -> tuple[str, object]:
         return fmt, gemv_fp4_wblock_kernel(fmt, isa, int(pf), hint=hint, rows=rows, **extra)
     if kind == "amx":  # FP4 weights on AMX-INT8 tiles
         return fmt, gemv_fp4_amx_kernel(fmt, hint=hint)  # (no prefetch distance: next group)
-    if kind == "dp":  # bf16 weights, or E4M3 ones decoded to bf16 (bf16-valued activations)
+    if kind in ("dp", "dpamx"):  # bf16 weights, or E4M3 decoded to bf16 (bf16-valued activations)
         if fmt not in ("bf16", "fp8"):
-            raise ValueError(f"the dp kernel takes bf16 or fp8 weights, got spec {spec!r}")
+            raise ValueError(f"the dp kernels take bf16 or fp8 weights, got spec {spec!r}")
         weights = "bf16" if fmt == "bf16" else "fp8_e4m3"
-        return fmt, gemv_bf16_dp_kernel(isa, int(pf), hint=hint, weights=weights)
+        amx = kind == "dpamx"  # on AMX-BF16 tiles (its prefetch field unused)
+        return fmt, gemv_bf16_dp_kernel(isa, int(pf), hint=hint, weights=weights, amx=amx)
     if kind == "native":
         r4 = int(rest[0]) if rest else None
         return fmt, gemv_kernel(fmt, isa, int(pf), r4)
@@ -119,7 +120,7 @@ def main() -> None:
 
         # bf16 weights and the dp kernel meet bf16-valued activations (a bf16 model's; the dp
         # kernel's pair-dot path takes only those)
-        xv = x.bfloat16().float() if fmt == "bf16" or ":dp:" in spec else x
+        xv = x.bfloat16().float() if fmt == "bf16" or spec.split(":")[1] in ("dp", "dpamx") else x
 
         def run(i: int, th: int, _k=kern, _w=ws, _o=out, _x=xv) -> None:
             _launch(_k, _x, _w[i % len(_w)], None, _o, th)

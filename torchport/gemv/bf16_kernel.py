@@ -87,6 +87,7 @@ import functools
 
 from torchport import native
 from torchport.gemv.kernels import GemvKernel
+from torchport.native.prelude import AMX_TILE_C
 
 _SOURCE = r"""
 #include <stdlib.h>
@@ -320,6 +321,67 @@ TP_INLINE void tp_rows_dp(const uint16_t *xp, int64_t K32, const tp_wt *w, int64
 #define TP_KB_MIN_B 2
 #endif
 
+#define TP_AMX ${amx}
+#if TP_AMX
+/* AMX-BF16 (TDPBF16PS) for several activation rows: per 16 weight rows and 64 weights the two
+   bf16 weight vectors of tp_wstep (E4M3 decoded; bf16 as loaded) of each row are two A tiles'
+   rows, and the narrowed activations (already in tp_wstep's order) are B tiles of 16 k-pairs x B
+   columns, built once per call: tile c, row p, column b holds activation row b's pair
+   (2 p, 2 p + 1) of its 32-element chunk c. The sums stay in one C tile over all of K: no
+   per-step work beyond the decode. */
+
+/* The B tiles: bt[c][p][b] = narrowed row b's 32-bit pair 16 c + p (K32 / 32 chunks). */
+static void tp_amx_btiles(const uint16_t *xp, int64_t B, int64_t K32, uint32_t *bt) {
+    for (int64_t b = 0; b < B; ++b) {
+        const uint32_t *xr = (const uint32_t *)(xp + b * K32);
+        for (int64_t q = 0; q < K32 / 2; ++q) bt[q * B + b] = xr[q];
+    }
+}
+
+/* Rows [n0, n0 + nr) (nr <= 16) against every activation row: their float sums into sums (16
+   rows x 16, row i's B sums first). Double-buffered stage: step s's weights decode into half
+   s & 1 while the tile unit still reads the other half's; the next group's rows [p0, p1)
+   (contiguous) are prefetched meanwhile, a step's share at a time. */
+TP_INLINE void tp_amx_dp_rows(const tp_wt *w, int64_t K, int64_t K32, const uint32_t *bt, int64_t B,
+                              int64_t n0, int nr, int64_t p0, int64_t p1, uint16_t *stage, float *sums) {
+    const int64_t steps = (K + 63) / 64, K64 = K / 64 * 64;
+    const char *pw = (const char *)(w + p0 * K);
+    const int64_t lw = (p1 - p0) * K * TP_WB / 64;
+    _tile_zero(4);
+    for (int64_t s = 0; s < steps; ++s) {
+        const int64_t k = 64 * s;
+        for (int64_t l = s * lw / steps; l < (s + 1) * lw / steps; ++l) _mm_prefetch(pw + 64 * l, _MM_HINT_${hint});
+        uint16_t *st = stage + 2048 * (s & 1);
+        for (int i = 0; i < nr; ++i) {
+            const tp_wt *wr = w + (n0 + i) * K;
+            __m512bh w0, w1;
+            if (k < K64) {
+                tp_wstep(wr, k, &w0, &w1);
+            } else {
+#if defined(TP_W_fp8_e4m3)
+                tp_wtail(wr, k, K, &w0, &w1);
+#else
+                const int64_t r0 = K - k < 32 ? K - k : 32, r1 = K - k - r0;
+                w0 = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)(r0 >= 32 ? ~0u : (1u << r0) - 1u), wr + k);
+                w1 = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)(r1 >= 32 ? ~0u : (1u << r1) - 1u), wr + k + 32);
+#endif
+            }
+            _mm512_store_si512((void *)(st + 32 * i), (__m512i)w0);
+            _mm512_store_si512((void *)(st + 512 + 32 * i), (__m512i)w1);
+        }
+        TP_TILE_FENCE();
+        _tile_loadd(0, st, 64);
+        _tile_loadd(1, st + 512, 64);
+        _tile_loadd(2, bt + (2 * s) * 16 * B, B * 4);
+        _tile_loadd(3, bt + (2 * s + 1) * 16 * B, B * 4);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(4, 1, 3);
+    }
+    _tile_stored(4, sums, 64);
+    TP_TILE_FENCE();
+}
+#endif
+
 /* Same contract as the float kernel's GEMV of this weight format (bf16: tp_gemv_float above, the
    float kernel itself, serves activations that are not all bf16 values; E4M3: status 4 for them,
    the caller takes another kernel). E4M3 rows are scaled by rowscale[n] before the bias. */
@@ -355,6 +417,57 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
 #endif
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
+#if TP_AMX
+    if (B > 16 || !tp_amx_permit()) {
+        free(xp);
+        if (outh) free(out);
+        return B > 16 ? 7 : 6;
+    }
+    const int64_t npairs = (K + 63) / 64 * 32;   /* k-pairs the tiles cover: whole 64-weight steps */
+    uint32_t *bt = (uint32_t *)aligned_alloc(64, ((size_t)(npairs * B) * 4 + 63) / 64 * 64);
+    if (!bt) { free(xp); if (outh) free(out); return 3; }
+    memset(bt, 0, (size_t)(npairs * B) * 4);
+    tp_amx_btiles(xp, B, K32, bt);
+    const int64_t tp_astep_ = (tp_chunk_rows(nt, K * TP_WB, ${chunk}) + 15) / 16 * 16;
+    #pragma omp parallel num_threads(nt)
+    {
+        tp_tilecfg_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 5; ++t) cfg.rows[t] = 16;
+        cfg.colsb[0] = cfg.colsb[1] = 64;                                    /* A: 16 rows x 32 bf16 */
+        cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[4] = (uint16_t)(B * 4);      /* B: 16 k-pairs x B; C */
+        TP_TILE_FENCE();
+        _tile_loadconfig(&cfg);
+        uint16_t stage[4096] __attribute__((aligned(64)));
+        float sums[256] __attribute__((aligned(64)));
+        memset(stage, 0, sizeof stage);
+        int64_t lo, hi, nlo = 0, nhi = 0;
+        int tp_st_ = 0, ahead = 0;
+        while (tp_claim_rows_ahead(&tp_next_, N, tp_astep_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)) {
+            for (int64_t n0 = lo; n0 < hi; n0 += 16) {
+                const int nr = (int)(hi - n0 < 16 ? hi - n0 : 16);
+                int64_t p1 = 0;
+                const int64_t p0 = tp_next_group(n0 + nr, hi, 16, &tp_next_, N, tp_astep_, &tp_st_, &nlo, &nhi, &ahead, &p1);
+                if (nr < 16) memset(stage, 0, sizeof stage);
+                tp_amx_dp_rows(w, K, K32, bt, B, n0, nr, p0, p1, stage, sums);
+                for (int i = 0; i < nr; ++i)
+                    for (int64_t b = 0; b < B; ++b) {
+                        const int64_t n = n0 + i;
+                        float v = sums[16 * i + b] * TP_POST(n);
+                        if (has_bias) v += bias[n];
+                        out[b * N + n] = v;
+                        if (outh) outh[b * N + n] = tp_bf16_as_torch(v);
+                    }
+            }
+        }
+        _tile_release();
+    }
+    free(bt);
+    free(xp);
+    if (outh) free(out);
+    return 0;
+#endif
     const int64_t tp_step_ = tp_chunk_rows(nt, K * TP_WB, ${chunk});
     const int64_t K64 = K / 64 * 64;
     int64_t kb_len = 0;   /* K block (activations per row), 0: K in one piece */
@@ -524,6 +637,7 @@ def gemv_bf16_dp_kernel(
     hint: str = "T0",
     xblock: int | None = None,
     weights: str = "bf16",
+    amx: bool = False,
 ) -> GemvKernel:
     """The ``vdpbf16ps`` GEMV (entry ``tp_gemv``, the same arguments as
     :func:`torchport.gemv.kernels.gemv_kernel`'s kernel of the weight format ``weights``: bf16 or
@@ -548,6 +662,11 @@ def gemv_bf16_dp_kernel(
     if weights not in DP_WEIGHTS:
         raise ValueError(f"vdpbf16ps gemv weights must be one of {DP_WEIGHTS}, got {weights!r}")
     chunk = CHUNK_BYTES if chunk is None else chunk
+    if amx and not amx_dp_ready():
+        raise native.NativeError(
+            "the AMX-BF16 GEMV needs AMX-TILE, AMX-BF16 and AVX512-BF16 granted by the OS "
+            f"(isa {isa!r})"
+        )
     fp8 = weights == "fp8_e4m3"
     hi, lo = _e4m3_bf16_bytes() if fp8 else ("0", "0")
     params: dict[str, object] = dict(
@@ -559,6 +678,7 @@ def gemv_bf16_dp_kernel(
         pair_min_b=PAIR_MIN_B,
         hint=hint,
         xblock=(FP8_XBLOCK_BYTES if fp8 else XBLOCK_BYTES) if xblock is None else xblock,
+        amx=int(amx),
     )
     if not fp8:  # bf16 weights: the float kernel serves float32 activations (its parameters)
         params.update(
@@ -569,7 +689,25 @@ def gemv_bf16_dp_kernel(
             rows4=0,
             fxblock=FLOAT_XBLOCK_BYTES,
         )
-    src = native.render(SCHED_C + ("" if fp8 else _float_kernel_source()) + _SOURCE, **params)
-    name = f"gemv_{'fp8' if fp8 else 'bf16'}dp_{isa}_p{prefetch}{hint}_c{chunk}"
+    tiles = AMX_TILE_C if amx else ""
+    src = native.render(
+        SCHED_C + tiles + ("" if fp8 else _float_kernel_source()) + _SOURCE, **params
+    )
+    name = (
+        f"gemv_{'fp8' if fp8 else 'bf16'}dp{'amx' if amx else ''}_{isa}_p{prefetch}{hint}_c{chunk}"
+    )
     name += "" if xblock is None else f"_x{xblock}"
-    return GemvKernel(native.build(src, name=name, isa=isa), weights)
+    flags = AMX_BF16_FLAGS if amx else ()
+    return GemvKernel(native.build(src, name=name, isa=isa, extra_flags=flags), weights)
+
+
+# Compiler flags of the AMX build (on top of the avx512 level's)
+AMX_BF16_FLAGS = ("-mamx-tile", "-mamx-bf16")
+
+
+def amx_dp_ready() -> bool:
+    """True when the AMX build of this kernel can run: the GEMM engine's AMX-BF16 condition
+    (CPU flags, the avx512 ISA level, the OS's tile state, no failed AMX build)."""
+    from torchport.gemm.kernels import amx_ready
+
+    return native.cpu_info().isa == "avx512" and amx_ready()

@@ -34,7 +34,7 @@ import torch
 
 from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
-from torchport.gemv.bf16_kernel import DP_WEIGHTS, gemv_bf16_dp_kernel
+from torchport.gemv.bf16_kernel import DP_WEIGHTS, amx_dp_ready, gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import (
     AMX_MAX_ROWS,
     amx_int8_ready,
@@ -266,6 +266,14 @@ WBLOCK_LOADS = (512, 256)
 # B=2 0.544 against the lane-block kernel's 0.409, B=4 0.564 against the whole-block kernel's
 # 0.521; NVFP4 B=4 0.610 against 0.512), and its tile takes four NVFP4 rows at most.
 AMX_ROWS = {"mxfp4": (5, 8)}
+# The same for the AMX-BF16 build of the pair-dot kernel (bf16 and E4M3 weights, bf16-valued
+# activations; kernel "dpamx", hint T1: T0 measured 1.1-1.7x slower). Two threads, weights from
+# DRAM (bench_gemv_kern, medians of 7, thirty-fifth session), against the vdpbf16ps kernel T1
+# 2048: E4M3 11008x4096 B=2 2.346 / 2.118 ms, B=3 2.435 / 2.495, B=4 2.601 / 3.327, B=8 3.254 /
+# 6.635; 4096x4096 B=3 0.937 / 0.936, B=4 0.928 / 1.114, B=8 1.046 / 2.181; 4096x11008 B=4
+# 2.589 / 2.959 (NTA 2048: 2.667); bf16 11008x4096 B=4 4.209 / 4.040, B=5 4.189 / 5.009, B=6
+# 4.098 / 5.393, B=8 4.124 / 6.538; 4096x4096 B=5 1.591 / 1.696.
+DPAMX_ROWS = {"fp8_e4m3": (4, 8), "bf16": (5, 8)}
 # The same for the E4M3 shift-decode kernel: NTA 2048 against T0 8192 1.901 -> 1.651 ms (same
 # run; NTA 1024 1.714, 768 1.641). T0 8192 stays a candidate: the AVX-512 kernel streamed from
 # DRAM faster with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one
@@ -327,6 +335,15 @@ def _hinted(kernel: str, table: tuple[tuple[str, int], ...]) -> list[autotune.Ca
     ]
 
 
+def _dpamx(fmt: str, rows: int | None) -> list[autotune.Candidate]:
+    """The AMX-BF16 pair-dot candidates (hint T1, each thread mode) where ``rows`` is in
+    :data:`DPAMX_ROWS` of ``fmt`` and the CPU has AMX-BF16."""
+    lo, hi = DPAMX_ROWS.get(fmt, (1, 0))
+    if rows is None or not lo <= rows <= hi or not amx_dp_ready():
+        return []
+    return _hinted("dpamx", (("T1", 0),))
+
+
 def candidates(
     fmt: str, int8: bool = False, k: int | None = None, bx: bool = False, rows: int | None = None
 ) -> list[autotune.Candidate]:
@@ -351,7 +368,9 @@ def candidates(
     kernel then only with prefetch 512; the tuner times them on bf16-valued activations. E4M3
     weights meeting bf16 activations (``bx``: the caller's activations are a bfloat16 tensor)
     try the same kernel, its weights decoded to bf16 (``weights="fp8_e4m3"``), before the shift
-    kernels (it refuses float32 activations: status 4).
+    kernels (it refuses float32 activations: status 4). Where ``rows`` is in :data:`DPAMX_ROWS`
+    and the CPU has AMX-BF16, both pair-dot kernels are followed by their AMX-BF16 build
+    (``kernel="dpamx"``).
 
     Where the lane-block kernel serves (``k % 128 == 0``) the pair-split kernel is left out: it
     streamed slower in each of four interleaved A/B runs (11008×4096 B=1, two threads, the
@@ -403,7 +422,11 @@ def candidates(
         # bf16 activations: the pair dot first, then the shift kernel's and the float kernel's
         # defaults (nine candidates in all; the pair dot streamed 1.15-1.8x faster than the
         # shift kernel at B=1 and B=4, see FP8_DP_PREFETCH)
-        out += _hinted("dp", FP8_DP_PREFETCH) + _hinted("shift", SHIFT_PREFETCH[:1])
+        out += (
+            _hinted("dp", FP8_DP_PREFETCH)
+            + _dpamx(fmt, rows)
+            + _hinted("shift", SHIFT_PREFETCH[:1])
+        )
         for threads in (0, 1):
             params = (("prefetch", 512), ("rows4", 0), ("threads", threads))
             out.append(autotune.Candidate(f"native_p512_r0_t{threads}", params=params))
@@ -413,7 +436,7 @@ def candidates(
         out += _hinted("shift512", SHIFT512_PREFETCH)
     dp = fmt == "bf16" and native.cpu_info().has_avx512_bf16
     if dp:  # the vdpbf16ps kernel first; the float kernel then only 512 bytes ahead
-        out += _hinted("dp", DP_PREFETCH)
+        out += _hinted("dp", DP_PREFETCH) + _dpamx(fmt, rows)
     r4 = int(fmt in ("f32", "bf16"))
     for threads in (0, 1):
         for rows4 in (r4, 1 - r4):
@@ -458,6 +481,13 @@ def _native_kernel(
         if k % 64 or isa == "scalar":
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
         return gemv_fp4_pair_kernel(fmt, isa, pf)
+    if cand.param("kernel") == "dpamx":
+        if fmt not in DP_WEIGHTS or not amx_dp_ready() or isa != "avx512":
+            raise autotune.InvalidCandidate(
+                f"AMX-BF16 pair-dot kernel needs bf16 or E4M3 weights and AMX-BF16 ({fmt}, "
+                f"isa {isa})"
+            )
+        return gemv_bf16_dp_kernel(isa, pf, hint=hint, weights=fmt, amx=True)
     if cand.param("kernel") == "dp":
         if fmt not in DP_WEIGHTS or isa != "avx512" or not native.cpu_info().has_avx512_bf16:
             raise autotune.InvalidCandidate(
@@ -551,7 +581,7 @@ def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeErro
     elif status == 6:
         why = "the OS did not grant the AMX tile state"
     elif status == 7:
-        most = AMX_MAX_ROWS.get(fmt, 0)
+        most = AMX_MAX_ROWS.get(fmt, 16)  # (the AMX-BF16 pair dot's tile: 16 columns)
         why = f"the AMX kernel takes 1 to {most} activation rows of {fmt} weights, got {rows}"
     else:
         why = f"status {status}"
