@@ -129,14 +129,91 @@ def test_bf16io_entry_is_the_float_entry_then_a_cast(weights: str) -> None:
 
 
 @needs_amx
-def test_more_rows_than_the_tile_takes_is_status_7() -> None:
+@pytest.mark.parametrize("weights", ["fp8_e4m3", "bf16"])
+def test_up_to_sixteen_rows_odd_k_and_a_static_split(weights: str) -> None:
+    """9 to 16 activation rows (16: the tile's full 64-byte rows), K with a partial last step
+    (bf16: the activation tiles' zero padding past the narrowed rows), one static split over
+    two threads (claims aligned to 8 rows, so 16-row groups end part-way)."""
+    g = torch.Generator().manual_seed(21)
+    n, k = 70, 1050
+    pw = _pack(weights, torch.randn(n, k, generator=g) * 0.1)
+    for rows in (9, 12, 16):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        out = _run(gemv_bf16_dp_kernel("avx512", weights=weights, amx=True), x, pw)
+        _check(out, x, pw)
+        static = gemv_bf16_dp_kernel("avx512", chunk=0, weights=weights, amx=True)
+        assert torch.equal(_run(static, x, pw), out), rows
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [0, 17])
+def test_rows_outside_the_tile_are_status_7(rows: int) -> None:
     pw = _pack("fp8_e4m3", torch.randn(8, 64))
-    x, out = torch.randn(17, 64).bfloat16().float(), torch.empty(17, 8)
+    x, out = torch.randn(max(rows, 1), 64).bfloat16().float(), torch.empty(max(rows, 1), 8)
     kern = gemv_bf16_dp_kernel("avx512", weights="fp8_e4m3", amx=True)
-    args = (x.data_ptr(), 17, 64, pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr())
+    args = (
+        x.data_ptr(),
+        rows,
+        64,
+        pw.data.data_ptr(),
+        pw.scales.data_ptr(),
+        pw.rowscale.data_ptr(),
+    )
     assert kern.call_unchecked(*args, pw.pts, 0, 0, out.data_ptr(), 8, 1) == 7
-    with pytest.raises(native.NativeError, match=r"takes 1 to 16 activation rows .* got 17"):
-        _run(kern, x, pw)
+    if rows:
+        with pytest.raises(native.NativeError, match=r"takes 1 to 16 activation rows .* got 17"):
+            _run(kern, x, pw)
+
+
+@needs_amx
+def test_gemv_packed_runs_the_tuned_amx_plan(fresh_cache, monkeypatch) -> None:
+    """With the AMX build the one native candidate, a bfloat16 activation tensor at four and
+    eight rows plans it, meets the reference and gives the same bits on the settled call."""
+    full = gops.candidates
+
+    def only_amx(fmt, int8=False, k=None, bx=False, rows=None):
+        cands = full(fmt, int8, k, bx, rows)
+        return [cands[0], *[c for c in cands if c.param("kernel") == "dpamx"][:1]]
+
+    monkeypatch.setattr(gops, "candidates", only_amx)
+    gops._PLANS.clear()
+    try:
+        g = torch.Generator().manual_seed(4)
+        pw = _pack("fp8_e4m3", torch.randn(700, 640, generator=g) * 0.1)
+        for rows in (4, 8):
+            xb = torch.randn(rows, 640, generator=g).bfloat16()
+            out = gops.gemv_packed(xb, pw)
+            assert gops.plan_for(pw, rows, False, True).candidate.param("kernel") == "dpamx"
+            full_out = torch.empty(rows, pw.n)
+            plan = gops.plan_for(pw, rows, False, True)
+            gops._launch(plan.kernel, xb.float(), pw, None, full_out, plan.threads)
+            _check(full_out, xb, pw)
+            assert torch.equal(out, full_out.bfloat16())
+            assert torch.equal(gops.gemv_packed(xb, pw), out)
+    finally:
+        gops._PLANS.clear()
+
+
+def test_a_failed_amx_build_ends_the_candidates(fresh_cache, monkeypatch) -> None:
+    """A compiler that rejects the AMX flags: the build raises, and from then on the process
+    offers no ``dpamx`` candidate and names the cause (runs where AVX512-BF16 is present)."""
+    if not native.cpu_info().has_avx512_bf16 or native.cpu_info().isa != "avx512":
+        pytest.skip("the pair-dot kernel needs AVX512-BF16")
+    monkeypatch.setattr(bf16_kernel, "_amx_dp_unbuildable", [])
+    monkeypatch.setattr(bf16_kernel, "_amx_dp_missing", lambda isa=None: None)
+    monkeypatch.setattr(bf16_kernel, "AMX_FLAGS", ("-mno-such-amx-flag",))
+    with pytest.raises(native.CompileError):
+        gemv_bf16_dp_kernel.__wrapped__("avx512", weights="fp8_e4m3", amx=True)
+    assert bf16_kernel._amx_dp_unbuildable == [True]
+    monkeypatch.undo()
+    monkeypatch.setattr(bf16_kernel, "_amx_dp_unbuildable", [True])
+    assert not amx_dp_ready()
+    assert not any(
+        c.name.startswith("dpamx") for c in gops.candidates("fp8_e4m3", False, 4096, True, 8)
+    )
+    if native.cpu_info().has_amx:
+        with pytest.raises(native.NativeError, match=r"needs a compiler that builds AMX-BF16"):
+            gemv_bf16_dp_kernel.__wrapped__("avx512", weights="fp8_e4m3", amx=True)
 
 
 @needs_amx
@@ -159,7 +236,7 @@ def test_offered_from_four_e4m3_or_five_bf16_rows() -> None:
 def test_not_offered_nor_built_without_amx(monkeypatch) -> None:
     """Runs everywhere: with AMX-BF16 reported unavailable no ``dpamx`` candidate is offered, one
     asked for is an invalid candidate and the builder raises."""
-    monkeypatch.setattr(bf16_kernel, "amx_dp_ready", lambda: False)
+    monkeypatch.setattr(bf16_kernel, "_amx_dp_missing", lambda isa=None: "AMX (patched away)")
     monkeypatch.setattr(gops, "amx_dp_ready", lambda: False)
     assert not any(
         c.name.startswith("dpamx") for c in gops.candidates("fp8_e4m3", False, 4096, True, 8)
@@ -168,5 +245,5 @@ def test_not_offered_nor_built_without_amx(monkeypatch) -> None:
     with pytest.raises(autotune.InvalidCandidate, match="AMX-BF16"):
         gops._native_kernel("fp8_e4m3", False, 4096, "avx512", cand, 8)
     if native.cpu_info().has_avx512_bf16:
-        with pytest.raises(native.NativeError, match="needs AMX-TILE, AMX-BF16"):
+        with pytest.raises(native.NativeError, match=r"needs AMX \(patched away\)"):
             gemv_bf16_dp_kernel.__wrapped__("avx512", weights="fp8_e4m3", amx=True)

@@ -84,8 +84,10 @@ stream and was re-read from L2; 4096×11008 B=1 one thread 3.2–4.0 → 1.9–2
 from __future__ import annotations
 
 import functools
+import subprocess
 
 from torchport import native
+from torchport.gemm.templates import AMX_FLAGS
 from torchport.gemv.kernels import GemvKernel
 from torchport.native.prelude import AMX_TILE_C
 
@@ -342,7 +344,7 @@ static void tp_amx_btiles(const uint16_t *xp, int64_t B, int64_t K32, uint32_t *
    rows x 16, row i's B sums first). Double-buffered stage: step s's weights decode into half
    s & 1 while the tile unit still reads the other half's; the next group's rows [p0, p1)
    (contiguous) are prefetched meanwhile, a step's share at a time. */
-TP_INLINE void tp_amx_dp_rows(const tp_wt *w, int64_t K, int64_t K32, const uint32_t *bt, int64_t B,
+TP_INLINE void tp_amx_dp_rows(const tp_wt *w, int64_t K, const uint32_t *bt, int64_t B,
                               int64_t n0, int nr, int64_t p0, int64_t p1, uint16_t *stage, float *sums) {
     const int64_t steps = (K + 63) / 64, K64 = K / 64 * 64;
     const char *pw = (const char *)(w + p0 * K);
@@ -351,7 +353,7 @@ TP_INLINE void tp_amx_dp_rows(const tp_wt *w, int64_t K, int64_t K32, const uint
     for (int64_t s = 0; s < steps; ++s) {
         const int64_t k = 64 * s;
         for (int64_t l = s * lw / steps; l < (s + 1) * lw / steps; ++l) _mm_prefetch(pw + 64 * l, _MM_HINT_${hint});
-        uint16_t *st = stage + 2048 * (s & 1);
+        uint16_t *st = stage + 1024 * (s & 1);
         for (int i = 0; i < nr; ++i) {
             const tp_wt *wr = w + (n0 + i) * K;
             __m512bh w0, w1;
@@ -418,10 +420,10 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
     int64_t nt = (N * K * (B < 4 ? B : 4) < 65536) ? 1 : nthreads;
     int64_t tp_next_ = 0;
 #if TP_AMX
-    if (B > 16 || !tp_amx_permit()) {
+    if (B < 1 || B > 16 || !tp_amx_permit()) {
         free(xp);
         if (outh) free(out);
-        return B > 16 ? 7 : 6;
+        return B < 1 || B > 16 ? 7 : 6;
     }
     const int64_t npairs = (K + 63) / 64 * 32;   /* k-pairs the tiles cover: whole 64-weight steps */
     uint32_t *bt = (uint32_t *)aligned_alloc(64, ((size_t)(npairs * B) * 4 + 63) / 64 * 64);
@@ -439,7 +441,7 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
         cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[4] = (uint16_t)(B * 4);      /* B: 16 k-pairs x B; C */
         TP_TILE_FENCE();
         _tile_loadconfig(&cfg);
-        uint16_t stage[4096] __attribute__((aligned(64)));
+        uint16_t stage[2048] __attribute__((aligned(64)));   /* two halves of two A tiles */
         float sums[256] __attribute__((aligned(64)));
         memset(stage, 0, sizeof stage);
         int64_t lo, hi, nlo = 0, nhi = 0;
@@ -449,8 +451,7 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
                 const int nr = (int)(hi - n0 < 16 ? hi - n0 : 16);
                 int64_t p1 = 0;
                 const int64_t p0 = tp_next_group(n0 + nr, hi, 16, &tp_next_, N, tp_astep_, &tp_st_, &nlo, &nhi, &ahead, &p1);
-                if (nr < 16) memset(stage, 0, sizeof stage);
-                tp_amx_dp_rows(w, K, K32, bt, B, n0, nr, p0, p1, stage, sums);
+                tp_amx_dp_rows(w, K, bt, B, n0, nr, p0, p1, stage, sums);
                 for (int i = 0; i < nr; ++i)
                     for (int64_t b = 0; b < B; ++b) {
                         const int64_t n = n0 + i;
@@ -646,8 +647,11 @@ def gemv_bf16_dp_kernel(
     ``chunk``: weight bytes per row claim (default :data:`torchport.gemv.kernels.CHUNK_BYTES`;
     0 = static split); ``xblock``: bytes of narrowed activations (all rows) a K block keeps in L1
     for two to four activation rows, E4M3 weights from one (default :data:`XBLOCK_BYTES`, E4M3
-    :data:`FP8_XBLOCK_BYTES`; 0: K in one piece). Raises
-    ``NativeError`` unless ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16."""
+    :data:`FP8_XBLOCK_BYTES`; 0: K in one piece); ``amx``: the AMX-BF16 build (one C tile per
+    16 weight rows over all of K; ``prefetch`` and ``xblock`` unused; 1 to 16 activation rows,
+    status 7 beyond; status 6 without the OS's tile state). Raises ``NativeError`` unless
+    ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16, or, with ``amx``, naming what
+    :func:`amx_dp_ready` misses."""
     from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, _e8m0_table, check_hint
     from torchport.gemv.kernels import XBLOCK_BYTES as FLOAT_XBLOCK_BYTES
 
@@ -662,11 +666,9 @@ def gemv_bf16_dp_kernel(
     if weights not in DP_WEIGHTS:
         raise ValueError(f"vdpbf16ps gemv weights must be one of {DP_WEIGHTS}, got {weights!r}")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    if amx and not amx_dp_ready():
-        raise native.NativeError(
-            "the AMX-BF16 GEMV needs AMX-TILE, AMX-BF16 and AVX512-BF16 granted by the OS "
-            f"(isa {isa!r})"
-        )
+    missing = _amx_dp_missing(isa) if amx else None
+    if missing is not None:
+        raise native.NativeError(f"the AMX-BF16 GEMV needs {missing}")
     fp8 = weights == "fp8_e4m3"
     hi, lo = _e4m3_bf16_bytes() if fp8 else ("0", "0")
     params: dict[str, object] = dict(
@@ -697,17 +699,43 @@ def gemv_bf16_dp_kernel(
         f"gemv_{'fp8' if fp8 else 'bf16'}dp{'amx' if amx else ''}_{isa}_p{prefetch}{hint}_c{chunk}"
     )
     name += "" if xblock is None else f"_x{xblock}"
-    flags = AMX_BF16_FLAGS if amx else ()
-    return GemvKernel(native.build(src, name=name, isa=isa, extra_flags=flags), weights)
+    if not amx:
+        return GemvKernel(native.build(src, name=name, isa=isa), weights)
+    try:
+        lib = native.build(src, name=name, isa=isa, extra_flags=AMX_FLAGS)
+    except native.CompileError as e:
+        if not isinstance(e.__cause__, subprocess.TimeoutExpired):  # a rejection, not a timeout
+            _amx_dp_unbuildable.append(True)
+        raise
+    return GemvKernel(lib, weights)
 
 
-# Compiler flags of the AMX build (on top of the avx512 level's)
-AMX_BF16_FLAGS = ("-mamx-tile", "-mamx-bf16")
+# Set when an AMX build of this kernel fails to compile (a compiler without -mamx-bf16): no
+# "dpamx" candidates from then on in this process
+_amx_dp_unbuildable: list[bool] = []
+
+
+def _amx_dp_missing(isa: str | None = None) -> str | None:
+    """Why the AMX-BF16 build cannot run here (None: it can); ``isa``: the level asked for
+    (default the one in force)."""
+    from torchport.gemm.kernels import amx_ready
+
+    info = native.cpu_info()
+    isa = info.isa if isa is None else isa
+    if isa != "avx512" or info.isa != "avx512":
+        return f"the avx512 ISA level (isa is {isa!r}, in force {info.isa!r})"
+    lacking = sorted({"amx_tile", "amx_bf16", "avx512_bf16"} - info.flags)
+    if lacking:
+        return f"CPU flags {', '.join(lacking)} (absent here)"
+    if _amx_dp_unbuildable:
+        return "a compiler that builds AMX-BF16 (an AMX build of this kernel failed here)"
+    if not amx_ready():
+        return "AMX-BF16 as the GEMM engine finds it (the OS's tile state, its AMX build)"
+    return None
 
 
 def amx_dp_ready() -> bool:
-    """True when the AMX build of this kernel can run: the GEMM engine's AMX-BF16 condition
-    (CPU flags, the avx512 ISA level, the OS's tile state, no failed AMX build)."""
-    from torchport.gemm.kernels import amx_ready
-
-    return native.cpu_info().isa == "avx512" and amx_ready()
+    """True when the AMX build of this kernel can run: AMX-BF16 on the CPU at the avx512 ISA
+    level, the OS granting the tile state, and no AMX build (the GEMM engine's or this kernel's)
+    having failed to compile in this process."""
+    return _amx_dp_missing() is None

@@ -267,7 +267,8 @@ WBLOCK_LOADS = (512, 256)
 # 0.521; NVFP4 B=4 0.610 against 0.512), and its tile takes four NVFP4 rows at most.
 AMX_ROWS = {"mxfp4": (5, 8)}
 # The same for the AMX-BF16 build of the pair-dot kernel (bf16 and E4M3 weights, bf16-valued
-# activations; kernel "dpamx", hint T1: T0 measured 1.1-1.7x slower). Two threads, weights from
+# activations; kernel "dpamx", hint T1 only: T0 was 1.09-1.69x slower in 7 of the 8 cells where
+# both were timed, 0.87x in one, E4M3 11008x4096 B=8: 2.845 against 3.254). Two threads, weights from
 # DRAM (bench_gemv_kern, medians of 7, thirty-fifth session), against the vdpbf16ps kernel T1
 # 2048: E4M3 11008x4096 B=2 2.346 / 2.118 ms, B=3 2.435 / 2.495, B=4 2.601 / 3.327, B=8 3.254 /
 # 6.635; 4096x4096 B=3 0.937 / 0.936, B=4 0.928 / 1.114, B=8 1.046 / 2.181; 4096x11008 B=4
@@ -306,7 +307,7 @@ SHIFT512_PREFETCH = (("NTA", 2048),)
 # On the Intel Xeon VM (thirty-fourth session; 11008x4096, 960 MB of huge-page copies, two threads,
 # medians of 15) T1 2048 ahead led at B=1: T0/0 3.404, NTA 2048 8.492 (sic), T1 2048 3.043, T1 3072
 # 3.371 ms; B=4 3.675 / 3.814 / 3.796 / 3.739. NTA 2048 (Zen 4's first above) is left out: the
-# candidate list stays at nine.
+# candidate list stays at nine (eleven with the AMX build's two, DPAMX_ROWS).
 DP_PREFETCH = (("T1", 2048), ("T0", 0))
 # The same kernel on E4M3 weights (half the bytes per weight, five decode instructions per line).
 # Kernels alone, 11008x4096 from DRAM, bf16-valued activations, interleaved medians of 15 (load
@@ -420,8 +421,8 @@ def candidates(
                 out.append(autotune.Candidate(f"pair_p{pf}_t{threads}", params=params))
     if fmt == "fp8_e4m3" and bx and native.cpu_info().has_avx512_bf16:
         # bf16 activations: the pair dot first, then the shift kernel's and the float kernel's
-        # defaults (nine candidates in all; the pair dot streamed 1.15-1.8x faster than the
-        # shift kernel at B=1 and B=4, see FP8_DP_PREFETCH)
+        # defaults (nine candidates in all, eleven where the AMX build is offered; the pair dot
+        # streamed 1.15-1.8x faster than the shift kernel at B=1 and B=4, see FP8_DP_PREFETCH)
         out += (
             _hinted("dp", FP8_DP_PREFETCH)
             + _dpamx(fmt, rows)
@@ -482,6 +483,10 @@ def _native_kernel(
             raise autotune.InvalidCandidate(f"pair-split kernel needs AVX2 and K % 64 == 0 (K={k})")
         return gemv_fp4_pair_kernel(fmt, isa, pf)
     if cand.param("kernel") == "dpamx":
+        if not 1 <= rows <= 16:
+            raise autotune.InvalidCandidate(
+                f"AMX-BF16 pair-dot kernel takes 1 to 16 activation rows, got {rows}"
+            )
         if fmt not in DP_WEIGHTS or not amx_dp_ready() or isa != "avx512":
             raise autotune.InvalidCandidate(
                 f"AMX-BF16 pair-dot kernel needs bf16 or E4M3 weights and AMX-BF16 ({fmt}, "
