@@ -50,3 +50,29 @@ def check_tiny_groups(kern, fmt: str) -> None:
     out = run(kern, x, pw, threads=1)
     assert bool(((out.double() - ref).abs() <= tol).all())
     assert bool((out != 0).all())
+
+
+def check_float_bound(out: torch.Tensor, x: torch.Tensor, pw: gops.PackedWeight, bias=None) -> None:
+    """``out`` against the float64 product of ``x`` with ``pw``'s weight (dequantized; dense as
+    it is), within the float kernels' tolerance ``1e-5 · Σ|x·w|`` (plus 1e-30: the pair dot's
+    flushing of values below 2⁻¹²⁶)."""
+    w = pw.data.double() if pw.fmt in ("f32", "bf16") else gops.dequantize_packed(pw).double()
+    ref = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    err = (out.double() - ref).abs()
+    assert bool((err <= 1e-5 * mag + 1e-30).all()), float((err / (mag + 1e-300)).max())
+
+
+def only_native_kernel(monkeypatch, kernel: str) -> None:
+    """Make the GEMV tuner's candidate lists the ATen anchor and the first candidate of native
+    kernel ``kernel`` (plans cleared): a test then gets that kernel's plan deterministically."""
+    full = gops.candidates
+
+    def only(fmt, int8=False, k=None, bx=False, rows=None):
+        cands = full(fmt, int8, k, bx, rows)
+        return [cands[0], *[c for c in cands if c.param("kernel") == kernel][:1]]
+
+    monkeypatch.setattr(gops, "candidates", only)
+    gops._PLANS.clear()

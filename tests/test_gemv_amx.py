@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gemv_inputs import check_tiny_groups, int8_bound, pack, run
+from tests.gemv_inputs import check_tiny_groups, int8_bound, only_native_kernel, pack, run
 from torchport import autotune, config, native
 from torchport.gemv import ops as gops
 from torchport.gemv.fp4_kernel import (
@@ -265,14 +265,7 @@ def test_gemv_packed_runs_the_tuned_amx_plan(fresh_cache, monkeypatch) -> None:
     """With the AMX kernel the one native candidate, ``gemv_packed`` plans it (at 5-8 MXFP4
     rows), its results stay within the int8 bound for float32 and bf16 activations, and the
     settled second call gives the same bits."""
-    full = gops.candidates
-
-    def only_amx(fmt, int8=False, k=None, bx=False, rows=None):
-        cands = full(fmt, int8, k, bx, rows)
-        return [cands[0], *[c for c in cands if c.param("kernel") == "amx"][:1]]
-
-    monkeypatch.setattr(gops, "candidates", only_amx)
-    gops._PLANS.clear()
+    only_native_kernel(monkeypatch, "amx")
     try:
         g = torch.Generator().manual_seed(2)
         pw = pack("mxfp4", torch.randn(300, 1024, generator=g) * 0.05)
@@ -310,6 +303,6 @@ def test_not_offered_nor_built_where_it_cannot_run(monkeypatch) -> None:
     with config.override(isa="avx2"):
         monkeypatch.setattr(fp4_kernel, "_amx_unbuildable", [])
         with pytest.raises(
-            native.NativeError, match=r"needs the avx512 ISA level \(isa is 'avx2'\)"
+            native.NativeError, match=r"needs the avx512 ISA level \(isa is 'avx2', in force 'avx2'\)"
         ):
             gemv_fp4_amx_kernel.__wrapped__("mxfp4")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gemv_inputs import check_float_bound, only_native_kernel
 from torchport import autotune, native
 from torchport.gemv import bf16_kernel
 from torchport.gemv import ops as gops
@@ -39,14 +40,7 @@ def _run(kern, x: torch.Tensor, pw: gops.PackedWeight, bias=None, threads: int =
     return out
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, pw: gops.PackedWeight, bias=None) -> None:
-    w = gops.dequantize_packed(pw).double() if pw.fmt != "bf16" else pw.data.double()
-    ref = x.double() @ w.T
-    mag = x.double().abs() @ w.abs().T
-    if bias is not None:
-        ref, mag = ref + bias.double(), mag + bias.double().abs()
-    err = (out.double() - ref).abs()
-    assert bool((err <= 1e-5 * mag + 1e-30).all()), float((err / (mag + 1e-300)).max())
+_check = check_float_bound
 
 
 @needs_amx
@@ -169,14 +163,7 @@ def test_rows_outside_the_tile_are_status_7(rows: int) -> None:
 def test_gemv_packed_runs_the_tuned_amx_plan(fresh_cache, monkeypatch) -> None:
     """With the AMX build the one native candidate, a bfloat16 activation tensor at four and
     eight rows plans it, meets the reference and gives the same bits on the settled call."""
-    full = gops.candidates
-
-    def only_amx(fmt, int8=False, k=None, bx=False, rows=None):
-        cands = full(fmt, int8, k, bx, rows)
-        return [cands[0], *[c for c in cands if c.param("kernel") == "dpamx"][:1]]
-
-    monkeypatch.setattr(gops, "candidates", only_amx)
-    gops._PLANS.clear()
+    only_native_kernel(monkeypatch, "dpamx")
     try:
         g = torch.Generator().manual_seed(4)
         pw = _pack("fp8_e4m3", torch.randn(700, 640, generator=g) * 0.1)

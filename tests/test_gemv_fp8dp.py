@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gemv_inputs import check_float_bound
 from torchport import autotune, native
 from torchport.gemv import ops as gops
 from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
@@ -36,14 +37,7 @@ def _run(x: torch.Tensor, pw: gops.PackedWeight, bias=None, threads: int = 2, **
     return out
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, pw: gops.PackedWeight, bias=None) -> None:
-    w = gops.dequantize_packed(pw).double()
-    ref = x.double() @ w.T
-    mag = x.double().abs() @ w.abs().T
-    if bias is not None:
-        ref, mag = ref + bias.double(), mag + bias.double().abs()
-    err = (out.double() - ref).abs()
-    assert bool((err <= 1e-5 * mag + 1e-30).all()), float((err / (mag + 1e-300)).max())
+_check = check_float_bound
 
 
 @pytest.mark.parametrize(

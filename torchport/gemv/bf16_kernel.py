@@ -444,23 +444,20 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
         uint16_t stage[2048] __attribute__((aligned(64)));   /* two halves of two A tiles */
         float sums[256] __attribute__((aligned(64)));
         memset(stage, 0, sizeof stage);
-        int64_t lo, hi, nlo = 0, nhi = 0;
-        int tp_st_ = 0, ahead = 0;
-        while (tp_claim_rows_ahead(&tp_next_, N, tp_astep_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)) {
-            for (int64_t n0 = lo; n0 < hi; n0 += 16) {
-                const int nr = (int)(hi - n0 < 16 ? hi - n0 : 16);
-                int64_t p1 = 0;
-                const int64_t p0 = tp_next_group(n0 + nr, hi, 16, &tp_next_, N, tp_astep_, &tp_st_, &nlo, &nhi, &ahead, &p1);
-                tp_amx_dp_rows(w, K, bt, B, n0, nr, p0, p1, stage, sums);
-                for (int i = 0; i < nr; ++i)
-                    for (int64_t b = 0; b < B; ++b) {
-                        const int64_t n = n0 + i;
-                        float v = sums[16 * i + b] * TP_POST(n);
-                        if (has_bias) v += bias[n];
-                        out[b * N + n] = v;
-                        if (outh) outh[b * N + n] = tp_bf16_as_torch(v);
-                    }
-            }
+        tp_groups_t gr;
+        tp_groups_init(&gr, &tp_next_, N, tp_astep_, 16);
+        while (tp_groups_next(&gr)) {
+            const int64_t n0 = gr.n0;
+            const int nr = (int)gr.nr;
+            tp_amx_dp_rows(w, K, bt, B, n0, nr, gr.p0, gr.p1, stage, sums);
+            for (int i = 0; i < nr; ++i)
+                for (int64_t b = 0; b < B; ++b) {
+                    const int64_t n = n0 + i;
+                    float v = sums[16 * i + b] * TP_POST(n);
+                    if (has_bias) v += bias[n];
+                    out[b * N + n] = v;
+                    if (outh) outh[b * N + n] = tp_bf16_as_torch(v);
+                }
         }
         _tile_release();
     }
@@ -718,24 +715,14 @@ _amx_dp_unbuildable: list[bool] = []
 def _amx_dp_missing(isa: str | None = None) -> str | None:
     """Why the AMX-BF16 build cannot run here (None: it can); ``isa``: the level asked for
     (default the one in force)."""
-    from torchport.gemm.kernels import amx_ready
-
-    info = native.cpu_info()
-    isa = info.isa if isa is None else isa
-    if isa != "avx512" or info.isa != "avx512":
-        return f"the avx512 ISA level (isa is {isa!r}, in force {info.isa!r})"
-    lacking = sorted({"amx_tile", "amx_bf16", "avx512_bf16"} - info.flags)
-    if lacking:
-        return f"CPU flags {', '.join(lacking)} (absent here)"
-    if _amx_dp_unbuildable:
-        return "a compiler that builds AMX-BF16 (an AMX build of this kernel failed here)"
-    if not amx_ready():
-        return "AMX-BF16 as the GEMM engine finds it (the OS's tile state, its AMX build)"
-    return None
+    need = {"amx_tile", "amx_bf16", "avx512_bf16"}
+    return native.amx_missing(
+        need, unbuildable=bool(_amx_dp_unbuildable), compiler="AMX-BF16", isa=isa
+    )
 
 
 def amx_dp_ready() -> bool:
     """True when the AMX build of this kernel can run: AMX-BF16 on the CPU at the avx512 ISA
-    level, the OS granting the tile state, and no AMX build (the GEMM engine's or this kernel's)
-    having failed to compile in this process."""
+    level, the OS granting the tile state, and no AMX build of this kernel having failed to
+    compile in this process."""
     return _amx_dp_missing() is None

@@ -1255,23 +1255,19 @@ TP_EXPORT int tp_gemv(const float *x, int64_t B, int64_t K, const uint8_t *w, co
         memset(cbuf, 0, sizeof cbuf);
         memset(sbuf, 0, sizeof sbuf);
         __m512 acc[16];
-        int64_t lo, hi, nlo = 0, nhi = 0;
-        int tp_st_ = 0, ahead = 0;
-        while (tp_claim_rows_ahead(&tp_next_, N, tp_step_, &tp_st_, &lo, &hi, nlo, nhi, &ahead)) {
-            for (int64_t n0 = lo; n0 < hi; n0 += 16) {
-                const int nr = (int)(hi - n0 < 16 ? hi - n0 : 16);
-                int64_t p1 = 0;
-                const int64_t p0 = tp_next_group(n0 + nr, hi, 16, &tp_next_, N, tp_step_, &tp_st_, &nlo, &nhi, &ahead, &p1);
-                if (nr < 16) memset(stage, 0, sizeof stage);
-                tp_amx_rows(w, scales, sstride, K, bt, asv, C, n0, nr, p0, p1, stage, cbuf, sbuf, acc);
-                for (int i = 0; i < nr; ++i) {
-                    _mm512_store_ps(sums, acc[i]);
-                    for (int64_t b = 0; b < B; ++b) {
-                        float v = 0.0f;
-                        for (int j = 0; j < TP_NJ; ++j) v += sums[b * TP_NJ + j];
-                        if (has_bias) v += bias[n0 + i];
-                        out[b * N + n0 + i] = v;
-                    }
+        tp_groups_t gr;
+        tp_groups_init(&gr, &tp_next_, N, tp_step_, 16);
+        while (tp_groups_next(&gr)) {
+            const int64_t n0 = gr.n0;
+            const int nr = (int)gr.nr;
+            tp_amx_rows(w, scales, sstride, K, bt, asv, C, n0, nr, gr.p0, gr.p1, stage, cbuf, sbuf, acc);
+            for (int i = 0; i < nr; ++i) {   /* (rows past nr of a part group: unused) */
+                _mm512_store_ps(sums, acc[i]);
+                for (int64_t b = 0; b < B; ++b) {
+                    float v = 0.0f;
+                    for (int j = 0; j < TP_NJ; ++j) v += sums[b * TP_NJ + j];
+                    if (has_bias) v += bias[n0 + i];
+                    out[b * N + n0 + i] = v;
                 }
             }
         }
@@ -1405,17 +1401,8 @@ _amx_unbuildable: list[bool] = []
 
 def _amx_int8_missing() -> str | None:
     """Why the AMX FP4 GEMV cannot run here (None: it can)."""
-    info = native.cpu_info()
-    if info.isa != "avx512":
-        return f"the avx512 ISA level (isa is {info.isa!r})"
-    lacking = sorted({"avx512vbmi", "amx_tile", "amx_int8"} - info.flags)
-    if lacking:
-        return f"CPU flags {', '.join(lacking)} (absent here)"
-    if _amx_unbuildable:
-        return "a compiler that builds AMX-INT8 (an AMX library failed to compile here)"
-    if not native.amx_permitted():
-        return "the AMX tile state, which the OS did not grant"
-    return None
+    need = {"avx512vbmi", "amx_tile", "amx_int8"}
+    return native.amx_missing(need, unbuildable=bool(_amx_unbuildable), compiler="AMX-INT8")
 
 
 def amx_int8_ready() -> bool:

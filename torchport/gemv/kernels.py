@@ -190,6 +190,35 @@ static inline int64_t tp_next_group(int64_t n1, int64_t hi, int64_t kr, int64_t 
     *end = *ahead ? (*nlo + kr < *nhi ? *nlo + kr : *nhi) : 0;
     return *ahead ? *nlo : 0;
 }
+/* The row groups of kr rows a thread works through, over the ranges it claims, each with the
+   group after it ([p0, p1): the next group of the range, or the first of the range claimed
+   ahead at a range's last group; p1 = 0 when none) for the caller to prefetch. Start with
+   tp_groups_init, then while (tp_groups_next(&g)) { rows [g.n0, g.n0 + g.nr) }. */
+typedef struct {
+    int64_t *next;
+    int64_t N, step, kr, lo, hi, nlo, nhi, n0, nr, p0, p1;
+    int st, ahead;
+} tp_groups_t;
+static inline void tp_groups_init(tp_groups_t *g, int64_t *next, int64_t N, int64_t step, int64_t kr) {
+    memset(g, 0, sizeof *g);
+    g->next = next;
+    g->N = N;
+    g->step = step;
+    g->kr = kr;
+}
+static inline int tp_groups_next(tp_groups_t *g) {
+    if (g->n0 + g->nr < g->hi) {
+        g->n0 += g->nr;
+    } else {
+        if (!tp_claim_rows_ahead(g->next, g->N, g->step, &g->st, &g->lo, &g->hi, g->nlo, g->nhi, &g->ahead))
+            return 0;
+        g->n0 = g->lo;
+    }
+    g->nr = g->hi - g->n0 < g->kr ? g->hi - g->n0 : g->kr;
+    g->p0 = tp_next_group(g->n0 + g->nr, g->hi, g->kr, g->next, g->N, g->step, &g->st, &g->nlo, &g->nhi,
+                          &g->ahead, &g->p1);
+    return 1;
+}
 """.replace("${nonfinite}", str(NONFINITE_STATUS))
 
 

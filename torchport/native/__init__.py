@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from torchport import config
-from torchport.native.cpu import CpuInfo, amx_permitted, cpu_info, isa_flags
+from torchport.native.cpu import CpuInfo, amx_missing, amx_permitted, cpu_info, isa_flags
 from torchport.native.launch import (
     C_TYPES,
     FloatArg,
@@ -69,6 +69,7 @@ __all__ = [
     "Stats",
     "TensorArg",
     "UnsafeCacheError",
+    "amx_missing",
     "amx_permitted",
     "build",
     "c_function",

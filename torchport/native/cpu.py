@@ -174,3 +174,24 @@ def amx_permitted() -> bool:
     except (OSError, AttributeError):
         return False
     return int(syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+
+
+def amx_missing(
+    flags: set[str], *, unbuildable: bool, compiler: str, isa: str | None = None
+) -> str | None:
+    """What an AMX kernel needing CPU ``flags`` lacks here, in words (None: nothing): the avx512
+    ISA level (``isa`` asked for, default the one in force, and the one in force), the flags, a
+    compiler that builds it (``unbuildable``: a build of it failed in this process; ``compiler``
+    names the extension) and the OS's tile state (:func:`amx_permitted`)."""
+    info = cpu_info()
+    isa = info.isa if isa is None else isa
+    if isa != "avx512" or info.isa != "avx512":
+        return f"the avx512 ISA level (isa is {isa!r}, in force {info.isa!r})"
+    lacking = sorted(flags - info.flags)
+    if lacking:
+        return f"CPU flags {', '.join(lacking)} (absent here)"
+    if unbuildable:
+        return f"a compiler that builds {compiler} (an AMX build failed to compile here)"
+    if not amx_permitted():
+        return "the AMX tile state, which the OS did not grant"
+    return None
