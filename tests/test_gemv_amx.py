@@ -303,6 +303,7 @@ def test_not_offered_nor_built_where_it_cannot_run(monkeypatch) -> None:
     with config.override(isa="avx2"):
         monkeypatch.setattr(fp4_kernel, "_amx_unbuildable", [])
         with pytest.raises(
-            native.NativeError, match=r"needs the avx512 ISA level \(isa is 'avx2', in force 'avx2'\)"
+            native.NativeError,
+            match=r"needs the avx512 ISA level \(isa is 'avx2', in force 'avx2'\)",
         ):
             gemv_fp4_amx_kernel.__wrapped__("mxfp4")
