@@ -223,7 +223,12 @@ def test_offered_to_the_tuner_for_mx_from_five_rows() -> None:
     def amx(*args: object, **kw: object) -> list[str]:
         return [c.name for c in gops.candidates(*args, **kw) if c.param("kernel") == "amx"]  # type: ignore[arg-type]
 
-    assert amx("mxfp4", True, 4096, rows=8) == ["amx_l2_t0", "amx_l1_t0", "amx_l2_t1", "amx_l1_t1"]
+    assert amx("mxfp4", True, 4096, rows=8) == [
+        "amx_p0l2_t0",
+        "amx_p0_t0",
+        "amx_p0l2_t1",
+        "amx_p0_t1",
+    ]
     assert amx("mxfp4", True, 4096, rows=5) and not amx("mxfp4", True, 4096, rows=4)
     assert not amx("mxfp4", True, 192, rows=8) and not amx("nvfp4", True, 4096, rows=4)
     assert not amx("mxfp4", True, 4096) and not amx("mxfp4", False, 4096, rows=8)
@@ -295,7 +300,7 @@ def test_not_offered_nor_built_where_it_cannot_run(monkeypatch) -> None:
     monkeypatch.setattr(fp4_kernel, "_amx_unbuildable", [True])
     assert not amx_int8_ready()
     assert all(c.param("kernel") != "amx" for c in gops.candidates("mxfp4", True, 4096, rows=8))
-    cand = autotune.Candidate("amx_l2_t0", params=(("kernel", "amx"), ("hint", "T1")))
+    cand = autotune.Candidate("amx_p0l2_t0", params=(("kernel", "amx"), ("hint", "T1")))
     with pytest.raises(autotune.InvalidCandidate, match=r"cannot run here"):
         gops._native_kernel("mxfp4", True, 4096, "avx512", cand, 8)
     with pytest.raises(native.NativeError, match=r"AMX FP4 GEMV needs "):

@@ -84,11 +84,10 @@ stream and was re-read from L2; 4096×11008 B=1 one thread 3.2–4.0 → 1.9–2
 from __future__ import annotations
 
 import functools
-import subprocess
 
 from torchport import native
 from torchport.gemm.templates import AMX_FLAGS
-from torchport.gemv.kernels import GemvKernel
+from torchport.gemv.kernels import GemvKernel, build_amx
 from torchport.native.prelude import AMX_TILE_C
 
 _SOURCE = r"""
@@ -698,13 +697,7 @@ def gemv_bf16_dp_kernel(
     name += "" if xblock is None else f"_x{xblock}"
     if not amx:
         return GemvKernel(native.build(src, name=name, isa=isa), weights)
-    try:
-        lib = native.build(src, name=name, isa=isa, extra_flags=AMX_FLAGS)
-    except native.CompileError as e:
-        if not isinstance(e.__cause__, subprocess.TimeoutExpired):  # a rejection, not a timeout
-            _amx_dp_unbuildable.append(True)
-        raise
-    return GemvKernel(lib, weights)
+    return GemvKernel(build_amx(src, name, AMX_FLAGS, _amx_dp_unbuildable), weights)
 
 
 # Set when an AMX build of this kernel fails to compile (a compiler without -mamx-bf16): no

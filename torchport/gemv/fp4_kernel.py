@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 
 import torch
 
@@ -1426,7 +1425,7 @@ def gemv_fp4_amx_kernel(fmt: str, hint: str = "T1", chunk: int | None = None) ->
     memory) are prefetched with locality ``hint`` (``T1``: into L2; ``T0``: every level).
     ``chunk``: weight bytes per row claim as :func:`gemv_fp4_block_kernel` (rounded up to 16
     rows; 0 = one static split)."""
-    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, check_hint
+    from torchport.gemv.kernels import BF16IO_C, CHUNK_BYTES, SCHED_C, build_amx, check_hint
     from torchport.native.prelude import AMX_TILE_C
 
     if fmt not in FORMATS:
@@ -1439,14 +1438,7 @@ def gemv_fp4_amx_kernel(fmt: str, hint: str = "T1", chunk: int | None = None) ->
     src = native.render(
         SCHED_C + AMX_TILE_C + _FORMAT_C + _AMX_SOURCE + BF16IO_C, fmt=fmt, hint=hint, chunk=chunk
     )
-    try:
-        lib = native.build(
-            src, name=f"gemv_fp4amx_{fmt}_{hint}_c{chunk}", isa="avx512", extra_flags=AMX_FLAGS
-        )
-    except native.CompileError as e:
-        if not isinstance(e.__cause__, subprocess.TimeoutExpired):  # a rejection, not a timeout
-            _amx_unbuildable.append(True)
-        raise
+    lib = build_amx(src, f"gemv_fp4amx_{fmt}_{hint}_c{chunk}", AMX_FLAGS, _amx_unbuildable)
     return GemvKernel(lib, fmt, int8_isa="avx512")
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import subprocess
+from collections.abc import Sequence
 
 import torch
 
@@ -81,6 +83,18 @@ TP_EXPORT int tp_gemv_bf16io(const uint16_t *x, int64_t B, int64_t K, const void
 # T0 4096 (three shapes, both kernels) and NTA 2048 at 0.69-0.97x (see
 # torchport.gemv.ops.BLOCK_PREFETCH).
 PREFETCH_HINTS = ("T0", "NTA", "T1")
+
+
+def build_amx(src: str, name: str, flags: Sequence[str], unbuildable: list[bool]) -> ctypes.CDLL:
+    """Build an AMX GEMV library at the avx512 level with the tile flags ``flags``; a compiler's
+    rejection (not a timeout) is recorded in ``unbuildable``, which ends the kernel's candidates
+    for the process, and re-raised."""
+    try:
+        return native.build(src, name=name, isa="avx512", extra_flags=flags)
+    except native.CompileError as e:
+        if not isinstance(e.__cause__, subprocess.TimeoutExpired):
+            unbuildable.append(True)
+        raise
 
 
 def check_hint(hint: str) -> None:

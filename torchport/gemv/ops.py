@@ -407,14 +407,7 @@ def candidates(
             and (k is None or k % 128 == 0)
             and amx_int8_ready()
         ):
-            out += [
-                autotune.Candidate(
-                    f"amx_{'l2' if hint == 'T1' else 'l1'}_t{threads}",
-                    params=(("kernel", "amx"), ("hint", hint), ("threads", threads)),
-                )
-                for threads in (0, 1)
-                for hint in ("T1", "T0")
-            ]
+            out += _hinted("amx", (("T1", 0), ("T0", 0)))  # (no prefetch distance: unused)
         for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
                 params = (("kernel", "pair"), ("prefetch", pf), ("threads", threads))
