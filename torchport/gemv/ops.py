@@ -139,6 +139,8 @@ def check_activation(x: torch.Tensor, k: int) -> int:
 
 
 def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise GemvInputError(f"gemv: bias must be a tensor or None, got {type(bias).__name__}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
 

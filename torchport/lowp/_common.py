@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchport import native
@@ -27,7 +29,8 @@ def as_rows(x: object, block: int, what: str) -> torch.Tensor:
             f"{what}: the last dimension must be a multiple of the block size {block} "
             f"(no padding is done), got {k}"
         )
-    return x.detach().reshape(-1, k).contiguous()
+    # (the row count spelled out: with K = 0, -1 would be ambiguous)
+    return x.detach().reshape(math.prod(x.shape[:-1]), k).contiguous()
 
 
 def use_native(flag: bool | None, x: object = None) -> bool:

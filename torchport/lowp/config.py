@@ -7,6 +7,12 @@ Configs are keyword-only frozen dataclasses validated on construction (torchao's
   time with the weights' granularity (per row or per tensor), prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
 - :class:`NVFP4WeightOnlyConfig` — NVFP4 weights (optional per-tensor scale);
 - :class:`MXWeightOnlyConfig` — MXFP4 / MXFP8 weights;
+
+  (the FP4 decode GEMV, one to eight activation rows, quantizes the activations to int8 per 32
+  elements by default — ``amax / 127``, round half to even: errors of 5–7e-3 of the largest
+  output were measured at K = 4096, so a row's result can differ between a batch of eight rows
+  and one of nine, which takes the GEMM; ``torchport.config.gemv_fp4_int8 = False`` or
+  ``TORCHPORT_GEMV_FP4_INT8=0`` keeps float32 activations)
 - :class:`NVFP4DynamicActivationNVFP4WeightConfig` — NVFP4 weights and NVFP4 activations quantized
   per token per 16-block at run time (optional dynamic per-tensor scale);
 - :class:`MXDynamicActivationMXWeightConfig` — MX weights and MX activations per token per 32-block.
@@ -84,7 +90,9 @@ class Float8DynamicActivationFloat8WeightConfig(Float8WeightOnlyConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class NVFP4WeightOnlyConfig:
-    """NVFP4 weights; ``use_per_tensor_scale`` adds torchao's FP32 per-tensor scale."""
+    """NVFP4 weights; ``use_per_tensor_scale`` adds torchao's FP32 per-tensor scale. Decode
+    (one to eight rows) quantizes the activations to int8 unless ``config.gemv_fp4_int8`` is
+    off (module docstring)."""
 
     use_per_tensor_scale: bool = True
     block = 16
@@ -98,7 +106,9 @@ class NVFP4WeightOnlyConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MXWeightOnlyConfig:
-    """MX weights with element type ``elem`` (``fp4_e2m1``, ``fp8_e4m3``, ``fp8_e5m2``)."""
+    """MX weights with element type ``elem`` (``fp4_e2m1``, ``fp8_e4m3``, ``fp8_e5m2``). With
+    ``fp4_e2m1``, decode (one to eight rows) quantizes the activations to int8 unless
+    ``config.gemv_fp4_int8`` is off (module docstring)."""
 
     elem: str = "fp4_e2m1"
     block = 32
@@ -201,6 +211,9 @@ def quantize_(
         w = mod.weight
         if isinstance(w, LowPrecisionTensor):
             report.skipped[fqn] = "already quantized"
+            continue
+        if isinstance(w, nn.parameter.UninitializedParameter):
+            report.skipped[fqn] = "uninitialized (lazy) weight: run a forward first"
             continue
         if w.dtype not in (torch.float32, torch.bfloat16):
             report.skipped[fqn] = f"weight dtype {w.dtype} (needs float32 or bfloat16)"

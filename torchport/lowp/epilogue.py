@@ -35,9 +35,22 @@ def _quantize(
     return fp8.fp8_quantize(y, torch.float8_e4m3fn, "row", native_kernel=native_kernel)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> None:
+def _check(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, pts: float | None
+) -> None:
     if fmt not in FORMATS:
         raise LowPrecisionError(f"linear_quantize: fmt must be one of {FORMATS}, got {fmt!r}")
+    if pts is not None and fmt != "nvfp4":
+        raise LowPrecisionError(
+            f"linear_quantize: per_tensor_scale applies to fmt 'nvfp4' only, got {pts!r} with "
+            f"fmt {fmt!r}"
+        )
+    nvfp4.check_per_tensor_scale(pts)
+    for name, t in (("x", x), ("w", w), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise LowPrecisionError(
+                f"linear_quantize: {name} must be a tensor, got {type(t).__name__}"
+            )
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise LowPrecisionError(
             f"linear_quantize: x [M, K] and w [N, K] must agree on K, got {tuple(x.shape)} and {tuple(w.shape)}"
@@ -65,7 +78,7 @@ def linear_quantize_reference(
     per_tensor_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two passes: ``y = x @ w.T + bias`` (float32), then the plain-torch quantizer on ``y``."""
-    _check(x, w, bias, fmt)
+    _check(x, w, bias, fmt, per_tensor_scale)
     y = x @ w.t()
     if bias is not None:
         y = y + bias
@@ -88,7 +101,11 @@ def linear_quantize(
     every weight row is read once. FP8 needs whole rows (per-row amax): row panels of ``panel``
     rows spanning all of N.
     """
-    _check(x, w, bias, fmt)
+    _check(x, w, bias, fmt, per_tensor_scale)
+    # the outputs are codes, not differentiable: the operands' autograd history is not followed
+    # (torch.mm's out= refuses inputs that require grad)
+    x, w = x.detach(), w.detach()
+    bias = None if bias is None else bias.detach()
     m, n = x.shape[0], w.shape[0]
     if panel is not None and panel < 1:
         raise LowPrecisionError(f"linear_quantize: panel must be ≥ 1, got {panel}")

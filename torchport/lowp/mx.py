@@ -18,6 +18,8 @@ NaN scale 0xFF instead).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchport import native
@@ -144,8 +146,9 @@ def mx_dequantize(
     if not use_native(native_kernel, q):
         return mx_dequantize_reference(q, scales, elem, dtype)
     k = _k_of(q, scales, elem)
-    q2 = q.view(torch.uint8).reshape(-1, q.shape[-1]).contiguous()
-    s2 = scales.view(torch.uint8).reshape(-1, k // BLOCK).contiguous()
+    r = math.prod(q.shape[:-1])  # (not -1: ambiguous where K = 0)
+    q2 = q.view(torch.uint8).reshape(r, q.shape[-1]).contiguous()
+    s2 = scales.view(torch.uint8).reshape(r, k // BLOCK).contiguous()
     out = torch.empty(q2.shape[0], k, dtype=torch.float32)
     fmt = {"fp4_e2m1": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[elem]
     kernels.run(

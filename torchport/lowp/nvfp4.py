@@ -17,6 +17,7 @@ NaN/Inf inputs raise :class:`~torchport.lowp.formats.NonFiniteInputError`.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -110,6 +111,11 @@ def _check_packed(q: torch.Tensor, scales: torch.Tensor, block: int, what: str) 
     if q.dtype != torch.uint8 or q.dim() < 1:
         raise LowPrecisionError(f"{what}: packed data must be uint8 with ≥ 1 dim, got {q.dtype}")
     k = q.shape[-1] * 2
+    if k % block:  # (the kernels would read or write past the rows' last block)
+        raise LowPrecisionError(
+            f"{what}: K (twice the packed last dimension) must be a multiple of the block size "
+            f"{block} (no padding is done), got {k}"
+        )
     want = (*q.shape[:-1], k // block)
     if tuple(scales.shape) != want:
         raise LowPrecisionError(f"{what}: scales must have shape {want}, got {tuple(scales.shape)}")
@@ -148,8 +154,9 @@ def nvfp4_dequantize(
     if not use_native(native_kernel, q):
         return nvfp4_dequantize_reference(q, scales, per_tensor_scale, dtype)
     k = _check_packed(q, scales, BLOCK, "nvfp4_dequantize")
-    q2 = q.reshape(-1, k // 2).contiguous()
-    s2 = scales.view(torch.uint8).reshape(-1, k // BLOCK).contiguous()
+    r = math.prod(q.shape[:-1])  # (not -1: ambiguous where K = 0)
+    q2 = q.reshape(r, k // 2).contiguous()
+    s2 = scales.view(torch.uint8).reshape(r, k // BLOCK).contiguous()
     out = torch.empty(q2.shape[0], k, dtype=torch.float32)
     pts = float(per_tensor_scale) if per_tensor_scale is not None else 1.0
     kernels.run(

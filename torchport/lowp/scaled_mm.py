@@ -70,6 +70,8 @@ def _validate(
             raise LowPrecisionError(
                 f"scaled_mm: {name} must be a float32 tensor, got {getattr(s, 'dtype', s)}"
             )
+        if s.device.type != "cpu":
+            raise LowPrecisionError(f"scaled_mm: {name} must be on cpu, got {s.device}")
     tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
     rowwise = tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n)
     if not (tensorwise or rowwise):
@@ -77,6 +79,12 @@ def _validate(
             "scaled_mm: scales must be tensor-wise (one element each) or row-wise "
             f"(scale_a ({m}, 1), scale_b (1, {n})), got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}"
         )
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise LowPrecisionError(
+            f"scaled_mm: bias must be a tensor or None, got {type(bias).__name__}"
+        )
+    if bias is not None and bias.device.type != "cpu":
+        raise LowPrecisionError(f"scaled_mm: bias must be on cpu, got {bias.device}")
     if bias is not None and tuple(bias.shape) not in ((n,), (1, n)):
         raise LowPrecisionError(
             f"scaled_mm: bias must have shape ({n},) or (1, {n}), got {tuple(bias.shape)}"

@@ -229,16 +229,26 @@ class _Operand:
             if tuple(s.shape) == (rows, cols):
                 return s
             rp, cp = _round_up(rows, 128), _round_up(cols, 4)
-            if s.numel() == rows * cols:
+            if tuple(s.shape) == (rp, cp):  # the padded row-major form
+                return s[:rows, :cols]
+            # flat, either form; any other shape would be read in another orientation (a b
+            # operand's [K blocks, N] as [N, K blocks]), so it is refused
+            if s.dim() == 1 and s.numel() == rows * cols:
                 return s.reshape(rows, cols)
-            if s.numel() == rp * cp:  # the padded row-major form
+            if s.dim() == 1 and s.numel() == rp * cp:
                 return s.reshape(rp, cp)[:rows, :cols]
             raise _err(
                 f"{name}: {r.name} scales (NO_SWIZZLE) must be [{rows}, {cols}] (one per {block} "
-                f"along K={k}) or padded [{rp}, {cp}], got {tuple(s.shape)}"
+                f"along K={k}, {rows} rows), padded [{rp}, {cp}], or either flattened, got "
+                f"{tuple(s.shape)}"
             )
         if fp4 or self.mat.dtype not in FP8_DTYPES:
             raise _err(f"{name}: {r.name} scaling needs float8 data, got {self.mat.dtype}")
+        if swz != SwizzleType.NO_SWIZZLE:  # (torch's CPU build refuses every swizzle)
+            raise _err(
+                f"{name}: a swizzle applies to BlockWise1x16 / BlockWise1x32 scales only, got "
+                f"{swz.name} for {r.name}"
+            )
         if s.dtype != torch.float32:
             raise _err(f"{name}: {r.name} scales must be float32, got {s.dtype}")
         if r == ScalingType.TensorWise:
@@ -394,7 +404,12 @@ def _prepare(
             got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else bias
             raise _err(f"bias must be a floating-point tensor of {n} elements, got {got}")
         bias = bias.reshape(n)
-    od = torch.bfloat16 if output_dtype is None else output_dtype
+    od = mat_a.dtype if output_dtype is None else output_dtype  # (None: mat_a's, as torch)
+    if output_dtype is None and od not in OUT_DTYPES:
+        raise _err(
+            f"output_dtype None means mat_a's dtype, {od}, which is no output dtype; give one of "
+            f"{OUT_DTYPES}"
+        )
     if od not in OUT_DTYPES:
         raise _err(f"output_dtype must be one of {OUT_DTYPES}, got {od}")
     return a, b, bias, od
@@ -423,7 +438,8 @@ def scaled_mm(
     """2.14's ``torch.nn.functional.scaled_mm`` on the CPU, every recipe pair (module docstring).
 
     ``(decode(mat_a, scale_a) @ decode(mat_b, scale_b) + bias)`` in ``output_dtype`` (default
-    bfloat16; an FP8 output saturates). Raises :class:`~torchport.lowp.LowPrecisionError` naming
+    bfloat16; None: ``mat_a``'s dtype, as torch, an error for FP4 operands; an FP8 output
+    saturates). Raises :class:`~torchport.lowp.LowPrecisionError` naming
     the requirement and the value for any argument torch's CUDA path would refuse."""
     a, b, bias, od = _prepare(
         mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b,
@@ -437,6 +453,10 @@ def scaled_mm(
     if a.recipe in _BLOCK and a.k % _BLOCK[a.recipe] == 0:
         x = a.dequantize(torch.float32)
         outer = b.outer_global_scale()
+        if outer is not None and not math.isfinite(outer):
+            # an infinite or NaN global scale meets every element of b, as the reference (and a's
+            # global scale) has it: 0 * inf is NaN, a sum of +inf and -inf too
+            return _cast(gemm.mm(x, b.dequantize(torch.float32).t()), bias, od)
         if m <= MAX_ROWS:  # decode: the GEMV reads b's bytes, nothing is decoded to memory
             # (float32 activations kept exact: they are already quantized values)
             # (the weight tensor's own pack: b's bytes and scales as they are, no decode)

@@ -175,6 +175,12 @@ def _written_lowp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     return None
 
 
+def _hp_activation(x: torch.Tensor) -> torch.Tensor:
+    """An activation as the quantizers take it: float32 and bfloat16 as they are, float16 and
+    float64 (which the weight-only path takes too) as float32 (every float16 value exactly)."""
+    return x if x.dtype in HP_DTYPES else x.float()
+
+
 class _Cache:
     """A quantized tensor's state that a ``copy_`` into a tensor sharing its bytes replaces:
     the packed weight, the settled route and the :attr:`LowPrecisionTensor._copied_meta`
@@ -1049,9 +1055,7 @@ class Float8Tensor(LowPrecisionTensor):
         # scaled_mm (as torch._scaled_mm) takes both scales row-wise or both tensor-wise
         rowwise = self.scale.dim() != 0
         x2 = x.reshape(-1, k)
-        # float16/float64 activations (the weight-only path takes them): quantized from float32
-        # (fp8_quantize takes float32/bfloat16; every float16 value is exact in float32)
-        x2 = x2 if x2.dtype in HP_DTYPES else x2.float()
+        x2 = _hp_activation(x2)
         xq, xs = fp8.fp8_quantize(x2, self.act_dtype, "row" if rowwise else "tensor")
         ws = self.scale.float().reshape(1, -1) if rowwise else self.scale.float()
         out = scaled_mm(xq, self.qdata.t(), xs.float(), ws, bias=bias, out_dtype=x.dtype)
@@ -1165,6 +1169,7 @@ class NVFP4Tensor(LowPrecisionTensor):
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.act_per_tensor_scale is None:
             return None
+        x = _hp_activation(x)
         pts = _nvfp4_pts(x, self.act_per_tensor_scale)
         q, s = nvfp4.nvfp4_quantize(x, pts)
         return nvfp4.nvfp4_dequantize(q, s, pts)
@@ -1288,6 +1293,7 @@ class MXTensor(LowPrecisionTensor):
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.act_elem is None:
             return None
+        x = _hp_activation(x)
         q, s = mx.mx_quantize(x, self.act_elem)
         return mx.mx_dequantize(q, s, self.act_elem)
 
