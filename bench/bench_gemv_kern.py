@@ -1,7 +1,8 @@
 """Decode GEMV kernels alone, A/B: streamed weights on one and two threads against the read peak.
 
 Each variant (``--variants``, specs ``fmt:kernel:hint:prefetch[:rows]``, e.g. ``fp8:shift:NTA:2048``,
-``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel, ``fp8:dpamx:T1:0``: on AMX-BF16 tiles, ``nvfp4:amx:T1:0``: FP4 on AMX-INT8 tiles, whose prefetch field is unused) is called on
+``fp8:shift:NTA:2048:2``, ``mxfp4:block:NTA:2048``, ``bf16:native:T0:512``, ``bf16:dp:NTA:2048``, ``fp8:dp:T1:2048``: E4M3 weights on the ``vdpbf16ps`` kernel, ``fp8:dpamx:T1:0``: on AMX-BF16 tiles, ``nvfp4:amx:T1:0``: FP4 on AMX-INT8 tiles, whose prefetch field is unused; ``fp8:dpamx:T1:0:f32``: float32 activations, split
+into three bf16 parts) is called on
 B = ``--batch`` activation rows against copies of one ``--rows`` × ``--k`` weight on 2 MiB pages,
 rotated over twice the largest reported cache (``cold_bytes``). Every repetition times, interleaved in one process, each
 variant and the native read peak (:mod:`torchport.gemv.readpeak`, one stream without prefetch and
@@ -88,7 +89,7 @@ def _kernel(spec: str) -> tuple[str, object]:
         return fmt, gemv_bf16_dp_kernel(isa, int(pf), hint=hint, weights=weights, amx=amx)
     if kind == "native":
         r4 = int(rest[0]) if rest else None
-        return fmt, gemv_kernel(fmt, isa, int(pf), r4)
+        return fmt, gemv_kernel("fp8_e4m3" if fmt == "fp8" else fmt, isa, int(pf), r4)
     raise ValueError(f"unknown kernel kind {kind!r}")
 
 
@@ -118,9 +119,11 @@ def main() -> None:
         ws = packs[fmt]
         out = torch.empty(args.batch, args.rows)
 
-        # bf16 weights and the dp kernel meet bf16-valued activations (a bf16 model's; the dp
-        # kernel's pair-dot path takes only those)
-        xv = x.bfloat16().float() if fmt == "bf16" or spec.split(":")[1] in ("dp", "dpamx") else x
+        # bf16 weights and the dp kernels meet bf16-valued activations (a bf16 model's; the
+        # vdpbf16ps kernel's pair-dot path takes only those) unless the spec ends ":f32" (the
+        # AMX build splits float32 activations of E4M3 weights into three bf16 parts)
+        bx = fmt == "bf16" or spec.split(":")[1] in ("dp", "dpamx")
+        xv = x.bfloat16().float() if bx and not spec.endswith(":f32") else x
 
         def run(i: int, th: int, _k=kern, _w=ws, _o=out, _x=xv) -> None:
             _launch(_k, _x, _w[i % len(_w)], None, _o, th)

@@ -7,9 +7,12 @@ K. The products are exact and the sums float32 (subnormal inputs and results flu
 ``vdpbf16ps`` does), so the results meet the float64 reference within the float kernel's
 tolerance, as the ``vdpbf16ps`` kernel's do (the order of the float32 sums differs); the same
 bits on one and two threads and alone or in a batch, for K of any size (zero-padded tail steps),
-one to eight rows (the tile takes sixteen: status 7 beyond), with and without bias. E4M3 weights refuse float32 activations
-(status 4); bf16 weights hand them to the float kernel. The tuner offers the build for E4M3
-weights from four bf16-valued activation rows and bf16 weights from five.
+one to eight rows (the tile takes sixteen: status 7 beyond), with and without bias. E4M3 weights
+meeting float32 activations split each into three bf16 parts that add up to it exactly (one to
+ten rows, a second C tile from six; status 4 beyond), within the same bound; activations that are
+not finite or reach 2^127 go to the float kernel (its bits); bf16 weights hand float32
+activations to the float kernel. The tuner offers the build for E4M3 weights from four
+bf16-valued activation rows or three float32 ones, and bf16 weights from five.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torchport import autotune, native
 from torchport.gemv import bf16_kernel
 from torchport.gemv import ops as gops
 from torchport.gemv.bf16_kernel import amx_dp_ready, gemv_bf16_dp_kernel
-from torchport.gemv.kernels import gemv_kernel
+from torchport.gemv.kernels import NONFINITE_STATUS, gemv_kernel
 from torchport.lowp import Float8Tensor
 
 needs_amx = pytest.mark.skipif(not amx_dp_ready(), reason="needs AMX-BF16 granted by the OS")
@@ -90,8 +93,63 @@ def test_every_e4m3_code_decodes_exactly() -> None:
 
 
 @needs_amx
-def test_float_activations_refused_for_e4m3_and_floated_for_bf16() -> None:
-    x = torch.randn(5, 64)  # not bf16 values
+@pytest.mark.parametrize("shape", [(3, 31), (40, 100), (131, 1061), (20, 11008)], ids=str)
+def test_float_activations_split_into_three_parts_for_e4m3(shape) -> None:
+    """Float32 activations (not bf16 values) on E4M3 weights: within the float bound for one to
+    ten rows (six and up: the second C tile), the same bits on one and two threads and alone or
+    in a batch."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n + 7 * k)
+    pw = _pack("fp8_e4m3", torch.randn(n, k, generator=g) * 0.05)
+    kern = gemv_bf16_dp_kernel("avx512", weights="fp8_e4m3", amx=True)
+    for rows in (1, 2, 5, 6, 10):
+        x = torch.randn(rows, k, generator=g)
+        x[:, ::5] *= 1e-20  # parts far below their activation's leading one
+        bias = torch.randn(n, generator=g) if rows % 2 else None
+        out = _run(kern, x, pw, bias)
+        _check(out, x, pw, bias)
+        assert torch.equal(out, _run(kern, x, pw, bias, threads=1)), rows
+        one = torch.cat([_run(kern, x[i : i + 1], pw, bias) for i in range(rows)])
+        assert torch.equal(out, one), rows
+
+
+@needs_amx
+def test_a_split_activation_times_a_weight_is_the_float_kernels_product() -> None:
+    """One-hot activation rows whose value is no bf16 number: each result is that value times
+    one weight, which the three exact parts give rounded once, as the float kernel does."""
+    k, n = 200, 24
+    g = torch.Generator().manual_seed(3)
+    pw = _pack("fp8_e4m3", torch.randn(n, k, generator=g))
+    x = torch.zeros(8, k)
+    for i in range(8):
+        x[i, 25 * i + 3] = float(torch.randn(1, generator=g)) * 10.0 ** (i - 4)
+    assert not torch.equal(x, x.bfloat16().float())
+    got = _run(gemv_bf16_dp_kernel("avx512", weights="fp8_e4m3", amx=True), x, pw)
+    assert torch.equal(got, _run(gemv_kernel("fp8_e4m3", "avx512"), x, pw))
+
+
+@needs_amx
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 2.0**127, -3e38])
+def test_float_activations_it_cannot_split_go_to_the_float_kernel(bad: float) -> None:
+    """A non-finite activation, or one of 2^127 or more (its bf16 rounding could overflow): the
+    kernel hands the call back (nothing written) and the float kernel's bits come out."""
+    pw = _pack("fp8_e4m3", torch.randn(16, 128))
+    x = torch.randn(3, 128)
+    x[1, 9] = bad
+    kern = gemv_bf16_dp_kernel("avx512", weights="fp8_e4m3", amx=True)
+    out = torch.full((3, 16), 7.0)
+    raw = (x.data_ptr(), 3, 128, pw.data.data_ptr(), pw.scales.data_ptr(), pw.rowscale.data_ptr(),
+           pw.pts, 0, 0, out.data_ptr(), 16, 2)  # fmt: skip
+    assert kern.call_unchecked(*raw) == NONFINITE_STATUS
+    assert bool((out == 7.0).all())
+    assert kern.float_twin() is gemv_kernel("fp8_e4m3", "avx512")
+    want = _run(gemv_kernel("fp8_e4m3", "avx512"), x, pw)
+    assert torch.equal(_run(kern, x, pw).view(torch.int32), want.view(torch.int32))
+
+
+@needs_amx
+def test_more_float_rows_than_two_tiles_refused_and_bf16_weights_floated() -> None:
+    x = torch.randn(11, 64)  # three parts of eleven rows: 33 columns
     pw8 = _pack("fp8_e4m3", torch.randn(8, 64))
     with pytest.raises(native.NativeError, match="not bf16 values"):
         _run(gemv_bf16_dp_kernel("avx512", weights="fp8_e4m3", amx=True), x, pw8)
@@ -160,6 +218,25 @@ def test_rows_outside_the_tile_are_status_7(rows: int) -> None:
 
 
 @needs_amx
+def test_gemv_packed_runs_the_tuned_amx_plan_on_float_activations(fresh_cache, monkeypatch) -> None:
+    """E4M3 weights, float32 activations, the AMX build the one native candidate: three and
+    eight rows plan it (eight: two C tiles), the results meet the reference and the settled call
+    gives the same bits."""
+    only_native_kernel(monkeypatch, "dpamx")
+    try:
+        g = torch.Generator().manual_seed(5)
+        pw = _pack("fp8_e4m3", torch.randn(700, 640, generator=g) * 0.1)
+        for rows in (3, 8):
+            x = torch.randn(rows, 640, generator=g)
+            out = gops.gemv_packed(x, pw)
+            assert gops.plan_for(pw, rows, False).candidate.param("kernel") == "dpamx"
+            _check(out, x, pw)
+            assert torch.equal(gops.gemv_packed(x, pw), out)
+    finally:
+        gops._PLANS.clear()
+
+
+@needs_amx
 def test_gemv_packed_runs_the_tuned_amx_plan(fresh_cache, monkeypatch) -> None:
     """With the AMX build the one native candidate, a bfloat16 activation tensor at four and
     eight rows plans it, meets the reference and gives the same bits on the settled call."""
@@ -210,7 +287,9 @@ def test_offered_from_four_e4m3_or_five_bf16_rows() -> None:
         return [c.name for c in cands if c.param("kernel") == "dpamx"]
 
     assert amx("fp8_e4m3", 4) == ["dpamx_p0l2_t0", "dpamx_p0l2_t1"] == amx("fp8_e4m3", 8)
-    assert not amx("fp8_e4m3", 3) and not amx("fp8_e4m3", 8, bx=False)
+    assert not amx("fp8_e4m3", 3) and not amx("fp8_e4m3", 2, bx=False)
+    assert amx("fp8_e4m3", 3, bx=False) == amx("fp8_e4m3", 8, bx=False) == amx("fp8_e4m3", 4)
+    assert not amx("fp8_e4m3", 9, bx=False)
     assert amx("bf16", 5, bx=False) and not amx("bf16", 4, bx=False)
     assert len(gops.candidates("fp8_e4m3", False, 4096, True, 8)) <= 11
     cand = next(

@@ -71,7 +71,8 @@ word ``8L + t`` of the first vector is element ``16L + t`` of the line, of the s
 + t``; the narrowed activations are stored in that order. K's last partial line is one masked
 load (zero codes decode to zero). Rows are scaled by the row scale, then the bias is added, as
 in the float kernel. Only bf16-valued activations: others return status 4 (the tuner offers this
-kernel only for bfloat16 activation tensors, :func:`torchport.gemv.ops.candidates`). Kernels
+kernel only for bfloat16 activation tensors, :func:`torchport.gemv.ops.candidates`), except in
+the AMX build (below), which splits float32 ones. Kernels
 alone, 11008×4096 from DRAM, bf16-valued activations, interleaved medians of 15 (load 3-4,
 helper running): B=1 two threads 1.14 ms (NTA 2048) against the shift kernel's 1.31, one thread
 1.46 against 2.60; B=4 two threads 2.07 against 3.18 (the shift kernel's AVX2 build, what B > 1
@@ -79,6 +80,19 @@ takes), one thread 3.73 against 6.10. E4M3 weights run K in blocks from one acti
 (bf16 weights from two): at K = 11008 a bf16 activation row (22 KB) shared L1 with the weight
 stream and was re-read from L2; 4096×11008 B=1 one thread 3.2–4.0 → 1.9–2.1 ms, two threads
 1.93–2.39 → 1.84–2.16 (same bits; bf16 weights measured 6–8 % slower in blocks on two threads).
+
+**AMX build** (``amx=True``, AMX-BF16): per 16 weight rows and 64 weights the two bf16 weight
+vectors of the decode are two A tiles, the narrowed activations B tiles with one column per
+activation row, and ``tdpbf16ps`` accumulates a C tile over all of K (1 to 16 rows). With E4M3
+weights it also serves float32 activations that are not bf16 values: each is split into three
+bf16 parts ``h + m + l`` equal to it exactly (``h`` its rounding to bf16, ``m`` the rounding of
+``x - h``, which float32 holds exactly, and ``l = x - h - m``, at most eight significant bits:
+exact), each part a column of its own, so a weight's three products are exact and the row's
+three float32 sums add up (smallest first) to what the float kernel's one product per weight
+gives within the same float32 bound; one to ten rows (up to 16 columns in one C tile, the rest
+in a second), status 4 beyond. Parts below ``2⁻¹²⁶`` flush, as the products do. Activations that
+are not finite or reach ``2¹²⁷`` in magnitude (where rounding to bf16 could overflow) return
+:data:`torchport.gemv.kernels.NONFINITE_STATUS`: the format's float kernel takes the call.
 """
 
 from __future__ import annotations
@@ -329,26 +343,122 @@ TP_INLINE void tp_rows_dp(const uint16_t *xp, int64_t K32, const tp_wt *w, int64
    rows, and the narrowed activations (already in tp_wstep's order) are B tiles of 16 k-pairs x B
    columns, built once per call: tile c, row p, column b holds activation row b's pair
    (2 p, 2 p + 1) of its 32-element chunk c. The sums stay in one C tile over all of K: no
-   per-step work beyond the decode. */
+   per-step work beyond the decode. Float32 activations of E4M3 weights split into three bf16
+   rows each (tp_bf16_split3) are three columns per row, from 17 columns on in a second set of
+   B tiles and a second C tile. */
 
-/* The B tiles: bt[c][p][b] = narrowed row b's 32-bit pair 16 c + p (K32 / 32 chunks). */
-static void tp_amx_btiles(const uint16_t *xp, int64_t B, int64_t K32, uint32_t *bt) {
-    for (int64_t b = 0; b < B; ++b) {
-        const uint32_t *xr = (const uint32_t *)(xp + b * K32);
-        for (int64_t q = 0; q < K32 / 2; ++q) bt[q * B + b] = xr[q];
+/* Sixteen rows of sixteen 32-bit values -> r[i] = value i of every row (lane b: row b): pairs
+   of rows interleaved by 32 then 64 bits, then 128-bit lanes gathered in two steps. */
+TP_INLINE void tp_transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {   /* u[4 g + c], 128-bit lane L: rows 4 g..4 g + 3, value 4 L + c */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {   /* t[c]: values c and 8 + c of rows 0-7, t[4 + c]: 4 + c, 12 + c */
+        t[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    }
+    for (int c = 0; c < 4; ++c) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD);
+        r[4 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xDD);
     }
 }
 
-/* Rows [n0, n0 + nr) (nr <= 16) against every activation row: their float sums into sums (16
-   rows x 16, row i's B sums first). Double-buffered stage: step s's weights decode into half
-   s & 1 while the tile unit still reads the other half's; the next group's rows [p0, p1)
+/* The B tiles of columns [c0, c0 + nc) (nc <= 16): bt[c][p][b] = narrowed row c0 + b's 32-bit
+   pair 16 c + p (K32 / 32 chunks), sixteen pairs of every row at a time through a transpose
+   (the scalar copy took 103 us for sixteen rows of K = 11008, this 8). */
+static void tp_amx_btiles(const uint16_t *xp, int64_t c0, int64_t nc, int64_t K32, uint32_t *bt) {
+    const int64_t Q = K32 / 2;   /* pairs per narrowed row: a multiple of 16 (K32 of 32) */
+    const uint32_t *xr = (const uint32_t *)(xp + c0 * K32);
+    const __mmask16 m = (__mmask16)((1u << nc) - 1u);
+    for (int64_t q = 0; q < Q; q += 16) {
+        __m512i r[16];
+        for (int b = 0; b < 16; ++b)
+            r[b] = b < nc ? _mm512_loadu_si512((const void *)(xr + b * Q + q)) : _mm512_setzero_si512();
+        tp_transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_mask_storeu_epi32((void *)(bt + (q + i) * nc), m, r[i]);
+    }
+}
+
+#if defined(TP_W_fp8_e4m3)
+/* 1 if some x[i] is not finite or at least 2^127 in magnitude (where rounding to bf16 could
+   overflow), else 0 */
+static int tp_any_big(const float *x, int64_t n) {
+    const __m512 lim = _mm512_set1_ps(0x1p127f);
+    __mmask16 m = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + i)), lim, _CMP_NLT_UQ);
+    for (; i < n; ++i)
+        if (!(fabsf(x[i]) < 0x1p127f)) return 1;
+    return m != 0;
+}
+/* Sixteen floats -> their bf16 rounding (vcvtneps2bf16: to nearest even; subnormal inputs and
+   results flushed) and that rounding widened back to float32. */
+TP_INLINE __m256i tp_bf16_part(__m512 v, __m512 *back) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    *back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return h;
+}
+/* Row x (K finite floats, each below 2^127 in magnitude) as three bf16 rows h, m, l at their
+   tp_xpos places (zero past K) with h + m + l = x element by element, exactly: h rounds x to 8
+   significant bits, x - h (exact in float32) has at most 16 and m rounds it to 8, x - h - m
+   (exact) has at most 8 and is l; below 2^-126 a part is flushed (less than 2^-126 lost, as the
+   pair dot flushes such products). */
+static void tp_bf16_split3(const float *x, int64_t K, int64_t KP, uint16_t *h, uint16_t *m, uint16_t *l) {
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64)
+        for (int L = 0; L < 4; ++L) {
+            __m512 b1, b2, b3;
+            const __m512 v = _mm512_loadu_ps(x + k + 16 * L);
+            tp_xstore16(h, k, L, tp_bf16_part(v, &b1));
+            const __m512 r1 = _mm512_sub_ps(v, b1);
+            tp_xstore16(m, k, L, tp_bf16_part(r1, &b2));
+            tp_xstore16(l, k, L, tp_bf16_part(_mm512_sub_ps(r1, b2), &b3));
+        }
+    for (; k < KP; k += 16) {   /* the last partial group, 16 at a time, zero past K */
+        float t[16] __attribute__((aligned(64)));
+        uint16_t hp[16], mp[16], lp[16];
+        for (int j = 0; j < 16; ++j) t[j] = k + j < K ? x[k + j] : 0.0f;
+        __m512 b1, b2, b3;
+        const __m512 v = _mm512_load_ps(t);
+        _mm256_storeu_si256((__m256i *)hp, tp_bf16_part(v, &b1));
+        const __m512 r1 = _mm512_sub_ps(v, b1);
+        _mm256_storeu_si256((__m256i *)mp, tp_bf16_part(r1, &b2));
+        _mm256_storeu_si256((__m256i *)lp, tp_bf16_part(_mm512_sub_ps(r1, b2), &b3));
+        for (int j = 0; j < 16 && k + j < KP; ++j) {
+            h[tp_xpos(k + j)] = hp[j];
+            m[tp_xpos(k + j)] = mp[j];
+            l[tp_xpos(k + j)] = lp[j];
+        }
+    }
+}
+#endif
+
+/* Rows [n0, n0 + nr) (nr <= 16) against every column: their float sums into sums (16 rows x 16
+   per C tile: row i's first c0 sums at 16 i, its c1 next ones, if any, at 256 + 16 i). Columns
+   [0, c0) (c0 <= 16) come from B tiles bt, columns [16, 16 + c1) (c1 <= 16; 0: none) from bt1,
+   each tile's sums in a C tile of its own. Double-buffered stage: step s's weights decode into
+   half s & 1 while the tile unit still reads the other half's; the next group's rows [p0, p1)
    (contiguous) are prefetched meanwhile, a step's share at a time. */
-TP_INLINE void tp_amx_dp_rows(const tp_wt *w, int64_t K, const uint32_t *bt, int64_t B,
-                              int64_t n0, int nr, int64_t p0, int64_t p1, uint16_t *stage, float *sums) {
+TP_INLINE void tp_amx_dp_rows(const tp_wt *w, int64_t K, const uint32_t *bt, int64_t c0,
+                              const uint32_t *bt1, int64_t c1, int64_t n0, int nr, int64_t p0,
+                              int64_t p1, uint16_t *stage, float *sums) {
     const int64_t steps = (K + 63) / 64, K64 = K / 64 * 64;
     const char *pw = (const char *)(w + p0 * K);
     const int64_t lw = (p1 - p0) * K * TP_WB / 64;
     _tile_zero(4);
+    if (c1) _tile_zero(7);
     for (int64_t s = 0; s < steps; ++s) {
         const int64_t k = 64 * s;
         for (int64_t l = s * lw / steps; l < (s + 1) * lw / steps; ++l) _mm_prefetch(pw + 64 * l, _MM_HINT_${hint});
@@ -373,12 +483,19 @@ TP_INLINE void tp_amx_dp_rows(const tp_wt *w, int64_t K, const uint32_t *bt, int
         TP_TILE_FENCE();
         _tile_loadd(0, st, 64);
         _tile_loadd(1, st + 512, 64);
-        _tile_loadd(2, bt + (2 * s) * 16 * B, B * 4);
-        _tile_loadd(3, bt + (2 * s + 1) * 16 * B, B * 4);
+        _tile_loadd(2, bt + (2 * s) * 16 * c0, c0 * 4);
+        _tile_loadd(3, bt + (2 * s + 1) * 16 * c0, c0 * 4);
         _tile_dpbf16ps(4, 0, 2);
         _tile_dpbf16ps(4, 1, 3);
+        if (c1) {
+            _tile_loadd(5, bt1 + (2 * s) * 16 * c1, c1 * 4);
+            _tile_loadd(6, bt1 + (2 * s + 1) * 16 * c1, c1 * 4);
+            _tile_dpbf16ps(7, 0, 5);
+            _tile_dpbf16ps(7, 1, 6);
+        }
     }
     _tile_stored(4, sums, 64);
+    if (c1) _tile_stored(7, sums + 256, 64);
     TP_TILE_FENCE();
 }
 #endif
@@ -401,6 +518,22 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
         out = (float *)malloc(sizeof(float) * (size_t)(B * N) + 64);
         if (!out) { free(xp); return 3; }
     }
+    int64_t parts = 1;   /* bf16 rows per activation row: 3 for float32 ones split (AMX, E4M3) */
+#if TP_AMX && defined(TP_W_fp8_e4m3)
+    if (!dp && B >= 1 && 3 * B <= 32) {   /* float32 activations as three bf16 rows each (exact) */
+        if (tp_any_big(x, B * K)) {   /* non-finite, or 2^127 and up: the float kernel takes them */
+            free(xp);
+            return TP_NONFINITE;
+        }
+        free(xp);
+        xp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(3 * B * K32) + 64);
+        if (!xp) return 3;
+        for (int64_t b = 0; b < B; ++b)
+            tp_bf16_split3(x + b * K, K, K32, xp + b * K32, xp + (B + b) * K32, xp + (2 * B + b) * K32);
+        parts = 3;
+        dp = 1;
+    }
+#endif
     if (!dp) {   /* float32 activations (tp_gemv only: tp_gemv_bf16io's are bf16) */
         free(xp);
 #if defined(TP_W_fp8_e4m3)
@@ -424,40 +557,50 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
         if (outh) free(out);
         return B < 1 || B > 16 ? 7 : 6;
     }
+    /* columns: part p of activation row b is column p B + b (narrowed row p B + b of xp); the
+       first 16 in one C tile, the rest (split float32 rows from six on) in a second */
+    const int64_t ncol = parts * B, c0 = ncol < 16 ? ncol : 16, c1 = ncol - c0;
     const int64_t npairs = (K + 63) / 64 * 32;   /* k-pairs the tiles cover: whole 64-weight steps */
-    uint32_t *bt = (uint32_t *)aligned_alloc(64, ((size_t)(npairs * B) * 4 + 63) / 64 * 64);
+    uint32_t *bt = (uint32_t *)aligned_alloc(64, ((size_t)(npairs * ncol) * 4 + 63) / 64 * 64);
     if (!bt) { free(xp); if (outh) free(out); return 3; }
-    memset(bt, 0, (size_t)(npairs * B) * 4);
-    tp_amx_btiles(xp, B, K32, bt);
+    memset(bt, 0, (size_t)(npairs * ncol) * 4);
+    uint32_t *bt1 = bt + npairs * c0;
+    tp_amx_btiles(xp, 0, c0, K32, bt);
+    if (c1) tp_amx_btiles(xp, c0, c1, K32, bt1);
     const int64_t tp_astep_ = (tp_chunk_rows(nt, K * TP_WB, ${chunk}) + 15) / 16 * 16;
     #pragma omp parallel num_threads(nt)
     {
         tp_tilecfg_t cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
-        for (int t = 0; t < 5; ++t) cfg.rows[t] = 16;
+        for (int t = 0; t < (c1 ? 8 : 5); ++t) cfg.rows[t] = 16;
         cfg.colsb[0] = cfg.colsb[1] = 64;                                    /* A: 16 rows x 32 bf16 */
-        cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[4] = (uint16_t)(B * 4);      /* B: 16 k-pairs x B; C */
+        cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[4] = (uint16_t)(c0 * 4);     /* B: 16 k-pairs x c0; C */
+        if (c1) cfg.colsb[5] = cfg.colsb[6] = cfg.colsb[7] = (uint16_t)(c1 * 4);   /* the same, c1 */
         TP_TILE_FENCE();
         _tile_loadconfig(&cfg);
         uint16_t stage[2048] __attribute__((aligned(64)));   /* two halves of two A tiles */
-        float sums[256] __attribute__((aligned(64)));
+        float sums[512] __attribute__((aligned(64)));
         memset(stage, 0, sizeof stage);
         tp_groups_t gr;
         tp_groups_init(&gr, &tp_next_, N, tp_astep_, 16);
         while (tp_groups_next(&gr)) {
             const int64_t n0 = gr.n0;
             const int nr = (int)gr.nr;
-            tp_amx_dp_rows(w, K, bt, B, n0, nr, gr.p0, gr.p1, stage, sums);
+            tp_amx_dp_rows(w, K, bt, c0, bt1, c1, n0, nr, gr.p0, gr.p1, stage, sums);
+#define TP_COL(i, c) ((c) < 16 ? sums[16 * (i) + (c)] : sums[256 + 16 * (i) + (c) - 16])
             for (int i = 0; i < nr; ++i)
                 for (int64_t b = 0; b < B; ++b) {
                     const int64_t n = n0 + i;
-                    float v = sums[16 * i + b] * TP_POST(n);
+                    /* a split row's parts, the smallest first */
+                    float v = parts == 1 ? TP_COL(i, b) : (TP_COL(i, 2 * B + b) + TP_COL(i, B + b)) + TP_COL(i, b);
+                    v *= TP_POST(n);
                     if (has_bias) v += bias[n];
                     out[b * N + n] = v;
                     if (outh) outh[b * N + n] = tp_bf16_as_torch(v);
                 }
         }
+#undef TP_COL
         _tile_release();
     }
     free(bt);
@@ -645,7 +788,8 @@ def gemv_bf16_dp_kernel(
     for two to four activation rows, E4M3 weights from one (default :data:`XBLOCK_BYTES`, E4M3
     :data:`FP8_XBLOCK_BYTES`; 0: K in one piece); ``amx``: the AMX-BF16 build (one C tile per
     16 weight rows over all of K; ``prefetch`` and ``xblock`` unused; 1 to 16 activation rows,
-    status 7 beyond; status 6 without the OS's tile state). Raises ``NativeError`` unless
+    status 7 beyond; status 6 without the OS's tile state; with E4M3 weights float32 activations
+    split into three bf16 parts, 1 to 10 rows, status 4 beyond). Raises ``NativeError`` unless
     ``isa`` is ``"avx512"`` on a CPU with AVX512-BF16, or, with ``amx``, naming what
     :func:`amx_dp_ready` misses."""
     from torchport.gemv.kernels import CHUNK_BYTES, SCHED_C, _e4m3_table, _e8m0_table, check_hint
@@ -697,7 +841,9 @@ def gemv_bf16_dp_kernel(
     name += "" if xblock is None else f"_x{xblock}"
     if not amx:
         return GemvKernel(native.build(src, name=name, isa=isa), weights)
-    return GemvKernel(build_amx(src, name, AMX_FLAGS, _amx_dp_unbuildable), weights)
+    lib = build_amx(src, name, AMX_FLAGS, _amx_dp_unbuildable)
+    # E4M3: float32 activations it cannot split exactly go to the float kernel (TP_NONFINITE)
+    return GemvKernel(lib, weights, twin_isa=isa if fp8 else None)
 
 
 # Set when an AMX build of this kernel fails to compile (a compiler without -mamx-bf16): no

@@ -1302,7 +1302,7 @@ def gemv_fp4_pair_kernel(
     if isa == "scalar":
         raise native.NativeError("the pair-split FP4 GEMV needs AVX2 (isa is 'scalar')")
     chunk = CHUNK_BYTES if chunk is None else chunk
-    return GemvKernel(_library(fmt, isa, prefetch, chunk), fmt, int8_isa=isa)
+    return GemvKernel(_library(fmt, isa, prefetch, chunk), fmt, twin_isa=isa)
 
 
 @functools.cache
@@ -1351,7 +1351,7 @@ def _build(source: str, name: str, fmt: str, isa: str, **params: object) -> Gemv
     from torchport.gemv.kernels import BF16IO_C, SCHED_C
 
     src = native.render(SCHED_C + _FORMAT_C + source + BF16IO_C, fmt=fmt, **params)
-    return GemvKernel(native.build(src, name=name, isa=isa), fmt, int8_isa=isa)
+    return GemvKernel(native.build(src, name=name, isa=isa), fmt, twin_isa=isa)
 
 
 @functools.cache
@@ -1439,7 +1439,7 @@ def gemv_fp4_amx_kernel(fmt: str, hint: str = "T1", chunk: int | None = None) ->
         SCHED_C + AMX_TILE_C + _FORMAT_C + _AMX_SOURCE + BF16IO_C, fmt=fmt, hint=hint, chunk=chunk
     )
     lib = build_amx(src, f"gemv_fp4amx_{fmt}_{hint}_c{chunk}", AMX_FLAGS, _amx_unbuildable)
-    return GemvKernel(lib, fmt, int8_isa="avx512")
+    return GemvKernel(lib, fmt, twin_isa="avx512")
 
 
 @functools.cache

@@ -700,20 +700,23 @@ class GemvKernel(Kernel):
     arguments with bf16 activations and bf16 results: the bits of ``tp_gemv`` on the widened
     activations, then torch's cast, NaN as 0xffff).
 
-    ``int8_isa``: the kernel quantizes its activations to int8 (FP4 weights) and, built for that
-    ISA, returns :data:`NONFINITE_STATUS` without writing ``out`` when they hold a NaN or an
-    infinity; the caller runs :meth:`float_twin` instead."""
+    ``twin_isa``: the kernel may return :data:`NONFINITE_STATUS` without writing ``out`` (the
+    int8-activation kernels of FP4 weights when the activations hold a NaN or an infinity, which
+    int8 would turn finite; the AMX-BF16 E4M3 build when float32 activations it would split into
+    bf16 parts are not finite or reach 2¹²⁷); the caller then runs :meth:`float_twin`, the
+    format's float kernel built for that ISA. None: the kernel hands no call back."""
 
-    def __init__(self, lib: ctypes.CDLL, fmt: str, int8_isa: str | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL, fmt: str, twin_isa: str | None = None) -> None:
         super().__init__(lib, "tp_gemv", gemv_args(fmt))
         self.bf16io = Kernel(lib, "tp_gemv_bf16io", gemv_args(fmt, io=torch.bfloat16))
         self.fmt = fmt
-        self.int8_isa = int8_isa
+        self.twin_isa = twin_isa
 
     def float_twin(self) -> GemvKernel | None:
-        """The float-activation kernel of this kernel's format and ISA (built on first use) for
-        calls it hands back with :data:`NONFINITE_STATUS`; None for a float-activation kernel."""
-        return None if self.int8_isa is None else gemv_kernel(self.fmt, self.int8_isa)
+        """The float-activation kernel of this kernel's format and :attr:`twin_isa` (built on
+        first use) for calls it hands back with :data:`NONFINITE_STATUS`; None where it hands
+        none back."""
+        return None if self.twin_isa is None else gemv_kernel(self.fmt, self.twin_isa)
 
 
 # --- FP4 weights × int8-quantized activations (maddubs) ------------------------------------------
@@ -927,4 +930,4 @@ def gemv_i8_kernel(
         chunk=chunk,
     )
     lib = native.build(src, name=f"gemv_i8_{fmt}_{isa}_p{prefetch}_r{rows4}_c{chunk}", isa=isa)
-    return GemvKernel(lib, fmt, int8_isa=isa)
+    return GemvKernel(lib, fmt, twin_isa=isa)

@@ -277,6 +277,16 @@ AMX_ROWS = {"mxfp4": (5, 8)}
 # 2.589 / 2.959 (NTA 2048: 2.667); bf16 11008x4096 B=4 4.209 / 4.040, B=5 4.189 / 5.009, B=6
 # 4.098 / 5.393, B=8 4.124 / 6.538; 4096x4096 B=5 1.591 / 1.696.
 DPAMX_ROWS = {"fp8_e4m3": (4, 8), "bf16": (5, 8)}
+# The same build for E4M3 weights meeting float32 activations: it splits each activation into
+# three bf16 parts (exact; one C tile column per part and row, a second C tile from six rows).
+# Two threads, weights from DRAM (bench_gemv_kern, medians of 9, thirty-sixth session, a review
+# helper running beside), against the shift kernel's AVX-512 build NTA 2048 and the float kernel
+# T0/0, ms: B=2 4096x4096 1.021 / 0.947 / 1.083, 11008x4096 2.655 / 2.444 / 2.801; B=3 4096x4096
+# 1.044 / 1.020 / 1.188, 11008x4096 2.671 / 3.005 / 3.040, 4096x11008 2.734 / 2.460 / 3.020;
+# B=4 4096x4096 1.013 / 1.111 / 1.242, 11008x4096 2.636 / 2.742 / 3.315, 4096x11008 2.777 /
+# 2.953 / 3.292; B=6 4096x4096 1.267 / 2.221 / 2.028; B=8 11008x4096 2.978 / 5.508 / 6.127.
+# From three rows (where it won one shape of three) to the GEMV's eight.
+DPAMX_F32_ROWS = {"fp8_e4m3": (3, 8)}
 # The same for the E4M3 shift-decode kernel: NTA 2048 against T0 8192 1.901 -> 1.651 ms (same
 # run; NTA 1024 1.714, 768 1.641). T0 8192 stays a candidate: the AVX-512 kernel streamed from
 # DRAM faster with 8192 than 4096 bytes ahead (11008x4096, interleaved medians of 21 in one
@@ -338,10 +348,11 @@ def _hinted(kernel: str, table: tuple[tuple[str, int], ...]) -> list[autotune.Ca
     ]
 
 
-def _dpamx(fmt: str, rows: int | None) -> list[autotune.Candidate]:
+def _dpamx(fmt: str, rows: int | None, bx: bool = True) -> list[autotune.Candidate]:
     """The AMX-BF16 pair-dot candidates (hint T1, each thread mode) where ``rows`` is in
-    :data:`DPAMX_ROWS` of ``fmt`` and the CPU has AMX-BF16."""
-    lo, hi = DPAMX_ROWS.get(fmt, (1, 0))
+    :data:`DPAMX_ROWS` of ``fmt`` (``bx``: bf16-valued activations; else
+    :data:`DPAMX_F32_ROWS`) and the CPU has AMX-BF16."""
+    lo, hi = (DPAMX_ROWS if bx else DPAMX_F32_ROWS).get(fmt, (1, 0))
     if rows is None or not lo <= rows <= hi or not amx_dp_ready():
         return []
     return _hinted("dpamx", (("T1", 0),))
@@ -373,7 +384,9 @@ def candidates(
     try the same kernel, its weights decoded to bf16 (``weights="fp8_e4m3"``), before the shift
     kernels (it refuses float32 activations: status 4). Where ``rows`` is in :data:`DPAMX_ROWS`
     and the CPU has AMX-BF16, both pair-dot kernels are followed by their AMX-BF16 build
-    (``kernel="dpamx"``).
+    (``kernel="dpamx"``); E4M3 weights meeting float32 activations try that build after the
+    shift kernels where ``rows`` is in :data:`DPAMX_F32_ROWS` (it splits each activation into
+    three bf16 parts).
 
     Where the lane-block kernel serves (``k % 128 == 0``) the pair-split kernel is left out: it
     streamed slower in each of four interleaved A/B runs (11008×4096 B=1, two threads, the
@@ -429,7 +442,7 @@ def candidates(
         return out
     if fmt == "fp8_e4m3":  # the integer-shift decode (torchport.gemv.fp8_kernel) first
         out += _hinted("shift", SHIFT_PREFETCH) + _hinted("shift4", SHIFT4_PREFETCH)
-        out += _hinted("shift512", SHIFT512_PREFETCH)
+        out += _hinted("shift512", SHIFT512_PREFETCH) + _dpamx(fmt, rows, bx=False)
     dp = fmt == "bf16" and native.cpu_info().has_avx512_bf16
     if dp:  # the vdpbf16ps kernel first; the float kernel then only 512 bytes ahead
         out += _hinted("dp", DP_PREFETCH) + _dpamx(fmt, rows)
