@@ -775,6 +775,8 @@ def mismatch_one_rank_case(rank: int, world: int) -> list[dict[str, Any]]:
         # a barrier (nothing published: over TCP every peer's frame is expected empty) against
         # an allreduce whose frames are not
         lambda: dist.barrier() if odd else dist.all_reduce(torch.ones(n)),
+        # AVG folds as SUM: it went unnoticed, and each rank got its own answer
+        lambda: dist.all_reduce(torch.ones(n), op=dist.ReduceOp.AVG if odd else dist.ReduceOp.SUM),
         # the odd rank expects one row more from rank 0 and one fewer from rank 1 (its block to
         # itself agrees: one that does not is refused at the call and fails no group)
         lambda: dist.all_to_all_single(
@@ -889,6 +891,28 @@ def split_case(rank: int, world: int) -> dict[str, Any]:
         "same_mesh": sub.comm.mesh is mesh,
         "odd_rank": odd.rank() if rank in (1, 3) else None,
         "transport": sub.transport,
+    }
+
+
+def split_again_case(rank: int, world: int) -> dict[str, Any]:
+    """A split after one that left a rank without a group, and after a ``new_group`` its
+    non-members did not join: torch named the next split's group after the count of groups each
+    process held, so its members disagreed on the name and never met (a hang up to the group
+    timeout). Every rank calls each split and ``new_group`` alike."""
+    from torchport.distributed import split_group
+
+    t0 = time.monotonic()
+    first = split_group(split_ranks=[[0, 1]])  # the others: None
+    dist.new_group([0, world - 1], backend="torchport")
+    g = split_group(split_ranks=[[0, 2], [1]], timeout=datetime.timedelta(seconds=20))
+    t = torch.tensor([float(rank)])
+    if g is not None:
+        dist.all_reduce(t, group=g)
+    return {
+        "first": None if first is None else first.size(),
+        "size": None if g is None else g.size(),
+        "sum": t.item(),
+        "elapsed": time.monotonic() - t0,
     }
 
 
@@ -1094,6 +1118,25 @@ def contract_case(rank: int, world: int) -> list[str]:
     dist.all_to_all(ts, ts)  # (the list form too)
     if [t[0].item() for t in ts] != [10.0 * q + rank for q in range(world)]:
         bad.append(f"in-place all_to_all got {[t.tolist() for t in ts]}")
+    # an all_gather / all_gather_into_tensor / gather input in the next rank's output slot:
+    # over TCP from three ranks a peer's block landed on it before it was sent
+    q, n = (rank + 1) % world, 4
+    want = [100.0 * p + k for p in range(world) for k in range(n)]
+    flat = torch.zeros(world * n)
+    flat[q * n : (q + 1) * n] = 100.0 * rank + torch.arange(n, dtype=torch.float32)
+    dist.all_gather_into_tensor(flat, flat[q * n : (q + 1) * n])
+    rows = torch.zeros(world, n)
+    rows[q] = 100.0 * rank + torch.arange(n, dtype=torch.float32)
+    dist.all_gather(list(rows.unbind(0)), rows[q])
+    rows2 = torch.zeros(world, n)
+    rows2[q] = 100.0 * rank + torch.arange(n, dtype=torch.float32)
+    dist.gather(rows2[q], list(rows2.unbind(0)) if rank == 0 else None, dst=0)
+    mine = rows2[q].tolist() == [100.0 * rank + k for k in range(n)]
+    for what, got in (("all_gather_into_tensor", flat), ("all_gather", rows)):
+        if got.flatten().tolist() != want:
+            bad.append(f"{what} of an input in another rank's slot got {got.flatten().tolist()}")
+    if (rank == 0 and rows2.flatten().tolist() != want) or (rank and not mine):
+        bad.append(f"gather of an input in another rank's slot got {rows2.flatten().tolist()}")
     # all_gather_coalesced: output_lists[q][i] is rank q's input i (it came back transposed)
     outs = [[torch.zeros(1) for _ in range(world)] for _ in range(world)]
     dist.all_gather_coalesced(outs, [torch.full((1,), 10.0 * rank + i) for i in range(world)])
@@ -1129,6 +1172,7 @@ SCENARIOS = {
     "grid_mailbox": grid_mailbox,
     "p2p": p2p_case,
     "split": split_case,
+    "split_again": split_again_case,
     "mismatch": mismatch_case,
     "mismatch_one": mismatch_one_rank_case,
     "same_size_dtypes": same_size_dtypes_case,

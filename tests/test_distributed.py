@@ -53,7 +53,14 @@ PLANS = {
     "shm3": (
         3,
         {},
-        [("grid", (BLOCKED[3],)), ("p2p", ()), ("contract", ()), ("abort", ()), ("stuck_peer", ())],
+        [
+            ("grid", (BLOCKED[3],)),
+            ("p2p", ()),
+            ("contract", ()),
+            ("split_again", ()),
+            ("abort", ()),
+            ("stuck_peer", ()),
+        ],
     ),
     "shm4": (
         4,
@@ -84,6 +91,7 @@ PLANS = {
             ("grid_mailbox", ([4099],)),
             ("p2p", ()),
             ("contract", ()),
+            ("split_again", ()),
             ("abort", ()),
             ("abort_streaming", ()),
             ("mismatch_one", ()),
@@ -393,6 +401,7 @@ ODD_CALL = (
     "op=MAX",
     "bytes=1200004",
     "barrier",
+    "op=AVG",
     "alltoall",
 )
 A2A = len(ODD_CALL) - 1  # over TCP only the receiver of a block checks its size (one round)
@@ -428,6 +437,15 @@ def test_one_mismatched_rank_fails_every_rank(plan):
             # CommunicatorErrorState: a peer's report arrived before this rank issued the call
             assert first.split(":")[0] in TYPED, (q, i, case)
             assert "mismatched collectives" in first and "mismatched collectives" in later + first
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm3", "tcp3"])
+def test_a_split_after_one_that_left_a_rank_out(plan):
+    res = [r["split_again"] for r in results(plan)]
+    assert [r["first"] for r in res] == [2, 2, None]
+    assert [(r["size"], r["sum"]) for r in res] == [(2, 2.0), (1, 1.0), (2, 2.0)]
+    assert all(r["elapsed"] < 10.0 for r in res), res
 
 
 @pytest.mark.timeout(110)

@@ -27,6 +27,7 @@ import datetime
 import gc
 import operator
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,14 +73,32 @@ from torchport.distributed.window import (
 BACKEND_NAME = "torchport"
 
 
+# The group split_group is creating on this thread: its name, the same on every member, its
+# global ranks and the job's store (see split_group)
+_SPLIT = threading.local()
+# split_group calls per parent group (by its communicator's name and id), advanced by every rank
+# of the parent on every call, so a split's name agrees across its members
+_SPLIT_SEQ: dict[tuple[str, int], int] = {}
+
+
 def _create(common: Any, _backend_opts: Any) -> TorchportProcessGroup:
+    store, name = common.store, str(common.group_id)
+    split = getattr(_SPLIT, "pending", None)
+    if split is not None and list(common.global_ranks_in_group) == split[1]:
+        # torch names a group made with use_local_synchronization after the count of groups
+        # its process holds, which differs between members once a split left a rank without a
+        # group; the group's store prefix is that name, so the members never met (a hang up to
+        # the group timeout). Its own name and a prefix of it on the job's store instead.
+        name = split[0]
+        store = dist.PrefixStore(f"torchport_split/{name}/", split[2])
+        _SPLIT.pending = None
     comm = build_communicator(
-        common.store,
+        store,
         common.group_rank,
         common.group_size,
         common.timeout,
         list(common.global_ranks_in_group),
-        str(common.group_id),
+        name,
     )
     return TorchportProcessGroup(comm)
 
@@ -172,16 +191,26 @@ def split_group(
             )
         seen |= set(ranks)
     mine = next((sorted(to_global[r] for r in g) for g in groups if me in g), None)
+    # this split's name: the parent's, its count of splits and the ranks, which every member
+    # computes alike (every rank of the parent calls each split)
+    pid = (parent.comm.name, parent.comm.group_id)
+    seq = _SPLIT_SEQ.get(pid, 0)
+    _SPLIT_SEQ[pid] = seq + 1
     del parent
     if mine is None:
         return None
-    pg = dist.new_group(
-        mine,
-        timeout=timeout,
-        backend=BACKEND_NAME,
-        use_local_synchronization=True,
-        group_desc=group_desc,
-    )
+    name = f"{pid[0]}#{pid[1]}/split{seq}/{'_'.join(map(str, mine))}"
+    _SPLIT.pending = (name, mine, dist.distributed_c10d._get_default_store())
+    try:
+        pg = dist.new_group(
+            mine,
+            timeout=timeout,
+            backend=BACKEND_NAME,
+            use_local_synchronization=True,
+            group_desc=group_desc,
+        )
+    finally:
+        _SPLIT.pending = None
     assert isinstance(pg, TorchportProcessGroup)
     return pg
 

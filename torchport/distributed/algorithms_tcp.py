@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torchport.distributed.engine import (
+    FOLD_MASK,
     OP_ALLGATHER,
     OP_ALLREDUCE,
     OP_ALLTOALL,
@@ -72,7 +73,7 @@ def _apply(comm: Communicator, bases: Sequence[int], reads: Sequence[tuple], dty
         return
     b = (ctypes.c_int64 * len(bases))(*bases)
     ra = (ctypes.c_int64 * (5 * len(reads)))(*[v for rd in reads for v in rd])
-    if comm.lib.apply(b, ra, len(reads), dtype, red) != 0:
+    if comm.lib.apply(b, ra, len(reads), dtype, red & FOLD_MASK) != 0:
         raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
 

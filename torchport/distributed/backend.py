@@ -14,7 +14,7 @@ PREMUL_SUM = scale a copy by its factor, then SUM.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,14 @@ from torchport.distributed.errors import CollectiveArgumentError
 from torchport.distributed.progress import TorchportWork
 
 _AllreduceOptions = dist.AllreduceOptions
+
+
+def _others_slots(slots: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """The output slots of a gather other than this rank's own: an input that overlaps one of
+    them is copied first (:func:`_apart_from`), as the TCP algorithms receive peers' blocks into
+    their slots while the input is still to be sent (an input in its own slot, the in-place form
+    FSDP uses, is read before its slot is written)."""
+    return [t for i, t in enumerate(slots) if i != rank]
 
 
 class TorchportProcessGroup(dist.ProcessGroup):
@@ -410,6 +418,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         def run(deadline: float) -> None:
             src = inp.contiguous()
+            if staged is not None:  # (see _others_slots)
+                src = _apart_from([src], _others_slots([s.t for s in staged], comm.rank))[0]
             ptrs = [_ptr(s.t) for s in staged] if staged is not None else None
             alg.allgather(
                 comm,
@@ -438,8 +448,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
         s, comm = _Staged(out), self.comm
 
         def run(deadline: float) -> None:
-            src = inp.contiguous()
-            ptrs = [_ptr(p) if p.numel() else 0 for p in parts(s.t)]
+            views = parts(s.t)
+            src = _apart_from([inp.contiguous()], _others_slots(views, comm.rank))[0]
+            ptrs = [_ptr(p) if p.numel() else 0 for p in views]
             alg.allgather(
                 comm,
                 _ptr(src),

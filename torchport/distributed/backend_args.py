@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchport.distributed.engine import NATIVE_CODES, dtype_code
+from torchport.distributed.engine import NATIVE_CODES, RED_AVG, RED_PREMUL, dtype_code
 from torchport.distributed.errors import CollectiveArgumentError
 
 ReduceOp = dist.ReduceOp
@@ -45,7 +45,7 @@ def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
             raise CollectiveArgumentError(
                 f"{where}: ReduceOp.{name} requires a floating-point or complex dtype, got {dtype}"
             )
-        return 0
+        return RED_AVG if name == "AVG" else RED_PREMUL  # (folded as SUM: engine.FOLD_MASK)
     if name not in _NATIVE_RED:
         raise CollectiveArgumentError(f"{where}: unsupported reduce op {name}")
     if name in ("BAND", "BOR", "BXOR") and (dtype in _FLOATS or dtype in _COMPLEX):

@@ -105,6 +105,21 @@ ALL_DTYPES: tuple[torch.dtype, ...] = DTYPES + tuple(
 DTYPE_CODE = {d: i for i, d in enumerate(ALL_DTYPES)}
 assert len(ALL_DTYPES) <= 0xFF, "the signature holds a dtype code in 8 bits"
 RED_NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+# A reduce-op code's low four bits are the fold the native kernels run (RED_NAMES); the bits
+# above only tell ops apart in the step signature: AVG and PREMUL_SUM fold as SUM (the division
+# or the scaling happens around the collective), and a rank's AVG met another's SUM unnoticed
+# (each got its own answer)
+FOLD_MASK = 0xF
+RED_AVG, RED_PREMUL = 1 << 4, 2 << 4
+
+
+def red_name(red: int) -> str:
+    """The reduce op of a signature's code."""
+    if red & RED_AVG:
+        return "AVG"
+    if red & RED_PREMUL:
+        return "PREMUL_SUM"
+    return RED_NAMES[red] if red < len(RED_NAMES) else str(red)
 
 
 def dtype_code(dt: torch.dtype) -> int:
@@ -146,7 +161,7 @@ def describe_sig(sig: Sequence[int]) -> str:
     dname = str(ALL_DTYPES[dt]).removeprefix("torch.") if dt < len(ALL_DTYPES) else f"dtype{dt}"
     parts = [f"dtype={dname}", f"bytes={sig[2]}"]
     if name in ("allreduce", "reduce", "reduce_scatter"):
-        parts.append(f"op={RED_NAMES[red] if red < len(RED_NAMES) else red}")
+        parts.append(f"op={red_name(red)}")
     if root >= 0 and name in ("broadcast", "reduce", "gather", "scatter"):
         parts.append(f"root={root}")
     return f"collective #{sig[0]} {name}({', '.join(parts)}) step {sig[3]}"
@@ -507,7 +522,9 @@ class Communicator:
             return
         epoch = self.epoch
         self.epoch += 1
-        self.arena.step(epoch, sig, pubs, reads, dtype, red, deadline - time.monotonic())
+        self.arena.step(
+            epoch, sig, pubs, reads, dtype, red & FOLD_MASK, deadline - time.monotonic()
+        )
 
     def shm_allreduce(
         self,
@@ -525,7 +542,15 @@ class Communicator:
         epoch = self.epoch
         try:
             used = self.arena.allreduce(
-                epoch, sig[:3], ptr, nbytes, esize, small, dtype, red, deadline - time.monotonic()
+                epoch,
+                sig[:3],
+                ptr,
+                nbytes,
+                esize,
+                small,
+                dtype,
+                red & FOLD_MASK,
+                deadline - time.monotonic(),
             )
         except StepError as e:
             self._last_sig = (sig[0], sig[1], sig[2], max(0, e.step))
@@ -535,7 +560,7 @@ class Communicator:
     def reread(self, reads: Sequence[Read], dtype: int, red: int) -> None:
         """Apply more reads to what every rank published in the step just completed."""
         if self.arena is not None:
-            self.arena.reread(self.epoch - 1, reads, dtype, red)
+            self.arena.reread(self.epoch - 1, reads, dtype, red & FOLD_MASK)
             return
         self._apply_blobs(self._last_blobs, reads, dtype, red)
 
@@ -578,7 +603,7 @@ class Communicator:
             return
         bases = (ctypes.c_int64 * self.world)(*[b.addr for b in blobs])
         ra = (ctypes.c_int64 * (5 * len(reads)))(*[v for r in reads for v in r])
-        if self.lib.apply(bases, ra, len(reads), dtype, red) != 0:
+        if self.lib.apply(bases, ra, len(reads), dtype, red & FOLD_MASK) != 0:
             raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
     # -- point to point ----------------------------------------------------------------
