@@ -861,6 +861,37 @@ def test_a_window_on_a_torchport_group_takes_the_groups_timeout(world1):
     assert _group_timeout(None) == 30.0 and _group_timeout(world1) == 30.0
 
 
+SPLIT_REINIT = """
+import datetime, sys, torch.distributed as dist
+import torchport.distributed as tpd
+def init(path):
+    dist.init_process_group("torchport", rank=0, world_size=1, init_method="file://" + path,
+                            timeout=datetime.timedelta(seconds=30))
+init(sys.argv[1])
+for _ in range(2):
+    tpd.split_group(split_ranks=[[0]])
+dist.destroy_process_group()
+init(sys.argv[2])
+print(tpd.split_group(split_ranks=[[0]]).comm.name)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_reinitialized_job_counts_its_splits_afresh(tmp_path):
+    """The split count that names a split's group restarts with the job's default group (the
+    names and ids of a re-initialized job's groups repeat, and counts carried over could differ
+    between ranks: members that never met)."""
+    out = subprocess.run(
+        [sys.executable, "-c", SPLIT_REINIT, str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("/split0/0"), out.stdout
+
+
 def test_split_ranks_take_integers_as_operator_index_does_but_no_bools(world1):
     """split_group refused NumPy integers as split ranks and took True as rank 1."""
     import numpy as np

@@ -52,7 +52,7 @@ from torchport.distributed.errors import (
     TorchportDistError,
     WireError,
 )
-from torchport.distributed.groups import build_communicator, root_mesh
+from torchport.distributed.groups import build_communicator, next_split, root_mesh
 from torchport.distributed.progress import TorchportWork
 from torchport.distributed.reconfigure import (
     ReconfigurableGroup,
@@ -76,9 +76,6 @@ BACKEND_NAME = "torchport"
 # The group split_group is creating on this thread: its name, the same on every member, its
 # global ranks and the job's store (see split_group)
 _SPLIT = threading.local()
-# split_group calls per parent group (by its communicator's name and id), advanced by every rank
-# of the parent on every call, so a split's name agrees across its members
-_SPLIT_SEQ: dict[tuple[str, int], int] = {}
 
 
 def _create(common: Any, _backend_opts: Any) -> TorchportProcessGroup:
@@ -193,9 +190,9 @@ def split_group(
     mine = next((sorted(to_global[r] for r in g) for g in groups if me in g), None)
     # this split's name: the parent's, its count of splits and the ranks, which every member
     # computes alike (every rank of the parent calls each split)
+    # (groups.next_split: advanced by every rank of the parent on every call)
     pid = (parent.comm.name, parent.comm.group_id)
-    seq = _SPLIT_SEQ.get(pid, 0)
-    _SPLIT_SEQ[pid] = seq + 1
+    seq = next_split(pid)
     del parent
     if mine is None:
         return None

@@ -38,6 +38,18 @@ _root: Mesh | None = None
 # name -> groups of that name built so far, on the root mesh or on their own (reset when a
 # root mesh is built)
 _incarnations: dict[str, int] = {}
+# (parent group's communicator name, group id) -> split_group calls made on it so far (reset with
+# _incarnations: a re-initialized job reuses names and ids, and the counts it carried over could
+# differ between ranks)
+_splits: dict[tuple[str, int], int] = {}
+
+
+def next_split(parent: tuple[str, int]) -> int:
+    """The number of ``split_group`` calls on ``parent`` before this one (and count this one)."""
+    with _lock:
+        seq = _splits.get(parent, 0)
+        _splits[parent] = seq + 1
+        return seq
 
 
 def host_id() -> str:
@@ -152,6 +164,7 @@ def build_communicator(
                     _root.close()
                 _root = mesh
                 _incarnations.clear()
+                _splits.clear()
             ranks: list[int] = list(range(size))
             gid = 0 if not global_ranks else group_id_for(name, seen)
         else:

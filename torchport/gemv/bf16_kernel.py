@@ -90,8 +90,10 @@ bf16 parts ``h + m + l`` equal to it exactly (``h`` its rounding to bf16, ``m`` 
 exact), each part a column of its own, so a weight's three products are exact and the row's
 three float32 sums add up (smallest first) to what the float kernel's one product per weight
 gives within the same float32 bound; one to ten rows (up to 16 columns in one C tile, the rest
-in a second), status 4 beyond. Parts below ``2⁻¹²⁶`` flush, as the products do. Activations that
-are not finite or reach ``2¹²⁷`` in magnitude (where rounding to bf16 could overflow) return
+in a second), status 4 beyond. Parts below ``2⁻¹²⁶`` flush, as the products do (an activation
+under about ``2⁻¹¹⁸`` may lose its low part: less than ``2⁻¹²⁶``). Activations that
+are not finite or reach ``2¹¹⁹`` in magnitude (where a part times an E4M3 weight, up to 448,
+could overflow where the float kernel's product does not, or the rounding itself overflow) return
 :data:`torchport.gemv.kernels.NONFINITE_STATUS`: the format's float kernel takes the call.
 """
 
@@ -392,15 +394,15 @@ static void tp_amx_btiles(const uint16_t *xp, int64_t c0, int64_t nc, int64_t K3
 }
 
 #if defined(TP_W_fp8_e4m3)
-/* 1 if some x[i] is not finite or at least 2^127 in magnitude (where rounding to bf16 could
-   overflow), else 0 */
+/* 1 if some x[i] is not finite or at least 2^119 in magnitude, else 0: there h (x rounded up
+   to bf16) times an E4M3 weight (up to 448 < 2^9) could overflow where x times it does not */
 static int tp_any_big(const float *x, int64_t n) {
-    const __m512 lim = _mm512_set1_ps(0x1p127f);
+    const __m512 lim = _mm512_set1_ps(0x1p119f);
     __mmask16 m = 0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) m |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + i)), lim, _CMP_NLT_UQ);
     for (; i < n; ++i)
-        if (!(fabsf(x[i]) < 0x1p127f)) return 1;
+        if (!(fabsf(x[i]) < 0x1p119f)) return 1;
     return m != 0;
 }
 /* Sixteen floats -> their bf16 rounding (vcvtneps2bf16: to nearest even; subnormal inputs and
@@ -410,7 +412,7 @@ TP_INLINE __m256i tp_bf16_part(__m512 v, __m512 *back) {
     *back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return h;
 }
-/* Row x (K finite floats, each below 2^127 in magnitude) as three bf16 rows h, m, l at their
+/* Row x (K finite floats, each below 2^119 in magnitude) as three bf16 rows h, m, l at their
    tp_xpos places (zero past K) with h + m + l = x element by element, exactly: h rounds x to 8
    significant bits, x - h (exact in float32) has at most 16 and m rounds it to 8, x - h - m
    (exact) has at most 8 and is l; below 2^-126 a part is flushed (less than 2^-126 lost, as the
@@ -521,7 +523,7 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
     int64_t parts = 1;   /* bf16 rows per activation row: 3 for float32 ones split (AMX, E4M3) */
 #if TP_AMX && defined(TP_W_fp8_e4m3)
     if (!dp && B >= 1 && 3 * B <= 32) {   /* float32 activations as three bf16 rows each (exact) */
-        if (tp_any_big(x, B * K)) {   /* non-finite, or 2^127 and up: the float kernel takes them */
+        if (tp_any_big(x, B * K)) {   /* non-finite, or 2^119 and up: the float kernel takes them */
             free(xp);
             return TP_NONFINITE;
         }

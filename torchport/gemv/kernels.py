@@ -703,7 +703,7 @@ class GemvKernel(Kernel):
     ``twin_isa``: the kernel may return :data:`NONFINITE_STATUS` without writing ``out`` (the
     int8-activation kernels of FP4 weights when the activations hold a NaN or an infinity, which
     int8 would turn finite; the AMX-BF16 E4M3 build when float32 activations it would split into
-    bf16 parts are not finite or reach 2¹²⁷); the caller then runs :meth:`float_twin`, the
+    bf16 parts are not finite or reach 2¹¹⁹); the caller then runs :meth:`float_twin`, the
     format's float kernel built for that ISA. None: the kernel hands no call back."""
 
     def __init__(self, lib: ctypes.CDLL, fmt: str, twin_isa: str | None = None) -> None:

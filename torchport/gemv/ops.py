@@ -588,7 +588,10 @@ def _status_error(fmt: str, status: int, rows: int, k: int) -> native.NativeErro
     elif status == 3:
         why = f"could not allocate the prepared activations for {rows} rows of K={k}"
     elif status == 4:
-        why = "the pair-dot kernel got activations that are not bf16 values"
+        why = (
+            "the pair-dot kernel got activations that are not bf16 values (its AMX-BF16 build "
+            "splits float32 ones of E4M3 weights for 1 to 10 rows)"
+        )
     elif status == NONFINITE_STATUS:
         why = "non-finite activations and no float kernel to take them"
     elif status == 6:
