@@ -188,9 +188,8 @@ def split_group(
             )
         seen |= set(ranks)
     mine = next((sorted(to_global[r] for r in g) for g in groups if me in g), None)
-    # this split's name: the parent's, its count of splits and the ranks, which every member
-    # computes alike (every rank of the parent calls each split)
-    # (groups.next_split: advanced by every rank of the parent on every call)
+    # this split's name: the parent's, its count of splits (groups.next_split, advanced by every
+    # rank of the parent on every call) and the ranks, which every member computes alike
     pid = (parent.comm.name, parent.comm.group_id)
     seq = next_split(pid)
     del parent
