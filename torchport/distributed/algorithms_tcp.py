@@ -40,7 +40,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torchport.distributed.engine import (
-    FOLD_MASK,
     OP_ALLGATHER,
     OP_ALLREDUCE,
     OP_ALLTOALL,
@@ -66,15 +65,6 @@ def _expect(blob: Blob, n: int, q: int) -> int:
     if blob.size != n:
         raise CommError(f"rank {q} sent {blob.size} bytes where {n} were expected")
     return blob.addr
-
-
-def _apply(comm: Communicator, bases: Sequence[int], reads: Sequence[tuple], dtype: int, red: int):
-    if not reads:
-        return
-    b = (ctypes.c_int64 * len(bases))(*bases)
-    ra = (ctypes.c_int64 * (5 * len(reads)))(*[v for rd in reads for v in rd])
-    if comm.lib.apply(b, ra, len(reads), dtype, red & FOLD_MASK) != 0:
-        raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
 
 def _copy(dst: int, src: int, n: int) -> None:
@@ -122,7 +112,7 @@ def _fold_part(
         ctypes.memmove(mine, dst, n)
     bases = [_expect(blobs[q], n, q) if q != r else (mine if r else dst) for q in range(w)]
     reads = [(q, 0, dst, n, COPY if q == 0 else FOLD) for q in range(w) if q or r]
-    _apply(comm, bases, reads, dtype, red)
+    comm.apply(bases, reads, dtype, red)
 
 
 def _scatter_reduce(
@@ -640,7 +630,7 @@ def reduce_scatter(
                 own = scratch + r * nb
             bases = [_expect(blobs[q], nb, q) if q != r else own for q in range(w)]
             reads = [(q, 0, out + lo * es, nb, COPY if q == 0 else FOLD) for q in range(w)]
-            _apply(comm, bases, reads, dtype, red)
+            comm.apply(bases, reads, dtype, red)
 
 
 def alltoall(

@@ -599,11 +599,16 @@ class Communicator:
                 raise CommError(
                     f"rank {peer} published {blobs[peer].size} bytes, fewer than the {off + n} read"
                 )
+        self.apply([b.addr for b in blobs], reads, dtype, red)
+
+    def apply(self, bases: Sequence[int], reads: Sequence[Read], dtype: int, red: int) -> None:
+        """Run ``reads`` (copies and folds) over the buffers at ``bases`` (one per rank) in the
+        native kernel; ``red``'s signature-only bits are dropped (:data:`FOLD_MASK`)."""
         if not reads:
             return
-        bases = (ctypes.c_int64 * self.world)(*[b.addr for b in blobs])
+        b = (ctypes.c_int64 * len(bases))(*bases)
         ra = (ctypes.c_int64 * (5 * len(reads)))(*[v for r in reads for v in r])
-        if self.lib.apply(bases, ra, len(reads), dtype, red & FOLD_MASK) != 0:
+        if self.lib.apply(b, ra, len(reads), dtype, red & FOLD_MASK) != 0:
             raise CommError(f"reduction of dtype code {dtype} with op code {red} is unsupported")
 
     # -- point to point ----------------------------------------------------------------

@@ -405,12 +405,16 @@ static int tp_any_big(const float *x, int64_t n) {
         if (!(fabsf(x[i]) < 0x1p119f)) return 1;
     return m != 0;
 }
-/* Sixteen floats -> their bf16 rounding (vcvtneps2bf16: to nearest even; subnormal inputs and
-   results flushed) and that rounding widened back to float32. */
-TP_INLINE __m256i tp_bf16_part(__m512 v, __m512 *back) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    *back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return h;
+/* Sixteen floats (each finite, below 2^119) -> their three bf16 parts h, m, l (p[0..2]):
+   h = v rounded to bf16 (vcvtneps2bf16: to nearest even; subnormal inputs and results flushed),
+   m = the rounding of v - h (exact in float32), l = v - h - m (exact, at most 8 significant bits). */
+TP_INLINE void tp_bf16_parts(__m512 v, __m256i p[3]) {
+#define TP_WIDEN(h) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+    p[0] = (__m256i)_mm512_cvtneps_pbh(v);
+    const __m512 r = _mm512_sub_ps(v, TP_WIDEN(p[0]));
+    p[1] = (__m256i)_mm512_cvtneps_pbh(r);
+    p[2] = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(r, TP_WIDEN(p[1])));
+#undef TP_WIDEN
 }
 /* Row x (K finite floats, each below 2^119 in magnitude) as three bf16 rows h, m, l at their
    tp_xpos places (zero past K) with h + m + l = x element by element, exactly: h rounds x to 8
@@ -419,29 +423,24 @@ TP_INLINE __m256i tp_bf16_part(__m512 v, __m512 *back) {
    pair dot flushes such products). */
 static void tp_bf16_split3(const float *x, int64_t K, int64_t KP, uint16_t *h, uint16_t *m, uint16_t *l) {
     int64_t k = 0;
+    __m256i p[3];
     for (; k + 64 <= K; k += 64)
         for (int L = 0; L < 4; ++L) {
-            __m512 b1, b2, b3;
-            const __m512 v = _mm512_loadu_ps(x + k + 16 * L);
-            tp_xstore16(h, k, L, tp_bf16_part(v, &b1));
-            const __m512 r1 = _mm512_sub_ps(v, b1);
-            tp_xstore16(m, k, L, tp_bf16_part(r1, &b2));
-            tp_xstore16(l, k, L, tp_bf16_part(_mm512_sub_ps(r1, b2), &b3));
+            tp_bf16_parts(_mm512_loadu_ps(x + k + 16 * L), p);
+            tp_xstore16(h, k, L, p[0]);
+            tp_xstore16(m, k, L, p[1]);
+            tp_xstore16(l, k, L, p[2]);
         }
     for (; k < KP; k += 16) {   /* the last partial group, 16 at a time, zero past K */
         float t[16] __attribute__((aligned(64)));
-        uint16_t hp[16], mp[16], lp[16];
+        uint16_t q[3][16];
         for (int j = 0; j < 16; ++j) t[j] = k + j < K ? x[k + j] : 0.0f;
-        __m512 b1, b2, b3;
-        const __m512 v = _mm512_load_ps(t);
-        _mm256_storeu_si256((__m256i *)hp, tp_bf16_part(v, &b1));
-        const __m512 r1 = _mm512_sub_ps(v, b1);
-        _mm256_storeu_si256((__m256i *)mp, tp_bf16_part(r1, &b2));
-        _mm256_storeu_si256((__m256i *)lp, tp_bf16_part(_mm512_sub_ps(r1, b2), &b3));
+        tp_bf16_parts(_mm512_load_ps(t), p);
+        for (int i = 0; i < 3; ++i) _mm256_storeu_si256((__m256i *)q[i], p[i]);
         for (int j = 0; j < 16 && k + j < KP; ++j) {
-            h[tp_xpos(k + j)] = hp[j];
-            m[tp_xpos(k + j)] = mp[j];
-            l[tp_xpos(k + j)] = lp[j];
+            h[tp_xpos(k + j)] = q[0][j];
+            m[tp_xpos(k + j)] = q[1][j];
+            l[tp_xpos(k + j)] = q[2][j];
         }
     }
 }

@@ -348,12 +348,17 @@ def _hinted(kernel: str, table: tuple[tuple[str, int], ...]) -> list[autotune.Ca
     ]
 
 
+def _rows_in(table: dict[str, tuple[int, int]], fmt: str, rows: int | None) -> bool:
+    """Whether ``rows`` is in the (first, last) window ``table`` gives ``fmt`` (none: never)."""
+    lo, hi = table.get(fmt, (1, 0))
+    return rows is not None and lo <= rows <= hi
+
+
 def _dpamx(fmt: str, rows: int | None, bx: bool = True) -> list[autotune.Candidate]:
     """The AMX-BF16 pair-dot candidates (hint T1, each thread mode) where ``rows`` is in
     :data:`DPAMX_ROWS` of ``fmt`` (``bx``: bf16-valued activations; else
     :data:`DPAMX_F32_ROWS`) and the CPU has AMX-BF16."""
-    lo, hi = (DPAMX_ROWS if bx else DPAMX_F32_ROWS).get(fmt, (1, 0))
-    if rows is None or not lo <= rows <= hi or not amx_dp_ready():
+    if not _rows_in(DPAMX_ROWS if bx else DPAMX_F32_ROWS, fmt, rows) or not amx_dp_ready():
         return []
     return _hinted("dpamx", (("T1", 0),))
 
@@ -415,13 +420,7 @@ def candidates(
                 for load in WBLOCK_LOADS
                 for hint, pf in WBLOCK_PREFETCH
             ]
-        if (
-            fmt in AMX_ROWS
-            and rows is not None
-            and AMX_ROWS[fmt][0] <= rows <= AMX_ROWS[fmt][1]
-            and (k is None or k % 128 == 0)
-            and amx_int8_ready()
-        ):
+        if _rows_in(AMX_ROWS, fmt, rows) and (k is None or k % 128 == 0) and amx_int8_ready():
             out += _hinted("amx", (("T1", 0), ("T0", 0)))  # (no prefetch distance: unused)
         for threads in () if k is not None and k % 128 == 0 else (0, 1):
             for pf in (512, 0):
