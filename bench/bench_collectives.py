@@ -5,7 +5,9 @@ allgather (all_gather_into_tensor), reduce_scatter_tensor and all_to_all_single 
 64 MB on a gloo group and on the torchport group of the same processes, alternating sample by
 sample; a sample is the slowest rank's time (every rank times the same calls after a barrier).
 Reports median latency and algorithm bandwidth (size / time, size = the larger buffer) and the
-ratio. Then DDP training throughput of a small MLP on each backend (world 2).
+ratio. Then DDP training throughput of a small MLP on each backend (world 2). With
+``--ops sendrecv`` (not in the default set): point-to-point, every even rank sends to the next
+odd rank (``dist.send``/``dist.recv``, pairs at once), the receiver's time per message.
 
 Allreduce cells from 16 MB also time, in the same interleaved loop, one in-place pass over a
 buffer of the same size on every rank at once (``t.mul_(1.0)``: each byte read from memory and
@@ -30,6 +32,7 @@ from pathlib import Path
 
 KB, MB = 1 << 10, 1 << 20
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+EXTRA_OPS = ("sendrecv",)  # only when named in --ops
 # samples per backend for cells under 16 MB (larger cells use --reps, at most 7)
 SMALL_SAMPLES = 15
 # samples per backend for cells from 16 MB with --quick: before the fifteenth session 3, and the
@@ -43,6 +46,14 @@ def _op_fn(op: str, size: int, world: int, group):
     import torch.distributed as dist
 
     n = max(world, size // 4 // world * world)
+    if op == "sendrecv":
+        rank = dist.get_rank(group)
+        t, peer = torch.ones(size // 4), rank ^ 1
+        if peer >= world:  # (an odd world's last rank has no partner)
+            return lambda: None
+        if rank % 2 == 0:
+            return lambda: dist.send(t, peer, group=group)
+        return lambda: dist.recv(t, peer, group=group)
     if op == "allreduce":
         t = torch.ones(n)
         return lambda: dist.all_reduce(t, group=group)
@@ -101,7 +112,7 @@ def worker(
         cells = [4 * KB, 1 * MB, 64 * MB] if quick else [4 * KB, 64 * KB, 1 * MB, 16 * MB, 64 * MB]
     chosen = ops.split(",") if ops else list(OPS)
     rows = []
-    for op in (o for o in OPS if o in chosen):
+    for op in (o for o in (*OPS, *EXTRA_OPS) if o in chosen):
         for size in cells:
             fns = {name: _op_fn(op, size, world, g) for name, g in groups.items()}
             if op == "allreduce" and size >= 16 * MB:
@@ -235,7 +246,8 @@ def main() -> None:
     p.add_argument(
         "--ops",
         default="",
-        help=f"comma-separated subset of {','.join(OPS)},ddp (default: all)",
+        help=f"comma-separated subset of {','.join((*OPS, *EXTRA_OPS))},ddp "
+        "(default: all but sendrecv)",
     )
     p.add_argument("--sizes", default="", help="comma-separated byte sizes (default: the grid)")
     p.add_argument(

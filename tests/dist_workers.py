@@ -989,7 +989,118 @@ def p2p_case(rank: int, world: int) -> list[str]:
         first.wait()
         if buf.tolist() != [[1.0, 2.0]] * 3:
             bad.append(f"disjoint column receives got {buf.tolist()}")
+    bad += _p2p_big(rank, world)
     dist.barrier()
+    return bad
+
+
+def _p2p_big(rank: int, world: int) -> list[str]:
+    """Messages above the frame bound go as several frames, back to back (``p2p_frames``): two
+    on one tag (received in order, one posted before the frames arrive and one after), into
+    a strided destination, from any source, and one of the wrong size (refused, and the next
+    message on the same tag is still whole)."""
+    from torchport.distributed import CollectiveMismatchError
+    from torchport.distributed.groups import root_mesh
+
+    mesh = root_mesh()
+    assert mesh is not None
+    bad: list[str] = []
+    if mesh.max_frame > (4 << 20):  # (a plan without a small frame bound: messages of GBs)
+        return bad
+    n = (5 * mesh.max_frame) // 8 + 3  # float64: five frames and a partial one
+    last = world - 1
+
+    def msg(k: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float64) * (k + 1) + 0.25
+
+    if rank == 0:
+        for k in range(4):
+            dist.send(msg(k), last, tag=60)
+        dist.send(msg(4).to(torch.complex128), last, tag=61)
+    elif rank == last:
+        first = torch.empty(n, dtype=torch.float64)
+        w = dist.irecv(first, 0, tag=60)  # posted before the frames arrive (likely)
+        w.wait()
+        time.sleep(0.2)  # the second message queues before its receive is posted
+        second = torch.zeros(2 * n, dtype=torch.float64)[::2]
+        dist.recv(second, 0, tag=60)
+        try:
+            dist.recv(torch.empty(n - 1, dtype=torch.float64), 0, tag=60)
+            bad.append("a receive of the wrong size took a message in frames")
+        except CollectiveMismatchError as e:
+            if f"expected {n - 1} elements" not in str(e):
+                bad.append(f"wrong-size receive refused with {e}")
+        fourth = torch.empty(n, dtype=torch.float64)
+        src = dist.recv(fourth, tag=60)
+        fifth = torch.empty(n, dtype=torch.complex128)
+        dist.recv(fifth, 0, tag=61)
+        for k, (got, want) in enumerate(
+            [(first, msg(0)), (second, msg(1)), (fourth, msg(3)), (fifth, msg(4))]
+        ):
+            if not torch.equal(got, want.to(got.dtype)):
+                bad.append(f"message {k} in frames differs at {(got != want).nonzero()[:3]}")
+        if src != 0:
+            bad.append(f"any-source receive of a message in frames named rank {src}")
+    bad += _p2p_direct(rank, world)
+    return bad
+
+
+def _p2p_direct(rank: int, world: int) -> list[str]:
+    """A receive posted before its frame arrives is read straight into its tensor (its own
+    ``Target``; a contiguous slice at an offset too); a second receive on the same key, a
+    strided one and one of the wrong size take theirs buffered, each its own message."""
+    from torchport.distributed import CollectiveMismatchError
+    from torchport.distributed import transport_tcp as tt
+
+    bad: list[str] = []
+    n, last = 1536, world - 1  # float64: 12 KiB, one frame
+
+    def msg(k: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float64) - k
+
+    if rank == 0:
+        dist.recv(torch.zeros(1), last, tag=63)  # the receives are posted
+        for k in range(3):
+            dist.send(msg(k), last, tag=62)
+        dist.send(msg(3), last, tag=64)
+        dist.send(msg(4), last, tag=65)
+    elif rank == last:
+        owned: list[bool] = []
+        real = tt.Mailbox.finish
+
+        def spy(self: Any, target: Any, ok: bool, key: Any = None, hdr: Any = None) -> None:
+            if target.owner is not None:
+                owned.append(ok)
+            real(self, target, ok, key, hdr)
+
+        tt.Mailbox.finish = spy  # type: ignore[method-assign]
+        try:
+            big = torch.zeros(3 * n + 5, dtype=torch.float64)
+            one, two = big[5 : 5 + n], big[5 + n : 5 + 2 * n]
+            works = [dist.irecv(one, 0, tag=62), dist.irecv(two, 0, tag=62)]
+            strided = torch.zeros(2 * n, dtype=torch.float64)[::2]
+            works.append(dist.irecv(strided, 0, tag=64))
+            short = torch.zeros(n - 1, dtype=torch.float64)
+            works.append(dist.irecv(short, 0, tag=65))
+            dist.send(torch.zeros(1), 0, tag=63)
+            for w in works[:3]:
+                w.wait()
+            try:
+                works[3].wait()
+                bad.append("a direct receive of the wrong size succeeded")
+            except CollectiveMismatchError:
+                pass
+            third = torch.empty(n, dtype=torch.float64)
+            dist.recv(third, 0, tag=62)
+        finally:
+            tt.Mailbox.finish = real  # type: ignore[method-assign]
+        for k, got in enumerate([one, two, third, strided]):
+            if not torch.equal(got, msg(k)):
+                bad.append(f"direct/buffered receive {k} got {got[:4].tolist()}")
+        if big[:5].any() or big[5 + 2 * n :].any():
+            bad.append("a direct receive wrote outside its slice")
+        if owned != [True]:
+            bad.append(f"receives read straight into their tensor: {owned}, want [True]")
     return bad
 
 

@@ -22,7 +22,12 @@ import torch.distributed as dist
 from dist_harness import run_world, stop_forkserver_after_module  # noqa: F401 (autouse fixture)
 
 # many chunks and both allreduce paths, on shared memory and over TCP
-SMALL_CHUNK = {"TORCHPORT_DIST_CHUNK_BYTES": "16384", "TORCHPORT_DIST_TCP_CHUNK_BYTES": "16384"}
+SMALL_CHUNK = {
+    "TORCHPORT_DIST_CHUNK_BYTES": "16384",
+    "TORCHPORT_DIST_TCP_CHUNK_BYTES": "16384",
+    # frames of at most 20 KiB (chunk + SLOT_EXTRA): point-to-point messages in several frames
+    "TORCHPORT_DIST_MAX_FRAME_BYTES": "4096",
+}
 SIZES = [0, 1, 7, 4099]
 # shm allreduce's two-step path moves each rank's part in blocks through a ring of 4 entries
 # (under SMALL_CHUNK, float32: 853 elements at world 2, 640 at world 3, 512 at world 4):

@@ -65,7 +65,11 @@ def test_collectives_across_two_hosts(two_hosts):
     """4 ranks, 2 per host: every collective vs the reference; same-host subgroups use shm."""
     ha, hb = two_hosts
     hosts = [ha, ha, hb, hb]
-    env = {"TORCHPORT_DIST_ADDR": ha[1], "TORCHPORT_DIST_TCP_CHUNK_BYTES": "262144"}
+    env = {
+        "TORCHPORT_DIST_ADDR": ha[1],
+        "TORCHPORT_DIST_TCP_CHUNK_BYTES": "262144",
+        "TORCHPORT_DIST_MAX_FRAME_BYTES": "4096",  # (frames of 260 KiB: p2p in several)
+    }
     res = run_world(W.cross_host_job, 4, hosts, timeout=120, env=env)
     for rank, r in enumerate(res):
         assert r["bad"] == [], (rank, r["bad"])

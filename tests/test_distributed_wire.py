@@ -115,6 +115,14 @@ def test_mac_binds_rank_and_nonces():
     assert struct.calcsize("<4sBBHIIQ4qQ") == HEADER_SIZE
 
 
+def _p2p(body: str, sig: tuple[int, int, int, int] = (0, 0, 0, 0)):
+    """A point-to-point frame carrying ``body`` (as the mailbox receives it)."""
+    from torchport.distributed.wire import Kind, decode_header, encode_header
+
+    data = bytearray(body.encode())
+    return decode_header(encode_header(Kind.P2P, 0, 1, 5, len(data), sig), max_length=4096), data
+
+
 def test_mailbox_any_source_fires_once_and_leaves_other_frames():
     from torchport.distributed.transport_tcp import Mailbox, Once
 
@@ -122,12 +130,12 @@ def test_mailbox_any_source_fires_once_and_leaves_other_frames():
     k1, k2 = (0, 6, 1, 5), (0, 6, 2, 5)
     once = Once(lambda f: got.append(f), [k1, k2])
     mb.expect_any(once)
-    mb.deliver(k2, ("from2", bytearray()))
-    mb.deliver(k1, ("from1", bytearray()))  # the any-source receive already fired: queued
-    assert got == [("from2", bytearray())]
+    mb.deliver(k2, _p2p("from2"))
+    mb.deliver(k1, _p2p("from1"))  # the any-source receive already fired: queued
+    assert got == [_p2p("from2")]
     later: list = []
     mb.expect(k1, later.append)
-    assert later == [("from1", bytearray())]
+    assert later == [_p2p("from1")]
 
 
 def test_mailbox_any_source_takes_a_queued_frame_and_cancel_withdraws():
@@ -135,14 +143,115 @@ def test_mailbox_any_source_takes_a_queued_frame_and_cancel_withdraws():
 
     mb, got = Mailbox(), []
     k1, k2 = (0, 6, 1, 0), (0, 6, 2, 0)
-    mb.deliver(k2, ("early", bytearray()))
+    mb.deliver(k2, _p2p("early"))
     mb.expect_any(Once(got.append, [k1, k2]))
-    assert got == [("early", bytearray())]
+    assert got == [_p2p("early")]
     once = Once(got.append, [k1, k2])
     mb.expect_any(once)
     assert mb.cancel(k1, once) and not mb.cancel(k1, once)
-    mb.deliver(k1, ("after-cancel", bytearray()))
-    assert got == [("early", bytearray())]  # a withdrawn receive never fires
+    mb.deliver(k1, _p2p("after-cancel"))
+    assert got == [_p2p("early")]  # a withdrawn receive never fires
+
+
+def test_mailbox_hands_a_message_in_frames_whole_to_one_receive():
+    """A message cut into frames (sig: dtype, numel, byte offset, frame count) goes whole to
+    the receive that took its first frame, though another receive waits on the same key, and
+    whether its frames were queued, delivered later, or both; ``kill`` forgets it."""
+    from torchport.distributed.transport_tcp import Mailbox, Once, frames_after
+
+    def piece(name: str, off: int, count: int = 3):
+        return _p2p(name, (1, 9, off, count))
+
+    k, other = (0, 6, 1, 5), (0, 6, 2, 5)
+    assert [frames_after(piece("a", 0)), frames_after(piece("b", 4))] == [2, 0]
+    assert frames_after(_p2p("one")) == 0 and frames_after(piece("two", 0, 1)) == 0
+    # both receives wait before anything arrives
+    mb, a, b = Mailbox(), [], []
+    mb.expect(k, a.append)
+    mb.expect(k, b.append)
+    for f in (piece("a0", 0), piece("a1", 2), piece("a2", 4), _p2p("next")):
+        mb.deliver(k, f)
+    assert [bytes(f[1]) for f in a] == [b"a0", b"a1", b"a2"] and b == [_p2p("next")]
+    # two frames queued, then taken; the third arrives after another receive waits
+    mb, a, b = Mailbox(), [], []
+    mb.deliver(k, piece("a0", 0))
+    mb.deliver(k, piece("a1", 2))
+    mb.expect(k, a.append)
+    mb.expect(k, b.append)
+    mb.deliver(k, piece("a2", 4))
+    mb.deliver(k, _p2p("next"))
+    assert [bytes(f[1]) for f in a] == [b"a0", b"a1", b"a2"] and b == [_p2p("next")]
+    # an any-source receive takes the message of the key whose first frame came first
+    mb, got, b = Mailbox(), [], []
+    mb.deliver(k, piece("a0", 0))
+    once = Once(got.append, [other, k])
+    mb.expect_any(once)
+    mb.expect(k, b.append)
+    mb.deliver(other, _p2p("other"))
+    for f in (piece("a1", 2), piece("a2", 4), _p2p("next")):
+        mb.deliver(k, f)
+    assert [bytes(f[1]) for f in got] == [b"a0", b"a1", b"a2"] and b == [_p2p("next")]
+    # a group that dies forgets its unfinished messages
+    mb, a, b = Mailbox(), [], []
+    mb.expect(k, a.append)
+    mb.deliver(k, piece("a0", 0))
+    mb.kill(0)
+    mb.revive(0)
+    mb.expect(k, b.append)
+    mb.deliver(k, _p2p("fresh"))
+    assert len(a) == 1 and b == [_p2p("fresh")]
+
+
+def test_a_receives_own_target_takes_only_its_frame():
+    """``expect(key, cb, target)``: the first receive waiting on a key has the next matching
+    frame read into its target and gets ``(header, RECEIVED)``; the target goes with the frame,
+    with a frame that did not match it (buffered), and with a cancel; a receive cancelled while
+    its frame is read into it never passes that frame on to the next receive."""
+    from torchport.distributed.transport_tcp import FILLING, RECEIVED, Mailbox, Target
+
+    k, sig = (0, 6, 1, 5), (1, 4, 0, 0)
+
+    def frame(n: int, s=sig):
+        return _p2p("x" * n, s)
+
+    def into():
+        return Target(1234, 4, sig)
+
+    def sink():  # (one callable: a list's ``append`` is a new bound method at every access)
+        got: list = []
+        return got, got.append
+
+    (mb, (a, ca), (b, cb)) = Mailbox(), sink(), sink()
+    ta, tb = into(), into()
+    mb.expect(k, ca, ta)
+    mb.expect(k, cb, tb)  # a second receive on the key: no target of its own
+    assert ta.owner is ca and tb.owner is None
+    hdr = frame(4)[0]
+    assert mb.claim(k, frame(5)[0]) is None and mb.claim(k, hdr) is ta
+    mb.finish(ta, True, k, hdr)
+    assert a == [(hdr, RECEIVED)] and b == [] and mb.claim(k, hdr) is None
+    mb.deliver(k, frame(4))  # b's frame comes the buffered way
+    assert len(b) == 1 and b[0][1] is not RECEIVED
+    # a frame that does not match the target is delivered buffered; the target goes with it
+    mb, (a, ca) = Mailbox(), sink()
+    mb.expect(k, ca, into())
+    mb.deliver(k, frame(5, (1, 5, 0, 0)))
+    assert len(a) == 1 and mb.claim(k, hdr) is None and mb.waiters.value == 0
+    # a cancelled receive's target goes at once
+    mb, (a, ca) = Mailbox(), sink()
+    mb.expect(k, ca, into())
+    assert mb.cancel(k, ca) and mb.claim(k, hdr) is None and mb.waiters.value == 0
+    # cancelled while its frame is read into it: the frame is dropped, not handed to b
+    (mb, (a, ca), (b, cb)) = Mailbox(), sink(), sink()
+    t = into()
+    mb.expect(k, ca, t)
+    mb.expect(k, cb)
+    assert mb.claim(k, hdr) is t and t.state == FILLING
+    assert mb.cancel(k, ca)
+    mb.finish(t, True, k, hdr)
+    assert a == [] and b == [] and mb.dropped == 1
+    mb.deliver(k, frame(4))
+    assert len(b) == 1
 
 
 def test_mailbox_hands_a_callbacks_exception_to_its_operation():
@@ -151,19 +260,19 @@ def test_mailbox_hands_a_callbacks_exception_to_its_operation():
     from torchport.distributed.transport_tcp import Delivery, Mailbox, Once
 
     def boom(frame):
-        raise RuntimeError(f"cannot write {frame[0]}")
+        raise RuntimeError(f"cannot write {bytes(frame[1]).decode()}")
 
     mb, errors = Mailbox(), []
     k1, k2 = (0, 6, 1, 0), (0, 6, 2, 0)
     mb.expect(k1, Delivery(boom, errors.append))
-    mb.deliver(k1, ("late", bytearray()))  # the reader's path: must not raise
-    mb.deliver(k2, ("queued", bytearray()))
+    mb.deliver(k1, _p2p("late"))  # the reader's path: must not raise
+    mb.deliver(k2, _p2p("queued"))
     mb.expect_any(Once(boom, [k1, k2], errors.append))  # the issuing thread's path
     assert [str(e) for e in errors] == ["cannot write late", "cannot write queued"]
     assert mb.callback_errors == 0
     with pytest.warns(RuntimeWarning, match="names no operation to fail: RuntimeError"):
         mb.expect(k1, boom)
-        mb.deliver(k1, ("orphan", bytearray()))
+        mb.deliver(k1, _p2p("orphan"))
     assert mb.callback_errors == 1 and str(mb.last_callback_error) == "cannot write orphan"
 
 

@@ -672,12 +672,6 @@ class TorchportProcessGroup(dist.ProcessGroup):
             raise CollectiveArgumentError(
                 f"send: destination must be another rank in [0, {self.comm.world}), got {dstRank}"
             )
-        nbytes, bound = t.numel() * t.element_size(), self.comm.mesh.max_frame
-        if nbytes > bound:
-            raise CollectiveArgumentError(
-                f"send: a message may hold at most {bound} bytes (TORCHPORT_DIST_MAX_FRAME_BYTES), "
-                f"got {nbytes}"
-            )
         return self.comm.send_p2p(t, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> TorchportWork:

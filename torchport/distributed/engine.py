@@ -50,7 +50,14 @@ from torchport.distributed.transport_shm import (
     ShmArena,
     StepError,
 )
-from torchport.distributed.transport_tcp import Delivery, Mesh, Once, on_reader_thread
+from torchport.distributed.transport_tcp import (
+    RECEIVED,
+    Delivery,
+    Mesh,
+    Once,
+    Target,
+    on_reader_thread,
+)
 from torchport.distributed.wire import Kind
 
 # Abort reasons (low byte of the abort word / seq of ABORT frames).
@@ -151,6 +158,20 @@ def chunk_ranges(total: int, per: int) -> list[tuple[int, int]]:
     if total == 0:
         return [(0, 0)]
     return [(lo, min(per, total - lo)) for lo in range(0, total, per)]
+
+
+def p2p_frames(
+    payload: memoryview, code: int, numel: int, bound: int
+) -> list[tuple[memoryview, tuple[int, int, int, int]]]:
+    """A point-to-point message's frames ``(bytes, sig)``: one when it fits in ``bound`` bytes,
+    else consecutive pieces of ``bound`` bytes whose signature is (dtype code, numel, byte
+    offset, frame count) -- sent back to back (``Mesh.send_frames``), so no frame of the
+    receiver's buffers exceeds the bound and the message may be any size."""
+    n = len(payload)
+    if n <= bound:
+        return [(payload, (code, numel, 0, 0))]
+    count = -(-n // bound)
+    return [(payload[o : o + bound], (code, numel, o, count)) for o in range(0, n, bound)]
 
 
 def describe_sig(sig: Sequence[int]) -> str:
@@ -308,6 +329,9 @@ SHUTDOWN_FLUSH_S = 5.0
 # How long closing waits for the engine threads to end once stopped.
 SHUTDOWN_GRACE_S = 0.05
 SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a header beside a chunk)
+# a receive of at least this many bytes (contiguous, from a named rank, one frame) is read
+# straight into its tensor when it is posted before the frame arrives (no copy from a buffer)
+P2P_DIRECT_BYTES = 8 << 10
 
 
 class Communicator:
@@ -613,16 +637,18 @@ class Communicator:
 
     # -- point to point ----------------------------------------------------------------
     def send_p2p(self, tensor: torch.Tensor, dst: int, tag: int) -> TorchportWork:
-        data = (  # (flat before the byte view: a 0-dim tensor of a wider dtype cannot view)
-            tensor.detach().contiguous().reshape(-1).view(torch.uint8).clone()
-            if tensor.numel()
-            else None
+        # the tensor's own bytes when contiguous (not copied: as with gloo, an isend's tensor
+        # must not change before its wait returns); flat before the byte view (a 0-dim tensor
+        # of a wider dtype cannot view)
+        data = (
+            tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else None
         )
-        sig = (dtype_code(tensor.dtype), tensor.numel(), 0, 0)
+        code, numel = dtype_code(tensor.dtype), tensor.numel()
 
         def go() -> None:
-            payload = data.numpy().data if data is not None else b""
-            self.mesh.send(self.ranks[dst], Kind.P2P, self.group_id, tag, payload, sig)
+            payload = data.numpy().data if data is not None else memoryview(b"")
+            parts = p2p_frames(payload, code, numel, self.mesh.max_frame)
+            self.mesh.send_frames(self.ranks[dst], Kind.P2P, self.group_id, tag, parts)
 
         work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
         if not self.check_now(work):
@@ -644,34 +670,83 @@ class Communicator:
             return work
         seq = tag & 0xFFFFFFFFFFFFFFFF
         want = (dtype_code(tensor.dtype), tensor.numel())
+        total = tensor.numel() * tensor.element_size()
+        # a message in several frames (p2p_frames): they may be handed over by two threads at
+        # once (queued ones by the poster, later ones by the reader), in any order; each writes
+        # its own bytes of ``flat`` (the tensor's, or a staging copy), ``got`` counts them and
+        # the last one finishes the receive
+        parts = threading.Lock()
+        got = [0]
+        flat: list[torch.Tensor] = []
+        staged = not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg()
 
-        def deliver(frame: Any) -> None:
-            hdr, body = frame
-            who = self.ranks.index(hdr.src) if hdr.src in self.ranks else -1
-            work._src = who
+        def unpend() -> None:
             with self._lock:
                 self._pending = [p for p in self._pending if p[2] is not work]
-            if (hdr.sig[0], hdr.sig[1]) != want or len(
-                body
-            ) != tensor.numel() * tensor.element_size():
-                err = CollectiveMismatchError(
+
+        def mismatch(hdr: Any, who: int, why: str) -> None:
+            unpend()
+            work._finish(
+                CollectiveMismatchError(
                     f"recv from rank {who} tag {tag}: expected {want[1]} elements of "
                     f"{tensor.dtype}, the sender sent {hdr.sig[1]} elements of "
                     f"{describe_sig((0, hdr.sig[0] << 8, 0, 0)).split('dtype=')[1].split(',')[0]}"
+                    f"{why}"
                 )
-                work._finish(err)
+            )
+
+        def deliver(frame: Any) -> None:
+            hdr, body = frame
+            off, count = hdr.sig[2], hdr.sig[3]
+            if work._ended:  # failed (a mismatch, a timeout): the rest of the message is dropped
                 return
-            if body:
-                data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
-                with torch.no_grad():  # (a leaf that requires grad receives, as with gloo)
-                    tensor.copy_(data.view(tensor.shape))
-            work._finish()
+            who = self.ranks.index(hdr.src) if hdr.src in self.ranks else -1
+            work._src = who
+            if (hdr.sig[0], hdr.sig[1]) != want:
+                mismatch(hdr, who, "")
+                return
+            if body is RECEIVED:  # read straight into the tensor (its Target)
+                unpend()
+                work._finish()
+                return
+            if count < 2:  # the message is one frame
+                if off != 0 or len(body) != total:
+                    mismatch(hdr, who, f" in a frame of {len(body)} bytes at offset {off}")
+                    return
+                unpend()
+                if body:
+                    data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
+                    with torch.no_grad():  # (a leaf that requires grad receives, as with gloo)
+                        tensor.copy_(data.view(tensor.shape))
+                work._finish()
+                return
+            if off < 0 or off + len(body) > total or not body:
+                mismatch(hdr, who, f" (a frame of {len(body)} bytes at offset {off})")
+                return
+            with parts:
+                if not flat:
+                    flat.append(
+                        torch.empty(total, dtype=torch.uint8)
+                        if staged
+                        else tensor.detach().reshape(-1).view(torch.uint8)
+                    )
+                dst = flat[0]
+            with torch.no_grad():
+                dst[off : off + len(body)].copy_(torch.frombuffer(body, dtype=torch.uint8))
+            with parts:
+                got[0] += len(body)
+                last = got[0] == total
+            if last:
+                if staged:
+                    with torch.no_grad():
+                        tensor.copy_(dst.view(tensor.dtype).view(tensor.shape))
+                unpend()
+                work._finish()
 
         def failed(e: BaseException) -> None:
             # the copy into the user's tensor raised (an expanded view): the mailbox hands the
             # exception here and the connection's reader thread goes on reading
-            with self._lock:
-                self._pending = [p for p in self._pending if p[2] is not work]
+            unpend()
             err = CollectiveArgumentError(
                 f"recv from rank {work._src} tag {tag}: could not write the received "
                 f"{tensor.dtype} data into the tensor: {type(e).__name__}: {e}"
@@ -684,7 +759,13 @@ class Communicator:
             one = Delivery(deliver, failed)
             if not self._post(work, tensor, (key, one, work)):
                 return work
-            self.mesh.mailbox.expect(key, one)
+            direct = (
+                P2P_DIRECT_BYTES <= total <= self.mesh.max_frame
+                and tensor.is_contiguous()
+                and not (tensor.is_conj() or tensor.is_neg())
+            )
+            into = Target(tensor.data_ptr(), total, (*want, 0, 0)) if direct else None
+            self.mesh.mailbox.expect(key, one, into)
             return work
         keys = [
             (self.group_id, int(Kind.P2P), g, seq)

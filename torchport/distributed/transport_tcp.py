@@ -41,7 +41,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,6 +109,17 @@ Frame = tuple[Header, bytearray]
 RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
 U64 = 0xFFFFFFFFFFFFFFFF  # a header's seq is stored as u64 (wire.encode_header)
 DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drops
+
+
+def frames_after(frame: Frame) -> int:
+    """How many frames of the same message follow ``frame``: a point-to-point message larger
+    than the frame bound is cut into consecutive frames (``sig`` = dtype code, numel, byte
+    offset, frame count), sent back to back on one connection; only its first frame (offset 0)
+    counts the others."""
+    hdr = frame[0]
+    if hdr.kind != Kind.P2P or hdr.sig[2] != 0 or hdr.sig[3] < 2:
+        return 0
+    return hdr.sig[3] - 1
 
 
 def _cpu_host(hid: str) -> str:
@@ -265,13 +276,15 @@ class Target:
     """Where the payload of one expected frame goes: ``size`` bytes at ``ptr``. A ``quiet``
     one does not count among the mailbox's waiters: the collective that posts it takes the
     socket itself (``Mesh.transfer``), so a reader lingering on that frame should go on
-    lingering, not read it."""
+    lingering, not read it. An ``owner`` (a point-to-point receive's callback, ``expect``)
+    takes the frame received into it, and the target goes with the frame: one per receive."""
 
     ptr: int
     size: int
     sig: tuple[int, int, int, int]
     state: int = WAITING
     quiet: bool = False
+    owner: Callable[[Frame], None] | None = None
 
 
 class Mailbox:
@@ -282,6 +295,10 @@ class Mailbox:
         self._frames: dict[Key, deque[Frame]] = {}
         self._waiting: dict[Key, deque[Callable[[Frame], None]]] = {}
         self._targets: dict[Key, Target] = {}
+        # A message cut into frames (:func:`frames_after`) goes whole to the callback that took
+        # its first frame: key -> [callback, frames still to come]. Its later frames share the
+        # key, and another receive waiting on that key must not take one.
+        self._streams: dict[Key, list[Any]] = {}
         self._loud = 0  # targets that are not quiet (Target)
         # Groups that failed or closed here: their queued COLL/P2P frames were purged and
         # later ones are dropped on arrival (``dropped`` counts both) -- nothing would ever
@@ -340,6 +357,11 @@ class Mailbox:
             self._dead.add(group)
             gone = [k for k in self._frames if k[0] == group and k[1] in DEAD_KINDS]
             n = sum(len(self._frames.pop(k)) for k in gone)
+            for k in [k for k in self._streams if k[0] == group]:
+                del self._streams[k]
+            for k, t in list(self._targets.items()):
+                if k[0] == group and t.owner is not None:
+                    self._drop_owned(k, t.owner)
             self.dropped += n
             return n
 
@@ -364,6 +386,8 @@ class Mailbox:
             t = self._targets.get(key)
             if t is None or t.state != WAITING or t.size != hdr.length or t.sig != hdr.sig:
                 return None
+            if t.owner is not None and self._waiting.get(key, [None])[0] is not t.owner:
+                return None  # (not the first receive on the key: never, kept as a guard)
             t.state = FILLING
             return t
 
@@ -376,7 +400,20 @@ class Mailbox:
         cb, frame = None, None
         with self.cond:
             target.state = FILLED if ok else FAILED
-            if ok and key is not None and hdr is not None:
+            if target.owner is not None and key is not None:  # a receive's own target
+                if self._targets.get(key) is target:
+                    del self._targets[key]
+                    self._loud -= 1
+                cbs = self._waiting.get(key)
+                if ok and hdr is not None and cbs and target.owner in cbs:
+                    cbs.remove(target.owner)  # (the first)
+                    if not cbs:
+                        del self._waiting[key]
+                    cb, frame = target.owner, (hdr, RECEIVED)
+                elif ok:  # its receive was cancelled while the frame was read into it
+                    self.dropped += 1
+                self._sync_waiters()
+            elif ok and key is not None and hdr is not None:
                 frame = (hdr, RECEIVED)
                 cb = self._deliver_locked(key, frame)
             self.cond.notify_all()
@@ -406,6 +443,12 @@ class Mailbox:
         if key[0] in self._dead and key[1] in DEAD_KINDS:
             self.dropped += 1
             return None
+        stream = self._streams.get(key)
+        if stream is not None:  # a later frame of a message whose first frame was taken
+            stream[1] -= 1
+            if stream[1] <= 0:
+                del self._streams[key]
+            return stream[0]
         cbs = self._waiting.get(key)
         cb = None
         while cbs and cb is None:
@@ -415,13 +458,32 @@ class Mailbox:
                     cb = None
                 else:
                     cb.fired = True
+        if cb is not None:  # (a receive's own target is not for a frame it took this way)
+            self._drop_owned(key, cb)
         if cbs is not None and not cbs:
             del self._waiting[key]
             self._sync_waiters()
         if cb is None:
             self._frames.setdefault(key, deque()).append(frame)
             self.cond.notify_all()
+        elif frames_after(frame):
+            self._streams[key] = [cb, frames_after(frame)]
         return cb
+
+    def _pop_message(self, key: Key, callback: Callable[[Frame], None]) -> list[Frame]:
+        """Under ``cond``: the first queued frame for ``key`` with the queued later frames of
+        its message; those still to come are routed to ``callback`` (``_streams``)."""
+        q = self._frames[key]
+        frames = [q.popleft()]
+        more = frames_after(frames[0])
+        while more and q:
+            frames.append(q.popleft())
+            more -= 1
+        if not q:
+            del self._frames[key]
+        if more:
+            self._streams[key] = [callback, more]
+        return frames
 
     def deliver(self, key: Key, frame: Frame) -> None:
         with self.cond:
@@ -429,40 +491,50 @@ class Mailbox:
         if cb is not None:
             self._call(cb, frame)
 
-    def expect(self, key: Key, callback: Callable[[Frame], None]) -> None:
-        """Call ``callback(frame)`` when the next frame for ``key`` is (or was) delivered."""
+    def _drop_owned(self, key: Key, owner: Callable[[Frame], None]) -> None:
+        """Under ``cond``: remove ``key``'s target if ``owner``'s and not being filled."""
+        t = self._targets.get(key)
+        if t is not None and t.owner is owner and t.state == WAITING:
+            del self._targets[key]
+            self._loud -= 1
+
+    def expect(
+        self, key: Key, callback: Callable[[Frame], None], target: Target | None = None
+    ) -> None:
+        """Call ``callback(frame)`` when the next frame for ``key`` is (or was) delivered.
+
+        With ``target``, a frame not yet arrived that matches it (length and signature) is
+        read straight into it, when this receive is the first waiting on ``key``; the
+        callback then gets ``(header, RECEIVED)``."""
         with self.cond:
-            q = self._frames.get(key)
-            frame = q.popleft() if q else None
-            if q is not None and not q:
-                del self._frames[key]
-            if frame is None:
-                self._waiting.setdefault(key, deque()).append(callback)
+            if not self._frames.get(key):
+                q = self._waiting.setdefault(key, deque())
+                if target is not None and target.size > 0 and not q and key not in self._targets:
+                    target.owner = callback
+                    self._targets[key] = target
+                    self._loud += 1
+                q.append(callback)
                 self._sync_waiters()
                 return
-        self._call(callback, frame)
+            frames = self._pop_message(key, callback)
+        for frame in frames:
+            self._call(callback, frame)
 
     def expect_any(self, once: Once) -> None:
         """Call ``once`` for the first frame of any of ``once.keys`` (queued frames first)."""
         with self.cond:
-            frame = None
-            for key in once.keys:
-                q = self._frames.get(key)
-                if q:
-                    frame = q.popleft()
-                    if not q:
-                        del self._frames[key]
-                    break
-            if frame is None:
-                for key in once.keys:
-                    self._waiting.setdefault(key, deque()).append(once)
+            key = next((k for k in once.keys if self._frames.get(k)), None)
+            if key is None:
+                for k in once.keys:
+                    self._waiting.setdefault(k, deque()).append(once)
                 self._sync_waiters()
                 return
             if once.fired:  # cancelled before it was registered
-                self._frames.setdefault(key, deque()).appendleft(frame)
                 return
             once.fired = True
-        self._call(once, frame)
+            frames = self._pop_message(key, once)
+        for frame in frames:
+            self._call(once, frame)
 
     def cancel(self, key: Key, callback: Callable[[Frame], None]) -> bool:
         """Withdraw an ``expect`` that has not fired; True if it was withdrawn."""
@@ -473,9 +545,10 @@ class Mailbox:
             cbs = self._waiting.get(key)
             if cbs and callback in cbs:
                 cbs.remove(callback)
+                self._drop_owned(key, callback)
                 if not cbs:
                     del self._waiting[key]
-                    self._sync_waiters()
+                self._sync_waiters()
                 return True
             return False
 
@@ -865,7 +938,7 @@ class Mesh:
         key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
         target = (
             self.mailbox.claim(key, hdr)
-            if hdr.kind == Kind.COLL and hdr.src == conn.peer and hdr.length
+            if hdr.kind in (Kind.COLL, Kind.P2P) and hdr.src == conn.peer and hdr.length
             else None
         )
         if target is not None:
@@ -921,19 +994,33 @@ class Mesh:
         sig: tuple[int, int, int, int] = (0, 0, 0, 0),
     ) -> None:
         """Send one frame to global rank ``peer``."""
-        if len(payload) > self.max_frame:
-            raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
+        self.send_frames(peer, kind, group, seq, [(payload, sig)])
+
+    def send_frames(
+        self,
+        peer: int,
+        kind: Kind,
+        group: int,
+        seq: int,
+        parts: Sequence[tuple[bytes | bytearray | memoryview, tuple[int, int, int, int]]],
+    ) -> None:
+        """Send frames ``(payload, sig)`` to global rank ``peer`` back to back: no other frame
+        goes out on that connection between them (one message cut into frames)."""
+        for payload, _sig in parts:
+            if len(payload) > self.max_frame:
+                raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
         conn = self.peers.get(peer)
         if conn is None:
             raise CommError(f"rank {self.rank} has no connection to rank {peer}")
-        head = encode_header(kind, group, self.rank, seq, len(payload), sig)
         try:
             with conn.lock:
-                if len(payload) <= 65536:
-                    conn.sock.sendall(head + bytes(payload))
-                else:
-                    conn.sock.sendall(head)
-                    conn.sock.sendall(payload)
+                for payload, sig in parts:
+                    head = encode_header(kind, group, self.rank, seq, len(payload), sig)
+                    if len(payload) <= 65536:
+                        conn.sock.sendall(head + bytes(payload))
+                    else:
+                        conn.sock.sendall(head)
+                        conn.sock.sendall(payload)
         except OSError as e:
             raise CommError(f"send to rank {peer} failed: {e}") from e
 
