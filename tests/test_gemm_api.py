@@ -411,8 +411,14 @@ def test_fast_split_matches_full_split():
 def test_linear_bad_inputs():
     with pytest.raises(GemmInputError, match=r"in_features=4, got shape \(2, 3\)"):
         linear(torch.randn(2, 3), torch.randn(5, 4))
-    with pytest.raises(GemmInputError, match=r"weight must be 2-D"):
-        linear(torch.randn(2, 4), torch.randn(4))
+    with pytest.raises(GemmInputError, match=r"weight must be 2-D .*got shape \(2, 2, 4\)"):
+        linear(torch.randn(2, 4), torch.randn(2, 2, 4))
+    with pytest.raises(GemmInputError, match=r"1-D weight's length 5, got shape \(2, 4\)"):
+        linear(torch.randn(2, 4), torch.randn(5))
+    with pytest.raises(GemmInputError, match=r"bias of shape \(5,\) does not broadcast"):
+        linear(torch.randn(2, 4), torch.randn(6, 4), torch.randn(5))
+    with pytest.raises(GemmInputError, match=r"bias must be a tensor or None, got float"):
+        linear(torch.randn(2, 4), torch.randn(6, 4), 1.0)
 
 
 def test_spec_roundtrip_and_malformed():

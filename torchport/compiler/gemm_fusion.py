@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torchport.compiler.backend import register_pre_grad_pass
 from torchport.compiler.passes import (
     Pass,
     Rule,
     has_side_effects,
-    has_static_shape,
     is_call,
     is_plain_tensor,
     node_tensor_meta,
@@ -83,16 +83,43 @@ def _meta(node: Any) -> torch.Tensor | None:
     return node_tensor_meta(node) if isinstance(node, fx.Node) else None
 
 
-def _fusable(t: torch.Tensor | None) -> bool:
-    # Plain tensors only (a quantized weight subclass is not ours to fuse), and static shapes:
-    # testing symbolic sizes would add guards that break a declared dynamic spec.
+def _fusable(t: torch.Tensor | None, rows: bool = False) -> bool:
+    """A plain CPU tensor (a quantized weight subclass is not ours to fuse) of a fusable dtype
+    with static sizes; with ``rows``, only its last size need be static: the leading ones (the
+    rows: batch, sequence) may be symbolic, since the fused op takes any row count (dynamic=True
+    or the automatic dynamic shapes after a new sequence length fused nothing). Sizes are never
+    compared in a way that adds a guard (that would break a declared dynamic spec)."""
     return (
         t is not None
         and is_plain_tensor(t)
-        and has_static_shape(t)
+        and (
+            _static(t.shape[-1]) is not None
+            if rows and t.dim()
+            else all(_static(d) is not None for d in t.shape)
+        )
         and t.dtype in _TAG
         and t.device.type == "cpu"
     )
+
+
+def _static(d: Any) -> int | None:
+    """A size's value when it is known without a guard: an int, or a SymInt whose expression
+    is a constant (K of an input that the weight's shape pinned to its value), else None."""
+    if type(d) is int:
+        return d
+    return d.node.maybe_as_int() if isinstance(d, torch.SymInt) else None
+
+
+def _same_shape(t: torch.Tensor, u: torch.Tensor) -> bool:
+    """``t`` and ``u`` have one shape, provably without a guard (symbolic sizes included)."""
+    return t.dim() == u.dim() and all(
+        statically_known_true(x == y) for x, y in zip(t.shape, u.shape)
+    )
+
+
+def _is_vector(t: torch.Tensor, n: Any) -> bool:
+    """``t`` is ``[n]``, both sizes static."""
+    return t.dim() == 1 and _static(n) is not None and _static(t.shape[0]) == _static(n)
 
 
 _RELU = (torch.relu, F.relu, torch.nn.functional.relu)
@@ -120,7 +147,7 @@ def _epilogue_step(
             if isinstance(dt, torch.dtype) and dt in _TAG and meta.dtype == dt and not widens:
                 return Op("cast", _TAG[dt]), None
         return None
-    if meta.dtype != out.dtype or tuple(meta.shape) != tuple(out.shape):
+    if meta.dtype != out.dtype or not _same_shape(meta, out):
         return None
     unary = node.args[0] is cur and not node.kwargs.get("inplace", False)
     if is_call(node, *_RELU) and unary and (len(node.args) == 1 or node.args[1] is False):
@@ -143,12 +170,12 @@ def _epilogue_step(
                 return Op("scale", value=float(other)), None
             return None
         t = _meta(other)
-        if not _fusable(t) or t is None or t.dtype != out.dtype:
+        if not _fusable(t, rows=True) or t is None or t.dtype != out.dtype:
             return None
         assert isinstance(other, fx.Node)
-        if tuple(t.shape) == (n,):
+        if _is_vector(t, n):
             return Op("bias_col" if is_add else "scale_col", _TAG[t.dtype]), other
-        if is_add and tuple(t.shape) == tuple(out.shape):
+        if is_add and _same_shape(t, out):
             return Op("add", _TAG[t.dtype]), other
     return None
 
@@ -175,11 +202,11 @@ def _absorb(
 ) -> bool:
     """Grow the epilogue chain after ``anchor`` and replace it with one fused call."""
     out = _meta(anchor)
-    if not _fusable(out) or out is None or out.dim() < 1:
+    if not _fusable(out, rows=True) or out is None or out.dim() < 1:
         return False
-    for inp in (a, b):
+    for inp, rows in ((a, True), (b, False)):  # (b: the weight, static)
         im = _meta(inp)
-        if not _fusable(im) or im is None or im.dtype != out.dtype:
+        if not _fusable(im, rows) or im is None or im.dtype != out.dtype:
             return False
     ops: list[Op] = [op for op, _ in first]
     operands: list[fx.Node] = [t for _, t in first if t is not None]
@@ -230,9 +257,9 @@ def _linear_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
         bt = _meta(bias)
         # the kernel reads N bias values: a bias F.linear would broadcast (shape [1]) stays
         # with F.linear (a symbolic N would need a guard to compare: also left alone)
-        if not _fusable(bt) or bt is None or bt.dtype != wt.dtype or not has_static_shape(wt):
+        if not _fusable(bt) or bt is None or bt.dtype != wt.dtype:
             return False
-        if tuple(bt.shape) != (wt.shape[0],):
+        if not _is_vector(bt, wt.shape[0]):
             return False
         first.append((Op("bias_col", _TAG[bt.dtype]), bias))
     return _absorb(gm, node, x, w, fused_linear, first)
@@ -256,11 +283,11 @@ def _addmm_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
         return False
     bias, x, b = node.args
     out, bt = _meta(node), _meta(bias)
-    if out is None or bt is None or not _fusable(bt) or bt.dtype != out.dtype:
+    if out is None or bt is None or not _fusable(bt, rows=True) or bt.dtype != out.dtype:
         return False
-    if tuple(bt.shape) == (out.shape[1],):
+    if _is_vector(bt, out.shape[1]):
         first = [(Op("bias_col", _TAG[bt.dtype]), bias)]
-    elif tuple(bt.shape) == tuple(out.shape):
+    elif _same_shape(bt, out):
         first = [(Op("add", _TAG[bt.dtype]), bias)]
     else:
         return False

@@ -199,7 +199,13 @@ def _decode(text: str) -> EpilogueSpec:
             if out not in _TAG_DT:
                 raise EpilogueError(f"epilogue output dtype must be f32 or bf16, got {out!r}")
         elif part.startswith("scale="):
-            ops.append(Op("scale", value=float(part[6:])))
+            try:
+                v = float(part[6:])
+            except ValueError:
+                raise EpilogueError(f"epilogue scale must be a number, got {part!r}") from None
+            if not math.isfinite(v):
+                raise EpilogueError(f"epilogue scale must be finite, got {part!r}")
+            ops.append(Op("scale", value=v))
         elif ":" in part:
             kind, dt = part.split(":", 1)
             if kind not in OPERAND_KINDS or dt not in _TAG_DT:
@@ -325,6 +331,8 @@ def fast_split(
     """``(encoded spec, operands)`` of an epilogue that :func:`split` has seen before in this
     form (parameter-free steps and residuals, :data:`_FAST_SPECS`), else None: the eager GEMM's
     per-call path, without :class:`Split` or the walk over the steps."""
+    if torch.compiler.is_compiling():  # (a traced read of the cache guarded on its contents)
+        return None
     fk = _fast_key(steps, m, n, bias)
     if fk is None:
         return None
@@ -343,6 +351,12 @@ def split(
     of parameter-free steps and residuals take their spec from :data:`_FAST_SPECS` after the
     first call (their operands still checked on every call).
     """
+    if torch.compiler.is_compiling():
+        # traced (torch.compile, export): the module-level caches stay out of it -- dynamo
+        # guarded on _FAST_SPECS ("key not in it", then the trace added the key: every compiled
+        # function compiled twice) and on the whole set of compiled-in scale constants (any new
+        # constant anywhere recompiled it, up to the recompile limit)
+        return _split(steps, m, n, bias)
     fk = _fast_key(steps, m, n, bias)
     if fk is not None:
         hit = _FAST_SPECS.get(fk[0])
@@ -355,13 +369,17 @@ def split(
 
 
 def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tensor | None) -> Split:
+    # traced: the uncached builders (dynamo warned about each functools.cache call it traced)
+    op_of, spec_of = (
+        (_op.__wrapped__, _spec.__wrapped__) if torch.compiler.is_compiling() else (_op, _spec)
+    )
     ops: list[Op] = []
     operands: list[torch.Tensor] = []
     tail: list[Step] = []
     out = ""
     if bias is not None:
         t = _operand(bias, (0, "bias"), (n,))
-        ops.append(_op("bias_col", _DT_TAG[t.dtype]))
+        ops.append(op_of("bias_col", _DT_TAG[t.dtype]))
         operands.append(t)
     for idx, step in enumerate(as_steps(steps), 0 if bias is None else 1):
         if isinstance(step, type) and step in _STEP_TYPES:  # a class, not a step: it was taken
@@ -371,8 +389,9 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
             )
         if tail or out:
             if isinstance(step, str):
-                step = _named(step)
-            if isinstance(step, (Bias, Add, Scale)):
+                step = named_step(step)
+            # (after a callable the value may have another shape: its steps check then)
+            if isinstance(step, (Bias, Add, Scale)) and not any(map(is_user_callable, tail)):
                 _check_step_operands(step, m, n)
             tail.append(step)
             continue
@@ -384,17 +403,17 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
             ops.append(plain)
             continue
         if isinstance(step, str):
-            step = _named(step)
+            step = named_step(step)
         if isinstance(step, Bias):
             if step.dim not in ("col", "row"):
                 raise EpilogueError(f"Bias.dim must be 'col' or 'row', got {step.dim!r}")
             length = n if step.dim == "col" else m
             t = _operand(step.t, (idx, "bias"), (length,))
-            ops.append(_op(f"bias_{step.dim}", _DT_TAG[t.dtype]))
+            ops.append(op_of(f"bias_{step.dim}", _DT_TAG[t.dtype]))
             operands.append(t)
         elif isinstance(step, Add):
             t = _operand(step.t, (idx, "residual"), (m, n))
-            ops.append(_op("add", _DT_TAG[t.dtype]))
+            ops.append(op_of("add", _DT_TAG[t.dtype]))
             operands.append(t)
         elif isinstance(step, Scale):
             if isinstance(step.value, torch.Tensor):
@@ -415,7 +434,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                         value = value.float()  # constant route took any dtype's value
                     value = value.reshape(1).expand(length)
                 t = _operand(value, (idx, "scale"), (length,))
-                ops.append(_op(f"scale_{step.dim}", _DT_TAG[t.dtype]))
+                ops.append(op_of(f"scale_{step.dim}", _DT_TAG[t.dtype]))
                 operands.append(t)
             else:
                 # any real number (a numpy scalar too, as torch's own ``x * c`` takes), not bool
@@ -443,10 +462,11 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
             tail.append(step)
         else:
             raise EpilogueError(f"epilogue step {idx} is not a known step: {step!r}")
-    return Split(_spec(tuple(ops), out), operands, tail)
+    return Split(spec_of(tuple(ops), out), operands, tail)
 
 
-def _named(name: str) -> Step:
+def named_step(name: str) -> Step:
+    """The step an epilogue name stands for ("relu", "gelu", "gelu_tanh", "silu")."""
     step = _NAMED.get(name)
     if step is None:
         raise EpilogueError(f"unknown epilogue step {name!r}; known: {sorted(_NAMED)}")
@@ -471,6 +491,9 @@ def _scalar_scale(v: float, n: int, ops: list[Op], operands: list[torch.Tensor])
     """Append a constant scale ``v`` (finite) to ``ops``: compiled in while it is one of the
     first :data:`SCALE_CONSTANTS` values, else a float32 column operand of ``n`` copies."""
     key = v.hex()
+    if torch.compiler.is_compiling():  # (see split: no guard on the set; a traced graph's
+        ops.append(Op("scale", value=v))  # constants are as many as its source spells out)
+        return
     if key in _scale_constants or len(_scale_constants) < SCALE_CONSTANTS:
         _scale_constants.add(key)
         ops.append(Op("scale", value=v))
@@ -539,23 +562,30 @@ def apply_tail(y: torch.Tensor, tail: Sequence[Step]) -> torch.Tensor:
     ``[prod(...), N]`` (a residual of ``y``'s full shape is taken as is)."""
     for step in tail:
         if isinstance(step, str):
-            step = _named(step)
+            step = named_step(step)
         if isinstance(step, Cast):
             y = y.to(step.dtype)
         elif isinstance(step, (Bias, Add, Scale, Relu, Gelu, Silu)):
-            if y.dim() == 2:
-                sp = split([step], y.shape[0], y.shape[1])
-                y = apply_torch(y, sp.spec, sp.operands)
-                continue
             shape = y.shape
             if y.dim() < 1:
                 raise EpilogueError(
                     f"epilogue step {step!r} needs a result of at least 1-D, got 0-D"
                 )
             m, n = math.prod(shape[:-1]), shape[-1]
-            if isinstance(step, Add) and step.t.shape == shape:
+            if isinstance(step, Add) and y.dim() != 2 and step.t.shape == shape:
                 step = Add(step.t.reshape(m, n))
             sp = split([step], m, n)
+            # as the torch op it stands for: a float32 operand after a Cast to bfloat16 gives
+            # a float32 result (apply_torch reads operands in the value's dtype)
+            user = (
+                step.t
+                if isinstance(step, (Bias, Add))
+                else step.value
+                if isinstance(step, Scale) and isinstance(step.value, torch.Tensor)
+                else None
+            )
+            if user is not None and torch.result_type(y, user) != y.dtype:
+                y = y.to(torch.result_type(y, user))
             y = apply_torch(y.reshape(m, n), sp.spec, sp.operands).reshape(shape)
         else:
             assert callable(step)

@@ -30,10 +30,20 @@ from torchport.gemm.adaptive import ArmGroup, ThreadAdaptive
 from torchport.gemm.epilogue import (
     _TAG_DT,
     OPERAND_KINDS,
+    Add,
+    Bias,
+    Cast,
+    EpilogueError,
     EpilogueSpec,
+    Gelu,
+    Relu,
+    Scale,
+    Silu,
     Step,
     apply_tail,
+    as_steps,
     fast_split,
+    named_step,
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
@@ -790,7 +800,7 @@ def _check_op_args(
     """The raw op's arguments against its spec: :func:`mm` builds them right, but the op is public
     (``torch.ops.torchport.gemm``) and the kernels read each operand's full span unchecked (a
     ``[1]`` bias for N = 17 read past its end; a missing operand crashed the process)."""
-    _check_ab(a, b, "gemm")
+    meta = _check_ab(a, b, "gemm")
     kinds = [op for op in sp.ops if op.kind in OPERAND_KINDS]
     if len(operands) != len(kinds):
         raise GemmInputError(
@@ -799,19 +809,39 @@ def _check_op_args(
     m, n = a.shape[0], b.shape[1]
     for i, (op, t) in enumerate(zip(kinds, operands)):
         want, dt = _OPERAND_SHAPES[op.kind](m, n), _TAG_DT[op.dtype]
-        if not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dt and t.shape == want):
+        on = isinstance(t, torch.Tensor) and (t.is_meta if meta else t.is_cpu)
+        if not (on and t.dtype == dt and t.shape == want):
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
             raise GemmInputError(
-                f"gemm: operand {i} of epilogue {spec!r} ({op.kind}:{op.dtype}) must be a cpu "
-                f"{dt} tensor of shape {want}, got {got}"
+                f"gemm: operand {i} of epilogue {spec!r} ({op.kind}:{op.dtype}) must be a "
+                f"{'meta' if meta else 'cpu'} {dt} tensor of shape {want}, got {got}"
+            )
+
+
+def _check_scales(sp: EpilogueSpec, operands: Sequence[torch.Tensor]) -> None:
+    """Scale operands (a row or column, a learnable scalar) must be finite, as constant scales
+    must (:func:`epilogue.split`): checked when the op runs, so eager and compiled calls agree
+    (a traced split cannot read a tensor's values)."""
+    kinds = [op.kind for op in sp.ops if op.kind in OPERAND_KINDS]
+    for i, (kind, t) in enumerate(zip(kinds, operands)):
+        if kind.startswith("scale_") and t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).nonzero()[0, 0])
+            raise EpilogueError(
+                f"epilogue operand {i} ({kind}) must be finite, got {float(t[bad])} at index {bad}"
             )
 
 
 def _gemm_impl(
     a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
 ) -> torch.Tensor:
+    if _any_autocast():  # the op computes in its inputs' dtypes, as its fake says: the ATen
+        # runners' torch.mm would otherwise give the autocast dtype (see mm)
+        with torch.autocast("cpu", enabled=False):
+            return _gemm_impl(a, b, operands, spec)
     sp = EpilogueSpec.decode(spec)
     _check_op_args(a, b, operands, sp, spec)
+    if "scale_" in spec:
+        _check_scales(sp, operands)
     if native.enabled() and a.shape[0] > 0 and b.shape[1] > 0:
         try:
             _, run = _settle(a, b, sp, spec, operands)
@@ -962,13 +992,16 @@ torch.library.register_autograd("torchport::gemm", _backward, setup_context=_set
 
 
 _Tensor, _strided = torch.Tensor, torch.strided
+# whether any autocast region is on (a C call, ~75 ns: mm's per-call test before the CPU one)
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
-def _check_ab(a: object, b: object, who: str) -> None:
+def _check_ab(a: object, b: object, who: str) -> bool:
     """``a [M, K]`` and ``b [K, N]`` for a GEMM: dense 2-D CPU tensors of one dtype, float32 or
     bfloat16, with matching K (:func:`mm`'s checks, and the raw op's; ``who`` names the caller
     in the error). Plain tensors that pass are recognised in one expression (mm's per-call
-    cost); anything else takes the checks one by one, each with its own message."""
+    cost); anything else takes the checks one by one, each with its own message. True when
+    both are meta tensors (shapes only) that pass, False for CPU ones."""
     if (
         type(a) is _Tensor
         and type(b) is _Tensor
@@ -982,11 +1015,12 @@ def _check_ab(a: object, b: object, who: str) -> None:
         and a.dtype is b.dtype
         and a.shape[1] == b.shape[0]
     ):
-        return
+        return False
+    meta = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_meta and b.is_meta
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise GemmInputError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_cpu:
+        if not (t.is_cpu or meta):
             raise GemmInputError(f"{who}: {name} must be on device 'cpu', got {t.device}")
         if t.layout != torch.strided:  # (sparse and mkldnn tensors failed later, untyped)
             raise GemmInputError(f"{who}: {name} must be a dense (strided) tensor, got {t.layout}")
@@ -1006,6 +1040,7 @@ def _check_ab(a: object, b: object, who: str) -> None:
             f"{who}: inner dimensions must match (a is {tuple(a.shape)}, b is {tuple(b.shape)}: "
             f"K={a.shape[1]} vs {b.shape[0]})"
         )
+    return meta
 
 
 # encoded spec of a lone column bias, per bias dtype (what :func:`split` yields for it)
@@ -1037,7 +1072,10 @@ def mm(
     ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``); the fused ones run inside the kernel's
     store, anything else (a callable) runs afterwards as torch ops.
     """
-    _check_ab(a, b, "mm")
+    if _check_ab(a, b, "mm"):
+        return _mm_meta(a, b, bias, epilogue)
+    if _any_autocast() and torch.is_autocast_enabled("cpu"):
+        return _mm_autocast(a, b, bias, epilogue)
     if functorch_active():  # torch.func: torch ops, which every transform supports (the
         # custom op has no forward-mode formula: jvp gave a zero tangent)
         sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
@@ -1067,6 +1105,59 @@ def mm(
     return apply_tail(y, sp.tail) if sp.tail else y
 
 
+def _mm_meta(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    epilogue: Sequence[Step] | Step | None,
+) -> torch.Tensor:
+    """:func:`mm` of meta tensors (shapes and dtypes only, as ``F.linear`` gives there): the
+    steps run as the torch ops they stand for, on meta operands."""
+    y = torch.mm(a, b)
+    if bias is not None:
+        y = y + bias
+    for step in as_steps(epilogue):
+        step = named_step(step) if isinstance(step, str) else step
+        if isinstance(step, (Bias, Scale)):
+            v = step.value if isinstance(step, Scale) else step.t
+            row = step.dim == "row" and isinstance(v, torch.Tensor) and v.dim() == 1
+            v = v[:, None] if row else v  # type: ignore[index]
+            y = y * v if isinstance(step, Scale) else y + v
+        elif isinstance(step, Add):
+            y = y + step.t
+        elif isinstance(step, Cast):
+            y = y.to(step.dtype)
+        elif isinstance(step, Gelu):
+            y = torch.nn.functional.gelu(y, approximate=step.approximate)
+        elif isinstance(step, (Relu, Silu)):
+            y = torch.relu(y) if isinstance(step, Relu) else torch.nn.functional.silu(y)
+        else:
+            assert callable(step)
+            y = step(y)
+    return y
+
+
+def _mm_autocast(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    epilogue: Sequence[Step] | Step | None,
+) -> torch.Tensor:
+    """:func:`mm` inside a CPU autocast region. With bfloat16 as the region's dtype the GEMM runs
+    in bfloat16, as ``F.linear``'s does there (float32 ``a`` and ``b`` are cast; epilogue
+    operands are read in their own dtypes, in the float32 accumulator) and the result is
+    bfloat16; with another dtype (float16, which the kernels lack) it runs in the inputs' own
+    dtypes. Autocast is off inside: the ATen runners' ``torch.mm`` gave the region's dtype
+    while the native kernels gave float32, so the result's dtype depended on the tuner's
+    choice (and an epilogue pass built for a float32 product failed on a bfloat16 one)."""
+    dt = torch.get_autocast_dtype("cpu")
+    if dt == torch.bfloat16:
+        a = a.to(dt) if a.dtype == torch.float32 else a
+        b = b.to(dt) if b.dtype == torch.float32 else b
+    with torch.autocast("cpu", enabled=False):
+        return mm(a, b, bias=bias, epilogue=epilogue)
+
+
 def _eager(
     a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
 ) -> torch.Tensor:
@@ -1075,6 +1166,8 @@ def _eager(
     if a.shape[0] > 0 and b.shape[1] > 0:
         hit = _settled.get(_settled_key(a, b, spec))
         if hit is not None:
+            if "scale_" in spec:
+                _check_scales(EpilogueSpec.decode(spec), operands)
             return hit[1](a, b, operands)
     return _gemm_impl(a, b, operands, spec)
 

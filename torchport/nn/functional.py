@@ -1,8 +1,9 @@
 """``torchport.nn.functional``: :func:`linear` on the GEMM engine and 2.14's recipe-based
 :func:`scaled_mm` on the CPU.
 
-``linear`` has the same contract as torch's (``input [..., K]``, ``weight [N, K]``, ``bias [N]``),
-plus an optional fused ``epilogue`` (see :mod:`torchport.gemm.epilogue`); residual operands may
+``linear`` has the same contract as torch's (``input [..., K]``, ``weight [N, K]`` or ``[K]``, a
+``bias`` that broadcasts to the output: ``[N]`` as a fused bias, any other shape as a fused
+residual), plus an optional fused ``epilogue`` (see :mod:`torchport.gemm.epilogue`); residual operands may
 have the output's full shape ``[..., N]``, and a callable step (with every step after it) runs on
 the ``[..., N]`` output, not on its flattened rows. ``scaled_mm``, ``ScalingType`` and
 ``SwizzleType`` are :mod:`torchport.lowp.scaled_recipes`'s (torch's own enums).
@@ -35,6 +36,10 @@ def linear(
         and input.dim() == 2
         and weight.dim() == 2
         and input.shape[1] == weight.shape[1]
+        and (
+            bias is None
+            or (type(bias) is torch.Tensor and bias.dim() == 1 and bias.shape[0] == weight.shape[0])
+        )
     ):  # a batch of rows, fused epilogue or not: no reshapes, and mm checks the rest
         return mm(input, weight.t(), bias=bias, epilogue=epilogue)
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
@@ -42,9 +47,19 @@ def linear(
             f"linear: input and weight must be tensors, got {type(input).__name__} "
             f"and {type(weight).__name__}"
         )
+    if weight.dim() == 1:  # torch's [K] weight: one output feature, dropped from the shape
+        if input.dim() < 1 or input.shape[-1] != weight.shape[0]:
+            raise GemmInputError(
+                f"linear: input's last dimension must equal the 1-D weight's length "
+                f"{weight.shape[0]}, got shape {tuple(input.shape)}"
+            )
+        y = linear(input, weight[None]).squeeze(-1)
+        y = y if bias is None else y + _broadcast_bias(bias, y.shape)
+        return apply_tail(y, as_steps(epilogue)) if epilogue is not None else y
     if weight.dim() != 2:
         raise GemmInputError(
-            f"linear: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}"
+            f"linear: weight must be 2-D [out_features, in_features] (or 1-D [in_features]), "
+            f"got shape {tuple(weight.shape)}"
         )
     if input.dim() < 1:
         raise GemmInputError("linear: input must have at least 1 dimension, got a scalar")
@@ -55,6 +70,15 @@ def linear(
             f"{tuple(input.shape)}"
         )
     n = weight.shape[0]
+    if bias is not None and not (
+        isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == n
+    ):  # () or [1]: a column bias of N copies; any other shape: a residual of the output's
+        full = (*input.shape[:-1], n)
+        b = _broadcast_bias(bias, full)
+        if b.dim() <= 1:
+            bias = b.reshape(-1).expand(n)
+        else:
+            bias, epilogue = None, [Add(b.expand(full)), *as_steps(epilogue)]
     if input.dim() == 2:  # rows already: the residual has the output's shape, no reshapes
         return mm(input, weight.t(), bias=bias, epilogue=epilogue)
     lead = tuple(input.shape[:-1])
@@ -72,6 +96,25 @@ def linear(
         steps.append(s)
     y = mm(x2, weight.t(), bias=bias, epilogue=steps).reshape(*lead, n)
     return apply_tail(y, rest) if rest else y
+
+
+def _broadcast_bias(bias: object, shape: tuple[int, ...]) -> torch.Tensor:
+    """``bias`` when it broadcasts to ``shape`` (as torch's linear adds it), else a typed error."""
+    if not isinstance(bias, torch.Tensor):
+        raise GemmInputError(f"linear: bias must be a tensor or None, got {type(bias).__name__}")
+    try:
+        torch.broadcast_shapes(tuple(bias.shape), tuple(shape))
+    except RuntimeError:
+        raise GemmInputError(
+            f"linear: bias of shape {tuple(bias.shape)} does not broadcast to the output's "
+            f"shape {tuple(shape)}"
+        ) from None
+    if torch.broadcast_shapes(tuple(bias.shape), tuple(shape)) != tuple(shape):
+        raise GemmInputError(
+            f"linear: bias of shape {tuple(bias.shape)} would broadcast the output's shape "
+            f"{tuple(shape)} to a larger one"
+        )
+    return bias
 
 
 __all__ = ["ScalingType", "SwizzleType", "linear", "scaled_mm"]
