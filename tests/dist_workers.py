@@ -1047,16 +1047,22 @@ def _p2p_big(rank: int, world: int) -> list[str]:
 
 def _p2p_direct(rank: int, world: int) -> list[str]:
     """A receive posted before its frame arrives is read straight into its tensor (its own
-    ``Target``; a contiguous slice at an offset too); a second receive on the same key, a
-    strided one and one of the wrong size take theirs buffered, each its own message."""
+    ``Target``; a contiguous slice at an offset too, and a message in frames frame by frame);
+    a second receive on the same key, a strided one and one of the wrong size take theirs
+    buffered, each its own message."""
     from torchport.distributed import CollectiveMismatchError
     from torchport.distributed import transport_tcp as tt
+    from torchport.distributed.groups import root_mesh
 
+    mesh = root_mesh()
+    assert mesh is not None
     bad: list[str] = []
     n, last = 1536, world - 1  # float64: 12 KiB, one frame
+    frames = 0 if mesh.max_frame > (4 << 20) else 4  # (a plan with a small frame bound)
+    big = (frames * mesh.max_frame - mesh.max_frame // 2) // 8  # float64: 3.5 frames
 
-    def msg(k: int) -> torch.Tensor:
-        return torch.arange(n, dtype=torch.float64) - k
+    def msg(k: int, size: int = n) -> torch.Tensor:
+        return torch.arange(size, dtype=torch.float64) - k
 
     if rank == 0:
         dist.recv(torch.zeros(1), last, tag=63)  # the receives are posted
@@ -1064,6 +1070,8 @@ def _p2p_direct(rank: int, world: int) -> list[str]:
             dist.send(msg(k), last, tag=62)
         dist.send(msg(3), last, tag=64)
         dist.send(msg(4), last, tag=65)
+        if frames:
+            dist.send(msg(5, big), last, tag=66)
     elif rank == last:
         owned: list[bool] = []
         real = tt.Mailbox.finish
@@ -1075,15 +1083,18 @@ def _p2p_direct(rank: int, world: int) -> list[str]:
 
         tt.Mailbox.finish = spy  # type: ignore[method-assign]
         try:
-            big = torch.zeros(3 * n + 5, dtype=torch.float64)
-            one, two = big[5 : 5 + n], big[5 + n : 5 + 2 * n]
+            buf = torch.zeros(3 * n + 5, dtype=torch.float64)
+            one, two = buf[5 : 5 + n], buf[5 + n : 5 + 2 * n]
             works = [dist.irecv(one, 0, tag=62), dist.irecv(two, 0, tag=62)]
             strided = torch.zeros(2 * n, dtype=torch.float64)[::2]
             works.append(dist.irecv(strided, 0, tag=64))
             short = torch.zeros(n - 1, dtype=torch.float64)
             works.append(dist.irecv(short, 0, tag=65))
+            framed = torch.zeros(big + 2, dtype=torch.float64)[1:-1]  # (inside a buffer)
+            if frames:
+                works.append(dist.irecv(framed, 0, tag=66))
             dist.send(torch.zeros(1), 0, tag=63)
-            for w in works[:3]:
+            for w in [*works[:3], *works[4:]]:
                 w.wait()
             try:
                 works[3].wait()
@@ -1097,10 +1108,12 @@ def _p2p_direct(rank: int, world: int) -> list[str]:
         for k, got in enumerate([one, two, third, strided]):
             if not torch.equal(got, msg(k)):
                 bad.append(f"direct/buffered receive {k} got {got[:4].tolist()}")
-        if big[:5].any() or big[5 + 2 * n :].any():
+        if frames and not torch.equal(framed, msg(5, big)):
+            bad.append(f"a message in frames read straight in got {framed[:4].tolist()}")
+        if buf[:5].any() or buf[5 + 2 * n :].any() or framed._base[[0, -1]].any():  # type: ignore[index]
             bad.append("a direct receive wrote outside its slice")
-        if owned != [True]:
-            bad.append(f"receives read straight into their tensor: {owned}, want [True]")
+        if owned != [True] * (1 + frames):  # one frame, then each frame of the big message
+            bad.append(f"frames read straight into their tensor: {owned}, want {1 + frames}")
     return bad
 
 

@@ -254,6 +254,44 @@ def test_a_receives_own_target_takes_only_its_frame():
     assert len(b) == 1
 
 
+def test_a_receives_own_target_follows_its_message_frame_by_frame():
+    """A target for a message in frames (``total``) moves on to each next frame after one is
+    read into it; every frame goes to its owner, not to a receive waiting behind it; a frame
+    that comes buffered ends the target (the rest of the message comes buffered too)."""
+    from torchport.distributed.transport_tcp import RECEIVED, Mailbox, Target
+
+    k = (0, 6, 1, 5)
+
+    def hdr(off: int, n: int):
+        return _p2p("x" * n, (1, 10, off, 3))[0]
+
+    def sink():
+        got: list = []
+        return got, got.append
+
+    (mb, (a, ca), (b, cb)) = Mailbox(), sink(), sink()
+    t = Target(1000, 4, (1, 10, 0, 3), total=10)
+    mb.expect(k, ca, t)
+    mb.expect(k, cb)
+    for off, n in ((0, 4), (4, 4), (8, 2)):
+        h = hdr(off, n)
+        assert mb.claim(k, h) is t and t.ptr == 1000 + off and t.size == n
+        mb.finish(t, True, k, h)
+    assert [f[0].sig[2] for f in a] == [0, 4, 8] and all(f[1] is RECEIVED for f in a)
+    assert b == [] and mb.claim(k, hdr(0, 4)) is None  # the target went with the last frame
+    # the second frame comes buffered (a sender with another bound): the target goes
+    (mb, (a, ca)) = Mailbox(), sink()
+    t = Target(1000, 4, (1, 10, 0, 3), total=10)
+    mb.expect(k, ca, t)
+    first = hdr(0, 4)
+    assert mb.claim(k, first) is t
+    mb.finish(t, True, k, first)
+    mb.deliver(k, _p2p("yyyy", (1, 10, 4, 3)))
+    assert mb.claim(k, hdr(8, 2)) is None
+    mb.deliver(k, _p2p("zz", (1, 10, 8, 3)))
+    assert [bytes(f[1]) for f in a] == [b"", b"yyyy", b"zz"] and mb.waiters.value == 0
+
+
 def test_mailbox_hands_a_callbacks_exception_to_its_operation():
     """A raising callback fails its own operation (``Delivery.on_error``) instead of raising
     into the thread that delivered the frame, whether delivered later or already queued."""
@@ -1464,3 +1502,36 @@ def test_interpreter_exit_waits_for_groups_being_retired(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)
     assert proc.returncode == 0, proc.stderr
     assert flag.exists()
+
+
+def test_the_arena_meets_in_the_store_and_its_creator_gives_up_with_the_store(tmp_path):
+    """Rank 0 waits in the store for the last rank's mapping (no polling), at most as long as
+    the others wait for its path (the store's timeout, when shorter than the group's)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.groups import _make_arena
+
+    store = dist.FileStore(str(tmp_path / "store"), 3)
+    arenas: dict[int, object] = {}
+
+    def make(rank: int) -> None:
+        arenas[rank] = _make_arena(store, rank, 3, 4096, 60.0, key="t/arena")
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(arenas) == [0, 1, 2]
+    for a in arenas.values():
+        a.close()  # type: ignore[attr-defined]
+    store.set_timeout(datetime.timedelta(seconds=0.5))
+    t0 = time.monotonic()
+    with pytest.raises(
+        CommTimeoutError, match=r"did not map the shared-memory arena within 0\.5 s"
+    ):
+        _make_arena(store, 0, 2, 4096, 1800.0, key="t/alone")  # no peer ever maps it
+    assert time.monotonic() - t0 < 10

@@ -329,8 +329,8 @@ SHUTDOWN_FLUSH_S = 5.0
 # How long closing waits for the engine threads to end once stopped.
 SHUTDOWN_GRACE_S = 0.05
 SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a header beside a chunk)
-# a receive of at least this many bytes (contiguous, from a named rank, one frame) is read
-# straight into its tensor when it is posted before the frame arrives (no copy from a buffer)
+# a receive of at least this many bytes (contiguous, from a named rank) is read straight into
+# its tensor, frame by frame, when it is posted before its message arrives (no buffer, no copy)
 P2P_DIRECT_BYTES = 8 << 10
 
 
@@ -706,6 +706,11 @@ class Communicator:
                 mismatch(hdr, who, "")
                 return
             if body is RECEIVED:  # read straight into the tensor (its Target)
+                if count >= 2:  # one frame of several
+                    with parts:
+                        got[0] += hdr.length
+                        if got[0] != total:
+                            return
                 unpend()
                 work._finish()
                 return
@@ -759,12 +764,14 @@ class Communicator:
             one = Delivery(deliver, failed)
             if not self._post(work, tensor, (key, one, work)):
                 return work
-            direct = (
-                P2P_DIRECT_BYTES <= total <= self.mesh.max_frame
-                and tensor.is_contiguous()
-                and not (tensor.is_conj() or tensor.is_neg())
-            )
-            into = Target(tensor.data_ptr(), total, (*want, 0, 0)) if direct else None
+            into = None
+            if total >= P2P_DIRECT_BYTES and not staged:
+                bound = self.mesh.max_frame  # (the sender's too: one configuration)
+                if total <= bound:
+                    into = Target(tensor.data_ptr(), total, (*want, 0, 0))
+                else:  # its frames one after another (p2p_frames)
+                    count = -(-total // bound)
+                    into = Target(tensor.data_ptr(), bound, (*want, 0, count), total=total)
             self.mesh.mailbox.expect(key, one, into)
             return work
         keys = [

@@ -21,7 +21,6 @@ import datetime
 import os
 import socket
 import threading
-import time
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -110,24 +109,34 @@ def _build_mesh(store: Any, rank: int, size: int, timeout_s: float, again: str =
 def _make_arena(
     store: Any, rank: int, size: int, slot: int, timeout_s: float, key: str = "tp/arena"
 ) -> ShmArena:
-    """Rank 0 creates the arena, publishes its path, waits until all mapped it, unlinks it."""
+    """Rank 0 creates the arena, publishes its path, waits until all mapped it, unlinks it.
+
+    The last rank to map it sets ``<key>_all``, on which rank 0 waits in the store (it polled
+    the count every millisecond), for as long as the others wait for the path: the store's
+    timeout when shorter than the group's (it waited the group's while they gave up after the
+    store's)."""
     if rank == 0:
         arena = ShmArena(ShmArena.new_path(), size, rank, slot, create=True)
+        limit = timeout_s
+        store_timeout = getattr(store, "timeout", None)
+        if isinstance(store_timeout, datetime.timedelta) and store_timeout.total_seconds() > 0:
+            limit = min(limit, store_timeout.total_seconds())
         try:
             store.set(key, arena.path)
-            deadline = time.monotonic() + timeout_s
-            while int(store.add(f"{key}_mapped", 0)) < size - 1:
-                if time.monotonic() > deadline:
+            if size > 1:
+                try:
+                    store.wait([f"{key}_all"], datetime.timedelta(seconds=limit))
+                except RuntimeError as e:  # (the store's timeout: RuntimeError, DistStoreError)
                     raise CommTimeoutError(
-                        f"ranks did not map the shared-memory arena within {timeout_s:.0f} s"
-                    )
-                time.sleep(0.001)
+                        f"ranks did not map the shared-memory arena within {limit:g} s: {e}"
+                    ) from e
         finally:
             arena.unlink()
         return arena
     path = store.get(key).decode()
     arena = ShmArena(path, size, rank, slot, create=False)
-    store.add(f"{key}_mapped", 1)
+    if int(store.add(f"{key}_mapped", 1)) == size - 1:
+        store.set(f"{key}_all", "1")
     return arena
 
 

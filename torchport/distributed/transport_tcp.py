@@ -277,7 +277,9 @@ class Target:
     one does not count among the mailbox's waiters: the collective that posts it takes the
     socket itself (``Mesh.transfer``), so a reader lingering on that frame should go on
     lingering, not read it. An ``owner`` (a point-to-point receive's callback, ``expect``)
-    takes the frame received into it, and the target goes with the frame: one per receive."""
+    takes the frame received into it, and the target goes with the frame: one per receive.
+    For a message in frames (:func:`frames_after`), ``total`` is the message's length and the
+    target moves on to each next frame (:meth:`advance`) until the last."""
 
     ptr: int
     size: int
@@ -285,6 +287,20 @@ class Target:
     state: int = WAITING
     quiet: bool = False
     owner: Callable[[Frame], None] | None = None
+    total: int = 0
+
+    def advance(self) -> bool:
+        """Point at the message's next frame (the same length, but the last); False after the
+        last one."""
+        code, numel, off, count = self.sig
+        off += self.size
+        if off >= self.total:
+            return False
+        self.ptr += self.size
+        self.size = min(self.size, self.total - off)
+        self.sig = (code, numel, off, count)
+        self.state = WAITING
+        return True
 
 
 class Mailbox:
@@ -386,7 +402,7 @@ class Mailbox:
             t = self._targets.get(key)
             if t is None or t.state != WAITING or t.size != hdr.length or t.sig != hdr.sig:
                 return None
-            if t.owner is not None and self._waiting.get(key, [None])[0] is not t.owner:
+            if t.owner is not None and not self._next_for(key, t.owner):
                 return None  # (not the first receive on the key: never, kept as a guard)
             t.state = FILLING
             return t
@@ -401,17 +417,28 @@ class Mailbox:
         with self.cond:
             target.state = FILLED if ok else FAILED
             if target.owner is not None and key is not None:  # a receive's own target
-                if self._targets.get(key) is target:
-                    del self._targets[key]
-                    self._loud -= 1
+                stream = self._streams.get(key)
+                mid = stream is not None and stream[0] is target.owner
                 cbs = self._waiting.get(key)
-                if ok and hdr is not None and cbs and target.owner in cbs:
-                    cbs.remove(target.owner)  # (the first)
-                    if not cbs:
-                        del self._waiting[key]
+                keep = False
+                if ok and hdr is not None and (mid or (cbs and target.owner in cbs)):
                     cb, frame = target.owner, (hdr, RECEIVED)
+                    if stream is not None and mid:  # a later frame of the receive's message
+                        stream[1] -= 1
+                        if stream[1] <= 0:
+                            del self._streams[key]
+                    elif cbs is not None:
+                        cbs.remove(target.owner)  # (the first)
+                        if not cbs:
+                            del self._waiting[key]
+                        if frames_after(frame):
+                            self._streams[key] = [target.owner, frames_after(frame)]
+                    keep = bool(target.total) and target.advance()  # (its next frame too)
                 elif ok:  # its receive was cancelled while the frame was read into it
                     self.dropped += 1
+                if not keep and self._targets.get(key) is target:
+                    del self._targets[key]
+                    self._loud -= 1
                 self._sync_waiters()
             elif ok and key is not None and hdr is not None:
                 frame = (hdr, RECEIVED)
@@ -448,6 +475,7 @@ class Mailbox:
             stream[1] -= 1
             if stream[1] <= 0:
                 del self._streams[key]
+            self._drop_owned(key, stream[0])  # (the rest of it comes buffered too)
             return stream[0]
         cbs = self._waiting.get(key)
         cb = None
@@ -491,12 +519,21 @@ class Mailbox:
         if cb is not None:
             self._call(cb, frame)
 
+    def _next_for(self, key: Key, owner: Callable[[Frame], None]) -> bool:
+        """Under ``cond``: the next frame for ``key`` goes to ``owner`` (the later frames of a
+        message it took, or the first receive waiting on the key)."""
+        stream = self._streams.get(key)
+        if stream is not None:
+            return stream[0] is owner
+        return self._waiting.get(key, [None])[0] is owner
+
     def _drop_owned(self, key: Key, owner: Callable[[Frame], None]) -> None:
         """Under ``cond``: remove ``key``'s target if ``owner``'s and not being filled."""
         t = self._targets.get(key)
         if t is not None and t.owner is owner and t.state == WAITING:
             del self._targets[key]
             self._loud -= 1
+            self._sync_waiters()
 
     def expect(
         self, key: Key, callback: Callable[[Frame], None], target: Target | None = None
@@ -542,14 +579,17 @@ class Mailbox:
             if isinstance(callback, Once):
                 was, callback.fired = not callback.fired, True
                 return was
+            # (a receive part-way through a message in frames keeps its stream, which swallows
+            # the rest of the message, but not its target: nothing more is read into its tensor)
+            self._drop_owned(key, callback)
             cbs = self._waiting.get(key)
             if cbs and callback in cbs:
                 cbs.remove(callback)
-                self._drop_owned(key, callback)
                 if not cbs:
                     del self._waiting[key]
                 self._sync_waiters()
                 return True
+            self._sync_waiters()
             return False
 
     def queued(self) -> bool:
