@@ -38,7 +38,11 @@ def linear(
         and input.shape[1] == weight.shape[1]
         and (
             bias is None
-            or (type(bias) is torch.Tensor and bias.dim() == 1 and bias.shape[0] == weight.shape[0])
+            or (
+                isinstance(bias, torch.Tensor)
+                and bias.dim() == 1
+                and bias.shape[0] == weight.shape[0]
+            )
         )
     ):  # a batch of rows, fused epilogue or not: no reshapes, and mm checks the rest
         return mm(input, weight.t(), bias=bias, epilogue=epilogue)
