@@ -203,3 +203,16 @@ def test_unfused_tail_follows_torch_promotion_and_shapes():
         torch.testing.assert_close(y, want, atol=1e-6, rtol=0)
         y = G.mm(a, b, epilogue=[lambda z: z[:, :5], G.Add(torch.ones(7, 5))])
     torch.testing.assert_close(y, (a @ b)[:, :5] + 1, atol=1e-5, rtol=1e-5)
+
+
+def test_a_layers_parameters_take_the_eager_fast_path():
+    """``linear(x, lin.weight, lin.bias)``: the bias is an nn.Parameter, which took the custom
+    op's dispatcher on every call (38 against 12 us for a small layer)."""
+    from torchport import native
+
+    lin = nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert native.eager_fast_path(x, lin.weight.t(), lin.bias)
+    assert not native.eager_fast_path(x, lin.weight.t(), lin.bias)  # autograd records it
+    assert native.eager_fast_path(x, lin.weight.t().detach(), lin.bias.detach())
