@@ -1117,6 +1117,53 @@ def _p2p_direct(rank: int, world: int) -> list[str]:
     return bad
 
 
+def recv_cut_case(rank: int, world: int) -> dict[str, Any]:
+    """A receive whose message is part-way into its tensor when its group is aborted (the
+    sender stopped by SIGSTOP mid-message): once ``wait()`` raised, nothing more lands in the
+    tensor (the reader sinks the rest of its slice, or the stalled connection is shut). Run on a
+    gloo default group: the torchport group's mesh is its own, and the cut ends it."""
+    import signal
+
+    g = dist.new_group(list(range(world)), backend="torchport")
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    n = (64 << 20) // 4  # float32: four 16 MiB frames
+    if rank == 0:
+        err = "no error"
+        dist.barrier()
+        try:
+            dist.send(torch.ones(n), 1, group=g)
+        except Exception as e:
+            err = type(e).__name__
+        dist.barrier()
+        return {"send": err}
+    t = torch.zeros(n)
+    work = dist.irecv(t, 0, group=g)
+    dist.barrier()
+    deadline = time.monotonic() + 10
+    while t[0].item() == 0 and time.monotonic() < deadline:
+        pass
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        g.abort()
+        try:
+            work.wait()
+            got = "no error"
+        except Exception as e:
+            got = type(e).__name__
+        took = time.monotonic() - t0
+        before = int(t.count_nonzero())
+        t.zero_()  # the user reuses the buffer
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+    time.sleep(1.0)
+    after = int(t.count_nonzero())
+    dist.barrier()
+    return {"wait": got, "took": took, "partial": 0 < before < n, "after": after}
+
+
 def auth_case(rank: int, world: int) -> dict[str, Any]:
     """A stranger without the secret is rejected; the group keeps working."""
     import socket
@@ -1295,6 +1342,7 @@ SCENARIOS = {
     "grid": grid,
     "grid_mailbox": grid_mailbox,
     "p2p": p2p_case,
+    "recv_cut": recv_cut_case,
     "split": split_case,
     "split_again": split_again_case,
     "mismatch": mismatch_case,

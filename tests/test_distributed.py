@@ -262,9 +262,20 @@ def gloo_results() -> list[dict]:
             ("overlap_unlocked", ()),
             ("destroy_in_recv_callback", ()),
             ("overlap_delivered", ()),
+            ("recv_cut", ()),  # (last: it ends its group's mesh)
         ],
         timeout=60,
     )
+
+
+@pytest.mark.timeout(70)
+def test_nothing_lands_in_a_receives_tensor_after_its_wait_raised():
+    """The receive's frame was read straight into its tensor while the group failed: the read
+    went on (60 MB more landed after wait() raised, in a review's run)."""
+    cut = gloo_results()[1]["recv_cut"]
+    assert cut["wait"] == "CommAbortedError" and cut["partial"], cut
+    assert cut["after"] == 0 and cut["took"] < 2.0, cut
+    assert gloo_results()[0]["recv_cut"]["send"] != "no error"
 
 
 @pytest.mark.timeout(70)

@@ -207,7 +207,14 @@ def test_a_receives_own_target_takes_only_its_frame():
     frame read into its target and gets ``(header, RECEIVED)``; the target goes with the frame,
     with a frame that did not match it (buffered), and with a cancel; a receive cancelled while
     its frame is read into it never passes that frame on to the next receive."""
-    from torchport.distributed.transport_tcp import FILLING, RECEIVED, Mailbox, Target
+    from torchport.distributed.transport_tcp import (
+        DROPPING,
+        FAILED,
+        FILLING,
+        RECEIVED,
+        Mailbox,
+        Target,
+    )
 
     k, sig = (0, 6, 1, 5), (1, 4, 0, 0)
 
@@ -241,17 +248,32 @@ def test_a_receives_own_target_takes_only_its_frame():
     mb, (a, ca) = Mailbox(), sink()
     mb.expect(k, ca, into())
     assert mb.cancel(k, ca) and mb.claim(k, hdr) is None and mb.waiters.value == 0
-    # cancelled while its frame is read into it: the frame is dropped, not handed to b
+    # cancelled while its frame is read into it: the cancel waits until the reader sends the
+    # rest to a sink (its next slice: dropping), and the frame is dropped, not handed to b
     (mb, (a, ca), (b, cb)) = Mailbox(), sink(), sink()
     t = into()
     mb.expect(k, ca, t)
     mb.expect(k, cb)
     assert mb.claim(k, hdr) is t and t.state == FILLING
-    assert mb.cancel(k, ca)
+    reader = threading.Timer(0.1, mb.dropping, args=(t,))
+    reader.start()
+    t0 = time.monotonic()
+    assert mb.cancel(k, ca, time.monotonic() + 5, lambda: pytest.fail("not stuck"))
+    assert t.state == DROPPING and time.monotonic() - t0 >= 0.09
+    reader.join()
     mb.finish(t, True, k, hdr)
     assert a == [] and b == [] and mb.dropped == 1
     mb.deliver(k, frame(4))
     assert len(b) == 1
+    # a reader that never reaches its next slice (a stalled sender): past the deadline the
+    # connection is shut, which ends its read (here: the read fails at once)
+    (mb, (a, ca)) = Mailbox(), sink()
+    t = into()
+    mb.expect(k, ca, t)
+    assert mb.claim(k, hdr) is t
+    shut: list[bool] = []
+    mb.cancel(k, ca, time.monotonic() + 0.05, lambda: (shut.append(True), mb.finish(t, False)))
+    assert shut == [True] and t.state == FAILED and a == []
 
 
 def test_a_receives_own_target_follows_its_message_frame_by_frame():

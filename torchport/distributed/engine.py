@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from torchport.distributed.errors import (
     CollectiveArgumentError,
@@ -158,6 +160,17 @@ def chunk_ranges(total: int, per: int) -> list[tuple[int, int]]:
     if total == 0:
         return [(0, 0)]
     return [(lo, min(per, total - lo)) for lo in range(0, total, per)]
+
+
+# Frames of a point-to-point message hold at most this many bytes (or the frame bound, if
+# lower): between two of them an ABORT can go out (abort within 100 ms: 16 MiB is ~8 ms at
+# loopback's 2 GB/s, where a 256 MiB frame held the connection ~125 ms)
+P2P_FRAME_BYTES = 16 << 20
+
+
+def p2p_bound(max_frame: int) -> int:
+    """The frame size of point-to-point messages under the frame bound ``max_frame``."""
+    return min(max_frame, P2P_FRAME_BYTES)
 
 
 def p2p_frames(
@@ -332,6 +345,9 @@ SLOT_EXTRA = 4096  # a step may publish chunk + this many bytes (room for a head
 # a receive of at least this many bytes (contiguous, from a named rank) is read straight into
 # its tensor, frame by frame, when it is posted before its message arrives (no buffer, no copy)
 P2P_DIRECT_BYTES = 8 << 10
+# how long a failing group waits for a receive's frame being read into its tensor to reach the
+# reader's next slice (4 MiB) before it shuts that connection (abort's budget is 100 ms)
+RECV_CUT_S = 0.05
 
 
 class Communicator:
@@ -411,10 +427,21 @@ class Communicator:
                 with contextlib.suppress(CommError):
                     self.mesh.send(g, Kind.ABORT, self.group_id, reason)
         self.mesh.mailbox.wake()
-        for key, cb, work in pending:
-            self.mesh.mailbox.cancel(key, cb)
-            work._finish(error)
+        self._cancel_receives(pending, error)
         self.mesh.bury(self.group_id, self)
+
+    def _cancel_receives(
+        self, pending: list[tuple[Any, Callable[..., None], TorchportWork]], error: BaseException
+    ) -> None:
+        """Withdraw the posted receives and fail their Works; one whose frame is being read
+        into its tensor is cut off first (``Mailbox.cancel``: nothing lands in the tensor
+        after its ``wait()`` raised), within ``RECV_CUT_S`` or by shutting that connection."""
+        for key, cb, work in pending:
+            on_stuck = None
+            if key is not None and key[2] in self.mesh.peers:
+                on_stuck = functools.partial(self.mesh.shutdown_peer, key[2])
+            self.mesh.mailbox.cancel(key, cb, time.monotonic() + RECV_CUT_S, on_stuck)
+            work._finish(error)
 
     def abort(self) -> None:
         """Fail every in-flight and later operation here and on every peer."""
@@ -435,9 +462,7 @@ class Communicator:
             pending, self._pending = self._pending, []
         if self._shm is not None:
             self._shm.set_abort(q, reason)
-        for key, cb, work in pending:
-            self.mesh.mailbox.cancel(key, cb)
-            work._finish(err)
+        self._cancel_receives(pending, err)
         self.mesh.bury(self.group_id, self)
 
     def on_peer_lost(self, src: int, error: BaseException) -> None:
@@ -647,8 +672,10 @@ class Communicator:
 
         def go() -> None:
             payload = data.numpy().data if data is not None else memoryview(b"")
-            parts = p2p_frames(payload, code, numel, self.mesh.max_frame)
-            self.mesh.send_frames(self.ranks[dst], Kind.P2P, self.group_id, tag, parts)
+            parts = p2p_frames(payload, code, numel, p2p_bound(self.mesh.max_frame))
+            self.mesh.send_frames(
+                self.ranks[dst], Kind.P2P, self.group_id, tag, parts, check=self.check
+            )
 
         work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
         if not self.check_now(work):
@@ -711,6 +738,9 @@ class Communicator:
                         got[0] += hdr.length
                         if got[0] != total:
                             return
+                # as the copy of a buffered frame does: autograd sees the tensor changed (a
+                # tensor saved for backward then raises, as it did on the buffered path)
+                increment_version(tensor)
                 unpend()
                 work._finish()
                 return
@@ -766,7 +796,7 @@ class Communicator:
                 return work
             into = None
             if total >= P2P_DIRECT_BYTES and not staged:
-                bound = self.mesh.max_frame  # (the sender's too: one configuration)
+                bound = p2p_bound(self.mesh.max_frame)  # (the sender's: one configuration)
                 if total <= bound:
                     into = Target(tensor.data_ptr(), total, (*want, 0, 0))
                 else:  # its frames one after another (p2p_frames)

@@ -269,6 +269,11 @@ class Once(Delivery):
 
 
 WAITING, FILLING, FILLED, FAILED = 0, 1, 2, 3
+# a receive's own target whose receive failed while its frame was being read into it: the reader
+# sends the rest of the frame to a sink from its next slice on (DROPPING), and the cancel waits
+# for that (so no byte lands in the tensor once the receive has failed)
+CANCELLED, DROPPING = 4, 5
+OWNED_SLICE = 4 << 20  # bytes a reader reads into a receive's own target between state checks
 
 
 @dataclass
@@ -377,6 +382,8 @@ class Mailbox:
                 del self._streams[k]
             for k, t in list(self._targets.items()):
                 if k[0] == group and t.owner is not None:
+                    if t.state == FILLING:  # (its reader sinks the rest: see cancel)
+                        t.state = CANCELLED
                     self._drop_owned(k, t.owner)
             self.dropped += n
             return n
@@ -399,6 +406,8 @@ class Mailbox:
     def claim(self, key: Key, hdr: Header) -> Target | None:
         """Reader side: the posted target a frame with this header may be received into."""
         with self.cond:
+            if key[0] in self._dead and key[1] in DEAD_KINDS:  # (dropped on delivery)
+                return None
             t = self._targets.get(key)
             if t is None or t.state != WAITING or t.size != hdr.length or t.sig != hdr.sig:
                 return None
@@ -415,25 +424,31 @@ class Mailbox:
         collective instead of two: one for the state change, one for the frame)."""
         cb, frame = None, None
         with self.cond:
+            cancelled = target.state in (CANCELLED, DROPPING)
             target.state = FILLED if ok else FAILED
             if target.owner is not None and key is not None:  # a receive's own target
                 stream = self._streams.get(key)
                 mid = stream is not None and stream[0] is target.owner
                 cbs = self._waiting.get(key)
                 keep = False
-                if ok and hdr is not None and (mid or (cbs and target.owner in cbs)):
-                    cb, frame = target.owner, (hdr, RECEIVED)
+                if ok and hdr is not None and (mid or cancelled or (cbs and target.owner in cbs)):
+                    frame = (hdr, RECEIVED)
                     if stream is not None and mid:  # a later frame of the receive's message
                         stream[1] -= 1
                         if stream[1] <= 0:
                             del self._streams[key]
-                    elif cbs is not None:
-                        cbs.remove(target.owner)  # (the first)
-                        if not cbs:
-                            del self._waiting[key]
-                        if frames_after(frame):
+                    else:  # its first frame: the rest of the message goes to it too
+                        if cbs is not None and target.owner in cbs:
+                            cbs.remove(target.owner)  # (the first)
+                            if not cbs:
+                                del self._waiting[key]
+                        if frames_after(frame):  # (a cancelled receive's callback drops them)
                             self._streams[key] = [target.owner, frames_after(frame)]
-                    keep = bool(target.total) and target.advance()  # (its next frame too)
+                    if cancelled:  # the frame went to the sink: nothing to hand over
+                        self.dropped += 1
+                    else:
+                        cb = target.owner
+                        keep = bool(target.total) and target.advance()  # (its next frame too)
                 elif ok:  # its receive was cancelled while the frame was read into it
                     self.dropped += 1
                 if not keep and self._targets.get(key) is target:
@@ -546,7 +561,13 @@ class Mailbox:
         with self.cond:
             if not self._frames.get(key):
                 q = self._waiting.setdefault(key, deque())
-                if target is not None and target.size > 0 and not q and key not in self._targets:
+                if (
+                    target is not None
+                    and target.size > 0
+                    and not q
+                    and key not in self._targets
+                    and key[0] not in self._dead  # (a group failed meanwhile: never filled)
+                ):
                     target.owner = callback
                     self._targets[key] = target
                     self._loud += 1
@@ -573,14 +594,43 @@ class Mailbox:
         for frame in frames:
             self._call(once, frame)
 
-    def cancel(self, key: Key, callback: Callable[[Frame], None]) -> bool:
-        """Withdraw an ``expect`` that has not fired; True if it was withdrawn."""
+    def dropping(self, target: Target) -> None:
+        """Reader side: a cancelled receive's frame goes to a sink from here on."""
+        with self.cond:
+            if target.state == CANCELLED:
+                target.state = DROPPING
+                self.cond.notify_all()
+
+    def cancel(
+        self,
+        key: Key,
+        callback: Callable[[Frame], None],
+        deadline: float | None = None,
+        on_stuck: Callable[[], None] | None = None,
+    ) -> bool:
+        """Withdraw an ``expect`` that has not fired; True if it was withdrawn.
+
+        A receive part-way through a message in frames keeps its stream, which swallows the
+        rest of the message, but not its target. A frame being read into its target is cut off:
+        its reader sends the rest to a sink from its next slice on, and this waits for that, so
+        nothing more lands in the receive's tensor once it returns (past ``deadline``,
+        ``on_stuck`` shuts the connection: a sender stalled inside a slice)."""
         with self.cond:
             if isinstance(callback, Once):
                 was, callback.fired = not callback.fired, True
                 return was
-            # (a receive part-way through a message in frames keeps its stream, which swallows
-            # the rest of the message, but not its target: nothing more is read into its tensor)
+            t = self._targets.get(key)
+            if t is not None and t.owner is callback and t.state == FILLING:
+                t.state = CANCELLED
+                stuck = False
+                while t.state == CANCELLED:
+                    left = (deadline if deadline is not None else time.monotonic() + 1.0) - (
+                        time.monotonic()
+                    )
+                    if left < 0 and not stuck and on_stuck is not None:
+                        stuck = True
+                        on_stuck()
+                    self.cond.wait(0.05 if left < 0 else min(0.05, left))
             self._drop_owned(key, callback)
             cbs = self._waiting.get(key)
             if cbs and callback in cbs:
@@ -646,6 +696,10 @@ class Connection:
     peer: int
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # held for a whole point-to-point message in frames (send_frames), whose frames must not
+    # interleave with another message's of the same key; ``lock`` is taken per frame, so an
+    # ABORT or a collective's frame can go out between them
+    msg_lock: threading.Lock = field(default_factory=threading.Lock)
     seen: float = 0.0  # time.monotonic() of the last frame header received (liveness)
     # Read ownership word (see tcp_kernels): 0 free, 1 the reader thread, 2 a collective,
     # 3 the reader thread with a collective's claim (handed over when its frame is in).
@@ -984,7 +1038,9 @@ class Mesh:
         if target is not None:
             ok = False
             try:
-                if fill is None:
+                if target.owner is not None:  # a receive's tensor: in slices (Mailbox.cancel)
+                    self._fill_owned(conn, target, hdr.length, fill)
+                elif fill is None:
                     recv_into_ptr(conn.sock, target.ptr, hdr.length)
                 else:
                     dst = (ctypes.c_char * hdr.length).from_address(target.ptr)
@@ -1024,6 +1080,38 @@ class Mesh:
             raise WireError(f"unexpected {hdr.kind.name} frame after the handshake")
         self.mailbox.deliver(key, (hdr, body))
 
+    def _fill_owned(
+        self,
+        conn: Connection,
+        target: Target,
+        n: int,
+        fill: Callable[[memoryview], None] | None,
+    ) -> None:
+        """Read ``n`` payload bytes into a receive's own target, :data:`OWNED_SLICE` at a time;
+        once its receive is cancelled (``CANCELLED``) the rest goes to a sink (``DROPPING``)."""
+        sink: bytearray | None = None
+        done = 0
+        while done < n:
+            k = min(OWNED_SLICE, n - done)
+            if target.state == CANCELLED:
+                self.mailbox.dropping(target)
+            if target.state == DROPPING:
+                if sink is None:
+                    sink = bytearray(min(OWNED_SLICE, n))
+                view = memoryview(sink)[:k]
+            else:
+                view = memoryview((ctypes.c_char * k).from_address(target.ptr + done)).cast("B")
+            if fill is None:
+                got = 0
+                while got < k:
+                    r = conn.sock.recv_into(view[got:], k - got, socket.MSG_WAITALL)
+                    if r == 0:
+                        raise ConnectionError("connection closed by peer")
+                    got += r
+            else:
+                fill(view)
+            done += k
+
     def send(
         self,
         peer: int,
@@ -1033,8 +1121,33 @@ class Mesh:
         payload: bytes | bytearray | memoryview = b"",
         sig: tuple[int, int, int, int] = (0, 0, 0, 0),
     ) -> None:
-        """Send one frame to global rank ``peer``."""
-        self.send_frames(peer, kind, group, seq, [(payload, sig)])
+        """Send one frame to global rank ``peer`` (not held up by a message in frames being
+        sent to it: see :meth:`send_frames`)."""
+        if len(payload) > self.max_frame:
+            raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
+        conn = self._conn(peer)
+        self._send_frame(
+            conn, encode_header(kind, group, self.rank, seq, len(payload), sig), payload
+        )
+
+    def _conn(self, peer: int) -> Connection:
+        conn = self.peers.get(peer)
+        if conn is None:
+            raise CommError(f"rank {self.rank} has no connection to rank {peer}")
+        return conn
+
+    def _send_frame(
+        self, conn: Connection, head: bytes, payload: bytes | bytearray | memoryview
+    ) -> None:
+        try:
+            with conn.lock:
+                if len(payload) <= 65536:
+                    conn.sock.sendall(head + bytes(payload))
+                else:
+                    conn.sock.sendall(head)
+                    conn.sock.sendall(payload)
+        except OSError as e:
+            raise CommError(f"send to rank {conn.peer} failed: {e}") from e
 
     def send_frames(
         self,
@@ -1043,26 +1156,22 @@ class Mesh:
         group: int,
         seq: int,
         parts: Sequence[tuple[bytes | bytearray | memoryview, tuple[int, int, int, int]]],
+        check: Callable[[], None] | None = None,
     ) -> None:
-        """Send frames ``(payload, sig)`` to global rank ``peer`` back to back: no other frame
-        goes out on that connection between them (one message cut into frames)."""
+        """Send frames ``(payload, sig)`` to global rank ``peer`` in order, with no frame of
+        another such call between them (one message cut into frames; other frames, an ABORT's,
+        may go out between two of them). ``check()`` runs before every frame after the first
+        and raises to stop (the group failed: the receiver's side fails too)."""
         for payload, _sig in parts:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
-        conn = self.peers.get(peer)
-        if conn is None:
-            raise CommError(f"rank {self.rank} has no connection to rank {peer}")
-        try:
-            with conn.lock:
-                for payload, sig in parts:
-                    head = encode_header(kind, group, self.rank, seq, len(payload), sig)
-                    if len(payload) <= 65536:
-                        conn.sock.sendall(head + bytes(payload))
-                    else:
-                        conn.sock.sendall(head)
-                        conn.sock.sendall(payload)
-        except OSError as e:
-            raise CommError(f"send to rank {peer} failed: {e}") from e
+        conn = self._conn(peer)
+        with conn.msg_lock:
+            for i, (payload, sig) in enumerate(parts):
+                if i and check is not None:
+                    check()
+                head = encode_header(kind, group, self.rank, seq, len(payload), sig)
+                self._send_frame(conn, head, payload)
 
     def send_all(
         self,

@@ -389,7 +389,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
             )
         if tail or out:
             if isinstance(step, str):
-                step = named_step(step)
+                step = _named(step)
             # (after a callable the value may have another shape: its steps check then)
             if isinstance(step, (Bias, Add, Scale)) and not any(map(is_user_callable, tail)):
                 _check_step_operands(step, m, n)
@@ -403,7 +403,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
             ops.append(plain)
             continue
         if isinstance(step, str):
-            step = named_step(step)
+            step = _named(step)
         if isinstance(step, Bias):
             if step.dim not in ("col", "row"):
                 raise EpilogueError(f"Bias.dim must be 'col' or 'row', got {step.dim!r}")
@@ -465,8 +465,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
     return Split(spec_of(tuple(ops), out), operands, tail)
 
 
-def named_step(name: str) -> Step:
-    """The step an epilogue name stands for ("relu", "gelu", "gelu_tanh", "silu")."""
+def _named(name: str) -> Step:
     step = _NAMED.get(name)
     if step is None:
         raise EpilogueError(f"unknown epilogue step {name!r}; known: {sorted(_NAMED)}")
@@ -562,7 +561,7 @@ def apply_tail(y: torch.Tensor, tail: Sequence[Step]) -> torch.Tensor:
     ``[prod(...), N]`` (a residual of ``y``'s full shape is taken as is)."""
     for step in tail:
         if isinstance(step, str):
-            step = named_step(step)
+            step = _named(step)
         if isinstance(step, Cast):
             y = y.to(step.dtype)
         elif isinstance(step, (Bias, Add, Scale, Relu, Gelu, Silu)):

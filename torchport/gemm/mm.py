@@ -11,6 +11,7 @@ ATen ops (:func:`_backward`), so the fused op trains.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
@@ -32,18 +33,13 @@ from torchport.gemm.epilogue import (
     OPERAND_KINDS,
     Add,
     Bias,
-    Cast,
     EpilogueError,
     EpilogueSpec,
-    Gelu,
-    Relu,
     Scale,
-    Silu,
     Step,
     apply_tail,
     as_steps,
     fast_split,
-    named_step,
     split,
 )
 from torchport.gemm.kernels import Config, GemmInputError, mm_aten, run_native
@@ -834,8 +830,8 @@ def _check_scales(sp: EpilogueSpec, operands: Sequence[torch.Tensor]) -> None:
 def _gemm_impl(
     a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
 ) -> torch.Tensor:
-    if _any_autocast():  # the op computes in its inputs' dtypes, as its fake says: the ATen
-        # runners' torch.mm would otherwise give the autocast dtype (see mm)
+    if _any_autocast() and torch.is_autocast_enabled("cpu"):  # the op computes in its inputs'
+        # dtypes, as its fake says: the ATen runners' torch.mm would give the autocast dtype
         with torch.autocast("cpu", enabled=False):
             return _gemm_impl(a, b, operands, spec)
     sp = EpilogueSpec.decode(spec)
@@ -1079,6 +1075,10 @@ def mm(
     if functorch_active():  # torch.func: torch ops, which every transform supports (the
         # custom op has no forward-mode formula: jvp gave a zero tangent)
         sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
+        if sp.spec.n_operands and any(op.kind.startswith("scale_") for op in sp.spec.ops):
+            # (under vmap a batched value has no single truth to test: left unchecked)
+            with contextlib.suppress(RuntimeError):
+                _check_scales(sp.spec, sp.operands)
         y = mm_aten(a, b, sp.spec, sp.operands)
         return apply_tail(y, sp.tail) if sp.tail else y
     if (epilogue is None or (isinstance(epilogue, (list, tuple)) and not epilogue)) and (
@@ -1111,30 +1111,30 @@ def _mm_meta(
     bias: torch.Tensor | None,
     epilogue: Sequence[Step] | Step | None,
 ) -> torch.Tensor:
-    """:func:`mm` of meta tensors (shapes and dtypes only, as ``F.linear`` gives there): the
-    steps run as the torch ops they stand for, on meta operands."""
-    y = torch.mm(a, b)
-    if bias is not None:
-        y = y + bias
-    for step in as_steps(epilogue):
-        step = named_step(step) if isinstance(step, str) else step
-        if isinstance(step, (Bias, Scale)):
-            v = step.value if isinstance(step, Scale) else step.t
-            row = step.dim == "row" and isinstance(v, torch.Tensor) and v.dim() == 1
-            v = v[:, None] if row else v  # type: ignore[index]
-            y = y * v if isinstance(step, Scale) else y + v
-        elif isinstance(step, Add):
-            y = y + step.t
-        elif isinstance(step, Cast):
-            y = y.to(step.dtype)
-        elif isinstance(step, Gelu):
-            y = torch.nn.functional.gelu(y, approximate=step.approximate)
-        elif isinstance(step, (Relu, Silu)):
-            y = torch.relu(y) if isinstance(step, Relu) else torch.nn.functional.silu(y)
-        else:
-            assert callable(step)
-            y = step(y)
-    return y
+    """:func:`mm` of meta tensors (shapes only): the CPU call itself runs under a fake-tensor
+    mode, on stand-ins of the meta tensors, so the operands are checked and the result's dtype
+    is chosen exactly as for a real call (the custom op's fake gives it), then the result is
+    handed back as a meta tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def cpu(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        return t
+
+    def step_on_cpu(step: Any) -> Any:
+        if isinstance(step, Bias):
+            return Bias(cpu(step.t), step.dim)
+        if isinstance(step, Add):
+            return Add(cpu(step.t))
+        if isinstance(step, Scale):
+            return Scale(cpu(step.value), step.dim)
+        return step
+
+    with FakeTensorMode():
+        steps = [step_on_cpu(st) for st in as_steps(epilogue)]
+        y = mm(cpu(a), cpu(b), bias=cpu(bias), epilogue=steps)
+    return torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device="meta")
 
 
 def _mm_autocast(
