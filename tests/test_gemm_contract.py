@@ -216,3 +216,45 @@ def test_a_layers_parameters_take_the_eager_fast_path():
         assert native.eager_fast_path(x, lin.weight.t(), lin.bias)
     assert not native.eager_fast_path(x, lin.weight.t(), lin.bias)  # autograd records it
     assert native.eager_fast_path(x, lin.weight.t().detach(), lin.bias.detach())
+
+
+def test_meta_results_have_the_real_calls_dtype_and_errors():
+    """The meta path ran torch's promotion (float32 for bf16 inputs with a float32 bias) and
+    none of the operand checks; it now runs the real call under a fake-tensor mode."""
+    a, b = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(16, 12, dtype=torch.bfloat16)
+    meta = [t.to("meta") for t in (a, b)]
+    f32 = {"device": "meta", "dtype": torch.float32}
+    for kw in (
+        {"bias": torch.empty(12, **f32)},
+        {"epilogue": [G.Add(torch.empty(8, 12, **f32))]},
+        {"epilogue": [G.Scale(torch.empty(12, **f32))]},
+    ):
+        y = G.mm(*meta, **kw)
+        assert (y.device.type, y.dtype) == ("meta", torch.bfloat16), kw
+    x, w = torch.empty(8, 16, device="meta"), torch.empty(16, 12, device="meta")
+    with pytest.raises(EpilogueError, match="residual must have shape"):
+        G.mm(x, w, epilogue=[G.Add(torch.empty(12, device="meta"))])
+    with pytest.raises(EpilogueError, match="bias must be float32 or bfloat16"):
+        G.mm(x, w, bias=torch.empty(12, dtype=torch.float64, device="meta"))
+
+
+def test_a_non_cpu_autocast_region_leaves_the_op_alone(fresh_cache):
+    """_gemm_impl turned autocast off for the CPU only, then tested for any autocast again:
+    inside an xpu (or hpu, xla...) region it recursed until RecursionError."""
+    a, w = torch.randn(5, 16), torch.randn(7, 16)
+    with torch.autocast("xpu"):
+        y = linear(a, w)
+        z = torch.ops.torchport.gemm(a, w.t(), [], "")
+    assert y.dtype == z.dtype == torch.float32
+    torch.testing.assert_close(y, a @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_func_checks_scale_operands_too():
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    s = torch.rand(6)
+    s[2] = float("nan")
+    with pytest.raises(EpilogueError, match="must be finite, got nan at index 2"):
+        torch.func.grad(lambda x: G.mm(x, b, epilogue=[G.Scale(s)]).sum())(a)
+    ok = torch.rand(6)
+    g = torch.func.grad(lambda x: G.mm(x, b, epilogue=[G.Scale(ok)]).sum())(a)
+    torch.testing.assert_close(g, (b * ok).sum(1).expand(4, 8), atol=1e-5, rtol=1e-5)
