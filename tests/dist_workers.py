@@ -1117,6 +1117,37 @@ def _p2p_direct(rank: int, world: int) -> list[str]:
     return bad
 
 
+def p2p_late_case(rank: int, world: int) -> list[str]:
+    """Large messages that arrive before their receive is posted (the buffered path: an
+    uninitialised buffer from 1 MiB), one frame and several (16 MiB frames), then one posted
+    first (read straight in), on a torchport group with the default frame bound."""
+    g = dist.new_group(list(range(world)), backend="torchport")
+    bad: list[str] = []
+    sizes = [(3 << 20) // 4 + 5, (40 << 20) // 4 + 1]  # float32: one frame, three frames
+    if rank == 0:
+        for k, n in enumerate(sizes):
+            dist.send(torch.arange(n, dtype=torch.float32) + k, 1, group=g)
+        dist.barrier()
+        dist.send(torch.arange(sizes[1], dtype=torch.float32) - 1, 1, group=g)
+    elif rank == 1:
+        time.sleep(0.5)  # both messages are in by now (queued)
+        for k, n in enumerate(sizes):
+            t = torch.empty(n)
+            dist.recv(t, 0, group=g)
+            if not torch.equal(t, torch.arange(n, dtype=torch.float32) + k):
+                bad.append(f"late message {k} differs")
+        t = torch.empty(sizes[1])
+        work = dist.irecv(t, 0, group=g)
+        dist.barrier()
+        work.wait()
+        if not torch.equal(t, torch.arange(sizes[1], dtype=torch.float32) - 1):
+            bad.append("posted receive differs")
+    else:
+        dist.barrier()
+    dist.destroy_process_group(g)
+    return bad
+
+
 def recv_cut_case(rank: int, world: int) -> dict[str, Any]:
     """A receive whose message is part-way into its tensor when its group is aborted (the
     sender stopped by SIGSTOP mid-message): once ``wait()`` raised, nothing more lands in the
@@ -1343,6 +1374,7 @@ SCENARIOS = {
     "grid_mailbox": grid_mailbox,
     "p2p": p2p_case,
     "recv_cut": recv_cut_case,
+    "p2p_late": p2p_late_case,
     "split": split_case,
     "split_again": split_again_case,
     "mismatch": mismatch_case,

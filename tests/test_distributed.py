@@ -262,10 +262,16 @@ def gloo_results() -> list[dict]:
             ("overlap_unlocked", ()),
             ("destroy_in_recv_callback", ()),
             ("overlap_delivered", ()),
+            ("p2p_late", ()),
             ("recv_cut", ()),  # (last: it ends its group's mesh)
         ],
         timeout=60,
     )
+
+
+@pytest.mark.timeout(70)
+def test_large_messages_that_come_before_their_receive():
+    assert [r["p2p_late"] for r in gloo_results()] == [[], []]
 
 
 @pytest.mark.timeout(70)

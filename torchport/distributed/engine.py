@@ -749,13 +749,13 @@ class Communicator:
                     mismatch(hdr, who, f" in a frame of {len(body)} bytes at offset {off}")
                     return
                 unpend()
-                if body:
+                if len(body):
                     data = torch.frombuffer(body, dtype=torch.uint8).view(tensor.dtype)
                     with torch.no_grad():  # (a leaf that requires grad receives, as with gloo)
                         tensor.copy_(data.view(tensor.shape))
                 work._finish()
                 return
-            if off < 0 or off + len(body) > total or not body:
+            if off < 0 or off + len(body) > total or not len(body):
                 mismatch(hdr, who, f" (a frame of {len(body)} bytes at offset {off})")
                 return
             with parts:
