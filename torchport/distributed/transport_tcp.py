@@ -445,7 +445,9 @@ class Mailbox:
                             cbs.remove(target.owner)  # (the first)
                             if not cbs:
                                 del self._waiting[key]
-                        if frames_after(frame):  # (a cancelled receive's callback drops them)
+                        # (a cancelled receive's callback drops them; a dead group's are
+                        # dropped on arrival)
+                        if frames_after(frame) and key[0] not in self._dead:
                             self._streams[key] = [target.owner, frames_after(frame)]
                     if cancelled:  # the frame went to the sink: nothing to hand over
                         self.dropped += 1
