@@ -276,6 +276,7 @@ WAITING, FILLING, FILLED, FAILED = 0, 1, 2, 3
 # for that (so no byte lands in the tensor once the receive has failed)
 CANCELLED, DROPPING = 4, 5
 OWNED_SLICE = 4 << 20  # bytes a reader reads into a receive's own target between state checks
+CUT_GIVE_UP_S = 1.0  # a cancel waits this long past its deadline (and on_stuck) at most
 P2P_EMPTY_BYTES = 1 << 20  # a buffered point-to-point payload from this size: not zero-filled
 
 
@@ -619,7 +620,8 @@ class Mailbox:
         rest of the message, but not its target. A frame being read into its target is cut off:
         its reader sends the rest to a sink from its next slice on, and this waits for that, so
         nothing more lands in the receive's tensor once it returns (past ``deadline``,
-        ``on_stuck`` shuts the connection: a sender stalled inside a slice)."""
+        ``on_stuck`` shuts the connection: a sender stalled inside a slice; the wait ends
+        :data:`CUT_GIVE_UP_S` after the deadline whatever happened)."""
         with self.cond:
             if isinstance(callback, Once):
                 was, callback.fired = not callback.fired, True
@@ -628,13 +630,15 @@ class Mailbox:
             if t is not None and t.owner is callback and t.state == FILLING:
                 t.state = CANCELLED
                 stuck = False
+                until = time.monotonic() + 1.0 if deadline is None else deadline
                 while t.state == CANCELLED:
-                    left = (deadline if deadline is not None else time.monotonic() + 1.0) - (
-                        time.monotonic()
-                    )
-                    if left < 0 and not stuck and on_stuck is not None:
+                    left = until - time.monotonic()
+                    if left < 0 and not stuck:
                         stuck = True
-                        on_stuck()
+                        if on_stuck is not None:
+                            on_stuck()
+                    if left < -CUT_GIVE_UP_S:  # (bounded: a shut socket ends the read at once)
+                        break
                     self.cond.wait(0.05 if left < 0 else min(0.05, left))
             self._drop_owned(key, callback)
             cbs = self._waiting.get(key)
