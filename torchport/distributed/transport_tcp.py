@@ -173,7 +173,7 @@ def _spare(spares: list[bytearray], n: int) -> bytearray:
     return buf if len(buf) == n else bytearray(n)
 
 
-def _recv_body(sock: socket.socket, body: bytearray) -> None:
+def _recv_body(sock: socket.socket, body: bytearray | memoryview) -> None:
     """Receive exactly ``len(body)`` bytes into ``body`` (blocking, ``MSG_WAITALL``: one call
     per frame unless a signal interrupts it)."""
     view, got, n = memoryview(body), 0, len(body)
@@ -438,18 +438,14 @@ class Mailbox:
                 if ok and hdr is not None and (mid or cancelled or (cbs and target.owner in cbs)):
                     frame = (hdr, RECEIVED)
                     if stream is not None and mid:  # a later frame of the receive's message
-                        stream[1] -= 1
-                        if stream[1] <= 0:
-                            del self._streams[key]
+                        self._stream_took(key, stream)
                     else:  # its first frame: the rest of the message goes to it too
                         if cbs is not None and target.owner in cbs:
                             cbs.remove(target.owner)  # (the first)
                             if not cbs:
                                 del self._waiting[key]
-                        # (a cancelled receive's callback drops them; a dead group's are
-                        # dropped on arrival)
-                        if frames_after(frame) and key[0] not in self._dead:
-                            self._streams[key] = [target.owner, frames_after(frame)]
+                        # (a cancelled receive's callback drops them)
+                        self._open_stream(key, target.owner, frame)
                     if cancelled:  # the frame went to the sink: nothing to hand over
                         self.dropped += 1
                     else:
@@ -493,9 +489,7 @@ class Mailbox:
             return None
         stream = self._streams.get(key)
         if stream is not None:  # a later frame of a message whose first frame was taken
-            stream[1] -= 1
-            if stream[1] <= 0:
-                del self._streams[key]
+            self._stream_took(key, stream)
             self._drop_owned(key, stream[0])  # (the rest of it comes buffered too)
             return stream[0]
         cbs = self._waiting.get(key)
@@ -515,9 +509,22 @@ class Mailbox:
         if cb is None:
             self._frames.setdefault(key, deque()).append(frame)
             self.cond.notify_all()
-        elif frames_after(frame):
-            self._streams[key] = [cb, frames_after(frame)]
+        else:
+            self._open_stream(key, cb, frame)
         return cb
+
+    def _open_stream(self, key: Key, owner: Callable[[Frame], None], frame: Frame) -> None:
+        """Under ``cond``: ``owner`` took ``frame``; the later frames of its message (if any)
+        go to it too (a dead group's are dropped on arrival: no stream)."""
+        more = frames_after(frame)
+        if more and key[0] not in self._dead:
+            self._streams[key] = [owner, more]
+
+    def _stream_took(self, key: Key, stream: list[Any]) -> None:
+        """Under ``cond``: one more frame of ``key``'s stream was handed over."""
+        stream[1] -= 1
+        if stream[1] <= 0:
+            del self._streams[key]
 
     def _pop_message(self, key: Key, callback: Callable[[Frame], None]) -> list[Frame]:
         """Under ``cond``: the first queued frame for ``key`` with the queued later frames of
@@ -1116,12 +1123,7 @@ class Mesh:
             else:
                 view = memoryview((ctypes.c_char * k).from_address(target.ptr + done)).cast("B")
             if fill is None:
-                got = 0
-                while got < k:
-                    r = conn.sock.recv_into(view[got:], k - got, socket.MSG_WAITALL)
-                    if r == 0:
-                        raise ConnectionError("connection closed by peer")
-                    got += r
+                _recv_body(conn.sock, view)
             else:
                 fill(view)
             done += k

@@ -1075,10 +1075,9 @@ def mm(
     if functorch_active():  # torch.func: torch ops, which every transform supports (the
         # custom op has no forward-mode formula: jvp gave a zero tangent)
         sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
-        if sp.spec.n_operands and any(op.kind.startswith("scale_") for op in sp.spec.ops):
-            # (under vmap a batched value has no single truth to test: left unchecked)
-            with contextlib.suppress(RuntimeError):
-                _check_scales(sp.spec, sp.operands)
+        # (under vmap a batched value has no single truth to test: left unchecked)
+        with contextlib.suppress(RuntimeError):
+            _check_scales(sp.spec, sp.operands)
         y = mm_aten(a, b, sp.spec, sp.operands)
         return apply_tail(y, sp.tail) if sp.tail else y
     if (epilogue is None or (isinstance(epilogue, (list, tuple)) and not epilogue)) and (

@@ -107,13 +107,13 @@ def _broadcast_bias(bias: object, shape: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(bias, torch.Tensor):
         raise GemmInputError(f"linear: bias must be a tensor or None, got {type(bias).__name__}")
     try:
-        torch.broadcast_shapes(tuple(bias.shape), tuple(shape))
+        both = torch.broadcast_shapes(tuple(bias.shape), tuple(shape))
     except RuntimeError:
         raise GemmInputError(
             f"linear: bias of shape {tuple(bias.shape)} does not broadcast to the output's "
             f"shape {tuple(shape)}"
         ) from None
-    if torch.broadcast_shapes(tuple(bias.shape), tuple(shape)) != tuple(shape):
+    if both != tuple(shape):
         raise GemmInputError(
             f"linear: bias of shape {tuple(bias.shape)} would broadcast the output's shape "
             f"{tuple(shape)} to a larger one"
