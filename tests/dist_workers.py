@@ -991,6 +991,32 @@ def p2p_case(rank: int, world: int) -> list[str]:
             bad.append(f"disjoint column receives got {buf.tolist()}")
     bad += _p2p_big(rank, world)
     dist.barrier()
+    bad += _ring_use({0: world - 1, world - 1: 0}.get(rank))
+    return bad
+
+
+def _ring_use(partner: int | None) -> list[str]:
+    """After the large messages of ``_p2p_big`` between ranks 0 and the last (``partner``:
+    the other one, for them; all received: a barrier passed), rings were made with peers of
+    this host only, none over the tcp transport, one with the partner when it is on this host,
+    and every ring this rank offered was mapped by its peer and its name removed."""
+    from torchport.distributed.groups import root_mesh
+
+    mesh = root_mesh()
+    assert mesh is not None
+    conns = list(mesh.peers.values())
+    used = {c.peer for c in conns if c.ring_out is not None or c.ring_in is not None}
+    here = {q for q, h in mesh.hosts.items() if h == mesh.host_id}
+    bad = []
+    if os.environ.get("TORCHPORT_DIST_TRANSPORT") == "tcp":
+        here = set()
+    if used - here:
+        bad.append(f"rings with ranks {sorted(used - here)} (other hosts, or the tcp transport)")
+    if partner in here and partner not in used:
+        bad.append(f"no ring with rank {partner} after messages of hundreds of KB")
+    left = [c.ring_out.path for c in conns if c.ring_out and os.path.exists(c.ring_out.path)]
+    if left:
+        bad.append(f"offered rings still named in /dev/shm: {left}")
     return bad
 
 
@@ -1144,6 +1170,10 @@ def p2p_late_case(rank: int, world: int) -> list[str]:
             bad.append("posted receive differs")
     else:
         dist.barrier()
+    # the messages went through rank 0's ring to rank 1 (same host, default settings)
+    conn = g.comm.mesh.peers[1 - rank] if rank < 2 else None
+    if conn is not None and (conn.ring_out, conn.ring_in)[rank] is None:
+        bad.append(f"rank {rank} has no ring {('to', 'from')[rank]} rank {1 - rank}")
     dist.destroy_process_group(g)
     return bad
 

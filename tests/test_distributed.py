@@ -27,6 +27,9 @@ SMALL_CHUNK = {
     "TORCHPORT_DIST_TCP_CHUNK_BYTES": "16384",
     # frames of at most 20 KiB (chunk + SLOT_EXTRA): point-to-point messages in several frames
     "TORCHPORT_DIST_MAX_FRAME_BYTES": "4096",
+    # large point-to-point messages between ranks of this host (from 64 KiB, all of them here)
+    # through the smallest shared-memory ring, one copy at a time: its frames wrap around it
+    "TORCHPORT_DIST_P2P_RING_BYTES": "65536",
 }
 SIZES = [0, 1, 7, 4099]
 # shm allreduce's two-step path moves each rank's part in blocks through a ring of 4 entries

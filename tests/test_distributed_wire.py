@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import socket
 import struct
 import threading
 import time
@@ -41,14 +43,18 @@ def test_round_trip():
     ("patch", "match"),
     [
         ({"magic": b"XXXX"}, r"bad frame magic: expected b'TPRT', got b'XXXX'"),
-        ({"version": 9}, r"unsupported wire version: expected 1, got 9"),
+        ({"version": 9}, r"unsupported wire version: expected 2, got 9"),
+        ({"version": 1}, r"unsupported wire version: expected 2, got 1"),
         ({"kind": 200}, r"unknown frame kind 200"),
-        ({"flags": 1}, r"reserved frame flags must be 0, got 1"),
+        # FLAG_RING is a P2P frame's only flag (kind 5 is COLL)
+        ({"flags": 1}, r"frame flags must be 0 \(or 1 on a P2P frame\), got 1"),
+        ({"flags": 2, "kind": 6}, r"frame flags must be 0 \(or 1 on a P2P frame\), got 2"),
+        ({"flags": 1, "kind": 10}, r"frame flags must be 0 \(or 1 on a P2P frame\), got 1"),
         ({"length": 1 << 40}, r"frame length 1099511627776 exceeds the bound of 4096 bytes"),
     ],
 )
 def test_bad_fields_are_rejected(patch, match):
-    fields = {"magic": b"TPRT", "version": 1, "kind": 5, "flags": 0, "length": 10}
+    fields = {"magic": b"TPRT", "version": 2, "kind": 5, "flags": 0, "length": 10}
     fields.update(patch)
     raw = HEADER.pack(
         fields["magic"],
@@ -401,9 +407,9 @@ def test_withdraw_waits_for_a_receive_in_progress_and_ends_a_stuck_one():
     assert stuck == [1] and 0.1 <= time.monotonic() - t0 < 2.0
 
 
-@pytest.fixture
-def mesh_pair():
-    """Two authenticated meshes (ranks 0 and 1) in this process, over loopback."""
+def _meshes(ring_bytes: int = 0):
+    """Two authenticated meshes (ranks 0 and 1) in this process, over loopback, of one host;
+    with ``ring_bytes``, large P2P payloads go through shared-memory rings of that size."""
     import threading
 
     import torch.distributed as dist
@@ -423,6 +429,7 @@ def mesh_pair():
             timeout_s=10.0,
             max_frame=1 << 26,
             host_id="h",
+            ring_bytes=ring_bytes,
         )
 
     t = threading.Thread(target=make, args=(1,))
@@ -432,6 +439,18 @@ def mesh_pair():
     yield made[0], made[1]
     for m in made.values():
         m.close()
+
+
+@pytest.fixture
+def mesh_pair():
+    """Two meshes of one host without rings (P2P payloads by the socket)."""
+    yield from _meshes()
+
+
+@pytest.fixture
+def ring_pair():
+    """Two meshes of one host with the smallest rings (64 KiB)."""
+    yield from _meshes(1 << 16)
 
 
 def _exchange_on(meshes, payloads, sigs, *, after=-1, timeout=10.0):
@@ -1557,3 +1576,289 @@ def test_the_arena_meets_in_the_store_and_its_creator_gives_up_with_the_store(tm
     ):
         _make_arena(store, 0, 2, 4096, 1800.0, key="t/alone")  # no peer ever maps it
     assert time.monotonic() - t0 < 10
+
+
+# -- shared-memory rings: large P2P payloads between ranks of one host ----------------------
+
+
+def _ring_ends(cap: int = 1 << 16):
+    """A ring's two ends in this process: the writer's (created) and the reader's (mapped)."""
+    from torchport.distributed.transport_shm import ShmRing
+
+    w = ShmRing("", cap, create=True)
+    r = ShmRing(w.path, cap, create=False)
+    r.unlink()
+    return w, r
+
+
+def _move_all(ring, buf, *, put: bool, steps, errors: list, budget_ns: int = 20_000_000) -> None:
+    """Move every byte of the numpy array ``buf`` through ``ring``, pieces of the sizes
+    ``steps`` cycles through, for at most 20 s; a failure is appended to ``errors``."""
+    import itertools
+
+    done, sizes, end = 0, itertools.cycle(steps), time.monotonic() + 20
+    while done < len(buf) and time.monotonic() < end:
+        k = min(next(sizes), len(buf) - done)
+        got = ring.move(buf.ctypes.data + done, k, put=put, budget_ns=budget_ns)
+        if got < 0:
+            errors.append(f"{'put' if put else 'get'} saw the ring closed at {done}")
+            return
+        done += got
+    if done != len(buf):
+        errors.append(f"{'put' if put else 'get'} moved {done} of {len(buf)} bytes")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cap", [1 << 16, 3 << 16, 1 << 20])
+def test_a_ring_carries_bytes_in_order_across_its_wrap(cap):
+    """Writer and reader on two threads, pieces of unrelated sizes (1 byte to several rings):
+    the bytes come out as they went in, through many wraps of the ring."""
+    import numpy
+
+    w, r = _ring_ends(cap)
+    try:
+        data = numpy.random.default_rng(cap).integers(0, 256, 3_000_017, dtype=numpy.uint8)
+        out = numpy.zeros_like(data)
+        errors: list[str] = []
+        t = threading.Thread(
+            target=_move_all,
+            args=(w, data),
+            kwargs=dict(put=True, steps=[70_001, 1, 300_000], errors=errors),
+        )
+        t.start()
+        _move_all(r, out, put=False, steps=[1, 4095, 65536, 200_000, 13], errors=errors)
+        t.join(30)
+        assert errors == [] and numpy.array_equal(out, data)
+    finally:
+        w.close()
+        r.close()
+
+
+def test_a_ring_move_with_no_room_or_data_returns_after_its_budget():
+    import numpy
+
+    w, r = _ring_ends()
+    try:
+        buf = numpy.ones(1 << 16, dtype=numpy.uint8)
+        t0 = time.monotonic()
+        assert r.move(buf.ctypes.data, 10, put=False, budget_ns=30_000_000) == 0  # empty
+        assert 0.025 <= time.monotonic() - t0 < 2.0
+        assert w.move(buf.ctypes.data, len(buf), put=True, budget_ns=30_000_000) == len(buf)
+        t0 = time.monotonic()
+        assert w.move(buf.ctypes.data, 10, put=True, budget_ns=30_000_000) == 0  # full
+        assert 0.025 <= time.monotonic() - t0 < 2.0
+        out = numpy.zeros(5, dtype=numpy.uint8)
+        assert r.move(out.ctypes.data, 5, put=False, budget_ns=0) == 5 and out.tolist() == [1] * 5
+        assert r.move(0, (1 << 16) - 5, put=False, budget_ns=0) == (1 << 16) - 5  # dropped
+    finally:
+        w.close()
+        r.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("closer", ["reader", "writer"])
+def test_closing_a_ring_ends_the_other_ends_wait(closer):
+    """A reader waiting for data (or a writer for room) with a long budget returns -1 soon
+    after the other end closes the ring; every later move of either end returns -1."""
+    import numpy
+
+    w, r = _ring_ends()
+    buf = numpy.zeros(1 << 17, dtype=numpy.uint8)
+    if closer == "reader":  # the writer fills the ring, then waits for room
+        assert w.move(buf.ctypes.data, 1 << 16, put=True, budget_ns=0) == 1 << 16
+        waiter, put, other = w, True, r
+    else:
+        waiter, put, other = r, False, w
+    got: list[tuple[int, float]] = []
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        got.append(
+            (
+                waiter.move(buf.ctypes.data, 100, put=put, budget_ns=10_000_000_000),
+                time.monotonic() - t0,
+            )
+        )
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.1)
+    other.close()
+    t.join(5)
+    assert got and got[0][0] == -1 and got[0][1] < 1.0, got
+    assert waiter.move(buf.ctypes.data, 1, put=put, budget_ns=0) == -1
+    waiter.close()
+    assert waiter.move(buf.ctypes.data, 1, put=put, budget_ns=0) == -1  # (unmapped: no call)
+
+
+def test_a_ring_is_mapped_only_from_a_ring_name_with_its_size_and_header(tmp_path):
+    import os
+    import secrets
+
+    from torchport.distributed.errors import CommError
+    from torchport.distributed.shm_kernels import RING_DATA
+    from torchport.distributed.transport_shm import ShmRing
+
+    with pytest.raises(CommError, match=r"refusing to map '/etc/passwd': not a torchport ring"):
+        ShmRing("/etc/passwd", 1 << 16, create=False)
+    name = f"/dev/shm/torchport-ring-{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        with open(name, "wb") as f:
+            f.write(bytes(RING_DATA + 100))
+        os.chmod(name, 0o600)
+        with pytest.raises(CommError, match=rf"ring {name} has {RING_DATA + 100} bytes, expected"):
+            ShmRing(name, 1 << 16, create=False)
+        with open(name, "wb") as f:
+            f.write(bytes(RING_DATA + (1 << 16)))
+        with pytest.raises(CommError, match=rf"ring {name} has a foreign header"):
+            ShmRing(name, 1 << 16, create=False)
+        os.unlink(name)
+        w, _ = _ring_ends()
+        os.symlink(w.path, name)  # (the reader's _ring_ends unlinked w's name; make it again)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+    try:
+        with pytest.raises(OSError):  # O_NOFOLLOW: a link named like a ring is not followed
+            ShmRing(name, 1 << 16, create=False)
+    finally:
+        os.unlink(name)
+        w.close()
+
+
+class _Lost(_Handler):
+    """A group handler that records lost connections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: list[str] = []
+
+    def on_peer_lost(self, src: int, error: BaseException) -> None:
+        self.lost.append(str(error))
+
+
+def _p2p_parts(n: int, seed: int = 0):
+    import numpy
+
+    data = numpy.random.default_rng(seed).integers(0, 256, n, dtype=numpy.uint8)
+    return data, [(memoryview(data), (1, n, 0, 0))]
+
+
+@pytest.mark.timeout(60)
+def test_large_p2p_payloads_of_one_host_go_through_a_ring_small_ones_by_the_socket(ring_pair):
+    """Rank 1's first P2P message from 64 KiB makes a ring and offers it (the payload is
+    then taken from the ring: four times its size here), rank 0 maps it and removes its name;
+    a smaller message goes by the socket; every payload arrives whole, in order."""
+    import os
+
+    import numpy
+
+    m0, m1 = ring_pair
+    big, parts = _p2p_parts(300_007)
+    small, small_parts = _p2p_parts(1000, 1)
+    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 7, parts))
+    t.start()
+    hdr, body = m0.mailbox.get((5, int(Kind.P2P), 1, 7), time.monotonic() + 20, lambda: None)
+    t.join(10)
+    assert hdr.flags == 1 and numpy.array_equal(numpy.frombuffer(body, numpy.uint8), big)
+    out, into = m1.peers[0].ring_out, m0.peers[1].ring_in
+    assert out is not None and into is not None and not os.path.exists(out.path)
+    m1.send_frames(0, Kind.P2P, 5, 8, small_parts)
+    hdr, body = m0.mailbox.get((5, int(Kind.P2P), 1, 8), time.monotonic() + 20, lambda: None)
+    assert hdr.flags == 0 and bytes(body) == small.tobytes()
+    assert m0.peers[1].ring_out is None  # (rank 0 sent nothing large)
+
+
+def test_no_ring_without_ring_bytes_or_to_another_host(mesh_pair, ring_pair):
+    import numpy
+
+    for (m0, m1), other_host in ((mesh_pair, False), (ring_pair, True)):
+        if other_host:
+            m1.hosts[0] = "elsewhere"
+        big, parts = _p2p_parts(100_000)
+        t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 7, parts))
+        t.start()
+        hdr, body = m0.mailbox.get((5, int(Kind.P2P), 1, 7), time.monotonic() + 20, lambda: None)
+        t.join(10)
+        assert hdr.flags == 0 and numpy.array_equal(numpy.frombuffer(body, numpy.uint8), big)
+        assert m1.peers[0].ring_out is None and m0.peers[1].ring_in is None
+
+
+@pytest.mark.timeout(60)
+def test_a_ring_frame_read_by_a_collectives_transfer_is_routed_from_the_ring(ring_pair):
+    """A large P2P message sent just before a collective's frame: the transfer that owns the
+    socket finds its header, takes its payload from the ring (bounded reads) and hands it to
+    the mailbox; its own frame is still received into place."""
+    import numpy
+
+    from torchport.distributed.transport_tcp import RECEIVED
+
+    m0, m1 = ring_pair
+    big, parts = _p2p_parts(200_000)
+    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 77, parts))
+    t.start()
+    frames, got = _exchange_on(ring_pair, [b"a" * 10, b"b" * 10], [(1, 1, 1, 1), (2, 2, 2, 2)])
+    t.join(10)
+    assert all(f[0][1] is RECEIVED for f in frames.values()), frames
+    assert got[0] == b"b" * 10 and got[1] == b"a" * 10
+    _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 77), time.monotonic() + 10, lambda: None)
+    assert numpy.array_equal(numpy.frombuffer(body, numpy.uint8), big)
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        ("unoffered", r"rank 1 sent a frame through a ring it never offered"),
+        ("bad_path", r"cannot map the shared-memory ring rank 1 offered \(refusing to map "),
+        ("huge", r"rank 1 offered a shared-memory ring of 4294967296 bytes \(out of bounds\)"),
+    ],
+)
+def test_a_bad_ring_frame_breaks_the_connection_with_a_clear_error(ring_pair, frame, match):
+    from torchport.distributed.wire import FLAG_RING
+
+    m0, m1 = ring_pair
+    m0.register(5, h := _Lost())
+    conn = m1.peers[0]
+    if frame == "unoffered":
+        head = encode_header(Kind.P2P, 5, 1, 9, 100, (1, 100, 0, 0), FLAG_RING)
+        m1._send_frame(conn, head, b"")
+    else:
+        path = b"/etc/passwd" if frame == "bad_path" else b"/dev/shm/x"
+        cap = 1 << 16 if frame == "bad_path" else 1 << 32
+        m1._send_frame(conn, encode_header(Kind.RING, 0, 1, 0, len(path), (cap, 0, 0, 0)), path)
+    assert _wait_for(lambda: bool(h.lost)), "the connection was not given up"
+    assert re.search(match, h.lost[0]), h.lost
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["ring_closed", "socket_closed"])
+def test_a_peer_gone_part_way_through_a_ring_frame_ends_the_read(ring_pair, monkeypatch, how):
+    """Rank 1 sends a ring frame's header and part of its payload, then goes: closing its
+    ring (a process that shuts down), or only its socket (a killed process leaves the ring
+    open): rank 0's reader gives the connection up within a second, not waiting for ever."""
+    from torchport.distributed.wire import FLAG_RING
+
+    m0, m1 = ring_pair
+    m0.register(5, h := _Lost())
+    big, parts = _p2p_parts(100_000)
+    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 1, parts))
+    t.start()
+    m0.mailbox.get((5, int(Kind.P2P), 1, 1), time.monotonic() + 20, lambda: None)
+    t.join(10)
+    conn, ring = m1.peers[0], m1.peers[0].ring_out
+    assert ring is not None
+    m1._send_frame(
+        conn, encode_header(Kind.P2P, 5, 1, 2, 1 << 20, (1, 1 << 20, 0, 0), FLAG_RING), b""
+    )
+    assert ring.move(big.ctypes.data, 10_000, put=True, budget_ns=1_000_000_000) == 10_000
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    if how == "ring_closed":
+        ring.close()
+    else:
+        monkeypatch.setattr(m1, "_close_rings", lambda conn: None)  # as if killed
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    assert _wait_for(lambda: bool(h.lost), 5.0), "rank 0 still waits for the frame"
+    assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
+    assert "ring from rank 1 was closed" in h.lost[0] or "closed by peer" in h.lost[0], h.lost

@@ -304,6 +304,18 @@ SETTINGS: dict[str, Setting] = {
             check=lambda v: None if 4096 <= v <= (1 << 32) else "must be in [4096, 2**32]",
         ),
         Setting(
+            name="dist_p2p_ring_bytes",
+            env="TORCHPORT_DIST_P2P_RING_BYTES",
+            kind=int,
+            default=4 << 20,
+            doc="Bytes of the shared-memory ring that carries large send/recv payloads to a rank "
+            "of the same host (one per direction, made at the first such message); 0 sends "
+            "them by TCP, as does the tcp transport.",
+            check=lambda v: (
+                None if v == 0 or (1 << 16) <= v <= (1 << 30) else "must be 0 or in [2**16, 2**30]"
+            ),
+        ),
+        Setting(
             name="gemv_fp4_int8",
             env="TORCHPORT_GEMV_FP4_INT8",
             kind=bool,
@@ -520,5 +532,6 @@ if TYPE_CHECKING:  # attribute types for static checkers
     dist_chunk_bytes: int
     dist_tcp_chunk_bytes: int
     dist_max_frame_bytes: int
+    dist_p2p_ring_bytes: int
     gemv_fp4_int8: bool
     gemv_hugepages: bool

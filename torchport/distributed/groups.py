@@ -103,6 +103,13 @@ def _build_mesh(store: Any, rank: int, size: int, timeout_s: float, again: str =
         ),
         host_id=host_id(),
         key_prefix=prefix,
+        # large send/recv payloads to ranks of this host through shared memory, unless every
+        # transfer is to go by TCP
+        ring_bytes=(
+            int(config.get("dist_p2p_ring_bytes"))
+            if str(config.get("dist_transport")) != "tcp"
+            else 0
+        ),
     )
 
 

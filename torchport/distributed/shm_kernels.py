@@ -55,6 +55,8 @@ BACKGROUND_YIELD_NS = 20_000
 OVERSUBSCRIBED_YIELD_NS = 20_000
 YIELD_CAP_OFF = 80
 PIPE_BLOCK = 65536  # bytes per block of the allreduce pipeline (per part)
+RING_MAGIC = 0x5450524E47  # "TPRNG": a point-to-point byte ring (transport_shm.ShmRing)
+RING_DATA = 4096  # its data starts here, after the header's words
 
 _SOURCE = r"""
 #include <sched.h>
@@ -715,6 +717,99 @@ TP_EXPORT void tp_doorbell_ring(int64_t *cells, int64_t stop) {
 TP_EXPORT int64_t tp_get_abort(char *hdr) {
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
+
+/* A one-way byte ring between two processes (transport_shm.ShmRing): the payloads of large
+   point-to-point frames between ranks of one host. Header (bytes): [0] magic, [8] capacity;
+   [64] head (bytes written so far: the writer's word), [128] tail (bytes read so far: the
+   reader's), [192] closed (set by either side, never cleared), [256] futex word (int32) and
+   [260] sleeper count. Data from RING_DATA, ``capacity`` bytes used modulo. One writing thread
+   and one reading thread at a time (the sender's connection lock, the receiver's reader). */
+#define RING_DATA ${ring_data}
+static inline int64_t *tp_rw(char *r, int off) { return (int64_t *)(r + off); }
+static inline int32_t *tp_ring_gen(char *r) { return (int32_t *)(r + 256); }
+static inline int32_t *tp_ring_sleepers(char *r) { return (int32_t *)(r + 260); }
+
+/* Store the writer's head or the reader's tail and wake the other side if it sleeps (a
+   sleeper counts itself before it rechecks the word: one of the two sees the other). */
+static void tp_ring_post(char *r, int64_t *word, int64_t v) {
+    __atomic_store_n(word, v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(tp_ring_sleepers(r), __ATOMIC_SEQ_CST) > 0) {
+        __atomic_add_fetch(tp_ring_gen(r), 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, tp_ring_gen(r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+}
+
+/* Wait until the word at ``off`` is no longer ``seen`` (the other side moved), the ring is
+   closed or the clock passes ``until``: spins, yields for tp_yield_ns, then sleeps on the
+   futex (1 ms at a time). 1 if the word moved, 0 otherwise. */
+static int tp_ring_wait(char *r, int off, int64_t seen, int64_t until) {
+    int64_t *word = tp_rw(r, off), *closed = tp_rw(r, 192), t0 = 0;
+    for (int64_t spins = 0;; spins++) {
+        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != seen) return 1;
+        if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return 0;
+        if (spins < 256) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+            continue;
+        }
+        int64_t now = tp_now_ns();
+        if (now >= until) return 0;
+        if (t0 == 0) t0 = now;
+        if (now - t0 < tp_yield_ns) { sched_yield(); continue; }
+        __atomic_add_fetch(tp_ring_sleepers(r), 1, __ATOMIC_SEQ_CST);
+        int32_t g = __atomic_load_n(tp_ring_gen(r), __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(word, __ATOMIC_SEQ_CST) == seen &&
+            !__atomic_load_n(closed, __ATOMIC_SEQ_CST)) {
+            struct timespec ts = {0, 1000000};
+            syscall(SYS_futex, tp_ring_gen(r), FUTEX_WAIT, g, &ts, NULL, 0);
+        }
+        __atomic_sub_fetch(tp_ring_sleepers(r), 1, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* Move up to n bytes through the ring: into it from ``buf`` (put != 0) or out of it into
+   ``buf`` (NULL: dropped), publishing every ``chunk`` bytes at most so that the other side
+   copies while this one does. Returns the bytes moved once all n are, or when ``budget_ns``
+   passed without the room or data to go on (possibly 0); -1 once the ring is closed. */
+TP_EXPORT int64_t tp_ring_move(char *r, char *buf, int64_t n, int64_t chunk, int64_t budget_ns,
+                               int64_t put) {
+    int64_t cap = *tp_rw(r, 8);
+    int64_t *head = tp_rw(r, 64), *tail = tp_rw(r, 128), *closed = tp_rw(r, 192);
+    int64_t *mine = put ? head : tail, *theirs = put ? tail : head;
+    char *data = r + RING_DATA;
+    int64_t done = 0, until = tp_now_ns() + budget_ns;
+    if (chunk <= 0) chunk = cap;
+    while (done < n) {
+        if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return -1;
+        int64_t at = __atomic_load_n(mine, __ATOMIC_RELAXED);
+        int64_t other = __atomic_load_n(theirs, __ATOMIC_ACQUIRE);
+        int64_t ready = put ? cap - (at - other) : other - at;  /* room, or bytes to read */
+        if (ready <= 0) {
+            if (!tp_ring_wait(r, put ? 128 : 64, other, until)) {
+                if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return -1;
+                break;
+            }
+            continue;
+        }
+        int64_t off = at % cap, k = n - done;
+        if (k > ready) k = ready;
+        if (k > chunk) k = chunk;
+        if (k > cap - off) k = cap - off;
+        if (put) memcpy(data + off, buf + done, (size_t)k);
+        else if (buf) memcpy(buf + done, data + off, (size_t)k);
+        tp_ring_post(r, mine, at + k);
+        done += k;
+    }
+    return done;
+}
+
+/* Close the ring (either side; both see it at their next check) and wake a sleeper. */
+TP_EXPORT void tp_ring_close(char *r) {
+    __atomic_store_n(tp_rw(r, 192), 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(tp_ring_gen(r), 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, tp_ring_gen(r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
 """
 
 
@@ -743,6 +838,10 @@ class ShmLib:
         self.allreduce_packed = native.c_function(lib, "tp_shm_allreduce_packed", [p], ctypes.c_int)
         self.set_yield = native.c_function(lib, "tp_set_yield", [i64], None)
         self.get_abort = native.c_function(lib, "tp_get_abort", [p], ctypes.c_int64)
+        self.ring_move = native.c_function(
+            lib, "tp_ring_move", [p, p, i64, i64, i64, i64], ctypes.c_int64
+        )
+        self.ring_close = native.c_function(lib, "tp_ring_close", [p], None)
 
 
 @functools.cache
@@ -756,5 +855,6 @@ def shm_lib() -> ShmLib:
         yield_ns=YIELD_NS,
         yield_cap_off=YIELD_CAP_OFF,
         pipe_block=PIPE_BLOCK,
+        ring_data=RING_DATA,
     )
     return ShmLib(native.build(src, name="tp_shm", extra_flags=("-fwrapv", "-ffp-contract=off")))

@@ -22,7 +22,9 @@ import contextlib
 import ctypes
 import mmap
 import os
+import re
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -41,6 +43,8 @@ from torchport.distributed.shm_kernels import (
     MISMATCH,
     OK,
     OVERSUBSCRIBED_YIELD_NS,
+    RING_DATA,
+    RING_MAGIC,
     SIG_WORDS,
     TIMEOUT,
     YIELD_CAP_OFF,
@@ -221,6 +225,103 @@ class ShmArena:
                     mm.close()
 
 
+RING_NAME = re.compile(r"/dev/shm/torchport-ring-[0-9]+-[0-9a-f]{16}")
+
+
+class ShmRing:
+    """A one-way byte ring in a shared file, from one process to another of the same host.
+
+    The TCP mesh sends the payload of a large point-to-point frame through it instead of the
+    socket (the header still goes by the socket, so the reader knows what to take from the
+    ring, and in which order). The writer creates the file (``create=True``: a random name,
+    mode 0600, its pages reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is an
+    error here and not a SIGBUS later) and offers its path to the reader, which maps it and
+    unlinks the name. Either side's :meth:`close` ends the other's waits."""
+
+    def __init__(self, path: str, capacity: int = 0, *, create: bool) -> None:
+        if create:
+            if capacity <= 0:
+                raise CommError(f"a ring needs a positive capacity, got {capacity}")
+            path = self.new_path()
+        elif not RING_NAME.fullmatch(path):
+            raise CommError(f"refusing to map {path!r}: not a torchport ring name")
+        self.path = path
+        self.lib = shm_lib()
+        # a move holds _use for one native call; close() marks the ring closed first (under
+        # _state, while mapped), which ends such a call, and unmaps under both
+        self._use = threading.Lock()
+        self._state = threading.Lock()
+        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            st = os.fstat(fd)
+            if create:
+                size = RING_DATA + capacity
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+            else:
+                size = st.st_size
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                    raise CommError(f"refusing to map {path}: not a regular file of this user")
+                if size != RING_DATA + capacity:
+                    raise CommError(
+                        f"ring {path} has {size} bytes, expected {RING_DATA + capacity}"
+                    )
+            self._mm: mmap.mmap | None = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.capacity = capacity
+        # bytes copied between two publications: a quarter of the ring (the other side copies
+        # the last quarter meanwhile; 64 MiB through a 4 MiB ring took 25-35 ms in 256 KiB
+        # publications, 7-12 ms in 1 MiB ones here: a reader right behind the writer fights
+        # it for the lines being written)
+        self.chunk = max(1 << 16, capacity // 4)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base = ctypes.addressof(self._anchor)
+        if create:
+            struct.pack_into("<QQ", self._mm, 0, RING_MAGIC, capacity)
+        elif struct.unpack_from("<QQ", self._mm, 0) != (RING_MAGIC, capacity):
+            self.close()
+            raise CommError(f"ring {path} has a foreign header")
+
+    @staticmethod
+    def new_path() -> str:
+        """A fresh, unguessable ring path."""
+        return os.path.join(SHM_DIR, f"torchport-ring-{os.getpid()}-{secrets.token_hex(8)}")
+
+    def move(self, ptr: int, n: int, *, put: bool, budget_ns: int) -> int:
+        """Copy up to ``n`` bytes into the ring from ``ptr`` (``put``) or out of it to ``ptr``
+        (0: dropped), publishing every ``chunk`` bytes; the bytes moved once all are or the
+        budget passed with no room or data (0 possible); -1 once closed (by either side)."""
+        with self._use:
+            if self._mm is None:
+                return -1
+            return int(self.lib.ring_move(self.base, ptr, n, self.chunk, budget_ns, int(put)))
+
+    def unlink(self) -> None:
+        """Remove the file name (the mappings stay valid)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        """Mark the ring closed for both sides, then unmap it."""
+        with self._state:
+            if self._mm is None:
+                return
+            self.lib.ring_close(self.base)
+        with self._use, self._state:
+            mm, self._mm = self._mm, None
+            if mm is not None:
+                del self._anchor
+                with contextlib.suppress(BufferError):
+                    mm.close()
+
+
 def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``pred`` until true or raise :class:`CommError` naming ``what``."""
     end = time.monotonic() + timeout_s
@@ -235,4 +336,14 @@ def tensor_ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0
 
 
-__all__ = ["ABORTED", "BAD_ARG", "COPY", "FOLD", "MISMATCH", "TIMEOUT", "ShmArena", "StepError"]
+__all__ = [
+    "ABORTED",
+    "BAD_ARG",
+    "COPY",
+    "FOLD",
+    "MISMATCH",
+    "TIMEOUT",
+    "ShmArena",
+    "ShmRing",
+    "StepError",
+]

@@ -62,7 +62,9 @@ from torchport.distributed.tcp_kernels import (
     SLICE,
     tcp_lib,
 )
+from torchport.distributed.transport_shm import ShmRing
 from torchport.distributed.wire import (
+    FLAG_RING,
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -109,6 +111,11 @@ SPARE_MAX_BYTES = POST_BYTES
 Key = tuple[int, int, int, int]  # (group, kind, src, seq)
 Frame = tuple[Header, bytearray]
 RECEIVED = bytearray()  # the body of a frame received straight into its posted Target
+# P2P messages of at least this many bytes to a rank of this host go through a shared-memory
+# ring (Mesh._ring_to) when the mesh has one: below it the socket's latency is the cost anyway
+RING_MIN_BYTES = 64 << 10
+RING_SLICE_NS = SLICE_MS * 1_000_000  # a ring copy returns this often, progress or not
+MAX_RING_BYTES = 1 << 30  # the largest ring a peer may offer (config's bound)
 U64 = 0xFFFFFFFFFFFFFFFF  # a header's seq is stored as u64 (wire.encode_header)
 DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drops
 
@@ -193,6 +200,16 @@ def recv_into_ptr(sock: socket.socket, ptr: int, n: int) -> None:
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer's end of ``sock`` is gone (end of stream or an error), taking no byte."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def recv_bounded(
@@ -727,6 +744,12 @@ class Connection:
     # whose pages fault in again (1 MB: ~70 us). At most SPARE_BUFFERS, each a frame's
     # length (bounded by the mesh's max_frame in decode_header) of at most SPARE_MAX_BYTES.
     spares: list[bytearray] = field(default_factory=list)
+    # Shared-memory rings with a peer of this host (ShmRing): ours to it, made at the first
+    # large P2P frame and offered by a RING frame (under msg_lock); its to us, mapped when its
+    # offer is read. ``ring_tried``: ours was made or could not be (not tried again).
+    ring_out: ShmRing | None = None
+    ring_in: ShmRing | None = None
+    ring_tried: bool = False
 
     def __post_init__(self) -> None:
         self.own_addr = ctypes.addressof(self.own)
@@ -835,6 +858,11 @@ class Mesh:
         self.closed = False
         self.linger_us = 0  # LINGER_US once the ranks on this host are known (fixed meshes)
         self.linger_big_us = 0  # LINGER_BIG_US (fixed meshes)
+        # bytes of a shared-memory ring for large P2P payloads to a rank of this host (fixed
+        # meshes; 0: none, TCP); ``host_id`` / ``hosts``: whose ranks are on this host
+        self.ring_bytes = 0
+        self.host_id = ""
+        self.hosts: dict[int, str] = {}
         self.pin_cpu = -1  # a large transfer's CPU (tcp_kernels.tp_pin; -1: the one it runs on)
         self._pins = 0  # large transfers running now (_pin_begin): only the first takes pin_cpu
         self._pins_lock = threading.Lock()
@@ -866,16 +894,17 @@ class Mesh:
         max_frame: int,
         host_id: str,
         key_prefix: str = "tp/",
+        ring_bytes: int = 0,
     ) -> None:
         # key_prefix: a group re-created in the same store prefix must not read the addresses
         # its destroyed predecessor published there
         self._init_state(rank, world, secret, max_frame, addr, backlog=max(16, world))
+        self.ring_bytes, self.host_id = ring_bytes, host_id
         store.set(f"{key_prefix}addr/{rank}", self.address)
         store.set(f"{key_prefix}host/{rank}", host_id)
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="tp-accept")
         self._acceptor.start()
         deadline = time.monotonic() + timeout_s
-        self.hosts = {}
         for q in range(world):
             self.hosts[q] = store.get(f"{key_prefix}host/{q}").decode()
         # CPUs are the machine's, not the /dev/shm mount's: ranks of host-network containers
@@ -1031,6 +1060,7 @@ class Mesh:
 
     def _lost(self, conn: Connection, e: BaseException) -> None:
         """Tell every group that the connection to ``conn.peer`` is gone."""
+        self._close_rings(conn)
         if not self.closed:
             err = CommError(f"connection to rank {conn.peer} lost: {e}")
             for handler in list(self._handlers.values()):
@@ -1045,6 +1075,8 @@ class Mesh:
         reads the payload bytes when given (a collective's bounded reads, :func:`recv_bounded`);
         the reader thread's blocking reads otherwise."""
         conn.seen = time.monotonic()
+        if fill is None and hdr.flags & FLAG_RING:  # the payload is in the peer's ring
+            fill = functools.partial(self._ring_read, conn)
         key = (hdr.group, int(hdr.kind), conn.peer, hdr.seq)
         target = (
             self.mailbox.claim(key, hdr)
@@ -1077,7 +1109,10 @@ class Mesh:
             else:
                 body = _recv_exact(conn.sock, hdr.length) if hdr.length else bytearray()
         else:
-            body = bytearray(hdr.length)
+            if hdr.kind == Kind.P2P and hdr.length >= P2P_EMPTY_BYTES:  # (as above)
+                body = numpy.empty(hdr.length, dtype=numpy.uint8)  # type: ignore[assignment]
+            else:
+                body = bytearray(hdr.length)
             if hdr.length:
                 fill(memoryview(body))
         if hdr.src != conn.peer:
@@ -1096,6 +1131,9 @@ class Mesh:
             return
         if hdr.kind == Kind.NOTE:
             self.on_note(conn.peer, hdr.seq, body)
+            return
+        if hdr.kind == Kind.RING:
+            self._ring_offered(conn, hdr, body)
             return
         if hdr.kind not in (Kind.COLL, Kind.P2P, Kind.CTRL):
             raise WireError(f"unexpected {hdr.kind.name} frame after the handshake")
@@ -1127,6 +1165,118 @@ class Mesh:
             else:
                 fill(view)
             done += k
+
+    # -- shared-memory rings (large P2P payloads between ranks of one host) ---------------
+    def _ring_to(self, conn: Connection) -> ShmRing | None:
+        """The ring for large P2P payloads to ``conn.peer``, made and offered (a RING frame)
+        the first time; None across hosts, with rings off, or when it could not be made (its
+        messages then go by TCP, with a warning). Called under ``conn.msg_lock``."""
+        if conn.ring_out is not None or conn.ring_tried:
+            return conn.ring_out
+        conn.ring_tried = True
+        if not self.ring_bytes or self.hosts.get(conn.peer) != self.host_id:
+            return None
+        try:
+            ring = ShmRing("", self.ring_bytes, create=True)
+        except (OSError, CommError) as e:
+            warnings.warn(
+                f"torchport: no shared-memory ring to rank {conn.peer} ({e}); large "
+                "point-to-point messages to it go by TCP",
+                stacklevel=3,
+            )
+            return None
+        path = ring.path.encode()
+        try:
+            head = encode_header(Kind.RING, 0, self.rank, 0, len(path), (ring.capacity, 0, 0, 0))
+            self._send_frame(conn, head, path)
+        except BaseException:
+            ring.close()
+            ring.unlink()
+            raise
+        conn.ring_out = ring
+        if self.closed:  # (closed meanwhile: close() may have passed this connection)
+            self._close_rings(conn)
+        return ring
+
+    def _ring_offered(self, conn: Connection, hdr: Header, body: Any) -> None:
+        """Map the ring ``conn.peer`` offers for its large P2P payloads, and unlink its name
+        (the mappings keep it). A ring that cannot be mapped is a broken connection: the
+        frames after the offer have their payloads there."""
+        cap = hdr.sig[0]
+        if conn.ring_in is not None or not 0 < cap <= MAX_RING_BYTES:
+            raise WireError(
+                f"rank {conn.peer} offered a shared-memory ring of {cap} bytes "
+                f"({'a second one' if conn.ring_in is not None else 'out of bounds'})"
+            )
+        try:
+            ring = ShmRing(bytes(body).decode("ascii"), cap, create=False)
+        except (UnicodeDecodeError, OSError, CommError) as e:
+            raise WireError(
+                f"cannot map the shared-memory ring rank {conn.peer} offered ({e}); "
+                "TORCHPORT_DIST_P2P_RING_BYTES=0 sends large point-to-point messages by TCP"
+            ) from e
+        ring.unlink()
+        conn.ring_in = ring
+        if self.closed:
+            self._close_rings(conn)
+
+    def _ring_read(
+        self,
+        conn: Connection,
+        view: memoryview,
+        deadline: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Take ``len(view)`` payload bytes of a ring frame from ``conn``'s ring. Each slice
+        without data looks at the socket: the peer's end closed (it exited part-way, or this
+        rank shut the connection) raises ConnectionError; ``check()`` and ``deadline`` as in
+        :func:`recv_bounded` (a collective's thread)."""
+        ring = conn.ring_in
+        if ring is None:
+            raise WireError(f"rank {conn.peer} sent a frame through a ring it never offered")
+        ptr = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+        done, n = 0, len(view)
+        while done < n:
+            k = ring.move(ptr + done, n - done, put=False, budget_ns=RING_SLICE_NS)
+            if k < 0:
+                raise ConnectionError(f"the shared-memory ring from rank {conn.peer} was closed")
+            done += k
+            if k == 0:
+                if _peer_closed(conn.sock):
+                    raise ConnectionError("connection closed by peer")
+                if check is not None:
+                    check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise CommTimeoutError(f"timed out with {done} of {n} bytes of a frame read")
+
+    def _send_ring(
+        self, conn: Connection, ring: ShmRing, head: bytes, payload: bytes | bytearray | memoryview
+    ) -> None:
+        """Send one frame with ``FLAG_RING``: its header by the socket, then its payload into
+        ``ring``, which the peer's reader empties once it has read the header."""
+        ptr = numpy.frombuffer(payload, dtype=numpy.uint8).ctypes.data
+        done, n = 0, len(payload)
+        try:
+            with conn.lock:
+                conn.sock.sendall(head)
+                while done < n:
+                    k = ring.move(ptr + done, n - done, put=True, budget_ns=RING_SLICE_NS)
+                    if k < 0:
+                        raise CommError(
+                            f"send to rank {conn.peer} failed: its shared-memory ring was closed"
+                        )
+                    done += k
+        except OSError as e:
+            raise CommError(f"send to rank {conn.peer} failed: {e}") from e
+
+    @staticmethod
+    def _close_rings(conn: Connection) -> None:
+        """Close ``conn``'s rings (a copy waiting on one ends) and remove an unmapped name."""
+        for ring in (conn.ring_out, conn.ring_in):
+            if ring is not None:
+                ring.close()
+        if conn.ring_out is not None:
+            conn.ring_out.unlink()
 
     def send(
         self,
@@ -1182,10 +1332,16 @@ class Mesh:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
         conn = self._conn(peer)
+        big = kind == Kind.P2P and sum(len(p) for p, _ in parts) >= RING_MIN_BYTES
         with conn.msg_lock:
+            ring = self._ring_to(conn) if big else None  # (for every frame of the message)
             for i, (payload, sig) in enumerate(parts):
                 if i and check is not None:
                     check()
+                if ring is not None and len(payload):
+                    head = encode_header(kind, group, self.rank, seq, len(payload), sig, FLAG_RING)
+                    self._send_ring(conn, ring, head, payload)
+                    continue
                 head = encode_header(kind, group, self.rank, seq, len(payload), sig)
                 self._send_frame(conn, head, payload)
 
@@ -1801,9 +1957,13 @@ class Mesh:
         (:func:`recv_bounded`: ``check()`` between them, :class:`CommTimeoutError` past
         ``deadline``). On failure the stream is unreadable: the socket joins ``broken`` (the
         transfer shuts it down), the loss is queued in ``lost`` and the error propagates."""
-        fill = functools.partial(recv_bounded, conn.sock, deadline=deadline, check=check)
         try:
-            self._take_frame(conn, decode_header(raw, max_length=self.max_frame), fill)
+            hdr = decode_header(raw, max_length=self.max_frame)
+            if hdr.flags & FLAG_RING:
+                fill = functools.partial(self._ring_read, conn, deadline=deadline, check=check)
+            else:
+                fill = functools.partial(recv_bounded, conn.sock, deadline=deadline, check=check)
+            self._take_frame(conn, hdr, fill)
         except BaseException as e:
             broken.add(conn.sock.fileno())
             if isinstance(e, (OSError, WireError)) and not isinstance(e, CommTimeoutError):
@@ -1822,6 +1982,7 @@ class Mesh:
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
+            self._close_rings(conn)
 
     def register(self, group: int, handler: GroupHandler) -> None:
         """Route ``group``'s ABORT frames and lost peers to ``handler``; an ABORT that arrived
@@ -1868,4 +2029,5 @@ class Mesh:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
             conn.sock.close()
+            self._close_rings(conn)
         self.mailbox.wake()
