@@ -165,6 +165,29 @@ def test_linear_takes_a_1d_weight():
         for shape in ((4, 8), (2, 3, 8), (8,)):
             x = torch.randn(shape)
             torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+            # an epilogue on the result, a 0-D one too (a 1-D input)
+            y = linear(x, w, epilogue=["relu", G.Scale(2.0)])
+            want = 2.0 * torch.relu(F.linear(x, w))
+            assert y.shape == want.shape
+            torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias_shape", [(), (1,), (6,), (1, 6), (1, 1), (6, 1), (2, 6)])
+def test_a_1d_inputs_bias_is_taken_or_refused_as_f_linear_does(bias_shape):
+    """A 1-D input is one row: F.linear takes a [1, N] bias too (output [N]), and refuses
+    [1, 1], [N, 1] and [2, N]; a refusal here is typed."""
+    torch.manual_seed(7)
+    x, w, b = torch.randn(8), torch.randn(6, 8), torch.randn(bias_shape)
+    try:
+        want = F.linear(x, w, b)
+    except RuntimeError:
+        with pytest.raises(GemmInputError, match="bias of shape"):
+            linear(x, w, b)
+        return
+    with config.override(autotune=False):
+        y = linear(x, w, b)
+    assert y.shape == want.shape
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
 def test_fusion_keeps_working_with_symbolic_row_counts(fresh_cache):

@@ -59,7 +59,11 @@ def linear(
             )
         y = linear(input, weight[None]).squeeze(-1)
         y = y if bias is None else y + _broadcast_bias(bias, y.shape)
-        return apply_tail(y, as_steps(epilogue)) if epilogue is not None else y
+        if epilogue is None:
+            return y
+        if y.dim() == 0:  # a 1-D input too: the steps run on the one value as a vector
+            return apply_tail(y.reshape(1), as_steps(epilogue)).reshape(())
+        return apply_tail(y, as_steps(epilogue))
     if weight.dim() != 2:
         raise GemmInputError(
             f"linear: weight must be 2-D [out_features, in_features] (or 1-D [in_features]), "
@@ -74,6 +78,8 @@ def linear(
             f"{tuple(input.shape)}"
         )
     n = weight.shape[0]
+    if input.dim() == 1 and isinstance(bias, torch.Tensor) and tuple(bias.shape) == (1, n):
+        bias = bias.reshape(n)  # as torch: a 1-D input's row takes a [1, N] bias, output [N]
     if bias is not None and not (
         isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == n
     ):  # () or [1]: a column bias of N copies; any other shape: a residual of the output's
