@@ -1862,3 +1862,138 @@ def test_a_peer_gone_part_way_through_a_ring_frame_ends_the_read(ring_pair, monk
     assert _wait_for(lambda: bool(h.lost), 5.0), "rank 0 still waits for the frame"
     assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
     assert "ring from rank 1 was closed" in h.lost[0] or "closed by peer" in h.lost[0], h.lost
+
+
+def test_a_peer_scribbling_on_the_ring_breaks_it_not_this_process():
+    """The file is the peer's to write: a position out of bounds (or a capacity word of 0 or
+    1 TiB) makes the copy refuse (RING_CORRUPT) instead of dividing by zero or writing past
+    the data area; the capacity in use is the one checked when the ring was mapped."""
+    import struct
+
+    import numpy
+
+    from torchport.distributed.shm_kernels import RING_CORRUPT
+
+    buf = numpy.zeros(1 << 16, dtype=numpy.uint8)
+    for word, value, end in (
+        (64, -(1 << 20) - 8192, "reader"),  # head behind the reader's position
+        (64, 1 << 40, "reader"),  # more bytes than the ring holds
+        (128, 1 << 40, "writer"),  # the reader claims to have read more than was written
+        (128, -(1 << 17), "writer"),  # ... or to be more than a ring behind
+    ):
+        w, r = _ring_ends()
+        try:
+            for cap_word in (0, 1 << 40):
+                struct.pack_into("<q", r._mm, 8, cap_word)  # (ignored: the mapped size counts)
+                assert w.move(buf.ctypes.data, 10, put=True, budget_ns=0) == 10
+                assert r.move(buf.ctypes.data, 10, put=False, budget_ns=0) == 10
+            struct.pack_into("<q", r._mm, word, value)
+            side, put = (r, False) if end == "reader" else (w, True)
+            assert side.move(buf.ctypes.data, 100, put=put, budget_ns=0) == RING_CORRUPT
+        finally:
+            w.close()
+            r.close()
+
+
+def test_a_writers_drain_close_leaves_the_reader_what_is_in_the_ring():
+    import numpy
+
+    for drain in (True, False):
+        w, r = _ring_ends()
+        try:
+            data = numpy.arange(1000, dtype=numpy.uint8)
+            assert w.move(data.ctypes.data, 1000, put=True, budget_ns=0) == 1000
+            w.close(drain=drain)
+            out = numpy.zeros(2000, dtype=numpy.uint8)
+            got = r.move(out.ctypes.data, 2000, put=False, budget_ns=10_000_000)
+            if drain:  # the 1000 bytes, then closed (nothing more will come)
+                assert got == 1000 and numpy.array_equal(out[:1000], data)
+                assert r.move(out.ctypes.data, 1, put=False, budget_ns=10_000_000) == -1
+            else:
+                assert got == -1
+        finally:
+            w.close()
+            r.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_send_that_returned_is_delivered_after_its_mesh_closes(ring_pair, monkeypatch, mapped):
+    """Rank 1's send returns once its payload is in the ring; rank 1 then closes its mesh
+    (a destroyed group) while rank 0's reader lags -- before mapping the offer, or on the
+    frame before: the message still arrives whole, as over the socket, and the ring's name
+    is gone afterwards."""
+    import os
+
+    import numpy
+
+    m0, m1 = ring_pair
+    if mapped:  # a first message makes and maps the ring; the next one's reader lags
+        _, parts = _p2p_parts(70_000)
+        t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 1, parts))
+        t.start()
+        m0.mailbox.get((5, int(Kind.P2P), 1, 1), time.monotonic() + 20, lambda: None)
+        t.join(10)
+        deliver = m0.mailbox.deliver
+
+        def slow(key, frame):
+            if key[3] == 2:
+                time.sleep(0.5)
+            deliver(key, frame)
+
+        monkeypatch.setattr(m0.mailbox, "deliver", slow)
+        m1.send(0, Kind.P2P, 5, 2, b"x")  # (by the socket; its delivery lags)
+    else:
+        offered = m0._ring_offered
+
+        def slow(*a):
+            time.sleep(0.5)
+            offered(*a)
+
+        monkeypatch.setattr(m0, "_ring_offered", slow)
+    big, parts = _p2p_parts(1 << 16, 3)  # fits the 64 KiB ring: the send need not wait
+    m1.send_frames(0, Kind.P2P, 5, 3, parts)
+    ring = m1.peers[0].ring_out
+    assert ring is not None and ring.mapped == mapped
+    m1.close()
+    _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 3), time.monotonic() + 20, lambda: None)
+    assert numpy.array_equal(numpy.frombuffer(body, numpy.uint8), big)
+    assert not os.path.exists(ring.path)
+
+
+def test_stale_ring_names_of_dead_creators_are_swept_when_a_ring_is_made():
+    import os
+    import secrets
+    import subprocess
+
+    from torchport.distributed.transport_shm import STALE_RING_S
+
+    proc = subprocess.Popen(["true"])  # (its pid, once it exited and was reaped: a dead one)
+    proc.wait()
+    dead = proc.pid
+    old = time.time() - STALE_RING_S - 60
+    names = {
+        "dead_old": (dead, old),
+        "dead_new": (dead, time.time()),
+        "live_old": (os.getpid(), old),
+    }
+    paths = {
+        k: f"/dev/shm/torchport-ring-{pid}-{secrets.token_hex(8)}" for k, (pid, _) in names.items()
+    }
+    try:
+        for k, path in paths.items():
+            with open(path, "wb"):
+                pass
+            os.utime(path, (names[k][1], names[k][1]))
+        w, r = _ring_ends()
+        w.close()
+        r.close()
+        assert {k: os.path.exists(p) for k, p in paths.items()} == {
+            "dead_old": False,
+            "dead_new": True,
+            "live_old": True,
+        }
+    finally:
+        for p in paths.values():
+            with contextlib.suppress(OSError):
+                os.unlink(p)

@@ -57,6 +57,8 @@ YIELD_CAP_OFF = 80
 PIPE_BLOCK = 65536  # bytes per block of the allreduce pipeline (per part)
 RING_MAGIC = 0x5450524E47  # "TPRNG": a point-to-point byte ring (transport_shm.ShmRing)
 RING_DATA = 4096  # its data starts here, after the header's words
+RING_MAPPED_OFF = 320  # the reader sets this word once it mapped the ring
+RING_CORRUPT = -2  # tp_ring_move: the peer's word is out of bounds
 
 _SOURCE = r"""
 #include <sched.h>
@@ -721,10 +723,18 @@ TP_EXPORT int64_t tp_get_abort(char *hdr) {
 /* A one-way byte ring between two processes (transport_shm.ShmRing): the payloads of large
    point-to-point frames between ranks of one host. Header (bytes): [0] magic, [8] capacity;
    [64] head (bytes written so far: the writer's word), [128] tail (bytes read so far: the
-   reader's), [192] closed (set by either side, never cleared), [256] futex word (int32) and
-   [260] sleeper count. Data from RING_DATA, ``capacity`` bytes used modulo. One writing thread
-   and one reading thread at a time (the sender's connection lock, the receiver's reader). */
+   reader's), [192] closed (bits: 1 the writer finished -- the reader still takes what is in
+   the ring --, 2 stop now; set by either side, never cleared), [256] futex word (int32) and
+   [260] sleeper count, [320] mapped (set by the reader once it mapped the file). Data from
+   RING_DATA, ``capacity`` bytes used modulo. One writing thread and one reading thread at a
+   time (the sender's connection lock, the receiver's reader).
+
+   The file is shared with the peer, who may write any word of it: each side keeps its own
+   position privately (``pos``; the shared word is only its publication), takes the capacity
+   from its caller (checked when mapped) and checks the peer's word against it before any
+   copy, so no value in the file can make a copy leave the data area. */
 #define RING_DATA ${ring_data}
+#define RING_CORRUPT (-2)
 static inline int64_t *tp_rw(char *r, int off) { return (int64_t *)(r + off); }
 static inline int32_t *tp_ring_gen(char *r) { return (int32_t *)(r + 256); }
 static inline int32_t *tp_ring_sleepers(char *r) { return (int32_t *)(r + 260); }
@@ -739,14 +749,14 @@ static void tp_ring_post(char *r, int64_t *word, int64_t v) {
     }
 }
 
-/* Wait until the word at ``off`` is no longer ``seen`` (the other side moved), the ring is
-   closed or the clock passes ``until``: spins, yields for tp_yield_ns, then sleeps on the
-   futex (1 ms at a time). 1 if the word moved, 0 otherwise. */
+/* Wait until the word at ``off`` is no longer ``seen`` (the other side moved; 1), the ring is
+   closed (2) or the clock passes ``until`` (0): spins, yields for tp_yield_ns, then sleeps on
+   the futex (1 ms at a time). */
 static int tp_ring_wait(char *r, int off, int64_t seen, int64_t until) {
     int64_t *word = tp_rw(r, off), *closed = tp_rw(r, 192), t0 = 0;
     for (int64_t spins = 0;; spins++) {
         if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != seen) return 1;
-        if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return 0;
+        if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return 2;
         if (spins < 256) {
 #if defined(__x86_64__)
             __builtin_ia32_pause();
@@ -768,45 +778,52 @@ static int tp_ring_wait(char *r, int off, int64_t seen, int64_t until) {
     }
 }
 
-/* Move up to n bytes through the ring: into it from ``buf`` (put != 0) or out of it into
-   ``buf`` (NULL: dropped), publishing every ``chunk`` bytes at most so that the other side
-   copies while this one does. Returns the bytes moved once all n are, or when ``budget_ns``
-   passed without the room or data to go on (possibly 0); -1 once the ring is closed. */
-TP_EXPORT int64_t tp_ring_move(char *r, char *buf, int64_t n, int64_t chunk, int64_t budget_ns,
-                               int64_t put) {
-    int64_t cap = *tp_rw(r, 8);
+/* Move up to n bytes through a ring of ``cap`` data bytes: into it from ``buf`` (put != 0) or
+   out of it into ``buf`` (NULL: dropped), this side's position at ``*pos``, publishing every
+   ``chunk`` bytes at most so that the other side copies while this one does. Returns the
+   bytes moved once all n are, or when ``budget_ns`` passed without the room or data to go on
+   (possibly 0); -1 once the ring is closed and nothing was moved (the reader first takes what
+   the writer left in it, unless told to stop now); RING_CORRUPT when the peer's word is out
+   of bounds. */
+TP_EXPORT int64_t tp_ring_move(char *r, int64_t cap, int64_t *pos, char *buf, int64_t n,
+                               int64_t chunk, int64_t budget_ns, int64_t put) {
     int64_t *head = tp_rw(r, 64), *tail = tp_rw(r, 128), *closed = tp_rw(r, 192);
     int64_t *mine = put ? head : tail, *theirs = put ? tail : head;
     char *data = r + RING_DATA;
     int64_t done = 0, until = tp_now_ns() + budget_ns;
-    if (chunk <= 0) chunk = cap;
+    if (cap <= 0 || n < 0) return RING_CORRUPT;
+    if (chunk <= 0 || chunk > cap) chunk = cap;
     while (done < n) {
-        if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return -1;
-        int64_t at = __atomic_load_n(mine, __ATOMIC_RELAXED);
+        int64_t cl = __atomic_load_n(closed, __ATOMIC_ACQUIRE);
+        if (cl >= 2 || (cl && put)) return done > 0 ? done : -1;
+        int64_t at = *pos;
         int64_t other = __atomic_load_n(theirs, __ATOMIC_ACQUIRE);
-        int64_t ready = put ? cap - (at - other) : other - at;  /* room, or bytes to read */
-        if (ready <= 0) {
-            if (!tp_ring_wait(r, put ? 128 : 64, other, until)) {
-                if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return -1;
-                break;
-            }
+        int64_t held = put ? at - other : other - at;  /* bytes in the ring */
+        if (held < 0 || held > cap) return RING_CORRUPT;
+        int64_t ready = put ? cap - held : held;  /* room, or bytes to read */
+        if (ready == 0) {
+            if (cl) return done > 0 ? done : -1;  /* (a reader: all the writer left is taken) */
+            if (tp_ring_wait(r, put ? 128 : 64, other, until) == 0) break;
             continue;
         }
         int64_t off = at % cap, k = n - done;
+        if (off < 0) return RING_CORRUPT;
         if (k > ready) k = ready;
         if (k > chunk) k = chunk;
         if (k > cap - off) k = cap - off;
         if (put) memcpy(data + off, buf + done, (size_t)k);
         else if (buf) memcpy(buf + done, data + off, (size_t)k);
+        *pos = at + k;
         tp_ring_post(r, mine, at + k);
         done += k;
     }
     return done;
 }
 
-/* Close the ring (either side; both see it at their next check) and wake a sleeper. */
-TP_EXPORT void tp_ring_close(char *r) {
-    __atomic_store_n(tp_rw(r, 192), 1, __ATOMIC_SEQ_CST);
+/* Close the ring (either side; both see it at their next check) and wake a sleeper: ``how``
+   1 the writer finished (its reader still takes what is in the ring), 2 stop now. */
+TP_EXPORT void tp_ring_close(char *r, int64_t how) {
+    __atomic_fetch_or(tp_rw(r, 192), how, __ATOMIC_SEQ_CST);
     __atomic_add_fetch(tp_ring_gen(r), 1, __ATOMIC_SEQ_CST);
     syscall(SYS_futex, tp_ring_gen(r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
@@ -839,9 +856,9 @@ class ShmLib:
         self.set_yield = native.c_function(lib, "tp_set_yield", [i64], None)
         self.get_abort = native.c_function(lib, "tp_get_abort", [p], ctypes.c_int64)
         self.ring_move = native.c_function(
-            lib, "tp_ring_move", [p, p, i64, i64, i64, i64], ctypes.c_int64
+            lib, "tp_ring_move", [p, i64, p, p, i64, i64, i64, i64], ctypes.c_int64
         )
-        self.ring_close = native.c_function(lib, "tp_ring_close", [p], None)
+        self.ring_close = native.c_function(lib, "tp_ring_close", [p, i64], None)
 
 
 @functools.cache

@@ -45,6 +45,7 @@ from torchport.distributed.shm_kernels import (
     OVERSUBSCRIBED_YIELD_NS,
     RING_DATA,
     RING_MAGIC,
+    RING_MAPPED_OFF,
     SIG_WORDS,
     TIMEOUT,
     YIELD_CAP_OFF,
@@ -225,7 +226,11 @@ class ShmArena:
                     mm.close()
 
 
-RING_NAME = re.compile(r"/dev/shm/torchport-ring-[0-9]+-[0-9a-f]{16}")
+RING_NAME = re.compile(r"/dev/shm/torchport-ring-([0-9]+)-[0-9a-f]{16}")
+# a ring name older than this whose creator is not a live process here is removed when a ring
+# is made (both ends were killed before the reader mapped it; a live offer is mapped within
+# the time its peer's reader thread takes to read one frame)
+STALE_RING_S = 60.0
 
 
 class ShmRing:
@@ -236,12 +241,18 @@ class ShmRing:
     ring, and in which order). The writer creates the file (``create=True``: a random name,
     mode 0600, its pages reserved with ``posix_fallocate`` so that a full ``/dev/shm`` is an
     error here and not a SIGBUS later) and offers its path to the reader, which maps it and
-    unlinks the name. Either side's :meth:`close` ends the other's waits."""
+    unlinks the name. Either side's :meth:`close` ends the other's waits; the writer's
+    ``drain`` close lets the reader take what is still in the ring first.
+
+    The file is writable by the peer: this side's position is kept here (the shared word only
+    publishes it) and the native copy checks the peer's word against the capacity, so a peer
+    that scribbles on the file breaks the connection (``RING_CORRUPT``), not this process."""
 
     def __init__(self, path: str, capacity: int = 0, *, create: bool) -> None:
         if create:
             if capacity <= 0:
                 raise CommError(f"a ring needs a positive capacity, got {capacity}")
+            _sweep_stale_rings()
             path = self.new_path()
         elif not RING_NAME.fullmatch(path):
             raise CommError(f"refusing to map {path!r}: not a torchport ring name")
@@ -276,6 +287,8 @@ class ShmRing:
         finally:
             os.close(fd)
         self.capacity = capacity
+        self._pos = ctypes.c_int64(0)  # this side's position (bytes written, or read)
+        self._pos_addr = ctypes.addressof(self._pos)
         # bytes copied between two publications: a quarter of the ring (the other side copies
         # the last quarter meanwhile; 64 MiB through a 4 MiB ring took 25-35 ms in 256 KiB
         # publications, 7-12 ms in 1 MiB ones here: a reader right behind the writer fights
@@ -288,6 +301,8 @@ class ShmRing:
         elif struct.unpack_from("<QQ", self._mm, 0) != (RING_MAGIC, capacity):
             self.close()
             raise CommError(f"ring {path} has a foreign header")
+        else:
+            struct.pack_into("<q", self._mm, RING_MAPPED_OFF, 1)
 
     @staticmethod
     def new_path() -> str:
@@ -301,25 +316,74 @@ class ShmRing:
         with self._use:
             if self._mm is None:
                 return -1
-            return int(self.lib.ring_move(self.base, ptr, n, self.chunk, budget_ns, int(put)))
+            return int(
+                self.lib.ring_move(
+                    self.base,
+                    self.capacity,
+                    self._pos_addr,
+                    ptr,
+                    n,
+                    self.chunk,
+                    budget_ns,
+                    int(put),
+                )
+            )
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the reader has mapped the ring (and so removed its name)."""
+        with self._state:
+            if self._mm is None:
+                return False
+            return struct.unpack_from("<q", self._mm, RING_MAPPED_OFF)[0] != 0
 
     def unlink(self) -> None:
         """Remove the file name (the mappings stay valid)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def close(self) -> None:
-        """Mark the ring closed for both sides, then unmap it."""
+    def close(self, *, drain: bool = False) -> None:
+        """Mark the ring closed for both sides, then unmap it. ``drain`` (the writer, closing
+        cleanly): the reader still takes what is in the ring, then sees it closed."""
         with self._state:
             if self._mm is None:
                 return
-            self.lib.ring_close(self.base)
+            self.lib.ring_close(self.base, 1 if drain else 2)
         with self._use, self._state:
             mm, self._mm = self._mm, None
             if mm is not None:
                 del self._anchor
                 with contextlib.suppress(BufferError):
                     mm.close()
+
+
+def _sweep_stale_rings() -> None:
+    """Remove ring names of this user older than ``STALE_RING_S`` whose creator is no live
+    process here: left when both ends were killed before the reader mapped the ring (its
+    reader removes a name; a writer closing cleanly keeps one its reader has yet to map)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    uid, now = os.getuid(), time.time()
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        m = RING_NAME.fullmatch(path)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        try:
+            if pid != os.getpid():
+                os.kill(pid, 0)
+            continue  # its creator lives (or is another user's: not ours to remove)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if st.st_uid == uid and now - st.st_mtime > STALE_RING_S:
+                os.unlink(path)
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:

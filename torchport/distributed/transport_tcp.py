@@ -49,6 +49,7 @@ import numpy
 
 from torchport.distributed import auth
 from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
+from torchport.distributed.shm_kernels import RING_CORRUPT
 from torchport.distributed.tcp_kernels import (
     CLOSED,
     DONE,
@@ -1060,8 +1061,8 @@ class Mesh:
 
     def _lost(self, conn: Connection, e: BaseException) -> None:
         """Tell every group that the connection to ``conn.peer`` is gone."""
-        self._close_rings(conn)
-        if not self.closed:
+        if not self.closed:  # (a closing mesh's readers end so: close() settles the rings)
+            self._close_rings(conn)
             err = CommError(f"connection to rank {conn.peer} lost: {e}")
             for handler in list(self._handlers.values()):
                 handler.on_peer_lost(conn.peer, err)
@@ -1211,9 +1212,14 @@ class Mesh:
         try:
             ring = ShmRing(bytes(body).decode("ascii"), cap, create=False)
         except (UnicodeDecodeError, OSError, CommError) as e:
+            hint = (
+                "; ranks of another user share no memory: TORCHPORT_DIST_P2P_RING_BYTES=0 on "
+                "the sender sends large point-to-point messages by TCP"
+                if isinstance(e, PermissionError)
+                else ""
+            )
             raise WireError(
-                f"cannot map the shared-memory ring rank {conn.peer} offered ({e}); "
-                "TORCHPORT_DIST_P2P_RING_BYTES=0 sends large point-to-point messages by TCP"
+                f"cannot map the shared-memory ring rank {conn.peer} offered ({e}){hint}"
             ) from e
         ring.unlink()
         conn.ring_in = ring
@@ -1238,6 +1244,11 @@ class Mesh:
         done, n = 0, len(view)
         while done < n:
             k = ring.move(ptr + done, n - done, put=False, budget_ns=RING_SLICE_NS)
+            if k == RING_CORRUPT:
+                raise WireError(
+                    f"the shared-memory ring from rank {conn.peer} is corrupt (its write "
+                    "position is out of the ring's bounds)"
+                )
             if k < 0:
                 raise ConnectionError(f"the shared-memory ring from rank {conn.peer} was closed")
             done += k
@@ -1261,22 +1272,35 @@ class Mesh:
                 conn.sock.sendall(head)
                 while done < n:
                     k = ring.move(ptr + done, n - done, put=True, budget_ns=RING_SLICE_NS)
+                    if k == RING_CORRUPT:
+                        raise CommError(
+                            f"send to rank {conn.peer} failed: the shared-memory ring to it is "
+                            "corrupt (its read position is out of the ring's bounds)"
+                        )
                     if k < 0:
                         raise CommError(
-                            f"send to rank {conn.peer} failed: its shared-memory ring was closed"
+                            f"send to rank {conn.peer} failed: the connection to it was lost or "
+                            "closed (its shared-memory ring was closed)"
                         )
                     done += k
         except OSError as e:
             raise CommError(f"send to rank {conn.peer} failed: {e}") from e
 
     @staticmethod
-    def _close_rings(conn: Connection) -> None:
-        """Close ``conn``'s rings (a copy waiting on one ends) and remove an unmapped name."""
-        for ring in (conn.ring_out, conn.ring_in):
-            if ring is not None:
-                ring.close()
-        if conn.ring_out is not None:
-            conn.ring_out.unlink()
+    def _close_rings(conn: Connection, *, clean: bool = False) -> None:
+        """Close ``conn``'s rings (a copy waiting on one ends). ``clean`` (this mesh closes):
+        the peer still takes what our ring holds -- a send that returned is delivered, as the
+        socket delivers its buffered bytes after a close -- and a ring it has not mapped yet
+        keeps its name, for the peer to map when it reads the offer. Otherwise (the connection
+        is lost or cut) both stop now and the name goes."""
+        out = conn.ring_out
+        keep = clean and out is not None and not out.mapped
+        if out is not None:
+            if not keep:  # (first: whoever waits on the ring may end this process next)
+                out.unlink()
+            out.close(drain=clean)
+        if conn.ring_in is not None:
+            conn.ring_in.close()
 
     def send(
         self,
@@ -2029,5 +2053,5 @@ class Mesh:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
             conn.sock.close()
-            self._close_rings(conn)
+            self._close_rings(conn, clean=True)
         self.mailbox.wake()
