@@ -1178,6 +1178,51 @@ def p2p_late_case(rank: int, world: int) -> list[str]:
     return bad
 
 
+def send_cut_case(rank: int, world: int) -> dict[str, Any]:
+    """An isend whose receiver has stopped (SIGSTOP: the ring, or the socket's buffers, fill
+    and the send waits for room) when rank 0 aborts its group: ``abort()`` returns and the
+    send's ``wait()`` raises within the abort bound (the frame part-way is cut with the
+    connection after ABORT_FINISH_S), through a shared-memory ring and by TCP. On a gloo
+    default group: each torchport group has its own mesh, which the cut ends."""
+    import signal
+
+    import torchport
+
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out: dict[str, Any] = {}
+    for ring in (1 << 20, 0):
+        with torchport.config.override(dist_p2p_ring_bytes=ring):
+            g = dist.new_group(list(range(world)), backend="torchport")
+        dist.barrier()
+        if rank == 0:
+            os.kill(pids[1], signal.SIGSTOP)
+            try:
+                w = dist.isend(torch.ones((64 << 20) // 4), 1, group=g)
+                time.sleep(0.3)
+                t0 = time.monotonic()
+                g.abort()
+                returned = time.monotonic() - t0
+                try:
+                    w.wait()
+                    err = "no error"
+                except Exception as e:
+                    err = type(e).__name__
+                took = time.monotonic() - t0
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+            conn = g.comm.mesh.peers[1]
+            out["ring" if ring else "tcp"] = {
+                "abort": returned,
+                "wait": took,
+                "error": err,
+                "ring": conn.ring_out is not None,
+            }
+        dist.barrier()
+        dist.destroy_process_group(g)
+    return out
+
+
 def recv_cut_case(rank: int, world: int) -> dict[str, Any]:
     """A receive whose message is part-way into its tensor when its group is aborted (the
     sender stopped by SIGSTOP mid-message): once ``wait()`` raised, nothing more lands in the
@@ -1404,6 +1449,7 @@ SCENARIOS = {
     "grid_mailbox": grid_mailbox,
     "p2p": p2p_case,
     "recv_cut": recv_cut_case,
+    "send_cut": send_cut_case,
     "p2p_late": p2p_late_case,
     "split": split_case,
     "split_again": split_again_case,
