@@ -1181,9 +1181,9 @@ def p2p_late_case(rank: int, world: int) -> list[str]:
 def send_cut_case(rank: int, world: int) -> dict[str, Any]:
     """An isend whose receiver has stopped (SIGSTOP: the ring, or the socket's buffers, fill
     and the send waits for room) when rank 0 aborts its group: ``abort()`` returns and the
-    send's ``wait()`` raises within the abort bound (the frame part-way is cut with the
-    connection after ABORT_FINISH_S), through a shared-memory ring and by TCP. On a gloo
-    default group: each torchport group has its own mesh, which the cut ends."""
+    send's ``wait()`` raises within the abort bound (the frame part-way goes on once the
+    receiver resumes), through a shared-memory ring and by TCP. On a gloo default group (each
+    torchport group its own mesh)."""
     import signal
 
     import torchport
@@ -1221,6 +1221,49 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
         dist.barrier()
         dist.destroy_process_group(g)
     return out
+
+
+def abort_send_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0's isend on a subgroup waits for rank 1, stopped (SIGSTOP) with the ring full;
+    rank 0 aborts the subgroup: ``abort()`` returns and the send's ``wait()`` raises within
+    the abort bound, and once rank 1 resumes the default group, on the same connections,
+    still works on both ranks while rank 1 sees the subgroup failed (its ABORT frame went
+    after the frame in flight)."""
+    import signal
+
+    sub = dist.new_group(list(range(world)))
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    rec: dict[str, Any] = {}
+    dist.barrier()
+    if rank == 0:
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            w = dist.isend(torch.ones((64 << 20) // 4), 1, group=sub)
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            sub.abort()
+            rec["abort"] = time.monotonic() - t0
+            try:
+                w.wait()
+                rec["error"] = "no error"
+            except Exception as e:
+                rec["error"] = type(e).__name__
+            rec["wait"] = time.monotonic() - t0
+            time.sleep(0.3)  # (stopped for longer than any cut would wait)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    rec["sum"] = t.tolist()
+    if rank == 1:
+        end = time.monotonic() + 5
+        while sub.comm.error is None and time.monotonic() < end:
+            time.sleep(0.01)
+        rec["sub"] = type(sub.comm.error).__name__
+    dist.barrier()
+    dist.destroy_process_group(sub)
+    return rec
 
 
 def recv_cut_case(rank: int, world: int) -> dict[str, Any]:
@@ -1450,6 +1493,7 @@ SCENARIOS = {
     "p2p": p2p_case,
     "recv_cut": recv_cut_case,
     "send_cut": send_cut_case,
+    "abort_send": abort_send_case,
     "p2p_late": p2p_late_case,
     "split": split_case,
     "split_again": split_again_case,

@@ -20,7 +20,6 @@ queued and later operation. ``abort()`` does the same with :class:`CommAbortedEr
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import datetime
 import functools
@@ -387,6 +386,7 @@ class Communicator:
         # running the queue inline) would touch the unmapped arena; it fails instead
         self._stopped = False
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
+        self._sends: set[TorchportWork] = set()  # point-to-point sends queued or in flight
         self._lock = threading.Lock()
         self._running = threading.local()  # .work: the operation run() runs on this thread
         self.lib = shm_lib()
@@ -424,10 +424,10 @@ class Communicator:
             self._shm.set_abort(self.rank, reason)
         for q, g in enumerate(self.ranks):
             if q != self.rank and g in self.mesh.peers:
-                with contextlib.suppress(CommError):
-                    self.mesh.send(g, Kind.ABORT, self.group_id, reason)
+                self.mesh.send_abort(g, self.group_id, reason)
         self.mesh.mailbox.wake()
         self._cancel_receives(pending, error)
+        self._fail_sends(error)
         self.mesh.bury(self.group_id, self)
 
     def _cancel_receives(
@@ -441,6 +441,16 @@ class Communicator:
             if key is not None and key[2] in self.mesh.peers:
                 on_stuck = functools.partial(self.mesh.shutdown_peer, key[2])
             self.mesh.mailbox.cancel(key, cb, time.monotonic() + RECV_CUT_S, on_stuck)
+            work._finish(error)
+
+    def _fail_sends(self, error: BaseException) -> None:
+        """Fail the Works of the sends queued or in flight: one whose frame waits for a
+        receiver that stopped reading cannot stop part-way (the stream would break for every
+        group on the connection), so it goes on in the background -- its tensor kept alive by
+        the send -- while its ``wait()`` raises now; later frames of it are not sent."""
+        with self._lock:
+            sends = list(self._sends)
+        for work in sends:
             work._finish(error)
 
     def abort(self) -> None:
@@ -463,6 +473,7 @@ class Communicator:
         if self._shm is not None:
             self._shm.set_abort(q, reason)
         self._cancel_receives(pending, err)
+        self._fail_sends(err)
         self.mesh.bury(self.group_id, self)
 
     def on_peer_lost(self, src: int, error: BaseException) -> None:
@@ -671,14 +682,20 @@ class Communicator:
         code, numel = dtype_code(tensor.dtype), tensor.numel()
 
         def go() -> None:
-            payload = data.numpy().data if data is not None else memoryview(b"")
-            parts = p2p_frames(payload, code, numel, p2p_bound(self.mesh.max_frame))
-            self.mesh.send_frames(
-                self.ranks[dst], Kind.P2P, self.group_id, tag, parts, check=self.check
-            )
+            try:
+                payload = data.numpy().data if data is not None else memoryview(b"")
+                parts = p2p_frames(payload, code, numel, p2p_bound(self.mesh.max_frame))
+                self.mesh.send_frames(
+                    self.ranks[dst], Kind.P2P, self.group_id, tag, parts, check=self.check
+                )
+            finally:
+                with self._lock:
+                    self._sends.discard(work)
 
         work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
         if not self.check_now(work):
+            with self._lock:
+                self._sends.add(work)
             self.sender.submit(work, go)
         return work
 

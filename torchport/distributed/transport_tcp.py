@@ -203,10 +203,6 @@ def recv_into_ptr(sock: socket.socket, ptr: int, n: int) -> None:
         got += k
 
 
-def _no_check() -> None:
-    """A ``check`` that never stops anything."""
-
-
 def _peer_closed(sock: socket.socket) -> bool:
     """Whether the peer's end of ``sock`` is gone (end of stream or an error), taking no byte."""
     try:
@@ -1264,74 +1260,31 @@ class Mesh:
                 if deadline is not None and time.monotonic() > deadline:
                     raise CommTimeoutError(f"timed out with {done} of {n} bytes of a frame read")
 
-    def _send_checked(
-        self,
-        conn: Connection,
-        head: bytes,
-        payload: bytes | bytearray | memoryview,
-        ring: ShmRing | None,
-        check: Callable[[], None],
+    def _send_ring(
+        self, conn: Connection, ring: ShmRing, head: bytes, payload: bytes | bytearray | memoryview
     ) -> None:
-        """Send one point-to-point frame: its header by the socket, its payload after it or,
-        with ``ring`` (the header then carries ``FLAG_RING``), into the ring, which the peer's
-        reader empties once it has read the header. The copies return every ``SLICE_MS``,
-        progress or not, and ``check()`` runs then: once it raises (the group failed), a frame
-        not begun is not sent, one part-way gets ``ABORT_FINISH_S`` to complete (the stream
-        stays whole), and past that the connection is cut (a stalled peer cannot hold a
-        failed send, nor the ABORT frames waiting for this connection's lock) -- as a receive
-        stuck in its reader is cut (``Communicator._cancel_receives``)."""
-        n = len(payload)
-        if ring is not None:
-            pieces = [memoryview(head)]
-        elif n <= 65536:  # one system call for a small frame
-            pieces = [memoryview(head + bytes(payload))]
-        else:
-            pieces = [memoryview(head), memoryview(payload).cast("B")]
-        ptr = numpy.frombuffer(payload, dtype=numpy.uint8).ctypes.data if ring and n else 0
-        piece = sent = done = 0  # the piece on the socket and its bytes sent; bytes in the ring
-        failed: BaseException | None = None
-        cut_at = 0.0
-        poller = select.poll()
-        poller.register(conn.sock.fileno(), select.POLLOUT)
-        with conn.lock:
-            try:
-                while True:
-                    if piece < len(pieces):
-                        try:
-                            sent += conn.sock.send(pieces[piece][sent:], socket.MSG_DONTWAIT)
-                        except BlockingIOError:
-                            poller.poll(SLICE_MS)
-                        if sent == len(pieces[piece]):
-                            piece, sent = piece + 1, 0
-                    elif ring is not None and done < n:
-                        k = ring.move(ptr + done, n - done, put=True, budget_ns=RING_SLICE_NS)
-                        if k == RING_CORRUPT:
-                            raise CommError(
-                                f"send to rank {conn.peer} failed: the shared-memory ring to it "
-                                "is corrupt (its read position is out of the ring's bounds)"
-                            )
-                        if k < 0:
-                            raise CommError(
-                                f"send to rank {conn.peer} failed: the connection to it was lost "
-                                "or closed (its shared-memory ring was closed)"
-                            )
-                        done += k
-                    else:
-                        break
-                    if failed is None:
-                        try:
-                            check()
-                        except BaseException as e:
-                            if piece == 0 and sent == 0:
-                                raise  # nothing of this frame went out
-                            failed, cut_at = e, time.monotonic() + ABORT_FINISH_S
-                    elif time.monotonic() > cut_at:
-                        self.shutdown_peer(conn.peer)  # (the frame can never be completed)
-                        raise failed
-            except OSError as e:
-                raise CommError(f"send to rank {conn.peer} failed: {e}") from e
-        if failed is not None:
-            raise failed
+        """Send one frame with ``FLAG_RING``: its header by the socket, then its payload into
+        ``ring``, which the peer's reader empties once it has read the header."""
+        ptr = numpy.frombuffer(payload, dtype=numpy.uint8).ctypes.data
+        done, n = 0, len(payload)
+        try:
+            with conn.lock:
+                conn.sock.sendall(head)
+                while done < n:
+                    k = ring.move(ptr + done, n - done, put=True, budget_ns=RING_SLICE_NS)
+                    if k == RING_CORRUPT:
+                        raise CommError(
+                            f"send to rank {conn.peer} failed: the shared-memory ring to it is "
+                            "corrupt (its read position is out of the ring's bounds)"
+                        )
+                    if k < 0:
+                        raise CommError(
+                            f"send to rank {conn.peer} failed: the connection to it was lost or "
+                            "closed (its shared-memory ring was closed)"
+                        )
+                    done += k
+        except OSError as e:
+            raise CommError(f"send to rank {conn.peer} failed: {e}") from e
 
     @staticmethod
     def _close_rings(conn: Connection, *, clean: bool = False) -> None:
@@ -1367,6 +1320,35 @@ class Mesh:
             conn, encode_header(kind, group, self.rank, seq, len(payload), sig), payload
         )
 
+    def send_abort(self, peer: int, group: int, reason: int) -> None:
+        """Send ``group``'s ABORT frame to global rank ``peer`` without waiting behind a frame
+        being sent to it (a receiver that stopped reading holds that one for as long as it
+        stays stopped): here when the connection is free and its socket takes the header at
+        once, else from a thread of its own once it can go."""
+        conn = self.peers.get(peer)
+        if conn is None:
+            return
+        head = encode_header(Kind.ABORT, group, self.rank, reason, 0)
+        if conn.lock.acquire(blocking=False):
+            try:
+                k = conn.sock.send(head, socket.MSG_DONTWAIT)
+                if 0 < k < len(head):  # (the rest must follow before any other byte)
+                    conn.sock.sendall(head[k:])
+                    k = len(head)
+            except BlockingIOError:
+                k = 0
+            except OSError:
+                return  # (the connection is gone: so is every group on it)
+            finally:
+                conn.lock.release()
+            if k == len(head):
+                return
+        self._spawn(self._send_quietly, conn, head, name="tp-abort")
+
+    def _send_quietly(self, conn: Connection, head: bytes) -> None:
+        with contextlib.suppress(CommError):
+            self._send_frame(conn, head, b"")
+
     def _conn(self, peer: int) -> Connection:
         conn = self.peers.get(peer)
         if conn is None:
@@ -1398,8 +1380,7 @@ class Mesh:
         """Send frames ``(payload, sig)`` to global rank ``peer`` in order, with no frame of
         another such call between them (one message cut into frames; other frames, an ABORT's,
         may go out between two of them). ``check()`` runs before every frame after the first
-        and while one is sent (:meth:`_send_checked`), and raises to stop (the group failed:
-        the receiver's side fails too)."""
+        and raises to stop (the group failed: the receiver's side fails too)."""
         for payload, _sig in parts:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
@@ -1410,10 +1391,12 @@ class Mesh:
             for i, (payload, sig) in enumerate(parts):
                 if i and check is not None:
                     check()
-                use = ring if ring is not None and len(payload) else None
-                flags = FLAG_RING if use is not None else 0
-                head = encode_header(kind, group, self.rank, seq, len(payload), sig, flags)
-                self._send_checked(conn, head, payload, use, check or _no_check)
+                if ring is not None and len(payload):
+                    head = encode_header(kind, group, self.rank, seq, len(payload), sig, FLAG_RING)
+                    self._send_ring(conn, ring, head, payload)
+                    continue
+                head = encode_header(kind, group, self.rank, seq, len(payload), sig)
+                self._send_frame(conn, head, payload)
 
     def send_all(
         self,
