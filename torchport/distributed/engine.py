@@ -449,7 +449,7 @@ class Communicator:
         group on the connection), so it goes on in the background -- its tensor kept alive by
         the send -- while its ``wait()`` raises now; later frames of it are not sent."""
         with self._lock:
-            sends = list(self._sends)
+            sends, self._sends = list(self._sends), set()
         for work in sends:
             work._finish(error)
 
