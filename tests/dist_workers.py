@@ -1179,11 +1179,13 @@ def p2p_late_case(rank: int, world: int) -> list[str]:
 
 
 def send_cut_case(rank: int, world: int) -> dict[str, Any]:
-    """An isend whose receiver has stopped (SIGSTOP: the ring, or the socket's buffers, fill
-    and the send waits for room) when rank 0 aborts its group: ``abort()`` returns and the
-    send's ``wait()`` raises within the abort bound (the frame part-way goes on once the
-    receiver resumes), through a shared-memory ring and by TCP. On a gloo default group (each
-    torchport group its own mesh)."""
+    """An isend of one frame (8 MiB) whose receiver has stopped (SIGSTOP) with its receive
+    posted, the ring or the socket's buffers full, when rank 0 aborts its group: ``abort()``
+    returns and the send's ``wait()`` raises within the abort bound; rank 0 then reuses the
+    tensor (fills it with 2). The frame in flight goes on once the receiver resumes, from a
+    private copy: rank 1's receive gets the ones the tensor held at the abort, whole (a
+    review saw half ones and half twos, as a success), or fails. Through a shared-memory ring
+    and by TCP, on a gloo default group (each torchport group its own mesh)."""
     import signal
 
     import torchport
@@ -1191,14 +1193,19 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     out: dict[str, Any] = {}
+    n = (8 << 20) // 4
     for ring in (1 << 20, 0):
+        how = "ring" if ring else "tcp"
         with torchport.config.override(dist_p2p_ring_bytes=ring):
             g = dist.new_group(list(range(world)), backend="torchport")
+        t = torch.zeros(n)
+        w = dist.irecv(t, 0, group=g) if rank == 1 else None
         dist.barrier()
         if rank == 0:
             os.kill(pids[1], signal.SIGSTOP)
             try:
-                w = dist.isend(torch.ones((64 << 20) // 4), 1, group=g)
+                buf = torch.ones(n)
+                w = dist.isend(buf, 1, group=g)
                 time.sleep(0.3)
                 t0 = time.monotonic()
                 g.abort()
@@ -1209,16 +1216,24 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
                 except Exception as e:
                     err = type(e).__name__
                 took = time.monotonic() - t0
+                buf.fill_(2.0)
             finally:
                 os.kill(pids[1], signal.SIGCONT)
             conn = g.comm.mesh.peers[1]
-            out["ring" if ring else "tcp"] = {
+            out[how] = {
                 "abort": returned,
                 "wait": took,
                 "error": err,
                 "ring": conn.ring_out is not None,
             }
         dist.barrier()
+        if rank == 1 and w is not None:
+            try:
+                w.wait()
+                got = "received"
+            except Exception as e:
+                got = type(e).__name__
+            out[how] = {"recv": got, "ones": int((t == 1).sum()), "twos": int((t == 2).sum())}
         dist.destroy_process_group(g)
     return out
 

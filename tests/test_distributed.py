@@ -294,11 +294,14 @@ def test_abort_ends_a_send_waiting_on_a_stopped_receiver_within_the_bound():
     """Before, abort() itself waited (for the connection's lock, held by the stuck frame) until
     the receiver resumed: 4.5 s in a review's run, through the ring as by TCP. The bound is
     100 ms; the test allows twice that on a loaded host."""
-    cut = gloo_results()[0]["send_cut"]
+    cut, got = (r["send_cut"] for r in gloo_results())
     assert cut["ring"]["ring"] and not cut["tcp"]["ring"], cut
     for how in ("ring", "tcp"):
         assert cut[how]["error"] == "CommAbortedError", cut
         assert cut[how]["abort"] < 0.2 and cut[how]["wait"] < 0.2, cut
+        # the frame in flight went on from a copy made at the abort: never torn
+        r = got[how]
+        assert r["twos"] == 0 and (r["recv"] != "received" or r["ones"] == (8 << 20) // 4), r
 
 
 @pytest.mark.timeout(110)

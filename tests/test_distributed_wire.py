@@ -1739,10 +1739,15 @@ class _Lost(_Handler):
 
 
 def _p2p_parts(n: int, seed: int = 0):
+    """``n`` random bytes, as one P2P frame's parts and as the send's source (what
+    ``Communicator.send_p2p`` hands ``Mesh.send_frames``)."""
     import numpy
+    import torch
+
+    from torchport.distributed.transport_tcp import SendSource
 
     data = numpy.random.default_rng(seed).integers(0, 256, n, dtype=numpy.uint8)
-    return data, [(memoryview(data), (1, n, 0, 0))]
+    return data, [(memoryview(data), (1, n, 0, 0))], SendSource(torch.from_numpy(data))
 
 
 @pytest.mark.timeout(60)
@@ -1755,16 +1760,16 @@ def test_large_p2p_payloads_of_one_host_go_through_a_ring_small_ones_by_the_sock
     import numpy
 
     m0, m1 = ring_pair
-    big, parts = _p2p_parts(300_007)
-    small, small_parts = _p2p_parts(1000, 1)
-    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 7, parts))
+    big, parts, parts_src = _p2p_parts(300_007)
+    small, small_parts, small_parts_src = _p2p_parts(1000, 1)
+    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 7, parts, None, parts_src))
     t.start()
     hdr, body = m0.mailbox.get((5, int(Kind.P2P), 1, 7), time.monotonic() + 20, lambda: None)
     t.join(10)
     assert hdr.flags == 1 and numpy.array_equal(numpy.frombuffer(body, numpy.uint8), big)
     out, into = m1.peers[0].ring_out, m0.peers[1].ring_in
     assert out is not None and into is not None and not os.path.exists(out.path)
-    m1.send_frames(0, Kind.P2P, 5, 8, small_parts)
+    m1.send_frames(0, Kind.P2P, 5, 8, small_parts, source=small_parts_src)
     hdr, body = m0.mailbox.get((5, int(Kind.P2P), 1, 8), time.monotonic() + 20, lambda: None)
     assert hdr.flags == 0 and bytes(body) == small.tobytes()
     assert m0.peers[1].ring_out is None  # (rank 0 sent nothing large)
@@ -1776,8 +1781,10 @@ def test_no_ring_without_ring_bytes_or_to_another_host(mesh_pair, ring_pair):
     for (m0, m1), other_host in ((mesh_pair, False), (ring_pair, True)):
         if other_host:
             m1.hosts[0] = "elsewhere"
-        big, parts = _p2p_parts(100_000)
-        t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 7, parts))
+        big, parts, parts_src = _p2p_parts(100_000)
+        t = threading.Thread(
+            target=m1.send_frames, args=(0, Kind.P2P, 5, 7, parts, None, parts_src)
+        )
         t.start()
         hdr, body = m0.mailbox.get((5, int(Kind.P2P), 1, 7), time.monotonic() + 20, lambda: None)
         t.join(10)
@@ -1795,8 +1802,8 @@ def test_a_ring_frame_read_by_a_collectives_transfer_is_routed_from_the_ring(rin
     from torchport.distributed.transport_tcp import RECEIVED
 
     m0, m1 = ring_pair
-    big, parts = _p2p_parts(200_000)
-    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 77, parts))
+    big, parts, parts_src = _p2p_parts(200_000)
+    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 77, parts, None, parts_src))
     t.start()
     frames, got = _exchange_on(ring_pair, [b"a" * 10, b"b" * 10], [(1, 1, 1, 1), (2, 2, 2, 2)])
     t.join(10)
@@ -1841,8 +1848,8 @@ def test_a_peer_gone_part_way_through_a_ring_frame_ends_the_read(ring_pair, monk
 
     m0, m1 = ring_pair
     m0.register(5, h := _Lost())
-    big, parts = _p2p_parts(100_000)
-    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 1, parts))
+    big, parts, parts_src = _p2p_parts(100_000)
+    t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 1, parts, None, parts_src))
     t.start()
     m0.mailbox.get((5, int(Kind.P2P), 1, 1), time.monotonic() + 20, lambda: None)
     t.join(10)
@@ -1929,8 +1936,10 @@ def test_a_send_that_returned_is_delivered_after_its_mesh_closes(ring_pair, monk
 
     m0, m1 = ring_pair
     if mapped:  # a first message makes and maps the ring; the next one's reader lags
-        _, parts = _p2p_parts(70_000)
-        t = threading.Thread(target=m1.send_frames, args=(0, Kind.P2P, 5, 1, parts))
+        _, parts, parts_src = _p2p_parts(70_000)
+        t = threading.Thread(
+            target=m1.send_frames, args=(0, Kind.P2P, 5, 1, parts, None, parts_src)
+        )
         t.start()
         m0.mailbox.get((5, int(Kind.P2P), 1, 1), time.monotonic() + 20, lambda: None)
         t.join(10)
@@ -1951,8 +1960,8 @@ def test_a_send_that_returned_is_delivered_after_its_mesh_closes(ring_pair, monk
             offered(*a)
 
         monkeypatch.setattr(m0, "_ring_offered", slow)
-    big, parts = _p2p_parts(1 << 16, 3)  # fits the 64 KiB ring: the send need not wait
-    m1.send_frames(0, Kind.P2P, 5, 3, parts)
+    big, parts, parts_src = _p2p_parts(1 << 16, 3)  # fits the 64 KiB ring: the send need not wait
+    m1.send_frames(0, Kind.P2P, 5, 3, parts, source=parts_src)
     ring = m1.peers[0].ring_out
     assert ring is not None and ring.mapped == mapped
     m1.close()

@@ -56,6 +56,7 @@ from torchport.distributed.transport_tcp import (
     Delivery,
     Mesh,
     Once,
+    SendSource,
     Target,
     on_reader_thread,
 )
@@ -386,7 +387,8 @@ class Communicator:
         # running the queue inline) would touch the unmapped arena; it fails instead
         self._stopped = False
         self._pending: list[tuple[Any, Callable[..., None], TorchportWork]] = []
-        self._sends: set[TorchportWork] = set()  # point-to-point sends queued or in flight
+        # point-to-point sends queued or in flight, with the bytes they read (SendSource)
+        self._sends: dict[TorchportWork, SendSource] = {}
         self._lock = threading.Lock()
         self._running = threading.local()  # .work: the operation run() runs on this thread
         self.lib = shm_lib()
@@ -446,11 +448,15 @@ class Communicator:
     def _fail_sends(self, error: BaseException) -> None:
         """Fail the Works of the sends queued or in flight: one whose frame waits for a
         receiver that stopped reading cannot stop part-way (the stream would break for every
-        group on the connection), so it goes on in the background -- its tensor kept alive by
-        the send -- while its ``wait()`` raises now; later frames of it are not sent."""
+        group on the connection), so it goes on in the background while its ``wait()`` raises
+        now -- from a private copy of the bytes it may still read (``SendSource.detach``: the
+        user may reuse the tensor at once, and the receiver gets the contents it had now,
+        whole, not torn); later frames of it are not sent."""
         with self._lock:
-            sends, self._sends = list(self._sends), set()
-        for work in sends:
+            sends, self._sends = list(self._sends.items()), {}
+        for work, source in sends:
+            if not work._ended:
+                source.detach()
             work._finish(error)
 
     def abort(self) -> None:
@@ -681,21 +687,29 @@ class Communicator:
         )
         code, numel = dtype_code(tensor.dtype), tensor.numel()
 
+        source = SendSource(data)
+
         def go() -> None:
             try:
                 payload = data.numpy().data if data is not None else memoryview(b"")
                 parts = p2p_frames(payload, code, numel, p2p_bound(self.mesh.max_frame))
                 self.mesh.send_frames(
-                    self.ranks[dst], Kind.P2P, self.group_id, tag, parts, check=self.check
+                    self.ranks[dst],
+                    Kind.P2P,
+                    self.group_id,
+                    tag,
+                    parts,
+                    check=self.check,
+                    source=source if data is not None else None,
                 )
             finally:
                 with self._lock:
-                    self._sends.discard(work)
+                    self._sends.pop(work, None)
 
         work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
         if not self.check_now(work):
             with self._lock:
-                self._sends.add(work)
+                self._sends[work] = source
             self.sender.submit(work, go)
         return work
 

@@ -840,6 +840,30 @@ def on_reader_thread() -> bool:
     return bool(getattr(_reader, "active", False))
 
 
+class SendSource:
+    """The bytes a point-to-point send reads (a flat ``uint8`` tensor), a piece at a time under
+    ``lock``. :meth:`detach` (its Work failed while a frame of it may be in flight) puts a
+    private copy in their place, so nothing of the user's tensor is read once the send's
+    ``wait()`` has raised: a frame that goes on (a receiver resuming) carries the contents the
+    tensor had at the failure, whole, never bytes written into it after."""
+
+    __slots__ = ("buf", "detached", "end", "lock")
+
+    def __init__(self, buf: Any) -> None:
+        self.buf = buf
+        self.lock = threading.Lock()
+        self.end = 0  # where the frame begun last ends (set under lock as it begins)
+        self.detached = False  # no frame begins any more
+
+    def detach(self) -> None:
+        """Copy what a frame in flight may still read (up to ``end``: no later frame begins
+        once detached) and read from the copy from now on."""
+        with self.lock:
+            if not self.detached:
+                self.detached = True
+                self.buf = self.buf[: self.end].clone()
+
+
 class Mesh:
     """The authenticated connections of one process to every other rank of a root group."""
 
@@ -1260,18 +1284,45 @@ class Mesh:
                 if deadline is not None and time.monotonic() > deadline:
                     raise CommTimeoutError(f"timed out with {done} of {n} bytes of a frame read")
 
-    def _send_ring(
-        self, conn: Connection, ring: ShmRing, head: bytes, payload: bytes | bytearray | memoryview
+    def _send_sourced(
+        self,
+        conn: Connection,
+        head: bytes,
+        source: SendSource,
+        off: int,
+        n: int,
+        ring: ShmRing | None,
     ) -> None:
-        """Send one frame with ``FLAG_RING``: its header by the socket, then its payload into
-        ``ring``, which the peer's reader empties once it has read the header."""
-        ptr = numpy.frombuffer(payload, dtype=numpy.uint8).ctypes.data
-        done, n = 0, len(payload)
+        """Send one point-to-point frame whose payload is bytes ``[off, off + n)`` of
+        ``source``: its header by the socket, then the payload by the socket or, with ``ring``
+        (the header carries ``FLAG_RING``), into the ring, which the peer's reader empties once
+        it has read the header. Every piece is read under ``source.lock`` by a call that copies
+        it at once (a non-blocking send, a ring copy of at most ``RING_SLICE_NS``), so a
+        :meth:`SendSource.detach` between two pieces moves the rest onto its private copy."""
+        done = 0
+        poller = None
         try:
             with conn.lock:
+                with source.lock:
+                    if source.detached:  # (its Work failed just before this frame began)
+                        raise CommError(f"send to rank {conn.peer} stopped: its group failed")
+                    source.end = off + n
+                    if ring is None and n <= 65536:  # (small: one copy, one system call)
+                        piece = source.buf[off : off + n].numpy().tobytes()
+                        conn.sock.sendall(head + piece)
+                        return
                 conn.sock.sendall(head)
                 while done < n:
-                    k = ring.move(ptr + done, n - done, put=True, budget_ns=RING_SLICE_NS)
+                    with source.lock:
+                        at = source.buf.data_ptr() + off + done
+                        if ring is not None:
+                            k = ring.move(at, n - done, put=True, budget_ns=RING_SLICE_NS)
+                        else:
+                            view = memoryview((ctypes.c_char * (n - done)).from_address(at))
+                            try:
+                                k = conn.sock.send(view.cast("B"), socket.MSG_DONTWAIT)
+                            except BlockingIOError:
+                                k = 0
                     if k == RING_CORRUPT:
                         raise CommError(
                             f"send to rank {conn.peer} failed: the shared-memory ring to it is "
@@ -1282,6 +1333,11 @@ class Mesh:
                             f"send to rank {conn.peer} failed: the connection to it was lost or "
                             "closed (its shared-memory ring was closed)"
                         )
+                    if k == 0 and ring is None:  # the socket is full: wait for room
+                        if poller is None:
+                            poller = select.poll()
+                            poller.register(conn.sock.fileno(), select.POLLOUT)
+                        poller.poll(SLICE_MS)
                     done += k
         except OSError as e:
             raise CommError(f"send to rank {conn.peer} failed: {e}") from e
@@ -1330,17 +1386,20 @@ class Mesh:
             return
         head = encode_header(Kind.ABORT, group, self.rank, reason, 0)
         if conn.lock.acquire(blocking=False):
+            handed = False
             try:
                 k = conn.sock.send(head, socket.MSG_DONTWAIT)
-                if 0 < k < len(head):  # (the rest must follow before any other byte)
-                    conn.sock.sendall(head[k:])
-                    k = len(head)
+                if 0 < k < len(head):  # the rest must follow before any other byte: a thread
+                    self._spawn(self._send_rest, conn, head[k:], name="tp-abort")  # (unlocks)
+                    handed = True
+                    return
             except BlockingIOError:
                 k = 0
             except OSError:
                 return  # (the connection is gone: so is every group on it)
             finally:
-                conn.lock.release()
+                if not handed:
+                    conn.lock.release()
             if k == len(head):
                 return
         self._spawn(self._send_quietly, conn, head, name="tp-abort")
@@ -1348,6 +1407,16 @@ class Mesh:
     def _send_quietly(self, conn: Connection, head: bytes) -> None:
         with contextlib.suppress(CommError):
             self._send_frame(conn, head, b"")
+
+    @staticmethod
+    def _send_rest(conn: Connection, rest: bytes) -> None:
+        """The rest of a header whose start went out under ``conn.lock``, then the lock (held
+        for it by the thread that sent the start)."""
+        try:
+            with contextlib.suppress(OSError):
+                conn.sock.sendall(rest)
+        finally:
+            conn.lock.release()
 
     def _conn(self, peer: int) -> Connection:
         conn = self.peers.get(peer)
@@ -1376,27 +1445,36 @@ class Mesh:
         seq: int,
         parts: Sequence[tuple[bytes | bytearray | memoryview, tuple[int, int, int, int]]],
         check: Callable[[], None] | None = None,
+        source: SendSource | None = None,
     ) -> None:
         """Send frames ``(payload, sig)`` to global rank ``peer`` in order, with no frame of
         another such call between them (one message cut into frames; other frames, an ABORT's,
         may go out between two of them). ``check()`` runs before every frame after the first
-        and raises to stop (the group failed: the receiver's side fails too)."""
+        and raises to stop (the group failed: the receiver's side fails too). With ``source``
+        (a send's bytes; the payloads are its consecutive pieces, of these lengths) every
+        payload is read from it piece by piece (:meth:`_send_sourced`), else from ``parts``;
+        a frame through the peer's ring needs a source."""
         for payload, _sig in parts:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
         conn = self._conn(peer)
         big = kind == Kind.P2P and sum(len(p) for p, _ in parts) >= RING_MIN_BYTES
         with conn.msg_lock:
-            ring = self._ring_to(conn) if big else None  # (for every frame of the message)
+            ring = self._ring_to(conn) if big and source is not None else None  # (every frame)
+            off = 0
             for i, (payload, sig) in enumerate(parts):
                 if i and check is not None:
                     check()
-                if ring is not None and len(payload):
-                    head = encode_header(kind, group, self.rank, seq, len(payload), sig, FLAG_RING)
-                    self._send_ring(conn, ring, head, payload)
-                    continue
-                head = encode_header(kind, group, self.rank, seq, len(payload), sig)
-                self._send_frame(conn, head, payload)
+                n = len(payload)
+                if source is not None and n:
+                    use = ring if ring is not None else None
+                    flags = FLAG_RING if use is not None else 0
+                    head = encode_header(kind, group, self.rank, seq, n, sig, flags)
+                    self._send_sourced(conn, head, source, off, n, use)
+                else:
+                    head = encode_header(kind, group, self.rank, seq, n, sig)
+                    self._send_frame(conn, head, payload)
+                off += n
 
     def send_all(
         self,
