@@ -1879,14 +1879,14 @@ def test_a_peer_scribbling_on_the_ring_breaks_it_not_this_process():
 
     import numpy
 
-    from torchport.distributed.shm_kernels import RING_CORRUPT
+    from torchport.distributed.shm_kernels import RING_CORRUPT, RING_HEAD_OFF, RING_TAIL_OFF
 
     buf = numpy.zeros(1 << 16, dtype=numpy.uint8)
     for word, value, end in (
-        (64, -(1 << 20) - 8192, "reader"),  # head behind the reader's position
-        (64, 1 << 40, "reader"),  # more bytes than the ring holds
-        (128, 1 << 40, "writer"),  # the reader claims to have read more than was written
-        (128, -(1 << 17), "writer"),  # ... or to be more than a ring behind
+        (RING_HEAD_OFF, -(1 << 20) - 8192, "reader"),  # head behind the reader's position
+        (RING_HEAD_OFF, 1 << 40, "reader"),  # more bytes than the ring holds
+        (RING_TAIL_OFF, 1 << 40, "writer"),  # the reader claims more read than was written
+        (RING_TAIL_OFF, -(1 << 17), "writer"),  # ... or to be more than a ring behind
     ):
         w, r = _ring_ends()
         try:

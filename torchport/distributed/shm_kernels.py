@@ -57,7 +57,9 @@ YIELD_CAP_OFF = 80
 PIPE_BLOCK = 65536  # bytes per block of the allreduce pipeline (per part)
 RING_MAGIC = 0x5450524E47  # "TPRNG": a point-to-point byte ring (transport_shm.ShmRing)
 RING_DATA = 4096  # its data starts here, after the header's words
-RING_MAPPED_OFF = 320  # the reader sets this word once it mapped the ring
+RING_HEAD_OFF = 128  # the writer's published position (bytes written)
+RING_TAIL_OFF = 192  # the reader's (bytes read)
+RING_MAPPED_OFF = 256  # the reader sets this word once it mapped the ring
 RING_CORRUPT = -2  # tp_ring_move: the peer's word is out of bounds
 
 _SOURCE = r"""
@@ -721,62 +723,24 @@ TP_EXPORT int64_t tp_get_abort(char *hdr) {
 }
 
 /* A one-way byte ring between two processes (transport_shm.ShmRing): the payloads of large
-   point-to-point frames between ranks of one host. Header (bytes): [0] magic, [8] capacity;
-   [64] head (bytes written so far: the writer's word), [128] tail (bytes read so far: the
-   reader's), [192] closed (bits: 1 the writer finished -- the reader still takes what is in
-   the ring --, 2 stop now; set by either side, never cleared), [256] futex word (int32) and
-   [260] sleeper count, [320] mapped (set by the reader once it mapped the file). Data from
-   RING_DATA, ``capacity`` bytes used modulo. One writing thread and one reading thread at a
-   time (the sender's connection lock, the receiver's reader).
+   point-to-point frames between ranks of one host. Its header has the arena's layout where
+   the arena's waiting needs it, so tp_wait_word, tp_post and tp_bump serve it as they are:
+   [0] magic, [8] capacity; [64] closed, in the abort word's place (bits: 1 the writer
+   finished -- the reader still takes what is in the ring --, 2 stop now; set by either side,
+   never cleared), [72] futex word and [76] sleeper count, [80] yield cap (0); [128] head
+   (bytes written so far: the writer's word), [192] tail (bytes read so far: the reader's),
+   [256] mapped (set by the reader once it mapped the file). Data from RING_DATA, ``capacity``
+   bytes used modulo. One writing thread and one reading thread at a time (the sender's
+   connection lock, the receiver's reader).
 
    The file is shared with the peer, who may write any word of it: each side keeps its own
    position privately (``pos``; the shared word is only its publication), takes the capacity
    from its caller (checked when mapped) and checks the peer's word against it before any
    copy, so no value in the file can make a copy leave the data area. */
 #define RING_DATA ${ring_data}
+#define RING_HEAD ${ring_head}
+#define RING_TAIL ${ring_tail}
 #define RING_CORRUPT (-2)
-static inline int64_t *tp_rw(char *r, int off) { return (int64_t *)(r + off); }
-static inline int32_t *tp_ring_gen(char *r) { return (int32_t *)(r + 256); }
-static inline int32_t *tp_ring_sleepers(char *r) { return (int32_t *)(r + 260); }
-
-/* Store the writer's head or the reader's tail and wake the other side if it sleeps (a
-   sleeper counts itself before it rechecks the word: one of the two sees the other). */
-static void tp_ring_post(char *r, int64_t *word, int64_t v) {
-    __atomic_store_n(word, v, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(tp_ring_sleepers(r), __ATOMIC_SEQ_CST) > 0) {
-        __atomic_add_fetch(tp_ring_gen(r), 1, __ATOMIC_SEQ_CST);
-        syscall(SYS_futex, tp_ring_gen(r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-    }
-}
-
-/* Wait until the word at ``off`` is no longer ``seen`` (the other side moved; 1), the ring is
-   closed (2) or the clock passes ``until`` (0): spins, yields for tp_yield_ns, then sleeps on
-   the futex (1 ms at a time). */
-static int tp_ring_wait(char *r, int off, int64_t seen, int64_t until) {
-    int64_t *word = tp_rw(r, off), *closed = tp_rw(r, 192), t0 = 0;
-    for (int64_t spins = 0;; spins++) {
-        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != seen) return 1;
-        if (__atomic_load_n(closed, __ATOMIC_ACQUIRE)) return 2;
-        if (spins < 256) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-            continue;
-        }
-        int64_t now = tp_now_ns();
-        if (now >= until) return 0;
-        if (t0 == 0) t0 = now;
-        if (now - t0 < tp_yield_ns) { sched_yield(); continue; }
-        __atomic_add_fetch(tp_ring_sleepers(r), 1, __ATOMIC_SEQ_CST);
-        int32_t g = __atomic_load_n(tp_ring_gen(r), __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(word, __ATOMIC_SEQ_CST) == seen &&
-            !__atomic_load_n(closed, __ATOMIC_SEQ_CST)) {
-            struct timespec ts = {0, 1000000};
-            syscall(SYS_futex, tp_ring_gen(r), FUTEX_WAIT, g, &ts, NULL, 0);
-        }
-        __atomic_sub_fetch(tp_ring_sleepers(r), 1, __ATOMIC_SEQ_CST);
-    }
-}
 
 /* Move up to n bytes through a ring of ``cap`` data bytes: into it from ``buf`` (put != 0) or
    out of it into ``buf`` (NULL: dropped), this side's position at ``*pos``, publishing every
@@ -787,8 +751,9 @@ static int tp_ring_wait(char *r, int off, int64_t seen, int64_t until) {
    of bounds. */
 TP_EXPORT int64_t tp_ring_move(char *r, int64_t cap, int64_t *pos, char *buf, int64_t n,
                                int64_t chunk, int64_t budget_ns, int64_t put) {
-    int64_t *head = tp_rw(r, 64), *tail = tp_rw(r, 128), *closed = tp_rw(r, 192);
-    int64_t *mine = put ? head : tail, *theirs = put ? tail : head;
+    int64_t *closed = (int64_t *)(r + 64);
+    int64_t *mine = (int64_t *)(r + (put ? RING_HEAD : RING_TAIL));
+    int64_t *theirs = (int64_t *)(r + (put ? RING_TAIL : RING_HEAD));
     char *data = r + RING_DATA;
     int64_t done = 0, until = tp_now_ns() + budget_ns;
     if (cap <= 0 || n < 0) return RING_CORRUPT;
@@ -803,7 +768,9 @@ TP_EXPORT int64_t tp_ring_move(char *r, int64_t cap, int64_t *pos, char *buf, in
         int64_t ready = put ? cap - held : held;  /* room, or bytes to read */
         if (ready == 0) {
             if (cl) return done > 0 ? done : -1;  /* (a reader: all the writer left is taken) */
-            if (tp_ring_wait(r, put ? 128 : 64, other, until) == 0) break;
+            /* the other side's word only grows: wait for it to pass ``other`` (or the close) */
+            tp_wait_t w = {0, 0, until};
+            if (tp_wait_word(r, theirs, other + 1, &w) == 1) break;
             continue;
         }
         int64_t off = at % cap, k = n - done;
@@ -814,7 +781,7 @@ TP_EXPORT int64_t tp_ring_move(char *r, int64_t cap, int64_t *pos, char *buf, in
         if (put) memcpy(data + off, buf + done, (size_t)k);
         else if (buf) memcpy(buf + done, data + off, (size_t)k);
         *pos = at + k;
-        tp_ring_post(r, mine, at + k);
+        tp_post(r, mine, at + k);
         done += k;
     }
     return done;
@@ -823,9 +790,8 @@ TP_EXPORT int64_t tp_ring_move(char *r, int64_t cap, int64_t *pos, char *buf, in
 /* Close the ring (either side; both see it at their next check) and wake a sleeper: ``how``
    1 the writer finished (its reader still takes what is in the ring), 2 stop now. */
 TP_EXPORT void tp_ring_close(char *r, int64_t how) {
-    __atomic_fetch_or(tp_rw(r, 192), how, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(tp_ring_gen(r), 1, __ATOMIC_SEQ_CST);
-    syscall(SYS_futex, tp_ring_gen(r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    __atomic_fetch_or((int64_t *)(r + 64), how, __ATOMIC_SEQ_CST);
+    tp_bump(r);
 }
 """
 
@@ -873,5 +839,7 @@ def shm_lib() -> ShmLib:
         yield_cap_off=YIELD_CAP_OFF,
         pipe_block=PIPE_BLOCK,
         ring_data=RING_DATA,
+        ring_head=RING_HEAD_OFF,
+        ring_tail=RING_TAIL_OFF,
     )
     return ShmLib(native.build(src, name="tp_shm", extra_flags=("-fwrapv", "-ffp-contract=off")))

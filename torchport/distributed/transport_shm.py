@@ -75,7 +75,29 @@ class StepError(Exception):
         self.step = -1
 
 
-class ShmArena:
+class _ShmFile:
+    """A file under ``/dev/shm`` mapped here (``_mm``, its address ``base`` through the
+    ``_anchor`` view): what an arena and a ring share."""
+
+    path: str
+    _mm: mmap.mmap | None
+    _anchor: ctypes.c_char
+
+    def unlink(self) -> None:
+        """Remove the file name (mappings stay valid)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _unmap(self) -> None:
+        """Unmap (the caller holds the lock that keeps native calls off the mapping)."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            del self._anchor
+            with contextlib.suppress(BufferError):  # a live pointer view: unmapped at exit
+                mm.close()
+
+
+class ShmArena(_ShmFile):
     """A mapped arena; ``step`` runs one collective step on it."""
 
     def __init__(self, path: str, world: int, rank: int, slot: int, *, create: bool) -> None:
@@ -95,7 +117,7 @@ class ShmArena:
                     f"shared-memory arena {path} has {os.fstat(fd).st_size} bytes, "
                     f"expected {self.size} (world {world}, slot {slot})"
                 )
-            self._mm: mmap.mmap | None = mmap.mmap(fd, self.size)
+            self._mm = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
         # set_abort / abort_word come from other threads (a peer's abort notice, a watcher):
@@ -211,19 +233,10 @@ class ShmArena:
         with self._unmap_lock:
             return 0 if self._mm is None else int(self.lib.get_abort(self.base))
 
-    def unlink(self) -> None:
-        """Remove the file name (mappings stay valid)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
     def close(self) -> None:
         """Unmap (after in-flight steps ended)."""
         with self._unmap_lock:
-            mm, self._mm = self._mm, None
-            if mm is not None:
-                del self._anchor
-                with contextlib.suppress(BufferError):  # a live pointer view: unmapped at exit
-                    mm.close()
+            self._unmap()
 
 
 RING_NAME = re.compile(r"/dev/shm/torchport-ring-([0-9]+)-[0-9a-f]{16}")
@@ -233,7 +246,7 @@ RING_NAME = re.compile(r"/dev/shm/torchport-ring-([0-9]+)-[0-9a-f]{16}")
 STALE_RING_S = 60.0
 
 
-class ShmRing:
+class ShmRing(_ShmFile):
     """A one-way byte ring in a shared file, from one process to another of the same host.
 
     The TCP mesh sends the payload of a large point-to-point frame through it instead of the
@@ -265,12 +278,12 @@ class ShmRing:
         flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)
         fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
-            st = os.fstat(fd)
             if create:
                 size = RING_DATA + capacity
                 os.ftruncate(fd, size)
                 os.posix_fallocate(fd, 0, size)
             else:
+                st = os.fstat(fd)
                 size = st.st_size
                 if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
                     raise CommError(f"refusing to map {path}: not a regular file of this user")
@@ -278,7 +291,7 @@ class ShmRing:
                     raise CommError(
                         f"ring {path} has {size} bytes, expected {RING_DATA + capacity}"
                     )
-            self._mm: mmap.mmap | None = mmap.mmap(fd, size)
+            self._mm = mmap.mmap(fd, size)
         except BaseException:
             if create:
                 with contextlib.suppress(OSError):
@@ -290,9 +303,9 @@ class ShmRing:
         self._pos = ctypes.c_int64(0)  # this side's position (bytes written, or read)
         self._pos_addr = ctypes.addressof(self._pos)
         # bytes copied between two publications: a quarter of the ring (the other side copies
-        # the last quarter meanwhile; 64 MiB through a 4 MiB ring took 25-35 ms in 256 KiB
-        # publications, 7-12 ms in 1 MiB ones here: a reader right behind the writer fights
-        # it for the lines being written)
+        # the last quarter meanwhile; 64 MiB through a 4 MiB ring took 26.5-43.5 ms in 256 KiB
+        # publications, 7.9-11.4 ms in 1 MiB ones here: a reader right behind the writer
+        # fights it for the lines being written)
         self.chunk = max(1 << 16, capacity // 4)
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base = ctypes.addressof(self._anchor)
@@ -337,11 +350,6 @@ class ShmRing:
                 return False
             return struct.unpack_from("<q", self._mm, RING_MAPPED_OFF)[0] != 0
 
-    def unlink(self) -> None:
-        """Remove the file name (the mappings stay valid)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
     def close(self, *, drain: bool = False) -> None:
         """Mark the ring closed for both sides, then unmap it. ``drain`` (the writer, closing
         cleanly): the reader still takes what is in the ring, then sees it closed."""
@@ -350,11 +358,7 @@ class ShmRing:
                 return
             self.lib.ring_close(self.base, 1 if drain else 2)
         with self._use, self._state:
-            mm, self._mm = self._mm, None
-            if mm is not None:
-                del self._anchor
-                with contextlib.suppress(BufferError):
-                    mm.close()
+            self._unmap()
 
 
 def _sweep_stale_rings() -> None:

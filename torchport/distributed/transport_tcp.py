@@ -1467,10 +1467,9 @@ class Mesh:
                     check()
                 n = len(payload)
                 if source is not None and n:
-                    use = ring if ring is not None else None
-                    flags = FLAG_RING if use is not None else 0
+                    flags = FLAG_RING if ring is not None else 0
                     head = encode_header(kind, group, self.rank, seq, n, sig, flags)
-                    self._send_sourced(conn, head, source, off, n, use)
+                    self._send_sourced(conn, head, source, off, n, ring)
                 else:
                     head = encode_header(kind, group, self.rank, seq, n, sig)
                     self._send_frame(conn, head, payload)
