@@ -296,6 +296,17 @@ SETTINGS: dict[str, Setting] = {
             check=lambda v: None if 4096 <= v <= (1 << 30) else "must be in [4096, 2**30]",
         ),
         Setting(
+            name="dist_stream_bytes",
+            env="TORCHPORT_DIST_STREAM_BYTES",
+            kind=int,
+            default=32 << 20,
+            doc="A shared-memory collective whose output is at least this many bytes (by "
+            "default the size of a large last-level cache) copies into it with streaming "
+            "(non-temporal) stores, which skip reading each line before writing it; 0 never "
+            "does.",
+            check=lambda v: None if v >= 0 else "must be >= 0",
+        ),
+        Setting(
             name="dist_max_frame_bytes",
             env="TORCHPORT_DIST_MAX_FRAME_BYTES",
             kind=int,
@@ -531,6 +542,7 @@ if TYPE_CHECKING:  # attribute types for static checkers
     dist_transport: str
     dist_chunk_bytes: int
     dist_tcp_chunk_bytes: int
+    dist_stream_bytes: int
     dist_max_frame_bytes: int
     dist_p2p_ring_bytes: int
     gemv_fp4_int8: bool

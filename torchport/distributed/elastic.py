@@ -362,6 +362,7 @@ def form_group(
         arena=arena,
         timeout_s=timeout_s,
         chunk=chunk,
+        stream_bytes=int(config.get("dist_stream_bytes")),
         name=name,
         spawn=mesh._warm.run,
     )

@@ -363,6 +363,7 @@ class Communicator:
         arena: ShmArena | None,
         timeout_s: float,
         chunk: int,
+        stream_bytes: int,
         name: str,
         local: ShmArena | None = None,
         local_ranks: Sequence[int] = (),
@@ -372,6 +373,8 @@ class Communicator:
         self.rank, self.world, self.arena = rank, len(ranks), arena
         self.timeout_s, self.chunk, self.name = timeout_s, chunk, name
         self.slot = chunk + SLOT_EXTRA  # bytes one step may publish
+        # outputs of at least this many bytes take streaming stores (algorithms._copy); 0 never
+        self.stream_bytes = stream_bytes
         # Hybrid group: an arena among this host's members (group ranks ``local_ranks``); the
         # other peers are reached by TCP. Ops sending a block per peer then cut chunk / world.
         self.local, self.local_ranks, self.local_epoch = local, list(local_ranks), 1

@@ -229,6 +229,7 @@ def build_communicator(
         arena=arena,
         timeout_s=timeout_s,
         chunk=chunk,
+        stream_bytes=int(config.get("dist_stream_bytes")),
         name=name or "default",
         local=local_arena,
         local_ranks=local_ranks if local_arena is not None else (),

@@ -231,7 +231,46 @@ TP_EXPORT int tp_fold(void *dst, const void *src, int64_t n, int64_t dtype, int6
 
 static const int64_t tp_esize[12] = {4, 8, 2, 2, 1, 1, 2, 4, 8, 1, 8, 16};
 
-/* Apply reads: each is 5 int64 (peer, offset, dst pointer, length, mode 0 copy / 1 fold),
+/* Copy n bytes into a large collective's output, which this rank does not read again before
+   the op ends: non-temporal stores write each destination line without first reading it
+   (a cached store's read-for-ownership is a third of a copy's memory traffic) and leave the
+   caches to the slots still in flight. A store fence at the end orders them before whatever
+   this thread publishes next. Without AVX, or under a page, a plain memcpy. */
+static void tp_copy_stream(char *dst, const char *src, int64_t n) {
+#if defined(__AVX__)
+    if (n >= 4096) {
+        int64_t head = (int64_t)((64 - ((uintptr_t)dst & 63)) & 63);
+        memcpy(dst, src, (size_t)head);
+        dst += head; src += head; n -= head;
+        int64_t body = n & ~(int64_t)127;
+        for (int64_t i = 0; i < body; i += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+            __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+            _mm256_stream_si256((__m256i *)(dst + i), a);
+            _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+            _mm256_stream_si256((__m256i *)(dst + i + 64), c);
+            _mm256_stream_si256((__m256i *)(dst + i + 96), d);
+        }
+        memcpy(dst + body, src + body, (size_t)(n - body));
+        _mm_sfence();
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)n);
+}
+
+/* A read's mode: 0 copy, 1 fold, 2 copy with streaming stores (tp_copy_stream). */
+static inline int tp_read(char *dst, const char *src, int64_t len, int64_t mode, int64_t dtype, int64_t op) {
+    if (mode == 0) memcpy(dst, src, (size_t)len);
+    else if (mode == 2) tp_copy_stream(dst, src, len);
+    else if (mode == 1 && dtype >= 0 && dtype <= 11) return tp_fold(dst, src, len / tp_esize[dtype], dtype, op);
+    else return -1;
+    return 0;
+}
+
+/* Apply reads: each is 5 int64 (peer, offset, dst pointer, length, mode: see tp_read),
    sources are bases[peer] + offset. */
 TP_EXPORT int tp_apply(const int64_t *bases, const int64_t *reads, int64_t nreads,
                        int64_t dtype, int64_t op) {
@@ -241,8 +280,7 @@ TP_EXPORT int tp_apply(const int64_t *bases, const int64_t *reads, int64_t nread
         char *dst = (char *)(intptr_t)r[2];
         int64_t len = r[3];
         if (len <= 0) continue;
-        if (r[4] == 0) memcpy(dst, src, (size_t)len);
-        else if (tp_fold(dst, src, len / tp_esize[dtype], dtype, op) != 0) return -1;
+        if (tp_read(dst, src, len, r[4], dtype, op) != 0) return -1;
     }
     return 0;
 }
@@ -383,9 +421,9 @@ TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, in
     for (int64_t k = 0; k < nreads; k++) {
         const int64_t *r = reads + 5 * k;
         if (r[0] < 0 || r[0] >= world || r[1] < 0 || r[3] < 0 || r[1] + r[3] > slot) return 4;
-        if (r[4] != 0 && (dtype < 0 || dtype > 11)) return 4;
+        if (r[4] < 0 || r[4] > 2 || (r[4] == 1 && (dtype < 0 || dtype > 11))) return 4;
         if (r[0] != rank) any_other = 1;
-        if (r[4] != 0) any_fold = 1;
+        if (r[4] == 1) any_fold = 1;
     }
     int st = tp_prewait(hdr, world, rank, epoch, deadline, bad);
     if (st != 0) return st;
@@ -425,10 +463,7 @@ TP_EXPORT int tp_shm_step(char *hdr, char *data, int64_t world, int64_t rank, in
             }
             const char *src = data + (q * 2 + half) * slot + r[1];
             char *dst = (char *)(intptr_t)r[2];
-            if (r[3] > 0) {
-                if (r[4] == 0) memcpy(dst, src, (size_t)r[3]);
-                else if (tp_fold(dst, src, r[3] / tp_esize[dtype], dtype, op) != 0) return 4;
-            }
+            if (r[3] > 0 && tp_read(dst, src, r[3], r[4], dtype, op) != 0) return 4;
             done[k] = 1; left--; progress = 1;
         }
         if (!progress && left > 0) {  /* sleep on the first source still missing */

@@ -54,7 +54,7 @@ from torchport.distributed.shm_kernels import (
 
 SHM_DIR = "/dev/shm"
 Read = tuple[int, int, int, int, int]  # (peer, offset in peer's slot, dst pointer, length, mode)
-COPY, FOLD = 0, 1
+COPY, FOLD, STREAM = 0, 1, 2  # STREAM: a copy with streaming stores (a large op's output)
 ALLREDUCE_ARGS = 21  # tp_shm_allreduce_packed's block: 16 arguments, 5 info words
 _PACK_ALLREDUCE = struct.Struct("<11q").pack_into  # epoch .. timeout_ns at word 5
 
@@ -410,6 +410,7 @@ __all__ = [
     "COPY",
     "FOLD",
     "MISMATCH",
+    "STREAM",
     "TIMEOUT",
     "ShmArena",
     "ShmRing",
