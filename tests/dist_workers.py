@@ -1241,9 +1241,9 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
 def abort_send_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 0's isend on a subgroup waits for rank 1, stopped (SIGSTOP) with the ring full;
     rank 0 aborts the subgroup: ``abort()`` returns and the send's ``wait()`` raises within
-    the abort bound, and once rank 1 resumes the default group, on the same connections,
-    still works on both ranks while rank 1 sees the subgroup failed (its ABORT frame went
-    after the frame in flight)."""
+    the abort bound, destroying the subgroup does not wait for the frame still owed, and once
+    rank 1 resumes the default group, on the same connections, still works on both ranks
+    while rank 1 sees the subgroup failed (its ABORT frame went after the frame in flight)."""
     import signal
 
     sub = dist.new_group(list(range(world)))
@@ -1266,6 +1266,9 @@ def abort_send_case(rank: int, world: int) -> dict[str, Any]:
                 rec["error"] = type(e).__name__
             rec["wait"] = time.monotonic() - t0
             time.sleep(0.3)  # (stopped for longer than any cut would wait)
+            t0 = time.monotonic()  # its sender thread still owes rank 1 the frame's rest
+            dist.destroy_process_group(sub)
+            rec["destroy"] = time.monotonic() - t0
         finally:
             os.kill(pids[1], signal.SIGCONT)
     t = torch.ones(3)
@@ -1277,7 +1280,8 @@ def abort_send_case(rank: int, world: int) -> dict[str, Any]:
             time.sleep(0.01)
         rec["sub"] = type(sub.comm.error).__name__
     dist.barrier()
-    dist.destroy_process_group(sub)
+    if rank != 0:
+        dist.destroy_process_group(sub)
     return rec
 
 

@@ -313,6 +313,7 @@ def test_aborting_a_subgroup_with_a_stuck_send_leaves_the_other_groups_working()
     review found a cut after 50 ms failing the default group on both ranks)."""
     r0, r1 = (r["abort_send"] for r in results("shm2"))
     assert r0["error"] == "CommAbortedError" and r0["abort"] < 0.2 and r0["wait"] < 0.2, r0
+    assert r0["destroy"] < 1.0, r0  # (it waited 5 s for the sender thread)
     assert r0["sum"] == r1["sum"] == [2.0, 2.0, 2.0], (r0, r1)
     assert r1["sub"] == "RemoteError", r1
 

@@ -978,7 +978,12 @@ class Communicator:
                 REASON_SHUTDOWN,
             )
         if not quiet:
-            quiet = self.engine.join(5.0) & self.sender.join(5.0)
+            # the engine thread may still be in a collective on the arena: wait before
+            # unmapping it. The sender thread moves point-to-point frames (the mesh's sockets
+            # and rings, not the arena); one still finishing a frame that its peer is not
+            # reading (from the copy the failure took, SendSource.detach) ends when the peer
+            # reads or the connection closes: not waited for (destroy after an abort took 5 s)
+            quiet = self.engine.join(5.0)
         for work in self.engine.drain() + self.sender.drain():  # queued behind the stop
             work._finish(
                 self.error
