@@ -494,6 +494,8 @@ class Communicator:
         """Engine-side wrapper: refuse when failed or stopped, map errors, complete the work."""
         # (failed: issued after it failed; stopped: the engine's queue outlived the flush)
         if (self.error is not None or self._stopped) and self.check_now(work):
+            with self._lock:  # a send refused here never runs its own cleanup
+                self._sends.pop(work, None)
             return
         outer = getattr(self._running, "work", None)
         self._running.work = work
@@ -710,10 +712,17 @@ class Communicator:
                     self._sends.pop(work, None)
 
         work = TorchportWork(f"send(dst={dst}, tag={tag})", [tensor])
-        if not self.check_now(work):
-            with self._lock:
+        # recorded only while the group has not failed (under the lock fail() sets the error
+        # under, so _fail_sends sees every send recorded before it): one recorded after the
+        # failure was never run, nor dropped from _sends (its tensor kept for the group's life)
+        with self._lock:
+            live = self.error is None and not self.closed
+            if live:
                 self._sends[work] = source
+        if live:
             self.sender.submit(work, go)
+        else:
+            self.check_now(work)
         return work
 
     def recv_p2p(self, tensor: torch.Tensor, src: int | None, tag: int) -> TorchportWork:
@@ -990,6 +999,8 @@ class Communicator:
                 if self.error is not None
                 else CommAbortedError(f"communicator {self.name!r} was shut down")
             )
+            with self._lock:  # (a send that never ran)
+                self._sends.pop(work, None)
         self.mesh.unregister(self.group_id, self)
         if not quiet:  # an op still runs (e.g. a stalled thread): unmapping would crash it
             return  # the mappings go with the process
