@@ -571,6 +571,40 @@ def test_native_transfer_stops_at_check_and_deadline_and_yields_an_owned_socket(
         tcp_lib().conn_release(conn.own_addr)
 
 
+def test_native_transfer_waiting_for_a_busy_send_lock_sees_abort_and_deadline(mesh_pair):
+    """The connection's send lock held elsewhere (a sender thread's frame to a peer that
+    stopped reading): the transfer's wait for it ends at the group's abort or its deadline,
+    and the socket it owned meanwhile goes back to its reader."""
+    import time
+
+    import torch
+
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.transport_tcp import XSend
+
+    m0, m1 = mesh_pair
+    src = torch.arange(4, dtype=torch.uint8)
+    sends = [XSend(1, Kind.COLL, 5, 4, src.data_ptr(), 4, (1, 1, 1, 1))]
+    conn = m0.peers[1]
+
+    def check() -> None:
+        raise _Aborted("group aborted")
+
+    with conn.lock:  # held by "another thread" for the whole test
+        t0 = time.monotonic()
+        with pytest.raises(_Aborted, match="group aborted"):
+            m0.transfer(sends, [], time.monotonic() + 10, check)
+        assert time.monotonic() - t0 < 0.1
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeoutError, match="busy"):
+            m0.transfer(sends, [], time.monotonic() + 0.1, lambda: None)
+        assert time.monotonic() - t0 < 0.5
+        assert conn.own.value == 0
+    m0.send(1, Kind.P2P, 5, 1, b"after")  # the connection is intact: nothing half-sent
+    _, body = m1.mailbox.get((5, int(Kind.P2P), 0, 1), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"after" and m1.mailbox.take((5, int(Kind.COLL), 0, 4)) is None
+
+
 def test_native_transfer_over_more_peers_than_it_tracks_takes_the_mailbox_path(
     mesh_pair, monkeypatch
 ):

@@ -87,6 +87,7 @@ POST_BYTES = 4 << 20
 SLICE_MS = 10  # a native transfer returns this often, progress or not (abort, deadline checks)
 LATE_SLICE_MS = 1  # ... and this often while a socket it claimed is still being read (Mesh._own)
 READER_SLICE_MS = 200  # a parked or idle reader thread re-checks the mesh this often
+LOCK_POLL_S = SLICE_MS / 1000  # a transfer waiting for a send lock checks abort and deadline
 # A COLL frame arriving while no collective owns its socket is left there this long for the
 # collective to take the socket and receive it in place (tp_conn_wait): read by the reader
 # thread first, it costs a buffer, a copy and a thread wake-up. Frames behind it (an ABORT
@@ -1842,7 +1843,15 @@ class Mesh:
                     deadline,
                 )
             for peer in sorted({x.peer for x in sends}):
-                conns[peer].lock.acquire()
+                # another thread may hold it for long (a sender thread's frame to a peer that
+                # stopped reading): the group's abort, failure and deadline still end the wait
+                while not conns[peer].lock.acquire(timeout=LOCK_POLL_S):
+                    watch()
+                    if time.monotonic() > deadline:
+                        raise CommTimeoutError(
+                            f"rank {self.rank}: a transfer timed out waiting to send to rank "
+                            f"{peer} (its connection was busy with another frame)"
+                        )
                 locked.append(conns[peer])
             # A sender migrating between CPUs mid-stream reorders loopback segments, which TCP
             # takes for loss (retransmits, 200 ms stalls): pin this thread while it sends, to
