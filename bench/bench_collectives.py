@@ -9,12 +9,15 @@ ratio. Then DDP training throughput of a small MLP on each backend (world 2). Wi
 ``--ops sendrecv`` (not in the default set): point-to-point, every even rank sends to the next
 odd rank (``dist.send``/``dist.recv``, pairs at once), the receiver's time per message.
 
-Allreduce cells from 16 MB also time, in the same interleaved loop, one in-place pass over a
-buffer of the same size on every rank at once (``t.mul_(1.0)``: each byte read from memory and
-written back; ``pass_ms``, and ``ours_per_pass`` = torchport's time over it). An in-place
-allreduce past the cache has at least that memory traffic on every rank (its input read once,
-its result written once; the peers' parts can come through the shared cache), so this is the
-machine's floor for the bandwidth target.
+Allreduce, alltoall and broadcast cells from 16 MB also time, in the same interleaved loop,
+one in-place pass over a buffer of the cell's size (``t.mul_(1.0)``: each byte read from memory
+and written back; ``pass_ms``, and ``ours_per_pass`` = torchport's time over it): on every rank
+at once for allreduce and alltoall, on the root alone for broadcast. Past the caches each op
+has at least that memory traffic: an allreduce or alltoall reads its input once and writes its
+output once on every rank (the peers' parts can come through the shared cache), a broadcast
+reads the root's buffer once and writes it once per receiver (at world 2, one read and one
+write of the size: the pass). So the pass is the machine's floor for the bandwidth target:
+gloo's time over it (``gloo_per_pass``) is the most any backend could gain on it here.
 
 Run: ``torchport bench collectives [--quick]`` (or ``python bench/bench_collectives.py``).
 """
@@ -115,9 +118,12 @@ def worker(
     for op in (o for o in (*OPS, *EXTRA_OPS) if o in chosen):
         for size in cells:
             fns = {name: _op_fn(op, size, world, g) for name, g in groups.items()}
-            if op == "allreduce" and size >= 16 * MB:
+            if op in ("allreduce", "alltoall", "broadcast") and size >= 16 * MB:
                 buf = torch.ones(max(world, size // 4 // world * world))
-                fns["pass"] = lambda buf=buf: buf.mul_(1.0)
+                if op != "broadcast" or rank == 0:
+                    fns["pass"] = lambda buf=buf: buf.mul_(1.0)
+                else:
+                    fns["pass"] = lambda: None
             k = max(1, min(200, (2 * MB) // size))
             for fn in fns.values():
                 _time(fn, max(1, k // 4))
@@ -283,6 +289,7 @@ def main() -> None:
                     floor = {
                         "pass_ms": f"{row['pass'] * 1e3:.2f}",
                         "ours_per_pass": f"{row['torchport'] / row['pass']:.2f}",
+                        "gloo_per_pass": f"{row['gloo'] / row['pass']:.2f}",
                     }
                 table.add(
                     f"{row['op']} {_fmt(row['size'])} w{world}{tag}",
