@@ -30,8 +30,8 @@ SMALL_CHUNK = {
     # large point-to-point messages between ranks of this host (from 64 KiB, all of them here)
     # through the smallest shared-memory ring, one copy at a time: its frames wrap around it
     "TORCHPORT_DIST_P2P_RING_BYTES": "65536",
-    # outputs from 32 KiB copied in with streaming stores: the grid's largest sizes (and
-    # allgather's 4099 at world 2 and up), the smaller ones by plain copies
+    # outputs from 32 KiB copied in with streaming stores (broadcast, allgather, gather,
+    # scatter, alltoall): those of the grid's largest sizes, the smaller ones by plain copies
     "TORCHPORT_DIST_STREAM_BYTES": "32768",
 }
 SIZES = [0, 1, 7, 4099]

@@ -300,10 +300,10 @@ SETTINGS: dict[str, Setting] = {
             env="TORCHPORT_DIST_STREAM_BYTES",
             kind=int,
             default=32 << 20,
-            doc="A shared-memory collective whose output is at least this many bytes (by "
-            "default the size of a large last-level cache) copies into it with streaming "
-            "(non-temporal) stores, which skip reading each line before writing it; 0 never "
-            "does.",
+            doc="Shared-memory broadcast, allgather, gather, scatter and alltoall copy into an "
+            "output of at least this many bytes (by default the size of a large last-level "
+            "cache) with streaming (non-temporal) stores, which skip reading each line before "
+            "writing it; 0 never do. Reductions keep cached stores.",
             check=lambda v: None if v >= 0 else "must be >= 0",
         ),
         Setting(
