@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -1178,6 +1179,36 @@ def p2p_late_case(rank: int, world: int) -> list[str]:
     return bad
 
 
+def _abort_a_stuck_isend(
+    pid: int, group: Any, buf: torch.Tensor, then: Callable[[], Any]
+) -> dict[str, Any]:
+    """Rank 0's part of the stuck-send cases: stop rank 1 (``pid``, SIGSTOP), isend ``buf``
+    to it on ``group``, abort the group and time ``abort()`` and the send's ``wait()`` (with
+    its error's type), run ``then()`` while rank 1 is still stopped (its dict, if any, joins
+    the record), and resume rank 1 whatever happened."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        w = dist.isend(buf, 1, group=group)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        group.abort()
+        rec: dict[str, Any] = {"abort": time.monotonic() - t0}
+        try:
+            w.wait()
+            rec["error"] = "no error"
+        except Exception as e:
+            rec["error"] = type(e).__name__
+        rec["wait"] = time.monotonic() - t0
+        more = then()
+        if isinstance(more, dict):
+            rec.update(more)
+        return rec
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def send_cut_case(rank: int, world: int) -> dict[str, Any]:
     """An isend of one frame (8 MiB) whose receiver has stopped (SIGSTOP) with its receive
     posted, the ring or the socket's buffers full, when rank 0 aborts its group: ``abort()``
@@ -1186,8 +1217,6 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
     private copy: rank 1's receive gets the ones the tensor held at the abort, whole (a
     review saw half ones and half twos, as a success), or fails. Through a shared-memory ring
     and by TCP, on a gloo default group (each torchport group its own mesh)."""
-    import signal
-
     import torchport
 
     pids: list[Any] = [None] * world
@@ -1202,30 +1231,9 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
         w = dist.irecv(t, 0, group=g) if rank == 1 else None
         dist.barrier()
         if rank == 0:
-            os.kill(pids[1], signal.SIGSTOP)
-            try:
-                buf = torch.ones(n)
-                w = dist.isend(buf, 1, group=g)
-                time.sleep(0.3)
-                t0 = time.monotonic()
-                g.abort()
-                returned = time.monotonic() - t0
-                try:
-                    w.wait()
-                    err = "no error"
-                except Exception as e:
-                    err = type(e).__name__
-                took = time.monotonic() - t0
-                buf.fill_(2.0)
-            finally:
-                os.kill(pids[1], signal.SIGCONT)
-            conn = g.comm.mesh.peers[1]
-            out[how] = {
-                "abort": returned,
-                "wait": took,
-                "error": err,
-                "ring": conn.ring_out is not None,
-            }
+            buf = torch.ones(n)
+            out[how] = _abort_a_stuck_isend(pids[1], g, buf, lambda buf=buf: buf.fill_(2.0))
+            out[how]["ring"] = g.comm.mesh.peers[1].ring_out is not None
         dist.barrier()
         if rank == 1 and w is not None:
             try:
@@ -1244,33 +1252,20 @@ def abort_send_case(rank: int, world: int) -> dict[str, Any]:
     the abort bound, destroying the subgroup does not wait for the frame still owed, and once
     rank 1 resumes the default group, on the same connections, still works on both ranks
     while rank 1 sees the subgroup failed (its ABORT frame went after the frame in flight)."""
-    import signal
-
     sub = dist.new_group(list(range(world)))
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     rec: dict[str, Any] = {}
     dist.barrier()
     if rank == 0:
-        os.kill(pids[1], signal.SIGSTOP)
-        try:
-            w = dist.isend(torch.ones((64 << 20) // 4), 1, group=sub)
-            time.sleep(0.3)
-            t0 = time.monotonic()
-            sub.abort()
-            rec["abort"] = time.monotonic() - t0
-            try:
-                w.wait()
-                rec["error"] = "no error"
-            except Exception as e:
-                rec["error"] = type(e).__name__
-            rec["wait"] = time.monotonic() - t0
+
+        def destroy() -> dict[str, float]:
             time.sleep(0.3)  # (stopped for longer than any cut would wait)
             t0 = time.monotonic()  # its sender thread still owes rank 1 the frame's rest
             dist.destroy_process_group(sub)
-            rec["destroy"] = time.monotonic() - t0
-        finally:
-            os.kill(pids[1], signal.SIGCONT)
+            return {"destroy": time.monotonic() - t0}
+
+        rec = _abort_a_stuck_isend(pids[1], sub, torch.ones((64 << 20) // 4), destroy)
     t = torch.ones(3)
     dist.all_reduce(t)
     rec["sum"] = t.tolist()
