@@ -1280,6 +1280,39 @@ def abort_send_case(rank: int, world: int) -> dict[str, Any]:
     return rec
 
 
+def abort_word_case(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 posts a receive on a subgroup, then enters an allreduce there that rank 0 never
+    joins; rank 0 aborts the subgroup. Rank 1's allreduce sees the abort through the arena's
+    abort word or through rank 0's ABORT frame, whichever comes first: either way its posted
+    receive fails at once with the remote error (through the abort word it stayed pending for
+    good, and the ABORT frame after it found the group failed and did nothing)."""
+    sub = dist.new_group(list(range(world)))
+    dist.barrier(group=sub)
+    rec: dict[str, Any] = {}
+    if rank == 0:
+        time.sleep(0.3)
+        sub.abort()
+    else:
+        r = dist.irecv(torch.zeros(4), 0, group=sub)  # rank 0 never sends
+        work = dist.all_reduce(torch.ones(1000), group=sub, async_op=True)
+        try:
+            work.wait()
+            rec["allreduce"] = "no error"
+        except Exception as e:
+            rec["allreduce"] = type(e).__name__
+        t0 = time.monotonic()
+        try:
+            r.wait(datetime.timedelta(seconds=3))
+            rec["recv"] = "no error"
+        except Exception as e:
+            rec["recv"] = type(e).__name__
+        rec["recv_wait"] = time.monotonic() - t0
+        rec["pending"] = len(sub.comm._pending)
+    dist.barrier()
+    dist.destroy_process_group(sub)
+    return rec
+
+
 def recv_cut_case(rank: int, world: int) -> dict[str, Any]:
     """A receive whose message is part-way into its tensor when its group is aborted (the
     sender stopped by SIGSTOP mid-message): once ``wait()`` raised, nothing more lands in the
@@ -1508,6 +1541,7 @@ SCENARIOS = {
     "recv_cut": recv_cut_case,
     "send_cut": send_cut_case,
     "abort_send": abort_send_case,
+    "abort_word": abort_word_case,
     "p2p_late": p2p_late_case,
     "split": split_case,
     "split_again": split_again_case,

@@ -60,6 +60,7 @@ PLANS = {
             ("ddp", ()),
             ("fsdp2", ()),
             ("abort_send", ()),
+            ("abort_word", ()),
         ],
     ),
     "shm3": (
@@ -316,6 +317,13 @@ def test_aborting_a_subgroup_with_a_stuck_send_leaves_the_other_groups_working()
     assert r0["destroy"] < 1.0, r0  # (it waited 5 s for the sender thread)
     assert r0["sum"] == r1["sum"] == [2.0, 2.0, 2.0], (r0, r1)
     assert r1["sub"] == "RemoteError", r1
+
+
+@pytest.mark.timeout(110)
+def test_a_peers_abort_seen_by_a_collective_fails_the_posted_receives_at_once():
+    r1 = results("shm2")[1]["abort_word"]
+    assert r1["allreduce"] == "RemoteError", r1
+    assert r1["recv"] == "RemoteError" and r1["recv_wait"] < 0.5 and r1["pending"] == 0, r1
 
 
 @pytest.mark.timeout(70)

@@ -474,13 +474,23 @@ class Communicator:
         err = RemoteError(
             f"communicator {self.name!r}: rank {q} {REASONS.get(reason, f'failed ({reason})')}"
         )
+        self._fail_from_peer(err, (q, reason))
+
+    def _fail_from_peer(self, err: BaseException, word: tuple[int, int] | None) -> None:
+        """Record a peer's failure (``err``) as this group's error, unless it already failed,
+        and end what is in flight here: posted receives withdrawn and failed, sends failed
+        (:meth:`_fail_sends`), the group's frames buried. No ABORT frames (the failing rank
+        sends its own); ``word`` ``(rank, reason)``: set the arena's abort word too. Reached by
+        the peer's ABORT frame or by a step that saw its abort word first, whichever comes
+        first (before, the abort word left posted receives pending for good and sends uncut,
+        and the ABORT frame after it then found the group failed and did nothing)."""
         with self._lock:
             if self.error is not None:
                 return
             self.error = err
             pending, self._pending = self._pending, []
-        if self._shm is not None:
-            self._shm.set_abort(q, reason)
+        if word is not None and self._shm is not None:
+            self._shm.set_abort(*word)
         self._cancel_receives(pending, err)
         self._fail_sends(err)
         self.mesh.bury(self.group_id, self)
@@ -557,9 +567,7 @@ class Communicator:
                     f"{opname} on communicator {self.name!r}: rank {who} "
                     f"{REASONS.get(reason, f'failed ({reason})')}"
                 )
-                with self._lock:
-                    if self.error is None:
-                        self.error = err
+                self._fail_from_peer(err, None)
         elif e.status == MISMATCH:
             q, word, theirs = e.detail
             err = CollectiveMismatchError(
