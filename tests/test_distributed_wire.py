@@ -414,8 +414,10 @@ def _meshes(ring_bytes: int = 0):
 
     import torch.distributed as dist
 
+    from torchport.distributed.tcp_kernels import tcp_lib
     from torchport.distributed.transport_tcp import Mesh
 
+    tcp_lib()  # built (or loaded) before any test times a transfer: a cold cache took 0.5 s
     store = dist.HashStore()
     made: dict[int, Mesh] = {}
 
