@@ -115,10 +115,10 @@ def broadcast(comm: Communicator, t: torch.Tensor, root: int, dtype: int, deadli
         tcp.broadcast(comm, t, root, dtype, _small(comm), deadline)
         return
     seq, nbytes, base = comm.next_op(), t.numel() * t.element_size(), _ptr(t)
+    mine, mode = comm.rank == root, _copy(comm, nbytes)
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
-        mine = comm.rank == root
         pubs = [(base + lo, nb)] if mine else []
-        reads = [] if mine else [(root, 0, base + lo, nb, _copy(comm, nbytes))]
+        reads = [] if mine else [(root, 0, base + lo, nb, mode)]
         sig = make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, step)
         comm.step(sig, pubs, reads, dtype, 0, deadline)
 
@@ -145,8 +145,8 @@ def allgather(
         return
     seq = comm.next_op()
     op = OP_GATHER if root >= 0 else OP_ALLGATHER
+    mode = _copy(comm, nbytes * len(outs)) if outs is not None else COPY
     for step, (lo, nb) in enumerate(_chunks(nbytes, comm.chunk)):
-        mode = _copy(comm, nbytes * len(outs)) if outs is not None else COPY
         reads = [(q, 0, o + lo, nb, mode) for q, o in enumerate(outs)] if outs is not None else []
         sig = make_sig(seq, op, dtype, 0, root, nbytes, step)
         comm.step(sig, [(inp + lo, nb)], reads, dtype, 0, deadline)
@@ -166,13 +166,11 @@ def scatter(
         tcp.scatter(comm, ins, out, nbytes, root, dtype, deadline)
         return
     seq, w, r = comm.next_op(), comm.world, comm.rank
-    per = max(1, comm.chunk // w)
+    per, mode = max(1, comm.chunk // w), _copy(comm, nbytes)
     for step, (lo, nb) in enumerate(_chunks(nbytes, per)):
         pubs = [(p + lo, nb) for p in ins] if ins is not None else []
         sig = make_sig(seq, OP_SCATTER, dtype, 0, root, nbytes, step)
-        comm.step(
-            sig, pubs, [(root, r * nb, out + lo, nb, _copy(comm, nbytes))], dtype, 0, deadline
-        )
+        comm.step(sig, pubs, [(root, r * nb, out + lo, nb, mode)], dtype, 0, deadline)
 
 
 def reduce_scatter(

@@ -420,17 +420,32 @@ class Communicator:
 
     def fail(self, error: BaseException, reason: int) -> None:
         """Record the first error and tell every peer (arena abort word and ABORT frames)."""
+        self._failed(error, (self.rank, reason), tell=reason)
+
+    def _failed(
+        self, error: BaseException, word: tuple[int, int] | None, tell: int | None = None
+    ) -> None:
+        """Record ``error`` as this group's error, unless it already failed, and end what is
+        in flight here: posted receives withdrawn and failed, sends failed
+        (:meth:`_fail_sends`), the group's frames buried. ``word`` ``(rank, reason)``: set the
+        arena's abort word too; ``tell`` (a reason): send every peer an ABORT frame and wake the
+        mailbox's waiters (this rank failed; a peer's failure is told by that peer). A peer's
+        failure comes here by its ABORT frame or by a step that saw its abort word first,
+        whichever comes first (before, the abort word left posted receives pending for good
+        and sends uncut, and the ABORT frame after it then found the group failed and did
+        nothing)."""
         with self._lock:
             if self.error is not None:
                 return
             self.error = error
             pending, self._pending = self._pending, []
-        if self._shm is not None:
-            self._shm.set_abort(self.rank, reason)
-        for q, g in enumerate(self.ranks):
-            if q != self.rank and g in self.mesh.peers:
-                self.mesh.send_abort(g, self.group_id, reason)
-        self.mesh.mailbox.wake()
+        if word is not None and self._shm is not None:
+            self._shm.set_abort(*word)
+        if tell is not None:
+            for q, g in enumerate(self.ranks):
+                if q != self.rank and g in self.mesh.peers:
+                    self.mesh.send_abort(g, self.group_id, tell)
+            self.mesh.mailbox.wake()
         self._cancel_receives(pending, error)
         self._fail_sends(error)
         self.mesh.bury(self.group_id, self)
@@ -474,26 +489,7 @@ class Communicator:
         err = RemoteError(
             f"communicator {self.name!r}: rank {q} {REASONS.get(reason, f'failed ({reason})')}"
         )
-        self._fail_from_peer(err, (q, reason))
-
-    def _fail_from_peer(self, err: BaseException, word: tuple[int, int] | None) -> None:
-        """Record a peer's failure (``err``) as this group's error, unless it already failed,
-        and end what is in flight here: posted receives withdrawn and failed, sends failed
-        (:meth:`_fail_sends`), the group's frames buried. No ABORT frames (the failing rank
-        sends its own); ``word`` ``(rank, reason)``: set the arena's abort word too. Reached by
-        the peer's ABORT frame or by a step that saw its abort word first, whichever comes
-        first (before, the abort word left posted receives pending for good and sends uncut,
-        and the ABORT frame after it then found the group failed and did nothing)."""
-        with self._lock:
-            if self.error is not None:
-                return
-            self.error = err
-            pending, self._pending = self._pending, []
-        if word is not None and self._shm is not None:
-            self._shm.set_abort(*word)
-        self._cancel_receives(pending, err)
-        self._fail_sends(err)
-        self.mesh.bury(self.group_id, self)
+        self._failed(err, (q, reason))
 
     def on_peer_lost(self, src: int, error: BaseException) -> None:
         if src in self.ranks:
@@ -567,7 +563,7 @@ class Communicator:
                     f"{opname} on communicator {self.name!r}: rank {who} "
                     f"{REASONS.get(reason, f'failed ({reason})')}"
                 )
-                self._fail_from_peer(err, None)
+                self._failed(err, None)
         elif e.status == MISMATCH:
             q, word, theirs = e.detail
             err = CollectiveMismatchError(
