@@ -30,7 +30,6 @@ Algorithms (``W`` ranks, ``C`` = chunk bytes per step):
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Sequence
 
@@ -211,17 +210,13 @@ def alltoall(
         tcp.alltoall(comm, ins, in_lens, outs, out_lens, dtype, deadline)
         return
     seq, w, r = comm.next_op(), comm.world, comm.rank
-    mine = (ctypes.c_int64 * (2 * w))(*in_lens, *out_lens)
-    matrix = (ctypes.c_int64 * (2 * w * w))()
-    at = ctypes.addressof(matrix)
-    reads = [(q, 0, at + 16 * w * q, 16 * w, COPY) for q in range(w)]
+    # one native call exchanges every rank's sizes, and the pieces too when every rank's fit
+    # beside its sizes in one slot
+    mode = _copy(comm, sum(out_lens))
     sig = make_sig(seq, OP_ALLTOALL_SIZES, dtype, 0, -1, 16 * w, 0)
-    # A rank whose whole input fits beside its sizes publishes it in this first step too.
-    pubs = [(ctypes.addressof(mine), 16 * w)]
-    if 16 * w + sum(in_lens) <= comm.slot:
-        pubs += [(ins[d], in_lens[d]) for d in range(w)]
-    comm.step(sig, pubs, reads, dtype, 0, deadline)
-    flat = list(matrix)
+    flat = comm.shm_alltoall_sizes(sig, in_lens, out_lens, ins, outs, dtype, mode, deadline)
+    if flat is None:
+        return
     rows = [flat[2 * w * q : 2 * w * (q + 1)] for q in range(w)]
     sends = [row[:w] for row in rows]  # sends[q][d]: bytes rank q sends to rank d
     for q in range(w):
@@ -232,18 +227,6 @@ def alltoall(
                     f"disagree: rank {q} sends {sends[q][d]} bytes to rank "
                     f"{d}, which expects {rows[d][w + q]} bytes from rank {q}"
                 )
-    mode = _copy(comm, sum(out_lens))
-    if all(16 * w + sum(sends[q]) <= comm.slot for q in range(w)):  # everyone published
-        comm.reread(
-            [
-                (q, 16 * w + sum(sends[q][:r]), outs[q], sends[q][r], mode)
-                for q in range(w)
-                if sends[q][r]
-            ],
-            dtype,
-            0,
-        )
-        return
     # Rank q publishes its pieces for the other ranks in rank order, as many steps as the
     # longest of those takes; its own piece goes straight from its input to its output once
     # the exchange is done (one copy, not two through its slot, and no step for it alone).

@@ -357,15 +357,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 f"({inp.numel()}) elements of dtype {inp.dtype}, got {out.numel()} of {out.dtype}"
             )
         _check_blocks(out, inp, w, "all_gather_into_tensor", "output")
-        n = inp.numel()
-        return self._gather(
-            "allgather",
-            out,
-            lambda o: [o.view(-1)[q * n : (q + 1) * n] for q in range(w)],
-            inp,
-            -1,
-            opts,
-        )
+        return self._gather_into("allgather", out, inp, opts)
 
     def allgather(
         self,
@@ -435,30 +427,32 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         return self._submit(name, opts, run, list(outs or []))
 
-    def _gather(
-        self,
-        name: str,
-        out: torch.Tensor,
-        parts: Callable[[torch.Tensor], list[torch.Tensor]],
-        inp: torch.Tensor,
-        root: int,
-        opts: Any,
+    def _gather_into(
+        self, name: str, out: torch.Tensor, inp: torch.Tensor, opts: Any
     ) -> Callable[[], TorchportWork]:
-        """Stages ``out``; the call returned issues the gather."""
+        """Stages ``out``; the call returned issues the all-gather of ``inp`` into ``out``'s
+        world_size consecutive blocks, addressed by pointer arithmetic rather than through a
+        view per block (Python time that a 4 KB op notices)."""
         s, comm = _Staged(out), self.comm
+        w, r, nb, dc = (
+            comm.world,
+            comm.rank,
+            inp.numel() * inp.element_size(),
+            dtype_code(inp.dtype),
+        )
 
         def run(deadline: float) -> None:
-            views = parts(s.t)
-            src = _apart_from([inp.contiguous()], _others_slots(views, comm.rank))[0]
-            ptrs = [_ptr(p) if p.numel() else 0 for p in views]
+            src = inp.contiguous()
+            base, sp = _ptr(s.t), _ptr(src)
+            # an input overlapping another rank's block is copied first (see _others_slots)
+            if sp and (
+                (sp < base + r * nb and sp + nb > base)
+                or (sp < base + w * nb and sp + nb > base + (r + 1) * nb)
+            ):
+                src = src.clone()
+                sp = _ptr(src)
             alg.allgather(
-                comm,
-                _ptr(src),
-                src.numel() * src.element_size(),
-                ptrs,
-                dtype_code(inp.dtype),
-                deadline,
-                root=root,
+                comm, sp, nb, [base + q * nb for q in range(w)] if nb else [0] * w, dc, deadline
             )
             s.back()
 
@@ -549,14 +543,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
             )
         osz = self._splits(out, list(output_split_sizes), "output")
         isz = self._splits(inp, list(input_split_sizes), "input")
-        es = out.element_size()
+        ro, ri = self._row(out) * out.element_size(), self._row(inp) * out.element_size()
         return self._alltoall(
-            "all_to_all_single",
-            out,
-            [n * self._row(out) * es for n in osz],
-            inp,
-            [n * self._row(inp) * es for n in isz],
-            opts,
+            "all_to_all_single", out, [n * ro for n in osz], inp, [n * ri for n in isz], opts
         )
 
     all_to_all_single = alltoall_base

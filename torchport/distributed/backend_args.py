@@ -209,6 +209,12 @@ def _apart_from(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[
     outputs' byte ranges are sorted and merged once and each input bisects them: O(w log w),
     still exact.
     """
+    if len(srcs) == 1 and len(outs) == 1:  # one input, one output: no merging
+        src, dst = srcs[0], outs[0]
+        ps, pd = _ptr(src), _ptr(dst)
+        if ps and pd and ps < pd + dst.nbytes and pd < ps + src.nbytes:
+            return [src.clone()]
+        return srcs
     spans = sorted((p, p + t.nbytes) for t in outs if (p := _ptr(t)))
     starts: list[int] = []
     ends: list[int] = []

@@ -591,7 +591,6 @@ class Communicator:
     ) -> None:
         """One collective step on this group's transport (see module docstring)."""
         self._last_sig = sig
-        self._last_blobs: list[Blob] = []
         if self.arena is None:
             self._tcp_step(sig, pubs, reads, dtype, red, deadline)
             return
@@ -632,12 +631,25 @@ class Communicator:
             raise
         self.epoch = epoch + used
 
-    def reread(self, reads: Sequence[Read], dtype: int, red: int) -> None:
-        """Apply more reads to what every rank published in the step just completed."""
-        if self.arena is not None:
-            self.arena.reread(self.epoch - 1, reads, dtype, red & FOLD_MASK)
-            return
-        self._apply_blobs(self._last_blobs, reads, dtype, red)
+    def shm_alltoall_sizes(
+        self,
+        sig: tuple[int, int, int, int],
+        in_lens: Sequence[int],
+        out_lens: Sequence[int],
+        ins: Sequence[int],
+        outs: Sequence[int],
+        dtype: int,
+        mode: int,
+        deadline: float,
+    ) -> tuple[int, ...] | None:
+        """alltoall's first step on the arena (:meth:`ShmArena.alltoall_sizes`)."""
+        assert self.arena is not None
+        self._last_sig = sig
+        epoch = self.epoch
+        self.epoch += 1
+        return self.arena.alltoall_sizes(
+            epoch, sig, in_lens, out_lens, ins, outs, dtype, mode, deadline - time.monotonic()
+        )
 
     def _tcp_step(
         self,
@@ -663,7 +675,6 @@ class Communicator:
                     ctypes.memmove(_addr(buf) + off, ptr, n)
                 off += n
             blobs[self.rank] = Blob(_addr(buf), own, buf)
-        self._last_blobs = blobs
         self._apply_blobs(blobs, reads, dtype, red)
 
     def _apply_blobs(

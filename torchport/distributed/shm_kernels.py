@@ -39,6 +39,7 @@ from torchport import native
 
 # Status codes returned by tp_shm_step.
 OK, TIMEOUT, ABORTED, MISMATCH, BAD_ARG = 0, 1, 2, 3, 4
+SIZES_LEFT = 5  # tp_shm_alltoall_packed: the caller goes on from the exchanged sizes
 
 # Header layout (bytes).
 HDR_MAGIC = 0x5450534D33  # "TPSM3"
@@ -668,10 +669,24 @@ TP_EXPORT int tp_shm_allreduce_packed(int64_t *a) {
                             a[14], a[15], a + 16);
 }
 
+/* tp_shm_step with its arguments in one int64 block (one ctypes argument instead of fifteen;
+   a step's Python cost at 4 KB was mostly argument conversion): a[0..4] = hdr, data, world,
+   rank, slot (set once per arena), a[5] epoch, a[6 .. 6 + SIG_WORDS) sig, then npubs, nreads,
+   dtype, op, timeout_ns, three words receiving ``bad``, then the pubs (2 words each) and the
+   reads (5 words each). */
+#define TP_STEP_HEAD (6 + SIG_WORDS + 8)
+TP_EXPORT int tp_shm_step_packed(int64_t *a) {
+    int64_t *t = a + 6 + SIG_WORDS, npubs = t[0];
+    if (npubs < 0) return 4;
+    return tp_shm_step((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], a[2], a[3], a[4], a[5],
+                       a + 6, a + TP_STEP_HEAD, npubs, a + TP_STEP_HEAD + 2 * npubs, t[1], t[2],
+                       t[3], t[4], t + 5);
+}
+
 /* Apply more reads from the slots of an already completed step (valid until this rank arrives
    at the next step: no peer rewrites that half before then). */
-TP_EXPORT int tp_shm_reread(char *data, int64_t world, int64_t slot, int64_t epoch,
-                            const int64_t *reads, int64_t nreads, int64_t dtype, int64_t op) {
+static int tp_shm_reread(char *data, int64_t world, int64_t slot, int64_t epoch,
+                         const int64_t *reads, int64_t nreads, int64_t dtype, int64_t op) {
     int64_t bases[256], half = epoch & 1;
     if (world > 256) return 4;
     for (int64_t q = 0; q < world; q++) bases[q] = (int64_t)(intptr_t)(data + (q * 2 + half) * slot);
@@ -680,6 +695,61 @@ TP_EXPORT int tp_shm_reread(char *data, int64_t world, int64_t slot, int64_t epo
         if (r[0] < 0 || r[0] >= world || r[1] < 0 || r[3] < 0 || r[1] + r[3] > slot) return 4;
     }
     return tp_apply(bases, reads, nreads, dtype, op) == 0 ? 0 : 4;
+}
+
+/* alltoall's exchange of split sizes on the arena in one call, and the whole exchange when
+   every rank's pieces fit one step (at 4 KB the Python around two steps cost more than they
+   did). a[0..4] = hdr, data, world, rank, slot; a[5] epoch; a[6 .. 6 + SIG_WORDS) sig; then
+   dtype, the pieces' read mode, timeout_ns and three words receiving ``bad``; then in_lens,
+   out_lens, ins, outs (world words each) and room for every rank's sizes (2 world words per
+   rank: its sends, then its receives). Each rank publishes its sizes, and its pieces when all
+   of them fit beside the sizes, and reads every rank's sizes. Returns 0 when every rank's sends
+   match their receivers' receives and every rank published its pieces (this rank's are then
+   copied out: done); 5 when the caller goes on from the sizes (a mismatch to report, or
+   pieces too long for one step); else tp_shm_step's status. */
+#define TP_A2A_HEAD (6 + SIG_WORDS + 6)
+TP_EXPORT int tp_shm_alltoall_packed(int64_t *a) {
+    int64_t w = a[2], r = a[3], slot = a[4], epoch = a[5], *t = a + 6 + SIG_WORDS;
+    if (w < 1 || w > 256 || r < 0 || r >= w) return 4;
+    int64_t *in_lens = a + TP_A2A_HEAD, *ins = in_lens + 2 * w, *outs = in_lens + 3 * w;
+    int64_t *mat = in_lens + 4 * w, pubs[2 * 257], reads[5 * 256], total = 16 * w, npubs = 1;
+    pubs[0] = (int64_t)(intptr_t)in_lens;
+    pubs[1] = 16 * w;
+    for (int64_t d = 0; d < w; d++) {
+        if (in_lens[d] < 0) return 4;
+        total += in_lens[d];
+    }
+    if (total <= slot)
+        for (int64_t d = 0; d < w; d++, npubs++) {
+            pubs[2 * npubs] = ins[d];
+            pubs[2 * npubs + 1] = in_lens[d];
+        }
+    for (int64_t q = 0; q < w; q++) {
+        int64_t *x = reads + 5 * q;
+        x[0] = q; x[1] = 0; x[2] = (int64_t)(intptr_t)(mat + 2 * w * q); x[3] = 16 * w; x[4] = 0;
+    }
+    int st = tp_shm_step((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], w, r, slot, epoch, a + 6,
+                         pubs, npubs, reads, w, t[0], 0, t[2], t + 3);
+    if (st != 0) return st;
+    int everyone = 1;
+    for (int64_t q = 0; q < w; q++) {
+        int64_t used = 16 * w;
+        for (int64_t d = 0; d < w; d++) {
+            if (mat[2 * w * q + d] != mat[2 * w * d + w + q]) return 5;
+            used += mat[2 * w * q + d];
+        }
+        if (used > slot) everyone = 0;
+    }
+    if (!everyone) return 5;
+    int64_t n = 0;
+    for (int64_t q = 0; q < w; q++) {
+        int64_t off = 16 * w, len = mat[2 * w * q + r];
+        for (int64_t d = 0; d < r; d++) off += mat[2 * w * q + d];
+        if (!len) continue;
+        int64_t *x = reads + 5 * n++;
+        x[0] = q; x[1] = off; x[2] = outs[q]; x[3] = len; x[4] = t[1];
+    }
+    return tp_shm_reread((char *)(intptr_t)a[1], w, slot, epoch, reads, n, t[0], 0) == 0 ? 0 : 4;
 }
 
 /* Set the abort word (first writer wins); returns the word now stored. */
@@ -836,24 +906,17 @@ class ShmLib:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.step = native.c_function(
-            lib,
-            "tp_shm_step",
-            [p, p, i64, i64, i64, i64, p, p, i64, p, i64, i64, i64, i64, p],
-            ctypes.c_int,
-        )
         self.fold = native.c_function(lib, "tp_fold", [p, p, i64, i64, i64], ctypes.c_int)
         self.apply = native.c_function(lib, "tp_apply", [p, p, i64, i64, i64], ctypes.c_int)
         self.set_abort = native.c_function(lib, "tp_set_abort", [p, i64], ctypes.c_int64)
-        self.reread = native.c_function(
-            lib, "tp_shm_reread", [p, i64, i64, i64, p, i64, i64, i64], ctypes.c_int
-        )
         self.doorbell_wait = native.c_function(
             lib, "tp_doorbell_wait", [p, i64, i64, i64, i64], ctypes.c_int64
         )
         self.doorbell_post = native.c_function(lib, "tp_doorbell_post", [p], None)
         self.doorbell_ring = native.c_function(lib, "tp_doorbell_ring", [p, i64], None)
         self.allreduce_packed = native.c_function(lib, "tp_shm_allreduce_packed", [p], ctypes.c_int)
+        self.step_packed = native.c_function(lib, "tp_shm_step_packed", [p], ctypes.c_int)
+        self.alltoall_packed = native.c_function(lib, "tp_shm_alltoall_packed", [p], ctypes.c_int)
         self.set_yield = native.c_function(lib, "tp_set_yield", [i64], None)
         self.get_abort = native.c_function(lib, "tp_get_abort", [p], ctypes.c_int64)
         self.ring_move = native.c_function(

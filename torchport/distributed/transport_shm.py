@@ -47,6 +47,7 @@ from torchport.distributed.shm_kernels import (
     RING_MAGIC,
     RING_MAPPED_OFF,
     SIG_WORDS,
+    SIZES_LEFT,
     TIMEOUT,
     YIELD_CAP_OFF,
     shm_lib,
@@ -57,6 +58,16 @@ Read = tuple[int, int, int, int, int]  # (peer, offset in peer's slot, dst point
 COPY, FOLD, STREAM = 0, 1, 2  # STREAM: a copy with streaming stores (a large op's output)
 ALLREDUCE_ARGS = 21  # tp_shm_allreduce_packed's block: 16 arguments, 5 info words
 _PACK_ALLREDUCE = struct.Struct("<11q").pack_into  # epoch .. timeout_ns at word 5
+# tp_shm_step_packed's block: hdr, data, world, rank, slot, epoch, the signature, npubs,
+# nreads, dtype, op, timeout_ns, three ``bad`` words, then 2 words per pub and 5 per read
+STEP_HEAD = 6 + SIG_WORDS + 8
+STEP_BAD = 6 + SIG_WORDS + 5
+STEP_CAP = 64  # pub and read words the arena's own block holds (a longer step packs its own)
+_PACK_STEP = struct.Struct(f"<{1 + SIG_WORDS + 5}q").pack_into  # epoch .. timeout_ns at word 5
+# tp_shm_alltoall_packed's block: hdr .. sig as above, dtype, mode, timeout_ns, three ``bad``
+# words, then in_lens, out_lens, ins, outs and every rank's sizes
+A2A_HEAD = 6 + SIG_WORDS + 6
+_PACK_A2A = struct.Struct(f"<{1 + SIG_WORDS + 3}q").pack_into  # epoch .. timeout_ns at word 5
 
 
 def arena_bytes(world: int, slot: int) -> tuple[int, int]:
@@ -134,13 +145,17 @@ class ShmArena(_ShmFile):
             if (magic, w, s) != (HDR_MAGIC, world, slot):
                 raise CommError(f"shared-memory arena {path} has a foreign header")
         self.lib = shm_lib()
-        self._sig = (ctypes.c_int64 * SIG_WORDS)()
-        self._bad = (ctypes.c_int64 * 3)()
         # argument block of tp_shm_allreduce_packed: the arena's fields once, the rest per call
         self._ar = (ctypes.c_int64 * ALLREDUCE_ARGS)(
             self.base, self.base + self.data_off, world, rank, slot
         )
         self._ar_addr = ctypes.addressof(self._ar)
+        # argument block of tp_shm_step_packed, likewise
+        self._st = (ctypes.c_int64 * (STEP_HEAD + STEP_CAP))(
+            self.base, self.base + self.data_off, world, rank, slot
+        )
+        self._st_addr = ctypes.addressof(self._st)
+        self._a2a: ctypes.Array[ctypes.c_int64] | None = None  # alltoall's, made at first use
 
     @staticmethod
     def new_path() -> str:
@@ -159,29 +174,54 @@ class ShmArena(_ShmFile):
     ) -> None:
         """Publish ``pubs`` (pointer, length), barrier, check signatures, apply ``reads``."""
         assert self._mm is not None, "arena closed"
-        for i in range(SIG_WORDS):
-            self._sig[i] = sig[i] if i < len(sig) else 0
-        pa = (ctypes.c_int64 * (2 * len(pubs) or 1))(*[v for p in pubs for v in p])
-        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
-        st = self.lib.step(
-            self.base,
-            self.base + self.data_off,
-            self.world,
-            self.rank,
-            self.slot,
-            epoch,
-            self._sig,
-            pa,
-            len(pubs),
-            ra,
-            len(reads),
-            dtype,
-            op,
-            max(0, int(timeout_s * 1e9)),
-            self._bad,
+        flat = [v for p in pubs for v in p]
+        flat += [v for r in reads for v in r]
+        a, addr = self._st, self._st_addr
+        if len(flat) > STEP_CAP:  # (a wide group's step: a block of its own)
+            a = (ctypes.c_int64 * (STEP_HEAD + len(flat)))(*self._st[:5])
+            addr = ctypes.addressof(a)
+        if len(sig) != SIG_WORDS:
+            sig = (*sig, *(0,) * (SIG_WORDS - len(sig)))
+        _PACK_STEP(
+            a, 40, epoch, *sig, len(pubs), len(reads), dtype, op, max(0, int(timeout_s * 1e9))
         )
+        if flat:
+            struct.pack_into(f"<{len(flat)}q", a, 8 * STEP_HEAD, *flat)
+        st = self.lib.step_packed(addr)
         if st != OK:
-            raise StepError(st, (self._bad[0], self._bad[1], self._bad[2]))
+            raise StepError(st, (a[STEP_BAD], a[STEP_BAD + 1], a[STEP_BAD + 2]))
+
+    def alltoall_sizes(
+        self,
+        epoch: int,
+        sig: Sequence[int],
+        in_lens: Sequence[int],
+        out_lens: Sequence[int],
+        ins: Sequence[int],
+        outs: Sequence[int],
+        dtype: int,
+        mode: int,
+        timeout_s: float,
+    ) -> tuple[int, ...] | None:
+        """alltoall's first step (sizes, and the pieces when every rank's fit) in one native
+        call. None when the whole exchange is done; else every rank's sizes, flat (rank q's
+        sends to each rank, then its receives), for the caller to report a mismatch or go on
+        in steps."""
+        assert self._mm is not None, "arena closed"
+        w, a = self.world, self._a2a
+        if a is None:
+            a = self._a2a = (ctypes.c_int64 * (A2A_HEAD + 4 * w + 2 * w * w))(*self._st[:5])
+        if len(sig) != SIG_WORDS:
+            sig = (*sig, *(0,) * (SIG_WORDS - len(sig)))
+        _PACK_A2A(a, 40, epoch, *sig, dtype, mode, max(0, int(timeout_s * 1e9)))
+        struct.pack_into(f"<{4 * w}q", a, 8 * A2A_HEAD, *in_lens, *out_lens, *ins, *outs)
+        st = self.lib.alltoall_packed(ctypes.addressof(a))
+        if st == OK:
+            return None
+        if st == SIZES_LEFT:
+            return struct.unpack_from(f"<{2 * w * w}q", a, 8 * (A2A_HEAD + 4 * w))
+        bad = A2A_HEAD - 3
+        raise StepError(st, (a[bad], a[bad + 1], a[bad + 2]))
 
     def allreduce(
         self,
@@ -210,16 +250,6 @@ class ShmArena(_ShmFile):
             err.step = int(a[20])
             raise err
         return int(a[19])
-
-    def reread(self, epoch: int, reads: Sequence[Read], dtype: int, op: int) -> None:
-        """More reads from the slots published at ``epoch`` (the step just completed)."""
-        assert self._mm is not None, "arena closed"
-        ra = (ctypes.c_int64 * (5 * len(reads) or 1))(*[v for r in reads for v in r])
-        st = self.lib.reread(
-            self.base + self.data_off, self.world, self.slot, epoch, ra, len(reads), dtype, op
-        )
-        if st != OK:
-            raise StepError(st)
 
     def set_abort(self, rank: int, reason: int) -> int:
         """Raise the abort flag (first writer wins); return the stored word."""
