@@ -43,3 +43,38 @@ def test_a_fold_and_an_unknown_mode() -> None:
     before = y.clone()
     assert _apply(x, y, 0, x.nbytes, 3) == -1  # neither a copy nor a fold: refused
     assert torch.equal(y, before)
+
+
+def test_a_step_under_a_timeout_of_centuries_waits_for_its_peer() -> None:
+    """A group timeout past int64 nanoseconds (317 years) is a long wait, not a struct.error
+    from the packed argument block (nor an instant timeout, as the wrapped ctypes value was)."""
+    import os
+    import threading
+    import time
+
+    from torchport.distributed.transport_shm import SHM_DIR, ShmArena
+
+    path = os.path.join(SHM_DIR, f"torchport-test-{os.getpid()}-centuries")
+    a = ShmArena(path, 2, 0, 8192, create=True)
+    b = ShmArena(path, 2, 1, 8192, create=False)
+    os.unlink(path)
+    errors: list[BaseException] = []
+
+    def late() -> None:
+        time.sleep(0.2)
+        try:
+            b.step(1, (1, 1, 0, 0), [], [], 0, 0, 5.0)
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+
+    t = threading.Thread(target=late)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        a.step(1, (1, 1, 0, 0), [], [], 0, 0, 1.0e10)
+    finally:
+        t.join(10)
+        a.close()
+        b.close()
+    assert not errors
+    assert time.monotonic() - t0 >= 0.15

@@ -70,6 +70,12 @@ A2A_HEAD = 6 + SIG_WORDS + 6
 _PACK_A2A = struct.Struct(f"<{1 + SIG_WORDS + 3}q").pack_into  # epoch .. timeout_ns at word 5
 
 
+def _ns(timeout_s: float) -> int:
+    """A step's timeout in whole nanoseconds for the native side, within 0 .. 2**62 (a group
+    timeout of centuries overflowed the argument block's int64: an untyped struct.error)."""
+    return max(0, int(timeout_s * 1e9)) if timeout_s < 4.6e9 else 1 << 62
+
+
 def arena_bytes(world: int, slot: int) -> tuple[int, int]:
     """(data offset, total size) of an arena for ``world`` ranks with ``slot`` bytes per half."""
     data = -(-(CTRL_OFF + LINE * world) // DATA_ALIGN) * DATA_ALIGN
@@ -182,9 +188,7 @@ class ShmArena(_ShmFile):
             addr = ctypes.addressof(a)
         if len(sig) != SIG_WORDS:
             sig = (*sig, *(0,) * (SIG_WORDS - len(sig)))
-        _PACK_STEP(
-            a, 40, epoch, *sig, len(pubs), len(reads), dtype, op, max(0, int(timeout_s * 1e9))
-        )
+        _PACK_STEP(a, 40, epoch, *sig, len(pubs), len(reads), dtype, op, _ns(timeout_s))
         if flat:
             struct.pack_into(f"<{len(flat)}q", a, 8 * STEP_HEAD, *flat)
         st = self.lib.step_packed(addr)
@@ -213,7 +217,7 @@ class ShmArena(_ShmFile):
             a = self._a2a = (ctypes.c_int64 * (A2A_HEAD + 4 * w + 2 * w * w))(*self._st[:5])
         if len(sig) != SIG_WORDS:
             sig = (*sig, *(0,) * (SIG_WORDS - len(sig)))
-        _PACK_A2A(a, 40, epoch, *sig, dtype, mode, max(0, int(timeout_s * 1e9)))
+        _PACK_A2A(a, 40, epoch, *sig, dtype, mode, _ns(timeout_s))
         struct.pack_into(f"<{4 * w}q", a, 8 * A2A_HEAD, *in_lens, *out_lens, *ins, *outs)
         st = self.lib.alltoall_packed(ctypes.addressof(a))
         if st == OK:
@@ -241,9 +245,7 @@ class ShmArena(_ShmFile):
         """
         assert self._mm is not None, "arena closed"
         a = self._ar
-        _PACK_ALLREDUCE(
-            a, 40, epoch, *sig3, ptr, nbytes, esize, small, dtype, op, max(0, int(timeout_s * 1e9))
-        )
+        _PACK_ALLREDUCE(a, 40, epoch, *sig3, ptr, nbytes, esize, small, dtype, op, _ns(timeout_s))
         st = self.lib.allreduce_packed(self._ar_addr)
         if st != OK:
             err = StepError(st, (a[16], a[17], a[18]))
