@@ -1,4 +1,5 @@
-"""The shared-memory kernels' copies, one process: a read's modes against plain byte copies."""
+"""The shared-memory kernels, one process: a read's modes against plain byte copies, and
+alltoall's one-call size exchange driven from one thread per rank against the expected bytes."""
 
 from __future__ import annotations
 
@@ -78,3 +79,108 @@ def test_a_step_under_a_timeout_of_centuries_waits_for_its_peer() -> None:
         b.close()
     assert not errors
     assert time.monotonic() - t0 >= 0.15
+
+
+def _alltoall_first_step(
+    world: int,
+    slot: int,
+    sizes: list[list[int]],
+    mode: int = COPY,
+    expect: list[list[int]] | None = None,
+) -> tuple[list[tuple[int, ...] | None], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Every rank's ``ShmArena.alltoall_sizes`` (one thread and mapping per rank; ``sizes[q][d]``
+    bytes from rank q to rank d, which expects ``expect[q][d]``, by default the same), then a
+    barrier step. Returns each rank's result (None: done; else the size matrix), inputs and
+    outputs."""
+    import os
+    import threading
+
+    from torchport.distributed.transport_shm import SHM_DIR, ShmArena
+
+    path = os.path.join(SHM_DIR, f"torchport-test-{os.getpid()}-a2a{world}")
+    arenas = [ShmArena(path, world, 0, slot, create=True)]
+    arenas += [ShmArena(path, world, r, slot, create=False) for r in range(1, world)]
+    os.unlink(path)
+    g = torch.Generator().manual_seed(world * 1000 + slot)
+    ins = [
+        [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in row] for row in sizes
+    ]
+    want = sizes if expect is None else expect
+    outs = [
+        [torch.zeros(want[q][d], dtype=torch.uint8) for q in range(world)] for d in range(world)
+    ]
+    got: list[tuple[int, ...] | None] = [() for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            got[r] = arenas[r].alltoall_sizes(
+                1,
+                (7, 9, 16 * world, 0),
+                sizes[r],
+                [want[q][r] for q in range(world)],
+                [t.data_ptr() if t.numel() else 0 for t in ins[r]],
+                [t.data_ptr() if t.numel() else 0 for t in outs[r]],
+                0,
+                mode,
+                30.0,
+            )
+            arenas[r].step(2, (8, 1, 0, 0), [], [], 0, 0, 30.0)
+        except BaseException as e:  # (reported by the caller)
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+    finally:
+        for a in arenas:
+            a.close()
+    return got, ins, outs
+
+
+@pytest.mark.parametrize(
+    "world,pattern",
+    [(1, "even"), (1, "zero"), (2, "even"), (3, "uneven"), (4, "uneven"), (3, "stream")],
+)
+def test_alltoall_size_exchange_moves_every_piece_that_fits_one_step(
+    world: int, pattern: str
+) -> None:
+    sizes = [
+        [
+            {"even": 100, "zero": 0, "uneven": ((q + 2 * d) % 3) * 37, "stream": 5000 + 64 * q + d}[
+                pattern
+            ]
+            for d in range(world)
+        ]
+        for q in range(world)
+    ]
+    got, ins, outs = _alltoall_first_step(
+        world, 1 << 16, sizes, STREAM if pattern == "stream" else COPY
+    )
+    assert got == [None] * world
+    for d in range(world):
+        for q in range(world):
+            assert torch.equal(outs[d][q], ins[q][d]), (q, d)
+
+
+def test_alltoall_size_exchange_leaves_long_pieces_and_mismatches_to_the_caller() -> None:
+    # rank 0's pieces do not fit its slot beside its sizes: every rank gets the same matrix
+    long = [[3000 if q == 0 else 10 for _ in range(3)] for q in range(3)]
+    got, _ins, outs = _alltoall_first_step(3, 4096, long)
+    assert all(m is not None for m in got) and len(set(got)) == 1
+    assert list(got[0] or ())[:3] == [3000, 3000, 3000]  # rank 0's sends, then its receives
+    assert all(int(o.sum()) == 0 for row in outs for o in row)  # nothing copied yet
+
+
+def test_alltoall_size_exchange_shows_every_rank_the_same_disagreeing_matrix() -> None:
+    sizes = [[10] * 3 for _ in range(3)]
+    expect = [[11 if (q, d) == (0, 2) else 10 for d in range(3)] for q in range(3)]
+    got, _ins, outs = _alltoall_first_step(3, 4096, sizes, expect=expect)
+    assert all(m is not None for m in got) and len(set(got)) == 1
+    m = list(got[0] or ())
+    assert m[2] == 10 and m[2 * 3 * 2 + 3 + 0] == 11  # rank 0 sends 10 to 2, which expects 11
+    assert all(int(o.sum()) == 0 for row in outs for o in row)
