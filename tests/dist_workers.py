@@ -1246,6 +1246,52 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
+    """A blocking ``dist.send`` (its ``wait()`` runs the send in the caller's thread) to rank 1,
+    stopped (SIGSTOP): an ``abort()`` from another thread 0.3 s in makes it raise within the
+    abort bound, and a group timeout of 1.5 s makes it raise ``CommTimeoutError`` then. Before,
+    the caller stayed in the send's copy loop through both for as long as the receiver was
+    stopped. Through a shared-memory ring and by TCP, on a gloo default group."""
+    import datetime
+    import signal
+    import threading
+
+    import torchport
+
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out: dict[str, Any] = {}
+    for ring in (1 << 20, 0):
+        for how in ("abort", "timeout"):
+            key = f"{'ring' if ring else 'tcp'} {how}"
+            with torchport.config.override(dist_p2p_ring_bytes=ring):
+                g = dist.new_group(
+                    list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
+                )
+            dist.barrier()
+            if rank == 0:
+                buf = torch.ones((64 << 20) // 4)
+                os.kill(pids[1], signal.SIGSTOP)
+                try:
+                    timer = threading.Timer(0.3, g.abort)
+                    if how == "abort":
+                        timer.start()
+                    t0 = time.monotonic()
+                    try:
+                        dist.send(buf, 1, group=g)
+                        err = "no error"
+                    except Exception as e:
+                        err = type(e).__name__
+                    out[key] = {"error": err, "took": time.monotonic() - t0}
+                    if how == "abort":
+                        timer.join(5)
+                finally:
+                    os.kill(pids[1], signal.SIGCONT)
+            dist.barrier()
+            dist.destroy_process_group(g)
+    return out
+
+
 def abort_send_case(rank: int, world: int) -> dict[str, Any]:
     """Rank 0's isend on a subgroup waits for rank 1, stopped (SIGSTOP) with the ring full;
     rank 0 aborts the subgroup: ``abort()`` returns and the send's ``wait()`` raises within
@@ -1540,6 +1586,7 @@ SCENARIOS = {
     "p2p": p2p_case,
     "recv_cut": recv_cut_case,
     "send_cut": send_cut_case,
+    "blocking_send": blocking_send_case,
     "abort_send": abort_send_case,
     "abort_word": abort_word_case,
     "p2p_late": p2p_late_case,

@@ -272,6 +272,7 @@ def gloo_results() -> list[dict]:
             ("overlap_delivered", ()),
             ("p2p_late", ()),
             ("send_cut", ()),
+            ("blocking_send", ()),
             ("recv_cut", ()),  # (last: it ends its group's mesh)
         ],
         timeout=60,
@@ -306,6 +307,17 @@ def test_abort_ends_a_send_waiting_on_a_stopped_receiver_within_the_bound():
         # the frame in flight went on from a copy made at the abort: never torn
         r = got[how]
         assert r["twos"] == 0 and (r["recv"] != "received" or r["ones"] == (8 << 20) // 4), r
+
+
+@pytest.mark.timeout(70)
+def test_a_blocking_send_to_a_stopped_receiver_ends_at_abort_and_at_the_group_timeout():
+    """The send ran in the waiting thread, whose copy loop ignored both: it hung for as long
+    as the receiver stayed stopped (20 s and more in a script)."""
+    r = gloo_results()[0]["blocking_send"]
+    for path in ("ring", "tcp"):
+        a, t = r[f"{path} abort"], r[f"{path} timeout"]
+        assert a["error"] == "CommAbortedError" and a["took"] < 0.3 + 0.2, r
+        assert t["error"] == "CommTimeoutError" and 1.4 < t["took"] < 1.5 + 0.5, r
 
 
 @pytest.mark.timeout(110)

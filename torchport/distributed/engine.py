@@ -708,6 +708,23 @@ class Communicator:
         code, numel = dtype_code(tensor.dtype), tensor.numel()
 
         source = SendSource(data)
+        deadline = self.deadline()
+
+        def late() -> bool:
+            """Whether the send is past the group timeout, failing the group then (as a
+            collective's timeout does: its receiver learns it, and the frame in flight goes
+            on in the background from a private copy)."""
+            if time.monotonic() <= deadline:
+                return False
+            self.fail(
+                CommTimeoutError(
+                    f"send(dst={dst}, tag={tag}) on communicator {self.name!r} (rank "
+                    f"{self.rank} of {self.world}) timed out: the receiver did not take it "
+                    f"within {self.timeout_s:g} s"
+                ),
+                REASON_TIMEOUT,
+            )
+            return True
 
         def go() -> None:
             try:
@@ -721,6 +738,7 @@ class Communicator:
                     parts,
                     check=self.check,
                     source=source if data is not None else None,
+                    late=late,
                 )
             finally:
                 with self._lock:

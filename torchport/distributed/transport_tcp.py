@@ -1293,55 +1293,134 @@ class Mesh:
         off: int,
         n: int,
         ring: ShmRing | None,
+        late: Callable[[], bool] | None = None,
     ) -> None:
         """Send one point-to-point frame whose payload is bytes ``[off, off + n)`` of
         ``source``: its header by the socket, then the payload by the socket or, with ``ring``
         (the header carries ``FLAG_RING``), into the ring, which the peer's reader empties once
         it has read the header. Every piece is read under ``source.lock`` by a call that copies
         it at once (a non-blocking send, a ring copy of at most ``RING_SLICE_NS``), so a
-        :meth:`SendSource.detach` between two pieces moves the rest onto its private copy."""
-        done = 0
-        poller = None
+        :meth:`SendSource.detach` between two pieces moves the rest onto its private copy.
+
+        A frame whose send fails part-way -- the source detached (``abort()``, a peer's
+        failure) or ``late()`` true (the send's deadline passed; it fails the group, which
+        detaches the source) -- cannot stop there (the stream would break for every group on
+        the connection): its rest goes on from a thread of its own (:meth:`_send_rest_of`),
+        which holds the connection until the frame is whole, and this call returns. A caller
+        that runs the send inline in ``wait()`` stayed in this loop for as long as the receiver
+        took nothing (a frozen peer: for good, through abort and past the group timeout)."""
+
+        def stop() -> bool:
+            if not source.detached and late is not None and late():
+                source.detach()  # (normally done by the failure late() reported)
+            return source.detached
+
+        while not conn.lock.acquire(timeout=LOCK_POLL_S):  # (a frame to a stopped reader)
+            if stop():
+                raise CommError(f"send to rank {conn.peer} stopped: its group failed")
+        handed = False
         try:
-            with conn.lock:
-                with source.lock:
-                    if source.detached:  # (its Work failed just before this frame began)
-                        raise CommError(f"send to rank {conn.peer} stopped: its group failed")
-                    source.end = off + n
-                    if ring is None and n <= 65536:  # (small: one copy, one system call)
-                        piece = source.buf[off : off + n].numpy().tobytes()
-                        conn.sock.sendall(head + piece)
-                        return
-                conn.sock.sendall(head)
-                while done < n:
-                    with source.lock:
-                        at = source.buf.data_ptr() + off + done
-                        if ring is not None:
-                            k = ring.move(at, n - done, put=True, budget_ns=RING_SLICE_NS)
-                        else:
-                            view = memoryview((ctypes.c_char * (n - done)).from_address(at))
-                            try:
-                                k = conn.sock.send(view.cast("B"), socket.MSG_DONTWAIT)
-                            except BlockingIOError:
-                                k = 0
-                    if k == RING_CORRUPT:
-                        raise CommError(
-                            f"send to rank {conn.peer} failed: the shared-memory ring to it is "
-                            "corrupt (its read position is out of the ring's bounds)"
-                        )
-                    if k < 0:
-                        raise CommError(
-                            f"send to rank {conn.peer} failed: the connection to it was lost or "
-                            "closed (its shared-memory ring was closed)"
-                        )
-                    if k == 0 and ring is None:  # the socket is full: wait for room
-                        if poller is None:
-                            poller = select.poll()
-                            poller.register(conn.sock.fileno(), select.POLLOUT)
-                        poller.poll(SLICE_MS)
-                    done += k
+            with source.lock:
+                if source.detached:  # (its Work failed just before this frame began)
+                    raise CommError(f"send to rank {conn.peer} stopped: its group failed")
+                source.end = off + n
+                if ring is None and n <= 65536:  # (small: one copy, one system call)
+                    head = head + source.buf[off : off + n].numpy().tobytes()
+                    off = n = 0
+            rest, done = self._pump(conn, memoryview(head), source, off, n, ring, stop)
+            if rest is not None or done < n:
+                self._spawn(
+                    self._send_rest_of,
+                    conn,
+                    rest,
+                    source,
+                    off + done,
+                    n - done,
+                    ring,
+                    name="tp-send-rest",
+                )
+                handed = True
         except OSError as e:
             raise CommError(f"send to rank {conn.peer} failed: {e}") from e
+        finally:
+            if not handed:
+                conn.lock.release()
+
+    def _pump(
+        self,
+        conn: Connection,
+        buf: memoryview | None,
+        source: SendSource,
+        off: int,
+        n: int,
+        ring: ShmRing | None,
+        stop: Callable[[], bool],
+    ) -> tuple[memoryview | None, int]:
+        """Send ``buf`` (by the socket), then bytes ``[off, off + n)`` of ``source`` (by
+        ``ring`` or the socket), without blocking for longer than a slice at a time, until
+        everything went or ``stop()`` is true when a slice passed with some left. Returns what
+        is left of ``buf`` (None once it went) and the bytes of the source sent."""
+        poller = None
+        done = 0
+        while True:
+            if buf is not None:
+                with contextlib.suppress(BlockingIOError):
+                    buf = buf[conn.sock.send(buf, socket.MSG_DONTWAIT) :]
+                if not len(buf):
+                    buf = None
+                    continue
+                k = 0
+            elif done < n:
+                with source.lock:
+                    at = source.buf.data_ptr() + off + done
+                    if ring is not None:
+                        k = ring.move(at, n - done, put=True, budget_ns=RING_SLICE_NS)
+                    else:
+                        view = memoryview((ctypes.c_char * (n - done)).from_address(at))
+                        try:
+                            k = conn.sock.send(view.cast("B"), socket.MSG_DONTWAIT)
+                        except BlockingIOError:
+                            k = 0
+                if k == RING_CORRUPT:
+                    raise CommError(
+                        f"send to rank {conn.peer} failed: the shared-memory ring to it is "
+                        "corrupt (its read position is out of the ring's bounds)"
+                    )
+                if k < 0:
+                    raise CommError(
+                        f"send to rank {conn.peer} failed: the connection to it was lost or "
+                        "closed (its shared-memory ring was closed)"
+                    )
+                done += k
+                if done >= n:
+                    return None, done
+            else:
+                return None, done
+            if k == 0 and (buf is not None or ring is None):  # the socket is full: wait
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(conn.sock.fileno(), select.POLLOUT)
+                poller.poll(SLICE_MS)
+            if stop():
+                return buf, done
+
+    def _send_rest_of(
+        self,
+        conn: Connection,
+        buf: memoryview | None,
+        source: SendSource,
+        off: int,
+        n: int,
+        ring: ShmRing | None,
+    ) -> None:
+        """The rest of a frame whose send failed part-way (its source detached: a private copy
+        of the bytes), then the connection's lock (held for it by the thread that began the
+        frame). Ends early once the mesh closes or the connection fails."""
+        try:
+            with contextlib.suppress(OSError, CommError):
+                self._pump(conn, buf, source, off, n, ring, lambda: self.closed)
+        finally:
+            conn.lock.release()
 
     @staticmethod
     def _close_rings(conn: Connection, *, clean: bool = False) -> None:
@@ -1447,6 +1526,7 @@ class Mesh:
         parts: Sequence[tuple[bytes | bytearray | memoryview, tuple[int, int, int, int]]],
         check: Callable[[], None] | None = None,
         source: SendSource | None = None,
+        late: Callable[[], bool] | None = None,
     ) -> None:
         """Send frames ``(payload, sig)`` to global rank ``peer`` in order, with no frame of
         another such call between them (one message cut into frames; other frames, an ABORT's,
@@ -1454,13 +1534,21 @@ class Mesh:
         and raises to stop (the group failed: the receiver's side fails too). With ``source``
         (a send's bytes; the payloads are its consecutive pieces, of these lengths) every
         payload is read from it piece by piece (:meth:`_send_sourced`), else from ``parts``;
-        a frame through the peer's ring needs a source."""
+        a frame through the peer's ring needs a source. ``late()`` (true once the send's
+        deadline passed, having failed the group) and ``check()`` also end a wait for the
+        connection while another message to the peer holds it."""
         for payload, _sig in parts:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
         conn = self._conn(peer)
         big = kind == Kind.P2P and sum(len(p) for p, _ in parts) >= RING_MIN_BYTES
-        with conn.msg_lock:
+        while not conn.msg_lock.acquire(timeout=LOCK_POLL_S):  # (another message's, held up)
+            if late is not None:
+                late()
+            if check is not None:
+                check()
+        with contextlib.ExitStack() as held:
+            held.callback(conn.msg_lock.release)
             ring = self._ring_to(conn) if big and source is not None else None  # (every frame)
             off = 0
             for i, (payload, sig) in enumerate(parts):
@@ -1470,7 +1558,7 @@ class Mesh:
                 if source is not None and n:
                     flags = FLAG_RING if ring is not None else 0
                     head = encode_header(kind, group, self.rank, seq, n, sig, flags)
-                    self._send_sourced(conn, head, source, off, n, ring)
+                    self._send_sourced(conn, head, source, off, n, ring, late)
                 else:
                     head = encode_header(kind, group, self.rank, seq, n, sig)
                     self._send_frame(conn, head, payload)
