@@ -1251,7 +1251,9 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
     stopped (SIGSTOP): an ``abort()`` from another thread 0.3 s in makes it raise within the
     abort bound, and a group timeout of 1.5 s makes it raise ``CommTimeoutError`` then. Before,
     the caller stayed in the send's copy loop through both for as long as the receiver was
-    stopped. Through a shared-memory ring and by TCP, on a gloo default group."""
+    stopped. Through a shared-memory ring and by TCP, on a gloo default group. Then a blocking
+    ``dist.recv`` from the stopped rank 1 ends at the group timeout (it waited for good; gloo
+    raises then too)."""
     import datetime
     import signal
     import threading
@@ -1289,6 +1291,25 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
                     os.kill(pids[1], signal.SIGCONT)
             dist.barrier()
             dist.destroy_process_group(g)
+    # a blocking receive from it: the group timeout too (it waited for good)
+    g = dist.new_group(
+        list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
+    )
+    dist.barrier()
+    if rank == 0:
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            try:
+                dist.recv(torch.zeros(4), 1, group=g)
+                err = "no error"
+            except Exception as e:
+                err = type(e).__name__
+            out["recv timeout"] = {"error": err, "took": time.monotonic() - t0}
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+    dist.barrier()
+    dist.destroy_process_group(g)
     return out
 
 

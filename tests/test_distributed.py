@@ -312,12 +312,15 @@ def test_abort_ends_a_send_waiting_on_a_stopped_receiver_within_the_bound():
 @pytest.mark.timeout(70)
 def test_a_blocking_send_to_a_stopped_receiver_ends_at_abort_and_at_the_group_timeout():
     """The send ran in the waiting thread, whose copy loop ignored both: it hung for as long
-    as the receiver stayed stopped (20 s and more in a script)."""
+    as the receiver stayed stopped (20 s and more in a script). A blocking receive from it
+    ignored the group timeout the same way."""
     r = gloo_results()[0]["blocking_send"]
     for path in ("ring", "tcp"):
         a, t = r[f"{path} abort"], r[f"{path} timeout"]
         assert a["error"] == "CommAbortedError" and a["took"] < 0.3 + 0.2, r
         assert t["error"] == "CommTimeoutError" and 1.4 < t["took"] < 1.5 + 0.5, r
+    t = r["recv timeout"]
+    assert t["error"] == "CommTimeoutError" and 1.4 < t["took"] < 1.5 + 0.5, r
 
 
 @pytest.mark.timeout(110)

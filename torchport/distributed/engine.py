@@ -771,6 +771,19 @@ class Communicator:
         work = TorchportWork(name, [tensor])
         if self.check_now(work):
             return work
+
+        def late() -> None:
+            """A wait saw nothing arrive within the group timeout: the group fails (as on a
+            collective's timeout: the peers learn it), and with it this receive."""
+            self.fail(
+                CommTimeoutError(
+                    f"{name} on communicator {self.name!r} (rank {self.rank} of {self.world}) "
+                    f"timed out: nothing arrived within {self.timeout_s:g} s"
+                ),
+                REASON_TIMEOUT,
+            )
+
+        work._wait_limit_s, work._late = self.timeout_s, late
         seq = tag & 0xFFFFFFFFFFFFFFFF
         want = (dtype_code(tensor.dtype), tensor.numel())
         total = tensor.numel() * tensor.element_size()

@@ -45,6 +45,11 @@ class TorchportWork(dist.Work):
         self._future: torch.futures.Future | None = None
         self._engine: Engine | None = None
         self._src = -1
+        # an operation finished by others (a receive): a wait() without a timeout of its own
+        # that sees it unfinished for this many seconds (the group timeout, counted from the
+        # wait, as gloo's) calls ``_late()``, which fails the group and so the operation
+        self._wait_limit_s: float | None = None
+        self._late: Callable[[], None] | None = None
 
     def _finish(self, error: BaseException | None = None) -> None:
         with _DONE_LOCK:
@@ -80,8 +85,16 @@ class TorchportWork(dist.Work):
                 # timeout; a wait(0.3 s) on a peer 1.5 s late returned after 1.5 s)
                 self._engine.help(self)
             if not self._done:
-                if not self._gate.acquire(timeout=t if t and t > 0 else -1):
-                    raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
+                limit, own = (t if t and t > 0 else -1.0), False
+                if self._wait_limit_s is not None and limit < 0:  # (a receive)
+                    limit, own = self._wait_limit_s, True
+                if not self._gate.acquire(timeout=limit):
+                    if not own:
+                        raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
+                    assert self._late is not None
+                    self._late()  # fails the group, which finishes this operation
+                    if not self._gate.acquire(timeout=1.0):
+                        raise CommTimeoutError(f"{self.name}: timed out")
                 self._gate.release()  # let other waiters through
         if self._error is not None:
             raise self._error

@@ -48,7 +48,13 @@ from typing import Any, Protocol
 import numpy
 
 from torchport.distributed import auth
-from torchport.distributed.errors import AuthError, CommError, CommTimeoutError, WireError
+from torchport.distributed.errors import (
+    AuthError,
+    CommError,
+    CommTimeoutError,
+    CommunicatorErrorState,
+    WireError,
+)
 from torchport.distributed.shm_kernels import RING_CORRUPT
 from torchport.distributed.tcp_kernels import (
     CLOSED,
@@ -1306,7 +1312,8 @@ class Mesh:
         failure) or ``late()`` true (the send's deadline passed; it fails the group, which
         detaches the source) -- cannot stop there (the stream would break for every group on
         the connection): its rest goes on from a thread of its own (:meth:`_send_rest_of`),
-        which holds the connection until the frame is whole, and this call returns. A caller
+        which holds the connection until the frame is whole, and this call raises
+        :class:`CommunicatorErrorState` (the send fails with the group's error). A caller
         that runs the send inline in ``wait()`` stayed in this loop for as long as the receiver
         took nothing (a frozen peer: for good, through abort and past the group timeout)."""
 
@@ -1317,12 +1324,14 @@ class Mesh:
 
         while not conn.lock.acquire(timeout=LOCK_POLL_S):  # (a frame to a stopped reader)
             if stop():
-                raise CommError(f"send to rank {conn.peer} stopped: its group failed")
+                raise CommunicatorErrorState(f"send to rank {conn.peer} stopped: its group failed")
         handed = False
         try:
             with source.lock:
                 if source.detached:  # (its Work failed just before this frame began)
-                    raise CommError(f"send to rank {conn.peer} stopped: its group failed")
+                    raise CommunicatorErrorState(
+                        f"send to rank {conn.peer} stopped: its group failed"
+                    )
                 source.end = off + n
                 if ring is None and n <= 65536:  # (small: one copy, one system call)
                     head = head + source.buf[off : off + n].numpy().tobytes()
@@ -1340,6 +1349,9 @@ class Mesh:
                     name="tp-send-rest",
                 )
                 handed = True
+                # (not a return: the send must not complete as a success past its group's
+                # failure, whose own finishing of the Work may come after this thread's)
+                raise CommunicatorErrorState(f"send to rank {conn.peer} stopped: its group failed")
         except OSError as e:
             raise CommError(f"send to rank {conn.peer} failed: {e}") from e
         finally:
