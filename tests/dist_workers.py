@@ -1310,6 +1310,22 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
             os.kill(pids[1], signal.SIGCONT)
     dist.barrier()
     dist.destroy_process_group(g)
+    # a group timeout past threading.TIMEOUT_MAX (centuries) is no limit: the receive waits
+    g = dist.new_group(
+        list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1e10)
+    )
+    if rank == 0:
+        time.sleep(0.2)
+        dist.send(torch.ones(4), 1, group=g)
+    else:
+        t = torch.zeros(4)
+        try:
+            dist.recv(t, 0, group=g)
+            out["centuries"] = t.tolist()
+        except Exception as e:
+            out["centuries"] = type(e).__name__
+    dist.barrier()
+    dist.destroy_process_group(g)
     return out
 
 

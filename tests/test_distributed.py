@@ -321,6 +321,8 @@ def test_a_blocking_send_to_a_stopped_receiver_ends_at_abort_and_at_the_group_ti
         assert t["error"] == "CommTimeoutError" and 1.4 < t["took"] < 1.5 + 0.5, r
     t = r["recv timeout"]
     assert t["error"] == "CommTimeoutError" and 1.4 < t["took"] < 1.5 + 0.5, r
+    # a group timeout of centuries: the receive's wait has no limit (OverflowError, in a review)
+    assert gloo_results()[1]["blocking_send"]["centuries"] == [1.0] * 4
 
 
 @pytest.mark.timeout(110)

@@ -708,13 +708,13 @@ class Communicator:
         code, numel = dtype_code(tensor.dtype), tensor.numel()
 
         source = SendSource(data)
-        deadline = self.deadline()
+        deadline = [0.0]  # set as the send starts (sends run one at a time, as collectives)
 
         def late() -> bool:
             """Whether the send is past the group timeout, failing the group then (as a
             collective's timeout does: its receiver learns it, and the frame in flight goes
             on in the background from a private copy)."""
-            if time.monotonic() <= deadline:
+            if time.monotonic() <= deadline[0]:
                 return False
             self.fail(
                 CommTimeoutError(
@@ -727,6 +727,7 @@ class Communicator:
             return True
 
         def go() -> None:
+            deadline[0] = self.deadline()
             try:
                 payload = data.numpy().data if data is not None else memoryview(b"")
                 parts = p2p_frames(payload, code, numel, p2p_bound(self.mesh.max_frame))

@@ -86,15 +86,19 @@ class TorchportWork(dist.Work):
                 self._engine.help(self)
             if not self._done:
                 limit, own = (t if t and t > 0 else -1.0), False
-                if self._wait_limit_s is not None and limit < 0:  # (a receive)
-                    limit, own = self._wait_limit_s, True
+                cap = self._wait_limit_s
+                if cap is not None and limit < 0 and cap < threading.TIMEOUT_MAX:  # (a receive)
+                    limit, own = cap, True
                 if not self._gate.acquire(timeout=limit):
                     if not own:
                         raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
                     assert self._late is not None
-                    self._late()  # fails the group, which finishes this operation
-                    if not self._gate.acquire(timeout=1.0):
-                        raise CommTimeoutError(f"{self.name}: timed out")
+                    if self._ended:  # done, its future's callbacks still running
+                        self._gate.acquire()
+                    else:
+                        self._late()  # fails the group, which finishes this operation
+                        if not self._gate.acquire(timeout=5.0):
+                            raise CommTimeoutError(f"{self.name}: timed out")
                 self._gate.release()  # let other waiters through
         if self._error is not None:
             raise self._error

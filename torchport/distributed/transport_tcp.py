@@ -1325,7 +1325,8 @@ class Mesh:
         while not conn.lock.acquire(timeout=LOCK_POLL_S):  # (a frame to a stopped reader)
             if stop():
                 raise CommunicatorErrorState(f"send to rank {conn.peer} stopped: its group failed")
-        handed = False
+        handed = begun = False
+        left: list[Any] = [None, 0]  # what is left of the header (None once sent), bytes sent
         try:
             with source.lock:
                 if source.detached:  # (its Work failed just before this frame began)
@@ -1336,53 +1337,84 @@ class Mesh:
                 if ring is None and n <= 65536:  # (small: one copy, one system call)
                     head = head + source.buf[off : off + n].numpy().tobytes()
                     off = n = 0
-            rest, done = self._pump(conn, memoryview(head), source, off, n, ring, stop)
-            if rest is not None or done < n:
-                self._spawn(
-                    self._send_rest_of,
-                    conn,
-                    rest,
-                    source,
-                    off + done,
-                    n - done,
-                    ring,
-                    name="tp-send-rest",
-                )
-                handed = True
+            left[0] = memoryview(head)
+            begun = True
+            self._pump(conn, left, source, off, n, ring, stop)
+            if left[0] is not None or left[1] < n:
                 # (not a return: the send must not complete as a success past its group's
                 # failure, whose own finishing of the Work may come after this thread's)
+                handed = self._hand_over(conn, head, left, source, off, n, ring)
                 raise CommunicatorErrorState(f"send to rank {conn.peer} stopped: its group failed")
         except OSError as e:
             raise CommError(f"send to rank {conn.peer} failed: {e}") from e
+        except CommError:
+            raise  # (the connection or its ring is gone: so is every group on it)
+        except BaseException:
+            # (e.g. KeyboardInterrupt in a blocking send: the frame begun still completes,
+            # from a copy, or the connection's other groups would read a broken stream)
+            if begun and not handed and (left[0] is not None or left[1] < n):
+                source.detach()
+                handed = self._hand_over(conn, head, left, source, off, n, ring)
+            raise
         finally:
             if not handed:
                 conn.lock.release()
 
+    def _hand_over(
+        self,
+        conn: Connection,
+        head: bytes,
+        left: list[Any],
+        source: SendSource,
+        off: int,
+        n: int,
+        ring: ShmRing | None,
+    ) -> bool:
+        """Give a frame's rest (``left``, as :meth:`_pump` keeps it) to a thread of its own,
+        which releases ``conn.lock`` once the frame is whole; True if it did. A frame of which
+        nothing went out is dropped instead (False: the caller releases the lock)."""
+        buf = left[0]
+        if buf is not None and len(buf) == len(head):
+            return False
+        self._spawn(
+            self._send_rest_of,
+            conn,
+            buf,
+            source,
+            off + left[1],
+            n - left[1],
+            ring,
+            name="tp-send-rest",
+        )
+        return True
+
     def _pump(
         self,
         conn: Connection,
-        buf: memoryview | None,
+        left: list[Any],
         source: SendSource,
         off: int,
         n: int,
         ring: ShmRing | None,
         stop: Callable[[], bool],
-    ) -> tuple[memoryview | None, int]:
-        """Send ``buf`` (by the socket), then bytes ``[off, off + n)`` of ``source`` (by
-        ``ring`` or the socket), without blocking for longer than a slice at a time, until
-        everything went or ``stop()`` is true when a slice passed with some left. Returns what
-        is left of ``buf`` (None once it went) and the bytes of the source sent."""
+    ) -> None:
+        """Send ``left[0]`` (bytes by the socket; None: nothing), then bytes ``[off + left[1],
+        off + n)`` of ``source`` (by ``ring`` or the socket), without blocking for longer than a
+        slice at a time, until everything went or ``stop()`` is true when a slice passed with
+        some left. ``left`` follows the progress as it goes (what is left of the bytes, None
+        once they went; the source's bytes sent), also when an exception ends the call."""
         poller = None
-        done = 0
         while True:
+            buf = left[0]
             if buf is not None:
                 with contextlib.suppress(BlockingIOError):
-                    buf = buf[conn.sock.send(buf, socket.MSG_DONTWAIT) :]
+                    left[0] = buf = buf[conn.sock.send(buf, socket.MSG_DONTWAIT) :]
                 if not len(buf):
-                    buf = None
+                    left[0] = None
                     continue
                 k = 0
-            elif done < n:
+            elif left[1] < n:
+                done = left[1]
                 with source.lock:
                     at = source.buf.data_ptr() + off + done
                     if ring is not None:
@@ -1403,18 +1435,18 @@ class Mesh:
                         f"send to rank {conn.peer} failed: the connection to it was lost or "
                         "closed (its shared-memory ring was closed)"
                     )
-                done += k
-                if done >= n:
-                    return None, done
+                left[1] = done + k
+                if left[1] >= n:
+                    return
             else:
-                return None, done
-            if k == 0 and (buf is not None or ring is None):  # the socket is full: wait
+                return
+            if k == 0 and (left[0] is not None or ring is None):  # the socket is full: wait
                 if poller is None:
                     poller = select.poll()
                     poller.register(conn.sock.fileno(), select.POLLOUT)
                 poller.poll(SLICE_MS)
             if stop():
-                return buf, done
+                return
 
     def _send_rest_of(
         self,
@@ -1430,7 +1462,7 @@ class Mesh:
         frame). Ends early once the mesh closes or the connection fails."""
         try:
             with contextlib.suppress(OSError, CommError):
-                self._pump(conn, buf, source, off, n, ring, lambda: self.closed)
+                self._pump(conn, [buf, 0], source, off, n, ring, lambda: self.closed)
         finally:
             conn.lock.release()
 
