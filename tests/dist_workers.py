@@ -1246,6 +1246,17 @@ def send_cut_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _timed(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn()``: the type name of its error ("no error") and the seconds it took."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        err = "no error"
+    except Exception as e:
+        err = type(e).__name__
+    return {"error": err, "took": time.monotonic() - t0}
+
+
 def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
     """A blocking ``dist.send`` (its ``wait()`` runs the send in the caller's thread) to rank 1,
     stopped (SIGSTOP): an ``abort()`` from another thread 0.3 s in makes it raise within the
@@ -1278,13 +1289,7 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
                     timer = threading.Timer(0.3, g.abort)
                     if how == "abort":
                         timer.start()
-                    t0 = time.monotonic()
-                    try:
-                        dist.send(buf, 1, group=g)
-                        err = "no error"
-                    except Exception as e:
-                        err = type(e).__name__
-                    out[key] = {"error": err, "took": time.monotonic() - t0}
+                    out[key] = _timed(lambda buf=buf, g=g: dist.send(buf, 1, group=g))
                     if how == "abort":
                         timer.join(5)
                 finally:
@@ -1299,13 +1304,7 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
     if rank == 0:
         os.kill(pids[1], signal.SIGSTOP)
         try:
-            t0 = time.monotonic()
-            try:
-                dist.recv(torch.zeros(4), 1, group=g)
-                err = "no error"
-            except Exception as e:
-                err = type(e).__name__
-            out["recv timeout"] = {"error": err, "took": time.monotonic() - t0}
+            out["recv timeout"] = _timed(lambda: dist.recv(torch.zeros(4), 1, group=g))
         finally:
             os.kill(pids[1], signal.SIGCONT)
     dist.barrier()
@@ -1400,47 +1399,53 @@ def recv_cut_case(rank: int, world: int) -> dict[str, Any]:
     """A receive whose message is part-way into its tensor when its group is aborted (the
     sender stopped by SIGSTOP mid-message): once ``wait()`` raised, nothing more lands in the
     tensor (the reader sinks the rest of its slice, or the stalled connection is shut). Run on a
-    gloo default group: the torchport group's mesh is its own, and the cut ends it."""
+    gloo default group: the torchport group's mesh is its own, and the cut ends it. Up to three
+    tries: on a busy host the whole message could land before the stop took effect (a CI run
+    saw it whole, received without error), which tests nothing."""
     import signal
 
-    g = dist.new_group(list(range(world)), backend="torchport")
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     n = (64 << 20) // 4  # float32: four 16 MiB frames
-    if rank == 0:
-        err = "no error"
-        dist.barrier()
-        try:
-            dist.send(torch.ones(n), 1, group=g)
-        except Exception as e:
-            err = type(e).__name__
-        dist.barrier()
-        return {"send": err}
-    t = torch.zeros(n)
-    work = dist.irecv(t, 0, group=g)
-    dist.barrier()
-    deadline = time.monotonic() + 10
-    while t[0].item() == 0 and time.monotonic() < deadline:
-        pass
-    os.kill(pids[0], signal.SIGSTOP)
-    try:
-        time.sleep(0.2)
-        t0 = time.monotonic()
-        g.abort()
-        try:
-            work.wait()
-            got = "no error"
-        except Exception as e:
-            got = type(e).__name__
-        took = time.monotonic() - t0
-        before = int(t.count_nonzero())
-        t.zero_()  # the user reuses the buffer
-    finally:
-        os.kill(pids[0], signal.SIGCONT)
-    time.sleep(1.0)
-    after = int(t.count_nonzero())
-    dist.barrier()
-    return {"wait": got, "took": took, "partial": 0 < before < n, "after": after}
+    rec: dict[str, Any] = {}
+    for _ in range(3):
+        g = dist.new_group(list(range(world)), backend="torchport")
+        if rank == 0:
+            err = "no error"
+            dist.barrier()
+            try:
+                dist.send(torch.ones(n), 1, group=g)
+            except Exception as e:
+                err = type(e).__name__
+            dist.barrier()
+            rec = {"send": err}
+        else:
+            t = torch.zeros(n)
+            work = dist.irecv(t, 0, group=g)
+            dist.barrier()
+            deadline = time.monotonic() + 10
+            while t[0].item() == 0 and time.monotonic() < deadline:
+                pass
+            os.kill(pids[0], signal.SIGSTOP)
+            try:
+                time.sleep(0.2)
+                t0 = time.monotonic()
+                g.abort()
+                got = _timed(work.wait)["error"]
+                took = time.monotonic() - t0
+                before = int(t.count_nonzero())
+                t.zero_()  # the user reuses the buffer
+            finally:
+                os.kill(pids[0], signal.SIGCONT)
+            time.sleep(1.0)
+            after = int(t.count_nonzero())
+            dist.barrier()
+            rec = {"wait": got, "took": took, "partial": 0 < before < n, "after": after}
+        cut = [None] * world
+        dist.all_gather_object(cut, rec.get("partial"))
+        if cut[1]:
+            break
+    return rec
 
 
 def auth_case(rank: int, world: int) -> dict[str, Any]:
