@@ -34,6 +34,7 @@ from torchport.distributed.backend_args import (
     _ptr,
     _red_for,
     _red_name,
+    _spans_overlap,
     _Staged,
     _writable,
 )
@@ -445,9 +446,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
             src = inp.contiguous()
             base, sp = _ptr(s.t), _ptr(src)
             # an input overlapping another rank's block is copied first (see _others_slots)
-            if sp and (
-                (sp < base + r * nb and sp + nb > base)
-                or (sp < base + w * nb and sp + nb > base + (r + 1) * nb)
+            if _spans_overlap(sp, nb, base, r * nb) or _spans_overlap(
+                sp, nb, base + (r + 1) * nb, (w - r - 1) * nb
             ):
                 src = src.clone()
                 sp = _ptr(src)

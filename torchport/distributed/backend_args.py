@@ -201,6 +201,11 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0
 
 
+def _spans_overlap(a: int, n: int, b: int, m: int) -> bool:
+    """Whether bytes ``[a, a + n)`` and ``[b, b + m)`` share one (a 0 address: no tensor)."""
+    return bool(a and b) and a < b + m and b < a + n
+
+
 def _apart_from(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``srcs`` with every tensor whose bytes overlap any of ``outs`` replaced by a copy.
 
@@ -211,8 +216,7 @@ def _apart_from(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[
     """
     if len(srcs) == 1 and len(outs) == 1:  # one input, one output: no merging
         src, dst = srcs[0], outs[0]
-        ps, pd = _ptr(src), _ptr(dst)
-        if ps and pd and ps < pd + dst.nbytes and pd < ps + src.nbytes:
+        if _spans_overlap(_ptr(src), src.nbytes, _ptr(dst), dst.nbytes):
             return [src.clone()]
         return srcs
     spans = sorted((p, p + t.nbytes) for t in outs if (p := _ptr(t)))

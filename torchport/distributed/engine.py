@@ -546,13 +546,19 @@ class Communicator:
     def deadline(self, timeout_s: float | None = None) -> float:
         return time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
 
+    def _time_out(self, opname: str, why: str) -> CommTimeoutError:
+        """Fail the group with a timeout of ``opname`` (``why``: what it waited for), as every
+        timeout does (the peers learn it); return the error."""
+        err = CommTimeoutError(
+            f"{opname} on communicator {self.name!r} (rank {self.rank} of {self.world}) "
+            f"timed out{why}"
+        )
+        self.fail(err, REASON_TIMEOUT)
+        return err
+
     def _step_error(self, e: StepError, opname: str) -> BaseException:
         if e.status == TIMEOUT:
-            err: BaseException = CommTimeoutError(
-                f"{opname} on communicator {self.name!r} (rank {self.rank} of {self.world}) "
-                f"timed out waiting for peers"
-            )
-            self.fail(err, REASON_TIMEOUT)
+            err: BaseException = self._time_out(opname, " waiting for peers")
         elif e.status == ABORTED:
             word = self._shm.abort_word() if self._shm is not None else 0
             who, reason = (word >> 8) - 1, word & 0xFF
@@ -716,13 +722,9 @@ class Communicator:
             on in the background from a private copy)."""
             if time.monotonic() <= deadline[0]:
                 return False
-            self.fail(
-                CommTimeoutError(
-                    f"send(dst={dst}, tag={tag}) on communicator {self.name!r} (rank "
-                    f"{self.rank} of {self.world}) timed out: the receiver did not take it "
-                    f"within {self.timeout_s:g} s"
-                ),
-                REASON_TIMEOUT,
+            self._time_out(
+                f"send(dst={dst}, tag={tag})",
+                f": the receiver did not take it within {self.timeout_s:g} s",
             )
             return True
 
@@ -776,13 +778,7 @@ class Communicator:
         def late() -> None:
             """A wait saw nothing arrive within the group timeout: the group fails (as on a
             collective's timeout: the peers learn it), and with it this receive."""
-            self.fail(
-                CommTimeoutError(
-                    f"{name} on communicator {self.name!r} (rank {self.rank} of {self.world}) "
-                    f"timed out: nothing arrived within {self.timeout_s:g} s"
-                ),
-                REASON_TIMEOUT,
-            )
+            self._time_out(name, f": nothing arrived within {self.timeout_s:g} s")
 
         work._wait_limit_s, work._late = self.timeout_s, late
         seq = tag & 0xFFFFFFFFFFFFFFFF

@@ -76,6 +76,11 @@ def _ns(timeout_s: float) -> int:
     return max(0, int(timeout_s * 1e9)) if timeout_s < 4.6e9 else 1 << 62
 
 
+def _sig_words(sig: Sequence[int]) -> Sequence[int]:
+    """A step signature as the native side's SIG_WORDS words (zeros past the given ones)."""
+    return sig if len(sig) == SIG_WORDS else (*sig, *(0,) * (SIG_WORDS - len(sig)))
+
+
 def arena_bytes(world: int, slot: int) -> tuple[int, int]:
     """(data offset, total size) of an arena for ``world`` ranks with ``slot`` bytes per half."""
     data = -(-(CTRL_OFF + LINE * world) // DATA_ALIGN) * DATA_ALIGN
@@ -186,9 +191,7 @@ class ShmArena(_ShmFile):
         if len(flat) > STEP_CAP:  # (a wide group's step: a block of its own)
             a = (ctypes.c_int64 * (STEP_HEAD + len(flat)))(*self._st[:5])
             addr = ctypes.addressof(a)
-        if len(sig) != SIG_WORDS:
-            sig = (*sig, *(0,) * (SIG_WORDS - len(sig)))
-        _PACK_STEP(a, 40, epoch, *sig, len(pubs), len(reads), dtype, op, _ns(timeout_s))
+        _PACK_STEP(a, 40, epoch, *_sig_words(sig), len(pubs), len(reads), dtype, op, _ns(timeout_s))
         if flat:
             struct.pack_into(f"<{len(flat)}q", a, 8 * STEP_HEAD, *flat)
         st = self.lib.step_packed(addr)
@@ -215,9 +218,7 @@ class ShmArena(_ShmFile):
         w, a = self.world, self._a2a
         if a is None:
             a = self._a2a = (ctypes.c_int64 * (A2A_HEAD + 4 * w + 2 * w * w))(*self._st[:5])
-        if len(sig) != SIG_WORDS:
-            sig = (*sig, *(0,) * (SIG_WORDS - len(sig)))
-        _PACK_A2A(a, 40, epoch, *sig, dtype, mode, _ns(timeout_s))
+        _PACK_A2A(a, 40, epoch, *_sig_words(sig), dtype, mode, _ns(timeout_s))
         struct.pack_into(f"<{4 * w}q", a, 8 * A2A_HEAD, *in_lens, *out_lens, *ins, *outs)
         st = self.lib.alltoall_packed(ctypes.addressof(a))
         if st == OK:
