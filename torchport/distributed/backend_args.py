@@ -133,9 +133,11 @@ class _Staged:
     """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        t = _writable(t)
-        self.orig = t
-        self.t = t if t.is_contiguous() else t.contiguous()
+        if t.requires_grad or not t.is_contiguous():
+            t = _writable(t)  # (a contiguous tensor never overlaps itself)
+            self.orig, self.t = t, t if t.is_contiguous() else t.contiguous()
+        else:
+            self.orig = self.t = t
 
     def back(self) -> None:
         if self.t is not self.orig:

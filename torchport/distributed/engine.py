@@ -157,8 +157,8 @@ def split_even(n: int, w: int) -> list[tuple[int, int]]:
 
 def chunk_ranges(total: int, per: int) -> list[tuple[int, int]]:
     """``(offset, length)`` chunks of at most ``per``; one empty chunk when ``total`` is 0."""
-    if total == 0:
-        return [(0, 0)]
+    if total <= per:  # (a small message's one chunk without the comprehension)
+        return [(0, total)]
     return [(lo, min(per, total - lo)) for lo in range(0, total, per)]
 
 

@@ -32,24 +32,27 @@ class TorchportWork(dist.Work):
     synchronous collective's bookkeeping to a few hundred nanoseconds.
     """
 
+    # Defaults read from the class until an instance sets its own (issuing a 4 KB collective
+    # costs its Work's construction on every call: nine attribute stores fewer)
+    _done = False
+    _ended = False  # _finish began (the error is final); _done follows the future
+    _finisher = 0  # the thread running _finish (and the future's callbacks)
+    _error: BaseException | None = None
+    _future: torch.futures.Future | None = None
+    _engine: Engine | None = None
+    _src = -1
+    # an operation finished by others (a receive): a wait() without a timeout of its own that
+    # sees it unfinished for this many seconds (the group timeout, counted from the wait, as
+    # gloo's) calls ``_late()``, which fails the group and so the operation
+    _wait_limit_s: float | None = None
+    _late: Callable[[], None] | None = None
+
     def __init__(self, name: str, result: list[torch.Tensor] | None = None) -> None:
         super().__init__()
         self.name = name
         self._result = result if result is not None else []
-        self._done = False
-        self._ended = False  # _finish began (the error is final); _done follows the future
-        self._finisher = 0  # the thread running _finish (and the future's callbacks)
-        self._gate = threading.Lock()
-        self._gate.acquire()  # released by _finish
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None
-        self._engine: Engine | None = None
-        self._src = -1
-        # an operation finished by others (a receive): a wait() without a timeout of its own
-        # that sees it unfinished for this many seconds (the group timeout, counted from the
-        # wait, as gloo's) calls ``_late()``, which fails the group and so the operation
-        self._wait_limit_s: float | None = None
-        self._late: Callable[[], None] | None = None
+        self._gate = gate = threading.Lock()
+        gate.acquire()  # released by _finish
 
     def _finish(self, error: BaseException | None = None) -> None:
         with _DONE_LOCK:
