@@ -1262,9 +1262,10 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
     stopped (SIGSTOP): an ``abort()`` from another thread 0.3 s in makes it raise within the
     abort bound, and a group timeout of 1.5 s makes it raise ``CommTimeoutError`` then. Before,
     the caller stayed in the send's copy loop through both for as long as the receiver was
-    stopped. Through a shared-memory ring and by TCP, on a gloo default group. Then a blocking
-    ``dist.recv`` from the stopped rank 1 ends at the group timeout (it waited for good; gloo
-    raises then too)."""
+    stopped. Through a shared-memory ring and by TCP, on a gloo default group. A TCP broadcast
+    and allgather of 64 MB to it end at the group timeout too (within TIMEOUT_FINISH_S). Then a
+    blocking ``dist.recv`` from the stopped rank 1 ends at the group timeout (it waited for
+    good; gloo raises then too)."""
     import datetime
     import signal
     import threading
@@ -1296,6 +1297,28 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
                     os.kill(pids[1], signal.SIGCONT)
             dist.barrier()
             dist.destroy_process_group(g)
+    # TCP collectives whose frames to it are part-way when the timeout passes: they raised
+    # FINISH_S (1 s) late, the time a frame part-way got to complete before the cut
+    for op in ("broadcast", "allgather"):
+        with torchport.config.override(dist_transport="tcp"):
+            g = dist.new_group(
+                list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
+            )
+        dist.barrier()
+        if rank == 0:
+            big = torch.ones((64 << 20) // 4)
+            outs = torch.empty(world * big.numel())
+            call = {
+                "broadcast": lambda g=g: dist.broadcast(big, 0, group=g),
+                "allgather": lambda g=g: dist.all_gather_into_tensor(outs, big, group=g),
+            }[op]
+            os.kill(pids[1], signal.SIGSTOP)
+            try:
+                out[f"tcp {op} timeout"] = _timed(call)
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+        dist.barrier()
+        dist.destroy_process_group(g)
     # a blocking receive from it: the group timeout too (it waited for good)
     g = dist.new_group(
         list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)

@@ -111,6 +111,11 @@ LINGER_BIG_US = 20000
 MAX_EARLY_ABORTS = 1024  # ABORT frames kept for groups not registered yet (oldest dropped)
 FINISH_S = 1.0  # after an error, frames part-way sent or received get this long to complete
 ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblocks within 100 ms
+# ... and after a timeout (the group fails on every rank then, as after an abort). A live
+# peer's reader takes the rest of a collective's frame (at most a chunk, dist_chunk_bytes:
+# 1 MiB, ~8 ms over 1 GbE) well within this; a stopped peer's broadcast, allgather, alltoall,
+# reduce_scatter and scatter over TCP failed FINISH_S past their timeout with FINISH_S here
+TIMEOUT_FINISH_S = 0.2
 POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
 SPARE_BUFFERS = 2  # early-frame payload buffers kept per connection for reuse (Connection)
 # ... each at most this long: a frame bound of 256 MiB must not keep 2 such buffers per peer
@@ -2061,7 +2066,12 @@ class Mesh:
                 if not bad and frames[j] is None and received(j):
                     frames[j] = (Header(Kind.COLL, x.group, x.peer, x.seq, x.sig, x.size), RECEIVED)
         except BaseException as e:
-            settle_by = time.monotonic() + (ABORT_FINISH_S if aborting else FINISH_S)
+            finish = FINISH_S
+            if aborting:
+                finish = ABORT_FINISH_S
+            elif isinstance(e, CommTimeoutError):
+                finish = TIMEOUT_FINISH_S
+            settle_by = time.monotonic() + finish
             if late:  # before on_cut reports the failure: no reader fills the caller's buffer
                 drop_late(set(late), settle_by)
             # one budget for both (an abort still fails the call within ABORT_FINISH_S)
@@ -2124,10 +2134,10 @@ class Mesh:
         on_cut: Callable[[], None] | None,
     ) -> list[Connection]:
         """After ``error``: complete every frame already part-way sent or received, for up to
-        ``finish_s`` (``FINISH_S``; ``ABORT_FINISH_S`` after an abort) -- a frame cut short
-        corrupts the stream (the peer's reader, or ours, would take payload bytes for a
-        header). Sockets with no frame part-way received go
-        back to their readers at once (peers' frames keep draining), the others once their
+        ``finish_s`` (``FINISH_S``; ``ABORT_FINISH_S`` after an abort, ``TIMEOUT_FINISH_S``
+        after a timeout) -- a frame cut short corrupts the stream (the peer's reader, or
+        ours, would take payload bytes for a header). Sockets with no frame part-way received
+        go back to their readers at once (peers' frames keep draining), the others once their
         frame is in. A connection whose frame does not complete in time is shut down
         deliberately, with an error saying why queued in ``lost``, as is one in ``broken``
         (its stream already unreadable); returns the connections still owned (those), for
