@@ -727,7 +727,7 @@ def test_native_transfer_sees_an_abort_while_a_peer_trickles_bytes(mesh_pair):
 
 def test_a_frame_cut_by_a_timeout_is_completed_and_the_connection_kept(mesh_pair):
     """A transfer that times out while a frame is part-way received finishes that frame
-    (within ``FINISH_S``) before the reader gets the socket back: the next frame on the
+    (within ``TIMEOUT_FINISH_S``) before the reader gets the socket back: the next frame on the
     connection is read as usual instead of payload bytes being taken for a header."""
     import threading
     import time
@@ -757,6 +757,124 @@ def test_a_frame_cut_by_a_timeout_is_completed_and_the_connection_kept(mesh_pair
     m1.send(0, Kind.P2P, 5, 4, b"next frame")
     _, body = m0.mailbox.get((5, int(Kind.P2P), 1, 4), time.monotonic() + 5, lambda: None)
     assert bytes(body) == b"next frame"
+
+
+def _stalled(m1):
+    """Claim rank 1's socket to rank 0 as a collective would: its reader stops reading it, so
+    rank 0's sends fill the socket buffers and stall (a receiver that stopped reading)."""
+    from torchport.distributed.tcp_kernels import tcp_lib
+
+    conn = m1.peers[0]
+    assert tcp_lib().conn_claim(conn.own_addr) == 1
+    return conn
+
+
+def test_send_all_to_a_stalled_peer_ends_at_abort_and_cuts_the_frame_left_part_way(mesh_pair):
+    """The mailbox path's sends (hybrid groups, exchanges the native transfer cannot claim)
+    blocked in ``sendall`` for as long as the receiver stopped reading: an abort or the
+    deadline never ended them. Now ``check()`` ends the call; a frame part-way sent gets
+    ABORT_FINISH_S, then its connection is shut and reported lost."""
+    import torch
+
+    from torchport.distributed.transport_tcp import ABORT_FINISH_S
+
+    m0, m1 = mesh_pair
+    _stalled(m1)
+    lost = _Lost()
+    m0.register(9, lost)
+    payload = memoryview(torch.ones(8 << 20, dtype=torch.uint8).numpy())  # > socket buffers
+    check, aborted_at = _abort_after(0.2)
+    with pytest.raises(_Aborted):
+        m0.send_all([(1, Kind.COLL, 9, 1, payload, (1, 2, 3, 4))], time.monotonic() + 30, check)
+    late = time.monotonic() - aborted_at[0]
+    assert late < ABORT_FINISH_S + 0.15, late
+    assert lost.lost and "part-way sent" in lost.lost[0], lost.lost
+
+
+def test_send_all_to_a_stalled_peer_ends_at_its_deadline(mesh_pair):
+    import torch
+
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.transport_tcp import TIMEOUT_FINISH_S
+
+    m0, m1 = mesh_pair
+    _stalled(m1)
+    payload = memoryview(torch.ones(8 << 20, dtype=torch.uint8).numpy())
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="send timed out"):
+        m0.send_all([(1, Kind.COLL, 9, 1, payload, (1, 2, 3, 4))], t0 + 0.2, lambda: None)
+    took = time.monotonic() - t0
+    assert 0.2 <= took < 0.2 + TIMEOUT_FINISH_S + 0.15, took
+
+
+def test_send_all_completes_a_frame_part_way_and_keeps_the_connection(mesh_pair, monkeypatch):
+    """A frame part-way sent when the group is aborted completes if the peer reads it within
+    the budget; the connection then stays (the next frame is read as usual)."""
+    from torchport.distributed import transport_tcp
+    from torchport.distributed.tcp_kernels import tcp_lib
+
+    # a budget no scheduling delay of the draining thread outlasts: what is tested is that a
+    # frame completed in time keeps its connection
+    monkeypatch.setattr(transport_tcp, "ABORT_FINISH_S", 5.0)
+    m0, m1 = mesh_pair
+    conn1 = _stalled(m1)
+    lost = _Lost()
+    m0.register(9, lost)
+    n = 8 << 20
+    payload = bytes(range(256)) * (n // 256)
+    head = encode_header(Kind.COLL, 9, 0, 1, n, (1, 2, 3, 4))
+    got = bytearray()
+
+    def drain() -> None:  # reads exactly the one frame off rank 1's socket (still claimed)
+        end = time.monotonic() + 10
+        while len(got) < HEADER_SIZE + n and time.monotonic() < end:
+            got.extend(conn1.sock.recv(HEADER_SIZE + n - len(got)))
+
+    reader = threading.Thread(target=drain)
+    t0 = time.monotonic()
+
+    def check() -> None:
+        if time.monotonic() - t0 > 0.2:
+            if not reader.is_alive() and not got:
+                reader.start()
+            raise _Aborted("group aborted")
+
+    try:
+        with pytest.raises(_Aborted):
+            m0.send_all([(1, Kind.COLL, 9, 1, payload, (1, 2, 3, 4))], t0 + 30, check)
+        reader.join(10)
+    finally:
+        tcp_lib().conn_release(conn1.own_addr)
+    assert bytes(got[:HEADER_SIZE]) == head and got[HEADER_SIZE:] == payload
+    assert lost.lost == []
+    m0.send(1, Kind.P2P, 9, 2, b"next frame")
+    _, body = m1.mailbox.get((9, int(Kind.P2P), 0, 2), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"next frame"
+
+
+def test_send_all_waiting_for_a_busy_send_lock_sees_abort_and_deadline(mesh_pair):
+    """The connection's send lock held elsewhere: the wait ends at the abort or the deadline,
+    with nothing sent (the connection stays whole)."""
+    from torchport.distributed.errors import CommTimeoutError
+
+    m0, m1 = mesh_pair
+    frames = [(1, Kind.COLL, 9, 1, b"abcd", (1, 2, 3, 4))]
+
+    def check() -> None:
+        raise _Aborted("group aborted")
+
+    with m0.peers[1].lock:
+        t0 = time.monotonic()
+        with pytest.raises(_Aborted):
+            m0.send_all(frames, t0 + 10, check)
+        assert time.monotonic() - t0 < 0.1
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeoutError):
+            m0.send_all(frames, t0 + 0.1, lambda: None)
+        assert time.monotonic() - t0 < 0.5
+    m0.send(1, Kind.P2P, 9, 2, b"after")
+    _, body = m1.mailbox.get((9, int(Kind.P2P), 0, 2), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"after" and m1.mailbox.take((9, int(Kind.COLL), 0, 1)) is None
 
 
 def test_skip_receives_leaves_a_frame_part_way_received():

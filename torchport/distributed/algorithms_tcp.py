@@ -314,7 +314,9 @@ class _Pieces:
                     self.fold(j, slot)
                 batch = sends[i : i + len(self.peers)]
                 comm.mesh.send_all(
-                    [(x.peer, x.kind, x.group, x.seq, _view(x.ptr, x.size), x.sig) for x in batch]
+                    [(x.peer, x.kind, x.group, x.seq, _view(x.ptr, x.size), x.sig) for x in batch],
+                    deadline,
+                    comm.check,
                 )
                 i += len(self.peers)
             for k, x in enumerate(recvs):
@@ -463,7 +465,9 @@ def _chain_broadcast(
                 if body is not RECEIVED:
                     _copy(base + lo, _expect(Blob(_addr(body), len(body), body), nb, prev), nb)
             comm.mesh.send_all(
-                [(kid, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k]) for kid in kids]
+                [(kid, Kind.COLL, gid, epoch0 + k, _view(base + lo, nb), sigs[k]) for kid in kids],
+                deadline,
+                comm.check,
             )
     finally:
         for key in keys[:posted]:
@@ -764,7 +768,7 @@ def _direct_alltoall(
             for k, lo in enumerate(range(0, max(n, 1), per)):
                 payload = _view(ins[d] + lo, min(per, n - lo)) if n else b""
                 frames.append((comm.ranks[d], Kind.COLL, gid, epoch, payload, sig(n, k)))
-        comm.mesh.send_all(frames)
+        comm.mesh.send_all(frames, deadline, comm.check)
         for q in ((r - k) % w for k in range(1, w)):
             n = out_lens[q]
             for k, lo in enumerate(range(0, max(n, 1), per)):

@@ -209,7 +209,9 @@ def exchange(
                 (comm.ranks[q], Kind.COLL, comm.group_id, epoch, _payload(out[q]), sig)
                 for q in ((r + k) % w for k in range(1, w))
                 if q not in local
-            ]
+            ],
+            deadline,
+            comm.check,
         )
         blobs = [Blob(0, 0) for _ in range(w)]
         if len(local) > 1:

@@ -1616,70 +1616,125 @@ class Mesh:
     def send_all(
         self,
         frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]],
+        deadline: float | None = None,
+        check: Callable[[], None] | None = None,
     ) -> None:
-        """Send several frames ``(peer, kind, group, seq, payload, sig)``.
+        """Send frames ``(peer, kind, group, seq, payload, sig)`` from this thread, to every
+        peer at once: each socket takes as many bytes as its buffer holds (``MSG_DONTWAIT``,
+        head and payload in one ``sendmsg``: the reader thread's blocking ``recv`` on the same
+        socket is unaffected), then ``poll`` waits until one can take more. One slow receiver
+        does not hold the others back, and there is no sender thread to hand off to.
 
-        When two or more carry at least ``POLL_SEND_BYTES``, every peer's frames go out
-        interleaved from this thread (:meth:`_send_polled`), so one slow receiver does not hold
-        the others back; otherwise they are sent one after another.
+        While a socket or a connection's send lock is not free, ``check()`` (raises once the
+        group failed or was aborted) runs and ``deadline`` is tested (:class:`CommTimeoutError`)
+        every ``SLICE_MS``; a receiver that stopped reading held this call for as long as it
+        stayed stopped. Frames not begun are then dropped; one part-way sent gets
+        ``ABORT_FINISH_S`` (after ``check()`` raised), ``TIMEOUT_FINISH_S`` or ``FINISH_S`` to
+        complete (its payload, the caller's memory, is read only until this returns), else its
+        connection is shut down (a frame cut short would be read on as headers) and reported
+        lost.
         """
-        if sum(1 for f in frames if len(f[4]) >= POLL_SEND_BYTES) >= 2:
-            self._send_polled(frames)
-            return
-        for f in frames:
-            self.send(*f)
-
-    def _send_polled(
-        self,
-        frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]],
-    ) -> None:
-        """Send ``frames`` from this thread, to every peer at once: each socket gets as many
-        bytes as its buffer takes (``MSG_DONTWAIT``: the reader thread's blocking ``recv``
-        on the same socket is unaffected), then ``poll`` waits until any can take more. No
-        sender thread hand-offs, and one slow receiver does not hold the others back."""
-        queues: dict[int, list[memoryview]] = {}
+        queues: dict[int, list[list[memoryview]]] = {}
         for peer, kind, group, seq, payload, sig in frames:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
             head = encode_header(kind, group, self.rank, seq, len(payload), sig)
-            bufs = queues.setdefault(peer, [])
-            bufs.append(memoryview(head))
+            parts = [memoryview(head)]
             if len(payload):
-                bufs.append(memoryview(payload).cast("B"))
-        conns: list[Connection] = []
-        for peer in sorted(queues):
-            conn = self.peers.get(peer)
-            if conn is None:
-                raise CommError(f"rank {self.rank} has no connection to rank {peer}")
-            conns.append(conn)
-        for conn in conns:  # ascending peer order: no lock-order cycle with another sender
-            conn.lock.acquire()
+                parts.append(memoryview(payload).cast("B"))
+            queues.setdefault(peer, []).append(parts)
+        conns = [self._conn(peer) for peer in sorted(queues)]
+        held: list[Connection] = []
+        cut: list[tuple[Connection, BaseException]] = []
+        watching = False
+
+        def watch() -> None:
+            nonlocal watching
+            watching = True  # whatever check() raises is the group's abort or failure
+            if check is not None:
+                check()
+            watching = False
+            if self.closed:
+                raise CommError(f"rank {self.rank}: mesh closed during a send")
+            if deadline is not None and time.monotonic() > deadline:
+                raise CommTimeoutError(f"rank {self.rank}: a send timed out")
+
+        pending: dict[int, list[list[memoryview]]] = {}  # by peer
+        begun: set[int] = set()  # the peers whose first queued frame is part-way sent
         try:
-            pending = {conn.sock.fileno(): (conn, queues[conn.peer]) for conn in conns}
-            poller = select.poll()
-            for fd in pending:
-                poller.register(fd, select.POLLOUT)
-            while pending:
-                for fd, (conn, bufs) in list(pending.items()):
-                    try:
-                        while bufs:
-                            k = conn.sock.send(bufs[0], socket.MSG_DONTWAIT)
-                            bufs[0] = bufs[0][k:]
-                            if not len(bufs[0]):
-                                bufs.pop(0)
-                    except BlockingIOError:
-                        continue
-                    except OSError as e:
-                        raise CommError(f"send to rank {conn.peer} failed: {e}") from e
-                    del pending[fd]
-                    poller.unregister(fd)
-                if pending:
-                    if self.closed:
-                        raise CommError(f"rank {self.rank}: mesh closed during a send")
-                    poller.poll(100)
+            for conn in conns:  # ascending peer order: no lock-order cycle with another sender
+                while not conn.lock.acquire(timeout=LOCK_POLL_S):
+                    watch()
+                held.append(conn)
+                pending[conn.peer] = queues[conn.peer]
+            self._push_all(pending, begun, watch, None)
+        except BaseException as e:
+            finish = FINISH_S
+            if watching:
+                finish = ABORT_FINISH_S
+            elif isinstance(e, CommTimeoutError):
+                finish = TIMEOUT_FINISH_S
+            part_way = {peer: q[:1] for peer, q in pending.items() if peer in begun}
+            if part_way:
+                end = time.monotonic() + finish
+                with contextlib.suppress(Exception):
+                    self._push_all(part_way, begun, lambda: None, end)
+                for peer in part_way:
+                    if peer in begun:
+                        self.shutdown_peer(peer)
+                        cut.append((self.peers[peer], _cut("sent", e)))
+            raise
         finally:
-            for conn in conns:
+            for conn in held:
                 conn.lock.release()
+            for conn, err in cut:  # (no send lock held: the failure handlers send ABORTs)
+                self._lost(conn, err)
+
+    def _push_all(
+        self,
+        pending: dict[int, list[list[memoryview]]],
+        begun: set[int],
+        watch: Callable[[], None],
+        end: float | None,
+    ) -> None:
+        """Send the frames queued for each peer (each frame a list of views), without blocking
+        on a socket; between passes poll for room, running ``watch()`` every ``SLICE_MS``
+        (until ``end``, if given). Peers leave ``pending`` when all is sent; ``begun`` holds
+        the peers whose first queued frame is part-way sent."""
+        poller: select.poll | None = None
+        while pending:
+            for peer in list(pending):
+                queue, conn = pending[peer], self.peers[peer]
+                try:
+                    while queue:
+                        parts = queue[0]
+                        k = conn.sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
+                        if k:
+                            begun.add(peer)
+                        while parts and k >= len(parts[0]):
+                            k -= len(parts.pop(0))
+                        if parts:
+                            parts[0] = parts[0][k:]
+                        else:
+                            queue.pop(0)
+                            begun.discard(peer)
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    raise CommError(f"send to rank {peer} failed: {e}") from e
+                del pending[peer]
+                if poller is not None:
+                    poller.unregister(conn.sock.fileno())
+            if not pending:
+                return
+            if end is not None and time.monotonic() > end:
+                return
+            watch()
+            if poller is None:
+                poller = select.poll()
+                for peer in pending:
+                    poller.register(self.peers[peer].sock.fileno(), select.POLLOUT)
+            poller.poll(SLICE_MS)
 
     def _pin_begin(self) -> int:
         """The CPU a large transfer starting now pins to: the rank's own (``pin_cpu``) unless
