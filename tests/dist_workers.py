@@ -1309,8 +1309,10 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
             big = torch.ones((64 << 20) // 4)
             outs = torch.empty(world * big.numel())
             call = {
-                "broadcast": lambda g=g: dist.broadcast(big, 0, group=g),
-                "allgather": lambda g=g: dist.all_gather_into_tensor(outs, big, group=g),
+                "broadcast": lambda g=g, big=big: dist.broadcast(big, 0, group=g),
+                "allgather": lambda g=g, big=big, outs=outs: dist.all_gather_into_tensor(
+                    outs, big, group=g
+                ),
             }[op]
             os.kill(pids[1], signal.SIGSTOP)
             try:

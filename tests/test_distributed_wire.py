@@ -877,6 +877,36 @@ def test_send_all_waiting_for_a_busy_send_lock_sees_abort_and_deadline(mesh_pair
     assert bytes(body) == b"after" and m1.mailbox.take((9, int(Kind.COLL), 0, 1)) is None
 
 
+def test_an_empty_p2p_frame_waiting_for_its_connection_sees_abort_and_its_deadline(mesh_pair):
+    """A zero-element send (a header-only frame, no source) blocked on the connection's send
+    lock (held by a frame's rest going out to a receiver that stopped reading) for as long as
+    that frame took: now ``check()`` and ``late()`` end the wait; nothing of it is sent."""
+    from torchport.distributed.errors import CommTimeoutError
+
+    m0, m1 = mesh_pair
+    parts = [(memoryview(b""), (1, 0, 0, 0))]
+    timed_out: list[float] = []
+
+    def late() -> bool:
+        if time.monotonic() - t0 > 0.1:
+            timed_out.append(time.monotonic())
+            return True
+        return False
+
+    with m0.peers[1].lock:
+        t0 = time.monotonic()
+        with pytest.raises(_Aborted):
+            m0.send_frames(1, Kind.P2P, 9, 1, parts, check=_abort_after(0.1)[0])
+        assert time.monotonic() - t0 < 0.1 + 0.1
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeoutError, match="timed out"):
+            m0.send_frames(1, Kind.P2P, 9, 1, parts, check=lambda: None, late=late)
+        assert timed_out and timed_out[0] - t0 < 0.1 + 0.1
+    m0.send_frames(1, Kind.P2P, 9, 2, parts)
+    hdr, _body = m1.mailbox.get((9, int(Kind.P2P), 0, 2), time.monotonic() + 5, lambda: None)
+    assert hdr.length == 0 and m1.mailbox.take((9, int(Kind.P2P), 0, 1)) is None
+
+
 def test_skip_receives_leaves_a_frame_part_way_received():
     import ctypes
 

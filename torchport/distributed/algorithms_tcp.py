@@ -442,7 +442,7 @@ def _chain_broadcast(
     sigs.append(make_sig(seq, OP_BROADCAST, dtype, 0, root, nbytes, len(pieces)))  # the ack
     epoch0 = comm.epoch
     comm.epoch += len(pieces) + 1
-    mailbox, gid, send = comm.mesh.mailbox, comm.group_id, comm.mesh.send
+    mailbox, gid = comm.mesh.mailbox, comm.group_id
     keys = [(gid, int(Kind.COLL), prev, epoch0 + k) for k in range(len(pieces))]
     posted = 0
 
@@ -476,7 +476,9 @@ def _chain_broadcast(
     for kid in kids:
         receive(kid, len(pieces))
     if prev >= 0:
-        send(prev, Kind.COLL, gid, epoch0 + len(pieces), b"", sigs[-1])
+        comm.mesh.send_all(
+            [(prev, Kind.COLL, gid, epoch0 + len(pieces), b"", sigs[-1])], deadline, comm.check
+        )
 
 
 def _check_frames(

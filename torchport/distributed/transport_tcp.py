@@ -261,6 +261,14 @@ def _cut(what: str, why: BaseException) -> ConnectionError:
     )
 
 
+def _frame_views(head: bytes, payload: bytes | bytearray | memoryview) -> list[memoryview]:
+    """A frame as the byte views one ``sendmsg`` sends: its header, then its payload if any."""
+    views = [memoryview(head)]
+    if len(payload):
+        views.append(memoryview(payload).cast("B"))
+    return views
+
+
 def read_frame(sock: socket.socket, max_length: int) -> Frame:
     """Read and validate one frame (header bound checked before the payload is read)."""
     hdr = decode_header(_recv_exact(sock, HEADER_SIZE), max_length=max_length)
@@ -1204,10 +1212,11 @@ class Mesh:
             done += k
 
     # -- shared-memory rings (large P2P payloads between ranks of one host) ---------------
-    def _ring_to(self, conn: Connection) -> ShmRing | None:
+    def _ring_to(self, conn: Connection, watch: Callable[[], None]) -> ShmRing | None:
         """The ring for large P2P payloads to ``conn.peer``, made and offered (a RING frame)
         the first time; None across hosts, with rings off, or when it could not be made (its
-        messages then go by TCP, with a warning). Called under ``conn.msg_lock``."""
+        messages then go by TCP, with a warning). Called under ``conn.msg_lock``; the offer
+        goes out as :meth:`_send_queued` sends (``watch()`` may end its wait)."""
         if conn.ring_out is not None or conn.ring_tried:
             return conn.ring_out
         conn.ring_tried = True
@@ -1225,7 +1234,7 @@ class Mesh:
         path = ring.path.encode()
         try:
             head = encode_header(Kind.RING, 0, self.rank, 0, len(path), (ring.capacity, 0, 0, 0))
-            self._send_frame(conn, head, path)
+            self._send_queued({conn.peer: [_frame_views(head, path)]}, watch)
         except BaseException:
             ring.close()
             ring.unlink()
@@ -1591,14 +1600,20 @@ class Mesh:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
         conn = self._conn(peer)
         big = kind == Kind.P2P and sum(len(p) for p, _ in parts) >= RING_MIN_BYTES
-        while not conn.msg_lock.acquire(timeout=LOCK_POLL_S):  # (another message's, held up)
-            if late is not None:
-                late()
+
+        def watch() -> None:
+            timed_out = late is not None and late()  # (then it failed the group)
             if check is not None:
                 check()
+            if timed_out:
+                raise CommTimeoutError(f"rank {self.rank}: a send to rank {peer} timed out")
+
+        while not conn.msg_lock.acquire(timeout=LOCK_POLL_S):  # (another message's, held up)
+            watch()
         with contextlib.ExitStack() as held:
             held.callback(conn.msg_lock.release)
-            ring = self._ring_to(conn) if big and source is not None else None  # (every frame)
+            # (the ring, if any, for every frame)
+            ring = self._ring_to(conn, watch) if big and source is not None else None
             off = 0
             for i, (payload, sig) in enumerate(parts):
                 if i and check is not None:
@@ -1608,9 +1623,9 @@ class Mesh:
                     flags = FLAG_RING if ring is not None else 0
                     head = encode_header(kind, group, self.rank, seq, n, sig, flags)
                     self._send_sourced(conn, head, source, off, n, ring, late)
-                else:
+                else:  # (an empty frame, or no source) watched as a collective's sends
                     head = encode_header(kind, group, self.rank, seq, n, sig)
-                    self._send_frame(conn, head, payload)
+                    self._send_queued({peer: [_frame_views(head, payload)]}, watch)
                 off += n
 
     def send_all(
@@ -1639,41 +1654,53 @@ class Mesh:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
             head = encode_header(kind, group, self.rank, seq, len(payload), sig)
-            parts = [memoryview(head)]
-            if len(payload):
-                parts.append(memoryview(payload).cast("B"))
-            queues.setdefault(peer, []).append(parts)
+            queues.setdefault(peer, []).append(_frame_views(head, payload))
+
+        def watch() -> None:
+            if check is not None:
+                check()
+            if deadline is not None and time.monotonic() > deadline:
+                raise CommTimeoutError(f"rank {self.rank}: a send timed out")
+
+        self._send_queued(queues, watch)
+
+    def _send_queued(
+        self, queues: dict[int, list[list[memoryview]]], watch: Callable[[], None]
+    ) -> None:
+        """Send the frames queued per peer (each frame its views: header, payload) from this
+        thread (:meth:`send_all`). ``watch()`` runs every ``SLICE_MS`` while a socket or a
+        send lock is not free and raises to stop: a frame part-way sent then gets
+        ``TIMEOUT_FINISH_S`` to complete after a :class:`CommTimeoutError`, ``ABORT_FINISH_S``
+        after any other error of ``watch()`` (the group failed or was aborted) and
+        ``FINISH_S`` after an error of the sending itself."""
         conns = [self._conn(peer) for peer in sorted(queues)]
         held: list[Connection] = []
         cut: list[tuple[Connection, BaseException]] = []
-        watching = False
+        stopped = False
 
-        def watch() -> None:
-            nonlocal watching
-            watching = True  # whatever check() raises is the group's abort or failure
-            if check is not None:
-                check()
-            watching = False
+        def watching() -> None:
+            nonlocal stopped
             if self.closed:
                 raise CommError(f"rank {self.rank}: mesh closed during a send")
-            if deadline is not None and time.monotonic() > deadline:
-                raise CommTimeoutError(f"rank {self.rank}: a send timed out")
+            try:
+                watch()
+            except BaseException:
+                stopped = True
+                raise
 
         pending: dict[int, list[list[memoryview]]] = {}  # by peer
         begun: set[int] = set()  # the peers whose first queued frame is part-way sent
         try:
             for conn in conns:  # ascending peer order: no lock-order cycle with another sender
                 while not conn.lock.acquire(timeout=LOCK_POLL_S):
-                    watch()
+                    watching()
                 held.append(conn)
                 pending[conn.peer] = queues[conn.peer]
-            self._push_all(pending, begun, watch, None)
+            self._push_all(pending, begun, watching, None)
         except BaseException as e:
             finish = FINISH_S
-            if watching:
-                finish = ABORT_FINISH_S
-            elif isinstance(e, CommTimeoutError):
-                finish = TIMEOUT_FINISH_S
+            if stopped:
+                finish = TIMEOUT_FINISH_S if isinstance(e, CommTimeoutError) else ABORT_FINISH_S
             part_way = {peer: q[:1] for peer, q in pending.items() if peer in begun}
             if part_way:
                 end = time.monotonic() + finish
