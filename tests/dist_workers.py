@@ -1730,6 +1730,50 @@ def enter_host(ns: str, hostname: str) -> None:
         raise OSError(ctypes.get_errno(), "sethostname")
 
 
+def cross_host_stop_job(
+    rank: int, world: int, init_method: str, hosts: list[tuple[str, str, str]], how: str
+) -> dict[str, Any]:
+    """Rank 0 stops host B's ranks (2 and 3, SIGSTOP) and all-reduces 64 MB on a hybrid group
+    with a 1.5 s timeout: its frames to host B fill the sockets, and its sends wait there.
+    ``how`` "abort": an ``abort()`` 0.3 s in ends the call within the abort bound; "timeout":
+    the group timeout ends it. Before, those sends blocked in ``sendall`` through both, for
+    as long as the receivers stayed stopped. Rank 0's result: the error and the time taken."""
+    import os
+    import signal
+    import threading
+
+    ns, ip, hostname = hosts[rank]
+    enter_host(ns, hostname)
+    os.environ["TORCHPORT_DIST_ADDR"] = ip
+    init(rank, world, init_method)
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    g = dist.new_group(
+        list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
+    )
+    dist.barrier(group=g)
+    big = torch.ones((64 << 20) // 4)
+    if rank != 0:
+        # later than rank 0 (whose own timeout is what ends its call, not rank 1's); host B's
+        # ranks are stopped before or in the call
+        time.sleep(0.3)
+        _timed(lambda: dist.all_reduce(big, group=g))  # (it fails: how is not tested here)
+        return {}
+    for q in (2, 3):
+        os.kill(pids[q], signal.SIGSTOP)
+    try:
+        timer = threading.Timer(0.3, g.abort)
+        if how == "abort":
+            timer.start()
+        res = _timed(lambda: dist.all_reduce(big, group=g))
+        if how == "abort":
+            timer.join(5)
+    finally:
+        for q in (2, 3):
+            os.kill(pids[q], signal.SIGCONT)
+    return res
+
+
 def cross_host_job(
     rank: int, world: int, init_method: str, hosts: list[tuple[str, str, str]]
 ) -> dict[str, Any]:

@@ -85,3 +85,16 @@ def test_collectives_across_two_hosts(two_hosts):
     for r in res[1:]:
         assert "rank 0 called abort()" in r["abort"]["msg"], r["abort"]
         assert r["abort"]["t_fail"] - res[0]["abort"]["t_abort"] < 0.1
+
+
+@pytest.mark.parametrize("how", ["abort", "timeout"])
+def test_a_hybrid_groups_sends_to_a_stopped_host_end_at_abort_and_at_the_timeout(two_hosts, how):
+    """Rank 0's sends across hosts go through the mailbox path; with host B's ranks stopped
+    they waited in a blocking ``sendall`` through an abort and past the group timeout."""
+    ha, hb = two_hosts
+    env = {"TORCHPORT_DIST_ADDR": ha[1]}
+    r = run_world(W.cross_host_stop_job, 4, [ha, ha, hb, hb], how, timeout=60, env=env)[0]
+    if how == "abort":
+        assert r["error"] == "CommAbortedError" and r["took"] < 0.3 + 0.2, r
+    else:
+        assert r["error"] == "CommTimeoutError" and 1.4 < r["took"] < 1.5 + 0.5, r
