@@ -116,7 +116,6 @@ ABORT_FINISH_S = 0.05  # the same after an abort (check() raised): abort unblock
 # 1 MiB, ~8 ms over 1 GbE) well within this; a stopped peer's broadcast, allgather, alltoall,
 # reduce_scatter and scatter over TCP failed FINISH_S past their timeout with FINISH_S here
 TIMEOUT_FINISH_S = 0.2
-POLL_SEND_BYTES = 64 << 10  # payloads from this size to several peers go out interleaved
 SPARE_BUFFERS = 2  # early-frame payload buffers kept per connection for reuse (Connection)
 # ... each at most this long: a frame bound of 256 MiB must not keep 2 such buffers per peer
 # alive for the mesh's lifetime (the measured gain was at 1 MB frames).
@@ -261,12 +260,16 @@ def _cut(what: str, why: BaseException) -> ConnectionError:
     )
 
 
-def _frame_views(head: bytes, payload: bytes | bytearray | memoryview) -> list[memoryview]:
-    """A frame as the byte views one ``sendmsg`` sends: its header, then its payload if any."""
-    views = [memoryview(head)]
-    if len(payload):
-        views.append(memoryview(payload).cast("B"))
-    return views
+def _byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    """``payload`` as a flat view of its bytes (its length is the frame's)."""
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _frame_views(head: bytes, view: memoryview) -> list[memoryview]:
+    """A frame as the byte views one ``sendmsg`` sends: its header, then its payload (a flat
+    byte view, :func:`_byte_view`) if any."""
+    return [memoryview(head), view] if len(view) else [memoryview(head)]
 
 
 def read_frame(sock: socket.socket, max_length: int) -> Frame:
@@ -1232,12 +1235,17 @@ class Mesh:
             )
             return None
         path = ring.path.encode()
+        head = encode_header(Kind.RING, 0, self.rank, 0, len(path), (ring.capacity, 0, 0, 0))
+        offer = [_frame_views(head, _byte_view(path))]
         try:
-            head = encode_header(Kind.RING, 0, self.rank, 0, len(path), (ring.capacity, 0, 0, 0))
-            self._send_queued({conn.peer: [_frame_views(head, path)]}, watch)
+            self._send_queued({conn.peer: offer}, watch)
         except BaseException:
-            ring.close()
-            ring.unlink()
+            if offer:  # not sent whole: no peer maps it (one cut part-way shut the connection)
+                ring.close()
+                ring.unlink()
+                conn.ring_tried = False  # (the next large message offers one again)
+                raise
+            conn.ring_out = ring  # it went out whole (the call raised after): the peer maps it
             raise
         conn.ring_out = ring
         if self.closed:  # (closed meanwhile: close() may have passed this connection)
@@ -1625,7 +1633,7 @@ class Mesh:
                     self._send_sourced(conn, head, source, off, n, ring, late)
                 else:  # (an empty frame, or no source) watched as a collective's sends
                     head = encode_header(kind, group, self.rank, seq, n, sig)
-                    self._send_queued({peer: [_frame_views(head, payload)]}, watch)
+                    self._send_queued({peer: [_frame_views(head, _byte_view(payload))]}, watch)
                 off += n
 
     def send_all(
@@ -1651,10 +1659,11 @@ class Mesh:
         """
         queues: dict[int, list[list[memoryview]]] = {}
         for peer, kind, group, seq, payload, sig in frames:
-            if len(payload) > self.max_frame:
-                raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
-            head = encode_header(kind, group, self.rank, seq, len(payload), sig)
-            queues.setdefault(peer, []).append(_frame_views(head, payload))
+            view = _byte_view(payload)
+            if len(view) > self.max_frame:
+                raise CommError(f"frame of {len(view)} bytes exceeds the bound {self.max_frame}")
+            head = encode_header(kind, group, self.rank, seq, len(view), sig)
+            queues.setdefault(peer, []).append(_frame_views(head, view))
 
         def watch() -> None:
             if check is not None:
@@ -1668,13 +1677,17 @@ class Mesh:
         self, queues: dict[int, list[list[memoryview]]], watch: Callable[[], None]
     ) -> None:
         """Send the frames queued per peer (each frame its views: header, payload) from this
-        thread (:meth:`send_all`). ``watch()`` runs every ``SLICE_MS`` while a socket or a
-        send lock is not free and raises to stop: a frame part-way sent then gets
-        ``TIMEOUT_FINISH_S`` to complete after a :class:`CommTimeoutError`, ``ABORT_FINISH_S``
-        after any other error of ``watch()`` (the group failed or was aborted) and
-        ``FINISH_S`` after an error of the sending itself."""
+        thread (:meth:`send_all`), each connection's send lock held until its frames are out.
+        ``watch()`` runs every ``SLICE_MS`` while a socket or a send lock is not free and
+        raises to stop: a frame part-way sent then gets ``TIMEOUT_FINISH_S`` to complete after
+        a :class:`CommTimeoutError`, ``ABORT_FINISH_S`` after any other error of ``watch()``
+        (the group failed or was aborted) and ``FINISH_S`` after an error of the sending
+        itself (a connection lost: the other peers' frames still complete). A frame still
+        part-way then is cut: its connection is shut down (the connection this call locked,
+        even if the mesh dropped it meanwhile) and reported lost. Frames not begun are
+        dropped (from ``queues`` too: a one-frame queue left empty went out whole)."""
         conns = [self._conn(peer) for peer in sorted(queues)]
-        held: list[Connection] = []
+        held: dict[int, Connection] = {}
         cut: list[tuple[Connection, BaseException]] = []
         stopped = False
 
@@ -1688,54 +1701,70 @@ class Mesh:
                 stopped = True
                 raise
 
-        pending: dict[int, list[list[memoryview]]] = {}  # by peer
+        def release(conn: Connection) -> None:
+            if held.pop(conn.peer, None) is not None:
+                conn.lock.release()
+
+        pending: dict[int, tuple[Connection, list[list[memoryview]]]] = {}  # by peer
         begun: set[int] = set()  # the peers whose first queued frame is part-way sent
         try:
-            for conn in conns:  # ascending peer order: no lock-order cycle with another sender
-                while not conn.lock.acquire(timeout=LOCK_POLL_S):
-                    watching()
-                held.append(conn)
-                pending[conn.peer] = queues[conn.peer]
-            self._push_all(pending, begun, watching, None)
-        except BaseException as e:
-            finish = FINISH_S
-            if stopped:
-                finish = TIMEOUT_FINISH_S if isinstance(e, CommTimeoutError) else ABORT_FINISH_S
-            part_way = {peer: q[:1] for peer, q in pending.items() if peer in begun}
-            if part_way:
-                end = time.monotonic() + finish
-                with contextlib.suppress(Exception):
-                    self._push_all(part_way, begun, lambda: None, end)
-                for peer in part_way:
-                    if peer in begun:
-                        self.shutdown_peer(peer)
-                        cut.append((self.peers[peer], _cut("sent", e)))
-            raise
+            try:
+                for conn in conns:  # ascending peer order: no lock-order cycle with another
+                    while not conn.lock.acquire(timeout=LOCK_POLL_S):
+                        watching()
+                    held[conn.peer] = conn
+                    pending[conn.peer] = (conn, queues[conn.peer])
+                self._push_all(pending, begun, watching, None, release, None)
+            except BaseException as e:
+                finish = FINISH_S
+                if stopped:
+                    finish = TIMEOUT_FINISH_S if isinstance(e, CommTimeoutError) else ABORT_FINISH_S
+                part_way = {p: (c, q) for p, (c, q) in pending.items() if p in begun}
+                for p, (c, q) in pending.items():
+                    del q[1 if p in begun else 0 :]  # the frames not begun are dropped
+                    if p not in begun:
+                        release(c)
+                try:
+                    if part_way:
+                        end = time.monotonic() + finish
+                        self._push_all(part_way, begun, lambda: None, end, release, {})
+                finally:  # (also past a second KeyboardInterrupt)
+                    for p, (c, _q) in part_way.items():
+                        if p in begun:
+                            with contextlib.suppress(OSError):
+                                c.sock.shutdown(socket.SHUT_RDWR)
+                            self._close_rings(c)
+                            cut.append((c, _cut("sent", e)))
+                raise
         finally:
-            for conn in held:
-                conn.lock.release()
+            for conn in list(held.values()):
+                release(conn)
             for conn, err in cut:  # (no send lock held: the failure handlers send ABORTs)
                 self._lost(conn, err)
 
+    @staticmethod
     def _push_all(
-        self,
-        pending: dict[int, list[list[memoryview]]],
+        pending: dict[int, tuple[Connection, list[list[memoryview]]]],
         begun: set[int],
         watch: Callable[[], None],
         end: float | None,
+        done: Callable[[Connection], None],
+        broken: dict[int, BaseException] | None,
     ) -> None:
         """Send the frames queued for each peer (each frame a list of views), without blocking
         on a socket; between passes poll for room, running ``watch()`` every ``SLICE_MS``
-        (until ``end``, if given). Peers leave ``pending`` when all is sent; ``begun`` holds
-        the peers whose first queued frame is part-way sent."""
+        (until ``end``, if given). A peer whose frames are all out leaves ``pending`` and goes
+        to ``done(conn)``; ``begun`` holds the peers whose first queued frame is part-way
+        sent. A socket error raises :class:`CommError`, or with ``broken`` is recorded there
+        (the peer leaves ``pending``, still ``begun`` if part-way) while the others go on."""
         poller: select.poll | None = None
+        flags = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
         while pending:
-            for peer in list(pending):
-                queue, conn = pending[peer], self.peers[peer]
+            for peer, (conn, queue) in list(pending.items()):
                 try:
                     while queue:
                         parts = queue[0]
-                        k = conn.sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
+                        k = conn.sock.sendmsg(parts, (), flags)
                         if k:
                             begun.add(peer)
                         while parts and k >= len(parts[0]):
@@ -1748,10 +1777,15 @@ class Mesh:
                 except BlockingIOError:
                     continue
                 except OSError as e:
-                    raise CommError(f"send to rank {peer} failed: {e}") from e
+                    if broken is None:
+                        raise CommError(f"send to rank {peer} failed: {e}") from e
+                    broken[peer] = e
+                else:
+                    done(conn)
                 del pending[peer]
                 if poller is not None:
-                    poller.unregister(conn.sock.fileno())
+                    with contextlib.suppress(KeyError, ValueError):
+                        poller.unregister(conn.sock.fileno())
             if not pending:
                 return
             if end is not None and time.monotonic() > end:
@@ -1759,8 +1793,8 @@ class Mesh:
             watch()
             if poller is None:
                 poller = select.poll()
-                for peer in pending:
-                    poller.register(self.peers[peer].sock.fileno(), select.POLLOUT)
+                for c, _q in pending.values():
+                    poller.register(c.sock.fileno(), select.POLLOUT)
             poller.poll(SLICE_MS)
 
     def _pin_begin(self) -> int:
