@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import re
 import socket
 import struct
@@ -902,13 +903,15 @@ def test_send_all_lets_a_live_peers_frame_complete_when_another_peers_connection
         while len(got) < HEADER_SIZE + n and time.monotonic() < end:
             got.extend(c2.sock.recv(HEADER_SIZE + n - len(got)))
 
-    reader = threading.Thread(target=drain)
+    go = threading.Event()
+    reader = threading.Thread(target=lambda: (go.wait(10), drain()))
+    reader.start()
 
     def breaker() -> None:
         time.sleep(0.2)
         c1.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         c1.sock.close()  # a reset: rank 0's next send to rank 1 fails
-        reader.start()
+        go.set()
 
     threading.Thread(target=breaker).start()
     frames = [(q, Kind.COLL, 9, 1, payload, (1, 2, 3, 4)) for q in (1, 2)]
@@ -955,6 +958,82 @@ def test_send_all_releases_a_peers_send_lock_once_its_frames_are_out(mesh_trio):
     finally:
         stop.set()
         t.join(10)
+
+
+class _FlakySocket:
+    """A connection's socket whose next ``sendmsg`` fails once ``fail`` is set (a transient
+    error: ENOBUFS), everything else passed through."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.fail = sock, False
+
+    def sendmsg(self, *args):
+        if self.fail:
+            self.fail = False
+            raise OSError(errno.ENOBUFS, "No buffer space available")
+        return self.sock.sendmsg(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_send_all_cuts_a_frame_part_way_whose_socket_fails_while_it_completes(mesh_pair):
+    """After an abort, the frame part-way gets its time to complete; a socket error then (a
+    transient one: the stream is intact but the frame is not whole) must still cut the
+    connection. A review saw such a peer leave the finishing pass uncut and unreported, the
+    next frame's header to be read as payload."""
+    m0, m1 = mesh_pair
+    conn1 = _stalled(m1)
+    lost = _Lost()
+    m0.register(9, lost)
+    conn = m0.peers[1]
+    real, flaky = conn.sock, _FlakySocket(conn.sock)
+    payload = memoryview(bytes(8 << 20))
+    t0 = time.monotonic()
+
+    def check() -> None:
+        if time.monotonic() - t0 > 0.2:
+            flaky.fail = True
+            raise _Aborted("group aborted")
+
+    conn.sock = flaky
+    try:
+        with pytest.raises(_Aborted):
+            m0.send_all([(1, Kind.COLL, 9, 1, payload, (1, 2, 3, 4))], t0 + 30, check)
+    finally:
+        conn.sock = real
+    assert any("part-way sent" in x for x in lost.lost), lost.lost
+    assert _reads_to_eof(conn1.sock)
+
+
+class _FullSocket(_FlakySocket):
+    """A connection's socket that takes no byte (its send buffer stays full)."""
+
+    def sendmsg(self, *args):
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+
+@pytest.mark.timeout(60)
+def test_a_ring_offer_an_abort_kept_from_going_out_is_neither_used_nor_left(ring_pair):
+    """The first large P2P message to a peer offers it a ring. An abort while the socket is
+    full, before any byte of the offer went out: the ring is dropped (no name left in
+    /dev/shm) and offered again by the next large message; a review saw it kept as if sent,
+    the next message go through it and the receiver drop the connection."""
+    import glob
+
+    m0, _m1 = ring_pair
+    conn = m0.peers[1]
+    real = conn.sock
+    rings = set(glob.glob("/dev/shm/torchport-ring-*"))
+    _data, parts, source = _p2p_parts(1 << 17)
+    conn.sock = _FullSocket(real)  # the socket's buffer stays full: nothing goes out
+    try:
+        with pytest.raises(_Aborted):
+            m0.send_frames(1, Kind.P2P, 9, 1, parts, check=_abort_after(0.1)[0], source=source)
+    finally:
+        conn.sock = real
+    assert conn.ring_out is None and not conn.ring_tried
+    assert set(glob.glob("/dev/shm/torchport-ring-*")) <= rings
 
 
 def test_send_all_waiting_for_a_busy_send_lock_sees_abort_and_deadline(mesh_pair):

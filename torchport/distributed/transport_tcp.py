@@ -263,7 +263,8 @@ def _cut(what: str, why: BaseException) -> ConnectionError:
 def _byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
     """``payload`` as a flat view of its bytes (its length is the frame's)."""
     view = memoryview(payload)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    # (cast raises on a non-contiguous view: before anything is sent)
+    return view if view.format == "B" and view.ndim == 1 and view.c_contiguous else view.cast("B")
 
 
 def _frame_views(head: bytes, view: memoryview) -> list[memoryview]:
@@ -1632,8 +1633,9 @@ class Mesh:
                     head = encode_header(kind, group, self.rank, seq, n, sig, flags)
                     self._send_sourced(conn, head, source, off, n, ring, late)
                 else:  # (an empty frame, or no source) watched as a collective's sends
-                    head = encode_header(kind, group, self.rank, seq, n, sig)
-                    self._send_queued({peer: [_frame_views(head, _byte_view(payload))]}, watch)
+                    view = _byte_view(payload)
+                    head = encode_header(kind, group, self.rank, seq, len(view), sig)
+                    self._send_queued({peer: [_frame_views(head, view)]}, watch)
                 off += n
 
     def send_all(
@@ -1684,8 +1686,8 @@ class Mesh:
         (the group failed or was aborted) and ``FINISH_S`` after an error of the sending
         itself (a connection lost: the other peers' frames still complete). A frame still
         part-way then is cut: its connection is shut down (the connection this call locked,
-        even if the mesh dropped it meanwhile) and reported lost. Frames not begun are
-        dropped (from ``queues`` too: a one-frame queue left empty went out whole)."""
+        even if the mesh dropped it meanwhile) and reported lost. Frames not begun are not
+        sent. What went out whole has left ``queues``: a queue that is empty went out."""
         conns = [self._conn(peer) for peer in sorted(queues)]
         held: dict[int, Connection] = {}
         cut: list[tuple[Connection, BaseException]] = []
@@ -1720,14 +1722,16 @@ class Mesh:
                 if stopped:
                     finish = TIMEOUT_FINISH_S if isinstance(e, CommTimeoutError) else ABORT_FINISH_S
                 part_way = {p: (c, q) for p, (c, q) in pending.items() if p in begun}
-                for p, (c, q) in pending.items():
-                    del q[1 if p in begun else 0 :]  # the frames not begun are dropped
-                    if p not in begun:
-                        release(c)
                 try:
+                    for p, (c, q) in pending.items():
+                        if p in begun:
+                            del q[1:]  # the frames after the one part-way are dropped
+                        else:
+                            release(c)
                     if part_way:
                         end = time.monotonic() + finish
-                        self._push_all(part_way, begun, lambda: None, end, release, {})
+                        # (a copy: a peer whose socket fails now leaves it, not part_way)
+                        self._push_all(dict(part_way), begun, lambda: None, end, release, {})
                 finally:  # (also past a second KeyboardInterrupt)
                     for p, (c, _q) in part_way.items():
                         if p in begun:
@@ -1758,6 +1762,7 @@ class Mesh:
         sent. A socket error raises :class:`CommError`, or with ``broken`` is recorded there
         (the peer leaves ``pending``, still ``begun`` if part-way) while the others go on."""
         poller: select.poll | None = None
+        fds: dict[int, int] = {}  # the descriptor each peer was registered under
         flags = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
         while pending:
             for peer, (conn, queue) in list(pending.items()):
@@ -1783,9 +1788,9 @@ class Mesh:
                 else:
                     done(conn)
                 del pending[peer]
-                if poller is not None:
-                    with contextlib.suppress(KeyError, ValueError):
-                        poller.unregister(conn.sock.fileno())
+                fd = fds.pop(peer, -1)
+                if poller is not None and fd >= 0:
+                    poller.unregister(fd)
             if not pending:
                 return
             if end is not None and time.monotonic() > end:
@@ -1793,8 +1798,11 @@ class Mesh:
             watch()
             if poller is None:
                 poller = select.poll()
-                for c, _q in pending.values():
-                    poller.register(c.sock.fileno(), select.POLLOUT)
+                for p, (c, _q) in pending.items():
+                    fd = c.sock.fileno()
+                    if fd >= 0:  # (closed meanwhile: its next send fails)
+                        poller.register(fd, select.POLLOUT)
+                        fds[p] = fd
             poller.poll(SLICE_MS)
 
     def _pin_begin(self) -> int:
