@@ -1240,18 +1240,16 @@ class Mesh:
         offer = [_frame_views(head, _byte_view(path))]
         try:
             self._send_queued({conn.peer: offer}, watch)
-        except BaseException:
+        finally:
             if offer:  # not sent whole: no peer maps it (one cut part-way shut the connection)
                 ring.close()
                 ring.unlink()
                 conn.ring_tried = False  # (the next large message offers one again)
-                raise
-            conn.ring_out = ring  # it went out whole (the call raised after): the peer maps it
-            raise
-        conn.ring_out = ring
-        if self.closed:  # (closed meanwhile: close() may have passed this connection)
-            self._close_rings(conn)
-        return ring
+            else:  # it went out whole (also when the call raised after): the peer maps it
+                conn.ring_out = ring
+                if self.closed:  # (closed meanwhile: close() may have passed this connection)
+                    self._close_rings(conn)
+        return conn.ring_out
 
     def _ring_offered(self, conn: Connection, hdr: Header, body: Any) -> None:
         """Map the ring ``conn.peer`` offers for its large P2P payloads, and unlink its name

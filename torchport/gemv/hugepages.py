@@ -10,11 +10,11 @@ Where ``madvise`` is unavailable or refuses, the copy is still made (plain pages
 always a correct contiguous copy; only its page size is best effort.
 
 Advising is skipped where it gets no huge pages (:func:`huge_pages_granted`, probed once per
-process). On a Firecracker VM with THP in ``madvise`` mode and ``defrag`` ``madvise`` none was
-ever granted (``AnonHugePages`` stayed 0 kB) while every advised fault stalled in a failed
-compaction: packing 180 MB (11008x4096 fp32) into a fresh advised buffer took 271-292 ms against
-78-95 ms into plain pages (28-29 ms into touched ones), and a cold tune of that linear layer
-packs four times.
+process). On a Firecracker VM with THP in ``madvise`` mode and ``defrag`` ``madvise`` (advised
+faults try compaction there) none was ever granted (``AnonHugePages`` stayed 0 kB) while the
+advised faults cost three times the plain ones: packing 180 MB (11008x4096 fp32) into a fresh
+advised buffer took 271-292 ms against 78-95 ms into plain pages (28-29 ms into touched ones),
+and a cold tune of that linear layer packs four times.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def _thp_mode() -> str | None:
 def huge_pages_granted() -> bool:
     """Whether advised memory gets transparent huge pages in this process: probed once by
     advising and touching 4 MiB of fresh anonymous memory and reading ``AnonHugePages`` before
-    and after. True where that cannot be read (the advice is kept, as before); False where THP
-    is ``never``, ``madvise`` is missing, or the probe got none."""
+    and after. True where ``AnonHugePages`` cannot be read (the advice is kept, as before);
+    False where THP is ``never`` or its mode unknown, ``madvise`` is missing, or the probe got
+    none."""
     madvise = _madvise()
     if madvise is None:
         return False
