@@ -1685,7 +1685,8 @@ class Mesh:
         itself (a connection lost: the other peers' frames still complete). A frame still
         part-way then is cut: its connection is shut down (the connection this call locked,
         even if the mesh dropped it meanwhile) and reported lost. Frames not begun are not
-        sent. What went out whole has left ``queues``: a queue that is empty went out."""
+        sent. What went out whole has left ``queues`` (a one-frame queue left empty went out;
+        after an error the frames behind a part-way one are dropped from it too)."""
         conns = [self._conn(peer) for peer in sorted(queues)]
         held: dict[int, Connection] = {}
         cut: list[tuple[Connection, BaseException]] = []
@@ -1716,11 +1717,14 @@ class Mesh:
                     pending[conn.peer] = (conn, queues[conn.peer])
                 self._push_all(pending, begun, watching, None, release, None)
             except BaseException as e:
-                finish = FINISH_S
-                if stopped:
-                    finish = TIMEOUT_FINISH_S if isinstance(e, CommTimeoutError) else ABORT_FINISH_S
+                # (bound before anything else: past a second KeyboardInterrupt here, the
+                # finally below still cuts what is part-way)
                 part_way = {p: (c, q) for p, (c, q) in pending.items() if p in begun}
                 try:
+                    finish = FINISH_S
+                    if stopped:
+                        timeout = isinstance(e, CommTimeoutError)
+                        finish = TIMEOUT_FINISH_S if timeout else ABORT_FINISH_S
                     for p, (c, q) in pending.items():
                         if p in begun:
                             del q[1:]  # the frames after the one part-way are dropped
