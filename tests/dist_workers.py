@@ -1257,6 +1257,60 @@ def _timed(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"error": err, "took": time.monotonic() - t0}
 
 
+def _timed_while_stopped(
+    pids: list[Any],
+    stopped: list[int],
+    call: Callable[[], Any],
+    abort: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """:func:`_timed` ``call()`` while the processes of ranks ``stopped`` are stopped
+    (SIGSTOP), with ``abort()`` run from another thread 0.3 s in when given; they are resumed
+    (SIGCONT) whatever happens."""
+    import signal
+    import threading
+
+    for q in stopped:
+        os.kill(pids[q], signal.SIGSTOP)
+    try:
+        timer = threading.Timer(0.3, abort) if abort is not None else None
+        if timer is not None:
+            timer.start()
+        res = _timed(call)
+        if timer is not None:
+            timer.join(5)
+    finally:
+        for q in stopped:
+            os.kill(pids[q], signal.SIGCONT)
+    return res
+
+
+def _against_stopped_rank_1(
+    rank: int,
+    world: int,
+    pids: list[Any],
+    call: Callable[[Any], Any],
+    abort: bool = False,
+    **overrides: Any,
+) -> dict[str, Any] | None:
+    """A fresh torchport group with a 1.5 s timeout (config ``overrides`` while it forms), on
+    which rank 0 runs ``call(group)`` while rank 1 is stopped (:func:`_timed_while_stopped`;
+    ``abort``: the group's ``abort()`` 0.3 s in); then every rank meets and destroys it. Rank
+    0's result, None on the others."""
+    import torchport
+
+    with torchport.config.override(**overrides):
+        g = dist.new_group(
+            list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
+        )
+    dist.barrier()
+    res = None
+    if rank == 0:
+        res = _timed_while_stopped(pids, [1], lambda: call(g), g.abort if abort else None)
+    dist.barrier()
+    dist.destroy_process_group(g)
+    return res
+
+
 def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
     """A blocking ``dist.send`` (its ``wait()`` runs the send in the caller's thread) to rank 1,
     stopped (SIGSTOP): an ``abort()`` from another thread 0.3 s in makes it raise within the
@@ -1266,74 +1320,35 @@ def blocking_send_case(rank: int, world: int) -> dict[str, Any]:
     and allgather of 64 MB to it end at the group timeout too (within TIMEOUT_FINISH_S). Then a
     blocking ``dist.recv`` from the stopped rank 1 ends at the group timeout (it waited for
     good; gloo raises then too)."""
-    import datetime
-    import signal
-    import threading
-
-    import torchport
-
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     out: dict[str, Any] = {}
+    big = torch.ones((64 << 20) // 4) if rank == 0 else torch.empty(0)
     for ring in (1 << 20, 0):
         for how in ("abort", "timeout"):
-            key = f"{'ring' if ring else 'tcp'} {how}"
-            with torchport.config.override(dist_p2p_ring_bytes=ring):
-                g = dist.new_group(
-                    list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
-                )
-            dist.barrier()
-            if rank == 0:
-                buf = torch.ones((64 << 20) // 4)
-                os.kill(pids[1], signal.SIGSTOP)
-                try:
-                    timer = threading.Timer(0.3, g.abort)
-                    if how == "abort":
-                        timer.start()
-                    out[key] = _timed(lambda buf=buf, g=g: dist.send(buf, 1, group=g))
-                    if how == "abort":
-                        timer.join(5)
-                finally:
-                    os.kill(pids[1], signal.SIGCONT)
-            dist.barrier()
-            dist.destroy_process_group(g)
+            out[f"{'ring' if ring else 'tcp'} {how}"] = _against_stopped_rank_1(
+                rank,
+                world,
+                pids,
+                lambda g: dist.send(big, 1, group=g),
+                abort=how == "abort",
+                dist_p2p_ring_bytes=ring,
+            )
     # TCP collectives whose frames to it are part-way when the timeout passes: they raised
     # FINISH_S (1 s) late, the time a frame part-way got to complete before the cut
-    for op in ("broadcast", "allgather"):
-        with torchport.config.override(dist_transport="tcp"):
-            g = dist.new_group(
-                list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
-            )
-        dist.barrier()
-        if rank == 0:
-            big = torch.ones((64 << 20) // 4)
-            outs = torch.empty(world * big.numel())
-            call = {
-                "broadcast": lambda g=g, big=big: dist.broadcast(big, 0, group=g),
-                "allgather": lambda g=g, big=big, outs=outs: dist.all_gather_into_tensor(
-                    outs, big, group=g
-                ),
-            }[op]
-            os.kill(pids[1], signal.SIGSTOP)
-            try:
-                out[f"tcp {op} timeout"] = _timed(call)
-            finally:
-                os.kill(pids[1], signal.SIGCONT)
-        dist.barrier()
-        dist.destroy_process_group(g)
+    outs = torch.empty(world * big.numel())
+    calls: dict[str, Callable[[Any], Any]] = {
+        "broadcast": lambda g: dist.broadcast(big, 0, group=g),
+        "allgather": lambda g: dist.all_gather_into_tensor(outs, big, group=g),
+    }
+    for op, call in calls.items():
+        out[f"tcp {op} timeout"] = _against_stopped_rank_1(
+            rank, world, pids, call, dist_transport="tcp"
+        )
     # a blocking receive from it: the group timeout too (it waited for good)
-    g = dist.new_group(
-        list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1.5)
+    out["recv timeout"] = _against_stopped_rank_1(
+        rank, world, pids, lambda g: dist.recv(torch.zeros(4), 1, group=g)
     )
-    dist.barrier()
-    if rank == 0:
-        os.kill(pids[1], signal.SIGSTOP)
-        try:
-            out["recv timeout"] = _timed(lambda: dist.recv(torch.zeros(4), 1, group=g))
-        finally:
-            os.kill(pids[1], signal.SIGCONT)
-    dist.barrier()
-    dist.destroy_process_group(g)
     # a group timeout past threading.TIMEOUT_MAX (centuries) is no limit: the receive waits
     g = dist.new_group(
         list(range(world)), backend="torchport", timeout=datetime.timedelta(seconds=1e10)
@@ -1738,10 +1753,6 @@ def cross_host_stop_job(
     ``how`` "abort": an ``abort()`` 0.3 s in ends the call within the abort bound; "timeout":
     the group timeout ends it. Before, those sends blocked in ``sendall`` through both, for
     as long as the receivers stayed stopped. Rank 0's result: the error and the time taken."""
-    import os
-    import signal
-    import threading
-
     ns, ip, hostname = hosts[rank]
     enter_host(ns, hostname)
     os.environ["TORCHPORT_DIST_ADDR"] = ip
@@ -1759,19 +1770,8 @@ def cross_host_stop_job(
         time.sleep(0.3)
         _timed(lambda: dist.all_reduce(big, group=g))  # (it fails: how is not tested here)
         return {}
-    for q in (2, 3):
-        os.kill(pids[q], signal.SIGSTOP)
-    try:
-        timer = threading.Timer(0.3, g.abort)
-        if how == "abort":
-            timer.start()
-        res = _timed(lambda: dist.all_reduce(big, group=g))
-        if how == "abort":
-            timer.join(5)
-    finally:
-        for q in (2, 3):
-            os.kill(pids[q], signal.SIGCONT)
-    return res
+    abort = g.abort if how == "abort" else None
+    return _timed_while_stopped(pids, [2, 3], lambda: dist.all_reduce(big, group=g), abort)
 
 
 def cross_host_job(
