@@ -698,6 +698,56 @@ def test_budget_times_long_calls_once(fresh_cache, fake_clock):
     assert ch.candidate.name == "native"
 
 
+def test_long_anchor_is_not_timed_again_for_a_clear_winner(fresh_cache, fake_clock):
+    """Under a budget, a long anchor call (ATen's bf16 addmm without AVX512-BF16: ~220 ms
+    against the kernels' ~25 ms) is timed after the other candidates: by its checked call alone
+    when the fastest of them is ANCHOR_CLEAR_WIN times faster than that call, with the usual
+    settling and timed calls otherwise (the verdict then rests on them, not the first call)."""
+    calls: list = []
+    t_long = 2 * tuner.LONG_CALL_S
+    clear = t_long / (tuner.ANCHOR_CLEAR_WIN + 1)
+    make = _fake_factory(fake_clock, lambda i: t_long, lambda i: clear, calls)
+    with config.override(autotune_reps=5):
+        ch = _select_pair({"case": "clear"}, make, budget_s=100.0, confirm=True)
+    assert calls.count("aten") == 1 and calls[0] == "aten"  # its checked call, first
+    assert ch.candidate.name == "native"
+    assert ch.timings_s["aten"] == ch.timings_s["first:aten"] == pytest.approx(t_long)
+    # the checked call was slow by one-time work: the anchor is timed, and wins
+    calls.clear()
+    make = _fake_factory(
+        fake_clock, lambda i: t_long if i == 0 else clear / 2, lambda i: t_long / 2, calls
+    )
+    with config.override(autotune_reps=5):
+        ch = _select_pair({"case": "not-clear"}, make, budget_s=100.0, confirm=True)
+    assert calls.count("aten") > 1 and calls[-1] == "aten"  # timed after the candidate
+    assert "first:aten" not in ch.timings_s
+    assert ch.candidate.name == "aten"
+    # without a budget the anchor is timed first as before
+    calls.clear()
+    make = _fake_factory(fake_clock, lambda i: t_long, lambda i: clear, calls)
+    with config.override(autotune_reps=5):
+        ch = _select_pair({"case": "no-budget"}, make)
+    assert calls[:3] == ["aten"] * 3 and ch.candidate.name == "native"
+
+
+def test_long_anchor_alone_is_not_timed_when_every_candidate_failed(fresh_cache, fake_clock):
+    calls: list = []
+    t_long = 2 * tuner.LONG_CALL_S
+
+    def make(c: Candidate):
+        if c.is_anchor:
+            return _costed(fake_clock, lambda i: t_long, calls, "aten")
+
+        def boom(x):
+            raise RuntimeError("no kernel")
+
+        return boom
+
+    ch = _select_pair({"case": "alone"}, make, budget_s=100.0, confirm=True)
+    assert ch.candidate.name == "aten" and calls == ["aten"]
+    assert "native" in ch.failures
+
+
 def _select_long(case: str, make, budget_s: float = 0.3):
     """A confirmed toy tuning under a budget (long calls), 3 % noise margin."""
     with config.override(autotune_reps=100, autotune_noise=0.03):
