@@ -67,6 +67,14 @@ def test_autotuner_candidates_bounded_and_cached(fresh_cache):
     assert any(c.param("kc") == 256 for c in G.candidates(32, 3072, 1024, "avx2"))
     assert any(c.param("kc") == 256 for c in G.candidates(512, 3072, 768, "avx2"))
     assert not any(c.param("kc") for c in G.candidates(512, 3072, 128, "avx2"))  # kc >= K
+    # below 8 rows no 8-row tile (only its one-row fallback would run); bf16 weights on the
+    # AVX2 tiles up to 8 rows get the 4x24 tile with the panel prefetched 64 rows ahead
+    for m in (1, 4, 7):
+        assert not any(c.param("mr") == 8 for c in G.candidates(m, 11008, 4096, "avx2", 2))
+    assert any(c.param("mr") == 8 for c in G.candidates(8, 11008, 4096, "avx2", 2))
+    for m, size, pf in ((4, 2, 64), (8, 2, 64), (16, 2, 0), (8, 4, 0)):
+        tiles = [c for c in G.candidates(m, 11008, 4096, "avx2", size) if c.param("nr") == 24]
+        assert tiles[0].param("pf") == pf, (m, size)
     before = autotune.stats.tuned
     a, b = torch.randn(12, 64), torch.randn(64, 48)
     mm(a, b)

@@ -110,9 +110,15 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
         # prefetch distances in panel rows, 2-4 KB ahead (measured, M=8 1024->4096 fp32, 8x8
         # tile on huge pages: 16 rows = 512 B ran at 92-97 % of torch.sum's bandwidth, 64 rows
         # at 100-104 %)
+        # bf16 weights on the AVX2 tiles are compute-bound (a widening load and a shift per
+        # weight vector): there the 4x24 tile streams faster with the panel prefetched 64 rows
+        # (3 KB) ahead (measured on a Zen 3, two threads, 4096->11008, weights rotated,
+        # interleaved medians of 15-21: M=4 3.43 vs 4.24 ms; M=8 5.22-5.56 vs 5.85-6.12; at
+        # M=16 pf 32 was best, at M=32 none; fp32 weights, bandwidth-bound, within 2 %)
+        pf24 = 64 if elem_size == 2 and scale == 1 and m <= 8 else 0
         cfgs = [
             Config(8, 8 * scale, mm_, 64),
-            Config(4, 24 * scale, mm_),
+            Config(4, 24 * scale, mm_, pf24),
             t6,
             Config(4, 24 * scale, mm_, nt=1),
             Config(8, 8 * scale, mm_, 128),
@@ -123,6 +129,12 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
         cfgs += [Config(4, 24 * scale, mm_, 32), Config(2, 32 * scale, mm_)]
         if m <= 2:
             cfgs.append(Config(1, 64 * scale, mm_))
+        if m < 8:
+            # an 8-row tile never runs below 8 rows: its one-row fallback does, a vector of
+            # weights per FMA from L2 for every row (measured on a Zen 3, 4096->11008, two
+            # threads: bf16 M=4 14.7 ms against 3.4 for the 4x24 tile, fp32 M=4 16.4 vs 6.6,
+            # bf16 M=2 7.4 vs 3.4 for the row driver)
+            cfgs = [c for c in cfgs if c.mr != 8]
         if m <= ROWS_M:
             # the row-streaming driver (B packed as [N, K] rows, four weight rows side by side
             # per thread, as the decode GEMV), no software prefetch (measured one thread, M=1
