@@ -108,6 +108,27 @@ def test_every_tile_and_block(mr, nr, mc, pf):
     _assert_close(out, a, b, EpilogueSpec(), [])
 
 
+@pytest.mark.parametrize("mr,nr", TILES, ids=[f"{mr}x{nr}" for mr, nr in TILES])
+@pytest.mark.parametrize("kc", [0, 16])
+def test_bf16_tiles_agree_bitwise_across_k_loops(mr, nr, kc):
+    """bf16 weights: the unit-stride, non-prefetching K loop reads vector pairs of B as even/odd
+    columns on AVX2 (templates._eo_pairs), the prefetching and the strided-A loops widen each
+    vector; every column's products are summed in the same order either way, so the outputs
+    are bitwise equal (fp32 output: no rounding hides a lane mix-up), and match the reference.
+    N = 101 ends in a partial panel; kc = 16 carries partial sums across K blocks."""
+    a, b = _make(23, 101, 37, torch.bfloat16, "c", "weight_t")
+    a_strided = torch.empty(23, 2 * 37, dtype=torch.bfloat16)[:, ::2]
+    a_strided.copy_(a)
+    spec = EpilogueSpec.decode("out=f32")
+    outs = [
+        run_native(x, b, spec, [], Config(mr, nr, mc, pf, kc=kc))
+        for x, mc, pf in ((a, 64, 0), (a, 5, 0), (a, 64, 8), (a_strided, 64, 0))
+    ]
+    _assert_close(outs[0], a, b, spec, [])
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 @pytest.mark.parametrize("mr,nr", TILES[:2], ids=[f"{mr}x{nr}" for mr, nr in TILES[:2]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("a_layout", ["c", "strided"])
