@@ -949,6 +949,21 @@ def test_store_prefetch_covers_every_operand_line(text):
         assert got <= allowed, f"{text}: prefetches outside the operands"
 
 
+def test_eo_ab_bench_times_both_builds_and_restores_the_shipped_tiles(capsys):
+    """``bench gemm_eo_ab`` builds each config with and without the even/odd pairs (both checked
+    against the reference inside), then leaves the engine's own tiles in place: a launcher made
+    after it reads the pairs again (its library is the shipped source's)."""
+    from torchport import benchmarks
+
+    argv = ["--m", "8", "--d", "64", "--h", "40", "--cfgs", "4:24:8:0,6:16:5:8", "--quick"]
+    shipped = templates._eo_pairs
+    assert benchmarks.run_benchmark("gemm_eo_ab", [*argv, "--copies", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "t4x24_mc8_pf0: on/off" in out and "t6x16_mc5_pf8: on/off" in out
+    assert templates._eo_pairs is shipped
+    assert kernels.launcher.cache_info().currsize == 0
+
+
 @needs_dp
 def test_epilogue_ab_bench_runs_a_dp_config(capsys):
     """``bench gemm_epilogue_ab`` on a small-M ``vdpbf16ps`` config: its weights are pair-packed

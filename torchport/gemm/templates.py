@@ -413,15 +413,18 @@ def vocabulary(isa: str, piecewise_gelu: bool = True, otag: str = "f32") -> str:
 
 
 def _eo_pairs(nv: int, vw: int, btag: str) -> int:
-    """How many pairs of B vectors a tile's unit-stride, non-prefetching K loop reads as
-    even/odd columns (``VPAIR_bf16``): bf16 weights on AVX2, ``nv // 2`` pairs (vectors 2p and
-    2p + 1; an odd last one widened alone). The accumulators of a pair then hold the even and
-    the odd columns of its 16: :func:`_tile`'s K loop puts them in that order before that loop
-    and back after it. Measured on a Zen 3 (bench: eo_ab, one process, interleaved, the same
-    config with and without): two threads, bf16 4096->11008 M=32 4x24 0.919x the time, 6x16
-    kc256 0.964x; 1024->4096 M=512 6x16 mc96 0.901x, mc48 0.961x, 4x24 mc128 0.879x; one
-    thread M=8 from L3 0.904-0.929x. Not in the prefetching loop: there, four k per step
-    unrolled, GCC spilled two accumulators and the tile ran 1.09-1.19x slower."""
+    """How many pairs of B vectors a tile's unit-stride K loops read as even/odd columns
+    (``VPAIR_bf16``): bf16 weights on AVX2, ``nv // 2`` pairs (vectors 2p and 2p + 1; an odd
+    last one widened alone). The accumulators of a pair then hold the even and the odd columns
+    of its 16: :func:`_k_loop` puts them in that order before the loop and back after it.
+    Measured on a Zen 3 (``bench gemm_eo_ab``: one process, the same config with and without,
+    interleaved): two threads, bf16 4096->11008 M=32 4x24 0.919x the time, 6x16 kc256 0.964x;
+    1024->4096 M=512 6x16 mc96 0.901-0.975x, mc48 0.961-0.963x, 4x24 mc128 0.879-0.893x; one
+    thread M=8 4096->1024 (weights in L3) 0.89-0.92x, with the 64-row prefetch 0.86-0.88x;
+    M=8 4096->11008 streamed, two threads, prefetch 64: 0.93-1.05x (noise). The prefetching
+    loop then steps one k at a time (a prefetch every :func:`prefetch_group` rows): unrolled
+    four k per step, as the widening loop is, GCC spilled two accumulators and the tile ran
+    1.09-1.19x slower."""
     return nv // 2 if btag == "bf16" and vw == 8 else 0
 
 
@@ -473,8 +476,8 @@ def _k_loop(
     ahead into L2, once per line (groups of :func:`prefetch_group` rows, then the remaining
     rows without prefetch); ``eo`` (without ``pf``): B's vector pairs as even/odd columns
     (:func:`_eo_pairs`), the accumulators permuted before and after the loop."""
-    if not pf:
-        pairs = _eo_pairs(nv, vw, btag) if eo else 0
+    pairs = _eo_pairs(nv, vw, btag) if eo else 0
+    if not pf or pairs:
         into, back = (
             [
                 f"        #pragma GCC unroll {mr}",
@@ -487,10 +490,19 @@ def _k_loop(
             ]
             for fn in ("tp_to_eo", "tp_from_eo")
         )
+        u, lines = prefetch_group(nr, btag)
+        ahead = [
+            f"            if (!((k - k0) & {u - 1})) {{",
+            f"                const char *pfp = (const char *)(bp + (k + pf) * {nr});",
+            *[f"                VPREFETCH_L2(pfp + {64 * c});" for c in range(lines)],
+            "            }",
+        ]
         return [
             *(into if pairs else []),
-            "        for (int64_t k = k0; k < k1; ++k)",
+            "        for (int64_t k = k0; k < k1; ++k) {",
+            *(ahead if pf else []),
             *_k_body(mr, nr, nv, vw, btag, a_idx, "k", eo),
+            "        }",
             *(back if pairs else []),
         ]
     u, lines = prefetch_group(nr, btag)
@@ -563,7 +575,7 @@ def _tile(mr: int, nr: int, vw: int, btag: str, otag: str, dp: bool = False) -> 
             "    if (sa1 == 1 && !pf) {  /* rows of A contiguous, no prefetch: the common case */",
             *_k_loop(mr, nr, nv, vw, btag, "k", False, eo=True),
             "    } else if (sa1 == 1) {",
-            *_k_loop(mr, nr, nv, vw, btag, "k", True),
+            *_k_loop(mr, nr, nv, vw, btag, "k", True, eo=True),
             "    } else {",
             *_k_loop(mr, nr, nv, vw, btag, "k * sa1", True),
             "    }",
