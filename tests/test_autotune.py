@@ -700,19 +700,30 @@ def test_budget_times_long_calls_once(fresh_cache, fake_clock):
 
 def test_long_anchor_is_not_timed_again_for_a_clear_winner(fresh_cache, fake_clock):
     """Under a budget, a long anchor call (ATen's bf16 addmm without AVX512-BF16: ~220 ms
-    against the kernels' ~25 ms) is timed after the other candidates: by its checked call alone
-    when the fastest of them is ANCHOR_CLEAR_WIN times faster than that call, with the usual
-    settling and timed calls otherwise (the verdict then rests on them, not the first call)."""
+    against the kernels' ~25 ms) is timed after the other candidates: by one call after its
+    checked one (the faster of the two) when the fastest of them is ANCHOR_CLEAR_WIN times
+    faster than the checked call, with the usual settling and timed calls otherwise."""
     calls: list = []
     t_long = 2 * tuner.LONG_CALL_S
     clear = t_long / (tuner.ANCHOR_CLEAR_WIN + 1)
     make = _fake_factory(fake_clock, lambda i: t_long, lambda i: clear, calls)
     with config.override(autotune_reps=5):
         ch = _select_pair({"case": "clear"}, make, budget_s=100.0, confirm=True)
-    assert calls.count("aten") == 1 and calls[0] == "aten"  # its checked call, first
+    assert calls.count("aten") == 2 and calls[0] == "aten" and calls[-1] == "aten"
     assert ch.candidate.name == "native"
     assert ch.timings_s["aten"] == ch.timings_s["first:aten"] == pytest.approx(t_long)
-    # the checked call was slow by one-time work: the anchor is timed, and wins
+    # a checked call inflated by one-time work: the next call is the anchor's time, and the
+    # kernel, 4x faster than the checked call but 2x slower than that one, is not chosen
+    calls.clear()
+    make = _fake_factory(
+        fake_clock, lambda i: t_long if i == 0 else clear / 2, lambda i: clear, calls
+    )
+    with config.override(autotune_reps=5):
+        ch = _select_pair({"case": "inflated"}, make, budget_s=100.0, confirm=True)
+    assert ch.timings_s["aten"] == pytest.approx(clear / 2)
+    assert ch.timings_s["first:aten"] == pytest.approx(t_long)
+    assert ch.candidate.name == "aten"
+    # the checked call was slow by one-time work, within 3x: the anchor is timed, and wins
     calls.clear()
     make = _fake_factory(
         fake_clock, lambda i: t_long if i == 0 else clear / 2, lambda i: t_long / 2, calls

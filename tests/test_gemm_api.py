@@ -49,6 +49,26 @@ def test_unsupported_step_runs_unfused_never_crashes():
     assert sp.spec.encode() == "relu" and len(sp.tail) == 2
 
 
+def test_autotuner_retunes_a_saved_choice_that_left_the_candidates(fresh_cache, monkeypatch):
+    """A choice saved before its candidate left the list (an 8-row tile for 4 rows, offered
+    before the forty-second session) is not used: the shape is tuned again, its libraries
+    built first as for a new shape, and the new choice saved over it."""
+    a, b = torch.randn(4, 96), torch.randn(96, 80)
+    G.mm(a, b)
+    (entry,) = [e for e in autotune.choice_cache.entries().values() if e["op"] == "gemm"]
+    autotune.choice_cache.put("gemm", entry["key"], "t8x8_mc4_pf64", entry["timings_s"])
+    autotune.choice_cache.clear_memory()
+    built: list = []
+    prebuild = kernels.prebuild
+    monkeypatch.setattr(kernels, "prebuild", lambda *a, **kw: built.append(a) or prebuild(*a, **kw))
+    before = autotune.stats.tuned
+    torch.testing.assert_close(G.mm(a, b), a @ b, rtol=1e-5, atol=1e-4)
+    assert autotune.stats.tuned == before + 1 and len(built) == 1  # built first, in parallel
+    again = autotune.choice_cache.get("gemm", entry["key"])
+    assert again is not None and again["choice"] != "t8x8_mc4_pf64"
+    assert again["choice"] in {c.name for c in G.candidates(4, 80, 96, native.cpu_info().isa)}
+
+
 def test_cast_to_bf16():
     a, b = torch.randn(7, 16), torch.randn(16, 10)
     y = mm(a, b, epilogue=[G.Cast(torch.bfloat16)])

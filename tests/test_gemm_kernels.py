@@ -111,11 +111,14 @@ def test_every_tile_and_block(mr, nr, mc, pf):
 @pytest.mark.parametrize("mr,nr", TILES, ids=[f"{mr}x{nr}" for mr, nr in TILES])
 @pytest.mark.parametrize("kc", [0, 16])
 def test_bf16_tiles_agree_bitwise_across_k_loops(mr, nr, kc):
-    """bf16 weights: the unit-stride, non-prefetching K loop reads vector pairs of B as even/odd
-    columns on AVX2 (templates._eo_pairs), the prefetching and the strided-A loops widen each
-    vector; every column's products are summed in the same order either way, so the outputs
-    are bitwise equal (fp32 output: no rounding hides a lane mix-up), and match the reference.
+    """bf16 weights: the unit-stride K loops read vector pairs of B as even/odd columns on AVX2
+    (templates._eo_pairs; with and without prefetch), the strided-A loop widens each vector;
+    every column's products are summed in the same order either way, so the outputs are
+    bitwise equal (fp32 output: no rounding hides a lane mix-up), and match the reference.
     N = 101 ends in a partial panel; kc = 16 carries partial sums across K blocks."""
+    if ISA == "avx2" and nr // 8 >= 2:  # the pairs are in the source these calls build
+        src = templates.render_source(EpilogueSpec(), "bf16", "f32", ISA, ((mr, nr), (1, nr)))
+        assert "VPAIR_bf16(bk" in src
     a, b = _make(23, 101, 37, torch.bfloat16, "c", "weight_t")
     a_strided = torch.empty(23, 2 * 37, dtype=torch.bfloat16)[:, ::2]
     a_strided.copy_(a)
@@ -951,8 +954,8 @@ def test_store_prefetch_covers_every_operand_line(text):
 
 def test_eo_ab_bench_times_both_builds_and_restores_the_shipped_tiles(capsys):
     """``bench gemm_eo_ab`` builds each config with and without the even/odd pairs (both checked
-    against the reference inside), then leaves the engine's own tiles in place: a launcher made
-    after it reads the pairs again (its library is the shipped source's)."""
+    against the reference inside), then leaves the engine's own tiles in place: the shipped
+    ``_eo_pairs`` back and no launcher of either build cached."""
     from torchport import benchmarks
 
     argv = ["--m", "8", "--d", "64", "--h", "40", "--cfgs", "4:24:8:0,6:16:5:8", "--quick"]

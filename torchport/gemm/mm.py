@@ -739,8 +739,11 @@ def _choose(
                 premade.append(made.result())
         return not amx or kernels.amx_ready()
 
-    if native_ok and autotune.choice_cache.get("gemm", key) is None and config.get("autotune"):
-        # a new shape: its libraries first; what that took comes off the timing budget
+    hit = autotune.choice_cache.get("gemm", key)
+    names = {c.name for c in cands}
+    if native_ok and (hit is None or hit["choice"] not in names) and config.get("autotune"):
+        # a new shape (or a choice saved before its candidate left the list, which the tuner
+        # replaces): its libraries first; what that took comes off the timing budget
         if not prebuild():
             # the AMX library did not compile: the shape's other candidates, under their own
             # key (tuning the AMX ones would time ATen alone and keep it under the AMX key, for

@@ -474,8 +474,9 @@ def _k_loop(
 ) -> list[str]:
     """The K loop of a tile (rows ``k0 <= k < k1``); ``pf``: prefetch the panel ``pf`` rows
     ahead into L2, once per line (groups of :func:`prefetch_group` rows, then the remaining
-    rows without prefetch); ``eo`` (without ``pf``): B's vector pairs as even/odd columns
-    (:func:`_eo_pairs`), the accumulators permuted before and after the loop."""
+    rows without prefetch); ``eo``: B's vector pairs as even/odd columns (:func:`_eo_pairs`),
+    the accumulators permuted before and after the loop, which with ``pf`` steps one k at a
+    time and prefetches every :func:`prefetch_group` rows (the tail rows too)."""
     pairs = _eo_pairs(nv, vw, btag) if eo else 0
     if not pf or pairs:
         into, back = (
