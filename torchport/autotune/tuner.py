@@ -487,8 +487,8 @@ def _tune(
             return [min(settled.last_s, again[0])]
         return measure(fn, arg_sets, reps=reps, warmup=warm, max_time_s=left_s)
 
-    # a long anchor call (under a budget) is timed after the other candidates, and only when
-    # they need it: see ANCHOR_CLEAR_WIN
+    # a long anchor call (under a budget) is timed after the other candidates, in full only
+    # when they need it: see ANCHOR_CLEAR_WIN
     deferred: tuple[Callable[..., Any], float] | None = None
     for cand in bar:
         try:

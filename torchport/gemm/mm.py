@@ -110,11 +110,12 @@ def candidates(m: int, n: int, k: int, isa: str, elem_size: int = 4) -> list[Can
         # prefetch distances in panel rows, 2-4 KB ahead (measured, M=8 1024->4096 fp32, 8x8
         # tile on huge pages: 16 rows = 512 B ran at 92-97 % of torch.sum's bandwidth, 64 rows
         # at 100-104 %)
-        # bf16 weights on the AVX2 tiles are compute-bound (a widening load and a shift per
-        # weight vector): there the 4x24 tile streams faster with the panel prefetched 64 rows
-        # (3 KB) ahead (measured on a Zen 3, two threads, 4096->11008, weights rotated,
-        # interleaved medians of 15-21: M=4 3.43 vs 4.24 ms; M=8 5.22-5.56 vs 5.85-6.12; at
-        # M=16 pf 32 was best, at M=32 none; fp32 weights, bandwidth-bound, within 2 %)
+        # bf16 weights on the AVX2 tiles are compute-bound: there the 4x24 tile streams faster
+        # with the panel prefetched 64 rows (3 KB) ahead (measured with the widening loads,
+        # before the even/odd pairs of templates._eo_pairs: Zen 3, two threads, 4096->11008,
+        # weights rotated, interleaved medians of 15-21: M=4 3.43 vs 4.24 ms; M=8 5.22-5.56
+        # vs 5.85-6.12; at M=16 pf 32 was best, at M=32 none; fp32 weights, bandwidth-bound,
+        # within 2 %)
         pf24 = 64 if elem_size == 2 and scale == 1 and m <= 8 else 0
         cfgs = [
             Config(8, 8 * scale, mm_, 64),
