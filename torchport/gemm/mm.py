@@ -740,17 +740,20 @@ def _choose(
                 premade.append(made.result())
         return not amx or kernels.amx_ready()
 
-    hit = autotune.choice_cache.get("gemm", key)
-    names = {c.name for c in cands}
-    if native_ok and (hit is None or hit["choice"] not in names) and config.get("autotune"):
-        # a new shape (or a choice saved before its candidate left the list, which the tuner
-        # replaces): its libraries first; what that took comes off the timing budget
+    def untuned() -> bool:
+        """No saved choice the tuner would use for ``key``: a new shape, or a choice saved
+        before its candidate left the list (the tuner replaces it)."""
+        hit = autotune.choice_cache.get("gemm", key)
+        return hit is None or hit["choice"] not in {c.name for c in cands}
+
+    if native_ok and untuned() and config.get("autotune"):
+        # its libraries first; what that took comes off the timing budget
         if not prebuild():
             # the AMX library did not compile: the shape's other candidates, under their own
             # key (tuning the AMX ones would time ATen alone and keep it under the AMX key, for
             # this and every later process)
             cands = with_candidates()
-            if autotune.choice_cache.get("gemm", key) is None:
+            if untuned():
                 prebuild()
         spent = time.perf_counter() - t_start
         budget = min(TUNE_BUDGET_S, max(MIN_TUNE_BUDGET_S, COLD_TARGET_S - spent))

@@ -478,6 +478,7 @@ def _k_loop(
     the accumulators permuted before and after the loop, which with ``pf`` steps one k at a
     time and prefetches every :func:`prefetch_group` rows (the tail rows too)."""
     pairs = _eo_pairs(nv, vw, btag) if eo else 0
+    u, lines = prefetch_group(nr, btag)
     if not pf or pairs:
         into, back = (
             [
@@ -491,7 +492,6 @@ def _k_loop(
             ]
             for fn in ("tp_to_eo", "tp_from_eo")
         )
-        u, lines = prefetch_group(nr, btag)
         ahead = [
             f"            if (!((k - k0) & {u - 1})) {{",
             f"                const char *pfp = (const char *)(bp + (k + pf) * {nr});",
@@ -506,7 +506,6 @@ def _k_loop(
             "        }",
             *(back if pairs else []),
         ]
-    u, lines = prefetch_group(nr, btag)
     out = [
         "        int64_t k = k0;",
         f"        for (; k + {u} <= k1; k += {u}) {{",
