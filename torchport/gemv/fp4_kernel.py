@@ -676,8 +676,11 @@ TP_INLINE void tp_row128(const int8_t *xr, const int32_t *corr, const float *xsv
        7 constants and nibble vectors: GCC kept them on the stack, the FMA chain through memory).
        Its 4-cycle chain is well inside a chunk's ~20 cycles. 11008x4096 from DRAM, two threads,
        the two builds interleaved (41 and 31 rounds): NVFP4 B=4 1.974 -> 1.861 ms, B=2 1.350 ->
-       1.295, MXFP4 B=4 1.628 -> 1.556, B=1 within 2 %; L3-resident 2048x4096 B=4, one thread:
-       25.8 -> 22.6 cycles per 128 weights. */
+       1.295, MXFP4 B=4 1.628 -> 1.556, B=1 within 2 % (4096x11008 B=4 1.924 -> 1.955: there four
+       rows' activations overflow L1 either way); L3-resident 2048x4096 B=4, one thread: 25.8 ->
+       22.6 cycles per 128 weights. The pair-split kernel's tp_row (two 64-chunks a step, each
+       with its own accumulator) gained nothing from one (11008x4032 B=4 / 2 / 1: 0.991 / 1.027 /
+       1.025 the time). */
     __m256 acc[4];
     for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
     for (int64_t c = 0; c < C; ++c) {
