@@ -480,8 +480,12 @@ def _k_loop(
     pairs = _eo_pairs(nv, vw, btag) if eo else 0
     u, lines = prefetch_group(nr, btag)
     if not pf or pairs:
-        into, back = (
-            [
+
+        def permute(fn: str) -> list[str]:
+            """Every row's accumulator pairs through ``fn`` (``tp_to_eo`` / ``tp_from_eo``)."""
+            if not pairs:
+                return []
+            return [
                 f"        #pragma GCC unroll {mr}",
                 f"        for (int r = 0; r < {mr}; ++r) {{",
                 *[
@@ -490,8 +494,7 @@ def _k_loop(
                 ],
                 "        }",
             ]
-            for fn in ("tp_to_eo", "tp_from_eo")
-        )
+
         ahead = [
             f"            if (!((k - k0) & {u - 1})) {{",
             f"                const char *pfp = (const char *)(bp + (k + pf) * {nr});",
@@ -499,12 +502,12 @@ def _k_loop(
             "            }",
         ]
         return [
-            *(into if pairs else []),
+            *permute("tp_to_eo"),
             "        for (int64_t k = k0; k < k1; ++k) {",
             *(ahead if pf else []),
             *_k_body(mr, nr, nv, vw, btag, a_idx, "k", eo),
             "        }",
-            *(back if pairs else []),
+            *permute("tp_from_eo"),
         ]
     out = [
         "        int64_t k = k0;",
