@@ -464,13 +464,14 @@ def _tune(
         # with one argument set, the checked call was the warm-up (and, for packed kernels, the
         # packing); rotated cold sets start with one more warm-up call
         warm = 1 if len(arg_sets) > 1 else 0
-        # a call that alone outlasts the candidate's share (large, compute-bound problems:
-        # tenths of a second, where load bursts of milliseconds do not matter) is timed once
-        # or longer than LONG_CALL_S, where a scheduler timeslice is a few per cent of one call
-        # the allocator settles first (see timing.settle_faults), and its last call rather
-        # than the first (which may include one-time work: the first candidate of a packing
-        # packs every copy's weights) tells a long call: before, a 7 ms kernel whose first
-        # call packed for 0.1 s was timed once, on a call of 4096 fresh pages (20 ms)
+        # The allocator settles first (see timing.settle_faults). Under a budget, a call that
+        # takes longer than the candidate's share or than LONG_CALL_S is timed once: such
+        # calls (large, compute-bound problems, tenths of a second) are not moved by load
+        # bursts of milliseconds, and a scheduler timeslice is a few per cent of one. The
+        # settling's last call must be that long too, not only the checked first one, which
+        # may include one-time work (the first candidate of a packing packs every copy's
+        # weights); before, a 7 ms kernel whose first call packed for 0.1 s was timed once,
+        # on a call of 4096 fresh pages (20 ms).
         t0 = timing.clock()
         settled = timing.settle_faults(fn, arg_sets, cap_s / 4)
         left_s = max(0.0, cap_s - (timing.clock() - t0))  # (the share includes the settling)
