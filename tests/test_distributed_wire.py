@@ -1061,6 +1061,53 @@ def test_send_all_waiting_for_a_busy_send_lock_sees_abort_and_deadline(mesh_pair
     assert bytes(body) == b"after" and m1.mailbox.take((9, int(Kind.COLL), 0, 1)) is None
 
 
+def test_a_control_frame_waiting_for_its_connection_ends_at_its_deadline_or_check(mesh_pair):
+    """``Mesh.send`` (the elastic mesh's control frames and fault notices) waited on the
+    connection's send lock, then blocked in ``sendall``, for as long as the lock's holder or a
+    receiver that stopped reading took: now the wait ends at its deadline or at ``check()``,
+    nothing of the frame sent (the connection stays whole)."""
+    from torchport.distributed.errors import CommTimeoutError
+
+    m0, m1 = mesh_pair
+    with m0.peers[1].lock:
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeoutError, match="send timed out"):
+            m0.send(1, Kind.P2P, 9, 1, b"late", deadline=t0 + 0.1)
+        assert time.monotonic() - t0 < 0.1 + 0.3
+        t0 = time.monotonic()
+        with pytest.raises(_Aborted):
+            m0.send(1, Kind.P2P, 9, 1, b"late", deadline=t0 + 10, check=_abort_after(0.1)[0])
+        assert time.monotonic() - t0 < 0.1 + 0.3
+    m0.send(1, Kind.P2P, 9, 2, b"after", deadline=time.monotonic() + 5)
+    _, body = m1.mailbox.get((9, int(Kind.P2P), 0, 2), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"after" and m1.mailbox.take((9, int(Kind.P2P), 0, 1)) is None
+
+
+def test_a_control_frame_to_a_stalled_peer_ends_at_its_deadline_and_cuts_the_connection(
+    mesh_pair,
+):
+    """A frame larger than the socket buffers, to a receiver that stopped reading: ``Mesh.send``
+    raises at its deadline (plus the part-way frame's TIMEOUT_FINISH_S) and shuts the
+    connection down, which is reported lost (a frame cut short would be read on as headers)."""
+    import torch
+
+    from torchport.distributed.errors import CommTimeoutError
+    from torchport.distributed.transport_tcp import TIMEOUT_FINISH_S
+
+    m0, m1 = mesh_pair
+    conn1 = _stalled(m1)
+    lost = _Lost()
+    m0.register(9, lost)
+    payload = memoryview(torch.ones(8 << 20, dtype=torch.uint8).numpy())  # > socket buffers
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="send timed out"):
+        m0.send(1, Kind.COLL, 9, 1, payload, (1, 2, 3, 4), deadline=t0 + 0.2)
+    took = time.monotonic() - t0
+    assert 0.2 <= took < 0.2 + TIMEOUT_FINISH_S + 0.3, took
+    assert any("part-way sent" in x for x in lost.lost), lost.lost
+    assert _reads_to_eof(conn1.sock)
+
+
 def test_an_empty_p2p_frame_waiting_for_its_connection_sees_abort_and_its_deadline(mesh_pair):
     """A zero-element send (a header-only frame, no source) blocked on the connection's send
     lock (held by a frame's rest going out to a receiver that stopped reading) for as long as

@@ -183,6 +183,62 @@ def test_elastic_mesh_errors_and_group_of_one():
         mesh.close()
 
 
+def test_a_beat_cut_short_goes_on_from_a_thread_of_its_own():
+    """A beat whose header the socket took only in part (a full buffer) had its rest sent with
+    ``sendall`` on the beating thread: a peer that stopped reading held that thread, so the
+    beats to every other peer stopped and they found this member hung. Now a thread of its own
+    sends the rest, holding the connection's send lock until it is out (the stream stays
+    framed), and ``beat()`` returns at once. The socket here takes 3 bytes of the header, then
+    holds ``sendall`` until released (a receiver that resumes reading)."""
+    import threading
+
+    from torchport.distributed._control import default_secret
+    from torchport.distributed.elastic import ElasticMesh
+
+    a, b = ElasticMesh(default_secret()), ElasticMesh(default_secret())
+    try:
+        lo, hi = sorted((a, b), key=lambda m: m.rank)  # (the higher id dials)
+        hi.ensure([lo.me], time.monotonic() + 10, lambda: None)
+        end = time.monotonic() + 10
+        while hi.rank not in lo.peers and time.monotonic() < end:
+            time.sleep(0.01)
+        conn = hi.peers[lo.rank]
+        real, resume = conn.sock, threading.Event()
+
+        class _Full:
+            def send(self, data: bytes, flags: int = 0) -> int:
+                return real.send(bytes(data[:3]), flags)
+
+            def sendall(self, data: bytes) -> None:
+                resume.wait(10)
+                real.sendall(data)
+
+        conn.sock = _Full()  # type: ignore[assignment]
+        try:
+            t0 = time.monotonic()
+            hi.beat()
+            assert time.monotonic() - t0 < 0.5
+            assert conn.lock.locked()  # the rest's thread holds it
+            resume.set()
+            end = time.monotonic() + 5
+            while conn.lock.locked() and time.monotonic() < end:
+                time.sleep(0.01)
+            assert not conn.lock.locked()
+        finally:
+            resume.set()
+            conn.sock = real
+        notices: list[tuple[int, int, bytes]] = []
+        lo.on_notice = lambda peer, seq, text: notices.append((peer, seq, text))
+        hi.notify(lo.rank, 7, "still framed", 5.0)
+        end = time.monotonic() + 5
+        while not notices and time.monotonic() < end:
+            time.sleep(0.01)
+        assert notices == [(hi.rank, 7, b"still framed")]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_survivor_that_aborts_tells_the_others_the_culprit_gloo():
     """gloo (control-connection watchers): rank 0 finds "rank 2" hung (a silent listener: it never
     answers the watch handshake, like a process stopped before its watcher connected); rank 1

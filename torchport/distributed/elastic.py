@@ -163,18 +163,32 @@ class ElasticMesh(Mesh):
         for conn in list(self.peers.values()):
             if not conn.lock.acquire(blocking=False):
                 continue  # a frame is being sent on it: that frame is the beat
+            handed = False
             try:
                 n = conn.sock.send(self._beat, socket.MSG_DONTWAIT)
                 if 0 < n < len(self._beat):  # keep the stream framed (rare: a full buffer)
-                    conn.sock.sendall(self._beat[n:])
+                    # the rest from a thread of its own, which keeps the lock until it is
+                    # out: a peer that stopped reading holds that thread, not the beats to
+                    # every other peer (their silence would make this member look hung)
+                    self._spawn(self._send_rest, conn, self._beat[n:], name="tp-beat")
+                    handed = True
             except OSError:
                 pass  # full (the peer is not reading) or lost (its reader reports that)
             finally:
-                conn.lock.release()
+                if not handed:
+                    conn.lock.release()
 
-    def notify(self, peer: int, seq: int, text: str) -> None:
-        """Send a fault notice (``text``, at most ``MAX_NOTICE`` bytes) to member ``peer``."""
-        self.send(peer, Kind.NOTE, 0, seq, text.encode()[:MAX_NOTICE])
+    def notify(self, peer: int, seq: int, text: str, timeout_s: float) -> None:
+        """Send a fault notice (``text``, at most ``MAX_NOTICE`` bytes) to member ``peer``,
+        waiting at most ``timeout_s`` for the connection (:class:`CommTimeoutError`)."""
+        self.send(
+            peer,
+            Kind.NOTE,
+            0,
+            seq,
+            text.encode()[:MAX_NOTICE],
+            deadline=time.monotonic() + timeout_s,
+        )
 
     def dial(self, m: Member, deadline: float) -> bool:
         """Start dialling ``m`` in the background if this member is the one to dial it.
@@ -287,7 +301,7 @@ def _rendezvous(
         try:
             path = arena.path.encode() if arena is not None else b""
             for g in ids[1:]:
-                mesh.send(g, Kind.CTRL, gid, _OFFER, path)
+                mesh.send(g, Kind.CTRL, gid, _OFFER, path, deadline=deadline, check=check)
             for g in ids[1:]:
                 mesh.mailbox.get((gid, ctrl, g, _ACK), deadline, check)
         except BaseException:
@@ -298,7 +312,7 @@ def _rendezvous(
             if arena is not None:
                 arena.unlink()
         for g in ids[1:]:
-            mesh.send(g, Kind.CTRL, gid, _GO)
+            mesh.send(g, Kind.CTRL, gid, _GO, deadline=deadline, check=check)
         return arena
     _, body = mesh.mailbox.get((gid, ctrl, ids[0], _OFFER), deadline, check)
     arena = None
@@ -308,7 +322,7 @@ def _rendezvous(
         except OSError as e:
             raise CommError(f"cannot map the arena of member {ids[0]}: {e}") from None
     try:
-        mesh.send(ids[0], Kind.CTRL, gid, _ACK)
+        mesh.send(ids[0], Kind.CTRL, gid, _ACK, deadline=deadline, check=check)
         mesh.mailbox.get((gid, ctrl, ids[0], _GO), deadline, check)
     except BaseException:
         if arena is not None:

@@ -80,7 +80,7 @@ from torchport.distributed.elastic import (
     retire_group,
 )
 from torchport.distributed.engine import REASON_ERROR
-from torchport.distributed.errors import WireError
+from torchport.distributed.errors import CommTimeoutError, WireError
 
 _log = logging.getLogger(__name__)
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
@@ -716,8 +716,9 @@ class ReconfigurableGroup:
         assert self._mesh is not None
         for r, mid in enumerate(ids):
             if r not in (me, culprit):
-                with contextlib.suppress(CommError):
-                    self._mesh.notify(mid, uuid, cause[:_MAX_CAUSE])
+                # (a member that takes no notice within three heartbeats is itself found hung)
+                with contextlib.suppress(CommError, CommTimeoutError):
+                    self._mesh.notify(mid, uuid, cause[:_MAX_CAUSE], 3 * self.heartbeat)
 
     def _notify(self, uuid: int, me: int, culprit: int, cause: str, members: list[str]) -> None:
         """Send a fault notice to every member but this one and the culprit (bounded wait)."""

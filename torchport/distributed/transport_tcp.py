@@ -1511,15 +1511,16 @@ class Mesh:
         seq: int,
         payload: bytes | bytearray | memoryview = b"",
         sig: tuple[int, int, int, int] = (0, 0, 0, 0),
+        *,
+        deadline: float | None = None,
+        check: Callable[[], None] | None = None,
     ) -> None:
         """Send one frame to global rank ``peer`` (not held up by a message in frames being
-        sent to it: see :meth:`send_frames`)."""
-        if len(payload) > self.max_frame:
-            raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
-        conn = self._conn(peer)
-        self._send_frame(
-            conn, encode_header(kind, group, self.rank, seq, len(payload), sig), payload
-        )
+        sent to it: see :meth:`send_frames`) by :meth:`send_all`: never past ``deadline``
+        (:class:`CommTimeoutError`; None: no bound, as there) or a ``check()`` that raises,
+        while the connection's send lock is held elsewhere or the peer stopped reading; a
+        frame left part-way then shuts the connection down (reported lost)."""
+        self.send_all([(peer, kind, group, seq, payload, sig)], deadline, check)
 
     def send_abort(self, peer: int, group: int, reason: int) -> None:
         """Send ``group``'s ABORT frame to global rank ``peer`` without waiting behind a frame
