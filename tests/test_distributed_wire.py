@@ -1108,6 +1108,41 @@ def test_a_control_frame_to_a_stalled_peer_ends_at_its_deadline_and_cuts_the_con
     assert _reads_to_eof(conn1.sock)
 
 
+def test_a_frame_part_way_when_its_send_times_out_gets_the_timeout_budget(mesh_pair):
+    """``send_frames`` without a source (its frames queued whole) to a receiver that stopped
+    reading: once ``late()`` has failed the group, ``check()`` raises the group's error (not a
+    ``CommTimeoutError``, but raised from one), and the frame part-way got the abort's 50 ms
+    (ABORT_FINISH_S) to complete before its connection was cut, not a timeout's 200 ms."""
+    import torch
+
+    from torchport.distributed.errors import CommTimeoutError, CommunicatorErrorState
+    from torchport.distributed.transport_tcp import ABORT_FINISH_S, TIMEOUT_FINISH_S
+
+    m0, m1 = mesh_pair
+    _stalled(m1)
+    lost = _Lost()
+    m0.register(9, lost)
+    payload = memoryview(torch.ones(8 << 20, dtype=torch.uint8).numpy())  # > socket buffers
+    failed: list[BaseException] = []
+
+    def late() -> bool:  # past the send's deadline it fails the group, as engine.send_p2p's
+        if time.monotonic() - t0 > 0.1 and not failed:
+            failed.append(CommTimeoutError("send timed out"))
+        return bool(failed)
+
+    def check() -> None:  # the group's error once late() failed it (Communicator.check)
+        if failed:
+            raise CommunicatorErrorState("in error state") from failed[0]
+
+    t0 = time.monotonic()
+    with pytest.raises(CommunicatorErrorState):
+        m0.send_frames(1, Kind.P2P, 9, 1, [(payload, (1, 0, 0, 0))], check=check, late=late)
+    took = time.monotonic() - t0
+    assert 0.1 + TIMEOUT_FINISH_S - 0.05 < took < 0.1 + TIMEOUT_FINISH_S + 0.3, took
+    assert took > 0.1 + ABORT_FINISH_S + 0.1
+    assert any("part-way sent" in x for x in lost.lost), lost.lost
+
+
 def test_an_empty_p2p_frame_waiting_for_its_connection_sees_abort_and_its_deadline(mesh_pair):
     """A zero-element send (a header-only frame, no source) blocked on the connection's send
     lock (held by a frame's rest going out to a receiver that stopped reading) for as long as

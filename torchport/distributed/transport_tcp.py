@@ -1724,7 +1724,11 @@ class Mesh:
                 try:
                     finish = FINISH_S
                     if stopped:
-                        timeout = isinstance(e, CommTimeoutError)
+                        # a timeout, or a group its own timeout failed (check() raises the
+                        # group's error from it: send_frames' watch once late() failed it)
+                        timeout = isinstance(e, CommTimeoutError) or isinstance(
+                            e.__cause__, CommTimeoutError
+                        )
                         finish = TIMEOUT_FINISH_S if timeout else ABORT_FINISH_S
                     for p, (c, q) in pending.items():
                         if p in begun:
