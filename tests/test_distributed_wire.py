@@ -1071,7 +1071,7 @@ def test_a_control_frame_waiting_for_its_connection_ends_at_its_deadline_or_chec
     m0, m1 = mesh_pair
     with m0.peers[1].lock:
         t0 = time.monotonic()
-        with pytest.raises(CommTimeoutError, match="send timed out"):
+        with pytest.raises(CommTimeoutError, match="send to rank 1 timed out"):
             m0.send(1, Kind.P2P, 9, 1, b"late", deadline=t0 + 0.1)
         assert time.monotonic() - t0 < 0.1 + 0.3
         t0 = time.monotonic()
@@ -1083,36 +1083,87 @@ def test_a_control_frame_waiting_for_its_connection_ends_at_its_deadline_or_chec
     assert bytes(body) == b"after" and m1.mailbox.take((9, int(Kind.P2P), 0, 1)) is None
 
 
-def test_a_control_frame_to_a_stalled_peer_ends_at_its_deadline_and_cuts_the_connection(
-    mesh_pair,
-):
+def test_a_control_frame_a_stalled_peer_took_in_part_is_finished_from_a_thread(mesh_pair):
     """A frame larger than the socket buffers, to a receiver that stopped reading: ``Mesh.send``
-    raises at its deadline (plus the part-way frame's TIMEOUT_FINISH_S) and shuts the
-    connection down, which is reported lost (a frame cut short would be read on as headers)."""
-    import torch
-
+    stayed in ``sendall`` under the connection's lock until the receiver took it all. Now the
+    socket takes what it can, a thread of its own finishes the frame holding the lock, and the
+    call returns at once; a frame behind it waits for the lock until its deadline (nothing of
+    it sent). Once the receiver reads again the first frame arrives whole, the lock is free
+    and the connection still works (nothing was cut)."""
     from torchport.distributed.errors import CommTimeoutError
-    from torchport.distributed.transport_tcp import TIMEOUT_FINISH_S
+    from torchport.distributed.tcp_kernels import tcp_lib
 
     m0, m1 = mesh_pair
     conn1 = _stalled(m1)
     lost = _Lost()
     m0.register(9, lost)
-    payload = memoryview(torch.ones(8 << 20, dtype=torch.uint8).numpy())  # > socket buffers
-    t0 = time.monotonic()
-    with pytest.raises(CommTimeoutError, match="send timed out"):
-        m0.send(1, Kind.COLL, 9, 1, payload, (1, 2, 3, 4), deadline=t0 + 0.2)
-    took = time.monotonic() - t0
-    assert 0.2 <= took < 0.2 + TIMEOUT_FINISH_S + 0.3, took
-    assert any("part-way sent" in x for x in lost.lost), lost.lost
-    assert _reads_to_eof(conn1.sock)
+    payload = bytes(range(256)) * (32 << 10)  # 8 MiB: more than the socket buffers hold
+    lock = m0.peers[1].lock
+    try:
+        t0 = time.monotonic()
+        m0.send(1, Kind.P2P, 9, 1, payload, deadline=t0 + 5)
+        assert time.monotonic() - t0 < 0.5
+        assert lock.locked()  # (the thread sending the rest holds it)
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeoutError, match="send to rank 1 timed out"):
+            m0.send(1, Kind.P2P, 9, 2, b"behind", deadline=t0 + 0.2)
+        assert 0.2 <= time.monotonic() - t0 < 0.2 + 0.3
+    finally:
+        tcp_lib().conn_release(conn1.own_addr)
+    _, body = m1.mailbox.get((9, int(Kind.P2P), 0, 1), time.monotonic() + 10, lambda: None)
+    assert bytes(body) == payload
+    end = time.monotonic() + 5
+    while lock.locked() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not lock.locked()
+    m0.send(1, Kind.P2P, 9, 3, b"after", deadline=time.monotonic() + 5)
+    _, body = m1.mailbox.get((9, int(Kind.P2P), 0, 3), time.monotonic() + 5, lambda: None)
+    assert bytes(body) == b"after" and m1.mailbox.take((9, int(Kind.P2P), 0, 2)) is None
+    assert lost.lost == []
+
+
+def test_a_part_way_control_frame_with_no_thread_to_finish_it_shuts_the_connection(
+    mesh_pair, monkeypatch
+):
+    """No thread for the rest of a frame the socket took in part (the mesh closing, or no thread
+    to be had): the connection is shut down, so that no later byte is read as a header, the
+    send lock is released and the call raises ``CommError``. The socket here takes 3 bytes."""
+    from torchport.distributed.errors import CommError
+
+    m0, _m1 = mesh_pair
+    conn = m0.peers[1]
+    real = conn.sock
+
+    class _Full:
+        def send(self, data: bytes, flags: int = 0) -> int:
+            return real.send(bytes(data[:3]), flags)
+
+        def shutdown(self, how: int) -> None:
+            real.shutdown(how)
+
+        def fileno(self) -> int:
+            return real.fileno()
+
+    def no_thread(*_args: object, **_kw: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(m0, "_spawn", no_thread)
+    conn.sock = _Full()  # type: ignore[assignment]
+    try:
+        with pytest.raises(CommError, match="no thread to finish the frame"):
+            m0.send(1, Kind.P2P, 9, 1, b"cut", deadline=time.monotonic() + 5)
+    finally:
+        conn.sock = real
+    assert not conn.lock.locked()
+    assert _reads_to_eof(real)
 
 
 def test_a_frame_part_way_when_its_send_times_out_gets_the_timeout_budget(mesh_pair):
-    """``send_frames`` without a source (its frames queued whole) to a receiver that stopped
-    reading: once ``late()`` has failed the group, ``check()`` raises the group's error (not a
-    ``CommTimeoutError``, but raised from one), and the frame part-way got the abort's 50 ms
-    (ABORT_FINISH_S) to complete before its connection was cut, not a timeout's 200 ms."""
+    """``send_frames`` without a source (its frames queued whole; in the engine, a zero-element
+    send's header) to a receiver that stopped reading: once ``late()`` has failed the group,
+    ``check()`` raises the group's error (not a ``CommTimeoutError``, but raised from one).
+    The frame part-way got the abort's 50 ms (ABORT_FINISH_S) to complete before its
+    connection was cut; now it gets a timeout's 200 ms (TIMEOUT_FINISH_S)."""
     import torch
 
     from torchport.distributed.errors import CommTimeoutError, CommunicatorErrorState

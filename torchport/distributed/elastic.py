@@ -170,25 +170,17 @@ class ElasticMesh(Mesh):
                     # the rest from a thread of its own, which keeps the lock until it is
                     # out: a peer that stopped reading holds that thread, not the beats to
                     # every other peer (their silence would make this member look hung)
-                    self._spawn(self._send_rest, conn, self._beat[n:], name="tp-beat")
-                    handed = True
+                    handed = self._hand_rest(conn, self._beat[n:], "tp-beat")
             except OSError:
                 pass  # full (the peer is not reading) or lost (its reader reports that)
             finally:
                 if not handed:
                     conn.lock.release()
 
-    def notify(self, peer: int, seq: int, text: str, timeout_s: float) -> None:
+    def notify(self, peer: int, seq: int, text: str, deadline: float) -> None:
         """Send a fault notice (``text``, at most ``MAX_NOTICE`` bytes) to member ``peer``,
-        waiting at most ``timeout_s`` for the connection (:class:`CommTimeoutError`)."""
-        self.send(
-            peer,
-            Kind.NOTE,
-            0,
-            seq,
-            text.encode()[:MAX_NOTICE],
-            deadline=time.monotonic() + timeout_s,
-        )
+        waiting for its connection until ``deadline`` at most (:class:`CommTimeoutError`)."""
+        self.send(peer, Kind.NOTE, 0, seq, text.encode()[:MAX_NOTICE], deadline=deadline)
 
     def dial(self, m: Member, deadline: float) -> bool:
         """Start dialling ``m`` in the background if this member is the one to dial it.
@@ -311,8 +303,13 @@ def _rendezvous(
         finally:
             if arena is not None:
                 arena.unlink()
-        for g in ids[1:]:
-            mesh.send(g, Kind.CTRL, gid, _GO, deadline=deadline, check=check)
+        try:
+            for g in ids[1:]:
+                mesh.send(g, Kind.CTRL, gid, _GO, deadline=deadline, check=check)
+        except BaseException:
+            if arena is not None:  # (not left mapped until the collector finds it)
+                arena.close()
+            raise
         return arena
     _, body = mesh.mailbox.get((gid, ctrl, ids[0], _OFFER), deadline, check)
     arena = None

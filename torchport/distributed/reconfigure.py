@@ -714,11 +714,13 @@ class ReconfigurableGroup:
     def _notify_mesh(self, uuid: int, me: int, culprit: int, cause: str, ids: list[int]) -> None:
         """torchport: a fault notice to every member but this one and the culprit, on the mesh."""
         assert self._mesh is not None
+        # every notice within three heartbeats in all (a connection busy with a stuck send,
+        # which only the group's failure after the notices ends, must not hold them up longer)
+        end = time.monotonic() + 3 * self.heartbeat
         for r, mid in enumerate(ids):
             if r not in (me, culprit):
-                # (a member that takes no notice within three heartbeats is itself found hung)
                 with contextlib.suppress(CommError, CommTimeoutError):
-                    self._mesh.notify(mid, uuid, cause[:_MAX_CAUSE], 3 * self.heartbeat)
+                    self._mesh.notify(mid, uuid, cause[:_MAX_CAUSE], end)
 
     def _notify(self, uuid: int, me: int, culprit: int, cause: str, members: list[str]) -> None:
         """Send a fault notice to every member but this one and the culprit (bounded wait)."""

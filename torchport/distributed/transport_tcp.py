@@ -21,7 +21,8 @@ returns, waiting for a receive in progress (which a lost connection or ``shutdow
 
 Internal API other modules build on:
 
-- ``Mesh.send(peer, kind, group, seq, payload, sig)``: send one frame to a global rank;
+- ``Mesh.send(peer, kind, group, seq, payload, sig, deadline=, check=)``: send one control
+  frame to a global rank;
 - ``Mesh.mailbox.get(key, deadline, check)`` / ``expect(key, callback)``: receive frames (a
   :class:`Delivery` callback names the operation its exceptions fail);
 - ``Mesh.register(group_id, handler)``: route ABORT frames and lost peers to a communicator;
@@ -1516,11 +1517,71 @@ class Mesh:
         check: Callable[[], None] | None = None,
     ) -> None:
         """Send one frame to global rank ``peer`` (not held up by a message in frames being
-        sent to it: see :meth:`send_frames`) by :meth:`send_all`: never past ``deadline``
-        (:class:`CommTimeoutError`; None: no bound, as there) or a ``check()`` that raises,
-        while the connection's send lock is held elsewhere or the peer stopped reading; a
-        frame left part-way then shuts the connection down (reported lost)."""
-        self.send_all([(peer, kind, group, seq, payload, sig)], deadline, check)
+        sent to it: see :meth:`send_frames`); for control frames and notices.
+
+        Before the frame begins, the wait for the connection's send lock and for room in its
+        socket ends at ``deadline`` (:class:`CommTimeoutError`; None: no bound) or at a
+        ``check()`` that raises; nothing is sent then. A frame the socket took only in part is
+        finished by a thread of its own, which holds the lock until the rest is out (a receiver
+        that stopped reading holds that thread, not the caller; the stream stays framed and the
+        connection whole), as a beat's or an ABORT's rest."""
+        view = _byte_view(payload)
+        if len(view) > self.max_frame:
+            raise CommError(f"frame of {len(view)} bytes exceeds the bound {self.max_frame}")
+        conn = self._conn(peer)
+        data = encode_header(kind, group, self.rank, seq, len(view), sig) + bytes(view)
+
+        def watch() -> None:
+            if check is not None:
+                check()
+            if deadline is not None and time.monotonic() > deadline:
+                raise CommTimeoutError(f"rank {self.rank}: a send to rank {peer} timed out")
+
+        while not conn.lock.acquire(timeout=LOCK_POLL_S):
+            watch()
+        handed = False
+        try:
+            poller: select.poll | None = None
+            flags = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+            while True:
+                try:
+                    k = conn.sock.send(data, flags)
+                except BlockingIOError:
+                    k = 0
+                except OSError as e:
+                    raise CommError(f"send to rank {peer} failed: {e}") from e
+                if k == len(data):
+                    return
+                if k:
+                    handed = self._hand_rest(conn, data[k:], "tp-send")
+                    if not handed:
+                        raise CommError(
+                            f"send to rank {peer} failed: no thread to finish the frame "
+                            "(the connection is shut down: its stream would break)"
+                        )
+                    return
+                watch()  # (nothing of the frame sent yet)
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(conn.sock.fileno(), select.POLLOUT)
+                poller.poll(SLICE_MS)
+        finally:
+            if not handed:
+                conn.lock.release()
+
+    def _hand_rest(self, conn: Connection, rest: bytes, name: str) -> bool:
+        """Give the rest of a frame begun under ``conn.lock`` (held by the caller) to a thread
+        that sends it and then releases the lock (:meth:`_send_rest`). False when no thread
+        could take it (the mesh closing, no thread to start): the connection is then shut
+        down, since a frame left part-way would be read on as headers; the lock stays the
+        caller's to release."""
+        try:
+            self._spawn(self._send_rest, conn, rest, name=name)
+        except RuntimeError:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            return False
+        return True
 
     def send_abort(self, peer: int, group: int, reason: int) -> None:
         """Send ``group``'s ABORT frame to global rank ``peer`` without waiting behind a frame
@@ -1536,8 +1597,7 @@ class Mesh:
             try:
                 k = conn.sock.send(head, socket.MSG_DONTWAIT)
                 if 0 < k < len(head):  # the rest must follow before any other byte: a thread
-                    self._spawn(self._send_rest, conn, head[k:], name="tp-abort")  # (unlocks)
-                    handed = True
+                    handed = self._hand_rest(conn, head[k:], "tp-abort")  # (unlocks)
                     return
             except BlockingIOError:
                 k = 0
@@ -1653,8 +1713,9 @@ class Mesh:
         group failed or was aborted) runs and ``deadline`` is tested (:class:`CommTimeoutError`)
         every ``SLICE_MS``; a receiver that stopped reading held this call for as long as it
         stayed stopped. Frames not begun are then dropped; one part-way sent gets
-        ``ABORT_FINISH_S`` (after ``check()`` raised), ``TIMEOUT_FINISH_S`` or ``FINISH_S`` to
-        complete (its payload, the caller's memory, is read only until this returns), else its
+        ``ABORT_FINISH_S`` (after ``check()`` raised, unless from a timeout),
+        ``TIMEOUT_FINISH_S`` or ``FINISH_S`` to complete (see :meth:`_send_queued`; its
+        payload, the caller's memory, is read only until this returns), else its
         connection is shut down (a frame cut short would be read on as headers) and reported
         lost.
         """
@@ -1681,8 +1742,9 @@ class Mesh:
         thread (:meth:`send_all`), each connection's send lock held until its frames are out.
         ``watch()`` runs every ``SLICE_MS`` while a socket or a send lock is not free and
         raises to stop: a frame part-way sent then gets ``TIMEOUT_FINISH_S`` to complete after
-        a :class:`CommTimeoutError`, ``ABORT_FINISH_S`` after any other error of ``watch()``
-        (the group failed or was aborted) and ``FINISH_S`` after an error of the sending
+        a :class:`CommTimeoutError` or an error raised from one (a group that its own timeout
+        failed), ``ABORT_FINISH_S`` after any other error of ``watch()`` (the group failed
+        otherwise or was aborted) and ``FINISH_S`` after an error of the sending
         itself (a connection lost: the other peers' frames still complete). A frame still
         part-way then is cut: its connection is shut down (the connection this call locked,
         even if the mesh dropped it meanwhile) and reported lost. Frames not begun are not
