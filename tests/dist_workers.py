@@ -238,6 +238,70 @@ def _ddp(rank: int, group: Any) -> list[float]:
     return losses
 
 
+def nested_in_callback_case(rank: int, world: int) -> dict[str, Any]:
+    """A future callback of an allreduce issues another allreduce on the same group and waits on
+    it: by its future (PowerSGD's DDP hook does this), by ``wait()``, with a timeout, or polling
+    ``is_completed()``. The callback runs on the thread that ran the first operation (the
+    engine's, or a waiter's running the queue inline), which held the engine's runner: the
+    nested operation stayed queued and the wait never ended (gloo runs it). Each mode: the
+    nested sum and the seconds it took (bounded by the harness's timeout if it hangs)."""
+    out: dict[str, Any] = {}
+    t = torch.ones(1 << 20)  # (still running when the callback is attached)
+    for mode in ("future", "wait", "wait_timeout", "poll"):
+        fut = dist.all_reduce(t, async_op=True).get_future()
+
+        def nested(_f: Any, mode: str = mode) -> torch.Tensor:
+            t2 = torch.full((3,), float(rank + 1))
+            work = dist.all_reduce(t2, async_op=True)
+            if mode == "future":
+                return work.get_future().wait()[0]
+            if mode == "wait":
+                work.wait()
+            elif mode == "wait_timeout":
+                work.wait(datetime.timedelta(seconds=20))
+            else:
+                end = time.monotonic() + 20
+                while not work.is_completed() and time.monotonic() < end:
+                    time.sleep(0.001)
+            return t2
+
+        t0 = time.monotonic()
+        got = fut.then(nested).wait()
+        out[mode] = {"sum": got.tolist(), "took": time.monotonic() - t0}
+    dist.barrier()
+    return out
+
+
+def ddp_powersgd_losses(rank: int, world: int) -> dict[str, list[float]]:
+    """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait on their
+    futures) on a gloo group and on the torchport group of this job."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    out = {}
+    for name, group in {"gloo": dist.new_group(backend="gloo"), "torchport": None}.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        )
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        state = psgd.PowerSGDState(
+            process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(6):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
+
+
 def gc_inherited_case(rank: int, world: int) -> dict[str, Any]:
     """What a full garbage collection costs this rank: the objects it inherited from the fork
     server (torch and torchport.distributed preloaded) frozen, and the seconds one full
@@ -1694,6 +1758,8 @@ SCENARIOS = {
     "abort_streaming": abort_streaming_case,
     "stuck_peer": stuck_peer_case,
     "ddp": ddp_losses,
+    "ddp_powersgd": ddp_powersgd_losses,
+    "nested_in_callback": nested_in_callback_case,
 }
 
 

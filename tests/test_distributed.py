@@ -58,6 +58,8 @@ PLANS = {
             ("destroy_flushes", ()),
             ("recreate", ()),
             ("ddp", ()),
+            ("ddp_powersgd", ()),
+            ("nested_in_callback", ()),
             ("fsdp2", ()),
             ("abort_send", ()),
             ("abort_word", ()),
@@ -144,6 +146,24 @@ def test_collective_grid_one_rank_on_the_mailbox_path(plan):
 def test_ddp_parity_with_gloo():
     for r in results("shm2"):
         assert r["ddp"]["torchport"] == r["ddp"]["gloo"]
+
+
+@pytest.mark.timeout(110)
+def test_ddp_with_the_powersgd_hook_matches_gloo():
+    """PowerSGD's callbacks issue allreduces and wait on their futures: on torchport the
+    training hung (the engine's thread waited on an operation queued behind itself)."""
+    for r in results("shm2"):
+        assert r["ddp_powersgd"]["torchport"] == r["ddp_powersgd"]["gloo"]
+        assert len(r["ddp_powersgd"]["torchport"]) == 6
+
+
+@pytest.mark.timeout(110)
+def test_a_future_callback_that_waits_on_another_operation_of_its_group():
+    """Each way of waiting inside the callback: the nested sum, well within the timeout."""
+    for rank, r in enumerate(results("shm2")):
+        for mode, case in r["nested_in_callback"].items():
+            assert case["sum"] == [3.0] * 3, (rank, mode, case)
+            assert case["took"] < 10.0, (rank, mode, case)
 
 
 @pytest.mark.timeout(110)

@@ -82,11 +82,14 @@ class TorchportWork(dist.Work):
         # opens only after the callbacks returned
         if not self._done and not (self._ended and self._finisher == threading.get_ident()):
             t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
-            if self._engine is not None and not (t and t > 0):
+            eng = self._engine
+            if eng is not None and (not (t and t > 0) or eng.owned_here()):
                 # run it here rather than wait for the engine thread; not with a timeout: the
                 # inline run ends only with the operation or at its own deadline (the group's
-                # timeout; a wait(0.3 s) on a peer 1.5 s late returned after 1.5 s)
-                self._engine.help(self)
+                # timeout; a wait(0.3 s) on a peer 1.5 s late returned after 1.5 s) -- unless
+                # this thread is the one running the engine's operations (a wait inside an
+                # earlier operation's future callback): nobody else would run it
+                eng.help(self)
             if not self._done:
                 limit, own = (t if t and t > 0 else -1.0), False
                 cap = self._wait_limit_s
@@ -109,9 +112,14 @@ class TorchportWork(dist.Work):
 
     def is_completed(self) -> bool:
         # Polled rather than waited on: start the operation now instead of at the engine's next
-        # idle check -- the same hint get_future gives.
-        if not self._done and self._engine is not None:
-            self._engine.urge()
+        # idle check -- the same hint get_future gives (inline on the thread running the
+        # engine's operations: polled from a future callback there, nobody else would run it).
+        eng = self._engine
+        if not self._done and eng is not None:
+            if eng.owned_here():
+                eng.help(self)
+            else:
+                eng.urge()
         return self._done
 
     def is_success(self) -> bool:
@@ -130,8 +138,15 @@ class TorchportWork(dist.Work):
         if fresh and done:  # finished before anyone asked: settle here
             self._settle(fut)
         # A future's waiter (DDP's reducer, callbacks) never runs the queue inline: start now.
-        if not done and self._engine is not None:
-            self._engine.urge()
+        # On the thread running the engine's operations (a future callback of an earlier
+        # operation issuing this one, as PowerSGD's DDP hook does, then waiting on its future)
+        # run it here: the engine's thread is this one, and the wait would never end.
+        eng = self._engine
+        if not done and eng is not None:
+            if eng.owned_here():
+                eng.help(self)
+            else:
+                eng.urge()
         return fut
 
     def result(self) -> list[torch.Tensor]:
@@ -180,7 +195,12 @@ class Engine:
             collections.deque()
         )
         self._lock = threading.Lock()
-        self._runner = threading.Lock()
+        # Held while operations run (the engine thread's loop, or a waiter running the queue
+        # inline). Reentrant: an operation's future callbacks run on that thread, and one that
+        # issues and waits on another operation runs it there, nested (_acquire, owned_here).
+        self._runner = threading.RLock()
+        self._owner = 0  # the thread holding _runner (0: none); _depth: its nesting
+        self._depth = 0
         self._current: TorchportWork | None = None  # the operation being run (under _runner)
         # Doorbell cells read by native code while the thread sleeps without the GIL:
         # [posted, taken, stop, sleeping, futex word, urgent, sleeps ended, -]. Posting wakes
@@ -222,17 +242,40 @@ class Engine:
         quiet, deep = int(QUIET_S * 1e9), int(DEEP_S * 1e9)
         self._lib.set_yield(BACKGROUND_YIELD_NS)  # this thread runs ops in the background
         while self._lib.doorbell_wait(self._cells, grace, poll, quiet, deep):
-            with self._runner:
+            self._acquire(True)
+            try:
                 item = self._pop()
                 if item is not None:
                     self._current = item[0]
                     self._run(*item)
-                    self._current = None
+            finally:
+                self._current = None
+                self._release()
+
+    def _acquire(self, blocking: bool) -> bool:
+        if not self._runner.acquire(blocking):
+            return False
+        self._depth += 1
+        self._owner = threading.get_ident()
+        return True
+
+    def _release(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._owner = 0
+        self._runner.release()
+
+    def owned_here(self) -> bool:
+        """Whether this thread is the one running the engine's operations (inside one's
+        completion: its future callbacks)."""
+        return self._owner == threading.get_ident()
 
     def help(self, work: TorchportWork) -> None:
-        """Run queued operations inline up to ``work`` unless another thread is running them."""
-        if not self._runner.acquire(blocking=False):
+        """Run queued operations inline up to ``work`` unless another thread is running them
+        (on the thread running them, nested in an operation's completion, it runs them too)."""
+        if not self._acquire(False):
             return
+        outer = self._current  # (None unless nested: an operation completing on this thread)
         try:
             while not work._done:
                 item = self._pop()
@@ -240,10 +283,9 @@ class Engine:
                     return
                 self._current = item[0]
                 self._run(*item)
-                self._current = None
         finally:
-            self._current = None
-            self._runner.release()
+            self._current = outer
+            self._release()
 
     def stop(self) -> None:
         self._lib.doorbell_ring(self._cells, 1)
@@ -251,7 +293,7 @@ class Engine:
     def busy(self) -> bool:
         """Whether an operation is queued or running (a stopped engine's thread may still be
         inside one)."""
-        return bool(self._items) or self._runner.locked()
+        return bool(self._items) or self._owner != 0
 
     def in_flight(self) -> bool:
         """Whether an operation is queued, or running and not yet finishing (unlike
