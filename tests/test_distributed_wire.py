@@ -1194,6 +1194,90 @@ def test_a_frame_part_way_when_its_send_times_out_gets_the_timeout_budget(mesh_p
     assert any("part-way sent" in x for x in lost.lost), lost.lost
 
 
+def test_withdraw_until_gives_a_receive_in_progress_the_budget_of_the_error_in_flight():
+    from torchport.distributed.errors import (
+        CommAbortedError,
+        CommTimeoutError,
+        CommunicatorErrorState,
+    )
+    from torchport.distributed.transport_tcp import (
+        ABORT_FINISH_S,
+        FINISH_S,
+        TIMEOUT_FINISH_S,
+        withdraw_until,
+    )
+
+    def until(error: BaseException | None, deadline: float) -> float:
+        try:
+            if error is not None:
+                raise error
+        except BaseException:
+            return withdraw_until(deadline) - time.monotonic()
+        return withdraw_until(deadline) - time.monotonic()
+
+    far = time.monotonic() + 100.0
+    assert until(None, far) > 99.0  # no error: the operation's deadline
+    failed = CommunicatorErrorState("in error state")
+    failed.__cause__ = CommTimeoutError("timed out")
+    for error, budget in [
+        (CommunicatorErrorState("aborted"), ABORT_FINISH_S),
+        (CommAbortedError("aborted"), ABORT_FINISH_S),
+        (CommTimeoutError("timed out"), TIMEOUT_FINISH_S),
+        (failed, TIMEOUT_FINISH_S),  # (the group failed by its own timeout)
+        (ValueError("mismatch"), FINISH_S),
+    ]:
+        left = until(error, far)
+        assert budget - 0.05 < left <= budget, (error, left)
+        assert until(error, time.monotonic() + 0.01) <= 0.01  # never past the deadline
+
+
+def test_an_abort_while_a_reader_fills_a_posted_target_ends_within_the_abort_budget(mesh_pair):
+    """The mailbox paths (hybrid groups, collectives whose sockets another one holds) withdraw
+    their posted receive targets in a ``finally``, waiting for a receive in progress: until the
+    operation's deadline, so a peer stopped mid-frame held an aborted collective far past the
+    100 ms abort bound. Now ``withdraw_until`` gives it ABORT_FINISH_S, then shuts the
+    connection. Here rank 1 sends a frame's header and 1000 of its 1 MiB, and stops."""
+    import ctypes
+
+    from torchport.distributed.errors import CommunicatorErrorState
+    from torchport.distributed.transport_tcp import (
+        ABORT_FINISH_S,
+        FILLING,
+        Target,
+        withdraw_until,
+    )
+    from torchport.distributed.wire import encode_header
+
+    m0, m1 = mesh_pair
+    n = 1 << 20
+    buf = (ctypes.c_char * n)()
+    sig = (7, 1, n, 0)
+    key = (9, int(Kind.COLL), 1, 5)
+    target = Target(ctypes.addressof(buf), n, sig)
+    m0.mailbox.post(key, target)
+    conn = m1.peers[0]
+    with conn.lock:
+        conn.sock.sendall(encode_header(Kind.COLL, 9, 1, 5, n, sig) + b"x" * 1000)
+        end = time.monotonic() + 5
+        while target.state != FILLING and time.monotonic() < end:
+            time.sleep(0.005)
+        assert target.state == FILLING
+
+        def aborted_collective() -> None:
+            try:
+                raise CommunicatorErrorState("communicator is in error state: aborted")
+            finally:
+                until = withdraw_until(time.monotonic() + 30)
+                m0.mailbox.withdraw(key, until, lambda: m0.shutdown_peer(1))
+
+        t0 = time.monotonic()
+        with pytest.raises(CommunicatorErrorState):
+            aborted_collective()
+        took = time.monotonic() - t0
+    assert ABORT_FINISH_S <= took < ABORT_FINISH_S + 0.3, took
+    assert bytes(buf[:1000]) == b"x" * 1000
+
+
 def test_an_empty_p2p_frame_waiting_for_its_connection_sees_abort_and_its_deadline(mesh_pair):
     """A zero-element send (a header-only frame, no source) blocked on the connection's send
     lock (held by a frame's rest going out to a receiver that stopped reading) for as long as

@@ -57,7 +57,14 @@ from torchport.distributed.engine import split_even as _parts
 from torchport.distributed.errors import CollectiveMismatchError, CommError
 from torchport.distributed.exchange import Blob, _addr, _view, check_sig, exchange
 from torchport.distributed.transport_shm import COPY, FOLD
-from torchport.distributed.transport_tcp import RECEIVED, Frame, Target, XRecv, XSend
+from torchport.distributed.transport_tcp import (
+    RECEIVED,
+    Frame,
+    Target,
+    XRecv,
+    XSend,
+    withdraw_until,
+)
 from torchport.distributed.wire import Kind
 
 
@@ -323,10 +330,9 @@ class _Pieces:
                 if (x.seq - self.epoch) & 1 and k not in done:
                     self.receive(x, deadline)
         finally:
+            until = withdraw_until(deadline)
             for x in posted:
-                mailbox.withdraw(
-                    x.key, deadline, functools.partial(comm.mesh.shutdown_peer, x.peer)
-                )
+                mailbox.withdraw(x.key, until, functools.partial(comm.mesh.shutdown_peer, x.peer))
         comm._last_sig = self.sig(self.n - 1, 1)
 
     def receive(self, x: XRecv, deadline: float) -> None:
@@ -470,8 +476,9 @@ def _chain_broadcast(
                 comm.check,
             )
     finally:
+        until = withdraw_until(deadline)
         for key in keys[:posted]:
-            mailbox.withdraw(key, deadline, lambda: comm.mesh.shutdown_peer(prev))
+            mailbox.withdraw(key, until, lambda: comm.mesh.shutdown_peer(prev))
     comm._last_sig = sigs[-1]
     for kid in kids:
         receive(kid, len(pieces))
@@ -787,7 +794,6 @@ def _direct_alltoall(
                 if body is not RECEIVED and m:
                     _copy(outs[q] + lo, _expect(Blob(_addr(body), len(body), body), m, q), m)
     finally:
+        until = withdraw_until(deadline)
         for q in posted:
-            mailbox.withdraw(
-                key[q], deadline, functools.partial(comm.mesh.shutdown_peer, key[q][2])
-            )
+            mailbox.withdraw(key[q], until, functools.partial(comm.mesh.shutdown_peer, key[q][2]))

@@ -25,7 +25,7 @@ from typing import Any
 
 from torchport.distributed.errors import CommError
 from torchport.distributed.transport_shm import MISMATCH, StepError
-from torchport.distributed.transport_tcp import RECEIVED, Target, XRecv, XSend
+from torchport.distributed.transport_tcp import RECEIVED, Target, XRecv, XSend, withdraw_until
 from torchport.distributed.wire import Kind
 
 Seg = tuple[int, int]  # (pointer, bytes)
@@ -233,6 +233,7 @@ def exchange(
                 blobs[q] = Blob(_addr(body), len(body), body)
         return blobs
     finally:
+        until = withdraw_until(deadline)
         for q, key in posted:
             peer = comm.ranks[q]
-            mailbox.withdraw(key, deadline, lambda p=peer: comm.mesh.shutdown_peer(p))
+            mailbox.withdraw(key, until, lambda p=peer: comm.mesh.shutdown_peer(p))

@@ -38,6 +38,7 @@ import functools
 import os
 import select
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -51,6 +52,7 @@ import numpy
 from torchport.distributed import auth
 from torchport.distributed.errors import (
     AuthError,
+    CommAbortedError,
     CommError,
     CommTimeoutError,
     CommunicatorErrorState,
@@ -250,6 +252,28 @@ def recv_bounded(
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
+
+
+def withdraw_until(deadline: float) -> float:
+    """Until when a ``finally`` that withdraws posted receive targets waits for a receive into
+    one that is in progress (``Mailbox.withdraw``; past it the receive's connection is shut).
+
+    With no exception in flight: ``deadline``, the operation's. After an error, the budget
+    :meth:`Mesh.transfer` gives a frame part-way, never past ``deadline``: ``ABORT_FINISH_S``
+    once the group failed or was aborted (what ``check()`` raises: an abort unblocks the call
+    within 100 ms, where it waited out the operation's deadline for a peer stopped mid-frame),
+    ``TIMEOUT_FINISH_S`` after a timeout (or an error raised from one), ``FINISH_S`` after any
+    other error. Call it in the ``finally`` itself, where ``sys.exc_info`` names the error."""
+    e = sys.exc_info()[1]
+    if e is None:
+        return deadline
+    if isinstance(e, CommTimeoutError) or isinstance(e.__cause__, CommTimeoutError):
+        budget = TIMEOUT_FINISH_S
+    elif isinstance(e, CommunicatorErrorState | CommAbortedError):
+        budget = ABORT_FINISH_S
+    else:
+        budget = FINISH_S
+    return min(deadline, time.monotonic() + budget)
 
 
 def _cut(what: str, why: BaseException) -> ConnectionError:
@@ -2070,7 +2094,7 @@ class Mesh:
         finally:
             if posted:  # owned (or given up): the reader fills no target any more
                 mid = {c.peer for c in got[1]} if got else set()
-                withdraw({x.peer for x in posted} - mid, deadline)
+                withdraw({x.peer for x in posted} - mid, withdraw_until(deadline))
         if got is None:
             return None
         owned = got[0]
