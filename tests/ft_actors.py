@@ -691,6 +691,24 @@ def c_window_get(st: dict[str, Any], src: int) -> Any:
     return got, time.monotonic() - t0
 
 
+def c_window_file_lock(st: dict[str, Any], dst: int, take: bool) -> None:
+    """Take (or release) the write lock on ``dst``'s window file, as this rank's accumulate to
+    ``dst`` holds it while it adds (a rank stopped there keeps it)."""
+    import fcntl
+
+    fcntl.lockf(st["win"]._remote_fds[dst], fcntl.LOCK_EX if take else fcntl.LOCK_UN)
+
+
+def c_window_accumulate(st: dict[str, Any], dst: int) -> Any:
+    """``accumulate`` ones into ``dst``: None, or the error's type and message; and the time."""
+    t0 = time.monotonic()
+    try:
+        got: Any = st["win"].accumulate(torch.ones(4), dst)
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    return got, time.monotonic() - t0
+
+
 def c_window_close(st: dict[str, Any]) -> None:
     st["win"].fence()
     st["win"].close()
@@ -1051,6 +1069,8 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "shm_made": c_shm_made,
     "window_edges": c_window_edges,
     "window_get": c_window_get,
+    "window_file_lock": c_window_file_lock,
+    "window_accumulate": c_window_accumulate,
     "window_close": c_window_close,
     "fr_collectives": c_fr_collectives,
     "fr_p2p": c_fr_p2p,

@@ -398,6 +398,28 @@ def test_tcp_get_from_a_stopped_peer_times_out_typed(trio):
         assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
 
 
+def test_shm_accumulate_behind_a_rank_holding_the_targets_lock_times_out_typed(trio):
+    """A rank stopped inside its own accumulate keeps the target file's lock (a POSIX record
+    lock goes with the process, not with a stop): another rank's accumulate to that target
+    blocked in ``lockf`` for as long as it stayed stopped. Now it raises CommTimeoutError at
+    the window's timeout, adding nothing, and works once the lock is free. Rank 2 holds rank
+    0's lock here, as its stopped accumulate would."""
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("shm", 0.5)] * WORLD) == [("ok", 0.5)] * WORLD
+    try:
+        trio.call(2, "window_file_lock", 0, True)
+        try:
+            (kind, msg), took = trio.call(1, "window_accumulate", 0, timeout=10)
+        finally:
+            trio.call(2, "window_file_lock", 0, False)
+        assert kind == "CommTimeoutError" and "window accumulate on rank 0" in msg, msg
+        assert 0.4 < took < 3.0
+        assert trio.call(1, "window_accumulate", 0)[0] is None
+        assert trio.call(1, "window_get", 0)[0] == [1.0] * 4  # (the timed-out one added nothing)
+    finally:
+        assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
+
+
 def test_tcp_window_first_connect_to_a_stopped_peer_times_out_typed(trio):
     """A peer stopped before the first request: the kernel accepts the connection, nobody
     answers the handshake. That gave a CommError; it is the same CommTimeoutError as a later

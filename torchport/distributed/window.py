@@ -691,14 +691,44 @@ class Window:
             # the file lock excludes other processes only (POSIX record locks belong to the
             # process: a second thread took it at once, and either thread's unlock released it):
             # this process's threads queue on the window's own lock first (two threads of one
-            # rank lost 1-4 of 180 accumulates)
-            with self._acc_lock:
-                fcntl.lockf(fd, fcntl.LOCK_EX)
+            # rank lost 1-4 of 180 accumulates). Both waits end at the window's timeout: a
+            # rank stopped (SIGSTOP, a debugger) inside its own add keeps its file lock, and
+            # the blocking lockf waited for as long as it stayed stopped
+            deadline = time.monotonic() + self.timeout_s
+            if not self._acc_lock.acquire(timeout=min(self.timeout_s, threading.TIMEOUT_MAX)):
+                raise self._acc_timeout(dst)
+            try:
+                self._lock_file(fd, deadline, dst)
                 try:
                     view.add_(src)
                 finally:
                     fcntl.lockf(fd, fcntl.LOCK_UN)
+            finally:
+                self._acc_lock.release()
         return self._done() if async_op else None
+
+    def _acc_timeout(self, dst: int) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"window accumulate on rank {dst}: the target's lock was not free within the "
+            f"window's timeout ({self.timeout_s:g} s; a rank stopped inside its own accumulate "
+            "keeps it)"
+        )
+
+    def _lock_file(self, fd: int, deadline: float, dst: int) -> None:
+        """Take the target file's write lock by non-blocking tries until ``deadline``
+        (:class:`CommTimeoutError`), sleeping 20 us doubling to 1 ms between them."""
+        pause = 20e-6
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+            if time.monotonic() >= deadline:
+                raise self._acc_timeout(dst)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def get(self, src_rank: int, offset_nelems: int = 0, nelems: int | None = None) -> torch.Tensor:
         """Read ``nelems`` elements of ``src_rank``'s tensor from ``offset_nelems`` (a copy)."""
