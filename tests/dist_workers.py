@@ -272,6 +272,43 @@ def nested_in_callback_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def close_racing_submit_case(rank: int, world: int) -> dict[str, Any]:
+    """One thread issues an operation on a group while another destroys it: the issuing thread
+    passed the group's "not closed" check, then the close ran to its end (flush, stop, the
+    drain of the queues) before the operation was queued. Nothing ran or finished it: a future
+    waiter or an ``is_completed()`` poller waited for good. Here the close runs inside
+    ``Engine.submit``, right before the queueing, for an allreduce and for a send."""
+    from torchport.distributed.progress import Engine
+
+    out: dict[str, Any] = {}
+    for what in ("allreduce", "send"):
+        g = dist.new_group(list(range(world)), backend="torchport")
+        dist.barrier(group=g)
+        comm = g.comm
+        orig = Engine.submit
+
+        def racing(self: Any, work: Any, fn: Any, orig: Any = orig, comm: Any = comm) -> None:
+            Engine.submit = orig  # type: ignore[method-assign]
+            comm.close()  # the other thread's destroy, to its end
+            orig(self, work, fn)
+
+        Engine.submit = racing  # type: ignore[method-assign]
+        try:
+            if what == "allreduce":
+                work = g.allreduce([torch.ones(2)])
+            else:
+                work = g.send([torch.ones(2)], (rank + 1) % world, 3)
+        finally:
+            Engine.submit = orig  # type: ignore[method-assign]
+        end = time.monotonic() + 5
+        while not work.is_completed() and time.monotonic() < end:
+            time.sleep(0.01)
+        done = work.is_completed()
+        out[what] = {"done": done, "error": type(work.exception()).__name__ if done else None}
+        dist.barrier()
+    return out
+
+
 def ddp_powersgd_losses(rank: int, world: int) -> dict[str, list[float]]:
     """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait on their
     futures) on a gloo group and on the torchport group of this job."""
@@ -1760,6 +1797,7 @@ SCENARIOS = {
     "ddp": ddp_losses,
     "ddp_powersgd": ddp_powersgd_losses,
     "nested_in_callback": nested_in_callback_case,
+    "close_racing_submit": close_racing_submit_case,
 }
 
 

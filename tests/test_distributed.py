@@ -60,6 +60,7 @@ PLANS = {
             ("ddp", ()),
             ("ddp_powersgd", ()),
             ("nested_in_callback", ()),
+            ("close_racing_submit", ()),
             ("fsdp2", ()),
             ("abort_send", ()),
             ("abort_word", ()),
@@ -164,6 +165,13 @@ def test_a_future_callback_that_waits_on_another_operation_of_its_group():
         for mode, case in r["nested_in_callback"].items():
             assert case["sum"] == [3.0] * 3, (rank, mode, case)
             assert case["took"] < 10.0, (rank, mode, case)
+
+
+@pytest.mark.timeout(110)
+def test_an_operation_queued_after_a_racing_close_drained_the_queue_still_finishes():
+    for rank, r in enumerate(results("shm2")):
+        for what, case in r["close_racing_submit"].items():
+            assert case == {"done": True, "error": "CommAbortedError"}, (rank, what, case)
 
 
 @pytest.mark.timeout(110)

@@ -536,8 +536,27 @@ class Communicator:
         if self.error is not None or self.closed:
             self.check_now(work)
             return work
-        self.engine.submit(work, fn)
+        self._enqueue(self.engine, work, fn)
         return work
+
+    def _enqueue(self, engine: Engine, work: TorchportWork, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` on ``engine``. A close whose stop came after the caller's check may
+        have drained the queue already: then what is queued now is refused here (nothing would
+        run it or finish it; a future waiter or an ``is_completed()`` poller waited for good)."""
+        engine.submit(work, fn)
+        if self._stopped:  # (set before the close's drain: one of the two takes the item)
+            self._refuse_queued(engine)
+
+    def _refuse_queued(self, engine: Engine) -> None:
+        """Finish every operation still queued on ``engine`` (stopped: none will run)."""
+        for work in engine.drain():
+            work._finish(
+                self.error
+                if self.error is not None
+                else CommAbortedError(f"communicator {self.name!r} was shut down")
+            )
+            with self._lock:  # (a send that never ran)
+                self._sends.pop(work, None)
 
     def next_op(self) -> int:
         self.op_seq += 1
@@ -756,7 +775,7 @@ class Communicator:
             if live:
                 self._sends[work] = source
         if live:
-            self.sender.submit(work, go)
+            self._enqueue(self.sender, work, go)
         else:
             self.check_now(work)
         return work
@@ -1036,14 +1055,8 @@ class Communicator:
             # reading (from the copy the failure took, SendSource.detach) ends when the peer
             # reads or the connection closes: not waited for (destroy after an abort took 5 s)
             quiet = self.engine.join(5.0)
-        for work in self.engine.drain() + self.sender.drain():  # queued behind the stop
-            work._finish(
-                self.error
-                if self.error is not None
-                else CommAbortedError(f"communicator {self.name!r} was shut down")
-            )
-            with self._lock:  # (a send that never ran)
-                self._sends.pop(work, None)
+        for engine in (self.engine, self.sender):  # queued behind the stop
+            self._refuse_queued(engine)
         self.mesh.unregister(self.group_id, self)
         if not quiet:  # an op still runs (e.g. a stalled thread): unmapping would crash it
             return  # the mappings go with the process
