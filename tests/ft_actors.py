@@ -709,6 +709,32 @@ def c_window_accumulate(st: dict[str, Any], dst: int) -> Any:
     return got, time.monotonic() - t0
 
 
+def c_window_async_puts(st: dict[str, Any], dst: int, n: int) -> Any:
+    """``n`` async puts to ``dst``, then a wait on each: their errors' types (None: done) and
+    the seconds from the first put until the last one ended."""
+    t0 = time.monotonic()
+    works = [st["win"].put(torch.ones(4), dst, async_op=True) for _ in range(n)]
+    errors: list[str | None] = []
+    for w in works:
+        try:
+            w.wait()
+            errors.append(None)
+        except Exception as e:
+            errors.append(type(e).__name__)
+    return errors, time.monotonic() - t0
+
+
+def c_window_fence_close(st: dict[str, Any]) -> str | None:
+    """``fence()`` (the type of the error it raises, or None), then ``close()``."""
+    try:
+        st["win"].fence()
+        error = None
+    except Exception as e:
+        error = type(e).__name__
+    st["win"].close()
+    return error
+
+
 def c_window_close(st: dict[str, Any]) -> None:
     st["win"].fence()
     st["win"].close()
@@ -1071,6 +1097,8 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "window_get": c_window_get,
     "window_file_lock": c_window_file_lock,
     "window_accumulate": c_window_accumulate,
+    "window_async_puts": c_window_async_puts,
+    "window_fence_close": c_window_fence_close,
     "window_close": c_window_close,
     "fr_collectives": c_fr_collectives,
     "fr_p2p": c_fr_p2p,

@@ -420,6 +420,35 @@ def test_shm_accumulate_behind_a_rank_holding_the_targets_lock_times_out_typed(t
         assert trio.call_all(ranks, "window_close") == [("ok", None)] * WORLD
 
 
+def test_tcp_requests_queued_behind_one_that_timed_out_fail_at_once(trio):
+    """Requests to one target run one after another; after one timed out, each queued behind
+    it dialled the stopped peer again and waited a whole timeout: three async puts took three
+    timeouts to fail (fence() after N of them, N timeouts). Now those issued before the
+    timeout fail at once with CommTimeoutError, and a request issued after it dials again
+    (it works once the peer runs)."""
+    import signal
+
+    ranks = list(range(WORLD))
+    assert trio.call_all(ranks, "window_open", [("tcp", 0.5)] * WORLD) == [("ok", 0.5)] * WORLD
+    fenced = False
+    try:
+        assert trio.call(0, "window_get", 2)[0] == [2.0] * 4  # the connection is open
+        trio.kill(2, signal.SIGSTOP)
+        try:
+            errors, took = trio.call(0, "window_async_puts", 2, 3, timeout=20)
+        finally:
+            trio.kill(2, signal.SIGCONT)
+        assert errors == ["CommTimeoutError"] * 3, errors
+        assert 0.4 < took < 0.5 + 0.8, took  # one timeout, not three
+        assert trio.call(0, "window_get", 2)[0] == [1.0] * 4  # a later request dials again
+        fences = trio.call_all(ranks, "window_fence_close")
+        fenced = True
+        assert fences == [("ok", "CommTimeoutError"), ("ok", None), ("ok", None)], fences
+    finally:
+        if not fenced:
+            trio.call_all(ranks, "window_fence_close")
+
+
 def test_tcp_window_first_connect_to_a_stopped_peer_times_out_typed(trio):
     """A peer stopped before the first request: the kernel accepts the connection, nobody
     answers the handshake. That gave a CommError; it is the same CommTimeoutError as a later
@@ -467,6 +496,7 @@ def test_tcp_window_request_is_bounded_as_a_whole_by_the_timeout():
     win.rank, win.timeout_s, win._secret = 0, 0.3, secret
     win._addrs, win._socks = [("", 0), srv.address], {}
     win._sock_locks = [threading.Lock(), threading.Lock()]
+    win._timeouts = [0, 0]
     try:
         t0 = time.monotonic()
         with pytest.raises(CommTimeoutError, match="window get on rank 1"):
@@ -500,6 +530,7 @@ def test_tcp_window_request_to_a_peer_that_closed_the_connection_is_typed_and_re
     win.rank, win.timeout_s, win._secret = 0, 5.0, secret
     win._addrs, win._socks = [("", 0), srv.address], {}
     win._sock_locks = [threading.Lock(), threading.Lock()]
+    win._timeouts = [0, 0]
     get = {"t": "get", "off": 0, "n": 0}
     try:
         win._rpc(1, get, None, torch.empty(0))

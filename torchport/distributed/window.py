@@ -281,6 +281,9 @@ class Window:
         self._acc_lock = threading.Lock()  # this process's shm accumulates (see _write)
         self._failed: list[BaseException] = []  # async errors dropped from _pending, for fence()
         self._sock_locks = [threading.Lock() for _ in range(self.size)]
+        # tcp: requests to rank r that timed out; a request issued before the latest of them
+        # fails at once when its turn comes (see _issue)
+        self._timeouts = [0] * self.size
         # signal counters: slot [src] of rank r's array, written only by src
         self._consumed = [0] * self.size
         self._sig_remote: list[Any] = [None] * self.size
@@ -803,7 +806,20 @@ class Window:
         q = self._queues.get(r)
         if q is None:
             q = self._queues[r] = cf.ThreadPoolExecutor(1, thread_name_prefix=f"tp-win-{r}")
-        fut = q.submit(fn)
+        seen = self._timeouts[r]
+
+        def run() -> Any:
+            # queued behind a request to r that timed out (a peer stopped or gone): fail at
+            # once rather than dial it again and wait a whole timeout per queued request
+            # (fence() after N async puts to a stopped peer took N timeouts)
+            if self._timeouts[r] != seen:
+                raise CommTimeoutError(
+                    f"window request to rank {r}: a request to it issued earlier timed out "
+                    f"(the window's timeout, {self.timeout_s:g} s)"
+                )
+            return fn()
+
+        fut = q.submit(run)
         if not async_op:  # its error is raised here, not again by fence()
             fut.result()
             return None
@@ -852,6 +868,7 @@ class Window:
             except TimeoutError:
                 # the reply may still come: the stream's position is unknown, so the next
                 # request opens a new connection
+                self._timeouts[r] += 1
                 self._socks.pop(r, None)
                 if sock is not None:
                     sock.close()
