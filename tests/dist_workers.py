@@ -311,7 +311,10 @@ def close_racing_submit_case(rank: int, world: int) -> dict[str, Any]:
 
 def ddp_powersgd_losses(rank: int, world: int) -> dict[str, list[float]]:
     """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait on their
-    futures) on a gloo group and on the torchport group of this job."""
+    futures) on a gloo group and on the torchport group of this job. One bucket (the default
+    cap): with several, the callbacks and the next bucket's hook issue allreduces from two
+    threads in an order that differs between ranks (torchport raises a mismatch on every rank,
+    gloo aborts the process)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     out = {}

@@ -1200,6 +1200,10 @@ def test_withdraw_until_gives_a_receive_in_progress_the_budget_of_the_error_in_f
         CommTimeoutError,
         CommunicatorErrorState,
     )
+    from torchport.distributed.shm_kernels import ABORTED as SHM_ABORTED
+    from torchport.distributed.shm_kernels import MISMATCH as SHM_MISMATCH
+    from torchport.distributed.shm_kernels import TIMEOUT as SHM_TIMEOUT
+    from torchport.distributed.transport_shm import StepError
     from torchport.distributed.transport_tcp import (
         ABORT_FINISH_S,
         FINISH_S,
@@ -1208,12 +1212,7 @@ def test_withdraw_until_gives_a_receive_in_progress_the_budget_of_the_error_in_f
     )
 
     def until(error: BaseException | None, deadline: float) -> float:
-        try:
-            if error is not None:
-                raise error
-        except BaseException:
-            return withdraw_until(deadline) - time.monotonic()
-        return withdraw_until(deadline) - time.monotonic()
+        return withdraw_until(deadline, error) - time.monotonic()
 
     far = time.monotonic() + 100.0
     assert until(None, far) > 99.0  # no error: the operation's deadline
@@ -1225,6 +1224,9 @@ def test_withdraw_until_gives_a_receive_in_progress_the_budget_of_the_error_in_f
         (CommTimeoutError("timed out"), TIMEOUT_FINISH_S),
         (failed, TIMEOUT_FINISH_S),  # (the group failed by its own timeout)
         (ValueError("mismatch"), FINISH_S),
+        (StepError(SHM_ABORTED), ABORT_FINISH_S),  # (a hybrid group's shared-memory step)
+        (StepError(SHM_TIMEOUT), TIMEOUT_FINISH_S),
+        (StepError(SHM_MISMATCH), FINISH_S),
     ]:
         left = until(error, far)
         assert budget - 0.05 < left <= budget, (error, left)
@@ -1263,11 +1265,15 @@ def test_an_abort_while_a_reader_fills_a_posted_target_ends_within_the_abort_bud
             time.sleep(0.005)
         assert target.state == FILLING
 
-        def aborted_collective() -> None:
+        def aborted_collective() -> None:  # (as the mailbox paths withdraw their targets)
+            error: BaseException | None = None
             try:
                 raise CommunicatorErrorState("communicator is in error state: aborted")
+            except BaseException as e:
+                error = e
+                raise
             finally:
-                until = withdraw_until(time.monotonic() + 30)
+                until = withdraw_until(time.monotonic() + 30, error)
                 m0.mailbox.withdraw(key, until, lambda: m0.shutdown_peer(1))
 
         t0 = time.monotonic()

@@ -303,6 +303,7 @@ class _Pieces:
 
         sends, recvs = self.frames(slot)
         mailbox, posted = comm.mesh.mailbox, list[XRecv]()
+        error: BaseException | None = None
         try:
             for x in recvs:
                 if x.size:
@@ -329,8 +330,11 @@ class _Pieces:
             for k, x in enumerate(recvs):
                 if (x.seq - self.epoch) & 1 and k not in done:
                     self.receive(x, deadline)
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            until = withdraw_until(deadline)
+            until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
             for x in posted:
                 mailbox.withdraw(x.key, until, functools.partial(comm.mesh.shutdown_peer, x.peer))
         comm._last_sig = self.sig(self.n - 1, 1)
@@ -459,6 +463,7 @@ def _chain_broadcast(
 
     if _chain_direct(comm, epoch0, base, pieces, sigs, prev, kids, deadline):
         return
+    error: BaseException | None = None
     try:
         if prev >= 0:
             for k, (lo, nb) in enumerate(pieces):
@@ -475,8 +480,11 @@ def _chain_broadcast(
                 deadline,
                 comm.check,
             )
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        until = withdraw_until(deadline)
+        until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
         for key in keys[:posted]:
             mailbox.withdraw(key, until, lambda: comm.mesh.shutdown_peer(prev))
     comm._last_sig = sigs[-1]
@@ -766,6 +774,7 @@ def _direct_alltoall(
         return
     key = [(gid, int(Kind.COLL), comm.ranks[q], epoch) for q in range(w)]
     posted: list[int] = []
+    error: BaseException | None = None
     try:
         for q in range(w):
             if q != r and out_lens[q]:
@@ -793,7 +802,10 @@ def _direct_alltoall(
                 m = min(per, n - lo)
                 if body is not RECEIVED and m:
                     _copy(outs[q] + lo, _expect(Blob(_addr(body), len(body), body), m, q), m)
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        until = withdraw_until(deadline)
+        until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
         for q in posted:
             mailbox.withdraw(key[q], until, functools.partial(comm.mesh.shutdown_peer, key[q][2]))

@@ -196,6 +196,7 @@ def exchange(
     local = set(comm.local_ranks) if comm.local is not None else set()
     mailbox = comm.mesh.mailbox
     posted: list[tuple[int, tuple[int, int, int, int]]] = []
+    error: BaseException | None = None
     try:
         if into is not None:
             for q in range(w):
@@ -232,8 +233,11 @@ def exchange(
             else:
                 blobs[q] = Blob(_addr(body), len(body), body)
         return blobs
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        until = withdraw_until(deadline)
+        until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
         for q, key in posted:
             peer = comm.ranks[q]
             mailbox.withdraw(key, until, lambda p=peer: comm.mesh.shutdown_peer(p))

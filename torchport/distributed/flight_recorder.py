@@ -322,7 +322,10 @@ class FlightRecorder:
         done: a dump taken after ``wait()`` shows the op completed, not still started. A work
         without a future (gloo's send and recv) is held weakly and settled by its ``wait()``."""
         try:
-            fut = work.get_future()
+            # (torchport's Work: a watch that never runs the operation inline, as get_future()
+            # does inside a future callback on the engine's thread)
+            watch = getattr(work, "_watch_future", None)
+            fut = watch() if watch is not None else work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented": see _no_future
             return self._attach_without_future(work, e)
         key = id(e)  # (held in _pending until settled: not reused meanwhile)

@@ -129,14 +129,7 @@ class TorchportWork(dist.Work):
         return self._error
 
     def get_future(self) -> torch.futures.Future:
-        with _DONE_LOCK:
-            fut, fresh = self._future, self._future is None
-            if fresh:
-                fut = self._future = torch.futures.Future()
-            done = self._ended
-        assert fut is not None
-        if fresh and done:  # finished before anyone asked: settle here
-            self._settle(fut)
+        fut, done = self._make_future()
         # A future's waiter (DDP's reducer, callbacks) never runs the queue inline: start now.
         # On the thread running the engine's operations (a future callback of an earlier
         # operation issuing this one, as PowerSGD's DDP hook does, then waiting on its future)
@@ -148,6 +141,26 @@ class TorchportWork(dist.Work):
             else:
                 eng.urge()
         return fut
+
+    def _watch_future(self) -> torch.futures.Future:
+        """The future, for an observer that only watches it (the Flight Recorder): the engine
+        is woken as by :meth:`get_future`, but the operation never runs inline here, so an
+        async operation issued in a callback stays async."""
+        fut, done = self._make_future()
+        if not done and self._engine is not None:
+            self._engine.urge()
+        return fut
+
+    def _make_future(self) -> tuple[torch.futures.Future, bool]:
+        with _DONE_LOCK:
+            fut, fresh = self._future, self._future is None
+            if fresh:
+                fut = self._future = torch.futures.Future()
+            done = self._ended
+        assert fut is not None
+        if fresh and done:  # finished before anyone asked: settle here
+            self._settle(fut)
+        return fut, done
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
@@ -266,9 +279,13 @@ class Engine:
         self._runner.release()
 
     def owned_here(self) -> bool:
-        """Whether this thread is the one running the engine's operations (inside one's
-        completion: its future callbacks)."""
-        return self._owner == threading.get_ident()
+        """Whether this thread is the one running the engine's operations and is inside one's
+        completion (its future callbacks), not in the middle of one (a signal handler or a
+        finalizer there must not start another operation partway through it)."""
+        if self._owner != threading.get_ident():
+            return False
+        cur = self._current
+        return cur is None or cur._ended
 
     def help(self, work: TorchportWork) -> None:
         """Run queued operations inline up to ``work`` unless another thread is running them
@@ -277,7 +294,9 @@ class Engine:
             return
         outer = self._current  # (None unless nested: an operation completing on this thread)
         try:
-            while not work._done:
+            # (_ended, not _done: a work whose callbacks run, here or on another thread, needs
+            # nothing run; looping to _done would run every later queued operation inline)
+            while not work._ended:
                 item = self._pop()
                 if item is None:
                     return

@@ -147,11 +147,10 @@ class Work:
             self._fut.result(timeout=t)
         except cf.TimeoutError:
             # (cf.TimeoutError is the builtin TimeoutError, which the operation's own
-            # CommTimeoutError also is: that one, from a finished future, is re-raised as it is;
-            # it came out as "did not complete within None s")
-            if self._fut.done():
-                raise
-            raise CommError(f"operation did not complete within {t} s") from None
+            # CommTimeoutError also is: it came out as "did not complete within None s")
+            if not self._fut.done():
+                raise CommError(f"operation did not complete within {t} s") from None
+            self._fut.result()  # finished meanwhile (or with that error): its own outcome
         return True
 
     def is_completed(self) -> bool:

@@ -38,7 +38,6 @@ import functools
 import os
 import select
 import socket
-import sys
 import threading
 import time
 import warnings
@@ -58,7 +57,9 @@ from torchport.distributed.errors import (
     CommunicatorErrorState,
     WireError,
 )
+from torchport.distributed.shm_kernels import ABORTED as SHM_ABORTED
 from torchport.distributed.shm_kernels import RING_CORRUPT
+from torchport.distributed.shm_kernels import TIMEOUT as SHM_TIMEOUT
 from torchport.distributed.tcp_kernels import (
     CLOSED,
     DONE,
@@ -72,7 +73,7 @@ from torchport.distributed.tcp_kernels import (
     SLICE,
     tcp_lib,
 )
-from torchport.distributed.transport_shm import ShmRing
+from torchport.distributed.transport_shm import ShmRing, StepError
 from torchport.distributed.wire import (
     FLAG_RING,
     HEADER,
@@ -254,23 +255,27 @@ def recv_bounded(
         got += k
 
 
-def withdraw_until(deadline: float) -> float:
+def withdraw_until(deadline: float, error: BaseException | None) -> float:
     """Until when a ``finally`` that withdraws posted receive targets waits for a receive into
     one that is in progress (``Mailbox.withdraw``; past it the receive's connection is shut).
 
-    With no exception in flight: ``deadline``, the operation's. After an error, the budget
-    :meth:`Mesh.transfer` gives a frame part-way, never past ``deadline``: ``ABORT_FINISH_S``
-    once the group failed or was aborted (what ``check()`` raises: an abort unblocks the call
-    within 100 ms, where it waited out the operation's deadline for a peer stopped mid-frame),
-    ``TIMEOUT_FINISH_S`` after a timeout (or an error raised from one), ``FINISH_S`` after any
-    other error. Call it in the ``finally`` itself, where ``sys.exc_info`` names the error."""
-    e = sys.exc_info()[1]
-    if e is None:
+    With no ``error`` (the operation's own, caught on its way out): ``deadline``, the
+    operation's. After an error, the budget :meth:`Mesh.transfer` gives a frame part-way,
+    never past ``deadline``: ``ABORT_FINISH_S`` once the group failed or was aborted (what
+    ``check()`` raises: an abort unblocks the call within 100 ms, where it waited out the
+    operation's deadline for a peer stopped mid-frame), ``TIMEOUT_FINISH_S`` after a timeout
+    (or an error raised from one), ``FINISH_S`` after any other error."""
+    if error is None:
         return deadline
-    if isinstance(e, CommTimeoutError) or isinstance(e.__cause__, CommTimeoutError):
+    status = getattr(error, "status", None) if isinstance(error, StepError) else None
+    if (
+        isinstance(error, CommTimeoutError)
+        or isinstance(error.__cause__, CommTimeoutError)
+        or status == SHM_TIMEOUT
+    ):
         budget = TIMEOUT_FINISH_S
-    elif isinstance(e, CommunicatorErrorState | CommAbortedError):
-        budget = ABORT_FINISH_S
+    elif isinstance(error, CommunicatorErrorState | CommAbortedError) or status == SHM_ABORTED:
+        budget = ABORT_FINISH_S  # (a hybrid group's shared-memory step: its arena's abort word)
     else:
         budget = FINISH_S
     return min(deadline, time.monotonic() + budget)
@@ -2089,12 +2094,17 @@ class Mesh:
                     )
 
         got = None
+        error: BaseException | None = None
         try:
             got = self._own([r.peer for r in recvs])
+        except BaseException as e:
+            error = e
+            raise
         finally:
             if posted:  # owned (or given up): the reader fills no target any more
                 mid = {c.peer for c in got[1]} if got else set()
-                withdraw({x.peer for x in posted} - mid, withdraw_until(deadline))
+                until, error = withdraw_until(deadline, error), None  # (no reference cycle)
+                withdraw({x.peer for x in posted} - mid, until)
         if got is None:
             return None
         owned = got[0]

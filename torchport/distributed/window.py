@@ -278,7 +278,8 @@ class Window:
         self._queues: dict[int, cf.ThreadPoolExecutor] = {}  # tcp: one ordered queue per target
         self._pending: list[cf.Future[Any]] = []
         self._plock = threading.Lock()
-        self._acc_lock = threading.Lock()  # this process's shm accumulates (see _write)
+        # per target: this process's shm accumulates (see _write)
+        self._acc_locks = [threading.Lock() for _ in range(self.size)]
         self._failed: list[BaseException] = []  # async errors dropped from _pending, for fence()
         self._sock_locks = [threading.Lock() for _ in range(self.size)]
         # tcp: requests to rank r that timed out; a request issued before the latest of them
@@ -698,7 +699,8 @@ class Window:
             # rank stopped (SIGSTOP, a debugger) inside its own add keeps its file lock, and
             # the blocking lockf waited for as long as it stayed stopped
             deadline = time.monotonic() + self.timeout_s
-            if not self._acc_lock.acquire(timeout=min(self.timeout_s, threading.TIMEOUT_MAX)):
+            lock = self._acc_locks[dst]  # (per target: one stopped target holds up no other)
+            if not lock.acquire(timeout=min(self.timeout_s, threading.TIMEOUT_MAX)):
                 raise self._acc_timeout(dst)
             try:
                 self._lock_file(fd, deadline, dst)
@@ -707,7 +709,7 @@ class Window:
                 finally:
                     fcntl.lockf(fd, fcntl.LOCK_UN)
             finally:
-                self._acc_lock.release()
+                lock.release()
         return self._done() if async_op else None
 
     def _acc_timeout(self, dst: int) -> CommTimeoutError:
