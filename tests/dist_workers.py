@@ -221,10 +221,17 @@ def ddp_losses(rank: int, world: int) -> dict[str, list[float]]:
     return {name: _ddp(rank, g) for name, g in groups.items()}
 
 
-def _ddp(rank: int, group: Any) -> list[float]:
+def _ddp(
+    rank: int, group: Any, bucket_cap_mb: float = 0.001, hook: Callable[[Any], None] | None = None
+) -> list[float]:
+    """Six steps of DDP training on ``group`` (``hook(ddp)``: registers a comm hook first)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001, process_group=group)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=bucket_cap_mb, process_group=group
+    )
+    if hook is not None:
+        hook(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
     losses = []
@@ -317,29 +324,17 @@ def ddp_powersgd_losses(rank: int, world: int) -> dict[str, list[float]]:
     gloo aborts the process)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    out = {}
-    for name, group in {"gloo": dist.new_group(backend="gloo"), "torchport": None}.items():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-        )
-        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    def hook(ddp: Any, group: Any) -> None:
         state = psgd.PowerSGDState(
             process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2
         )
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(rank)
-        losses = []
-        for _ in range(6):
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            loss = ((ddp(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        out[name] = losses
-    return out
+
+    groups = {"gloo": dist.new_group(backend="gloo"), "torchport": None}
+    return {
+        name: _ddp(rank, g, bucket_cap_mb=25, hook=lambda ddp, g=g: hook(ddp, g))
+        for name, g in groups.items()
+    }
 
 
 def gc_inherited_case(rank: int, world: int) -> dict[str, Any]:
