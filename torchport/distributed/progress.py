@@ -289,7 +289,10 @@ class Engine:
 
     def help(self, work: TorchportWork) -> None:
         """Run queued operations inline up to ``work`` unless another thread is running them
-        (on the thread running them, nested in an operation's completion, it runs them too)."""
+        (on the thread running them, nested in an operation's completion, it runs them too;
+        not partway through one, which a signal handler or a finalizer there may be)."""
+        if self._owner == threading.get_ident() and not self.owned_here():
+            return
         if not self._acquire(False):
             return
         outer = self._current  # (None unless nested: an operation completing on this thread)
