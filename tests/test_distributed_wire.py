@@ -1235,9 +1235,9 @@ def test_withdraw_until_gives_a_receive_in_progress_the_budget_of_the_error_in_f
 
 def test_an_abort_while_a_reader_fills_a_posted_target_ends_within_the_abort_budget(mesh_pair):
     """The mailbox paths (hybrid groups, collectives whose sockets another one holds) withdraw
-    their posted receive targets in a ``finally``, waiting for a receive in progress: until the
+    their posted receive targets when they end, waiting for a receive in progress: until the
     operation's deadline, so a peer stopped mid-frame held an aborted collective far past the
-    100 ms abort bound. Now ``withdraw_until`` gives it ABORT_FINISH_S, then shuts the
+    100 ms abort bound. Now ``PostedTargets`` gives it ABORT_FINISH_S, then shuts the
     connection. Here rank 1 sends a frame's header and 1000 of its 1 MiB, and stops."""
     import ctypes
 
@@ -1245,8 +1245,8 @@ def test_an_abort_while_a_reader_fills_a_posted_target_ends_within_the_abort_bud
     from torchport.distributed.transport_tcp import (
         ABORT_FINISH_S,
         FILLING,
+        PostedTargets,
         Target,
-        withdraw_until,
     )
     from torchport.distributed.wire import encode_header
 
@@ -1256,30 +1256,22 @@ def test_an_abort_while_a_reader_fills_a_posted_target_ends_within_the_abort_bud
     sig = (7, 1, n, 0)
     key = (9, int(Kind.COLL), 1, 5)
     target = Target(ctypes.addressof(buf), n, sig)
-    m0.mailbox.post(key, target)
     conn = m1.peers[0]
-    with conn.lock:
+    # (an aborted collective of a mailbox path: exchange, the chain broadcast, ...)
+    with (
+        conn.lock,
+        pytest.raises(CommunicatorErrorState),
+        PostedTargets(m0, time.monotonic() + 30) as posted,
+    ):
+        posted.post(key, target, 1)
         conn.sock.sendall(encode_header(Kind.COLL, 9, 1, 5, n, sig) + b"x" * 1000)
         end = time.monotonic() + 5
         while target.state != FILLING and time.monotonic() < end:
             time.sleep(0.005)
         assert target.state == FILLING
-
-        def aborted_collective() -> None:  # (as the mailbox paths withdraw their targets)
-            error: BaseException | None = None
-            try:
-                raise CommunicatorErrorState("communicator is in error state: aborted")
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                until = withdraw_until(time.monotonic() + 30, error)
-                m0.mailbox.withdraw(key, until, lambda: m0.shutdown_peer(1))
-
         t0 = time.monotonic()
-        with pytest.raises(CommunicatorErrorState):
-            aborted_collective()
-        took = time.monotonic() - t0
+        raise CommunicatorErrorState("communicator is in error state: aborted")
+    took = time.monotonic() - t0
     assert ABORT_FINISH_S <= took < ABORT_FINISH_S + 0.3, took
     assert bytes(buf[:1000]) == b"x" * 1000
 

@@ -33,7 +33,6 @@ the one-round publish-to-all step: at that size latency, not bandwidth, decides.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -60,10 +59,10 @@ from torchport.distributed.transport_shm import COPY, FOLD
 from torchport.distributed.transport_tcp import (
     RECEIVED,
     Frame,
+    PostedTargets,
     Target,
     XRecv,
     XSend,
-    withdraw_until,
 )
 from torchport.distributed.wire import Kind
 
@@ -302,13 +301,10 @@ class _Pieces:
             return buf.data_ptr() + (j * w + q) * size
 
         sends, recvs = self.frames(slot)
-        mailbox, posted = comm.mesh.mailbox, list[XRecv]()
-        error: BaseException | None = None
-        try:
+        with PostedTargets(comm.mesh, deadline) as posted:
             for x in recvs:
                 if x.size:
-                    mailbox.post(x.key, Target(x.ptr, x.size, x.sig))
-                    posted.append(x)
+                    posted.post(x.key, Target(x.ptr, x.size, x.sig), x.peer)
             i, done = 0, set[int]()
             for j, res in self.order:
                 # the input pieces of j, or (before input piece j goes) the results of j - RING
@@ -330,13 +326,6 @@ class _Pieces:
             for k, x in enumerate(recvs):
                 if (x.seq - self.epoch) & 1 and k not in done:
                     self.receive(x, deadline)
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
-            for x in posted:
-                mailbox.withdraw(x.key, until, functools.partial(comm.mesh.shutdown_peer, x.peer))
         comm._last_sig = self.sig(self.n - 1, 1)
 
     def receive(self, x: XRecv, deadline: float) -> None:
@@ -454,7 +443,6 @@ def _chain_broadcast(
     comm.epoch += len(pieces) + 1
     mailbox, gid = comm.mesh.mailbox, comm.group_id
     keys = [(gid, int(Kind.COLL), prev, epoch0 + k) for k in range(len(pieces))]
-    posted = 0
 
     def receive(src: int, k: int) -> bytearray:
         hdr, body = mailbox.get((gid, int(Kind.COLL), src, epoch0 + k), deadline, comm.check)
@@ -463,12 +451,10 @@ def _chain_broadcast(
 
     if _chain_direct(comm, epoch0, base, pieces, sigs, prev, kids, deadline):
         return
-    error: BaseException | None = None
-    try:
+    with PostedTargets(comm.mesh, deadline) as posted:
         if prev >= 0:
             for k, (lo, nb) in enumerate(pieces):
-                mailbox.post(keys[k], Target(base + lo, nb, sigs[k]))
-                posted = k + 1
+                posted.post(keys[k], Target(base + lo, nb, sigs[k]), prev)
         for k, (lo, nb) in enumerate(pieces):
             comm._last_sig = sigs[k]
             if prev >= 0:
@@ -480,13 +466,6 @@ def _chain_broadcast(
                 deadline,
                 comm.check,
             )
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
-        for key in keys[:posted]:
-            mailbox.withdraw(key, until, lambda: comm.mesh.shutdown_peer(prev))
     comm._last_sig = sigs[-1]
     for kid in kids:
         receive(kid, len(pieces))
@@ -773,13 +752,11 @@ def _direct_alltoall(
         _check_frames(comm, got, [(x.peer, x.sig) for x in recvs])
         return
     key = [(gid, int(Kind.COLL), comm.ranks[q], epoch) for q in range(w)]
-    posted: list[int] = []
-    error: BaseException | None = None
-    try:
+    with PostedTargets(comm.mesh, deadline) as posted:
         for q in range(w):
             if q != r and out_lens[q]:
-                mailbox.post(key[q], Target(outs[q], min(per, out_lens[q]), sig(out_lens[q], 0)))
-                posted.append(q)
+                target = Target(outs[q], min(per, out_lens[q]), sig(out_lens[q], 0))
+                posted.post(key[q], target, key[q][2])
         frames: list[tuple[int, Kind, int, int, bytes | bytearray | memoryview, tuple]] = []
         for d in ((r + k) % w for k in range(1, w)):  # every pair: at least one (empty) frame
             n = in_lens[d]
@@ -802,10 +779,3 @@ def _direct_alltoall(
                 m = min(per, n - lo)
                 if body is not RECEIVED and m:
                     _copy(outs[q] + lo, _expect(Blob(_addr(body), len(body), body), m, q), m)
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
-        for q in posted:
-            mailbox.withdraw(key[q], until, functools.partial(comm.mesh.shutdown_peer, key[q][2]))

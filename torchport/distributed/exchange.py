@@ -25,7 +25,7 @@ from typing import Any
 
 from torchport.distributed.errors import CommError
 from torchport.distributed.transport_shm import MISMATCH, StepError
-from torchport.distributed.transport_tcp import RECEIVED, Target, XRecv, XSend, withdraw_until
+from torchport.distributed.transport_tcp import RECEIVED, PostedTargets, Target, XRecv, XSend
 from torchport.distributed.wire import Kind
 
 Seg = tuple[int, int]  # (pointer, bytes)
@@ -195,16 +195,14 @@ def exchange(
             return blobs
     local = set(comm.local_ranks) if comm.local is not None else set()
     mailbox = comm.mesh.mailbox
-    posted: list[tuple[int, tuple[int, int, int, int]]] = []
-    error: BaseException | None = None
-    try:
+    with PostedTargets(comm.mesh, deadline) as posted:
         if into is not None:
             for q in range(w):
                 seg = into[q]
                 if q != r and q not in local and seg is not None and seg[1] > 0:
                     key = (comm.group_id, int(Kind.COLL), comm.ranks[q], epoch)
-                    mailbox.post(key, Target(seg[0], seg[1], (sig[0], sig[1], sig[2], sig[3])))
-                    posted.append((q, key))
+                    target = Target(seg[0], seg[1], (sig[0], sig[1], sig[2], sig[3]))
+                    posted.post(key, target, comm.ranks[q])
         comm.mesh.send_all(
             [
                 (comm.ranks[q], Kind.COLL, comm.group_id, epoch, _payload(out[q]), sig)
@@ -233,11 +231,3 @@ def exchange(
             else:
                 blobs[q] = Blob(_addr(body), len(body), body)
         return blobs
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        until, error = withdraw_until(deadline, error), None  # (no frame-traceback cycle)
-        for q, key in posted:
-            peer = comm.ranks[q]
-            mailbox.withdraw(key, until, lambda p=peer: comm.mesh.shutdown_peer(p))

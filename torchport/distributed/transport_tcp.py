@@ -281,6 +281,31 @@ def withdraw_until(deadline: float, error: BaseException | None) -> float:
     return min(deadline, time.monotonic() + budget)
 
 
+class PostedTargets:
+    """Receive targets a mailbox path posts into its caller's memory (:meth:`post`), withdrawn
+    when its ``with`` block ends (:meth:`Mailbox.withdraw`, which waits for a receive in
+    progress into one): by the operation's ``deadline``, or after an error within
+    :func:`withdraw_until`'s budget for it (the ``with`` hands the error over). Past that the
+    receive's connection is shut."""
+
+    def __init__(self, mesh: Mesh, deadline: float) -> None:
+        self.mesh, self.deadline = mesh, deadline
+        self._keys: list[tuple[Key, int]] = []
+
+    def post(self, key: Key, target: Target, peer: int) -> None:
+        """Post ``target`` for ``key``, a frame from global rank ``peer``."""
+        self.mesh.mailbox.post(key, target)
+        self._keys.append((key, peer))
+
+    def __enter__(self) -> PostedTargets:
+        return self
+
+    def __exit__(self, _type: Any, error: BaseException | None, _tb: Any) -> None:
+        until = withdraw_until(self.deadline, error)
+        for key, peer in self._keys:
+            self.mesh.mailbox.withdraw(key, until, functools.partial(self.mesh.shutdown_peer, peer))
+
+
 def _cut(what: str, why: BaseException) -> ConnectionError:
     """The error of a connection closed because a frame on it was left part-way ``what``."""
     cause = f"{type(why).__name__}: {why}" if str(why) else type(why).__name__
