@@ -920,3 +920,26 @@ def test_tuner_streams_weight_copies_past_the_cache(monkeypatch):
             assert ops._memory_sets(args) == [args]
     with config.override(cold_cache_bytes=0):
         assert ops._memory_sets(args) == [args]
+
+
+def test_compiled_gemv_of_a_quantized_weight_runs_the_packed_kernel() -> None:
+    """Under Dynamo ``callable(w.gemv_pack)`` read False: a compiled ``gemv(x, q, b)`` took the
+    dense path, dequantizing the whole weight with torch ops on every call (and its float
+    kernel differed from eager's int8 one by ~0.08). It records ``q.gemv`` now, which runs the
+    packed-weight op, and gives eager's bits."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch.manual_seed(1)
+    q, b, x = NVFP4Tensor.from_float(torch.randn(5, 64)), torch.randn(5), torch.randn(2, 64)
+    rec = AotEagerAndRecordGraphs()
+    f = torch.compile(lambda x, w, b: gemv(x, w, b), fullgraph=True, backend=rec)
+    assert torch.equal(f(x, q, b), gemv(x, q, b))
+    code = "\n".join(g.code for g in rec.fw_graphs)
+    assert "torchport.gemv_packed" in code and "gemv_dense" not in code, code
+
+
+def test_a_dense_weight_off_the_cpu_is_refused() -> None:
+    """The kernel read a meta weight's null data pointer (the process crashed)."""
+    for bias in (None, torch.zeros(5)):
+        with pytest.raises(GemvInputError, match="a dense weight must be on cpu, got meta"):
+            gemv(torch.randn(1, 64), torch.randn(5, 64, device="meta"), bias)

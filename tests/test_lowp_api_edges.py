@@ -170,6 +170,56 @@ def test_arguments_that_are_no_tensors_or_not_on_cpu() -> None:
         gemv(torch.randn(1, 64), torch.randn(48, 64), [0.0] * 48)
 
 
+@pytest.mark.parametrize("m", [4, 16])  # the decode GEMV (M <= 8) and the engine panels
+def test_operands_off_the_cpu_are_refused(m: int) -> None:
+    """An FP8 operand on another device had its data pointer read as host memory (a meta ``b``
+    crashed the process); a bias on another device was dropped without a word (``y += meta``
+    leaves ``y`` as it was); ``linear_quantize`` with a meta weight quantized whatever its
+    output buffer held."""
+    e4, one = torch.float8_e4m3fn, torch.tensor(1.0)
+    a, b = torch.randn(m, 64).to(e4), torch.randn(48, 64).to(e4).t()
+    with pytest.raises(LowPrecisionError, match="scaled_mm: a must be on cpu, got meta"):
+        torchport.scaled_mm(a.to("meta"), b, one, one)
+    with pytest.raises(LowPrecisionError, match="scaled_mm: b must be on cpu, got meta"):
+        torchport.scaled_mm(a, b.to("meta"), one, one)
+    lin = torch.nn.Linear(64, 32)
+    torchport.quantize_(lin, NVFP4WeightOnlyConfig())
+    x, meta_bias = torch.randn(m, 64), torch.ones(32, device="meta")
+    err = (GemvInputError, "gemv") if m <= 8 else (LowPrecisionError, "block_scaled_mm")
+    with torch.no_grad():
+        for _ in range(2):  # (the second call would meet a settled decode route)
+            with pytest.raises(err[0], match=f"{err[1]}: bias must be on cpu, got meta"):
+                torch.nn.functional.linear(x, lin.weight, meta_bias)
+        with pytest.raises(err[0], match=f"{err[1]}: x must be on cpu, got meta"):
+            lin(x.to("meta"))
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    w = torch.randn(32, 64)
+    for name, args in (
+        ("x", (x.to("meta"), w, None)),
+        ("w", (x, w.to("meta"), None)),
+        ("bias", (x, w, meta_bias)),
+    ):
+        with pytest.raises(LowPrecisionError, match=f"linear_quantize: {name} must be on cpu"):
+            linear_quantize(*args)
+
+
+@pytest.mark.parametrize("m", [4, 12])
+def test_scaled_mm_fp8_outputs_cast_as_torch(m: int) -> None:
+    """Past the format's range an E5M2 output is infinite, as ``torch._scaled_mm`` gives (the
+    cast saturated at 57344); an E4M3FN output saturates at 448 in both."""
+    e4, one = torch.float8_e4m3fn, torch.tensor(1.0)
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(m, 32, generator=g) * 400).to(e4)
+    b = (torch.randn(16, 32, generator=g) * 400).to(e4).t()
+    for od in (torch.float8_e5m2, e4):
+        got = torchport.scaled_mm(a, b, one, one, out_dtype=od)
+        want = torch._scaled_mm(a, b, one, one, out_dtype=od)
+        assert torch.equal(got.float().isinf(), want.float().isinf())
+        assert got.float().isinf().any() == (od == torch.float8_e5m2)
+        fin = want.float().isfinite()
+        assert torch.equal(got.float()[fin].abs() == 448, want.float()[fin].abs() == 448)
+
+
 @pytest.mark.parametrize("m", [3, 20])
 @pytest.mark.parametrize("g", [float("inf"), float("nan")])
 def test_a_non_finite_global_scale_on_either_operand_is_the_references(m: int, g: float) -> None:

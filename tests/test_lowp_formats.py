@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchport.lowp import formats, fp8, mx, nvfp4
+from torchport.lowp import NVFP4Tensor, formats, fp8, mx, nvfp4
 from torchport.lowp.formats import LowPrecisionError, NonFiniteInputError
 
 E2M1_MAG = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -239,7 +239,7 @@ def test_bad_inputs_raise_typed_errors():
     with pytest.raises(LowPrecisionError, match=r"elem must be one of"):
         mx.mx_quantize(torch.ones(2, 32), "fp6")
     with pytest.raises(
-        LowPrecisionError, match=r"per_tensor_scale must be a positive finite number, got -1"
+        LowPrecisionError, match=r"per_tensor_scale must be a positive finite number .*, got -1"
     ):
         nvfp4.nvfp4_quantize(torch.ones(2, 16), -1.0)
     with pytest.raises(LowPrecisionError, match=r"granularity must be one of"):
@@ -320,3 +320,10 @@ def test_per_tensor_scale_types():
     for bad in (True, torch.tensor(0.5), "0.5"):  # True was taken as a scale of 1.0
         with pytest.raises(LowPrecisionError, match=r"per_tensor_scale must be a positive finite"):
             nvfp4.nvfp4_quantize(x, bad)  # type: ignore[arg-type]
+    # finite as a Python float but not as the float32 the kernels use (inf or 0 there: every
+    # weight came back NaN or zero)
+    for bad in (1e39, 1e-50, 10**400, float("nan")):
+        with pytest.raises(LowPrecisionError, match=r"per_tensor_scale must be a positive finite"):
+            nvfp4.nvfp4_quantize(x, bad)  # type: ignore[arg-type]
+        with pytest.raises(LowPrecisionError, match=r"nonzero and finite as float32"):
+            NVFP4Tensor.from_float(x, per_tensor_scale=bad)

@@ -101,6 +101,8 @@ def pack_dense(w: torch.Tensor) -> PackedWeight:
             f"gemv: a dense weight must be a 2-D float32 or bfloat16 tensor, got {w.dtype} "
             f"shape {tuple(w.shape)}"
         )
+    if w.device.type != "cpu":  # (the kernel read a meta weight's null pointer: a crash)
+        raise GemvInputError(f"gemv: a dense weight must be on cpu, got {w.device}")
     fmt = "f32" if w.dtype == torch.float32 else "bf16"
     # resolve_neg: a lazily negated weight's memory holds the un-negated values the kernel read
     data = w.detach().resolve_neg().contiguous()
@@ -143,6 +145,8 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> None:
         raise GemvInputError(f"gemv: bias must be a tensor or None, got {type(bias).__name__}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if bias is not None and bias.device.type != "cpu":  # (a meta bias was dropped silently)
+        raise GemvInputError(f"gemv: bias must be on cpu, got {bias.device}")
 
 
 @dataclass(frozen=True)
@@ -869,13 +873,16 @@ def _func_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
 
 def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """True if the kernel may be called directly (plain tensors or parameters, no autograd, no
-    lazy negation: a bias with the bit holds its un-negated values, which the kernel added)."""
-    if not native.eager_fast_path(x):
+    lazy negation: a bias with the bit holds its un-negated values, which the kernel added),
+    on the CPU (the kernel read another device's data pointer as host memory: a meta input
+    crashed the process; the general path names the device)."""
+    if not native.eager_fast_path(x) or not x.is_cpu:
         return False
     if bias is None:
         return True
     return (
         type(bias) in (torch.Tensor, torch.nn.Parameter)
+        and bias.is_cpu
         and not (bias.requires_grad and torch.is_grad_enabled())
         and not bias.is_neg()
     )
@@ -1114,9 +1121,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     infinities in ``x`` give NaN and infinities where ``F.linear`` on the dequantized weight
     does: FP4 weights' int8-activation kernels hand such calls to the format's float kernel.
     """
-    pack = getattr(weight, "gemv_pack", None)
-    if callable(pack):  # a quantized weight packs once and keeps its settled routes
-        return gemv_packed(x, pack(), bias)
+    from torchport.lowp.tensors import LowPrecisionTensor  # (lowp imports this module)
+
+    if isinstance(weight, LowPrecisionTensor):  # packs once and keeps its settled routes
+        return weight.gemv(x, bias)
     pw = pack_dense(weight)
     if native.functorch_active() or native.forward_ad_active():  # torch.func or forward AD:
         # torch ops on the weight itself, which may be what is transformed or dual (the packed

@@ -51,6 +51,10 @@ def _check(
             raise LowPrecisionError(
                 f"linear_quantize: {name} must be a tensor, got {type(t).__name__}"
             )
+        # (torch.mm(x, meta_w, out=y) and y += meta_bias leave y as it was on this build:
+        # the codes of an uninitialised or bias-less y came back without an error)
+        if t is not None and t.device.type != "cpu":
+            raise LowPrecisionError(f"linear_quantize: {name} must be on cpu, got {t.device}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise LowPrecisionError(
             f"linear_quantize: x [M, K] and w [N, K] must agree on K, got {tuple(x.shape)} and {tuple(w.shape)}"

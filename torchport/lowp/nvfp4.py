@@ -50,8 +50,18 @@ def check_per_tensor_scale(pts: float | None) -> None:
     """Raise unless ``pts`` is None or a positive finite real number (not a bool)."""
     # any real number (NumPy's included) but a bool (True would be read as a scale of 1.0)
     ok = isinstance(pts, numbers.Real) and not isinstance(pts, bool)
-    if pts is not None and not (ok and 0 < float(pts) < float("inf")):
-        raise LowPrecisionError(f"per_tensor_scale must be a positive finite number, got {pts!r}")
+    # checked as the float32 the kernels use: 1e39 would be inf there, 1e-50 zero
+    if ok and pts is not None:
+        try:
+            f32 = float(torch.tensor(float(pts), dtype=torch.float32))
+        except OverflowError:  # (an int past float's range)
+            f32 = math.inf
+        ok = 0 < f32 < math.inf
+    if pts is not None and not ok:
+        raise LowPrecisionError(
+            "per_tensor_scale must be a positive finite number (nonzero and finite as "
+            f"float32), got {pts!r}"
+        )
 
 
 def nvfp4_quantize_reference(

@@ -6,9 +6,9 @@
 - tensor-wise scaling: ``scale_a`` and ``scale_b`` float32 with one element each;
 - row-wise scaling: ``scale_a [M, 1]`` and ``scale_b [1, N]`` float32.
 
-Accumulation is float32; the epilogue applies ``scale_a · scale_b``, then ``bias``, then the cast to
-``out_dtype`` (default: ``a.dtype``, a saturating FP8 cast, as ``torch._scaled_mm``). Decode shapes
-(M ≤ 8) run the native FP8 GEMV reading ``b``'s bytes directly. Larger M runs on the GEMM engine
+Accumulation is float32; the epilogue applies ``scale_a · scale_b``, then ``bias``, then the cast
+to ``out_dtype`` (default: ``a.dtype``; torch's FP8 cast, as ``torch._scaled_mm``: E4M3FN
+saturates, E5M2 overflows to infinity). Decode shapes (M ≤ 8) run the native FP8 GEMV reading ``b``'s bytes directly. Larger M runs on the GEMM engine
 (:func:`torchport.gemm.mm`: generated kernels autotuned against ATen, which it falls back to):
 ``b`` is decoded to float32 one panel of columns at a time (FP8 values are exact in float32) and
 each panel is one engine GEMM whose epilogue does the scaling (``Scale`` by ``scale_a`` per row and
@@ -40,7 +40,7 @@ from torchport.gemm.epilogue import FUSABLE_DTYPES, Split, Step, split
 from torchport.gemm.kernels import run_native
 from torchport.gemm.mm import bucket
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
-from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, to_fp8_reference
+from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
 from torchport.lowp.panel import decode_rows_bf16, pack_rows, panel_workspace
 
 OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, *FP8_DTYPES)
@@ -59,6 +59,8 @@ def _validate(
         if not isinstance(t, torch.Tensor) or t.dtype not in FP8_DTYPES or t.dim() != 2:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise LowPrecisionError(f"scaled_mm: {name} must be a 2-D float8 tensor, got {got}")
+        if t.device.type != "cpu":  # (the kernels read its data pointer as host memory)
+            raise LowPrecisionError(f"scaled_mm: {name} must be on cpu, got {t.device}")
     m, k = a.shape
     if b.shape[0] != k:
         raise LowPrecisionError(
@@ -121,7 +123,7 @@ def _finish(
         acc = acc + bias.float()
     if div is not None:  # scale_result (FP8 output only)
         acc = acc / div.float()
-    return to_fp8_reference(acc, out_dtype) if out_dtype in FP8_DTYPES else acc.to(out_dtype)
+    return acc.to(out_dtype)  # (torch's FP8 cast, as torch._scaled_mm: see _cast_out)
 
 
 def scaled_mm_reference(
@@ -135,7 +137,7 @@ def scaled_mm_reference(
     scale_result: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b) + bias`` in float64, divided by ``scale_result`` for an FP8
-    output, then cast (saturating for FP8)."""
+    output, then cast as torch does (E4M3FN saturates, E5M2 overflows to inf)."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
     _check_scale_result(scale_result)
     acc = (
@@ -147,7 +149,7 @@ def scaled_mm_reference(
         acc = acc + bias.double().reshape(-1)
     if scale_result is not None and od in FP8_DTYPES:
         acc = acc / scale_result.double()
-    return to_fp8_reference(acc, od) if od in FP8_DTYPES else acc.to(od)
+    return acc.to(od)  # (torch's FP8 cast, as torch._scaled_mm: see _cast_out)
 
 
 def scaled_mm(
@@ -165,8 +167,9 @@ def scaled_mm(
 
     As torch's CPU implementation: ``bias`` is ``[N]`` or ``[1, N]``; ``scale_result`` (a
     one-element float32 tensor) divides the result, bias included, before an FP8 ``out_dtype``'s
-    saturating cast and is ignored for other output dtypes; ``use_fast_accum`` is accepted and
-    changes nothing (the accumulation is float32 either way)."""
+    cast (torch's: E4M3FN saturates, E5M2 overflows to inf) and is ignored for other output
+    dtypes; ``use_fast_accum`` is accepted and changes nothing (the accumulation is float32
+    either way)."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
     _check_scale_result(scale_result)
     if bias is not None:
@@ -210,10 +213,10 @@ def scaled_mm(
 
 
 def _cast_out(acc: torch.Tensor, od: torch.dtype) -> torch.Tensor:
-    """The engine's float32 (or already bfloat16) result in ``od`` (saturating for FP8)."""
-    if acc.dtype == od:
-        return acc
-    return to_fp8_reference(acc, od) if od in FP8_DTYPES else acc.to(od)
+    """The engine's float32 (or already bfloat16) result in ``od`` by torch's own cast, as
+    ``torch._scaled_mm`` casts: float8_e4m3fn saturates at ±448 (it has no infinity), float8_e5m2
+    rounds a value past 57344 to ±inf (saturating it had given 57344 where torch gives inf)."""
+    return acc if acc.dtype == od else acc.to(od)
 
 
 PANEL_BYTES = 8 << 20  # one decoded float32 weight panel (stays in L3)
@@ -616,6 +619,10 @@ def block_scaled_mm(
         raise LowPrecisionError(
             f"block_scaled_mm: bias must have shape ({n},), got {tuple(bias.shape)}"
         )
+    # (a meta bias's in-place add left the output as it was: the bias silently dropped)
+    for name, t in (("x", x), ("w", w), ("bias", bias)):
+        if t is not None and t.device.type != "cpu":
+            raise LowPrecisionError(f"block_scaled_mm: {name} must be on cpu, got {t.device}")
     od = out_dtype or x.dtype
     if od not in OUT_DTYPES:
         raise LowPrecisionError(f"block_scaled_mm: out_dtype must be one of {OUT_DTYPES}, got {od}")

@@ -63,7 +63,13 @@ from torch.utils._pytree import tree_map
 from torchport import config, native
 from torchport.gemv import MAX_ROWS, GemvInputError, PackedWeight
 from torchport.gemv.hugepages import hugepage_copy
-from torchport.gemv.ops import SettledRoute, linear_decode, note_written, settle_route
+from torchport.gemv.ops import (
+    SettledRoute,
+    gemv_packed,
+    linear_decode,
+    note_written,
+    settle_route,
+)
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp._common import HP_DTYPES
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, e8m0_to_f32, unpack_fp4
@@ -637,6 +643,13 @@ class LowPrecisionTensor(torch.Tensor):
         if status:
             raise native.NativeError(f"fp4 x fp4 gemv failed with status {status}")
         return out.reshape(*x.shape[:-1], n)
+
+    def gemv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """:func:`torchport.gemv.gemv` with this weight: the weight-only decode GEMV (activations
+        never quantized). A method so that a compiled caller records the call itself: Dynamo
+        refuses ``gemv_pack()`` (its result is no tensor), and the dense fallback it took
+        instead dequantized the whole weight on every call."""
+        return gemv_packed(x, self.gemv_pack(), bias)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, self, bias)``: decode GEMV for ≤ 8 rows, else the prefill GEMM.
