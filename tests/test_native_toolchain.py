@@ -368,6 +368,29 @@ def test_kernel_argument_validation(fresh_cache):
         k(torch.empty(4))
     with pytest.raises(KernelArgumentError, match=r"must be a torch.Tensor, got list"):
         k([1.0], 1, 1.0, 1)
+    # a lazily negated view: its memory holds the values before the negation, which the
+    # kernel read as they were (a contiguous one passed every other check)
+    with pytest.raises(KernelArgumentError, match=r"'out' must not carry a lazy negation bit"):
+        k(torch._neg_view(torch.empty(4)), 4, 1.0, 1)
+
+
+def test_single_float_argument_must_fit_a_float(fresh_cache):
+    """ctypes handed a double past float's range to a C ``float`` parameter as inf."""
+    src = "TP_EXPORT int tp_put(float *out, float v) { out[0] = v; return 0; }\n"
+    k = Kernel(
+        native.build(native.render(src), name="put"),
+        "tp_put",
+        (TensorArg("out", (torch.float32,)), native.FloatArg("v", single=True)),
+    )
+    out = torch.zeros(1)
+    for v in (1.5, -3.4028234663852886e38, float("inf")):  # (-FLT_MAX; inf is given as inf)
+        k(out, v)
+        assert out.item() == v
+    k(out, float("nan"))
+    assert out.isnan().all()
+    for v in (1e300, -3.5e38, 10**39):
+        with pytest.raises(KernelArgumentError, match=r"'v' must fit in a float, got"):
+            k(out, v)
 
 
 def test_negated_views_take_the_dispatcher_which_resolves_them(fresh_cache):

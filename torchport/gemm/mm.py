@@ -530,6 +530,8 @@ def _native_runner(
         ATen and a fused call on a native launch measured 1.07-1.14x the bare time at M=1)."""
         if not spec.ops:
             return aten_run, True
+        if a.dtype == torch.bfloat16 and spec.out_dtype(a.dtype) == torch.float32:
+            return aten_run, False  # (a float32 product: mm_aten; the pass takes a bf16 one)
         try:
             epi = kernels.epilogue_pass(spec, a.dtype, isa)
         except native.NativeError as e:
@@ -967,7 +969,11 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             g = torch.ops.aten.gelu_backward(g.to(cdt), x, approximate=approx).to(dt)
         else:
             assert x is not None
-            g = torch.ops.aten.silu_backward(g.to(cdt), x).to(dt)
+            if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
+                s = torch.sigmoid(x)
+                g = (g.to(cdt) * s * (1 + x * (1 - s))).to(dt)
+            else:
+                g = torch.ops.aten.silu_backward(g.to(cdt), x).to(dt)
     grads_ops.reverse()
     ga = g @ b.t() if ctx.needs_input_grad[0] else None
     gb = a.t() @ g if ctx.needs_input_grad[1] else None

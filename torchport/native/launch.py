@@ -9,6 +9,7 @@ travel as explicit ``int64_t`` arguments chosen by each template. Validation fai
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,12 @@ def check_tensor(spec: TensorArg, value: object, kernel: str) -> torch.Tensor:
     if spec.contiguous and not value.is_contiguous():
         raise KernelArgumentError(
             f"{where} must be contiguous, got strides {value.stride()} for shape {tuple(value.shape)}"
+        )
+    if value.is_neg() or value.is_conj():  # its memory holds the values before the lazy op
+        raise KernelArgumentError(
+            f"{where} must not carry a lazy {'negation' if value.is_neg() else 'conjugation'} "
+            "bit (its memory holds the values before it); pass .resolve_neg() / "
+            ".resolve_conj()"
         )
     return value
 
@@ -205,11 +212,19 @@ class Kernel:
                         f"{self.name}: argument {spec.name!r} must be a number, got {v!r}"
                     )
                 try:
-                    raw.append(float(v))
+                    f = float(v)
                 except OverflowError:  # an int past the double range (10**400)
                     raise KernelArgumentError(
                         f"{self.name}: argument {spec.name!r} must fit in a double, got {v}"
                     ) from None
+                if spec.single:  # (ctypes passed 1e300 to a C float as inf)
+                    try:
+                        struct.pack("<f", f)  # raises where the float rounding overflows
+                    except OverflowError:
+                        raise KernelArgumentError(
+                            f"{self.name}: argument {spec.name!r} must fit in a float, got {v}"
+                        ) from None
+                raw.append(f)
         status = self._fn(*raw)
         if status != 0:
             raise RuntimeError(f"{self.name} returned error status {status}")
