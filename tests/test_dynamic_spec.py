@@ -433,6 +433,33 @@ def test_make_fx_checks_the_dims_the_spec_leaves_static() -> None:
         gm(torch.ones(3, 4), torch.ones(6))
 
 
+@pytest.mark.parametrize("var", [ShapeVar("N"), ShapeVar("N", max=100), IntVar("N")])
+def test_make_fx_checks_the_guards_its_trace_took(var: ShapeVar) -> None:
+    """A function that branches on a dynamic size is traced down one branch: the graph held
+    only where that branch's condition does, and a call past it computed the traced branch's
+    formula (``x * 10`` for a size-2 x, where eager gives ``x + 1``) without a word."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 10 if x.shape[0] > 4 else x + 1
+
+    gm = torchport.make_fx(f, dynamic_shapes={"x": TensorSpec([var])})(torch.ones(6))
+    assert torch.equal(gm(torch.ones(9)), f(torch.ones(9)))
+    for n in (0, 1, 2, 4):
+        with pytest.raises(DynamicSpecViolation, match=r"holds only where its guards hold"):
+            gm(torch.ones(n))
+    # (a guard that splits 1 from larger sizes is kept too: size-oblivious tracing drops
+    # torch's own layout guards, not the function's)
+    g = torchport.make_fx(
+        lambda x: x * 10 if x.shape[0] > 1 else x + 1, dynamic_shapes={"x": TensorSpec([var])}
+    )(torch.ones(6))
+    with pytest.raises(DynamicSpecViolation, match=r"holds only where its guards hold"):
+        g(torch.ones(1))
+    # the traced layout is not a guard: a transposed input of allowed sizes runs
+    h = torchport.make_fx(f, dynamic_shapes={"x": TensorSpec([var, 3])})(torch.ones(6, 3))
+    xt = torch.randn(3, 7).t()
+    assert torch.equal(h(xt), f(xt))
+
+
 def test_compile_leaves_no_dim_marks_on_the_callers_tensors() -> None:
     # mark_dynamic's marks live on the tensor: left there, another torch.compile that
     # specialises the dim fails with ConstraintViolationError

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
 
 from torchport.frontend.dynamic_spec import (
@@ -478,24 +479,73 @@ def make_fx(
         b = bind(fn, spec, args, {}, "make_fx")
         _pytree_only(b, "torchport.make_fx")
         check_call(b, args, {})
-        fake_args = _fakify(b, args)
-        flat_fake = pytree.tree_leaves(fake_args)
+        # size-oblivious: torch's own layout checks (is_contiguous) guard a dim >= 2 otherwise,
+        # which the graph need not hold for (it holds for 0 and 1); the function's own guards
+        # on a size remain, and every call is checked against them (_traced_guards)
+        with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+            fake_args = _fakify(b, args)
+            flat_fake = pytree.tree_leaves(fake_args)
 
-        def prologue_then_fn(*a: Any) -> Any:
-            _spec_checks(b, flat_fake)
-            return fn(*a)
+            def prologue_then_fn(*a: Any) -> Any:
+                _spec_checks(b, flat_fake)
+                return fn(*a)
 
-        gm = _make_fx(prologue_then_fn, tracing_mode="symbolic", **make_fx_kwargs)(*fake_args)
+            gm = _make_fx(prologue_then_fn, tracing_mode="symbolic", **make_fx_kwargs)(*fake_args)
+            guards = _traced_guards(flat_fake)
         static = _static_sizes(fn, b, args)
 
         def check(_m: Any, call_args: tuple[Any, ...]) -> None:
             check_call(b, call_args, {})
             _check_static(static, call_args)
+            if guards is not None:
+                guards(call_args)
 
         gm.register_forward_pre_hook(check)
         return gm
 
     return trace
+
+
+def _traced_guards(flat_fake: Sequence[Any]) -> Callable[[tuple[Any, ...]], None] | None:
+    """A check of the guards the trace added on the spec's symbols, or None if it added none.
+
+    A function that branches on a dynamic size (``x * 10 if x.shape[0] > 4 else x + 1``) is
+    traced down one branch: the graph holds only where that branch's condition does, and a call
+    past it computed the other branch's formula silently. The check raises
+    :class:`DynamicSpecViolation` there instead (``torch.compile`` would recompile; a traced
+    GraphModule cannot)."""
+    idx = [i for i, x in enumerate(flat_fake) if isinstance(x, torch.Tensor)]
+    fakes = [flat_fake[i] for i in idx]
+    env = next((t.fake_mode.shape_env for t in fakes if hasattr(t, "fake_mode")), None)
+    if env is None or not env.guards:  # (the spec's ranges alone: check_call has them)
+        return None
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    names = [f"t{j}" for j in range(len(idx))]
+    # the sizes' guards (ranges as the trace narrowed them, relations); not the traced layout's
+    # (stride and storage offset): a transposed input runs the graph correctly, as before
+    parts = [
+        p
+        for p in env.produce_guards(fakes, [LocalSource(n) for n in names])
+        if ".stride()" not in p and ".storage_offset()" not in p
+    ]
+    if not parts:
+        return None
+    code = " and ".join(parts)
+    compiled = compile(code, "<torchport.make_fx guards>", "eval")  # (once, not per call)
+
+    def check(call_args: tuple[Any, ...]) -> None:
+        flat = pytree.tree_leaves((tuple(call_args), {}))
+        if not eval(compiled, SYMPY_INTERP, {"L": dict(zip(names, (flat[i] for i in idx)))}):
+            shapes = [tuple(flat[i].shape) for i in idx]
+            raise DynamicSpecViolation(
+                "torchport.make_fx: the traced graph holds only where its guards hold "
+                f"({code}); the call's tensor shapes {shapes} fail them (the function "
+                "specialised on a dynamic size while tracing: trace again for these sizes)"
+            )
+
+    return check
 
 
 def _static_sizes(
