@@ -332,6 +332,31 @@ def test_code_that_specialises_a_spec_dim_warns_and_stays_correct() -> None:
     assert fn.relaxed is not None and "5" in fn.relaxed
 
 
+def test_specialised_dim_of_an_object_attribute_falls_back_too() -> None:
+    """The relaxed retry removed the strict marks from the flat inputs only: an ObjectSpec's
+    attribute tensor kept them, and the retry raised the same ConstraintViolationError."""
+    from torchport import ObjectSpec
+
+    class C:
+        w: torch.Tensor
+
+    def g(c: C) -> torch.Tensor:
+        return c.w * 10 if c.w.shape[0] > 4 else c.w + 1
+
+    cg = torchport.compile(
+        g, inner="eager", dynamic_shapes={"c": ObjectSpec({"w": TensorSpec([ShapeVar("T")])})}
+    )
+    c = C()
+    for n in (6, 2, 9):
+        c.w = torch.ones(n)
+        if n == 6:
+            with pytest.warns(UserWarning, match=r"specialises a dynamic dim of its spec"):
+                out = cg(c)
+        else:
+            out = cg(c)
+        assert torch.equal(out, g(c))
+
+
 # --- export and make_fx -----------------------------------------------------------------------------------
 
 

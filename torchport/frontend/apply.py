@@ -106,7 +106,9 @@ class SpecCompiled:
                 f"({self.relaxed}); sizes it specialises on will recompile",
                 stacklevel=3,
             )
-            for t in flat:
+            # (an ObjectSpec's attribute tensors too: their strict marks, left, failed the
+            # relaxed compile with the same ConstraintViolationError)
+            for t in [*flat, *(s.target(flat) for s in b.slots if s.dim is not None)]:
                 for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range"):
                     if isinstance(t, torch.Tensor) and hasattr(t, attr):
                         delattr(t, attr)
