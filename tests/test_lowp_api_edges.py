@@ -166,6 +166,9 @@ def test_arguments_that_are_no_tensors_or_not_on_cpu() -> None:
         torchport.scaled_mm(a, b, torch.tensor(1.0, device="meta"), one)
     with pytest.raises(LowPrecisionError, match="bias must be on cpu, got meta"):
         torchport.scaled_mm(a, b, one, one, bias=torch.zeros(48, device="meta"))
+    for bad in (torch.float8_e4m3fn, torch.complex64):  # (torch refuses both too)
+        with pytest.raises(LowPrecisionError, match="bias must be a real, non-float8 tensor"):
+            torchport.scaled_mm(a, b, one, one, bias=torch.zeros(48).to(bad))
     with pytest.raises(GemvInputError, match="bias must be a tensor or None, got list"):
         gemv(torch.randn(1, 64), torch.randn(48, 64), [0.0] * 48)
 

@@ -87,6 +87,12 @@ def _validate(
         )
     if bias is not None and bias.device.type != "cpu":
         raise LowPrecisionError(f"scaled_mm: bias must be on cpu, got {bias.device}")
+    if bias is not None and (bias.dtype in FP8_DTYPES or bias.is_complex()):
+        # (torch refuses both: FP8 has no promotion, a complex sum no real output; the complex
+        # bias lost its imaginary part here with a warning, the FP8 one was taken as its value)
+        raise LowPrecisionError(
+            f"scaled_mm: bias must be a real, non-float8 tensor, got {bias.dtype}"
+        )
     if bias is not None and tuple(bias.shape) not in ((n,), (1, n)):
         raise LowPrecisionError(
             f"scaled_mm: bias must have shape ({n},) or (1, {n}), got {tuple(bias.shape)}"
