@@ -363,3 +363,65 @@ def test_native_argmax_takes_nan_as_maximum() -> None:
     g.replay()
     torch.testing.assert_close(am, x.argmax(-1))
     assert am.tolist() == [1, 1]
+
+
+_NAN = float("nan")
+_I64 = torch.zeros(4, dtype=torch.int64)  # makes the arange an op of the graph, not a constant
+# (id, program, input): each once wrong after a native replay, now bit-exact to ATen.
+_EXACT_CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = [
+    ("arange_int64_past_2p53", lambda z: torch.arange(2**60, 2**60 + 4) + z, _I64),
+    ("arange_int64_negative_step", lambda z: torch.arange(2**60 + 4, 2**60, -1) + z, _I64),
+    (
+        "arange_int64_float_bounds",
+        lambda z: torch.arange(0.5, 3, 1.5, dtype=torch.int64) + z,
+        _I64[:3],
+    ),
+    ("arange_int32", lambda z: torch.arange(-7, 9, 4, dtype=torch.int32) + z.int(), _I64),
+    (
+        "abs_float64_neg_zero_nan",
+        lambda a: a.abs(),
+        torch.tensor([-0.0, -_NAN, -2.0, 3.0], dtype=torch.float64),
+    ),
+    ("abs_float32_neg_zero_nan", lambda a: a.abs(), torch.tensor([-0.0, -_NAN, -2.0, 3.0])),
+    ("clamp_nan_min", lambda a: a.clamp(min=_NAN), torch.tensor([0.0, -1.0, 2.0])),
+    ("clamp_nan_max", lambda a: a.clamp(max=_NAN), torch.tensor([0.0, -1.0, 2.0])),
+    ("clamp_nan_min_finite_max", lambda a: a.clamp(_NAN, 1.0), torch.tensor([0.0, -1.0, 2.0])),
+    ("clamp_finite_min_nan_max", lambda a: a.clamp(-1.0, _NAN), torch.tensor([0.0, -1.0, 2.0])),
+    (
+        "clamp_min_nan",
+        lambda a: torch.clamp_min(a, _NAN),
+        torch.tensor([0.0, -1.0], dtype=torch.float64),
+    ),
+    (
+        "clamp_max_nan",
+        lambda a: torch.clamp_max(a, _NAN),
+        torch.tensor([0.0, -1.0], dtype=torch.float64),
+    ),
+    ("clamp_nan_input", lambda a: a.clamp(0.0, 1.0), torch.tensor([_NAN, -0.0, 2.0, -1.0])),
+]
+
+
+@pytest.mark.parametrize(
+    ("prog", "x"), [c[1:] for c in _EXACT_CASES], ids=[c[0] for c in _EXACT_CASES]
+)
+def test_native_integer_arange_abs_sign_and_clamp_nan_match_aten_exactly(
+    prog: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> None:
+    """Bugs: the native tier computed an integer arange in double (arange(2**60, 2**60 + 4)
+    replayed as four equal values), float64 abs as ``a < 0 ? -a : a`` (abs(-0.0) kept its sign),
+    and clamp compared with a NaN bound (``a < NaN`` is false: the input came back where ATen
+    gives NaN). Results must equal ATen's bit for bit, sign of zero and NaN included."""
+    g = Graph()
+    with torch.no_grad(), g:
+        got = prog(x)
+    assert g.tier == "native"
+    got.fill_(7)  # the replay, not the capture's eager run, must produce the values
+    g.replay()
+    want = prog(x)
+    assert got.dtype == want.dtype
+    if want.dtype.is_floating_point:
+        assert torch.equal(got.isnan(), want.isnan()), (got, want)
+        assert torch.equal(got.signbit(), want.signbit()), (got, want)
+        keep = ~want.isnan()  # NaN payloads aside, equal values
+        got, want = got[keep], want[keep]
+    assert torch.equal(got, want), (got, want)

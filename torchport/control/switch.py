@@ -9,7 +9,10 @@ chosen branch only; the index gets none.
 
 How each mode runs it:
 
-- eager: the chosen branch is called directly (no HOP, no tracing, ordinary autograd);
+- eager: the chosen branch is called directly (no HOP, no tracing, ordinary autograd); an output
+  that shares memory with an operand (a branch returning its input) is returned as a copy, as a
+  captured switch returns it and as ``torch.cond`` requires. A dispatch mode that does not trace
+  (``FlopCounterMode``, a logging mode) takes this path and sees the chosen branch's ops;
 - ``torch.export`` (non-strict, 2.13's default) and ``make_fx``: :data:`switch_op`, a
   ``HigherOrderOperator`` registered as ``torch.ops.higher_order.torchport_switch``, records
   **one** node holding all N branch graphs; the exported program runs and survives
@@ -107,7 +110,18 @@ def _validate(index: Any, branches: Any, leaves: list[Any]) -> None:
             raise SwitchError(f"switch: every operand leaf must be a Tensor, got {x!r}")
 
 
+_UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def _clamp(index: Any, n: int) -> Any:
+    if isinstance(index, torch.Tensor) and index.dtype in _UNSIGNED_WIDE:
+        # clamp has no CPU kernel for uint16/32/64 ("clamp_scalar_cpu" not implemented); int64
+        # holds every uint16/uint32 value, and a uint64 past int64's range converts to a negative
+        # value, which stands for an index past the last branch (clamped to it, not to 0).
+        i = index.reshape(()).to(torch.int64)
+        if index.dtype == torch.uint64:
+            i = torch.where(i < 0, n - 1, i)
+        return i.clamp(0, n - 1)
     if isinstance(index, torch.Tensor):
         # An int8 index cannot hold n - 1 past 127 (clamp raised "value cannot be converted to
         # type int8_t without overflow"); every value it holds is in range of those branches.
@@ -118,16 +132,51 @@ def _clamp(index: Any, n: int) -> Any:
 
 
 def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
-    """True when a dispatch mode or a fake/functional/proxy tensor means we are being traced."""
+    """True when a proxy/fake/functional mode or tensor means we are being traced.
+
+    Other dispatch modes (``FlopCounterMode``, a logging mode) are not tracing: the eager path
+    runs the chosen branch and its ops reach the mode as usual. (Served as a HOP under such a
+    mode, the switch never traced branch0, and ``while_loop`` returned ``(NotImplemented,)``.)
+    """
+    from torch._ops import _get_dispatch_mode_pre_dispatch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode_stack():
+    if torch.compiler.is_compiling():
         return True
+    keys = torch._C._TorchDispatchModeKey
+    if any(
+        torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL)
+    ):
+        return True
+    if any(_get_dispatch_mode_pre_dispatch(k) is not None for k in (keys.PROXY, keys.FUNCTIONAL)):
+        return True  # torch.export's pre-dispatch tracing
     ts = [x for x in (*leaves, index) if isinstance(x, torch.Tensor)]
     return any(
         isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t) for t in ts
+    )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """What two tensors sharing memory have in common: their storage's address (the tensor's
+    identity when it has no storage to read, e.g. a sparse tensor)."""
+    try:
+        return ("storage", t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return ("tensor", id(t))
+
+
+def unalias(out: Any, inputs: Sequence[Any]) -> Any:
+    """``out`` with each tensor that shares memory with a tensor of ``inputs`` replaced by a clone.
+
+    Eager ``switch``/``while_loop`` outputs never alias their operands, as in a captured graph
+    (whose outputs are copies) and as ``torch.cond`` requires: a branch or loop body returning
+    an operand unchanged returned the operand itself, so an in-place op on the result changed
+    the operand in eager only.
+    """
+    held = {_storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone() if _storage_key(t) in held else t, out
     )
 
 
@@ -161,7 +210,8 @@ def switch(
         functools.partial(_call_unflattened, branch=b, spec=spec) for b in branches
     )
     if isinstance(index, int):
-        return flat_branches[index](*leaves)  # a constant index specialises, as in 2.14
+        out = flat_branches[index](*leaves)  # a constant index specialises, as in 2.14
+        return out if _is_tracing(leaves, None) else unalias(out, leaves)
     from torchport.graphs.capture import current_recorder
 
     rec = current_recorder()
@@ -173,7 +223,7 @@ def switch(
     if not _is_tracing(leaves, index):
         # Eager: call the chosen branch directly; autograd records its ops as usual.
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
-        return flat_branches[i](*leaves)
+        return unalias(flat_branches[i](*leaves), leaves)
     specs: list[pytree.TreeSpec | None] = [None] * n
     traced = tuple(
         functools.partial(_call_flat_out, branch=b, specs=specs, i=i)

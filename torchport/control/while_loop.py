@@ -9,7 +9,8 @@
 - the result is always a tuple (torch returns whatever ``body_fn`` returns, so a bare tensor for
   a body returning one: here the same in every mode, whatever the trip count);
 - ``cond_fn`` returns a Python bool or a one-element bool tensor;
-- a loop whose condition is false at once returns **copies** of the tensors, never aliases.
+- returned tensors never alias the carried inputs: a loop whose condition is false at once
+  returns **copies** of the tensors, and so does a body that passes a value through unchanged.
 
 Eager runs a plain Python loop (2.13's ``torch.while_loop`` would compile the loop with dynamo on
 every eager call); under ``torch.compile``/``torch.export`` it is torch's ``while_loop`` HOP; inside a
@@ -142,19 +143,19 @@ def while_loop(
     rec = current_recorder()
     if rec is not None:
         return rec.record_while(cond_fn, body_fn, carried)
-    from torchport.control.switch import _is_tracing
+    from torchport.control.switch import _is_tracing, unalias
 
-    if torch.compiler.is_compiling() or _is_tracing(pytree.tree_leaves(carried), None):
+    leaves = pytree.tree_leaves(carried)
+    if torch.compiler.is_compiling() or _is_tracing(leaves, None):
         # torch's op returns what body_fn returns: a bare tensor for a body returning one.
         out = torch._higher_order_ops.while_loop(cond_fn, body_fn, carried)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
     vals = carried
-    ran = False
     while check_pred(cond_fn(*vals)):
         out = body_values(body_fn(*vals), len(vals))
         check_body_output(vals, out)
         vals = out
-        ran = True
-    if not ran:
-        vals = pytree.tree_map_only(torch.Tensor, torch.clone, vals)
-    return vals
+    # Copies of the inputs a zero-trip loop returns, and of those a body passed through unchanged
+    # (returned as the input itself, an in-place op on the result changed it; a captured loop
+    # returns copies).
+    return unalias(vals, leaves)

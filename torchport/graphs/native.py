@@ -532,7 +532,11 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
         cg.pointwise(out, "(!{a})" if out.dtype == torch.bool else "(~{a})", [("a", args[0])])
         return
     if base == "abs":
-        expr = "__builtin_fabsf({a})" if out.dtype == torch.float32 else "({a} < 0 ? -{a} : {a})"
+        # fabs clears the sign bit, as ATen does: a < 0 ? -a : a kept it on -0.0 and -NaN.
+        expr = {
+            torch.float32: "__builtin_fabsf({a})",
+            torch.float64: "__builtin_fabs({a})",
+        }.get(out.dtype, "({a} < 0 ? -{a} : {a})")
         cg.pointwise(out, expr, [("a", args[0])])
         return
     if base in ("clamp", "clamp_min", "clamp_max"):
@@ -547,6 +551,11 @@ def _emit(cg: _Codegen, func: Any, args: Sequence[Any], kwargs: dict[str, Any], 
         ):
             raise _Unsupported(f"{name} with tensor bounds")
         expr, ins = "{a}", [("a", args[0])]
+        if any(isinstance(v, float) and v != v for v in (lo, hi)):
+            # ATen returns NaN everywhere for a NaN bound; a < NaN is false, so the
+            # comparisons below returned the input unchanged.
+            cg.pointwise(out, "{v}", [("v", float("nan"))])
+            return
         if lo is not None:
             expr = f"({expr} < {{lo}} ? {{lo}} : {expr})"
             ins.append(("lo", lo))

@@ -97,9 +97,13 @@ def _arange(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Ten
     start, step = (nums[0], nums[2] if len(nums) > 2 else 1) if len(nums) > 1 else (0, 1)
     ob, (n,), (os0,) = cg.ref(out)
     ct = cg.ctype(out.dtype)
-    cg.lines.append(
-        f"  for (long i = 0; i < {n}; ++i) {ob}[i*{os0}] = ({ct})((double){start!r} + (double)i * {step!r});"
-    )
+    if out.dtype.is_floating_point:
+        value = f"(double){start!r} + (double)i * {step!r}"
+    else:
+        # ATen computes an integer arange in int64 from start and step truncated to integers
+        # (in double, values past 2**53 collapsed: arange(2**60, 2**60 + 4) gave four equal ones).
+        value = f"(int64_t){int(start)}LL + (int64_t){int(step)}LL * (int64_t)i"
+    cg.lines.append(f"  for (long i = 0; i < {n}; ++i) {ob}[i*{os0}] = ({ct})({value});")
 
 
 def _cat(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
