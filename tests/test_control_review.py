@@ -152,3 +152,37 @@ def test_unsigned_index_dtypes_clamp_like_the_reference(dtype: torch.dtype, n: i
         x = torch.zeros(2)
         got = torchport.switch(index, branches, (x,))
         torch.testing.assert_close(got, switch_reference(index, branches, (x,)))
+
+
+def test_exported_switch_reads_the_modules_parameters_and_buffers() -> None:
+    """Under non-strict export a branch reading a module's parameter was traced with the fake
+    parameter baked into its graph as a constant: the program returned a FakeTensor, ignored
+    the module's weights, and ``torch.export.save`` refused it. The switch now goes through
+    dynamo there (as ``torch.cond`` does), which lifts them into the node's operands."""
+    import io
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((4,), 3.0))
+            self.register_buffer("b", torch.full((4,), 0.5))
+
+        def forward(self, i: torch.Tensor, x: torch.Tensor) -> Any:
+            branches = [lambda x: x * self.w, lambda x: x - self.b, torch.sin]
+            return torchport.switch(i, branches, (x,))
+
+    m, x = M(), torch.randn(4)
+    ep = torch.export.export(m, (torch.tensor(0), x))
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+    for i in range(3):
+        want = m(torch.tensor(i), x)
+        for prog in (ep, loaded):
+            got = prog.module()(torch.tensor(i), x)
+            assert type(got) is torch.Tensor and torch.equal(got, want), (i, got, want)
+    mod = ep.module()
+    with torch.no_grad():
+        mod.w.fill_(-2.0)  # the program reads the weight it holds, not a traced constant
+    assert torch.equal(mod(torch.tensor(0), x), x * -2.0)

@@ -16,7 +16,9 @@ How each mode runs it:
 - ``torch.export`` (non-strict, 2.13's default) and ``make_fx``: :data:`switch_op`, a
   ``HigherOrderOperator`` registered as ``torch.ops.higher_order.torchport_switch``, records
   **one** node holding all N branch graphs; the exported program runs and survives
-  ``torch.export.save/load`` (load needs ``import torchport``);
+  ``torch.export.save/load`` (load needs ``import torchport``). Non-strict export reaches the
+  node through dynamo, as ``torch.cond`` does, so what a branch reads besides its operands (a
+  module's parameters and buffers) becomes an operand of the node;
 - ``torch.compile`` (dynamo, ``fullgraph=True``): :mod:`~torchport.control.switch_dynamo`
   registers a variable class for :data:`switch_op` in dynamo's HOP table, so the captured graph
   holds **one** ``torchport_switch`` node with all N branch graphs (what every backend receives).
@@ -220,6 +222,14 @@ def switch(
     if torch.compiler.is_dynamo_compiling():
         # Traced by SwitchVariable (switch_dynamo.py) into one node holding every branch graph.
         return switch_op(index, tuple(leaves), *flat_branches)
+    if torch.compiler.is_exporting():
+        # Non-strict export, as torch.cond does it: through dynamo, which lifts what a branch
+        # reads from outside its operands (a module's parameters and buffers) into inputs.
+        # Traced here directly, a fake parameter was baked into the branch graph as a constant:
+        # the program returned a FakeTensor and could not be saved.
+        from torch._higher_order_ops.utils import _hop_compile_and_call
+
+        return _hop_compile_and_call(_switch_in_dynamo, (index, tuple(branches), operands))
     if not _is_tracing(leaves, index):
         # Eager: call the chosen branch directly; autograd records its ops as usual.
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
@@ -233,6 +243,10 @@ def switch(
     spec0 = specs[0]
     assert spec0 is not None, "switch_op traced branch0"
     return pytree.tree_unflatten(list(out), spec0)
+
+
+def _switch_in_dynamo(index: Any, branches: Any, operands: Any) -> Any:
+    return switch(index, branches, operands)  # (a frame of its own for torch.compile)
 
 
 def _call_flat_out(
