@@ -237,3 +237,21 @@ def test_a_non_finite_global_scale_on_either_operand_is_the_references(m: int, g
         ref = scaled_mm_reference(*args, output_dtype=torch.float32)
         assert torch.equal(out.isnan(), ref.isnan()) and bool(ref.isnan().any())
         assert torch.equal(out[~out.isnan()], ref[~ref.isnan()].float())
+
+
+def test_export_of_a_dynamic_fp8_activation_layer_checks_finiteness_at_run_time() -> None:
+    """At prefill shapes the activation quantizer's finiteness check asked for the traced
+    values (GuardOnDataDependentSymNode): torch.export of the layer failed. The check is a
+    runtime assertion in the exported graph now."""
+    from torchport.lowp import Float8DynamicActivationFloat8WeightConfig
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    torchport.quantize_(lin, Float8DynamicActivationFloat8WeightConfig())
+    x = torch.randn(12, 64)
+    mod = torch.export.export(lin, (x,)).module()
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x), lin(x), rtol=1e-5, atol=1e-5)
+        x[3, 5] = float("nan")
+        with pytest.raises(RuntimeError, match="input must be finite"):
+            mod(x)

@@ -56,8 +56,20 @@ class NonFiniteInputError(LowPrecisionError):
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:
-    """Raise :class:`NonFiniteInputError` if ``x`` holds NaN or Inf."""
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    """Raise :class:`NonFiniteInputError` if ``x`` holds NaN or Inf.
+
+    While traced (``torch.export``: the values are unknown, and asking for them failed the
+    export) the check becomes a runtime assertion in the graph (``torch._assert_async``)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if not x.numel():
+        return
+    try:
+        finite = bool(torch.isfinite(x).all())
+    except GuardOnDataDependentSymNode:
+        torch._assert_async(torch.isfinite(x).all(), f"{what}: input must be finite")
+        return
+    if not finite:
         bad = x[~torch.isfinite(x)].flatten()[0].item()
         raise NonFiniteInputError(f"{what}: input must be finite, found {bad}")
 
