@@ -612,6 +612,44 @@ def test_errors():
         tl.svdvals(torch.full((2, 2), float("nan")), method="jacobi")
 
 
+@pytest.mark.parametrize("method", ["auto", "jacobi", "lapack"])
+@pytest.mark.parametrize("bad", ["False", 0, 1, None], ids=repr)
+def test_boolean_options_must_be_bools(method, bad):
+    """``upper``, ``full_matrices`` and ``check_errors`` were passed through ``bool()``:
+    ``cholesky(P, upper="False")`` returned the upper factor and ``svd(A, full_matrices="False")``
+    a full U, where torch.linalg raises TypeError (it takes Python bools only, not even 0/1).
+    Also, a bad ``method`` of cholesky_ex, svdvals and eigvalsh named cholesky, svd and eigh."""
+    p = torch.tensor([[4.0, 2.0], [2.0, 3.0]], dtype=torch.float64)
+    a = torch.randn(4, 2, dtype=torch.float64)
+    for key in ((), (False,), (True,)):  # also once a route for the bool's value is learned
+        if key:
+            tl.cholesky(p, upper=key[0], method=method)
+            tl.cholesky_ex(p, upper=key[0], method=method)
+            tl.svd(a, full_matrices=key[0], method=method)
+        with pytest.raises(
+            tl.LinalgInputError, match=rf"cholesky: upper must be a bool, got .*{bad!r}"
+        ):
+            tl.cholesky(p, upper=bad, method=method)
+        with pytest.raises(tl.LinalgInputError, match=r"cholesky_ex: upper must be a bool"):
+            tl.cholesky_ex(p, upper=bad, method=method)
+        with pytest.raises(tl.LinalgInputError, match=r"cholesky_ex: check_errors must be a bool"):
+            tl.cholesky_ex(p, check_errors=bad, method=method)
+        with pytest.raises(tl.LinalgInputError, match=r"svd: full_matrices must be a bool"):
+            tl.svd(a, full_matrices=bad, method=method)
+        with pytest.raises(TypeError):  # (also a TypeError, as torch.linalg raises)
+            tl.svd(a, full_matrices=bad, method=method)
+    x = p.clone().requires_grad_()
+    for fn, call in (
+        ("cholesky_ex", lambda: tl.cholesky_ex(p, method="foo")),
+        ("svdvals", lambda: tl.svdvals(p, method="foo")),
+        ("svdvals", lambda: tl.svdvals(x, method="foo")),
+        ("eigvalsh", lambda: tl.eigvalsh(p, method="foo")),
+        ("eigvalsh", lambda: tl.eigvalsh(x, method="foo")),
+    ):
+        with pytest.raises(tl.LinalgInputError, match=rf"linalg\.{fn}: method must be one of"):
+            call()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
 @pytest.mark.parametrize("b", [1, 16])
 @pytest.mark.parametrize("where", [(1, 1), (0, 2)], ids=["diagonal", "off_diagonal"])

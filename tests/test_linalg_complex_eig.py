@@ -11,7 +11,7 @@ import torch
 import torchport.linalg as tl
 from tests import linalg_inputs
 from tests.linalg_inputs import basis
-from torchport.linalg import complex_jacobi, ops
+from torchport.linalg import complex_jacobi, one, ops
 from torchport.linalg.reference import complex_eigh_reference, complex_svd_reference
 
 CDTYPES = [torch.complex64, torch.complex128]
@@ -176,6 +176,49 @@ def test_svd_native_matches_reference(dtype, m, n, full):
         assert torch.allclose(x, y, rtol=tol, atol=tol), (x - y).abs().max()
     vals = complex_jacobi.svd(a.contiguous(), full, False)[1]
     assert torch.allclose(vals, sr, rtol=tol, atol=tol)
+
+
+# one row far above the others (the 3 x 3 case of the review, then random rows scaled alike)
+_BIG_ROW = [
+    [1.03915930908105075e100 - 5.33811496564956018e99j, 3.22370730678574381e99 + 4.85916204549055151e99j,
+     -7.00460049364187903e98 + 3.63357859065896070e99j],
+    [9.36946290736872522e-01 - 5.18376099244768408e-04j, -3.95336295576612651e-02 - 6.26763157042462882e-01j,
+     -3.87318989129877389e-01 - 5.58631072221994929e-01j],
+    [4.02505116376755567e-01 - 3.98922930145421267e-02j, -1.70795125290424649e-01 - 1.31150422383820603e-01j,
+     1.37776162982575334e-01 - 8.65437895601981200e-02j],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype,scale", [(torch.complex64, 1e15), (torch.complex128, 1e100)], ids=str
+)
+def test_svd_one_large_row_is_finite(dtype, scale):
+    """A finite matrix with one row far above the others gave all-NaN singular values (33 of 100
+    random complex64 3 x 3 with a row x 1e15, 40 of 100 complex128 with 1e100): |g| underflowed
+    to 0 while Re g did not, a running norm cancelled below 0, the threshold became NaN,
+    ``g <= NaN`` did not skip the pair and the rotation's phase was 0/0. Now: finite, the
+    largest singular value as LAPACK's (the small ones only to eps relative to it: the matrix is
+    scaled by its largest entry), A = U S Vh, and the reference agrees."""
+    a = torch.randn(100, 3, 3, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    a[:, 0] *= scale
+    if dtype == torch.complex128:
+        a[0] = torch.tensor(_BIG_ROW, dtype=dtype)
+    want = torch.linalg.svdvals(a.to(torch.complex128))
+    eps = torch.finfo(dtype.to_real()).eps
+    for run in (
+        lambda: tl.svd(a, full_matrices=False, method="jacobi"),
+        lambda: complex_svd_reference(a, False),
+    ):
+        u, s, vh = run()
+        assert torch.isfinite(s).all() and torch.isfinite(u).all() and torch.isfinite(vh).all()
+        big = want[:, :1]
+        assert ((s.double() - want).abs() / big).max() < 20 * eps
+        rec = (u * s.to(dtype).unsqueeze(-2)) @ vh
+        assert ((rec - a).abs().amax((-2, -1)) / big[:, 0]).max() < 20 * eps
+    for x in (a[:1], a[:3]):  # one matrix (the one-matrix launcher's worker) and a batch
+        assert torch.isfinite(tl.svdvals(x, method="jacobi")).all()
+    s1 = one.svd_plan(a[:1].shape, dtype, False, False)(a[:1].contiguous())
+    assert torch.isfinite(s1).all()
 
 
 @pytest.mark.parametrize("dtype", CDTYPES, ids=str)

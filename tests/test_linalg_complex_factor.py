@@ -12,7 +12,7 @@ import torch
 import torchport.linalg as tl
 from tests import linalg_inputs
 from tests.linalg_inputs import basis
-from torchport.linalg import complex_factor, kernels
+from torchport.linalg import complex_factor, kernels, one
 from torchport.linalg.reference import cholesky_reference, qr_reference
 
 CDTYPES = [torch.complex64, torch.complex128]
@@ -106,6 +106,39 @@ def test_qr_non_real_last_pivot(dtype):
         q, r = tl.qr(a, method="jacobi")
         qt, rt = torch.linalg.qr(a)
         assert torch.allclose(r, rt, atol=1e-6) and torch.allclose(q, qt, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,big", [(torch.complex64, 1e25), (torch.complex128, 1e170)], ids=str)
+def test_qr_widely_scaled_columns_stay_finite(dtype, big):
+    """A column far below the matrix's largest entry gave NaN in Q and R: after the matrix-wide
+    scaling its squares underflowed to 0, and a non-real pivot then got beta = 0 and 0/0 in tau
+    ([[1e25, 0], [0, 1j]] complex64: Q[1, 1] NaN, R[1, 1] 0 instead of LAPACK's -1). Now: Q, R
+    finite, Qᴴ Q = I, Q R = A, R's diagonal real, and as LAPACK's where the convention fixes it;
+    on the batched kernel and the one-matrix launcher alike."""
+    cases = [
+        torch.tensor([[big, 0], [0, 1j]], dtype=dtype),
+        torch.tensor([[big, 0, 0], [0, 1j, 1], [0, 1, 1]], dtype=dtype),
+    ]
+    x = torch.randn(4, 4, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    x[0] *= big
+    cases.append(x)
+    tol = 1e-5 if dtype == torch.complex64 else 1e-12
+    for a in cases:
+        for mode in ("reduced", "complete"):
+            for q, r in (
+                tl.qr(a, mode, method="jacobi"),  # one matrix: the batched kernel
+                tl.qr(a.expand(3, *a.shape), mode, method="jacobi"),
+                one.qr_plan(a.shape, dtype, mode)(a),
+            ):
+                assert torch.isfinite(q).all() and torch.isfinite(r).all(), (a, q, r)
+                eye = torch.eye(q.shape[-1], dtype=dtype)
+                assert (q.mH @ q - eye).abs().max() < tol
+                rel = ((q @ r - a).abs().amax((-2, -1)) / a.abs().max()).max()
+                assert rel < tol
+                assert (r.diagonal(0, -2, -1).imag == 0).all()
+    q, r = tl.qr(cases[0], method="jacobi")
+    qt, rt = torch.linalg.qr(cases[0])
+    assert torch.allclose(r, rt, rtol=1e-6) and torch.allclose(q, qt, atol=1e-6)
 
 
 # --- Cholesky -------------------------------------------------------------------------------------

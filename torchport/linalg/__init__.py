@@ -26,7 +26,10 @@ Complex64/complex128 inputs have native kernels, one matrix per thread (``svd``/
 for real dtypes) but no lane kernels: ``"jacobi"`` runs
 them (their references off the CPU) and ``"auto"`` tunes them against ``torch.linalg`` as for
 real dtypes.
-Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`).
+Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`). Under a
+``torch.func`` transform (vmap, grad, jvp, ...) or forward AD every method runs ``torch.linalg``
+(the native kernels have no batching rule or forward-mode formula; for ``"jacobi"`` a counted
+fallback with a warning once).
 """
 
 from __future__ import annotations
@@ -97,6 +100,11 @@ def _one_candidate(op: str, m: int, n: int) -> bool:
 
 class LinalgInputError(ValueError):
     """An argument to a ``torchport.linalg`` function does not meet its requirement."""
+
+
+class _LinalgTypeError(LinalgInputError, TypeError):
+    """A :class:`LinalgInputError` of the wrong type, also a ``TypeError`` as torch.linalg
+    raises it (code catching torch's TypeError catches this too)."""
 
 
 _DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -203,6 +211,17 @@ def _neutral_overrides() -> bool:
     return ok
 
 
+_functorch_active = native.functorch_active
+_fwad = torch.autograd.forward_ad
+
+
+def _transformed() -> bool:
+    """True while a ``torch.func`` transform (vmap, grad, jvp, ...) or a forward-AD level is
+    active: the native kernels have no batching rule, no data pointer to read in the wrapped
+    tensors and no forward-mode formula, and the tuner's random probes fail under vmap."""
+    return bool(_functorch_active()) or _fwad._current_level >= 0
+
+
 def _native_ok(a: torch.Tensor) -> bool:
     """May a routed native launcher run on ``a`` (a plain tensor) now? The checks of
     ``native.eager_fast_path`` and ``native.enabled`` written out inline (~1 us instead of
@@ -210,9 +229,12 @@ def _native_ok(a: torch.Tensor) -> bool:
     is "no setting assigned since (generation), no active override of a routing setting, and
     ``TORCHPORT_NATIVE`` unchanged in the environment"; then a CPU tensor that is no lazy
     conjugate or negative view (the launchers read raw memory: such a view takes the general
-    path, which resolves it), no autograd to record, no tracing."""
+    path, which resolves it), no autograd to record, no tracing, no ``torch.func`` transform
+    (its wrapped tensors have no data pointer) and no forward AD (a launcher drops tangents)."""
     return not (
         torch.compiler.is_compiling()  # first: dynamo cannot trace the ContextVar read below
+        or _functorch_active()
+        or _fwad._current_level >= 0
         or _routes_gen[0] != _cfg_gen[0]
         or not _neutral_overrides()
         or _env_data.get(_NATIVE_ENV) != _native_env[0]
@@ -301,29 +323,54 @@ def _lapack_known(op: str, a: object, extra: tuple[Any, ...]) -> bool:
     )
 
 
+def _check_method(fn: str, method: object) -> None:
+    if method not in METHODS:
+        raise LinalgInputError(
+            f"torchport.linalg.{fn}: method must be one of {METHODS}, got {method!r}"
+        )
+
+
+def _not_bool(fn: str, name: str, value: object) -> None:
+    """Raise for a boolean option that is not a bool: torch.linalg takes Python bools only
+    (TypeError for 0/1, numpy bools, strings), and ``bool("False")`` is True."""
+    raise _LinalgTypeError(
+        f"torchport.linalg.{fn}: {name} must be a bool, got {type(value).__name__} {value!r}"
+    )
+
+
 def _route(
-    op: str, a: torch.Tensor, method: str, extra: tuple[Any, ...], public: Any = None
+    op: str,
+    a: torch.Tensor,
+    method: str,
+    extra: tuple[Any, ...],
+    public: Any = None,
+    fn: str | None = None,
 ) -> str:
     """'native', 'lapack' or 'reference' for this call; ``public`` is the options as the public
-    function's inline LAPACK test spells them (default ``extra``)."""
+    function's inline LAPACK test spells them (default ``extra``); ``fn`` the public function
+    that errors name (default ``op``)."""
     if torch.compiler.is_dynamo_compiling():
         # No tuning while dynamo traces (nor can it trace the settings and route tables):
         # "jacobi" is the native kernels' custom ops (fake shapes), "auto" torch.linalg.
-        if method not in METHODS:
-            raise LinalgInputError(
-                f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
-            )
+        _check_method(fn or op, method)
         return "native" if method == "jacobi" else "lapack"
+    if _transformed():
+        # torch.linalg, which every transform supports; not learned as this problem's route
+        # (the shapes seen here are the per-sample ones of a vmap)
+        _check_method(fn or op, method)
+        if method == "jacobi":
+            native.note_fallback(
+                f"linalg.{op} under torch.func or forward AD",
+                "the native kernels have no batching rule or forward-mode formula",
+            )
+        return "lapack"
     _sync_routes()
     if method == "auto":
         fast = (op, a.shape, a.dtype, a.device, extra)
         hit_route = _fast.get(fast)
         if hit_route is not None and (hit_route == "lapack" or native.enabled()):
             return hit_route
-    if method not in METHODS:
-        raise LinalgInputError(
-            f"torchport.linalg.{op}: method must be one of {METHODS}, got {method!r}"
-        )
+    _check_method(fn or op, method)
     if method == "lapack" or a.device.type == "meta":
         # meta tensors hold no values: torch.linalg's meta kernels give the shapes and dtypes
         # every method returns (the reference algorithms of "jacobi" read values)
@@ -666,6 +713,8 @@ def svd(
     """
     if driver is not None:
         _driver("svd", driver)
+    if full_matrices is not True and full_matrices is not False:  # (1 == True in the keys)
+        _not_bool("svd", "full_matrices", full_matrices)
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, full_matrices, True)
         if key in _lk_svd and _routes_gen[0] == _cfg_gen[0]:
@@ -674,13 +723,15 @@ def svd(
         if run is not None and _native_ok(A):
             return run(A)
     a = _check("svd", A, square=False)
-    full = bool(full_matrices)
-    route = _route("svd", a, method, (full, True))
+    route = _route("svd", a, method, (full_matrices, True))
     if route == "lapack":
         return torch.linalg.svd(a, full_matrices=full_matrices)
     if route == "native" and method == "auto":
         run = _one_learn(
-            "svd", a, (full_matrices, True), lambda: one.svd_plan(a.shape, a.dtype, full, True)
+            "svd",
+            a,
+            (full_matrices, True),
+            lambda: one.svd_plan(a.shape, a.dtype, full_matrices, True),
         )
         if run is not None:
             return run(a)
@@ -694,7 +745,7 @@ def svd(
         batch = a.shape[:-2]
         u, s, vh = (t.reshape(batch + t.shape[1:]) for t in (u, s, vh))
     else:
-        u, s, vh = ops.svd(a, bool(full_matrices), True)
+        u, s, vh = ops.svd(a, full_matrices, True)
     return _rt.linalg_svd((u, s, vh))
 
 
@@ -712,8 +763,9 @@ def svdvals(A: torch.Tensor, *, driver: str | None = None, method: str = "auto")
             return run(A)
     a = _check("svdvals", A, square=False)
     if a.requires_grad and torch.is_grad_enabled():
+        _check_method("svdvals", method)
         return svd(a, full_matrices=False, method=method)[1]
-    route = _route("svd", a, method, (False, False))
+    route = _route("svd", a, method, (False, False), fn="svdvals")
     if route == "lapack":
         return torch.linalg.svdvals(a)
     if route == "native" and method == "auto":
@@ -807,8 +859,9 @@ def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch
     a = _check("eigvalsh", A, square=True)
     upper = _uplo("eigvalsh", UPLO)
     if a.requires_grad and torch.is_grad_enabled():
+        _check_method("eigvalsh", method)
         return eigh(a, UPLO, method=method)[0]
-    route = _route("eigh", a, method, (upper, False), (UPLO, False))
+    route = _route("eigh", a, method, (upper, False), (UPLO, False), fn="eigvalsh")
     if route == "lapack":
         return torch.linalg.eigvalsh(a, UPLO=UPLO)
     if route == "native" and method == "auto":
@@ -881,6 +934,10 @@ def cholesky_ex(
     not positive-definite; the factor of such a matrix is zero. ``check_errors=True`` raises
     like :func:`cholesky` instead.
     """
+    if upper is not False and upper is not True:  # (1 == True in the keys; bool("False"))
+        _not_bool("cholesky_ex", "upper", upper)
+    if check_errors is not False and check_errors is not True:
+        _not_bool("cholesky_ex", "check_errors", check_errors)
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, upper)
         if key in _lk_chol and _routes_gen[0] == _cfg_gen[0]:
@@ -890,24 +947,23 @@ def cholesky_ex(
         run = _one_chol_ex.get(key)
         if run is not None and _native_ok(A):
             return run(A, check_errors)
-    got = _chol_routed_native(A, bool(upper), method)
+    got = _chol_routed_native(A, upper, method)
     if got is not None:
         if check_errors and got[2]:
             _raise_not_pd("cholesky_ex", A, got[1])
         return _rt.linalg_cholesky_ex(got[:2])
     a = _check("cholesky_ex", A, square=True)
-    up = bool(upper)
-    route = _route("cholesky", a, method, (up,))
+    route = _route("cholesky", a, method, (upper,), fn="cholesky_ex")
     if route == "native" and method == "auto":
         run = _one_learn(
             "cholesky_ex",
             a,
             (upper,),
-            lambda: one.cholesky_ex_plan(a.shape, a.dtype, up, _raise_not_pd),
+            lambda: one.cholesky_ex_plan(a.shape, a.dtype, upper, _raise_not_pd),
         )
         if run is not None:
             return run(a, check_errors)
-    _learn_native(a, up, method, route)
+    _learn_native(a, upper, method, route)
     return _cholesky_ex(a, upper, check_errors, route)
 
 
@@ -1001,10 +1057,12 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     Raises ``torch.linalg.LinAlgError`` naming the batch element and the failing leading minor
     when ``A`` is not positive-definite (NaN counts as not positive-definite).
     """
+    if upper is not False and upper is not True:  # (1 == True in the keys; bool("False"))
+        _not_bool("cholesky", "upper", upper)
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, upper)
         if key in _lk_chol and _routes_gen[0] == _cfg_gen[0]:
-            if not A.is_cpu:
+            if not A.is_cpu or _functorch_active():  # (no data pointer for _info_bad then)
                 return torch.linalg.cholesky(A, upper=upper)
             # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1
             # vs 10.4 us for cholesky_ex, interleaved medians); testing info's bytes ~1 us
@@ -1016,21 +1074,23 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
         run = _one_chol.get(key)
         if run is not None and _native_ok(A):
             return run(A)
-    got = _chol_routed_native(A, bool(upper), method)
+    got = _chol_routed_native(A, upper, method)
     if got is not None:
         if got[2]:
             _raise_not_pd("cholesky", A, got[1])
         return got[0]
     a = _check("cholesky", A, square=True)
-    up = bool(upper)
-    route = _route("cholesky", a, method, (up,))
+    route = _route("cholesky", a, method, (upper,))
     if route == "native" and method == "auto":
         run = _one_learn(
-            "cholesky", a, (upper,), lambda: one.cholesky_plan(a.shape, a.dtype, up, _raise_not_pd)
+            "cholesky",
+            a,
+            (upper,),
+            lambda: one.cholesky_plan(a.shape, a.dtype, upper, _raise_not_pd),
         )
         if run is not None:
             return run(a)
-    _learn_native(a, up, method, route)
+    _learn_native(a, upper, method, route)
     if route == "lapack":
         return torch.linalg.cholesky(a, upper=upper)  # no info round trip on the LAPACK path
     return _cholesky_ex(a, upper, True, route, op="cholesky")[0]

@@ -16,7 +16,9 @@ the numerics match LAPACK's ``zgeqrf``/``zungqr`` and ``zpotrf``:
   only if asked for). A column whose tail is zero and whose x₀ is real gets τ = 0 (x₀ kept);
   a non-real x₀ still gets a reflector (even for the last row), which makes R's diagonal real.
   The input is scaled by a power of four that brings its largest |Re|, |Im| into [1, 4) (exact,
-  as the real kernel), R scaled back.
+  as the real kernel), R scaled back; each reflector is then computed on its column scaled by a
+  power of two (largest |Re|, |Im| in [1, 2)), as zlarfg's scaled norm, so that a column far
+  below the matrix's largest entry does not underflow to β = 0.
 - **Cholesky**: A = L Lᴴ, row by row (Cholesky–Banachiewicz) for n ≤ 4, right-looking above
   (the same sums in another order, vectorised without reductions); only the lower triangle is read
   (the upper one, conjugated, when ``upper``; the result is then U = Lᴴ), and only the real part
@@ -91,24 +93,37 @@ TP_INLINE void cqr_one(const TC *a, TC *Q, TC *R, int64_t m, int64_t n, int want
     for (int64_t j = 0; j < k; ++j) {
         TC *x = C + j * m + j;
         const int64_t len = m - j;
+        /* The column scaled by cs = 2^-e (max |Re|, |Im| into [1, 2)) for its norm, as zlarfg
+           (dznrm2, dlapy3): after the matrix-wide scaling a column far below the largest entry
+           has squares that underflow, and a tiny non-real x0 then gave beta = 0 and 0/0 in tau
+           and 1/(x0 - beta). tau and v are invariant under the scaling; beta is scaled back. */
+        T cmax = 0;
+        for (int64_t i = 0; i < len; ++i)
+            cmax = TP_MAX(cmax, TP_MAX(TFABS(__real__ x[i]), TFABS(__imag__ x[i])));
+        const int ce = TP_SCALE_EXP(cmax);
+        const T cs = (T)ldexp(1.0, -ce);
         T xn2 = 0;
-        for (int64_t i = 1; i < len; ++i) xn2 += cabs2(x[i]);
-        const T ar = __real__ x[0], ai = __imag__ x[0];
-        if (xn2 == 0 && ai == 0) { tau[j] = 0; continue; }
+        for (int64_t i = 1; i < len; ++i) xn2 += cabs2(x[i] * cs);
+        const T ar = __real__ x[0] * cs, ai = __imag__ x[0] * cs;
+        /* (xn2 == 0 with a non-zero tail: squares below the underflow threshold relative to x0,
+           negligible. Past this test cmax > 0, so the largest scaled entry has modulus >= 1
+           (>= 2^-23 for a float column of subnormals) and |beta| >= it: no division by 0.) */
+        if (xn2 == 0 && __imag__ x[0] == 0) { tau[j] = 0; continue; }
         T beta = TSQRT(ar * ar + ai * ai + xn2);
         if (!(ar < 0)) beta = -beta; /* zlarfg: -SIGN(norm, Re x0), +0 and -0 counting as positive */
         tau[j] = cmake((beta - ar) / beta, -ai / beta);
-        /* 1 / (x0 - beta) = conj(d) / |d|^2, |d| >= |beta| > 0 */
+        /* 1 / (x0 - beta) = cs conj(d) / |d|^2 on the scaled column, |d| >= |beta| > 0: the tail
+           scaled first, so that no factor overflows for a column of subnormals */
         const T dr = ar - beta, d2 = dr * dr + ai * ai;
         const TC sc = cmake(dr / d2, -ai / d2);
-        for (int64_t i = 1; i < len; ++i) x[i] *= sc;
+        for (int64_t i = 1; i < len; ++i) x[i] = (x[i] * cs) * sc;
         x[0] = 1;
         const TC ct = cconj(tau[j]);
         for (int64_t l = j + 1; l < n; ++l) {
             TC *y = C + l * m + j;
             caxpy_sub(ct * cdotc(x, y, len), x, y, len);
         }
-        x[0] = beta;
+        x[0] = beta * (T)ldexp(1.0, ce);
     }
     const int64_t rrows = complete ? m : k;
     for (int64_t i = 0; i < rrows; ++i)

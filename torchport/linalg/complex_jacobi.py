@@ -22,7 +22,9 @@ a pair is rotated once more near convergence, which keeps kernel and reference t
   eigenvector columns of V (A = V Λ Vᴴ) with f = ē. Eigenvalues real, ascending.
 - **SVD** (Hestenes): the q = min(m, n) vectors (columns of A, or conjugated rows when m < n, i.e.
   the columns of Aᴴ) are rotated pairwise until |w_jᴴ w_k| ≤ eps·sqrt(p)·‖w_j‖‖w_k‖: with
-  g = w_jᴴ w_k, f = ḡ/|g| and (c, s, t) from (‖w_j‖², ‖w_k‖², |g|), on W and V alike. S real
+  g = w_jᴴ w_k, f = ḡ/|g| and (c, s, t) from (‖w_j‖², ‖w_k‖², |g|), on W and V alike (a pair
+  whose test is not a clear "rotate", NaN or |g| = 0 included, is skipped; the running norms
+  ‖w_j‖² − t|g|, ‖w_k‖² + t|g| are kept, the first recomputed when it is not > 0). S real
   descending; numerically null vectors (σ ≤ σ_max·p·eps) completed by complex Gram-Schmidt from
   the least represented unit vector; Vh = Vᴴ.
 
@@ -175,14 +177,20 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
                 T gr, gi;
                 cdot(W + 2 * j * p, W + 2 * k * p, p, &gr, &gi);
                 T g = TSQRT(gr * gr + gi * gi);
-                if (g <= tol * TSQRT(al) * TSQRT(be)) continue;
+                /* written so that a NaN threshold skips the pair (g <= NaN is false) and so
+                   that g > 0 past it: with one row far above the others g underflowed to 0
+                   while gr did not, and the rotation's phase gr / g was 0/0 */
+                if (!(g > tol * TSQRT(al) * TSQRT(be))) continue;
                 ++rotated;
                 T tt, c, s;
                 rot_params(al, be, g, &tt, &c, &s);
                 const T sr = s * gr / g, si = -s * gi / g;  /* s conj(g) / |g| */
                 crot(W + 2 * j * p, W + 2 * k * p, p, c, sr, si);
                 if (uv) crot(V + 2 * j * q, V + 2 * k * q, q, c, sr, si);
-                nrm[j] = al - tt * g;
+                /* the running norms: al - tt g cancels for a column left near the rounding
+                   level of the others, and can go negative (then sqrt(al) is NaN): recomputed */
+                const T nj = al - tt * g;
+                nrm[j] = nj > 0 ? nj : cnorm2(W + 2 * j * p, p);
                 nrm[k] = be + tt * g;
             }
         if (!rotated) break;

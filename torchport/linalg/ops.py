@@ -119,6 +119,9 @@ def _(a: torch.Tensor, full_matrices: bool, compute_uv: bool) -> tuple[Any, Any,
 
 def _svd_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
     ctx.full_matrices, ctx.compute_uv = inputs[1], inputs[2]
+    # unused outputs' grads as None, not zeros: svd_backward takes the S-only formula only then
+    # (with zeros, a loss of S alone divided 0 by 0 for repeated singular values)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output)
 
 
@@ -209,6 +212,8 @@ def _(a: torch.Tensor, upper: bool, compute_v: bool, jacobi: bool = False) -> tu
 
 def _eigh_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
     ctx.compute_v = inputs[2]
+    # as _svd_setup: gv None for a loss of the eigenvalues alone (0/0 for repeated ones else)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output)
 
 

@@ -536,9 +536,10 @@ def complex_svd_reference(
     """One-sided Jacobi SVD of complex (B, m, n) ``a`` in cyclic order: (U, real S desc, Vh).
 
     The vectors are A's columns, or the columns of Aᴴ when m < n; pair (j, k) with
-    g = w_jᴴ w_k is rotated while |g| > eps·sqrt(p)·‖w_j‖‖w_k‖ by :func:`_complex_rotate` with
-    f = ḡ/|g|, (c, s, t) the real rotation of (‖w_j‖², ‖w_k‖², |g|); null vectors completed
-    as in :func:`svd_reference`.
+    g = w_jᴴ w_k is rotated while |g| > eps·sqrt(p)·‖w_j‖‖w_k‖ (false for a NaN threshold) by
+    :func:`_complex_rotate` with f = ḡ/|g|, (c, s, t) the real rotation of (‖w_j‖², ‖w_k‖², |g|);
+    the running ‖w_j‖² − t|g| recomputed when not > 0; null vectors completed as in
+    :func:`svd_reference`.
     """
     bsz, m, n = a.shape
     trans = m < n
@@ -563,7 +564,9 @@ def complex_svd_reference(
             f = torch.where(act, gc.conj() / safe, torch.ones_like(gc))
             w[:, j], w[:, k] = _complex_rotate(w[:, j].clone(), w[:, k].clone(), c, s, f)
             v[:, j], v[:, k] = _complex_rotate(v[:, j].clone(), v[:, k].clone(), c, s, f)
-            nrm[:, j] = al - t * g
+            # as the kernel: a running norm that cancelled to <= 0 is recomputed
+            nj = al - t * g
+            nrm[:, j] = torch.where(nj > 0, nj, (w[:, j].abs() ** 2).sum(-1))
             nrm[:, k] = be + t * g
         if not bool(rotated.any()):
             break
