@@ -310,7 +310,16 @@ class Server:
             conn.close()
             return
         with self._lock:
-            self._conns.add(conn)
+            # close() may have listed the open connections while this one was still in its
+            # handshake: it was then served after close (a lighthouse answered a quorum and
+            # started its store). ``_closed`` is set under this lock, so either close() sees
+            # this connection or this sees the mark.
+            closed = self._closed
+            if not closed:
+                self._conns.add(conn)
+        if closed:
+            conn.close()
+            return
         try:
             self._handler(conn)
         except (OSError, CommError):
@@ -326,8 +335,10 @@ class Server:
             self._workers.refill()
 
     def close(self) -> None:
-        """Stop accepting and close every open connection."""
-        self._closed = True
+        """Stop accepting and close every open connection (and any that completes its
+        handshake later)."""
+        with self._lock:
+            self._closed = True
         if self._workers is not None:
             self._workers.close()
         with contextlib.suppress(OSError):

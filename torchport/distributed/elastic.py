@@ -90,9 +90,31 @@ class Member:
 
     @staticmethod
     def from_json(v: Any) -> Member:
+        """The member a peer's ``[id, host, port, host_id]`` record names; :class:`CommError`
+        for any other value (an ``int()`` of a peer's string raised a bare ValueError, which
+        the callers' retry on CommError let through)."""
         if not (isinstance(v, list) and len(v) == 4):
-            raise CommError(f"member record must be [id, host, port, host_id], got {v!r}")
-        return Member(int(v[0]), str(v[1]), int(v[2]), str(v[3]))
+            raise CommError(f"member record must be [id, host, port, host_id], got {_clip(v)}")
+        mid, host, port, hid = v
+        if not (_is_int(mid) and 0 <= mid < 1 << 31):
+            raise CommError(f"member record's id must be an int in [0, 2**31), got {_clip(mid)}")
+        if not (isinstance(host, str) and host):
+            raise CommError(f"member record's host must be a non-empty string, got {_clip(host)}")
+        if not (_is_int(port) and 0 < port < 1 << 16):
+            raise CommError(f"member record's port must be an int in [1, 65535], got {_clip(port)}")
+        if not isinstance(hid, str):
+            raise CommError(f"member record's host_id must be a string, got {_clip(hid)}")
+        return Member(mid, host, port, hid)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a peer's value, in a one-line message)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ElasticMesh(Mesh):

@@ -21,7 +21,9 @@ failure notices, and an *rpc* channel for quorum requests and commit votes.
   has not asked, a round of replicas that are all behind it waits for it.
 * **Commit vote.** After the gradient allreduce every member votes; the step commits only if every
   member of the quorum voted yes. A member that dies before voting turns the vote into "no" for
-  everyone, so a step is applied by all survivors or by none, and never twice.
+  everyone, so a step is applied by all survivors or by none, and never twice. A vote counts only
+  from a member of the quorum handed out last, naming that quorum's id and members; any other is
+  answered "no" (and a member's malformed one is a "no" for everyone).
 * **One round trip per step.** A vote may carry the member's request for the next step's quorum
   (``"next"``). When the step commits unanimously, every member's vote carried one, every live
   replica is a member, nobody else is waiting for a quorum and no new quorum is forced, the reply
@@ -49,6 +51,7 @@ import torch.distributed as dist
 
 from torchport import config
 from torchport.distributed._control import Server, default_secret, recv_msg, send_msg
+from torchport.distributed.elastic import Member
 from torchport.distributed.errors import CommError, WireError
 
 _log = logging.getLogger(__name__)
@@ -255,8 +258,13 @@ class Lighthouse:
     def _gloo_store(self, infos: list[dict[str, Any]]) -> int:
         """Port of the store gloo replicas rendezvous through (torchport replicas need none, so
         a torchport-only job never opens this unauthenticated port)."""
-        if self.store is None and any(i.get("mesh") is None for i in infos):
+        if (
+            self.store is None
+            and not self._stop.is_set()
+            and any(i.get("mesh") is None for i in infos)
+        ):
             self.store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
+            self._log(f"gloo store started on port {self.store.port}")
         return int(self.store.port) if self.store is not None else 0
 
     def _form(self) -> None:
@@ -305,6 +313,9 @@ class Lighthouse:
             self._busy.discard(rid)
             my_round = self._round
             while self._round == my_round:
+                if self._stop.is_set():  # closed: no quorum (nor store) after close
+                    self._pending.pop(rid, None)
+                    return {"t": "error", "error": "the lighthouse was closed"}
                 if self._ready():
                     self._form()
                     break
@@ -329,6 +340,19 @@ class Lighthouse:
         rid, qid, step = str(msg["rid"]), int(msg["quorum_id"]), int(msg["step"])
         deadline = time.monotonic() + float(msg.get("timeout", 60.0))
         with self._cv:
+            foreign = self._foreign_vote(rid, qid, msg["members"])
+            if foreign is not None:
+                _log.warning("lighthouse: refused a vote from %s: %s", _clip(rid), foreign)
+                if self._last is not None and qid == self._quorum_id and rid in self._members:
+                    # a member that will not apply the step: the others must not either (they
+                    # waited out their timeout for a vote that never came)
+                    failed = self._votes.setdefault((qid, step), _Vote(list(self._members)))
+                    if failed.decision is None:
+                        failed.decision = False
+                        self._force_new = True
+                    self._busy.discard(rid)
+                    self._cv.notify_all()
+                return {"t": "commit", "ok": False, "quorum": None, "error": foreign}
             key = (qid, step)
             vote = self._votes.get(key)
             if vote is None:
@@ -364,6 +388,25 @@ class Lighthouse:
             quorum = vote.quorum if vote.decision and rid in vote.nexts else None
             return {"t": "commit", "ok": vote.decision, "quorum": quorum}
 
+    def _foreign_vote(self, rid: str, qid: int, members: list[str]) -> str | None:
+        """Why a vote is not one on the current quorum by one of its members, or None. Called
+        with the lock held.
+
+        The vote's member list was taken as given: an empty one (a replica voting before it
+        held any quorum) was unanimous at once and advanced the committed step, so a commit
+        must name the quorum handed out last, with its members, by one of them. An older
+        quorum's vote cannot commit either: a newer round forms only once each live member of
+        the last one has voted or asked again, or died (which fails its vote)."""
+        if self._last is None:
+            return f"quorum {qid} was never handed out (no quorum has formed yet)"
+        if qid != self._quorum_id:
+            return f"quorum {qid} is not the current quorum {self._quorum_id}"
+        if members != self._members:
+            return f"members {_clip(members)} are not quorum {qid}'s {_clip(self._members)}"
+        if rid not in members:
+            return f"replica {_clip(rid)} is not a member of quorum {qid}"
+        return None
+
     def _next_quorum(self, vote: _Vote, qid: int, step: int) -> dict[str, Any] | None:
         """The next step's quorum handed out with a unanimous commit, or None (see the module
         docstring for when). Called with the lock held."""
@@ -398,9 +441,15 @@ class Lighthouse:
         return r is not None and r.alive
 
     def close(self) -> None:
-        """Stop serving (replicas see their connections close)."""
-        self._stop.set()
+        """Stop serving (replicas see their connections close) and release the gloo store."""
+        with self._cv:
+            self._stop.set()
+            # the store's server goes with its last reference: kept here, it went on listening
+            # (and accepting anyone, unauthenticated) after close
+            store, self.store = self.store, None
+            self._cv.notify_all()
         self._server.close()
+        del store
 
 
 def _clip(value: Any, limit: int = 80) -> str:
@@ -437,8 +486,13 @@ def _bad_request(msg: Any) -> str | None:
     if "timeout" in msg and not _is_seconds(msg["timeout"]):
         return f"timeout must be a finite number of seconds >= 0, got {msg['timeout']!r}"
     mesh = msg.get("mesh")
-    if mesh is not None and not (isinstance(mesh, list) and len(mesh) == 4):
-        return f"mesh must be [id, host, port, host_id] or null, got {mesh!r}"
+    if mesh is not None:
+        # its elements too: a list of any 4 values was handed to every member, whose
+        # start_quorum then failed on it with a bare ValueError, not retried
+        try:
+            Member.from_json(mesh)
+        except CommError as e:
+            return f"mesh must be [id, host, port, host_id] or null: {e}"
     return None
 
 

@@ -19,9 +19,11 @@ Per training step (see :class:`~torchport.distributed.ft.OptimizerWrapper`)::
   and the vote fails.
 * ``should_commit`` waits for outstanding allreduces and votes; the step counter advances only on a
   unanimous commit, so a step is never lost (it is retried with the same step number, hence the same
-  data) and never applied twice. The vote also carries this replica's request for the next step's
-  quorum: in steady state (same members, nobody joining) the lighthouse answers both at once and
-  the next ``start_quorum`` returns without asking, so a step costs one lighthouse round trip.
+  data) and never applied twice. It is called once per step, after ``start_quorum``; without a
+  quorum, or a second time, it raises :class:`QuorumError`. The vote also carries this replica's
+  request for the next step's quorum: in steady state (same members, nobody joining) the
+  lighthouse answers both at once and the next ``start_quorum`` returns without asking, so a
+  step costs one lighthouse round trip.
   A failure noticed in between discards that quorum, and the next ``start_quorum`` asks as usual.
 
 Failures reach the manager three ways: the lighthouse pushes a "dead" notice (crash: connection
@@ -62,13 +64,18 @@ from torchport.distributed.errors import CollectiveArgumentError, TorchportDistE
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
+# heal connections one replica serves at once (each on its own thread); more are refused at once
+# and their healers' quorums retry. Authenticated idle connections held a thread each, unbounded
+MAX_HEAL_CONNECTIONS = 16
+
 # what the average can take: the dtypes the torchport backend averages (gloo reduces them too;
 # float8 is floating-point, but neither backend reduces it: it failed the step, not the call)
 AVERAGEABLE = AVG_DTYPES
 
 
 class QuorumError(CommError):
-    """No quorum could be formed within the timeout."""
+    """No quorum could be formed within the timeout, or a commit vote was asked for without
+    one (``should_commit`` before ``start_quorum``, or twice in one step)."""
 
 
 @dataclass
@@ -199,10 +206,15 @@ class Manager:
         self._works: list[_Work] = []
         self._heal_sock: socket.socket | None = None  # the open state transfer, if healing
         self._next: dict[str, Any] | None = None  # next quorum, handed out with the last commit
+        # start_quorum succeeded and should_commit has not voted on its step yet: a vote without
+        # a quorum committed alone (the lighthouse took its empty member list as unanimous), and
+        # a second vote in one quorum-step applied a step nobody else trained
+        self._may_vote = False
         self._lock = threading.Lock()
         self._hb: socket.socket | None = None
         self._rpc: socket.socket | None = None
         self._closed = threading.Event()
+        self._heal_slots = threading.BoundedSemaphore(MAX_HEAL_CONNECTIONS)
         # the heal server listens where the job's TCP mesh does (TORCHPORT_DIST_ADDR): it bound
         # 127.0.0.1 always, so a replica on another host could never heal from this one
         bind = str(config.get("dist_addr"))
@@ -305,6 +317,7 @@ class Manager:
         """Join this step's quorum (blocking); retries until ``quorum_timeout`` on failures."""
         with self._lock:  # steady state: the quorum came with the last commit
             q, self._next = self._next, None
+            self._may_vote = False  # until this step's quorum is held
             fast = (
                 q is not None
                 and self._error is None
@@ -313,6 +326,7 @@ class Manager:
             )
             if fast:
                 self._works = []
+                self._may_vote = True
         if fast:
             self.metrics.quorums += 1
             self.metrics.quorums_with_commit += 1
@@ -328,6 +342,8 @@ class Manager:
             try:
                 self._quorum_once(deadline)
                 self.metrics.quorums += 1
+                with self._lock:
+                    self._may_vote = True
                 return
             except TorchportDistError as e:  # CommError, a timeout, a peer's failure
                 last = e
@@ -552,16 +568,35 @@ class Manager:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def _serve_heal(self, conn: socket.socket) -> None:
-        msg = recv_msg(conn)
-        if msg.get("t") != "get_state":
-            send_msg(conn, {"t": "error", "error": f"unknown heal request {msg.get('t')!r}"})
+        # every wait here is bounded by ``timeout`` (a progress limit while sending the state,
+        # as the healer's receive has): an authenticated healer that sent nothing, or stopped
+        # reading, kept this thread until shutdown
+        if not self._heal_slots.acquire(blocking=False):
+            send_msg(
+                conn,
+                {
+                    "t": "error",
+                    "error": f"replica {self.replica_id} is serving MAX_HEAL_CONNECTIONS="
+                    f"{MAX_HEAL_CONNECTIONS} heal connections already",
+                },
+                time.monotonic() + self.timeout,
+            )
             return
-        with self._lock:
-            busy = "torn" if self._torn else "being received" if self._receiving else None
-        if busy is not None:  # the healer's quorum retries, as for any failed heal
-            send_msg(conn, {"t": "error", "error": f"replica {self.replica_id}'s state is {busy}"})
-            return
-        send_state(conn, {"user": self._state_dict(), "step": self._step})
+        try:
+            msg = recv_msg(conn, deadline=time.monotonic() + self.timeout)
+            if msg.get("t") != "get_state":
+                why = f"unknown heal request {msg.get('t')!r}"
+                send_msg(conn, {"t": "error", "error": why}, time.monotonic() + self.timeout)
+                return
+            with self._lock:
+                busy = "torn" if self._torn else "being received" if self._receiving else None
+            if busy is not None:  # the healer's quorum retries, as for any failed heal
+                why = f"replica {self.replica_id}'s state is {busy}"
+                send_msg(conn, {"t": "error", "error": why}, time.monotonic() + self.timeout)
+                return
+            send_state(conn, {"user": self._state_dict(), "step": self._step}, timeout=self.timeout)
+        finally:
+            self._heal_slots.release()
 
     # -- collectives -----------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor) -> _Work:
@@ -623,7 +658,27 @@ class Manager:
         return w
 
     def should_commit(self) -> bool:
-        """Wait for this step's allreduces, vote, and return the unanimous decision."""
+        """Wait for this step's allreduces, vote, and return the unanimous decision.
+
+        Called once per step, after :meth:`start_quorum` returned (as torchft's): without a
+        quorum held, or a second time in one step, it raises :class:`QuorumError` and votes
+        nothing.
+        """
+        with self._lock:
+            may_vote, self._may_vote = self._may_vote, False
+        if not may_vote or self._pg is None or self._qid == -1:
+            if self._closed.is_set():
+                why = "the manager was shut down"
+            elif may_vote:
+                why = "it holds no group"
+            elif self._qid == -1:
+                why = "it holds no quorum (call start_quorum() first)"
+            else:
+                why = (
+                    f"this step of quorum {self._qid} was already voted on "
+                    f"(call start_quorum() before each step's vote)"
+                )
+            raise QuorumError(f"replica {self.replica_id}: should_commit() cannot vote: {why}")
         for w in list(self._works):
             w.wait()
         ok = self._error is None

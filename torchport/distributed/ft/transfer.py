@@ -48,6 +48,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 MAX_HEADER = 64 << 20
 MAX_PAYLOAD = 1 << 40
+MAX_NDIM = 64  # dims of one state tensor (torch's own limit for most ops)
 # a receive with a timeout fails when this many bytes (or the rest, if fewer) have not arrived
 # within the timeout of the previous such chunk: a stalled or trickling source fails within about
 # the timeout, while a steady one may take any time in total, whatever the state's size
@@ -98,7 +99,11 @@ def decode(obj: Any, tensors: list[Any]) -> Any:
     """Inverse of :func:`encode`."""
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            i = int(obj["__tensor__"])
+            i = obj["__tensor__"]
+            if not _is_int(i):  # int() took 0.7 as tensor 0, and "1" as tensor 1
+                raise StateTransferError(
+                    f"state structure's tensor index must be an int, got {i!r}"
+                )
             if not 0 <= i < len(tensors):
                 raise StateTransferError(f"state structure names tensor {i} of {len(tensors)}")
             return tensors[i]
@@ -117,8 +122,19 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr)
 
 
-def send_state(sock: socket.socket, state: Any, extra: dict[str, Any] | None = None) -> int:
-    """Send ``state`` on ``sock``; returns the payload bytes sent."""
+def send_state(
+    sock: socket.socket,
+    state: Any,
+    extra: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> int:
+    """Send ``state`` on ``sock``; returns the payload bytes sent.
+
+    ``timeout`` (s): a progress limit, as :func:`recv_state`'s: the header, then each
+    :data:`PROGRESS_BYTES` of the payload, must be sent within it, else
+    :class:`StateTransferTimeoutError`. Without it a healer that stopped reading blocked the
+    sender (a heal server thread) until shutdown.
+    """
     tensors: list[torch.Tensor] = []
     structure = encode(state, tensors)
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -129,14 +145,28 @@ def send_state(sock: socket.socket, state: Any, extra: dict[str, Any] | None = N
     total = sum(m[2] for m in metas)
     if total > (1 << 20):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-    send_msg(
-        sock,
-        {"t": "state", "structure": structure, "tensors": metas, "total": total, **(extra or {})},
-    )
-    for t, m in zip(flat, metas):
-        if m[2]:
-            sock.sendall(_bytes_view(t))
+    header = {"t": "state", "structure": structure, "tensors": metas, "total": total}
+    sent = 0
+    try:
+        send_msg(sock, {**header, **(extra or {})}, _deadline(timeout))
+        for t, m in zip(flat, metas):
+            view = _bytes_view(t) if m[2] else memoryview(b"")
+            for off in range(0, len(view), PROGRESS_BYTES):
+                if timeout is not None:  # sendall's timeout bounds the whole call: one chunk
+                    sock.settimeout(timeout)
+                sock.sendall(view[off : off + PROGRESS_BYTES])
+                sent += min(PROGRESS_BYTES, len(view) - off)
+    except TimeoutError:  # (with no ``timeout``, the socket's own one ran out)
+        limit = "the socket's timeout" if timeout is None else f"{timeout:g} s"
+        raise StateTransferTimeoutError(
+            f"state send stalled: the peer took no {PROGRESS_BYTES} bytes within {limit} "
+            f"({sent} of {total} payload bytes sent)"
+        ) from None
     return total
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def _paths(obj: Any, prefix: str, out: dict[int, str]) -> None:
@@ -237,7 +267,9 @@ def recv_state(
     # the whole header is checked before any byte lands in ``into``: a malformed one (a buggy or
     # mismatched peer) is a StateTransferError that leaves the receiver's own state intact
     try:
-        total = int(hdr["total"])
+        total = hdr["total"]
+        if not _is_int(total):
+            raise StateTransferError(f"malformed state header: total {_clip(total)} is no int")
         metas = [_meta(entry) for entry in hdr["tensors"]]
         decode(hdr["structure"], [None] * len(metas))  # tensor indices and keys (hashable)
         if targets:
@@ -256,7 +288,7 @@ def recv_state(
         try:
             if not own:
                 t = torch.empty(dims, dtype=dtype)
-        except RuntimeError as e:  # e.g. more memory than the host has
+        except (RuntimeError, TypeError, ValueError) as e:  # more memory than the host has, say
             raise StateTransferError(f"cannot allocate a state tensor: {e}", written) from None
         assert t is not None
         if nbytes:
@@ -273,20 +305,37 @@ def recv_state(
     return decode(hdr["structure"], tensors), hdr
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _meta(entry: Any) -> tuple[torch.dtype, list[int], int]:
-    """A header's ``[dtype, shape, nbytes]`` entry, checked: known dtype, non-negative dims,
-    byte count equal to the shape's."""
+    """A header's ``[dtype, shape, nbytes]`` entry, checked: known dtype, a list of at most
+    :data:`MAX_NDIM` int dims in ``[0, 2**63)``, an int byte count equal to the shape's.
+
+    ``int(d) for d in shape`` took the string "22" as the shape [2, 2] and 2.9 as 2, and a dim
+    past int64 reached ``torch.empty``, whose TypeError escaped every caller (they catch
+    :class:`StateTransferError`)."""
     dtype_name, shape, nbytes = entry
     dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
-    dims = [int(d) for d in shape]
-    if any(d < 0 for d in dims):
-        raise StateTransferError(f"peer sent a negative dimension in shape {dims}")
-    want = math.prod(dims) * dtype.itemsize
-    if int(nbytes) != want:
-        raise StateTransferError(f"byte count {nbytes} does not match {dtype_name}{dims}")
-    return dtype, dims, want
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(_is_int, shape))):
+        raise StateTransferError(
+            f"peer sent shape {_clip(shape)}; a shape is a list of at most {MAX_NDIM} ints"
+        )
+    if any(not 0 <= d < 1 << 63 for d in shape):
+        raise StateTransferError(f"peer sent a dimension outside [0, 2**63) in shape {shape}")
+    want = math.prod(shape) * dtype.itemsize
+    if not _is_int(nbytes) or nbytes != want:
+        raise StateTransferError(f"byte count {_clip(nbytes)} does not match {dtype_name}{shape}")
+    return dtype, list(shape), want
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a peer's value, in a one-line message)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def fetch_state(
