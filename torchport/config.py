@@ -238,7 +238,8 @@ SETTINGS: dict[str, Setting] = {
             kind=float,
             default=30.0,
             doc="Seconds an op may stay incomplete before the Flight Recorder dumps (0: never).",
-            check=lambda v: None if v >= 0 else "must be >= 0",
+            # finite: inf passed, and install() then failed in the watchdog's int(t * 1e9)
+            check=lambda v: None if 0 <= v < float("inf") else "must be a finite number >= 0",
         ),
         Setting(
             name="fr_stack",

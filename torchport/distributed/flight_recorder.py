@@ -37,6 +37,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import operator
 import os
 import signal
@@ -133,7 +134,7 @@ class FlightRecorder:
         record_stack: bool | None = None,
     ) -> None:
         n = config.get("fr_buffer_size") if buffer_size is None else buffer_size
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:  # (True was a 1-entry ring)
             raise ValueError(f"buffer_size must be an int >= 0, got {n!r}")
         self.capacity = n
         self._buf: list[list[Any] | None] = [None] * n
@@ -168,6 +169,8 @@ class FlightRecorder:
         self.record_stack = config.get("fr_stack") if record_stack is None else record_stack
         self.groups: dict[str, list[int]] = {}
         self.dumps = 0
+        # the running watchdog thread and the event that stops it (one per thread: stop()
+        # followed by start_watchdog() starts a new one, see stop)
         self._watchdog: threading.Thread | None = None
         self._dumped: set[int] = set()  # ids of the overdue ops a dump was taken for
         self._stop = threading.Event()
@@ -192,7 +195,11 @@ class FlightRecorder:
         sizes, dtypes = _describe(tensors)
         e = self._new(op, group, sizes, dtypes, SCHEDULED)
         if ranks is not None and group not in self.groups:
-            self.groups[group] = list(ranks)
+            # under the lock: snapshot() copies the dict under it (json.dumps of the live dict
+            # raced this insert: "dictionary changed size during iteration"); only a group's
+            # first op takes it
+            with self._lock:
+                self.groups.setdefault(group, list(ranks))
         return e
 
     def _new(
@@ -214,7 +221,7 @@ class FlightRecorder:
         key = group if seq_key is None else f"{group}\0{seq_key}"
         hit = self._seq.get(key)
         if hit is None:
-            hit = self._seq.setdefault(key, (itertools.count(), self._incs.get(group, 0)))
+            hit = self._counter(group, key)
         counter, inc = hit
         now = time.time_ns()
         idx = next(self._ids)
@@ -238,8 +245,16 @@ class FlightRecorder:
         key = group if seq_key is None else f"{group}\0{seq_key}"
         hit = self._seq.get(key)
         if hit is None:
-            hit = self._seq.setdefault(key, (itertools.count(), self._incs.get(group, 0)))
+            hit = self._counter(group, key)
         return int(next(hit[0]))
+
+    def _counter(self, group: str, key: str) -> tuple[Any, int]:
+        """The sequence counter ``key`` of ``group``, made on its first use under the lock:
+        retire() iterates ``_seq`` under it (an insert without it raced that iteration:
+        "dictionary changed size during iteration"). A retired group's counters are dropped
+        there, so ``_seq`` holds the live groups' only."""
+        with self._lock:
+            return self._seq.setdefault(key, (itertools.count(), self._incs.get(group, 0)))
 
     def adopt(self, name: str, group: Any) -> None:
         """Make ``group`` the current process group of the name ``name``.
@@ -427,6 +442,11 @@ class FlightRecorder:
     def snapshot(self, reason: str = "request") -> dict[str, Any]:
         """The dump as a JSON-ready dict."""
         rank, world = self.identity()
+        # copies, made under the lock its writers take (the live dict, serialised later while
+        # a new group was recorded, failed the dump: "dictionary changed size during iteration")
+        with self._lock:
+            groups = {g: list(m) for g, m in self.groups.items()}
+            retired = [[n, i, list(m)] for (n, i), m in self._old_groups.items()]
         now = time.time_ns()
         out = []
         for e in self.entries():
@@ -462,12 +482,12 @@ class FlightRecorder:
             "reason": reason,
             "time_ns": now,
             "buffer_size": self.capacity,
-            "groups": self.groups,
+            "groups": groups,
             # each group name's current incarnation (bumped at destroy, before any op of the
             # new group is recorded): fr analyze lines up this one, even when it has no entries
             "incarnations": self.incarnations(),
             # [name, incarnation, members] of the newest destroyed groups (their ops' members)
-            "retired_groups": [[n, i, list(m)] for (n, i), m in list(self._old_groups.items())],
+            "retired_groups": retired,
             "entries": out,
         }
 
@@ -516,43 +536,65 @@ class FlightRecorder:
 
     # -- watchdog --------------------------------------------------------------------------
     def start_watchdog(self, timeout_s: float | None = None, period_s: float = 0.1) -> None:
-        """Dump once when an op stays incomplete for more than ``timeout_s`` seconds."""
+        """Dump once when an op stays incomplete for more than ``timeout_s`` seconds (a
+        finite number >= 0; 0: no watchdog). Does nothing while a watchdog runs; after
+        :meth:`stop`, starts a new one."""
         t = config.get("fr_timeout") if timeout_s is None else timeout_s
-        if t <= 0 or self._watchdog is not None:
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t < math.inf:
+            # (nan and inf ended in a ValueError / OverflowError from int() below)
+            raise ValueError(f"timeout_s must be a finite number >= 0 (0: none), got {t!r}")
+        if t == 0:
             return
-        limit_ns = int(t * 1e9)
+        # (capped: beyond ~31,000 years t * 1e9 could overflow, and nothing is ever that late)
+        limit_ns = int(min(t, 1e12) * 1e9)
+        with self._lock:  # (two concurrent starts: one watchdog)
+            if self._watchdog is not None:
+                return
+            stop = self._stop = threading.Event()
+            self._watchdog = threading.Thread(
+                target=self._watch,
+                args=(stop, limit_ns, period_s),
+                name="tp-fr-watchdog",
+                daemon=True,
+            )
+            self._watchdog.start()
 
-        def loop() -> None:
-            while not self._stop.wait(period_s):
-                now = time.time_ns()
-                # dump once per newly overdue op: keyed on the first overdue entry alone, an
-                # op that stays incomplete (a gloo isend never waited on) hid every later hang
-                no_future = {e[_ID] for e, _ in list(self._no_future.values())}
-                waiting = self._waiting.copy()
-                overdue = [
-                    e
-                    for e in self.entries()
-                    if e[_STATE] in (SCHEDULED, STARTED)
-                    and now - (waiting.get(e[_ID], now) if e[_ID] in no_future else e[_T_SCHED])
-                    > limit_ns
-                ]
-                # a set of the dumped ids, not the highest: a future-less p2p op becomes overdue
-                # only once its wait() runs, after later ops may have been dumped for, and its
-                # hang was then never dumped; only ids still overdue are kept (bounded)
-                late = [e for e in overdue if e[_ID] not in self._dumped]
-                self._dumped = {e[_ID] for e in overdue}
-                if late:
-                    e = late[0]
-                    self._dump_quietly(
-                        f"timeout: {e[_OP]} #{e[_SEQ]} on {e[_GROUP]} incomplete "
-                        f"after {(now - e[_T_SCHED]) / 1e9:.2f} s"
-                    )
-
-        self._watchdog = threading.Thread(target=loop, name="tp-fr-watchdog", daemon=True)
-        self._watchdog.start()
+    def _watch(self, stop: threading.Event, limit_ns: int, period_s: float) -> None:
+        """The watchdog thread's loop, until ``stop`` is set."""
+        while not stop.wait(period_s):
+            now = time.time_ns()
+            # dump once per newly overdue op: keyed on the first overdue entry alone, an
+            # op that stays incomplete (a gloo isend never waited on) hid every later hang
+            no_future = {e[_ID] for e, _ in list(self._no_future.values())}
+            waiting = self._waiting.copy()
+            overdue = [
+                e
+                for e in self.entries()
+                if e[_STATE] in (SCHEDULED, STARTED)
+                and now - (waiting.get(e[_ID], now) if e[_ID] in no_future else e[_T_SCHED])
+                > limit_ns
+            ]
+            # a set of the dumped ids, not the highest: a future-less p2p op becomes overdue
+            # only once its wait() runs, after later ops may have been dumped for, and its
+            # hang was then never dumped; only ids still overdue are kept (bounded)
+            late = [e for e in overdue if e[_ID] not in self._dumped]
+            self._dumped = {e[_ID] for e in overdue}
+            if late:
+                e = late[0]
+                self._dump_quietly(
+                    f"timeout: {e[_OP]} #{e[_SEQ]} on {e[_GROUP]} incomplete "
+                    f"after {(now - e[_T_SCHED]) / 1e9:.2f} s"
+                )
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop the watchdog (waiting up to 5 s for a dump it is writing); a later
+        :meth:`start_watchdog` starts a new one (the stopped thread stayed recorded as
+        running, and an overdue op was then never dumped)."""
+        with self._lock:
+            thread, self._watchdog = self._watchdog, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
 
 
 _recorder: FlightRecorder | None = None
@@ -758,8 +800,9 @@ def _seen(group: Any, rec: FlightRecorder) -> tuple[str, list[int], Callable[[],
     under an old name) a new incarnation of the name's sequence ids."""
     hit = _group_key(group)
     # a group of that name re-created (the default group after a re-init with another world)
-    # names its own members, not the old ones
-    rec.groups[hit[0]] = list(hit[1])
+    # names its own members, not the old ones (under the lock: see FlightRecorder.record)
+    with rec._lock:
+        rec.groups[hit[0]] = list(hit[1])
     rec.adopt(hit[0], dist.group.WORLD if group is None else group)
     return hit
 
@@ -1010,6 +1053,9 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     """
     global _recorder
     rec = recorder or get_recorder()
+    # first: a bad timeout (TORCHPORT_FR_TIMEOUT) raises before anything is patched (raised
+    # after the patching, it left the functions recorded but no watchdog and no signal dump)
+    rec.start_watchdog()
     _recorder = rec
     for name in _PATCHED:
         _patch(dist, name, functools.partial(_wrap, name, rec=rec))
@@ -1020,7 +1066,6 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
         for method in _P2P_METHODS:
             if method in vars(cls):  # (inherited: recorded by the class that defines it)
                 _patch(cls, method, functools.partial(_wrap_p2p, method, rec=rec))
-    rec.start_watchdog()
     if signal_dump and threading.current_thread() is threading.main_thread():
         enable_signal_dump(recorder=rec)
     return rec

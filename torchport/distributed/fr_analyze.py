@@ -17,13 +17,20 @@ on): a restarted rank knows only the new one, and a rank with no op on the new g
 not entered its first one. Dumps without ``incarnations`` line up each rank's newest entries.
 
 It accepts dumps from any backend: entries whose state never left ``scheduled`` are reported as
-such rather than crashing the analysis.
+such rather than crashing the analysis. A dump that is not one (malformed JSON, a field of the
+wrong type, a ``world_size`` above :data:`MAX_WORLD_SIZE`), or a file that is not a regular
+file of this user's (or root's) of at most :data:`MAX_DUMP_BYTES` (a symbolic link, a FIFO) is
+refused with a :class:`DumpError` naming it (exit code 2 from ``torchport fr``).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
+import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +41,14 @@ from torchport.distributed.flight_recorder import P2P_OPS
 
 class DumpError(ValueError):
     """A dump file is missing, unreadable or not a Flight Recorder dump."""
+
+
+# The largest dump file read (a 2000-entry dump with stacks is a few MB): every *.json of the
+# folder was read whole, so a link to /dev/zero (or a huge file) exhausted the memory
+MAX_DUMP_BYTES = 256 << 20
+# The largest world_size taken: the ranks without a dump are listed, and 10**15 of them ended
+# in a MemoryError (torch's largest jobs are ~10**5 ranks)
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass
@@ -75,6 +90,11 @@ def _check_dump(p: Path, obj: Any) -> int:
     world = _int_of(obj["world_size"])
     if world is None or world < 1:
         raise DumpError(f"{p}: world_size must be an int >= 1, got {obj['world_size']!r:.200}")
+    if world > MAX_WORLD_SIZE:
+        raise DumpError(
+            f"{p}: world_size must be at most {MAX_WORLD_SIZE} (fr_analyze.MAX_WORLD_SIZE), "
+            f"got {world!r:.200}"
+        )
     obj["world_size"] = world
     groups = obj.get("groups")
     if groups is not None:
@@ -135,7 +155,7 @@ def _check_dump(p: Path, obj: Any) -> int:
             raise DumpError(
                 f"{p}: entry {i}: dtypes must be a list of strings, got {dtypes!r:.200}"
             )
-        for k, low in (("incarnation", 0), ("peer", -1), ("tag", None)):
+        for k, low in _ENTRY_INTS:
             x = e.get(k)
             if x is not None:
                 v = _int_of(x)
@@ -144,9 +164,37 @@ def _check_dump(p: Path, obj: Any) -> int:
                     raise DumpError(f"{p}: entry {i}: {k} must be an int{bound}, got {x!r:.200}")
                 e[k] = v
         took = e.get("duration_ms")
-        if took is not None and (not isinstance(took, int | float) or isinstance(took, bool)):
-            raise DumpError(f"{p}: entry {i}: duration_ms must be a number, got {took!r:.200}")
+        if took is not None:
+            # finite: 10**400 (an int) passed and the report's format raised OverflowError
+            ms = _float_of(took)
+            if ms is None:
+                raise DumpError(
+                    f"{p}: entry {i}: duration_ms must be a number (finite), got {took!r:.200}"
+                )
+            e["duration_ms"] = ms
+        # the export copies these into torch's dump (a stack of another type ended in a
+        # TypeError there); a non-string error, in a garbled report line
+        stack, err = e.get("stack"), e.get("error")
+        if stack is not None and not (
+            isinstance(stack, list) and all(isinstance(x, str) for x in stack)
+        ):
+            raise DumpError(f"{p}: entry {i}: stack must be a list of strings, got {stack!r:.200}")
+        if err is not None and not isinstance(err, str):
+            raise DumpError(f"{p}: entry {i}: error must be a string, got {err!r:.200}")
     return rank
+
+
+# the integer fields of an entry read when present (null: absent), and their lowest value
+# (record_id and the times: the export computes with them and copies them into torch's dump)
+_ENTRY_INTS = (
+    ("incarnation", 0),
+    ("peer", -1),
+    ("tag", None),
+    ("record_id", 0),
+    ("time_scheduled_ns", 0),
+    ("time_started_ns", 0),
+    ("time_completed_ns", 0),
+)
 
 
 def _int_of(x: Any) -> int | None:
@@ -154,6 +202,17 @@ def _int_of(x: Any) -> int | None:
     if isinstance(x, float) and x.is_integer():
         return int(x)
     return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _float_of(x: Any) -> float | None:
+    """``x`` as a finite float if it is a number (not a bool) that is one, else None."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:  # an int beyond the float range
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _int_lists(lists: Any) -> list[list[int]] | None:
@@ -184,16 +243,59 @@ def read_dump_files(files: Iterable[Path]) -> dict[int, tuple[Path, dict[str, An
     dumps: dict[int, tuple[Path, dict[str, Any]]] = {}
     for p in files:
         try:
-            obj = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            obj = json.loads(_read_file(p))
+            rank = _check_dump(p, obj)
+        except DumpError:
+            raise
+        except (OSError, ValueError) as e:
+            # ValueError: not JSON, not UTF-8, or an int of more digits than Python converts
+            # (sys.int_info; it was a traceback)
             raise DumpError(f"cannot read Flight Recorder dump {p}: {e}") from None
-        rank = _check_dump(p, obj)
+        except RecursionError:  # JSON nested deeper than the parser (or a repr) goes
+            raise DumpError(
+                f"cannot read Flight Recorder dump {p}: its JSON is nested too deeply"
+            ) from None
         if rank in dumps:
             raise DumpError(
                 f"two dumps of rank {rank}: {dumps[rank][0]} and {p}; keep one dump per rank"
             )
         dumps[rank] = (p, obj)
     return dumps
+
+
+def _read_file(p: Path) -> bytes:
+    """The bytes of dump file ``p``: a regular file of this user's (or root's), not a link,
+    of at most :data:`MAX_DUMP_BYTES`; DumpError otherwise. (Read whole, a FIFO named
+    ``rank_1.json`` hung the analysis and a link to ``/dev/zero`` exhausted the memory; a
+    file planted by another user, in a shared folder, was analysed as one of the job's.)"""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(p, flags)  # (O_NONBLOCK: opening a FIFO waited for a writer)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # (O_NOFOLLOW on a symbolic link)
+            raise DumpError(
+                f"{p} is a symbolic link: refused, dumps are not read through links"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DumpError(f"{p} is not a regular file: refused")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise DumpError(
+                f"{p} is owned by another user (uid {st.st_uid}): refused; copy the dumps "
+                "you trust into a folder of your own"
+            )
+        too_big = DumpError(
+            f"{p} is larger than the {MAX_DUMP_BYTES} bytes a dump may have "
+            "(fr_analyze.MAX_DUMP_BYTES): refused"
+        )
+        if st.st_size > MAX_DUMP_BYTES:
+            raise too_big
+        data = f.read(MAX_DUMP_BYTES + 1)  # (the file may have grown since the fstat)
+    if len(data) > MAX_DUMP_BYTES:
+        raise too_big
+    return data
 
 
 def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:
@@ -293,7 +395,9 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                     f"rank {r} never entered collective #{nxt} ({op}) on group {g!r}, "
                     f"which rank(s) {entered} entered{was}"
                 )
-        for seq in range(lo, hi + 1):
+        # the ids some rank holds in the window, not every id from lo to hi (a dump with ids
+        # 0 and 10**15 hung the analysis)
+        for seq in sorted({q for s in per_rank.values() for q in s if lo <= q <= hi}):
             have = {r: per_rank[r][seq] for r in sorted(per_rank) if seq in per_rank[r]}
             if len(have) < 2:
                 continue
@@ -324,7 +428,9 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                 failed_groups[e["group"]] = failed_groups.get(e["group"], 0) + 1
                 if failed_groups[e["group"]] > 1:
                     continue  # the first failure per group explains the rest
-                err = str(e.get("error") or "").splitlines()[0]
+                # (an errored entry without error text has no first line: it was an IndexError)
+                lines = (e.get("error") or "").splitlines()
+                err = lines[0] if lines else "(no error text recorded)"
                 v.findings.append(
                     f"rank {rank}: {e['op']} #{e['seq_id']} on group {e['group']!r} failed: "
                     f"{err[:160]}{'…' if len(err) > 160 else ''}"

@@ -197,7 +197,9 @@ def _pg_id(pg: str, ids: dict[str, int]) -> int:
     groups are named by their uid), else the next id above every one given so far."""
     hit = ids.get(pg)
     if hit is None:
-        hit = ids[pg] = int(pg) if pg.isdigit() else max([999, *ids.values()]) + 1
+        # ASCII digits that fit an int64 (a dump's name "²" or of 5000 digits: int() raised)
+        uid = pg.isascii() and pg.isdigit() and len(pg) < 19
+        hit = ids[pg] = int(pg) if uid else max([999, *ids.values()]) + 1
     return hit
 
 
