@@ -267,6 +267,10 @@ def main() -> None:
         # checked here: a bad value failed in every spawned worker with a traceback each
         if text and not all(s.strip().isdigit() and int(s) > 0 for s in text.split(",")):
             p.error(f"{name} must be comma-separated positive integers, got {text!r}")
+    known = (*OPS, *EXTRA_OPS, "ddp")
+    bad = [o for o in (args.ops or "").split(",") if args.ops and o.strip() not in known]
+    if bad:  # (an unknown name was skipped: an empty table, exit 0)
+        p.error(f"--ops: unknown op(s) {bad}; known: {', '.join(known)}")
     reps = QUICK_LARGE_SAMPLES if args.quick else min(args.reps, 7)
     table = BenchTable("collectives", unit="GB/s")
     table.start()

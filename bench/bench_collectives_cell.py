@@ -36,6 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_collectives import OPS, _op_fn, _slowest, wait_all  # the grid's cells, timed alike
 
+from torchport.benchmarks import positive_int
+
 
 def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, calls: int) -> None:
     import warnings
@@ -108,8 +110,10 @@ def main() -> None:
     p.add_argument("--op", default="broadcast", choices=OPS)
     p.add_argument("--size", type=int, default=1 << 20, help="bytes")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--samples", type=int, default=30)
-    p.add_argument("--calls", type=int, default=2, help="calls per sample (after a barrier)")
+    p.add_argument("--samples", type=positive_int, default=30)
+    p.add_argument(
+        "--calls", type=positive_int, default=2, help="calls per sample (after a barrier)"
+    )
     p.add_argument("--timeout", type=float, default=170.0, help="seconds; workers are killed")
     p.add_argument(
         "--transport",

@@ -314,6 +314,8 @@ def main() -> None:
         table.save(args.json)
         return
     kinds = args.cells.split(",")
+    if any(k not in ("linear", "mlp") for k in kinds):  # (an unknown one gave an empty table)
+        p.error(f"--cells must be a comma-separated subset of linear,mlp, got {args.cells!r}")
     dtypes = [getattr(torch, s) for s in args.dtypes.split(",")]
     if args.quick:
         grid = [("linear", m, 1024, 4096) for m in (1, 8)] + [("mlp", 8, 768, 3072)]

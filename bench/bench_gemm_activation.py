@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from torchport import native
-from torchport.benchmarks import arg_parser
+from torchport.benchmarks import arg_parser, positive_int
 from torchport.gemm import templates
 
 ACTS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -72,7 +72,9 @@ def _load_templates(path: str) -> Any:
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--n", type=int, default=32768)
-    p.add_argument("--inner", type=int, default=200)
+    p.add_argument(
+        "--inner", type=positive_int, default=200, help="calls per sample (torch's: inner // 10)"
+    )
     p.add_argument("--isa", default=None)
     p.add_argument("--against", default=None, help="another templates.py to time (A/B)")
     args = p.parse_args()
@@ -104,9 +106,9 @@ def main() -> None:
                     times[k][act].append((time.thread_time() - t0) / (args.inner * args.n))
                 op = torch_ops[act]
                 t0 = time.thread_time()
-                for _ in range(args.inner // 10):
+                for _ in range(max(1, args.inner // 10)):
                     op(x)
-                aten[act].append((time.thread_time() - t0) / (args.inner // 10 * args.n))
+                aten[act].append((time.thread_time() - t0) / (max(1, args.inner // 10) * args.n))
     finally:
         torch.set_num_threads(threads)
     print(f"# {isa}, n={args.n}, one thread, thread CPU time, median of {args.reps} rounds")

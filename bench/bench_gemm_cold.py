@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 
+from torchport.benchmarks import positive_int
+
 _CHILD = r"""
 import json, resource, sys, time
 import torch
@@ -65,7 +67,7 @@ def run_cell(dtype: str, m: int) -> list[list[float]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", default=",".join(CELLS), help="dtype:M,... (f32 or bf16)")
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=positive_int, default=1)
     args = p.parse_args(argv)
     cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells.split(",")]
     first: list[float] = []

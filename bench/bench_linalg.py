@@ -343,6 +343,10 @@ def main() -> None:
         help=f"skip cells with B·n³ above this (default {MAX_WORK:.0e}; the 1 GB input cap stays)",
     )
     args = p.parse_args()
+    ops = ("svd", "eigh", "qr", "cholesky")
+    if args.ops and any(o not in ops for o in args.ops.split(",")):
+        # (an unknown name timed the cholesky functions and failed on a non-PD input)
+        p.error(f"--ops must be a comma-separated subset of {','.join(ops)}, got {args.ops!r}")
     with config.override(progress=False):
         if args.orderings:
             orderings(args)

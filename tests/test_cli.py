@@ -135,3 +135,71 @@ def test_demo_rejects_unknown_stage(tmp_path):
     args = cli.build_parser().parse_args(["demo", "--out", str(tmp_path), "--stages", "warp"])
     with pytest.raises(ValueError, match=r"unknown demo stage\(s\) \['warp'\]"):
         demo.run(args)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--eval-every", "0"], "argument --eval-every: must be >= 1, got 0"),
+        (["--sample-tokens", "-5"], "argument --sample-tokens: must be >= 0, got -5"),
+        (["--seq-len", "3"], "argument --seq-len: must be >= 8, got 3"),
+        (["--time-limit", "0"], "argument --time-limit: must be a positive finite number"),
+        (["--stages", "bogus"], r"unknown demo stage\(s\) \['bogus'\]"),
+        (["--stages", ""], r"unknown demo stage\(s\)"),
+        (["--heads", "3", "--d-model", "16"], r"--d-model \(16\) must be divisible by --heads"),
+    ],
+)
+def test_bad_demo_options_are_usage_errors(tmp_path, capsys, argv, message):
+    """Bad demo options ended in Python tracebacks (exit 1), --eval-every 0 only mid-training
+    (ZeroDivisionError) and a negative --sample-tokens printed negative tokens/s; an unknown
+    stage was refused after --out had been created. Each is an error message, exit 2, before
+    anything runs or is written."""
+    import re
+
+    out = tmp_path / "never"
+    try:
+        rc = cli.main(["demo", "--out", str(out), *argv])
+    except SystemExit as e:  # (argparse's usage error)
+        rc = e.code
+    assert rc == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_a_stage_named_alone_brings_its_prerequisites():
+    """``--stages train`` or ``--stages sample`` without ``data`` failed on a bare assert."""
+    assert demo.selected_stages("sample") == ["data", "train", "sample"]
+    assert demo.selected_stages("train,quant") == ["data", "train", "quant"]
+    assert demo.selected_stages("ft") == ["ft"]
+
+
+def test_ft_stage_starts_from_a_clean_folder(tmp_path):
+    """A second ft run read the first run's progress files as its own: it killed replica 1
+    before it had joined and reported another run's steps."""
+    from torchport.demo.stage_ft import _fresh
+
+    for name in ("r0.bin", "r1.bin.progress", "r0.bin.json", "corpus.bin", "notes.txt"):
+        (tmp_path / name).write_text("8")
+    (tmp_path / "fr").mkdir()
+    (tmp_path / "fr" / "rank_0.json").write_text("{}")
+    _fresh(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "notes.txt"]
+
+
+def test_bench_runner_reports_a_benchmarks_exit_text_and_restores_threads(
+    tmp_path, capsys, monkeypatch
+):
+    """``torchport bench NAME`` dropped a benchmark's SystemExit('why') without a word, and a
+    benchmark that set the thread count (bench_graphs) left it for the next ones of ``bench all``."""
+    import torch
+
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "bench_fake.py").write_text(
+        "import torch\ntorch.set_num_threads(1)\nraise SystemExit('bench fake: no such hardware')\n"
+    )
+    monkeypatch.setattr(benchmarks, "bench_dir", lambda: tmp_path / "bench")
+    threads = torch.get_num_threads()
+    assert benchmarks.run_benchmark("fake", []) == 1
+    assert "bench fake: no such hardware" in capsys.readouterr().err
+    assert torch.get_num_threads() == threads

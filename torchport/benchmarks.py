@@ -48,15 +48,33 @@ def run_benchmark(name: str, argv: Sequence[str] = ()) -> int:
     assert d is not None
     path = d / f"bench_{name}.py"
     old_argv, old_path = sys.argv, list(sys.path)
+    # every benchmark of ``bench all`` runs in this process: one that set the thread count
+    # (bench_graphs: 1) left it for the next ones, which then ran on one thread
+    threads = torch.get_num_threads()
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(d.parent))
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as e:
-        return int(e.code or 0) if not isinstance(e.code, str) else 1
+        if isinstance(e.code, str):  # SystemExit("why"): the reason was swallowed, no output
+            print(e.code, file=sys.stderr)
+            return 1
+        return int(e.code or 0)
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
+        torch.set_num_threads(threads)
     return 0
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type=`` for counts that must be >= 1 (reps, calls, samples, rounds)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 def machine() -> dict[str, Any]:
@@ -188,6 +206,7 @@ class BenchTable:
             d = (bench_dir() or Path.cwd()) / "results"
             d.mkdir(parents=True, exist_ok=True)
             path = d / f"{self.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)  # (a --json in a new folder)
         payload = {
             "name": self.name,
             "unit": self.unit,
@@ -204,6 +223,6 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     """Common benchmark options: --quick, --reps, --json."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="small grid, few reps (smoke run)")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=positive_int, default=20)
     p.add_argument("--json", type=Path, default=None, help="where to write results")
     return p

@@ -83,8 +83,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """The end-to-end showcase."""
     from torchport import demo
+    from torchport.demo.data import CorpusError
 
-    demo.run(args)
+    try:
+        ctx, stages = demo.prepare(args)  # every option checked before anything runs
+    except ValueError as e:
+        print(f"torchport demo: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"torchport demo: error: cannot create --out {args.out!r}: {e}", file=sys.stderr)
+        return 2
+    try:
+        demo.execute(ctx, stages)
+    except CorpusError as e:  # (e.g. --corpus-mb too small to split)
+        print(f"torchport demo: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -120,20 +120,52 @@ STAGES: list[tuple[str, Stage]] = [
 ]
 
 
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {v}")
+    return v
+
+
+# the shortest sequence every stage can run with: sampling keeps half of it as context, the
+# graphs stage generates seq_len - 4 tokens after a 4-byte prompt
+MIN_SEQ_LEN = 8
+# a stage's prerequisites, added when only the stage is named (it read what they build)
+NEEDS = {"train": ("data",), "sample": ("data", "train")}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The demo's command-line options."""
+    """The demo's command-line options (values checked here: a bad one is a usage error)."""
     p.add_argument("--out", default="torchport-demo", help="output folder (report, PNG, sample)")
-    p.add_argument("--steps", type=int, default=600, help="max training steps")
-    p.add_argument("--time-limit", type=float, default=150.0, help="max training seconds")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--corpus-mb", type=float, default=4.0, help="MiB of stdlib source to read")
-    p.add_argument("--sample-tokens", type=int, default=300)
+    p.add_argument("--steps", type=_int_at_least(1), default=600, help="max training steps")
+    p.add_argument("--time-limit", type=_positive_float, default=150.0, help="max training seconds")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=32)
+    p.add_argument("--seq-len", type=_int_at_least(MIN_SEQ_LEN), default=128)
+    p.add_argument("--d-model", type=_int_at_least(1), default=128)
+    p.add_argument("--layers", type=_int_at_least(1), default=4)
+    p.add_argument("--heads", type=_int_at_least(1), default=4)
+    p.add_argument("--lr", type=_positive_float, default=3e-3)
+    p.add_argument("--eval-every", type=_int_at_least(1), default=50)
+    p.add_argument(
+        "--corpus-mb", type=_positive_float, default=4.0, help="MiB of stdlib source to read"
+    )
+    p.add_argument("--sample-tokens", type=_int_at_least(0), default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--stages",
@@ -142,10 +174,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> list[Section]:
-    """Run the selected stages in order, print each section, write the report."""
+def selected_stages(spec: str) -> list[str]:
+    """The stage names ``--stages`` selects, with their prerequisites (``NEEDS``), in order."""
+    names = [n for n, _ in STAGES]
+    wanted = names if spec == "all" else [s.strip() for s in spec.split(",")]
+    unknown = [w for w in wanted if w not in names]
+    if unknown or not wanted:
+        raise ValueError(f"unknown demo stage(s) {unknown or [spec]}; known: {names}")
+    wanted += [need for w in wanted for need in NEEDS.get(w, ())]
+    return [n for n in names if n in wanted]
+
+
+def prepare(args: argparse.Namespace) -> tuple[DemoContext, list[str]]:
+    """The run's context and stages, every option checked before anything runs (a
+    ``ValueError`` naming it); a stage named alone brings its prerequisites (``--stages
+    sample`` runs data and train first)."""
+    stages = selected_stages(args.stages)
+    if args.d_model % args.heads:
+        raise ValueError(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     ctx = DemoContext(
         args=args,
         out_dir=out_dir,
@@ -162,13 +209,22 @@ def run(args: argparse.Namespace) -> list[Section]:
             seed=args.seed,
         ),
     )
-    names = [n for n, _ in STAGES]
-    wanted = names if args.stages == "all" else [s.strip() for s in args.stages.split(",")]
-    unknown = [w for w in wanted if w not in names]
-    if unknown:
-        raise ValueError(f"unknown demo stage(s) {unknown}; known: {names}")
+    return ctx, stages
+
+
+def run(args: argparse.Namespace) -> list[Section]:
+    """Run the selected stages in order, print each section, write the report."""
+    ctx, stages = prepare(args)
+    return execute(ctx, stages)
+
+
+def execute(ctx: DemoContext, stages: list[str]) -> list[Section]:
+    """Run ``stages`` (checked by :func:`prepare`) in order; print each section; write the
+    report."""
+    out_dir = ctx.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
     for name, fn in STAGES:
-        if name in wanted:
+        if name in stages:
             section = fn(ctx)
             ctx.sections.append(section)
             print(render_table(section), flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import time
@@ -19,6 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from torchport.demo.report import Section
+
+
+def _fresh(out: Path) -> None:
+    """``out`` made, without what an earlier run left there: the replicas' progress files were
+    read as this run's (a second run killed replica 1 before it joined and reported another
+    run's steps), their summaries and parameters compared, old Flight Recorder dumps analysed."""
+    out.mkdir(parents=True, exist_ok=True)
+    for pattern in ("r*.bin", "r*.bin.progress", "r*.bin.json"):
+        for f in out.glob(pattern):
+            f.unlink(missing_ok=True)
+    shutil.rmtree(out / "fr", ignore_errors=True)
 
 
 def _progress(path: Path) -> int:
@@ -46,7 +58,7 @@ def run_scenario(
     from torchport.demo.ft_worker import spawn, stage_corpus
     from torchport.distributed.ft import Lighthouse
 
-    out.mkdir(parents=True, exist_ok=True)
+    _fresh(out)
     corpus = out / "corpus.bin"
     if model == "gpt":
         stage_corpus(corpus)  # a restarted replica reads it instead of scanning sources
@@ -154,7 +166,7 @@ def run_alternating(
             f"run_alternating needs segment > 0, pairs >= 1 and 0 < kill_at < 1, "
             f"got segment={segment}, pairs={pairs}, kill_at={kill_at}"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    _fresh(out)
     lh = Lighthouse(min_replicas=1, join_timeout=1.0, heartbeat=heartbeat)
     addr = f"{lh.address[0]}:{lh.address[1]}"
     procs: dict[int, Any] = {}

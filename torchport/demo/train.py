@@ -36,6 +36,8 @@ class TrainConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.eval_every < 1:  # (step % 0 raised ZeroDivisionError mid-training)
+            raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
 
 
 @dataclass
