@@ -190,32 +190,44 @@ def test_a_dump_that_is_no_regular_file_of_ours_is_refused(tmp_path, capsys, mon
         _refused(d, "rank_1.json is owned by another user (uid 4242): refused", capsys)
 
 
-def test_a_dump_racing_the_first_op_of_new_groups_does_not_fail(tmp_path):
-    """B1: the snapshot held the live ``groups`` dict, which record() (and install()'s
-    _seen()) extended without the lock while json.dumps iterated it: "dictionary changed size
-    during iteration" in nearly every racing dump."""
-    rec = FlightRecorder(buffer_size=16, rank=0, world_size=1, dump_dir=tmp_path)
+def _race(step: Any, main: Any, seconds: float = 1.5) -> list[str]:
+    """Call ``step(0), step(1), ...`` on a thread while this one calls ``main()`` for
+    ``seconds``; the RuntimeErrors ``main`` raised."""
     stop = threading.Event()
 
-    def writer() -> None:
+    def loop() -> None:
         i = 0
         while not stop.is_set():
-            rec.record("all_reduce", f"g{i}", (), ranks=[0])  # a new group's first op
+            step(i)
             i += 1
 
-    t = threading.Thread(target=writer, daemon=True)
+    t = threading.Thread(target=loop, daemon=True)
     t.start()
     errors: list[str] = []
     try:
-        deadline = time.monotonic() + 1.5
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
-                rec.dump()  # (its json.dumps(indent=1) iterates the dict in Python code)
+                main()
             except RuntimeError as e:
                 errors.append(str(e))
     finally:
         stop.set()
         t.join(10)
+    return errors
+
+
+def test_a_dump_racing_the_first_op_of_new_groups_does_not_fail(tmp_path):
+    """B1: the snapshot held the live ``groups`` dict, which record() (and install()'s
+    _seen()) extended without the lock while json.dumps iterated it: "dictionary changed size
+    during iteration" in nearly every racing dump."""
+    rec = FlightRecorder(buffer_size=16, rank=0, world_size=1, dump_dir=tmp_path)
+
+    def first_op(i: int) -> None:
+        rec.record("all_reduce", f"g{i}", (), ranks=[0])  # a new group's first op
+
+    # (dump's json.dumps(indent=1) iterates the dict in Python code)
+    errors = _race(first_op, rec.dump)
     assert errors == [] and rec.dumps > 0
     assert rec.snapshot()["groups"]["g0"] == [0]
 
@@ -225,31 +237,18 @@ def test_retiring_a_group_while_new_groups_record_their_first_op_does_not_fail()
     while retire() iterated it under the lock: "dictionary changed size during iteration".
     A retired group's counters are dropped (the dict holds the live groups' only)."""
     rec = FlightRecorder(buffer_size=16, rank=0, world_size=1)
-    stop = threading.Event()
 
-    def writer() -> None:
-        i = 0
-        while not stop.is_set():
-            rec.record("all_reduce", f"g{i}")
-            rec.next_seq(f"g{i}", "p2p")
-            i += 1
+    def new_group(i: int) -> None:
+        rec.record("all_reduce", f"g{i}")
+        rec.next_seq(f"g{i}", "p2p")
 
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    errors: list[str] = []
-    try:
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
-            try:
-                rec.adopt("x", object())  # (a new group object of the name each time)
-                rec.record("all_reduce", "x")
-                rec.next_seq("x", "p2p")
-                rec.retire("x")
-            except RuntimeError as e:
-                errors.append(str(e))
-    finally:
-        stop.set()
-        t.join(10)
+    def cycle() -> None:
+        rec.adopt("x", object())  # (a new group object of the name each time)
+        rec.record("all_reduce", "x")
+        rec.next_seq("x", "p2p")
+        rec.retire("x")
+
+    errors = _race(new_group, cycle)
     assert errors == []
     assert not [k for k in rec._seq if k.split("\0")[0] == "x"]
 

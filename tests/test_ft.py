@@ -41,6 +41,17 @@ def _stopped(pid: int) -> bool:
         return False
 
 
+def _refused(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:``port`` (a connection is refused)."""
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
 def _wait_for(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -54,15 +65,10 @@ def _wait_listener_gone(port: int) -> None:
     the last reference, and a CommError the test keeps holds one in a cycle (its traceback
     holds the test's frame), so the caller first drops its own and a collection frees the rest."""
     import gc
-    import socket
 
     def gone() -> bool:
         gc.collect()
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        except OSError:
-            return True
-        return False
+        return _refused(port)
 
     _wait_for(gone, 3, f"the test's TCPStore to stop listening on port {port}")
 

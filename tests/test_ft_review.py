@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.test_ft import _refused, _wait_for
 from torchport.distributed import CommError
 from torchport.distributed._control import Server, _mac, connect, recv_exact, recv_msg, send_msg
 from torchport.distributed.elastic import Member
@@ -27,14 +28,6 @@ from torchport.distributed.ft import (
     send_state,
 )
 from torchport.distributed.ft.manager import MAX_HEAL_CONNECTIONS
-
-
-def _wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _replica(lh: Lighthouse, secret: bytes, rid: str, socks: list) -> socket.socket:
@@ -251,14 +244,7 @@ def test_lighthouse_close_releases_the_gloo_store():
         lh.close()
     assert lh.store is None
 
-    def refused() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        except OSError:
-            return True
-        return False
-
-    _wait_for(refused, 3, f"the store on port {port} to stop listening")
+    _wait_for(lambda: _refused(port), 3, f"the store on port {port} to stop listening")
 
 
 # -- C5: state headers --------------------------------------------------------------------------
