@@ -49,7 +49,13 @@ from torchport.distributed import engine
 from torchport.distributed._threads import WarmPool, in_background
 from torchport.distributed.backend import TorchportProcessGroup
 from torchport.distributed.engine import Communicator
-from torchport.distributed.errors import CommAbortedError, CommError, CommTimeoutError
+from torchport.distributed.errors import (
+    CommAbortedError,
+    CommError,
+    CommTimeoutError,
+    clip_repr,
+    is_int,
+)
 from torchport.distributed.groups import group_id_for, host_id
 from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import ShmArena
@@ -94,27 +100,23 @@ class Member:
         for any other value (an ``int()`` of a peer's string raised a bare ValueError, which
         the callers' retry on CommError let through)."""
         if not (isinstance(v, list) and len(v) == 4):
-            raise CommError(f"member record must be [id, host, port, host_id], got {_clip(v)}")
+            raise CommError(f"member record must be [id, host, port, host_id], got {clip_repr(v)}")
         mid, host, port, hid = v
-        if not (_is_int(mid) and 0 <= mid < 1 << 31):
-            raise CommError(f"member record's id must be an int in [0, 2**31), got {_clip(mid)}")
+        if not (is_int(mid) and 0 <= mid < 1 << 31):
+            raise CommError(
+                f"member record's id must be an int in [0, 2**31), got {clip_repr(mid)}"
+            )
         if not (isinstance(host, str) and host):
-            raise CommError(f"member record's host must be a non-empty string, got {_clip(host)}")
-        if not (_is_int(port) and 0 < port < 1 << 16):
-            raise CommError(f"member record's port must be an int in [1, 65535], got {_clip(port)}")
+            raise CommError(
+                f"member record's host must be a non-empty string, got {clip_repr(host)}"
+            )
+        if not (is_int(port) and 0 < port < 1 << 16):
+            raise CommError(
+                f"member record's port must be an int in [1, 65535], got {clip_repr(port)}"
+            )
         if not isinstance(hid, str):
-            raise CommError(f"member record's host_id must be a string, got {_clip(hid)}")
+            raise CommError(f"member record's host_id must be a string, got {clip_repr(hid)}")
         return Member(mid, host, port, hid)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _clip(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters (a peer's value, in a one-line message)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ElasticMesh(Mesh):

@@ -17,6 +17,8 @@ distributed errors catch ours too.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.distributed import DistBackendError
 
 
@@ -64,3 +66,20 @@ class AuthError(CommError):
 
 class CollectiveArgumentError(TorchportDistError, ValueError):
     """A collective was called with arguments it cannot accept (the message says which)."""
+
+
+def clip_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a one-line report of a peer's value (an
+    int whose repr would raise, past 4300 digits, is described by its size)."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:
+        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except ValueError:  # (such an int nested in a list)
+        return f"a {type(value).__name__} too large to print"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_int(v: Any) -> bool:
+    """An int that is no bool (a peer's ``true`` is no count)."""
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -80,7 +80,7 @@ from torchport.distributed.elastic import (
     retire_group,
 )
 from torchport.distributed.engine import REASON_ERROR
-from torchport.distributed.errors import CommTimeoutError, WireError
+from torchport.distributed.errors import CommTimeoutError, WireError, clip_repr
 
 _log = logging.getLogger(__name__)
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
@@ -346,7 +346,7 @@ class ReconfigurableGroup:
                     time.sleep(self.heartbeat)
                 return
             else:
-                why = f"unknown control request {_clip(msg.get('t'))}"
+                why = f"unknown control request {clip_repr(msg.get('t'))}"
                 _log.warning("reconfigure control server: %s; closing the connection", why)
                 send_msg(conn, {"t": "error", "error": why})
                 return
@@ -852,19 +852,10 @@ class ReconfigurableGroup:
 def _bad_uuid(uuid: Any) -> str | None:
     """Why ``uuid`` is not a reconfigure uuid (an int in [0, MAX_UUID]), or None."""
     if not isinstance(uuid, int) or isinstance(uuid, bool) or uuid < 0:
-        return f"uuid must be a non-negative int, got {_clip(uuid)}"
+        return f"uuid must be a non-negative int, got {clip_repr(uuid)}"
     if uuid > MAX_UUID:
-        return f"uuid must be at most 2**64 - 1 ({MAX_UUID}), got {_clip(uuid)}"
+        return f"uuid must be at most 2**64 - 1 ({MAX_UUID}), got {clip_repr(uuid)}"
     return None
-
-
-def _clip(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for a one-line report of a peer's value."""
-    if isinstance(value, int) and value.bit_length() > 4 * limit:
-        # (repr raises past 4300 digits): a long int is described by its size
-        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _default: ReconfigurableGroup | None = None

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torchport import config
 from torchport.distributed._control import Server, default_secret, recv_msg, send_msg
 from torchport.distributed.elastic import Member
-from torchport.distributed.errors import CommError, WireError
+from torchport.distributed.errors import CommError, WireError, clip_repr, is_int
 
 _log = logging.getLogger(__name__)
 
@@ -144,7 +144,9 @@ class Lighthouse:
             if hello.get("t") == "hb":
                 rid = hello.get("rid")
                 if not isinstance(rid, str):
-                    self._refuse(conn, f"heartbeat hello: rid must be a string, got {_clip(rid)}")
+                    self._refuse(
+                        conn, f"heartbeat hello: rid must be a string, got {clip_repr(rid)}"
+                    )
                     return
                 self._heartbeats(conn, rid)
             elif hello.get("t") == "rpc":
@@ -155,10 +157,10 @@ class Lighthouse:
                     elif msg.get("t") == "commit":
                         send_msg(conn, self._commit(msg))
                     else:
-                        self._refuse(conn, f"unknown lighthouse request {_clip(msg.get('t'))}")
+                        self._refuse(conn, f"unknown lighthouse request {clip_repr(msg.get('t'))}")
                         return
             else:
-                self._refuse(conn, f"unknown lighthouse hello {_clip(hello.get('t'))}")
+                self._refuse(conn, f"unknown lighthouse hello {clip_repr(hello.get('t'))}")
         except WireError as e:
             _log.warning("lighthouse: %s; closing the connection", e)
 
@@ -342,7 +344,7 @@ class Lighthouse:
         with self._cv:
             foreign = self._foreign_vote(rid, qid, msg["members"])
             if foreign is not None:
-                _log.warning("lighthouse: refused a vote from %s: %s", _clip(rid), foreign)
+                _log.warning("lighthouse: refused a vote from %s: %s", clip_repr(rid), foreign)
                 if self._last is not None and qid == self._quorum_id and rid in self._members:
                     # a member that will not apply the step: the others must not either (they
                     # waited out their timeout for a vote that never came)
@@ -402,9 +404,9 @@ class Lighthouse:
         if qid != self._quorum_id:
             return f"quorum {qid} is not the current quorum {self._quorum_id}"
         if members != self._members:
-            return f"members {_clip(members)} are not quorum {qid}'s {_clip(self._members)}"
+            return f"members {clip_repr(members)} are not quorum {qid}'s {clip_repr(self._members)}"
         if rid not in members:
-            return f"replica {_clip(rid)} is not a member of quorum {qid}"
+            return f"replica {clip_repr(rid)} is not a member of quorum {qid}"
         return None
 
     def _next_quorum(self, vote: _Vote, qid: int, step: int) -> dict[str, Any] | None:
@@ -452,16 +454,6 @@ class Lighthouse:
         del store
 
 
-def _clip(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for a one-line report of a peer's value."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_seconds(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
@@ -472,16 +464,16 @@ def _bad_request(msg: Any) -> str | None:
         return f"a request must be an object, got {type(msg).__name__}"
     if not isinstance(msg.get("rid"), str):
         return f"rid must be a string, got {msg.get('rid')!r}"
-    if not _is_int(msg.get("step")) or msg["step"] < 0:
+    if not is_int(msg.get("step")) or msg["step"] < 0:
         return f"step must be an int >= 0, got {msg.get('step')!r}"
     addr = msg.get("heal_addr")
     if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)):
         return f"heal_addr must be [host, port], got {addr!r}"
-    if not _is_int(addr[1]):
+    if not is_int(addr[1]):
         return f"heal_addr's port must be an int, got {addr[1]!r}"
     if "torn" in msg and not isinstance(msg["torn"], bool):
         return f"torn must be a bool, got {msg['torn']!r}"
-    if "group" in msg and not _is_int(msg["group"]):
+    if "group" in msg and not is_int(msg["group"]):
         return f"group must be an int, got {msg['group']!r}"
     if "timeout" in msg and not _is_seconds(msg["timeout"]):
         return f"timeout must be a finite number of seconds >= 0, got {msg['timeout']!r}"
@@ -501,7 +493,7 @@ def _bad_vote(msg: dict[str, Any]) -> str | None:
     if not isinstance(msg.get("rid"), str):
         return f"rid must be a string, got {msg.get('rid')!r}"
     for key in ("quorum_id", "step"):
-        if not _is_int(msg.get(key)):
+        if not is_int(msg.get(key)):
             return f"{key} must be an int, got {msg.get(key)!r}"
     members = msg.get("members")
     if not (isinstance(members, list) and all(isinstance(m, str) for m in members)):

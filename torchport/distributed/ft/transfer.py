@@ -27,7 +27,12 @@ from torchport.distributed._control import (
     frame_length,
     send_msg,
 )
-from torchport.distributed.errors import CommTimeoutError, ConnectTimeoutError
+from torchport.distributed.errors import (
+    CommTimeoutError,
+    ConnectTimeoutError,
+    clip_repr,
+    is_int,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -100,9 +105,9 @@ def decode(obj: Any, tensors: list[Any]) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             i = obj["__tensor__"]
-            if not _is_int(i):  # int() took 0.7 as tensor 0, and "1" as tensor 1
+            if not is_int(i):  # int() took 0.7 as tensor 0, and "1" as tensor 1
                 raise StateTransferError(
-                    f"state structure's tensor index must be an int, got {i!r}"
+                    f"state structure's tensor index must be an int, got {clip_repr(i)}"
                 )
             if not 0 <= i < len(tensors):
                 raise StateTransferError(f"state structure names tensor {i} of {len(tensors)}")
@@ -268,8 +273,8 @@ def recv_state(
     # mismatched peer) is a StateTransferError that leaves the receiver's own state intact
     try:
         total = hdr["total"]
-        if not _is_int(total):
-            raise StateTransferError(f"malformed state header: total {_clip(total)} is no int")
+        if not is_int(total):
+            raise StateTransferError(f"malformed state header: total {clip_repr(total)} is no int")
         metas = [_meta(entry) for entry in hdr["tensors"]]
         decode(hdr["structure"], [None] * len(metas))  # tensor indices and keys (hashable)
         if targets:
@@ -305,10 +310,6 @@ def recv_state(
     return decode(hdr["structure"], tensors), hdr
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _meta(entry: Any) -> tuple[torch.dtype, list[int], int]:
     """A header's ``[dtype, shape, nbytes]`` entry, checked: known dtype, a list of at most
     :data:`MAX_NDIM` int dims in ``[0, 2**63)``, an int byte count equal to the shape's.
@@ -320,22 +321,18 @@ def _meta(entry: Any) -> tuple[torch.dtype, list[int], int]:
     dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise StateTransferError(f"peer sent unsupported dtype {dtype_name!r}")
-    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(_is_int, shape))):
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(is_int, shape))):
         raise StateTransferError(
-            f"peer sent shape {_clip(shape)}; a shape is a list of at most {MAX_NDIM} ints"
+            f"peer sent shape {clip_repr(shape)}; a shape is a list of at most {MAX_NDIM} ints"
         )
     if any(not 0 <= d < 1 << 63 for d in shape):
         raise StateTransferError(f"peer sent a dimension outside [0, 2**63) in shape {shape}")
     want = math.prod(shape) * dtype.itemsize
-    if not _is_int(nbytes) or nbytes != want:
-        raise StateTransferError(f"byte count {_clip(nbytes)} does not match {dtype_name}{shape}")
+    if not is_int(nbytes) or nbytes != want:
+        raise StateTransferError(
+            f"byte count {clip_repr(nbytes)} does not match {dtype_name}{shape}"
+        )
     return dtype, list(shape), want
-
-
-def _clip(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters (a peer's value, in a one-line message)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def fetch_state(
