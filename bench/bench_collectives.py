@@ -188,7 +188,13 @@ def _ddp(groups, quick: bool):
 def run_world(
     world: int, quick: bool, reps: int, timeout: float, ops: str = "", sizes: str = ""
 ) -> list[dict]:
-    tmp = tempfile.mkdtemp(prefix="tp-bench-")
+    with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:  # (mkdtemp: left in /tmp)
+        return _run_world_in(tmp, world, quick, reps, timeout, ops, sizes)
+
+
+def _run_world_in(
+    tmp: str, world: int, quick: bool, reps: int, timeout: float, ops: str, sizes: str
+) -> list[dict]:
     out = os.path.join(tmp, "rows.json")
     init = f"file://{tmp}/store"
     env = {

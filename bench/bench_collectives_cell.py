@@ -122,7 +122,11 @@ def main() -> None:
         help="torchport's transport (TORCHPORT_DIST_TRANSPORT for the workers; default: inherited)",
     )
     args = p.parse_args()
-    tmp = tempfile.mkdtemp(prefix="tp-cell-")
+    with tempfile.TemporaryDirectory(prefix="tp-cell-") as tmp:  # (mkdtemp: left in /tmp)
+        _run(args, tmp)
+
+
+def _run(args: argparse.Namespace, tmp: str) -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

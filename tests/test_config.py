@@ -38,6 +38,11 @@ def test_bad_env_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("TORCHPORT_MAX_AUTOTUNE_GEMM_BACKENDS", "NATIVE,CUTLASS")
     with pytest.raises(ConfigError, match=r"unknown backend\(s\) \['CUTLASS'\]"):
         config.get("max_autotune_gemm_backends")
+    # (inf passed, and the fault-tolerance heartbeat's Event.wait(inf) raised OverflowError)
+    for bad in ("inf", "nan", "0", "-1"):
+        monkeypatch.setenv("TORCHPORT_FT_HEARTBEAT", bad)
+        with pytest.raises(ConfigError, match=r"FT_HEARTBEAT\): must be a finite number > 0"):
+            config.get("ft_heartbeat")
 
 
 @pytest.mark.parametrize("name", sorted(config.SETTINGS))

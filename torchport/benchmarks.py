@@ -34,6 +34,26 @@ def bench_dir() -> Path | None:
     return None
 
 
+# Single-cell and A/B tools, run by name (they take required arguments, need particular
+# hardware, or measure one kernel variant against another), not by ``torchport bench all``:
+# ``make bench`` ran them with no arguments and failed on gemv_kern's required --variants and
+# on the AMX A/B off AMX machines
+TOOLS = frozenset(
+    {
+        "collectives_cell",
+        "gemm_activation",
+        "gemm_amx_ab",
+        "gemm_cold",
+        "gemm_eo_ab",
+        "gemm_epilogue_ab",
+        "gemv_bound",
+        "gemv_decode",
+        "gemv_kern",
+        "gemv_sched",
+    }
+)
+
+
 def list_benchmarks() -> list[str]:
     """Names of ``bench/bench_<name>.py`` scripts."""
     d = bench_dir()

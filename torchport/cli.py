@@ -60,16 +60,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run benchmarks from bench/."""
-    from torchport.benchmarks import list_benchmarks, run_benchmark
+    from torchport.benchmarks import TOOLS, list_benchmarks, run_benchmark
 
     names = list_benchmarks()
     if not names:
         print("no benchmarks found (bench/ must be next to the torchport package)", file=sys.stderr)
         return 2
     if args.name == "list":
-        print("\n".join(names))
+        print(
+            "\n".join(
+                f"{n}  (tool: by name only, not in 'all')" if n in TOOLS else n for n in names
+            )
+        )
         return 0
-    wanted = names if args.name == "all" else [args.name]
+    wanted = [n for n in names if n not in TOOLS] if args.name == "all" else [args.name]
     unknown = [w for w in wanted if w not in names]
     if unknown:
         print(f"unknown benchmark {unknown[0]!r}; available: {', '.join(names)}", file=sys.stderr)

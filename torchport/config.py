@@ -108,7 +108,8 @@ def _check_backends(value: str) -> str | None:
 
 
 def _positive(value: float) -> str | None:
-    return None if value > 0 else "must be > 0"
+    # finite too: inf passed, and the heartbeat's Event.wait(inf) then raised OverflowError
+    return None if 0 < value < float("inf") else "must be a finite number > 0"
 
 
 def _norm_pch(value: str) -> str:
