@@ -1052,3 +1052,24 @@ def test_settle_faults_calls_until_a_call_takes_no_fresh_pages():
     )
     # past max_time_s it stops after the first call, faults or not
     assert timing.settle_faults(always_fresh, [(1,)], max_time_s=0.0)[:3:2] == (1, False)
+
+
+def test_a_wrong_result_is_refused_without_a_check(fresh_cache):
+    """Without ``check`` the tuner compared nothing: a fast candidate returning zeros was timed
+    and chosen. The default check (``same_result``) holds it to the anchor's result."""
+    x = torch.randn(64, 64)
+
+    def factory(c):
+        if c.is_anchor:
+            return lambda x: x.sum(1)
+        if c.name == "right":
+            return lambda x: x.sum(1, dtype=torch.float64).float()
+        return lambda x: torch.zeros(x.shape[0])
+
+    cands = [Candidate("aten", ATEN), Candidate("wrong"), Candidate("right")]
+    ch = autotune.select("toy.default_check", {"s": 1}, cands, factory, lambda: (x,), cold=False)
+    assert ch.failures["wrong"] == "invalid: result does not match the ATen anchor"
+    assert "right" in ch.timings_s and ch.candidate.name != "wrong"
+    assert autotune.tuner.same_result((x, 3), (x.clone(), 3))
+    assert not autotune.tuner.same_result((x, 3), (x, 4))
+    assert not autotune.tuner.same_result(x.double(), x)

@@ -121,6 +121,43 @@ def test_bad_inputs():
         E.rowsum([[1.0]])  # type: ignore[arg-type]
 
 
+def test_bad_inputs_found_by_review():
+    """unroll=True / 2.0 passed the membership test (True == 1, 2.0 == 2) and reached the C
+    source; an alpha past the double range raised a bare OverflowError; sparse and mkldnn inputs
+    failed further on with unrelated errors."""
+    x = torch.ones(3, 8)
+    for bad in (True, 2.0):
+        with pytest.raises(E.ElementwiseInputError, match=r"rowsum: unroll must be 0 or one of"):
+            E.rowsum(x, unroll=bad)  # type: ignore[arg-type]
+    with pytest.raises(E.ElementwiseInputError, match=r"alpha must fit in a double, got an int"):
+        E.axpy(10**400, torch.ones(4), torch.ones(4))
+    with pytest.raises(
+        E.ElementwiseInputError, match=r"x must be a strided tensor, got torch.sparse"
+    ):
+        E.rowsum(x.to_sparse())
+
+
+def test_rowsum_of_long_rows_with_fewer_threads_than_asked(tmp_path):
+    """The split-row path summed a part per requested thread; with fewer threads granted
+    (OMP_THREAD_LIMIT, OMP_DYNAMIC) the others were uninitialised stack: 1.7e32 for a row of
+    100000 ones. (A subprocess: OpenMP reads the variable once.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\nfrom torchport.ops import elementwise as E\ntorch.set_num_threads(4)\n"
+        "for u in (1, 2, 4):\n"
+        "    assert E.rowsum(torch.ones(1, 100000), unroll=u).item() == 100000.0, u\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1", "TORCHPORT_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
 def test_custom_ops_compile_and_export():
     def f(x, y):
         return E.rowsum(E.axpy(2.0, x, y), unroll=2) + 1

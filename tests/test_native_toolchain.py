@@ -157,6 +157,29 @@ def test_missing_record_counts_as_corrupt(fresh_cache, monkeypatch):
         assert _fill("norecord")[0].item() == 2.5
 
 
+def test_deeply_nested_record_counts_as_corrupt(fresh_cache, monkeypatch):
+    """json.loads of a deeply nested record raised RecursionError, which the corrupt-entry
+    handler did not catch: the op raised instead of rebuilding (or falling back)."""
+    native.build(_source("nested"), name="fill")
+    (meta,) = Path(fresh_cache, "native").rglob("fill-*.json")
+    meta.write_text("[" * 100000)
+    monkeypatch.setattr(native.toolchain, "_loaded", {})
+    with pytest.warns(CorruptCacheWarning):
+        assert _fill("nested")[0].item() == 2.5
+
+
+def test_compiler_environment_cannot_change_a_cached_kernel(fresh_cache, tmp_path, monkeypatch):
+    """gcc takes include directories (CPATH, C_INCLUDE_PATH, ...) and tool paths from the
+    environment, none of which is in the cache key: a header injected that way was compiled
+    into the kernel, and the object was then served to every later process."""
+    (tmp_path / "omp.h").write_text('#error "an injected header was compiled"\n')
+    for var in ("CPATH", "C_INCLUDE_PATH"):
+        monkeypatch.setenv(var, str(tmp_path))
+    monkeypatch.setattr(native.toolchain, "_loaded", {})
+    assert "CPATH" not in native.toolchain.compiler_env()
+    assert _fill("env")[7].item() == 9.5  # built without the injected header
+
+
 def test_missing_compiler_is_typed_error(fresh_cache):
     with (
         config.override(cc="/nonexistent/bin/cc-404"),

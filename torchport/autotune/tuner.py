@@ -163,6 +163,33 @@ def allowed_backends() -> set[str]:
     return allowed
 
 
+def same_result(out: Any, ref: Any) -> bool:
+    """The default result check: the same tree of values as the anchor's, each tensor of the
+    same shape and dtype and, for floating-point ones, close (``rtol`` 1e-3, ``atol`` 1e-5 of
+    the anchor's largest magnitude, NaN where the anchor has NaN); other values equal."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(out)
+    ref_leaves, ref_spec = pytree.tree_flatten(ref)
+    if spec != ref_spec:
+        return False
+    for a, b in zip(leaves, ref_leaves):
+        if isinstance(b, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                return False
+            if not (a.is_floating_point() or a.is_complex()):
+                if not torch.equal(a, b):
+                    return False
+                continue
+            scale = float(b.abs().nan_to_num(0.0, 0.0, 0.0).max()) if b.numel() else 0.0
+            if not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(scale, 1.0), equal_nan=True):
+                return False
+        elif a != b:
+            return False
+    return True
+
+
 def select(
     op: str,
     key: Mapping[str, Any],
@@ -184,7 +211,8 @@ def select(
 
     ``make_args`` builds representative arguments (called only when timing is needed);
     ``cold`` says how the timed calls rotate copies of them (:data:`Cold`);
-    ``check(out, anchor_out)`` accepts a candidate's result. Backends outside ``backends``
+    ``check(out, anchor_out)`` accepts a candidate's result (default :func:`same_result`: without
+    one, a candidate returning a wrong result was timed and could be chosen). Backends outside ``backends``
     (default: :func:`allowed_backends`) are never chosen, but the ATen anchor is always timed.
     ``confirm=True`` re-times a non-ATen winner against the anchor in alternation before it is
     kept (fresh winners before they are saved, cached ones once per process). ``budget_s`` caps
@@ -502,7 +530,7 @@ def _tune(
                 if budget_s is not None and first_s > LONG_CALL_S:
                     deferred = (fn, first_s)
                     continue
-            elif check is not None and anchor_out is not None and not check(out, anchor_out):
+            elif anchor_out is not None and not (check or same_result)(out, anchor_out):
                 raise InvalidCandidate("result does not match the ATen anchor")
             timings[cand.name] = median(time_calls(fn, first_s))
             stats.candidates_timed += 1

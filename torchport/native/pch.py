@@ -130,7 +130,7 @@ def _verified(d: Path, key: str) -> bool:
         record = json.loads(meta.read_text())
         ok = record.get("key") == key and record.get("sha256") == toolchain._digest(gch)
         ok = ok and (d / HEADER_NAME).read_text() == HEADERS
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # (deeply nested JSON)
         ok = False
     if not ok:
         warnings.warn(
@@ -155,6 +155,7 @@ def _build(d: Path, flags: Sequence[str], cc: str, key: str) -> None:
             text=True,
             timeout=toolchain.COMPILE_TIMEOUT_S,
             check=False,
+            env=toolchain.compiler_env(),  # (as every cached build: see _COMPILER_ENV)
         )
         if res.returncode != 0:
             raise toolchain.CompileError(f"precompiling the prelude headers failed: {res.stderr}")

@@ -134,6 +134,33 @@ def compiler_identity(cc: str) -> str:
     return ident
 
 
+# Variables through which gcc (its driver, cc1, the assembler, the linker) takes include
+# directories, tool paths, libraries or extra options from the environment. None of them is part
+# of a kernel's cache key: an omp.h injected through CPATH was compiled in, and the object then
+# served from the cache to every later process, whatever its environment.
+_COMPILER_ENV = (
+    "CPATH",
+    "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH",
+    "OBJC_INCLUDE_PATH",
+    "LIBRARY_PATH",
+    "GCC_EXEC_PREFIX",
+    "COMPILER_PATH",
+    "GCC_COMPARE_DEBUG",
+    "DEPENDENCIES_OUTPUT",
+    "SUNPRO_DEPENDENCIES",
+    "SOURCE_DATE_EPOCH",
+    "LD_RUN_PATH",
+    "GCC_ROOT",
+)
+
+
+def compiler_env() -> dict[str, str]:
+    """This process's environment without the variables that change what gcc compiles or links
+    (:data:`_COMPILER_ENV`), for every compiler run whose output is cached."""
+    return {k: v for k, v in os.environ.items() if k not in _COMPILER_ENV}
+
+
 @functools.cache
 def _identity(cc: str) -> tuple[str | None, str]:
     """``(identity, "")``, or ``(None, why)`` for a compiler that cannot run: remembered too, or a
@@ -287,7 +314,7 @@ def _verified(so: Path, meta: Path, key: str) -> bool:
     try:
         record = json.loads(meta.read_text())
         ok = record.get("key") == key and record.get("sha256") == _digest(so)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # (deeply nested JSON)
         ok = False
     if not ok:
         warnings.warn(
@@ -335,7 +362,13 @@ def _compile_in(
         cmd = [cc, *flags, *pre, "kernel.c", "-o", "kernel.so", "-lm"]
         try:
             res = subprocess.run(
-                cmd, cwd=tmp, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+                cmd,
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                timeout=COMPILE_TIMEOUT_S,
+                check=False,
+                env=compiler_env(),
             )
         except OSError as e:  # missing, or not executable
             raise CompilerNotFoundError(f"C compiler {cc!r} cannot run: {e}") from e

@@ -150,15 +150,18 @@ TP_EXPORT int tp_rowsum(ELEM *out, const ELEM *x, int64_t rows, int64_t cols, in
     }
     for (int64_t i = 0; i < rows; ++i) {  /* few long rows: split each row across threads */
         ACC_T part[256];
-        int64_t nt = TP_MIN(nthreads, 256);
+        int64_t nt = TP_MIN(nthreads, 256), got = 1;
+        /* the threads OpenMP grants may be fewer than nt (OMP_THREAD_LIMIT, OMP_DYNAMIC, a
+           nested region): only their parts are summed (the rest held stack garbage) */
         #pragma omp parallel num_threads(nt)
         {
-            int64_t lo, hi, t = omp_get_thread_num();
-            tp_chunk(cols, omp_get_num_threads(), t, 64, &lo, &hi);
+            int64_t lo, hi, t = omp_get_thread_num(), n = omp_get_num_threads();
+            if (t == 0) got = n;
+            tp_chunk(cols, n, t, 64, &lo, &hi);
             part[t] = tp_row(x + i * ld, lo, hi);
         }
         ACC_T s = 0;
-        for (int64_t t = 0; t < nt; ++t) s += part[t];
+        for (int64_t t = 0; t < got; ++t) s += part[t];
         SSTORE(out + i, s);
     }
     return 0;
@@ -200,6 +203,8 @@ def _kernel(op: str, dtype: torch.dtype, isa: str, unroll: int) -> Kernel:
 def _check_dtype(op: str, name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise ElementwiseInputError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # (sparse / mkldnn: an unrelated RuntimeError further on)
+        raise ElementwiseInputError(f"{op}: {name} must be a strided tensor, got {t.layout}")
     if t.dtype not in DTYPES:
         raise ElementwiseInputError(
             f"{op}: {name} must be float32, float64 or bfloat16, got {t.dtype}"
@@ -267,9 +272,15 @@ def axpy(alpha: float, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         )
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ElementwiseInputError(f"axpy: alpha must be a real number, got {alpha!r}")
+    try:
+        alpha_f = float(alpha)
+    except OverflowError:  # (an int past the double range raised it bare)
+        raise ElementwiseInputError(
+            f"axpy: alpha must fit in a double, got an int of {int(alpha).bit_length()} bits"
+        ) from None
     if native.eager_fast_path(x, y):
-        return _axpy_impl(x, y, float(alpha))
-    return _axpy_op(x, y, float(alpha))
+        return _axpy_impl(x, y, alpha_f)
+    return _axpy_op(x, y, alpha_f)
 
 
 # --- rowsum --------------------------------------------------------------------------------------
@@ -366,7 +377,12 @@ def rowsum(x: torch.Tensor, *, unroll: int | None = None) -> torch.Tensor:
     if unroll is None:
         c = rowsum_choice(x)
         unroll = 0 if c.candidate.is_anchor else int(c.candidate.param("unroll"))
-    elif unroll != 0 and unroll not in UNROLLS:
+    elif (
+        isinstance(unroll, bool)
+        or not isinstance(unroll, int)
+        or (unroll and unroll not in UNROLLS)
+    ):
+        # (True == 1 and 2.0 == 2 passed the membership test, and reached the C source)
         raise ElementwiseInputError(f"rowsum: unroll must be 0 or one of {UNROLLS}, got {unroll}")
     if native.eager_fast_path(x):
         return _rowsum_impl(x, unroll)
