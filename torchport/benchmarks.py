@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torchport.autotune.timing import measure, median
+from torchport.cli import int_at_least
 from torchport.native.cpu import cpu_info
 from torchport.version import __version__
 
@@ -86,15 +87,8 @@ def run_benchmark(name: str, argv: Sequence[str] = ()) -> int:
     return 0
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type=`` for counts that must be >= 1 (reps, calls, samples, rounds)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+# for counts that must be >= 1 (reps, calls, samples, rounds)
+positive_int = int_at_least(1)
 
 
 def machine() -> dict[str, Any]:

@@ -58,6 +58,33 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer option that must be >= ``lo`` (a usage error, exit 2,
+    names the option and the value)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type=`` for a positive finite number."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {v}")
+    return v
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run benchmarks from bench/."""
     from torchport.benchmarks import TOOLS, list_benchmarks, run_benchmark

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from torchport.cli import int_at_least, positive_float
 from torchport.demo.data import Corpus, load_corpus
 from torchport.demo.model import GPT, GPTConfig, generate
 from torchport.demo.report import Section, plot_curves, render_table, write_report
@@ -120,29 +121,6 @@ STAGES: list[tuple[str, Stage]] = [
 ]
 
 
-def _int_at_least(lo: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {v}")
-    return v
-
-
 # the shortest sequence every stage can run with: sampling keeps half of it as context, the
 # graphs stage generates seq_len - 4 tokens after a 4-byte prompt
 MIN_SEQ_LEN = 8
@@ -153,19 +131,19 @@ NEEDS = {"train": ("data",), "sample": ("data", "train")}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options (values checked here: a bad one is a usage error)."""
     p.add_argument("--out", default="torchport-demo", help="output folder (report, PNG, sample)")
-    p.add_argument("--steps", type=_int_at_least(1), default=600, help="max training steps")
-    p.add_argument("--time-limit", type=_positive_float, default=150.0, help="max training seconds")
-    p.add_argument("--batch-size", type=_int_at_least(1), default=32)
-    p.add_argument("--seq-len", type=_int_at_least(MIN_SEQ_LEN), default=128)
-    p.add_argument("--d-model", type=_int_at_least(1), default=128)
-    p.add_argument("--layers", type=_int_at_least(1), default=4)
-    p.add_argument("--heads", type=_int_at_least(1), default=4)
-    p.add_argument("--lr", type=_positive_float, default=3e-3)
-    p.add_argument("--eval-every", type=_int_at_least(1), default=50)
+    p.add_argument("--steps", type=int_at_least(1), default=600, help="max training steps")
+    p.add_argument("--time-limit", type=positive_float, default=150.0, help="max training seconds")
+    p.add_argument("--batch-size", type=int_at_least(1), default=32)
+    p.add_argument("--seq-len", type=int_at_least(MIN_SEQ_LEN), default=128)
+    p.add_argument("--d-model", type=int_at_least(1), default=128)
+    p.add_argument("--layers", type=int_at_least(1), default=4)
+    p.add_argument("--heads", type=int_at_least(1), default=4)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--eval-every", type=int_at_least(1), default=50)
     p.add_argument(
-        "--corpus-mb", type=_positive_float, default=4.0, help="MiB of stdlib source to read"
+        "--corpus-mb", type=positive_float, default=4.0, help="MiB of stdlib source to read"
     )
-    p.add_argument("--sample-tokens", type=_int_at_least(0), default=300)
+    p.add_argument("--sample-tokens", type=int_at_least(0), default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--stages",
