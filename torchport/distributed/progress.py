@@ -114,12 +114,8 @@ class TorchportWork(dist.Work):
         # Polled rather than waited on: start the operation now instead of at the engine's next
         # idle check -- the same hint get_future gives (inline on the thread running the
         # engine's operations: polled from a future callback there, nobody else would run it).
-        eng = self._engine
-        if not self._done and eng is not None:
-            if eng.owned_here():
-                eng.help(self)
-            else:
-                eng.urge()
+        if not self._done and self._engine is not None:
+            self._engine.start(self)
         return self._done
 
     def is_success(self) -> bool:
@@ -134,12 +130,8 @@ class TorchportWork(dist.Work):
         # On the thread running the engine's operations (a future callback of an earlier
         # operation issuing this one, as PowerSGD's DDP hook does, then waiting on its future)
         # run it here: the engine's thread is this one, and the wait would never end.
-        eng = self._engine
-        if not done and eng is not None:
-            if eng.owned_here():
-                eng.help(self)
-            else:
-                eng.urge()
+        if not done and self._engine is not None:
+            self._engine.start(self)
         return fut
 
     def _watch_future(self) -> torch.futures.Future:
@@ -286,6 +278,15 @@ class Engine:
             return False
         cur = self._current
         return cur is None or cur._ended
+
+    def start(self, work: TorchportWork) -> None:
+        """Get ``work`` going without waiting for it: inline on the thread running the engine's
+        operations, inside one's completion (nobody else would run it, see :meth:`owned_here`),
+        else by waking the engine (:meth:`urge`)."""
+        if self.owned_here():
+            self.help(work)
+        else:
+            self.urge()
 
     def help(self, work: TorchportWork) -> None:
         """Run queued operations inline up to ``work`` unless another thread is running them
