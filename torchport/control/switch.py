@@ -207,6 +207,19 @@ def switch(
     leaves, spec = pytree.tree_flatten(operands)
     _validate(index, branches, leaves)
     n = len(branches)
+    if (
+        torch.compiler.is_exporting()
+        and not torch.compiler.is_dynamo_compiling()
+        and not isinstance(index, int)
+    ):
+        # Non-strict export, as torch.cond does it: through dynamo, which lifts what a branch
+        # reads from outside its operands (a module's parameters and buffers) into inputs.
+        # Traced here directly, a fake parameter was baked into the branch graph as a constant:
+        # the program returned a FakeTensor and could not be saved. (Before the clamp: the
+        # traced switch clamps the index, once in the exported graph.)
+        from torch._higher_order_ops.utils import _hop_compile_and_call
+
+        return _hop_compile_and_call(_switch_in_dynamo, (index, tuple(branches), operands))
     index = _clamp(index, n)
     flat_branches = tuple(
         functools.partial(_call_unflattened, branch=b, spec=spec) for b in branches
@@ -222,14 +235,6 @@ def switch(
     if torch.compiler.is_dynamo_compiling():
         # Traced by SwitchVariable (switch_dynamo.py) into one node holding every branch graph.
         return switch_op(index, tuple(leaves), *flat_branches)
-    if torch.compiler.is_exporting():
-        # Non-strict export, as torch.cond does it: through dynamo, which lifts what a branch
-        # reads from outside its operands (a module's parameters and buffers) into inputs.
-        # Traced here directly, a fake parameter was baked into the branch graph as a constant:
-        # the program returned a FakeTensor and could not be saved.
-        from torch._higher_order_ops.utils import _hop_compile_and_call
-
-        return _hop_compile_and_call(_switch_in_dynamo, (index, tuple(branches), operands))
     if not _is_tracing(leaves, index):
         # Eager: call the chosen branch directly; autograd records its ops as usual.
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
