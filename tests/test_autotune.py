@@ -231,8 +231,15 @@ def test_cache_file_of_binary_garbage_is_ignored_and_rewritten(tmp_path):
         {"choice": ["fast"]},
         {"choice": "fast", "timings_s": 3},
         {"choice": "fast", "timings_s": {"a": "x"}},
+        # timings no measurement gives (JSON's NaN and Infinity, a negative, past float's range)
+        # were served, and the choices they steered kept
+        {"choice": "fast", "timings_s": {"fast": 1e-3, "aten": float("nan")}},
+        {"choice": "fast", "timings_s": {"fast": 1e-3, "aten": float("inf")}},
+        {"choice": "fast", "timings_s": {"fast": float("-inf"), "aten": 1e-3}},
+        {"choice": "fast", "timings_s": {"fast": -1.0, "aten": 1e-3}},
+        {"choice": "fast", "timings_s": {"fast": 1e-3, "aten": 10**400}},
     ],
-    ids=["list-choice", "int-timings", "string-timing"],
+    ids=["list-choice", "int-timings", "string-timing", "nan", "inf", "-inf", "negative", "huge"],
 )
 def test_malformed_entry_is_ignored_and_retuned(fresh_cache, entry):
     key = {"n": 5}
@@ -253,6 +260,16 @@ def test_malformed_entry_is_ignored_and_retuned(fresh_cache, entry):
         choice = _select(key, aten_delay=0.002)
     assert not choice.from_cache and choice.candidate.name == "fast"
     assert autotune.choice_cache.entries()["other"]["choice"] == "slow"  # a sound entry stays
+
+
+@pytest.mark.parametrize("t", [float("nan"), float("inf"), -1e-3, True, "1"])
+def test_a_timing_no_measurement_gives_is_not_written(tmp_path, t):
+    cache = ChoiceCache(tmp_path / "choices.json")
+    with pytest.raises(ValueError, match=r"timings must be finite numbers of seconds >= 0, got"):
+        cache.put("op", {"k": 1}, "fast", {"fast": 1e-3, "aten": t})
+    assert not cache.path.exists() and cache.get("op", {"k": 1}) is None
+    cache.put("op", {"k": 1}, "fast", {"fast": 0.0, "aten": 2})  # zero and ints are times
+    assert ChoiceCache(cache.path).get("op", {"k": 1})["timings_s"] == {"fast": 0.0, "aten": 2}
 
 
 def test_unwritable_cache_keeps_choices_in_memory(tmp_path, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import torchport
@@ -43,6 +45,68 @@ def test_bad_env_values_name_the_variable(monkeypatch):
         monkeypatch.setenv("TORCHPORT_FT_HEARTBEAT", bad)
         with pytest.raises(ConfigError, match=r"FT_HEARTBEAT\): must be a finite number > 0"):
             config.get("ft_heartbeat")
+
+
+_INTS = sorted(n for n, s in config.SETTINGS.items() if s.kind is int)
+_FLOATS = sorted(n for n, s in config.SETTINGS.items() if s.kind is float)
+# forms int() or float() take that are no ASCII decimal: each was read as some number
+_NOT_DECIMAL = {
+    "underscore": "1_000",
+    "fullwidth": "\uff11\uff12",
+    "arabic-indic": "\u0663",
+    "em-space": "\u20037",
+    "ideographic-space": "7\u3000",
+    "hex": "0x10",
+    "signs": "+-7",
+    "empty-sign": "-",
+}
+
+
+@pytest.mark.parametrize("raw", list(_NOT_DECIMAL.values()), ids=list(_NOT_DECIMAL))
+@pytest.mark.parametrize("name", _INTS + _FLOATS)
+def test_env_numbers_are_ascii_decimal_only(monkeypatch, name, raw):
+    s = config.SETTINGS[name]
+    what = "an integer" if s.kind is int else "a number"
+    monkeypatch.setenv(s.env, raw)
+    with pytest.raises(ConfigError, match=rf"^{s.env} must be {what}, got {re.escape(repr(raw))}$"):
+        config.get(name)
+
+
+@pytest.mark.parametrize(
+    "raw", ["1_0.5", "\uff11.\uff15", "1.5e\uff13", "1e", ".", "1.5.2", "0x1p3"]
+)
+@pytest.mark.parametrize("name", _FLOATS)
+def test_env_floats_are_ascii_decimal_only(monkeypatch, name, raw):
+    s = config.SETTINGS[name]
+    monkeypatch.setenv(s.env, raw)
+    with pytest.raises(
+        ConfigError, match=rf"^{s.env} must be a number, got {re.escape(repr(raw))}$"
+    ):
+        config.get(name)
+
+
+def test_env_numbers_in_decimal_forms_parse():
+    for name in _INTS:
+        s = config.SETTINGS[name]
+        assert [s.parse(r) for r in ("7", "+007", " -7\n", "10" * 10)] == [7, 7, -7, int("10" * 10)]
+        with pytest.raises(ConfigError, match=r"must be an integer, got '7.0'"):
+            s.parse("7.0")  # (as before)
+    for name in _FLOATS:
+        s = config.SETTINGS[name]
+        good = ("1.5", "-.5", "5.", "+2", "1E-3", " 2e+1 \t")
+        assert [s.parse(r) for r in good] == [1.5, -0.5, 5.0, 2.0, 1e-3, 20.0]
+
+
+def test_a_float_setting_must_be_finite_where_its_check_says_nothing(monkeypatch):
+    # every float setting's own check refuses NaN and the infinities (test above, with its
+    # message); one without a check refused none
+    s = config.Setting(name="t", env="TORCHPORT_T", kind=float, default=1.0, doc="")
+    for raw in ("nan", "-Infinity", "1e400"):
+        with pytest.raises(ConfigError, match=r"^t \(TORCHPORT_T\): must be a finite number, got"):
+            s.validate(s.parse(raw))
+    monkeypatch.setenv("TORCHPORT_FR_TIMEOUT", "inf")
+    with pytest.raises(ConfigError, match=r"FR_TIMEOUT\): must be a finite number >= 0, got inf"):
+        config.get("fr_timeout")
 
 
 @pytest.mark.parametrize("name", sorted(config.SETTINGS))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import multiprocessing
@@ -226,6 +228,48 @@ def test_a_compiler_hanging_on_version_costs_its_timeout_once(fresh_cache, tmp_p
                 native.build(_source("hangs"), name="fill")
             if i > 0:
                 assert time.perf_counter() - t0 < 0.2
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_a_hanging_compile_costs_its_timeout_once_and_leaves_no_process(
+    fresh_cache, tmp_path, monkeypatch
+):
+    """A compiler hanging on a kernel cost every call of its op the whole compile timeout (a
+    timeout was not remembered), and only the driver was killed: its children (cc1, as, ld) went
+    on. Now the build's process group is killed and the timeout is remembered for the process."""
+    pids = tmp_path / "pids"
+    cc = tmp_path / "cc-hangs-compiling"
+    cc.write_text(
+        '#!/bin/sh\ncase "$1" in --version) echo "fakecc 1"; exit 0;; esac\n'
+        f'sleep 30 &\necho $! >> "{pids}"\nwait\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setattr(native.toolchain, "COMPILE_TIMEOUT_S", 0.5)
+    try:
+        with config.override(cc=str(cc), native_pch="off"):
+            with pytest.raises(CompileError, match=r"compiler timed out after 0.5 s"):
+                native.build(_source("hangs_compiling"), name="fill")
+            for _ in range(3):  # each call of an op that falls back asks again
+                t0 = time.perf_counter()
+                with pytest.raises(CompileError, match=r"(?s)timed out.*failed before in this"):
+                    native.build(_source("hangs_compiling"), name="fill")
+                assert time.perf_counter() - t0 < 0.2
+        (child,) = map(int, pids.read_text().split())  # started once
+        deadline = time.monotonic() + 5.0
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), f"the compiler's child {child} outlived the timeout"
+    finally:  # (the old code left it running)
+        for pid in map(int, pids.read_text().split() if pids.exists() else ()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
 
 
 def test_ops_fall_back_visibly_without_compiler(fresh_cache, monkeypatch):
@@ -618,3 +662,89 @@ def test_compiles_do_not_wait_for_a_precompiled_header_being_built(own_pch):
         assert native.pch.header_for(src, flags, cc) is None
         fcntl.flock(held, fcntl.LOCK_UN)
     assert native.pch.header_for(src, flags, cc) == d / native.pch.HEADER_NAME
+
+
+def _filling_compiler(tmp_path: Path, says: str) -> tuple[Path, Path]:
+    """A compiler (the real one) that fails as on a full disk, saying ``says``, while the file
+    it returns as the second item exists."""
+    full, cc = tmp_path / "disk-is-full", tmp_path / "cc-disk-full"
+    cc.write_text(
+        f'#!/bin/sh\nif [ -e "{full}" ] && [ "$1" != --version ]; then\n'
+        f'  echo "{says}" >&2; exit 1\nfi\nexec "{native.find_compiler()}" "$@"\n'
+    )
+    cc.chmod(0o755)
+    full.touch()
+    return cc, full
+
+
+@pytest.mark.parametrize(
+    "says",
+    [
+        "/usr/bin/ld: final link failed: No space left on device",
+        "kernel.c:9: fatal error: error writing to /tmp/ccX.s: Disk quota exceeded",
+    ],
+    ids=["ENOSPC", "EDQUOT"],
+)
+def test_a_full_disk_while_compiling_is_not_remembered(fresh_cache, tmp_path, says):
+    """The compiler's "No space left on device" was a CompileError, remembered for the process:
+    the kernel never compiled again once space was freed. Now it is a DiskFullError (a
+    CacheUnavailableError: the ops fall back on it) that a later call tries again."""
+    cc, full = _filling_compiler(tmp_path, says)
+    before = native.stats().compiles
+    with config.override(cc=str(cc), native_pch="off"):
+        for _ in range(2):  # tried each time while the disk is full
+            with pytest.raises(native.DiskFullError, match=r"needs free disk space to build ke"):
+                native.build(_source("disk_full"), name="fill")
+        full.unlink()  # space freed
+        lib = native.build(_source("disk_full"), name="fill")
+    assert native.stats().compiles == before + 3 and hasattr(lib, "tp_fill")
+
+
+@pytest.mark.parametrize(("file", "code"), [("kernel.c", "ENOSPC"), ("kernel.json", "EDQUOT")])
+def test_a_full_disk_while_writing_is_not_remembered(fresh_cache, monkeypatch, file, code):
+    real = Path.write_text
+
+    def write_text(self: Path, *args, **kwargs):
+        if self.name == file:
+            no = getattr(errno, code)
+            raise OSError(no, os.strerror(no), str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with config.override(native_pch="off"):
+        with pytest.raises(native.DiskFullError, match=r"cannot write kernel fill-\w+ into"):
+            native.build(_source(f"write_full_{code}"), name="fill")
+        monkeypatch.setattr(Path, "write_text", real)
+        assert hasattr(native.build(_source(f"write_full_{code}"), name="fill"), "tp_fill")
+
+
+def test_a_full_disk_falls_back_visibly_and_the_op_compiles_later(
+    fresh_cache, tmp_path, monkeypatch
+):
+    from torchport.ops import elementwise
+
+    cc, full = _filling_compiler(tmp_path, "as: kernel.o: No space left on device")
+    elementwise._kernel.cache_clear()
+    monkeypatch.setattr(native.toolchain, "_warned_fallback", set())
+    x, y = torch.randn(100), torch.randn(100)
+    with config.override(cc=str(cc), native_pch="off"):
+        with pytest.warns(native.NativeFallbackWarning, match=r"axpy unavailable.*free disk sp"):
+            torch.testing.assert_close(elementwise.axpy(2.0, x, y), 2.0 * x + y)
+        full.unlink()
+        fallbacks, compiles = native.stats().fallbacks, native.stats().compiles
+        torch.testing.assert_close(elementwise.axpy(2.0, x, y), 2.0 * x + y)
+    elementwise._kernel.cache_clear()
+    assert native.stats().fallbacks == fallbacks and native.stats().compiles == compiles + 1
+
+
+@needs_gcc
+def test_a_full_disk_while_precompiling_headers_is_not_remembered(own_pch, tmp_path):
+    cc, full = _filling_compiler(
+        tmp_path, "cc1: error writing to tp_headers.h.gch: Disk quota exceeded"
+    )
+    src = native.render("TP_EXPORT int tp_p(void) { return 0; }\n")
+    flags = native.compile_flags()
+    assert native.pch.header_for(src, flags, str(cc)) is None
+    full.unlink()
+    header = native.pch.header_for(src, flags, str(cc))
+    assert header is not None and header.with_suffix(".h.gch").exists()

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -30,6 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 class ConfigError(ValueError):
     """A setting was given a value that does not meet its requirement."""
+
+
+# The forms a number may take in an environment variable: ASCII decimal, ASCII white space around
+# it. int() and float() take more (1_000, full-width or other Unicode digits and spaces): a typo or
+# a pasted value was read as some number. NaN and the infinities reach the checks of the setting
+# (each says what it requires; a float must be finite in any case: Setting.validate).
+_INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
+_FLOAT_RE = re.compile(
+    r"\s*[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[+-]?[0-9]+)?|nan|inf|infinity)\s*",
+    re.ASCII | re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,14 +67,15 @@ class Setting:
             raise ConfigError(f"{self.env} must be a boolean (1/0/true/false), got {raw!r}")
         if self.kind is int:
             try:
+                if not _INT_RE.fullmatch(raw):
+                    raise ValueError(raw)
                 return int(raw)
-            except ValueError:
+            except ValueError:  # (also past int()'s limit of digits)
                 raise ConfigError(f"{self.env} must be an integer, got {raw!r}") from None
         if self.kind is float:
-            try:
-                return float(raw)
-            except ValueError:
-                raise ConfigError(f"{self.env} must be a number, got {raw!r}") from None
+            if not _FLOAT_RE.fullmatch(raw):
+                raise ConfigError(f"{self.env} must be a number, got {raw!r}")
+            return float(raw)
         return raw
 
     def validate(self, value: Any) -> Any:
@@ -80,6 +94,8 @@ class Setting:
             msg = self.check(value)
             if msg is not None:
                 raise ConfigError(f"{self.name} ({self.env}): {msg}, got {value!r}")
+        if self.kind is float and not math.isfinite(value):  # (where the check says nothing)
+            raise ConfigError(f"{self.name} ({self.env}): must be a finite number, got {value!r}")
         return value
 
 

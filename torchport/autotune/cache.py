@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import tempfile
 import threading
@@ -72,16 +73,25 @@ def entry_key(op: str, key: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _timing(t: object) -> bool:
+    """True for a time a measurement can give: a finite number of seconds >= 0 (JSON's NaN,
+    Infinity, a negative or an int past float's range is none, and steered decisions as one)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return False
+    try:
+        return 0.0 <= float(t) < math.inf  # (False for NaN)
+    except OverflowError:
+        return False
+
+
 def _well_formed(entry: object) -> bool:
     """True for an entry :func:`select` and the ops can use: a string choice and, if present,
-    timings mapping names to numbers (a damaged entry with a list choice or string timings
-    raised TypeError in every lookup of its problem)."""
+    timings mapping names to :func:`_timing` values (a damaged entry with a list choice or
+    string timings raised TypeError in every lookup of its problem)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("choice"), str):
         return False
     timings = entry.get("timings_s", {})
-    return isinstance(timings, dict) and all(
-        isinstance(t, (int, float)) and not isinstance(t, bool) for t in timings.values()
-    )
+    return isinstance(timings, dict) and all(map(_timing, timings.values()))
 
 
 class ChoiceCache:
@@ -255,7 +265,13 @@ class ChoiceCache:
     def put(
         self, op: str, key: Mapping[str, Any], choice: str, timings: Mapping[str, float]
     ) -> None:
-        """Record a choice (merged atomically with the entries other processes wrote)."""
+        """Record a choice (merged atomically with the entries other processes wrote).
+
+        Raises ValueError for a timing that is not a finite number >= 0: every later read would
+        drop the entry as malformed, and its problem be tuned again in every process."""
+        bad = {name: t for name, t in timings.items() if not _timing(t)}
+        if bad:
+            raise ValueError(f"timings must be finite numbers of seconds >= 0, got {bad}")
         k = entry_key(op, key)
         entry = {
             "op": op,

@@ -100,7 +100,9 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
                     _build(d, pflags, cc, key)
         except BlockingIOError:
             return None  # another process holds it: not remembered, the next compile asks again
-        except (OSError, subprocess.SubprocessError, toolchain.NativeError):
+        except (OSError, subprocess.SubprocessError, toolchain.NativeError) as e:
+            if toolchain.disk_full(e):
+                return None  # a full disk passes: not remembered either
             header = None
         with _lock:
             _ready[memo] = header
@@ -148,17 +150,12 @@ def _build(d: Path, flags: Sequence[str], cc: str, key: str) -> None:
     try:
         (tmp / HEADER_NAME).write_text(HEADERS)
         cmd = [cc, *flags, "-x", "c-header", HEADER_NAME, "-o", f"{HEADER_NAME}.gch"]
-        res = subprocess.run(
-            cmd,
-            cwd=tmp,
-            capture_output=True,
-            text=True,
-            timeout=toolchain.COMPILE_TIMEOUT_S,
-            check=False,
-            env=toolchain.compiler_env(),  # (as every cached build: see _COMPILER_ENV)
-        )
+        # (the environment of every cached build; its process group is killed on a timeout)
+        res = toolchain.run_compiler(cmd, cwd=tmp, timeout=toolchain.COMPILE_TIMEOUT_S)
         if res.returncode != 0:
-            raise toolchain.CompileError(f"precompiling the prelude headers failed: {res.stderr}")
+            full = toolchain._says_disk_full(res.stderr)  # (not remembered: see header_for)
+            kind = toolchain.DiskFullError if full else toolchain.CompileError
+            raise kind(f"precompiling the prelude headers failed: {res.stderr}")
         with toolchain._lock:
             toolchain._stats.pch_builds += 1
         record = {"key": key, "sha256": toolchain._digest(tmp / f"{HEADER_NAME}.gch"), "cmd": cmd}

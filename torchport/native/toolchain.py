@@ -11,7 +11,9 @@ overwritten, corrupt) is rebuilt with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import grp
 import hashlib
@@ -19,6 +21,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -54,6 +57,11 @@ class CacheUnavailableError(NativeError):
     """The cache directory cannot be created or written (read-only, no permission, a file)."""
 
 
+class DiskFullError(CacheUnavailableError):
+    """No space (or quota) was left where a build writes (the cache, the compiler's TMPDIR): a
+    passing condition, so the build is not remembered as failed and a later call tries again."""
+
+
 class UnsafeCacheError(NativeError):
     """The cache directory could be changed by another user: no object is loaded from it."""
 
@@ -84,8 +92,9 @@ _key_locks: dict[str, threading.Lock] = {}
 _loaded: dict[str, ctypes.CDLL] = {}
 _warned_fallback: set[str] = set()
 _private_dirs: set[str] = set()  # directories this process found safe to load code from
-# key -> message of the CompileError its build raised: a source the compiler rejects is not
-# compiled again on every call of its op (each call paid a whole failing compile, ~0.1-0.5 s)
+# key -> message of the CompileError its build raised: a source the compiler rejects (or hangs
+# on) is not compiled again on every call of its op (each call paid a whole failing compile,
+# ~0.1-0.5 s, or the whole timeout)
 _failed: dict[str, str] = {}
 fallback_counts: dict[str, int] = {}
 
@@ -161,19 +170,49 @@ def compiler_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _COMPILER_ENV}
 
 
+def run_compiler(
+    cmd: Sequence[str], *, timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (a compiler) with :func:`compiler_env`, capturing its text output.
+
+    It runs in a session of its own, and on a timeout (or an interrupt) the whole process group
+    is killed and reaped before :class:`subprocess.TimeoutExpired` is raised: killing the driver
+    alone left its cc1, as or ld running (and holding our pipes) after a hang."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=compiler_env(),
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc``'s process group (its id is the leader's, not yet reaped so not reused),
+    then reap ``proc``; a member that left the group may keep the pipes open: bounded wait."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5.0)
+    proc.wait()
+
+
 @functools.cache
 def _identity(cc: str) -> tuple[str | None, str]:
     """``(identity, "")``, or ``(None, why)`` for a compiler that cannot run: remembered too, or a
     compiler hanging on ``--version`` cost every build() of the process, each call of every op
     falling back to ATen, the whole timeout again."""
     try:
-        out = subprocess.run(
-            [cc, "--version"],
-            capture_output=True,
-            text=True,
-            timeout=IDENTITY_TIMEOUT_S,
-            check=False,
-        )
+        out = run_compiler([cc, "--version"], timeout=IDENTITY_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"C compiler {cc!r} cannot run: {e}"
     first = (out.stdout or out.stderr).splitlines()[:1]
@@ -288,6 +327,28 @@ def sweep_stale_builds(d: Path, max_age_s: float = STALE_BUILD_S) -> int:
     return removed
 
 
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how cc1, as and ld report those errnos (strerror; the C locale's words too, should this
+# process's differ)
+_DISK_FULL_TEXTS = {
+    *map(os.strerror, _DISK_FULL_ERRNOS),
+    "No space left on device",
+    "Disk quota exceeded",
+}
+
+
+def disk_full(e: BaseException) -> bool:
+    """True if ``e`` says no space or quota was left: not a fault of what was being built."""
+    if isinstance(e, DiskFullError):
+        return True
+    return isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS
+
+
+def _says_disk_full(output: str) -> bool:
+    """True if a failed compiler's ``output`` reports no space or quota left."""
+    return any(text in output for text in _DISK_FULL_TEXTS)
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -339,9 +400,8 @@ def _compile(
     try:
         _compile_in(source, flags, cc, so, meta, key, header)
     except OSError as e:  # the cache, not the compiler (whose OSErrors are typed below)
-        raise CacheUnavailableError(
-            f"cannot write kernel {so.stem} into the native cache {so.parent}: {e}"
-        ) from e
+        kind = DiskFullError if disk_full(e) else CacheUnavailableError
+        raise kind(f"cannot write kernel {so.stem} into the native cache {so.parent}: {e}") from e
 
 
 def _compile_in(
@@ -361,27 +421,22 @@ def _compile_in(
         pre = ["-include", str(header)] if header is not None else []
         cmd = [cc, *flags, *pre, "kernel.c", "-o", "kernel.so", "-lm"]
         try:
-            res = subprocess.run(
-                cmd,
-                cwd=tmp,
-                capture_output=True,
-                text=True,
-                timeout=COMPILE_TIMEOUT_S,
-                check=False,
-                env=compiler_env(),
-            )
+            res = run_compiler(cmd, cwd=tmp, timeout=COMPILE_TIMEOUT_S)
         except OSError as e:  # missing, or not executable
             raise CompilerNotFoundError(f"C compiler {cc!r} cannot run: {e}") from e
         except subprocess.TimeoutExpired as e:
-            raise CompileError(f"compiler timed out after {COMPILE_TIMEOUT_S:.0f} s: {cmd}") from e
+            raise CompileError(f"compiler timed out after {COMPILE_TIMEOUT_S:g} s: {cmd}") from e
         with _lock:
             _stats.compiles += 1
         if res.returncode != 0:
             lines = (res.stderr or res.stdout).strip().splitlines()
-            raise CompileError(
-                f"{cc} failed (exit {res.returncode}) on kernel {so.stem}:\n"
-                + "\n".join(lines[-40:])
-            )
+            said = "\n".join(lines[-40:])
+            if _says_disk_full(said):  # (not remembered: see build)
+                raise DiskFullError(
+                    f"{cc} needs free disk space to build kernel {so.stem} (in {so.parent} and "
+                    f"the compiler's TMPDIR), got exit {res.returncode}:\n{said}"
+                )
+            raise CompileError(f"{cc} failed (exit {res.returncode}) on kernel {so.stem}:\n{said}")
         record = {"key": key, "sha256": _digest(tmp / "kernel.so"), "cmd": cmd}
         (tmp / "kernel.json").write_text(json.dumps(record))
         os.replace(tmp / "kernel.json", meta)  # record first: an object never lacks one
@@ -408,7 +463,9 @@ def build(
 
     Raises :class:`CompilerNotFoundError` or :class:`CompileError`, :class:`UnsafeCacheError`
     where another user could write the cache directory and :class:`CacheUnavailableError` where
-    it cannot be written; never returns a stale object.
+    it cannot be written (:class:`DiskFullError` where a disk is full); never returns a stale
+    object. A CompileError (a rejection or a timeout) is remembered for the process: later calls
+    raise it again at once. The other errors are not: a later call tries again.
     """
     if not name.replace("_", "").isalnum():
         raise ValueError(f"kernel name must be alphanumeric/underscore, got {name!r}")
@@ -450,10 +507,10 @@ def build(
             try:
                 lib = _compile_and_load(source, flags, cc, so, meta, key)
             except CompileError as e:
-                # a rejection is remembered; a timeout (a loaded machine) is tried again later
-                if not isinstance(e.__cause__, subprocess.TimeoutExpired):
-                    with _lock:
-                        _failed[key] = str(e)
+                # remembered, a timeout too: a hanging compiler cost every later call of the op
+                # the whole COMPILE_TIMEOUT_S again, each one falling back to ATen at the end
+                with _lock:
+                    _failed[key] = str(e)
                 raise
         with _lock:
             _loaded[key] = lib
