@@ -457,7 +457,8 @@ def _amx_library(spec: EpilogueSpec, otag: str) -> ctypes.CDLL:
     try:
         return native.build(src, name=name, isa="avx512", extra_flags=["-O2", *templates.AMX_FLAGS])
     except native.CompileError as e:
-        # a rejection, not a timeout (a loaded machine): one epilogue's, or AMX's at all?
+        # a rejection: one epilogue's, or AMX's at all? (A timeout leaves AMX on here; the
+        # toolchain remembers it, so the next build of that library is a rejection.)
         if not isinstance(e.__cause__, subprocess.TimeoutExpired):
             if (spec, otag) == (NO_EPILOGUE, "f32"):
                 _amx_unbuildable.append(True)
