@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -188,7 +187,10 @@ def _ddp(groups, quick: bool):
 def run_world(
     world: int, quick: bool, reps: int, timeout: float, ops: str = "", sizes: str = ""
 ) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:  # (mkdtemp: left in /tmp)
+    from torchport.benchmarks import scratch_dir  # (not in the workers: they need no harness)
+
+    # (removed also on SIGTERM: the folder stayed in /tmp and the workers ran on)
+    with scratch_dir("tp-bench-") as tmp:
         return _run_world_in(tmp, world, quick, reps, timeout, ops, sizes)
 
 

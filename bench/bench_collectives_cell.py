@@ -29,14 +29,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_collectives import OPS, _op_fn, _slowest, wait_all  # the grid's cells, timed alike
 
-from torchport.benchmarks import positive_int
+from torchport.benchmarks import positive_int, scratch_dir
 
 
 def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, calls: int) -> None:
@@ -122,7 +121,7 @@ def main() -> None:
         help="torchport's transport (TORCHPORT_DIST_TRANSPORT for the workers; default: inherited)",
     )
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="tp-cell-") as tmp:  # (mkdtemp: left in /tmp)
+    with scratch_dir("tp-cell-") as tmp:  # (also on SIGTERM: the folder stayed, workers ran on)
         _run(args, tmp)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.ft_actors import Actors
-from torchport.benchmarks import BenchTable, arg_parser
+from torchport.benchmarks import BenchTable, arg_parser, scratch_dir
 from torchport.distributed._control import default_secret
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft import Lighthouse, fetch_state
@@ -140,8 +139,7 @@ def _gloo_rebuild(A: Actors, ranks: list[int], tag: str) -> float:
 
 
 def bench_heal_and_steps(table: BenchTable, mb: int, steps: int) -> None:
-    with Actors(2) as A:
-        d = tempfile.mkdtemp()
+    with scratch_dir("tp-ft-") as d, Actors(2) as A:  # (mkdtemp: the store stayed in /tmp)
         _ok(A.call_all([0, 1], "init_dist", [(f"{d}/s", i, 2) for i in range(2)], timeout=180))
         nbytes = mb << 20
         addr = A.call(0, "serve_state", nbytes, 16)
@@ -271,7 +269,7 @@ def bench_training_timed(table: BenchTable, segment: float, pairs: int) -> None:
     2 cores): one row per (fault-free, faulty) pair of adjacent windows, then the median."""
     from torchport.demo.stage_ft import run_alternating
 
-    with tempfile.TemporaryDirectory() as d:
+    with scratch_dir("tp-ft-") as d:
         r = run_alternating(Path(d) / "alt", segment=segment, pairs=pairs)
     windows = r["windows"]
     for i, ratio in enumerate(r["ratios"]):
@@ -308,7 +306,7 @@ def bench_training_timed(table: BenchTable, segment: float, pairs: int) -> None:
 def bench_training(table: BenchTable, steps: int) -> None:
     from torchport.demo.stage_ft import run_scenario
 
-    with tempfile.TemporaryDirectory() as d:
+    with scratch_dir("tp-ft-") as d:
         clean = run_scenario(Path(d) / "clean", steps=steps, kill_at=None)
         faulty = run_scenario(Path(d) / "kill", steps=steps, kill_at=steps // 4)
 

@@ -70,7 +70,7 @@ def _load_templates(path: str) -> Any:
 
 
 def main() -> None:
-    p = arg_parser(__doc__ or "")
+    p = arg_parser(__doc__ or "", writes_json=False)  # (its lines are the result)
     p.add_argument("--n", type=int, default=32768)
     p.add_argument(
         "--inner", type=positive_int, default=200, help="calls per sample (torch's: inner // 10)"

@@ -19,9 +19,8 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
-from torchport.benchmarks import positive_int
+from torchport.benchmarks import positive_int, scratch_dir
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -49,7 +48,7 @@ CELLS = ("f32:1", "f32:512", "bf16:1", "bf16:8", "bf16:512")
 
 def run_cell(dtype: str, m: int) -> list[list[float]]:
     """The two cold tunes of one (dtype, M) cell in a fresh process and cache."""
-    with tempfile.TemporaryDirectory(prefix="tp-cold-") as cache:
+    with scratch_dir("tp-cold-") as cache:  # (removed also on SIGTERM, child killed)
         env = {**os.environ, "TORCHPORT_CACHE_DIR": cache, "TORCHPORT_NATIVE_PCH": ""}
         env["TORCHPORT_PROGRESS"] = "0"
         res = subprocess.run(

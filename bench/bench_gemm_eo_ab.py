@@ -48,7 +48,7 @@ def launchers(cfgs: list[Config], isa: str, pairs: bool) -> dict[Config, Callabl
 
 
 def main() -> None:
-    p = arg_parser(__doc__ or "")  # --reps (rounds), --quick (3 rounds), --json (unused)
+    p = arg_parser(__doc__ or "", writes_json=False)  # --reps (rounds), --quick (3 rounds)
     p.add_argument("--m", type=int, default=8)
     p.add_argument("--d", type=int, default=4096, help="K")
     p.add_argument("--h", type=int, default=11008, help="N")

@@ -49,7 +49,7 @@ def copy_count(nbytes: int, launchers: int) -> int:
 
 
 def main() -> None:
-    p = arg_parser(__doc__ or "")  # --reps (rounds), --quick (2 rounds), --json (unused)
+    p = arg_parser(__doc__ or "", writes_json=False)  # --reps (rounds), --quick (2 rounds)
     p.add_argument("--m", type=int, default=32)
     p.add_argument("--d", type=int, default=1024)
     p.add_argument("--h", type=int, default=4096)

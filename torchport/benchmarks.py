@@ -9,12 +9,16 @@ machine and versions) under ``bench/results/`` or ``--json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import runpy
+import signal
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +93,53 @@ def run_benchmark(name: str, argv: Sequence[str] = ()) -> int:
 
 # for counts that must be >= 1 (reps, calls, samples, rounds)
 positive_int = int_at_least(1)
+
+
+class _Stopped(BaseException):
+    """A stop signal inside :func:`scratch_dir`, raised so that every ``finally`` on the way out
+    runs (workers killed, folders removed); the signal is delivered again once they have."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# what ends a benchmark from outside besides Ctrl-C (already an exception): kill, timeout, a
+# closed terminal. Their default action ended the process at once: no ``finally`` ran
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[str]:
+    """A temporary folder under ``$TMPDIR`` that is removed when the block ends, however it ends:
+    normally, by an exception, by Ctrl-C, or by SIGTERM / SIGHUP. Those two killed the process
+    at once: the collectives benchmarks' ``tp-bench-*`` and ``tp-cell-*`` folders stayed in
+    /tmp and their workers ran on. For the block's length (where they have their default action
+    and this is the main thread) they raise an exception instead; once the folder is gone the
+    signal is raised again with the default action, so the process still ends by it."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    mine: dict[int, Any] = {}
+    stopped = 0
+    try:
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                if signal.getsignal(s) is signal.SIG_DFL:
+                    mine[s] = signal.signal(s, stop)
+        with tempfile.TemporaryDirectory(prefix=prefix) as d:
+            yield d
+    except _Stopped as e:
+        if e.signum not in mine:  # (an outer scratch_dir's signal: it re-raises it)
+            raise
+        stopped = e.signum
+    finally:
+        for signum, old in mine.items():
+            signal.signal(signum, old)
+    if stopped:
+        signal.raise_signal(stopped)  # (the default action: the process ends here)
+        raise AssertionError(f"signal {stopped} did not end the process")
 
 
 def machine() -> dict[str, Any]:
@@ -181,6 +232,7 @@ class BenchTable:
     name: str
     unit: str = "GB/s"
     rows: list[Row] = field(default_factory=list)
+    notes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(
         self, case: str, anchor: str, anchor_s: float, ours_s: float, work: float, **extra: Any
@@ -190,6 +242,13 @@ class BenchTable:
         print(self.format_row(row), flush=True)
         return row
 
+    def note(self, key: str, **values: Any) -> None:
+        """A result that is not a time per call (a memory ratio, a count): printed as a
+        ``# key:`` line and saved under ``notes``, not as a row, whose columns are times (the
+        graphs pool's reserved/peak ratios were printed as milliseconds)."""
+        self.notes[key] = dict(values)
+        print(f"# {key}: " + " ".join(f"{k}={v}" for k, v in values.items()), flush=True)
+
     def header(self) -> str:
         u = self.unit
         return (
@@ -198,12 +257,13 @@ class BenchTable:
         )
 
     def format_row(self, r: Row) -> str:
-        a_tp = r.work / r.anchor_s / 1e9 if r.anchor_s > 0 else 0.0
-        o_tp = r.work / r.ours_s / 1e9 if r.ours_s > 0 else 0.0
+        def throughput(seconds: float) -> str:  # ("-" for no work: 0.00 read as measured)
+            return f"{r.work / seconds / 1e9:.2f}" if r.work > 0 and seconds > 0 else "-"
+
         extra = "  " + " ".join(f"{k}={v}" for k, v in r.extra.items()) if r.extra else ""
         return (
             f"{r.case:<34} {r.anchor:<18} {r.anchor_s * 1e3:>10.4f} {r.ours_s * 1e3:>10.4f} "
-            f"{r.ratio:>6.2f}x {a_tp:>14.2f} {o_tp:>12.2f}{extra}"
+            f"{r.ratio:>6.2f}x {throughput(r.anchor_s):>14} {throughput(r.ours_s):>12}{extra}"
         )
 
     def start(self) -> None:
@@ -227,16 +287,20 @@ class BenchTable:
             "machine": machine(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "rows": [{**asdict(r), "ratio": r.ratio} for r in self.rows],
+            "notes": self.notes,
         }
         path.write_text(json.dumps(payload, indent=1))
         print(f"# wrote {path}")
         return path
 
 
-def arg_parser(description: str) -> argparse.ArgumentParser:
-    """Common benchmark options: --quick, --reps, --json."""
+def arg_parser(description: str, *, writes_json: bool = True) -> argparse.ArgumentParser:
+    """Common benchmark options: --quick, --reps, and --json where the script saves a
+    :class:`BenchTable` (``writes_json=False``: an A/B tool that prints its own lines; it took
+    --json and wrote nothing)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="small grid, few reps (smoke run)")
     p.add_argument("--reps", type=positive_int, default=20)
-    p.add_argument("--json", type=Path, default=None, help="where to write results")
+    if writes_json:
+        p.add_argument("--json", type=Path, default=None, help="where to write results")
     return p
