@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -1759,8 +1760,56 @@ def contract_case(rank: int, world: int) -> list[str]:
     return bad
 
 
+def two_groups_case(rank: int, world: int) -> dict[str, Any]:
+    """Two groups sharing the default group's connections, each driven by its own thread with
+    collectives that move several frames per peer (the pipelined allreduce, the broadcast chain,
+    allgather and alltoall in 16 KiB chunks). Over TCP each rank's transfer of one group held its
+    send locks while it waited for a frame, which the peer's transfer of the other group could
+    not send for the same reason: 0 of 200 small allreduces, then the group timeout."""
+    gs = [
+        dist.new_group(backend="torchport", timeout=datetime.timedelta(seconds=20))
+        for _ in range(2)
+    ]
+    out: dict[str, Any] = {}
+
+    def run(k: int) -> None:
+        g, done = gs[k], 0
+        try:
+            for i in range(6):
+                n = (1000, 30_001, 110_000)[(i + k) % 3]
+                t = torch.full((n,), float(rank + i))
+                dist.all_reduce(t, group=g)
+                assert t.eq(sum(q + i for q in range(world))).all(), ("all_reduce", i)
+                b = torch.full((n,), float(10 * rank + i))
+                dist.broadcast(b, src=i % world, group=g)
+                assert b.eq(10 * (i % world) + i).all(), ("broadcast", i)
+                got = torch.empty(n * world)
+                dist.all_gather_into_tensor(got, torch.full((n,), float(rank)), group=g)
+                assert got.eq(torch.arange(world).repeat_interleave(n)).all(), ("allgather", i)
+                a = torch.arange(n * world, dtype=torch.float32) + 1e6 * rank
+                o = torch.empty_like(a)
+                dist.all_to_all_single(o, a, group=g)
+                want = torch.cat([torch.arange(n) + n * rank + 1e6 * q for q in range(world)])
+                assert o.eq(want).all(), ("alltoall", i)
+                done += 1
+            out[f"g{k}"] = "ok"
+        except Exception as e:
+            out[f"g{k}"] = f"{type(e).__name__} after {done}: {str(e)[:200]}"
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(max(0.1, 40.0 - (time.monotonic() - t0)))
+    out["elapsed"] = time.monotonic() - t0
+    out["alive"] = sum(th.is_alive() for th in threads)
+    return out
+
+
 SCENARIOS = {
     "contract": contract_case,
+    "two_groups": two_groups_case,
     "fsdp2": fsdp2_losses,
     "grid": grid,
     "grid_mailbox": grid_mailbox,

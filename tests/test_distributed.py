@@ -90,6 +90,7 @@ PLANS = {
         [
             ("grid", ([0, 4099],)),
             ("grid_mailbox", ([4099],)),
+            ("two_groups", ()),
             ("destroy_in_flight", ()),
             ("destroy_flushes", ()),
             ("recreate", ()),
@@ -105,6 +106,7 @@ PLANS = {
         [
             ("grid", ([0, 4099],)),
             ("grid_mailbox", ([4099],)),
+            ("two_groups", ()),
             ("p2p", ()),
             ("contract", ()),
             ("split_again", ()),
@@ -559,6 +561,17 @@ def test_a_split_after_one_that_left_a_rank_out(plan):
     assert [r["first"] for r in res] == [2, 2, None]
     assert [(r["size"], r["sum"]) for r in res] == [(2, 2.0), (1, 1.0), (2, 2.0)]
     assert all(r["elapsed"] < 10.0 for r in res), res
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["tcp2", "tcp3"])
+def test_two_groups_driven_by_two_threads_share_the_connections(plan):
+    """Each group's transfers wait for frames without holding the send locks the other group's
+    transfers need (dist_workers.two_groups_case: both hung until the group timeout)."""
+    res = [r["two_groups"] for r in results(plan)]
+    for q, case in enumerate(res):
+        assert (case["g0"], case["g1"], case["alive"]) == ("ok", "ok", 0), (q, case)
+        assert case["elapsed"] < 20.0, (q, case)
 
 
 @pytest.mark.timeout(110)

@@ -2047,7 +2047,7 @@ class Mesh:
                 0,
                 after,
                 xs.after_from + ns,
-                xs.gate,
+                1,  # (gated until this transfer holds the peer's send lock: relock below)
                 0,
             )
         for j, x in enumerate(recvs):
@@ -2101,7 +2101,8 @@ class Mesh:
             assert on_notify is not None, "a receive notifies a transfer without on_notify"
             for g in on_notify(j):
                 for i in gates.pop(g, []):
-                    ops[OPW * i + 8] = 0
+                    if conns[sends[i].peer].lock in held:  # (else relock opens it)
+                        ops[OPW * i + 8] = 0
 
         for x in posted:
             self.mailbox.post(x.key, Target(x.ptr, x.size, x.sig, quiet=True))
@@ -2211,7 +2212,58 @@ class Mesh:
             for peer in peers:
                 lib.conn_unclaim(late.pop(peer).own_addr)
 
+        # Send locks: a peer's is held only while this transfer has a frame for that peer
+        # part-way sent or ready to go. Held across a wait for a receive or a gate (a piece of
+        # the pipelined allreduce), it deadlocked two groups sharing the connections: each
+        # rank's transfer of one group held the lock its other group's send needed, while
+        # waiting for a frame that the peer's other group could not send for the same reason
+        # (two threads, one group each: 0 of 200 allreduces, then the group timeout).
         locked: list[Connection] = []
+        held: set[threading.Lock] = set()
+        by_peer: dict[int, list[int]] = {}
+        for i, xs in enumerate(sends):
+            by_peer.setdefault(xs.peer, []).append(i)
+        head = dict.fromkeys(by_peer, 0)  # per peer: the index in by_peer of its next send
+
+        def may_start(i: int) -> bool:
+            xs = sends[i]
+            if xs.gate and xs.gate in gates:
+                return False
+            return xs.after < 0 or all(received(j) for j in range(xs.after_from, xs.after + 1))
+
+        def take(peer: int) -> None:
+            conn = conns[peer]
+            held.add(conn.lock)
+            locked.append(conn)
+            for i in by_peer[peer][head[peer] :]:
+                xs = sends[i]
+                ops[OPW * i + 8] = 1 if xs.gate and xs.gate in gates else 0
+
+        def relock() -> int:
+            """Release the send locks of peers with nothing left to send or whose next frame
+            waits (not begun), take those of peers whose next frame may go now; returns a
+            peer whose lock another thread holds (-1: none), for an idle loop to wait on."""
+            busy = -1
+            for peer, idx in by_peer.items():
+                k = head[peer]
+                while k < len(idx) and ops[OPW * idx[k] + 5] >= HEADER_SIZE + sends[idx[k]].size:
+                    k += 1
+                head[peer] = k
+                conn = conns[peer]
+                if conn.lock in held:
+                    if k == len(idx) or (ops[OPW * idx[k] + 5] == 0 and not may_start(idx[k])):
+                        for i in idx[k:]:
+                            ops[OPW * i + 8] = 1
+                        held.discard(conn.lock)
+                        locked.remove(conn)
+                        conn.lock.release()
+                elif k < len(idx) and may_start(idx[k]):
+                    if conn.lock.acquire(blocking=False):
+                        take(peer)
+                    elif busy < 0:
+                        busy = peer
+            return busy
+
         lost: list[tuple[Connection, BaseException]] = []  # reported once the locks are free
         broken: set[int] = set()  # sockets whose stream is unreadable (a frame cut short)
         pinned = counted = False
@@ -2231,17 +2283,6 @@ class Mesh:
                     },
                     deadline,
                 )
-            for peer in sorted({x.peer for x in sends}):
-                # another thread may hold it for long (a sender thread's frame to a peer that
-                # stopped reading): the group's abort, failure and deadline still end the wait
-                while not conns[peer].lock.acquire(timeout=LOCK_POLL_S):
-                    watch()
-                    if time.monotonic() > deadline:
-                        raise CommTimeoutError(
-                            f"rank {self.rank}: a transfer timed out waiting to send to rank "
-                            f"{peer} (its connection was busy with another frame)"
-                        )
-                locked.append(conns[peer])
             # A sender migrating between CPUs mid-stream reorders loopback segments, which TCP
             # takes for loss (retransmits, 200 ms stalls): pin this thread while it sends, to
             # its rank's own CPU. A large receive pins too: the receiver stays on its rank's
@@ -2256,18 +2297,33 @@ class Mesh:
             # SLICE_MS would otherwise keep them from ever running
             checked = time.monotonic()
             while True:
+                busy = relock() if sends else -1
                 # a handed-over socket is noticed between native calls: short ones meanwhile
                 rc = lib.xfer(ops, n, LATE_SLICE_MS if late else SLICE_MS, out)
                 if late:
                     adopt(SLICE_MS if rc == IDLE else 0)
                 if rc == IDLE:
+                    if busy >= 0 and not late:
+                        # another thread holds the connection (a sender thread's frame to a
+                        # peer that stopped reading may hold it long): the group's abort,
+                        # failure and deadline still end the wait
+                        conn = conns[busy]
+                        if conn.lock.acquire(timeout=LOCK_POLL_S):
+                            take(busy)
+                        elif time.monotonic() > deadline:
+                            watch()
+                            raise CommTimeoutError(
+                                f"rank {self.rank}: a transfer timed out waiting to send to "
+                                f"rank {busy} (its connection was busy with another frame)"
+                            )
                     rc = SLICE
                 if rc == DONE:
                     break
                 if rc == SENT:
                     for conn in locked:
                         conn.lock.release()
-                    locked = []
+                    locked.clear()
+                    held.clear()
                     continue
                 if rc == NOTIFY:
                     if not bad:  # (a mismatch settled by adopt: nothing notifies any more)
