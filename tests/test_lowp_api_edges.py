@@ -239,10 +239,12 @@ def test_a_non_finite_global_scale_on_either_operand_is_the_references(m: int, g
         assert torch.equal(out[~out.isnan()], ref[~ref.isnan()].float())
 
 
-def test_export_of_a_dynamic_fp8_activation_layer_checks_finiteness_at_run_time() -> None:
+def test_export_of_a_dynamic_fp8_activation_layer_keeps_nan_rows_at_run_time() -> None:
     """At prefill shapes the activation quantizer's finiteness check asked for the traced
-    values (GuardOnDataDependentSymNode): torch.export of the layer failed. The check is a
-    runtime assertion in the exported graph now."""
+    values (GuardOnDataDependentSymNode): torch.export of the layer failed. The activation
+    quantization has no data-dependent check now (torchao's arithmetic, which turns a row
+    holding a NaN into NaN outputs, as eager does at every batch size): the exported graph
+    gives eager's results, the NaN row included (it raised "input must be finite" there)."""
     from torchport.lowp import Float8DynamicActivationFloat8WeightConfig
 
     torch.manual_seed(0)
@@ -253,5 +255,6 @@ def test_export_of_a_dynamic_fp8_activation_layer_checks_finiteness_at_run_time(
     with torch.no_grad():
         torch.testing.assert_close(mod(x), lin(x), rtol=1e-5, atol=1e-5)
         x[3, 5] = float("nan")
-        with pytest.raises(RuntimeError, match="input must be finite"):
-            mod(x)
+        out, want = mod(x), lin(x)
+    assert bool(out[3].isnan().all()) and not bool(out[torch.arange(12) != 3].isnan().any())
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, equal_nan=True)

@@ -291,6 +291,37 @@ def test_dequantize_reads_nan_and_inf_codes_as_torch(native_kernel):
         torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("isa", ["native", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_native_dequantize_is_bit_exact_for_every_code_nan_included(isa, dtype):
+    """Every element code against every scale code (MX: E8M0 0xFF NaN; NVFP4: E4M3 0x7F/0xFF
+    NaN, with a per-tensor scale, NaN too): the native kernel's bits are the reference's, NaN
+    payloads and signs included. It returned C's NAN (0x7fc00000) for E4M3 and E8M0 NaN codes
+    where torch's casts give 0x7ff00000 / 0xfff00000 (E4M3, the code's sign) and 0x7fc00001
+    (E8M0), and a multiply of two NaNs kept the element's where torch keeps the scale's."""
+    from torchport import config
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    nib = torch.arange(16, dtype=torch.uint8)
+    fp4 = nib | (nib.flip(0) << 4)  # both nibbles through every E2M1 code
+    view = torch.int32 if dtype == torch.float32 else torch.int16
+    with config.override(**({} if isa == "native" else {"isa": isa})):
+        for elem in mx.ELEMS:  # row r: scale code r; the row's elements hold every code
+            fp4_elem = elem == "fp4_e2m1"  # (uint8 FP8 data: the codes as they are)
+            q = (fp4.repeat(2) if fp4_elem else codes).expand(256, -1).contiguous()
+            s = codes.reshape(256, 1).expand(256, 2 if fp4_elem else 8).contiguous()
+            s = s.view(mx.mx_quantize(torch.ones(1, 32), elem)[1].dtype)
+            ref = mx.mx_dequantize_reference(q, s, elem, dtype)
+            got = mx.mx_dequantize(q, s, elem, dtype, native_kernel=True)
+            assert torch.equal(got.view(view), ref.view(view)), elem
+        s = codes.reshape(256, 1).expand(256, 2).contiguous().view(torch.float8_e4m3fn)
+        q = fp4.expand(256, 16).contiguous()
+        for pts in (None, 1e-3, float("nan")):
+            ref = nvfp4.nvfp4_dequantize_reference(q, s, pts, dtype)
+            got = nvfp4.nvfp4_dequantize(q, s, pts, dtype, native_kernel=True)
+            assert torch.equal(got.view(view), ref.view(view)), pts
+
+
 def test_missing_compiler_falls_back_to_reference(monkeypatch):
     from torchport import native
     from torchport.lowp import kernels

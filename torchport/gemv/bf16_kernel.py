@@ -70,9 +70,12 @@ products below ``2⁻¹²⁶`` (the bf16 weights' bound above). The unpacks work
 word ``8L + t`` of the first vector is element ``16L + t`` of the line, of the second ``16L + 8
 + t``; the narrowed activations are stored in that order. K's last partial line is one masked
 load (zero codes decode to zero). Rows are scaled by the row scale, then the bias is added, as
-in the float kernel. Only bf16-valued activations: others return status 4 (the tuner offers this
-kernel only for bfloat16 activation tensors, :func:`torchport.gemv.ops.candidates`), except in
-the AMX build (below), which splits float32 ones. Kernels
+in the float kernel. A finite activation of ``2¹¹⁹`` or more in magnitude, whose product with an
+E4M3 code (up to 448) could overflow where its product with the dequantized weight does not,
+hands the call to the float kernel (:data:`torchport.gemv.kernels.NONFINITE_STATUS`), which
+rescales such activation rows. Only bf16-valued activations: others return status 4 (the tuner
+offers this kernel only for bfloat16 activation tensors, :func:`torchport.gemv.ops.candidates`),
+except in the AMX build (below), which splits float32 ones. Kernels
 alone, 11008×4096 from DRAM, bf16-valued activations, interleaved medians of 15 (load 3-4,
 helper running): B=1 two threads 1.14 ms (NTA 2048) against the shift kernel's 1.31, one thread
 1.46 against 2.60; B=4 two threads 2.07 against 3.18 (the shift kernel's AVX2 build, what B > 1
@@ -176,6 +179,18 @@ static void tp_bf16_copy(const uint16_t *x, int64_t K, int64_t KP, uint16_t *xh)
 }
 
 #if defined(TP_W_fp8_e4m3)
+/* 1 if some of the n narrowed (bf16) activations is finite and at least 2^119 in magnitude, else
+   0: its product with an E4M3 weight (up to 448 < 2^9) could overflow where x times the
+   dequantized weight does not; the float kernel, which rescales such activation rows, takes them
+   (an infinity or NaN gives the IEEE results here as there) */
+static int tp_any_big16(const uint16_t *h, int64_t n) {
+    int m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const unsigned a = h[i] & 0x7fffu;
+        m |= a >= 0x7b00u && a < 0x7f80u;
+    }
+    return m;
+}
 /* E4M3 magnitude (7 bits) -> the high byte (bits 14..8; the sign comes from the code) and the low
    byte of its bf16 value, as 128-byte tables for vpermi2b: every E4M3 value, subnormals included,
    is a normal bf16 number (exact); the NaN codes decode as the float kernel's table has them. */
@@ -515,6 +530,12 @@ static int tp_gemv_io(const float *x, const uint16_t *xh, int64_t B, int64_t K, 
         for (int64_t b = 0; b < B; ++b) tp_bf16_copy(xh + b * K, K, K32, xp + b * K32);
     else
         for (int64_t b = 0; b < B && dp; ++b) dp = tp_bf16_row(x + b * K, K, K32, xp + b * K32);
+#if defined(TP_W_fp8_e4m3)
+    if (dp && tp_any_big16(xp, B * K32)) {   /* 2^119 and up: the float kernel takes them */
+        free(xp);
+        return TP_NONFINITE;
+    }
+#endif
     if (outh) {   /* bf16 results: float sums here, each rounded (as torch) once final */
         out = (float *)malloc(sizeof(float) * (size_t)(B * N) + 64);
         if (!out) { free(xp); return 3; }
@@ -840,11 +861,13 @@ def gemv_bf16_dp_kernel(
         f"gemv_{'fp8' if fp8 else 'bf16'}dp{'amx' if amx else ''}_{isa}_p{prefetch}{hint}_c{chunk}"
     )
     name += "" if xblock is None else f"_x{xblock}"
+    # E4M3: activations of 2^119 and up (and, AMX, float32 ones it cannot split exactly) go to
+    # the float kernel (TP_NONFINITE)
+    twin = isa if fp8 else None
     if not amx:
-        return GemvKernel(native.build(src, name=name, isa=isa), weights)
+        return GemvKernel(native.build(src, name=name, isa=isa), weights, twin_isa=twin)
     lib = build_amx(src, name, AMX_FLAGS, _amx_dp_unbuildable)
-    # E4M3: float32 activations it cannot split exactly go to the float kernel (TP_NONFINITE)
-    return GemvKernel(lib, weights, twin_isa=isa if fp8 else None)
+    return GemvKernel(lib, weights, twin_isa=twin)
 
 
 # Set when an AMX build of this kernel fails to compile (a compiler without -mamx-bf16): no

@@ -218,13 +218,20 @@ TP_INLINE void tp_row1_part(const float *xs, const uint8_t *w, const char *pfa, 
     accp[0] = a0; accp[1] = a1; accp[2] = a2; accp[3] = a3;
 }
 
+/* The K % TP_G tail of a row from k on: the unscaled activations x times the table decode, in
+   double (exact products, which cannot overflow: a float32 one could from |x| ~ 7.6e35, where x
+   times the dequantized weight does not). */
+TP_INLINE double tp_tail(const float *x, int64_t k, int64_t K, const uint8_t *w) {
+    double tail = 0.0;
+    for (int64_t j = k; j < K; ++j) tail += (double)TP_E4M3F[w[j]] * (double)x[j];
+    return tail;
+}
+
 /* A row's result from its two accumulators: their sum times fac (2^(120 - k) of the prescale), plus
-   the K % TP_G tail from k on the unscaled activations x (table decode), times the row scale. */
+   the K % TP_G tail from k on (tp_tail), times the row scale. */
 TP_INLINE float tp_row_end(tp_vf a0, tp_vf a1, const float *x, double fac, int64_t k, int64_t K,
                            const uint8_t *w, float post) {
-    float tail = 0.0f;
-    for (int64_t j = k; j < K; ++j) tail += TP_E4M3F[w[j]] * x[j];
-    const double s = (double)TP_HSUM(TP_ADD(a0, a1)) * fac + (double)tail;
+    const double s = (double)TP_HSUM(TP_ADD(a0, a1)) * fac + tp_tail(x, k, K, w);
     return (float)(s * (double)post);
 }
 
@@ -335,9 +342,7 @@ TP_INLINE void tp_rows(const float *xs, const float *x, double fac, int64_t K, c
     }
     for (int r = 0; r < TP_R; ++r) {
         for (int a = 1; a < TP_A; ++a) acc[r][0] = TP_ADD(acc[r][0], acc[r][a]);
-        float tail = 0.0f;   /* the K % TP_G tail on the unscaled activations, table decode */
-        for (int64_t j = k; j < K; ++j) tail += TP_E4M3F[w[r * K + j]] * x[j];
-        const double s = (double)TP_HSUM(acc[r][0]) * fac + (double)tail;
+        const double s = (double)TP_HSUM(acc[r][0]) * fac + tp_tail(x, k, K, w + r * K);
         out[r] = (float)(s * (double)post[r]);
     }
 }

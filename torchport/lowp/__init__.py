@@ -18,7 +18,12 @@ from torchport.lowp.config import (
 )
 from torchport.lowp.epilogue import linear_quantize, linear_quantize_reference
 from torchport.lowp.formats import LowPrecisionError, NonFiniteInputError
-from torchport.lowp.fp8 import fp8_dequantize, fp8_quantize, fp8_quantize_reference
+from torchport.lowp.fp8 import (
+    fp8_dequantize,
+    fp8_quantize,
+    fp8_quantize_activation,
+    fp8_quantize_reference,
+)
 from torchport.lowp.mx import (
     mx_dequantize,
     mx_dequantize_reference,
@@ -52,6 +57,7 @@ __all__ = [
     "block_scaled_mm",
     "fp8_dequantize",
     "fp8_quantize",
+    "fp8_quantize_activation",
     "fp8_quantize_reference",
     "linear_quantize",
     "linear_quantize_reference",

@@ -4,7 +4,11 @@ Configs are keyword-only frozen dataclasses validated on construction (torchao's
 
 - :class:`Float8WeightOnlyConfig` — FP8 weights, high-precision activations;
 - :class:`Float8DynamicActivationFloat8WeightConfig` — FP8 weights, activations quantized at run
-  time with the weights' granularity (per row or per tensor), prefill through :func:`torchport.scaled_mm` (decode still uses the FP8 GEMV);
+  time with the weights' granularity (per row or per tensor) at every batch size, as torchao's:
+  prefill through :func:`torchport.scaled_mm`, decode (one to eight rows) through the FP8 GEMV on
+  the dequantized activation; a NaN or infinity in an activation row makes that row's outputs NaN
+  (every output, with per-tensor scaling) at every batch size, as torchao's quantization and
+  ``torch._scaled_mm`` do;
 - :class:`NVFP4WeightOnlyConfig` — NVFP4 weights (optional per-tensor scale);
 - :class:`MXWeightOnlyConfig` — MXFP4 / MXFP8 weights;
 
@@ -72,8 +76,11 @@ class Float8WeightOnlyConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Float8DynamicActivationFloat8WeightConfig(Float8WeightOnlyConfig):
-    """FP8 weights and FP8 activations (dynamic scale, per row or per tensor as the weights')
-    for prefill GEMMs."""
+    """FP8 weights and FP8 activations (dynamic scale, per row or per tensor as the weights'),
+    quantized at every batch size (decode GEMV and prefill GEMM alike). Non-finite activations
+    are not rejected: torchao's arithmetic gives the rows holding a NaN or an infinity (with
+    per-tensor scaling: the whole input) a NaN or infinite scale, and their outputs are NaN
+    (:func:`torchport.lowp.fp8.fp8_quantize_activation`)."""
 
     activation_dtype: torch.dtype = torch.float8_e4m3fn
 

@@ -4,7 +4,8 @@ Recipe: torchao's float8 inference recipe (``_choose_scale_float8`` + ``_quantiz
 with the amax computed in float32: ``scale = max(amax, 1e-12) / fp8_max``; data =
 ``clamp(x / scale, ±fp8_max)`` cast with round-to-nearest-even. Dequantize: ``fp8_value * scale``.
 (torchao computes a bfloat16 input's ``amax / 448`` in bfloat16; here inputs are widened to float32
-first.) NaN/Inf inputs raise :class:`~torchport.lowp.formats.NonFiniteInputError`.
+first.) NaN/Inf inputs raise :class:`~torchport.lowp.formats.NonFiniteInputError`, except in
+:func:`fp8_quantize_activation` (run-time activations), which keeps torchao's arithmetic for them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import torch
 from torchport import native
 from torchport.lowp import kernels
 from torchport.lowp._common import as_rows, raise_nonfinite, use_native
-from torchport.lowp.formats import FP8_DTYPES, FP8_MAX, LowPrecisionError, check_finite
+from torchport.lowp.formats import (
+    FP8_DTYPES,
+    FP8_MAX,
+    LowPrecisionError,
+    NonFiniteInputError,
+    check_finite,
+)
 
 GRANULARITIES = ("tensor", "row")
 AMAX_FLOOR = 1e-12
@@ -34,6 +41,13 @@ def fp8_quantize_reference(
     _check(dtype, granularity)
     rows = as_rows(x, 1, "fp8_quantize").float()
     check_finite(rows, "fp8_quantize")
+    return _scale_and_cast(rows, x.shape, dtype, granularity)
+
+
+def _scale_and_cast(
+    rows: torch.Tensor, shape: torch.Size, dtype: torch.dtype, granularity: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipe's arithmetic on float32 ``rows`` ``[R, K]`` (of an input of ``shape``)."""
     m = FP8_MAX[dtype]
     if granularity == "row":
         amax = (
@@ -45,9 +59,9 @@ def fp8_quantize_reference(
     else:
         amax = rows.abs().max() if rows.numel() else rows.new_zeros(())
         scale = torch.clamp(amax, min=AMAX_FLOOR) / m
-    q = torch.clamp(rows / scale, -m, m).to(dtype).reshape(x.shape)
+    q = torch.clamp(rows / scale, -m, m).to(dtype).reshape(shape)
     if granularity == "row":
-        return q, scale.reshape(*x.shape[:-1], 1)
+        return q, scale.reshape(*shape[:-1], 1)
     return q, scale.reshape(())
 
 
@@ -89,6 +103,29 @@ def fp8_quantize(
     if granularity == "row":
         return q8, scale.reshape(*x.shape[:-1], 1)
     return q8, scale.reshape(())
+
+
+def fp8_quantize_activation(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, granularity: str = "row"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 quantization of a run-time activation, as torchao's dynamic-activation recipe does it.
+
+    Finite input: :func:`fp8_quantize`'s result (its native kernel where it applies). NaN or
+    infinite input is not rejected: the recipe's arithmetic runs on it, as torchao's
+    (``_choose_scale_float8`` then ``_quantize_affine_float8``, no finiteness check): a row
+    (``"row"``) or the tensor (``"tensor"``) holding a NaN gets a NaN scale, one holding an
+    infinity an infinite scale and a NaN code there (``inf / inf``), so its dequantized values,
+    and every product of them that ``torch._scaled_mm`` or a GEMV forms, are NaN. Other rows
+    are quantized as they would be alone. Traceable (``torch.compile``, export, ``vmap``): no
+    data-dependent check."""
+    if use_native(None, x):
+        try:
+            return fp8_quantize(x, dtype, granularity, native_kernel=True)
+        except NonFiniteInputError:
+            pass  # the recipe's arithmetic below, which keeps the NaN and infinities
+    _check(dtype, granularity)
+    rows = as_rows(x, 1, "fp8_quantize").float()
+    return _scale_and_cast(rows, x.shape, dtype, granularity)
 
 
 def fp8_dequantize(

@@ -47,18 +47,15 @@ TP_INLINE uint8_t tp_f32_to_e5m2(float x) {
     return (uint8_t)(sign | r);
 }
 
-TP_INLINE float tp_e4m3_to_f32(uint8_t b) {
-    if ((b & 0x7fu) == 0x7fu) return NAN;   /* E4M3FN's only NaN codes (no infinities) */
-    uint32_t e = (b >> 3) & 15u, m = b & 7u;
-    float v = e ? tp_float(((e + 120u) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
-    return (b & 0x80u) ? -v : v;
-}
-
-TP_INLINE float tp_e5m2_to_f32(uint8_t b) {
-    uint32_t e = (b >> 2) & 31u, m = b & 3u;   /* exponent 31: infinity (m = 0) or NaN */
-    float v = e ? tp_float(((e == 31u ? 255u : e + 112u) << 23) | (m << 21)) : (float)m * (1.0f / 65536.0f);
-    return (b & 0x80u) ? -v : v;
-}
+/* Every FP8 code's float32 bits as torch's cast gives them (tables: one load per element, where
+   the decode by fields branched per element: MX FP8 2048x4096 one thread 42-47 -> 5-8 ms, load
+   3-5), NaN codes included:
+   E4M3FN 0x7F / 0xFF are 0x7ff00000 / 0xfff00000 (the code's sign and mantissa; C's NAN is
+   0x7fc00000), E5M2's exponent 31 infinities and NaNs the code's bits widened */
+static const uint32_t TP_E4M3_BITS[256] = { ${e4m3_bits} };
+static const uint32_t TP_E5M2_BITS[256] = { ${e5m2_bits} };
+TP_INLINE float tp_e4m3_to_f32(uint8_t b) { return tp_float(TP_E4M3_BITS[b]); }
+TP_INLINE float tp_e5m2_to_f32(uint8_t b) { return tp_float(TP_E5M2_BITS[b]); }
 
 /* E2M1 code: RNE with ties to the even code, saturating at 6, sign of zero kept */
 TP_INLINE uint8_t tp_f32_to_e2m1(float x) {
@@ -69,7 +66,7 @@ TP_INLINE uint8_t tp_f32_to_e2m1(float x) {
 static const float TP_E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 TP_INLINE float tp_e8m0_to_f32(uint8_t e) {
-    if (e == 255) return NAN;
+    if (e == 255) return tp_float(0x7fc00001u);   /* NaN as torch's cast has it (NAN: 0x7fc00000) */
     return e ? tp_float((uint32_t)e << 23) : tp_float(0x00400000u);
 }
 
@@ -349,8 +346,15 @@ TP_EXPORT int tp_block_dequant(const uint8_t *q, const uint8_t *scales, float *o
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t sb = scales[r * nb + b];
-            float s = fmt == 0 ? pts * tp_e4m3_to_f32(sb) : tp_e8m0_to_f32(sb);
+            float s = fmt == 0 ? (pts != pts ? pts : pts * tp_e4m3_to_f32(sb)) : tp_e8m0_to_f32(sb);
             float *o = out + r * k + b * bl;
+            if (s != s) {   /* a NaN scale: its NaN in every element, as the reference's product
+                               (torch's keeps the scale's NaN where the element is NaN too, and the
+                               per-tensor scale's where the block scale is; a multiply here could
+                               keep either operand's, as the compiler orders them) */
+                for (int i = 0; i < bl; ++i) o[i] = s;
+                continue;
+            }
             if (fmt <= 1) {
                 const uint8_t *p = q + r * (k / 2) + b * (bl / 2);
                 for (int i = 0; i < bl / 2; ++i) {
@@ -381,6 +385,14 @@ _TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 IN_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _fp8_bits(dtype: torch.dtype) -> str:
+    """A ``TP_E4M3_BITS`` / ``TP_E5M2_BITS`` initializer: torch's float32 value of every code of
+    the FP8 ``dtype``, as bits (NaN payloads included)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    bits = codes.float().view(torch.int32).tolist()
+    return ", ".join(f"0x{b & 0xFFFFFFFF:08x}u" for b in bits)
+
+
 def library(dtype: torch.dtype) -> object:
     """The compiled quantization library for input ``dtype`` at the current ISA level.
 
@@ -392,7 +404,12 @@ def library(dtype: torch.dtype) -> object:
 
 @functools.cache
 def _library(dtype: torch.dtype, isa: str) -> object:
-    src = native.render(_SOURCE, load_macro=_LOAD[dtype])
+    src = native.render(
+        _SOURCE,
+        load_macro=_LOAD[dtype],
+        e4m3_bits=_fp8_bits(torch.float8_e4m3fn),
+        e5m2_bits=_fp8_bits(torch.float8_e5m2),
+    )
     return native.build(src, name=f"lowp_quant_{_TAG[dtype]}", isa=isa)
 
 

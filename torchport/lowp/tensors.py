@@ -9,12 +9,15 @@ stands for, carrying its quantized ``qdata`` and scales. They are used as ``nn.L
 - otherwise a prefill path: :func:`torchport.scaled_mm` for FP8 with dynamic activation scaling, or
   :func:`torchport.lowp.block_scaled_mm` (native panel dequantize + GEMM) for the others.
 
-Weight + activation quantization (NVFP4 ``act_per_tensor_scale`` set, MX ``act_elem`` set): the
-activation is quantized at run time with the same recipe as weights — NVFP4 per token per
-16-element block (E4M3 scales, optional dynamic per-tensor scale from the activation's amax), MX per
-token per 32-element block (E8M0) — and the product runs on the quantized operands:
+Weight + activation quantization (NVFP4 ``act_per_tensor_scale`` set, MX ``act_elem`` set, FP8
+``act_dtype`` set): the activation is quantized at run time, at every batch size, with the same
+recipe as weights — NVFP4 per token per 16-element block (E4M3 scales, optional dynamic per-tensor
+scale from the activation's amax), MX per token per 32-element block (E8M0), FP8 per token or per
+tensor as the weight's scale — and the product runs on the quantized operands:
 ``out = dequantize(quantize(x)) @ dequantize(W).T`` with float32 accumulation. The dequantized
-values are exact in float32, so only the summation order differs from a float64 reference. FP4
+values are exact in float32 (an FP8 activation's ``code * scale`` at decode is rounded once; the
+FP8 prefill multiplies the codes and scales after), so only the summation order differs from a
+float64 reference. FP4
 weights × FP4 activations at decode (K % 64 == 0, AVX2) use integer products (``2·e2m1`` pairs
 summed exactly in int32, :func:`torchport.gemv.fp4_kernel.gemv_fp4_prepped_kernel`); other
 combinations and prefill multiply the dequantized values (the GEMV decodes in registers, the
@@ -571,10 +574,13 @@ class LowPrecisionTensor(torch.Tensor):
             _SHARING.setdefault(key, {})[id(c)] = weakref.ref(c)
 
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear`` for many activation rows: dequantize then GEMM (overridden for FP8)."""
+        """``F.linear`` for many activation rows: the activation quantized as
+        :meth:`quantize_activation` says, the weight dequantized, then GEMM (overridden for
+        FP8)."""
         from torchport.lowp.scaled_mm import block_scaled_mm
 
-        return block_scaled_mm(x, self, bias=bias)
+        xq = self.quantize_activation(x)
+        return block_scaled_mm(x if xq is None else xq, self, bias=bias)
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
         """The run-time quantized activation (dequantized, float32), or None for weight-only."""
@@ -671,18 +677,17 @@ class LowPrecisionTensor(torch.Tensor):
             fast = self._decode_fp4_act(x, bias)
             if fast is not None:
                 return fast if fast.dtype == x.dtype else fast.to(x.dtype)
-        xq = self.quantize_activation(x)
-        xa = x if xq is None else xq
         if decode:
+            xq = self.quantize_activation(x)
             pw = self.gemv_pack()
             # weight-only, eager weight: settle the route; not inside a forward-AD dual level,
             # whose every call the route refuses (settled anew per call: 23 -> 51 us), and whose
             # end leaves the route settled before it valid
             if xq is None and self._pack is pw and not native.forward_ad_active():
                 self._route = settle_route(x, pw, bias)
-            out = linear_decode(xa, pw, bias, allow_int8=xq is None)
-        else:
-            out = self.prefill_linear(xa, bias)
+            out = linear_decode(x if xq is None else xq, pw, bias, allow_int8=xq is None)
+        else:  # (quantizes the activation itself: FP8's scaled_mm takes the codes)
+            out = self.prefill_linear(x, bias)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def _meta_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -951,8 +956,14 @@ class Float8Tensor(LowPrecisionTensor):
 
     ``act_dtype`` set → activations are quantized dynamically with the weight's granularity (per
     row for a per-row weight scale, per tensor for a per-tensor one: ``scaled_mm`` takes both
-    scales one way or the other) and the prefill path runs :func:`torchport.scaled_mm` (weight +
-    activation FP8); None → weight-only.
+    scales one way or the other) at every batch size, as torchao's
+    ``Float8DynamicActivationFloat8WeightConfig``: the prefill path runs
+    :func:`torchport.scaled_mm` on the FP8 codes, the decode GEMV (≤ 8 rows) on the
+    dequantized activation (``code * scale``, one float32 rounding per element: the same
+    numbers within float32 rounding); None → weight-only. NaN and infinities in the activation
+    are quantized as torchao quantizes them (:func:`torchport.lowp.fp8.fp8_quantize_activation`,
+    no error): every output of a row holding one (per-row scaling), or of the whole input
+    (per-tensor scaling), is NaN, at every batch size.
     """
 
     def __new__(
@@ -1059,6 +1070,13 @@ class Float8Tensor(LowPrecisionTensor):
                 rs = rs.masked_fill(nan_rows, math.nan)
         return PackedWeight(fmt, data, empty, rs, 1.0, n, k, False)
 
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.act_dtype is None:
+            return None
+        gran = "row" if self.scale.dim() else "tensor"
+        q, s = fp8.fp8_quantize_activation(_hp_activation(x), self.act_dtype, gran)
+        return fp8.fp8_dequantize(q, s)
+
     def prefill_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from torchport.lowp.scaled_mm import scaled_mm
 
@@ -1069,7 +1087,7 @@ class Float8Tensor(LowPrecisionTensor):
         rowwise = self.scale.dim() != 0
         x2 = x.reshape(-1, k)
         x2 = _hp_activation(x2)
-        xq, xs = fp8.fp8_quantize(x2, self.act_dtype, "row" if rowwise else "tensor")
+        xq, xs = fp8.fp8_quantize_activation(x2, self.act_dtype, "row" if rowwise else "tensor")
         ws = self.scale.float().reshape(1, -1) if rowwise else self.scale.float()
         out = scaled_mm(xq, self.qdata.t(), xs.float(), ws, bias=bias, out_dtype=x.dtype)
         return out.reshape(*lead, self.shape[0])
