@@ -10,9 +10,11 @@ chosen branch only; the index gets none.
 How each mode runs it:
 
 - eager: the chosen branch is called directly (no HOP, no tracing, ordinary autograd); an output
-  that shares memory with an operand (a branch returning its input) is returned as a copy, as a
-  captured switch returns it and as ``torch.cond`` requires. A dispatch mode that does not trace
-  (``FlopCounterMode``, a logging mode) takes this path and sees the chosen branch's ops;
+  that shares memory with an operand or with a tensor the branch read from outside (a closure,
+  a global, a module's parameter) is returned as a copy (:mod:`~torchport.control.aliasing`):
+  traced, such a tensor is an input of the branch graph, which an output may not alias under
+  grad mode. A dispatch mode that does not trace (``FlopCounterMode``, a logging mode) takes
+  this path and sees the chosen branch's ops;
 - ``torch.export`` (non-strict, 2.13's default) and ``make_fx``: :data:`switch_op`, a
   ``HigherOrderOperator`` registered as ``torch.ops.higher_order.torchport_switch``, records
   **one** node holding all N branch graphs; the exported program runs and survives
@@ -54,6 +56,8 @@ from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_tensor_tree
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from torchport.control.aliasing import call_unaliased
 
 __all__ = ["SwitchError", "switch", "switch_op", "switch_reference"]
 
@@ -159,29 +163,6 @@ def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
     )
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """What two tensors sharing memory have in common: their storage's address (the tensor's
-    identity when it has no storage to read, e.g. a sparse tensor)."""
-    try:
-        return ("storage", t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return ("tensor", id(t))
-
-
-def unalias(out: Any, inputs: Sequence[Any]) -> Any:
-    """``out`` with each tensor that shares memory with a tensor of ``inputs`` replaced by a clone.
-
-    Eager ``switch``/``while_loop`` outputs never alias their operands, as in a captured graph
-    (whose outputs are copies) and as ``torch.cond`` requires: a branch or loop body returning
-    an operand unchanged returned the operand itself, so an in-place op on the result changed
-    the operand in eager only.
-    """
-    held = {_storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.clone() if _storage_key(t) in held else t, out
-    )
-
-
 def switch(
     index: int | torch.SymInt | torch.Tensor,
     branches: Sequence[Callable[..., Any]],
@@ -225,8 +206,9 @@ def switch(
         functools.partial(_call_unflattened, branch=b, spec=spec) for b in branches
     )
     if isinstance(index, int):
-        out = flat_branches[index](*leaves)  # a constant index specialises, as in 2.14
-        return out if _is_tracing(leaves, None) else unalias(out, leaves)
+        if _is_tracing(leaves, None):
+            return flat_branches[index](*leaves)  # a constant index specialises, as in 2.14
+        return call_unaliased(flat_branches[index], leaves, leaves)
     from torchport.graphs.capture import current_recorder
 
     rec = current_recorder()
@@ -238,7 +220,7 @@ def switch(
     if not _is_tracing(leaves, index):
         # Eager: call the chosen branch directly; autograd records its ops as usual.
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
-        return unalias(flat_branches[i](*leaves), leaves)
+        return call_unaliased(flat_branches[i], leaves, leaves)
     specs: list[pytree.TreeSpec | None] = [None] * n
     traced = tuple(
         functools.partial(_call_flat_out, branch=b, specs=specs, i=i)

@@ -143,19 +143,24 @@ def while_loop(
     rec = current_recorder()
     if rec is not None:
         return rec.record_while(cond_fn, body_fn, carried)
-    from torchport.control.switch import _is_tracing, unalias
+    from torchport.control.aliasing import call_unaliased
+    from torchport.control.switch import _is_tracing
 
     leaves = pytree.tree_leaves(carried)
     if torch.compiler.is_compiling() or _is_tracing(leaves, None):
         # torch's op returns what body_fn returns: a bare tensor for a body returning one.
         out = torch._higher_order_ops.while_loop(cond_fn, body_fn, carried)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    vals = carried
-    while check_pred(cond_fn(*vals)):
-        out = body_values(body_fn(*vals), len(vals))
-        check_body_output(vals, out)
-        vals = out
-    # Copies of the inputs a zero-trip loop returns, and of those a body passed through unchanged
-    # (returned as the input itself, an in-place op on the result changed it; a captured loop
-    # returns copies).
-    return unalias(vals, leaves)
+    state = [carried]  # the only holder of the carried values, so state.pop hands them over
+    while check_pred(cond_fn(*state[0])):
+        state[0] = _step(body_fn, state[0])
+    # Copies of the inputs a zero-trip loop returns, and of the tensors a body passed through
+    # or read from outside (returned as they were, an in-place op on the result changed them;
+    # traced, the loop's outputs never alias its inputs).
+    return call_unaliased(state.pop, (), leaves)
+
+
+def _step(body_fn: Callable[..., Any], vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    out = body_values(body_fn(*vals), len(vals))
+    check_body_output(vals, out)
+    return out

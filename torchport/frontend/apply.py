@@ -251,24 +251,49 @@ def _dim_name(v: IntVar) -> str:
     return f"{base}_{v.uid}"
 
 
+def _unnamed_variables(b: Binding) -> set[IntVar]:
+    """Variables that cannot be named Dims in torch.export: those a scalar int takes (ints take
+    only ``Dim.DYNAMIC``) and those of a one-variable linear expression with a coefficient
+    below 1 (derived Dims are increasing). Named, the in-graph check that ties such a variable
+    to the int or the expression's size failed export's constraint check ("N_0 and
+    L['args'][0] must always be equal", "... must always be related to the values of B_1 ...
+    by ... = 70 - B_1"): every size of such a variable is ``Dim.DYNAMIC`` instead, and the
+    prologue (:func:`_spec_checks`) checks its range and relations as runtime asserts."""
+    out: set[IntVar] = set()
+    for s in b.slots:
+        if not isinstance(s.spec, Expr) or (isinstance(s.spec, IntVar) and s.dim is not None):
+            continue
+        lin = s.spec.linear()
+        if s.dim is None or (lin is not None and lin[1] <= 0):
+            out |= s.spec.free_vars()
+    return out
+
+
 def export_dynamic_shapes(b: Binding, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """torch.export ``dynamic_shapes`` (a flat-leaf-shaped pytree of Dims) and prologue checks."""
     from torch.export import Dim
 
+    unnamed = _unnamed_variables(b)
     dims: dict[IntVar, Any] = {}
     for v in b.variables():
         lo = v.min if v.min is not None else 0
-        dims[v] = Dim(_dim_name(v), min=max(lo, 0), max=v.max if v.max is not None else None)
+        dims[v] = (
+            Dim.DYNAMIC
+            if v in unnamed
+            else Dim(_dim_name(v), min=max(lo, 0), max=v.max if v.max is not None else None)
+        )
     per_leaf: dict[int, dict[int, Any]] = {}
     for s in b.slots:
         if s.dim is None or not isinstance(s.spec, Expr):
             continue
         spec = s.spec
+        lin = spec.linear()
         if isinstance(spec, IntVar):
             d: Any = dims[spec]
+        elif lin is None or lin[1] <= 0 or lin[0] in unnamed:
+            d = Dim.DYNAMIC
         else:
-            lin = spec.linear()
-            d = (dims[lin[0]] * lin[1] + lin[2]) if lin and lin[1] > 0 else Dim.DYNAMIC
+            d = dims[lin[0]] * lin[1] + lin[2]
         per_leaf.setdefault(s.leaf, {})[s.dim] = d
     # a scalar the spec makes dynamic: export takes ints as dynamic only through Dim.DYNAMIC
     # (named Dims are for sizes); its range and relations are prologue checks
@@ -289,6 +314,7 @@ def export_dynamic_shapes(b: Binding, args: Sequence[Any], kwargs: dict[str, Any
 def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
     """Inside tracing: ``torch._check`` every relation of the spec on the symbolic sizes."""
     env: dict[IntVar, Any] = {}
+    unnamed = _unnamed_variables(b)
     for s in b.slots:
         if isinstance(s.spec, IntVar):
             x = s.target(flat)
@@ -297,7 +323,7 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
                 torch._check(val == env[s.spec])
             else:
                 env[s.spec] = val
-                if s.dim is None:  # a dim's range is its Dim's; a scalar's is checked here
+                if s.dim is None or s.spec in unnamed:  # a named Dim's range is the Dim's
                     if s.spec.min is not None:
                         torch._check(val >= s.spec.min)
                     if s.spec.max is not None:
@@ -340,7 +366,8 @@ def export(
     """``torch.export.export`` that also accepts a :class:`ShapesSpec` (or ``@dynamic_spec``).
 
     A plain torch.export ``dynamic_shapes`` value (dict/tuple of Dims) is passed through. With a
-    spec, the program's inputs are named by the spec's variables and the assumptions become
+    spec, each variable becomes a named Dim (unless export cannot name it: see
+    :func:`_unnamed_variables`), and the assumptions and the relations Dims cannot state become
     runtime asserts in the graph.
     """
     kwargs = dict(kwargs or {})

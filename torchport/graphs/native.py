@@ -80,6 +80,13 @@ TP_INLINE float tp_tanhf(float x) {
     r = x != x ? x : r;
     return x < 0.0f ? -r : r;
 }
+/* a * b + c rounded twice, as an ATen build without FMA computes it: the empty asm hides the
+   product, which gcc would otherwise contract into an FMA. */
+TP_INLINE double tp_mul_add(double a, double b, double c) {
+    double p = a * b;
+    __asm__("" : "+m"(p));
+    return p + c;
+}
 """
 
 # GEMM support (the engine's entry point type is torchport.gemm.templates.GEMM_F32_ENTRY_TYPEDEF,

@@ -9,7 +9,9 @@ raises as ``IndexError`` naming the op (ATen raises there too; C would read out 
 Numerics (float32): ``_softmax`` subtracts the row max and uses the tier's ``exp`` polynomial
 (≤ 2 ulp); ``native_layer_norm`` computes mean and variance in two passes in float32 and writes
 ``mean``/``rstd`` as ATen does; ``gelu`` uses libm ``erff``/``tanhf``; ``argmax`` returns the first
-maximum, NaN counting as the maximum (ATen's rule).
+maximum, NaN counting as the maximum (ATen's rule). ``arange`` is bit-exact to ATen's CPU
+kernel: integers in int64, float32/float64 by :func:`arange_reference`'s position-dependent
+formula (for the running CPU capability and thread count).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["emit_model_op"]
+__all__ = ["arange_reference", "emit_model_op"]
 
 
 def _loops(shape: Sequence[int], names: Sequence[str]) -> str:
@@ -92,18 +94,117 @@ def _index_copy(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch
     )
 
 
+# ATen's CPU arange kernel (RangeFactoriesKernel.cpp) per CPU capability: (vector width in
+# bytes, whether the build fuses ``a * b + c`` into an FMA). Float values come from two formulas,
+# by position: a scalar tail and vector lanes (see :func:`arange_reference`).
+_ARANGE_VEC = {"AVX512": (64, True), "AVX2": (32, True), "DEFAULT": (32, False)}
+_ARANGE_GRAIN = 32768  # at::internal::GRAIN_SIZE: the parallel_for chunk that splits the range
+
+
+def _arange_chunks(n: int, threads: int) -> list[tuple[int, int]]:
+    """The ranges at::parallel_for (OpenMP) hands each thread: its own vector/tail split."""
+    if n <= _ARANGE_GRAIN or threads <= 1:
+        return [(0, n)]
+    tasks = min(threads, -(-n // _ARANGE_GRAIN))
+    size = -(-n // tasks)
+    return [(b, min(n, b + size)) for b in range(0, n, size)]
+
+
+def arange_reference(
+    start: float, step: float, n: int, dtype: torch.dtype, capability: str, threads: int
+) -> torch.Tensor:
+    """ATen's float arange, bit for bit, in exact arithmetic (for tests; slow).
+
+    Accumulation is in ``acc_type`` (double for float32/float64, float for bfloat16/float16).
+    Within each parallel chunk ``[b, e)``, blocks of two vectors of ``V`` elements take lane
+    ``j`` of the vector at ``k`` as ``out(acc(j * step + out(start + step * k)))`` (the base is
+    rounded to the output type first); the tail, fewer than ``2V`` elements, is
+    ``out(start + step * k)``. On AVX2/AVX512 builds each ``x * y + z`` is one FMA, except a
+    bfloat16/float16 lane: there ``j * step`` is an argument of ``operator+(BFloat16, float)``,
+    rounded to float before the add.
+    """
+    from fractions import Fraction
+
+    width, fused = _ARANGE_VEC[capability]
+    wide = dtype in (torch.float32, torch.float64)
+
+    def to(x: Fraction | float, dt: torch.dtype) -> float:
+        return _round_exact(Fraction(x), dt)
+
+    acc = torch.float64 if wide else torch.float32
+    s, st = to(start, acc), to(step, acc)
+
+    def mul_add(x: float, y: float, z: float, fma: bool = fused) -> float:
+        if fma:
+            return to(Fraction(x) * Fraction(y) + Fraction(z), acc)
+        return to(Fraction(to(Fraction(x) * Fraction(y), acc)) + Fraction(z), acc)
+
+    vec = width // torch.empty(0, dtype=dtype).element_size()
+    out = [0.0] * n
+    for b, e in _arange_chunks(n, threads):
+        blocks = (e - b) // (2 * vec) * (2 * vec)
+        for k in range(b, b + blocks, vec):
+            base = to(mul_add(st, to(k, acc), s), dtype)
+            for j in range(vec):
+                out[k + j] = to(mul_add(float(j), st, base, fused and wide), dtype)
+        for k in range(b + blocks, e):
+            out[k] = to(mul_add(st, to(k, acc), s), dtype)
+    return torch.tensor(out, dtype=torch.float64).to(dtype)
+
+
+def _round_exact(x: Any, dtype: torch.dtype) -> float:
+    """``x`` (a Fraction) rounded to ``dtype`` once, to nearest even (no double rounding)."""
+    bits, emin = {
+        torch.float64: (53, -1022),
+        torch.float32: (24, -126),
+        torch.bfloat16: (8, -126),
+        torch.float16: (11, -14),
+    }[dtype]
+    if x == 0:
+        return 0.0
+    mag, two = abs(x), type(x)(2)
+    e = mag.numerator.bit_length() - mag.denominator.bit_length()  # 2**e <= mag < 2**(e+1),
+    e += 1 if mag >= two ** (e + 1) else 0  # within one
+    e -= 1 if mag < two**e else 0
+    unit = two ** (max(e, emin) - bits + 1)
+    q, r = divmod(mag, unit)
+    q += 1 if 2 * r > unit or (2 * r == unit and q % 2) else 0
+    return float(q * unit) * (1 if x > 0 else -1)
+
+
 def _arange(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
     nums = [a for a in args if isinstance(a, (int, float))]
     start, step = (nums[0], nums[2] if len(nums) > 2 else 1) if len(nums) > 1 else (0, 1)
     ob, (n,), (os0,) = cg.ref(out)
     ct = cg.ctype(out.dtype)
-    if out.dtype.is_floating_point:
-        value = f"(double){start!r} + (double)i * {step!r}"
-    else:
+    if not out.dtype.is_floating_point:
         # ATen computes an integer arange in int64 from start and step truncated to integers
         # (in double, values past 2**53 collapsed: arange(2**60, 2**60 + 4) gave four equal ones).
         value = f"(int64_t){int(start)}LL + (int64_t){int(step)}LL * (int64_t)i"
-    cg.lines.append(f"  for (long i = 0; i < {n}; ++i) {ob}[i*{os0}] = ({ct})({value});")
+        cg.lines.append(f"  for (long i = 0; i < {n}; ++i) {ob}[i*{os0}] = ({ct})({value});")
+        return
+    # Float: ATen's formulas by position (arange_reference), so that each value is bit-exact;
+    # ``start + i * step`` in double differed by 1 ulp at some points. float32 accumulates in
+    # double; float64 in double; the tier has no bfloat16/float16 (they stay on ATen).
+    layout = _ARANGE_VEC.get(torch.backends.cpu.get_cpu_capability())
+    if layout is None or out.dtype not in (torch.float32, torch.float64):
+        raise cg.unsupported(f"arange {out.dtype} on {torch.backends.cpu.get_cpu_capability()}")
+    width, fused = layout
+    vec = width // out.element_size()
+    # Unfused: an empty asm on the product keeps gcc from contracting it into an FMA.
+    mad = "fma({a}, {b}, {c})" if fused else "tp_mul_add({a}, {b}, {c})"
+    s, st = f"{float(start)!r}", f"{float(step)!r}"
+    for b, e in _arange_chunks(n, torch.get_num_threads()):
+        blocks = (e - b) // (2 * vec) * (2 * vec)
+        lane = mad.format(a="(double)j", b=st, c=f"({ct})" + mad.format(a=st, b="(double)k", c=s))
+        tail = mad.format(a=st, b="(double)k", c=s)
+        cg.lines.append(
+            f"  for (long k = {b}; k < {b + blocks}; k += {vec}) for (long j = 0; j < {vec}; ++j) "
+            f"{ob}[(k+j)*{os0}] = ({ct})({lane});"
+        )
+        cg.lines.append(
+            f"  for (long k = {b + blocks}; k < {e}; ++k) {ob}[k*{os0}] = ({ct})({tail});"
+        )
 
 
 def _cat(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
