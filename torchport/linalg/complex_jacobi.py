@@ -27,6 +27,7 @@ a pair is rotated once more near convergence, which keeps kernel and reference t
   ‖w_j‖² − t|g|, ‖w_k‖² + t|g| are kept, the first recomputed when it is not > 0). S real
   descending; numerically null vectors (σ ≤ σ_max·p·eps) completed by complex Gram-Schmidt from
   the least represented unit vector; Vh = Vᴴ.
+  Graded input (as ``kernels``' ``svd_graded``) keeps one power-of-two scale per vector.
 
 Non-finite input stops that matrix; the launchers return 1 + the first such batch index, as the
 real ones do. ``tp_csvd1`` and ``tp_ceigh1`` run the same (non-inlined) workers on one matrix,
@@ -95,6 +96,53 @@ TP_INLINE void crot(T *x, T *y, int64_t n, T c, T sr, T si) {
     }
 }
 
+/* crot with the two coefficients apart, for vectors held in different scales (x 2^e_x,
+   y 2^e_y, d = e_y - e_x): x <- c x - (ar + i ai) y, y <- (br - i bi) x + c y, where
+   a = z 2^d and b = z 2^-d */
+TP_INLINE void crot2(T *x, T *y, int64_t n, T c, T ar, T ai, T br, T bi) {
+    for (int64_t i = 0; i < n; ++i) {
+        T xr = x[2 * i], xi = x[2 * i + 1], yr = y[2 * i], yi = y[2 * i + 1];
+        x[2 * i] = c * xr - (ar * yr - ai * yi); x[2 * i + 1] = c * xi - (ar * yi + ai * yr);
+        y[2 * i] = br * xr + bi * xi + c * yr; y[2 * i + 1] = br * xi - bi * xr + c * yi;
+    }
+}
+
+/* Graded input (see kernels.py's svd_graded, which this follows): vectors whose largest
+   |Re|, |Im| lies more than GRADED_BITS binary orders below the matrix's largest are held as
+   w 2^e with that largest part in [1, 2), rescaled after every rotation; beyond GRADED_D the
+   pair's rotation takes its first-order form. */
+#define GRADED_BITS ((int)(sizeof(T) == 4 ? 48 : 480))
+#define GRADED_D ((int)(sizeof(T) == 4 ? 32 : 256))
+
+TP_INLINE int csvd_graded_input(const T *a, int64_t m, int64_t n) {
+    const int trans = m < n;
+    const int64_t p = trans ? n : m, q = trans ? m : n;
+    T hi = 0, lo = (T)INFINITY;  /* the largest vector maximum, the smallest nonzero one */
+    for (int64_t j = 0; j < q; ++j) {
+        T mx = 0;
+        for (int64_t i = 0; i < p; ++i) {
+            const T *z = a + 2 * (trans ? j * n + i : i * n + j);
+            mx = TP_MAX(mx, TP_MAX(TFABS(z[0]), TFABS(z[1])));
+        }
+        hi = TP_MAX(hi, mx);
+        if (mx > 0) lo = TP_MIN(lo, mx);
+    }
+    return lo < (T)ldexp((double)hi, -GRADED_BITS);
+}
+
+/* Bring w's largest |Re|, |Im| into [1, 2) by a power of two (exact), adding it to *e; |w|^2. */
+TP_INLINE T crenorm(T *w, int64_t p, int *e) {
+    T mx = 0;
+    for (int64_t i = 0; i < 2 * p; ++i) mx = TP_MAX(mx, TFABS(w[i]));
+    if (mx == 0) return 0;
+    const int d = ilogb(mx);
+    if (d) {
+        for (int64_t i = 0; i < 2 * p; ++i) w[i] = (T)ldexp((double)w[i], -d);
+        *e += d;
+    }
+    return cnorm2(w, p);
+}
+
 /* the real Jacobi rotation of [[al, g], [g, be]] (kernels.py's rot_params) */
 TP_INLINE void rot_params(T al, T be, T g, T *tt, T *c, T *s) {
     T zeta = (be - al) / (2 * g), t;
@@ -149,9 +197,11 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
     const int trans = m < n;
     const int64_t p = trans ? n : m, q = trans ? m : n;
     if (!all_finite(a, 2 * m * n)) return 1;
+    /* one scale for the matrix, or (graded input) one per vector: ve[j] */
+    int *ve = csvd_graded_input(a, m, n) ? (int *)malloc(sizeof(int) * (q + 1)) : NULL;
     T amax = 0;
     for (int64_t i = 0; i < 2 * m * n; ++i) amax = TP_MAX(amax, TFABS(a[i]));
-    const int ex = TP_SCALE_EXP(amax);
+    const int ex = ve ? 0 : TP_SCALE_EXP(amax);
     const T fac = (T)ldexp(1.0, -ex);
     if (!trans) {
         for (int64_t i = 0; i < m; ++i)
@@ -167,8 +217,9 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
         for (int64_t j = 0; j < q; ++j) V[2 * (j * q + j)] = 1;
     }
     const T tol = EPS * TSQRT((T)p);
+    if (ve) for (int64_t j = 0; j < q; ++j) { ve[j] = 0; nrm[j] = crenorm(W + 2 * j * p, p, ve + j); }
     for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
-        for (int64_t j = 0; j < q; ++j) nrm[j] = cnorm2(W + 2 * j * p, p);
+        if (!ve) for (int64_t j = 0; j < q; ++j) nrm[j] = cnorm2(W + 2 * j * p, p);
         int64_t rotated = 0;
         for (int64_t j = 0; j < q; ++j)
             for (int64_t k = j + 1; k < q; ++k) {
@@ -183,6 +234,24 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
                 if (!(g > tol * TSQRT(al) * TSQRT(be))) continue;
                 ++rotated;
                 T tt, c, s;
+                if (ve) {  /* the pair in the scale 2^-(e_j + e_k): (al 2^-d, g; g, be 2^d) */
+                    const int d = ve[k] - ve[j];
+                    T sj, sk;
+                    if (d > GRADED_D) {
+                        c = 1; sj = g / be; sk = (T)ldexp((double)sj, -2 * d); s = (T)ldexp((double)sj, -d);
+                    } else if (d < -GRADED_D) {
+                        c = 1; sk = -g / al; sj = (T)ldexp((double)sk, 2 * d); s = (T)ldexp((double)sk, d);
+                    } else {
+                        rot_params((T)ldexp((double)al, -d), (T)ldexp((double)be, d), g, &tt, &c, &s);
+                        sj = (T)ldexp((double)s, d); sk = (T)ldexp((double)s, -d);
+                    }
+                    const T fr = gr / g, fi = -gi / g;  /* conj(g) / |g| */
+                    crot2(W + 2 * j * p, W + 2 * k * p, p, c, sj * fr, sj * fi, sk * fr, sk * fi);
+                    if (uv) crot(V + 2 * j * q, V + 2 * k * q, q, c, s * fr, s * fi);
+                    nrm[j] = crenorm(W + 2 * j * p, p, ve + j);
+                    nrm[k] = crenorm(W + 2 * k * p, p, ve + k);
+                    continue;
+                }
                 rot_params(al, be, g, &tt, &c, &s);
                 const T sr = s * gr / g, si = -s * gi / g;  /* s conj(g) / |g| */
                 crot(W + 2 * j * p, W + 2 * k * p, p, c, sr, si);
@@ -196,12 +265,15 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
         if (!rotated) break;
     }
     for (int64_t j = 0; j < q; ++j) { nrm[j] = TSQRT(cnorm2(W + 2 * j * p, p)); perm[j] = j; }
+#define SV_TRUE(j) (ve ? (T)ldexp((double)nrm[j], ve[j]) : nrm[j])
     for (int64_t j = 1; j < q; ++j) {  /* insertion sort, descending */
         int64_t x = perm[j], i = j;
-        while (i > 0 && nrm[perm[i - 1]] < nrm[x]) { perm[i] = perm[i - 1]; --i; }
+        while (i > 0 && SV_TRUE(perm[i - 1]) < SV_TRUE(x)) { perm[i] = perm[i - 1]; --i; }
         perm[i] = x;
     }
-    for (int64_t j = 0; j < q; ++j) S[j] = nrm[perm[j]];
+    for (int64_t j = 0; j < q; ++j) S[j] = SV_TRUE(perm[j]);
+#undef SV_TRUE
+    free(ve);
     if (uv) {
         const T thresh = (q > 0 ? S[0] : 0) * (T)p * EPS;
         int64_t r = 0;
@@ -209,7 +281,7 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
             T sg = S[r];
             if (!(sg > thresh) || sg == 0) break;
             const T *w = W + 2 * perm[r] * p;
-            T inv = (T)1 / sg;
+            T inv = (T)1 / nrm[perm[r]];  /* = 1 / sg for one scale */
             for (int64_t i = 0; i < 2 * p; ++i) Ub[2 * r * p + i] = w[i] * inv;
         }
         const int64_t want = full ? p : q;

@@ -16,6 +16,10 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   descending. Vectors whose σ ≤ σ_max·p·eps are numerically null: U (or Vh when m < n) is completed
   with Gram-Schmidt from the unit vector least represented in the basis so far, so it stays
   orthonormal for rank-deficient input and for ``full_matrices``.
+  A matrix whose vectors' largest entries span more than ``GRADED_BITS`` binary orders (one
+  power-of-two scale would underflow the small ones' squares) runs ``svd_graded``: the same
+  sweeps with each vector held in its own power-of-two scale, relatively accurate for
+  column-graded input; the lane kernels hand such a lane to it.
 - **eigh**: two-sided cyclic Jacobi on the full symmetric matrix; pair (p, q) is rotated while
   |a_pq| > eps·max(sqrt(|a_pp a_qq|), 0.1‖A‖_F). Eigenvalues ascending. For batches of at least
   two register widths ``tp_eigh_vec`` runs the same sweeps on VLN matrices at once, one per SIMD
@@ -179,18 +183,21 @@ TP_INLINE int all_finite(const T *a, int64_t n) {
     return ok;
 }
 
-/* Singular values from the converged vectors, sorted descending; U and Vh with completion. */
+/* Singular values from the converged vectors, sorted descending; U and Vh with completion.
+   vex: NULL, or vector j of W holds its true values times 2^-vex[j] (svd_graded). */
 TP_INLINE void svd_finish(const T *W, const T *V, T *nrm, int64_t *perm, T *Ub, T *S, T *U, T *Vh,
-                          int64_t m, int64_t n, int uv, int full) {
+                          int64_t m, int64_t n, int uv, int full, const int *vex) {
     const int trans = m < n;
     const int64_t p = trans ? n : m, q = trans ? m : n;
     for (int64_t j = 0; j < q; ++j) { nrm[j] = TSQRT(dotp(W + j * p, W + j * p, p)); perm[j] = j; }
+#define SV_TRUE(j) (vex ? (T)ldexp((double)nrm[j], vex[j]) : nrm[j])
     for (int64_t j = 1; j < q; ++j) {  /* insertion sort, descending */
         int64_t x = perm[j], i = j;
-        while (i > 0 && nrm[perm[i - 1]] < nrm[x]) { perm[i] = perm[i - 1]; --i; }
+        while (i > 0 && SV_TRUE(perm[i - 1]) < SV_TRUE(x)) { perm[i] = perm[i - 1]; --i; }
         perm[i] = x;
     }
-    for (int64_t j = 0; j < q; ++j) S[j] = nrm[perm[j]];
+    for (int64_t j = 0; j < q; ++j) S[j] = SV_TRUE(perm[j]);
+#undef SV_TRUE
     if (!uv) return;
     const T smax = q > 0 ? S[0] : 0, thresh = smax * (T)p * EPS;
     int64_t r = 0;
@@ -198,7 +205,7 @@ TP_INLINE void svd_finish(const T *W, const T *V, T *nrm, int64_t *perm, T *Ub, 
         T sg = S[r];
         if (!(sg > thresh) || sg == 0) break;
         const T *w = W + perm[r] * p;
-        T inv = (T)1 / sg;
+        T inv = (T)1 / nrm[perm[r]];  /* = 1 / sg without vex */
         for (int64_t i = 0; i < p; ++i) Ub[r * p + i] = w[i] * inv;
     }
     const int64_t want = full ? p : q;
@@ -212,6 +219,107 @@ TP_INLINE void svd_finish(const T *W, const T *V, T *nrm, int64_t *perm, T *Ub, 
     }
 }
 
+/* ---------------------------------------------------------------- SVD of graded input
+   The sweeps below scale a matrix by one power of two and form squared norms and inner products
+   of its vectors in that scale, so a vector far below the largest (diag(1e170, 1): 2^-565 after
+   scaling, its square 2^-1130) underflows, and its singular value with it. Such input runs
+   svd_graded instead: the same one-sided Jacobi (cyclic order), each vector held as w_j 2^e_j
+   with its largest entry in [1, 2) (rescaled after every rotation), so its squared norm and its
+   inner products are formed in range whatever the grading, and a rotation of vectors j, k takes
+   its coefficients in their two scales (d = e_k - e_j): w_j <- c w_j - s 2^d w_k,
+   w_k <- s 2^-d w_j + c w_k. The threshold |w_j.w_k| <= tol |w_j| |w_k| is scale-free, so
+   column-graded matrices keep one-sided Jacobi's high relative accuracy (Demmel-Veselic). */
+
+/* Vectors (columns of A, or rows when m < n) whose largest entry lies more than this many
+   binary orders below the matrix's largest run svd_graded: above it the one-scale sweeps' squares
+   keep 2^-96 (float32) / 2^-960 (float64), still normal with a margin. */
+#define GRADED_BITS ((int)(sizeof(T) == 4 ? 48 : 480))
+/* Beyond this exponent difference of a pair the rotation is taken from its first-order form
+   (t = g / (beta - alpha) with the smaller term dropped, c = 1): exact to rounding there, and the
+   direct form's zeta could overflow. */
+#define GRADED_D ((int)(sizeof(T) == 4 ? 32 : 256))
+
+/* Whether a (finite) matrix is graded so; *amax = its largest |entry| (the one-scale paths'). */
+TP_INLINE int svd_graded_input(const T *a, int64_t m, int64_t n, T *amax) {
+    const int trans = m < n;
+    const int64_t p = trans ? n : m, q = trans ? m : n;
+    T hi = 0, lo = (T)INFINITY;  /* the largest vector maximum, the smallest nonzero one */
+    for (int64_t j = 0; j < q; ++j) {
+        T mx = 0;
+        for (int64_t i = 0; i < p; ++i) mx = TP_MAX(mx, TFABS(trans ? a[j * n + i] : a[i * n + j]));
+        hi = TP_MAX(hi, mx);
+        if (mx > 0) lo = TP_MIN(lo, mx);
+    }
+    *amax = hi;
+    return lo < (T)ldexp((double)hi, -GRADED_BITS);
+}
+
+/* Bring w's largest entry into [1, 2) by a power of two (exact), adding it to *e; w.w after. */
+TP_INLINE T graded_renorm(T *w, int64_t p, int *e) {
+    T mx = 0;
+    for (int64_t i = 0; i < p; ++i) mx = TP_MAX(mx, TFABS(w[i]));
+    if (mx == 0) return 0;
+    const int d = ilogb(mx);
+    if (d) {
+        for (int64_t i = 0; i < p; ++i) w[i] = (T)ldexp((double)w[i], -d);
+        *e += d;
+    }
+    return dotp(w, w, p);
+}
+
+/* The SVD of one (finite) matrix by the per-vector scaled sweeps above; scratch of its own (the
+   path is rare). Returns 0. */
+static int svd_graded(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int uv, int full) {
+    const int trans = m < n;
+    const int64_t p = trans ? n : m, q = trans ? m : n;
+    T *W = (T *)malloc(sizeof(T) * (p * q + q * q + p * p + q + 4));
+    T *V = W + p * q, *Ub = V + q * q, *nrm = Ub + p * p;
+    int *ve = (int *)malloc(sizeof(int) * (q + 1));
+    int64_t *perm = (int64_t *)malloc(sizeof(int64_t) * (q + 1));
+    if (!trans) { for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) W[j * p + i] = a[i * n + j]; }
+    else memcpy(W, a, sizeof(T) * m * n);
+    if (uv) { for (int64_t j = 0; j < q * q; ++j) V[j] = 0; for (int64_t j = 0; j < q; ++j) V[j * q + j] = 1; }
+    for (int64_t j = 0; j < q; ++j) { ve[j] = 0; nrm[j] = graded_renorm(W + j * p, p, ve + j); }
+    const T tol = EPS * TSQRT((T)p);
+    for (int sweep = 0; sweep < MAX_SWEEPS; ++sweep) {
+        int64_t rotated = 0;
+        for (int64_t j = 0; j < q; ++j)
+            for (int64_t k = j + 1; k < q; ++k) {
+                T al = nrm[j], be = nrm[k];
+                if (al == 0 || be == 0) continue;
+                T *wj = W + j * p, *wk = W + k * p;
+                T g = dotp(wj, wk, p);
+                if (TFABS(g) <= tol * TSQRT(al) * TSQRT(be)) continue;
+                ++rotated;
+                /* in the scale 2^-(e_j + e_k) the pair's Gram matrix is
+                   (al 2^-d, g; g, be 2^d): the same angle as in true values */
+                const int d = ve[k] - ve[j];
+                T c = 1, s, sj, sk;
+                if (d > GRADED_D) {  /* w_k dominates: t = g / beta */
+                    sj = g / be; sk = (T)ldexp((double)sj, -2 * d); s = (T)ldexp((double)sj, -d);
+                } else if (d < -GRADED_D) {  /* w_j dominates: t = -g / alpha */
+                    sk = -g / al; sj = (T)ldexp((double)sk, 2 * d); s = (T)ldexp((double)sk, d);
+                } else {
+                    T tt;
+                    rot_params((T)ldexp((double)al, -d), (T)ldexp((double)be, d), g, &tt, &c, &s);
+                    sj = (T)ldexp((double)s, d); sk = (T)ldexp((double)s, -d);
+                }
+                for (int64_t i = 0; i < p; ++i) {
+                    T x = wj[i], y = wk[i];
+                    wj[i] = c * x - sj * y;
+                    wk[i] = sk * x + c * y;
+                }
+                if (uv) rot(V + j * q, V + k * q, q, c, s);
+                nrm[j] = graded_renorm(wj, p, ve + j);
+                nrm[k] = graded_renorm(wk, p, ve + k);
+            }
+        if (!rotated) break;
+    }
+    svd_finish(W, V, nrm, perm, Ub, S, U, Vh, m, n, uv, full, ve);
+    free(W); free(ve); free(perm);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- SVD (one-sided Jacobi) */
 typedef struct { T *W, *Ub, *V, *nrm, *cs; int64_t *perm; int32_t *pairs; int64_t npairs, round; } svd_scratch;
 
@@ -221,11 +329,11 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
     const int64_t p = trans ? n : m, q = trans ? m : n;
     T *W = sc->W, *V = sc->V, *nrm = sc->nrm;
     if (!all_finite(a, m * n)) return 1;
+    T amax;
+    if (svd_graded_input(a, m, n, &amax)) return svd_graded(a, S, U, Vh, m, n, uv, full);
     /* scaled by the power of two that brings the largest entry into [1, 2) (exact; the singular
        values are scaled back at the end): the column norms are sums of squares, which underflow
        to zero for a small matrix (fp32 entries below ~1e-19) and overflow for a large one */
-    T amax = 0;
-    for (int64_t i = 0; i < m * n; ++i) amax = TP_MAX(amax, TFABS(a[i]));
     const int ex = TP_SCALE_EXP(amax);
     const T fac = (T)ldexp(1.0, -ex);
     if (!trans) { for (int64_t i = 0; i < m; ++i) for (int64_t j = 0; j < n; ++j) W[j * p + i] = a[i * n + j] * fac; }
@@ -280,7 +388,7 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
         }
         if (!rotated) break;
     }
-    svd_finish(W, V, nrm, sc->perm, sc->Ub, S, U, Vh, m, n, uv, full);
+    svd_finish(W, V, nrm, sc->perm, sc->Ub, S, U, Vh, m, n, uv, full, NULL);
     for (int64_t j = 0; j < q; ++j) S[j] = (T)ldexp((double)S[j], ex);
     return 0;
 }
@@ -791,20 +899,21 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(a + l * m * n, m * n)) return (int)l + 1;
     /* each lane scaled by the power of two that brings its largest entry into [1, 2), as in
        svd_one (exact; the singular values scaled back at the end): unscaled, the column sums of
-       squares overflowed to inf for large entries and underflowed for small ones */
-    int ex[VLN];
+       squares overflowed to inf for large entries and underflowed for small ones. A graded lane
+       (svd_graded_input) sweeps as zeros, as the padding lanes, and is solved by svd_graded. */
+    int ex[VLN], gr[VLN];
     VT fac = one;
     for (int64_t l = 0; l < VLN; ++l) {
         T mx = 0;
-        if (l < cnt)
-            for (int64_t i = 0; i < m * n; ++i) mx = TP_MAX(mx, TFABS(a[l * m * n + i]));
+        gr[l] = l < cnt && svd_graded_input(a + l * m * n, m, n, &mx);
+        if (gr[l]) mx = 0;
         ex[l] = TP_SCALE_EXP(mx);
         fac[l] = (T)ldexp(1.0, -ex[l]);
     }
     for (int64_t i = 0; i < m; ++i)
         for (int64_t j = 0; j < n; ++j) {
             VT x = zero;
-            for (int64_t l = 0; l < cnt; ++l) x[l] = a[l * m * n + i * n + j];
+            for (int64_t l = 0; l < cnt; ++l) if (!gr[l]) x[l] = a[l * m * n + i * n + j];
             x *= fac;
             if (!trans) W[j * p + i] = x; else W[i * p + j] = x;
         }
@@ -868,9 +977,13 @@ TP_INLINE int svd_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, int
     }
     const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
     for (int64_t l = 0; l < cnt; ++l) {
+        if (gr[l]) {
+            svd_graded(a + l * m * n, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full);
+            continue;
+        }
         for (int64_t i = 0; i < q * p; ++i) Ws[i] = W[i][l];
         if (uv) for (int64_t i = 0; i < q * q; ++i) Vs[i] = V[i][l];
-        svd_finish(Ws, Vs, nrm, perm, Ub, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full);
+        svd_finish(Ws, Vs, nrm, perm, Ub, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full, NULL);
         for (int64_t j = 0; j < k; ++j) S[l * k + j] = (T)ldexp((double)S[l * k + j], ex[l]);
     }
     return 0;

@@ -399,19 +399,21 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
     const int64_t p = trans ? n : m, q = trans ? m : n, k = q;
     const VT zero = {0}, one = zero + 1;
     for (int64_t l = 0; l < cnt; ++l) if (!all_finite(a + l * m * n, m * n)) return (int)l + 1;
-    int ex[VLN];
+    int ex[VLN], gr[VLN];
     VT sc = one;
     for (int64_t l = 0; l < cnt; ++l) {
-        T x = 0;
-        for (int64_t i = 0; i < m * n; ++i) x = TP_MAX(x, TFABS(a[l * m * n + i]));
+        T x;
+        gr[l] = svd_graded_input(a + l * m * n, m, n, &x);
+        if (gr[l]) x = 0;
         ex[l] = TP_SCALE_EXP(x);
         sc[l] = ${ldexp}((T)1, -ex[l]);
     }
-    /* lanes past cnt hold the identity (converged at once, well conditioned) */
+    /* lanes past cnt, and graded lanes (svd_graded_input: solved by svd_graded after the
+       sweeps), hold the identity (converged at once, well conditioned) */
     for (int64_t i = 0; i < m; ++i)
         for (int64_t j = 0; j < n; ++j) {
             VT x = zero + (i == j ? (T)1 : (T)0);
-            for (int64_t l = 0; l < cnt; ++l) x[l] = a[l * m * n + i * n + j];
+            for (int64_t l = 0; l < cnt; ++l) if (!gr[l]) x[l] = a[l * m * n + i * n + j];
             if (!trans) W[j * p + i] = x * sc; else W[i * p + j] = x * sc;
         }
     if (uv) memcpy(X0, W, sizeof(VT) * p * q);
@@ -425,6 +427,10 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
     }
     const int64_t usz = uv ? m * (full ? m : k) : 0, vsz = uv ? n * (full ? n : k) : 0;
     for (int64_t l = 0; l < cnt; ++l) {
+        if (gr[l]) {
+            svd_graded(a + l * m * n, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full);
+            continue;
+        }
         if (fast)  /* W's columns in the lane's order of V's rows */
             for (int64_t j = 0; j < q; ++j) {
                 const VT *w = W + lperm[l * q + j] * p;
@@ -433,7 +439,7 @@ TP_INLINE int svdl_vec(const T *a, T *S, T *U, T *Vh, int64_t cnt, int64_t m, in
         else
             for (int64_t i = 0; i < q * p; ++i) Ws[i] = W[i][l];
         if (uv) for (int64_t i = 0; i < q * q; ++i) Vs[i] = V[i][l];
-        svd_finish(Ws, Vs, nrm, perm, Ub, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full);
+        svd_finish(Ws, Vs, nrm, perm, Ub, S + l * k, U + l * usz, Vh + l * vsz, m, n, uv, full, NULL);
         for (int64_t i = 0; i < k; ++i) S[l * k + i] = ${ldexp}(S[l * k + i], ex[l]);
     }
     return 0;
