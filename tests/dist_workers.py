@@ -1807,7 +1807,28 @@ def two_groups_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def avg_half_case(rank: int, world: int) -> list[str]:
+    """ReduceOp.AVG of float16 values whose sum overflows float16 but whose mean fits: the sum
+    was taken first (inf); it premultiplies by 1 / world_size now, as NCCL does."""
+    bad = []
+    x = torch.full((5,), 40000.0, dtype=torch.float16)
+    t = x.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    if not t.eq(40000.0).all():
+        bad.append(f"all_reduce {t.tolist()}")
+    t = x.clone()
+    dist.reduce(t, dst=0, op=dist.ReduceOp.AVG)
+    if rank == 0 and not t.eq(40000.0).all():
+        bad.append(f"reduce {t.tolist()}")
+    out = torch.empty(5, dtype=torch.float16)
+    dist.reduce_scatter_tensor(out, x.repeat(world), op=dist.ReduceOp.AVG)
+    if not out.eq(40000.0).all():
+        bad.append(f"reduce_scatter_tensor {out.tolist()}")
+    return bad
+
+
 SCENARIOS = {
+    "avg_half": avg_half_case,
     "contract": contract_case,
     "two_groups": two_groups_case,
     "fsdp2": fsdp2_losses,

@@ -71,6 +71,7 @@ PLANS = {
         {},
         [
             ("grid", (BLOCKED[3],)),
+            ("avg_half", ()),
             ("p2p", ()),
             ("contract", ()),
             ("split_again", ()),
@@ -91,6 +92,7 @@ PLANS = {
             ("grid", ([0, 4099],)),
             ("grid_mailbox", ([4099],)),
             ("two_groups", ()),
+            ("avg_half", ()),
             ("destroy_in_flight", ()),
             ("destroy_flushes", ()),
             ("recreate", ()),
@@ -561,6 +563,12 @@ def test_a_split_after_one_that_left_a_rank_out(plan):
     assert [r["first"] for r in res] == [2, 2, None]
     assert [(r["size"], r["sum"]) for r in res] == [(2, 2.0), (1, 1.0), (2, 2.0)]
     assert all(r["elapsed"] < 10.0 for r in res), res
+
+
+@pytest.mark.timeout(110)
+@pytest.mark.parametrize("plan", ["shm3", "tcp2"])
+def test_float16_avg_does_not_overflow_where_the_mean_fits(plan):
+    assert [r["avg_half"] for r in results(plan)] == [[]] * PLANS[plan][0]
 
 
 @pytest.mark.timeout(110)

@@ -284,6 +284,8 @@ def allreduce_reference(
     tensors: Sequence[torch.Tensor], op: str, factor: float = 1.0
 ) -> torch.Tensor:
     """What every rank holds after ``all_reduce`` of ``tensors[q]`` on rank q."""
+    if op == "AVG" and tensors and tensors[0].dtype == torch.float16:  # (PREMUL_AVG_DTYPES)
+        return fold_reference([t * (1.0 / len(tensors)) for t in tensors], "SUM")
     if op == "AVG":
         return fold_reference(tensors, "SUM").div_(len(tensors))
     if op == "PREMUL_SUM":

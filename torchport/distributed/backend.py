@@ -7,7 +7,8 @@ Every collective validates its arguments on the caller's thread (typed
 :class:`CollectiveArgumentError` naming the requirement and the value), then hands a closure to
 the communicator's progress engine and returns a :class:`TorchportWork` at once. Non-contiguous
 tensors are staged through contiguous copies and written back on the engine thread. Reduce ops:
-SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR natively; AVG = SUM then divide (floating/complex only);
+SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR natively; AVG = SUM then divide (floating/complex only;
+float16 premultiplies by 1 / world_size, as NCCL: its sum overflowed where the mean fits);
 PREMUL_SUM = scale a copy by its factor, then SUM.
 """
 
@@ -24,6 +25,7 @@ from torchport.distributed import algorithms as alg
 from torchport.distributed.backend_args import (
     _NATIVE_RED,
     _apart_from,
+    _avg_premul,
     _check_alltoall,
     _check_blocks,
     _check_no_self_overlap,
@@ -142,6 +144,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "allreduce")
         name, factor, code = _red_for(op, t.dtype, "allreduce")
         comm, dc = self.comm, dtype_code(t.dtype)
+        name, factor = _avg_premul(name, factor, t.dtype, comm.world)
         if name in _NATIVE_RED and t.is_contiguous():  # in place: nothing to stage or scale
             return self._submit(
                 "allreduce", opts, lambda deadline: alg.allreduce(comm, t, dc, code, deadline), [t]
@@ -177,10 +180,11 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 flat = (
                     torch.cat([ts[i].reshape(-1) for i in idx]) if idx else torch.empty(0, dtype=dt)
                 )
-                if name == "PREMUL_SUM":
-                    flat.mul_(factor)
+                how, by = _avg_premul(name, factor, dt, comm.world)
+                if how == "PREMUL_SUM":
+                    flat.mul_(by)
                 alg.allreduce(comm, flat, dtype_code(dt), codes[idx[0]], deadline)
-                if name == "AVG":
+                if how == "AVG":
                     flat.div_(comm.world)
                 off = 0
                 for i in idx:
@@ -197,6 +201,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         name, factor = _red_name(opts.reduceOp)
         code = _check_red(name, t.dtype, "reduce")
         s, comm, dc = _Staged(t), self.comm, dtype_code(t.dtype)
+        name, factor = _avg_premul(name, factor, t.dtype, comm.world)
         mine = comm.rank == root
 
         def run(deadline: float) -> None:
@@ -260,6 +265,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         name, factor = _red_name(opts.reduceOp)
         code = _check_red(name, out.dtype, "reduce_scatter")
         s, comm, dc = _Staged(out), self.comm, dtype_code(out.dtype)
+        name, factor = _avg_premul(name, factor, out.dtype, comm.world)
 
         def run(deadline: float) -> None:
             if inp is not None:  # one flat input: rank q's block starts q * block bytes in

@@ -36,6 +36,21 @@ def _red_name(op: Any) -> tuple[str, float]:
     return name, factor
 
 
+# ReduceOp.AVG on these dtypes premultiplies by 1 / world_size, as NCCL averages floating-point
+# types, instead of dividing the sum: a float16 sum overflowed to inf where the mean fits (40000.0
+# on two ranks gave inf). The others keep sum-then-divide (one rounding fewer; no such overflow
+# short of float32's range).
+PREMUL_AVG_DTYPES = (torch.float16,)
+
+
+def _avg_premul(name: str, factor: float, dtype: torch.dtype, world: int) -> tuple[str, float]:
+    """(name, factor) to run ``name`` with: AVG on :data:`PREMUL_AVG_DTYPES` as PREMUL_SUM by
+    1 / ``world`` (every rank alike: the wire's op code stays AVG's)."""
+    if name == "AVG" and dtype in PREMUL_AVG_DTYPES:
+        return "PREMUL_SUM", 1.0 / world
+    return name, factor
+
+
 def _check_red(name: str, dtype: torch.dtype, where: str) -> int:
     """Native op code for ``name`` on ``dtype`` or a typed error."""
     if dtype_code(dtype) >= NATIVE_CODES:
