@@ -23,7 +23,7 @@ from torchport.linalg import complex_jacobi, kernels, one
 
 SPAN = {torch.float32: 30, torch.float64: 150, torch.complex64: 30, torch.complex128: 150}
 DTYPES = list(SPAN)
-SIZES = [2, 3, 8, 33]
+SIZES = [2, 8, 33]
 
 
 def graded(
