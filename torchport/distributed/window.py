@@ -39,7 +39,9 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import math
 import mmap
+import numbers
 import operator
 import os
 import secrets
@@ -383,13 +385,9 @@ class Window:
             raise WindowError(f"{what} failed on rank(s) {failed} (their error says why)")
 
     def _abandon(self) -> None:
-        """Release everything a window that failed to come up holds (``close()`` and its
-        mappings; local, no collective): it is never returned, so nobody closes it."""
+        """Release everything a window that failed to come up holds (``close()``; local, no
+        collective): it is never returned, so nobody closes it."""
         self.close()
-        for m in self._maps:
-            with contextlib.suppress(BufferError):  # (a view still held: freed with it)
-                m.close()
-        self._maps = []
 
     def _group_secret(self) -> bytes:
         """32 random bytes drawn by rank 0, shared over the group's collectives."""
@@ -410,17 +408,12 @@ class Window:
         self._check_members("tensor_register")
         if self._local is not None:
             raise WindowError("a tensor is already registered; call tensor_deregister first")
-        problem = None
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            problem = f"tensor_register needs a CPU tensor, got {type(tensor).__name__}"
-        elif tensor.layout != torch.strided or tensor.is_nested:
-            # (a sparse or mkldnn tensor passed, and copy_ into the window failed after the
-            # exchange on that rank alone: the others waited in a barrier for the timeout)
-            kind = "nested" if tensor.is_nested else str(tensor.layout)
-            problem = f"tensor_register needs a dense (strided) tensor, got layout {kind}"
-        elif tensor.dtype not in _DTYPE_LIST:
+        # (a sparse or mkldnn tensor passed, and copy_ into the window failed after the
+        # exchange on that rank alone: the others waited in a barrier for the timeout)
+        problem = self._not_dense_cpu(tensor, "tensor_register")
+        if problem is None and tensor.dtype not in _DTYPE_LIST:
             problem = f"unsupported window dtype {tensor.dtype}"
-        elif tensor.dim() > 8:
+        elif problem is None and tensor.dim() > 8:
             problem = f"window tensors may have at most 8 dims, got {tensor.dim()}"
         name = f"{self._name}-d{self._regs + 1}-{self.rank}"
         own: tuple[mmap.mmap, int] | None = None
@@ -524,12 +517,30 @@ class Window:
                 m.close()
 
     @staticmethod
+    def _not_dense_cpu(tensor: Any, what: str) -> str | None:
+        """Why ``tensor`` cannot be window data for ``what`` (a registration, a put's source),
+        or None for a dense (strided) CPU tensor."""
+        if not isinstance(tensor, torch.Tensor):
+            return f"{what} needs a CPU tensor, got {type(tensor).__name__}"
+        if tensor.device.type != "cpu":
+            return f"{what} needs a CPU tensor, got a tensor on device {tensor.device}"
+        if tensor.layout != torch.strided or tensor.is_nested:
+            kind = "nested" if tensor.is_nested else str(tensor.layout)
+            return f"{what} needs a dense (strided) tensor, got layout {kind}"
+        return None
+
+    @staticmethod
     def _view_of(m: mmap.mmap, dt: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """The first ``prod(shape)`` elements of ``m`` as a ``dt`` tensor of ``shape``."""
+        """The first ``prod(shape)`` elements of ``m`` as a ``dt`` tensor of ``shape``.
+
+        Through a memoryview, which holds an export of ``m`` for as long as any tensor viewing
+        it lives: ``m.close()`` then raises BufferError rather than unmapping memory a tensor
+        still reads (``torch.frombuffer(m)`` holds none, so closing ``m`` under a held view
+        made the view fault)."""
         n = int(np.prod(shape)) if shape else 1
         if n == 0:
             return torch.empty(shape, dtype=dt)
-        flat = torch.frombuffer(m, dtype=torch.uint8, count=n * dt.itemsize)
+        flat = torch.frombuffer(memoryview(m), dtype=torch.uint8, count=n * dt.itemsize)
         return flat.view(dt).view(shape)
 
     def _view(self, m: mmap.mmap, r: int) -> torch.Tensor:
@@ -675,10 +686,22 @@ class Window:
         # the data only: a source that requires grad made the shared-memory copy_/add_ record
         # into window memory (``local`` then required grad, and each put grew its graph), and a
         # forward-mode dual (requires_grad False) gave it a tangent: always detached (1-2 us)
+        problem = self._not_dense_cpu(tensor, op)
+        if problem is not None:  # (a sparse, meta or nested tensor, a list: untyped errors)
+            raise WindowError(problem)
         src = tensor.detach().reshape(-1)
         dst, off, _ = self._target(dst, tensor.dtype, off, src.numel(), op)
         if self.transport != "shm":
-            data = src.clone() if async_op else src  # async: the caller may reuse its tensor
+            # the values as plain contiguous memory before any byte is sent: a conjugate or
+            # negative view (contiguous() and clone() keep the bit) could not be viewed as
+            # bytes, and failed after the request's header had gone out. Written conjugated
+            # (negated), as shared memory's copy_/add_ do
+            data = src.resolve_conj().resolve_neg().contiguous()
+            if (
+                async_op
+                and data.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+            ):
+                data = data.clone()  # the caller may reuse its tensor before the request runs
             msg = {"t": wire, "off": off, "n": src.numel()}
             return self._issue(dst, lambda: self._rpc(dst, msg, data), async_op)
         tgt = self._remote[dst]
@@ -771,8 +794,19 @@ class Window:
         return self._done() if async_op else None
 
     def wait_signal(self, src_rank: int, timeout: float = 30.0) -> None:
-        """Wait for (and consume) one signal from ``src_rank``."""
+        """Wait for (and consume) one signal from ``src_rank``; ``timeout``: seconds, a finite
+        number >= 0 (:class:`WindowError` when it passes)."""
         src_rank = self._rank(src_rank, "wait_signal")
+        # (NaN waited forever: no time is past a NaN deadline; None or a string raised TypeError)
+        if (
+            not isinstance(timeout, numbers.Real)
+            or isinstance(timeout, bool | np.bool_)
+            or not math.isfinite(timeout)
+            or timeout < 0
+        ):
+            raise WindowError(
+                f"wait_signal: timeout must be a finite number of seconds >= 0, got {timeout!r}"
+            )
         want = self._consumed[src_rank] + 1
         deadline = time.monotonic() + timeout
         spins = 0
@@ -843,6 +877,11 @@ class Window:
         payload: torch.Tensor | None,
         out: torch.Tensor | None = None,
     ) -> None:
+        # the payload's bytes before anything is sent (a source that cannot be viewed as bytes
+        # raised between the header and the payload: see the last except clause)
+        body = (
+            _bytes_view(payload.contiguous()) if payload is not None and payload.numel() else None
+        )
         with self._sock_locks[r]:
             # one deadline for the whole request (connect, send, reply): a timeout on each
             # send/recv let a peer trickling bytes stretch a request without bound
@@ -856,12 +895,12 @@ class Window:
                     self._socks[r] = sock
                     send_msg(sock, {"t": "hello", "src": self.rank}, deadline)
                 send_msg(sock, msg, deadline)
-                if payload is not None and payload.numel():
+                if body is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError("timed out before sending the payload")
                     sock.settimeout(left)  # (sendall: bounds the whole send)
-                    sock.sendall(_bytes_view(payload.contiguous()))
+                    sock.sendall(body)
                 reply = recv_msg(sock, deadline=deadline)
                 if reply.get("t") != "ok":
                     raise WindowError(f"rank {r} refused {msg['t']}: {reply.get('error')}")
@@ -889,6 +928,16 @@ class Window:
                 if isinstance(e, WindowError):
                     raise
                 raise CommError(f"window {msg['t']} on rank {r} failed: {e}") from None
+            except BaseException:
+                # anything else (an interrupt inside sendall, an error of this process) may
+                # have left a request half sent: the connection was kept, and the target read
+                # the next request's header as this one's payload (garbage written, and the
+                # next put took the stale "ok" for its own). Dropped: the server, seeing the
+                # stream end inside a request, writes nothing
+                self._socks.pop(r, None)
+                if sock is not None:
+                    sock.close()
+                raise
 
     def _serve(self, conn: socket.socket) -> None:
         hello = recv_msg(conn)
@@ -926,8 +975,12 @@ class Window:
                 send_msg(conn, {"t": "error", "error": f"unknown request {kind!r}"})
 
     def close(self) -> None:
-        """Release the mappings and the server (call after a fence); later window operations
-        raise :class:`WindowError`."""
+        """Release the mappings, descriptors and the server (call after a fence); later window
+        operations raise :class:`WindowError`.
+
+        A mapping that a tensor the caller still holds views (``local``, a
+        ``map_remote_tensor`` view) stays until the last such tensor is freed, and keeps its
+        values (every mapping and descriptor stayed until the window was collected)."""
         self._closed = True
         for q in self._queues.values():
             q.shutdown(wait=True)
@@ -948,6 +1001,12 @@ class Window:
             self._maps.append(m)
             os.close(fd)
         self._data = []
+        for m in [*self._maps, *self._retired]:
+            # (BufferError: a tensor or array still views it; unmapped when the last one goes,
+            # see _view_of; it closes its own descriptor then)
+            with contextlib.suppress(BufferError):
+                m.close()
+        self._maps, self._retired = [], []
 
 
 def _new_window(
