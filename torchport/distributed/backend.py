@@ -144,11 +144,11 @@ class TorchportProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "allreduce")
         name, factor, code = _red_for(op, t.dtype, "allreduce")
         comm, dc = self.comm, dtype_code(t.dtype)
-        name, factor = _avg_premul(name, factor, t.dtype, comm.world)
         if name in _NATIVE_RED and t.is_contiguous():  # in place: nothing to stage or scale
             return self._submit(
                 "allreduce", opts, lambda deadline: alg.allreduce(comm, t, dc, code, deadline), [t]
             )
+        name, factor = _avg_premul(name, factor, t.dtype, comm.world)
         s = _Staged(t)
 
         def run(deadline: float) -> None:
