@@ -149,16 +149,32 @@ def split_group(
     parent_pg: Any = None,
     split_ranks: Sequence[Sequence[int]] | None = None,
     timeout: datetime.timedelta | None = None,
+    pg_options: Any | None = None,
     group_desc: str | None = None,
+    backend: str | None = None,
 ) -> TorchportProcessGroup | None:
     """Eagerly create this rank's sub-communicator among ``split_ranks``.
 
-    As in torch, ``split_ranks`` holds ranks *of the parent group* (group ranks, not global
-    ranks; the same thing for the default group). Called by every rank of the parent with the
-    same ``split_ranks``; each rank gets the group that contains it (or None), built at once on
-    the parent's connections. Ranks inside a group are ordered by global rank, so they are
-    deterministic.
+    torch's signature. As in torch, ``split_ranks`` holds ranks *of the parent group* (group
+    ranks, not global ranks; the same thing for the default group). Called by every rank of the
+    parent with the same ``split_ranks``; each rank gets the group that contains it (or None),
+    built at once on the parent's connections. Ranks inside a group are ordered by their rank in
+    the parent, as in torch (by global rank too unless the parent came from
+    ``new_group(..., sort_ranks=False)``). The backend has no options: ``pg_options`` must be
+    None (torch then copies the parent's); ``backend``, which in torch picks some of the
+    parent's per-device backends, must be None or the parent's (``"torchport"`` or
+    ``"cpu:torchport"``).
     """
+    if pg_options is not None:
+        raise CollectiveArgumentError(
+            f"split_group: the torchport backend takes no pg_options (it has none to set), "
+            f"so pg_options must be None; got {pg_options!r}"
+        )
+    if backend is not None and str(backend).lower() not in (BACKEND_NAME, f"cpu:{BACKEND_NAME}"):
+        raise CollectiveArgumentError(
+            f"split_group: backend must be the parent group's, {BACKEND_NAME!r} (or "
+            f"'cpu:{BACKEND_NAME}'), or None; got {backend!r}"
+        )
     parent = _pg(parent_pg)
     if not split_ranks:
         raise CollectiveArgumentError(
@@ -187,7 +203,9 @@ def split_group(
                 f"split_group: groups overlap on ranks {sorted(seen & set(ranks))}"
             )
         seen |= set(ranks)
-    mine = next((sorted(to_global[r] for r in g) for g in groups if me in g), None)
+    # the members' global ranks in the order of their parent ranks (torch's order: sorted
+    # global ranks made another rank the split's rank 0 under a sort_ranks=False parent)
+    mine = next(([to_global[r] for r in sorted(g)] for g in groups if me in g), None)
     # this split's name: the parent's, its count of splits (groups.next_split, advanced by every
     # rank of the parent on every call) and the ranks, which every member computes alike
     pid = (parent.comm.name, parent.comm.group_id)
@@ -204,6 +222,7 @@ def split_group(
             backend=BACKEND_NAME,
             use_local_synchronization=True,
             group_desc=group_desc,
+            sort_ranks=False,  # (mine is in the order of the parent's ranks)
         )
     finally:
         _SPLIT.pending = None

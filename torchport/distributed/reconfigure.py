@@ -509,6 +509,8 @@ class ReconfigurableGroup:
             raise ReconfigureError("reconfigure rejected: " + "; ".join(sorted(problems)))
         self.phases = {"validate_s": time.perf_counter() - t0}
         rank, size = order.index(mine), len(order)
+        with self._lock:  # the kept membership's watch, resumed if the formation fails
+            kept = (self._generation, dict(self._watched))
         self._stop_watch()
         old = self.pg
         try:
@@ -537,6 +539,9 @@ class ReconfigurableGroup:
                     dist.PrefixStore(f"tp-reconf/{uuid}", store), rank, size, timeout, self._host
                 )
         except Exception as e:
+            # the old communicator stays in use: watch its members again (unwatched, a crash was
+            # noticed late here and blamed on the messenger whose abort came first)
+            self._resume_watch(*kept)
             raise ReconfigureError(f"forming the group for uuid {uuid} failed: {e}") from None
         with self._lock:
             self.pg, self._rank, self._size = pg, rank, size
@@ -680,6 +685,20 @@ class ReconfigurableGroup:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+    def _resume_watch(self, generation: int, watched: dict[int, int]) -> None:
+        """Watch the kept membership of ``generation`` again (``watched``: torchport's member
+        id -> rank) after a reconfigure stopped watching it and then failed while forming."""
+        with self._lock:
+            self._generation, self._watched = generation, watched
+            self._watch_since = time.monotonic()
+            order, rank = list(self._members), self._rank
+        if self._mesh is not None:
+            self._wake.set()  # a member lost meanwhile has no connection: reported at once
+        elif generation >= 0:
+            threading.Thread(
+                target=self._start_watch, args=(order, rank, generation), daemon=True
+            ).start()
 
     def _fail(self, e: BaseException, culprit: int | None = None, background: bool = False) -> None:
         """Record the first failure, end in-flight ops here and on every peer.
