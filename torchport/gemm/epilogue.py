@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -421,8 +422,14 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                 # a constant scalar's value goes into the kernel's code, but while tracing
                 # (torch.compile, export) reading it is data-dependent (float() of a traced
                 # tensor stopped a fullgraph compile): there it takes the learnable scalar's
-                # route, a broadcast column
-                if step.value.dim() == 0 and not grad and not torch.compiler.is_compiling():
+                # route, a broadcast column; so does a meta or fake scalar (a meta call's
+                # stand-in), which has no value to read
+                if (
+                    step.value.dim() == 0
+                    and not grad
+                    and not torch.compiler.is_compiling()
+                    and not _is_fake(step.value)
+                ):
                     _scalar_scale(_finite(float(step.value), idx), n, ops, operands)
                     continue
                 if step.dim not in ("col", "row"):
@@ -463,6 +470,13 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
         else:
             raise EpilogueError(f"epilogue step {idx} is not a known step: {step!r}")
     return Split(spec_of(tuple(ops), out), operands, tail)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """True for a tensor without values to read: a meta tensor, a fake tensor."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
 
 
 def _named(name: str) -> Step:
@@ -621,8 +635,9 @@ def emit_c(spec: EpilogueSpec) -> tuple[str, str]:
             vec.append(f"v = VADD(v, VLOAD_{dt}({p} + i * eld[{q}] + j));")
             sca.append(f"s = s + SLOAD_{dt}({p} + i * eld[{q}] + j);")
         elif k == "scale":
-            vec.append(f"v = VMUL(v, VSET1({op.value!r}f));")
-            sca.append(f"s = s * {op.value!r}f;")
+            c = _c_float(op.value)
+            vec.append(f"v = VMUL(v, VSET1({c}));")
+            sca.append(f"s = s * {c};")
         elif k == "relu":
             vec.append("v = VMAX(VZERO(), v);")
             sca.append("s = s < 0.0f ? 0.0f : s;")
@@ -632,6 +647,19 @@ def emit_c(spec: EpilogueSpec) -> tuple[str, str]:
         if k in OPERAND_KINDS:
             q += 1
     return "\n        ".join(vec), "\n        ".join(sca)
+
+
+def _c_float(v: float) -> str:
+    """C float literal of ``v`` rounded once to float32 (nearest-even, as torch rounds a
+    Python scalar for a float32 tensor): ``repr(v) + "f"`` is a decimal the compiler rounds to
+    float32 itself, a second rounding of the double (1 + 2**-24, halfway between two floats,
+    printed 1.0000000596046448 became 1 + 2**-23 where torch gives 1.0). A value beyond
+    float32's range is an infinity, as torch's float32 product with it."""
+    try:
+        f = struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:  # (raised only where the rounding overflows)
+        return "__builtin_inff()" if v > 0 else "(-__builtin_inff())"
+    return f"{f.hex()}f"  # exact: a float32 value, in hex, needs no further rounding
 
 
 def emit_prefetch(spec: EpilogueSpec) -> str:

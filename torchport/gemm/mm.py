@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import threading
 import time
@@ -879,17 +880,46 @@ def _(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str)
 _READS_INPUT = frozenset(("scale_col", "scale_row", "relu", "gelu", "gelu_tanh", "silu"))
 
 
+@functools.lru_cache(maxsize=1024)
+def _backward_reads(spec: str) -> tuple[int, tuple[bool, ...]]:
+    """What the backward of a call with this spec reads: the last step that reads its input
+    value (-1 for none: nothing is recomputed from ``a @ b``) and, per operand, whether the
+    backward reads it (a scale operand always, the gradient flows through it; a bias or a
+    residual only to recompute the input of a later step that reads it)."""
+    ops = EpilogueSpec.decode(spec).ops
+    last = max((i for i, op in enumerate(ops) if op.kind in _READS_INPUT), default=-1)
+    keep = tuple(
+        op.kind in ("scale_col", "scale_row") or i < last
+        for i, op in enumerate(ops)
+        if op.kind in OPERAND_KINDS
+    )
+    return last, keep
+
+
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    # saves only what _backward reads, as eager's ops do (mm saves mat1 only for mat2's gradient,
+    # add and addmm save no bias or residual): every tensor saved is one the caller may not
+    # modify in place before the backward, and an inference tensor cannot be saved at all
+    # (saving all of them failed where eager's ops work: a residual or a frozen bias updated in
+    # place, a bias made under inference_mode, the input of a frozen weight's layer modified)
     a, b, operands, spec = inputs
-    ctx.spec = spec
-    ctx.n_ops = len(operands)
-    ctx.save_for_backward(a, b, *operands)
+    last, keep = _backward_reads(spec)
+    ctx.spec, ctx.dtype = spec, a.dtype
+    ctx.operand_dtypes = [t.dtype for t in operands]
+    # a for b's gradient, b for a's; both to recompute a step's input (needs_input_grad holds
+    # the flattened inputs here: a, b, then the operands)
+    ctx.saved_ab = (last >= 0 or ctx.needs_input_grad[1], last >= 0 or ctx.needs_input_grad[0])
+    ab = [t for t, saved in zip((a, b), ctx.saved_ab) if saved]
+    ctx.save_for_backward(*ab, *(t for t, k in zip(operands, keep) if k))
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    a, b, *operands = ctx.saved_tensors
+    saved = iter(ctx.saved_tensors)
+    a, b = (next(saved) if s else None for s in ctx.saved_ab)
+    last, keep = _backward_reads(ctx.spec)
+    operands = [next(saved) if k else None for k in keep]
     sp = EpilogueSpec.decode(ctx.spec)
-    dt = a.dtype
+    dt = ctx.dtype
     # recompute the chain's intermediate values with ATen ops, in float32 as the kernels compute
     # them (a float32 accumulator, the epilogue on it; one rounding at the store): recomputed in
     # bf16, a bf16 GEMM's product and a float32 bias were rounded to bf16 before a float32
@@ -904,10 +934,12 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     # float32 GEMM the casts are no-ops (only the product is new)
     cdt = torch.float32
     reads = [op.kind in _READS_INPUT for op in sp.ops]
-    last = max((i for i, r in enumerate(reads) if r), default=-1)
-    h = a.to(cdt) @ b.to(cdt) if last >= 0 else None
+    h = None
+    if last >= 0:
+        assert a is not None and b is not None
+        h = a.to(cdt) @ b.to(cdt)
     hs: list[torch.Tensor | None] = []
-    it = iter(operands)
+    it = iter(zip(operands, ctx.operand_dtypes))
     vals: list[torch.Tensor | None] = []
     # per step: the dtype its operand's gradient is summed in, the wider of the GEMM's and the
     # operand's (eager's promotion: a bf16 bias of a float32 GEMM is added in float32, and its
@@ -918,10 +950,11 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # a scale operand keeps its dtype: _step and the gradient multiply in the wider dtype
         # and round once, as the forward does (a float32 column of 0.1 cast to bf16 first was
         # 0.10009765625); a bias or add operand is added to the float32 value by promotion
-        # (exact, no float32 copy of a bf16 residual), and the backward does not read it
-        raw = next(it) if op.kind in OPERAND_KINDS else None
+        # (exact, no float32 copy of a bf16 residual), and only read (saved) where a later
+        # step's input is recomputed
+        raw, odt = next(it) if op.kind in OPERAND_KINDS else (None, None)
         vals.append(raw if op.kind in ("scale_col", "scale_row") else None)
-        accs.append(dt if raw is None else torch.promote_types(dt, raw.dtype))
+        accs.append(dt if odt is None else torch.promote_types(dt, odt))
         if h is not None:
             h = _step(h, op, raw) if i < last else None
     g = grad.to(dt)
@@ -972,9 +1005,14 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             else:
                 g = torch.ops.aten.silu_backward(g.to(cdt), x).to(dt)
     grads_ops.reverse()
-    ga = g @ b.t() if ctx.needs_input_grad[0] else None
-    gb = a.t() @ g if ctx.needs_input_grad[1] else None
-    gops = [None if go is None else go.to(o.dtype) for go, o in zip(grads_ops, operands)]
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        assert b is not None
+        ga = g @ b.t()
+    if ctx.needs_input_grad[1]:
+        assert a is not None
+        gb = a.t() @ g
+    gops = [None if go is None else go.to(o) for go, o in zip(grads_ops, ctx.operand_dtypes)]
     return ga, gb, gops, None
 
 
@@ -1135,11 +1173,12 @@ def _mm_meta(
     """:func:`mm` of meta tensors (shapes only): the CPU call itself runs under a fake-tensor
     mode, on stand-ins of the meta tensors, so the operands are checked and the result's dtype
     is chosen exactly as for a real call (the custom op's fake gives it), then the result is
-    handed back as a meta tensor."""
+    handed back as a meta tensor. An operand tensor must be on meta too, except a 0-d one (a
+    scalar, which torch's own ops take from the CPU as well)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def cpu(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.is_meta:
+        if isinstance(t, torch.Tensor) and (t.is_meta or t.dim() == 0):
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         return t
 
@@ -1152,9 +1191,23 @@ def _mm_meta(
             return Scale(cpu(step.value), step.dim)
         return step
 
+    steps = as_steps(epilogue)
+    # operands on another device (a real tensor under the fake mode failed untyped: "Please
+    # convert all Tensors to FakeTensors first"), numbered as split numbers the steps
+    named: list[tuple[str, object]] = [] if bias is None else [("bias", bias)]
+    for st in steps:
+        if isinstance(st, (Bias, Add)):
+            named.append(("bias" if isinstance(st, Bias) else "residual", st.t))
+        else:
+            named.append(("scale", st.value if isinstance(st, Scale) else None))
+    for idx, (what, t) in enumerate(named):
+        if isinstance(t, torch.Tensor) and not (t.is_meta or t.dim() == 0):
+            raise EpilogueError(
+                f"epilogue step {idx} {what} must be on device 'meta' as a and b are, "
+                f"got {t.device}"
+            )
     with FakeTensorMode():
-        steps = [step_on_cpu(st) for st in as_steps(epilogue)]
-        y = mm(cpu(a), cpu(b), bias=cpu(bias), epilogue=steps)
+        y = mm(cpu(a), cpu(b), bias=cpu(bias), epilogue=[step_on_cpu(st) for st in steps])
     return torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device="meta")
 
 
