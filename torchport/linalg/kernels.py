@@ -184,8 +184,11 @@ TP_INLINE int all_finite(const T *a, int64_t n) {
 }
 
 /* Singular values from the converged vectors, sorted descending; U and Vh with completion.
-   vex: NULL, or vector j of W holds its true values times 2^-vex[j] (svd_graded). */
-TP_INLINE void svd_finish(const T *W, const T *V, T *nrm, int64_t *perm, T *Ub, T *S, T *U, T *Vh,
+   vex: NULL, or vector j of W holds its true values times 2^-vex[j] (svd_graded). Not inlined:
+   its always-inlined copies (one per size-specialised SVD kernel) made up about a third of the
+   SVD kernels' compile time, paid on the first SVD call; the call per matrix after the sweeps
+   costs nothing measurable (2x2 … 8x8, B = 1000-20000, one thread: 0.94-1.08x either way). */
+static __attribute__((noinline)) void svd_finish(const T *W, const T *V, T *nrm, int64_t *perm, T *Ub, T *S, T *U, T *Vh,
                           int64_t m, int64_t n, int uv, int full, const int *vex) {
     const int trans = m < n;
     const int64_t p = trans ? n : m, q = trans ? m : n;
@@ -1017,10 +1020,9 @@ TP_EXPORT int tp_svd_vec(const T *a, T *S, T *U, T *Vh, int64_t B, int64_t m, in
             if (m == 2 && n == 2) st = svd_vec(src, so, uo, vo, cnt, 2, 2, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
             else if (m == 3 && n == 3) st = svd_vec(src, so, uo, vo, cnt, 3, 3, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
             else if (m == 4 && n == 4) st = svd_vec(src, so, uo, vo, cnt, 4, 4, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
-            /* n = 16, 32 constant (interleaved minima of 11, B = 400, one thread, load 1.5-2.1:
-               fp64 1.04x / 1.10x, fp32 1.08x / 0.99x) */
-            else if (m == 16 && n == 16) st = svd_vec(src, so, uo, vo, cnt, 16, 16, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
-            else if (m == 32 && n == 32) st = svd_vec(src, so, uo, vo, cnt, 32, 32, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
+            /* (no 16 / 32 constant copies: from k = SVD_LANES_FAST_FROM the public path runs
+               svd_lanes, so only an explicit cyclic order reaches these sizes, and each copy
+               cost ~20 % of this library's compile time) */
             else st = svd_vec(src, so, uo, vo, cnt, m, n, (int)uv, (int)full, pairs, np, h, W, V, nv, cs, lp, lq, Ws, Vs, nrm, perm, Ub);
             if (st && b0 + st - 1 < bad) bad = b0 + st - 1;
         }
