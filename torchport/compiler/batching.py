@@ -3,7 +3,8 @@
 Rules (each rewrites one group found from its first member):
 
 - ``parallel linears → one GEMM``: ``linear(x, W_i, b_i)`` for several ``i`` on the same ``x`` become
-  ``linear(x, cat(W_i), cat(b_i))`` and a ``split`` of the result.
+  ``linear(x, cat(W_i), cat(b_i))`` and a ``split`` of the result, each piece made contiguous (a
+  linear's output is; a column slice of the GEMM is not, and a later ``view`` of it would fail).
 - ``per-head projections → bmm``: ``linear(x_h, W_h, b_h)`` on different inputs of one shape with
   weights of one shape become ``baddbmm(stack(b_h), stack(x_h), stack(W_h)ᵀ)`` and an ``unbind``.
 - ``small elementwise → foreach``: the same unary op (exp, sigmoid, tanh, ...) on several small
@@ -182,7 +183,9 @@ def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> 
         "grad": torch.is_grad_enabled(),
         "inner": inner,
         "threads": torch.get_num_threads(),
-        "decider": "real-calls",  # how the choice was measured (older entries timed otherwise)
+        # how the choice was measured: older entries timed otherwise, or a batched form without
+        # the copies that make the split pieces contiguous ("real-calls")
+        "decider": "real-calls-contiguous",
     }
 
 
@@ -217,21 +220,6 @@ def _outputs_close(out: Any, ref: Any) -> bool:
         elif g != w:
             return False
     return True
-
-
-def _with_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` plus, when autograd records its outputs, a backward pass from all-ones gradients."""
-
-    def step(*args: Any) -> Any:
-        out = fn(*args)
-        if torch.is_grad_enabled():
-            ts = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            ts = [t for t in ts if t.requires_grad]
-            if ts:
-                torch.autograd.backward(ts, [torch.ones_like(t) for t in ts])
-        return out
-
-    return step
 
 
 Decided = Callable[[bool, dict[str, float]], None]
@@ -324,6 +312,11 @@ def batching_runner(
     agree on copies of the example inputs, and served by :class:`MeasuredBatching`, which times
     them on the program's own first calls. With ``autotune`` off the batched form is taken
     untimed (as the autotuner takes its first non-anchor candidate).
+
+    The check runs the forwards only, under ``no_grad``: this runs inside dynamo's backend call,
+    and a backward here made AOTAutograd compile the backward graph (lazily compiled on first
+    use) inside dynamo's compile-metrics context, which raised on every call of a graph that
+    goes through AOTAutograd (Inductor, complex graphs) with grad enabled.
     """
     hit = choice_cache.get(OP, key)
     if hit is not None and hit.get("choice") in ORDER:
@@ -337,15 +330,15 @@ def batching_runner(
     forms = {"unbatched": build(False), "batched": build(True)}
     if timeable(example_inputs):
         args = tuple(_scratch_copy(a) for a in example_inputs)
-        step = {k: _with_backward(f) for k, f in forms.items()}
         # the check must not consume random numbers (a graph with dropout or randn would
         # otherwise see a different stream than eager from then on), and both forms draw the
         # same stream, so that random ops agree between them
         restore = _snapshot_generators()
         try:
-            batched = step["batched"](*args)
-            restore()
-            unbatched = step["unbatched"](*args)
+            with torch.no_grad():
+                batched = forms["batched"](*args)
+                restore()
+                unbatched = forms["unbatched"](*args)
         finally:
             restore()
         if not _outputs_close(batched, unbatched):
@@ -393,7 +386,9 @@ def _parallel_linears(gm: fx.GraphModule, node: fx.Node) -> bool:
     for i, n in enumerate(group):
         with gm.graph.inserting_before(node):
             item = gm.graph.call_function(operator.getitem, (pieces, i))
-        n.replace_all_uses_with(item)
+            # a column slice of y; the linear it replaces returned a contiguous tensor
+            piece = gm.graph.call_method("contiguous", (item,))
+        n.replace_all_uses_with(piece)
     for n in group:
         gm.graph.erase_node(n)
     return True
