@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from torchport.lowp import mx
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
@@ -215,6 +216,16 @@ def quantize_(
     ]
     untouched = _untouched_holders(model, {id(mod) for _, mod in chosen})
     for fqn, mod in chosen:
+        if parametrize.is_parametrized(mod, "weight"):
+            # (the weight is computed from the parametrization's own parameters on each access:
+            # assigning one raised KeyError after earlier linears had been swapped)
+            report.skipped[fqn] = "weight is parametrized (torch.nn.utils.parametrize)"
+            continue
+        if "weight" not in mod._parameters:
+            # the legacy nn.utils.weight_norm / spectral_norm hooks delete the Parameter and
+            # set a plain tensor before each forward, which then refused the quantized one
+            report.skipped[fqn] = "weight is not a Parameter (set by a forward pre-hook)"
+            continue
         w = mod.weight
         if isinstance(w, LowPrecisionTensor):
             report.skipped[fqn] = "already quantized"

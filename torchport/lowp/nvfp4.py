@@ -42,8 +42,13 @@ BLOCK = 16
 
 def per_tensor_amax_to_scale(amax: torch.Tensor | float) -> float:
     """Per-tensor scale for two-level NVFP4 scaling: ``amax / (448 * 6)`` in float32."""
-    a = torch.as_tensor(amax, dtype=torch.float32)
-    return float(a / (F8E4M3_MAX * F4_E2M1_MAX))
+    return float(per_tensor_amax_to_scale_tensor(amax))
+
+
+def per_tensor_amax_to_scale_tensor(amax: torch.Tensor | float) -> torch.Tensor:
+    """:func:`per_tensor_amax_to_scale` as a 0-d float32 tensor: nothing reads its value, so a
+    traced graph computes it at run time (as a float it became a graph constant)."""
+    return torch.as_tensor(amax, dtype=torch.float32) / (F8E4M3_MAX * F4_E2M1_MAX)
 
 
 def check_per_tensor_scale(pts: float | None) -> None:
@@ -70,8 +75,24 @@ def nvfp4_quantize_reference(
     """Plain-torch NVFP4 quantization → (packed uint8 ``[..., K/2]``, float8_e4m3fn ``[..., K/16]``)."""
     rows = as_rows(x, BLOCK, "nvfp4_quantize")
     check_per_tensor_scale(per_tensor_scale)
+    return _quantize_rows(rows, tuple(x.shape[:-1]), per_tensor_scale)
+
+
+def nvfp4_quantize_traced(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_quantize_reference` with the per-tensor scale a 0-d float32 tensor, for an
+    activation traced by ``torch.compile`` / ``torch.export``, whose scale the graph computes
+    from its amax at run time. The scale is not checked (its value is unknown): the caller
+    makes it positive and finite."""
+    rows = as_rows(x, BLOCK, "nvfp4_quantize")
+    return _quantize_rows(rows, tuple(x.shape[:-1]), per_tensor_scale)
+
+
+def _quantize_rows(
+    rows: torch.Tensor, lead: tuple[int, ...], per_tensor_scale: float | torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_finite(rows, "nvfp4_quantize")
-    lead = tuple(x.shape[:-1])
     k = rows.shape[1]
     blocks = rows.float().reshape(rows.shape[0], k // BLOCK, BLOCK)
     block_scale = blocks.abs().amax(dim=-1) / F4_E2M1_MAX
@@ -79,7 +100,7 @@ def nvfp4_quantize_reference(
         s8 = torch.clamp(block_scale, min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
         total = s8.float()
     else:
-        pts = torch.tensor(per_tensor_scale, dtype=torch.float32)
+        pts = torch.as_tensor(per_tensor_scale, dtype=torch.float32)
         s8 = torch.clamp(block_scale / pts, min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
         total = pts * s8.float()
     data = torch.clamp(blocks / total.unsqueeze(-1), -F4_E2M1_MAX, F4_E2M1_MAX)
@@ -140,15 +161,16 @@ def _check_packed(q: torch.Tensor, scales: torch.Tensor, block: int, what: str) 
 def nvfp4_dequantize_reference(
     q: torch.Tensor,
     scales: torch.Tensor,
-    per_tensor_scale: float | None = None,
+    per_tensor_scale: float | torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Plain-torch NVFP4 dequantization to ``dtype`` (computed in float32)."""
+    """Plain-torch NVFP4 dequantization to ``dtype`` (computed in float32; ``per_tensor_scale``
+    may be a 0-d float32 tensor, as :func:`nvfp4_quantize_traced` takes)."""
     k = _check_packed(q, scales, BLOCK, "nvfp4_dequantize")
     vals = e2m1_to_f32(unpack_fp4(q)).reshape(*q.shape[:-1], k // BLOCK, BLOCK)
     s = scales.view(torch.float8_e4m3fn).float()
     if per_tensor_scale is not None:
-        s = torch.tensor(per_tensor_scale, dtype=torch.float32) * s
+        s = torch.as_tensor(per_tensor_scale, dtype=torch.float32) * s
     return (vals * s.unsqueeze(-1)).reshape(*q.shape[:-1], k).to(dtype)
 
 

@@ -148,6 +148,12 @@ def _err(msg: str) -> LowPrecisionError:
     return LowPrecisionError(f"scaled_mm: {msg}")
 
 
+def _check_cpu(name: str, t: torch.Tensor) -> None:
+    # (the kernels read data pointers as host memory; a meta operand has none to read)
+    if t.device.type != "cpu":
+        raise _err(f"{name} must be on cpu, got {t.device}")
+
+
 class _Operand:
     """One operand as the row-major matrix ``[rows, K]`` its scales describe, its recipe and its
     scales (block scales unswizzled to ``[rows, ⌈K/block⌉]``)."""
@@ -180,9 +186,10 @@ class _Operand:
         for s in swizzles:
             if not isinstance(s, SwizzleType):
                 raise _err(f"swizzle_{name[-1]} entries must be SwizzleType, got {s!r}")
-        for s in scales:
+        for i, s in enumerate(scales):
             if not isinstance(s, torch.Tensor):
                 raise _err(f"scale_{name[-1]} must be tensors, got {type(s).__name__}")
+            _check_cpu(f"scale_{name[-1]}" + (f"[{i}]" if len(scales) > 1 else ""), s)
         self.recipe = recipes[0]
         self.global_scale: torch.Tensor | None = None
         if len(recipes) == 2:
@@ -373,6 +380,7 @@ def _prepare(
             raise _err(f"{name} must be a 2-D tensor, got {got}")
         if t.dtype not in (*FP8_DTYPES, FP4):
             raise _err(f"{name} must be float8 or float4_e2m1fn_x2, got {t.dtype}")
+        _check_cpu(name, t)
     if (mat_a.dtype == FP4) != (mat_b.dtype == FP4):
         raise _err(
             f"mat_a and mat_b must both be FP4 or both float8, got {mat_a.dtype}, {mat_b.dtype}"
@@ -402,6 +410,7 @@ def _prepare(
         if not isinstance(bias, torch.Tensor) or bias.numel() != n or not bias.is_floating_point():
             got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else bias
             raise _err(f"bias must be a floating-point tensor of {n} elements, got {got}")
+        _check_cpu("bias", bias)
         bias = bias.reshape(n)
     od = mat_a.dtype if output_dtype is None else output_dtype  # (None: mat_a's, as torch)
     if output_dtype is None and od not in OUT_DTYPES:

@@ -1107,6 +1107,14 @@ def _nvfp4_pts(x: torch.Tensor, per_tensor_scale: bool | float) -> float | None:
     return float(per_tensor_scale)
 
 
+def _nvfp4_traced_act_pts(x: torch.Tensor) -> torch.Tensor:
+    """A traced activation's per-tensor scale from its amax, a 0-d float32 tensor (a float read
+    the traced value: torch.export failed on it, torch.compile recompiled for each new one).
+    1.0 where :func:`_nvfp4_pts` has none (amax zero or not finite): the same bits."""
+    pts = nvfp4.per_tensor_amax_to_scale_tensor(x.detach().abs().max())
+    return torch.where((pts > 0) & torch.isfinite(pts), pts, 1.0)
+
+
 class NVFP4Tensor(LowPrecisionTensor):
     """NVFP4 ``[N, K]``: packed E2M1 ``qdata [N, K/2]``, E4M3 ``scale [N, K/16]``, optional FP32
     ``per_tensor_scale`` (torchao recipe, see :mod:`torchport.lowp.nvfp4`).
@@ -1201,6 +1209,11 @@ class NVFP4Tensor(LowPrecisionTensor):
         if self.act_per_tensor_scale is None:
             return None
         x = _hp_activation(x)
+        if self.act_per_tensor_scale and x.numel() and not native.eager_fast_path(x.detach()):
+            # traced (where the reference runs anyway): the scale stays in the graph
+            pts_t = _nvfp4_traced_act_pts(x)
+            q, s = nvfp4.nvfp4_quantize_traced(x, pts_t)
+            return nvfp4.nvfp4_dequantize_reference(q, s, pts_t)
         pts = _nvfp4_pts(x, self.act_per_tensor_scale)
         q, s = nvfp4.nvfp4_quantize(x, pts)
         return nvfp4.nvfp4_dequantize(q, s, pts)
