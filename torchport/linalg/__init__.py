@@ -1062,7 +1062,10 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
     if method == "auto" and type(A) is torch.Tensor:
         key = (A.shape, A.dtype, upper)
         if key in _lk_chol and _routes_gen[0] == _cfg_gen[0]:
-            if not A.is_cpu or _functorch_active():  # (no data pointer for _info_bad then)
+            # (no data pointer for _info_bad then; while dynamo traces, _info_bad's .item() and
+            # ctypes read broke a fullgraph=True compile once an eager call had routed the
+            # shape to LAPACK)
+            if not A.is_cpu or _functorch_active() or torch.compiler.is_compiling():
                 return torch.linalg.cholesky(A, upper=upper)
             # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1
             # vs 10.4 us for cholesky_ex, interleaved medians); testing info's bytes ~1 us
