@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchport-installed
 TORCH_PIN ?= torch==2.13.0
 ARGS ?=
+# pytest worker processes (pytest-xdist; each test file runs whole on one worker); 0 = in process
+JOBS ?= 2
 
 .PHONY: demo test lint pytest bench info clean
 
@@ -25,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=25 $(ARGS)
 
 test: lint pytest
 
