@@ -37,7 +37,11 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode_temporarily,
+)
 
 __all__ = ["CaptureError", "GraphError", "Program", "Recorder", "current_recorder"]
 
@@ -145,6 +149,62 @@ class _GlobalBan:
 
 
 global_ban = _GlobalBan()
+
+
+class _ToListGuard:
+    """``Tensor.tolist()`` refused on a capturing thread, as ``Tensor.item()`` is.
+
+    ``tolist`` reads the values in C++ without dispatching an ATen op, so the recorder never
+    saw it: ``if x.tolist()[0] > 0`` captured one branch silently. While any graph captures,
+    ``torch.Tensor.tolist`` is a wrapper that raises :class:`CaptureError` on a thread whose
+    capture is recording (not paused, no bypass) unless its mode is ``"relaxed"``; other threads
+    and the capture's own bookkeeping are unaffected. Installed and removed by a count across
+    concurrent captures.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._original: Any = None
+
+    @staticmethod
+    def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def tolist(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            rec = current_recorder()
+            # (only where the recorder's mode is on the stack, as for .item(): not inside an op
+            # it dispatches, where a library's first build may read a table with tolist())
+            if (
+                rec is not None
+                and not _TLS.bypass
+                and rec.error_mode != "relaxed"
+                and rec in _get_current_dispatch_mode_stack()
+            ):
+                raise CaptureError(
+                    f"graph capture (capture_error_mode={rec.error_mode!r}): Tensor.tolist() "
+                    "returns Python values, which a replay cannot repeat; data-dependent Python "
+                    "control flow cannot be captured, use torchport.switch / "
+                    "torchport.while_loop, or capture_error_mode='relaxed' to freeze the values"
+                )
+            return original(self, *args, **kwargs)
+
+        return tolist
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._count += 1
+            if self._count == 1:
+                self._original = torch.Tensor.tolist
+                torch.Tensor.tolist = self._wrap(self._original)  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0 and self._original is not None:
+                torch.Tensor.tolist = self._original  # type: ignore[method-assign]
+                self._original = None
+
+
+tolist_guard = _ToListGuard()
 
 
 # torchport custom ops a capture records like ATen ops: the decode GEMVs that quantized linears
@@ -316,6 +376,15 @@ class Recorder(TorchDispatchMode):
         k = self._ext_ids.get(id(t))
         return k is not None and self.ext[k] is t
 
+    def _storages(self, skip: set[str] | None = None) -> set[int]:
+        """Storage addresses of the static inputs and of the tensors named now (but ``skip``)."""
+        found = {_storage(t) for t in self.ext}
+        for ref, name in self._names.values():
+            t = ref()
+            if t is not None and (skip is None or name not in skip):
+                found.add(_storage(t))
+        return found
+
     def emit(self, line: str) -> None:
         self.scope.lines.append("    " * self.scope.indent + line)
 
@@ -358,6 +427,8 @@ class Recorder(TorchDispatchMode):
                     f"graph capture: {opname} takes an explicit torch.Generator, which cannot be "
                     "captured; use the default generator"
                 )
+        if base in ("lift_fresh", "lift_fresh_copy"):
+            return self._lift(func, args[0])
         call = self._format_call(func, args, kwargs)
         if func._schema.name in CAPTURABLE_CUSTOM_OPS:
             # A GEMV's first call may build and tune its kernel (reading values, timing ATen):
@@ -372,6 +443,23 @@ class Recorder(TorchDispatchMode):
         self.ops += 1
         self.scope.trace.append(("op", func, tuple(args), dict(kwargs), out))
         self._bind_outputs(opname, call, out)
+        return out
+
+    def _lift(self, func: Any, const: torch.Tensor) -> torch.Tensor:
+        """``torch.tensor(...)`` made in the capture (``aten.lift_fresh[_copy]`` of a constant).
+
+        Eager makes a fresh tensor holding the constant on every call; read by reference as a
+        static input, the constant itself would keep the in-place updates of earlier replays
+        (``total = torch.tensor(0.0); total += ...`` summed 12, then 24, 36...). A hidden copy
+        of the constant is the static input, and every replay starts the tensor from it.
+        """
+        out = func(const)
+        snapshot = torch.ops.aten.clone.default(const)  # the dispatcher, not this mode
+        n = self.fresh()
+        self.emit(f"{n} = torch.ops.aten.clone({self.name_of(snapshot)})")
+        self.ops += 1
+        self.scope.trace.append(("op", torch.ops.aten.copy_.default, (out, snapshot), {}, out))
+        self.bind(out, n)
         return out
 
     def _format_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
@@ -490,6 +578,10 @@ class Recorder(TorchDispatchMode):
                 )
         outs = [self.fresh("s") for _ in results[0][0]]
         operand_names = {self.name_of(o) for o in operands if isinstance(o, torch.Tensor)}
+        # A branch's view of an operand or outer tensor (``a[0:2]``) has a name of its own but
+        # the memory of a tensor named before: it must be copied too, or the output would follow
+        # later in-place ops on that tensor (at replay only: the capture clones every output).
+        memory = self._storages() | {_storage(o) for o in operands if isinstance(o, torch.Tensor)}
         for j, leaf0 in enumerate(results[0][0]):
             for i, (leaves, _, _) in enumerate(results):
                 x = leaves[j]
@@ -511,7 +603,7 @@ class Recorder(TorchDispatchMode):
                         f"switch: output {j} is {leaf0!r} in branch0 but {x!r} in branch{i}; "
                         "a captured graph cannot return a data-dependent Python int"
                     )
-        for i, (lines, (_, _, names)) in enumerate(zip(blocks, results)):
+        for i, (lines, (leaves, _, names)) in enumerate(zip(blocks, results)):
             kw = "if" if i == 0 else ("elif" if i < len(blocks) - 1 else "else")
             head = f"{kw} {idx} == {i}:" if kw != "else" else "else:"
             self.emit(head)
@@ -520,6 +612,7 @@ class Recorder(TorchDispatchMode):
             for j, n in enumerate(names):
                 if n is not None:
                     outside = n in operand_names or n in outer or n.startswith("e")
+                    outside = outside or _storage(leaves[j]) in memory
                     src = f"{n}.clone()" if outside else n
                     self.scope.lines.append(f"{pad}{outs[j]} = {src}")
             if not any(n is not None for n in names):
@@ -595,8 +688,12 @@ class Recorder(TorchDispatchMode):
                     f"({_describe(leaves[k])}) in place, which a graph capture cannot replay "
                     "(the captured loop works on copies); return a new tensor instead"
                 )
-        body_names = [self._value_name(t) for t in body_out]
-        body_names = [f"{b}.clone()" if b in outer or b.startswith("e") else b for b in body_names]
+        # A body's view of an outer tensor (``cache[1:3]``) shares its memory: copied too.
+        memory = self._storages(skip=set(loop_vars))
+        body_names = [
+            f"{b}.clone()" if b in outer or b.startswith("e") or _storage(t) in memory else b
+            for b, t in zip(map(self._value_name, body_out), body_out)
+        ]
         pad = "    " * self.scope.indent
         self.scope.lines.extend(_dedent(cond_lines, 1))
         self.emit(f"while bool({pred_name}):")
@@ -675,7 +772,7 @@ class Recorder(TorchDispatchMode):
                 if list(map(_size, watch)) != shapes:
                     _reshaped(watch, shapes, labels)
                 with torch._C._InferenceMode(True):
-                    fn(ext, outs)
+                    _run_program(fn, ext, outs)
 
         else:
             # Replay leaves autograd alone, as the native tier and CUDA graphs do: under grad
@@ -687,11 +784,22 @@ class Recorder(TorchDispatchMode):
                 prev = torch.is_grad_enabled()
                 torch._C._set_grad_enabled(False)
                 try:
-                    fn(ext, outs)
+                    _run_program(fn, ext, outs)
                 finally:
                     torch._C._set_grad_enabled(prev)
 
         return Program(source, run_ts, ext, outs, self.ops, "torchscript")
+
+
+def _run_program(fn: Any, ext: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """Run a TorchScript-tier program. Its ``int(index)`` / ``bool(pred)`` of a switch or loop
+    are the replay's own reads, not Python consuming a value: they pass the ban of another
+    thread's capture in mode "global" (which raised an untyped RuntimeError from the replay)."""
+    _TLS.bypass += 1
+    try:
+        fn(ext, outs)
+    finally:
+        _TLS.bypass -= 1
 
 
 def _copy_out(j: int, name: str, t: torch.Tensor) -> str:
@@ -736,6 +844,10 @@ def _reshaped(
 def _dedent(lines: list[str], levels: int) -> list[str]:
     cut = "    " * levels
     return [ln[len(cut) :] if ln.startswith(cut) else ln for ln in lines]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ from torchport.graphs.capture import (
     active_stack,
     current_recorder,
     global_ban,
+    tolist_guard,
 )
 from torchport.graphs.pool import MemPool
 
@@ -36,7 +37,10 @@ class Graph:
     """A captured, replayable CPU program.
 
     Args:
-        keep_graph: if ``True``, compile lazily (``instantiate()`` or first ``replay()``).
+        keep_graph: if ``True``, compile lazily (``instantiate()`` or first ``replay()``); the
+            static outputs then stay in the memory the capture gave them rather than the pool
+            (by then the caller may hold views or NumPy arrays of them, which a move would
+            leave on the old memory).
         pool: a :class:`MemPool` (e.g. another graph's ``pool()``) to place static outputs in;
             a new pool by default.
         capture_error_mode: what happens to "potentially unsafe" calls during the capture: ops
@@ -93,6 +97,7 @@ class Graph:
         rec = Recorder(self.capture_error_mode)
         if self.capture_error_mode in ("default", "global"):
             global_ban.acquire()
+        tolist_guard.acquire()
         try:
             rec.__enter__()
         except BaseException:
@@ -117,6 +122,9 @@ class Graph:
         self._pending = rec
         if not self.keep_graph:
             self.instantiate()
+            assert self._program is not None
+            if self._program.tier == "torchscript":
+                self._place_outputs(self._program)
 
     def _abort(self) -> None:
         rec = self._rec
@@ -131,10 +139,14 @@ class Graph:
     def _release(rec: Recorder) -> None:
         if rec.error_mode in ("default", "global"):
             global_ban.release()
+        tolist_guard.release()
 
     def _place_outputs(self, prog: Program) -> None:
         """Move static outputs that own their storage into the pool (values unchanged).
 
+        Only at ``capture_end``, before the caller can take views or NumPy arrays of them that
+        the move would leave behind on the old memory (a lazy ``instantiate`` at the first
+        replay did it too: ``y.view(2, 2)`` taken before it kept reading zeros).
         An output on a static input's storage (a whole view of it made in the capture) or on
         another output's stays where it is: moving it would break the aliasing eager has.
         """
@@ -170,8 +182,6 @@ class Graph:
             raise GraphError("Graph.instantiate: nothing captured")
         self._pending = None
         self._program = rec.finish()
-        if self._program.tier == "torchscript":
-            self._place_outputs(self._program)
 
     def replay(self) -> None:
         """Run the captured program once (reads inputs, rewrites outputs and mutated buffers)."""

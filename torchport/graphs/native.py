@@ -23,7 +23,8 @@ remainder (ATen raises on a zero divisor; C would trap), float-to-int casts, oth
 Numerics: GEMMs accumulate in float32 with FMA over K (the engine's order, not ATen's); pointwise
 ops compute in the output's type with scalars converted as ATen does (a float32 tensor times a
 Python float multiplies in float32); ``exp``/``tanh``/``sigmoid`` use branch-free polynomials
-(≤ 2 ulp), ``sin``/``cos`` libm; integer arithmetic wraps (``-fwrapv``), as ATen's does.
+(≤ 2 ulp), ``sin``/``cos`` libm; float32 ``sum``/``mean`` accumulate in double (rounded
+once); integer arithmetic wraps (``-fwrapv``), as ATen's does.
 """
 
 from __future__ import annotations
@@ -313,12 +314,16 @@ class _Codegen:
     def reduce(self, out: torch.Tensor, x: torch.Tensor, dims: Sequence[int], kind: str) -> None:
         """``out = sum/mean/amax/amin of x over dims`` (out keeps or drops the reduced dims).
 
-        Accumulates in the output's type in index order (ATen sums float32 in a different
-        order: results agree to rounding); ``amax``/``amin`` propagate NaN, as ATen does.
+        ``sum``/``mean`` of float32 accumulate in double in index order, then round once (ATen
+        sums float32 pairwise in float32: results agree to its rounding; a float32 running total
+        stopped growing at 2**24, so the sum of 2**25 ones came out 2**24); ``mean`` divides the
+        rounded sum by the count in float32, as ATen's ``sum / count`` does. int64 sums wrap, as
+        ATen's do; ``amax``/``amin`` propagate NaN, as ATen does.
         """
         ob, _, ostr = self.ref(out)
         xb, xshape, xstr = self.ref(x)
         ct = _CTYPE[out.dtype]
+        acc = "double" if ct == "float" and kind in ("sum", "mean") else ct
         nd = len(xshape)
         red = sorted({d % nd for d in dims}) if nd else []
         keep = [d for d in range(nd) if d not in red]
@@ -329,12 +334,12 @@ class _Codegen:
         oidx = " + ".join(f"{idx[d]}*{st}" for d, st in zip(keep, ostr)) or "0"
         xidx = " + ".join(f"{idx[d]}*{xstr[d]}" for d in range(nd)) or "0"
         init = {"sum": "0", "mean": "0", "amax": f"{xb}[{xidx}]", "amin": f"{xb}[{xidx}]"}[kind]
-        a, o = f"(({ct}){xb}[{xidx}])", f"{ob}[{oidx}]"
+        a, o = f"(({acc}){xb}[{xidx}])", f"{ob}[{oidx}]"
         step = {
-            "sum": f"{o} += {a};",
-            "mean": f"{o} += {a};",
-            "amax": f"{{ {ct} v = {a}; {o} = (v > {o} || v != v) ? v : {o}; }}",
-            "amin": f"{{ {ct} v = {a}; {o} = (v < {o} || v != v) ? v : {o}; }}",
+            "sum": f"r += {a};",
+            "mean": f"r += {a};",
+            "amax": f"{{ {ct} v = {a}; r = (v > r || v != v) ? v : r; }}",
+            "amin": f"{{ {ct} v = {a}; r = (v < r || v != v) ? v : r; }}",
         }[kind]
         count = 1
         for d in red:
@@ -346,8 +351,10 @@ class _Codegen:
             f"for (long {idx[d]} = 0; {idx[d]} < {xshape[d]}; ++{idx[d]}) " for d in red
         )
         zero = "".join(f"const long {idx[d]} = 0; " for d in red)
-        fin = f" {o} = {o} / ({ct}){count};" if kind == "mean" else ""
-        self.lines.append(f"  {{ {outer}{{ {{ {zero}{o} = {init}; }} {inner}{step}{fin} }} }}")
+        fin = f"({ct})r / ({ct}){count}" if kind == "mean" else f"({ct})r"
+        self.lines.append(
+            f"  {{ {outer}{{ {acc} r; {{ {zero}r = {init}; }} {inner}{step} {o} = {fin}; }} }}"
+        )
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` for equal dtypes (loop-carried values, branch outputs)."""
@@ -404,11 +411,12 @@ class _Codegen:
         if direct:
             return
         # General beta/alpha, a 2-D or aliasing bias, a strided output: ATen's formula
-        # beta * bias + alpha * (a @ b) elementwise from the product in T (bias ignored at beta 0).
+        # beta * bias + alpha * (a @ b) elementwise from the product in T (bias ignored at beta 0;
+        # a fast bias is in T already, added by the epilogue: adding it here doubled it).
         prod = torch.empty(m, n)  # stand-in with T's layout, to generate the index expression
         terms = ["{p}" if alpha == 1.0 else f"{alpha!r}f * {{p}}"]
         ins: list[tuple[str, Any]] = [("p", prod)]
-        if bias is not None and beta != 0.0:
+        if bias is not None and beta != 0.0 and not fast_bias:
             terms.insert(0, "{c}" if beta == 1.0 else f"{beta!r}f * {{c}}")
             ins.append(("c", bias))
         self.pointwise(out, "(" + " + ".join(terms) + ")", ins, temp=prod)
