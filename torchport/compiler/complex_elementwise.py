@@ -21,6 +21,7 @@ from torchport.compiler.complex_base import (
     Pair,
     Rule,
     _Emitter,
+    _is_complex_val,
     _node_val,
     _packets,
     _pair,
@@ -83,10 +84,10 @@ def c_exp(e: _Emitter, a: Pair, shift: float) -> Pair:
     # underflowed (x finite) times cos y or sin y is ±0 anyway, and NaN for y = ±inf, as ATen
     # (exp(-1e38 + inf i) is NaN + NaN i there)
     fin_y = e.f(torch.isfinite, a.im)
+    # (e^x is 0 there; a NaN y gives its sign bit to the zero, as C's copysign in cexp: 0 - 0i
+    # for the NaN of -inf·0, whose sign bit is set on x86)
     zero_re = e.call(torch.where, fin_y, e.f(torch.copysign, ex, cos_y), 0.0)
-    zero_im = e.call(
-        torch.where, fin_y, e.f(torch.copysign, ex, sin_y), e.mul(e.f(torch.sign, a.im), 0.0)
-    )
+    zero_im = e.f(torch.copysign, ex, e.call(torch.where, fin_y, sin_y, a.im))
     minus_inf = e.call(operator.eq, a.re, -math.inf)
     re = e.call(torch.where, minus_inf, zero_re, e.mul(ex, cos_y))
     # x = +inf, y = ±inf or NaN: inf + NaN i, as ATen (C99), where inf · cos y was NaN
@@ -394,7 +395,14 @@ def c_pow(e: _Emitter, a: Pair, p: Any, shift: float) -> Pair:
                 return one
             copy = c_mul(e, one, a)  # 1·x, 1·y: a copy, as ATen's (a zero's sign kept)
             return Pair(copy.re, copy.im, a.neg_zero)
-    return c_exp(e, c_mul(e, _pair(p), c_log(e, a)), shift)
+    # std::pow(z, p + 0i) is exp((p + 0i)·log z), whose +0 takes part in the imaginary part:
+    # p·y + 0·x is NaN for x = log|z| = ±inf (z ** 4 at 1 + inf i is inf + NaN i, z ** -3 at 0 is
+    # inf + NaN i; p·y alone gave inf + inf i and inf - 0i), and gives a zero's sign. The real
+    # part stays p·x: p·x - 0·y differs only where y is NaN, where x is NaN too or infinite,
+    # and there C's multiply (Annex G) recovers ±inf = p·x (z ** -3 at inf + NaN i is 0 - 0i:
+    # the sign is that of the NaN of inf·0, which ATen's add returns from its second operand)
+    lg = c_log(e, a)
+    return c_exp(e, Pair(e.mul(lg.re, p), e.add(e.mul(lg.im, p), e.mul(lg.re, 0.0))), shift)
 
 
 def _alpha_parts(
@@ -616,6 +624,28 @@ def _real_as_result(e: _Emitter, x: fx.Node, src_node: Any, n: fx.Node) -> Any:
     return x if src.dtype == rdt else e.call(torch.Tensor.to, x, rdt)
 
 
+def _number_pow(e: _Emitter, n: fx.Node, base: complex, p: Any) -> Pair:
+    """``base ** p`` for a Python number ``base`` (``2 ** z``, ``torch.pow(1j, z)``), as ATen's
+    pow.Scalar: base 1 (not True) fills ones (also where p is NaN); any other base is converted
+    to the result's dtype and raised by std::pow, e^(p log base) with the full complex product.
+    log base is a constant, ATen's own log of the converted base, taken here once (the graph
+    had torch.abs(2), an error, from the tensor rule). Where that product is NaN + NaN i
+    (2 ** (inf + inf i), 0 ** (1 + NaN i)) C's multiply recovers infinities (Annex G) and this
+    one does not, as for a tensor base."""
+    val = _node_val(n)
+    cdt = val.dtype if _is_complex_val(val) else torch.complex128
+    if complex(base) == 1 and not isinstance(base, bool):  # (a bool Scalar equals no number)
+        # (a real exponent, an integer one too, gives the ones its shape, in the result's dtype)
+        ref = p.re if isinstance(p, Pair) else p
+        return Pair(e.call(torch.full_like, ref, 1.0, dtype=cdt.to_real()), None)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the compiler may run under AOTAutograd's fake mode
+        lg = complex(torch.log(torch.tensor(complex(base), dtype=cdt)).item())
+    log_base = Pair(lg.real, lg.imag)
+    return c_exp(e, c_mul_promoted(e, _pair(p), log_base), exp_shift(n))
+
+
 @_rule(*_packets("pow"))
 def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     base, p = a[0], a[1]
@@ -629,7 +659,10 @@ def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
             # is 1/(-0 + 0i) = inf + nan i); as a known zero it dropped out (nan + 0i, -inf + 0i)
             re = _real_as_result(lw.e, base, n.args[0], n)
             base = Pair(re, lw.e.zeros_like(re))
-    if isinstance(p, (Pair, fx.Node, complex)) or not isinstance(base, (Pair, fx.Node)):
+    if isinstance(n.args[0], (int, float, complex)):
+        # a number base (read from the node: a complex one was mapped to a Pair)
+        return _number_pow(lw.e, n, n.args[0], p)
+    if isinstance(p, (Pair, fx.Node, complex)):
         # z^w = e^(w log z)
         return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))), exp_shift(n))
     return c_pow(lw.e, _pair(base), p, exp_shift(n))  # small integer powers by products

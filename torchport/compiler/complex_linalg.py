@@ -74,6 +74,10 @@ def _r_mm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 def _r_addmm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     prod = c_matmul(lw.e, aten.mm.default, a[1], a[2])
     prod = c_mul(lw.e, prod, kw.get("alpha", 1))
+    raw = n.kwargs.get("beta", 1)  # (from the node: a complex number was mapped to a Pair)
+    if isinstance(raw, (int, float, complex)) and raw == 0:
+        # beta = 0 ignores the bias, as eager (its NaN and inf are not propagated: 0·NaN was NaN)
+        return prod
     return c_add(lw.e, c_mul(lw.e, a[0], kw.get("beta", 1)), prod)  # beta*bias + alpha*A@B
 
 

@@ -90,7 +90,7 @@ class SpecCompiled:
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
         try:
-            with _compile_config(scalars):
+            with _compile_config(scalars, size_oblivious=self.relaxed is None):
                 out = self.compiled(*args, **kwargs)
             self.traced = True
             return out
@@ -98,7 +98,12 @@ class SpecCompiled:
             if self.relaxed is not None:
                 raise
             # The code specialises a spec'd dim (e.g. a guard ``T != 1``): say so once, then
-            # compile with unenforced marks (sizes the code specialises on get their own graph).
+            # compile with unenforced marks (sizes the code specialises on get their own graph)
+            # and without size-oblivious sizes: those decide ``numel == 0`` and ``size == 1``
+            # without a guard, which the strict graph may (the spec says it holds for every
+            # size), but a graph that guards some sizes would then be served at 0 and 1 without
+            # having been traced for them (the complex prod backward's ``numel == 0`` branch:
+            # a [2, 1] gradient at size 0). Dynamo's own 0/1 specialisation guards them instead.
             lines = [ln.strip(" -") for ln in str(e).splitlines() if "Not all values" in ln]
             self.relaxed = lines[0] if lines else str(e).strip()
             warnings.warn(
@@ -113,7 +118,7 @@ class SpecCompiled:
                     if isinstance(t, torch.Tensor) and hasattr(t, attr):
                         delattr(t, attr)
             _mark_dims(b, flat, strict=False)
-            with _compile_config(scalars):
+            with _compile_config(scalars, size_oblivious=False):
                 return self.compiled(*args, **kwargs)
 
 
@@ -223,14 +228,15 @@ _INT_OO = sys.maxsize - 1  # "no upper bound" for a dim range (dynamo's ranges a
 
 
 class _compile_config:
-    """Config patches for a spec'd compile: size-oblivious backed sizes, no duck shaping."""
+    """Config patches for a spec'd compile: size-oblivious backed sizes (unless
+    ``size_oblivious=False``: the relaxed fallback), no duck shaping."""
 
-    def __init__(self, scalars: list[str]) -> None:
+    def __init__(self, scalars: list[str], *, size_oblivious: bool = True) -> None:
         import torch.fx.experimental._config as fx_config
 
         fx_patch: Any = fx_config.patch  # type: ignore[attr-defined]
         compiler_patch: Any = torch.compiler.config.patch  # type: ignore[attr-defined]
-        patches: list[Any] = [fx_patch(backed_size_oblivious=True, use_duck_shape=False)]
+        patches: list[Any] = [fx_patch(backed_size_oblivious=size_oblivious, use_duck_shape=False)]
         if scalars:
             patches.append(compiler_patch(dynamic_sources=",".join(scalars)))
         self._patches = patches
