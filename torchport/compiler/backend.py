@@ -9,9 +9,10 @@ each call's rewrite counts are kept in :func:`last_report`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,9 +190,72 @@ class TorchportBackend:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
+        with _symbolic_output_strides():
+            compiled = compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
         assert callable(compiled)
         return compiled
+
+
+_STRIDES = threading.local()  # .on: inside a torchport Inductor compile on this thread
+
+
+@contextlib.contextmanager
+def _symbolic_output_strides() -> Iterator[None]:
+    """Inside: Inductor reports a compiled forward's output strides to AOTAutograd as symbolic
+    expressions of the graph's sizes, for torchport's compiles only.
+
+    torch 2.13's ``set_tracing_context_output_strides`` reports them as the first call's numbers
+    (``evaluate_symexpr``), and AOTAutograd restrides the backward's saved activations to them:
+    a graph with a dynamic size traced at one size then failed at every other one
+    (``z.sin().sum()`` on ``[2, B]`` with B dynamic, backward at B = 3 after B = 5: "expected
+    size 2==2, stride 3==5 at dim=0"; plain ``torch.compile`` fails alike). Later torch keeps
+    them symbolic (``deserialize_symexpr``), as this does; a static graph's are numbers either
+    way. The report runs on a fresh compile and on a cache hit alike (``post_compile``), so the
+    patch is on Inductor's function, active only while this thread compiles for torchport.
+    """
+    import torch._inductor.output_code as oc
+
+    with _STRIDES_LOCK:
+        if not getattr(oc.set_tracing_context_output_strides, "_torchport", False):
+            original = oc.set_tracing_context_output_strides
+
+            def report(example_inputs: Sequence[Any], compiled_graph: Any) -> None:
+                if not getattr(_STRIDES, "on", False):
+                    return original(example_inputs, compiled_graph)
+                _report_symbolic_strides(example_inputs, compiled_graph, original)
+
+            report._torchport = True  # type: ignore[attr-defined]
+            oc.set_tracing_context_output_strides = report
+    outer = getattr(_STRIDES, "on", False)
+    _STRIDES.on = True
+    try:
+        yield
+    finally:
+        _STRIDES.on = outer
+
+
+_STRIDES_LOCK = threading.Lock()
+
+
+def _report_symbolic_strides(
+    example_inputs: Sequence[Any], compiled_graph: Any, original: Callable[..., None]
+) -> None:
+    from torch._guards import TracingContext
+    from torch._inductor.utils import shape_env_from_inputs
+
+    tc = TracingContext.try_get()
+    env = shape_env_from_inputs(example_inputs)
+    exprs = compiled_graph.output_strides
+    if tc is None or tc.output_strides is None or env is None or exprs is None:
+        return original(example_inputs, compiled_graph)
+    try:
+        strides = [
+            None if ex is None else tuple(env.deserialize_symexpr(e) for e in ex) for ex in exprs
+        ]
+    except Exception:  # (a symbol this shape env lacks: torch's own numbers, as before)
+        return original(example_inputs, compiled_graph)
+    assert len(tc.output_strides) == 0
+    tc.output_strides.extend(strides)
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
