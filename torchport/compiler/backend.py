@@ -255,7 +255,7 @@ def _report_symbolic_strides(
     except Exception:  # (a symbol this shape env lacks: torch's own numbers, as before)
         return original(example_inputs, compiled_graph)
     assert len(tc.output_strides) == 0
-    tc.output_strides.extend(strides)
+    tc.output_strides.extend(strides)  # type: ignore[arg-type]  # (symbolic: torch's own later form)
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
