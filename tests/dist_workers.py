@@ -827,8 +827,11 @@ def mismatch_case(rank: int, world: int) -> list[str]:
 
 def same_size_dtypes_case(rank: int, world: int) -> list[str]:
     """Ranks calling with different dtypes of one element size that the kernels do not fold
-    (moved as bytes): a mismatch naming both dtypes, never the bytes reinterpreted."""
-    from torchport.distributed import CollectiveMismatchError
+    (moved as bytes): a mismatch naming both dtypes, never the bytes reinterpreted. The rank
+    that detects it fails with CollectiveMismatchError; the other may learn of it from that
+    rank's abort first (RemoteError "detected mismatched collectives"), as it did under load
+    (uncaught there, it ended this rank's job and its peer saw the connection close)."""
+    from torchport.distributed import CollectiveMismatchError, RemoteError
 
     msgs = []
     pairs = [(torch.float8_e4m3fn, torch.float8_e5m2), (torch.uint16, torch.bits16)]
@@ -840,6 +843,8 @@ def same_size_dtypes_case(rank: int, world: int) -> list[str]:
             msgs.append(f"case {i}: no error")
         except CollectiveMismatchError as e:
             msgs.append(f"case {i}: mismatch: {e}")
+        except RemoteError as e:
+            msgs.append(f"case {i}: remote: {e}")
     return msgs
 
 

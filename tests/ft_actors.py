@@ -89,7 +89,19 @@ class Actors:
         return [self.recv(i, timeout) for i in ranks]
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        os.kill(self.procs[i].pid, sig)
+        """Send ``sig`` to actor ``i``; for SIGSTOP, return once the process shows as stopped
+        (at most 5 s), so what the test does next meets a stopped peer."""
+        pid = self.procs[i].pid
+        assert pid is not None
+        os.kill(pid, sig)
+        if sig != signal.SIGSTOP:
+            return
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:
+            with open(f"/proc/{pid}/stat") as f:  # state: the field after "(comm)"
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.001)
 
     def close(self) -> None:
         for p in self.procs:
