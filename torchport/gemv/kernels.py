@@ -258,7 +258,9 @@ def e4m3_values() -> torch.Tensor:
     """The float32 value of every E4M3 code 0..255 as the decoding kernels' tables have it: torch's,
     the NaN codes 0x7F/0xFF included (quantized data never holds them, but a raw float8 weight
     can, and torch's cast of it gives NaN)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    from torchport.lowp.formats import fp8_code_values  # (lowp imports this module)
+
+    return fp8_code_values(torch.float8_e4m3fn)
 
 
 def _e4m3_table() -> str:

@@ -128,3 +128,9 @@ def e8m0_to_f32(e: torch.Tensor) -> torch.Tensor:
 def e4m3_to_f32(b: torch.Tensor) -> torch.Tensor:
     """Float value of E4M3FN bytes (uint8 or float8_e4m3fn)."""
     return b.view(torch.float8_e4m3fn).float()
+
+
+def fp8_code_values(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of every code 0..255 of the FP8 ``dtype``, as torch's cast gives it (NaN
+    codes and their payloads included): the decode tables of the native kernels."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()

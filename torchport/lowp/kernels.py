@@ -14,6 +14,7 @@ import functools
 import torch
 
 from torchport import native
+from torchport.lowp.formats import fp8_code_values
 from torchport.native import FloatArg, IntArg, Kernel, TensorArg
 
 _SOURCE = r"""
@@ -388,8 +389,7 @@ IN_DTYPES = (torch.float32, torch.bfloat16)
 def _fp8_bits(dtype: torch.dtype) -> str:
     """A ``TP_E4M3_BITS`` / ``TP_E5M2_BITS`` initializer: torch's float32 value of every code of
     the FP8 ``dtype``, as bits (NaN payloads included)."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
-    bits = codes.float().view(torch.int32).tolist()
+    bits = fp8_code_values(dtype).view(torch.int32).tolist()
     return ", ".join(f"0x{b & 0xFFFFFFFF:08x}u" for b in bits)
 
 
