@@ -43,6 +43,8 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
+from torchport.control.aliasing import storage_key
+
 __all__ = ["CaptureError", "GraphError", "Program", "Recorder", "current_recorder"]
 
 
@@ -376,13 +378,13 @@ class Recorder(TorchDispatchMode):
         k = self._ext_ids.get(id(t))
         return k is not None and self.ext[k] is t
 
-    def _storages(self, skip: set[str] | None = None) -> set[int]:
+    def _storages(self, skip: set[str] | None = None) -> set[tuple[str, int]]:
         """Storage addresses of the static inputs and of the tensors named now (but ``skip``)."""
-        found = {_storage(t) for t in self.ext}
+        found = {storage_key(t) for t in self.ext}
         for ref, name in self._names.values():
             t = ref()
             if t is not None and (skip is None or name not in skip):
-                found.add(_storage(t))
+                found.add(storage_key(t))
         return found
 
     def emit(self, line: str) -> None:
@@ -581,7 +583,9 @@ class Recorder(TorchDispatchMode):
         # A branch's view of an operand or outer tensor (``a[0:2]``) has a name of its own but
         # the memory of a tensor named before: it must be copied too, or the output would follow
         # later in-place ops on that tensor (at replay only: the capture clones every output).
-        memory = self._storages() | {_storage(o) for o in operands if isinstance(o, torch.Tensor)}
+        memory = self._storages() | {
+            storage_key(o) for o in operands if isinstance(o, torch.Tensor)
+        }
         for j, leaf0 in enumerate(results[0][0]):
             for i, (leaves, _, _) in enumerate(results):
                 x = leaves[j]
@@ -612,7 +616,7 @@ class Recorder(TorchDispatchMode):
             for j, n in enumerate(names):
                 if n is not None:
                     outside = n in operand_names or n in outer or n.startswith("e")
-                    outside = outside or _storage(leaves[j]) in memory
+                    outside = outside or storage_key(leaves[j]) in memory
                     src = f"{n}.clone()" if outside else n
                     self.scope.lines.append(f"{pad}{outs[j]} = {src}")
             if not any(n is not None for n in names):
@@ -691,7 +695,7 @@ class Recorder(TorchDispatchMode):
         # A body's view of an outer tensor (``cache[1:3]``) shares its memory: copied too.
         memory = self._storages(skip=set(loop_vars))
         body_names = [
-            f"{b}.clone()" if b in outer or b.startswith("e") or _storage(t) in memory else b
+            f"{b}.clone()" if b in outer or b.startswith("e") or storage_key(t) in memory else b
             for b, t in zip(map(self._value_name, body_out), body_out)
         ]
         pad = "    " * self.scope.indent
@@ -844,10 +848,6 @@ def _reshaped(
 def _dedent(lines: list[str], levels: int) -> list[str]:
     cut = "    " * levels
     return [ln[len(cut) :] if ln.startswith(cut) else ln for ln in lines]
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
