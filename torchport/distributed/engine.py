@@ -381,9 +381,6 @@ class Communicator:
         self.peer_chunk = max(1, chunk // len(ranks)) if local is not None else chunk
         self.epoch = 1
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
-        # called once the close ended, for a group on a mesh it does not own (groups: the last
-        # group on the root mesh to close after the default group closes the mesh)
-        self.on_closed: Callable[[], None] | None = None
         self.op_seq = 0
         self.error: BaseException | None = None
         # set by close(): a later op would queue on a stopped engine, or run inline on an
@@ -1023,8 +1020,6 @@ class Communicator:
         finally:
             if self.owns_mesh:
                 self.mesh.close()
-            elif self.on_closed is not None:
-                self.on_closed()
 
     def _stop(self) -> None:
         self.engine.urge()  # queued async work starts now rather than at the next poll

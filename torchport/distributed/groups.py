@@ -13,14 +13,12 @@ communicator's rank q is c10d's group rank q. A group gets a shared-memory arena
 members run on this host (same hostname and boot id) and ``TORCHPORT_DIST_TRANSPORT`` allows
 it. A group spanning hosts (transport ``auto``) is *hybrid*: the members on each host share an
 arena among themselves and reach the other hosts by TCP, chosen per peer in every step
-(:mod:`~torchport.distributed.exchange`). The root mesh closes when the default group and every
-group on it have closed (``destroy_process_group()``).
+(:mod:`~torchport.distributed.exchange`).
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 import socket
 import threading
@@ -44,13 +42,6 @@ _incarnations: dict[str, int] = {}
 # _incarnations: a re-initialized job reuses names and ids, and the counts it carried over could
 # differ between ranks)
 _splits: dict[tuple[str, int], int] = {}
-# The communicators on the root mesh not closed yet, and whether the default group (the mesh's
-# builder) closed: the last of them to close after it closes the mesh (left open, its listener
-# kept accepting and a reader thread per peer stayed after destroy_process_group, until the next
-# init_process_group). torch shuts the groups down in the order of their names, so a subgroup
-# may still flush on the mesh after the default group closed.
-_on_root: set[Communicator] = set()
-_root_done = False
 
 
 def next_split(parent: tuple[str, int]) -> int:
@@ -85,19 +76,6 @@ def host_id() -> str:
 def root_mesh() -> Mesh | None:
     """The process's root mesh (None before ``init_process_group``)."""
     return _root
-
-
-def _closed_on_root(comm: Communicator, default: bool) -> None:
-    """``comm``, a group on the root mesh (``default``: the default group), closed: close the
-    mesh if the default group and every other group on it closed."""
-    global _root_done
-    with _lock:
-        if comm.mesh is not _root:  # a later init_process_group replaced (and closed) it
-            return
-        _on_root.discard(comm)
-        _root_done = _root_done or default
-        if _root_done and not _on_root and not _root.closed:
-            _root.close()
 
 
 def _build_mesh(store: Any, rank: int, size: int, timeout_s: float, again: str = "") -> Mesh:
@@ -186,7 +164,7 @@ def build_communicator(
     name: str,
 ) -> Communicator:
     """Create the communicator for one c10d group (collective over its members)."""
-    global _root, _root_done
+    global _root
     timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
     transport = str(config.get("dist_transport"))
     with _lock:
@@ -204,8 +182,6 @@ def build_communicator(
                 _root = mesh
                 _incarnations.clear()
                 _splits.clear()
-                _on_root.clear()
-                _root_done = False
             ranks: list[int] = list(range(size))
             gid = 0 if not global_ranks else group_id_for(name, seen)
         else:
@@ -263,8 +239,4 @@ def build_communicator(
         local_ranks=local_ranks if local_arena is not None else (),
     )
     comm.owns_mesh = is_root and bool(global_ranks)
-    if not comm.owns_mesh:  # on the root mesh (the default group is the one that built it)
-        with _lock:
-            _on_root.add(comm)
-        comm.on_closed = functools.partial(_closed_on_root, comm, not global_ranks)
     return comm
