@@ -8,12 +8,8 @@ process, as ``tests/test_reconfigure.py`` does.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import inspect
-import os
-import socket
-import threading
 import time
 from typing import Any
 
@@ -85,91 +81,6 @@ def test_a_group_of_unsorted_ranks_keeps_c10ds_rank_order(transport):
         }, (q, res[q])
 
 
-# -- destroy_process_group closes the root mesh ---------------------------------------------
-def _mesh_threads() -> list[str]:
-    return sorted(
-        t.name
-        for t in threading.enumerate()
-        if t.name == "tp-accept" or t.name.startswith("tp-read-")
-    )
-
-
-def _sockets() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # (closed meanwhile)
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return n
-
-
-def _destroy_job(rank: int, world: int, init: str) -> list[dict[str, Any]]:
-    import torchport.distributed as tpd
-    from torchport.distributed.groups import root_mesh
-
-    before = _sockets()
-    cycles = []
-    for i in range(3):  # a re-init after destroy builds a fresh mesh each time
-        dist.init_process_group(
-            "torchport", init_method=f"{init}{i}", rank=rank, world_size=world, timeout=TIMEOUT
-        )
-        mesh = root_mesh()
-        assert mesh is not None
-        addr = mesh.listener.getsockname()[:2]
-        sub = dist.new_group([1, 0], sort_ranks=False)
-        sp = tpd.split_group(split_ranks=[[0, 1]])
-        t = torch.ones(2)
-        dist.all_reduce(t)
-        dist.all_reduce(t, group=sub)
-        dist.all_reduce(t, group=sp)
-        # the default group shut down first (torch shuts groups down in the order of their
-        # names): the groups still on the mesh keep working
-        dist.distributed_c10d._get_default_group().shutdown()
-        kept_open = not mesh.closed
-        dist.all_reduce(t, group=sub)
-        dist.all_reduce(t, group=sp)
-        dist.destroy_process_group()
-        end = time.monotonic() + 3.0
-        while (_mesh_threads() or _sockets() > before) and time.monotonic() < end:
-            time.sleep(0.01)
-        try:
-            socket.create_connection(addr, timeout=1.0).close()
-            accepts = True
-        except OSError:
-            accepts = False
-        cycles.append(
-            {
-                "sum": t.tolist(),
-                "kept_open": kept_open,
-                "closed": mesh.closed,
-                "threads": _mesh_threads(),
-                "sockets": _sockets() - before,
-                "accepts": accepts,
-            }
-        )
-    return cycles
-
-
-@pytest.mark.timeout(90)
-def test_destroy_closes_the_root_mesh_and_a_re_init_works():
-    """After destroy_process_group() the root mesh stayed open (listener accepting, a reader
-    thread and a socket per peer) until the next init; gloo leaves nothing."""
-    for cycles in run_world(_destroy_job, 2, timeout=60):
-        assert (
-            cycles
-            == [
-                {
-                    "sum": [32.0, 32.0],
-                    "kept_open": True,
-                    "closed": True,
-                    "threads": [],
-                    "sockets": 0,
-                    "accepts": False,
-                }
-            ]
-            * 3
-        ), cycles
-
-
 # -- a reconfigure that fails while forming keeps watching the old members ------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["torchport", "gloo"])
@@ -199,7 +110,9 @@ def test_a_reconfigure_failed_while_forming_keeps_watching_the_members(backend):
         assert time.perf_counter() - t0 < 0.5
         err = gs[0].get_error()
         assert isinstance(err, PeerFailure), err
-        assert "rank 2 crashed" in str(err) and "reported by" not in str(err), err
+        # rank 2 named as the culprit (not the messenger, "rank 1 failed"); rank 0's own watch
+        # or rank 1's notice, whichever comes first, may tell it ("reported by rank 1")
+        assert "rank 2 crashed" in str(err), err
     finally:
         for g in gs:
             g.close()
