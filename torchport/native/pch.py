@@ -18,7 +18,9 @@ How it stays exact and safe:
   private temporary directory and ``os.replace``, and its SHA-256 is checked against its record
   once per process before first use: GCC stops with an internal error on a damaged PCH instead
   of ignoring it. A damaged one is rebuilt with a
-  :class:`~torchport.native.toolchain.CorruptCacheWarning`.
+  :class:`~torchport.native.toolchain.CorruptCacheWarning`, and so is one whose header, PCH or
+  record another user owns or can write, or is a symbolic link
+  (:func:`~torchport.native.toolchain.read_private`: GCC trusts both files as input).
 - A compile that fails with the PCH is retried without it (:func:`discard`, in
   ``toolchain.build``), and a PCH that cannot be built leaves compiles as they were.
 """
@@ -26,6 +28,7 @@ How it stays exact and safe:
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -35,6 +38,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from torchport import config
 from torchport.native import toolchain
@@ -92,7 +96,7 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
             d.mkdir(mode=0o700, exist_ok=True)
             toolchain.check_private(d)  # GCC reads the PCH as trusted input: ours only
             # one builder at a time across processes (PCH bytes differ from build to build)
-            with open(d / "lock", "a") as lock_file:
+            with _open_lock(d) as lock_file:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 # builders hold the lock: any build folder here was left by a killed one
                 toolchain.sweep_stale_builds(d, 0.0)
@@ -117,26 +121,40 @@ def discard(header: Path) -> None:
     with _lock:
         _ready[str(header.parent)] = None
     try:
-        with open(header.parent / "lock", "a") as lock_file:
+        with _open_lock(header.parent) as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             (header.parent / "record.json").unlink(missing_ok=True)
     except OSError:
         pass
 
 
+def _open_lock(d: Path) -> IO[bytes]:
+    """``d``'s lock file, made if missing (a symbolic link there is not followed: OSError)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    return open(os.open(d / "lock", flags, 0o600), "ab")
+
+
 def _verified(d: Path, key: str) -> bool:
+    """True if the PCH, its header and its record exist, are private (see
+    :func:`~torchport.native.toolchain.read_private`; one that is not is removed, or
+    UnsafeCacheError raised where it cannot be) and match the key and the prelude's headers."""
     gch, meta = d / f"{HEADER_NAME}.gch", d / "record.json"
-    if not gch.exists() or not meta.exists():  # never built (the record is placed last)
+    if not os.path.lexists(gch) or not os.path.lexists(meta):  # never built (record placed last)
         return False
+    why = "failed verification"
     try:
-        record = json.loads(meta.read_text())
-        ok = record.get("key") == key and record.get("sha256") == toolchain._digest(gch)
-        ok = ok and (d / HEADER_NAME).read_text() == HEADERS
+        record = json.loads(toolchain.read_private(meta)[0])
+        data = toolchain.read_private(gch)[0]
+        ok = record.get("key") == key and record.get("sha256") == hashlib.sha256(data).hexdigest()
+        ok = ok and toolchain.read_private(d / HEADER_NAME)[0] == HEADERS.encode()
+    except toolchain.UnsafeCacheError as e:
+        toolchain.remove_unsafe(e)
+        ok, why = False, f"is not used: {e}; removed it"
     except (OSError, ValueError, AttributeError, RecursionError):  # (deeply nested JSON)
         ok = False
     if not ok:
         warnings.warn(
-            f"torchport: precompiled header {d.name} failed verification; rebuilding it",
+            f"torchport: precompiled header {d.name} {why}; rebuilding it",
             toolchain.CorruptCacheWarning,
             stacklevel=4,
         )
@@ -160,6 +178,8 @@ def _build(d: Path, flags: Sequence[str], cc: str, key: str) -> None:
             toolchain._stats.pch_builds += 1
         record = {"key": key, "sha256": toolchain._digest(tmp / f"{HEADER_NAME}.gch"), "cmd": cmd}
         (tmp / "record.json").write_text(json.dumps(record))
+        for name in (HEADER_NAME, f"{HEADER_NAME}.gch", "record.json"):
+            toolchain.seal(tmp / name)
         os.replace(tmp / HEADER_NAME, d / HEADER_NAME)
         os.replace(tmp / f"{HEADER_NAME}.gch", d / f"{HEADER_NAME}.gch")
         os.replace(tmp / "record.json", d / "record.json")

@@ -6,7 +6,10 @@ toolchain's own ABI version, so a change to any of them builds anew. Entries liv
 ``<cache_dir>/native/<key[:2]>/<name>-<key[:24]>.so`` next to a ``.json`` record of the object's
 digest. Writes go to a private temporary directory, then ``os.replace`` into place, so several
 processes may build the same kernel at once; an entry whose digest does not match (truncated,
-overwritten, corrupt) is rebuilt with a warning.
+overwritten, corrupt) is rebuilt with a warning. The directories (:func:`check_private`) and each
+file of an entry (:func:`read_private`) must be changeable by this user (and root) only: an entry
+another user owns or can write, or a symbolic link, is removed and rebuilt (refused where it
+cannot be removed), never loaded.
 """
 
 from __future__ import annotations
@@ -292,12 +295,76 @@ def check_private(d: Path) -> None:
                 raise UnsafeCacheError(f"cannot check native cache directory {p}: {e}") from e
             why = unsafe_reason(st, euid, leaf=p == top)
             if why is not None:
-                fix = f"run `chmod go-w {p}` or point" if st.st_uid in (euid, 0) else "point"
+                # (chmod alone does not vouch for what others put there meanwhile: read_private
+                # then refuses each entry another user owns or can write, and it is rebuilt)
+                fix = (
+                    f"run `chmod go-w {p}` (entries that another user owns or can write are then "
+                    "removed and rebuilt, never loaded) or point"
+                    if st.st_uid in (euid, 0)
+                    else "point"
+                )
                 raise UnsafeCacheError(
                     f"native cache directory {p} {why}: no kernel is loaded from it; {fix} "
                     "TORCHPORT_CACHE_DIR at a directory of your own"
                 )
     _private_dirs.add(str(given))
+
+
+class _UnsafeEntryError(UnsafeCacheError):
+    """A file of a cache entry that another user may have planted (``path``)."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"native cache file {path} {why}")
+        self.path = path
+
+
+def read_private(path: Path) -> tuple[bytes, os.stat_result]:
+    """The bytes of the cache file ``path`` and the stat of the file they were read from.
+
+    Raises FileNotFoundError where it does not exist, and :class:`UnsafeCacheError` where it may
+    hold what another user planted: a symbolic link (not followed), not a regular file, or a file
+    :func:`unsafe_reason` refuses (owned by another user, writable by others). The checks are of
+    the opened file (``fstat``), so a file swapped in after them is not what is read; a directory
+    that passed :func:`check_private` lets no one else swap the path before it is loaded."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (a FIFO does not block)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _UnsafeEntryError(path, "must not be a symbolic link, got one") from e
+        raise
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _UnsafeEntryError(
+                path, f"must be a regular file, got {stat.filemode(st.st_mode)} (uid {st.st_uid})"
+            )
+        euid = os.geteuid()
+        why = unsafe_reason(st, euid, leaf=True)
+        if why is not None:  # (it names the owner or the mode at fault; the message names both)
+            foreign = st.st_uid not in (euid, 0)
+            other = f"mode {oct(stat.S_IMODE(st.st_mode))}" if foreign else f"uid {st.st_uid}"
+            raise _UnsafeEntryError(path, f"{why} ({other})")
+        return f.read(), st
+
+
+def remove_unsafe(e: UnsafeCacheError) -> None:
+    """Remove the file that :func:`read_private` refused with ``e`` (the entry is then rebuilt),
+    or raise :class:`UnsafeCacheError` naming it where it cannot be removed."""
+    assert isinstance(e, _UnsafeEntryError), e
+    try:
+        e.path.unlink(missing_ok=True)
+    except OSError as err:
+        raise UnsafeCacheError(
+            f"{e}: nothing is loaded from it, and it cannot be removed ({err}); remove it or "
+            "point TORCHPORT_CACHE_DIR at a directory of your own"
+        ) from err
+
+
+def seal(path: Path) -> None:
+    """Clear group and other write permission on a file about to enter the cache: one written
+    under ``umask 000`` would be refused by :func:`read_private` (and rebuilt) in every process."""
+    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~0o022)
 
 
 # A build's temporary folder (``.build-*``) lives at most COMPILE_TIMEOUT_S; one much older was
@@ -368,24 +435,54 @@ def _entry_paths(name: str, key: str) -> tuple[Path, Path]:
     return d / f"{stem}.so", d / f"{stem}.json"
 
 
-def _verified(so: Path, meta: Path, key: str) -> bool:
-    """True if both files exist and the object's digest matches its record."""
-    if not so.exists():  # never built (the record is placed before the object)
-        return False
+def _verified(so: Path, meta: Path, key: str) -> os.stat_result | None:
+    """The stat of the object read if both files exist, are private (:func:`read_private`) and
+    the object's digest matches its record; else None.
+
+    A file that is not private is removed (or :class:`UnsafeCacheError` raised where it cannot
+    be) and the entry rebuilt, with a warning, like a corrupt one."""
+    if not os.path.lexists(so):  # never built (the record is placed before the object)
+        return None
+    st: os.stat_result | None = None
+    why = "failed verification"
     try:
-        record = json.loads(meta.read_text())
-        ok = record.get("key") == key and record.get("sha256") == _digest(so)
+        obj, st = read_private(so)
+        record = json.loads(read_private(meta)[0])
+        if record.get("key") != key or record.get("sha256") != hashlib.sha256(obj).hexdigest():
+            st = None
+    except UnsafeCacheError as e:
+        remove_unsafe(e)
+        st, why = None, f"is not loaded: {e}; removed it"
     except (OSError, ValueError, AttributeError, RecursionError):  # (deeply nested JSON)
-        ok = False
-    if not ok:
+        st = None
+    if st is None:
         warnings.warn(
-            f"torchport: cache entry {so.name} failed verification; rebuilding it",
+            f"torchport: cache entry {so.name} {why}; rebuilding it",
             CorruptCacheWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         with _lock:
             _stats.corrupt_rebuilds += 1
-    return ok
+    return st
+
+
+def _loadable(so: Path, meta: Path, key: str) -> bool:
+    """True if the entry verifies and ``so`` still names the very file verified, right before
+    it is loaded by path (``dlopen`` of ``/proc/self/fd/N`` is no way round: glibc matches an
+    already-loaded object by that name, so a later kernel opened under a reused descriptor
+    number got the first one's library). Only this user or root can rename in the entry's
+    directory (:func:`check_private`) or write a verified file, so the path cannot change
+    between this check and the load but by them. A concurrent builder's replacement of the
+    entry is verified anew (a few times, then the caller builds it itself)."""
+    for _ in range(3):
+        st = _verified(so, meta, key)
+        if st is None:
+            return False
+        with contextlib.suppress(OSError):
+            now = os.lstat(so)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                return True
+    return False
 
 
 def _compile(
@@ -439,6 +536,8 @@ def _compile_in(
             raise CompileError(f"{cc} failed (exit {res.returncode}) on kernel {so.stem}:\n{said}")
         record = {"key": key, "sha256": _digest(tmp / "kernel.so"), "cmd": cmd}
         (tmp / "kernel.json").write_text(json.dumps(record))
+        seal(tmp / "kernel.so")
+        seal(tmp / "kernel.json")
         os.replace(tmp / "kernel.json", meta)  # record first: an object never lacks one
         os.replace(tmp / "kernel.so", so)
     finally:
@@ -462,9 +561,9 @@ def build(
     """Compile ``source`` (or take it from the cache) and load it.
 
     Raises :class:`CompilerNotFoundError` or :class:`CompileError`, :class:`UnsafeCacheError`
-    where another user could write the cache directory and :class:`CacheUnavailableError` where
-    it cannot be written (:class:`DiskFullError` where a disk is full); never returns a stale
-    object. A CompileError (a rejection or a timeout) is remembered for the process: later calls
+    where another user could write the cache directory (or the entry's files, where they cannot
+    be removed) and :class:`CacheUnavailableError` where it cannot be written
+    (:class:`DiskFullError` where a disk is full); never returns a stale object. A CompileError (a rejection or a timeout) is remembered for the process: later calls
     raise it again at once. The other errors are not: a later call tries again.
     """
     if not name.replace("_", "").isalnum():
@@ -487,7 +586,7 @@ def build(
                 _stats.memory_hits += 1
                 return _loaded[key]
         so, meta = _entry_paths(name, key)
-        if _verified(so, meta, key):
+        if _loadable(so, meta, key):
             try:
                 lib = ctypes.CDLL(str(so))
                 with _lock:
