@@ -4,6 +4,7 @@ close, hostile state headers, and heal connections that wait without bound."""
 
 from __future__ import annotations
 
+import secrets
 import socket
 import sys
 import threading
@@ -16,7 +17,16 @@ import torch
 
 from tests.test_ft import _refused, _wait_for
 from torchport.distributed import CommError
-from torchport.distributed._control import Server, _mac, connect, recv_exact, recv_msg, send_msg
+from torchport.distributed._control import (
+    HELLO,
+    NONCE,
+    Server,
+    client_answer,
+    connect,
+    recv_exact,
+    recv_msg,
+    send_msg,
+)
 from torchport.distributed.elastic import Member
 from torchport.distributed.ft import (
     Lighthouse,
@@ -180,6 +190,15 @@ def test_lighthouse_refuses_a_quorum_request_with_a_malformed_mesh(mesh):
 # -- C3, C4: closing servers --------------------------------------------------------------------
 
 
+def _start_handshake(s: socket.socket, secret: bytes, role: str) -> bytes:
+    """Open the handshake by hand up to the client's answer (returned, not sent): the server then
+    waits inside its handshake for it."""
+    nonce = secrets.token_bytes(NONCE)
+    s.sendall(HELLO + nonce)
+    challenge = recv_exact(s, len(HELLO) + NONCE + 32)
+    return client_answer(secret, role, nonce, challenge, "test")
+
+
 def test_server_does_not_serve_a_connection_that_authenticates_after_close():
     """close() listed the open connections while one was still in its handshake; that one was
     then added and served after close (a closed lighthouse answered a quorum request). It is
@@ -189,9 +208,9 @@ def test_server_does_not_serve_a_connection_that_authenticates_after_close():
     srv = Server(lambda c: served.set(), secret=secret, role="heal")
     s = socket.create_connection(srv.address, timeout=5)
     try:
-        nonce = recv_exact(s, 32)  # the server is inside its handshake now
+        answer = _start_handshake(s, secret, "heal")  # the server is inside its handshake now
         srv.close()
-        s.sendall(_mac(secret, nonce, "heal"))
+        s.sendall(answer)
         with pytest.raises((OSError, CommError)):
             recv_exact(s, 2)  # "OK" may arrive: the close follows it
             recv_exact(s, 1)
@@ -207,11 +226,11 @@ def test_closed_lighthouse_answers_no_quorum_and_starts_no_store():
     lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
     socks = [socket.create_connection(lh.address, timeout=5) for _ in range(2)]
     try:
-        nonces = [recv_exact(s, 32) for s in socks]
+        answers = [_start_handshake(s, secret, "lighthouse") for s in socks]
         lh.close()
         with pytest.raises((OSError, CommError)):
-            for s, n in zip(socks, nonces):
-                s.sendall(_mac(secret, n, "lighthouse"))
+            for s, a in zip(socks, answers):
+                s.sendall(a)
                 recv_exact(s, 2)
             send_msg(socks[0], {"t": "hb", "rid": "ghost"})
             send_msg(socks[1], {"t": "rpc"})

@@ -7,10 +7,22 @@ reconfigure validation, heal requests, RMA window requests) travels as frames::
     raw bytes of a known, announced length                    -- tensor payloads
 
 No pickle anywhere; every length is bounded by ``MAX_FRAME`` (or by the announced payload size the
-receiver already validated). A connection starts with a challenge-response: the server sends a
-random 32-byte nonce, the client answers with HMAC-SHA256(secret, nonce || role), the server checks
-it in constant time and closes the socket on a mismatch. Servers bind to 127.0.0.1 unless told
-otherwise.
+receiver already validated). A connection starts with a mutual challenge-response (each side
+proves it knows the job secret; nonces fresh per connection, so no recorded exchange replays)::
+
+    client -> HELLO "TPH2" | nonce_c (32 bytes)
+    server -> HELLO | nonce_s | mac("srv", role, nonce_c, nonce_s)
+    client -> mac("cli", role, nonce_c, nonce_s)   (sent only once the server's proof checked out)
+    server -> "OK"
+
+``mac`` is HMAC-SHA256 under the secret (:func:`_mac`); each side compares in constant time and
+closes the socket on a mismatch. (The server used to prove nothing: a process without the secret
+listening on a stale address was accepted as the server, and a healing replica would have loaded
+whatever state it sent.) What the handshake does not stop: the frames after it are
+neither encrypted nor signed, so a process that forwards every byte between a client and a real
+server (on the path, or listening where the client dials and dialing the server itself) passes
+both proofs and can read and alter what follows; only signed or encrypted frames would stop that.
+Servers bind to 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -27,8 +39,10 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from torchport import config
 from torchport.distributed._threads import WarmPool
 from torchport.distributed.errors import AuthError, CommError, ConnectTimeoutError, WireError
 
@@ -51,18 +65,23 @@ def default_secret() -> bytes:
     env = os.environ.get("TORCHPORT_SECRET")
     if env:
         return env.encode()
-    from torchport import config
-
-    return _user_secret(os.path.join(str(config.get("cache_dir")), "control-secret"))
+    cache = os.path.expanduser(str(config.get("cache_dir")))
+    return _user_secret(os.path.join(cache, "control-secret"))
 
 
 def _user_secret(path: str) -> bytes:
     """Read (or atomically create) the secret file at ``path``; it must be a regular file owned
-    by this user and unreadable by others, else :class:`AuthError`."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    by this user and unreadable by others, in a directory only this user (and root) can change
+    (:func:`_check_secret_dir`), else :class:`AuthError`.
+
+    The file is opened without blocking and checked (``fstat``) before anything is read: a FIFO
+    planted at ``path`` made the open wait forever for a writer, before any check ran."""
+    d = os.path.dirname(path)
+    config.make_private_dirs(Path(d))
+    _check_secret_dir(d, path)
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
         except FileNotFoundError:
             fd = -1
         except OSError as e:  # a symbolic link (ELOOP) or unreadable
@@ -86,9 +105,11 @@ def _user_secret(path: str) -> bytes:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
                 raise AuthError(
                     f"secret file {path} must be a regular file owned by uid {os.getuid()} with "
-                    f"no group/other permissions (mode {oct(st.st_mode & 0o777)}, uid "
-                    f"{st.st_uid}); set TORCHPORT_SECRET or remove it"
+                    f"no group/other permissions (a {_kind(st.st_mode)}, mode "
+                    f"{oct(st.st_mode & 0o777)}, uid {st.st_uid}); set TORCHPORT_SECRET or "
+                    "remove it"
                 )
+            os.set_blocking(fd, True)  # (a regular file: O_NONBLOCK changes nothing; cleared)
             data = os.read(fd, 64)
         finally:
             os.close(fd)
@@ -96,6 +117,43 @@ def _user_secret(path: str) -> bytes:
             raise AuthError(f"secret file {path} holds {len(data)} bytes (at least 16 needed)")
         return data
     raise AuthError(f"could not create or read the secret file {path}")
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words (for messages)."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "device or other special file"
+
+
+def _check_secret_dir(d: str, path: str) -> None:
+    """Raise :class:`AuthError` unless only this user (and root) can change what directory ``d``
+    holds: every directory from ``d`` up to ``/`` (along the path as given and the resolved one)
+    must pass the native cache's policy :func:`torchport.native.toolchain.unsafe_reason` (``d``
+    the leaf). In a directory others could write, they could plant the secret file (or a FIFO
+    in its place) before this user made it, or swap it."""
+    from torchport.native.toolchain import unsafe_reason
+
+    euid = os.geteuid()
+    given = Path(os.path.abspath(d))
+    for top in {given, Path(os.path.realpath(d))}:
+        for p in (top, *top.parents):
+            try:
+                st = os.stat(p)
+            except OSError as e:
+                raise AuthError(f"cannot check the directory {p} of secret file {path}: {e}") from e
+            why = unsafe_reason(st, euid, leaf=p == top)
+            if why is not None:
+                raise AuthError(
+                    f"secret file {path}: its directory {p} {why}; set TORCHPORT_SECRET or point "
+                    "TORCHPORT_CACHE_DIR at a directory of your own"
+                )
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -173,25 +231,61 @@ def decode_frame(body: bytes | bytearray, what: str = "control frame") -> dict[s
     return obj
 
 
-def _mac(secret: bytes, nonce: bytes, role: str) -> bytes:
-    return hmac.new(secret, nonce + role.encode(), hashlib.sha256).digest()
+HELLO = b"TPH2"  # the handshake's version, first in each side's opening message
+NONCE = 32  # bytes of each side's nonce
+_MAC = 32  # bytes of an HMAC-SHA256
+
+
+def _mac(secret: bytes, side: bytes, role: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 over the protocol label, the side that proves (``b"srv"``: the server,
+    ``b"cli"``: the client), the role and both nonces (fixed length, last: unambiguous). The
+    side label keeps one side's proof from passing for the other's."""
+    msg = b"torchport-control|" + HELLO + b"|" + side + b"|" + role.encode() + b"|"
+    return hmac.new(secret, msg + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
 def server_handshake(sock: socket.socket, secret: bytes, role: str, timeout: float = 5.0) -> None:
-    """Challenge the client; raise :class:`AuthError` if it does not answer with the right MAC.
-    The whole exchange ends within ``timeout`` s (``TimeoutError`` otherwise): a per-``recv``
-    timeout let a client trickling its answer a byte at a time hold the server's slot 32 times
-    as long."""
+    """Authenticate the client and prove this server to it; raise :class:`AuthError` if the
+    client does not know the secret (or speaks another handshake). The whole exchange ends
+    within ``timeout`` s (``TimeoutError`` otherwise): a per-``recv`` timeout let a client
+    trickling its answer a byte at a time hold the server's slot 32 times as long."""
     deadline = time.monotonic() + timeout
-    nonce = secrets.token_bytes(32)
+    hello = recv_exact(sock, len(HELLO) + NONCE, deadline)
+    if hello[: len(HELLO)] != HELLO:
+        raise AuthError(
+            f"peer opened the {role!r} handshake with {hello[: len(HELLO)]!r}, expected "
+            f"{HELLO!r} (not a torchport client, or one of another version)"
+        )
+    client_nonce, nonce = hello[len(HELLO) :], secrets.token_bytes(NONCE)
     _until(sock, deadline, "sending the authentication challenge")
-    sock.sendall(nonce)
-    answer = recv_exact(sock, 32, deadline)
-    if not hmac.compare_digest(answer, _mac(secret, nonce, role)):
+    sock.sendall(HELLO + nonce + _mac(secret, b"srv", role, client_nonce, nonce))
+    answer = recv_exact(sock, _MAC, deadline)
+    if not hmac.compare_digest(answer, _mac(secret, b"cli", role, client_nonce, nonce)):
         raise AuthError(f"peer failed authentication for {role!r}")
     _until(sock, deadline, "confirming the authentication")
     sock.sendall(b"OK")
     sock.settimeout(None)
+
+
+def client_answer(
+    secret: bytes, role: str, client_nonce: bytes, challenge: bytes, peer: str
+) -> bytes:
+    """The client's proof for the server's ``challenge`` (``HELLO``, its nonce, its proof), once
+    the server's proof checked out; :class:`AuthError` (naming ``peer``) if it does not: a
+    server that does not know the secret learns nothing else from this client."""
+    if challenge[: len(HELLO)] != HELLO:
+        raise AuthError(
+            f"server at {peer} ({role}) answered the handshake with {challenge[: len(HELLO)]!r}, "
+            f"expected {HELLO!r} (not a torchport control server, or one of another version)"
+        )
+    nonce = challenge[len(HELLO) : len(HELLO) + NONCE]
+    proof = challenge[len(HELLO) + NONCE :]
+    if not hmac.compare_digest(proof, _mac(secret, b"srv", role, client_nonce, nonce)):
+        raise AuthError(
+            f"server at {peer} failed authentication for {role!r}: it does not know the job "
+            "secret (a stale address another process took, or a different job)"
+        )
+    return _mac(secret, b"cli", role, client_nonce, nonce)
 
 
 def connect(
@@ -218,8 +312,12 @@ def connect(
         raise CommError(f"cannot connect to {addr[0]}:{addr[1]} ({role}): {e}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = recv_exact(sock, 32, deadline)
-        answer = _mac(secret, nonce, role)
+        client_nonce = secrets.token_bytes(NONCE)
+        _until(sock, deadline, "sending the authentication hello")
+        sock.sendall(HELLO + client_nonce)
+        challenge = recv_exact(sock, len(HELLO) + NONCE + _MAC, deadline)
+        peer = f"{addr[0]}:{addr[1]}"
+        answer = client_answer(secret, role, client_nonce, challenge, peer)
         if first is not None:
             body = json.dumps(first, separators=(",", ":")).encode()
             if len(body) > MAX_FRAME:
@@ -240,6 +338,31 @@ def connect(
             ) from None
         raise CommError(f"handshake with {addr[0]}:{addr[1]} failed: {e}") from None
     return sock
+
+
+def master_store(host: str) -> Any:
+    """A master ``torch.distributed.TCPStore`` (unauthenticated: gloo groups rendezvous through
+    it) that listens on ``host`` only, on a port the kernel picks.
+
+    ``TCPStore(host, 0, is_master=True)`` binds every interface whatever ``host`` says (its
+    server ignores the name): a lighthouse or reconfigurable group told 127.0.0.1 listened on
+    ``*:port``, reachable from other hosts. The socket is bound and listening here, and the store
+    takes its descriptor (``master_listen_fd``); the store closes it when it goes, or when it
+    fails to start (checked on torch 2.13, both backends), so this process no longer owns it."""
+    import torch.distributed as dist
+
+    ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind((host, 0))
+        ls.listen(socket.SOMAXCONN)
+        port = int(ls.getsockname()[1])
+    except OSError as e:
+        ls.close()
+        raise CommError(f"cannot listen on {host!r} for the gloo TCPStore: {e}") from None
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=ls.detach()
+    )
 
 
 MAX_HANDSHAKES = 128  # connections of one server in the authentication handshake at once

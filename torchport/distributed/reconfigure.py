@@ -68,6 +68,7 @@ from torchport.distributed._control import (
     Server,
     connect,
     default_secret,
+    master_store,
     recv_msg,
     send_msg,
 )
@@ -257,7 +258,7 @@ class ReconfigurableGroup:
         if backend == "torchport":
             self._mesh = ElasticMesh(self._secret, host)
         else:
-            self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            self.store = master_store(host)  # (on host only, not on *)
         # a newcomer's peers all validate its handle at once: handler threads are kept ready
         self._server = Server(
             self._handle, secret=self._secret, role="reconf", host=host, spare=_SPARE

@@ -49,7 +49,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ from torchport.distributed._control import (
     recv_msg,
     send_msg,
 )
-from torchport.distributed.errors import CommTimeoutError
+from torchport.distributed.errors import CommTimeoutError, clip_repr, is_int
 from torchport.distributed.ft.transfer import DTYPES, _bytes_view
 from torchport.distributed.groups import host_id
 from torchport.distributed.reconfigure import ReconfigurableGroup, Work
@@ -941,9 +941,9 @@ class Window:
 
     def _serve(self, conn: socket.socket) -> None:
         hello = recv_msg(conn)
-        src = int(hello.get("src", -1))
-        if not 0 <= src < self.size:
-            raise CommError(f"window peer announced bad rank {src}")
+        src = hello.get("src", -1)
+        if not is_int(src) or not 0 <= src < self.size:
+            raise CommError(f"window peer announced bad rank {clip_repr(src)}")
         while True:
             msg = recv_msg(conn, limit=4096)
             kind = msg.get("t")
@@ -952,10 +952,16 @@ class Window:
                 send_msg(conn, {"t": "ok"})
                 continue
             local = self._local
-            off, n = int(msg.get("off", -1)), int(msg.get("n", -1))
+            # integers only: a string, list or infinity made int() raise in this thread, which
+            # died with a traceback and no reply; 1.7 was taken as 1
+            off: Any = msg.get("off")
+            n: Any = msg.get("n")
+            if not (is_int(off) and is_int(n)):
+                _refuse(
+                    conn, f"off and n must be integers, got off={clip_repr(off)}, n={clip_repr(n)}"
+                )
             if local is None or off < 0 or n < 0 or off + n > local.numel():
-                send_msg(conn, {"t": "error", "error": f"elements [{off}, {off + n}) out of range"})
-                raise CommError("bad window request")
+                _refuse(conn, f"elements [{off}, {off + n}) out of range")
             flat = local.view(-1)
             if kind in ("put", "acc"):
                 buf = torch.empty(n, dtype=local.dtype)
@@ -1007,6 +1013,14 @@ class Window:
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps, self._retired = [], []
+
+
+def _refuse(conn: socket.socket, why: str) -> NoReturn:
+    """Answer a malformed or out-of-range window request with an error and close the connection
+    (a put's payload follows its header: the stream is out of step; the client drops a connection
+    whose request was refused anyway)."""
+    send_msg(conn, {"t": "error", "error": why})
+    raise CommError(f"bad window request: {why}")
 
 
 def _new_window(

@@ -47,10 +47,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from torchport import config
-from torchport.distributed._control import Server, default_secret, recv_msg, send_msg
+from torchport.distributed._control import (
+    Server,
+    default_secret,
+    master_store,
+    recv_msg,
+    send_msg,
+)
 from torchport.distributed.elastic import Member
 from torchport.distributed.errors import CommError, WireError, clip_repr, is_int
 
@@ -265,7 +269,7 @@ class Lighthouse:
             and not self._stop.is_set()
             and any(i.get("mesh") is None for i in infos)
         ):
-            self.store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
+            self.store = master_store(self._host)  # (on host only, not on *)
             self._log(f"gloo store started on port {self.store.port}")
         return int(self.store.port) if self.store is not None else 0
 
