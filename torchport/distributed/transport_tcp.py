@@ -4,7 +4,9 @@ Every rank of a root communicator listens on the configured address (``TORCHPORT
 default 127.0.0.1) and publishes ``host:port`` and its host identity through the store. Rank
 ``r`` connects to every rank below it and accepts from every rank above; each connection is
 authenticated both ways (:mod:`~torchport.distributed.auth`) before it is used, and a peer that
-fails the handshake is closed and counted in :attr:`Mesh.rejected`.
+fails the handshake is closed and counted in :attr:`Mesh.rejected`. At most ``MAX_HANDSHAKES``
+connections are in the handshake at once, each for ``HANDSHAKE_TIMEOUT_S`` at most; a connection
+past that bound is closed at once (and counted), and a dialling rank tries again.
 
 One reader thread per connection decodes frames (:mod:`~torchport.distributed.wire`) into a
 :class:`Mailbox` keyed by ``(group, kind, src, seq)``; ABORT frames go straight to the group's
@@ -34,6 +36,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import errno
 import functools
 import os
 import select
@@ -49,6 +52,7 @@ from typing import Any, Protocol
 import numpy
 
 from torchport.distributed import auth
+from torchport.distributed._control import MAX_HANDSHAKES, _until
 from torchport.distributed.errors import (
     AuthError,
     CommAbortedError,
@@ -86,7 +90,22 @@ from torchport.distributed.wire import (
     encode_header,
 )
 
+# A listener's whole handshake with one connection ends within this (one deadline: a timeout
+# per recv let a stranger sending a byte every few seconds hold its thread without end); it
+# also bounds each step of a dial's. At most MAX_HANDSHAKES (_control's bound) run at once:
+# without one, every silent unauthenticated connection got a thread (1000: 1000 threads), and
+# once no thread could start the acceptor died, so no later rank got in. Past the bound a new
+# connection is closed at once (Mesh._accept_loop) and a legitimate dialler tries again
+# (Mesh._connect); a client reopening connections as fast as they expire can still keep
+# legitimate peers waiting (a denial of service the bound does not prevent).
 HANDSHAKE_TIMEOUT_S = 10.0
+REDIAL_S = 0.02  # a dial the listener closed before its challenge is tried again this often
+# accept() errors the acceptor outlives (out of descriptors or memory for now; a connection
+# aborted before it was taken): it waits ACCEPT_RETRY_S and goes on accepting
+ACCEPT_RETRY_ERRNOS = frozenset(
+    (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO)
+)
+ACCEPT_RETRY_S = 0.05
 # A transfer sending or receiving this much runs pinned to its rank's CPU (Mesh.pin_cpu; an
 # elastic mesh, whose members come and go, pins to the CPU the thread runs on)
 PIN_BYTES = 256 << 10
@@ -174,11 +193,15 @@ class GroupHandler(Protocol):
     def on_peer_lost(self, src: int, error: BaseException) -> None: ...
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """Receive exactly ``n`` bytes; with ``deadline`` (``time.monotonic()``) all of them by
+    then (``TimeoutError``), however the peer spreads them out."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            _until(sock, deadline, f"after {got} of {n} bytes")
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("connection closed by peer")
@@ -328,10 +351,11 @@ def _frame_views(head: bytes, view: memoryview) -> list[memoryview]:
     return [memoryview(head), view] if len(view) else [memoryview(head)]
 
 
-def read_frame(sock: socket.socket, max_length: int) -> Frame:
-    """Read and validate one frame (header bound checked before the payload is read)."""
-    hdr = decode_header(_recv_exact(sock, HEADER_SIZE), max_length=max_length)
-    return hdr, _recv_exact(sock, hdr.length) if hdr.length else bytearray()
+def read_frame(sock: socket.socket, max_length: int, deadline: float | None = None) -> Frame:
+    """Read and validate one frame (header bound checked before the payload is read), the
+    whole of it by ``deadline`` if given (:func:`_recv_exact`)."""
+    hdr = decode_header(_recv_exact(sock, HEADER_SIZE, deadline), max_length=max_length)
+    return hdr, _recv_exact(sock, hdr.length, deadline) if hdr.length else bytearray()
 
 
 class Delivery:
@@ -960,6 +984,8 @@ class Mesh:
         self.peers: dict[int, Connection] = {}
         self.rejected = 0
         self.closed = False
+        # connections in the listener's handshake (see HANDSHAKE_TIMEOUT_S)
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.linger_us = 0  # LINGER_US once the ranks on this host are known (fixed meshes)
         self.linger_big_us = 0  # LINGER_BIG_US (fixed meshes)
         # bytes of a shared-memory ring for large P2P payloads to a rank of this host (fixed
@@ -1034,20 +1060,52 @@ class Mesh:
                 self._ready.wait(min(left, 0.1))
 
     # -- connection set-up -------------------------------------------------------------
-    def _connect(self, q: int, host: str, port: int, deadline: float) -> None:
+    def _dial(self, q: int, host: str, port: int, deadline: float) -> socket.socket:
+        """A TCP connection to rank ``q``'s listener, tried again until ``deadline``."""
         while True:
             try:
-                sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
-                break
+                return socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise CommError(
                         f"rank {self.rank}: cannot connect to rank {q} at {host}:{port}: {e}"
                     ) from e
                 time.sleep(0.01)
-        try:
+
+    def _greet(self, q: int, host: str, port: int, deadline: float) -> tuple[socket.socket, bytes]:
+        """Dial rank ``q`` and send our HELLO; returns the socket and our nonce once its
+        challenge is readable. A listener with every handshake slot taken closes a new
+        connection before its challenge (:meth:`_accept_loop`): such a dial is tried again,
+        every ``REDIAL_S``, until ``deadline``."""
+        while True:
+            sock = self._dial(q, host, port, deadline)
             nonce_c = auth.new_nonce()
-            sock.sendall(encode_header(Kind.HELLO, 0, self.rank, 0, len(nonce_c)) + nonce_c)
+            try:
+                sock.sendall(encode_header(Kind.HELLO, 0, self.rank, 0, len(nonce_c)) + nonce_c)
+                # (the challenge is read by the caller; an end of stream is seen here)
+                if sock.recv(1, socket.MSG_PEEK):
+                    return sock, nonce_c
+                why: BaseException = ConnectionError("connection closed by peer")
+            except ConnectionError as e:  # (reset: closed with our HELLO unread)
+                why = e
+            except OSError as e:  # (a timeout: nobody answers)
+                sock.close()
+                raise CommError(f"rank {self.rank}: handshake with rank {q} failed: {e}") from e
+            except BaseException:
+                sock.close()
+                raise
+            sock.close()
+            if time.monotonic() > deadline:
+                raise CommError(
+                    f"rank {self.rank}: rank {q} at {host}:{port} closed every connection before "
+                    f"its challenge until the deadline (all its handshake slots taken, or it "
+                    f"does not expect rank {self.rank}): {why}"
+                )
+            time.sleep(REDIAL_S)
+
+    def _connect(self, q: int, host: str, port: int, deadline: float) -> None:
+        sock, nonce_c = self._greet(q, host, port, deadline)
+        try:
             hdr, body = read_frame(sock, 2 * auth.NONCE_BYTES)
             if hdr.kind != Kind.CHALLENGE or len(body) != auth.NONCE_BYTES + auth.MAC_BYTES:
                 raise AuthError(f"rank {q} sent {hdr.kind.name} instead of a challenge")
@@ -1073,32 +1131,54 @@ class Mesh:
                 sock, _ = self.listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            self._spawn(self._handshake, sock, name="tp-handshake")
+            except OSError as e:
+                if self.closed or e.errno not in ACCEPT_RETRY_ERRNOS:
+                    return
+                time.sleep(ACCEPT_RETRY_S)  # (the connection waits in the backlog meanwhile)
+                continue
+            # a handshake slot (see HANDSHAKE_TIMEOUT_S), else the connection is closed now
+            if not self._slots.acquire(blocking=False):
+                self._refuse(sock)
+                continue
+            try:
+                self._spawn(self._handshake, sock, name="tp-handshake")
+            except (RuntimeError, OSError):  # no thread could start: later connections may
+                self._slots.release()
+                self._refuse(sock)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """Close a connection that gets no handshake (counted in :attr:`rejected`)."""
+        with self._lock:
+            self.rejected += 1
+        sock.close()
 
     def _handshake(self, sock: socket.socket) -> None:
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        """Authenticate an accepted connection (holding a slot of ``_slots``, released here),
+        the whole exchange by one deadline (``HANDSHAKE_TIMEOUT_S``)."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
-            hdr, nonce_c = read_frame(sock, auth.NONCE_BYTES)
-            q = hdr.src
-            if hdr.kind != Kind.HELLO or len(nonce_c) != auth.NONCE_BYTES:
-                raise AuthError("expected HELLO with a nonce")
-            if not (self.rank < q < self.world) or q in self.peers:
-                raise AuthError(f"unexpected or duplicate rank {q}")
-            nonce_s = auth.new_nonce()
-            proof = auth.mac(self.secret, b"srv", bytes(nonce_c), nonce_s, self.rank)
-            body = nonce_s + proof
-            sock.sendall(encode_header(Kind.CHALLENGE, 0, self.rank, 0, len(body)) + body)
-            hdr, got = read_frame(sock, auth.MAC_BYTES)
-            want = auth.mac(self.secret, b"cli", nonce_s, bytes(nonce_c), q)
-            if hdr.kind != Kind.PROOF or not auth.verify(want, bytes(got)):
-                raise AuthError(f"connection claiming rank {q} failed authentication")
-            sock.sendall(encode_header(Kind.ACCEPT, 0, self.rank, 0, 0))
-        except (OSError, WireError, AuthError, ConnectionError):
-            with self._lock:
-                self.rejected += 1
-            sock.close()
+            try:
+                hdr, nonce_c = read_frame(sock, auth.NONCE_BYTES, deadline)
+                q = hdr.src
+                if hdr.kind != Kind.HELLO or len(nonce_c) != auth.NONCE_BYTES:
+                    raise AuthError("expected HELLO with a nonce")
+                if not (self.rank < q < self.world) or q in self.peers:
+                    raise AuthError(f"unexpected or duplicate rank {q}")
+                nonce_s = auth.new_nonce()
+                proof = auth.mac(self.secret, b"srv", bytes(nonce_c), nonce_s, self.rank)
+                body = nonce_s + proof
+                _until(sock, deadline, "sending the challenge")
+                sock.sendall(encode_header(Kind.CHALLENGE, 0, self.rank, 0, len(body)) + body)
+                hdr, got = read_frame(sock, auth.MAC_BYTES, deadline)
+                want = auth.mac(self.secret, b"cli", nonce_s, bytes(nonce_c), q)
+                if hdr.kind != Kind.PROOF or not auth.verify(want, bytes(got)):
+                    raise AuthError(f"connection claiming rank {q} failed authentication")
+                _until(sock, deadline, "accepting the peer")
+                sock.sendall(encode_header(Kind.ACCEPT, 0, self.rank, 0, 0))
+            finally:
+                self._slots.release()
+        except (OSError, CommError):  # (WireError, AuthError; a timeout is an OSError)
+            self._refuse(sock)
             return
         self._add(q, sock)
 
