@@ -57,7 +57,7 @@ import dataclasses
 import hashlib
 import math
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -654,7 +654,10 @@ class LowPrecisionTensor(torch.Tensor):
         """:func:`torchport.gemv.gemv` with this weight: the weight-only decode GEMV (activations
         never quantized). A method so that a compiled caller records the call itself: Dynamo
         refuses ``gemv_pack()`` (its result is no tensor), and the dense fallback it took
-        instead dequantized the whole weight on every call."""
+        instead dequantized the whole weight on every call. A weight that requires grad is
+        refused as ``F.linear`` refuses it (it has no gradient: the call gave None silently)."""
+        if torch.is_grad_enabled():
+            _check_frozen(self)
         return gemv_packed(x, self.gemv_pack(), bias)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -662,8 +665,30 @@ class LowPrecisionTensor(torch.Tensor):
 
         A weight-only decode call on plain eager tensors settles a route (plan, pointers, bias)
         the first time; later calls with the same activation dtype/shape, bias and settings call
-        the kernel directly (a few µs of Python instead of the general path's checks).
+        the kernel directly (a few µs of Python instead of the general path's checks). While
+        ``torch.compile``, ``torch.export`` or ``make_fx`` trace a weight whose activations are
+        quantized at run time (NVFP4 and MX activation configs) or an NVFP4 weight with a
+        per-tensor scale, the whole call is one custom op, ``torchport::lowp_act_linear``, which
+        runs this eager path (see :func:`_act_linear_op`).
         """
+        if self._traced_as_op() and _traced(x):
+            return _act_linear_traced(cast("NVFP4Tensor | MXTensor", self), x, bias)
+        return self._linear(x, bias)
+
+    def _traced_as_op(self) -> bool:
+        """True if a traced :meth:`linear` is one custom op (:func:`_act_linear_op`): run-time
+        activation quantization (native kernels and data-dependent checks a tracer cannot
+        follow), or a per-tensor scale (a Python float, which the trace would keep as a
+        constant). False here and for FP8, whose traced path is torch ops throughout."""
+        return False
+
+    def _act_settings(self) -> tuple[float | None, bool | None, str | None, str | None]:
+        """``(per_tensor_scale, act_per_tensor_scale, elem, act_elem)`` as
+        :func:`_act_linear_op` takes them (NVFP4 fills the first two, MX the last two)."""
+        raise TypeError(_ABSTRACT)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`linear` without the traced custom-op route."""
         route = self._route
         if route is not None:
             out = route.serve(x, bias)
@@ -701,16 +726,17 @@ class LowPrecisionTensor(torch.Tensor):
             )
         shape = (*x.shape[:-1], n)
         if bias is not None:
-            try:
-                ok = torch.broadcast_shapes(shape, bias.shape) == torch.Size(shape)
-            except RuntimeError:
-                ok = False
-            if not ok:
-                raise LowPrecisionError(
-                    f"F.linear with a {type(self).__name__} of shape {(n, k)}: the bias must "
-                    f"broadcast to the output's shape {shape}, got shape {tuple(bias.shape)}"
-                )
+            self._check_bias_broadcasts(shape, bias)
         return torch.empty(shape, dtype=x.dtype, device="meta")
+
+    def _check_bias_broadcasts(self, shape: tuple[int, ...], bias: torch.Tensor) -> None:
+        """``F.linear``'s rule: the bias broadcasts to the output's ``shape``."""
+        if not _broadcasts_to(bias, shape):
+            raise LowPrecisionError(
+                f"F.linear with a {type(self).__name__} of shape {tuple(self.shape)}: the bias "
+                f"must broadcast to the output's shape {tuple(shape)}, got shape "
+                f"{tuple(bias.shape)}"
+            )
 
     def _meta_value(self, dtype: torch.dtype | None) -> torch.Tensor:
         """The dequantized value of a meta tensor (shape and dtype only)."""
@@ -778,6 +804,18 @@ class LowPrecisionTensor(torch.Tensor):
                     x = x.to(adt)
                 if isinstance(bias, torch.Tensor) and bias.dtype != adt:
                     bias = bias.to(adt)
+            if (
+                isinstance(bias, torch.Tensor)
+                and isinstance(x, torch.Tensor)
+                and not isinstance(x, LowPrecisionTensor)
+                and bias.shape != w.shape[:1]
+                and x.dim() > 0
+                and _broadcasts_to(bias, (*x.shape[:-1], w.shape[0]))
+            ):
+                # F.linear broadcasts any bias to the output (a scalar, [1, N], [M, N]); the
+                # kernels add an [N] one (the others were refused): added after the product
+                out = F.linear(x, w)
+                return out + bias.to(out.dtype)
             if not isinstance(x, LowPrecisionTensor):
                 # always the function under torch.func (jvp's dual inputs do not require grad,
                 # and forward mode ignores the grad mode; the kernels and the activation
@@ -836,6 +874,14 @@ class LowPrecisionTensor(torch.Tensor):
         return type(self).__tensor_unflatten__(
             {n: fn(getattr(self, n)) for n in names}, ctx, self.shape, self.stride()
         )
+
+
+def _broadcasts_to(t: torch.Tensor, shape: tuple[Any, ...]) -> bool:
+    """True if ``t`` broadcasts to ``shape`` without growing it (F.linear's rule for a bias)."""
+    try:
+        return torch.broadcast_shapes(shape, t.shape) == torch.Size(shape)
+    except RuntimeError:
+        return False
 
 
 def _check_frozen(w: LowPrecisionTensor) -> None:
@@ -1172,7 +1218,21 @@ class NVFP4Tensor(LowPrecisionTensor):
 
     @per_tensor_scale.setter
     def per_tensor_scale(self, value: float | None) -> None:
-        self._cache.per_tensor_scale = value  # type: ignore[attr-defined]
+        """Checked as the constructor checks it. Set on a weight in use (``w.per_tensor_scale
+        = v``), it reaches every tensor standing for the same bytes and drops their packed
+        weights and settled routes, as a ``copy_`` does: the packed copy kept the old scale,
+        so ``F.linear`` went on returning the old weight's results."""
+        nvfp4.check_per_tensor_scale(value)
+        if self._cache.key is None:  # (being built, or no real storage: nothing shares it)
+            self._cache.per_tensor_scale = value  # type: ignore[attr-defined]
+            return
+        view = _view_of(self)
+        for c in self._sharing_caches():
+            if c is self._cache or c.view == view:
+                c.per_tensor_scale = value  # type: ignore[attr-defined]
+            c.pack = None
+            c.route = None
+            c.writes += 1
 
     @classmethod
     def from_float(
@@ -1196,6 +1256,14 @@ class NVFP4Tensor(LowPrecisionTensor):
 
     def _fp4_x_fp4(self) -> bool:
         return self.act_per_tensor_scale is not None
+
+    def _traced_as_op(self) -> bool:
+        # (and weight-only with a per-tensor scale: traced as a constant, an exported module
+        # kept the old one after load_state_dict; the op reads the live weight's)
+        return self.act_per_tensor_scale is not None or self.per_tensor_scale is not None
+
+    def _act_settings(self) -> tuple[float | None, bool | None, str | None, str | None]:
+        return self.per_tensor_scale, self.act_per_tensor_scale, None, None
 
     def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.act_per_tensor_scale is None:
@@ -1328,6 +1396,12 @@ class MXTensor(LowPrecisionTensor):
     def _fp4_x_fp4(self) -> bool:
         return self.elem == "fp4_e2m1" and self.act_elem == "fp4_e2m1"
 
+    def _traced_as_op(self) -> bool:
+        return self.act_elem is not None
+
+    def _act_settings(self) -> tuple[float | None, bool | None, str | None, str | None]:
+        return None, None, self.elem, self.act_elem
+
     def fp4_activation(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self._fp4_x_fp4():
             return None
@@ -1388,6 +1462,108 @@ class MXTensor(LowPrecisionTensor):
         # exponent shift infinity), found once for this cached pack
         int8 = not (_scannable(scales) and _true(scales.view(torch.uint8).amax() == 255))
         return PackedWeight(fmt, data, scales, empty, 1.0, n, k, int8)
+
+
+# --- traced linear as one op -----------------------------------------------------------------------
+# NVFP4 and MX weights with run-time activation quantization reach native kernels (ctypes), the
+# activation's finiteness check and amax as Python values: traced, every one of them was a graph
+# break (a two-layer model made 17-23 graphs under torch.compile) and torch.export took the
+# reference quantization instead of the kernels' path. An NVFP4 per-tensor scale is a Python
+# float: traced, a constant, which an exported module kept after load_state_dict (its outputs
+# scaled by old / new scale). Traced, the call is one custom op that runs the eager path on the
+# live weight: one graph, eager's bits and errors.
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """True while ``torch.compile`` (Dynamo), ``torch.export`` or ``make_fx`` trace ``x`` (not
+    under a ``torch.func`` transform: the custom op has no batching or forward-mode rule)."""
+    if torch.compiler.is_compiling():
+        return True
+    if native.functorch_active():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    proxy = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    return is_fake(x) or proxy is not None
+
+
+def _act_linear_traced(
+    w: NVFP4Tensor | MXTensor, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    pts, act_pts, elem, act_elem = w._act_settings()
+    kind = "nvfp4" if isinstance(w, NVFP4Tensor) else "mx"
+    return _act_linear_op(x, w.qdata, w.scale, bias, kind, w.dtype, pts, act_pts, elem, act_elem)
+
+
+def _rebuilt(
+    kind: str,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    orig_dtype: torch.dtype,
+    pts: float | None,
+    act_pts: bool | None,
+    elem: str | None,
+    act_elem: str | None,
+) -> LowPrecisionTensor:
+    """The quantized weight :func:`_act_linear_op` was traced with, from its inner tensors and
+    settings. It takes the live cache of a weight over the same bytes when there is one (its
+    packed weight, and its per-tensor scale, which a ``copy_`` after tracing may have changed):
+    a new cache would pack the weight again on every call."""
+    w: LowPrecisionTensor
+    if kind == "nvfp4":
+        w = NVFP4Tensor(qdata, scale, pts, orig_dtype, act_pts)
+    else:
+        w = MXTensor(qdata, scale, elem or "", orig_dtype, act_elem)
+    own = w._cache
+    if own.key is not None:
+        for ref in list(_SHARING.get(own.key, {}).values()):
+            live = ref()
+            if live is not None and live is not own and live.view == own.view:
+                w._cache = live
+                if live.pack is not None:
+                    break
+    return w
+
+
+@torch.library.custom_op("torchport::lowp_act_linear", mutates_args=())
+def _act_linear_op(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    orig_dtype: torch.dtype,
+    pts: float | None,
+    act_pts: bool | None,
+    elem: str | None,
+    act_elem: str | None,
+) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for an NVFP4 (``kind="nvfp4"``: ``pts``, ``act_pts``) or MX
+    (``"mx"``: ``elem``, ``act_elem``) weight with run-time activation quantization, rebuilt
+    from its inner tensors: the eager path (native kernels, typed errors) as one traced op."""
+    w = _rebuilt(kind, qdata, scale, orig_dtype, pts, act_pts, elem, act_elem)
+    out = w._linear(x, bias)
+    # (a custom op's output may not alias an input: an empty x's result could be a view)
+    return out.clone() if out._is_view() or out.data_ptr() == x.data_ptr() else out
+
+
+@_act_linear_op.register_fake
+def _(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    orig_dtype: torch.dtype,
+    pts: float | None,
+    act_pts: bool | None,
+    elem: str | None,
+    act_elem: str | None,
+) -> torch.Tensor:
+    # the eager path's shape checks, its output in x's dtype
+    w = _rebuilt(kind, qdata, scale, orig_dtype, pts, act_pts, elem, act_elem)
+    meta = w._meta_linear(x.to("meta"), None if bias is None else bias.to("meta"))
+    return x.new_empty(meta.shape)
 
 
 # torch.load's default weights_only unpickler may rebuild these (as torchao registers its own
