@@ -230,3 +230,32 @@ def test_a_bias_that_f_linear_broadcasts(kind: str, rows: int) -> None:
     b = torch.zeros(1, 8, requires_grad=True)
     torch.nn.functional.linear(x, w, b).sum().backward()
     assert torch.equal(b.grad, torch.full((1, 8), float(rows)))
+
+
+def test_the_ops_rebuilt_weight_goes_with_the_live_weight() -> None:
+    """The op keeps the weight it rebuilt in the live weight's cache; no reference cycle: a
+    dropped weight's bytes are freed at once, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    op = torch.ops.torchport.lowp_act_linear.default
+    torch.manual_seed(0)
+    w = T.NVFP4Tensor.from_float(torch.randn(32, 64), act_per_tensor_scale=True)
+    x = torch.randn(2, 64)
+    args = ("nvfp4", w.dtype, w.per_tensor_scale, True, None, None)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, w)
+        for _ in range(3):
+            assert torch.equal(op(x, w.qdata, w.scale, None, *args), want)
+    rebuilt = w._cache.rebuilt
+    assert rebuilt is not None and rebuilt[1]._cache is not w._cache
+    assert rebuilt[1]._cache.pack is w._cache.pack is not None
+    gone = weakref.ref(w.qdata)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del w, rebuilt
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()

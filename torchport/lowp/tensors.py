@@ -1513,28 +1513,40 @@ def _rebuilt(
     act_elem: str | None,
 ) -> LowPrecisionTensor:
     """The quantized weight :func:`_act_linear_op` was traced with, from its inner tensors and
-    settings. It takes the live cache of a weight over the same bytes when there is one (its
-    packed weight, and its per-tensor scale, which a ``copy_`` after tracing may have changed):
-    a new cache would pack the weight again on every call."""
+    settings, made once per live weight over the same bytes and kept in that weight's cache
+    (constructing it took ~60 us a call). It has a cache of its own, entered for the same bytes,
+    so a ``copy_`` into the live weight reaches it (its packed copy is dropped, its per-tensor
+    scale set); the two share their packed weight (a second pack would be a second copy of
+    the weight on huge pages). The live weight's cache holds it, not the other way round: no
+    reference cycle keeps a dropped model's weights alive until the garbage collector runs."""
     settings = (kind, orig_dtype, pts, act_pts, elem, act_elem)
     key = _storage_key(qdata)
-    lives: list[_Cache] = []
-    if key is not None:  # (the weight rebuilt for these settings before: ~60 us a call saved)
+    live: _Cache | None = None
+    if key is not None:
         view = tuple((t.storage_offset(), tuple(t.shape), t.stride()) for t in (qdata, scale))
         for ref in list(_SHARING.get(key, {}).values()):
-            live = ref()
-            if live is not None and live.key == key and live.view == view:
-                if live.rebuilt is not None and live.rebuilt[0] == settings:
-                    return live.rebuilt[1]
-                lives.append(live)
-    w: LowPrecisionTensor
+            c = ref()
+            if c is None or c.key != key or c.view != view:
+                continue
+            if c.rebuilt is not None and c.rebuilt[0] == settings:
+                w = c.rebuilt[1]
+                own = w._cache
+                if own.pack is None and c.pack is not None:
+                    own.pack = c.pack
+                elif c.pack is None and own.pack is not None:
+                    c.pack = own.pack
+                return w
+            if live is None or live.pack is None:
+                live = c
     if kind == "nvfp4":
         w = NVFP4Tensor(qdata, scale, pts, orig_dtype, act_pts)
     else:
         w = MXTensor(qdata, scale, elem or "", orig_dtype, act_elem)
-    if lives:  # the one with a packed weight, if any
-        live = next((c for c in lives if c.pack is not None), lives[0])
-        w._cache = live
+    if live is not None:
+        for attr in w._copied_meta:  # (the live weight's: a copy_ after tracing set its own)
+            if hasattr(live, attr):
+                setattr(w._cache, attr, getattr(live, attr))
+        w._cache.pack = live.pack
         live.rebuilt = (settings, w)
     return w
 
