@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from torchport import autotune, config, native
 from torchport.gemm.adaptive import ThreadAdaptive
@@ -89,20 +91,120 @@ class PackedWeight:
     )
 
     def __post_init__(self) -> None:
-        assert self.fmt in FORMATS, self.fmt
-        assert self.data.is_contiguous() and self.scales.is_contiguous()
+        check_parts(self.fmt, self.data, self.scales, self.rowscale, self.n, self.k)
 
 
-def pack_dense(w: torch.Tensor) -> PackedWeight:
-    """Pack a plain float32/bfloat16 ``[N, K]`` weight (no copy when already contiguous and
-    without the lazy negation bit)."""
+# What the kernels read of each format's parts: the data's dtype (None: any 1-byte codes), the
+# weights per data element, the elements per block scale (0: no block scales, ``scales`` unread)
+# and whether a float32 row scale is read (else ``rowscale`` is unread, as empty as it is in a
+# pack). A part read past its end was a crash or other memory's bytes in the output.
+_LAYOUTS: dict[str, tuple[torch.dtype | None, int, int, bool]] = {
+    "f32": (torch.float32, 1, 0, False),
+    "bf16": (torch.bfloat16, 1, 0, False),
+    "fp8_e4m3": (None, 1, 0, True),
+    "fp8_e5m2": (None, 1, 0, True),
+    "nvfp4": (None, 2, 16, False),
+    "mxfp4": (None, 2, 32, False),
+    "mxfp8_e4m3": (None, 1, 32, False),
+    "mxfp8_e5m2": (None, 1, 32, False),
+}
+
+
+def check_parts(
+    fmt: str,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    rowscale: torch.Tensor,
+    n: int,
+    k: int,
+) -> None:
+    """Validate a packed weight's parts against ``(n, k)`` and ``fmt``'s layout: the dtype,
+    element count, contiguity and device of every part the kernels read."""
+    layout = _LAYOUTS.get(fmt) if isinstance(fmt, str) else None
+    if layout is None:
+        raise GemvInputError(
+            f"gemv: a packed weight's format must be one of {FORMATS}, got {fmt!r}"
+        )
+    dtype, per, block, rows = layout
+    if block and k % block:
+        raise GemvInputError(f"gemv: {fmt} needs K a multiple of {block}, got K={k}")
+    _check_part(fmt, "data", data, dtype, n * k // per, n, k)
+    if block:
+        _check_part(fmt, "scales", scales, None, n * (k // block), n, k)
+    if rows:
+        _check_part(fmt, "rowscale", rowscale, torch.float32, n, n, k)
+
+
+def _check_part(
+    fmt: str, name: str, t: torch.Tensor, want: torch.dtype | None, numel: int, n: int, k: int
+) -> None:
+    """One part of a packed weight: ``want`` its dtype (None: 1-byte codes), ``numel`` its
+    element count. One test on the common path (a pack is rebuilt on every custom-op call)."""
+    if (
+        isinstance(t, torch.Tensor)
+        and t.layout is torch.strided
+        and not t.is_nested
+        and (t.dtype is want if want is not None else t.element_size() == 1)
+        and t.numel() == numel
+        and t.is_contiguous()
+        and t.is_cpu
+    ):
+        return
+    _check_strided(f"a packed weight's {name}", t)
+    if (t.dtype != want) if want is not None else (t.element_size() != 1):
+        raise GemvInputError(f"gemv: {fmt} {name} must be {want or '1-byte codes'}, got {t.dtype}")
+    if t.numel() != numel or not t.is_contiguous():
+        raise GemvInputError(
+            f"gemv: {fmt} {name} for N={n}, K={k} must be {numel} contiguous elements, got "
+            f"shape {tuple(t.shape)} stride {t.stride()}"
+        )
+    raise GemvInputError(f"gemv: a packed weight's {name} must be on cpu, got {t.device}")
+
+
+def _check_strided(what: str, t: torch.Tensor) -> None:
+    """``t`` must be a strided tensor (sparse, mkldnn and nested ones raised torch's untyped
+    errors from the GEMV's reads of their sizes and data pointers)."""
+    if not isinstance(t, torch.Tensor):
+        raise GemvInputError(f"gemv: {what} must be a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided or t.is_nested:
+        got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise GemvInputError(f"gemv: {what} must be a strided tensor, got {got}")
+
+
+def check_dense_weight(w: torch.Tensor) -> None:
+    """Validate a float32/bfloat16 ``[N, K]`` weight for the dense kernels (any tensor type: the
+    custom op's fake implementation checks fake weights)."""
+    _check_strided("a dense weight", w)
     if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
         raise GemvInputError(
             f"gemv: a dense weight must be a 2-D float32 or bfloat16 tensor, got {w.dtype} "
             f"shape {tuple(w.shape)}"
         )
-    if w.device.type != "cpu":  # (the kernel read a meta weight's null pointer: a crash)
+    if not w.is_cpu:  # (the kernel read a meta weight's null pointer: a crash)
         raise GemvInputError(f"gemv: a dense weight must be on cpu, got {w.device}")
+
+
+def _foreign(w: torch.Tensor) -> bool:
+    """Whether ``w`` is a tensor subclass with its own semantics (a wrapper such as
+    ``TwoTensor`` or a ``DTensor``, whose memory the kernel cannot read: it read one's null data
+    pointer, a crash) rather than a plain tensor, parameter or a tracer's fake/functional one."""
+    ty = type(w)  # (not isinstance(w, Parameter): it is True for a TwoTensor made a Parameter)
+    return (
+        ty is not torch.Tensor
+        and ty is not torch.nn.Parameter
+        and not isinstance(w, (FakeTensor, FunctionalTensor))
+    )
+
+
+def pack_dense(w: torch.Tensor) -> PackedWeight:
+    """Pack a plain float32/bfloat16 ``[N, K]`` weight (no copy when already contiguous and
+    without the lazy negation bit)."""
+    check_dense_weight(w)
+    if _foreign(w):
+        raise GemvInputError(
+            f"gemv: a dense weight must be a plain tensor for the kernel to read, got "
+            f"{type(w).__name__} (gemv() runs F.linear's torch ops on it)"
+        )
     fmt = "f32" if w.dtype == torch.float32 else "bf16"
     # resolve_neg: a lazily negated weight's memory holds the un-negated values the kernel read
     data = w.detach().resolve_neg().contiguous()
@@ -121,18 +223,20 @@ def gemv_reference(
 
 
 def check_activation(x: torch.Tensor, k: int) -> int:
-    """Validate a decode activation; return its number of rows."""
+    """Validate a decode activation; return its number of rows (symbolic sizes, in a fake
+    implementation, are not held to :data:`MAX_ROWS`: that would add a guard)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16):
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise GemvInputError(f"gemv: x must be a float32 or bfloat16 tensor, got {got}")
-    if x.device.type != "cpu":
+    _check_strided("x", x)
+    if not x.is_cpu:
         raise GemvInputError(f"gemv: x must be on cpu, got {x.device}")
     if x.dim() < 1 or x.shape[-1] != k:
         raise GemvInputError(
             f"gemv: x's last dimension must equal the weight's K={k}, got shape {tuple(x.shape)}"
         )
     rows = math.prod(x.shape[:-1])
-    if rows > MAX_ROWS:
+    if type(rows) is int and rows > MAX_ROWS:
         raise GemvInputError(
             f"gemv: x may have at most {MAX_ROWS} rows (decode shapes), got {rows} "
             f"(shape {tuple(x.shape)})"
@@ -143,9 +247,11 @@ def check_activation(x: torch.Tensor, k: int) -> int:
 def _check_bias(bias: torch.Tensor | None, n: int) -> None:
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise GemvInputError(f"gemv: bias must be a tensor or None, got {type(bias).__name__}")
+    if bias is not None:
+        _check_strided("bias", bias)
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise GemvInputError(f"gemv: bias must have shape ({n},), got {tuple(bias.shape)}")
-    if bias is not None and bias.device.type != "cpu":  # (a meta bias was dropped silently)
+    if bias is not None and not bias.is_cpu:  # (a meta bias was dropped silently)
         raise GemvInputError(f"gemv: bias must be on cpu, got {bias.device}")
 
 
@@ -894,12 +1000,25 @@ def _eager(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 @torch.library.custom_op("torchport::gemv_dense", mutates_args=())
 def gemv_dense_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Decode GEMV with a dense float32/bfloat16 weight."""
-    _check_bias(bias, w.shape[0])  # the kernel reads N values: a scalar bias was read past its end
-    return _run(x, pack_dense(w), bias)
+    pw = pack_dense(w)
+    # the kernel reads rows * K activations and N bias values: x's last dimension a multiple of
+    # K wrote its rows past the output's end (heap corruption), a scalar bias was read past its end
+    check_activation(x, pw.k)
+    _check_bias(bias, pw.n)
+    return _run(x, pw, bias)
+
+
+# The fake implementations check what the kernels will (a graph with a wrong K or dtype is
+# refused when traced, with the eager error), on fake CPU tensors; a call on meta tensors only
+# propagates shapes.
 
 
 @gemv_dense_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if not x.is_meta:
+        check_dense_weight(w)
+        check_activation(x, w.shape[1])
+        _check_bias(bias, w.shape[0])
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
@@ -919,8 +1038,9 @@ def gemv_packed_op(
     """Decode GEMV with a packed low-precision weight. ``allow_int8``: the caller's choice and
     the pack's own ``int8`` (False for NaN block scales), which the op's arguments carry only
     folded into this one."""
-    _check_bias(bias, n)  # (as gemv_dense)
-    pw = PackedWeight(fmt, data, scales, rowscale, pts, n, k, allow_int8)
+    pw = PackedWeight(fmt, data, scales, rowscale, pts, n, k, allow_int8)  # (checks the parts)
+    check_activation(x, k)  # (as gemv_dense)
+    _check_bias(bias, n)
     return _run(x, pw, bias, allow_int8)
 
 
@@ -937,6 +1057,10 @@ def _(
     bias: torch.Tensor | None,
     allow_int8: bool = True,
 ) -> torch.Tensor:
+    if not x.is_meta:
+        check_parts(fmt, data, scales, rowscale, n, k)
+        check_activation(x, k)
+        _check_bias(bias, n)
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -1055,7 +1179,7 @@ def gemv_packed(
         out = route.serve(x, bias)
         if out is not None:
             return out
-    if type(x) is torch.Tensor:  # another route settled by an earlier call
+    if type(x) is torch.Tensor and not x.is_nested:  # another route settled by an earlier call
         route = routes.get((x.dtype, x.shape, allow_int8))
         if route is not None:
             out = route.serve(x, bias)
@@ -1117,7 +1241,9 @@ def linear_decode(
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for decode shapes (≤ 8 rows) through the native GEMV.
 
-    ``weight``: float32/bfloat16 ``[N, K]`` or a ``torchport.lowp`` quantized tensor. NaN and
+    ``weight``: float32/bfloat16 ``[N, K]`` or a ``torchport.lowp`` quantized tensor; another
+    tensor subclass (``TwoTensor``, ``DTensor``, ...) is served by ``F.linear``'s torch ops in
+    float32, as the subclass dispatches them (a counted fallback, warned once). NaN and
     infinities in ``x`` give NaN and infinities where ``F.linear`` on the dequantized weight
     does: FP4 weights' int8-activation kernels hand such calls to the format's float kernel.
     """
@@ -1125,6 +1251,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     if isinstance(weight, LowPrecisionTensor):  # packs once and keeps its settled routes
         return weight.gemv(x, bias)
+    if isinstance(weight, torch.Tensor) and _foreign(weight):
+        return _subclass_linear(x, weight, bias)
     pw = pack_dense(weight)
     if native.functorch_active() or native.forward_ad_active():  # torch.func or forward AD:
         # torch ops on the weight itself, which may be what is transformed or dual (the packed
@@ -1138,6 +1266,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         _check_bias(bias, pw.n)
         return gemv_dense_op(x, weight, bias)
     return _gemv_checked(x, pw, bias, True, settle=False)
+
+
+def _subclass_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gemv` with a tensor-subclass weight (``TwoTensor``, ``DTensor``, ...): the same
+    checks, then F.linear's torch ops in float32 (as the kernels compute, the output in x's dtype),
+    which the subclass dispatches as it defines. A visible fallback: the kernel reads memory, and
+    a wrapper subclass has none of its own (its null data pointer crashed the process)."""
+    check_dense_weight(w)
+    check_activation(x, w.shape[1])
+    _check_bias(bias, w.shape[0])
+    if not torch.compiler.is_compiling():
+        native.note_fallback("gemv", f"the weight is a {type(w).__name__}, not a plain tensor")
+    return _func_linear(x, w.float(), bias)
 
 
 # --- settled eager routes ------------------------------------------------------------------------
@@ -1331,7 +1472,7 @@ def settle_route(
     nthreads = torch.get_num_threads()
     bias0 = bias
     bver, bptr0 = (bias._version, bias.data_ptr()) if bias is not None else (0, 0)
-    tensor = torch.Tensor
+    tensor, strided = torch.Tensor, torch.strided
     overrides, generation, env_get, env_keys = config.stamp_reader(ROUTE_SETTINGS)
     gen0, env = stamp[0], tuple(zip(env_keys, stamp[1]))
     compiling, grad_enabled, get_threads = (
@@ -1346,7 +1487,11 @@ def settle_route(
 
     def serve(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         # the route's checks and native.eager_fast_path in one frame (each getter read once)
-        if type(x) is not tensor or bias is not bias0 or x.dtype is not dtype or x.shape != shape:
+        if type(x) is not tensor or bias is not bias0 or x.dtype is not dtype:
+            return None
+        # (a sparse, mkldnn or nested x of the route's shape raised torch's untyped errors in
+        # run; the general path refuses it with a GemvInputError)
+        if x.layout is not strided or x.is_nested or x.shape != shape:
             return None
         if not x.is_cpu or compiling() or depth() or functorch() or (fmodes() and fmode()):
             return None  # (under torch.func the wrapped x has no data pointer)
