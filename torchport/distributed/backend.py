@@ -33,11 +33,13 @@ from torchport.distributed.backend_args import (
     _check_self_block,
     _cpu,
     _one,
+    _positional,
     _ptr,
     _red_for,
     _red_name,
     _spans_overlap,
     _Staged,
+    _timed,
     _writable,
 )
 from torchport.distributed.engine import (
@@ -48,7 +50,17 @@ from torchport.distributed.engine import (
 from torchport.distributed.errors import CollectiveArgumentError
 from torchport.distributed.progress import TorchportWork
 
+# Each collective takes torch's list + options form (c10d's calls) and torch's positional forms
+# (a bare tensor; a root rank, a ReduceOp, a timeout in the options' place), as ProcessGroup's
+# bindings do. The list form is told by its options' exact type: one check on the hot path.
 _AllreduceOptions = dist.AllreduceOptions
+_BroadcastOptions = dist.BroadcastOptions
+_ReduceOptions = dist.ReduceOptions
+_GatherOptions = dist.GatherOptions
+_ScatterOptions = dist.ScatterOptions
+_ReduceScatterOptions = dist.ReduceScatterOptions
+_AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
+_CPU = torch.device("cpu")
 
 
 def _others_slots(slots: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
@@ -70,10 +82,33 @@ class TorchportProcessGroup(dist.ProcessGroup):
         super().__init__(comm.rank, comm.world)  # type: ignore[call-arg]
         self.comm = comm
         self._closed = False
+        # c10d lists a group's devices (``_device_types``) from the backends registered on it,
+        # and this group, a Python ProcessGroup that is its own backend, registered none: the
+        # empty list failed dcp.async_save ("A CPU backend must be enabled") and
+        # set_model_state_dict(broadcast_from_rank0=True) (IndexError). The CPU is registered
+        # without a C++ Backend object (there is none); _get_backend answers for it.
+        self._register_backend(_CPU, dist.ProcessGroup.BackendType.CUSTOM, None)
 
     # -- identity and lifecycle ------------------------------------------------------------
     def getBackendName(self) -> str:
         return "torchport"
+
+    def _get_backend(self, device: torch.device) -> Any:
+        """The backend for ``device``: this group for the CPU (c10d has no Backend object for
+        it to return: "Could not retrieve or create the backend"); other devices as c10d
+        answers (an error: the group has no backend for them)."""
+        if torch.device(device).type == "cpu":
+            return self
+        return super()._get_backend(device)
+
+    # what c10d asks of a Backend (_get_backend's answer): no c10d-level splitting, coalescing,
+    # time estimates or allocation (torchport splits with split_group)
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return False
 
     # c10d keeps group names/descriptions on backends; a Python group keeps its own
     # (DeviceMesh / FSDP2 look them up through ``group_name``).
@@ -138,9 +173,13 @@ class TorchportProcessGroup(dist.ProcessGroup):
         return root
 
     # -- reductions ------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        op = opts.reduceOp if type(opts) is _AllreduceOptions else getattr(opts, "reduceOp", opts)
+    def allreduce(
+        self, tensors: list[torch.Tensor], opts: Any = None, timeout: Any = None
+    ) -> TorchportWork:
+        """``allreduce([t], opts)``, ``allreduce(t | [t], op=SUM, timeout=None)``."""
+        if type(opts) is not _AllreduceOptions and not hasattr(opts, "reduceOp"):
+            opts = _positional(dist.AllreduceOptions(), "allreduce", timeout, reduceOp=opts)
+        op = opts.reduceOp
         t = _one(tensors, "allreduce")
         name, factor, code = _red_for(op, t.dtype, "allreduce")
         comm, dc = self.comm, dtype_code(t.dtype)
@@ -194,8 +233,12 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         return self._submit("allreduce_coalesced", opts, run, given)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
-        opts = opts if opts is not None else dist.ReduceOptions()
+    def reduce(
+        self, tensors: list[torch.Tensor], opts: Any = None, op: Any = None, timeout: Any = None
+    ) -> TorchportWork:
+        """``reduce([t], opts)``, ``reduce(t, root, op=SUM, timeout=None)``."""
+        if type(opts) is not _ReduceOptions and not hasattr(opts, "rootRank"):
+            opts = _positional(dist.ReduceOptions(), "reduce", timeout, rootRank=opts, reduceOp=op)
         t = _one(tensors, "reduce")
         root = self._root(opts.rootRank, "reduce")
         name, factor = _red_name(opts.reduceOp)
@@ -248,8 +291,16 @@ class TorchportProcessGroup(dist.ProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
+        timeout: Any = None,
     ) -> TorchportWork:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        """``reduce_scatter([out], [inputs], opts)``, ``reduce_scatter(out, inputs, op=SUM,
+        timeout=None)``."""
+        if type(output_tensors) is not list and isinstance(output_tensors, torch.Tensor):
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        if type(opts) is not _ReduceScatterOptions and not hasattr(opts, "reduceOp"):
+            opts = _positional(
+                dist.ReduceScatterOptions(), "reduce_scatter", timeout, reduceOp=opts
+            )
         out = _one(output_tensors, "reduce_scatter")
         ins = self._check_list(input_tensors, out, "reduce_scatter", "input")
         return self._reduce_scatter(out, lambda _c: [t.reshape(-1) for t in ins], None, opts)()
@@ -329,8 +380,12 @@ class TorchportProcessGroup(dist.ProcessGroup):
         return self._submit(name, None, run, result)
 
     # -- data movement ---------------------------------------------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchportWork:
-        opts = opts if opts is not None else dist.BroadcastOptions()
+    def broadcast(
+        self, tensors: list[torch.Tensor], opts: Any = None, timeout: Any = None
+    ) -> TorchportWork:
+        """``broadcast([t], opts)``, ``broadcast(t, root, timeout=None)``."""
+        if type(opts) is not _BroadcastOptions and not hasattr(opts, "rootRank"):
+            opts = _positional(dist.BroadcastOptions(), "broadcast", timeout, rootRank=opts)
         t = _one(tensors, "broadcast")
         root = self._root(opts.rootRank, "broadcast")
         s, comm = _Staged(t), self.comm
@@ -372,6 +427,10 @@ class TorchportProcessGroup(dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> TorchportWork:
+        """``allgather([outputs], [t], opts)``, ``allgather(outputs, t, timeout=None)``."""
+        if type(input_tensors) is not list and isinstance(input_tensors, torch.Tensor):
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+            opts = _positional(_AllgatherOptions(), "allgather", opts)
         inp = _one(input_tensors, "allgather")
         outs = self._check_list(output_tensors, inp, "allgather")
         return self._gather_list("allgather", outs, inp, -1, opts)
@@ -381,8 +440,13 @@ class TorchportProcessGroup(dist.ProcessGroup):
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: Any = None,
+        timeout: Any = None,
     ) -> TorchportWork:
-        opts = opts if opts is not None else dist.GatherOptions()
+        """``gather([outputs], [t], opts)``, ``gather(outputs, t, root, timeout=None)``."""
+        if type(input_tensors) is not list and isinstance(input_tensors, torch.Tensor):
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        if type(opts) is not _GatherOptions and not hasattr(opts, "rootRank"):
+            opts = _positional(dist.GatherOptions(), "gather", timeout, rootRank=opts)
         inp = _one(input_tensors, "gather")
         root = self._root(opts.rootRank, "gather")
         outs = self._check_list(output_tensors, inp, "gather") if self.comm.rank == root else None
@@ -509,8 +573,13 @@ class TorchportProcessGroup(dist.ProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
+        timeout: Any = None,
     ) -> TorchportWork:
-        opts = opts if opts is not None else dist.ScatterOptions()
+        """``scatter([out], [inputs], opts)``, ``scatter(out, inputs, root, timeout=None)``."""
+        if type(output_tensors) is not list and isinstance(output_tensors, torch.Tensor):
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        if type(opts) is not _ScatterOptions and not hasattr(opts, "rootRank"):
+            opts = _positional(dist.ScatterOptions(), "scatter", timeout, rootRank=opts)
         out = _one(output_tensors, "scatter")
         root = self._root(opts.rootRank, "scatter")
         ins = None
@@ -541,7 +610,10 @@ class TorchportProcessGroup(dist.ProcessGroup):
         output_split_sizes: list[int],
         input_split_sizes: list[int],
         opts: Any = None,
+        timeout: Any = None,
     ) -> TorchportWork:
+        """``(output, input, output_splits, input_splits, opts | timeout=None)``."""
+        opts = _timed(opts, timeout, dist.AllToAllOptions, "all_to_all_single")
         out, inp = _cpu(output, "all_to_all_single"), _cpu(input, "all_to_all_single")
         if out.dtype != inp.dtype:
             raise CollectiveArgumentError(
@@ -584,7 +656,10 @@ class TorchportProcessGroup(dist.ProcessGroup):
         output_tensors: list[torch.Tensor],
         input_tensors: list[torch.Tensor],
         opts: Any = None,
+        timeout: Any = None,
     ) -> TorchportWork:
+        """``alltoall(outputs, inputs, opts | timeout=None)``."""
+        opts = _timed(opts, timeout, dist.AllToAllOptions, "alltoall")
         w = self.comm.world
         if len(output_tensors) != w or len(input_tensors) != w:
             raise CollectiveArgumentError(
@@ -656,7 +731,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         return self._submit(name, opts, run, [out])
 
-    def barrier(self, opts: Any = None) -> TorchportWork:
+    def barrier(self, opts: Any = None, timeout: Any = None) -> TorchportWork:
+        """``barrier(opts)``, ``barrier(timeout=None)``."""
+        opts = _timed(opts, timeout, dist.BarrierOptions, "barrier")
         comm = self.comm
         return self._submit("barrier", opts, lambda deadline: alg.barrier(comm, deadline), [])
 

@@ -7,8 +7,10 @@ copies (:class:`_Staged`) and written back after the operation.
 
 from __future__ import annotations
 
+import datetime
+import operator
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,12 +99,55 @@ def _red_for(op: Any, dtype: torch.dtype, where: str) -> tuple[str, float, int]:
     return name, factor, code
 
 
-def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
+def _one(tensors: Sequence[torch.Tensor] | torch.Tensor, where: str) -> torch.Tensor:
+    """The one tensor of a call: ``[t]``, or a bare ``t`` (torch's single-tensor overloads,
+    ``pg.allreduce(t)``, which DDP's join hook uses). A bare tensor was read as a list: one of
+    n > 1 elements was refused ("got n"), one of a single element passed its view ``t[0]``."""
+    if type(tensors) is not list and isinstance(tensors, torch.Tensor):  # (the list form: ~15 ns)
+        return _cpu(tensors, where)
     if len(tensors) != 1:
         raise CollectiveArgumentError(
             f"{where}: expects exactly one tensor per call, got {len(tensors)}"
         )
     return _cpu(tensors[0], where)
+
+
+def _positional(opts: Any, where: str, timeout: Any = None, **values: Any) -> Any:
+    """``opts`` (a new options object) holding the values that torch's positional overloads pass
+    in its place, as its ProcessGroup bindings build it: ``pg.reduce(t, 0, ReduceOp.MAX)``,
+    ``pg.broadcast(t, 1)``, ``pg.barrier(timedelta(...))``. ``values`` maps option fields
+    (``rootRank``, ``reduceOp``) to what was passed; None keeps a field's default."""
+    for field, value in values.items():
+        if value is None:
+            continue
+        if field == "reduceOp":
+            if not isinstance(value, ReduceOp):
+                raise CollectiveArgumentError(
+                    f"{where}: expects its options object or a ReduceOp, got {value!r}"
+                )
+        else:
+            try:
+                value = operator.index(value)
+            except TypeError:
+                raise CollectiveArgumentError(
+                    f"{where}: expects its options object or an integer root rank, got {value!r}"
+                ) from None
+        setattr(opts, field, value)
+    if timeout is not None:
+        if not isinstance(timeout, datetime.timedelta):
+            raise CollectiveArgumentError(
+                f"{where}: a timeout must be a datetime.timedelta, got {timeout!r}"
+            )
+        opts.timeout = timeout
+    return opts
+
+
+def _timed(opts: Any, timeout: Any, make: Callable[[], Any], where: str) -> Any:
+    """``opts``, or for torch's ``(..., timeout=None)`` overloads (a timedelta in the options'
+    place, or ``timeout=``) a new ``make()`` holding that timeout (it was silently ignored)."""
+    if isinstance(opts, datetime.timedelta):
+        opts, timeout = None, opts
+    return opts if timeout is None else _positional(make(), where, timeout)
 
 
 def _cpu(t: Any, where: str) -> torch.Tensor:
