@@ -339,3 +339,38 @@ def test_window_server_answers_malformed_requests_and_keeps_serving(
     time.sleep(0.2)  # (a dying handler thread reports after its connection closed)
     assert died == []
     assert window.get(0, 1, 2).tolist() == [1.0, 2.0]
+
+
+class _FailingOnce:
+    """A listening socket whose next accept() fails once with ``err`` (EMFILE: the process out
+    of descriptors for a moment), then accepts as the real one does."""
+
+    def __init__(self, sock: socket.socket, err: int) -> None:
+        self._sock, self._err = sock, err
+
+    def accept(self) -> Any:
+        if self._err:
+            err, self._err = self._err, 0
+            raise OSError(err, os.strerror(err))
+        return self._sock.accept()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+@pytest.mark.timeout(60)
+def test_server_keeps_accepting_after_a_transient_accept_error() -> None:
+    """One EMFILE from accept() ended the control server's acceptor for good: the lighthouse,
+    heal, reconfigure and window servers accepted nothing more."""
+    import errno
+
+    secret = secrets.token_bytes(32)
+    srv = Server(lambda c: send_msg(c, {"t": "hi"}), secret=secret, role="demo")
+    try:
+        real = srv._sock
+        srv._sock = _FailingOnce(real, errno.EMFILE)  # (the blocked accept takes the next one)
+        assert recv_msg(connect(srv.address, secret, "demo", timeout=5.0)) == {"t": "hi"}
+        assert recv_msg(connect(srv.address, secret, "demo", timeout=5.0)) == {"t": "hi"}
+        assert srv._thread.is_alive()
+    finally:
+        srv.close()

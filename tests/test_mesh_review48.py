@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from torchport.distributed import auth
+from torchport.distributed import CommError, auth
 from torchport.distributed import transport_tcp as tt
 from torchport.distributed.elastic import ElasticMesh
 from torchport.distributed.transport_tcp import Mesh
@@ -303,3 +303,40 @@ def test_a_transient_accept_error_does_not_kill_the_acceptor(monkeypatch, socks,
     s.sendall(b"\0" * 64)
     assert _closed_within(s, 5), "no handshake ran after the accept error"
     assert flaky.failed and mesh._acceptor.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_dial_ends_by_its_deadline_against_a_trickling_listener() -> None:
+    """A listener sending its challenge a byte every 0.3 s held a dial with a 1.5 s deadline for
+    about a minute (the socket's timeout bounded each recv only)."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(4)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        c, _ = ls.accept()
+        with c:
+            c.recv(4096)  # the dialler's HELLO
+            frame = encode_header(Kind.CHALLENGE, 0, 1, 0, 64) + bytes(64)
+            for b in frame:
+                if stop.wait(0.3):
+                    return
+                try:
+                    c.send(bytes([b]))
+                except OSError:
+                    return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    m = ElasticMesh(b"s" * 32, "127.0.0.1")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CommError, match="handshake with rank 1 failed"):
+            m._connect(1, "127.0.0.1", ls.getsockname()[1], time.monotonic() + 1.5)
+        assert time.monotonic() - t0 < 4.0
+    finally:
+        stop.set()
+        m.close()
+        ls.close()
+        t.join(5)

@@ -28,6 +28,7 @@ Servers bind to 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -366,6 +367,12 @@ def master_store(host: str) -> Any:
 
 
 MAX_HANDSHAKES = 128  # connections of one server in the authentication handshake at once
+# accept() errors a listener outlives (out of descriptors or memory for now; a connection aborted
+# before it was taken): it waits ACCEPT_RETRY_S and goes on accepting
+ACCEPT_RETRY_ERRNOS = frozenset(
+    (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO)
+)
+ACCEPT_RETRY_S = 0.05
 HANDSHAKE_TIMEOUT = 5.0  # s, a server's whole handshake with one connection
 
 
@@ -414,13 +421,22 @@ class Server:
                 continue  # every slot is in a handshake: look at ``_closed`` again
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
+            except OSError as e:
                 self._slots.release()
-                return
-            if self._workers is not None:
-                self._workers.run(self._serve, conn)
-            else:
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                # out of descriptors or memory for now, a connection aborted before it was
+                # taken: accepting goes on (the server accepted nothing more, for good)
+                if self._closed or e.errno not in ACCEPT_RETRY_ERRNOS:
+                    return
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            try:
+                if self._workers is not None:
+                    self._workers.run(self._serve, conn)
+                else:
+                    threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except (RuntimeError, OSError):  # no thread could start: this connection goes
+                self._slots.release()
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:

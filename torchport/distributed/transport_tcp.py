@@ -36,7 +36,6 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
-import errno
 import functools
 import os
 import select
@@ -52,7 +51,12 @@ from typing import Any, Protocol
 import numpy
 
 from torchport.distributed import auth
-from torchport.distributed._control import MAX_HANDSHAKES, _until
+from torchport.distributed._control import (
+    ACCEPT_RETRY_ERRNOS,
+    ACCEPT_RETRY_S,
+    MAX_HANDSHAKES,
+    _until,
+)
 from torchport.distributed.errors import (
     AuthError,
     CommAbortedError,
@@ -100,12 +104,6 @@ from torchport.distributed.wire import (
 # legitimate peers waiting (a denial of service the bound does not prevent).
 HANDSHAKE_TIMEOUT_S = 10.0
 REDIAL_S = 0.02  # a dial the listener closed before its challenge is tried again this often
-# accept() errors the acceptor outlives (out of descriptors or memory for now; a connection
-# aborted before it was taken): it waits ACCEPT_RETRY_S and goes on accepting
-ACCEPT_RETRY_ERRNOS = frozenset(
-    (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO)
-)
-ACCEPT_RETRY_S = 0.05
 # A transfer sending or receiving this much runs pinned to its rank's CPU (Mesh.pin_cpu; an
 # elastic mesh, whose members come and go, pins to the CPU the thread runs on)
 PIN_BYTES = 256 << 10
@@ -1072,19 +1070,25 @@ class Mesh:
                     ) from e
                 time.sleep(0.01)
 
-    def _greet(self, q: int, host: str, port: int, deadline: float) -> tuple[socket.socket, bytes]:
-        """Dial rank ``q`` and send our HELLO; returns the socket and our nonce once its
+    def _greet(
+        self, q: int, host: str, port: int, deadline: float
+    ) -> tuple[socket.socket, bytes, float]:
+        """Dial rank ``q`` and send our HELLO; returns the socket, our nonce and the handshake's
+        deadline (``HANDSHAKE_TIMEOUT_S`` from the dial, at most ``deadline``) once its
         challenge is readable. A listener with every handshake slot taken closes a new
         connection before its challenge (:meth:`_accept_loop`): such a dial is tried again,
         every ``REDIAL_S``, until ``deadline``."""
         while True:
             sock = self._dial(q, host, port, deadline)
+            hs = min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S)
             nonce_c = auth.new_nonce()
             try:
+                _until(sock, hs, f"sending the hello to rank {q}")
                 sock.sendall(encode_header(Kind.HELLO, 0, self.rank, 0, len(nonce_c)) + nonce_c)
                 # (the challenge is read by the caller; an end of stream is seen here)
+                _until(sock, hs, f"waiting for rank {q}'s challenge")
                 if sock.recv(1, socket.MSG_PEEK):
-                    return sock, nonce_c
+                    return sock, nonce_c, hs
                 why: BaseException = ConnectionError("connection closed by peer")
             except ConnectionError as e:  # (reset: closed with our HELLO unread)
                 why = e
@@ -1104,17 +1108,20 @@ class Mesh:
             time.sleep(REDIAL_S)
 
     def _connect(self, q: int, host: str, port: int, deadline: float) -> None:
-        sock, nonce_c = self._greet(q, host, port, deadline)
+        # the whole handshake by one deadline (a listener trickling its challenge held a dial
+        # ~64 s past a 3 s deadline: the socket's timeout bounded each recv only)
+        sock, nonce_c, hs = self._greet(q, host, port, deadline)
         try:
-            hdr, body = read_frame(sock, 2 * auth.NONCE_BYTES)
+            hdr, body = read_frame(sock, 2 * auth.NONCE_BYTES, hs)
             if hdr.kind != Kind.CHALLENGE or len(body) != auth.NONCE_BYTES + auth.MAC_BYTES:
                 raise AuthError(f"rank {q} sent {hdr.kind.name} instead of a challenge")
             nonce_s, proof = bytes(body[: auth.NONCE_BYTES]), bytes(body[auth.NONCE_BYTES :])
             if not auth.verify(auth.mac(self.secret, b"srv", nonce_c, nonce_s, q), proof):
                 raise AuthError(f"rank {q} failed to prove it knows the job secret")
             mine = auth.mac(self.secret, b"cli", nonce_s, nonce_c, self.rank)
+            _until(sock, hs, f"sending our proof to rank {q}")
             sock.sendall(encode_header(Kind.PROOF, 0, self.rank, 0, len(mine)) + mine)
-            hdr, _ = read_frame(sock, 0)
+            hdr, _ = read_frame(sock, 0, hs)
             if hdr.kind != Kind.ACCEPT:
                 raise AuthError(f"rank {q} did not accept our proof")
         except (OSError, WireError, ConnectionError) as e:
