@@ -259,3 +259,39 @@ def test_the_ops_rebuilt_weight_goes_with_the_live_weight() -> None:
     finally:
         if was:
             gc.enable()
+
+
+@pytest.mark.parametrize("exported_pts", [False, True], ids=["exported-without", "exported-with"])
+def test_exported_nvfp4_module_follows_a_loaded_per_tensor_scale_or_its_absence(
+    exported_pts: bool,
+) -> None:
+    """Exported without a per-tensor scale, a weight-only NVFP4 module traced the scale 1.0 into
+    the decode op as a constant: loaded with one, its decode outputs were off by that scale."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 16)
+    torchport.quantize_(m, C.NVFP4WeightOnlyConfig(use_per_tensor_scale=exported_pts))
+    new = torch.nn.Linear(64, 16)
+    torchport.quantize_(new, C.NVFP4WeightOnlyConfig(use_per_tensor_scale=not exported_pts))
+    for rows in (1, 12):
+        em = torch.export.export(m, (torch.randn(rows, 64),)).module()
+        em.load_state_dict(new.state_dict())
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            assert torch.equal(em(x), new(x))
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4", "fp8"])
+def test_a_weight_with_k_zero_gives_zeros_plus_bias(kind: str) -> None:
+    """K = 0 raised an untyped RuntimeError (a reshape to rows of 0); F.linear gives zeros."""
+    w32 = torch.empty(13, 0)
+    w = {
+        "nvfp4": lambda: T.NVFP4Tensor.from_float(w32),
+        "mxfp4": lambda: T.MXTensor.from_float(w32, "fp4_e2m1"),
+        "fp8": lambda: T.Float8Tensor.from_float(w32),
+    }[kind]()
+    bias = torch.arange(13.0)
+    with torch.no_grad():
+        for rows in (1, 16):
+            x = torch.empty(rows, 0)
+            assert torch.equal(torch.nn.functional.linear(x, w), torch.zeros(rows, 13))
+            assert torch.equal(torch.nn.functional.linear(x, w, bias), bias.expand(rows, 13))

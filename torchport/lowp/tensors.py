@@ -671,8 +671,8 @@ class LowPrecisionTensor(torch.Tensor):
         the first time; later calls with the same activation dtype/shape, bias and settings call
         the kernel directly (a few µs of Python instead of the general path's checks). While
         ``torch.compile``, ``torch.export`` or ``make_fx`` trace a weight whose activations are
-        quantized at run time (NVFP4 and MX activation configs) or an NVFP4 weight with a
-        per-tensor scale, the whole call is one custom op, ``torchport::lowp_act_linear``, which
+        quantized at run time (NVFP4 and MX activation configs) or an NVFP4 weight, the whole
+        call is one custom op, ``torchport::lowp_act_linear``, which
         runs this eager path (see :func:`_act_linear_op`).
         """
         if self._traced_as_op() and _traced(x):
@@ -682,8 +682,8 @@ class LowPrecisionTensor(torch.Tensor):
     def _traced_as_op(self) -> bool:
         """True if a traced :meth:`linear` is one custom op (:func:`_act_linear_op`): run-time
         activation quantization (native kernels and data-dependent checks a tracer cannot
-        follow), or a per-tensor scale (a Python float, which the trace would keep as a
-        constant). False here and for FP8, whose traced path is torch ops throughout."""
+        follow), or NVFP4's per-tensor scale (a Python float or none, which the trace would keep
+        as a constant). False here and for FP8, whose traced path is torch ops throughout."""
         return False
 
     def _act_settings(self) -> tuple[float | None, bool | None, str | None, str | None]:
@@ -700,6 +700,10 @@ class LowPrecisionTensor(torch.Tensor):
                 return out
         if self.qdata.is_meta:  # shapes only (the kernels must never see its null pointer)
             return self._meta_linear(x, bias)
+        n, k = self.shape
+        if k == 0 and x.dim() and x.shape[-1] == 0:  # an empty sum: zeros (the paths below
+            out = x.new_zeros((*x.shape[:-1], n))  # reshaped x to rows of 0: untyped errors)
+            return out if bias is None else out + bias.to(out.dtype)
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
         if decode and self._fp4_x_fp4():
@@ -1262,9 +1266,9 @@ class NVFP4Tensor(LowPrecisionTensor):
         return self.act_per_tensor_scale is not None
 
     def _traced_as_op(self) -> bool:
-        # (and weight-only with a per-tensor scale: traced as a constant, an exported module
-        # kept the old one after load_state_dict; the op reads the live weight's)
-        return self.act_per_tensor_scale is not None or self.per_tensor_scale is not None
+        # always: the per-tensor scale (or its absence, 1.0) was traced as a constant, so an
+        # exported module kept it after load_state_dict; the op reads the live weight's
+        return True
 
     def _act_settings(self) -> tuple[float | None, bool | None, str | None, str | None]:
         return self.per_tensor_scale, self.act_per_tensor_scale, None, None
