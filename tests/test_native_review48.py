@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_native_toolchain import needs_gcc
 from torchport import native
 from torchport.native import CorruptCacheWarning
 
@@ -23,16 +24,6 @@ EVIL = "int tp_f(void) { return 666; }\n"
 root_only = pytest.mark.skipif(
     os.geteuid() != 0, reason="a file owned by another user is made with chown, which needs root"
 )
-
-
-def _gcc() -> bool:
-    try:
-        return native.pch._is_gcc(native.toolchain.find_compiler())
-    except native.NativeError:
-        return False
-
-
-needs_gcc = pytest.mark.skipif(not _gcc(), reason="precompiled headers are built for GCC only")
 
 
 @pytest.fixture

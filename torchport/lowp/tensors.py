@@ -700,9 +700,9 @@ class LowPrecisionTensor(torch.Tensor):
                 return out
         if self.qdata.is_meta:  # shapes only (the kernels must never see its null pointer)
             return self._meta_linear(x, bias)
-        n, k = self.shape
-        if k == 0 and x.dim() and x.shape[-1] == 0:  # an empty sum: zeros (the paths below
-            out = x.new_zeros((*x.shape[:-1], n))  # reshaped x to rows of 0: untyped errors)
+        if self.dim() == 2 and self.shape[1] == 0 and x.dim() and x.shape[-1] == 0:
+            # an empty sum: zeros (the paths below reshaped x to rows of 0: untyped errors)
+            out = x.new_zeros((*x.shape[:-1], self.shape[0]))
             return out if bias is None else out + bias.to(out.dtype)
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
@@ -1485,12 +1485,12 @@ class MXTensor(LowPrecisionTensor):
 def _traced(x: torch.Tensor) -> bool:
     """True while ``torch.compile`` (Dynamo), ``torch.export`` or ``make_fx`` trace ``x`` (not
     under a ``torch.func`` transform: the custom op has no batching or forward-mode rule)."""
+    if native.functorch_active():  # (also inside a compiled torch.func transform)
+        return False
     if torch.compiler.is_compiling():
         return True
     if type(x) in _PLAIN and not torch._C._len_torch_dispatch_stack():
         return False  # (plain eager: the common case first)
-    if native.functorch_active():
-        return False
     proxy = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
     return is_fake(x) or proxy is not None
 
@@ -1568,9 +1568,10 @@ def _act_linear_op(
     elem: str | None,
     act_elem: str | None,
 ) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for an NVFP4 (``kind="nvfp4"``: ``pts``, ``act_pts``) or MX
-    (``"mx"``: ``elem``, ``act_elem``) weight with run-time activation quantization, rebuilt
-    from its inner tensors: the eager path (native kernels, typed errors) as one traced op."""
+    """``F.linear(x, w, bias)`` for an NVFP4 weight (``kind="nvfp4"``: ``pts``, ``act_pts``)
+    or an MX weight with run-time activation quantization (``"mx"``: ``elem``, ``act_elem``),
+    rebuilt from its inner tensors: the eager path (native kernels, typed errors) as one traced
+    op."""
     w = _rebuilt(kind, qdata, scale, orig_dtype, pts, act_pts, elem, act_elem)
     out = w._linear(x, bias)
     # (a custom op's output may not alias an input: an empty x's result could be a view)
