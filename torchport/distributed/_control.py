@@ -136,25 +136,23 @@ def _kind(mode: int) -> str:
 def _check_secret_dir(d: str, path: str) -> None:
     """Raise :class:`AuthError` unless only this user (and root) can change what directory ``d``
     holds: every directory from ``d`` up to ``/`` (along the path as given and the resolved one)
-    must pass the native cache's policy :func:`torchport.native.toolchain.unsafe_reason` (``d``
-    the leaf). In a directory others could write, they could plant the secret file (or a FIFO
-    in its place) before this user made it, or swap it."""
-    from torchport.native.toolchain import unsafe_reason
+    must pass the native cache's policy (:func:`torchport.native.toolchain.first_unsafe_dir`,
+    ``d`` the leaf). In a directory others could write, they could plant the secret file (or a
+    FIFO in its place) before this user made it, or swap it."""
+    from torchport.native.toolchain import first_unsafe_dir
 
-    euid = os.geteuid()
-    given = Path(os.path.abspath(d))
-    for top in {given, Path(os.path.realpath(d))}:
-        for p in (top, *top.parents):
-            try:
-                st = os.stat(p)
-            except OSError as e:
-                raise AuthError(f"cannot check the directory {p} of secret file {path}: {e}") from e
-            why = unsafe_reason(st, euid, leaf=p == top)
-            if why is not None:
-                raise AuthError(
-                    f"secret file {path}: its directory {p} {why}; set TORCHPORT_SECRET or point "
-                    "TORCHPORT_CACHE_DIR at a directory of your own"
-                )
+    try:
+        found = first_unsafe_dir(d)
+    except OSError as e:
+        raise AuthError(
+            f"cannot check the directory {e.filename} of secret file {path}: {e}"
+        ) from e
+    if found is not None:
+        p, _, why = found
+        raise AuthError(
+            f"secret file {path}: its directory {p} {why}; set TORCHPORT_SECRET or point "
+            "TORCHPORT_CACHE_DIR at a directory of your own"
+        )
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:

@@ -286,28 +286,40 @@ def check_private(d: Path) -> None:
     given = Path(os.path.abspath(d))  # (a relative cache directory moves with os.chdir)
     if str(given) in _private_dirs:
         return
+    try:
+        found = first_unsafe_dir(d)
+    except OSError as e:
+        raise UnsafeCacheError(f"cannot check native cache directory {e.filename}: {e}") from e
+    if found is not None:
+        p, st, why = found
+        # (chmod alone does not vouch for what others put there meanwhile: read_private then
+        # refuses each entry another user owns or can write, and it is rebuilt)
+        fix = (
+            f"run `chmod go-w {p}` (entries that another user owns or can write are then "
+            "removed and rebuilt, never loaded) or point"
+            if st.st_uid in (os.geteuid(), 0)
+            else "point"
+        )
+        raise UnsafeCacheError(
+            f"native cache directory {p} {why}: no kernel is loaded from it; {fix} "
+            "TORCHPORT_CACHE_DIR at a directory of your own"
+        )
+    _private_dirs.add(str(given))
+
+
+def first_unsafe_dir(d: Path | str) -> tuple[Path, os.stat_result, str] | None:
+    """The first directory from ``d`` up to ``/`` (along the path as given and along its
+    resolved one) that :func:`unsafe_reason` refuses (``d`` itself as the leaf), with its stat
+    and the reason; None if every one passes. ``OSError`` (its ``filename`` the directory)
+    where one cannot be examined."""
     euid = os.geteuid()
-    for top in {given, Path(os.path.realpath(d))}:
+    for top in {Path(os.path.abspath(d)), Path(os.path.realpath(d))}:
         for p in (top, *top.parents):
-            try:
-                st = os.stat(p)
-            except OSError as e:
-                raise UnsafeCacheError(f"cannot check native cache directory {p}: {e}") from e
+            st = os.stat(p)
             why = unsafe_reason(st, euid, leaf=p == top)
             if why is not None:
-                # (chmod alone does not vouch for what others put there meanwhile: read_private
-                # then refuses each entry another user owns or can write, and it is rebuilt)
-                fix = (
-                    f"run `chmod go-w {p}` (entries that another user owns or can write are then "
-                    "removed and rebuilt, never loaded) or point"
-                    if st.st_uid in (euid, 0)
-                    else "point"
-                )
-                raise UnsafeCacheError(
-                    f"native cache directory {p} {why}: no kernel is loaded from it; {fix} "
-                    "TORCHPORT_CACHE_DIR at a directory of your own"
-                )
-    _private_dirs.add(str(given))
+                return p, st, why
+    return None
 
 
 class _UnsafeEntryError(UnsafeCacheError):
