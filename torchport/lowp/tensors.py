@@ -502,7 +502,12 @@ class LowPrecisionTensor(torch.Tensor):
         # inner tensors (gemv's, sharing them through the pack) gave the gradient of the new
         # codes with the old per-tensor scale
         note_written(tuple(getattr(self, n) for n in names))
-        meta = {attr: getattr(new, attr) for attr in self._copied_meta}
+        self._bytes_changed({attr: getattr(new, attr) for attr in self._copied_meta})
+
+    def _bytes_changed(self, meta: dict[str, Any]) -> None:
+        """Tell every tensor standing for this one's bytes that they (or ``meta``, the
+        :attr:`_copied_meta` values they go with) changed: packed copies and settled routes
+        dropped, write counts raised, ``meta`` set."""
         view = _view_of(self)
         for c in self._sharing_caches():
             # every tensor on this storage may read the written bytes (caches dropped), but only
@@ -1234,13 +1239,7 @@ class NVFP4Tensor(LowPrecisionTensor):
         if self._cache.key is None:  # (being built, or no real storage: nothing shares it)
             self._cache.per_tensor_scale = value  # type: ignore[attr-defined]
             return
-        view = _view_of(self)
-        for c in self._sharing_caches():
-            if c is self._cache or c.view == view:
-                c.per_tensor_scale = value  # type: ignore[attr-defined]
-            c.pack = None
-            c.route = None
-            c.writes += 1
+        self._bytes_changed({"per_tensor_scale": value})
 
     @classmethod
     def from_float(
