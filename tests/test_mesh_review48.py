@@ -12,6 +12,7 @@ thread start and a transient ``accept`` error.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import select
 import socket
@@ -100,6 +101,25 @@ def meshes() -> Iterator[list[Mesh]]:
         m.close()
 
 
+@contextlib.contextmanager
+def _rank0_of_two(
+    meshes: list[Mesh],
+) -> Iterator[tuple[dist.Store, dict[int, Mesh], int]]:
+    """Rank 0 of a world-2 root mesh forming on a thread: yields the store, the meshes made
+    (rank 0's once formed; the body adds rank 1's) and rank 0's listening port; at exit waits
+    for rank 0 and hands every mesh made to ``meshes`` (closed by its fixture)."""
+    store = dist.HashStore()
+    made: dict[int, Mesh] = {}
+    first = threading.Thread(target=lambda: made.setdefault(0, _fixed(store, 0, 2)))
+    first.start()
+    try:
+        store.wait(["tp/addr/0"])
+        yield store, made, int(store.get("tp/addr/0").decode().rsplit(":", 1)[1])
+    finally:
+        first.join(30)
+        meshes += made.values()
+
+
 def _lone(kind: str, meshes: list[Mesh]) -> Mesh:
     """A listening mesh that expects no peer: a root mesh of world 1 or an elastic mesh."""
     m = _fixed(dist.HashStore(), 0, 1) if kind == "fixed" else ElasticMesh(SECRET, "127.0.0.1")
@@ -129,13 +149,7 @@ def test_silent_strangers_take_bounded_threads_and_a_later_rank_still_joins(
     """1000 silent connections to a root mesh held 1000 handshake threads."""
     monkeypatch.setattr(tt, "MAX_HANDSHAKES", CAP)
     monkeypatch.setattr(tt, "HANDSHAKE_TIMEOUT_S", 2.0)
-    store = dist.HashStore()
-    made: dict[int, Mesh] = {}
-    first = threading.Thread(target=lambda: made.setdefault(0, _fixed(store, 0, 2)))
-    first.start()
-    try:
-        store.wait(["tp/addr/0"])
-        port = int(store.get("tp/addr/0").decode().rsplit(":", 1)[1])
+    with _rank0_of_two(meshes) as (store, made, port):
         before = _threads()
         _flood(port, STRANGERS, socks)
         time.sleep(0.2)
@@ -143,9 +157,6 @@ def test_silent_strangers_take_bounded_threads_and_a_later_rank_still_joins(
         # rank 1 dials while the first strangers still hold every slot: it is closed before
         # its challenge, dials again and gets in once their handshakes time out
         made[1] = _fixed(store, 1, 2)
-    finally:
-        first.join(30)
-        meshes += made.values()
     m0, m1 = made[0], made[1]
     assert set(m0.peers) == {1} and set(m1.peers) == {0}
     assert m0.rejected >= STRANGERS - CAP
@@ -178,21 +189,12 @@ def test_a_rank_dialling_while_every_slot_is_taken_gets_in_once_one_frees(
     """Past the bound a connection is closed at once; a legitimate dialler tries again."""
     monkeypatch.setattr(tt, "MAX_HANDSHAKES", 1)
     monkeypatch.setattr(tt, "HANDSHAKE_TIMEOUT_S", 1.0)
-    store = dist.HashStore()
-    made: dict[int, Mesh] = {}
-    first = threading.Thread(target=lambda: made.setdefault(0, _fixed(store, 0, 2)))
-    first.start()
-    try:
-        store.wait(["tp/addr/0"])
-        port = int(store.get("tp/addr/0").decode().rsplit(":", 1)[1])
+    with _rank0_of_two(meshes) as (store, made, port):
         _flood(port, 1, socks)  # holds the only slot for 1 s
         time.sleep(0.1)
         t0 = time.monotonic()
         made[1] = _fixed(store, 1, 2)
         took = time.monotonic() - t0
-    finally:
-        first.join(30)
-        meshes += made.values()
     assert made[0].rejected >= 2, "the stranger and at least one refused dial of rank 1"
     assert 0.5 < took < 5.0, took
     assert _exchange(made[1], made[0]) == b"still works"
