@@ -72,13 +72,24 @@ def _r_mm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
 
 @_rule(aten.addmm.default)
 def _r_addmm(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    prod = c_matmul(lw.e, aten.mm.default, a[1], a[2])
-    prod = c_mul(lw.e, prod, kw.get("alpha", 1))
-    raw = n.kwargs.get("beta", 1)  # (from the node: a complex number was mapped to a Pair)
-    if isinstance(raw, (int, float, complex)) and raw == 0:
-        # beta = 0 ignores the bias, as eager (its NaN and inf are not propagated: 0·NaN was NaN)
-        return prod
-    return c_add(lw.e, c_mul(lw.e, a[0], kw.get("beta", 1)), prod)  # beta*bias + alpha*A@B
+    e = lw.e
+    prod = c_matmul(e, aten.mm.default, a[1], a[2])
+    # The scalars from the node: a complex number was mapped to a Pair in ``kw``.
+    alpha, beta = n.kwargs.get("alpha", 1), n.kwargs.get("beta", 1)
+    if _is_zero(alpha):
+        # alpha = 0 ignores the product, as eager (BLAS's rule: NaN and inf in the matrices are
+        # not propagated; 0·NaN was NaN); only its shape is kept, for the bias to broadcast to
+        zero = e.call(torch.zeros_like, _pair(prod).re)
+        prod = Pair(zero, zero)  # (both parts: c_add takes a missing part's shape from the other)
+    else:
+        prod = c_mul(e, prod, kw.get("alpha", 1))
+    if _is_zero(beta):
+        return prod  # beta = 0 ignores the bias the same way
+    return c_add(e, c_mul(e, a[0], kw.get("beta", 1)), prod)  # beta*bias + alpha*A@B
+
+
+def _is_zero(scalar: Any) -> bool:
+    return isinstance(scalar, (int, float, complex)) and scalar == 0
 
 
 @_rule(*_packets("_fft_c2c", "_fft_r2c", "_fft_c2r"))
