@@ -1205,7 +1205,12 @@ class Mesh:
         with self._ready:
             self.peers[q] = conn
             self._ready.notify_all()
-        self._spawn(self._read_loop, conn, name=f"tp-read-{q}")
+        try:
+            self._spawn(self._read_loop, conn, name=f"tp-read-{q}")
+        except RuntimeError as e:  # no thread could start: nothing would read from ``q``
+            with contextlib.suppress(OSError):  # (the peer's reader ends: it loses us too)
+                sock.shutdown(socket.SHUT_RDWR)
+            self._lost(conn, CommError(f"no reader thread could start: {e}"))
 
     def _spawn(self, fn: Callable[..., None], *args: Any, name: str) -> None:
         """Run ``fn(*args)`` on a thread of its own (the elastic mesh uses warm threads)."""
