@@ -20,8 +20,9 @@ Dumps are JSON, one file per rank (``rank_<r>.json`` in ``TORCHPORT_FR_DUMP_DIR`
 * on error or abort: when a recorded op raises, or :meth:`FlightRecorder.abort_hook` is called.
 
 Use :func:`install` to record every ``torch.distributed`` collective and point-to-point op of this
-process (any backend; point-to-point ops are recorded in the process group's own ``send`` /
-``recv`` methods, so also when called on a ``ProcessGroup`` directly), or call
+process (any backend; ops are recorded in the process group's own methods, so also those torch
+issues itself -- object collectives, FSDP2's -- and those called on a ``ProcessGroup`` directly,
+one sequence id per op the group received), or call
 :meth:`FlightRecorder.record` / :meth:`FlightRecorder.attach` around collectives issued on a raw
 ``ProcessGroup``. ``torchport fr analyze DIR`` (see :mod:`torchport.distributed.fr_analyze`) turns the
 dumps into a plain-words verdict; ``torchport fr export SRC --to DIR`` or ``dump(format="torch")``
@@ -99,7 +100,8 @@ def _dtype_name(d: torch.dtype) -> str:
 
 
 def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """Sizes (``torch.Size``) and dtypes (``torch.dtype``) of tensors and lists of tensors."""
+    """Sizes (``torch.Size``) and dtypes (``torch.dtype``) of tensors, lists of tensors and
+    lists of those."""
     sizes: list[Any] = []
     dtypes: list[Any] = []
     for t in tensors:
@@ -111,6 +113,11 @@ def _describe(tensors: Sequence[Any]) -> tuple[list[Any], list[Any]]:
                 if isinstance(u, torch.Tensor):
                     sizes.append(u.shape)
                     dtypes.append(u.dtype)
+                elif isinstance(u, list | tuple):  # (a group's allgather: [[outputs]])
+                    for v in u:
+                        if isinstance(v, torch.Tensor):
+                            sizes.append(v.shape)
+                            dtypes.append(v.dtype)
     return sizes, dtypes
 
 
@@ -227,8 +234,8 @@ class FlightRecorder:
         idx = next(self._ids)
         # without this frame and its caller (record() or an install() wrapper): the stack ends
         # at the op's call site for those ([:-3] dropped the call site itself); through op()
-        # it ends with contextlib's __enter__ and op, and a p2p op's with torch's own send /
-        # recv frame (its wrapper is called from inside torch.distributed)
+        # it ends with contextlib's __enter__ and op, and an op recorded in a process group's
+        # method with torch's own frame that called it (the program's call site above it)
         stack = traceback.format_stack(limit=12)[:-2] if self.record_stack else None
         # an op recorded as scheduled has no start time until started() (its dump showed the
         # scheduling time as time_started_ns, an op never handed to the backend as started)
@@ -537,23 +544,31 @@ class FlightRecorder:
     # -- watchdog --------------------------------------------------------------------------
     def start_watchdog(self, timeout_s: float | None = None, period_s: float = 0.1) -> None:
         """Dump once when an op stays incomplete for more than ``timeout_s`` seconds (a
-        finite number >= 0; 0: no watchdog). Does nothing while a watchdog runs; after
-        :meth:`stop`, starts a new one."""
+        finite number >= 0; 0: no watchdog), looking every ``period_s`` seconds (a finite
+        number > 0). Does nothing while a watchdog runs; after :meth:`stop`, or after the
+        watchdog thread died, starts a new one."""
         t = config.get("fr_timeout") if timeout_s is None else timeout_s
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t < math.inf:
             # (nan and inf ended in a ValueError / OverflowError from int() below)
             raise ValueError(f"timeout_s must be a finite number >= 0 (0: none), got {t!r}")
+        p = period_s
+        if not isinstance(p, int | float) or isinstance(p, bool) or not 0 < p < math.inf:
+            # (0, a negative or nan period spun a core; "0.1" killed the thread in its first
+            # wait, and the dead thread, still recorded, kept any later start from running)
+            raise ValueError(f"period_s must be a finite number > 0, got {p!r}")
         if t == 0:
             return
         # (capped: beyond ~31,000 years t * 1e9 could overflow, and nothing is ever that late)
         limit_ns = int(min(t, 1e12) * 1e9)
+        # (a wait longer than the platform's limit raises OverflowError in the thread)
+        period = min(float(p), threading.TIMEOUT_MAX)
         with self._lock:  # (two concurrent starts: one watchdog)
-            if self._watchdog is not None:
+            if self._watchdog is not None and self._watchdog.is_alive():
                 return
             stop = self._stop = threading.Event()
             self._watchdog = threading.Thread(
                 target=self._watch,
-                args=(stop, limit_ns, period_s),
+                args=(stop, limit_ns, period),
                 name="tp-fr-watchdog",
                 daemon=True,
             )
@@ -669,12 +684,20 @@ def _close_signal_dump() -> None:
 
 
 # -- recording every torch.distributed collective -----------------------------------------
+# The torch.distributed functions install() wraps. An op is recorded (and numbered) where it
+# reaches the process group, in the group's methods (_COLL_METHODS); these wrappers only
+# complete a synchronous op's entry when the function returns (no future callback needed) and
+# record calls on a group object that is no ProcessGroup (see _wrap).
 _PATCHED = (
     "all_reduce",
+    "all_reduce_coalesced",
     "broadcast",
     "reduce",
     "all_gather",
+    "all_gather_single",
     "all_gather_into_tensor",
+    "all_gather_coalesced",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "reduce_scatter",
     "all_to_all_single",
@@ -682,7 +705,42 @@ _PATCHED = (
     "gather",
     "scatter",
     "barrier",
+    "monitored_barrier",
 )
+
+# Collectives are recorded where every path to them meets: the process group's methods, as
+# torch's own recorder does (which sits in the group). Recording the torch.distributed
+# functions alone missed what calls torch's module functions or the group directly -- FSDP2's
+# all_gather_single / reduce_scatter_single (new names the list lacked), the object
+# collectives (all_gather_object's two all_gathers), the coalescing manager -- and numbered
+# an op torch refused in its argument checks on one rank (a complex all_reduce with MAX),
+# which the group never received: every later id of that rank was one ahead of its peers'.
+# Method -> our op name: one name per op of the group, however it was called
+# (all_gather_single and all_gather_into_tensor are one op, so are their coalesced forms).
+_COLL_METHODS = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "allgather": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced",
+    "_allgather_base": "all_gather_into_tensor",
+    "all_gather_single": "all_gather_into_tensor",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all_single",
+    "all_to_all_single": "all_to_all_single",
+    "gather": "gather",
+    "scatter": "scatter",
+    "barrier": "barrier",
+    "monitored_barrier": "monitored_barrier",
+}
 # (owner, name) -> the attribute as install() first found it, for every function (owner: the
 # torch.distributed module) and method (owner: Work, a ProcessGroup class) it replaced
 _originals: dict[tuple[Any, str], Any] = {}
@@ -752,7 +810,11 @@ def _group_key(group: Any) -> tuple[str, list[int], Callable[[], Any]]:
     if group is None or group is dist.group.WORLD:
         name, ranks = "default", list(range(dist.get_world_size()))
     else:
-        name = str(getattr(group, "group_name", None) or f"pg{key:x}")
+        try:
+            given = getattr(group, "group_name", None)
+        except RuntimeError:  # a ProcessGroup never named ("ProcessGroup name not set")
+            given = None
+        name = str(given or f"pg{key:x}")
         try:
             ranks = dist.get_process_group_ranks(group)
         except (RuntimeError, ValueError, KeyError):  # KeyError: a group c10d never registered
@@ -787,12 +849,21 @@ P2P_OPS = ("send", "recv")
 _P2P_METHODS = {"send": "send", "recv": "recv", "recv_anysource": "recv"}
 
 
-class _P2PState(threading.local):
-    busy = False  # inside a recorded p2p method (a subclass's calling its base's: record once)
+class _OpState(threading.local):
+    # inside a recorded process group method: a subclass's calling its base's, or torch's
+    # C++ method calling a Python group's own (all_gather_single -> _allgather_base): one op
+    busy = False
     seq: int | None = None  # the shared sequence id of the batch_isend_irecv being issued
+    # inside a wrapped torch.distributed function (see _wrap), and the entry of the first op
+    # it issued, which the function completes (a nested wrapped function leaves it alone)
+    public = False
+    entry: list[Any] | None = None
 
 
-_p2p_state = _P2PState()
+_op_state = _OpState()
+# ProcessGroup classes whose methods install() wrapped (a subclass defined later is wrapped
+# when _wrap first meets a group of it)
+_hooked: set[type] = set()
 
 
 def _seen(group: Any, rec: FlightRecorder) -> tuple[str, list[int], Callable[[], Any]]:
@@ -833,9 +904,38 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
         if p.name not in _NOT_TENSORS and (p.annotation is empty or "Tensor" in str(p.annotation))
     )
 
+    state, hooked, pg_class = _op_state, _hooked, dist.ProcessGroup
+
+    def issue(args: Any, kwargs: Any) -> Any:
+        """Call ``fn`` on a group whose methods record: complete the entry its op made."""
+        if state.public:  # (called by another wrapped function: that one completes it)
+            return fn(*args, **kwargs)
+        state.public, state.entry = True, None
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as err:
+            if state.entry is not None:  # the group took the op; its wait failed
+                rec.completed(state.entry, err)
+            raise  # (else refused before the group got it: no entry, no sequence id)
+        finally:
+            e, state.entry, state.public = state.entry, None, False
+        if e is None:  # no op issued (deferred by the coalescing manager to its end)
+            return out
+        async_op = kwargs.get("async_op", args[ai] if ai is not None and ai < len(args) else False)
+        if out is not None and async_op:
+            return rec.attach(out, e)
+        e[_T_END] = time.time_ns()
+        e[_STATE] = COMPLETED
+        return out
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         group = kwargs.get("group", args[gi] if gi is not None and gi < len(args) else None)
+        g = dist.group.WORLD if group is None else group
+        if type(g) in hooked or (hooked and isinstance(g, pg_class) and _hook_late(g, rec)):
+            return issue(args, kwargs)
+        # a group that is no ProcessGroup (or install() not in force): recorded here, around
+        # the call
         hit = names.get(id(group))
         if hit is None or hit[2]() is not group:
             hit = _seen(group, rec)
@@ -872,10 +972,56 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
     return wrapper
 
 
+def _wrap_coll(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
+    """A process group's collective method ``method`` that records the op (one sequence id per
+    op the group receives) and settles the entry: the wrapped torch.distributed function that
+    issued it completes it (see _wrap), else the returned Work's completion does."""
+    names, state, op, tensor = _group_names, _op_state, _COLL_METHODS[method], torch.Tensor
+    # a gather's list exists on the root only, a scatter's too: this rank's own tensor (gather:
+    # the inputs, second; scatter: the outputs, first), as torch's recorder keeps them
+    own = {"gather": 1, "scatter": 0}.get(method)
+
+    @functools.wraps(fn)
+    def wrapper(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        if state.busy:
+            return fn(pg, *args, **kwargs)
+        hit = names.get(id(pg))
+        if hit is None or hit[2]() is not pg:
+            hit = _seen(pg, rec)
+        a0 = args[0] if args else None
+        if type(a0) is list and len(a0) == 1 and type(a0[0]) is tensor and len(args) < 3:
+            # ([tensor], opts): all_reduce, broadcast, reduce -- the hot path
+            e = rec._new(op, hit[0], (a0[0].shape,), (a0[0].dtype,), STARTED)
+        else:
+            if own is not None:
+                given: Sequence[Any] = args[own : own + 1]
+            else:
+                given = (*args, *kwargs.values()) if kwargs else args
+            sizes, dtypes = _describe(given)
+            e = rec._new(op, hit[0], sizes, dtypes, STARTED)
+        state.busy = True
+        try:
+            work = fn(pg, *args, **kwargs)
+        except BaseException as err:
+            rec.completed(e, err)
+            raise
+        finally:
+            state.busy = False
+        if state.public and state.entry is None:
+            state.entry = e  # (the function that called this completes it)
+            return work
+        if work is None:  # (monitored_barrier: done on return)
+            rec.completed(e)
+            return work
+        return rec.attach(work, e)
+
+    return wrapper
+
+
 def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
     """A process group's ``send`` / ``recv`` / ``recv_anysource`` that records the op (peer as a
     global rank) and settles the entry when the returned Work completes."""
-    names, state, op = _group_names, _p2p_state, _P2P_METHODS[method]
+    names, state, op = _group_names, _op_state, _P2P_METHODS[method]
     futureless = _futureless
     anysource = method == "recv_anysource"
 
@@ -925,7 +1071,7 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
 def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
     """``batch_isend_irecv`` whose ops share one point-to-point sequence id, as torch 2.14's
     recorder numbers a coalesced batch (each op is still its own entry)."""
-    names, state = _group_names, _p2p_state
+    names, state = _group_names, _op_state
 
     @functools.wraps(fn)
     def batch_isend_irecv(p2p_op_list: Any) -> Any:
@@ -998,6 +1144,29 @@ def _process_group_classes() -> list[type]:
     return out
 
 
+def _hook_process_groups(rec: FlightRecorder, *, again: bool = False) -> None:
+    """Wrap the collective and point-to-point methods of ``ProcessGroup`` and of each subclass
+    defining its own (inherited: recorded by the class that defines it); ``again``: also the
+    classes wrapped before (a new install() records into its own recorder)."""
+    for cls in _process_group_classes():
+        if cls in _hooked and not again:
+            continue
+        for method in _COLL_METHODS:
+            if method in vars(cls):
+                _patch(cls, method, functools.partial(_wrap_coll, method, rec=rec))
+        for method in _P2P_METHODS:
+            if method in vars(cls):
+                _patch(cls, method, functools.partial(_wrap_p2p, method, rec=rec))
+        _hooked.add(cls)
+
+
+def _hook_late(group: Any, rec: FlightRecorder) -> bool:
+    """Wrap the methods of ``group``'s class, a ProcessGroup subclass defined after install()
+    (its own collectives were not recorded); True once they record."""
+    _hook_process_groups(rec)
+    return type(group) in _hooked
+
+
 def _wrap_destroy(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
     """``destroy_process_group`` that also forgets the default group's cached membership
     (``group=None`` is cached under one key for the life of the process, so after a re-init
@@ -1044,12 +1213,20 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     """Record every ``torch.distributed`` collective and point-to-point op of this process, on
     any backend.
 
+    Every op is recorded where it reaches the process group, in the methods of
+    ``ProcessGroup`` and of its subclasses (those defined later when a wrapped function first
+    meets one of their groups), with one sequence id per op the group received: so also
+    what torch issues itself (the object collectives, FSDP2's all-gathers and
+    reduce-scatters, the coalescing manager's one op) and what a program calls on a group
+    directly, and never an op torch refused in its argument checks. ``all_gather_single``
+    and ``all_gather_into_tensor`` are one op (``all_gather_into_tensor``), and so are
+    ``reduce_scatter_single`` and ``reduce_scatter_tensor`` (``reduce_scatter_tensor``).
     Point-to-point ops (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
-    recorded in the process group's ``send`` / ``recv`` / ``recv_anysource`` methods, of
-    ``ProcessGroup`` and of the subclasses defined when this is called; ``dist.isend`` and
-    ``dist.irecv`` stay torch's own, so ``dist.P2POp`` works with ops made at any time. Also
-    starts the timeout watchdog and (from the main thread) the ``SIGUSR1`` dump.
-    Idempotent; undo with :func:`uninstall`.
+    recorded in the group's ``send`` / ``recv`` / ``recv_anysource``; ``dist.isend`` and
+    ``dist.irecv`` stay torch's own, so ``dist.P2POp`` works with ops made at any time. The
+    ``torch.distributed`` collective functions are wrapped too, to complete a synchronous
+    op's entry on return. Also starts the timeout watchdog and (from the main thread) the
+    ``SIGUSR1`` dump. Idempotent; undo with :func:`uninstall`.
     """
     global _recorder
     rec = recorder or get_recorder()
@@ -1057,15 +1234,13 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     # after the patching, it left the functions recorded but no watchdog and no signal dump)
     rec.start_watchdog()
     _recorder = rec
+    _hook_process_groups(rec, again=True)
     for name in _PATCHED:
-        _patch(dist, name, functools.partial(_wrap, name, rec=rec))
+        if name in vars(dist):  # (all of them in torch 2.13)
+            _patch(dist, name, functools.partial(_wrap, name, rec=rec))
     _patch(dist, "destroy_process_group", functools.partial(_wrap_destroy, rec=rec))
     _patch(dist, "batch_isend_irecv", functools.partial(_wrap_batch, rec=rec))
     _patch(dist.Work, "wait", functools.partial(_wrap_wait, rec=rec))
-    for cls in _process_group_classes():
-        for method in _P2P_METHODS:
-            if method in vars(cls):  # (inherited: recorded by the class that defines it)
-                _patch(cls, method, functools.partial(_wrap_p2p, method, rec=rec))
     if signal_dump and threading.current_thread() is threading.main_thread():
         enable_signal_dump(recorder=rec)
     return rec
@@ -1077,5 +1252,6 @@ def uninstall() -> None:
         setattr(owner, name, fn)
     _originals.clear()
     _wrappers.clear()
+    _hooked.clear()
     _futureless.clear()
     _group_names.clear()

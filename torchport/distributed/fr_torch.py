@@ -12,7 +12,8 @@ How our entries map onto torch's:
 
 * ``profiling_name`` is ``"<backend>:<op>"`` with torch's op name (``all_gather_into_tensor`` is
   ``_all_gather_base``, ``reduce_scatter_tensor`` ``_reduce_scatter_base``, ``all_to_all_single``
-  ``all_to_all``, the fault-tolerance manager's ``allreduce`` ``all_reduce``); a send or receive is
+  ``all_to_all``, ``all_reduce_coalesced`` ``allreduce_coalesced``, ``monitored_barrier``
+  ``barrier``, the fault-tolerance manager's ``allreduce`` ``all_reduce``); a send or receive is
   ``"send <me>-><peer>"`` / ``"recv <me><-<peer>"`` in group ranks, as torch writes them. An op
   torch has no name for, a receive from any source (its sender is not recorded) and an op of a
   group whose members were not recorded are left out, with one warning per reason: torch's
@@ -23,7 +24,8 @@ How our entries map onto torch's:
 * ``input_sizes`` / ``output_sizes`` split the recorded tensors as torch's recorder does: an
   ``all_gather`` list is one ``[world, *shape]`` output (``reduce_scatter``'s one input); a
   ``gather`` has no outputs and a ``scatter`` no inputs (the root's list is not recorded);
-  ``barrier`` has neither. Dtypes are c10's names (``Float``, ``BFloat16``).
+  ``barrier`` has neither; the ``*_coalesced`` all-gather and reduce-scatter list their outputs,
+  then their inputs. Dtypes are c10's names (``Float``, ``BFloat16``).
 * The ops of a ``batch_isend_irecv`` (which share a ``p2p_seq_id``) are followed by torch's
   ``"<backend>:coalesced"`` entry, as torch's recorder ends a coalesced batch. They keep our
   numbering (ProcessGroupNCCL gives a batch the next collective id instead), on which torch
@@ -90,13 +92,19 @@ _TORCH_OPS = {
     "all_gather": "all_gather",
     "allgather": "all_gather",
     "all_gather_into_tensor": "_all_gather_base",
+    "all_gather_single": "_all_gather_base",
+    "all_gather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
     "reduce_scatter": "reduce_scatter",
     "reduce_scatter_tensor": "_reduce_scatter_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
+    "all_reduce_coalesced": "allreduce_coalesced",
     "all_to_all": "all_to_all",
     "all_to_all_single": "all_to_all",
     "gather": "gather",
     "scatter": "scatter",
     "barrier": "barrier",
+    "monitored_barrier": "barrier",
     "send": "send",
     "recv": "recv",
 }
@@ -136,6 +144,12 @@ _FRAME = re.compile(r'\s*File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<name
 
 
 _Side = tuple[list[Any], list[Any]]  # (sizes, dtypes) of an op's inputs or outputs
+# torch ops recorded as their outputs, then as many inputs
+_OUTS_THEN_INS = (
+    "all_to_all",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+)
 
 
 def _split(op: str, sizes: list[list[int]], dtypes: list[str]) -> tuple[_Side, _Side]:
@@ -166,7 +180,7 @@ def _split(op: str, sizes: list[list[int]], dtypes: list[str]) -> tuple[_Side, _
         big = 0 if math.prod(sizes[0]) >= math.prod(sizes[1]) else 1
         pair = ([sizes[big]], [dtypes[big]]), ([sizes[1 - big]], [dtypes[1 - big]])
         outs, ins = pair if op == "_all_gather_base" else pair[::-1]
-    elif op == "all_to_all" and n >= 2:  # (output(s), input(s))
+    elif op in _OUTS_THEN_INS and n >= 2:  # (output(s), input(s))
         h = n // 2
         outs, ins = (sizes[:h], dtypes[:h]), (sizes[h:], dtypes[h:])
     return (list(ins[0]), list(ins[1])), (list(outs[0]), list(outs[1]))
