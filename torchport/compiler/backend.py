@@ -190,7 +190,11 @@ class TorchportBackend:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        with _symbolic_output_strides():
+        from torchport.compiler.complex import has_symbolic_sizes, oblivious_view_strides
+
+        # (size-oblivious view strides only under a dynamic spec: backed_size_oblivious)
+        dynamic = has_symbolic_sizes(example_inputs)
+        with _symbolic_output_strides(), oblivious_view_strides(dynamic):
             compiled = compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
         assert callable(compiled)
         return compiled

@@ -281,14 +281,16 @@ def split_inputs(
 
 
 @contextlib.contextmanager
-def _oblivious_view_strides(dynamic: bool) -> Iterator[None]:
+def oblivious_view_strides(dynamic: bool) -> Iterator[None]:
     """Inductor's view lowering computes the strides of a view of a non-contiguous buffer (an
     expanded gradient, a sliced part) by *guarding* each backed symbolic size != 1; only unbacked
     sizes get the size-oblivious computation. Under a dynamic spec (``backed_size_oblivious``) a
-    real graph from complex decomposition would thereby be specialised away from size 1 and
-    recompile there. While compiling such a graph, the stride computation is made size-oblivious
-    for backed sizes too: the view strides it derives hold for every size, as torch relies on for
-    unbacked sizes (a view it cannot prove valid becomes a copy)."""
+    graph would thereby be specialised away from size 1 and recompile there: a real graph from
+    complex decomposition, and a spec'd Inductor compile of ordinary indexing (``x[:, -1]``; the
+    backend compiles those inside this too). While compiling such a graph, the stride
+    computation is made size-oblivious for backed sizes too: the view strides it derives hold
+    for every size, as torch relies on for unbacked sizes (a view it cannot prove valid becomes
+    a copy)."""
     import torch.fx.experimental._config as fx_config
     from torch._subclasses import fake_impls
 
@@ -376,7 +378,7 @@ class ComplexCompiled:
                 aten_gm = make_fx(
                     self.real_gm, decomposition_table=select_decomp_table(), tracing_mode="fake"
                 )(*fake_real)
-            with _oblivious_view_strides(self.contiguous):
+            with oblivious_view_strides(self.contiguous):
                 compiled = compile_fx_inner(aten_gm, fake_real, is_backward=is_backward)
         finally:
             fake_mode.allow_non_fake_inputs = allowed

@@ -17,12 +17,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import inspect
 import re
 import sys
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from torchport.frontend.dynamic_spec import (
     Expr,
     IntVar,
     ShapesSpec,
+    UnsupportedSpecError,
     resolve_spec,
 )
 from torchport.frontend.spec_binding import Binding, bind, check_call, check_values
@@ -52,6 +56,24 @@ class SpecCompiled:
         self._bindings: dict[tuple[Any, ...], Binding] = {}
         self.relaxed: str | None = None  # why strict marking was dropped (the code specialises)
         self.traced = False  # a call went through the compiled function (a graph exists)
+
+    def __getattr__(self, name: str) -> Any:
+        """The compiled module's (or function's) attributes, as ``OptimizedModule`` gives them:
+        ``.lin``, ``.state_dict()``; a method that returns the module (``.eval()``, ``.to()``)
+        returns this wrapper, so ``torchport.compile(m).eval()`` stays compiled."""
+        fn = self.__dict__.get("fn")  # (absent while unpickling or before __init__)
+        if fn is None:
+            raise AttributeError(name)
+        attr = getattr(fn, name)
+        if not (inspect.ismethod(attr) and attr.__self__ is fn):
+            return attr
+
+        @functools.wraps(attr)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            return self if out is fn else out
+
+        return method
 
     def binding(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Binding:
         """The spec bound to this call structure (cached per arity and keyword names)."""
@@ -84,42 +106,136 @@ class SpecCompiled:
     def _call_marked(
         self, b: Binding, flat: list[Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> Any:
-        scalars = _mark_dims(b, flat, strict=self.relaxed is None)
+        strict = self.relaxed is None
+        scalars = _mark_dims(b, flat, strict=strict)
         if self.compiled is None:
             self.compiled = self._compile_fn(self.fn)
-        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
-
-        try:
-            with _compile_config(scalars, size_oblivious=self.relaxed is None):
+        if not strict:
+            with _compile_config(scalars, size_oblivious=False):
                 out = self.compiled(*args, **kwargs)
             self.traced = True
             return out
-        except ConstraintViolationError as e:
-            if self.relaxed is not None:
+        # A frame whose strict compile fails (the code specialises a spec'd dim: a guard
+        # ``T != 1``; or its size-oblivious trace fails at a size 0 or 1 that eager handles by
+        # broadcasting) runs eagerly in this call (_frame_fallback): the frames before it already
+        # ran, so the call cannot be started again (their side effects would run twice).
+        zero_one = any(
+            s.dim is not None and isinstance(s.spec, Expr) and s.target(flat).shape[s.dim] < 2
+            for s in b.slots
+        )
+        call = _StrictCall(zero_one)
+        try:
+            with _compile_config(scalars, size_oblivious=True), _frame_fallback(call):
+                out = self.compiled(*args, **kwargs)
+        except Exception:
+            if call.escaped is None:
                 raise
-            # The code specialises a spec'd dim (e.g. a guard ``T != 1``): say so once, then
-            # compile with unenforced marks (sizes the code specialises on get their own graph)
-            # and without size-oblivious sizes: those decide ``numel == 0`` and ``size == 1``
-            # without a guard, which the strict graph may (the spec says it holds for every
-            # size), but a graph that guards some sizes would then be served at 0 and 1 without
-            # having been traced for them (the complex prod backward's ``numel == 0`` branch:
-            # a [2, 1] gradient at size 0). Dynamo's own 0/1 specialisation guards them instead.
-            lines = [ln.strip(" -") for ln in str(e).splitlines() if "Not all values" in ln]
-            self.relaxed = lines[0] if lines else str(e).strip()
-            warnings.warn(
-                f"torchport.compile: the function specialises a dynamic dim of its spec "
-                f"({self.relaxed}); sizes it specialises on will recompile",
-                stacklevel=3,
-            )
-            # (an ObjectSpec's attribute tensors too: their strict marks, left, failed the
-            # relaxed compile with the same ConstraintViolationError)
+            # a fullgraph compile failed so (dynamo raises there): nothing of the call has run
+            # yet, so the call runs again, relaxed (the ObjectSpec attributes' strict marks too)
+            self._relax(call.escaped)
             for t in [*flat, *(s.target(flat) for s in b.slots if s.dim is not None)]:
                 for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range"):
                     if isinstance(t, torch.Tensor) and hasattr(t, attr):
                         delattr(t, attr)
-            _mark_dims(b, flat, strict=False)
-            with _compile_config(scalars, size_oblivious=False):
-                return self.compiled(*args, **kwargs)
+            return self._call_marked(b, flat, args, kwargs)
+        finally:
+            if call.reason is not None and self.relaxed is None:
+                self._relax(call.reason)
+        self.traced = True
+        return out
+
+    def _relax(self, reason: str) -> None:
+        """From the next call on, compile with unenforced marks and without size-oblivious sizes.
+
+        Sizes the code specialises on then get their own graph. Not size-oblivious: those decide
+        ``numel == 0`` and ``size == 1`` without a guard, which the strict graph may (the spec
+        says it holds for every size), but a graph that guards some sizes would then be served at
+        0 and 1 without having been traced for them (the complex prod backward's ``numel == 0``
+        branch: a [2, 1] gradient at size 0). Dynamo's own 0/1 specialisation guards them.
+        """
+        self.relaxed = reason
+        warnings.warn(
+            f"torchport.compile: the function specialises a dynamic dim of its spec "
+            f"({reason}); sizes it specialises on will recompile",
+            stacklevel=4,
+        )
+
+
+class _StrictCall:
+    """A strict spec'd call running on this thread: why a frame of it fell back to eager."""
+
+    def __init__(self, zero_one: bool) -> None:
+        self.zero_one = zero_one  # a spec'd dim of this call has size 0 or 1
+        self.reason: str | None = None  # a frame ran eagerly for this reason
+        self.escaped: str | None = None  # a fullgraph frame raised for this reason
+
+    def fallback_reason(self, e: BaseException) -> str | None:
+        """Why the strict compile of a frame failed with ``e`` (None: ``e`` is not such a case)."""
+        from torch._dynamo.exc import TorchRuntimeError
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        if isinstance(e, ConstraintViolationError):
+            lines = [ln.strip(" -") for ln in str(e).splitlines() if "Not all values" in ln]
+            return lines[0] if lines else str(e).strip()
+        if isinstance(e, TorchRuntimeError) and self.zero_one:
+            # (x + w, w of size 4: a size-oblivious T = 1 is "not 1", so T must be 4)
+            first = (str(e).strip().splitlines() or [""])[0]
+            return f"its size-oblivious trace fails at a size 0 or 1: {type(e).__name__}: {first}"
+        return None
+
+
+_FRAMES = threading.local()  # .call: the _StrictCall running on this thread (or None)
+_FRAMES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _frame_fallback(call: _StrictCall) -> Iterator[None]:
+    """Inside: a frame whose strict compile fails as :meth:`_StrictCall.fallback_reason` says
+    runs eagerly this time (its callees are still compiled), and ``call.reason`` records why;
+    under ``fullgraph`` the error propagates with ``call.escaped`` recording why.
+
+    Dynamo raises such an error out of the whole call (only ``suppress_errors``, which hides every
+    compile error, would run the frame eagerly instead); when it comes from a frame after a graph
+    break, the frames before it have run. The patch is on dynamo's ``ConvertFrameAssert.__call__``
+    (each frame's compile, with or without ``fullgraph``), active only while this thread runs a
+    strict spec'd call.
+    """
+    from torch._dynamo import convert_frame
+    from torch._dynamo.types import ConvertFrameReturn
+
+    with _FRAMES_LOCK:
+        cls = convert_frame.ConvertFrameAssert  # (what ConvertFrame and fullgraph call)
+        if not getattr(cls.__call__, "_torchport", False):
+            original = cls.__call__
+
+            def convert(self: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return original(self, *args, **kwargs)
+                except Exception as e:
+                    active: _StrictCall | None = getattr(_FRAMES, "call", None)
+                    reason = None if active is None else active.fallback_reason(e)
+                    if active is None or reason is None:
+                        raise
+                    if self._one_graph:
+                        # fullgraph: running the frame eagerly fails the call ("found no
+                        # compiled frames"); this frame is the whole call, none of it has run
+                        active.escaped = reason
+                        raise
+                    if active.reason is None:
+                        active.reason = reason
+                    # this frame, this time (apply_to_code=False: compiled again next call)
+                    return ConvertFrameReturn(
+                        apply_to_code=False, skip_reason=f"torchport dynamic spec: {reason}"
+                    )
+
+            convert._torchport = True  # type: ignore[attr-defined]
+            cls.__call__ = convert  # type: ignore[method-assign]
+    outer = getattr(_FRAMES, "call", None)
+    _FRAMES.call = call
+    try:
+        yield
+    finally:
+        _FRAMES.call = outer
 
 
 _MARK_ATTRS = (
@@ -210,7 +326,11 @@ def _mark_dims(b: Binding, flat: Sequence[Any], *, strict: bool = True) -> list[
                 scalars.append(f"L['{base}']" + "".join("." + a for a in s.attrs))
             continue
         t = s.target(flat)
-        if strict and isinstance(s.spec, IntVar) and s.spec not in seen:
+        # (a variable of max <= 1 is not marked strictly: dynamo's symbols for a size start at
+        # 2 unless the size is 0 or 1, so [0, max] made an empty range, ValueRangeError; each
+        # of its sizes gets a graph instead, as 0/1 specialisation gives)
+        small = isinstance(s.spec, IntVar) and s.spec.max is not None and s.spec.max <= 1
+        if strict and isinstance(s.spec, IntVar) and s.spec not in seen and not small:
             seen.add(s.spec)
             lo, hi = s.spec.min, s.spec.max
             if lo is None and hi is None:
@@ -229,14 +349,20 @@ _INT_OO = sys.maxsize - 1  # "no upper bound" for a dim range (dynamo's ranges a
 
 class _compile_config:
     """Config patches for a spec'd compile: size-oblivious backed sizes (unless
-    ``size_oblivious=False``: the relaxed fallback), no duck shaping."""
+    ``size_oblivious=False``: the relaxed fallback), no duck shaping, Parameters as marked."""
 
     def __init__(self, scalars: list[str], *, size_oblivious: bool = True) -> None:
         import torch.fx.experimental._config as fx_config
 
         fx_patch: Any = fx_config.patch  # type: ignore[attr-defined]
         compiler_patch: Any = torch.compiler.config.patch  # type: ignore[attr-defined]
-        patches: list[Any] = [fx_patch(backed_size_oblivious=size_oblivious, use_duck_shape=False)]
+        patches: list[Any] = [
+            fx_patch(backed_size_oblivious=size_oblivious, use_duck_shape=False),
+            # torch 2.13's dynamo makes every nn.Parameter static (ignoring its dim marks): a
+            # spec'd dim of a Parameter argument recompiled for every size. Unmarked Parameters
+            # (a module's weights) stay static either way: their sizes do not change.
+            torch._dynamo.config.patch(force_parameter_static_shapes=False),
+        ]
         if scalars:
             patches.append(compiler_patch(dynamic_sources=",".join(scalars)))
         self._patches = patches
@@ -280,13 +406,27 @@ def export_dynamic_shapes(b: Binding, args: Sequence[Any], kwargs: dict[str, Any
     from torch.export import Dim
 
     unnamed = _unnamed_variables(b)
+    # a size a * V + b with b < 0 is a size only for V >= ceil(-b / a): export wants a derived
+    # Dim's range non-negative, so the named V starts there (the spec allows no smaller V)
+    lows: dict[IntVar, int] = {}
+    for s in b.slots:
+        lin = s.spec.linear() if s.dim is not None and isinstance(s.spec, Expr) else None
+        if lin is not None and lin[1] > 0 and lin[2] < 0:
+            lows[lin[0]] = max(lows.get(lin[0], 0), -(lin[2] // lin[1]))
+    sizes = {s.spec for s in b.slots if s.dim is not None and isinstance(s.spec, IntVar)}
     dims: dict[IntVar, Any] = {}
     for v in b.variables():
-        lo = v.min if v.min is not None else 0
+        if v.max is not None and v.max <= 1 and v in sizes:
+            raise UnsupportedSpecError(
+                f"torchport.export: variable {v.name} has max={v.max}; torch 2.13's export "
+                "cannot make a size of range [0, 1] dynamic (its size symbols start at 2). "
+                "Give it max >= 2, or export the size as static"
+            )
+        lo = max(v.min if v.min is not None else 0, lows.get(v, 0))
         dims[v] = (
             Dim.DYNAMIC
             if v in unnamed
-            else Dim(_dim_name(v), min=max(lo, 0), max=v.max if v.max is not None else None)
+            else Dim(_dim_name(v), min=lo, max=v.max if v.max is not None else None)
         )
     per_leaf: dict[int, dict[int, Any]] = {}
     for s in b.slots:
@@ -387,6 +527,20 @@ def export(
     if spec is None:
         target = mod if isinstance(mod, torch.nn.Module) else _FnModule(mod)
         return torch.export.export(target, args, kwargs, strict=strict)
+    # size-oblivious backed sizes, as for compile and make_fx: an example size 0 or 1 is then
+    # not specialised, and a derived size's range is not narrowed to the example's side of 1
+    # (``B * T`` exported at B = 3 guarded B * T >= 4 and refused B = 1)
+    with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+        return _export_spec(mod, spec, args, kwargs, strict)
+
+
+def _export_spec(
+    mod: torch.nn.Module | Callable[..., Any],
+    spec: ShapesSpec,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    strict: bool,
+) -> torch.export.ExportedProgram:
     b = bind(mod, spec, args, kwargs, "export")
     _pytree_only(b, "torchport.export")
     check_call(b, args, kwargs)
@@ -549,17 +703,19 @@ def _traced_guards(flat_fake: Sequence[Any]) -> Callable[[tuple[Any, ...]], None
     past it computed the other branch's formula silently. The check raises
     :class:`DynamicSpecViolation` there instead (``torch.compile`` would recompile; a traced
     GraphModule cannot)."""
-    idx = [i for i, x in enumerate(flat_fake) if isinstance(x, torch.Tensor)]
+    idx = [i for i, x in enumerate(flat_fake) if isinstance(x, (torch.Tensor, torch.SymInt))]
     fakes = [flat_fake[i] for i in idx]
     env = next((t.fake_mode.shape_env for t in fakes if hasattr(t, "fake_mode")), None)
+    if env is None:
+        env = next((x.node.shape_env for x in fakes if isinstance(x, torch.SymInt)), None)
     if env is None or not env.guards:  # (the spec's ranges alone: check_call has them)
         return None
     from torch._dynamo.source import LocalSource
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
     names = [f"t{j}" for j in range(len(idx))]
-    # the sizes' guards (ranges as the trace narrowed them, relations); not the traced layout's
-    # (stride and storage offset): a transposed input runs the graph correctly, as before
+    # the sizes' and ints' guards (ranges as the trace narrowed them, relations); not the traced
+    # layout's (stride and storage offset): a transposed input runs the graph correctly
     parts = [
         p
         for p in env.produce_guards(fakes, [LocalSource(n) for n in names])
@@ -573,11 +729,13 @@ def _traced_guards(flat_fake: Sequence[Any]) -> Callable[[tuple[Any, ...]], None
     def check(call_args: tuple[Any, ...]) -> None:
         flat = pytree.tree_leaves((tuple(call_args), {}))
         if not eval(compiled, SYMPY_INTERP, {"L": dict(zip(names, (flat[i] for i in idx)))}):
-            shapes = [tuple(flat[i].shape) for i in idx]
+            got = [
+                tuple(flat[i].shape) if isinstance(flat[i], torch.Tensor) else flat[i] for i in idx
+            ]
             raise DynamicSpecViolation(
                 "torchport.make_fx: the traced graph holds only where its guards hold "
-                f"({code}); the call's tensor shapes {shapes} fail them (the function "
-                "specialised on a dynamic size while tracing: trace again for these sizes)"
+                f"({code}); the call's tensor shapes and ints {got} fail them (the function "
+                "specialised on a dynamic size or int while tracing: trace again for these)"
             )
 
     return check
@@ -646,6 +804,7 @@ def _check_static(static: Sequence[tuple[str, int, int | None, int]], call_args:
 
 
 def _fakify(b: Binding, args: Sequence[Any]) -> Any:
+    from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,
@@ -662,8 +821,15 @@ def _fakify(b: Binding, args: Sequence[Any]) -> Any:
     for s in b.slots:
         if s.dim is not None and isinstance(s.spec, Expr):
             dyn.setdefault(s.leaf, {})[s.dim] = s.spec
-    out = []
+    out: list[Any] = []
     for i, x in enumerate(flat):
+        if type(x) is int:
+            # a symbol, as make_fx would make it, but here: _traced_guards then sees the
+            # guards the trace takes on it (``x * 10 if n > 4 else x + 1``)
+            src = ConstantSource(f"int{i}")
+            sym = env.create_symbol(x, src, positive=None)
+            out.append(env.create_symintnode(sym, hint=x, source=src))
+            continue
         if not isinstance(x, torch.Tensor):
             out.append(x)
             continue

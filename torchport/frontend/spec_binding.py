@@ -260,7 +260,14 @@ def _check_all_bound(b: Binding) -> None:
 def _slot_value(s: Slot, flat: Sequence[Any]) -> int:
     v = s.target(flat)
     if s.dim is None:
-        return int(v)
+        # the binding is cached per call structure: check the type of every call's value as
+        # _walk checked the first call's (a float or bool must not be truncated into range)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise DynamicSpecViolation(
+                f"argument {s.where!r}: its spec {_pretty(s.spec)} describes a Python int, "
+                f"got {type(v).__name__} {v!r}"
+            )
+        return v
     # the binding is cached per call structure, not per rank: check the rank of every call
     if not isinstance(v, torch.Tensor) or v.dim() != s.ndim:
         got = f"a {v.dim()}-D tensor" if isinstance(v, torch.Tensor) else type(v).__name__
@@ -303,23 +310,39 @@ def check_values(b: Binding, flat: Sequence[Any]) -> dict[IntVar, int]:
             first[spec] = s
         elif isinstance(spec, int) and val != spec:
             raise DynamicSpecViolation(f"{_slot_name(s)}: expected static size {spec}, got {val}")
+    zero = "divides by zero with {} (a divisor of a spec must be nonzero; give its variable min=1)"
     for s in b.slots:
         if isinstance(s.spec, Expr) and not isinstance(s.spec, IntVar):
             val = _slot_value(s, flat)
-            want = s.spec.evaluate(env)
-            if val != want:
-                values = ", ".join(
-                    f"{v.name}={env[v]}" for v in sorted(s.spec.free_vars(), key=_uid)
-                )
+            try:
+                want = s.spec.evaluate(env)
+            except ZeroDivisionError:
                 raise DynamicSpecViolation(
-                    f"{_slot_name(s)}: expected {_pretty(s.spec)} = {want} (with {values}), "
-                    f"got {val}"
+                    f"{_slot_name(s)}: expected {_pretty(s.spec)}, which "
+                    + zero.format(_values(s.spec, env))
+                ) from None
+            if val != want:
+                raise DynamicSpecViolation(
+                    f"{_slot_name(s)}: expected {_pretty(s.spec)} = {want} "
+                    f"(with {_values(s.spec, env)}), got {val}"
                 )
     for a in b.assumptions:
-        if not a.evaluate(env):
-            values = ", ".join(f"{v.name}={env[v]}" for v in sorted(a.free_vars(), key=_uid))
-            raise DynamicSpecViolation(f"assumption {_pretty(a)} does not hold with {values}")
+        try:
+            holds = a.evaluate(env)
+        except ZeroDivisionError:
+            raise DynamicSpecViolation(
+                f"assumption {_pretty(a)} " + zero.format(_values(a, env))
+            ) from None
+        if not holds:
+            raise DynamicSpecViolation(
+                f"assumption {_pretty(a)} does not hold with {_values(a, env)}"
+            )
     return env
+
+
+def _values(e: Any, env: dict[IntVar, int]) -> str:
+    """``B=2, T=0``: the values of ``e``'s variables, for a message (formed only on failure)."""
+    return ", ".join(f"{v.name}={env[v]}" for v in sorted(e.free_vars(), key=_uid))
 
 
 def _uid(v: IntVar) -> int:
