@@ -128,6 +128,21 @@ def _transport_hint(hints: dict[str, str] | None) -> str | None:
     return hints.get("transport")
 
 
+def _check_timeout(timeout: Any, unset: str) -> None:
+    """A group's or a reconfigure's timeout is None (meaning ``unset``) or a ``timedelta`` > 0
+    and at most ``threading.TIMEOUT_MAX`` s (the longest a socket waits); else
+    :class:`ReconfigureError` naming the value."""
+    if timeout is None:
+        return
+    if not (
+        isinstance(timeout, timedelta) and 0 < timeout.total_seconds() <= threading.TIMEOUT_MAX
+    ):
+        raise ReconfigureError(
+            f"timeout must be a datetime.timedelta > 0 and at most {threading.TIMEOUT_MAX:g} s "
+            f"(or None: {unset}), got {clip_repr(timeout)}"
+        )
+
+
 def _warm(pool: cf.ThreadPoolExecutor, n: int) -> cf.ThreadPoolExecutor:
     """Start all ``n`` threads of ``pool`` now (a pool otherwise starts one per submit)."""
     gate = threading.Barrier(n)
@@ -242,8 +257,7 @@ class ReconfigurableGroup:
             raise ReconfigureError(
                 f"heartbeat must be a finite number of seconds > 0, got {heartbeat!r}"
             )
-        if timeout is not None and not timeout.total_seconds() > 0:
-            raise ReconfigureError(f"timeout must be > 0, got {timeout!r}")
+        _check_timeout(timeout, "30 s")
         host = host or str(config.get("dist_addr"))
         self.backend = backend
         self.timeout = timeout or timedelta(seconds=30)
@@ -490,7 +504,10 @@ class ReconfigurableGroup:
 
     def _reconfigure(self, opts: ReconfigureOptions) -> None:
         t0 = time.perf_counter()
-        timeout = (opts.timeout or self.timeout).total_seconds()
+        # (a float failed in Work.wait with an AttributeError; a negative timedelta was taken,
+        # and a zero one read as "unset": the group's 30 s)
+        _check_timeout(opts.timeout, "the group's")
+        timeout = (self.timeout if opts.timeout is None else opts.timeout).total_seconds()
         deadline = time.monotonic() + timeout
         order = self._order(opts)
         _transport_hint(opts.hints)
@@ -534,10 +551,13 @@ class ReconfigurableGroup:
             else:
                 ids = []
                 lhost, _, lport, _ = parse_handle(order[0])
-                store = self.store if rank == 0 else self._client(lhost, lport, timeout)
+                # torch's store and gloo add their timeout to a nanosecond clock: TIMEOUT_MAX (a
+                # valid timeout here) wrapped around there, and they timed out at once
+                native = min(timeout, threading.TIMEOUT_MAX / 2)
+                store = self.store if rank == 0 else self._client(lhost, lport, native)
                 self.phases["store_s"] = time.perf_counter() - t0
                 pg = gloo_group(
-                    dist.PrefixStore(f"tp-reconf/{uuid}", store), rank, size, timeout, self._host
+                    dist.PrefixStore(f"tp-reconf/{uuid}", store), rank, size, native, self._host
                 )
         except Exception as e:
             # the old communicator stays in use: watch its members again (unwatched, a crash was

@@ -12,11 +12,13 @@ write into live gradients.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchport.distributed.ft.lighthouse import check_number
 from torchport.distributed.ft.manager import Manager, _Work
 
 
@@ -28,8 +30,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, manager: Manager, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        # (NaN, inf or a string failed in int() or the comparison with a bare error)
+        bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, unit="MiB", most=math.inf)
         self.module = module
         self.manager = manager
         params = [p for p in module.parameters() if p.requires_grad]

@@ -5,10 +5,13 @@ lighthouse: a *heartbeat* channel, on which it sends a beat every period and rec
 failure notices, and an *rpc* channel for quorum requests and commit votes.
 
 * **Failure detection.** A replica whose heartbeat connection closes (process crashed, socket
-  closed) is dead at once; one whose beats stop for three periods (hung, SIGSTOP) is evicted. The
-  lighthouse then pushes ``{"t": "dead"}`` to every replica of the current quorum, so their in-flight
-  collectives are abandoned within milliseconds of a crash. An evicted replica that starts beating
-  again is told ``{"t": "evicted"}`` and rejoins through the next quorum (healing first).
+  closed) is dead at once; one whose beats stop for three periods (hung, SIGSTOP) is evicted: three
+  of the longer of the lighthouse's period and the replica's own, which its heartbeat hello names
+  (``"period"``; a hello without one, from an older replica, is taken to beat at the
+  lighthouse's). The lighthouse then pushes ``{"t": "dead"}`` to every replica of the current
+  quorum, so their in-flight collectives are abandoned within milliseconds of a crash. An evicted
+  replica that starts beating again is told ``{"t": "evicted"}`` and rejoins through the next
+  quorum (healing first).
 * **Quorum.** A quorum forms when every live replica has asked for one, or when at least
   ``min_replicas`` have asked and ``join_timeout`` has passed since the first request. Members are
   ordered by replica id; the quorum id changes whenever membership changes, a commit failed, or a
@@ -39,8 +42,11 @@ request and receive every member's, over the authenticated connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import numbers
+import operator
 import socket
 import threading
 import time
@@ -61,11 +67,38 @@ from torchport.distributed.errors import CommError, WireError, clip_repr, is_int
 _log = logging.getLogger(__name__)
 
 
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    zero_ok: bool = False,
+    unit: str = "seconds",
+    most: float | None = None,
+) -> float:
+    """``value`` as a float, checked: a real number that is no bool, finite, > 0 (>= 0 with
+    ``zero_ok``) and at most ``most`` (default ``threading.TIMEOUT_MAX``, the longest wait a
+    timer or socket takes); else ``ValueError`` naming ``name`` and the value. A string failed
+    with a bare TypeError, and 1e308 s with an OverflowError in a thread that then died."""
+    limit = threading.TIMEOUT_MAX if most is None else most
+    number = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # (numpy's too)
+        with contextlib.suppress(OverflowError):  # (an int past a float's range)
+            number = float(value)
+    if math.isfinite(number) and (number >= 0 if zero_ok else number > 0) and number <= limit:
+        return number
+    bound = f" and at most {limit:g}" if math.isfinite(limit) else ""
+    raise ValueError(
+        f"{name} must be a finite number of {unit} {'>=' if zero_ok else '>'} 0{bound}, "
+        f"got {clip_repr(value)}"
+    )
+
+
 @dataclass
 class _Replica:
     rid: str
     hb_conn: socket.socket
     last_beat: float
+    period: float  # its heartbeat period (s), from its hello
     alive: bool = True
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -85,7 +118,8 @@ class Lighthouse:
     Args:
         min_replicas: smallest quorum allowed to train.
         join_timeout: seconds to wait for live replicas that have not asked for the quorum yet.
-        heartbeat: heartbeat period (s); a replica is evicted after 3 missed periods.
+        heartbeat: heartbeat period (s); a replica is evicted after 3 missed periods (of this
+            period or the replica's own, whichever is longer).
         host, port: where to listen (127.0.0.1 and a free port by default).
         secret: shared job secret (default :func:`default_secret`).
     """
@@ -100,18 +134,19 @@ class Lighthouse:
         port: int = 0,
         secret: bytes | None = None,
     ) -> None:
-        if min_replicas < 1:
-            raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
-        if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
-            # zero: the monitor thread spun flat out and every replica was evicted at once
-            raise ValueError(f"heartbeat must be a finite number of seconds > 0, got {heartbeat!r}")
-        if not (math.isfinite(join_timeout) and join_timeout >= 0):
-            raise ValueError(
-                f"join_timeout must be a finite number of seconds >= 0, got {join_timeout!r}"
-            )
-        self.min_replicas = min_replicas
-        self.join_timeout = join_timeout
-        self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
+        # (1.5 or NaN replicas were accepted; a string failed with a bare TypeError)
+        try:
+            count = -1 if isinstance(min_replicas, bool) else operator.index(min_replicas)
+        except TypeError:  # (no float: 1.5 or NaN)
+            count = -1
+        if count < 1:
+            raise ValueError(f"min_replicas must be an int >= 1, got {clip_repr(min_replicas)}")
+        # a zero heartbeat: the monitor thread spun flat out and every replica was evicted at once
+        self.heartbeat = check_number(
+            "heartbeat", config.get("ft_heartbeat") if heartbeat is None else heartbeat
+        )
+        self.join_timeout = check_number("join_timeout", join_timeout, zero_ok=True)
+        self.min_replicas = count
         self._secret = secret or default_secret()
         self._cv = threading.Condition()
         self._replicas: dict[str, _Replica] = {}
@@ -152,7 +187,14 @@ class Lighthouse:
                         conn, f"heartbeat hello: rid must be a string, got {clip_repr(rid)}"
                     )
                     return
-                self._heartbeats(conn, rid)
+                # the replica's own period: evicted after three of this lighthouse's, a replica
+                # beating more slowly was evicted at every step and never committed
+                try:
+                    period = check_number("period", hello.get("period", self.heartbeat))
+                except ValueError as e:
+                    self._refuse(conn, f"heartbeat hello: {e}")
+                    return
+                self._heartbeats(conn, rid, period)
             elif hello.get("t") == "rpc":
                 while True:
                     msg = recv_msg(conn)
@@ -174,8 +216,8 @@ class Lighthouse:
         _log.warning("lighthouse: refused %s; closing the connection", why)
         send_msg(conn, {"t": "error", "error": why})
 
-    def _heartbeats(self, conn: socket.socket, rid: str) -> None:
-        rep = _Replica(rid, conn, time.monotonic())
+    def _heartbeats(self, conn: socket.socket, rid: str, period: float) -> None:
+        rep = _Replica(rid, conn, time.monotonic(), period)
         with self._cv:
             old = self._replicas.get(rid)
             self._replicas[rid] = rep
@@ -230,16 +272,25 @@ class Lighthouse:
             self._push(r, notice)
 
     def _monitor(self) -> None:
-        period = self.heartbeat
-        while not self._stop.wait(min(period / 4, 0.02)):
+        while not self._stop.wait(min(self.heartbeat / 4, 0.02)):
             now = time.monotonic()
             with self._cv:
                 late = [
-                    r for r in self._replicas.values() if r.alive and now - r.last_beat > 3 * period
+                    r
+                    for r in self._replicas.values()
+                    if r.alive and now - r.last_beat > self._patience(r)
                 ]
                 self._cv.notify_all()  # lets waiting quorums re-check their timeouts
-            if late:
-                self._declare_dead(late, f"no heartbeat for {3 * period:.2f} s")
+            by_patience: dict[float, list[_Replica]] = {}
+            for r in late:  # (one notice for all that were late by the same bound)
+                by_patience.setdefault(self._patience(r), []).append(r)
+            for patience, reps in by_patience.items():
+                self._declare_dead(reps, f"no heartbeat for {patience:.2f} s")
+
+    def _patience(self, rep: _Replica) -> float:
+        """Seconds without a beat after which ``rep`` is evicted: three periods, of the longer
+        of the lighthouse's and the replica's own."""
+        return 3 * max(self.heartbeat, rep.period)
 
     def _log(self, what: str) -> None:
         self.events.append((time.time(), what))

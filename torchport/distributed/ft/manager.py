@@ -35,7 +35,6 @@ torchport group is aborted, so its in-flight ops end on every member.
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 import threading
 import time
@@ -62,11 +61,18 @@ from torchport.distributed.backend_args import AVG_DTYPES
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
 from torchport.distributed.flight_recorder import FlightRecorder
+from torchport.distributed.ft.lighthouse import check_number
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
 # heal connections one replica serves at once (each on its own thread); more are refused at once
 # and their healers' quorums retry. Authenticated idle connections held a thread each, unbounded
 MAX_HEAL_CONNECTIONS = 16
+
+# the longest wait a timer or socket takes (the longest timeout accepted), and the longest handed
+# to torch's TCPStore and gloo: they add it to a nanosecond clock, where TIMEOUT_MAX itself
+# wrapped around and they timed out at once
+_MAX_WAIT = threading.TIMEOUT_MAX
+_NATIVE_MAX_WAIT = _MAX_WAIT / 2
 
 # what the average can take: the dtypes the torchport backend averages (gloo reduces them too;
 # float8 is floating-point, but neither backend reduces it: it failed the step, not the call)
@@ -143,7 +149,9 @@ class Manager:
             state (:data:`~torchport.distributed.ft.transfer.PROGRESS_BYTES`) does not arrive,
             within it; a steady transfer may take longer in total, whatever the state's size.
         quorum_timeout: limit (s) to form a quorum.
-        heartbeat: heartbeat period (s); default ``config.ft_heartbeat``.
+        heartbeat: heartbeat period (s); default ``config.ft_heartbeat``. It is sent to the
+            lighthouse, which evicts this replica after three periods without a beat (three of
+            its own period where that is longer).
         secret: job secret (default from ``TORCHPORT_SECRET``).
         recorder: optional Flight Recorder for the manager's collectives.
         init_sync: in every quorum before the first commit (the quorum's step is 0) a replica
@@ -170,20 +178,17 @@ class Manager:
         if backend not in ("torchport", "gloo"):
             raise ValueError(f"backend must be 'torchport' or 'gloo', got {backend!r}")
         # a zero heartbeat spun the beat thread flat out; a negative timeout failed deep in
-        # socket code with "Timeout value out of range"
-        for name, value in (
-            ("timeout", timeout),
-            ("quorum_timeout", quorum_timeout),
-            ("heartbeat", heartbeat),
-        ):
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        # socket code with "Timeout value out of range"; None or True passed for a timeout, and
+        # a heartbeat of 1e308 s killed the beat thread with an OverflowError
+        self.timeout = check_number("timeout", timeout)
+        self.quorum_timeout = check_number("quorum_timeout", quorum_timeout)
+        self.heartbeat = check_number(
+            "heartbeat", config.get("ft_heartbeat") if heartbeat is None else heartbeat
+        )
         self.backend = backend
         self.lighthouse = (str(lighthouse[0]), int(lighthouse[1]))
         self.replica_id = str(replica_id)
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
-        self.timeout, self.quorum_timeout = timeout, quorum_timeout
-        self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
         self._secret = secret or default_secret()
         self.recorder = recorder
         self.metrics = Metrics()
@@ -237,7 +242,9 @@ class Manager:
     def _connect(self) -> None:
         hb = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
         try:
-            send_msg(hb, {"t": "hb", "rid": self.replica_id})
+            # the period: a lighthouse that evicted after three of its own shorter periods
+            # evicted this replica at every step (an older lighthouse ignores the field)
+            send_msg(hb, {"t": "hb", "rid": self.replica_id, "period": self.heartbeat})
             rpc = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
             send_msg(rpc, {"t": "rpc", "rid": self.replica_id})
         except BaseException:
@@ -363,7 +370,7 @@ class Manager:
         rpc = self._rpc
         assert rpc is not None
         left = max(0.1, deadline - time.monotonic())
-        rpc.settimeout(left + 5)
+        rpc.settimeout(min(left + 5, _MAX_WAIT))
         try:
             send_msg(rpc, self._request(self._step, left))
             q = recv_msg(rpc)
@@ -422,6 +429,7 @@ class Manager:
             self._form_torchport(qid, q, t0)
             return
         store_port = int(q["store_port"])
+        native_timeout = min(self.timeout, _NATIVE_MAX_WAIT)
         # a local: shutdown() from another thread drops self._store at any time
         store = self._store
         if store is None or getattr(store, "port", None) != store_port:
@@ -429,7 +437,7 @@ class Manager:
                 self.lighthouse[0],
                 store_port,
                 is_master=False,
-                timeout=timedelta(seconds=self.timeout),
+                timeout=timedelta(seconds=native_timeout),
             )
             if not self._closed.is_set():  # (a shut-down manager keeps no connection)
                 self._store = store
@@ -440,7 +448,7 @@ class Manager:
 
         def build() -> None:
             try:
-                pg = gloo_group(prefix, rank, size, self.timeout)
+                pg = gloo_group(prefix, rank, size, native_timeout)
             except Exception as e:
                 box["err"] = e
             else:
@@ -688,7 +696,7 @@ class Manager:
         if rpc is not None:
             t_vote = time.perf_counter()
             try:
-                rpc.settimeout(self.timeout + 5)
+                rpc.settimeout(min(self.timeout + 5, _MAX_WAIT))
                 send_msg(
                     rpc,
                     {
