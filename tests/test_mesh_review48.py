@@ -344,37 +344,29 @@ def test_a_dial_ends_by_its_deadline_against_a_trickling_listener() -> None:
         t.join(5)
 
 
-class _Lost:
-    """A group handler that records the peers reported lost."""
-
-    def __init__(self) -> None:
-        self.lost: list[int] = []
-
-    def on_peer_lost(self, peer: int, err: CommError) -> None:
-        self.lost.append(peer)
-
-    def on_remote_abort(self, *args: Any) -> None:
-        pass
-
-
 @pytest.mark.timeout(60)
 def test_a_reader_thread_that_cannot_start_loses_the_peer_on_both_sides(monkeypatch, meshes):
     """``Mesh._add`` let a failed reader-thread start leave the peer connected with nothing
     reading from it: frames to that rank sat unread until the collective timed out."""
-    spawn = Mesh._spawn
+    spawn, lost = Mesh._spawn, Mesh._lost
+    seen: list[tuple[int, int]] = []  # (rank, peer) of every connection a mesh reported lost
 
     def failing(self: Mesh, fn: Callable[..., None], *args: Any, name: str) -> None:
         if self.rank == 1 and name.startswith("tp-read"):
             raise RuntimeError("can't start new thread")
         spawn(self, fn, *args, name=name)
 
+    def recording(self: Mesh, conn: Any, e: BaseException) -> None:
+        seen.append((self.rank, conn.peer))
+        lost(self, conn, e)
+
     monkeypatch.setattr(Mesh, "_spawn", failing)
-    handlers = {0: _Lost()}
+    monkeypatch.setattr(Mesh, "_lost", recording)
     with _rank0_of_two(meshes) as (store, made, _port):
         made[1] = _fixed(store, 1, 2)
-    made[0].register(7, handlers[0])  # type: ignore[arg-type]
+    assert (1, 0) in seen, "rank 1 loses the peer it cannot read from"
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not handlers[0].lost:
+    while time.monotonic() < deadline and (0, 1) not in seen:
         time.sleep(0.01)
-    assert handlers[0].lost == [1], "rank 0's reader sees the connection end"
+    assert (0, 1) in seen, "rank 0's reader sees the connection end"
     assert made[1].peers[0].sock.recv(1, socket.MSG_DONTWAIT) == b"", "rank 1 shut it down"

@@ -48,6 +48,7 @@ from torchport.distributed.engine import (
     dtype_code,
 )
 from torchport.distributed.errors import CollectiveArgumentError
+from torchport.distributed.groups import positive_timeout_s
 from torchport.distributed.progress import TorchportWork
 
 # Each collective takes torch's list + options form (c10d's calls) and torch's positional forms
@@ -152,11 +153,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         """Per-group default timeout for later operations (a positive ``timedelta``)."""
         # a zero timeout timed out every later operation at once and failed the group on every
         # rank (a per-op zero timeout means "the group's default" instead)
-        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-            raise CollectiveArgumentError(
-                f"set_timeout: the timeout must be a positive datetime.timedelta, got {timeout!r}"
-            )
-        self.comm.timeout_s = timeout.total_seconds()
+        self.comm.timeout_s = positive_timeout_s(timeout, "set_timeout")
 
     def _submit(
         self, name: str, opts: Any, fn: Callable[[float], None], result: list[torch.Tensor]

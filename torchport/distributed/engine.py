@@ -513,12 +513,26 @@ class Communicator:
             work._finish(self.error if self.error is not None else e)
         except BaseException as e:
             reason = REASON_TIMEOUT if isinstance(e, CommTimeoutError) else REASON_ERROR
-            self.fail(e, REASON_MISMATCH if isinstance(e, CollectiveMismatchError) else reason)
-            work._finish(e)
+            self.fail(
+                e if isinstance(e, Exception) else self._interrupted(work, e),
+                REASON_MISMATCH if isinstance(e, CollectiveMismatchError) else reason,
+            )
+            work._finish(e)  # (the caller gets a KeyboardInterrupt back as is)
         else:
             work._finish()
         finally:
             self._running.work = outer
+
+    def _interrupted(self, work: TorchportWork, e: BaseException) -> CommAbortedError:
+        """The group's error for an operation cut off by a ``KeyboardInterrupt`` or another
+        ``BaseException`` that is no error (recorded as is, ``get_error()`` was untyped and
+        later operations raised "in error state: " with no reason)."""
+        err = CommAbortedError(
+            f"{work.name} on communicator {self.name!r} (rank {self.rank}) was interrupted by "
+            f"{type(e).__name__}"
+        )
+        err.__cause__ = e
+        return err
 
     def cut_short(self) -> None:
         """The operation running on this thread stopped touching its tensors after the group

@@ -29,7 +29,7 @@ from typing import Any
 from torchport import config
 from torchport.distributed import auth
 from torchport.distributed.engine import SLOT_EXTRA, Communicator
-from torchport.distributed.errors import CommError, CommTimeoutError
+from torchport.distributed.errors import CollectiveArgumentError, CommError, CommTimeoutError
 from torchport.distributed.transport_shm import ShmArena
 from torchport.distributed.transport_tcp import Mesh
 
@@ -71,6 +71,30 @@ def host_id() -> str:
     except OSError:  # (no /dev/shm: no shared-memory transport to tell apart)
         shm = ""
     return f"{socket.gethostname()}/{boot}{shm}"
+
+
+# c10d carries a group's timeout as int64 microseconds: a longer timedelta wraps around
+C10D_MAX_TIMEOUT = datetime.timedelta(microseconds=2**63 - 1)
+
+
+def positive_timeout_s(timeout: Any, where: str) -> float:
+    """``timeout``, a positive ``datetime.timedelta``, in seconds; else
+    :class:`CollectiveArgumentError`. A zero timeout is refused too: it timed out the first
+    operation that waited for a peer at once and failed the group on every rank."""
+    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    got, hint = repr(timeout), ""
+    if isinstance(timeout, datetime.timedelta):  # (the repr of -1 s reads days=-1, seconds=86399)
+        got = f"{timeout.total_seconds():g} s"
+        if timeout.total_seconds() < 0:
+            hint = (
+                f" (c10d hands the backend a group's timeout as int64 microseconds: one longer "
+                f"than {C10D_MAX_TIMEOUT.days} days, as timedelta.max, may have wrapped around "
+                f"to this; give a finite one instead)"
+            )
+    raise CollectiveArgumentError(
+        f"{where}: the timeout must be a positive datetime.timedelta, got {got}{hint}"
+    )
 
 
 def root_mesh() -> Mesh | None:
@@ -163,9 +187,14 @@ def build_communicator(
     global_ranks: Sequence[int],
     name: str,
 ) -> Communicator:
-    """Create the communicator for one c10d group (collective over its members)."""
+    """Create the communicator for one c10d group (collective over its members).
+
+    A timeout that is not positive is refused (:func:`positive_timeout_s`), as gloo refuses a
+    negative one, before anything is exchanged: every member refuses the same value."""
     global _root
-    timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
+    # (a negative one, often timedelta.max wrapped around, timed out every op that waited for a
+    # peer at once; on shm rank 0 gave up on the arena at once and the others found it gone)
+    timeout_s = positive_timeout_s(timeout, f"group {name or 'default'!r}")
     transport = str(config.get("dist_transport"))
     with _lock:
         is_root = not global_ranks or _root is None or _root.closed

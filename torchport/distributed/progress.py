@@ -77,38 +77,58 @@ class TorchportWork(dist.Work):
             fut.set_exception(self._error)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Block until done; raise the operation's error, or :class:`CommTimeoutError`."""
+        """Block until done; raise the operation's error, or :class:`CommTimeoutError`.
+
+        ``timeout``: None or zero waits without limit (as gloo; a receive nobody completes
+        fails its group after the group's timeout), and so does one beyond
+        ``threading.TIMEOUT_MAX`` (centuries, ``timedelta.max``). A negative one does not
+        wait: unless the operation is done it raises :class:`CommTimeoutError` at once, as
+        gloo's "Operation timed out!". A ``wait`` that times out leaves the operation running
+        and the group as it is (a later ``wait`` may still succeed).
+        """
         # a callback of this Work's future waiting on it: the result is final, and the gate
         # opens only after the callbacks returned
         if not self._done and not (self._ended and self._finisher == threading.get_ident()):
             t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
-            eng = self._engine
-            if eng is not None and (not (t and t > 0) or eng.owned_here()):
-                # run it here rather than wait for the engine thread; not with a timeout: the
-                # inline run ends only with the operation or at its own deadline (the group's
-                # timeout; a wait(0.3 s) on a peer 1.5 s late returned after 1.5 s) -- unless
-                # this thread is the one running the engine's operations (a wait inside an
-                # earlier operation's future callback): nobody else would run it
-                eng.help(self)
-            if not self._done:
-                limit, own = (t if t and t > 0 else -1.0), False
-                cap = self._wait_limit_s
-                if cap is not None and limit < 0 and cap < threading.TIMEOUT_MAX:  # (a receive)
-                    limit, own = cap, True
-                if not self._gate.acquire(timeout=limit):
-                    if not own:
-                        raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
-                    assert self._late is not None
-                    if self._ended:  # done, its future's callbacks still running
-                        self._gate.acquire()
-                    else:
-                        self._late()  # fails the group, which finishes this operation
-                        if not self._gate.acquire(timeout=5.0):
-                            raise CommTimeoutError(f"{self.name}: timed out")
-                self._gate.release()  # let other waiters through
+            if t is not None and t < 0:  # (it waited for completion, as without a timeout)
+                if not self._gate.acquire(blocking=False):
+                    raise CommTimeoutError(
+                        f"{self.name}: wait() with a negative timeout ({t:g} s) timed out at "
+                        f"once: the operation had not finished"
+                    )
+                self._gate.release()
+            else:  # (one past TIMEOUT_MAX raised OverflowError from the lock)
+                self._block(t if t is not None and t < threading.TIMEOUT_MAX else None)
         if self._error is not None:
             raise self._error
         return True
+
+    def _block(self, t: float | None) -> None:
+        """Wait until done, at most ``t`` seconds when positive (else without limit)."""
+        eng = self._engine
+        if eng is not None and (not (t and t > 0) or eng.owned_here()):
+            # run it here rather than wait for the engine thread; not with a timeout: the
+            # inline run ends only with the operation or at its own deadline (the group's
+            # timeout; a wait(0.3 s) on a peer 1.5 s late returned after 1.5 s) -- unless
+            # this thread is the one running the engine's operations (a wait inside an
+            # earlier operation's future callback): nobody else would run it
+            eng.help(self)
+        if not self._done:
+            limit, own = (t if t and t > 0 else -1.0), False
+            cap = self._wait_limit_s
+            if cap is not None and limit < 0 and cap < threading.TIMEOUT_MAX:  # (a receive)
+                limit, own = cap, True
+            if not self._gate.acquire(timeout=limit):
+                if not own:
+                    raise CommTimeoutError(f"{self.name}: wait() timed out after {t:.3f} s")
+                assert self._late is not None
+                if self._ended:  # done, its future's callbacks still running
+                    self._gate.acquire()
+                else:
+                    self._late()  # fails the group, which finishes this operation
+                    if not self._gate.acquire(timeout=5.0):
+                        raise CommTimeoutError(f"{self.name}: timed out")
+            self._gate.release()  # let other waiters through
 
     def is_completed(self) -> bool:
         # Polled rather than waited on: start the operation now instead of at the engine's next

@@ -130,7 +130,16 @@ class ShmArena(_ShmFile):
         self.path, self.world, self.rank, self.slot = path, world, rank, slot
         self.data_off, self.size = arena_bytes(world, slot)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError as e:
+            if create:  # (no such directory)
+                raise
+            raise CommError(
+                f"shared-memory arena {path} does not exist: its creator never made it or "
+                f"already removed it (it does once every rank mapped it, or when it stops "
+                f"waiting for them at its timeout)"
+            ) from e
         try:
             if create:
                 os.ftruncate(fd, self.size)
