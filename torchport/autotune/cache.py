@@ -39,6 +39,9 @@ from torchport.version import __version__
 
 FORMAT = "torchport-autotune-v1"
 _CACHE_DIR = config.Snapshot("cache_dir")
+# what a lookup reads, in one snapshot (a hit is on hot paths: reading them one by one cost more
+# than the memo key's ISA and thread count added)
+_LOOKUP = config.Snapshot("autotune_cache", "cache_dir", "isa")
 
 
 class CorruptChoiceCacheWarning(UserWarning):
@@ -73,6 +76,15 @@ def entry_key(op: str, key: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _memo_key(op: str, key: Mapping[str, Any], isa: str) -> tuple[Any, ...]:
+    """The in-memory memo's key for (op, key) under the ``isa`` setting: beside the problem, what
+    :func:`entry_key` hashes that can change within a process, that setting (``cpu_info().isa``
+    is it capped by the fixed hardware) and the thread count; the rest of
+    :func:`machine_identity` is fixed per process. Keyed on the problem alone, a hit after
+    ``torch.set_num_threads`` served the choice tuned for the other thread count."""
+    return (op, json.dumps(key, sort_keys=True, default=str), isa, torch.get_num_threads())
+
+
 def _timing(t: object) -> bool:
     """True for a time a measurement can give: a finite number of seconds >= 0 (JSON's NaN,
     Infinity, a negative or an int past float's range is none, and steered decisions as one)."""
@@ -102,12 +114,12 @@ class ChoiceCache:
         self._entries: dict[str, dict[str, Any]] = {}
         self._loaded_from: tuple[str, float] | None = None
         self._lock = threading.Lock()
-        # (op, key json) → entry, for hits without hashing the machine identity again
-        self._memo: dict[tuple[str, str], dict[str, Any]] = {}
+        # _memo_key(op, key) → entry, for hits without hashing the machine identity again
+        self._memo: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._dir: tuple[Any, ...] | None = None  # the cache_dir the views above belong to
         # (cache_dir, memo) as one object, read once by the lock-free hit path: a memo taken
         # from it is the one of that directory even while another thread switches directories
-        self._view: tuple[tuple[Any, ...] | None, dict[tuple[str, str], dict[str, Any]]] = (
+        self._view: tuple[tuple[Any, ...] | None, dict[tuple[Any, ...], dict[str, Any]]] = (
             None,
             self._memo,
         )
@@ -213,10 +225,11 @@ class ChoiceCache:
 
     def get(self, op: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
         """The cached entry for (op, key) on this machine, or None."""
-        if not config.get("autotune_cache"):
+        use, cache_dir, isa = _LOOKUP()
+        if not use:
             return None
-        where = self._where()
-        memo_key = (op, json.dumps(key, sort_keys=True, default=str))
+        where = None if self._path is not None else (cache_dir,)  # (as _where)
+        memo_key = _memo_key(op, key, isa)
         view_dir, memo = self._view
         if view_dir == where:
             hit = memo.get(memo_key)
@@ -285,7 +298,7 @@ class ChoiceCache:
             self._switch_dir(where)
             self._entries[k] = entry
             # a replaced choice must not be served from the lookup memo
-            self._memo.pop((op, json.dumps(key, sort_keys=True, default=str)), None)
+            self._memo.pop(_memo_key(op, key, _LOOKUP()[2]), None)
             if not config.get("autotune_cache"):
                 return
             try:

@@ -213,7 +213,9 @@ def select(
     ``cold`` says how the timed calls rotate copies of them (:data:`Cold`);
     ``check(out, anchor_out)`` accepts a candidate's result (default :func:`same_result`: without
     one, a candidate returning a wrong result was timed and could be chosen). Backends outside ``backends``
-    (default: :func:`allowed_backends`) are never chosen, but the ATen anchor is always timed.
+    (default: :func:`allowed_backends`) are never chosen, but the ATen anchor is always timed:
+    an anchor that raises before giving its result leaves nothing to check the others against,
+    and ``select`` raises its error (nothing is chosen or cached; the next call tunes again).
     ``confirm=True`` re-times a non-ATen winner against the anchor in alternation before it is
     kept (fresh winners before they are saved, cached ones once per process). ``budget_s`` caps
     the timing of the search: each candidate gets an equal share (at least three calls), so a
@@ -534,9 +536,16 @@ def _tune(
                 raise InvalidCandidate("result does not match the ATen anchor")
             timings[cand.name] = median(time_calls(fn, first_s))
             stats.candidates_timed += 1
-        except InvalidCandidate as e:
-            failures[cand.name] = f"invalid: {e}"
         except Exception as e:  # a candidate that crashes is skipped, never chosen
+            if cand.is_anchor and anchor_out is None:
+                # the anchor gave no result: no candidate can be checked against it (one
+                # returning zeros was chosen and saved), so nothing is chosen or saved; the
+                # error is the caller's, and the next call tunes again
+                bar.close()
+                raise
+            if isinstance(e, InvalidCandidate):
+                failures[cand.name] = f"invalid: {e}"
+                continue
             failures[cand.name] = f"{type(e).__name__}: {e}"
             stats.candidates_failed += 1
     if deferred is not None:

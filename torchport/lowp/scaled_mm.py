@@ -29,6 +29,7 @@ to the engine there would let its packed-weight cache hold every one of them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -38,7 +39,7 @@ from torchport import autotune, gemm, native
 from torchport.gemm import Config
 from torchport.gemm.epilogue import FUSABLE_DTYPES, Split, Step, split
 from torchport.gemm.kernels import run_native
-from torchport.gemm.mm import bucket
+from torchport.gemm.mm import agree, bucket
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
 from torchport.lowp.panel import decode_rows_bf16, pack_rows, panel_workspace
@@ -143,13 +144,14 @@ def scaled_mm_reference(
     scale_result: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b) + bias`` in float64, divided by ``scale_result`` for an FP8
-    output, then cast as torch does (E4M3FN saturates, E5M2 overflows to inf)."""
+    output, then cast as torch does (E4M3FN saturates, E5M2 overflows to inf). The operands are
+    scaled before the product, as ``torch._scaled_mm`` scales them: the same values for finite
+    scales (an FP8 value times a float32 scale is exact in float64), and for an infinite one
+    NaN where a scaled row or column holds a zero (inf · 0) or infinities of both signs meet."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
     _check_scale_result(scale_result)
-    acc = (
-        (a.double() @ b.double())
-        * scale_a.double().reshape(-1, 1)
-        * scale_b.double().reshape(1, -1)
+    acc = (a.double() * scale_a.double().reshape(-1, 1)) @ (
+        b.double() * scale_b.double().reshape(1, -1)
     )
     if bias is not None:
         acc = acc + bias.double().reshape(-1)
@@ -181,6 +183,67 @@ def scaled_mm(
     if bias is not None:
         bias = bias.reshape(-1)
     div = scale_result if scale_result is not None and od in FP8_DTYPES else None
+    extra = () if bias is None else (bias,)
+    eager = native.eager_fast_path(a, b, scale_a, scale_b, *extra)
+    out = _routes(a, b, scale_a, scale_b, bias, od, div, eager)
+    # eager only: a traced call cannot read the scales (its torch ops give NaN for a NaN scale
+    # too, and ±inf for an inf one, as the routes do)
+    if eager and not _sum_finite(scale_a, scale_b):
+        _torch_order(out, a, b, scale_a, scale_b, bias, od, div)
+    return out
+
+
+def _sum_finite(*scales: torch.Tensor) -> bool:
+    """Whether the scales' sum is finite: False for a scale holding a NaN or an infinity (and for
+    finite row scales whose float32 sum overflows, where :func:`_torch_order` then finds nothing
+    to redo). On every eager call: two ``.item()`` reads for tensor-wise scales, about 1 us
+    (``isfinite(s).all()`` per scale: about 18 us a call on the 2-core VM, loaded)."""
+    total = 0.0
+    for s in scales:
+        total += s.item() if s.numel() == 1 else float(s.sum())
+    return math.isfinite(total)
+
+
+def _torch_order(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    od: torch.dtype,
+    div: torch.Tensor | None,
+) -> None:
+    """Recompute in ``out`` the rows and columns that a NaN or inf scale reaches, the operands
+    scaled before the product as ``torch._scaled_mm`` and the reference scale them: there
+    inf · 0 and inf − inf are NaN, where the routes' scaled float32 product gives ±inf. The other
+    entries stay as the routes gave them (a dynamic activation's NaN row leaves the other rows
+    as they are without it, bit for bit)."""
+    m, n = out.shape
+    sa = scale_a.reshape(-1).expand(m)
+    sb = scale_b.reshape(-1).expand(n)
+    rows = (~torch.isfinite(sa)).nonzero().flatten()
+    cols = (~torch.isfinite(sb)).nonzero().flatten()
+    bs = b.float() * sb
+    if rows.numel():
+        out[rows] = _finish((a.float()[rows] * sa[rows, None]) @ bs, bias, od, div)
+    if cols.numel():
+        cb = None if bias is None else bias[cols]
+        out[:, cols] = _finish((a.float() * sa[:, None]) @ bs[:, cols], cb, od, div)
+
+
+def _routes(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    od: torch.dtype,
+    div: torch.Tensor | None,
+    eager: bool,
+) -> torch.Tensor:
+    """:func:`scaled_mm` of validated arguments: the FP8 GEMV up to MAX_ROWS rows, else the
+    panel GEMM (``eager``: :func:`torchport.native.eager_fast_path` of the inputs)."""
     m, k = a.shape
     n = b.shape[1]
     if 0 < m <= MAX_ROWS and k > 0 and n > 0:
@@ -208,8 +271,6 @@ def scaled_mm(
     def decode16(lo: int, hi: int) -> tuple[torch.Tensor, list[Step]]:
         return decode_rows_bf16(bt[lo:hi], None, fmt, out=panel_workspace(hi - lo, k)), []
 
-    extra = () if bias is None else (bias,)
-    eager = native.eager_fast_path(a, b, scale_a, scale_b, *extra)
     tag = f"scaled:{str(b.dtype).removeprefix('torch.')}"
     # FP8 values are exact in bfloat16: both operands can go to the bf16 panels as they are
     # (the bf16 copy of ``a`` is made only where that candidate can be offered)
@@ -388,12 +449,11 @@ def _prefill_choice(p: _Prefill, tag: str) -> autotune.Candidate:
 
 
 def _close_values(out: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Values agree (either result may be bfloat16 or float32)."""
+    """Values agree (either result may be bfloat16 or float32; NaN and inf as the anchor's:
+    :func:`~torchport.gemm.mm.agree`)."""
     if out.shape != ref.shape:
         return False
-    tol = 3e-2 if torch.bfloat16 in (out.dtype, ref.dtype) else 1e-3
-    o, r = out.float(), ref.float()
-    return float((o - r).abs().max()) <= tol * (float(r.abs().max()) + 1.0) if o.numel() else True
+    return agree(out, ref, 3e-2 if torch.bfloat16 in (out.dtype, ref.dtype) else 1e-3)
 
 
 def _engine_panels(p: _Prefill) -> torch.Tensor:
@@ -433,9 +493,13 @@ def _engine_panel(x: torch.Tensor, panel: torch.Tensor, epi: list[Step]) -> torc
     on B operands packed beforehand (right for weights its pack cache keeps). A decoded panel is
     packed on every call, so a native pick is timed once more, pack included
     (:func:`~torchport.lowp.panel.pack_rows`), against the ATen anchor ("lowp_panel" in the
-    choice cache); the faster serves."""
+    choice cache); the faster serves. ATen serves as that tuning timed it (``gemm.mm_aten``):
+    the public ``gemm.mm`` ran the engine's native choice again where the panel's tuning chose
+    ATen, and it refuses a NaN or inf Scale operand, which the native route multiplies in (a
+    NaN result, as ``torch._scaled_mm``'s), so the result depended on the tuner's choice."""
     pt = panel.t()
     sp = split(epi, x.shape[0], pt.shape[1])
+    assert not sp.tail  # (scales, bias and cast: all fused)
     cand = gemm.choose(x, pt, sp.spec, sp.operands)
     if not cand.is_anchor:
         cfg = Config(*(int(cand.param(f, d)) for f, d in _CONFIG_FIELDS))
@@ -445,7 +509,7 @@ def _engine_panel(x: torch.Tensor, panel: torch.Tensor, epi: list[Step]) -> torc
                 return run(x, panel, sp.operands)
             except native.NativeError as e:
                 native.note_fallback("block_scaled_mm", e)
-    return gemm.mm(x, pt, epilogue=epi)
+    return gemm.mm_aten(x, pt, sp.spec, sp.operands)
 
 
 def _native_panel(
@@ -462,9 +526,7 @@ def _native_panel(
 def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
     if out.shape != ref.shape or out.dtype != ref.dtype:
         return False
-    tol = 3e-2 if out.dtype == torch.bfloat16 else 1e-3
-    o, r = out.float(), ref.float()
-    return float((o - r).abs().max()) <= tol * (float(r.abs().max()) + 1.0) if o.numel() else True
+    return agree(out, ref, 3e-2 if out.dtype == torch.bfloat16 else 1e-3)
 
 
 def _panel_choice(
