@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
-# Set before torchport is imported anywhere so every process of the run shares one cache.
-_SESSION_CACHE = tempfile.mkdtemp(prefix="torchport-test-cache-")
-os.environ.setdefault("TORCHPORT_CACHE_DIR", _SESSION_CACHE)
+# Set before torchport is imported anywhere so every process of the run shares one cache (the
+# xdist workers and the tests' subprocesses inherit it). The process that made it removes it at
+# exit: each run left one (130 MB with its kernels and headers) in the temporary directory.
+_SESSION_CACHE = os.environ.get("TORCHPORT_CACHE_DIR") or ""
+if not _SESSION_CACHE:
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="torchport-test-cache-")
+    os.environ["TORCHPORT_CACHE_DIR"] = _SESSION_CACHE
+    atexit.register(shutil.rmtree, _SESSION_CACHE, True)
 # one set of precompiled kernel headers for the run (~20 MB each), also under fresh_cache
 os.environ.setdefault("TORCHPORT_NATIVE_PCH", os.path.join(_SESSION_CACHE, "pch"))
 os.environ.setdefault("TORCHPORT_PROGRESS", "0")
