@@ -102,6 +102,41 @@ def _single_job(rank: int, world: int, init: str, backend: str, d: str) -> Any:
         rec.stop()
 
 
+def _coalesced_job(rank: int, world: int, init: str, backend: str, d: str) -> Any:
+    rec = _init(rank, world, init, backend, d)
+    try:
+        t, outs = torch.ones(4), [[torch.empty(4)] for _ in range(world)]  # (rank, input)
+        got = []
+        for call in (
+            lambda: dist.all_reduce_coalesced([t], async_op=True),
+            lambda: dist.all_gather_coalesced(outs, [t], async_op=True),
+        ):
+            fut = call()  # (a future, not a Work: attach() called its get_future())
+            got.append(type(fut).__name__)
+            fut.wait()
+        dist.all_reduce_coalesced([t])
+        got.append(t.tolist())
+        return got, [(op, state) for op, _, state, _ in _ops(rec)]
+    finally:
+        fr.uninstall()
+        rec.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["gloo", "torchport"])
+def test_async_coalesced_collectives_return_their_future_and_complete(tmp_path, backend):
+    """``all_reduce_coalesced`` / ``all_gather_coalesced`` with ``async_op=True`` return a
+    future; once they were recorded, attach() asked it for ``get_future`` (AttributeError,
+    after the op had been issued) and the entries stayed started."""
+    for got, ops in run_world(_coalesced_job, 2, backend, str(tmp_path), timeout=45):
+        assert got == ["Future", "Future", [4.0] * 4], got
+        assert ops == [
+            ("all_reduce_coalesced", COMPLETED),
+            ("all_gather_coalesced", COMPLETED),
+            ("all_reduce_coalesced", COMPLETED),
+        ], ops
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["gloo", "torchport"])
 def test_all_gather_single_and_reduce_scatter_single_are_recorded_once(tmp_path, backend):

@@ -342,12 +342,19 @@ class FlightRecorder:
         The future's callback may run after ``work.wait()`` has returned (on the thread that
         finished the work), so :meth:`entries` also settles every attached entry whose future is
         done: a dump taken after ``wait()`` shows the op completed, not still started. A work
-        without a future (gloo's send and recv) is held weakly and settled by its ``wait()``."""
+        without a future (gloo's send and recv) is held weakly and settled by its ``wait()``.
+        ``work`` may be a future itself (what ``all_reduce_coalesced`` and
+        ``all_gather_coalesced`` return with ``async_op=True``)."""
         try:
             # (torchport's Work: a watch that never runs the operation inline, as get_future()
             # does inside a future callback on the engine's thread)
             watch = getattr(work, "_watch_future", None)
-            fut = watch() if watch is not None else work.get_future()
+            if watch is not None:
+                fut = watch()
+            elif isinstance(work, torch._C.Future):  # (it has no get_future: AttributeError)
+                fut = work
+            else:
+                fut = work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented": see _no_future
             return self._attach_without_future(work, e)
         key = id(e)  # (held in _pending until settled: not reused meanwhile)
