@@ -237,3 +237,48 @@ def test_gloo_reconfigure_takes_the_longest_timeout():
     finally:
         for g in gs:
             g.close()
+
+
+@pytest.mark.timeout(60)
+def test_manager_allreduce_is_recorded_once_with_the_recorder_installed(tmp_path):
+    """With ``flight_recorder.install(rec)`` in force, a ``Manager(recorder=rec).allreduce`` was
+    recorded twice: under the quorum's name by the manager, and again by the installed hook of
+    the torchport group's ``allreduce`` (under a group with no known members)."""
+    from tests.test_ft import _ft_replicas, _quorum
+    from torchport.distributed import flight_recorder as fr
+    from torchport.distributed.flight_recorder import FlightRecorder
+
+    rec = FlightRecorder(dump_dir=str(tmp_path), rank=0, world_size=1)
+    fr.install(rec, signal_dump=False)
+    secret = b"q" * 32
+    lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=5.0, secret=secret)
+    managers: list[Manager] = []
+    try:
+        replica = _ft_replicas(lh, secret, managers, quorum_timeout=5.0, recorder=rec)
+        a, b = replica("a", torch.zeros(4)), replica("b", torch.ones(4))
+        assert _quorum(a, b) == []
+        ta, tb = torch.ones(3), torch.full((3,), 3.0)
+        commits: dict[str, bool] = {}
+
+        def step(m: Manager, t: torch.Tensor, k: str) -> None:
+            m.allreduce(t).wait()
+            commits[k] = m.should_commit()
+
+        threads = [
+            threading.Thread(target=step, args=(a, ta, "a")),
+            threading.Thread(target=step, args=(b, tb, "b")),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert commits == {"a": True, "b": True}
+        assert ta.tolist() == tb.tolist() == [2.0, 2.0, 2.0]
+        entries = [(e["op"], e["group"], e["state"]) for e in rec.snapshot()["entries"]]
+        assert entries == [("allreduce", "ft-q1", "completed")] * 2, entries  # one per replica
+    finally:
+        for m in managers:
+            m.shutdown()
+        lh.close()
+        fr.uninstall()
+        rec.stop()

@@ -143,6 +143,11 @@ class FlightRecorder:
         n = config.get("fr_buffer_size") if buffer_size is None else buffer_size
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:  # (True was a 1-entry ring)
             raise ValueError(f"buffer_size must be an int >= 0, got {n!r}")
+        if n > config.FR_BUFFER_SIZE_MAX:  # (its slots are made here: 1e13 was a MemoryError)
+            raise ValueError(
+                f"buffer_size must be at most {config.FR_BUFFER_SIZE_MAX} entries "
+                f"(TORCHPORT_FR_BUFFER_SIZE's bound), got {n!r}"
+            )
         self.capacity = n
         self._buf: list[list[Any] | None] = [None] * n
         self._ids = itertools.count()
@@ -977,6 +982,20 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
         return out
 
     return wrapper
+
+
+@contextlib.contextmanager
+def already_recorded() -> Iterator[None]:
+    """Inside: the process group methods :func:`install` wrapped record nothing on this thread,
+    for a caller that recorded the op itself (the fault-tolerance manager records its
+    ``allreduce`` under its quorum's name: with ``install()`` in force each was recorded twice,
+    the second time under a group the recorder knew no members of)."""
+    state = _op_state
+    outer, state.busy = state.busy, True
+    try:
+        yield
+    finally:
+        state.busy = outer
 
 
 def _wrap_coll(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:

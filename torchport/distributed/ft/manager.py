@@ -60,7 +60,7 @@ from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.backend_args import AVG_DTYPES
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
 from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
-from torchport.distributed.flight_recorder import FlightRecorder
+from torchport.distributed.flight_recorder import FlightRecorder, already_recorded
 from torchport.distributed.ft.lighthouse import check_number
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
 
@@ -642,9 +642,12 @@ class Manager:
             else None
         )
         try:
-            if e is not None:
+            if e is None:
+                w.work = self._pg.allreduce([tensor])
+            else:
                 FlightRecorder.started(e)
-            w.work = self._pg.allreduce([tensor])
+                with already_recorded():  # (recorded above, under the quorum's name)
+                    w.work = self._pg.allreduce([tensor])
         except Exception as err:
             if e is not None and self.recorder is not None:
                 self.recorder.completed(e, err)
