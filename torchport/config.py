@@ -3,9 +3,11 @@
 Every setting is declared once in ``SETTINGS``. A value is resolved, in order, from the innermost
 active :func:`override` block, an explicit assignment (``torchport.config.NAME = value``), the
 environment variable, then the default. An environment variable set to the empty string counts
-as unset (``TORCHPORT_CACHE_DIR= cmd`` uses the default), as most tools treat one. Assignments
-and overrides are validated on the spot; a bad environment value raises :class:`ConfigError`
-naming the variable when it is first read.
+as unset (``TORCHPORT_CACHE_DIR= cmd`` uses the default), as most tools treat one. White space
+around a value is ignored, for text settings (paths, names) as for numbers and booleans.
+Assignments and overrides are validated on the spot; a bad environment value raises
+:class:`ConfigError` naming the variable when it is first read. Assigning a name that is no
+setting (a misspelling) raises :class:`AttributeError` naming the closest settings.
 
 Example::
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import math
 import os
 import re
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -82,6 +86,10 @@ class Setting:
         """Check type and constraint; return the (possibly normalised) value."""
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if self.kind is str and isinstance(value, str):
+            # stripped as numbers and booleans are: TORCHPORT_CACHE_DIR=" /tmp/x" was the
+            # relative path " /tmp/x", a cache under the current directory
+            value = value.strip()
         if self.kind is not bool and isinstance(value, bool):
             raise ConfigError(f"{self.name} must be {self.kind.__name__}, got bool {value!r}")
         if not isinstance(value, self.kind):
@@ -123,9 +131,24 @@ def _check_backends(value: str) -> str | None:
     return None
 
 
-def _positive(value: float) -> str | None:
-    # finite too: inf passed, and the heartbeat's Event.wait(inf) then raised OverflowError
-    return None if 0 < value < float("inf") else "must be a finite number > 0"
+# The longest heartbeat period (s), ~97 years: a reconfigurable group waits three periods in one
+# socket timeout, and a wait takes at most threading.TIMEOUT_MAX (~292 years on 64-bit Linux).
+FT_HEARTBEAT_MAX = threading.TIMEOUT_MAX / 3
+# The most Flight Recorder entries per process group: 500 times the default. The ring's slots are
+# made up front (8 bytes each); a recorded entry holds ~650 bytes, and a dump writes ~370 bytes of
+# JSON per entry (~20 s for a million): a full ring of this size holds ~0.65 GB.
+FR_BUFFER_SIZE_MAX = 1_000_000
+
+
+def _heartbeat(value: float) -> str | None:
+    # finite too: inf passed, and the heartbeat's Event.wait(inf) then raised OverflowError; so
+    # did any period past the bound, in the group's watcher thread, which then died
+    if 0 < value <= FT_HEARTBEAT_MAX:
+        return None
+    return (
+        f"must be a finite number > 0 and at most {FT_HEARTBEAT_MAX:.6g} "
+        "(threading.TIMEOUT_MAX / 3: hang detection waits three periods)"
+    )
 
 
 def _norm_pch(value: str) -> str:
@@ -239,8 +262,13 @@ SETTINGS: dict[str, Setting] = {
             env="TORCHPORT_FR_BUFFER_SIZE",
             kind=int,
             default=2000,
-            doc="Flight Recorder ring-buffer entries per process group.",
-            check=lambda v: None if v >= 0 else "must be >= 0",
+            doc=f"Flight Recorder ring-buffer entries per process group (at most "
+            f"{FR_BUFFER_SIZE_MAX:,}: ~0.65 GB when full).",
+            check=lambda v: (
+                None
+                if 0 <= v <= FR_BUFFER_SIZE_MAX
+                else f"must be >= 0 and at most {FR_BUFFER_SIZE_MAX}"
+            ),
         ),
         Setting(
             name="fr_dump_dir",
@@ -270,8 +298,9 @@ SETTINGS: dict[str, Setting] = {
             env="TORCHPORT_FT_HEARTBEAT",
             kind=float,
             default=0.1,
-            doc="Heartbeat period (s) of fault-tolerance failure detection; hang = 3 periods.",
-            check=_positive,
+            doc="Heartbeat period (s) of fault-tolerance failure detection; hang = 3 periods "
+            f"(at most {FT_HEARTBEAT_MAX:.6g} s).",
+            check=_heartbeat,
         ),
         Setting(
             name="progress",
@@ -532,8 +561,17 @@ class _ConfigModule(types.ModuleType):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in SETTINGS:
             set(name, value)
+        elif name in self.__dict__ or (name.startswith("__") and name.endswith("__")):
+            super().__setattr__(name, value)  # the module's own attributes (monkeypatch)
         else:
-            super().__setattr__(name, value)
+            # a misspelt setting (autotun, ISA) made a new attribute that nothing read
+            close = difflib.get_close_matches(name.lower(), SETTINGS, n=3, cutoff=0.6)
+            hint = (
+                f"did you mean {' or '.join(map(repr, close))}?"
+                if close
+                else f"known: {', '.join(sorted(SETTINGS))}"
+            )
+            raise AttributeError(f"torchport.config has no setting {name!r}; {hint}")
 
 
 sys.modules[__name__].__class__ = _ConfigModule

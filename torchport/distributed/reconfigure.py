@@ -49,7 +49,6 @@ import concurrent.futures as cf
 import contextlib
 import contextvars
 import logging
-import math
 import secrets
 import socket
 import threading
@@ -82,6 +81,7 @@ from torchport.distributed.elastic import (
 )
 from torchport.distributed.engine import REASON_ERROR
 from torchport.distributed.errors import CommTimeoutError, WireError, clip_repr
+from torchport.distributed.ft.lighthouse import check_number
 
 _log = logging.getLogger(__name__)
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
@@ -252,11 +252,14 @@ class ReconfigurableGroup:
             raise ReconfigureError(
                 f"reconfigure needs backend 'torchport' or 'gloo', got {backend!r}"
             )
-        if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
-            # zero: every watch connection's server thread sent beats flat out
-            raise ReconfigureError(
-                f"heartbeat must be a finite number of seconds > 0, got {heartbeat!r}"
-            )
+        if heartbeat is not None:
+            # zero: every watch connection's server thread sent beats flat out; a string failed
+            # with a bare TypeError, and 1e10 s (past what a wait takes, for three periods)
+            # killed the watcher thread with an OverflowError
+            try:
+                heartbeat = check_number("heartbeat", heartbeat, most=config.FT_HEARTBEAT_MAX)
+            except ValueError as e:
+                raise ReconfigureError(str(e)) from None
         _check_timeout(timeout, "30 s")
         host = host or str(config.get("dist_addr"))
         self.backend = backend
