@@ -933,6 +933,10 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
             e, state.entry, state.public = state.entry, None, False
         if e is None:  # no op issued (deferred by the coalescing manager to its end)
             return out
+        return settle(e, out, args, kwargs)
+
+    def settle(e: list[Any], out: Any, args: Any, kwargs: Any) -> Any:
+        """Complete ``e`` now (a synchronous call returned), or when the returned Work does."""
         async_op = kwargs.get("async_op", args[ai] if ai is not None and ai < len(args) else False)
         if out is not None and async_op:
             return rec.attach(out, e)
@@ -974,12 +978,7 @@ def _wrap(name: str, fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..
         except BaseException as err:
             rec.completed(e, err)
             raise
-        async_op = kwargs.get("async_op", args[ai] if ai is not None and ai < len(args) else False)
-        if out is not None and async_op:
-            return rec.attach(out, e)
-        e[_T_END] = time.time_ns()
-        e[_STATE] = COMPLETED
-        return out
+        return settle(e, out, args, kwargs)
 
     return wrapper
 
