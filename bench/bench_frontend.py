@@ -25,8 +25,10 @@ from torch import nn
 
 import torchport
 from torchport import config
-from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.benchmarks import BenchTable, arg_parser, comma_list, compare, one_of
 from torchport.compiler import reports
+
+PARTS = ("dynamic", "complex", "batching")
 
 
 def _fresh_forward(mod: nn.Module, tag: str) -> nn.Module:
@@ -198,12 +200,17 @@ def bench_batching(table: BenchTable, batch: int, heads: int, reps: int) -> None
 
 def main() -> None:
     parser = arg_parser(__doc__ or "")
-    parser.add_argument("--parts", default="dynamic,complex,batching", help="comma-separated parts")
+    parser.add_argument(
+        "--parts",
+        type=comma_list(one_of(*PARTS)),  # (an unknown part gave an empty table, exit 0)
+        default=",".join(PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)}",
+    )
     args = parser.parse_args()
     table = BenchTable("frontend", unit="GFLOP/s")
     table.start()
     lengths = [8 * i + 3 for i in range(6 if args.quick else 20)]
-    parts = set(args.parts.split(","))
+    parts = set(args.parts)
     if "dynamic" in parts:
         bench_dynamic(table, lengths, "eager" if args.quick else "inductor")
     if "complex" in parts:

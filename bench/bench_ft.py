@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.ft_actors import Actors
 from torchport.benchmarks import BenchTable, arg_parser, scratch_dir
+from torchport.cli import int_at_least
 from torchport.distributed._control import default_secret
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft import Lighthouse, fetch_state
@@ -328,7 +329,12 @@ def bench_training(table: BenchTable, steps: int) -> None:
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--backend", choices=("torchport", "gloo"), default="torchport")
-    p.add_argument("--ranks", type=int, nargs="*", help="reconfigure sizes (default 4, or 4 8)")
+    p.add_argument(
+        "--ranks",
+        type=int_at_least(2),  # (0 or 1 ended in an IndexError: a reconfigure needs a peer)
+        nargs="*",
+        help="reconfigure sizes, each >= 2 (default 4, or 4 8)",
+    )
     p.add_argument(
         "--train-steps",
         type=int,

@@ -23,6 +23,7 @@ GEMM, interleaved medians, more rounds for short calls) over M = 1, 8, 32, both 
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,15 @@ import torch.nn.functional as F
 
 import torchport.gemm as G
 from torchport.autotune import L3_BYTES, cold_copies
-from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.benchmarks import (
+    BenchTable,
+    arg_parser,
+    comma_list,
+    compare,
+    dtype_of,
+    one_of,
+    positive_int,
+)
 from torchport.nn.functional import linear
 
 # Copies of a cell's arguments rotated per call: more than 4x L3 in all, so between two calls on
@@ -290,33 +299,56 @@ def epilogue_grid(table: BenchTable, dtypes: list[torch.dtype], reps: int, quick
     print(f"# worst fused/bare over the grid: {worst:.3f}x (target <= 1.05x)")
 
 
+def grid_cell(text: str) -> tuple[str, int, int, int]:
+    """One ``--grid`` entry, ``KIND:M:D:H`` (KIND linear or mlp; M, D, H positive)."""
+    parts = text.split(":")
+    if len(parts) != 4:
+        raise ValueError(f"expected KIND:M:D:H (e.g. linear:8:4096:11008), got {text!r}")
+    try:
+        kind = one_of("linear", "mlp")(parts[0])
+        m, d, h = (positive_int(x) for x in parts[1:])
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
+    return kind, m, d, h
+
+
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument(
         "--max-autotune-cells", type=int, default=None, help="cap on max-autotune anchors"
     )
-    p.add_argument("--cells", default="linear,mlp", help="comma-separated: linear, mlp")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--cells",
+        type=comma_list(one_of("linear", "mlp")),
+        default="linear,mlp",
+        help="comma-separated: linear, mlp",
+    )
+    p.add_argument(
+        "--dtypes",
+        type=comma_list(dtype_of("float32", "bfloat16")),
+        default="float32,bfloat16",
+        help="comma-separated: float32, bfloat16",
+    )
     p.add_argument(
         "--epilogue",
         action="store_true",
         help="only the fused/bare epilogue ratios (M = 1, 8, 32; both dtypes; two shapes)",
     )
     p.add_argument(
-        "--grid", default="", help="explicit cells, e.g. linear:8:4096:11008,mlp:1:768:3072"
+        "--grid",
+        type=comma_list(grid_cell),
+        default=None,
+        help="explicit cells, e.g. linear:8:4096:11008,mlp:1:768:3072",
     )
     args = p.parse_args()
     if args.epilogue:
         table = BenchTable("gemm", unit="GFLOP/s")
         table.start()
-        dts = [getattr(torch, x) for x in args.dtypes.split(",")]
+        dts = args.dtypes
         epilogue_grid(table, dts[:1] if args.quick else dts, min(args.reps, 20), args.quick)
         table.save(args.json)
         return
-    kinds = args.cells.split(",")
-    if any(k not in ("linear", "mlp") for k in kinds):  # (an unknown one gave an empty table)
-        p.error(f"--cells must be a comma-separated subset of linear,mlp, got {args.cells!r}")
-    dtypes = [getattr(torch, s) for s in args.dtypes.split(",")]
+    kinds, dtypes = args.cells, args.dtypes  # (an unknown cell kind gave an empty table)
     if args.quick:
         grid = [("linear", m, 1024, 4096) for m in (1, 8)] + [("mlp", 8, 768, 3072)]
         cap = 1 if args.max_autotune_cells is None else args.max_autotune_cells
@@ -334,10 +366,7 @@ def main() -> None:
             f"the first {cap} cells per dtype"
         )
     if args.grid:
-        grid = [
-            (k, int(m), int(d), int(h))
-            for k, m, d, h in (c.split(":") for c in args.grid.split(","))
-        ]
+        grid = args.grid
     bw = read_bandwidth()
     table = BenchTable("gemm", unit="GFLOP/s")
     table.start()

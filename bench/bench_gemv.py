@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torchport import config
 from torchport import gemv as G
 from torchport.autotune import cold_bytes
-from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.benchmarks import BenchTable, arg_parser, comma_list, compare
+from torchport.cli import int_at_least
 from torchport.gemv.hugepages import hugepage_empty
 from torchport.gemv.readpeak import READ_CONFIGS, read_launcher
 from torchport.lowp import Float8Tensor, MXTensor, NVFP4Tensor
@@ -262,7 +263,10 @@ def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--cpu-time", action="store_true", help="also: 1-thread CPU time per call")
     p.add_argument(
-        "--batches", default="", help="comma-separated activation rows (default 1,4; --quick 1)"
+        "--batches",
+        type=comma_list(int_at_least(1, at_most=G.MAX_ROWS)),
+        default=None,
+        help=f"comma-separated activation rows, 1 to {G.MAX_ROWS} (default 1,4; --quick 1)",
     )
     args = p.parse_args()
     config.set(
@@ -271,9 +275,7 @@ def main() -> None:
     shapes = [(11008, 4096)] if args.quick else [(4096, 4096), (11008, 4096), (4096, 11008)]
     batches = [1] if args.quick else [1, 4]
     if args.batches:
-        batches = [int(b) for b in args.batches.split(",")]
-        if not all(1 <= b <= G.MAX_ROWS for b in batches):
-            p.error(f"--batches: each must be 1 to {G.MAX_ROWS} activation rows, got {batches}")
+        batches = args.batches
     reps = 11 if args.quick else args.reps
     table = BenchTable("gemv", unit="GB/s")
     table.start()

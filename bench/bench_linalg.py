@@ -29,7 +29,16 @@ import torch
 
 import torchport.linalg as tl
 from torchport import config
-from torchport.benchmarks import BenchTable, arg_parser, compare
+from torchport.benchmarks import (
+    BenchTable,
+    arg_parser,
+    comma_list,
+    compare,
+    dtype_of,
+    one_of,
+    positive_int,
+)
+from torchport.cli import positive_float
 from torchport.linalg import kernels
 
 BATCHES = (1, 100, 10_000, 100_000)
@@ -40,6 +49,7 @@ FLOPS = {
     "qr": lambda n: 8 * n**3 / 3,
     "cholesky": lambda n: n**3 / 3,
 }
+OPS = tuple(FLOPS)
 MAX_BYTES = 1 << 30
 MAX_WORK = 4e8
 
@@ -97,16 +107,16 @@ def _skip(b: int, n: int, dtype: torch.dtype, max_work: float) -> str | None:
     return None
 
 
-def _ints(text: str | None) -> tuple[int, ...] | None:
-    return tuple(int(x) for x in text.split(",")) if text else None
+def _ints(values: list[int] | None) -> tuple[int, ...] | None:
+    return tuple(values) if values else None
 
 
 def grid(args: Any) -> None:
-    ops = tuple(args.ops.split(",")) if args.ops else ("svd", "eigh", "qr", "cholesky")
+    ops = tuple(args.ops) if args.ops else OPS
     batches: tuple[int, ...] = BATCHES if not args.quick else (100, 10_000)
     sizes: tuple[int, ...] = SIZES if not args.quick else (3, 8, 32)
     batches, sizes = _ints(args.batches) or batches, _ints(args.sizes) or sizes
-    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    dtypes = args.dtypes
     max_work = args.max_work if args.max_work is not None else (MAX_WORK if not args.quick else 4e7)
     table = BenchTable("linalg", unit="GFLOP/s")
     table.start()
@@ -155,10 +165,10 @@ def fastest(args: Any) -> None:
     import time
 
     torch.set_num_threads(args.threads)
-    ops = tuple(args.ops.split(",")) if args.ops else ("svd", "eigh", "cholesky")
+    ops = tuple(args.ops) if args.ops else ("svd", "eigh", "cholesky")
     table = BenchTable(f"linalg_fastest_{args.threads}t", unit="GFLOP/s")
     table.start()
-    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+    for dtype in args.dtypes:
         for op in ops:
             for b in _ints(args.batches) or (1000,):
                 for n in _ints(args.sizes) or (8, 16):
@@ -259,7 +269,7 @@ def sweeps(args: Any) -> None:
 
     isa = native.cpu_info().isa
     print("# eigh lane kernel, 1 thread; us per lane group; ops = vector mul/FMA of the updates")
-    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+    for dtype in args.dtypes:
         lanes = 32 // dtype.itemsize
         ks = {c: kernels.library(dtype, isa, c)["eigh_vec"] for c in (2, 4, kernels.MAX_SWEEPS)}
         for n in _ints(args.sizes) or (16, 32):
@@ -327,26 +337,37 @@ def _block_sweeps(dtype: torch.dtype, n: int, a: Any, lam: Any, q: Any, reps: in
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument("--orderings", action="store_true", help="cyclic vs round-robin Jacobi")
-    p.add_argument("--ops", help="comma-separated subset of svd,eigh,qr,cholesky")
-    p.add_argument("--sizes", help="comma-separated n (replaces the grid's)")
-    p.add_argument("--batches", help="comma-separated B (replaces the grid's)")
-    p.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
+    # (a bad entry was a usage error for --ops only: an unknown op timed the cholesky functions
+    # and failed on a non-PD input; the others ended in tracebacks, --batches 0 ran)
+    p.add_argument(
+        "--ops", type=comma_list(one_of(*OPS)), help=f"comma-separated subset of {','.join(OPS)}"
+    )
+    p.add_argument(
+        "--sizes", type=comma_list(positive_int), help="comma-separated n (replaces the grid's)"
+    )
+    p.add_argument(
+        "--batches", type=comma_list(positive_int), help="comma-separated B (replaces the grid's)"
+    )
+    p.add_argument(
+        "--dtypes",
+        type=comma_list(dtype_of("float32", "float64", "complex64", "complex128")),
+        default="float32,float64",
+        help="comma-separated dtypes",
+    )
     p.add_argument("--fastest", action="store_true", help="min of --reps, alternated (see fastest)")
-    p.add_argument("--threads", type=int, default=2, help="threads for --fastest (both sides)")
+    p.add_argument(
+        "--threads", type=positive_int, default=2, help="threads for --fastest (both sides)"
+    )
     p.add_argument(
         "--method", default="jacobi", choices=("jacobi", "auto"), help="ours in --fastest"
     )
     p.add_argument("--sweeps", action="store_true", help="eigh lane kernel time per sweep")
     p.add_argument(
         "--max-work",
-        type=float,
+        type=positive_float,
         help=f"skip cells with B·n³ above this (default {MAX_WORK:.0e}; the 1 GB input cap stays)",
     )
     args = p.parse_args()
-    ops = ("svd", "eigh", "qr", "cholesky")
-    if args.ops and any(o not in ops for o in args.ops.split(",")):
-        # (an unknown name timed the cholesky functions and failed on a non-PD input)
-        p.error(f"--ops must be a comma-separated subset of {','.join(ops)}, got {args.ops!r}")
     with config.override(progress=False):
         if args.orderings:
             orderings(args)

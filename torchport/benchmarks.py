@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import runpy
 import signal
@@ -21,10 +22,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from torchport import native
 from torchport.autotune.timing import measure, median
 from torchport.cli import int_at_least
 from torchport.native.cpu import cpu_info
@@ -94,13 +96,15 @@ def run_benchmark(name: str, argv: Sequence[str] = ()) -> int:
 # for counts that must be >= 1 (reps, calls, samples, rounds)
 positive_int = int_at_least(1)
 
+T = TypeVar("T")
+
 
 class _Stopped(BaseException):
-    """A stop signal inside :func:`scratch_dir`, raised so that every ``finally`` on the way out
+    """A stop signal inside :func:`stop_signals`, raised so that every ``finally`` on the way out
     runs (workers killed, folders removed); the signal is delivered again once they have."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signum)
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
 
 
@@ -110,13 +114,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
-def scratch_dir(prefix: str) -> Iterator[str]:
-    """A temporary folder under ``$TMPDIR`` that is removed when the block ends, however it ends:
-    normally, by an exception, by Ctrl-C, or by SIGTERM / SIGHUP. Those two killed the process
-    at once: the collectives benchmarks' ``tp-bench-*`` and ``tp-cell-*`` folders stayed in
-    /tmp and their workers ran on. For the block's length (where they have their default action
-    and this is the main thread) they raise an exception instead; once the folder is gone the
-    signal is raised again with the default action, so the process still ends by it."""
+def stop_signals() -> Iterator[None]:
+    """For the block's length, SIGTERM and SIGHUP (where they have their default action and this
+    is the main thread) raise an exception instead of ending the process at once, so that every
+    ``finally`` inside runs: workers are killed, folders removed. Once the block has unwound the
+    signal is raised again with its default action, so the process still ends by it. (The
+    collectives benchmarks' workers and ``torchport demo``'s ft replicas ran on after a
+    ``kill``.)"""
 
     def stop(signum: int, frame: Any) -> None:
         raise _Stopped(signum)
@@ -128,10 +132,9 @@ def scratch_dir(prefix: str) -> Iterator[str]:
             for s in STOP_SIGNALS:
                 if signal.getsignal(s) is signal.SIG_DFL:
                     mine[s] = signal.signal(s, stop)
-        with tempfile.TemporaryDirectory(prefix=prefix) as d:
-            yield d
+        yield
     except _Stopped as e:
-        if e.signum not in mine:  # (an outer scratch_dir's signal: it re-raises it)
+        if e.signum not in mine:  # (an outer stop_signals' signal: it re-raises it)
             raise
         stopped = e.signum
     finally:
@@ -142,8 +145,29 @@ def scratch_dir(prefix: str) -> Iterator[str]:
         raise AssertionError(f"signal {stopped} did not end the process")
 
 
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[str]:
+    """A temporary folder under ``$TMPDIR`` that is removed when the block ends, however it ends:
+    normally, by an exception, by Ctrl-C, or by SIGTERM / SIGHUP (see :func:`stop_signals`; their
+    default action left the collectives benchmarks' ``tp-bench-*`` and ``tp-cell-*`` folders in
+    /tmp)."""
+    with stop_signals(), tempfile.TemporaryDirectory(prefix=prefix) as d:
+        yield d
+
+
+def compiler() -> str:
+    """The C compiler the native kernels are built with, or why there is none (then every
+    native kernel falls back to ATen: "ours" times ATen)."""
+    from torchport.native.toolchain import compiler_identity
+
+    try:
+        return compiler_identity(native.find_compiler())
+    except native.NativeError as e:
+        return f"unavailable: {e}"
+
+
 def machine() -> dict[str, Any]:
-    """Machine and versions recorded with every result."""
+    """Machine, versions and C compiler recorded with every result."""
     info = cpu_info()
     return {
         "cpu": info.model,
@@ -154,6 +178,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchport": __version__,
+        "compiler": compiler(),
     }
 
 
@@ -233,6 +258,10 @@ class BenchTable:
     unit: str = "GB/s"
     rows: list[Row] = field(default_factory=list)
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # native.stats().fallbacks when the table started: calls since then that ran ATen in place
+    # of a native kernel are saved with the machine (without a compiler every one did, and the
+    # JSON recorded ATen's times as ours with no sign of it)
+    fallbacks_before: int = 0
 
     def add(
         self, case: str, anchor: str, anchor_s: float, ours_s: float, work: float, **extra: Any
@@ -267,31 +296,109 @@ class BenchTable:
         )
 
     def start(self) -> None:
+        self.fallbacks_before = native.stats().fallbacks
         m = machine()
         print(
             f"# {self.name} — {m['cpu']}, {m['cores']} cores, isa {m['isa']}, "
             f"torch {m['torch']}, torchport {m['torchport']}"
         )
+        if m["compiler"].startswith("unavailable"):
+            print(f"# WARNING: C compiler {m['compiler']}: native kernels fall back to ATen")
         print(self.header())
 
     def save(self, path: Path | None = None) -> Path:
-        """Write JSON with machine, versions and every row."""
+        """Write JSON with machine, versions and every row (whole or not at all: a temporary
+        file beside ``path`` renamed over it)."""
         if path is None:
             d = (bench_dir() or Path.cwd()) / "results"
             d.mkdir(parents=True, exist_ok=True)
             path = d / f"{self.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)  # (a --json in a new folder)
+        m = machine()
+        m["native_fallbacks"] = native.stats().fallbacks - self.fallbacks_before
         payload = {
             "name": self.name,
             "unit": self.unit,
-            "machine": machine(),
+            "machine": m,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "rows": [{**asdict(r), "ratio": r.ratio} for r in self.rows],
             "notes": self.notes,
         }
-        path.write_text(json.dumps(payload, indent=1))
+        if m["native_fallbacks"]:
+            print(f"# WARNING: {m['native_fallbacks']} calls of ours ran ATen (native fallbacks)")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(payload, indent=1))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         print(f"# wrote {path}")
         return path
+
+
+def json_path(text: str) -> Path:
+    """An argparse ``type=`` for ``--json``: a file that can be written, checked before the run
+    (a folder, or a parent that is a file or not writable, failed when the results were saved,
+    after the whole run, and they were lost)."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"must name a file, not a folder, got {text!r}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # (save() makes missing folders)
+        parent = parent.parent
+    try:
+        with tempfile.TemporaryFile(dir=parent):  # (os.access: yes for root, even in /proc)
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot write into {str(parent)!r} (for {text!r}): {e.strerror}"
+        ) from None
+    return path
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse ``type=`` for a comma-separated list whose entries ``item`` parses (an
+    argparse type such as :data:`positive_int`, :func:`one_of` or :func:`dtype_of`). A bad entry
+    is a usage error (exit 2) naming the option and the value; they were tracebacks or empty
+    tables."""
+
+    def parse(text: str) -> list[T]:
+        entries = [e.strip() for e in text.split(",")]
+        if not all(entries):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        values = []
+        for e in entries:
+            try:
+                values.append(item(e))
+            except (argparse.ArgumentTypeError, ValueError) as err:
+                where = f" (in {text!r})" if len(entries) > 1 else ""
+                raise argparse.ArgumentTypeError(f"{err}{where}") from None
+        return values
+
+    return parse
+
+
+def one_of(*names: str) -> Callable[[str], str]:
+    """An argparse ``type=`` (or :func:`comma_list` entry) that must be one of ``names``."""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def dtype_of(*names: str) -> Callable[[str], torch.dtype]:
+    """An argparse ``type=`` (or :func:`comma_list` entry): a ``torch`` dtype among ``names``."""
+    name = one_of(*names)
+
+    def parse(text: str) -> torch.dtype:
+        dtype = getattr(torch, name(text))
+        assert isinstance(dtype, torch.dtype), dtype
+        return dtype
+
+    return parse
 
 
 def arg_parser(description: str, *, writes_json: bool = True) -> argparse.ArgumentParser:
@@ -302,5 +409,5 @@ def arg_parser(description: str, *, writes_json: bool = True) -> argparse.Argume
     p.add_argument("--quick", action="store_true", help="small grid, few reps (smoke run)")
     p.add_argument("--reps", type=positive_int, default=20)
     if writes_json:
-        p.add_argument("--json", type=Path, default=None, help="where to write results")
+        p.add_argument("--json", type=json_path, default=None, help="file to write results to")
     return p

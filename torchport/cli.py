@@ -6,6 +6,7 @@ import argparse
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -58,9 +59,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def int_at_least(lo: int) -> Callable[[str], int]:
-    """An argparse ``type=`` for an integer option that must be >= ``lo`` (a usage error, exit 2,
-    names the option and the value)."""
+def int_at_least(lo: int, *, at_most: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer option that must be >= ``lo`` (and <= ``at_most``):
+    a usage error, exit 2, names the option and the value."""
 
     def parse(text: str) -> int:
         try:
@@ -69,6 +70,8 @@ def int_at_least(lo: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if at_most is not None and v > at_most:
+            raise argparse.ArgumentTypeError(f"must be <= {at_most}, got {v}")
         return v
 
     return parse
@@ -105,15 +108,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown benchmark {unknown[0]!r}; available: {', '.join(names)}", file=sys.stderr)
         return 2
+    per_name = None
+    if args.name == "all":
+        try:
+            per_name = _json_per_benchmark(args.bench_args)
+        except ValueError as e:
+            print(f"torchport bench: error: {e}", file=sys.stderr)
+            return 2
     rc = 0
     for name in wanted:
-        rc |= run_benchmark(name, args.bench_args)
+        rc |= run_benchmark(name, per_name(name) if per_name else args.bench_args)
     return rc
+
+
+def _json_per_benchmark(argv: Sequence[str]) -> Callable[[str], list[str]]:
+    """For ``bench all``: ``--json DIR`` names a folder, each benchmark writing ``DIR/NAME.json``
+    (every benchmark was handed the one file, each overwriting the last one's results)."""
+    rest: list[str] = []
+    folder = None
+    i = 0
+    while i < len(argv):
+        opt, eq, value = argv[i].partition("=")
+        # (argparse takes an abbreviation, "--js"; a last "--json" without a value is left to
+        # the benchmark's parser to report)
+        if len(opt) >= 3 and "--json".startswith(opt) and (eq or i + 1 < len(argv)):
+            if not eq:
+                i += 1
+                value = argv[i]
+            folder = Path(value)
+        else:
+            rest.append(argv[i])
+        i += 1
+    if folder is None:
+        return lambda name: list(argv)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(
+            f"with 'all', --json names a folder (one NAME.json per benchmark), "
+            f"and {str(folder)!r} is a file"
+        )
+    return lambda name: [*rest, "--json", str(folder / f"{name}.json")]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The end-to-end showcase."""
     from torchport import demo
+    from torchport.benchmarks import stop_signals
     from torchport.demo.data import CorpusError
 
     try:
@@ -127,11 +166,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"torchport demo: error: cannot create --out {args.out!r}: {e}", file=sys.stderr)
         return 2
     try:
-        demo.execute(ctx, stages)
+        # SIGTERM / SIGHUP unwind the stages: the ft stage's replicas are killed, its lighthouse
+        # closed and the report of what ran is written (their default action left the replicas
+        # training on, ~80 s, until their quorum timed out)
+        with stop_signals():
+            demo.execute(ctx, stages)
     except CorpusError as e:  # (e.g. --corpus-mb too small to split)
         print(f"torchport demo: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+BENCH_HELP = """Run a benchmark from bench/ ('torchport bench NAME --help' lists its options),
+every one but the single-cell tools ('all'), or list them ('list'). Results go to
+bench/results/NAME.json, or to the file that --json FILE names; with 'all', --json DIR names a
+folder, each benchmark writing DIR/NAME.json."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchport", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help=cmd_info.__doc__).set_defaults(func=cmd_info)
-    b = sub.add_parser("bench", help=cmd_bench.__doc__)
+    b = sub.add_parser("bench", help=cmd_bench.__doc__, description=BENCH_HELP)
     b.add_argument("name", help="benchmark name, 'all' or 'list'")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=cmd_bench)

@@ -144,7 +144,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--corpus-mb", type=positive_float, default=4.0, help="MiB of stdlib source to read"
     )
     p.add_argument("--sample-tokens", type=int_at_least(0), default=300)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int_at_least(-(1 << 63), at_most=(1 << 64) - 1),  # (torch.manual_seed's range)
+        default=0,
+    )
     p.add_argument(
         "--stages",
         default="all",
@@ -170,6 +174,10 @@ def prepare(args: argparse.Namespace) -> tuple[DemoContext, list[str]]:
     stages = selected_stages(args.stages)
     if args.d_model % args.heads:
         raise ValueError(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
+    if "ft" in stages:
+        from torchport.demo.stage_ft import ft_steps
+
+        ft_steps(args)  # (its TORCHPORT_DEMO_FT_STEPS, read by the stage, checked here)
     out_dir = Path(args.out)
     ctx = DemoContext(
         args=args,
@@ -196,14 +204,33 @@ def run(args: argparse.Namespace) -> list[Section]:
     return execute(ctx, stages)
 
 
+def _failed(name: str, error: BaseException, stages: list[str]) -> Section:
+    """The report's last section when stage ``name`` raised ``error``."""
+    not_run = stages[stages.index(name) + 1 :]
+    s = Section(f"stage {name!r} failed")
+    s.add("error", f"{type(error).__name__}: {error}")
+    s.add("not run", ", ".join(not_run) or "-")
+    s.data = {"failed_stage": name, "not_run": not_run}
+    return s
+
+
 def execute(ctx: DemoContext, stages: list[str]) -> list[Section]:
     """Run ``stages`` (checked by :func:`prepare`) in order; print each section; write the
-    report."""
+    report. A stage that fails (or is interrupted) ends the run: the report then holds the
+    stages that completed and a section naming the failed one, and the exception goes on (one
+    failing stage lost every result); an earlier run's report is removed first, so none is
+    left looking like this run's."""
     out_dir = ctx.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").unlink(missing_ok=True)
     for name, fn in STAGES:
         if name in stages:
-            section = fn(ctx)
+            try:
+                section = fn(ctx)
+            except BaseException as e:
+                path = write_report(out_dir, [*ctx.sections, _failed(name, e, stages)])
+                print(f"stage {name!r} failed; the report of those before it: {path}", flush=True)
+                raise
             ctx.sections.append(section)
             print(render_table(section), flush=True)
     path = write_report(out_dir, ctx.sections)

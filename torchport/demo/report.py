@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,10 +67,16 @@ def plot_curves(
 
 
 def write_report(out_dir: Path, sections: Sequence[Section]) -> Path:
-    """Write ``report.json`` with every section's rows and data."""
+    """Write ``report.json`` with every section's rows and data (whole or not at all: a
+    temporary file renamed over it)."""
     path = out_dir / "report.json"
     payload = [
         {"title": s.title, "rows": dict(s.rows), "text": s.text, "data": s.data} for s in sections
     ]
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    tmp = path.with_name(f".report.json.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(payload, indent=2, default=str))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

@@ -284,13 +284,36 @@ def _dead_event(events: list[tuple[float, str]], rid: str) -> float | None:
     return None
 
 
+# the fewest training steps per run: replica 1 is killed at a quarter of them and the survivors
+# must train 3 more without it
+MIN_FT_STEPS = 8
+
+
+def ft_steps(args: Any) -> int:
+    """Training steps per run: ``TORCHPORT_DEMO_FT_STEPS``, else 40 with the default demo
+    (``--steps 600``), fewer for short demo runs. A bad value is a ``ValueError`` naming the
+    variable (it was a bare ``int()`` traceback after the other stages had run)."""
+    default = min(40, max(MIN_FT_STEPS, int(getattr(args, "steps", 600)) // 15))
+    text = os.environ.get("TORCHPORT_DEMO_FT_STEPS", "").strip()
+    if not text:
+        return default
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = -1
+    if steps < MIN_FT_STEPS:
+        raise ValueError(
+            f"TORCHPORT_DEMO_FT_STEPS must be an integer >= {MIN_FT_STEPS} (training steps per "
+            f"run of the ft stage), got {text!r}"
+        )
+    return steps
+
+
 def stage_ft(ctx: Any) -> Section:
     """Fault-tolerant training: kill a replica, survivors continue, it heals and rejoins."""
     from torchport.distributed.fr_analyze import analyze, load_dumps
 
-    # 40 steps with the default demo (--steps 600); fewer for short demo runs
-    default = min(40, max(8, int(getattr(ctx.args, "steps", 600)) // 15))
-    steps = int(os.environ.get("TORCHPORT_DEMO_FT_STEPS", str(default)))
+    steps = ft_steps(ctx.args)
     base = ctx.out_dir / "ft"
     clean = run_scenario(base / "fault-free", steps=steps, kill_at=None)
     faulty = run_scenario(base / "with-kill", steps=steps, kill_at=steps // 4)
