@@ -318,3 +318,200 @@ def test_compiled_module_with_a_spec_keeps_the_module_api() -> None:
         torch.testing.assert_close(cm(x), m(x))
     with pytest.raises(AttributeError, match=r"no_such"):
         _ = cm.no_such
+
+
+# --- review of the frame fallback: other compiles' frames, genuine errors ------------------------
+
+
+def _record_compile(seen: list[tuple[bool, bool]]) -> object:
+    """A backend that records (size-oblivious config on, some input size symbolic)."""
+    import torch.fx.experimental._config as fx_config
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        symbolic = any(
+            isinstance(v, torch.SymInt)
+            or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape))
+            for v in values
+        )
+        seen.append((bool(fx_config.backed_size_oblivious), symbolic))  # type: ignore[attr-defined]
+        return gm.forward
+
+    return backend
+
+
+@pytest.mark.parametrize("graph_break", [False, True], ids=["inlined", "after_break"])
+@pytest.mark.parametrize("eager_caller", [False, True], ids=["traced_call", "disabled_caller"])
+def test_nested_fullgraph_compile_does_not_run_the_call_twice(
+    graph_break: bool, eager_caller: bool
+) -> None:
+    # a plain torch.compile(fullgraph=True) function called by the spec'd one compiled its own
+    # frame under the spec's size-oblivious config and marks, failed at T = 1 (x + w, w of size
+    # 4), and its failure re-ran the whole spec'd call: buf.add_ ran twice (2.0, eager 1.0)
+    w = torch.randn(4)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        return x + w
+
+    @torch._dynamo.disable
+    def disabled(x: torch.Tensor) -> torch.Tensor:
+        return inner(x)
+
+    def f(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.add_(1)
+        if graph_break:
+            torch._dynamo.graph_break()
+        return (disabled(x) if eager_caller else inner(x)) * 2
+
+    torch._dynamo.reset()
+    fn = torchport.compile(
+        f,
+        inner="eager",
+        batching=False,
+        dynamic_shapes={"x": TensorSpec([ShapeVar("B"), ShapeVar("T")])},
+    )
+    buf = torch.zeros(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (inlined, the spec'd frame itself fails at T = 1)
+        for shape in [(2, 1), (3, 4), (5, 1), (0, 4)]:
+            x = torch.randn(shape)
+            before = buf.item()
+            torch.testing.assert_close(fn(x, buf), (x + w) * 2)
+            assert buf.item() == before + 1, shape
+    if eager_caller:  # (the spec'd frames themselves hold for every size)
+        assert fn.relaxed is None
+
+
+def test_nested_compile_compiles_as_without_the_spec() -> None:
+    # the spec's marks (on the caller's tensor) and config reached another torch.compile's frame
+    seen: list[tuple[bool, bool]] = []
+    inner = torch.compile(lambda x: x.cos(), backend=_record_compile(seen))
+
+    @torch._dynamo.disable
+    def disabled(x: torch.Tensor) -> torch.Tensor:
+        return inner(x)
+
+    torch._dynamo.reset()
+    fn = torchport.compile(
+        lambda x: disabled(x) + 1,
+        inner="eager",
+        batching=False,
+        dynamic_shapes={"x": TensorSpec([ShapeVar("B"), 4])},
+    )
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(fn(x), x.cos() + 1)
+    assert seen == [(False, False)]  # as a plain call of inner(x) compiles it
+    assert not hasattr(x, "_dynamo_dynamic_indices")
+
+
+def test_nested_compile_error_is_its_own_and_the_call_runs_once() -> None:
+    w = torch.randn(5)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        return x @ w  # (2, 1) @ (5,): a genuine error
+
+    @torch._dynamo.disable
+    def disabled(x: torch.Tensor) -> torch.Tensor:
+        return inner(x)
+
+    def f(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.add_(1)
+        return disabled(x)
+
+    torch._dynamo.reset()
+    fn = torchport.compile(
+        f,
+        inner="eager",
+        batching=False,
+        dynamic_shapes={"x": TensorSpec([ShapeVar("B"), ShapeVar("T")])},
+    )
+    buf = torch.zeros(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no fallback warning either)
+        with pytest.raises(Exception, match=r"fake tensor|size mismatch|inconsistent|mat"):
+            fn(torch.randn(2, 1), buf)
+    assert buf.item() == 1.0
+    assert fn.relaxed is None
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_break", "fullgraph"])
+def test_genuine_error_at_size_one_does_not_relax_the_wrapper(fullgraph: bool) -> None:
+    # x @ w at a wrong size 1 (the size-oblivious trace fails, then eager fails too): the error
+    # reached the user but the wrapper also warned that the function specialises and stayed
+    # relaxed for good
+    w = torch.randn(4, 3)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x @ w
+
+    torch._dynamo.reset()
+    fn = torchport.compile(
+        f,
+        inner="eager",
+        batching=False,
+        fullgraph=fullgraph,
+        dynamic_shapes={"x": TensorSpec([ShapeVar("B"), ShapeVar("T")])},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match=r"mat1 and mat2|a and b must have same reduction"):
+            fn(torch.randn(1, 5))
+    assert fn.relaxed is None
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=_FALLBACK) as rec:  # (T == 4: a real specialisation)
+        torch.testing.assert_close(fn(x), f(x))
+    assert rec[0].filename == __file__  # (the caller's line, past torch's disable wrapper)
+
+
+# --- export / make_fx at an example size 0 in an inner dim ----------------------------------------
+
+_INNER_ZERO = {
+    "squeeze": lambda x: x.squeeze(1) * 2,
+    "softmax": lambda x: x.softmax(1),
+    "sort": lambda x: x.sort(1).values,
+    "expand": lambda x: x[:, :1].expand(3, x.shape[1]) + x,
+}
+
+
+@pytest.mark.parametrize("api", ["export", "make_fx"])
+@pytest.mark.parametrize("name", list(_INNER_ZERO))
+def test_export_and_make_fx_take_an_example_size_0_in_an_inner_dim(api: str, name: str) -> None:
+    # torch gives an empty [3, 0] tensor strides (1, 1); traced with a symbolic T, the stride
+    # logic divided by the example's 0: an untyped ZeroDivisionError
+    f = _INNER_ZERO[name]
+    spec = {"x": TensorSpec([3, ShapeVar("T")])}
+    example = torch.randn(3, 0)
+    if api == "export":
+        run = torchport.export(f, (example,), dynamic_shapes=spec).module()
+    else:
+        run = torchport.make_fx(f, dynamic_shapes=spec)(example)
+    for t in (0, 1, 2, 5):
+        x = torch.randn(3, t)
+        torch.testing.assert_close(run(x), f(x))
+
+
+# --- an outer torch.compile around the spec'd wrapper -----------------------------------------------
+
+
+def test_outer_torch_compile_around_a_spec_wrapper_runs_the_spec_compile() -> None:
+    # dynamo traced into SpecCompiled.__call__: InternalTorchDynamoError ('dict' object has no
+    # attribute 'node')
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * 2
+
+    torch._dynamo.reset()
+    sf = torchport.compile(
+        f, inner="eager", batching=False, dynamic_shapes={"x": TensorSpec([ShapeVar("B"), 4])}
+    )
+    g = torch.compile(lambda x: sf(x) + 1, backend="eager")
+    for n in (3, 5, 1, 0):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(g(x), f(x) + 1)
+    # the spec'd compile ran (f's frame has compiled code), one graph for every size
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    assert len(_debug_get_cache_entry_list(f.__code__)) == 1
+    with pytest.raises(DynamicSpecViolation, match=r"expected static size 4, got 5"):
+        g(torch.randn(3, 5))

@@ -83,6 +83,10 @@ class SpecCompiled:
             b = self._bindings[key] = bind(self.fn, self.spec, args, kwargs, "torchport.compile")
         return b
 
+    # Opaque to an outer torch.compile (``torch.compile(lambda x: spec_fn(x) + 1)``): dynamo
+    # traced into this Python (the spec checks, the marks) and failed with an internal error; the
+    # outer graph now breaks around the call, which runs here with the spec'd compile.
+    @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         b = self.binding(args, kwargs)
         flat, tree = pytree.tree_flatten((args, kwargs))
@@ -99,48 +103,59 @@ class SpecCompiled:
         # the tensors _mark_dims may mark: the flat inputs and attributes an ObjectSpec reaches
         marks = _DimMarks([*flat, *(s.target(flat) for s in b.slots if s.dim is not None)])
         try:
-            return self._call_marked(b, flat, args, kwargs)
+            return self._call_marked(b, flat, args, kwargs, marks)
         finally:
             marks.restore()
 
     def _call_marked(
-        self, b: Binding, flat: list[Any], args: Sequence[Any], kwargs: dict[str, Any]
+        self,
+        b: Binding,
+        flat: list[Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        marks: _DimMarks,
     ) -> Any:
         strict = self.relaxed is None
         scalars = _mark_dims(b, flat, strict=strict)
         if self.compiled is None:
             self.compiled = self._compile_fn(self.fn)
-        if not strict:
-            with _compile_config(scalars, size_oblivious=False):
-                out = self.compiled(*args, **kwargs)
-            self.traced = True
-            return out
         # A frame whose strict compile fails (the code specialises a spec'd dim: a guard
         # ``T != 1``; or its size-oblivious trace fails at a size 0 or 1 that eager handles by
-        # broadcasting) runs eagerly in this call (_frame_fallback): the frames before it already
+        # broadcasting) runs eagerly in this call (_spec_frames): the frames before it already
         # ran, so the call cannot be started again (their side effects would run twice).
-        zero_one = any(
+        zero_one = strict and any(
             s.dim is not None and isinstance(s.spec, Expr) and s.target(flat).shape[s.dim] < 2
             for s in b.slots
         )
-        call = _StrictCall(zero_one)
+        config = _compile_config(scalars, size_oblivious=strict)
+        # (found on every call, not kept: a deep copy of this wrapper shares a compiled function
+        # but would hold copies of its converters)
+        call = _SpecCall(_frame_converters(self.compiled), strict, zero_one, config, marks)
         try:
-            with _compile_config(scalars, size_oblivious=True), _frame_fallback(call):
+            with config, _spec_frames(call):
                 out = self.compiled(*args, **kwargs)
         except Exception:
             if call.escaped is None:
                 raise
-            # a fullgraph compile failed so (dynamo raises there): nothing of the call has run
-            # yet, so the call runs again, relaxed (the ObjectSpec attributes' strict marks too)
-            self._relax(call.escaped)
+            # a fullgraph compile failed so (dynamo raises there) before any frame of the call
+            # ran: the call runs again, relaxed (the ObjectSpec attributes' strict marks too);
+            # relaxed for good only if it then completes (else the error is the user's)
+            self.relaxed = call.escaped
             for t in [*flat, *(s.target(flat) for s in b.slots if s.dim is not None)]:
                 for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range"):
                     if isinstance(t, torch.Tensor) and hasattr(t, attr):
                         delattr(t, attr)
-            return self._call_marked(b, flat, args, kwargs)
-        finally:
-            if call.reason is not None and self.relaxed is None:
-                self._relax(call.reason)
+            try:
+                out = self._call_marked(b, flat, args, kwargs, marks)
+            except BaseException:
+                self.relaxed = None
+                raise
+            self._relax(call.escaped)
+            return out
+        # (only after the call completed: a frame run eagerly that raised is the user's error,
+        # e.g. ``x @ w`` at a wrong size 1, not a specialisation)
+        if call.reason is not None and self.relaxed is None:
+            self._relax(call.reason)
         self.traced = True
         return out
 
@@ -157,23 +172,49 @@ class SpecCompiled:
         warnings.warn(
             f"torchport.compile: the function specialises a dynamic dim of its spec "
             f"({reason}); sizes it specialises on will recompile",
-            stacklevel=4,
+            stacklevel=5,  # (_relax, _call_marked, __call__, its dynamo.disable wrapper, caller)
         )
 
 
-class _StrictCall:
-    """A strict spec'd call running on this thread: why a frame of it fell back to eager."""
+class _SpecCall:
+    """A spec'd call running on this thread: which frame compiles are its own, and (strict) why a
+    frame of it fell back to eager."""
 
-    def __init__(self, zero_one: bool) -> None:
+    def __init__(
+        self,
+        converters: tuple[Any, ...] | None,
+        strict: bool,
+        zero_one: bool,
+        config: _compile_config,
+        marks: _DimMarks,
+    ) -> None:
+        self.converters = converters  # the spec'd compile's ConvertFrameAsserts (None: unknown)
+        self.strict = strict
         self.zero_one = zero_one  # a spec'd dim of this call has size 0 or 1
+        self._config = config
+        self._marks = marks
         self.reason: str | None = None  # a frame ran eagerly for this reason
         self.escaped: str | None = None  # a fullgraph frame raised for this reason
+        self.ran = False  # a frame of this call was compiled (or run eagerly): it has run
+
+    def owns(self, converter: Any) -> bool:
+        """True if ``converter`` compiles the spec'd function's frames (not another compile's)."""
+        return self.converters is None or any(converter is c for c in self.converters)
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Another ``torch.compile``'s frame compiles as it would without the spec: without its
+        config patches and without its marks on the caller's tensors."""
+        with self._config.outside(), self._marks.hidden():
+            yield
 
     def fallback_reason(self, e: BaseException) -> str | None:
         """Why the strict compile of a frame failed with ``e`` (None: ``e`` is not such a case)."""
         from torch._dynamo.exc import TorchRuntimeError
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
+        if not self.strict:
+            return None
         if isinstance(e, ConstraintViolationError):
             lines = [ln.strip(" -") for ln in str(e).splitlines() if "Not all values" in ln]
             return lines[0] if lines else str(e).strip()
@@ -184,21 +225,55 @@ class _StrictCall:
         return None
 
 
-_FRAMES = threading.local()  # .call: the _StrictCall running on this thread (or None)
+def _frame_converters(compiled: Any) -> tuple[Any, ...] | None:
+    """The ``ConvertFrameAssert`` objects that compile the frames of a ``torch.compile`` result.
+
+    Each ``torch.compile`` makes its own: its ``OptimizeContext`` holds a ``CatchErrorsWrapper``
+    around a ``ConvertFrame`` (whose ``_inner_convert`` is one) or, under ``fullgraph``, around
+    one directly. A function's context is a cell of its ``compile_wrapper`` closure; a module's
+    is ``dynamo_ctx``. None if they cannot be found (every frame is then taken as the spec's).
+    """
+    from torch._dynamo.convert_frame import ConvertFrameAssert
+
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    callback = getattr(ctx, "callback", None)
+    code, cells = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None)
+    if callback is None and code is not None and cells:
+        cell = dict(zip(code.co_freevars, cells)).get("callback")
+        callback = None if cell is None else cell.cell_contents
+    obj, found = callback, []
+    for _ in range(4):  # CatchErrorsWrapper -> ConvertFrame -> ConvertFrameAssert
+        if obj is None:
+            break
+        if isinstance(obj, ConvertFrameAssert):
+            found.append(obj)
+            break
+        obj = getattr(obj, "_inner_convert", None) or getattr(
+            obj, "_torchdynamo_orig_backend", None
+        )
+    return tuple(found) or None
+
+
+_FRAMES = threading.local()  # .call: the _SpecCall running on this thread (or None)
 _FRAMES_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _frame_fallback(call: _StrictCall) -> Iterator[None]:
-    """Inside: a frame whose strict compile fails as :meth:`_StrictCall.fallback_reason` says
-    runs eagerly this time (its callees are still compiled), and ``call.reason`` records why;
-    under ``fullgraph`` the error propagates with ``call.escaped`` recording why.
+def _spec_frames(call: _SpecCall) -> Iterator[None]:
+    """Inside: each frame compile on this thread is taken as ``call`` says.
+
+    - A frame of another ``torch.compile`` (a compiled function the spec'd one calls) compiles
+      as without the spec (:meth:`_SpecCall.outside`); its errors are its own.
+    - A frame of the spec'd compile whose strict compile fails as
+      :meth:`_SpecCall.fallback_reason` says runs eagerly this time (its callees are still
+      compiled), and ``call.reason`` records why; under ``fullgraph`` the error propagates with
+      ``call.escaped`` recording why, if no frame of the call has run yet.
 
     Dynamo raises such an error out of the whole call (only ``suppress_errors``, which hides every
     compile error, would run the frame eagerly instead); when it comes from a frame after a graph
     break, the frames before it have run. The patch is on dynamo's ``ConvertFrameAssert.__call__``
     (each frame's compile, with or without ``fullgraph``), active only while this thread runs a
-    strict spec'd call.
+    spec'd call.
     """
     from torch._dynamo import convert_frame
     from torch._dynamo.types import ConvertFrameReturn
@@ -209,24 +284,38 @@ def _frame_fallback(call: _StrictCall) -> Iterator[None]:
             original = cls.__call__
 
             def convert(self: Any, *args: Any, **kwargs: Any) -> Any:
-                try:
+                active: _SpecCall | None = getattr(_FRAMES, "call", None)
+                if active is None:
                     return original(self, *args, **kwargs)
+                if not active.owns(self):
+                    _FRAMES.call = None
+                    try:
+                        with active.outside():
+                            return original(self, *args, **kwargs)
+                    finally:
+                        _FRAMES.call = active
+                try:
+                    out = original(self, *args, **kwargs)
                 except Exception as e:
-                    active: _StrictCall | None = getattr(_FRAMES, "call", None)
-                    reason = None if active is None else active.fallback_reason(e)
-                    if active is None or reason is None:
+                    reason = active.fallback_reason(e)
+                    if reason is None:
                         raise
                     if self._one_graph:
                         # fullgraph: running the frame eagerly fails the call ("found no
-                        # compiled frames"); this frame is the whole call, none of it has run
-                        active.escaped = reason
+                        # compiled frames"); this frame is the whole call: if none of it has
+                        # run, the call can run again
+                        if not active.ran:
+                            active.escaped = reason
                         raise
+                    active.ran = True
                     if active.reason is None:
                         active.reason = reason
                     # this frame, this time (apply_to_code=False: compiled again next call)
                     return ConvertFrameReturn(
                         apply_to_code=False, skip_reason=f"torchport dynamic spec: {reason}"
                     )
+                active.ran = True
+                return out
 
             convert._torchport = True  # type: ignore[attr-defined]
             cls.__call__ = convert  # type: ignore[method-assign]
@@ -273,9 +362,24 @@ class _DimMarks:
         for d, old in self._saved:
             for a in _MARK_ATTRS:
                 if a in old:
-                    d[a] = old[a]
+                    d[a] = copy.copy(old[a])  # (kept pristine for hidden())
                 else:
                     d.pop(a, None)
+
+    @contextlib.contextmanager
+    def hidden(self) -> Iterator[None]:
+        """Inside: the caller's own marks (the spec's are put back after)."""
+        current = [(d, {a: d[a] for a in _MARK_ATTRS if a in d}) for d, _ in self._saved]
+        self.restore()
+        try:
+            yield
+        finally:
+            for d, marks in current:
+                for a in _MARK_ATTRS:
+                    if a in marks:
+                        d[a] = marks[a]
+                    else:
+                        d.pop(a, None)
 
 
 def _canonical_empty(t: Any) -> Any:
@@ -354,26 +458,34 @@ class _compile_config:
     def __init__(self, scalars: list[str], *, size_oblivious: bool = True) -> None:
         import torch.fx.experimental._config as fx_config
 
-        fx_patch: Any = fx_config.patch  # type: ignore[attr-defined]
-        compiler_patch: Any = torch.compiler.config.patch  # type: ignore[attr-defined]
-        patches: list[Any] = [
-            fx_patch(backed_size_oblivious=size_oblivious, use_duck_shape=False),
+        # (config module, the values patched in)
+        self._changes: list[tuple[Any, dict[str, Any]]] = [
+            (fx_config, {"backed_size_oblivious": size_oblivious, "use_duck_shape": False}),
             # torch 2.13's dynamo makes every nn.Parameter static (ignoring its dim marks): a
             # spec'd dim of a Parameter argument recompiled for every size. Unmarked Parameters
             # (a module's weights) stay static either way: their sizes do not change.
-            torch._dynamo.config.patch(force_parameter_static_shapes=False),
+            (torch._dynamo.config, {"force_parameter_static_shapes": False}),
         ]
         if scalars:
-            patches.append(compiler_patch(dynamic_sources=",".join(scalars)))
-        self._patches = patches
+            self._changes.append((torch.compiler.config, {"dynamic_sources": ",".join(scalars)}))
+        self._prior: list[tuple[Any, dict[str, Any]]] = []
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> None:
-        for p in self._patches:
-            p.__enter__()
+        self._prior = [(m, {k: getattr(m, k) for k in ch}) for m, ch in self._changes]
+        for m, ch in self._changes:
+            self._stack.enter_context(m.patch(**ch))
 
     def __exit__(self, *exc: object) -> None:
-        for p in reversed(self._patches):
-            p.__exit__(*exc)
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Inside (while entered): the values from before the patches."""
+        with contextlib.ExitStack() as stack:
+            for m, prior in self._prior:
+                stack.enter_context(m.patch(**prior))
+            yield
 
 
 def _dim_name(v: IntVar) -> str:
@@ -541,6 +653,9 @@ def _export_spec(
     kwargs: dict[str, Any],
     strict: bool,
 ) -> torch.export.ExportedProgram:
+    # an empty example's clamped strides (torch gives [3, 0] strides (1, 1)) do not follow from
+    # its sizes: traced with a symbolic size they divided by the example's 0 (ZeroDivisionError)
+    args, kwargs = pytree.tree_map(_canonical_empty, (tuple(args), kwargs))
     b = bind(mod, spec, args, kwargs, "export")
     _pytree_only(b, "torchport.export")
     check_call(b, args, kwargs)
@@ -665,6 +780,7 @@ def make_fx(
         return _make_fx(fn, **make_fx_kwargs)
 
     def trace(*args: Any) -> torch.fx.GraphModule:
+        args = pytree.tree_map(_canonical_empty, args)  # (as export: an empty one's strides)
         b = bind(fn, spec, args, {}, "make_fx")
         _pytree_only(b, "torchport.make_fx")
         check_call(b, args, {})
