@@ -10,8 +10,9 @@ selected by blends.
    read triangle into [1, 2) (exact; the eigenvalues are scaled back at the end).
 2. **Tridiagonalisation** T = Qᵀ A Q by n - 2 Householder reflectors H_k = I - τ v vᵀ, LAPACK's
    convention (β = -sign(α) ‖x‖, v_0 = 1; τ = 0, the identity, where the column below the
-   subdiagonal is already zero), the trailing block updated as A - v wᵀ - w vᵀ with p = τ A v,
-   w = p - (τ/2)(pᵀv) v (full symmetric storage). Q is formed by backward accumulation, stored
+   subdiagonal is already zero; ‖x‖ formed in the column's own power-of-two scale, as dlarfg),
+   the trailing block updated as A - v wᵀ - w vᵀ with p = τ A v, w = p - (τ/2)(pᵀv) v (full
+   symmetric storage). Q is formed by backward accumulation, stored
    transposed (row i of Z = column i of Q) so that the rotations below act on contiguous rows.
 3. **Implicit QL** with Wilkinson shifts (LAPACK ``dsteqr``'s QL branch), |e_i| ≤ eps ‖T‖
    (‖T‖ = max_i |d_i| + |e_i|, per lane) counting as negligible. Every lane has its own top
@@ -90,21 +91,49 @@ TP_INLINE int vany(VI m) {
    implied), tau[k] its factor. p is scratch of n vectors. */
 TP_INLINE void tridiag(VT *A, int64_t n, VT *d, VT *e, VT *tau, VT *p) {
     const VT zero = {0}, one = zero + 1;
+    /* the exponent bits: x & ebits is 2^e for 2^e <= |x| < 2^(e + 1), 2 one - it is 2^-e */
+    const VI ebits = (VI)(zero + (T)INFINITY);
+    /* below this sum of squares a column's norm is formed in its own scale (kernels.py house) */
+    const T house_safe = (T)(sizeof(T) == 4 ? 0x1p-60 : 0x1p-600);
     for (int64_t k = 0; k + 2 < n; ++k) {
         VT *x = A + k * RS + k + 1;
         const int64_t m = n - k - 1;
-        VT alpha = x[0], xn2 = zero;
+        /* as LAPACK's dlarfg (whose norm dnrm2 scales), a lane whose column's sum of squares is
+           below house_safe has it formed again in the scale cs = 2^-e of its largest entry: in
+           the matrix's one scale a column far below its largest entry (a rank-one matrix after
+           a step or two) had subnormal squares, and beta, tau and v disagreed (|QᵀQ - I| 1.6 in
+           float32, 2.6e-5 in float64). Entries <= 2 after the scaling, so cs >= 1/2; a column
+           of subnormals or zeros gets 2^1023 / 2^127. tau and v do not depend on cs, beta is
+           scaled back. */
+        const VT alpha = x[0];
+        VT xn2 = zero, a = alpha, cs = one;
         for (int64_t j = 1; j < m; ++j) xn2 += x[j] * x[j];
+        const VI low = xn2 < zero + house_safe;
+        const int scaled = vany(low);
+        if (scaled) {
+            VT mx = vabs(alpha);
+            for (int64_t j = 1; j < m; ++j) { const VT y = vabs(x[j]); mx = vsel(y > mx, y, mx); }
+            cs = vsel(low, (VT)(2 * (VI)one - ((VI)mx & ebits)), one);
+            xn2 = zero;
+            for (int64_t j = 1; j < m; ++j) { const VT y = x[j] * cs; xn2 += y * y; }
+            a = alpha * cs;
+        }
         VI live = xn2 != zero;
-        VT nrm = vsqrt(alpha * alpha + xn2);
-        VT beta = vsel(alpha >= zero, -nrm, nrm);
-        VT den = vsel(live, alpha - beta, one);
-        VT t = vsel(live, (beta - alpha) / beta, zero), sc = one / den;
+        VT nrm = vsqrt(a * a + xn2);
+        VT beta = vsel(a >= zero, -nrm, nrm);
+        VT den = vsel(live, a - beta, one);
+        VT t = vsel(live, (beta - a) / beta, zero), sc = one / den;
         d[k] = A[k * RS + k];
-        e[k] = vsel(live, beta, alpha);
         tau[k] = t;
         x[0] = one;
-        for (int64_t j = 1; j < m; ++j) x[j] *= sc;
+        if (scaled) {
+            const VT cv = vsel(live, cs, one);
+            for (int64_t j = 1; j < m; ++j) x[j] = (x[j] * cv) * sc;
+            beta /= cs;
+        } else {
+            for (int64_t j = 1; j < m; ++j) x[j] *= sc;
+        }
+        e[k] = vsel(live, beta, alpha);
         /* p = tau A22 v, then w = p - (tau / 2)(p . v) v in p */
         VT *A22 = A + (k + 1) * RS + k + 1;
         VT pv = zero;

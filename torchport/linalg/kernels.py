@@ -39,7 +39,9 @@ The algorithms (the references in :mod:`torchport.linalg.reference` follow the s
   sweeps in root-free form on e² (dsterf), 1.1-1.2x faster at n = 8…32. An eigenvalue that takes
   more than ``TRI_MAX_SWEEPS`` sweeps sends the matrix to the Jacobi worker instead.
 - **QR**: Householder reflectors with LAPACK's sign convention (β = −sign(α)‖x‖, so the results
-  match ``geqrf``/``orgqr`` to rounding); Q is formed by backward accumulation only if asked for.
+  match ``geqrf``/``orgqr`` to rounding), each formed as ``dlarfg`` does (``house``: its norm in
+  the column's own power-of-two scale, so that a column far below the matrix's largest entry
+  keeps Q orthonormal); Q is formed by backward accumulation only if asked for.
   For max(m, n) ≤ 64 and batches that fill the lanes ``tp_qr_vec`` runs the same steps on VLN
   matrices at once (their reflector's sqrt/division shared, the dot products with the trailing
   columns independent accumulators): ``torchport.linalg.qr`` 4-6.5× faster in float64 and
@@ -109,6 +111,45 @@ TP_INLINE void rot(T *x, T *y, int64_t n, T c, T s) {
         x[i] = c * a - s * b;
         y[i] = s * a + c * b;
     }
+}
+
+/* The Householder reflector of LAPACK's xLARFG: H = I - tau u u^T, u = (1, v), with
+   H (alpha, x) = (beta, 0) and beta = -sign(alpha) |(alpha, x)| (alpha <= 0: beta > 0). Writes
+   v[0..len) (= x / (alpha - beta); v may be x) and *beta, returns tau in [1, 2]; tau = 0 (H = I,
+   v not written, *beta = alpha) when x is zero. A column whose sum of squares is below
+   HOUSE_SAFE has it formed again in the scale 2^-e that brings max(|alpha|, |x_i|) into [1, 2)
+   (exact; tau and v do not depend on it, beta is scaled back), as xLARFG's dnrm2: in the
+   matrix's one scale a column far below its largest entry (the trailing columns of
+   rank-deficient input after a few steps: 1e-20 and less) has subnormal squares, and beta, tau
+   and v disagreed (|Q^T Q - I| up to 0.3 in float32, 8 in float64 in a scan). */
+/* Above it the squares lost to underflow (each absolute error < 2^-149 / 2^-1074) are far below
+   eps of the sum for any length, and the unscaled steps are the ones used before. */
+#define HOUSE_SAFE ((T)(sizeof(T) == 4 ? 0x1p-60 : 0x1p-600))
+TP_INLINE T house(T alpha, const T *x, T *v, int64_t len, T *beta) {
+    T xn2 = dotp(x, x, len), a = alpha, cs = 1;
+    int e = 0;
+    if (!(xn2 >= HOUSE_SAFE)) {  /* a small (or zero) column: its norm in its own scale */
+        T mx = TFABS(alpha);
+        for (int64_t i = 0; i < len; ++i) mx = TP_MAX(mx, TFABS(x[i]));
+        e = TP_SCALE_EXP(mx);
+        cs = (T)ldexp(1.0, -e);
+        xn2 = 0;
+        #pragma omp simd reduction(+:xn2)
+        for (int64_t i = 0; i < len; ++i) { const T y = x[i] * cs; xn2 += y * y; }
+        a = alpha * cs;
+    }
+    *beta = alpha;
+    /* (xn2 == 0 with x non-zero: its squares underflow even relative to alpha, negligible) */
+    if (xn2 == 0) return 0;
+    T b = TSQRT(a * a + xn2);
+    if (a > 0) b = -b;
+    /* |a - b| >= |b| >= 1 in the scaled case (2^-23 for a float column of subnormals: cs is
+       clamped at 2^126, so the scaled entries are taken first and cs / (a - b) never formed) */
+    const T sv = 1 / (a - b);
+    if (e == 0) for (int64_t i = 0; i < len; ++i) v[i] = x[i] * sv;
+    else for (int64_t i = 0; i < len; ++i) v[i] = (x[i] * cs) * sv;
+    *beta = e == 0 ? b : (T)ldexp((double)b, e);
+    return (b - a) / b;
 }
 
 /* perm[0..n) = the indices of d[0..n) in ascending order of value (insertion sort: n is small). */
@@ -324,6 +365,17 @@ static int svd_graded(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
 }
 
 /* ---------------------------------------------------------------- SVD (one-sided Jacobi) */
+/* A vector's squared norm after a rotation: nw, the running value (al - t g or be + t g), or w.w
+   recomputed when nw has lost half its digits or more to cancellation, nw <= sqrt(eps) ref (ref:
+   the pair's smaller squared norm before the rotation; only the smaller vector shrinks, and the
+   running value's error is about eps ref; dgesvj recomputes on the same ROOTEPS test). Two equal
+   columns (a matrix of ones) give al - t g = al - g, pure rounding, often negative: sqrt(al) was
+   then NaN, the threshold test passed and the next rotation's angle was 0/0 (S = 0 / NaN, NaN in
+   U and Vh). */
+TP_INLINE T svd_norm_update(T nw, T ref, const T *w, int64_t p) {
+    return nw > TSQRT(EPS) * ref ? nw : dotp(w, w, p);
+}
+
 typedef struct { T *W, *Ub, *V, *nrm, *cs; int64_t *perm; int32_t *pairs; int64_t npairs, round; } svd_scratch;
 
 TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int uv, int full,
@@ -350,16 +402,16 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
             for (int64_t t = 0; t < sc->npairs; ++t) {
                 int64_t j = sc->pairs[2 * t], k = sc->pairs[2 * t + 1];
                 T al = nrm[j], be = nrm[k];
-                if (al == 0 || be == 0) continue;
+                if (!(al > 0) || !(be > 0)) continue;
                 T g = dotp(W + j * p, W + k * p, p);
-                if (TFABS(g) <= tol * TSQRT(al) * TSQRT(be)) continue;
+                if (!(TFABS(g) > tol * TSQRT(al) * TSQRT(be))) continue;
                 ++rotated;
                 T tt, c, s;
                 rot_params(al, be, g, &tt, &c, &s);
                 rot(W + j * p, W + k * p, p, c, s);
                 if (uv) rot(V + j * q, V + k * q, q, c, s);
-                nrm[j] = al - tt * g;
-                nrm[k] = be + tt * g;
+                nrm[j] = svd_norm_update(al - tt * g, TP_MIN(al, be), W + j * p, p);
+                nrm[k] = svd_norm_update(be + tt * g, TP_MIN(al, be), W + k * p, p);
             }
         } else {  /* a round of disjoint pairs: all inner products, then all rotations */
             const int64_t h = sc->round;
@@ -371,21 +423,24 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
                     cs[3 * t] = 0;
                     if (j < 0) continue;
                     T al = nrm[j], be = nrm[k];
-                    if (al == 0 || be == 0) continue;
+                    if (!(al > 0) || !(be > 0)) continue;
                     T g = dotp(W + j * p, W + k * p, p);
-                    if (TFABS(g) <= tol * TSQRT(al) * TSQRT(be)) continue;
+                    if (!(TFABS(g) > tol * TSQRT(al) * TSQRT(be))) continue;
                     ++rotated;
                     T tt, c, s;
                     rot_params(al, be, g, &tt, &c, &s);
                     cs[3 * t] = c; cs[3 * t + 1] = s;
-                    nrm[j] = al - tt * g;
+                    nrm[j] = al - tt * g;  /* checked after the rotations below */
                     nrm[k] = be + tt * g;
+                    cs[3 * t + 2] = TP_MIN(al, be);
                 }
                 for (int64_t t = 0; t < h; ++t) {
                     if (cs[3 * t] == 0) continue;
                     int64_t j = pr[2 * t], k = pr[2 * t + 1];
                     rot(W + j * p, W + k * p, p, cs[3 * t], cs[3 * t + 1]);
                     if (uv) rot(V + j * q, V + k * q, q, cs[3 * t], cs[3 * t + 1]);
+                    nrm[j] = svd_norm_update(nrm[j], cs[3 * t + 2], W + j * p, p);
+                    nrm[k] = svd_norm_update(nrm[k], cs[3 * t + 2], W + k * p, p);
                 }
             }
         }
@@ -1301,14 +1356,9 @@ TP_INLINE void qr_one(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, i
     for (int64_t j = 0; j < k; ++j) {
         T *x = C + j * m + j;
         const int64_t len = m - j;
-        T xn2 = len > 1 ? dotp(x + 1, x + 1, len - 1) : 0;
-        T alpha = x[0];
-        if (xn2 == 0) { tau[j] = 0; continue; }
-        T beta = TSQRT(alpha * alpha + xn2);
-        if (alpha > 0) beta = -beta;
-        tau[j] = (beta - alpha) / beta;
-        T sc = (T)1 / (alpha - beta);
-        for (int64_t i = 1; i < len; ++i) x[i] *= sc;
+        T beta;
+        tau[j] = house(x[0], x + 1, x + 1, len - 1, &beta);
+        if (tau[j] == 0) continue;
         x[0] = 1;
         for (int64_t l = j + 1; l < n; ++l) {
             T *y = C + l * m + j;
@@ -1403,6 +1453,27 @@ TP_INLINE void qr_vec_reflect(const VT *X, int64_t n, int64_t j, int64_t m, VT t
     }
 }
 
+/* house()'s rescaling for the lanes (low) whose column j below the diagonal has a sum of squares
+   below HOUSE_SAFE: their column (in place) and *alpha multiplied by cs = 2^-e of the column's
+   largest entry, *xn2 formed again; returns cs (1 in the other lanes). tau and v do not depend
+   on cs, beta is scaled back by the caller. Entries <= 4 after qr_vec_full's scaling, so
+   cs >= 1/4; a column of subnormals or zeros gets 2^1023 / 2^127, finite. Not inlined: with
+   these steps inline, qr_vec_full took 1.12-1.18x its earlier time (float32, n = 16, B = 1000,
+   one thread, three runs), out of line 0.96-1.02x (min of five). */
+static __attribute__((noinline)) VT qr_vec_rescale(VT *X, int64_t n, int64_t j, int64_t m, VI low,
+                                                   VT *alpha, VT *xn2) {
+    const VT zero = {0}, one = zero + 1;
+    const VI ebits = (VI)(zero + (T)INFINITY);  /* x & ebits = 2^e, 2^e <= |x| < 2^(e + 1) */
+    VT mx = vabs(*alpha);
+    for (int64_t i = j + 1; i < m; ++i) { const VT y = vabs(X[i * n + j]); mx = vsel(y > mx, y, mx); }
+    const VT cs = vsel(low, (VT)(2 * (VI)one - ((VI)mx & ebits)), one);
+    VT s = zero;
+    for (int64_t i = j + 1; i < m; ++i) { const VT y = X[i * n + j] * cs; X[i * n + j] = y; s += y * y; }
+    *alpha *= cs;
+    *xn2 = s;
+    return cs;
+}
+
 TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wantq, int complete,
                            VT *X, VT *Y, VT *tau) {
     const VT zero = {0}, one = zero + 1;
@@ -1419,9 +1490,11 @@ TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wan
     }
     for (int64_t i = 0; i < m * n; ++i) X[i] *= fac;
     for (int64_t j = 0; j < k; ++j) {
-        VT xn2 = zero;
+        VT xn2 = zero, alpha = X[j * n + j], cs = one;
         for (int64_t i = j + 1; i < m; ++i) xn2 += X[i * n + j] * X[i * n + j];
-        const VT alpha = X[j * n + j];
+        const VI low = xn2 < zero + HOUSE_SAFE;
+        const int scaled = vany(low);
+        if (scaled) cs = qr_vec_rescale(X, n, j, m, low, &alpha, &xn2);
         VI act = xn2 != zero;
         VT b = vsqrt(alpha * alpha + xn2);
         b = vsel(alpha > zero, -b, b);
@@ -1431,7 +1504,7 @@ TP_INLINE void qr_vec_full(const T *a, T *Q, T *R, int64_t m, int64_t n, int wan
         tau[j] = tj;
         for (int64_t i = j + 1; i < m; ++i) X[i * n + j] *= sc;
         qr_vec_reflect(X, n, j, m, tj, X, n, j + 1, n);
-        X[j * n + j] = beta;
+        X[j * n + j] = scaled ? beta / cs : beta;
     }
     if (wantq) {
         for (int64_t i = 0; i < m; ++i)
@@ -1618,16 +1691,10 @@ static int eigh_tri_one(const T *in, T *L, T *Q, int64_t n, int upper, int wantv
             for (int64_t j = 0; j < ld; ++j) Z[i * ld + j] = i == j;
     for (int64_t k = n - 1; k >= 2; --k) {
         T *ak = A + k * ld;
-        T alpha = ak[k - 1], xn2 = 0;
-        for (int64_t j = 0; j < k - 1; ++j) xn2 += ak[j] * ak[j];
         d[k] = ak[k];
-        if (xn2 == 0) { e[k - 1] = alpha; continue; }
-        T beta = TSQRT(alpha * alpha + xn2);
-        if (alpha > 0) beta = -beta;
-        const T tau = (beta - alpha) / beta, sv = 1 / (alpha - beta);
-        e[k - 1] = beta;
+        const T tau = house(ak[k - 1], ak, v, k - 1, e + k - 1);
+        if (tau == 0) continue;
         const int64_t kv = (k + TRI_VL - 1) / TRI_VL;
-        for (int64_t j = 0; j < k - 1; ++j) v[j] = ak[j] * sv;
         v[k - 1] = 1;
         for (int64_t j = k; j < kv * TRI_VL; ++j) v[j] = 0;
         for (int64_t c = 0; c < kv; ++c) pv[c] = vzero;
@@ -1740,6 +1807,25 @@ TP_INLINE T tri_hypot(T f, T g) {
     return m * TSQRT(f * f + g * g);
 }
 
+/* The Givens rotation of (f, g): returns r = sqrt(f² + g²) and, when r > 0, sets s = f / r,
+   c = g / r. Where the squares could underflow, c and s come from (f, g) / max(|f|, |g|): r is
+   then tiny, subnormal in the noise block of a rank-deficient matrix (float32 rank-one v vᵀ:
+   eigenvalues down to 1e-36), and f / r, g / r with its few bits gave |QᵀQ - I| 1.2e-3. */
+TP_INLINE T tri_givens(T f, T g, T *c, T *s) {
+    T r2 = f * f + g * g;
+    if (r2 >= TRI_TINY2) {
+        const T r = TSQRT(r2);
+        *s = f / r; *c = g / r;  /* two independent divisions: shorter chain than 1/r */
+        return r;
+    }
+    T m = TFABS(f) > TFABS(g) ? TFABS(f) : TFABS(g);
+    if (m == 0) return 0;
+    f /= m; g /= m;
+    const T t = TSQRT(f * f + g * g);
+    *s = f / t; *c = g / t;
+    return m * t;
+}
+
 /* Eigenvalues only: the same QL sweeps in root-free form on the squared off-diagonal (LAPACK
    dsterf, Pal-Walker-Kahan): the same shifts and test (|e_j| <= eps (|d_j| + |d_j+1|), compared
    in squares), equal in exact arithmetic, but no square root in the rotations' latency chain. */
@@ -1798,10 +1884,9 @@ TP_INLINE int tri_ql(T *d, T *e, int64_t n, TV *Zv, int64_t nv) {
             int64_t i = m - 1;
             for (; i >= l; --i) {
                 const T f = s * e[i], b = c * e[i];
-                r = tri_hypot(f, g);
+                r = tri_givens(f, g, &c, &s);
                 e[i + 1] = r;
                 if (r == 0) { d[i + 1] -= pp; e[m] = 0; break; }
-                s = f / r; c = g / r;  /* two independent divisions: shorter chain than 1/r */
                 g = d[i + 1] - pp;
                 r = (d[i] - g) * s + 2 * c * b;
                 pp = s * r;

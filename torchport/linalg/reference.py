@@ -29,6 +29,8 @@ The native kernels must agree with them to working precision (tests/test_linalg.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MAX_SWEEPS = 60
@@ -163,7 +165,7 @@ def svd_reference(
         for j, k in pairs:
             al, be = nrm[:, j].clone(), nrm[:, k].clone()
             g = (w[:, j] * w[:, k]).sum(-1)
-            act = (al != 0) & (be != 0) & (g.abs() > tol * al.sqrt() * be.sqrt())
+            act = (al > 0) & (be > 0) & (g.abs() > tol * al.sqrt() * be.sqrt())
             rotated |= act
             zeta = (be - al) / (2 * torch.where(act, g, torch.ones_like(g)))
             t, c, s = _rotation(zeta)
@@ -174,8 +176,12 @@ def svd_reference(
             vj, vk = v[:, j].clone(), v[:, k].clone()
             v[:, j] = c[:, None] * vj - s[:, None] * vk
             v[:, k] = s[:, None] * vj + c[:, None] * vk
-            nrm[:, j] = al - t * g
-            nrm[:, k] = be + t * g
+            # as the kernel: a running norm that lost half its digits or more to cancellation
+            # (<= sqrt(eps) times the pair's smaller one) is recomputed
+            lo = _eps(a.dtype) ** 0.5 * torch.minimum(al, be)
+            nj, nk = al - t * g, be + t * g
+            nrm[:, j] = torch.where(nj > lo, nj, (w[:, j] * w[:, j]).sum(-1))
+            nrm[:, k] = torch.where(nk > lo, nk, (w[:, k] * w[:, k]).sum(-1))
         if not bool(rotated.any()):
             break
     sig = w.norm(dim=-1)
@@ -281,10 +287,27 @@ def eigh_reference(
     return lam, vt.mT
 
 
+def _pow2_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x`` (B, len), real or complex: the power of two 2^-e that brings its largest
+    |Re|, |Im| into [1, 2) (1 for a zero row; e clamped at the smallest normal exponent, as the
+    kernels' TP_SCALE_EXP). The reflectors form their norms in this scale, as LAPACK's dnrm2: in
+    the matrix's one scale a column far below its largest entry has subnormal squares."""
+    r = torch.view_as_real(x).flatten(-2) if x.is_complex() else x
+    mx = r.abs().amax(-1) if r.shape[-1] else r.new_zeros(r.shape[:-1])
+    fi = torch.finfo(r.dtype)
+    e = torch.frexp(mx)[1] - 1  # mx = m 2^(e + 1), m in [0.5, 1)
+    e = torch.where(mx > 0, e.clamp_min(math.frexp(fi.tiny)[1] - 1), 0)
+    return torch.ldexp(torch.ones_like(mx), -e)
+
+
 def _reflector(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Householder reflector of each row of ``x`` (B, len) in LAPACK's convention (dlarfg/zlarfg):
     ``v`` (v[0] = 1), ``tau`` and the value ``x`` maps to, beta = -sign(Re x0)·‖x‖ (real); a row
-    whose tail is zero and whose x0 is real gets tau = 0 and keeps x0. H = I − tau v vᴴ."""
+    whose tail is zero and whose x0 is real gets tau = 0 and keeps x0. H = I − tau v vᴴ.
+    Computed on the row scaled by :func:`_pow2_scale` (tau and v do not depend on it; beta is
+    scaled back)."""
+    cs = _pow2_scale(x)
+    x = x * cs.to(x.dtype)[:, None]
     alpha = x[:, 0]
     tail = x[:, 1:]
     xn2 = (tail * tail.conj()).real.sum(-1)
@@ -302,7 +325,7 @@ def _reflector(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     denom = torch.where(act, alpha - beta, torch.ones_like(alpha))
     scale = torch.where(act, 1 / denom, torch.zeros_like(alpha))
     v = torch.cat([torch.ones_like(alpha)[:, None], tail * scale[:, None]], dim=1)
-    return v, tau, torch.where(act, beta.to(alpha.dtype), alpha)
+    return v, tau, torch.where(act, beta.to(alpha.dtype), alpha) / cs.to(x.dtype)
 
 
 def qr_reference(a: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,9 +515,12 @@ def _tridiagonal_ql(
                 )
                 act = act & ~under
                 live = live & ~under
-                rs = torch.where(act, r, one)
-                s = torch.where(act, f / rs, s)
-                c = torch.where(act, g / rs, c)
+                # c, s from (f, g) / max(|f|, |g|): r may be subnormal (a rank-deficient
+                # matrix's noise block), and f / r, g / r with its few bits are not a rotation
+                mfg = torch.where(act, torch.maximum(f.abs(), g.abs()), one)
+                rs = torch.hypot(f / mfg, g / mfg)
+                s = torch.where(act, f / mfg / rs, s)
+                c = torch.where(act, g / mfg / rs, c)
                 g = torch.where(act, d[:, i + 1] - p, g)
                 r = (d[:, i] - g) * s + 2 * c * b
                 p = torch.where(act, s * r, p)
@@ -652,7 +678,8 @@ def complex_eigh_tridiagonal_reference(
     x = tri + tri.mH + torch.diag_embed(a.diagonal(0, -2, -1).real.to(a.dtype))
     q = torch.eye(n, dtype=a.dtype, device=a.device).expand(bsz, n, n).clone()
     for k in range(n - 1, 1, -1):
-        col = x[:, :k, k]
+        cs = _pow2_scale(x[:, :k, k])  # norms in the column's scale (see _pow2_scale)
+        col = x[:, :k, k] * cs.to(a.dtype)[:, None]
         alpha, xn = col[:, k - 1], torch.linalg.vector_norm(col[:, : k - 1], dim=-1)
         act = xn > 0
         beta = -torch.copysign(torch.linalg.vector_norm(col, dim=-1), alpha.real)
