@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -235,13 +236,27 @@ def test_save_replaces_the_file_whole(tmp_path, monkeypatch):
     target = tmp_path / "r.json"
     target.write_text('{"previous": true}')
     table = benchmarks.BenchTable("t")
-    real = Path.write_text
+    real = os.fdopen
 
-    def half_then_full(self, data, *a, **k):
-        real(self, data[: len(data) // 2], *a, **k)
-        raise OSError(28, "No space left on device")
+    class HalfThenFull:  # the file the JSON is written to: half of it, then a full disk
+        def __init__(self, f: Any) -> None:
+            self.f = f
 
-    monkeypatch.setattr(Path, "write_text", half_then_full)
+        def __enter__(self) -> HalfThenFull:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def write(self, data: bytes) -> int:
+            self.f.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+    def fdopen(fd: int, mode: str = "r", *a: Any, **k: Any) -> Any:
+        f = real(fd, mode, *a, **k)
+        return HalfThenFull(f) if mode == "wb" else f
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
     with pytest.raises(OSError, match="No space left"):
         table.save(target)
     monkeypatch.undo()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import runpy
 import signal
@@ -326,12 +325,9 @@ class BenchTable:
         }
         if m["native_fallbacks"]:
             print(f"# WARNING: {m['native_fallbacks']} calls of ours ran ATen (native fallbacks)")
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(payload, indent=1))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        from torchport.distributed.flight_recorder import write_atomic
+
+        write_atomic(path, json.dumps(payload, indent=1).encode())
         print(f"# wrote {path}")
         return path
 

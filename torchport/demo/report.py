@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,10 +72,7 @@ def write_report(out_dir: Path, sections: Sequence[Section]) -> Path:
     payload = [
         {"title": s.title, "rows": dict(s.rows), "text": s.text, "data": s.data} for s in sections
     ]
-    tmp = path.with_name(f".report.json.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(payload, indent=2, default=str))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    from torchport.distributed.flight_recorder import write_atomic
+
+    write_atomic(path, json.dumps(payload, indent=2, default=str).encode())
     return path
