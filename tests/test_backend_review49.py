@@ -201,16 +201,20 @@ def _interrupt_job(rank: int, world: int, init: str) -> dict[str, Any]:
         "torchport", init_method=init, rank=rank, world_size=world, timeout=TIMEOUT
     )
     dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
     out: dict[str, Any] = {}
-    if rank == 0:  # interrupted while it waits for rank 1, 2 s late
+    if rank == 0:  # interrupted while it waits for rank 1, which waits until it was
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:
             dist.all_reduce(torch.ones(1000))
             out["raised"] = "nothing"
         except KeyboardInterrupt as e:
             out["raised"] = type(e).__name__
+        store.set("interrupted", "1")
     else:
-        time.sleep(2.0)
+        # (a fixed 2 s sleep: on a loaded machine the interrupt, serviced between the wait's
+        # slices, came later, and rank 1's own all_reduce reached rank 0 first: a mismatch)
+        store.wait(["interrupted"])
     try:
         dist.all_reduce(torch.ones(2))
         out["next"] = "nothing"
