@@ -9,8 +9,10 @@ output) and faster than the anchor by more than ``config.autotune_noise``.
 With ``select(..., confirm=True)`` a non-ATen winner must also survive :func:`confirm`: the winner
 and the anchor timed in alternation on the same inputs, so that a burst of load during the
 one-after-the-other search cannot crown a slow kernel. A winner read from the persistent cache
-(possibly tuned by another, loaded process) is confirmed the same way once per process; a winner
-that fails is replaced by the anchor, in memory and on disk.
+(possibly tuned by another, loaded process) is confirmed the same way once per process, thread
+count and ISA setting (what its cache entry is keyed by that can change in a process); a winner
+that fails is replaced by the anchor, in memory and on disk. A failure of the anchor there is no
+verdict on the winner (see :func:`select`).
 
 With ``select(..., final_round=n)`` the fastest candidates of the search (the winner and up to
 ``n - 1`` others close to it that beat the anchor) meet in one interleaved round before the
@@ -20,7 +22,6 @@ by the load of the moment.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from torchport import config
+from torchport.autotune import cache as _cache
 from torchport.autotune import timing
 from torchport.autotune.cache import ChoiceCache, choice_cache
 from torchport.autotune.timing import clock, cold_copies, interleaved, measure, median
@@ -101,12 +103,19 @@ class TunerStats:
 
 stats = TunerStats()
 
-# (op, problem key, candidate) -> verdict of this process's confirmation of a non-ATen choice
-_confirmed: dict[tuple[str, str, str], bool] = {}
+# (op, problem key, isa setting, threads, candidate) -> verdict of this process's confirmation
+# of a non-ATen choice
+_confirmed: dict[tuple[Any, ...], bool] = {}
+_ISA = config.Snapshot("isa")
 
 
-def _memo_key(op: str, key: Mapping[str, Any], cand: Candidate) -> tuple[str, str, str]:
-    return (op, json.dumps(key, sort_keys=True, default=str), cand.name)
+def _memo_key(op: str, key: Mapping[str, Any], cand: Candidate) -> tuple[Any, ...]:
+    """The confirmation memo's key: the choice cache's lookup key (the problem, the ``isa``
+    setting and the thread count, what its entries are keyed by that can change in a process)
+    and the candidate. Keyed on the problem alone, a verdict reached under one thread count or
+    ISA was served for the choice cached under another, which then ran unconfirmed (or was
+    replaced by the anchor unconfirmed)."""
+    return (*_cache._memo_key(op, key, _ISA()[0]), cand.name)
 
 
 def beats_anchor(t: float, t_anchor: float, noise: float | None = None) -> bool:
@@ -217,9 +226,14 @@ def select(
     an anchor that raises before giving its result leaves nothing to check the others against,
     and ``select`` raises its error (nothing is chosen or cached; the next call tunes again).
     ``confirm=True`` re-times a non-ATen winner against the anchor in alternation before it is
-    kept (fresh winners before they are saved, cached ones once per process). ``budget_s`` caps
-    the timing of the search: each candidate gets an equal share (at least three calls), so a
-    loaded machine gives fewer samples rather than a longer search.
+    kept (fresh winners before they are saved, cached ones once per process per thread count
+    and ISA setting); a candidate that fails there is rejected, but the anchor's failure is no
+    verdict: one that raises before returning in a cached choice's confirmation makes
+    ``select`` raise as above (the cached choice stays, unconfirmed), and one that fails on a
+    later call, there or in the search, leaves the native choice unjudged and kept, the
+    anchor's error in ``failures``. ``budget_s`` caps the timing of the search: each candidate
+    gets an equal share (at least three calls), so a loaded machine gives fewer samples rather
+    than a longer search.
 
     ``final_round=n`` (n >= 2) lets a fresh non-ATen winner meet, in one interleaved round of at
     most ``final_round_s`` seconds (default :data:`FINAL_ROUND_S`), up to ``n - 1`` other
@@ -260,6 +274,9 @@ def select(
                 # 4096->11008 is 0.17 s; five of them took a process's first call 1 s longer,
                 # for every such cached shape); others: rounds for up to 2 s, three at least
                 long = timings.get(anchor.name, 0.0) > LONG_CALL_S
+                failures: dict[str, str] = {}
+                # (an anchor that raises before returning raises here: the choice stays cached
+                # and unconfirmed, and the next call confirms it again)
                 ok = _confirm_choice(
                     chosen,
                     anchor,
@@ -269,7 +286,10 @@ def select(
                     timings,
                     confirm_s=0.0 if long else 2.0,
                     min_rounds=2 if long else 3,
+                    failures=failures,
                 )
+                if ok is None:  # the anchor failed on a later call: kept unjudged, not memoised
+                    return Choice(op, chosen, timings, failures, from_cache=True)
                 _confirmed[memo] = ok
                 if not ok:
                     cache.put(op, key, anchor.name, timings)
@@ -311,6 +331,24 @@ def _usable(chosen: Candidate, hit: Mapping[str, Any], eligible: Sequence[Candid
     return chosen.is_anchor and not any(c.name in timed for c in eligible if not c.is_anchor)
 
 
+def _watch(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
+    """``fn`` counting its calls that returned (``counts[0]``) and that raised (``counts[1]``).
+    A confirmation wraps both of its callables alike (the same cost on each side), so that an
+    error is put down to the one that raised it."""
+    counts = [0, 0]
+
+    def call(*args: Any) -> Any:
+        try:
+            out = fn(*args)
+        except Exception:
+            counts[1] += 1
+            raise
+        counts[0] += 1
+        return out
+
+    return call, counts
+
+
 def _confirm_choice(
     chosen: Candidate,
     anchor: Candidate,
@@ -322,31 +360,48 @@ def _confirm_choice(
     confirm_s: float = 2.0,
     min_rounds: int = 3,
     warm_anchor: bool = True,
-) -> bool:
+    failures: dict[str, str] | None = None,
+    anchor_ran: bool = False,
+) -> bool | None:
     """Alternating timing of ``chosen`` against ``anchor`` after a warm-up round; records both
     in ``timings``. ``warm_anchor=False``: the warm-up calls ``chosen`` alone (a new callable may
     pack its weights on its first call; an anchor that already ran needs none).
 
-    A candidate that cannot even be built or run now is rejected like a slow one.
+    The verdict: True or False, False also for a candidate that cannot be built or run now
+    (rejected like a slow one). Arguments that cannot be made raise, as in the search. An error
+    of the anchor is no evidence against the candidate, and is handled as in the search: an
+    anchor that gives no result (it cannot be built or raises before returning once, and
+    ``anchor_ran`` does not say that it returned in this tuning already) raises its error, the
+    caller's; one that fails on a later call leaves ``chosen`` unjudged: None, the error
+    recorded in ``failures``.
     """
+    if args is None:
+        args = make_args()
+    arg_sets = _arg_sets(args, cold)
+    anchor_calls = [0, 1]  # (until it is built: its factory raising is the anchor raising)
     try:
-        if args is None:
-            args = make_args()
-        arg_sets = _arg_sets(args, cold)
-        fn = factory(chosen)
+        anchor_fn, anchor_calls = _watch(factory(anchor))
+        fn, _ = _watch(factory(chosen))
         if not warm_anchor:
             fn(*arg_sets[0])
         res = confirm(
             fn,
-            factory(anchor),
+            anchor_fn,
             arg_sets,
             max_time_s=confirm_s,
             min_rounds=min_rounds,
             warmup=int(warm_anchor),
         )
-    except Exception:  # a candidate that fails now is never chosen
-        stats.rejected += 1
-        return False
+    except Exception as e:
+        if not anchor_calls[1]:  # the candidate failed: never chosen
+            stats.rejected += 1
+            return False
+        if not (anchor_ran or anchor_calls[0]):
+            raise
+        if failures is not None:
+            failures[anchor.name] = f"{type(e).__name__}: {e}"
+        stats.candidates_failed += 1
+        return None
     timings[f"confirm:{chosen.name}"] = res.candidate_s
     timings[f"confirm:{anchor.name}"] = res.anchor_s
     return res.won
@@ -606,6 +661,7 @@ def _tune(
             if near:
                 choice = min(near, key=lambda c: timings[c.name])
         if confirm_win and not choice.is_anchor and judged:
+            ok: bool | None
             if long_calls and timings[choice.name] < timings[anchor.name] / 1.5:
                 ok = True  # calls this long are not 1.5x apart through a burst of load
             elif long_calls:
@@ -625,15 +681,29 @@ def _tune(
                     confirm_s=left_s,
                     min_rounds=1,
                     warm_anchor=False,
+                    failures=failures,
+                    anchor_ran=True,
                 )
-                if not ok and f"confirm:{choice.name}" in timings:  # (not when it raised)
+                if ok is False and f"confirm:{choice.name}" in timings:  # (not when it raised)
                     ok = _long_call_verdict(timings, choice.name, anchor.name)
             else:
                 ok = _confirm_choice(
-                    choice, anchor, factory, make_args, cold, timings, args, confirm_s=2 * cap_s
+                    choice,
+                    anchor,
+                    factory,
+                    make_args,
+                    cold,
+                    timings,
+                    args,
+                    confirm_s=2 * cap_s,
+                    failures=failures,
+                    anchor_ran=True,
                 )
-            _confirmed[_memo_key(op, key, choice)] = ok
-            if not ok:
+            # None: the anchor failed on a later call (as one in the search): ``choice`` is kept
+            # unjudged, and confirmed again where it is read from the cache
+            if ok is not None:
+                _confirmed[_memo_key(op, key, choice)] = ok
+            if ok is False:
                 choice = anchor
     stats.tuned += 1
     cache.put(op, key, choice.name, timings)
