@@ -80,9 +80,8 @@ _EXP2_E = (
 
 
 def _twice(c: str) -> str:
-    """A C float literal for twice the float32 that ``c`` rounds to (the exact double)."""
-    v = 2.0 * struct.unpack("f", struct.pack("f", float(c.rstrip("f"))))[0]
-    return f"{v:.9e}f"
+    """A C float literal for twice the float32 that ``c`` rounds to (exact: a float32 still)."""
+    return _c_float(2.0 * struct.unpack("f", struct.pack("f", float(c.rstrip("f"))))[0])
 
 
 def _horner(var: str, coefs: tuple[str, ...], fma: str, set1: str) -> str:
@@ -190,7 +189,14 @@ TP_INLINE float tp_ssilu(float x) { return x / (1.0f + expf(-x)); }
 
 
 def _c_float(v: float) -> str:
-    return f"{v:.9e}f"
+    """The C float literal of the float32 nearest to the double ``v``: that float32's exact
+    value as a C99 hexadecimal literal. (A decimal printed from the double and parsed by the
+    compiler as a float rounds twice, which may land one float32 away from the nearest; none
+    of the constants here did, but the literal is exact by construction now.)"""
+    assert math.isfinite(v), f"not a finite constant: {v!r}"
+    f32 = struct.unpack("f", struct.pack("f", v))[0]
+    mantissa, exponent = f32.hex().split("p")
+    return f"{mantissa.rstrip('0').rstrip('.')}p{exponent}f"
 
 
 def _gelu_erf_coefs(coefs: tuple[str, ...], scale: float) -> tuple[str, ...]:
