@@ -986,6 +986,45 @@ def test_final_round_respects_its_time_bound(fresh_cache, fake_clock):
     assert fake_clock.t == pytest.approx(search_s)
 
 
+def _failing_after(clock: FakeClock, cost: float, n: int):
+    """A candidate of ``cost`` fake seconds per call whose calls raise from the ``n``-th on."""
+    state = {"i": 0}
+
+    def f(x):
+        state["i"] += 1
+        if state["i"] > n:
+            raise RuntimeError("kernel fault")
+        clock.t += cost
+        return x * 2
+
+    return f
+
+
+def test_final_round_never_keeps_a_winner_that_fails_in_it(fresh_cache, fake_clock):
+    """The search's winner raising in the final round is never chosen nor saved: the anchor is
+    (before, the round was dropped and the failing winner saved); a runner-up raising there
+    leaves the search's winner. Either way the failure is recorded."""
+    fns = {
+        "aten": _costed(fake_clock, lambda i: 5e-3),
+        "a": _failing_after(fake_clock, 1.0e-3, SEARCH_CALLS),
+        "b": _costed(fake_clock, lambda i: 1.2e-3),
+    }
+    key = {"case": "winner-fails-in-round"}
+    ch = _select_trio(key, lambda c: fns[c.name], final_round=2)
+    assert ch.candidate.name == "aten"
+    assert "final round" in ch.failures["a"] and "kernel fault" in ch.failures["a"]
+    assert autotune.choice_cache.get("toy.trio", key)["choice"] == "aten"
+    fns = {
+        "aten": _costed(fake_clock, lambda i: 5e-3),
+        "a": _costed(fake_clock, lambda i: 1.0e-3),
+        "b": _failing_after(fake_clock, 1.2e-3, SEARCH_CALLS),
+    }
+    key = {"case": "runner-up-fails-in-round"}
+    ch = _select_trio(key, lambda c: fns[c.name], final_round=2)
+    assert ch.candidate.name == "a" and "final round" in ch.failures["b"]
+    assert autotune.choice_cache.get("toy.trio", key)["choice"] == "a"
+
+
 def test_final_round_never_overrides_the_anchor_verdict(fresh_cache, fake_clock):
     """A candidate that lost to the anchor in the search never enters the round, however fast it
     is later; nor does one that failed its check; and an anchor choice has no round at all."""

@@ -472,10 +472,13 @@ def _final_round(
     anchor_s: float | None,
     final: _Final,
     arg_sets: Sequence[tuple[Any, ...]],
-) -> Candidate:
+    failures: dict[str, str],
+) -> Candidate | None:
     """``choice`` or the candidate with the best median of one interleaved round among the
     search's fastest (see FINAL_ROUND_SPREAD); ``anchor_s``: the anchor's time when its verdict
-    applies (a candidate that did not beat it never enters). Records ``final:<name>`` medians."""
+    applies (a candidate that did not beat it never enters). Records ``final:<name>`` medians.
+    A candidate that raises in the round is recorded in ``failures``; None when that is
+    ``choice`` (a candidate that fails is never chosen: the caller takes the anchor)."""
     best = timings[choice.name]
     top = sorted(
         (
@@ -496,19 +499,26 @@ def _final_round(
     if len(top) < 2 or final.build is None:
         return choice
     round_s = sum(timings[c.name] for c in top)
+    watched: list[tuple[Callable[..., Any], list[int]]] = []
     try:
-        fns = list(final.build(top))
+        watched = [_watch(fn) for fn in final.build(top)]
         meds = timing.interleaved(
-            fns,
+            [fn for fn, _ in watched],
             arg_sets,
             reps=FINAL_ROUND_REPS,
             warmup=warm,
             max_time_s=max(0.0, final.bound_s - (warm + 1) * round_s),
             min_rounds=FINAL_ROUND_MIN,
         )
-    except Exception:  # a candidate that fails now: keep the search's choice (counted)
+    except Exception as e:
+        # the round is lost; the search's choice stays unless it is the one that raised (one
+        # that fails is never chosen; before, a winner failing here was saved). Built
+        # together, a failed build names no one: the choice stays, as it passed the search.
         stats.candidates_failed += 1
-        return choice
+        failed = [c.name for c, (_, calls) in zip(top, watched) if calls[1]]
+        for name in failed:
+            failures[name] = f"final round: {type(e).__name__}: {e}"
+        return None if choice.name in failed else choice
     timings.update({f"final:{c.name}": m for c, m in zip(top, meds)})
     return top[min(range(len(top)), key=meds.__getitem__)]
 
@@ -642,7 +652,8 @@ def _tune(
             choice = anchor
         if not choice.is_anchor and final.n > 1:
             anchor_s = timings[anchor.name] if judged else None
-            choice = _final_round(choice, ranked, timings, anchor_s, final, arg_sets)
+            picked = _final_round(choice, ranked, timings, anchor_s, final, arg_sets, failures)
+            choice = anchor if picked is None else picked
         long_calls = (
             judged and budget_s is not None and timings[anchor.name] > min(cap_s, LONG_CALL_S)
         )
