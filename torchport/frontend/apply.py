@@ -83,11 +83,19 @@ class SpecCompiled:
             b = self._bindings[key] = bind(self.fn, self.spec, args, kwargs, "torchport.compile")
         return b
 
-    # Opaque to an outer torch.compile (``torch.compile(lambda x: spec_fn(x) + 1)``): dynamo
-    # traced into this Python (the spec checks, the marks) and failed with an internal error; the
-    # outer graph now breaks around the call, which runs here with the spec'd compile.
-    @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # traced by an outer torch.compile (``torch.compile(lambda x: spec_fn(x) + 1)``,
+            # fullgraph too) or export: the function is inlined, and the outer compile owns the
+            # graph (its sizes are dynamic as it decides; the spec's checks are for calls)
+            return self.fn(*args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    # Opaque to dynamo: traced, this Python (the spec checks, the marks) failed with an internal
+    # error. (Reached only when not compiling; an outer compile's frame callback, active while a
+    # frame of it runs eagerly after a graph break, would otherwise compile each frame of it.)
+    @torch._dynamo.disable
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         b = self.binding(args, kwargs)
         flat, tree = pytree.tree_flatten((args, kwargs))
         empty = any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in flat)
@@ -128,8 +136,6 @@ class SpecCompiled:
             for s in b.slots
         )
         config = _compile_config(scalars, size_oblivious=strict)
-        # (found on every call, not kept: a deep copy of this wrapper shares a compiled function
-        # but would hold copies of its converters)
         call = _SpecCall(_frame_converters(self.compiled), strict, zero_one, config, marks)
         try:
             with config, _spec_frames(call):
@@ -172,7 +178,7 @@ class SpecCompiled:
         warnings.warn(
             f"torchport.compile: the function specialises a dynamic dim of its spec "
             f"({reason}); sizes it specialises on will recompile",
-            stacklevel=5,  # (_relax, _call_marked, __call__, its dynamo.disable wrapper, caller)
+            stacklevel=6,  # (_relax, _call_marked, _call, its dynamo.disable wrapper, __call__)
         )
 
 
@@ -196,6 +202,14 @@ class _SpecCall:
         self.reason: str | None = None  # a frame ran eagerly for this reason
         self.escaped: str | None = None  # a fullgraph frame raised for this reason
         self.ran = False  # a frame of this call was compiled (or run eagerly): it has run
+        self._outer: _SpecCall | None = None  # the spec'd call this one runs inside
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_FRAMES, "call", None)
+        _FRAMES.call = self
+
+    def __exit__(self, *exc: object) -> None:
+        _FRAMES.call = self._outer
 
     def owns(self, converter: Any) -> bool:
         """True if ``converter`` compiles the spec'd function's frames (not another compile's)."""
@@ -232,7 +246,22 @@ def _frame_converters(compiled: Any) -> tuple[Any, ...] | None:
     around a ``ConvertFrame`` (whose ``_inner_convert`` is one) or, under ``fullgraph``, around
     one directly. A function's context is a cell of its ``compile_wrapper`` closure; a module's
     is ``dynamo_ctx``. None if they cannot be found (every frame is then taken as the spec's).
+    Kept on ``compiled`` itself (found once, not per call): a deep copy of a wrapper shares its
+    compiled function, or copies its compiled module with the converters that module then holds.
     """
+    d = getattr(compiled, "__dict__", None)
+    if d is None:  # (not a torch.compile result)
+        return _find_frame_converters(compiled)
+    found = d.get("_torchport_converters", _UNKNOWN)
+    if found is _UNKNOWN:
+        found = d["_torchport_converters"] = _find_frame_converters(compiled)
+    return found
+
+
+_UNKNOWN = object()
+
+
+def _find_frame_converters(compiled: Any) -> tuple[Any, ...] | None:
     from torch._dynamo.convert_frame import ConvertFrameAssert
 
     ctx = getattr(compiled, "dynamo_ctx", None)
@@ -256,11 +285,12 @@ def _frame_converters(compiled: Any) -> tuple[Any, ...] | None:
 
 _FRAMES = threading.local()  # .call: the _SpecCall running on this thread (or None)
 _FRAMES_LOCK = threading.Lock()
+_FRAMES_HOOKED = False  # dynamo's frame compile is patched (_hook_frames)
 
 
-@contextlib.contextmanager
-def _spec_frames(call: _SpecCall) -> Iterator[None]:
-    """Inside: each frame compile on this thread is taken as ``call`` says.
+def _spec_frames(call: _SpecCall) -> _SpecCall:
+    """``call`` as a context manager: inside, each frame compile on this thread is taken as
+    ``call`` says.
 
     - A frame of another ``torch.compile`` (a compiled function the spec'd one calls) compiles
       as without the spec (:meth:`_SpecCall.outside`); its errors are its own.
@@ -275,6 +305,14 @@ def _spec_frames(call: _SpecCall) -> Iterator[None]:
     (each frame's compile, with or without ``fullgraph``), active only while this thread runs a
     spec'd call.
     """
+    if not _FRAMES_HOOKED:
+        _hook_frames()
+    return call
+
+
+def _hook_frames() -> None:
+    """Patch dynamo's ``ConvertFrameAssert.__call__`` as :func:`_spec_frames` says (once)."""
+    global _FRAMES_HOOKED
     from torch._dynamo import convert_frame
     from torch._dynamo.types import ConvertFrameReturn
 
@@ -319,12 +357,7 @@ def _spec_frames(call: _SpecCall) -> Iterator[None]:
 
             convert._torchport = True  # type: ignore[attr-defined]
             cls.__call__ = convert  # type: ignore[method-assign]
-    outer = getattr(_FRAMES, "call", None)
-    _FRAMES.call = call
-    try:
-        yield
-    finally:
-        _FRAMES.call = outer
+        _FRAMES_HOOKED = True
 
 
 _MARK_ATTRS = (
@@ -425,9 +458,8 @@ def _mark_dims(b: Binding, flat: Sequence[Any], *, strict: bool = True) -> list[
         if not isinstance(s.spec, Expr):
             continue
         if s.dim is None:
-            base = s.where.removesuffix("".join("." + a for a in s.attrs))
-            if re.fullmatch(r"[A-Za-z_]\w*", base):
-                scalars.append(f"L['{base}']" + "".join("." + a for a in s.attrs))
+            if s.source is not None:  # (an int in *args, **kwargs or a dict too)
+                scalars.append(s.source)
             continue
         t = s.target(flat)
         # (a variable of max <= 1 is not marked strictly: dynamo's symbols for a size start at
@@ -453,39 +485,56 @@ _INT_OO = sys.maxsize - 1  # "no upper bound" for a dim range (dynamo's ranges a
 
 class _compile_config:
     """Config patches for a spec'd compile: size-oblivious backed sizes (unless
-    ``size_oblivious=False``: the relaxed fallback), no duck shaping, Parameters as marked."""
+    ``size_oblivious=False``: the relaxed fallback), no duck shaping, Parameters as marked.
+
+    Applied with torch's closure patchers (the low-overhead form of ``config.patch``, for calls
+    on a hot path: this runs on every call), which restore each value as it was.
+    """
 
     def __init__(self, scalars: list[str], *, size_oblivious: bool = True) -> None:
-        import torch.fx.experimental._config as fx_config
-
-        # (config module, the values patched in)
-        self._changes: list[tuple[Any, dict[str, Any]]] = [
-            (fx_config, {"backed_size_oblivious": size_oblivious, "use_duck_shape": False}),
-            # torch 2.13's dynamo makes every nn.Parameter static (ignoring its dim marks): a
-            # spec'd dim of a Parameter argument recompiled for every size. Unmarked Parameters
-            # (a module's weights) stay static either way: their sizes do not change.
-            (torch._dynamo.config, {"force_parameter_static_shapes": False}),
-        ]
-        if scalars:
-            self._changes.append((torch.compiler.config, {"dynamic_sources": ",".join(scalars)}))
-        self._prior: list[tuple[Any, dict[str, Any]]] = []
-        self._stack = contextlib.ExitStack()
+        self._patchers = _config_patchers(size_oblivious, ",".join(scalars))
+        self._reverts: list[Callable[[], None]] = []
 
     def __enter__(self) -> None:
-        self._prior = [(m, {k: getattr(m, k) for k in ch}) for m, ch in self._changes]
-        for m, ch in self._changes:
-            self._stack.enter_context(m.patch(**ch))
+        self._reverts = [patch() for patch in self._patchers]
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        reverts, self._reverts = self._reverts, []
+        for revert in reversed(reverts):
+            revert()
 
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
         """Inside (while entered): the values from before the patches."""
-        with contextlib.ExitStack() as stack:
-            for m, prior in self._prior:
-                stack.enter_context(m.patch(**prior))
+        self.__exit__()
+        try:
             yield
+        finally:
+            self.__enter__()
+
+
+@functools.lru_cache(maxsize=64)
+def _config_patchers(
+    size_oblivious: bool, dynamic_sources: str
+) -> tuple[Callable[[], Callable[[], None]], ...]:
+    """The closure patchers of :class:`_compile_config` (each call of one patches; it returns
+    the function that reverts)."""
+    patchers = [
+        fx_config._make_closure_patcher(  # type: ignore[attr-defined]
+            backed_size_oblivious=size_oblivious, use_duck_shape=False
+        ),
+        # torch 2.13's dynamo makes every nn.Parameter static (ignoring its dim marks): a
+        # spec'd dim of a Parameter argument recompiled for every size. Unmarked Parameters
+        # (a module's weights) stay static either way: their sizes do not change.
+        torch._dynamo.config._make_closure_patcher(force_parameter_static_shapes=False),
+    ]
+    if dynamic_sources:
+        patchers.append(
+            torch.compiler.config._make_closure_patcher(  # type: ignore[attr-defined]
+                dynamic_sources=dynamic_sources
+            )
+        )
+    return tuple(patchers)
 
 
 def _dim_name(v: IntVar) -> str:
@@ -596,21 +645,17 @@ def _spec_checks(b: Binding, flat: Sequence[Any]) -> None:
 
 
 class _SpecModule(torch.nn.Module):
-    """Wraps a module/function so that tracing it first asserts the spec's relations."""
+    """Wraps a function so that tracing it first asserts the spec's relations."""
 
     def __init__(self, fn: Callable[..., Any], b: Binding) -> None:
         super().__init__()
-        if isinstance(fn, torch.nn.Module):
-            self.inner = fn
-        else:
-            self._fn = fn
+        self._fn = fn
         self._b = b
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat = pytree.tree_leaves((args, kwargs))
         _spec_checks(self._b, flat)
-        fn = self.inner if hasattr(self, "inner") else self._fn
-        return fn(*args, **kwargs)
+        return self._fn(*args, **kwargs)
 
 
 def export(
@@ -626,7 +671,8 @@ def export(
     A plain torch.export ``dynamic_shapes`` value (dict/tuple of Dims) is passed through. With a
     spec, each variable becomes a named Dim (unless export cannot name it: see
     :func:`_unnamed_variables`), and the assumptions and the relations Dims cannot state become
-    runtime asserts in the graph.
+    runtime asserts in the graph. A module is exported itself (its parameters, buffers and
+    constants keep the names plain ``torch.export.export`` gives them).
     """
     kwargs = dict(kwargs or {})
     raw = dynamic_shapes
@@ -660,29 +706,30 @@ def _export_spec(
     _pytree_only(b, "torchport.export")
     check_call(b, args, kwargs)
     ds_args, ds_kwargs = export_dynamic_shapes(b, args, kwargs)
-    if not kwargs and not _needs_prologue(b):
+    prologue = _needs_prologue(b)
+    if not kwargs and not prologue:
         # Dims express everything: export the module itself (parameter names unchanged)
         if isinstance(mod, torch.nn.Module):
             return torch.export.export(mod, args, dynamic_shapes=tuple(ds_args), strict=strict)
         # _FnModule.forward(*args): the Dims go under its variadic parameter's name
         ds = {"args": tuple(ds_args)}
         return torch.export.export(_FnModule(mod), args, dynamic_shapes=ds, strict=strict)
-    wrapped: torch.nn.Module = _SpecModule(mod, b)
-    shapes: Any = {"args": ds_args}
+    module = isinstance(mod, torch.nn.Module)
+    target = mod if isinstance(mod, torch.nn.Module) else _SpecModule(mod, b)
+    shapes: Any = tuple(ds_args) if module else {"args": ds_args}
     if kwargs:
         # torch 2.13's export cannot match dynamic_shapes to a forward(*args, **kwargs) called
-        # with keywords (AssertionError "Must provide a tree_name ..."): give the wrapper the
-        # user's signature, and the Dims by parameter name
-        signed = _signed_spec_module(mod, b)
+        # with keywords (AssertionError "Must provide a tree_name ..."): a function's wrapper
+        # gets the user's signature, and the Dims go by parameter name
+        signed = _signature(mod)
         if signed is None:
             raise ValueError(
                 "torchport.export: keyword arguments with a spec need a function or forward "
                 "with an inspectable signature; pass the arguments positionally"
             )
-        wrapped, sig = signed
         named = {
             n
-            for n, p in sig.parameters.items()
+            for n, p in signed.parameters.items()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         }
         extra = sorted(set(kwargs) - named)
@@ -692,28 +739,45 @@ def _export_spec(
                 "2.13's export cannot take dynamic shapes; name them as parameters or pass them "
                 "positionally"
             )
-        shapes = dict(sig.bind(*ds_args, **ds_kwargs).arguments)
-    return torch.export.export(
-        wrapped,
-        args,
-        kwargs,
-        dynamic_shapes=shapes,
-        strict=strict,
-        prefer_deferred_runtime_asserts_over_guards=True,
-    )
+        if not module:
+            target = _signed_spec_module(mod, b, signed)
+        shapes = dict(signed.bind(*ds_args, **ds_kwargs).arguments)
+    hook = None
+    if module and prologue:
+        # the relations go in as a root pre-hook (export traces it) for this export only, not
+        # as a wrapper module, whose own name would prefix every parameter and constant
+        def checks(_m: Any, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> None:
+            _spec_checks(b, pytree.tree_leaves((call_args, call_kwargs)))
+
+        hook = target.register_forward_pre_hook(checks, prepend=True, with_kwargs=True)
+    try:
+        return torch.export.export(
+            target,
+            args,
+            kwargs,
+            dynamic_shapes=shapes,
+            strict=strict,
+            prefer_deferred_runtime_asserts_over_guards=True,
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
-def _signed_spec_module(
-    fn: Callable[..., Any], b: Binding
-) -> tuple[torch.nn.Module, inspect.Signature] | None:
-    """A :class:`_SpecModule` whose ``forward`` reports ``fn``'s signature (None if it has none)."""
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    """The signature of ``fn`` (a module's ``forward``, without ``self``), or None."""
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):
         return None
-    if "self" in sig.parameters:
-        return None
+    return None if "self" in sig.parameters else sig
+
+
+def _signed_spec_module(
+    fn: Callable[..., Any], b: Binding, sig: inspect.Signature
+) -> torch.nn.Module:
+    """A :class:`_SpecModule` whose ``forward`` reports ``sig``, ``fn``'s signature."""
 
     def forward(self: _SpecModule, *args: Any, **kwargs: Any) -> Any:
         return _SpecModule.forward(self, *args, **kwargs)
@@ -723,7 +787,7 @@ def _signed_spec_module(
         parameters=[me, *sig.parameters.values()]
     )
     cls = type("_SignedSpecModule", (_SpecModule,), {"forward": forward})
-    return cls(fn, b), sig
+    return cls(fn, b)
 
 
 def _needs_prologue(b: Binding) -> bool:

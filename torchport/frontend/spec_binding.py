@@ -46,6 +46,9 @@ class Slot:
     spec: Expr | int
     attrs: tuple[str, ...] = ()  # attribute path from the leaf (ObjectSpec)
     ndim: int | None = None  # the rank its TensorSpec gives (None: a scalar)
+    # the value's name in the compiled frame, as dynamo's sources spell it (``L['d']['n']``,
+    # ``L['args'][0]``, ``L['cfg'].n``); None where the parameter is unknown
+    source: str | None = None
 
     def target(self, flat: Sequence[Any]) -> Any:
         """The tensor or int this slot describes, in one call's flat arguments."""
@@ -72,8 +75,11 @@ class Binding:
         return list(seen)
 
 
-def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int:
-    """Append the slots of ``value`` under ``spec``; return how many flat leaves it spans."""
+def _walk(
+    spec: Any, value: Any, where: str, start: int, out: list[Slot], src: str | None = None
+) -> int:
+    """Append the slots of ``value`` (dynamo source name ``src``) under ``spec``; return how many
+    flat leaves it spans."""
     n = len(pytree.tree_leaves(value))
     if spec is None:
         return n
@@ -88,7 +94,7 @@ def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int
         pos = start
         for i, v in enumerate(value):
             sub = spec._entries[i] if i < len(spec) else None
-            pos += _walk(sub, v, f"{where}[{i}]", pos, out)
+            pos += _walk(sub, v, f"{where}[{i}]", pos, out, _item(src, i))
         return pos - start
     if isinstance(spec, DictSpec):
         if not isinstance(value, dict):
@@ -101,7 +107,7 @@ def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int
             )
         pos = start
         for key, v in _dict_items_in_pytree_order(value):
-            pos += _walk(spec._entries.get(key), v, f"{where}[{key!r}]", pos, out)
+            pos += _walk(spec._entries.get(key), v, f"{where}[{key!r}]", pos, out, _item(src, key))
         return pos - start
     if isinstance(spec, ObjectSpec):
         leaves = pytree.tree_leaves(value)
@@ -110,7 +116,7 @@ def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int
                 f"{where}: ObjectSpec describes the attributes of a plain object, got a "
                 f"{type(value).__name__} container (use SeqSpec/DictSpec for pytree containers)"
             )
-        _walk_object(spec, value, where, start, (), out)
+        _walk_object(spec, value, where, start, (), out, src)
         return 1
     if isinstance(spec, TensorSpec):
         if not isinstance(value, torch.Tensor):
@@ -133,13 +139,19 @@ def _walk(spec: Any, value: Any, where: str, start: int, out: list[Slot]) -> int
                 f"{where}: spec is {type(spec).__name__} (scalar spec) but the actual arg is "
                 f"{type(value).__name__}, not int."
             )
-        out.append(Slot(where, start, None, spec))
+        out.append(Slot(where, start, None, spec, source=src))
         return 1
     raise TypeError(f"{where}: unexpected spec type {type(spec).__name__}: {spec!r}")
 
 
 def _walk_object(
-    spec: ObjectSpec, obj: Any, where: str, leaf: int, attrs: tuple[str, ...], out: list[Slot]
+    spec: ObjectSpec,
+    obj: Any,
+    where: str,
+    leaf: int,
+    attrs: tuple[str, ...],
+    out: list[Slot],
+    src: str | None,
 ) -> None:
     """Slots for the attributes of ``obj`` (flat leaf ``leaf``) that ``spec`` describes."""
     missing = [name for name in spec if not hasattr(obj, name)]
@@ -150,17 +162,27 @@ def _walk_object(
         )
     for name, sub in spec.items():
         path, value = (*attrs, name), getattr(obj, name)
-        at = f"{where}.{name}"
+        at, at_src = f"{where}.{name}", None if src is None else f"{src}.{name}"
         if sub is None:
             continue
         if isinstance(sub, ObjectSpec):
-            _walk_object(sub, value, at, leaf, path, out)
+            _walk_object(sub, value, at, leaf, path, out, at_src)
             continue
         tmp: list[Slot] = []
         if isinstance(sub, (SeqSpec, DictSpec)):
             raise ValueError(f"{at}: ObjectSpec fields hold TensorSpec, IntVar, int or ObjectSpec")
-        _walk(sub, value, at, leaf, tmp)
-        out.extend(Slot(t.where, leaf, t.dim, t.spec, path, t.ndim) for t in tmp)
+        _walk(sub, value, at, leaf, tmp, at_src)
+        out.extend(Slot(t.where, leaf, t.dim, t.spec, path, t.ndim, t.source) for t in tmp)
+
+
+def _item(src: str | None, key: object) -> str | None:
+    """The source name of ``src[key]`` (dynamo writes a key by its ``repr``)."""
+    return None if src is None else f"{src}[{key!r}]"
+
+
+def _local(name: str) -> str:
+    """The source name of the compiled frame's local ``name``."""
+    return f"L[{name!r}]"
 
 
 def _dict_items_in_pytree_order(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
@@ -189,22 +211,31 @@ def bind(
         var_idx = next(
             (i for i, p in enumerate(pos_params) if p.kind is p.VAR_POSITIONAL), len(pos_params)
         )
+        varargs = pos_params[var_idx].name if var_idx < len(pos_params) else None
+        varkw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
         matched: set[str] = set()
         matched_kw: set[str] = set()
         pos = 0
+        src: str | None
         for i, value in enumerate(args):
             if i < var_idx:
                 name = pos_params[i].name
                 sub = params._named.get(name)
                 if name in params._named:
                     matched.add(name)
-                where = name
+                where, src = name, _local(name)
             else:
                 j = i - var_idx
                 va = params._varargs or []
                 sub = va[j] if j < len(va) else None
                 where = f"*args[{j}]"
-            pos += _walk(sub, value, where, pos, slots)
+                src = None if varargs is None else _item(_local(varargs), j)
+            pos += _walk(sub, value, where, pos, slots, src)
+        named = {
+            p.name
+            for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
         for name, value in kwargs.items():
             if name in params._named:
                 sub = params._named[name]
@@ -214,7 +245,9 @@ def bind(
                 matched_kw.add(name)
             else:
                 sub = None
-            pos += _walk(sub, value, name, pos, slots)
+            # (a keyword that no parameter names is an item of the **kwargs dict)
+            src = _local(name) if name in named or varkw is None else _item(_local(varkw), name)
+            pos += _walk(sub, value, name, pos, slots, src)
         assert pos == n_leaves, f"spec binding walked {pos} leaves, the call has {n_leaves}"
         unmatched = set(params._named) - matched
         if params._varkw is not None:
