@@ -532,12 +532,15 @@ def test_a_subclass_wrapping_ours_with_functools_wraps_is_patched_again(monkeypa
     try:
         fr.install(rec, signal_dump=False)
 
-        class MyPG(dist.ProcessGroup):
-            @functools.wraps(dist.ProcessGroup.send)
-            def send(self, tensors, dstRank, tag=0):
-                return super().send(tensors, dstRank, tag)
+        @functools.wraps(dist.ProcessGroup.send)
+        def mine(self, tensors, dstRank, tag=0):
+            return super(MyPG, self).send(tensors, dstRank, tag)
 
-        mine = vars(MyPG)["send"]
+        class MyPG(dist.ProcessGroup):
+            send = mine
+
+        # wrapped at its definition (a class defined while installed), and again by install()
+        assert vars(MyPG)["send"] is not mine
         fr.install(rec, signal_dump=False)
         assert vars(MyPG)["send"] is not mine  # wrapped, its own original kept
     finally:

@@ -173,23 +173,25 @@ def test_uninstall_restores_the_process_group_methods_and_the_functions():
 
 
 def test_a_process_group_class_defined_after_install_is_recorded_and_restored():
-    """A subclass defining its own collective, defined while installed, is wrapped when a
-    wrapped function first meets one of its groups; a group never named is recorded under a
-    name of its own (its ``group_name`` raised "ProcessGroup name not set" inside the call)."""
+    """A subclass defining its own collective, defined while installed, is wrapped (at its
+    definition since review 50; before, when a wrapped function first met one of its groups);
+    a group never named is recorded under a name of its own (its ``group_name`` raised
+    "ProcessGroup name not set" inside the call)."""
 
     class Done:
         def wait(self, timeout: Any = None) -> bool:
             return True
+
+    def mine(self: Any, tensors: Any, opts: Any = None) -> Done:
+        return Done()
 
     rec = FlightRecorder(buffer_size=4, rank=0, world_size=1)
     try:
         fr.install(rec, signal_dump=False)
 
         class LatePG(dist.ProcessGroup):
-            def allreduce(self, tensors: Any, opts: Any = None) -> Done:
-                return Done()
+            allreduce = mine
 
-        mine = vars(LatePG)["allreduce"]
         dist.all_reduce(torch.ones(3), group=LatePG(0, 1))
         got = [(e["op"], e["seq_id"], e["state"], e["sizes"]) for e in rec.snapshot()["entries"]]
         assert got == [("all_reduce", 0, COMPLETED, [[3]])], got

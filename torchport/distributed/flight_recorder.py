@@ -21,8 +21,9 @@ Dumps are JSON, one file per rank (``rank_<r>.json`` in ``TORCHPORT_FR_DUMP_DIR`
 
 Use :func:`install` to record every ``torch.distributed`` collective and point-to-point op of this
 process (any backend; ops are recorded in the process group's own methods, so also those torch
-issues itself -- object collectives, FSDP2's -- and those called on a ``ProcessGroup`` directly,
-one sequence id per op the group received), or call
+issues itself -- object collectives, FSDP2's, the functional collectives'
+(``torch.distributed._functional_collectives``, ``torch.ops._c10d_functional``) -- and those
+called on a ``ProcessGroup`` directly, one sequence id per op the group received), or call
 :meth:`FlightRecorder.record` / :meth:`FlightRecorder.attach` around collectives issued on a raw
 ``ProcessGroup``. ``torchport fr analyze DIR`` (see :mod:`torchport.distributed.fr_analyze`) turns the
 dumps into a plain-words verdict; ``torchport fr export SRC --to DIR`` or ``dump(format="torch")``
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import functools
 import inspect
 import itertools
@@ -360,7 +362,9 @@ class FlightRecorder:
                 fut = work
             else:
                 fut = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented": see _no_future
+        except (RuntimeError, AttributeError):  # "Work::getFuture not implemented": see
+            # _no_future (AttributeError: a Python group's own work object, which has none: it
+            # failed the op a group called directly returned, after the group had run it)
             return self._attach_without_future(work, e)
         key = id(e)  # (held in _pending until settled: not reused meanwhile)
         with self._lock:
@@ -1157,13 +1161,170 @@ def _device_type(tensors: Any) -> str:
     return t.device.type if isinstance(t, torch.Tensor) else ""
 
 
+# -- functional collectives ---------------------------------------------------------------------
+# torch.distributed._functional_collectives (FSDP2, tensor parallel, torch.compile'd code) issue
+# their ops as torch.ops._c10d_functional kernels, which call the group from C++: on a group c10d
+# made in C++ (gloo's, a ProcessGroup proper) no Python method runs, so they were not recorded
+# (torch 2.14's recorder, inside the C++ group, records them). A torchport group is a Python
+# subclass: c10d calls its own methods, which record. While installed, a CPU kernel of each
+# collective below calls torch's own kernel with a _Relay in place of such a group: c10d calls
+# the relay's methods (a Python group's), which call the group's recorded ones. The op is
+# recorded as any other op the group receives -- its name, counter and sizes -- and completes
+# with its Work. The point-to-point kernels (isend, irecv, batch_p2p_ops) take a group name
+# only, no group object: they stay unrecorded on a C++ group.
+_FUNCOL_OPS = (
+    "all_reduce",
+    "all_reduce_",
+    "all_reduce_coalesced",
+    "all_reduce_coalesced_",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_out",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_out",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_",
+)
+_NO_TIMEOUT = datetime.timedelta(0)  # (Work.wait's default: the group's own timeout)
+_funcol_lib: Any = None  # the torch.library.Library holding our kernels while installed
+# id(group) -> (a weak reference to the group, its relay)
+_relays: dict[int, tuple[Callable[[], Any], Any]] = {}
+
+
+class _Relay(dist.ProcessGroup):
+    """Stands in for a C++ process group in a functional collective's kernel: each collective
+    and point-to-point method calls the group's own (recorded) method with the same arguments."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group.rank(), group.size())  # type: ignore[call-arg]
+        self._group = weakref.ref(group)  # (a relay never keeps a destroyed group alive)
+
+
+class _RelayedWork(dist.Work):
+    """A Work without a future (gloo's reduce_scatter_tensor_coalesced, as its send / recv) is
+    complete only inside its ``wait()``, which ``wait_tensor`` calls from C++: its entry was
+    settled as unknown. This one, handed back to c10d in its place, waits through Python, where
+    the wait completes (or errors) the entry."""
+
+    def __init__(self, work: Any) -> None:
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
+        return bool(self._work.wait(timeout))
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+def _relay_method(name: str) -> Callable[..., Any]:
+    def method(self: _Relay, *args: Any, **kwargs: Any) -> Any:
+        group = self._group()
+        assert group is not None, "a relay outlived its group (the kernel holds the group)"
+        return _for_c10d(getattr(group, name)(*args, **kwargs))
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _for_c10d(work: Any) -> Any:
+    """``work`` as handed back to a functional collective's kernel (see _RelayedWork)."""
+    rec = _recorder
+    if rec is not None and id(work) in rec._no_future:
+        return _RelayedWork(work)
+    return work
+
+
+for _name in (*_COLL_METHODS, *_P2P_METHODS):
+    setattr(_Relay, _name, _relay_method(_name))
+
+
+def _relay(group: Any) -> Any:
+    """The relay of ``group`` (one per live group)."""
+    hit = _relays.get(id(group))
+    if hit is None or hit[0]() is not group:
+        hit = _relays[id(group)] = (weakref.ref(group), _Relay(group))
+    return hit[1]
+
+
+def _funcol_kernel(kernel: Any, keyset: Any, gi: int, own: Any, *args: Any, **kwargs: Any) -> Any:
+    """A functional collective's CPU kernel: torch's own ``kernel``, given a relay in place of a
+    C++ group (argument ``gi``: a group name, or, in torch 2.13, the group itself); ``own``:
+    the op run here instead on such a group (see _all_gather_out), or None."""
+    given = args[gi] if gi < len(args) else kwargs.get("group_name")
+    group = given
+    if isinstance(given, str):
+        try:
+            c10d = dist.distributed_c10d
+            group = c10d._resolve_process_group(c10d.GroupName(given))
+        except (RuntimeError, ValueError, KeyError):  # (torch's kernel names what is wrong)
+            group = None
+    if type(group) is dist.ProcessGroup and not _op_state.busy:
+        if own is not None:
+            return own(group, *args[:gi], **kwargs)
+        if gi < len(args):
+            args = (*args[:gi], _relay(group), *args[gi + 1 :])
+        else:
+            kwargs = {**kwargs, "group_name": _relay(group)}
+    return kernel.call_boxed(keyset, *args, **kwargs)
+
+
+def _all_gather_out(group: Any, input: torch.Tensor, group_size: int, *, out: Any) -> Any:
+    """``all_gather_into_tensor_out`` on a C++ group, as torch's kernel runs it: its kernel calls
+    the group's ``_allgather_base``, which c10d does not forward to a Python group's method (a
+    relay failed with "No backend type associated with device type cpu"), so it is run here,
+    through the group's recorded method (``group_size`` unused, as in torch's kernel)."""
+    torch._check(input.is_contiguous(), lambda: "Expected input.is_contiguous() to be true")
+    work = group._allgather_base(out, input)
+    torch._C._distributed_c10d._register_work(out, _for_c10d(work))
+    return out
+
+
+def _hook_functional() -> None:
+    """Register :func:`_funcol_kernel` for every functional collective torch has (once)."""
+    global _funcol_lib
+    if _funcol_lib is not None:
+        return
+    ns = "_c10d_functional"
+    cpu = torch._C.DispatchKey.CPU
+    keyset = torch._C.DispatchKeySet(cpu)
+    lib = torch.library.Library(ns, "IMPL")
+    try:
+        for name in _FUNCOL_OPS:
+            full = f"{ns}::{name}"
+            if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(full, "CPU"):
+                continue  # (an op this torch lacks)
+            # torch's kernel, taken before ours takes its place
+            kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(full, cpu)
+            schema = getattr(getattr(torch.ops, ns), name).default._schema
+            gi = [a.name for a in schema.arguments].index("group_name")
+            own = _all_gather_out if name == "all_gather_into_tensor_out" else None
+            lib.impl(name, functools.partial(_funcol_kernel, kernel, keyset, gi, own), "CPU")
+    except BaseException:
+        lib._destroy()
+        raise
+    _funcol_lib = lib
+
+
+def _unhook_functional() -> None:
+    """Remove the kernels :func:`_hook_functional` registered (torch's own serve again)."""
+    global _funcol_lib
+    lib, _funcol_lib = _funcol_lib, None
+    if lib is not None:
+        lib._destroy()
+    _relays.clear()
+
+
 def _process_group_classes() -> list[type]:
-    """``ProcessGroup`` and its subclasses (a backend's own group may define its own send)."""
+    """``ProcessGroup`` and its subclasses (a backend's own group may define its own send),
+    but not :class:`_Relay` (its calls reach the group it stands for, which records them)."""
     out: list[type] = []
     todo: list[type] = [dist.ProcessGroup]
     while todo:
         c = todo.pop()
-        if c not in out:
+        if c not in out and c is not _Relay:
             out.append(c)
             todo.extend(c.__subclasses__())
     return out
@@ -1176,13 +1337,48 @@ def _hook_process_groups(rec: FlightRecorder, *, again: bool = False) -> None:
     for cls in _process_group_classes():
         if cls in _hooked and not again:
             continue
-        for method in _COLL_METHODS:
-            if method in vars(cls):
-                _patch(cls, method, functools.partial(_wrap_coll, method, rec=rec))
-        for method in _P2P_METHODS:
-            if method in vars(cls):
-                _patch(cls, method, functools.partial(_wrap_p2p, method, rec=rec))
-        _hooked.add(cls)
+        _hook_class(cls, rec)
+
+
+def _hook_class(cls: type, rec: FlightRecorder) -> None:
+    """Wrap the collective and point-to-point methods ``cls`` itself defines."""
+    for method in _COLL_METHODS:
+        if method in vars(cls):
+            _patch(cls, method, functools.partial(_wrap_coll, method, rec=rec))
+    for method in _P2P_METHODS:
+        if method in vars(cls):
+            _patch(cls, method, functools.partial(_wrap_p2p, method, rec=rec))
+    _hooked.add(cls)
+
+
+def _on_subclass(cls: type, rec: FlightRecorder, **kwargs: Any) -> None:
+    """``ProcessGroup.__init_subclass__`` while installed: a subclass defined after install()
+    records its own methods from its definition on. They were wrapped only once a
+    torch.distributed function met one of its groups (see _hook_late): ops called on such a
+    group directly were not recorded until then, or at all."""
+    super(dist.ProcessGroup, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+    if issubclass(cls, _Relay):
+        return
+    try:
+        _hook_class(cls, rec)
+    except Exception:  # (never fail a class definition: _hook_late tries again)
+        _log.exception("flight recorder: could not wrap the methods of %s", cls.__qualname__)
+
+
+# the ProcessGroup.__init_subclass__ install() set (None when not installed)
+_subclass_hook: list[Any] = [None]
+
+
+def _hook_subclasses(rec: FlightRecorder) -> None:
+    """Make a ProcessGroup subclass defined from now on record from its definition on (see
+    _on_subclass); not where torch's class has a hook of its own (torch 2.13's has none): there
+    _hook_late wraps its methods."""
+    current = vars(dist.ProcessGroup).get("__init_subclass__")
+    if current is not None and current is not _subclass_hook[0]:
+        return
+    hook = classmethod(functools.partial(_on_subclass, rec=rec))
+    dist.ProcessGroup.__init_subclass__ = hook  # type: ignore[assignment]
+    _subclass_hook[0] = hook
 
 
 def _hook_late(group: Any, rec: FlightRecorder) -> bool:
@@ -1239,10 +1435,11 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     any backend.
 
     Every op is recorded where it reaches the process group, in the methods of
-    ``ProcessGroup`` and of its subclasses (those defined later when a wrapped function first
-    meets one of their groups), with one sequence id per op the group received: so also
-    what torch issues itself (the object collectives, FSDP2's all-gathers and
-    reduce-scatters, the coalescing manager's one op) and what a program calls on a group
+    ``ProcessGroup`` and of its subclasses (those defined later from their definition on),
+    with one sequence id per op the group received: so also what torch issues itself (the
+    object collectives, FSDP2's all-gathers and reduce-scatters, the coalescing manager's one
+    op, the functional collectives' ops, also on a group c10d calls from C++ such as gloo's:
+    see _FUNCOL_OPS; not their point-to-point ops there) and what a program calls on a group
     directly, and never an op torch refused in its argument checks. ``all_gather_single``
     and ``all_gather_into_tensor`` are one op (``all_gather_into_tensor``), and so are
     ``reduce_scatter_single`` and ``reduce_scatter_tensor`` (``reduce_scatter_tensor``).
@@ -1260,6 +1457,8 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     rec.start_watchdog()
     _recorder = rec
     _hook_process_groups(rec, again=True)
+    _hook_subclasses(rec)
+    _hook_functional()
     for name in _PATCHED:
         if name in vars(dist):  # (all of them in torch 2.13)
             _patch(dist, name, functools.partial(_wrap, name, rec=rec))
@@ -1275,6 +1474,11 @@ def uninstall() -> None:
     """Restore the ``torch.distributed`` functions and methods :func:`install` replaced."""
     for (owner, name), fn in _originals.items():
         setattr(owner, name, fn)
+    hook = _subclass_hook[0]
+    if hook is not None and vars(dist.ProcessGroup).get("__init_subclass__") is hook:
+        del dist.ProcessGroup.__init_subclass__
+    _subclass_hook[0] = None
+    _unhook_functional()
     _originals.clear()
     _wrappers.clear()
     _hooked.clear()
