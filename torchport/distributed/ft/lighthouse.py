@@ -42,6 +42,7 @@ request and receive every member's, over the authenticated connection.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import math
@@ -50,6 +51,7 @@ import operator
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -563,19 +565,51 @@ def _bad_vote(msg: dict[str, Any]) -> str | None:
     return None
 
 
-def main() -> None:
-    """``python -m torchport.distributed.ft.lighthouse --port P --min-replicas N``."""
-    import argparse
+def _seconds_arg(*, zero_ok: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for a duration flag, checked as the constructor checks it: a bad
+    value is a usage error naming the flag (argparse does), the requirement and the value."""
 
+    def parse(text: str) -> float:
+        try:
+            value: Any = float(text)
+        except ValueError:  # (not a number at all: named as given)
+            value = text
+        try:
+            return check_number("the value", value, zero_ok=zero_ok)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m torchport.distributed.ft.lighthouse --port P --min-replicas N
+    [--join-timeout S] [--heartbeat S]``."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=29510)
     p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--join-timeout", type=float, default=1.0)
-    a = p.parse_args()
-    lh = Lighthouse(
-        min_replicas=a.min_replicas, join_timeout=a.join_timeout, host=a.host, port=a.port
+    p.add_argument("--join-timeout", type=_seconds_arg(zero_ok=True), default=1.0)
+    # the period the constructor takes: the CLI had no flag for it, so a lighthouse started
+    # from the command line evicted after three of TORCHPORT_FT_HEARTBEAT's periods, always
+    p.add_argument(
+        "--heartbeat",
+        type=_seconds_arg(),
+        default=None,
+        help="heartbeat period (s): a replica silent for three periods (of this or its own, "
+        "whichever is longer) is evicted; default TORCHPORT_FT_HEARTBEAT",
     )
+    a = p.parse_args(argv)
+    try:
+        lh = Lighthouse(
+            min_replicas=a.min_replicas,
+            join_timeout=a.join_timeout,
+            heartbeat=a.heartbeat,
+            host=a.host,
+            port=a.port,
+        )
+    except ValueError as e:  # (--min-replicas 0, or TORCHPORT_FT_HEARTBEAT out of range)
+        p.error(str(e))
     print(f"lighthouse on {lh.address[0]}:{lh.address[1]}", flush=True)
     try:
         while True:

@@ -361,7 +361,7 @@ class Manager:
             raise QuorumError(f"replica {self.replica_id}: the manager was shut down ({last})")
         raise QuorumError(
             f"replica {self.replica_id}: no quorum within {self.quorum_timeout} s: {last}"
-        )
+        ) from last
 
     def _quorum_once(self, deadline: float) -> None:
         if self._hb is None or self._rpc is None:
@@ -433,12 +433,21 @@ class Manager:
         # a local: shutdown() from another thread drops self._store at any time
         store = self._store
         if store is None or getattr(store, "port", None) != store_port:
-            store = dist.TCPStore(
-                self.lighthouse[0],
-                store_port,
-                is_master=False,
-                timeout=timedelta(seconds=native_timeout),
-            )
+            try:
+                store = dist.TCPStore(
+                    self.lighthouse[0],
+                    store_port,
+                    is_master=False,
+                    timeout=timedelta(seconds=native_timeout),
+                )
+            except RuntimeError as e:  # (torch's DistNetworkError, DistStoreError)
+                # they escaped start_quorum untyped (its retries catch this package's errors
+                # only): a CommError retries the quorum
+                raise CommError(
+                    f"replica {self.replica_id}: building the gloo group for quorum {qid} needs "
+                    f"the lighthouse's store at {self.lighthouse[0]}:{store_port} reachable "
+                    f"within timeout={self.timeout} s: {type(e).__name__}: {e}"
+                ) from e
             if not self._closed.is_set():  # (a shut-down manager keeps no connection)
                 self._store = store
         prefix = dist.PrefixStore(f"tp-ft/q{qid}", store)
