@@ -560,15 +560,18 @@ def test_gemv_packed_route_follows_setting_env_and_override(fmt, monkeypatch):
 )
 def test_route_output_source_hands_out_fresh_tensors(shape):
     """Settled routes allocate their outputs OUT_BATCH at a time (fewer for large outputs): each
-    call still gets a new, separate float32 tensor of the shape, ordinary in inference mode."""
+    call still gets a new, separate float32 tensor of the shape, an inference tensor exactly in
+    inference mode (as torch.empty's and F.linear's)."""
     from torchport.gemv.ops import _out_source
 
     new_out = _out_source(shape)
     outs = [new_out() for _ in range(19)]
     with torch.inference_mode():
         outs += [new_out() for _ in range(19)]
+    outs += [new_out() for _ in range(3)]
     assert all(o.shape == shape and o.dtype == torch.float32 for o in outs)
-    assert all(o.is_contiguous() and not o.is_inference() for o in outs)
+    assert all(o.is_contiguous() for o in outs)
+    assert [o.is_inference() for o in outs] == [False] * 19 + [True] * 19 + [False] * 3
     ptrs = {o.data_ptr() for o in outs if o.numel()}
     assert len(ptrs) == len([o for o in outs if o.numel()])  # no storage handed out twice
 
@@ -604,9 +607,15 @@ def test_settled_route_outputs_are_distinct_and_usable_with_autograd():
     _check(first, x, wd, None, 3e-2)
     assert len({o.data_ptr() for o in outs}) == len(outs)
     assert all(torch.equal(o, first) for o in outs)
-    # an output made in inference mode is an ordinary tensor: autograd may save it
+    # an output made in inference mode is an inference tensor, as F.linear's (autograd refuses
+    # to save it, as torch's); one made outside it is ordinary
+    assert first.is_inference() and all(o.is_inference() for o in outs)
     p = torch.ones(1, requires_grad=True)
-    (outs[-1] * p).sum().backward()
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        outs[-1] * p
+    outside = [F.linear(x, wq) for _ in range(3)]
+    assert not any(o.is_inference() for o in outside)
+    (outside[-1] * p).sum().backward()
     assert p.grad is not None
 
 

@@ -56,6 +56,7 @@ from torchport.gemv.kernels import (
     gemv_i8_kernel,
     gemv_kernel,
 )
+from torchport.gemv.nancodes import nan_rowscale
 
 MAX_ROWS = 8
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -89,9 +90,23 @@ class PackedWeight:
     routes: dict[object, SettledRoute | None] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
+    # the tensors a cached pack was made from (a quantized weight's inner tensors, less
+    # inference tensors, which keep no version counter) with their version counters then; see
+    # :meth:`written`
+    source: tuple[tuple[torch.Tensor, int], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_parts(self.fmt, self.data, self.scales, self.rowscale, self.n, self.k)
+
+    def written(self) -> bool:
+        """Whether a :attr:`source` tensor was written in place since the pack was made (its
+        version counter moved): the pack may hold copies of its old values (a tensor-wise FP8
+        scale expanded to rows, NaN-scan results), so it is stale."""
+        # (a loop: any(<generator>) took twice as long, and this runs on every decode call)
+        for t, version in self.source:  # noqa: SIM110
+            if t._version != version:
+                return True
+        return False
 
 
 # What the kernels read of each format's parts: the data's dtype (None: any 1-byte codes), the
@@ -1039,6 +1054,10 @@ def gemv_packed_op(
     the pack's own ``int8`` (False for NaN block scales), which the op's arguments carry only
     folded into this one."""
     pw = PackedWeight(fmt, data, scales, rowscale, pts, n, k, allow_int8)  # (checks the parts)
+    if fmt == "fp8_e4m3":  # a per-call pack: its NaN codes' rows get a NaN scale (see nancodes)
+        rs = nan_rowscale(data.view(n, k), rowscale)
+        if rs is not rowscale:
+            pw = replace(pw, rowscale=rs)
     check_activation(x, k)  # (as gemv_dense)
     _check_bias(bias, n)
     return _run(x, pw, bias, allow_int8)
@@ -1328,27 +1347,34 @@ def _out_source(
     """A function returning a new uninitialised tensor of ``shape`` and ``dtype`` per call, as
     ``torch.empty`` would, allocating :data:`OUT_BATCH` at a time (fewer for large outputs).
 
-    Every tensor is a separate allocation handed out once. They are made outside inference mode
-    (in it, ``torch.empty`` makes inference tensors, which autograd refuses to save for a
-    backward), so the route returns ordinary tensors in and out of ``torch.inference_mode``.
+    Every tensor is a separate allocation handed out once. As ``torch.empty``'s (and
+    ``F.linear``'s) results, one handed out under ``torch.inference_mode`` is an inference
+    tensor and any other is not: two batches, one made in each mode (a single batch made
+    outside inference mode gave ordinary tensors inside it from a route's second call on,
+    where torch gives inference tensors; made inside, autograd refuses them outside).
+    ``new_out.pops`` are the two batches' ``pop`` (ordinary, inference) for hot callers, which
+    call ``new_out()`` when theirs is empty.
     """
     size = dtype.itemsize * math.prod(shape)
     count = max(1, min(OUT_BATCH, OUT_BATCH_BYTES // max(1, size)))
     empty = torch.empty
     ready: list[torch.Tensor] = []
-    pop = ready.pop
+    ready_inf: list[torch.Tensor] = []
+    inference = torch.is_inference_mode_enabled
 
     def new_out() -> torch.Tensor:
+        mode = inference()
+        batch = ready_inf if mode else ready
         try:
-            return pop()
+            return batch.pop()
         except IndexError:  # used up (another thread may have taken the last one meanwhile)
-            with torch.inference_mode(False):
+            with torch.inference_mode(mode):
                 made = [empty(shape, dtype=dtype) for _ in range(count)]
             out = made.pop()
-            ready.extend(made)
+            batch.extend(made)
             return out
 
-    new_out.pop = pop  # type: ignore[attr-defined]  # hot callers: ``pop()`` first, one frame less
+    new_out.pops = (ready.pop, ready_inf.pop)  # type: ignore[attr-defined]
     return new_out
 
 
@@ -1430,7 +1456,8 @@ def settle_route(
     dtype, f32 = x.dtype, torch.float32
     cast = dtype is not f32 and not io  # float32 activations in, the result cast back
     new_out = _shared_out_source(out_shape, dtype if io else f32)
-    pop = new_out.pop  # type: ignore[attr-defined]
+    pop, pop_inf = new_out.pops  # type: ignore[attr-defined]
+    inference = torch.is_inference_mode_enabled
     every = ROUTE_SAMPLE_EVERY
     calls = 0
 
@@ -1440,8 +1467,8 @@ def settle_route(
             xf = x.float().contiguous()
         else:
             xf = x if x.is_contiguous() else x.contiguous()
-        try:
-            out = pop()
+        try:  # (an inference tensor in inference mode, as torch.empty's)
+            out = pop_inf() if inference() else pop()
         except IndexError:  # used up: the next batch
             out = new_out()
         xp, op = xf.data_ptr(), out.data_ptr()

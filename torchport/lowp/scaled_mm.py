@@ -8,7 +8,9 @@
 
 Accumulation is float32; the epilogue applies ``scale_a · scale_b``, then ``bias``, then the cast
 to ``out_dtype`` (default: ``a.dtype``; torch's FP8 cast, as ``torch._scaled_mm``: E4M3FN
-saturates, E5M2 overflows to infinity). Decode shapes (M ≤ 8) run the native FP8 GEMV reading ``b``'s bytes directly. Larger M runs on the GEMM engine
+saturates, E5M2 overflows to infinity). Decode shapes (M ≤ 8) run the native FP8 GEMV reading
+``b``'s bytes directly (an E4M3 NaN code gives its column NaN, as torch's cast:
+:func:`torchport.gemv.nancodes.nan_rowscale`). Larger M runs on the GEMM engine
 (:func:`torchport.gemm.mm`: generated kernels autotuned against ATen, which it falls back to):
 ``b`` is decoded to float32 one panel of columns at a time (FP8 values are exact in float32) and
 each panel is one engine GEMM whose epilogue does the scaling (``Scale`` by ``scale_a`` per row and
@@ -41,6 +43,7 @@ from torchport.gemm.epilogue import FUSABLE_DTYPES, Split, Step, split
 from torchport.gemm.kernels import run_native
 from torchport.gemm.mm import agree, bucket
 from torchport.gemv import MAX_ROWS, PackedWeight, gemv_packed
+from torchport.gemv.nancodes import nan_rowscale
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError
 from torchport.lowp.panel import decode_rows_bf16, pack_rows, panel_workspace
 
@@ -249,6 +252,10 @@ def _routes(
     if 0 < m <= MAX_ROWS and k > 0 and n > 0:
         fmt = "fp8_e4m3" if b.dtype == torch.float8_e4m3fn else "fp8_e5m2"
         rs = scale_b.reshape(-1).expand(n).contiguous()
+        if fmt == "fp8_e4m3" and eager:  # (a traced call's op scans when it runs)
+            # the GEMV reads E4M3's NaN codes as ±480, torch's cast as NaN: their columns get a
+            # NaN scale (the scan remembered per weight memory and version: see nancodes)
+            rs = nan_rowscale(b.t(), rs)
         pw = PackedWeight(
             fmt, b.t().contiguous().view(torch.uint8), _EMPTY_U8, rs, 1.0, n, k, False
         )

@@ -265,9 +265,13 @@ class LowPrecisionTensor(torch.Tensor):
         raise TypeError(_ABSTRACT)
 
     def gemv_pack(self) -> PackedWeight:
-        """This weight in the GEMV's layout (built once and cached for eager tensors)."""
-        if self._pack is not None:
-            return self._pack
+        """This weight in the GEMV's layout (built once and cached for eager tensors; built
+        again after an inner tensor was written in place, e.g. ``w.scale.mul_(3)``)."""
+        pw = self._pack
+        if pw is not None:
+            if not pw.written():
+                return pw
+            self._pack = self._route = None  # (the pack copied what was written: stale)
         if self.dim() != 2:
             raise LowPrecisionError(
                 f"{type(self).__name__} GEMV needs a 2-D weight, got shape {tuple(self.shape)}"
@@ -289,12 +293,21 @@ class LowPrecisionTensor(torch.Tensor):
                 _disable_current_modes(),
                 torch.no_grad(),
             ):
-                self._pack = self._on_huge_pages(self._make_pack())
+                pw = self._on_huge_pages(self._make_pack())
+                # (after the move to huge pages, which rebinds qdata and scale)
+                self._pack = dataclasses.replace(pw, source=self._inner_versions())
             return self._pack
         return self._make_pack()  # fake/traced tensors: never cached
 
     def _make_pack(self) -> PackedWeight:
         raise TypeError(_ABSTRACT)
+
+    def _inner_versions(self) -> tuple[tuple[torch.Tensor, int], ...]:
+        """The inner tensors with their version counters, :attr:`PackedWeight.source` of the
+        cached pack (not inference tensors: they keep no version, so their in-place writes
+        are not seen)."""
+        inner = (getattr(self, name) for name in self.__tensor_flatten__()[0])
+        return tuple((t, t._version) for t in inner if not t.is_inference())
 
     def _on_huge_pages(self, pw: PackedWeight) -> PackedWeight:
         """``pw`` with its data (and scales) moved to huge-page memory when at least
@@ -698,11 +711,16 @@ class LowPrecisionTensor(torch.Tensor):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """:meth:`linear` without the traced custom-op route."""
-        route = self._route
+        c = self._cache
+        route = c.route
         if route is not None:
-            out = route.serve(x, bias)
-            if out is not None:
-                return out
+            pw = c.pack
+            if pw is None or pw.written():  # an inner tensor written in place: repacked below
+                c.pack = c.route = None
+            else:
+                out = route.serve(x, bias)
+                if out is not None:
+                    return out
         if self.qdata.is_meta:  # shapes only (the kernels must never see its null pointer)
             return self._meta_linear(x, bias)
         if self.dim() == 2 and self.shape[1] == 0 and x.dim() and x.shape[-1] == 0:
@@ -766,7 +784,13 @@ class LowPrecisionTensor(torch.Tensor):
         if func is _linear and len(args) >= 2:  # a settled decode route first (see linear)
             # (the _Cache attribute directly: the _route property took 0.2 µs more per call)
             cache = getattr(args[1], "_cache", None)
-            route = cache.route if isinstance(cache, _Cache) else None
+            route = None
+            if isinstance(cache, _Cache):
+                route = cache.route
+                pw = cache.pack
+                # (not once an inner tensor was written in place: _linear packs again)
+                if route is not None and (pw is None or pw.written()):
+                    route = None
             if route is not None and not args[1].requires_grad and not _autocast_on():
                 if len(args) > 2:
                     bias = args[2]
