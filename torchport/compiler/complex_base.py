@@ -269,6 +269,76 @@ def c_mul_promoted(e: _Emitter, a: Any, b: Any) -> Pair:
     return Pair(re, e.add(e.mul(x, zc), e.mul(y, c)))
 
 
+def c_mul_c99(e: _Emitter, a: Any, b: Any) -> Pair:
+    """``a·b`` as C's complex multiply (C99 Annex G, libgcc's ``__mulsc3``/``__muldc3``), the
+    product glibc's ``cpow`` takes of ``w·log z``, and so eager's complex pow: ATen's product
+    (:func:`c_mul_promoted`), and where both its parts are NaN although a part of an operand or
+    a partial product is infinite, the product recomputed times inf, with each infinite part
+    boxed to ±1, the other part of that operand set to 0, and NaN parts to 0. So 0 ** (3 + NaN i)
+    is 0 - 0i (w·log 0 = (3 + NaN i)(-inf + 0i) is -inf + NaN i there) and 2 ** (inf + inf i)
+    inf + NaN i; both were NaN + NaN i. The recovery is a masked fix-up of 38 elementwise ops:
+    where a part of the product is not NaN, ATen's product is the result.
+    :func:`c_mul_c99_reference` is the same steps on numbers."""
+    prod = c_mul_promoted(e, a, b)
+    pa, pb = _pair(a), _pair(b)
+    ref = prod.re if isinstance(prod.re, fx.Node) else prod.im
+    assert isinstance(ref, fx.Node), "c_mul_c99 needs a graph operand"
+    x, y = e.dense(prod.re, ref), e.dense(prod.im, ref)
+    parts = (e.dense(pa.re, ref), e.dense_im(pa, ref), e.dense(pb.re, ref), e.dense_im(pb, ref))
+    inf = [e.f(torch.isinf, v) for v in parts]
+    a_inf, b_inf = e.call(torch.logical_or, inf[0], inf[1]), e.call(torch.logical_or, *inf[2:])
+
+    def box(v: Any, v_inf: Any, op_inf: Any) -> Any:
+        # ±inf to ±1 and NaN to 0; a finite part to 0 beside an infinite one (the sign of a zero
+        # is immaterial: the products are multiplied by inf, and inf·±0 is the same NaN)
+        kept = e.f(torch.nan_to_num, v, nan=0.0, posinf=1.0, neginf=-1.0)
+        return e.call(torch.where, e.call(torch.logical_xor, op_inf, v_inf), 0.0, kept)
+
+    p, q = box(parts[0], inf[0], a_inf), box(parts[1], inf[1], a_inf)
+    r, s = box(parts[2], inf[2], b_inf), box(parts[3], inf[3], b_inf)
+    t_re, t_im = e.sub(e.mul(p, r), e.mul(q, s)), e.add(e.mul(p, s), e.mul(q, r))
+    # C recomputes if an operand has an infinite part or a partial product overflowed. Where
+    # both parts are NaN and no operand part is infinite, an operand part is NaN, so each of
+    # t_re, t_im is one partial product (the other is 0): it is infinite where one overflowed
+    finite_t = e.call(torch.logical_and, e.f(torch.isfinite, t_re), e.f(torch.isfinite, t_im))
+    recalc = e.call(
+        torch.logical_or,
+        e.call(torch.logical_or, a_inf, b_inf),
+        e.call(torch.logical_not, finite_t),
+    )
+    both_nan = e.call(torch.logical_and, e.f(torch.isnan, x), e.f(torch.isnan, y))
+    fix = e.call(torch.logical_and, both_nan, recalc)
+    re, im = e.mul(t_re, math.inf), e.mul(t_im, math.inf)
+    return Pair(e.call(torch.where, fix, re, x), e.call(torch.where, fix, im, y))
+
+
+def c_mul_c99_reference(a: complex, b: complex) -> complex:
+    """:func:`c_mul_c99` on Python numbers (double precision), step by step as libgcc's
+    ``__muldc3``, for tests."""
+    p, q, r, s = a.real, a.imag, b.real, b.imag
+    ac, bd, ad, bc = p * r, q * s, p * s, q * r
+    x, y = ac - bd, ad + bc
+    if not (math.isnan(x) and math.isnan(y)):
+        return complex(x, y)
+    recalc = False
+    if math.isinf(p) or math.isinf(q):
+        p = math.copysign(1.0 if math.isinf(p) else 0.0, p)
+        q = math.copysign(1.0 if math.isinf(q) else 0.0, q)
+        r, s = (math.copysign(0.0, v) if math.isnan(v) else v for v in (r, s))
+        recalc = True
+    if math.isinf(r) or math.isinf(s):
+        r = math.copysign(1.0 if math.isinf(r) else 0.0, r)
+        s = math.copysign(1.0 if math.isinf(s) else 0.0, s)
+        p, q = (math.copysign(0.0, v) if math.isnan(v) else v for v in (p, q))
+        recalc = True
+    if not recalc and any(math.isinf(v) for v in (ac, bd, ad, bc)):
+        p, q, r, s = (math.copysign(0.0, v) if math.isnan(v) else v for v in (p, q, r, s))
+        recalc = True
+    if recalc:
+        x, y = math.inf * (p * r - q * s), math.inf * (p * s + q * r)
+    return complex(x, y)
+
+
 def _is_plus_zero(v: float) -> bool:
     return v == 0 and math.copysign(1.0, v) > 0
 
@@ -303,7 +373,11 @@ def _smith_div(e: _Emitter, pa: Pair, pb: Pair) -> Pair:
     def pick(u: Any, v: Any) -> Any:
         return e.call(torch.where, big, 0.0 if u is None else u, 0.0 if v is None else v)
 
-    re, im = e.div(pick(re_big, re_small), den), e.div(pick(im_big, im_small), den)
+    # times 1/den, as ATen (c10::complex's operator/=), not divided by den: the two differ in
+    # rounding, and where 1/den overflows (|b| below ~3e-39 in complex64) 0/(1e-40i) is NaN + NaN i
+    # and 1/(1e-40 + 0i) inf + NaN i there, where the quotient gave 0 and inf + 0i
+    scl = e.div(1.0, den)
+    re, im = e.mul(pick(re_big, re_small), scl), e.mul(pick(im_big, im_small), scl)
     # 0/0 made rat, and so both parts, NaN; ATen divides each part by 0 instead (a complex inf
     # or NaN: 1j/0 = nan + inf i, 1/(0+0i) = inf + nan i)
     ac, ad = e.f(torch.abs, c), e.f(torch.abs, d)

@@ -34,6 +34,7 @@ from torchport.compiler.complex_base import (
     c_angle,
     c_div,
     c_mul,
+    c_mul_c99,
     c_mul_promoted,
     c_sub,
     operands_have_its_shape,
@@ -629,9 +630,9 @@ def _number_pow(e: _Emitter, n: fx.Node, base: complex, p: Any) -> Pair:
     pow.Scalar: base 1 (not True) fills ones (also where p is NaN); any other base is converted
     to the result's dtype and raised by std::pow, e^(p log base) with the full complex product.
     log base is a constant, ATen's own log of the converted base, taken here once (the graph
-    had torch.abs(2), an error, from the tensor rule). Where that product is NaN + NaN i
-    (2 ** (inf + inf i), 0 ** (1 + NaN i)) C's multiply recovers infinities (Annex G) and this
-    one does not, as for a tensor base."""
+    had torch.abs(2), an error, from the tensor rule). The product is C's (:func:`c_mul_c99`),
+    which recovers infinities where it is NaN + NaN i (2 ** (inf + inf i) is inf + NaN i and
+    0 ** (1 + NaN i) is 0 - 0i), as for a tensor base."""
     val = _node_val(n)
     cdt = val.dtype if _is_complex_val(val) else torch.complex128
     if complex(base) == 1 and not isinstance(base, bool):  # (a bool Scalar equals no number)
@@ -643,7 +644,7 @@ def _number_pow(e: _Emitter, n: fx.Node, base: complex, p: Any) -> Pair:
     with unset_fake_temporarily():  # the compiler may run under AOTAutograd's fake mode
         lg = complex(torch.log(torch.tensor(complex(base), dtype=cdt)).item())
     log_base = Pair(lg.real, lg.imag)
-    return c_exp(e, c_mul_promoted(e, _pair(p), log_base), exp_shift(n))
+    return c_exp(e, c_mul_c99(e, _pair(p), log_base), exp_shift(n))
 
 
 @_rule(*_packets("pow"))
@@ -663,8 +664,9 @@ def _r_pow(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         # a number base (read from the node: a complex one was mapped to a Pair)
         return _number_pow(lw.e, n, n.args[0], p)
     if isinstance(p, (Pair, fx.Node, complex)):
-        # z^w = e^(w log z)
-        return c_exp(lw.e, c_mul(lw.e, p, c_log(lw.e, _pair(base))), exp_shift(n))
+        # z^w = e^(w log z), as glibc's cpow: C's product (a real w is w + 0i, whose +0 takes
+        # part: z ** w for z = 0 and w = 0. is NaN + NaN i, as eager; w·log z gave NaN + 0i)
+        return c_exp(lw.e, c_mul_c99(lw.e, p, c_log(lw.e, _pair(base))), exp_shift(n))
     return c_pow(lw.e, _pair(base), p, exp_shift(n))  # small integer powers by products
 
 
