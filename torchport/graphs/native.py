@@ -232,6 +232,7 @@ class _Codegen:
         self.pack_floats = 0  # scratch W: packed B panels
         self.tmp_floats = 0  # scratch T: a product before a general beta/alpha combine
         self.nthreads = native.num_threads()
+        self.reads_threads = False  # the program reads the replay-time thread count (NT)
         self.extra: list[torch.Tensor] = []  # buffers the program itself needs, kept alive
         self.errors: list[str] = []  # runtime errors, by code - 1
         self._counter = 0
@@ -251,6 +252,12 @@ class _Codegen:
         if ct is None:
             raise _Unsupported(str(dtype))
         return ct
+
+    def replay_threads(self) -> str:
+        """C expression for torch's intra-op thread count at replay, not at capture: ``run``
+        writes it to a cell the program reads (set_num_threads may change it in between)."""
+        self.reads_threads = True
+        return "NT"
 
     def fresh(self, prefix: str) -> str:
         self._counter += 1
@@ -688,6 +695,7 @@ def lower(
     decls = [f"  char* const s{i} = P[{i}];" for i in range(len(cg.storages))]
     ns = len(cg.storages)
     decls += [f"  float* const W = (float*)P[{ns}];", f"  float* const T = (float*)P[{ns + 1}];"]
+    decls += [f"  const int64_t NT = *(const int64_t*)P[{ns + 2}];"]
     src = (
         native.PRELUDE
         + _MATH
@@ -695,7 +703,7 @@ def lower(
         + GEMV_ENTRY_TYPEDEF
         + _PACK
         + "\nTP_EXPORT int tp_graph(char** P, void** F) {\n"
-        + "\n".join([*decls, "  (void)F; (void)W; (void)T;", *cg.lines])
+        + "\n".join([*decls, "  (void)F; (void)W; (void)T; (void)NT;", *cg.lines])
         + "\n  return 0;\n}\n"
     )
     try:
@@ -712,8 +720,12 @@ def lower(
     # The storages themselves, not tensors on them: a later ``set_`` of a captured tensor then
     # leaves the memory the program writes alive (and the guard reports the move).
     keep = [t.untyped_storage() for t in cg.storages]
-    ptrs = (ctypes.c_void_p * (ns + 2))(
-        *[st.data_ptr() for st in keep], *[t.data_ptr() for t in scratch]
+    threads = ctypes.c_int64(native.num_threads())  # NT: set before each call that reads it
+    reads_threads = cg.reads_threads
+    ptrs = (ctypes.c_void_p * (ns + 3))(
+        *[st.data_ptr() for st in keep],
+        *[t.data_ptr() for t in scratch],
+        ctypes.addressof(threads),
     )
     fptrs = (ctypes.c_void_p * max(1, len(cg.fns)))(
         *[ctypes.cast(f, ctypes.c_void_p).value for f in cg.fns]
@@ -729,6 +741,8 @@ def lower(
         # graphs`' 200-op MLP, whose replay is ~65 us (a list comprehension took 4.2 us)
         if list(map(_data_ptr, watch)) != expect:
             _moved(watch, expect, labels)
+        if reads_threads:
+            threads.value = native.num_threads()
         rc = fn(ptrs, fptrs)
         if rc:
             raise IndexError(f"graph replay: {errors[rc - 1]}")
@@ -738,7 +752,7 @@ def lower(
         expect[:] = [t.data_ptr() for t in tensors]
         labels[:] = names
 
-    run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch)
+    run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch, threads)
     return run, guard, src
 
 

@@ -11,7 +11,7 @@ Numerics (float32): ``_softmax`` subtracts the row max and uses the tier's ``exp
 ``mean``/``rstd`` as ATen does; ``gelu`` uses libm ``erff``/``tanhf``; ``argmax`` returns the first
 maximum, NaN counting as the maximum (ATen's rule). ``arange`` is bit-exact to ATen's CPU
 kernel: integers in int64, float32/float64 by :func:`arange_reference`'s position-dependent
-formula (for the running CPU capability and thread count).
+formula (for the running CPU capability, and the thread count at replay).
 """
 
 from __future__ import annotations
@@ -194,17 +194,28 @@ def _arange(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Ten
     # Unfused: an empty asm on the product keeps gcc from contracting it into an FMA.
     mad = "fma({a}, {b}, {c})" if fused else "tp_mul_add({a}, {b}, {c})"
     s, st = f"{float(start)!r}", f"{float(step)!r}"
-    for b, e in _arange_chunks(n, torch.get_num_threads()):
-        blocks = (e - b) // (2 * vec) * (2 * vec)
-        lane = mad.format(a="(double)j", b=st, c=f"({ct})" + mad.format(a=st, b="(double)k", c=s))
-        tail = mad.format(a=st, b="(double)k", c=s)
+    lane = mad.format(a="(double)j", b=st, c=f"({ct})" + mad.format(a=st, b="(double)k", c=s))
+    tail = mad.format(a=st, b="(double)k", c=s)
+    if n > _ARANGE_GRAIN:
+        # ATen splits the range by the thread count when it runs (_arange_chunks), so the program
+        # does too, from the replay-time count: the capture-time one gave other positions the
+        # lane formula (1 ulp off torch.arange at ~20% of them after set_num_threads)
+        tasks = f"TP_MIN(TP_MAX({cg.replay_threads()}, 1), {-(-n // _ARANGE_GRAIN)})"
         cg.lines.append(
-            f"  for (long k = {b}; k < {b + blocks}; k += {vec}) for (long j = 0; j < {vec}; ++j) "
-            f"{ob}[(k+j)*{os0}] = ({ct})({lane});"
+            f"  {{ const long size_ = ({n} + {tasks} - 1) / {tasks};"
+            f" for (long b = 0; b < {n}; b += size_) {{"
+            f" const long e = TP_MIN({n}, b + size_), m = b + (e - b) / {2 * vec} * {2 * vec};"
         )
-        cg.lines.append(
-            f"  for (long k = {b + blocks}; k < {e}; ++k) {ob}[k*{os0}] = ({ct})({tail});"
-        )
+        b, m, e = "b", "m", "e"
+    else:  # one chunk, whatever the thread count
+        b, m, e = "0", str(n // (2 * vec) * (2 * vec)), str(n)
+    cg.lines.append(
+        f"  for (long k = {b}; k < {m}; k += {vec}) for (long j = 0; j < {vec}; ++j) "
+        f"{ob}[(k+j)*{os0}] = ({ct})({lane});"
+    )
+    cg.lines.append(f"  for (long k = {m}; k < {e}; ++k) {ob}[k*{os0}] = ({ct})({tail});")
+    if n > _ARANGE_GRAIN:
+        cg.lines.append("  } }")
 
 
 def _cat(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor) -> None:
