@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 KB, MB = 1 << 10, 1 << 20
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
@@ -41,6 +42,26 @@ SMALL_SAMPLES = 15
 # 64 MB allreduce cell at world 2 then read 2.73x in one run against 4.56x in a 15-sample cell
 # bench right after (one slow sample of three decided the median)
 QUICK_LARGE_SAMPLES = 7
+# what one rank holds: Python, torch and torchport.distributed (323 MiB peak RSS here), and per
+# cell both backends' buffers and the in-place pass's, at most 5 x the cell's size
+RANK_BYTES = 320 << 20
+
+
+def check_memory(
+    p: Any, size_opt: str, sizes: list[int], world_opt: str, worlds: list[int]
+) -> None:
+    """A usage error (``p.error``) when the largest cell at the largest world would take more
+    than this machine's memory: a huge size or world failed in every worker, each with a
+    traceback, or spawned processes until the machine ran out."""
+    world, size = max(worlds), max(sizes)
+    need = world * (RANK_BYTES + 5 * size)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > total:
+        p.error(
+            f"{size_opt} {size} at {world_opt} {world} takes about {need / 2**30:.1f} GiB "
+            f"({RANK_BYTES >> 20} MiB + 5 x the size per rank), more than this machine's "
+            f"{total / 2**30:.1f} GiB"
+        )
 
 
 def _op_fn(op: str, size: int, world: int, group):
@@ -253,17 +274,25 @@ def main() -> None:
         a = sys.argv[2:10]
         worker(int(a[0]), int(a[1]), a[2], a[3], bool(int(a[4])), int(a[5]), a[6], a[7])
         return
-    from torchport.benchmarks import BenchTable, arg_parser
+    from torchport.benchmarks import BenchTable, arg_parser, comma_list, positive_int
+    from torchport.cli import int_at_least
 
     p = arg_parser(__doc__ or "")
-    p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    p.add_argument(
+        "--worlds", type=comma_list(positive_int), default="2,4", help="comma-separated world sizes"
+    )
     p.add_argument(
         "--ops",
         default="",
         help=f"comma-separated subset of {','.join((*OPS, *EXTRA_OPS))},ddp "
         "(default: all but sendrecv)",
     )
-    p.add_argument("--sizes", default="", help="comma-separated byte sizes (default: the grid)")
+    p.add_argument(
+        "--sizes",
+        type=comma_list(int_at_least(4)),  # (under 4 bytes: no float32 element)
+        default=None,
+        help="comma-separated byte sizes, each >= 4 (default: the grid)",
+    )
     p.add_argument(
         "--transport",
         default="auto",
@@ -271,10 +300,9 @@ def main() -> None:
         help="TORCHPORT_DIST_TRANSPORT for the torchport group (tcp: the TCP algorithms)",
     )
     args = p.parse_args()
-    for name, text in (("--sizes", args.sizes), ("--worlds", args.worlds)):
-        # checked here: a bad value failed in every spawned worker with a traceback each
-        if text and not all(s.strip().isdigit() and int(s) > 0 for s in text.split(",")):
-            p.error(f"{name} must be comma-separated positive integers, got {text!r}")
+    # (checked here: a bad value failed in every spawned worker with a traceback each)
+    check_memory(p, "--sizes", args.sizes or [64 * MB], "--worlds", args.worlds)
+    sizes = ",".join(map(str, args.sizes or ()))
     known = (*OPS, *EXTRA_OPS, "ddp")
     bad = [o for o in (args.ops or "").split(",") if args.ops and o.strip() not in known]
     if bad:  # (an unknown name was skipped: an empty table, exit 0)
@@ -284,9 +312,9 @@ def main() -> None:
     table.start()
     os.environ["TORCHPORT_DIST_TRANSPORT"] = args.transport
     tag = "" if args.transport == "auto" else f" {args.transport}"
-    for world in (int(w) for w in args.worlds.split(",")):
+    for world in args.worlds:
         ops = args.ops or ",".join((*OPS, "ddp"))
-        for row in run_world(world, args.quick, reps, timeout=900, ops=ops, sizes=args.sizes):
+        for row in run_world(world, args.quick, reps, timeout=900, ops=ops, sizes=sizes):
             if row["op"] == "ddp_mlp":
                 table.add(
                     f"DDP MLP step w{world}{tag} ({row['size'] / MB:.0f} MB grads)",

@@ -33,9 +33,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collectives import OPS, _op_fn, _slowest, wait_all  # the grid's cells, timed alike
+from bench_collectives import (  # the grid's cells, timed alike
+    OPS,
+    _op_fn,
+    _slowest,
+    check_memory,
+    wait_all,
+)
 
 from torchport.benchmarks import positive_int, scratch_dir
+from torchport.cli import int_at_least, positive_float
 
 
 def worker(rank: int, world: int, init: str, op: str, size: int, samples: int, calls: int) -> None:
@@ -107,13 +114,17 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--op", default="broadcast", choices=OPS)
-    p.add_argument("--size", type=int, default=1 << 20, help="bytes")
-    p.add_argument("--world", type=int, default=2)
+    # (unchecked, --world 0 ran nothing and exited 0, --size -7 timed a bogus cell, a huge one
+    # failed in every worker: checked against the memory below)
+    p.add_argument("--size", type=int_at_least(4), default=1 << 20, help="bytes, >= 4")
+    p.add_argument("--world", type=positive_int, default=2)
     p.add_argument("--samples", type=positive_int, default=30)
     p.add_argument(
         "--calls", type=positive_int, default=2, help="calls per sample (after a barrier)"
     )
-    p.add_argument("--timeout", type=float, default=170.0, help="seconds; workers are killed")
+    p.add_argument(
+        "--timeout", type=positive_float, default=170.0, help="seconds; workers are killed"
+    )
     p.add_argument(
         "--transport",
         choices=("auto", "shm", "tcp"),
@@ -121,6 +132,7 @@ def main() -> None:
         help="torchport's transport (TORCHPORT_DIST_TRANSPORT for the workers; default: inherited)",
     )
     args = p.parse_args()
+    check_memory(p, "--size", [args.size], "--world", [args.world])
     with scratch_dir("tp-cell-") as tmp:  # (also on SIGTERM: the folder stayed, workers ran on)
         _run(args, tmp)
 

@@ -23,9 +23,11 @@ Rows (anchor → ours):
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,13 +35,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.ft_actors import Actors
-from torchport.benchmarks import BenchTable, arg_parser, scratch_dir
-from torchport.cli import int_at_least
+from torchport.benchmarks import BenchTable, arg_parser, scratch_dir, stop_signals
+from torchport.cli import int_at_least, positive_float
+from torchport.demo.stage_ft import MIN_FT_STEPS
 from torchport.distributed._control import default_secret
 from torchport.distributed.flight_recorder import FlightRecorder
 from torchport.distributed.ft import Lighthouse, fetch_state
 
 GLOO_HANG_TIMEOUT_S = 10.0  # what 2.14's gloo leaves a peer waiting (issue text)
+# the options' upper bounds: a run_scenario times out after 300 s (~4500 steps here), a timed
+# job lasts 2 x --pairs x --fault-period seconds
+MAX_TRAIN_STEPS = 100_000
+MAX_RANKS = 64
+MAX_WINDOW_S = 3600.0
+MAX_PAIRS = 100
+
+
+def seconds_between(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse ``type=``: a number of seconds in [lo, hi]."""
+
+    def parse(text: str) -> float:
+        v = positive_float(text)
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be between {lo:g} and {hi:g} s, got {v:g}")
+        return v
+
+    return parse
 
 
 def _ok(res: list) -> list:
@@ -331,25 +352,32 @@ def main() -> None:
     p.add_argument("--backend", choices=("torchport", "gloo"), default="torchport")
     p.add_argument(
         "--ranks",
-        type=int_at_least(2),  # (0 or 1 ended in an IndexError: a reconfigure needs a peer)
+        # (0 or 1 ended in an IndexError: a reconfigure needs a peer; each rank is a process)
+        type=int_at_least(2, at_most=MAX_RANKS),
         nargs="*",
-        help="reconfigure sizes, each >= 2 (default 4, or 4 8)",
+        help=f"reconfigure sizes, each 2 to {MAX_RANKS} (default 4, or 4 8)",
     )
+    # (unchecked, a negative --train-steps, or one below MIN_FT_STEPS, waited out the run's 300 s
+    # timeout; --fault-period NaN or inf never ended; 0 stood for the default)
     p.add_argument(
         "--train-steps",
-        type=int,
-        default=0,
-        help="training steps per run (default 30, or 120); ~450 makes a ~30 s run with one fault",
+        type=int_at_least(MIN_FT_STEPS, at_most=MAX_TRAIN_STEPS),
+        default=None,
+        help=f"training steps per run, {MIN_FT_STEPS} to {MAX_TRAIN_STEPS} (default 30, or 120); "
+        "~450 makes a ~30 s run with one fault",
     )
     p.add_argument(
         "--fault-period",
-        type=float,
-        default=0.0,
-        help="timed training: window length = seconds between faults (e.g. 30); one job alternates "
-        "fault-free and faulty windows (ABBA), --pairs pairs",
+        type=seconds_between(1.0, MAX_WINDOW_S),
+        default=None,
+        help="timed training: window length = seconds between faults (e.g. 30; 1 to "
+        f"{MAX_WINDOW_S:.0f}); one job alternates fault-free and faulty windows (ABBA), --pairs pairs",
     )
     p.add_argument(
-        "--pairs", type=int, default=0, help="timed training: window pairs (default 3, or 5)"
+        "--pairs",
+        type=int_at_least(1, at_most=MAX_PAIRS),
+        default=None,
+        help=f"timed training: window pairs, at most {MAX_PAIRS} (default 3, or 5)",
     )
     p.add_argument(
         "--only",
@@ -374,11 +402,14 @@ def main() -> None:
     if "train" in parts:
         if args.fault_period:
             pairs = args.pairs or (3 if args.quick else 5)
-            bench_training_timed(table, args.fault_period or 30.0, pairs)
+            bench_training_timed(table, args.fault_period, pairs)
         else:
             bench_training(table, args.train_steps or (30 if args.quick else 120))
     table.save(args.json)
 
 
 if __name__ == "__main__":
-    main()
+    # SIGTERM / SIGHUP unwind the run: its actors are killed and multiprocessing's pymp-* folder
+    # (the forkserver's socket) removed, which their default action left in $TMPDIR
+    with stop_signals():
+        main()

@@ -43,6 +43,7 @@ from torchport.benchmarks import (
     one_of,
     positive_int,
 )
+from torchport.cli import int_at_least
 from torchport.nn.functional import linear
 
 # Copies of a cell's arguments rotated per call: more than 4x L3 in all, so between two calls on
@@ -315,7 +316,10 @@ def grid_cell(text: str) -> tuple[str, int, int, int]:
 def main() -> None:
     p = arg_parser(__doc__ or "")
     p.add_argument(
-        "--max-autotune-cells", type=int, default=None, help="cap on max-autotune anchors"
+        "--max-autotune-cells",
+        type=int_at_least(0),
+        default=None,
+        help="cap on max-autotune anchors (0: none)",
     )
     p.add_argument(
         "--cells",

@@ -24,6 +24,7 @@ import torch
 
 from torchport import native
 from torchport.benchmarks import arg_parser, positive_int
+from torchport.cli import int_at_least
 from torchport.gemm import templates
 
 ACTS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -61,6 +62,10 @@ def _functions(lib: ctypes.CDLL) -> dict[str, Any]:
     return fns
 
 
+# the largest --n: x and y are float32 (2 GiB); the loops' length is an int64
+MAX_N = 1 << 28
+
+
 def _load_templates(path: str) -> Any:
     spec = importlib.util.spec_from_file_location("torchport_gemm_templates_b", path)
     assert spec is not None and spec.loader is not None, path
@@ -71,7 +76,7 @@ def _load_templates(path: str) -> Any:
 
 def main() -> None:
     p = arg_parser(__doc__ or "", writes_json=False)  # (its lines are the result)
-    p.add_argument("--n", type=int, default=32768)
+    p.add_argument("--n", type=int_at_least(1, at_most=MAX_N), default=32768, help="elements")
     p.add_argument(
         "--inner", type=positive_int, default=200, help="calls per sample (torch's: inner // 10)"
     )

@@ -17,6 +17,7 @@ is ``name=old>>new[|old>>new...]`` or ``mMC_kKC``; needs AMX-BF16).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 import statistics
@@ -27,7 +28,8 @@ import torch
 
 from torchport import native
 from torchport.autotune import cold_copies
-from torchport.benchmarks import arg_parser
+from torchport.benchmarks import arg_parser, positive_int
+from torchport.cli import int_at_least
 from torchport.gemm import kernels, templates
 from torchport.gemm.epilogue import EpilogueSpec
 from torchport.gemm.kernels import Config
@@ -48,17 +50,29 @@ def operands(spec: EpilogueSpec, m: int, n: int) -> list[torch.Tensor]:
     return [torch.randn(shapes[op.kind]).to(dts[op.dtype]) for op in spec.ops if op.kind in shapes]
 
 
+def shape(text: str) -> tuple[int, int, int]:
+    """``--shape MxNxK``, each a positive integer (a bad one was a ValueError traceback)."""
+    parts = text.split("x")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected MxNxK (e.g. 2048x3072x768), got {text!r}")
+    try:
+        m, n, k = (positive_int(v) for v in parts)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
+    return m, n, k
+
+
 def main(argv: list[str] | None = None) -> None:
     p = arg_parser(__doc__.split("\n\n")[0], writes_json=False)  # (prints its medians)
-    p.add_argument("--shape", default="2048x3072x768", help="MxNxK")
-    p.add_argument("--mc", type=int, default=256)
-    p.add_argument("--kc", type=int, default=256)
+    p.add_argument("--shape", type=shape, default="2048x3072x768", help="MxNxK, each >= 1")
+    p.add_argument("--mc", type=positive_int, default=256)
+    p.add_argument("--kc", type=positive_int, default=256)
     p.add_argument("--epilogue", default="bias_col:bf16", help="an EpilogueSpec's text")
     p.add_argument("--variant", action="append", default=[], help="name=old>>new|... or mMC_kKC")
     p.add_argument("--aten", action="store_true", help="also time torch.addmm (bias_col only)")
     p.add_argument(
         "--cold",
-        type=int,
+        type=int_at_least(0),
         default=0,
         help="bytes of weight copies to rotate through (each call reads the next copy; 0: one)",
     )
@@ -66,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     if not kernels.amx_ready():
         raise SystemExit("bench gemm_amx_ab: this machine has no AMX-BF16 the kernel may use")
     reps = 3 if args.quick else max(3, args.reps)
-    m, n, k = (int(v) for v in args.shape.split("x"))
+    m, n, k = args.shape
     spec = EpilogueSpec.decode(args.epilogue)
     base = native.render(templates.render_amx_source(spec, spec.out or "bf16").replace("$", "$$"))
 

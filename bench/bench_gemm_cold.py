@@ -20,7 +20,8 @@ import statistics
 import subprocess
 import sys
 
-from torchport.benchmarks import positive_int, scratch_dir
+from torchport.benchmarks import comma_list, one_of, positive_int, scratch_dir
+from torchport.cli import int_at_least
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -44,6 +45,20 @@ print(json.dumps(out))
 """
 
 CELLS = ("f32:1", "f32:512", "bf16:1", "bf16:8", "bf16:512")
+# the largest M of a cell: its input and output take M x 5120 floats (1.3 GiB here)
+MAX_M = 1 << 16
+
+
+def cell(text: str) -> tuple[str, int]:
+    """One ``--cells`` entry, ``DTYPE:M`` (f32 or bf16; 1 <= M <= MAX_M). A bad one was a
+    ValueError traceback, or every child's failure (M = 0, an allocation of terabytes)."""
+    dtype, colon, m = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"expected DTYPE:M (e.g. bf16:8), got {text!r}")
+    try:
+        return one_of("f32", "bf16")(dtype), int_at_least(1, at_most=MAX_M)(m)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
 
 
 def run_cell(dtype: str, m: int) -> list[list[float]]:
@@ -65,10 +80,15 @@ def run_cell(dtype: str, m: int) -> list[list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cells", default=",".join(CELLS), help="dtype:M,... (f32 or bf16)")
+    p.add_argument(
+        "--cells",
+        type=comma_list(cell),
+        default=",".join(CELLS),
+        help=f"DTYPE:M,... (f32 or bf16, 1 <= M <= {MAX_M})",
+    )
     p.add_argument("--rounds", type=positive_int, default=1)
     args = p.parse_args(argv)
-    cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells.split(",")]
+    cells: list[tuple[str, int]] = args.cells
     first: list[float] = []
     later: list[float] = []
     print("# cold tuning per new shape, fresh cache per cell (target <= 2 s)")

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 
 from torchport import native
-from torchport.benchmarks import arg_parser
+from torchport.benchmarks import arg_parser, positive_int
+from torchport.cli import int_at_least
 from torchport.gemm import kernels, templates
 from torchport.gemm.kernels import NO_EPILOGUE, Config
 from torchport.gemm.pack import pack_b
@@ -49,11 +50,13 @@ def launchers(cfgs: list[Config], isa: str, pairs: bool) -> dict[Config, Callabl
 
 def main() -> None:
     p = arg_parser(__doc__ or "", writes_json=False)  # --reps (rounds), --quick (3 rounds)
-    p.add_argument("--m", type=int, default=8)
-    p.add_argument("--d", type=int, default=4096, help="K")
-    p.add_argument("--h", type=int, default=11008, help="N")
+    p.add_argument("--m", type=positive_int, default=8)
+    p.add_argument("--d", type=positive_int, default=4096, help="K")
+    p.add_argument("--h", type=positive_int, default=11008, help="N")
     p.add_argument("--cfgs", default="4:24:8:64,4:24:8:0", help="mr:nr:mc:pf:kc:ks:nt,...")
-    p.add_argument("--copies", type=int, default=0, help="weight copies (0: 96 MiB of them)")
+    p.add_argument(
+        "--copies", type=int_at_least(0), default=0, help="weight copies (0: 96 MiB of them)"
+    )
     args = p.parse_args()
     if args.quick:
         args.reps = 3

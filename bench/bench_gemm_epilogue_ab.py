@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from torchport import native
-from torchport.benchmarks import arg_parser
+from torchport.benchmarks import arg_parser, positive_int
 from torchport.gemm import epilogue as G
 from torchport.gemm import kernels
 from torchport.gemm.kernels import Config
@@ -50,9 +50,9 @@ def copy_count(nbytes: int, launchers: int) -> int:
 
 def main() -> None:
     p = arg_parser(__doc__ or "", writes_json=False)  # --reps (rounds), --quick (2 rounds)
-    p.add_argument("--m", type=int, default=32)
-    p.add_argument("--d", type=int, default=1024)
-    p.add_argument("--h", type=int, default=4096)
+    p.add_argument("--m", type=positive_int, default=32)
+    p.add_argument("--d", type=positive_int, default=1024)
+    p.add_argument("--h", type=positive_int, default=4096)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--cfg", default="4:24:32:32:0:1:1", help="mr:nr:mc:pf:kc:ks:nt[:dp]")
     args = p.parse_args()

@@ -30,6 +30,8 @@ import torch
 
 from torchport import gemv as G
 from torchport import native
+from torchport.benchmarks import positive_int
+from torchport.cli import int_at_least
 from torchport.gemv.fp4_kernel import gemv_fp4_block_kernel, gemv_fp4_pair_kernel
 from torchport.gemv.fp8_kernel import gemv_fp8_shift_kernel
 from torchport.gemv.ops import _launch
@@ -66,13 +68,17 @@ def _kernel(fmt: str, isa: str, prefetch: int, chunk: int | None):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--rows", type=int, default=11008)
-    p.add_argument("--l2-rows", type=int, default=96)
-    p.add_argument("--prefetch", type=int, nargs="*", default=[])
-    p.add_argument("--chunk", type=int, default=None)
+    # (unchecked, --reps 0 was a StatisticsError, --l2-rows 8 a ZeroDivisionError: the L2 rate
+    # is the time less that of an 8-row call)
+    p.add_argument("--reps", type=positive_int, default=15)
+    p.add_argument("--rows", type=positive_int, default=11008)
+    p.add_argument("--l2-rows", type=int_at_least(9), default=96)
+    p.add_argument("--prefetch", type=int_at_least(0), nargs="*", default=[], help="bytes ahead")
+    p.add_argument("--chunk", type=positive_int, default=None)
     p.add_argument("--packed", action="store_true", help="also gemv_packed and the pair kernel")
-    p.add_argument("--formats", nargs="*", default=["fp8", "nvfp4", "mxfp4"])
+    p.add_argument(
+        "--formats", nargs="*", choices=("fp8", "nvfp4", "mxfp4"), default=["fp8", "nvfp4", "mxfp4"]
+    )
     args = p.parse_args()
     isa = native.cpu_info().isa
     nt = native.num_threads()

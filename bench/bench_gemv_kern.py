@@ -26,6 +26,7 @@ import torch
 
 from torchport import native
 from torchport.autotune import cold_bytes
+from torchport.benchmarks import positive_int
 from torchport.gemv.bf16_kernel import gemv_bf16_dp_kernel
 from torchport.gemv.fp4_kernel import (
     gemv_fp4_amx_kernel,
@@ -96,13 +97,19 @@ def _kernel(spec: str) -> tuple[str, object]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variants", nargs="+", required=True)
-    p.add_argument("--reps", type=int, default=11)
-    p.add_argument("--rows", type=int, default=11008)
-    p.add_argument("--k", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--threads", type=int, nargs="+", default=None)
-    p.add_argument("--copies", type=int, default=None, help="weight copies (default: past L3)")
-    p.add_argument("--inner", type=int, default=1, help="calls per sample (time: their mean)")
+    # (unchecked, --reps 0 was a ValueError from max() of no samples, --threads 0 or --rows 0
+    # a kernel call on nothing)
+    p.add_argument("--reps", type=positive_int, default=11)
+    p.add_argument("--rows", type=positive_int, default=11008)
+    p.add_argument("--k", type=positive_int, default=4096)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--threads", type=positive_int, nargs="+", default=None)
+    p.add_argument(
+        "--copies", type=positive_int, default=None, help="weight copies (default: past L3)"
+    )
+    p.add_argument(
+        "--inner", type=positive_int, default=1, help="calls per sample (time: their mean)"
+    )
     args = p.parse_args()
     nt = native.num_threads()
     thread_counts = args.threads or sorted({1, nt})

@@ -9,6 +9,7 @@ machine and versions) under ``bench/results/`` or ``--json``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import platform
@@ -117,7 +118,8 @@ def stop_signals() -> Iterator[None]:
     """For the block's length, SIGTERM and SIGHUP (where they have their default action and this
     is the main thread) raise an exception instead of ending the process at once, so that every
     ``finally`` inside runs: workers are killed, folders removed. Once the block has unwound the
-    signal is raised again with its default action, so the process still ends by it. (The
+    exit handlers (``atexit``) run, as at a normal end, and the signal is raised again with its
+    default action, so the process still ends by it. (The
     collectives benchmarks' workers and ``torchport demo``'s ft replicas ran on after a
     ``kill``.)"""
 
@@ -140,6 +142,13 @@ def stop_signals() -> Iterator[None]:
         for signum, old in mine.items():
             signal.signal(signum, old)
     if stopped:
+        # the interpreter's exit handlers first, as at a normal end (the default action skips
+        # them: multiprocessing's pymp-* folder, the forkserver's socket in it, stayed in
+        # $TMPDIR), and the output buffered so far
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # (closed, or a pipe whose reader is gone)
+                stream.flush()
         signal.raise_signal(stopped)  # (the default action: the process ends here)
         raise AssertionError(f"signal {stopped} did not end the process")
 

@@ -161,9 +161,9 @@ def run_alternating(
     from torchport.demo.ft_worker import spawn, stage_corpus
     from torchport.distributed.ft import Lighthouse
 
-    if segment <= 0 or pairs < 1 or not 0.0 < kill_at < 1.0:
+    if not 0 < segment < float("inf") or pairs < 1 or not 0.0 < kill_at < 1.0:  # (NaN too)
         raise ValueError(
-            f"run_alternating needs segment > 0, pairs >= 1 and 0 < kill_at < 1, "
+            f"run_alternating needs a finite segment > 0, pairs >= 1 and 0 < kill_at < 1, "
             f"got segment={segment}, pairs={pairs}, kill_at={kill_at}"
         )
     _fresh(out)
