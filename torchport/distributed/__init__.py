@@ -63,6 +63,7 @@ from torchport.distributed.reconfigure import (
     _supports_reconfigure,
     init_process_group,
 )
+from torchport.distributed.transport_tcp import PeerLeftError
 from torchport.distributed.window import (
     Window,
     WindowError,
@@ -251,6 +252,7 @@ __all__ = [
     "Communicator",
     "CommunicatorErrorState",
     "PeerFailure",
+    "PeerLeftError",
     "ReconfigurableGroup",
     "ReconfigureError",
     "ReconfigureOptions",

@@ -56,6 +56,7 @@ from torchport.distributed.transport_tcp import (
     Delivery,
     Mesh,
     Once,
+    PeerLeftError,
     SendSource,
     Target,
     on_reader_thread,
@@ -381,6 +382,9 @@ class Communicator:
         self.peer_chunk = max(1, chunk // len(ranks)) if local is not None else chunk
         self.epoch = 1
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
+        # called once the close ended, for a group on a mesh it does not own (groups: the last
+        # group on the root mesh to close after the default group leaves the mesh)
+        self.on_closed: Callable[[], None] | None = None
         self.op_seq = 0
         self.error: BaseException | None = None
         # set by close(): a later op would queue on a stopped engine, or run inline on an
@@ -494,6 +498,29 @@ class Communicator:
     def on_peer_lost(self, src: int, error: BaseException) -> None:
         if src in self.ranks:
             self.fail(error, REASON_ERROR)
+
+    def on_peer_left(self, src: int) -> None:
+        """Global rank ``src`` left the job (its goodbye was read after every frame it sent):
+        the receives posted from it fail with :class:`PeerLeftError` -- its frames would have
+        been delivered by now. The group itself fails only when an operation that needs
+        ``src`` runs (a collective still finishing with what it got from ``src`` completes)."""
+        if src not in self.ranks:
+            return
+        with self._lock:
+            # (an any-source receive, a Once, waits for the other ranks too)
+            gone = [
+                p
+                for p in self._pending
+                if p[0] is not None and p[0][2] == src and not isinstance(p[1], Once)
+            ]
+            self._pending = [p for p in self._pending if not any(p is g for g in gone)]
+        if gone:
+            err = PeerLeftError(
+                f"communicator {self.name!r} (rank {self.rank}): a recv from rank "
+                f"{self.ranks.index(src)}, which left the job (it destroyed its process group "
+                f"or exited) without sending it"
+            )
+            self._cancel_receives(gone, err)
 
     # -- running operations ------------------------------------------------------------
     def run(self, work: TorchportWork, fn: Callable[[], None]) -> None:
@@ -922,6 +949,8 @@ class Communicator:
                     count = -(-total // bound)
                     into = Target(tensor.data_ptr(), bound, (*want, 0, count), total=total)
             self.mesh.mailbox.expect(key, one, into)
+            if key[2] in self.mesh.mailbox.left:  # (left before this receive was posted)
+                self.on_peer_left(key[2])
             return work
         keys = [
             (self.group_id, int(Kind.P2P), g, seq)
@@ -1033,7 +1062,9 @@ class Communicator:
             self._stop()
         finally:
             if self.owns_mesh:
-                self.mesh.close()
+                self.mesh.leave()
+            elif self.on_closed is not None:
+                self.on_closed()
 
     def _stop(self) -> None:
         self.engine.urge()  # queued async work starts now rather than at the next poll

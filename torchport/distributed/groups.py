@@ -13,12 +13,17 @@ communicator's rank q is c10d's group rank q. A group gets a shared-memory arena
 members run on this host (same hostname and boot id) and ``TORCHPORT_DIST_TRANSPORT`` allows
 it. A group spanning hosts (transport ``auto``) is *hybrid*: the members on each host share an
 arena among themselves and reach the other hosts by TCP, chosen per peer in every step
-(:mod:`~torchport.distributed.exchange`).
+(:mod:`~torchport.distributed.exchange`). The root mesh leaves the job
+(:meth:`~torchport.distributed.transport_tcp.Mesh.leave`: a goodbye on every connection, which
+its peers tell from a crash) once the default group and every group on it have closed
+(``destroy_process_group()``), or at the process's exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import os
 import socket
 import threading
@@ -42,6 +47,13 @@ _incarnations: dict[str, int] = {}
 # _incarnations: a re-initialized job reuses names and ids, and the counts it carried over could
 # differ between ranks)
 _splits: dict[tuple[str, int], int] = {}
+# The communicators on the root mesh not closed yet, and whether the default group (the mesh's
+# builder) closed: the last of them to close after it makes the mesh leave (left open, its
+# listener, a reader thread and a socket per peer stayed after destroy_process_group until the
+# next init_process_group). torch shuts the groups down in the order of their names, so a
+# subgroup may still flush on the mesh after the default group closed.
+_on_root: set[Communicator] = set()
+_root_done = False
 
 
 def next_split(parent: tuple[str, int]) -> int:
@@ -100,6 +112,29 @@ def positive_timeout_s(timeout: Any, where: str) -> float:
 def root_mesh() -> Mesh | None:
     """The process's root mesh (None before ``init_process_group``)."""
     return _root
+
+
+def _closed_on_root(comm: Communicator, default: bool) -> None:
+    """``comm``, a group on the root mesh (``default``: the default group), closed: the mesh
+    leaves once the default group and every other group on it closed."""
+    global _root_done
+    with _lock:
+        if comm.mesh is not _root:  # a later init_process_group replaced (and closed) it
+            return
+        _on_root.discard(comm)
+        _root_done = _root_done or default
+        leaving = _root if _root_done and not _on_root and not _root.closed else None
+    if leaving is not None:  # (unlocked: it waits for the peers to end their side)
+        leaving.leave()
+
+
+@atexit.register
+def _leave_at_exit() -> None:
+    """At the process's exit the root mesh leaves as at ``destroy_process_group()``: its
+    peers read a goodbye, not the end of a crashed process's connections."""
+    mesh = _root
+    if mesh is not None and not mesh.closed:
+        mesh.leave()
 
 
 def _build_mesh(store: Any, rank: int, size: int, timeout_s: float, again: str = "") -> Mesh:
@@ -191,7 +226,7 @@ def build_communicator(
 
     A timeout that is not positive is refused (:func:`positive_timeout_s`), as gloo refuses a
     negative one, before anything is exchanged: every member refuses the same value."""
-    global _root
+    global _root, _root_done
     # (a negative one, often timedelta.max wrapped around, timed out every op that waited for a
     # peer at once; on shm rank 0 gave up on the arena at once and the others found it gone)
     timeout_s = positive_timeout_s(timeout, f"group {name or 'default'!r}")
@@ -211,6 +246,8 @@ def build_communicator(
                 _root = mesh
                 _incarnations.clear()
                 _splits.clear()
+                _on_root.clear()
+                _root_done = False
             ranks: list[int] = list(range(size))
             gid = 0 if not global_ranks else group_id_for(name, seen)
         else:
@@ -268,4 +305,8 @@ def build_communicator(
         local_ranks=local_ranks if local_arena is not None else (),
     )
     comm.owns_mesh = is_root and bool(global_ranks)
+    if not comm.owns_mesh:  # on the root mesh (the default group is the one that built it)
+        with _lock:
+            _on_root.add(comm)
+        comm.on_closed = functools.partial(_closed_on_root, comm, not global_ranks)
     return comm

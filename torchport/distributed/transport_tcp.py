@@ -28,6 +28,8 @@ Internal API other modules build on:
 - ``Mesh.mailbox.get(key, deadline, check)`` / ``expect(key, callback)``: receive frames (a
   :class:`Delivery` callback names the operation its exceptions fail);
 - ``Mesh.register(group_id, handler)``: route ABORT frames and lost peers to a communicator;
+- ``Mesh.leave()``: close with a goodbye (``GOODBYE_GROUP``) its peers tell from a crash: a
+  later wait for the leaver's frames, or a send to it, raises :class:`PeerLeftError`;
 - ``Mesh.peers``: the connection map ``{global rank: Connection}``.
 """
 
@@ -63,6 +65,7 @@ from torchport.distributed.errors import (
     CommError,
     CommTimeoutError,
     CommunicatorErrorState,
+    RemoteError,
     WireError,
 )
 from torchport.distributed.shm_kernels import ABORTED as SHM_ABORTED
@@ -151,6 +154,28 @@ RING_SLICE_NS = SLICE_MS * 1_000_000  # a ring copy returns this often, progress
 MAX_RING_BYTES = 1 << 30  # the largest ring a peer may offer (config's bound)
 U64 = 0xFFFFFFFFFFFFFFFF  # a header's seq is stored as u64 (wire.encode_header)
 DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drops
+# A rank leaving the job (Mesh.leave: destroy_process_group, or the process's exit) sends this
+# CTRL frame's group id on every connection after everything else it sent there, then ends its
+# side of the stream: its peers take the end of that connection for a departure, not a crash.
+# No group takes the id (sub-group ids are below 2**31, groups.group_id_for).
+GOODBYE_GROUP = 0xFFFFFFFF
+# How long a leaving mesh waits for its goodbyes to go out and its peers to end their side of
+# each connection (their reader threads do at once), before it closes the sockets anyway.
+LEAVE_S = 2.0
+JOIN_S = 1.0  # ... and then for its reader threads and acceptor to end
+
+
+class PeerLeftError(RemoteError):
+    """An operation needed a peer that left the job: it closed its connections with a
+    goodbye (``destroy_process_group`` or its process's exit), after everything it sent had
+    been received, and what the operation waited for was not among it."""
+
+
+def _left(rank: int, peer: int, what: str) -> PeerLeftError:
+    return PeerLeftError(
+        f"rank {rank}: {what} rank {peer}, which left the job (it destroyed its process group "
+        f"or exited: its connection closed with a goodbye after everything it sent)"
+    )
 
 
 def frames_after(frame: Frame) -> int:
@@ -184,7 +209,8 @@ def _spread_cpu(local: int) -> int:
 
 
 class GroupHandler(Protocol):
-    """What a communicator exposes to the mesh."""
+    """What a communicator exposes to the mesh (and, where it has one, ``on_peer_left(src)``:
+    the peer's goodbye was read, :meth:`Mesh._goodbye`)."""
 
     def on_remote_abort(self, src: int, reason: int) -> None: ...
 
@@ -464,6 +490,10 @@ class Mailbox:
         # warned about; the delivering thread goes on either way.
         self.callback_errors = 0
         self.last_callback_error: BaseException | None = None
+        # Peers whose goodbye was read (Mesh.leave): every frame they sent came before it, so a
+        # frame of theirs not here now never comes (``get`` fails at once instead of waiting).
+        self.left: set[int] = set()
+        self.rank = -1  # this process's rank (for messages; set by the mesh)
 
     def _call(self, cb: Callable[[Frame], None], frame: Frame) -> None:
         """Run a waiting callback (unlocked); route its exception instead of raising it."""
@@ -806,6 +836,8 @@ class Mailbox:
                             del self._frames[key]
                         return frame
                     check()
+                    if key[2] in self.left:
+                        raise _left(self.rank, key[2], f"waiting for a frame {key} from")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise CommTimeoutError(f"timed out waiting for a frame {key}")
@@ -852,6 +884,8 @@ class Connection:
     ring_out: ShmRing | None = None
     ring_in: ShmRing | None = None
     ring_tried: bool = False
+    left: bool = False  # the peer's goodbye was read (GOODBYE_GROUP): its end is no loss
+    ended: threading.Event = field(default_factory=threading.Event)  # its reader returned
 
     def __post_init__(self) -> None:
         self.own_addr = ctypes.addressof(self.own)
@@ -980,8 +1014,10 @@ class Mesh:
         self.mailbox = Mailbox()
         self.mailbox.on_wait = self._poke_readers
         self.peers: dict[int, Connection] = {}
+        self.mailbox.rank = rank
         self.rejected = 0
         self.closed = False
+        self.leaving = False  # leave() runs: the ends of the connections are expected
         # connections in the listener's handshake (see HANDSHAKE_TIMEOUT_S)
         self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.linger_us = 0  # LINGER_US once the ranks on this host are known (fixed meshes)
@@ -1210,6 +1246,7 @@ class Mesh:
         except RuntimeError as e:  # no thread could start: nothing would read from ``q``
             with contextlib.suppress(OSError):  # (the peer's reader ends: it loses us too)
                 sock.shutdown(socket.SHUT_RDWR)
+            conn.ended.set()
             self._lost(conn, CommError(f"no reader thread could start: {e}"))
 
     def _spawn(self, fn: Callable[..., None], *args: Any, name: str) -> None:
@@ -1223,6 +1260,7 @@ class Mesh:
             self._read_frames(conn)
         finally:
             _reader.active = False
+            conn.ended.set()
 
     def _read_frames(self, conn: Connection) -> None:
         lib, fd, own = tcp_lib(), conn.sock.fileno(), conn.own_addr
@@ -1255,8 +1293,17 @@ class Mesh:
             self._lost(conn, e)
 
     def _lost(self, conn: Connection, e: BaseException) -> None:
-        """Tell every group that the connection to ``conn.peer`` is gone."""
-        if not self.closed:  # (a closing mesh's readers end so: close() settles the rings)
+        """Tell every group that the connection to ``conn.peer`` is gone -- unless the peer said
+        goodbye first (it left: this end of the stream is closed too, which ends its
+        :meth:`leave`) or this mesh is leaving."""
+        if conn.left and not self.closed:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
+            if not self.leaving:  # (leaving too: close() drains the ring the peer still reads)
+                self._close_rings(conn)
+            self.mailbox.wake()
+            return
+        if not self.closed and not self.leaving:  # (close() settles the rings)
             self._close_rings(conn)
             err = CommError(f"connection to rank {conn.peer} lost: {e}")
             for handler in list(self._handlers.values()):
@@ -1327,6 +1374,9 @@ class Mesh:
             return
         if hdr.kind == Kind.NOTE:
             self.on_note(conn.peer, hdr.seq, body)
+            return
+        if hdr.kind == Kind.CTRL and hdr.group == GOODBYE_GROUP:
+            self._goodbye(conn)
             return
         if hdr.kind == Kind.RING:
             self._ring_offered(conn, hdr, body)
@@ -1774,6 +1824,8 @@ class Mesh:
         conn = self.peers.get(peer)
         if conn is None:
             raise CommError(f"rank {self.rank} has no connection to rank {peer}")
+        if conn.left:
+            raise _left(self.rank, peer, "sending to")
         return conn
 
     def _send_frame(
@@ -2108,6 +2160,8 @@ class Mesh:
             conn = self.peers.get(xs.peer)
             if conn is None:
                 raise CommError(f"rank {self.rank} has no connection to rank {xs.peer}")
+            if conn.left:  # (its socket would still take the frame: no one reads it)
+                raise _left(self.rank, xs.peer, "sending to")
             if xs.size > self.max_frame:
                 raise CommError(f"frame of {xs.size} bytes exceeds the bound {self.max_frame}")
             conns[xs.peer] = conn
@@ -2456,6 +2510,8 @@ class Mesh:
                     watch()
                     continue
                 why = "closed by peer" if rc == CLOSED else f"errno {-rc}"
+                if conn is not None and conn.left:  # (its reader ends the connection)
+                    raise _left(self.rank, peer, "receiving from" if i >= ns else "sending to")
                 if conn is not None:
                     lost.append((conn, ConnectionError(why)))
                 raise CommError(f"connection to rank {peer} lost: {why}")
@@ -2653,6 +2709,53 @@ class Mesh:
             lost.append((conn, _cut("received", e)))  # stopped by check() or the deadline
             raise
 
+    def _goodbye(self, conn: Connection) -> None:
+        """``conn.peer`` left (its GOODBYE frame, read after every other byte it sent): the
+        end of its stream that follows is no loss. A frame of its not delivered by now never
+        comes: waits for one fail (:class:`PeerLeftError`; ``Mailbox.get``, and each group's
+        ``on_peer_left`` for its posted receives), as do sends to it."""
+        conn.left = True
+        with self.mailbox.cond:
+            self.mailbox.left.add(conn.peer)
+            self.mailbox.cond.notify_all()
+        for handler in list(self._handlers.values()):
+            on_left = getattr(handler, "on_peer_left", None)
+            if on_left is not None:
+                on_left(conn.peer)
+
+    def leave(self, wait_s: float = LEAVE_S) -> None:
+        """Close the mesh so that its peers can tell it from a crash: on every connection a
+        GOODBYE frame after every byte sent there (under the send lock, which a frame part-way
+        out holds until its end), then the end of this side's stream (``SHUT_WR``). The reader
+        threads go on draining what the peers still send -- a socket closed with unread bytes
+        resets the connection, which can drop what the peer has not read yet -- until each
+        peer ends its side (its reader does once it read the goodbye), for up to ``wait_s``
+        in all; then :meth:`close`, which joins the threads. A connection whose send lock or
+        socket stays busy that long (a peer that stopped reading) gets no goodbye: to that
+        peer the close is a loss, as before."""
+        if self.closed:
+            return
+        self.leaving = True
+        end = time.monotonic() + wait_s
+        for conn in list(self.peers.values()):
+            # a peer that left first ends its stream, and this side's ends when that is read
+            if conn.left or conn.ended.is_set():  # (ended: the connection was lost)
+                continue
+            try:
+                self.send(conn.peer, Kind.CTRL, GOODBYE_GROUP, 0, deadline=end)
+            except CommError:  # (CommTimeoutError too)
+                continue
+            # (the goodbye's rest, if a thread finishes it, goes before the end of the stream)
+            if conn.lock.acquire(timeout=max(0.0, end - time.monotonic())):
+                try:
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_WR)
+                finally:
+                    conn.lock.release()
+        for conn in list(self.peers.values()):
+            conn.ended.wait(max(0.0, end - time.monotonic()))
+        self.close()
+
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
         """A NOTE frame (beats and fault notices of elastic groups; see ``ElasticMesh``)."""
         raise WireError(f"unexpected NOTE frame from rank {peer} on a fixed mesh")
@@ -2702,13 +2805,28 @@ class Mesh:
                 self.mailbox.kill(group)
 
     def close(self) -> None:
-        """Close the listener and every connection (reader threads then exit)."""
+        """Close the listener and every connection; the acceptor and the reader threads end
+        (waited for up to ``JOIN_S``, unless called on one of them)."""
         self.closed = True
         with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # (ends an accept waiting in it at once)
+        with contextlib.suppress(OSError):
             self.listener.close()
-        for conn in list(self.peers.values()):
+        conns = list(self.peers.values())
+        for conn in conns:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
-            conn.sock.close()
             self._close_rings(conn, clean=True)
         self.mailbox.wake()
+        # the readers first, then the sockets: a descriptor closed under a reader thread could
+        # be reused by a new socket that thread would then read from
+        end = time.monotonic() + JOIN_S
+        acceptor = getattr(self, "_acceptor", None)
+        if acceptor is not None and acceptor is not threading.current_thread():
+            acceptor.join(max(0.0, end - time.monotonic()))
+        mine = on_reader_thread()
+        for conn in conns:
+            if not mine:
+                conn.ended.wait(max(0.0, end - time.monotonic()))
+            if conn.ended.is_set() or mine:
+                conn.sock.close()
