@@ -15,6 +15,7 @@ PREMUL_SUM = scale a copy by its factor, then SUM.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -154,6 +155,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
         # a zero timeout timed out every later operation at once and failed the group on every
         # rank (a per-op zero timeout means "the group's default" instead)
         self.comm.timeout_s = positive_timeout_s(timeout, "set_timeout")
+
+    # the name c10d's C++ backends give it (torch's _set_pg_timeout calls a backend's by it)
+    _set_default_timeout = set_timeout
 
     def _submit(
         self, name: str, opts: Any, fn: Callable[[float], None], result: list[torch.Tensor]
@@ -759,3 +763,34 @@ class TorchportProcessGroup(dist.ProcessGroup):
                 f"recv_anysource: needs another rank to receive from, group size is {self.comm.world}"
             )
         return self.comm.recv_p2p(t, None, tag)
+
+
+# torch 2.13's ``_set_pg_timeout(timeout, group)`` sets the timeout only on the backends it knows
+# by their C++ type (``ProcessGroupGloo``, ``ProcessGroupNCCL``) and only warns for any other
+# ("Set timeout is now only supported for either nccl or gloo."): a torchport group kept its
+# timeout, also under ``dist.breakpoint()``, which calls it on every group so that a debug
+# session does not time the job out. No Python object can pass that type test (the classes are
+# C++ bindings whose construction builds a gloo or NCCL context), so the function is wrapped: a
+# torchport group takes the timeout (``set_timeout``; refused unless a positive timedelta),
+# any other group goes on to the function this wrapped, unchanged. Callers that look it up on
+# the module when they call (``dist.breakpoint``, ``dist.distributed_c10d._set_pg_timeout``)
+# get the wrapper; a reference imported before ``torchport.distributed`` keeps torch's.
+def _wrap_set_pg_timeout() -> None:
+    c10d = dist.distributed_c10d
+    inner = c10d._set_pg_timeout
+    if getattr(inner, "_torchport", False):  # (a re-import: wrapped already)
+        return
+
+    @functools.wraps(inner)
+    def _set_pg_timeout(timeout: datetime.timedelta, group: Any = None) -> None:
+        pg = group if group is not None else c10d._get_default_group()
+        if isinstance(pg, TorchportProcessGroup):
+            pg.set_timeout(timeout)
+            return
+        inner(timeout, group)
+
+    _set_pg_timeout._torchport = True  # type: ignore[attr-defined]
+    c10d._set_pg_timeout = _set_pg_timeout
+
+
+_wrap_set_pg_timeout()
