@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -1272,11 +1273,11 @@ def _funcol_kernel(kernel: Any, keyset: Any, gi: int, own: Any, *args: Any, **kw
 
 
 def _all_gather_out(group: Any, input: torch.Tensor, group_size: int, *, out: Any) -> Any:
-    """``all_gather_into_tensor_out`` on a C++ group, as torch's kernel runs it: its kernel calls
+    """``all_gather_into_tensor_out`` on a C++ group, as torch's kernel runs it (no check of
+    the input's layout: gloo gathers a strided input as it is): its kernel calls
     the group's ``_allgather_base``, which c10d does not forward to a Python group's method (a
     relay failed with "No backend type associated with device type cpu"), so it is run here,
     through the group's recorded method (``group_size`` unused, as in torch's kernel)."""
-    torch._check(input.is_contiguous(), lambda: "Expected input.is_contiguous() to be true")
     work = group._allgather_base(out, input)
     torch._C._distributed_c10d._register_work(out, _for_c10d(work))
     return out
@@ -1301,7 +1302,11 @@ def _hook_functional() -> None:
             schema = getattr(getattr(torch.ops, ns), name).default._schema
             gi = [a.name for a in schema.arguments].index("group_name")
             own = _all_gather_out if name == "all_gather_into_tensor_out" else None
-            lib.impl(name, functools.partial(_funcol_kernel, kernel, keyset, gi, own), "CPU")
+            with warnings.catch_warnings():
+                # (c10d warns that a kernel replaces another: an error under -W error, which
+                # failed install() part-way)
+                warnings.simplefilter("ignore", UserWarning)
+                lib.impl(name, functools.partial(_funcol_kernel, kernel, keyset, gi, own), "CPU")
     except BaseException:
         lib._destroy()
         raise
@@ -1456,15 +1461,19 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     # after the patching, it left the functions recorded but no watchdog and no signal dump)
     rec.start_watchdog()
     _recorder = rec
-    _hook_process_groups(rec, again=True)
-    _hook_subclasses(rec)
-    _hook_functional()
-    for name in _PATCHED:
-        if name in vars(dist):  # (all of them in torch 2.13)
-            _patch(dist, name, functools.partial(_wrap, name, rec=rec))
-    _patch(dist, "destroy_process_group", functools.partial(_wrap_destroy, rec=rec))
-    _patch(dist, "batch_isend_irecv", functools.partial(_wrap_batch, rec=rec))
-    _patch(dist.Work, "wait", functools.partial(_wrap_wait, rec=rec))
+    try:
+        _hook_process_groups(rec, again=True)
+        _hook_subclasses(rec)
+        _hook_functional()
+        for name in _PATCHED:
+            if name in vars(dist):  # (all of them in torch 2.13)
+                _patch(dist, name, functools.partial(_wrap, name, rec=rec))
+        _patch(dist, "destroy_process_group", functools.partial(_wrap_destroy, rec=rec))
+        _patch(dist, "batch_isend_irecv", functools.partial(_wrap_batch, rec=rec))
+        _patch(dist.Work, "wait", functools.partial(_wrap_wait, rec=rec))
+    except BaseException:  # (nothing left half-patched)
+        uninstall()
+        raise
     if signal_dump and threading.current_thread() is threading.main_thread():
         enable_signal_dump(recorder=rec)
     return rec
