@@ -653,7 +653,12 @@ def _tune(
         if not choice.is_anchor and final.n > 1:
             anchor_s = timings[anchor.name] if judged else None
             picked = _final_round(choice, ranked, timings, anchor_s, final, arg_sets, failures)
-            choice = anchor if picked is None else picked
+            if picked is None:  # the winner raised in the round: out of the running (also of
+                # the narrow-loss recheck below, which took it back and saved it)
+                ranked = [c for c in ranked if c.name != choice.name]
+                choice = anchor
+            else:
+                choice = picked
         long_calls = (
             judged and budget_s is not None and timings[anchor.name] > min(cap_s, LONG_CALL_S)
         )
