@@ -289,3 +289,32 @@ def test_run_alternating_refuses_a_nan_or_infinite_window(tmp_path, monkeypatch)
     for segment in (math.nan, math.inf):
         with pytest.raises(ValueError, match="finite segment > 0"):
             stage_ft.run_alternating(tmp_path / "alt", segment=segment, pairs=1)
+
+
+_FORKED = """
+import multiprocessing as mp, os, signal, sys, time
+from torchport.benchmarks import stop_signals
+
+def child():
+    for _ in range(600):
+        time.sleep(0.05)
+
+with stop_signals():
+    p = mp.get_context("fork").Process(target=child, daemon=True)
+    p.start()
+    time.sleep(0.3)
+    p.terminate()
+    p.join(20)
+    print("child", p.exitcode, flush=True)
+"""
+
+
+def test_a_forked_child_ends_by_the_signal_not_by_the_parents_handler():
+    """A fork-context child inherits ``stop_signals``' handler: it raised the parent's
+    ``_Stopped`` out of the child's code (a traceback, exit code 1); it ends by the signal."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"child {-signal.SIGTERM}", (out.stdout, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]

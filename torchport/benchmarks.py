@@ -12,6 +12,7 @@ import argparse
 import atexit
 import contextlib
 import json
+import os
 import platform
 import runpy
 import signal
@@ -123,7 +124,15 @@ def stop_signals() -> Iterator[None]:
     collectives benchmarks' workers and ``torchport demo``'s ft replicas ran on after a
     ``kill``.)"""
 
+    owner = os.getpid()
+
     def stop(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            # a forked child inherited the handler: it ends by the signal, as it would have
+            # without it (it raised _Stopped out of the child's code: a traceback, exit code 1)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
         raise _Stopped(signum)
 
     mine: dict[int, Any] = {}
