@@ -66,6 +66,20 @@ def test_cli_refuses_a_bad_join_timeout_and_min_replicas_with_a_usage_error(caps
         assert message in capsys.readouterr().err
 
 
+def test_cli_refuses_a_bad_port_or_host_with_a_usage_error(capsys):
+    """(--port 70000 was an OverflowError traceback, --host 256.1.1.1 a gaierror one.)"""
+    for argv, message in (
+        (["--port", "70000"], "argument --port: the port must be an integer 0..65535, got '70000'"),
+        (["--port", "-5"], "got '-5'"),
+        (["--port", "x"], "got 'x'"),
+        (["--host", "256.1.1.1", "--port", "0"], "cannot listen on --host '256.1.1.1' --port 0"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def _spawn(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*CLI, *args],

@@ -582,12 +582,23 @@ def _seconds_arg(*, zero_ok: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def _port_arg(text: str) -> int:
+    """An argparse ``type`` for ``--port``: an integer 0..65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be an integer 0..65535, got {text!r}")
+    return port
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m torchport.distributed.ft.lighthouse --port P --min-replicas N
     [--join-timeout S] [--heartbeat S]``."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=29510)
+    p.add_argument("--port", type=_port_arg, default=29510)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--join-timeout", type=_seconds_arg(zero_ok=True), default=1.0)
     # the period the constructor takes: the CLI had no flag for it, so a lighthouse started
@@ -610,6 +621,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as e:  # (--min-replicas 0, or TORCHPORT_FT_HEARTBEAT out of range)
         p.error(str(e))
+    except OSError as e:  # (a --host that does not resolve or is not this machine's, a port
+        # in use: a traceback before)
+        p.error(f"cannot listen on --host {a.host!r} --port {a.port}: {e}")
     print(f"lighthouse on {lh.address[0]}:{lh.address[1]}", flush=True)
     try:
         while True:
