@@ -240,8 +240,38 @@ def _absorb(
     return True
 
 
+_GEMM_TARGETS = (
+    F.linear,
+    torch._C._nn.linear,
+    torch.matmul,
+    operator.matmul,
+    torch.mm,
+    torch.addmm,
+)
+
+
+def _mixed_dtypes(gm: fx.GraphModule) -> bool:
+    """Whether a GEMM of the graph takes operands of different dtypes (a bf16 input into a
+    float32 layer), which eager refuses when it runs. The traced values past it are not what
+    runs (the fake ``F.linear`` of a bf16 input and a float32 weight is float32, the lowered
+    one bf16), so nothing of such a graph is fused: it runs as traced and fails as eager does
+    (a fused GEMM downstream failed at compile time instead, naming the wrong layer). Found
+    once per graph."""
+    found = gm.meta.get("torchport_mixed_gemm")
+    if found is None:
+        found = False
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in _GEMM_TARGETS:
+                dts = {t.dtype for a in n.args if (t := _meta(a)) is not None}
+                if len(dts) > 1:
+                    found = True
+                    break
+        gm.meta["torchport_mixed_gemm"] = found
+    return bool(found)
+
+
 def _linear_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if not is_call(node, F.linear, torch._C._nn.linear) or node.kwargs:
+    if not is_call(node, F.linear, torch._C._nn.linear) or node.kwargs or _mixed_dtypes(gm):
         return False
     if node.meta.get("torchport_decode_aten"):  # the GEMV pass chose F.linear (decode shape)
         return False
@@ -268,6 +298,8 @@ def _linear_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
 def _matmul_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
     if not is_call(node, torch.matmul, operator.matmul, torch.mm) or node.kwargs:
         return False
+    if _mixed_dtypes(gm):
+        return False
     x, b = node.args[0], node.args[1]
     xt, bt = _meta(x), _meta(b)
     if xt is None or bt is None or bt.dim() != 2 or xt.dim() < 2:
@@ -279,7 +311,7 @@ def _matmul_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def _addmm_rule(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if not is_call(node, torch.addmm) or node.kwargs or len(node.args) != 3:
+    if not is_call(node, torch.addmm) or node.kwargs or len(node.args) != 3 or _mixed_dtypes(gm):
         return False
     bias, x, b = node.args
     out, bt = _meta(node), _meta(bias)
