@@ -418,6 +418,7 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
             T *cs = sc->cs;
             for (int64_t base = 0; base < sc->npairs; base += h) {
                 const int32_t *pr = sc->pairs + 2 * base;
+                int low = 0;  /* whether a running norm of this round is recomputed */
                 for (int64_t t = 0; t < h; ++t) {
                     int64_t j = pr[2 * t], k = pr[2 * t + 1];
                     cs[3 * t] = 0;
@@ -430,15 +431,28 @@ TP_INLINE int svd_one(const T *a, T *S, T *U, T *Vh, int64_t m, int64_t n, int u
                     T tt, c, s;
                     rot_params(al, be, g, &tt, &c, &s);
                     cs[3 * t] = c; cs[3 * t + 1] = s;
-                    nrm[j] = al - tt * g;  /* checked after the rotations below */
-                    nrm[k] = be + tt * g;
-                    cs[3 * t + 2] = TP_MIN(al, be);
+                    const T nj = al - tt * g, nk = be + tt * g, ref = TP_MIN(al, be);
+                    nrm[j] = nj;
+                    nrm[k] = nk;
+                    /* whether svd_norm_update will recompute one of the two (min(nj, nk) <=
+                       sqrt(eps) ref) is noted here among the scalar steps, and its pass runs
+                       after the round's rotations only when one does (none on random input).
+                       Inside the rotation loop, the test and its effect on the loop's code took
+                       1.0M instructions more than no test (callgrind, 16 float32 32 x 32
+                       one-matrix SVDs with U and Vh: 14.24M vs 13.24M; time 1.08x that of the
+                       code before the recompute), here 0.40M (13.63M; 1.03x) */
+                    cs[3 * t + 2] = ref;
+                    low |= !(TP_MIN(nj, nk) > TSQRT(EPS) * ref);  /* nj, nk finite: g != 0 */
                 }
                 for (int64_t t = 0; t < h; ++t) {
                     if (cs[3 * t] == 0) continue;
                     int64_t j = pr[2 * t], k = pr[2 * t + 1];
                     rot(W + j * p, W + k * p, p, cs[3 * t], cs[3 * t + 1]);
                     if (uv) rot(V + j * q, V + k * q, q, cs[3 * t], cs[3 * t + 1]);
+                }
+                for (int64_t t = 0; low && t < h; ++t) {
+                    if (cs[3 * t] == 0) continue;
+                    int64_t j = pr[2 * t], k = pr[2 * t + 1];
                     nrm[j] = svd_norm_update(nrm[j], cs[3 * t + 2], W + j * p, p);
                     nrm[k] = svd_norm_update(nrm[k], cs[3 * t + 2], W + k * p, p);
                 }

@@ -148,12 +148,15 @@ def svd_reference(
     """One-sided Jacobi SVD of (B, m, n) ``a``: (U, S, Vh) with S descending.
 
     ``order``: 0 cyclic, 1 round-robin, 3 the block order (:func:`pairs_for`), None = the
-    kernel's default for this size.
+    kernel's default for this size. As the kernel, each matrix is first scaled by the power of
+    two that brings its largest entry into [1, 2) (:func:`_pow2_scale`; exact, S scaled back):
+    unscaled, the squared norms underflowed (float32 entries ~1e-30: S = 0) or overflowed.
     """
     bsz, m, n = a.shape
     trans = m < n
     p, q = (n, m) if trans else (m, n)
-    w = (a if trans else a.mT).clone()  # (B, q, p): the vectors being orthogonalised
+    sc = _pow2_scale(a.reshape(bsz, m * n))[:, None, None]
+    w = (a * sc if trans else (a * sc).mT).clone()  # (B, q, p): the vectors being orthogonalised
     v = torch.eye(q, dtype=a.dtype, device=a.device).expand(bsz, q, q).clone()
     tol = _eps(a.dtype) * p**0.5
     if order is None:
@@ -186,8 +189,9 @@ def svd_reference(
             break
     sig = w.norm(dim=-1)
     s_sorted, perm = torch.sort(sig, dim=-1, descending=True, stable=True)
+    s_out = s_sorted / sc[:, :, 0]
     if not compute_uv:
-        return a.new_empty(0), s_sorted, a.new_empty(0)
+        return a.new_empty(0), s_out, a.new_empty(0)
     w = torch.gather(w, 1, perm.unsqueeze(-1).expand(bsz, q, p))
     v = torch.gather(v, 1, perm.unsqueeze(-1).expand(bsz, q, q))
     thresh = s_sorted[:, :1] * p * _eps(a.dtype)
@@ -196,8 +200,8 @@ def svd_reference(
     ub = w / torch.where(ok, s_sorted, torch.ones_like(s_sorted)).unsqueeze(-1)
     ub = _complete_basis(ub, good, p if full_matrices else q)
     if not trans:
-        return ub.mT, s_sorted, v
-    return v.mT, s_sorted, ub
+        return ub.mT, s_out, v
+    return v.mT, s_out, ub
 
 
 def svd_lanes_reference(
@@ -469,11 +473,18 @@ def eigh_tridiagonal_reference(
     outside its l…m window) gets the identity rotation c = 1, s = 0. A rotation with
     hypot(f, g) = 0 (underflow) deflates at i+1 and ends that matrix's sweep, as in tql2.
     At most 30 sweeps per eigenvalue. Eigenvalues sorted ascending with their vectors.
+    All of it on the matrix scaled, as the kernels, by the power of two that brings its largest
+    entry into [1, 2) (:func:`_pow2_scale`; the eigenvalues scaled back): unscaled, a rank-
+    deficient matrix scaled by 1e-35 (float32) or 1e-300 (float64) had subnormal noise
+    eigenvalues whose relative test |e_j| <= eps (|d_j| + |d_j+1|) never held, and the 30-sweep
+    cap left eigenvalues off by 0.1-0.4 ‖A‖.
     """
     tri = a.triu() if upper else a.tril()
     x = tri + tri.mT - torch.diag_embed(tri.diagonal(0, -2, -1))
-    d, e, z = _tridiagonalize(x, compute_v)
-    return _tridiagonal_ql(d, e, z, compute_v)
+    sc = _pow2_scale(x.flatten(1))
+    d, e, z = _tridiagonalize(x * sc[:, None, None], compute_v)
+    lam, vec = _tridiagonal_ql(d, e, z, compute_v)
+    return lam / sc[:, None], vec
 
 
 def _tridiagonal_ql(
