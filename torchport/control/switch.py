@@ -58,6 +58,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_ten
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchport.control.aliasing import call_unaliased
+from torchport.native.launch import is_compiling_here
 
 __all__ = ["SwitchError", "switch", "switch_op", "switch_reference"]
 
@@ -148,7 +149,7 @@ def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    if torch.compiler.is_compiling():
+    if is_compiling_here():  # (not is_compiling(): any thread's compile set it for every thread)
         return True
     keys = torch._C._TorchDispatchModeKey
     if any(
@@ -192,6 +193,7 @@ def switch(
         torch.compiler.is_exporting()
         and not torch.compiler.is_dynamo_compiling()
         and not isinstance(index, int)
+        and is_compiling_here()  # (is_exporting() is set for every thread: this one exports)
     ):
         # Non-strict export, as torch.cond does it: through dynamo, which lifts what a branch
         # reads from outside its operands (a module's parameters and buffers) into inputs.

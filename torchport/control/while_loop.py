@@ -147,7 +147,7 @@ def while_loop(
     from torchport.control.switch import _is_tracing
 
     leaves = pytree.tree_leaves(carried)
-    if torch.compiler.is_compiling() or _is_tracing(leaves, None):
+    if _is_tracing(leaves, None):  # (its first test: compiling in this thread)
         # torch's op returns what body_fn returns: a bare tensor for a body returning one.
         out = torch._higher_order_ops.while_loop(cond_fn, body_fn, carried)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)

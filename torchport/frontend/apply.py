@@ -41,6 +41,7 @@ from torchport.frontend.dynamic_spec import (
     resolve_spec,
 )
 from torchport.frontend.spec_binding import Binding, bind, check_call, check_values
+from torchport.native.launch import is_compiling_here
 
 
 class SpecCompiled:
@@ -84,10 +85,12 @@ class SpecCompiled:
         return b
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if is_compiling_here():
             # traced by an outer torch.compile (``torch.compile(lambda x: spec_fn(x) + 1)``,
             # fullgraph too) or export: the function is inlined, and the outer compile owns the
-            # graph (its sizes are dynamic as it decides; the spec's checks are for calls)
+            # graph (its sizes are dynamic as it decides; the spec's checks are for calls). Not
+            # torch.compiler.is_compiling(): true in every thread while any thread compiles, it
+            # let an eager call skip its checks (and its compile) then.
             return self.fn(*args, **kwargs)
         return self._call(*args, **kwargs)
 

@@ -48,6 +48,8 @@ from typing import Any, cast
 
 import torch
 
+from torchport.native.launch import is_compiling_here
+
 FUSABLE_DTYPES = (torch.float32, torch.bfloat16)
 _DT_TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _TAG_DT = {v: k for k, v in _DT_TAG.items()}
@@ -332,7 +334,7 @@ def fast_split(
     """``(encoded spec, operands)`` of an epilogue that :func:`split` has seen before in this
     form (parameter-free steps and residuals, :data:`_FAST_SPECS`), else None: the eager GEMM's
     per-call path, without :class:`Split` or the walk over the steps."""
-    if torch.compiler.is_compiling():  # (a traced read of the cache guarded on its contents)
+    if is_compiling_here():  # (a traced read of the cache guarded on its contents)
         return None
     fk = _fast_key(steps, m, n, bias)
     if fk is None:
@@ -352,8 +354,9 @@ def split(
     of parameter-free steps and residuals take their spec from :data:`_FAST_SPECS` after the
     first call (their operands still checked on every call).
     """
-    if torch.compiler.is_compiling():
-        # traced (torch.compile, export): the module-level caches stay out of it -- dynamo
+    if is_compiling_here():
+        # traced (torch.compile, export; in this thread: torch.compiler.is_compiling() is true
+        # in every thread while one compiles): the module-level caches stay out of it -- dynamo
         # guarded on _FAST_SPECS ("key not in it", then the trace added the key: every compiled
         # function compiled twice) and on the whole set of compiled-in scale constants (any new
         # constant anywhere recompiled it, up to the recompile limit)
@@ -371,9 +374,7 @@ def split(
 
 def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tensor | None) -> Split:
     # traced: the uncached builders (dynamo warned about each functools.cache call it traced)
-    op_of, spec_of = (
-        (_op.__wrapped__, _spec.__wrapped__) if torch.compiler.is_compiling() else (_op, _spec)
-    )
+    op_of, spec_of = (_op.__wrapped__, _spec.__wrapped__) if is_compiling_here() else (_op, _spec)
     ops: list[Op] = []
     operands: list[torch.Tensor] = []
     tail: list[Step] = []
@@ -427,7 +428,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                 if (
                     step.value.dim() == 0
                     and not grad
-                    and not torch.compiler.is_compiling()
+                    and not is_compiling_here()
                     and not _is_fake(step.value)
                 ):
                     _scalar_scale(_finite(float(step.value), idx), n, ops, operands)
@@ -504,7 +505,7 @@ def _scalar_scale(v: float, n: int, ops: list[Op], operands: list[torch.Tensor])
     """Append a constant scale ``v`` (finite) to ``ops``: compiled in while it is one of the
     first :data:`SCALE_CONSTANTS` values, else a float32 column operand of ``n`` copies."""
     key = v.hex()
-    if torch.compiler.is_compiling():  # (see split: no guard on the set; a traced graph's
+    if is_compiling_here():  # (see split: no guard on the set; a traced graph's
         ops.append(Op("scale", value=v))  # constants are as many as its source spells out)
         return
     if key in _scale_constants or len(_scale_constants) < SCALE_CONSTANTS:

@@ -23,6 +23,8 @@ import weakref
 
 import torch
 
+from torchport.native.launch import is_compiling_here
+
 # clean scans: (address, shape, strides, version) -> the storage they were made on
 _CLEAN: dict[tuple[object, ...], weakref.ref[torch.UntypedStorage]] = {}
 MAX_CLEAN = 256  # entries kept (cleared when full: each lookup is one dict get)
@@ -51,8 +53,10 @@ def _key(codes: torch.Tensor) -> tuple[object, ...]:
 def nan_rowscale(codes: torch.Tensor, rowscale: torch.Tensor) -> torch.Tensor:
     """``rowscale [N]`` with NaN for the rows of the E4M3 ``codes [N, K]`` holding a NaN code
     (a new tensor; ``rowscale`` itself where there are none). Codes without real storage (fake
-    or traced tensors) are returned as they are: the custom op scans them when it runs."""
-    if type(codes) is not torch.Tensor or codes.numel() == 0 or torch.compiler.is_compiling():
+    or traced tensors) are returned as they are: the custom op scans them when it runs. (Traced
+    in this thread only: another thread's compile skipped the scan, and the NaN rows read as
+    finite values.)"""
+    if type(codes) is not torch.Tensor or codes.numel() == 0 or is_compiling_here():
         return rowscale
     key = _key(codes)
     storage = codes.untyped_storage()

@@ -57,6 +57,7 @@ from torchport.gemv.kernels import (
     gemv_kernel,
 )
 from torchport.gemv.nancodes import nan_rowscale
+from torchport.native.launch import is_compiling_here
 
 MAX_ROWS = 8
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -90,21 +91,31 @@ class PackedWeight:
     routes: dict[object, SettledRoute | None] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
-    # the tensors a cached pack was made from (a quantized weight's inner tensors, less
-    # inference tensors, which keep no version counter) with their version counters then; see
-    # :meth:`written`
-    source: tuple[tuple[torch.Tensor, int], ...] = field(default=(), compare=False, repr=False)
+    # the tensors a cached pack was made from: a quantized weight's inner tensors, each with its
+    # attribute name and its version counter then (-1: an inference tensor, which keeps none);
+    # see :meth:`written`
+    source: tuple[tuple[str, torch.Tensor, int], ...] = field(default=(), compare=False, repr=False)
+    # for each tiny inference tensor among them (an FP8 tensor-wise scale): a NumPy view of its
+    # bytes and the bytes then (no version counter shows its in-place writes)
+    values: tuple[tuple[Any, bytes], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_parts(self.fmt, self.data, self.scales, self.rowscale, self.n, self.k)
 
-    def written(self) -> bool:
-        """Whether a :attr:`source` tensor was written in place since the pack was made (its
-        version counter moved): the pack may hold copies of its old values (a tensor-wise FP8
-        scale expanded to rows, NaN-scan results), so it is stale."""
+    def written(self, owner: object) -> bool:
+        """Whether ``owner``, the weight this pack was made from, changed since: an inner tensor
+        was replaced (``w.scale = w.scale * 2``: the attribute is not the :attr:`source` tensor)
+        or written in place (its version counter moved; a tiny inference tensor's bytes
+        differ). The pack may hold copies of the old values (a tensor-wise FP8 scale expanded
+        to rows, NaN-scan results) or read the old tensors: stale. An inference tensor's
+        writes are seen only while it is tiny (the pack reads a large one's memory in place;
+        NaN codes written into such codes are not rescanned)."""
         # (a loop: any(<generator>) took twice as long, and this runs on every decode call)
-        for t, version in self.source:  # noqa: SIM110
-            if t._version != version:
+        for name, t, version in self.source:
+            if getattr(owner, name) is not t or (version >= 0 and t._version != version):
+                return True
+        for view, before in self.values:  # noqa: SIM110
+            if view.tobytes() != before:
                 return True
         return False
 
@@ -1295,7 +1306,7 @@ def _subclass_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     check_dense_weight(w)
     check_activation(x, w.shape[1])
     _check_bias(bias, w.shape[0])
-    if not torch.compiler.is_compiling():
+    if not is_compiling_here():
         native.note_fallback("gemv", f"the weight is a {type(w).__name__}, not a plain tensor")
     return _func_linear(x, w.float(), bias)
 
@@ -1503,7 +1514,7 @@ def settle_route(
     overrides, generation, env_get, env_keys = config.stamp_reader(ROUTE_SETTINGS)
     gen0, env = stamp[0], tuple(zip(env_keys, stamp[1]))
     compiling, grad_enabled, get_threads = (
-        torch.compiler.is_compiling,
+        is_compiling_here,
         torch.is_grad_enabled,
         torch.get_num_threads,
     )

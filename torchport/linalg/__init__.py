@@ -55,6 +55,7 @@ from torchport.linalg.reference import (
     qr_reference,
     svd_reference,
 )
+from torchport.native.launch import is_compiling_here
 
 __all__ = [
     "METHODS",
@@ -212,6 +213,8 @@ def _neutral_overrides() -> bool:
 
 
 _functorch_active = native.functorch_active
+# (this thread's tracing: torch.compiler.is_compiling() is true in every thread while one compiles)
+_compiling = is_compiling_here
 _fwad = torch.autograd.forward_ad
 
 
@@ -232,7 +235,7 @@ def _native_ok(a: torch.Tensor) -> bool:
     path, which resolves it), no autograd to record, no tracing, no ``torch.func`` transform
     (its wrapped tensors have no data pointer) and no forward AD (a launcher drops tangents)."""
     return not (
-        torch.compiler.is_compiling()  # first: dynamo cannot trace the ContextVar read below
+        _compiling()  # first: dynamo cannot trace the ContextVar read below
         or _functorch_active()
         or _fwad._current_level >= 0
         or _routes_gen[0] != _cfg_gen[0]
@@ -908,7 +911,7 @@ def qr(
         run = _one_learn("qr", a, (mode,), lambda: one.qr_plan(a.shape, a.dtype, mode))
         if run is not None:
             return run(a)
-    learn = route == "native" and a.is_cpu and a.numel() and not torch.compiler.is_compiling()
+    learn = route == "native" and a.is_cpu and a.numel() and not _compiling()
     if learn and _neutral_overrides():
         if len(_qr_native) >= 4096:  # bound the table for programs with ever-new shapes
             _qr_native.clear()
@@ -971,7 +974,7 @@ def _learn_native(a: torch.Tensor, upper: bool, method: str, route: str) -> None
     """Remember the launcher of a CPU Cholesky that ``method`` routed to native, for repeats
     (not under an override of a routing setting: the fast path assumes the settings it was
     learned with)."""
-    learn = route == "native" and a.is_cpu and a.numel() and not torch.compiler.is_compiling()
+    learn = route == "native" and a.is_cpu and a.numel() and not _compiling()
     if learn and _neutral_overrides():
         if len(_chol_native) >= 4096:  # bound the table for programs with ever-new shapes
             _chol_native.clear()
@@ -1026,7 +1029,7 @@ def _cholesky_ex(
         if check_errors and bad:
             _raise_not_pd(op, a, info)
         return _rt.linalg_cholesky_ex((fac, info))
-    elif check_errors and torch.compiler.is_compiling():  # the check inside the traced op
+    elif check_errors and _compiling():  # the check inside the traced op
         return _rt.linalg_cholesky_ex(ops.cholesky_checked(a, bool(upper), op))
     else:
         fac, info = ops.cholesky_ex(a, bool(upper))
@@ -1065,7 +1068,7 @@ def cholesky(A: torch.Tensor, *, upper: bool = False, method: str = "auto") -> t
             # (no data pointer for _info_bad then; while dynamo traces, _info_bad's .item() and
             # ctypes read broke a fullgraph=True compile once an eager call had routed the
             # shape to LAPACK)
-            if not A.is_cpu or _functorch_active() or torch.compiler.is_compiling():
+            if not A.is_cpu or _functorch_active() or _compiling():
                 return torch.linalg.cholesky(A, upper=upper)
             # torch.linalg.cholesky's own info check costs ~4 us a call (B = 100, n = 3: 15.1
             # vs 10.4 us for cholesky_ex, interleaved medians); testing info's bytes ~1 us

@@ -77,9 +77,13 @@ from torchport.gemv.ops import (
 from torchport.lowp import fp8, mx, nvfp4
 from torchport.lowp._common import HP_DTYPES
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, e8m0_to_f32, unpack_fp4
+from torchport.native.launch import is_compiling_here
 
 aten = torch.ops.aten
 _ABSTRACT = "LowPrecisionTensor is abstract: use Float8Tensor, NVFP4Tensor or MXTensor"
+# inference inner tensors of at most this many elements are compared by value before each use of
+# a cached pack (an FP8 tensor-wise scale: the pack holds it expanded to rows, a copy)
+_SNAPSHOT_NUMEL = 16
 # Packed weights at least this large move to huge-page memory (see LowPrecisionTensor.gemv_pack).
 HUGEPAGE_MIN_BYTES = 4 << 20
 
@@ -269,7 +273,7 @@ class LowPrecisionTensor(torch.Tensor):
         again after an inner tensor was written in place, e.g. ``w.scale.mul_(3)``)."""
         pw = self._pack
         if pw is not None:
-            if not pw.written():
+            if not pw.written(self):
                 return pw
             self._pack = self._route = None  # (the pack copied what was written: stale)
         if self.dim() != 2:
@@ -278,7 +282,7 @@ class LowPrecisionTensor(torch.Tensor):
             )
         if self.qdata.is_meta:
             raise LowPrecisionError(f"{type(self).__name__} GEMV needs a CPU weight, got meta")
-        if type(self.qdata) is torch.Tensor and not torch.compiler.is_compiling():
+        if type(self.qdata) is torch.Tensor and not is_compiling_here():
             # Real storage (possibly under a dispatch mode, e.g. a graph capture): pack outside
             # any mode, once, so that a capture records only the GEMV, not the packing. And
             # outside any torch.func transform: under jvp every op's result is wrapped for the
@@ -295,19 +299,32 @@ class LowPrecisionTensor(torch.Tensor):
             ):
                 pw = self._on_huge_pages(self._make_pack())
                 # (after the move to huge pages, which rebinds qdata and scale)
-                self._pack = dataclasses.replace(pw, source=self._inner_versions())
+                source, values = self._inner_versions()
+                self._pack = dataclasses.replace(pw, source=source, values=values)
             return self._pack
         return self._make_pack()  # fake/traced tensors: never cached
 
     def _make_pack(self) -> PackedWeight:
         raise TypeError(_ABSTRACT)
 
-    def _inner_versions(self) -> tuple[tuple[torch.Tensor, int], ...]:
-        """The inner tensors with their version counters, :attr:`PackedWeight.source` of the
-        cached pack (not inference tensors: they keep no version, so their in-place writes
-        are not seen)."""
-        inner = (getattr(self, name) for name in self.__tensor_flatten__()[0])
-        return tuple((t, t._version) for t in inner if not t.is_inference())
+    def _inner_versions(
+        self,
+    ) -> tuple[tuple[tuple[str, torch.Tensor, int], ...], tuple[tuple[Any, bytes], ...]]:
+        """:attr:`PackedWeight.source` and :attr:`PackedWeight.values` of the cached pack: the
+        inner tensors by name with their version counters (-1 for an inference tensor: it
+        keeps none), and a NumPy view of the bytes of each tiny inference tensor with the
+        bytes now (a large one's in-place writes are not seen)."""
+        source, values = [], []
+        for name in self.__tensor_flatten__()[0]:
+            t = getattr(self, name)
+            if not t.is_inference():
+                source.append((name, t, t._version))
+                continue
+            source.append((name, t, -1))
+            if t.numel() <= _SNAPSHOT_NUMEL and t.is_contiguous():
+                view = t.detach().reshape(-1).view(torch.uint8).numpy()
+                values.append((view, view.tobytes()))
+        return tuple(source), tuple(values)
 
     def _on_huge_pages(self, pw: PackedWeight) -> PackedWeight:
         """``pw`` with its data (and scales) moved to huge-page memory when at least
@@ -715,7 +732,7 @@ class LowPrecisionTensor(torch.Tensor):
         route = c.route
         if route is not None:
             pw = c.pack
-            if pw is None or pw.written():  # an inner tensor written in place: repacked below
+            if pw is None or pw.written(self):  # an inner tensor written or replaced: repacked
                 c.pack = c.route = None
             else:
                 out = route.serve(x, bias)
@@ -788,8 +805,8 @@ class LowPrecisionTensor(torch.Tensor):
             if isinstance(cache, _Cache):
                 route = cache.route
                 pw = cache.pack
-                # (not once an inner tensor was written in place: _linear packs again)
-                if route is not None and (pw is None or pw.written()):
+                # (not once an inner tensor was written or replaced: _linear packs again)
+                if route is not None and (pw is None or pw.written(args[1])):
                     route = None
             if route is not None and not args[1].requires_grad and not _autocast_on():
                 if len(args) > 2:
@@ -1010,8 +1027,10 @@ class _FrozenWeightLinearEager(torch.autograd.Function):
 
 def _scannable(codes: torch.Tensor) -> bool:
     """Whether a pack may scan its codes for NaN: real, non-empty storage outside tracing (a
-    traced pack is built on every call, where the scan would read the weight again each time)."""
-    return type(codes) is torch.Tensor and not torch.compiler.is_compiling() and codes.numel() > 0
+    traced pack is built on every call, where the scan would read the weight again each time;
+    traced in this thread: another thread's compile skipped the scan, and NaN codes read as
+    finite values)."""
+    return type(codes) is torch.Tensor and not is_compiling_here() and codes.numel() > 0
 
 
 def _true(flag: torch.Tensor) -> bool:
@@ -1510,7 +1529,7 @@ def _traced(x: torch.Tensor) -> bool:
     under a ``torch.func`` transform: the custom op has no batching or forward-mode rule)."""
     if native.functorch_active():  # (also inside a compiled torch.func transform)
         return False
-    if torch.compiler.is_compiling():
+    if is_compiling_here():  # (this thread: any thread's compile set is_compiling())
         return True
     if type(x) in _PLAIN and not torch._C._len_torch_dispatch_stack():
         return False  # (plain eager: the common case first)

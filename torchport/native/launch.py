@@ -102,6 +102,23 @@ def check_tensor(spec: TensorArg, value: object, kernel: str) -> torch.Tensor:
     return value
 
 
+_tracing_context = torch._guards.TracingContext.try_get
+
+
+def is_compiling_here() -> bool:
+    """``torch.compiler.is_compiling()`` for the calling thread: True while ``torch.compile`` or
+    ``torch.export`` traces this thread's code (Dynamo's trace, AOTAutograd's, non-strict export,
+    a compile backend's work). torch 2.13 sets the flag ``is_compiling`` reads once for the whole
+    process during a compile, so while one thread compiled, every eager call on any other thread
+    took its traced branch (a spec's checks and the FP8 NaN-code scans were skipped: silent wrong
+    answers). The flag counts here only with a tracing context, which torch keeps per thread.
+    Dynamo's trace folds the first test to True, never reaching the others. (The flag read
+    directly: ``is_compiling()`` costs a call more, on every eager kernel call.)"""
+    return torch.compiler.is_dynamo_compiling() or (
+        torch.compiler._is_compiling_flag and _tracing_context() is not None
+    )
+
+
 def eager_fast_path(*tensors: torch.Tensor) -> bool:
     """True if plain eager tensors may skip the custom-op dispatcher and call a kernel directly.
 
@@ -112,7 +129,7 @@ def eager_fast_path(*tensors: torch.Tensor) -> bool:
     returned ``a @ z.imag``); the custom op's dispatcher materialises the negation first.
     Then the ``torch.library`` custom op (with its fake implementation) is used.
     """
-    if torch.compiler.is_compiling() or _dispatch_depth() > 0 or functorch_active():
+    if is_compiling_here() or _dispatch_depth() > 0 or functorch_active():
         return False  # (torch.func's wrapped tensors are plain Tensors without a data pointer)
     if _function_modes_on() and torch.overrides._get_current_function_mode():
         return False
