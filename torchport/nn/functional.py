@@ -29,18 +29,7 @@ def linear(
     *,
     epilogue: Sequence[Step] | Step | None = None,
 ) -> torch.Tensor:
-    """``epilogue(input @ weight.T + bias)`` through the autotuned GEMM (float32/bfloat16, CPU).
-    A bias of another dtype than ``input`` is refused, as ``F.linear`` refuses it (``mm``
-    itself takes a float32 bias on a bfloat16 GEMM)."""
-    if (
-        isinstance(bias, torch.Tensor)
-        and isinstance(input, torch.Tensor)
-        and bias.dtype != input.dtype
-    ):
-        raise GemmInputError(
-            f"linear: bias must have the input's dtype {input.dtype}, as F.linear's, "
-            f"got {bias.dtype}"
-        )
+    """``epilogue(input @ weight.T + bias)`` through the autotuned GEMM (float32/bfloat16, CPU)."""
     if (
         isinstance(input, torch.Tensor)
         and isinstance(weight, torch.Tensor)
