@@ -29,7 +29,12 @@ def linear(
     *,
     epilogue: Sequence[Step] | Step | None = None,
 ) -> torch.Tensor:
-    """``epilogue(input @ weight.T + bias)`` through the autotuned GEMM (float32/bfloat16, CPU)."""
+    """``epilogue(input @ weight.T + bias)`` through the autotuned GEMM (float32/bfloat16, CPU).
+
+    Beyond ``F.linear`` (which refuses it), a bias of the other fusable dtype is taken as the
+    kernels take it: added to the float32 accumulator (a float32 bias of a bfloat16 layer is not
+    rounded to bfloat16 first, and its gradient is summed in float32); the output has the
+    input's dtype."""
     if (
         isinstance(input, torch.Tensor)
         and isinstance(weight, torch.Tensor)
