@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,8 +69,19 @@ def _alive(pid: int) -> bool:
 def _run_stopped(tmp_path: Path, mode: str, sig: signal.Signals | None) -> tuple[int, str, bool]:
     """(exit status, the pymp-* folders left in its $TMPDIR, whether its forkserver child was
     still running after it ended)."""
-    tmpdir = tmp_path / "tmpdir"  # (private: other processes' pymp-* folders are not ours)
-    tmpdir.mkdir()
+    # private (other processes' pymp-* folders are not ours) and short: the forkserver's
+    # socket path in it must fit AF_UNIX's 108 bytes, which a pytest-xdist tmp_path
+    # (/tmp/pytest-of-…/popen-gw1/test_…/) with pymp-…/listener-… did not
+    tmpdir = Path(tempfile.mkdtemp(prefix="tpmp-", dir="/tmp"))
+    try:
+        return _run_stopped_in(tmp_path, tmpdir, mode, sig)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _run_stopped_in(
+    tmp_path: Path, tmpdir: Path, mode: str, sig: signal.Signals | None
+) -> tuple[int, str, bool]:
     p = subprocess.Popen(
         [sys.executable, "-c", _STOPPED, mode, str(tmp_path / "out")],
         env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmpdir)},
