@@ -6,7 +6,8 @@
 Every collective validates its arguments on the caller's thread (typed
 :class:`CollectiveArgumentError` naming the requirement and the value), then hands a closure to
 the communicator's progress engine and returns a :class:`TorchportWork` at once. Non-contiguous
-tensors are staged through contiguous copies and written back on the engine thread. Reduce ops:
+tensors and conjugate / negative views are staged through plain contiguous copies, taken and
+written back on the engine thread as the op runs (after the group's earlier ops). Reduce ops:
 SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR natively; AVG = SUM then divide (floating/complex only;
 float16 premultiplies by 1 / world_size, as NCCL: its sum overflowed where the mean fits);
 PREMUL_SUM = scale a copy by its factor, then SUM.
@@ -35,6 +36,7 @@ from torchport.distributed.backend_args import (
     _check_self_block,
     _cpu,
     _one,
+    _outputs_meet,
     _positional,
     _ptr,
     _red_for,
@@ -48,6 +50,7 @@ from torchport.distributed.engine import (
     Communicator,
     _timeout_s,
     dtype_code,
+    plain_contiguous,
 )
 from torchport.distributed.errors import CollectiveArgumentError
 from torchport.distributed.groups import positive_timeout_s
@@ -185,7 +188,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "allreduce")
         name, factor, code = _red_for(op, t.dtype, "allreduce")
         comm, dc = self.comm, dtype_code(t.dtype)
-        if name in _NATIVE_RED and t.is_contiguous():  # in place: nothing to stage or scale
+        # in place: nothing to stage or scale (a conjugate / negative view's memory holds
+        # the conjugate / negation of its values: it is staged)
+        if name in _NATIVE_RED and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             return self._submit(
                 "allreduce", opts, lambda deadline: alg.allreduce(comm, t, dc, code, deadline), [t]
             )
@@ -250,7 +255,8 @@ class TorchportProcessGroup(dist.ProcessGroup):
         mine = comm.rank == root
 
         def run(deadline: float) -> None:
-            buf = s.t if mine else s.t.clone()
+            # (a non-root's own tensor is left alone: one staged is a copy already)
+            buf = s.t if mine or s.t is not s.orig else s.t.clone()
             if name == "PREMUL_SUM":
                 buf.mul_(factor)
             alg.reduce(comm, buf, root, dc, code, deadline)
@@ -322,16 +328,24 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         def run(deadline: float) -> None:
             if inp is not None:  # one flat input: rank q's block starts q * block bytes in
-                # (the factor after .contiguous(): ``inp * factor`` kept a transposed input's
-                # strides, and the blocks are cut from memory in storage order)
-                src = inp.contiguous() if name != "PREMUL_SUM" else inp.contiguous() * factor
-                block, base = out.numel() * out.element_size(), _ptr(src)
+                # (the factor after the contiguous copy: ``inp * factor`` kept a transposed
+                # input's strides, and the blocks are cut from memory in storage order)
+                src = plain_contiguous(inp)
+                src = src if name != "PREMUL_SUM" else src * factor
+                block, base, o = out.numel() * out.element_size(), _ptr(src), _ptr(s.t)
+                # an output in the input other than as this rank's own block (the in-place
+                # form): its chunks, written as they are folded, overwrote input bytes still
+                # to be published (shared memory, an unaligned window: wrong sums)
+                if o != base + comm.rank * block and _spans_overlap(o, block, base, src.nbytes):
+                    src = src.clone()
+                    base = _ptr(src)
                 ptrs = [base + q * block if block else 0 for q in range(comm.world)]
                 keep = [src]
             else:
-                keep = [p.contiguous() for p in parts(torch.empty(0, dtype=out.dtype))]
+                keep = [plain_contiguous(p) for p in parts(torch.empty(0, dtype=out.dtype))]
                 if name == "PREMUL_SUM":
                     keep = [p * factor for p in keep]
+                keep = _apart_from(keep, [s.t], own=comm.rank)  # (as above)
                 ptrs = [_ptr(p) for p in keep]
             alg.reduce_scatter(
                 comm,
@@ -482,8 +496,11 @@ class TorchportProcessGroup(dist.ProcessGroup):
         comm = self.comm
 
         def run(deadline: float) -> None:
-            src = inp.contiguous()
+            src = plain_contiguous(inp)
             if staged is not None:  # (see _others_slots)
+                if _outputs_meet([s.t for s in staged]):
+                    for s in staged:
+                        s.private()
                 src = _apart_from([src], _others_slots([s.t for s in staged], comm.rank))[0]
             ptrs = [_ptr(s.t) for s in staged] if staged is not None else None
             alg.allgather(
@@ -515,7 +532,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
         )
 
         def run(deadline: float) -> None:
-            src = inp.contiguous()
+            src = plain_contiguous(inp)
             base, sp = _ptr(s.t), _ptr(src)
             # an input overlapping another rank's block is copied first (see _others_slots)
             if _spans_overlap(sp, nb, base, r * nb) or _spans_overlap(
@@ -590,7 +607,11 @@ class TorchportProcessGroup(dist.ProcessGroup):
         s, comm = _Staged(out), self.comm
 
         def run(deadline: float) -> None:
-            srcs = [t.contiguous() for t in ins] if ins is not None else None
+            srcs = None
+            if ins is not None:  # the root's: one that overlaps its output other than as
+                # its own block (the in-place form) is read from a copy, as the output's
+                # chunks, written as they are sent, overwrote input bytes still to be sent
+                srcs = _apart_from([plain_contiguous(t) for t in ins], [s.t], own=root)
             nbytes = out.numel() * out.element_size()
             alg.scatter(
                 comm,
@@ -679,7 +700,10 @@ class TorchportProcessGroup(dist.ProcessGroup):
             # in place (an output is an input): a block received over TCP overwrote an input
             # not yet sent (rank 0 of 3 got its own block back from rank 1); such inputs are
             # sent from copies
-            srcs = _apart_from([t.contiguous() for t in ins], [s.t for s in staged])
+            if _outputs_meet([s.t for s in staged]):
+                for s in staged:
+                    s.private()
+            srcs = _apart_from([plain_contiguous(t) for t in ins], [s.t for s in staged])
             alg.alltoall(
                 comm,
                 [_ptr(t) for t in srcs],
@@ -719,7 +743,7 @@ class TorchportProcessGroup(dist.ProcessGroup):
             # in place (output = input): a block received over TCP overwrote input rows not yet
             # sent to their peer (rank 0 of 3 sent its own rows 2-5 back to itself); the splits
             # cover both tensors whole, so their byte ranges are the blocks' (_splits)
-            src = _apart_from([inp.contiguous()], [s.t])[0]
+            src = _apart_from([plain_contiguous(inp)], [s.t])[0]
             alg.alltoall(
                 comm,
                 offsets(_ptr(src), in_lens),

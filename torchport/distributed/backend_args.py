@@ -1,8 +1,9 @@
 """Argument checks and staging shared by the ``torchport`` c10d backend's collectives.
 
 Reduce ops are validated against the dtype here (typed :class:`CollectiveArgumentError` naming
-the requirement and the offending value); non-contiguous tensors are staged through contiguous
-copies (:class:`_Staged`) and written back after the operation.
+the requirement and the offending value); non-contiguous tensors, and conjugate or negative
+views (whose memory holds the conjugate / negation of their values), are staged through plain
+contiguous copies (:class:`_Staged`), taken as the operation runs and written back after it.
 """
 
 from __future__ import annotations
@@ -11,12 +12,19 @@ import datetime
 import operator
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchport.distributed.engine import NATIVE_CODES, RED_AVG, RED_PREMUL, dtype_code
+from torchport.distributed.engine import (
+    NATIVE_CODES,
+    RED_AVG,
+    RED_PREMUL,
+    dtype_code,
+    plain_contiguous,
+)
 from torchport.distributed.errors import CollectiveArgumentError
 
 ReduceOp = dist.ReduceOp
@@ -34,7 +42,14 @@ def _red_name(op: Any) -> tuple[str, float]:
     factor = 1.0
     if name == "PREMUL_SUM":
         f = getattr(op, "factor", None)
-        factor = float(f.item() if isinstance(f, torch.Tensor) else f) if f is not None else 1.0
+        value = f.item() if isinstance(f, torch.Tensor) else f
+        if isinstance(value, complex):
+            # (a complex tensor reaches the backend as its view_as_real pairs, which a complex
+            # factor cannot scale; float() raised an untyped TypeError)
+            raise CollectiveArgumentError(
+                f"ReduceOp.PREMUL_SUM requires a real factor, got {value!r}"
+            )
+        factor = float(value) if value is not None else 1.0
     return name, factor
 
 
@@ -190,18 +205,54 @@ def _writable(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Staged:
-    """A contiguous stand-in for a tensor, copied back on the engine thread after the op."""
+    """A contiguous stand-in for an output tensor (one whose memory holds its values: see
+    :func:`plain_contiguous`), taken and copied back on the engine thread.
+
+    A stand-in that is a copy is made where the op first reads :attr:`t`, as it runs: made as
+    the op was issued, it missed what earlier ops of the group, still queued, then wrote back
+    (two async all_reduces of one transposed view summed once). A tensor that is its own
+    stand-in is set at once (plain attribute reads on the hot path)."""
+
+    __slots__ = ("orig", "t")
+    orig: torch.Tensor
+    t: torch.Tensor  # (unset until first read where it is a copy: see __getattr__)
 
     def __init__(self, t: torch.Tensor) -> None:
-        if t.requires_grad or not t.is_contiguous():
+        if t.requires_grad or not t.is_contiguous() or t.is_conj() or t.is_neg():
             t = _writable(t)  # (a contiguous tensor never overlaps itself)
-            self.orig, self.t = t, t if t.is_contiguous() else t.contiguous()
+            self.orig = t
+            if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+                self.t = t
         else:
             self.orig = self.t = t
 
+    def __getattr__(self, name: str) -> Any:
+        # (called only for an unset attribute: the stand-in, on its first read)
+        if name != "t":
+            raise AttributeError(name)
+        self.t = plain_contiguous(self.orig)
+        return self.t
+
+    def private(self) -> None:
+        """Make the stand-in a copy where it is the tensor itself (see :func:`_outputs_meet`)."""
+        if self.t is self.orig:
+            self.t = self.orig.clone()
+
     def back(self) -> None:
         if self.t is not self.orig:
-            self.orig.copy_(self.t)
+            self.orig.copy_(self.t)  # (copy_ applies a conjugate / negative bit)
+
+
+def _outputs_meet(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether some two of the contiguous tensors ``ts`` (outputs' stand-ins) share a byte.
+
+    Outputs that overlap one another (``all_gather([o] * world_size, t)``) were written in the
+    order the blocks arrived: over TCP ranks ended with different values. Such outputs get
+    private stand-ins (:meth:`_Staged.private`) copied back in rank order, so every rank ends
+    with the last rank's block, as with gloo. (An output that is not plain has a private
+    stand-in already: only plain ones, their own stand-ins, can meet.)"""
+    spans = sorted([(p, p + n) for t in ts if (n := t.nbytes) and (p := t.data_ptr())])
+    return any(b[0] < a[1] for a, b in pairwise(spans))
 
 
 def _check_blocks(
@@ -268,14 +319,23 @@ def _spans_overlap(a: int, n: int, b: int, m: int) -> bool:
     return bool(a and b) and a < b + m and b < a + n
 
 
-def _apart_from(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``srcs`` with every tensor whose bytes overlap any of ``outs`` replaced by a copy.
+def _apart_from(
+    srcs: list[torch.Tensor], outs: Sequence[torch.Tensor], own: int = -1
+) -> list[torch.Tensor]:
+    """``srcs`` with every tensor whose bytes overlap any of ``outs`` replaced by a copy, but
+    ``srcs[own]`` where it is the one output itself (the same bytes: the in-place form, a rank's
+    own block as its output, which the algorithms read before they write it).
 
     In place (an output is also an input), a block received over TCP overwrote an input not yet
     sent. Comparing every input with every output cost O(w^2) per call (3.6 ms at w=256); the
     outputs' byte ranges are sorted and merged once and each input bisects them: O(w log w),
     still exact.
     """
+    if own >= 0 and len(outs) == 1:
+        t, o = srcs[own], outs[0]
+        if _ptr(t) == _ptr(o) and t.nbytes == o.nbytes:
+            rest = _apart_from(srcs[:own] + srcs[own + 1 :], outs)
+            return [*rest[:own], t, *rest[own:]]
     if len(srcs) == 1 and len(outs) == 1:  # one input, one output: no merging
         src, dst = srcs[0], outs[0]
         if _spans_overlap(_ptr(src), src.nbytes, _ptr(dst), dst.nbytes):

@@ -188,18 +188,48 @@ def p2p_frames(
     return [(payload[o : o + bound], (code, numel, o, count)) for o in range(0, n, bound)]
 
 
-def describe_sig(sig: Sequence[int]) -> str:
-    """Human-readable form of a signature."""
-    code = sig[1]
+def dtype_name(code: int) -> str:
+    """The dtype of a signature's dtype code, without ``torch.``."""
+    return (
+        str(ALL_DTYPES[code]).removeprefix("torch.") if code < len(ALL_DTYPES) else f"dtype{code}"
+    )
+
+
+def _code_fields(code: int) -> tuple[str, list[tuple[str, str]]]:
+    """A signature's code word as (op name, its ``(field, value)`` pairs that apply to it)."""
     op, dt, red, root = code & 0xFF, (code >> 8) & 0xFF, (code >> 16) & 0xFF, (code >> 24) - 1
     name = OP_NAMES[op] if op < len(OP_NAMES) else f"op{op}"
-    dname = str(ALL_DTYPES[dt]).removeprefix("torch.") if dt < len(ALL_DTYPES) else f"dtype{dt}"
-    parts = [f"dtype={dname}", f"bytes={sig[2]}"]
+    fields = [("dtype", dtype_name(dt))]
     if name in ("allreduce", "reduce", "reduce_scatter"):
-        parts.append(f"op={red_name(red)}")
+        fields.append(("op", red_name(red)))
     if root >= 0 and name in ("broadcast", "reduce", "gather", "scatter"):
-        parts.append(f"root={root}")
+        fields.append(("root", str(root)))
+    return name, fields
+
+
+def describe_sig(sig: Sequence[int]) -> str:
+    """Human-readable form of a signature."""
+    name, fields = _code_fields(sig[1])
+    parts = [f"{k}={v}" for k, v in fields[:1]] + [f"bytes={sig[2]}"]
+    parts += [f"{k}={v}" for k, v in fields[1:]]
     return f"collective #{sig[0]} {name}({', '.join(parts)}) step {sig[3]}"
+
+
+def describe_code_mismatch(ours: int, theirs: int) -> str:
+    """Which fields of two signatures' code words differ, and the peer's operation as far as
+    its code word tells (its sequence number, byte count and step are not known):
+    "op/dtype/reduce-op/root: its dtype (theirs: allreduce(dtype=int32, op=SUM))". (It had read
+    the code word as a whole signature: "collective #0 allreduce(dtype=int32, bytes=0, ...)
+    step 0".)"""
+    (mine, a), (name, b) = _code_fields(ours), _code_fields(theirs)
+    if mine != name:
+        differ = ["collective"]
+    else:
+        da, db = dict(a), dict(b)
+        differ = [k for k in ("dtype", "op", "root") if da.get(k) != db.get(k)]
+    shown = ", ".join(f"{k}={v}" for k, v in b)
+    its = f"its {' and '.join(differ)} " if differ else ""
+    return f"op/dtype/reduce-op/root: {its}(theirs: {name}({shown}))"
 
 
 # Two strided tensors whose byte ranges intersect are compared on a byte map of the shared range
@@ -322,6 +352,18 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     bytes_of(a).fill_(1)
     return bool(bytes_of(b).any())
+
+
+def plain_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a contiguous tensor whose memory holds them as they read: ``t`` itself
+    when it is one, else a copy. A conjugate or negative view (``x.conj()``, ``x.conj().imag``,
+    ``torch._neg_view(x)``) keeps its bit through ``.contiguous()``: its raw bytes, which the
+    transports move and fold, are the conjugate / negation of its values."""
+    if t.is_conj() or t.is_neg():
+        out = torch.empty(t.shape, dtype=t.dtype)
+        out.copy_(t.detach())  # (copy_ applies the bits)
+        return out
+    return t.contiguous()
 
 
 def _addr(buf: bytearray) -> int:
@@ -632,11 +674,14 @@ class Communicator:
                 self._failed(err, None)
         elif e.status == MISMATCH:
             q, word, theirs = e.detail
+            if word == 1:  # the code word: the differing field(s) and their op as far as known
+                what = describe_code_mismatch(self._last_sig[1], theirs)
+            else:
+                field = ("sequence number", "", "byte count", "step")[word] if word < 4 else ""
+                what = f"{field or 'signature'} (theirs: {theirs})"
             err = CollectiveMismatchError(
                 f"mismatched collectives on communicator {self.name!r}: rank {self.rank} issued "
-                f"{describe_sig(self._last_sig)} but rank {q} differs in "
-                f"{('sequence number', 'op/dtype/reduce-op/root', 'byte count', 'step')[word] if word < 4 else 'signature'}"
-                f" (theirs: {theirs if word != 1 else describe_sig((0, theirs, 0, 0))})"
+                f"{describe_sig(self._last_sig)} but rank {q} differs in {what}"
             )
             self.fail(err, REASON_MISMATCH)
         else:
@@ -767,9 +812,12 @@ class Communicator:
     def send_p2p(self, tensor: torch.Tensor, dst: int, tag: int) -> TorchportWork:
         # the tensor's own bytes when contiguous (not copied: as with gloo, an isend's tensor
         # must not change before its wait returns); flat before the byte view (a 0-dim tensor
-        # of a wider dtype cannot view)
+        # of a wider dtype cannot view); a conjugate / negative view's values (its byte view
+        # raised an untyped RuntimeError here)
         data = (
-            tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else None
+            plain_contiguous(tensor.detach()).reshape(-1).view(torch.uint8)
+            if tensor.numel()
+            else None
         )
         code, numel = dtype_code(tensor.dtype), tensor.numel()
 
@@ -863,7 +911,7 @@ class Communicator:
                 CollectiveMismatchError(
                     f"recv from rank {who} tag {tag}: expected {want[1]} elements of "
                     f"{tensor.dtype}, the sender sent {hdr.sig[1]} elements of "
-                    f"{describe_sig((0, hdr.sig[0] << 8, 0, 0)).split('dtype=')[1].split(',')[0]}"
+                    f"{dtype_name(hdr.sig[0])}"
                     f"{why}"
                 )
             )
