@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +52,13 @@ from torchport.distributed.engine import (
     plain_contiguous,
 )
 from torchport.distributed.errors import CollectiveArgumentError
+from torchport.distributed.funcol_kernels import (
+    CPU_KEYSET,
+    NAMESPACE,
+    bind,
+    funcol_group,
+    override_cpu_kernel,
+)
 from torchport.distributed.groups import positive_timeout_s
 from torchport.distributed.progress import TorchportWork
 
@@ -829,37 +835,19 @@ _wrap_set_pg_timeout()
 # group, as torch's kernel does for its own (the op, the Work registered for ``wait_tensor``),
 # and calls torch's kernel for any other group.
 def _all_gather_out_kernel(
-    kernel: Any, keyset: Any, input: torch.Tensor, group_size: int, group_name: Any, *, out: Any
+    kernel: Any, input: torch.Tensor, group_size: int, group_name: Any, *, out: Any
 ) -> Any:
-    group = group_name
-    if isinstance(group_name, str):
-        c10d = dist.distributed_c10d
-        try:
-            group = c10d._resolve_process_group(c10d.GroupName(group_name))
-        except (RuntimeError, ValueError, KeyError):  # (torch's kernel names what is wrong)
-            group = None
+    group = funcol_group(group_name)
     if not isinstance(group, TorchportProcessGroup):
-        return kernel.call_boxed(keyset, input, group_size, group_name, out=out)
+        return kernel.call_boxed(CPU_KEYSET, input, group_size, group_name, out=out)
     work = group._allgather_base(out, input)
     torch._C._distributed_c10d._register_work(out, work)
     return out
 
 
 def _register_all_gather_out() -> Any:
-    full = "_c10d_functional::all_gather_into_tensor_out"
-    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(full, "CPU"):
-        return None  # (a torch without it)
-    cpu = torch._C.DispatchKey.CPU
-    kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(full, cpu)
-    lib = torch.library.Library("_c10d_functional", "IMPL")
-    with warnings.catch_warnings():  # (c10d warns that a kernel replaces torch's: an error
-        # under -W error, which would fail the import)
-        warnings.simplefilter("ignore", UserWarning)
-        lib.impl(
-            "all_gather_into_tensor_out",
-            functools.partial(_all_gather_out_kernel, kernel, torch._C.DispatchKeySet(cpu)),
-            "CPU",
-        )
+    lib = torch.library.Library(NAMESPACE, "IMPL")
+    override_cpu_kernel(lib, "all_gather_into_tensor_out", bind(_all_gather_out_kernel))
     return lib
 
 

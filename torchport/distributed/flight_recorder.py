@@ -48,7 +48,6 @@ import socket
 import threading
 import time
 import traceback
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -58,6 +57,13 @@ import torch
 import torch.distributed as dist
 
 from torchport import config
+from torchport.distributed.funcol_kernels import (
+    CPU_KEYSET,
+    NAMESPACE,
+    bind,
+    funcol_group,
+    override_cpu_kernel,
+)
 
 SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "errored"
 # a point-to-point op whose Work was dropped without wait(): gloo's send / recv Works complete
@@ -1250,18 +1256,11 @@ def _relay(group: Any) -> Any:
     return hit[1]
 
 
-def _funcol_kernel(kernel: Any, keyset: Any, gi: int, own: Any, *args: Any, **kwargs: Any) -> Any:
+def _funcol_kernel(kernel: Any, gi: int, own: Any, *args: Any, **kwargs: Any) -> Any:
     """A functional collective's CPU kernel: torch's own ``kernel``, given a relay in place of a
     C++ group (argument ``gi``: a group name, or, in torch 2.13, the group itself); ``own``:
     the op run here instead on such a group (see _all_gather_out), or None."""
-    given = args[gi] if gi < len(args) else kwargs.get("group_name")
-    group = given
-    if isinstance(given, str):
-        try:
-            c10d = dist.distributed_c10d
-            group = c10d._resolve_process_group(c10d.GroupName(given))
-        except (RuntimeError, ValueError, KeyError):  # (torch's kernel names what is wrong)
-            group = None
+    group = funcol_group(args[gi] if gi < len(args) else kwargs.get("group_name"))
     if type(group) is dist.ProcessGroup and not _op_state.busy:
         if own is not None:
             return own(group, *args[:gi], **kwargs)
@@ -1269,7 +1268,7 @@ def _funcol_kernel(kernel: Any, keyset: Any, gi: int, own: Any, *args: Any, **kw
             args = (*args[:gi], _relay(group), *args[gi + 1 :])
         else:
             kwargs = {**kwargs, "group_name": _relay(group)}
-    return kernel.call_boxed(keyset, *args, **kwargs)
+    return kernel.call_boxed(CPU_KEYSET, *args, **kwargs)
 
 
 def _all_gather_out(group: Any, input: torch.Tensor, group_size: int, *, out: Any) -> Any:
@@ -1288,25 +1287,15 @@ def _hook_functional() -> None:
     global _funcol_lib
     if _funcol_lib is not None:
         return
-    ns = "_c10d_functional"
-    cpu = torch._C.DispatchKey.CPU
-    keyset = torch._C.DispatchKeySet(cpu)
-    lib = torch.library.Library(ns, "IMPL")
+    lib = torch.library.Library(NAMESPACE, "IMPL")
     try:
         for name in _FUNCOL_OPS:
-            full = f"{ns}::{name}"
-            if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(full, "CPU"):
-                continue  # (an op this torch lacks)
-            # torch's kernel, taken before ours takes its place
-            kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(full, cpu)
-            schema = getattr(getattr(torch.ops, ns), name).default._schema
-            gi = [a.name for a in schema.arguments].index("group_name")
+            op = getattr(torch.ops._c10d_functional, name, None)
+            if op is None:  # (an op this torch lacks)
+                continue
+            gi = [a.name for a in op.default._schema.arguments].index("group_name")
             own = _all_gather_out if name == "all_gather_into_tensor_out" else None
-            with warnings.catch_warnings():
-                # (c10d warns that a kernel replaces another: an error under -W error, which
-                # failed install() part-way)
-                warnings.simplefilter("ignore", UserWarning)
-                lib.impl(name, functools.partial(_funcol_kernel, kernel, keyset, gi, own), "CPU")
+            override_cpu_kernel(lib, name, bind(_funcol_kernel, gi, own))
     except BaseException:
         lib._destroy()
         raise
