@@ -582,23 +582,14 @@ def _seconds_arg(*, zero_ok: bool = False) -> Callable[[str], float]:
     return parse
 
 
-def _port_arg(text: str) -> int:
-    """An argparse ``type`` for ``--port``: an integer 0..65535 (0: any free port)."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"the port must be an integer 0..65535, got {text!r}")
-    return port
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m torchport.distributed.ft.lighthouse --port P --min-replicas N
     [--join-timeout S] [--heartbeat S]``."""
+    from torchport.cli import int_at_least  # (the CLI's option types; not at import)
+
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port_arg, default=29510)
+    p.add_argument("--port", type=int_at_least(0, at_most=65535), default=29510)  # (0: any)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--join-timeout", type=_seconds_arg(zero_ok=True), default=1.0)
     # the period the constructor takes: the CLI had no flag for it, so a lighthouse started
