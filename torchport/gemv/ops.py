@@ -56,7 +56,7 @@ from torchport.gemv.kernels import (
     gemv_i8_kernel,
     gemv_kernel,
 )
-from torchport.gemv.nancodes import nan_rowscale
+from torchport.gemv.nancodes import mx_nan_scales, nan_block_scales, nan_rowscale
 from torchport.native.launch import is_compiling_here
 
 MAX_ROWS = 8
@@ -1065,10 +1065,19 @@ def gemv_packed_op(
     the pack's own ``int8`` (False for NaN block scales), which the op's arguments carry only
     folded into this one."""
     pw = PackedWeight(fmt, data, scales, rowscale, pts, n, k, allow_int8)  # (checks the parts)
-    if fmt == "fp8_e4m3":  # a per-call pack: its NaN codes' rows get a NaN scale (see nancodes)
+    # A per-call pack (a traced weight's is never scanned): the NaN codes' rows get a NaN scale,
+    # an MXFP8 E4M3 weight's blocks the E8M0 NaN code, and NaN block scales keep the float
+    # kernel (the scans remembered per weight memory and version: see nancodes)
+    if fmt == "fp8_e4m3":
         rs = nan_rowscale(data.view(n, k), rowscale)
         if rs is not rowscale:
             pw = replace(pw, rowscale=rs)
+    elif fmt == "mxfp8_e4m3":
+        sc = mx_nan_scales(data.view(n, k), scales, 32)
+        if sc is not scales:
+            pw = replace(pw, scales=sc)
+    if _use_int8(pw, allow_int8) and nan_block_scales(scales, fmt):
+        allow_int8 = False
     check_activation(x, k)  # (as gemv_dense)
     _check_bias(bias, n)
     return _run(x, pw, bias, allow_int8)
