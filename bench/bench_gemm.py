@@ -35,13 +35,14 @@ import torch.nn.functional as F
 import torchport.gemm as G
 from torchport.autotune import L3_BYTES, cold_copies
 from torchport.benchmarks import (
+    MAX_GEMM_DIM,
     BenchTable,
     arg_parser,
     comma_list,
     compare,
     dtype_of,
+    gemm_dim,
     one_of,
-    positive_int,
 )
 from torchport.cli import int_at_least
 from torchport.nn.functional import linear
@@ -301,13 +302,14 @@ def epilogue_grid(table: BenchTable, dtypes: list[torch.dtype], reps: int, quick
 
 
 def grid_cell(text: str) -> tuple[str, int, int, int]:
-    """One ``--grid`` entry, ``KIND:M:D:H`` (KIND linear or mlp; M, D, H positive)."""
+    """One ``--grid`` entry, ``KIND:M:D:H`` (KIND linear or mlp; 1 <= M, D, H <= MAX_GEMM_DIM:
+    unbounded, a typo allocated until the memory ran out)."""
     parts = text.split(":")
     if len(parts) != 4:
         raise ValueError(f"expected KIND:M:D:H (e.g. linear:8:4096:11008), got {text!r}")
     try:
         kind = one_of("linear", "mlp")(parts[0])
-        m, d, h = (positive_int(x) for x in parts[1:])
+        m, d, h = (gemm_dim(x) for x in parts[1:])
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
     return kind, m, d, h
@@ -342,7 +344,8 @@ def main() -> None:
         "--grid",
         type=comma_list(grid_cell),
         default=None,
-        help="explicit cells, e.g. linear:8:4096:11008,mlp:1:768:3072",
+        help="explicit cells KIND:M:D:H, e.g. linear:8:4096:11008,mlp:1:768:3072 "
+        f"(1 <= M, D, H <= {MAX_GEMM_DIM})",
     )
     args = p.parse_args()
     if args.epilogue:

@@ -7,9 +7,10 @@ activations are timed round robin, ``--reps`` rounds, in thread CPU time. The an
 own float32 op on the same values (``torch.nn.functional.gelu``/``silu``, one thread), timed in the
 same rounds. Values are uniform in [-8, 8].
 
-Run: ``torchport bench gemm_activation`` (``--isa avx512`` builds that level; it runs only where
-the CPU has it). ``--against path/to/templates.py`` also builds the activations of another copy of
-:mod:`torchport.gemm.templates` (e.g. the main branch's) and times them in the same rounds (A/B).
+Run: ``torchport bench gemm_activation`` (``--isa avx2`` builds that level; one the CPU does not
+have is a usage error). ``--against path/to/templates.py`` also builds the activations of another
+copy of :mod:`torchport.gemm.templates` (e.g. the main branch's) and times them in the same rounds
+(A/B).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 
 from torchport import native
-from torchport.benchmarks import arg_parser, positive_int
+from torchport.benchmarks import arg_parser, one_of, positive_int
 from torchport.cli import int_at_least
 from torchport.gemm import templates
+from torchport.native.cpu import ISA_LEVELS
 
 ACTS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -80,7 +82,13 @@ def main() -> None:
     p.add_argument(
         "--inner", type=positive_int, default=200, help="calls per sample (torch's: inner // 10)"
     )
-    p.add_argument("--isa", default=None)
+    levels = ISA_LEVELS[: ISA_LEVELS.index(native.cpu_info().max_isa) + 1]
+    p.add_argument(
+        "--isa",
+        type=one_of(*levels),
+        default=None,
+        help=f"an ISA level this CPU runs: {', '.join(levels)} (default: torchport's)",
+    )
     p.add_argument("--against", default=None, help="another templates.py to time (A/B)")
     args = p.parse_args()
     isa = args.isa or native.cpu_info().isa

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from torchport import native
-from torchport.autotune import cold_copies
-from torchport.benchmarks import arg_parser, positive_int
+from torchport.autotune import InvalidCandidate, cold_copies
+from torchport.benchmarks import MAX_COPY_BYTES, MAX_GEMM_DIM, arg_parser, gemm_dim
 from torchport.cli import int_at_least
 from torchport.gemm import kernels, templates
-from torchport.gemm.epilogue import EpilogueSpec
+from torchport.gemm.epilogue import EpilogueError, EpilogueSpec
 from torchport.gemm.kernels import Config
 from torchport.gemm.pack import pack_cache
 
@@ -51,41 +51,95 @@ def operands(spec: EpilogueSpec, m: int, n: int) -> list[torch.Tensor]:
 
 
 def shape(text: str) -> tuple[int, int, int]:
-    """``--shape MxNxK``, each a positive integer (a bad one was a ValueError traceback)."""
+    """``--shape MxNxK``, each in [1, MAX_GEMM_DIM] (a bad one was a ValueError traceback, a
+    huge one an allocation until the memory ran out)."""
     parts = text.split("x")
     if len(parts) != 3:
         raise argparse.ArgumentTypeError(f"expected MxNxK (e.g. 2048x3072x768), got {text!r}")
     try:
-        m, n, k = (positive_int(v) for v in parts)
+        m, n, k = (gemm_dim(v) for v in parts)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
     return m, n, k
 
 
+# the M block (rows of each thread's fp32 sums workspace) and K block of a variant or option
+MAX_BLOCK = 1 << 16
+block = int_at_least(1, at_most=MAX_BLOCK)
+
+
+def epilogue(text: str) -> EpilogueSpec:
+    """``--epilogue``: an :class:`EpilogueSpec`'s text (a bad one was an EpilogueError
+    traceback)."""
+    try:
+        return EpilogueSpec.decode(text)
+    except EpilogueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def variant(text: str) -> str:
+    """``--variant``: ``mMC_kKC`` (blocks in [1, MAX_BLOCK]) or ``NAME=old>>new[|old>>new...]``
+    (a name, and edits each with a non-empty ``old``: an empty one inserted ``new`` between
+    every two characters of the source; a missing ``>>`` deleted ``old``)."""
+    blocks = re.fullmatch(r"m(\d+)_k(\d+)", text)
+    if blocks:
+        try:
+            for size in blocks.groups():
+                block(size)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
+        return text
+    name, eq, edits = text.partition("=")
+    if not (name and eq) or any(
+        not old or not arrow
+        for old, arrow, _ in (e.partition(">>") for e in filter(None, edits.split("|")))
+    ):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=old>>new[|old>>new...] or mMC_kKC, got {text!r}"
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     p = arg_parser(__doc__.split("\n\n")[0], writes_json=False)  # (prints its medians)
-    p.add_argument("--shape", type=shape, default="2048x3072x768", help="MxNxK, each >= 1")
-    p.add_argument("--mc", type=positive_int, default=256)
-    p.add_argument("--kc", type=positive_int, default=256)
-    p.add_argument("--epilogue", default="bias_col:bf16", help="an EpilogueSpec's text")
-    p.add_argument("--variant", action="append", default=[], help="name=old>>new|... or mMC_kKC")
+    p.add_argument(
+        "--shape", type=shape, default="2048x3072x768", help=f"MxNxK, each 1 to {MAX_GEMM_DIM}"
+    )
+    p.add_argument("--mc", type=block, default=256, help=f"M block, 1 to {MAX_BLOCK}")
+    p.add_argument("--kc", type=block, default=256, help=f"K block, 1 to {MAX_BLOCK}")
+    p.add_argument(
+        "--epilogue", type=epilogue, default="bias_col:bf16", help="an EpilogueSpec's text"
+    )
+    p.add_argument(
+        "--variant",
+        type=variant,
+        action="append",
+        default=[],
+        help="NAME=old>>new[|old>>new...] or mMC_kKC",
+    )
     p.add_argument("--aten", action="store_true", help="also time torch.addmm (bias_col only)")
     p.add_argument(
         "--cold",
-        type=int_at_least(0),
+        type=int_at_least(0, at_most=MAX_COPY_BYTES),
         default=0,
-        help="bytes of weight copies to rotate through (each call reads the next copy; 0: one)",
+        help="bytes of weight copies to rotate through (each call reads the next copy; 0: one; "
+        f"at most {MAX_COPY_BYTES})",
     )
     args = p.parse_args(argv)
     if not kernels.amx_ready():
         raise SystemExit("bench gemm_amx_ab: this machine has no AMX-BF16 the kernel may use")
     reps = 3 if args.quick else max(3, args.reps)
     m, n, k = args.shape
-    spec = EpilogueSpec.decode(args.epilogue)
+    spec: EpilogueSpec = args.epilogue
+    text = spec.encode()
     base = native.render(templates.render_amx_source(spec, spec.out or "bf16").replace("$", "$$"))
 
     def launcher(fn: Any, mc: int, kc: int) -> Any:  # (the launcher the engine runs, on fn)
         cfg = Config(*kernels.AMX_TILE, mc, kc=kc, dp=kernels.AMX)
+        try:  # (kc a multiple of 32)
+            kernels.check_config(cfg, "avx512")
+        except InvalidCandidate as e:
+            p.error(f"argument --mc/--kc or --variant m{mc}_k{kc}: {e}")
         return kernels._amx_launcher(spec, cfg, torch.bfloat16, fn=fn)
 
     built = build(base, "amxab_base")
@@ -143,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     med = {name: statistics.median(v) for name, v in samples.items()}
     flops = 2.0 * m * n * k
     print(
-        f"# AMX kernel variants, M={m} N={n} K={k}, {args.epilogue or 'no epilogue'}, {reps} rounds, "
+        f"# AMX kernel variants, M={m} N={n} K={k}, {text or 'no epilogue'}, {reps} rounds, "
         f"{len(copies)} weight copies"
     )
     for name, t in med.items():

@@ -11,8 +11,8 @@ must match the float64 reference. Prints each median and minimum, GFLOP/s, and t
 medians (on / off: < 1 is faster with the pairs).
 
 Run: ``torchport bench gemm_eo_ab --m 8 --d 4096 --h 11008 --cfgs 4:24:8:64,4:24:8:0 --reps 21``
-(``cfgs``: ``mr:nr:mc:pf:kc:ks:nt`` of ``kernels.Config``, comma-separated; on a machine whose
-ISA is not AVX2 both builds are the same code).
+(``cfgs``: ``mr:nr:mc[:pf:kc:ks:nt]`` of ``kernels.Config``, comma-separated; on a machine
+whose ISA is not AVX2 both builds are the same code).
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ from collections.abc import Callable
 import torch
 
 from torchport import native
-from torchport.benchmarks import arg_parser, positive_int
+from torchport.benchmarks import (
+    MAX_COPY_BYTES,
+    MAX_GEMM_DIM,
+    arg_parser,
+    comma_list,
+    gemm_config,
+    gemm_dim,
+)
 from torchport.cli import int_at_least
 from torchport.gemm import kernels, templates
 from torchport.gemm.kernels import NO_EPILOGUE, Config
@@ -50,18 +57,33 @@ def launchers(cfgs: list[Config], isa: str, pairs: bool) -> dict[Config, Callabl
 
 def main() -> None:
     p = arg_parser(__doc__ or "", writes_json=False)  # --reps (rounds), --quick (3 rounds)
-    p.add_argument("--m", type=positive_int, default=8)
-    p.add_argument("--d", type=positive_int, default=4096, help="K")
-    p.add_argument("--h", type=positive_int, default=11008, help="N")
-    p.add_argument("--cfgs", default="4:24:8:64,4:24:8:0", help="mr:nr:mc:pf:kc:ks:nt,...")
+    dim = f"1 to {MAX_GEMM_DIM}"
+    p.add_argument("--m", type=gemm_dim, default=8, help=f"M ({dim})")
+    p.add_argument("--d", type=gemm_dim, default=4096, help=f"K ({dim})")
+    p.add_argument("--h", type=gemm_dim, default=11008, help=f"N ({dim})")
     p.add_argument(
-        "--copies", type=int_at_least(0), default=0, help="weight copies (0: 96 MiB of them)"
+        "--cfgs",
+        type=comma_list(gemm_config),
+        default="4:24:8:64,4:24:8:0",
+        help="mr:nr:mc[:pf:kc:ks:nt],... of kernels.Config, tiles this CPU builds",
+    )
+    p.add_argument(
+        "--copies",
+        type=int_at_least(0),
+        default=0,
+        help=f"weight copies (0: 96 MiB of them; at most {MAX_COPY_BYTES >> 30} GiB in all)",
     )
     args = p.parse_args()
     if args.quick:
         args.reps = 3
     m, k, n = args.m, args.d, args.h
-    cfgs = [Config(*[int(v) for v in c.split(":")]) for c in args.cfgs.split(",")]
+    if args.copies * 2 * n * k > MAX_COPY_BYTES:  # (checked before anything is allocated)
+        p.error(
+            f"argument --copies: copies of a {n}x{k} bf16 weight must fit in "
+            f"{MAX_COPY_BYTES >> 30} GiB (at most {MAX_COPY_BYTES // (2 * n * k)}), "
+            f"got {args.copies}"
+        )
+    cfgs: list[Config] = args.cfgs
     isa = native.cpu_info().isa
     built = {"off": launchers(cfgs, isa, False), "on": launchers(cfgs, isa, True)}
     g = torch.Generator().manual_seed(0)

@@ -21,11 +21,12 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 
 import torch
 
 from torchport import native
-from torchport.benchmarks import arg_parser, positive_int
+from torchport.benchmarks import MAX_GEMM_DIM, arg_parser, gemm_config, gemm_dim
 from torchport.gemm import epilogue as G
 from torchport.gemm import kernels
 from torchport.gemm.kernels import Config
@@ -50,17 +51,23 @@ def copy_count(nbytes: int, launchers: int) -> int:
 
 def main() -> None:
     p = arg_parser(__doc__ or "", writes_json=False)  # --reps (rounds), --quick (2 rounds)
-    p.add_argument("--m", type=positive_int, default=32)
-    p.add_argument("--d", type=positive_int, default=1024)
-    p.add_argument("--h", type=positive_int, default=4096)
+    dim = f"1 to {MAX_GEMM_DIM}"
+    p.add_argument("--m", type=gemm_dim, default=32, help=f"M ({dim})")
+    p.add_argument("--d", type=gemm_dim, default=1024, help=f"K ({dim})")
+    p.add_argument("--h", type=gemm_dim, default=4096, help=f"N ({dim})")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--cfg", default="4:24:32:32:0:1:1", help="mr:nr:mc:pf:kc:ks:nt[:dp]")
+    p.add_argument(
+        "--cfg",
+        type=gemm_config,
+        default="4:24:32:32:0:1:1",
+        help="mr:nr:mc[:pf:kc:ks:nt:dp] of kernels.Config, a tile this CPU builds",
+    )
     args = p.parse_args()
     if args.quick:
         args.reps = 2
     m, d, h = args.m, args.d, args.h
     dt = getattr(torch, args.dtype)
-    cfg = Config(*[int(v) for v in args.cfg.split(":")])
+    cfg: Config = args.cfg
     clock: Callable[[], float] = time.thread_time if cfg.nt == 1 else time.perf_counter
     isa = native.cpu_info().isa
     torch.manual_seed(0)
@@ -102,7 +109,8 @@ def main() -> None:
     low = {k: min(v) for k, v in samples.items()}
     what = "thread CPU" if cfg.nt == 1 else "wall"
     print(
-        f"M={m} {d}->{h} {args.dtype} cfg={args.cfg} ({what} time, {args.reps} rounds): bare "
+        f"M={m} {d}->{h} {args.dtype} cfg={':'.join(map(str, astuple(cfg)))} ({what} time, "
+        f"{args.reps} rounds): bare "
         f"median {med['bare'] * 1e3:.3f} ms; median/min over bare: "
         + "  ".join(
             f"{k} {med[k] / med['bare']:.3f}/{low[k] / low['bare']:.3f}"

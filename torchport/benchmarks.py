@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -32,6 +32,9 @@ from torchport.autotune.timing import measure, median
 from torchport.cli import int_at_least
 from torchport.native.cpu import cpu_info
 from torchport.version import __version__
+
+if TYPE_CHECKING:
+    from torchport.gemm.kernels import Config
 
 
 def bench_dir() -> Path | None:
@@ -96,6 +99,53 @@ def run_benchmark(name: str, argv: Sequence[str] = ()) -> int:
 
 # for counts that must be >= 1 (reps, calls, samples, rounds)
 positive_int = int_at_least(1)
+
+# The GEMM tools' bounds (``bench gemm --grid``, the A/B tools): each of M, N and K, and the bytes
+# of weight copies a tool rotates over. Unbounded, a typo (110080 for 11008) allocated until the
+# machine ran out of memory; 32768 covers the widest MLPs in use (28672).
+MAX_GEMM_DIM = 1 << 15
+MAX_COPY_BYTES = 8 << 30
+gemm_dim = int_at_least(1, at_most=MAX_GEMM_DIM)
+
+# a GEMM config's fields in ``--cfg`` text, in the order of ``kernels.Config``, with their bounds
+# (ks workspaces of M x N floats: ks is the one that allocates)
+_CONFIG_FIELDS = (
+    ("mr", int_at_least(1, at_most=64)),
+    ("nr", int_at_least(1, at_most=256)),
+    ("mc", int_at_least(1, at_most=1 << 16)),
+    ("pf", int_at_least(0, at_most=1 << 16)),
+    ("kc", int_at_least(0, at_most=1 << 16)),
+    ("ks", int_at_least(1, at_most=64)),
+    ("nt", int_at_least(0, at_most=1024)),
+    ("dp", int_at_least(0, at_most=2)),
+)
+
+
+def gemm_config(text: str) -> Config:
+    """An argparse ``type=`` (or :func:`comma_list` entry): a native GEMM
+    :class:`~torchport.gemm.kernels.Config` as ``mr:nr:mc[:pf:kc:ks:nt:dp]`` (its fields in
+    order, within :data:`_CONFIG_FIELDS`' bounds) that this CPU's ISA level builds
+    (:func:`~torchport.gemm.kernels.check_config`). A bad one was a ValueError, TypeError or
+    InvalidCandidate traceback, after the weights were made."""
+    from torchport.autotune import InvalidCandidate
+    from torchport.gemm import kernels
+
+    parts = text.split(":")
+    if not 3 <= len(parts) <= len(_CONFIG_FIELDS):
+        raise argparse.ArgumentTypeError(f"expected mr:nr:mc[:pf:kc:ks:nt:dp], got {text!r}")
+    values = []
+    for (name, field_type), part in zip(_CONFIG_FIELDS, parts):
+        try:
+            values.append(field_type(part))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{name}: {e} in {text!r}") from None
+    cfg = kernels.Config(*values)
+    try:
+        kernels.check_config(cfg, cpu_info().isa)
+    except InvalidCandidate as e:
+        raise argparse.ArgumentTypeError(f"{e} (in {text!r})") from None
+    return cfg
+
 
 T = TypeVar("T")
 

@@ -41,7 +41,7 @@ FORMAT = "torchport-autotune-v1"
 _CACHE_DIR = config.Snapshot("cache_dir")
 # what a lookup reads, in one snapshot (a hit is on hot paths: reading them one by one cost more
 # than the memo key's ISA and thread count added)
-_LOOKUP = config.Snapshot("autotune_cache", "cache_dir", "isa")
+_LOOKUP = config.Snapshot("autotune_cache", "cache_dir")
 
 
 class CorruptChoiceCacheWarning(UserWarning):
@@ -76,13 +76,20 @@ def entry_key(op: str, key: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _memo_key(op: str, key: Mapping[str, Any], isa: str) -> tuple[Any, ...]:
-    """The in-memory memo's key for (op, key) under the ``isa`` setting: beside the problem, what
-    :func:`entry_key` hashes that can change within a process, that setting (``cpu_info().isa``
-    is it capped by the fixed hardware) and the thread count; the rest of
-    :func:`machine_identity` is fixed per process. Keyed on the problem alone, a hit after
-    ``torch.set_num_threads`` served the choice tuned for the other thread count."""
-    return (op, json.dumps(key, sort_keys=True, default=str), isa, torch.get_num_threads())
+def _memo_key(op: str, key: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The in-memory memo's key for (op, key): beside the problem, what :func:`entry_key` hashes
+    that can change within a process, the ISA level (``cpu_info().isa``: the ``isa`` setting
+    capped by the fixed hardware) and the thread count; the rest of :func:`machine_identity` is
+    fixed per process. Keyed on the problem alone, a hit after ``torch.set_num_threads`` served
+    the choice tuned for the other thread count; keyed on the raw setting, "auto" and the level
+    it resolves to (one entry in the file) had a memo each, and a choice replaced under one was
+    still served from the other's."""
+    return (
+        op,
+        json.dumps(key, sort_keys=True, default=str),
+        cpu_info().isa,
+        torch.get_num_threads(),
+    )
 
 
 def _timing(t: object) -> bool:
@@ -225,11 +232,11 @@ class ChoiceCache:
 
     def get(self, op: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
         """The cached entry for (op, key) on this machine, or None."""
-        use, cache_dir, isa = _LOOKUP()
+        use, cache_dir = _LOOKUP()
         if not use:
             return None
         where = None if self._path is not None else (cache_dir,)  # (as _where)
-        memo_key = _memo_key(op, key, isa)
+        memo_key = _memo_key(op, key)
         view_dir, memo = self._view
         if view_dir == where:
             hit = memo.get(memo_key)
@@ -298,7 +305,7 @@ class ChoiceCache:
             self._switch_dir(where)
             self._entries[k] = entry
             # a replaced choice must not be served from the lookup memo
-            self._memo.pop(_memo_key(op, key, _LOOKUP()[2]), None)
+            self._memo.pop(_memo_key(op, key), None)
             if not config.get("autotune_cache"):
                 return
             try:

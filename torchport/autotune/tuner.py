@@ -10,7 +10,7 @@ With ``select(..., confirm=True)`` a non-ATen winner must also survive :func:`co
 and the anchor timed in alternation on the same inputs, so that a burst of load during the
 one-after-the-other search cannot crown a slow kernel. A winner read from the persistent cache
 (possibly tuned by another, loaded process) is confirmed the same way once per process, thread
-count and ISA setting (what its cache entry is keyed by that can change in a process); a winner
+count and ISA level (what its cache entry is keyed by that can change in a process); a winner
 that fails is replaced by the anchor, in memory and on disk. A failure of the anchor there is no
 verdict on the winner (see :func:`select`).
 
@@ -103,19 +103,19 @@ class TunerStats:
 
 stats = TunerStats()
 
-# (op, problem key, isa setting, threads, candidate) -> verdict of this process's confirmation
+# (op, problem key, ISA level, threads, candidate) -> verdict of this process's confirmation
 # of a non-ATen choice
 _confirmed: dict[tuple[Any, ...], bool] = {}
-_ISA = config.Snapshot("isa")
 
 
 def _memo_key(op: str, key: Mapping[str, Any], cand: Candidate) -> tuple[Any, ...]:
-    """The confirmation memo's key: the choice cache's lookup key (the problem, the ``isa``
-    setting and the thread count, what its entries are keyed by that can change in a process)
-    and the candidate. Keyed on the problem alone, a verdict reached under one thread count or
-    ISA was served for the choice cached under another, which then ran unconfirmed (or was
-    replaced by the anchor unconfirmed)."""
-    return (*_cache._memo_key(op, key, _ISA()[0]), cand.name)
+    """The confirmation memo's key: the choice cache's lookup key (the problem, the ISA level
+    the ``isa`` setting resolves to and the thread count, what its entries are keyed by that can
+    change in a process) and the candidate. Keyed on the problem alone, a verdict reached under
+    one thread count or ISA was served for the choice cached under another, which then ran
+    unconfirmed (or was replaced by the anchor unconfirmed); keyed on the raw setting, "auto"
+    and the level it resolves to confirmed the one cached choice twice."""
+    return (*_cache._memo_key(op, key), cand.name)
 
 
 def beats_anchor(t: float, t_anchor: float, noise: float | None = None) -> bool:
@@ -227,7 +227,7 @@ def select(
     and ``select`` raises its error (nothing is chosen or cached; the next call tunes again).
     ``confirm=True`` re-times a non-ATen winner against the anchor in alternation before it is
     kept (fresh winners before they are saved, cached ones once per process per thread count
-    and ISA setting); a candidate that fails there is rejected, but the anchor's failure is no
+    and ISA level); a candidate that fails there is rejected, but the anchor's failure is no
     verdict: one that raises before returning in a cached choice's confirmation makes
     ``select`` raise as above (the cached choice stays, unconfirmed), and one that fails on a
     later call, there or in the search, leaves the native choice unjudged and kept, the
@@ -702,6 +702,9 @@ def _tune(
                 )
                 if ok is False and f"confirm:{choice.name}" in timings:  # (not when it raised)
                     ok = _long_call_verdict(timings, choice.name, anchor.name)
+                    if ok:  # overturned: the rejection confirm() counted is a confirmation
+                        stats.rejected -= 1
+                        stats.confirmed += 1
             else:
                 ok = _confirm_choice(
                     choice,

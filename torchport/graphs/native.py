@@ -12,13 +12,14 @@ the loop-variable buffers, so branch choices and trip counts follow the data. An
 (other ops, dtypes or tensor subclasses) uses the TorchScript tier.
 
 Supported: ``mm``/``addmm`` (float32, any strides, ``beta``/``alpha``; the GEMM engine's register
-tiles, :mod:`torchport.gemm`, on ``B`` packed at every replay), pointwise arithmetic, comparisons,
-``where``, ``clamp``, ``abs``, bitwise/logical ops and casts on float/int/bool tensors (tensor or
-scalar operands, broadcasting), float32 ``relu/tanh/sigmoid/exp/sin/cos/sqrt/rsqrt``, copies,
-fills and factory ops, their in-place forms, ``sum/mean/amax/amin`` over any dims (float32;
-``sum``/``amax``/``amin`` also int64), and the transformer ops of :mod:`.native_ops` (embedding,
-softmax, layer norm, GELU, ``bmm``, ``index_copy``, ``argmax``...). Not supported (TorchScript tier): integer division and
-remainder (ATen raises on a zero divisor; C would trap), float-to-int casts, other reductions.
+tiles, :mod:`torchport.gemm`, on ``B`` packed at every replay, on torch's thread count at
+replay), pointwise arithmetic, comparisons, ``where``, ``clamp``, ``abs``, bitwise/logical ops
+and casts on float/int/bool tensors (tensor or scalar operands, broadcasting), float32
+``relu/tanh/sigmoid/exp/sin/cos/sqrt/rsqrt``, copies, fills and factory ops, their in-place
+forms, ``sum/mean/amax/amin`` over any dims (float32; ``sum``/``amax``/``amin`` also int64), and
+the transformer ops of :mod:`.native_ops` (embedding, softmax, layer norm, GELU, ``bmm``,
+``index_copy``, ``argmax``...). Not supported (TorchScript tier): integer division and remainder
+(ATen raises on a zero divisor; C would trap), float-to-int casts, other reductions.
 
 Numerics: GEMMs accumulate in float32 with FMA over K (the engine's order, not ATen's); pointwise
 ops compute in the output's type with scalars converted as ATen does (a float32 tensor times a
@@ -231,7 +232,6 @@ class _Codegen:
         self._fid: dict[tuple[tuple[int, int], bool], int] = {}
         self.pack_floats = 0  # scratch W: packed B panels
         self.tmp_floats = 0  # scratch T: a product before a general beta/alpha combine
-        self.nthreads = native.num_threads()
         self.reads_threads = False  # the program reads the replay-time thread count (NT)
         self.extra: list[torch.Tensor] = []  # buffers the program itself needs, kept alive
         self.errors: list[str] = []  # runtime errors, by code - 1
@@ -409,11 +409,13 @@ class _Codegen:
         if not direct:
             self.tmp_floats = max(self.tmp_floats, m * n)
         ep = f"{{ {cbias} }}" if fast_bias else "{ 0 }"
+        # on torch's threads at replay, as eager mm (the capture's count, baked in, ran a replay
+        # after set_num_threads(1) on the captured two threads)
         self.lines.append(
             f"  {{ const void* ep[1] = {ep}; const int64_t eld[1] = {{ 1 }};\n"
             f"    tp_pack({bb}, {bs0}, {bs1}, {k}, {n}, {cfg[1]}, W);\n"
             f"    ((tp_gemm_t)F[{fid}])({dst}, {ldc}, {ab}, {as0}, {as1}, W, {m}, {n}, {k}, {m}, 0,"
-            f" ep, eld, {self.nthreads}, 0, 1, NULL); }}"
+            f" ep, eld, {self.replay_threads()}, 0, 1, NULL); }}"
         )
         if direct:
             return
@@ -695,7 +697,7 @@ def lower(
     decls = [f"  char* const s{i} = P[{i}];" for i in range(len(cg.storages))]
     ns = len(cg.storages)
     decls += [f"  float* const W = (float*)P[{ns}];", f"  float* const T = (float*)P[{ns + 1}];"]
-    decls += [f"  const int64_t NT = *(const int64_t*)P[{ns + 2}];"]
+    decls += [f"  const int64_t NT = TP_MAX(*(const int64_t*)P[{ns + 2}], 1);"]
     src = (
         native.PRELUDE
         + _MATH
@@ -741,8 +743,8 @@ def lower(
         # graphs`' 200-op MLP, whose replay is ~65 us (a list comprehension took 4.2 us)
         if list(map(_data_ptr, watch)) != expect:
             _moved(watch, expect, labels)
-        if reads_threads:
-            threads.value = native.num_threads()
+        if reads_threads:  # (torch's getter direct: native.num_threads() cost 0.3 us more)
+            threads.value = _get_num_threads()
         rc = fn(ptrs, fptrs)
         if rc:
             raise IndexError(f"graph replay: {errors[rc - 1]}")
@@ -757,6 +759,7 @@ def lower(
 
 
 _data_ptr = torch.Tensor.data_ptr
+_get_num_threads = torch.get_num_threads
 
 
 def _moved(watch: Sequence[torch.Tensor], expect: Sequence[int], labels: Sequence[str]) -> None:

@@ -4,9 +4,9 @@ A quantized ``nn.Linear`` (NVFP4, MX, FP8 weights; :mod:`torchport.lowp`) called
 records one ``torchport::gemv_packed`` op on plain tensors (packed data, scales, row scales); a
 decode-shaped linear routed by ``torchport.compile`` records ``torchport::gemv_dense``. Here each
 becomes a call, from the graph's C function, to the very kernel :func:`torchport.gemv.gemv_packed`
-runs in eager mode for that problem (same launch plan, same thread count,
-:func:`torchport.gemv.ops.native_launch`), passed to the program as a function pointer: replay
-reproduces the eager results bit for bit and no Python runs per linear.
+runs in eager mode for that problem (same launch plan, :func:`torchport.gemv.ops.native_launch`;
+an all-threads plan on torch's thread count at replay), passed to the program as a function
+pointer: replay reproduces the eager results bit for bit and no Python runs per linear.
 
 Supported: float32 activations whose rows are contiguous, a float32 contiguous 1-D bias or none,
 float32 contiguous output. Anything else (bfloat16 activations, a dense weight where ``F.linear``
@@ -45,7 +45,7 @@ def _ptr(cg: Any, t: torch.Tensor | None) -> str:
 def emit_gemv(cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
     """Emit the kernel call for a recorded ``gemv_packed`` / ``gemv_dense`` op."""
     from torchport.gemv.kernels import NONFINITE_STATUS, GemvKernel
-    from torchport.gemv.ops import PackedWeight, native_launch, pack_dense
+    from torchport.gemv.ops import PackedWeight, _native_plan, native_launch, pack_dense
 
     names = (
         ("x", "w", "bias")
@@ -78,7 +78,12 @@ def emit_gemv(cg: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], o
     launch = native_launch(pw, rows, int8)
     if launch is None:
         raise cg.unsupported("gemv without a native kernel for this problem")
-    kernel, threads = launch
+    kernel = launch[0]
+    plan = _native_plan(pw, rows, int8)  # native_launch's plan (cached), for its thread setting
+    assert plan is not None
+    # 1: one thread; 0: all of torch's threads, counted at replay as eager counts them per call
+    # (native_launch's count, taken at capture, ran a replay after set_num_threads(1) on two)
+    threads = str(plan.threads) if plan.threads else cg.replay_threads()
     fid = cg.add_fn(kernel._fn)  # type: ignore[attr-defined]
     code = cg.error(f"{name}: kernel {pw.fmt} (N={pw.n}, K={pw.k}) failed")
     call = (
