@@ -138,6 +138,15 @@ def _clamp(index: Any, n: int) -> Any:
     return max(0, min(int(index), n - 1))
 
 
+def _pre_dispatch_here() -> bool:
+    """True if this thread dispatches through the PreDispatch key (a pre-dispatch mode it set).
+
+    torch keeps the pre-dispatch modes in one process-wide slot, but turns the key on only for the
+    thread that set them: an eager switch on another thread took that slot as its own tracing
+    ("switch_op traced branch0")."""
+    return torch._C._dispatch_tls_is_dispatch_key_included(DispatchKey.PreDispatch)
+
+
 def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
     """True when a proxy/fake/functional mode or tensor means we are being traced.
 
@@ -156,8 +165,10 @@ def _is_tracing(leaves: Sequence[Any], index: Any) -> bool:
         torch._C._get_dispatch_mode(k) is not None for k in (keys.FAKE, keys.PROXY, keys.FUNCTIONAL)
     ):
         return True
-    if any(_get_dispatch_mode_pre_dispatch(k) is not None for k in (keys.PROXY, keys.FUNCTIONAL)):
-        return True  # torch.export's pre-dispatch tracing
+    if _pre_dispatch_here() and any(
+        _get_dispatch_mode_pre_dispatch(k) is not None for k in (keys.PROXY, keys.FUNCTIONAL)
+    ):
+        return True  # pre-dispatch tracing (make_fx(pre_dispatch=True), torch.export's)
     ts = [x for x in (*leaves, index) if isinstance(x, torch.Tensor)]
     return any(
         isinstance(t, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(t) for t in ts
@@ -270,8 +281,17 @@ def _cond_tree(branches: Sequence[Callable[..., Any]], lo: int, hi: int) -> Call
 
 
 def _lowering_for_inductor() -> bool:
-    """True while AOTAutograd traces a ``torch.compile`` graph (not an export) for a backend."""
-    return torch._guards.TracingContext.try_get() is not None and not torch.compiler.is_exporting()
+    """True while AOTAutograd traces a ``torch.compile`` graph (not an export) for a backend.
+
+    Both are per thread: dynamo compiles a frame, its backend included, inside a compile context
+    with the frame's compile id; export (strict or not) traces with a tracing context outside one.
+    Not ``torch.compiler.is_exporting()``: set for every thread while one exports, a compile on
+    another thread then gave Inductor the switch node ("torchport_switch is not an OpOverload").
+    """
+    return (
+        torch._guards.TracingContext.try_get() is not None
+        and torch._guards.CompileContext.current_compile_id() is not None
+    )
 
 
 def _trace_switch(mode: ProxyTorchDispatchMode, index: Any, branches: Any, operands: Any) -> Any:

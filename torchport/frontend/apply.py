@@ -85,12 +85,12 @@ class SpecCompiled:
         return b
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if is_compiling_here():
+        if is_compiling_here() or _make_fx_tracing_here():
             # traced by an outer torch.compile (``torch.compile(lambda x: spec_fn(x) + 1)``,
-            # fullgraph too) or export: the function is inlined, and the outer compile owns the
-            # graph (its sizes are dynamic as it decides; the spec's checks are for calls). Not
-            # torch.compiler.is_compiling(): true in every thread while any thread compiles, it
-            # let an eager call skip its checks (and its compile) then.
+            # fullgraph too), export or make_fx: the function is inlined, and the outer trace
+            # owns the graph (its sizes are dynamic as it decides; the spec's checks are for
+            # calls). Not torch.compiler.is_compiling(): true in every thread while any thread
+            # compiles, it let an eager call skip its checks (and its compile) then.
             return self.fn(*args, **kwargs)
         return self._call(*args, **kwargs)
 
@@ -183,6 +183,26 @@ class SpecCompiled:
             f"({reason}); sizes it specialises on will recompile",
             stacklevel=6,  # (_relax, _call_marked, _call, its dynamo.disable wrapper, __call__)
         )
+
+
+_PROXY_KEY = torch._C._TorchDispatchModeKey.PROXY
+
+
+def _make_fx_tracing_here() -> bool:
+    """True while ``make_fx`` traces this thread's code.
+
+    Its proxy mode is on this thread's dispatch-mode stack or, with ``pre_dispatch=True``, in
+    torch's process-wide pre-dispatch slot with the PreDispatch key on for this thread (the
+    thread that set it). Called eagerly, a ``torch.compile``d function refuses that trace ("using
+    FX to symbolically trace a dynamo-optimized function"). Not ``torch.fx``'s tracing flag,
+    which is process-wide.
+    """
+    if torch._C._get_dispatch_mode(_PROXY_KEY) is not None:
+        return True
+    return (
+        torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PreDispatch)
+        and torch._ops._get_dispatch_mode_pre_dispatch(_PROXY_KEY) is not None
+    )
 
 
 class _SpecCall:
