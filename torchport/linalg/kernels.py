@@ -1299,6 +1299,29 @@ TP_INLINE void stream_out(const T *src, T *dst, int64_t ne) {
     }
 }
 
+TP_INLINE int32_t chol_one(const T *a, T *out, int64_t n, int upper, T *Lw);
+
+/* A lane that failed, factored again alone if its largest entry (of the triangle read) is below
+   the square root of the smallest normal number: there a pivot can be subnormal, whose reciprocal
+   (chol_vec_full multiplies by 1/pivot) overflows to inf and fails the lane, and products of the
+   factor's entries lose their low bits (an SPD matrix of largest entry 1e-40 failed in float32).
+   It is scaled by the even power of two 4^-k that brings that entry into [1, 4) (exact), factored
+   by chol_one and the factor scaled back by 2^k. Above that bound a failed pivot means the matrix
+   is not positive definite to working precision: its info stands. w: 2 n^2 elements. */
+TP_INLINE int32_t chol_lane_retry(const T *a, T *out, int32_t info, int64_t n, int upper, T *w) {
+    T amax = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j <= i; ++j) amax = TP_MAX(amax, TFABS(upper ? a[j * n + i] : a[i * n + j]));
+    int ex = TP_SCALE_EXP(amax);
+    if (ex >= TP_MIN_NORMAL_EXP / 2) return info;
+    ex -= ex & 1;
+    const T fac = (T)ldexp(1.0, -ex), back = (T)ldexp(1.0, ex / 2);
+    for (int64_t r = 0; r < n * n; ++r) w[r] = a[r] * fac;
+    const int32_t st = chol_one(w, out, n, upper, w + n * n);
+    if (!st) for (int64_t r = 0; r < n * n; ++r) out[r] *= back;
+    return st;
+}
+
 TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int64_t n, int64_t upper,
                               int64_t stream, int64_t huge, int64_t nthreads) {
     const int64_t groups = (B + VLN - 1) / VLN;
@@ -1342,6 +1365,10 @@ TP_EXPORT int tp_cholesky_vec(const T *a, T *out, int32_t *info, int64_t B, int6
             else if (n == 8) chol_vec_full(src, dst, info + b0, 8, (int)upper, Lw);
             else if (n == 16) chol_vec_full(src, dst, info + b0, 16, (int)upper, Lw);
             else chol_vec_full(src, dst, info + b0, n, (int)upper, Lw);
+            for (int64_t l = 0; l < cnt; ++l)  /* (Lw is free: 2 n^2 elements and more) */
+                if (info[b0 + l])
+                    info[b0 + l] = chol_lane_retry(src + l * n * n, dst + l * n * n, info[b0 + l],
+                                                   n, (int)upper, (T *)Lw);
             if (dst == (T *)S) stream_out(dst, out + b0 * n * n, VLN * n * n);
             for (int64_t l = 0; l < cnt; ++l) if (info[b0 + l] && b0 + l < bad) bad = b0 + l;
         }
