@@ -1178,7 +1178,8 @@ def _device_type(tensors: Any) -> str:
 # the relay's methods (a Python group's), which call the group's recorded ones. The op is
 # recorded as any other op the group receives -- its name, counter and sizes -- and completes
 # with its Work. The point-to-point kernels (isend, irecv, batch_p2p_ops) take a group name
-# only, no group object: they stay unrecorded on a C++ group.
+# only ("str group_name": no relay can stand in), so on such a group their kernel runs the op
+# here as torch's does, through the group's recorded send / recv (see _FUNCOL_OWN).
 _FUNCOL_OPS = (
     "all_reduce",
     "all_reduce_",
@@ -1193,6 +1194,9 @@ _FUNCOL_OPS = (
     "all_to_all_single",
     "broadcast",
     "broadcast_",
+    "isend",
+    "irecv",
+    "batch_p2p_ops",
 )
 _NO_TIMEOUT = datetime.timedelta(0)  # (Work.wait's default: the group's own timeout)
 _funcol_lib: Any = None  # the torch.library.Library holding our kernels while installed
@@ -1259,11 +1263,12 @@ def _relay(group: Any) -> Any:
 def _funcol_kernel(kernel: Any, gi: int, own: Any, *args: Any, **kwargs: Any) -> Any:
     """A functional collective's CPU kernel: torch's own ``kernel``, given a relay in place of a
     C++ group (argument ``gi``: a group name, or, in torch 2.13, the group itself); ``own``:
-    the op run here instead on such a group (see _all_gather_out), or None."""
+    the op run here instead on such a group (see _FUNCOL_OWN), or None."""
     group = funcol_group(args[gi] if gi < len(args) else kwargs.get("group_name"))
     if type(group) is dist.ProcessGroup and not _op_state.busy:
         if own is not None:
-            return own(group, *args[:gi], **kwargs)
+            kw = {k: v for k, v in kwargs.items() if k != "group_name"}
+            return own(kernel, group, *args[:gi], *args[gi + 1 :], **kw)
         if gi < len(args):
             args = (*args[:gi], _relay(group), *args[gi + 1 :])
         else:
@@ -1271,15 +1276,109 @@ def _funcol_kernel(kernel: Any, gi: int, own: Any, *args: Any, **kwargs: Any) ->
     return kernel.call_boxed(CPU_KEYSET, *args, **kwargs)
 
 
-def _all_gather_out(group: Any, input: torch.Tensor, group_size: int, *, out: Any) -> Any:
+def _all_gather_out(
+    _kernel: Any, group: Any, input: torch.Tensor, group_size: int, *, out: Any
+) -> Any:
     """``all_gather_into_tensor_out`` on a C++ group, as torch's kernel runs it (no check of
     the input's layout: gloo gathers a strided input as it is): its kernel calls
     the group's ``_allgather_base``, which c10d does not forward to a Python group's method (a
     relay failed with "No backend type associated with device type cpu"), so it is run here,
     through the group's recorded method (``group_size`` unused, as in torch's kernel)."""
     work = group._allgather_base(out, input)
-    torch._C._distributed_c10d._register_work(out, _for_c10d(work))
+    _register_work(out, _for_c10d(work))
     return out
+
+
+_register_work = torch._C._distributed_c10d._register_work
+
+
+def _isend(_kernel: Any, group: Any, tensor: torch.Tensor, dst: int, tag: int) -> torch.Tensor:
+    """``isend`` on a C++ group, as torch's kernel runs it: the group's (recorded) ``send``;
+    the result is an empty tensor that, as the sent one, carries the Work for ``wait_tensor``
+    (``dst`` goes to ``send`` as given, as there)."""
+    work = _for_c10d(group.send([tensor], dst, tag))
+    placeholder = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    _register_work(tensor, work)
+    _register_work(placeholder, work)
+    return placeholder
+
+
+def _irecv(_kernel: Any, group: Any, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+    """``irecv`` on a C++ group, as torch's kernel runs it: the group's (recorded) ``recv``
+    into ``tensor``, which is the result and carries the Work."""
+    work = _for_c10d(group.recv([tensor], src, tag))
+    _register_work(tensor, work)
+    return tensor
+
+
+def _batch_p2p(
+    kernel: Any,
+    group: Any,
+    op_list: list[str],
+    peer_list: list[int],
+    tag_list: list[int],
+    tensors: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """``batch_p2p_ops`` on a C++ group, as torch's kernel runs it (coalesced where the backend
+    coalesces; each send's result an empty tensor, each receive's its tensor), its ops sharing
+    one point-to-point sequence id as ``batch_isend_irecv``'s do. A list torch refuses (lengths
+    that differ, no op, an op other than isend / irecv) goes to torch's kernel, which raises."""
+    n = len(op_list)
+    if not n or {len(peer_list), len(tag_list), len(tensors)} != {n}:
+        return kernel.call_boxed(
+            CPU_KEYSET, op_list, peer_list, tag_list, tensors, group.group_name
+        )
+    if any(op not in ("isend", "irecv") for op in op_list):
+        return kernel.call_boxed(
+            CPU_KEYSET, op_list, peer_list, tag_list, tensors, group.group_name
+        )
+    device = tensors[0].device
+    coalesce = group._get_backend(device).supports_coalescing
+    state, rec = _op_state, _recorder
+    outer = state.seq
+    if rec is not None and outer is None:
+        hit = _group_names.get(id(group))
+        if hit is None or hit[2]() is not group:
+            hit = _seen(group, rec)
+        state.seq = rec.next_seq(hit[0], "p2p")
+    outs: list[torch.Tensor] = []
+    try:
+        if coalesce:
+            group._start_coalescing(device)
+        for op, peer, tag, t in zip(op_list, peer_list, tag_list, tensors, strict=True):
+            if op == "isend":
+                work = group.send([t], peer, tag)
+                out = torch.empty(0, dtype=t.dtype, device=t.device)
+            else:
+                work = group.recv([t], peer, tag)
+                out = t
+            if work is not None:
+                work = _for_c10d(work)
+                _register_work(t, work)
+                if out is not t:
+                    _register_work(out, work)
+            outs.append(out)
+    finally:
+        state.seq = outer
+    if coalesce:
+        work = group._end_coalescing(device)
+        if work is None:
+            raise RuntimeError(
+                "batch_p2p_ops: the group's end of coalescing returned no Work (torch's kernel "
+                "requires one)"
+            )
+        for out in outs:
+            _register_work(out, work)
+    return outs
+
+
+# the functional ops run here on a C++ group, not by torch's kernel given a relay
+_FUNCOL_OWN: dict[str, Callable[..., Any]] = {
+    "all_gather_into_tensor_out": _all_gather_out,
+    "isend": _isend,
+    "irecv": _irecv,
+    "batch_p2p_ops": _batch_p2p,
+}
 
 
 def _hook_functional() -> None:
@@ -1294,8 +1393,7 @@ def _hook_functional() -> None:
             if op is None:  # (an op this torch lacks)
                 continue
             gi = [a.name for a in op.default._schema.arguments].index("group_name")
-            own = _all_gather_out if name == "all_gather_into_tensor_out" else None
-            override_cpu_kernel(lib, name, bind(_funcol_kernel, gi, own))
+            override_cpu_kernel(lib, name, bind(_funcol_kernel, gi, _FUNCOL_OWN.get(name)))
     except BaseException:
         lib._destroy()
         raise
@@ -1432,8 +1530,8 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     ``ProcessGroup`` and of its subclasses (those defined later from their definition on),
     with one sequence id per op the group received: so also what torch issues itself (the
     object collectives, FSDP2's all-gathers and reduce-scatters, the coalescing manager's one
-    op, the functional collectives' ops, also on a group c10d calls from C++ such as gloo's:
-    see _FUNCOL_OPS; not their point-to-point ops there) and what a program calls on a group
+    op, the functional collectives' and functional point-to-point ops, also on a group c10d
+    calls from C++ such as gloo's: see _FUNCOL_OPS) and what a program calls on a group
     directly, and never an op torch refused in its argument checks. ``all_gather_single``
     and ``all_gather_into_tensor`` are one op (``all_gather_into_tensor``), and so are
     ``reduce_scatter_single`` and ``reduce_scatter_tensor`` (``reduce_scatter_tensor``).
