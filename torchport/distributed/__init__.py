@@ -48,6 +48,7 @@ from torchport.distributed.errors import (
     CommError,
     CommTimeoutError,
     CommunicatorErrorState,
+    PeerLeftError,
     RemoteError,
     TorchportDistError,
     WireError,
@@ -63,7 +64,6 @@ from torchport.distributed.reconfigure import (
     _supports_reconfigure,
     init_process_group,
 )
-from torchport.distributed.transport_tcp import PeerLeftError
 from torchport.distributed.window import (
     Window,
     WindowError,

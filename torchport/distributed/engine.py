@@ -38,6 +38,7 @@ from torchport.distributed.errors import (
     CommError,
     CommTimeoutError,
     CommunicatorErrorState,
+    PeerLeftError,
     RemoteError,
 )
 from torchport.distributed.exchange import Blob, exchange
@@ -45,6 +46,7 @@ from torchport.distributed.progress import Engine, TorchportWork
 from torchport.distributed.shm_kernels import shm_lib
 from torchport.distributed.transport_shm import (
     ABORTED,
+    GONE,
     MISMATCH,
     TIMEOUT,
     Read,
@@ -56,7 +58,6 @@ from torchport.distributed.transport_tcp import (
     Delivery,
     Mesh,
     Once,
-    PeerLeftError,
     SendSource,
     Target,
     on_reader_thread,
@@ -65,12 +66,17 @@ from torchport.distributed.wire import Kind
 
 # Abort reasons (low byte of the abort word / seq of ABORT frames).
 REASON_ABORT, REASON_TIMEOUT, REASON_MISMATCH, REASON_ERROR, REASON_SHUTDOWN = 1, 2, 3, 4, 5
+# An operation needed a rank that left the job: the abort word's rank is the one that left
+# (not the one that found it), and an ABORT frame's seq carries it above the reason byte
+# (``REASON_LEFT | (rank + 1) << 8``), so every rank's error names the rank that left.
+REASON_LEFT = 6
 REASONS = {
     REASON_ABORT: "called abort()",
     REASON_TIMEOUT: "timed out",
     REASON_MISMATCH: "detected mismatched collectives",
     REASON_ERROR: "failed",
     REASON_SHUTDOWN: "shut down",
+    REASON_LEFT: "left the job",
 }
 
 OP_NAMES = (
@@ -532,10 +538,21 @@ class Communicator:
 
     def on_remote_abort(self, src: int, reason: int) -> None:
         q = self.ranks.index(src) if src in self.ranks else src
+        if reason & 0xFF == REASON_LEFT and reason >> 8:  # (q found that rank gone)
+            gone = (reason >> 8) - 1
+            self._failed(self._gone_error(f"an operation of rank {q}", gone), (gone, REASON_LEFT))
+            return
         err = RemoteError(
             f"communicator {self.name!r}: rank {q} {REASONS.get(reason, f'failed ({reason})')}"
         )
         self._failed(err, (q, reason))
+
+    def _gone_error(self, what: str, q: int) -> PeerLeftError:
+        """The error of ``what`` (an operation) that needed group rank ``q``, which left."""
+        return PeerLeftError(
+            f"{what} on communicator {self.name!r} (rank {self.rank}): rank {q} left the job "
+            f"(it destroyed its process group or exited) before joining it"
+        )
 
     def on_peer_lost(self, src: int, error: BaseException) -> None:
         if src in self.ranks:
@@ -544,25 +561,54 @@ class Communicator:
     def on_peer_left(self, src: int) -> None:
         """Global rank ``src`` left the job (its goodbye was read after every frame it sent):
         the receives posted from it fail with :class:`PeerLeftError` -- its frames would have
-        been delivered by now. The group itself fails only when an operation that needs
-        ``src`` runs (a collective still finishing with what it got from ``src`` completes)."""
+        been delivered by now --, and so do any-source receives once every other rank of the
+        group left (while one can still send, it stays posted: the message may still come from
+        that rank, and only its goodbye tells that it will not). The group itself fails only
+        when an operation that needs ``src`` runs (a collective still finishing with what it
+        got from ``src`` completes)."""
         if src not in self.ranks:
             return
+        # a collective step waiting for it to arrive fails at once (GONE), one it finished
+        # before it left does not (the goodbye came after its last step: its process group's
+        # communicators closed first, or it exits)
+        q = self.ranks.index(src)
+        if self.arena is not None:
+            self.arena.mark_gone(q)
+        elif self.local is not None and q in self.local_ranks:
+            self.local.mark_gone(self.local_ranks.index(q))
+        left = self.mesh.mailbox.left
         with self._lock:
-            # (an any-source receive, a Once, waits for the other ranks too)
-            gone = [
+            named = [
                 p
                 for p in self._pending
                 if p[0] is not None and p[0][2] == src and not isinstance(p[1], Once)
             ]
+            # (a Once that fired is taking a frame from a rank that left after sending it)
+            anys = [
+                p
+                for p in self._pending
+                if isinstance(p[1], Once)
+                and not p[1].fired
+                and p[1].keys
+                and all(k[2] in left for k in p[1].keys)
+            ]
+            gone = named + anys
             self._pending = [p for p in self._pending if not any(p is g for g in gone)]
-        if gone:
+        if named:
             err = PeerLeftError(
-                f"communicator {self.name!r} (rank {self.rank}): a recv from rank "
-                f"{self.ranks.index(src)}, which left the job (it destroyed its process group "
-                f"or exited) without sending it"
+                f"communicator {self.name!r} (rank {self.rank}): a recv from rank {q}, which "
+                f"left the job (it destroyed its process group or exited) without sending it"
             )
-            self._cancel_receives(gone, err)
+            self._cancel_receives(named, err)
+        for key, once, work in anys:
+            others = [r for r in range(self.world) if r != self.rank]
+            err = PeerLeftError(
+                f"communicator {self.name!r} (rank {self.rank}): {work.name}: every rank that "
+                f"could send it ({', '.join(map(str, others))}) left the job (each destroyed its "
+                f"process group or exited) without sending it"
+            )
+            if self.mesh.mailbox.cancel(key, once):  # (else a frame won the race: it finishes)
+                work._finish(err)
 
     # -- running operations ------------------------------------------------------------
     def run(self, work: TorchportWork, fn: Callable[[], None]) -> None:
@@ -661,11 +707,18 @@ class Communicator:
     def _step_error(self, e: StepError, opname: str) -> BaseException:
         if e.status == TIMEOUT:
             err: BaseException = self._time_out(opname, " waiting for peers")
+        elif e.status == GONE:  # a rank it waited for left the group (the detail names it)
+            gone = e.detail[0]
+            err = self._gone_error(opname, gone)
+            self._failed(err, (gone, REASON_LEFT), tell=REASON_LEFT | (gone + 1) << 8)
         elif e.status == ABORTED:
             word = self._shm.abort_word() if self._shm is not None else 0
             who, reason = (word >> 8) - 1, word & 0xFF
             if who == self.rank and self.error is not None:
                 err = self.error
+            elif reason == REASON_LEFT:  # (another rank found ``who`` gone)
+                err = self._gone_error(opname, who)
+                self._failed(err, None)
             else:
                 err = RemoteError(
                     f"{opname} on communicator {self.name!r}: rank {who} "
@@ -1009,6 +1062,8 @@ class Communicator:
         if not self._post(work, tensor, (keys[0] if keys else None, once, work)):
             return work
         self.mesh.mailbox.expect_any(once)
+        if keys and keys[0][2] in self.mesh.mailbox.left:  # (every sender may have left)
+            self.on_peer_left(keys[0][2])
         return work
 
     def _post(

@@ -9,6 +9,8 @@ broken group never hangs and never returns wrong data. The kinds:
 - :class:`CommError`: a local communication failure (socket closed, bad frame, shm failure);
   :class:`CommAbortedError` when this rank called ``abort()``;
 - :class:`RemoteError`: a peer aborted, timed out or failed and told us so;
+  :class:`PeerLeftError` when an operation needed a peer that left the job (its goodbye was
+  read);
 - :class:`CollectiveMismatchError`: ranks issued different collectives (op, dtype, size, root).
 
 All derive from ``torch.distributed.DistBackendError`` so callers that catch torch's own
@@ -40,6 +42,14 @@ class CommAbortedError(CommError):
 
 class RemoteError(TorchportDistError):
     """A peer failed or aborted; the message names the peer and its reason."""
+
+
+class PeerLeftError(RemoteError):
+    """An operation needed a peer that left the job: it closed its connections with a goodbye
+    (``destroy_process_group`` or its process's exit) after everything it sent had been
+    received, and what the operation waited for was not among it. (Defined in
+    ``transport_tcp`` before; it is still importable from there and from
+    ``torchport.distributed``.)"""
 
 
 class CollectiveMismatchError(TorchportDistError, ValueError):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchport.distributed.errors import CommError
-from torchport.distributed.transport_shm import MISMATCH, StepError
+from torchport.distributed.transport_shm import GONE, MISMATCH, StepError
 from torchport.distributed.transport_tcp import RECEIVED, PostedTargets, Target, XRecv, XSend
 from torchport.distributed.wire import Kind
 
@@ -152,7 +152,7 @@ def _local_step(
     try:
         arena.step(epoch, sig, pubs, [], 0, 0, deadline - time.monotonic())
     except StepError as e:
-        if e.status == MISMATCH:  # name the group rank, not the index among local members
+        if e.status in (MISMATCH, GONE):  # the group rank, not the index among local members
             e.detail = (members[e.detail[0]], e.detail[1], e.detail[2])
         raise
     base = arena.base + arena.data_off

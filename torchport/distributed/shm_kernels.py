@@ -10,8 +10,9 @@ only for the ranks it reads from, not for the whole group:
    write the step signature and arrive (``__atomic`` release store of ``epoch``);
 3. for each read: wait until its source arrived (acquire loads; bounded spin with ``pause``,
    then ``sched_yield`` for 0.2 ms, then a futex sleep woken by the next arrival), watching
-   the group's abort word and a deadline; check the source's signature (mismatch -> error
-   code, offending rank); copy or reduce ``len`` bytes from its slot into a destination.
+   the group's abort word, the source's *gone* word and a deadline; check the source's
+   signature (mismatch -> error code, offending rank); copy or reduce ``len`` bytes from its
+   slot into a destination.
    Copies run in the order their sources arrive, folds in rank order;
 4. a rank that reads from no other rank waits for every rank and checks every signature.
 
@@ -22,6 +23,12 @@ disagreeing rank or reads from nobody, and by the others at their next step's pr
 The fused allreduce (``tp_shm_allreduce``) runs after the same prewait; a large one is one
 full barrier, a pipeline of blocks whose readers and writers wait on per-rank counters
 (published, folded, copied out) instead of barriers, and an arrival.
+
+A rank that left the job (a peer read its goodbye, which it sends after its last step) has
+its *gone* word set (``tp_mark_gone``), after its last arrival: a wait for a word of it that is
+still short of its target then ends with ``GONE`` at once (naming the rank) instead of at the
+deadline, while a wait it already satisfied (a collective it finished before it left) is
+unaffected.
 
 Reductions fold ``dst = dst (op) src`` element-wise. fp16/bf16 compute in fp32 and round to
 nearest-even per fold, exactly like torch's eager ``a + b`` in that dtype; integers wrap
@@ -40,10 +47,12 @@ from torchport import native
 # Status codes returned by tp_shm_step.
 OK, TIMEOUT, ABORTED, MISMATCH, BAD_ARG = 0, 1, 2, 3, 4
 SIZES_LEFT = 5  # tp_shm_alltoall_packed: the caller goes on from the exchanged sizes
+GONE = 6  # a rank waited for left the group (its gone word is set); ``bad[0]`` names it
 
 # Header layout (bytes).
 HDR_MAGIC = 0x5450534D33  # "TPSM3"
 LINE = 256  # per-rank control line: arrive (8) + pad + two signature halves
+GONE_WORD = 3  # the pad word (of 7) that says the rank left the group (0..2: pipeline counters)
 SIG_WORDS = 8
 CTRL_OFF = 256  # lines start here; offset 64 holds the abort word
 DATA_ALIGN = 4096
@@ -75,6 +84,8 @@ _SOURCE = r"""
 #define SIG_WORDS ${sig_words}
 #define LINE ${line}
 #define CTRL_OFF ${ctrl_off}
+#define TP_GONE ${gone_word}  /* pad word: the rank left the group (tp_mark_gone) */
+#define TP_ST_GONE 6
 
 typedef struct { int64_t arrive; int64_t pad[7]; int64_t sig[2][SIG_WORDS]; } tp_line_t;
 
@@ -307,14 +318,26 @@ static void tp_bump(char *hdr) {
 /* Waiting state of one step: spins, then yields for tp_yield_ns, then futex sleeps. */
 typedef struct { int64_t spins, t0, deadline; } tp_wait_t;
 
-/* Wait until *word >= target (a peer's arrive epoch or pipeline counter); 0 ok, 1 timeout,
-   2 aborted. Spins briefly, yields for up to tp_yield_ns (per thread, default ${yield_ns} ns),
-   then sleeps on the futex (1 ms cap, so deadlines and aborts are seen promptly even without a
-   wake-up). */
-static int tp_wait_word(char *hdr, const int64_t *word, int64_t target, tp_wait_t *w) {
+/* The rank whose gone word ended this thread's last wait (status TP_ST_GONE), for the
+   entry points to report. */
+static __thread int64_t tp_gone_rank = -1;
+
+/* Wait until *word >= target (a word of rank q's line: its arrive epoch or a pipeline counter;
+   q < 0: a ring's word, no rank); 0 ok, 1 timeout, 2 aborted, 6 (TP_ST_GONE) rank q left with
+   the word short of the target (its gone word is set after its last store: re-read, the word
+   is final). Spins briefly, yields for up to tp_yield_ns (per thread, default ${yield_ns} ns),
+   then sleeps on the futex (1 ms cap, so deadlines, aborts and departures are seen promptly
+   even without a wake-up). */
+static int tp_wait_word(char *hdr, const int64_t *word, int64_t target, tp_wait_t *w, int64_t q) {
     int64_t *abort_word = (int64_t *)(hdr + 64);
+    const int64_t *gone = q >= 0 ? &tp_line(hdr, q)->pad[TP_GONE] : NULL;
     while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < target) {
         if (__atomic_load_n(abort_word, __ATOMIC_ACQUIRE) != 0) return 2;
+        if (gone && __atomic_load_n(gone, __ATOMIC_ACQUIRE) &&
+            __atomic_load_n(word, __ATOMIC_ACQUIRE) < target) {
+            tp_gone_rank = q;
+            return TP_ST_GONE;
+        }
         w->spins++;
         if (w->spins < 128) {
 #if defined(__x86_64__)
@@ -341,7 +364,7 @@ static int tp_wait_word(char *hdr, const int64_t *word, int64_t target, tp_wait_
 }
 
 static int tp_wait_rank(char *hdr, int64_t q, int64_t epoch, tp_wait_t *w) {
-    return tp_wait_word(hdr, &tp_line(hdr, q)->arrive, epoch, w);
+    return tp_wait_word(hdr, &tp_line(hdr, q)->arrive, epoch, w, q);
 }
 
 static int tp_wait_all(char *hdr, int64_t world, int64_t epoch, int64_t deadline) {
@@ -497,7 +520,7 @@ static int tp_wait_peers(char *hdr, int64_t world, int64_t rank, int k, int64_t 
     tp_wait_t w = {0, 0, deadline};
     for (int64_t q = 0; q < world; q++) {
         if (q == rank) continue;
-        int st = tp_wait_word(hdr, tp_ctr(hdr, q, k), target, &w);
+        int st = tp_wait_word(hdr, tp_ctr(hdr, q, k), target, &w, q);
         if (st != 0) return st;
     }
     return 0;
@@ -578,7 +601,7 @@ static int tp_allreduce_pipe(char *hdr, char *data, int64_t world, int64_t rank,
             for (int64_t q = 0; q < world; q++) {
                 if (q == rank) continue;
                 tp_wait_t w = {0, 0, deadline};
-                if ((st = tp_wait_word(hdr, tp_ctr(hdr, q, TP_RES), j + 1, &w)) != 0) return st;
+                if ((st = tp_wait_word(hdr, tp_ctr(hdr, q, TP_RES), j + 1, &w, q)) != 0) return st;
                 int64_t n = BLK_N(q, j);
                 if (n) memcpy(buf + (PART_LO(q) + j * be) * esize, ENTRY(q, j) + world * bb, (size_t)(n * esize));
             }
@@ -664,9 +687,11 @@ TP_EXPORT int tp_shm_allreduce(char *hdr, char *data, int64_t world, int64_t ran
    fifteen): a[0..15] = hdr, data, world, rank, slot, epoch, sig3[3], buf, nbytes, esize, small,
    dtype, op, timeout_ns; a[16..20] receives info. */
 TP_EXPORT int tp_shm_allreduce_packed(int64_t *a) {
-    return tp_shm_allreduce((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], a[2], a[3], a[4],
-                            a[5], a + 6, (char *)(intptr_t)a[9], a[10], a[11], a[12], a[13],
-                            a[14], a[15], a + 16);
+    int st = tp_shm_allreduce((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], a[2], a[3], a[4],
+                              a[5], a + 6, (char *)(intptr_t)a[9], a[10], a[11], a[12], a[13],
+                              a[14], a[15], a + 16);
+    if (st == TP_ST_GONE) a[16] = tp_gone_rank;  /* (bad rank: the one that left) */
+    return st;
 }
 
 /* tp_shm_step with its arguments in one int64 block (one ctypes argument instead of fifteen;
@@ -678,9 +703,11 @@ TP_EXPORT int tp_shm_allreduce_packed(int64_t *a) {
 TP_EXPORT int tp_shm_step_packed(int64_t *a) {
     int64_t *t = a + 6 + SIG_WORDS, npubs = t[0];
     if (npubs < 0) return 4;
-    return tp_shm_step((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], a[2], a[3], a[4], a[5],
-                       a + 6, a + TP_STEP_HEAD, npubs, a + TP_STEP_HEAD + 2 * npubs, t[1], t[2],
-                       t[3], t[4], t + 5);
+    int st = tp_shm_step((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], a[2], a[3], a[4], a[5],
+                         a + 6, a + TP_STEP_HEAD, npubs, a + TP_STEP_HEAD + 2 * npubs, t[1], t[2],
+                         t[3], t[4], t + 5);
+    if (st == TP_ST_GONE) t[5] = tp_gone_rank;
+    return st;
 }
 
 /* Apply more reads from the slots of an already completed step (valid until this rank arrives
@@ -730,6 +757,7 @@ TP_EXPORT int tp_shm_alltoall_packed(int64_t *a) {
     }
     int st = tp_shm_step((char *)(intptr_t)a[0], (char *)(intptr_t)a[1], w, r, slot, epoch, a + 6,
                          pubs, npubs, reads, w, t[0], 0, t[2], t + 3);
+    if (st == TP_ST_GONE) t[3] = tp_gone_rank;
     if (st != 0) return st;
     int everyone = 1;
     for (int64_t q = 0; q < w; q++) {
@@ -823,6 +851,13 @@ TP_EXPORT void tp_doorbell_ring(int64_t *cells, int64_t stop) {
         syscall(SYS_futex, (int32_t *)&cells[4], FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
+/* Mark rank q gone: it left the group, after its last arrival (tp_wait_word); never cleared.
+   Set by a peer that read its goodbye (Communicator.on_peer_left). */
+TP_EXPORT void tp_mark_gone(char *hdr, int64_t q) {
+    __atomic_store_n(&tp_line(hdr, q)->pad[TP_GONE], 1, __ATOMIC_SEQ_CST);
+    tp_bump(hdr);
+}
+
 TP_EXPORT int64_t tp_get_abort(char *hdr) {
     return __atomic_load_n((int64_t *)(hdr + 64), __ATOMIC_ACQUIRE);
 }
@@ -875,7 +910,7 @@ TP_EXPORT int64_t tp_ring_move(char *r, int64_t cap, int64_t *pos, char *buf, in
             if (cl) return done > 0 ? done : -1;  /* (a reader: all the writer left is taken) */
             /* the other side's word only grows: wait for it to pass ``other`` (or the close) */
             tp_wait_t w = {0, 0, until};
-            if (tp_wait_word(r, theirs, other + 1, &w) == 1) break;
+            if (tp_wait_word(r, theirs, other + 1, &w, -1) == 1) break;
             continue;
         }
         int64_t off = at % cap, k = n - done;
@@ -919,6 +954,7 @@ class ShmLib:
         self.alltoall_packed = native.c_function(lib, "tp_shm_alltoall_packed", [p], ctypes.c_int)
         self.set_yield = native.c_function(lib, "tp_set_yield", [i64], None)
         self.get_abort = native.c_function(lib, "tp_get_abort", [p], ctypes.c_int64)
+        self.mark_gone = native.c_function(lib, "tp_mark_gone", [p, i64], None)
         self.ring_move = native.c_function(
             lib, "tp_ring_move", [p, i64, p, p, i64, i64, i64, i64], ctypes.c_int64
         )
@@ -933,6 +969,7 @@ def shm_lib() -> ShmLib:
         sig_words=SIG_WORDS,
         line=LINE,
         ctrl_off=CTRL_OFF,
+        gone_word=GONE_WORD,
         yield_ns=YIELD_NS,
         yield_cap_off=YIELD_CAP_OFF,
         pipe_block=PIPE_BLOCK,

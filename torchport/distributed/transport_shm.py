@@ -6,7 +6,8 @@ Layout of the arena (a file under ``/dev/shm``)::
     [64, 72)           abort word: 0, or (rank + 1) << 8 | reason, set once by the first aborter
     [72, 80)           futex word and sleeper count
     [80, 88)           yield cap in ns (0: none; set when ranks outnumber this host's cores)
-    [256, 256 + 256 W) per-rank control lines (arrive epoch, two signature halves)
+    [256, 256 + 256 W) per-rank control lines (arrive epoch, pipeline counters, gone word,
+                       two signature halves)
     [data, ...)        per rank, two halves of ``slot`` bytes each (double buffering)
 
 Rank 0 creates the file with a random name, publishes the name through the store, waits for
@@ -38,6 +39,7 @@ from torchport.distributed.shm_kernels import (
     BAD_ARG,
     CTRL_OFF,
     DATA_ALIGN,
+    GONE,
     HDR_MAGIC,
     LINE,
     MISMATCH,
@@ -270,6 +272,16 @@ class ShmArena(_ShmFile):
                 return 0
             return int(self.lib.set_abort(self.base, ((rank + 1) << 8) | reason))
 
+    def mark_gone(self, rank: int) -> None:
+        """Mark ``rank`` as gone from the group (it left the job: its goodbye was read, after
+        its last step): a step of any rank that waits for it to arrive where it never will
+        fails at once (``GONE``) instead of at its timeout; a step it already finished is
+        unaffected."""
+        assert 0 <= rank < self.world, f"rank {rank} outside the arena's {self.world}"
+        with self._unmap_lock:
+            if self._mm is not None:
+                self.lib.mark_gone(self.base, rank)
+
     def abort_word(self) -> int:
         """0 while healthy, else ``(rank + 1) << 8 | reason`` of the first aborter."""
         with self._unmap_lock:
@@ -451,6 +463,7 @@ __all__ = [
     "BAD_ARG",
     "COPY",
     "FOLD",
+    "GONE",
     "MISMATCH",
     "STREAM",
     "TIMEOUT",

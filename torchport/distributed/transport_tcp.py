@@ -38,10 +38,13 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import fcntl
 import functools
 import os
 import select
 import socket
+import struct
+import termios
 import threading
 import time
 import warnings
@@ -65,7 +68,7 @@ from torchport.distributed.errors import (
     CommError,
     CommTimeoutError,
     CommunicatorErrorState,
-    RemoteError,
+    PeerLeftError,
     WireError,
 )
 from torchport.distributed.shm_kernels import ABORTED as SHM_ABORTED
@@ -160,15 +163,16 @@ DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drop
 # No group takes the id (sub-group ids are below 2**31, groups.group_id_for).
 GOODBYE_GROUP = 0xFFFFFFFF
 # How long a leaving mesh waits for its goodbyes to go out and its peers to end their side of
-# each connection (their reader threads do at once), before it closes the sockets anyway.
+# each connection (their reader threads do at once), before it closes the sockets anyway...
 LEAVE_S = 2.0
+# ... but once every goodbye (and the end of this side's stream) is acknowledged by the peer's
+# host -- it then reads them even after this side closed, resets included -- only this long: a
+# live peer ends its side within milliseconds; a stopped one (SIGSTOP, a debugger) never does,
+# and cost every destroy_process_group and exit the whole LEAVE_S (2 s, vs 3 ms with live
+# peers). A goodbye still unacknowledged (a peer whose buffer is full) keeps LEAVE_S.
+LEAVE_SETTLED_S = 0.2
+LEAVE_POLL_S = 0.01  # ... the acknowledgements are checked this often meanwhile
 JOIN_S = 1.0  # ... and then for its reader threads and acceptor to end
-
-
-class PeerLeftError(RemoteError):
-    """An operation needed a peer that left the job: it closed its connections with a
-    goodbye (``destroy_process_group`` or its process's exit), after everything it sent had
-    been received, and what the operation waited for was not among it."""
 
 
 def _left(rank: int, peer: int, what: str) -> PeerLeftError:
@@ -176,6 +180,16 @@ def _left(rank: int, peer: int, what: str) -> PeerLeftError:
         f"rank {rank}: {what} rank {peer}, which left the job (it destroyed its process group "
         f"or exited: its connection closed with a goodbye after everything it sent)"
     )
+
+
+def unacked_bytes(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` (its FIN counts one) that the peer's host has not acknowledged
+    yet (Linux ``SIOCOUTQ``); 0 for a closed socket."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):  # (ValueError: closed, its fileno is -1)
+        return 0
+    return int(struct.unpack("i", raw)[0])
 
 
 def frames_after(frame: Frame) -> int:
@@ -2723,20 +2737,24 @@ class Mesh:
             if on_left is not None:
                 on_left(conn.peer)
 
-    def leave(self, wait_s: float = LEAVE_S) -> None:
+    def leave(self, wait_s: float = LEAVE_S, settled_s: float = LEAVE_SETTLED_S) -> None:
         """Close the mesh so that its peers can tell it from a crash: on every connection a
         GOODBYE frame after every byte sent there (under the send lock, which a frame part-way
         out holds until its end), then the end of this side's stream (``SHUT_WR``). The reader
         threads go on draining what the peers still send -- a socket closed with unread bytes
-        resets the connection, which can drop what the peer has not read yet -- until each
+        resets the connection, which drops what this side has not sent yet -- until each
         peer ends its side (its reader does once it read the goodbye), for up to ``wait_s``
-        in all; then :meth:`close`, which joins the threads. A connection whose send lock or
-        socket stays busy that long (a peer that stopped reading) gets no goodbye: to that
-        peer the close is a loss, as before."""
+        in all, or ``settled_s`` once the peers' hosts acknowledged every goodbye
+        (:func:`unacked_bytes`: a peer reads what its host took, even after a reset, so only a
+        peer that does not end its side, a stopped one, waits past that); then :meth:`close`,
+        which joins the threads. A connection whose send lock or socket stays busy for
+        ``wait_s`` (a peer that stopped reading) gets no goodbye: to that peer the close is a
+        loss, as before."""
         if self.closed:
             return
         self.leaving = True
-        end = time.monotonic() + wait_s
+        start = time.monotonic()
+        end = start + wait_s
         for conn in list(self.peers.values()):
             # a peer that left first ends its stream, and this side's ends when that is read
             if conn.left or conn.ended.is_set():  # (ended: the connection was lost)
@@ -2752,8 +2770,15 @@ class Mesh:
                         conn.sock.shutdown(socket.SHUT_WR)
                 finally:
                     conn.lock.release()
-        for conn in list(self.peers.values()):
-            conn.ended.wait(max(0.0, end - time.monotonic()))
+        settled = start + settled_s
+        while True:
+            waiting = [c for c in self.peers.values() if not c.ended.is_set()]
+            now = time.monotonic()
+            if not waiting or now >= end:
+                break
+            if now >= settled and not any(unacked_bytes(c.sock) for c in waiting):
+                break
+            waiting[0].ended.wait(min(LEAVE_POLL_S, end - now))
         self.close()
 
     def on_note(self, peer: int, seq: int, body: bytearray) -> None:
