@@ -845,9 +845,44 @@ def _all_gather_out_kernel(
     return out
 
 
+# ``_c10d_functional.batch_p2p_ops`` (``torch.compile``'d ``batch_isend_irecv``) asks the group
+# for its C++ Backend first, to learn whether it coalesces: on a torchport group it failed the same
+# way. Run here as torch's kernel runs it on a group that does not coalesce: each op through the
+# group's ``send`` / ``recv`` in order, a send's result an empty tensor, a receive's its tensor,
+# each carrying its Work for ``wait_tensor``. A list torch refuses goes to torch's kernel.
+def _batch_p2p_kernel(
+    kernel: Any,
+    op_list: list[str],
+    peer_list: list[int],
+    tag_list: list[int],
+    tensors: list[torch.Tensor],
+    group_name: Any,
+) -> Any:
+    group = funcol_group(group_name)
+    n = len(op_list)
+    if (
+        not isinstance(group, TorchportProcessGroup)
+        or not n
+        or {len(peer_list), len(tag_list), len(tensors)} != {n}
+        or any(op not in ("isend", "irecv") for op in op_list)
+    ):
+        return kernel.call_boxed(CPU_KEYSET, op_list, peer_list, tag_list, tensors, group_name)
+    outs = []
+    for op, peer, tag, t in zip(op_list, peer_list, tag_list, tensors):
+        if op == "isend":
+            work, out = group.send([t], peer, tag), torch.empty(0, dtype=t.dtype, device=t.device)
+            torch._C._distributed_c10d._register_work(t, work)
+        else:
+            work, out = group.recv([t], peer, tag), t
+        torch._C._distributed_c10d._register_work(out, work)
+        outs.append(out)
+    return outs
+
+
 def _register_all_gather_out() -> Any:
     lib = torch.library.Library(NAMESPACE, "IMPL")
     override_cpu_kernel(lib, "all_gather_into_tensor_out", bind(_all_gather_out_kernel))
+    override_cpu_kernel(lib, "batch_p2p_ops", bind(_batch_p2p_kernel))
     return lib
 
 
