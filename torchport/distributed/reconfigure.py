@@ -151,21 +151,40 @@ def _warm(pool: cf.ThreadPoolExecutor, n: int) -> cf.ThreadPoolExecutor:
 
 
 class Work:
-    """An async result in the shape of ``torch.distributed.Work``."""
+    """An async result in the shape of ``torch.distributed.Work`` (``name`` is what error
+    messages call the operation)."""
 
-    def __init__(self, fut: cf.Future[Any]) -> None:
+    def __init__(self, fut: cf.Future[Any], name: str = "operation") -> None:
         self._fut = fut
+        self.name = name
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        """Block until done; re-raises the operation's error."""
+        """Block until done; re-raise the operation's error, or :class:`CommTimeoutError`.
+
+        ``timeout`` (a ``timedelta`` or seconds), as the backend's Work: None or zero waits
+        without limit (as gloo), and so does one of ``threading.TIMEOUT_MAX`` or more. A
+        negative one does not wait: unless the operation is done it raises
+        :class:`CommTimeoutError` at once. A ``wait`` that times out leaves the operation
+        running (a later ``wait`` may still succeed).
+        """
         t = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        # (zero raised "did not complete within 0.0 s" at once, and one past TIMEOUT_MAX an
+        # OverflowError from the future's lock)
+        if t is not None and (t == 0 or t >= threading.TIMEOUT_MAX):
+            t = None
         try:
-            self._fut.result(timeout=t)
+            self._fut.result(timeout=t)  # (a negative t only looks: the condition's wait polls)
         except cf.TimeoutError:
             # (cf.TimeoutError is the builtin TimeoutError, which the operation's own
             # CommTimeoutError also is: it came out as "did not complete within None s")
             if not self._fut.done():
-                raise CommError(f"operation did not complete within {t} s") from None
+                assert t is not None
+                if t < 0:
+                    raise CommTimeoutError(
+                        f"{self.name}: wait() with a negative timeout ({t:g} s) timed out at "
+                        "once: the operation had not finished"
+                    ) from None
+                raise CommTimeoutError(f"{self.name}: wait() timed out after {t:g} s") from None
             self._fut.result()  # finished meanwhile (or with that error): its own outcome
         return True
 
@@ -375,7 +394,7 @@ class ReconfigurableGroup:
         # in the caller's context: forming the group reads config (dist_transport, chunk sizes,
         # dist_addr), whose overrides are context variables the pool thread does not inherit
         run = contextvars.copy_context().run
-        return Work(self._pool.submit(run, self._reconfigure_flagged, opts))
+        return Work(self._pool.submit(run, self._reconfigure_flagged, opts), "reconfigure")
 
     def _reconfigure_flagged(self, opts: ReconfigureOptions) -> None:
         self._forming = True

@@ -20,7 +20,10 @@ A window gives every rank of a group direct access to a tensor registered by eac
   raises on this transport. Every request is bounded by the window's timeout (``timeout=``, else
   the group's): a peer that stopped answering (or trickles bytes) raises :class:`CommTimeoutError` naming the
   peer and the request once the whole request (connect included) took longer (it blocked ``get``
-  forever before), and the connection is reopened next time.
+  forever before), and the connection is reopened next time. A timeout past
+  ``threading.TIMEOUT_MAX`` (``timedelta(days=365000)``) means no limit. The ``Work``'s
+  ``wait(timeout)`` follows the backend's Work: None, zero or past ``TIMEOUT_MAX`` waits without
+  limit, a negative one does not wait, and one that expires raises :class:`CommTimeoutError`.
 
 Semantics (and the reference, :class:`ReferenceWindow`): a put of ``n`` elements at
 ``target_offset_nelems`` overwrites those elements of the target's flat tensor; accumulate adds
@@ -650,6 +653,13 @@ class Window:
             )
         return rank, offset, n
 
+    @property
+    def _wait_s(self) -> float:
+        """Seconds the socket and lock waits take: a timeout past ``threading.TIMEOUT_MAX`` (a
+        group's ``timedelta(days=365000)``, README's finite "forever") means no limit, as for the
+        backend's Work (every tcp request raised OverflowError from the socket's timeout)."""
+        return min(self.timeout_s, threading.TIMEOUT_MAX)
+
     @staticmethod
     def _done(value: Any = None) -> Work:
         f: cf.Future[Any] = cf.Future()
@@ -721,9 +731,9 @@ class Window:
             # rank lost 1-4 of 180 accumulates). Both waits end at the window's timeout: a
             # rank stopped (SIGSTOP, a debugger) inside its own add keeps its file lock, and
             # the blocking lockf waited for as long as it stayed stopped
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + self._wait_s
             lock = self._acc_locks[dst]  # (per target: one stopped target holds up no other)
-            if not lock.acquire(timeout=min(self.timeout_s, threading.TIMEOUT_MAX)):
+            if not lock.acquire(timeout=self._wait_s):
                 raise self._acc_timeout(dst)
             try:
                 self._lock_file(fd, deadline, dst)
@@ -867,7 +877,7 @@ class Window:
                     self._failed.append(cast(BaseException, f.exception()))
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(fut)
-        return Work(fut)
+        return Work(fut, f"window request to rank {r}")
 
     # -- tcp transport ---------------------------------------------------------------------
     def _rpc(
@@ -885,13 +895,13 @@ class Window:
         with self._sock_locks[r]:
             # one deadline for the whole request (connect, send, reply): a timeout on each
             # send/recv let a peer trickling bytes stretch a request without bound
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + self._wait_s
             sock = self._socks.get(r)
             try:
                 if sock is None:
                     # (a peer stopped before it answered the handshake: ConnectTimeoutError, a
                     # TimeoutError, typed below like a later request's timeout)
-                    sock = connect(self._addrs[r], self._secret, "window", self.timeout_s)
+                    sock = connect(self._addrs[r], self._secret, "window", self._wait_s)
                     self._socks[r] = sock
                     send_msg(sock, {"t": "hello", "src": self.rank}, deadline)
                 send_msg(sock, msg, deadline)
