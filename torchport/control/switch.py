@@ -13,8 +13,11 @@ How each mode runs it:
   that shares memory with an operand or with a tensor the branch read from outside (a closure,
   a global, a module's parameter) is returned as a copy (:mod:`~torchport.control.aliasing`):
   traced, such a tensor is an input of the branch graph, which an output may not alias under
-  grad mode. A dispatch mode that does not trace (``FlopCounterMode``, a logging mode) takes
-  this path and sees the chosen branch's ops;
+  grad mode. A branch that writes to an operand in place (``t.add_(1)``) raises
+  :class:`SwitchError` naming the operand leaf, as traced calls refuse it; the check reads
+  version counters after the branch ran, so the operand has been written
+  (:mod:`~torchport.control.mutation`). A dispatch mode that does not trace
+  (``FlopCounterMode``, a logging mode) takes this path and sees the chosen branch's ops;
 - ``torch.export`` (non-strict, 2.13's default) and ``make_fx``: :data:`switch_op`, a
   ``HigherOrderOperator`` registered as ``torch.ops.higher_order.torchport_switch``, records
   **one** node holding all N branch graphs; the exported program runs and survives
@@ -58,6 +61,7 @@ from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_ten
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchport.control.aliasing import call_unaliased
+from torchport.control.mutation import first_modified, versions
 from torchport.native.launch import is_compiling_here
 
 __all__ = ["SwitchError", "switch", "switch_op", "switch_reference"]
@@ -190,8 +194,9 @@ def switch(
         operands: tuple/list (possibly nested) of tensors passed to the branch.
 
     Raises:
-        SwitchError: a bad index, branch or operand, or (when traced) branches whose outputs
-            differ, naming the branch.
+        SwitchError: a bad index, branch or operand, (when traced) branches whose outputs
+            differ, naming the branch, or (eager) a branch that wrote to an operand in place,
+            naming the operand leaf (the write has happened; traced calls refuse it before).
     """
     if not isinstance(operands, (tuple, list)):
         raise SwitchError(
@@ -221,7 +226,7 @@ def switch(
     if isinstance(index, int):
         if _is_tracing(leaves, None):
             return flat_branches[index](*leaves)  # a constant index specialises, as in 2.14
-        return call_unaliased(flat_branches[index], leaves, leaves)
+        return _call_eager(flat_branches, index, leaves)
     from torchport.graphs.capture import current_recorder
 
     rec = current_recorder()
@@ -233,7 +238,7 @@ def switch(
     if not _is_tracing(leaves, index):
         # Eager: call the chosen branch directly; autograd records its ops as usual.
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
-        return call_unaliased(flat_branches[i], leaves, leaves)
+        return _call_eager(flat_branches, i, leaves)
     specs: list[pytree.TreeSpec | None] = [None] * n
     traced = tuple(
         functools.partial(_call_flat_out, branch=b, specs=specs, i=i)
@@ -243,6 +248,22 @@ def switch(
     spec0 = specs[0]
     assert spec0 is not None, "switch_op traced branch0"
     return pytree.tree_unflatten(list(out), spec0)
+
+
+def _call_eager(branches: Sequence[Callable[..., Any]], i: int, leaves: list[Any]) -> Any:
+    """``branches[i](*leaves)`` with unaliased outputs; raise if it wrote to an operand."""
+    seen = versions(leaves)
+    out = call_unaliased(branches[i], leaves, leaves)
+    k = first_modified(leaves, seen)
+    if k is not None:
+        t = leaves[k]
+        raise SwitchError(
+            f"switch: branch{i} modifies operand leaf {k} (Tensor{tuple(t.shape)} {t.dtype}) "
+            "in place; branches must not write to their operands (torch.cond refuses input "
+            "mutation when traced): return a new tensor instead. The operand has been written: "
+            "eager switch checks after the branch ran"
+        )
+    return out
 
 
 def _switch_in_dynamo(index: Any, branches: Any, operands: Any) -> Any:

@@ -10,7 +10,10 @@
   a body returning one: here the same in every mode, whatever the trip count);
 - ``cond_fn`` returns a Python bool or a one-element bool tensor;
 - returned tensors never alias the carried inputs: a loop whose condition is false at once
-  returns **copies** of the tensors, and so does a body that passes a value through unchanged.
+  returns **copies** of the tensors, and so does a body that passes a value through unchanged;
+- ``cond_fn`` and ``body_fn`` must not write to the carried tensors in place: traced or
+  captured, torch refuses it; eager raises :class:`WhileLoopError` naming the carried leaf, after
+  the call that wrote (:mod:`~torchport.control.mutation`: the tensor has been written).
 
 Eager runs a plain Python loop (2.13's ``torch.while_loop`` would compile the loop with dynamo on
 every eager call); under ``torch.compile``/``torch.export`` it is torch's ``while_loop`` HOP; inside a
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+
+from torchport.control.mutation import first_modified, versions
 
 __all__ = ["WhileLoopError", "while_loop", "while_loop_reference"]
 
@@ -98,8 +103,9 @@ def _kind(x: Any) -> str:
     return type(x).__name__
 
 
-def check_body_output(before: Any, after: Any) -> None:
-    """Raise unless ``after`` has ``before``'s structure and tensor metadata."""
+def check_body_output(before: Any, after: Any) -> list[Any]:
+    """Raise unless ``after`` has ``before``'s structure and tensor metadata; return the
+    leaves of ``after``."""
     lb, sb = pytree.tree_flatten(before)
     la, sa = pytree.tree_flatten(after)
     if sa != sb:
@@ -120,6 +126,7 @@ def check_body_output(before: Any, after: Any) -> None:
                 f"{tuple(b.shape)}/{b.dtype}/{b.device}, body_fn returned "
                 f"{tuple(a.shape)}/{a.dtype}/{a.device}"
             )
+    return la
 
 
 def while_loop(
@@ -133,8 +140,9 @@ def while_loop(
         carried_inputs: tuple/list of tensors and ints.
 
     Raises:
-        WhileLoopError: bad arguments, a non-boolean condition, or a body that changes the
-            carried structure, shapes or dtypes.
+        WhileLoopError: bad arguments, a non-boolean condition, a body that changes the
+            carried structure, shapes or dtypes, or a ``cond_fn``/``body_fn`` that writes to a
+            carried tensor in place (eager: raised after that call, naming the leaf).
     """
     _validate(cond_fn, body_fn, carried_inputs)
     carried = tuple(carried_inputs)
@@ -152,15 +160,39 @@ def while_loop(
         out = torch._higher_order_ops.while_loop(cond_fn, body_fn, carried)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
     state = [carried]  # the only holder of the carried values, so state.pop hands them over
-    while check_pred(cond_fn(*state[0])):
-        state[0] = _step(body_fn, state[0])
+    _run(cond_fn, body_fn, state, leaves)
     # Copies of the inputs a zero-trip loop returns, and of the tensors a body passed through
     # or read from outside (returned as they were, an in-place op on the result changed them;
     # traced, the loop's outputs never alias its inputs).
     return call_unaliased(state.pop, (), leaves)
 
 
-def _step(body_fn: Callable[..., Any], vals: tuple[Any, ...]) -> tuple[Any, ...]:
-    out = body_values(body_fn(*vals), len(vals))
-    check_body_output(vals, out)
-    return out
+def _run(
+    cond_fn: Callable[..., Any], body_fn: Callable[..., Any], state: list[Any], leaves: list[Any]
+) -> None:
+    """Run the loop on ``state[0]`` (whose leaves are ``leaves``), raising if ``cond_fn`` or
+    ``body_fn`` writes to a carried tensor. (A frame of its own: no reference to the final
+    carried values outlives it.)"""
+    while True:
+        vals = state[0]
+        seen = versions(leaves)
+        go = check_pred(cond_fn(*vals))
+        _check_unmodified("cond_fn", leaves, seen)
+        if not go:
+            return
+        out = body_values(body_fn(*vals), len(vals))
+        _check_unmodified("body_fn", leaves, seen)
+        leaves = check_body_output(vals, out)
+        state[0] = out
+
+
+def _check_unmodified(name: str, leaves: list[Any], seen: list[int | None]) -> None:
+    """Raise if ``cond_fn``/``body_fn`` wrote to a carried tensor (its version counter moved)."""
+    k = first_modified(leaves, seen)
+    if k is not None:
+        raise WhileLoopError(
+            f"while_loop: {name} modifies carried value {k} ({_kind(leaves[k])}) in place; "
+            "cond_fn and body_fn must not write to the carried values (torch.while_loop refuses "
+            "input mutation when traced): return a new tensor instead. The tensor has been "
+            "written: eager while_loop checks after the call"
+        )
