@@ -55,8 +55,12 @@ _DT_TAG = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _TAG_DT = {v: k for k, v in _DT_TAG.items()}
 
 
-class EpilogueError(ValueError):
-    """An epilogue step or its operand does not meet the GEMM's requirements."""
+class EpilogueError(ValueError, RuntimeError):
+    """An epilogue step or its operand does not meet the GEMM's requirements.
+
+    Both ``ValueError`` and ``RuntimeError``, as :class:`~torchport.gemm.kernels.GemmInputError`:
+    torch raises ``RuntimeError`` for the bad arguments of ``F.linear`` / ``addmm``, so
+    ``except RuntimeError`` written against them catches it too."""
 
 
 # --- user-facing steps ---------------------------------------------------------------------------

@@ -41,8 +41,12 @@ TILES: dict[str, tuple[tuple[int, int], ...]] = {
 NO_EPILOGUE = EpilogueSpec()
 
 
-class GemmInputError(ValueError):
-    """Inputs to a GEMM do not meet its requirements (shape, dtype, device)."""
+class GemmInputError(ValueError, RuntimeError):
+    """Inputs to a GEMM do not meet its requirements (shape, dtype, device).
+
+    Also a ``RuntimeError``, the class ``torch.mm``/``F.linear`` raise for a K or dtype mismatch
+    or a bias that does not broadcast (code catching torch's ``RuntimeError`` catches this too).
+    """
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ ATen ops (:func:`_backward`), so the fused op trains.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
@@ -1150,9 +1149,14 @@ def mm(
     if functorch_active():  # torch.func: torch ops, which every transform supports (the
         # custom op has no forward-mode formula: jvp gave a zero tangent)
         sp = split(epilogue, a.shape[0], b.shape[1], bias=bias)
-        # (under vmap a batched value has no single truth to test: left unchecked)
-        with contextlib.suppress(RuntimeError):
+        # (under vmap a batched value has no single truth to test: left unchecked; a scale
+        # that is read and fails is refused, EpilogueError being a RuntimeError too)
+        try:
             _check_scales(sp.spec, sp.operands)
+        except EpilogueError:
+            raise
+        except RuntimeError:
+            pass
         y = mm_aten(a, b, sp.spec, sp.operands)
         return apply_tail(y, sp.tail) if sp.tail else y
     if (epilogue is None or (isinstance(epilogue, (list, tuple)) and not epilogue)) and (

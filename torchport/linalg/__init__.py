@@ -30,6 +30,11 @@ Autograd follows ``torch.linalg``'s formulas (:mod:`~torchport.linalg.autograd`)
 ``torch.func`` transform (vmap, grad, jvp, ...) or forward AD every method runs ``torch.linalg``
 (the native kernels have no batching rule or forward-mode formula; for ``"jacobi"`` a counted
 fallback with a warning once).
+
+A bad argument raises :class:`LinalgInputError`, a ``ValueError`` and a ``RuntimeError`` (what
+torch.linalg raises for a non-square or 1-D ``A``, an integer dtype, a bad ``mode``/``UPLO``/
+``driver``); one of the wrong type (a list for ``A``, an int for ``UPLO``) is a ``TypeError`` too,
+as in torch.
 """
 
 from __future__ import annotations
@@ -99,13 +104,17 @@ def _one_candidate(op: str, m: int, n: int) -> bool:
     return one.fits(m, n) and max(m, n) <= ONE_MATRIX_MAX_N.get(op, one.ONE_MAX_N)
 
 
-class LinalgInputError(ValueError):
-    """An argument to a ``torchport.linalg`` function does not meet its requirement."""
+class LinalgInputError(ValueError, RuntimeError):
+    """An argument to a ``torchport.linalg`` function does not meet its requirement.
+
+    Also a ``RuntimeError``, the class torch.linalg raises for a bad shape, dtype or option
+    (code catching torch's ``RuntimeError`` catches this too)."""
 
 
 class _LinalgTypeError(LinalgInputError, TypeError):
-    """A :class:`LinalgInputError` of the wrong type, also a ``TypeError`` as torch.linalg
-    raises it (code catching torch's TypeError catches this too)."""
+    """A :class:`LinalgInputError` of the wrong type (a list for ``A``, an int for ``UPLO``),
+    also a ``TypeError`` as torch.linalg raises it (code catching torch's TypeError catches
+    this too)."""
 
 
 _DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -113,7 +122,7 @@ _DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 def _check(op: str, a: object, *, square: bool) -> torch.Tensor:
     if not isinstance(a, torch.Tensor):
-        raise LinalgInputError(
+        raise _LinalgTypeError(
             f"torchport.linalg.{op}: A must be a torch.Tensor, got {type(a).__name__}"
         )
     if a.dim() < 2:
@@ -799,14 +808,15 @@ def _non_finite_at(flat: torch.Tensor) -> int:
 
 def _uplo(op: str, UPLO: str) -> bool:
     if UPLO not in ("L", "U", "l", "u"):  # (torch takes either case)
-        raise LinalgInputError(f"torchport.linalg.{op}: UPLO must be 'L' or 'U', got {UPLO!r}")
+        err = LinalgInputError if isinstance(UPLO, str) else _LinalgTypeError
+        raise err(f"torchport.linalg.{op}: UPLO must be 'L' or 'U', got {UPLO!r}")
     return UPLO in ("U", "u")
 
 
 def _driver(op: str, driver: str | None) -> None:
     """``driver=``, as torch on CPU tensors: None only (it names a cuSOLVER routine)."""
     if driver is not None:
-        raise LinalgInputError(
+        raise (LinalgInputError if isinstance(driver, str) else _LinalgTypeError)(
             f"torchport.linalg.{op}: driver= is only supported on CUDA inputs (cuSOLVER), "
             f"got {driver!r}"
         )
@@ -903,7 +913,8 @@ def qr(
             return _rt.linalg_qr(run(A))
     a = _check("qr", A, square=False)
     if mode not in QR_MODES:
-        raise LinalgInputError(f"torchport.linalg.qr: mode must be one of {QR_MODES}, got {mode!r}")
+        err = LinalgInputError if isinstance(mode, str) else _LinalgTypeError
+        raise err(f"torchport.linalg.qr: mode must be one of {QR_MODES}, got {mode!r}")
     route = _route("qr", a, method, (mode,))
     if route == "lapack":
         return torch.linalg.qr(a, mode=mode)

@@ -16,7 +16,14 @@ saturates, E5M2 overflows to infinity). Decode shapes (M ≤ 8) run the native F
 each panel is one engine GEMM whose epilogue does the scaling (``Scale`` by ``scale_a`` per row and
 ``scale_b`` per column, in that order), the ``Bias`` and, for bfloat16, the ``Cast``; other output
 dtypes are cast from the float32 result. Only the summation order and the float32 rounding of the
-scaling differ from :func:`scaled_mm_reference` (float64).
+scaling differ from :func:`scaled_mm_reference` (float64). The scales multiply the float32 sum
+one after the other (the GEMM: ``scale_a``, then ``scale_b``; the GEMV: ``scale_b``, then
+``scale_a``), so a first product past float32's range gives ±inf where the reference is finite
+(a sum of 448² times 1e34, then times 1e-10).
+
+Scales whose product overflows float32 (``1e20 · 1e20``) give ±inf (0 for a zero sum), as the
+reference does: :func:`scaled_mm_reference` states where that differs from ``torch._scaled_mm``
+on the CPU (NaN).
 
 ``block_scaled_mm(x, w)`` multiplies activations by an NVFP4/MX (or FP8) weight ``[N, K]``:
 ``x @ dequantize(w).T + bias``, dequantizing ``w`` natively one row panel at a time (a panel stays
@@ -148,9 +155,19 @@ def scaled_mm_reference(
 ) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b) + bias`` in float64, divided by ``scale_result`` for an FP8
     output, then cast as torch does (E4M3FN saturates, E5M2 overflows to inf). The operands are
-    scaled before the product, as ``torch._scaled_mm`` scales them: the same values for finite
-    scales (an FP8 value times a float32 scale is exact in float64), and for an infinite one
-    NaN where a scaled row or column holds a zero (inf · 0) or infinities of both signs meet."""
+    scaled before the product, as ``torch._scaled_mm`` scales them on the CPU (an FP8 value times
+    a float32 scale is exact in float64).
+
+    Finite scales: the same values as ``torch._scaled_mm`` on the CPU wherever its float32
+    products ``a[i, k]·scale_a · b[k, j]·scale_b`` and their sums stay within float32's range.
+    Where they do not (``scale_a · scale_b`` of 1e40, or 1e34 with ``|a·b| = 448²``), torch
+    gives ±inf, or NaN where infinities of both signs meet (``inf - inf``), while this gives the
+    exact value rounded to ``out_dtype``: finite if it fits, else ±inf with the sign of the
+    unscaled sum (0 for a zero sum); so does :func:`scaled_mm`, which scales the float32 sum as
+    cuBLASLt applies ``scale_a · scale_b`` to its accumulator on the GPU.
+
+    An infinite scale: NaN where a scaled row or column holds a zero (inf · 0) or infinities of
+    both signs meet, as torch."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
     _check_scale_result(scale_result)
     acc = (a.double() * scale_a.double().reshape(-1, 1)) @ (
@@ -180,7 +197,11 @@ def scaled_mm(
     one-element float32 tensor) divides the result, bias included, before an FP8 ``out_dtype``'s
     cast (torch's: E4M3FN saturates, E5M2 overflows to inf) and is ignored for other output
     dtypes; ``use_fast_accum`` is accepted and changes nothing (the accumulation is float32
-    either way)."""
+    either way).
+
+    Finite scales whose float32 products overflow (``scale_a = scale_b = 1e20``): ±inf with the
+    sign of the unscaled sum, as :func:`scaled_mm_reference`, where torch's CPU kernel, scaling
+    the operands before a float32 product, gives NaN wherever infinities of both signs meet."""
     _, od = _validate(a, b, scale_a, scale_b, bias, out_dtype)
     _check_scale_result(scale_result)
     if bias is not None:
