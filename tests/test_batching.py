@@ -262,7 +262,7 @@ def _runner(key: dict, faster: str, built: list[bool], calls: list[str], got: li
     def build(batched: bool) -> Callable:
         built.append(batched)
         fast = batched == (faster == "batched")
-        return _sleeper(0.0 if fast else 0.004, calls, "batched" if batched else "unbatched")
+        return _sleeper(0.0 if fast else 0.02, calls, "batched" if batched else "unbatched")
 
     return batching_runner(key, build, [torch.ones(3)], lambda use, t: got.append((use, t)))
 
@@ -286,7 +286,7 @@ def test_batching_runner_times_real_calls_and_settles(fresh_cache, faster: str) 
             assert n < 100
         use, timings = got[0]
         assert use == (faster == "batched") and stats.tuned == before + 1
-        assert timings["unbatched" if faster == "batched" else "batched"] >= 0.004
+        assert timings["unbatched" if faster == "batched" else "batched"] >= 0.02
         calls.clear()
         fn(torch.ones(3))
         assert calls == [faster]  # settled: only the winner runs
