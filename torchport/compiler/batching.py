@@ -3,12 +3,20 @@
 Rules (each rewrites one group found from its first member):
 
 - ``parallel linears → one GEMM``: ``linear(x, W_i, b_i)`` for several ``i`` on the same ``x`` become
-  ``linear(x, cat(W_i), cat(b_i))`` and a ``split`` of the result, each piece made contiguous (a
-  linear's output is; a column slice of the GEMM is not, and a later ``view`` of it would fail).
+  ``linear(x, cat(W_i), cat(b_i))`` and a ``split_with_sizes_copy`` of the result.
 - ``per-head projections → bmm``: ``linear(x_h, W_h, b_h)`` on different inputs of one shape with
-  weights of one shape become ``baddbmm(stack(b_h), stack(x_h), stack(W_h)ᵀ)`` and an ``unbind``.
+  weights of one shape become ``baddbmm(stack(b_h), stack(x_h), stack(W_h)ᵀ)`` and an
+  ``unbind`` whose pieces are cloned.
 - ``small elementwise → foreach``: the same unary op (exp, sigmoid, tanh, ...) on several small
   tensors becomes one ``torch._foreach_<op>`` call.
+
+The two linear rules hand each member a fresh contiguous tensor, as the linear it replaced
+returned. Views of the batched result would differ from it: a column slice of the GEMM is not
+contiguous (a later ``view`` of it fails), and ``split``/``unbind`` pieces are views from a
+multi-output op, which autograd forbids to modify in place (``q.mul_(scale)`` in the graph, or a
+caller's in-place write to a returned piece, raised with grad enabled). Inductor removes the copies
+where they are no-ops (a same-layout ``clone``, in its post-grad pass), so the compiled batched
+graph pays for them only where a piece is a column slice, which the contiguous copy needed anyway.
 
 A group qualifies only if every input of every member is defined before its first member and no
 node between its members may have side effects (so the members are independent and the batched op
@@ -183,9 +191,10 @@ def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str) -> 
         "grad": torch.is_grad_enabled(),
         "inner": inner,
         "threads": torch.get_num_threads(),
-        # how the choice was measured: older entries timed otherwise, or a batched form without
-        # the copies that make the split pieces contiguous ("real-calls")
-        "decider": "real-calls-contiguous",
+        # how the choice was measured: older entries timed otherwise, a batched form without
+        # the copies that make the split pieces contiguous ("real-calls"), or one whose pieces
+        # were views ("real-calls-contiguous")
+        "decider": "real-calls-fresh-pieces",
     }
 
 
@@ -382,12 +391,11 @@ def _parallel_linears(gm: fx.GraphModule, node: fx.Node) -> bool:
     bcat = _add_derived(gm, "cat", bs) if bs else None
     with gm.graph.inserting_before(node):
         y = gm.graph.call_function(torch._C._nn.linear, (x, wcat, bcat))
-        pieces = gm.graph.call_function(torch.split, (y, outs, -1))
+        # fresh contiguous pieces, as the linears returned (not column-slice views of y)
+        pieces = gm.graph.call_function(torch.split_with_sizes_copy, (y, outs, -1))
     for i, n in enumerate(group):
         with gm.graph.inserting_before(node):
-            item = gm.graph.call_function(operator.getitem, (pieces, i))
-            # a column slice of y; the linear it replaces returned a contiguous tensor
-            piece = gm.graph.call_method("contiguous", (item,))
+            piece = gm.graph.call_function(operator.getitem, (pieces, i))
         n.replace_all_uses_with(piece)
     for n in group:
         gm.graph.erase_node(n)
@@ -460,12 +468,14 @@ def _heads_bmm(
     in_f: int,
     out_f: int,
 ) -> tuple[torch.Tensor, ...]:
-    """[H, *lead, in] @ [H, out, in]ᵀ (+ [H, out]) → H tensors [*lead, out]."""
+    """[H, *lead, in] @ [H, out, in]ᵀ (+ [H, out]) → H fresh tensors [*lead, out] (copies, not
+    ``unbind`` views, which autograd forbids to modify in place: see the module docstring)."""
     h = x.shape[0]
     x3 = x.reshape(h, -1, in_f)
     wt = w.transpose(1, 2)
     y = torch.baddbmm(b.unsqueeze(1), x3, wt) if b is not None else torch.bmm(x3, wt)
-    return y.reshape(h, *lead, out_f).unbind(0)
+    # a clone per piece, not ``unbind_copy``: the complex decomposition has no rule for that
+    return tuple(piece.clone() for piece in y.reshape(h, *lead, out_f).unbind(0))
 
 
 # --- rule: small elementwise ops → foreach --------------------------------------------------------
