@@ -1342,7 +1342,7 @@ class SettledRoute:
     dtype: torch.dtype
     shape: torch.Size
     bias: torch.Tensor | None
-    bias_version: int
+    bias_version: int  # (-1: an inference tensor, which keeps no version counter)
     bias_ptr: int
     run: object  # Callable[[torch.Tensor], torch.Tensor]
     # ``serve(x, bias)``: ``run(x)`` if the route serves this call now -- same settings, thread
@@ -1436,6 +1436,12 @@ def _cast_nan_is_ffff() -> bool:
     return True
 
 
+def _version_of(t: torch.Tensor) -> int:
+    """``t._version``, or -1 for an inference tensor (it keeps no version counter: reading it
+    raises)."""
+    return -1 if t.is_inference() else t._version
+
+
 def settle_route(
     x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
 ) -> SettledRoute | None:
@@ -1518,7 +1524,11 @@ def settle_route(
 
     nthreads = torch.get_num_threads()
     bias0 = bias
-    bver, bptr0 = (bias._version, bias.data_ptr()) if bias is not None else (0, 0)
+    # an inference tensor keeps no version counter (reading it raised on every call): -1, and
+    # its shape checked instead (its in-place writes are read where it lives, or converted on
+    # every call; a shrinking resize_ keeps the storage, and a version counter saw it)
+    bver, bptr0 = (_version_of(bias), bias.data_ptr()) if bias is not None else (0, 0)
+    bshape = bias.shape if bias is not None else None
     tensor, strided = torch.Tensor, torch.strided
     overrides, generation, env_get, env_keys = config.stamp_reader(ROUTE_SETTINGS)
     gen0, env = stamp[0], tuple(zip(env_keys, stamp[1]))
@@ -1548,7 +1558,10 @@ def settle_route(
             return None
         if grad_enabled() and (x.requires_grad or (bias0 is not None and bias0.requires_grad)):
             return None
-        if bias0 is not None and (bias0._version != bver or bias0.data_ptr() != bptr0):
+        if bias0 is not None and (
+            bias0.data_ptr() != bptr0
+            or (bias0._version != bver if bver >= 0 else bias0.shape != bshape)
+        ):
             return None
         if get_threads() != nthreads or overrides() or generation[0] != gen0:
             return None

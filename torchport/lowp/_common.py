@@ -15,6 +15,15 @@ HP_DTYPES = (torch.float32, torch.bfloat16)
 
 def as_rows(x: object, block: int, what: str) -> torch.Tensor:
     """Validate a high-precision input and view it as contiguous rows ``[R, K]`` (K % block == 0)."""
+    x = check_input(x, block, what)
+    # (the row count spelled out: with K = 0, -1 would be ambiguous)
+    return x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+
+
+def check_input(x: object, block: int, what: str) -> torch.Tensor:
+    """Raise unless ``x`` is a float32 or bfloat16 CPU tensor of at least one dimension whose
+    last is a multiple of ``block``; return it. (Before anything reads its values: a meta
+    tensor's ``.item()`` raised torch's untyped error.)"""
     if not isinstance(x, torch.Tensor):
         raise LowPrecisionError(f"{what}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in HP_DTYPES:
@@ -29,8 +38,7 @@ def as_rows(x: object, block: int, what: str) -> torch.Tensor:
             f"{what}: the last dimension must be a multiple of the block size {block} "
             f"(no padding is done), got {k}"
         )
-    # (the row count spelled out: with K = 0, -1 would be ambiguous)
-    return x.detach().reshape(math.prod(x.shape[:-1]), k).contiguous()
+    return x
 
 
 def use_native(flag: bool | None, x: object = None) -> bool:

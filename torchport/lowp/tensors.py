@@ -75,7 +75,7 @@ from torchport.gemv.ops import (
     settle_route,
 )
 from torchport.lowp import fp8, mx, nvfp4
-from torchport.lowp._common import HP_DTYPES
+from torchport.lowp._common import HP_DTYPES, check_input
 from torchport.lowp.formats import FP8_DTYPES, LowPrecisionError, e8m0_to_f32, unpack_fp4
 from torchport.native.launch import is_compiling_here
 
@@ -738,6 +738,7 @@ class LowPrecisionTensor(torch.Tensor):
                 out = route.serve(x, bias)
                 if out is not None:
                     return out
+        self._check_activation(x)
         if self.qdata.is_meta:  # shapes only (the kernels must never see its null pointer)
             return self._meta_linear(x, bias)
         if self.dim() == 2 and self.shape[1] == 0 and x.dim() and x.shape[-1] == 0:
@@ -766,6 +767,7 @@ class LowPrecisionTensor(torch.Tensor):
     def _meta_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear`` with a meta weight: the output's shape and dtype on the meta device
         (the input's and bias's shapes checked as ``F.linear`` does)."""
+        self._check_activation(x)
         n, k = self.shape
         if x.dim() < 1 or x.shape[-1] != k:
             raise LowPrecisionError(
@@ -776,6 +778,24 @@ class LowPrecisionTensor(torch.Tensor):
         if bias is not None:
             self._check_bias_broadcasts(shape, bias)
         return torch.empty(shape, dtype=x.dtype, device="meta")
+
+    def _check_activation(self, x: object) -> None:
+        """Raise unless ``x`` is a floating-point tensor of at least one dimension, as
+        ``F.linear`` requires: the paths below quantized an integer activation as its float
+        values and returned the product truncated to integers, and a complex one's real part
+        (torch refuses both), and a scalar one raised an IndexError in the FP8 activation
+        quantization."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise LowPrecisionError(
+                f"F.linear with a {type(self).__name__}: x must be a floating-point tensor, "
+                f"got {got}"
+            )
+        if x.dim() == 0:
+            raise LowPrecisionError(
+                f"F.linear with a {type(self).__name__}: x must have at least 1 dimension (the "
+                f"last one of the weight's K={self.shape[-1]}), got a scalar (0-d)"
+            )
 
     def _check_bias_broadcasts(self, shape: tuple[int, ...], bias: torch.Tensor) -> None:
         """``F.linear``'s rule: the bias broadcasts to the output's ``shape``."""
@@ -864,12 +884,16 @@ class LowPrecisionTensor(torch.Tensor):
                 and not isinstance(x, LowPrecisionTensor)
                 and bias.shape != w.shape[:1]
                 and x.dim() > 0
-                and _broadcasts_to(bias, (*x.shape[:-1], w.shape[0]))
             ):
-                # F.linear broadcasts any bias to the output (a scalar, [1, N], [M, N]); the
-                # kernels add an [N] one (the others were refused): added after the product
-                out = F.linear(x, w)
-                return out + bias.to(out.dtype)
+                # the kernels add an [N] bias; F.linear takes others (a scalar, [1, N], [M, N]),
+                # and refuses some of them (by its own rule, not broadcasting to the output's
+                # shape alone); a 1-D one of another length falls through to the kernels',
+                # which refuse it (GemvInputError at decode, LowPrecisionError at prefill)
+                target = _linear_bias_target(tuple(x.shape), x.is_contiguous(), w.shape[0], bias)
+                if _broadcasts_to(bias, target):
+                    return _linear_other_bias(x, w, bias, target)
+                if bias.dim() != 1:
+                    _refuse_bias(x, w, bias, target)
             if not isinstance(x, LowPrecisionTensor):
                 # always the function under torch.func (jvp's dual inputs do not require grad,
                 # and forward mode ignores the grad mode; the kernels and the activation
@@ -928,6 +952,49 @@ class LowPrecisionTensor(torch.Tensor):
         return type(self).__tensor_unflatten__(
             {n: fn(getattr(self, n)) for n in names}, ctx, self.shape, self.stride()
         )
+
+
+def _linear_other_bias(
+    x: torch.Tensor, w: LowPrecisionTensor, bias: torch.Tensor, target: tuple[int, ...]
+) -> Any:
+    """``F.linear(x, w, bias)`` for a bias whose shape is not ``[N]`` but broadcasts to
+    ``target`` (:func:`_linear_bias_target`): added after the product, as torch 2.13's
+    ``F.linear`` adds it."""
+    out = F.linear(x, w)
+    return (out.reshape(target) + bias.to(out.dtype)).reshape(out.shape)
+
+
+def _refuse_bias(
+    x: torch.Tensor, w: LowPrecisionTensor, bias: torch.Tensor, target: tuple[int, ...]
+) -> None:
+    """Raise for a bias that does not broadcast to ``target`` (:func:`_linear_bias_target`)."""
+    where = "the product as rows" if len(target) != x.dim() else "the output's shape"
+    raise LowPrecisionError(
+        f"F.linear with a {type(w).__name__} of shape {tuple(w.shape)} and an input of shape "
+        f"{tuple(x.shape)}: the bias must broadcast to {where} {target} without growing it "
+        f"(torch's rule: see torchport.lowp.tensors._linear_bias_target), got shape "
+        f"{tuple(bias.shape)}"
+    )
+
+
+def _linear_bias_target(
+    x_shape: tuple[int, ...], x_contiguous: bool, n: int, bias: torch.Tensor
+) -> tuple[int, ...]:
+    """The shape torch 2.13's ``F.linear`` adds ``bias`` to the product at, for an input of
+    ``x_shape`` (at least 1-D) and a weight of N = ``n`` rows: it refuses a bias that does not
+    broadcast to it without growing it.
+
+    Torch adds it as ``addmm`` does, to the product as rows ``[M, N]`` (M: the product of the
+    input's leading sizes, 1 for a 1-D input), for a 2-D input, or a contiguous one with a
+    contiguous bias that has exactly one size other than 1; then the result takes the output's
+    shape ``(*x_shape[:-1], N)``: a 1-D input with a ``[1, N]`` bias gives ``[N]``, and an input
+    ``[2, 3, K]`` refuses a ``[3, 1]`` bias (the rows are ``[6, N]``). Else, as an in-place add, to
+    the output's shape. (Measured against torch on inputs of 1-4 dimensions, contiguous or not,
+    and biases of 0-4 dimensions, contiguous, strided or expanded.)"""
+    as_rows = len(x_shape) == 2 or (
+        x_contiguous and bias.is_contiguous() and sum(s != 1 for s in bias.shape) == 1
+    )
+    return (math.prod(x_shape[:-1]), n) if as_rows else (*x_shape[:-1], n)
 
 
 def _broadcasts_to(t: torch.Tensor, shape: tuple[Any, ...]) -> bool:
@@ -1201,6 +1268,8 @@ class Float8Tensor(LowPrecisionTensor):
 def _nvfp4_pts(x: torch.Tensor, per_tensor_scale: bool | float) -> float | None:
     """The per-tensor scale for ``x``: from its amax (True), none (False) or as given."""
     if per_tensor_scale is True:
+        # (checked before the amax is read: a meta tensor's .item() raised torch's untyped error)
+        check_input(x, nvfp4.BLOCK, "nvfp4_quantize")
         pts = nvfp4.per_tensor_amax_to_scale(x.detach().abs().max()) if x.numel() else None
         return None if pts == 0.0 or (pts is not None and not math.isfinite(pts)) else pts
     if per_tensor_scale is False:
