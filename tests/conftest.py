@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
 import shutil
@@ -35,3 +36,21 @@ def fresh_cache(tmp_path, monkeypatch):
     choice_cache.clear_memory()
     yield tmp_path / "cache"
     choice_cache.clear_memory()
+
+
+class ParsedArgs(Exception):
+    """Raised by :func:`parse_only` after a parser accepted its arguments (``args[0]``: the
+    namespace): nothing else of the script runs."""
+
+
+@pytest.fixture
+def parse_only(monkeypatch):
+    """Make every ``ArgumentParser.parse_args`` raise :class:`ParsedArgs` once it has parsed, so
+    a tool's ``main`` only checks its options; yields that exception class."""
+    real = argparse.ArgumentParser.parse_args
+
+    def parse(self, args=None, namespace=None):
+        raise ParsedArgs(real(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    return ParsedArgs

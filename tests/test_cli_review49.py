@@ -5,7 +5,6 @@ Nothing here is timed: the benchmarks' parsers run, their benchmarks do not."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -268,20 +267,6 @@ def test_save_replaces_the_file_whole(tmp_path, monkeypatch):
 # --- benchmark options: usage errors before anything runs ---------------------------------------
 
 
-class _Parsed(Exception):
-    """Raised after a script's parser accepted its arguments: nothing else of it runs."""
-
-
-@pytest.fixture
-def parse_only(monkeypatch):
-    real = argparse.ArgumentParser.parse_args
-
-    def parse(self, args=None, namespace=None):
-        raise _Parsed(real(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
-
-
 @pytest.mark.parametrize(
     "name, argv, message",
     [
@@ -326,7 +311,7 @@ def test_bad_benchmark_options_are_usage_errors(tmp_path, capsys, parse_only, na
 )
 def test_every_benchmarks_defaults_parse(parse_only, name):
     """argparse runs a string default through the option's type: every default must pass."""
-    with pytest.raises(_Parsed) as e:
+    with pytest.raises(parse_only) as e:
         benchmarks.run_benchmark(name, ["--quick"])
     args = e.value.args[0]
     if name in ("gemm", "linalg"):

@@ -159,20 +159,6 @@ def test_bench_ft_runs_inside_stop_signals(monkeypatch):
 # --- the tools' numeric options: usage errors before anything runs ----------------------------
 
 
-class _Parsed(Exception):
-    """Raised after a script's parser accepted its arguments: nothing else of it runs."""
-
-
-@pytest.fixture
-def parse_only(monkeypatch):
-    real = argparse.ArgumentParser.parse_args
-
-    def parse(self, args=None, namespace=None):
-        raise _Parsed(real(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
-
-
 BAD_OPTIONS = [
     # the single-cell tools (review 50's item)
     ("gemm_cold", ["--cells", "f32:x"], "--cells: expected an integer, got 'x' in 'f32:x'"),
@@ -285,7 +271,7 @@ def test_collectives_sizes_beyond_the_memory_are_usage_errors(
     ],
 )
 def test_defaults_and_good_values_parse(parse_only, name, argv, check):
-    with pytest.raises(_Parsed) as e:
+    with pytest.raises(parse_only) as e:
         benchmarks.run_benchmark(name, argv)
     assert check(e.value.args[0])
 

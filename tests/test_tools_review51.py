@@ -6,7 +6,6 @@ their benchmarks do not, and the tuner runs fake kernels on a fake clock."""
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 from dataclasses import replace
 
@@ -122,20 +121,6 @@ def test_native_gemv_plan_runs_on_the_replay_thread_count(monkeypatch, threads, 
 # --- item 2: the GEMM tools' bounds and config strings -----------------------------------------
 
 
-class _Parsed(Exception):
-    """Raised after a script's parser accepted its arguments: nothing else of it runs."""
-
-
-@pytest.fixture
-def parse_only(monkeypatch):
-    real = argparse.ArgumentParser.parse_args
-
-    def parse(self, args=None, namespace=None):
-        raise _Parsed(real(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
-
-
 BAD_OPTIONS = [
     ("gemm", ["--grid", "linear:8:4096:110080"], "--grid: must be <= 32768, got 110080 in"),
     ("gemm", ["--grid", "mlp:99999:768:3072"], "--grid: must be <= 32768, got 99999 in"),
@@ -227,7 +212,7 @@ def test_eo_ab_copies_beyond_the_bound_are_refused_before_anything_is_built(caps
 def test_gemm_tool_defaults_and_good_values_parse(parse_only, name, argv, check):
     if name in ("gemm_epilogue_ab", "gemm_eo_ab") and native.cpu_info().isa == "scalar":
         pytest.skip("the default tiles are AVX2/AVX-512 ones")
-    with pytest.raises(_Parsed) as e:
+    with pytest.raises(parse_only) as e:
         benchmarks.run_benchmark(name, argv)
     assert check(e.value.args[0])
 
