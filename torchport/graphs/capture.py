@@ -21,7 +21,9 @@ Python numbers) are governed by the graph's ``capture_error_mode`` (see
 ops whose output shape depends on the data (``nonzero``, ``x[mask]``...) cannot be captured in
 any mode: they raise :class:`CaptureError` naming the op, at capture time.
 The exceptions are torchport's decode GEMV ops (:data:`CAPTURABLE_CUSTOM_OPS`): a quantized
-``nn.Linear`` (NVFP4/MX/FP8 weights) inside a capture records one such op on plain tensors.
+``nn.Linear`` (NVFP4/MX/FP8 weights) inside a capture records one such op on plain tensors; and
+``torch.profiler.record_function``'s enter/exit ops (an optimizer step opens one), which run at
+capture time and record nothing: a replay has no profiler range of its own.
 """
 
 from __future__ import annotations
@@ -214,6 +216,18 @@ tolist_guard = _ToListGuard()
 # (torchport.graphs.native_gemv), the TorchScript tier through the dispatcher.
 CAPTURABLE_CUSTOM_OPS = frozenset({"torchport::gemv_packed", "torchport::gemv_dense"})
 
+# torch.profiler.record_function's enter/exit (an optimizer's step() opens one): they mark a
+# profiler range and touch no tensor data, so a capture runs them for real and records nothing;
+# a replay is one call, with no range of its own (as a CUDA graph replay). They were refused as
+# non-ATen ops, so no optimizer step and no record_function block could be captured.
+_PROFILER_OPS = frozenset(
+    {
+        "profiler::_record_function_enter",
+        "profiler::_record_function_enter_new",
+        "profiler::_record_function_exit",
+    }
+)
+
 # Ops that hand a Python value back to the caller: the capture would freeze it.
 _PYTHON_VALUE_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item", "is_same_size"}
 
@@ -344,6 +358,8 @@ class Recorder(TorchDispatchMode):
         self.paused = False
         self._sub_out_names: dict[int, str] = {}
         self.has_control = False
+        self._written_lists: list[str] = []  # list temporaries the current op writes into
+        self.writes_lists = False  # the program keeps such lists in ``written`` (see finish)
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self, prefix: str = "v") -> str:
@@ -395,6 +411,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         opname = f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname}"
         base = func._schema.name.split("::")[-1]
+        if func._schema.name in _PROFILER_OPS:
+            return func(*args, **kwargs)
         if (
             func._schema.name.split("::")[0] not in ("aten", "prim")
             and func._schema.name not in CAPTURABLE_CUSTOM_OPS
@@ -445,6 +463,13 @@ class Recorder(TorchDispatchMode):
         self.ops += 1
         self.scope.trace.append(("op", func, tuple(args), dict(kwargs), out))
         self._bind_outputs(opname, call, out)
+        for tmp in self._written_lists:
+            # An op writing into the tensors of a list (``_foreach_mul_``, ``_foreach_add_``:
+            # a foreach optimizer step) returns nothing, and TorchScript's dead-code elimination
+            # sees it write only the list literal, which nothing read: it dropped the op, so a
+            # replay left the tensors unchanged. The list kept in the program's result is live.
+            self.emit(f"written.append({tmp})")
+            self.writes_lists = True
         return out
 
     def _lift(self, func: Any, const: torch.Tensor) -> torch.Tensor:
@@ -466,6 +491,7 @@ class Recorder(TorchDispatchMode):
 
     def _format_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         parts = []
+        self._written_lists = []
         for i, sa in enumerate(func._schema.arguments):
             if sa.kwarg_only:
                 if sa.name not in kwargs:
@@ -478,6 +504,8 @@ class Recorder(TorchDispatchMode):
             else:
                 continue
             text = self._arg_text(v, sa.type)
+            if sa.is_write and isinstance(v, (list, tuple)):
+                self._written_lists.append(text)
             parts.append(f"{sa.name}={text}" if sa.kwarg_only else text)
         name = func._schema.name.split("::")[-1]
         ns = func._schema.name.split("::")[0]
@@ -755,7 +783,12 @@ class Recorder(TorchDispatchMode):
         head = ["def prog(ext: List[Tensor], outs: List[Tensor]):"]
         head += [f"    e{k} = ext[{k}]" for k in range(len(self.ext))]
         tail = [_copy_out(j, n, t) for j, (n, t) in enumerate(zip(out_names, outs))]
-        source = "\n".join([*head, *self.scope.lines, *tail, "    return None"]) + "\n"
+        if self.writes_lists:
+            head.append("    written: List[List[Tensor]] = []")
+            tail.append("    return written")
+        else:
+            tail.append("    return None")
+        source = "\n".join([*head, *self.scope.lines, *tail]) + "\n"
         try:
             cu = torch.jit.CompilationUnit(source)
         except RuntimeError as e:
@@ -798,12 +831,30 @@ class Recorder(TorchDispatchMode):
 def _run_program(fn: Any, ext: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
     """Run a TorchScript-tier program. Its ``int(index)`` / ``bool(pred)`` of a switch or loop
     are the replay's own reads, not Python consuming a value: they pass the ban of another
-    thread's capture in mode "global" (which raised an untyped RuntimeError from the replay)."""
+    thread's capture in mode "global" (which raised an untyped RuntimeError from the replay).
+
+    The program runs with TorchScript's graph optimisations off (the flag is this thread's, and
+    restored): they rewrite what was captured, so a replay ran other ops than eager did; its
+    ``DecomposeOps`` turns ``addmm`` (every ``nn.Linear``) into ``mm`` + ``add``, which rounds
+    the product before the bias is added: bfloat16 replays differed from eager by up to 0.5 on
+    values ~30-60. The unoptimised plan runs the recorded ops, one per statement (the optimised
+    one had no other gain here: no guards or fusion for tensors passed in lists); the toggle
+    costs under 1.6 us a replay (a 12-op MLP replays in 55-110 us).
+    """
     _TLS.bypass += 1
+    optimize = _get_optimize()
+    if optimize:
+        _set_optimize(False)
     try:
         fn(ext, outs)
     finally:
+        if optimize:
+            _set_optimize(True)
         _TLS.bypass -= 1
+
+
+_get_optimize = torch._C._get_graph_executor_optimize
+_set_optimize = torch._C._set_graph_executor_optimize
 
 
 def _copy_out(j: int, name: str, t: torch.Tensor) -> str:

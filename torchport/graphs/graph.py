@@ -15,6 +15,7 @@ their storage). Shapes, Python scalars and Python control flow are frozen at cap
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Literal
 
 import torch
@@ -51,7 +52,8 @@ class Graph:
             thread, the value read at capture time is frozen into the program; ``"default"``:
             ``"global"``, the default of torch's CUDA backend. Ops that inherently conflict with
             capture (explicit ``torch.Generator``, non-ATen ops other than torchport's decode
-            GEMVs, which quantized linears call) raise in every mode.
+            GEMVs, which quantized linears call, and ``torch.profiler.record_function``'s
+            enter/exit, which run at capture time only) raise in every mode.
 
     Example::
 
@@ -83,6 +85,7 @@ class Graph:
         self._rec: Recorder | None = None
         self._program: Program | None = None
         self._pending: Recorder | None = None
+        self._compile_lock = threading.Lock()  # one compile of _pending, however many replays
         self._debug = False
 
     # -- capture --------------------------------------------------------------------------------
@@ -175,23 +178,34 @@ class Graph:
 
     def instantiate(self) -> None:
         """Compile the captured program (``capture_end`` does this unless ``keep_graph``)."""
-        if self._program is not None:
-            return
-        rec = self._pending
-        if rec is None:
-            raise GraphError("Graph.instantiate: nothing captured")
-        self._pending = None
-        self._program = rec.finish()
+        self._compiled("Graph.instantiate: nothing captured")
+
+    def _compiled(self, nothing: str) -> Program:
+        """The program, compiled from the pending capture by the first caller; raises
+        ``GraphError(nothing)`` if there is neither.
+
+        Under a lock, with ``_pending`` cleared only once ``_program`` is set: the first
+        replays of a ``keep_graph`` graph from two threads raised a spurious "nothing captured"
+        in the one that found ``_pending`` cleared while the other was still compiling. A
+        failed compile clears ``_pending`` too (``finish`` consumes the recording).
+        """
+        with self._compile_lock:
+            if self._program is not None:
+                return self._program
+            rec = self._pending
+            if rec is None:
+                raise GraphError(nothing)
+            try:
+                self._program = rec.finish()
+            finally:
+                self._pending = None
+            return self._program
 
     def replay(self) -> None:
         """Run the captured program once (reads inputs, rewrites outputs and mutated buffers)."""
         prog = self._program
         if prog is None:
-            if self._pending is None:
-                raise GraphError("Graph.replay: nothing captured; call capture_begin/capture_end")
-            self.instantiate()
-            prog = self._program
-            assert prog is not None
+            prog = self._compiled("Graph.replay: nothing captured; call capture_begin/capture_end")
         if prog.tier == "native" and current_recorder() is not None:
             # One C call: the capture on this thread would not see it, and its replays would
             # skip it (reading this graph's outputs as they were at capture time).
@@ -206,8 +220,9 @@ class Graph:
     def reset(self) -> None:
         """Drop the captured program so the graph can capture again."""
         self._abort()
-        self._program = None
-        self._pending = None
+        with self._compile_lock:
+            self._program = None
+            self._pending = None
 
     def pool(self) -> MemPool:
         """The memory pool of this graph; pass it as ``pool=`` to share it with another graph."""

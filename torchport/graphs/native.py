@@ -380,10 +380,18 @@ class _Codegen:
         for t in (out, a, b, *([bias] if isinstance(bias, torch.Tensor) else [])):
             if t.dtype != torch.float32:
                 raise _Unsupported(f"matmul on {t.dtype}")
+        beta, alpha = float(beta), float(alpha)
+        if alpha == 0.0:
+            # ATen (BLAS) skips the product at alpha 0: inf/NaN in a or b never reach out, which
+            # the GEMM's 0 * inf let through as NaN rows. out = beta * bias (0 at beta 0).
+            if bias is None or beta == 0.0:
+                self.pointwise(out, "{v}", [("v", 0.0)])
+            else:
+                self.pointwise(out, "({beta} * {c})", [("beta", beta), ("c", bias)])
+            return
         ob, (m, n), (os0, os1) = self.ref(out)
         ab, (_, k), (as0, as1) = self.ref(a)
         bb, _, (bs0, bs1) = self.ref(b)
-        beta, alpha = float(beta), float(alpha)
         fast_bias = (
             bias is not None
             and bias.dim() == 1
@@ -681,11 +689,15 @@ def lower(
     Returns ``(run, guard, source)``. The program holds raw pointers into the captured storages
     (and keeps those storages alive): after a ``resize_`` that reallocates one, or a ``set_``
     that moves a captured tensor to other memory, a replay would use freed memory or write where
-    the tensor no longer looks. ``guard(tensors, labels)`` makes ``run`` compare each tensor's
-    ``data_ptr()`` with its value now and raise :class:`~torchport.graphs.GraphError` naming the
-    first that moved (about 0.1 us per tensor). Any reallocation of a storage moves every tensor
-    on it, so guarding the tensors the caller can reach (static inputs and outputs) suffices;
-    intermediates nobody holds cannot change.
+    the tensor no longer looks; after an in-place layout change at the same address (``t_``,
+    ``transpose_``, a shrinking ``resize_``, ``as_strided_``) it would read and write the tensor
+    with its capture-time shape and strides (wrong values, an output of the old shape).
+    ``guard(tensors, labels)`` makes ``run`` compare each tensor's ``data_ptr()``, shape and
+    strides with their values now and raise :class:`~torchport.graphs.GraphError` naming the
+    first that changed (about 0.35 us per tensor). Any reallocation of a storage moves every
+    tensor on it, and a view's layout is derived from its base's at capture time, so guarding
+    the tensors the caller can reach (static inputs and outputs) suffices; intermediates nobody
+    holds cannot change.
     """
     if not native.enabled():
         return None
@@ -736,13 +748,20 @@ def lower(
     errors = list(cg.errors)
     watch: list[torch.Tensor] = []  # filled by guard() once the capture knows its outputs
     expect: list[int] = []
+    sizes: list[torch.Size] = []
+    strides: list[tuple[int, ...]] = []
     labels: list[str] = []
 
     def run() -> None:
-        # ~65 ns per watched tensor (static inputs and outputs): 3.4 us for the 51 of `bench
-        # graphs`' 200-op MLP, whose replay is ~65 us (a list comprehension took 4.2 us)
-        if list(map(_data_ptr, watch)) != expect:
-            _moved(watch, expect, labels)
+        # The addresses of the 51 watched tensors (static inputs and outputs) of `bench graphs`'
+        # 200-op MLP, whose replay is ~65 us, cost 3.4 us (a list comprehension took 4.2 us);
+        # shapes and strides too, ~4x that (4.4 -> 18.4 us measured on a loaded machine)
+        if (
+            list(map(_data_ptr, watch)) != expect
+            or list(map(_size, watch)) != sizes
+            or list(map(_stride, watch)) != strides
+        ):
+            _changed(watch, expect, sizes, strides, labels)
         if reads_threads:  # (torch's getter direct: native.num_threads() cost 0.3 us more)
             threads.value = _get_num_threads()
         rc = fn(ptrs, fptrs)
@@ -751,7 +770,9 @@ def lower(
 
     def guard(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
         watch[:] = tensors
-        expect[:] = [t.data_ptr() for t in tensors]
+        expect[:] = map(_data_ptr, tensors)
+        sizes[:] = map(_size, tensors)
+        strides[:] = map(_stride, tensors)
         labels[:] = names
 
     run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch, threads)
@@ -759,14 +780,22 @@ def lower(
 
 
 _data_ptr = torch.Tensor.data_ptr
+_size = torch.Tensor.size
+_stride = torch.Tensor.stride
 _get_num_threads = torch.get_num_threads
 
 
-def _moved(watch: Sequence[torch.Tensor], expect: Sequence[int], labels: Sequence[str]) -> None:
-    """Raise for the first watched tensor that left its capture-time address."""
+def _changed(
+    watch: Sequence[torch.Tensor],
+    expect: Sequence[int],
+    sizes: Sequence[torch.Size],
+    strides: Sequence[tuple[int, ...]],
+    labels: Sequence[str],
+) -> None:
+    """Raise for the first watched tensor that left its capture-time address or layout."""
     from torchport.graphs.capture import GraphError
 
-    for t, label, p in zip(watch, labels, expect):
+    for t, label, p, size, stride in zip(watch, labels, expect, sizes, strides):
         if t.data_ptr() != p:
             raise GraphError(
                 f"Graph.replay: {label} (Tensor{tuple(t.shape)} {t.dtype}) is no longer at its "
@@ -774,4 +803,12 @@ def _moved(watch: Sequence[torch.Tensor], expect: Sequence[int], labels: Sequenc
                 "replaced or reallocated (set_, resize_, share_memory_) since the capture, and "
                 "the native program would use freed memory; write new values with copy_, or "
                 "reset() and capture again"
+            )
+        if t.shape != size or t.stride() != stride:
+            raise GraphError(
+                f"Graph.replay: {label} has shape {tuple(t.shape)} and strides {t.stride()} but "
+                f"was captured with shape {tuple(size)} and strides {stride} (t_, transpose_, "
+                "resize_ or as_strided_ since the capture), and the native program reads and "
+                "writes it with its capture-time layout; shapes and layouts are frozen at "
+                "capture time: write new values with copy_, or reset() and capture again"
             )

@@ -7,7 +7,8 @@ bounds-checked: an out-of-range index makes the program return an error code, wh
 raises as ``IndexError`` naming the op (ATen raises there too; C would read out of bounds).
 
 Numerics (float32): ``_softmax`` subtracts the row max and uses the tier's ``exp`` polynomial
-(≤ 2 ulp); ``native_layer_norm`` computes mean and variance in two passes in float32 and writes
+(≤ 2 ulp); ``native_layer_norm`` computes mean and variance in two passes in double (rounded
+once; a float32 running sum lost ~10x ATen's accuracy on rows with a large mean) and writes
 ``mean``/``rstd`` as ATen does; ``gelu`` uses libm ``erff``/``tanhf``; ``argmax`` returns the first
 maximum, NaN counting as the maximum (ATen's rule). ``arange`` is bit-exact to ATen's CPU
 kernel: integers in int64, float32/float64 by :func:`arange_reference`'s position-dependent
@@ -288,13 +289,22 @@ def _layer_norm(cg: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) 
         raise cg.unsupported("strided layer_norm affine")
     wv = f"{cg.ref(w)[0]}[j]" if w is not None else "1.0f"
     bv = f"{cg.ref(b)[0]}[j]" if b is not None else "0.0f"
+    # Two passes in double, each over 8 partial sums (independent add chains, which gcc
+    # vectorises) and a tail; x - mean in double before rounding to float.
+    lanes = "((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))"
+    body = n // 8 * 8
     cg.lines.append(
         f"  for (long i = 0; i < {rows}; ++i) {{ const float* xr = {xb} + i*{n}; "
-        f"float* yr = {yb} + i*{n}; float s = 0.0f; "
-        f"for (long j = 0; j < {n}; ++j) s += xr[j]; const float mu = s / {n}.0f; float q = 0.0f; "
-        f"for (long j = 0; j < {n}; ++j) {{ float c = xr[j] - mu; q += c * c; }} "
-        f"const float rs = 1.0f / __builtin_sqrtf(q / {n}.0f + {eps!r}f); {mb}[i] = mu; {rb}[i] = rs; "
-        f"for (long j = 0; j < {n}; ++j) yr[j] = (xr[j] - mu) * rs * {wv} + {bv}; }}"
+        f"float* yr = {yb} + i*{n}; double a[8] = {{ 0 }}; "
+        f"for (long j = 0; j < {body}; j += 8) for (int k = 0; k < 8; ++k) a[k] += xr[j + k]; "
+        f"double s = {lanes}; for (long j = {body}; j < {n}; ++j) s += xr[j]; "
+        f"const double mu = s / {n}.0; for (int k = 0; k < 8; ++k) a[k] = 0.0; "
+        f"for (long j = 0; j < {body}; j += 8) for (int k = 0; k < 8; ++k) "
+        f"{{ double c = xr[j + k] - mu; a[k] += c * c; }} "
+        f"double q = {lanes}; for (long j = {body}; j < {n}; ++j) {{ double c = xr[j] - mu; q += c * c; }} "
+        f"const double rs = 1.0 / __builtin_sqrt(q / {n}.0 + {eps!r}); "
+        f"{mb}[i] = (float)mu; {rb}[i] = (float)rs; "
+        f"for (long j = 0; j < {n}; ++j) yr[j] = (float)((xr[j] - mu) * rs) * {wv} + {bv}; }}"
     )
 
 
