@@ -54,3 +54,26 @@ def parse_only(monkeypatch):
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
     return ParsedArgs
+
+
+class FakeClock:
+    """The tuner's clock in tests: it moves only when a fake kernel adds its cost to ``t``
+    (exact, load-free timings)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A :class:`FakeClock` in place of the tuner's timing clock, with an empty confirmation
+    memo."""
+    from torchport.autotune import timing, tuner
+
+    c = FakeClock()
+    monkeypatch.setattr(timing, "clock", c)
+    monkeypatch.setattr(tuner, "_confirmed", {})
+    return c

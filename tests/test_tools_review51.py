@@ -11,9 +11,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import FakeClock
 
 from torchport import autotune, benchmarks, config, native
-from torchport.autotune import ATEN, Candidate, tuner
+from torchport.autotune import ATEN, Candidate
 from torchport.gemm.kernels import Config
 from torchport.graphs import Graph
 
@@ -222,27 +223,7 @@ def test_gemm_tool_defaults_and_good_values_parse(parse_only, name, argv, check)
 PAIR = [Candidate("aten", ATEN), Candidate("native")]
 
 
-class _Clock:
-    """A clock that moves only when a fake kernel runs (exact, load-free timings)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    from torchport.autotune import timing
-
-    c = _Clock()
-    monkeypatch.setattr(timing, "clock", c)
-    monkeypatch.setattr(tuner, "_confirmed", {})
-    return c
-
-
-def _kernels(clock: _Clock, aten_s, native_s, calls: list[str]):
+def _kernels(clock: FakeClock, aten_s, native_s, calls: list[str]):
     """Fake kernels; ``aten_s``/``native_s`` give each one's seconds by its call number."""
     made: dict[str, object] = {}
 

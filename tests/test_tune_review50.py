@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from conftest import FakeClock
 
 from torchport import autotune, config
 from torchport.autotune import ATEN, Candidate, tuner
@@ -18,27 +19,7 @@ from torchport.gemm import templates
 PAIR = [Candidate("aten", ATEN), Candidate("native")]
 
 
-class _Clock:
-    """A clock that moves only when a fake kernel runs (exact, load-free timings)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    from torchport.autotune import timing
-
-    c = _Clock()
-    monkeypatch.setattr(timing, "clock", c)
-    monkeypatch.setattr(tuner, "_confirmed", {})
-    return c
-
-
-def _kernels(clock: _Clock, aten_s: float, native_s: float, calls: list[str]):
+def _kernels(clock: FakeClock, aten_s: float, native_s: float, calls: list[str]):
     """A factory of fake kernels taking the given fake seconds per call, logging their calls."""
 
     def make(c: Candidate):
@@ -109,7 +90,7 @@ def test_confirmation_verdict_is_per_thread_count_and_isa(fresh_cache, clock, se
     assert again.candidate.name == "native" and again.from_cache and calls == []
 
 
-def _anchor_fails(clock: _Clock, how: str, calls: list[str]):
+def _anchor_fails(clock: FakeClock, how: str, calls: list[str]):
     """Kernels where the native one is fast and the anchor fails ``how``: "build" (its factory
     raises), "first" (its first call raises), "later" (its second and later calls raise)."""
     fast = _kernels(clock, 0.002, 0.001, calls)
