@@ -58,6 +58,8 @@ from torchport.distributed.funcol_kernels import (
     bind,
     funcol_group,
     override_cpu_kernel,
+    p2p_batch_refused,
+    p2p_issue,
 )
 from torchport.distributed.groups import positive_timeout_s
 from torchport.distributed.progress import TorchportWork
@@ -859,22 +861,16 @@ def _batch_p2p_kernel(
     group_name: Any,
 ) -> Any:
     group = funcol_group(group_name)
-    n = len(op_list)
-    if (
-        not isinstance(group, TorchportProcessGroup)
-        or not n
-        or {len(peer_list), len(tag_list), len(tensors)} != {n}
-        or any(op not in ("isend", "irecv") for op in op_list)
+    if not isinstance(group, TorchportProcessGroup) or p2p_batch_refused(
+        op_list, peer_list, tag_list, tensors
     ):
         return kernel.call_boxed(CPU_KEYSET, op_list, peer_list, tag_list, tensors, group_name)
     outs = []
     for op, peer, tag, t in zip(op_list, peer_list, tag_list, tensors):
-        if op == "isend":
-            work, out = group.send([t], peer, tag), torch.empty(0, dtype=t.dtype, device=t.device)
-            torch._C._distributed_c10d._register_work(t, work)
-        else:
-            work, out = group.recv([t], peer, tag), t
-        torch._C._distributed_c10d._register_work(out, work)
+        work, out = p2p_issue(group, op, peer, tag, t)
+        torch._C._distributed_c10d._register_work(t, work)
+        if out is not t:
+            torch._C._distributed_c10d._register_work(out, work)
         outs.append(out)
     return outs
 

@@ -63,6 +63,8 @@ from torchport.distributed.funcol_kernels import (
     bind,
     funcol_group,
     override_cpu_kernel,
+    p2p_batch_refused,
+    p2p_issue,
 )
 
 SCHEDULED, STARTED, COMPLETED, ERRORED = "scheduled", "started", "completed", "errored"
@@ -1296,8 +1298,8 @@ def _isend(_kernel: Any, group: Any, tensor: torch.Tensor, dst: int, tag: int) -
     """``isend`` on a C++ group, as torch's kernel runs it: the group's (recorded) ``send``;
     the result is an empty tensor that, as the sent one, carries the Work for ``wait_tensor``
     (``dst`` goes to ``send`` as given, as there)."""
-    work = _for_c10d(group.send([tensor], dst, tag))
-    placeholder = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    work, placeholder = p2p_issue(group, "isend", dst, tag, tensor)
+    work = _for_c10d(work)
     _register_work(tensor, work)
     _register_work(placeholder, work)
     return placeholder
@@ -1306,8 +1308,8 @@ def _isend(_kernel: Any, group: Any, tensor: torch.Tensor, dst: int, tag: int) -
 def _irecv(_kernel: Any, group: Any, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
     """``irecv`` on a C++ group, as torch's kernel runs it: the group's (recorded) ``recv``
     into ``tensor``, which is the result and carries the Work."""
-    work = _for_c10d(group.recv([tensor], src, tag))
-    _register_work(tensor, work)
+    work, _ = p2p_issue(group, "irecv", src, tag, tensor)
+    _register_work(tensor, _for_c10d(work))
     return tensor
 
 
@@ -1323,12 +1325,7 @@ def _batch_p2p(
     coalesces; each send's result an empty tensor, each receive's its tensor), its ops sharing
     one point-to-point sequence id as ``batch_isend_irecv``'s do. A list torch refuses (lengths
     that differ, no op, an op other than isend / irecv) goes to torch's kernel, which raises."""
-    n = len(op_list)
-    if not n or {len(peer_list), len(tag_list), len(tensors)} != {n}:
-        return kernel.call_boxed(
-            CPU_KEYSET, op_list, peer_list, tag_list, tensors, group.group_name
-        )
-    if any(op not in ("isend", "irecv") for op in op_list):
+    if p2p_batch_refused(op_list, peer_list, tag_list, tensors):
         return kernel.call_boxed(
             CPU_KEYSET, op_list, peer_list, tag_list, tensors, group.group_name
         )
@@ -1346,12 +1343,7 @@ def _batch_p2p(
         if coalesce:
             group._start_coalescing(device)
         for op, peer, tag, t in zip(op_list, peer_list, tag_list, tensors, strict=True):
-            if op == "isend":
-                work = group.send([t], peer, tag)
-                out = torch.empty(0, dtype=t.dtype, device=t.device)
-            else:
-                work = group.recv([t], peer, tag)
-                out = t
+            work, out = p2p_issue(group, op, peer, tag, t)
             if work is not None:
                 work = _for_c10d(work)
                 _register_work(t, work)

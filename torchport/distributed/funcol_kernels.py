@@ -1,8 +1,9 @@
 """CPU kernels of ``torch.ops._c10d_functional`` collectives put in place of torch's own.
 
-Two users: torchport's backend (``all_gather_into_tensor_out`` on a torchport group, which c10d
-cannot run: see :mod:`torchport.distributed.backend`) and the Flight Recorder (every functional
-collective, while installed). Each takes torch's kernel as it is before its own registration
+Two users: torchport's backend (``all_gather_into_tensor_out`` and ``batch_p2p_ops`` on a
+torchport group, which c10d cannot run: see :mod:`torchport.distributed.backend`) and the Flight
+Recorder (every functional collective, while installed). Both issue point-to-point ops as torch's
+kernel does (:func:`p2p_issue`, :func:`p2p_batch_refused`). Each takes torch's kernel as it is before its own registration
 (so a kernel registered earlier, the backend's, is what the recorder's calls) and resolves the
 group argument, a name or (torch 2.13) the group itself, the same way.
 """
@@ -54,3 +55,31 @@ def override_cpu_kernel(
 def bind(fn: Callable[..., Any], *args: Any) -> Callable[[Any], Callable[..., Any]]:
     """A ``make`` for :func:`override_cpu_kernel`: ``fn(kernel, *args, <op's arguments>)``."""
     return lambda kernel: functools.partial(fn, kernel, *args)
+
+
+P2P_OPS = ("isend", "irecv")
+
+
+def p2p_batch_refused(
+    op_list: list[str], peer_list: list[int], tag_list: list[int], tensors: list[Any]
+) -> bool:
+    """Whether torch's ``batch_p2p_ops`` kernel refuses these lists (lengths that differ, no
+    op, an op other than isend / irecv): a kernel of ours then calls torch's, which raises."""
+    n = len(op_list)
+    return (
+        not n
+        or {len(peer_list), len(tag_list), len(tensors)} != {n}
+        or any(op not in P2P_OPS for op in op_list)
+    )
+
+
+def p2p_issue(
+    group: Any, op: str, peer: int, tag: int, t: torch.Tensor
+) -> tuple[Any, torch.Tensor]:
+    """One functional point-to-point op (``isend`` / ``irecv``) issued as torch's kernel issues
+    it, through the group's ``send`` / ``recv`` (``peer`` as given): its Work and the op's
+    result, an empty tensor for a send, the tensor itself for a receive. The caller registers
+    the Work on ``t`` and on the result for ``wait_tensor``."""
+    if op == "isend":
+        return group.send([t], peer, tag), torch.empty(0, dtype=t.dtype, device=t.device)
+    return group.recv([t], peer, tag), t
