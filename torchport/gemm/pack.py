@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchport import native
 from torchport.gemv.hugepages import hugepage_empty
+from torchport.native.launch import tensor_version
 
 MAX_BYTES = 2 << 30
 # operands packed once and not kept that the cache remembers by key (see PackCache)
@@ -214,13 +215,6 @@ def pack_b_pairs(b: torch.Tensor, nr: int = 32, out: torch.Tensor | None = None)
     return out
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return int(t._version)
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
-
-
 class _Probe:
     """Up to 16 spread-out elements of ``b``, read as raw bits straight from its memory.
 
@@ -307,7 +301,7 @@ class PackCache:
         """Packed ``b`` for panel width ``nr`` (``pairs``: :func:`pack_b_pairs`' layout), from
         the cache when still valid."""
         key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr, pairs)
-        ver = _version(b)
+        ver = tensor_version(b)
         with self._lock:
             e = self._entries.get(key)
             if e is not None and e.version == ver and ver >= 0 and e.probe.unchanged():

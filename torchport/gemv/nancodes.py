@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from torchport.native.launch import is_compiling_here
+from torchport.native.launch import is_compiling_here, tensor_version
 
 # clean scans: (format, address, shape, strides, version) -> the storage they were made on
 _CLEAN: dict[tuple[object, ...], weakref.ref[torch.UntypedStorage]] = {}
@@ -70,11 +70,8 @@ def e8m0_nan_reference(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _key(codes: torch.Tensor, fmt: str) -> tuple[object, ...]:
-    try:
-        version = codes._version
-    except RuntimeError:  # an inference tensor: no version counter (its writes are not seen)
-        version = -1
-    return (fmt, codes.data_ptr(), codes.shape, codes.stride(), version)
+    # (-1 for an inference tensor: no version counter, its writes are not seen)
+    return (fmt, codes.data_ptr(), codes.shape, codes.stride(), tensor_version(codes))
 
 
 def _scan(

@@ -57,7 +57,7 @@ from torchport.gemv.kernels import (
     gemv_kernel,
 )
 from torchport.gemv.nancodes import mx_nan_scales, nan_block_scales, nan_rowscale
-from torchport.native.launch import is_compiling_here
+from torchport.native.launch import is_compiling_here, tensor_version
 
 MAX_ROWS = 8
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -1436,12 +1436,6 @@ def _cast_nan_is_ffff() -> bool:
     return True
 
 
-def _version_of(t: torch.Tensor) -> int:
-    """``t._version``, or -1 for an inference tensor (it keeps no version counter: reading it
-    raises)."""
-    return -1 if t.is_inference() else t._version
-
-
 def settle_route(
     x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, allow_int8: bool = True
 ) -> SettledRoute | None:
@@ -1527,7 +1521,7 @@ def settle_route(
     # an inference tensor keeps no version counter (reading it raised on every call): -1, and
     # its shape checked instead (its in-place writes are read where it lives, or converted on
     # every call; a shrinking resize_ keeps the storage, and a version counter saw it)
-    bver, bptr0 = (_version_of(bias), bias.data_ptr()) if bias is not None else (0, 0)
+    bver, bptr0 = (tensor_version(bias), bias.data_ptr()) if bias is not None else (0, 0)
     bshape = bias.shape if bias is not None else None
     tensor, strided = torch.Tensor, torch.strided
     overrides, generation, env_get, env_keys = config.stamp_reader(ROUTE_SETTINGS)

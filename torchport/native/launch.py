@@ -119,6 +119,15 @@ def is_compiling_here() -> bool:
     )
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (in-place writes bump it), or -1 for an inference tensor, which
+    keeps none (reading it raises). What the caches keyed on a tensor's contents compare."""
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter."
+        return -1
+
+
 def eager_fast_path(*tensors: torch.Tensor) -> bool:
     """True if plain eager tensors may skip the custom-op dispatcher and call a kernel directly.
 
