@@ -215,6 +215,12 @@ def _interrupt_job(rank: int, world: int, init: str) -> dict[str, Any]:
         # (a fixed 2 s sleep: on a loaded machine the interrupt, serviced between the wait's
         # slices, came later, and rank 1's own all_reduce reached rank 0 first: a mismatch)
         store.wait(["interrupted"])
+        # rank 0's 4000-byte frame went out before its ABORT on the same connection: until the
+        # mesh thread read the ABORT too, an all_reduce here is (truly) a mismatch with it, which
+        # a loaded CI machine once reported instead of the abort; wait for the abort (bounded)
+        deadline = time.monotonic() + 20.0
+        while tpd.get_error(dist.group.WORLD) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
     try:
         dist.all_reduce(torch.ones(2))
         out["next"] = "nothing"
