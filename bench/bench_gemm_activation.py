@@ -15,7 +15,9 @@ copy of :mod:`torchport.gemm.templates` (e.g. the main branch's) and times them 
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import importlib.machinery
 import importlib.util
 import statistics
 import time
@@ -68,11 +70,28 @@ def _functions(lib: ctypes.CDLL) -> dict[str, Any]:
 MAX_N = 1 << 28
 
 
-def _load_templates(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("torchport_gemm_templates_b", path)
-    assert spec is not None and spec.loader is not None, path
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def templates_file(path: str) -> Any:
+    """``--against``: another copy of :mod:`torchport.gemm.templates`, loaded while the options
+    are parsed (a missing file was a FileNotFoundError traceback, and a name not ending in
+    ``.py`` an AssertionError, after our side's library was built)."""
+    name = "torchport_gemm_templates_b"
+    try:
+        # (a loader of its own: spec_from_file_location finds none for a name without .py)
+        loader = importlib.machinery.SourceFileLoader(name, path)
+        spec = importlib.util.spec_from_loader(name, loader)
+        assert spec is not None, path
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e.strerror}") from None
+    except (SyntaxError, ImportError) as e:
+        raise argparse.ArgumentTypeError(f"cannot load {path!r}: {e}") from None
+    if not (
+        callable(getattr(mod, "vocabulary", None)) and isinstance(getattr(mod, "VW", None), dict)
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{path!r} is not a copy of torchport/gemm/templates.py (no vocabulary() and VW)"
+        )
     return mod
 
 
@@ -89,12 +108,14 @@ def main() -> None:
         default=None,
         help=f"an ISA level this CPU runs: {', '.join(levels)} (default: torchport's)",
     )
-    p.add_argument("--against", default=None, help="another templates.py to time (A/B)")
+    p.add_argument(
+        "--against", type=templates_file, default=None, help="another templates.py to time (A/B)"
+    )
     args = p.parse_args()
     isa = args.isa or native.cpu_info().isa
     sides = {"ours": _functions(library(isa))}
     if args.against:
-        sides["B"] = _functions(library(isa, _load_templates(args.against)))
+        sides["B"] = _functions(library(isa, args.against))
     torch.manual_seed(0)
     x = torch.rand(args.n) * 16 - 8
     y = torch.empty_like(x)

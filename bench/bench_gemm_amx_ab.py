@@ -100,6 +100,38 @@ def variant(text: str) -> str:
     return text
 
 
+def variant_name(text: str) -> str:
+    """The name a parsed ``--variant`` is reported (and kept) under."""
+    return text if re.fullmatch(r"m(\d+)_k(\d+)", text) else text.partition("=")[0]
+
+
+# the names of the other rows: the source as built, and torch.addmm (--aten)
+RESERVED_NAMES = ("as_built", "aten")
+
+
+class Variants(argparse.Action):
+    """``--variant``, repeated: each name at most once and none of :data:`RESERVED_NAMES` (a
+    second one of a name replaced the first in the results, unreported; an ``aten`` variant was
+    replaced by ``--aten``'s row, an ``as_built`` one replaced the source as built)."""
+
+    def __call__(
+        self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        earlier = list(getattr(namespace, self.dest) or [])
+        name = variant_name(values)
+        if name in RESERVED_NAMES:
+            raise argparse.ArgumentError(
+                self,
+                f"a variant's name must not be as_built (the source as built's row) or aten "
+                f"(--aten's), got {values!r}",
+            )
+        if name in map(variant_name, earlier):
+            raise argparse.ArgumentError(
+                self, f"each variant's name must be given once, {name!r} is repeated in {values!r}"
+            )
+        setattr(namespace, self.dest, [*earlier, values])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = arg_parser(__doc__.split("\n\n")[0], writes_json=False)  # (prints its medians)
     p.add_argument(
@@ -113,9 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--variant",
         type=variant,
-        action="append",
+        action=Variants,
         default=[],
-        help="NAME=old>>new[|old>>new...] or mMC_kKC",
+        help="NAME=old>>new[|old>>new...] or mMC_kKC, each name once (not as_built or aten)",
     )
     p.add_argument("--aten", action="store_true", help="also time torch.addmm (bias_col only)")
     p.add_argument(

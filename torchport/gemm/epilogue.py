@@ -63,6 +63,13 @@ class EpilogueError(ValueError, RuntimeError):
     ``except RuntimeError`` written against them catches it too."""
 
 
+class _EpilogueTypeError(EpilogueError, TypeError):
+    """An :class:`EpilogueError` of the wrong type (a list, a number or None for an operand
+    tensor, a string for a scale), also a ``TypeError`` as torch raises it for the same argument
+    of ``F.linear`` / ``torch.add`` / ``torch.mul`` (code catching torch's TypeError catches
+    this too)."""
+
+
 # --- user-facing steps ---------------------------------------------------------------------------
 
 
@@ -242,7 +249,7 @@ def _operand(t: Any, what: str | tuple[int, str], shape: tuple[int, ...]) -> tor
     if not isinstance(what, str):
         what = f"epilogue step {what[0]} {what[1]}"
     if not isinstance(t, torch.Tensor):
-        raise EpilogueError(f"{what} must be a tensor, got {type(t).__name__}")
+        raise _EpilogueTypeError(f"{what} must be a tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise EpilogueError(f"{what} must be on cpu, got {t.device}")
     if t.dtype not in FUSABLE_DTYPES:
@@ -452,7 +459,7 @@ def _split(steps: Sequence[Step] | Step | None, m: int, n: int, bias: torch.Tens
                 # any real number (a numpy scalar too, as torch's own ``x * c`` takes), not bool
                 num = step.value
                 if isinstance(num, bool) or not isinstance(num, numbers.Real):
-                    raise EpilogueError(
+                    raise _EpilogueTypeError(
                         f"epilogue step {idx}: scale must be a number or tensor, got {num!r}"
                     )
                 try:
@@ -590,7 +597,12 @@ def apply_tail(y: torch.Tensor, tail: Sequence[Step]) -> torch.Tensor:
                     f"epilogue step {step!r} needs a result of at least 1-D, got 0-D"
                 )
             m, n = math.prod(shape[:-1]), shape[-1]
-            if isinstance(step, Add) and y.dim() != 2 and step.t.shape == shape:
+            if (  # (a non-tensor residual: split's typed error, not an AttributeError)
+                isinstance(step, Add)
+                and y.dim() != 2
+                and isinstance(step.t, torch.Tensor)
+                and step.t.shape == shape
+            ):
                 step = Add(step.t.reshape(m, n))
             sp = split([step], m, n)
             # as the torch op it stands for: a float32 operand after a Cast to bfloat16 gives

@@ -441,8 +441,10 @@ _decisions_lock = threading.Lock()
 # the candidate list, the tuning key, the choice-cache lookup and every config read: the runner
 # is called directly (``torch.addmm`` for an ATen choice), so a call the autotuner gave to ATen
 # costs about what the ATen call costs. Emptied whenever the choice cache forgets its in-memory
-# view (``clear_memory``); the settings enter as :func:`torchport.config.stamp`, which changes on
-# any assignment, override or change of the environment variables.
+# view (``clear_memory``); the settings enter as the values they resolve to, re-read only when
+# :func:`torchport.config.stamp` changes (any assignment or change of the environment variables)
+# and on every call under an override; ``isa`` as the level it resolves to (``cpu_info().isa``,
+# as the tuner's memos key it), so "auto" and the level it names are one state, one settling.
 _Runner = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
 _settled: dict[tuple[Any, ...], tuple[Candidate, _Runner]] = {}
 # native launches shared by the small-M runners of one problem and config whose epilogues differ
@@ -450,13 +452,19 @@ _settled: dict[tuple[Any, ...], tuple[Candidate, _Runner]] = {}
 _groups: dict[tuple[Any, ...], ArmGroup] = {}
 _settled_view: list[object] = [None]
 _STATE_SETTINGS = (
-    "isa",  # cpu_info().isa is this setting capped by the (fixed) hardware
+    "isa",  # entered as cpu_info().isa: this setting capped by the (fixed) hardware
     "native",
     "max_autotune_gemm_backends",
     "autotune",
     "autotune_cache",
     "cache_dir",
 )
+# (stamp, resolved values) of the last resolution outside an override, replaced as one tuple
+_state_memo: list[tuple[Any, tuple[Any, ...]]] = [(None, ())]
+
+
+def _resolved_settings() -> tuple[Any, ...]:
+    return (native.cpu_info().isa, *(config.get(name) for name in _STATE_SETTINGS[1:]))
 
 
 def _settings_state() -> tuple[Any, ...]:
@@ -468,8 +476,11 @@ def _settings_state() -> tuple[Any, ...]:
         _settled_view[0] = view
     st = config.stamp(_STATE_SETTINGS)
     if st is None:  # an override is active: its values, read one by one
-        st = ("override", *(config.get(name) for name in _STATE_SETTINGS))
-    return (st, torch.get_num_threads())
+        return (_resolved_settings(), torch.get_num_threads())
+    memo = _state_memo[0]
+    if memo[0] != st:
+        memo = _state_memo[0] = (st, _resolved_settings())
+    return (memo[1], torch.get_num_threads())
 
 
 def _layout(b: torch.Tensor) -> str:
@@ -1066,6 +1077,12 @@ _Tensor, _strided = torch.Tensor, torch.strided
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
+class _GemmTypeError(GemmInputError, TypeError):
+    """A :class:`GemmInputError` of the wrong type (a list, a number, None or a numpy array for
+    a tensor), also a ``TypeError`` as ``torch.mm`` and ``F.linear`` raise it (code catching
+    torch's TypeError catches this too)."""
+
+
 def _check_ab(a: object, b: object, who: str) -> bool:
     """``a [M, K]`` and ``b [K, N]`` for a GEMM: dense 2-D CPU tensors of one dtype, float32 or
     bfloat16, with matching K (:func:`mm`'s checks, and the raw op's; ``who`` names the caller
@@ -1086,10 +1103,12 @@ def _check_ab(a: object, b: object, who: str) -> bool:
         and a.shape[1] == b.shape[0]
     ):
         return False
-    meta = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_meta and b.is_meta
-    for name, t in (("a", a), ("b", b)):
+    for name, t in (("a", a), ("b", b)):  # both first: mm(meta, [..]) blamed a's device
         if not isinstance(t, torch.Tensor):
-            raise GemmInputError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise _GemmTypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    meta = a.is_meta and b.is_meta
+    for name, t in (("a", a), ("b", b)):
         if not (t.is_cpu or meta):
             raise GemmInputError(f"{who}: {name} must be on device 'cpu', got {t.device}")
         if t.layout != torch.strided:  # (sparse and mkldnn tensors failed later, untyped)
@@ -1100,7 +1119,6 @@ def _check_ab(a: object, b: object, who: str) -> bool:
             )
         if t.dtype not in DTYPES:
             raise GemmInputError(f"{who}: {name} must be float32 or bfloat16, got {t.dtype}")
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     if a.dtype != b.dtype:
         raise GemmInputError(
             f"{who}: a and b must have the same dtype, got {a.dtype} and {b.dtype}"

@@ -18,7 +18,7 @@ import torch
 
 from torchport.gemm.epilogue import Add, Step, apply_tail, as_steps, is_user_callable
 from torchport.gemm.kernels import GemmInputError
-from torchport.gemm.mm import mm
+from torchport.gemm.mm import _GemmTypeError, mm
 from torchport.lowp.scaled_recipes import ScalingType, SwizzleType, scaled_mm
 
 
@@ -52,10 +52,12 @@ def linear(
     ):  # a batch of rows, fused epilogue or not: no reshapes, and mm checks the rest
         return mm(input, weight.t(), bias=bias, epilogue=epilogue)
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise GemmInputError(
+        raise _GemmTypeError(  # (a TypeError, as F.linear's)
             f"linear: input and weight must be tensors, got {type(input).__name__} "
             f"and {type(weight).__name__}"
         )
+    if bias is not None and not isinstance(bias, torch.Tensor):  # (before any GEMM runs)
+        raise _GemmTypeError(f"linear: bias must be a tensor or None, got {type(bias).__name__}")
     if weight.dim() == 1:  # torch's [K] weight: one output feature, dropped from the shape
         if input.dim() < 1 or input.shape[-1] != weight.shape[0]:
             raise GemmInputError(
@@ -106,7 +108,12 @@ def linear(
         if rest or is_user_callable(s):
             rest.append(s)
             continue
-        if isinstance(s, Add) and s.t.dim() != 2 and tuple(s.t.shape) == (*lead, n):
+        if (  # (a non-tensor residual goes on to mm's typed error)
+            isinstance(s, Add)
+            and isinstance(s.t, torch.Tensor)
+            and s.t.dim() != 2
+            and tuple(s.t.shape) == (*lead, n)
+        ):
             s = Add(s.t.reshape(rows, n))
         steps.append(s)
     y = mm(x2, weight.t(), bias=bias, epilogue=steps).reshape(*lead, n)
@@ -115,8 +122,7 @@ def linear(
 
 def _broadcast_bias(bias: object, shape: tuple[int, ...]) -> torch.Tensor:
     """``bias`` when it broadcasts to ``shape`` (as torch's linear adds it), else a typed error."""
-    if not isinstance(bias, torch.Tensor):
-        raise GemmInputError(f"linear: bias must be a tensor or None, got {type(bias).__name__}")
+    assert isinstance(bias, torch.Tensor), type(bias)  # (linear checked it)
     try:
         both = torch.broadcast_shapes(tuple(bias.shape), tuple(shape))
     except RuntimeError:
