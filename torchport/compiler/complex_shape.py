@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from torchport.compiler.complex_base import (
     ComplexDecompositionError,
@@ -84,7 +85,7 @@ def _componentwise(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) 
     return Pair(re, im, p.neg_zero and n.target not in _SUMS)
 
 
-_SUMS = frozenset(_packets("sum", "mean", "cumsum", "trace", "tril", "triu"))
+_SUMS = frozenset(_packets("sum", "mean", "cumsum", "trace", "tril", "triu", "unfold_backward"))
 _VIEWS = frozenset((aten.view.default, aten._unsafe_view.default))
 
 for _op in _packets(
@@ -127,39 +128,117 @@ for _op in _packets(
     "transpose_copy",
     "t_copy",
     "alias_copy",
+    "unfold",
+    "unfold_backward",
 ):
     RULES[_op] = _componentwise
 
 
-def _views_an_input(x: Any) -> bool:
-    """True if graph value ``x`` is a graph input or a view of one (through aliasing ops)."""
+def _alias_root(x: Any) -> Any:
+    """The node whose value owns the storage graph value ``x`` addresses: ``x`` itself, or the
+    node it views through aliasing ops (a graph input is such a root too); None for a constant."""
     while isinstance(x, fx.Node):
         if x.op == "placeholder":
-            return True
+            return x
         if x.target is operator.getitem:  # one output of split/unbind/chunk: a view of its input
             x = x.args[0]
             continue
         schema = getattr(x.target, "_schema", None)
         if schema is None or not schema.returns or schema.returns[0].alias_info is None:
-            return False
+            return x
         x = x.args[0] if x.args else None
-    return False
+    return None
 
 
-@_rule(*_packets("as_strided"))
-def _r_as_strided(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    # as_strided addresses the storage, not the tensor. A complex graph input enters as its
-    # real/imag views, which address the interleaved complex storage in real elements (strides
-    # and offset doubled), so applying the same size/stride/offset to each part would read real
-    # and imaginary values mixed; an intermediate's parts are dense buffers laid out like the
-    # complex one, where applying it to each part is exact.
-    if _views_an_input(n.args[0]):
+def _views_an_input(x: Any) -> bool:
+    """True if graph value ``x`` is a graph input or a view of one (through aliasing ops)."""
+    root = _alias_root(x)
+    return isinstance(root, fx.Node) and root.op == "placeholder"
+
+
+def _storage_of(n: fx.Node, x: Any) -> tuple[torch.Tensor, torch.Tensor, fx.Node]:
+    """``(value of x, value of its storage root, root node)`` for an op ``n`` that addresses the
+    storage of ``x`` (as_strided and its scatter), refused where the storage is not known as a
+    whole: a graph input's (it enters as two real views of the interleaved complex storage),
+    one with symbolic sizes, or one that its root does not cover densely from offset 0."""
+    root = _alias_root(x)
+    if not isinstance(root, fx.Node) or root.op == "placeholder":
         raise ComplexDecompositionError(
             f"{n.target} on a complex graph input (or a view of one) is not supported by "
             f"torchport complex compilation (node {n.name!r}): it addresses the complex storage, "
             "which the real/imaginary split does not keep; compile with complex=False"
         )
-    return _componentwise(lw, n, a, kw)
+    xv, rv = _node_val(x), _node_val(root)
+    static = all(
+        isinstance(s, int) for v in (xv, rv) for s in (*v.shape, *v.stride(), v.storage_offset())
+    )
+    whole = (
+        static
+        and rv.dtype == xv.dtype  # not a complex view of a real storage (view_as_complex)
+        and rv.storage_offset() == 0
+        and rv.untyped_storage().nbytes() == rv.numel() * rv.element_size()
+        and is_non_overlapping_and_dense_or_false(rv)
+    )
+    if not whole:
+        raise ComplexDecompositionError(
+            f"{n.target} (node {n.name!r}) needs the storage it addresses to be one value of the "
+            "graph laid out densely from offset 0 with static sizes; that of "
+            f"{x.name!r} is {root.name!r}, {rv.dtype}, shape {tuple(rv.shape)}, strides "
+            f"{tuple(rv.stride())}, offset {rv.storage_offset()}, {rv.untyped_storage().nbytes()} bytes"
+        )
+    return xv, rv, root
+
+
+def _flat_storage(lw: Any, part: Any, rv: torch.Tensor) -> Any:
+    """A part of a storage root as the 1-d real tensor that its storage order gives: element k
+    is the part's value at the complex storage's element k (a permuted root is copied)."""
+    order = sorted(range(rv.dim()), key=lambda d: -rv.stride()[d])  # outermost first
+    if order != list(range(rv.dim())):
+        part = lw.e.call(torch.permute, part, order)
+    return lw.e.call(torch.reshape, part, [-1])
+
+
+@_rule(*_packets("as_strided"))
+def _r_as_strided(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # as_strided addresses the storage, not the tensor: its size/stride/offset count complex
+    # elements of the storage of its operand's root. Each part of the root, flattened in the
+    # root's storage order, is that storage in real elements, where as_strided applies as it is
+    # (the parts' own layouts are the compiler's, and Inductor takes a view's offset as relative)
+    xv, rv, root = _storage_of(n, n.args[0])
+    size, stride = a[1], a[2]
+    offset = a[3] if len(a) > 3 else kw.get("storage_offset")
+    offset = xv.storage_offset() if offset is None else offset
+    p = _pair(lw.env[root])
+
+    def part(x: Any) -> Any:
+        return lw.e.call(aten.as_strided.default, _flat_storage(lw, x, rv), size, stride, offset)
+
+    return Pair(part(p.re), None if p.im is None else part(p.im), p.neg_zero)
+
+
+@_rule(aten.as_strided_scatter.default)
+def _r_as_strided_scatter(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # the functional form of an in-place write through an as_strided view: a copy of the whole
+    # storage of self's root with src written at size/stride/offset, returned laid out as self
+    # (ATen's clone_preserve_strides); per part on the flattened root, as _r_as_strided
+    xv, rv, root = _storage_of(n, n.args[0])
+    size, stride = a[2], a[3]
+    offset = a[4] if len(a) > 4 else kw.get("storage_offset")
+    offset = xv.storage_offset() if offset is None else offset
+    e, dst, src = lw.e, _pair(lw.env[root]), _pair(a[1])
+
+    def part(d: Any, s: Any) -> Any:
+        flat = e.call(
+            aten.as_strided_scatter.default, _flat_storage(lw, d, rv), s, size, stride, offset
+        )
+        return e.call(
+            aten.as_strided.default, flat, list(xv.shape), list(xv.stride()), xv.storage_offset()
+        )
+
+    re = part(dst.re, src.re)
+    if dst.im is None and src.im is None and dst.neg_zero == src.neg_zero:
+        return Pair(re, None, dst.neg_zero)
+    return Pair(re, part(e.dense_im(dst, dst.re), e.dense_im(src, src.re)))
 
 
 @_rule(*_packets("constant_pad_nd"))
@@ -296,6 +375,35 @@ def _r_empty(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
     kw = dict(kw)
     kw["dtype"] = _node_val(n).dtype.to_real()
     return Pair(lw.e.call(n.target, *a, **kw), None)
+
+
+_NEW_FILLS: dict[Any, complex] = {aten.new_zeros.default: 0j, aten.new_ones.default: 1 + 0j}
+
+
+@_rule(
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+)
+def _r_new(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # a new tensor with self's dtype (unless one is given) and the given size: the buffer that
+    # AOTAutograd's backward of an in-place write through a view copies the gradient into
+    # (new_empty_strided, then copy). Made from self's real part, in the real dtype
+    val = _node_val(n)
+    ref = _part_ref(_pair(a[0]))
+    kw = dict(kw)
+    kw["dtype"] = val.dtype.to_real() if _is_complex_val(val) else val.dtype
+    if n.target in (aten.new_empty.default, aten.new_empty_strided.default):
+        out = lw.e.call(n.target, ref, *a[1:], **kw)
+        return Pair(out, None) if _is_complex_val(val) else out  # an undefined imaginary part
+    fill = _fill_value(a[2]) if n.target is aten.new_full.default else _NEW_FILLS[n.target]
+    re = lw.e.call(aten.new_full.default, ref, a[1], fill.real, **kw)
+    if not _is_complex_val(val):
+        return re
+    im = lw.e.call(aten.new_full.default, ref, a[1], fill.imag, **kw) if fill.imag else None
+    return Pair(re, im)  # constant parts
 
 
 @_rule(

@@ -23,7 +23,11 @@ How each mode runs it:
   **one** node holding all N branch graphs; the exported program runs and survives
   ``torch.export.save/load`` (load needs ``import torchport``). Non-strict export reaches the
   node through dynamo, as ``torch.cond`` does, so what a branch reads besides its operands (a
-  module's parameters and buffers) becomes an operand of the node;
+  module's parameters and buffers) becomes an operand of the node.
+  With grad enabled, a branch that writes in place to an operand or to a tensor it read from
+  outside raises :class:`SwitchError` before the write (torch.cond refuses it then: through
+  dynamo for ``torch.compile``/export, here for ``make_fx``, which traces every branch on the
+  caller's tensors); without grad such writes are traced, as torch.cond traces them;
 - ``torch.compile`` (dynamo, ``fullgraph=True``): :mod:`~torchport.control.switch_dynamo`
   registers a variable class for :data:`switch_op` in dynamo's HOP table, so the captured graph
   holds **one** ``torchport_switch`` node with all N branch graphs (what every backend receives).
@@ -58,7 +62,7 @@ from torch._higher_order_ops.utils import (
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, track_tensor_tree
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from torchport.control.aliasing import call_unaliased
 from torchport.control.mutation import first_modified, versions
@@ -196,7 +200,9 @@ def switch(
     Raises:
         SwitchError: a bad index, branch or operand, (when traced) branches whose outputs
             differ, naming the branch, or (eager) a branch that wrote to an operand in place,
-            naming the operand leaf (the write has happened; traced calls refuse it before).
+            naming the operand leaf (the write has happened; traced calls refuse it before), or
+            (traced by make_fx with grad enabled) a branch that writes to an operand or to a
+            tensor from outside it.
     """
     if not isinstance(operands, (tuple, list)):
         raise SwitchError(
@@ -240,8 +246,12 @@ def switch(
         i = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
         return _call_eager(flat_branches, i, leaves)
     specs: list[pytree.TreeSpec | None] = [None] * n
+    # with grad enabled torch.cond refuses a branch that writes to its inputs (dynamo does it
+    # for torch.compile and export, before anything runs); make_fx traces every branch here,
+    # in real mode on the user's tensors, so each write is refused before it happens
+    guard = torch.is_grad_enabled()
     traced = tuple(
-        functools.partial(_call_flat_out, branch=b, specs=specs, i=i)
+        functools.partial(_call_flat_out, branch=b, specs=specs, i=i, guard=guard)
         for i, b in enumerate(flat_branches)
     )
     out = switch_op(index, tuple(leaves), *traced)
@@ -271,10 +281,17 @@ def _switch_in_dynamo(index: Any, branches: Any, operands: Any) -> Any:
 
 
 def _call_flat_out(
-    *args: Any, branch: Callable[..., Any], specs: list[pytree.TreeSpec | None], i: int
+    *args: Any,
+    branch: Callable[..., Any],
+    specs: list[pytree.TreeSpec | None],
+    i: int,
+    guard: bool = False,
 ) -> tuple[Any, ...]:
-    """Call a branch and return its output leaves as a tuple, remembering the structure."""
-    leaves, spec = pytree.tree_flatten(branch(*args))
+    """Call a branch and return its output leaves as a tuple, remembering the structure; with
+    ``guard``, a write to a tensor it did not create is refused (:class:`_RefuseOuterWrites`)."""
+    with _RefuseOuterWrites(i, args) if guard else contextlib.nullcontext():
+        out = branch(*args)
+    leaves, spec = pytree.tree_flatten(out)
     if specs[0] is not None and i != 0 and spec != specs[0]:
         raise SwitchError(
             "switch: branches must return the same output structure; branch0 returns "
@@ -282,6 +299,70 @@ def _call_flat_out(
         )
     specs[i] = spec
     return tuple(leaves)
+
+
+class _RefuseOuterWrites(TorchDispatchMode):
+    """While a branch is traced: raise :class:`SwitchError` before an op writes to a tensor the
+    branch did not create (an operand, a view of one, a closure's or a module's tensor).
+
+    A tensor is the branch's own if its storage came from an op run inside the branch that is
+    not a view; storage identity is compared, so a view of an operand counts as the operand.
+    Higher-order ops pass through (a nested ``switch`` guards its own branches).
+    """
+
+    supports_higher_order_operators = True
+
+    def __init__(self, i: int, operands: Sequence[Any]) -> None:
+        super().__init__()
+        self.i = i
+        self.operands = [_storage(x) for x in operands]
+        self.fresh: set[Any] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = getattr(func, "_schema", None)
+        if schema is None:  # a higher-order op
+            return func(*args, **kwargs)
+        if schema.is_mutable:
+            bound = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+            for a in schema.arguments:
+                t = bound.get(a.name)
+                if a.alias_info is not None and a.alias_info.is_write:
+                    for x in t if isinstance(t, (list, tuple)) else [t]:
+                        if isinstance(x, torch.Tensor) and _storage(x) not in self.fresh:
+                            self._refuse(func, x)
+        out = func(*args, **kwargs)
+        if not any(r.alias_info is not None for r in schema.returns):
+            for x in pytree.tree_leaves(out):
+                if isinstance(x, torch.Tensor):
+                    self.fresh.add(_storage(x))
+        return out
+
+    def _refuse(self, func: Any, x: torch.Tensor) -> None:
+        key = _storage(x)
+        what = (
+            f"operand leaf {self.operands.index(key)}"
+            if key in self.operands
+            else "a tensor from outside the branch"
+        )
+        raise SwitchError(
+            f"switch: branch{self.i} writes in place ({func}) to {what} (Tensor"
+            f"{tuple(x.shape)} {x.dtype}); traced with grad enabled, branches must not write to "
+            "their operands or to tensors they read from outside (torch.cond refuses input "
+            "mutation then): return a new tensor instead"
+        )
+
+
+def _storage(t: Any) -> Any:
+    """What tensors sharing memory have in common (the tensor itself without a storage)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return id(t)
 
 
 def _call_unflattened(*args: Any, branch: Callable[..., Any], spec: pytree.TreeSpec) -> Any:
