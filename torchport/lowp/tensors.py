@@ -743,7 +743,13 @@ class LowPrecisionTensor(torch.Tensor):
             return self._meta_linear(x, bias)
         if self.dim() == 2 and self.shape[1] == 0 and x.dim() and x.shape[-1] == 0:
             # an empty sum: zeros (the paths below reshaped x to rows of 0: untyped errors)
-            out = x.new_zeros((*x.shape[:-1], self.shape[0]))
+            n = self.shape[0]
+            if bias is not None and tuple(bias.shape) != (n,):  # (the kernels' rule for K > 0)
+                raise LowPrecisionError(
+                    f"F.linear with a {type(self).__name__} of shape {tuple(self.shape)}: the "
+                    f"bias must have shape ({n},), got {tuple(bias.shape)}"
+                )
+            out = x.new_zeros((*x.shape[:-1], n))
             return out if bias is None else out + bias.to(out.dtype)
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         decode = 0 < rows <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
@@ -784,12 +790,20 @@ class LowPrecisionTensor(torch.Tensor):
         ``F.linear`` requires: the paths below quantized an integer activation as its float
         values and returned the product truncated to integers, and a complex one's real part
         (torch refuses both), and a scalar one raised an IndexError in the FP8 activation
-        quantization."""
+        quantization. Nor one of the one-byte float dtypes (float8, float4, E8M0), which
+        ``F.linear`` with the dequantized weight refuses: the product came out in float8, past
+        ±448 saturated (E4M3) or infinite (E5M2)."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise LowPrecisionError(
                 f"F.linear with a {type(self).__name__}: x must be a floating-point tensor, "
                 f"got {got}"
+            )
+        if x.dtype.itemsize == 1:
+            raise LowPrecisionError(
+                f"F.linear with a {type(self).__name__}: x must be a float16, bfloat16, float32 "
+                f"or float64 tensor (a quantized activation is the weight's to make), got "
+                f"{x.dtype}"
             )
         if x.dim() == 0:
             raise LowPrecisionError(
