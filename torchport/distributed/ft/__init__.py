@@ -22,7 +22,12 @@ Example (one replica; start one per process, all with the lighthouse's address):
 
 from torchport.distributed.ft.ddp import DistributedDataParallel, OptimizerWrapper
 from torchport.distributed.ft.lighthouse import Lighthouse
-from torchport.distributed.ft.manager import Manager, Metrics, QuorumError
+from torchport.distributed.ft.manager import (
+    Manager,
+    Metrics,
+    QuorumError,
+    ReplicaSupersededError,
+)
 from torchport.distributed.ft.transfer import (
     StateTransferError,
     StateTransferTimeoutError,
@@ -38,6 +43,7 @@ __all__ = [
     "Metrics",
     "OptimizerWrapper",
     "QuorumError",
+    "ReplicaSupersededError",
     "StateTransferError",
     "StateTransferTimeoutError",
     "fetch_state",

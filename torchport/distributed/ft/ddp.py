@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchport.distributed.errors import CollectiveArgumentError
 from torchport.distributed.ft.lighthouse import check_number
 from torchport.distributed.ft.manager import Manager, _Work
 
@@ -25,7 +26,11 @@ from torchport.distributed.ft.manager import Manager, _Work
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` averages its gradients over the quorum.
 
-    One backward per step (no gradient accumulation across backward calls).
+    One backward per step (no gradient accumulation across backward calls). Gradients must
+    be dense: a module with a sparse gradient (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``) is refused here with :class:`CollectiveArgumentError`
+    naming the parameter, and a sparse gradient met in backward (a functional sparse
+    embedding) raises the same from ``backward()``.
     """
 
     def __init__(self, module: nn.Module, manager: Manager, bucket_cap_mb: float = 25.0) -> None:
@@ -34,6 +39,22 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, unit="MiB", most=math.inf)
         self.module = module
         self.manager = manager
+        # (a sparse gradient failed inside backward with torch's bare "reshape is not
+        # implemented for sparse tensors")
+        for name, sub in module.named_modules():
+            weight = getattr(sub, "weight", None)
+            if (
+                isinstance(sub, nn.Embedding | nn.EmbeddingBag)
+                and sub.sparse
+                and isinstance(weight, torch.Tensor)
+                and weight.requires_grad
+            ):
+                raise CollectiveArgumentError(
+                    f"DistributedDataParallel averages dense gradients only; parameter "
+                    f"{name + '.' if name else ''}weight gets a sparse gradient "
+                    f"({type(sub).__name__}(sparse=True)): use sparse=False"
+                )
+        self._names = {id(p): name for name, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
         cap = int(bucket_cap_mb * (1 << 20))
         self._buckets: list[list[nn.Parameter]] = []
@@ -84,6 +105,11 @@ class DistributedDataParallel(nn.Module):
         for p in self._buckets[b]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if p.grad.layout != torch.strided:
+                raise CollectiveArgumentError(
+                    f"DistributedDataParallel averages dense gradients only; parameter "
+                    f"{self._names.get(id(p), '?')} got a gradient of layout {p.grad.layout}"
+                )
             grads.append(p.grad.reshape(-1))
         flat = torch.cat(grads)
         self._pending[b] = (self.manager.allreduce(flat), flat)

@@ -26,7 +26,21 @@ failure notices, and an *rpc* channel for quorum requests and commit votes.
   member of the quorum voted yes. A member that dies before voting turns the vote into "no" for
   everyone, so a step is applied by all survivors or by none, and never twice. A vote counts only
   from a member of the quorum handed out last, naming that quorum's id and members; any other is
-  answered "no" (and a member's malformed one is a "no" for everyone).
+  answered "no" (and a member's malformed one is a "no" for everyone). A member votes once
+  per step: a second vote is answered "no" (and fails the step if it is still undecided); a
+  vote after the decision never changes it. The lighthouse keeps the votes of the last
+  :data:`VOTES_KEPT` steps of the current quorum (and any still undecided), not one per step.
+* **One process per replica id.** Each replica process names its *life* (a random token, new
+  per :class:`~torchport.distributed.ft.Manager`) in both hellos, and an rpc connection serves
+  the replica id and life of its hello only. A second process with a live replica's id (a
+  restart, or a mistaken duplicate) supersedes the first: the first is dead at once (its
+  quorum's step fails), is told ``{"t": "superseded"}``, and every later hello or request of
+  its life is refused with an error marked ``"superseded"`` (its manager raises
+  ``ReplicaSupersededError``), so it never counts again. Two processes with one id both
+  accepted were two quorum members in one slot: each committed alone, a "no" vote of one
+  was answered "commit" on the other's "yes", and the committed step went backwards. (A hello
+  without a life, from an older client, is a life of its own per heartbeat connection; an rpc
+  hello without a replica id serves the id of its first request.)
 * **One round trip per step.** A vote may carry the member's request for the next step's quorum
   (``"next"``). When the step commits unanimously, every member's vote carried one, every live
   replica is a member, nobody else is waiting for a quorum and no new quorum is forced, the reply
@@ -44,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import math
 import numbers
@@ -67,6 +82,16 @@ from torchport.distributed.elastic import Member
 from torchport.distributed.errors import CommError, WireError, clip_repr, is_int
 
 _log = logging.getLogger(__name__)
+
+# votes kept per quorum: the steps before the newest are read only by a late or duplicate vote
+# (answered from the record). One entry per step was kept for as long as the quorum id lasted,
+# and every new vote scanned them all: 30000 steps held 30000 entries (+82 MiB)
+VOTES_KEPT = 4
+# lives superseded by a newer process of their replica id, remembered so that they are refused
+# (the oldest forgotten first; a forgotten one is refused as having no heartbeat connection)
+MAX_SUPERSEDED = 4096
+# ``Lighthouse.events`` keeps at least the last MAX_EVENTS entries (trimmed in halves)
+MAX_EVENTS = 1000
 
 
 def check_number(
@@ -101,13 +126,29 @@ class _Replica:
     hb_conn: socket.socket
     last_beat: float
     period: float  # its heartbeat period (s), from its hello
+    life: str  # its process life, from its hello (a token per connection if the hello has none)
     alive: bool = True
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
+class _Caller:
+    """Who an rpc connection speaks for: its hello's replica id and life (a hello without an
+    id takes its first request's; one without a life, the replica's life at its first
+    accepted request)."""
+
+    rid: str | None
+    life: str | None
+
+
+class _Superseded(Exception):
+    """An rpc request from a life a newer process of its replica id replaced."""
+
+
+@dataclass
 class _Vote:
     members: list[str]
+    lives: dict[str, str]  # the member lives that joined the quorum
     votes: dict[str, bool] = field(default_factory=dict)
     decision: bool | None = None
     nexts: dict[str, dict[str, Any]] = field(default_factory=dict)  # next-quorum requests
@@ -164,6 +205,9 @@ class Lighthouse:
         self._result: dict[int, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None  # the last quorum handed out
         self._votes: dict[tuple[int, int], _Vote] = {}
+        self._member_lives: dict[str, str] = {}  # the lives that joined the last quorum
+        self._superseded: dict[str, str] = {}  # life -> replica id, oldest first
+        self._conn_ids = itertools.count()  # tokens for the lives of hellos that name none
         self.events: list[tuple[float, str]] = []
         self._host = host
         self.store: Any = None  # a TCPStore, started when the first gloo replica asks
@@ -182,13 +226,20 @@ class Lighthouse:
         # hello without "rid" raised KeyError out of the handler thread (a traceback, no reply)
         try:
             hello = recv_msg(conn)
-            if hello.get("t") == "hb":
-                rid = hello.get("rid")
-                if not isinstance(rid, str):
-                    self._refuse(
-                        conn, f"heartbeat hello: rid must be a string, got {clip_repr(rid)}"
-                    )
-                    return
+            kind = hello.get("t")
+            if kind not in ("hb", "rpc"):
+                self._refuse(conn, f"unknown lighthouse hello {clip_repr(kind)}")
+                return
+            rid, life = hello.get("rid"), hello.get("life")
+            what = "heartbeat hello" if kind == "hb" else "rpc hello"
+            # (an rpc hello may name no replica id: it serves its first request's)
+            if not isinstance(rid, str) and (kind == "hb" or rid is not None):
+                self._refuse(conn, f"{what}: rid must be a string, got {clip_repr(rid)}")
+                return
+            if life is not None and not isinstance(life, str):
+                self._refuse(conn, f"{what}: life must be a string, got {clip_repr(life)}")
+                return
+            if kind == "hb":
                 # the replica's own period: evicted after three of this lighthouse's, a replica
                 # beating more slowly was evicted at every step and never committed
                 try:
@@ -196,42 +247,70 @@ class Lighthouse:
                 except ValueError as e:
                     self._refuse(conn, f"heartbeat hello: {e}")
                     return
-                self._heartbeats(conn, rid, period)
-            elif hello.get("t") == "rpc":
-                while True:
-                    msg = recv_msg(conn)
-                    if msg.get("t") == "quorum":
-                        send_msg(conn, self._quorum(msg))
-                    elif msg.get("t") == "commit":
-                        send_msg(conn, self._commit(msg))
-                    else:
-                        self._refuse(conn, f"unknown lighthouse request {clip_repr(msg.get('t'))}")
-                        return
-            else:
-                self._refuse(conn, f"unknown lighthouse hello {clip_repr(hello.get('t'))}")
+                self._heartbeats(conn, str(rid), period, life)  # (a str: checked above)
+                return
+            # each request is checked against the hello's replica id and life: a request may
+            # not speak for another replica, nor for a process a newer one superseded
+            caller = _Caller(rid, life)
+            while True:
+                msg = recv_msg(conn)
+                if msg.get("t") == "quorum":
+                    send_msg(conn, self._quorum(msg, caller))
+                elif msg.get("t") == "commit":
+                    send_msg(conn, self._commit(msg, caller))
+                else:
+                    self._refuse(conn, f"unknown lighthouse request {clip_repr(msg.get('t'))}")
+                    return
         except WireError as e:
             _log.warning("lighthouse: %s; closing the connection", e)
 
     @staticmethod
-    def _refuse(conn: socket.socket, why: str) -> None:
+    def _refuse(conn: socket.socket, why: str, superseded: bool = False) -> None:
         """Answer a malformed request with an error, log it in one line (the caller closes)."""
         _log.warning("lighthouse: refused %s; closing the connection", why)
-        send_msg(conn, {"t": "error", "error": why})
+        reply: dict[str, Any] = {"t": "error", "error": why}
+        if superseded:
+            reply["superseded"] = True
+        send_msg(conn, reply)
 
-    def _heartbeats(self, conn: socket.socket, rid: str, period: float) -> None:
-        rep = _Replica(rid, conn, time.monotonic(), period)
+    def _heartbeats(self, conn: socket.socket, rid: str, period: float, life: str | None) -> None:
+        # a hello without a life (an older client): a life of its own per connection
+        token = life if life is not None else f"#{next(self._conn_ids)}"
+        rep = _Replica(rid, conn, time.monotonic(), period, token)
+        notice = None
         with self._cv:
-            old = self._replicas.get(rid)
-            self._replicas[rid] = rep
-            self._log(f"replica {rid} connected")
+            refused = token in self._superseded
+            old = None if refused else self._replicas.get(rid)
+            if not refused:
+                self._replicas[rid] = rep
+                self._log(f"replica {rid} connected")
+                if old is not None:
+                    # the old connection's death and the new one's registration are one step
+                    # under the lock: a request of the new life in between had its pending
+                    # quorum request dropped as the old one's
+                    if old.life != token:
+                        self._supersede(old)
+                    why = "superseded by a new process" if old.life != token else "reconnected"
+                    notice = self._mark_dead([old], why)
             self._cv.notify_all()
-        if old is not None and old.alive:
-            self._declare_dead([old], "reconnected")
+        if refused:
+            self._refuse(conn, _superseded_why(rid), superseded=True)
+            return
+        if notice is not None:
+            self._send_notice(*notice)
+        if old is not None and old.life != token:
+            # told, and its heartbeat connection closed: a superseded process that resumed
+            # (SIGCONT) was revived by its next beat and counted as the replica again
+            self._push(old, {"t": "superseded", "error": _superseded_why(rid)})
+            with contextlib.suppress(OSError):
+                old.hb_conn.shutdown(socket.SHUT_RDWR)
         conn.settimeout(None)
         try:
             while True:
                 recv_msg(conn, limit=1024)
                 with self._cv:
+                    if self._replicas.get(rid) is not rep:  # replaced: a newer connection speaks
+                        return
                     if not rep.alive:  # came back after an eviction (e.g. SIGCONT)
                         self._push(rep, {"t": "evicted"})
                         rep.alive = True
@@ -245,6 +324,36 @@ class Lighthouse:
         if current:
             self._declare_dead([rep], "connection lost")
 
+    def _supersede(self, old: _Replica) -> None:
+        """Remember ``old``'s life as superseded (refused from now on). Lock held."""
+        self._superseded[old.life] = old.rid
+        while len(self._superseded) > MAX_SUPERSEDED:  # (oldest first)
+            del self._superseded[next(iter(self._superseded))]
+        self._log(f"replica {old.rid}: a new process superseded the previous one")
+
+    def _check_caller(self, caller: _Caller, rid: str) -> str | None:
+        """Why the rpc connection ``caller`` may not speak for replica ``rid`` now, or None;
+        raises :class:`_Superseded` for a superseded life. Lock held. A caller whose hello
+        named no id (or no life) is bound to its first request's (to the replica's life then).
+        """
+        if caller.rid is None:
+            caller.rid = rid
+        elif rid != caller.rid:
+            return (
+                f"this connection speaks for replica {clip_repr(caller.rid)}, "
+                f"the request names {clip_repr(rid)}"
+            )
+        if caller.life is not None and caller.life in self._superseded:
+            raise _Superseded(_superseded_why(rid))
+        rep = self._replicas.get(rid)
+        if rep is None or not rep.alive:
+            return f"replica {rid} has no live heartbeat connection"
+        if caller.life is None:
+            caller.life = rep.life
+        elif caller.life != rep.life:  # (its heartbeat hello is not registered yet)
+            return f"replica {rid} has no live heartbeat connection from this process"
+        return None
+
     def _push(self, rep: _Replica, msg: dict[str, Any]) -> None:
         try:
             with rep.send_lock:
@@ -252,26 +361,37 @@ class Lighthouse:
         except OSError:
             pass
 
-    def _declare_dead(self, reps: list[_Replica], why: str) -> None:
-        with self._cv:
-            newly = [r for r in reps if r.alive]
-            for r in newly:
-                r.alive = False
-                self._pending.pop(r.rid, None)
-                self._busy.discard(r.rid)
-                self._log(f"replica {r.rid} dead ({why})")
-            if not newly:
-                return
-            ids = [r.rid for r in newly]
-            for v in self._votes.values():
-                if v.decision is None and any(i in v.members for i in ids):
-                    v.decision = False
-                    self._force_new = True
-            targets = [r for r in self._replicas.values() if r.alive]
-            self._cv.notify_all()
-        notice = {"t": "dead", "ids": ids, "why": why}
+    def _mark_dead(
+        self, reps: list[_Replica], why: str
+    ) -> tuple[dict[str, Any], list[_Replica]] | None:
+        """Mark ``reps`` dead and fail the undecided votes they are members of; the notice to
+        push and to whom (None if none was alive). Lock held."""
+        newly = [r for r in reps if r.alive]
+        for r in newly:
+            r.alive = False
+            self._pending.pop(r.rid, None)
+            self._busy.discard(r.rid)
+            self._log(f"replica {r.rid} dead ({why})")
+        if not newly:
+            return None
+        ids = [r.rid for r in newly]
+        for v in self._votes.values():
+            if v.decision is None and any(i in v.members for i in ids):
+                v.decision = False
+                self._force_new = True
+        self._cv.notify_all()
+        targets = [r for r in self._replicas.values() if r.alive]
+        return {"t": "dead", "ids": ids, "why": why}, targets
+
+    def _send_notice(self, notice: dict[str, Any], targets: list[_Replica]) -> None:
         for r in targets:
             self._push(r, notice)
+
+    def _declare_dead(self, reps: list[_Replica], why: str) -> None:
+        with self._cv:
+            notice = self._mark_dead(reps, why)
+        if notice is not None:
+            self._send_notice(*notice)
 
     def _monitor(self) -> None:
         while not self._stop.wait(min(self.heartbeat / 4, 0.02)):
@@ -296,6 +416,8 @@ class Lighthouse:
 
     def _log(self, what: str) -> None:
         self.events.append((time.time(), what))
+        if len(self.events) >= 2 * MAX_EVENTS:  # (a list, trimmed in halves: it grew forever)
+            del self.events[:MAX_EVENTS]
 
     # -- quorum ----------------------------------------------------------------------------
     def _ready(self) -> bool:
@@ -334,6 +456,9 @@ class Lighthouse:
             self._members = members
             self._force_new = False
         self._busy = set(members)
+        # (a pending request is always its replica's current life's: a superseded or dead
+        # life's is dropped, and only the current life's requests are taken)
+        self._member_lives = {m: self._replicas[m].life for m in members}
         infos = [self._pending[m] for m in members]
         max_step = max(int(i["step"]) for i in infos)
         self._result[self._round] = {
@@ -354,7 +479,7 @@ class Lighthouse:
         self._log(f"quorum {self._quorum_id}: {members} at step {max_step}")
         self._cv.notify_all()
 
-    def _quorum(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _quorum(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         # a malformed request is refused here: stored as pending, it made every other replica's
         # quorum request fail (each handler evaluates all pending steps) until its sender died
         bad = _bad_request(msg)
@@ -362,10 +487,14 @@ class Lighthouse:
             return {"t": "error", "error": f"malformed quorum request: {bad}"}
         rid = str(msg["rid"])
         deadline = time.monotonic() + float(msg.get("timeout", 60.0))
+        superseded = {"t": "error", "error": _superseded_why(rid), "superseded": True}
         with self._cv:
-            rep = self._replicas.get(rid)
-            if rep is None or not rep.alive:
-                return {"t": "error", "error": f"replica {rid} has no live heartbeat connection"}
+            try:
+                why = self._check_caller(caller, rid)
+            except _Superseded:
+                return superseded
+            if why is not None:
+                return {"t": "error", "error": why}
             if not self._pending:
                 self._first_request = time.monotonic()
             self._pending[rid] = msg
@@ -375,6 +504,8 @@ class Lighthouse:
                 if self._stop.is_set():  # closed: no quorum (nor store) after close
                     self._pending.pop(rid, None)
                     return {"t": "error", "error": "the lighthouse was closed"}
+                if caller.life in self._superseded:  # (its request was dropped then)
+                    return superseded
                 if self._ready():
                     self._form()
                     break
@@ -387,25 +518,40 @@ class Lighthouse:
                     }
                 self._cv.wait(min(left, 0.01))
             res = self._result[my_round]
+            if caller.life in self._superseded:  # the round took the newer process's request
+                return superseded
             if rid not in res["members"]:
                 return {"t": "error", "error": f"replica {rid} was evicted while waiting"}
             return res
 
     # -- commit ----------------------------------------------------------------------------
-    def _commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _commit(self, msg: dict[str, Any], caller: _Caller) -> dict[str, Any]:
         bad = _bad_vote(msg)
         if bad is not None:
             return {"t": "commit", "ok": False, "quorum": None, "error": f"malformed vote: {bad}"}
         rid, qid, step = str(msg["rid"]), int(msg["quorum_id"]), int(msg["step"])
         deadline = time.monotonic() + float(msg.get("timeout", 60.0))
         with self._cv:
-            foreign = self._foreign_vote(rid, qid, msg["members"])
+            try:
+                stranger = self._check_caller(caller, rid)
+            except _Superseded as e:
+                # never counted: a superseded process's "yes" was taken as its replica's, and
+                # the new process's "no" after it was answered "commit"
+                _log.warning("lighthouse: refused a vote from %s: %s", clip_repr(rid), e)
+                reply = {"t": "commit", "ok": False, "quorum": None, "error": str(e)}
+                return {**reply, "superseded": True}
+            if stranger is not None:  # another replica's connection, or no heartbeat
+                _log.warning("lighthouse: refused a vote from %s: %s", clip_repr(rid), stranger)
+                return {"t": "commit", "ok": False, "quorum": None, "error": stranger}
+            foreign = self._foreign_vote(rid, caller.life, qid, msg["members"])
             if foreign is not None:
                 _log.warning("lighthouse: refused a vote from %s: %s", clip_repr(rid), foreign)
                 if self._last is not None and qid == self._quorum_id and rid in self._members:
                     # a member that will not apply the step: the others must not either (they
                     # waited out their timeout for a vote that never came)
-                    failed = self._votes.setdefault((qid, step), _Vote(list(self._members)))
+                    failed = self._votes.setdefault(
+                        (qid, step), _Vote(list(self._members), dict(self._member_lives))
+                    )
                     if failed.decision is None:
                         failed.decision = False
                         self._force_new = True
@@ -415,9 +561,18 @@ class Lighthouse:
             key = (qid, step)
             vote = self._votes.get(key)
             if vote is None:
-                vote = self._votes[key] = _Vote(list(msg["members"]))
-                for old in [k for k in self._votes if k[0] < qid - 4]:
-                    del self._votes[old]
+                vote = self._votes[key] = _Vote(list(msg["members"]), dict(self._member_lives))
+                self._prune_votes(qid, step)
+            if rid in vote.votes:
+                # one vote per member and step: a second one overwrote the first, and a "no"
+                # after a decided "yes" was answered "commit"
+                again = f"replica {rid} already voted on step {step} of quorum {qid}"
+                _log.warning("lighthouse: refused a vote: %s", again)
+                if vote.decision is None:
+                    vote.decision = False
+                    self._force_new = True
+                    self._cv.notify_all()
+                return {"t": "commit", "ok": False, "quorum": None, "error": again}
             vote.votes[rid] = bool(msg["ok"])
             nxt = msg.get("next")
             if isinstance(nxt, dict):
@@ -426,7 +581,7 @@ class Lighthouse:
             if not msg["ok"] and vote.decision is None:
                 vote.decision = False
                 self._force_new = True
-            dead = [m for m in vote.members if not self._is_alive(m)]
+            dead = [m for m in vote.members if not self._member_alive(vote, m)]
             if dead and vote.decision is None:
                 vote.decision = False
                 self._force_new = True
@@ -447,7 +602,18 @@ class Lighthouse:
             quorum = vote.quorum if vote.decision and rid in vote.nexts else None
             return {"t": "commit", "ok": vote.decision, "quorum": quorum}
 
-    def _foreign_vote(self, rid: str, qid: int, members: list[str]) -> str | None:
+    def _prune_votes(self, qid: int, step: int) -> None:
+        """Drop the decided votes of other quorums and of steps before the last
+        :data:`VOTES_KEPT` (undecided ones are kept: voters wait on them, and a death fails
+        them). Lock held."""
+        for key in [
+            k
+            for k, v in self._votes.items()
+            if v.decision is not None and (k[0] != qid or k[1] <= step - VOTES_KEPT)
+        ]:
+            del self._votes[key]
+
+    def _foreign_vote(self, rid: str, life: str | None, qid: int, members: list[str]) -> str | None:
         """Why a vote is not one on the current quorum by one of its members, or None. Called
         with the lock held.
 
@@ -464,6 +630,8 @@ class Lighthouse:
             return f"members {clip_repr(members)} are not quorum {qid}'s {clip_repr(self._members)}"
         if rid not in members:
             return f"replica {clip_repr(rid)} is not a member of quorum {qid}"
+        if self._member_lives.get(rid) != life:
+            return f"replica {clip_repr(rid)}'s process is not the one that joined quorum {qid}"
         return None
 
     def _next_quorum(self, vote: _Vote, qid: int, step: int) -> dict[str, Any] | None:
@@ -495,9 +663,10 @@ class Lighthouse:
         self._busy = set(members)  # they are in the next step now
         return res
 
-    def _is_alive(self, rid: str) -> bool:
+    def _member_alive(self, vote: _Vote, rid: str) -> bool:
+        """Whether the life of ``rid`` that joined ``vote``'s quorum is alive."""
         r = self._replicas.get(rid)
-        return r is not None and r.alive
+        return r is not None and r.alive and r.life == vote.lives.get(rid)
 
     def close(self) -> None:
         """Stop serving (replicas see their connections close) and release the gloo store."""
@@ -509,6 +678,14 @@ class Lighthouse:
             self._cv.notify_all()
         self._server.close()
         del store
+
+
+def _superseded_why(rid: str) -> str:
+    return (
+        f"replica {rid}: a newer process with the same replica id superseded this one (a "
+        f"restarted replica, or two processes given one replica_id); it may not join a quorum "
+        f"or vote again"
+    )
 
 
 def _is_seconds(v: Any) -> bool:

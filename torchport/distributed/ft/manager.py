@@ -35,9 +35,11 @@ torchport group is aborted, so its in-flight ops end on every member.
 from __future__ import annotations
 
 import contextlib
+import operator
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -59,7 +61,12 @@ from torchport.distributed._control import (
 from torchport.distributed._gloo import gloo_group, retire
 from torchport.distributed.backend_args import AVG_DTYPES
 from torchport.distributed.elastic import ElasticMesh, Member, form_group, retire_group
-from torchport.distributed.errors import CollectiveArgumentError, TorchportDistError
+from torchport.distributed.errors import (
+    CollectiveArgumentError,
+    TorchportDistError,
+    clip_repr,
+    is_int,
+)
 from torchport.distributed.flight_recorder import FlightRecorder, already_recorded
 from torchport.distributed.ft.lighthouse import check_number
 from torchport.distributed.ft.transfer import StateTransferError, fetch_state, send_state
@@ -82,6 +89,52 @@ AVERAGEABLE = AVG_DTYPES
 class QuorumError(CommError):
     """No quorum could be formed within the timeout, or a commit vote was asked for without
     one (``should_commit`` before ``start_quorum``, or twice in one step)."""
+
+
+class ReplicaSupersededError(QuorumError):
+    """Another process registered with the lighthouse under this manager's ``replica_id``
+    (a restart of this replica, or two processes given one id): this manager may not join a
+    quorum or vote again, and every later ``start_quorum`` / ``should_commit`` raises this."""
+
+
+def lighthouse_address(value: Any) -> tuple[str, int]:
+    """The lighthouse's ``(host, port)`` from a pair, or from a ``"host:port"`` or
+    ``"http://host:port"`` string (torchft's ``TORCHFT_LIGHTHOUSE`` form; an IPv6 host in
+    brackets); else ``TypeError`` / ``ValueError`` naming the value.
+
+    It took ``value[0]`` and ``value[1]``: the string ``"127.0.0.1:40775"`` was dialled as
+    host ``"1"``, port 2, a port of 2.7 became 2, and None or a URL failed with a bare error."""
+    if isinstance(value, str):
+        text = value.strip()
+        rest = text.removeprefix("http://")
+        host, sep, port_text = rest.removesuffix("/").rpartition(":")
+        host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
+        if "://" in rest or "/" in host or not sep or not port_text.isdigit():
+            raise ValueError(
+                f"lighthouse must be (host, port), 'host:port' or 'http://host:port', "
+                f"got {clip_repr(value)}"
+            )
+        pair: Any = (host, int(port_text))
+    elif isinstance(value, tuple | list) and len(value) == 2:
+        pair = tuple(value)
+    else:
+        raise TypeError(
+            f"lighthouse must be (host, port), 'host:port' or 'http://host:port', "
+            f"got {clip_repr(value)}"
+        )
+    host, port = pair
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"lighthouse's host must be a non-empty string, got {clip_repr(host)}")
+    try:
+        number = -1 if isinstance(port, bool) else operator.index(port)
+    except TypeError:  # (2.7 was taken as 2)
+        number = -1
+    if not 1 <= number <= 65535:
+        raise ValueError(
+            f"lighthouse's port must be an int in [1, 65535], got {clip_repr(port)} "
+            f"(in {clip_repr(value)})"
+        )
+    return host, number
 
 
 @dataclass
@@ -107,10 +160,16 @@ class Metrics:
 
 
 class _Work:
-    """Handle of one manager allreduce; ``wait`` returns False if the step failed."""
+    """Handle of one manager allreduce; ``wait`` returns False if the step failed.
 
-    def __init__(self, mgr: Manager, tensor: torch.Tensor, divisor: int) -> None:
-        self.mgr, self.tensor, self.divisor = mgr, tensor, divisor
+    ``tensor`` is what is reduced; ``target`` the caller's tensor, into which the average is
+    copied on success when it is another (a non-contiguous or conj/neg view: see
+    :meth:`Manager.allreduce`)."""
+
+    def __init__(
+        self, mgr: Manager, tensor: torch.Tensor, divisor: int, target: torch.Tensor
+    ) -> None:
+        self.mgr, self.tensor, self.divisor, self.target = mgr, tensor, divisor, target
         self.event = threading.Event()
         self.work: Any = None
         self.done = False
@@ -132,16 +191,40 @@ class _Work:
             return False
         if self.divisor > 1:
             self.tensor.div_(self.divisor)
+        if self.target is not self.tensor:
+            self.target.copy_(self.tensor)
         self.ok = True
         return True
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an expanded or self-overlapping view)."""
+    span = 0  # elements covered by the smaller strides so far, less one
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= span:
+            break
+        span += stride * (size - 1)
+    else:  # every stride steps past the others' span: no two elements meet
+        return False
+    # the quick test cannot tell (interleaved strides may still not meet): count the offsets
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return int(torch.unique(offsets).numel()) < t.numel()
 
 
 class Manager:
     """Fault-tolerance manager of one replica.
 
     Args:
-        lighthouse: (host, port) of the :class:`~torchport.distributed.ft.Lighthouse`.
-        replica_id: stable name of this replica (a restarted process reuses it).
+        lighthouse: the :class:`~torchport.distributed.ft.Lighthouse`'s address: a
+            ``(host, port)`` pair, or ``"host:port"`` / ``"http://host:port"`` (torchft's form).
+        replica_id: stable name of this replica, a non-empty string (a restarted process
+            reuses it). The lighthouse serves the latest process of an id only: once another
+            process registers with this id, this manager's ``start_quorum`` and
+            ``should_commit`` raise :class:`ReplicaSupersededError` (torchft instead suffixes
+            each process's id with a uuid, so two processes given one id train as two
+            replicas).
         state_dict: returns the replica's full training state (tensors, dicts, lists, numbers).
         load_state_dict: loads such a state (received from a healthy replica when healing).
         timeout: limit (s) for any single wait (allreduce, commit vote) and for a heal's
@@ -154,7 +237,7 @@ class Manager:
             its own period where that is longer).
         secret: job secret (default from ``TORCHPORT_SECRET``).
         recorder: optional Flight Recorder for the manager's collectives.
-        init_sync: in every quorum before the first commit (the quorum's step is 0) a replica
+        init_sync: (a bool) in every quorum before the first commit (the quorum's step is 0) a replica
             other than member 0 copies member 0's state (the first member whose state is not
             torn), so replicas need not be initialised identically.
         backend: ``"torchport"`` (default) or ``"gloo"``: what carries the gradient allreduce.
@@ -177,6 +260,16 @@ class Manager:
     ) -> None:
         if backend not in ("torchport", "gloo"):
             raise ValueError(f"backend must be 'torchport' or 'gloo', got {backend!r}")
+        # None became the id "None" (two replicas both given None were one member: split brain)
+        if not isinstance(replica_id, str):
+            raise TypeError(f"replica_id must be a string, got {clip_repr(replica_id)}")
+        if not replica_id:
+            raise ValueError("replica_id must be a non-empty string, got ''")
+        for name, fn in (("state_dict", state_dict), ("load_state_dict", load_state_dict)):
+            if not callable(fn):  # (it failed at the first heal, deep in a quorum)
+                raise TypeError(f"{name} must be callable, got {clip_repr(fn)}")
+        if not isinstance(init_sync, bool):
+            raise TypeError(f"init_sync must be a bool, got {clip_repr(init_sync)}")
         # a zero heartbeat spun the beat thread flat out; a negative timeout failed deep in
         # socket code with "Timeout value out of range"; None or True passed for a timeout, and
         # a heartbeat of 1e308 s killed the beat thread with an OverflowError
@@ -186,8 +279,12 @@ class Manager:
             "heartbeat", config.get("ft_heartbeat") if heartbeat is None else heartbeat
         )
         self.backend = backend
-        self.lighthouse = (str(lighthouse[0]), int(lighthouse[1]))
-        self.replica_id = str(replica_id)
+        self.lighthouse = lighthouse_address(lighthouse)
+        self.replica_id = replica_id
+        # this process's life: the lighthouse serves requests of the latest life of a replica
+        # id only (a restarted replica, or a second process given the same id, supersedes it)
+        self._life = uuid.uuid4().hex
+        self._superseded: ReplicaSupersededError | None = None
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self._secret = secret or default_secret()
         self.recorder = recorder
@@ -244,9 +341,10 @@ class Manager:
         try:
             # the period: a lighthouse that evicted after three of its own shorter periods
             # evicted this replica at every step (an older lighthouse ignores the field)
-            send_msg(hb, {"t": "hb", "rid": self.replica_id, "period": self.heartbeat})
+            hello = {"rid": self.replica_id, "life": self._life}
+            send_msg(hb, {"t": "hb", **hello, "period": self.heartbeat})
             rpc = connect(self.lighthouse, self._secret, "lighthouse", timeout=self.timeout)
-            send_msg(rpc, {"t": "rpc", "rid": self.replica_id})
+            send_msg(rpc, {"t": "rpc", **hello})
         except BaseException:
             hb.close()
             raise
@@ -278,6 +376,8 @@ class Manager:
                         self.report_error(PeerFailure(f"replica(s) {ids} failed: {msg.get('why')}"))
                 elif msg.get("t") == "evicted":
                     self.report_error(PeerFailure("this replica was evicted (missed heartbeats)"))
+                elif msg.get("t") == "superseded" or msg.get("superseded"):
+                    self._mark_superseded(str(msg.get("error")))
         except (OSError, CommError) as e:
             if self._hb is hb and not self._closed.is_set():
                 self._hb = None
@@ -315,13 +415,32 @@ class Manager:
         if first and self.recorder is not None:
             self.recorder.abort_hook(f"abort: {e}")
 
+    def _mark_superseded(self, why: str) -> ReplicaSupersededError:
+        """Record that a newer process took this replica id (fails the step too)."""
+        with self._lock:
+            if self._superseded is None:
+                self._superseded = ReplicaSupersededError(why)
+            err = self._superseded
+        self.report_error(err)
+        return err
+
+    def _check_superseded(self) -> None:
+        err = self._superseded
+        if err is not None:
+            raise ReplicaSupersededError(str(err))  # (the lighthouse's words name the replica)
+
     def errored(self) -> BaseException | None:
         """The error that failed the current step, if any."""
         return self._error
 
     # -- quorum ----------------------------------------------------------------------------
     def start_quorum(self) -> None:
-        """Join this step's quorum (blocking); retries until ``quorum_timeout`` on failures."""
+        """Join this step's quorum (blocking); retries until ``quorum_timeout`` on failures.
+
+        Raises :class:`ReplicaSupersededError` at once, and from then on, once a newer process
+        took this replica id at the lighthouse.
+        """
+        self._check_superseded()
         with self._lock:  # steady state: the quorum came with the last commit
             q, self._next = self._next, None
             self._may_vote = False  # until this step's quorum is held
@@ -352,6 +471,9 @@ class Manager:
                 with self._lock:
                     self._may_vote = True
                 return
+            except ReplicaSupersededError:  # (no retry can succeed)
+                self._drop_group()
+                raise
             except TorchportDistError as e:  # CommError, a timeout, a peer's failure
                 last = e
                 self.metrics.note(f"quorum attempt failed: {e}")
@@ -378,6 +500,8 @@ class Manager:
             self._inject_close()
             raise CommError(f"quorum request failed: {e}") from None
         if q.get("t") != "quorum":
+            if q.get("superseded"):
+                raise self._mark_superseded(str(q.get("error")))
             raise QuorumError(str(q.get("error")))
         members = list(q["members"])
         rank = members.index(self.replica_id)
@@ -570,8 +694,18 @@ class Manager:
             with self._lock:
                 self._receiving = False
         self._torn = True  # until the load completes: a failing load_state_dict tears it too
+        got = state.get("step") if isinstance(state, dict) else None
+        if not is_int(got) or got != q["max_step"]:
+            # (loaded as it came: a source at another step made this replica train and vote
+            # at that step.) Its bytes may be in our tensors already: torn, healed next quorum
+            raise StateTransferError(
+                f"replica {self.replica_id}: member {src} of quorum {q['quorum_id']} served a "
+                f"state at step {clip_repr(got)}, not the quorum's step {q['max_step']}: "
+                f"not loaded",
+                partial=True,
+            )
         self._load_state_dict(state["user"])
-        self._step = int(state["step"])
+        self._step = got
         self._torn = False
         self.metrics.heals += 1
         self.metrics.heal_bytes += int(hdr["total"])
@@ -625,6 +759,10 @@ class Manager:
         instead). torchft divides in a continuation of the sum, where an integer tensor fails
         the step; here ``wait()`` raised a bare RuntimeError after the sum had already landed,
         and the step still committed.
+
+        A non-contiguous tensor (or one with a lazy conj/neg bit) is reduced as a contiguous
+        copy, which a successful ``wait()`` copies back; one whose elements share memory (an
+        expanded view) is refused here with :class:`CollectiveArgumentError`.
         """
         if tensor.dtype not in AVERAGEABLE:
             # refused whatever the quorum's size: a quorum of one never divides, so a late check
@@ -634,8 +772,20 @@ class Manager:
                 f"a reducible dtype ({', '.join(str(d) for d in AVERAGEABLE)}), "
                 f"got dtype {tensor.dtype}"
             )
+        target = tensor
+        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            # reduced as a contiguous copy, copied back by ``wait``: torch's gloo reduced the
+            # memory of a view as if it were contiguous (a column, or a transpose, got other
+            # elements of its base averaged), and a lazy conj/neg bit was ignored
+            if _overlaps(tensor):  # (copying back could not write each element once)
+                raise CollectiveArgumentError(
+                    f"Manager.allreduce writes the average into the tensor, whose elements "
+                    f"must not share memory; got shape {tuple(tensor.shape)} with strides "
+                    f"{tuple(tensor.stride())} (an expanded or overlapping view: pass a clone)"
+                )
+            tensor = tensor.resolve_conj().resolve_neg().contiguous()  # (a new tensor)
         n = len(self._members)
-        w = _Work(self, tensor, n)
+        w = _Work(self, tensor, n, target)
         with self._lock:
             self._works.append(w)
             if self._error is not None or self._pg is None:
@@ -682,7 +832,8 @@ class Manager:
 
         Called once per step, after :meth:`start_quorum` returned (as torchft's): without a
         quorum held, or a second time in one step, it raises :class:`QuorumError` and votes
-        nothing.
+        nothing. It raises :class:`ReplicaSupersededError` (after voting "no") once a newer
+        process took this replica id.
         """
         with self._lock:
             may_vote, self._may_vote = self._may_vote, False
@@ -723,9 +874,11 @@ class Manager:
                     },
                 )
                 reply = recv_msg(rpc)
-                decision = bool(reply.get("ok"))
+                decision = reply.get("ok") is True
                 nxt = reply.get("quorum")
                 self.metrics.vote_s += time.perf_counter() - t_vote
+                if reply.get("superseded"):
+                    self._mark_superseded(str(reply.get("error")))
             except (OSError, CommError):
                 self._inject_close()
                 decision = False
@@ -740,6 +893,7 @@ class Manager:
         else:
             self.metrics.aborted_steps += 1
             self._drop_group()
+            self._check_superseded()
         return decision
 
     # -- queries ---------------------------------------------------------------------------

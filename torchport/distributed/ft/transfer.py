@@ -142,7 +142,9 @@ def send_state(
     """
     tensors: list[torch.Tensor] = []
     structure = encode(state, tensors)
-    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    # a lazy conj/neg bit resolved (its raw bytes are not its values: the byte view raised a
+    # bare RuntimeError after the header had gone out), and every tensor contiguous
+    flat = [t.resolve_conj().resolve_neg().contiguous() for t in tensors]
     metas: list[tuple[str, list[int], int]] = [
         (str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size())
         for t in flat
@@ -289,7 +291,16 @@ def recv_state(
     written = False  # bytes went into a tensor of ``into``: a failure from here on tears it
     for i, (dtype, dims, nbytes) in enumerate(metas):
         t = targets.get(paths.get(i, ""), None) if targets else None
-        own = t is not None and t.dtype == dtype and list(t.shape) == dims and t.is_contiguous()
+        # (a conj/neg view's raw bytes are not its values: received into, it raised a bare
+        # RuntimeError, so it is not taken as the receiver's own)
+        own = (
+            t is not None
+            and t.dtype == dtype
+            and list(t.shape) == dims
+            and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
+        )
         try:
             if not own:
                 t = torch.empty(dims, dtype=dtype)
