@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -123,9 +123,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _json_per_benchmark(argv: Sequence[str]) -> Callable[[str], list[str]]:
     """For ``bench all``: ``--json DIR`` names a folder, each benchmark writing ``DIR/NAME.json``
-    (every benchmark was handed the one file, each overwriting the last one's results)."""
+    (every benchmark was handed the one file, each overwriting the last one's results). An empty
+    DIR, or an option in its place (``--json --reps 3``), raises ValueError."""
     rest: list[str] = []
-    folder = None
+    folder: str | None = None  # (as given: Path drops the "./" of "./-x", an option again)
     i = 0
     while i < len(argv):
         opt, eq, value = argv[i].partition("=")
@@ -135,18 +136,26 @@ def _json_per_benchmark(argv: Sequence[str]) -> Callable[[str], list[str]]:
             if not eq:
                 i += 1
                 value = argv[i]
-            folder = Path(value)
+            # (Path("") is ".": each NAME.json went to the current directory; "--json --reps 3"
+            # took "--reps" for the folder; and the benchmark's parser reads "-x/NAME.json" as
+            # an option)
+            if not value or value.startswith("-"):
+                raise ValueError(
+                    f"with 'all', --json needs a folder, got {value!r}"
+                    + (f" (a folder named so: --json ./{value})" if value else "")
+                )
+            folder = value
         else:
             rest.append(argv[i])
         i += 1
     if folder is None:
         return lambda name: list(argv)
-    if folder.exists() and not folder.is_dir():
+    if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(
             f"with 'all', --json names a folder (one NAME.json per benchmark), "
-            f"and {str(folder)!r} is a file"
+            f"and {folder!r} is a file"
         )
-    return lambda name: [*rest, "--json", str(folder / f"{name}.json")]
+    return lambda name: [*rest, "--json", os.path.join(folder, f"{name}.json")]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -215,13 +224,17 @@ EXTRA_COMMANDS.append(_register_fr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from torchport.config import ConfigError
+    from torchport import config
 
     args = build_parser().parse_args(argv)
     func: Command = args.func
     try:
+        # every setting resolved before the command runs: a bad value that only a worker read
+        # (the demo's ft replicas, a benchmark's ranks) was a traceback per process and exit 1,
+        # after every earlier stage of the demo had run
+        config.describe()
         return func(args)
-    except ConfigError as e:  # a bad TORCHPORT_* value: the message, as argparse reports usage
+    except config.ConfigError as e:  # a bad TORCHPORT_* value: reported as argparse does usage
         print(f"torchport: error: {e}", file=sys.stderr)
         return 2
 

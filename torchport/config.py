@@ -108,7 +108,10 @@ class Setting:
 
 
 def _default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    # a relative XDG_CACHE_HOME is invalid (XDG Base Directory spec: ignored) and made a cache
+    # under whatever the current directory was, one that moved with os.chdir
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else str(Path.home() / ".cache")
     return str(Path(base) / "torchport")
 
 
@@ -170,7 +173,9 @@ SETTINGS: dict[str, Setting] = {
             env="TORCHPORT_CACHE_DIR",
             kind=str,
             default=None,  # resolved lazily from XDG_CACHE_HOME / ~/.cache
-            doc="Directory for compiled kernels and the autotuner's choice cache.",
+            doc="Directory for compiled kernels and the autotuner's choice cache; unset means "
+            "$XDG_CACHE_HOME/torchport where XDG_CACHE_HOME is an absolute path, else "
+            "~/.cache/torchport.",
             # an empty assignment would be the relative path '', i.e. a cache in whatever the
             # current directory is (an empty environment value means unset: the default)
             check=lambda v: None if v.strip() else "must be a directory path (unset: default)",

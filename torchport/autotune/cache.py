@@ -17,11 +17,13 @@ on the next write, and with an unsafe directory choices last this process only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -103,6 +105,29 @@ def _timing(t: object) -> bool:
         return False
 
 
+class _NotRegularError(OSError):
+    """A path of the cache is not a regular file (a symbolic link, a FIFO, a device)."""
+
+
+def _open_regular(p: Path, flags: int) -> int:
+    """``os.open(p, flags)`` of a regular file only, else :class:`_NotRegularError` naming what
+    is there: a symbolic link is not followed (``O_NOFOLLOW``) and a FIFO is not waited on
+    (``O_NONBLOCK``; opening one blocked every lookup until some process wrote to it). A new
+    file is made with mode 0600."""
+    try:
+        fd = os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _NotRegularError(f"{p} must be a regular file, got a symbolic link") from e
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _NotRegularError(f"{p} must be a regular file, got {stat.filemode(mode)}")
+    os.set_blocking(fd, True)  # (no effect on a regular file; cleared all the same)
+    return fd
+
+
 def _well_formed(entry: object) -> bool:
     """True for an entry :func:`select` and the ops can use: a string choice and, if present,
     timings mapping names to :func:`_timing` values (a damaged entry with a list choice or
@@ -174,7 +199,7 @@ class ChoiceCache:
         if not self._private_dir(p):
             return {}
         try:
-            with open(p, "rb") as f:
+            with open(_open_regular(p, os.O_RDONLY), "rb") as f:
                 # the stat of what was opened: a file swapped in after a check is not read
                 why = unsafe_reason(os.fstat(f.fileno()), os.geteuid(), leaf=True)
                 if why is not None:
@@ -182,6 +207,13 @@ class ChoiceCache:
                     return {}
                 raw = f.read()
         except FileNotFoundError:
+            return {}
+        except _NotRegularError as e:  # (in a private directory: this user's; os.replace'd)
+            warnings.warn(
+                f"torchport: ignoring the autotune cache: {e}; it will be rewritten",
+                CorruptChoiceCacheWarning,
+                stacklevel=3,
+            )
             return {}
         except OSError as e:
             warnings.warn(f"torchport: cannot read {p}: {e}", CorruptChoiceCacheWarning, 2)
@@ -275,7 +307,22 @@ class ChoiceCache:
     def _file_lock(self) -> Iterator[None]:
         lock_path = self.path.with_suffix(".lock")
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "a+") as fh:
+        try:
+            fd = _open_regular(lock_path, os.O_RDWR | os.O_CREAT)
+        except _NotRegularError as e:
+            # (open(lock_path, "a+") followed a symbolic link, and failed on a FIFO, "not
+            # seekable", in every write from then on.) The directory is private (checked by
+            # the caller): what is there is this user's own; it is replaced by a new lock file.
+            # Two writers replacing it at once may each lock a file of its own, that once: the
+            # choice file stays whole (os.replace), an entry may be lost and is tuned again.
+            warnings.warn(
+                f"torchport: replacing the autotune cache's lock file: {e}",
+                CorruptChoiceCacheWarning,
+                stacklevel=5,
+            )
+            lock_path.unlink(missing_ok=True)
+            fd = _open_regular(lock_path, os.O_RDWR | os.O_CREAT)
+        with open(fd, "r+b") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield

@@ -126,6 +126,15 @@ STAGES: list[tuple[str, Stage]] = [
 MIN_SEQ_LEN = 8
 # a stage's prerequisites, added when only the stage is named (it read what they build)
 NEEDS = {"train": ("data",), "sample": ("data", "train")}
+# The size options' bounds, 8-32 times the defaults: a typo (12800 for 128) allocated until an
+# untyped RuntimeError. Each alone, the others at their defaults, trains in a few GB (d_model
+# 2048: ~200 M parameters, ~3.2 GB with AdamW's state); bounds per option, not a guarantee for
+# every combination.
+MAX_BATCH_SIZE = 1024
+MAX_SEQ_LEN = 4096
+MAX_D_MODEL = 2048
+MAX_LAYERS = 64
+MAX_SAMPLE_TOKENS = 1 << 14
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,17 +142,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="torchport-demo", help="output folder (report, PNG, sample)")
     p.add_argument("--steps", type=int_at_least(1), default=600, help="max training steps")
     p.add_argument("--time-limit", type=positive_float, default=150.0, help="max training seconds")
-    p.add_argument("--batch-size", type=int_at_least(1), default=32)
-    p.add_argument("--seq-len", type=int_at_least(MIN_SEQ_LEN), default=128)
-    p.add_argument("--d-model", type=int_at_least(1), default=128)
-    p.add_argument("--layers", type=int_at_least(1), default=4)
-    p.add_argument("--heads", type=int_at_least(1), default=4)
+    p.add_argument("--batch-size", type=int_at_least(1, at_most=MAX_BATCH_SIZE), default=32)
+    p.add_argument("--seq-len", type=int_at_least(MIN_SEQ_LEN, at_most=MAX_SEQ_LEN), default=128)
+    p.add_argument("--d-model", type=int_at_least(1, at_most=MAX_D_MODEL), default=128)
+    p.add_argument("--layers", type=int_at_least(1, at_most=MAX_LAYERS), default=4)
+    p.add_argument("--heads", type=int_at_least(1, at_most=MAX_D_MODEL), default=4)
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--eval-every", type=int_at_least(1), default=50)
     p.add_argument(
         "--corpus-mb", type=positive_float, default=4.0, help="MiB of stdlib source to read"
     )
-    p.add_argument("--sample-tokens", type=int_at_least(0), default=300)
+    p.add_argument("--sample-tokens", type=int_at_least(0, at_most=MAX_SAMPLE_TOKENS), default=300)
     p.add_argument(
         "--seed",
         type=int_at_least(-(1 << 63), at_most=(1 << 64) - 1),  # (torch.manual_seed's range)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,14 +66,29 @@ def plot_curves(
     return path
 
 
+def _finite(v: Any) -> Any:
+    """``v`` with every NaN or infinite float in it (in dicts, lists, tuples) made None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
 def write_report(out_dir: Path, sections: Sequence[Section]) -> Path:
     """Write ``report.json`` with every section's rows and data (whole or not at all: a
-    temporary file renamed over it)."""
+    temporary file renamed over it). A number that is NaN or infinite (the losses of a run that
+    diverged) is written as ``null``: ``json.dumps`` wrote the tokens ``NaN`` and ``Infinity``,
+    which are not JSON, and strict parsers refused the whole report. (The rows hold the console
+    text, where it is ``nan``.)"""
     path = out_dir / "report.json"
     payload = [
         {"title": s.title, "rows": dict(s.rows), "text": s.text, "data": s.data} for s in sections
     ]
     from torchport.distributed.flight_recorder import write_atomic
 
-    write_atomic(path, json.dumps(payload, indent=2, default=str).encode())
+    text = json.dumps(_finite(payload), indent=2, default=str)
+    write_atomic(path, text.encode())
     return path

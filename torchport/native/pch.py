@@ -90,9 +90,10 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
                 return _ready[memo]
         header: Path | None = d / HEADER_NAME
         try:
-            # each level private (parents=True would make pch/ by the umask, which under
-            # umask 000 is writable by all: check_private then refused every PCH)
-            base.absolute().mkdir(mode=0o700, parents=True, exist_ok=True)
+            # each level private, the missing parents of TORCHPORT_NATIVE_PCH too (mkdir with
+            # parents=True makes them by the umask, which under umask 000 is writable by all:
+            # check_private then refused every PCH)
+            config.make_private_dirs(base.absolute())
             d.mkdir(mode=0o700, exist_ok=True)
             toolchain.check_private(d)  # GCC reads the PCH as trusted input: ours only
             # one builder at a time across processes (PCH bytes differ from build to build)

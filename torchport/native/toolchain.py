@@ -245,14 +245,20 @@ def cache_key(source: str, flags: Sequence[str], cc: str) -> str:
 
 @functools.cache
 def _own_group(gid: int) -> bool:
-    """True for this user's private group (same name, no other members): a directory writable by
-    it, as ``umask 002`` makes them on user-private-group systems, is writable by this user only."""
+    """True for this user's private group (same name, no other members, the primary group of no
+    other user): a directory writable by it, as ``umask 002`` makes them on user-private-group
+    systems, is writable by this user only. (``gr_mem`` lists supplementary members only: a user
+    whose primary group it is was not counted. Users that the password database does not list,
+    as some directory services, are not seen.)"""
     try:
-        user = pwd.getpwuid(os.geteuid()).pw_name
+        me = pwd.getpwuid(os.geteuid())
         group = grp.getgrgid(gid)
     except KeyError:
         return False
-    return gid == os.getegid() and group.gr_name == user and set(group.gr_mem) <= {user}
+    user = me.pw_name
+    if gid != os.getegid() or group.gr_name != user or not set(group.gr_mem) <= {user}:
+        return False
+    return all(u.pw_gid != gid or u.pw_uid == me.pw_uid for u in pwd.getpwall())
 
 
 def unsafe_reason(st: os.stat_result, euid: int, *, leaf: bool) -> str | None:
