@@ -260,21 +260,27 @@ def lower_complex(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[bool], list[
 
 
 def split_inputs(
-    args: Sequence[Any], in_layout: Sequence[bool], *, contiguous: bool = False
+    args: Sequence[Any],
+    in_layout: Sequence[bool],
+    *,
+    contiguous: bool | Sequence[bool] = False,
 ) -> list[Any]:
     """Complex tensors → their ``real`` and ``imag`` parts, two inputs each; other inputs unchanged.
 
     The parts are strided views (no copy unless a conj/neg bit is set), or contiguous copies with
-    ``contiguous=True``, which graphs with symbolic sizes need: Inductor computes the strides of a
-    view of a non-contiguous input by guarding each symbolic size != 1, which would specialise
-    the graph away from size 1 (a recompile there, inside a dynamic spec).
+    ``contiguous=True`` (or, per input, where ``contiguous[i]`` is true). Graphs with symbolic
+    sizes need them: Inductor computes the strides of a view of a non-contiguous input by
+    guarding each symbolic size != 1, which would specialise the graph away from size 1 (a
+    recompile there, inside a dynamic spec). So does a backward input whose traced layout is not
+    dense (see :class:`ComplexCompiled`).
     """
+    flags = [contiguous] * len(args) if isinstance(contiguous, bool) else list(contiguous)
     out: list[Any] = []
-    for x, is_c in zip(args, in_layout, strict=True):
+    for x, is_c, contig in zip(args, in_layout, flags, strict=True):
         if is_c:
             z = x.resolve_conj().resolve_neg()
             re, im = z.real, z.imag
-            out += [re.contiguous(), im.contiguous()] if contiguous else [re, im]
+            out += [re.contiguous(), im.contiguous()] if contig else [re, im]
         else:
             out.append(x)
     return out
@@ -352,7 +358,15 @@ class ComplexCompiled:
         self.real_gm, self.in_layout, self.out_layout = lower_complex(gm)
         self.inner = inner
         self.out_strides = _traced_strides(gm) if inner != "eager" else []
-        self.contiguous = inner != "eager" and has_symbolic_sizes(example_inputs)
+        self.symbolic = symbolic = inner != "eager" and has_symbolic_sizes(example_inputs)
+        # Inductor checks each input's strides against the example's on every call. A backward
+        # input saved from the forward (z[::2] for z * z.conj()) arrives as the forward's joined
+        # output, laid out afresh: the traced layout where that is dense (``_traced_strides``),
+        # else contiguous (a stride-12 row of z[::2], an expanded z[:1].expand(6, 6) cannot be
+        # rebuilt). Such an input's parts are compiled and passed contiguous.
+        self.contiguous = [
+            symbolic or (is_backward and inner != "eager" and _not_dense(x)) for x in example_inputs
+        ]
         if inner == "eager":
             self._run: Callable[[list[Any]], Any] = lambda a: self.real_gm(*a)
         else:
@@ -378,7 +392,7 @@ class ComplexCompiled:
                 aten_gm = make_fx(
                     self.real_gm, decomposition_table=select_decomp_table(), tracing_mode="fake"
                 )(*fake_real)
-            with oblivious_view_strides(self.contiguous):
+            with oblivious_view_strides(self.symbolic):
                 compiled = compile_fx_inner(aten_gm, fake_real, is_backward=is_backward)
         finally:
             fake_mode.allow_non_fake_inputs = allowed
@@ -409,6 +423,11 @@ class ComplexCompiled:
                     o.shape, strides, dtype=o.dtype, device=o.device
                 ).copy_(o)
         return joined
+
+
+def _not_dense(x: Any) -> bool:
+    """True for a complex tensor whose layout is not non-overlapping and dense (or not known)."""
+    return _is_complex_val(x) and not is_non_overlapping_and_dense_or_false(x)
 
 
 def _traced_strides(gm: fx.GraphModule) -> list[tuple[int, tuple[int, ...]]]:
@@ -452,8 +471,12 @@ def complex_aot_backend(inner: str) -> Callable[..., Any]:
 
         return compiler
 
+    decompositions = core_aten_decompositions()
+    # nansum stays an op: its decomposition (where(isnan(z), 0, z).sum()) took a complex z,
+    # which eager's nansum refuses; its rule refuses it as eager does
+    decompositions.pop(torch.ops.aten.nansum.default)
     return aot_autograd(
         fw_compiler=make(False),
         bw_compiler=make(True),
-        decompositions=core_aten_decompositions(),
+        decompositions=decompositions,
     )

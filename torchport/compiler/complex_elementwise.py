@@ -160,12 +160,55 @@ def c_sqrt(e: _Emitter, a: Pair) -> Pair:
     return Pair(e.mul(re, down), e.mul(im, down))
 
 
-def c_sin(e: _Emitter, a: Pair) -> Pair:
+def finite_max(n: fx.Node) -> float:
+    """The largest finite value of the real dtype of ``n``'s value (float32 unless complex128
+    or float64), the bound of :func:`_times_cosh_sinh` beyond three shifts."""
+    val = _node_val(n)
+    double = isinstance(val, torch.Tensor) and val.dtype in (torch.complex128, torch.float64)
+    return torch.finfo(torch.float64 if double else torch.float32).max
+
+
+def _times_cosh_sinh(
+    e: _Emitter, c: Any, s: Any, y: Any, shift: float, fmax: float
+) -> tuple[Any, Any]:
+    """``(c · cosh y, s · sinh y)`` as C's csin/ccos/csinh/ccosh compute them: for finite |y|
+    above the shift t (:func:`exp_shift`) cosh y and sinh y are sign · e^|y|/2 and taken as
+    e^(|y| - t) · (c · e^t/2), once more times e^t where |y| - t still exceeds t, and with the
+    dtype's max for e^(...) beyond that; cosh y alone overflows there (cosh 89 in float32), where
+    the product with c need not: sin(89i) is 2.24e38i in complex64, it was inf·i."""
+    ay = e.f(torch.abs, y)
+    big = e.call(
+        torch.logical_and, e.call(operator.gt, ay, shift), e.call(operator.lt, ay, math.inf)
+    )
+    r = e.sub(ay, shift)
+    twice = e.call(operator.gt, r, shift)
+    r = e.call(torch.where, twice, e.sub(r, shift), r)
+    huge = e.call(operator.gt, r, shift)
+    ev = e.call(torch.where, huge, fmax, e.f(torch.exp, e.call(torch.where, huge, 0.0, r)))
+    # (the products round as C's do: the factor times e^t/2, times e^t, then times e^r)
+    s_signed = e.call(torch.where, e.call(operator.lt, y, 0), e.neg(s), s)
+
+    def shifted(f: Any) -> Any:
+        f = e.mul(f, math.exp(shift) / 2)
+        return e.mul(ev, e.call(torch.where, twice, e.mul(f, math.exp(shift)), f))
+
+    c_cosh = e.mul(c, e.f(torch.cosh, y))
+    s_sinh = e.mul(s, e.f(torch.sinh, y))
+    return (
+        e.call(torch.where, big, shifted(c), c_cosh),
+        e.call(torch.where, big, shifted(s_signed), s_sinh),
+    )
+
+
+def c_sin(e: _Emitter, a: Pair, shift: float, fmax: float) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.sin, a.re), None)
+    sin_cosh, cos_sinh = _times_cosh_sinh(
+        e, e.f(torch.sin, a.re), e.f(torch.cos, a.re), a.im, shift, fmax
+    )
     # sin(±0 + iy) = ±0 + i sinh y, also where cosh y overflows
-    re = _keep_zero(e, a.re, a.re, e.mul(e.f(torch.sin, a.re), e.f(torch.cosh, a.im)))
-    im = e.mul(e.f(torch.cos, a.re), e.f(torch.sinh, a.im))
+    re = _keep_zero(e, a.re, a.re, sin_cosh)
+    im = cos_sinh
     # x = ±inf or NaN: ATen's imaginary part is y for y = ±0 and +inf for y = ±inf (cos x times
     # sinh y was NaN), NaN otherwise
     y = a.im
@@ -178,13 +221,15 @@ def c_sin(e: _Emitter, a: Pair) -> Pair:
     return Pair(re, e.call(torch.where, e.f(torch.isfinite, a.re), im, odd))
 
 
-def c_cos(e: _Emitter, a: Pair) -> Pair:
+def c_cos(e: _Emitter, a: Pair, shift: float, fmax: float) -> Pair:
     if a.im is None:
         return Pair(e.f(torch.cos, a.re), None)
-    re = e.mul(e.f(torch.cos, a.re), e.f(torch.cosh, a.im))
+    re, sin_sinh = _times_cosh_sinh(
+        e, e.f(torch.cos, a.re), e.f(torch.sin, a.re), a.im, shift, fmax
+    )
     # cos(±0 + iy) = cosh y - i (±0 · sign y), also where sinh y overflows
     zero = e.neg(e.mul(a.re, e.f(torch.copysign, e.dense(1.0, a.im), a.im)))
-    im = _keep_zero(e, a.re, zero, e.neg(e.mul(e.f(torch.sin, a.re), e.f(torch.sinh, a.im))))
+    im = _keep_zero(e, a.re, zero, e.neg(sin_sinh))
     # x = ±inf or NaN: ATen gives inf + NaN i for y = ±inf and NaN + 0i for y = ±0 (cos x and
     # sin x are NaN there)
     y, odd_x = a.im, e.call(torch.logical_not, e.f(torch.isfinite, a.re))
@@ -596,12 +641,14 @@ def _r_rsqrt(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
 
 @_rule(aten.sin.default)
 def _r_sin(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_sin(lw.e, _pair(a[0]))  # sin x cosh y + i cos x sinh y
+    # sin x cosh y + i cos x sinh y
+    return c_sin(lw.e, _pair(a[0]), exp_shift(n), finite_max(n))
 
 
 @_rule(aten.cos.default)
 def _r_cos(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_cos(lw.e, _pair(a[0]))  # cos x cosh y - i sin x sinh y
+    # cos x cosh y - i sin x sinh y
+    return c_cos(lw.e, _pair(a[0]), exp_shift(n), finite_max(n))
 
 
 @_rule(aten.tanh.default)
@@ -688,12 +735,14 @@ def _r_log1p(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any
 @_rule(aten.sinh.default)
 def _r_sinh(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     e = lw.e
-    return _times_minus_i(e, c_sin(e, _times_i(e, _pair(a[0]))))  # sinh z = -i sin(iz)
+    sin_iz = c_sin(e, _times_i(e, _pair(a[0])), exp_shift(n), finite_max(n))
+    return _times_minus_i(e, sin_iz)  # sinh z = -i sin(iz)
 
 
 @_rule(aten.cosh.default)
 def _r_cosh(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return c_cos(lw.e, _times_i(lw.e, _pair(a[0])))  # cosh z = cos(iz)
+    # cosh z = cos(iz)
+    return c_cos(lw.e, _times_i(lw.e, _pair(a[0])), exp_shift(n), finite_max(n))
 
 
 @_rule(aten.tan.default)

@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from torchport.compiler.complex_base import (
+    ComplexDecompositionError,
     Pair,
     Rule,
     _Emitter,
@@ -35,6 +36,20 @@ def _cast_parts(lw: Any, n: fx.Node, p: Pair, kw: dict[str, Any]) -> Pair:
     rdt = _node_val(n).dtype.to_real()
     re, im = (None if x is None else lw.e.call(torch.Tensor.to, x, rdt) for x in (p.re, p.im))
     return Pair(re, im, p.neg_zero)
+
+
+@_rule(aten.nansum.default)
+def _r_nansum(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # ATen's nansum refuses a complex operand (RuntimeError "nansum on CPU does not support
+    # complex inputs") and a complex dtype= (NotImplementedError); so does nanmean, which sums
+    # with it. The compiled graph keeps the op (complex_aot_backend does not decompose it into
+    # where(isnan) + sum, which computed a value eager has none for) to refuse it here.
+    src, val = _node_val(n.args[0]), _node_val(n)
+    raise ComplexDecompositionError(
+        f"{n.target} (node {n.name!r}): torch.nansum and torch.nanmean need a real input and a "
+        f"real dtype, as eager's (which raises 'nansum on CPU does not support complex inputs'); "
+        f"got input {getattr(src, 'dtype', src)} and result {getattr(val, 'dtype', val)}"
+    )
 
 
 @_rule(aten.logcumsumexp.default)

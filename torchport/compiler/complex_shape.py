@@ -134,6 +134,38 @@ for _op in _packets(
     RULES[_op] = _componentwise
 
 
+@_rule(aten.view.dtype, aten.view_copy.dtype)
+def _r_view_dtype(lw: Any, n: fx.Node, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    # a bitcast (not a part-by-part view: view(float32) of complex64 [2, 3] is float32 [2, 6]).
+    # A complex element's bytes are its real then its imaginary part, so a complex operand is
+    # its parts interleaved, [..., 2n] in the part dtype; a complex result is the even and odd
+    # elements of that interleaving in its part dtype. Between the two, torch's view(dtype)
+    # on a last dim of stride 1 scales the last size by the ratio of element sizes. The traced
+    # value met torch's requirements (stride(-1) 1, divisible size, offset and strides, not
+    # 0-d for a change of size): the trace raised as eager does where it did not.
+    e, src, val = lw.e, _node_val(n.args[0]), _node_val(n)
+    if src.dtype == val.dtype:
+        return a[0]
+    if _is_complex_val(src):
+        p = _pair(a[0])
+        x = e.call(torch.stack, [p.re, e.dense_im(p, p.re)], -1)  # [..., n, 2]; 0-d: [2]
+        if src.dim() > 0:
+            x = e.call(torch.flatten, x, -2)
+        part_dtype = src.dtype.to_real()
+    else:
+        x = a[0] if src.dim() > 0 else e.call(torch.unsqueeze, a[0], 0)
+        part_dtype = src.dtype
+    out_dtype = val.dtype.to_real() if _is_complex_val(val) else val.dtype
+    if out_dtype != part_dtype:
+        x = e.call(torch.Tensor.view, e.call(torch.Tensor.contiguous, x), out_dtype)
+    if not _is_complex_val(val):
+        return x if val.dim() > 0 else e.call(torch.select, x, -1, 0)
+    if val.dim() == 0:
+        return Pair(e.call(torch.select, x, -1, 0), e.call(torch.select, x, -1, 1))
+    even, odd = (e.call(aten.slice.Tensor, x, -1, k, None, 2) for k in (0, 1))
+    return Pair(even, odd)
+
+
 def _alias_root(x: Any) -> Any:
     """The node whose value owns the storage graph value ``x`` addresses: ``x`` itself, or the
     node it views through aliasing ops (a graph input is such a root too); None for a constant."""

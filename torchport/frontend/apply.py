@@ -8,8 +8,9 @@
   unequal-but-same-sized dims share one graph.
 - ``torch.export`` (:func:`export`): bare variables become ``torch.export.Dim`` (shared by every slot
   naming the variable, so equality is part of the program), linear derived expressions become
-  derived ``Dim``s, other expressions and the assumptions become ``torch._check`` calls in a prologue
-  traced with ``prefer_deferred_runtime_asserts_over_guards=True`` (runtime asserts in the graph).
+  derived ``Dim``s, other expressions and the assumptions become ``torch._check`` calls in a prologue;
+  every spec'd export is traced with ``prefer_deferred_runtime_asserts_over_guards=True`` (guards
+  and checks become runtime asserts in the graph).
 - ``make_fx`` (:func:`make_fx`): inputs are fakified with a ShapeEnv without 0/1 specialization or
   duck shaping, dynamic only where the spec says so, with ``[min, max]`` constraints; the returned
   GraphModule checks each call against the spec in a forward pre-hook.
@@ -730,13 +731,29 @@ def _export_spec(
     check_call(b, args, kwargs)
     ds_args, ds_kwargs = export_dynamic_shapes(b, args, kwargs)
     prologue = _needs_prologue(b)
+    # under backed_size_oblivious a guard that holds over the whole range may not be provable
+    # (``m[: x.shape[0]]`` with m [2*B+1] guarded B == min(B, 2*B + 1)): as a guard export
+    # refused the spec ("Constraints violated"), so guards are deferred to runtime asserts on
+    # every path (plain torch.export, without the oblivious sizes, proves it)
     if not kwargs and not prologue:
         # Dims express everything: export the module itself (parameter names unchanged)
         if isinstance(mod, torch.nn.Module):
-            return torch.export.export(mod, args, dynamic_shapes=tuple(ds_args), strict=strict)
+            return torch.export.export(
+                mod,
+                args,
+                dynamic_shapes=tuple(ds_args),
+                strict=strict,
+                prefer_deferred_runtime_asserts_over_guards=True,
+            )
         # _FnModule.forward(*args): the Dims go under its variadic parameter's name
         ds = {"args": tuple(ds_args)}
-        return torch.export.export(_FnModule(mod), args, dynamic_shapes=ds, strict=strict)
+        return torch.export.export(
+            _FnModule(mod),
+            args,
+            dynamic_shapes=ds,
+            strict=strict,
+            prefer_deferred_runtime_asserts_over_guards=True,
+        )
     module = isinstance(mod, torch.nn.Module)
     target = mod if isinstance(mod, torch.nn.Module) else _SpecModule(mod, b)
     shapes: Any = tuple(ds_args) if module else {"args": ds_args}
