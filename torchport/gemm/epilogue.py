@@ -151,7 +151,9 @@ class Op:
 
 TRANSCENDENTAL_KINDS = ("gelu", "gelu_tanh", "silu")
 OPERAND_KINDS = ("bias_col", "bias_row", "add", "scale_col", "scale_row")
-PLAIN_KINDS = ("relu", "gelu", "gelu_tanh", "silu", "scale")
+# steps encoded by their name alone ("scale" is not one: it is encoded as "scale=<value>", and a
+# bare "scale" decoded as a multiply by 0.0, which returned zeros)
+PLAIN_KINDS = ("relu", "gelu", "gelu_tanh", "silu")
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,8 @@ def _decode(text: str) -> EpilogueSpec:
             ops.append(Op(kind, dt))
         elif part in PLAIN_KINDS:
             ops.append(Op(part))
+        elif part == "scale":
+            raise EpilogueError(f"epilogue scale must be given as 'scale=<number>', got {part!r}")
         else:
             raise EpilogueError(f"unknown epilogue step {part!r}")
     return EpilogueSpec(tuple(ops), out)

@@ -10,9 +10,10 @@ or torch's strided copy when native kernels are off; both are bit-exact copies o
 new weight version is packed: measured 310–350 ms → see the README for 180 MB fp32.
 
 :class:`PackCache` (``pack_cache``) keeps the result per (storage pointer, shape, strides, dtype,
-``nr``) and validates it on every lookup (version counter and sampled values), so an in-place update
-(an optimiser step) repacks. Keys do not depend on the Python tensor object: Inductor passes a fresh
-alias of the same weight on every call.
+``nr``) and validates it on every lookup (storage alive, version counter and sampled values), so
+an in-place update (an optimiser step) repacks. Keys do not depend on the Python tensor object:
+Inductor passes a fresh alias of the same weight on every call. Entries hold the storage weakly:
+a freed weight's packing is dropped, never kept alive or matched by a later tensor at its address.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchport import native
@@ -219,8 +221,10 @@ class _Probe:
     """Up to 16 spread-out elements of ``b``, read as raw bits straight from its memory.
 
     A bitwise fingerprint (a NaN compares equal to itself) that costs about a microsecond to
-    re-read, where indexing the tensor costs tens. The entry holding the probe also holds ``b``,
-    so the memory stays valid.
+    re-read, where indexing the tensor costs tens. It holds ``b``'s storage weakly
+    (``StorageWeakRef``): a read first takes a strong reference to that storage and reads only
+    while it is alive and its memory has not moved (``resize_``), so it never touches freed or
+    reused memory and never keeps a dead tensor's memory alive.
     """
 
     def __init__(self, b: torch.Tensor) -> None:
@@ -233,7 +237,11 @@ class _Probe:
             flat = (i * (k * n - 1)) // max(count - 1, 1)
             r, c = divmod(flat, max(n, 1))
             offs.append((r * s0 + c * s1) * es)
-        self._tensor = b  # its storage may be reallocated in place (resize_): checked per read
+        storage = b.untyped_storage()
+        self._ref = StorageWeakRef(storage)
+        # the storage's memory when probed: it may be reallocated in place (resize_), checked
+        # per read; also what PackCache.invalidate matches parameters' storages against
+        self.storage_ptr = storage.data_ptr()
         self._base = b.data_ptr()
         # the sampled elements as unsigned integers of the element's width (bitwise; NaN-safe),
         # gathered by one itemgetter over a typed view of the memory (~3x faster than slicing
@@ -253,10 +261,17 @@ class _Probe:
         """The sampled elements' current bits (compared with ``==``)."""
         return self._read()
 
+    def expired(self) -> bool:
+        """True once the probed tensor's storage is freed (its entry can never be valid again:
+        a storage later allocated at the same address is other memory)."""
+        return self._ref.expired()
+
     def unchanged(self) -> bool:
-        if self._tensor.data_ptr() != self._base:  # memory moved: never read the old address
-            return False
-        return self._read() == self._value
+        """The probed storage is alive, still at the same memory, and the sampled bits match."""
+        storage = torch.UntypedStorage._new_with_weak_ptr(self._ref.cdata)
+        if storage is None or storage.data_ptr() != self.storage_ptr:
+            return False  # freed, or moved: never read the old address
+        return self._read() == self._value  # (``storage`` keeps the memory alive meanwhile)
 
 
 # an entry version no lookup matches (version counters start at 0; -1 is an inference tensor)
@@ -265,19 +280,34 @@ _STALE = -2
 
 @dataclass
 class _Entry:
-    tensor: torch.Tensor  # held: its storage cannot be freed and reused while cached
     version: int  # _STALE once an optimiser stepped the tensor (see PackCache.invalidate)
-    probe: _Probe
+    probe: _Probe  # holds the tensor's storage weakly: the entry is void once it is freed
     packed: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
 
 
 class PackCache:
     """Packed operands keyed by storage, layout and panel width, validated on every lookup.
 
-    An entry is valid while the tensor's version counter is unchanged (in-place updates, such as
-    optimiser steps, bump it) and 16 sampled values still match bit for bit (which also catches
-    writes through ``.data``, except ones that leave every sampled value alone). Entries hold their tensor, so a
-    storage address is never reused under a live entry; the least recently used entries are dropped
+    An entry is valid while the tensor's storage is alive and unmoved, its version counter is
+    unchanged (in-place updates, such as optimiser steps, bump it) and 16 sampled values still
+    match bit for bit (which also catches writes through ``.data``, except ones that leave every
+    sampled value alone). An inference tensor (made under ``torch.inference_mode()``) keeps no
+    version counter: its entry is validated by the storage and the sampled values alone, the
+    guarantee ``.data`` writes get (an in-place write inside inference mode that leaves every
+    sampled value alone is not seen); before, such weights were never kept and every call
+    repacked them.
+
+    Entries hold their tensor's storage weakly and only the packing strongly, so ``max_bytes``
+    bounds all the cache keeps alive: an entry whose storage was freed is void (a storage
+    allocated later at the same address never matches it) and is dropped at its next lookup and
+    at every insertion. Before, entries held their tensors: a weight derived afresh on every call
+    (``weight_norm``, autocast's bf16 copy of an fp32 weight) added an entry, with a dead tensor
+    and its packing, every few calls (60 calls: 24 entries, 194 MiB), and a deleted model's
+    weights and packings stayed until :meth:`clear`. The least recently used entries are dropped
     beyond ``max_bytes``.
 
     A parameter's packing (or a view's of one, as ``weight.t()``) is kept from its first use; any
@@ -301,16 +331,16 @@ class PackCache:
         """Packed ``b`` for panel width ``nr`` (``pairs``: :func:`pack_b_pairs`' layout), from
         the cache when still valid."""
         key = (b.data_ptr(), b.shape, b.stride(), b.dtype, nr, pairs)
-        ver = tensor_version(b)
+        ver = tensor_version(b)  # -1: an inference tensor (_STALE, -2, never matches)
         with self._lock:
             e = self._entries.get(key)
-            if e is not None and e.version == ver and ver >= 0 and e.probe.unchanged():
+            if e is not None and e.version == ver and e.probe.unchanged():
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return e.packed
             stale = self._entries.pop(key, None) if e is not None else None
             if stale is not None:
-                self._bytes -= stale.packed.numel() * stale.packed.element_size()
+                self._bytes -= stale.nbytes
         param = isinstance(b, torch.nn.Parameter) or isinstance(b._base, torch.nn.Parameter)
         b = b.detach()
         reuse = None
@@ -330,19 +360,34 @@ class PackCache:
             self.misses += 1
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old.packed.numel() * old.packed.element_size()
-            probe = _Probe(b) if ver >= 0 and size <= self.max_bytes else None
+                self._bytes -= old.nbytes
+            probe = _Probe(b) if size <= self.max_bytes else None
             if probe is not None and (param or self._seen.pop(key, None) == probe.read()):
-                self._entries[key] = _Entry(b, ver, probe, packed)
+                self._prune_locked()
+                self._entries[key] = _Entry(ver, probe, packed)
                 self._bytes += size
                 while self._bytes > self.max_bytes and self._entries:
                     _, ev = self._entries.popitem(last=False)
-                    self._bytes -= ev.packed.numel() * ev.packed.element_size()
+                    self._bytes -= ev.nbytes
             elif probe is not None:  # first sighting (or other values): remembered, not kept
                 self._seen[key] = probe.read()
                 if len(self._seen) > SEEN_KEYS:
                     self._seen.popitem(last=False)
         return packed
+
+    def _prune_locked(self) -> None:
+        """Drop the entries whose tensor's storage was freed (they can never be hit again)."""
+        dead = [k for k, e in self._entries.items() if e.probe.expired()]
+        for k in dead:
+            self._bytes -= self._entries.pop(k).nbytes
+
+    def prune(self) -> int:
+        """Drop the entries whose tensor's storage was freed now (insertions do it anyway);
+        returns how many."""
+        with self._lock:
+            n = len(self._entries)
+            self._prune_locked()
+            return n - len(self._entries)
 
     def invalidate(self, tensors: Iterable[torch.Tensor]) -> int:
         """Mark stale every entry whose tensor shares storage with one of ``tensors`` (its next
@@ -365,24 +410,31 @@ class PackCache:
         count = 0
         with self._lock:
             for e in self._entries.values():
-                if e.version != _STALE and e.tensor.untyped_storage().data_ptr() in storages:
+                if e.version != _STALE and e.probe.storage_ptr in storages:
                     e.version = _STALE
                     count += 1
         return count
 
     def clear(self) -> None:
-        """Drop every entry (and the references to the tensors they hold)."""
+        """Drop every entry and every remembered first sighting."""
         with self._lock:
             self._entries.clear()
             self._seen.clear()
             self._bytes = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """How many packings the cache holds for live tensors (dead ones are dropped first)."""
+        with self._lock:
+            self._prune_locked()
+            return len(self._entries)
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        """Bytes of the packings the cache holds for live tensors (dead ones are dropped
+        first): everything it keeps alive besides keys and sampled values."""
+        with self._lock:
+            self._prune_locked()
+            return self._bytes
 
 
 pack_cache = PackCache()
@@ -394,7 +446,7 @@ def _after_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     lookup per parameter, and nothing while the cache is empty. A parameter without a gradient
     is skipped, as every torch optimiser skips it: a frozen weight (``requires_grad=False``,
     listed through ``model.parameters()``) was repacked after every step."""
-    if len(pack_cache):
+    if pack_cache._entries:  # (not len(), which first drops the entries of freed tensors)
         pack_cache.invalidate(_stepped(opt))
 
 
