@@ -480,7 +480,9 @@ def destroy_in_flight_case(rank: int, world: int) -> dict[str, Any]:
     dist.barrier(group=sub)
     name = sub.comm.name
     if rank != 1:
-        time.sleep(0.5)
+        # (after rank 1's destroy: this rank's destroy tells rank 1 that it left the group,
+        # which would end rank 1's allreduce with PeerLeftError if it came first)
+        dist.barrier()
         dist.destroy_process_group(sub)
         return {}
     from torchport.distributed import engine
@@ -501,6 +503,7 @@ def destroy_in_flight_case(rank: int, world: int) -> dict[str, Any]:
         out["error"], out["msg"] = type(e).__name__, str(e)
     time.sleep(0.1)
     out["threads"] = [t.name for t in threading.enumerate() if t.name.endswith(f"-{name}")]
+    dist.barrier()
     return out
 
 

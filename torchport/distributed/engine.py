@@ -430,6 +430,9 @@ class Communicator:
         self.peer_chunk = max(1, chunk // len(ranks)) if local is not None else chunk
         self.epoch = 1
         self.owns_mesh = False  # True for a group that built its own mesh (no root group)
+        # True for a sub-group on a mesh that stays when it closes (groups): closing cleanly,
+        # it tells each peer (Mesh.send_group_goodbye), whose waits for it then fail at once
+        self.says_goodbye = False
         # called once the close ended, for a group on a mesh it does not own (groups: the last
         # group on the root mesh to close after the default group leaves the mesh)
         self.on_closed: Callable[[], None] | None = None
@@ -547,11 +550,20 @@ class Communicator:
         )
         self._failed(err, (q, reason))
 
+    def _departure(self, q: int) -> str:
+        """How group rank ``q`` left: the job, or (its goodbye for this group read here, not
+        one for the job) this group only."""
+        g = self.ranks[q] if 0 <= q < self.world else -1
+        mailbox = self.mesh.mailbox
+        if g not in mailbox.left and (self.group_id, g) in mailbox.left_groups:
+            return "left the group (it destroyed it)"
+        return "left the job (it destroyed its process group or exited)"
+
     def _gone_error(self, what: str, q: int) -> PeerLeftError:
         """The error of ``what`` (an operation) that needed group rank ``q``, which left."""
         return PeerLeftError(
-            f"{what} on communicator {self.name!r} (rank {self.rank}): rank {q} left the job "
-            f"(it destroyed its process group or exited) before joining it"
+            f"{what} on communicator {self.name!r} (rank {self.rank}): rank {q} "
+            f"{self._departure(q)} before joining it"
         )
 
     def on_peer_lost(self, src: int, error: BaseException) -> None:
@@ -559,7 +571,8 @@ class Communicator:
             self.fail(error, REASON_ERROR)
 
     def on_peer_left(self, src: int) -> None:
-        """Global rank ``src`` left the job (its goodbye was read after every frame it sent):
+        """Global rank ``src`` left the job or this group (its goodbye, for the mesh or for the
+        group, was read after every frame it sent there):
         the receives posted from it fail with :class:`PeerLeftError` -- its frames would have
         been delivered by now --, and so do any-source receives once every other rank of the
         group left (while one can still send, it stays posted: the message may still come from
@@ -576,7 +589,7 @@ class Communicator:
             self.arena.mark_gone(q)
         elif self.local is not None and q in self.local_ranks:
             self.local.mark_gone(self.local_ranks.index(q))
-        left = self.mesh.mailbox.left
+        has_left = self.mesh.mailbox.has_left
         with self._lock:
             named = [
                 p
@@ -590,22 +603,26 @@ class Communicator:
                 if isinstance(p[1], Once)
                 and not p[1].fired
                 and p[1].keys
-                and all(k[2] in left for k in p[1].keys)
+                and all(has_left(k[0], k[2]) for k in p[1].keys)
             ]
             gone = named + anys
             self._pending = [p for p in self._pending if not any(p is g for g in gone)]
         if named:
             err = PeerLeftError(
                 f"communicator {self.name!r} (rank {self.rank}): a recv from rank {q}, which "
-                f"left the job (it destroyed its process group or exited) without sending it"
+                f"{self._departure(q)} without sending it"
             )
             self._cancel_receives(named, err)
+        others = [r for r in range(self.world) if r != self.rank]
+        how = (
+            "left the job (each destroyed its process group or exited)"
+            if all(self.ranks[r] in self.mesh.mailbox.left for r in others)
+            else "left this group or the job (each destroyed one of them or exited)"
+        )
         for key, once, work in anys:
-            others = [r for r in range(self.world) if r != self.rank]
             err = PeerLeftError(
                 f"communicator {self.name!r} (rank {self.rank}): {work.name}: every rank that "
-                f"could send it ({', '.join(map(str, others))}) left the job (each destroyed its "
-                f"process group or exited) without sending it"
+                f"could send it ({', '.join(map(str, others))}) {how} without sending it"
             )
             if self.mesh.mailbox.cancel(key, once):  # (else a frame won the race: it finishes)
                 work._finish(err)
@@ -1050,7 +1067,7 @@ class Communicator:
                     count = -(-total // bound)
                     into = Target(tensor.data_ptr(), bound, (*want, 0, count), total=total)
             self.mesh.mailbox.expect(key, one, into)
-            if key[2] in self.mesh.mailbox.left:  # (left before this receive was posted)
+            if self.mesh.mailbox.has_left(key[0], key[2]):  # (left before this was posted)
                 self.on_peer_left(key[2])
             return work
         keys = [
@@ -1062,7 +1079,7 @@ class Communicator:
         if not self._post(work, tensor, (keys[0] if keys else None, once, work)):
             return work
         self.mesh.mailbox.expect_any(once)
-        if keys and keys[0][2] in self.mesh.mailbox.left:  # (every sender may have left)
+        if keys and self.mesh.mailbox.has_left(keys[0][0], keys[0][2]):  # (all may have left)
             self.on_peer_left(keys[0][2])
         return work
 
@@ -1208,6 +1225,12 @@ class Communicator:
         self.mesh.unregister(self.group_id, self)
         if not quiet:  # an op still runs (e.g. a stalled thread): unmapping would crash it
             return  # the mappings go with the process
+        if self.says_goodbye and self.error is None:  # (a failed group told its peers)
+            # after the group's last frame and step here: its peers' waits for this rank in
+            # the group fail at once (PeerLeftError), not at their timeout
+            for q, g in enumerate(self.ranks):
+                if q != self.rank:
+                    self.mesh.send_group_goodbye(g, self.group_id)
         for arena in (self.arena, self.local):
             if arena is not None:
                 arena.close()

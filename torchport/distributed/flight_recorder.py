@@ -1106,26 +1106,35 @@ def _wrap_p2p(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Calla
     return wrapper
 
 
+def _batch_seq(group: Any, rec: FlightRecorder | None) -> int | None:
+    """Begin a batch of ``group``'s point-to-point ops on this thread: they share one sequence
+    id (taken here), as torch 2.14's recorder numbers a coalesced batch (each op is still its
+    own entry); inside a batch already begun, the ops keep that one's. Returns the value the
+    caller restores ``_op_state.seq`` to when the batch is issued."""
+    state = _op_state
+    outer = state.seq
+    if rec is not None and outer is None:
+        hit = _group_names.get(id(group))
+        if hit is None or hit[2]() is not group:
+            hit = _seen(group, rec)
+        state.seq = rec.next_seq(hit[0], "p2p")
+    return outer
+
+
 def _wrap_batch(fn: Callable[..., Any], rec: FlightRecorder) -> Callable[..., Any]:
-    """``batch_isend_irecv`` whose ops share one point-to-point sequence id, as torch 2.14's
-    recorder numbers a coalesced batch (each op is still its own entry)."""
-    names, state = _group_names, _op_state
+    """``batch_isend_irecv`` whose ops share one point-to-point sequence id (:func:`_batch_seq`)."""
+    state = _op_state
 
     @functools.wraps(fn)
     def batch_isend_irecv(p2p_op_list: Any) -> Any:
         if state.seq is not None or not isinstance(p2p_op_list, list) or not p2p_op_list:
             return fn(p2p_op_list)  # (torch names what is wrong with the list)
         group = getattr(p2p_op_list[0], "group", None)
-        if group is None:
-            group = dist.group.WORLD
-        hit = names.get(id(group))
-        if hit is None or hit[2]() is not group:
-            hit = _seen(group, rec)
-        state.seq = rec.next_seq(hit[0], "p2p")
+        outer = _batch_seq(dist.group.WORLD if group is None else group, rec)
         try:
             return fn(p2p_op_list)
         finally:
-            state.seq = None
+            state.seq = outer
 
     return batch_isend_irecv
 
@@ -1275,6 +1284,20 @@ def _funcol_kernel(kernel: Any, gi: int, own: Any, *args: Any, **kwargs: Any) ->
             args = (*args[:gi], _relay(group), *args[gi + 1 :])
         else:
             kwargs = {**kwargs, "group_name": _relay(group)}
+    elif (
+        own is _batch_p2p
+        and isinstance(group, dist.ProcessGroup)
+        and gi < len(args)
+        and not p2p_batch_refused(*args[:gi])  # (op_list, peer_list, tag_list, tensors)
+    ):
+        # a Python group's batch (a torchport group's: its backend's kernel issues the ops one
+        # by one through the recorded send / recv): one sequence id, as on a C++ group (each op
+        # took its own); none for a list torch's kernel refuses
+        outer = _batch_seq(group, _recorder)
+        try:
+            return kernel.call_boxed(CPU_KEYSET, *args, **kwargs)
+        finally:
+            _op_state.seq = outer
     return kernel.call_boxed(CPU_KEYSET, *args, **kwargs)
 
 
@@ -1331,13 +1354,8 @@ def _batch_p2p(
         )
     device = tensors[0].device
     coalesce = group._get_backend(device).supports_coalescing
-    state, rec = _op_state, _recorder
-    outer = state.seq
-    if rec is not None and outer is None:
-        hit = _group_names.get(id(group))
-        if hit is None or hit[2]() is not group:
-            hit = _seen(group, rec)
-        state.seq = rec.next_seq(hit[0], "p2p")
+    state = _op_state
+    outer = _batch_seq(group, _recorder)
     outs: list[torch.Tensor] = []
     try:
         if coalesce:

@@ -16,7 +16,10 @@ arena among themselves and reach the other hosts by TCP, chosen per peer in ever
 (:mod:`~torchport.distributed.exchange`). The root mesh leaves the job
 (:meth:`~torchport.distributed.transport_tcp.Mesh.leave`: a goodbye on every connection, which
 its peers tell from a crash) once the default group and every group on it have closed
-(``destroy_process_group()``), or at the process's exit.
+(``destroy_process_group()``), or at the process's exit. A sub-group on the root mesh that
+closes while the mesh stays (``destroy_process_group(subgroup)``) says goodbye for that group
+alone (:meth:`~torchport.distributed.transport_tcp.Mesh.send_group_goodbye`): its members'
+waits for this rank in it fail at once, their other groups go on.
 """
 
 from __future__ import annotations
@@ -309,4 +312,6 @@ def build_communicator(
         with _lock:
             _on_root.add(comm)
         comm.on_closed = functools.partial(_closed_on_root, comm, not global_ranks)
+        # a sub-group's destroy tells its peers (the default group's leaves with the mesh)
+        comm.says_goodbye = bool(global_ranks)
     return comm

@@ -11,17 +11,50 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
+import math
+import numbers
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from torchport.distributed.errors import CommTimeoutError
+from torchport.distributed.errors import CollectiveArgumentError, CommTimeoutError, clip_repr
 from torchport.distributed.shm_kernels import BACKGROUND_YIELD_NS, shm_lib
 
 _DONE_LOCK = threading.Lock()  # orders a Work's completion against a lazily created future
+
+
+def wait_limit_s(timeout: Any, name: str) -> float | None:
+    """The seconds a ``wait(timeout)`` of the Work of ``name`` may block, by the rule every
+    torchport Work follows: None for no limit (``None``, zero, or ``threading.TIMEOUT_MAX`` or
+    more: ``timedelta.max``, ``inf``), a negative number for no wait at all (done, or
+    :class:`CommTimeoutError` at once), else the seconds. ``timeout`` is a ``timedelta`` or a
+    real number of seconds; anything else -- NaN (no time is past it: it either waited without
+    limit or timed out at once), a bool, a string -- is refused with
+    :class:`CollectiveArgumentError` naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        t = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        value = cast(float, timeout)  # (an int, a float, a numpy scalar)
+        if not isinstance(timeout, numbers.Integral) and math.isnan(value):
+            raise CollectiveArgumentError(
+                f"{name}: wait() takes no NaN timeout (None, zero or threading.TIMEOUT_MAX "
+                f"s or more: no limit; negative: no wait), got {timeout!r}"
+            )
+        # (an int too large for a float is past TIMEOUT_MAX: no limit, or no wait)
+        big = abs(value) >= threading.TIMEOUT_MAX
+        t = (math.inf if value > 0 else -math.inf) if big else float(value)
+    else:
+        raise CollectiveArgumentError(
+            f"{name}: wait() takes its timeout as a datetime.timedelta, a number of seconds or "
+            f"None, got {clip_repr(timeout)}"
+        )
+    return None if t == 0 or t >= threading.TIMEOUT_MAX else t
 
 
 class TorchportWork(dist.Work):
@@ -76,20 +109,23 @@ class TorchportWork(dist.Work):
         else:
             fut.set_exception(self._error)
 
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until done; raise the operation's error, or :class:`CommTimeoutError`.
 
-        ``timeout``: None or zero waits without limit (as gloo; a receive nobody completes
-        fails its group after the group's timeout), and so does one beyond
-        ``threading.TIMEOUT_MAX`` (centuries, ``timedelta.max``). A negative one does not
-        wait: unless the operation is done it raises :class:`CommTimeoutError` at once, as
-        gloo's "Operation timed out!". A ``wait`` that times out leaves the operation running
-        and the group as it is (a later ``wait`` may still succeed).
+        ``timeout`` (a ``timedelta`` or seconds, :func:`wait_limit_s`): None or zero waits
+        without limit (as gloo; a receive nobody completes fails its group after the group's
+        timeout), and so does one of ``threading.TIMEOUT_MAX`` or more (centuries,
+        ``timedelta.max``, ``inf``). A negative one does not wait: unless the operation is done
+        it raises :class:`CommTimeoutError` at once, as gloo's "Operation timed out!". NaN, or
+        what is no timeout, raises :class:`CollectiveArgumentError`. A ``wait`` that times out
+        leaves the operation running and the group as it is (a later ``wait`` may still
+        succeed).
         """
+        # (seconds were ignored, NaN and strings too: each waited without limit)
+        t = None if timeout is None else wait_limit_s(timeout, self.name)
         # a callback of this Work's future waiting on it: the result is final, and the gate
         # opens only after the callbacks returned
         if not self._done and not (self._ended and self._finisher == threading.get_ident()):
-            t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
             if t is not None and t < 0:  # (it waited for completion, as without a timeout)
                 if not self._gate.acquire(blocking=False):
                     raise CommTimeoutError(
@@ -98,7 +134,7 @@ class TorchportWork(dist.Work):
                     )
                 self._gate.release()
             else:  # (one past TIMEOUT_MAX raised OverflowError from the lock)
-                self._block(t if t is not None and t < threading.TIMEOUT_MAX else None)
+                self._block(t)
         if self._error is not None:
             raise self._error
         return True

@@ -82,6 +82,7 @@ from torchport.distributed.elastic import (
 from torchport.distributed.engine import REASON_ERROR
 from torchport.distributed.errors import CommTimeoutError, WireError, clip_repr
 from torchport.distributed.ft.lighthouse import check_number
+from torchport.distributed.progress import wait_limit_s
 
 _log = logging.getLogger(__name__)
 _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
@@ -161,17 +162,18 @@ class Work:
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until done; re-raise the operation's error, or :class:`CommTimeoutError`.
 
-        ``timeout`` (a ``timedelta`` or seconds), as the backend's Work: None or zero waits
-        without limit (as gloo), and so does one of ``threading.TIMEOUT_MAX`` or more. A
-        negative one does not wait: unless the operation is done it raises
-        :class:`CommTimeoutError` at once. A ``wait`` that times out leaves the operation
-        running (a later ``wait`` may still succeed).
+        ``timeout`` (a ``timedelta`` or seconds), as the backend's Work
+        (:func:`~torchport.distributed.progress.wait_limit_s`): None or zero waits without
+        limit (as gloo), and so does one of ``threading.TIMEOUT_MAX`` or more. A negative one
+        does not wait: unless the operation is done it raises :class:`CommTimeoutError` at
+        once. NaN, or what is no timeout, raises
+        :class:`~torchport.distributed.errors.CollectiveArgumentError`. A ``wait`` that times
+        out leaves the operation running (a later ``wait`` may still succeed).
         """
-        t = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        # (zero raised "did not complete within 0.0 s" at once, and one past TIMEOUT_MAX an
-        # OverflowError from the future's lock)
-        if t is not None and (t == 0 or t >= threading.TIMEOUT_MAX):
-            t = None
+        # (zero raised "did not complete within 0.0 s" at once, one past TIMEOUT_MAX an
+        # OverflowError from the future's lock, NaN "timed out after nan s" at once, a string
+        # an untyped TypeError)
+        t = wait_limit_s(timeout, self.name)
         try:
             self._fut.result(timeout=t)  # (a negative t only looks: the condition's wait polls)
         except cf.TimeoutError:

@@ -30,6 +30,9 @@ Internal API other modules build on:
 - ``Mesh.register(group_id, handler)``: route ABORT frames and lost peers to a communicator;
 - ``Mesh.leave()``: close with a goodbye (``GOODBYE_GROUP``) its peers tell from a crash: a
   later wait for the leaver's frames, or a send to it, raises :class:`PeerLeftError`;
+- ``Mesh.send_group_goodbye(peer, group)``: the same for one group that closed here while the
+  mesh stays (``GROUP_GOODBYE_SEQ``): the peer's waits for this rank's frames of that group,
+  and its sends to this rank there, raise :class:`PeerLeftError`; its other groups go on;
 - ``Mesh.peers``: the connection map ``{global rank: Connection}``.
 """
 
@@ -162,6 +165,11 @@ DEAD_KINDS = (int(Kind.COLL), int(Kind.P2P))  # what a dead group's mailbox drop
 # side of the stream: its peers take the end of that connection for a departure, not a crash.
 # No group takes the id (sub-group ids are below 2**31, groups.group_id_for).
 GOODBYE_GROUP = 0xFFFFFFFF
+# A group closing here while the mesh stays (destroy_process_group(subgroup)) sends each of its
+# members a CTRL frame of the group's id with this seq, after everything of that group it sent
+# there: the peer takes that group's frames from this rank for done (Mesh._group_goodbye), not
+# the connection's. (The elastic groups' CTRL frames use the seqs 1 to 3.)
+GROUP_GOODBYE_SEQ = 0xFFFFFFFF
 # How long a leaving mesh waits for its goodbyes to go out and its peers to end their side of
 # each connection (their reader threads do at once), before it closes the sockets anyway...
 LEAVE_S = 2.0
@@ -175,7 +183,14 @@ LEAVE_POLL_S = 0.01  # ... the acknowledgements are checked this often meanwhile
 JOIN_S = 1.0  # ... and then for its reader threads and acceptor to end
 
 
-def _left(rank: int, peer: int, what: str) -> PeerLeftError:
+def _left(rank: int, peer: int, what: str, group: int | None = None) -> PeerLeftError:
+    """``what`` (waiting for a frame, sending) needed ``peer``, which left the job, or with
+    ``group`` only closed that group (its goodbye for the group was read)."""
+    if group is not None:
+        return PeerLeftError(
+            f"rank {rank}: {what} rank {peer}, which left the group (id {group:#x}: it "
+            f"destroyed that group, with a goodbye after everything it sent there)"
+        )
     return PeerLeftError(
         f"rank {rank}: {what} rank {peer}, which left the job (it destroyed its process group "
         f"or exited: its connection closed with a goodbye after everything it sent)"
@@ -224,7 +239,8 @@ def _spread_cpu(local: int) -> int:
 
 class GroupHandler(Protocol):
     """What a communicator exposes to the mesh (and, where it has one, ``on_peer_left(src)``:
-    the peer's goodbye was read, :meth:`Mesh._goodbye`)."""
+    the peer's goodbye was read, for the whole mesh (:meth:`Mesh._goodbye`) or for this group
+    (:meth:`Mesh._group_goodbye`))."""
 
     def on_remote_abort(self, src: int, reason: int) -> None: ...
 
@@ -507,7 +523,23 @@ class Mailbox:
         # Peers whose goodbye was read (Mesh.leave): every frame they sent came before it, so a
         # frame of theirs not here now never comes (``get`` fails at once instead of waiting).
         self.left: set[int] = set()
+        # (group, peer) of peers whose goodbye for that group was read (the group closed there,
+        # the mesh stays): the same for that group's frames only (``Mesh._group_goodbye``)
+        self.left_groups: set[tuple[int, int]] = set()
         self.rank = -1  # this process's rank (for messages; set by the mesh)
+
+    def has_left(self, group: int, peer: int) -> bool:
+        """Whether ``peer`` sends ``group`` nothing more: it left the job, or that group."""
+        return peer in self.left or (group, peer) in self.left_groups
+
+    def left_error(self, group: int, peer: int, what: str) -> PeerLeftError | None:
+        """The error of ``what`` that needs ``group``'s frames from, or sends to, ``peer``
+        (None while ``peer`` has not left)."""
+        if peer in self.left:
+            return _left(self.rank, peer, what)
+        if (group, peer) in self.left_groups:
+            return _left(self.rank, peer, what, group)
+        return None
 
     def _call(self, cb: Callable[[Frame], None], frame: Frame) -> None:
         """Run a waiting callback (unlocked); route its exception instead of raising it."""
@@ -850,8 +882,9 @@ class Mailbox:
                             del self._frames[key]
                         return frame
                     check()
-                    if key[2] in self.left:
-                        raise _left(self.rank, key[2], f"waiting for a frame {key} from")
+                    gone = self.left_error(key[0], key[2], f"waiting for a frame {key} from")
+                    if gone is not None:
+                        raise gone
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise CommTimeoutError(f"timed out waiting for a frame {key}")
@@ -1103,7 +1136,7 @@ class Mesh:
                     missing = sorted(set(range(world)) - set(self.peers) - {rank})
                     self.close()
                     raise CommTimeoutError(
-                        f"rank {rank}: peers {missing} did not connect within {timeout_s:.0f} s"
+                        f"rank {rank}: peers {missing} did not connect within {timeout_s:g} s"
                     )
                 self._ready.wait(min(left, 0.1))
 
@@ -1391,6 +1424,9 @@ class Mesh:
             return
         if hdr.kind == Kind.CTRL and hdr.group == GOODBYE_GROUP:
             self._goodbye(conn)
+            return
+        if hdr.kind == Kind.CTRL and hdr.seq == GROUP_GOODBYE_SEQ:
+            self._group_goodbye(conn.peer, hdr.group)
             return
         if hdr.kind == Kind.RING:
             self._ring_offered(conn, hdr, body)
@@ -1798,16 +1834,20 @@ class Mesh:
         being sent to it (a receiver that stopped reading holds that one for as long as it
         stays stopped): here when the connection is free and its socket takes the header at
         once, else from a thread of its own once it can go."""
+        self._send_header(peer, encode_header(Kind.ABORT, group, self.rank, reason, 0), "tp-abort")
+
+    def _send_header(self, peer: int, head: bytes, name: str) -> None:
+        """Send a payload-less frame to ``peer`` without waiting (see :meth:`send_abort`), from
+        a thread named ``name`` when it cannot go at once."""
         conn = self.peers.get(peer)
         if conn is None:
             return
-        head = encode_header(Kind.ABORT, group, self.rank, reason, 0)
         if conn.lock.acquire(blocking=False):
             handed = False
             try:
                 k = conn.sock.send(head, socket.MSG_DONTWAIT)
                 if 0 < k < len(head):  # the rest must follow before any other byte: a thread
-                    handed = self._hand_rest(conn, head[k:], "tp-abort")  # (unlocks)
+                    handed = self._hand_rest(conn, head[k:], name)  # (unlocks)
                     return
             except BlockingIOError:
                 k = 0
@@ -1818,7 +1858,7 @@ class Mesh:
                     conn.lock.release()
             if k == len(head):
                 return
-        self._spawn(self._send_quietly, conn, head, name="tp-abort")
+        self._spawn(self._send_quietly, conn, head, name=name)
 
     def _send_quietly(self, conn: Connection, head: bytes) -> None:
         with contextlib.suppress(CommError):
@@ -1879,6 +1919,8 @@ class Mesh:
             if len(payload) > self.max_frame:
                 raise CommError(f"frame of {len(payload)} bytes exceeds the bound {self.max_frame}")
         conn = self._conn(peer)
+        if (group, peer) in self.mailbox.left_groups:  # (it would drop them unread)
+            raise _left(self.rank, peer, "sending to", group)
         big = kind == Kind.P2P and sum(len(p) for p, _ in parts) >= RING_MIN_BYTES
 
         def watch() -> None:
@@ -2305,11 +2347,26 @@ class Mesh:
         set_gate(late, 1)
         bad = aborting = False
 
+        # (group, peer) of the receives not known to be in, made once a peer's goodbye for a
+        # group was read (Mesh._group_goodbye): a receive from a peer that left its group
+        # never ends. Never scanned for another group's goodbye (a watch per piece of a
+        # pipelined transfer scanned every receive: quadratic in the pieces).
+        pending: set[tuple[int, int]] | None = None
+
         def watch() -> None:
-            nonlocal aborting
+            nonlocal aborting, pending
             aborting = True  # whatever check() raises is the group's abort or failure
             check()
             aborting = False
+            gone = self.mailbox.left_groups
+            if gone:
+                if pending is None:
+                    pending = {(x.group, x.peer) for x in recvs}
+                if not pending.isdisjoint(gone):
+                    for j, x in enumerate(recvs):
+                        if (x.group, x.peer) in gone and not received(j):
+                            raise _left(self.rank, x.peer, "receiving from", x.group)
+                    pending -= gone  # (every receive from those peers is in)
 
         def received(j: int) -> bool:
             """Whether receive ``j`` is complete (in place, or settled from the mailbox)."""
@@ -2737,6 +2794,31 @@ class Mesh:
             if on_left is not None:
                 on_left(conn.peer)
 
+    def _group_goodbye(self, peer: int, group: int) -> None:
+        """``peer`` closed ``group`` (its goodbye for it, read after every frame of the group
+        it sent here): waits for its frames of the group fail (:class:`PeerLeftError`;
+        ``Mailbox.get``, :meth:`transfer`, and the group's ``on_peer_left`` for its posted
+        receives), as do sends to it there; the connection and its other groups go on. Kept
+        for a group not registered here yet (the peer built and closed it first); one that
+        closed here already is done with."""
+        with self._lock:
+            handler = self._handlers.get(group)
+            if handler is None and group in self._retired:
+                return
+            with self.mailbox.cond:
+                self.mailbox.left_groups.add((group, peer))
+                self.mailbox.cond.notify_all()
+        on_left = getattr(handler, "on_peer_left", None)
+        if on_left is not None:
+            on_left(peer)
+
+    def send_group_goodbye(self, peer: int, group: int) -> None:
+        """Tell global rank ``peer`` that ``group`` closed here (``GROUP_GOODBYE_SEQ``), after
+        every frame of it sent there, without waiting behind a frame being sent to it (as
+        :meth:`send_abort`). Call once the group sends nothing more."""
+        head = encode_header(Kind.CTRL, group, self.rank, GROUP_GOODBYE_SEQ, 0)
+        self._send_header(peer, head, "tp-goodbye")
+
     def leave(self, wait_s: float = LEAVE_S, settled_s: float = LEAVE_SETTLED_S) -> None:
         """Close the mesh so that its peers can tell it from a crash: on every connection a
         GOODBYE frame after every byte sent there (under the send lock, which a frame part-way
@@ -2820,6 +2902,10 @@ class Mesh:
             if self._handlers.pop(group, None) is not None:
                 self._retired.add(group)
                 self.mailbox.kill(group)
+                with self.mailbox.cond:  # (its peers' goodbyes for it are done with too)
+                    self.mailbox.left_groups -= {
+                        k for k in self.mailbox.left_groups if k[0] == group
+                    }
 
     def bury(self, group: int, handler: object) -> None:
         """``handler``'s group failed (aborted, a peer lost or failed it): purge its queued
