@@ -287,3 +287,42 @@ def test_a_functional_p2p_batch_shares_one_sequence_id_on_every_backend(tmp_path
             ("send", 1, c), ("recv", 1, c), ("send", 1, c), ("recv", 1, c),
             ("all_reduce", 0, c),
         ], (rank, entries)  # fmt: skip
+
+
+# -- 5. a gather input that overlaps its own output slot only in part ----------------------
+def _own_overlap_job(rank: int, world: int, init: str) -> dict[str, bool]:
+    """Each rank's input overlaps its own output slot shifted by ``shift`` elements (0: the
+    in-place form); every rank must get every rank's input as issued."""
+    import torchport.distributed  # noqa: F401
+
+    dist.init_process_group(
+        "torchport", init_method=init, rank=rank, world_size=world, timeout=TIMEOUT
+    )
+    n, base = 5, 8
+    want = torch.cat([torch.arange(n, dtype=torch.float64) + 100 * q for q in range(world)])
+    out: dict[str, bool] = {}
+    for op in ("list", "into"):
+        for shift in (-1, 0, 1, 3):
+            buf = torch.zeros(n * world + 2 * base, dtype=torch.float64)
+            start = base + rank * n + shift
+            inp = buf[start : start + n]
+            inp.copy_(torch.arange(n, dtype=torch.float64) + 100 * rank)
+            block = buf[base : base + n * world]
+            if op == "list":
+                dist.all_gather(list(block.split(n)), inp)
+            else:
+                dist.all_gather_into_tensor(block, inp)
+            out[f"{op} {shift}"] = torch.equal(block, want)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_gather_input_overlapping_its_own_slot_in_part_is_read_as_issued(transport: str):
+    """Over TCP the list all_gather copied the input into its own slot before sending it: an
+    input overlapping that slot in part went out shifted (peers got [0, 0, 1, 2, 3] for
+    [0, 1, 2, 3, 4]); it is now read from a copy, as one overlapping another rank's slot was."""
+    res = run_world(_own_overlap_job, 2, timeout=60, env={"TORCHPORT_DIST_TRANSPORT": transport})
+    for rank, got in enumerate(res):
+        assert all(got.values()), (rank, got)

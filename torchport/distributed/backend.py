@@ -77,12 +77,19 @@ _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 _CPU = torch.device("cpu")
 
 
-def _others_slots(slots: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
-    """The output slots of a gather other than this rank's own: an input that overlaps one of
-    them is copied first (:func:`_apart_from`), as the TCP algorithms receive peers' blocks into
-    their slots while the input is still to be sent (an input in its own slot, the in-place form
-    FSDP uses, is read before its slot is written)."""
-    return [t for i, t in enumerate(slots) if i != rank]
+def _slots_to_avoid(
+    src: torch.Tensor, slots: Sequence[torch.Tensor], rank: int
+) -> list[torch.Tensor]:
+    """The output slots of a gather that an input ``src`` must not overlap, or it is copied first
+    (:func:`_apart_from`): the TCP algorithms receive peers' blocks into their slots while the
+    input is still to be sent, and copy the input into this rank's own slot before sending it.
+    An input that IS its own slot (the same bytes: the in-place form FSDP uses) is read before
+    its slot is written, so then only the others count; one that overlaps its own slot partly
+    was overwritten by that first copy before it went out (peers got shifted blocks)."""
+    own = slots[rank]
+    if _ptr(src) == _ptr(own) and src.nbytes == own.nbytes:
+        return [t for i, t in enumerate(slots) if i != rank]
+    return list(slots)
 
 
 class TorchportProcessGroup(dist.ProcessGroup):
@@ -505,11 +512,12 @@ class TorchportProcessGroup(dist.ProcessGroup):
 
         def run(deadline: float) -> None:
             src = plain_contiguous(inp)
-            if staged is not None:  # (see _others_slots)
+            if staged is not None:  # (see _slots_to_avoid)
                 if _outputs_meet([s.t for s in staged]):
                     for s in staged:
                         s.private()
-                src = _apart_from([src], _others_slots([s.t for s in staged], comm.rank))[0]
+                slots = [s.t for s in staged]
+                src = _apart_from([src], _slots_to_avoid(src, slots, comm.rank))[0]
             ptrs = [_ptr(s.t) for s in staged] if staged is not None else None
             alg.allgather(
                 comm,
@@ -542,10 +550,9 @@ class TorchportProcessGroup(dist.ProcessGroup):
         def run(deadline: float) -> None:
             src = plain_contiguous(inp)
             base, sp = _ptr(s.t), _ptr(src)
-            # an input overlapping another rank's block is copied first (see _others_slots)
-            if _spans_overlap(sp, nb, base, r * nb) or _spans_overlap(
-                sp, nb, base + (r + 1) * nb, (w - r - 1) * nb
-            ):
+            # an input overlapping the output, other than exactly its own block, is copied
+            # first (see _slots_to_avoid)
+            if sp != base + r * nb and _spans_overlap(sp, nb, base, w * nb):
                 src = src.clone()
                 sp = _ptr(src)
             alg.allgather(
