@@ -348,7 +348,7 @@ def test_analyzer_rejects_dumps_it_cannot_line_up(tmp_path, capsys):
         with pytest.raises(DumpError, match=rf"rank_0\.json: entry 0: {field} must be"):
             load_dumps(tmp_path)
     assert cli.main(["fr", "analyze", str(tmp_path)]) == 2
-    assert "entry 0: group must be a string" in capsys.readouterr().out
+    assert "entry 0: group must be a string" in capsys.readouterr().err
     # the other fields analyze reads ended in a traceback (TypeError, ValueError from the
     # format, AttributeError) instead of naming the file and the field
     for fix, what in (
@@ -1264,7 +1264,7 @@ def test_a_dump_in_torchs_format_and_export_errors(tmp_path, capsys):
     with pytest.raises(DumpError, match="two dumps of rank 0"):
         export([src, src], tmp_path / "t")
     assert cli.main(["fr", "export", str(src), "--to", str(blocker)]) == 2
-    assert "export destination must be a folder" in capsys.readouterr().out
+    assert "export destination must be a folder" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()
 
 
@@ -1284,7 +1284,7 @@ def test_export_refuses_a_folder_with_other_ranks_dumps_unless_told_to_overwrite
         export(src, dest)
     assert (dest / "nccl_trace_rank_0").read_bytes() == b"old"
     assert cli.main(["fr", "export", str(src), "--to", str(dest)]) == 2
-    assert "--overwrite" in capsys.readouterr().out
+    assert "--overwrite" in capsys.readouterr().err
     assert cli.main(["fr", "export", str(src), "--to", str(dest), "--overwrite"]) == 0
     assert sorted(p.name for p in dest.iterdir()) == ["nccl_trace_rank_0", "notes.txt"]
     assert (dest / "nccl_trace_rank_0").read_bytes() != b"old"

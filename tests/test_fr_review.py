@@ -48,9 +48,9 @@ def _refused(d: Path, what: str, capsys: Any) -> None:
         load_dumps(d)
     assert what in str(info.value)
     assert cli.main(["fr", "analyze", str(d)]) == 2
-    assert what in capsys.readouterr().out
+    assert what in capsys.readouterr().err
     assert cli.main(["fr", "export", str(d), "--to", str(d.parent / "torch")]) == 2
-    assert what in capsys.readouterr().out
+    assert what in capsys.readouterr().err
 
 
 def test_an_errored_entry_without_error_text_is_reported(tmp_path, capsys):

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import stat
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -522,14 +523,14 @@ def cmd_fr(args: argparse.Namespace) -> int:
         try:
             paths = export(args.src, args.to, backend=args.backend, overwrite=args.overwrite)
         except (ValueError, OSError) as e:  # (DumpError among them; OSError: the writing)
-            print(f"error: {e}")
+            print(f"torchport fr: error: {e}", file=sys.stderr)
             return 2
         print(f"wrote {len(paths)} torch Flight Recorder dump(s) to {args.to}")
         return 0
     try:
         verdict = analyze(load_dumps(args.dir))
-    except DumpError as e:
-        print(f"error: {e}")
+    except DumpError as e:  # (on stderr: with --json, stdout is for the verdict only)
+        print(f"torchport fr: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(verdict.__dict__, indent=1, default=list))
