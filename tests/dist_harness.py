@@ -130,3 +130,15 @@ def stop_forkserver_after_module():
     stop = getattr(fs._forkserver, "_stop", None)
     if stop is not None:
         stop()
+
+
+def raised(fn: Callable[[], Any]) -> tuple[str, str, float]:
+    """(type, message, seconds) of what ``fn`` raised, the type that of its cause where it has
+    one (an error-state error's); empty strings if it returned."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        return type(cause).__name__, str(e), time.monotonic() - start
+    return "", "", time.monotonic() - start

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import raised as _error  # (what a call raised, and when)
 from dist_harness import run_world, stop_forkserver_after_module  # noqa: F401 (autouse fixture)
 
 from torchport.distributed.transport_shm import COPY, GONE, SHM_DIR, ShmArena, StepError
@@ -146,17 +147,6 @@ def _wait_file(path: str, timeout: float) -> bool:
             return False
         time.sleep(0.01)
     return True
-
-
-def _error(fn: Callable[[], Any]) -> tuple[str, str, float]:
-    """(type, message, seconds) of what ``fn`` raised (the cause of an error-state error)."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as e:
-        cause = e.__cause__ if e.__cause__ is not None else e
-        return type(cause).__name__, str(e), time.monotonic() - start
-    return "", "", time.monotonic() - start
 
 
 def _shm_leaver_job(rank: int, world: int, init: str, how: str) -> dict[str, Any]:
