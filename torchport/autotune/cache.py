@@ -17,13 +17,11 @@ on the next write, and with an unsafe directory choices last this process only.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
 import math
 import os
-import stat
 import tempfile
 import threading
 import time
@@ -36,7 +34,13 @@ import torch
 
 from torchport import config
 from torchport.native.cpu import cpu_info
-from torchport.native.toolchain import UnsafeCacheError, check_private, unsafe_reason
+from torchport.native.toolchain import (
+    NotRegularFileError,
+    UnsafeCacheError,
+    check_private,
+    open_regular,
+    unsafe_reason,
+)
 from torchport.version import __version__
 
 FORMAT = "torchport-autotune-v1"
@@ -103,29 +107,6 @@ def _timing(t: object) -> bool:
         return 0.0 <= float(t) < math.inf  # (False for NaN)
     except OverflowError:
         return False
-
-
-class _NotRegularError(OSError):
-    """A path of the cache is not a regular file (a symbolic link, a FIFO, a device)."""
-
-
-def _open_regular(p: Path, flags: int) -> int:
-    """``os.open(p, flags)`` of a regular file only, else :class:`_NotRegularError` naming what
-    is there: a symbolic link is not followed (``O_NOFOLLOW``) and a FIFO is not waited on
-    (``O_NONBLOCK``; opening one blocked every lookup until some process wrote to it). A new
-    file is made with mode 0600."""
-    try:
-        fd = os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _NotRegularError(f"{p} must be a regular file, got a symbolic link") from e
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _NotRegularError(f"{p} must be a regular file, got {stat.filemode(mode)}")
-    os.set_blocking(fd, True)  # (no effect on a regular file; cleared all the same)
-    return fd
 
 
 def _well_formed(entry: object) -> bool:
@@ -199,7 +180,7 @@ class ChoiceCache:
         if not self._private_dir(p):
             return {}
         try:
-            with open(_open_regular(p, os.O_RDONLY), "rb") as f:
+            with open(open_regular(p, os.O_RDONLY)[0], "rb") as f:
                 # the stat of what was opened: a file swapped in after a check is not read
                 why = unsafe_reason(os.fstat(f.fileno()), os.geteuid(), leaf=True)
                 if why is not None:
@@ -208,7 +189,7 @@ class ChoiceCache:
                 raw = f.read()
         except FileNotFoundError:
             return {}
-        except _NotRegularError as e:  # (in a private directory: this user's; os.replace'd)
+        except NotRegularFileError as e:  # (in a private directory: this user's; os.replace'd)
             warnings.warn(
                 f"torchport: ignoring the autotune cache: {e}; it will be rewritten",
                 CorruptChoiceCacheWarning,
@@ -308,8 +289,8 @@ class ChoiceCache:
         lock_path = self.path.with_suffix(".lock")
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = _open_regular(lock_path, os.O_RDWR | os.O_CREAT)
-        except _NotRegularError as e:
+            fd = open_regular(lock_path, os.O_RDWR | os.O_CREAT)[0]
+        except NotRegularFileError as e:
             # (open(lock_path, "a+") followed a symbolic link, and failed on a FIFO, "not
             # seekable", in every write from then on.) The directory is private (checked by
             # the caller): what is there is this user's own; it is replaced by a new lock file.
@@ -321,7 +302,7 @@ class ChoiceCache:
                 stacklevel=5,
             )
             lock_path.unlink(missing_ok=True)
-            fd = _open_regular(lock_path, os.O_RDWR | os.O_CREAT)
+            fd = open_regular(lock_path, os.O_RDWR | os.O_CREAT)[0]
         with open(fd, "r+b") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:

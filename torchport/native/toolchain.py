@@ -336,6 +336,36 @@ class _UnsafeEntryError(UnsafeCacheError):
         self.path = path
 
 
+class NotRegularFileError(OSError):
+    """:func:`open_regular` found something other than a regular file at a path: ``st`` is what
+    is there (None: a symbolic link, not followed)."""
+
+    def __init__(self, path: Path, st: os.stat_result | None) -> None:
+        got = "a symbolic link" if st is None else stat.filemode(st.st_mode)
+        super().__init__(f"{path} must be a regular file, got {got}")
+        self.path, self.st = path, st
+
+
+def open_regular(path: Path, flags: int, mode: int = 0o600) -> tuple[int, os.stat_result]:
+    """``os.open(path, flags)`` of a regular file only, with the stat of what was opened, else
+    :class:`NotRegularFileError`: a symbolic link is not followed (``O_NOFOLLOW``) and a FIFO is
+    not waited on (``O_NONBLOCK``: opening one blocked until some process wrote to it). A file
+    made here (``O_CREAT``) gets ``mode``. What the caches open where another user might have
+    planted something (:func:`read_private`, the autotuner's choice file and its lock)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFileError(path, None) from e
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFileError(path, st)
+    os.set_blocking(fd, True)  # (no effect on a regular file; cleared all the same)
+    return fd, st
+
+
 def read_private(path: Path) -> tuple[bytes, os.stat_result]:
     """The bytes of the cache file ``path`` and the stat of the file they were read from.
 
@@ -344,19 +374,15 @@ def read_private(path: Path) -> tuple[bytes, os.stat_result]:
     :func:`unsafe_reason` refuses (owned by another user, writable by others). The checks are of
     the opened file (``fstat``), so a file swapped in after them is not what is read; a directory
     that passed :func:`check_private` lets no one else swap the path before it is loaded."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (a FIFO does not block)
     try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
+        fd, st = open_regular(path, os.O_RDONLY)
+    except NotRegularFileError as e:
+        if e.st is None:
             raise _UnsafeEntryError(path, "must not be a symbolic link, got one") from e
-        raise
+        raise _UnsafeEntryError(
+            path, f"must be a regular file, got {stat.filemode(e.st.st_mode)} (uid {e.st.st_uid})"
+        ) from e
     with open(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _UnsafeEntryError(
-                path, f"must be a regular file, got {stat.filemode(st.st_mode)} (uid {st.st_uid})"
-            )
         euid = os.geteuid()
         why = unsafe_reason(st, euid, leaf=True)
         if why is not None:  # (it names the owner or the mode at fault; the message names both)
