@@ -70,6 +70,26 @@ def default_secret() -> bytes:
     return _user_secret(os.path.join(cache, "control-secret"))
 
 
+def job_secret(secret: object) -> bytes:
+    """The secret a server or client authenticates with: ``secret`` when given (non-empty
+    bytes), else :func:`default_secret`. An empty secret was taken as "not given" and quietly
+    replaced by the default; it is refused (:class:`ValueError`), as is anything but bytes
+    (:class:`TypeError`), since a MAC keyed by it would authenticate anyone who guessed it."""
+    if secret is None:
+        return default_secret()
+    if not isinstance(secret, bytes):
+        raise TypeError(
+            f"secret must be bytes (the job secret) or None for the default, "
+            f"got {type(secret).__name__}"
+        )
+    if not secret:
+        raise ValueError(
+            "secret must be non-empty bytes (None takes TORCHPORT_SECRET or this user's "
+            "secret file), got b''"
+        )
+    return secret
+
+
 def _user_secret(path: str) -> bytes:
     """Read (or atomically create) the secret file at ``path``; it must be a regular file owned
     by this user and unreadable by others, in a directory only this user (and root) can change

@@ -66,7 +66,7 @@ from torchport.distributed._control import (
     PeerFailure,
     Server,
     connect,
-    default_secret,
+    job_secret,
     master_store,
     recv_msg,
     send_msg,
@@ -286,7 +286,10 @@ class ReconfigurableGroup:
         self.backend = backend
         self.timeout = timeout or timedelta(seconds=30)
         self.heartbeat = config.get("ft_heartbeat") if heartbeat is None else heartbeat
-        self._secret = secret or default_secret()
+        try:
+            self._secret = job_secret(secret)
+        except (TypeError, ValueError) as e:
+            raise ReconfigureError(str(e)) from None
         self._host = host
         self._nonce = secrets.token_hex(8)
         self._used: set[int] = set()

@@ -73,7 +73,7 @@ from typing import Any
 from torchport import config
 from torchport.distributed._control import (
     Server,
-    default_secret,
+    job_secret,
     master_store,
     recv_msg,
     send_msg,
@@ -190,7 +190,7 @@ class Lighthouse:
         )
         self.join_timeout = check_number("join_timeout", join_timeout, zero_ok=True)
         self.min_replicas = count
-        self._secret = secret or default_secret()
+        self._secret = job_secret(secret)
         self._cv = threading.Condition()
         self._replicas: dict[str, _Replica] = {}
         self._pending: dict[str, dict[str, Any]] = {}

@@ -54,7 +54,7 @@ from torchport.distributed._control import (
     PeerFailure,
     Server,
     connect,
-    default_secret,
+    job_secret,
     recv_msg,
     send_msg,
 )
@@ -286,7 +286,7 @@ class Manager:
         self._life = uuid.uuid4().hex
         self._superseded: ReplicaSupersededError | None = None
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
-        self._secret = secret or default_secret()
+        self._secret = job_secret(secret)
         self.recorder = recorder
         self.metrics = Metrics()
         self.init_sync = init_sync
