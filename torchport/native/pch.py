@@ -108,6 +108,14 @@ def header_for(source: str, flags: Sequence[str], cc: str) -> Path | None:
         except (OSError, subprocess.SubprocessError, toolchain.NativeError) as e:
             if toolchain.disk_full(e):
                 return None  # a full disk passes: not remembered either
+            # (once per folder and process: the None is remembered) compiles still work, each
+            # parsing the headers itself, a few times slower; this said nothing of why
+            warnings.warn(
+                f"torchport: precompiled headers off for this process ({e}); set "
+                "TORCHPORT_NATIVE_PCH to a private folder, or to 'off' to silence this",
+                toolchain.NativeFallbackWarning,
+                stacklevel=2,
+            )
             header = None
         with _lock:
             _ready[memo] = header
