@@ -16,7 +16,10 @@ A call during which ``events()`` changes (the GEMM passes the packed-weight cach
 did one-off work besides the launch and is not recorded: packing a new weight inside the first
 calls of the two-thread launch used to put milliseconds into its few learning samples, so the
 runner settled on a slower launch for the next hundreds of calls (measured at M=1 1024→4096:
-two-thread median 6.8 ms with packing vs 0.67 ms without).
+two-thread median 6.8 ms with packing vs 0.67 ms without). Only the first
+``packing_calls_skipped`` such timed calls in a row are left out: a weight packed anew at every
+call (a copy made per call, as autocast's) pays it every time, and ATen, which packs nothing,
+must be compared with that.
 
 Runners of the same problem and kernel config that differ only in their fused epilogue (bare
 ``x @ W`` and ``gelu(x @ W + b) + r``) share the statistics of their native arms
@@ -123,6 +126,8 @@ class ThreadAdaptive:
     # _record's shortcut for a sample of the current launch (same decisions; tests turn it off
     # to compare against the full pass)
     steady_check = True
+    # timed calls in a row that packed and go unrecorded; from the next one on they count
+    packing_calls_skipped = 4
 
     def __init__(
         self,
@@ -170,6 +175,7 @@ class ThreadAdaptive:
         self._warm_switch = warm_switch
         self._probe_bound = probe_bound
         self._last = self.current  # the arm the previous call ran
+        self._packed = 0  # timed calls in a row during which ``events`` moved
         # warm_switch: the arm to run and time on the next call (-1: none). Public for callers
         # that run the current launch themselves between sampled calls (the settled GEMV route):
         # while it is set, the next call must come here.
@@ -229,9 +235,18 @@ class ThreadAdaptive:
         t0 = timing.clock()
         out = self.launches[arm](*args)
         dt = timing.clock() - t0
-        if events is not None and events() != before:
-            return out  # the call also did one-off work (packing): not a timing of the launch
+        packed = events is not None and events() != before
         with self._lock:
+            if packed:
+                # the call also did one-off work (packing): not a timing of the launch -- unless
+                # it keeps happening (a weight made anew every call, as autocast's copy): then
+                # packing is what each call of this launch costs, and without these timings
+                # its arms never got a sample, so the runner never learned and stayed on them
+                self._packed += 1
+                if self._packed <= self.packing_calls_skipped:
+                    return out
+            else:
+                self._packed = 0
             self._record(arm, dt)
             if self._follow is not None:
                 self._follow.settled = self.current
