@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.enable()  # a crash of a replica leaves its threads' stacks on stderr
     torch.set_num_threads(1)
 
-    host, port = a.lighthouse.rsplit(":", 1)
     model = build_model(a.model, a.seed + zlib.crc32(a.rid.encode()))  # differ on purpose
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     corpus = None
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         opt.load_state_dict(s["optim"])
 
     mgr = Manager(
-        lighthouse=(host, int(port)),
+        lighthouse=a.lighthouse,  # (Manager parses host:port, [v6]:port, http://)
         replica_id=a.rid,
         state_dict=state,
         load_state_dict=load,
