@@ -268,7 +268,7 @@ def _chol_routed_native(
     """Run a native Cholesky that ``method`` already routed for this problem through its
     resolved launcher, or None to take the general path (unknown problem, non-CPU tensor,
     tracing, autograd, a setting changed or overridden since the route was learned)."""
-    if type(a) is not torch.Tensor:
+    if type(a) is not torch.Tensor or type(method) is not str:  # (the key hashes method)
         return None
     run = _chol_native.get((method, a.shape, a.dtype, upper))
     if run is None or not _native_ok(a):
@@ -829,7 +829,8 @@ def eigh(
 
     Returns ``(eigenvalues, eigenvectors)``, eigenvalues ascending, eigenvectors as columns.
     """
-    if method == "auto" and type(A) is torch.Tensor:
+    # (UPLO a str: the keys hash it, and an unhashable one gets _uplo's typed error below)
+    if method == "auto" and type(A) is torch.Tensor and type(UPLO) is str:
         key = (A.shape, A.dtype, UPLO, True)
         if key in _lk_eigh and _routes_gen[0] == _cfg_gen[0]:
             return torch.linalg.eigh(A, UPLO)
@@ -862,7 +863,7 @@ def eigh(
 
 def eigvalsh(A: torch.Tensor, UPLO: str = "L", *, method: str = "auto") -> torch.Tensor:
     """Eigenvalues of symmetric (Hermitian) ``A``, ascending (``torch.linalg.eigvalsh``)."""
-    if method == "auto" and type(A) is torch.Tensor:
+    if method == "auto" and type(A) is torch.Tensor and type(UPLO) is str:  # (as in eigh)
         key = (A.shape, A.dtype, UPLO, False)
         if key in _lk_eigh and _routes_gen[0] == _cfg_gen[0] and not A.requires_grad:
             return torch.linalg.eigvalsh(A, UPLO)
@@ -900,14 +901,16 @@ def qr(
 
     With ``mode='r'`` Q is an empty tensor, as in torch. R's diagonal follows LAPACK's signs.
     """
-    if method == "auto" and type(A) is torch.Tensor:
+    # (mode and method str: the keys hash them, and unhashable ones get the typed errors below)
+    if method == "auto" and type(A) is torch.Tensor and type(mode) is str:
         key = (A.shape, A.dtype, mode)
         if key in _lk_qr and _routes_gen[0] == _cfg_gen[0]:
             return torch.linalg.qr(A, mode)
         run = _one_qr.get(key)
         if run is not None and _native_ok(A):
             return run(A)
-    if type(A) is torch.Tensor:  # a problem already routed to the native kernel: its launcher
+    # a problem already routed to the native kernel: its launcher
+    if type(A) is torch.Tensor and type(mode) is str and type(method) is str:
         run = _qr_native.get((method, A.shape, A.dtype, mode))
         if run is not None and _native_ok(A):
             return _rt.linalg_qr(run(A))

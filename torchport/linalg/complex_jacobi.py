@@ -22,11 +22,13 @@ a pair is rotated once more near convergence, which keeps kernel and reference t
   eigenvector columns of V (A = V Λ Vᴴ) with f = ē. Eigenvalues real, ascending.
 - **SVD** (Hestenes): the q = min(m, n) vectors (columns of A, or conjugated rows when m < n, i.e.
   the columns of Aᴴ) are rotated pairwise until |w_jᴴ w_k| ≤ eps·sqrt(p)·‖w_j‖‖w_k‖: with
-  g = w_jᴴ w_k, f = ḡ/|g| and (c, s, t) from (‖w_j‖², ‖w_k‖², |g|), on W and V alike (a pair
-  whose test is not a clear "rotate", NaN or |g| = 0 included, is skipped; the running norms
-  ‖w_j‖² − t|g|, ‖w_k‖² + t|g| are kept, the first recomputed when it is not > 0). S real
-  descending; numerically null vectors (σ ≤ σ_max·p·eps) completed by complex Gram-Schmidt from
-  the least represented unit vector; Vh = Vᴴ.
+  g = w_jᴴ w_k, f = ḡ/|g| and (c, s, t) from (‖w_j‖², ‖w_k‖², |g|), on W and V alike (|g| and f
+  from g's parts divided by the larger one when their squares near underflow, as for two null
+  vectors, so that |f| = 1 to rounding; a pair whose test is not a clear "rotate", NaN or
+  |g| = 0 included, is skipped; the running norms ‖w_j‖² − t|g|, ‖w_k‖² + t|g| are kept, the
+  first recomputed when it is not > 0). S real descending; numerically null vectors
+  (σ ≤ σ_max·p·eps) completed by complex Gram-Schmidt from the least represented unit vector;
+  Vh = Vᴴ.
   Graded input (as ``kernels``' ``svd_graded``) keeps one power-of-two scale per vector.
 
 Non-finite input stops that matrix; the launchers return 1 + the first such batch index, as the
@@ -143,6 +145,22 @@ TP_INLINE T crenorm(T *w, int64_t p, int *e) {
     return cnorm2(w, p);
 }
 
+/* g = |gr + i gi|, and (hr, hi, h) with (hr - i hi) / h = conj(g) / |g| of modulus 1 to rounding:
+   (gr, gi, g) while the squares are well above underflow, else the parts divided by the larger
+   one first. The inner product of two numerically null vectors is ~eps^2 of the matrix's scale
+   (float: 1e-20), whose squares are subnormal: gr / g and gi / g then made a phase off modulus 1
+   by percents, and Vh as far from unitary (complex64 rank-one input, n = 32: 1.7e-2). */
+#define CTINY2 ((T)(sizeof(T) == 4 ? 1e-30 : 1e-280))
+TP_INLINE T cmod(T gr, T gi, T *hr, T *hi, T *h) {
+    const T r2 = gr * gr + gi * gi;
+    if (!(r2 < CTINY2)) { *hr = gr; *hi = gi; return *h = TSQRT(r2); }  /* NaN too */
+    const T mx = TP_MAX(TFABS(gr), TFABS(gi));
+    if (mx == 0) { *hr = 0; *hi = 0; *h = 1; return 0; }
+    *hr = gr / mx; *hi = gi / mx;
+    *h = TSQRT(*hr * *hr + *hi * *hi);
+    return mx * *h;
+}
+
 /* the real Jacobi rotation of [[al, g], [g, be]] (kernels.py's rot_params) */
 TP_INLINE void rot_params(T al, T be, T g, T *tt, T *c, T *s) {
     T zeta = (be - al) / (2 * g), t;
@@ -225,9 +243,9 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
             for (int64_t k = j + 1; k < q; ++k) {
                 T al = nrm[j], be = nrm[k];
                 if (al == 0 || be == 0) continue;
-                T gr, gi;
+                T gr, gi, hr, hi, h;
                 cdot(W + 2 * j * p, W + 2 * k * p, p, &gr, &gi);
-                T g = TSQRT(gr * gr + gi * gi);
+                const T g = cmod(gr, gi, &hr, &hi, &h);
                 /* written so that a NaN threshold skips the pair (g <= NaN is false) and so
                    that g > 0 past it: with one row far above the others g underflowed to 0
                    while gr did not, and the rotation's phase gr / g was 0/0 */
@@ -245,7 +263,7 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
                         rot_params((T)ldexp((double)al, -d), (T)ldexp((double)be, d), g, &tt, &c, &s);
                         sj = (T)ldexp((double)s, d); sk = (T)ldexp((double)s, -d);
                     }
-                    const T fr = gr / g, fi = -gi / g;  /* conj(g) / |g| */
+                    const T fr = hr / h, fi = -hi / h;  /* conj(g) / |g| */
                     crot2(W + 2 * j * p, W + 2 * k * p, p, c, sj * fr, sj * fi, sk * fr, sk * fi);
                     if (uv) crot(V + 2 * j * q, V + 2 * k * q, q, c, s * fr, s * fi);
                     nrm[j] = crenorm(W + 2 * j * p, p, ve + j);
@@ -253,7 +271,7 @@ static __attribute__((noinline)) int csvd_one(const T *a, T *S, T *U, T *Vh, int
                     continue;
                 }
                 rot_params(al, be, g, &tt, &c, &s);
-                const T sr = s * gr / g, si = -s * gi / g;  /* s conj(g) / |g| */
+                const T sr = s * hr / h, si = -s * hi / h;  /* s conj(g) / |g| */
                 crot(W + 2 * j * p, W + 2 * k * p, p, c, sr, si);
                 if (uv) crot(V + 2 * j * q, V + 2 * k * q, q, c, sr, si);
                 /* the running norms: al - tt g cancels for a column left near the rounding
