@@ -136,7 +136,7 @@ def _tcp_pair(secret: bytes) -> tuple[Window, object]:
 
     win = Window.__new__(Window)
     win.rank, win.size, win.timeout_s, win._secret = 0, 2, 5.0, secret
-    win._local = torch.zeros(6)
+    win._local, win._regs = torch.zeros(6), 1  # (requests name the registration)
     win._sig_local = np.zeros(2, dtype=np.int64)
     win._lock = threading.Lock()
     srv = Server(win._serve, secret=secret, role="window")
@@ -166,11 +166,11 @@ def test_a_request_interrupted_after_its_header_drops_the_connection(monkeypatch
     monkeypatch.setattr(window, "send_msg", send_then_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
-            win._rpc(1, {"t": "put", "off": 0, "n": 2}, torch.tensor([1.0, 2.0]))
-        win._rpc(1, {"t": "put", "off": 4, "n": 2}, torch.tensor([5.0, 6.0]))
+            win._rpc(1, {"t": "put", "off": 0, "n": 2, "reg": win._regs}, torch.tensor([1.0, 2.0]))
+        win._rpc(1, {"t": "put", "off": 4, "n": 2, "reg": win._regs}, torch.tensor([5.0, 6.0]))
         assert win._local.tolist() == [0.0, 0.0, 0.0, 0.0, 5.0, 6.0]
         got = torch.empty(6)
-        win._rpc(1, {"t": "get", "off": 0, "n": 6}, None, got)
+        win._rpc(1, {"t": "get", "off": 0, "n": 6, "reg": win._regs}, None, got)
         assert got.tolist() == [0.0, 0.0, 0.0, 0.0, 5.0, 6.0]
     finally:
         srv.close()
@@ -185,10 +185,10 @@ def test_the_server_writes_nothing_of_a_put_whose_connection_ends_inside_its_pay
     try:
         sock = connect(srv.address, b"k" * 32, "window", 5.0)
         send_msg(sock, {"t": "hello", "src": 0})
-        send_msg(sock, {"t": "put", "off": 0, "n": 4})
+        send_msg(sock, {"t": "put", "off": 0, "n": 4, "reg": win._regs})
         sock.sendall(np.ones(2, dtype=np.float32).tobytes())  # 8 of its 16 bytes
         sock.close()
-        win._rpc(1, {"t": "put", "off": 4, "n": 2}, torch.tensor([5.0, 6.0]))
+        win._rpc(1, {"t": "put", "off": 4, "n": 2, "reg": win._regs}, torch.tensor([5.0, 6.0]))
         assert win._local.tolist() == [0.0, 0.0, 0.0, 0.0, 5.0, 6.0]
     finally:
         srv.close()

@@ -184,7 +184,13 @@ def split_group(
     # the parent's global ranks in group-rank order (a nested split of [[2, 3]] named global
     # rank 3 by 1: reading split ranks as global ranks gave rank 3 no group and let [[0, 2]]
     # join members of two different parents)
-    to_global = dist.get_process_group_ranks(parent)
+    try:
+        to_global = dist.get_process_group_ranks(parent)
+    except KeyError:  # (a ReconfigurableGroup's communicator, a destroyed group: a bare KeyError)
+        raise CollectiveArgumentError(
+            f"split_group: the parent group must be one c10d knows (made by init_process_group, "
+            f"new_group or split_group and not destroyed), got {parent!r}"
+        ) from None
     me = parent.rank()
     seen: set[int] = set()
     groups = [[_split_rank(r, given) for r in given] for given in split_ranks]

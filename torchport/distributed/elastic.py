@@ -17,7 +17,10 @@ ordered member list:
 2. a rendezvous over the mesh that doubles as a barrier: member 0 offers a fresh shared-memory
    arena when every member runs on this host (or none), waits for every member's
    acknowledgement, unlinks the arena (a crash leaves nothing in ``/dev/shm`` except within that
-   exchange) and only then tells everyone to go;
+   exchange) and only then tells everyone to go. The offer carries the attempt's token (frames
+   of an earlier attempt under the same name are told apart and dropped) and a digest of
+   member 0's member order (a member given another order refuses, and member 0 aborts the
+   attempt on every member);
 3. a :class:`~torchport.distributed.engine.Communicator` under a group id derived from the
    group's name (unique per reconfiguration), ranks = positions in the member list.
 
@@ -36,8 +39,11 @@ the ABORT frames that follow it, so the receiver learns the cause before the abo
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -296,6 +302,31 @@ class _RankNaming:
         self.comm.on_peer_lost(src, error)
 
 
+# Every formation attempt is told apart by a token that member 0 draws from this counter (a
+# process's tokens only grow, and a restarted process has a new member id): the control frames
+# of an attempt that failed stay queued at the members it reached, keyed like the retry's
+# (same group name, same member 0), and a retry under the same name took them for its own.
+_attempts = itertools.count(1)
+_TOKEN = struct.Struct("<QQ")  # OFFER: token, digest of the member order; then the arena path
+_VERDICT = struct.Struct("<QB")  # ACK: token, status; GO: token, verdict; then a reason
+_GO_AHEAD, _STALE, _ABORT = 0, 1, 2  # GO verdicts ("stale": your offer is an old attempt's)
+
+
+def _order_digest(ids: list[int]) -> int:
+    """64-bit digest of a member order (ranks = positions: every member must hold the same)."""
+    raw = b"".join(i.to_bytes(4, "little") for i in ids)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def _unpack(frame_kind: str, fmt: struct.Struct, body: bytearray, src: int) -> tuple[Any, ...]:
+    if len(body) < fmt.size:
+        raise CommError(
+            f"{frame_kind} frame from member {src} has {len(body)} bytes, fewer than "
+            f"{fmt.size} (every member must run the same torchport)"
+        )
+    return (*fmt.unpack_from(body), bytes(body[fmt.size :]).decode(errors="replace"))
+
+
 def _rendezvous(
     mesh: ElasticMesh,
     gid: int,
@@ -309,17 +340,39 @@ def _rendezvous(
     """Member 0 offers an arena path (or none), collects every ack, then says go.
 
     The final "go" makes formation a barrier: no member finishes (and, in a reconfigure,
-    rotates its handle) before every member has validated and joined.
+    rotates its handle) before every member has validated and joined. The offer carries the
+    attempt's token and a digest of member 0's member order: a member holding another order
+    (ranks would repeat) refuses, and member 0 then aborts the attempt on every member. A
+    member that took an earlier attempt's offer (its ack names an old token) is told the
+    current token and takes the offers up to it; frames of old attempts are dropped.
     """
     ctrl = int(Kind.CTRL)
+    digest = _order_digest(ids)
     if rank == 0:
+        token = next(_attempts)
         arena = ShmArena(ShmArena.new_path(), len(ids), 0, slot, create=True) if local else None
         try:
             path = arena.path.encode() if arena is not None else b""
+            offer = _TOKEN.pack(token, digest) + path
             for g in ids[1:]:
-                mesh.send(g, Kind.CTRL, gid, _OFFER, path, deadline=deadline, check=check)
+                mesh.send(g, Kind.CTRL, gid, _OFFER, offer, deadline=deadline, check=check)
+            refusal = None
             for g in ids[1:]:
-                mesh.mailbox.get((gid, ctrl, g, _ACK), deadline, check)
+                while refusal is None:
+                    _, body = mesh.mailbox.get((gid, ctrl, g, _ACK), deadline, check)
+                    got, status, why = _unpack("ACK", _VERDICT, body, g)
+                    if got == token:
+                        if status:
+                            refusal = f"{why} (member {ids[0]}'s order: {ids})"
+                        break
+                    stale = _VERDICT.pack(token, _STALE)  # (or a late ack of an old attempt)
+                    mesh.send(g, Kind.CTRL, gid, _GO, stale, deadline=deadline, check=check)
+            if refusal is not None:
+                end = _VERDICT.pack(token, _ABORT) + refusal.encode()
+                for g in ids[1:]:  # every member fails now, not at its timeout
+                    with contextlib.suppress(CommError, CommTimeoutError):
+                        mesh.send(g, Kind.CTRL, gid, _GO, end, deadline=deadline, check=check)
+                raise CommError(f"the formation was abandoned: {refusal}")
         except BaseException:
             if arena is not None:
                 arena.close()
@@ -328,28 +381,56 @@ def _rendezvous(
             if arena is not None:
                 arena.unlink()
         try:
+            go = _VERDICT.pack(token, _GO_AHEAD)
             for g in ids[1:]:
-                mesh.send(g, Kind.CTRL, gid, _GO, deadline=deadline, check=check)
+                mesh.send(g, Kind.CTRL, gid, _GO, go, deadline=deadline, check=check)
         except BaseException:
             if arena is not None:  # (not left mapped until the collector finds it)
                 arena.close()
             raise
         return arena
-    _, body = mesh.mailbox.get((gid, ctrl, ids[0], _OFFER), deadline, check)
-    arena = None
-    if body:
+    lead, floor = ids[0], 0
+    while True:  # once per offer taken (a later one only after an old attempt's)
+        while True:
+            _, body = mesh.mailbox.get((gid, ctrl, lead, _OFFER), deadline, check)
+            token, theirs, path = _unpack("OFFER", _TOKEN, body, lead)
+            if token >= floor:
+                break
+        arena, refusal = None, ""
+        if theirs != digest:
+            refusal = (
+                f"member {mesh.rank} was given the member order {ids}, not member {lead}'s "
+                "(ranks are positions in the order: every rank must pass the handles in the "
+                "same order)"
+            )
+        elif path:
+            try:
+                arena = ShmArena(path, len(ids), rank, slot, create=False)
+            except (OSError, CommError) as e:  # (an old attempt's is gone: CommError)
+                refusal = f"cannot map the arena of member {lead}: {e}"
         try:
-            arena = ShmArena(bytes(body).decode(), len(ids), rank, slot, create=False)
-        except OSError as e:
-            raise CommError(f"cannot map the arena of member {ids[0]}: {e}") from None
-    try:
-        mesh.send(ids[0], Kind.CTRL, gid, _ACK, deadline=deadline, check=check)
-        mesh.mailbox.get((gid, ctrl, ids[0], _GO), deadline, check)
-    except BaseException:
+            ack = _VERDICT.pack(token, 1 if refusal else 0) + refusal.encode()
+            mesh.send(lead, Kind.CTRL, gid, _ACK, ack, deadline=deadline, check=check)
+            while True:
+                _, body = mesh.mailbox.get((gid, ctrl, lead, _GO), deadline, check)
+                got, verdict, why = _unpack("GO", _VERDICT, body, lead)
+                if got < token or (got == token and verdict == _STALE):
+                    continue  # an old attempt's, or the answer to an old attempt's ack
+                if verdict == _ABORT:  # (this member's own refusal, or another's)
+                    mine = refusal if got == token else ""
+                    raise CommError(mine or f"member {lead} abandoned the formation: {why}")
+                if verdict == _STALE:  # this offer was an old attempt's
+                    break
+                if got != token or refusal:  # (member 0 goes ahead only on this ack)
+                    raise CommError(f"member {lead} went ahead with attempt {got}, not {token}")
+                return arena
+        except BaseException:
+            if arena is not None:
+                arena.close()
+            raise
         if arena is not None:
             arena.close()
-        raise
-    return arena
+        floor = got
 
 
 def form_group(

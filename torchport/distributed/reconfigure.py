@@ -91,6 +91,7 @@ _MAX_CAUSE = 512  # bytes of a fault notice's cause text that are kept
 # an integer of more than 4300 digits (a larger uuid failed every peer's check request).
 MAX_UUID = (1 << 64) - 1
 _SPARE = 8  # idle threads kept by the control server and the mesh (see _threads.WarmPool)
+_CURRENT = object()  # ReconfigurableGroup._fail: whichever communicator is current
 
 
 class ReconfigureError(CommError):
@@ -259,6 +260,7 @@ class ReconfigurableGroup:
     """
 
     supports_reconfigure = True
+    _closed = False  # (set by close(); a class default for a group built without __init__)
 
     def __init__(
         self,
@@ -338,6 +340,7 @@ class ReconfigurableGroup:
     # -- handles and the control server ---------------------------------------------------
     def get_reconfigure_handle(self) -> str:
         """This rank's current handle (changes after every successful reconfigure)."""
+        self._check_open("_get_reconfigure_handle")  # (it named a server that had stopped)
         h, p = self._server.address
         store_port = self.store.port if self.store is not None else 0
         # torchport: the mesh listener too, so peers can dial it while they validate
@@ -398,6 +401,8 @@ class ReconfigurableGroup:
         """Start a reconfigure (see module docstring); the returned Work raises on failure."""
         # in the caller's context: forming the group reads config (dist_transport, chunk sizes,
         # dist_addr), whose overrides are context variables the pool thread does not inherit
+        # (closed: the pool's bare RuntimeError "cannot schedule new futures after shutdown")
+        self._check_open("_reconfigure")
         run = contextvars.copy_context().run
         return Work(self._pool.submit(run, self._reconfigure_flagged, opts), "reconfigure")
 
@@ -423,10 +428,10 @@ class ReconfigurableGroup:
             )
         if not order:
             raise ReconfigureError("handles must name at least one rank, got an empty collection")
+        for h in order:  # (before the set: a list among them raised a bare TypeError there)
+            parse_handle(h)
         if len(set(order)) != len(order):
             raise ReconfigureError(f"handles must be distinct, got duplicates in {order}")
-        for h in order:
-            parse_handle(h)
         mine = self.get_reconfigure_handle()
         if mine not in order:
             raise ReconfigureError(
@@ -656,9 +661,9 @@ class ReconfigurableGroup:
     def _report(self, mid: int, why: str) -> None:
         """Fail the group because of watched member ``mid`` (once per membership)."""
         with self._lock:
-            r = self._watched.pop(mid, None)
+            r, pg = self._watched.pop(mid, None), self.pg
         if r is not None:
-            self._fail(PeerFailure(why), culprit=r, background=True)
+            self._fail(PeerFailure(why), culprit=r, background=True, pg=pg)
 
     def _on_lost(self, mid: int) -> None:
         """The mesh lost its connection to member ``mid`` (called from its reader thread)."""
@@ -748,7 +753,13 @@ class ReconfigurableGroup:
                 target=self._start_watch, args=(order, rank, generation), daemon=True
             ).start()
 
-    def _fail(self, e: BaseException, culprit: int | None = None, background: bool = False) -> None:
+    def _fail(
+        self,
+        e: BaseException,
+        culprit: int | None = None,
+        background: bool = False,
+        pg: Any = _CURRENT,
+    ) -> None:
         """Record the first failure, end in-flight ops here and on every peer.
 
         When this rank detected the fault itself (``culprit`` is the faulty member), it first
@@ -756,8 +767,14 @@ class ReconfigurableGroup:
         later does not blame this rank for the abort that follows. With ``background`` the
         error is recorded at once and the messages (which may wait on a stuck connection) are
         sent from a separate thread.
+
+        ``pg``: the communicator the failure was seen on; when a reconfigure has replaced it
+        since, the failure is stale and ignored (it recorded the error on the new membership
+        and aborted the new communicator on every rank).
         """
         with self._lock:
+            if pg is not _CURRENT and pg is not self.pg:
+                return
             first = self._error is None
             if first:
                 self._error = e
@@ -824,6 +841,11 @@ class ReconfigurableGroup:
             retire(pg)
             self._server.refill()
 
+    def _check_open(self, name: str) -> None:
+        """:class:`ReconfigureError` once :meth:`close` ran (``name``: the refused call)."""
+        if self._closed:
+            raise ReconfigureError(f"{name}: the group was closed")
+
     def get_error(self) -> BaseException | None:
         """The failure detected since the last reconfigure, if any."""
         return self._error
@@ -835,21 +857,34 @@ class ReconfigurableGroup:
     def size(self) -> int:
         return self._size
 
+    def _replaced(self, name: str, cause: object) -> ReconfigureError:
+        """The error of an op whose communicator a reconfigure replaced while it was in flight
+        (the new membership is not failed by it)."""
+        return ReconfigureError(
+            f"{name}: the group was reconfigured while {name} was in flight; it ran on the "
+            f"replaced communicator and did not complete ({cause})"
+        )
+
     def _run(self, name: str, issue: Any, timeout: float | None = None) -> None:
-        if self.pg is None:
+        self._check_open(name)
+        ev = threading.Event()
+        with self._lock:  # the communicator this op runs on, with its error state
+            pg, error = self.pg, self._error
+            if pg is not None and error is None:
+                self._waiters.add(ev)
+        if pg is None:
             raise ReconfigureError(
                 f"{name}: the group has no communicator yet; call _reconfigure first"
             )
-        if self._error is not None:
-            raise PeerFailure(f"{name}: group failed earlier: {self._error}")
-        ev = threading.Event()
-        with self._lock:
-            self._waiters.add(ev)
+        if error is not None:
+            raise PeerFailure(f"{name}: group failed earlier: {error}")
         try:
-            work = issue(self.pg)
+            work = issue(pg)
             work.get_future().add_done_callback(lambda _f: ev.set())
             t = self.timeout.total_seconds() if timeout is None else timeout
             if not ev.wait(t):
+                if self.pg is not pg:  # (gloo: a replaced group's op is not aborted)
+                    raise self._replaced(name, f"no result within {t} s")
                 # the op is still in flight: fail the group (as c10d's watchdog aborts a timed-out
                 # communicator), or it completed later with a slow peer and rewrote the tensor
                 # this rank had been told failed, while the peer reported success. On gloo only
@@ -857,22 +892,35 @@ class ReconfigurableGroup:
                 # torch 2.13 ProcessGroupGloo return without ending it), so it can still complete
                 # with a slow peer (README)
                 err = CommError(f"{name} timed out after {t} s")
-                self._fail(err)
+                self._fail(err, pg=pg)
                 raise err
             if self._error is not None and not work.is_completed():
+                if self.pg is not pg:  # a failure of the new membership is not this op's
+                    raise self._replaced(name, "its communicator was retired")
                 raise PeerFailure(f"{name} aborted: {self._error}")
             try:
                 work.get_future().value()
             except (RuntimeError, CommError) as e:  # gloo: RuntimeError; torchport: CommError
                 # A peer's abort may arrive before this rank's own watchers name the cause
-                # (which rank crashed or hung): give them up to the hang-detection time.
+                # (which rank crashed or hung): give them up to the hang-detection time. A
+                # peer that finished a reconfigure first and retired this communicator ends
+                # the op too: then this rank's reconfigure completes meanwhile.
                 end = time.monotonic() + 6 * self.heartbeat + 1.0
-                while self._error is None and self._mesh is not None and time.monotonic() < end:
+                while (
+                    self._error is None
+                    and self.pg is pg
+                    and self._mesh is not None
+                    and time.monotonic() < end
+                ):
                     time.sleep(0.005)
+                # (the old op's failure, recorded on the new membership, failed it on every
+                # rank: the error state and the abort belong to the communicator it ran on)
+                if self.pg is not pg:
+                    raise self._replaced(name, e) from None
                 if self._error is not None:
                     raise PeerFailure(f"{name} failed: {self._error}") from None
                 err = PeerFailure(f"{name} failed: {e}")
-                self._fail(err)
+                self._fail(err, pg=pg)
                 raise err from None
         finally:
             with self._lock:

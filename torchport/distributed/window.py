@@ -562,6 +562,9 @@ class Window:
         if self._local is None:  # (after close(): said "no tensor is registered")
             raise WindowError(f"tensor_deregister: {self._unregistered()}")
         self._check_members("tensor_deregister")
+        # this rank's async requests first (as fence() does; their errors kept for the next
+        # fence): queued behind the barrier, they landed in the next registration's tensor
+        self._settle()
         self._c.barrier()  # every rank's RMA on the old tensors has ended
         self._local = None
         self._remote, self._remote_fds = [], []
@@ -712,7 +715,8 @@ class Window:
                 and data.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
             ):
                 data = data.clone()  # the caller may reuse its tensor before the request runs
-            msg = {"t": wire, "off": off, "n": src.numel()}
+            nb = data.numel() * data.element_size()  # (a refused request's payload is skipped)
+            msg = {"t": wire, "off": off, "n": src.numel(), "reg": self._regs, "nb": nb}
             return self._issue(dst, lambda: self._rpc(dst, msg, data), async_op)
         tgt = self._remote[dst]
         assert tgt is not None
@@ -776,7 +780,7 @@ class Window:
             assert tgt is not None
             return tgt.view(-1)[off : off + n].clone()
         out = torch.empty(n, dtype=self._meta[src_rank][0])
-        msg = {"t": "get", "off": off, "n": n}
+        msg = {"t": "get", "off": off, "n": n, "reg": self._regs}
         self._issue(src_rank, lambda: self._rpc(src_rank, msg, None, out), False)
         return out
 
@@ -820,8 +824,14 @@ class Window:
         want = self._consumed[src_rank] + 1
         deadline = time.monotonic() + timeout
         spins = 0
-        while int(self._sig_local[src_rank]) < want:
+        sig = self._sig_local  # (this view keeps the mapping while it is read)
+        while int(sig[src_rank]) < want:
             spins += 1
+            if self._closed:  # (another thread's close(): an IndexError on the counters)
+                raise WindowError(
+                    f"wait_signal: the window was closed (close) while waiting for a signal "
+                    f"from rank {src_rank}"
+                )
             if spins > 200:
                 if time.monotonic() > deadline:
                     raise WindowError(
@@ -846,6 +856,17 @@ class Window:
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+
+    def _settle(self) -> None:
+        """Wait for this rank's outstanding async requests (each is bounded by the window's
+        timeout); the errors of failed ones are kept for the next :meth:`fence`."""
+        with self._plock:
+            pending, self._pending = self._pending, []
+        cf.wait(pending)
+        with self._plock:
+            self._failed.extend(
+                cast(BaseException, f.exception()) for f in pending if f.exception() is not None
+            )
 
     def _issue(self, r: int, fn: Any, async_op: bool) -> Work | None:
         """Run a tcp request on ``r``'s ordered queue (requests to one target keep their order)."""
@@ -962,6 +983,24 @@ class Window:
                 send_msg(conn, {"t": "ok"})
                 continue
             local = self._local
+            # the registration the request was issued against (read after ``local``: a new
+            # registration counts before it installs its tensor). A request that outlived it
+            # (one that timed out at its source, then arrived) wrote into the next one. (Every
+            # put/acc/get of _write and get carries it; one without it is refused too.)
+            reg: Any = msg.get("reg")
+            if local is not None and reg != self._regs:
+                why = (
+                    f"{kind} was issued for registration {clip_repr(reg)} of this window, but "
+                    f"registration {self._regs} is current (the tensor was deregistered since)"
+                )
+                # (a put without a valid length: its payload cannot be skipped, the connection
+                # is closed)
+                nb: Any = msg.get("nb") if kind in ("put", "acc") else 0
+                if not (is_int(nb) and 0 <= nb < 1 << 48):
+                    _refuse(conn, why)
+                _skip(conn, nb)  # the payload, unread: the stream stays in step
+                send_msg(conn, {"t": "error", "error": why})
+                continue
             # integers only: a string, list or infinity made int() raise in this thread, which
             # died with a traceback and no reply; 1.7 was taken as 1
             off: Any = msg.get("off")
@@ -1025,6 +1064,15 @@ class Window:
         self._maps, self._retired = [], []
 
 
+def _skip(conn: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` bytes of a request's payload."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+    while nbytes:
+        k = min(nbytes, len(scratch))
+        recv_into_exact(conn, scratch[:k])
+        nbytes -= k
+
+
 def _refuse(conn: socket.socket, why: str) -> NoReturn:
     """Answer a malformed or out-of-range window request with an error and close the connection
     (a put's payload follows its header: the stream is out of step; the client drops a connection
@@ -1054,6 +1102,8 @@ def _new_window(
         )
     if not _supports_window(group):
         raise WindowError(f"group {group!r} does not support windows")
+    if isinstance(group, ReconfigurableGroup):  # (said "no communicator yet")
+        group._check_open("_new_window")
     return Window(group, tensor, transport=transport, timeout=timeout)
 
 
