@@ -322,6 +322,9 @@ def batching_runner(
     them on the program's own first calls. With ``autotune`` off the batched form is taken
     untimed (as the autotuner takes its first non-anchor candidate).
 
+    The check's derived inputs are not cached: the copies it runs on die when it returns, so
+    their cat/stack could never be reused (and would evict the live weights' entries).
+
     The check runs the forwards only, under ``no_grad``: this runs inside dynamo's backend call,
     and a backward here made AOTAutograd compile the backward graph (lazily compiled on first
     use) inside dynamo's compile-metrics context, which raised on every call of a graph that
@@ -345,9 +348,9 @@ def batching_runner(
         restore = _snapshot_generators()
         try:
             with torch.no_grad():
-                batched = forms["batched"](*args)
+                batched = _call_uncached(forms["batched"], args)
                 restore()
-                unbatched = forms["unbatched"](*args)
+                unbatched = _call_uncached(forms["unbatched"], args)
         finally:
             restore()
         if not _outputs_close(batched, unbatched):
@@ -358,6 +361,13 @@ def batching_runner(
             return forms["unbatched"]
     reps = max(3, int(config.get("autotune_reps")))
     return MeasuredBatching(forms, key, reps, decided)
+
+
+def _call_uncached(form: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Call one compiled form, computing its derived inputs (if any) without the cache."""
+    if isinstance(form, BatchedCallable):
+        return form.call_uncached(*args)
+    return form(*args)
 
 
 # --- rule: parallel linears on one input ----------------------------------------------------------
@@ -532,7 +542,9 @@ BATCHING = Pass(
 
 # --- derived weights at run time ------------------------------------------------------------------
 
-# key -> (weak references to the source tensors, their cat/stack)
+# key -> (weak references to the source tensors, their cat/stack). An entry goes when any of its
+# source tensors dies (the weak references' callback): it could never be hit again (a hit needs
+# the very tensors), and it held a copy of the weights of a deleted model.
 _CACHE: dict[tuple[Any, ...], tuple[tuple[weakref.ref[torch.Tensor], ...], torch.Tensor]] = {}
 _CACHE_MAX = 64
 
@@ -542,6 +554,22 @@ def _cache_key(how: str, ts: Sequence[torch.Tensor]) -> tuple[Any, ...]:
         how,
         *[(t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype) for t in ts],
     )
+
+
+def _combine(how: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(ts)) if how == "cat" else torch.stack(list(ts))
+
+
+def _dropper(key: tuple[Any, ...]) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    """The callback of an entry's weak references: drop the entry when a source dies (unless
+    the key holds a newer entry by then, whose references are other objects)."""
+
+    def drop(dead: weakref.ref[torch.Tensor]) -> None:
+        entry = _CACHE.get(key)
+        if entry is not None and any(r is dead for r in entry[0]):
+            _CACHE.pop(key, None)
+
+    return drop
 
 
 def _cached(how: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -557,11 +585,15 @@ def _cached(how: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
     if entry is not None and all(r() is t for r, t in zip(entry[0], ts, strict=True)):
         return entry[1]
     with torch.no_grad():
-        out = torch.cat(list(ts)) if how == "cat" else torch.stack(list(ts))
+        out = _combine(how, ts)
     _CACHE.pop(key, None)
     if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = (tuple(weakref.ref(t) for t in ts), out)
+        # (tolerates entries a callback removed meanwhile: a source may die in any thread)
+        oldest = next(iter(_CACHE), None)
+        if oldest is not None:
+            _CACHE.pop(oldest, None)
+    drop = _dropper(key)
+    _CACHE[key] = (tuple(weakref.ref(t, drop) for t in ts), out)
     return out
 
 
@@ -592,7 +624,7 @@ def _after_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) ->
         return
     for key, (refs, _) in list(_CACHE.items()):
         if any(_storage_of(r()) in (None, *storages) for r in refs):
-            del _CACHE[key]
+            _CACHE.pop(key, None)
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
@@ -610,11 +642,11 @@ def derive(d: DerivedInput, args: Sequence[Any]) -> torch.Tensor:
     """The value of a derived input for one call (cached unless autograd needs the op)."""
     ts = [args[i] for i in d.sources]
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        return torch.cat(ts) if d.how == "cat" else torch.stack(ts)
+        return _combine(d.how, ts)
     if any(t.is_inference() for t in ts):
         # inference tensors (weights made under inference_mode) have no version counter to
         # validate a cached result with, and may be updated in place inside inference_mode
-        return torch.cat(ts) if d.how == "cat" else torch.stack(ts)
+        return _combine(d.how, ts)
     return _cached(d.how, ts)
 
 
@@ -627,6 +659,12 @@ class BatchedCallable:
 
     def __call__(self, *args: Any) -> Any:
         extra = [derive(d, args) for d in self.derived]
+        return self.compiled(*args, *extra)
+
+    def call_uncached(self, *args: Any) -> Any:
+        """One call whose derived inputs are computed afresh and not cached (for inputs that
+        die right after it, as the batching check's copies do)."""
+        extra = [_combine(d.how, [args[i] for i in d.sources]) for d in self.derived]
         return self.compiled(*args, *extra)
 
 

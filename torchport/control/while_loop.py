@@ -4,8 +4,9 @@
 ``cond_fn(*carried)`` is true and returns the final carried values as a tuple.
 
 - carried values are tensors or ints (possibly nested in tuples/lists/dicts); ``body_fn`` returns
-  the same structure, with tensors of the same shape, dtype and device (checked each iteration in
-  eager, naming the leaf), or a bare value when one value is carried (torch accepts that too);
+  the same structure, with tensors of the same shape, dtype and device and ints that stay ints
+  (not floats, not bools; checked each iteration in eager, naming the leaf), or a bare value
+  when one value is carried (torch accepts that too);
 - the result is always a tuple (torch returns whatever ``body_fn`` returns, so a bare tensor for
   a body returning one: here the same in every mode, whatever the trip count);
 - ``cond_fn`` returns a Python bool or a one-element bool tensor;
@@ -62,7 +63,7 @@ def _validate(cond_fn: Any, body_fn: Any, carried: Any) -> list[Any]:
         )
     leaves = pytree.tree_leaves(carried)
     for x in leaves:
-        if isinstance(x, bool) or not isinstance(x, (torch.Tensor, int, torch.SymInt)):
+        if not isinstance(x, torch.Tensor) and not _is_int(x):
             raise WhileLoopError(
                 f"while_loop: carried values must be tensors or ints, got {type(x).__name__} {x!r}"
             )
@@ -103,6 +104,11 @@ def _kind(x: Any) -> str:
     return type(x).__name__
 
 
+def _is_int(x: Any) -> bool:
+    """True for a carried non-tensor value: an int or SymInt, not a bool."""
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
 def check_body_output(before: Any, after: Any) -> list[Any]:
     """Raise unless ``after`` has ``before``'s structure and tensor metadata; return the
     leaves of ``after``."""
@@ -117,6 +123,14 @@ def check_body_output(before: Any, after: Any) -> list[Any]:
             raise WhileLoopError(
                 f"while_loop: carried value {i} changed kind from {type(b).__name__} to "
                 f"{type(a).__name__}"
+            )
+        if not isinstance(b, torch.Tensor) and not _is_int(a):
+            # traced, torch refuses a float, and a bool computed from a carried int (traced as
+            # a symbolic int, so the bool is symbolic too; it lets a literal True through).
+            # Eager cannot tell the two bools apart and refuses both, as it does a carried bool
+            raise WhileLoopError(
+                f"while_loop: carried value {i} must stay an int, but body_fn turned "
+                f"{type(b).__name__} {b!r} into {type(a).__name__} {a!r}"
             )
         if isinstance(b, torch.Tensor) and (
             a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
@@ -141,8 +155,9 @@ def while_loop(
 
     Raises:
         WhileLoopError: bad arguments, a non-boolean condition, a body that changes the
-            carried structure, shapes or dtypes, or a ``cond_fn``/``body_fn`` that writes to a
-            carried tensor in place (eager: raised after that call, naming the leaf).
+            carried structure, shapes or dtypes or turns an int into a float or bool, or a
+            ``cond_fn``/``body_fn`` that writes to a carried tensor in place (eager: raised
+            after that call, naming the leaf).
     """
     _validate(cond_fn, body_fn, carried_inputs)
     carried = tuple(carried_inputs)
