@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import re
 import threading
 import weakref
@@ -252,8 +253,10 @@ def _data_dependent_shape(func: Any, args: Sequence[Any], kwargs: dict[str, Any]
     ``masked_select``, ``unique``, ``x[mask]``...), which torch tags ``dynamic_output_shape``.
 
     Some tagged ops have a fixed shape in the form called, and stay capturable: ``x[idx]``
-    with integer indices (``aten.index.Tensor`` is tagged for its boolean-mask form),
-    ``one_hot`` given ``num_classes`` and ``repeat_interleave`` given ``output_size``.
+    with integer indices (``aten.index.Tensor`` is tagged for its boolean-mask form) and
+    ``repeat_interleave`` given ``output_size``. (``one_hot`` never reaches the recorder: ATen's
+    is composite, and reads its indices' min and max with ``.item()`` before its ops, which
+    the recorder refuses as a Python value even with ``num_classes`` given.)
 
     torch tags only some ``out=`` overloads (``nonzero.out`` and ``masked_select.out``, not
     ``index.Tensor_out``, ``unique_consecutive.out``, ``bincount.out``, ...), nor the TorchScript
@@ -269,9 +272,6 @@ def _data_dependent_shape(func: Any, args: Sequence[Any], kwargs: dict[str, Any]
         return any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
         )
-    if func is aten.one_hot.default:
-        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        return bool(classes < 0)
     if func is aten.repeat_interleave.Tensor:
         return kwargs.get("output_size") is None
     return True
@@ -314,13 +314,35 @@ def _list_type(jt: Any) -> str | None:
     return None
 
 
+def layout(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where and how ``t`` lays out its elements now: storage address, offset, shape, strides
+    and dtype (``(None, dtype)`` for a tensor without a storage)."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return (None, t.dtype)
+
+
+def _seen(tensors: Any) -> tuple[tuple[torch.Tensor, tuple[Any, ...]], ...]:
+    """Each tensor among ``tensors``' leaves with its :func:`layout` now, for a trace item.
+
+    The native tier lowers an op with its tensors' layouts at lowering time; a later op of the
+    capture that resizes one (``torch.mul(a, 2, out=y)`` on a smaller ``y``) or moves it to
+    new memory changed them, so earlier ops on that tensor ran at its final size (reading out of
+    bounds of the storage they had). The lowering compares with these and falls back to the
+    TorchScript tier, which replays each op on its own tensors.
+    """
+    return tuple((t, layout(t)) for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor))
+
+
 @dataclass
 class _Scope:
     """Statements of one block and the names defined in it."""
 
     lines: list[str] = field(default_factory=list)
     indent: int = 1
-    # For the native tier: ("op", func, args, kwargs, out), ("switch", ...), ("while", ...).
+    # For the native tier: ("op", func, args, kwargs, out, seen), ("switch", ..., seen),
+    # ("while", ..., seen); ``seen`` holds the item's tensors with their layouts when recorded.
     trace: list[tuple[Any, ...]] = field(default_factory=list)
 
 
@@ -360,6 +382,7 @@ class Recorder(TorchDispatchMode):
         self.has_control = False
         self._written_lists: list[str] = []  # list temporaries the current op writes into
         self.writes_lists = False  # the program keeps such lists in ``written`` (see finish)
+        self._frozen: dict[str, tuple[Any, ...]] = {}  # layouts at capture_end (see freeze)
 
     # -- naming ---------------------------------------------------------------------------------
     def fresh(self, prefix: str = "v") -> str:
@@ -427,8 +450,9 @@ class Recorder(TorchDispatchMode):
                 # the program (nothing is recorded for it).
                 return func(*args, **kwargs)
             raise CaptureError(
-                f"graph capture: {opname} returns a Python value (e.g. Tensor.item() or "
-                "bool(tensor)); data-dependent Python control flow cannot be captured, use "
+                f"graph capture: {opname} returns a Python value (Tensor.item(), bool(tensor), "
+                "or a composite op reading its input's values, as one_hot does to check its "
+                "indices); data-dependent Python control flow cannot be captured, use "
                 "torchport.switch / torchport.while_loop instead"
             )
         if _data_dependent_shape(func, args, kwargs):
@@ -450,18 +474,20 @@ class Recorder(TorchDispatchMode):
         if base in ("lift_fresh", "lift_fresh_copy"):
             return self._lift(func, args[0])
         call = self._format_call(func, args, kwargs)
-        if func._schema.name in CAPTURABLE_CUSTOM_OPS:
-            # A GEMV's first call may build and tune its kernel (reading values, timing ATen):
-            # real work outside the recording, allowed past capture_error_mode's ban.
-            _TLS.bypass += 1
-            try:
-                out = func(*args, **kwargs)
-            finally:
-                _TLS.bypass -= 1
-        else:
+        # The op's kernel may read a value itself (multinomial's checks of its probabilities,
+        # a GEMV's first call building and tuning its kernel): work a replay repeats inside the
+        # op, not a value handed to Python, so it passes the ban of capture_error_mode "global"
+        # (which refused torch.multinomial as if the user had called .item()). A value the
+        # user's code reads reaches this method as its own op first, refused above.
+        _TLS.bypass += 1
+        try:
             out = func(*args, **kwargs)
+        finally:
+            _TLS.bypass -= 1
         self.ops += 1
-        self.scope.trace.append(("op", func, tuple(args), dict(kwargs), out))
+        self.scope.trace.append(
+            ("op", func, tuple(args), dict(kwargs), out, _seen((args, kwargs, out)))
+        )
         self._bind_outputs(opname, call, out)
         for tmp in self._written_lists:
             # An op writing into the tensors of a list (``_foreach_mul_``, ``_foreach_add_``:
@@ -485,7 +511,9 @@ class Recorder(TorchDispatchMode):
         n = self.fresh()
         self.emit(f"{n} = torch.ops.aten.clone({self.name_of(snapshot)})")
         self.ops += 1
-        self.scope.trace.append(("op", torch.ops.aten.copy_.default, (out, snapshot), {}, out))
+        self.scope.trace.append(
+            ("op", torch.ops.aten.copy_.default, (out, snapshot), {}, out, _seen((out, snapshot)))
+        )
         self.bind(out, n)
         return out
 
@@ -659,7 +687,8 @@ class Recorder(TorchDispatchMode):
                     final.append(c)
                 else:
                     final.append(x)
-        self.scope.trace.append(("switch", index, traces, final))
+        seen = _seen((index, final, [leaves for _, leaves in traces]))
+        self.scope.trace.append(("switch", index, traces, final, seen))
         return pytree.tree_unflatten(final, spec)
 
     def record_while(
@@ -745,8 +774,9 @@ class Recorder(TorchDispatchMode):
                 vals = [x.clone() for x in pytree.tree_leaves(out)]
         for n, v in zip(loop_vars, vals):
             self.bind(v, n)
+        seen = _seen((leaves, probes, pred, body_out, vals))
         self.scope.trace.append(
-            ("while", leaves, probes, cond_trace, pred, body_trace, list(body_out), vals)
+            ("while", leaves, probes, cond_trace, pred, body_trace, list(body_out), vals, seen)
         )
         return tuple(pytree.tree_unflatten(vals, spec))
 
@@ -766,19 +796,41 @@ class Recorder(TorchDispatchMode):
                     out_names.append(name)
         return outs, out_names
 
+    def _watched(
+        self, outs: list[torch.Tensor], out_names: list[str]
+    ) -> tuple[list[torch.Tensor], list[str]]:
+        """The static inputs and the static outputs ``outs``, with their labels."""
+        labels = [f"static input e{k}" for k in range(len(self.ext))]
+        return [*self.ext, *outs], labels + [f"static output {n}" for n in out_names]
+
+    def freeze(self) -> None:
+        """Note the static inputs' and outputs' layouts as the capture ends.
+
+        ``finish`` checks replays against these, not against the layouts it finds: with
+        ``keep_graph`` it runs at the first replay, and an ``x.t_()`` or a shrinking
+        ``x.resize_()`` in between became the layout the replays expected (the native tier read
+        out of bounds with it, the TorchScript tier broadcast into the outputs).
+        """
+        self._frozen = {
+            label: (t.data_ptr(), t.shape, t.stride(), t.dtype)
+            for t, label in zip(*self._watched(*self._outputs()))
+        }
+
     def finish(self) -> Program:
         """Compile the recording; outputs are the produced tensors still alive now."""
         trace, self.scope.trace = self.scope.trace, []
         from torchport.graphs.native import lower
 
-        low = lower(trace)
+        low = lower(trace, self.ext)
         del trace  # the recorded intermediates die here, unless the caller kept them
         self._keep.clear()
         outs, out_names = self._outputs()
+        watch, labels = self._watched(outs, out_names)
+        now = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in watch]
+        then = [self._frozen.get(label, v) for label, v in zip(labels, now)]
         if low is not None:
             run, guard, csrc = low
-            labels = [f"static input e{k}" for k in range(len(self.ext))]
-            guard([*self.ext, *outs], labels + [f"static output {n}" for n in out_names])
+            guard(watch, labels, [(p, size, stride) for p, size, stride, _ in then])
             return Program(csrc, run, [], [], self.ops, "native")
         head = ["def prog(ext: List[Tensor], outs: List[Tensor]):"]
         head += [f"    e{k} = ext[{k}]" for k in range(len(self.ext))]
@@ -797,17 +849,17 @@ class Recorder(TorchDispatchMode):
         # The program follows the tensors it is given, so a static input whose shape changed
         # since the capture (set_, resize_) would run every op at the new shape and copy_ the
         # results into the capture-shape outputs, which broadcasts: x resized from 3 elements to
-        # 1 gave y = x * 2 as 3 copies of one value. Check the shapes first (~0.1 us a tensor).
-        watch = [*ext, *outs]
-        shapes = list(map(_size, watch))
-        labels = [f"static input e{k}" for k in range(len(ext))]
-        labels += [f"static output {n}" for n in out_names]
+        # 1 gave y = x * 2 as 3 copies of one value; one whose dtype changed (x.data = ...) ran
+        # every op in the new dtype and cast the results silently. Check shapes and dtypes first
+        # (~0.1 us a tensor each).
+        shapes = [size for _, size, _, _ in then]
+        dtypes = [dtype for _, _, _, dtype in then]
         if any(t.is_inference() for t in outs):
             # Outputs made under inference_mode are inference tensors, which only inference
             # mode may write in place: replay there wherever it is called from.
             def run_ts() -> None:
-                if list(map(_size, watch)) != shapes:
-                    _reshaped(watch, shapes, labels)
+                if list(map(_size, watch)) != shapes or list(map(_dtype, watch)) != dtypes:
+                    _reshaped(watch, shapes, dtypes, labels)
                 with torch._C._InferenceMode(True):
                     _run_program(fn, ext, outs)
 
@@ -816,8 +868,8 @@ class Recorder(TorchDispatchMode):
             # mode the copy_ into the outputs made an output captured under no_grad from a
             # Parameter require grad (grad_fn CopyBackwards), building a graph every replay.
             def run_ts() -> None:
-                if list(map(_size, watch)) != shapes:
-                    _reshaped(watch, shapes, labels)
+                if list(map(_size, watch)) != shapes or list(map(_dtype, watch)) != dtypes:
+                    _reshaped(watch, shapes, dtypes, labels)
                 prev = torch.is_grad_enabled()
                 torch._C._set_grad_enabled(False)
                 try:
@@ -840,13 +892,22 @@ def _run_program(fn: Any, ext: list[torch.Tensor], outs: list[torch.Tensor]) -> 
     values ~30-60. The unoptimised plan runs the recorded ops, one per statement (the optimised
     one had no other gain here: no guards or fusion for tensors passed in lists); the toggle
     costs under 1.6 us a replay (a 12-op MLP replays in 55-110 us).
+
+    Inside ``torch.autocast`` the program runs with the CPU autocast key excluded: the recorded
+    ops are the ones autocast chose at capture (casts included), and a replay applying it again
+    ran a float32 capture's matmul in bfloat16 (0.48 off); the native tier and CUDA graphs
+    replay what was captured whatever the ambient autocast state.
     """
     _TLS.bypass += 1
     optimize = _get_optimize()
     if optimize:
         _set_optimize(False)
     try:
-        fn(ext, outs)
+        if _any_autocast():
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                fn(ext, outs)
+        else:
+            fn(ext, outs)
     finally:
         if optimize:
             _set_optimize(True)
@@ -854,6 +915,8 @@ def _run_program(fn: Any, ext: list[torch.Tensor], outs: list[torch.Tensor]) -> 
 
 
 _get_optimize = torch._C._get_graph_executor_optimize
+_any_autocast = torch._C._is_any_autocast_enabled
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 _set_optimize = torch._C._set_graph_executor_optimize
 
 
@@ -881,18 +944,28 @@ def _copy_out(j: int, name: str, t: torch.Tensor) -> str:
 
 
 _size = torch.Tensor.size
+_dtype = operator.attrgetter("dtype")
 
 
 def _reshaped(
-    watch: Sequence[torch.Tensor], shapes: Sequence[torch.Size], labels: Sequence[str]
+    watch: Sequence[torch.Tensor],
+    shapes: Sequence[torch.Size],
+    dtypes: Sequence[torch.dtype],
+    labels: Sequence[str],
 ) -> None:
-    """Raise for the first watched tensor whose shape is not its capture-time shape."""
-    for t, shape, label in zip(watch, shapes, labels):
+    """Raise for the first watched tensor whose shape or dtype is not its capture-time one."""
+    for t, shape, dtype, label in zip(watch, shapes, dtypes, labels):
         if t.shape != shape:
             raise GraphError(
                 f"Graph.replay: {label} has shape {tuple(t.shape)} but was captured with "
                 f"{tuple(shape)} (set_ or resize_ since the capture); shapes are frozen at "
                 "capture time: write new values with copy_, or reset() and capture again"
+            )
+        if t.dtype != dtype:
+            raise GraphError(
+                f"Graph.replay: {label} has dtype {t.dtype} but was captured with {dtype} "
+                "(set_ or .data = since the capture); dtypes are frozen at capture time: write "
+                "new values with copy_, or reset() and capture again"
             )
 
 

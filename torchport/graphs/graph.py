@@ -122,6 +122,7 @@ class Graph:
         stack.remove(rec)
         rec.__exit__(None, None, None)
         self._release(rec)
+        rec.freeze()  # replays are checked against the layouts of now (keep_graph: see freeze)
         self._pending = rec
         if not self.keep_graph:
             self.instantiate()

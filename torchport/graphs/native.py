@@ -31,13 +31,16 @@ once); integer arithmetic wraps (``-fwrapv``), as ATen's does.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from torchport import native
 from torchport.gemm.templates import GEMM_F32_ENTRY_TYPEDEF
+from torchport.graphs.capture import layout
 from torchport.graphs.native_gemv import GEMV_ENTRY_TYPEDEF, emit_gemv
 from torchport.graphs.native_ops import emit_model_op
 
@@ -234,6 +237,7 @@ class _Codegen:
         self.tmp_floats = 0  # scratch T: a product before a general beta/alpha combine
         self.reads_threads = False  # the program reads the replay-time thread count (NT)
         self.extra: list[torch.Tensor] = []  # buffers the program itself needs, kept alive
+        self.written: list[torch.Tensor] = []  # tensors the ops write in place (see lower)
         self.errors: list[str] = []  # runtime errors, by code - 1
         self._counter = 0
 
@@ -637,8 +641,14 @@ def _emit_block(cg: _Codegen, trace: Sequence[tuple[Any, ...]]) -> None:
     """Ops, N-way branches and loops of one recorded block, in order."""
     for item in trace:
         kind = item[0]
+        if any(layout(t) != was for t, was in item[-1]):
+            # (a later op of the capture resized or moved one of its tensors, see _seen)
+            raise _Unsupported("a tensor changed layout later in the capture")
+        item = item[:-1]
         if kind == "op":
-            _emit(cg, *item[1:])
+            _, func, args, kwargs, out = item
+            cg.written.extend(_writes(func, args, kwargs))
+            _emit(cg, func, args, kwargs, out)
         elif kind == "switch":
             _, index, branches, outs = item
             k = cg.fresh("k")
@@ -680,11 +690,32 @@ def _emit_block(cg: _Codegen, trace: Sequence[tuple[Any, ...]]) -> None:
             raise AssertionError(f"unknown trace item {kind}")
 
 
+def _writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op writes in place (``self`` of ``add_``, ``out=``, a foreach list)."""
+    found: list[torch.Tensor] = []
+    for i, sa in enumerate(func._schema.arguments):
+        if sa.alias_info is None or not sa.alias_info.is_write:
+            continue
+        v = args[i] if not sa.kwarg_only and i < len(args) else kwargs.get(sa.name)
+        found.extend(x for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor))
+    return found
+
+
 def lower(
     trace: Sequence[tuple[Any, ...]],
-) -> tuple[Callable[[], None], Callable[[Sequence[torch.Tensor], Sequence[str]], None], str] | None:
+    static: Sequence[torch.Tensor] = (),
+) -> tuple[Callable[[], None], Callable[..., None], str] | None:
     """C function for ``trace`` (see :class:`~torchport.graphs.capture.Recorder`: ops with their
     real tensors, ``switch`` and ``while`` items), or ``None`` if something is unsupported.
+
+    ``static`` are the capture's static inputs: ``run`` bumps the version counter of each tensor
+    the program writes in place on their memory (``p.add_``, ``out=p``, a view of ``p``), as the
+    ops did in eager. The C program writes them behind autograd's back: a cache keyed on
+    ``(data_ptr, _version)`` (``torchport.compile``'s batched weights) kept serving the values
+    from before a replayed optimizer step, and autograd could not see a saved tensor change.
+    Replays of one program run one at a time (a lock, as CUDA launches of one executable graph
+    are serialised): they share the loop-variable, switch-output and scratch buffers, and two
+    threads replaying it at once (ctypes releases the GIL) corrupted each other's results.
 
     Returns ``(run, guard, source)``. The program holds raw pointers into the captured storages
     (and keeps those storages alive): after a ``resize_`` that reallocates one, or a ``set_``
@@ -692,9 +723,10 @@ def lower(
     the tensor no longer looks; after an in-place layout change at the same address (``t_``,
     ``transpose_``, a shrinking ``resize_``, ``as_strided_``) it would read and write the tensor
     with its capture-time shape and strides (wrong values, an output of the old shape).
-    ``guard(tensors, labels)`` makes ``run`` compare each tensor's ``data_ptr()``, shape and
-    strides with their values now and raise :class:`~torchport.graphs.GraphError` naming the
-    first that changed (about 0.35 us per tensor). Any reallocation of a storage moves every
+    ``guard(tensors, labels, then)`` makes ``run`` compare each tensor's ``data_ptr()``, shape
+    and strides with ``then`` (their values as the capture ended) and raise
+    :class:`~torchport.graphs.GraphError` naming the first that changed (about 0.35 us per
+    tensor). Any reallocation of a storage moves every
     tensor on it, and a view's layout is derived from its base's at capture time, so guarding
     the tensors the caller can reach (static inputs and outputs) suffices; intermediates nobody
     holds cannot change.
@@ -736,6 +768,9 @@ def lower(
     keep = [t.untyped_storage() for t in cg.storages]
     threads = ctypes.c_int64(native.num_threads())  # NT: set before each call that reads it
     reads_threads = cg.reads_threads
+    lock = threading.Lock()
+    memory = {t.untyped_storage().data_ptr() for t in static}
+    bump = list({id(t): t for t in cg.written if t.untyped_storage().data_ptr() in memory}.values())
     ptrs = (ctypes.c_void_p * (ns + 3))(
         *[st.data_ptr() for st in keep],
         *[t.data_ptr() for t in scratch],
@@ -762,17 +797,24 @@ def lower(
             or list(map(_stride, watch)) != strides
         ):
             _changed(watch, expect, sizes, strides, labels)
-        if reads_threads:  # (torch's getter direct: native.num_threads() cost 0.3 us more)
-            threads.value = _get_num_threads()
-        rc = fn(ptrs, fptrs)
+        with lock:
+            if reads_threads:  # (torch's getter direct: native.num_threads() cost 0.3 us more)
+                threads.value = _get_num_threads()
+            rc = fn(ptrs, fptrs)
+        if bump:  # (before an error too: the program may have written part of them)
+            _increment_version(bump)
         if rc:
             raise IndexError(f"graph replay: {errors[rc - 1]}")
 
-    def guard(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    def guard(
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        then: Sequence[tuple[int, torch.Size, tuple[int, ...]]],
+    ) -> None:
         watch[:] = tensors
-        expect[:] = map(_data_ptr, tensors)
-        sizes[:] = map(_size, tensors)
-        strides[:] = map(_stride, tensors)
+        expect[:] = [p for p, _, _ in then]
+        sizes[:] = [size for _, size, _ in then]
+        strides[:] = [stride for _, _, stride in then]
         labels[:] = names
 
     run.__dict__["_keep"] = (lib, ptrs, fptrs, cg.fns, keep, scratch, threads)
@@ -783,6 +825,7 @@ _data_ptr = torch.Tensor.data_ptr
 _size = torch.Tensor.size
 _stride = torch.Tensor.stride
 _get_num_threads = torch.get_num_threads
+_increment_version = torch._C._increment_version
 
 
 def _changed(
