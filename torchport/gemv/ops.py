@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
@@ -98,6 +99,9 @@ class PackedWeight:
     # for each tiny inference tensor among them (an FP8 tensor-wise scale): a NumPy view of its
     # bytes and the bytes then (no version counter shows its in-place writes)
     values: tuple[tuple[Any, bytes], ...] = field(default=(), compare=False, repr=False)
+    # FP8: the rows whose outputs :func:`_run` computes with torch ops after the kernel (int64;
+    # None: none), those whose row scale the kernel's scaled sum cannot follow (:func:`overflow_rows`)
+    overflow_rows: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_parts(self.fmt, self.data, self.scales, self.rowscale, self.n, self.k)
@@ -134,6 +138,50 @@ _LAYOUTS: dict[str, tuple[torch.dtype | None, int, int, bool]] = {
     "mxfp8_e4m3": (None, 1, 32, False),
     "mxfp8_e5m2": (None, 1, 32, False),
 }
+
+
+# the largest finite code of each FP8 format
+_FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+
+def overflow_rows(fmt: str, rowscale: torch.Tensor) -> torch.Tensor | None:
+    """The rows of an FP8 pack whose row scale times the format's largest code overflows
+    float32 (an infinite scale among them), as ``int64 [R]``; None where there are none, for
+    other formats, and for row scales without real storage (fake or traced: the custom op
+    finds them when it runs).
+
+    The kernels multiply each row's float32 sum by its scale, torch's dequantized weight each
+    code: there an infinite product makes inf · 0 (a zero code or activation) and inf − inf
+    (products of both signs) NaN, where ``scale · sum`` is ±inf (or finite). :func:`_run` gives
+    these rows' outputs ``F.linear`` of the dequantized rows (:func:`_overflow_linear`). A NaN
+    scale needs nothing: NaN either way. The product is taken in float32 as
+    ``fp8_dequantize`` takes it, so a row holding the largest code is flagged exactly when its
+    dequantized value overflows (one without it maybe needlessly: torch's result either way)."""
+    top = _FP8_MAX.get(fmt)
+    if top is None or type(rowscale) is not torch.Tensor or is_compiling_here():
+        return None
+    # (NumPy: a few us for N = 11008 where the custom op runs this on every call, and no
+    # bool(tensor), which a graph capture refuses)
+    with np.errstate(over="ignore", invalid="ignore"):
+        big = np.isinf(rowscale.detach().numpy() * np.float32(top))
+    if not big.any():
+        return None
+    return torch.from_numpy(np.flatnonzero(big))
+
+
+def _overflow_linear(
+    out: torch.Tensor, x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
+) -> None:
+    """Write into the float32 kernel output ``out [..., N]`` the columns
+    :attr:`PackedWeight.overflow_rows` as torch computes them: ``F.linear`` of the float32
+    activation ``x [..., K]`` and those rows dequantized (code · scale in float32)."""
+    rows = pw.overflow_rows
+    assert rows is not None
+    dt = torch.float8_e4m3fn if pw.fmt == "fp8_e4m3" else torch.float8_e5m2
+    w = pw.data.reshape(pw.n, pw.k)[rows].view(dt).float() * pw.rowscale[rows].unsqueeze(1)
+    b = None if bias is None else bias[rows]
+    y = torch.nn.functional.linear(x.reshape(-1, pw.k), w, b)
+    out.view(-1, pw.n)[:, rows] = y
 
 
 def check_parts(
@@ -917,6 +965,8 @@ def native_launch(
     """
     if not native.enabled() or not 0 < rows <= MAX_ROWS or pw.k == 0 or pw.n == 0:
         return None
+    if overflow_rows(pw.fmt, pw.rowscale) is not None:  # (rows the kernel alone gets wrong)
+        return None
     plan = _native_plan(pw, rows, allow_int8)
     if plan is None:
         return None
@@ -971,6 +1021,8 @@ def _run(
     out = torch.empty(out_shape, dtype=torch.float32)
     kern = plan.kernel
     plan.launch(lambda nt: _launch(kern, xf, pw, b, out, nt))
+    if pw.overflow_rows is not None:
+        _overflow_linear(out, xf, pw, b)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -1076,6 +1128,10 @@ def gemv_packed_op(
         sc = mx_nan_scales(data.view(n, k), scales, 32)
         if sc is not scales:
             pw = replace(pw, scales=sc)
+    # and the rows whose scale overflows get torch's outputs, as a cached pack's (see _run)
+    over = overflow_rows(fmt, pw.rowscale)
+    if over is not None:
+        pw = replace(pw, overflow_rows=over)
     if _use_int8(pw, allow_int8) and nan_block_scales(scales, fmt):
         allow_int8 = False
     check_activation(x, k)  # (as gemv_dense)
@@ -1441,7 +1497,8 @@ def settle_route(
 ) -> SettledRoute | None:
     """A :class:`SettledRoute` for ``gemv_packed(x, pw, bias)`` on plain eager tensors, or None
     where the general path must run (settings overridden in this context, empty problems, native
-    kernels off, an ATen plan, unusual inputs)."""
+    kernels off, an ATen plan, unusual inputs, FP8 rows whose scale overflows: see
+    :func:`overflow_rows`)."""
     stamp = config.stamp(ROUTE_SETTINGS)
     if stamp is None or pw.k == 0 or pw.n == 0 or x.dim() < 1 or x.shape[-1] != pw.k:
         return None
@@ -1450,7 +1507,7 @@ def settle_route(
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != pw.n):
         return None
     rows = x.numel() // pw.k
-    if not 0 < rows <= MAX_ROWS:
+    if not 0 < rows <= MAX_ROWS or pw.overflow_rows is not None:  # (those rows: _run's)
         return None
     plan = _native_plan(pw, rows, allow_int8, x.dtype == torch.bfloat16)
     if plan is None:

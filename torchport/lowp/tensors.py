@@ -56,6 +56,7 @@ import copy
 import dataclasses
 import hashlib
 import math
+import sys
 import weakref
 from typing import Any, cast
 
@@ -72,6 +73,7 @@ from torchport.gemv.ops import (
     gemv_packed,
     linear_decode,
     note_written,
+    overflow_rows,
     settle_route,
 )
 from torchport.lowp import fp8, mx, nvfp4
@@ -95,6 +97,36 @@ def pack_on_huge_pages(data_nbytes: int, scales_nbytes: int) -> tuple[bool, bool
     tuner's weight copies (``torchport.gemv.ops._memory_sets``)."""
     data = bool(config.get("gemv_hugepages")) and data_nbytes >= HUGEPAGE_MIN_BYTES
     return data, data and scales_nbytes >= HUGEPAGE_MIN_BYTES // 4
+
+
+def _users(inner: dict[str, Any], name: str) -> tuple[int, int, int]:
+    """What holds the tensor ``inner[name]``: Python references to it, holders of its
+    ``TensorImpl`` (from C++: a view's base, a tensor autograd saved) and of its storage (every
+    tensor on it: views, ``detach()``, ``.data``). Counted in this one function so that
+    :data:`_ALONE`, measured here for a tensor that ``inner`` alone holds, counts the same
+    interpreter references (the entry, ``t``, ``getrefcount``'s argument, ``storage``)."""
+    t = inner[name]
+    storage = t.untyped_storage()
+    return sys.getrefcount(t), t._use_count(), torch._C._storage_Use_Count(storage._cdata)
+
+
+_ALONE = _users({"t": torch.empty(1)}, "t")
+
+
+def _alone(inner: dict[str, Any], name: str) -> bool:
+    """Whether ``inner[name]`` (an inner tensor in a quantized tensor's ``__dict__``) is that
+    tensor's alone: held by nothing else (the caller's variable it was built from, another
+    quantized tensor sharing it as ``to(dtype)`` does, a view or ``detach()`` of it, as
+    ``state_dict()`` entries and ``w.data`` are), the whole of its storage (not a slice of a
+    larger buffer, whose other bytes someone may hold) and in this process's private memory
+    (not shared memory, which another process may map). Memory that a NumPy array or a buffer
+    lent to ``torch.from_numpy``/``torch.frombuffer`` is not seen: torch keeps no count of it."""
+    if _users(inner, name) != _ALONE:
+        return False
+    t = inner[name]
+    return (
+        t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes and not t.is_shared()
+    )
 
 
 _KEEP = {aten.detach.default, aten.alias.default, aten.clone.default}
@@ -275,7 +307,8 @@ class LowPrecisionTensor(torch.Tensor):
         if pw is not None:
             if not pw.written(self):
                 return pw
-            self._pack = self._route = None  # (the pack copied what was written: stale)
+            # (the pack copied what was written: stale; not held here while _alone counts)
+            self._pack = self._route = pw = None
         if self.dim() != 2:
             raise LowPrecisionError(
                 f"{type(self).__name__} GEMV needs a 2-D weight, got shape {tuple(self.shape)}"
@@ -297,7 +330,9 @@ class LowPrecisionTensor(torch.Tensor):
                 _disable_current_modes(),
                 torch.no_grad(),
             ):
-                pw = self._on_huge_pages(self._make_pack())
+                # (counted before the pack, whose parts are views of the inner tensors)
+                alone = all(_alone(self.__dict__, n) for n in self.__tensor_flatten__()[0])
+                pw = self._on_huge_pages(self._make_pack(), alone)
                 # (after the move to huge pages, which rebinds qdata and scale)
                 source, values = self._inner_versions()
                 self._pack = dataclasses.replace(pw, source=source, values=values)
@@ -326,16 +361,22 @@ class LowPrecisionTensor(torch.Tensor):
                 values.append((view, view.tobytes()))
         return tuple(source), tuple(values)
 
-    def _on_huge_pages(self, pw: PackedWeight) -> PackedWeight:
+    def _on_huge_pages(self, pw: PackedWeight, alone: bool) -> PackedWeight:
         """``pw`` with its data (and scales) moved to huge-page memory when at least
         :data:`HUGEPAGE_MIN_BYTES` (``config.gemv_hugepages``); ``qdata``/``scale`` are rebound to
-        the moved buffers (same values, one copy kept). Not while another live tensor shares
-        qdata's storage (a ``state_dict()`` entry or ``w.data`` taken before this first pack):
-        moving would part them, and a ``copy_`` into either then left the other reading its old
-        codes beside the new scales they still shared. Only here, at the pack: such a weight
-        stays where it is after the alias goes, until a ``copy_`` drops the pack."""
+        the moved buffers (same values, one copy kept). Only where the inner tensors are all
+        this tensor's ``alone`` (:func:`_alone`, counted before the pack): moving one that
+        something else holds would part them -- the buffers the caller built the weight from
+        (a weight-sync loader writing new codes and scales into them in place: the weight read
+        the old codes beside the new scales), a ``state_dict()`` entry or ``w.data`` taken
+        before this first pack (a ``copy_`` into either then left the other reading its old
+        codes beside the new scales), a slice of a larger buffer. All or nothing: a weight never
+        has one inner tensor moved while another is held elsewhere (scales below a quarter of
+        the threshold stay where they are, then held by nothing else). Only here, at the pack:
+        such a weight stays where it is after the other holders go, until a ``copy_`` drops the
+        pack."""
         huge, huge_scales = pack_on_huge_pages(pw.data.nbytes, pw.scales.nbytes)
-        if not huge:
+        if not huge or not alone:
             return pw
         if len(self._sharing_caches()) > 1:
             return pw
@@ -345,7 +386,8 @@ class LowPrecisionTensor(torch.Tensor):
         for name, new, packed in (("qdata", data, pw.data), ("scale", scales, pw.scales)):
             old = getattr(self, name)
             if (
-                old.is_contiguous()
+                new is not packed  # (moved)
+                and old.is_contiguous()
                 and old.element_size() == 1
                 and old.numel() == new.numel()
                 and packed.data_ptr() == old.data_ptr()  # the pack's are its own, not a copy
@@ -1187,7 +1229,9 @@ class Float8Tensor(LowPrecisionTensor):
                 f"Float8Tensor: act_dtype must be float8_e4m3fn, float8_e5m2 or None, got {act_dtype}"
             )
         rowwise = (*qdata.shape[:-1], 1)
-        if tuple(scale.shape) in ((), (1,)):
+        if tuple(scale.shape) == ():  # (itself: a view would hold it, see _alone)
+            return scale
+        if tuple(scale.shape) == (1,):
             return scale.reshape(())  # one form for tensor-wise (code tests scale.dim())
         if tuple(scale.shape) != rowwise:
             raise LowPrecisionError(
@@ -1206,7 +1250,9 @@ class Float8Tensor(LowPrecisionTensor):
     ) -> Float8Tensor:
         """Quantize a float32/bfloat16 tensor (torchao float8 recipe, see :mod:`torchport.lowp.fp8`)."""
         q, s = fp8.fp8_quantize(w, dtype, granularity)
-        return cls(q, s, w.dtype, act_dtype)
+        # (detached: views of the quantizer's temporaries, whose bases would count as other
+        # holders of their memory and keep a large weight off huge pages, see _alone)
+        return cls(q.detach(), s.detach(), w.dtype, act_dtype)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return ["qdata", "scale"], (self._orig_dtype, self.act_dtype)
@@ -1251,7 +1297,11 @@ class Float8Tensor(LowPrecisionTensor):
             nan_rows = _e4m3_nan(data, 1)
             if _true(nan_rows.any()):  # out of place: rs may be the tensor's own (N, 1) scale
                 rs = rs.masked_fill(nan_rows, math.nan)
-        return PackedWeight(fmt, data, empty, rs, 1.0, n, k, False)
+        # Rows whose scale times a code overflows (an infinite scale): the kernel's scale times
+        # its sum is ±inf where torch's dequantized weight makes inf · 0 and inf - inf NaN. Found
+        # once here; every call computes those outputs with torch ops (torchport.gemv.ops._run)
+        over = overflow_rows(fmt, rs)
+        return PackedWeight(fmt, data, empty, rs, 1.0, n, k, False, overflow_rows=over)
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.act_dtype is None:
@@ -1385,7 +1435,7 @@ class NVFP4Tensor(LowPrecisionTensor):
             # the two-level recipe, which copy_ re-derives from a loaded source's amax
             pts = 1.0
         q, s = nvfp4.nvfp4_quantize(w, pts)
-        return cls(q, s, pts, w.dtype, act_per_tensor_scale)
+        return cls(q.detach(), s.detach(), pts, w.dtype, act_per_tensor_scale)  # (see Float8's)
 
     def _fp4_x_fp4(self) -> bool:
         return self.act_per_tensor_scale is not None
@@ -1524,7 +1574,7 @@ class MXTensor(LowPrecisionTensor):
         if act_elem is not None and act_elem not in mx.ELEMS:
             raise LowPrecisionError(f"act_elem must be one of {mx.ELEMS} or None, got {act_elem!r}")
         q, s = mx.mx_quantize(w, elem)
-        return cls(q, s, elem, w.dtype, act_elem)
+        return cls(q.detach(), s.detach(), elem, w.dtype, act_elem)  # (see Float8's)
 
     def _fp4_x_fp4(self) -> bool:
         return self.elem == "fp4_e2m1" and self.act_elem == "fp4_e2m1"
