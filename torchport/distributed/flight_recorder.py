@@ -458,17 +458,18 @@ class FlightRecorder:
             return live
 
     def clear(self) -> None:
+        """Drop the recorded entries. The groups' sequence ids keep counting (they are the
+        groups' ops, as torch's ``reset_all`` leaves a process group's own ids: restarted here,
+        ``fr analyze`` took the peers' later ops for ones this rank never entered), and so do
+        the record ids: a later dump shows that its earlier entries are gone, as a wrapped
+        buffer's does (restarted at 0, a rank that had dropped its sends looked complete and
+        its later sends were paired with the peer's earlier receives)."""
         with self._lock:
             self._buf = [None] * self.capacity
-            self._ids = itertools.count()
-            self._count = 0
-            self._seq = {}
             self._pending = {}
             self._no_future.clear()  # (the wait() hook holds this dict)
             self._waiting.clear()
-            # ids restart at 0: a stuck op whose id the watchdog dumped for before would
-            # otherwise never be dumped
-            self._dumped = set()
+            self._dumped = set()  # (the dumped ops are gone: bounded)
 
     # -- dumps -----------------------------------------------------------------------------
     def snapshot(self, reason: str = "request") -> dict[str, Any]:
@@ -649,30 +650,45 @@ def get_recorder() -> FlightRecorder:
 
 
 # -- signal-triggered dumps ----------------------------------------------------------------
+# sock: the socket pair whose write end is the wakeup fd; recorder; sigs: each signal dumped ->
+# the handler it had before (called after ours); forward: (a duplicate of, the number of) the
+# wakeup fd found at the first enable (asyncio's), which gets every signal byte too; thread
 _sig_state: dict[str, Any] = {}
 
 
 def enable_signal_dump(sig: int = signal.SIGUSR1, recorder: FlightRecorder | None = None) -> None:
     """Dump on ``sig`` from a helper thread (works while the main thread is inside C++).
 
-    Must be called from the main thread. Uses ``signal.set_wakeup_fd``, so the dump does not wait
-    for the interpreter to run a Python-level handler.
-    """
+    Must be called from the main thread (``ValueError`` otherwise). Uses
+    ``signal.set_wakeup_fd``, so the dump does not wait for the interpreter to run a
+    Python-level handler. Each call adds its signal (the dumps go to the latest ``recorder``).
+    What the process had is kept: a Python handler the signal had runs after the dump's (in
+    the main thread, as before), and a wakeup fd set before (asyncio's) gets every signal byte
+    still; another taking the wakeup fd later (an asyncio loop started since) delays the dump
+    until the main thread runs Python, where the wakeup fd is taken back once free.
+    :func:`disable_signal_dump` restores it all."""
     rec = recorder or get_recorder()
-    if "sock" in _sig_state:
-        _sig_state["recorder"] = rec
+    state = _sig_state
+    if sig in state.get("sigs", ()):
+        state["recorder"] = rec
+        return
+    prev = signal.signal(sig, _on_signal)  # (first: a bad signal, or not the main thread, raises)
+    state.setdefault("sigs", {})[sig] = prev
+    state["recorder"] = rec
+    if "sock" in state:
         return
     r, w = socket.socketpair()
     r.setblocking(True)
     w.setblocking(False)
-    signal.signal(sig, lambda *_: None)
-    signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-    _sig_state.update(sock=(r, w), recorder=rec, sig=sig)
-    if not _sig_state.get("atexit"):
+    old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    # a duplicate: the owner may close its fd and the number be reused by an unrelated file
+    state.update(sock=(r, w), forward=(os.dup(old), old) if old >= 0 else None)
+    if not state.get("atexit"):
         # the pair lives as long as the process; left to interpreter teardown it was reported
         # as 'ResourceWarning: unclosed <socket.socket ... family=1>' at every exit
         atexit.register(_close_signal_dump)
-        _sig_state["atexit"] = True
+        state["atexit"] = True
+    fwd = state["forward"]
 
     def loop() -> None:
         while True:
@@ -682,30 +698,83 @@ def enable_signal_dump(sig: int = signal.SIGUSR1, recorder: FlightRecorder | Non
                 return
             if not data:
                 return
-            if any(b == _sig_state["sig"] for b in data):
-                _sig_state["recorder"]._dump_quietly(f"signal {signal.Signals(sig).name}")
+            if fwd is not None:
+                with contextlib.suppress(OSError):  # (its reader gone, or its buffer full)
+                    os.write(fwd[0], data)
+            for b in sorted(set(data)):
+                if b in state.get("sigs", ()):
+                    state["recorder"]._dump_quietly(f"signal {signal.Signals(b).name}")
 
     thread = threading.Thread(target=loop, name="tp-fr-signal", daemon=True)
-    _sig_state["thread"] = thread
+    state["thread"] = thread
     thread.start()
 
 
+def _on_signal(signum: int, frame: Any) -> None:
+    """The Python handler of a dumped signal (in the main thread): takes the wakeup fd back if
+    it was freed (an asyncio loop closed), asks for the dump itself if the signal's byte went to
+    another's wakeup fd, and calls the handler the signal had before."""
+    state = _sig_state
+    sock = state.get("sock")
+    if sock is not None:
+        mine = sock[1].fileno()
+        with contextlib.suppress(ValueError, OSError):
+            cur = signal.set_wakeup_fd(mine, warn_on_full_buffer=False)
+            if cur != mine:
+                if cur != -1:  # another's (an asyncio loop running): left to it
+                    signal.set_wakeup_fd(cur)
+                sock[1].send(bytes([signum]))
+    prev = state.get("sigs", {}).get(signum)
+    if callable(prev) and prev is not _on_signal:
+        prev(signum, frame)
+
+
+def disable_signal_dump() -> bool:
+    """Undo :func:`enable_signal_dump`: each signal's earlier handler and the earlier wakeup fd
+    are restored (where they are still ours), the helper thread ends (closing the write end
+    gives its ``recv`` end-of-file) and both sockets are closed. From the main thread only:
+    elsewhere nothing is changed and False is returned."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    _close_signal_dump()
+    return True
+
+
 def _close_signal_dump() -> None:
-    """Undo :func:`enable_signal_dump` (at exit): stop waking on signals, end the helper thread
-    (closing the write end gives its ``recv`` end-of-file) and close both sockets."""
-    sock = _sig_state.pop("sock", None)
-    if sock is None:
-        return
-    r, w = sock
-    with contextlib.suppress(ValueError):  # not the main thread: leave the wakeup fd alone
-        old = signal.set_wakeup_fd(-1)
-        if old != w.fileno():  # someone else's since: put it back
-            signal.set_wakeup_fd(old)
-    w.close()
-    thread = _sig_state.pop("thread", None)
-    if thread is not None:
-        thread.join(1.0)
-    r.close()
+    """:func:`disable_signal_dump` (also at exit)."""
+    state = _sig_state
+    for sig, prev in state.pop("sigs", {}).items():
+        with contextlib.suppress(ValueError, OSError, TypeError):  # (not the main thread)
+            if signal.getsignal(sig) is _on_signal:
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+    sock = state.pop("sock", None)
+    fwd = state.pop("forward", None)
+    if sock is not None:
+        r, w = sock
+        with contextlib.suppress(ValueError):  # not the main thread: leave the wakeup fd alone
+            old = signal.set_wakeup_fd(-1)
+            if old != w.fileno():  # someone else's since: put it back
+                signal.set_wakeup_fd(old)
+            elif fwd is not None and _same_file(*fwd):  # the one we found, still open
+                signal.set_wakeup_fd(fwd[1])
+        w.close()
+        thread = state.pop("thread", None)
+        if thread is not None:
+            thread.join(1.0)
+            if thread.is_alive():  # (still dumping: it may forward once more, so the
+                fwd = None  # duplicate stays open rather than its number reused meanwhile)
+        r.close()
+    if fwd is not None:
+        os.close(fwd[0])
+
+
+def _same_file(a: int, b: int) -> bool:
+    """Whether fds ``a`` and ``b`` are open on one file."""
+    try:
+        sa, sb = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 # -- recording every torch.distributed collective -----------------------------------------
@@ -1026,9 +1095,16 @@ def _wrap_coll(method: str, fn: Callable[..., Any], rec: FlightRecorder) -> Call
         hit = names.get(id(pg))
         if hit is None or hit[2]() is not pg:
             hit = _seen(pg, rec)
-        a0 = args[0] if args else None
-        if type(a0) is list and len(a0) == 1 and type(a0[0]) is tensor and len(args) < 3:
-            # ([tensor], opts): all_reduce, broadcast, reduce -- the hot path
+        a0, n = (args[0] if args else None), len(args)
+        if (
+            type(a0) is list
+            and len(a0) == 1
+            and type(a0[0]) is tensor
+            and (n == 1 or (n == 2 and not isinstance(args[1], list | tuple)))
+            and not kwargs
+        ):
+            # ([tensor], opts): all_reduce, broadcast, reduce -- the hot path (not a second
+            # list: reduce_scatter([out], [inputs]) without opts was recorded without inputs)
             e = rec._new(op, hit[0], (a0[0].shape,), (a0[0].dtype,), STARTED)
         else:
             if own is not None:
@@ -1556,7 +1632,10 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
     rec = recorder or get_recorder()
     # first: a bad timeout (TORCHPORT_FR_TIMEOUT) raises before anything is patched (raised
     # after the patching, it left the functions recorded but no watchdog and no signal dump)
+    running = rec._watchdog is not None and rec._watchdog.is_alive()
     rec.start_watchdog()
+    if not running and rec._watchdog is not None:  # (started here: uninstall() stops it)
+        _started["watchdogs"].append(rec)
     _recorder = rec
     try:
         _hook_process_groups(rec, again=True)
@@ -1572,12 +1651,27 @@ def install(recorder: FlightRecorder | None = None, *, signal_dump: bool = True)
         uninstall()
         raise
     if signal_dump and threading.current_thread() is threading.main_thread():
+        if "sock" not in _sig_state:  # (enabled here: uninstall() disables it)
+            _started["signal"] = True
         enable_signal_dump(recorder=rec)
     return rec
 
 
+# what install() started, which uninstall() stops: the recorders whose watchdog it started,
+# and whether it enabled the signal dump (each install() / uninstall() cycle left a watchdog
+# thread running, and the signal still dumped with the program's own handler replaced)
+_started: dict[str, Any] = {"watchdogs": [], "signal": False}
+
+
 def uninstall() -> None:
-    """Restore the ``torch.distributed`` functions and methods :func:`install` replaced."""
+    """Restore the ``torch.distributed`` functions and methods :func:`install` replaced, stop
+    the watchdogs it started and disable the signal dump it enabled (the signal's earlier
+    handler back; see :func:`disable_signal_dump`, from the main thread only)."""
+    for rec in _started["watchdogs"]:
+        rec.stop()
+    _started["watchdogs"] = []
+    if _started["signal"] and disable_signal_dump():
+        _started["signal"] = False
     for (owner, name), fn in _originals.items():
         setattr(owner, name, fn)
     hook = _subclass_hook[0]

@@ -19,8 +19,17 @@ not entered its first one. Dumps without ``incarnations`` line up each rank's ne
 It accepts dumps from any backend: entries whose state never left ``scheduled`` are reported as
 such rather than crashing the analysis. A dump that is not one (malformed JSON, a field of the
 wrong type, a ``world_size`` above :data:`MAX_WORLD_SIZE`), or a file that is not a regular
-file of this user's (or root's) of at most :data:`MAX_DUMP_BYTES` (a symbolic link, a FIFO) is
-refused with a :class:`DumpError` naming it (exit code 2 from ``torchport fr``).
+file of this user's (or root's) of at most :data:`MAX_DUMP_BYTES` (a symbolic link, a FIFO), or
+with more than :data:`MAX_JSON_CONTAINERS` lists and objects or :data:`MAX_JSON_STRINGS`
+strings, is refused with a :class:`DumpError` naming it (exit code 2 from ``torchport fr``),
+and so are dumps of two jobs (:func:`check_same_job`).
+
+The ring buffer is one per process, shared by all its groups and point-to-point ops: a rank
+whose buffer wrapped and holds no collective of a group is not blamed for that group ("cannot
+tell" is reported instead); its newest op of a group it does hold is its newest there.
+All-to-alls are compared as torch's analyzer compares them: each rank's sizes differ by design,
+so dtypes per rank and, with every member's entry present, the elements all ranks send against
+those they receive.
 """
 
 from __future__ import annotations
@@ -44,9 +53,15 @@ class DumpError(ValueError):
     """A dump file is missing, unreadable or not a Flight Recorder dump."""
 
 
-# The largest dump file read (a 2000-entry dump with stacks is a few MB): every *.json of the
-# folder was read whole, so a link to /dev/zero (or a huge file) exhausted the memory
-MAX_DUMP_BYTES = 256 << 20
+# The largest dump file read (a 2000-entry dump with 12-frame stacks is 1.3 MB, so this holds
+# ~100,000 such entries): every *.json of the folder was read whole, so a link to /dev/zero
+# (or a huge file) exhausted the memory. json.loads makes a Python object of every value, up
+# to ~20 times the bytes (a 64 MiB file of empty lists took 3.5 GB): lists and objects, and
+# strings, are bounded too, by counting their opening brackets and quotes before parsing (a
+# dump has ~6 and ~30 of them an entry, stacks included)
+MAX_DUMP_BYTES = 64 << 20
+MAX_JSON_CONTAINERS = 1 << 21  # lists and objects ([ and { characters)
+MAX_JSON_STRINGS = 1 << 22  # strings (half the " characters, escaped ones included)
 # The largest world_size taken: the ranks without a dump are listed, and 10**15 of them ended
 # in a MemoryError (torch's largest jobs are ~10**5 ranks)
 MAX_WORLD_SIZE = 1 << 20
@@ -67,6 +82,9 @@ class Verdict:
     stuck: list[tuple[int, str, int, str]] = field(default_factory=list)
     errored: list[tuple[int, str, int, str]] = field(default_factory=list)
     last_completed: dict[int, str] = field(default_factory=dict)
+    # rank, group: whether the rank entered the group's collectives cannot be told (its ring
+    # buffer, one per process, wrapped and holds none of the group's ops)
+    cannot_tell: list[tuple[int, str]] = field(default_factory=list)
 
     def text(self) -> str:
         return "\n".join(self.findings)
@@ -296,18 +314,56 @@ def _read_file(p: Path) -> bytes:
         data = f.read(MAX_DUMP_BYTES + 1)  # (the file may have grown since the fstat)
     if len(data) > MAX_DUMP_BYTES:
         raise too_big
+    containers, strings = data.count(b"[") + data.count(b"{"), data.count(b'"') // 2
+    if containers > MAX_JSON_CONTAINERS or strings > MAX_JSON_STRINGS:
+        raise DumpError(
+            f"{p} holds more than the {MAX_JSON_CONTAINERS} lists and objects "
+            f"(fr_analyze.MAX_JSON_CONTAINERS) or {MAX_JSON_STRINGS} strings "
+            f"(fr_analyze.MAX_JSON_STRINGS) a dump may have, counting its [ and {{ and its "
+            f"quotes (got {containers} and {strings}): refused"
+        )
     return data
 
 
 def load_dumps(folder: str | Path) -> dict[int, dict[str, Any]]:
-    """All ``*.json`` dumps in ``folder``, by rank (two dumps of one rank are an error)."""
+    """All ``*.json`` dumps in ``folder``, by rank (two dumps of one rank, or dumps of two jobs,
+    are an error: see :func:`check_same_job`)."""
     d = Path(folder)
     if not d.is_dir():
         raise DumpError(f"dump folder must be an existing directory, got {str(d)!r}")
-    dumps = {r: obj for r, (_, obj) in read_dump_files(sorted(d.glob("*.json"))).items()}
-    if not dumps:
+    found = read_dump_files(sorted(d.glob("*.json")))
+    if not found:
         raise DumpError(f"no Flight Recorder dumps (*.json) in {str(d)!r}")
-    return dumps
+    check_same_job(found)
+    return {r: obj for r, (_, obj) in found.items()}
+
+
+def check_same_job(
+    dumps: dict[int, tuple[Path, dict[str, Any]]], error: type[DumpError] = DumpError
+) -> None:
+    """``error`` unless ``dumps`` (rank -> path, dump) can be one job's: one world size holding
+    every rank, and each group name with the same members in every dump that lists it. (A
+    folder reused across runs kept an earlier, bigger job's ``rank_2.json``: analysed with
+    today's dumps, its later ops blamed today's healthy ranks for never entering them.)"""
+    worlds = {obj["world_size"]: p for p, obj in dumps.values()}
+    if len(worlds) > 1:
+        (w1, p1), (w2, p2) = list(worlds.items())[:2]
+        raise error(
+            f"dumps from different jobs: world_size {w1} in {p1} but {w2} in {p2}; "
+            "use one job's dumps together"
+        )
+    world = next(iter(worlds))
+    members: dict[str, tuple[list[int], Path]] = {}
+    for rank, (p, obj) in sorted(dumps.items()):
+        if rank >= world:
+            raise error(f"{p}: rank {rank} is outside its world_size {world}")
+        for g, ranks in (obj.get("groups") or {}).items():
+            seen = members.setdefault(g, (sorted(ranks), p))
+            if seen[0] != sorted(ranks):
+                raise error(
+                    f"dumps from different jobs: group {g!r} has ranks {seen[0]} in {seen[1]} "
+                    f"but {sorted(ranks)} in {p}; use one job's dumps together"
+                )
 
 
 def _sig(e: dict[str, Any]) -> str:
@@ -382,6 +438,18 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
         hi = max(max(s) for s in per_rank.values() if s)
         for r in sorted(expected):
             seqs = per_rank.get(r, {})
+            if not seqs and r in wrapped:
+                # the ring is the process's, shared by every group and point-to-point op: a
+                # rank that wrapped it may have entered all of this group's collectives (its
+                # newest op of a group still held is its newest there: the ring drops the
+                # oldest first, so only a group with no op held cannot be told)
+                v.cannot_tell.append((r, g))
+                v.findings.append(
+                    f"rank {r}: cannot tell which collectives of group {g!r} it entered: its "
+                    "ring buffer (one per process, TORCHPORT_FR_BUFFER_SIZE entries) wrapped "
+                    "and holds none of them"
+                )
+                continue
             top = max(seqs) if seqs else lo - 1
             if top < hi:
                 nxt = top + 1
@@ -404,6 +472,10 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
                 continue
             ranks = list(have)
             ref = have[ranks[0]]
+            # (all the group's members, those without a dump too; unknown: the world's)
+            everyone = members.get(g) or set(range(world))
+            if ref["op"] in _ALL_TO_ALL and _check_all_to_all(v, g, seq, have, everyone):
+                continue
             for r in ranks[1:]:
                 diff = _describe_diff(ref, have[r])
                 if diff:
@@ -459,8 +531,58 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Verdict:
         or v.stuck
         or v.errored
     ):
-        v.findings.insert(0, "no problem found: every rank entered and completed the same ops")
+        v.findings.insert(
+            0,
+            "no problem found in the ops the dumps hold (some ranks' buffers wrapped)"
+            if v.cannot_tell
+            else "no problem found: every rank entered and completed the same ops",
+        )
     return v
+
+
+# ops whose ranks' sizes differ by design (uneven splits, MoE's token routing): recorded as
+# the outputs, then as many inputs
+_ALL_TO_ALL = ("all_to_all", "all_to_all_single")
+
+
+def _numel(sizes: list[list[int]]) -> int:
+    return sum(math.prod(s) for s in sizes)
+
+
+def _check_all_to_all(
+    v: Verdict, g: str, seq: int, have: dict[int, dict[str, Any]], everyone: set[int]
+) -> bool:
+    """Compare an all-to-all's entries ``have`` (rank -> entry, two or more) as torch's
+    analyzer does: op and dtypes per rank (each rank's own sizes differ by design), and, when
+    member's entry (``everyone``'s) is here, the elements all ranks send with those they receive (a
+    size mismatch otherwise). True if the entries were all-to-alls of the same op (checked
+    here); False: another op on some rank, left to the generic comparison."""
+    ranks = list(have)
+    ref = have[ranks[0]]
+    if any(have[r]["op"] != ref["op"] for r in ranks[1:]):
+        return False
+    for r in ranks[1:]:
+        if have[r].get("dtypes") != ref.get("dtypes"):
+            v.mismatches.append((g, seq, "dtype"))
+            v.findings.append(
+                f"collective #{seq} on group {g!r} does not match (dtype mismatch): "
+                f"rank {ranks[0]} called {_sig(ref)} but rank {r} called {_sig(have[r])}"
+            )
+            return True
+    sizes = [have[r].get("sizes", []) for r in ranks]
+    if not everyone <= set(have) or any(len(s) % 2 for s in sizes):
+        return True  # (a member's entry is not here: its part of the totals is unknown)
+    sent = sum(_numel(s[len(s) // 2 :]) for s in sizes)
+    got = sum(_numel(s[: len(s) // 2]) for s in sizes)
+    if sent != got:
+        v.mismatches.append((g, seq, "size"))
+        v.findings.append(
+            f"collective #{seq} on group {g!r} does not match (size mismatch): the {ref['op']} "
+            f"inputs of ranks {ranks} hold {sent} elements in all but their outputs {got} ("
+            + ", ".join(f"rank {r} called {_sig(have[r])}" for r in ranks)
+            + ")"
+        )
+    return True
 
 
 def _match_p2p(

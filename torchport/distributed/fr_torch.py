@@ -67,7 +67,12 @@ from pathlib import Path
 from typing import Any
 
 from torchport.distributed.flight_recorder import P2P_OPS, write_atomic
-from torchport.distributed.fr_analyze import DumpError, newest_incarnations, read_dump_files
+from torchport.distributed.fr_analyze import (
+    DumpError,
+    check_same_job,
+    newest_incarnations,
+    read_dump_files,
+)
 
 TORCH_FORMAT_VERSION = "2.10"  # torch 2.13's FlightRecorder.hpp version_val
 DEFAULT_PREFIX = "nccl_trace_rank_"
@@ -445,27 +450,8 @@ def _read(sources: Sequence[str | os.PathLike[str]]) -> dict[int, tuple[Path, di
 
 
 def _same_job(dumps: dict[int, tuple[Path, dict[str, Any]]]) -> None:
-    """ExportError unless the dumps can be one job's: one world size holding every rank, and
-    each group name with the same members in every dump that lists it."""
-    worlds = {obj["world_size"]: p for p, obj in dumps.values()}
-    if len(worlds) > 1:
-        (w1, p1), (w2, p2) = list(worlds.items())[:2]
-        raise ExportError(
-            f"dumps from different jobs: world_size {w1} in {p1} but {w2} in {p2}; "
-            "export one job's dumps together"
-        )
-    world = next(iter(worlds))
-    members: dict[str, tuple[list[int], Path]] = {}
-    for rank, (p, obj) in sorted(dumps.items()):
-        if rank >= world:
-            raise ExportError(f"{p}: rank {rank} is outside its world_size {world}")
-        for g, ranks in (obj.get("groups") or {}).items():
-            seen = members.setdefault(g, (sorted(ranks), p))
-            if seen[0] != sorted(ranks):
-                raise ExportError(
-                    f"dumps from different jobs: group {g!r} has ranks {seen[0]} in {seen[1]} "
-                    f"but {sorted(ranks)} in {p}; export one job's dumps together"
-                )
+    """ExportError unless the dumps can be one job's (the check ``fr analyze`` makes)."""
+    check_same_job(dumps, ExportError)
 
 
 def export(
