@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         rec.dump(
             "end of training", path=Path(a.fr_dir) / "end" / f"rank_{a.rid.lstrip('r') or 0}.json"
         )
+    # leaves the lighthouse's membership (peers are not told it died: they wrote failure dumps
+    # over the real ones at every normal end) and waits, bounded, for a failure dump its
+    # listener thread is writing: os._exit cut one off, leaving an empty temporary file
     mgr.shutdown()
     os._exit(0)
 

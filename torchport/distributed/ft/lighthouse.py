@@ -12,6 +12,11 @@ failure notices, and an *rpc* channel for quorum requests and commit votes.
   quorum, so their in-flight collectives are abandoned within milliseconds of a crash. An evicted
   replica that starts beating again is told ``{"t": "evicted"}`` and rejoins through the next
   quorum (healing first).
+* **Leaving.** A replica that shuts down cleanly sends ``{"t": "leave"}`` on its heartbeat
+  connection first and is answered ``{"t": "leave_ok"}``: it is removed from membership and is
+  not declared dead (its connection closing afterwards is no failure). The others are told
+  ``{"t": "left"}``; the next quorum simply lacks it. An undecided vote it is a member of fails,
+  as for a death (it will not apply that step).
 * **Quorum.** A quorum forms when every live replica has asked for one, or when at least
   ``min_replicas`` have asked and ``join_timeout`` has passed since the first request. Members are
   ordered by replica id; the quorum id changes whenever membership changes, a commit failed, or a
@@ -307,7 +312,10 @@ class Lighthouse:
         conn.settimeout(None)
         try:
             while True:
-                recv_msg(conn, limit=1024)
+                msg = recv_msg(conn, limit=1024)
+                if msg.get("t") == "leave":  # a clean shutdown: gone, but not dead
+                    self._leave(rep)
+                    return
                 with self._cv:
                     if self._replicas.get(rid) is not rep:  # replaced: a newer connection speaks
                         return
@@ -323,6 +331,35 @@ class Lighthouse:
             current = self._replicas.get(rid) is rep
         if current:
             self._declare_dead([rep], "connection lost")
+
+    def _leave(self, rep: _Replica) -> None:
+        """``rep``'s replica shuts down cleanly (its manager sent ``{"t": "leave"}``): removed
+        from membership without being declared dead, and told ``{"t": "leave_ok"}``.
+
+        Announced as ``dead``, a replica that ended normally made every peer still running
+        abort its step and write a Flight Recorder failure dump. Now the others get
+        ``{"t": "left"}`` (they drop a next quorum naming it; one in a step with it fails that
+        step, which cannot commit without it) and the next round simply lacks it. An
+        undecided vote it is a member of still fails, as for a death: it will not apply it."""
+        rid = rep.rid
+        notice: dict[str, Any] | None = None
+        targets: list[_Replica] = []
+        with self._cv:
+            if self._replicas.get(rid) is rep:  # (a replaced life's leave changes nothing)
+                del self._replicas[rid]
+                self._pending.pop(rid, None)
+                self._busy.discard(rid)
+                for v in self._votes.values():
+                    if v.decision is None and rid in v.members:
+                        v.decision = False
+                        self._force_new = True
+                self._log(f"replica {rid} left")
+                self._cv.notify_all()
+                notice = {"t": "left", "ids": [rid]}
+                targets = [r for r in self._replicas.values() if r.alive]
+        self._push(rep, {"t": "leave_ok"})
+        if notice is not None:
+            self._send_notice(notice, targets)
 
     def _supersede(self, old: _Replica) -> None:
         """Remember ``old``'s life as superseded (refused from now on). Lock held."""

@@ -75,6 +75,11 @@ from torchport.distributed.ft.transfer import StateTransferError, fetch_state, s
 # and their healers' quorums retry. Authenticated idle connections held a thread each, unbounded
 MAX_HEAL_CONNECTIONS = 16
 
+# the longest wait (s) of ``shutdown`` for the lighthouse to acknowledge this replica's leave,
+# and then for the listener thread to end (a failure dump it is writing completes): capped by
+# the manager's ``timeout``
+LEAVE_WAIT = 2.0
+
 # the longest wait a timer or socket takes (the longest timeout accepted), and the longest handed
 # to torch's TCPStore and gloo: they add it to a nanosecond clock, where TIMEOUT_MAX itself
 # wrapped around and they timed out at once
@@ -314,7 +319,10 @@ class Manager:
         self._may_vote = False
         self._lock = threading.Lock()
         self._hb: socket.socket | None = None
+        self._hb_lock = threading.Lock()  # beats and the leave share the heartbeat connection
         self._rpc: socket.socket | None = None
+        self._listener: threading.Thread | None = None
+        self._left = threading.Event()  # the lighthouse acknowledged the leave (or is gone)
         self._closed = threading.Event()
         self._heal_slots = threading.BoundedSemaphore(MAX_HEAL_CONNECTIONS)
         # the heal server listens where the job's TCP mesh does (TORCHPORT_DIST_ADDR): it bound
@@ -355,14 +363,19 @@ class Manager:
         if self._closed.is_set():
             self._inject_close()
             raise CommError(f"replica {self.replica_id}: the manager was shut down")
-        threading.Thread(target=self._listen, args=(hb,), name="tp-ft-listen", daemon=True).start()
+        listener = threading.Thread(
+            target=self._listen, args=(hb,), name="tp-ft-listen", daemon=True
+        )
+        self._listener = listener
+        self._left.clear()  # (a previous connection's end set it)
+        listener.start()
 
     def _beat(self) -> None:
         while not self._closed.wait(self.heartbeat):
             hb = self._hb
             if hb is None:
                 continue
-            with contextlib.suppress(OSError):
+            with self._hb_lock, contextlib.suppress(OSError):
                 send_msg(hb, {"t": "b"})
 
     def _listen(self, hb: socket.socket) -> None:
@@ -374,6 +387,10 @@ class Manager:
                     self.metrics.failures.append((time.time(), f"{ids} ({msg.get('why')})"))
                     if any(i in self._members for i in ids):
                         self.report_error(PeerFailure(f"replica(s) {ids} failed: {msg.get('why')}"))
+                elif msg.get("t") == "left":
+                    self._peer_left([str(i) for i in msg.get("ids", [])])
+                elif msg.get("t") == "leave_ok":
+                    self._left.set()
                 elif msg.get("t") == "evicted":
                     self.report_error(PeerFailure("this replica was evicted (missed heartbeats)"))
                 elif msg.get("t") == "superseded" or msg.get("superseded"):
@@ -382,6 +399,40 @@ class Manager:
             if self._hb is hb and not self._closed.is_set():
                 self._hb = None
                 self.report_error(CommError(f"lost the lighthouse connection: {e}"))
+        finally:
+            if self._hb is None or self._hb is hb:  # no acknowledgement can come any more
+                self._left.set()
+
+    def _peer_left(self, ids: list[str]) -> None:
+        """Other replicas shut down cleanly: a next quorum naming one is dropped (the next
+        ``start_quorum`` asks for one without it), and a step in progress with one fails (it
+        cannot commit: the lighthouse fails that vote). Between steps nothing fails, so a peer
+        that ended normally writes no failure dump here."""
+        self.metrics.note(f"replica(s) {ids} left")
+        with self._lock:
+            nxt = self._next
+            if nxt is not None and any(i in nxt.get("members", ()) for i in ids):
+                self._next = None
+            in_step = self._may_vote or any(not w.event.is_set() for w in self._works)
+            mine = any(i in self._members for i in ids)
+        if in_step and mine:
+            self.report_error(PeerFailure(f"replica(s) {ids} left during the step"))
+
+    def _leave(self) -> None:
+        """Tell the lighthouse this replica is leaving, and wait (at most
+        :data:`LEAVE_WAIT` s) for its acknowledgement, so that closing the connections after
+        it is not taken for a crash (announced as ``dead`` to every peer, which then aborted
+        and wrote a failure dump). A lighthouse without the message takes it for a beat and
+        never answers: the wait runs out, and it sees a lost connection as before."""
+        hb = self._hb
+        if hb is None:
+            return
+        try:
+            with self._hb_lock:
+                send_msg(hb, {"t": "leave"})
+        except (OSError, CommError):
+            return
+        self._left.wait(min(self.timeout, LEAVE_WAIT))
 
     def _inject_close(self) -> None:
         """Fault injection: close this replica's lighthouse sockets abruptly."""
@@ -919,9 +970,17 @@ class Manager:
         return self._pg
 
     def shutdown(self) -> None:
-        """Close connections and servers (the group is retired in the background)."""
+        """Leave the lighthouse's membership (it does not announce this replica as failed),
+        then close connections and servers (the group is retired in the background). Waits at
+        most about twice :data:`LEAVE_WAIT` s (capped by ``timeout``) for the lighthouse's
+        acknowledgement and for the listener thread, so a failure dump it is writing is not
+        cut off by a process exit right after."""
         self._closed.set()
+        self._leave()
         self._inject_close()
+        listener = self._listener
+        if listener is not None and listener is not threading.current_thread():
+            listener.join(min(self.timeout, LEAVE_WAIT))
         self._heal_server.close()
         self._drop_group()
         # a TCPStore has no close(): its connection to the lighthouse's store goes with the last
